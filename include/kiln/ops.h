@@ -1,0 +1,158 @@
+/* kiln/ops.h — tensor operations and reverse-mode autograd.
+ *
+ * A worked example (one gradient step on a linear model):
+ *
+ *     kiln_tensor_set_requires_grad(w, true);
+ *     kiln_scope_begin();
+ *     kiln_tensor_t *pred = kiln_matmul(x, w);                 // (N,K) @ (K,1)
+ *     kiln_tensor_t *loss = kiln_mean(kiln_square(kiln_sub(pred, y)), NULL, 0, false);
+ *     if (kiln_backward(loss) != KILN_OK) fprintf(stderr, "%s\n", kiln_last_error());
+ *     kiln_scope_end();
+ *     // kiln_tensor_grad(w) now holds d loss / d w
+ *
+ * Every op returns a new tensor (see the ownership rule in kiln/tensor.h) or NULL with
+ * the reason in kiln_last_error(). Binary ops broadcast like NumPy. Dims may be
+ * negative (counted from the end). Views (reshape, permute, slice, expand, ...) share
+ * storage with their input.
+ */
+#ifndef KILN_OPS_H
+#define KILN_OPS_H
+
+#include "kiln/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* Pointwise. */
+kiln_tensor_t *kiln_add(kiln_tensor_t *a, kiln_tensor_t *b);
+kiln_tensor_t *kiln_sub(kiln_tensor_t *a, kiln_tensor_t *b);
+kiln_tensor_t *kiln_mul(kiln_tensor_t *a, kiln_tensor_t *b);
+kiln_tensor_t *kiln_div(kiln_tensor_t *a, kiln_tensor_t *b);
+kiln_tensor_t *kiln_pow(kiln_tensor_t *a, kiln_tensor_t *b);
+kiln_tensor_t *kiln_maximum(kiln_tensor_t *a, kiln_tensor_t *b);
+kiln_tensor_t *kiln_minimum(kiln_tensor_t *a, kiln_tensor_t *b);
+kiln_tensor_t *kiln_add_scalar(kiln_tensor_t *a, double s);
+kiln_tensor_t *kiln_mul_scalar(kiln_tensor_t *a, double s);
+kiln_tensor_t *kiln_pow_scalar(kiln_tensor_t *a, double p);
+kiln_tensor_t *kiln_neg(kiln_tensor_t *a);
+kiln_tensor_t *kiln_abs(kiln_tensor_t *a);
+kiln_tensor_t *kiln_exp(kiln_tensor_t *a);
+kiln_tensor_t *kiln_log(kiln_tensor_t *a);
+kiln_tensor_t *kiln_sqrt(kiln_tensor_t *a);
+kiln_tensor_t *kiln_rsqrt(kiln_tensor_t *a);
+kiln_tensor_t *kiln_square(kiln_tensor_t *a);
+kiln_tensor_t *kiln_tanh(kiln_tensor_t *a);
+kiln_tensor_t *kiln_sigmoid(kiln_tensor_t *a);
+kiln_tensor_t *kiln_relu(kiln_tensor_t *a);
+/* approximate = true: the tanh form; false: the exact erf form. */
+kiln_tensor_t *kiln_gelu(kiln_tensor_t *a, bool approximate);
+kiln_tensor_t *kiln_silu(kiln_tensor_t *a);
+kiln_tensor_t *kiln_where(kiln_tensor_t *cond, kiln_tensor_t *a, kiln_tensor_t *b);
+kiln_tensor_t *kiln_cast(kiln_tensor_t *a, kiln_dtype dt);
+
+/* Comparisons give bool tensors. */
+kiln_tensor_t *kiln_eq(kiln_tensor_t *a, kiln_tensor_t *b);
+kiln_tensor_t *kiln_ne(kiln_tensor_t *a, kiln_tensor_t *b);
+kiln_tensor_t *kiln_lt(kiln_tensor_t *a, kiln_tensor_t *b);
+kiln_tensor_t *kiln_le(kiln_tensor_t *a, kiln_tensor_t *b);
+kiln_tensor_t *kiln_gt(kiln_tensor_t *a, kiln_tensor_t *b);
+kiln_tensor_t *kiln_ge(kiln_tensor_t *a, kiln_tensor_t *b);
+
+/* Reductions over dims (dims = NULL or ndims = 0: over all dims). */
+kiln_tensor_t *kiln_sum(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim);
+kiln_tensor_t *kiln_mean(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim);
+kiln_tensor_t *kiln_max(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim);
+/* Variance with Bessel's correction `correction` (0: population, 1: sample). */
+kiln_tensor_t *kiln_var(kiln_tensor_t *a, const int *dims, int ndims, int correction, bool keepdim);
+kiln_tensor_t *kiln_logsumexp(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim);
+/* Index of the largest element along dim (i64); the first one on ties. */
+kiln_tensor_t *kiln_argmax(kiln_tensor_t *a, int dim, bool keepdim);
+kiln_tensor_t *kiln_softmax(kiln_tensor_t *a, int dim);
+kiln_tensor_t *kiln_log_softmax(kiln_tensor_t *a, int dim);
+
+/* (..., M, K) @ (..., K, N) -> (..., M, N), batch dims broadcast; 1-D operands are
+ * treated as a row (a) or a column (b) vector and that dim is dropped, as in NumPy. */
+kiln_tensor_t *kiln_matmul(kiln_tensor_t *a, kiln_tensor_t *b);
+
+/* Indexing. Index tensors are i32 or i64; an index out of range is KILN_ERR_INDEX. */
+kiln_tensor_t *kiln_embedding(kiln_tensor_t *weight, kiln_tensor_t *idx); /* (V,C),(...) -> (...,C) */
+kiln_tensor_t *kiln_index_select(kiln_tensor_t *a, int dim, kiln_tensor_t *idx);
+kiln_tensor_t *kiln_gather(kiln_tensor_t *a, int dim, kiln_tensor_t *idx);
+/* A copy of a with src added at idx along dim (out[..idx[i]..] += src[..i..]). */
+kiln_tensor_t *kiln_scatter_add(kiln_tensor_t *a, int dim, kiln_tensor_t *idx, kiln_tensor_t *src);
+
+/* Normalisation over the last dim. weight and bias may be NULL. */
+kiln_tensor_t *kiln_layer_norm(kiln_tensor_t *x, kiln_tensor_t *weight, kiln_tensor_t *bias, double eps);
+kiln_tensor_t *kiln_rms_norm(kiln_tensor_t *x, kiln_tensor_t *weight, double eps);
+
+/* Mean cross-entropy of logits (N,V) against class targets (N) (i32/i64); targets equal
+ * to ignore_index are left out of the mean. Fused: softmax is never returned. */
+kiln_tensor_t *kiln_cross_entropy(kiln_tensor_t *logits, kiln_tensor_t *targets, int64_t ignore_index);
+/* Zeroes each element with probability p and scales the rest by 1/(1-p); identity when
+ * train is false or p is 0. */
+kiln_tensor_t *kiln_dropout(kiln_tensor_t *a, double p, bool train);
+
+/* Joining and splitting. */
+kiln_tensor_t *kiln_cat(kiln_tensor_t *const *ts, int n, int dim);
+kiln_tensor_t *kiln_stack(kiln_tensor_t *const *ts, int n, int dim);
+/* Splits into n pieces of sizes[i] along dim; out[i] are views. */
+kiln_status kiln_split(kiln_tensor_t *a, const int64_t *sizes, int n, int dim, kiln_tensor_t **out);
+/* Lower / upper triangle of the last two dims, diagonal k. */
+kiln_tensor_t *kiln_tril(kiln_tensor_t *a, int64_t k);
+kiln_tensor_t *kiln_triu(kiln_tensor_t *a, int64_t k);
+
+/* Rotary position embedding of x (B,H,T,D), D even, rotating pairs (i, i + D/2) by
+ * (pos0 + t) * theta^(-2i/D), as in GPT-NeoX and LLaMA. */
+kiln_tensor_t *kiln_rope(kiln_tensor_t *x, int64_t pos0, double theta);
+/* Scaled dot-product attention: q (B,H,Tq,D), k and v (B,Hkv,Tk,D) with H a multiple of
+ * Hkv (grouped-query heads). causal: query i sees keys j <= i + (Tk - Tq). scale <= 0
+ * means 1/sqrt(D). One op: the (B,H,Tq,Tk) scores are never held in memory at once. */
+kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, bool causal,
+                              double scale);
+
+/* Views. reshape/view take -1 for one inferred dim; reshape copies when a view cannot
+ * express the result, view fails instead. */
+kiln_tensor_t *kiln_reshape(kiln_tensor_t *a, const int64_t *shape, int ndim);
+kiln_tensor_t *kiln_view(kiln_tensor_t *a, const int64_t *shape, int ndim);
+kiln_tensor_t *kiln_permute(kiln_tensor_t *a, const int *order, int ndim);
+kiln_tensor_t *kiln_transpose(kiln_tensor_t *a, int d0, int d1);
+kiln_tensor_t *kiln_slice(kiln_tensor_t *a, int dim, int64_t start, int64_t end, int64_t step);
+kiln_tensor_t *kiln_narrow(kiln_tensor_t *a, int dim, int64_t start, int64_t length);
+kiln_tensor_t *kiln_expand(kiln_tensor_t *a, const int64_t *shape, int ndim);
+kiln_tensor_t *kiln_squeeze(kiln_tensor_t *a, int dim);
+kiln_tensor_t *kiln_unsqueeze(kiln_tensor_t *a, int dim);
+kiln_tensor_t *kiln_contiguous(kiln_tensor_t *a);
+/* A new tensor with the same data that is not part of any autograd graph. */
+kiln_tensor_t *kiln_detach(kiln_tensor_t *a);
+kiln_tensor_t *kiln_clone(kiln_tensor_t *a);
+
+/* In-place updates, for optimizers and gradient bookkeeping. They refuse a tensor
+ * that autograd is tracking while grad mode is on. */
+kiln_status kiln_add_(kiln_tensor_t *dst, kiln_tensor_t *src, double alpha); /* dst += alpha*src */
+kiln_status kiln_mul_scalar_(kiln_tensor_t *dst, double s);
+kiln_status kiln_fill_(kiln_tensor_t *dst, double value);
+/* One AdamW step on p with gradient g and moments m, v (all f32, same shape):
+ * bias-corrected with step t >= 1; decoupled weight decay wd. */
+kiln_status kiln_adamw_(kiln_tensor_t *p, kiln_tensor_t *g, kiln_tensor_t *m, kiln_tensor_t *v,
+                        double lr, double beta1, double beta2, double eps, double wd, int64_t t);
+
+/* Autograd. */
+void kiln_tensor_set_requires_grad(kiln_tensor_t *t, bool on);
+bool kiln_tensor_requires_grad(const kiln_tensor_t *t);
+/* The accumulated gradient of a leaf, or NULL; borrowed. */
+kiln_tensor_t *kiln_tensor_grad(const kiln_tensor_t *t);
+void kiln_tensor_zero_grad(kiln_tensor_t *t); /* drops the gradient */
+/* Gradients of the one-element tensor `root` flow into every leaf that requires grad,
+ * adding to what those leaves already hold. The graph is freed afterwards. */
+kiln_status kiln_backward(kiln_tensor_t *root);
+/* Same, seeded with grad (the shape of root) instead of 1. */
+kiln_status kiln_backward_with(kiln_tensor_t *root, kiln_tensor_t *grad);
+bool kiln_grad_enabled(void);
+/* Sets grad mode for this thread and returns the previous mode. */
+bool kiln_set_grad_enabled(bool on);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,148 @@
+/* kiln/tensor.h — status codes, dtypes, tensors, scopes and the random generator.
+ *
+ * A worked example:
+ *
+ *     kiln_scope_begin();                       // tensors made from here are released
+ *     int64_t shape[2] = {2, 3};                //   by the matching kiln_scope_end()
+ *     kiln_tensor_t *x = kiln_randn(shape, 2, KILN_DTYPE_F32);
+ *     kiln_tensor_t *y = kiln_sum(kiln_mul(x, x), NULL, 0, false);
+ *     double v;
+ *     if (!y || kiln_tensor_item(y, &v) != KILN_OK)
+ *         fprintf(stderr, "kiln: %s\n", kiln_last_error());
+ *     kiln_scope_end();
+ *
+ * Ownership. Every function that returns a kiln_tensor_t* returns a new reference.
+ * While a scope is open the innermost scope holds that reference and drops it at
+ * kiln_scope_end(); kiln_keep() takes it out of the scope for the caller to own. With
+ * no scope open the caller owns it and drops it with kiln_tensor_free().
+ *
+ * Errors. Functions return kiln_status (0 ok, negative failure) or a tensor, NULL on
+ * failure. The message — op, shapes, dtypes and a hint — is kept per thread and read
+ * with kiln_last_error(). An op given a NULL input returns NULL and keeps the first
+ * error, so a chain of ops can be checked once at its end.
+ */
+#ifndef KILN_TENSOR_H
+#define KILN_TENSOR_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define KILN_MAX_DIMS 8
+
+typedef enum {
+    KILN_OK = 0,
+    KILN_ERR_ARG = -1,         /* a bad argument: NULL, out of range, wrong count */
+    KILN_ERR_SHAPE = -2,       /* shapes that do not fit together */
+    KILN_ERR_DTYPE = -3,       /* a dtype the op does not take */
+    KILN_ERR_INDEX = -4,       /* an index outside its dimension */
+    KILN_ERR_OOM = -5,         /* out of memory, on the host or a device */
+    KILN_ERR_IO = -6,          /* a file could not be read or written */
+    KILN_ERR_FORMAT = -7,      /* a file or request that is malformed */
+    KILN_ERR_UNSUPPORTED = -8, /* not supported by this backend or build */
+    KILN_ERR_DEVICE = -9,      /* a missing device, or tensors on two devices */
+    KILN_ERR_AUTOGRAD = -10,   /* a gradient that cannot be computed as asked */
+    KILN_ERR_INTERNAL = -11,   /* a broken invariant in kiln itself: please report */
+} kiln_status;
+
+typedef enum {
+    KILN_DTYPE_F32,
+    KILN_DTYPE_F64,
+    KILN_DTYPE_F16,
+    KILN_DTYPE_BF16,
+    KILN_DTYPE_I32,
+    KILN_DTYPE_I64,
+    KILN_DTYPE_U8,
+    KILN_DTYPE_BOOL,
+    KILN_DTYPE_COUNT
+} kiln_dtype;
+
+typedef struct kiln_tensor kiln_tensor_t;
+
+/* The calling thread's last error message; never NULL. */
+const char *kiln_last_error(void);
+/* The calling thread's last status, KILN_OK after kiln_clear_error(). */
+kiln_status kiln_last_status(void);
+void kiln_clear_error(void);
+const char *kiln_status_name(kiln_status s);
+
+/* Dtypes. */
+const char *kiln_dtype_name(kiln_dtype dt);
+size_t kiln_dtype_size(kiln_dtype dt);
+bool kiln_dtype_is_float(kiln_dtype dt);
+/* Parses "f32", "float32", "bf16", ...; returns KILN_ERR_DTYPE for an unknown name. */
+kiln_status kiln_dtype_parse(const char *name, kiln_dtype *out);
+
+/* Library set-up. kiln_init is called by the first kiln call that needs it; call it
+ * yourself to set the thread count (0 = all cores). */
+kiln_status kiln_init(int num_threads);
+int kiln_num_threads(void);
+const char *kiln_version(void);
+
+/* Scopes. */
+void kiln_scope_begin(void);
+void kiln_scope_end(void);
+/* Takes t out of the innermost scope that holds it; the caller now owns that reference. */
+kiln_tensor_t *kiln_keep(kiln_tensor_t *t);
+
+/* Reference counting. */
+kiln_tensor_t *kiln_tensor_retain(kiln_tensor_t *t); /* returns t with one more reference */
+void kiln_tensor_free(kiln_tensor_t *t);             /* drops one reference; NULL is fine */
+
+/* Creation. shape has ndim entries (0 <= ndim <= KILN_MAX_DIMS); ndim 0 is a scalar. */
+kiln_tensor_t *kiln_empty(const int64_t *shape, int ndim, kiln_dtype dt);
+kiln_tensor_t *kiln_zeros(const int64_t *shape, int ndim, kiln_dtype dt);
+kiln_tensor_t *kiln_ones(const int64_t *shape, int ndim, kiln_dtype dt);
+kiln_tensor_t *kiln_full(const int64_t *shape, int ndim, double value, kiln_dtype dt);
+kiln_tensor_t *kiln_scalar(double value, kiln_dtype dt);
+kiln_tensor_t *kiln_arange(double start, double end, double step, kiln_dtype dt);
+/* Uniform in [0, 1) and standard normal, from the global counter-based generator. */
+kiln_tensor_t *kiln_rand(const int64_t *shape, int ndim, kiln_dtype dt);
+kiln_tensor_t *kiln_randn(const int64_t *shape, int ndim, kiln_dtype dt);
+/* Copies nbytes = numel * dtype size from host memory. */
+kiln_tensor_t *kiln_from_data(const void *data, const int64_t *shape, int ndim, kiln_dtype dt);
+
+/* Reading back. kiln_tensor_to_host copies the elements in row-major order into dst,
+ * which must hold numel * dtype size bytes. */
+kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes);
+/* Copies src's elements into dst (same shape; dtypes are converted). */
+kiln_status kiln_tensor_copy_(kiln_tensor_t *dst, const kiln_tensor_t *src);
+/* Writes host data into t (row-major, t's dtype). */
+kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nbytes);
+/* The value of a one-element tensor as a double. */
+kiln_status kiln_tensor_item(const kiln_tensor_t *t, double *out);
+
+/* Shape and properties. */
+int kiln_tensor_ndim(const kiln_tensor_t *t);
+int64_t kiln_tensor_dim(const kiln_tensor_t *t, int i); /* negative i counts from the end */
+const int64_t *kiln_tensor_shape(const kiln_tensor_t *t);
+const int64_t *kiln_tensor_strides(const kiln_tensor_t *t);
+int64_t kiln_tensor_numel(const kiln_tensor_t *t);
+size_t kiln_tensor_nbytes(const kiln_tensor_t *t);
+kiln_dtype kiln_tensor_dtype(const kiln_tensor_t *t);
+bool kiln_tensor_is_contiguous(const kiln_tensor_t *t);
+/* "f32[2,3]" into buf; returns buf. */
+const char *kiln_tensor_describe(const kiln_tensor_t *t, char *buf, size_t n);
+
+/* The random generator: Philox4x32-10 keyed by a seed, with a counter that every draw
+ * advances. Streams depend only on (seed, counter), never on the thread count. */
+void kiln_manual_seed(uint64_t seed);
+typedef struct { uint64_t seed, offset; } kiln_rng_state;
+kiln_rng_state kiln_rng_get_state(void);
+void kiln_rng_set_state(kiln_rng_state s);
+
+/* Memory: bytes held by live tensors now, and the most held at once since the last reset. */
+size_t kiln_memory_allocated(void);
+size_t kiln_memory_peak(void);
+void kiln_memory_reset_peak(void);
+/* Returns cached free blocks to the system. */
+void kiln_memory_empty_cache(void);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,318 @@
+/* Reverse-mode autograd: recording nodes at dispatch, and the backward engine. */
+#include <stdlib.h>
+#include <string.h>
+#include "kiln/ops.h"
+#include "core/tensor_impl.h"
+#include "ops/registry.h"
+
+static _Thread_local bool grad_disabled;
+
+bool kiln_grad_enabled(void) { return !grad_disabled; }
+
+bool kiln_set_grad_enabled(bool on)
+{
+    bool prev = !grad_disabled;
+    grad_disabled = !on;
+    return prev;
+}
+
+bool kiln__tracks(const kiln_tensor_t *t) { return t && (t->requires_grad || t->grad_fn); }
+
+static kiln_tensor_t *detached(const kiln_tensor_t *t)
+{
+    return kiln__tensor_alias(t->st, t->dtype, t->ndim, t->shape, t->stride, t->offset);
+}
+
+static void meta_of(const kiln_tensor_t *t, kiln__meta *m)
+{
+    memset(m, 0, sizeof *m);
+    m->dtype = t->dtype;
+    m->ndim = t->ndim;
+    memcpy(m->shape, t->shape, sizeof m->shape);
+    memcpy(m->stride, t->stride, sizeof m->stride);
+    m->offset = t->offset;
+}
+
+/* Drops a node's saved tensors and gradient buffers, keeping its edges. */
+static void node_clear(kiln__node *n)
+{
+    for (int i = 0; i < n->n_in; i++) {
+        kiln_tensor_free(n->saved_in[i]);
+        n->saved_in[i] = NULL;
+    }
+    for (int j = 0; j < n->n_out; j++) {
+        kiln_tensor_free(n->saved_out[j]);
+        kiln_tensor_free(n->grad_out[j]);
+        n->saved_out[j] = n->grad_out[j] = NULL;
+    }
+}
+
+/* Iterative, so that freeing a deep graph cannot overflow the stack. */
+void kiln__node_release(kiln__node *root)
+{
+    kiln__node **stack = NULL;
+    size_t n = 0, cap = 0;
+    kiln__node *cur = root;
+    while (cur) {
+        if (atomic_fetch_sub(&cur->refcount, 1) == 1) {
+            for (int i = 0; i < cur->n_in; i++) {
+                if (cur->next[i]) {
+                    if (n == cap) {
+                        cap = cap ? cap * 2 : 64;
+                        kiln__node **s = realloc(stack, cap * sizeof *s);
+                        if (!s) abort(); /* cannot free without memory to walk with */
+                        stack = s;
+                    }
+                    stack[n++] = cur->next[i];
+                }
+                kiln_tensor_free(cur->leaf[i]);
+            }
+            node_clear(cur);
+            free(cur->in_meta);
+            free(cur->saved_in);
+            free(cur->needs_grad);
+            free(cur->next);
+            free(cur->next_out);
+            free(cur->leaf);
+            free(cur);
+        }
+        cur = n ? stack[--n] : NULL;
+    }
+    free(stack);
+}
+
+kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                         kiln_tensor_t **out, int n_out)
+{
+    const kiln__op_def *d = &kiln__ops[op];
+    kiln__node *n = calloc(1, sizeof *n);
+    size_t k = n_in > 0 ? (size_t)n_in : 1;
+    if (n) {
+        n->in_meta = calloc(k, sizeof *n->in_meta);
+        n->saved_in = calloc(k, sizeof *n->saved_in);
+        n->needs_grad = calloc(k, sizeof *n->needs_grad);
+        n->next = calloc(k, sizeof *n->next);
+        n->next_out = calloc(k, sizeof *n->next_out);
+        n->leaf = calloc(k, sizeof *n->leaf);
+    }
+    if (!n || !n->in_meta || !n->saved_in || !n->needs_grad || !n->next || !n->next_out || !n->leaf) {
+        if (n) {
+            free(n->in_meta); free(n->saved_in); free(n->needs_grad);
+            free(n->next); free(n->next_out); free(n->leaf); free(n);
+        }
+        kiln__err(KILN_ERR_OOM, "%s: out of memory recording for autograd", d->name);
+        return NULL;
+    }
+    atomic_init(&n->refcount, 0);
+    n->op = op;
+    n->attrs = *a;
+    n->n_in = n_in;
+    n->n_out = n_out;
+    for (int i = 0; i < n_in; i++) {
+        meta_of(in[i], &n->in_meta[i]);
+        n->needs_grad[i] = kiln__tracks(in[i]);
+        if (in[i]->grad_fn) {
+            n->next[i] = in[i]->grad_fn;
+            atomic_fetch_add(&n->next[i]->refcount, 1);
+            n->next_out[i] = in[i]->out_index;
+        } else if (in[i]->requires_grad) {
+            n->leaf[i] = kiln_tensor_retain(in[i]);
+        }
+        if (d->save & KILN__SI(i)) n->saved_in[i] = detached(in[i]);
+    }
+    for (int j = 0; j < n_out; j++) {
+        meta_of(out[j], &n->out_meta[j]);
+        if (d->save & KILN__SO(j)) n->saved_out[j] = detached(out[j]);
+    }
+    for (int j = 0; j < d->n_visible; j++) {
+        out[j]->grad_fn = n;
+        out[j]->out_index = j;
+        atomic_fetch_add(&n->refcount, 1);
+    }
+    return n;
+}
+
+void kiln_tensor_set_requires_grad(kiln_tensor_t *t, bool on)
+{
+    if (t && !t->grad_fn) t->requires_grad = on;
+}
+
+bool kiln_tensor_requires_grad(const kiln_tensor_t *t) { return kiln__tracks(t); }
+kiln_tensor_t *kiln_tensor_grad(const kiln_tensor_t *t) { return t ? t->grad : NULL; }
+
+void kiln_tensor_zero_grad(kiln_tensor_t *t)
+{
+    if (!t) return;
+    kiln_tensor_free(t->grad);
+    t->grad = NULL;
+}
+
+static kiln_status accumulate_leaf(kiln_tensor_t *leaf, kiln_tensor_t *g)
+{
+    if (leaf->grad) return kiln_add_(leaf->grad, g, 1.0);
+    /* A fresh copy: g may be shared with another gradient or be a broadcast view. */
+    kiln_tensor_t *c = kiln_clone(g);
+    if (!c) return kiln_last_status();
+    leaf->grad = kiln_keep(c);
+    return KILN_OK;
+}
+
+static kiln_status accumulate(kiln_tensor_t **slot, kiln_tensor_t *g)
+{
+    if (!*slot) {
+        *slot = kiln_tensor_retain(g); /* the scope keeps its own reference */
+        return KILN_OK;
+    }
+    kiln_tensor_t *sum = kiln_add(*slot, g);
+    if (!sum) return kiln_last_status();
+    kiln_tensor_free(*slot);
+    *slot = kiln_keep(sum);
+    return KILN_OK;
+}
+
+static kiln_status check_grad(kiln__node *n, int i, kiln_tensor_t *g)
+{
+    const kiln__meta *m = &n->in_meta[i];
+    bool ok = g->ndim == m->ndim;
+    for (int d = 0; ok && d < m->ndim; d++) ok = g->shape[d] == m->shape[d];
+    if (ok) return KILN_OK;
+    char a[96], b[96];
+    return kiln__err(KILN_ERR_INTERNAL, "%s backward: gradient of input %d is %s, the input is %s",
+                     kiln__ops[n->op].name, i, kiln__shape_str(g, a, sizeof a), kiln__meta_str(m, b, sizeof b));
+}
+
+static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
+{
+    kiln__node *top = root->grad_fn;
+    /* Collect the graph and count, for each node, the edges that reach it. */
+    size_t cap = 256, n = 0, head = 0;
+    kiln__node **all = malloc(cap * sizeof *all);
+    if (!all) return kiln__err(KILN_ERR_OOM, "backward: out of memory");
+    if (top->spent) {
+        free(all);
+        return kiln__err(KILN_ERR_AUTOGRAD, "backward: this graph was already run backward and freed; "
+                                            "run the forward pass again");
+    }
+    all[n++] = top;
+    top->visited = true;
+    top->pending = 0;
+    for (size_t k = 0; k < n; k++) {
+        kiln__node *cur = all[k];
+        for (int i = 0; i < cur->n_in; i++) {
+            kiln__node *nx = cur->next[i];
+            if (!nx || !cur->needs_grad[i]) continue;
+            if (!nx->visited) {
+                if (nx->spent) {
+                    for (size_t q = 0; q < n; q++) all[q]->visited = false;
+                    free(all);
+                    return kiln__err(KILN_ERR_AUTOGRAD, "backward: part of this graph (%s) was freed by an "
+                                     "earlier backward; run the forward pass again", kiln__ops[nx->op].name);
+                }
+                if (n == cap) {
+                    kiln__node **a2 = realloc(all, (cap *= 2) * sizeof *all);
+                    if (!a2) {
+                        for (size_t q = 0; q < n; q++) all[q]->visited = false;
+                        free(all);
+                        return kiln__err(KILN_ERR_OOM, "backward: out of memory");
+                    }
+                    all = a2;
+                }
+                nx->visited = true;
+                nx->pending = 0;
+                all[n++] = nx;
+            }
+            nx->pending++;
+        }
+    }
+    for (size_t k = 0; k < n; k++) all[k]->visited = false;
+
+    kiln_status s = KILN_OK;
+    bool prev = kiln_set_grad_enabled(false);
+    top->grad_out[root->out_index] = kiln_tensor_retain(seed);
+    /* Kahn's order: a node runs once every consumer has handed it its gradient.
+     * `all` doubles as the ready queue, reusing slots already processed. */
+    kiln__node **ready = malloc(n * sizeof *ready);
+    size_t tail = 0;
+    if (!ready) s = kiln__err(KILN_ERR_OOM, "backward: out of memory");
+    else ready[tail++] = top;
+    while (s == KILN_OK && head < tail) {
+        kiln__node *cur = ready[head++];
+        const kiln__op_def *d = &kiln__ops[cur->op];
+        bool any = false;
+        for (int j = 0; j < cur->n_out; j++) any |= cur->grad_out[j] != NULL;
+        kiln_tensor_t **gin = calloc((size_t)(cur->n_in > 0 ? cur->n_in : 1), sizeof *gin);
+        if (!gin) {
+            s = kiln__err(KILN_ERR_OOM, "backward: out of memory");
+            break;
+        }
+        kiln_scope_begin();
+        if (any) {
+            s = d->backward(cur, cur->grad_out, gin);
+        }
+        for (int i = 0; s == KILN_OK && i < cur->n_in; i++) {
+            if (!gin[i] || !cur->needs_grad[i]) continue;
+            s = check_grad(cur, i, gin[i]);
+            if (s != KILN_OK) break;
+            if (cur->leaf[i]) s = accumulate_leaf(cur->leaf[i], gin[i]);
+            else if (cur->next[i]) s = accumulate(&cur->next[i]->grad_out[cur->next_out[i]], gin[i]);
+        }
+        kiln_scope_end();
+        free(gin);
+        for (int j = 0; j < cur->n_out; j++) {
+            kiln_tensor_free(cur->grad_out[j]);
+            cur->grad_out[j] = NULL;
+        }
+        for (int i = 0; i < cur->n_in; i++) {
+            kiln__node *nx = cur->next[i];
+            if (nx && cur->needs_grad[i] && --nx->pending == 0) ready[tail++] = nx;
+        }
+    }
+    kiln_set_grad_enabled(prev);
+    /* The graph is spent: free what it saved (a second backward is an error). */
+    for (size_t k = 0; k < n; k++) {
+        node_clear(all[k]);
+        all[k]->spent = true;
+    }
+    free(ready);
+    free(all);
+    return s;
+}
+
+kiln_status kiln_backward_with(kiln_tensor_t *root, kiln_tensor_t *grad)
+{
+    if (!root || !grad) return kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_ARG, "backward: tensor is NULL");
+    char a[96], b[96];
+    if (root->ndim != grad->ndim || memcmp(root->shape, grad->shape, sizeof(int64_t) * (size_t)root->ndim))
+        return kiln__err(KILN_ERR_SHAPE, "backward: gradient %s does not match the root %s", kiln__shape_str(grad, a, sizeof a),
+                         kiln__shape_str(root, b, sizeof b));
+    if (!root->grad_fn) {
+        if (!root->requires_grad)
+            return kiln__err(KILN_ERR_AUTOGRAD, "backward: the root %s does not require grad (no tracked input made it)",
+                             kiln__shape_str(root, a, sizeof a));
+        bool prev = kiln_set_grad_enabled(false);
+        kiln_scope_begin();
+        kiln_status s = accumulate_leaf(root, grad);
+        kiln_scope_end();
+        kiln_set_grad_enabled(prev);
+        return s;
+    }
+    return run_backward(root, grad);
+}
+
+kiln_status kiln_backward(kiln_tensor_t *root)
+{
+    if (!root) return kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_ARG, "backward: tensor is NULL");
+    if (kiln_tensor_numel(root) != 1) {
+        char a[96];
+        return kiln__err(KILN_ERR_SHAPE, "backward: the root %s has more than one element; use kiln_backward_with",
+                         kiln__shape_str(root, a, sizeof a));
+    }
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_tensor_t *one = kiln_full(root->shape, root->ndim, 1.0, root->dtype);
+    kiln_set_grad_enabled(prev);
+    if (!one) return kiln_last_status();
+    kiln_keep(one);
+    kiln_status s = kiln_backward_with(root, one);
+    kiln_tensor_free(one);
+    return s;
+}

@@ -1,0 +1,50 @@
+/* Shared pieces of the cpu backend: the strided iterator and kernel declarations. */
+#ifndef KILN_CPU_H
+#define KILN_CPU_H
+
+#include "core/dtype.h"
+#include "core/tensor_impl.h"
+#include "core/threadpool.h"
+#include "ops/registry.h"
+
+#define CPU_MAX_OPS 4
+
+/* Walks the elements of an output shape together with up to CPU_MAX_OPS operands
+ * (operand 0 is the output), each with its own strides (0 where broadcast). Adjacent
+ * dims that are contiguous for every operand are merged first, so the common cases
+ * become one long inner row. */
+typedef struct {
+    int ndim;
+    int64_t shape[KILN_MAX_DIMS];
+    int nops;
+    int64_t st[CPU_MAX_OPS][KILN_MAX_DIMS];
+    char *base[CPU_MAX_OPS];
+    size_t esize[CPU_MAX_OPS];
+} cpu_iter;
+
+/* p[k] points at the first element of operand k's row; s[k] is its inner stride in
+ * elements; n is the row length. */
+typedef void (*cpu_row_fn)(void *ctx, char **p, const int64_t *s, int64_t n);
+
+/* ops[0] gives the iteration shape; the others broadcast to it. */
+void cpu_iter_init(cpu_iter *it, int nops, kiln_tensor_t *const *ops);
+/* Runs fn over every row, in parallel over rows. */
+void cpu_iter_run(const cpu_iter *it, cpu_row_fn fn, void *ctx);
+/* dst (any strides) = src broadcast to dst's shape, converting dtypes. */
+void cpu_copy(kiln_tensor_t *dst, kiln_tensor_t *src);
+/* A contiguous version of t: t itself, or a new copy in *tmp (free it after). */
+kiln_tensor_t *cpu_contig(kiln_tensor_t *t, kiln_tensor_t **tmp);
+/* A stack header viewing `t` with another shape/stride/offset (no references). */
+void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t *shape, const int64_t *stride,
+              int64_t offset);
+
+/* Grain for parallel_for over elements (rows are split to about this many elements). */
+#define CPU_GRAIN 16384
+
+#define KILN_OP(ID, name, nin, nout, nvis, grad, save) \
+    kiln_status kiln__cpu_##name(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, \
+                                 kiln_tensor_t *const *out, int n_out);
+#include "ops/ops.def"
+#undef KILN_OP
+
+#endif

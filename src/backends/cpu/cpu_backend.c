@@ -1,0 +1,104 @@
+/* The cpu backend: host memory, synchronous "streams", and the kernel table. */
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "backends/cpu/cpu.h"
+
+#if defined(KILN_BLAS_BLIS)
+void bli_thread_set_num_threads(long n);
+#define BLAS_SET_THREADS(n) bli_thread_set_num_threads(n)
+#elif defined(KILN_BLAS_OPENBLAS)
+void openblas_set_num_threads(int n);
+#define BLAS_SET_THREADS(n) openblas_set_num_threads(n)
+#endif
+
+static const kiln__kernel_fn cpu_kernels[KILN_OP_COUNT] = {
+#define KILN_OP(ID, name, nin, nout, nvis, grad, save) [KILN_OP_##ID] = kiln__cpu_##name,
+#include "ops/ops.def"
+#undef KILN_OP
+};
+
+static kiln_status cpu_device_info(kiln__backend *be, kiln__device_info *out)
+{
+    long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
+    out->name = "cpu";
+    out->description = "host CPU (AVX2/FMA kernels where available, BLAS for GEMM)";
+    out->total_memory = pages > 0 && psize > 0 ? (size_t)pages * (size_t)psize : 0;
+    out->compute_units = kiln__pool_size();
+    return KILN_OK;
+}
+
+/* 64-byte alignment: one cache line, and what AVX-512 loads would want. */
+static void *cpu_alloc(kiln__backend *be, size_t n)
+{
+    void *p = NULL;
+    return posix_memalign(&p, 64, n ? n : 64) == 0 ? p : NULL;
+}
+
+static void cpu_free(kiln__backend *be, void *p, size_t n) { free(p); }
+
+static kiln_status cpu_copy_bytes(kiln__backend *be, void *dst, const void *src, size_t n)
+{
+    memmove(dst, src, n);
+    return KILN_OK;
+}
+
+static kiln_status cpu_memset(kiln__backend *be, void *dst, int byte, size_t n)
+{
+    memset(dst, byte, n);
+    return KILN_OK;
+}
+
+/* Work on the cpu is synchronous, so a stream is a token and an event is always done. */
+static kiln__stream *cpu_stream_new(kiln__backend *be) { return (kiln__stream *)be; }
+static void cpu_stream_free(kiln__backend *be, kiln__stream *s) {}
+static kiln__event *cpu_event_record(kiln__backend *be, kiln__stream *s) { return (kiln__event *)be; }
+static kiln_status cpu_event_wait(kiln__backend *be, kiln__event *e) { return KILN_OK; }
+static void cpu_event_free(kiln__backend *be, kiln__event *e) {}
+static kiln_status cpu_synchronize(kiln__backend *be) { return KILN_OK; }
+
+static kiln__backend cpu_backend = {
+    /* .abi_version = */ KILN_BACKEND_ABI_VERSION,
+    /* .name = */ "cpu",
+    /* .ctx = */ NULL,
+    /* .device_info = */ cpu_device_info,
+    /* .alloc = */ cpu_alloc,
+    /* .free = */ cpu_free,
+    /* .copy_h2d = */ cpu_copy_bytes,
+    /* .copy_d2h = */ cpu_copy_bytes,
+    /* .copy_d2d = */ cpu_copy_bytes,
+    /* .memset = */ cpu_memset,
+    /* .stream_new = */ cpu_stream_new,
+    /* .stream_free = */ cpu_stream_free,
+    /* .event_record = */ cpu_event_record,
+    /* .event_wait = */ cpu_event_wait,
+    /* .event_free = */ cpu_event_free,
+    /* .synchronize = */ cpu_synchronize,
+    /* .kernels = */ cpu_kernels,
+    /* Optional entries the cpu does not offer yet: */
+    /* .compile_kernel = */ NULL,
+    /* .launch = */ NULL,
+    /* .host_register = */ NULL,
+    /* .host_unregister = */ NULL,
+    /* .capture_begin = */ NULL,
+    /* .capture_end = */ NULL,
+    /* .replay = */ NULL,
+    /* .capture_reset = */ NULL,
+};
+
+kiln__backend *kiln__cpu_backend(int nthreads)
+{
+    BLAS_SET_THREADS(nthreads);
+    return &cpu_backend;
+}
+
+/* View ops alias their input's storage and the core never launches a kernel for them;
+ * the table still has a slot per op so that a missing kernel elsewhere fails to link. */
+#define VIEW_OP(name) \
+    kiln_status kiln__cpu_##name(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, \
+                                 kiln_tensor_t *const *out, int n_out) \
+    { return kiln__err(KILN_ERR_INTERNAL, #name " is a view and has no kernel"); }
+VIEW_OP(view)
+VIEW_OP(permute)
+VIEW_OP(slice)
+VIEW_OP(expand)

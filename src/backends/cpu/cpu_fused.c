@@ -1,0 +1,299 @@
+/* Entry points of the fused kernels (softmax, norms, cross-entropy, rotary, attention)
+ * for f32 and f64; the bodies are in cpu_fused_impl.h. */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "backends/cpu/cpu.h"
+
+#define R float
+#define SFX f32
+#include "backends/cpu/cpu_fused_impl.h"
+#undef R
+#undef SFX
+#define R double
+#define SFX f64
+#include "backends/cpu/cpu_fused_impl.h"
+#undef R
+#undef SFX
+
+#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
+
+static kiln_status unsupported(const char *op, kiln_dtype dt)
+{
+    return kiln__err(KILN_ERR_UNSUPPORTED, "%s: dtype %s is not supported by the cpu backend (cast to f32)", op,
+                     kiln_dtype_name(dt));
+}
+
+/* Makes n inputs contiguous; tmp[] holds the copies to free. */
+static bool contig_all(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp)
+{
+    for (int i = 0; i < n; i++) tmp[i] = NULL;
+    for (int i = 0; i < n; i++) {
+        c[i] = cpu_contig(in[i], &tmp[i]);
+        if (!c[i]) return false;
+    }
+    return true;
+}
+
+static void free_all(kiln_tensor_t **tmp, int n)
+{
+    for (int i = 0; i < n; i++) kiln_tensor_free(tmp[i]);
+}
+
+static kiln_status softmax_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out, const kiln__attrs *a, bool log)
+{
+    kiln_tensor_t *c[1], *tmp[1];
+    if (!contig_all(in, 1, c, tmp)) return kiln_last_status();
+    kiln_status s = KILN_OK;
+    if (c[0]->dtype == KILN_DTYPE_F32) softmax_f32(c[0], out[0], (int)a->i[0], log);
+    else if (c[0]->dtype == KILN_DTYPE_F64) softmax_f64(c[0], out[0], (int)a->i[0], log);
+    else s = unsupported(log ? "log_softmax" : "softmax", c[0]->dtype);
+    free_all(tmp, 1);
+    return s;
+}
+
+kiln_status kiln__cpu_softmax(K_ARGS) { return softmax_k(in, out, a, false); }
+kiln_status kiln__cpu_log_softmax(K_ARGS) { return softmax_k(in, out, a, true); }
+
+static int64_t rows_of(const kiln_tensor_t *x) { return x->ndim ? kiln__numel(x->ndim - 1, x->shape) : 1; }
+static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->ndim - 1] : 1; }
+
+#define NORM_FWD(SFX, RT, rms)                                                                       \
+    do {                                                                                             \
+        ln_ctx_##SFX k = {0};                                                                        \
+        k.x = kiln__data(c[0]);                                                                      \
+        k.w = kiln__data(c[1]);                                                                      \
+        k.b = rms ? NULL : kiln__data(c[2]);                                                         \
+        k.y = kiln__data(out[0]);                                                                    \
+        k.mean = rms ? NULL : kiln__data(out[1]);                                                    \
+        k.rstd = kiln__data(out[rms ? 1 : 2]);                                                       \
+        k.N = rows_of(c[0]);                                                                         \
+        k.C = last_dim(c[0]);                                                                        \
+        k.eps = a->f[0];                                                                             \
+        k.rms = rms;                                                                                 \
+        kiln__parallel_for(k.N, CPU_GRAIN / (k.C ? k.C : 1) + 1, ln_fwd_range_##SFX, &k);           \
+    } while (0)
+
+static kiln_status norm_fwd(kiln_tensor_t *const *in, int nin, kiln_tensor_t *const *out, const kiln__attrs *a, bool rms)
+{
+    kiln_tensor_t *c[3], *tmp[3];
+    if (!contig_all(in, nin, c, tmp)) return kiln_last_status();
+    kiln_status s = KILN_OK;
+    if (c[0]->dtype == KILN_DTYPE_F32) NORM_FWD(f32, float, rms);
+    else if (c[0]->dtype == KILN_DTYPE_F64) NORM_FWD(f64, double, rms);
+    else s = unsupported(rms ? "rms_norm" : "layer_norm", c[0]->dtype);
+    free_all(tmp, nin);
+    return s;
+}
+
+kiln_status kiln__cpu_layer_norm(K_ARGS) { return norm_fwd(in, 3, out, a, false); }
+kiln_status kiln__cpu_rms_norm(K_ARGS) { return norm_fwd(in, 2, out, a, true); }
+
+/* in: g, x, w, [mean,] rstd */
+#define NORM_BWD(SFX, rms)                                                                           \
+    do {                                                                                             \
+        ln_ctx_##SFX k = {0};                                                                        \
+        k.g = kiln__data(c[0]);                                                                      \
+        k.x = kiln__data(c[1]);                                                                      \
+        k.w = kiln__data(c[2]);                                                                      \
+        k.mean = rms ? NULL : kiln__data(c[3]);                                                      \
+        k.rstd = kiln__data(c[rms ? 3 : 4]);                                                         \
+        k.dx = kiln__data(out[0]);                                                                   \
+        k.N = rows_of(c[1]);                                                                         \
+        k.C = last_dim(c[1]);                                                                        \
+        k.rms = rms;                                                                                 \
+        s = norm_bwd_##SFX(&k, kiln__data(out[1]), rms ? NULL : kiln__data(out[2]));                 \
+    } while (0)
+
+static kiln_status norm_bwd(kiln_tensor_t *const *in, int nin, kiln_tensor_t *const *out, bool rms)
+{
+    kiln_tensor_t *c[5], *tmp[5];
+    if (!contig_all(in, nin, c, tmp)) return kiln_last_status();
+    kiln_status s = KILN_OK;
+    if (c[1]->dtype == KILN_DTYPE_F32) NORM_BWD(f32, rms);
+    else if (c[1]->dtype == KILN_DTYPE_F64) NORM_BWD(f64, rms);
+    else s = unsupported(rms ? "rms_norm" : "layer_norm", c[1]->dtype);
+    free_all(tmp, nin);
+    return s;
+}
+
+kiln_status kiln__cpu_layer_norm_backward(K_ARGS) { return norm_bwd(in, 5, out, false); }
+kiln_status kiln__cpu_rms_norm_backward(K_ARGS) { return norm_bwd(in, 4, out, true); }
+
+/* Checks every target before any work: an out-of-range class is an error, not a read
+ * outside the row. Returns the number of targets that count. */
+static kiln_status check_targets(const kiln_tensor_t *t, int64_t V, int64_t ignore, int64_t *count)
+{
+    const char *p = kiln__data(t);
+    size_t sz = kiln_dtype_size(t->dtype);
+    int64_t n = t->shape[0], c = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t v = kiln__load_index(p + i * (int64_t)sz, t->dtype);
+        if (v == ignore) continue;
+        if (v < 0 || v >= V)
+            return kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) "
+                             "(and is not ignore_index %lld)", (long long)v, (long long)i, (long long)V, (long long)ignore);
+        c++;
+    }
+    *count = c;
+    return KILN_OK;
+}
+
+#define CE_FWD(SFX, RT)                                                                              \
+    do {                                                                                             \
+        ce_ctx_##SFX k = {kiln__data(c[0]), kiln__data(c[1]), c[1]->dtype, kiln__data(out[1]), NULL, loss, N, V, \
+                          a->i[0], 0};                                                               \
+        kiln__parallel_for(N, CPU_GRAIN / (V ? V : 1) + 1, ce_fwd_range_##SFX, &k);                 \
+        double sum = 0;                                                                              \
+        for (int64_t i = 0; i < N; i++) sum += loss[i];                                              \
+        *(RT *)kiln__data(out[0]) = (RT)(count ? sum / (double)count : NAN);                         \
+    } while (0)
+
+kiln_status kiln__cpu_cross_entropy(K_ARGS)
+{
+    kiln_tensor_t *c[2], *tmp[2];
+    if (!contig_all(in, 2, c, tmp)) return kiln_last_status();
+    int64_t N = c[0]->shape[0], V = c[0]->shape[1], count = 0;
+    kiln_status s = check_targets(c[1], V, a->i[0], &count);
+    double *loss = s == KILN_OK ? malloc(sizeof(double) * (size_t)(N ? N : 1)) : NULL;
+    if (s == KILN_OK && !loss) s = kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
+    if (s == KILN_OK) {
+        if (c[0]->dtype == KILN_DTYPE_F32) CE_FWD(f32, float);
+        else if (c[0]->dtype == KILN_DTYPE_F64) CE_FWD(f64, double);
+        else s = unsupported("cross_entropy", c[0]->dtype);
+    }
+    free(loss);
+    free_all(tmp, 2);
+    return s;
+}
+
+/* in: g (scalar), logits, targets, lse */
+#define CE_BWD(SFX)                                                                                  \
+    do {                                                                                             \
+        ce_ctx_##SFX k = {kiln__data(c[1]), kiln__data(c[2]), c[2]->dtype, kiln__data(c[3]), kiln__data(out[0]), \
+                          NULL, N, V, a->i[0], count ? g / (double)count : 0};                       \
+        kiln__parallel_for(N, CPU_GRAIN / (V ? V : 1) + 1, ce_bwd_range_##SFX, &k);                 \
+    } while (0)
+
+kiln_status kiln__cpu_cross_entropy_backward(K_ARGS)
+{
+    kiln_tensor_t *c[4], *tmp[4];
+    if (!contig_all(in, 4, c, tmp)) return kiln_last_status();
+    int64_t N = c[1]->shape[0], V = c[1]->shape[1], count = 0;
+    double g = kiln__load(kiln__data(c[0]), c[0]->dtype);
+    kiln_status s = check_targets(c[2], V, a->i[0], &count);
+    if (s == KILN_OK) {
+        if (c[1]->dtype == KILN_DTYPE_F32) CE_BWD(f32);
+        else if (c[1]->dtype == KILN_DTYPE_F64) CE_BWD(f64);
+        else s = unsupported("cross_entropy", c[1]->dtype);
+    }
+    free_all(tmp, 4);
+    return s;
+}
+
+kiln_status kiln__cpu_rope(K_ARGS)
+{
+    kiln_tensor_t *c[1], *tmp[1];
+    if (!contig_all(in, 1, c, tmp)) return kiln_last_status();
+    const kiln_tensor_t *x = c[0];
+    int64_t D = x->shape[x->ndim - 1], T = x->shape[x->ndim - 2], h = D / 2;
+    double *cs = malloc(sizeof(double) * (size_t)(T * h * 2 + 1));
+    if (!cs) {
+        free_all(tmp, 1);
+        return kiln__err(KILN_ERR_OOM, "rope: out of memory");
+    }
+    /* Frequencies in f32 as LLaMA's reference computes them, angles in double. */
+    for (int64_t i = 0; i < h; i++) {
+        float inv = 1.0f / powf((float)a->f[0], (float)(2 * i) / (float)D);
+        for (int64_t t = 0; t < T; t++) {
+            float ang = (float)(a->i[0] + t) * inv;
+            cs[(t * h + i) * 2] = cos((double)ang);
+            cs[(t * h + i) * 2 + 1] = sin((double)ang);
+        }
+    }
+    int64_t rows = kiln__numel(x->ndim - 1, x->shape);
+    double sign = a->i[1] ? -1.0 : 1.0;
+    kiln_status s = KILN_OK;
+    if (x->dtype == KILN_DTYPE_F32) {
+        rope_ctx_f32 k = {kiln__data(x), kiln__data(out[0]), cs, T, D, sign};
+        kiln__parallel_for(rows, CPU_GRAIN / D + 1, rope_range_f32, &k);
+    } else if (x->dtype == KILN_DTYPE_F64) {
+        rope_ctx_f64 k = {kiln__data(x), kiln__data(out[0]), cs, T, D, sign};
+        kiln__parallel_for(rows, CPU_GRAIN / D + 1, rope_range_f64, &k);
+    } else {
+        s = unsupported("rope", x->dtype);
+    }
+    free(cs);
+    free_all(tmp, 1);
+    return s;
+}
+
+#define ATT_SETUP(SFX)                                                                               \
+    att_ctx_##SFX k = {0};                                                                           \
+    k.B = q->shape[0];                                                                               \
+    k.H = q->shape[1];                                                                               \
+    k.Tq = q->shape[2];                                                                              \
+    k.D = q->shape[3];                                                                               \
+    k.Hkv = kk->shape[1];                                                                            \
+    k.Tk = kk->shape[2];                                                                             \
+    k.scale = a->f[0];                                                                               \
+    k.causal = a->i[0];                                                                              \
+    k.q = kiln__data(q);                                                                             \
+    k.k = kiln__data(kk);                                                                            \
+    k.v = kiln__data(vv)
+
+kiln_status kiln__cpu_attention(K_ARGS)
+{
+    kiln_tensor_t *c[3], *tmp[3];
+    if (!contig_all(in, 3, c, tmp)) return kiln_last_status();
+    kiln_tensor_t *q = c[0], *kk = c[1], *vv = c[2];
+    int64_t rows = kiln__numel(3, q->shape), work = kk->shape[2] * q->shape[3];
+    kiln_status s = KILN_OK;
+    bool bad = false;
+    if (q->dtype == KILN_DTYPE_F32) {
+        ATT_SETUP(f32);
+        k.out = kiln__data(out[0]);
+        k.lse = kiln__data(out[1]);
+        kiln__parallel_for(rows, CPU_GRAIN / (work ? work : 1) + 1, att_fwd_range_f32, &k);
+        bad = atomic_load(&k.oom);
+    } else {
+        ATT_SETUP(f64);
+        k.out = kiln__data(out[0]);
+        k.lse = kiln__data(out[1]);
+        kiln__parallel_for(rows, CPU_GRAIN / (work ? work : 1) + 1, att_fwd_range_f64, &k);
+        bad = atomic_load(&k.oom);
+    }
+    if (bad) s = kiln__err(KILN_ERR_OOM, "attention: out of memory for a row buffer");
+    free_all(tmp, 3);
+    return s;
+}
+
+/* in: g, q, k, v, o, lse */
+kiln_status kiln__cpu_attention_backward(K_ARGS)
+{
+    kiln_tensor_t *c[6], *tmp[6];
+    if (!contig_all(in, 6, c, tmp)) return kiln_last_status();
+    kiln_tensor_t *q = c[1], *kk = c[2], *vv = c[3];
+    int64_t tasks = q->shape[0] * kk->shape[1];
+    if (q->dtype == KILN_DTYPE_F32) {
+        ATT_SETUP(f32);
+        k.g = kiln__data(c[0]);
+        k.o = kiln__data(c[4]);
+        k.lse_in = kiln__data(c[5]);
+        k.dq = kiln__data(out[0]);
+        k.dk = kiln__data(out[1]);
+        k.dv = kiln__data(out[2]);
+        kiln__parallel_for(tasks, 1, att_bwd_range_f32, &k);
+    } else {
+        ATT_SETUP(f64);
+        k.g = kiln__data(c[0]);
+        k.o = kiln__data(c[4]);
+        k.lse_in = kiln__data(c[5]);
+        k.dq = kiln__data(out[0]);
+        k.dk = kiln__data(out[1]);
+        k.dv = kiln__data(out[2]);
+        kiln__parallel_for(tasks, 1, att_bwd_range_f64, &k);
+    }
+    free_all(tmp, 6);
+    return KILN_OK;
+}

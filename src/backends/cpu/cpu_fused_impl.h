@@ -1,0 +1,317 @@
+/* Fused kernels, written once for a real type R and included for float and double by
+ * cpu_fused.c (R, SFX defined there). Inputs are contiguous here. Sums run in double
+ * for both types; each output row is computed by one thread in a fixed order. */
+
+#define CAT_(a, b) a##_##b
+#define CAT(a, b) CAT_(a, b)
+#define FN(name) CAT(name, SFX)
+
+/* A dot product with independent partial sums, which the compiler vectorizes without
+ * reassociating a single accumulator. */
+static inline double FN(dot)(const R *a, const R *b, int64_t n)
+{
+    R acc[8] = {0};
+    int64_t i = 0;
+    for (; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) acc[l] += a[i + l] * b[i + l];
+    double s = 0;
+    for (int l = 0; l < 8; l++) s += acc[l];
+    for (; i < n; i++) s += (double)a[i] * b[i];
+    return s;
+}
+
+static inline void FN(axpy)(R *y, R alpha, const R *x, int64_t n)
+{
+    for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
+}
+
+/* ---- softmax / log_softmax over dim: x viewed as (outer, L, inner) ---- */
+typedef struct {
+    const R *x;
+    R *y;
+    int64_t L, inner;
+    bool log;
+} FN(sm_ctx);
+
+static void FN(sm_range)(void *c, int64_t b, int64_t e)
+{
+    const FN(sm_ctx) *k = c;
+    for (int64_t line = b; line < e; line++) {
+        int64_t o = line / k->inner, in = line % k->inner, base = o * k->L * k->inner + in, st = k->inner;
+        const R *x = k->x + base;
+        R *y = k->y + base;
+        double m = -INFINITY;
+        for (int64_t j = 0; j < k->L; j++)
+            if (x[j * st] > m || x[j * st] != x[j * st]) m = x[j * st];
+        double s = 0;
+        for (int64_t j = 0; j < k->L; j++) s += exp((double)x[j * st] - m);
+        if (k->log) {
+            double lse = m + log(s);
+            for (int64_t j = 0; j < k->L; j++) y[j * st] = (R)((double)x[j * st] - lse);
+        } else {
+            double inv = 1.0 / s;
+            for (int64_t j = 0; j < k->L; j++) y[j * st] = (R)(exp((double)x[j * st] - m) * inv);
+        }
+    }
+}
+
+static void FN(softmax)(const kiln_tensor_t *x, kiln_tensor_t *y, int dim, bool log)
+{
+    FN(sm_ctx) k = {kiln__data(x), kiln__data(y), x->ndim ? x->shape[dim] : 1, 1, log};
+    int64_t outer = 1;
+    for (int d = 0; d < dim; d++) outer *= x->shape[d];
+    for (int d = dim + 1; d < x->ndim; d++) k.inner *= x->shape[d];
+    int64_t lines = outer * k.inner;
+    kiln__parallel_for(lines, k.L >= CPU_GRAIN ? 1 : CPU_GRAIN / (k.L ? k.L : 1), FN(sm_range), &k);
+}
+
+/* ---- layer norm and RMS norm over the last dim, x viewed as (N, C) ---- */
+typedef struct {
+    const R *x, *w, *b, *g;
+    R *y, *mean, *rstd, *dx;
+    double *part; /* per block: dw[C], db[C] */
+    int64_t N, C;
+    double eps;
+    bool rms;
+} FN(ln_ctx);
+
+#define LN_BLOCK 32
+
+static void FN(ln_fwd_range)(void *c, int64_t b, int64_t e)
+{
+    const FN(ln_ctx) *k = c;
+    int64_t C = k->C;
+    for (int64_t n = b; n < e; n++) {
+        const R *x = k->x + n * C;
+        R *y = k->y + n * C;
+        double mu = 0, var = 0;
+        if (!k->rms) {
+            for (int64_t i = 0; i < C; i++) mu += x[i];
+            mu /= (double)C;
+        }
+        for (int64_t i = 0; i < C; i++) var += ((double)x[i] - mu) * ((double)x[i] - mu);
+        var /= (double)C;
+        double rs = 1.0 / sqrt(var + k->eps);
+        R rsr = (R)rs, mur = (R)mu;
+        if (k->rms)
+            for (int64_t i = 0; i < C; i++) y[i] = x[i] * rsr * k->w[i];
+        else
+            for (int64_t i = 0; i < C; i++) y[i] = (x[i] - mur) * rsr * k->w[i] + k->b[i];
+        if (!k->rms) k->mean[n] = (R)mu;
+        k->rstd[n] = (R)rs;
+    }
+}
+
+/* dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)); RMS norm drops the mean terms
+ * of mu. dw, db are summed per block of LN_BLOCK rows, then over blocks in order. */
+static void FN(ln_bwd_range)(void *c, int64_t bb, int64_t be)
+{
+    const FN(ln_ctx) *k = c;
+    int64_t C = k->C;
+    for (int64_t blk = bb; blk < be; blk++) {
+        double *dw = k->part + blk * 2 * C, *db = dw + C;
+        memset(dw, 0, sizeof(double) * 2 * (size_t)C);
+        int64_t n1 = (blk + 1) * LN_BLOCK < k->N ? (blk + 1) * LN_BLOCK : k->N;
+        for (int64_t n = blk * LN_BLOCK; n < n1; n++) {
+            const R *x = k->x + n * C, *g = k->g + n * C;
+            R *dx = k->dx + n * C;
+            double mu = k->rms ? 0.0 : (double)k->mean[n], rs = k->rstd[n];
+            double s1 = 0, s2 = 0;
+            for (int64_t i = 0; i < C; i++) {
+                double xh = ((double)x[i] - mu) * rs, gw = (double)g[i] * k->w[i];
+                s1 += gw;
+                s2 += gw * xh;
+                dw[i] += (double)g[i] * xh;
+                db[i] += g[i];
+            }
+            s1 /= (double)C;
+            s2 /= (double)C;
+            if (k->rms) s1 = 0;
+            for (int64_t i = 0; i < C; i++) {
+                double xh = ((double)x[i] - mu) * rs;
+                dx[i] = (R)(rs * ((double)g[i] * k->w[i] - s1 - xh * s2));
+            }
+        }
+    }
+}
+
+static kiln_status FN(norm_bwd)(FN(ln_ctx) *k, R *dw, R *db)
+{
+    int64_t nblk = (k->N + LN_BLOCK - 1) / LN_BLOCK;
+    k->part = malloc(sizeof(double) * 2 * (size_t)k->C * (size_t)(nblk ? nblk : 1));
+    if (!k->part) return kiln__err(KILN_ERR_OOM, "norm backward: out of memory for partial sums");
+    kiln__parallel_for(nblk, 1, FN(ln_bwd_range), k);
+    for (int64_t i = 0; i < k->C; i++) {
+        double sw = 0, sb = 0;
+        for (int64_t blk = 0; blk < nblk; blk++) {
+            sw += k->part[blk * 2 * k->C + i];
+            sb += k->part[blk * 2 * k->C + k->C + i];
+        }
+        dw[i] = (R)sw;
+        if (db) db[i] = (R)sb;
+    }
+    free(k->part);
+    return KILN_OK;
+}
+
+/* ---- cross-entropy: logits (N, V), targets (N) ---- */
+typedef struct {
+    const R *x;
+    const void *t;
+    kiln_dtype tdt;
+    R *lse, *dx;
+    double *loss;
+    int64_t N, V, ignore;
+    double gscale;
+} FN(ce_ctx);
+
+static void FN(ce_fwd_range)(void *c, int64_t b, int64_t e)
+{
+    const FN(ce_ctx) *k = c;
+    for (int64_t n = b; n < e; n++) {
+        const R *x = k->x + n * k->V;
+        double m = -INFINITY, s = 0;
+        for (int64_t v = 0; v < k->V; v++)
+            if (x[v] > m) m = x[v];
+        for (int64_t v = 0; v < k->V; v++) s += exp((double)x[v] - m);
+        double lse = m + log(s);
+        k->lse[n] = (R)lse;
+        int64_t t = kiln__load_index((const char *)k->t + n * (int64_t)kiln_dtype_size(k->tdt), k->tdt);
+        k->loss[n] = t == k->ignore ? 0.0 : lse - (double)x[t];
+    }
+}
+
+static void FN(ce_bwd_range)(void *c, int64_t b, int64_t e)
+{
+    const FN(ce_ctx) *k = c;
+    for (int64_t n = b; n < e; n++) {
+        const R *x = k->x + n * k->V;
+        R *dx = k->dx + n * k->V;
+        int64_t t = kiln__load_index((const char *)k->t + n * (int64_t)kiln_dtype_size(k->tdt), k->tdt);
+        if (t == k->ignore) {
+            memset(dx, 0, sizeof(R) * (size_t)k->V);
+            continue;
+        }
+        double lse = k->lse[n];
+        for (int64_t v = 0; v < k->V; v++) dx[v] = (R)(k->gscale * exp((double)x[v] - lse));
+        dx[t] -= (R)k->gscale;
+    }
+}
+
+/* ---- rotary embedding: x (rows, D) with position (pos0 + row % T) ---- */
+typedef struct {
+    const R *x;
+    R *y;
+    const double *cs; /* (T, D/2, 2): cos, sin */
+    int64_t T, D;
+    double sign;
+} FN(rope_ctx);
+
+static void FN(rope_range)(void *c, int64_t b, int64_t e)
+{
+    const FN(rope_ctx) *k = c;
+    int64_t h = k->D / 2;
+    for (int64_t r = b; r < e; r++) {
+        const R *x = k->x + r * k->D;
+        R *y = k->y + r * k->D;
+        const double *cs = k->cs + (r % k->T) * h * 2;
+        for (int64_t i = 0; i < h; i++) {
+            double co = cs[2 * i], si = k->sign * cs[2 * i + 1], x1 = x[i], x2 = x[i + h];
+            y[i] = (R)(x1 * co - x2 * si);
+            y[i + h] = (R)(x1 * si + x2 * co);
+        }
+    }
+}
+
+/* ---- attention: q (B,H,Tq,D), k, v (B,Hkv,Tk,D), o (B,H,Tq,D), lse (B,H,Tq) ---- */
+typedef struct {
+    const R *q, *k, *v, *o, *g, *lse_in;
+    R *out, *lse, *dq, *dk, *dv;
+    int64_t B, H, Hkv, Tq, Tk, D;
+    double scale;
+    bool causal;
+    atomic_int oom; /* a task could not get its row buffer */
+} FN(att_ctx);
+
+static inline int64_t FN(att_keys)(const FN(att_ctx) *a, int64_t i)
+{
+    if (!a->causal) return a->Tk;
+    int64_t n = i + (a->Tk - a->Tq) + 1;
+    return n < a->Tk ? n : a->Tk;
+}
+
+/* One query row at a time: its Tk scores live in a per-task buffer, so the full
+ * (B,H,Tq,Tk) matrix never exists. */
+static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
+{
+    const FN(att_ctx) *a = c;
+    double *p = malloc(sizeof(double) * (size_t)(a->Tk ? a->Tk : 1));
+    double *acc = malloc(sizeof(double) * (size_t)a->D);
+    if (!p || !acc) {
+        atomic_store(&((FN(att_ctx) *)c)->oom, 1);
+        free(p);
+        free(acc);
+        return;
+    }
+    int64_t D = a->D, grp = a->H / a->Hkv;
+    for (int64_t r = b; r < e; r++) {
+        int64_t i = r % a->Tq, bh = r / a->Tq, bb = bh / a->H, h = bh % a->H, hk = h / grp;
+        const R *q = a->q + r * D;
+        const R *K = a->k + (bb * a->Hkv + hk) * a->Tk * D, *V = a->v + (bb * a->Hkv + hk) * a->Tk * D;
+        int64_t nk = FN(att_keys)(a, i);
+        double m = -INFINITY;
+        for (int64_t j = 0; j < nk; j++) {
+            p[j] = a->scale * FN(dot)(q, K + j * D, D);
+            if (p[j] > m) m = p[j];
+        }
+        double l = 0;
+        for (int64_t d = 0; d < D; d++) acc[d] = 0;
+        for (int64_t j = 0; j < nk; j++) {
+            double w = exp(p[j] - m);
+            l += w;
+            const R *vj = V + j * D;
+            for (int64_t d = 0; d < D; d++) acc[d] += w * vj[d];
+        }
+        R *o = a->out + r * D;
+        for (int64_t d = 0; d < D; d++) o[d] = nk ? (R)(acc[d] / l) : 0;
+        a->lse[r] = nk ? (R)(m + log(l)) : (R)-INFINITY;
+    }
+    free(p);
+    free(acc);
+}
+
+/* One task per (batch, kv head): it owns dk and dv of that head, so no two tasks
+ * write the same gradient and the sums keep a fixed order. */
+static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
+{
+    const FN(att_ctx) *a = c;
+    int64_t D = a->D, grp = a->H / a->Hkv;
+    for (int64_t t = b; t < e; t++) {
+        int64_t bb = t / a->Hkv, hk = t % a->Hkv;
+        const R *K = a->k + t * a->Tk * D, *V = a->v + t * a->Tk * D;
+        R *dK = a->dk + t * a->Tk * D, *dV = a->dv + t * a->Tk * D;
+        memset(dK, 0, sizeof(R) * (size_t)(a->Tk * D));
+        memset(dV, 0, sizeof(R) * (size_t)(a->Tk * D));
+        for (int64_t h = hk * grp; h < (hk + 1) * grp; h++) {
+            for (int64_t i = 0; i < a->Tq; i++) {
+                int64_t r = (bb * a->H + h) * a->Tq + i;
+                const R *q = a->q + r * D, *g = a->g + r * D, *o = a->o + r * D;
+                R *dq = a->dq + r * D;
+                memset(dq, 0, sizeof(R) * (size_t)D);
+                double lse = a->lse_in[r], Di = FN(dot)(g, o, D);
+                int64_t nk = FN(att_keys)(a, i);
+                for (int64_t j = 0; j < nk; j++) {
+                    double pij = exp(a->scale * FN(dot)(q, K + j * D, D) - lse);
+                    double ds = pij * (FN(dot)(g, V + j * D, D) - Di);
+                    FN(axpy)(dq, (R)(a->scale * ds), K + j * D, D);
+                    FN(axpy)(dK + j * D, (R)(a->scale * ds), q, D);
+                    FN(axpy)(dV + j * D, (R)pij, g, D);
+                }
+            }
+        }
+    }
+}
+
+#undef FN
+#undef CAT
+#undef CAT_

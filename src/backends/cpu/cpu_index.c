@@ -1,0 +1,189 @@
+/* Indexing kernels: embedding, index_select, gather, scatter_add, cat. Every index is
+ * checked before it is used. */
+#include <stdlib.h>
+#include <string.h>
+#include "backends/cpu/cpu.h"
+
+#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
+
+static kiln_status check_indices(const char *op, const kiln_tensor_t *idx, int64_t limit)
+{
+    const char *p = kiln__data(idx);
+    size_t sz = kiln_dtype_size(idx->dtype);
+    int64_t n = kiln__numel(idx->ndim, idx->shape);
+    for (int64_t i = 0; i < n; i++) {
+        int64_t v = kiln__load_index(p + i * (int64_t)sz, idx->dtype);
+        if (v < 0 || v >= limit)
+            return kiln__err(KILN_ERR_INDEX, "%s: index %lld at position %lld is outside [0, %lld)", op, (long long)v,
+                             (long long)i, (long long)limit);
+    }
+    return KILN_OK;
+}
+
+typedef struct {
+    const char *src;
+    char *dst;
+    const char *idx;
+    kiln_dtype idt;
+    size_t row_bytes;
+    int64_t outer, n_idx, L; /* index_select: (outer, L, inner) -> (outer, n_idx, inner) */
+} rows_ctx;
+
+static void rows_range(void *c, int64_t b, int64_t e)
+{
+    const rows_ctx *k = c;
+    size_t isz = kiln_dtype_size(k->idt);
+    for (int64_t r = b; r < e; r++) {
+        int64_t o = r / k->n_idx, j = r % k->n_idx;
+        int64_t v = kiln__load_index(k->idx + j * (int64_t)isz, k->idt);
+        memcpy(k->dst + r * (int64_t)k->row_bytes, k->src + (o * k->L + v) * (int64_t)k->row_bytes, k->row_bytes);
+    }
+}
+
+/* Copies whole rows chosen by idx: out (outer, n_idx, row) from x (outer, L, row). */
+static kiln_status select_rows(const char *op, kiln_tensor_t *x, kiln_tensor_t *idx, kiln_tensor_t *o, int dim)
+{
+    kiln_tensor_t *tx, *ti, *cx = cpu_contig(x, &tx), *ci = cpu_contig(idx, &ti);
+    kiln_status s = cx && ci ? check_indices(op, ci, x->shape[dim]) : kiln_last_status();
+    if (s == KILN_OK) {
+        int64_t inner = kiln__numel(x->ndim - dim - 1, x->shape + dim + 1);
+        rows_ctx k = {kiln__data(cx), kiln__data(o), kiln__data(ci), ci->dtype,
+                      (size_t)inner * kiln_dtype_size(x->dtype), kiln__numel(dim, x->shape),
+                      kiln__numel(ci->ndim, ci->shape), x->shape[dim]};
+        kiln__parallel_for(k.outer * k.n_idx, 64, rows_range, &k);
+    }
+    kiln_tensor_free(tx);
+    kiln_tensor_free(ti);
+    return s;
+}
+
+kiln_status kiln__cpu_embedding(K_ARGS) { return select_rows("embedding", in[0], in[1], out[0], 0); }
+kiln_status kiln__cpu_index_select(K_ARGS) { return select_rows("index_select", in[0], in[1], out[0], (int)a->i[0]); }
+
+/* dW (V, C) from g (N, C): each task owns a range of columns for every row, so the
+ * additions for one weight happen in row order whatever the thread count. */
+typedef struct {
+    const float *g;
+    float *dw;
+    const char *idx;
+    kiln_dtype idt;
+    int64_t N, C;
+} emb_ctx;
+
+static void emb_bwd_range(void *c, int64_t b, int64_t e)
+{
+    const emb_ctx *k = c;
+    size_t isz = kiln_dtype_size(k->idt);
+    int64_t c0 = b * 64, c1 = e * 64 < k->C ? e * 64 : k->C;
+    for (int64_t n = 0; n < k->N; n++) {
+        int64_t v = kiln__load_index(k->idx + n * (int64_t)isz, k->idt);
+        const float *g = k->g + n * k->C;
+        float *d = k->dw + v * k->C;
+        for (int64_t j = c0; j < c1; j++) d[j] += g[j];
+    }
+}
+
+kiln_status kiln__cpu_embedding_backward(K_ARGS)
+{
+    kiln_tensor_t *tg, *ti, *g = cpu_contig(in[0], &tg), *idx = cpu_contig(in[1], &ti);
+    kiln_tensor_t *o = out[0];
+    int64_t V = o->shape[0], C = o->shape[1], N = kiln__numel(idx ? idx->ndim : 0, idx ? idx->shape : NULL);
+    kiln_status s = g && idx ? check_indices("embedding backward", idx, V) : kiln_last_status();
+    if (s == KILN_OK && o->dtype == KILN_DTYPE_F32) {
+        memset(kiln__data(o), 0, sizeof(float) * (size_t)(V * C));
+        emb_ctx k = {kiln__data(g), kiln__data(o), kiln__data(idx), idx->dtype, N, C};
+        kiln__parallel_for((C + 63) / 64, 1, emb_bwd_range, &k);
+    } else if (s == KILN_OK) {
+        /* Other dtypes: the generic path, serial. */
+        size_t sz = kiln_dtype_size(o->dtype), isz = kiln_dtype_size(idx->dtype);
+        memset(kiln__data(o), 0, sz * (size_t)(V * C));
+        char *d = kiln__data(o), *gp = kiln__data(g), *ip = kiln__data(idx);
+        for (int64_t n = 0; n < N; n++) {
+            int64_t v = kiln__load_index(ip + n * (int64_t)isz, idx->dtype);
+            for (int64_t j = 0; j < C; j++) {
+                char *q = d + (v * C + j) * (int64_t)sz;
+                kiln__store(q, o->dtype, kiln__load(q, o->dtype) + kiln__load(gp + (n * C + j) * (int64_t)sz, o->dtype));
+            }
+        }
+    }
+    kiln_tensor_free(tg);
+    kiln_tensor_free(ti);
+    return s;
+}
+
+/* Offset in a contiguous tensor of `shape` of the flat position `flat` of another
+ * contiguous tensor of `ishape`, with dim `dim` replaced by `v`. */
+static int64_t remap(int64_t flat, int nd, const int64_t *ishape, const int64_t *shape, int dim, int64_t v)
+{
+    int64_t off = 0, mul = 1;
+    for (int d = nd - 1; d >= 0; d--) {
+        int64_t i = flat % ishape[d];
+        flat /= ishape[d];
+        off += (d == dim ? v : i) * mul;
+        mul *= shape[d];
+    }
+    return off;
+}
+
+kiln_status kiln__cpu_gather(K_ARGS)
+{
+    kiln_tensor_t *tx, *ti, *x = cpu_contig(in[0], &tx), *idx = cpu_contig(in[1], &ti);
+    int dim = (int)a->i[0];
+    kiln_status s = x && idx ? check_indices("gather", idx, in[0]->shape[dim]) : kiln_last_status();
+    if (s == KILN_OK) {
+        size_t sz = kiln_dtype_size(x->dtype), isz = kiln_dtype_size(idx->dtype);
+        const char *xp = kiln__data(x), *ip = kiln__data(idx);
+        char *op = kiln__data(out[0]);
+        int64_t n = kiln__numel(idx->ndim, idx->shape);
+        for (int64_t i = 0; i < n; i++) {
+            int64_t v = kiln__load_index(ip + i * (int64_t)isz, idx->dtype);
+            memcpy(op + i * (int64_t)sz, xp + remap(i, x->ndim, idx->shape, x->shape, dim, v) * (int64_t)sz, sz);
+        }
+    }
+    kiln_tensor_free(tx);
+    kiln_tensor_free(ti);
+    return s;
+}
+
+/* Serial on purpose: several sources may add into one element, and a fixed order keeps
+ * the result the same on every run. */
+kiln_status kiln__cpu_scatter_add(K_ARGS)
+{
+    kiln_tensor_t *ti, *ts, *idx = cpu_contig(in[1], &ti), *src = cpu_contig(in[2], &ts);
+    int dim = (int)a->i[0];
+    kiln_tensor_t *o = out[0];
+    kiln_status s = idx && src ? check_indices("scatter_add", idx, in[0]->shape[dim]) : kiln_last_status();
+    if (s == KILN_OK) {
+        cpu_copy(o, in[0]);
+        size_t sz = kiln_dtype_size(o->dtype), isz = kiln_dtype_size(idx->dtype);
+        const char *ip = kiln__data(idx), *sp = kiln__data(src);
+        char *op = kiln__data(o);
+        int64_t n = kiln__numel(idx->ndim, idx->shape);
+        for (int64_t i = 0; i < n; i++) {
+            int64_t v = kiln__load_index(ip + i * (int64_t)isz, idx->dtype);
+            char *q = op + remap(i, o->ndim, idx->shape, o->shape, dim, v) * (int64_t)sz;
+            if (o->dtype == KILN_DTYPE_F32) *(float *)q += *(const float *)(sp + i * (int64_t)sz);
+            else kiln__store(q, o->dtype, kiln__load(q, o->dtype) + kiln__load(sp + i * (int64_t)sz, o->dtype));
+        }
+    }
+    kiln_tensor_free(ti);
+    kiln_tensor_free(ts);
+    return s;
+}
+
+kiln_status kiln__cpu_cat(K_ARGS)
+{
+    kiln_tensor_t *o = out[0];
+    int dim = (int)a->i[0];
+    int64_t at = 0;
+    for (int i = 0; i < n_in; i++) {
+        kiln_tensor_t v;
+        int64_t shape[KILN_MAX_DIMS];
+        memcpy(shape, o->shape, sizeof shape);
+        shape[dim] = in[i]->shape[dim];
+        cpu_view(&v, o, o->ndim, shape, o->stride, o->offset + at * o->stride[dim]);
+        if (shape[dim] > 0) cpu_copy(&v, in[i]);
+        at += shape[dim];
+    }
+    return KILN_OK;
+}

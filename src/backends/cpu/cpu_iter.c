@@ -1,0 +1,160 @@
+#include <stdlib.h>
+#include <string.h>
+#include "backends/cpu/cpu.h"
+
+void cpu_iter_init(cpu_iter *it, int nops, kiln_tensor_t *const *ops)
+{
+    const kiln_tensor_t *o = ops[0];
+    int nd = o->ndim;
+    memset(it, 0, sizeof *it);
+    it->nops = nops;
+    int64_t shape[KILN_MAX_DIMS] = {0}, st[CPU_MAX_OPS][KILN_MAX_DIMS] = {{0}};
+    for (int k = 0; k < nops; k++) {
+        const kiln_tensor_t *t = ops[k];
+        it->base[k] = kiln__data(t);
+        it->esize[k] = kiln_dtype_size(t->dtype);
+        for (int d = 0; d < nd; d++) {
+            int j = d - (nd - t->ndim);
+            st[k][d] = (j < 0 || t->shape[j] == 1) ? 0 : t->stride[j];
+        }
+    }
+    for (int d = 0; d < nd; d++) shape[d] = o->shape[d];
+    /* Drop size-1 dims, then merge dims that are contiguous for every operand. */
+    int n = 0;
+    for (int d = 0; d < nd; d++) {
+        if (shape[d] == 1) continue;
+        if (n > 0) {
+            bool merge = true;
+            for (int k = 0; k < nops && merge; k++) merge = it->st[k][n - 1] == st[k][d] * shape[d];
+            if (merge) {
+                it->shape[n - 1] *= shape[d];
+                for (int k = 0; k < nops; k++) it->st[k][n - 1] = st[k][d];
+                continue;
+            }
+        }
+        it->shape[n] = shape[d];
+        for (int k = 0; k < nops; k++) it->st[k][n] = st[k][d];
+        n++;
+    }
+    if (n == 0) { /* a scalar, or all dims of size 1 */
+        it->shape[0] = kiln__numel(nd, shape);
+        for (int k = 0; k < nops; k++) it->st[k][0] = 0;
+        n = 1;
+    }
+    it->ndim = n;
+}
+
+typedef struct {
+    const cpu_iter *it;
+    cpu_row_fn fn;
+    void *ctx;
+} run_ctx;
+
+static void run_rows(void *p, int64_t b, int64_t e)
+{
+    run_ctx *rc = p;
+    const cpu_iter *it = rc->it;
+    int nd = it->ndim, inner = nd - 1;
+    int64_t s[CPU_MAX_OPS];
+    for (int k = 0; k < it->nops; k++) s[k] = it->st[k][inner];
+    for (int64_t r = b; r < e; r++) {
+        char *ptr[CPU_MAX_OPS];
+        int64_t rem = r;
+        for (int k = 0; k < it->nops; k++) ptr[k] = it->base[k];
+        for (int d = inner - 1; d >= 0; d--) {
+            int64_t i = rem % it->shape[d];
+            rem /= it->shape[d];
+            for (int k = 0; k < it->nops; k++) ptr[k] += (int64_t)it->esize[k] * i * it->st[k][d];
+        }
+        rc->fn(rc->ctx, ptr, s, it->shape[inner]);
+    }
+}
+
+void cpu_iter_run(const cpu_iter *it, cpu_row_fn fn, void *ctx)
+{
+    int64_t rows = 1, len = it->shape[it->ndim - 1];
+    for (int d = 0; d < it->ndim - 1; d++) rows *= it->shape[d];
+    if (rows == 0 || len == 0) return;
+    run_ctx rc = {it, fn, ctx};
+    int64_t grain = len >= CPU_GRAIN ? 1 : CPU_GRAIN / len;
+    if (rows == 1 && len > CPU_GRAIN && kiln__pool_size() > 1) {
+        /* One long row: split it into pieces so every thread gets some. */
+        int64_t pieces = (len + CPU_GRAIN - 1) / CPU_GRAIN;
+        cpu_iter sub = *it;
+        sub.ndim = 2;
+        int64_t piece = (len + pieces - 1) / pieces;
+        if (len % piece == 0) {
+            sub.shape[0] = len / piece;
+            sub.shape[1] = piece;
+            for (int k = 0; k < it->nops; k++) {
+                sub.st[k][0] = it->st[k][0] * piece;
+                sub.st[k][1] = it->st[k][0];
+            }
+            run_ctx rs = {&sub, fn, ctx};
+            kiln__parallel_for(sub.shape[0], 1, run_rows, &rs);
+            return;
+        }
+    }
+    kiln__parallel_for(rows, grain, run_rows, &rc);
+}
+
+typedef struct {
+    kiln_dtype dt, st;
+} copy_ctx;
+
+static void copy_row(void *c, char **p, const int64_t *s, int64_t n)
+{
+    const copy_ctx *cc = c;
+    size_t dsz = kiln_dtype_size(cc->dt), ssz = kiln_dtype_size(cc->st);
+    if (cc->dt == cc->st) {
+        if (s[0] == 1 && s[1] == 1) {
+            memcpy(p[0], p[1], (size_t)n * dsz);
+            return;
+        }
+        for (int64_t i = 0; i < n; i++) memcpy(p[0] + i * s[0] * (int64_t)dsz, p[1] + i * s[1] * (int64_t)ssz, dsz);
+        return;
+    }
+    bool ints = !kiln_dtype_is_float(cc->dt) && !kiln_dtype_is_float(cc->st);
+    for (int64_t i = 0; i < n; i++) {
+        char *d = p[0] + i * s[0] * (int64_t)dsz, *x = p[1] + i * s[1] * (int64_t)ssz;
+        if (ints && cc->dt != KILN_DTYPE_BOOL) {
+            int64_t v = cc->st == KILN_DTYPE_I64 ? *(int64_t *)x : cc->st == KILN_DTYPE_I32 ? *(int32_t *)x : *(uint8_t *)x;
+            if (cc->dt == KILN_DTYPE_I64) *(int64_t *)d = v;
+            else if (cc->dt == KILN_DTYPE_I32) *(int32_t *)d = (int32_t)v;
+            else *(uint8_t *)d = (uint8_t)v;
+        } else {
+            kiln__store(d, cc->dt, kiln__load(x, cc->st));
+        }
+    }
+}
+
+void cpu_copy(kiln_tensor_t *dst, kiln_tensor_t *src)
+{
+    kiln_tensor_t *ops[2] = {dst, src};
+    cpu_iter it;
+    cpu_iter_init(&it, 2, ops);
+    copy_ctx cc = {dst->dtype, src->dtype};
+    cpu_iter_run(&it, copy_row, &cc);
+}
+
+kiln_tensor_t *cpu_contig(kiln_tensor_t *t, kiln_tensor_t **tmp)
+{
+    *tmp = NULL;
+    if (kiln__is_contiguous(t)) return t;
+    *tmp = kiln__tensor_alloc(t->st->be, t->dtype, t->shape, t->ndim);
+    if (!*tmp) return NULL;
+    cpu_copy(*tmp, t);
+    return *tmp;
+}
+
+void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t *shape, const int64_t *stride,
+              int64_t offset)
+{
+    memset(v, 0, sizeof *v);
+    v->st = t->st;
+    v->dtype = t->dtype;
+    v->ndim = ndim;
+    memcpy(v->shape, shape, sizeof(int64_t) * (size_t)ndim);
+    memcpy(v->stride, stride, sizeof(int64_t) * (size_t)ndim);
+    v->offset = offset;
+}

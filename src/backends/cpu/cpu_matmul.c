@@ -1,0 +1,94 @@
+/* Batched matmul on the BLAS (BLIS or OpenBLAS, chosen at build time). Operands whose
+ * last two dims are row-major or transposed go to the BLAS as they are; anything else
+ * is copied first. A weight without batch dims is multiplied in one GEMM over all the
+ * rows of the other operand, which is how Linear layers reach the BLAS. */
+#include <stdlib.h>
+#include <string.h>
+#include <cblas.h>
+#include "backends/cpu/cpu.h"
+
+typedef struct {
+    enum CBLAS_TRANSPOSE trans;
+    int64_t ld;
+} mat_layout;
+
+/* Can the (rows, cols) matrix with strides (sr, sc) be passed to BLAS? */
+static bool blas_layout(int64_t rows, int64_t cols, int64_t sr, int64_t sc, mat_layout *l)
+{
+    if (sc == 1 && (sr >= cols || rows == 1)) {
+        l->trans = CblasNoTrans;
+        l->ld = rows == 1 ? (cols > 0 ? cols : 1) : sr;
+        return true;
+    }
+    if (sr == 1 && (sc >= rows || cols == 1)) {
+        l->trans = CblasTrans;
+        l->ld = cols == 1 ? (rows > 0 ? rows : 1) : sc;
+        return true;
+    }
+    return false;
+}
+
+static void gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
+                 const char *B, char *C)
+{
+    if (dt == KILN_DTYPE_F32)
+        cblas_sgemm(CblasRowMajor, la.trans, lb.trans, (int)M, (int)N, (int)K, 1.0f, (const float *)A, (int)la.ld,
+                    (const float *)B, (int)lb.ld, 0.0f, (float *)C, (int)N);
+    else
+        cblas_dgemm(CblasRowMajor, la.trans, lb.trans, (int)M, (int)N, (int)K, 1.0, (const double *)A, (int)la.ld,
+                    (const double *)B, (int)lb.ld, 0.0, (double *)C, (int)N);
+}
+
+kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                             kiln_tensor_t *const *out, int n_out)
+{
+    kiln_tensor_t *x = in[0], *y = in[1], *o = out[0], *tx = NULL, *ty = NULL;
+    int nx = x->ndim, ny = y->ndim, no = o->ndim;
+    int64_t M = o->shape[no - 2], N = o->shape[no - 1], K = x->shape[nx - 1];
+    size_t es = kiln_dtype_size(o->dtype);
+    if (K == 0) {
+        memset(kiln__data(o), 0, es * (size_t)kiln__numel(no, o->shape));
+        return KILN_OK;
+    }
+    mat_layout la, lb;
+    if (!blas_layout(M, K, x->stride[nx - 2], x->stride[nx - 1], &la)) {
+        if (!(x = cpu_contig(x, &tx))) return kiln_last_status();
+        blas_layout(M, K, x->stride[nx - 2], x->stride[nx - 1], &la);
+    }
+    if (!blas_layout(K, N, y->stride[ny - 2], y->stride[ny - 1], &lb)) {
+        if (!(y = cpu_contig(y, &ty))) {
+            kiln_tensor_free(tx);
+            return kiln_last_status();
+        }
+        blas_layout(K, N, y->stride[ny - 2], y->stride[ny - 1], &lb);
+    }
+    int nb = no - 2;
+    int64_t batches = kiln__numel(nb, o->shape);
+    /* y without batch dims and x's batch dims stacked like rows: one GEMM. */
+    bool y_batched = false;
+    for (int d = 0; d < ny - 2; d++) y_batched |= y->shape[d] != 1;
+    bool x_stacks = la.trans == CblasNoTrans && nx - 2 == nb;
+    for (int d = nb - 1, expect = (int)(x->stride[nx - 2] * M); x_stacks && d >= 0; d--) {
+        if (x->shape[d] != 1 && x->stride[d] != expect) x_stacks = false;
+        expect = (int)(expect * x->shape[d]);
+    }
+    if (!y_batched && x_stacks && batches > 1) {
+        gemm(o->dtype, la, lb, M * batches, N, K, kiln__data(x), kiln__data(y), kiln__data(o));
+    } else {
+        for (int64_t bi = 0; bi < batches; bi++) {
+            int64_t rem = bi, ox = 0, oy = 0;
+            for (int d = nb - 1; d >= 0; d--) {
+                int64_t i = rem % o->shape[d];
+                rem /= o->shape[d];
+                int jx = d - (nb - (nx - 2)), jy = d - (nb - (ny - 2));
+                if (jx >= 0 && x->shape[jx] != 1) ox += i * x->stride[jx];
+                if (jy >= 0 && y->shape[jy] != 1) oy += i * y->stride[jy];
+            }
+            gemm(o->dtype, la, lb, M, N, K, (const char *)kiln__data(x) + ox * (int64_t)es,
+                 (const char *)kiln__data(y) + oy * (int64_t)es, (char *)kiln__data(o) + bi * M * N * (int64_t)es);
+        }
+    }
+    kiln_tensor_free(tx);
+    kiln_tensor_free(ty);
+    return KILN_OK;
+}

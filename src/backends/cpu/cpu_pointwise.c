@@ -1,0 +1,412 @@
+/* Pointwise kernels. Every op has an f32 row loop (contiguous rows are plain loops the
+ * compiler vectorizes; the AVX2/FMA clone is picked at load time) and a generic row
+ * loop that reads and writes any dtype through double. */
+#include <math.h>
+#include <string.h>
+#include "backends/cpu/cpu.h"
+#include "core/rng.h"
+
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(KILN_NO_CLONES)
+#define KILN_SIMD __attribute__((target_clones("avx2,fma", "default")))
+#else
+#define KILN_SIMD
+#endif
+
+#define SQRT_2_OVER_PI 0.7978845608028654
+#define GELU_C 0.044715
+
+static inline double gelu_d(double x, bool tanh_form)
+{
+    if (tanh_form) return 0.5 * x * (1.0 + tanh(SQRT_2_OVER_PI * (x + GELU_C * x * x * x)));
+    return 0.5 * x * (1.0 + erf(x * 0.7071067811865476));
+}
+
+static inline float gelu_f(float x, bool tanh_form)
+{
+    if (tanh_form) return 0.5f * x * (1.0f + tanhf((float)SQRT_2_OVER_PI * (x + (float)GELU_C * x * x * x)));
+    return 0.5f * x * (1.0f + erff(x * 0.70710678f));
+}
+
+static inline double gelu_grad_d(double x, bool tanh_form)
+{
+    if (tanh_form) {
+        double u = SQRT_2_OVER_PI * (x + GELU_C * x * x * x), t = tanh(u);
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * SQRT_2_OVER_PI * (1.0 + 3.0 * GELU_C * x * x);
+    }
+    return 0.5 * (1.0 + erf(x * 0.7071067811865476)) + x * exp(-0.5 * x * x) * 0.3989422804014327;
+}
+
+static inline float gelu_grad_f(float x, bool tanh_form)
+{
+    if (tanh_form) {
+        float u = (float)SQRT_2_OVER_PI * (x + (float)GELU_C * x * x * x), t = tanhf(u);
+        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (float)SQRT_2_OVER_PI * (1.0f + 3.0f * (float)GELU_C * x * x);
+    }
+    return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;
+}
+
+static inline double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
+static inline float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+static bool all_dtype(kiln_tensor_t *const *in, int n, kiln_tensor_t *const *out, int nout, kiln_dtype dt)
+{
+    for (int i = 0; i < n; i++)
+        if (in[i]->dtype != dt) return false;
+    for (int j = 0; j < nout; j++)
+        if (out[j]->dtype != dt) return false;
+    return true;
+}
+
+typedef struct {
+    kiln_dtype dt[CPU_MAX_OPS];
+    const kiln__attrs *a;
+} pw_ctx;
+
+/* ---- unary ---- */
+#define UNARY(name, EXPR_F, EXPR_D)                                                                 \
+    KILN_SIMD static void u_##name##_f32(void *c, char **p, const int64_t *s, int64_t n)            \
+    {                                                                                               \
+        const pw_ctx *pc = c;                                                                       \
+        (void)pc;                                                                                   \
+        float *o = (float *)p[0];                                                                   \
+        const float *in = (const float *)p[1];                                                      \
+        if (s[0] == 1 && s[1] == 1) {                                                               \
+            for (int64_t i = 0; i < n; i++) { float x = in[i]; o[i] = (EXPR_F); }                   \
+        } else {                                                                                    \
+            for (int64_t i = 0; i < n; i++) { float x = in[i * s[1]]; o[i * s[0]] = (EXPR_F); }     \
+        }                                                                                           \
+    }                                                                                               \
+    static void u_##name##_any(void *c, char **p, const int64_t *s, int64_t n)                      \
+    {                                                                                               \
+        const pw_ctx *pc = c;                                                                       \
+        size_t so = kiln_dtype_size(pc->dt[0]), si = kiln_dtype_size(pc->dt[1]);                   \
+        for (int64_t i = 0; i < n; i++) {                                                           \
+            double x = kiln__load(p[1] + i * s[1] * (int64_t)si, pc->dt[1]);                        \
+            kiln__store(p[0] + i * s[0] * (int64_t)so, pc->dt[0], (EXPR_D));                        \
+        }                                                                                           \
+    }                                                                                               \
+    kiln_status kiln__cpu_##name(kiln__backend *be, kiln_tensor_t *const *in, int n_in,              \
+                                 const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)        \
+    {                                                                                               \
+        kiln_tensor_t *ops[2] = {out[0], in[0]};                                                    \
+        cpu_iter it;                                                                                \
+        cpu_iter_init(&it, 2, ops);                                                                 \
+        pw_ctx pc = {{out[0]->dtype, in[0]->dtype}, a};                                             \
+        cpu_iter_run(&it, all_dtype(in, 1, out, 1, KILN_DTYPE_F32) ? u_##name##_f32 : u_##name##_any, &pc); \
+        return KILN_OK;                                                                             \
+    }
+
+#define AT (pc->a)
+UNARY(neg, -x, -x)
+UNARY(abs, fabsf(x), fabs(x))
+UNARY(exp, expf(x), exp(x))
+UNARY(log, logf(x), log(x))
+UNARY(sqrt, sqrtf(x), sqrt(x))
+UNARY(rsqrt, 1.0f / sqrtf(x), 1.0 / sqrt(x))
+UNARY(tanh, tanhf(x), tanh(x))
+UNARY(sigmoid, sigmoid_f(x), sigmoid_d(x))
+UNARY(relu, x > 0 ? x : 0.0f, x > 0 ? x : 0.0)
+UNARY(gelu, gelu_f(x, AT->i[0]), gelu_d(x, AT->i[0]))
+UNARY(silu, x * sigmoid_f(x), x * sigmoid_d(x))
+UNARY(scale_body, x * (float)AT->f[0], x * AT->f[0])
+UNARY(fill_body, ((void)x, (float)AT->f[0]), ((void)x, AT->f[0]))
+
+/* ---- binary ---- */
+#define BINARY(name, EXPR_F, EXPR_D, OUT_IS_BOOL)                                                   \
+    KILN_SIMD static void b_##name##_f32(void *c, char **p, const int64_t *s, int64_t n)            \
+    {                                                                                               \
+        const pw_ctx *pc = c;                                                                       \
+        (void)pc;                                                                                   \
+        float *o = (float *)p[0];                                                                   \
+        const float *A = (const float *)p[1], *B = (const float *)p[2];                             \
+        if (s[0] == 1 && s[1] == 1 && s[2] == 1) {                                                  \
+            for (int64_t i = 0; i < n; i++) { float x = A[i], y = B[i]; o[i] = (EXPR_F); }          \
+        } else if (s[0] == 1 && s[1] == 1 && s[2] == 0) {                                           \
+            float y = B[0];                                                                         \
+            for (int64_t i = 0; i < n; i++) { float x = A[i]; o[i] = (EXPR_F); }                    \
+        } else if (s[0] == 1 && s[1] == 0 && s[2] == 1) {                                           \
+            float x = A[0];                                                                         \
+            for (int64_t i = 0; i < n; i++) { float y = B[i]; o[i] = (EXPR_F); }                    \
+        } else {                                                                                    \
+            for (int64_t i = 0; i < n; i++) {                                                       \
+                float x = A[i * s[1]], y = B[i * s[2]];                                             \
+                o[i * s[0]] = (EXPR_F);                                                             \
+            }                                                                                       \
+        }                                                                                           \
+    }                                                                                               \
+    static void b_##name##_any(void *c, char **p, const int64_t *s, int64_t n)                      \
+    {                                                                                               \
+        const pw_ctx *pc = c;                                                                       \
+        size_t so = kiln_dtype_size(pc->dt[0]), sa = kiln_dtype_size(pc->dt[1]), sb = kiln_dtype_size(pc->dt[2]); \
+        for (int64_t i = 0; i < n; i++) {                                                           \
+            double x = kiln__load(p[1] + i * s[1] * (int64_t)sa, pc->dt[1]);                        \
+            double y = kiln__load(p[2] + i * s[2] * (int64_t)sb, pc->dt[2]);                        \
+            kiln__store(p[0] + i * s[0] * (int64_t)so, pc->dt[0], (EXPR_D));                        \
+        }                                                                                           \
+    }                                                                                               \
+    kiln_status kiln__cpu_##name(kiln__backend *be, kiln_tensor_t *const *in, int n_in,              \
+                                 const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)        \
+    {                                                                                               \
+        kiln_tensor_t *ops[3] = {out[0], in[0], in[1]};                                             \
+        cpu_iter it;                                                                                \
+        cpu_iter_init(&it, 3, ops);                                                                 \
+        pw_ctx pc = {{out[0]->dtype, in[0]->dtype, in[1]->dtype}, a};                               \
+        bool f32 = !(OUT_IS_BOOL) && all_dtype(in, 2, out, 1, KILN_DTYPE_F32);                     \
+        cpu_iter_run(&it, f32 ? b_##name##_f32 : b_##name##_any, &pc);                              \
+        return KILN_OK;                                                                             \
+    }
+
+/* NaN propagates through maximum/minimum, as in PyTorch. */
+#define MAXF(x, y) ((x) != (x) || (x) > (y) ? (x) : (y))
+#define MINF(x, y) ((x) != (x) || (x) < (y) ? (x) : (y))
+BINARY(add, x + y, x + y, 0)
+BINARY(sub, x - y, x - y, 0)
+BINARY(mul, x * y, x * y, 0)
+BINARY(div, x / y, x / y, 0)
+BINARY(pow, powf(x, y), pow(x, y), 0)
+BINARY(maximum, MAXF(x, y), MAXF(x, y), 0)
+BINARY(minimum, MINF(x, y), MINF(x, y), 0)
+BINARY(eq, ((void)x, (void)y, 0.0f), x == y, 1)
+BINARY(ne, ((void)x, (void)y, 0.0f), x != y, 1)
+BINARY(lt, ((void)x, (void)y, 0.0f), x < y, 1)
+BINARY(le, ((void)x, (void)y, 0.0f), x <= y, 1)
+BINARY(gt, ((void)x, (void)y, 0.0f), x > y, 1)
+BINARY(ge, ((void)x, (void)y, 0.0f), x >= y, 1)
+BINARY(gelu_backward, y * gelu_grad_f(x, AT->i[0]), y * gelu_grad_d(x, AT->i[0]), 0)
+BINARY(silu_backward, y * sigmoid_f(x) * (1.0f + x * (1.0f - sigmoid_f(x))),
+       y * sigmoid_d(x) * (1.0 + x * (1.0 - sigmoid_d(x))), 0)
+
+/* ---- in-place: operand 0 is the destination, read and written ---- */
+KILN_SIMD static void add__f32(void *c, char **p, const int64_t *s, int64_t n)
+{
+    const pw_ctx *pc = c;
+    float *o = (float *)p[0], al = (float)pc->a->f[0];
+    const float *x = (const float *)p[1];
+    if (s[0] == 1 && s[1] == 1)
+        for (int64_t i = 0; i < n; i++) o[i] += al * x[i];
+    else
+        for (int64_t i = 0; i < n; i++) o[i * s[0]] += al * x[i * s[1]];
+}
+
+static void add__any(void *c, char **p, const int64_t *s, int64_t n)
+{
+    const pw_ctx *pc = c;
+    size_t so = kiln_dtype_size(pc->dt[0]), si = kiln_dtype_size(pc->dt[1]);
+    for (int64_t i = 0; i < n; i++) {
+        char *d = p[0] + i * s[0] * (int64_t)so;
+        kiln__store(d, pc->dt[0], kiln__load(d, pc->dt[0]) + pc->a->f[0] * kiln__load(p[1] + i * s[1] * (int64_t)si, pc->dt[1]));
+    }
+}
+
+kiln_status kiln__cpu_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                           kiln_tensor_t *const *out, int n_out)
+{
+    cpu_iter it;
+    cpu_iter_init(&it, 2, in);
+    pw_ctx pc = {{in[0]->dtype, in[1]->dtype}, a};
+    cpu_iter_run(&it, all_dtype(in, 2, out, 0, KILN_DTYPE_F32) ? add__f32 : add__any, &pc);
+    return KILN_OK;
+}
+
+/* scale_ and fill_ reuse the unary kernels with the destination as both operands. */
+kiln_status kiln__cpu_scale_body(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t *const *out, int n_out);
+kiln_status kiln__cpu_fill_body(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                kiln_tensor_t *const *out, int n_out);
+
+static kiln_status self_unary(kiln_status (*k)(kiln__backend *, kiln_tensor_t *const *, int, const kiln__attrs *,
+                                                kiln_tensor_t *const *, int),
+                              kiln__backend *be, kiln_tensor_t *dst, const kiln__attrs *a)
+{
+    kiln_tensor_t *o[1] = {dst};
+    return k(be, o, 1, a, o, 1);
+}
+
+kiln_status kiln__cpu_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                             kiln_tensor_t *const *out, int n_out)
+{
+    return self_unary(kiln__cpu_scale_body, be, in[0], a);
+}
+
+kiln_status kiln__cpu_fill_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                            kiln_tensor_t *const *out, int n_out)
+{
+    return self_unary(kiln__cpu_fill_body, be, in[0], a);
+}
+
+kiln_status kiln__cpu_cast(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                           kiln_tensor_t *const *out, int n_out)
+{
+    cpu_copy(out[0], in[0]);
+    return KILN_OK;
+}
+
+kiln_status kiln__cpu_contiguous(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t *const *out, int n_out)
+{
+    cpu_copy(out[0], in[0]);
+    return KILN_OK;
+}
+
+kiln_status kiln__cpu_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                            kiln_tensor_t *const *out, int n_out)
+{
+    cpu_copy(in[0], in[1]);
+    return KILN_OK;
+}
+
+kiln_status kiln__cpu_where(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                            kiln_tensor_t *const *out, int n_out);
+
+typedef struct {
+    kiln_dtype dt[4];
+} where_ctx;
+
+static void where_row(void *c, char **p, const int64_t *s, int64_t n)
+{
+    const where_ctx *w = c;
+    size_t sz[4];
+    for (int k = 0; k < 4; k++) sz[k] = kiln_dtype_size(w->dt[k]);
+    for (int64_t i = 0; i < n; i++) {
+        bool cond = kiln__load(p[1] + i * s[1] * (int64_t)sz[1], w->dt[1]) != 0;
+        int k = cond ? 2 : 3;
+        kiln__store(p[0] + i * s[0] * (int64_t)sz[0], w->dt[0], kiln__load(p[k] + i * s[k] * (int64_t)sz[k], w->dt[k]));
+    }
+}
+
+kiln_status kiln__cpu_where(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                            kiln_tensor_t *const *out, int n_out)
+{
+    kiln_tensor_t *ops[4] = {out[0], in[0], in[1], in[2]};
+    cpu_iter it;
+    cpu_iter_init(&it, 4, ops);
+    where_ctx w = {{out[0]->dtype, in[0]->dtype, in[1]->dtype, in[2]->dtype}};
+    cpu_iter_run(&it, where_row, &w);
+    return KILN_OK;
+}
+
+/* ---- creation: outputs are contiguous, so the flat index is known ---- */
+typedef struct {
+    const kiln__attrs *a;
+    kiln_tensor_t *t;
+    int kind; /* 0 full, 1 arange, 2 rand */
+} make_ctx;
+
+static void make_range(void *c, int64_t b, int64_t e)
+{
+    const make_ctx *m = c;
+    const kiln__attrs *a = m->a;
+    kiln_dtype dt = m->t->dtype;
+    char *base = kiln__data(m->t);
+    size_t sz = kiln_dtype_size(dt);
+    if (m->kind == 0 && dt == KILN_DTYPE_F32) {
+        float v = (float)a->f[0], *o = (float *)base;
+        for (int64_t i = b; i < e; i++) o[i] = v;
+        return;
+    }
+    for (int64_t i = b; i < e; i++) {
+        double v;
+        if (m->kind == 0) v = a->f[0];
+        else if (m->kind == 1) v = a->f[0] + (double)i * a->f[1];
+        else v = a->i[1] ? kiln__rng_normal(a->u[0], a->u[1], (uint64_t)i) : kiln__rng_uniform(a->u[0], a->u[1], (uint64_t)i);
+        kiln__store(base + i * (int64_t)sz, dt, v);
+    }
+}
+
+static kiln_status make(kiln_tensor_t *t, const kiln__attrs *a, int kind)
+{
+    make_ctx m = {a, t, kind};
+    kiln__parallel_for(kiln__numel(t->ndim, t->shape), CPU_GRAIN, make_range, &m);
+    return KILN_OK;
+}
+
+kiln_status kiln__cpu_full(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                           kiln_tensor_t *const *out, int n_out) { return make(out[0], a, 0); }
+kiln_status kiln__cpu_arange(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                             kiln_tensor_t *const *out, int n_out) { return make(out[0], a, 1); }
+kiln_status kiln__cpu_rand(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                           kiln_tensor_t *const *out, int n_out) { return make(out[0], a, 2); }
+
+/* ---- dropout: the mask is a pure function of (seed, counter, flat index) ---- */
+typedef struct {
+    const kiln__attrs *a;
+    kiln_tensor_t *x, *y, *mask;
+} drop_ctx;
+
+static void drop_range(void *c, int64_t b, int64_t e)
+{
+    const drop_ctx *d = c;
+    double p = d->a->f[0], scale = 1.0 / (1.0 - p);
+    kiln_dtype dt = d->x->dtype;
+    size_t sz = kiln_dtype_size(dt);
+    char *x = kiln__data(d->x), *y = kiln__data(d->y);
+    uint8_t *m = kiln__data(d->mask);
+    for (int64_t i = b; i < e; i++) {
+        bool keep = kiln__rng_uniform(d->a->u[0], d->a->u[1], (uint64_t)i) >= p;
+        m[i] = keep;
+        kiln__store(y + i * (int64_t)sz, dt, keep ? kiln__load(x + i * (int64_t)sz, dt) * scale : 0.0);
+    }
+}
+
+kiln_status kiln__cpu_dropout(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                              kiln_tensor_t *const *out, int n_out)
+{
+    kiln_tensor_t *tmp, *x = cpu_contig(in[0], &tmp);
+    if (!x) return kiln_last_status();
+    drop_ctx d = {a, x, out[0], out[1]};
+    kiln__parallel_for(kiln__numel(x->ndim, x->shape), CPU_GRAIN, drop_range, &d);
+    kiln_tensor_free(tmp);
+    return KILN_OK;
+}
+
+/* ---- tril / triu: copy, then zero the other triangle of every matrix ---- */
+kiln_status kiln__cpu_tri(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                          kiln_tensor_t *const *out, int n_out)
+{
+    kiln_tensor_t *o = out[0];
+    cpu_copy(o, in[0]);
+    int64_t r = o->shape[o->ndim - 2], c = o->shape[o->ndim - 1], mats = kiln__numel(o->ndim - 2, o->shape);
+    size_t sz = kiln_dtype_size(o->dtype);
+    char *base = kiln__data(o);
+    for (int64_t m = 0; m < mats; m++)
+        for (int64_t i = 0; i < r; i++)
+            for (int64_t j = 0; j < c; j++) {
+                bool keep = a->i[1] ? j - i >= a->i[0] : j - i <= a->i[0];
+                if (!keep) memset(base + ((m * r + i) * c + j) * (int64_t)sz, 0, sz);
+            }
+    return KILN_OK;
+}
+
+/* ---- AdamW, decoupled weight decay (Loshchilov & Hutter), bias-corrected ---- */
+typedef struct {
+    float *p, *g, *m, *v;
+    float lr, wd, b1, b2, eps, c1, c2;
+} adam_ctx;
+
+KILN_SIMD static void adam_range(void *c, int64_t b, int64_t e)
+{
+    const adam_ctx *k = c;
+    for (int64_t i = b; i < e; i++) {
+        float g = k->g[i];
+        float m = k->b1 * k->m[i] + (1.0f - k->b1) * g;
+        float v = k->b2 * k->v[i] + (1.0f - k->b2) * g * g;
+        k->m[i] = m;
+        k->v[i] = v;
+        float p = k->p[i] * (1.0f - k->lr * k->wd);
+        k->p[i] = p - k->lr * (m / k->c1) / (sqrtf(v / k->c2) + k->eps);
+    }
+}
+
+kiln_status kiln__cpu_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                             kiln_tensor_t *const *out, int n_out)
+{
+    double b1, b2, eps;
+    memcpy(&b1, &a->shape[0], 8);
+    memcpy(&b2, &a->shape[1], 8);
+    memcpy(&eps, &a->shape[2], 8);
+    adam_ctx k = {kiln__data(in[0]), kiln__data(in[1]), kiln__data(in[2]), kiln__data(in[3]), (float)a->f[0],
+                  (float)a->f[1], (float)b1, (float)b2, (float)eps,
+                  (float)(1.0 - pow(b1, (double)a->i[0])), (float)(1.0 - pow(b2, (double)a->i[0]))};
+    kiln__parallel_for(kiln__numel(in[0]->ndim, in[0]->shape), CPU_GRAIN, adam_range, &k);
+    return KILN_OK;
+}

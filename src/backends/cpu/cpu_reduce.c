@@ -1,0 +1,117 @@
+/* Reductions over any set of dims: sum, max, argmax. Each output element is reduced
+ * by one thread in a fixed order, so results never depend on the thread count. */
+#include <math.h>
+#include <string.h>
+#include "backends/cpu/cpu.h"
+
+typedef struct {
+    kiln_tensor_t *x, *o;
+    int nk, nr;                                   /* kept and reduced dims */
+    int64_t kshape[KILN_MAX_DIMS], kstride[KILN_MAX_DIMS];
+    int64_t rshape[KILN_MAX_DIMS], rstride[KILN_MAX_DIMS];
+    int64_t rcount;
+    int kind; /* 0 sum, 1 max, 2 argmax */
+} red_ctx;
+
+static void red_setup(red_ctx *r, kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dims, int ndims, int kind)
+{
+    memset(r, 0, sizeof *r);
+    r->x = x;
+    r->o = o;
+    r->kind = kind;
+    bool red[KILN_MAX_DIMS] = {0};
+    for (int k = 0; k < ndims; k++) red[dims[k]] = true;
+    r->rcount = 1;
+    for (int d = 0; d < x->ndim; d++) {
+        if (ndims == 0 || red[d]) {
+            r->rshape[r->nr] = x->shape[d];
+            r->rstride[r->nr++] = x->stride[d];
+            r->rcount *= x->shape[d];
+        } else {
+            r->kshape[r->nk] = x->shape[d];
+            r->kstride[r->nk++] = x->stride[d];
+        }
+    }
+}
+
+static void red_range(void *c, int64_t b, int64_t e)
+{
+    const red_ctx *r = c;
+    kiln_dtype dt = r->x->dtype;
+    size_t sz = kiln_dtype_size(dt), osz = kiln_dtype_size(r->o->dtype);
+    char *xb = kiln__data(r->x), *ob = kiln__data(r->o);
+    bool f32 = dt == KILN_DTYPE_F32;
+    int64_t inner_n = r->nr ? r->rshape[r->nr - 1] : 1, inner_s = r->nr ? r->rstride[r->nr - 1] : 0;
+    int64_t outer_n = inner_n ? r->rcount / inner_n : 0;
+    for (int64_t oi = b; oi < e; oi++) {
+        int64_t off = 0, rem = oi;
+        for (int d = r->nk - 1; d >= 0; d--) {
+            off += (rem % r->kshape[d]) * r->kstride[d];
+            rem /= r->kshape[d];
+        }
+        double acc = r->kind == 0 ? 0.0 : -INFINITY;
+        int64_t best = 0, flat = 0;
+        bool nan = false;
+        for (int64_t q = 0; q < outer_n; q++) {
+            int64_t roff = off, rr = q;
+            for (int d = r->nr - 2; d >= 0; d--) {
+                roff += (rr % r->rshape[d]) * r->rstride[d];
+                rr /= r->rshape[d];
+            }
+            if (r->kind == 0 && f32) {
+                const float *p = (const float *)xb + roff;
+                double s = 0;
+                if (inner_s == 1)
+                    for (int64_t i = 0; i < inner_n; i++) s += p[i];
+                else
+                    for (int64_t i = 0; i < inner_n; i++) s += p[i * inner_s];
+                acc += s;
+                continue;
+            }
+            for (int64_t i = 0; i < inner_n; i++, flat++) {
+                double v = kiln__load(xb + (roff + i * inner_s) * (int64_t)sz, dt);
+                if (r->kind == 0) {
+                    acc += v;
+                } else if (v != v) {
+                    if (!nan) best = flat;
+                    nan = true;
+                    acc = v;
+                } else if (!nan && v > acc) {
+                    acc = v;
+                    best = flat;
+                }
+            }
+        }
+        if (r->kind == 2) *(int64_t *)(ob + oi * 8) = best;
+        else kiln__store(ob + oi * (int64_t)osz, r->o->dtype, acc);
+    }
+}
+
+static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dims, int ndims, int kind)
+{
+    red_ctx r;
+    red_setup(&r, x, o, dims, ndims, kind);
+    int64_t nout = kiln__numel(o->ndim, o->shape);
+    int64_t grain = r.rcount >= CPU_GRAIN ? 1 : CPU_GRAIN / (r.rcount ? r.rcount : 1);
+    kiln__parallel_for(nout, grain, red_range, &r);
+    return KILN_OK;
+}
+
+kiln_status kiln__cpu_sum(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                          kiln_tensor_t *const *out, int n_out)
+{
+    return reduce(in[0], out[0], a->shape, a->ndim, 0);
+}
+
+kiln_status kiln__cpu_max(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                          kiln_tensor_t *const *out, int n_out)
+{
+    return reduce(in[0], out[0], a->shape, a->ndim, 1);
+}
+
+kiln_status kiln__cpu_argmax(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                             kiln_tensor_t *const *out, int n_out)
+{
+    int64_t dim = a->i[0];
+    return reduce(in[0], out[0], &dim, 1, 2);
+}

@@ -1,0 +1,153 @@
+/* The caching allocator. Storage is rounded up to a size class (four classes per power
+ * of two, so a block wastes at most 25%) and freed blocks are kept on a per-backend,
+ * per-class free list for the next request of that class: training steps allocate the
+ * same shapes every step, and going back to the system each time costs page faults. */
+#include <pthread.h>
+#include <stdlib.h>
+#include "core/tensor_impl.h"
+
+#define N_CLASSES 256
+
+typedef struct block {
+    struct block *next;
+    void *ptr;
+} block;
+
+typedef struct {
+    kiln__backend *be;
+    block *free_list[N_CLASSES];
+} cache;
+
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static cache caches[8];
+static int n_caches;
+static size_t bytes_live, bytes_peak;
+
+static int size_class(size_t n, size_t *rounded)
+{
+    if (n < 256) n = 256;
+    int k = 63 - __builtin_clzll((unsigned long long)n); /* 2^k <= n < 2^(k+1) */
+    size_t base = (size_t)1 << k, step = base / 4;
+    size_t q = (n - base + step - 1) / step; /* 0..4 */
+    *rounded = base + q * step;
+    return k * 4 + (int)q;
+}
+
+static cache *cache_for(kiln__backend *be)
+{
+    for (int i = 0; i < n_caches; i++)
+        if (caches[i].be == be) return &caches[i];
+    if (n_caches == (int)(sizeof caches / sizeof caches[0])) return NULL;
+    caches[n_caches].be = be;
+    return &caches[n_caches++];
+}
+
+static kiln__storage *storage_new(kiln__backend *be, size_t nbytes)
+{
+    kiln__storage *st = malloc(sizeof *st);
+    if (!st) return NULL;
+    size_t rounded;
+    int cls = size_class(nbytes, &rounded);
+    void *ptr = NULL;
+    pthread_mutex_lock(&lock);
+    cache *c = cache_for(be);
+    if (c && cls < N_CLASSES && c->free_list[cls]) {
+        block *b = c->free_list[cls];
+        c->free_list[cls] = b->next;
+        ptr = b->ptr;
+        free(b);
+    }
+    pthread_mutex_unlock(&lock);
+    if (!ptr) ptr = be->alloc(be, rounded);
+    if (!ptr) {
+        kiln_memory_empty_cache();
+        ptr = be->alloc(be, rounded);
+    }
+    if (!ptr) {
+        free(st);
+        return NULL;
+    }
+    atomic_init(&st->refcount, 1);
+    st->be = be;
+    st->data = ptr;
+    st->nbytes = rounded;
+    kiln__memory_account((long long)rounded);
+    return st;
+}
+
+void kiln__storage_release(kiln__storage *st)
+{
+    if (!st || atomic_fetch_sub(&st->refcount, 1) != 1) return;
+    size_t rounded;
+    int cls = size_class(st->nbytes, &rounded);
+    kiln__memory_account(-(long long)st->nbytes);
+    block *b = malloc(sizeof *b);
+    pthread_mutex_lock(&lock);
+    cache *c = cache_for(st->be);
+    if (b && c && cls < N_CLASSES) {
+        b->ptr = st->data;
+        b->next = c->free_list[cls];
+        c->free_list[cls] = b;
+        b = NULL;
+    }
+    pthread_mutex_unlock(&lock);
+    if (b) {
+        free(b);
+        st->be->free(st->be, st->data, st->nbytes);
+    }
+    free(st);
+}
+
+void kiln_memory_empty_cache(void)
+{
+    pthread_mutex_lock(&lock);
+    for (int i = 0; i < n_caches; i++) {
+        for (int cls = 0; cls < N_CLASSES; cls++) {
+            size_t rounded = 0;
+            for (block *b = caches[i].free_list[cls], *nx; b; b = nx) {
+                nx = b->next;
+                /* The class gives back the rounded size the block was allocated with. */
+                size_t base = (size_t)1 << (cls / 4);
+                rounded = base + (size_t)(cls % 4) * (base / 4);
+                caches[i].be->free(caches[i].be, b->ptr, rounded);
+                free(b);
+            }
+            caches[i].free_list[cls] = NULL;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+}
+
+void kiln__memory_account(long long delta)
+{
+    pthread_mutex_lock(&lock);
+    bytes_live = (size_t)((long long)bytes_live + delta);
+    if (bytes_live > bytes_peak) bytes_peak = bytes_live;
+    pthread_mutex_unlock(&lock);
+}
+
+size_t kiln_memory_allocated(void) { return bytes_live; }
+size_t kiln_memory_peak(void) { return bytes_peak; }
+
+void kiln_memory_reset_peak(void)
+{
+    pthread_mutex_lock(&lock);
+    bytes_peak = bytes_live;
+    pthread_mutex_unlock(&lock);
+}
+
+kiln_tensor_t *kiln__tensor_alloc(kiln__backend *be, kiln_dtype dt, const int64_t *shape, int ndim)
+{
+    int64_t n = kiln__numel(ndim, shape);
+    size_t nbytes = (size_t)n * kiln_dtype_size(dt);
+    kiln__storage *st = storage_new(be, nbytes ? nbytes : 1);
+    if (!st) {
+        kiln__err(KILN_ERR_OOM, "out of memory allocating %zu bytes on %s", nbytes, be->name);
+        return NULL;
+    }
+    int64_t stride[KILN_MAX_DIMS];
+    kiln__contiguous_strides(ndim, shape, stride);
+    kiln_tensor_t *t = kiln__tensor_alias(st, dt, ndim, shape, stride, 0);
+    kiln__storage_release(st); /* the alias holds it now */
+    return t;
+}

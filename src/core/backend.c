@@ -1,0 +1,84 @@
+/* The backend registry and library start-up. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "core/tensor_impl.h"
+#include "core/threadpool.h"
+
+#define MAX_BACKENDS 8
+
+static kiln__backend *backends[MAX_BACKENDS];
+static int n_backends;
+static pthread_once_t init_once = PTHREAD_ONCE_INIT;
+static int requested_threads;
+
+kiln__backend *kiln__cpu_backend(int nthreads);
+
+kiln_status kiln__backend_register(kiln__backend *be)
+{
+    if (!be || !be->name) return kiln__err(KILN_ERR_ARG, "backend_register: backend or its name is NULL");
+    if (be->abi_version != KILN_BACKEND_ABI_VERSION)
+        return kiln__err(KILN_ERR_UNSUPPORTED, "backend '%s' speaks contract version %d, kiln speaks %d", be->name,
+                         be->abi_version, KILN_BACKEND_ABI_VERSION);
+    if (!be->device_info || !be->alloc || !be->free || !be->copy_h2d || !be->copy_d2h || !be->copy_d2d ||
+        !be->memset || !be->synchronize || !be->kernels)
+        return kiln__err(KILN_ERR_ARG, "backend '%s' lacks a required entry of the contract", be->name);
+    for (int i = 0; i < n_backends; i++)
+        if (!strcmp(backends[i]->name, be->name))
+            return kiln__err(KILN_ERR_ARG, "a backend named '%s' is already registered", be->name);
+    if (n_backends == MAX_BACKENDS) return kiln__err(KILN_ERR_ARG, "too many backends (at most %d)", MAX_BACKENDS);
+    backends[n_backends++] = be;
+    return KILN_OK;
+}
+
+kiln__backend *kiln__backend_find(const char *name)
+{
+    kiln__ensure_init();
+    for (int i = 0; i < n_backends; i++)
+        if (!strcmp(backends[i]->name, name)) return backends[i];
+    return NULL;
+}
+
+kiln__backend *kiln__backend_default(void)
+{
+    kiln__ensure_init();
+    return backends[0];
+}
+
+int kiln__backend_count(void)
+{
+    kiln__ensure_init();
+    return n_backends;
+}
+
+kiln__backend *kiln__backend_at(int i) { return i >= 0 && i < n_backends ? backends[i] : NULL; }
+
+static void do_init(void)
+{
+    int n = requested_threads;
+    const char *env = getenv("KILN_NUM_THREADS");
+    if (n <= 0 && env) n = atoi(env);
+    if (n <= 0) n = (int)sysconf(_SC_NPROCESSORS_ONLN);
+    if (n <= 0) n = 1;
+    kiln__pool_start(n);
+    kiln__backend_register(kiln__cpu_backend(n));
+}
+
+void kiln__ensure_init(void) { pthread_once(&init_once, do_init); }
+
+kiln_status kiln_init(int num_threads)
+{
+    requested_threads = num_threads;
+    kiln__ensure_init();
+    return KILN_OK;
+}
+
+int kiln_num_threads(void)
+{
+    kiln__ensure_init();
+    return kiln__pool_size();
+}
+
+const char *kiln_version(void) { return KILN_VERSION; }

@@ -1,0 +1,72 @@
+/* The backend contract. A backend is a versioned table of function pointers plus a
+ * context pointer, registered by name. The core reaches a device only through it.
+ * Required entries must be set; optional ones may be NULL, and the core then falls
+ * back or reports KILN_ERR_UNSUPPORTED naming the backend. */
+#ifndef KILN_CORE_BACKEND_H
+#define KILN_CORE_BACKEND_H
+
+#include <stddef.h>
+#include "kiln/tensor.h"
+#include "ops/attrs.h"
+
+#define KILN_BACKEND_ABI_VERSION 1
+
+typedef struct kiln__backend kiln__backend;
+typedef struct kiln__stream kiln__stream;
+typedef struct kiln__event kiln__event;
+
+/* One op's kernel on one backend. in[i] and out[j] are device tensors whose storage
+ * belongs to this backend; outputs are allocated, contiguous, and uninitialised. */
+typedef kiln_status (*kiln__kernel_fn)(kiln__backend *be, kiln_tensor_t *const *in, int n_in,
+                                       const kiln__attrs *a, kiln_tensor_t *const *out, int n_out);
+
+typedef struct {
+    const char *name;        /* "cpu", "opencl", ... */
+    const char *description; /* for kiln doctor */
+    size_t total_memory;     /* bytes, 0 if unknown */
+    int compute_units;
+} kiln__device_info;
+
+struct kiln__backend {
+    int abi_version; /* KILN_BACKEND_ABI_VERSION */
+    const char *name;
+    void *ctx;
+
+    /* Required. */
+    kiln_status (*device_info)(kiln__backend *be, kiln__device_info *out);
+    void *(*alloc)(kiln__backend *be, size_t nbytes); /* NULL when out of memory */
+    void (*free)(kiln__backend *be, void *ptr, size_t nbytes);
+    kiln_status (*copy_h2d)(kiln__backend *be, void *dst, const void *src, size_t n);
+    kiln_status (*copy_d2h)(kiln__backend *be, void *dst, const void *src, size_t n);
+    kiln_status (*copy_d2d)(kiln__backend *be, void *dst, const void *src, size_t n);
+    kiln_status (*memset)(kiln__backend *be, void *dst, int byte, size_t n);
+    kiln__stream *(*stream_new)(kiln__backend *be);
+    void (*stream_free)(kiln__backend *be, kiln__stream *s);
+    kiln__event *(*event_record)(kiln__backend *be, kiln__stream *s);
+    kiln_status (*event_wait)(kiln__backend *be, kiln__event *e);
+    void (*event_free)(kiln__backend *be, kiln__event *e);
+    kiln_status (*synchronize)(kiln__backend *be);
+    /* One kernel per op id; NULL where the backend lacks that op. */
+    const kiln__kernel_fn *kernels;
+
+    /* Optional. */
+    kiln_status (*compile_kernel)(kiln__backend *be, const char *source, const char *entry,
+                                  void **kernel_out);
+    kiln_status (*launch)(kiln__backend *be, void *kernel, void **args, int nargs,
+                          const size_t *grid, int grid_dims);
+    kiln_status (*host_register)(kiln__backend *be, void *ptr, size_t n);
+    kiln_status (*host_unregister)(kiln__backend *be, void *ptr);
+    kiln_status (*capture_begin)(kiln__backend *be);
+    kiln_status (*capture_end)(kiln__backend *be, void **graph_out);
+    kiln_status (*replay)(kiln__backend *be, void *graph);
+    kiln_status (*capture_reset)(kiln__backend *be, void *graph);
+};
+
+/* Registration and look-up by name. The cpu backend is registered at kiln_init. */
+kiln_status kiln__backend_register(kiln__backend *be);
+kiln__backend *kiln__backend_find(const char *name);
+kiln__backend *kiln__backend_default(void);
+int kiln__backend_count(void);
+kiln__backend *kiln__backend_at(int i);
+
+#endif

@@ -1,0 +1,44 @@
+#include <stdarg.h>
+#include <stdio.h>
+#include "core/tensor_impl.h"
+
+static _Thread_local char last_msg[1024] = "no error";
+static _Thread_local kiln_status last_status = KILN_OK;
+
+kiln_status kiln__err(kiln_status s, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_msg, sizeof last_msg, fmt, ap);
+    va_end(ap);
+    last_status = s;
+    return s;
+}
+
+const char *kiln_last_error(void) { return last_msg; }
+kiln_status kiln_last_status(void) { return last_status; }
+
+void kiln_clear_error(void)
+{
+    last_status = KILN_OK;
+    snprintf(last_msg, sizeof last_msg, "no error");
+}
+
+const char *kiln_status_name(kiln_status s)
+{
+    switch (s) {
+    case KILN_OK: return "ok";
+    case KILN_ERR_ARG: return "bad argument";
+    case KILN_ERR_SHAPE: return "shape mismatch";
+    case KILN_ERR_DTYPE: return "bad dtype";
+    case KILN_ERR_INDEX: return "index out of range";
+    case KILN_ERR_OOM: return "out of memory";
+    case KILN_ERR_IO: return "i/o error";
+    case KILN_ERR_FORMAT: return "malformed input";
+    case KILN_ERR_UNSUPPORTED: return "unsupported";
+    case KILN_ERR_DEVICE: return "device error";
+    case KILN_ERR_AUTOGRAD: return "autograd error";
+    case KILN_ERR_INTERNAL: return "internal error";
+    }
+    return "unknown status";
+}

@@ -1,0 +1,306 @@
+/* Tensor headers, reference counting, scopes, and the data-moving entry points. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "core/dtype.h"
+#include "kiln/ops.h"
+#include "core/tensor_impl.h"
+#include "ops/registry.h"
+
+void kiln__node_release(kiln__node *n);
+
+int64_t kiln__numel(int ndim, const int64_t *shape)
+{
+    int64_t n = 1;
+    for (int i = 0; i < ndim; i++) n *= shape[i];
+    return n;
+}
+
+void kiln__contiguous_strides(int ndim, const int64_t *shape, int64_t *stride)
+{
+    int64_t s = 1;
+    for (int i = ndim - 1; i >= 0; i--) {
+        stride[i] = s;
+        s *= shape[i] > 0 ? shape[i] : 1;
+    }
+}
+
+bool kiln__is_contiguous(const kiln_tensor_t *t)
+{
+    int64_t s = 1;
+    for (int i = t->ndim - 1; i >= 0; i--) {
+        if (t->shape[i] != 1 && t->stride[i] != s) return false;
+        s *= t->shape[i];
+    }
+    return true;
+}
+
+kiln_tensor_t *kiln__tensor_alias(kiln__storage *st, kiln_dtype dt, int ndim, const int64_t *shape,
+                                  const int64_t *stride, int64_t offset)
+{
+    kiln_tensor_t *t = calloc(1, sizeof *t);
+    if (!t) {
+        kiln__err(KILN_ERR_OOM, "out of memory allocating a tensor header");
+        return NULL;
+    }
+    atomic_init(&t->refcount, 1);
+    atomic_fetch_add(&st->refcount, 1);
+    t->st = st;
+    t->dtype = dt;
+    t->ndim = ndim;
+    for (int i = 0; i < ndim; i++) {
+        t->shape[i] = shape[i];
+        t->stride[i] = stride[i];
+    }
+    t->offset = offset;
+    return t;
+}
+
+kiln_tensor_t *kiln_tensor_retain(kiln_tensor_t *t)
+{
+    if (t) atomic_fetch_add(&t->refcount, 1);
+    return t;
+}
+
+void kiln_tensor_free(kiln_tensor_t *t)
+{
+    if (!t || atomic_fetch_sub(&t->refcount, 1) != 1) return;
+    kiln_tensor_free(t->grad);
+    if (t->grad_fn) kiln__node_release(t->grad_fn);
+    kiln__storage_release(t->st);
+    free(t);
+}
+
+/* Scopes: a per-thread stack of growable lists of references. */
+typedef struct {
+    kiln_tensor_t **items;
+    size_t n, cap;
+} scope;
+
+static _Thread_local scope *scopes;
+static _Thread_local int n_scopes, cap_scopes;
+
+void kiln_scope_begin(void)
+{
+    if (n_scopes == cap_scopes) {
+        int cap = cap_scopes ? cap_scopes * 2 : 8;
+        scope *s = realloc(scopes, (size_t)cap * sizeof *s);
+        if (!s) abort(); /* a few bytes for the scope stack: nothing sane remains */
+        scopes = s;
+        cap_scopes = cap;
+    }
+    scopes[n_scopes++] = (scope){0};
+}
+
+void kiln_scope_end(void)
+{
+    if (n_scopes == 0) return;
+    scope *s = &scopes[--n_scopes];
+    for (size_t i = s->n; i-- > 0;) kiln_tensor_free(s->items[i]);
+    free(s->items);
+}
+
+kiln_tensor_t *kiln__scoped(kiln_tensor_t *t)
+{
+    if (!t || n_scopes == 0) return t;
+    scope *s = &scopes[n_scopes - 1];
+    if (s->n == s->cap) {
+        size_t cap = s->cap ? s->cap * 2 : 64;
+        kiln_tensor_t **items = realloc(s->items, cap * sizeof *items);
+        if (!items) {
+            kiln_tensor_free(t);
+            kiln__err(KILN_ERR_OOM, "out of memory growing a scope");
+            return NULL;
+        }
+        s->items = items;
+        s->cap = cap;
+    }
+    s->items[s->n++] = t;
+    return t;
+}
+
+kiln_tensor_t *kiln_keep(kiln_tensor_t *t)
+{
+    if (!t) return NULL;
+    for (int k = n_scopes - 1; k >= 0; k--) {
+        scope *s = &scopes[k];
+        for (size_t i = s->n; i-- > 0;) {
+            if (s->items[i] == t) {
+                s->items[i] = s->items[--s->n];
+                return t;
+            }
+        }
+    }
+    return t; /* not in a scope: the caller owned it already */
+}
+
+/* Properties. */
+int kiln_tensor_ndim(const kiln_tensor_t *t) { return t ? t->ndim : 0; }
+const int64_t *kiln_tensor_shape(const kiln_tensor_t *t) { return t ? t->shape : NULL; }
+const int64_t *kiln_tensor_strides(const kiln_tensor_t *t) { return t ? t->stride : NULL; }
+int64_t kiln_tensor_numel(const kiln_tensor_t *t) { return t ? kiln__numel(t->ndim, t->shape) : 0; }
+size_t kiln_tensor_nbytes(const kiln_tensor_t *t)
+{
+    return t ? (size_t)kiln_tensor_numel(t) * kiln_dtype_size(t->dtype) : 0;
+}
+kiln_dtype kiln_tensor_dtype(const kiln_tensor_t *t) { return t ? t->dtype : KILN_DTYPE_F32; }
+bool kiln_tensor_is_contiguous(const kiln_tensor_t *t) { return t && kiln__is_contiguous(t); }
+
+int64_t kiln_tensor_dim(const kiln_tensor_t *t, int i)
+{
+    if (!t) return 0;
+    if (i < 0) i += t->ndim;
+    return i >= 0 && i < t->ndim ? t->shape[i] : 0;
+}
+
+static const char *shape_str(kiln_dtype dt, int ndim, const int64_t *shape, char *buf, size_t n)
+{
+    size_t k = (size_t)snprintf(buf, n, "%s[", kiln_dtype_name(dt));
+    for (int i = 0; i < ndim && k < n; i++)
+        k += (size_t)snprintf(buf + k, n - k, i ? ",%lld" : "%lld", (long long)shape[i]);
+    if (k < n) snprintf(buf + k, n - k, "]");
+    return buf;
+}
+
+const char *kiln__shape_str(const kiln_tensor_t *t, char *buf, size_t n)
+{
+    return t ? shape_str(t->dtype, t->ndim, t->shape, buf, n) : "(null)";
+}
+
+const char *kiln__meta_str(const kiln__meta *m, char *buf, size_t n)
+{
+    return shape_str(m->dtype, m->ndim, m->shape, buf, n);
+}
+
+const char *kiln_tensor_describe(const kiln_tensor_t *t, char *buf, size_t n)
+{
+    return kiln__shape_str(t, buf, n);
+}
+
+/* Creation through the op table, so that every backend makes its own constants. */
+static kiln_status check_shape(const char *op, const int64_t *shape, int ndim, kiln_dtype dt)
+{
+    if (ndim < 0 || ndim > KILN_MAX_DIMS)
+        return kiln__err(KILN_ERR_ARG, "%s: ndim %d is outside 0..%d", op, ndim, KILN_MAX_DIMS);
+    if (ndim > 0 && !shape) return kiln__err(KILN_ERR_ARG, "%s: shape is NULL", op);
+    for (int i = 0; i < ndim; i++)
+        if (shape[i] < 0) return kiln__err(KILN_ERR_SHAPE, "%s: dim %d has negative size %lld", op, i, (long long)shape[i]);
+    if ((unsigned)dt >= KILN_DTYPE_COUNT) return kiln__err(KILN_ERR_DTYPE, "%s: unknown dtype %d", op, (int)dt);
+    return KILN_OK;
+}
+
+static kiln_tensor_t *creation(kiln__op_id op, const char *name, const int64_t *shape, int ndim,
+                               kiln_dtype dt, kiln__attrs *a)
+{
+    if (check_shape(name, shape, ndim, dt) != KILN_OK) return NULL;
+    a->ndim = ndim;
+    for (int i = 0; i < ndim; i++) a->shape[i] = shape[i];
+    a->i[0] = dt;
+    return kiln__call(op, NULL, 0, a);
+}
+
+kiln_tensor_t *kiln_empty(const int64_t *shape, int ndim, kiln_dtype dt)
+{
+    kiln__ensure_init();
+    if (check_shape("empty", shape, ndim, dt) != KILN_OK) return NULL;
+    return kiln__scoped(kiln__tensor_alloc(kiln__backend_default(), dt, shape, ndim));
+}
+
+kiln_tensor_t *kiln_full(const int64_t *shape, int ndim, double value, kiln_dtype dt)
+{
+    kiln__attrs a = {0};
+    a.f[0] = value;
+    return creation(KILN_OP_FULL, "full", shape, ndim, dt, &a);
+}
+
+kiln_tensor_t *kiln_zeros(const int64_t *shape, int ndim, kiln_dtype dt) { return kiln_full(shape, ndim, 0, dt); }
+kiln_tensor_t *kiln_ones(const int64_t *shape, int ndim, kiln_dtype dt) { return kiln_full(shape, ndim, 1, dt); }
+kiln_tensor_t *kiln_scalar(double value, kiln_dtype dt) { return kiln_full(NULL, 0, value, dt); }
+
+kiln_tensor_t *kiln_arange(double start, double end, double step, kiln_dtype dt)
+{
+    if (step == 0 || (end - start) / step < 0)
+        return kiln__err(KILN_ERR_ARG, "arange: step %g cannot go from %g to %g", step, start, end), NULL;
+    kiln__attrs a = {0};
+    a.f[0] = start;
+    a.f[1] = step;
+    int64_t n = (int64_t)((end - start) / step);
+    if (start + (double)n * step != end && (end - start) / step > (double)n) n++;
+    return creation(KILN_OP_ARANGE, "arange", &n, 1, dt, &a);
+}
+
+uint64_t kiln__rng_take(uint64_t n, uint64_t *seed);
+
+static kiln_tensor_t *random_tensor(const int64_t *shape, int ndim, kiln_dtype dt, bool normal)
+{
+    if (!kiln_dtype_is_float(dt))
+        return kiln__err(KILN_ERR_DTYPE, "%s: dtype %s is not a float dtype", normal ? "randn" : "rand",
+                         kiln_dtype_name(dt)), NULL;
+    if (check_shape("rand", shape, ndim, dt) != KILN_OK) return NULL;
+    kiln__attrs a = {0};
+    a.i[1] = normal;
+    a.u[1] = kiln__rng_take((uint64_t)kiln__numel(ndim, shape), &a.u[0]);
+    return creation(KILN_OP_RAND, "rand", shape, ndim, dt, &a);
+}
+
+kiln_tensor_t *kiln_rand(const int64_t *shape, int ndim, kiln_dtype dt) { return random_tensor(shape, ndim, dt, false); }
+kiln_tensor_t *kiln_randn(const int64_t *shape, int ndim, kiln_dtype dt) { return random_tensor(shape, ndim, dt, true); }
+
+kiln_tensor_t *kiln_from_data(const void *data, const int64_t *shape, int ndim, kiln_dtype dt)
+{
+    kiln_tensor_t *t = kiln_empty(shape, ndim, dt);
+    if (!t) return NULL;
+    if (kiln_tensor_from_host_(t, data, kiln_tensor_nbytes(t)) != KILN_OK) return NULL;
+    return t;
+}
+
+kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nbytes)
+{
+    if (!t) return kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_ARG, "from_host: tensor is NULL");
+    if (nbytes != kiln_tensor_nbytes(t))
+        return kiln__err(KILN_ERR_ARG, "from_host: %zu bytes given, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
+    if (nbytes && !src) return kiln__err(KILN_ERR_ARG, "from_host: source is NULL");
+    if (!kiln__is_contiguous(t))
+        return kiln__err(KILN_ERR_ARG, "from_host: the tensor is not contiguous (write into a contiguous copy)");
+    return nbytes ? t->st->be->copy_h2d(t->st->be, kiln__data(t), src, nbytes) : KILN_OK;
+}
+
+kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes)
+{
+    if (!t) return kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_ARG, "to_host: tensor is NULL");
+    if (nbytes != kiln_tensor_nbytes(t))
+        return kiln__err(KILN_ERR_ARG, "to_host: %zu bytes of room, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
+    if (nbytes && !dst) return kiln__err(KILN_ERR_ARG, "to_host: destination is NULL");
+    if (!nbytes) return KILN_OK;
+    if (kiln__is_contiguous(t)) return t->st->be->copy_d2h(t->st->be, dst, kiln__data(t), nbytes);
+    kiln_tensor_t *c = NULL;
+    kiln__attrs a = {0};
+    kiln_tensor_t *in = (kiln_tensor_t *)t;
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_status s = kiln__dispatch(KILN_OP_CONTIGUOUS, &in, 1, &a, &c);
+    kiln_set_grad_enabled(prev);
+    if (s == KILN_OK) s = c->st->be->copy_d2h(c->st->be, dst, kiln__data(c), nbytes);
+    kiln_tensor_free(c);
+    return s;
+}
+
+kiln_status kiln_tensor_item(const kiln_tensor_t *t, double *out)
+{
+    if (!t) return kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_ARG, "item: tensor is NULL");
+    char buf[96];
+    if (kiln_tensor_numel(t) != 1)
+        return kiln__err(KILN_ERR_SHAPE, "item: tensor %s has %lld elements, not 1", kiln__shape_str(t, buf, sizeof buf),
+                         (long long)kiln_tensor_numel(t));
+    unsigned char v[8];
+    kiln_status s = t->st->be->copy_d2h(t->st->be, v, kiln__data(t), kiln_dtype_size(t->dtype));
+    if (s == KILN_OK) *out = kiln__load(v, t->dtype);
+    return s;
+}
+
+kiln_status kiln_tensor_copy_(kiln_tensor_t *dst, const kiln_tensor_t *src)
+{
+    if (!dst || !src) return kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_ARG, "copy_: tensor is NULL");
+    kiln_tensor_t *in[2] = {dst, (kiln_tensor_t *)src};
+    kiln__attrs a = {0};
+    return kiln__dispatch(KILN_OP_COPY_, in, 2, &a, NULL);
+}

@@ -1,0 +1,68 @@
+/* Private layout of tensors and storage. */
+#ifndef KILN_CORE_TENSOR_IMPL_H
+#define KILN_CORE_TENSOR_IMPL_H
+
+#include <stdatomic.h>
+#include "kiln/tensor.h"
+#include "core/backend.h"
+
+typedef struct kiln__node kiln__node;
+
+typedef struct {
+    atomic_int refcount;
+    kiln__backend *be;
+    void *data;
+    size_t nbytes;
+} kiln__storage;
+
+struct kiln_tensor {
+    atomic_int refcount;
+    kiln__storage *st;
+    kiln_dtype dtype;
+    int ndim;
+    int64_t shape[KILN_MAX_DIMS];
+    int64_t stride[KILN_MAX_DIMS]; /* in elements */
+    int64_t offset;                /* in elements */
+    bool requires_grad;            /* a leaf that wants a gradient */
+    kiln_tensor_t *grad;           /* accumulated gradient of a leaf */
+    kiln__node *grad_fn;           /* the op that made a non-leaf, or NULL */
+    int out_index;                 /* which output of grad_fn this is */
+};
+
+/* Shape and dtype of a tensor before it exists (used by shape inference). */
+typedef struct {
+    kiln_dtype dtype;
+    int ndim;
+    int64_t shape[KILN_MAX_DIMS];
+    int64_t stride[KILN_MAX_DIMS]; /* views only */
+    int64_t offset;                /* views only */
+} kiln__meta;
+
+/* A new tensor with fresh contiguous storage on be (uninitialised). */
+kiln_tensor_t *kiln__tensor_alloc(kiln__backend *be, kiln_dtype dt, const int64_t *shape, int ndim);
+/* A new tensor header sharing st (which gains a reference). */
+kiln_tensor_t *kiln__tensor_alias(kiln__storage *st, kiln_dtype dt, int ndim, const int64_t *shape,
+                                  const int64_t *stride, int64_t offset);
+/* Registers a new reference with the innermost scope, if any; returns t. */
+kiln_tensor_t *kiln__scoped(kiln_tensor_t *t);
+int64_t kiln__numel(int ndim, const int64_t *shape);
+void kiln__contiguous_strides(int ndim, const int64_t *shape, int64_t *stride);
+bool kiln__is_contiguous(const kiln_tensor_t *t);
+void kiln__storage_release(kiln__storage *st);
+/* Pointer to the first element of t (host-addressable backends only). */
+static inline void *kiln__data(const kiln_tensor_t *t)
+{
+    return (char *)t->st->data + t->offset * (int64_t)kiln_dtype_size(t->dtype);
+}
+/* "f32[2,3]" */
+const char *kiln__shape_str(const kiln_tensor_t *t, char *buf, size_t n);
+const char *kiln__meta_str(const kiln__meta *m, char *buf, size_t n);
+
+/* Errors: set the thread's last error and return status. */
+kiln_status kiln__err(kiln_status s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Library state. */
+void kiln__ensure_init(void);
+void kiln__memory_account(long long delta);
+
+#endif

@@ -1,0 +1,14 @@
+/* The one thread pool. Work is split into contiguous ranges; the calling thread takes
+ * part. BLAS calls are never made from inside a pool task, so BLAS's own threads and
+ * the pool's never run at once (no oversubscription). */
+#ifndef KILN_CORE_THREADPOOL_H
+#define KILN_CORE_THREADPOOL_H
+#include <stdint.h>
+
+typedef void (*kiln__range_fn)(void *ctx, int64_t begin, int64_t end);
+
+/* Runs fn over [0, n) in chunks of at least `grain` items, on all pool threads. */
+void kiln__parallel_for(int64_t n, int64_t grain, kiln__range_fn fn, void *ctx);
+int kiln__pool_size(void);
+void kiln__pool_start(int nthreads);
+#endif

@@ -1,0 +1,592 @@
+/* The public op functions: each fills the attributes and dispatches. */
+#include <math.h>
+#include <string.h>
+#include "kiln/ops.h"
+#include "core/rng.h"
+#include "ops/registry.h"
+
+static kiln_tensor_t *call1(kiln__op_id op, kiln_tensor_t *a)
+{
+    kiln__attrs at = {0};
+    return kiln__call(op, &a, 1, &at);
+}
+
+static kiln_tensor_t *call2(kiln__op_id op, kiln_tensor_t *a, kiln_tensor_t *b)
+{
+    kiln__attrs at = {0};
+    kiln_tensor_t *in[2] = {a, b};
+    return kiln__call(op, in, 2, &at);
+}
+
+static kiln_tensor_t *null_arg(const char *op)
+{
+    if (kiln_last_status() == KILN_OK) kiln__err(KILN_ERR_ARG, "%s: input is NULL", op);
+    return NULL;
+}
+
+kiln_tensor_t *kiln_add(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_ADD, a, b); }
+kiln_tensor_t *kiln_sub(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_SUB, a, b); }
+kiln_tensor_t *kiln_mul(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_MUL, a, b); }
+kiln_tensor_t *kiln_div(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_DIV, a, b); }
+kiln_tensor_t *kiln_pow(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_POW, a, b); }
+kiln_tensor_t *kiln_maximum(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_MAXIMUM, a, b); }
+kiln_tensor_t *kiln_minimum(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_MINIMUM, a, b); }
+kiln_tensor_t *kiln_eq(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_EQ, a, b); }
+kiln_tensor_t *kiln_ne(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_NE, a, b); }
+kiln_tensor_t *kiln_lt(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_LT, a, b); }
+kiln_tensor_t *kiln_le(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_LE, a, b); }
+kiln_tensor_t *kiln_gt(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_GT, a, b); }
+kiln_tensor_t *kiln_ge(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_GE, a, b); }
+
+/* A scalar operand: a 0-d tensor of a's dtype, broadcast by the binary op. */
+static kiln_tensor_t *scalar_like(kiln_tensor_t *a, double s)
+{
+    if (!a) return NULL;
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_tensor_t *t = kiln_scalar(s, kiln_dtype_is_float(a->dtype) ? a->dtype : KILN_DTYPE_F64);
+    kiln_set_grad_enabled(prev);
+    return t;
+}
+
+kiln_tensor_t *kiln_add_scalar(kiln_tensor_t *a, double s) { return a ? kiln_add(a, scalar_like(a, s)) : null_arg("add_scalar"); }
+kiln_tensor_t *kiln_mul_scalar(kiln_tensor_t *a, double s) { return a ? kiln_mul(a, scalar_like(a, s)) : null_arg("mul_scalar"); }
+kiln_tensor_t *kiln_pow_scalar(kiln_tensor_t *a, double p) { return a ? kiln_pow(a, scalar_like(a, p)) : null_arg("pow_scalar"); }
+kiln_tensor_t *kiln_square(kiln_tensor_t *a) { return kiln_mul(a, a); }
+
+kiln_tensor_t *kiln_neg(kiln_tensor_t *a) { return call1(KILN_OP_NEG, a); }
+kiln_tensor_t *kiln_abs(kiln_tensor_t *a) { return call1(KILN_OP_ABS, a); }
+kiln_tensor_t *kiln_exp(kiln_tensor_t *a) { return call1(KILN_OP_EXP, a); }
+kiln_tensor_t *kiln_log(kiln_tensor_t *a) { return call1(KILN_OP_LOG, a); }
+kiln_tensor_t *kiln_sqrt(kiln_tensor_t *a) { return call1(KILN_OP_SQRT, a); }
+kiln_tensor_t *kiln_rsqrt(kiln_tensor_t *a) { return call1(KILN_OP_RSQRT, a); }
+kiln_tensor_t *kiln_tanh(kiln_tensor_t *a) { return call1(KILN_OP_TANH, a); }
+kiln_tensor_t *kiln_sigmoid(kiln_tensor_t *a) { return call1(KILN_OP_SIGMOID, a); }
+kiln_tensor_t *kiln_relu(kiln_tensor_t *a) { return call1(KILN_OP_RELU, a); }
+kiln_tensor_t *kiln_silu(kiln_tensor_t *a) { return call1(KILN_OP_SILU, a); }
+kiln_tensor_t *kiln_contiguous(kiln_tensor_t *a)
+{
+    if (a && kiln__is_contiguous(a)) return kiln__scoped(kiln_tensor_retain(a));
+    return call1(KILN_OP_CONTIGUOUS, a);
+}
+kiln_tensor_t *kiln_clone(kiln_tensor_t *a) { return call1(KILN_OP_CONTIGUOUS, a); }
+
+kiln_tensor_t *kiln_detach(kiln_tensor_t *a)
+{
+    if (!a) return null_arg("detach");
+    return kiln__scoped(kiln__tensor_alias(a->st, a->dtype, a->ndim, a->shape, a->stride, a->offset));
+}
+
+kiln_tensor_t *kiln_gelu(kiln_tensor_t *a, bool approximate)
+{
+    kiln__attrs at = {0};
+    at.i[0] = approximate;
+    return kiln__call(KILN_OP_GELU, &a, 1, &at);
+}
+
+kiln_tensor_t *kiln_where(kiln_tensor_t *cond, kiln_tensor_t *a, kiln_tensor_t *b)
+{
+    kiln__attrs at = {0};
+    kiln_tensor_t *in[3] = {cond, a, b};
+    return kiln__call(KILN_OP_WHERE, in, 3, &at);
+}
+
+kiln_tensor_t *kiln_cast(kiln_tensor_t *a, kiln_dtype dt)
+{
+    if (a && a->dtype == dt) return kiln__scoped(kiln_tensor_retain(a));
+    kiln__attrs at = {0};
+    at.i[0] = dt;
+    return kiln__call(KILN_OP_CAST, &a, 1, &at);
+}
+
+/* Normalises a dim list into at->shape, sorted and without repeats. */
+static bool dims_attr(const char *op, kiln_tensor_t *a, const int *dims, int ndims, bool keepdim, kiln__attrs *at)
+{
+    memset(at, 0, sizeof *at);
+    at->keepdim = keepdim;
+    if (!dims || ndims <= 0) return true;
+    bool on[KILN_MAX_DIMS] = {0};
+    for (int k = 0; k < ndims; k++) {
+        int d = kiln__norm_dim(dims[k], a->ndim);
+        if (d < 0 || d >= a->ndim) {
+            char b[96];
+            kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", op, dims[k], kiln__shape_str(a, b, sizeof b));
+            return false;
+        }
+        on[d] = true;
+    }
+    for (int d = 0; d < a->ndim; d++)
+        if (on[d]) at->shape[at->ndim++] = d;
+    return true;
+}
+
+kiln_tensor_t *kiln_sum(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim)
+{
+    kiln__attrs at;
+    if (!a) return null_arg("sum");
+    if (!dims_attr("sum", a, dims, ndims, keepdim, &at)) return NULL;
+    return kiln__call(KILN_OP_SUM, &a, 1, &at);
+}
+
+kiln_tensor_t *kiln_max(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim)
+{
+    kiln__attrs at;
+    if (!a) return null_arg("max");
+    if (!dims_attr("max", a, dims, ndims, keepdim, &at)) return NULL;
+    return kiln__call(KILN_OP_MAX, &a, 1, &at);
+}
+
+static int64_t reduced_count(kiln_tensor_t *a, const kiln__attrs *at)
+{
+    if (at->ndim == 0) return kiln__numel(a->ndim, a->shape);
+    int64_t n = 1;
+    for (int k = 0; k < at->ndim; k++) n *= a->shape[at->shape[k]];
+    return n;
+}
+
+kiln_tensor_t *kiln_mean(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim)
+{
+    kiln__attrs at;
+    if (!a) return null_arg("mean");
+    if (!dims_attr("mean", a, dims, ndims, keepdim, &at)) return NULL;
+    int64_t n = reduced_count(a, &at);
+    return kiln_mul_scalar(kiln_sum(a, dims, ndims, keepdim), n ? 1.0 / (double)n : NAN);
+}
+
+kiln_tensor_t *kiln_var(kiln_tensor_t *a, const int *dims, int ndims, int correction, bool keepdim)
+{
+    kiln__attrs at;
+    if (!a) return null_arg("var");
+    if (!dims_attr("var", a, dims, ndims, keepdim, &at)) return NULL;
+    int64_t n = reduced_count(a, &at);
+    kiln_tensor_t *mu = kiln_mean(a, dims, ndims, true);
+    kiln_tensor_t *d = kiln_sub(a, mu);
+    double denom = (double)(n - correction);
+    return kiln_mul_scalar(kiln_sum(kiln_mul(d, d), dims, ndims, keepdim), denom > 0 ? 1.0 / denom : NAN);
+}
+
+kiln_tensor_t *kiln_logsumexp(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim)
+{
+    if (!a) return null_arg("logsumexp");
+    /* The max is a constant shift: no gradient flows through it. */
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_tensor_t *m = kiln_max(a, dims, ndims, true);
+    kiln_set_grad_enabled(prev);
+    kiln_tensor_t *s = kiln_log(kiln_sum(kiln_exp(kiln_sub(a, m)), dims, ndims, true));
+    kiln_tensor_t *r = kiln_add(s, m);
+    if (keepdim || !r) return r;
+    kiln__attrs at;
+    dims_attr("logsumexp", a, dims, ndims, false, &at);
+    int64_t shape[KILN_MAX_DIMS];
+    int nd = 0;
+    for (int d = 0; d < a->ndim; d++) {
+        bool red = at.ndim == 0;
+        for (int k = 0; k < at.ndim; k++) red |= at.shape[k] == d;
+        if (!red) shape[nd++] = a->shape[d];
+    }
+    return kiln_reshape(r, shape, nd);
+}
+
+static kiln_tensor_t *dim_op(kiln__op_id op, const char *name, kiln_tensor_t *a, int dim, bool keepdim)
+{
+    if (!a) return null_arg(name);
+    int d = kiln__norm_dim(dim, a->ndim);
+    if (d < 0) {
+        char b[96];
+        kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", name, dim, kiln__shape_str(a, b, sizeof b));
+        return NULL;
+    }
+    kiln__attrs at = {0};
+    at.i[0] = d;
+    at.keepdim = keepdim;
+    return kiln__call(op, &a, 1, &at);
+}
+
+kiln_tensor_t *kiln_argmax(kiln_tensor_t *a, int dim, bool keepdim) { return dim_op(KILN_OP_ARGMAX, "argmax", a, dim, keepdim); }
+kiln_tensor_t *kiln_softmax(kiln_tensor_t *a, int dim) { return dim_op(KILN_OP_SOFTMAX, "softmax", a, dim, false); }
+kiln_tensor_t *kiln_log_softmax(kiln_tensor_t *a, int dim) { return dim_op(KILN_OP_LOG_SOFTMAX, "log_softmax", a, dim, false); }
+
+kiln_tensor_t *kiln_matmul(kiln_tensor_t *a, kiln_tensor_t *b)
+{
+    if (!a || !b) return null_arg("matmul");
+    if (a->ndim == 0 || b->ndim == 0) {
+        char b1[96], b2[96];
+        kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s: scalars cannot be multiplied as matrices", kiln__shape_str(a, b1, sizeof b1),
+                  kiln__shape_str(b, b2, sizeof b2));
+        return NULL;
+    }
+    bool va = a->ndim == 1, vb = b->ndim == 1;
+    kiln_tensor_t *x = va ? kiln_unsqueeze(a, 0) : a, *y = vb ? kiln_unsqueeze(b, 1) : b;
+    kiln_tensor_t *r = call2(KILN_OP_MATMUL, x, y);
+    if (!r || (!va && !vb)) return r;
+    if (va) r = kiln_squeeze(r, r->ndim - 2);
+    if (vb && r) r = kiln_squeeze(r, r->ndim - 1);
+    return r;
+}
+
+static kiln_tensor_t *indexed(kiln__op_id op, const char *name, kiln_tensor_t *a, int dim, kiln_tensor_t *idx,
+                              kiln_tensor_t *src)
+{
+    if (!a || !idx) return null_arg(name);
+    int d = kiln__norm_dim(dim, a->ndim);
+    if (d < 0 || d >= a->ndim) {
+        char b[96];
+        kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", name, dim, kiln__shape_str(a, b, sizeof b));
+        return NULL;
+    }
+    kiln__attrs at = {0};
+    at.i[0] = d;
+    kiln_tensor_t *in[3] = {a, idx, src};
+    return kiln__call(op, in, src ? 3 : 2, &at);
+}
+
+kiln_tensor_t *kiln_embedding(kiln_tensor_t *w, kiln_tensor_t *idx) { return call2(KILN_OP_EMBEDDING, w, idx); }
+kiln_tensor_t *kiln_index_select(kiln_tensor_t *a, int dim, kiln_tensor_t *idx)
+{
+    return indexed(KILN_OP_INDEX_SELECT, "index_select", a, dim, idx, NULL);
+}
+kiln_tensor_t *kiln_gather(kiln_tensor_t *a, int dim, kiln_tensor_t *idx) { return indexed(KILN_OP_GATHER, "gather", a, dim, idx, NULL); }
+kiln_tensor_t *kiln_scatter_add(kiln_tensor_t *a, int dim, kiln_tensor_t *idx, kiln_tensor_t *src)
+{
+    if (!src) return null_arg("scatter_add");
+    return indexed(KILN_OP_SCATTER_ADD, "scatter_add", a, dim, idx, src);
+}
+
+static kiln_tensor_t *param_or(kiln_tensor_t *p, kiln_tensor_t *x, double v)
+{
+    if (p) return p;
+    int64_t c = x->ndim ? x->shape[x->ndim - 1] : 1;
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_tensor_t *t = kiln_full(&c, 1, v, x->dtype);
+    kiln_set_grad_enabled(prev);
+    return t;
+}
+
+kiln_tensor_t *kiln_layer_norm(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *b, double eps)
+{
+    if (!x) return null_arg("layer_norm");
+    kiln__attrs at = {0};
+    at.f[0] = eps;
+    kiln_tensor_t *in[3] = {x, param_or(w, x, 1.0), param_or(b, x, 0.0)};
+    return kiln__call(KILN_OP_LAYER_NORM, in, 3, &at);
+}
+
+kiln_tensor_t *kiln_rms_norm(kiln_tensor_t *x, kiln_tensor_t *w, double eps)
+{
+    if (!x) return null_arg("rms_norm");
+    kiln__attrs at = {0};
+    at.f[0] = eps;
+    kiln_tensor_t *in[2] = {x, param_or(w, x, 1.0)};
+    return kiln__call(KILN_OP_RMS_NORM, in, 2, &at);
+}
+
+kiln_tensor_t *kiln_cross_entropy(kiln_tensor_t *logits, kiln_tensor_t *targets, int64_t ignore_index)
+{
+    kiln__attrs at = {0};
+    at.i[0] = ignore_index;
+    kiln_tensor_t *in[2] = {logits, targets};
+    return kiln__call(KILN_OP_CROSS_ENTROPY, in, 2, &at);
+}
+
+kiln_tensor_t *kiln_dropout(kiln_tensor_t *a, double p, bool train)
+{
+    if (!a) return null_arg("dropout");
+    if (!train || p == 0) return kiln__scoped(kiln_tensor_retain(a));
+    kiln__attrs at = {0};
+    at.f[0] = p;
+    at.u[1] = kiln__rng_take((uint64_t)kiln__numel(a->ndim, a->shape), &at.u[0]);
+    return kiln__call(KILN_OP_DROPOUT, &a, 1, &at);
+}
+
+kiln_tensor_t *kiln_cat(kiln_tensor_t *const *ts, int n, int dim)
+{
+    if (!ts || n < 1) {
+        kiln__err(KILN_ERR_ARG, "cat: no tensors given");
+        return NULL;
+    }
+    for (int i = 0; i < n; i++)
+        if (!ts[i]) return null_arg("cat");
+    kiln__attrs at = {0};
+    int d = kiln__norm_dim(dim, ts[0]->ndim);
+    at.i[0] = d < 0 ? dim : d;
+    return kiln__call(KILN_OP_CAT, ts, n, &at);
+}
+
+kiln_tensor_t *kiln_stack(kiln_tensor_t *const *ts, int n, int dim)
+{
+    if (!ts || n < 1 || n > 4096) {
+        kiln__err(KILN_ERR_ARG, "stack: give between 1 and 4096 tensors");
+        return NULL;
+    }
+    kiln_tensor_t *u[4096];
+    for (int i = 0; i < n; i++) {
+        if (!ts[i]) return null_arg("stack");
+        int d = dim < 0 ? dim + ts[i]->ndim + 1 : dim;
+        u[i] = kiln_unsqueeze(ts[i], d);
+        if (!u[i]) return NULL;
+    }
+    return kiln_cat(u, n, dim < 0 ? dim + ts[0]->ndim + 1 : dim);
+}
+
+kiln_status kiln_split(kiln_tensor_t *a, const int64_t *sizes, int n, int dim, kiln_tensor_t **out)
+{
+    if (!a || !sizes || !out || n < 1) return kiln__err(KILN_ERR_ARG, "split: NULL argument or no sizes");
+    int d = kiln__norm_dim(dim, a->ndim);
+    if (d < 0 || d >= a->ndim) return kiln__err(KILN_ERR_INDEX, "split: dim %d is out of range", dim);
+    int64_t total = 0;
+    for (int i = 0; i < n; i++) total += sizes[i];
+    if (total != a->shape[d])
+        return kiln__err(KILN_ERR_SHAPE, "split: sizes add up to %lld, dim %d has %lld", (long long)total, dim,
+                         (long long)a->shape[d]);
+    int64_t at = 0;
+    for (int i = 0; i < n; i++) {
+        out[i] = kiln_narrow(a, d, at, sizes[i]);
+        if (!out[i]) return kiln_last_status();
+        at += sizes[i];
+    }
+    return KILN_OK;
+}
+
+static kiln_tensor_t *tri(kiln_tensor_t *a, int64_t k, bool upper)
+{
+    kiln__attrs at = {0};
+    at.i[0] = k;
+    at.i[1] = upper;
+    return kiln__call(KILN_OP_TRI, &a, 1, &at);
+}
+
+kiln_tensor_t *kiln_tril(kiln_tensor_t *a, int64_t k) { return tri(a, k, false); }
+kiln_tensor_t *kiln_triu(kiln_tensor_t *a, int64_t k) { return tri(a, k, true); }
+
+kiln_tensor_t *kiln_rope(kiln_tensor_t *x, int64_t pos0, double theta)
+{
+    kiln__attrs at = {0};
+    at.i[0] = pos0;
+    at.f[0] = theta;
+    return kiln__call(KILN_OP_ROPE, &x, 1, &at);
+}
+
+kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, bool causal, double scale)
+{
+    if (!q || !k || !v) return null_arg("attention");
+    kiln__attrs at = {0};
+    at.i[0] = causal;
+    at.f[0] = scale > 0 ? scale : 1.0 / sqrt((double)(q->ndim == 4 ? q->shape[3] : 1));
+    kiln_tensor_t *in[3] = {q, k, v};
+    return kiln__call(KILN_OP_ATTENTION, in, 3, &at);
+}
+
+/* Views. */
+static bool resolve_shape(const char *op, kiln_tensor_t *a, const int64_t *shape, int ndim, kiln__attrs *at)
+{
+    char b[96];
+    memset(at, 0, sizeof *at);
+    if (ndim < 0 || ndim > KILN_MAX_DIMS || (ndim && !shape)) {
+        kiln__err(KILN_ERR_ARG, "%s: bad target shape (ndim %d)", op, ndim);
+        return false;
+    }
+    int infer = -1;
+    int64_t known = 1;
+    for (int i = 0; i < ndim; i++) {
+        if (shape[i] == -1 && infer < 0) {
+            infer = i;
+        } else if (shape[i] < 0) {
+            kiln__err(KILN_ERR_SHAPE, "%s: bad size %lld in dim %d", op, (long long)shape[i], i);
+            return false;
+        } else {
+            known *= shape[i];
+        }
+        at->shape[i] = shape[i];
+    }
+    at->ndim = ndim;
+    int64_t n = kiln__numel(a->ndim, a->shape);
+    if (infer >= 0) {
+        if (known == 0 || n % known) {
+            kiln__err(KILN_ERR_SHAPE, "%s: cannot infer dim %d to reshape %s", op, infer, kiln__shape_str(a, b, sizeof b));
+            return false;
+        }
+        at->shape[infer] = n / known;
+        known *= at->shape[infer];
+    }
+    if (known != n) {
+        kiln__err(KILN_ERR_SHAPE, "%s: %s has %lld elements, the target shape %lld", op, kiln__shape_str(a, b, sizeof b),
+                  (long long)n, (long long)known);
+        return false;
+    }
+    return true;
+}
+
+kiln_tensor_t *kiln_view(kiln_tensor_t *a, const int64_t *shape, int ndim)
+{
+    kiln__attrs at;
+    if (!a) return null_arg("view");
+    if (!resolve_shape("view", a, shape, ndim, &at)) return NULL;
+    return kiln__call(KILN_OP_VIEW, &a, 1, &at);
+}
+
+kiln_tensor_t *kiln_reshape(kiln_tensor_t *a, const int64_t *shape, int ndim)
+{
+    kiln__attrs at;
+    if (!a) return null_arg("reshape");
+    if (!resolve_shape("reshape", a, shape, ndim, &at)) return NULL;
+    kiln__meta m;
+    if (kiln__infer_view(&a, 1, &at, &m) != KILN_OK) {
+        kiln_clear_error();
+        a = kiln_contiguous(a);
+        if (!a) return NULL;
+    }
+    return kiln__call(KILN_OP_VIEW, &a, 1, &at);
+}
+
+kiln_tensor_t *kiln_permute(kiln_tensor_t *a, const int *order, int ndim)
+{
+    if (!a || !order) return null_arg("permute");
+    kiln__attrs at = {0};
+    at.ndim = ndim;
+    for (int i = 0; i < ndim && i < KILN_MAX_DIMS; i++) {
+        int d = kiln__norm_dim(order[i], a->ndim);
+        at.shape[i] = d < 0 ? order[i] : d;
+    }
+    return kiln__call(KILN_OP_PERMUTE, &a, 1, &at);
+}
+
+kiln_tensor_t *kiln_transpose(kiln_tensor_t *a, int d0, int d1)
+{
+    if (!a) return null_arg("transpose");
+    int n0 = kiln__norm_dim(d0, a->ndim), n1 = kiln__norm_dim(d1, a->ndim);
+    if (n0 < 0 || n1 < 0 || n0 >= a->ndim || n1 >= a->ndim) {
+        char b[96];
+        kiln__err(KILN_ERR_INDEX, "transpose: dims %d, %d are out of range for %s", d0, d1, kiln__shape_str(a, b, sizeof b));
+        return NULL;
+    }
+    int order[KILN_MAX_DIMS];
+    for (int i = 0; i < a->ndim; i++) order[i] = i;
+    order[n0] = n1;
+    order[n1] = n0;
+    return kiln_permute(a, order, a->ndim);
+}
+
+kiln_tensor_t *kiln_slice(kiln_tensor_t *a, int dim, int64_t start, int64_t end, int64_t step)
+{
+    if (!a) return null_arg("slice");
+    char b[96];
+    int d = kiln__norm_dim(dim, a->ndim);
+    if (d < 0 || d >= a->ndim) {
+        kiln__err(KILN_ERR_INDEX, "slice: dim %d is out of range for %s", dim, kiln__shape_str(a, b, sizeof b));
+        return NULL;
+    }
+    if (step <= 0) {
+        kiln__err(KILN_ERR_ARG, "slice: step %lld must be positive", (long long)step);
+        return NULL;
+    }
+    int64_t n = a->shape[d];
+    if (start < 0) start += n;
+    if (end < 0) end += n;
+    if (start < 0) start = 0;
+    if (end > n) end = n;
+    if (start > n) start = n;
+    int64_t len = end > start ? (end - start + step - 1) / step : 0;
+    kiln__attrs at = {0};
+    at.i[0] = d;
+    at.i[1] = start;
+    at.i[2] = step;
+    at.shape[0] = len;
+    return kiln__call(KILN_OP_SLICE, &a, 1, &at);
+}
+
+kiln_tensor_t *kiln_narrow(kiln_tensor_t *a, int dim, int64_t start, int64_t length)
+{
+    if (!a) return null_arg("narrow");
+    int d = kiln__norm_dim(dim, a->ndim);
+    char b[96];
+    if (d < 0 || d >= a->ndim || start < 0 || length < 0 || start + length > a->shape[d]) {
+        kiln__err(KILN_ERR_INDEX, "narrow: [%lld, %lld) along dim %d is outside %s", (long long)start,
+                  (long long)(start + length), dim, kiln__shape_str(a, b, sizeof b));
+        return NULL;
+    }
+    return kiln_slice(a, d, start, start + length, 1);
+}
+
+kiln_tensor_t *kiln_expand(kiln_tensor_t *a, const int64_t *shape, int ndim)
+{
+    if (!a || (!shape && ndim)) return null_arg("expand");
+    if (ndim < 0 || ndim > KILN_MAX_DIMS) {
+        kiln__err(KILN_ERR_ARG, "expand: ndim %d is outside 0..%d", ndim, KILN_MAX_DIMS);
+        return NULL;
+    }
+    kiln__attrs at = {0};
+    at.ndim = ndim;
+    memcpy(at.shape, shape, sizeof(int64_t) * (size_t)ndim);
+    return kiln__call(KILN_OP_EXPAND, &a, 1, &at);
+}
+
+kiln_tensor_t *kiln_squeeze(kiln_tensor_t *a, int dim)
+{
+    if (!a) return null_arg("squeeze");
+    int d = kiln__norm_dim(dim, a->ndim);
+    char b[96];
+    if (d < 0 || d >= a->ndim || a->shape[d] != 1) {
+        kiln__err(KILN_ERR_SHAPE, "squeeze: dim %d of %s is not of size 1", dim, kiln__shape_str(a, b, sizeof b));
+        return NULL;
+    }
+    int64_t shape[KILN_MAX_DIMS];
+    int n = 0;
+    for (int i = 0; i < a->ndim; i++)
+        if (i != d) shape[n++] = a->shape[i];
+    return kiln_reshape(a, shape, n);
+}
+
+kiln_tensor_t *kiln_unsqueeze(kiln_tensor_t *a, int dim)
+{
+    if (!a) return null_arg("unsqueeze");
+    int d = dim < 0 ? dim + a->ndim + 1 : dim;
+    char b[96];
+    if (d < 0 || d > a->ndim || a->ndim == KILN_MAX_DIMS) {
+        kiln__err(KILN_ERR_INDEX, "unsqueeze: dim %d is out of range for %s", dim, kiln__shape_str(a, b, sizeof b));
+        return NULL;
+    }
+    int64_t shape[KILN_MAX_DIMS];
+    int n = 0;
+    for (int i = 0; i <= a->ndim; i++) {
+        if (i == d) shape[n++] = 1;
+        if (i < a->ndim) shape[n++] = a->shape[i];
+    }
+    return kiln_reshape(a, shape, n);
+}
+
+/* In-place. */
+kiln_status kiln_add_(kiln_tensor_t *dst, kiln_tensor_t *src, double alpha)
+{
+    kiln__attrs at = {0};
+    at.f[0] = alpha;
+    kiln_tensor_t *in[2] = {dst, src};
+    return kiln__dispatch(KILN_OP_ADD_, in, 2, &at, NULL);
+}
+
+kiln_status kiln_mul_scalar_(kiln_tensor_t *dst, double s)
+{
+    kiln__attrs at = {0};
+    at.f[0] = s;
+    return kiln__dispatch(KILN_OP_SCALE_, &dst, 1, &at, NULL);
+}
+
+kiln_status kiln_fill_(kiln_tensor_t *dst, double value)
+{
+    kiln__attrs at = {0};
+    at.f[0] = value;
+    return kiln__dispatch(KILN_OP_FILL_, &dst, 1, &at, NULL);
+}
+
+kiln_status kiln_adamw_(kiln_tensor_t *p, kiln_tensor_t *g, kiln_tensor_t *m, kiln_tensor_t *v, double lr, double beta1,
+                        double beta2, double eps, double wd, int64_t t)
+{
+    if (t < 1) return kiln__err(KILN_ERR_ARG, "adamw_: step %lld must be >= 1", (long long)t);
+    kiln__attrs at = {0};
+    at.f[0] = lr;
+    at.f[1] = wd;
+    memcpy(&at.shape[0], &beta1, 8);
+    memcpy(&at.shape[1], &beta2, 8);
+    memcpy(&at.shape[2], &eps, 8);
+    at.i[0] = t;
+    kiln_tensor_t *in[4] = {p, g, m, v};
+    return kiln__dispatch(KILN_OP_ADAMW_, in, 4, &at, NULL);
+}

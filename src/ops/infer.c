@@ -1,0 +1,612 @@
+/* Shape and dtype inference, one function per op in ops.def. Each names the op, the
+ * shapes and the dtypes when it refuses. */
+#include <string.h>
+#include "ops/registry.h"
+
+#define SHP(t, buf) kiln__shape_str((t), (buf), sizeof(buf))
+
+static void meta_like(const kiln_tensor_t *t, kiln_dtype dt, kiln__meta *m)
+{
+    m->dtype = dt;
+    m->ndim = t->ndim;
+    memcpy(m->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+}
+
+static void meta_shape(kiln__meta *m, kiln_dtype dt, int ndim, const int64_t *shape)
+{
+    m->dtype = dt;
+    m->ndim = ndim;
+    for (int i = 0; i < ndim; i++) m->shape[i] = shape[i];
+}
+
+int kiln__norm_dim(int dim, int ndim)
+{
+    if (dim < 0) dim += ndim;
+    return dim >= 0 && dim < (ndim > 0 ? ndim : 1) ? dim : -1;
+}
+
+static kiln_status bad_dim(const char *op, int dim, const kiln_tensor_t *t)
+{
+    char b[96];
+    return kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", op, dim, SHP(t, b));
+}
+
+/* Saved statistics (mean, rstd, logsumexp) are f64 for f64 inputs, f32 otherwise. */
+static kiln_dtype stat_dtype(kiln_dtype dt) { return dt == KILN_DTYPE_F64 ? KILN_DTYPE_F64 : KILN_DTYPE_F32; }
+
+static kiln_status need_float(const char *op, const kiln_tensor_t *t)
+{
+    if (kiln_dtype_is_float(t->dtype)) return KILN_OK;
+    char b[96];
+    return kiln__err(KILN_ERR_DTYPE, "%s: %s is not a float tensor (cast it with kiln_cast first)", op, SHP(t, b));
+}
+
+static kiln_status need_index(const char *op, const kiln_tensor_t *t)
+{
+    if (t->dtype == KILN_DTYPE_I32 || t->dtype == KILN_DTYPE_I64) return KILN_OK;
+    char b[96];
+    return kiln__err(KILN_ERR_DTYPE, "%s: index tensor %s must be i32 or i64", op, SHP(t, b));
+}
+
+static int rank(kiln_dtype dt)
+{
+    static const int r[KILN_DTYPE_COUNT] = {
+        [KILN_DTYPE_BOOL] = 0, [KILN_DTYPE_U8] = 1, [KILN_DTYPE_I32] = 2, [KILN_DTYPE_I64] = 3,
+        [KILN_DTYPE_BF16] = 4, [KILN_DTYPE_F16] = 5, [KILN_DTYPE_F32] = 6, [KILN_DTYPE_F64] = 7,
+    };
+    return r[dt];
+}
+
+kiln_dtype kiln__promote(kiln_dtype a, kiln_dtype b)
+{
+    if ((a == KILN_DTYPE_F16 && b == KILN_DTYPE_BF16) || (a == KILN_DTYPE_BF16 && b == KILN_DTYPE_F16))
+        return KILN_DTYPE_F32;
+    return rank(a) >= rank(b) ? a : b;
+}
+
+kiln_status kiln__broadcast_shapes(const char *op, int n, kiln_tensor_t *const *ts, kiln__meta *out)
+{
+    int nd = 0;
+    for (int i = 0; i < n; i++)
+        if (ts[i]->ndim > nd) nd = ts[i]->ndim;
+    out->ndim = nd;
+    for (int d = 0; d < nd; d++) {
+        int64_t s = 1;
+        for (int i = 0; i < n; i++) {
+            int k = d - (nd - ts[i]->ndim);
+            if (k < 0) continue;
+            int64_t v = ts[i]->shape[k];
+            if (v == s || v == 1) continue;
+            if (s == 1) {
+                s = v;
+                continue;
+            }
+            char a[96], b[96];
+            return kiln__err(KILN_ERR_SHAPE, "%s: shapes %s and %s do not broadcast (dim %d: %lld vs %lld)", op,
+                             SHP(ts[0], a), SHP(ts[n > 1 ? 1 : 0], b), d, (long long)s, (long long)v);
+        }
+        out->shape[d] = s;
+    }
+    return KILN_OK;
+}
+
+static kiln_status binary(const char *op, kiln_tensor_t *const *in, kiln__meta *out, bool float_only)
+{
+    kiln_status s = kiln__broadcast_shapes(op, 2, in, out);
+    if (s != KILN_OK) return s;
+    out->dtype = kiln__promote(in[0]->dtype, in[1]->dtype);
+    if (float_only && !kiln_dtype_is_float(out->dtype)) return need_float(op, in[0]);
+    return KILN_OK;
+}
+
+static kiln_status compare(const char *op, kiln_tensor_t *const *in, kiln__meta *out)
+{
+    kiln_status s = kiln__broadcast_shapes(op, 2, in, out);
+    out->dtype = KILN_DTYPE_BOOL;
+    return s;
+}
+
+static kiln_status unary_float(const char *op, kiln_tensor_t *const *in, kiln__meta *out)
+{
+    kiln_status s = need_float(op, in[0]);
+    meta_like(in[0], in[0]->dtype, out);
+    return s;
+}
+
+#define BINARY(name, fl) \
+    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
+    { return binary(#name, in, out, fl); }
+BINARY(add, false)
+BINARY(sub, false)
+BINARY(mul, false)
+BINARY(div, true)
+BINARY(pow, true)
+BINARY(maximum, false)
+BINARY(minimum, false)
+
+#define COMPARE(name) \
+    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
+    { return compare(#name, in, out); }
+COMPARE(eq)
+COMPARE(ne)
+COMPARE(lt)
+COMPARE(le)
+COMPARE(gt)
+COMPARE(ge)
+
+#define UNARY_FLOAT(name) \
+    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
+    { return unary_float(#name, in, out); }
+UNARY_FLOAT(exp)
+UNARY_FLOAT(log)
+UNARY_FLOAT(sqrt)
+UNARY_FLOAT(rsqrt)
+UNARY_FLOAT(tanh)
+UNARY_FLOAT(sigmoid)
+UNARY_FLOAT(gelu)
+UNARY_FLOAT(silu)
+
+#define UNARY_ANY(name) \
+    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
+    { meta_like(in[0], in[0]->dtype, out); return KILN_OK; }
+UNARY_ANY(neg)
+UNARY_ANY(abs)
+UNARY_ANY(relu)
+UNARY_ANY(contiguous)
+
+kiln_status kiln__infer_where(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    kiln_status s = kiln__broadcast_shapes("where", 3, in, out);
+    out->dtype = kiln__promote(in[1]->dtype, in[2]->dtype);
+    return s;
+}
+
+kiln_status kiln__infer_cast(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    if ((uint64_t)a->i[0] >= KILN_DTYPE_COUNT) return kiln__err(KILN_ERR_DTYPE, "cast: unknown dtype %lld", (long long)a->i[0]);
+    meta_like(in[0], (kiln_dtype)a->i[0], out);
+    return KILN_OK;
+}
+
+/* Reductions keep a dim list in a->shape; an empty list means all dims. */
+static kiln_status reduce_shape(const char *op, const kiln_tensor_t *t, const kiln__attrs *a, kiln__meta *out)
+{
+    bool red[KILN_MAX_DIMS] = {0};
+    for (int k = 0; k < a->ndim; k++) {
+        int d = (int)a->shape[k];
+        if (d < 0 || d >= t->ndim) return bad_dim(op, d, t);
+        red[d] = true;
+    }
+    out->ndim = 0;
+    for (int d = 0; d < t->ndim; d++) {
+        bool r = a->ndim == 0 || red[d];
+        if (!r) out->shape[out->ndim++] = t->shape[d];
+        else if (a->keepdim) out->shape[out->ndim++] = 1;
+    }
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_sum(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    out->dtype = kiln_dtype_is_float(in[0]->dtype) ? in[0]->dtype : KILN_DTYPE_I64;
+    return reduce_shape("sum", in[0], a, out);
+}
+
+kiln_status kiln__infer_max(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    out->dtype = in[0]->dtype;
+    if (kiln__numel(in[0]->ndim, in[0]->shape) == 0)
+        return kiln__err(KILN_ERR_SHAPE, "max: the input has no elements");
+    return reduce_shape("max", in[0], a, out);
+}
+
+kiln_status kiln__infer_argmax(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    out->dtype = KILN_DTYPE_I64;
+    if (in[0]->ndim == 0 || in[0]->shape[a->i[0]] == 0)
+        return kiln__err(KILN_ERR_SHAPE, "argmax: the input has no elements along dim %lld", (long long)a->i[0]);
+    kiln__attrs r = *a;
+    r.ndim = 1;
+    r.shape[0] = a->i[0];
+    return reduce_shape("argmax", in[0], &r, out);
+}
+
+static kiln_status along_dim(const char *op, kiln_tensor_t *const *in, const kiln__attrs *a, kiln__meta *out)
+{
+    if (a->i[0] < 0 || a->i[0] >= (in[0]->ndim ? in[0]->ndim : 1)) return bad_dim(op, (int)a->i[0], in[0]);
+    return unary_float(op, in, out);
+}
+
+kiln_status kiln__infer_softmax(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    return along_dim("softmax", in, a, out);
+}
+
+kiln_status kiln__infer_log_softmax(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    return along_dim("log_softmax", in, a, out);
+}
+
+kiln_status kiln__infer_matmul(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    const kiln_tensor_t *x = in[0], *y = in[1];
+    char b1[96], b2[96];
+    if (x->ndim < 2 || y->ndim < 2)
+        return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s needs at least 2 dims each", SHP(x, b1), SHP(y, b2));
+    if (x->dtype != y->dtype || (x->dtype != KILN_DTYPE_F32 && x->dtype != KILN_DTYPE_F64))
+        return kiln__err(KILN_ERR_DTYPE, "matmul: %s @ %s: both must be f32 or both f64", SHP(x, b1), SHP(y, b2));
+    int64_t k1 = x->shape[x->ndim - 1], k2 = y->shape[y->ndim - 2];
+    if (k1 != k2)
+        return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s: inner dims %lld and %lld differ", SHP(x, b1), SHP(y, b2),
+                         (long long)k1, (long long)k2);
+    /* Broadcast the batch dims. */
+    int bx = x->ndim - 2, by = y->ndim - 2, nb = bx > by ? bx : by;
+    for (int d = 0; d < nb; d++) {
+        int i = d - (nb - bx), j = d - (nb - by);
+        int64_t sx = i >= 0 ? x->shape[i] : 1, sy = j >= 0 ? y->shape[j] : 1;
+        if (sx != sy && sx != 1 && sy != 1)
+            return kiln__err(KILN_ERR_SHAPE, "matmul: batch dims of %s and %s do not broadcast", SHP(x, b1), SHP(y, b2));
+        out->shape[d] = sx > sy ? sx : sy;
+    }
+    out->ndim = nb + 2;
+    out->shape[nb] = x->shape[x->ndim - 2];
+    out->shape[nb + 1] = y->shape[y->ndim - 1];
+    out->dtype = x->dtype;
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_embedding(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    char b[96];
+    if (in[0]->ndim != 2) return kiln__err(KILN_ERR_SHAPE, "embedding: weight %s must be (V, C)", SHP(in[0], b));
+    kiln_status s = need_index("embedding", in[1]);
+    if (s != KILN_OK) return s;
+    if (in[1]->ndim >= KILN_MAX_DIMS) return kiln__err(KILN_ERR_SHAPE, "embedding: index has too many dims");
+    meta_like(in[1], in[0]->dtype, out);
+    out->shape[out->ndim++] = in[0]->shape[1];
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_index_select(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    kiln_status s = need_index("index_select", in[1]);
+    if (s != KILN_OK) return s;
+    char b[96];
+    if (in[1]->ndim != 1) return kiln__err(KILN_ERR_SHAPE, "index_select: index %s must be 1-D", SHP(in[1], b));
+    if (a->i[0] < 0 || a->i[0] >= in[0]->ndim) return bad_dim("index_select", (int)a->i[0], in[0]);
+    meta_like(in[0], in[0]->dtype, out);
+    out->shape[a->i[0]] = in[1]->shape[0];
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_gather(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    kiln_status s = need_index("gather", in[1]);
+    if (s != KILN_OK) return s;
+    char b1[96], b2[96];
+    if (in[1]->ndim != in[0]->ndim)
+        return kiln__err(KILN_ERR_SHAPE, "gather: index %s must have the dims of the input %s", SHP(in[1], b1), SHP(in[0], b2));
+    if (a->i[0] < 0 || a->i[0] >= in[0]->ndim) return bad_dim("gather", (int)a->i[0], in[0]);
+    for (int d = 0; d < in[0]->ndim; d++)
+        if (d != a->i[0] && in[1]->shape[d] > in[0]->shape[d])
+            return kiln__err(KILN_ERR_SHAPE, "gather: index %s is larger than the input %s in dim %d", SHP(in[1], b1),
+                             SHP(in[0], b2), d);
+    meta_like(in[1], in[0]->dtype, out);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_scatter_add(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    kiln_status s = need_index("scatter_add", in[1]);
+    if (s != KILN_OK) return s;
+    char b1[96], b2[96];
+    if (in[1]->ndim != in[2]->ndim || memcmp(in[1]->shape, in[2]->shape, sizeof(int64_t) * (size_t)in[1]->ndim))
+        return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s and source %s must have one shape", SHP(in[1], b1),
+                         SHP(in[2], b2));
+    if (in[1]->ndim != in[0]->ndim)
+        return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s must have the dims of the input %s", SHP(in[1], b1),
+                         SHP(in[0], b2));
+    if (a->i[0] < 0 || a->i[0] >= in[0]->ndim) return bad_dim("scatter_add", (int)a->i[0], in[0]);
+    if (in[2]->dtype != in[0]->dtype)
+        return kiln__err(KILN_ERR_DTYPE, "scatter_add: source %s and input %s dtypes differ", SHP(in[2], b1), SHP(in[0], b2));
+    meta_like(in[0], in[0]->dtype, out);
+    return KILN_OK;
+}
+
+/* x (..., C) with per-channel parameters (C); statistics (...) in f32. */
+static kiln_status norm_common(const char *op, kiln_tensor_t *const *in, int nparam, kiln__meta *out, int nstat)
+{
+    const kiln_tensor_t *x = in[0];
+    char b1[96], b2[96];
+    kiln_status s = need_float(op, x);
+    if (s != KILN_OK) return s;
+    if (x->ndim < 1) return kiln__err(KILN_ERR_SHAPE, "%s: input %s needs at least 1 dim", op, SHP(x, b1));
+    int64_t c = x->shape[x->ndim - 1];
+    for (int p = 1; p <= nparam; p++)
+        if (in[p]->ndim != 1 || in[p]->shape[0] != c || in[p]->dtype != x->dtype)
+            return kiln__err(KILN_ERR_SHAPE, "%s: parameter %s must be %s[%lld] for input %s", op, SHP(in[p], b1),
+                             kiln_dtype_name(x->dtype), (long long)c, SHP(x, b2));
+    meta_like(x, x->dtype, &out[0]);
+    for (int k = 1; k <= nstat; k++) meta_shape(&out[k], stat_dtype(x->dtype), x->ndim - 1, x->shape);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_layer_norm(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    return norm_common("layer_norm", in, 2, out, 2);
+}
+
+kiln_status kiln__infer_rms_norm(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    return norm_common("rms_norm", in, 1, out, 1);
+}
+
+kiln_status kiln__infer_cross_entropy(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    char b1[96], b2[96];
+    kiln_status s = need_float("cross_entropy", in[0]);
+    if (s == KILN_OK) s = need_index("cross_entropy", in[1]);
+    if (s != KILN_OK) return s;
+    if (in[0]->ndim != 2 || in[1]->ndim != 1 || in[1]->shape[0] != in[0]->shape[0])
+        return kiln__err(KILN_ERR_SHAPE, "cross_entropy: logits %s must be (N, V) and targets %s (N)", SHP(in[0], b1),
+                         SHP(in[1], b2));
+    meta_shape(&out[0], in[0]->dtype, 0, NULL);
+    meta_shape(&out[1], stat_dtype(in[0]->dtype), 1, in[0]->shape);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_dropout(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    if (!(a->f[0] >= 0 && a->f[0] < 1)) return kiln__err(KILN_ERR_ARG, "dropout: p = %g is outside [0, 1)", a->f[0]);
+    kiln_status s = unary_float("dropout", in, out);
+    meta_like(in[0], KILN_DTYPE_U8, &out[1]);
+    return s;
+}
+
+kiln_status kiln__infer_cat(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    if (n < 1) return kiln__err(KILN_ERR_ARG, "cat: no tensors given");
+    int dim = (int)a->i[0];
+    if (dim < 0 || dim >= in[0]->ndim) return bad_dim("cat", dim, in[0]);
+    meta_like(in[0], in[0]->dtype, out);
+    out->shape[dim] = 0;
+    for (int i = 0; i < n; i++) {
+        char b1[96], b2[96];
+        bool ok = in[i]->ndim == in[0]->ndim && in[i]->dtype == in[0]->dtype;
+        for (int d = 0; ok && d < in[0]->ndim; d++) ok = d == dim || in[i]->shape[d] == in[0]->shape[d];
+        if (!ok)
+            return kiln__err(KILN_ERR_SHAPE, "cat: tensor %d %s does not fit tensor 0 %s along dim %d", i, SHP(in[i], b1),
+                             SHP(in[0], b2), dim);
+        out->shape[dim] += in[i]->shape[dim];
+    }
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_tri(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    char b[96];
+    if (in[0]->ndim < 2) return kiln__err(KILN_ERR_SHAPE, "tril/triu: %s needs at least 2 dims", SHP(in[0], b));
+    meta_like(in[0], in[0]->dtype, out);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_rope(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    char b[96];
+    if (in[0]->ndim < 2 || in[0]->shape[in[0]->ndim - 1] % 2)
+        return kiln__err(KILN_ERR_SHAPE, "rope: input %s must be (..., T, D) with D even", SHP(in[0], b));
+    return unary_float("rope", in, out);
+}
+
+kiln_status kiln__infer_attention(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    const kiln_tensor_t *q = in[0], *k = in[1], *v = in[2];
+    char b1[96], b2[96], b3[96];
+    bool ok = q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && q->shape[0] == k->shape[0] &&
+              k->shape[0] == v->shape[0] && k->shape[1] == v->shape[1] && k->shape[2] == v->shape[2] &&
+              q->shape[3] == k->shape[3] && k->shape[3] == v->shape[3] && k->shape[1] > 0 &&
+              q->shape[1] % k->shape[1] == 0 && (!a->i[0] || q->shape[2] <= k->shape[2]);
+    if (!ok)
+        return kiln__err(KILN_ERR_SHAPE, "attention: q %s, k %s, v %s must be (B,H,Tq,D), (B,Hkv,Tk,D), (B,Hkv,Tk,D) with "
+                         "H a multiple of Hkv (and Tq <= Tk when causal)", SHP(q, b1), SHP(k, b2), SHP(v, b3));
+    if (q->dtype != k->dtype || k->dtype != v->dtype || (q->dtype != KILN_DTYPE_F32 && q->dtype != KILN_DTYPE_F64))
+        return kiln__err(KILN_ERR_DTYPE, "attention: q %s, k %s, v %s must all be f32 or all f64", SHP(q, b1), SHP(k, b2),
+                         SHP(v, b3));
+    meta_like(q, q->dtype, &out[0]);
+    meta_shape(&out[1], stat_dtype(q->dtype), 3, q->shape);
+    return KILN_OK;
+}
+
+/* Views: strides and offset relative to the input's storage. */
+static void view_of(const kiln_tensor_t *t, kiln__meta *m)
+{
+    m->dtype = t->dtype;
+    m->ndim = t->ndim;
+    memcpy(m->shape, t->shape, sizeof m->shape);
+    memcpy(m->stride, t->stride, sizeof m->stride);
+    m->offset = t->offset;
+}
+
+/* Strides for viewing t as `shape` without a copy, if they exist: each run of merged
+ * input dims must be contiguous with itself. */
+kiln_status kiln__infer_view(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    const kiln_tensor_t *t = in[0];
+    char b[96];
+    if (kiln__numel(a->ndim, a->shape) != kiln__numel(t->ndim, t->shape))
+        return kiln__err(KILN_ERR_SHAPE, "view: cannot view %s (%lld elements) as %d dims of %lld elements", SHP(t, b),
+                         (long long)kiln__numel(t->ndim, t->shape), a->ndim, (long long)kiln__numel(a->ndim, a->shape));
+    out->dtype = t->dtype;
+    out->ndim = a->ndim;
+    out->offset = t->offset;
+    memcpy(out->shape, a->shape, sizeof(int64_t) * (size_t)a->ndim);
+    if (t->ndim == 0 || kiln__numel(t->ndim, t->shape) == 0) {
+        kiln__contiguous_strides(a->ndim, a->shape, out->stride);
+        return KILN_OK;
+    }
+    int view_d = a->ndim - 1;
+    int64_t base = t->stride[t->ndim - 1], tensor_numel = 1, view_numel = 1;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        tensor_numel *= t->shape[d];
+        if (d == 0 || (t->shape[d - 1] != 1 && t->stride[d - 1] != tensor_numel * base)) {
+            while (view_d >= 0 && (view_numel < tensor_numel || a->shape[view_d] == 1)) {
+                out->stride[view_d] = view_numel * base;
+                view_numel *= a->shape[view_d];
+                view_d--;
+            }
+            if (view_numel != tensor_numel)
+                return kiln__err(KILN_ERR_SHAPE, "view: %s is not contiguous enough to view; use kiln_reshape", SHP(t, b));
+            if (d > 0) {
+                base = t->stride[d - 1];
+                tensor_numel = view_numel = 1;
+            }
+        }
+    }
+    if (view_d != -1) return kiln__err(KILN_ERR_SHAPE, "view: %s cannot be viewed as asked; use kiln_reshape", SHP(t, b));
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_permute(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    const kiln_tensor_t *t = in[0];
+    char b[96];
+    bool seen[KILN_MAX_DIMS] = {0};
+    if (a->ndim != t->ndim) return kiln__err(KILN_ERR_ARG, "permute: %d dims given for %s", a->ndim, SHP(t, b));
+    view_of(t, out);
+    for (int d = 0; d < t->ndim; d++) {
+        int64_t s = a->shape[d];
+        if (s < 0 || s >= t->ndim || seen[s]) return kiln__err(KILN_ERR_ARG, "permute: the order is not a permutation of %d dims", t->ndim);
+        seen[s] = true;
+        out->shape[d] = t->shape[s];
+        out->stride[d] = t->stride[s];
+    }
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_slice(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    const kiln_tensor_t *t = in[0];
+    int dim = (int)a->i[0];
+    if (dim < 0 || dim >= t->ndim) return bad_dim("slice", dim, t);
+    view_of(t, out);
+    out->shape[dim] = a->shape[0];
+    out->stride[dim] = t->stride[dim] * a->i[2];
+    out->offset = t->offset + a->i[1] * t->stride[dim];
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_expand(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    const kiln_tensor_t *t = in[0];
+    char b[96];
+    if (a->ndim < t->ndim) return kiln__err(KILN_ERR_SHAPE, "expand: %s has more dims than the %d-dim target", SHP(t, b), a->ndim);
+    out->dtype = t->dtype;
+    out->ndim = a->ndim;
+    out->offset = t->offset;
+    for (int d = 0; d < a->ndim; d++) {
+        int k = d - (a->ndim - t->ndim);
+        int64_t want = a->shape[d];
+        if (k < 0) {
+            out->shape[d] = want;
+            out->stride[d] = 0;
+        } else if (want == -1 || want == t->shape[k]) {
+            out->shape[d] = t->shape[k];
+            out->stride[d] = t->stride[k];
+        } else if (t->shape[k] == 1) {
+            out->shape[d] = want;
+            out->stride[d] = 0;
+        } else {
+            return kiln__err(KILN_ERR_SHAPE, "expand: dim %d of %s is %lld, cannot expand to %lld", k, SHP(t, b),
+                             (long long)t->shape[k], (long long)want);
+        }
+        if (out->shape[d] < 0) return kiln__err(KILN_ERR_SHAPE, "expand: negative size in dim %d", d);
+    }
+    return KILN_OK;
+}
+
+static kiln_status creation(const kiln__attrs *a, kiln__meta *out)
+{
+    meta_shape(out, (kiln_dtype)a->i[0], a->ndim, a->shape);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_full(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return creation(a, out); }
+kiln_status kiln__infer_arange(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return creation(a, out); }
+kiln_status kiln__infer_rand(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return creation(a, out); }
+
+/* In-place ops: src must broadcast to dst; nothing is allocated. */
+static kiln_status into(const char *op, kiln_tensor_t *const *in)
+{
+    kiln__meta m;
+    kiln_status s = kiln__broadcast_shapes(op, 2, in, &m);
+    if (s != KILN_OK) return s;
+    char b1[96], b2[96];
+    if (m.ndim != in[0]->ndim || memcmp(m.shape, in[0]->shape, sizeof(int64_t) * (size_t)m.ndim))
+        return kiln__err(KILN_ERR_SHAPE, "%s: source %s does not broadcast to the destination %s", op, SHP(in[1], b1),
+                         SHP(in[0], b2));
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_add_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return into("add_", in); }
+kiln_status kiln__infer_copy_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return into("copy_", in); }
+kiln_status kiln__infer_scale_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return KILN_OK; }
+kiln_status kiln__infer_fill_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return KILN_OK; }
+
+kiln_status kiln__infer_adamw_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    for (int i = 0; i < 4; i++) {
+        char b1[96], b2[96];
+        if (in[i]->dtype != KILN_DTYPE_F32 || in[i]->ndim != in[0]->ndim ||
+            memcmp(in[i]->shape, in[0]->shape, sizeof(int64_t) * (size_t)in[0]->ndim) || !kiln__is_contiguous(in[i]))
+            return kiln__err(KILN_ERR_SHAPE, "adamw_: tensor %d %s must be contiguous f32 shaped like the parameter %s", i,
+                             SHP(in[i], b1), SHP(in[0], b2));
+    }
+    return KILN_OK;
+}
+
+/* Backward ops. */
+kiln_status kiln__infer_gelu_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    meta_like(in[0], in[0]->dtype, out);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_silu_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    meta_like(in[0], in[0]->dtype, out);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_embedding_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    int64_t shape[2] = {a->i[0], in[0]->shape[in[0]->ndim - 1]};
+    meta_shape(out, in[0]->dtype, 2, shape);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_layer_norm_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    meta_like(in[1], in[1]->dtype, &out[0]);
+    meta_like(in[2], in[2]->dtype, &out[1]);
+    meta_like(in[2], in[2]->dtype, &out[2]);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_rms_norm_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    meta_like(in[1], in[1]->dtype, &out[0]);
+    meta_like(in[2], in[2]->dtype, &out[1]);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_cross_entropy_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    meta_like(in[1], in[1]->dtype, out);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_attention_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    for (int j = 0; j < 3; j++) meta_like(in[1 + j], in[1 + j]->dtype, &out[j]);
+    return KILN_OK;
+}
