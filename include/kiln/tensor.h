@@ -68,6 +68,9 @@ const char *kiln_last_error(void);
 /* The calling thread's last status, KILN_OK after kiln_clear_error(). */
 kiln_status kiln_last_status(void);
 void kiln_clear_error(void);
+/* Sets the calling thread's last error and returns s: for code built on kiln (layers,
+ * tools, extensions) that reports its own errors the same way. */
+kiln_status kiln_error(kiln_status s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 const char *kiln_status_name(kiln_status s);
 
 /* Dtypes. */

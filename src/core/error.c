@@ -15,6 +15,16 @@ kiln_status kiln__err(kiln_status s, const char *fmt, ...)
     return s;
 }
 
+kiln_status kiln_error(kiln_status s, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(last_msg, sizeof last_msg, fmt, ap);
+    va_end(ap);
+    last_status = s;
+    return s;
+}
+
 const char *kiln_last_error(void) { return last_msg; }
 kiln_status kiln_last_status(void) { return last_status; }
 

@@ -1,0 +1,86 @@
+/* kiln/nn.h — layers and the GPT model (GPT-2 style and LLaMA style from one config).
+ *
+ * A worked example (one training step; see tools/train.c for the whole loop):
+ *
+ *     kiln_gpt_config cfg = kiln_gpt_config_gpt2();
+ *     cfg.vocab_size = 256;
+ *     kiln_gpt_t *m;
+ *     if (kiln_gpt_new(&cfg, 1234, &m) != KILN_OK) die(kiln_last_error());
+ *     kiln_scope_begin();
+ *     kiln_tensor_t *loss;
+ *     kiln_gpt_forward(m, idx, targets, true, &loss);    // idx, targets (B,T) i64
+ *     kiln_backward(loss);                               // grads on kiln_gpt_param(m, i)
+ *     kiln_scope_end();
+ *
+ * The model's exact definition (names, shapes, formulas) is docs/model.md.
+ */
+#ifndef KILN_NN_H
+#define KILN_NN_H
+
+#include "kiln/ops.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* y = x @ w^T + b for x (..., in), w (out, in), b (out) or NULL. Leading dims are
+ * flattened so that the whole batch is one GEMM. */
+kiln_tensor_t *kiln_linear(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *b);
+
+typedef enum { KILN_NORM_LAYERNORM, KILN_NORM_RMSNORM } kiln_norm_kind;
+typedef enum { KILN_POS_LEARNED, KILN_POS_ROPE } kiln_pos_kind;
+typedef enum { KILN_MLP_GELU, KILN_MLP_SWIGLU } kiln_mlp_kind;
+
+typedef struct {
+    int n_layer, n_head, n_kv_head, n_embd, block_size, vocab_size;
+    int ffn_hidden; /* 0: 4C for gelu, 64*ceil(8C/3/64) for swiglu */
+    kiln_norm_kind norm;
+    kiln_pos_kind pos;
+    kiln_mlp_kind mlp;
+    bool bias, tied;
+    double norm_eps, rope_theta;
+    double dropout; /* on attention output and MLP output in training; 0 = off */
+} kiln_gpt_config;
+
+kiln_gpt_config kiln_gpt_config_gpt2(void);  /* GPT-2 style defaults, 4 layers, C = 256 */
+kiln_gpt_config kiln_gpt_config_llama(void); /* LLaMA style defaults */
+/* Checks the config; the message names the first field that is wrong. */
+kiln_status kiln_gpt_config_check(const kiln_gpt_config *c);
+/* The config as JSON (malloc'd; caller frees) and back. Unknown keys are an error. */
+char *kiln_gpt_config_to_json(const kiln_gpt_config *c);
+kiln_status kiln_gpt_config_from_json(const char *json, kiln_gpt_config *out);
+int kiln_gpt_ffn_hidden(const kiln_gpt_config *c);
+
+typedef struct kiln_gpt kiln_gpt_t;
+
+/* A new model initialised from seed (the global RNG is left as it was). */
+kiln_status kiln_gpt_new(const kiln_gpt_config *cfg, uint64_t seed, kiln_gpt_t **out);
+void kiln_gpt_free(kiln_gpt_t *m);
+const kiln_gpt_config *kiln_gpt_get_config(const kiln_gpt_t *m);
+/* Parameters in a fixed order; borrowed. */
+int kiln_gpt_num_params(const kiln_gpt_t *m);
+kiln_tensor_t *kiln_gpt_param(const kiln_gpt_t *m, int i, const char **name);
+kiln_tensor_t *kiln_gpt_find_param(const kiln_gpt_t *m, const char *name);
+int64_t kiln_gpt_param_elements(const kiln_gpt_t *m);
+/* Copies every parameter from a safetensors file (names and shapes must match). */
+kiln_status kiln_gpt_load_weights(kiln_gpt_t *m, const char *path);
+
+/* Logits (B,T,V) for idx (B,T) i32/i64 with T <= block_size. With targets (B,T) the
+ * mean cross-entropy (ignore_index -1) is returned in *loss. train turns dropout on. */
+kiln_tensor_t *kiln_gpt_forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t *targets, bool train,
+                                kiln_tensor_t **loss);
+
+/* Incremental decoding with a key/value cache of up to block_size positions. */
+typedef struct kiln_kv_cache kiln_kv_cache_t;
+kiln_status kiln_kv_cache_new(const kiln_gpt_t *m, int batch, kiln_kv_cache_t **out);
+void kiln_kv_cache_free(kiln_kv_cache_t *c);
+int kiln_kv_cache_len(const kiln_kv_cache_t *c);
+void kiln_kv_cache_reset(kiln_kv_cache_t *c);
+/* Logits (B,Tnew,V) for the next Tnew tokens; appends their keys and values. Only
+ * models with rope positions or learned ones within block_size. Runs without grad. */
+kiln_tensor_t *kiln_gpt_forward_cached(kiln_gpt_t *m, kiln_kv_cache_t *c, kiln_tensor_t *idx);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,456 @@
+/* The GPT model of docs/model.md: GPT-2 style and LLaMA style from one config. */
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kiln/nn.h"
+
+
+typedef struct {
+    kiln_tensor_t *n1w, *n1b, *qkv_w, *qkv_b, *proj_w, *proj_b, *n2w, *n2b;
+    kiln_tensor_t *fc_w, *fc_b, *out_w, *out_b; /* gelu: fc, proj; swiglu: gate, down */
+    kiln_tensor_t *up_w, *up_b;                 /* swiglu only */
+} layer;
+
+struct kiln_gpt {
+    kiln_gpt_config cfg;
+    int n, cap;
+    kiln_tensor_t **params;
+    char **names;
+    kiln_tensor_t *tok_emb, *pos_emb, *nfw, *nfb, *lm_head;
+    layer *layers;
+};
+
+kiln_gpt_config kiln_gpt_config_gpt2(void)
+{
+    return (kiln_gpt_config){
+        .n_layer = 4, .n_head = 4, .n_kv_head = 4, .n_embd = 256, .block_size = 128, .vocab_size = 256,
+        .ffn_hidden = 0, .norm = KILN_NORM_LAYERNORM, .pos = KILN_POS_LEARNED, .mlp = KILN_MLP_GELU,
+        .bias = true, .tied = true, .norm_eps = 1e-5, .rope_theta = 10000.0, .dropout = 0.0,
+    };
+}
+
+kiln_gpt_config kiln_gpt_config_llama(void)
+{
+    kiln_gpt_config c = kiln_gpt_config_gpt2();
+    c.n_kv_head = 2;
+    c.norm = KILN_NORM_RMSNORM;
+    c.pos = KILN_POS_ROPE;
+    c.mlp = KILN_MLP_SWIGLU;
+    c.bias = false;
+    c.tied = false;
+    return c;
+}
+
+int kiln_gpt_ffn_hidden(const kiln_gpt_config *c)
+{
+    if (c->ffn_hidden > 0) return c->ffn_hidden;
+    if (c->mlp == KILN_MLP_GELU) return 4 * c->n_embd;
+    int f = (8 * c->n_embd + 2) / 3;
+    return (f + 63) / 64 * 64;
+}
+
+kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
+{
+    if (!c) return kiln_error(KILN_ERR_ARG, "gpt config is NULL");
+#define NEED(cond, ...) \
+    if (!(cond)) return kiln_error(KILN_ERR_ARG, "gpt config: " __VA_ARGS__)
+    NEED(c->n_layer >= 1 && c->n_layer <= 1024, "n_layer = %d must be in 1..1024", c->n_layer);
+    NEED(c->n_head >= 1, "n_head = %d must be positive", c->n_head);
+    NEED(c->n_embd >= 1 && c->n_embd % c->n_head == 0, "n_embd = %d must be a positive multiple of n_head = %d",
+         c->n_embd, c->n_head);
+    NEED(c->n_kv_head >= 1 && c->n_head % c->n_kv_head == 0, "n_kv_head = %d must divide n_head = %d", c->n_kv_head,
+         c->n_head);
+    NEED(c->pos != KILN_POS_ROPE || (c->n_embd / c->n_head) % 2 == 0, "rope needs an even head size, got %d",
+         c->n_embd / c->n_head);
+    NEED(c->block_size >= 1 && c->block_size <= 1 << 20, "block_size = %d must be in 1..2^20", c->block_size);
+    NEED(c->vocab_size >= 1 && c->vocab_size <= 1 << 24, "vocab_size = %d must be in 1..2^24", c->vocab_size);
+    NEED(c->ffn_hidden >= 0, "ffn_hidden = %d must be >= 0", c->ffn_hidden);
+    NEED(c->norm_eps > 0, "norm_eps = %g must be positive", c->norm_eps);
+    NEED(c->rope_theta > 0, "rope_theta = %g must be positive", c->rope_theta);
+    NEED(c->dropout >= 0 && c->dropout < 1, "dropout = %g must be in [0, 1)", c->dropout);
+    NEED((unsigned)c->norm <= KILN_NORM_RMSNORM && (unsigned)c->pos <= KILN_POS_ROPE &&
+         (unsigned)c->mlp <= KILN_MLP_SWIGLU, "unknown norm, pos or mlp kind");
+#undef NEED
+    return KILN_OK;
+}
+
+/* One table for the enum fields' names, used both ways. */
+static const char *norm_names[] = {"layernorm", "rmsnorm"};
+static const char *pos_names[] = {"learned", "rope"};
+static const char *mlp_names[] = {"gelu", "swiglu"};
+
+char *kiln_gpt_config_to_json(const kiln_gpt_config *c)
+{
+    json_t *o = json_pack("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:s,s:s,s:s,s:b,s:b,s:f,s:f,s:f}", "n_layer", c->n_layer,
+                          "n_head", c->n_head, "n_kv_head", c->n_kv_head, "n_embd", c->n_embd, "block_size",
+                          c->block_size, "vocab_size", c->vocab_size, "ffn_hidden", c->ffn_hidden, "norm",
+                          norm_names[c->norm], "pos", pos_names[c->pos], "mlp", mlp_names[c->mlp], "bias", c->bias,
+                          "tied", c->tied, "norm_eps", c->norm_eps, "rope_theta", c->rope_theta, "dropout", c->dropout);
+    char *s = o ? json_dumps(o, JSON_SORT_KEYS | JSON_COMPACT) : NULL;
+    json_decref(o);
+    return s;
+}
+
+static int find_name(const char *const *names, int n, const char *s)
+{
+    for (int i = 0; i < n; i++)
+        if (!strcmp(names[i], s)) return i;
+    return -1;
+}
+
+kiln_status kiln_gpt_config_from_json(const char *text, kiln_gpt_config *out)
+{
+    json_error_t err;
+    json_t *o = json_loads(text ? text : "", 0, &err);
+    if (!o || !json_is_object(o)) {
+        json_decref(o);
+        return kiln_error(KILN_ERR_FORMAT, "gpt config: not a JSON object (%s)", o ? "wrong type" : err.text);
+    }
+    kiln_gpt_config c = kiln_gpt_config_gpt2();
+    const char *key;
+    json_t *v;
+    kiln_status s = KILN_OK;
+    json_object_foreach(o, key, v)
+    {
+        int *ip = !strcmp(key, "n_layer") ? &c.n_layer : !strcmp(key, "n_head") ? &c.n_head
+                : !strcmp(key, "n_kv_head") ? &c.n_kv_head : !strcmp(key, "n_embd") ? &c.n_embd
+                : !strcmp(key, "block_size") ? &c.block_size : !strcmp(key, "vocab_size") ? &c.vocab_size
+                : !strcmp(key, "ffn_hidden") ? &c.ffn_hidden : NULL;
+        double *dp = !strcmp(key, "norm_eps") ? &c.norm_eps : !strcmp(key, "rope_theta") ? &c.rope_theta
+                   : !strcmp(key, "dropout") ? &c.dropout : NULL;
+        if (ip && json_is_integer(v)) {
+            *ip = (int)json_integer_value(v);
+        } else if (dp && json_is_number(v)) {
+            *dp = json_number_value(v);
+        } else if (!strcmp(key, "bias") && json_is_boolean(v)) {
+            c.bias = json_is_true(v);
+        } else if (!strcmp(key, "tied") && json_is_boolean(v)) {
+            c.tied = json_is_true(v);
+        } else if (json_is_string(v) && (!strcmp(key, "norm") || !strcmp(key, "pos") || !strcmp(key, "mlp"))) {
+            const char *sv = json_string_value(v);
+            int k = !strcmp(key, "norm") ? find_name(norm_names, 2, sv) : !strcmp(key, "pos") ? find_name(pos_names, 2, sv)
+                                                                                          : find_name(mlp_names, 2, sv);
+            if (k < 0) {
+                s = kiln_error(KILN_ERR_FORMAT, "gpt config: unknown %s '%s'", key, sv);
+                break;
+            }
+            if (key[0] == 'n') c.norm = (kiln_norm_kind)k;
+            else if (key[0] == 'p') c.pos = (kiln_pos_kind)k;
+            else c.mlp = (kiln_mlp_kind)k;
+        } else if (!ip && !dp) {
+            s = kiln_error(KILN_ERR_FORMAT, "gpt config: unknown key '%s'", key);
+            break;
+        } else {
+            s = kiln_error(KILN_ERR_FORMAT, "gpt config: key '%s' has the wrong type", key);
+            break;
+        }
+    }
+    json_decref(o);
+    if (s == KILN_OK) s = kiln_gpt_config_check(&c);
+    if (s == KILN_OK) *out = c;
+    return s;
+}
+
+/* std > 0: normal(0, std); std == 0: zeros; std < 0: ones. */
+static kiln_tensor_t *add_param(kiln_gpt_t *m, const char *name, int64_t d0, int64_t d1, double std)
+{
+    int64_t shape[2] = {d0, d1};
+    int nd = d1 > 0 ? 2 : 1;
+    kiln_tensor_t *t = std > 0 ? kiln_contiguous(kiln_mul_scalar(kiln_randn(shape, nd, KILN_DTYPE_F32), std))
+                               : kiln_full(shape, nd, std < 0 ? 1.0 : 0.0, KILN_DTYPE_F32);
+    if (!t) return NULL;
+    t = kiln_clone(t); /* a fresh tensor of its own, not a view into a temporary */
+    if (!t) return NULL;
+    if (m->n == m->cap) {
+        int cap = m->cap ? m->cap * 2 : 32;
+        kiln_tensor_t **p = realloc(m->params, sizeof *p * (size_t)cap);
+        char **nm = p ? realloc(m->names, sizeof *nm * (size_t)cap) : NULL;
+        if (p) m->params = p;
+        if (!p || !nm) {
+            kiln_error(KILN_ERR_OOM, "gpt: out of memory for the parameter list");
+            return NULL;
+        }
+        m->names = nm;
+        m->cap = cap;
+    }
+    m->names[m->n] = strdup(name);
+    m->params[m->n++] = kiln_keep(t);
+    kiln_tensor_set_requires_grad(t, true);
+    return t;
+}
+
+static kiln_status build(kiln_gpt_t *m)
+{
+    const kiln_gpt_config *c = &m->cfg;
+    int64_t C = c->n_embd, hs = C / c->n_head, F = kiln_gpt_ffn_hidden(c);
+    int64_t qkv = (int64_t)(c->n_head + 2 * c->n_kv_head) * hs;
+    double std = 0.02, rstd = 0.02 / sqrt(2.0 * c->n_layer);
+    bool ln = c->norm == KILN_NORM_LAYERNORM;
+    char nm[128];
+#define P(var, name, d0, d1, s)                              \
+    do {                                                     \
+        if (!((var) = add_param(m, (name), (d0), (d1), (s)))) \
+            return kiln_last_status();                      \
+    } while (0)
+    P(m->tok_emb, "tok_emb.weight", c->vocab_size, C, std);
+    if (c->pos == KILN_POS_LEARNED) P(m->pos_emb, "pos_emb.weight", c->block_size, C, std);
+    for (int i = 0; i < c->n_layer; i++) {
+        layer *L = &m->layers[i];
+#define NAME(suffix) (snprintf(nm, sizeof nm, "blocks.%d.%s", i, suffix), nm)
+        P(L->n1w, NAME("norm1.weight"), C, 0, -1);
+        if (ln) P(L->n1b, NAME("norm1.bias"), C, 0, 0);
+        P(L->qkv_w, NAME("attn.qkv.weight"), qkv, C, std);
+        if (c->bias) P(L->qkv_b, NAME("attn.qkv.bias"), qkv, 0, 0);
+        P(L->proj_w, NAME("attn.proj.weight"), C, C, rstd);
+        if (c->bias) P(L->proj_b, NAME("attn.proj.bias"), C, 0, 0);
+        P(L->n2w, NAME("norm2.weight"), C, 0, -1);
+        if (ln) P(L->n2b, NAME("norm2.bias"), C, 0, 0);
+        if (c->mlp == KILN_MLP_GELU) {
+            P(L->fc_w, NAME("mlp.fc.weight"), F, C, std);
+            if (c->bias) P(L->fc_b, NAME("mlp.fc.bias"), F, 0, 0);
+            P(L->out_w, NAME("mlp.proj.weight"), C, F, rstd);
+            if (c->bias) P(L->out_b, NAME("mlp.proj.bias"), C, 0, 0);
+        } else {
+            P(L->fc_w, NAME("mlp.gate.weight"), F, C, std);
+            if (c->bias) P(L->fc_b, NAME("mlp.gate.bias"), F, 0, 0);
+            P(L->up_w, NAME("mlp.up.weight"), F, C, std);
+            if (c->bias) P(L->up_b, NAME("mlp.up.bias"), F, 0, 0);
+            P(L->out_w, NAME("mlp.down.weight"), C, F, rstd);
+            if (c->bias) P(L->out_b, NAME("mlp.down.bias"), C, 0, 0);
+        }
+#undef NAME
+    }
+    P(m->nfw, "norm_f.weight", C, 0, -1);
+    if (ln) P(m->nfb, "norm_f.bias", C, 0, 0);
+    if (!c->tied) P(m->lm_head, "lm_head.weight", c->vocab_size, C, std);
+#undef P
+    return KILN_OK;
+}
+
+kiln_status kiln_gpt_new(const kiln_gpt_config *cfg, uint64_t seed, kiln_gpt_t **out)
+{
+    kiln_status s = kiln_gpt_config_check(cfg);
+    if (s != KILN_OK) return s;
+    kiln_gpt_t *m = calloc(1, sizeof *m);
+    if (!m || !(m->layers = calloc((size_t)cfg->n_layer, sizeof *m->layers))) {
+        free(m);
+        return kiln_error(KILN_ERR_OOM, "gpt: out of memory");
+    }
+    m->cfg = *cfg;
+    kiln_rng_state saved = kiln_rng_get_state();
+    kiln_manual_seed(seed);
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_scope_begin();
+    s = build(m);
+    kiln_scope_end();
+    kiln_set_grad_enabled(prev);
+    kiln_rng_set_state(saved);
+    if (s != KILN_OK) {
+        kiln_gpt_free(m);
+        return s;
+    }
+    *out = m;
+    return KILN_OK;
+}
+
+void kiln_gpt_free(kiln_gpt_t *m)
+{
+    if (!m) return;
+    for (int i = 0; i < m->n; i++) {
+        kiln_tensor_free(m->params[i]);
+        free(m->names[i]);
+    }
+    free(m->params);
+    free(m->names);
+    free(m->layers);
+    free(m);
+}
+
+const kiln_gpt_config *kiln_gpt_get_config(const kiln_gpt_t *m) { return &m->cfg; }
+int kiln_gpt_num_params(const kiln_gpt_t *m) { return m ? m->n : 0; }
+
+kiln_tensor_t *kiln_gpt_param(const kiln_gpt_t *m, int i, const char **name)
+{
+    if (!m || i < 0 || i >= m->n) return NULL;
+    if (name) *name = m->names[i];
+    return m->params[i];
+}
+
+kiln_tensor_t *kiln_gpt_find_param(const kiln_gpt_t *m, const char *name)
+{
+    for (int i = 0; m && name && i < m->n; i++)
+        if (!strcmp(m->names[i], name)) return m->params[i];
+    return NULL;
+}
+
+int64_t kiln_gpt_param_elements(const kiln_gpt_t *m)
+{
+    int64_t n = 0;
+    for (int i = 0; m && i < m->n; i++) n += kiln_tensor_numel(m->params[i]);
+    return n;
+}
+
+/* ---- forward ---- */
+
+static kiln_tensor_t *norm(const kiln_gpt_t *m, kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *b)
+{
+    return m->cfg.norm == KILN_NORM_LAYERNORM ? kiln_layer_norm(x, w, b, m->cfg.norm_eps)
+                                              : kiln_rms_norm(x, w, m->cfg.norm_eps);
+}
+
+/* (B,T,n*hs) -> (B,n,T,hs) */
+static kiln_tensor_t *heads(kiln_tensor_t *x, int64_t B, int64_t T, int64_t n, int64_t hs)
+{
+    int64_t shape[4] = {B, T, n, hs};
+    return kiln_transpose(kiln_reshape(x, shape, 4), 1, 2);
+}
+
+struct kiln_kv_cache {
+    int batch, len, n_layer;
+    kiln_tensor_t **k, **v; /* per layer (B, Hkv, block_size, hs) */
+};
+
+/* One pass over T new positions starting at pos0; with a cache, keys and values are
+ * appended to it and attention sees all cached positions. */
+static kiln_tensor_t *run(kiln_gpt_t *m, kiln_tensor_t *idx, int64_t pos0, kiln_kv_cache_t *cache, bool train)
+{
+    const kiln_gpt_config *c = &m->cfg;
+    int64_t B = kiln_tensor_dim(idx, 0), T = kiln_tensor_dim(idx, 1), C = c->n_embd;
+    int64_t H = c->n_head, Hk = c->n_kv_head, hs = C / H;
+    double p = train ? c->dropout : 0.0;
+    kiln_tensor_t *x = kiln_embedding(m->tok_emb, idx);
+    if (c->pos == KILN_POS_LEARNED) x = kiln_add(x, kiln_narrow(m->pos_emb, 0, pos0, T));
+    for (int i = 0; i < c->n_layer; i++) {
+        layer *L = &m->layers[i];
+        kiln_tensor_t *h = norm(m, x, L->n1w, L->n1b);
+        kiln_tensor_t *qkv = kiln_linear(h, L->qkv_w, L->qkv_b);
+        kiln_tensor_t *part[3];
+        int64_t sizes[3] = {H * hs, Hk * hs, Hk * hs};
+        if (!qkv || kiln_split(qkv, sizes, 3, -1, part) != KILN_OK) return NULL;
+        kiln_tensor_t *q = heads(part[0], B, T, H, hs), *k = heads(part[1], B, T, Hk, hs), *v = heads(part[2], B, T, Hk, hs);
+        if (c->pos == KILN_POS_ROPE) {
+            q = kiln_rope(q, pos0, c->rope_theta);
+            k = kiln_rope(k, pos0, c->rope_theta);
+        }
+        if (cache) {
+            kiln_tensor_t *kd = kiln_narrow(cache->k[i], 2, pos0, T), *vd = kiln_narrow(cache->v[i], 2, pos0, T);
+            if (kiln_tensor_copy_(kd, k) != KILN_OK || kiln_tensor_copy_(vd, v) != KILN_OK) return NULL;
+            k = kiln_narrow(cache->k[i], 2, 0, pos0 + T);
+            v = kiln_narrow(cache->v[i], 2, 0, pos0 + T);
+        }
+        kiln_tensor_t *y = kiln_attention(q, k, v, true, 0.0);
+        int64_t bt[3] = {B, T, C};
+        y = kiln_reshape(kiln_transpose(y, 1, 2), bt, 3);
+        y = kiln_dropout(kiln_linear(y, L->proj_w, L->proj_b), p, train);
+        x = kiln_add(x, y);
+        h = norm(m, x, L->n2w, L->n2b);
+        kiln_tensor_t *mo;
+        if (c->mlp == KILN_MLP_GELU)
+            mo = kiln_linear(kiln_gelu(kiln_linear(h, L->fc_w, L->fc_b), true), L->out_w, L->out_b);
+        else
+            mo = kiln_linear(kiln_mul(kiln_silu(kiln_linear(h, L->fc_w, L->fc_b)), kiln_linear(h, L->up_w, L->up_b)),
+                             L->out_w, L->out_b);
+        x = kiln_add(x, kiln_dropout(mo, p, train));
+    }
+    x = norm(m, x, m->nfw, m->nfb);
+    return kiln_linear(x, c->tied ? m->tok_emb : m->lm_head, NULL);
+}
+
+static kiln_status check_idx(const kiln_gpt_t *m, kiln_tensor_t *idx, int64_t pos0, const char *what)
+{
+    char b[96];
+    if (!idx) return kiln_last_status() ? kiln_last_status() : kiln_error(KILN_ERR_ARG, "%s: idx is NULL", what);
+    kiln_dtype dt = kiln_tensor_dtype(idx);
+    if (kiln_tensor_ndim(idx) != 2 || (dt != KILN_DTYPE_I32 && dt != KILN_DTYPE_I64))
+        return kiln_error(KILN_ERR_SHAPE, "%s: idx %s must be (B, T) of i32 or i64", what, kiln_tensor_describe(idx, b, sizeof b));
+    if (pos0 + kiln_tensor_dim(idx, 1) > m->cfg.block_size)
+        return kiln_error(KILN_ERR_SHAPE, "%s: %lld positions exceed block_size %d", what,
+                         (long long)(pos0 + kiln_tensor_dim(idx, 1)), m->cfg.block_size);
+    return KILN_OK;
+}
+
+kiln_tensor_t *kiln_gpt_forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t *targets, bool train,
+                                kiln_tensor_t **loss)
+{
+    if (!m) return kiln_error(KILN_ERR_ARG, "gpt_forward: model is NULL"), NULL;
+    if (check_idx(m, idx, 0, "gpt_forward") != KILN_OK) return NULL;
+    kiln_tensor_t *logits = run(m, idx, 0, NULL, train);
+    if (loss) *loss = NULL;
+    if (logits && targets && loss) {
+        int64_t n = kiln_tensor_numel(idx), nv[2] = {n, m->cfg.vocab_size};
+        if (kiln_tensor_numel(targets) != n) {
+            char a[96], b[96];
+            kiln_error(KILN_ERR_SHAPE, "gpt_forward: targets %s do not match idx %s",
+                      kiln_tensor_describe(targets, a, sizeof a), kiln_tensor_describe(idx, b, sizeof b));
+            return NULL;
+        }
+        *loss = kiln_cross_entropy(kiln_reshape(logits, nv, 2), kiln_reshape(targets, &n, 1), -1);
+        if (!*loss) return NULL;
+    }
+    return logits;
+}
+
+kiln_status kiln_kv_cache_new(const kiln_gpt_t *m, int batch, kiln_kv_cache_t **out)
+{
+    if (!m || batch < 1) return kiln_error(KILN_ERR_ARG, "kv_cache_new: model is NULL or batch %d < 1", batch);
+    kiln_kv_cache_t *c = calloc(1, sizeof *c);
+    int L = m->cfg.n_layer;
+    if (c) {
+        c->k = calloc((size_t)L, sizeof *c->k);
+        c->v = calloc((size_t)L, sizeof *c->v);
+    }
+    if (!c || !c->k || !c->v) {
+        if (c) { free(c->k); free(c->v); free(c); }
+        return kiln_error(KILN_ERR_OOM, "kv_cache_new: out of memory");
+    }
+    c->batch = batch;
+    c->n_layer = L;
+    int64_t shape[4] = {batch, m->cfg.n_kv_head, m->cfg.block_size, m->cfg.n_embd / m->cfg.n_head};
+    kiln_scope_begin();
+    for (int i = 0; i < L; i++) {
+        c->k[i] = kiln_keep(kiln_zeros(shape, 4, KILN_DTYPE_F32));
+        c->v[i] = kiln_keep(kiln_zeros(shape, 4, KILN_DTYPE_F32));
+    }
+    kiln_scope_end();
+    for (int i = 0; i < L; i++)
+        if (!c->k[i] || !c->v[i]) {
+            kiln_kv_cache_free(c);
+            return kiln_error(KILN_ERR_OOM, "kv_cache_new: out of memory for %d layers", L);
+        }
+    *out = c;
+    return KILN_OK;
+}
+
+void kiln_kv_cache_free(kiln_kv_cache_t *c)
+{
+    if (!c) return;
+    for (int i = 0; i < c->n_layer; i++) {
+        kiln_tensor_free(c->k[i]);
+        kiln_tensor_free(c->v[i]);
+    }
+    free(c->k);
+    free(c->v);
+    free(c);
+}
+
+int kiln_kv_cache_len(const kiln_kv_cache_t *c) { return c ? c->len : 0; }
+void kiln_kv_cache_reset(kiln_kv_cache_t *c)
+{
+    if (c) c->len = 0;
+}
+
+kiln_tensor_t *kiln_gpt_forward_cached(kiln_gpt_t *m, kiln_kv_cache_t *c, kiln_tensor_t *idx)
+{
+    if (!m || !c) return kiln_error(KILN_ERR_ARG, "gpt_forward_cached: model or cache is NULL"), NULL;
+    if (check_idx(m, idx, c->len, "gpt_forward_cached") != KILN_OK) return NULL;
+    if (kiln_tensor_dim(idx, 0) != c->batch)
+        return kiln_error(KILN_ERR_SHAPE, "gpt_forward_cached: batch %lld, the cache holds %d",
+                         (long long)kiln_tensor_dim(idx, 0), c->batch), NULL;
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_tensor_t *logits = run(m, idx, c->len, c, false);
+    kiln_set_grad_enabled(prev);
+    if (logits) c->len += (int)kiln_tensor_dim(idx, 1);
+    return logits;
+}
