@@ -85,6 +85,13 @@ kiln_status kiln_dtype_parse(const char *name, kiln_dtype *out);
 kiln_status kiln_init(int num_threads);
 int kiln_num_threads(void);
 const char *kiln_version(void);
+/* How this library was built: BLAS, SIMD, sanitizers (one line, for kiln doctor). */
+const char *kiln_build_info(void);
+/* Registered devices (backends): "cpu" first. */
+int kiln_device_count(void);
+const char *kiln_device_name(int i);
+/* One line describing device i (memory, compute units), or NULL. */
+const char *kiln_device_describe(int i, char *buf, size_t n);
 
 /* Scopes. */
 void kiln_scope_begin(void);

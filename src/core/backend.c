@@ -82,3 +82,37 @@ int kiln_num_threads(void)
 }
 
 const char *kiln_version(void) { return KILN_VERSION; }
+
+const char *kiln_build_info(void)
+{
+    return "blas="
+#if defined(KILN_BLAS_BLIS)
+           "BLIS"
+#elif defined(KILN_BLAS_OPENBLAS)
+           "OpenBLAS"
+#else
+           "none"
+#endif
+#if defined(__SANITIZE_ADDRESS__)
+           " sanitizers=address,undefined"
+#endif
+           " simd=avx2+fma (runtime-selected clones), plain C fallback";
+}
+
+int kiln_device_count(void) { return kiln__backend_count(); }
+
+const char *kiln_device_name(int i)
+{
+    kiln__backend *be = (kiln__ensure_init(), kiln__backend_at(i));
+    return be ? be->name : NULL;
+}
+
+const char *kiln_device_describe(int i, char *buf, size_t n)
+{
+    kiln__backend *be = (kiln__ensure_init(), kiln__backend_at(i));
+    kiln__device_info info = {0};
+    if (!be || !buf || be->device_info(be, &info) != KILN_OK) return NULL;
+    snprintf(buf, n, "%s: %s, %.1f GiB, %d compute units", be->name, info.description ? info.description : "",
+             (double)info.total_memory / (1024.0 * 1024.0 * 1024.0), info.compute_units);
+    return buf;
+}
