@@ -38,6 +38,15 @@ kiln_tensor_t *cpu_contig(kiln_tensor_t *t, kiln_tensor_t **tmp);
 void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t *shape, const int64_t *stride,
               int64_t offset);
 
+/* Hot loops are compiled twice, for AVX2+FMA and for plain x86-64, and the loader
+ * picks the clone the processor runs (GCC function multiversioning). The sanitizer
+ * build keeps one version. */
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(KILN_NO_CLONES)
+#define KILN_SIMD __attribute__((target_clones("avx2,fma", "default")))
+#else
+#define KILN_SIMD
+#endif
+
 /* Grain for parallel_for over elements (rows are split to about this many elements). */
 #define CPU_GRAIN 16384
 

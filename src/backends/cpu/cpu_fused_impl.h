@@ -33,7 +33,7 @@ typedef struct {
     bool log;
 } FN(sm_ctx);
 
-static void FN(sm_range)(void *c, int64_t b, int64_t e)
+KILN_SIMD static void FN(sm_range)(void *c, int64_t b, int64_t e)
 {
     const FN(sm_ctx) *k = c;
     for (int64_t line = b; line < e; line++) {
@@ -77,7 +77,7 @@ typedef struct {
 
 #define LN_BLOCK 32
 
-static void FN(ln_fwd_range)(void *c, int64_t b, int64_t e)
+KILN_SIMD static void FN(ln_fwd_range)(void *c, int64_t b, int64_t e)
 {
     const FN(ln_ctx) *k = c;
     int64_t C = k->C;
@@ -104,7 +104,7 @@ static void FN(ln_fwd_range)(void *c, int64_t b, int64_t e)
 
 /* dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)); RMS norm drops the mean terms
  * of mu. dw, db are summed per block of LN_BLOCK rows, then over blocks in order. */
-static void FN(ln_bwd_range)(void *c, int64_t bb, int64_t be)
+KILN_SIMD static void FN(ln_bwd_range)(void *c, int64_t bb, int64_t be)
 {
     const FN(ln_ctx) *k = c;
     int64_t C = k->C;
@@ -165,7 +165,7 @@ typedef struct {
     double gscale;
 } FN(ce_ctx);
 
-static void FN(ce_fwd_range)(void *c, int64_t b, int64_t e)
+KILN_SIMD static void FN(ce_fwd_range)(void *c, int64_t b, int64_t e)
 {
     const FN(ce_ctx) *k = c;
     for (int64_t n = b; n < e; n++) {
@@ -181,7 +181,7 @@ static void FN(ce_fwd_range)(void *c, int64_t b, int64_t e)
     }
 }
 
-static void FN(ce_bwd_range)(void *c, int64_t b, int64_t e)
+KILN_SIMD static void FN(ce_bwd_range)(void *c, int64_t b, int64_t e)
 {
     const FN(ce_ctx) *k = c;
     for (int64_t n = b; n < e; n++) {
@@ -207,7 +207,7 @@ typedef struct {
     double sign;
 } FN(rope_ctx);
 
-static void FN(rope_range)(void *c, int64_t b, int64_t e)
+KILN_SIMD static void FN(rope_range)(void *c, int64_t b, int64_t e)
 {
     const FN(rope_ctx) *k = c;
     int64_t h = k->D / 2;
@@ -242,7 +242,7 @@ static inline int64_t FN(att_keys)(const FN(att_ctx) *a, int64_t i)
 
 /* One query row at a time: its Tk scores live in a per-task buffer, so the full
  * (B,H,Tq,Tk) matrix never exists. */
-static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
+KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
 {
     const FN(att_ctx) *a = c;
     double *p = malloc(sizeof(double) * (size_t)(a->Tk ? a->Tk : 1));
@@ -282,7 +282,7 @@ static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
 
 /* One task per (batch, kv head): it owns dk and dv of that head, so no two tasks
  * write the same gradient and the sums keep a fixed order. */
-static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
+KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
 {
     const FN(att_ctx) *a = c;
     int64_t D = a->D, grp = a->H / a->Hkv;

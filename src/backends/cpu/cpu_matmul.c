@@ -50,7 +50,7 @@ kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
         memset(kiln__data(o), 0, es * (size_t)kiln__numel(no, o->shape));
         return KILN_OK;
     }
-    mat_layout la, lb;
+    mat_layout la = {CblasNoTrans, 1}, lb = {CblasNoTrans, 1};
     if (!blas_layout(M, K, x->stride[nx - 2], x->stride[nx - 1], &la)) {
         if (!(x = cpu_contig(x, &tx))) return kiln_last_status();
         blas_layout(M, K, x->stride[nx - 2], x->stride[nx - 1], &la);

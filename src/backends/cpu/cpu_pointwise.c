@@ -6,11 +6,6 @@
 #include "backends/cpu/cpu.h"
 #include "core/rng.h"
 
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(KILN_NO_CLONES)
-#define KILN_SIMD __attribute__((target_clones("avx2,fma", "default")))
-#else
-#define KILN_SIMD
-#endif
 
 #define SQRT_2_OVER_PI 0.7978845608028654
 #define GELU_C 0.044715

@@ -1,0 +1,64 @@
+/* Private layout of tokenizers, shared by tokenizer.c (API, tokenizer.json) and bpe.c
+ * (pre-tokenizer, merge application, training). */
+#ifndef KILN_IO_TOKENIZER_IMPL_H
+#define KILN_IO_TOKENIZER_IMPL_H
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include "kiln/tokenizer.h"
+
+#define KILN__EOT_TEXT "<|endoftext|>"
+
+/* Open-addressing map from a 64-bit key to an int32 value; the key ~0 is reserved. */
+typedef struct {
+    uint64_t *keys;
+    int32_t *vals;
+    size_t cap; /* a power of two, or 0 */
+    size_t count;
+} kiln__u64map;
+
+bool kiln__u64map_put(kiln__u64map *m, uint64_t key, int32_t val); /* false when out of memory */
+int32_t kiln__u64map_get(const kiln__u64map *m, uint64_t key);     /* -1 when absent */
+void kiln__u64map_clear(kiln__u64map *m);
+
+static inline uint64_t kiln__pair_key(int32_t a, int32_t b) { return ((uint64_t)(uint32_t)a << 32) | (uint32_t)b; }
+
+struct kiln_tokenizer {
+    bool is_byte;
+    int n_vocab;
+    /* Token id -> its bytes: tok_bytes[tok_off[i] .. tok_off[i+1]). */
+    uint8_t *tok_bytes;
+    size_t *tok_off;
+    int32_t byte_id[256]; /* the single-byte token for each byte */
+    /* Merges in rank order; merge r joins merge_a[r], merge_b[r] into merge_id[r]. */
+    int n_merges;
+    int32_t *merge_a, *merge_b, *merge_id;
+    kiln__u64map merge_rank; /* pair_key(a, b) -> rank */
+    /* Special tokens, matched literally in the text before pre-tokenization. */
+    int n_special;
+    int32_t *special_id;
+};
+
+/* The end of the pre-token that starts at s[i] (i < n): the GPT-2 split described in
+ * kiln/tokenizer.h. */
+size_t kiln__pretok_next(const uint8_t *s, size_t n, size_t i);
+
+/* Scratch space for kiln__bpe_word, reused across words to avoid a malloc per word. */
+typedef struct {
+    int32_t *sym, *prev, *next;
+    uint64_t *heap; /* (rank << 32 | pos), a min-heap */
+    size_t cap, heap_len;
+} kiln__bpe_scratch;
+
+/* Applies t's merges to the pre-token w[0..n) (n > 0): writes its ids to the front of
+ * s->sym and returns how many; -1 when out of memory. */
+long kiln__bpe_word(const kiln_tokenizer_t *t, kiln__bpe_scratch *s, const uint8_t *w, size_t n);
+void kiln__bpe_scratch_free(kiln__bpe_scratch *s);
+
+/* A new, empty tokenizer with room for n_vocab tokens whose bytes total nbytes. */
+kiln_tokenizer_t *kiln__tokenizer_alloc(int n_vocab, size_t nbytes, int n_merges, int n_special);
+/* Fills merge_rank from merge_a/merge_b (the first of equal pairs wins); false on OOM. */
+bool kiln__tokenizer_index_merges(kiln_tokenizer_t *t);
+
+#endif
