@@ -1,0 +1,343 @@
+/* The GPT model, optimizers, schedules, datasets and the process group. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kiln/data.h"
+#include "kiln/dist.h"
+#include "kiln/kiln.h"
+#include "kiln/nn.h"
+#include "kiln/optim.h"
+
+static kiln_gpt_config tiny(bool llama)
+{
+    kiln_gpt_config c = llama ? kiln_gpt_config_llama() : kiln_gpt_config_gpt2();
+    c.n_layer = 2;
+    c.n_head = 4;
+    c.n_kv_head = llama ? 2 : 4;
+    c.n_embd = 32;
+    c.block_size = 16;
+    c.vocab_size = 50;
+    return c;
+}
+
+static kiln_tensor_t *ids(int B, int T, int vocab, int salt)
+{
+    int64_t *v = malloc(sizeof *v * (size_t)(B * T));
+    for (int i = 0; i < B * T; i++) v[i] = (i * 7 + salt * 13 + i / 3) % vocab;
+    int64_t shape[2] = {B, T};
+    kiln_tensor_t *t = kiln_from_data(v, shape, 2, KILN_DTYPE_I64);
+    free(v);
+    return t;
+}
+
+static float *to_host(kiln_tensor_t *t)
+{
+    size_t n = (size_t)kiln_tensor_numel(t);
+    float *p = malloc(sizeof *p * n);
+    assert_int_equal(kiln_tensor_to_host(t, p, sizeof *p * n), KILN_OK);
+    return p;
+}
+
+static void config_json_round_trips(void **state)
+{
+    kiln_gpt_config c = tiny(true), d;
+    c.dropout = 0.25;
+    char *j = kiln_gpt_config_to_json(&c);
+    assert_non_null(j);
+    assert_int_equal(kiln_gpt_config_from_json(j, &d), KILN_OK);
+    assert_int_equal(c.n_layer, d.n_layer);
+    assert_int_equal(c.n_head, d.n_head);
+    assert_int_equal(c.n_kv_head, d.n_kv_head);
+    assert_int_equal(c.n_embd, d.n_embd);
+    assert_int_equal(c.block_size, d.block_size);
+    assert_int_equal(c.vocab_size, d.vocab_size);
+    assert_int_equal(c.ffn_hidden, d.ffn_hidden);
+    assert_int_equal(c.norm, d.norm);
+    assert_int_equal(c.pos, d.pos);
+    assert_int_equal(c.mlp, d.mlp);
+    assert_int_equal(c.bias, d.bias);
+    assert_int_equal(c.tied, d.tied);
+    assert_true(c.norm_eps == d.norm_eps && c.rope_theta == d.rope_theta && c.dropout == d.dropout);
+    free(j);
+    assert_int_equal(kiln_gpt_config_from_json("{\"n_layer\": 2, \"colour\": 1}", &d), KILN_ERR_FORMAT);
+    assert_non_null(strstr(kiln_last_error(), "colour"));
+}
+
+static void bad_config_names_the_field(void **state)
+{
+    kiln_gpt_config c = tiny(false);
+    c.n_kv_head = 3;
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 1, &m), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "n_kv_head"));
+}
+
+/* Parameter names and shapes are those of docs/model.md. */
+static void parameters_follow_the_model_doc(void **state)
+{
+    kiln_gpt_config c = tiny(true);
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 1, &m), KILN_OK);
+    kiln_tensor_t *qkv = kiln_gpt_find_param(m, "blocks.1.attn.qkv.weight");
+    assert_non_null(qkv);
+    assert_int_equal(kiln_tensor_dim(qkv, 0), (4 + 2 * 2) * 8);
+    assert_int_equal(kiln_tensor_dim(qkv, 1), 32);
+    assert_non_null(kiln_gpt_find_param(m, "blocks.0.mlp.gate.weight"));
+    assert_int_equal(kiln_tensor_dim(kiln_gpt_find_param(m, "blocks.0.mlp.down.weight"), 1), 128); /* 64*ceil(85.3/64) */
+    assert_non_null(kiln_gpt_find_param(m, "lm_head.weight"));
+    assert_null(kiln_gpt_find_param(m, "pos_emb.weight"));
+    assert_null(kiln_gpt_find_param(m, "blocks.0.norm1.bias"));
+    kiln_gpt_free(m);
+}
+
+static void same_seed_same_weights(void **state)
+{
+    kiln_gpt_config c = tiny(false);
+    kiln_gpt_t *a, *b, *d;
+    assert_int_equal(kiln_gpt_new(&c, 7, &a), KILN_OK);
+    assert_int_equal(kiln_gpt_new(&c, 7, &b), KILN_OK);
+    assert_int_equal(kiln_gpt_new(&c, 8, &d), KILN_OK);
+    float *x = to_host(kiln_gpt_param(a, 0, NULL)), *y = to_host(kiln_gpt_param(b, 0, NULL)),
+          *z = to_host(kiln_gpt_param(d, 0, NULL));
+    size_t n = (size_t)kiln_tensor_numel(kiln_gpt_param(a, 0, NULL));
+    assert_memory_equal(x, y, n * sizeof *x);
+    assert_memory_not_equal(x, z, n * sizeof *x);
+    free(x);
+    free(y);
+    free(z);
+    kiln_gpt_free(a);
+    kiln_gpt_free(b);
+    kiln_gpt_free(d);
+}
+
+/* Oracle: the full forward pass. Logits from the KV cache, fed a prompt and then one
+ * token at a time, must equal it to float32 rounding (1e-5). */
+static void kv_cache_matches_full_forward(void **state)
+{
+    for (int style = 0; style < 2; style++) {
+        kiln_gpt_config c = tiny(style == 1);
+        kiln_gpt_t *m;
+        assert_int_equal(kiln_gpt_new(&c, 3, &m), KILN_OK);
+        kiln_scope_begin();
+        kiln_tensor_t *x = ids(1, 10, c.vocab_size, style);
+        float *full = to_host(kiln_contiguous(kiln_gpt_forward(m, x, NULL, false, NULL)));
+        kiln_kv_cache_t *kv;
+        assert_int_equal(kiln_kv_cache_new(m, 1, &kv), KILN_OK);
+        kiln_tensor_t *first = kiln_gpt_forward_cached(m, kv, kiln_narrow(x, 1, 0, 6));
+        assert_non_null(first);
+        float *part = to_host(kiln_contiguous(first));
+        for (int i = 0; i < 6 * c.vocab_size; i++) assert_float_equal(part[i], full[i], 1e-5);
+        free(part);
+        for (int t = 6; t < 10; t++) {
+            kiln_tensor_t *step = kiln_gpt_forward_cached(m, kv, kiln_narrow(x, 1, t, 1));
+            assert_non_null(step);
+            float *s = to_host(kiln_contiguous(step));
+            for (int v = 0; v < c.vocab_size; v++) assert_float_equal(s[v], full[t * c.vocab_size + v], 1e-5);
+            free(s);
+        }
+        assert_int_equal(kiln_kv_cache_len(kv), 10);
+        kiln_kv_cache_free(kv);
+        free(full);
+        kiln_scope_end();
+        kiln_gpt_free(m);
+    }
+}
+
+static void forward_rejects_bad_input(void **state)
+{
+    kiln_gpt_config c = tiny(false);
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 3, &m), KILN_OK);
+    kiln_scope_begin();
+    assert_null(kiln_gpt_forward(m, ids(1, 17, c.vocab_size, 0), NULL, false, NULL));
+    assert_non_null(strstr(kiln_last_error(), "block_size"));
+    int64_t bad[2] = {1, 4};
+    int64_t vals[4] = {1, 2, 99, 3};
+    assert_null(kiln_gpt_forward(m, kiln_from_data(vals, bad, 2, KILN_DTYPE_I64), NULL, false, NULL));
+    assert_int_equal(kiln_last_status(), KILN_ERR_INDEX);
+    kiln_scope_end();
+    kiln_gpt_free(m);
+}
+
+/* A few AdamW steps on one batch must lower the loss: the whole training path works. */
+static void training_steps_lower_the_loss(void **state)
+{
+    for (int style = 0; style < 2; style++) {
+        kiln_gpt_config c = tiny(style == 1);
+        kiln_gpt_t *m;
+        assert_int_equal(kiln_gpt_new(&c, 5, &m), KILN_OK);
+        int n = kiln_gpt_num_params(m);
+        kiln_tensor_t *ps[64];
+        for (int i = 0; i < n; i++) ps[i] = kiln_gpt_param(m, i, NULL);
+        kiln_optim_t *o;
+        assert_int_equal(kiln_adamw_new(ps, n, NULL, 0.9, 0.95, 1e-8, 0.1, &o), KILN_OK);
+        kiln_scope_begin();
+        kiln_tensor_t *x = ids(2, 16, c.vocab_size, 1), *y = ids(2, 16, c.vocab_size, 2);
+        double first = 0, last = 0;
+        for (int s = 0; s < 20; s++) {
+            kiln_scope_begin();
+            kiln_tensor_t *loss;
+            assert_non_null(kiln_gpt_forward(m, x, y, true, &loss));
+            assert_int_equal(kiln_tensor_item(loss, &last), KILN_OK);
+            if (s == 0) first = last;
+            assert_int_equal(kiln_backward(loss), KILN_OK);
+            assert_int_equal(kiln_optim_step(o, 3e-3), KILN_OK);
+            kiln_optim_zero_grad(o);
+            kiln_scope_end();
+        }
+        kiln_scope_end();
+        assert_true(last < first - 0.5);
+        assert_int_equal(kiln_optim_steps(o), 20);
+        kiln_optim_free(o);
+        kiln_gpt_free(m);
+    }
+}
+
+/* Oracle: the SGD-with-momentum update written out by hand. */
+static void sgd_momentum_follows_the_formula(void **state)
+{
+    float p0[3] = {1, -2, 3}, g0[3] = {0.5f, 0.25f, -1};
+    int64_t n = 3;
+    kiln_tensor_t *p = kiln_from_data(p0, &n, 1, KILN_DTYPE_F32);
+    kiln_tensor_set_requires_grad(p, true);
+    kiln_optim_t *o;
+    assert_int_equal(kiln_sgd_new(&p, 1, NULL, 0.9, 0.0, &o), KILN_OK);
+    float buf[3] = {0}, want[3] = {1, -2, 3};
+    for (int s = 0; s < 3; s++) {
+        kiln_tensor_t *g = kiln_from_data(g0, &n, 1, KILN_DTYPE_F32);
+        kiln_scope_begin();
+        assert_int_equal(kiln_backward_with(p, g), KILN_OK);
+        kiln_scope_end();
+        kiln_tensor_free(g);
+        assert_int_equal(kiln_optim_step(o, 0.1), KILN_OK);
+        kiln_optim_zero_grad(o);
+        for (int i = 0; i < 3; i++) {
+            buf[i] = 0.9f * buf[i] + g0[i];
+            want[i] -= 0.1f * buf[i];
+        }
+    }
+    float got[3];
+    assert_int_equal(kiln_tensor_to_host(p, got, sizeof got), KILN_OK);
+    for (int i = 0; i < 3; i++) assert_float_equal(got[i], want[i], 1e-6);
+    kiln_optim_free(o);
+    kiln_tensor_free(p);
+}
+
+static void clipping_scales_to_the_max_norm(void **state)
+{
+    float g0[2] = {3, 4};
+    int64_t n = 2;
+    kiln_tensor_t *p = kiln_zeros(&n, 1, KILN_DTYPE_F32), *g = kiln_from_data(g0, &n, 1, KILN_DTYPE_F32);
+    kiln_tensor_set_requires_grad(p, true);
+    kiln_scope_begin();
+    assert_int_equal(kiln_backward_with(p, g), KILN_OK);
+    kiln_scope_end();
+    double norm;
+    assert_int_equal(kiln_clip_grad_norm(&p, 1, 1.0, &norm), KILN_OK);
+    assert_float_equal(norm, 5.0, 1e-9);
+    float got[2];
+    assert_int_equal(kiln_tensor_to_host(kiln_tensor_grad(p), got, sizeof got), KILN_OK);
+    assert_float_equal(got[0], 0.6, 1e-6);
+    assert_float_equal(got[1], 0.8, 1e-6);
+    kiln_tensor_free(g);
+    kiln_tensor_free(p);
+}
+
+static void cosine_schedule_warms_up_and_decays(void **state)
+{
+    assert_float_equal(kiln_lr_cosine(0, 10, 110, 1.0, 0.1), 0.1, 1e-12);
+    assert_float_equal(kiln_lr_cosine(9, 10, 110, 1.0, 0.1), 1.0, 1e-12);
+    assert_float_equal(kiln_lr_cosine(60, 10, 110, 1.0, 0.1), 0.55, 1e-12); /* halfway: the mean */
+    assert_float_equal(kiln_lr_cosine(110, 10, 110, 1.0, 0.1), 0.1, 1e-12);
+}
+
+static void batches_depend_only_on_seed_and_step(void **state)
+{
+    int32_t tok[1000];
+    for (int i = 0; i < 1000; i++) tok[i] = i % 97;
+    kiln_dataset_t *d;
+    assert_int_equal(kiln_dataset_new(tok, 1000, 0.1, &d), KILN_OK);
+    assert_int_equal(kiln_dataset_len(d, KILN_SPLIT_TRAIN), 900);
+    kiln_scope_begin();
+    kiln_tensor_t *x1, *y1, *x2, *y2, *x3, *y3, *h0, *h1, *g0, *g1;
+    assert_int_equal(kiln_dataset_batch(d, KILN_SPLIT_TRAIN, 4, 8, 1, 5, 0, 1, &x1, &y1), KILN_OK);
+    assert_int_equal(kiln_dataset_batch(d, KILN_SPLIT_TRAIN, 4, 8, 1, 6, 0, 1, &x3, &y3), KILN_OK);
+    assert_int_equal(kiln_dataset_batch(d, KILN_SPLIT_TRAIN, 4, 8, 1, 5, 0, 1, &x2, &y2), KILN_OK);
+    int64_t a[32], b[32], c[32], ya[32];
+    kiln_tensor_to_host(x1, a, sizeof a);
+    kiln_tensor_to_host(x2, b, sizeof b);
+    kiln_tensor_to_host(x3, c, sizeof c);
+    kiln_tensor_to_host(y1, ya, sizeof ya);
+    assert_memory_equal(a, b, sizeof a);
+    assert_memory_not_equal(a, c, sizeof a);
+    for (int i = 0; i < 32; i++) assert_int_equal(ya[i], (a[i] + 1) % 97); /* y is x shifted by one */
+    /* Two ranks of two see the global batch of four in halves. */
+    assert_int_equal(kiln_dataset_batch(d, KILN_SPLIT_TRAIN, 2, 8, 1, 5, 0, 2, &h0, &g0), KILN_OK);
+    assert_int_equal(kiln_dataset_batch(d, KILN_SPLIT_TRAIN, 2, 8, 1, 5, 1, 2, &h1, &g1), KILN_OK);
+    int64_t r0[16], r1[16];
+    kiln_tensor_to_host(h0, r0, sizeof r0);
+    kiln_tensor_to_host(h1, r1, sizeof r1);
+    assert_memory_equal(r0, a, sizeof r0);
+    assert_memory_equal(r1, a + 16, sizeof r1);
+    kiln_scope_end();
+    kiln_dataset_free(d);
+}
+
+static void unigram_entropy_of_a_uniform_corpus(void **state)
+{
+    int32_t tok[400];
+    for (int i = 0; i < 400; i++) tok[i] = i % 4;
+    kiln_dataset_t *d;
+    assert_int_equal(kiln_dataset_new(tok, 400, 0.0, &d), KILN_OK);
+    assert_float_equal(kiln_dataset_unigram_entropy(d, 4), log(4.0), 1e-12);
+    kiln_dataset_free(d);
+}
+
+static void process_group_of_one(void **state)
+{
+    unsetenv("KILN_WORLD_SIZE");
+    kiln_pg_t *pg;
+    assert_int_equal(kiln_pg_new_from_env(&pg), KILN_OK);
+    assert_int_equal(kiln_pg_world_size(pg), 1);
+    assert_int_equal(kiln_pg_rank(pg), 0);
+    float v[2] = {1.5f, -2};
+    int64_t n = 2;
+    kiln_tensor_t *t = kiln_from_data(v, &n, 1, KILN_DTYPE_F32);
+    assert_int_equal(kiln_pg_allreduce(pg, t, KILN_REDUCE_AVG), KILN_OK);
+    float got[2];
+    kiln_tensor_to_host(t, got, sizeof got);
+    assert_memory_equal(got, v, sizeof v);
+    assert_int_equal(kiln_pg_seq(pg), 1);
+    kiln_tensor_free(t);
+    kiln_pg_free(pg);
+    setenv("KILN_WORLD_SIZE", "2", 1);
+    assert_int_equal(kiln_pg_new_from_env(&pg), KILN_ERR_UNSUPPORTED);
+    assert_non_null(strstr(kiln_last_error(), "MPI"));
+    unsetenv("KILN_WORLD_SIZE");
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(config_json_round_trips),
+        cmocka_unit_test(bad_config_names_the_field),
+        cmocka_unit_test(parameters_follow_the_model_doc),
+        cmocka_unit_test(same_seed_same_weights),
+        cmocka_unit_test(kv_cache_matches_full_forward),
+        cmocka_unit_test(forward_rejects_bad_input),
+        cmocka_unit_test(training_steps_lower_the_loss),
+        cmocka_unit_test(sgd_momentum_follows_the_formula),
+        cmocka_unit_test(clipping_scales_to_the_max_norm),
+        cmocka_unit_test(cosine_schedule_warms_up_and_decays),
+        cmocka_unit_test(batches_depend_only_on_seed_and_step),
+        cmocka_unit_test(unigram_entropy_of_a_uniform_corpus),
+        cmocka_unit_test(process_group_of_one),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
