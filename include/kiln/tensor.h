@@ -87,6 +87,11 @@ int kiln_num_threads(void);
 const char *kiln_version(void);
 /* How this library was built: BLAS, SIMD, sanitizers (one line, for kiln doctor). */
 const char *kiln_build_info(void);
+/* Optimization switches (KILN_OPT_<NAME>=0|1 in the environment, read once). */
+int kiln_opt_count(void);
+const char *kiln_opt_name(int i);
+const char *kiln_opt_help(int i);
+bool kiln_opt_enabled(int i);
 /* Registered devices (backends): "cpu" first. */
 int kiln_device_count(void);
 const char *kiln_device_name(int i);

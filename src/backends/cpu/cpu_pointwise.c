@@ -4,6 +4,7 @@
 #include <math.h>
 #include <string.h>
 #include "backends/cpu/cpu.h"
+#include "core/opts.h"
 #include "core/rng.h"
 
 
@@ -38,6 +39,42 @@ static inline float gelu_grad_f(float x, bool tanh_form)
         return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (float)SQRT_2_OVER_PI * (1.0f + 3.0f * (float)GELU_C * x * x);
     }
     return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;
+}
+
+/* expf by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (the Cephes
+ * coefficients), about 2 ulp, written with selects and a rounding constant so that the
+ * compiler vectorizes it; libm's expf is a call per element. Behind KILN_OPT_FAST_EXP. */
+static inline float fast_expf(float x)
+{
+    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    int32_t bits = ((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return p * scale;
+}
+
+/* tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits at both ends; absolute error ~1e-7. */
+static inline float fast_tanhf(float u) { return 1.0f - 2.0f / (fast_expf(2.0f * u) + 1.0f); }
+static inline float fast_sigmoidf(float x) { return 1.0f / (1.0f + fast_expf(-x)); }
+
+static inline float gelu_fast(float x)
+{
+    return 0.5f * x * (1.0f + fast_tanhf((float)SQRT_2_OVER_PI * (x + (float)GELU_C * x * x * x)));
+}
+
+static inline float gelu_grad_fast(float x)
+{
+    float t = fast_tanhf((float)SQRT_2_OVER_PI * (x + (float)GELU_C * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (float)SQRT_2_OVER_PI * (1.0f + 3.0f * (float)GELU_C * x * x);
 }
 
 static inline double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
@@ -98,11 +135,15 @@ UNARY(exp, expf(x), exp(x))
 UNARY(log, logf(x), log(x))
 UNARY(sqrt, sqrtf(x), sqrt(x))
 UNARY(rsqrt, 1.0f / sqrtf(x), 1.0 / sqrt(x))
-UNARY(tanh, tanhf(x), tanh(x))
-UNARY(sigmoid, sigmoid_f(x), sigmoid_d(x))
+UNARY(tanh_exact, tanhf(x), tanh(x))
+UNARY(tanh_fast, fast_tanhf(x), tanh(x))
+UNARY(sigmoid_exact, sigmoid_f(x), sigmoid_d(x))
+UNARY(sigmoid_fast, fast_sigmoidf(x), sigmoid_d(x))
 UNARY(relu, x > 0 ? x : 0.0f, x > 0 ? x : 0.0)
-UNARY(gelu, gelu_f(x, AT->i[0]), gelu_d(x, AT->i[0]))
-UNARY(silu, x * sigmoid_f(x), x * sigmoid_d(x))
+UNARY(gelu_exact, gelu_f(x, AT->i[0]), gelu_d(x, AT->i[0]))
+UNARY(gelu_fast, AT->i[0] ? gelu_fast(x) : gelu_f(x, false), gelu_d(x, AT->i[0]))
+UNARY(silu_exact, x * sigmoid_f(x), x * sigmoid_d(x))
+UNARY(silu_fast, x * fast_sigmoidf(x), x * sigmoid_d(x))
 UNARY(scale_body, x * (float)AT->f[0], x * AT->f[0])
 UNARY(fill_body, ((void)x, (float)AT->f[0]), ((void)x, AT->f[0]))
 
@@ -167,9 +208,39 @@ BINARY(lt, ((void)x, (void)y, 0.0f), x < y, 1)
 BINARY(le, ((void)x, (void)y, 0.0f), x <= y, 1)
 BINARY(gt, ((void)x, (void)y, 0.0f), x > y, 1)
 BINARY(ge, ((void)x, (void)y, 0.0f), x >= y, 1)
-BINARY(gelu_backward, y * gelu_grad_f(x, AT->i[0]), y * gelu_grad_d(x, AT->i[0]), 0)
-BINARY(silu_backward, y * sigmoid_f(x) * (1.0f + x * (1.0f - sigmoid_f(x))),
+BINARY(gelu_backward_exact, y * gelu_grad_f(x, AT->i[0]), y * gelu_grad_d(x, AT->i[0]), 0)
+BINARY(gelu_backward_fast, y * (AT->i[0] ? gelu_grad_fast(x) : gelu_grad_f(x, false)), y * gelu_grad_d(x, AT->i[0]), 0)
+BINARY(silu_backward_exact, y * sigmoid_f(x) * (1.0f + x * (1.0f - sigmoid_f(x))),
        y * sigmoid_d(x) * (1.0 + x * (1.0 - sigmoid_d(x))), 0)
+BINARY(silu_backward_fast, y * fast_sigmoidf(x) * (1.0f + x * (1.0f - fast_sigmoidf(x))),
+       y * sigmoid_d(x) * (1.0 + x * (1.0 - sigmoid_d(x))), 0)
+
+/* The ops with a fast-exp variant pick it by switch. */
+#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
+kiln_status kiln__cpu_gelu_exact(K_ARGS);
+kiln_status kiln__cpu_gelu_fast(K_ARGS);
+kiln_status kiln__cpu_silu_exact(K_ARGS);
+kiln_status kiln__cpu_silu_fast(K_ARGS);
+kiln_status kiln__cpu_tanh_exact(K_ARGS);
+kiln_status kiln__cpu_tanh_fast(K_ARGS);
+kiln_status kiln__cpu_sigmoid_exact(K_ARGS);
+kiln_status kiln__cpu_sigmoid_fast(K_ARGS);
+kiln_status kiln__cpu_gelu_backward_exact(K_ARGS);
+kiln_status kiln__cpu_gelu_backward_fast(K_ARGS);
+kiln_status kiln__cpu_silu_backward_exact(K_ARGS);
+kiln_status kiln__cpu_silu_backward_fast(K_ARGS);
+#define BY_SWITCH(name)                                                                          \
+    kiln_status kiln__cpu_##name(K_ARGS)                                                         \
+    {                                                                                            \
+        return kiln__opt(KILN__OPT_FAST_EXP) ? kiln__cpu_##name##_fast(be, in, n_in, a, out, n_out) \
+                                              : kiln__cpu_##name##_exact(be, in, n_in, a, out, n_out); \
+    }
+BY_SWITCH(gelu)
+BY_SWITCH(silu)
+BY_SWITCH(tanh)
+BY_SWITCH(sigmoid)
+BY_SWITCH(gelu_backward)
+BY_SWITCH(silu_backward)
 
 /* ---- in-place: operand 0 is the destination, read and written ---- */
 KILN_SIMD static void add__f32(void *c, char **p, const int64_t *s, int64_t n)
@@ -287,6 +358,18 @@ typedef struct {
     int kind; /* 0 full, 1 arange, 2 rand */
 } make_ctx;
 
+/* The largest value below 1 in dt. A uniform draw above it would round to 1 when
+ * stored (likely in f16/bf16), so it is clamped there to keep rand in [0, 1). */
+static double below_one(kiln_dtype dt)
+{
+    switch (dt) {
+    case KILN_DTYPE_F16: return 1.0 - 0x1p-11;
+    case KILN_DTYPE_BF16: return 1.0 - 0x1p-8;
+    case KILN_DTYPE_F32: return 1.0 - 0x1p-24;
+    default: return 1.0 - 0x1p-53;
+    }
+}
+
 static void make_range(void *c, int64_t b, int64_t e)
 {
     const make_ctx *m = c;
@@ -303,7 +386,8 @@ static void make_range(void *c, int64_t b, int64_t e)
         double v;
         if (m->kind == 0) v = a->f[0];
         else if (m->kind == 1) v = a->f[0] + (double)i * a->f[1];
-        else v = a->i[1] ? kiln__rng_normal(a->u[0], a->u[1], (uint64_t)i) : kiln__rng_uniform(a->u[0], a->u[1], (uint64_t)i);
+        else if (a->i[1]) v = kiln__rng_normal(a->u[0], a->u[1], (uint64_t)i);
+        else v = fmin(kiln__rng_uniform(a->u[0], a->u[1], (uint64_t)i), below_one(dt));
         kiln__store(base + i * (int64_t)sz, dt, v);
     }
 }

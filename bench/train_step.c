@@ -1,0 +1,101 @@
+/* bench/train_step: kiln eager training steps on reference config S (GPT-2 style,
+ * byte vocab 256, T=128, C=256, 4 layers, 4 heads, B=16, AdamW), the same model and
+ * batch shape as tests/reference/train_step_torch.py. Prints one JSON line: median
+ * tokens/s over the timed steps, peak RSS, and model FLOP utilisation against a given
+ * peak. Run both through bench/train_step.sh, which reports the ratio. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/resource.h>
+#include <time.h>
+#include "kiln/kiln.h"
+#include "kiln/nn.h"
+#include "kiln/optim.h"
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static int cmp(const void *a, const void *b)
+{
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+int main(int argc, char **argv)
+{
+    int threads = 0, steps = 20, warmup = 3;
+    double peak_gflops = 0;
+    const char *model = "gpt2";
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "--threads")) threads = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--steps")) steps = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--warmup")) warmup = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--peak-gflops")) peak_gflops = atof(argv[i + 1]);
+        else if (!strcmp(argv[i], "--model")) model = argv[i + 1];
+        else {
+            fprintf(stderr, "usage: bench_train_step [--threads N] [--steps N] [--warmup N] [--peak-gflops G] [--model gpt2|llama]\n");
+            return 2;
+        }
+    }
+    if (steps < 1) steps = 1;
+    kiln_init(threads);
+    kiln_gpt_config c = strcmp(model, "llama") ? kiln_gpt_config_gpt2() : kiln_gpt_config_llama();
+    kiln_gpt_t *m;
+    if (kiln_gpt_new(&c, 1234, &m) != KILN_OK) {
+        fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());
+        return 1;
+    }
+    int np = kiln_gpt_num_params(m);
+    kiln_tensor_t **ps = malloc(sizeof *ps * (size_t)np);
+    for (int i = 0; i < np; i++) ps[i] = kiln_gpt_param(m, i, NULL);
+    kiln_optim_t *opt;
+    kiln_adamw_new(ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt);
+    const int B = 16, T = c.block_size;
+    int64_t shape[2] = {B, T};
+    int64_t *buf = malloc(sizeof *buf * (size_t)(B * (T + 1)));
+    double *times = malloc(sizeof *times * (size_t)steps);
+    uint64_t rng = 42;
+    for (int s = 0; s < warmup + steps; s++) {
+        for (int i = 0; i < B * (T + 1); i++) {
+            rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
+            buf[i] = (int64_t)(rng >> 56);
+        }
+        double t0 = now_s();
+        kiln_scope_begin();
+        kiln_tensor_t *all = kiln_from_data(buf, (int64_t[]){B, T + 1}, 2, KILN_DTYPE_I64);
+        kiln_tensor_t *x = kiln_contiguous(kiln_narrow(all, 1, 0, T)), *y = kiln_contiguous(kiln_narrow(all, 1, 1, T));
+        (void)shape;
+        kiln_tensor_t *loss;
+        if (!kiln_gpt_forward(m, x, y, true, &loss) || kiln_backward(loss) != KILN_OK ||
+            kiln_clip_grad_norm(ps, np, 1.0, NULL) != KILN_OK || kiln_optim_step(opt, 3e-4) != KILN_OK) {
+            fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());
+            return 1;
+        }
+        kiln_optim_zero_grad(opt);
+        kiln_scope_end();
+        if (s >= warmup) times[s - warmup] = now_s() - t0;
+    }
+    qsort(times, (size_t)steps, sizeof *times, cmp);
+    double med = times[steps / 2], tps = B * T / med;
+    /* Model FLOPs per token: 6 N for the weights plus 6 L T C for attention
+     * (forward 2, backward 4; causal halves QK^T and PV, which 12 L T C / 2 gives). */
+    double n_params = (double)kiln_gpt_param_elements(m);
+    double flops_per_token = 6.0 * n_params + 6.0 * c.n_layer * T * c.n_embd;
+    double gflops = flops_per_token * tps / 1e9;
+    struct rusage ru;
+    getrusage(RUSAGE_SELF, &ru);
+    printf("{\"engine\":\"kiln\",\"model\":\"%s\",\"threads\":%d,\"steps\":%d,\"median_step_ms\":%.1f,"
+           "\"tokens_per_s\":%.1f,\"model_gflops\":%.2f,\"mfu\":%.4f,\"peak_rss_mb\":%.1f}\n",
+           model, kiln_num_threads(), steps, med * 1e3, tps, gflops, peak_gflops > 0 ? gflops / peak_gflops : 0.0,
+           (double)ru.ru_maxrss / 1024.0);
+    kiln_optim_free(opt);
+    kiln_gpt_free(m);
+    free(ps);
+    free(buf);
+    free(times);
+    return 0;
+}

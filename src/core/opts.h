@@ -1,0 +1,19 @@
+/* Optimization switches: each fast path sits behind one, KILN_OPT_<NAME>=0|1 in the
+ * environment, so its effect can be measured alone (DESIGN.md, "Performance
+ * discipline"). kiln doctor lists them. */
+#ifndef KILN_CORE_OPTS_H
+#define KILN_CORE_OPTS_H
+#include <stdbool.h>
+
+#define KILN__OPTS(X)                                                                            \
+    X(FAST_EXP, 1, "polynomial expf/tanhf (vectorized) in f32 GELU, SiLU, sigmoid and tanh")
+
+typedef enum {
+#define KILN__OPT_ENUM(name, dflt, help) KILN__OPT_##name,
+    KILN__OPTS(KILN__OPT_ENUM)
+#undef KILN__OPT_ENUM
+    KILN__OPT_COUNT
+} kiln__opt_id;
+
+bool kiln__opt(kiln__opt_id id);
+#endif
