@@ -241,10 +241,16 @@ static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
         bool any = false;
         for (int j = 0; j < cur->n_out; j++) any |= cur->grad_out[j] != NULL;
         kiln_tensor_t **gin = calloc((size_t)(cur->n_in > 0 ? cur->n_in : 1), sizeof *gin);
-        if (!gin) {
+        /* The edges counted above: a backward formula may clear needs_grad[i] for an
+         * index input, and its producer must still be released below. */
+        bool *counted = malloc((size_t)(cur->n_in > 0 ? cur->n_in : 1) * sizeof *counted);
+        if (!gin || !counted) {
+            free(gin);
+            free(counted);
             s = kiln__err(KILN_ERR_OOM, "backward: out of memory");
             break;
         }
+        for (int i = 0; i < cur->n_in; i++) counted[i] = cur->needs_grad[i];
         kiln_scope_begin();
         if (any) {
             s = d->backward(cur, cur->grad_out, gin);
@@ -264,8 +270,9 @@ static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
         }
         for (int i = 0; i < cur->n_in; i++) {
             kiln__node *nx = cur->next[i];
-            if (nx && cur->needs_grad[i] && --nx->pending == 0) ready[tail++] = nx;
+            if (nx && counted[i] && --nx->pending == 0) ready[tail++] = nx;
         }
+        free(counted);
     }
     kiln_set_grad_enabled(prev);
     /* The graph is spent: free what it saved (a second backward is an error). */

@@ -2,6 +2,7 @@
 #ifndef KILN_CORE_DTYPE_H
 #define KILN_CORE_DTYPE_H
 
+#include <math.h>
 #include <stdint.h>
 #include <string.h>
 #include "kiln/tensor.h"
@@ -67,6 +68,21 @@ static inline uint16_t kiln__f32_to_bf16(float f)
     return (uint16_t)(x >> 16);
 }
 
+/* v as f32 rounded to odd (truncate, then set the last bit if anything was dropped).
+ * Rounding that to f16 or bf16 to nearest even gives the correctly rounded result;
+ * a plain (float)v would round twice and can land on a midpoint. */
+static inline float kiln__f64_to_f32_odd(double v)
+{
+    float f = (float)v;
+    if (!isfinite(f) || (double)f == v) return f;
+    if (fabs((double)f) > fabs(v)) f = nextafterf(f, 0.0f);
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    b |= 1;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
 static inline double kiln__load(const void *p, kiln_dtype dt)
 {
     switch (dt) {
@@ -87,8 +103,8 @@ static inline void kiln__store(void *p, kiln_dtype dt, double v)
     switch (dt) {
     case KILN_DTYPE_F32: *(float *)p = (float)v; break;
     case KILN_DTYPE_F64: *(double *)p = v; break;
-    case KILN_DTYPE_F16: *(uint16_t *)p = kiln__f32_to_f16((float)v); break;
-    case KILN_DTYPE_BF16: *(uint16_t *)p = kiln__f32_to_bf16((float)v); break;
+    case KILN_DTYPE_F16: *(uint16_t *)p = kiln__f32_to_f16(kiln__f64_to_f32_odd(v)); break;
+    case KILN_DTYPE_BF16: *(uint16_t *)p = kiln__f32_to_bf16(kiln__f64_to_f32_odd(v)); break;
     case KILN_DTYPE_I32: *(int32_t *)p = (int32_t)v; break;
     case KILN_DTYPE_I64: *(int64_t *)p = (int64_t)v; break;
     case KILN_DTYPE_U8: *(uint8_t *)p = (uint8_t)v; break;

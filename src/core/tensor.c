@@ -248,10 +248,16 @@ kiln_tensor_t *kiln_randn(const int64_t *shape, int ndim, kiln_dtype dt) { retur
 
 kiln_tensor_t *kiln_from_data(const void *data, const int64_t *shape, int ndim, kiln_dtype dt)
 {
-    kiln_tensor_t *t = kiln_empty(shape, ndim, dt);
+    kiln__ensure_init();
+    if (check_shape("from_data", shape, ndim, dt) != KILN_OK) return NULL;
+    /* Filled before it joins a scope, so that a failed copy can free it. */
+    kiln_tensor_t *t = kiln__tensor_alloc(kiln__backend_default(), dt, shape, ndim);
     if (!t) return NULL;
-    if (kiln_tensor_from_host_(t, data, kiln_tensor_nbytes(t)) != KILN_OK) return NULL;
-    return t;
+    if (kiln_tensor_from_host_(t, data, kiln_tensor_nbytes(t)) != KILN_OK) {
+        kiln_tensor_free(t);
+        return NULL;
+    }
+    return kiln__scoped(t);
 }
 
 kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nbytes)

@@ -307,6 +307,11 @@ kiln_status kiln__infer_scatter_add(kiln_tensor_t *const *in, int n, const kiln_
         return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s must have the dims of the input %s", SHP(in[1], b1),
                          SHP(in[0], b2));
     if (a->i[0] < 0 || a->i[0] >= in[0]->ndim) return bad_dim("scatter_add", (int)a->i[0], in[0]);
+    /* As for gather: a wider index would address elements outside the output. */
+    for (int d = 0; d < in[0]->ndim; d++)
+        if (d != a->i[0] && in[1]->shape[d] > in[0]->shape[d])
+            return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s is larger than the input %s in dim %d", SHP(in[1], b1),
+                             SHP(in[0], b2), d);
     if (in[2]->dtype != in[0]->dtype)
         return kiln__err(KILN_ERR_DTYPE, "scatter_add: source %s and input %s dtypes differ", SHP(in[2], b1), SHP(in[0], b2));
     meta_like(in[0], in[0]->dtype, out);
