@@ -44,6 +44,9 @@ struct kiln_tokenizer {
  * kiln/tokenizer.h. */
 size_t kiln__pretok_next(const uint8_t *s, size_t n, size_t i);
 
+/* The first occurrence of needle[0..m) (m > 0) in hay[0..n), or NULL. */
+const uint8_t *kiln__find_bytes(const uint8_t *hay, size_t n, const uint8_t *needle, size_t m);
+
 /* Scratch space for kiln__bpe_word, reused across words to avoid a malloc per word. */
 typedef struct {
     int32_t *sym, *prev, *next;
@@ -58,7 +61,8 @@ void kiln__bpe_scratch_free(kiln__bpe_scratch *s);
 
 /* A new, empty tokenizer with room for n_vocab tokens whose bytes total nbytes. */
 kiln_tokenizer_t *kiln__tokenizer_alloc(int n_vocab, size_t nbytes, int n_merges, int n_special);
-/* Fills merge_rank from merge_a/merge_b (the first of equal pairs wins); false on OOM. */
+/* Fills merge_rank from merge_a/merge_b; of two equal pairs the later wins, as in
+ * `tokenizers`. False when out of memory. */
 bool kiln__tokenizer_index_merges(kiln_tokenizer_t *t);
 
 #endif

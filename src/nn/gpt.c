@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kiln/io.h"
 #include "kiln/nn.h"
 
 
@@ -290,6 +291,34 @@ int64_t kiln_gpt_param_elements(const kiln_gpt_t *m)
     int64_t n = 0;
     for (int i = 0; m && i < m->n; i++) n += kiln_tensor_numel(m->params[i]);
     return n;
+}
+
+kiln_status kiln_gpt_load_weights(kiln_gpt_t *m, const char *path)
+{
+    kiln_safetensors_t *f;
+    kiln_status s = kiln_safetensors_load(path, &f);
+    if (s != KILN_OK) return s;
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_scope_begin();
+    for (int i = 0; s == KILN_OK && i < m->n; i++) {
+        kiln_tensor_t *t = kiln_safetensors_get(f, m->names[i]);
+        if (!t) {
+            s = kiln_last_status();
+            break;
+        }
+        char a[96], b[96];
+        const int64_t *sa = kiln_tensor_shape(t), *sb = kiln_tensor_shape(m->params[i]);
+        if (kiln_tensor_ndim(t) != kiln_tensor_ndim(m->params[i]) ||
+            memcmp(sa, sb, sizeof(int64_t) * (size_t)kiln_tensor_ndim(t)))
+            s = kiln_error(KILN_ERR_SHAPE, "%s: tensor '%s' is %s, the model expects %s", path, m->names[i],
+                          kiln_tensor_describe(t, a, sizeof a), kiln_tensor_describe(m->params[i], b, sizeof b));
+        else
+            s = kiln_tensor_copy_(m->params[i], t);
+    }
+    kiln_scope_end();
+    kiln_set_grad_enabled(prev);
+    kiln_safetensors_free(f);
+    return s;
 }
 
 /* ---- forward ---- */

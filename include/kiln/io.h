@@ -1,0 +1,70 @@
+/* kiln/io.h — safetensors checkpoints.
+ *
+ * A worked example (save two tensors with a note, read one back):
+ *
+ *     const char *names[] = {"wte", "step"};
+ *     kiln_tensor_t *ts[] = {wte, step};
+ *     const char *meta[] = {"format", "pt", NULL};
+ *     if (kiln_safetensors_save("ckpt.safetensors", names, ts, 2, meta) != KILN_OK)
+ *         fprintf(stderr, "kiln: %s\n", kiln_last_error());
+ *
+ *     kiln_safetensors_t *f;
+ *     if (kiln_safetensors_load("ckpt.safetensors", &f) != KILN_OK)
+ *         fprintf(stderr, "kiln: %s\n", kiln_last_error());
+ *     kiln_scope_begin();
+ *     kiln_tensor_t *w = kiln_safetensors_get(f, "wte");   // a copy; the scope holds it
+ *     printf("%d tensors, format=%s\n", kiln_safetensors_count(f),
+ *            kiln_safetensors_meta(f, "format"));
+ *     kiln_scope_end();
+ *     kiln_safetensors_free(f);
+ *
+ * The format (https://huggingface.co/docs/safetensors): an 8-byte little-endian
+ * header length N, N bytes of JSON naming each tensor's dtype, shape and
+ * [begin, end) byte offsets into the buffer that follows, then the buffer itself
+ * (little-endian, row-major). Files written here open in the Python package and
+ * files from it open here, for the dtypes kiln has (F32 F64 F16 BF16 I32 I64 U8 BOOL).
+ *
+ * Errors. A malformed file is KILN_ERR_FORMAT and a file that cannot be opened, read
+ * or written is KILN_ERR_IO; the message names the file and what is wrong. No input
+ * file can crash the loader or make it read outside what it read in.
+ */
+#ifndef KILN_IO_H
+#define KILN_IO_H
+
+#include "kiln/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* A safetensors file read into memory and checked; immutable once loaded, so several
+ * threads may read one at once. */
+typedef struct kiln_safetensors kiln_safetensors_t;
+
+/* Reads and validates path. On success *out is a new handle for
+ * kiln_safetensors_free; on failure *out is NULL. */
+kiln_status kiln_safetensors_load(const char *path, kiln_safetensors_t **out);
+int kiln_safetensors_count(const kiln_safetensors_t *f);
+/* The i-th tensor's name in file order (by data offset); borrowed from f, NULL when i
+ * is out of range. */
+const char *kiln_safetensors_name(const kiln_safetensors_t *f, int i);
+/* A new tensor copied out of the file (ownership as in kiln/tensor.h: the open scope
+ * holds it, else the caller does), or NULL with KILN_ERR_ARG when f has no such name. */
+kiln_tensor_t *kiln_safetensors_get(const kiln_safetensors_t *f, const char *name);
+/* The __metadata__ value for key, borrowed from f, or NULL when there is none. */
+const char *kiln_safetensors_meta(const kiln_safetensors_t *f, const char *key);
+void kiln_safetensors_free(kiln_safetensors_t *f); /* NULL is fine */
+
+/* Writes n tensors (borrowed; any layout, any device) under names to path,
+ * atomically: the data goes to PATH.tmp.PID, is flushed and fsync'd, then renamed over
+ * path and the directory fsync'd, so path holds either the old file or the whole new
+ * one. meta is NULL or {"key", "value", ..., NULL}. As the reference writer does,
+ * tensors are laid out by element size, largest first (stable otherwise), so every
+ * tensor is aligned to its element size; kiln_safetensors_name reports that order. */
+kiln_status kiln_safetensors_save(const char *path, const char *const *names, kiln_tensor_t *const *tensors,
+                                  int n, const char *const *meta);
+
+#ifdef __cplusplus
+}
+#endif
+#endif

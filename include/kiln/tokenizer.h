@@ -1,0 +1,93 @@
+/* kiln/tokenizer.h — byte and byte-level BPE tokenizers, saved as HuggingFace tokenizer.json.
+ *
+ * A worked example:
+ *
+ *     kiln_tokenizer_t *tok;
+ *     if (kiln_tokenizer_train_bpe(corpus, corpus_len, 1024, &tok) != KILN_OK ||
+ *         kiln_tokenizer_save(tok, "tokenizer.json") != KILN_OK)
+ *         fprintf(stderr, "kiln: %s\n", kiln_last_error());
+ *     int32_t ids[64];
+ *     size_t n;
+ *     kiln_tokenizer_encode(tok, "Hello world", 11, ids, 64, &n);  // e.g. n == 2
+ *     char *s;
+ *     kiln_tokenizer_decode(tok, ids, n, &s);                      // s == "Hello world"
+ *     free(s);
+ *     kiln_tokenizer_free(tok);
+ *
+ * Two kinds. "byte" has 256 ids, id = byte value. "bpe" is byte-level BPE as in GPT-2:
+ * ids 0..255 are the bytes, then one id per learned merge in rank order, then the
+ * special token "<|endoftext|>" as the last id.
+ *
+ * Pre-tokenization is the GPT-2 split (HF ByteLevel, use_regex=true, add_prefix_space=false):
+ * at each point the first of these that matches is taken:
+ *     's 't 're 've 'm 'll 'd | ' '?letters | ' '?digits | ' '?others | spaces not followed
+ *     by a non-space | spaces
+ * where "spaces" are \t \n \v \f \r and ' '. kiln classifies ASCII exactly as that regex
+ * does, and counts every byte >= 0x80 as a letter, so UTF-8 words stay together. Python's
+ * `tokenizers` therefore gives the same ids for any ASCII text and for text whose non-ASCII
+ * characters are letters; for other non-ASCII characters (for example "—" or U+00A0) the
+ * splits, and so maybe the ids, can differ. Encoding then decoding is lossless for any
+ * bytes, UTF-8 or not. A literal "<|endoftext|>" in the text encodes to the special id,
+ * as in `tokenizers`.
+ *
+ * Errors. Functions return kiln_status; the message is read with kiln_last_error().
+ * Ownership. Constructors and load return a new tokenizer that the caller frees with
+ * kiln_tokenizer_free(); text and id arguments are borrowed.
+ */
+#ifndef KILN_TOKENIZER_H
+#define KILN_TOKENIZER_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "kiln/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kiln_tokenizer kiln_tokenizer_t;
+
+/* The byte tokenizer: 256 ids, id = byte value. NULL only when out of memory. */
+kiln_tokenizer_t *kiln_tokenizer_byte(void);
+
+/* Learns byte-level BPE merges from text[0..len) until the vocabulary, counting the 256
+ * bytes and the one special token "<|endoftext|>", holds vocab_size ids (vocab_size >= 257).
+ * The most frequent adjacent pair is merged first; ties go to the pair with the smaller
+ * (left id, right id). If the text runs out of pairs first, the vocabulary is smaller
+ * than asked: kiln_tokenizer_vocab_size() says what it is. Deterministic. */
+kiln_status kiln_tokenizer_train_bpe(const char *text, size_t len, int vocab_size, kiln_tokenizer_t **out);
+
+/* Writes a HuggingFace tokenizer.json that Python `tokenizers` loads and that encodes to
+ * the same ids. The byte kind is written as a BPE model with no merges. */
+kiln_status kiln_tokenizer_save(const kiln_tokenizer_t *t, const char *path);
+
+/* Reads a tokenizer.json: what kiln_tokenizer_save writes, and other byte-level BPE files
+ * of the same shape (GPT-2's). A missing file is KILN_ERR_IO; a malformed one is
+ * KILN_ERR_FORMAT, and one needing a feature kiln lacks (a normalizer, another
+ * pre-tokenizer or model) is KILN_ERR_UNSUPPORTED, each with a message naming the file. */
+kiln_status kiln_tokenizer_load(const char *path, kiln_tokenizer_t **out);
+
+int kiln_tokenizer_vocab_size(const kiln_tokenizer_t *t);
+
+/* Encodes text[0..len) into ids[0..cap); *n_out = the number of ids. If cap is too small
+ * it returns KILN_ERR_ARG with *n_out = the number needed (ids then holds the first cap). */
+kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, size_t len, int32_t *ids,
+                                  size_t cap, size_t *n_out);
+
+/* Decodes ids[0..n) into a new malloc'd NUL-terminated string the caller frees; the bytes
+ * may themselves hold NULs. An id outside [0, vocab size) is KILN_ERR_INDEX. */
+kiln_status kiln_tokenizer_decode(const kiln_tokenizer_t *t, const int32_t *ids, size_t n, char **out);
+
+/* The id of the special token "<|endoftext|>", or -1 when the tokenizer has none. */
+int32_t kiln_tokenizer_eot(const kiln_tokenizer_t *t);
+
+/* "byte" or "bpe". */
+const char *kiln_tokenizer_kind(const kiln_tokenizer_t *t);
+
+void kiln_tokenizer_free(kiln_tokenizer_t *t);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif

@@ -1,0 +1,75 @@
+#!/usr/bin/python3
+"""PyTorch side of the training-step benchmark: config S (GPT-2 style, V=256, T=128, C=256,
+4 layers, 4 heads, B=16, AdamW lr 3e-4), forward + backward + step on random byte batches.
+
+    /usr/bin/python3 tests/reference/train_step_torch.py --threads 2 [--steps 20] [--warmup 3]
+
+Prints one JSON line: median tokens/s over the timed steps, per-step times, peak RSS.
+Uses the model of gpt_ref.py (plain PyTorch, manual attention), eager mode.
+"""
+import argparse
+import json
+import os
+import resource
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import gpt_ref  # noqa: E402
+
+
+def config_s():
+    return gpt_ref.gpt2_config(n_layer=4, n_head=4, n_kv_head=4, n_embd=256, block_size=128, vocab_size=256)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--seed", type=int, default=1234)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    torch.manual_seed(a.seed)
+    cfg = config_s()
+    B, T = a.batch, cfg["block_size"]
+    model = gpt_ref.GPT(cfg)
+    opt = gpt_ref.make_optimizer(model, 3e-4, (0.9, 0.95), 1e-8, 0.1)
+    g = torch.Generator().manual_seed(a.seed)
+
+    def step():
+        # random bytes; targets are the next byte, as a byte-level LM would see them
+        buf = torch.randint(0, 256, (B, T + 1), generator=g, dtype=torch.int64)
+        idx, tgt = buf[:, :-1], buf[:, 1:]
+        t0 = time.perf_counter()
+        opt.zero_grad(set_to_none=True)
+        _, loss = model(idx, tgt)
+        loss.backward()
+        opt.step()
+        return time.perf_counter() - t0, loss.item()
+
+    for _ in range(a.warmup):
+        step()
+    times, losses = [], []
+    for _ in range(a.steps):
+        dt, l = step()
+        times.append(dt)
+        losses.append(l)
+    med = statistics.median(times)
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    print(json.dumps({
+        "impl": "torch-eager", "torch_version": torch.__version__, "threads": a.threads,
+        "config": "S", "batch": B, "T": T, "params": sum(p.numel() for p in model.parameters()),
+        "warmup": a.warmup, "steps": a.steps, "median_step_s": round(med, 6),
+        "tokens_per_s": round(B * T / med, 1), "step_s": [round(t, 6) for t in times],
+        "first_loss": round(losses[0], 5), "last_loss": round(losses[-1], 5),
+        "peak_rss_mib": round(rss_kb / 1024.0, 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()

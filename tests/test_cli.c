@@ -1,0 +1,188 @@
+/* The kiln program end to end: train, checkpoint, resume bit for bit, sample, info,
+ * plot, and clear errors on bad input. Runs the real binary ($KILN_TOOL). */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+static char dir[256];
+static char corpus[300];
+
+/* Runs a shell command; returns its exit status and its output (stdout+stderr). */
+static int run(char *out, size_t n, const char *fmt, ...)
+{
+    char cmd[4096];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(cmd, sizeof cmd, fmt, ap);
+    va_end(ap);
+    char full[4200];
+    snprintf(full, sizeof full, "%s 2>&1", cmd);
+    FILE *p = popen(full, "r");
+    assert_non_null(p);
+    size_t got = 0;
+    if (out && n) {
+        got = fread(out, 1, n - 1, p);
+        out[got] = '\0';
+    }
+    char sink[4096];
+    while (fread(sink, 1, sizeof sink, p) > 0) {
+    }
+    int st = pclose(p);
+    return WIFEXITED(st) ? WEXITSTATUS(st) : -1;
+}
+
+static const char *tool(void)
+{
+    const char *t = getenv("KILN_TOOL");
+    return t ? t : "./kiln";
+}
+
+/* A small made-up corpus: enough tokens for batches, varied enough to learn from. */
+static int setup(void **state)
+{
+    snprintf(dir, sizeof dir, "/tmp/kiln-cli-XXXXXX");
+    if (!mkdtemp(dir)) return -1;
+    snprintf(corpus, sizeof corpus, "%s/corpus.txt", dir);
+    FILE *f = fopen(corpus, "w");
+    if (!f) return -1;
+    const char *words[] = {"the", "light", "was", "good", "and", "darkness", "upon", "face", "of", "deep", "waters"};
+    unsigned x = 1;
+    for (int i = 0; i < 6000; i++) {
+        x = x * 1103515245u + 12345u;
+        fprintf(f, "%s%s", words[(x >> 16) % 11], i % 12 == 11 ? ".\n" : " ");
+    }
+    fclose(f);
+    return 0;
+}
+
+static int teardown(void **state)
+{
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    return system(cmd) == 0 ? 0 : -1;
+}
+
+#define TINY "--layers 2 --width 32 --heads 4 --context 32 --batch 4 --eval-batches 2 --lr 3e-3 --warmup 2 --threads 1"
+
+/* The loss column of a metrics.jsonl, as written (exact text). */
+static int losses(const char *path, char lines[][64], int max)
+{
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    char buf[1024];
+    int n = 0;
+    while (n < max && fgets(buf, sizeof buf, f)) {
+        char *p = strstr(buf, "\"loss\":");
+        assert_non_null(p);
+        snprintf(lines[n], 64, "%.40s", p + 7);
+        char *comma = strchr(lines[n], ',');
+        if (comma) *comma = '\0';
+        n++;
+    }
+    fclose(f);
+    return n;
+}
+
+static void train_writes_checkpoint_metrics_and_chart(void **state)
+{
+    char out[8192];
+    int rc = run(out, sizeof out, "%s train --data %s --out %s/a --steps 6 --save-every 3 --eval-every 3 " TINY,
+                 tool(), corpus, dir);
+    if (rc != 0) fail_msg("kiln train failed (%d): %s", rc, out);
+    assert_non_null(strstr(out, "step     6/6"));
+    assert_non_null(strstr(out, "val"));
+    static const char *files[] = {"model.safetensors", "train_state.safetensors", "metrics.jsonl", "loss.svg", "run.json"};
+    for (int i = 0; i < 5; i++) {
+        char p[512];
+        struct stat st;
+        snprintf(p, sizeof p, "%s/a/%s", dir, files[i]);
+        if (stat(p, &st) != 0 || st.st_size == 0) fail_msg("missing %s", p);
+    }
+}
+
+/* Oracle: the uninterrupted run of the previous test. Stopping at step 3 and resuming
+ * must give the same losses, character for character. */
+static void resume_repeats_the_uninterrupted_losses(void **state)
+{
+    char out[8192];
+    int rc = run(out, sizeof out, "%s train --data %s --out %s/b --steps 3 --save-every 3 --eval-every 3 --quiet " TINY,
+                 tool(), corpus, dir);
+    if (rc != 0) fail_msg("first half failed: %s", out);
+    rc = run(out, sizeof out, "%s train --data %s --out %s/b --steps 6 --save-every 3 --eval-every 3 --resume " TINY,
+             tool(), corpus, dir);
+    if (rc != 0) fail_msg("resume failed: %s", out);
+    assert_non_null(strstr(out, "resumed"));
+    char a[8][64], b[8][64], pa[512], pb[512];
+    snprintf(pa, sizeof pa, "%s/a/metrics.jsonl", dir);
+    snprintf(pb, sizeof pb, "%s/b/metrics.jsonl", dir);
+    int na = losses(pa, a, 8), nb = losses(pb, b, 8);
+    assert_int_equal(na, 6);
+    assert_int_equal(nb, 6);
+    for (int i = 0; i < 6; i++)
+        if (strcmp(a[i], b[i])) fail_msg("step %d: uninterrupted loss %s, resumed %s", i + 1, a[i], b[i]);
+}
+
+static void sample_continues_the_prompt(void **state)
+{
+    char out[8192];
+    int rc = run(out, sizeof out, "%s sample %s/a --prompt 'the light' --tokens 40 --seed 3 --threads 1", tool(), dir);
+    if (rc != 0) fail_msg("kiln sample failed: %s", out);
+    assert_true(strncmp(out, "the light", 9) == 0);
+    assert_true(strlen(out) >= 9 + 40);
+    char again[8192];
+    run(again, sizeof again, "%s sample %s/a --prompt 'the light' --tokens 40 --seed 3 --threads 1", tool(), dir);
+    assert_string_equal(out, again); /* same seed, same text */
+}
+
+static void info_and_plot_work_on_the_run(void **state)
+{
+    char out[16384];
+    int rc = run(out, sizeof out, "%s info %s/a/model.safetensors", tool(), dir);
+    if (rc != 0) fail_msg("kiln info failed: %s", out);
+    assert_non_null(strstr(out, "blocks.1.attn.qkv.weight"));
+    assert_non_null(strstr(out, "kiln-gpt-1"));
+    rc = run(out, sizeof out, "%s plot %s/a", tool(), dir);
+    if (rc != 0) fail_msg("kiln plot failed: %s", out);
+    assert_non_null(strstr(out, "loss.svg"));
+}
+
+static void bad_inputs_fail_with_a_reason(void **state)
+{
+    char out[8192];
+    assert_int_equal(run(out, sizeof out, "%s train --data %s/nope.txt --out %s/c --steps 1", tool(), dir, dir), 1);
+    assert_non_null(strstr(out, "nope.txt"));
+    assert_int_equal(run(out, sizeof out, "%s train --steps many", tool()), 2);
+    assert_non_null(strstr(out, "--steps"));
+    assert_int_equal(run(out, sizeof out, "%s train --bogus 1", tool()), 2);
+    assert_non_null(strstr(out, "unknown option"));
+    assert_int_equal(run(out, sizeof out, "%s frobnicate", tool()), 2);
+    /* A truncated checkpoint is refused with a message, not a crash. */
+    char p[512], q[512];
+    snprintf(p, sizeof p, "%s/a/model.safetensors", dir);
+    snprintf(q, sizeof q, "%s/cut.safetensors", dir);
+    assert_int_equal(run(NULL, 0, "head -c 1000 %s > %s", p, q), 0);
+    int rc = run(out, sizeof out, "%s sample %s --tokens 5", tool(), q);
+    assert_int_equal(rc, 1);
+    assert_non_null(strstr(out, "cut.safetensors"));
+    assert_int_equal(run(out, sizeof out, "%s train --help", tool()), 0);
+    assert_non_null(strstr(out, "--resume"));
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(train_writes_checkpoint_metrics_and_chart),
+        cmocka_unit_test(resume_repeats_the_uninterrupted_losses),
+        cmocka_unit_test(sample_continues_the_prompt),
+        cmocka_unit_test(info_and_plot_work_on_the_run),
+        cmocka_unit_test(bad_inputs_fail_with_a_reason),
+    };
+    return cmocka_run_group_tests(tests, setup, teardown);
+}

@@ -1,0 +1,47 @@
+/* Shared pieces of the kiln command-line program: options tables and messages. */
+#ifndef KILN_TOOLS_CLI_H
+#define KILN_TOOLS_CLI_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include "kiln/kiln.h"
+
+typedef enum { OPT_INT, OPT_DOUBLE, OPT_STRING, OPT_FLAG } opt_type;
+
+/* One option of a command: --name VALUE (or --name=VALUE); flags take no value. */
+typedef struct {
+    const char *name;
+    opt_type type;
+    void *dst; /* int64_t*, double*, const char**, bool* */
+    const char *help;
+} cli_opt;
+
+/* Parses argv against opts (NULL-name terminated). Positional arguments go to pos[]
+ * (up to max_pos). Returns 0 on success, 1 after printing --help, 2 on a bad option
+ * (with the reason on stderr). */
+int cli_parse(const char *cmd, const char *usage, const cli_opt *opts, int argc, char **argv, const char **pos,
+              int max_pos, int *n_pos);
+/* Applies a JSON object of option values ({"steps": 100, ...}) from a file. */
+int cli_load_config(const char *cmd, const cli_opt *opts, const char *path);
+/* Prints "kiln CMD: MESSAGE" for the last kiln error (or msg) and returns 1. */
+int cli_fail(const char *cmd, const char *msg);
+
+int cmd_train(int argc, char **argv);
+int cmd_sample(int argc, char **argv);
+int cmd_info(int argc, char **argv);
+int cmd_tokenizer(int argc, char **argv);
+int cmd_plot(int argc, char **argv);
+int cmd_doctor(int argc, char **argv);
+
+/* Checkpoint files inside a run folder. */
+#define RUN_MODEL "model.safetensors"
+#define RUN_STATE "train_state.safetensors"
+#define RUN_METRICS "metrics.jsonl"
+#define RUN_CHART "loss.svg"
+#define RUN_TOKENIZER "tokenizer.json"
+#define RUN_INFO "run.json"
+
+/* Loads the tokenizer a checkpoint names ("byte", or a tokenizer.json beside it). */
+kiln_status cli_tokenizer_for(const char *run_dir, const char *kind, struct kiln_tokenizer **out);
+
+#endif

@@ -1,0 +1,175 @@
+/* kiln info, tokenizer, plot, doctor. */
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "cli.h"
+#include "kiln/data.h"
+#include "kiln/io.h"
+#include "kiln/metrics.h"
+#include "kiln/tokenizer.h"
+
+int cmd_info(int argc, char **argv)
+{
+    const cli_opt opts[] = {{NULL, 0, NULL, NULL}};
+    const char *pos[1];
+    int np = 0;
+    int r = cli_parse("info", "CHECKPOINT.safetensors", opts, argc, argv, pos, 1, &np);
+    if (r) return r == 1 ? 0 : 2;
+    if (np != 1) return cli_fail("info", "give one checkpoint file (see kiln info --help)");
+    kiln_safetensors_t *f;
+    if (kiln_safetensors_load(pos[0], &f) != KILN_OK) return cli_fail("info", NULL);
+    printf("%s: %d tensors\n", pos[0], kiln_safetensors_count(f));
+    static const char *keys[] = {"format", "step", "tokenizer", "config", "optimizer", NULL};
+    for (int k = 0; keys[k]; k++) {
+        const char *v = kiln_safetensors_meta(f, keys[k]);
+        if (v) printf("  %-10s %s\n", keys[k], v);
+    }
+    int64_t total = 0;
+    kiln_scope_begin();
+    for (int i = 0; i < kiln_safetensors_count(f); i++) {
+        kiln_tensor_t *t = kiln_safetensors_get(f, kiln_safetensors_name(f, i));
+        char b[96];
+        if (!t) {
+            kiln_scope_end();
+            kiln_safetensors_free(f);
+            return cli_fail("info", NULL);
+        }
+        total += kiln_tensor_numel(t);
+        printf("  %-40s %s\n", kiln_safetensors_name(f, i), kiln_tensor_describe(t, b, sizeof b));
+    }
+    kiln_scope_end();
+    printf("  total %lld elements (%.2fM)\n", (long long)total, (double)total / 1e6);
+    kiln_safetensors_free(f);
+    return 0;
+}
+
+static int tok_train(int argc, char **argv)
+{
+    const char *data = getenv("KILN_DATA") ? getenv("KILN_DATA") : "data/kjv.txt", *out = "tokenizer.json";
+    int64_t vocab = 1024;
+    const cli_opt opts[] = {
+        {"data", OPT_STRING, &data, "text file or folder"},
+        {"vocab", OPT_INT, &vocab, "vocabulary size (>= 256)"},
+        {"out", OPT_STRING, &out, "where to write the HuggingFace tokenizer.json"},
+        {NULL, 0, NULL, NULL},
+    };
+    int r = cli_parse("tokenizer train", "[options]", opts, argc, argv, NULL, 0, NULL);
+    if (r) return r == 1 ? 0 : 2;
+    char *text;
+    size_t len;
+    kiln_tokenizer_t *t;
+    if (kiln_text_read(data, &text, &len) != KILN_OK || kiln_tokenizer_train_bpe(text, len, (int)vocab, &t) != KILN_OK ||
+        kiln_tokenizer_save(t, out) != KILN_OK)
+        return cli_fail("tokenizer train", NULL);
+    printf("wrote %s: %d tokens learned from %zu bytes of %s\n", out, kiln_tokenizer_vocab_size(t), len, data);
+    free(text);
+    kiln_tokenizer_free(t);
+    return 0;
+}
+
+static int tok_encode(int argc, char **argv)
+{
+    const char *path = "byte", *text = NULL;
+    const cli_opt opts[] = {
+        {"tokenizer", OPT_STRING, &path, "tokenizer.json, or byte"},
+        {"text", OPT_STRING, &text, "text to encode"},
+        {NULL, 0, NULL, NULL},
+    };
+    int r = cli_parse("tokenizer encode", "--text TEXT [--tokenizer FILE]", opts, argc, argv, NULL, 0, NULL);
+    if (r) return r == 1 ? 0 : 2;
+    if (!text) return cli_fail("tokenizer encode", "--text is required");
+    kiln_tokenizer_t *t;
+    kiln_status s = strcmp(path, "byte") ? kiln_tokenizer_load(path, &t) : ((t = kiln_tokenizer_byte()) ? KILN_OK : kiln_last_status());
+    if (s != KILN_OK) return cli_fail("tokenizer encode", NULL);
+    size_t n = strlen(text), got = 0;
+    int32_t *ids = malloc(sizeof *ids * (n + 1));
+    if (!ids || kiln_tokenizer_encode(t, text, n, ids, n + 1, &got) != KILN_OK) return cli_fail("tokenizer encode", NULL);
+    for (size_t i = 0; i < got; i++) printf(i ? " %d" : "%d", ids[i]);
+    printf("\n");
+    free(ids);
+    kiln_tokenizer_free(t);
+    return 0;
+}
+
+static int tok_decode(int argc, char **argv)
+{
+    const char *path = "byte";
+    const cli_opt opts[] = {{"tokenizer", OPT_STRING, &path, "tokenizer.json, or byte"}, {NULL, 0, NULL, NULL}};
+    const char *pos[4096];
+    int np = 0;
+    int r = cli_parse("tokenizer decode", "[--tokenizer FILE] ID...", opts, argc, argv, pos, 4096, &np);
+    if (r) return r == 1 ? 0 : 2;
+    kiln_tokenizer_t *t;
+    kiln_status s = strcmp(path, "byte") ? kiln_tokenizer_load(path, &t) : ((t = kiln_tokenizer_byte()) ? KILN_OK : kiln_last_status());
+    if (s != KILN_OK) return cli_fail("tokenizer decode", NULL);
+    int32_t *ids = malloc(sizeof *ids * (size_t)(np + 1));
+    for (int i = 0; ids && i < np; i++) {
+        char *end;
+        long v = strtol(pos[i], &end, 10);
+        if (*end || end == pos[i]) return cli_fail("tokenizer decode", "token ids must be integers");
+        ids[i] = (int32_t)v;
+    }
+    char *text;
+    if (!ids || kiln_tokenizer_decode(t, ids, (size_t)np, &text) != KILN_OK) return cli_fail("tokenizer decode", NULL);
+    printf("%s\n", text);
+    free(text);
+    free(ids);
+    kiln_tokenizer_free(t);
+    return 0;
+}
+
+int cmd_tokenizer(int argc, char **argv)
+{
+    if (argc >= 2 && !strcmp(argv[1], "train")) return tok_train(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "encode")) return tok_encode(argc - 1, argv + 1);
+    if (argc >= 2 && !strcmp(argv[1], "decode")) return tok_decode(argc - 1, argv + 1);
+    bool help = argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"));
+    fprintf(help ? stdout : stderr,
+            "usage: kiln tokenizer train|encode|decode [options]   (each takes --help)\n"
+            "  train    learn a byte-level BPE from a corpus, saved as a HuggingFace tokenizer.json\n"
+            "  encode   print the ids of --text\n"
+            "  decode   print the text of ids\n");
+    return help ? 0 : 2;
+}
+
+int cmd_plot(int argc, char **argv)
+{
+    const cli_opt opts[] = {{NULL, 0, NULL, NULL}};
+    const char *pos[1];
+    int np = 0;
+    int r = cli_parse("plot", "RUN_DIR", opts, argc, argv, pos, 1, &np);
+    if (r) return r == 1 ? 0 : 2;
+    if (np != 1) return cli_fail("plot", "give the run folder (see kiln plot --help)");
+    char mpath[4096], spath[4096], ipath[4096];
+    snprintf(mpath, sizeof mpath, "%s/%s", pos[0], RUN_METRICS);
+    snprintf(spath, sizeof spath, "%s/%s", pos[0], RUN_CHART);
+    snprintf(ipath, sizeof ipath, "%s/%s", pos[0], RUN_INFO);
+    double baseline = NAN;
+    json_t *info = json_load_file(ipath, 0, NULL);
+    if (info && json_is_number(json_object_get(info, "unigram_entropy")))
+        baseline = json_number_value(json_object_get(info, "unigram_entropy"));
+    json_decref(info);
+    kiln_metrics_row *rows;
+    size_t n;
+    if (kiln_metrics_read(mpath, &rows, &n) != KILN_OK ||
+        kiln_metrics_plot_svg(rows, n, "kiln train: loss", baseline, "unigram baseline", spath) != KILN_OK)
+        return cli_fail("plot", NULL);
+    printf("wrote %s (%zu steps)\n", spath, n);
+    free(rows);
+    return 0;
+}
+
+int cmd_doctor(int argc, char **argv)
+{
+    const cli_opt opts[] = {{NULL, 0, NULL, NULL}};
+    int r = cli_parse("doctor", "", opts, argc, argv, NULL, 0, NULL);
+    if (r) return r == 1 ? 0 : 2;
+    printf("kiln %s\nbuild: %s\nthreads: %d\ndevices:\n", kiln_version(), kiln_build_info(), kiln_num_threads());
+    for (int i = 0; i < kiln_device_count(); i++) {
+        char buf[256];
+        printf("  %s\n", kiln_device_describe(i, buf, sizeof buf) ? buf : kiln_device_name(i));
+    }
+    return 0;
+}

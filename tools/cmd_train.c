@@ -1,0 +1,425 @@
+/* kiln train: the pretraining loop. One step = accum micro-batches forward and
+ * backward, gradients averaged over the process group, clipped, one optimizer update.
+ * Everything a resumed run needs (weights, moments, step, RNG) is in the checkpoint,
+ * and batches are a function of (seed, step), so a resumed run repeats the losses of
+ * an uninterrupted one bit for bit. */
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include "cli.h"
+#include "kiln/data.h"
+#include "kiln/dist.h"
+#include "kiln/io.h"
+#include "kiln/metrics.h"
+#include "kiln/nn.h"
+#include "kiln/optim.h"
+#include "kiln/tokenizer.h"
+
+typedef struct {
+    const char *data, *out, *config, *model, *tokenizer, *optimizer;
+    int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
+    int64_t save_every, log_every, seed, threads;
+    double lr, min_lr, wd, clip, dropout, val_fraction, momentum;
+    bool resume, quiet;
+} train_args;
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
+
+static const char *default_data(void)
+{
+    const char *env = getenv("KILN_DATA");
+    return env && *env ? env : "data/kjv.txt";
+}
+
+static char *join(const char *dir, const char *file)
+{
+    size_t n = strlen(dir) + strlen(file) + 2;
+    char *p = malloc(n);
+    if (p) snprintf(p, n, "%s/%s", dir, file);
+    return p;
+}
+
+static kiln_status mkdir_p(const char *path)
+{
+    char buf[4096];
+    if (strlen(path) >= sizeof buf) return kiln_error(KILN_ERR_ARG, "path too long: %s", path);
+    strcpy(buf, path);
+    for (char *p = buf + 1; *p; p++) {
+        if (*p != '/') continue;
+        *p = '\0';
+        if (mkdir(buf, 0755) != 0 && errno != EEXIST) return kiln_error(KILN_ERR_IO, "cannot create '%s': %s", buf, strerror(errno));
+        *p = '/';
+    }
+    if (mkdir(buf, 0755) != 0 && errno != EEXIST) return kiln_error(KILN_ERR_IO, "cannot create '%s': %s", buf, strerror(errno));
+    return KILN_OK;
+}
+
+static kiln_status model_config(const train_args *a, int vocab, kiln_gpt_config *c)
+{
+    if (!strcmp(a->model, "gpt2")) *c = kiln_gpt_config_gpt2();
+    else if (!strcmp(a->model, "llama")) *c = kiln_gpt_config_llama();
+    else return kiln_error(KILN_ERR_ARG, "--model must be gpt2 or llama, not '%s'", a->model);
+    c->n_layer = (int)a->layers;
+    c->n_head = (int)a->heads;
+    c->n_kv_head = a->kv_heads > 0 ? (int)a->kv_heads : (!strcmp(a->model, "gpt2") ? (int)a->heads : c->n_kv_head);
+    c->n_embd = (int)a->width;
+    c->block_size = (int)a->context;
+    c->ffn_hidden = (int)a->ffn;
+    c->vocab_size = vocab;
+    c->dropout = a->dropout;
+    return kiln_gpt_config_check(c);
+}
+
+/* Reads the tokenizer named by --tokenizer: "byte", "bpe:N" (train one of vocab N on
+ * the corpus and save it into the run), or a tokenizer.json path. */
+static kiln_status get_tokenizer(const train_args *a, const char *text, size_t len, kiln_tokenizer_t **tok)
+{
+    const char *k = a->tokenizer;
+    if (!strcmp(k, "byte")) {
+        *tok = kiln_tokenizer_byte();
+        return *tok ? KILN_OK : kiln_last_status();
+    }
+    if (!strncmp(k, "bpe:", 4)) {
+        int vocab = atoi(k + 4);
+        if (!a->quiet) printf("training a BPE tokenizer of %d tokens on %zu bytes...\n", vocab, len);
+        return kiln_tokenizer_train_bpe(text, len, vocab, tok);
+    }
+    return kiln_tokenizer_load(k, tok);
+}
+
+static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, int64_t step, const char *tok_kind,
+                                   const train_args *a)
+{
+    int n = kiln_gpt_num_params(m);
+    const char **names = malloc(sizeof *names * (size_t)(3 * n + 1));
+    kiln_tensor_t **ts = malloc(sizeof *ts * (size_t)(3 * n + 1));
+    char **owned = calloc((size_t)(3 * n + 1), sizeof *owned);
+    kiln_status s = names && ts && owned ? KILN_OK : kiln_error(KILN_ERR_OOM, "checkpoint: out of memory");
+    char *cfg = kiln_gpt_config_to_json(kiln_gpt_get_config(m));
+    char stepbuf[32], seedbuf[32], offbuf[32], dseed[32];
+    snprintf(stepbuf, sizeof stepbuf, "%lld", (long long)step);
+    kiln_rng_state rng = kiln_rng_get_state();
+    snprintf(seedbuf, sizeof seedbuf, "%llu", (unsigned long long)rng.seed);
+    snprintf(offbuf, sizeof offbuf, "%llu", (unsigned long long)rng.offset);
+    snprintf(dseed, sizeof dseed, "%lld", (long long)a->seed);
+    char *model_path = join(dir, RUN_MODEL), *state_path = join(dir, RUN_STATE);
+    if (s == KILN_OK) {
+        for (int i = 0; i < n; i++) ts[i] = kiln_gpt_param(m, i, &names[i]);
+        const char *meta[] = {"format", "kiln-gpt-1", "config", cfg ? cfg : "{}", "tokenizer", tok_kind, "step", stepbuf, NULL};
+        /* The training state first: a model file newer than its state is detected on
+         * resume by the step numbers, never silently mixed. */
+        int k = 0;
+        for (int i = 0; i < n; i++)
+            for (int slot = 0; slot < kiln_optim_num_slots(opt); slot++) {
+                kiln_tensor_t *t = kiln_optim_state(opt, i, slot);
+                if (!t) continue;
+                size_t len = strlen(names[i]) + 16;
+                owned[k] = malloc(len);
+                snprintf(owned[k], len, "opt.%d.%s", slot, names[i]);
+                names[n + k] = owned[k];
+                ts[n + k] = t;
+                k++;
+            }
+        const char *smeta[] = {"format", "kiln-train-state-1", "step", stepbuf, "rng_seed", seedbuf, "rng_offset", offbuf,
+                               "optimizer", a->optimizer, "data_seed", dseed, NULL};
+        s = kiln_safetensors_save(state_path, names + n, ts + n, k, smeta);
+        if (s == KILN_OK) s = kiln_safetensors_save(model_path, names, ts, n, meta);
+    }
+    for (int i = 0; owned && i < 3 * n + 1; i++) free(owned[i]);
+    free(owned);
+    free(names);
+    free(ts);
+    free(cfg);
+    free(model_path);
+    free(state_path);
+    return s;
+}
+
+static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, int64_t *step)
+{
+    char *model_path = join(dir, RUN_MODEL), *state_path = join(dir, RUN_STATE);
+    kiln_safetensors_t *f = NULL;
+    kiln_status s = kiln_gpt_load_weights(m, model_path);
+    if (s == KILN_OK) s = kiln_safetensors_load(state_path, &f);
+    if (s == KILN_OK) {
+        const char *st = kiln_safetensors_meta(f, "step"), *rs = kiln_safetensors_meta(f, "rng_seed"),
+                   *ro = kiln_safetensors_meta(f, "rng_offset");
+        kiln_safetensors_t *mf = NULL;
+        const char *mst = NULL;
+        if (kiln_safetensors_load(model_path, &mf) == KILN_OK) mst = kiln_safetensors_meta(mf, "step");
+        if (!st || !rs || !ro) s = kiln_error(KILN_ERR_FORMAT, "%s: missing step or RNG state", state_path);
+        else if (!mst || strcmp(mst, st))
+            s = kiln_error(KILN_ERR_FORMAT, "%s is at step %s but %s at step %s: the checkpoint is incomplete", model_path,
+                           mst ? mst : "?", state_path, st);
+        kiln_safetensors_free(mf);
+        if (s == KILN_OK) {
+            *step = strtoll(st, NULL, 10);
+            kiln_rng_set_state((kiln_rng_state){strtoull(rs, NULL, 10), strtoull(ro, NULL, 10)});
+            kiln_scope_begin();
+            for (int i = 0; s == KILN_OK && i < kiln_gpt_num_params(m); i++) {
+                const char *name;
+                kiln_gpt_param(m, i, &name);
+                for (int slot = 0; s == KILN_OK && slot < kiln_optim_num_slots(opt); slot++) {
+                    char key[512];
+                    snprintf(key, sizeof key, "opt.%d.%s", slot, name);
+                    bool present = false;
+                    for (int j = 0; j < kiln_safetensors_count(f) && !present; j++)
+                        present = !strcmp(kiln_safetensors_name(f, j), key);
+                    kiln_tensor_t *t = present ? kiln_safetensors_get(f, key) : NULL;
+                    if (present && !t) s = kiln_last_status();
+                    else s = kiln_optim_set_state(opt, *step, i, slot, t);
+                }
+            }
+            kiln_scope_end();
+        }
+    }
+    kiln_safetensors_free(f);
+    free(model_path);
+    free(state_path);
+    return s;
+}
+
+static void fmt_eta(double s, char *buf, size_t n)
+{
+    if (!(s >= 0) || s > 1e7) snprintf(buf, n, "?");
+    else if (s >= 3600) snprintf(buf, n, "%dh%02dm", (int)(s / 3600), (int)(s / 60) % 60);
+    else if (s >= 60) snprintf(buf, n, "%dm%02ds", (int)(s / 60), (int)s % 60);
+    else snprintf(buf, n, "%ds", (int)s);
+}
+
+static kiln_status eval_loss(kiln_gpt_t *m, kiln_dataset_t *ds, const train_args *a, double *out)
+{
+    double sum = 0;
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_status s = KILN_OK;
+    for (int64_t k = 0; s == KILN_OK && k < a->eval_batches; k++) {
+        kiln_scope_begin();
+        kiln_tensor_t *x, *y, *loss;
+        s = kiln_dataset_batch(ds, KILN_SPLIT_VAL, (int)a->batch, (int)a->context, (uint64_t)a->seed, k, 0, 1, &x, &y);
+        if (s == KILN_OK && !kiln_gpt_forward(m, x, y, false, &loss)) s = kiln_last_status();
+        double v = 0;
+        if (s == KILN_OK) s = kiln_tensor_item(loss, &v);
+        sum += v;
+        kiln_scope_end();
+    }
+    kiln_set_grad_enabled(prev);
+    *out = sum / (double)(a->eval_batches > 0 ? a->eval_batches : 1);
+    return s;
+}
+
+static void write_run_info(const char *dir, double unigram, const char *tok, const kiln_gpt_config *c, const train_args *a)
+{
+    char *path = join(dir, RUN_INFO), *cfg = kiln_gpt_config_to_json(c);
+    json_t *cj = cfg ? json_loads(cfg, 0, NULL) : NULL;
+    json_t *o = json_pack("{s:f,s:s,s:o?,s:s,s:I,s:I,s:f}", "unigram_entropy", unigram, "tokenizer", tok, "config", cj,
+                          "data", a->data, "steps", (json_int_t)a->steps, "batch", (json_int_t)a->batch, "lr", a->lr);
+    if (o && path) json_dump_file(o, path, JSON_INDENT(2) | JSON_SORT_KEYS);
+    json_decref(o);
+    free(cfg);
+    free(path);
+}
+
+int cmd_train(int argc, char **argv)
+{
+    train_args a = {
+        .data = default_data(), .out = "runs/default", .config = NULL, .model = "gpt2", .tokenizer = "byte",
+        .optimizer = "adamw", .layers = 4, .heads = 4, .kv_heads = 0, .width = 256, .context = 128, .ffn = 0,
+        .batch = 16, .steps = 1000, .warmup = 50, .accum = 1, .eval_every = 100, .eval_batches = 8,
+        .save_every = 500, .log_every = 1, .seed = 1337, .threads = 0, .lr = 1e-3, .min_lr = 1e-4, .wd = 0.1,
+        .clip = 1.0, .dropout = 0.0, .val_fraction = 0.1, .momentum = 0.9,
+    };
+    const cli_opt opts[] = {
+        {"data", OPT_STRING, &a.data, "text file or folder to train on ($KILN_DATA)"},
+        {"out", OPT_STRING, &a.out, "run folder: checkpoints, metrics.jsonl, loss.svg"},
+        {"config", OPT_STRING, &a.config, "JSON file of these options ({\"steps\": 500, ...}); flags win"},
+        {"model", OPT_STRING, &a.model, "gpt2 (LayerNorm, learned positions, GELU) or llama (RMSNorm, RoPE, SwiGLU)"},
+        {"tokenizer", OPT_STRING, &a.tokenizer, "byte, bpe:VOCAB (trained on the data), or a tokenizer.json"},
+        {"layers", OPT_INT, &a.layers, "transformer blocks"},
+        {"heads", OPT_INT, &a.heads, "attention heads"},
+        {"kv-heads", OPT_INT, &a.kv_heads, "key/value heads (grouped-query); 0 = model default"},
+        {"width", OPT_INT, &a.width, "embedding width C"},
+        {"context", OPT_INT, &a.context, "context length T"},
+        {"ffn", OPT_INT, &a.ffn, "MLP hidden width; 0 = model default"},
+        {"dropout", OPT_DOUBLE, &a.dropout, "dropout probability in training"},
+        {"batch", OPT_INT, &a.batch, "sequences per micro-batch B"},
+        {"accum", OPT_INT, &a.accum, "micro-batches per step (gradient accumulation)"},
+        {"steps", OPT_INT, &a.steps, "optimizer steps in total"},
+        {"optimizer", OPT_STRING, &a.optimizer, "adamw or sgd"},
+        {"lr", OPT_DOUBLE, &a.lr, "peak learning rate"},
+        {"min-lr", OPT_DOUBLE, &a.min_lr, "final learning rate of the cosine schedule"},
+        {"warmup", OPT_INT, &a.warmup, "linear warmup steps"},
+        {"wd", OPT_DOUBLE, &a.wd, "weight decay (matrices and embeddings only)"},
+        {"momentum", OPT_DOUBLE, &a.momentum, "SGD momentum"},
+        {"clip", OPT_DOUBLE, &a.clip, "global gradient-norm clip; 0 = off"},
+        {"eval-every", OPT_INT, &a.eval_every, "steps between validation losses; 0 = only at the end"},
+        {"eval-batches", OPT_INT, &a.eval_batches, "validation batches per evaluation"},
+        {"save-every", OPT_INT, &a.save_every, "steps between checkpoints (and one at the end)"},
+        {"log-every", OPT_INT, &a.log_every, "steps between progress lines"},
+        {"val-fraction", OPT_DOUBLE, &a.val_fraction, "tail of the corpus kept for validation"},
+        {"seed", OPT_INT, &a.seed, "seed for weights, batches and dropout"},
+        {"threads", OPT_INT, &a.threads, "threads; 0 = all cores ($KILN_NUM_THREADS)"},
+        {"resume", OPT_FLAG, &a.resume, "continue from the checkpoint in --out"},
+        {"quiet", OPT_FLAG, &a.quiet, "only errors and the final summary"},
+        {NULL, 0, NULL, NULL},
+    };
+    /* A config file first, so that flags given with it override it. */
+    for (int i = 1; i + 1 < argc; i++)
+        if (!strcmp(argv[i], "--config") && cli_load_config("train", opts, argv[i + 1])) return 2;
+    int r = cli_parse("train", "[options]", opts, argc, argv, NULL, 0, NULL);
+    if (r) return r == 1 ? 0 : 2;
+    if (a.batch < 1 || a.steps < 0 || a.accum < 1 || a.context < 1 || a.eval_batches < 1 || a.log_every < 1 ||
+        !(a.lr > 0) || a.min_lr < 0)
+        return cli_fail("train", "--batch, --accum, --context, --eval-batches, --log-every must be >= 1, --steps >= 0, "
+                                 "--lr > 0, --min-lr >= 0");
+    if (strcmp(a.optimizer, "adamw") && strcmp(a.optimizer, "sgd")) return cli_fail("train", "--optimizer must be adamw or sgd");
+    kiln_init((int)a.threads);
+
+    kiln_pg_t *pg;
+    if (kiln_pg_new_from_env(&pg) != KILN_OK) return cli_fail("train", NULL);
+    int rank = kiln_pg_rank(pg), world = kiln_pg_world_size(pg);
+    if (mkdir_p(a.out) != KILN_OK) return cli_fail("train", NULL);
+
+    char *text;
+    size_t len;
+    if (kiln_text_read(a.data, &text, &len) != KILN_OK) {
+        fprintf(stderr, "kiln train: %s\n(the default corpus is made by `make demo`, or: bible -l200 Gen1:1-Rev22:21 > data/kjv.txt)\n",
+                kiln_last_error());
+        return 1;
+    }
+    /* On resume the run's own tokenizer is used. */
+    char *tok_path = join(a.out, RUN_TOKENIZER);
+    if (a.resume && strcmp(a.tokenizer, "byte")) {
+        struct stat st;
+        if (stat(tok_path, &st) == 0) a.tokenizer = tok_path;
+    }
+    kiln_tokenizer_t *tok;
+    if (get_tokenizer(&a, text, len, &tok) != KILN_OK) return cli_fail("train", NULL);
+    const char *tok_kind = kiln_tokenizer_kind(tok);
+    if (strcmp(tok_kind, "byte") && kiln_tokenizer_save(tok, tok_path) != KILN_OK) return cli_fail("train", NULL);
+    int32_t *ids = malloc(sizeof *ids * (len + 1));
+    size_t n_ids = 0;
+    if (!ids || kiln_tokenizer_encode(tok, text, len, ids, len + 1, &n_ids) != KILN_OK)
+        return cli_fail("train", ids ? NULL : "out of memory for the token ids");
+    free(text);
+    kiln_dataset_t *ds;
+    if (kiln_dataset_new(ids, n_ids, a.val_fraction, &ds) != KILN_OK) return cli_fail("train", NULL);
+    free(ids);
+    int vocab = kiln_tokenizer_vocab_size(tok);
+    double unigram = kiln_dataset_unigram_entropy(ds, vocab);
+
+    kiln_gpt_config cfg;
+    kiln_gpt_t *m;
+    if (model_config(&a, vocab, &cfg) != KILN_OK || kiln_gpt_new(&cfg, (uint64_t)a.seed, &m) != KILN_OK)
+        return cli_fail("train", NULL);
+    int np = kiln_gpt_num_params(m);
+    kiln_tensor_t **params = malloc(sizeof *params * (size_t)np);
+    for (int i = 0; i < np; i++) params[i] = kiln_gpt_param(m, i, NULL);
+    kiln_optim_t *opt;
+    kiln_status s = !strcmp(a.optimizer, "adamw") ? kiln_adamw_new(params, np, NULL, 0.9, 0.95, 1e-8, a.wd, &opt)
+                                                  : kiln_sgd_new(params, np, NULL, a.momentum, a.wd, &opt);
+    if (s != KILN_OK) return cli_fail("train", NULL);
+    int64_t start = 0;
+    kiln_manual_seed((uint64_t)a.seed);
+    if (a.resume) {
+        if (load_state(a.out, m, opt, &start) != KILN_OK) return cli_fail("train", NULL);
+        if (!a.quiet) printf("resumed %s at step %lld\n", a.out, (long long)start);
+    }
+    write_run_info(a.out, unigram, tok_kind, &cfg, &a);
+    char *metrics_path = join(a.out, RUN_METRICS), *chart_path = join(a.out, RUN_CHART);
+    kiln_metrics_t *metrics = NULL;
+    if (rank == 0 && kiln_metrics_open(metrics_path, a.resume, &metrics) != KILN_OK) return cli_fail("train", NULL);
+
+    int64_t tokens_per_step = a.batch * a.context * a.accum * world;
+    if (!a.quiet)
+        printf("kiln train: %s model, %d layers, C=%d, %d heads (%d kv), T=%d, vocab %d (%s), %.2fM parameters\n"
+               "            %zu train / %zu val tokens, %lld tokens per step, %d thread(s), unigram baseline %.3f nats\n",
+               a.model, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.block_size, vocab, tok_kind,
+               (double)kiln_gpt_param_elements(m) / 1e6, kiln_dataset_len(ds, KILN_SPLIT_TRAIN),
+               kiln_dataset_len(ds, KILN_SPLIT_VAL), (long long)tokens_per_step, kiln_num_threads(), unigram);
+
+    double t_begin = now_s(), val = NAN;
+    int64_t timed = 0;
+    for (int64_t step = start; step < a.steps && s == KILN_OK; step++) {
+        double t0 = now_s(), lr = kiln_lr_cosine(step, a.warmup, a.steps, a.lr, a.min_lr), loss_sum = 0;
+        for (int64_t micro = 0; micro < a.accum && s == KILN_OK; micro++) {
+            kiln_scope_begin();
+            kiln_tensor_t *x, *y, *loss;
+            s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, (int)a.batch, (int)a.context, (uint64_t)a.seed,
+                                   step * a.accum + micro, rank, world, &x, &y);
+            if (s == KILN_OK && !kiln_gpt_forward(m, x, y, true, &loss)) s = kiln_last_status();
+            double v = 0;
+            if (s == KILN_OK) s = kiln_tensor_item(loss, &v);
+            if (s == KILN_OK) s = kiln_backward(a.accum > 1 ? kiln_mul_scalar(loss, 1.0 / (double)a.accum) : loss);
+            loss_sum += v;
+            kiln_scope_end();
+        }
+        for (int i = 0; s == KILN_OK && i < np; i++)
+            if (kiln_tensor_grad(params[i])) s = kiln_pg_allreduce(pg, kiln_tensor_grad(params[i]), KILN_REDUCE_AVG);
+        double gnorm = 0;
+        if (s == KILN_OK) s = kiln_clip_grad_norm(params, np, a.clip, &gnorm);
+        if (s == KILN_OK) s = kiln_optim_step(opt, lr);
+        kiln_optim_zero_grad(opt);
+        if (s != KILN_OK) break;
+        double ms = (now_s() - t0) * 1e3, loss = loss_sum / (double)a.accum;
+        if (!isfinite(loss)) {
+            s = kiln_error(KILN_ERR_ARG, "the loss became %g at step %lld; lower --lr or raise --warmup", loss, (long long)step);
+            break;
+        }
+        timed++;
+        bool last = step + 1 == a.steps;
+        val = NAN;
+        if ((a.eval_every > 0 && (step + 1) % a.eval_every == 0) || last) s = eval_loss(m, ds, &a, &val);
+        double elapsed = now_s() - t_begin, tps = (double)tokens_per_step / (ms / 1e3);
+        char eta[32];
+        fmt_eta(elapsed / (double)timed * (double)(a.steps - step - 1), eta, sizeof eta);
+        if (!a.quiet && rank == 0 && ((step + 1) % a.log_every == 0 || last || !isnan(val))) {
+            printf("step %5lld/%lld | loss %.4f | lr %.2e | %7.1f ms | %7.0f tok/s | norm %.3f | ETA %s",
+                   (long long)step + 1, (long long)a.steps, loss, lr, ms, tps, gnorm, eta);
+            if (!isnan(val)) printf(" | val %.4f", val);
+            printf("\n");
+            fflush(stdout);
+        }
+        if (metrics) {
+            kiln_metrics_row row = {step + 1, loss, val, lr, tps, gnorm, ms};
+            if (kiln_metrics_write(metrics, &row) != KILN_OK) s = kiln_last_status();
+        }
+        if (s == KILN_OK && rank == 0 && ((a.save_every > 0 && (step + 1) % a.save_every == 0) || last))
+            s = save_checkpoint(a.out, m, opt, step + 1, tok_kind, &a);
+        if (s == KILN_OK && rank == 0 && !isnan(val) && metrics) {
+            kiln_metrics_close(metrics);
+            metrics = NULL;
+            kiln_metrics_row *rows;
+            size_t nrows;
+            if (kiln_metrics_read(metrics_path, &rows, &nrows) == KILN_OK) {
+                kiln_metrics_plot_svg(rows, nrows, "kiln train: loss", unigram, "unigram baseline", chart_path);
+                free(rows);
+            }
+            if (!last) s = kiln_metrics_open(metrics_path, true, &metrics);
+        }
+    }
+    kiln_metrics_close(metrics);
+    if (s != KILN_OK) return cli_fail("train", NULL);
+    if (!a.quiet && rank == 0 && start < a.steps)
+        printf("done: %lld steps in %.1f s; final val loss %.4f vs unigram baseline %.4f; checkpoint %s/%s, chart %s\n",
+               (long long)(a.steps - start), now_s() - t_begin, val, unigram, a.out, RUN_MODEL, chart_path);
+    kiln_optim_free(opt);
+    free(params);
+    kiln_gpt_free(m);
+    kiln_dataset_free(ds);
+    kiln_tokenizer_free(tok);
+    kiln_pg_free(pg);
+    free(metrics_path);
+    free(chart_path);
+    free(tok_path);
+    return 0;
+}
