@@ -31,7 +31,8 @@ kiln_status cli_tokenizer_for(const char *run_dir, const char *kind, kiln_tokeni
         return *out ? KILN_OK : kiln_last_status();
     }
     char path[4096];
-    snprintf(path, sizeof path, "%s/%s", run_dir, RUN_TOKENIZER);
+    if (snprintf(path, sizeof path, "%s/%s", run_dir, RUN_TOKENIZER) >= (int)sizeof path)
+        return kiln_error(KILN_ERR_ARG, "path too long: %s", run_dir);
     return kiln_tokenizer_load(path, out);
 }
 
