@@ -1,6 +1,7 @@
 /* The one thread pool. Work is split into contiguous ranges; the calling thread takes
- * part. BLAS calls are never made from inside a pool task, so BLAS's own threads and
- * the pool's never run at once (no oversubscription). */
+ * part. With KILN_OPT_POOL_GEMM (the default) the BLAS runs single-threaded inside pool
+ * tasks; without it the BLAS threads itself and is called only outside pool tasks, so
+ * its threads and the pool's never compute at once. */
 #ifndef KILN_CORE_THREADPOOL_H
 #define KILN_CORE_THREADPOOL_H
 #include <stdint.h>

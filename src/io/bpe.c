@@ -1,7 +1,6 @@
 /* Byte-level BPE: the GPT-2 pre-tokenizer, applying merges to a word, and training. */
 #include <stdlib.h>
 #include <string.h>
-#include "core/tensor_impl.h"
 #include "io/tokenizer_impl.h"
 
 /* ---- u64 -> int32 map ---------------------------------------------------------------- */

@@ -18,7 +18,6 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
-#include "core/tensor_impl.h"
 #include "kiln/io.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -86,8 +85,8 @@ static kiln_status read_at(int fd, const char *path, void *dst, size_t n, off_t 
     while (n > 0) {
         ssize_t got = pread(fd, p, n, off);
         if (got < 0 && errno == EINTR) continue;
-        if (got < 0) return kiln__err(KILN_ERR_IO, "safetensors: cannot read %s: %s", path, strerror(errno));
-        if (got == 0) return kiln__err(KILN_ERR_IO, "safetensors: %s shrank while it was being read", path);
+        if (got < 0) return kiln_error(KILN_ERR_IO, "safetensors: cannot read %s: %s", path, strerror(errno));
+        if (got == 0) return kiln_error(KILN_ERR_IO, "safetensors: %s shrank while it was being read", path);
         p += got;
         n -= (size_t)got;
         off += got;
@@ -107,48 +106,51 @@ static bool get_nonneg(const json_t *v, uint64_t *out)
 static kiln_status parse_entry(const char *path, const char *name, const json_t *v, uint64_t buf_size, entry *e)
 {
     if (!json_is_object(v))
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: entry '%.200s' is not a JSON object", path, name);
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: entry '%.200s' is not a JSON object", path, name);
     const json_t *dtype = json_object_get(v, "dtype"), *shape = json_object_get(v, "shape"),
                  *offs = json_object_get(v, "data_offsets");
     if (!dtype || !shape || !offs)
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: entry '%.200s' is missing \"%s\"", path, name,
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: entry '%.200s' is missing \"%s\"", path, name,
                          !dtype ? "dtype" : !shape ? "shape" : "data_offsets");
     if (!json_is_string(dtype))
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: dtype of '%.200s' is not a string", path, name);
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: dtype of '%.200s' is not a string", path, name);
     if (!dtype_from_st(json_string_value(dtype), &e->dtype))
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: unknown dtype '%.40s' for '%.200s' (kiln reads F32 F64 "
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: unknown dtype '%.40s' for '%.200s' (kiln reads F32 F64 "
                          "F16 BF16 I32 I64 U8 BOOL)", path, json_string_value(dtype), name);
     if (!json_is_array(shape))
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: shape of '%.200s' is not an array", path, name);
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: shape of '%.200s' is not an array", path, name);
     if (json_array_size(shape) > KILN_MAX_DIMS)
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: '%.200s' has %zu dims, more than kiln's %d", path, name,
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: '%.200s' has %zu dims, more than kiln's %d", path, name,
                          json_array_size(shape), KILN_MAX_DIMS);
     e->ndim = (int)json_array_size(shape);
-    uint64_t numel = 1;
+    /* span, the product with zero dims counted as 1, must fit int64 too: the core
+     * computes strides that way, even for a tensor with no elements. */
+    uint64_t numel = 1, span = 1;
     for (int i = 0; i < e->ndim; i++) {
         uint64_t d;
         if (!get_nonneg(json_array_get(shape, (size_t)i), &d))
-            return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: dim %d of '%.200s' is not an integer >= 0", path, i,
+            return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: dim %d of '%.200s' is not an integer >= 0", path, i,
                              name);
         e->shape[i] = (int64_t)d;
-        if (__builtin_mul_overflow(numel, d, &numel))
-            return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: the shape of '%.200s' overflows 64 bits", path, name);
+        if (__builtin_mul_overflow(numel, d, &numel) || __builtin_mul_overflow(span, d ? d : 1, &span) ||
+            span > INT64_MAX)
+            return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: the shape of '%.200s' overflows 64 bits", path, name);
     }
     if (!json_is_array(offs) || json_array_size(offs) != 2 || !get_nonneg(json_array_get(offs, 0), &e->begin) ||
         !get_nonneg(json_array_get(offs, 1), &e->end))
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: data_offsets of '%.200s' is not [begin, end] with "
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: data_offsets of '%.200s' is not [begin, end] with "
                          "integers >= 0", path, name);
     if (e->end < e->begin)
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: data_offsets [%llu, %llu] of '%.200s' run backwards",
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: data_offsets [%llu, %llu] of '%.200s' run backwards",
                          path, (unsigned long long)e->begin, (unsigned long long)e->end, name);
     uint64_t nbytes;
     if (__builtin_mul_overflow(numel, (uint64_t)kiln_dtype_size(e->dtype), &nbytes) || nbytes != e->end - e->begin)
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: '%.200s' has %llu %s elements but data_offsets [%llu, "
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: '%.200s' has %llu %s elements but data_offsets [%llu, "
                          "%llu] hold %llu bytes", path, name, (unsigned long long)numel, json_string_value(dtype),
                          (unsigned long long)e->begin, (unsigned long long)e->end,
                          (unsigned long long)(e->end - e->begin));
     if (e->end > buf_size)
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: data_offsets [%llu, %llu] of '%.200s' are beyond the "
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: data_offsets [%llu, %llu] of '%.200s' are beyond the "
                          "%llu-byte data buffer (truncated file?)", path, (unsigned long long)e->begin,
                          (unsigned long long)e->end, name, (unsigned long long)buf_size);
     e->name = name;
@@ -171,18 +173,18 @@ static kiln_status check_coverage(const kiln_safetensors_t *f)
     for (int i = 0; i < f->n; i++) {
         const entry *e = &f->entries[i];
         if (e->begin < cursor)
-            return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: tensors '%.200s' [%llu, %llu] and '%.200s' [%llu, "
+            return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: tensors '%.200s' [%llu, %llu] and '%.200s' [%llu, "
                              "%llu] overlap", f->path, last->name, (unsigned long long)last->begin,
                              (unsigned long long)last->end, e->name, (unsigned long long)e->begin,
                              (unsigned long long)e->end);
         if (e->begin > cursor)
-            return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: gap in the data buffer: bytes [%llu, %llu) belong to "
+            return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: gap in the data buffer: bytes [%llu, %llu) belong to "
                              "no tensor", f->path, (unsigned long long)cursor, (unsigned long long)e->begin);
         cursor = e->end;
         last = e;
     }
     if (cursor != f->buf_size)
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: gap in the data buffer: bytes [%llu, %llu) at its end "
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: gap in the data buffer: bytes [%llu, %llu) at its end "
                          "belong to no tensor", f->path, (unsigned long long)cursor, (unsigned long long)f->buf_size);
     return KILN_OK;
 }
@@ -190,34 +192,34 @@ static kiln_status check_coverage(const kiln_safetensors_t *f)
 static kiln_status parse_header(kiln_safetensors_t *f, const char *text, size_t len)
 {
     if (len == 0 || text[0] != '{')
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: the header does not start with '{'", f->path);
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: the header does not start with '{'", f->path);
     json_error_t jerr;
     f->header = json_loadb(text, len, JSON_REJECT_DUPLICATES, &jerr);
     if (!f->header) {
         if (json_error_code(&jerr) == json_error_duplicate_key)
-            return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: duplicate name in the header (line %d, column %d): "
+            return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: duplicate name in the header (line %d, column %d): "
                              "%s", f->path, jerr.line, jerr.column, jerr.text);
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: the header is not valid JSON (line %d, column %d): %s",
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: the header is not valid JSON (line %d, column %d): %s",
                          f->path, jerr.line, jerr.column, jerr.text);
     }
     if (!json_is_object(f->header))
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: the header is not a JSON object", f->path);
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: the header is not a JSON object", f->path);
     f->meta = json_object_get(f->header, META_KEY);
     if (f->meta) {
         if (!json_is_object(f->meta))
-            return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: " META_KEY " is not a JSON object", f->path);
+            return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: " META_KEY " is not a JSON object", f->path);
         const char *k;
         json_t *v;
         json_object_foreach(f->meta, k, v) {
             if (!json_is_string(v))
-                return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: " META_KEY " value of '%.200s' is not a string",
+                return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: " META_KEY " value of '%.200s' is not a string",
                                  f->path, k);
         }
     }
     size_t n = json_object_size(f->header) - (f->meta ? 1 : 0);
-    if (n > INT32_MAX) return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: too many tensors (%zu)", f->path, n);
+    if (n > INT32_MAX) return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: too many tensors (%zu)", f->path, n);
     f->entries = calloc(n ? n : 1, sizeof *f->entries);
-    if (!f->entries) return kiln__err(KILN_ERR_OOM, "safetensors: %s: out of memory for %zu entries", f->path, n);
+    if (!f->entries) return kiln_error(KILN_ERR_OOM, "safetensors: %s: out of memory for %zu entries", f->path, n);
     const char *k;
     json_t *v;
     json_object_foreach(f->header, k, v) {
@@ -235,11 +237,11 @@ static kiln_status parse_header(kiln_safetensors_t *f, const char *text, size_t 
 static kiln_status load_fd(kiln_safetensors_t *f, int fd)
 {
     struct stat st;
-    if (fstat(fd, &st) != 0) return kiln__err(KILN_ERR_IO, "safetensors: cannot stat %s: %s", f->path, strerror(errno));
-    if (!S_ISREG(st.st_mode)) return kiln__err(KILN_ERR_IO, "safetensors: %s is not a regular file", f->path);
+    if (fstat(fd, &st) != 0) return kiln_error(KILN_ERR_IO, "safetensors: cannot stat %s: %s", f->path, strerror(errno));
+    if (!S_ISREG(st.st_mode)) return kiln_error(KILN_ERR_IO, "safetensors: %s is not a regular file", f->path);
     uint64_t file_size = (uint64_t)st.st_size;
     if (file_size < 8)
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s is %llu bytes, shorter than the 8-byte header length",
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s is %llu bytes, shorter than the 8-byte header length",
                          f->path, (unsigned long long)file_size);
     unsigned char lenbuf[8];
     kiln_status s = read_at(fd, f->path, lenbuf, 8, 0);
@@ -247,17 +249,17 @@ static kiln_status load_fd(kiln_safetensors_t *f, int fd)
     uint64_t hlen = 0;
     for (int i = 7; i >= 0; i--) hlen = hlen << 8 | lenbuf[i];
     if (hlen > MAX_HEADER_BYTES)
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: header length %llu is absurd (more than 100 MB)", f->path,
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: header length %llu is absurd (more than 100 MB)", f->path,
                          (unsigned long long)hlen);
     if (hlen > file_size - 8)
-        return kiln__err(KILN_ERR_FORMAT, "safetensors: %s: header length %llu runs past the end of the %llu-byte "
+        return kiln_error(KILN_ERR_FORMAT, "safetensors: %s: header length %llu runs past the end of the %llu-byte "
                          "file", f->path, (unsigned long long)hlen, (unsigned long long)file_size);
     if (file_size - 8 - hlen > SIZE_MAX)
-        return kiln__err(KILN_ERR_OOM, "safetensors: %s is too large for this address space", f->path);
+        return kiln_error(KILN_ERR_OOM, "safetensors: %s is too large for this address space", f->path);
     f->buf_size = (size_t)(file_size - 8 - hlen);
 
     char *text = malloc(hlen ? hlen : 1);
-    if (!text) return kiln__err(KILN_ERR_OOM, "safetensors: %s: out of memory for a %llu-byte header", f->path,
+    if (!text) return kiln_error(KILN_ERR_OOM, "safetensors: %s: out of memory for a %llu-byte header", f->path,
                                 (unsigned long long)hlen);
     s = read_at(fd, f->path, text, hlen, 8);
     /* Parse before reading the buffer, so a bad header costs nothing more. */
@@ -266,24 +268,24 @@ static kiln_status load_fd(kiln_safetensors_t *f, int fd)
     if (s != KILN_OK) return s;
 
     f->buf = malloc(f->buf_size ? f->buf_size : 1);
-    if (!f->buf) return kiln__err(KILN_ERR_OOM, "safetensors: %s: out of memory for %zu bytes of tensor data",
+    if (!f->buf) return kiln_error(KILN_ERR_OOM, "safetensors: %s: out of memory for %zu bytes of tensor data",
                                   f->path, f->buf_size);
     return read_at(fd, f->path, f->buf, f->buf_size, (off_t)(8 + hlen));
 }
 
 kiln_status kiln_safetensors_load(const char *path, kiln_safetensors_t **out)
 {
-    if (!out) return kiln__err(KILN_ERR_ARG, "safetensors_load: out is NULL");
+    if (!out) return kiln_error(KILN_ERR_ARG, "safetensors_load: out is NULL");
     *out = NULL;
-    if (!path) return kiln__err(KILN_ERR_ARG, "safetensors_load: path is NULL");
+    if (!path) return kiln_error(KILN_ERR_ARG, "safetensors_load: path is NULL");
     kiln_safetensors_t *f = calloc(1, sizeof *f);
     if (!f || !(f->path = strdup(path))) {
         free(f);
-        return kiln__err(KILN_ERR_OOM, "safetensors_load: out of memory");
+        return kiln_error(KILN_ERR_OOM, "safetensors_load: out of memory");
     }
     int fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0) {
-        kiln_status s = kiln__err(KILN_ERR_IO, "safetensors: cannot open %s: %s", path, strerror(errno));
+        kiln_status s = kiln_error(KILN_ERR_IO, "safetensors: cannot open %s: %s", path, strerror(errno));
         kiln_safetensors_free(f);
         return s;
     }
@@ -306,13 +308,13 @@ const char *kiln_safetensors_name(const kiln_safetensors_t *f, int i)
 
 kiln_tensor_t *kiln_safetensors_get(const kiln_safetensors_t *f, const char *name)
 {
-    if (!f || !name) return kiln__err(KILN_ERR_ARG, "safetensors_get: %s is NULL", f ? "name" : "file"), NULL;
+    if (!f || !name) return kiln_error(KILN_ERR_ARG, "safetensors_get: %s is NULL", f ? "name" : "file"), NULL;
     for (int i = 0; i < f->n; i++) {
         const entry *e = &f->entries[i];
         /* kiln_from_data copies and registers the result with the open scope. */
         if (strcmp(e->name, name) == 0) return kiln_from_data(f->buf + e->begin, e->shape, e->ndim, e->dtype);
     }
-    kiln__err(KILN_ERR_ARG, "safetensors: no tensor named '%.200s' in %s", name, f->path);
+    kiln_error(KILN_ERR_ARG, "safetensors: no tensor named '%.200s' in %s", name, f->path);
     return NULL;
 }
 
@@ -360,17 +362,17 @@ static char *build_header(const char *const *names, kiln_tensor_t *const *tensor
         if (!(m = json_object()) || json_object_set_new(root, META_KEY, m) != 0) goto oom;
         for (int i = 0; meta[i]; i += 2) {
             if (!meta[i + 1]) {
-                kiln__err(KILN_ERR_ARG, "safetensors_save: meta key '%.200s' has no value (meta is {\"key\", "
+                kiln_error(KILN_ERR_ARG, "safetensors_save: meta key '%.200s' has no value (meta is {\"key\", "
                           "\"value\", ..., NULL})", meta[i]);
                 goto fail;
             }
             if (json_object_get(m, meta[i])) {
-                kiln__err(KILN_ERR_ARG, "safetensors_save: meta key '%.200s' appears twice", meta[i]);
+                kiln_error(KILN_ERR_ARG, "safetensors_save: meta key '%.200s' appears twice", meta[i]);
                 goto fail;
             }
             json_t *v = json_string(meta[i + 1]);
             if (!v || json_object_set_new(m, meta[i], v) != 0) {
-                kiln__err(KILN_ERR_ARG, "safetensors_save: meta '%.200s' is not valid UTF-8", meta[i]);
+                kiln_error(KILN_ERR_ARG, "safetensors_save: meta '%.200s' is not valid UTF-8", meta[i]);
                 goto fail;
             }
         }
@@ -402,7 +404,7 @@ static char *build_header(const char *const *names, kiln_tensor_t *const *tensor
             goto oom;
         }
         if (json_object_set_new(root, names[i], e) != 0) {
-            kiln__err(KILN_ERR_ARG, "safetensors_save: name %d is not valid UTF-8", i);
+            kiln_error(KILN_ERR_ARG, "safetensors_save: name %d is not valid UTF-8", i);
             goto fail;
         }
         offset += nbytes;
@@ -417,7 +419,7 @@ static char *build_header(const char *const *names, kiln_tensor_t *const *tensor
     json_decref(root);
     return padded;
 oom:
-    kiln__err(KILN_ERR_OOM, "safetensors_save: out of memory building the header");
+    kiln_error(KILN_ERR_OOM, "safetensors_save: out of memory building the header");
 fail:
     free(text);
     json_decref(root);
@@ -426,21 +428,21 @@ fail:
 
 static kiln_status check_save_args(const char *path, const char *const *names, kiln_tensor_t *const *tensors, int n)
 {
-    if (!path) return kiln__err(KILN_ERR_ARG, "safetensors_save: path is NULL");
-    if (n < 0) return kiln__err(KILN_ERR_ARG, "safetensors_save: n is %d", n);
+    if (!path) return kiln_error(KILN_ERR_ARG, "safetensors_save: path is NULL");
+    if (n < 0) return kiln_error(KILN_ERR_ARG, "safetensors_save: n is %d", n);
     if (n > 0 && (!names || !tensors))
-        return kiln__err(KILN_ERR_ARG, "safetensors_save: %s is NULL", !names ? "names" : "tensors");
+        return kiln_error(KILN_ERR_ARG, "safetensors_save: %s is NULL", !names ? "names" : "tensors");
     for (int i = 0; i < n; i++) {
         /* A NULL tensor keeps the first error, as ops do, so a failed chain reports its cause. */
         if (!tensors[i])
             return kiln_last_status() ? kiln_last_status()
-                                      : kiln__err(KILN_ERR_ARG, "safetensors_save: tensor %d is NULL", i);
-        if (!names[i]) return kiln__err(KILN_ERR_ARG, "safetensors_save: name %d is NULL", i);
+                                      : kiln_error(KILN_ERR_ARG, "safetensors_save: tensor %d is NULL", i);
+        if (!names[i]) return kiln_error(KILN_ERR_ARG, "safetensors_save: name %d is NULL", i);
         if (strcmp(names[i], META_KEY) == 0)
-            return kiln__err(KILN_ERR_ARG, "safetensors_save: '" META_KEY "' is reserved for metadata");
+            return kiln_error(KILN_ERR_ARG, "safetensors_save: '" META_KEY "' is reserved for metadata");
         for (int j = 0; j < i; j++)
             if (strcmp(names[i], names[j]) == 0)
-                return kiln__err(KILN_ERR_ARG, "safetensors_save: name '%.200s' appears twice", names[i]);
+                return kiln_error(KILN_ERR_ARG, "safetensors_save: name '%.200s' appears twice", names[i]);
     }
     return KILN_OK;
 }
@@ -450,12 +452,12 @@ static kiln_status sync_dir(const char *path)
 {
     const char *slash = strrchr(path, '/');
     char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
-    if (!dir) return kiln__err(KILN_ERR_OOM, "safetensors_save: out of memory");
+    if (!dir) return kiln_error(KILN_ERR_OOM, "safetensors_save: out of memory");
     kiln_status s = KILN_OK;
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     /* Some file systems cannot fsync a directory (EINVAL); the file itself is safe. */
     if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL))
-        s = kiln__err(KILN_ERR_IO, "safetensors: %s was written, but syncing directory %s failed: %s", path, dir,
+        s = kiln_error(KILN_ERR_IO, "safetensors: %s was written, but syncing directory %s failed: %s", path, dir,
                       strerror(errno));
     if (fd >= 0) close(fd);
     free(dir);
@@ -465,7 +467,7 @@ static kiln_status sync_dir(const char *path)
 static kiln_status write_all(FILE *fp, const char *tmp, const void *p, size_t n)
 {
     if (n && fwrite(p, 1, n, fp) != n)
-        return kiln__err(KILN_ERR_IO, "safetensors: cannot write %s: %s", tmp, strerror(errno));
+        return kiln_error(KILN_ERR_IO, "safetensors: cannot write %s: %s", tmp, strerror(errno));
     return KILN_OK;
 }
 
@@ -474,8 +476,8 @@ kiln_status kiln_safetensors_save(const char *path, const char *const *names, ki
 {
     kiln_status s = check_save_args(path, names, tensors, n);
     if (s != KILN_OK) return s;
-    order_item *order = malloc((size_t)(n ? n : 1) * sizeof *order);
-    if (!order) return kiln__err(KILN_ERR_OOM, "safetensors_save: out of memory");
+    order_item *order = malloc((n > 0 ? (size_t)n : 1) * sizeof *order);
+    if (!order) return kiln_error(KILN_ERR_OOM, "safetensors_save: out of memory");
     size_t max_bytes = 0;
     for (int i = 0; i < n; i++) {
         order[i] = (order_item){i, kiln_dtype_size(kiln_tensor_dtype(tensors[i]))};
@@ -494,17 +496,17 @@ kiln_status kiln_safetensors_save(const char *path, const char *const *names, ki
     }
     size_t tmp_len = strlen(path) + 32;
     if (!(tmp = malloc(tmp_len)) || !(scratch = malloc(max_bytes ? max_bytes : 1))) {
-        s = kiln__err(KILN_ERR_OOM, "safetensors_save: out of memory for %zu bytes", max_bytes);
+        s = kiln_error(KILN_ERR_OOM, "safetensors_save: out of memory for %zu bytes", max_bytes);
         goto done;
     }
     snprintf(tmp, tmp_len, "%s.tmp.%ld", path, (long)getpid());
     int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
     if (fd < 0) {
-        s = kiln__err(KILN_ERR_IO, "safetensors: cannot create %s: %s", tmp, strerror(errno));
+        s = kiln_error(KILN_ERR_IO, "safetensors: cannot create %s: %s", tmp, strerror(errno));
         goto done;
     }
     if (!(fp = fdopen(fd, "wb"))) {
-        s = kiln__err(KILN_ERR_IO, "safetensors: cannot open %s: %s", tmp, strerror(errno));
+        s = kiln_error(KILN_ERR_IO, "safetensors: cannot open %s: %s", tmp, strerror(errno));
         close(fd);
         unlink(tmp);
         goto done;
@@ -520,13 +522,13 @@ kiln_status kiln_safetensors_save(const char *path, const char *const *names, ki
         if (s == KILN_OK) s = write_all(fp, tmp, scratch, nb);
     }
     if (s == KILN_OK && fflush(fp) != 0)
-        s = kiln__err(KILN_ERR_IO, "safetensors: cannot write %s: %s", tmp, strerror(errno));
+        s = kiln_error(KILN_ERR_IO, "safetensors: cannot write %s: %s", tmp, strerror(errno));
     if (s == KILN_OK && fsync(fileno(fp)) != 0)
-        s = kiln__err(KILN_ERR_IO, "safetensors: cannot sync %s: %s", tmp, strerror(errno));
+        s = kiln_error(KILN_ERR_IO, "safetensors: cannot sync %s: %s", tmp, strerror(errno));
     if (fclose(fp) != 0 && s == KILN_OK)
-        s = kiln__err(KILN_ERR_IO, "safetensors: cannot close %s: %s", tmp, strerror(errno));
+        s = kiln_error(KILN_ERR_IO, "safetensors: cannot close %s: %s", tmp, strerror(errno));
     if (s == KILN_OK && rename(tmp, path) != 0)
-        s = kiln__err(KILN_ERR_IO, "safetensors: cannot rename %s to %s: %s", tmp, path, strerror(errno));
+        s = kiln_error(KILN_ERR_IO, "safetensors: cannot rename %s to %s: %s", tmp, path, strerror(errno));
     if (s != KILN_OK) {
         unlink(tmp); /* the old file, if any, was never touched */
         goto done;

@@ -4,7 +4,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include "core/tensor_impl.h"
 #include "io/tokenizer_impl.h"
 
 /* ---- construction --------------------------------------------------------------------- */

@@ -3,6 +3,7 @@
 #include <string.h>
 #include <unistd.h>
 #include "backends/cpu/cpu.h"
+#include "core/opts.h"
 
 #if defined(KILN_BLAS_BLIS)
 void bli_thread_set_num_threads(long n);
@@ -88,7 +89,7 @@ static kiln__backend cpu_backend = {
 
 kiln__backend *kiln__cpu_backend(int nthreads)
 {
-    BLAS_SET_THREADS(nthreads);
+    BLAS_SET_THREADS(kiln__opt(KILN__OPT_POOL_GEMM) ? 1 : nthreads);
     return &cpu_backend;
 }
 

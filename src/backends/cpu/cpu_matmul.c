@@ -6,6 +6,7 @@
 #include <string.h>
 #include <cblas.h>
 #include "backends/cpu/cpu.h"
+#include "core/opts.h"
 
 typedef struct {
     enum CBLAS_TRANSPOSE trans;
@@ -28,15 +29,61 @@ static bool blas_layout(int64_t rows, int64_t cols, int64_t sr, int64_t sc, mat_
     return false;
 }
 
-static void gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
-                 const char *B, char *C)
+static void gemm1(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
+                  const char *B, char *C, int64_t ldc)
 {
     if (dt == KILN_DTYPE_F32)
         cblas_sgemm(CblasRowMajor, la.trans, lb.trans, (int)M, (int)N, (int)K, 1.0f, (const float *)A, (int)la.ld,
-                    (const float *)B, (int)lb.ld, 0.0f, (float *)C, (int)N);
+                    (const float *)B, (int)lb.ld, 0.0f, (float *)C, (int)ldc);
     else
         cblas_dgemm(CblasRowMajor, la.trans, lb.trans, (int)M, (int)N, (int)K, 1.0, (const double *)A, (int)la.ld,
-                    (const double *)B, (int)lb.ld, 0.0, (double *)C, (int)N);
+                    (const double *)B, (int)lb.ld, 0.0, (double *)C, (int)ldc);
+}
+
+/* With KILN_OPT_POOL_GEMM the BLAS runs single-threaded and kiln's own pool splits each
+ * GEMM into blocks of rows (or columns, when there are more of them). One pool for all
+ * the cores: the BLAS's OpenMP threads no longer spin against kiln's threads between
+ * calls (docs/perf-log.md, "one thread pool for GEMM"). The split depends only on the
+ * shape, never on the thread count, so results are the same with any number of threads. */
+typedef struct {
+    kiln_dtype dt;
+    mat_layout la, lb;
+    int64_t M, N, K, block;
+    bool by_rows;
+    const char *A, *B;
+    char *C;
+    size_t es;
+} gemm_ctx;
+
+static void gemm_blocks(void *c, int64_t b, int64_t e)
+{
+    const gemm_ctx *g = c;
+    for (int64_t blk = b; blk < e; blk++) {
+        int64_t lo = blk * g->block, n = (g->by_rows ? g->M : g->N) - lo;
+        if (n > g->block) n = g->block;
+        if (g->by_rows) {
+            const char *A = g->A + (g->la.trans == CblasNoTrans ? lo * g->la.ld : lo) * (int64_t)g->es;
+            gemm1(g->dt, g->la, g->lb, n, g->N, g->K, A, g->B, g->C + lo * g->N * (int64_t)g->es, g->N);
+        } else {
+            const char *B = g->B + (g->lb.trans == CblasNoTrans ? lo : lo * g->lb.ld) * (int64_t)g->es;
+            gemm1(g->dt, g->la, g->lb, g->M, n, g->K, g->A, B, g->C + lo * (int64_t)g->es, g->N);
+        }
+    }
+}
+
+static void gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
+                 const char *B, char *C)
+{
+    /* Blocks of 128 rows or columns: big enough for the BLAS's own blocking. */
+    const int64_t block = 128;
+    bool by_rows = M >= N;
+    int64_t nblk = ((by_rows ? M : N) + block - 1) / block;
+    if (!kiln__opt(KILN__OPT_POOL_GEMM) || nblk < 2 || M * N * K < (int64_t)1 << 18) {
+        gemm1(dt, la, lb, M, N, K, A, B, C, N);
+        return;
+    }
+    gemm_ctx g = {dt, la, lb, M, N, K, block, by_rows, A, B, C, kiln_dtype_size(dt)};
+    kiln__parallel_for(nblk, 1, gemm_blocks, &g);
 }
 
 kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,

@@ -44,7 +44,7 @@ static inline float gelu_grad_f(float x, bool tanh_form)
 /* expf by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (the Cephes
  * coefficients), about 2 ulp, written with selects and a rounding constant so that the
  * compiler vectorizes it; libm's expf is a call per element. Behind KILN_OPT_FAST_EXP. */
-static inline float fast_expf(float x)
+static inline __attribute__((always_inline)) float fast_expf(float x)
 {
     x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
     float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
@@ -63,15 +63,15 @@ static inline float fast_expf(float x)
 }
 
 /* tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits at both ends; absolute error ~1e-7. */
-static inline float fast_tanhf(float u) { return 1.0f - 2.0f / (fast_expf(2.0f * u) + 1.0f); }
-static inline float fast_sigmoidf(float x) { return 1.0f / (1.0f + fast_expf(-x)); }
+static inline __attribute__((always_inline)) float fast_tanhf(float u) { return 1.0f - 2.0f / (fast_expf(2.0f * u) + 1.0f); }
+static inline __attribute__((always_inline)) float fast_sigmoidf(float x) { return 1.0f / (1.0f + fast_expf(-x)); }
 
-static inline float gelu_fast(float x)
+static inline __attribute__((always_inline)) float gelu_fast(float x)
 {
     return 0.5f * x * (1.0f + fast_tanhf((float)SQRT_2_OVER_PI * (x + (float)GELU_C * x * x * x)));
 }
 
-static inline float gelu_grad_fast(float x)
+static inline __attribute__((always_inline)) float gelu_grad_fast(float x)
 {
     float t = fast_tanhf((float)SQRT_2_OVER_PI * (x + (float)GELU_C * x * x * x));
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (float)SQRT_2_OVER_PI * (1.0f + 3.0f * (float)GELU_C * x * x);
@@ -141,7 +141,7 @@ UNARY(sigmoid_exact, sigmoid_f(x), sigmoid_d(x))
 UNARY(sigmoid_fast, fast_sigmoidf(x), sigmoid_d(x))
 UNARY(relu, x > 0 ? x : 0.0f, x > 0 ? x : 0.0)
 UNARY(gelu_exact, gelu_f(x, AT->i[0]), gelu_d(x, AT->i[0]))
-UNARY(gelu_fast, AT->i[0] ? gelu_fast(x) : gelu_f(x, false), gelu_d(x, AT->i[0]))
+UNARY(gelu_fast, gelu_fast(x), gelu_d(x, AT->i[0]))
 UNARY(silu_exact, x * sigmoid_f(x), x * sigmoid_d(x))
 UNARY(silu_fast, x * fast_sigmoidf(x), x * sigmoid_d(x))
 UNARY(scale_body, x * (float)AT->f[0], x * AT->f[0])
@@ -209,13 +209,13 @@ BINARY(le, ((void)x, (void)y, 0.0f), x <= y, 1)
 BINARY(gt, ((void)x, (void)y, 0.0f), x > y, 1)
 BINARY(ge, ((void)x, (void)y, 0.0f), x >= y, 1)
 BINARY(gelu_backward_exact, y * gelu_grad_f(x, AT->i[0]), y * gelu_grad_d(x, AT->i[0]), 0)
-BINARY(gelu_backward_fast, y * (AT->i[0] ? gelu_grad_fast(x) : gelu_grad_f(x, false)), y * gelu_grad_d(x, AT->i[0]), 0)
+BINARY(gelu_backward_fast, y * gelu_grad_fast(x), y * gelu_grad_d(x, AT->i[0]), 0)
 BINARY(silu_backward_exact, y * sigmoid_f(x) * (1.0f + x * (1.0f - sigmoid_f(x))),
        y * sigmoid_d(x) * (1.0 + x * (1.0 - sigmoid_d(x))), 0)
 BINARY(silu_backward_fast, y * fast_sigmoidf(x) * (1.0f + x * (1.0f - fast_sigmoidf(x))),
        y * sigmoid_d(x) * (1.0 + x * (1.0 - sigmoid_d(x))), 0)
 
-/* The ops with a fast-exp variant pick it by switch. */
+/* The ops with a fast-exp variant pick it by switch (GELU's fast form is the tanh one). */
 #define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
 kiln_status kiln__cpu_gelu_exact(K_ARGS);
 kiln_status kiln__cpu_gelu_fast(K_ARGS);
@@ -235,11 +235,17 @@ kiln_status kiln__cpu_silu_backward_fast(K_ARGS);
         return kiln__opt(KILN__OPT_FAST_EXP) ? kiln__cpu_##name##_fast(be, in, n_in, a, out, n_out) \
                                               : kiln__cpu_##name##_exact(be, in, n_in, a, out, n_out); \
     }
-BY_SWITCH(gelu)
+#define BY_SWITCH_GELU(name)                                                                     \
+    kiln_status kiln__cpu_##name(K_ARGS)                                                         \
+    {                                                                                            \
+        return kiln__opt(KILN__OPT_FAST_EXP) && a->i[0] ? kiln__cpu_##name##_fast(be, in, n_in, a, out, n_out) \
+                                                        : kiln__cpu_##name##_exact(be, in, n_in, a, out, n_out); \
+    }
+BY_SWITCH_GELU(gelu)
 BY_SWITCH(silu)
 BY_SWITCH(tanh)
 BY_SWITCH(sigmoid)
-BY_SWITCH(gelu_backward)
+BY_SWITCH_GELU(gelu_backward)
 BY_SWITCH(silu_backward)
 
 /* ---- in-place: operand 0 is the destination, read and written ---- */

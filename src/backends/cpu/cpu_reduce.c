@@ -87,8 +87,48 @@ static void red_range(void *c, int64_t b, int64_t e)
     }
 }
 
+/* Sums of a contiguous f32 (rows, cols) over its rows (bias gradients): each task owns
+ * a block of columns and adds the rows in order, in double. */
+typedef struct {
+    const float *x;
+    float *o;
+    int64_t rows, cols;
+} colsum_ctx;
+
+KILN_SIMD static void colsum_range(void *c, int64_t b, int64_t e)
+{
+    const colsum_ctx *k = c;
+    double acc[256];
+    for (int64_t blk = b; blk < e; blk++) {
+        int64_t c0 = blk * 256, n = k->cols - c0 < 256 ? k->cols - c0 : 256;
+        for (int64_t j = 0; j < n; j++) acc[j] = 0;
+        for (int64_t r = 0; r < k->rows; r++) {
+            const float *row = k->x + r * k->cols + c0;
+            for (int64_t j = 0; j < n; j++) acc[j] += row[j];
+        }
+        for (int64_t j = 0; j < n; j++) k->o[c0 + j] = (float)acc[j];
+    }
+}
+
+/* Are the reduced dims a leading run of a contiguous tensor? */
+static bool leading_dims(const kiln_tensor_t *x, const int64_t *dims, int ndims, int64_t *rows, int64_t *cols)
+{
+    if (ndims == 0 || !kiln__is_contiguous(x)) return false;
+    for (int k = 0; k < ndims; k++)
+        if (dims[k] != k) return false;
+    *rows = kiln__numel(ndims, x->shape);
+    *cols = kiln__numel(x->ndim - ndims, x->shape + ndims);
+    return *cols > 1;
+}
+
 static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dims, int ndims, int kind)
 {
+    int64_t rows, cols;
+    if (kind == 0 && x->dtype == KILN_DTYPE_F32 && leading_dims(x, dims, ndims, &rows, &cols)) {
+        colsum_ctx k = {kiln__data(x), kiln__data(o), rows, cols};
+        kiln__parallel_for((cols + 255) / 256, 1, colsum_range, &k);
+        return KILN_OK;
+    }
     red_ctx r;
     red_setup(&r, x, o, dims, ndims, kind);
     int64_t nout = kiln__numel(o->ndim, o->shape);
