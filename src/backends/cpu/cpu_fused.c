@@ -3,18 +3,28 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include <cblas.h>
 #include "backends/cpu/cpu.h"
+#include "core/opts.h"
+
+/* expr_T(x): exp for the tiles of attention; the fast f32 one behind KILN_OPT_FAST_EXP. */
+static inline float expr_f32(float x) { return kiln__fast_expf(x); }
+static inline double expr_f64(double x) { return exp(x); }
 
 #define R float
 #define SFX f32
+#define GEMM cblas_sgemm
 #include "backends/cpu/cpu_fused_impl.h"
 #undef R
 #undef SFX
+#undef GEMM
 #define R double
 #define SFX f64
+#define GEMM cblas_dgemm
 #include "backends/cpu/cpu_fused_impl.h"
 #undef R
 #undef SFX
+#undef GEMM
 
 #define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
 
@@ -238,29 +248,38 @@ kiln_status kiln__cpu_rope(K_ARGS)
     k.Tk = kk->shape[2];                                                                             \
     k.scale = a->f[0];                                                                               \
     k.causal = a->i[0];                                                                              \
+    k.fast = kiln__opt(KILN__OPT_FAST_EXP);                                                          \
     k.q = kiln__data(q);                                                                             \
     k.k = kiln__data(kk);                                                                            \
     k.v = kiln__data(vv)
+
+/* Tasks call the BLAS: in parallel when the BLAS is single-threaded (POOL_GEMM), else
+ * one after another with the BLAS threading each tile. */
+static void att_run(int64_t tasks, kiln__range_fn fn, void *ctx)
+{
+    if (kiln__opt(KILN__OPT_POOL_GEMM)) kiln__parallel_for(tasks, 1, fn, ctx);
+    else fn(ctx, 0, tasks);
+}
 
 kiln_status kiln__cpu_attention(K_ARGS)
 {
     kiln_tensor_t *c[3], *tmp[3];
     if (!contig_all(in, 3, c, tmp)) return kiln_last_status();
     kiln_tensor_t *q = c[0], *kk = c[1], *vv = c[2];
-    int64_t rows = kiln__numel(3, q->shape), work = kk->shape[2] * q->shape[3];
+    int64_t tasks = q->shape[0] * q->shape[1];
     kiln_status s = KILN_OK;
     bool bad = false;
     if (q->dtype == KILN_DTYPE_F32) {
         ATT_SETUP(f32);
         k.out = kiln__data(out[0]);
         k.lse = kiln__data(out[1]);
-        kiln__parallel_for(rows, CPU_GRAIN / (work ? work : 1) + 1, att_fwd_range_f32, &k);
+        att_run(tasks, att_fwd_range_f32, &k);
         bad = atomic_load(&k.oom);
     } else {
         ATT_SETUP(f64);
         k.out = kiln__data(out[0]);
         k.lse = kiln__data(out[1]);
-        kiln__parallel_for(rows, CPU_GRAIN / (work ? work : 1) + 1, att_fwd_range_f64, &k);
+        att_run(tasks, att_fwd_range_f64, &k);
         bad = atomic_load(&k.oom);
     }
     if (bad) s = kiln__err(KILN_ERR_OOM, "attention: out of memory for a row buffer");
@@ -275,6 +294,7 @@ kiln_status kiln__cpu_attention_backward(K_ARGS)
     if (!contig_all(in, 6, c, tmp)) return kiln_last_status();
     kiln_tensor_t *q = c[1], *kk = c[2], *vv = c[3];
     int64_t tasks = q->shape[0] * kk->shape[1];
+    bool bad = false;
     if (q->dtype == KILN_DTYPE_F32) {
         ATT_SETUP(f32);
         k.g = kiln__data(c[0]);
@@ -283,7 +303,8 @@ kiln_status kiln__cpu_attention_backward(K_ARGS)
         k.dq = kiln__data(out[0]);
         k.dk = kiln__data(out[1]);
         k.dv = kiln__data(out[2]);
-        kiln__parallel_for(tasks, 1, att_bwd_range_f32, &k);
+        att_run(tasks, att_bwd_range_f32, &k);
+        bad = atomic_load(&k.oom);
     } else {
         ATT_SETUP(f64);
         k.g = kiln__data(c[0]);
@@ -292,8 +313,9 @@ kiln_status kiln__cpu_attention_backward(K_ARGS)
         k.dq = kiln__data(out[0]);
         k.dk = kiln__data(out[1]);
         k.dv = kiln__data(out[2]);
-        kiln__parallel_for(tasks, 1, att_bwd_range_f64, &k);
+        att_run(tasks, att_bwd_range_f64, &k);
+        bad = atomic_load(&k.oom);
     }
     free_all(tmp, 6);
-    return KILN_OK;
+    return bad ? kiln__err(KILN_ERR_OOM, "attention backward: out of memory for a tile buffer") : KILN_OK;
 }

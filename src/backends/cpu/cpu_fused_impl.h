@@ -20,10 +20,6 @@ static inline double FN(dot)(const R *a, const R *b, int64_t n)
     return s;
 }
 
-static inline void FN(axpy)(R *y, R alpha, const R *x, int64_t n)
-{
-    for (int64_t i = 0; i < n; i++) y[i] += alpha * x[i];
-}
 
 /* ---- softmax / log_softmax over dim: x viewed as (outer, L, inner) ---- */
 typedef struct {
@@ -230,7 +226,8 @@ typedef struct {
     int64_t B, H, Hkv, Tq, Tk, D;
     double scale;
     bool causal;
-    atomic_int oom; /* a task could not get its row buffer */
+    atomic_int oom; /* a task could not get its tile buffer */
+    bool fast;      /* KILN_OPT_FAST_EXP for the f32 exponentials */
 } FN(att_ctx);
 
 static inline int64_t FN(att_keys)(const FN(att_ctx) *a, int64_t i)
@@ -240,76 +237,121 @@ static inline int64_t FN(att_keys)(const FN(att_ctx) *a, int64_t i)
     return n < a->Tk ? n : a->Tk;
 }
 
-/* One query row at a time: its Tk scores live in a per-task buffer, so the full
- * (B,H,Tq,Tk) matrix never exists. */
-KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
+/* Attention by tiles of QB query rows on the BLAS, one task per (batch, head) in the
+ * forward and per (batch, kv head) in the backward: a tile's scores (QB, Tk) live in a
+ * per-task buffer, so the (B,H,Tq,Tk) matrix never exists; a backward task owns dK and
+ * dV of its kv head, so no two tasks write one gradient and sums keep a fixed order. */
+#define ATT_QB 64
+
+static inline void FN(att_softmax_rows)(const FN(att_ctx) *a, int64_t i0, int64_t rows, int64_t nblk, R *S,
+                                         const R *lse_in, R *lse_out, bool fast)
 {
-    const FN(att_ctx) *a = c;
-    double *p = malloc(sizeof(double) * (size_t)(a->Tk ? a->Tk : 1));
-    double *acc = malloc(sizeof(double) * (size_t)a->D);
-    if (!p || !acc) {
-        atomic_store(&((FN(att_ctx) *)c)->oom, 1);
-        free(p);
-        free(acc);
-        return;
-    }
-    int64_t D = a->D, grp = a->H / a->Hkv;
-    for (int64_t r = b; r < e; r++) {
-        int64_t i = r % a->Tq, bh = r / a->Tq, bb = bh / a->H, h = bh % a->H, hk = h / grp;
-        const R *q = a->q + r * D;
-        const R *K = a->k + (bb * a->Hkv + hk) * a->Tk * D, *V = a->v + (bb * a->Hkv + hk) * a->Tk * D;
-        int64_t nk = FN(att_keys)(a, i);
-        double m = -INFINITY;
-        for (int64_t j = 0; j < nk; j++) {
-            p[j] = a->scale * FN(dot)(q, K + j * D, D);
-            if (p[j] > m) m = p[j];
+    for (int64_t r = 0; r < rows; r++) {
+        R *row = S + r * nblk;
+        int64_t nk = FN(att_keys)(a, i0 + r);
+        if (lse_in) { /* backward: P from the saved log-sum-exp */
+            R l = lse_in[r];
+            for (int64_t j = 0; j < nk; j++) row[j] = (R)(fast ? FN(expr)(row[j] - l) : exp((double)row[j] - (double)l));
+        } else {
+            R m = -INFINITY;
+            for (int64_t j = 0; j < nk; j++) m = row[j] > m ? row[j] : m;
+            double l = 0;
+            for (int64_t j = 0; j < nk; j++) {
+                row[j] = (R)(fast ? FN(expr)(row[j] - m) : exp((double)row[j] - (double)m));
+                l += row[j];
+            }
+            R inv = (R)(nk ? 1.0 / l : 0.0);
+            for (int64_t j = 0; j < nk; j++) row[j] *= inv;
+            lse_out[r] = nk ? (R)((double)m + log(l)) : (R)-INFINITY;
         }
-        double l = 0;
-        for (int64_t d = 0; d < D; d++) acc[d] = 0;
-        for (int64_t j = 0; j < nk; j++) {
-            double w = exp(p[j] - m);
-            l += w;
-            const R *vj = V + j * D;
-            for (int64_t d = 0; d < D; d++) acc[d] += w * vj[d];
-        }
-        R *o = a->out + r * D;
-        for (int64_t d = 0; d < D; d++) o[d] = nk ? (R)(acc[d] / l) : 0;
-        a->lse[r] = nk ? (R)(m + log(l)) : (R)-INFINITY;
+        for (int64_t j = nk; j < nblk; j++) row[j] = 0;
     }
-    free(p);
-    free(acc);
 }
 
-/* One task per (batch, kv head): it owns dk and dv of that head, so no two tasks
- * write the same gradient and the sums keep a fixed order. */
+KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
+{
+    FN(att_ctx) *a = c;
+    int64_t D = a->D, grp = a->H / a->Hkv, Tk = a->Tk;
+    R *S = malloc(sizeof(R) * (size_t)(ATT_QB * (Tk ? Tk : 1)));
+    if (!S) {
+        atomic_store(&a->oom, 1);
+        return;
+    }
+    bool fast = a->fast;
+    for (int64_t t = b; t < e; t++) {
+        int64_t bb = t / a->H, h = t % a->H, hk = h / grp;
+        const R *K = a->k + (bb * a->Hkv + hk) * Tk * D, *V = a->v + (bb * a->Hkv + hk) * Tk * D;
+        for (int64_t i0 = 0; i0 < a->Tq; i0 += ATT_QB) {
+            int64_t rows = a->Tq - i0 < ATT_QB ? a->Tq - i0 : ATT_QB;
+            int64_t nblk = FN(att_keys)(a, i0 + rows - 1);
+            const R *Q = a->q + (t * a->Tq + i0) * D;
+            R *O = a->out + (t * a->Tq + i0) * D;
+            if (nblk == 0) {
+                memset(O, 0, sizeof(R) * (size_t)(rows * D));
+                for (int64_t r = 0; r < rows; r++) a->lse[t * a->Tq + i0 + r] = (R)-INFINITY;
+                continue;
+            }
+            GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)nblk, (int)D, (R)a->scale, Q, (int)D, K,
+                 (int)D, 0, S, (int)nblk);
+            FN(att_softmax_rows)(a, i0, rows, nblk, S, NULL, a->lse + t * a->Tq + i0, fast);
+            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, 1, S, (int)nblk, V, (int)D, 0,
+                 O, (int)D);
+        }
+    }
+    free(S);
+}
+
 KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
 {
-    const FN(att_ctx) *a = c;
-    int64_t D = a->D, grp = a->H / a->Hkv;
+    FN(att_ctx) *a = c;
+    int64_t D = a->D, grp = a->H / a->Hkv, Tk = a->Tk;
+    R *P = malloc(sizeof(R) * (size_t)(2 * ATT_QB * (Tk ? Tk : 1)));
+    if (!P) {
+        atomic_store(&a->oom, 1);
+        return;
+    }
+    R *dP = P + ATT_QB * Tk;
+    bool fast = a->fast;
     for (int64_t t = b; t < e; t++) {
         int64_t bb = t / a->Hkv, hk = t % a->Hkv;
-        const R *K = a->k + t * a->Tk * D, *V = a->v + t * a->Tk * D;
-        R *dK = a->dk + t * a->Tk * D, *dV = a->dv + t * a->Tk * D;
-        memset(dK, 0, sizeof(R) * (size_t)(a->Tk * D));
-        memset(dV, 0, sizeof(R) * (size_t)(a->Tk * D));
+        const R *K = a->k + t * Tk * D, *V = a->v + t * Tk * D;
+        R *dK = a->dk + t * Tk * D, *dV = a->dv + t * Tk * D;
+        memset(dK, 0, sizeof(R) * (size_t)(Tk * D));
+        memset(dV, 0, sizeof(R) * (size_t)(Tk * D));
         for (int64_t h = hk * grp; h < (hk + 1) * grp; h++) {
-            for (int64_t i = 0; i < a->Tq; i++) {
-                int64_t r = (bb * a->H + h) * a->Tq + i;
-                const R *q = a->q + r * D, *g = a->g + r * D, *o = a->o + r * D;
-                R *dq = a->dq + r * D;
-                memset(dq, 0, sizeof(R) * (size_t)D);
-                double lse = a->lse_in[r], Di = FN(dot)(g, o, D);
-                int64_t nk = FN(att_keys)(a, i);
-                for (int64_t j = 0; j < nk; j++) {
-                    double pij = exp(a->scale * FN(dot)(q, K + j * D, D) - lse);
-                    double ds = pij * (FN(dot)(g, V + j * D, D) - Di);
-                    FN(axpy)(dq, (R)(a->scale * ds), K + j * D, D);
-                    FN(axpy)(dK + j * D, (R)(a->scale * ds), q, D);
-                    FN(axpy)(dV + j * D, (R)pij, g, D);
+            int64_t qh = bb * a->H + h;
+            for (int64_t i0 = 0; i0 < a->Tq; i0 += ATT_QB) {
+                int64_t rows = a->Tq - i0 < ATT_QB ? a->Tq - i0 : ATT_QB;
+                int64_t nblk = FN(att_keys)(a, i0 + rows - 1), base = (qh * a->Tq + i0) * D;
+                const R *Q = a->q + base, *G = a->g + base, *O = a->o + base;
+                R *dQ = a->dq + base;
+                if (nblk == 0) {
+                    memset(dQ, 0, sizeof(R) * (size_t)(rows * D));
+                    continue;
                 }
+                GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)nblk, (int)D, (R)a->scale, Q, (int)D, K,
+                     (int)D, 0, P, (int)nblk);
+                FN(att_softmax_rows)(a, i0, rows, nblk, P, a->lse_in + qh * a->Tq + i0, NULL, fast);
+                /* dV += P^T dO; dP = dO V^T */
+                GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nblk, (int)D, (int)rows, 1, P, (int)nblk, G, (int)D,
+                     1, dV, (int)D);
+                GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)nblk, (int)D, 1, G, (int)D, V, (int)D, 0,
+                     dP, (int)nblk);
+                /* dS = P * (dP - rowsum(dO * O)), in place in dP */
+                for (int64_t r = 0; r < rows; r++) {
+                    R Di = (R)FN(dot)(G + r * D, O + r * D, D);
+                    R *pr = P + r * nblk, *dr = dP + r * nblk;
+                    for (int64_t j = 0; j < nblk; j++) dr[j] = pr[j] * (dr[j] - Di);
+                }
+                /* dQ = scale dS K; dK += scale dS^T Q */
+                GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, (R)a->scale, dP, (int)nblk,
+                     K, (int)D, 0, dQ, (int)D);
+                GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nblk, (int)D, (int)rows, (R)a->scale, dP, (int)nblk,
+                     Q, (int)D, 1, dK, (int)D);
             }
         }
     }
+    free(P);
 }
 
 #undef FN

@@ -41,30 +41,9 @@ static inline float gelu_grad_f(float x, bool tanh_form)
     return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;
 }
 
-/* expf by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (the Cephes
- * coefficients), about 2 ulp, written with selects and a rounding constant so that the
- * compiler vectorizes it; libm's expf is a call per element. Behind KILN_OPT_FAST_EXP. */
-static inline __attribute__((always_inline)) float fast_expf(float x)
-{
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    return p * scale;
-}
-
 /* tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits at both ends; absolute error ~1e-7. */
-static inline __attribute__((always_inline)) float fast_tanhf(float u) { return 1.0f - 2.0f / (fast_expf(2.0f * u) + 1.0f); }
-static inline __attribute__((always_inline)) float fast_sigmoidf(float x) { return 1.0f / (1.0f + fast_expf(-x)); }
+static inline __attribute__((always_inline)) float fast_tanhf(float u) { return 1.0f - 2.0f / (kiln__fast_expf(2.0f * u) + 1.0f); }
+static inline __attribute__((always_inline)) float fast_sigmoidf(float x) { return 1.0f / (1.0f + kiln__fast_expf(-x)); }
 
 static inline __attribute__((always_inline)) float gelu_fast(float x)
 {
