@@ -1,0 +1,38 @@
+#!/bin/sh
+# Config S training step, kiln eager vs PyTorch eager, side by side in one run, each at
+# 1 and 2 threads, interleaved over ROUNDS rounds; prints every figure and the ratio of
+# the best kiln tokens/s to the best PyTorch tokens/s, and of their peak RSS.
+#   sh bench/train_step.sh [BUILD_DIR] [ROUNDS] [STEPS]
+# Needs PyTorch for /usr/bin/python3 (apt-get install python3-torch).
+set -eu
+build=${1:-build}
+rounds=${2:-3}
+steps=${3:-10}
+py=/usr/bin/python3
+out=$(mktemp)
+for r in $(seq "$rounds"); do
+    for t in 1 2; do
+        "$build/bench_train_step" --threads "$t" --steps "$steps" --warmup 2 | tee -a "$out"
+        OMP_NUM_THREADS=$t "$py" tests/reference/train_step_torch.py --threads "$t" --steps "$steps" --warmup 2 | tee -a "$out"
+    done
+done
+"$py" - "$out" <<'PY'
+import json, sys, statistics
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+def best(pred):
+    by = {}
+    for r in rows:
+        if pred(r):
+            by.setdefault(r["threads"], []).append(r["tokens_per_s"])
+    med = {t: statistics.median(v) for t, v in by.items()}
+    t = max(med, key=med.get)
+    return t, med[t], med
+kt, kv, kall = best(lambda r: r.get("engine") == "kiln")
+pt, pv, pall = best(lambda r: r.get("impl") == "torch-eager")
+krss = max(r["peak_rss_mb"] for r in rows if r.get("engine") == "kiln")
+prss = max(r["peak_rss_mib"] for r in rows if r.get("impl") == "torch-eager")
+print(f"kiln median tokens/s by threads: {kall}; best {kv:.0f} at {kt} thread(s), peak RSS {krss:.0f} MiB")
+print(f"torch median tokens/s by threads: {pall}; best {pv:.0f} at {pt} thread(s), peak RSS {prss:.0f} MiB")
+print(f"ratio kiln/torch tokens/s = {kv / pv:.2f}   peak RSS kiln/torch = {krss / prss:.2f}")
+PY
+rm -f "$out"
