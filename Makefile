@@ -1,6 +1,6 @@
 # Thin wrapper over CMake. `make demo` and `make test` are the README's quick start.
 BUILD ?= build
-BLAS ?= BLIS
+BLAS ?= OPENBLAS
 CMAKE_FLAGS ?=
 JOBS ?= $(shell nproc)
 

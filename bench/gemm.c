@@ -8,9 +8,9 @@
  *   shapes  every GEMM of a training step: forward x @ W^T, dX = dY @ W and
  *           dW^T = X^T @ dY (what kiln's autograd issues), plus dW = dY^T @ X (the same
  *           product the other way round, not counted in the step total);
- *   mix     a GEMM followed at once by kiln_gelu on its (2048,1024) output, against
- *           the same gelu after a rest: what a BLAS whose threads keep spinning after
- *           a GEMM costs kiln's own thread pool.
+ *   mix     GEMM and kiln_gelu on its (2048,1024) output back to back, against each
+ *           alone after a rest: what a BLAS whose threads keep spinning after a GEMM
+ *           costs kiln's own thread pool, and the other way round.
  * kiln and BLAS repetitions are interleaved and alternate which runs first, because
  * these machines are noisy; the ratio kiln/BLAS is of GFLOP/s (1.00 = no overhead).
  *
@@ -188,10 +188,10 @@ static int bench_peak(int reps)
     const gemm_case g = {"square 1024^3", 1024, 1024, 1024, false, false, 0};
     gemm_result r;
     if (run_case(&g, reps, 3, &r) != KILN_OK) return 1;
-    printf("\n## peak\n%-16s %6s %6s %6s %3s %10s %10s %6s\n", "gemm", "M", "N", "K", "op", "kiln GF/s",
-           "BLAS GF/s", "ratio");
-    printf("%-16s %6lld %6lld %6lld %3s %10.1f %10.1f %6.2f\n", g.name, (long long)g.M, (long long)g.N,
-           (long long)g.K, layout(&g), gflops(&g, r.kiln_s), gflops(&g, r.blas_s), r.blas_s / r.kiln_s);
+    printf("\n## peak\n%-22s %6s %6s %6s %3s %4s %10s %10s %6s\n", "gemm", "M", "N", "K", "op", "x",
+           "kiln GF/s", "BLAS GF/s", "ratio");
+    printf("%-22s %6lld %6lld %6lld %3s %4s %10.1f %10.1f %6.2f\n", g.name, (long long)g.M, (long long)g.N,
+           (long long)g.K, layout(&g), "", gflops(&g, r.kiln_s), gflops(&g, r.blas_s), r.blas_s / r.kiln_s);
     return 0;
 }
 
@@ -207,7 +207,7 @@ static int bench_shapes(int reps)
         {"mlp.proj", 1024, 256, 4}, {"lm_head", 256, 256, 1}, /* tied with the (256,256) embedding */
     };
     const int64_t rows = 2048;
-    printf("\n## shapes (config S, one training step)\n%-20s %6s %6s %6s %3s %4s %10s %10s %6s %8s\n", "gemm", "M",
+    printf("\n## shapes (config S, one training step)\n%-22s %6s %6s %6s %3s %4s %10s %10s %6s %8s\n", "gemm", "M",
            "N", "K", "op", "x", "kiln GF/s", "BLAS GF/s", "ratio", "rel.err");
     double step_k = 0, step_b = 0, step_flop = 0;
     for (size_t l = 0; l < sizeof layers / sizeof layers[0]; l++) {
@@ -225,7 +225,7 @@ static int bench_shapes(int reps)
             if (run_case(g, reps, 2, &r) != KILN_OK) return 1;
             char label[64];
             snprintf(label, sizeof label, "%s %s", layers[l].name, g->name);
-            printf("%-20s %6lld %6lld %6lld %3s %4d %10.1f %10.1f %6.2f %8.1e\n", label, (long long)g->M,
+            printf("%-22s %6lld %6lld %6lld %3s %4d %10.1f %10.1f %6.2f %8.1e\n", label, (long long)g->M,
                    (long long)g->N, (long long)g->K, layout(g), g->per_step, gflops(g, r.kiln_s),
                    gflops(g, r.blas_s), r.blas_s / r.kiln_s, r.rel_err);
             step_k += g->per_step * r.kiln_s;
@@ -233,73 +233,80 @@ static int bench_shapes(int reps)
             step_flop += g->per_step * 2.0 * (double)g->M * g->N * g->K;
         }
     }
-    printf("%-20s %6s %6s %6s %3s %4s %10.1f %10.1f %6.2f\n", "step total", "", "", "", "", "", step_flop / step_k * 1e-9,
+    printf("%-22s %6s %6s %6s %3s %4s %10.1f %10.1f %6.2f\n", "step total", "", "", "", "", "", step_flop / step_k * 1e-9,
            step_flop / step_b * 1e-9, step_b / step_k);
     printf("GEMM time per step: kiln %.1f ms, BLAS %.1f ms (%.2f GFLOP)\n", step_k * 1e3, step_b * 1e3,
            step_flop * 1e-9);
     return 0;
 }
 
-/* mlp.fc forward then gelu, as GPT-2's MLP runs them. Per repetition, in this order:
- * gelu straight after the GEMM ("after"), gelu after the GEMM and a rest of rest_ms
- * ("rested": any BLAS thread still spinning has gone to sleep), and gelu after gelu
- * ("steady": no BLAS in between). */
+/* mlp.fc forward then gelu on its output, as GPT-2's MLP runs them. Per repetition:
+ * "loop": GEMM, gelu, GEMM, gelu back to back, as in a training step, timing the second
+ * pair; "rested": each op alone after a rest of rest_ms, long enough for a BLAS thread
+ * that spins after its work (libgomp's GOMP_SPINCOUNT, OpenBLAS's thread timeout) to
+ * have gone to sleep. loop / rested is what the two thread pools cost each other. */
+static kiln_tensor_t *fc(kiln_tensor_t *x, kiln_tensor_t *w) { return kiln_matmul(x, kiln_transpose(w, 0, 1)); }
+
 static int bench_mix(int reps, int rest_ms)
 {
     const int64_t sx[2] = {2048, 256}, sw[2] = {1024, 256};
     kiln_tensor_t *x = kiln_randn(sx, 2, KILN_DTYPE_F32), *w = kiln_randn(sw, 2, KILN_DTYPE_F32);
-    if (!x || !w) return 1;
-    double *gemm = malloc(sizeof *gemm * (size_t)reps), *after = malloc(sizeof *after * (size_t)reps);
-    double *rested = malloc(sizeof *rested * (size_t)reps), *steady = malloc(sizeof *steady * (size_t)reps);
-    if (!gemm || !after || !rested || !steady) return 1;
+    double *v[4];
+    for (int i = 0; i < 4; i++) v[i] = malloc(sizeof *v[i] * (size_t)reps);
+    if (!x || !w || !v[0] || !v[1] || !v[2] || !v[3]) return 1;
     int bad = 0;
     for (int i = -2; i < reps && !bad; i++) { /* two warm-up rounds */
         kiln_scope_begin();
+        kiln_tensor_t *h = fc(x, w), *y = kiln_gelu(h, true);
         double t0 = now_s();
-        kiln_tensor_t *h = kiln_matmul(x, kiln_transpose(w, 0, 1));
+        h = fc(x, w);
         double t1 = now_s();
-        kiln_tensor_t *y = kiln_gelu(h, true);
+        y = kiln_gelu(h, true);
         double t2 = now_s();
+        bad |= !y;
         kiln_scope_end();
 
         kiln_scope_begin();
-        h = kiln_matmul(x, kiln_transpose(w, 0, 1));
+        h = fc(x, w);
         sleep_ms(rest_ms);
         double t3 = now_s();
-        kiln_tensor_t *y2 = kiln_gelu(h, true);
+        y = kiln_gelu(h, true);
         double t4 = now_s();
-        kiln_tensor_t *y3 = kiln_gelu(h, true);
-        double t5 = now_s();
-        bad = !y || !y2 || !y3;
-        kiln_scope_end();
         sleep_ms(rest_ms);
+        double t5 = now_s();
+        h = fc(x, w);
+        double t6 = now_s();
+        bad |= !y || !h;
+        kiln_scope_end();
         if (i < 0) continue;
-        gemm[i] = t1 - t0;
-        after[i] = t2 - t1;
-        rested[i] = t4 - t3;
-        steady[i] = t5 - t4;
+        v[0][i] = t1 - t0; /* gemm in the loop (after a gelu) */
+        v[1][i] = t6 - t5; /* gemm rested */
+        v[2][i] = t2 - t1; /* gelu in the loop (after a gemm) */
+        v[3][i] = t4 - t3; /* gelu rested */
     }
     kiln_tensor_free(x);
     kiln_tensor_free(w);
     if (bad) return 1;
-    double mg = median(gemm, reps), ma = median(after, reps), mr = median(rested, reps), ms = median(steady, reps);
-    printf("\n## mix: mlp.fc GEMM (2048x256 @ 256x1024) then kiln_gelu (2048,1024), rest %d ms\n", rest_ms);
+    double m[4];
+    for (int i = 0; i < 4; i++) {
+        m[i] = median(v[i], reps);
+        free(v[i]);
+    }
+    printf("\n## mix: mlp.fc GEMM (2048x256 @ 256x1024) and kiln_gelu (2048,1024), rest %d ms\n", rest_ms);
     printf("%-28s %9s\n", "median", "ms");
-    printf("%-28s %9.3f\n", "gemm", mg * 1e3);
-    printf("%-28s %9.3f\n", "gelu right after gemm", ma * 1e3);
-    printf("%-28s %9.3f\n", "gelu after gemm + rest", mr * 1e3);
-    printf("%-28s %9.3f\n", "gelu after gelu", ms * 1e3);
-    printf("gelu slowdown after gemm: %.2fx (after / rested), %.2fx (after / steady)\n", ma / mr, ma / ms);
-    free(gemm);
-    free(after);
-    free(rested);
-    free(steady);
+    printf("%-28s %9.3f\n", "gemm in loop", m[0] * 1e3);
+    printf("%-28s %9.3f\n", "gemm rested", m[1] * 1e3);
+    printf("%-28s %9.3f\n", "gelu in loop", m[2] * 1e3);
+    printf("%-28s %9.3f\n", "gelu rested", m[3] * 1e3);
+    printf("%-28s %9.3f\n", "pair in loop", (m[0] + m[2]) * 1e3);
+    printf("slowdown in the loop: gemm %.2fx, gelu %.2fx, pair %.2fx\n", m[0] / m[1], m[2] / m[3],
+           (m[0] + m[2]) / (m[1] + m[3]));
     return 0;
 }
 
 int main(int argc, char **argv)
 {
-    int threads = 0, reps = 21, rest_ms = 50;
+    int threads = 0, reps = 21, rest_ms = 150;
     const char *only = NULL;
     for (int i = 1; i < argc; i += 2) {
         if (i + 1 < argc && !strcmp(argv[i], "--threads")) threads = atoi(argv[i + 1]);
