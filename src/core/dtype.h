@@ -105,9 +105,11 @@ static inline void kiln__store(void *p, kiln_dtype dt, double v)
     case KILN_DTYPE_F64: *(double *)p = v; break;
     case KILN_DTYPE_F16: *(uint16_t *)p = kiln__f32_to_f16(kiln__f64_to_f32_odd(v)); break;
     case KILN_DTYPE_BF16: *(uint16_t *)p = kiln__f32_to_bf16(kiln__f64_to_f32_odd(v)); break;
-    case KILN_DTYPE_I32: *(int32_t *)p = (int32_t)v; break;
-    case KILN_DTYPE_I64: *(int64_t *)p = (int64_t)v; break;
-    case KILN_DTYPE_U8: *(uint8_t *)p = (uint8_t)v; break;
+    /* Out-of-range and NaN values saturate (NaN to 0): a plain C cast of them is
+     * undefined behaviour. */
+    case KILN_DTYPE_I32: *(int32_t *)p = v != v ? 0 : v >= 2147483647.0 ? INT32_MAX : v <= -2147483648.0 ? INT32_MIN : (int32_t)v; break;
+    case KILN_DTYPE_I64: *(int64_t *)p = v != v ? 0 : v >= 9223372036854775807.0 ? INT64_MAX : v <= -9223372036854775808.0 ? INT64_MIN : (int64_t)v; break;
+    case KILN_DTYPE_U8: *(uint8_t *)p = v != v || v <= 0 ? 0 : v >= 255.0 ? 255 : (uint8_t)v; break;
     case KILN_DTYPE_BOOL: *(uint8_t *)p = v != 0.0; break;
     default: break;
     }

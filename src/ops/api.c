@@ -340,7 +340,14 @@ kiln_status kiln_split(kiln_tensor_t *a, const int64_t *sizes, int n, int dim, k
     int64_t at = 0;
     for (int i = 0; i < n; i++) {
         out[i] = kiln_narrow(a, d, at, sizes[i]);
-        if (!out[i]) return kiln_last_status();
+        if (!out[i]) {
+            /* Nothing is returned on failure: drop the pieces made so far. */
+            for (int k = 0; k < i; k++) {
+                kiln_tensor_free(kiln_keep(out[k]));
+                out[k] = NULL;
+            }
+            return kiln_last_status();
+        }
         at += sizes[i];
     }
     return KILN_OK;
