@@ -5,13 +5,19 @@
 static _Thread_local char last_msg[1024] = "no error";
 static _Thread_local kiln_status last_status = KILN_OK;
 
+static kiln_status set_error(kiln_status s, const char *fmt, va_list ap)
+{
+    vsnprintf(last_msg, sizeof last_msg, fmt, ap);
+    last_status = s;
+    return s;
+}
+
 kiln_status kiln__err(kiln_status s, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_msg, sizeof last_msg, fmt, ap);
+    set_error(s, fmt, ap);
     va_end(ap);
-    last_status = s;
     return s;
 }
 
@@ -19,9 +25,8 @@ kiln_status kiln_error(kiln_status s, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_msg, sizeof last_msg, fmt, ap);
+    set_error(s, fmt, ap);
     va_end(ap);
-    last_status = s;
     return s;
 }
 
