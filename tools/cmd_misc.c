@@ -171,5 +171,8 @@ int cmd_doctor(int argc, char **argv)
         char buf[256];
         printf("  %s\n", kiln_device_describe(i, buf, sizeof buf) ? buf : kiln_device_name(i));
     }
+    printf("optimization switches (KILN_OPT_<NAME>=0|1):\n");
+    for (int i = 0; i < kiln_opt_count(); i++)
+        printf("  %-10s %s  %s\n", kiln_opt_name(i), kiln_opt_enabled(i) ? "on " : "off", kiln_opt_help(i));
     return 0;
 }

@@ -61,6 +61,19 @@ static uint64_t mix(uint64_t x)
     return x ^ (x >> 31);
 }
 
+/* Does s end in the middle of a UTF-8 sequence? */
+static bool utf8_incomplete(const char *s)
+{
+    size_t n = strlen(s);
+    for (size_t back = 1; back <= 4 && back <= n; back++) {
+        unsigned char c = (unsigned char)s[n - back];
+        if ((c & 0xC0) == 0x80) continue; /* continuation byte: look further back */
+        size_t need = c >= 0xF0 ? 4 : c >= 0xE0 ? 3 : c >= 0xC0 ? 2 : 1;
+        return need > back;
+    }
+    return false;
+}
+
 typedef struct {
     float p;
     int id;
@@ -175,10 +188,14 @@ int cmd_sample(int argc, char **argv)
         ids[n++] = pick(row, cfg->vocab_size, temperature, (int)top_k, top_p, (uint64_t)seed, t, c);
         char *text;
         if (kiln_tokenizer_decode(tok, ids + printed, n - printed, &text) == KILN_OK) {
-            fputs(text, stdout);
-            fflush(stdout);
+            /* A token may end inside a UTF-8 character: hold it back until the
+             * character is complete (or 4 tokens have passed). */
+            if (!utf8_incomplete(text) || n - printed >= 4) {
+                fputs(text, stdout);
+                fflush(stdout);
+                printed = n;
+            }
             free(text);
-            printed = n;
         }
     }
     printf("\n");
