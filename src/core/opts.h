@@ -6,7 +6,7 @@
 #include <stdbool.h>
 
 #define KILN__OPTS(X)                                                                            \
-    X(FAST_EXP, 1, "polynomial expf/tanhf (vectorized) in f32 GELU, SiLU, sigmoid and tanh")                \
+    X(FAST_EXP, 1, "polynomial expf/tanhf (vectorized) in f32 GELU, SiLU, sigmoid, tanh and attention")                \
     X(POOL_GEMM, 1, "single-threaded BLAS, GEMMs split into row/column blocks over kiln's thread pool")
 
 typedef enum {
