@@ -115,6 +115,14 @@ static void resume_repeats_the_uninterrupted_losses(void **state)
     int rc = run(out, sizeof out, "%s train --data %s --out %s/b --steps 3 --save-every 3 --eval-every 3 --quiet " TINY,
                  tool(), corpus, dir);
     if (rc != 0) fail_msg("first half failed: %s", out);
+    /* A run that crashed after its checkpoint left a row for step 4 behind: the resumed
+     * run must replace it, not add a second step 4. */
+    char pm[512];
+    snprintf(pm, sizeof pm, "%s/b/metrics.jsonl", dir);
+    FILE *fm = fopen(pm, "a");
+    assert_non_null(fm);
+    fprintf(fm, "{\"step\":4,\"loss\":9.99}\n");
+    fclose(fm);
     rc = run(out, sizeof out, "%s train --data %s --out %s/b --steps 6 --save-every 3 --eval-every 3 --resume " TINY,
              tool(), corpus, dir);
     if (rc != 0) fail_msg("resume failed: %s", out);
@@ -127,6 +135,20 @@ static void resume_repeats_the_uninterrupted_losses(void **state)
     assert_int_equal(nb, 6);
     for (int i = 0; i < 6; i++)
         if (strcmp(a[i], b[i])) fail_msg("step %d: uninterrupted loss %s, resumed %s", i + 1, a[i], b[i]);
+}
+
+static void resume_refuses_a_changed_optimizer_or_seed(void **state)
+{
+    char out[8192];
+    assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/a --steps 8 --resume --optimizer sgd " TINY,
+                         tool(), corpus, dir), 1);
+    assert_non_null(strstr(out, "optimizer adamw"));
+    assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/a --steps 8 --resume --seed 7 " TINY, tool(),
+                         corpus, dir), 1);
+    assert_non_null(strstr(out, "--seed"));
+    assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/a --steps 4 --resume " TINY, tool(), corpus,
+                         dir), 1);
+    assert_non_null(strstr(out, "already at step 6"));
 }
 
 static void sample_continues_the_prompt(void **state)
@@ -163,6 +185,23 @@ static void bad_inputs_fail_with_a_reason(void **state)
     assert_int_equal(run(out, sizeof out, "%s train --bogus 1", tool()), 2);
     assert_non_null(strstr(out, "unknown option"));
     assert_int_equal(run(out, sizeof out, "%s frobnicate", tool()), 2);
+    /* Too little validation text is refused before any training. */
+    assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/d --steps 3 --val-fraction 0 " TINY, tool(),
+                         corpus, dir), 1);
+    assert_non_null(strstr(out, "validation"));
+    /* A width that does not fit is refused, not truncated. */
+    assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/d --width 4294967328", tool(), corpus, dir), 2);
+    assert_non_null(strstr(out, "--width"));
+    /* --config=FILE is read like --config FILE. */
+    char cfg[512];
+    snprintf(cfg, sizeof cfg, "%s/cfg.json", dir);
+    FILE *fc = fopen(cfg, "w");
+    assert_non_null(fc);
+    fprintf(fc, "{\"steps\": 2, \"layers\": 1, \"width\": 16, \"heads\": 2, \"context\": 16, \"batch\": 2, \"threads\": 1}\n");
+    fclose(fc);
+    assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/e --config=%s", tool(), corpus, dir, cfg), 0);
+    assert_non_null(strstr(out, "1 layers, C=16"));
+    assert_non_null(strstr(out, "step     2/2"));
     /* A truncated checkpoint is refused with a message, not a crash. */
     char p[512], q[512];
     snprintf(p, sizeof p, "%s/a/model.safetensors", dir);
@@ -180,6 +219,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(train_writes_checkpoint_metrics_and_chart),
         cmocka_unit_test(resume_repeats_the_uninterrupted_losses),
+        cmocka_unit_test(resume_refuses_a_changed_optimizer_or_seed),
         cmocka_unit_test(sample_continues_the_prompt),
         cmocka_unit_test(info_and_plot_work_on_the_run),
         cmocka_unit_test(bad_inputs_fail_with_a_reason),

@@ -47,6 +47,9 @@ static kiln_status load_model(const char *file, const char *dir, kiln_gpt_t **m,
     if (!cfg_json) s = kiln_error(KILN_ERR_FORMAT, "%s has no 'config' metadata: not a kiln model checkpoint", file);
     else s = kiln_gpt_config_from_json(cfg_json, &cfg);
     if (s == KILN_OK) s = cli_tokenizer_for(dir, kiln_safetensors_meta(f, "tokenizer"), tok);
+    if (s == KILN_OK && kiln_tokenizer_vocab_size(*tok) != cfg.vocab_size)
+        s = kiln_error(KILN_ERR_FORMAT, "%s: the model has %d tokens but its tokenizer %d", file, cfg.vocab_size,
+                       kiln_tokenizer_vocab_size(*tok));
     kiln_safetensors_free(f);
     if (s == KILN_OK) s = kiln_gpt_new(&cfg, 0, m);
     if (s == KILN_OK) s = kiln_gpt_load_weights(*m, file);
@@ -144,8 +147,8 @@ int cmd_sample(int argc, char **argv)
     int r = cli_parse("sample", "[RUN_DIR|MODEL] [options]", opts, argc, argv, pos, 1, &np);
     if (r) return r == 1 ? 0 : 2;
     if (np == 1) model = pos[0];
-    if (tokens < 0 || !(top_p > 0 && top_p <= 1) || top_k < 0 || temperature < 0)
-        return cli_fail("sample", "--tokens >= 0, --top-k >= 0, 0 < --top-p <= 1 and --temperature >= 0, please");
+    if (tokens < 0 || tokens > 1 << 24 || !(top_p > 0 && top_p <= 1) || top_k < 0 || top_k > 1 << 24 || temperature < 0)
+        return cli_fail("sample", "--tokens and --top-k in 0..2^24, 0 < --top-p <= 1 and --temperature >= 0, please");
     kiln_init((int)threads);
     char dir[4096], file[4200];
     split_model_arg(model, dir, sizeof dir, file, sizeof file);
@@ -171,7 +174,8 @@ int cmd_sample(int argc, char **argv)
         /* A full cache restarts from the last half-context of tokens. */
         if ((int64_t)(n - fed) + kiln_kv_cache_len(kv) > cap) {
             kiln_kv_cache_reset(kv);
-            fed = n > (size_t)cap / 2 ? n - (size_t)cap / 2 : 0;
+            size_t keep = cap / 2 > 0 ? (size_t)cap / 2 : 1;
+            fed = n > keep ? n - keep : 0;
         }
         kiln_scope_begin();
         int64_t chunk[2] = {1, (int64_t)(n - fed)};
@@ -187,7 +191,7 @@ int cmd_sample(int argc, char **argv)
         fed = n;
         ids[n++] = pick(row, cfg->vocab_size, temperature, (int)top_k, top_p, (uint64_t)seed, t, c);
         char *text;
-        if (kiln_tokenizer_decode(tok, ids + printed, n - printed, &text) == KILN_OK) {
+        if ((s = kiln_tokenizer_decode(tok, ids + printed, n - printed, &text)) == KILN_OK) {
             /* A token may end inside a UTF-8 character: hold it back until the
              * character is complete (or 4 tokens have passed). */
             if (!utf8_incomplete(text) || n - printed >= 4) {
@@ -197,6 +201,12 @@ int cmd_sample(int argc, char **argv)
             }
             free(text);
         }
+    }
+    /* Whatever was held back for an unfinished character goes out as it is. */
+    char *rest;
+    if (s == KILN_OK && printed < n && (s = kiln_tokenizer_decode(tok, ids + printed, n - printed, &rest)) == KILN_OK) {
+        fputs(rest, stdout);
+        free(rest);
     }
     printf("\n");
     kiln_kv_cache_free(kv);

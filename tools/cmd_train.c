@@ -145,7 +145,7 @@ static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t 
     return s;
 }
 
-static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, int64_t *step)
+static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, const train_args *a, int64_t *step)
 {
     char *model_path = join(dir, RUN_MODEL), *state_path = join(dir, RUN_STATE);
     kiln_safetensors_t *f = NULL;
@@ -157,7 +157,16 @@ static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt,
         kiln_safetensors_t *mf = NULL;
         const char *mst = NULL;
         if (kiln_safetensors_load(model_path, &mf) == KILN_OK) mst = kiln_safetensors_meta(mf, "step");
+        const char *opt_name = kiln_safetensors_meta(f, "optimizer"), *dseed = kiln_safetensors_meta(f, "data_seed");
+        char seedbuf[32];
+        snprintf(seedbuf, sizeof seedbuf, "%lld", (long long)a->seed);
         if (!st || !rs || !ro) s = kiln_error(KILN_ERR_FORMAT, "%s: missing step or RNG state", state_path);
+        else if (!opt_name || strcmp(opt_name, a->optimizer))
+            s = kiln_error(KILN_ERR_ARG, "%s was trained with --optimizer %s; resume with the same optimizer",
+                           state_path, opt_name ? opt_name : "?");
+        else if (!dseed || strcmp(dseed, seedbuf))
+            s = kiln_error(KILN_ERR_ARG, "%s was trained with --seed %s; resume with the same seed (it fixes the batches)",
+                           state_path, dseed ? dseed : "?");
         else if (!mst || strcmp(mst, st))
             s = kiln_error(KILN_ERR_FORMAT, "%s is at step %s but %s at step %s: the checkpoint is incomplete", model_path,
                            mst ? mst : "?", state_path, st);
@@ -186,6 +195,26 @@ static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt,
     kiln_safetensors_free(f);
     free(model_path);
     free(state_path);
+    return s;
+}
+
+/* A resumed run repeats the steps after its checkpoint: drop their old rows first. */
+static kiln_status keep_metrics_upto(const char *path, int64_t step)
+{
+    kiln_metrics_row *rows = NULL;
+    size_t n = 0, keep = 0;
+    struct stat st;
+    if (stat(path, &st) != 0) return KILN_OK;
+    kiln_status s = kiln_metrics_read(path, &rows, &n);
+    if (s != KILN_OK) return s;
+    while (keep < n && rows[keep].step <= step) keep++;
+    if (keep < n) {
+        kiln_metrics_t *m;
+        s = kiln_metrics_open(path, false, &m);
+        for (size_t i = 0; s == KILN_OK && i < keep; i++) s = kiln_metrics_write(m, &rows[i]);
+        if (s == KILN_OK) kiln_metrics_close(m);
+    }
+    free(rows);
     return s;
 }
 
@@ -273,10 +302,25 @@ int cmd_train(int argc, char **argv)
         {NULL, 0, NULL, NULL},
     };
     /* A config file first, so that flags given with it override it. */
-    for (int i = 1; i + 1 < argc; i++)
-        if (!strcmp(argv[i], "--config") && cli_load_config("train", opts, argv[i + 1])) return 2;
+    for (int i = 1; i < argc; i++) {
+        const char *cfg = !strcmp(argv[i], "--config") && i + 1 < argc ? argv[i + 1]
+                        : !strncmp(argv[i], "--config=", 9)             ? argv[i] + 9
+                                                                         : NULL;
+        if (cfg && cli_load_config("train", opts, cfg)) return 2;
+    }
     int r = cli_parse("train", "[options]", opts, argc, argv, NULL, 0, NULL);
     if (r) return r == 1 ? 0 : 2;
+    const struct {
+        const char *name;
+        int64_t v, lo;
+    } ints[] = {{"layers", a.layers, 1}, {"heads", a.heads, 1}, {"kv-heads", a.kv_heads, 0}, {"width", a.width, 1},
+                {"context", a.context, 1}, {"ffn", a.ffn, 0}, {"batch", a.batch, 1}, {"threads", a.threads, 0}};
+    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
+        if (ints[i].v < ints[i].lo || ints[i].v > (1 << 24)) {
+            fprintf(stderr, "kiln train: --%s = %lld is outside %lld..%d\n", ints[i].name, (long long)ints[i].v,
+                    (long long)ints[i].lo, 1 << 24);
+            return 2;
+        }
     if (a.batch < 1 || a.steps < 0 || a.accum < 1 || a.context < 1 || a.eval_batches < 1 || a.log_every < 1 ||
         !(a.lr > 0) || a.min_lr < 0)
         return cli_fail("train", "--batch, --accum, --context, --eval-batches, --log-every must be >= 1, --steps >= 0, "
@@ -314,6 +358,15 @@ int cmd_train(int argc, char **argv)
     kiln_dataset_t *ds;
     if (kiln_dataset_new(ids, n_ids, a.val_fraction, &ds) != KILN_OK) return cli_fail("train", NULL);
     free(ids);
+    /* Both splits must hold a window, or the run would fail at its first evaluation. */
+    if (kiln_dataset_len(ds, KILN_SPLIT_TRAIN) < (size_t)a.context + 1 ||
+        kiln_dataset_len(ds, KILN_SPLIT_VAL) < (size_t)a.context + 1) {
+        fprintf(stderr, "kiln train: %s gives %zu training and %zu validation tokens; each split needs at least "
+                        "--context + 1 = %lld (raise --val-fraction, lower --context, or give more text)\n",
+                a.data, kiln_dataset_len(ds, KILN_SPLIT_TRAIN), kiln_dataset_len(ds, KILN_SPLIT_VAL),
+                (long long)a.context + 1);
+        return 1;
+    }
     int vocab = kiln_tokenizer_vocab_size(tok);
     double unigram = kiln_dataset_unigram_entropy(ds, vocab);
 
@@ -331,12 +384,18 @@ int cmd_train(int argc, char **argv)
     int64_t start = 0;
     kiln_manual_seed((uint64_t)a.seed);
     if (a.resume) {
-        if (load_state(a.out, m, opt, &start) != KILN_OK) return cli_fail("train", NULL);
+        if (load_state(a.out, m, opt, &a, &start) != KILN_OK) return cli_fail("train", NULL);
+        if (start >= a.steps) {
+            fprintf(stderr, "kiln train: %s is already at step %lld; give --steps above it to train on\n", a.out,
+                    (long long)start);
+            return 1;
+        }
         if (!a.quiet) printf("resumed %s at step %lld\n", a.out, (long long)start);
     }
     write_run_info(a.out, unigram, tok_kind, &cfg, &a);
     char *metrics_path = join(a.out, RUN_METRICS), *chart_path = join(a.out, RUN_CHART);
     kiln_metrics_t *metrics = NULL;
+    if (rank == 0 && a.resume && keep_metrics_upto(metrics_path, start) != KILN_OK) return cli_fail("train", NULL);
     if (rank == 0 && kiln_metrics_open(metrics_path, a.resume, &metrics) != KILN_OK) return cli_fail("train", NULL);
 
     int64_t tokens_per_step = a.batch * a.context * a.accum * world;

@@ -59,10 +59,11 @@ kiln_status kiln_text_read(const char *path, char **text, size_t *len)
         while ((e = readdir(d))) {
             if (e->d_name[0] == '.') continue;
             char **nb = realloc(names, sizeof *names * (nn + 1));
-            if (!nb) break;
-            names = nb;
-            names[nn] = malloc(strlen(path) + strlen(e->d_name) + 2);
-            if (!names[nn]) break;
+            if (nb) names = nb;
+            if (!nb || !(names[nn] = malloc(strlen(path) + strlen(e->d_name) + 2))) {
+                s = kiln_error(KILN_ERR_OOM, "out of memory listing folder '%s'", path);
+                break;
+            }
             sprintf(names[nn++], "%s/%s", path, e->d_name);
         }
         closedir(d);
@@ -134,16 +135,16 @@ kiln_status kiln_dataset_batch(const kiln_dataset_t *d, kiln_data_split split, i
     if (!d || !x || !y || B < 1 || T < 1 || world < 1 || rank < 0 || rank >= world)
         return kiln_error(KILN_ERR_ARG, "dataset_batch: bad arguments (B=%d T=%d rank=%d world=%d)", B, T, rank, world);
     size_t base = split == KILN_SPLIT_TRAIN ? 0 : d->n_train, len = kiln_dataset_len(d, split);
-    if (len < (size_t)T + 2)
-        return kiln_error(KILN_ERR_ARG, "dataset_batch: the %s split has %zu tokens, fewer than T + 2 = %d",
-                          split == KILN_SPLIT_TRAIN ? "train" : "validation", len, T + 2);
+    if (len < (size_t)T + 1)
+        return kiln_error(KILN_ERR_ARG, "dataset_batch: the %s split has %zu tokens, fewer than T + 1 = %d",
+                          split == KILN_SPLIT_TRAIN ? "train" : "validation", len, T + 1);
     int64_t *xs = malloc(sizeof(int64_t) * (size_t)B * (size_t)T), *ys = malloc(sizeof(int64_t) * (size_t)B * (size_t)T);
     if (!xs || !ys) {
         free(xs);
         free(ys);
         return kiln_error(KILN_ERR_OOM, "dataset_batch: out of memory");
     }
-    uint64_t range = len - (size_t)T - 1;
+    uint64_t range = len - (size_t)T; /* window starts 0 .. len - T - 1: T + 1 tokens each */
     for (int b = 0; b < B; b++) {
         uint64_t w = (uint64_t)rank * (uint64_t)B + (uint64_t)b;
         uint64_t h = mix(seed ^ mix((uint64_t)step * 2 + (uint64_t)split) ^ mix(w + 0x1234567ULL));

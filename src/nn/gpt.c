@@ -58,16 +58,16 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
 #define NEED(cond, ...) \
     if (!(cond)) return kiln_error(KILN_ERR_ARG, "gpt config: " __VA_ARGS__)
     NEED(c->n_layer >= 1 && c->n_layer <= 1024, "n_layer = %d must be in 1..1024", c->n_layer);
-    NEED(c->n_head >= 1, "n_head = %d must be positive", c->n_head);
-    NEED(c->n_embd >= 1 && c->n_embd % c->n_head == 0, "n_embd = %d must be a positive multiple of n_head = %d",
-         c->n_embd, c->n_head);
+    NEED(c->n_head >= 1 && c->n_head <= 1 << 16, "n_head = %d must be in 1..65536", c->n_head);
+    NEED(c->n_embd >= 1 && c->n_embd <= 1 << 20 && c->n_embd % c->n_head == 0,
+         "n_embd = %d must be a multiple of n_head = %d, at most 2^20", c->n_embd, c->n_head);
     NEED(c->n_kv_head >= 1 && c->n_head % c->n_kv_head == 0, "n_kv_head = %d must divide n_head = %d", c->n_kv_head,
          c->n_head);
     NEED(c->pos != KILN_POS_ROPE || (c->n_embd / c->n_head) % 2 == 0, "rope needs an even head size, got %d",
          c->n_embd / c->n_head);
     NEED(c->block_size >= 1 && c->block_size <= 1 << 20, "block_size = %d must be in 1..2^20", c->block_size);
     NEED(c->vocab_size >= 1 && c->vocab_size <= 1 << 24, "vocab_size = %d must be in 1..2^24", c->vocab_size);
-    NEED(c->ffn_hidden >= 0, "ffn_hidden = %d must be >= 0", c->ffn_hidden);
+    NEED(c->ffn_hidden >= 0 && c->ffn_hidden <= 1 << 22, "ffn_hidden = %d must be in 0..2^22", c->ffn_hidden);
     NEED(c->norm_eps > 0, "norm_eps = %g must be positive", c->norm_eps);
     NEED(c->rope_theta > 0, "rope_theta = %g must be positive", c->rope_theta);
     NEED(c->dropout >= 0 && c->dropout < 1, "dropout = %g must be in [0, 1)", c->dropout);
@@ -176,7 +176,10 @@ static kiln_tensor_t *add_param(kiln_gpt_t *m, const char *name, int64_t d0, int
         m->names = nm;
         m->cap = cap;
     }
-    m->names[m->n] = strdup(name);
+    if (!(m->names[m->n] = strdup(name))) {
+        kiln_error(KILN_ERR_OOM, "gpt: out of memory for a parameter name");
+        return NULL;
+    }
     m->params[m->n++] = kiln_keep(t);
     kiln_tensor_set_requires_grad(t, true);
     return t;

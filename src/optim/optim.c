@@ -1,6 +1,7 @@
 /* AdamW and SGD over a list of parameters, gradient clipping, LR schedules. */
 #include <math.h>
 #include <stdlib.h>
+#include <string.h>
 #include "kiln/optim.h"
 
 typedef enum { OPT_ADAMW, OPT_SGD } opt_kind;
@@ -140,6 +141,13 @@ kiln_status kiln_optim_set_state(kiln_optim_t *o, int64_t steps, int i, int slot
         return kiln_error(KILN_ERR_ARG, "optim_set_state: parameter %d slot %d is out of range", i, slot);
     o->steps = steps;
     if (!value) return KILN_OK;
+    kiln_tensor_t *p = o->params[i];
+    if (kiln_tensor_ndim(value) != kiln_tensor_ndim(p) ||
+        memcmp(kiln_tensor_shape(value), kiln_tensor_shape(p), sizeof(int64_t) * (size_t)kiln_tensor_ndim(p))) {
+        char a[96], b[96];
+        return kiln_error(KILN_ERR_SHAPE, "optimizer state %s for parameter %d does not match the parameter %s",
+                          kiln_tensor_describe(value, a, sizeof a), i, kiln_tensor_describe(p, b, sizeof b));
+    }
     if (!o->slot[slot][i] && !(o->slot[slot][i] = zeros_like(o->params[i]))) return kiln_last_status();
     return kiln_tensor_copy_(o->slot[slot][i], value);
 }

@@ -115,10 +115,12 @@ kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
     bool y_batched = false;
     for (int d = 0; d < ny - 2; d++) y_batched |= y->shape[d] != 1;
     bool x_stacks = la.trans == CblasNoTrans && nx - 2 == nb;
-    for (int d = nb - 1, expect = (int)(x->stride[nx - 2] * M); x_stacks && d >= 0; d--) {
+    int64_t expect = x->stride[nx - 2] * M;
+    for (int d = nb - 1; x_stacks && d >= 0; d--) {
         if (x->shape[d] != 1 && x->stride[d] != expect) x_stacks = false;
-        expect = (int)(expect * x->shape[d]);
+        expect *= x->shape[d];
     }
+    if (x->stride[nx - 2] != la.ld) x_stacks = false; /* with M = 1, ld is K whatever the stride */
     if (!y_batched && x_stacks && batches > 1) {
         gemm(o->dtype, la, lb, M * batches, N, K, kiln__data(x), kiln__data(y), kiln__data(o));
     } else {
