@@ -151,6 +151,34 @@ static void resume_refuses_a_changed_optimizer_or_seed(void **state)
     assert_non_null(strstr(out, "already at step 6"));
 }
 
+/* A save interrupted between its two files (new training state, old model) must still
+ * resume, from the kept previous state, and repeat the uninterrupted losses. */
+static void resume_survives_a_save_cut_between_its_files(void **state)
+{
+    char out[8192];
+    int rc = run(out, sizeof out, "%s train --data %s --out %s/f --steps 3 --eval-every 3 --quiet " TINY, tool(),
+                 corpus, dir);
+    if (rc != 0) fail_msg("first part failed: %s", out);
+    assert_int_equal(run(NULL, 0, "cp %s/f/model.safetensors %s/model3.safetensors", dir, dir), 0);
+    rc = run(out, sizeof out, "%s train --data %s --out %s/f --steps 6 --eval-every 3 --resume --quiet " TINY, tool(),
+             corpus, dir);
+    if (rc != 0) fail_msg("second part failed: %s", out);
+    /* Now as if the model file of step 6 had never been written. */
+    assert_int_equal(run(NULL, 0, "cp %s/model3.safetensors %s/f/model.safetensors", dir, dir), 0);
+    rc = run(out, sizeof out, "%s train --data %s --out %s/f --steps 6 --eval-every 3 --resume " TINY, tool(), corpus,
+             dir);
+    if (rc != 0) fail_msg("resume after the cut save failed: %s", out);
+    assert_non_null(strstr(out, "resumed"));
+    assert_non_null(strstr(out, "at step 3"));
+    char a[8][64], f[8][64], pa[512], pf[512];
+    snprintf(pa, sizeof pa, "%s/a/metrics.jsonl", dir);
+    snprintf(pf, sizeof pf, "%s/f/metrics.jsonl", dir);
+    assert_int_equal(losses(pa, a, 8), 6);
+    assert_int_equal(losses(pf, f, 8), 6);
+    for (int i = 0; i < 6; i++)
+        if (strcmp(a[i], f[i])) fail_msg("step %d: uninterrupted loss %s, after the cut save %s", i + 1, a[i], f[i]);
+}
+
 static void sample_continues_the_prompt(void **state)
 {
     char out[8192];
@@ -220,6 +248,7 @@ int main(void)
         cmocka_unit_test(train_writes_checkpoint_metrics_and_chart),
         cmocka_unit_test(resume_repeats_the_uninterrupted_losses),
         cmocka_unit_test(resume_refuses_a_changed_optimizer_or_seed),
+        cmocka_unit_test(resume_survives_a_save_cut_between_its_files),
         cmocka_unit_test(sample_continues_the_prompt),
         cmocka_unit_test(info_and_plot_work_on_the_run),
         cmocka_unit_test(bad_inputs_fail_with_a_reason),

@@ -36,6 +36,7 @@ int cmd_doctor(int argc, char **argv);
 /* Checkpoint files inside a run folder. */
 #define RUN_MODEL "model.safetensors"
 #define RUN_STATE "train_state.safetensors"
+#define RUN_STATE_PREV "train_state.prev.safetensors"
 #define RUN_METRICS "metrics.jsonl"
 #define RUN_CHART "loss.svg"
 #define RUN_TOKENIZER "tokenizer.json"

@@ -132,8 +132,15 @@ static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t 
             }
         const char *smeta[] = {"format", "kiln-train-state-1", "step", stepbuf, "rng_seed", seedbuf, "rng_offset", offbuf,
                                "optimizer", a->optimizer, "data_seed", dseed, NULL};
-        s = kiln_safetensors_save(state_path, names + n, ts + n, k, smeta);
+        /* The previous state stays as RUN_STATE_PREV until the new pair is written, so a
+         * crash between the two files leaves a state that matches the model file. */
+        char *prev_path = join(dir, RUN_STATE_PREV);
+        struct stat st;
+        if (prev_path && stat(state_path, &st) == 0 && rename(state_path, prev_path) != 0)
+            s = kiln_error(KILN_ERR_IO, "cannot keep %s as %s: %s", state_path, prev_path, strerror(errno));
+        if (s == KILN_OK) s = kiln_safetensors_save(state_path, names + n, ts + n, k, smeta);
         if (s == KILN_OK) s = kiln_safetensors_save(model_path, names, ts, n, meta);
+        free(prev_path);
     }
     for (int i = 0; owned && i < 3 * n + 1; i++) free(owned[i]);
     free(owned);
@@ -145,11 +152,34 @@ static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t 
     return s;
 }
 
+/* Do the two files record the same step? */
+static bool state_matches_model(const char *state_path, const char *model_path)
+{
+    kiln_safetensors_t *a = NULL, *b = NULL;
+    bool ok = kiln_safetensors_load(state_path, &a) == KILN_OK && kiln_safetensors_load(model_path, &b) == KILN_OK &&
+              kiln_safetensors_meta(a, "step") && kiln_safetensors_meta(b, "step") &&
+              !strcmp(kiln_safetensors_meta(a, "step"), kiln_safetensors_meta(b, "step"));
+    kiln_safetensors_free(a);
+    kiln_safetensors_free(b);
+    kiln_clear_error();
+    return ok;
+}
+
 static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, const train_args *a, int64_t *step)
 {
     char *model_path = join(dir, RUN_MODEL), *state_path = join(dir, RUN_STATE);
     kiln_safetensors_t *f = NULL;
     kiln_status s = kiln_gpt_load_weights(m, model_path);
+    if (s == KILN_OK && !state_matches_model(state_path, model_path)) {
+        /* A save interrupted between its two files: the kept previous state matches. */
+        char *prev = join(dir, RUN_STATE_PREV);
+        if (prev && state_matches_model(prev, model_path)) {
+            free(state_path);
+            state_path = prev;
+        } else {
+            free(prev);
+        }
+    }
     if (s == KILN_OK) s = kiln_safetensors_load(state_path, &f);
     if (s == KILN_OK) {
         const char *st = kiln_safetensors_meta(f, "step"), *rs = kiln_safetensors_meta(f, "rng_seed"),
