@@ -14,7 +14,9 @@
  * Ownership. Every function that returns a kiln_tensor_t* returns a new reference.
  * While a scope is open the innermost scope holds that reference and drops it at
  * kiln_scope_end(); kiln_keep() takes it out of the scope for the caller to own. With
- * no scope open the caller owns it and drops it with kiln_tensor_free().
+ * no scope open the caller owns it and drops it with kiln_tensor_free(). The exceptions
+ * are accessors that say "borrowed" (kiln_tensor_grad, kiln_gpt_param,
+ * kiln_optim_state): they return a tensor the object keeps.
  *
  * Errors. Functions return kiln_status (0 ok, negative failure) or a tensor, NULL on
  * failure. The message — op, shapes, dtypes and a hint — is kept per thread and read
