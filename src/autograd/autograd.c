@@ -229,8 +229,7 @@ static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
     kiln_status s = KILN_OK;
     bool prev = kiln_set_grad_enabled(false);
     top->grad_out[root->out_index] = kiln_tensor_retain(seed);
-    /* Kahn's order: a node runs once every consumer has handed it its gradient.
-     * `all` doubles as the ready queue, reusing slots already processed. */
+    /* Kahn's order: a node runs once every consumer has handed it its gradient. */
     kiln__node **ready = malloc(n * sizeof *ready);
     size_t tail = 0;
     if (!ready) s = kiln__err(KILN_ERR_OOM, "backward: out of memory");
@@ -287,7 +286,7 @@ static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
 
 kiln_status kiln_backward_with(kiln_tensor_t *root, kiln_tensor_t *grad)
 {
-    if (!root || !grad) return kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_ARG, "backward: tensor is NULL");
+    if (!root || !grad) return kiln__null_arg("backward");
     char a[96], b[96];
     if (root->ndim != grad->ndim || memcmp(root->shape, grad->shape, sizeof(int64_t) * (size_t)root->ndim))
         return kiln__err(KILN_ERR_SHAPE, "backward: gradient %s does not match the root %s", kiln__shape_str(grad, a, sizeof a),
@@ -308,7 +307,7 @@ kiln_status kiln_backward_with(kiln_tensor_t *root, kiln_tensor_t *grad)
 
 kiln_status kiln_backward(kiln_tensor_t *root)
 {
-    if (!root) return kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_ARG, "backward: tensor is NULL");
+    if (!root) return kiln__null_arg("backward");
     if (kiln_tensor_numel(root) != 1) {
         char a[96];
         return kiln__err(KILN_ERR_SHAPE, "backward: the root %s has more than one element; use kiln_backward_with",

@@ -12,19 +12,13 @@ kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, con
                          kiln_tensor_t **out, int n_out);
 bool kiln__tracks(const kiln_tensor_t *t);
 
-static kiln_status null_input(const char *op, int i)
-{
-    if (kiln_last_status() != KILN_OK) return kiln_last_status(); /* keep the first error */
-    return kiln__err(KILN_ERR_ARG, "%s: input %d is NULL", op, i);
-}
-
 kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                            kiln_tensor_t **out)
 {
     kiln__ensure_init();
     const kiln__op_def *d = &kiln__ops[op];
     for (int i = 0; i < n_in; i++)
-        if (!in[i]) return null_input(d->name, i);
+        if (!in[i]) return kiln__null_arg(d->name);
     if (d->n_in >= 0 && n_in != d->n_in)
         return kiln__err(KILN_ERR_INTERNAL, "%s: called with %d inputs, takes %d", d->name, n_in, d->n_in);
     kiln__backend *be = n_in ? in[0]->st->be : kiln__backend_default();

@@ -30,6 +30,12 @@ kiln_status kiln_error(kiln_status s, const char *fmt, ...)
     return s;
 }
 
+kiln_status kiln__null_arg(const char *op)
+{
+    if (last_status != KILN_OK) return last_status;
+    return kiln__err(KILN_ERR_ARG, "%s: a tensor argument is NULL", op);
+}
+
 const char *kiln_last_error(void) { return last_msg; }
 kiln_status kiln_last_status(void) { return last_status; }
 

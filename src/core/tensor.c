@@ -262,7 +262,7 @@ kiln_tensor_t *kiln_from_data(const void *data, const int64_t *shape, int ndim, 
 
 kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nbytes)
 {
-    if (!t) return kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_ARG, "from_host: tensor is NULL");
+    if (!t) return kiln__null_arg("from_host");
     if (nbytes != kiln_tensor_nbytes(t))
         return kiln__err(KILN_ERR_ARG, "from_host: %zu bytes given, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
     if (nbytes && !src) return kiln__err(KILN_ERR_ARG, "from_host: source is NULL");
@@ -273,7 +273,7 @@ kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nby
 
 kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes)
 {
-    if (!t) return kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_ARG, "to_host: tensor is NULL");
+    if (!t) return kiln__null_arg("to_host");
     if (nbytes != kiln_tensor_nbytes(t))
         return kiln__err(KILN_ERR_ARG, "to_host: %zu bytes of room, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
     if (nbytes && !dst) return kiln__err(KILN_ERR_ARG, "to_host: destination is NULL");
@@ -292,7 +292,7 @@ kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes
 
 kiln_status kiln_tensor_item(const kiln_tensor_t *t, double *out)
 {
-    if (!t) return kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_ARG, "item: tensor is NULL");
+    if (!t) return kiln__null_arg("item");
     char buf[96];
     if (kiln_tensor_numel(t) != 1)
         return kiln__err(KILN_ERR_SHAPE, "item: tensor %s has %lld elements, not 1", kiln__shape_str(t, buf, sizeof buf),
@@ -305,7 +305,7 @@ kiln_status kiln_tensor_item(const kiln_tensor_t *t, double *out)
 
 kiln_status kiln_tensor_copy_(kiln_tensor_t *dst, const kiln_tensor_t *src)
 {
-    if (!dst || !src) return kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_ARG, "copy_: tensor is NULL");
+    if (!dst || !src) return kiln__null_arg("copy_");
     kiln_tensor_t *in[2] = {dst, (kiln_tensor_t *)src};
     kiln__attrs a = {0};
     return kiln__dispatch(KILN_OP_COPY_, in, 2, &a, NULL);

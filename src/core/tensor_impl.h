@@ -61,6 +61,10 @@ const char *kiln__meta_str(const kiln__meta *m, char *buf, size_t n);
 /* Errors: set the thread's last error and return status. */
 kiln_status kiln__err(kiln_status s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 
+/* For a NULL tensor argument: keeps the error that made it NULL (ops return NULL on
+ * failure, so chains pass it along), else reports "op: a tensor argument is NULL". */
+kiln_status kiln__null_arg(const char *op);
+
 /* Library state. */
 void kiln__ensure_init(void);
 void kiln__memory_account(long long delta);

@@ -20,7 +20,7 @@ static kiln_tensor_t *call2(kiln__op_id op, kiln_tensor_t *a, kiln_tensor_t *b)
 
 static kiln_tensor_t *null_arg(const char *op)
 {
-    if (kiln_last_status() == KILN_OK) kiln__err(KILN_ERR_ARG, "%s: input is NULL", op);
+    kiln__null_arg(op);
     return NULL;
 }
 
