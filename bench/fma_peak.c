@@ -15,23 +15,13 @@
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
+#include "bench.h"
 #define HAVE_X86 1
 #endif
 
 #define CHAINS 12
 
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 #ifdef HAVE_X86
 /* acc = acc * m + c keeps every chain bounded (it tends to c / (1 - m)), so no
@@ -91,9 +81,9 @@ static double run(int nthreads, long iters)
         pthread_create(&th[i], NULL, worker, &args[i]);
     }
     pthread_barrier_wait(&start);
-    double t0 = now_s();
+    double t0 = bench_now_s();
     for (int i = 0; i < nthreads; i++) pthread_join(th[i], NULL);
-    double t = now_s() - t0;
+    double t = bench_now_s() - t0;
     pthread_barrier_destroy(&start);
     float sink = 0;
     for (int i = 0; i < nthreads; i++) sink += args[i].sink;
@@ -140,7 +130,7 @@ int main(int argc, char **argv)
         double g[64];
         run(n, iters / 10); /* warm up: clocks and page mappings */
         for (int r = 0; r < rounds; r++) g[r] = run(n, iters);
-        qsort(g, (size_t)rounds, sizeof g[0], cmp_double);
+        qsort(g, (size_t)rounds, sizeof g[0], bench_cmp_double);
         double med = g[rounds / 2];
         printf("%8d %12.1f %12.1f %12.1f\n", n, med, med / n, g[rounds - 1]);
     }

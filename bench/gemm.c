@@ -22,26 +22,16 @@
 #include <string.h>
 #include <time.h>
 #include <cblas.h>
+#include "bench.h"
 #include "kiln/kiln.h"
 #include "core/tensor_impl.h"
 
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
 
-static int cmp_double(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 /* Sorts v in place. */
 static double median(double *v, int n)
 {
-    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    qsort(v, (size_t)n, sizeof *v, bench_cmp_double);
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
@@ -106,11 +96,11 @@ static void operands_free(operands *o)
 static double time_kiln(const gemm_case *g, const operands *o, double *check)
 {
     kiln_scope_begin();
-    double t0 = now_s();
+    double t0 = bench_now_s();
     kiln_tensor_t *a = g->ta ? kiln_transpose(o->a, 0, 1) : o->a;
     kiln_tensor_t *b = g->tb ? kiln_transpose(o->b, 0, 1) : o->b;
     kiln_tensor_t *y = kiln_matmul(a, b);
-    double t = now_s() - t0;
+    double t = bench_now_s() - t0;
     if (y && check) {
         const float *p = kiln__data(y), *q = kiln__data(o->c);
         double err = 0, mag = 0;
@@ -128,11 +118,11 @@ static double time_blas(const gemm_case *g, const operands *o)
 {
     const float *a = kiln__data(o->a), *b = kiln__data(o->b);
     float *c = kiln__data(o->c);
-    double t0 = now_s();
+    double t0 = bench_now_s();
     cblas_sgemm(CblasRowMajor, g->ta ? CblasTrans : CblasNoTrans, g->tb ? CblasTrans : CblasNoTrans, (int)g->M,
                 (int)g->N, (int)g->K, 1.0f, a, (int)(g->ta ? g->M : g->K), b, (int)(g->tb ? g->K : g->N), 0.0f, c,
                 (int)g->N);
-    return now_s() - t0;
+    return bench_now_s() - t0;
 }
 
 typedef struct {
@@ -258,24 +248,24 @@ static int bench_mix(int reps, int rest_ms)
     for (int i = -2; i < reps && !bad; i++) { /* two warm-up rounds */
         kiln_scope_begin();
         kiln_tensor_t *h = fc(x, w), *y = kiln_gelu(h, true);
-        double t0 = now_s();
+        double t0 = bench_now_s();
         h = fc(x, w);
-        double t1 = now_s();
+        double t1 = bench_now_s();
         y = kiln_gelu(h, true);
-        double t2 = now_s();
+        double t2 = bench_now_s();
         bad |= !y;
         kiln_scope_end();
 
         kiln_scope_begin();
         h = fc(x, w);
         sleep_ms(rest_ms);
-        double t3 = now_s();
+        double t3 = bench_now_s();
         y = kiln_gelu(h, true);
-        double t4 = now_s();
+        double t4 = bench_now_s();
         sleep_ms(rest_ms);
-        double t5 = now_s();
+        double t5 = bench_now_s();
         h = fc(x, w);
-        double t6 = now_s();
+        double t6 = bench_now_s();
         bad |= !y || !h;
         kiln_scope_end();
         if (i < 0) continue;

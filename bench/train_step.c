@@ -8,22 +8,12 @@
 #include <string.h>
 #include <sys/resource.h>
 #include <time.h>
+#include "bench.h"
 #include "kiln/kiln.h"
 #include "kiln/nn.h"
 #include "kiln/optim.h"
 
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
 
-static int cmp(const void *a, const void *b)
-{
-    double x = *(const double *)a, y = *(const double *)b;
-    return x < y ? -1 : x > y;
-}
 
 int main(int argc, char **argv)
 {
@@ -55,7 +45,6 @@ int main(int argc, char **argv)
     kiln_optim_t *opt;
     kiln_adamw_new(ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt);
     const int B = 16, T = c.block_size;
-    int64_t shape[2] = {B, T};
     int64_t *buf = malloc(sizeof *buf * (size_t)(B * (T + 1)));
     double *times = malloc(sizeof *times * (size_t)steps);
     uint64_t rng = 42;
@@ -64,11 +53,10 @@ int main(int argc, char **argv)
             rng = rng * 6364136223846793005ULL + 1442695040888963407ULL;
             buf[i] = (int64_t)(rng >> 56);
         }
-        double t0 = now_s();
+        double t0 = bench_now_s();
         kiln_scope_begin();
         kiln_tensor_t *all = kiln_from_data(buf, (int64_t[]){B, T + 1}, 2, KILN_DTYPE_I64);
         kiln_tensor_t *x = kiln_contiguous(kiln_narrow(all, 1, 0, T)), *y = kiln_contiguous(kiln_narrow(all, 1, 1, T));
-        (void)shape;
         kiln_tensor_t *loss;
         if (!kiln_gpt_forward(m, x, y, true, &loss) || kiln_backward(loss) != KILN_OK ||
             kiln_clip_grad_norm(ps, np, 1.0, NULL) != KILN_OK || kiln_optim_step(opt, 3e-4) != KILN_OK) {
@@ -77,9 +65,9 @@ int main(int argc, char **argv)
         }
         kiln_optim_zero_grad(opt);
         kiln_scope_end();
-        if (s >= warmup) times[s - warmup] = now_s() - t0;
+        if (s >= warmup) times[s - warmup] = bench_now_s() - t0;
     }
-    qsort(times, (size_t)steps, sizeof *times, cmp);
+    qsort(times, (size_t)steps, sizeof *times, bench_cmp_double);
     double med = times[steps / 2], tps = B * T / med;
     /* Model FLOPs per token: 6 N for the weights plus 6 L T C for attention
      * (forward 2, backward 4; causal halves QK^T and PV, which 12 L T C / 2 gives). */
