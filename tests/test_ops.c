@@ -19,18 +19,7 @@
 #define TOL32 1e-5
 #define TOL64 1e-12
 
-static int setup(void **state)
-{
-    kiln_clear_error();
-    kiln_scope_begin();
-    return 0;
-}
-
-static int teardown(void **state)
-{
-    kiln_scope_end();
-    return 0;
-}
+#include "test_util.h"
 
 /* ---- helpers ---- */
 

@@ -16,19 +16,7 @@
 #include "kiln/ops.h"
 #include "core/rng.h"
 
-/* Every test runs inside a scope so LeakSanitizer sees nothing left at exit. */
-static int setup(void **state)
-{
-    kiln_clear_error();
-    kiln_scope_begin();
-    return 0;
-}
-
-static int teardown(void **state)
-{
-    kiln_scope_end();
-    return 0;
-}
+#include "test_util.h"
 
 static void read_f64(kiln_tensor_t *t, double *out)
 {
