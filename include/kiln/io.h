@@ -64,6 +64,16 @@ void kiln_safetensors_free(kiln_safetensors_t *f); /* NULL is fine */
 kiln_status kiln_safetensors_save(const char *path, const char *const *names, kiln_tensor_t *const *tensors,
                                   int n, const char *const *meta);
 
+/* A trained model from a run folder or its model.safetensors, as `kiln train` writes
+ * them: the config and weights, the tokenizer (byte-level, or the folder's
+ * tokenizer.json), and the chat template stored in the metadata key "chat_template"
+ * (*chat_template is malloc'd, or NULL when the checkpoint has none; pass NULL to skip).
+ * On failure nothing is returned and the message names the file and the problem. */
+struct kiln_gpt;
+struct kiln_tokenizer;
+kiln_status kiln_model_load(const char *path, struct kiln_gpt **model, struct kiln_tokenizer **tok,
+                            char **chat_template);
+
 #ifdef __cplusplus
 }
 #endif

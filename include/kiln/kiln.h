@@ -10,4 +10,5 @@
 #include "kiln/data.h"
 #include "kiln/metrics.h"
 #include "kiln/dist.h"
+#include "kiln/serve.h"
 #endif

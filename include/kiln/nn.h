@@ -80,6 +80,38 @@ void kiln_kv_cache_reset(kiln_kv_cache_t *c);
  * models with rope positions or learned ones within block_size. Runs without grad. */
 kiln_tensor_t *kiln_gpt_forward_cached(kiln_gpt_t *m, kiln_kv_cache_t *c, kiln_tensor_t *idx);
 
+/* Paged key/value storage for many sequences at once (the serving engine's KV cache):
+ * per layer, num_blocks blocks of block_len positions. Which blocks hold a sequence is
+ * the caller's block table; the pool only stores them. */
+typedef struct kiln_kv_pool kiln_kv_pool_t;
+kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_kv_pool_t **out);
+void kiln_kv_pool_free(kiln_kv_pool_t *p); /* NULL is fine */
+int kiln_kv_pool_num_blocks(const kiln_kv_pool_t *p);
+int kiln_kv_pool_block_len(const kiln_kv_pool_t *p);
+/* Bytes of keys and values one block holds over all layers. */
+int64_t kiln_kv_pool_block_bytes(const kiln_gpt_t *m, int block_len);
+/* Copies block src to block dst in every layer (copy-on-write of a shared block). */
+kiln_status kiln_kv_pool_copy_block(kiln_kv_pool_t *p, int dst, int src);
+
+/* One step of the serving engine: new tokens of several sequences together. */
+typedef struct {
+    int n_tokens;               /* new tokens, all sequences together */
+    const int32_t *tokens;      /* [n_tokens] */
+    const int32_t *seq;         /* [n_tokens] the block-table row of each token */
+    const int32_t *pos;         /* [n_tokens] its position in that sequence */
+    int n_seqs, max_blocks;
+    const int32_t *block_table; /* [n_seqs * max_blocks]: position p of row s is in block
+                                   block_table[s * max_blocks + p / block_len] */
+    int n_logits;               /* rows whose logits are wanted ... */
+    const int32_t *logit_rows;  /* [n_logits] ... as indices into tokens */
+} kiln_paged_batch;
+
+/* Writes the keys and values of the new tokens into their slots, then attends each
+ * token to positions 0..pos of its sequence (earlier steps' and this step's), and
+ * returns logits (n_logits, V) f32. Runs without grad. A row's logits do not depend on
+ * the other rows in the batch (bitwise). */
+kiln_tensor_t *kiln_gpt_forward_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_paged_batch *b);
+
 #ifdef __cplusplus
 }
 #endif

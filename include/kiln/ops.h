@@ -111,6 +111,21 @@ kiln_tensor_t *kiln_rope(kiln_tensor_t *x, int64_t pos0, double theta);
 kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, bool causal,
                               double scale);
 
+/* Serving (inference only, not differentiable).
+ * kiln_rope_at: rope of x (N,H,D) where row n sits at position pos[n] (pos (N) i32/i64),
+ * the same rotation as kiln_rope.
+ * kiln_paged_attention: attention of each new token over its own sequence's keys and
+ * values, kept in pages. q (N,H,D); k_pages, v_pages (S,Hkv,D) where slot s holds one
+ * position (slot = block * block_len + offset); block_table (n_seqs, max_blocks) i32;
+ * seq_pos (N,2) i32 gives each query row's sequence and position p: the row attends to
+ * positions 0..p of its sequence, found at slot block_table[seq][j / block_len] *
+ * block_len + j % block_len. scale <= 0 means 1/sqrt(D). Result (N,H,D); each row is
+ * computed alone, so it does not depend on which other rows share the call. */
+kiln_tensor_t *kiln_rope_at(kiln_tensor_t *x, kiln_tensor_t *pos, double theta);
+kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, kiln_tensor_t *v_pages,
+                                    kiln_tensor_t *block_table, kiln_tensor_t *seq_pos, int64_t block_len,
+                                    double scale);
+
 /* Views. reshape/view take -1 for one inferred dim; reshape copies when a view cannot
  * express the result, view fails instead. */
 kiln_tensor_t *kiln_reshape(kiln_tensor_t *a, const int64_t *shape, int ndim);
@@ -132,6 +147,8 @@ kiln_tensor_t *kiln_clone(kiln_tensor_t *a);
 kiln_status kiln_add_(kiln_tensor_t *dst, kiln_tensor_t *src, double alpha); /* dst += alpha*src */
 kiln_status kiln_mul_scalar_(kiln_tensor_t *dst, double s);
 kiln_status kiln_fill_(kiln_tensor_t *dst, double value);
+/* dst[index[i]] = src[i] along dim 0 (index (n) i32/i64, src (n, ...) like dst's rows). */
+kiln_status kiln_index_copy_(kiln_tensor_t *dst, kiln_tensor_t *index, kiln_tensor_t *src);
 /* One AdamW step on p with gradient g and moments m, v (all f32, same shape):
  * bias-corrected with step t >= 1; decoupled weight decay wd. */
 kiln_status kiln_adamw_(kiln_tensor_t *p, kiln_tensor_t *g, kiln_tensor_t *m, kiln_tensor_t *v,

@@ -49,6 +49,8 @@ typedef enum {
     KILN_ERR_DEVICE = -9,      /* a missing device, or tensors on two devices */
     KILN_ERR_AUTOGRAD = -10,   /* a gradient that cannot be computed as asked */
     KILN_ERR_INTERNAL = -11,   /* a broken invariant in kiln itself: please report */
+    KILN_ERR_BUSY = -12,       /* a queue or pool that is full: try again later */
+    KILN_ERR_CANCELLED = -13,  /* work stopped because its caller asked */
 } kiln_status;
 
 typedef enum {

@@ -60,6 +60,8 @@ const char *kiln_status_name(kiln_status s)
     case KILN_ERR_DEVICE: return "device error";
     case KILN_ERR_AUTOGRAD: return "autograd error";
     case KILN_ERR_INTERNAL: return "internal error";
+    case KILN_ERR_BUSY: return "busy";
+    case KILN_ERR_CANCELLED: return "cancelled";
     }
     return "unknown status";
 }

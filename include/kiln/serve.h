@@ -1,0 +1,158 @@
+/* kiln/serve.h — serving a trained model: token sampling, the continuous-batching
+ * engine over a paged KV cache, and the OpenAI-compatible HTTP server.
+ *
+ * A worked example (the engine alone; `kiln serve` puts the HTTP server in front):
+ *
+ *     static bool on_token(void *user, const kiln_token_event *ev, kiln_finish fin)
+ *     {
+ *         if (ev) printf("token %d (logprob %.3f)\n", ev->token, ev->logprob);
+ *         else printf("done: %s\n", kiln_finish_name(fin));
+ *         return true;                          // false: stop this request here
+ *     }
+ *     ...
+ *     kiln_engine_t *e;
+ *     kiln_engine_opts o = kiln_engine_opts_default();
+ *     if (kiln_engine_new(model, &o, &e) != KILN_OK) die(kiln_last_error());
+ *     kiln_gen_request r = {.prompt = ids, .n_prompt = n, .max_tokens = 50,
+ *                           .sampling = {.temperature = 0.8, .top_p = 1, .seed = 7},
+ *                           .logprobs = -1, .cb = on_token, .user = NULL};
+ *     uint64_t id;
+ *     kiln_engine_submit(e, &r, &id);           // on_token runs on the engine's thread
+ *     ...
+ *     kiln_engine_free(e);                      // cancels what is left, then returns
+ */
+#ifndef KILN_SERVE_H
+#define KILN_SERVE_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include "kiln/nn.h"
+#include "kiln/tokenizer.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ---- sampling ---- */
+
+typedef struct {
+    double temperature; /* 0 = greedy (argmax) */
+    int top_k;          /* 0 = all tokens */
+    double top_p;       /* in (0, 1]; 1 = all tokens */
+    uint64_t seed;
+} kiln_sampling;
+
+/* Bytes of scratch kiln_sample_token needs for a vocabulary of V tokens. */
+size_t kiln_sample_scratch_bytes(int V);
+/* Picks token number `index` of a sequence from logits (V). The choice is a pure
+ * function of (logits, params, seed, index), so it does not depend on batching.
+ * scratch holds kiln_sample_scratch_bytes(V) bytes. */
+int kiln_sample_token(const float *logits, int V, const kiln_sampling *s, int64_t index, void *scratch);
+/* The log-probability of `token` under softmax(logits) (temperature 1), and the top_n
+ * likeliest tokens with theirs in top_ids/top_logprobs (top_n may be 0). */
+float kiln_token_logprobs(const float *logits, int V, int token, int top_n, int *top_ids, float *top_logprobs);
+
+/* ---- the engine ---- */
+
+typedef struct {
+    int max_batch;           /* sequences decoded together in one step (default 16) */
+    int max_queue;           /* waiting requests before submit says KILN_ERR_BUSY (default 64) */
+    int max_step_tokens;     /* prompt tokens prefilled in one step, all requests (default 512) */
+    int block_len;           /* positions per KV block (default 16) */
+    int num_blocks;          /* KV blocks; 0 = from kv_memory_mb */
+    int64_t kv_memory_mb;    /* KV cache size when num_blocks is 0 (default 256) */
+    bool prefix_cache;       /* share the KV blocks of a common prompt prefix (default on) */
+} kiln_engine_opts;
+
+kiln_engine_opts kiln_engine_opts_default(void);
+
+typedef enum {
+    KILN_FINISH_NONE = 0,  /* still running */
+    KILN_FINISH_LENGTH,    /* max_tokens reached, or the model's context is full */
+    KILN_FINISH_STOP,      /* the callback returned false (a stop sequence, say) */
+    KILN_FINISH_CANCELLED, /* kiln_engine_cancel, or the engine is being freed */
+    KILN_FINISH_ERROR,     /* the model failed; kiln_engine_last_error says why */
+} kiln_finish;
+const char *kiln_finish_name(kiln_finish f); /* "length", "stop", "cancelled", "error" */
+
+typedef struct {
+    int token;
+    int index;                  /* 0 for the first generated token */
+    float logprob;              /* of token; only when the request asked for logprobs */
+    int n_top;                  /* alternatives below (the request's logprobs count) */
+    const int *top_ids;         /* borrowed for the call */
+    const float *top_logprobs;
+} kiln_token_event;
+
+/* Called on the engine's thread for each generated token (ev != NULL, finish NONE) and
+ * once at the end (ev NULL, finish says why); after the last call the engine never
+ * touches user again. Returning false from a token call ends the request with
+ * KILN_FINISH_STOP. A callback must be quick: it runs between batched steps. */
+typedef bool (*kiln_engine_cb)(void *user, const kiln_token_event *ev, kiln_finish finish);
+
+typedef struct {
+    const int32_t *prompt; /* copied at submit */
+    int n_prompt;          /* >= 1 */
+    int max_tokens;        /* >= 1; prompt + max_tokens must fit the model's block_size */
+    kiln_sampling sampling;
+    int logprobs;          /* -1: none; 0..20: the token's logprob and this many alternatives */
+    kiln_engine_cb cb;
+    void *user;
+} kiln_gen_request;
+
+typedef struct kiln_engine kiln_engine_t;
+
+/* Starts the engine's thread over model (borrowed; it must outlive the engine). */
+kiln_status kiln_engine_new(kiln_gpt_t *model, const kiln_engine_opts *o, kiln_engine_t **out);
+/* Cancels every request (each callback gets its final call), stops the thread, frees. */
+void kiln_engine_free(kiln_engine_t *e);
+/* Queues a request. KILN_ERR_BUSY when max_queue requests are waiting, KILN_ERR_ARG for
+ * a request that can never run (it says why). On failure cb is never called. */
+kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint64_t *id);
+/* Asks the engine to drop a request (queued or running) and free its KV blocks before
+ * its next step; its callback gets a final KILN_FINISH_CANCELLED call. Unknown or
+ * finished ids are ignored. Safe from any thread, including inside a callback. */
+void kiln_engine_cancel(kiln_engine_t *e, uint64_t id);
+
+typedef struct {
+    int running, waiting;           /* requests now */
+    int kv_blocks_total, kv_blocks_free;
+    uint64_t requests_done, prompt_tokens, generated_tokens, prefix_hit_tokens;
+    uint64_t steps;
+    double busy_seconds;            /* time spent in model steps */
+} kiln_engine_stats;
+void kiln_engine_get_stats(kiln_engine_t *e, kiln_engine_stats *out);
+int kiln_engine_context_len(const kiln_engine_t *e); /* the model's block_size */
+
+/* ---- the HTTP server ---- */
+
+typedef struct {
+    const char *host;        /* default "127.0.0.1" */
+    int port;                /* default 8000; 0 = any free port (see kiln_server_port) */
+    const char *api_key;     /* NULL: no auth; else "Authorization: Bearer KEY" on /v1 */
+    const char *model_name;  /* the id in /v1/models and responses; default: the run folder's name */
+    const char *cors_origin; /* Access-Control-Allow-Origin; default "*" */
+    int http_threads;        /* libmicrohttpd's pool (default 4) */
+    size_t max_body;         /* request body limit in bytes (default 1 MiB) */
+    double request_timeout;  /* seconds a request may take in all (default 300) */
+    int max_tokens_default;  /* when a request names none (default 16, as OpenAI's completions) */
+    kiln_engine_opts engine;
+} kiln_server_opts;
+
+kiln_server_opts kiln_server_opts_default(void);
+
+typedef struct kiln_server kiln_server_t;
+
+/* Listens on host:port at once; /health answers 503 until a model is loaded. */
+kiln_status kiln_server_start(const kiln_server_opts *o, kiln_server_t **out);
+int kiln_server_port(const kiln_server_t *s);
+/* Loads a checkpoint (a run folder or model.safetensors, as `kiln sample` takes), its
+ * tokenizer and chat template, and starts serving it; /health then answers 200. */
+kiln_status kiln_server_load(kiln_server_t *s, const char *model_path);
+/* Stops listening, cancels what is running, frees. */
+void kiln_server_free(kiln_server_t *s);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
