@@ -42,7 +42,5 @@ int cmd_doctor(int argc, char **argv);
 #define RUN_TOKENIZER "tokenizer.json"
 #define RUN_INFO "run.json"
 
-/* Loads the tokenizer a checkpoint names ("byte", or a tokenizer.json beside it). */
-kiln_status cli_tokenizer_for(const char *run_dir, const char *kind, struct kiln_tokenizer **out);
 
 #endif

@@ -123,6 +123,8 @@ typedef struct {
 } kiln_engine_stats;
 void kiln_engine_get_stats(kiln_engine_t *e, kiln_engine_stats *out);
 int kiln_engine_context_len(const kiln_engine_t *e); /* the model's block_size */
+/* The message of the last model failure (KILN_FINISH_ERROR), or "" if none. Copied into buf. */
+void kiln_engine_last_error(kiln_engine_t *e, char *buf, size_t n);
 
 /* ---- the HTTP server ---- */
 

@@ -1,0 +1,80 @@
+/* Loading a trained model as `kiln train` leaves it: a run folder (or the model file in
+ * one) whose safetensors metadata names the config, the tokenizer and the chat template. */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include "kiln/io.h"
+#include "kiln/nn.h"
+#include "kiln/tokenizer.h"
+
+#define MODEL_FILE "model.safetensors"
+#define TOKENIZER_FILE "tokenizer.json"
+
+/* The run folder and model file of a path that is either. */
+static kiln_status split_path(const char *arg, char *dir, size_t dn, char *file, size_t fn)
+{
+    struct stat st;
+    int w1, w2;
+    if (stat(arg, &st) == 0 && S_ISDIR(st.st_mode)) {
+        w1 = snprintf(dir, dn, "%s", arg);
+        w2 = snprintf(file, fn, "%s/%s", arg, MODEL_FILE);
+    } else {
+        const char *slash = strrchr(arg, '/');
+        w1 = slash ? snprintf(dir, dn, "%.*s", (int)(slash - arg), arg) : snprintf(dir, dn, ".");
+        w2 = snprintf(file, fn, "%s", arg);
+    }
+    if (w1 < 0 || w2 < 0 || (size_t)w1 >= dn || (size_t)w2 >= fn) return kiln_error(KILN_ERR_ARG, "path too long: %s", arg);
+    return KILN_OK;
+}
+
+static kiln_status tokenizer_for(const char *dir, const char *kind, kiln_tokenizer_t **out)
+{
+    if (!kind || !strcmp(kind, "byte")) {
+        *out = kiln_tokenizer_byte();
+        return *out ? KILN_OK : kiln_last_status();
+    }
+    char path[4200];
+    if (snprintf(path, sizeof path, "%s/%s", dir, TOKENIZER_FILE) >= (int)sizeof path)
+        return kiln_error(KILN_ERR_ARG, "path too long: %s", dir);
+    return kiln_tokenizer_load(path, out);
+}
+
+kiln_status kiln_model_load(const char *path, kiln_gpt_t **model, kiln_tokenizer_t **tok, char **chat_template)
+{
+    if (!path || !model || !tok) return kiln_error(KILN_ERR_ARG, "model_load: path, model and tok must not be NULL");
+    *model = NULL;
+    *tok = NULL;
+    if (chat_template) *chat_template = NULL;
+    char dir[4096], file[4200];
+    kiln_status s = split_path(path, dir, sizeof dir, file, sizeof file);
+    kiln_safetensors_t *f = NULL;
+    if (s == KILN_OK) s = kiln_safetensors_load(file, &f);
+    if (s != KILN_OK) return s;
+    const char *cfg_json = kiln_safetensors_meta(f, "config");
+    kiln_gpt_config cfg;
+    kiln_tokenizer_t *t = NULL;
+    kiln_gpt_t *m = NULL;
+    char *tmpl = NULL;
+    if (!cfg_json) s = kiln_error(KILN_ERR_FORMAT, "%s has no 'config' metadata: not a kiln model checkpoint", file);
+    else s = kiln_gpt_config_from_json(cfg_json, &cfg);
+    if (s == KILN_OK) s = tokenizer_for(dir, kiln_safetensors_meta(f, "tokenizer"), &t);
+    if (s == KILN_OK && kiln_tokenizer_vocab_size(t) != cfg.vocab_size)
+        s = kiln_error(KILN_ERR_FORMAT, "%s: the model has %d tokens but its tokenizer %d", file, cfg.vocab_size,
+                       kiln_tokenizer_vocab_size(t));
+    const char *ct = kiln_safetensors_meta(f, "chat_template");
+    if (s == KILN_OK && ct && chat_template && !(tmpl = strdup(ct))) s = kiln_error(KILN_ERR_OOM, "model_load: out of memory");
+    kiln_safetensors_free(f);
+    if (s == KILN_OK) s = kiln_gpt_new(&cfg, 0, &m);
+    if (s == KILN_OK) s = kiln_gpt_load_weights(m, file);
+    if (s != KILN_OK) {
+        kiln_gpt_free(m);
+        kiln_tokenizer_free(t);
+        free(tmpl);
+        return s;
+    }
+    *model = m;
+    *tok = t;
+    if (chat_template) *chat_template = tmpl;
+    return KILN_OK;
+}
