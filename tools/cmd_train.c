@@ -115,7 +115,8 @@ static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t 
     char *model_path = join(dir, RUN_MODEL), *state_path = join(dir, RUN_STATE);
     if (s == KILN_OK) {
         for (int i = 0; i < n; i++) ts[i] = kiln_gpt_param(m, i, &names[i]);
-        const char *meta[] = {"format", "kiln-gpt-1", "config", cfg ? cfg : "{}", "tokenizer", tok_kind, "step", stepbuf, NULL};
+        const char *meta[] = {"format", "kiln-gpt-1", "config", cfg ? cfg : "{}", "tokenizer", tok_kind, "step", stepbuf,
+                              "chat_template", kiln_chat_template_default(), NULL};
         /* The training state first: a model file newer than its state is detected on
          * resume by the step numbers, never silently mixed. */
         int k = 0;

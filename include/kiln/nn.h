@@ -108,7 +108,8 @@ typedef struct {
 
 /* Writes the keys and values of the new tokens into their slots, then attends each
  * token to positions 0..pos of its sequence (earlier steps' and this step's), and
- * returns logits (n_logits, V) f32. Runs without grad. A row's logits do not depend on
+ * returns logits (n_logits, V) f32, in the caller's scope like an op's result (the
+ * step's intermediates too: run it inside a scope). Runs without grad. A row's logits do not depend on
  * the other rows in the batch (bitwise). */
 kiln_tensor_t *kiln_gpt_forward_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_paged_batch *b);
 

@@ -121,6 +121,12 @@ kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t 
  * positions 0..p of its sequence, found at slot block_table[seq][j / block_len] *
  * block_len + j % block_len. scale <= 0 means 1/sqrt(D). Result (N,H,D); each row is
  * computed alone, so it does not depend on which other rows share the call. */
+/* kiln_matmul_rows: a (M,K) times w (N,K) transposed, (M,N), f32, where every element is
+ * one dot product summed in one fixed order: row m depends on a[m] and w alone, never
+ * on M or on the other rows (a BLAS picks other kernels for other M, which round
+ * differently). The serving engine's linear layers use it so that a request's tokens
+ * do not depend on what it is batched with. */
+kiln_tensor_t *kiln_matmul_rows(kiln_tensor_t *a, kiln_tensor_t *w);
 kiln_tensor_t *kiln_rope_at(kiln_tensor_t *x, kiln_tensor_t *pos, double theta);
 kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, kiln_tensor_t *v_pages,
                                     kiln_tensor_t *block_table, kiln_tensor_t *seq_pos, int64_t block_len,

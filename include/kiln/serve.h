@@ -126,6 +126,14 @@ int kiln_engine_context_len(const kiln_engine_t *e); /* the model's block_size *
 /* The message of the last model failure (KILN_FINISH_ERROR), or "" if none. Copied into buf. */
 void kiln_engine_last_error(kiln_engine_t *e, char *buf, size_t n);
 
+/* ---- chat templates ----
+ * A chat template is a JSON object stored in a checkpoint's "chat_template" metadata:
+ *     {"message": "{role}: {content}\n", "generation": "assistant:", "stop": ["\nuser:"]}
+ * Each message renders as "message" with {role} and {content} replaced; "generation"
+ * follows the last one and the model continues from there; "stop" lists strings that
+ * end an answer (added to the request's own). kiln train writes this default one. */
+const char *kiln_chat_template_default(void);
+
 /* ---- the HTTP server ---- */
 
 typedef struct {

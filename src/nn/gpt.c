@@ -486,3 +486,185 @@ kiln_tensor_t *kiln_gpt_forward_cached(kiln_gpt_t *m, kiln_kv_cache_t *c, kiln_t
     if (logits) c->len += (int)kiln_tensor_dim(idx, 1);
     return logits;
 }
+
+/* ---- paged decoding (the serving engine) ---- */
+
+struct kiln_kv_pool {
+    int num_blocks, block_len, n_layer;
+    kiln_tensor_t **k, **v; /* per layer (num_blocks * block_len, Hkv, hs) */
+};
+
+int64_t kiln_kv_pool_block_bytes(const kiln_gpt_t *m, int block_len)
+{
+    if (!m) return 0;
+    const kiln_gpt_config *c = &m->cfg;
+    return (int64_t)2 * c->n_layer * block_len * c->n_kv_head * (c->n_embd / c->n_head) * (int64_t)sizeof(float);
+}
+
+kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_kv_pool_t **out)
+{
+    if (!m || !out) return kiln_error(KILN_ERR_ARG, "kv_pool_new: model or out is NULL");
+    if (num_blocks < 1 || block_len < 1 || (int64_t)num_blocks * block_len > INT32_MAX)
+        return kiln_error(KILN_ERR_ARG, "kv_pool_new: %d blocks of %d positions: both must be >= 1 and their product "
+                          "fit in 31 bits", num_blocks, block_len);
+    kiln_kv_pool_t *p = calloc(1, sizeof *p);
+    int L = m->cfg.n_layer;
+    if (p) {
+        p->k = calloc((size_t)L, sizeof *p->k);
+        p->v = calloc((size_t)L, sizeof *p->v);
+    }
+    if (!p || !p->k || !p->v) {
+        if (p) { free(p->k); free(p->v); free(p); }
+        return kiln_error(KILN_ERR_OOM, "kv_pool_new: out of memory");
+    }
+    p->num_blocks = num_blocks;
+    p->block_len = block_len;
+    p->n_layer = L;
+    int64_t shape[3] = {(int64_t)num_blocks * block_len, m->cfg.n_kv_head, m->cfg.n_embd / m->cfg.n_head};
+    kiln_scope_begin();
+    for (int i = 0; i < L; i++) {
+        p->k[i] = kiln_keep(kiln_zeros(shape, 3, KILN_DTYPE_F32));
+        p->v[i] = kiln_keep(kiln_zeros(shape, 3, KILN_DTYPE_F32));
+    }
+    kiln_scope_end();
+    for (int i = 0; i < L; i++)
+        if (!p->k[i] || !p->v[i]) {
+            kiln_kv_pool_free(p);
+            return kiln_error(KILN_ERR_OOM, "kv_pool_new: out of memory for %d blocks of %lld bytes", num_blocks,
+                              (long long)kiln_kv_pool_block_bytes(m, block_len));
+        }
+    *out = p;
+    return KILN_OK;
+}
+
+void kiln_kv_pool_free(kiln_kv_pool_t *p)
+{
+    if (!p) return;
+    for (int i = 0; i < p->n_layer; i++) {
+        kiln_tensor_free(p->k[i]);
+        kiln_tensor_free(p->v[i]);
+    }
+    free(p->k);
+    free(p->v);
+    free(p);
+}
+
+int kiln_kv_pool_num_blocks(const kiln_kv_pool_t *p) { return p ? p->num_blocks : 0; }
+int kiln_kv_pool_block_len(const kiln_kv_pool_t *p) { return p ? p->block_len : 0; }
+
+kiln_status kiln_kv_pool_copy_block(kiln_kv_pool_t *p, int dst, int src)
+{
+    if (!p || dst < 0 || src < 0 || dst >= p->num_blocks || src >= p->num_blocks)
+        return kiln_error(KILN_ERR_ARG, "kv_pool_copy_block: blocks %d <- %d outside [0, %d)", dst, src,
+                          p ? p->num_blocks : 0);
+    if (dst == src) return KILN_OK;
+    kiln_status s = KILN_OK;
+    kiln_scope_begin();
+    for (int i = 0; i < p->n_layer && s == KILN_OK; i++) {
+        s = kiln_tensor_copy_(kiln_narrow(p->k[i], 0, (int64_t)dst * p->block_len, p->block_len),
+                              kiln_narrow(p->k[i], 0, (int64_t)src * p->block_len, p->block_len));
+        if (s == KILN_OK)
+            s = kiln_tensor_copy_(kiln_narrow(p->v[i], 0, (int64_t)dst * p->block_len, p->block_len),
+                                  kiln_narrow(p->v[i], 0, (int64_t)src * p->block_len, p->block_len));
+    }
+    kiln_scope_end();
+    return s;
+}
+
+/* Every index of a paged batch, checked before the model touches it. */
+static kiln_status check_paged(const kiln_gpt_t *m, const kiln_kv_pool_t *p, const kiln_paged_batch *b)
+{
+#define NEED(cond, ...) \
+    if (!(cond)) return kiln_error(KILN_ERR_ARG, "gpt_forward_paged: " __VA_ARGS__)
+    NEED(b->n_tokens >= 1 && b->tokens && b->seq && b->pos, "needs n_tokens >= 1 (got %d) with tokens, seq, pos",
+         b->n_tokens);
+    NEED(b->n_seqs >= 1 && b->max_blocks >= 1 && b->block_table, "needs n_seqs, max_blocks >= 1 and a block_table");
+    NEED(b->n_logits >= 0 && (b->n_logits == 0 || b->logit_rows), "n_logits = %d needs logit_rows", b->n_logits);
+    for (int i = 0; i < b->n_tokens; i++) {
+        NEED(b->tokens[i] >= 0 && b->tokens[i] < m->cfg.vocab_size, "token %d at row %d is outside the vocabulary of %d",
+             b->tokens[i], i, m->cfg.vocab_size);
+        NEED(b->seq[i] >= 0 && b->seq[i] < b->n_seqs, "row %d names sequence %d of %d", i, b->seq[i], b->n_seqs);
+        NEED(b->pos[i] >= 0 && b->pos[i] < m->cfg.block_size && b->pos[i] < b->max_blocks * p->block_len,
+             "row %d position %d is outside the context (%d) or the block table (%d blocks of %d)", i, b->pos[i],
+             m->cfg.block_size, b->max_blocks, p->block_len);
+        int blk = b->block_table[b->seq[i] * b->max_blocks + b->pos[i] / p->block_len];
+        NEED(blk >= 0 && blk < p->num_blocks, "row %d maps to block %d of %d", i, blk, p->num_blocks);
+    }
+    for (int i = 0; i < b->n_logits; i++)
+        NEED(b->logit_rows[i] >= 0 && b->logit_rows[i] < b->n_tokens, "logit row %d is outside [0, %d)",
+             b->logit_rows[i], b->n_tokens);
+#undef NEED
+    return KILN_OK;
+}
+
+/* A linear layer whose rows do not depend on each other (kiln_matmul_rows). */
+static kiln_tensor_t *linear_rows(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *b)
+{
+    kiln_tensor_t *y = kiln_matmul_rows(x, w);
+    return b ? kiln_add(y, b) : y;
+}
+
+static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_paged_batch *b, int32_t *slots,
+                                int32_t *seq_pos)
+{
+    const kiln_gpt_config *c = &m->cfg;
+    int64_t N = b->n_tokens, C = c->n_embd, H = c->n_head, Hk = c->n_kv_head, hs = C / H, bl = p->block_len;
+    for (int64_t i = 0; i < N; i++) {
+        slots[i] = b->block_table[b->seq[i] * b->max_blocks + b->pos[i] / bl] * (int32_t)bl + b->pos[i] % (int32_t)bl;
+        seq_pos[2 * i] = b->seq[i];
+        seq_pos[2 * i + 1] = b->pos[i];
+    }
+    int64_t n2[2] = {N, 2}, bts[2] = {b->n_seqs, b->max_blocks}, nl = b->n_logits;
+    kiln_tensor_t *idx = kiln_from_data(b->tokens, &N, 1, KILN_DTYPE_I32);
+    kiln_tensor_t *pos = kiln_from_data(b->pos, &N, 1, KILN_DTYPE_I32);
+    kiln_tensor_t *slot = kiln_from_data(slots, &N, 1, KILN_DTYPE_I32);
+    kiln_tensor_t *sp = kiln_from_data(seq_pos, n2, 2, KILN_DTYPE_I32);
+    kiln_tensor_t *bt = kiln_from_data(b->block_table, bts, 2, KILN_DTYPE_I32);
+    kiln_tensor_t *rows = kiln_from_data(b->logit_rows, &nl, 1, KILN_DTYPE_I32);
+    kiln_tensor_t *x = kiln_embedding(m->tok_emb, idx);
+    if (c->pos == KILN_POS_LEARNED) x = kiln_add(x, kiln_index_select(m->pos_emb, 0, pos));
+    int64_t qs[3] = {N, H, hs}, ks[3] = {N, Hk, hs}, nc[2] = {N, C};
+    for (int i = 0; i < c->n_layer; i++) {
+        layer *L = &m->layers[i];
+        kiln_tensor_t *qkv = linear_rows(norm(m, x, L->n1w, L->n1b), L->qkv_w, L->qkv_b);
+        kiln_tensor_t *part[3];
+        int64_t sizes[3] = {H * hs, Hk * hs, Hk * hs};
+        if (!qkv || kiln_split(qkv, sizes, 3, -1, part) != KILN_OK) return NULL;
+        kiln_tensor_t *q = kiln_reshape(part[0], qs, 3), *k = kiln_reshape(part[1], ks, 3);
+        kiln_tensor_t *v = kiln_reshape(part[2], ks, 3);
+        if (c->pos == KILN_POS_ROPE) {
+            q = kiln_rope_at(q, pos, c->rope_theta);
+            k = kiln_rope_at(k, pos, c->rope_theta);
+        }
+        if (kiln_index_copy_(p->k[i], slot, k) != KILN_OK || kiln_index_copy_(p->v[i], slot, v) != KILN_OK) return NULL;
+        kiln_tensor_t *y = kiln_paged_attention(q, p->k[i], p->v[i], bt, sp, bl, 0.0);
+        x = kiln_add(x, linear_rows(kiln_reshape(y, nc, 2), L->proj_w, L->proj_b));
+        kiln_tensor_t *h = norm(m, x, L->n2w, L->n2b), *mo;
+        if (c->mlp == KILN_MLP_GELU)
+            mo = linear_rows(kiln_gelu(linear_rows(h, L->fc_w, L->fc_b), true), L->out_w, L->out_b);
+        else
+            mo = linear_rows(kiln_mul(kiln_silu(linear_rows(h, L->fc_w, L->fc_b)), linear_rows(h, L->up_w, L->up_b)),
+                             L->out_w, L->out_b);
+        x = kiln_add(x, mo);
+    }
+    /* Only the rows whose logits are wanted go through the last norm and the head. */
+    x = norm(m, kiln_index_select(x, 0, rows), m->nfw, m->nfb);
+    return linear_rows(x, c->tied ? m->tok_emb : m->lm_head, NULL);
+}
+
+kiln_tensor_t *kiln_gpt_forward_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_paged_batch *b)
+{
+    if (!m || !p || !b) return kiln_error(KILN_ERR_ARG, "gpt_forward_paged: model, pool or batch is NULL"), NULL;
+    if (p->n_layer != m->cfg.n_layer)
+        return kiln_error(KILN_ERR_ARG, "gpt_forward_paged: the pool has %d layers, the model %d", p->n_layer,
+                          m->cfg.n_layer), NULL;
+    if (check_paged(m, p, b) != KILN_OK) return NULL;
+    if (b->n_logits == 0) return kiln_error(KILN_ERR_ARG, "gpt_forward_paged: no logit rows asked for"), NULL;
+    int32_t *slots = malloc(sizeof(int32_t) * (size_t)b->n_tokens * 3);
+    if (!slots) return kiln_error(KILN_ERR_OOM, "gpt_forward_paged: out of memory"), NULL;
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_tensor_t *logits = run_paged(m, p, b, slots, slots + b->n_tokens);
+    kiln_set_grad_enabled(prev);
+    free(slots);
+    return logits;
+}

@@ -382,6 +382,34 @@ kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t 
     return kiln__call(KILN_OP_ATTENTION, in, 3, &at);
 }
 
+kiln_tensor_t *kiln_matmul_rows(kiln_tensor_t *a, kiln_tensor_t *w)
+{
+    if (!a || !w) return null_arg("matmul_rows");
+    kiln_tensor_t *in[2] = {a, w};
+    return kiln__call(KILN_OP_MATMUL_ROWS, in, 2, &(kiln__attrs){0});
+}
+
+kiln_tensor_t *kiln_rope_at(kiln_tensor_t *x, kiln_tensor_t *pos, double theta)
+{
+    if (!x || !pos) return null_arg("rope_at");
+    kiln__attrs at = {0};
+    at.f[0] = theta;
+    kiln_tensor_t *in[2] = {x, pos};
+    return kiln__call(KILN_OP_ROPE_AT, in, 2, &at);
+}
+
+kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, kiln_tensor_t *v_pages,
+                                    kiln_tensor_t *block_table, kiln_tensor_t *seq_pos, int64_t block_len,
+                                    double scale)
+{
+    if (!q || !k_pages || !v_pages || !block_table || !seq_pos) return null_arg("paged_attention");
+    kiln__attrs at = {0};
+    at.i[0] = block_len;
+    at.f[0] = scale > 0 ? scale : 1.0 / sqrt((double)(q->ndim == 3 ? q->shape[2] : 1));
+    kiln_tensor_t *in[5] = {q, k_pages, v_pages, block_table, seq_pos};
+    return kiln__call(KILN_OP_PAGED_ATTENTION, in, 5, &at);
+}
+
 /* Views. */
 static bool resolve_shape(const char *op, kiln_tensor_t *a, const int64_t *shape, int ndim, kiln__attrs *at)
 {
@@ -567,6 +595,12 @@ kiln_status kiln_add_(kiln_tensor_t *dst, kiln_tensor_t *src, double alpha)
     at.f[0] = alpha;
     kiln_tensor_t *in[2] = {dst, src};
     return kiln__dispatch(KILN_OP_ADD_, in, 2, &at, NULL);
+}
+
+kiln_status kiln_index_copy_(kiln_tensor_t *dst, kiln_tensor_t *index, kiln_tensor_t *src)
+{
+    kiln_tensor_t *in[3] = {dst, index, src};
+    return kiln__dispatch(KILN_OP_INDEX_COPY_, in, 3, &(kiln__attrs){0}, NULL);
 }
 
 kiln_status kiln_mul_scalar_(kiln_tensor_t *dst, double s)

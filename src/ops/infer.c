@@ -422,6 +422,53 @@ kiln_status kiln__infer_attention(kiln_tensor_t *const *in, int n, const kiln__a
     return KILN_OK;
 }
 
+kiln_status kiln__infer_matmul_rows(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    const kiln_tensor_t *x = in[0], *w = in[1];
+    char b1[96], b2[96];
+    if (x->ndim != 2 || w->ndim != 2 || x->shape[1] != w->shape[1])
+        return kiln__err(KILN_ERR_SHAPE, "matmul_rows: a %s and w %s must be (M,K) and (N,K)", SHP(x, b1), SHP(w, b2));
+    if (x->dtype != KILN_DTYPE_F32 || w->dtype != KILN_DTYPE_F32)
+        return kiln__err(KILN_ERR_DTYPE, "matmul_rows: a %s and w %s must be f32", SHP(x, b1), SHP(w, b2));
+    int64_t shape[2] = {x->shape[0], w->shape[0]};
+    meta_shape(&out[0], KILN_DTYPE_F32, 2, shape);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_rope_at(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    const kiln_tensor_t *x = in[0], *pos = in[1];
+    char b1[96], b2[96];
+    if (x->ndim != 3 || x->shape[2] % 2 || pos->ndim != 1 || pos->shape[0] != x->shape[0])
+        return kiln__err(KILN_ERR_SHAPE, "rope_at: x %s must be (N,H,D) with D even and pos %s must be (N)", SHP(x, b1),
+                         SHP(pos, b2));
+    kiln_status s = need_index("rope_at", pos);
+    return s != KILN_OK ? s : unary_float("rope_at", in, out);
+}
+
+kiln_status kiln__infer_paged_attention(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    const kiln_tensor_t *q = in[0], *k = in[1], *v = in[2], *bt = in[3], *sp = in[4];
+    char b1[96], b2[96], b3[96], b4[96], b5[96];
+    bool ok = q->ndim == 3 && k->ndim == 3 && v->ndim == 3 && bt->ndim == 2 && sp->ndim == 2 && sp->shape[1] == 2 &&
+              sp->shape[0] == q->shape[0] && k->shape[0] == v->shape[0] && k->shape[1] == v->shape[1] &&
+              k->shape[1] > 0 && q->shape[1] % k->shape[1] == 0 && q->shape[2] == k->shape[2] &&
+              k->shape[2] == v->shape[2] && a->i[0] >= 1 && k->shape[0] % a->i[0] == 0;
+    if (!ok)
+        return kiln__err(KILN_ERR_SHAPE, "paged_attention: q %s, k_pages %s, v_pages %s, block_table %s, seq_pos %s must "
+                         "be (N,H,D), (S,Hkv,D), (S,Hkv,D), (n_seqs,max_blocks), (N,2) with H a multiple of Hkv and S a "
+                         "multiple of block_len %lld", SHP(q, b1), SHP(k, b2), SHP(v, b3), SHP(bt, b4), SHP(sp, b5),
+                         (long long)a->i[0]);
+    if (q->dtype != KILN_DTYPE_F32 || k->dtype != KILN_DTYPE_F32 || v->dtype != KILN_DTYPE_F32)
+        return kiln__err(KILN_ERR_DTYPE, "paged_attention: q %s, k_pages %s, v_pages %s must all be f32", SHP(q, b1),
+                         SHP(k, b2), SHP(v, b3));
+    if (bt->dtype != KILN_DTYPE_I32 || sp->dtype != KILN_DTYPE_I32)
+        return kiln__err(KILN_ERR_DTYPE, "paged_attention: block_table %s and seq_pos %s must be i32", SHP(bt, b4),
+                         SHP(sp, b5));
+    meta_like(q, q->dtype, &out[0]);
+    return KILN_OK;
+}
+
 /* Views: strides and offset relative to the input's storage. */
 static void view_of(const kiln_tensor_t *t, kiln__meta *m)
 {
@@ -554,6 +601,19 @@ static kiln_status into(const char *op, kiln_tensor_t *const *in)
 
 kiln_status kiln__infer_add_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return into("add_", in); }
 kiln_status kiln__infer_copy_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return into("copy_", in); }
+kiln_status kiln__infer_index_copy_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    const kiln_tensor_t *dst = in[0], *idx = in[1], *src = in[2];
+    char b1[96], b2[96], b3[96];
+    bool ok = dst->ndim >= 1 && idx->ndim == 1 && src->ndim == dst->ndim && src->shape[0] == idx->shape[0];
+    for (int d = 1; ok && d < dst->ndim; d++) ok = src->shape[d] == dst->shape[d];
+    if (!ok)
+        return kiln__err(KILN_ERR_SHAPE, "index_copy_: dst %s, index %s, src %s: src must be (n, ...) with dst's row shape "
+                         "and index (n)", SHP(dst, b1), SHP(idx, b2), SHP(src, b3));
+    if (src->dtype != dst->dtype)
+        return kiln__err(KILN_ERR_DTYPE, "index_copy_: src %s and dst %s differ in dtype", SHP(src, b3), SHP(dst, b1));
+    return need_index("index_copy_", idx);
+}
 kiln_status kiln__infer_scale_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return KILN_OK; }
 kiln_status kiln__infer_fill_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return KILN_OK; }
 

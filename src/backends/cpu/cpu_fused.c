@@ -201,40 +201,72 @@ kiln_status kiln__cpu_cross_entropy_backward(K_ARGS)
     return s;
 }
 
+/* Fills cs (T, D/2, 2) with the cos and sin of position pos(t): frequencies in f32 as
+ * LLaMA's reference computes them, angles in double. */
+static void rope_angles(double *cs, int64_t T, int64_t D, double theta, int64_t pos0, const kiln_tensor_t *pos)
+{
+    int64_t h = D / 2;
+    size_t isz = pos ? kiln_dtype_size(pos->dtype) : 0;
+    for (int64_t i = 0; i < h; i++) {
+        float inv = 1.0f / powf((float)theta, (float)(2 * i) / (float)D);
+        for (int64_t t = 0; t < T; t++) {
+            int64_t p = pos ? kiln__load_index((const char *)kiln__data(pos) + t * (int64_t)isz, pos->dtype) : pos0 + t;
+            float ang = (float)p * inv;
+            cs[(t * h + i) * 2] = cos((double)ang);
+            cs[(t * h + i) * 2 + 1] = sin((double)ang);
+        }
+    }
+}
+
+/* Rotates the rows of x (contiguous) into out with the angles cs; per rows share one. */
+static kiln_status rope_apply(const char *op, const kiln_tensor_t *x, kiln_tensor_t *out, const double *cs, int64_t T,
+                              int64_t per, double sign)
+{
+    int64_t D = x->shape[x->ndim - 1], rows = kiln__numel(x->ndim - 1, x->shape);
+    if (x->dtype == KILN_DTYPE_F32) {
+        rope_ctx_f32 k = {kiln__data(x), kiln__data(out), cs, T, D, sign, per};
+        kiln__parallel_for(rows, CPU_GRAIN / D + 1, rope_range_f32, &k);
+    } else if (x->dtype == KILN_DTYPE_F64) {
+        rope_ctx_f64 k = {kiln__data(x), kiln__data(out), cs, T, D, sign, per};
+        kiln__parallel_for(rows, CPU_GRAIN / D + 1, rope_range_f64, &k);
+    } else {
+        return unsupported(op, x->dtype);
+    }
+    return KILN_OK;
+}
+
 kiln_status kiln__cpu_rope(K_ARGS)
 {
     kiln_tensor_t *c[1], *tmp[1];
     if (!contig_all(in, 1, c, tmp)) return kiln_last_status();
     const kiln_tensor_t *x = c[0];
-    int64_t D = x->shape[x->ndim - 1], T = x->shape[x->ndim - 2], h = D / 2;
-    double *cs = malloc(sizeof(double) * (size_t)(T * h * 2 + 1));
-    if (!cs) {
-        free_all(tmp, 1);
-        return kiln__err(KILN_ERR_OOM, "rope: out of memory");
-    }
-    /* Frequencies in f32 as LLaMA's reference computes them, angles in double. */
-    for (int64_t i = 0; i < h; i++) {
-        float inv = 1.0f / powf((float)a->f[0], (float)(2 * i) / (float)D);
-        for (int64_t t = 0; t < T; t++) {
-            float ang = (float)(a->i[0] + t) * inv;
-            cs[(t * h + i) * 2] = cos((double)ang);
-            cs[(t * h + i) * 2 + 1] = sin((double)ang);
-        }
-    }
-    int64_t rows = kiln__numel(x->ndim - 1, x->shape);
-    double sign = a->i[1] ? -1.0 : 1.0;
-    kiln_status s = KILN_OK;
-    if (x->dtype == KILN_DTYPE_F32) {
-        rope_ctx_f32 k = {kiln__data(x), kiln__data(out[0]), cs, T, D, sign};
-        kiln__parallel_for(rows, CPU_GRAIN / D + 1, rope_range_f32, &k);
-    } else if (x->dtype == KILN_DTYPE_F64) {
-        rope_ctx_f64 k = {kiln__data(x), kiln__data(out[0]), cs, T, D, sign};
-        kiln__parallel_for(rows, CPU_GRAIN / D + 1, rope_range_f64, &k);
-    } else {
-        s = unsupported("rope", x->dtype);
+    int64_t D = x->shape[x->ndim - 1], T = x->shape[x->ndim - 2];
+    double *cs = malloc(sizeof(double) * (size_t)(T * D + 1));
+    kiln_status s = cs ? KILN_OK : kiln__err(KILN_ERR_OOM, "rope: out of memory");
+    if (s == KILN_OK) {
+        rope_angles(cs, T, D, a->f[0], a->i[0], NULL);
+        s = rope_apply("rope", x, out[0], cs, T, 1, a->i[1] ? -1.0 : 1.0);
     }
     free(cs);
     free_all(tmp, 1);
+    return s;
+}
+
+/* x (N,H,D), pos (N): row n at position pos[n]. */
+kiln_status kiln__cpu_rope_at(K_ARGS)
+{
+    kiln_tensor_t *c[2], *tmp[2];
+    if (!contig_all(in, 2, c, tmp)) return kiln_last_status();
+    const kiln_tensor_t *x = c[0];
+    int64_t N = x->shape[0], H = x->shape[1], D = x->shape[2];
+    double *cs = malloc(sizeof(double) * (size_t)(N * D + 1));
+    kiln_status s = cs ? KILN_OK : kiln__err(KILN_ERR_OOM, "rope_at: out of memory");
+    if (s == KILN_OK) {
+        rope_angles(cs, N, D, a->f[0], 0, c[1]);
+        s = rope_apply("rope_at", x, out[0], cs, N, H, 1.0);
+    }
+    free(cs);
+    free_all(tmp, 2);
     return s;
 }
 

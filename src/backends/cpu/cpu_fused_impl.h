@@ -194,13 +194,14 @@ KILN_SIMD static void FN(ce_bwd_range)(void *c, int64_t b, int64_t e)
     }
 }
 
-/* ---- rotary embedding: x (rows, D) with position (pos0 + row % T) ---- */
+/* ---- rotary embedding: x (rows, D); row r uses angle row (r / per) % T of cs ---- */
 typedef struct {
     const R *x;
     R *y;
     const double *cs; /* (T, D/2, 2): cos, sin */
     int64_t T, D;
     double sign;
+    int64_t per; /* consecutive rows that share a position: 1 for rope, H for rope_at */
 } FN(rope_ctx);
 
 KILN_SIMD static void FN(rope_range)(void *c, int64_t b, int64_t e)
@@ -210,7 +211,7 @@ KILN_SIMD static void FN(rope_range)(void *c, int64_t b, int64_t e)
     for (int64_t r = b; r < e; r++) {
         const R *x = k->x + r * k->D;
         R *y = k->y + r * k->D;
-        const double *cs = k->cs + (r % k->T) * h * 2;
+        const double *cs = k->cs + ((r / k->per) % k->T) * h * 2;
         for (int64_t i = 0; i < h; i++) {
             double co = cs[2 * i], si = k->sign * cs[2 * i + 1], x1 = x[i], x2 = x[i + h];
             y[i] = (R)(x1 * co - x2 * si);

@@ -187,3 +187,26 @@ kiln_status kiln__cpu_cat(K_ARGS)
     }
     return KILN_OK;
 }
+
+/* dst[index[i]] = src[i] along dim 0; dst is written in place, so it must be dense. */
+kiln_status kiln__cpu_index_copy_(K_ARGS)
+{
+    kiln_tensor_t *dst = in[0];
+    if (!kiln__is_contiguous(dst))
+        return kiln__err(KILN_ERR_UNSUPPORTED, "index_copy_: the destination must be contiguous on the cpu backend");
+    kiln_tensor_t *ti, *ts, *ci = cpu_contig(in[1], &ti), *cs = cpu_contig(in[2], &ts);
+    kiln_status s = ci && cs ? check_indices("index_copy_", ci, dst->shape[0]) : kiln_last_status();
+    if (s == KILN_OK) {
+        size_t row = (size_t)kiln__numel(dst->ndim - 1, dst->shape + 1) * kiln_dtype_size(dst->dtype);
+        size_t isz = kiln_dtype_size(ci->dtype);
+        const char *ip = kiln__data(ci), *sp = kiln__data(cs);
+        char *dp = kiln__data(dst);
+        for (int64_t i = 0; i < ci->shape[0]; i++) {
+            int64_t v = kiln__load_index(ip + i * (int64_t)isz, ci->dtype);
+            memmove(dp + v * (int64_t)row, sp + i * (int64_t)row, row);
+        }
+    }
+    kiln_tensor_free(ti);
+    kiln_tensor_free(ts);
+    return s;
+}

@@ -1,0 +1,154 @@
+/* Attention over a paged KV cache, for the serving engine: each query row attends to
+ * the positions 0..p of its own sequence, whose keys and values sit in fixed-size
+ * blocks named by a block table. Every (row, head) is computed alone and in one fixed
+ * order, so a row's result does not depend on which other rows share the call. */
+#include <math.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include "backends/cpu/cpu.h"
+
+#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
+
+typedef struct {
+    const float *q, *k, *v;
+    const int32_t *bt, *sp;
+    float *out;
+    int64_t H, Hkv, D, bl, max_blocks, max_pos;
+    float scale;
+    atomic_int oom;
+} paged_ctx;
+
+KILN_SIMD static void paged_range(void *c, int64_t b, int64_t e)
+{
+    paged_ctx *k = c;
+    float *w = malloc(sizeof(float) * (size_t)k->max_pos);
+    if (!w) {
+        atomic_store(&k->oom, 1);
+        return;
+    }
+    int64_t D = k->D, group = k->H / k->Hkv;
+    for (int64_t t = b; t < e; t++) {
+        int64_t n = t / k->H, h = t % k->H, kvh = h / group;
+        int64_t seq = k->sp[n * 2], p = k->sp[n * 2 + 1];
+        const int32_t *row = k->bt + seq * k->max_blocks;
+        const float *q = k->q + t * D;
+        float m = -INFINITY;
+        for (int64_t j = 0; j <= p; j++) {
+            int64_t slot = (int64_t)row[j / k->bl] * k->bl + j % k->bl;
+            const float *kr = k->k + (slot * k->Hkv + kvh) * D;
+            float s = 0;
+            for (int64_t d = 0; d < D; d++) s += q[d] * kr[d];
+            w[j] = s * k->scale;
+            if (w[j] > m) m = w[j];
+        }
+        float sum = 0;
+        for (int64_t j = 0; j <= p; j++) {
+            w[j] = expf(w[j] - m);
+            sum += w[j];
+        }
+        float *o = k->out + t * D, inv = 1.0f / sum;
+        for (int64_t d = 0; d < D; d++) o[d] = 0;
+        for (int64_t j = 0; j <= p; j++) {
+            int64_t slot = (int64_t)row[j / k->bl] * k->bl + j % k->bl;
+            const float *vr = k->v + (slot * k->Hkv + kvh) * D;
+            float wj = w[j] * inv;
+            for (int64_t d = 0; d < D; d++) o[d] += wj * vr[d];
+        }
+    }
+    free(w);
+}
+
+/* Every sequence index, position and block id is checked before any is used. */
+static kiln_status check_pages(const int32_t *bt, const int32_t *sp, int64_t N, int64_t n_seqs, int64_t max_blocks,
+                               int64_t bl, int64_t n_blocks)
+{
+    for (int64_t n = 0; n < N; n++) {
+        int64_t seq = sp[n * 2], p = sp[n * 2 + 1];
+        if (seq < 0 || seq >= n_seqs || p < 0 || p >= max_blocks * bl)
+            return kiln__err(KILN_ERR_INDEX, "paged_attention: row %lld names sequence %lld position %lld; the block "
+                             "table holds %lld sequences of %lld positions", (long long)n, (long long)seq, (long long)p,
+                             (long long)n_seqs, (long long)(max_blocks * bl));
+        for (int64_t j = 0; j <= p / bl; j++) {
+            int32_t blk = bt[seq * max_blocks + j];
+            if (blk < 0 || blk >= n_blocks)
+                return kiln__err(KILN_ERR_INDEX, "paged_attention: block table row %lld entry %lld is %d, outside [0, %lld)",
+                                 (long long)seq, (long long)j, blk, (long long)n_blocks);
+        }
+    }
+    return KILN_OK;
+}
+
+kiln_status kiln__cpu_paged_attention(K_ARGS)
+{
+    kiln_tensor_t *c[5], *tmp[5] = {0};
+    kiln_status s = KILN_OK;
+    for (int i = 0; i < 5 && s == KILN_OK; i++)
+        if (!(c[i] = cpu_contig(in[i], &tmp[i]))) s = kiln_last_status();
+    int64_t N = s == KILN_OK ? c[0]->shape[0] : 0, bl = a->i[0];
+    if (s == KILN_OK)
+        s = check_pages(kiln__data(c[3]), kiln__data(c[4]), N, c[3]->shape[0], c[3]->shape[1], bl, c[1]->shape[0] / bl);
+    if (s == KILN_OK && N > 0) {
+        paged_ctx k = {kiln__data(c[0]), kiln__data(c[1]), kiln__data(c[2]), kiln__data(c[3]), kiln__data(c[4]),
+                       kiln__data(out[0]), c[0]->shape[1], c[1]->shape[1], c[0]->shape[2], bl, c[3]->shape[1],
+                       c[3]->shape[1] * bl, (float)a->f[0], 0};
+        int64_t tasks = N * k.H;
+        kiln__parallel_for(tasks, 1 + CPU_GRAIN / (k.D * 64), paged_range, &k);
+        if (atomic_load(&k.oom)) s = kiln__err(KILN_ERR_OOM, "paged_attention: out of memory for a score buffer");
+    }
+    for (int i = 0; i < 5; i++) kiln_tensor_free(tmp[i]);
+    return s;
+}
+
+/* ---- matmul_rows: out (M,N) = a (M,K) w (N,K)^T, one fixed summation order ----
+ * Each element is summed in 8 lanes over K (lane l takes k = l mod 8), the lanes added
+ * in one fixed tree, then the tail; four rows of w share each pass over a row of a.
+ * The blocks of w are split across threads, never the sum, so neither M, nor an
+ * element's place in the output, nor the thread count changes a result. Written by
+ * hand because the BLAS gives no such promise (see kiln_matmul_rows in ops.h). */
+typedef struct {
+    const float *a, *w;
+    float *out;
+    int64_t M, N, K;
+} rows_ctx;
+
+static inline float lanes_sum(const float *l)
+{
+    return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
+}
+
+KILN_SIMD static void rows_range(void *c, int64_t b, int64_t e)
+{
+    const rows_ctx *k = c;
+    int64_t K = k->K, K8 = K / 8 * 8;
+    for (int64_t blk = b; blk < e; blk++) {
+        int64_t n0 = blk * 4;
+        const float *w[4];
+        for (int j = 0; j < 4; j++) w[j] = k->w + (n0 + j < k->N ? n0 + j : k->N - 1) * K;
+        for (int64_t m = 0; m < k->M; m++) {
+            const float *x = k->a + m * K;
+            float acc[4][8] = {{0}};
+            for (int64_t i = 0; i < K8; i += 8)
+                for (int j = 0; j < 4; j++)
+                    for (int l = 0; l < 8; l++) acc[j][l] += x[i + l] * w[j][i + l];
+            for (int j = 0; j < 4 && n0 + j < k->N; j++) {
+                float s = lanes_sum(acc[j]);
+                for (int64_t i = K8; i < K; i++) s += x[i] * w[j][i];
+                k->out[m * k->N + n0 + j] = s;
+            }
+        }
+    }
+}
+
+kiln_status kiln__cpu_matmul_rows(K_ARGS)
+{
+    kiln_tensor_t *ta, *tw, *ca = cpu_contig(in[0], &ta), *cw = cpu_contig(in[1], &tw);
+    kiln_status s = ca && cw ? KILN_OK : kiln_last_status();
+    if (s == KILN_OK) {
+        rows_ctx k = {kiln__data(ca), kiln__data(cw), kiln__data(out[0]), ca->shape[0], cw->shape[0], ca->shape[1]};
+        int64_t blocks = (k.N + 3) / 4, work = k.M * k.K * 4;
+        kiln__parallel_for(blocks, 1 + CPU_GRAIN * 4 / (work ? work : 1), rows_range, &k);
+    }
+    kiln_tensor_free(ta);
+    kiln_tensor_free(tw);
+    return s;
+}

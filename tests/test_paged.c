@@ -1,0 +1,333 @@
+/* The serving ops and the paged forward: rope_at, index_copy_, paged_attention and
+ * kiln_gpt_forward_paged, each against an oracle that kiln already checks against
+ * PyTorch (kiln_rope, kiln_attention, kiln_gpt_forward), plus batch invariance. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kiln/kiln.h"
+#include "test_util.h"
+
+static float *to_host(kiln_tensor_t *t)
+{
+    size_t n = (size_t)kiln_tensor_numel(t);
+    float *p = malloc(sizeof *p * n);
+    assert_non_null(p);
+    assert_int_equal(kiln_tensor_to_host(t, p, sizeof *p * n), KILN_OK);
+    return p;
+}
+
+static kiln_tensor_t *randn(const int64_t *shape, int ndim, uint64_t seed)
+{
+    kiln_manual_seed(seed);
+    return kiln_randn(shape, ndim, KILN_DTYPE_F32);
+}
+
+static void assert_close(const float *a, const float *b, int64_t n, double tol, const char *what)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (!(fabs((double)a[i] - b[i]) <= tol * (1 + fabs((double)b[i]))))
+            fail_msg("%s: element %lld is %.9g, the oracle says %.9g (tolerance %g)", what, (long long)i, a[i], b[i], tol);
+}
+
+/* Oracle: kiln_rope on (1,H,T,D) at positions 0..T-1; rope_at gets the rows shuffled. */
+static void rope_at_matches_rope(void **state)
+{
+    int64_t H = 2, T = 7, D = 8, s4[4] = {1, H, T, D};
+    kiln_tensor_t *x = randn(s4, 4, 1);
+    float *want = to_host(kiln_rope(x, 0, 10000.0));
+    float *xh = to_host(x);
+    /* Row n of the (N,H,D) input is position perm[n]. */
+    int32_t perm[7] = {3, 0, 6, 1, 5, 2, 4};
+    float *xr = malloc(sizeof(float) * (size_t)(T * H * D));
+    for (int n = 0; n < T; n++)
+        for (int h = 0; h < H; h++) memcpy(xr + (n * H + h) * D, xh + (h * T + perm[n]) * D, sizeof(float) * (size_t)D);
+    int64_t s3[3] = {T, H, D};
+    kiln_tensor_t *pos = kiln_from_data(perm, &T, 1, KILN_DTYPE_I32);
+    float *got = to_host(kiln_rope_at(kiln_from_data(xr, s3, 3, KILN_DTYPE_F32), pos, 10000.0));
+    for (int n = 0; n < T; n++)
+        for (int h = 0; h < H; h++)
+            assert_close(got + (n * H + h) * D, want + (h * T + perm[n]) * D, D, 0, "rope_at (bitwise)");
+    free(want);
+    free(xh);
+    free(xr);
+    free(got);
+}
+
+/* Oracle: kiln_matmul (the BLAS) within 1e-5; and row m alone equals row m of the whole. */
+static void matmul_rows_matches_matmul_and_is_row_invariant(void **state)
+{
+    int64_t M = 13, N = 19, K = 37, as[2] = {M, K}, ws[2] = {N, K};
+    kiln_tensor_t *a = randn(as, 2, 8), *w = randn(ws, 2, 9);
+    float *want = to_host(kiln_matmul(a, kiln_transpose(w, 0, 1)));
+    float *got = to_host(kiln_matmul_rows(a, w));
+    assert_close(got, want, M * N, 1e-5, "matmul_rows vs matmul");
+    for (int64_t m = 0; m < M; m += 4) {
+        float *one = to_host(kiln_matmul_rows(kiln_narrow(a, 0, m, 1), w));
+        assert_memory_equal(one, got + m * N, sizeof(float) * (size_t)N);
+        free(one);
+    }
+    assert_null(kiln_matmul_rows(a, kiln_narrow(w, 1, 0, K - 1)));
+    assert_int_equal(kiln_last_status(), KILN_ERR_SHAPE);
+    kiln_clear_error();
+    free(want);
+    free(got);
+}
+
+static void index_copy_writes_the_named_rows(void **state)
+{
+    int64_t ds[2] = {5, 2}, ss[2] = {2, 2}, n = 2;
+    float src[4] = {1, 2, 3, 4};
+    int32_t idx[2] = {4, 1};
+    kiln_tensor_t *dst = kiln_zeros(ds, 2, KILN_DTYPE_F32);
+    assert_int_equal(kiln_index_copy_(dst, kiln_from_data(idx, &n, 1, KILN_DTYPE_I32),
+                                      kiln_from_data(src, ss, 2, KILN_DTYPE_F32)), KILN_OK);
+    float *d = to_host(dst);
+    const float want[10] = {0, 0, 3, 4, 0, 0, 0, 0, 1, 2};
+    assert_memory_equal(d, want, sizeof want);
+    free(d);
+    int32_t bad[2] = {4, 5};
+    assert_int_equal(kiln_index_copy_(dst, kiln_from_data(bad, &n, 1, KILN_DTYPE_I32),
+                                      kiln_from_data(src, ss, 2, KILN_DTYPE_F32)), KILN_ERR_INDEX);
+    assert_non_null(strstr(kiln_last_error(), "index_copy_"));
+    kiln_clear_error();
+}
+
+/* Oracle: causal kiln_attention over (1,H,T,D) queries and (1,Hkv,T,D) keys/values.
+ * The pages hold the same keys in scattered blocks, with other sequences' garbage. */
+static void paged_attention_matches_attention(void **state)
+{
+    int64_t H = 4, Hkv = 2, T = 11, D = 8, bl = 4, nblk = 8;
+    int64_t qs[4] = {1, H, T, D}, ks[4] = {1, Hkv, T, D}, ps[3] = {nblk * bl, Hkv, D};
+    kiln_tensor_t *q = randn(qs, 4, 2), *k = randn(ks, 4, 3), *v = randn(ks, 4, 4);
+    float *want = to_host(kiln_attention(q, k, v, true, 0.0));
+    float *qh = to_host(q), *kh = to_host(k), *vh = to_host(v);
+    float *kp = to_host(randn(ps, 3, 5)), *vp = to_host(randn(ps, 3, 6));
+    int32_t table[2][4] = {{6, 1, 4, 0}, {2, 3, 5, 7}}; /* sequence 1 is the one queried */
+    for (int64_t t = 0; t < T; t++) {
+        int64_t slot = table[1][t / bl] * bl + t % bl;
+        for (int64_t h = 0; h < Hkv; h++) {
+            memcpy(kp + (slot * Hkv + h) * D, kh + (h * T + t) * D, sizeof(float) * (size_t)D);
+            memcpy(vp + (slot * Hkv + h) * D, vh + (h * T + t) * D, sizeof(float) * (size_t)D);
+        }
+    }
+    float *qr = malloc(sizeof(float) * (size_t)(T * H * D));
+    int32_t sp[11][2];
+    for (int64_t t = 0; t < T; t++) {
+        sp[t][0] = 1;
+        sp[t][1] = (int32_t)t;
+        for (int64_t h = 0; h < H; h++) memcpy(qr + (t * H + h) * D, qh + (h * T + t) * D, sizeof(float) * (size_t)D);
+    }
+    int64_t q3[3] = {T, H, D}, bts[2] = {2, 4}, sps[2] = {T, 2};
+    kiln_tensor_t *bt = kiln_from_data(table, bts, 2, KILN_DTYPE_I32);
+    kiln_tensor_t *spt = kiln_from_data(sp, sps, 2, KILN_DTYPE_I32);
+    kiln_tensor_t *out = kiln_paged_attention(kiln_from_data(qr, q3, 3, KILN_DTYPE_F32),
+                                              kiln_from_data(kp, ps, 3, KILN_DTYPE_F32),
+                                              kiln_from_data(vp, ps, 3, KILN_DTYPE_F32), bt, spt, bl, 0.0);
+    assert_non_null(out);
+    float *got = to_host(out);
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < H; h++)
+            assert_close(got + (t * H + h) * D, want + (h * T + t) * D, D, 1e-5, "paged_attention vs attention");
+    /* A block id outside the pool is an error that names it, not a read out of bounds. */
+    table[1][2] = 99;
+    kiln_tensor_t *bad = kiln_paged_attention(kiln_from_data(qr, q3, 3, KILN_DTYPE_F32),
+                                              kiln_from_data(kp, ps, 3, KILN_DTYPE_F32),
+                                              kiln_from_data(vp, ps, 3, KILN_DTYPE_F32),
+                                              kiln_from_data(table, bts, 2, KILN_DTYPE_I32), spt, bl, 0.0);
+    assert_null(bad);
+    assert_int_equal(kiln_last_status(), KILN_ERR_INDEX);
+    assert_non_null(strstr(kiln_last_error(), "99"));
+    kiln_clear_error();
+    free(want); free(qh); free(kh); free(vh); free(kp); free(vp); free(qr); free(got);
+}
+
+static kiln_gpt_config tiny(bool llama)
+{
+    kiln_gpt_config c = llama ? kiln_gpt_config_llama() : kiln_gpt_config_gpt2();
+    c.n_layer = 2;
+    c.n_head = 4;
+    c.n_kv_head = llama ? 2 : 4;
+    c.n_embd = 32;
+    c.block_size = 24;
+    c.vocab_size = 50;
+    return c;
+}
+
+/* Oracle: the training forward over the whole sequence. The paged forward gets the
+ * prompt in two chunks (prefill 0..8, then 9..T-1 one token per step), in blocks that
+ * are not in order, alongside another sequence. */
+static void paged_forward_matches_full_forward(bool llama)
+{
+    kiln_gpt_config c = tiny(llama);
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 7, &m), KILN_OK);
+    enum { T = 14, BL = 4 };
+    int32_t toks[T], other[T];
+    for (int i = 0; i < T; i++) {
+        toks[i] = (i * 7 + 3) % c.vocab_size;
+        other[i] = (i * 11 + 5) % c.vocab_size;
+    }
+    int64_t ts[2] = {1, T};
+    float *want = to_host(kiln_gpt_forward(m, kiln_from_data(toks, ts, 2, KILN_DTYPE_I32), NULL, false, NULL));
+    kiln_kv_pool_t *p;
+    assert_int_equal(kiln_kv_pool_new(m, 12, BL, &p), KILN_OK);
+    int32_t table[2 * 6] = {9, 2, 7, 0, 11, 4, 1, 3, 5, 6, 8, 10};
+    float *got = malloc(sizeof(float) * (size_t)(T * c.vocab_size));
+    int t = 0;
+    while (t < T) {
+        int n = t == 0 ? 9 : 1, rows = 0;
+        int32_t tk[2 * T], sq[2 * T], ps[2 * T], lr[2 * T];
+        for (int i = 0; i < n; i++, rows++) {
+            tk[rows] = toks[t + i];
+            sq[rows] = 0;
+            ps[rows] = t + i;
+            lr[i] = rows;
+        }
+        for (int i = 0; i < n; i++, rows++) { /* the other sequence, interleaved */
+            tk[rows] = other[t + i];
+            sq[rows] = 1;
+            ps[rows] = t + i;
+        }
+        kiln_paged_batch b = {rows, tk, sq, ps, 2, 6, table, n, lr};
+        kiln_tensor_t *lg = kiln_gpt_forward_paged(m, p, &b);
+        assert_non_null(lg);
+        assert_int_equal(kiln_tensor_dim(lg, 0), n);
+        float *h = to_host(lg);
+        memcpy(got + (size_t)t * c.vocab_size, h, sizeof(float) * (size_t)(n * c.vocab_size));
+        free(h);
+        t += n;
+    }
+    assert_close(got, want, (int64_t)T * c.vocab_size, 2e-5, llama ? "paged forward (llama)" : "paged forward (gpt2)");
+    free(got);
+    free(want);
+    kiln_kv_pool_free(p);
+    kiln_gpt_free(m);
+}
+
+static void paged_forward_matches_full_forward_gpt2(void **state) { paged_forward_matches_full_forward(false); }
+static void paged_forward_matches_full_forward_llama(void **state) { paged_forward_matches_full_forward(true); }
+
+/* One decode step of sequence 0 alone, then the same step batched with 1..5 others at
+ * other positions: its logits must be bitwise the same. */
+static void paged_forward_is_batch_invariant(void **state)
+{
+    kiln_gpt_config c = tiny(true);
+    /* Wide enough that the BLAS's one-row (GEMV) path would round differently. */
+    c.n_embd = 256;
+    c.n_head = 4;
+    c.vocab_size = 300;
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 3, &m), KILN_OK);
+    kiln_kv_pool_t *p;
+    enum { S = 6, BL = 4, MB = 6 };
+    assert_int_equal(kiln_kv_pool_new(m, S * MB, BL, &p), KILN_OK);
+    int32_t table[S * MB];
+    for (int i = 0; i < S * MB; i++) table[i] = (i * 5) % (S * MB);
+    /* Prefill 10 positions of every sequence. */
+    int32_t tk[S * 10], sq[S * 10], ps[S * 10], lr[1] = {0};
+    for (int s = 0; s < S; s++)
+        for (int i = 0; i < 10; i++) {
+            tk[s * 10 + i] = (s * 13 + i * 3) % c.vocab_size;
+            sq[s * 10 + i] = s;
+            ps[s * 10 + i] = i;
+        }
+    kiln_paged_batch pre = {S * 10, tk, sq, ps, S, MB, table, 1, lr};
+    assert_non_null(kiln_gpt_forward_paged(m, p, &pre));
+    float *alone = NULL;
+    for (int n = 1; n <= S; n++) {
+        int32_t dt[S], ds[S], dp[S], one[1] = {0};
+        for (int s = 0; s < n; s++) {
+            dt[s] = (s + 1) % c.vocab_size;
+            ds[s] = s;
+            dp[s] = 10;
+        }
+        kiln_scope_begin();
+        kiln_paged_batch b = {n, dt, ds, dp, S, MB, table, 1, one};
+        float *h = to_host(kiln_gpt_forward_paged(m, p, &b));
+        kiln_scope_end();
+        if (!alone) alone = h;
+        else {
+            assert_memory_equal(h, alone, sizeof(float) * (size_t)c.vocab_size);
+            free(h);
+        }
+    }
+    free(alone);
+    kiln_kv_pool_free(p);
+    kiln_gpt_free(m);
+}
+
+static void paged_forward_rejects_bad_batches(void **state)
+{
+    kiln_gpt_config c = tiny(false);
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 1, &m), KILN_OK);
+    kiln_kv_pool_t *p;
+    assert_int_equal(kiln_kv_pool_new(m, 4, 4, &p), KILN_OK);
+    int32_t table[2] = {0, 1}, tk[1] = {3}, sq[1] = {0}, ps[1] = {2}, lr[1] = {0};
+    kiln_paged_batch b = {1, tk, sq, ps, 1, 2, table, 1, lr};
+    assert_non_null(kiln_gpt_forward_paged(m, p, &b));
+    tk[0] = 50;
+    assert_null(kiln_gpt_forward_paged(m, p, &b));
+    assert_non_null(strstr(kiln_last_error(), "vocabulary"));
+    tk[0] = 3;
+    ps[0] = 8; /* past the 2 blocks of the table */
+    assert_null(kiln_gpt_forward_paged(m, p, &b));
+    assert_non_null(strstr(kiln_last_error(), "position 8"));
+    ps[0] = 2;
+    table[0] = 4;
+    assert_null(kiln_gpt_forward_paged(m, p, &b));
+    assert_non_null(strstr(kiln_last_error(), "block 4"));
+    kiln_clear_error();
+    assert_int_equal(kiln_kv_pool_new(m, 0, 4, &(kiln_kv_pool_t *){0}), KILN_ERR_ARG);
+    kiln_clear_error();
+    kiln_kv_pool_free(p);
+    kiln_gpt_free(m);
+}
+
+/* copy_block duplicates every layer's block: the forward over the copy attends the same. */
+static void copy_block_copies_keys_and_values(void **state)
+{
+    kiln_gpt_config c = tiny(true);
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 5, &m), KILN_OK);
+    kiln_kv_pool_t *p;
+    assert_int_equal(kiln_kv_pool_new(m, 4, 4, &p), KILN_OK);
+    int32_t tk[5] = {1, 2, 3, 4, 5}, sq[5] = {0, 0, 0, 0, 0}, ps[5] = {0, 1, 2, 3, 4}, lr[1] = {4};
+    int32_t t0[2] = {0, 1}, t1[2] = {2, 3};
+    kiln_paged_batch b = {5, tk, sq, ps, 1, 2, t0, 1, lr};
+    float *a = to_host(kiln_gpt_forward_paged(m, p, &b));
+    assert_int_equal(kiln_kv_pool_copy_block(p, 2, 0), KILN_OK);
+    assert_int_equal(kiln_kv_pool_copy_block(p, 3, 1), KILN_OK);
+    /* Recompute only the last position over the copied blocks. */
+    int32_t lr0[1] = {0};
+    kiln_paged_batch d = {1, tk + 4, sq, ps + 4, 1, 2, t1, 1, lr0};
+    float *bb = to_host(kiln_gpt_forward_paged(m, p, &d));
+    assert_memory_equal(a, bb, sizeof(float) * (size_t)c.vocab_size);
+    assert_int_equal(kiln_kv_pool_copy_block(p, 4, 0), KILN_ERR_ARG);
+    kiln_clear_error();
+    free(a);
+    free(bb);
+    kiln_kv_pool_free(p);
+    kiln_gpt_free(m);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(rope_at_matches_rope, setup, teardown),
+        cmocka_unit_test_setup_teardown(matmul_rows_matches_matmul_and_is_row_invariant, setup, teardown),
+        cmocka_unit_test_setup_teardown(index_copy_writes_the_named_rows, setup, teardown),
+        cmocka_unit_test_setup_teardown(paged_attention_matches_attention, setup, teardown),
+        cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_gpt2, setup, teardown),
+        cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_llama, setup, teardown),
+        cmocka_unit_test_setup_teardown(paged_forward_is_batch_invariant, setup, teardown),
+        cmocka_unit_test_setup_teardown(paged_forward_rejects_bad_batches, setup, teardown),
+        cmocka_unit_test_setup_teardown(copy_block_copies_keys_and_values, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
