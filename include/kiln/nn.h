@@ -102,7 +102,7 @@ typedef struct {
     int n_seqs, max_blocks;
     const int32_t *block_table; /* [n_seqs * max_blocks]: position p of row s is in block
                                    block_table[s * max_blocks + p / block_len] */
-    int n_logits;               /* rows whose logits are wanted ... */
+    int n_logits;               /* rows whose logits are wanted (0: a prefill-only step) ... */
     const int32_t *logit_rows;  /* [n_logits] ... as indices into tokens */
 } kiln_paged_batch;
 

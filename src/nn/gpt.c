@@ -620,7 +620,7 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
     kiln_tensor_t *slot = kiln_from_data(slots, &N, 1, KILN_DTYPE_I32);
     kiln_tensor_t *sp = kiln_from_data(seq_pos, n2, 2, KILN_DTYPE_I32);
     kiln_tensor_t *bt = kiln_from_data(b->block_table, bts, 2, KILN_DTYPE_I32);
-    kiln_tensor_t *rows = kiln_from_data(b->logit_rows, &nl, 1, KILN_DTYPE_I32);
+    kiln_tensor_t *rows = nl ? kiln_from_data(b->logit_rows, &nl, 1, KILN_DTYPE_I32) : NULL;
     kiln_tensor_t *x = kiln_embedding(m->tok_emb, idx);
     if (c->pos == KILN_POS_LEARNED) x = kiln_add(x, kiln_index_select(m->pos_emb, 0, pos));
     int64_t qs[3] = {N, H, hs}, ks[3] = {N, Hk, hs}, nc[2] = {N, C};
@@ -647,7 +647,12 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
                              L->out_w, L->out_b);
         x = kiln_add(x, mo);
     }
-    /* Only the rows whose logits are wanted go through the last norm and the head. */
+    /* Only the rows whose logits are wanted go through the last norm and the head (a
+     * step that only prefills wants none). */
+    if (!nl) {
+        int64_t none[2] = {0, c->vocab_size};
+        return x ? kiln_empty(none, 2, KILN_DTYPE_F32) : NULL;
+    }
     x = norm(m, kiln_index_select(x, 0, rows), m->nfw, m->nfb);
     return linear_rows(x, c->tied ? m->tok_emb : m->lm_head, NULL);
 }
@@ -659,7 +664,6 @@ kiln_tensor_t *kiln_gpt_forward_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const ki
         return kiln_error(KILN_ERR_ARG, "gpt_forward_paged: the pool has %d layers, the model %d", p->n_layer,
                           m->cfg.n_layer), NULL;
     if (check_paged(m, p, b) != KILN_OK) return NULL;
-    if (b->n_logits == 0) return kiln_error(KILN_ERR_ARG, "gpt_forward_paged: no logit rows asked for"), NULL;
     int32_t *slots = malloc(sizeof(int32_t) * (size_t)b->n_tokens * 3);
     if (!slots) return kiln_error(KILN_ERR_OOM, "gpt_forward_paged: out of memory"), NULL;
     bool prev = kiln_set_grad_enabled(false);
