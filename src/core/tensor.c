@@ -98,6 +98,11 @@ void kiln_scope_end(void)
     scope *s = &scopes[--n_scopes];
     for (size_t i = s->n; i-- > 0;) kiln_tensor_free(s->items[i]);
     free(s->items);
+    if (n_scopes == 0) { /* the outermost scope: a thread that ends now leaves nothing behind */
+        free(scopes);
+        scopes = NULL;
+        cap_scopes = 0;
+    }
 }
 
 kiln_tensor_t *kiln__scoped(kiln_tensor_t *t)

@@ -116,6 +116,9 @@ static inline float lanes_sum(const float *l)
     return ((l[0] + l[4]) + (l[2] + l[6])) + ((l[1] + l[5]) + (l[3] + l[7]));
 }
 
+/* Rows of a go in pairs, for eight independent sums in flight; an odd last row takes
+ * the same path with its partner pointing at itself, so every element is summed by the
+ * same instructions wherever it sits. */
 KILN_SIMD static void rows_range(void *c, int64_t b, int64_t e)
 {
     const rows_ctx *k = c;
@@ -124,17 +127,19 @@ KILN_SIMD static void rows_range(void *c, int64_t b, int64_t e)
         int64_t n0 = blk * 4;
         const float *w[4];
         for (int j = 0; j < 4; j++) w[j] = k->w + (n0 + j < k->N ? n0 + j : k->N - 1) * K;
-        for (int64_t m = 0; m < k->M; m++) {
-            const float *x = k->a + m * K;
-            float acc[4][8] = {{0}};
+        for (int64_t m = 0; m < k->M; m += 2) {
+            const float *x[2] = {k->a + m * K, k->a + (m + 1 < k->M ? m + 1 : m) * K};
+            float acc[2][4][8] = {{{0}}};
             for (int64_t i = 0; i < K8; i += 8)
-                for (int j = 0; j < 4; j++)
-                    for (int l = 0; l < 8; l++) acc[j][l] += x[i + l] * w[j][i + l];
-            for (int j = 0; j < 4 && n0 + j < k->N; j++) {
-                float s = lanes_sum(acc[j]);
-                for (int64_t i = K8; i < K; i++) s += x[i] * w[j][i];
-                k->out[m * k->N + n0 + j] = s;
-            }
+                for (int r = 0; r < 2; r++)
+                    for (int j = 0; j < 4; j++)
+                        for (int l = 0; l < 8; l++) acc[r][j][l] += x[r][i + l] * w[j][i + l];
+            for (int r = 0; r < 2 && m + r < k->M; r++)
+                for (int j = 0; j < 4 && n0 + j < k->N; j++) {
+                    float s = lanes_sum(acc[r][j]);
+                    for (int64_t i = K8; i < K; i++) s += x[r][i] * w[j][i];
+                    k->out[(m + r) * k->N + n0 + j] = s;
+                }
         }
     }
 }
