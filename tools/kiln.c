@@ -13,6 +13,7 @@ static const struct {
 } commands[] = {
     {"train", cmd_train, "pretrain a GPT on a text corpus (checkpoints, metrics, chart, --resume)"},
     {"sample", cmd_sample, "generate text from a checkpoint"},
+    {"serve", cmd_serve, "serve a checkpoint over an OpenAI-compatible HTTP API"},
     {"tokenizer", cmd_tokenizer, "train | encode | decode with a BPE tokenizer"},
     {"info", cmd_info, "describe a checkpoint"},
     {"plot", cmd_plot, "redraw a run's loss chart from its metrics"},

@@ -78,6 +78,11 @@ kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, s
  * may themselves hold NULs. An id outside [0, vocab size) is KILN_ERR_INDEX. */
 kiln_status kiln_tokenizer_decode(const kiln_tokenizer_t *t, const int32_t *ids, size_t n, char **out);
 
+/* The bytes of token id (borrowed from t, not NUL-terminated) and their count in *len;
+ * NULL (and *len 0) for an id outside [0, vocab size). What streaming decoders need:
+ * a token's bytes may be part of a UTF-8 character or a NUL. */
+const char *kiln_tokenizer_token_bytes(const kiln_tokenizer_t *t, int32_t id, size_t *len);
+
 /* The id of the special token "<|endoftext|>", or -1 when the tokenizer has none. */
 int32_t kiln_tokenizer_eot(const kiln_tokenizer_t *t);
 

@@ -211,6 +211,14 @@ kiln_status kiln_tokenizer_decode(const kiln_tokenizer_t *t, const int32_t *ids,
     return KILN_OK;
 }
 
+const char *kiln_tokenizer_token_bytes(const kiln_tokenizer_t *t, int32_t id, size_t *len)
+{
+    if (len) *len = 0;
+    if (!t || id < 0 || id >= t->n_vocab) return NULL;
+    if (len) *len = t->tok_off[id + 1] - t->tok_off[id];
+    return (const char *)t->tok_bytes + t->tok_off[id];
+}
+
 /* ---- GPT-2's byte <-> unicode mapping ------------------------------------------------- */
 
 /* Byte-level BPE files spell each byte as one printable code point: the printable

@@ -1,0 +1,99 @@
+/* kiln serve: an OpenAI-compatible HTTP server for a trained checkpoint. */
+#include <pthread.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "cli.h"
+#include "kiln/serve.h"
+
+static volatile sig_atomic_t stop_requested;
+static void on_signal(int sig) { stop_requested = sig; }
+
+int cmd_serve(int argc, char **argv)
+{
+    kiln_server_opts o = kiln_server_opts_default();
+    const char *model = "runs/default", *host = o.host, *api_key = NULL, *name = NULL, *cors = o.cors_origin;
+    int64_t port = o.port, max_batch = o.engine.max_batch, max_queue = o.engine.max_queue, threads = 0,
+            http_threads = o.http_threads, max_body = (int64_t)o.max_body, kv_mb = o.engine.kv_memory_mb,
+            block_len = o.engine.block_len, step_tokens = o.engine.max_step_tokens, max_tokens = o.max_tokens_default;
+    double timeout = o.request_timeout;
+    bool no_prefix_cache = false;
+    const cli_opt opts[] = {
+        {"model", OPT_STRING, &model, "run folder or model.safetensors"},
+        {"host", OPT_STRING, &host, "address to listen on (127.0.0.1; 0.0.0.0 for every interface)"},
+        {"port", OPT_INT, &port, "TCP port; 0 = any free port (printed when listening)"},
+        {"api-key", OPT_STRING, &api_key, "require 'Authorization: Bearer KEY' on /v1 ($KILN_API_KEY)"},
+        {"name", OPT_STRING, &name, "model id in /v1/models and responses (default: the run folder's name)"},
+        {"max-batch", OPT_INT, &max_batch, "sequences decoded together in one step"},
+        {"max-queue", OPT_INT, &max_queue, "waiting requests before new ones get 429"},
+        {"max-step-tokens", OPT_INT, &step_tokens, "prompt tokens prefilled per step, all requests together"},
+        {"kv-memory", OPT_INT, &kv_mb, "KV cache size in MiB"},
+        {"block-len", OPT_INT, &block_len, "positions per KV cache block"},
+        {"no-prefix-cache", OPT_FLAG, &no_prefix_cache, "do not share the KV blocks of common prompt prefixes"},
+        {"max-body", OPT_INT, &max_body, "request body limit in bytes"},
+        {"timeout", OPT_DOUBLE, &timeout, "seconds a request may take in all"},
+        {"max-tokens", OPT_INT, &max_tokens, "max_tokens of a request that names none"},
+        {"cors-origin", OPT_STRING, &cors, "Access-Control-Allow-Origin for browsers"},
+        {"http-threads", OPT_INT, &http_threads, "HTTP worker threads"},
+        {"threads", OPT_INT, &threads, "compute threads; 0 = all cores ($KILN_NUM_THREADS)"},
+        {NULL, 0, NULL, NULL},
+    };
+    const char *pos[1];
+    int np = 0;
+    int r = cli_parse("serve", "[RUN_DIR|MODEL] [options]", opts, argc, argv, pos, 1, &np);
+    if (r) return r == 1 ? 0 : 2;
+    if (np == 1) model = pos[0];
+    if (port < 0 || port > 65535) return cli_fail("serve", "--port must be in 0..65535");
+    if (max_batch < 1 || max_batch > 4096 || max_queue < 0 || max_queue > 1 << 20 || http_threads < 1 ||
+        http_threads > 1024 || max_body < 1 || max_body > ((int64_t)1 << 32) || kv_mb < 1 || kv_mb > (1 << 24) ||
+        block_len < 1 || block_len > 1024 || step_tokens < 2 || step_tokens > 1 << 20 || max_tokens < 1 ||
+        max_tokens > 1 << 24 || !(timeout > 0))
+        return cli_fail("serve", "an option is out of range (see kiln serve --help)");
+    if (!api_key) api_key = getenv("KILN_API_KEY");
+    o.host = host;
+    o.port = (int)port;
+    o.api_key = api_key && *api_key ? api_key : NULL;
+    o.model_name = name;
+    o.cors_origin = cors;
+    o.http_threads = (int)http_threads;
+    o.max_body = (size_t)max_body;
+    o.request_timeout = timeout;
+    o.max_tokens_default = (int)max_tokens;
+    o.engine.max_batch = (int)max_batch;
+    o.engine.max_queue = (int)max_queue;
+    o.engine.max_step_tokens = (int)(step_tokens > max_batch ? step_tokens : max_batch + 1);
+    o.engine.kv_memory_mb = kv_mb;
+    o.engine.block_len = (int)block_len;
+    o.engine.prefix_cache = !no_prefix_cache;
+
+    /* SIGINT and SIGTERM are blocked in every thread, and let through only inside the
+     * main thread's sigsuspend below, so a signal that arrives early is not lost. */
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_signal;
+    sigaction(SIGINT, &sa, NULL);
+    sigaction(SIGTERM, &sa, NULL);
+    signal(SIGPIPE, SIG_IGN); /* a client that goes away must not end the server */
+    sigset_t block, old;
+    sigemptyset(&block);
+    sigaddset(&block, SIGINT);
+    sigaddset(&block, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &block, &old); /* before any thread starts: they inherit it */
+    if (kiln_init((int)threads) != KILN_OK) return cli_fail("serve", NULL);
+
+    kiln_server_t *srv;
+    if (kiln_server_start(&o, &srv) != KILN_OK) return cli_fail("serve", NULL);
+    fprintf(stderr, "kiln serve: listening on http://%s:%d\n", host, kiln_server_port(srv));
+    if (kiln_server_load(srv, model) != KILN_OK) {
+        int rc = cli_fail("serve", NULL);
+        kiln_server_free(srv);
+        return rc;
+    }
+    fprintf(stderr, "kiln serve: model %s ready\n", model);
+    while (!stop_requested) sigsuspend(&old);
+    fprintf(stderr, "kiln serve: stopping (signal %d)\n", (int)stop_requested);
+    kiln_server_free(srv);
+    return 0;
+}
