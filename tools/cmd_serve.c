@@ -19,6 +19,7 @@ int cmd_serve(int argc, char **argv)
             http_threads = o.http_threads, max_body = (int64_t)o.max_body, kv_mb = o.engine.kv_memory_mb,
             block_len = o.engine.block_len, step_tokens = o.engine.max_step_tokens, max_tokens = o.max_tokens_default;
     double timeout = o.request_timeout;
+    int64_t idle = o.idle_timeout;
     bool no_prefix_cache = false;
     const cli_opt opts[] = {
         {"model", OPT_STRING, &model, "run folder or model.safetensors"},
@@ -34,6 +35,7 @@ int cmd_serve(int argc, char **argv)
         {"no-prefix-cache", OPT_FLAG, &no_prefix_cache, "do not share the KV blocks of common prompt prefixes"},
         {"max-body", OPT_INT, &max_body, "request body limit in bytes"},
         {"timeout", OPT_DOUBLE, &timeout, "seconds a request may take in all"},
+        {"idle-timeout", OPT_INT, &idle, "seconds a connection may stay silent before it is dropped"},
         {"max-tokens", OPT_INT, &max_tokens, "max_tokens of a request that names none"},
         {"cors-origin", OPT_STRING, &cors, "Access-Control-Allow-Origin for browsers"},
         {"http-threads", OPT_INT, &http_threads, "HTTP worker threads"},
@@ -49,7 +51,7 @@ int cmd_serve(int argc, char **argv)
     if (max_batch < 1 || max_batch > 4096 || max_queue < 0 || max_queue > 1 << 20 || http_threads < 1 ||
         http_threads > 1024 || max_body < 1 || max_body > ((int64_t)1 << 32) || kv_mb < 1 || kv_mb > (1 << 24) ||
         block_len < 1 || block_len > 1024 || step_tokens < 2 || step_tokens > 1 << 20 || max_tokens < 1 ||
-        max_tokens > 1 << 24 || !(timeout > 0))
+        max_tokens > 1 << 24 || !(timeout > 0) || idle < 1 || idle > 86400)
         return cli_fail("serve", "an option is out of range (see kiln serve --help)");
     if (!api_key) api_key = getenv("KILN_API_KEY");
     o.host = host;
@@ -60,6 +62,7 @@ int cmd_serve(int argc, char **argv)
     o.http_threads = (int)http_threads;
     o.max_body = (size_t)max_body;
     o.request_timeout = timeout;
+    o.idle_timeout = (int)idle;
     o.max_tokens_default = (int)max_tokens;
     o.engine.max_batch = (int)max_batch;
     o.engine.max_queue = (int)max_queue;

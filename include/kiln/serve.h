@@ -145,6 +145,7 @@ typedef struct {
     int http_threads;        /* libmicrohttpd's pool (default 4) */
     size_t max_body;         /* request body limit in bytes (default 1 MiB) */
     double request_timeout;  /* seconds a request may take in all (default 300) */
+    int idle_timeout;        /* seconds a connection may send nothing before it is dropped (default 30) */
     int max_tokens_default;  /* when a request names none (default 16, as OpenAI's completions) */
     kiln_engine_opts engine;
 } kiln_server_opts;

@@ -138,6 +138,7 @@ kiln_server_opts kiln_server_opts_default(void)
         .http_threads = 4,
         .max_body = 1 << 20,
         .request_timeout = 300,
+        .idle_timeout = 30,
         .max_tokens_default = 16,
         .engine = kiln_engine_opts_default(),
     };
@@ -1093,6 +1094,7 @@ kiln_status kiln_server_start(const kiln_server_opts *o, kiln_server_t **out)
     if (o->max_body < 16) return kiln_error(KILN_ERR_ARG, "server: max_body %zu is under 16 bytes", o->max_body);
     if (!(o->request_timeout > 0)) return kiln_error(KILN_ERR_ARG, "server: request_timeout must be positive");
     if (o->max_tokens_default < 1) return kiln_error(KILN_ERR_ARG, "server: max_tokens_default must be >= 1");
+    if (o->idle_timeout < 1) return kiln_error(KILN_ERR_ARG, "server: idle_timeout must be >= 1 second");
     struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)o->port)};
     const char *host = o->host ? o->host : "127.0.0.1";
     if (inet_pton(AF_INET, !strcmp(host, "localhost") ? "127.0.0.1" : host, &addr.sin_addr) != 1)
@@ -1118,7 +1120,7 @@ kiln_status kiln_server_start(const kiln_server_opts *o, kiln_server_t **out)
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
     s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, on_request, s, MHD_OPTION_SOCK_ADDR, &addr,
                             MHD_OPTION_THREAD_POOL_SIZE, (unsigned)o->http_threads, MHD_OPTION_CONNECTION_TIMEOUT,
-                            (unsigned)30, MHD_OPTION_CONNECTION_LIMIT, (unsigned)1024, MHD_OPTION_NOTIFY_COMPLETED,
+                            (unsigned)o->idle_timeout, MHD_OPTION_CONNECTION_LIMIT, (unsigned)1024, MHD_OPTION_NOTIFY_COMPLETED,
                             on_completed, s, MHD_OPTION_END);
     if (!s->d) {
         kiln_server_free(s);
