@@ -4,7 +4,7 @@ BLAS ?= OPENBLAS
 CMAKE_FLAGS ?=
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps build test demo asan clean
+.PHONY: all deps test-deps build test demo asan fuzz clean
 
 all: build
 
@@ -15,7 +15,11 @@ build: deps
 	@cmake -S . -B $(BUILD) -DCMAKE_BUILD_TYPE=Release -DKILN_BLAS=$(BLAS) $(CMAKE_FLAGS) >/dev/null
 	@cmake --build $(BUILD) -j $(JOBS)
 
-test: build
+# The server's end-to-end tests also want curl, Chromium and the openai package.
+test-deps:
+	@sh scripts/install-test-deps.sh build
+
+test: build test-deps
 	@ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
 
 # Trains a small GPT on the King James Bible for a few minutes, then samples from it.
@@ -23,10 +27,14 @@ demo: build
 	@sh scripts/demo.sh $(BUILD)
 
 # The tests again, built with AddressSanitizer and UndefinedBehaviorSanitizer.
-asan: deps
+asan: deps test-deps
 	@cmake -S . -B build-asan -DCMAKE_BUILD_TYPE=Debug -DKILN_SANITIZE=ON -DKILN_BLAS=$(BLAS) >/dev/null
 	@cmake --build build-asan -j $(JOBS)
 	@ctest --test-dir build-asan --output-on-failure -j $(JOBS)
+
+# A bounded libFuzzer run over the server's request parser (FUZZ_SECONDS, default 120).
+fuzz:
+	@sh scripts/fuzz.sh
 
 clean:
 	rm -rf $(BUILD) build-asan

@@ -2,7 +2,11 @@
 # driven by Python (standard library, then the openai package) and headless Chromium.
 # Exit code 77 is a skip (a missing optional tool), never a pass.
 # scripts/install-test-deps.sh installs what they need, and a venv with openai.
-find_program(KILN_PYTHON3 python3)
+# Debian's python3 first: the Debian packages (python3-websocket) install for it.
+find_program(KILN_PYTHON3 python3 PATHS /usr/bin NO_DEFAULT_PATH)
+if(NOT KILN_PYTHON3)
+  find_program(KILN_PYTHON3 python3)
+endif()
 if(KILN_PYTHON3)
   set(KILN_SERVE_TEST_ARGS --kiln $<TARGET_FILE:kiln_tool> --workdir ${CMAKE_BINARY_DIR}/serve-tests)
   set(KILN_VENV_PYTHON ${CMAKE_SOURCE_DIR}/build/venv/bin/python)

@@ -1,0 +1,29 @@
+#!/bin/sh
+# Installs what the server's end-to-end tests use beyond the build: curl, Chromium and
+# python3-websocket from Debian (only what is missing), and a venv at BUILD/venv with
+# the openai package from PyPI. Run as root on Debian 12.
+#   sh scripts/install-test-deps.sh [BUILD_DIR]
+set -eu
+build=${1:-build}
+PKGS="python3 python3-venv curl chromium python3-websocket"
+missing=""
+for p in $PKGS; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"
+done
+if [ -n "$missing" ]; then
+  if [ "$(id -u)" != 0 ]; then
+    echo "kiln: missing Debian packages:$missing (run: sudo apt-get install$missing)" >&2
+    exit 1
+  fi
+  echo "kiln: installing$missing"
+  export DEBIAN_FRONTEND=noninteractive
+  apt-get update -qq
+  apt-get install -y -qq --no-install-recommends $missing >/dev/null
+fi
+if [ ! -x "$build/venv/bin/python" ] || ! "$build/venv/bin/python" -c "import openai" 2>/dev/null; then
+  mkdir -p "$build"
+  py=/usr/bin/python3
+  [ -x "$py" ] || py=python3
+  "$py" -m venv --system-site-packages "$build/venv"
+  "$build/venv/bin/pip" install -q --disable-pip-version-check openai
+fi
