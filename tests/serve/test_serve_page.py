@@ -56,10 +56,16 @@ class Page:
 def test_page_streams_a_completion(port, page):
     page.call("Page.enable")
     page.call("Page.navigate", url=f"http://127.0.0.1:{port}/")
-    deadline = time.time() + 30
-    while time.time() < deadline and page.js("document.readyState + '|' + document.getElementById('model').textContent") \
-            != "complete|serve-model":
+    # Until the navigation commits, the tab may still hold about:blank (no #model) or
+    # an execution context that is torn down under the evaluation: both mean "not yet".
+    deadline, state = time.time() + 30, None
+    while time.time() < deadline and state != "complete|serve-model":
+        try:
+            state = page.js("document.readyState + '|' + (document.getElementById('model') || {}).textContent")
+        except RuntimeError:
+            state = None
         time.sleep(0.05)
+    assert state == "complete|serve-model", f"the page did not load and name the model: {state}"
     page.js("document.getElementById('prompt').value = 'And God said'; "
             "document.getElementById('max_tokens').value = '60'; document.getElementById('temperature').value = '0.8';"
             "document.getElementById('seed').value = '3'; true")
