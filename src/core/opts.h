@@ -7,7 +7,8 @@
 
 #define KILN__OPTS(X)                                                                            \
     X(FAST_EXP, 1, "polynomial expf/tanhf (vectorized) in f32 GELU, SiLU, sigmoid, tanh and attention")                \
-    X(POOL_GEMM, 1, "single-threaded BLAS, GEMMs split into row/column blocks over kiln's thread pool")
+    X(POOL_GEMM, 1, "single-threaded BLAS, GEMMs split into row/column blocks over kiln's thread pool")         \
+    X(POOL_SPIN, 1, "pool threads poll for 200 us before sleeping, so back-to-back jobs skip the wake-up")
 
 typedef enum {
 #define KILN__OPT_ENUM(name, dflt, help) KILN__OPT_##name,

@@ -1,6 +1,8 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
+#include <time.h>
+#include "core/opts.h"
 #include "core/threadpool.h"
 
 static pthread_t *workers;
@@ -14,11 +16,58 @@ static struct {
     void *ctx;
     int64_t n, chunk;
     atomic_llong next;
-    int active;        /* workers still running this job */
-    unsigned long gen; /* bumps per job */
+    atomic_int active;   /* workers still running this job */
+    atomic_ulong gen;    /* bumps per job; published after the fields above */
 } job;
 
 static _Thread_local int in_pool_task;
+
+/* With KILN_OPT_POOL_SPIN a thread that waits (a worker for the next job, the caller
+ * for the workers) first polls for this long before it sleeps on a condition variable.
+ * Waking a sleeping thread costs tens of microseconds on a virtual machine, which is
+ * more than a whole decode-sized matmul; a model step issues jobs microseconds apart,
+ * so they find the workers still polling. Past the window, a thread sleeps and an idle
+ * process uses no CPU. */
+#define SPIN_NS 200000
+
+static inline void cpu_pause(void)
+{
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ __volatile__("yield");
+#endif
+}
+
+static int64_t now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* Polls until done(arg) or the spin window ends; true when done. */
+static bool spin_until(bool (*done)(const void *), const void *arg)
+{
+    if (!kiln__opt(KILN__OPT_POOL_SPIN)) return done(arg);
+    int64_t end = 0;
+    for (unsigned i = 0;; i++) {
+        if (done(arg)) return true;
+        cpu_pause();
+        if ((i & 63) == 63) {
+            int64_t t = now_ns();
+            if (!end) end = t + SPIN_NS;
+            else if (t >= end) return false;
+        }
+    }
+}
+
+static bool new_job(const void *seen) { return atomic_load_explicit(&job.gen, memory_order_acquire) != *(const unsigned long *)seen; }
+static bool job_done(const void *unused)
+{
+    (void)unused;
+    return atomic_load_explicit(&job.active, memory_order_acquire) == 0;
+}
 
 static void run_chunks(void)
 {
@@ -35,14 +84,20 @@ static void *worker(void *arg)
     (void)arg;
     in_pool_task = 1;
     unsigned long seen = 0;
-    pthread_mutex_lock(&mu);
     for (;;) {
-        while (job.gen == seen) pthread_cond_wait(&cv_work, &mu);
-        seen = job.gen;
-        pthread_mutex_unlock(&mu);
+        if (!spin_until(new_job, &seen)) {
+            pthread_mutex_lock(&mu);
+            while (!new_job(&seen)) pthread_cond_wait(&cv_work, &mu);
+            pthread_mutex_unlock(&mu);
+        }
+        seen = atomic_load_explicit(&job.gen, memory_order_acquire);
         run_chunks();
-        pthread_mutex_lock(&mu);
-        if (--job.active == 0) pthread_cond_signal(&cv_done);
+        if (atomic_fetch_sub_explicit(&job.active, 1, memory_order_acq_rel) == 1) {
+            /* Under mu, so a caller that saw active > 0 under mu is already waiting. */
+            pthread_mutex_lock(&mu);
+            pthread_cond_signal(&cv_done);
+            pthread_mutex_unlock(&mu);
+        }
     }
     return NULL;
 }
@@ -82,21 +137,25 @@ void kiln__parallel_for(int64_t n, int64_t grain, kiln__range_fn fn, void *ctx)
     pthread_mutex_lock(&submit_mu);
     int64_t chunk = (n + n_threads * 4 - 1) / (n_threads * 4);
     if (chunk < grain) chunk = grain;
-    pthread_mutex_lock(&mu);
     job.fn = fn;
     job.ctx = ctx;
     job.n = n;
     job.chunk = chunk;
     atomic_store(&job.next, 0);
-    job.active = n_threads - 1;
-    job.gen++;
+    atomic_store(&job.active, n_threads - 1);
+    /* The bump publishes the fields; taking mu for it means a worker that checked gen
+     * under mu and went to sleep gets the broadcast. */
+    pthread_mutex_lock(&mu);
+    atomic_fetch_add_explicit(&job.gen, 1, memory_order_release);
     pthread_cond_broadcast(&cv_work);
     pthread_mutex_unlock(&mu);
     in_pool_task = 1;
     run_chunks();
     in_pool_task = 0;
-    pthread_mutex_lock(&mu);
-    while (job.active > 0) pthread_cond_wait(&cv_done, &mu);
-    pthread_mutex_unlock(&mu);
+    if (!spin_until(job_done, NULL)) {
+        pthread_mutex_lock(&mu);
+        while (!job_done(NULL)) pthread_cond_wait(&cv_done, &mu);
+        pthread_mutex_unlock(&mu);
+    }
     pthread_mutex_unlock(&submit_mu);
 }

@@ -137,7 +137,7 @@ typedef struct {
 } rows_ctx;
 
 /* out[r][j] = x[r] . w[j] for two rows of x and four of w. */
-KILN_SIMD static void dot_2x4(const float *const *x, const float *const *w, int64_t K, float out[2][4])
+__attribute__((target_clones("arch=x86-64-v3", "default"))) static void dot_2x4(const float *const *x, const float *const *w, int64_t K, float out[2][4])
 {
     int64_t K8 = K / 8 * 8;
     v8 a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
@@ -168,7 +168,7 @@ KILN_SIMD static void dot_2x4(const float *const *x, const float *const *w, int6
 }
 
 /* The same sums for one row of x: an odd last row, summed exactly as dot_2x4 would. */
-KILN_SIMD static void dot_1x4(const float *x, const float *const *w, int64_t K, float out[4])
+__attribute__((target_clones("arch=x86-64-v3", "default"))) static void dot_1x4(const float *x, const float *const *w, int64_t K, float out[4])
 {
     int64_t K8 = K / 8 * 8;
     v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
