@@ -58,24 +58,30 @@ static void rope_at_matches_rope(void **state)
     free(got);
 }
 
-/* Oracle: kiln_matmul (the BLAS) within 1e-5; and row m alone equals row m of the whole. */
+/* Oracle: kiln_matmul (the BLAS) within 1e-5; and row m alone equals row m of the
+ * whole. The second shape has more rows than one L2 tile (K = 1550: 20-row tiles, the
+ * last one odd) and a K that is not a multiple of the lane count. */
 static void matmul_rows_matches_matmul_and_is_row_invariant(void **state)
 {
-    int64_t M = 13, N = 19, K = 37, as[2] = {M, K}, ws[2] = {N, K};
-    kiln_tensor_t *a = randn(as, 2, 8), *w = randn(ws, 2, 9);
-    float *want = to_host(kiln_matmul(a, kiln_transpose(w, 0, 1)));
-    float *got = to_host(kiln_matmul_rows(a, w));
-    assert_close(got, want, M * N, 1e-5, "matmul_rows vs matmul");
-    for (int64_t m = 0; m < M; m += 4) {
-        float *one = to_host(kiln_matmul_rows(kiln_narrow(a, 0, m, 1), w));
-        assert_memory_equal(one, got + m * N, sizeof(float) * (size_t)N);
-        free(one);
+    const int64_t shapes[2][3] = {{13, 19, 37}, {45, 9, 1550}};
+    for (int c = 0; c < 2; c++) {
+        int64_t M = shapes[c][0], N = shapes[c][1], K = shapes[c][2], as[2] = {M, K}, ws[2] = {N, K};
+        kiln_tensor_t *a = randn(as, 2, 8), *w = randn(ws, 2, 9);
+        float *want = to_host(kiln_matmul(a, kiln_transpose(w, 0, 1)));
+        float *got = to_host(kiln_matmul_rows(a, w));
+        assert_close(got, want, M * N, 1e-5, "matmul_rows vs matmul");
+        for (int64_t m = 0; m < M; m += 4) {
+            float *one = to_host(kiln_matmul_rows(kiln_narrow(a, 0, m, 1), w));
+            assert_memory_equal(one, got + m * N, sizeof(float) * (size_t)N);
+            free(one);
+        }
+        free(want);
+        free(got);
     }
-    assert_null(kiln_matmul_rows(a, kiln_narrow(w, 1, 0, K - 1)));
+    int64_t as[2] = {3, 5}, ws[2] = {2, 4};
+    assert_null(kiln_matmul_rows(randn(as, 2, 1), randn(ws, 2, 2)));
     assert_int_equal(kiln_last_status(), KILN_ERR_SHAPE);
     kiln_clear_error();
-    free(want);
-    free(got);
 }
 
 static void index_copy_writes_the_named_rows(void **state)
@@ -133,6 +139,19 @@ static void paged_attention_matches_attention(void **state)
     for (int64_t t = 0; t < T; t++)
         for (int64_t h = 0; h < H; h++)
             assert_close(got + (t * H + h) * D, want + (h * T + t) * D, D, 1e-5, "paged_attention vs attention");
+    /* One row alone (its heads then split across threads) gives that row's result bit
+     * for bit: the oracle is the batched call above. */
+    for (int64_t t = 0; t < T; t += T - 1) {
+        int64_t q1[3] = {1, H, D}, sp1s[2] = {1, 2};
+        kiln_tensor_t *one = kiln_paged_attention(kiln_from_data(qr + t * H * D, q1, 3, KILN_DTYPE_F32),
+                                                  kiln_from_data(kp, ps, 3, KILN_DTYPE_F32),
+                                                  kiln_from_data(vp, ps, 3, KILN_DTYPE_F32), bt,
+                                                  kiln_from_data(sp[t], sp1s, 2, KILN_DTYPE_I32), bl, 0.0);
+        assert_non_null(one);
+        float *g1 = to_host(one);
+        assert_memory_equal(g1, got + t * H * D, sizeof(float) * (size_t)(H * D));
+        free(g1);
+    }
     /* A block id outside the pool is an error that names it, not a read out of bounds. */
     table[1][2] = 99;
     kiln_tensor_t *bad = kiln_paged_attention(kiln_from_data(qr, q3, 3, KILN_DTYPE_F32),

@@ -3,10 +3,12 @@
  * blocks named by a block table. Every (row, head) is computed alone and in one fixed
  * order, so a row's result does not depend on which other rows share the call. */
 #include <math.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include "backends/cpu/cpu.h"
+#include "core/opts.h"
 
 #define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
 
@@ -25,6 +27,7 @@ typedef struct {
     const int32_t *bt, *sp;
     float *out;
     int64_t H, Hkv, D, bl, max_blocks, max_pos;
+    int64_t hg, per_row; /* heads per task, tasks per row */
     float scale;
     atomic_int oom;
 } paged_ctx;
@@ -45,39 +48,55 @@ static inline float dot(const float *x, const float *y, int64_t n)
     return s;
 }
 
+/* One task is one query row and a group of its heads. Positions are walked block by
+ * block, and within a position all of the group's heads, so the keys and values are
+ * read as the contiguous runs they are in a block (a position's heads sit side by
+ * side) rather than one head's 4*D bytes every Hkv*D floats. For each (row, head) the
+ * sums run in the same order whatever the grouping: scores j = 0..p, then the softmax
+ * over j ascending, then the values accumulated over j ascending. */
 KILN_SIMD static void paged_range(void *c, int64_t b, int64_t e)
 {
     paged_ctx *k = c;
-    float *w = malloc(sizeof(float) * (size_t)k->max_pos);
+    int64_t D = k->D, HD = k->Hkv * D, group = k->H / k->Hkv, bl = k->bl, P = k->max_pos;
+    float *w = malloc(sizeof(float) * (size_t)(k->hg * (P + 1)));
     if (!w) {
         atomic_store(&k->oom, 1);
         return;
     }
-    int64_t D = k->D, group = k->H / k->Hkv;
+    float *inv = w + k->hg * P;
     for (int64_t t = b; t < e; t++) {
-        int64_t n = t / k->H, h = t % k->H, kvh = h / group;
+        int64_t n = t / k->per_row, h0 = t % k->per_row * k->hg, h1 = h0 + k->hg < k->H ? h0 + k->hg : k->H;
         int64_t seq = k->sp[n * 2], p = k->sp[n * 2 + 1];
         const int32_t *row = k->bt + seq * k->max_blocks;
-        const float *q = k->q + t * D;
-        float m = -INFINITY;
-        for (int64_t j = 0; j <= p; j++) {
-            int64_t slot = (int64_t)row[j / k->bl] * k->bl + j % k->bl;
-            const float *kr = k->k + (slot * k->Hkv + kvh) * D;
-            w[j] = dot(q, kr, D) * k->scale;
-            if (w[j] > m) m = w[j];
+        const float *q = k->q + n * k->H * D;
+        for (int64_t j0 = 0; j0 <= p; j0 += bl) {
+            const float *kb = k->k + (int64_t)row[j0 / bl] * bl * HD;
+            int64_t jn = p + 1 - j0 < bl ? p + 1 - j0 : bl;
+            for (int64_t i = 0; i < jn; i++)
+                for (int64_t h = h0; h < h1; h++)
+                    w[(h - h0) * P + j0 + i] = dot(q + h * D, kb + i * HD + h / group * D, D) * k->scale;
         }
-        float sum = 0;
-        for (int64_t j = 0; j <= p; j++) {
-            w[j] = expf(w[j] - m);
-            sum += w[j];
+        for (int64_t h = h0; h < h1; h++) {
+            float *wh = w + (h - h0) * P, m = -INFINITY, sum = 0;
+            for (int64_t j = 0; j <= p; j++)
+                if (wh[j] > m) m = wh[j];
+            for (int64_t j = 0; j <= p; j++) {
+                wh[j] = expf(wh[j] - m);
+                sum += wh[j];
+            }
+            inv[h - h0] = 1.0f / sum;
         }
-        float *o = k->out + t * D, inv = 1.0f / sum;
-        for (int64_t d = 0; d < D; d++) o[d] = 0;
-        for (int64_t j = 0; j <= p; j++) {
-            int64_t slot = (int64_t)row[j / k->bl] * k->bl + j % k->bl;
-            const float *vr = k->v + (slot * k->Hkv + kvh) * D;
-            float wj = w[j] * inv;
-            for (int64_t d = 0; d < D; d++) o[d] += wj * vr[d];
+        float *o = k->out + n * k->H * D;
+        memset(o + h0 * D, 0, sizeof(float) * (size_t)((h1 - h0) * D));
+        for (int64_t j0 = 0; j0 <= p; j0 += bl) {
+            const float *vb = k->v + (int64_t)row[j0 / bl] * bl * HD;
+            int64_t jn = p + 1 - j0 < bl ? p + 1 - j0 : bl;
+            for (int64_t i = 0; i < jn; i++)
+                for (int64_t h = h0; h < h1; h++) {
+                    const float *restrict vr = vb + i * HD + h / group * D;
+                    float wj = w[(h - h0) * P + j0 + i] * inv[h - h0], *restrict oh = o + h * D;
+                    for (int64_t d = 0; d < D; d++) oh[d] += wj * vr[d];
+                }
         }
     }
     free(w);
@@ -115,9 +134,14 @@ kiln_status kiln__cpu_paged_attention(K_ARGS)
     if (s == KILN_OK && N > 0) {
         paged_ctx k = {kiln__data(c[0]), kiln__data(c[1]), kiln__data(c[2]), kiln__data(c[3]), kiln__data(c[4]),
                        kiln__data(out[0]), c[0]->shape[1], c[1]->shape[1], c[0]->shape[2], bl, c[3]->shape[1],
-                       c[3]->shape[1] * bl, (float)a->f[0], 0};
-        int64_t tasks = N * k.H;
-        kiln__parallel_for(tasks, 1 + CPU_GRAIN / (k.D * 64), paged_range, &k);
+                       c[3]->shape[1] * bl, 0, 0, (float)a->f[0], 0};
+        /* Whole rows when there are enough of them to share out; else rows split into
+         * head groups, so that one decoding sequence still uses every thread. */
+        int64_t want = 2 * kiln__pool_size(), split = N >= want ? 1 : (want + N - 1) / N;
+        if (split > k.H) split = k.H;
+        k.hg = (k.H + split - 1) / split;
+        k.per_row = (k.H + k.hg - 1) / k.hg;
+        kiln__parallel_for(N * k.per_row, 1, paged_range, &k);
         if (atomic_load(&k.oom)) s = kiln__err(KILN_ERR_OOM, "paged_attention: out of memory for a score buffer");
     }
     for (int i = 0; i < 5; i++) kiln_tensor_free(tmp[i]);
@@ -125,90 +149,90 @@ kiln_status kiln__cpu_paged_attention(K_ARGS)
 }
 
 /* ---- matmul_rows: out (M,N) = a (M,K) w (N,K)^T, one fixed summation order ----
- * Each element is summed in 8 lanes over K (lane l takes k = l mod 8), the lanes added
- * in one fixed tree, then the tail; four rows of w share each pass over a row of a.
- * The blocks of w are split across threads, never the sum, so neither M, nor an
- * element's place in the output, nor the thread count changes a result. Written by
+ * Each element is summed in L lanes over K (lane l takes k = l mod L; L is 8, or 16
+ * with AVX-512), the lanes added in one fixed tree, then the tail; four rows of w
+ * share each pass over a row of a. The blocks of w are split across threads, never
+ * the sum, and rows are tiled, never split, so neither M, nor an element's place in
+ * the output, nor the thread count changes a result. Written by
  * hand because the BLAS gives no such promise (see kiln_matmul_rows in ops.h). */
 typedef struct {
     const float *a, *w;
     float *out;
     int64_t M, N, K;
+    int64_t tile; /* rows of a per pass over the blocks of w */
 } rows_ctx;
 
-/* out[r][j] = x[r] . w[j] for two rows of x and four of w. */
-__attribute__((target_clones("arch=x86-64-v3", "default"))) static void dot_2x4(const float *const *x, const float *const *w, int64_t K, float out[2][4])
+/* The kernels, written once in cpu_rows_impl.h for a lane count: eight lanes (an
+ * AVX2+FMA clone and a plain one) and, on x86-64, sixteen (AVX-512), chosen once per
+ * process, so every row of every call is summed by the same kernel family. */
+#define RV v8
+#define RSFX 8
+#define RLANES_SUM LANES_SUM
+#define RATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
+#include "backends/cpu/cpu_rows_impl.h"
+#undef RV
+#undef RSFX
+#undef RLANES_SUM
+#undef RATTR
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ROWS_WIDE 1
+typedef float v16 __attribute__((vector_size(64)));
+/* Sixteen lanes folded to eight (lane l plus lane l + 8), then the eight-lane tree. */
+#define LANES16_SUM(l)                                                                                 \
+    (((((l)[0] + (l)[8]) + ((l)[4] + (l)[12])) + (((l)[2] + (l)[10]) + ((l)[6] + (l)[14]))) +          \
+     ((((l)[1] + (l)[9]) + ((l)[5] + (l)[13])) + (((l)[3] + (l)[11]) + ((l)[7] + (l)[15]))))
+#define RV v16
+#define RSFX 16
+#define RLANES_SUM LANES16_SUM
+#define RATTR __attribute__((target("arch=x86-64-v4")))
+#include "backends/cpu/cpu_rows_impl.h"
+#undef RV
+#undef RSFX
+#undef RLANES_SUM
+#undef RATTR
+#else
+#define ROWS_WIDE 0
+#endif
+
+typedef void (*dot_2x4_fn)(const float *const *x, const float *const *w, int64_t K, float out[2][4]);
+typedef void (*dot_1x4_fn)(const float *x, const float *const *w, int64_t K, float out[4]);
+static dot_2x4_fn dot_2x4 = dot_2x4_8;
+static dot_1x4_fn dot_1x4 = dot_1x4_8;
+static pthread_once_t rows_once = PTHREAD_ONCE_INIT;
+
+/* KILN_OPT_ROWS_AVX512, where the CPU has AVX-512F. */
+static void rows_pick(void)
 {
-    int64_t K8 = K / 8 * 8;
-    v8 a00 = {0}, a01 = {0}, a02 = {0}, a03 = {0}, a10 = {0}, a11 = {0}, a12 = {0}, a13 = {0};
-    for (int64_t i = 0; i < K8; i += 8) {
-        v8 x0, x1, w0, w1, w2, w3;
-        LOAD8(x0, x[0] + i);
-        LOAD8(x1, x[1] + i);
-        LOAD8(w0, w[0] + i);
-        LOAD8(w1, w[1] + i);
-        LOAD8(w2, w[2] + i);
-        LOAD8(w3, w[3] + i);
-        a00 += x0 * w0;
-        a01 += x0 * w1;
-        a02 += x0 * w2;
-        a03 += x0 * w3;
-        a10 += x1 * w0;
-        a11 += x1 * w1;
-        a12 += x1 * w2;
-        a13 += x1 * w3;
+#if ROWS_WIDE
+    __builtin_cpu_init();
+    if (kiln__opt(KILN__OPT_ROWS_AVX512) && __builtin_cpu_supports("avx512f")) {
+        dot_2x4 = dot_2x4_16;
+        dot_1x4 = dot_1x4_16;
     }
-    v8 acc[2][4] = {{a00, a01, a02, a03}, {a10, a11, a12, a13}};
-    for (int r = 0; r < 2; r++)
-        for (int j = 0; j < 4; j++) {
-            float s = LANES_SUM(acc[r][j]);
-            for (int64_t i = K8; i < K; i++) s += x[r][i] * w[j][i];
-            out[r][j] = s;
-        }
+#endif
 }
 
-/* The same sums for one row of x: an odd last row, summed exactly as dot_2x4 would. */
-__attribute__((target_clones("arch=x86-64-v3", "default"))) static void dot_1x4(const float *x, const float *const *w, int64_t K, float out[4])
-{
-    int64_t K8 = K / 8 * 8;
-    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (int64_t i = 0; i < K8; i += 8) {
-        v8 x0, w0, w1, w2, w3;
-        LOAD8(x0, x + i);
-        LOAD8(w0, w[0] + i);
-        LOAD8(w1, w[1] + i);
-        LOAD8(w2, w[2] + i);
-        LOAD8(w3, w[3] + i);
-        a0 += x0 * w0;
-        a1 += x0 * w1;
-        a2 += x0 * w2;
-        a3 += x0 * w3;
-    }
-    v8 acc[4] = {a0, a1, a2, a3};
-    for (int j = 0; j < 4; j++) {
-        float s = LANES_SUM(acc[j]);
-        for (int64_t i = K8; i < K; i++) s += x[i] * w[j][i];
-        out[j] = s;
-    }
-}
-
-/* Rows of a go in pairs, for eight independent sums in flight, and an odd last row
- * through dot_1x4 (a last block of w repeats its last row); each element is summed by
- * the same sequence of operations wherever it sits. */
+/* Rows of a go in pairs, for eight independent sums in flight, and an odd last row of
+ * a tile through dot_1x4 (a last block of w repeats its last row); each element is
+ * summed by the same sequence of operations wherever it sits. */
 static void rows_range(void *c, int64_t b, int64_t e)
 {
     const rows_ctx *k = c;
     int64_t K = k->K;
-    for (int64_t blk = b; blk < e; blk++) {
-        int64_t n0 = blk * 4;
-        const float *w[4];
-        for (int j = 0; j < 4; j++) w[j] = k->w + (n0 + j < k->N ? n0 + j : k->N - 1) * K;
-        for (int64_t m = 0; m < k->M; m += 2) {
-            float o[2][4];
-            if (m + 1 < k->M) dot_2x4((const float *[2]){k->a + m * K, k->a + (m + 1) * K}, w, K, o);
-            else dot_1x4(k->a + m * K, w, K, o[0]);
-            for (int r = 0; r < 2 && m + r < k->M; r++)
-                for (int j = 0; j < 4 && n0 + j < k->N; j++) k->out[(m + r) * k->N + n0 + j] = o[r][j];
+    for (int64_t m0 = 0; m0 < k->M; m0 += k->tile) {
+        int64_t m1 = m0 + k->tile < k->M ? m0 + k->tile : k->M;
+        for (int64_t blk = b; blk < e; blk++) {
+            int64_t n0 = blk * 4;
+            const float *w[4];
+            for (int j = 0; j < 4; j++) w[j] = k->w + (n0 + j < k->N ? n0 + j : k->N - 1) * K;
+            for (int64_t m = m0; m < m1; m += 2) {
+                float o[2][4];
+                if (m + 1 < m1) dot_2x4((const float *[2]){k->a + m * K, k->a + (m + 1) * K}, w, K, o);
+                else dot_1x4(k->a + m * K, w, K, o[0]);
+                for (int r = 0; r < 2 && m + r < m1; r++)
+                    for (int j = 0; j < 4 && n0 + j < k->N; j++) k->out[(m + r) * k->N + n0 + j] = o[r][j];
+            }
         }
     }
 }
@@ -218,7 +242,15 @@ kiln_status kiln__cpu_matmul_rows(K_ARGS)
     kiln_tensor_t *ta, *tw, *ca = cpu_contig(in[0], &ta), *cw = cpu_contig(in[1], &tw);
     kiln_status s = ca && cw ? KILN_OK : kiln_last_status();
     if (s == KILN_OK) {
-        rows_ctx k = {kiln__data(ca), kiln__data(cw), kiln__data(out[0]), ca->shape[0], cw->shape[0], ca->shape[1]};
+        rows_ctx k = {kiln__data(ca), kiln__data(cw), kiln__data(out[0]), ca->shape[0], cw->shape[0], ca->shape[1], 0};
+        pthread_once(&rows_once, rows_pick);
+        /* KILN_OPT_ROWS_TILE: rows of a in tiles of about 128 KiB (L2-resident), each
+         * tile over all of this thread's blocks of w; else all rows per block. */
+        k.tile = k.M;
+        if (kiln__opt(KILN__OPT_ROWS_TILE)) {
+            k.tile = (128 << 10) / (4 * (k.K ? k.K : 1)) / 2 * 2;
+            if (k.tile < 16) k.tile = 16;
+        }
         int64_t blocks = (k.N + 3) / 4, work = k.M * k.K * 4;
         kiln__parallel_for(blocks, 1 + CPU_GRAIN * 4 / (work ? work : 1), rows_range, &k);
     }
