@@ -59,12 +59,13 @@ static void rope_at_matches_rope(void **state)
 }
 
 /* Oracle: kiln_matmul (the BLAS) within 1e-5; and row m alone equals row m of the
- * whole. The second shape has more rows than one L2 tile (K = 1550: 20-row tiles, the
- * last one odd) and a K that is not a multiple of the lane count. */
+ * whole. M = 13 and 14 end in a single row and in a pair after the fours; the last
+ * shape has more rows than one L2 tile (K = 1550: 20-row tiles, the last one odd) and
+ * a K that is not a multiple of the lane count. */
 static void matmul_rows_matches_matmul_and_is_row_invariant(void **state)
 {
-    const int64_t shapes[2][3] = {{13, 19, 37}, {45, 9, 1550}};
-    for (int c = 0; c < 2; c++) {
+    const int64_t shapes[3][3] = {{13, 19, 37}, {14, 19, 37}, {45, 9, 1550}};
+    for (int c = 0; c < 3; c++) {
         int64_t M = shapes[c][0], N = shapes[c][1], K = shapes[c][2], as[2] = {M, K}, ws[2] = {N, K};
         kiln_tensor_t *a = randn(as, 2, 8), *w = randn(ws, 2, 9);
         float *want = to_host(kiln_matmul(a, kiln_transpose(w, 0, 1)));

@@ -166,11 +166,13 @@ typedef struct {
  * AVX2+FMA clone and a plain one) and, on x86-64, sixteen (AVX-512), chosen once per
  * process, so every row of every call is summed by the same kernel family. */
 #define RV v8
+#define RQUAD 0
 #define RSFX 8
 #define RLANES_SUM LANES_SUM
 #define RATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
 #include "backends/cpu/cpu_rows_impl.h"
 #undef RV
+#undef RQUAD
 #undef RSFX
 #undef RLANES_SUM
 #undef RATTR
@@ -183,11 +185,13 @@ typedef float v16 __attribute__((vector_size(64)));
     (((((l)[0] + (l)[8]) + ((l)[4] + (l)[12])) + (((l)[2] + (l)[10]) + ((l)[6] + (l)[14]))) +          \
      ((((l)[1] + (l)[9]) + ((l)[5] + (l)[13])) + (((l)[3] + (l)[11]) + ((l)[7] + (l)[15]))))
 #define RV v16
+#define RQUAD 1
 #define RSFX 16
 #define RLANES_SUM LANES16_SUM
 #define RATTR __attribute__((target("arch=x86-64-v4")))
 #include "backends/cpu/cpu_rows_impl.h"
 #undef RV
+#undef RQUAD
 #undef RSFX
 #undef RLANES_SUM
 #undef RATTR
@@ -197,11 +201,13 @@ typedef float v16 __attribute__((vector_size(64)));
 
 typedef void (*dot_2x4_fn)(const float *const *x, const float *const *w, int64_t K, float out[2][4]);
 typedef void (*dot_1x4_fn)(const float *x, const float *const *w, int64_t K, float out[4]);
+typedef void (*dot_4x4_fn)(const float *const *x, const float *const *w, int64_t K, float out[4][4]);
+static dot_4x4_fn dot_4x4; /* NULL: rows go in pairs */
 static dot_2x4_fn dot_2x4 = dot_2x4_8;
 static dot_1x4_fn dot_1x4 = dot_1x4_8;
 static pthread_once_t rows_once = PTHREAD_ONCE_INIT;
 
-/* KILN_OPT_ROWS_AVX512, where the CPU has AVX-512F. */
+/* KILN_OPT_ROWS_AVX512, where the CPU has AVX-512F; then KILN_OPT_ROWS_QUAD. */
 static void rows_pick(void)
 {
 #if ROWS_WIDE
@@ -209,12 +215,13 @@ static void rows_pick(void)
     if (kiln__opt(KILN__OPT_ROWS_AVX512) && __builtin_cpu_supports("avx512f")) {
         dot_2x4 = dot_2x4_16;
         dot_1x4 = dot_1x4_16;
+        if (kiln__opt(KILN__OPT_ROWS_QUAD)) dot_4x4 = dot_4x4_16;
     }
 #endif
 }
 
-/* Rows of a go in pairs, for eight independent sums in flight, and an odd last row of
- * a tile through dot_1x4 (a last block of w repeats its last row); each element is
+/* Rows of a go in fours where dot_4x4 is on, then in pairs, for eight independent sums
+ * in flight, and an odd last row of a tile through dot_1x4 (a last block of w repeats its last row); each element is
  * summed by the same sequence of operations wherever it sits. */
 static void rows_range(void *c, int64_t b, int64_t e)
 {
@@ -226,7 +233,16 @@ static void rows_range(void *c, int64_t b, int64_t e)
             int64_t n0 = blk * 4;
             const float *w[4];
             for (int j = 0; j < 4; j++) w[j] = k->w + (n0 + j < k->N ? n0 + j : k->N - 1) * K;
-            for (int64_t m = m0; m < m1; m += 2) {
+            int64_t m = m0;
+            if (dot_4x4)
+                for (; m + 4 <= m1; m += 4) {
+                    float o[4][4];
+                    dot_4x4((const float *[4]){k->a + m * K, k->a + (m + 1) * K, k->a + (m + 2) * K, k->a + (m + 3) * K},
+                            w, K, o);
+                    for (int r = 0; r < 4; r++)
+                        for (int j = 0; j < 4 && n0 + j < k->N; j++) k->out[(m + r) * k->N + n0 + j] = o[r][j];
+                }
+            for (; m < m1; m += 2) {
                 float o[2][4];
                 if (m + 1 < m1) dot_2x4((const float *[2]){k->a + m * K, k->a + (m + 1) * K}, w, K, o);
                 else dot_1x4(k->a + m * K, w, K, o[0]);

@@ -64,6 +64,37 @@ RATTR static void RFN(dot_1x4)(const float *x, const float *const *w, int64_t K,
     }
 }
 
+#if RQUAD
+/* Four rows of x and four of w: sixteen sums in flight, half the loads per product of
+ * dot_2x4 (for the 32-register lane width only). */
+RATTR static void RFN(dot_4x4)(const float *const *x, const float *const *w, int64_t K, float out[4][4])
+{
+    int64_t KL = K / RW * RW;
+    RV a[4][4] = {{{0}}};
+    for (int64_t i = 0; i < KL; i += RW) {
+        RV w0, w1, w2, w3;
+        RLOAD(w0, w[0] + i);
+        RLOAD(w1, w[1] + i);
+        RLOAD(w2, w[2] + i);
+        RLOAD(w3, w[3] + i);
+        for (int r = 0; r < 4; r++) {
+            RV xr;
+            RLOAD(xr, x[r] + i);
+            a[r][0] += xr * w0;
+            a[r][1] += xr * w1;
+            a[r][2] += xr * w2;
+            a[r][3] += xr * w3;
+        }
+    }
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++) {
+            float s = RLANES_SUM(a[r][j]);
+            for (int64_t i = KL; i < K; i++) s += x[r][i] * w[j][i];
+            out[r][j] = s;
+        }
+}
+#endif
+
 #undef RCAT_
 #undef RCAT
 #undef RFN
