@@ -184,6 +184,31 @@ typedef float v16 __attribute__((vector_size(64)));
 #define LANES16_SUM(l)                                                                                 \
     (((((l)[0] + (l)[8]) + ((l)[4] + (l)[12])) + (((l)[2] + (l)[10]) + ((l)[6] + (l)[14]))) +          \
      ((((l)[1] + (l)[9]) + ((l)[5] + (l)[13])) + (((l)[3] + (l)[11]) + ((l)[7] + (l)[15]))))
+/* The sixteen sums of dot_4x4 at once, by the same tree as LANES16_SUM for each: fold
+ * lanes l + 8 onto l, then l + 4, l + 2, l + 1, two accumulators' lanes side by side
+ * in each shuffle (a + b is b + a in IEEE arithmetic, and the tree is the same), so
+ * the results are bitwise those of dot_2x4_16 and dot_1x4_16. */
+#define SV __builtin_shufflevector
+__attribute__((target("arch=x86-64-v4"))) static inline void quad_reduce(v16 a[4][4], float out[4][4])
+{
+    v16 p[8], q[4], t[2];
+    for (int i = 0; i < 8; i++) {
+        v16 x = a[i / 2][i % 2 * 2], y = a[i / 2][i % 2 * 2 + 1];
+        p[i] = SV(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               SV(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    }
+    for (int i = 0; i < 4; i++)
+        q[i] = SV(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               SV(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        t[i] = SV(q[2 * i], q[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               SV(q[2 * i], q[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    v16 u = SV(t[0], t[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+            SV(t[0], t[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    memcpy(out, &u, sizeof u);
+}
+#undef SV
+#define RQUAD_REDUCE quad_reduce
 #define RV v16
 #define RQUAD 1
 #define RSFX 16
@@ -192,6 +217,7 @@ typedef float v16 __attribute__((vector_size(64)));
 #include "backends/cpu/cpu_rows_impl.h"
 #undef RV
 #undef RQUAD
+#undef RQUAD_REDUCE
 #undef RSFX
 #undef RLANES_SUM
 #undef RATTR

@@ -86,9 +86,10 @@ RATTR static void RFN(dot_4x4)(const float *const *x, const float *const *w, int
             a[r][3] += xr * w3;
         }
     }
+    RQUAD_REDUCE(a, out);
     for (int r = 0; r < 4; r++)
         for (int j = 0; j < 4; j++) {
-            float s = RLANES_SUM(a[r][j]);
+            float s = out[r][j];
             for (int64_t i = KL; i < K; i++) s += x[r][i] * w[j][i];
             out[r][j] = s;
         }
