@@ -3,40 +3,75 @@ same prompt length and number of new tokens (seeds differ). Prints one JSON line
 median time to first token, median per-stream decode tokens/s (after the first token)
 and total generated tokens/s over the wall time of the whole round.
 
+All N connections are driven from one thread through a selector (non-blocking
+sockets, HTTP/1.1 chunked responses parsed here), so that the measuring side costs
+the 2-core machine one thread, whatever N: a thread per client made N Python threads
+fight over the GIL and the cores for every token the server sent.
+
   python3 bench/serve_client.py --port PORT --clients 16 [--prompt-len 64] [--tokens 128]
 """
 import argparse
-import http.client
 import json
+import selectors
+import socket
 import statistics
-import threading
 import time
 
 
-def one(port, body, out, i):
-    c = http.client.HTTPConnection("127.0.0.1", port, timeout=600)
-    t0 = time.perf_counter()
-    c.request("POST", "/v1/completions", body=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
-    r = c.getresponse()
-    t_first, usage, buf = None, None, b""
-    while True:
-        chunk = r.read1(65536)
+class Stream:
+    """One request: sends it, then undoes the chunked encoding and splits the SSE events."""
+
+    def __init__(self, port, body):
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setblocking(False)
+        data = json.dumps(body).encode()
+        self.out = (b"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\n\r\n" % len(data)) + data
+        self.raw, self.body, self.headers_done = b"", b"", False
+        self.start, self.first, self.end, self.tokens, self.done = time.perf_counter(), None, None, 0, False
+
+    def on_read(self, now):
+        try:
+            chunk = self.sock.recv(65536)
+        except BlockingIOError:
+            return
         if not chunk:
-            break
-        buf += chunk
-        while b"\n\n" in buf:
-            ev, buf = buf.split(b"\n\n", 1)
+            self.finish(now)
+            return
+        self.raw += chunk
+        if not self.headers_done:
+            if b"\r\n\r\n" not in self.raw:
+                return
+            head, self.raw = self.raw.split(b"\r\n\r\n", 1)
+            if not head.startswith(b"HTTP/1.1 200"):
+                raise RuntimeError("server answered " + head.split(b"\r\n")[0].decode())
+            self.headers_done = True
+        last = False
+        while not last:  # chunked transfer coding: size in hex, CRLF, data, CRLF; size 0 ends
+            nl = self.raw.find(b"\r\n")
+            if nl < 0:
+                break
+            size = int(self.raw[:nl].split(b";")[0], 16)
+            if len(self.raw) < nl + 2 + size + 2:
+                break
+            self.body += self.raw[nl + 2:nl + 2 + size]
+            self.raw = self.raw[nl + 2 + size + 2:]
+            last = size == 0
+        while b"\n\n" in self.body:
+            ev, self.body = self.body.split(b"\n\n", 1)
             d = ev[6:]
             if d == b"[DONE]":
                 continue
             j = json.loads(d)
             if j.get("usage"):
-                usage = j["usage"]
-            elif t_first is None and j["choices"] and j["choices"][0]["text"]:
-                t_first = time.perf_counter()
-    t_end = time.perf_counter()
-    n = usage["completion_tokens"] if usage else 0
-    out[i] = {"start": t0, "first": t_first or t_end, "end": t_end, "tokens": n}
+                self.tokens = j["usage"]["completion_tokens"]
+            elif self.first is None and j["choices"] and j["choices"][0]["text"]:
+                self.first = now
+        if last:
+            self.finish(now)
+
+    def finish(self, now):
+        self.end, self.done = now, True
 
 
 def main():
@@ -48,23 +83,37 @@ def main():
     p.add_argument("--model", default=None)
     a = p.parse_args()
     prompt = "".join(chr(97 + (i * 7) % 26) for i in range(a.prompt_len))  # byte tokenizer: one token each
-    out = [None] * a.clients
-    ts = []
+    sel = selectors.DefaultSelector()
+    streams = []
     for i in range(a.clients):
         body = {"prompt": prompt, "max_tokens": a.tokens, "temperature": 0.8, "seed": i, "stream": True,
                 "stream_options": {"include_usage": True}}
         if a.model:
             body["model"] = a.model
-        ts.append(threading.Thread(target=one, args=(a.port, body, out, i)))
-    for t in ts:
-        t.start()
-    for t in ts:
-        t.join()
-    wall = max(o["end"] for o in out) - min(o["start"] for o in out)
-    total = sum(o["tokens"] for o in out)
+        s = Stream(a.port, body)
+        streams.append(s)
+        sel.register(s.sock, selectors.EVENT_WRITE, s)
+    live = len(streams)
+    while live:
+        for key, ev in sel.select(timeout=600):
+            s, now = key.data, time.perf_counter()
+            if ev & selectors.EVENT_WRITE:
+                n = s.sock.send(s.out)
+                s.out = s.out[n:]
+                if not s.out:
+                    sel.modify(s.sock, selectors.EVENT_READ, s)
+                continue
+            s.on_read(now)
+            if s.done:
+                sel.unregister(s.sock)
+                s.sock.close()
+                live -= 1
+    wall = max(s.end for s in streams) - min(s.start for s in streams)
+    total = sum(s.tokens for s in streams)
     print(json.dumps({"peer": "kiln", "clients": a.clients, "prompt_len": a.prompt_len, "tokens": a.tokens,
-                      "ttft_ms": 1e3 * statistics.median(o["first"] - o["start"] for o in out),
-                      "decode_tok_s": statistics.median((o["tokens"] - 1) / max(o["end"] - o["first"], 1e-9) for o in out),
+                      "ttft_ms": 1e3 * statistics.median((s.first or s.end) - s.start for s in streams),
+                      "decode_tok_s": statistics.median((s.tokens - 1) / max(s.end - (s.first or s.end), 1e-9)
+                                                        for s in streams),
                       "total_tok_s": total / wall, "generated": total}))
 
 

@@ -247,8 +247,9 @@ static void wake(job *j)
         j->suspended = false;
         MHD_resume_connection(j->conn);
         pthread_mutex_lock(&j->srv->mu);
-        j->srv->n_suspended--;
-        pthread_cond_broadcast(&j->srv->cv);
+        /* Only shutdown waits for the count to reach zero; a broadcast per token would
+         * wake the watchdog thousands of times a second, onto the compute cores. */
+        if (--j->srv->n_suspended == 0 && j->srv->stopping) pthread_cond_broadcast(&j->srv->cv);
         pthread_mutex_unlock(&j->srv->mu);
     }
 }
