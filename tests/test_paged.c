@@ -105,10 +105,11 @@ static void index_copy_writes_the_named_rows(void **state)
 }
 
 /* Oracle: causal kiln_attention over (1,H,T,D) queries and (1,Hkv,T,D) keys/values.
- * The pages hold the same keys in scattered blocks, with other sequences' garbage. */
-static void paged_attention_matches_attention(void **state)
+ * The pages hold the same keys in scattered blocks, with other sequences' garbage.
+ * D = 8 takes the scalar value path, 64 the 32-lane one, 40 both. */
+static void paged_attention_case(int64_t D)
 {
-    int64_t H = 4, Hkv = 2, T = 11, D = 8, bl = 4, nblk = 8;
+    int64_t H = 4, Hkv = 2, T = 11, bl = 4, nblk = 8;
     int64_t qs[4] = {1, H, T, D}, ks[4] = {1, Hkv, T, D}, ps[3] = {nblk * bl, Hkv, D};
     kiln_tensor_t *q = randn(qs, 4, 2), *k = randn(ks, 4, 3), *v = randn(ks, 4, 4);
     float *want = to_host(kiln_attention(q, k, v, true, 0.0));
@@ -164,6 +165,13 @@ static void paged_attention_matches_attention(void **state)
     assert_non_null(strstr(kiln_last_error(), "99"));
     kiln_clear_error();
     free(want); free(qh); free(kh); free(vh); free(kp); free(vp); free(qr); free(got);
+}
+
+static void paged_attention_matches_attention(void **state)
+{
+    paged_attention_case(8);
+    paged_attention_case(64);
+    paged_attention_case(40);
 }
 
 static kiln_gpt_config tiny(bool llama)
