@@ -101,9 +101,10 @@ static kiln_gen_request request(const int32_t *p, int n, int max_tokens, double 
     return q;
 }
 
-static kiln_engine_t *engine(kiln_gpt_t *m, int max_batch, int num_blocks, bool prefix)
+static kiln_engine_t *engine_kv(kiln_gpt_t *m, int max_batch, int num_blocks, bool prefix, kiln_dtype kv)
 {
     kiln_engine_opts o = kiln_engine_opts_default();
+    o.kv_dtype = kv;
     o.max_batch = max_batch;
     o.num_blocks = num_blocks;
     o.block_len = 8;
@@ -112,6 +113,11 @@ static kiln_engine_t *engine(kiln_gpt_t *m, int max_batch, int num_blocks, bool 
     kiln_engine_t *e;
     assert_int_equal(kiln_engine_new(m, &o, &e), KILN_OK);
     return e;
+}
+
+static kiln_engine_t *engine(kiln_gpt_t *m, int max_batch, int num_blocks, bool prefix)
+{
+    return engine_kv(m, max_batch, num_blocks, prefix, KILN_DTYPE_F32);
 }
 
 /* Greedy tokens equal the argmax of the KV-cache decoding loop. */
@@ -158,8 +164,8 @@ static void greedy_matches_the_kv_cache_loop(void **state)
 
 /* A seeded, sampled request gives bitwise the same tokens and logprobs alone and
  * batched with seven others (whose prompts differ in length, so prefill chunks and
- * decode rows mix in the same steps). */
-static void same_seed_same_tokens_alone_or_batched(void **state)
+ * decode rows mix in the same steps); with an f32 and with an f16 KV cache. */
+static void same_seed_alone_or_batched(kiln_dtype kv)
 {
     kiln_gpt_t *m = model();
     enum { G = 40 };
@@ -167,14 +173,14 @@ static void same_seed_same_tokens_alone_or_batched(void **state)
     for (int i = 0; i < 8; i++) prompt_of(p[i], 50, i + 3);
     result alone;
     result_init(&alone);
-    kiln_engine_t *e = engine(m, 8, 128, false);
+    kiln_engine_t *e = engine_kv(m, 8, 128, false, kv);
     kiln_gen_request q = request(p[0], 33, G, 0.9, 1234, &alone);
     uint64_t id;
     assert_int_equal(kiln_engine_submit(e, &q, &id), KILN_OK);
     wait_done(&alone);
     kiln_engine_free(e);
 
-    e = engine(m, 8, 128, false);
+    e = engine_kv(m, 8, 128, false, kv);
     result many[8];
     for (int i = 7; i >= 0; i--) { /* ours last, so it joins a running batch */
         result_init(&many[i]);
@@ -193,6 +199,12 @@ static void same_seed_same_tokens_alone_or_batched(void **state)
     for (int i = 0; i < 8; i++) result_destroy(&many[i]);
     result_destroy(&alone);
     kiln_gpt_free(m);
+}
+
+static void same_seed_same_tokens_alone_or_batched(void **state)
+{
+    same_seed_alone_or_batched(KILN_DTYPE_F32);
+    same_seed_alone_or_batched(KILN_DTYPE_F16);
 }
 
 /* The second request with the same 40-token prompt reuses its KV blocks and still
@@ -282,6 +294,11 @@ static void memory_waits_queue_limits_and_bad_requests(void **state)
     o.max_step_tokens = 40;
     o.prefix_cache = false;
     kiln_engine_t *e;
+    o.kv_dtype = KILN_DTYPE_I32; /* not a KV cache type: refused, and named */
+    assert_int_equal(kiln_engine_new(m, &o, &e), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "kv_dtype"));
+    kiln_clear_error();
+    o.kv_dtype = KILN_DTYPE_F32;
     assert_int_equal(kiln_engine_new(m, &o, &e), KILN_OK);
     int32_t p[30];
     prompt_of(p, 30, 4);

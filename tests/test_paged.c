@@ -7,6 +7,7 @@
 #include <setjmp.h>
 #include <cmocka.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "kiln/kiln.h"
@@ -154,6 +155,29 @@ static void paged_attention_case(int64_t D)
         assert_memory_equal(g1, got + t * H * D, sizeof(float) * (size_t)(H * D));
         free(g1);
     }
+    /* f16 and bf16 pages. Oracle: attention over the keys and values rounded to that
+     * type and widened back, so only the kernel's f32 arithmetic is compared (1e-5). */
+    for (int d = 0; d < 2; d++) {
+        kiln_dtype dt = d ? KILN_DTYPE_BF16 : KILN_DTYPE_F16;
+        float *want_h = to_host(kiln_attention(q, kiln_cast(kiln_cast(k, dt), KILN_DTYPE_F32),
+                                               kiln_cast(kiln_cast(v, dt), KILN_DTYPE_F32), true, 0.0));
+        kiln_tensor_t *oh = kiln_paged_attention(kiln_from_data(qr, q3, 3, KILN_DTYPE_F32),
+                                                 kiln_cast(kiln_from_data(kp, ps, 3, KILN_DTYPE_F32), dt),
+                                                 kiln_cast(kiln_from_data(vp, ps, 3, KILN_DTYPE_F32), dt), bt, spt, bl, 0.0);
+        assert_non_null(oh);
+        float *got_h = to_host(oh);
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t h = 0; h < H; h++)
+                assert_close(got_h + (t * H + h) * D, want_h + (h * T + t) * D, D, 1e-5,
+                             d ? "paged_attention, bf16 pages" : "paged_attention, f16 pages");
+        free(want_h);
+        free(got_h);
+    }
+    assert_null(kiln_paged_attention(kiln_from_data(qr, q3, 3, KILN_DTYPE_F32),
+                                     kiln_cast(kiln_from_data(kp, ps, 3, KILN_DTYPE_F32), KILN_DTYPE_F16),
+                                     kiln_from_data(vp, ps, 3, KILN_DTYPE_F32), bt, spt, bl, 0.0));
+    assert_int_equal(kiln_last_status(), KILN_ERR_DTYPE);
+    kiln_clear_error();
     /* A block id outside the pool is an error that names it, not a read out of bounds. */
     table[1][2] = 99;
     kiln_tensor_t *bad = kiln_paged_attention(kiln_from_data(qr, q3, 3, KILN_DTYPE_F32),
@@ -189,7 +213,9 @@ static kiln_gpt_config tiny(bool llama)
 /* Oracle: the training forward over the whole sequence. The paged forward gets the
  * prompt in two chunks (prefill 0..8, then 9..T-1 one token per step), in blocks that
  * are not in order, alongside another sequence. */
-static void paged_forward_matches_full_forward(bool llama)
+/* With an f16 or bf16 pool, keys and values are rounded to 11 or 8 significant bits
+ * as they are stored; the tolerance is a few of those units on logits of order one. */
+static void paged_forward_matches_full_forward(bool llama, kiln_dtype kv, double tol)
 {
     kiln_gpt_config c = tiny(llama);
     kiln_gpt_t *m;
@@ -203,7 +229,7 @@ static void paged_forward_matches_full_forward(bool llama)
     int64_t ts[2] = {1, T};
     float *want = to_host(kiln_gpt_forward(m, kiln_from_data(toks, ts, 2, KILN_DTYPE_I32), NULL, false, NULL));
     kiln_kv_pool_t *p;
-    assert_int_equal(kiln_kv_pool_new(m, 12, BL, &p), KILN_OK);
+    assert_int_equal(kiln_kv_pool_new(m, 12, BL, kv, &p), KILN_OK);
     int32_t table[2 * 6] = {9, 2, 7, 0, 11, 4, 1, 3, 5, 6, 8, 10};
     float *got = malloc(sizeof(float) * (size_t)(T * c.vocab_size));
     int t = 0;
@@ -230,15 +256,27 @@ static void paged_forward_matches_full_forward(bool llama)
         free(h);
         t += n;
     }
-    assert_close(got, want, (int64_t)T * c.vocab_size, 2e-5, llama ? "paged forward (llama)" : "paged forward (gpt2)");
+    char what[64];
+    snprintf(what, sizeof what, "paged forward (%s, %s KV cache)", llama ? "llama" : "gpt2", kiln_dtype_name(kv));
+    assert_close(got, want, (int64_t)T * c.vocab_size, tol, what);
     free(got);
     free(want);
     kiln_kv_pool_free(p);
     kiln_gpt_free(m);
 }
 
-static void paged_forward_matches_full_forward_gpt2(void **state) { paged_forward_matches_full_forward(false); }
-static void paged_forward_matches_full_forward_llama(void **state) { paged_forward_matches_full_forward(true); }
+static void paged_forward_matches_full_forward_gpt2(void **state)
+{
+    paged_forward_matches_full_forward(false, KILN_DTYPE_F32, 2e-5);
+    paged_forward_matches_full_forward(false, KILN_DTYPE_F16, 4 * 0x1p-11);
+    paged_forward_matches_full_forward(false, KILN_DTYPE_BF16, 4 * 0x1p-8);
+}
+static void paged_forward_matches_full_forward_llama(void **state)
+{
+    paged_forward_matches_full_forward(true, KILN_DTYPE_F32, 2e-5);
+    paged_forward_matches_full_forward(true, KILN_DTYPE_F16, 4 * 0x1p-11);
+    paged_forward_matches_full_forward(true, KILN_DTYPE_BF16, 4 * 0x1p-8);
+}
 
 /* One decode step of sequence 0 alone, then the same step batched with 1..5 others at
  * other positions: its logits must be bitwise the same. */
@@ -253,7 +291,7 @@ static void paged_forward_is_batch_invariant(void **state)
     assert_int_equal(kiln_gpt_new(&c, 3, &m), KILN_OK);
     kiln_kv_pool_t *p;
     enum { S = 6, BL = 4, MB = 6 };
-    assert_int_equal(kiln_kv_pool_new(m, S * MB, BL, &p), KILN_OK);
+    assert_int_equal(kiln_kv_pool_new(m, S * MB, BL, KILN_DTYPE_F32, &p), KILN_OK);
     int32_t table[S * MB];
     for (int i = 0; i < S * MB; i++) table[i] = (i * 5) % (S * MB);
     /* Prefill 10 positions of every sequence. */
@@ -295,7 +333,7 @@ static void paged_forward_rejects_bad_batches(void **state)
     kiln_gpt_t *m;
     assert_int_equal(kiln_gpt_new(&c, 1, &m), KILN_OK);
     kiln_kv_pool_t *p;
-    assert_int_equal(kiln_kv_pool_new(m, 4, 4, &p), KILN_OK);
+    assert_int_equal(kiln_kv_pool_new(m, 4, 4, KILN_DTYPE_F32, &p), KILN_OK);
     int32_t table[2] = {0, 1}, tk[1] = {3}, sq[1] = {0}, ps[1] = {2}, lr[1] = {0};
     kiln_paged_batch b = {1, tk, sq, ps, 1, 2, table, 1, lr};
     assert_non_null(kiln_gpt_forward_paged(m, p, &b));
@@ -311,7 +349,7 @@ static void paged_forward_rejects_bad_batches(void **state)
     assert_null(kiln_gpt_forward_paged(m, p, &b));
     assert_non_null(strstr(kiln_last_error(), "block 4"));
     kiln_clear_error();
-    assert_int_equal(kiln_kv_pool_new(m, 0, 4, &(kiln_kv_pool_t *){0}), KILN_ERR_ARG);
+    assert_int_equal(kiln_kv_pool_new(m, 0, 4, KILN_DTYPE_F32, &(kiln_kv_pool_t *){0}), KILN_ERR_ARG);
     kiln_clear_error();
     kiln_kv_pool_free(p);
     kiln_gpt_free(m);
@@ -324,7 +362,7 @@ static void copy_block_copies_keys_and_values(void **state)
     kiln_gpt_t *m;
     assert_int_equal(kiln_gpt_new(&c, 5, &m), KILN_OK);
     kiln_kv_pool_t *p;
-    assert_int_equal(kiln_kv_pool_new(m, 4, 4, &p), KILN_OK);
+    assert_int_equal(kiln_kv_pool_new(m, 4, 4, KILN_DTYPE_F32, &p), KILN_OK);
     int32_t tk[5] = {1, 2, 3, 4, 5}, sq[5] = {0, 0, 0, 0, 0}, ps[5] = {0, 1, 2, 3, 4}, lr[1] = {4};
     int32_t t0[2] = {0, 1}, t1[2] = {2, 3};
     kiln_paged_batch b = {5, tk, sq, ps, 1, 2, t0, 1, lr};

@@ -81,15 +81,18 @@ void kiln_kv_cache_reset(kiln_kv_cache_t *c);
 kiln_tensor_t *kiln_gpt_forward_cached(kiln_gpt_t *m, kiln_kv_cache_t *c, kiln_tensor_t *idx);
 
 /* Paged key/value storage for many sequences at once (the serving engine's KV cache):
- * per layer, num_blocks blocks of block_len positions. Which blocks hold a sequence is
- * the caller's block table; the pool only stores them. */
+ * per layer, num_blocks blocks of block_len positions, stored as dtype (f32, or f16 or
+ * bf16 for half the memory and the memory traffic; keys and values are rounded to it
+ * as they are written, and attention reads them back widened to f32). Which blocks
+ * hold a sequence is the caller's block table; the pool only stores them. */
 typedef struct kiln_kv_pool kiln_kv_pool_t;
-kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_kv_pool_t **out);
+kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_dtype dtype,
+                             kiln_kv_pool_t **out);
 void kiln_kv_pool_free(kiln_kv_pool_t *p); /* NULL is fine */
 int kiln_kv_pool_num_blocks(const kiln_kv_pool_t *p);
 int kiln_kv_pool_block_len(const kiln_kv_pool_t *p);
-/* Bytes of keys and values one block holds over all layers. */
-int64_t kiln_kv_pool_block_bytes(const kiln_gpt_t *m, int block_len);
+/* Bytes of keys and values one block holds over all layers, stored as dtype. */
+int64_t kiln_kv_pool_block_bytes(const kiln_gpt_t *m, int block_len, kiln_dtype dtype);
 /* Copies block src to block dst in every layer (copy-on-write of a shared block). */
 kiln_status kiln_kv_pool_copy_block(kiln_kv_pool_t *p, int dst, int src);
 

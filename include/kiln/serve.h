@@ -62,6 +62,7 @@ typedef struct {
     int num_blocks;          /* KV blocks; 0 = from kv_memory_mb */
     int64_t kv_memory_mb;    /* KV cache size when num_blocks is 0 (default 256) */
     bool prefix_cache;       /* share the KV blocks of a common prompt prefix (default on) */
+    kiln_dtype kv_dtype;     /* KV cache storage: f32 (default), or f16 / bf16 for half the bytes */
 } kiln_engine_opts;
 
 kiln_engine_opts kiln_engine_opts_default(void);

@@ -11,7 +11,8 @@
     X(POOL_SPIN, 1, "pool threads poll for 200 us before sleeping, so back-to-back jobs skip the wake-up")     \
     X(ROWS_AVX512, 1, "matmul_rows (the serving engine's linear layers) in 16-lane AVX-512 kernels where the CPU has them") \
     X(ROWS_QUAD, 1, "matmul_rows' AVX-512 kernel takes four rows of a per pass over w (sixteen sums in flight)") \
-    X(ROWS_TILE, 1, "matmul_rows takes the rows of a in L2-sized tiles (prompt prefill)")
+    X(ROWS_TILE, 1, "matmul_rows takes the rows of a in L2-sized tiles (prompt prefill)")                      \
+    X(F16C, 1, "f16 KV cache pages widened with F16C's vcvtph2ps where the CPU has it")
 
 typedef enum {
 #define KILN__OPT_ENUM(name, dflt, help) KILN__OPT_##name,

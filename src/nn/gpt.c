@@ -491,19 +491,25 @@ kiln_tensor_t *kiln_gpt_forward_cached(kiln_gpt_t *m, kiln_kv_cache_t *c, kiln_t
 
 struct kiln_kv_pool {
     int num_blocks, block_len, n_layer;
+    kiln_dtype dtype;
     kiln_tensor_t **k, **v; /* per layer (num_blocks * block_len, Hkv, hs) */
 };
 
-int64_t kiln_kv_pool_block_bytes(const kiln_gpt_t *m, int block_len)
+int64_t kiln_kv_pool_block_bytes(const kiln_gpt_t *m, int block_len, kiln_dtype dtype)
 {
     if (!m) return 0;
     const kiln_gpt_config *c = &m->cfg;
-    return (int64_t)2 * c->n_layer * block_len * c->n_kv_head * (c->n_embd / c->n_head) * (int64_t)sizeof(float);
+    return (int64_t)2 * c->n_layer * block_len * c->n_kv_head * (c->n_embd / c->n_head) *
+           (int64_t)kiln_dtype_size(dtype);
 }
 
-kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_kv_pool_t **out)
+kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_dtype dtype,
+                             kiln_kv_pool_t **out)
 {
     if (!m || !out) return kiln_error(KILN_ERR_ARG, "kv_pool_new: model or out is NULL");
+    if (dtype != KILN_DTYPE_F32 && dtype != KILN_DTYPE_F16 && dtype != KILN_DTYPE_BF16)
+        return kiln_error(KILN_ERR_DTYPE, "kv_pool_new: a KV cache of %s; it must be f32, f16 or bf16",
+                          kiln_dtype_name(dtype));
     if (num_blocks < 1 || block_len < 1 || (int64_t)num_blocks * block_len > INT32_MAX)
         return kiln_error(KILN_ERR_ARG, "kv_pool_new: %d blocks of %d positions: both must be >= 1 and their product "
                           "fit in 31 bits", num_blocks, block_len);
@@ -520,18 +526,19 @@ kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len,
     p->num_blocks = num_blocks;
     p->block_len = block_len;
     p->n_layer = L;
+    p->dtype = dtype;
     int64_t shape[3] = {(int64_t)num_blocks * block_len, m->cfg.n_kv_head, m->cfg.n_embd / m->cfg.n_head};
     kiln_scope_begin();
     for (int i = 0; i < L; i++) {
-        p->k[i] = kiln_keep(kiln_zeros(shape, 3, KILN_DTYPE_F32));
-        p->v[i] = kiln_keep(kiln_zeros(shape, 3, KILN_DTYPE_F32));
+        p->k[i] = kiln_keep(kiln_zeros(shape, 3, dtype));
+        p->v[i] = kiln_keep(kiln_zeros(shape, 3, dtype));
     }
     kiln_scope_end();
     for (int i = 0; i < L; i++)
         if (!p->k[i] || !p->v[i]) {
             kiln_kv_pool_free(p);
             return kiln_error(KILN_ERR_OOM, "kv_pool_new: out of memory for %d blocks of %lld bytes", num_blocks,
-                              (long long)kiln_kv_pool_block_bytes(m, block_len));
+                              (long long)kiln_kv_pool_block_bytes(m, block_len, dtype));
         }
     *out = p;
     return KILN_OK;
@@ -635,6 +642,10 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
         if (c->pos == KILN_POS_ROPE) {
             q = kiln_rope_at(q, pos, c->rope_theta);
             k = kiln_rope_at(k, pos, c->rope_theta);
+        }
+        if (p->dtype != KILN_DTYPE_F32) {
+            k = kiln_cast(k, p->dtype);
+            v = kiln_cast(v, p->dtype);
         }
         if (kiln_index_copy_(p->k[i], slot, k) != KILN_OK || kiln_index_copy_(p->v[i], slot, v) != KILN_OK) return NULL;
         kiln_tensor_t *y = kiln_paged_attention(q, p->k[i], p->v[i], bt, sp, bl, 0.0);

@@ -459,9 +459,11 @@ kiln_status kiln__infer_paged_attention(kiln_tensor_t *const *in, int n, const k
                          "be (N,H,D), (S,Hkv,D), (S,Hkv,D), (n_seqs,max_blocks), (N,2) with H a multiple of Hkv and S a "
                          "multiple of block_len %lld", SHP(q, b1), SHP(k, b2), SHP(v, b3), SHP(bt, b4), SHP(sp, b5),
                          (long long)a->i[0]);
-    if (q->dtype != KILN_DTYPE_F32 || k->dtype != KILN_DTYPE_F32 || v->dtype != KILN_DTYPE_F32)
-        return kiln__err(KILN_ERR_DTYPE, "paged_attention: q %s, k_pages %s, v_pages %s must all be f32", SHP(q, b1),
-                         SHP(k, b2), SHP(v, b3));
+    bool kv_ok = k->dtype == v->dtype &&
+                 (k->dtype == KILN_DTYPE_F32 || k->dtype == KILN_DTYPE_F16 || k->dtype == KILN_DTYPE_BF16);
+    if (q->dtype != KILN_DTYPE_F32 || !kv_ok)
+        return kiln__err(KILN_ERR_DTYPE, "paged_attention: q %s must be f32, and k_pages %s and v_pages %s one type of "
+                         "f32, f16 or bf16", SHP(q, b1), SHP(k, b2), SHP(v, b3));
     if (bt->dtype != KILN_DTYPE_I32 || sp->dtype != KILN_DTYPE_I32)
         return kiln__err(KILN_ERR_DTYPE, "paged_attention: block_table %s and seq_pos %s must be i32", SHP(bt, b4),
                          SHP(sp, b5));

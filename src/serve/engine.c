@@ -108,6 +108,7 @@ kiln_engine_opts kiln_engine_opts_default(void)
         .num_blocks = 0,
         .kv_memory_mb = 256,
         .prefix_cache = true,
+        .kv_dtype = KILN_DTYPE_F32,
     };
     return o;
 }
@@ -478,6 +479,9 @@ static kiln_status check_opts(const kiln_engine_opts *o)
                           o->max_step_tokens, o->max_batch);
     if (o->num_blocks < 0 || (o->num_blocks == 0 && o->kv_memory_mb < 1))
         return kiln_error(KILN_ERR_ARG, "engine: give num_blocks >= 1 or kv_memory_mb >= 1");
+    if (o->kv_dtype != KILN_DTYPE_F32 && o->kv_dtype != KILN_DTYPE_F16 && o->kv_dtype != KILN_DTYPE_BF16)
+        return kiln_error(KILN_ERR_ARG, "engine: kv_dtype %s; the KV cache is f32, f16 or bf16",
+                          kiln_dtype_name(o->kv_dtype));
     return KILN_OK;
 }
 
@@ -490,7 +494,7 @@ kiln_status kiln_engine_new(kiln_gpt_t *model, const kiln_engine_opts *opts, kil
     if (s != KILN_OK) return s;
     const kiln_gpt_config *c = kiln_gpt_get_config(model);
     if (o.num_blocks == 0) {
-        int64_t per = kiln_kv_pool_block_bytes(model, o.block_len);
+        int64_t per = kiln_kv_pool_block_bytes(model, o.block_len, o.kv_dtype);
         int64_t n = per > 0 ? o.kv_memory_mb * 1024 * 1024 / per : 0;
         o.num_blocks = (int)(n > 1 << 20 ? 1 << 20 : n);
         if (o.num_blocks < 1)
@@ -524,7 +528,7 @@ kiln_status kiln_engine_new(kiln_gpt_t *model, const kiln_engine_opts *opts, kil
         return kiln_error(KILN_ERR_OOM, "engine_new: out of memory for %d KV blocks", nb);
     }
     for (int i = nb - 1; i >= 0; i--) e->free_stack[e->n_free++] = i; /* block 0 on top */
-    if ((s = kiln_kv_pool_new(model, nb, e->BS, &e->pool)) != KILN_OK) {
+    if ((s = kiln_kv_pool_new(model, nb, e->BS, o.kv_dtype, &e->pool)) != KILN_OK) {
         kiln_engine_free(e);
         return s;
     }

@@ -23,7 +23,8 @@ typedef float v8 __attribute__((vector_size(32)));
 #define LANES_SUM(l) ((((l)[0] + (l)[4]) + ((l)[2] + (l)[6])) + (((l)[1] + (l)[5]) + ((l)[3] + (l)[7])))
 
 typedef struct {
-    const float *q, *k, *v;
+    const float *q;
+    const void *k, *v; /* f32, f16 or bf16 */
     const int32_t *bt, *sp;
     float *out;
     int64_t H, Hkv, D, bl, max_blocks, max_pos;
@@ -32,136 +33,87 @@ typedef struct {
     atomic_int oom;
 } paged_ctx;
 
-/* x . y in eight lanes, then the tail: one fixed order. */
-static inline __attribute__((always_inline)) float dot(const float *x, const float *y, int64_t n)
-{
-    int64_t n8 = n / 8 * 8;
-    v8 acc = {0};
-    for (int64_t i = 0; i < n8; i += 8) {
-        v8 a, b;
-        LOAD8(a, x + i);
-        LOAD8(b, y + i);
-        acc += a * b;
-    }
-    float s = LANES_SUM(acc);
-    for (int64_t i = n8; i < n; i++) s += x[i] * y[i];
-    return s;
-}
+/* The kernel for each KV cache type: f32, and f16 or bf16 widened to f32 on load. */
+#define PATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define PINL static inline __attribute__((always_inline))
+#define KT float
+#define KLOAD8(dst, p) LOAD8(dst, p)
+#define KSCALAR(x) (x)
+#define PSFX f32
+#include "backends/cpu/cpu_paged_impl.h"
+#undef KT
+#undef KLOAD8
+#undef PSFX
 
-/* q . y[r * stride] for four rows of y at once (four chains in flight), each summed
- * exactly as dot() sums it. */
-static inline __attribute__((always_inline)) void dot4(const float *q, const float *y, int64_t stride, int64_t n,
-                                                       float out[4])
-{
-    int64_t n8 = n / 8 * 8;
-    v8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-    for (int64_t i = 0; i < n8; i += 8) {
-        v8 x, y0, y1, y2, y3;
-        LOAD8(x, q + i);
-        LOAD8(y0, y + i);
-        LOAD8(y1, y + stride + i);
-        LOAD8(y2, y + 2 * stride + i);
-        LOAD8(y3, y + 3 * stride + i);
-        a0 += x * y0;
-        a1 += x * y1;
-        a2 += x * y2;
-        a3 += x * y3;
-    }
-    v8 acc[4] = {a0, a1, a2, a3};
-    for (int r = 0; r < 4; r++) {
-        float s = LANES_SUM(acc[r]);
-        for (int64_t i = n8; i < n; i++) s += q[i] * y[r * stride + i];
-        out[r] = s;
-    }
-}
+#define KT uint16_t
+#define KLOAD8(dst, p)                                                                                  \
+    do {                                                                                              \
+        u16x8 b_;                                                                                     \
+        memcpy(&b_, (p), sizeof b_);                                                                  \
+        u32x8 w_ = __builtin_convertvector(b_, u32x8) << 16;                                          \
+        memcpy(&(dst), &w_, sizeof w_);                                                               \
+    } while (0)
+#undef KSCALAR
+#define KSCALAR(x) kiln__bf16_to_f32(x)
+#define PSFX bf16
+typedef uint16_t u16x8 __attribute__((vector_size(16)));
+typedef uint32_t u32x8 __attribute__((vector_size(32)));
+#include "backends/cpu/cpu_paged_impl.h"
+#undef KLOAD8
+#undef KSCALAR
+#undef PSFX
+#undef PATTR
 
-/* One task is one query row and a group of its heads. Positions are walked block by
- * block (a position's heads sit side by side in a block, so the reads are contiguous
- * runs), four positions per pass for the scores and 32 output lanes per pass for the
- * values. For each (row, head) the arithmetic is a function of that row alone: scores
- * j = 0..p each summed by dot()'s order, the softmax over j in eight lanes and a fixed
- * tree, then the values accumulated over j ascending. */
-__attribute__((target_clones("arch=x86-64-v3", "default"))) static void paged_range(void *c, int64_t b, int64_t e)
+/* f16 twice: with F16C's vcvtph2ps (an intrinsic: GCC 12 widens a _Float16 vector one
+ * element at a time, which made f16 pages slower than f32 ones), picked at run time
+ * where the processor has it, and a portable one. */
+#define KSCALAR(x) kiln__f16_to_f32(x)
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define F16_V3 1
+#define PATTR __attribute__((target("arch=x86-64-v3")))
+#undef PINL
+#define PINL static inline __attribute__((always_inline, target("arch=x86-64-v3")))
+#define KLOAD8(dst, p)                                                                                  \
+    do {                                                                                              \
+        __m256 f_ = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p)));             \
+        memcpy(&(dst), &f_, sizeof f_);                                                               \
+    } while (0)
+#define PSFX f16v3
+#include "backends/cpu/cpu_paged_impl.h"
+#undef KLOAD8
+#undef PSFX
+#undef PATTR
+#undef PINL
+#define PINL static inline __attribute__((always_inline))
+#else
+#define F16_V3 0
+#endif
+#define PATTR
+#define KLOAD8(dst, p)                                                                                  \
+    do {                                                                                              \
+        for (int l_ = 0; l_ < 8; l_++) (dst)[l_] = kiln__f16_to_f32((p)[l_]);                          \
+    } while (0)
+#define PSFX f16
+#include "backends/cpu/cpu_paged_impl.h"
+#undef KT
+#undef KLOAD8
+#undef KSCALAR
+#undef PSFX
+#undef PATTR
+#undef PINL
+
+static kiln__range_fn paged_kernel(kiln_dtype kv)
 {
-    paged_ctx *k = c;
-    int64_t D = k->D, HD = k->Hkv * D, group = k->H / k->Hkv, bl = k->bl, P = k->max_pos;
-    float *w = malloc(sizeof(float) * (size_t)(k->hg * (P + 8)));
-    if (!w) {
-        atomic_store(&k->oom, 1);
-        return;
-    }
-    bool fast = kiln__opt(KILN__OPT_FAST_EXP);
-    for (int64_t t = b; t < e; t++) {
-        int64_t n = t / k->per_row, h0 = t % k->per_row * k->hg, h1 = h0 + k->hg < k->H ? h0 + k->hg : k->H;
-        int64_t seq = k->sp[n * 2], p = k->sp[n * 2 + 1], L = p + 1;
-        const int32_t *row = k->bt + seq * k->max_blocks;
-        const float *q = k->q + n * k->H * D;
-        float *o = k->out + n * k->H * D;
-        for (int64_t h = h0; h < h1; h++) {
-            const float *qh = q + h * D;
-            float *wh = w + (h - h0) * (P + 8);
-            for (int64_t j0 = 0; j0 < L; j0 += bl) {
-                const float *kb = k->k + (int64_t)row[j0 / bl] * bl * HD + h / group * D;
-                int64_t jn = L - j0 < bl ? L - j0 : bl, i = 0;
-                for (; i + 4 <= jn; i += 4) dot4(qh, kb + i * HD, HD, D, wh + j0 + i);
-                for (; i < jn; i++) wh[j0 + i] = dot(qh, kb + i * HD, D);
-            }
-            float m = -INFINITY;
-            for (int64_t j = 0; j < L; j++) {
-                wh[j] *= k->scale;
-                m = wh[j] > m ? wh[j] : m;
-            }
-            if (fast)
-                for (int64_t j = 0; j < L; j++) wh[j] = kiln__fast_expf(wh[j] - m);
-            else
-                for (int64_t j = 0; j < L; j++) wh[j] = expf(wh[j] - m);
-            int64_t L8 = (L + 7) / 8 * 8;
-            for (int64_t j = L; j < L8; j++) wh[j] = 0;
-            v8 acc = {0};
-            for (int64_t j = 0; j < L8; j += 8) {
-                v8 x;
-                LOAD8(x, wh + j);
-                acc += x;
-            }
-            float inv = 1.0f / LANES_SUM(acc);
-            for (int64_t j = 0; j < L; j++) wh[j] *= inv;
-            float *oh = o + h * D;
-            int64_t d0 = 0;
-            for (; d0 + 32 <= D; d0 += 32) {
-                v8 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
-                for (int64_t j0 = 0; j0 < L; j0 += bl) {
-                    const float *vb = k->v + (int64_t)row[j0 / bl] * bl * HD + h / group * D + d0;
-                    int64_t jn = L - j0 < bl ? L - j0 : bl;
-                    for (int64_t i = 0; i < jn; i++) {
-                        v8 x0, x1, x2, x3, wj = {0};
-                        wj += wh[j0 + i];
-                        LOAD8(x0, vb + i * HD);
-                        LOAD8(x1, vb + i * HD + 8);
-                        LOAD8(x2, vb + i * HD + 16);
-                        LOAD8(x3, vb + i * HD + 24);
-                        o0 += wj * x0;
-                        o1 += wj * x1;
-                        o2 += wj * x2;
-                        o3 += wj * x3;
-                    }
-                }
-                memcpy(oh + d0, &o0, sizeof o0);
-                memcpy(oh + d0 + 8, &o1, sizeof o1);
-                memcpy(oh + d0 + 16, &o2, sizeof o2);
-                memcpy(oh + d0 + 24, &o3, sizeof o3);
-            }
-            for (; d0 < D; d0++) {
-                float sd = 0;
-                for (int64_t j0 = 0; j0 < L; j0 += bl) {
-                    const float *vb = k->v + (int64_t)row[j0 / bl] * bl * HD + h / group * D + d0;
-                    int64_t jn = L - j0 < bl ? L - j0 : bl;
-                    for (int64_t i = 0; i < jn; i++) sd += wh[j0 + i] * vb[i * HD];
-                }
-                oh[d0] = sd;
-            }
-        }
-    }
-    free(w);
+    if (kv == KILN_DTYPE_BF16) return paged_range_bf16;
+    if (kv != KILN_DTYPE_F16) return paged_range_f32;
+#if F16_V3
+    __builtin_cpu_init();
+    if (kiln__opt(KILN__OPT_F16C) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
+        return paged_range_f16v3;
+#endif
+    return paged_range_f16;
 }
 
 /* Every sequence index, position and block id is checked before any is used. */
@@ -203,7 +155,7 @@ kiln_status kiln__cpu_paged_attention(K_ARGS)
         if (split > k.H) split = k.H;
         k.hg = (k.H + split - 1) / split;
         k.per_row = (k.H + k.hg - 1) / k.hg;
-        kiln__parallel_for(N * k.per_row, 1, paged_range, &k);
+        kiln__parallel_for(N * k.per_row, 1, paged_kernel(c[1]->dtype), &k);
         if (atomic_load(&k.oom)) s = kiln__err(KILN_ERR_OOM, "paged_attention: out of memory for a score buffer");
     }
     for (int i = 0; i < 5; i++) kiln_tensor_free(tmp[i]);
