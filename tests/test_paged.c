@@ -71,7 +71,9 @@ static void matmul_rows_matches_matmul_and_is_row_invariant(void **state)
         kiln_tensor_t *a = randn(as, 2, 8), *w = randn(ws, 2, 9);
         float *want = to_host(kiln_matmul(a, kiln_transpose(w, 0, 1)));
         float *got = to_host(kiln_matmul_rows(a, w));
-        assert_close(got, want, M * N, 1e-5, "matmul_rows vs matmul");
+        /* Two f32 sums of K products of unit normals, in different orders: their
+         * rounding grows with K, so the tolerance does (1e-5 up to K = 64). */
+        assert_close(got, want, M * N, 1e-5 * (K > 64 ? (double)K / 64 : 1), "matmul_rows vs matmul");
         for (int64_t m = 0; m < M; m += 4) {
             float *one = to_host(kiln_matmul_rows(kiln_narrow(a, 0, m, 1), w));
             assert_memory_equal(one, got + m * N, sizeof(float) * (size_t)N);
