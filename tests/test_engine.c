@@ -209,18 +209,23 @@ static void same_seed_same_tokens_alone_or_batched(void **state)
 
 /* The second request with the same 40-token prompt reuses its KV blocks and still
  * gives the tokens of an engine without a prefix cache. */
-static void prefix_cache_hits_give_the_same_tokens(void **state)
+/* Prompt length P in blocks of 8: a 44-token prompt reuses its 5 whole blocks (40
+ * tokens) and computes the other 4; a 40-token prompt is all cached blocks, and reuses
+ * 39 tokens: its last block is copied and its last token recomputed. Either way the
+ * tokens and logprobs are those of an engine without a prefix cache, and every block
+ * is free after. */
+static void prefix_case(int P, uint64_t hit_tokens)
 {
     kiln_gpt_t *m = model();
     int32_t p[44];
-    prompt_of(p, 44, 9);
+    prompt_of(p, P, 9);
     result a, b, ref;
     result_init(&a);
     result_init(&b);
     result_init(&ref);
     uint64_t id;
     kiln_engine_t *e = engine(m, 4, 64, false);
-    kiln_gen_request q = request(p, 44, 20, 0.7, 5, &ref);
+    kiln_gen_request q = request(p, P, 20, 0.7, 5, &ref);
     assert_int_equal(kiln_engine_submit(e, &q, &id), KILN_OK);
     wait_done(&ref);
     kiln_engine_free(e);
@@ -234,16 +239,24 @@ static void prefix_cache_hits_give_the_same_tokens(void **state)
     wait_done(&b);
     kiln_engine_stats st;
     kiln_engine_get_stats(e, &st);
-    /* 44 tokens in blocks of 8: at most (44 - 1) / 8 = 5 whole blocks can be reused. */
-    assert_int_equal(st.prefix_hit_tokens, 40);
+    assert_int_equal(st.prefix_hit_tokens, hit_tokens);
     assert_memory_equal(a.tokens, ref.tokens, sizeof(int) * 20);
     assert_memory_equal(b.tokens, ref.tokens, sizeof(int) * 20);
+    /* and bitwise the same logprobs: a wrong key would move them, if not the draws */
+    assert_memory_equal(a.logprobs, ref.logprobs, sizeof(float) * 20);
+    assert_memory_equal(b.logprobs, ref.logprobs, sizeof(float) * 20);
     assert_int_equal(st.kv_blocks_free, st.kv_blocks_total);
     kiln_engine_free(e);
     result_destroy(&a);
     result_destroy(&b);
     result_destroy(&ref);
     kiln_gpt_free(m);
+}
+
+static void prefix_cache_hits_give_the_same_tokens(void **state)
+{
+    prefix_case(44, 40);
+    prefix_case(40, 39);
 }
 
 /* Cancelling a running request ends it with CANCELLED and frees its blocks; a

@@ -219,13 +219,16 @@ static void seq_free(seq *s)
 
 static int blocks_for(const kiln_engine_t *e, int positions) { return (positions + e->BS - 1) / e->BS; }
 
-/* Gives s its blocks: the cached prefix, then fresh ones. false if they are not there. */
+/* Gives s its blocks: the cached prefix, then fresh ones. false if they are not there.
+ * A prompt that is whole cached blocks still needs its last token computed, for the
+ * logits of the first new token: its last block is copied from the cache (the cached
+ * one stays as it is, shared blocks are only read) and that one token is recomputed
+ * into the copy, bitwise as it was (rows do not depend on the batch). */
 static bool try_admit(kiln_engine_t *e, seq *s)
 {
     int need = blocks_for(e, s->n_prompt + s->max_tokens);
     int matched = 0;
-    /* Leave the last prompt token to compute: its logits give the first new token. */
-    int max_match = e->o.prefix_cache ? (s->n_prompt - 1) / e->BS : 0;
+    int max_match = e->o.prefix_cache ? s->n_prompt / e->BS : 0;
     uint64_t parent = 0;
     int *hit = s->blocks; /* matched block ids go straight into place */
     for (; matched < max_match; matched++) {
@@ -237,19 +240,30 @@ static bool try_admit(kiln_engine_t *e, seq *s)
         s->hash[matched] = h;
         parent = h;
     }
-    int evictable_hits = 0;
-    for (int j = 0; j < matched; j++) evictable_hits += e->meta[hit[j]].ref == 0;
-    if (e->n_free + e->n_evictable - evictable_hits < need - matched) return false;
-    for (int j = 0; j < matched; j++) {
+    int shared = matched, src = -1;
+    if (matched > 0 && matched * e->BS == s->n_prompt) src = hit[--shared];
+    int evictable_hits = src >= 0 && e->meta[src].ref == 0;
+    for (int j = 0; j < shared; j++) evictable_hits += e->meta[hit[j]].ref == 0;
+    if (e->n_free + e->n_evictable - evictable_hits < need - shared) return false;
+    for (int j = 0; j < shared; j++) {
         block_meta *m = &e->meta[hit[j]];
         if (m->ref++ == 0) e->n_evictable--;
         m->last_used = ++e->clock;
     }
-    for (int j = matched; j < need; j++) s->blocks[j] = block_alloc(e); /* cannot fail: counted above */
+    int done = shared * e->BS;
+    if (src >= 0) { /* held while its copy is made, so the allocator cannot take it */
+        block_meta *m = &e->meta[src];
+        if (m->ref++ == 0) e->n_evictable--;
+        s->blocks[shared] = block_alloc(e);
+        if (kiln_kv_pool_copy_block(e->pool, s->blocks[shared], src) == KILN_OK) done = s->n_prompt - 1;
+        else kiln_clear_error(); /* then the whole block is recomputed */
+        block_release(e, src);
+    }
+    for (int j = src >= 0 ? shared + 1 : shared; j < need; j++) s->blocks[j] = block_alloc(e); /* counted above */
     s->n_blocks = need;
-    s->n_done = matched * e->BS;
-    s->n_hashed = matched;
-    e->st.prefix_hit_tokens += (uint64_t)matched * (uint64_t)e->BS;
+    s->n_done = done;
+    s->n_hashed = shared;
+    e->st.prefix_hit_tokens += (uint64_t)done;
     return true;
 }
 
