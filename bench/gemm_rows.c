@@ -27,10 +27,12 @@ static void blas(const float *x, const float *w, float *y, int M, int N, int K)
     cblas_sgemm(CblasRowMajor, CblasNoTrans, CblasTrans, M, N, K, 1.0f, x, K, w, K, 0.0f, y, N);
 }
 
-static void rows(kiln_tensor_t *x, kiln_tensor_t *w, float *y, int M, int N)
+/* wp: NULL for kiln_matmul_rows, else w packed for kiln_matmul_rows_packed. */
+static void rows(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *wp, float *y, int M, int N)
 {
     kiln_scope_begin();
-    kiln_tensor_t *o = kiln_matmul_rows(kiln_narrow(x, 0, 0, M), w);
+    kiln_tensor_t *o = wp ? kiln_matmul_rows_packed(kiln_narrow(x, 0, 0, M), wp, N)
+                          : kiln_matmul_rows(kiln_narrow(x, 0, 0, M), w);
     if (!o || kiln_tensor_to_host(o, y, sizeof(float) * (size_t)M * (size_t)N) != KILN_OK) {
         fprintf(stderr, "bench_gemm_rows: %s\n", kiln_last_error());
         exit(1);
@@ -69,10 +71,10 @@ int main(int argc, char **argv)
         char db[128] = "", dr[128] = "";
         for (int pass = 0; pass < 2; pass++) {
             char *d = pass ? dr : db;
-            if (pass) rows(xt, wt, ref, 16, N);
+            if (pass) rows(xt, wt, NULL, ref, 16, N);
             else blas(x, w, ref, 16, N, K);
             for (int M = 1; M <= 16; M++) {
-                if (pass) rows(xt, wt, y, M, N);
+                if (pass) rows(xt, wt, NULL, y, M, N);
                 else blas(x, w, y, M, N, K);
                 if (memcmp(y, ref, sizeof(float) * (size_t)N))
                     snprintf(d + strlen(d), sizeof db - strlen(d), "%d ", M);
@@ -86,29 +88,33 @@ int main(int argc, char **argv)
         free(y);
     }
     printf("\nspeed: median us per product over %d interleaved runs\n", reps);
-    printf("%-12s %5s %10s %10s %7s\n", "K x N", "M", "BLAS", "rows", "ratio");
+    printf("%-12s %5s %10s %10s %10s %7s %7s\n", "K x N", "M", "BLAS", "rows", "packed", "ratio", "ratio_p");
     for (int s = 0; s < ns; s++) {
         int K = shapes[s][0], N = shapes[s][1], MX = 512;
         int64_t xs[2] = {MX, K}, ws[2] = {N, K};
         kiln_tensor_t *xt = kiln_randn(xs, 2, KILN_DTYPE_F32), *wt = kiln_randn(ws, 2, KILN_DTYPE_F32);
+        kiln_tensor_t *wp = kiln_matmul_rows_pack(wt);
         float *x = malloc(sizeof(float) * (size_t)MX * (size_t)K), *w = malloc(sizeof(float) * (size_t)N * (size_t)K);
         float *y = malloc(sizeof(float) * (size_t)MX * (size_t)N);
         kiln_tensor_to_host(xt, x, sizeof(float) * (size_t)MX * (size_t)K);
         kiln_tensor_to_host(wt, w, sizeof(float) * (size_t)N * (size_t)K);
         for (int mi = 0; mi < 5; mi++) {
             int M = Ms[mi];
-            double tb[1000], tr[1000];
+            double tb[1000], tr[1000], tp[1000];
             for (int r = 0; r < reps; r++) {
                 double t0 = bench_now_s();
                 blas(x, w, y, M, N, K);
                 double t1 = bench_now_s();
-                rows(xt, wt, y, M, N);
+                rows(xt, wt, NULL, y, M, N);
                 double t2 = bench_now_s();
+                rows(xt, wt, wp, y, M, N);
+                double t3 = bench_now_s();
                 tb[r] = (t1 - t0) * 1e6;
                 tr[r] = (t2 - t1) * 1e6;
+                tp[r] = (t3 - t2) * 1e6;
             }
-            double mb = median(tb, reps), mr = median(tr, reps);
-            printf("%4d x %-5d %5d %10.1f %10.1f %7.2f\n", K, N, M, mb, mr, mr / mb);
+            double mb = median(tb, reps), mr = median(tr, reps), mp = median(tp, reps);
+            printf("%4d x %-5d %5d %10.1f %10.1f %10.1f %7.2f %7.2f\n", K, N, M, mb, mr, mp, mr / mb, mp / mb);
         }
         free(x);
         free(w);

@@ -88,6 +88,39 @@ static void matmul_rows_matches_matmul_and_is_row_invariant(void **state)
     kiln_clear_error();
 }
 
+/* Oracle: kiln_matmul (the BLAS), within a tolerance that grows with K; and row m alone
+ * equals row m of the whole, bit for bit. The shapes cover row tiles of 8, 4, 2 and 1
+ * (M = 13, 14, 17, 45) and panel groups of three, two and one (N = 50, 19, 9, 300). */
+static void matmul_rows_packed_matches_matmul_and_is_row_invariant(void **state)
+{
+    const int64_t shapes[5][3] = {{13, 50, 37}, {14, 19, 64}, {17, 300, 384}, {45, 9, 1550}, {1, 50, 8}};
+    for (int c = 0; c < 5; c++) {
+        int64_t M = shapes[c][0], N = shapes[c][1], K = shapes[c][2], as[2] = {M, K}, ws[2] = {N, K};
+        kiln_tensor_t *a = randn(as, 2, 10 + c), *w = randn(ws, 2, 20 + c);
+        kiln_tensor_t *wp = kiln_matmul_rows_pack(w);
+        assert_non_null(wp);
+        assert_int_equal(kiln_tensor_dim(wp, 0), (N + 15) / 16);
+        float *want = to_host(kiln_matmul(a, kiln_transpose(w, 0, 1)));
+        float *got = to_host(kiln_matmul_rows_packed(a, wp, N));
+        assert_close(got, want, M * N, 1e-5 * (K > 64 ? (double)K / 64 : 1), "matmul_rows_packed vs matmul");
+        for (int64_t m = 0; m < M; m += 3) {
+            float *one = to_host(kiln_matmul_rows_packed(kiln_narrow(a, 0, m, 1), wp, N));
+            assert_memory_equal(one, got + m * N, sizeof(float) * (size_t)N);
+            free(one);
+        }
+        free(want);
+        free(got);
+    }
+    int64_t as[2] = {3, 5}, ws[2] = {20, 5}, w4[2] = {20, 4};
+    kiln_tensor_t *wp = kiln_matmul_rows_pack(randn(ws, 2, 2));
+    assert_null(kiln_matmul_rows_packed(randn(as, 2, 1), wp, 33)); /* more columns than the panels hold */
+    assert_int_equal(kiln_last_status(), KILN_ERR_SHAPE);
+    kiln_clear_error();
+    assert_null(kiln_matmul_rows_packed(randn(as, 2, 1), kiln_matmul_rows_pack(randn(w4, 2, 3)), 20)); /* K differs */
+    assert_int_equal(kiln_last_status(), KILN_ERR_SHAPE);
+    kiln_clear_error();
+}
+
 static void index_copy_writes_the_named_rows(void **state)
 {
     int64_t ds[2] = {5, 2}, ss[2] = {2, 2}, n = 2;
@@ -389,6 +422,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(rope_at_matches_rope, setup, teardown),
         cmocka_unit_test_setup_teardown(matmul_rows_matches_matmul_and_is_row_invariant, setup, teardown),
+        cmocka_unit_test_setup_teardown(matmul_rows_packed_matches_matmul_and_is_row_invariant, setup, teardown),
         cmocka_unit_test_setup_teardown(index_copy_writes_the_named_rows, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_attention_matches_attention, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_gpt2, setup, teardown),

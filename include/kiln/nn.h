@@ -84,7 +84,9 @@ kiln_tensor_t *kiln_gpt_forward_cached(kiln_gpt_t *m, kiln_kv_cache_t *c, kiln_t
  * per layer, num_blocks blocks of block_len positions, stored as dtype (f32, or f16 or
  * bf16 for half the memory and the memory traffic; keys and values are rounded to it
  * as they are written, and attention reads them back widened to f32). Which blocks
- * hold a sequence is the caller's block table; the pool only stores them. */
+ * hold a sequence is the caller's block table; the pool only stores them. The pool
+ * also keeps the model's linear weights packed for kiln_matmul_rows_packed (as many
+ * bytes again as those weights), so the model must not change while the pool lives. */
 typedef struct kiln_kv_pool kiln_kv_pool_t;
 kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_dtype dtype,
                              kiln_kv_pool_t **out);

@@ -127,6 +127,15 @@ kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t 
  * differently). The serving engine's linear layers use it so that a request's tokens
  * do not depend on what it is batched with. */
 kiln_tensor_t *kiln_matmul_rows(kiln_tensor_t *a, kiln_tensor_t *w);
+/* The same product with w packed once (kiln_matmul_rows_pack: panels of 16 of its rows,
+ * each stored k-major, (ceil(N/16), K, 16), zero-padded) for a kernel that streams w
+ * and keeps a tile of the output in registers. Each element is one chain of
+ * multiply-adds over k = 0..K-1 in order, the same for every M and every tile, so row
+ * m again depends on a[m] and w alone (its bits differ from kiln_matmul_rows', whose
+ * sums run in lanes). n is w's row count N. */
+#define KILN_ROWS_PANEL 16
+kiln_tensor_t *kiln_matmul_rows_pack(kiln_tensor_t *w);
+kiln_tensor_t *kiln_matmul_rows_packed(kiln_tensor_t *a, kiln_tensor_t *w_packed, int64_t n);
 kiln_tensor_t *kiln_rope_at(kiln_tensor_t *x, kiln_tensor_t *pos, double theta);
 kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, kiln_tensor_t *v_pages,
                                     kiln_tensor_t *block_table, kiln_tensor_t *seq_pos, int64_t block_len,

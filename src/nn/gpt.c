@@ -489,10 +489,16 @@ kiln_tensor_t *kiln_gpt_forward_cached(kiln_gpt_t *m, kiln_kv_cache_t *c, kiln_t
 
 /* ---- paged decoding (the serving engine) ---- */
 
+enum { PK_QKV, PK_PROJ, PK_FC, PK_UP, PK_OUT, PK_N };
+
 struct kiln_kv_pool {
     int num_blocks, block_len, n_layer;
     kiln_dtype dtype;
     kiln_tensor_t **k, **v; /* per layer (num_blocks * block_len, Hkv, hs) */
+    /* The model's linear weights packed for kiln_matmul_rows_packed, per layer (NULL
+     * where the model has no such weight), and the head's. */
+    kiln_tensor_t *(*pk)[PK_N];
+    kiln_tensor_t *pk_head;
 };
 
 int64_t kiln_kv_pool_block_bytes(const kiln_gpt_t *m, int block_len, kiln_dtype dtype)
@@ -518,9 +524,10 @@ kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len,
     if (p) {
         p->k = calloc((size_t)L, sizeof *p->k);
         p->v = calloc((size_t)L, sizeof *p->v);
+        p->pk = calloc((size_t)L, sizeof *p->pk);
     }
-    if (!p || !p->k || !p->v) {
-        if (p) { free(p->k); free(p->v); free(p); }
+    if (!p || !p->k || !p->v || !p->pk) {
+        if (p) { free(p->k); free(p->v); free(p->pk); free(p); }
         return kiln_error(KILN_ERR_OOM, "kv_pool_new: out of memory");
     }
     p->num_blocks = num_blocks;
@@ -529,10 +536,17 @@ kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len,
     p->dtype = dtype;
     int64_t shape[3] = {(int64_t)num_blocks * block_len, m->cfg.n_kv_head, m->cfg.n_embd / m->cfg.n_head};
     kiln_scope_begin();
+    bool packed = true, grad = kiln_set_grad_enabled(false);
     for (int i = 0; i < L; i++) {
         p->k[i] = kiln_keep(kiln_zeros(shape, 3, dtype));
         p->v[i] = kiln_keep(kiln_zeros(shape, 3, dtype));
+        const layer *ly = &m->layers[i];
+        kiln_tensor_t *w[PK_N] = {ly->qkv_w, ly->proj_w, ly->fc_w, ly->up_w, ly->out_w};
+        for (int j = 0; j < PK_N; j++)
+            if (w[j] && !(p->pk[i][j] = kiln_keep(kiln_matmul_rows_pack(w[j])))) packed = false;
     }
+    if (!(p->pk_head = kiln_keep(kiln_matmul_rows_pack(m->cfg.tied ? m->tok_emb : m->lm_head)))) packed = false;
+    kiln_set_grad_enabled(grad);
     kiln_scope_end();
     for (int i = 0; i < L; i++)
         if (!p->k[i] || !p->v[i]) {
@@ -540,6 +554,10 @@ kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len,
             return kiln_error(KILN_ERR_OOM, "kv_pool_new: out of memory for %d blocks of %lld bytes", num_blocks,
                               (long long)kiln_kv_pool_block_bytes(m, block_len, dtype));
         }
+    if (!packed) {
+        kiln_kv_pool_free(p);
+        return kiln_error(KILN_ERR_OOM, "kv_pool_new: out of memory for the packed weights");
+    }
     *out = p;
     return KILN_OK;
 }
@@ -550,9 +568,12 @@ void kiln_kv_pool_free(kiln_kv_pool_t *p)
     for (int i = 0; i < p->n_layer; i++) {
         kiln_tensor_free(p->k[i]);
         kiln_tensor_free(p->v[i]);
+        for (int j = 0; j < PK_N; j++) kiln_tensor_free(p->pk[i][j]);
     }
+    kiln_tensor_free(p->pk_head);
     free(p->k);
     free(p->v);
+    free(p->pk);
     free(p);
 }
 
@@ -605,9 +626,10 @@ static kiln_status check_paged(const kiln_gpt_t *m, const kiln_kv_pool_t *p, con
 }
 
 /* A linear layer whose rows do not depend on each other (kiln_matmul_rows). */
-static kiln_tensor_t *linear_rows(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *b)
+/* x w^T + b through w's packed copy wp (n = w's rows). */
+static kiln_tensor_t *linear_rows(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *wp, kiln_tensor_t *b)
 {
-    kiln_tensor_t *y = kiln_matmul_rows(x, w);
+    kiln_tensor_t *y = kiln_matmul_rows_packed(x, wp, kiln_tensor_dim(w, 0));
     return b ? kiln_add(y, b) : y;
 }
 
@@ -633,7 +655,8 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
     int64_t qs[3] = {N, H, hs}, ks[3] = {N, Hk, hs}, nc[2] = {N, C};
     for (int i = 0; i < c->n_layer; i++) {
         layer *L = &m->layers[i];
-        kiln_tensor_t *qkv = linear_rows(norm(m, x, L->n1w, L->n1b), L->qkv_w, L->qkv_b);
+        kiln_tensor_t *const *pk = p->pk[i];
+        kiln_tensor_t *qkv = linear_rows(norm(m, x, L->n1w, L->n1b), L->qkv_w, pk[PK_QKV], L->qkv_b);
         kiln_tensor_t *part[3];
         int64_t sizes[3] = {H * hs, Hk * hs, Hk * hs};
         if (!qkv || kiln_split(qkv, sizes, 3, -1, part) != KILN_OK) return NULL;
@@ -649,13 +672,15 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
         }
         if (kiln_index_copy_(p->k[i], slot, k) != KILN_OK || kiln_index_copy_(p->v[i], slot, v) != KILN_OK) return NULL;
         kiln_tensor_t *y = kiln_paged_attention(q, p->k[i], p->v[i], bt, sp, bl, 0.0);
-        x = kiln_add(x, linear_rows(kiln_reshape(y, nc, 2), L->proj_w, L->proj_b));
+        x = kiln_add(x, linear_rows(kiln_reshape(y, nc, 2), L->proj_w, pk[PK_PROJ], L->proj_b));
         kiln_tensor_t *h = norm(m, x, L->n2w, L->n2b), *mo;
         if (c->mlp == KILN_MLP_GELU)
-            mo = linear_rows(kiln_gelu(linear_rows(h, L->fc_w, L->fc_b), true), L->out_w, L->out_b);
+            mo = linear_rows(kiln_gelu(linear_rows(h, L->fc_w, pk[PK_FC], L->fc_b), true), L->out_w, pk[PK_OUT],
+                             L->out_b);
         else
-            mo = linear_rows(kiln_mul(kiln_silu(linear_rows(h, L->fc_w, L->fc_b)), linear_rows(h, L->up_w, L->up_b)),
-                             L->out_w, L->out_b);
+            mo = linear_rows(kiln_mul(kiln_silu(linear_rows(h, L->fc_w, pk[PK_FC], L->fc_b)),
+                                      linear_rows(h, L->up_w, pk[PK_UP], L->up_b)),
+                             L->out_w, pk[PK_OUT], L->out_b);
         x = kiln_add(x, mo);
     }
     /* Only the rows whose logits are wanted go through the last norm and the head (a
@@ -665,7 +690,7 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
         return x ? kiln_empty(none, 2, KILN_DTYPE_F32) : NULL;
     }
     x = norm(m, kiln_index_select(x, 0, rows), m->nfw, m->nfb);
-    return linear_rows(x, c->tied ? m->tok_emb : m->lm_head, NULL);
+    return linear_rows(x, c->tied ? m->tok_emb : m->lm_head, p->pk_head, NULL);
 }
 
 kiln_tensor_t *kiln_gpt_forward_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_paged_batch *b)

@@ -389,6 +389,32 @@ kiln_tensor_t *kiln_matmul_rows(kiln_tensor_t *a, kiln_tensor_t *w)
     return kiln__call(KILN_OP_MATMUL_ROWS, in, 2, &(kiln__attrs){0});
 }
 
+kiln_tensor_t *kiln_matmul_rows_pack(kiln_tensor_t *w)
+{
+    if (!w) return null_arg("matmul_rows_pack");
+    if (w->ndim != 2 || w->shape[0] < 1 || w->dtype != KILN_DTYPE_F32) {
+        char b[96];
+        kiln__err(KILN_ERR_SHAPE, "matmul_rows_pack: w %s must be a non-empty (N,K) f32 matrix",
+                  kiln__shape_str(w, b, sizeof b));
+        return NULL;
+    }
+    /* (N,K), padded with zero rows to P*16, as (P,16,K), then panel by panel (P,K,16). */
+    int64_t N = w->shape[0], K = w->shape[1], P = (N + KILN_ROWS_PANEL - 1) / KILN_ROWS_PANEL;
+    int64_t pad[2] = {P * KILN_ROWS_PANEL - N, K}, s3[3] = {P, KILN_ROWS_PANEL, K};
+    kiln_tensor_t *full = w;
+    if (pad[0]) full = kiln_cat((kiln_tensor_t *[2]){w, kiln_zeros(pad, 2, KILN_DTYPE_F32)}, 2, 0);
+    return kiln_contiguous(kiln_transpose(kiln_reshape(full, s3, 3), 1, 2));
+}
+
+kiln_tensor_t *kiln_matmul_rows_packed(kiln_tensor_t *a, kiln_tensor_t *wp, int64_t n)
+{
+    if (!a || !wp) return null_arg("matmul_rows_packed");
+    kiln_tensor_t *in[2] = {a, wp};
+    kiln__attrs at = {0};
+    at.i[0] = n;
+    return kiln__call(KILN_OP_MATMUL_ROWS_PACKED, in, 2, &at);
+}
+
 kiln_tensor_t *kiln_rope_at(kiln_tensor_t *x, kiln_tensor_t *pos, double theta)
 {
     if (!x || !pos) return null_arg("rope_at");

@@ -1,6 +1,7 @@
 /* Shape and dtype inference, one function per op in ops.def. Each names the op, the
  * shapes and the dtypes when it refuses. */
 #include <string.h>
+#include "kiln/ops.h"
 #include "ops/registry.h"
 
 #define SHP(t, buf) kiln__shape_str((t), (buf), sizeof(buf))
@@ -431,6 +432,22 @@ kiln_status kiln__infer_matmul_rows(kiln_tensor_t *const *in, int n, const kiln_
     if (x->dtype != KILN_DTYPE_F32 || w->dtype != KILN_DTYPE_F32)
         return kiln__err(KILN_ERR_DTYPE, "matmul_rows: a %s and w %s must be f32", SHP(x, b1), SHP(w, b2));
     int64_t shape[2] = {x->shape[0], w->shape[0]};
+    meta_shape(&out[0], KILN_DTYPE_F32, 2, shape);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_matmul_rows_packed(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    const kiln_tensor_t *x = in[0], *w = in[1];
+    char b1[96], b2[96];
+    int64_t cols = a->i[0];
+    if (x->ndim != 2 || w->ndim != 3 || x->shape[1] != w->shape[1] || w->shape[2] != KILN_ROWS_PANEL || cols < 1 ||
+        cols > w->shape[0] * KILN_ROWS_PANEL || cols <= (w->shape[0] - 1) * KILN_ROWS_PANEL)
+        return kiln__err(KILN_ERR_SHAPE, "matmul_rows_packed: a %s and packed w %s for %lld columns must be (M,K) and "
+                         "(ceil(n/%d),K,%d)", SHP(x, b1), SHP(w, b2), (long long)cols, KILN_ROWS_PANEL, KILN_ROWS_PANEL);
+    if (x->dtype != KILN_DTYPE_F32 || w->dtype != KILN_DTYPE_F32)
+        return kiln__err(KILN_ERR_DTYPE, "matmul_rows_packed: a %s and w %s must be f32", SHP(x, b1), SHP(w, b2));
+    int64_t shape[2] = {x->shape[0], cols};
     meta_shape(&out[0], KILN_DTYPE_F32, 2, shape);
     return KILN_OK;
 }

@@ -9,6 +9,7 @@
 #include <string.h>
 #include "backends/cpu/cpu.h"
 #include "core/opts.h"
+#include "kiln/ops.h"
 
 #define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
 
@@ -309,6 +310,69 @@ kiln_status kiln__cpu_matmul_rows(K_ARGS)
         }
         int64_t blocks = (k.N + 3) / 4, work = k.M * k.K * 4;
         kiln__parallel_for(blocks, 1 + CPU_GRAIN * 4 / (work ? work : 1), rows_range, &k);
+    }
+    kiln_tensor_free(ta);
+    kiln_tensor_free(tw);
+    return s;
+}
+
+/* ---- matmul_rows_packed: out (M,N) = a (M,K) times w packed in panels ---- */
+typedef struct {
+    const float *a, *w;
+    float *out;
+    int64_t M, N, K, P; /* P panels of KILN_ROWS_PANEL columns */
+} packed_ctx;
+
+/* Eight lanes: tiles of 4 rows by one panel (two vectors), eight sums in registers. */
+#define KV v8
+#define KSFX p8
+#define KGROUP 1
+#define KMR 4
+#define KBCAST(s) ((v8){s, s, s, s, s, s, s, s})
+#define KATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
+#include "backends/cpu/cpu_packed_impl.h"
+#undef KV
+#undef KSFX
+#undef KGROUP
+#undef KMR
+#undef KBCAST
+#undef KATTR
+
+#if ROWS_WIDE
+/* Sixteen lanes: tiles of 8 rows by three panels, 24 of the 32 registers. */
+#define KV v16
+#define KSFX p16
+#define KGROUP 3
+#define KMR 8
+#define KBCAST(s) ((v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s})
+#define KATTR __attribute__((target("arch=x86-64-v4")))
+#include "backends/cpu/cpu_packed_impl.h"
+#undef KV
+#undef KSFX
+#undef KGROUP
+#undef KMR
+#undef KBCAST
+#undef KATTR
+#endif
+
+kiln_status kiln__cpu_matmul_rows_packed(K_ARGS)
+{
+    kiln_tensor_t *ta, *tw, *ca = cpu_contig(in[0], &ta), *cw = cpu_contig(in[1], &tw);
+    kiln_status s = ca && cw ? KILN_OK : kiln_last_status();
+    if (s == KILN_OK && ca->shape[0] > 0) {
+        pthread_once(&rows_once, rows_pick);
+        packed_ctx k = {kiln__data(ca), kiln__data(cw), kiln__data(out[0]), ca->shape[0], out[0]->shape[1],
+                        ca->shape[1], cw->shape[0]};
+        kiln__range_fn fn = packed_range_p8;
+        int64_t group = 1;
+#if ROWS_WIDE
+        if (dot_2x4 == dot_2x4_16) { /* the AVX-512 family was picked */
+            fn = packed_range_p16;
+            group = 3;
+        }
+#endif
+        int64_t groups = (k.P + group - 1) / group, work = k.M * k.K * group * KILN_ROWS_PANEL;
+        kiln__parallel_for(groups, 1 + CPU_GRAIN * 4 / (work ? work : 1), fn, &k);
     }
     kiln_tensor_free(ta);
     kiln_tensor_free(tw);
