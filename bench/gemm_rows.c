@@ -4,8 +4,10 @@
  *   invariance  whether row 0 of an M-row product is bitwise the row 0 of a 16-row
  *               product, for M = 1..16, through cblas_sgemm and through
  *               kiln_matmul_rows (the engine needs "yes" for every M);
- *   speed       median microseconds of one product at M = 1, 4, 16, 64, 512 for both,
- *               interleaved, and their ratio (rows / BLAS; < 1 means rows is faster).
+ *   speed       median microseconds of one product at M = 1, 4, 16, 64, 512,
+ *               interleaved: the BLAS; kiln_matmul_rows, which packs W on each call;
+ *               kiln_matmul_rows_packed with W packed once (what the engine runs);
+ *               and the ratios to the BLAS (< 1 means kiln is faster).
  *
  *   bench_gemm_rows [--reps N]
  */

@@ -122,17 +122,14 @@ kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t 
  * block_len + j % block_len. scale <= 0 means 1/sqrt(D). Result (N,H,D); each row is
  * computed alone, so it does not depend on which other rows share the call. */
 /* kiln_matmul_rows: a (M,K) times w (N,K) transposed, (M,N), f32, where every element is
- * one dot product summed in one fixed order: row m depends on a[m] and w alone, never
- * on M or on the other rows (a BLAS picks other kernels for other M, which round
- * differently). The serving engine's linear layers use it so that a request's tokens
- * do not depend on what it is batched with. */
+ * one chain of multiply-adds over k = 0..K-1 in order: row m depends on a[m] and w
+ * alone, never on M or on the other rows (a BLAS picks other kernels for other M, which
+ * round differently). The serving engine's linear layers use it so that a request's
+ * tokens do not depend on what it is batched with. It packs w on every call; to use w
+ * again, pack it once (kiln_matmul_rows_pack: panels of 16 of its rows, each stored
+ * k-major, (ceil(N/16), K, 16), zero-padded) and call kiln_matmul_rows_packed, with n =
+ * w's row count N. The results are the same bits either way. */
 kiln_tensor_t *kiln_matmul_rows(kiln_tensor_t *a, kiln_tensor_t *w);
-/* The same product with w packed once (kiln_matmul_rows_pack: panels of 16 of its rows,
- * each stored k-major, (ceil(N/16), K, 16), zero-padded) for a kernel that streams w
- * and keeps a tile of the output in registers. Each element is one chain of
- * multiply-adds over k = 0..K-1 in order, the same for every M and every tile, so row
- * m again depends on a[m] and w alone (its bits differ from kiln_matmul_rows', whose
- * sums run in lanes). n is w's row count N. */
 #define KILN_ROWS_PANEL 16
 kiln_tensor_t *kiln_matmul_rows_pack(kiln_tensor_t *w);
 kiln_tensor_t *kiln_matmul_rows_packed(kiln_tensor_t *a, kiln_tensor_t *w_packed, int64_t n);

@@ -9,9 +9,7 @@
     X(FAST_EXP, 1, "polynomial expf/tanhf (vectorized) in f32 GELU, SiLU, sigmoid, tanh and attention")                \
     X(POOL_GEMM, 1, "single-threaded BLAS, GEMMs split into row/column blocks over kiln's thread pool")         \
     X(POOL_SPIN, 1, "pool threads poll for 200 us before sleeping, so back-to-back jobs skip the wake-up")     \
-    X(ROWS_AVX512, 1, "matmul_rows (the serving engine's linear layers) in 16-lane AVX-512 kernels where the CPU has them") \
-    X(ROWS_QUAD, 1, "matmul_rows' AVX-512 kernel takes four rows of a per pass over w (sixteen sums in flight)") \
-    X(ROWS_TILE, 1, "matmul_rows takes the rows of a in L2-sized tiles (prompt prefill)")                      \
+    X(ROWS_AVX512, 1, "matmul_rows (the serving engine's linear layers) in AVX-512 tiles where the CPU has them")  \
     X(F16C, 1, "f16 KV cache pages widened with F16C's vcvtph2ps where the CPU has it")
 
 typedef enum {

@@ -385,8 +385,13 @@ kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t 
 kiln_tensor_t *kiln_matmul_rows(kiln_tensor_t *a, kiln_tensor_t *w)
 {
     if (!a || !w) return null_arg("matmul_rows");
-    kiln_tensor_t *in[2] = {a, w};
-    return kiln__call(KILN_OP_MATMUL_ROWS, in, 2, &(kiln__attrs){0});
+    if (a->ndim != 2 || w->ndim != 2 || a->shape[1] != w->shape[1]) {
+        char b1[96], b2[96];
+        kiln__err(KILN_ERR_SHAPE, "matmul_rows: a %s and w %s must be (M,K) and (N,K)", kiln__shape_str(a, b1, sizeof b1),
+                  kiln__shape_str(w, b2, sizeof b2));
+        return NULL;
+    }
+    return kiln_matmul_rows_packed(a, kiln_matmul_rows_pack(w), w->shape[0]);
 }
 
 kiln_tensor_t *kiln_matmul_rows_pack(kiln_tensor_t *w)

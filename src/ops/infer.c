@@ -423,19 +423,6 @@ kiln_status kiln__infer_attention(kiln_tensor_t *const *in, int n, const kiln__a
     return KILN_OK;
 }
 
-kiln_status kiln__infer_matmul_rows(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    const kiln_tensor_t *x = in[0], *w = in[1];
-    char b1[96], b2[96];
-    if (x->ndim != 2 || w->ndim != 2 || x->shape[1] != w->shape[1])
-        return kiln__err(KILN_ERR_SHAPE, "matmul_rows: a %s and w %s must be (M,K) and (N,K)", SHP(x, b1), SHP(w, b2));
-    if (x->dtype != KILN_DTYPE_F32 || w->dtype != KILN_DTYPE_F32)
-        return kiln__err(KILN_ERR_DTYPE, "matmul_rows: a %s and w %s must be f32", SHP(x, b1), SHP(w, b2));
-    int64_t shape[2] = {x->shape[0], w->shape[0]};
-    meta_shape(&out[0], KILN_DTYPE_F32, 2, shape);
-    return KILN_OK;
-}
-
 kiln_status kiln__infer_matmul_rows_packed(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     const kiln_tensor_t *x = in[0], *w = in[1];

@@ -163,160 +163,22 @@ kiln_status kiln__cpu_paged_attention(K_ARGS)
     return s;
 }
 
-/* ---- matmul_rows: out (M,N) = a (M,K) w (N,K)^T, one fixed summation order ----
- * Each element is summed in L lanes over K (lane l takes k = l mod L; L is 8, or 16
- * with AVX-512), the lanes added in one fixed tree, then the tail; four rows of w
- * share each pass over a row of a. The blocks of w are split across threads, never
- * the sum, and rows are tiled, never split, so neither M, nor an element's place in
- * the output, nor the thread count changes a result. Written by
- * hand because the BLAS gives no such promise (see kiln_matmul_rows in ops.h). */
-typedef struct {
-    const float *a, *w;
-    float *out;
-    int64_t M, N, K;
-    int64_t tile; /* rows of a per pass over the blocks of w */
-} rows_ctx;
-
-/* The kernels, written once in cpu_rows_impl.h for a lane count: eight lanes (an
- * AVX2+FMA clone and a plain one) and, on x86-64, sixteen (AVX-512), chosen once per
- * process, so every row of every call is summed by the same kernel family. */
-#define RV v8
-#define RQUAD 0
-#define RSFX 8
-#define RLANES_SUM LANES_SUM
-#define RATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
-#include "backends/cpu/cpu_rows_impl.h"
-#undef RV
-#undef RQUAD
-#undef RSFX
-#undef RLANES_SUM
-#undef RATTR
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define ROWS_WIDE 1
+/* ---- matmul_rows_packed: out (M,N) = a (M,K) w (N,K)^T with w packed in panels ----
+ * Written by hand because the BLAS rounds a row differently depending on how many rows
+ * share the product (see kiln_matmul_rows in ops.h); here each element is one chain of
+ * multiply-adds over k in order, and threads split the panels, never a sum. */
 typedef float v16 __attribute__((vector_size(64)));
-/* Sixteen lanes folded to eight (lane l plus lane l + 8), then the eight-lane tree. */
-#define LANES16_SUM(l)                                                                                 \
-    (((((l)[0] + (l)[8]) + ((l)[4] + (l)[12])) + (((l)[2] + (l)[10]) + ((l)[6] + (l)[14]))) +          \
-     ((((l)[1] + (l)[9]) + ((l)[5] + (l)[13])) + (((l)[3] + (l)[11]) + ((l)[7] + (l)[15]))))
-/* The sixteen sums of dot_4x4 at once, by the same tree as LANES16_SUM for each: fold
- * lanes l + 8 onto l, then l + 4, l + 2, l + 1, two accumulators' lanes side by side
- * in each shuffle (a + b is b + a in IEEE arithmetic, and the tree is the same), so
- * the results are bitwise those of dot_2x4_16 and dot_1x4_16. */
-#define SV __builtin_shufflevector
-__attribute__((target("arch=x86-64-v4"))) static inline void quad_reduce(v16 a[4][4], float out[4][4])
-{
-    v16 p[8], q[4], t[2];
-    for (int i = 0; i < 8; i++) {
-        v16 x = a[i / 2][i % 2 * 2], y = a[i / 2][i % 2 * 2 + 1];
-        p[i] = SV(x, y, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               SV(x, y, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    }
-    for (int i = 0; i < 4; i++)
-        q[i] = SV(p[2 * i], p[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-               SV(p[2 * i], p[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int i = 0; i < 2; i++)
-        t[i] = SV(q[2 * i], q[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-               SV(q[2 * i], q[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    v16 u = SV(t[0], t[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-            SV(t[0], t[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-    memcpy(out, &u, sizeof u);
-}
-#undef SV
-#define RQUAD_REDUCE quad_reduce
-#define RV v16
-#define RQUAD 1
-#define RSFX 16
-#define RLANES_SUM LANES16_SUM
-#define RATTR __attribute__((target("arch=x86-64-v4")))
-#include "backends/cpu/cpu_rows_impl.h"
-#undef RV
-#undef RQUAD
-#undef RQUAD_REDUCE
-#undef RSFX
-#undef RLANES_SUM
-#undef RATTR
-#else
-#define ROWS_WIDE 0
-#endif
-
-typedef void (*dot_2x4_fn)(const float *const *x, const float *const *w, int64_t K, float out[2][4]);
-typedef void (*dot_1x4_fn)(const float *x, const float *const *w, int64_t K, float out[4]);
-typedef void (*dot_4x4_fn)(const float *const *x, const float *const *w, int64_t K, float out[4][4]);
-static dot_4x4_fn dot_4x4; /* NULL: rows go in pairs */
-static dot_2x4_fn dot_2x4 = dot_2x4_8;
-static dot_1x4_fn dot_1x4 = dot_1x4_8;
+static bool rows_wide; /* the AVX-512 kernel: KILN_OPT_ROWS_AVX512 and a CPU with AVX-512F */
 static pthread_once_t rows_once = PTHREAD_ONCE_INIT;
 
-/* KILN_OPT_ROWS_AVX512, where the CPU has AVX-512F; then KILN_OPT_ROWS_QUAD. */
 static void rows_pick(void)
 {
-#if ROWS_WIDE
+#if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
-    if (kiln__opt(KILN__OPT_ROWS_AVX512) && __builtin_cpu_supports("avx512f")) {
-        dot_2x4 = dot_2x4_16;
-        dot_1x4 = dot_1x4_16;
-        if (kiln__opt(KILN__OPT_ROWS_QUAD)) dot_4x4 = dot_4x4_16;
-    }
+    rows_wide = kiln__opt(KILN__OPT_ROWS_AVX512) && __builtin_cpu_supports("avx512f");
 #endif
 }
 
-/* Rows of a go in fours where dot_4x4 is on, then in pairs, for eight independent sums
- * in flight, and an odd last row of a tile through dot_1x4 (a last block of w repeats its last row); each element is
- * summed by the same sequence of operations wherever it sits. */
-static void rows_range(void *c, int64_t b, int64_t e)
-{
-    const rows_ctx *k = c;
-    int64_t K = k->K;
-    for (int64_t m0 = 0; m0 < k->M; m0 += k->tile) {
-        int64_t m1 = m0 + k->tile < k->M ? m0 + k->tile : k->M;
-        for (int64_t blk = b; blk < e; blk++) {
-            int64_t n0 = blk * 4;
-            const float *w[4];
-            for (int j = 0; j < 4; j++) w[j] = k->w + (n0 + j < k->N ? n0 + j : k->N - 1) * K;
-            int64_t m = m0;
-            if (dot_4x4)
-                for (; m + 4 <= m1; m += 4) {
-                    float o[4][4];
-                    dot_4x4((const float *[4]){k->a + m * K, k->a + (m + 1) * K, k->a + (m + 2) * K, k->a + (m + 3) * K},
-                            w, K, o);
-                    for (int r = 0; r < 4; r++)
-                        for (int j = 0; j < 4 && n0 + j < k->N; j++) k->out[(m + r) * k->N + n0 + j] = o[r][j];
-                }
-            for (; m < m1; m += 2) {
-                float o[2][4];
-                if (m + 1 < m1) dot_2x4((const float *[2]){k->a + m * K, k->a + (m + 1) * K}, w, K, o);
-                else dot_1x4(k->a + m * K, w, K, o[0]);
-                for (int r = 0; r < 2 && m + r < m1; r++)
-                    for (int j = 0; j < 4 && n0 + j < k->N; j++) k->out[(m + r) * k->N + n0 + j] = o[r][j];
-            }
-        }
-    }
-}
-
-kiln_status kiln__cpu_matmul_rows(K_ARGS)
-{
-    kiln_tensor_t *ta, *tw, *ca = cpu_contig(in[0], &ta), *cw = cpu_contig(in[1], &tw);
-    kiln_status s = ca && cw ? KILN_OK : kiln_last_status();
-    if (s == KILN_OK) {
-        rows_ctx k = {kiln__data(ca), kiln__data(cw), kiln__data(out[0]), ca->shape[0], cw->shape[0], ca->shape[1], 0};
-        pthread_once(&rows_once, rows_pick);
-        /* KILN_OPT_ROWS_TILE: rows of a in tiles of about 128 KiB (L2-resident), each
-         * tile over all of this thread's blocks of w; else all rows per block. */
-        k.tile = k.M;
-        if (kiln__opt(KILN__OPT_ROWS_TILE)) {
-            k.tile = (128 << 10) / (4 * (k.K ? k.K : 1)) / 2 * 2;
-            if (k.tile < 16) k.tile = 16;
-        }
-        int64_t blocks = (k.N + 3) / 4, work = k.M * k.K * 4;
-        kiln__parallel_for(blocks, 1 + CPU_GRAIN * 4 / (work ? work : 1), rows_range, &k);
-    }
-    kiln_tensor_free(ta);
-    kiln_tensor_free(tw);
-    return s;
-}
-
-/* ---- matmul_rows_packed: out (M,N) = a (M,K) times w packed in panels ---- */
 typedef struct {
     const float *a, *w;
     float *out;
@@ -338,7 +200,8 @@ typedef struct {
 #undef KBCAST
 #undef KATTR
 
-#if ROWS_WIDE
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ROWS_WIDE 1
 /* Sixteen lanes: tiles of 8 rows by three panels, 24 of the 32 registers. */
 #define KV v16
 #define KSFX p16
@@ -353,6 +216,8 @@ typedef struct {
 #undef KMR
 #undef KBCAST
 #undef KATTR
+#else
+#define ROWS_WIDE 0
 #endif
 
 kiln_status kiln__cpu_matmul_rows_packed(K_ARGS)
@@ -366,7 +231,7 @@ kiln_status kiln__cpu_matmul_rows_packed(K_ARGS)
         kiln__range_fn fn = packed_range_p8;
         int64_t group = 1;
 #if ROWS_WIDE
-        if (dot_2x4 == dot_2x4_16) { /* the AVX-512 family was picked */
+        if (rows_wide) {
             fn = packed_range_p16;
             group = 3;
         }
