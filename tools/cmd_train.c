@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include <sys/stat.h>
 #include <time.h>
 #include "cli.h"
@@ -311,7 +312,7 @@ int cmd_train(int argc, char **argv)
         {"context", OPT_INT, &a.context, "context length T"},
         {"ffn", OPT_INT, &a.ffn, "MLP hidden width; 0 = model default"},
         {"dropout", OPT_DOUBLE, &a.dropout, "dropout probability in training"},
-        {"batch", OPT_INT, &a.batch, "sequences per micro-batch B"},
+        {"batch", OPT_INT, &a.batch, "sequences per micro-batch B, all ranks together (each rank takes B / world)"},
         {"accum", OPT_INT, &a.accum, "micro-batches per step (gradient accumulation)"},
         {"steps", OPT_INT, &a.steps, "optimizer steps in total"},
         {"optimizer", OPT_STRING, &a.optimizer, "adamw or sgd"},
@@ -327,7 +328,7 @@ int cmd_train(int argc, char **argv)
         {"log-every", OPT_INT, &a.log_every, "steps between progress lines"},
         {"val-fraction", OPT_DOUBLE, &a.val_fraction, "tail of the corpus kept for validation"},
         {"seed", OPT_INT, &a.seed, "seed for weights, batches and dropout"},
-        {"threads", OPT_INT, &a.threads, "threads; 0 = all cores ($KILN_NUM_THREADS)"},
+        {"threads", OPT_INT, &a.threads, "threads per rank; 0 = the cores over the ranks on this machine ($KILN_NUM_THREADS)"},
         {"resume", OPT_FLAG, &a.resume, "continue from the checkpoint in --out"},
         {"quiet", OPT_FLAG, &a.quiet, "only errors and the final summary"},
         {NULL, 0, NULL, NULL},
@@ -357,11 +358,20 @@ int cmd_train(int argc, char **argv)
         return cli_fail("train", "--batch, --accum, --context, --eval-batches, --log-every must be >= 1, --steps >= 0, "
                                  "--lr > 0, --min-lr >= 0");
     if (strcmp(a.optimizer, "adamw") && strcmp(a.optimizer, "sgd")) return cli_fail("train", "--optimizer must be adamw or sgd");
+    /* N ranks on one machine share its cores rather than each taking all of them. */
+    int local = kiln_pg_local_size_from_env();
+    if (a.threads == 0 && !getenv("KILN_NUM_THREADS") && local > 1) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        a.threads = cores / local > 1 ? cores / local : 1;
+    }
     kiln_init((int)a.threads);
 
     kiln_pg_t *pg;
     if (kiln_pg_new_from_env(&pg) != KILN_OK) return cli_fail("train", NULL);
     int rank = kiln_pg_rank(pg), world = kiln_pg_world_size(pg);
+    if (a.batch % world)
+        return cli_fail("train", "--batch is the batch of all ranks together and must be a multiple of the world size");
+    int64_t rank_batch = a.batch / world;
     if (mkdir_p(a.out) != KILN_OK) return cli_fail("train", NULL);
 
     char *text;
@@ -421,21 +431,26 @@ int cmd_train(int argc, char **argv)
                     (long long)start);
             return 1;
         }
-        if (!a.quiet) printf("resumed %s at step %lld\n", a.out, (long long)start);
+        if (!a.quiet && rank == 0) printf("resumed %s at step %lld\n", a.out, (long long)start);
     }
-    write_run_info(a.out, unigram, tok_kind, &cfg, &a);
+    if (rank == 0) write_run_info(a.out, unigram, tok_kind, &cfg, &a);
     char *metrics_path = join(a.out, RUN_METRICS), *chart_path = join(a.out, RUN_CHART);
     kiln_metrics_t *metrics = NULL;
     if (rank == 0 && a.resume && keep_metrics_upto(metrics_path, start) != KILN_OK) return cli_fail("train", NULL);
     if (rank == 0 && kiln_metrics_open(metrics_path, a.resume, &metrics) != KILN_OK) return cli_fail("train", NULL);
 
-    int64_t tokens_per_step = a.batch * a.context * a.accum * world;
-    if (!a.quiet)
+    int64_t tokens_per_step = a.batch * a.context * a.accum;
+    /* Every rank starts from rank 0's parameters (the same seed gives them anyway; this
+     * makes it so whatever was loaded). */
+    for (int i = 0; s == KILN_OK && world > 1 && i < np; i++) s = kiln_pg_broadcast(pg, params[i], 0);
+    if (s != KILN_OK) return cli_fail("train", NULL);
+    if (!a.quiet && rank == 0)
         printf("kiln train: %s model, %d layers, C=%d, %d heads (%d kv), T=%d, vocab %d (%s), %.2fM parameters\n"
-               "            %zu train / %zu val tokens, %lld tokens per step, %d thread(s), unigram baseline %.3f nats\n",
+               "            %zu train / %zu val tokens, %lld tokens per step, %d rank(s) x %d thread(s), unigram "
+               "baseline %.3f nats\n",
                a.model, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.block_size, vocab, tok_kind,
                (double)kiln_gpt_param_elements(m) / 1e6, kiln_dataset_len(ds, KILN_SPLIT_TRAIN),
-               kiln_dataset_len(ds, KILN_SPLIT_VAL), (long long)tokens_per_step, kiln_num_threads(), unigram);
+               kiln_dataset_len(ds, KILN_SPLIT_VAL), (long long)tokens_per_step, world, kiln_num_threads(), unigram);
 
     double t_begin = now_s(), val = NAN;
     int64_t timed = 0;
@@ -444,7 +459,7 @@ int cmd_train(int argc, char **argv)
         for (int64_t micro = 0; micro < a.accum && s == KILN_OK; micro++) {
             kiln_scope_begin();
             kiln_tensor_t *x, *y, *loss;
-            s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, (int)a.batch, (int)a.context, (uint64_t)a.seed,
+            s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, (int)rank_batch, (int)a.context, (uint64_t)a.seed,
                                    step * a.accum + micro, rank, world, &x, &y);
             if (s == KILN_OK && !kiln_gpt_forward(m, x, y, true, &loss)) s = kiln_last_status();
             double v = 0;
@@ -455,6 +470,14 @@ int cmd_train(int argc, char **argv)
         }
         for (int i = 0; s == KILN_OK && i < np; i++)
             if (kiln_tensor_grad(params[i])) s = kiln_pg_allreduce(pg, kiln_tensor_grad(params[i]), KILN_REDUCE_AVG);
+        if (s == KILN_OK && world > 1) { /* the loss of the whole batch: the mean of the ranks' equal shares */
+            kiln_scope_begin();
+            int64_t one = 1;
+            kiln_tensor_t *l = kiln_from_data(&loss_sum, &one, 1, KILN_DTYPE_F64);
+            s = l ? kiln_pg_allreduce(pg, l, KILN_REDUCE_AVG) : kiln_last_status();
+            if (s == KILN_OK) s = kiln_tensor_to_host(l, &loss_sum, sizeof loss_sum);
+            kiln_scope_end();
+        }
         double gnorm = 0;
         if (s == KILN_OK) s = kiln_clip_grad_norm(params, np, a.clip, &gnorm);
         if (s == KILN_OK) s = kiln_optim_step(opt, lr);

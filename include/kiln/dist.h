@@ -20,8 +20,14 @@ typedef enum { KILN_REDUCE_SUM, KILN_REDUCE_AVG } kiln_reduce_op;
 typedef struct kiln_pg kiln_pg_t;
 
 /* world_size and rank from KILN_WORLD_SIZE / KILN_RANK or an MPI launcher's variables;
- * 1 and 0 when none is set. */
+ * 1 and 0 when none is set. Launched by mpirun (or srun --mpi) with more than one
+ * rank, the group is MPI's world (builds with MPI only); a world size above 1 without
+ * an MPI launcher is an error for now (the TCP rendezvous is not built yet). */
 kiln_status kiln_pg_new_from_env(kiln_pg_t **out);
+/* Ranks on this machine, from the launcher (KILN_LOCAL_WORLD_SIZE,
+ * OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE); 1 if none says:
+ * what to divide the cores by, so that N ranks do not oversubscribe them. */
+int kiln_pg_local_size_from_env(void);
 void kiln_pg_free(kiln_pg_t *pg);
 int kiln_pg_rank(const kiln_pg_t *pg);
 int kiln_pg_world_size(const kiln_pg_t *pg);

@@ -1,0 +1,101 @@
+"""Data-parallel `kiln train` under Open MPI's mpirun, against the one-process run.
+
+Oracle: the same command on one process (world_size 1) over the same global batch.
+With N ranks each takes batch/N rows of every global batch and the gradients are
+averaged, so the losses match one process within float reassociation: the mean loss
+of N equal shares against the mean over all rows, and gradients summed in another
+order. Tolerance 1e-5 relative on every logged loss over 8 AdamW steps (measured
+differences are about 1e-7). Two runs at the same N must give bitwise the same
+losses. A world size above 1 without an MPI launcher must fail with an error that
+says to use mpirun, and a batch that does not split evenly must be refused.
+
+Exits 77 (skip) when mpirun is missing or the kiln build has no MPI.
+  python3 tests/dist/test_dist_train.py --kiln build/kiln --workdir DIR
+"""
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
+SKIP = 77
+
+
+def args():
+    p = argparse.ArgumentParser()
+    p.add_argument("--kiln", required=True)
+    p.add_argument("--workdir", required=True)
+    return p.parse_args()
+
+
+def corpus(path):
+    r = random.Random(5)
+    words = "in the beginning god created heaven and earth and the earth was without form and void".split()
+    with open(path, "w") as f:
+        f.write("\n".join(" ".join(r.choice(words) for _ in range(12)) for _ in range(3000)))
+
+
+def train(kiln, data, out, ranks, extra=(), env=None):
+    cmd = [kiln, "train", "--data", data, "--out", out, "--model", "gpt2", "--layers", "2", "--width", "64",
+           "--heads", "4", "--context", "32", "--batch", "8", "--steps", "8", "--log-every", "1",
+           "--eval-every", "1000", "--seed", "3", "--quiet", *extra]
+    if ranks > 1:
+        cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", str(ranks), *cmd]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env)
+
+
+def losses(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [json.loads(line)["loss"] for line in f if line.strip()]
+
+
+def main():
+    a = args()
+    if not shutil.which("mpirun"):
+        print("skip: mpirun not found (apt-get install openmpi-bin libopenmpi-dev)")
+        return SKIP
+    os.makedirs(a.workdir, exist_ok=True)
+    data = os.path.join(a.workdir, "corpus.txt")
+    corpus(data)
+    env = dict(os.environ, KILN_WORLD_SIZE="2", KILN_RANK="0")
+    r = train(a.kiln, data, os.path.join(a.workdir, "nompi"), 1, env=env)
+    if "built without MPI" in r.stderr:
+        print("skip: this kiln was built without MPI")
+        return SKIP
+    failed = 0
+
+    def check(ok, what):
+        nonlocal failed
+        print(("ok   " if ok else "FAIL ") + what)
+        failed += not ok
+
+    check(r.returncode != 0 and "mpirun" in r.stderr,
+          f"world size 2 without a launcher is refused and names mpirun: {r.stderr.strip()[:160]}")
+    one = os.path.join(a.workdir, "w1")
+    r = train(a.kiln, data, one, 1)
+    check(r.returncode == 0, f"one process trains ({r.stderr.strip()[:200]})")
+    want = losses(one)
+    check(len(want) == 8, "one process logs 8 losses")
+    for n in (2, 4):
+        outs = [os.path.join(a.workdir, f"w{n}-{k}") for k in (0, 1)]
+        got = []
+        for out in outs:
+            r = train(a.kiln, data, out, n)
+            check(r.returncode == 0, f"mpirun -np {n} trains ({r.stderr.strip()[-300:]})")
+            got.append(losses(out) if r.returncode == 0 else [])
+        if not all(len(g) == 8 for g in got):
+            check(False, f"mpirun -np {n} logs 8 losses")
+            continue
+        worst = max(abs(x - y) / abs(y) for x, y in zip(got[0], want))
+        check(worst <= 1e-5, f"-np {n} matches one process: worst relative difference {worst:.2e} (tolerance 1e-5)")
+        check(got[0] == got[1], f"two -np {n} runs give bitwise the same losses")
+    r = train(a.kiln, data, os.path.join(a.workdir, "odd"), 2, extra=("--batch", "7"))
+    check(r.returncode != 0 and "multiple of the world size" in r.stderr, "a batch of 7 on 2 ranks is refused")
+    print(f"{'FAILED' if failed else 'passed'}: {failed} check(s) failed")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+# Data-parallel training under mpirun against one process (tests/dist/). Exit code 77
+# is a skip (no mpirun, or a kiln built without MPI), never a pass. Under the ASan
+# build, Open MPI's own lifetime allocations are suppressed (tests/dist/lsan.supp); its
+# plugins stay loaded so that their frames can be matched.
+if(KILN_PYTHON3)
+  add_test(NAME dist_train COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_train.py
+           --kiln $<TARGET_FILE:kiln_tool> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
+  set_tests_properties(dist_train PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600
+                       ENVIRONMENT "OMPI_MCA_mca_base_component_disable_dlclose=1;LSAN_OPTIONS=suppressions=${CMAKE_SOURCE_DIR}/tests/dist/lsan.supp:fast_unwind_on_malloc=0")
+endif()
