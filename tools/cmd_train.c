@@ -470,6 +470,7 @@ int cmd_train(int argc, char **argv)
         }
         for (int i = 0; s == KILN_OK && i < np; i++)
             if (kiln_tensor_grad(params[i])) s = kiln_pg_allreduce(pg, kiln_tensor_grad(params[i]), KILN_REDUCE_AVG);
+        if (s == KILN_OK) s = kiln_pg_check_step(pg); /* every rank ran the same collectives this step */
         if (s == KILN_OK && world > 1) { /* the loss of the whole batch: the mean of the ranks' equal shares */
             kiln_scope_begin();
             int64_t one = 1;

@@ -18,6 +18,7 @@ extern "C" {
 
 typedef enum { KILN_REDUCE_SUM, KILN_REDUCE_AVG } kiln_reduce_op;
 typedef struct kiln_pg kiln_pg_t;
+typedef struct kiln_pg_work kiln_pg_work_t; /* a collective in flight */
 
 /* world_size and rank from KILN_WORLD_SIZE / KILN_RANK or an MPI launcher's variables;
  * 1 and 0 when none is set. Launched by mpirun (or srun --mpi) with more than one
@@ -31,10 +32,30 @@ int kiln_pg_local_size_from_env(void);
 void kiln_pg_free(kiln_pg_t *pg);
 int kiln_pg_rank(const kiln_pg_t *pg);
 int kiln_pg_world_size(const kiln_pg_t *pg);
-/* In place over every rank. Each call carries a sequence number. */
-kiln_status kiln_pg_allreduce(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op);
+/* Collectives over every rank, on contiguous f32 or f64 cpu tensors. Each carries a
+ * sequence number and a signature (op, dtype, count, reduce op); each waits at most
+ * KILN_DIST_TIMEOUT seconds (default 300), then fails with KILN_ERR_DIST naming the
+ * ranks that lag, and writes this rank's recent collectives to
+ * $KILN_DIST_DUMP_DIR/kiln-dist-rank<R>.txt. With KILN_DIST_DEBUG=1 the ranks compare
+ * each signature before it runs. After any such error the group takes no more. Calls
+ * from several threads are serialized. */
+kiln_status kiln_pg_allreduce(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op); /* in place */
 kiln_status kiln_pg_broadcast(kiln_pg_t *pg, kiln_tensor_t *t, int root);
 kiln_status kiln_pg_barrier(kiln_pg_t *pg);
+/* out (world x in's elements) = every rank's in, in rank order. */
+kiln_status kiln_pg_allgather(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out);
+/* out (in's elements / world) = rank r's block of the reduction of every rank's in. */
+kiln_status kiln_pg_reduce_scatter(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out, kiln_reduce_op op);
+/* allreduce started now and finished by kiln_pg_work_wait (which frees work);
+ * kiln_pg_work_test says whether it has finished, without waiting. t must not be
+ * touched until then. */
+kiln_status kiln_pg_allreduce_async(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op, kiln_pg_work_t **work);
+kiln_status kiln_pg_work_test(kiln_pg_work_t *work, bool *done);
+kiln_status kiln_pg_work_wait(kiln_pg_work_t *work);
+/* Compares, across ranks, the number of collectives so far and a hash of their
+ * signatures; a difference is KILN_ERR_DIST naming each rank's figures. kiln train
+ * calls it once per step. */
+kiln_status kiln_pg_check_step(kiln_pg_t *pg);
 /* Collectives issued so far. */
 uint64_t kiln_pg_seq(const kiln_pg_t *pg);
 

@@ -51,6 +51,7 @@ typedef enum {
     KILN_ERR_INTERNAL = -11,   /* a broken invariant in kiln itself: please report */
     KILN_ERR_BUSY = -12,       /* a queue or pool that is full: try again later */
     KILN_ERR_CANCELLED = -13,  /* work stopped because its caller asked */
+    KILN_ERR_DIST = -14,       /* a collective that failed, timed out, or ran in another order on another rank */
 } kiln_status;
 
 typedef enum {

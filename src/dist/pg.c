@@ -2,15 +2,30 @@
  * nothing but still count; several processes launched by mpirun or srun form an MPI
  * group (Open MPI from Debian), whose collectives are MPI's on host buffers. Open MPI
  * because it is the well-kept, packaged implementation of the standard that every
- * cluster launcher speaks; kiln adds the checks MPI leaves out (names in errors, the
- * sequence count), not another transport.
+ * cluster launcher speaks; kiln adds what MPI leaves out, not another transport:
+ *
+ * - every collective has a sequence number and a signature (op, dtype, count, reduce
+ *   op, tag); a running hash of the signatures is compared across ranks once per step
+ *   (kiln_pg_check_step), and before every collective with KILN_DIST_DEBUG=1, so that
+ *   collectives issued in different orders are an error that names each rank's
+ *   signature rather than a hang or a silently wrong sum;
+ * - every collective runs as MPI's nonblocking form polled against a deadline
+ *   (KILN_DIST_TIMEOUT seconds, default 300); at the deadline the rank writes its ring
+ *   buffer of recent collectives to a file, asks the other ranks where they are (over
+ *   a second communicator that a rank waiting in a collective keeps answering), and
+ *   fails with an error that names the ranks that lag or do not answer.
+ *
+ * Collectives are serialized per process (MPI_THREAD_SERIALIZED): two threads may
+ * issue them, and their order is what the guard checks.
  *
  * MPI is used only when the build found it (KILN_HAVE_MPI) and the process was
  * launched by an MPI launcher; a world size above 1 without one is a clear error, as
  * is asking for it in a build without MPI. */
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <unistd.h>
 #include "core/tensor_impl.h"
 #include "kiln/dist.h"
@@ -19,12 +34,49 @@
 #include <mpi.h>
 #endif
 
+enum { OP_ALLREDUCE = 1, OP_BROADCAST, OP_BARRIER, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_COUNT };
+static const char *const op_names[OP_COUNT] = {"?", "allreduce", "broadcast", "barrier", "allgather", "reduce_scatter"};
+
+/* What a collective is, as every rank must agree on it. */
+typedef struct {
+    uint64_t seq, count;
+    uint32_t op, dtype, reduce, tag; /* reduce: kiln_reduce_op, or the root of a broadcast */
+} sig;
+
+#define RING 64
+
 struct kiln_pg {
     int rank, world;
-    uint64_t seq;
-    bool mpi;         /* collectives go through MPI_COMM_WORLD */
-    bool mpi_started; /* kiln called MPI_Init_thread, so it calls MPI_Finalize */
+    uint64_t seq, hash;
+    bool mpi, mpi_started, debug;
+    bool broken; /* a collective failed or ran out of order: the group takes no more */
+    bool left;   /* and a request was left posted: MPI_Finalize would wait for it */
+    double timeout;
+    pthread_mutex_t mu; /* one collective at a time in this process */
+    sig ring[RING];
+    double ring_t[RING];
+#ifdef KILN_HAVE_MPI
+    MPI_Comm comm, mon; /* collectives; the where-are-you queries at a deadline */
+#endif
 };
+
+struct kiln_pg_work {
+    kiln_pg_t *pg;
+    sig s;
+    kiln_tensor_t *t; /* scaled after the sum, for an average */
+    bool avg, done;
+    kiln_status status;
+#ifdef KILN_HAVE_MPI
+    MPI_Request req;
+#endif
+};
+
+static double now_s(void)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
+}
 
 static int env_int(const char *const *names, int dflt)
 {
@@ -47,15 +99,197 @@ int kiln_pg_local_size_from_env(void)
     return n >= 1 ? n : 1;
 }
 
-#ifdef KILN_HAVE_MPI
-/* An MPI failure as a kiln error that names the rank, the op and MPI's own words. */
-static kiln_status mpi_fail(const kiln_pg_t *pg, const char *op, int code)
+static uint64_t mix(uint64_t x)
 {
-    char msg[MPI_MAX_ERROR_STRING] = "";
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    return x ^ (x >> 33);
+}
+
+static uint64_t sig_hash(const sig *s)
+{
+    return mix(s->count ^ mix(((uint64_t)s->op << 48) ^ ((uint64_t)s->dtype << 40) ^ ((uint64_t)s->reduce << 32) ^ s->tag));
+}
+
+static void sig_str(const sig *s, char *buf, size_t n)
+{
+    const char *op = s->op < OP_COUNT ? op_names[s->op] : "?";
+    if (s->op == OP_BARRIER) snprintf(buf, n, "#%llu barrier", (unsigned long long)s->seq);
+    else if (s->op == OP_BROADCAST)
+        snprintf(buf, n, "#%llu broadcast %s x %llu from rank %u", (unsigned long long)s->seq,
+                 kiln_dtype_name((kiln_dtype)s->dtype), (unsigned long long)s->count, s->reduce);
+    else
+        snprintf(buf, n, "#%llu %s %s x %llu %s%s", (unsigned long long)s->seq, op, kiln_dtype_name((kiln_dtype)s->dtype),
+                 (unsigned long long)s->count, s->op == OP_ALLGATHER ? "" : s->reduce == KILN_REDUCE_AVG ? "avg" : "sum",
+                 s->tag ? " (tagged)" : "");
+}
+
+/* Under pg->mu: numbers the collective and folds it into the step hash and the ring. */
+static void record(kiln_pg_t *pg, sig *s)
+{
+    s->seq = ++pg->seq;
+    pg->hash = mix(pg->hash ^ sig_hash(s));
+    pg->ring[s->seq % RING] = *s;
+    pg->ring_t[s->seq % RING] = now_s();
+}
+
+#ifdef KILN_HAVE_MPI
+enum { TAG_QUERY = 7001, TAG_ANSWER = 7002 };
+
+static kiln_status mpi_fail(kiln_pg_t *pg, const sig *s, int code)
+{
+    char msg[MPI_MAX_ERROR_STRING] = "", what[160];
     int len = 0;
     MPI_Error_string(code, msg, &len);
-    return kiln_error(KILN_ERR_IO, "%s (collective %llu) failed on rank %d of %d: %s", op,
-                      (unsigned long long)pg->seq, pg->rank, pg->world, msg);
+    sig_str(s, what, sizeof what);
+    pg->broken = pg->left = true;
+    return kiln_error(KILN_ERR_DIST, "collective %s failed on rank %d of %d: %s", what, pg->rank, pg->world, msg);
+}
+
+/* Answers other ranks' where-are-you queries with this rank's current collective. */
+static void serve_queries(kiln_pg_t *pg, const sig *cur)
+{
+    for (;;) {
+        int flag = 0;
+        MPI_Status st;
+        MPI_Iprobe(MPI_ANY_SOURCE, TAG_QUERY, pg->mon, &flag, &st);
+        if (!flag) return;
+        int dummy;
+        MPI_Recv(&dummy, 1, MPI_INT, st.MPI_SOURCE, TAG_QUERY, pg->mon, MPI_STATUS_IGNORE);
+        uint64_t ans[6] = {cur->seq, cur->count, cur->op, cur->dtype, cur->reduce, cur->tag};
+        MPI_Send(ans, 6, MPI_UINT64_T, st.MPI_SOURCE, TAG_ANSWER, pg->mon);
+    }
+}
+
+/* The ring buffer of recent collectives, to DIR/kiln-dist-rank<R>.txt (KILN_DIST_DUMP_DIR,
+ * default the working directory); path gets the file's name. */
+static void dump_ring(kiln_pg_t *pg, char *path, size_t n)
+{
+    const char *dir = getenv("KILN_DIST_DUMP_DIR");
+    snprintf(path, n, "%s/kiln-dist-rank%d.txt", dir && *dir ? dir : ".", pg->rank);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        snprintf(path, n, "(not written: %s)", dir && *dir ? dir : ".");
+        return;
+    }
+    fprintf(f, "rank %d of %d: the last collectives, oldest first (t = seconds since the first listed)\n", pg->rank,
+            pg->world);
+    uint64_t first = pg->seq > RING ? pg->seq - RING + 1 : 1;
+    double t0 = pg->ring_t[first % RING];
+    for (uint64_t q = first; q <= pg->seq; q++) {
+        char w[160];
+        sig_str(&pg->ring[q % RING], w, sizeof w);
+        fprintf(f, "%10.6f  %s%s\n", pg->ring_t[q % RING] - t0, w, q == pg->seq ? "   <- waiting here" : "");
+    }
+    fclose(f);
+}
+
+/* At the deadline: where is everyone? One line per other rank into msg. */
+static void ask_peers(kiln_pg_t *pg, const sig *cur, char *msg, size_t n)
+{
+    int q = 0;
+    MPI_Request *reqs = calloc((size_t)pg->world, sizeof *reqs);
+    uint64_t(*ans)[6] = calloc((size_t)pg->world, sizeof *ans);
+    bool *got = calloc((size_t)pg->world, sizeof *got);
+    if (!reqs || !ans || !got) {
+        snprintf(msg, n, " (out of memory asking the other ranks)");
+        free(reqs), free(ans), free(got);
+        return;
+    }
+    for (int r = 0; r < pg->world; r++)
+        if (r != pg->rank) {
+            MPI_Send(&q, 1, MPI_INT, r, TAG_QUERY, pg->mon);
+            MPI_Irecv(ans[r], 6, MPI_UINT64_T, r, TAG_ANSWER, pg->mon, &reqs[r]);
+        } else {
+            reqs[r] = MPI_REQUEST_NULL;
+        }
+    double until = now_s() + 2.0;
+    while (now_s() < until) {
+        serve_queries(pg, cur);
+        bool all = true;
+        for (int r = 0; r < pg->world; r++) {
+            if (r == pg->rank || got[r]) continue;
+            int flag = 0;
+            MPI_Test(&reqs[r], &flag, MPI_STATUS_IGNORE);
+            got[r] = flag;
+            all &= got[r];
+        }
+        if (all) break;
+        usleep(1000);
+    }
+    size_t used = 0;
+    for (int r = 0; r < pg->world && used < n; r++) {
+        if (r == pg->rank) continue;
+        char w[160];
+        if (got[r]) {
+            sig s = {ans[r][0], ans[r][1], (uint32_t)ans[r][2], (uint32_t)ans[r][3], (uint32_t)ans[r][4], (uint32_t)ans[r][5]};
+            sig_str(&s, w, sizeof w);
+            used += (size_t)snprintf(msg + used, n - used, "; rank %d waits in %s%s", r, w,
+                                     s.seq < cur->seq ? " (behind: it lags)" : s.seq > cur->seq ? " (ahead)" : "");
+        } else {
+            used += (size_t)snprintf(msg + used, n - used, "; rank %d did not answer in 2 s (it lags: busy outside a "
+                                     "collective, stuck, or gone)", r);
+            MPI_Cancel(&reqs[r]);
+        }
+    }
+    free(reqs), free(ans), free(got);
+}
+
+/* Polls req until it completes or the deadline passes. */
+static kiln_status wait_req(kiln_pg_t *pg, MPI_Request *req, const sig *s)
+{
+    double deadline = now_s() + pg->timeout;
+    for (unsigned spins = 0;; spins++) {
+        int flag = 0;
+        int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
+        if (rc != MPI_SUCCESS) return mpi_fail(pg, s, rc);
+        if (flag) return KILN_OK;
+        if ((spins & 255) == 255) {
+            serve_queries(pg, s);
+            if (now_s() > deadline) {
+                char path[512], who[2048] = "", what[160];
+                dump_ring(pg, path, sizeof path);
+                ask_peers(pg, s, who, sizeof who);
+                sig_str(s, what, sizeof what);
+                pg->broken = pg->left = true; /* the request stays posted */
+                return kiln_error(KILN_ERR_DIST, "collective timeout: rank %d of %d waited %g s (KILN_DIST_TIMEOUT) in %s%s; "
+                                  "its recent collectives are in %s", pg->rank, pg->world, pg->timeout, what, who, path);
+            }
+            if (spins > 100000) usleep(50);
+        }
+    }
+}
+
+/* KILN_DIST_DEBUG: every rank shows the others the collective it is about to run. */
+static kiln_status check_sig(kiln_pg_t *pg, const sig *s)
+{
+    uint64_t mine[6] = {s->seq, s->count, s->op, s->dtype, s->reduce, s->tag};
+    uint64_t *all = malloc(sizeof(uint64_t) * 6 * (size_t)pg->world);
+    if (!all) return kiln_error(KILN_ERR_OOM, "collective check: out of memory");
+    MPI_Request req;
+    sig chk = {s->seq, 6, OP_ALLGATHER, KILN_DTYPE_I64, 0, 0xc4ec};
+    int rc = MPI_Iallgather(mine, 6, MPI_UINT64_T, all, 6, MPI_UINT64_T, pg->comm, &req);
+    kiln_status st = rc == MPI_SUCCESS ? wait_req(pg, &req, &chk) : mpi_fail(pg, &chk, rc);
+    bool same = true;
+    for (int r = 1; st == KILN_OK && r < pg->world; r++) same &= !memcmp(all, all + 6 * r, sizeof mine);
+    if (st == KILN_OK && !same) {
+        char msg[2048];
+        size_t used = 0;
+        for (int r = 0; r < pg->world && used < sizeof msg; r++) {
+            uint64_t *a = all + 6 * r;
+            sig o = {a[0], a[1], (uint32_t)a[2], (uint32_t)a[3], (uint32_t)a[4], (uint32_t)a[5]};
+            char w[160];
+            sig_str(&o, w, sizeof w);
+            used += (size_t)snprintf(msg + used, sizeof msg - used, "%s rank %d: %s", r ? ";" : "", r, w);
+        }
+        pg->broken = true;
+        st = kiln_error(KILN_ERR_DIST, "collectives issued in different orders on communicator world, at collective "
+                        "#%llu:%s", (unsigned long long)s->seq, msg);
+    }
+    free(all);
+    return st;
 }
 
 static kiln_status mpi_start(kiln_pg_t *pg, int want_world, int want_rank)
@@ -63,8 +297,8 @@ static kiln_status mpi_start(kiln_pg_t *pg, int want_world, int want_rank)
     int inited = 0, provided = 0;
     MPI_Initialized(&inited);
     if (!inited) {
-        if (MPI_Init_thread(NULL, NULL, MPI_THREAD_FUNNELED, &provided) != MPI_SUCCESS)
-            return kiln_error(KILN_ERR_IO, "process group: MPI_Init_thread failed (launched by mpirun?)");
+        if (MPI_Init_thread(NULL, NULL, MPI_THREAD_SERIALIZED, &provided) != MPI_SUCCESS)
+            return kiln_error(KILN_ERR_DIST, "process group: MPI_Init_thread failed (launched by mpirun?)");
         pg->mpi_started = true;
     }
     MPI_Comm_set_errhandler(MPI_COMM_WORLD, MPI_ERRORS_RETURN);
@@ -73,9 +307,15 @@ static kiln_status mpi_start(kiln_pg_t *pg, int want_world, int want_rank)
     if (pg->world != want_world || pg->rank != want_rank)
         return kiln_error(KILN_ERR_ARG, "process group: the launcher's environment says rank %d of %d, MPI says rank %d of %d",
                           want_rank, want_world, pg->rank, pg->world);
+    MPI_Comm_dup(MPI_COMM_WORLD, &pg->comm);
+    MPI_Comm_dup(MPI_COMM_WORLD, &pg->mon);
+    MPI_Comm_set_errhandler(pg->comm, MPI_ERRORS_RETURN);
+    MPI_Comm_set_errhandler(pg->mon, MPI_ERRORS_RETURN);
     pg->mpi = true;
     return KILN_OK;
 }
+
+static MPI_Datatype mpi_type(kiln_dtype dt) { return dt == KILN_DTYPE_F64 ? MPI_DOUBLE : MPI_FLOAT; }
 #endif
 
 kiln_status kiln_pg_new_from_env(kiln_pg_t **out)
@@ -85,10 +325,17 @@ kiln_status kiln_pg_new_from_env(kiln_pg_t **out)
     int world = env_int(world_vars, 1), rank = env_int(rank_vars, 0);
     if (world < 1 || rank < 0 || rank >= world)
         return kiln_error(KILN_ERR_ARG, "process group: rank %d and world size %d from the environment do not fit", rank, world);
+    const char *to = getenv("KILN_DIST_TIMEOUT");
+    double timeout = to && *to ? atof(to) : 300;
+    if (!(timeout > 0)) return kiln_error(KILN_ERR_ARG, "process group: KILN_DIST_TIMEOUT=%s is not a number of seconds > 0", to);
     kiln_pg_t *pg = calloc(1, sizeof *pg);
     if (!pg) return kiln_error(KILN_ERR_OOM, "process group: out of memory");
     pg->rank = rank;
     pg->world = world;
+    pg->timeout = timeout;
+    const char *dbg = getenv("KILN_DIST_DEBUG");
+    pg->debug = dbg && *dbg && strcmp(dbg, "0");
+    pthread_mutex_init(&pg->mu, NULL);
     kiln_status s = KILN_OK;
     if (world > 1) {
         bool launched_by_mpi = env_int(mpi_world_vars, 0) > 1;
@@ -116,12 +363,20 @@ void kiln_pg_free(kiln_pg_t *pg)
 {
     if (!pg) return;
 #ifdef KILN_HAVE_MPI
-    if (pg->mpi_started) {
+    /* A group left with a collective posted (a timeout, an order error) cannot be shut
+     * down cleanly: MPI_Finalize would wait for it. The process exits with its error
+     * and the launcher stops the others. */
+    if (pg->mpi && !pg->left) {
+        MPI_Comm_free(&pg->comm);
+        MPI_Comm_free(&pg->mon);
+    }
+    if (pg->mpi_started && !pg->left) {
         int done = 0;
         MPI_Finalized(&done);
         if (!done) MPI_Finalize();
     }
 #endif
+    pthread_mutex_destroy(&pg->mu);
     free(pg);
 }
 
@@ -130,73 +385,222 @@ int kiln_pg_world_size(const kiln_pg_t *pg) { return pg ? pg->world : 1; }
 uint64_t kiln_pg_seq(const kiln_pg_t *pg) { return pg ? pg->seq : 0; }
 
 /* The host buffer of a contiguous f32 or f64 tensor, or an error that says why not. */
-static kiln_status host_buffer(const char *op, kiln_tensor_t *t, void **data, int64_t *n, bool *f64)
+static kiln_status host_buffer(const char *op, kiln_tensor_t *t, void **data, int64_t *n)
 {
+    if (!t) return kiln_error(KILN_ERR_ARG, "%s: NULL tensor", op);
     if (t->dtype != KILN_DTYPE_F32 && t->dtype != KILN_DTYPE_F64)
         return kiln_error(KILN_ERR_DTYPE, "%s: %s tensors are not supported (f32 or f64)", op, kiln_dtype_name(t->dtype));
-    if (!kiln__is_contiguous(t))
-        return kiln_error(KILN_ERR_ARG, "%s: the tensor must be contiguous (it is reduced in place)", op);
+    if (!kiln__is_contiguous(t)) return kiln_error(KILN_ERR_ARG, "%s: the tensor must be contiguous", op);
     *data = kiln__data(t);
     *n = kiln_tensor_numel(t);
-    *f64 = t->dtype == KILN_DTYPE_F64;
+#ifdef KILN_HAVE_MPI
+    if (*n > 2147483647) return kiln_error(KILN_ERR_ARG, "%s: %lld elements is over MPI's int count", op, (long long)*n);
+#endif
     return KILN_OK;
+}
+
+/* Starts a collective: checks, numbers it, and (with MPI) posts it; w gets the work. */
+static kiln_status start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t *out, struct kiln_pg_work *w)
+{
+    memset(w, 0, sizeof *w);
+    w->pg = pg;
+    if (pg->broken)
+        return kiln_error(KILN_ERR_DIST, "process group: an earlier collective failed on rank %d; the group cannot be used",
+                          pg->rank);
+    void *din = NULL, *dout = NULL;
+    int64_t nin = 0, nout = 0;
+    kiln_status st = KILN_OK;
+    const char *op = op_names[s->op];
+    if (s->op != OP_BARRIER) st = host_buffer(op, in, &din, &nin);
+    if (st == KILN_OK && out && out != in) st = host_buffer(op, out, &dout, &nout);
+    if (st != KILN_OK) return st;
+    if (out && out != in && out->dtype != in->dtype)
+        return kiln_error(KILN_ERR_DTYPE, "%s: in is %s, out %s", op, kiln_dtype_name(in->dtype), kiln_dtype_name(out->dtype));
+    if (s->op == OP_ALLGATHER && nout != nin * pg->world)
+        return kiln_error(KILN_ERR_SHAPE, "allgather: out holds %lld elements, not world %d x in %lld", (long long)nout,
+                          pg->world, (long long)nin);
+    if (s->op == OP_REDUCE_SCATTER && nin != nout * pg->world)
+        return kiln_error(KILN_ERR_SHAPE, "reduce_scatter: in holds %lld elements, not world %d x out %lld", (long long)nin,
+                          pg->world, (long long)nout);
+    s->count = (uint64_t)nin;
+    s->dtype = s->op == OP_BARRIER ? 0 : (uint32_t)in->dtype;
+    record(pg, s);
+    w->s = *s;
+    if (!pg->mpi) { /* one rank: the data is already where it goes */
+        if (dout && dout != din) memcpy(dout, din, (size_t)nin * kiln_dtype_size(in->dtype));
+        w->done = true;
+        return KILN_OK;
+    }
+#ifdef KILN_HAVE_MPI
+    if (pg->debug && (st = check_sig(pg, s)) != KILN_OK) return st;
+    int rc = MPI_SUCCESS;
+    MPI_Datatype ty = s->op == OP_BARRIER ? MPI_BYTE : mpi_type(in->dtype);
+    switch (s->op) {
+    case OP_ALLREDUCE: rc = MPI_Iallreduce(MPI_IN_PLACE, din, (int)nin, ty, MPI_SUM, pg->comm, &w->req); break;
+    case OP_BROADCAST: rc = MPI_Ibcast(din, (int)nin, ty, (int)s->reduce, pg->comm, &w->req); break;
+    case OP_BARRIER: rc = MPI_Ibarrier(pg->comm, &w->req); break;
+    case OP_ALLGATHER: rc = MPI_Iallgather(din, (int)nin, ty, dout, (int)nin, ty, pg->comm, &w->req); break;
+    case OP_REDUCE_SCATTER:
+        rc = MPI_Ireduce_scatter_block(din, dout, (int)nout, ty, MPI_SUM, pg->comm, &w->req);
+        break;
+    }
+    if (rc != MPI_SUCCESS) return mpi_fail(pg, s, rc);
+#endif
+    return KILN_OK;
+}
+
+static kiln_status finish(struct kiln_pg_work *w)
+{
+    kiln_status st = KILN_OK;
+#ifdef KILN_HAVE_MPI
+    if (!w->done) st = wait_req(w->pg, &w->req, &w->s);
+#endif
+    w->done = true;
+    if (st == KILN_OK && w->avg && w->pg->world > 1) st = kiln_mul_scalar_(w->t, 1.0 / w->pg->world);
+    return st;
+}
+
+/* A blocking collective: start and finish under the lock. */
+static kiln_status run(kiln_pg_t *pg, sig s, kiln_tensor_t *in, kiln_tensor_t *out, kiln_tensor_t *avg_of)
+{
+    struct kiln_pg_work w;
+    pthread_mutex_lock(&pg->mu);
+    kiln_status st = start(pg, &s, in, out, &w);
+    if (st == KILN_OK) {
+        w.t = avg_of;
+        w.avg = avg_of != NULL;
+        st = finish(&w);
+    }
+    pthread_mutex_unlock(&pg->mu);
+    return st;
+}
+
+static kiln_status check_reduce(const char *op, kiln_reduce_op r)
+{
+    return r == KILN_REDUCE_SUM || r == KILN_REDUCE_AVG ? KILN_OK : kiln_error(KILN_ERR_ARG, "%s: unknown reduce op %d", op, r);
 }
 
 kiln_status kiln_pg_allreduce(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op)
 {
     if (!pg || !t) return kiln_error(KILN_ERR_ARG, "allreduce: NULL group or tensor");
-    if (op != KILN_REDUCE_SUM && op != KILN_REDUCE_AVG) return kiln_error(KILN_ERR_ARG, "allreduce: unknown reduce op %d", op);
-    void *data;
-    int64_t n;
-    bool f64;
-    kiln_status s = host_buffer("allreduce", t, &data, &n, &f64);
-    if (s != KILN_OK) return s;
-    pg->seq++;
-    if (!pg->mpi) return KILN_OK; /* one rank: sum and average leave it as it is */
-#ifdef KILN_HAVE_MPI
-    for (int64_t done = 0; done < n;) { /* MPI counts are int */
-        int c = n - done > (1 << 30) ? 1 << 30 : (int)(n - done);
-        char *p = (char *)data + done * (f64 ? 8 : 4);
-        int rc = MPI_Allreduce(MPI_IN_PLACE, p, c, f64 ? MPI_DOUBLE : MPI_FLOAT, MPI_SUM, MPI_COMM_WORLD);
-        if (rc != MPI_SUCCESS) return mpi_fail(pg, "allreduce", rc);
-        done += c;
-    }
-    if (op == KILN_REDUCE_AVG) return kiln_mul_scalar_(t, 1.0 / pg->world);
-#endif
-    return KILN_OK;
+    if (check_reduce("allreduce", op) != KILN_OK) return kiln_last_status();
+    return run(pg, (sig){0, 0, OP_ALLREDUCE, 0, op, 0}, t, NULL, op == KILN_REDUCE_AVG ? t : NULL);
 }
 
 kiln_status kiln_pg_broadcast(kiln_pg_t *pg, kiln_tensor_t *t, int root)
 {
     if (!pg || !t) return kiln_error(KILN_ERR_ARG, "broadcast: NULL group or tensor");
     if (root < 0 || root >= pg->world) return kiln_error(KILN_ERR_ARG, "broadcast: root %d outside the group", root);
-    void *data;
-    int64_t n;
-    bool f64;
-    kiln_status s = host_buffer("broadcast", t, &data, &n, &f64);
-    if (s != KILN_OK) return s;
-    pg->seq++;
-    if (!pg->mpi) return KILN_OK;
-#ifdef KILN_HAVE_MPI
-    for (int64_t done = 0; done < n;) {
-        int c = n - done > (1 << 30) ? 1 << 30 : (int)(n - done);
-        int rc = MPI_Bcast((char *)data + done * (f64 ? 8 : 4), c, f64 ? MPI_DOUBLE : MPI_FLOAT, root, MPI_COMM_WORLD);
-        if (rc != MPI_SUCCESS) return mpi_fail(pg, "broadcast", rc);
-        done += c;
-    }
-#endif
-    return KILN_OK;
+    return run(pg, (sig){0, 0, OP_BROADCAST, 0, (uint32_t)root, 0}, t, NULL, NULL);
 }
 
 kiln_status kiln_pg_barrier(kiln_pg_t *pg)
 {
     if (!pg) return kiln_error(KILN_ERR_ARG, "barrier: NULL group");
-    pg->seq++;
-#ifdef KILN_HAVE_MPI
-    if (pg->mpi) {
-        int rc = MPI_Barrier(MPI_COMM_WORLD);
-        if (rc != MPI_SUCCESS) return mpi_fail(pg, "barrier", rc);
+    return run(pg, (sig){0, 0, OP_BARRIER, 0, 0, 0}, NULL, NULL, NULL);
+}
+
+kiln_status kiln_pg_allgather(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out)
+{
+    if (!pg || !in || !out) return kiln_error(KILN_ERR_ARG, "allgather: NULL group or tensor");
+    if (in == out) return kiln_error(KILN_ERR_ARG, "allgather: in and out must be different tensors");
+    return run(pg, (sig){0, 0, OP_ALLGATHER, 0, 0, 0}, in, out, NULL);
+}
+
+kiln_status kiln_pg_reduce_scatter(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out, kiln_reduce_op op)
+{
+    if (!pg || !in || !out) return kiln_error(KILN_ERR_ARG, "reduce_scatter: NULL group or tensor");
+    if (in == out) return kiln_error(KILN_ERR_ARG, "reduce_scatter: in and out must be different tensors");
+    if (check_reduce("reduce_scatter", op) != KILN_OK) return kiln_last_status();
+    return run(pg, (sig){0, 0, OP_REDUCE_SCATTER, 0, op, 0}, in, out, op == KILN_REDUCE_AVG ? out : NULL);
+}
+
+kiln_status kiln_pg_allreduce_async(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op, kiln_pg_work_t **work)
+{
+    if (!work) return kiln_error(KILN_ERR_ARG, "allreduce_async: work is NULL");
+    *work = NULL;
+    if (!pg || !t) return kiln_error(KILN_ERR_ARG, "allreduce_async: NULL group or tensor");
+    if (check_reduce("allreduce_async", op) != KILN_OK) return kiln_last_status();
+    kiln_pg_work_t *w = malloc(sizeof *w);
+    if (!w) return kiln_error(KILN_ERR_OOM, "allreduce_async: out of memory");
+    pthread_mutex_lock(&pg->mu);
+    sig s = {0, 0, OP_ALLREDUCE, 0, op, 0};
+    kiln_status st = start(pg, &s, t, NULL, w);
+    pthread_mutex_unlock(&pg->mu);
+    if (st != KILN_OK) {
+        free(w);
+        return st;
     }
+    w->t = t;
+    w->avg = op == KILN_REDUCE_AVG;
+    *work = w;
+    return KILN_OK;
+}
+
+kiln_status kiln_pg_work_test(kiln_pg_work_t *w, bool *done)
+{
+    if (!w || !done) return kiln_error(KILN_ERR_ARG, "work_test: NULL work or done");
+    *done = w->done;
+#ifdef KILN_HAVE_MPI
+    if (!w->done) {
+        int flag = 0;
+        pthread_mutex_lock(&w->pg->mu);
+        int rc = MPI_Test(&w->req, &flag, MPI_STATUS_IGNORE);
+        pthread_mutex_unlock(&w->pg->mu);
+        if (rc != MPI_SUCCESS) return mpi_fail(w->pg, &w->s, rc);
+        *done = flag;
+        if (flag) {
+            w->done = true;
+            kiln_status st = w->avg ? kiln_mul_scalar_(w->t, 1.0 / w->pg->world) : KILN_OK;
+            w->avg = false;
+            if (st != KILN_OK) return st;
+        }
+    }
+#endif
+    return KILN_OK;
+}
+
+kiln_status kiln_pg_work_wait(kiln_pg_work_t *w)
+{
+    if (!w) return kiln_error(KILN_ERR_ARG, "work_wait: NULL work");
+    kiln_pg_t *pg = w->pg;
+    pthread_mutex_lock(&pg->mu);
+    kiln_status st = finish(w);
+    pthread_mutex_unlock(&pg->mu);
+    free(w);
+    return st;
+}
+
+kiln_status kiln_pg_check_step(kiln_pg_t *pg)
+{
+    if (!pg) return kiln_error(KILN_ERR_ARG, "check_step: NULL group");
+    if (!pg->mpi) return KILN_OK;
+#ifdef KILN_HAVE_MPI
+    pthread_mutex_lock(&pg->mu);
+    uint64_t mine[2] = {pg->seq, pg->hash}, *all = malloc(sizeof(uint64_t) * 2 * (size_t)pg->world);
+    kiln_status st = all ? KILN_OK : kiln_error(KILN_ERR_OOM, "check_step: out of memory");
+    if (st == KILN_OK) {
+        MPI_Request req;
+        sig chk = {pg->seq, 2, OP_ALLGATHER, KILN_DTYPE_I64, 0, 0x57e9};
+        int rc = MPI_Iallgather(mine, 2, MPI_UINT64_T, all, 2, MPI_UINT64_T, pg->comm, &req);
+        st = rc == MPI_SUCCESS ? wait_req(pg, &req, &chk) : mpi_fail(pg, &chk, rc);
+    }
+    bool same = true;
+    for (int r = 1; st == KILN_OK && r < pg->world; r++) same &= all[2 * r] == all[0] && all[2 * r + 1] == all[1];
+    if (st == KILN_OK && !same) {
+        char msg[2048], last[160];
+        size_t used = 0;
+        for (int r = 0; r < pg->world && used < sizeof msg; r++)
+            used += (size_t)snprintf(msg + used, sizeof msg - used, "%s rank %d: %llu collectives, hash %016llx", r ? ";" : "",
+                                     r, (unsigned long long)all[2 * r], (unsigned long long)all[2 * r + 1]);
+        sig_str(&pg->ring[pg->seq % RING], last, sizeof last);
+        pg->broken = true;
+        st = kiln_error(KILN_ERR_DIST, "collectives ran in different orders or shapes on communicator world this step:%s "
+                        "(rank %d's last: %s; KILN_DIST_DEBUG=1 checks each one as it is issued)", msg, pg->rank, last);
+    }
+    free(all);
+    pthread_mutex_unlock(&pg->mu);
+    return st;
 #endif
     return KILN_OK;
 }

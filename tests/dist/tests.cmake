@@ -3,6 +3,12 @@
 # build, Open MPI's own lifetime allocations are suppressed (tests/dist/lsan.supp); its
 # plugins stay loaded so that their frames can be matched.
 if(KILN_PYTHON3)
+  add_executable(dist_probe tests/dist/dist_probe.c)
+  target_link_libraries(dist_probe PRIVATE kiln)
+  add_test(NAME dist_collectives COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_collectives.py
+           --probe $<TARGET_FILE:dist_probe> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
+  set_tests_properties(dist_collectives PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600
+                       ENVIRONMENT "OMPI_MCA_mca_base_component_disable_dlclose=1;LSAN_OPTIONS=suppressions=${CMAKE_SOURCE_DIR}/tests/dist/lsan.supp:fast_unwind_on_malloc=0")
   add_test(NAME dist_train COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_train.py
            --kiln $<TARGET_FILE:kiln_tool> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
   set_tests_properties(dist_train PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600

@@ -1,0 +1,145 @@
+/* The process group's collectives and guards under mpirun, one scenario per run (the
+ * test that drives it is tests/dist/test_dist_collectives.py):
+ *   values   allreduce sum/avg, broadcast, allgather, reduce_scatter (sum, avg) and an
+ *            async allreduce on rank-dependent values, each checked against the
+ *            closed-form result; prints "values ok"
+ *   order    two threads issue allreduce(10 floats) and allreduce(20 floats), rank 0
+ *            in one order and the others in the other; prints the error each rank gets
+ *   step     rank 0 sums where the others average (the same MPI traffic, different
+ *            signatures); prints kiln_pg_check_step's error
+ *   lag      rank 1 sleeps LAG seconds before its allreduce; prints rank 0's error
+ * Exit status: 0 when the scenario's expected outcome happened on this rank, else 1. */
+#include <math.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "kiln/kiln.h"
+
+static kiln_pg_t *pg;
+static int rank, world;
+
+static kiln_tensor_t *filled(int64_t n, double v)
+{
+    return kiln_full(&n, 1, v, KILN_DTYPE_F32);
+}
+
+static int expect(kiln_tensor_t *t, int64_t n, double (*want)(int64_t), const char *what)
+{
+    float *h = malloc(sizeof(float) * (size_t)n);
+    kiln_tensor_to_host(t, h, sizeof(float) * (size_t)n);
+    int bad = 0;
+    for (int64_t i = 0; i < n && !bad; i++)
+        if (fabs(h[i] - want(i)) > 1e-6 * (1 + fabs(want(i)))) {
+            fprintf(stderr, "rank %d: %s: element %lld is %g, want %g\n", rank, what, (long long)i, h[i], want(i));
+            bad = 1;
+        }
+    free(h);
+    return bad;
+}
+
+/* Rank r contributes r + 1 everywhere, so the sum is W(W+1)/2. */
+static double w_sum(int64_t i) { (void)i; return world * (world + 1) / 2.0; }
+static double w_avg(int64_t i) { (void)i; return (world + 1) / 2.0; }
+static double root_val(int64_t i) { (void)i; return 7; }
+static double gathered(int64_t i) { return (double)(i / 3) + 1; } /* block r holds r + 1 */
+
+static int values(void)
+{
+    int bad = 0;
+    kiln_tensor_t *t = filled(1000, rank + 1);
+    bad |= kiln_pg_allreduce(pg, t, KILN_REDUCE_SUM) != KILN_OK || expect(t, 1000, w_sum, "allreduce sum");
+    t = filled(1000, rank + 1);
+    bad |= kiln_pg_allreduce(pg, t, KILN_REDUCE_AVG) != KILN_OK || expect(t, 1000, w_avg, "allreduce avg");
+    t = filled(50, rank ? -1 : 7);
+    bad |= kiln_pg_broadcast(pg, t, 0) != KILN_OK || expect(t, 50, root_val, "broadcast");
+    kiln_tensor_t *g = filled(3 * world, 0);
+    t = filled(3, rank + 1);
+    bad |= kiln_pg_allgather(pg, t, g) != KILN_OK || expect(g, 3 * world, gathered, "allgather");
+    kiln_tensor_t *big = filled(4 * world, rank + 1), *mine = filled(4, 0);
+    bad |= kiln_pg_reduce_scatter(pg, big, mine, KILN_REDUCE_SUM) != KILN_OK || expect(mine, 4, w_sum, "reduce_scatter sum");
+    bad |= kiln_pg_reduce_scatter(pg, big, mine, KILN_REDUCE_AVG) != KILN_OK || expect(mine, 4, w_avg, "reduce_scatter avg");
+    kiln_pg_work_t *w;
+    t = filled(100000, rank + 1);
+    bad |= kiln_pg_allreduce_async(pg, t, KILN_REDUCE_AVG, &w) != KILN_OK;
+    bool done = false;
+    if (!bad) bad |= kiln_pg_work_test(w, &done) != KILN_OK;
+    if (!bad) bad |= kiln_pg_work_wait(w) != KILN_OK || expect(t, 100000, w_avg, "async allreduce avg");
+    bad |= kiln_pg_check_step(pg) != KILN_OK;
+    /* A wrong-sized output is refused on this rank before anything is sent. */
+    kiln_status s = kiln_pg_allgather(pg, t, mine);
+    bad |= s != KILN_ERR_SHAPE;
+    if (bad) fprintf(stderr, "rank %d: %s\n", rank, kiln_last_error());
+    else printf("rank %d: values ok\n", rank);
+    return bad;
+}
+
+static void *issue(void *arg)
+{
+    int64_t n = (int64_t)(intptr_t)arg;
+    kiln_tensor_t *t = filled(n, 1);
+    kiln_status s = kiln_pg_allreduce(pg, t, KILN_REDUCE_SUM);
+    if (s != KILN_OK) printf("rank %d: error: %s\n", rank, kiln_last_error());
+    fflush(stdout);
+    return (void *)(intptr_t)(s != KILN_OK);
+}
+
+static int order(void)
+{
+    /* One thread at a time, so that the order is exactly the one chosen here. */
+    intptr_t first = rank ? 20 : 10, second = rank ? 10 : 20;
+    pthread_t a, b;
+    void *ra, *rb;
+    pthread_create(&a, NULL, issue, (void *)first);
+    pthread_join(a, &ra);
+    pthread_create(&b, NULL, issue, (void *)second);
+    pthread_join(b, &rb);
+    return ra || rb ? 0 : 1; /* an error was the expected outcome */
+}
+
+static int step(void)
+{
+    kiln_tensor_t *t = filled(16, 1);
+    if (kiln_pg_allreduce(pg, t, rank ? KILN_REDUCE_AVG : KILN_REDUCE_SUM) != KILN_OK) return 1;
+    if (kiln_pg_check_step(pg) == KILN_OK) return 1;
+    printf("rank %d: error: %s\n", rank, kiln_last_error());
+    return 0;
+}
+
+static int lag(void)
+{
+    const char *v = getenv("LAG");
+    if (rank == 1) sleep((unsigned)(v ? atoi(v) : 5));
+    kiln_tensor_t *t = filled(16, 1);
+    kiln_status s = kiln_pg_allreduce(pg, t, KILN_REDUCE_SUM);
+    if (rank == 0) {
+        if (s == KILN_OK) return 1;
+        printf("rank 0: error: %s\n", kiln_last_error());
+        fflush(stdout);
+        return 0;
+    }
+    return 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc != 2) {
+        fprintf(stderr, "usage: mpirun -np N dist_probe values|order|step|lag\n");
+        return 2;
+    }
+    kiln_init(1);
+    if (kiln_pg_new_from_env(&pg) != KILN_OK) {
+        fprintf(stderr, "dist_probe: %s\n", kiln_last_error());
+        return 1;
+    }
+    rank = kiln_pg_rank(pg);
+    world = kiln_pg_world_size(pg);
+    kiln_scope_begin();
+    int rc = !strcmp(argv[1], "values") ? values() : !strcmp(argv[1], "order") ? order()
+             : !strcmp(argv[1], "step") ? step() : !strcmp(argv[1], "lag") ? lag() : 2;
+    kiln_scope_end();
+    fflush(stdout);
+    kiln_pg_free(pg); /* finalizes MPI unless a collective was left posted (a timeout) */
+    return rc;
+}
