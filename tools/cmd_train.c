@@ -26,7 +26,7 @@ typedef struct {
     int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
     int64_t save_every, log_every, seed, threads;
     double lr, min_lr, wd, clip, dropout, val_fraction, momentum;
-    bool resume, quiet;
+    bool resume, quiet, zero1;
 } train_args;
 
 static double now_s(void)
@@ -331,6 +331,7 @@ int cmd_train(int argc, char **argv)
         {"threads", OPT_INT, &a.threads, "threads per rank; 0 = the cores over the ranks on this machine ($KILN_NUM_THREADS)"},
         {"resume", OPT_FLAG, &a.resume, "continue from the checkpoint in --out"},
         {"quiet", OPT_FLAG, &a.quiet, "only errors and the final summary"},
+        {"zero1", OPT_FLAG, &a.zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
         {NULL, 0, NULL, NULL},
     };
     /* A config file first, so that flags given with it override it. */
@@ -444,6 +445,16 @@ int cmd_train(int argc, char **argv)
      * makes it so whatever was loaded). */
     for (int i = 0; s == KILN_OK && world > 1 && i < np; i++) s = kiln_pg_broadcast(pg, params[i], 0);
     if (s != KILN_OK) return cli_fail("train", NULL);
+    kiln_zero1_t *zero = NULL;
+    if (a.zero1) {
+        if (strcmp(a.optimizer, "adamw")) return cli_fail("train", "--zero1 shards AdamW; it needs --optimizer adamw");
+        if (kiln_zero1_new(pg, params, np, NULL, 0.9, 0.95, 1e-8, a.wd, opt, &zero) != KILN_OK) return cli_fail("train", NULL);
+        if (!a.quiet && rank == 0)
+            printf("ZeRO-1: optimizer state %.2f MiB per rank (moments and a master copy of this rank's shard), "
+                   "against %.2f MiB of moments on every rank unsharded\n",
+                   (double)kiln_zero1_state_bytes(zero) / (1 << 20),
+                   (double)kiln_gpt_param_elements(m) * 2 * sizeof(float) / (1 << 20));
+    }
     if (!a.quiet && rank == 0)
         printf("kiln train: %s model, %d layers, C=%d, %d heads (%d kv), T=%d, vocab %d (%s), %.2fM parameters\n"
                "            %zu train / %zu val tokens, %lld tokens per step, %d rank(s) x %d thread(s), unigram "
@@ -468,7 +479,7 @@ int cmd_train(int argc, char **argv)
             loss_sum += v;
             kiln_scope_end();
         }
-        for (int i = 0; s == KILN_OK && i < np; i++)
+        for (int i = 0; s == KILN_OK && !zero && i < np; i++)
             if (kiln_tensor_grad(params[i])) s = kiln_pg_allreduce(pg, kiln_tensor_grad(params[i]), KILN_REDUCE_AVG);
         if (s == KILN_OK) s = kiln_pg_check_step(pg); /* every rank ran the same collectives this step */
         if (s == KILN_OK && world > 1) { /* the loss of the whole batch: the mean of the ranks' equal shares */
@@ -480,8 +491,9 @@ int cmd_train(int argc, char **argv)
             kiln_scope_end();
         }
         double gnorm = 0;
-        if (s == KILN_OK) s = kiln_clip_grad_norm(params, np, a.clip, &gnorm);
-        if (s == KILN_OK) s = kiln_optim_step(opt, lr);
+        if (s == KILN_OK && zero) s = kiln_zero1_step(zero, lr, a.clip, &gnorm);
+        if (s == KILN_OK && !zero) s = kiln_clip_grad_norm(params, np, a.clip, &gnorm);
+        if (s == KILN_OK && !zero) s = kiln_optim_step(opt, lr);
         kiln_optim_zero_grad(opt);
         if (s != KILN_OK) break;
         double ms = (now_s() - t0) * 1e3, loss = loss_sum / (double)a.accum;
@@ -507,8 +519,9 @@ int cmd_train(int argc, char **argv)
             kiln_metrics_row row = {step + 1, loss, val, lr, tps, gnorm, ms};
             if (kiln_metrics_write(metrics, &row) != KILN_OK) s = kiln_last_status();
         }
-        if (s == KILN_OK && rank == 0 && ((a.save_every > 0 && (step + 1) % a.save_every == 0) || last))
-            s = save_checkpoint(a.out, m, opt, step + 1, tok_kind, &a);
+        bool save = (a.save_every > 0 && (step + 1) % a.save_every == 0) || last;
+        if (s == KILN_OK && save && zero) s = kiln_zero1_gather_state(zero, opt); /* every rank: a collective */
+        if (s == KILN_OK && rank == 0 && save) s = save_checkpoint(a.out, m, opt, step + 1, tok_kind, &a);
         if (s == KILN_OK && rank == 0 && !isnan(val) && metrics) {
             kiln_metrics_close(metrics);
             metrics = NULL;
@@ -526,6 +539,7 @@ int cmd_train(int argc, char **argv)
     if (!a.quiet && rank == 0 && start < a.steps)
         printf("done: %lld steps in %.1f s; final val loss %.4f vs unigram baseline %.4f; checkpoint %s/%s, chart %s\n",
                (long long)(a.steps - start), now_s() - t_begin, val, unigram, a.out, RUN_MODEL, chart_path);
+    kiln_zero1_free(zero);
     kiln_optim_free(opt);
     free(params);
     kiln_gpt_free(m);

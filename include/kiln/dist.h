@@ -10,6 +10,7 @@
 #ifndef KILN_DIST_H
 #define KILN_DIST_H
 
+#include "kiln/optim.h"
 #include "kiln/tensor.h"
 
 #ifdef __cplusplus
@@ -56,6 +57,22 @@ kiln_status kiln_pg_work_wait(kiln_pg_work_t *work);
  * signatures; a difference is KILN_ERR_DIST naming each rank's figures. kiln train
  * calls it once per step. */
 kiln_status kiln_pg_check_step(kiln_pg_t *pg);
+/* ZeRO stage 1: AdamW (the hyperparameters of kiln_adamw_new, decay as there) with the
+ * moments sharded over the group's ranks: 1/world of their memory on each. A step
+ * reduce-scatters the gradients (averaged), clips them to max_norm by their global
+ * norm (<= 0: no clipping; *norm gets it), updates this rank's shard and all-gathers
+ * the parameters back; every rank's parameters are then the same. resume_from (or
+ * NULL) is an AdamW optimizer whose state, when it has some, starts the shards;
+ * kiln_zero1_gather_state writes the whole state back into such an optimizer (on
+ * every rank), for a checkpoint that any world size can resume. */
+typedef struct kiln_zero1 kiln_zero1_t;
+kiln_status kiln_zero1_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, const bool *decay, double beta1,
+                           double beta2, double eps, double weight_decay, kiln_optim_t *resume_from, kiln_zero1_t **out);
+kiln_status kiln_zero1_step(kiln_zero1_t *z, double lr, double max_norm, double *norm);
+kiln_status kiln_zero1_gather_state(kiln_zero1_t *z, kiln_optim_t *full);
+int64_t kiln_zero1_state_bytes(const kiln_zero1_t *z); /* this rank's shard: parameters and moments */
+void kiln_zero1_free(kiln_zero1_t *z);
+
 /* Collectives issued so far. */
 uint64_t kiln_pg_seq(const kiln_pg_t *pg);
 
