@@ -27,6 +27,7 @@ typedef struct {
     int64_t save_every, log_every, seed, threads;
     double lr, min_lr, wd, clip, dropout, val_fraction, momentum;
     bool resume, quiet, zero1;
+    double bucket_mb;
 } train_args;
 
 static double now_s(void)
@@ -297,7 +298,7 @@ int cmd_train(int argc, char **argv)
         .optimizer = "adamw", .layers = 4, .heads = 4, .kv_heads = 0, .width = 256, .context = 128, .ffn = 0,
         .batch = 16, .steps = 1000, .warmup = 50, .accum = 1, .eval_every = 100, .eval_batches = 8,
         .save_every = 500, .log_every = 1, .seed = 1337, .threads = 0, .lr = 1e-3, .min_lr = 1e-4, .wd = 0.1,
-        .clip = 1.0, .dropout = 0.0, .val_fraction = 0.1, .momentum = 0.9,
+        .clip = 1.0, .dropout = 0.0, .val_fraction = 0.1, .momentum = 0.9, .bucket_mb = 25,
     };
     const cli_opt opts[] = {
         {"data", OPT_STRING, &a.data, "text file or folder to train on ($KILN_DATA)"},
@@ -332,6 +333,8 @@ int cmd_train(int argc, char **argv)
         {"resume", OPT_FLAG, &a.resume, "continue from the checkpoint in --out"},
         {"quiet", OPT_FLAG, &a.quiet, "only errors and the final summary"},
         {"zero1", OPT_FLAG, &a.zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
+        {"bucket-mb", OPT_DOUBLE, &a.bucket_mb, "with several ranks: gradient buckets of this many MiB reduced during "
+                                             "backward (0: one tensor at a time after it)"},
         {NULL, 0, NULL, NULL},
     };
     /* A config file first, so that flags given with it override it. */
@@ -446,6 +449,11 @@ int cmd_train(int argc, char **argv)
     for (int i = 0; s == KILN_OK && world > 1 && i < np; i++) s = kiln_pg_broadcast(pg, params[i], 0);
     if (s != KILN_OK) return cli_fail("train", NULL);
     kiln_zero1_t *zero = NULL;
+    kiln_ddp_t *ddp = NULL; /* buckets: a first one of 1 MiB (or --bucket-mb if smaller), then --bucket-mb */
+    if (!(a.bucket_mb >= 0 && a.bucket_mb <= 1 << 20)) return cli_fail("train", "--bucket-mb must be in 0..1048576");
+    int64_t bucket = (int64_t)(a.bucket_mb * (1 << 20)), first = bucket < (1 << 20) ? bucket : (1 << 20);
+    if (world > 1 && !a.zero1 && bucket > 0 && kiln_ddp_new(pg, params, np, first > 0 ? first : 1, bucket, &ddp) != KILN_OK)
+        return cli_fail("train", NULL);
     if (a.zero1) {
         if (strcmp(a.optimizer, "adamw")) return cli_fail("train", "--zero1 shards AdamW; it needs --optimizer adamw");
         if (kiln_zero1_new(pg, params, np, NULL, 0.9, 0.95, 1e-8, a.wd, opt, &zero) != KILN_OK) return cli_fail("train", NULL);
@@ -463,7 +471,7 @@ int cmd_train(int argc, char **argv)
                (double)kiln_gpt_param_elements(m) / 1e6, kiln_dataset_len(ds, KILN_SPLIT_TRAIN),
                kiln_dataset_len(ds, KILN_SPLIT_VAL), (long long)tokens_per_step, world, kiln_num_threads(), unigram);
 
-    double t_begin = now_s(), val = NAN;
+    double t_begin = now_s(), val = NAN, comm_after = 0; /* gradient reduction left after backward */
     int64_t timed = 0;
     for (int64_t step = start; step < a.steps && s == KILN_OK; step++) {
         double t0 = now_s(), lr = kiln_lr_cosine(step, a.warmup, a.steps, a.lr, a.min_lr), loss_sum = 0;
@@ -475,12 +483,16 @@ int cmd_train(int argc, char **argv)
             if (s == KILN_OK && !kiln_gpt_forward(m, x, y, true, &loss)) s = kiln_last_status();
             double v = 0;
             if (s == KILN_OK) s = kiln_tensor_item(loss, &v);
+            if (s == KILN_OK && ddp && micro == a.accum - 1) s = kiln_ddp_begin(ddp); /* reduce during the last backward */
             if (s == KILN_OK) s = kiln_backward(a.accum > 1 ? kiln_mul_scalar(loss, 1.0 / (double)a.accum) : loss);
             loss_sum += v;
             kiln_scope_end();
         }
-        for (int i = 0; s == KILN_OK && !zero && i < np; i++)
+        double t_comm = now_s();
+        if (s == KILN_OK && ddp) s = kiln_ddp_finish(ddp);
+        for (int i = 0; s == KILN_OK && !zero && !ddp && i < np; i++)
             if (kiln_tensor_grad(params[i])) s = kiln_pg_allreduce(pg, kiln_tensor_grad(params[i]), KILN_REDUCE_AVG);
+        comm_after += now_s() - t_comm;
         if (s == KILN_OK) s = kiln_pg_check_step(pg); /* every rank ran the same collectives this step */
         if (s == KILN_OK && world > 1) { /* the loss of the whole batch: the mean of the ranks' equal shares */
             kiln_scope_begin();
@@ -539,6 +551,13 @@ int cmd_train(int argc, char **argv)
     if (!a.quiet && rank == 0 && start < a.steps)
         printf("done: %lld steps in %.1f s; final val loss %.4f vs unigram baseline %.4f; checkpoint %s/%s, chart %s\n",
                (long long)(a.steps - start), now_s() - t_begin, val, unigram, a.out, RUN_MODEL, chart_path);
+    if (world > 1 && !zero && !a.quiet && rank == 0 && start < a.steps) {
+        char how[64] = "one tensor at a time after backward";
+        if (ddp) snprintf(how, sizeof how, "%d bucket(s) during backward", kiln_ddp_num_buckets(ddp));
+        printf("gradient reduction (%s): %.2f ms a step left after backward\n", how,
+               1e3 * comm_after / (double)(a.steps - start));
+    }
+    kiln_ddp_free(ddp);
     kiln_zero1_free(zero);
     kiln_optim_free(opt);
     free(params);

@@ -57,6 +57,21 @@ kiln_status kiln_pg_work_wait(kiln_pg_work_t *work);
  * signatures; a difference is KILN_ERR_DIST naming each rank's figures. kiln train
  * calls it once per step. */
 kiln_status kiln_pg_check_step(kiln_pg_t *pg);
+/* Gradient buckets for data-parallel training: a first bucket of first_bucket_bytes,
+ * then about bucket_bytes each, over the parameters in reverse order. Between
+ * kiln_ddp_begin and kiln_ddp_finish (around the backward whose gradients are to be
+ * reduced, on this thread), each bucket's allreduce (average) starts as soon as its
+ * gradients are whole, in bucket order, while backward goes on; finish starts the
+ * rest, waits, and leaves every gradient averaged over the ranks. */
+typedef struct kiln_ddp kiln_ddp_t;
+kiln_status kiln_ddp_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, int64_t first_bucket_bytes,
+                         int64_t bucket_bytes, kiln_ddp_t **out);
+kiln_status kiln_ddp_begin(kiln_ddp_t *d);
+kiln_status kiln_ddp_finish(kiln_ddp_t *d);
+int kiln_ddp_num_buckets(const kiln_ddp_t *d);
+double kiln_ddp_wait_seconds(const kiln_ddp_t *d); /* in finish, waiting for communication, so far */
+void kiln_ddp_free(kiln_ddp_t *d);
+
 /* ZeRO stage 1: AdamW (the hyperparameters of kiln_adamw_new, decay as there) with the
  * moments sharded over the group's ranks: 1/world of their memory on each. A step
  * reduce-scatters the gradients (averaged), clips them to max_norm by their global

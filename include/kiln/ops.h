@@ -177,6 +177,12 @@ void kiln_tensor_zero_grad(kiln_tensor_t *t); /* drops the gradient */
 kiln_status kiln_backward(kiln_tensor_t *root);
 /* Same, seeded with grad (the shape of root) instead of 1. */
 kiln_status kiln_backward_with(kiln_tensor_t *root, kiln_tensor_t *grad);
+/* Called during this thread's kiln_backward as soon as a leaf's gradient is whole (every
+ * edge of the graph that reaches it has added its part), with that leaf; a non-OK
+ * status stops the backward. NULL removes the hook. Data-parallel training starts each
+ * gradient bucket's reduction from here while backward goes on. */
+typedef kiln_status (*kiln_grad_ready_fn)(void *ctx, kiln_tensor_t *leaf);
+void kiln_set_grad_ready_hook(kiln_grad_ready_fn fn, void *ctx);
 bool kiln_grad_enabled(void);
 /* Sets grad mode for this thread and returns the previous mode. */
 bool kiln_set_grad_enabled(bool on);

@@ -147,6 +147,15 @@ void kiln_tensor_zero_grad(kiln_tensor_t *t)
     t->grad = NULL;
 }
 
+static _Thread_local kiln_grad_ready_fn ready_fn;
+static _Thread_local void *ready_ctx;
+
+void kiln_set_grad_ready_hook(kiln_grad_ready_fn fn, void *ctx)
+{
+    ready_fn = fn;
+    ready_ctx = ctx;
+}
+
 static kiln_status accumulate_leaf(kiln_tensor_t *leaf, kiln_tensor_t *g)
 {
     if (leaf->grad) return kiln_add_(leaf->grad, g, 1.0);
@@ -225,6 +234,15 @@ static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
         }
     }
     for (size_t k = 0; k < n; k++) all[k]->visited = false;
+    /* Each leaf's edges in this graph, so that the hook hears when its gradient is whole. */
+    if (ready_fn)
+        for (size_t k = 0; k < n; k++)
+            for (int i = 0; i < all[k]->n_in; i++)
+                if (all[k]->leaf[i] && all[k]->needs_grad[i]) all[k]->leaf[i]->grad_pending = 0;
+    if (ready_fn)
+        for (size_t k = 0; k < n; k++)
+            for (int i = 0; i < all[k]->n_in; i++)
+                if (all[k]->leaf[i] && all[k]->needs_grad[i]) all[k]->leaf[i]->grad_pending++;
 
     kiln_status s = KILN_OK;
     bool prev = kiln_set_grad_enabled(false);
@@ -258,8 +276,12 @@ static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
             if (!gin[i] || !cur->needs_grad[i]) continue;
             s = check_grad(cur, i, gin[i]);
             if (s != KILN_OK) break;
-            if (cur->leaf[i]) s = accumulate_leaf(cur->leaf[i], gin[i]);
-            else if (cur->next[i]) s = accumulate(&cur->next[i]->grad_out[cur->next_out[i]], gin[i]);
+            if (cur->leaf[i]) {
+                s = accumulate_leaf(cur->leaf[i], gin[i]);
+                if (s == KILN_OK && ready_fn && --cur->leaf[i]->grad_pending == 0) s = ready_fn(ready_ctx, cur->leaf[i]);
+            } else if (cur->next[i]) {
+                s = accumulate(&cur->next[i]->grad_out[cur->next_out[i]], gin[i]);
+            }
         }
         kiln_scope_end();
         free(gin);

@@ -27,6 +27,7 @@ struct kiln_tensor {
     kiln_tensor_t *grad;           /* accumulated gradient of a leaf */
     kiln__node *grad_fn;           /* the op that made a non-leaf, or NULL */
     int out_index;                 /* which output of grad_fn this is */
+    int grad_pending;              /* during backward: edges still to bring this leaf gradient */
 };
 
 /* Shape and dtype of a tensor before it exists (used by shape inference). */

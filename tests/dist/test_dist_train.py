@@ -103,6 +103,14 @@ def main():
         worst = max(abs(x - y) / abs(y) for x, y in zip(got[0], want))
         check(worst <= 1e-5, f"-np {n} matches one process: worst relative difference {worst:.2e} (tolerance 1e-5)")
         check(got[0] == got[1], f"two -np {n} runs give bitwise the same losses")
+    # Gradient buckets of 50 KiB (about ten here, the first one smaller), and none (one
+    # tensor at a time after backward): the same losses as one process.
+    for mb in ("0.05", "0"):
+        out = os.path.join(a.workdir, f"buckets-{mb}")
+        r = train(a.kiln, data, out, 2, extra=("--bucket-mb", mb))
+        ok = r.returncode == 0 and len(losses(out)) == 8
+        worst = max(abs(x - y) / abs(y) for x, y in zip(losses(out), want)) if ok else float("inf")
+        check(ok and worst <= 1e-5, f"--bucket-mb {mb} on 2 ranks matches one process: worst {worst:.2e}")
     # ZeRO-1: the moments sharded, the same losses.
     z = os.path.join(a.workdir, "zero1")
     r = train(a.kiln, data, z, 2, extra=("--zero1",))
