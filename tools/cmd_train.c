@@ -13,6 +13,7 @@
 #include <sys/stat.h>
 #include <time.h>
 #include "cli.h"
+#include "core/util.h"
 #include "kiln/data.h"
 #include "kiln/dist.h"
 #include "kiln/io.h"
@@ -29,13 +30,6 @@ typedef struct {
     bool resume, quiet, zero1;
     double bucket_mb;
 } train_args;
-
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
 
 static const char *default_data(void)
 {
@@ -471,10 +465,10 @@ int cmd_train(int argc, char **argv)
                (double)kiln_gpt_param_elements(m) / 1e6, kiln_dataset_len(ds, KILN_SPLIT_TRAIN),
                kiln_dataset_len(ds, KILN_SPLIT_VAL), (long long)tokens_per_step, world, kiln_num_threads(), unigram);
 
-    double t_begin = now_s(), val = NAN, comm_after = 0; /* gradient reduction left after backward */
+    double t_begin = kiln__now_s(), val = NAN, comm_after = 0; /* gradient reduction left after backward */
     int64_t timed = 0;
     for (int64_t step = start; step < a.steps && s == KILN_OK; step++) {
-        double t0 = now_s(), lr = kiln_lr_cosine(step, a.warmup, a.steps, a.lr, a.min_lr), loss_sum = 0;
+        double t0 = kiln__now_s(), lr = kiln_lr_cosine(step, a.warmup, a.steps, a.lr, a.min_lr), loss_sum = 0;
         for (int64_t micro = 0; micro < a.accum && s == KILN_OK; micro++) {
             kiln_scope_begin();
             kiln_tensor_t *x, *y, *loss;
@@ -488,11 +482,11 @@ int cmd_train(int argc, char **argv)
             loss_sum += v;
             kiln_scope_end();
         }
-        double t_comm = now_s();
+        double t_comm = kiln__now_s();
         if (s == KILN_OK && ddp) s = kiln_ddp_finish(ddp);
         for (int i = 0; s == KILN_OK && !zero && !ddp && i < np; i++)
             if (kiln_tensor_grad(params[i])) s = kiln_pg_allreduce(pg, kiln_tensor_grad(params[i]), KILN_REDUCE_AVG);
-        comm_after += now_s() - t_comm;
+        comm_after += kiln__now_s() - t_comm;
         if (s == KILN_OK) s = kiln_pg_check_step(pg); /* every rank ran the same collectives this step */
         if (s == KILN_OK && world > 1) { /* the loss of the whole batch: the mean of the ranks' equal shares */
             kiln_scope_begin();
@@ -508,7 +502,7 @@ int cmd_train(int argc, char **argv)
         if (s == KILN_OK && !zero) s = kiln_optim_step(opt, lr);
         kiln_optim_zero_grad(opt);
         if (s != KILN_OK) break;
-        double ms = (now_s() - t0) * 1e3, loss = loss_sum / (double)a.accum;
+        double ms = (kiln__now_s() - t0) * 1e3, loss = loss_sum / (double)a.accum;
         if (!isfinite(loss)) {
             s = kiln_error(KILN_ERR_ARG, "the loss became %g at step %lld; lower --lr or raise --warmup", loss, (long long)step);
             break;
@@ -517,7 +511,7 @@ int cmd_train(int argc, char **argv)
         bool last = step + 1 == a.steps;
         val = NAN;
         if ((a.eval_every > 0 && (step + 1) % a.eval_every == 0) || last) s = eval_loss(m, ds, &a, &val);
-        double elapsed = now_s() - t_begin, tps = (double)tokens_per_step / (ms / 1e3);
+        double elapsed = kiln__now_s() - t_begin, tps = (double)tokens_per_step / (ms / 1e3);
         char eta[32];
         fmt_eta(elapsed / (double)timed * (double)(a.steps - step - 1), eta, sizeof eta);
         if (!a.quiet && rank == 0 && ((step + 1) % a.log_every == 0 || last || !isnan(val))) {
@@ -550,7 +544,7 @@ int cmd_train(int argc, char **argv)
     if (s != KILN_OK) return cli_fail("train", NULL);
     if (!a.quiet && rank == 0 && start < a.steps)
         printf("done: %lld steps in %.1f s; final val loss %.4f vs unigram baseline %.4f; checkpoint %s/%s, chart %s\n",
-               (long long)(a.steps - start), now_s() - t_begin, val, unigram, a.out, RUN_MODEL, chart_path);
+               (long long)(a.steps - start), kiln__now_s() - t_begin, val, unigram, a.out, RUN_MODEL, chart_path);
     if (world > 1 && !zero && !a.quiet && rank == 0 && start < a.steps) {
         char how[64] = "one tensor at a time after backward";
         if (ddp) snprintf(how, sizeof how, "%d bucket(s) during backward", kiln_ddp_num_buckets(ddp));

@@ -10,8 +10,8 @@
  * all in order and copies the averages back into the gradients. */
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include "kiln/dist.h"
+#include "core/util.h"
 #include "kiln/ops.h"
 
 typedef struct {
@@ -34,13 +34,6 @@ struct kiln_ddp {
     bool active;
     double wait_s;    /* time spent in finish waiting for communication */
 };
-
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
 
 static kiln_tensor_t *flat_of(kiln_tensor_t *t)
 {
@@ -172,7 +165,7 @@ kiln_status kiln_ddp_finish(kiln_ddp_t *d)
     if (!d->active) return kiln_error(KILN_ERR_ARG, "ddp_finish: kiln_ddp_begin was not called");
     kiln_set_grad_ready_hook(NULL, NULL);
     d->active = false;
-    double t0 = now_s();
+    double t0 = kiln__now_s();
     kiln_status s = advance(d, true);
     for (int j = 0; j < d->nb; j++) {
         if (!d->b[j].work) continue;
@@ -180,7 +173,7 @@ kiln_status kiln_ddp_finish(kiln_ddp_t *d)
         d->b[j].work = NULL;
         if (s == KILN_OK) s = w;
     }
-    d->wait_s += now_s() - t0;
+    d->wait_s += kiln__now_s() - t0;
     kiln_scope_begin();
     for (int i = 0; s == KILN_OK && i < d->n; i++) {
         kiln_tensor_t *g = kiln_tensor_grad(d->params[i]);

@@ -25,9 +25,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <unistd.h>
 #include "core/tensor_impl.h"
+#include "core/util.h"
 #include "kiln/dist.h"
 #include "kiln/ops.h"
 #ifdef KILN_HAVE_MPI
@@ -71,13 +71,6 @@ struct kiln_pg_work {
 #endif
 };
 
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + (double)t.tv_nsec * 1e-9;
-}
-
 static int env_int(const char *const *names, int dflt)
 {
     for (int i = 0; names[i]; i++) {
@@ -99,18 +92,10 @@ int kiln_pg_local_size_from_env(void)
     return n >= 1 ? n : 1;
 }
 
-static uint64_t mix(uint64_t x)
-{
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    return x ^ (x >> 33);
-}
-
 static uint64_t sig_hash(const sig *s)
 {
-    return mix(s->count ^ mix(((uint64_t)s->op << 48) ^ ((uint64_t)s->dtype << 40) ^ ((uint64_t)s->reduce << 32) ^ s->tag));
+    uint64_t kind = ((uint64_t)s->op << 48) ^ ((uint64_t)s->dtype << 40) ^ ((uint64_t)s->reduce << 32) ^ s->tag;
+    return kiln__mix64(s->count ^ kiln__mix64(kind));
 }
 
 static void sig_str(const sig *s, char *buf, size_t n)
@@ -130,9 +115,9 @@ static void sig_str(const sig *s, char *buf, size_t n)
 static void record(kiln_pg_t *pg, sig *s)
 {
     s->seq = ++pg->seq;
-    pg->hash = mix(pg->hash ^ sig_hash(s));
+    pg->hash = kiln__mix64(pg->hash ^ sig_hash(s));
     pg->ring[s->seq % RING] = *s;
-    pg->ring_t[s->seq % RING] = now_s();
+    pg->ring_t[s->seq % RING] = kiln__now_s();
 }
 
 #ifdef KILN_HAVE_MPI
@@ -205,8 +190,8 @@ static void ask_peers(kiln_pg_t *pg, const sig *cur, char *msg, size_t n)
         } else {
             reqs[r] = MPI_REQUEST_NULL;
         }
-    double until = now_s() + 2.0;
-    while (now_s() < until) {
+    double until = kiln__now_s() + 2.0;
+    while (kiln__now_s() < until) {
         serve_queries(pg, cur);
         bool all = true;
         for (int r = 0; r < pg->world; r++) {
@@ -240,7 +225,7 @@ static void ask_peers(kiln_pg_t *pg, const sig *cur, char *msg, size_t n)
 /* Polls req until it completes or the deadline passes. */
 static kiln_status wait_req(kiln_pg_t *pg, MPI_Request *req, const sig *s)
 {
-    double deadline = now_s() + pg->timeout;
+    double deadline = kiln__now_s() + pg->timeout;
     for (unsigned spins = 0;; spins++) {
         int flag = 0;
         int rc = MPI_Test(req, &flag, MPI_STATUS_IGNORE);
@@ -248,7 +233,7 @@ static kiln_status wait_req(kiln_pg_t *pg, MPI_Request *req, const sig *s)
         if (flag) return KILN_OK;
         if ((spins & 255) == 255) {
             serve_queries(pg, s);
-            if (now_s() > deadline) {
+            if (kiln__now_s() > deadline) {
                 char path[512], who[2048] = "", what[160];
                 dump_ring(pg, path, sizeof path);
                 ask_peers(pg, s, who, sizeof who);

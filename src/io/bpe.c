@@ -2,20 +2,13 @@
 #include <stdlib.h>
 #include <string.h>
 #include "io/tokenizer_impl.h"
+#include "core/util.h"
 
 /* ---- u64 -> int32 map ---------------------------------------------------------------- */
 
 #define U64MAP_EMPTY UINT64_MAX
 
-static size_t hash_u64(uint64_t k)
-{
-    k ^= k >> 33;
-    k *= 0xff51afd7ed558ccdULL;
-    k ^= k >> 33;
-    k *= 0xc4ceb9fe1a85ec53ULL;
-    k ^= k >> 33;
-    return (size_t)k;
-}
+static size_t hash_u64(uint64_t k) { return (size_t)kiln__mix64(k); }
 
 static bool u64map_grow(kiln__u64map *m)
 {

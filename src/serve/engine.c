@@ -27,6 +27,7 @@
 #include <string.h>
 #include <time.h>
 #include "kiln/serve.h"
+#include "core/util.h"
 
 typedef struct seq {
     uint64_t id;
@@ -91,13 +92,6 @@ struct kiln_engine {
     char last_error[512]; /* under mu */
 };
 
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
-
 kiln_engine_opts kiln_engine_opts_default(void)
 {
     kiln_engine_opts o = {
@@ -127,19 +121,10 @@ const char *kiln_finish_name(kiln_finish f)
 
 /* ---- blocks ---- */
 
-static uint64_t mix64(uint64_t x)
-{
-    x ^= x >> 33;
-    x *= 0xff51afd7ed558ccdULL;
-    x ^= x >> 33;
-    x *= 0xc4ceb9fe1a85ec53ULL;
-    return x ^ (x >> 33);
-}
-
 static uint64_t block_hash(uint64_t parent, const int32_t *t, int n)
 {
-    uint64_t h = mix64(parent ^ 0x6b696c6e2d6b7631ULL);
-    for (int i = 0; i < n; i++) h = mix64(h ^ (uint64_t)(uint32_t)t[i]);
+    uint64_t h = kiln__mix64(parent ^ 0x6b696c6e2d6b7631ULL);
+    for (int i = 0; i < n; i++) h = kiln__mix64(h ^ (uint64_t)(uint32_t)t[i]);
     return h;
 }
 
@@ -452,7 +437,7 @@ static void *engine_main(void *arg)
         int n = build_batch(e, &b);
         pthread_mutex_unlock(&e->mu);
 
-        double t0 = now_s();
+        double t0 = kiln__now_s();
         kiln_status st = KILN_OK;
         if (n > 0) {
             kiln_scope_begin();
@@ -461,7 +446,7 @@ static void *engine_main(void *arg)
                     : kiln_last_status();
             kiln_scope_end();
         }
-        double dt = now_s() - t0;
+        double dt = kiln__now_s() - t0;
         char msg[512] = "";
         if (st != KILN_OK) snprintf(msg, sizeof msg, "%s", kiln_last_error());
         else sample_rows(e, b.n_logits);

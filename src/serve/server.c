@@ -28,6 +28,7 @@
 #include <time.h>
 #include <unistd.h>
 #include "kiln/io.h"
+#include "core/util.h"
 #include "kiln/serve.h"
 #include "serve/openai.h"
 #include "serve/page.h"
@@ -119,13 +120,6 @@ typedef struct {
     int endpoint;
     job *j;
 } conn_state;
-
-static double now_s(void)
-{
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
-}
 
 kiln_server_opts kiln_server_opts_default(void)
 {
@@ -438,7 +432,7 @@ static bool on_token(void *user, const kiln_token_event *ev, kiln_finish fin)
     if (ev) {
         if (!j->first_token) {
             j->first_token = true;
-            double t = now_s() - j->t_start;
+            double t = kiln__now_s() - j->t_start;
             pthread_mutex_lock(&s->mu);
             int b = 0;
             while (b < N_TTFT && t > ttft_bounds[b]) b++;
@@ -707,7 +701,7 @@ static enum MHD_Result generate(kiln_server_t *s, struct MHD_Connection *conn, c
     j->n = q->n;
     j->n_top = q->logprobs > 0 ? q->logprobs : 0;
     j->stream = q->stream;
-    j->t_start = now_s();
+    j->t_start = kiln__now_s();
     j->created = (long long)time(NULL);
     uint64_t seed = q->has_seed ? q->seed : random_seed(s);
     snprintf(j->id, sizeof j->id, "%s-%016llx", chat ? "chatcmpl" : "cmpl", (unsigned long long)random_seed(s));
@@ -1071,7 +1065,7 @@ static void *watchdog_main(void *arg)
             t.tv_nsec -= 1000000000L;
         }
         pthread_cond_timedwait(&s->cv, &s->mu, &t);
-        double now = now_s();
+        double now = kiln__now_s();
         for (job *j = s->jobs; j; j = j->next)
             if (now - j->t_start > s->o.request_timeout && !atomic_exchange(&j->timed_out, true))
                 for (int i = 0; i < j->n; i++)
