@@ -88,6 +88,27 @@ kiln_status kiln_zero1_gather_state(kiln_zero1_t *z, kiln_optim_t *full);
 int64_t kiln_zero1_state_bytes(const kiln_zero1_t *z); /* this rank's shard: parameters and moments */
 void kiln_zero1_free(kiln_zero1_t *z);
 
+/* The TCP rendezvous for ranks that no MPI launcher started: rank 0 listens on
+ * addr:port, the others connect (retrying with backoff and jitter) and check in with a
+ * handshake (magic, version, job id, world size, rank); rank 0 refuses a mismatch or
+ * a duplicate rank with a message the client reports. Each rank gives len bytes; all
+ * receives every rank's, in rank order. One deadline (timeout seconds) covers it all:
+ * past it rank 0 names the ranks that never checked in, and a client the address it
+ * could not reach and why. *seconds gets the time it took. kiln_rdzv_opts_from_env
+ * reads KILN_RANK, KILN_WORLD_SIZE, KILN_MASTER_ADDR, KILN_MASTER_PORT,
+ * KILN_RENDEZVOUS_TIMEOUT (default 60) and KILN_JOB_ID; KILN_SOCKET_IFNAME chooses the
+ * network interface. cpu collectives still need MPI; this is the bootstrap that NCCL
+ * ranks will use to share their unique id. */
+typedef struct {
+    int rank, world;
+    const char *addr; /* rank 0's address: numeric, or a name resolved once */
+    int port;
+    const char *job_id; /* NULL: "kiln" */
+    double timeout;
+} kiln_rdzv_opts;
+kiln_status kiln_rdzv_opts_from_env(kiln_rdzv_opts *o);
+kiln_status kiln_rendezvous(const kiln_rdzv_opts *o, const void *mine, size_t len, void *all, double *seconds);
+
 /* Collectives issued so far. */
 uint64_t kiln_pg_seq(const kiln_pg_t *pg);
 

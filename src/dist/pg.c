@@ -303,6 +303,25 @@ static kiln_status mpi_start(kiln_pg_t *pg, int want_world, int want_rank)
 static MPI_Datatype mpi_type(kiln_dtype dt) { return dt == KILN_DTYPE_F64 ? MPI_DOUBLE : MPI_FLOAT; }
 #endif
 
+/* Ranks started by a scheduler: the TCP rendezvous forms the group (and checks that
+ * every rank is there), but the collectives on cpu tensors are MPI's, so the group is
+ * refused with that said. The rendezvous is what cuda ranks will share NCCL's id over. */
+static kiln_status tcp_group(int world)
+{
+    kiln_rdzv_opts o;
+    kiln_status s = kiln_rdzv_opts_from_env(&o);
+    char me[64] = "", *all = calloc((size_t)world, sizeof me);
+    double secs = 0;
+    if (!all) return kiln_error(KILN_ERR_OOM, "process group: out of memory");
+    gethostname(me, sizeof me - 1);
+    if (s == KILN_OK) s = kiln_rendezvous(&o, me, sizeof me, all, &secs);
+    free(all);
+    if (s != KILN_OK) return s;
+    return kiln_error(KILN_ERR_UNSUPPORTED, "process group: %d ranks met over TCP at %s:%d in %.3f s, but collectives on "
+                      "cpu tensors need MPI: launch with mpirun -np %d (NCCL for cuda ranks is not built yet)", world,
+                      o.addr, o.port, secs, world);
+}
+
 kiln_status kiln_pg_new_from_env(kiln_pg_t **out)
 {
     if (!out) return kiln_error(KILN_ERR_ARG, "process group: out is NULL");
@@ -326,10 +345,11 @@ kiln_status kiln_pg_new_from_env(kiln_pg_t **out)
         bool launched_by_mpi = env_int(mpi_world_vars, 0) > 1;
 #ifdef KILN_HAVE_MPI
         if (launched_by_mpi) s = mpi_start(pg, world, rank);
+        else if (getenv("KILN_MASTER_ADDR")) s = tcp_group(world);
         else
             s = kiln_error(KILN_ERR_UNSUPPORTED, "process group: world size %d from KILN_WORLD_SIZE/SLURM, but not launched "
-                           "by mpirun or srun --mpi; cpu collectives need MPI (mpirun -np %d kiln ...); the TCP rendezvous "
-                           "is not built yet", world, world);
+                           "by mpirun or srun --mpi, and no KILN_MASTER_ADDR/KILN_MASTER_PORT for the TCP rendezvous; cpu "
+                           "collectives need MPI (mpirun -np %d kiln ...)", world, world);
 #else
         s = kiln_error(KILN_ERR_UNSUPPORTED, "process group: world size %d asked for%s, but this kiln was built without MPI "
                        "(apt-get install libopenmpi-dev openmpi-bin, then rebuild)", world,
