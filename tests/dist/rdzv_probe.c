@@ -22,6 +22,7 @@ int main(void)
     double secs = 0;
     if (!all || kiln_rendezvous(&o, mine, LEN, all, &secs) != KILN_OK) {
         printf("error: %s\n", kiln_last_error());
+        free(all);
         return 1;
     }
     printf("ok rank %d of %d in %.4f s:", o.rank, o.world, secs);
