@@ -212,7 +212,7 @@ static kiln_status join(const kiln_rdzv_opts *o, const struct sockaddr_in *sa, c
     char ip[INET_ADDRSTRLEN];
     inet_ntop(AF_INET, &sa->sin_addr, ip, sizeof ip);
     unsigned seed = (unsigned)(o->rank * 2654435761u) ^ (unsigned)getpid();
-    double backoff = 0.05;
+    double backoff = 0.01; /* refused: rank 0 is usually a few ms from listening */
     int attempts = 0, last = 0;
     while (kiln__now_s() < deadline) {
         int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
