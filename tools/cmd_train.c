@@ -443,6 +443,18 @@ int cmd_train(int argc, char **argv)
     for (int i = 0; s == KILN_OK && world > 1 && i < np; i++) s = kiln_pg_broadcast(pg, params[i], 0);
     if (s != KILN_OK) return cli_fail("train", NULL);
     kiln_zero1_t *zero = NULL;
+    int64_t committed = -1; /* the step of the ZeRO-1 shards the marker names */
+    int64_t mstep;
+    int mworld;
+    bool sharded = a.resume && kiln_zero1_read_marker(a.out, &mstep, &mworld) == KILN_OK && mstep == start;
+    kiln_clear_error();
+    if (sharded && !a.zero1)
+        return cli_fail("train", "this run's optimizer state is sharded (ZeRO-1): resume it with --zero1");
+    bool has_state = false;
+    for (int i = 0; i < np && !has_state; i++) has_state = kiln_optim_state(opt, i, 0) != NULL;
+    if (a.resume && start > 0 && !strcmp(a.optimizer, "adamw") && !has_state && !sharded)
+        return cli_fail("train", "the checkpoint holds no optimizer state for its step, and no complete ZeRO-1 shards "
+                                 "for it (a sharded save that did not finish); it is not loaded");
     kiln_ddp_t *ddp = NULL; /* buckets: a first one of 1 MiB (or --bucket-mb if smaller), then --bucket-mb */
     if (!(a.bucket_mb >= 0 && a.bucket_mb <= 1 << 20)) return cli_fail("train", "--bucket-mb must be in 0..1048576");
     int64_t bucket = (int64_t)(a.bucket_mb * (1 << 20)), first = bucket < (1 << 20) ? bucket : (1 << 20);
@@ -451,6 +463,12 @@ int cmd_train(int argc, char **argv)
     if (a.zero1) {
         if (strcmp(a.optimizer, "adamw")) return cli_fail("train", "--zero1 shards AdamW; it needs --optimizer adamw");
         if (kiln_zero1_new(pg, params, np, NULL, 0.9, 0.95, 1e-8, a.wd, opt, &zero) != KILN_OK) return cli_fail("train", NULL);
+        if (sharded && kiln_zero1_load(zero, a.out, start) != KILN_OK) return cli_fail("train", NULL);
+        if (sharded) committed = start;
+        /* The moments live in the shards from here on: the replicated optimizer keeps
+         * none, so that a checkpoint's train state carries only its metadata. */
+        kiln_optim_free(opt);
+        if (kiln_adamw_new(params, np, NULL, 0.9, 0.95, 1e-8, a.wd, &opt) != KILN_OK) return cli_fail("train", NULL);
         if (!a.quiet && rank == 0)
             printf("ZeRO-1: optimizer state %.2f MiB per rank (moments and a master copy of this rank's shard), "
                    "against %.2f MiB of moments on every rank unsharded\n",
@@ -526,8 +544,10 @@ int cmd_train(int argc, char **argv)
             if (kiln_metrics_write(metrics, &row) != KILN_OK) s = kiln_last_status();
         }
         bool save = (a.save_every > 0 && (step + 1) % a.save_every == 0) || last;
-        if (s == KILN_OK && save && zero) s = kiln_zero1_gather_state(zero, opt); /* every rank: a collective */
+        if (s == KILN_OK && save && zero) s = kiln_zero1_save(zero, a.out, step + 1); /* every rank, then a barrier */
         if (s == KILN_OK && rank == 0 && save) s = save_checkpoint(a.out, m, opt, step + 1, tok_kind, &a);
+        if (s == KILN_OK && rank == 0 && save && zero) s = kiln_zero1_commit(a.out, step + 1, world, committed);
+        if (save && zero) committed = step + 1;
         if (s == KILN_OK && rank == 0 && !isnan(val) && metrics) {
             kiln_metrics_close(metrics);
             metrics = NULL;

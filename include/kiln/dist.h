@@ -77,15 +77,23 @@ void kiln_ddp_free(kiln_ddp_t *d);
  * reduce-scatters the gradients (averaged), clips them to max_norm by their global
  * norm (<= 0: no clipping; *norm gets it), updates this rank's shard and all-gathers
  * the parameters back; every rank's parameters are then the same. resume_from (or
- * NULL) is an AdamW optimizer whose state, when it has some, starts the shards;
- * kiln_zero1_gather_state writes the whole state back into such an optimizer (on
- * every rank), for a checkpoint that any world size can resume. */
+ * NULL) is an AdamW optimizer whose state, when it has some, starts the shards (a
+ * replicated checkpoint resumed with ZeRO-1). */
 typedef struct kiln_zero1 kiln_zero1_t;
 kiln_status kiln_zero1_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, const bool *decay, double beta1,
                            double beta2, double eps, double weight_decay, kiln_optim_t *resume_from, kiln_zero1_t **out);
 kiln_status kiln_zero1_step(kiln_zero1_t *z, double lr, double max_norm, double *norm);
-kiln_status kiln_zero1_gather_state(kiln_zero1_t *z, kiln_optim_t *full);
 int64_t kiln_zero1_state_bytes(const kiln_zero1_t *z); /* this rank's shard: parameters and moments */
+/* Sharded checkpoints: every rank calls kiln_zero1_save (its shards to
+ * DIR/zero1.step<S>.rank<R>.safetensors, then a barrier); rank 0 then calls
+ * kiln_zero1_commit, which writes DIR/zero1.complete (step and world size) last and
+ * removes prev_step's shards (-1: none). kiln_zero1_load reads the shards of the step
+ * the marker names, from any world size, and refuses a step the marker does not name:
+ * a save that did not finish is never loaded. */
+kiln_status kiln_zero1_save(kiln_zero1_t *z, const char *dir, int64_t step);
+kiln_status kiln_zero1_commit(const char *dir, int64_t step, int world, int64_t prev_step);
+kiln_status kiln_zero1_load(kiln_zero1_t *z, const char *dir, int64_t step);
+kiln_status kiln_zero1_read_marker(const char *dir, int64_t *step, int *world);
 void kiln_zero1_free(kiln_zero1_t *z);
 
 /* The TCP rendezvous for ranks that no MPI launcher started: rank 0 listens on

@@ -7,10 +7,14 @@
  * Each element sees exactly the update kiln_adamw_new's optimizer would give it, so
  * the losses match the replicated optimizer within float reassociation; the moments
  * take 1/world of the memory. */
+#include <errno.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "kiln/dist.h"
+#include "kiln/io.h"
 #include "kiln/optim.h"
 
 typedef struct {
@@ -187,28 +191,160 @@ kiln_status kiln_zero1_step(kiln_zero1_t *z, double lr, double max_norm, double 
     return s;
 }
 
-kiln_status kiln_zero1_gather_state(kiln_zero1_t *z, kiln_optim_t *full)
+/* ---- sharded checkpoints ----
+ * Each rank writes its shards to DIR/zero1.step<S>.rank<R>.safetensors; once every
+ * rank has (a barrier), rank 0 writes DIR/zero1.complete, naming the step and the world
+ * size, last, and removes the previous step's shards. A resume loads the shards only
+ * for the step the marker names, so shards of a save that did not finish are never
+ * used; any world size can read them (each rank reassembles the groups and takes its
+ * new shard). */
+#define MARKER "zero1.complete"
+
+static char *shard_path(const char *dir, int64_t step, int rank)
 {
-    if (!z || !full) return kiln_error(KILN_ERR_ARG, "zero1_gather_state: NULL");
-    if (kiln_optim_num_slots(full) != 2) return kiln_error(KILN_ERR_ARG, "zero1_gather_state: the optimizer is not AdamW");
+    size_t n = strlen(dir) + 64;
+    char *p = malloc(n);
+    if (p) snprintf(p, n, "%s/zero1.step%lld.rank%d.safetensors", dir, (long long)step, rank);
+    return p;
+}
+
+static char *marker_path(const char *dir)
+{
+    size_t n = strlen(dir) + sizeof MARKER + 2;
+    char *p = malloc(n);
+    if (p) snprintf(p, n, "%s/%s", dir, MARKER);
+    return p;
+}
+
+kiln_status kiln_zero1_read_marker(const char *dir, int64_t *step, int *world)
+{
+    char *path = marker_path(dir);
+    if (!path) return kiln_error(KILN_ERR_OOM, "zero1: out of memory");
+    FILE *f = fopen(path, "r");
+    long long s = -1;
+    int w = 0;
+    kiln_status st = KILN_OK;
+    if (!f) st = kiln_error(KILN_ERR_IO, "%s: no ZeRO-1 completion marker (%s)", path, strerror(errno));
+    else if (fscanf(f, "{\"step\": %lld, \"world\": %d}", &s, &w) != 2 || s < 0 || w < 1)
+        st = kiln_error(KILN_ERR_FORMAT, "%s: not a ZeRO-1 completion marker", path);
+    if (f) fclose(f);
+    free(path);
+    if (st == KILN_OK) {
+        *step = s;
+        *world = w;
+    }
+    return st;
+}
+
+kiln_status kiln_zero1_save(kiln_zero1_t *z, const char *dir, int64_t step)
+{
+    if (!z || !dir) return kiln_error(KILN_ERR_ARG, "zero1_save: NULL");
+    int rank = kiln_pg_rank(z->pg), world = kiln_pg_world_size(z->pg);
+    const char *names[6];
+    kiln_tensor_t *ts[6];
+    char nm[6][16], totals[2][32], sbuf[32], wbuf[16], rbuf[16];
+    int k = 0;
+    for (int gi = 0; gi < 2; gi++) {
+        snprintf(totals[gi], sizeof totals[gi], "%lld", (long long)z->gr[gi].total);
+        if (!z->gr[gi].shard) continue;
+        kiln_tensor_t *t3[3] = {z->gr[gi].p, z->gr[gi].m, z->gr[gi].v};
+        for (int j = 0; j < 3; j++, k++) {
+            snprintf(nm[k], sizeof nm[k], "g%d.%c", gi, "pmv"[j]);
+            names[k] = nm[k];
+            ts[k] = t3[j];
+        }
+    }
+    snprintf(sbuf, sizeof sbuf, "%lld", (long long)step);
+    snprintf(wbuf, sizeof wbuf, "%d", world);
+    snprintf(rbuf, sizeof rbuf, "%d", rank);
+    const char *meta[] = {"format", "kiln-zero1-shard-1", "step", sbuf, "world", wbuf, "rank", rbuf,
+                          "total0", totals[0], "total1", totals[1], NULL};
+    char *path = shard_path(dir, step, rank);
+    kiln_status s = path ? kiln_safetensors_save(path, names, ts, k, meta) : kiln_error(KILN_ERR_OOM, "zero1: out of memory");
+    free(path);
+    /* Every rank's shard is on disk before the marker says so. A failure on one rank
+     * still reaches the barrier, so that the others do not wait for it in vain. */
+    kiln_status b = kiln_pg_barrier(z->pg);
+    if (s == KILN_OK) s = b;
+    return s;
+}
+
+kiln_status kiln_zero1_commit(const char *dir, int64_t step, int world, int64_t prev_step)
+{
+    char *path = marker_path(dir), *tmp = path ? malloc(strlen(path) + 8) : NULL;
+    if (!tmp) {
+        free(path);
+        return kiln_error(KILN_ERR_OOM, "zero1: out of memory");
+    }
+    sprintf(tmp, "%s.tmp", path);
+    FILE *f = fopen(tmp, "w");
     kiln_status s = KILN_OK;
+    if (!f || fprintf(f, "{\"step\": %lld, \"world\": %d}\n", (long long)step, world) < 0 || fflush(f) != 0 ||
+        fsync(fileno(f)) != 0)
+        s = kiln_error(KILN_ERR_IO, "%s: cannot write the ZeRO-1 completion marker: %s", tmp, strerror(errno));
+    if (f) fclose(f);
+    if (s == KILN_OK && rename(tmp, path) != 0)
+        s = kiln_error(KILN_ERR_IO, "%s: cannot put the completion marker in place: %s", path, strerror(errno));
+    free(tmp);
+    free(path);
+    /* The previous step's shards are now unreferenced. */
+    for (int r = 0; s == KILN_OK && prev_step >= 0 && prev_step != step; r++) {
+        char *old = shard_path(dir, prev_step, r);
+        int gone = old ? unlink(old) : -1;
+        free(old);
+        if (gone != 0) break;
+    }
+    return s;
+}
+
+kiln_status kiln_zero1_load(kiln_zero1_t *z, const char *dir, int64_t step)
+{
+    if (!z || !dir) return kiln_error(KILN_ERR_ARG, "zero1_load: NULL");
+    int64_t mstep;
+    int old_world;
+    kiln_status s = kiln_zero1_read_marker(dir, &mstep, &old_world);
+    if (s != KILN_OK) return s;
+    if (mstep != step)
+        return kiln_error(KILN_ERR_FORMAT, "%s: the model is at step %lld but the last complete ZeRO-1 state is at step "
+                          "%lld: the checkpoint is incomplete, and its shards are not loaded", dir, (long long)step,
+                          (long long)mstep);
     bool prev = kiln_set_grad_enabled(false);
+    int rank = kiln_pg_rank(z->pg);
     kiln_scope_begin();
     for (int gi = 0; s == KILN_OK && gi < 2; gi++) {
         group *g = &z->gr[gi];
         if (!g->shard) continue;
-        kiln_tensor_t *mine[2] = {g->m, g->v};
-        for (int slot = 0; s == KILN_OK && slot < 2; slot++) {
-            s = kiln_pg_allgather(z->pg, mine[slot], g->flat);
-            for (int k = 0; s == KILN_OK && k < g->n; k++) {
-                kiln_tensor_t *p = z->params[g->idx[k]];
-                kiln_tensor_t *part = kiln_narrow(g->flat, 0, g->off[k], kiln_tensor_numel(p));
-                s = kiln_optim_set_state(full, z->steps, g->idx[k], slot,
-                                         kiln_reshape(part, kiln_tensor_shape(p), kiln_tensor_ndim(p)));
+        int64_t old_shard = (g->total + old_world - 1) / old_world;
+        kiln_tensor_t *mine[3] = {g->p, g->m, g->v};
+        for (int j = 0; s == KILN_OK && j < 3; j++) {
+            /* This rank's new shard [rank * shard, ...) gathered from the old shards. */
+            int64_t lo = rank * g->shard, hi = lo + g->shard < g->total ? lo + g->shard : g->total;
+            s = kiln_fill_(mine[j], 0);
+            for (int r = 0; s == KILN_OK && r < old_world; r++) {
+                int64_t olo = r * old_shard, ohi = olo + old_shard < g->total ? olo + old_shard : g->total;
+                int64_t a = lo > olo ? lo : olo, b = hi < ohi ? hi : ohi;
+                if (a >= b) continue;
+                char *path = shard_path(dir, step, r), name[16];
+                kiln_safetensors_t *f = NULL;
+                s = path ? kiln_safetensors_load(path, &f) : kiln_error(KILN_ERR_OOM, "zero1: out of memory");
+                snprintf(name, sizeof name, "g%d.%c", gi, "pmv"[j]);
+                const char *fw = f ? kiln_safetensors_meta(f, "world") : NULL, *fs = f ? kiln_safetensors_meta(f, "step") : NULL;
+                kiln_tensor_t *t = f ? kiln_safetensors_get(f, name) : NULL;
+                if (s == KILN_OK && (!fw || atoi(fw) != old_world || !fs || strtoll(fs, NULL, 10) != step))
+                    s = kiln_error(KILN_ERR_FORMAT, "%s: not the shard of step %lld of %d ranks", path, (long long)step,
+                                   old_world);
+                else if (s == KILN_OK && (!t || kiln_tensor_numel(t) != old_shard))
+                    s = kiln_error(KILN_ERR_FORMAT, "%s: %s is missing or not %lld elements", path, name,
+                                   (long long)old_shard);
+                if (s == KILN_OK)
+                    s = kiln_tensor_copy_(kiln_narrow(mine[j], 0, a - lo, b - a), kiln_narrow(t, 0, a - olo, b - a));
+                kiln_safetensors_free(f);
+                free(path);
             }
         }
     }
     kiln_scope_end();
     kiln_set_grad_enabled(prev);
+    if (s == KILN_OK) z->steps = step;
     return s;
 }

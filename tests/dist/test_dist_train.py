@@ -124,6 +124,18 @@ def main():
     ok = r1.returncode == 0 and r2.returncode == 0 and len(losses(zr)) == 8
     worst = max(abs(x - y) / abs(y) for x, y in zip(losses(zr), want)) if ok else float("inf")
     check(ok and worst <= 1e-5, f"--zero1 saved on 2 ranks, resumed on 4: worst {worst:.2e} ({r2.stderr.strip()[-200:]})")
+    files = sorted(f for f in os.listdir(zr) if f.startswith("zero1."))
+    want_files = ["zero1.complete"] + [f"zero1.step8.rank{r}.safetensors" for r in range(4)]
+    marker = open(os.path.join(zr, "zero1.complete")).read().strip() if os.path.exists(os.path.join(zr, "zero1.complete")) else ""
+    check(files == want_files and marker == '{"step": 8, "world": 4}',
+          f"per-rank shards of step 8 and the marker, the step-4 shards gone: {files} {marker}")
+    r = train(a.kiln, data, zr, 1, extra=("--steps", "10", "--resume"))
+    check(r.returncode != 0 and "sharded (ZeRO-1)" in r.stderr, "sharded state resumed without --zero1 is refused")
+    with open(os.path.join(zr, "zero1.complete"), "w") as f:  # as if the step-8 save had not finished
+        f.write('{"step": 4, "world": 2}\n')
+    r = train(a.kiln, data, zr, 2, extra=("--zero1", "--steps", "10", "--resume"))
+    check(r.returncode != 0 and "it is not loaded" in r.stderr,
+          f"a marker that does not name the checkpoint's step: not loaded ({r.stderr.strip()[-160:]})")
     r = train(a.kiln, data, os.path.join(a.workdir, "odd"), 2, extra=("--batch", "7"))
     check(r.returncode != 0 and "multiple of the world size" in r.stderr, "a batch of 7 on 2 ranks is refused")
     print(f"{'FAILED' if failed else 'passed'}: {failed} check(s) failed")
