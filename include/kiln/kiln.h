@@ -11,4 +11,5 @@
 #include "kiln/metrics.h"
 #include "kiln/dist.h"
 #include "kiln/serve.h"
+#include "kiln/graph.h"
 #endif

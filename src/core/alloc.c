@@ -44,7 +44,7 @@ static cache *cache_for(kiln__backend *be)
 
 static kiln__storage *storage_new(kiln__backend *be, size_t nbytes)
 {
-    kiln__storage *st = malloc(sizeof *st);
+    kiln__storage *st = calloc(1, sizeof *st);
     if (!st) return NULL;
     size_t rounded;
     int cls = size_class(nbytes, &rounded);
@@ -78,6 +78,10 @@ static kiln__storage *storage_new(kiln__backend *be, size_t nbytes)
 void kiln__storage_release(kiln__storage *st)
 {
     if (!st || atomic_fetch_sub(&st->refcount, 1) != 1) return;
+    if (st->meta) { /* nothing was allocated for it */
+        free(st);
+        return;
+    }
     size_t rounded;
     int cls = size_class(st->nbytes, &rounded);
     kiln__memory_account(-(long long)st->nbytes);

@@ -11,6 +11,10 @@
 kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                          kiln_tensor_t **out, int n_out);
 bool kiln__tracks(const kiln_tensor_t *t);
+/* src/graph/graph.c: in capture mode, records the call and gives meta outputs. */
+bool kiln__graph_capturing(void);
+kiln_status kiln__graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                               const kiln__meta *meta, kiln__backend *be, kiln_tensor_t **out);
 
 kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                            kiln_tensor_t **out)
@@ -34,6 +38,7 @@ kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, c
     memset(meta, 0, sizeof meta);
     kiln_status s = d->infer(in, n_in, a, meta);
     if (s != KILN_OK) return s;
+    if (kiln__graph_capturing()) return kiln__graph_record(op, in, n_in, a, meta, be, out);
 
     kiln_tensor_t *outs[KILN__MAX_OUT] = {0};
     int64_t out_elems = 0;

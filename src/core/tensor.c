@@ -265,9 +265,14 @@ kiln_tensor_t *kiln_from_data(const void *data, const int64_t *shape, int ndim, 
     return kiln__scoped(t);
 }
 
+/* A read or write of a tensor that is being captured: there is no data to give, and the
+ * graph could not replay a value read now; the error names the op that made it. */
+kiln_status kiln__graph_data_access(const kiln_tensor_t *t, const char *what);
+
 kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nbytes)
 {
     if (!t) return kiln__null_arg("from_host");
+    if (t->st->meta) return kiln__graph_data_access(t, "from_host");
     if (nbytes != kiln_tensor_nbytes(t))
         return kiln__err(KILN_ERR_ARG, "from_host: %zu bytes given, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
     if (nbytes && !src) return kiln__err(KILN_ERR_ARG, "from_host: source is NULL");
@@ -279,6 +284,7 @@ kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nby
 kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes)
 {
     if (!t) return kiln__null_arg("to_host");
+    if (t->st->meta) return kiln__graph_data_access(t, "to_host");
     if (nbytes != kiln_tensor_nbytes(t))
         return kiln__err(KILN_ERR_ARG, "to_host: %zu bytes of room, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
     if (nbytes && !dst) return kiln__err(KILN_ERR_ARG, "to_host: destination is NULL");
@@ -298,6 +304,7 @@ kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes
 kiln_status kiln_tensor_item(const kiln_tensor_t *t, double *out)
 {
     if (!t) return kiln__null_arg("item");
+    if (t->st->meta) return kiln__graph_data_access(t, "item");
     char buf[96];
     if (kiln_tensor_numel(t) != 1)
         return kiln__err(KILN_ERR_SHAPE, "item: tensor %s has %lld elements, not 1", kiln__shape_str(t, buf, sizeof buf),

@@ -13,6 +13,7 @@ typedef struct {
     kiln__backend *be;
     void *data;
     size_t nbytes;
+    bool meta; /* a tensor being captured into a graph: shape and dtype, no data */
 } kiln__storage;
 
 struct kiln_tensor {
@@ -28,6 +29,7 @@ struct kiln_tensor {
     kiln__node *grad_fn;           /* the op that made a non-leaf, or NULL */
     int out_index;                 /* which output of grad_fn this is */
     int grad_pending;              /* during backward: edges still to bring this leaf gradient */
+    int graph_value;               /* while captured: its value in the graph (0: a real tensor) */
 };
 
 /* Shape and dtype of a tensor before it exists (used by shape inference). */

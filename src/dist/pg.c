@@ -393,6 +393,8 @@ uint64_t kiln_pg_seq(const kiln_pg_t *pg) { return pg ? pg->seq : 0; }
 static kiln_status host_buffer(const char *op, kiln_tensor_t *t, void **data, int64_t *n)
 {
     if (!t) return kiln_error(KILN_ERR_ARG, "%s: NULL tensor", op);
+    if (t->st->meta) return kiln_error(KILN_ERR_UNSUPPORTED, "%s: the tensor is being captured into a graph; "
+                                       "collectives are not captured yet (run them outside the captured function)", op);
     if (t->dtype != KILN_DTYPE_F32 && t->dtype != KILN_DTYPE_F64)
         return kiln_error(KILN_ERR_DTYPE, "%s: %s tensors are not supported (f32 or f64)", op, kiln_dtype_name(t->dtype));
     if (!kiln__is_contiguous(t)) return kiln_error(KILN_ERR_ARG, "%s: the tensor must be contiguous", op);

@@ -1,0 +1,64 @@
+/* kiln/graph.h — capturing ordinary kiln code into a graph, without changing it.
+ *
+ *     static kiln_status mlp(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+ *     {
+ *         const my_weights *w = ctx;
+ *         out[0] = kiln_gelu(kiln_add(kiln_matmul(in[0], w->w1), w->b1), true);
+ *         *n_out = 1;
+ *         return out[0] ? KILN_OK : kiln_last_status();
+ *     }
+ *     kiln_graph_t *g;
+ *     kiln_graph_capture(mlp, &w, &x, 1, &g);      // records; computes nothing
+ *     kiln_tensor_t *y;
+ *     int n;
+ *     kiln_graph_run(g, &x2, 1, &y, 1, &n);       // runs the recorded ops on x2
+ *
+ * In capture mode every kiln op called by the function is recorded with the shapes and
+ * dtypes of its results, on tensors that have no data (meta tensors); the same function
+ * runs eagerly when not captured. The function's arguments are the graph's inputs
+ * (their shapes and dtypes are what it assumes, checked on every run); any real tensor
+ * it uses (parameters, constants) is captured by reference, so a run sees its contents
+ * at that time, and an in-place update of one is applied to it by every run. Reading a
+ * captured tensor's value (kiln_tensor_item, kiln_tensor_to_host) is an error naming the
+ * op that made it: the graph could not replay a decision taken on data.
+ *
+ * This is the first stage of kiln compile: capture runs forward code (grad mode is off
+ * while capturing; autograd on the graph comes next) and kiln_graph_run interprets the
+ * graph through the ordinary kernels, freeing each intermediate after its last use.
+ */
+#ifndef KILN_GRAPH_H
+#define KILN_GRAPH_H
+
+#include <stdio.h>
+#include "kiln/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct kiln_graph kiln_graph_t;
+
+/* The function captured: in[0..n_in) are its arguments; it sets out[0..*n_out) (at most
+ * KILN_GRAPH_MAX_OUT) and returns KILN_OK, or an error. */
+#define KILN_GRAPH_MAX_OUT 16
+typedef kiln_status (*kiln_graph_fn)(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out);
+
+/* Runs fn once in capture mode with arguments shaped like example[0..n_in). */
+kiln_status kiln_graph_capture(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *example, int n_in,
+                               kiln_graph_t **out);
+/* Runs the graph on in[0..n_in) (their shapes and dtypes must be those captured);
+ * out[0..*n_out) get its results, in the caller's scope. */
+kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
+                           int *n_out);
+/* Dead-code elimination: drops the ops whose results nothing uses (in-place updates
+ * always stay). Returns how many were dropped in *removed. */
+kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed);
+int kiln_graph_num_ops(const kiln_graph_t *g);
+/* One line per op: "%5 = gelu(%4) f32[8,32]  tanh=1", inputs and captured tensors first. */
+kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f);
+void kiln_graph_free(kiln_graph_t *g); /* NULL is fine */
+
+#ifdef __cplusplus
+}
+#endif
+#endif

@@ -1,0 +1,374 @@
+/* The graph IR and capture (kiln/graph.h). A graph is a list of op calls in program
+ * order over numbered values; a value is an argument of the captured function, a real
+ * tensor it used (captured by reference), or an output of an earlier op. Capture hooks
+ * the one dispatch point (src/core/dispatch.c): in capture mode an op is inferred as
+ * usual, then recorded here instead of launched, and its outputs are meta tensors
+ * (storage without data) that carry their value number. A run replays the calls through
+ * dispatch, so views, in-place updates and every kernel behave exactly as in eager
+ * code. */
+#include <stdlib.h>
+#include <string.h>
+#include "core/tensor_impl.h"
+#include "kiln/graph.h"
+#include "kiln/ops.h"
+#include "ops/registry.h"
+
+enum { V_ARG, V_CONST, V_OP };
+
+typedef struct {
+    int kind, index; /* argument number, or the producing node */
+    int out;         /* which output of that node */
+    kiln__meta meta;
+    kiln_tensor_t *t; /* V_CONST: the captured tensor (retained) */
+} value;
+
+typedef struct {
+    kiln__op_id op;
+    kiln__attrs attrs;
+    int n_in, n_out;
+    int *in;                 /* value numbers */
+    int out[KILN__MAX_OUT];  /* value numbers; 0 for an in-place op */
+} node;
+
+struct kiln_graph {
+    value *v;
+    int n_v, cap_v; /* value 0 is unused: 0 means "a real tensor" in a tensor header */
+    node *nd;
+    int n_nd, cap_nd;
+    int n_args;
+    int outs[KILN_GRAPH_MAX_OUT], n_outs;
+    kiln_status failed; /* the first recording error, reported at the end of capture */
+};
+
+static _Thread_local kiln_graph_t *capturing;
+
+bool kiln__graph_capturing(void) { return capturing != NULL; }
+
+static void meta_of(const kiln_tensor_t *t, kiln__meta *m)
+{
+    memset(m, 0, sizeof *m);
+    m->dtype = t->dtype;
+    m->ndim = t->ndim;
+    for (int i = 0; i < t->ndim; i++) {
+        m->shape[i] = t->shape[i];
+        m->stride[i] = t->stride[i];
+    }
+    m->offset = t->offset;
+}
+
+static int add_value(kiln_graph_t *g, int kind, int index, int out, const kiln__meta *m, kiln_tensor_t *t)
+{
+    if (g->n_v == g->cap_v) {
+        int cap = g->cap_v ? 2 * g->cap_v : 64;
+        value *v = realloc(g->v, sizeof *v * (size_t)cap);
+        if (!v) return -1;
+        g->v = v;
+        g->cap_v = cap;
+    }
+    g->v[g->n_v] = (value){kind, index, out, *m, t};
+    return g->n_v++;
+}
+
+/* A tensor header with no data, shaped by m, standing for value num. */
+static kiln_tensor_t *meta_tensor(kiln__backend *be, kiln__storage *share, size_t nbytes, const kiln__meta *m, bool view,
+                                  int num)
+{
+    kiln__storage *st = share;
+    if (!st) {
+        st = calloc(1, sizeof *st);
+        if (!st) {
+            kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
+            return NULL;
+        }
+        atomic_init(&st->refcount, 1);
+        st->be = be;
+        st->meta = true;
+        st->nbytes = nbytes;
+    }
+    int64_t stride[KILN_MAX_DIMS];
+    if (view) memcpy(stride, m->stride, sizeof stride);
+    else kiln__contiguous_strides(m->ndim, m->shape, stride);
+    kiln_tensor_t *t = kiln__tensor_alias(st, m->dtype, m->ndim, m->shape, stride, view ? m->offset : 0);
+    if (!share) kiln__storage_release(st); /* the header holds it now */
+    if (t) t->graph_value = num;
+    return t;
+}
+
+/* The value number of an op's input: its own if it is being captured, else the real
+ * tensor is captured by reference (once). */
+static int value_of(kiln_graph_t *g, kiln_tensor_t *t)
+{
+    if (t->st->meta) return t->graph_value;
+    for (int i = 1; i < g->n_v; i++)
+        if (g->v[i].kind == V_CONST && g->v[i].t == t) return i;
+    kiln__meta m;
+    meta_of(t, &m);
+    int num = add_value(g, V_CONST, 0, 0, &m, t);
+    if (num >= 0) kiln_tensor_retain(t);
+    return num;
+}
+
+kiln_status kiln__graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                               const kiln__meta *meta, kiln__backend *be, kiln_tensor_t **out)
+{
+    kiln_graph_t *g = capturing;
+    const kiln__op_def *d = &kiln__ops[op];
+    for (int i = 0; i < n_in; i++)
+        if (in[i]->st->meta && (in[i]->graph_value <= 0 || in[i]->graph_value >= g->n_v))
+            return kiln__err(KILN_ERR_ARG, "%s: input %d belongs to another graph's capture", d->name, i);
+    if (g->n_nd == g->cap_nd) {
+        int cap = g->cap_nd ? 2 * g->cap_nd : 64;
+        node *nd = realloc(g->nd, sizeof *nd * (size_t)cap);
+        if (!nd) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
+        g->nd = nd;
+        g->cap_nd = cap;
+    }
+    node *n = &g->nd[g->n_nd];
+    memset(n, 0, sizeof *n);
+    n->op = op;
+    n->attrs = *a;
+    n->n_in = n_in;
+    n->n_out = d->n_out;
+    n->in = malloc(sizeof(int) * (size_t)(n_in ? n_in : 1));
+    if (!n->in) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
+    for (int i = 0; i < n_in; i++)
+        if ((n->in[i] = value_of(g, in[i])) < 0) {
+            free(n->in);
+            return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
+        }
+    kiln_tensor_t *outs[KILN__MAX_OUT] = {0};
+    for (int j = 0; j < d->n_out; j++) {
+        int num = add_value(g, V_OP, g->n_nd, j, &meta[j], NULL);
+        kiln__storage *share = d->is_view && in[0]->st->meta ? in[0]->st : NULL;
+        size_t nbytes = d->is_view ? in[0]->st->nbytes
+                                   : (size_t)kiln__numel(meta[j].ndim, meta[j].shape) * kiln_dtype_size(meta[j].dtype);
+        if (num < 0 || !(outs[j] = meta_tensor(be, share, nbytes, &meta[j], d->is_view, num))) {
+            for (int k = 0; k < j; k++) kiln_tensor_free(outs[k]);
+            free(n->in);
+            return num < 0 ? kiln__err(KILN_ERR_OOM, "graph capture: out of memory") : kiln_last_status();
+        }
+        n->out[j] = num;
+    }
+    g->n_nd++;
+    for (int j = 0; j < d->n_out; j++) out[j] = outs[j];
+    return KILN_OK;
+}
+
+kiln_status kiln__graph_data_access(const kiln_tensor_t *t, const char *what)
+{
+    kiln_graph_t *g = capturing;
+    const char *op = "an argument of the captured function";
+    if (g && t->graph_value > 0 && t->graph_value < g->n_v && g->v[t->graph_value].kind == V_OP)
+        op = kiln__ops[g->nd[g->v[t->graph_value].index].op].name;
+    else if (!g)
+        op = "a graph capture that has ended";
+    return kiln__err(KILN_ERR_UNSUPPORTED, "%s: a data-dependent read during graph capture, of the result of %s: a "
+                     "captured tensor has no value yet, and a graph cannot replay a decision taken on one; move the read "
+                     "out of the captured function (capture the part before it and the part after it as two graphs)",
+                     what, op);
+}
+
+void kiln_graph_free(kiln_graph_t *g)
+{
+    if (!g) return;
+    for (int i = 1; i < g->n_v; i++)
+        if (g->v[i].kind == V_CONST) kiln_tensor_free(g->v[i].t);
+    for (int i = 0; i < g->n_nd; i++) free(g->nd[i].in);
+    free(g->v);
+    free(g->nd);
+    free(g);
+}
+
+kiln_status kiln_graph_capture(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *example, int n_in, kiln_graph_t **out)
+{
+    if (!out) return kiln__err(KILN_ERR_ARG, "graph_capture: out is NULL");
+    *out = NULL;
+    if (!fn || n_in < 0 || (n_in && !example)) return kiln__err(KILN_ERR_ARG, "graph_capture: needs a function and its examples");
+    if (capturing) return kiln__err(KILN_ERR_ARG, "graph_capture: a capture is already running on this thread");
+    for (int i = 0; i < n_in; i++)
+        if (!example[i]) return kiln__null_arg("graph_capture");
+    kiln__ensure_init();
+    kiln_graph_t *g = calloc(1, sizeof *g);
+    if (!g) return kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
+    kiln__meta none = {0};
+    kiln_status s = add_value(g, V_ARG, -1, 0, &none, NULL) == 0 ? KILN_OK : kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
+    kiln_tensor_t **args = calloc((size_t)(n_in ? n_in : 1), sizeof *args);
+    if (!args) s = kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
+    for (int i = 0; s == KILN_OK && i < n_in; i++) {
+        kiln__meta m;
+        meta_of(example[i], &m);
+        kiln__contiguous_strides(m.ndim, m.shape, m.stride);
+        m.offset = 0;
+        int num = add_value(g, V_ARG, i, 0, &m, NULL);
+        size_t nb = (size_t)kiln_tensor_numel(example[i]) * kiln_dtype_size(m.dtype);
+        if (num < 0 || !(args[i] = meta_tensor(example[i]->st->be, NULL, nb, &m, false, num)))
+            s = num < 0 ? kiln__err(KILN_ERR_OOM, "graph_capture: out of memory") : kiln_last_status();
+    }
+    g->n_args = n_in;
+    if (s == KILN_OK) {
+        bool prev = kiln_set_grad_enabled(false);
+        kiln_tensor_t *res[KILN_GRAPH_MAX_OUT] = {0};
+        int n_out = 0;
+        capturing = g;
+        kiln_scope_begin();
+        s = fn(ctx, args, n_in, res, &n_out);
+        if (s == KILN_OK && (n_out < 0 || n_out > KILN_GRAPH_MAX_OUT))
+            s = kiln__err(KILN_ERR_ARG, "graph_capture: the function gave %d outputs (0..%d)", n_out, KILN_GRAPH_MAX_OUT);
+        for (int j = 0; s == KILN_OK && j < n_out; j++) {
+            if (!res[j]) s = kiln__err(KILN_ERR_ARG, "graph_capture: output %d is NULL", j);
+            else if ((g->outs[j] = value_of(g, res[j])) < 0) s = kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
+        }
+        g->n_outs = s == KILN_OK ? n_out : 0;
+        kiln_scope_end();
+        capturing = NULL;
+        kiln_set_grad_enabled(prev);
+    }
+    for (int i = 0; args && i < n_in; i++) kiln_tensor_free(args[i]);
+    free(args);
+    if (s != KILN_OK) {
+        kiln_graph_free(g);
+        return s;
+    }
+    *out = g;
+    return KILN_OK;
+}
+
+int kiln_graph_num_ops(const kiln_graph_t *g) { return g ? g->n_nd : 0; }
+
+static bool same_meta(const kiln__meta *m, const kiln_tensor_t *t)
+{
+    if (m->dtype != t->dtype || m->ndim != t->ndim) return false;
+    for (int i = 0; i < m->ndim; i++)
+        if (m->shape[i] != t->shape[i]) return false;
+    return true;
+}
+
+kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
+                           int *n_out)
+{
+    if (!g || !n_out || (max_out > 0 && !out)) return kiln__err(KILN_ERR_ARG, "graph_run: NULL graph or outputs");
+    if (capturing) return kiln__err(KILN_ERR_ARG, "graph_run: not inside a capture (run it after kiln_graph_capture)");
+    if (n_in != g->n_args) return kiln__err(KILN_ERR_ARG, "graph_run: %d inputs given, the graph takes %d", n_in, g->n_args);
+    if (max_out < g->n_outs) return kiln__err(KILN_ERR_ARG, "graph_run: room for %d outputs, the graph gives %d", max_out, g->n_outs);
+    for (int i = 0; i < n_in; i++) {
+        if (!in[i]) return kiln__null_arg("graph_run");
+        if (!same_meta(&g->v[i + 1].meta, in[i])) {
+            char got[96], want[96];
+            kiln_tensor_t shape = {0};
+            shape.dtype = g->v[i + 1].meta.dtype;
+            shape.ndim = g->v[i + 1].meta.ndim;
+            memcpy(shape.shape, g->v[i + 1].meta.shape, sizeof shape.shape);
+            return kiln__err(KILN_ERR_SHAPE, "graph_run: input %d is %s, the graph was captured for %s", i,
+                             kiln__shape_str(in[i], got, sizeof got), kiln__shape_str(&shape, want, sizeof want));
+        }
+    }
+    /* Each value is freed after its last use; outputs are kept. */
+    int *last = calloc((size_t)g->n_v, sizeof *last);
+    kiln_tensor_t **rt = calloc((size_t)g->n_v, sizeof *rt);
+    kiln_status s = last && rt ? KILN_OK : kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
+    for (int k = 0; s == KILN_OK && k < g->n_nd; k++)
+        for (int i = 0; i < g->nd[k].n_in; i++) last[g->nd[k].in[i]] = k + 1;
+    for (int j = 0; s == KILN_OK && j < g->n_outs; j++) last[g->outs[j]] = g->n_nd + 1;
+    for (int i = 1; s == KILN_OK && i < g->n_v; i++)
+        if (g->v[i].kind == V_ARG) rt[i] = kiln_tensor_retain(in[g->v[i].index]);
+        else if (g->v[i].kind == V_CONST) rt[i] = kiln_tensor_retain(g->v[i].t);
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_tensor_t *ins[64], **insp = ins;
+    for (int k = 0; s == KILN_OK && k < g->n_nd; k++) {
+        node *n = &g->nd[k];
+        if (n->n_in > 64 && !(insp = malloc(sizeof *insp * (size_t)n->n_in))) {
+            s = kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
+            break;
+        }
+        for (int i = 0; i < n->n_in; i++) insp[i] = rt[n->in[i]];
+        kiln_tensor_t *res[KILN__MAX_OUT] = {0};
+        s = kiln__dispatch(n->op, insp, n->n_in, &n->attrs, n->n_out ? res : NULL);
+        for (int j = 0; s == KILN_OK && j < n->n_out; j++) rt[n->out[j]] = res[j];
+        for (int i = 0; s == KILN_OK && i < n->n_in; i++)
+            if (last[n->in[i]] == k + 1 && g->v[n->in[i]].kind == V_OP) {
+                kiln_tensor_free(rt[n->in[i]]);
+                rt[n->in[i]] = NULL;
+            }
+        if (insp != ins) free(insp);
+        insp = ins;
+    }
+    kiln_set_grad_enabled(prev);
+    for (int j = 0; s == KILN_OK && j < g->n_outs; j++) out[j] = kiln__scoped(kiln_tensor_retain(rt[g->outs[j]]));
+    *n_out = s == KILN_OK ? g->n_outs : 0;
+    for (int i = 0; rt && i < g->n_v; i++) kiln_tensor_free(rt[i]);
+    free(rt);
+    free(last);
+    return s;
+}
+
+kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
+{
+    if (!g) return kiln__err(KILN_ERR_ARG, "graph_dce: NULL graph");
+    bool *used = calloc((size_t)g->n_v, sizeof *used), *keep = calloc((size_t)(g->n_nd ? g->n_nd : 1), sizeof *keep);
+    if (!used || !keep) {
+        free(used);
+        free(keep);
+        return kiln__err(KILN_ERR_OOM, "graph_dce: out of memory");
+    }
+    for (int j = 0; j < g->n_outs; j++) used[g->outs[j]] = true;
+    for (int k = g->n_nd - 1; k >= 0; k--) {
+        node *n = &g->nd[k];
+        bool live = kiln__ops[n->op].is_inplace;
+        for (int j = 0; j < n->n_out; j++) live |= used[n->out[j]];
+        keep[k] = live;
+        if (live)
+            for (int i = 0; i < n->n_in; i++) used[n->in[i]] = true;
+    }
+    int w = 0, dropped = 0;
+    for (int k = 0; k < g->n_nd; k++) {
+        if (keep[k]) g->nd[w++] = g->nd[k];
+        else {
+            free(g->nd[k].in);
+            dropped++;
+        }
+    }
+    /* Values keep their numbers; re-point each op output at its node's new place. */
+    for (int k = 0; k < w; k++)
+        for (int j = 0; j < g->nd[k].n_out; j++) g->v[g->nd[k].out[j]].index = k;
+    g->n_nd = w;
+    free(used);
+    free(keep);
+    if (removed) *removed = dropped;
+    return KILN_OK;
+}
+
+kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f)
+{
+    if (!g || !f) return kiln__err(KILN_ERR_ARG, "graph_print: NULL graph or file");
+    char b[96];
+    for (int i = 1; i < g->n_v; i++) {
+        const value *v = &g->v[i];
+        if (v->kind == V_OP) continue;
+        kiln_tensor_t shape = {0};
+        shape.dtype = v->meta.dtype;
+        shape.ndim = v->meta.ndim;
+        memcpy(shape.shape, v->meta.shape, sizeof shape.shape);
+        if (v->kind == V_ARG) fprintf(f, "%%%d = input %d %s\n", i, v->index, kiln__shape_str(&shape, b, sizeof b));
+        else fprintf(f, "%%%d = captured %s\n", i, kiln__shape_str(&shape, b, sizeof b));
+    }
+    for (int k = 0; k < g->n_nd; k++) {
+        const node *n = &g->nd[k];
+        for (int j = 0; j < n->n_out; j++) fprintf(f, "%s%%%d", j ? ", " : "", n->out[j]);
+        fprintf(f, "%s%s(", n->n_out ? " = " : "", kiln__ops[n->op].name);
+        for (int i = 0; i < n->n_in; i++) fprintf(f, "%s%%%d", i ? ", " : "", n->in[i]);
+        fprintf(f, ")");
+        for (int j = 0; j < n->n_out; j++) {
+            const value *v = &g->v[n->out[j]];
+            kiln_tensor_t shape = {0};
+            shape.dtype = v->meta.dtype;
+            shape.ndim = v->meta.ndim;
+            memcpy(shape.shape, v->meta.shape, sizeof shape.shape);
+            fprintf(f, " %s", kiln__shape_str(&shape, b, sizeof b));
+        }
+        fprintf(f, "\n");
+    }
+    fprintf(f, "return");
+    for (int j = 0; j < g->n_outs; j++) fprintf(f, "%s %%%d", j ? "," : "", g->outs[j]);
+    fprintf(f, "\n");
+    return KILN_OK;
+}

@@ -1,0 +1,221 @@
+/* Graph capture and replay (kiln/graph.h). Oracle: the same function run eagerly on
+ * the same inputs; since a run replays the recorded calls through the same kernels, the
+ * results must be bitwise equal (tolerance 0). */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kiln/kiln.h"
+#include "test_util.h"
+
+static float *to_host(kiln_tensor_t *t)
+{
+    int64_t n = kiln_tensor_numel(t);
+    float *p = malloc(sizeof *p * (size_t)n);
+    assert_int_equal(kiln_tensor_to_host(t, p, sizeof *p * (size_t)n), KILN_OK);
+    return p;
+}
+
+static kiln_tensor_t *randn(int64_t r, int64_t c, uint64_t seed)
+{
+    int64_t s[2] = {r, c};
+    kiln_manual_seed(seed);
+    return kiln_randn(s, 2, KILN_DTYPE_F32);
+}
+
+typedef struct {
+    kiln_tensor_t *w1, *b1, *w2;
+    bool unused, read_value, in_place;
+} mlp_ctx;
+
+/* An ordinary function of kiln ops: the one under test, eager and captured. */
+static kiln_status mlp(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    (void)n_in;
+    mlp_ctx *c = ctx;
+    kiln_tensor_t *h = kiln_gelu(kiln_add(kiln_matmul(in[0], c->w1), c->b1), true);
+    if (c->unused) kiln_exp(h); /* nothing uses it: dead code */
+    if (c->read_value) {
+        double v;
+        kiln_status s = kiln_tensor_item(kiln_sum(h, NULL, 0, false), &v);
+        if (s != KILN_OK) return s;
+    }
+    if (c->in_place) {
+        kiln_status s = kiln_add_(c->b1, kiln_sum(h, (int[]){0}, 1, true), 1.0); /* b1 += column sums of h */
+        if (s != KILN_OK) return s;
+    }
+    out[0] = kiln_matmul(h, c->w2);
+    out[1] = h;
+    *n_out = 2;
+    return out[0] && out[1] ? KILN_OK : kiln_last_status();
+}
+
+static void assert_same(kiln_tensor_t *a, kiln_tensor_t *b)
+{
+    assert_int_equal(kiln_tensor_numel(a), kiln_tensor_numel(b));
+    float *x = to_host(a), *y = to_host(b);
+    assert_memory_equal(x, y, sizeof(float) * (size_t)kiln_tensor_numel(a));
+    free(x);
+    free(y);
+}
+
+static void capture_then_run_matches_eager(void **state)
+{
+    mlp_ctx c = {randn(16, 32, 1), randn(1, 32, 2), randn(32, 8, 3), false, false, false};
+    kiln_tensor_t *x = randn(4, 16, 4), *x2 = randn(4, 16, 5);
+    kiln_graph_t *g;
+    assert_int_equal(kiln_graph_capture(mlp, &c, &x, 1, &g), KILN_OK);
+    assert_int_equal(kiln_graph_num_ops(g), 4); /* matmul, add, gelu, matmul */
+    kiln_tensor_t *got[2], *want[2];
+    int n;
+    assert_int_equal(kiln_graph_run(g, &x2, 1, got, 2, &n), KILN_OK);
+    assert_int_equal(n, 2);
+    assert_int_equal(mlp(&c, &x2, 1, want, &n), KILN_OK);
+    assert_same(got[0], want[0]);
+    assert_same(got[1], want[1]);
+    /* Parameters are captured by reference: a run after an update sees it. */
+    assert_int_equal(kiln_mul_scalar_(c.w2, 2.0), KILN_OK);
+    assert_int_equal(kiln_graph_run(g, &x2, 1, got, 2, &n), KILN_OK);
+    assert_int_equal(mlp(&c, &x2, 1, want, &n), KILN_OK);
+    assert_same(got[0], want[0]);
+    /* The printed graph names the ops and the shapes. */
+    char buf[4096] = "";
+    FILE *f = fmemopen(buf, sizeof buf - 1, "w");
+    assert_int_equal(kiln_graph_print(g, f), KILN_OK);
+    fclose(f);
+    assert_non_null(strstr(buf, "gelu("));
+    assert_non_null(strstr(buf, "f32[4,8]"));
+    assert_non_null(strstr(buf, "input 0 f32[4,16]"));
+    kiln_graph_free(g);
+}
+
+static void capture_records_and_computes_nothing(void **state)
+{
+    mlp_ctx c = {randn(16, 32, 1), randn(1, 32, 2), randn(32, 8, 3), false, false, true};
+    float *before = to_host(c.b1);
+    kiln_tensor_t *x = randn(4, 16, 4);
+    kiln_graph_t *g;
+    assert_int_equal(kiln_graph_capture(mlp, &c, &x, 1, &g), KILN_OK);
+    float *after = to_host(c.b1);
+    assert_memory_equal(before, after, sizeof(float) * 32); /* the in-place update was recorded, not run */
+    /* Each run applies it to the real tensor, as the eager function does. */
+    mlp_ctx e = {kiln_contiguous(kiln_mul_scalar(c.w1, 1.0)), kiln_contiguous(kiln_mul_scalar(c.b1, 1.0)),
+                 kiln_contiguous(kiln_mul_scalar(c.w2, 1.0)), false, false, true};
+    kiln_tensor_t *got[2], *want[2];
+    int n;
+    for (int r = 0; r < 2; r++) {
+        assert_int_equal(kiln_graph_run(g, &x, 1, got, 2, &n), KILN_OK);
+        assert_int_equal(mlp(&e, &x, 1, want, &n), KILN_OK);
+        assert_same(got[0], want[0]);
+        assert_same(c.b1, e.b1);
+    }
+    free(before);
+    free(after);
+    kiln_graph_free(g);
+}
+
+static void dead_code_is_removed(void **state)
+{
+    mlp_ctx c = {randn(16, 32, 1), randn(1, 32, 2), randn(32, 8, 3), true, false, false};
+    kiln_tensor_t *x = randn(4, 16, 4);
+    kiln_graph_t *g;
+    kiln_status st = kiln_graph_capture(mlp, &c, &x, 1, &g);
+    if (st != KILN_OK) fail_msg("capture: %s", kiln_last_error());
+    int before = kiln_graph_num_ops(g), removed = -1;
+    assert_int_equal(kiln_graph_dce(g, &removed), KILN_OK);
+    assert_int_equal(removed, 1);
+    assert_int_equal(kiln_graph_num_ops(g), before - 1);
+    kiln_tensor_t *got[2], *want[2];
+    int n;
+    assert_int_equal(kiln_graph_run(g, &x, 1, got, 2, &n), KILN_OK);
+    assert_int_equal(mlp(&c, &x, 1, want, &n), KILN_OK);
+    assert_same(got[0], want[0]);
+    kiln_graph_free(g);
+}
+
+static void bad_uses_are_clear_errors(void **state)
+{
+    mlp_ctx c = {randn(16, 32, 1), randn(1, 32, 2), randn(32, 8, 3), false, true, false};
+    kiln_tensor_t *x = randn(4, 16, 4);
+    kiln_graph_t *g = (kiln_graph_t *)1;
+    /* Reading a value while capturing: an error that names the op, and no graph. */
+    assert_int_equal(kiln_graph_capture(mlp, &c, &x, 1, &g), KILN_ERR_UNSUPPORTED);
+    assert_null(g);
+    assert_non_null(strstr(kiln_last_error(), "data-dependent read"));
+    assert_non_null(strstr(kiln_last_error(), "sum"));
+    kiln_clear_error();
+    c.read_value = false;
+    assert_int_equal(kiln_graph_capture(mlp, &c, &x, 1, &g), KILN_OK);
+    /* A run on another shape than the one captured. */
+    kiln_tensor_t *wrong = randn(5, 16, 6), *got[2];
+    int n;
+    assert_int_equal(kiln_graph_run(g, &wrong, 1, got, 2, &n), KILN_ERR_SHAPE);
+    assert_non_null(strstr(kiln_last_error(), "f32[5,16]"));
+    assert_non_null(strstr(kiln_last_error(), "f32[4,16]"));
+    kiln_clear_error();
+    assert_int_equal(kiln_graph_run(g, &x, 1, got, 1, &n), KILN_ERR_ARG); /* room for 1 of 2 outputs */
+    kiln_clear_error();
+    kiln_graph_free(g);
+}
+
+typedef struct {
+    kiln_gpt_t *m;
+} gpt_ctx;
+
+static kiln_status gpt_logits(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    (void)n_in;
+    gpt_ctx *c = ctx;
+    out[0] = kiln_gpt_forward(c->m, in[0], NULL, false, NULL);
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+/* The model code, unchanged, captured: GPT-2 and LLaMA style forwards. */
+static void gpt_forward_captures(bool llama)
+{
+    kiln_gpt_config cfg = llama ? kiln_gpt_config_llama() : kiln_gpt_config_gpt2();
+    cfg.n_layer = 2;
+    cfg.n_head = 4;
+    cfg.n_kv_head = llama ? 2 : 4;
+    cfg.n_embd = 32;
+    cfg.block_size = 16;
+    cfg.vocab_size = 50;
+    gpt_ctx c;
+    assert_int_equal(kiln_gpt_new(&cfg, 11, &c.m), KILN_OK);
+    int64_t ids[2][12], s[2] = {2, 12};
+    for (int i = 0; i < 24; i++) ids[i / 12][i % 12] = (i * 7 + 3) % 50;
+    kiln_tensor_t *x = kiln_from_data(ids, s, 2, KILN_DTYPE_I64);
+    for (int i = 0; i < 24; i++) ids[i / 12][i % 12] = (i * 5 + 1) % 50;
+    kiln_tensor_t *x2 = kiln_from_data(ids, s, 2, KILN_DTYPE_I64);
+    kiln_graph_t *g;
+    assert_int_equal(kiln_graph_capture(gpt_logits, &c, &x, 1, &g), KILN_OK);
+    assert_true(kiln_graph_num_ops(g) > 20);
+    kiln_tensor_t *got, *want;
+    int n;
+    assert_int_equal(kiln_graph_run(g, &x2, 1, &got, 1, &n), KILN_OK);
+    assert_int_equal(gpt_logits(&c, &x2, 1, &want, &n), KILN_OK);
+    assert_same(got, want);
+    kiln_graph_free(g);
+    kiln_gpt_free(c.m);
+}
+
+static void gpt2_forward_captures(void **state) { gpt_forward_captures(false); }
+static void llama_forward_captures(void **state) { gpt_forward_captures(true); }
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(capture_then_run_matches_eager, setup, teardown),
+        cmocka_unit_test_setup_teardown(capture_records_and_computes_nothing, setup, teardown),
+        cmocka_unit_test_setup_teardown(dead_code_is_removed, setup, teardown),
+        cmocka_unit_test_setup_teardown(bad_uses_are_clear_errors, setup, teardown),
+        cmocka_unit_test_setup_teardown(gpt2_forward_captures, setup, teardown),
+        cmocka_unit_test_setup_teardown(llama_forward_captures, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
