@@ -9,6 +9,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "kiln/kiln.h"
 #include "test_util.h"
 
@@ -162,6 +163,50 @@ static void bad_uses_are_clear_errors(void **state)
     kiln_graph_free(g);
 }
 
+/* Guards: the same shape reuses its graph, a new one captures again (and the log says
+ * which guard failed, old -> new), and past the limit calls run eagerly with one
+ * warning; every result equals the eager function's. */
+static void guards_reuse_recompile_and_fall_back(void **state)
+{
+    setenv("KILN_LOGS", "recompiles", 1);
+    setenv("KILN_RECOMPILE_LIMIT", "2", 1);
+    mlp_ctx c = {randn(16, 32, 1), randn(1, 32, 2), randn(32, 8, 3), false, false, false};
+    kiln_compiled_t *fnc;
+    assert_int_equal(kiln_compiled_new(mlp, &c, "mlp", &fnc), KILN_OK);
+    kiln_tensor_t *xs[4] = {randn(4, 16, 4), randn(4, 16, 5), randn(5, 16, 6), randn(6, 16, 7)};
+    fflush(stderr);
+    int saved = dup(2);
+    FILE *log = tmpfile();
+    dup2(fileno(log), 2);
+    for (int i = 0; i < 4; i++) {
+        kiln_tensor_t *got[2], *want[2];
+        int n;
+        assert_int_equal(kiln_compiled_call(fnc, &xs[i], 1, got, 2, &n), KILN_OK);
+        assert_int_equal(mlp(&c, &xs[i], 1, want, &n), KILN_OK);
+        assert_same(got[0], want[0]);
+    }
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    char buf[2048] = "";
+    rewind(log);
+    size_t len = fread(buf, 1, sizeof buf - 1, log);
+    buf[len] = 0;
+    fclose(log);
+    uint64_t calls, hits, recompiles;
+    int graphs;
+    kiln_compiled_stats(fnc, &calls, &hits, &recompiles, &graphs);
+    assert_int_equal(calls, 4);
+    assert_int_equal(hits, 1);       /* the second f32[4,16] call */
+    assert_int_equal(recompiles, 1); /* f32[5,16] */
+    assert_int_equal(graphs, 2);     /* f32[6,16] ran eagerly */
+    assert_non_null(strstr(buf, "input 0 shape changed: f32[4,16] -> f32[5,16]"));
+    assert_non_null(strstr(buf, "now run eagerly"));
+    kiln_compiled_free(fnc);
+    unsetenv("KILN_LOGS");
+    unsetenv("KILN_RECOMPILE_LIMIT");
+}
+
 typedef struct {
     kiln_gpt_t *m;
 } gpt_ctx;
@@ -214,6 +259,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(capture_records_and_computes_nothing, setup, teardown),
         cmocka_unit_test_setup_teardown(dead_code_is_removed, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_uses_are_clear_errors, setup, teardown),
+        cmocka_unit_test_setup_teardown(guards_reuse_recompile_and_fall_back, setup, teardown),
         cmocka_unit_test_setup_teardown(gpt2_forward_captures, setup, teardown),
         cmocka_unit_test_setup_teardown(llama_forward_captures, setup, teardown),
     };

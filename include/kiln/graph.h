@@ -58,6 +58,21 @@ int kiln_graph_num_ops(const kiln_graph_t *g);
 kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f);
 void kiln_graph_free(kiln_graph_t *g); /* NULL is fine */
 
+/* A function kept as graphs, each with the guards it was captured under: every
+ * input's dtype, shape and device (at most KILN_GRAPH_MAX_IN inputs). A call whose
+ * inputs match a graph's guards runs that graph; otherwise the function is captured
+ * again (KILN_LOGS=recompiles says which guard failed, old -> new), up to
+ * KILN_RECOMPILE_LIMIT graphs (default 8), after which non-matching calls run eagerly,
+ * with one warning. KILN_LOGS=graph prints each captured graph (after dead-code
+ * elimination), KILN_LOGS=guards its guards; KILN_LOGS=all, both and more. */
+#define KILN_GRAPH_MAX_IN 16
+typedef struct kiln_compiled kiln_compiled_t;
+kiln_status kiln_compiled_new(kiln_graph_fn fn, void *ctx, const char *name, kiln_compiled_t **out);
+kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
+                               int *n_out);
+void kiln_compiled_stats(const kiln_compiled_t *c, uint64_t *calls, uint64_t *hits, uint64_t *recompiles, int *graphs);
+void kiln_compiled_free(kiln_compiled_t *c);
+
 #ifdef __cplusplus
 }
 #endif

@@ -1,0 +1,188 @@
+/* A captured function with guards (kiln_compiled_*): each graph is kept with what it
+ * assumed about its inputs (dtype, shape, device); a call whose inputs match one reuses
+ * it, and one that breaks every guard captures again, up to a limit, after which the
+ * function runs eagerly. KILN_LOGS (a comma list) prints the stages: "graph" each
+ * captured graph, "guards" what it assumes, "recompiles" why a call captured again,
+ * with the old and the new value. */
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "core/tensor_impl.h"
+#include "kiln/graph.h"
+
+typedef struct {
+    int n;
+    kiln_dtype dtype[KILN_GRAPH_MAX_IN];
+    int ndim[KILN_GRAPH_MAX_IN];
+    int64_t shape[KILN_GRAPH_MAX_IN][KILN_MAX_DIMS];
+    const void *device[KILN_GRAPH_MAX_IN];
+} guards;
+
+struct kiln_compiled {
+    kiln_graph_fn fn;
+    void *ctx;
+    char name[64];
+    int limit, n_graphs;
+    kiln_graph_t **graphs;
+    guards *g;
+    bool warned;
+    uint64_t calls, hits, recompiles;
+};
+
+bool kiln__log_on(const char *stage)
+{
+    const char *v = getenv("KILN_LOGS");
+    if (!v || !*v) return false;
+    size_t n = strlen(stage);
+    for (const char *p = v; *p;) {
+        const char *e = strchr(p, ',');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        if ((len == n && !strncmp(p, stage, n)) || (len == 3 && !strncmp(p, "all", 3))) return true;
+        p += len + (e ? 1 : 0);
+    }
+    return false;
+}
+
+static void guards_of(kiln_tensor_t *const *in, int n, guards *g)
+{
+    memset(g, 0, sizeof *g);
+    g->n = n;
+    for (int i = 0; i < n; i++) {
+        g->dtype[i] = in[i]->dtype;
+        g->ndim[i] = in[i]->ndim;
+        memcpy(g->shape[i], in[i]->shape, sizeof g->shape[i]);
+        g->device[i] = in[i]->st->be;
+    }
+}
+
+static void shape_str(const guards *g, int i, char *b, size_t n)
+{
+    kiln_tensor_t t = {0};
+    t.dtype = g->dtype[i];
+    t.ndim = g->ndim[i];
+    memcpy(t.shape, g->shape[i], sizeof t.shape);
+    kiln__shape_str(&t, b, n);
+}
+
+/* The first guard of old that now fails, described into why; false if all hold. */
+static bool broken(const guards *old, const guards *now, char *why, size_t n)
+{
+    if (old->n != now->n) {
+        snprintf(why, n, "the number of inputs changed: %d -> %d", old->n, now->n);
+        return true;
+    }
+    for (int i = 0; i < now->n; i++) {
+        char a[96], b[96];
+        if (old->device[i] != now->device[i]) {
+            snprintf(why, n, "input %d moved to another device", i);
+            return true;
+        }
+        bool same = old->dtype[i] == now->dtype[i] && old->ndim[i] == now->ndim[i] &&
+                    !memcmp(old->shape[i], now->shape[i], sizeof(int64_t) * (size_t)now->ndim[i]);
+        if (!same) {
+            shape_str(old, i, a, sizeof a);
+            shape_str(now, i, b, sizeof b);
+            snprintf(why, n, "input %d %s changed: %s -> %s", i, old->dtype[i] != now->dtype[i] ? "dtype" : "shape", a, b);
+            return true;
+        }
+    }
+    return false;
+}
+
+kiln_status kiln_compiled_new(kiln_graph_fn fn, void *ctx, const char *name, kiln_compiled_t **out)
+{
+    if (!out) return kiln__err(KILN_ERR_ARG, "compiled_new: out is NULL");
+    *out = NULL;
+    if (!fn) return kiln__err(KILN_ERR_ARG, "compiled_new: no function");
+    kiln_compiled_t *c = calloc(1, sizeof *c);
+    if (!c) return kiln__err(KILN_ERR_OOM, "compiled_new: out of memory");
+    c->fn = fn;
+    c->ctx = ctx;
+    snprintf(c->name, sizeof c->name, "%s", name && *name ? name : "function");
+    const char *lim = getenv("KILN_RECOMPILE_LIMIT");
+    c->limit = lim && *lim ? atoi(lim) : 8;
+    if (c->limit < 1) c->limit = 1;
+    c->graphs = calloc((size_t)c->limit, sizeof *c->graphs);
+    c->g = calloc((size_t)c->limit, sizeof *c->g);
+    if (!c->graphs || !c->g) {
+        kiln_compiled_free(c);
+        return kiln__err(KILN_ERR_OOM, "compiled_new: out of memory");
+    }
+    *out = c;
+    return KILN_OK;
+}
+
+void kiln_compiled_free(kiln_compiled_t *c)
+{
+    if (!c) return;
+    for (int i = 0; c->graphs && i < c->n_graphs; i++) kiln_graph_free(c->graphs[i]);
+    free(c->graphs);
+    free(c->g);
+    free(c);
+}
+
+kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
+                               int *n_out)
+{
+    if (!c || !n_out || (n_in && !in)) return kiln__err(KILN_ERR_ARG, "compiled_call: NULL argument");
+    if (n_in > KILN_GRAPH_MAX_IN)
+        return kiln__err(KILN_ERR_ARG, "compiled_call: %d inputs, at most %d are guarded", n_in, KILN_GRAPH_MAX_IN);
+    for (int i = 0; i < n_in; i++)
+        if (!in[i]) return kiln__null_arg("compiled_call");
+    c->calls++;
+    guards now;
+    guards_of(in, n_in, &now);
+    char why[256] = "";
+    for (int k = c->n_graphs - 1; k >= 0; k--)
+        if (!broken(&c->g[k], &now, why, sizeof why)) {
+            c->hits++;
+            return kiln_graph_run(c->graphs[k], in, n_in, out, max_out, n_out);
+        }
+    if (c->n_graphs > 0) broken(&c->g[c->n_graphs - 1], &now, why, sizeof why);
+    if (c->n_graphs == c->limit) { /* past the limit: eager from here on for new guards */
+        if (!c->warned) {
+            fprintf(stderr, "kiln: %s was captured %d times (KILN_RECOMPILE_LIMIT); calls that match none of those "
+                    "graphs now run eagerly (last reason: %s)\n", c->name, c->limit, why);
+            c->warned = true;
+        }
+        kiln_tensor_t *res[KILN_GRAPH_MAX_OUT] = {0};
+        int n = 0;
+        kiln_status s = c->fn(c->ctx, in, n_in, res, &n);
+        if (s == KILN_OK && n > max_out) s = kiln__err(KILN_ERR_ARG, "compiled_call: room for %d outputs, %d given", max_out, n);
+        for (int j = 0; s == KILN_OK && j < n; j++) out[j] = res[j];
+        *n_out = s == KILN_OK ? n : 0;
+        return s;
+    }
+    if (c->n_graphs > 0) {
+        c->recompiles++;
+        if (kiln__log_on("recompiles")) fprintf(stderr, "kiln [recompiles] %s: capturing again: %s\n", c->name, why);
+    }
+    kiln_graph_t *g;
+    kiln_status s = kiln_graph_capture(c->fn, c->ctx, in, n_in, &g);
+    if (s != KILN_OK) return s;
+    int removed = 0;
+    kiln_graph_dce(g, &removed);
+    if (kiln__log_on("guards"))
+        for (int i = 0; i < n_in; i++) {
+            char b[96];
+            shape_str(&now, i, b, sizeof b);
+            fprintf(stderr, "kiln [guards] %s graph %d: input %d is %s\n", c->name, c->n_graphs, i, b);
+        }
+    if (kiln__log_on("graph")) {
+        fprintf(stderr, "kiln [graph] %s graph %d (%d ops, %d dead removed):\n", c->name, c->n_graphs,
+                kiln_graph_num_ops(g), removed);
+        kiln_graph_print(g, stderr);
+    }
+    c->graphs[c->n_graphs] = g;
+    c->g[c->n_graphs++] = now;
+    return kiln_graph_run(g, in, n_in, out, max_out, n_out);
+}
+
+void kiln_compiled_stats(const kiln_compiled_t *c, uint64_t *calls, uint64_t *hits, uint64_t *recompiles, int *graphs)
+{
+    if (calls) *calls = c ? c->calls : 0;
+    if (hits) *hits = c ? c->hits : 0;
+    if (recompiles) *recompiles = c ? c->recompiles : 0;
+    if (graphs) *graphs = c ? c->n_graphs : 0;
+}
