@@ -163,6 +163,46 @@ static void bad_uses_are_clear_errors(void **state)
     kiln_graph_free(g);
 }
 
+typedef struct {
+    kiln_tensor_t *b;
+    bool update_between;
+} cse_ctx;
+
+/* exp(x) + b computed twice; with an in-place update of b between the two, the second
+ * must not be merged with the first. */
+static kiln_status twice(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    (void)n_in;
+    cse_ctx *c = ctx;
+    kiln_tensor_t *y1 = kiln_add(kiln_exp(in[0]), c->b);
+    if (c->update_between && kiln_add_(c->b, in[0], 1.0) != KILN_OK) return kiln_last_status();
+    kiln_tensor_t *y2 = kiln_add(kiln_exp(in[0]), c->b);
+    out[0] = kiln_mul(y1, y2);
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+static void repeated_ops_are_merged_but_not_across_updates(void **state)
+{
+    for (int upd = 0; upd < 2; upd++) {
+        cse_ctx c = {randn(4, 16, 9), upd == 1};
+        kiln_tensor_t *x = randn(4, 16, 4);
+        kiln_graph_t *g;
+        assert_int_equal(kiln_graph_capture(twice, &c, &x, 1, &g), KILN_OK);
+        int before = kiln_graph_num_ops(g), merged = -1;
+        assert_int_equal(kiln_graph_cse(g, &merged), KILN_OK);
+        assert_int_equal(merged, upd ? 0 : 2); /* exp and add, once each */
+        assert_int_equal(kiln_graph_num_ops(g), before - merged);
+        cse_ctx e = {kiln_contiguous(kiln_mul_scalar(c.b, 1.0)), upd == 1};
+        kiln_tensor_t *got, *want;
+        int n;
+        assert_int_equal(kiln_graph_run(g, &x, 1, &got, 1, &n), KILN_OK);
+        assert_int_equal(twice(&e, &x, 1, &want, &n), KILN_OK);
+        assert_same(got, want);
+        kiln_graph_free(g);
+    }
+}
+
 /* Guards: the same shape reuses its graph, a new one captures again (and the log says
  * which guard failed, old -> new), and past the limit calls run eagerly with one
  * warning; every result equals the eager function's. */
@@ -259,6 +299,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(capture_records_and_computes_nothing, setup, teardown),
         cmocka_unit_test_setup_teardown(dead_code_is_removed, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_uses_are_clear_errors, setup, teardown),
+        cmocka_unit_test_setup_teardown(repeated_ops_are_merged_but_not_across_updates, setup, teardown),
         cmocka_unit_test_setup_teardown(guards_reuse_recompile_and_fall_back, setup, teardown),
         cmocka_unit_test_setup_teardown(gpt2_forward_captures, setup, teardown),
         cmocka_unit_test_setup_teardown(llama_forward_captures, setup, teardown),

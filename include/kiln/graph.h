@@ -53,6 +53,9 @@ kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, 
 /* Dead-code elimination: drops the ops whose results nothing uses (in-place updates
  * always stay). Returns how many were dropped in *removed. */
 kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed);
+/* Common-subexpression elimination: an op repeated on the same values with the same
+ * attributes is computed once (never across an in-place update). */
+kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed);
 int kiln_graph_num_ops(const kiln_graph_t *g);
 /* One line per op: "%5 = gelu(%4) f32[8,32]  tanh=1", inputs and captured tensors first. */
 kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f);

@@ -161,7 +161,8 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
     kiln_graph_t *g;
     kiln_status s = kiln_graph_capture(c->fn, c->ctx, in, n_in, &g);
     if (s != KILN_OK) return s;
-    int removed = 0;
+    int removed = 0, merged = 0;
+    kiln_graph_cse(g, &merged);
     kiln_graph_dce(g, &removed);
     if (kiln__log_on("guards"))
         for (int i = 0; i < n_in; i++) {
@@ -170,8 +171,8 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
             fprintf(stderr, "kiln [guards] %s graph %d: input %d is %s\n", c->name, c->n_graphs, i, b);
         }
     if (kiln__log_on("graph")) {
-        fprintf(stderr, "kiln [graph] %s graph %d (%d ops, %d dead removed):\n", c->name, c->n_graphs,
-                kiln_graph_num_ops(g), removed);
+        fprintf(stderr, "kiln [graph] %s graph %d (%d ops after merging %d repeated and removing %d dead):\n",
+                c->name, c->n_graphs, kiln_graph_num_ops(g), merged, removed);
         kiln_graph_print(g, stderr);
     }
     c->graphs[c->n_graphs] = g;

@@ -337,6 +337,47 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
     return KILN_OK;
 }
 
+/* Common-subexpression elimination: an op with the same attributes on the same values
+ * as an earlier one gives the earlier one's results. An in-place op may change what a
+ * value holds (directly or through a view), so each starts the table afresh; in-place
+ * and random ops are never merged (random ones already differ in their counters). */
+kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
+{
+    if (!g) return kiln__err(KILN_ERR_ARG, "graph_cse: NULL graph");
+    int *repl = malloc(sizeof(int) * (size_t)g->n_v);
+    if (!repl) return kiln__err(KILN_ERR_OOM, "graph_cse: out of memory");
+    for (int i = 0; i < g->n_v; i++) repl[i] = i;
+    int w = 0, dropped = 0, region = 0; /* nodes [region, w) are candidates */
+    for (int k = 0; k < g->n_nd; k++) {
+        node *n = &g->nd[k];
+        for (int i = 0; i < n->n_in; i++) n->in[i] = repl[n->in[i]];
+        const kiln__op_def *d = &kiln__ops[n->op];
+        int same = -1;
+        if (!d->is_inplace)
+            for (int q = region; q < w && same < 0; q++) {
+                node *o = &g->nd[q];
+                if (o->op == n->op && o->n_in == n->n_in && !memcmp(&o->attrs, &n->attrs, sizeof n->attrs) &&
+                    !memcmp(o->in, n->in, sizeof(int) * (size_t)n->n_in))
+                    same = q;
+            }
+        if (same >= 0) {
+            for (int j = 0; j < n->n_out; j++) repl[n->out[j]] = g->nd[same].out[j];
+            free(n->in);
+            dropped++;
+            continue;
+        }
+        g->nd[w++] = *n;
+        if (d->is_inplace) region = w;
+    }
+    for (int j = 0; j < g->n_outs; j++) g->outs[j] = repl[g->outs[j]];
+    for (int k = 0; k < w; k++)
+        for (int j = 0; j < g->nd[k].n_out; j++) g->v[g->nd[k].out[j]].index = k;
+    g->n_nd = w;
+    free(repl);
+    if (removed) *removed = dropped;
+    return KILN_OK;
+}
+
 kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f)
 {
     if (!g || !f) return kiln__err(KILN_ERR_ARG, "graph_print: NULL graph or file");
