@@ -210,6 +210,9 @@ static void guards_reuse_recompile_and_fall_back(void **state)
 {
     setenv("KILN_LOGS", "recompiles", 1);
     setenv("KILN_RECOMPILE_LIMIT", "2", 1);
+    char dbg[] = "/tmp/kiln-graph-test-XXXXXX";
+    assert_non_null(mkdtemp(dbg));
+    setenv("KILN_DEBUG_DIR", dbg, 1);
     mlp_ctx c = {randn(16, 32, 1), randn(1, 32, 2), randn(32, 8, 3), false, false, false};
     kiln_compiled_t *fnc;
     assert_int_equal(kiln_compiled_new(mlp, &c, "mlp", &fnc), KILN_OK);
@@ -242,6 +245,28 @@ static void guards_reuse_recompile_and_fall_back(void **state)
     assert_int_equal(graphs, 2);     /* f32[6,16] ran eagerly */
     assert_non_null(strstr(buf, "input 0 shape changed: f32[4,16] -> f32[5,16]"));
     assert_non_null(strstr(buf, "now run eagerly"));
+    /* KILN_DEBUG_DIR: a folder per graph, with the graph before and after its passes. */
+    char path[256], text[2048] = "";
+    snprintf(path, sizeof path, "%s/mlp-1/after_passes.txt", dbg);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    text[fread(text, 1, sizeof text - 1, f)] = 0;
+    fclose(f);
+    assert_non_null(strstr(text, "# guard: input 0 is f32[5,16]"));
+    assert_non_null(strstr(text, "gelu("));
+    snprintf(path, sizeof path, "%s/mlp-0/captured.txt", dbg);
+    assert_int_equal(access(path, R_OK), 0);
+    for (int k = 0; k < 2; k++) { /* leave nothing behind */
+        const char *files[2] = {"captured.txt", "after_passes.txt"};
+        for (int j = 0; j < 2; j++) {
+            snprintf(path, sizeof path, "%s/mlp-%d/%s", dbg, k, files[j]);
+            unlink(path);
+        }
+        snprintf(path, sizeof path, "%s/mlp-%d", dbg, k);
+        rmdir(path);
+    }
+    rmdir(dbg);
+    unsetenv("KILN_DEBUG_DIR");
     kiln_compiled_free(fnc);
     unsetenv("KILN_LOGS");
     unsetenv("KILN_RECOMPILE_LIMIT");

@@ -66,8 +66,9 @@ void kiln_graph_free(kiln_graph_t *g); /* NULL is fine */
  * inputs match a graph's guards runs that graph; otherwise the function is captured
  * again (KILN_LOGS=recompiles says which guard failed, old -> new), up to
  * KILN_RECOMPILE_LIMIT graphs (default 8), after which non-matching calls run eagerly,
- * with one warning. KILN_LOGS=graph prints each captured graph (after dead-code
- * elimination), KILN_LOGS=guards its guards; KILN_LOGS=all, both and more. */
+ * with one warning. KILN_LOGS=graph prints each captured graph (after its passes),
+ * KILN_LOGS=guards its guards; KILN_LOGS=all, every stage. KILN_DEBUG_DIR=DIR writes
+ * DIR/<name>-<n>/captured.txt and after_passes.txt for each graph. */
 #define KILN_GRAPH_MAX_IN 16
 typedef struct kiln_compiled kiln_compiled_t;
 kiln_status kiln_compiled_new(kiln_graph_fn fn, void *ctx, const char *name, kiln_compiled_t **out);

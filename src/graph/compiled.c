@@ -3,9 +3,12 @@
  * it, and one that breaks every guard captures again, up to a limit, after which the
  * function runs eagerly. KILN_LOGS (a comma list) prints the stages: "graph" each
  * captured graph, "guards" what it assumes, "recompiles" why a call captured again,
- * with the old and the new value. */
+ * with the old and the new value. KILN_DEBUG_DIR=DIR writes one folder per captured
+ * graph, DIR/<name>-<n>/: the graph as captured, after the passes, and its guards. */
+#include <errno.h>
 #include <stdarg.h>
 #include <stdio.h>
+#include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
 #include "core/tensor_impl.h"
@@ -90,6 +93,25 @@ static bool broken(const guards *old, const guards *now, char *why, size_t n)
     return false;
 }
 
+/* DIR/file: the graph, and with guards, what it was captured for. */
+static void dump(const char *dir, const char *file, const kiln_graph_t *g, const guards *gd, int with_guards)
+{
+    char path[1200];
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        fprintf(stderr, "kiln: KILN_DEBUG_DIR: cannot write %s: %s\n", path, strerror(errno));
+        return;
+    }
+    for (int i = 0; with_guards && i < gd->n; i++) {
+        char b[96];
+        shape_str(gd, i, b, sizeof b);
+        fprintf(f, "# guard: input %d is %s\n", i, b);
+    }
+    kiln_graph_print(g, f);
+    fclose(f);
+}
+
 kiln_status kiln_compiled_new(kiln_graph_fn fn, void *ctx, const char *name, kiln_compiled_t **out)
 {
     if (!out) return kiln__err(KILN_ERR_ARG, "compiled_new: out is NULL");
@@ -161,9 +183,21 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
     kiln_graph_t *g;
     kiln_status s = kiln_graph_capture(c->fn, c->ctx, in, n_in, &g);
     if (s != KILN_OK) return s;
+    char dir[1024] = "";
+    const char *dbg = getenv("KILN_DEBUG_DIR");
+    if (dbg && *dbg) {
+        snprintf(dir, sizeof dir, "%s/%s-%d", dbg, c->name, c->n_graphs);
+        mkdir(dbg, 0755);
+        if (mkdir(dir, 0755) != 0 && errno != EEXIST) {
+            fprintf(stderr, "kiln: KILN_DEBUG_DIR: cannot make %s: %s\n", dir, strerror(errno));
+            *dir = 0;
+        }
+    }
+    if (*dir) dump(dir, "captured.txt", g, NULL, 0);
     int removed = 0, merged = 0;
     kiln_graph_cse(g, &merged);
     kiln_graph_dce(g, &removed);
+    if (*dir) dump(dir, "after_passes.txt", g, &now, 1);
     if (kiln__log_on("guards"))
         for (int i = 0; i < n_in; i++) {
             char b[96];
