@@ -314,6 +314,76 @@ static void gpt_forward_captures(bool llama)
     kiln_gpt_free(c.m);
 }
 
+typedef struct {
+    kiln_gpt_t *m;
+} step_ctx;
+
+/* Forward, loss and backward: the joint graph of a training step's gradients. */
+static kiln_status loss_and_grads(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    (void)n_in;
+    step_ctx *c = ctx;
+    kiln_tensor_t *loss;
+    if (!kiln_gpt_forward(c->m, in[0], in[1], true, &loss)) return kiln_last_status();
+    kiln_status s = kiln_backward(loss);
+    out[0] = loss;
+    *n_out = 1;
+    return s;
+}
+
+/* Oracle: eager forward + backward from zeroed gradients; the graph's run must leave
+ * bitwise the same loss and the same gradient in every parameter, and must not touch
+ * the gradients while capturing. */
+static void backward_is_captured_into_the_graph(void **state)
+{
+    kiln_gpt_config cfg = kiln_gpt_config_gpt2();
+    cfg.n_layer = 2;
+    cfg.n_head = 4;
+    cfg.n_kv_head = 4;
+    cfg.n_embd = 32;
+    cfg.block_size = 16;
+    cfg.vocab_size = 50;
+    step_ctx c;
+    assert_int_equal(kiln_gpt_new(&cfg, 5, &c.m), KILN_OK);
+    int64_t ids[2][13], s[2] = {2, 12};
+    for (int i = 0; i < 26; i++) ids[i / 13][i % 13] = (i * 7 + 3) % 50;
+    int64_t xi[2][12], yi[2][12];
+    for (int b = 0; b < 2; b++)
+        for (int t = 0; t < 12; t++) xi[b][t] = ids[b][t], yi[b][t] = ids[b][t + 1];
+    kiln_tensor_t *xy[2] = {kiln_from_data(xi, s, 2, KILN_DTYPE_I64), kiln_from_data(yi, s, 2, KILN_DTYPE_I64)};
+    int np = kiln_gpt_num_params(c.m);
+    kiln_graph_t *g;
+    kiln_status st = kiln_graph_capture(loss_and_grads, &c, xy, 2, &g);
+    if (st != KILN_OK) fail_msg("capture: %s", kiln_last_error());
+    for (int i = 0; i < np; i++) assert_null(kiln_tensor_grad(kiln_gpt_param(c.m, i, NULL)));
+    kiln_tensor_t *want_loss = NULL;
+    int n;
+    assert_int_equal(loss_and_grads(&c, xy, 2, &want_loss, &n), KILN_OK);
+    float **want = malloc(sizeof *want * (size_t)np);
+    for (int i = 0; i < np; i++) {
+        kiln_tensor_t *p = kiln_gpt_param(c.m, i, NULL);
+        want[i] = to_host(kiln_tensor_grad(p));
+        kiln_tensor_zero_grad(p);
+    }
+    kiln_tensor_t *got_loss = NULL;
+    assert_int_equal(kiln_graph_run(g, xy, 2, &got_loss, 1, &n), KILN_OK);
+    assert_same(got_loss, want_loss);
+    for (int i = 0; i < np; i++) {
+        const char *name;
+        kiln_tensor_t *p = kiln_gpt_param(c.m, i, &name);
+        kiln_tensor_t *gr = kiln_tensor_grad(p);
+        if (!gr) fail_msg("no gradient for %s after the run", name);
+        float *got = to_host(gr);
+        if (memcmp(got, want[i], sizeof(float) * (size_t)kiln_tensor_numel(p)))
+            fail_msg("the gradient of %s differs from eager backward", name);
+        free(got);
+        free(want[i]);
+    }
+    free(want);
+    kiln_graph_free(g);
+    kiln_gpt_free(c.m);
+}
+
 static void gpt2_forward_captures(void **state) { gpt_forward_captures(false); }
 static void llama_forward_captures(void **state) { gpt_forward_captures(true); }
 
@@ -327,6 +397,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(repeated_ops_are_merged_but_not_across_updates, setup, teardown),
         cmocka_unit_test_setup_teardown(guards_reuse_recompile_and_fall_back, setup, teardown),
         cmocka_unit_test_setup_teardown(gpt2_forward_captures, setup, teardown),
+        cmocka_unit_test_setup_teardown(backward_is_captured_into_the_graph, setup, teardown),
         cmocka_unit_test_setup_teardown(llama_forward_captures, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

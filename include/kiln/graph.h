@@ -22,9 +22,14 @@
  * captured tensor's value (kiln_tensor_item, kiln_tensor_to_host) is an error naming the
  * op that made it: the graph could not replay a decision taken on data.
  *
- * This is the first stage of kiln compile: capture runs forward code (grad mode is off
- * while capturing; autograd on the graph comes next) and kiln_graph_run interprets the
- * graph through the ordinary kernels, freeing each intermediate after its last use.
+ * Autograd works during capture: a kiln_backward inside the function records the
+ * backward ops into the same graph (the joint graph), and the gradients of real leaves
+ * (parameters) become values of the graph that each run adds into those leaves, as
+ * kiln_backward would; nothing touches them while capturing.
+ *
+ * This is the first stage of kiln compile: kiln_graph_run interprets the graph through
+ * the ordinary kernels (bitwise the eager results), freeing each intermediate after its
+ * last use; lowering to fused generated kernels comes next.
  */
 #ifndef KILN_GRAPH_H
 #define KILN_GRAPH_H

@@ -20,7 +20,9 @@ bool kiln__tracks(const kiln_tensor_t *t) { return t && (t->requires_grad || t->
 
 static kiln_tensor_t *detached(const kiln_tensor_t *t)
 {
-    return kiln__tensor_alias(t->st, t->dtype, t->ndim, t->shape, t->stride, t->offset);
+    kiln_tensor_t *d = kiln__tensor_alias(t->st, t->dtype, t->ndim, t->shape, t->stride, t->offset);
+    if (d) d->graph_value = t->graph_value; /* the same value, when it is being captured */
+    return d;
 }
 
 static void meta_of(const kiln_tensor_t *t, kiln__meta *m)
@@ -156,8 +158,14 @@ void kiln_set_grad_ready_hook(kiln_grad_ready_fn fn, void *ctx)
     ready_ctx = ctx;
 }
 
+bool kiln__graph_capturing(void);
+kiln_status kiln__graph_leaf_grad(kiln_tensor_t *leaf, kiln_tensor_t *g);
+
 static kiln_status accumulate_leaf(kiln_tensor_t *leaf, kiln_tensor_t *g)
 {
+    /* Backward inside a capture: the gradient of a real leaf is a value of the graph,
+     * added to the leaf's gradient on each run, not now. */
+    if (kiln__graph_capturing() && !leaf->st->meta) return kiln__graph_leaf_grad(leaf, g);
     if (leaf->grad) return kiln_add_(leaf->grad, g, 1.0);
     /* A fresh copy: g may be shared with another gradient or be a broadcast view. */
     kiln_tensor_t *c = kiln_clone(g);

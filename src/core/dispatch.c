@@ -1,7 +1,8 @@
-/* Dispatch: every op call goes through here, eager today, recorded into a graph later.
- * It checks inputs, infers output shapes, allocates outputs on the inputs' backend,
- * launches that backend's kernel through the contract, and records the call for
- * autograd. */
+/* Dispatch: every op call goes through here. It checks inputs, infers output shapes,
+ * allocates outputs on the inputs' backend, launches that backend's kernel through the
+ * contract, and records the call for autograd. In capture mode (src/graph/) the call is
+ * recorded into the graph instead of launched, with meta outputs; autograd records it
+ * all the same, so a backward inside the capture is captured too. */
 #include <stdlib.h>
 #include <string.h>
 #include "kiln/ops.h"
@@ -38,11 +39,11 @@ kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, c
     memset(meta, 0, sizeof meta);
     kiln_status s = d->infer(in, n_in, a, meta);
     if (s != KILN_OK) return s;
-    if (kiln__graph_capturing()) return kiln__graph_record(op, in, n_in, a, meta, be, out);
-
     kiln_tensor_t *outs[KILN__MAX_OUT] = {0};
+    bool captured = kiln__graph_capturing();
+    if (captured && (s = kiln__graph_record(op, in, n_in, a, meta, be, outs)) != KILN_OK) return s;
     int64_t out_elems = 0;
-    for (int j = 0; j < d->n_out; j++) {
+    for (int j = 0; !captured && j < d->n_out; j++) {
         outs[j] = d->is_view ? kiln__tensor_alias(in[0]->st, meta[j].dtype, meta[j].ndim, meta[j].shape,
                                                    meta[j].stride, meta[j].offset)
                              : kiln__tensor_alloc(be, meta[j].dtype, meta[j].shape, meta[j].ndim);
@@ -52,7 +53,7 @@ kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, c
         }
         out_elems += kiln__numel(meta[j].ndim, meta[j].shape);
     }
-    if (!d->is_view && (out_elems > 0 || d->is_inplace)) {
+    if (!captured && !d->is_view && (out_elems > 0 || d->is_inplace)) {
         kiln__kernel_fn k = be->kernels[op];
         s = k ? k(be, in, n_in, a, outs, d->n_out)
               : kiln__err(KILN_ERR_UNSUPPORTED, "op %s is not supported by backend %s", d->name, be->name);

@@ -30,7 +30,15 @@ typedef struct {
     int out[KILN__MAX_OUT];  /* value numbers; 0 for an in-place op */
 } node;
 
+typedef struct {
+    kiln_tensor_t *leaf; /* a real tensor whose gradient the graph computes (retained) */
+    int value;           /* that gradient */
+    kiln_tensor_t *acc;  /* during capture: the meta tensor of the sum so far */
+} leaf_grad;
+
 struct kiln_graph {
+    leaf_grad *lg;
+    int n_lg, cap_lg;
     value *v;
     int n_v, cap_v; /* value 0 is unused: 0 means "a real tensor" in a tensor header */
     node *nd;
@@ -154,6 +162,32 @@ kiln_status kiln__graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_i
     return KILN_OK;
 }
 
+kiln_status kiln__graph_leaf_grad(kiln_tensor_t *leaf, kiln_tensor_t *g)
+{
+    kiln_graph_t *gr = capturing;
+    leaf_grad *e = NULL;
+    for (int i = 0; i < gr->n_lg && !e; i++)
+        if (gr->lg[i].leaf == leaf) e = &gr->lg[i];
+    if (!e) {
+        if (gr->n_lg == gr->cap_lg) {
+            int cap = gr->cap_lg ? 2 * gr->cap_lg : 16;
+            leaf_grad *l = realloc(gr->lg, sizeof *l * (size_t)cap);
+            if (!l) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
+            gr->lg = l;
+            gr->cap_lg = cap;
+        }
+        e = &gr->lg[gr->n_lg++];
+        *e = (leaf_grad){kiln_tensor_retain(leaf), 0, NULL};
+    }
+    /* As eager backward sums them: a copy of the first part, then each next one added. */
+    kiln_tensor_t *sum = e->acc ? kiln_add(e->acc, g) : kiln_clone(g);
+    if (!sum) return kiln_last_status();
+    kiln_tensor_free(e->acc);
+    e->acc = kiln_keep(sum);
+    e->value = sum->graph_value;
+    return KILN_OK;
+}
+
 kiln_status kiln__graph_data_access(const kiln_tensor_t *t, const char *what)
 {
     kiln_graph_t *g = capturing;
@@ -173,6 +207,11 @@ void kiln_graph_free(kiln_graph_t *g)
     if (!g) return;
     for (int i = 1; i < g->n_v; i++)
         if (g->v[i].kind == V_CONST) kiln_tensor_free(g->v[i].t);
+    for (int i = 0; i < g->n_lg; i++) {
+        kiln_tensor_free(g->lg[i].leaf);
+        kiln_tensor_free(g->lg[i].acc);
+    }
+    free(g->lg);
     for (int i = 0; i < g->n_nd; i++) free(g->nd[i].in);
     free(g->v);
     free(g->nd);
@@ -206,7 +245,6 @@ kiln_status kiln_graph_capture(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
     }
     g->n_args = n_in;
     if (s == KILN_OK) {
-        bool prev = kiln_set_grad_enabled(false);
         kiln_tensor_t *res[KILN_GRAPH_MAX_OUT] = {0};
         int n_out = 0;
         capturing = g;
@@ -219,9 +257,12 @@ kiln_status kiln_graph_capture(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
             else if ((g->outs[j] = value_of(g, res[j])) < 0) s = kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
         }
         g->n_outs = s == KILN_OK ? n_out : 0;
+        for (int i = 0; i < g->n_lg; i++) { /* the meta sums are done with */
+            kiln_tensor_free(g->lg[i].acc);
+            g->lg[i].acc = NULL;
+        }
         kiln_scope_end();
         capturing = NULL;
-        kiln_set_grad_enabled(prev);
     }
     for (int i = 0; args && i < n_in; i++) kiln_tensor_free(args[i]);
     free(args);
@@ -269,6 +310,7 @@ kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, 
     for (int k = 0; s == KILN_OK && k < g->n_nd; k++)
         for (int i = 0; i < g->nd[k].n_in; i++) last[g->nd[k].in[i]] = k + 1;
     for (int j = 0; s == KILN_OK && j < g->n_outs; j++) last[g->outs[j]] = g->n_nd + 1;
+    for (int j = 0; s == KILN_OK && j < g->n_lg; j++) last[g->lg[j].value] = g->n_nd + 1;
     for (int i = 1; s == KILN_OK && i < g->n_v; i++)
         if (g->v[i].kind == V_ARG) rt[i] = kiln_tensor_retain(in[g->v[i].index]);
         else if (g->v[i].kind == V_CONST) rt[i] = kiln_tensor_retain(g->v[i].t);
@@ -292,6 +334,14 @@ kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, 
         if (insp != ins) free(insp);
         insp = ins;
     }
+    /* Gradients into the real leaves, as kiln_backward leaves them: a fresh copy, or
+     * added to what a leaf already holds. */
+    for (int j = 0; s == KILN_OK && j < g->n_lg; j++) {
+        kiln_tensor_t *leaf = g->lg[j].leaf, *gv = rt[g->lg[j].value];
+        if (leaf->grad) s = kiln_add_(leaf->grad, gv, 1.0);
+        else if ((leaf->grad = kiln_clone(gv))) kiln_keep(leaf->grad);
+        else s = kiln_last_status();
+    }
     kiln_set_grad_enabled(prev);
     for (int j = 0; s == KILN_OK && j < g->n_outs; j++) out[j] = kiln__scoped(kiln_tensor_retain(rt[g->outs[j]]));
     *n_out = s == KILN_OK ? g->n_outs : 0;
@@ -311,6 +361,7 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
         return kiln__err(KILN_ERR_OOM, "graph_dce: out of memory");
     }
     for (int j = 0; j < g->n_outs; j++) used[g->outs[j]] = true;
+    for (int j = 0; j < g->n_lg; j++) used[g->lg[j].value] = true;
     for (int k = g->n_nd - 1; k >= 0; k--) {
         node *n = &g->nd[k];
         bool live = kiln__ops[n->op].is_inplace;
@@ -370,6 +421,7 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
         if (d->is_inplace) region = w;
     }
     for (int j = 0; j < g->n_outs; j++) g->outs[j] = repl[g->outs[j]];
+    for (int j = 0; j < g->n_lg; j++) g->lg[j].value = repl[g->lg[j].value];
     for (int k = 0; k < w; k++)
         for (int j = 0; j < g->nd[k].n_out; j++) g->v[g->nd[k].out[j]].index = k;
     g->n_nd = w;
@@ -407,6 +459,13 @@ kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f)
             fprintf(f, " %s", kiln__shape_str(&shape, b, sizeof b));
         }
         fprintf(f, "\n");
+    }
+    for (int j = 0; j < g->n_lg; j++) {
+        int num = 0;
+        for (int i = 1; i < g->n_v && !num; i++)
+            if (g->v[i].kind == V_CONST && g->v[i].t == g->lg[j].leaf) num = i;
+        if (num) fprintf(f, "grad(%%%d) += %%%d\n", num, g->lg[j].value);
+        else fprintf(f, "grad(a captured leaf) += %%%d\n", g->lg[j].value);
     }
     fprintf(f, "return");
     for (int j = 0; j < g->n_outs; j++) fprintf(f, "%s %%%d", j ? "," : "", g->outs[j]);
