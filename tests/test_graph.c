@@ -138,6 +138,14 @@ static void dead_code_is_removed(void **state)
     kiln_graph_free(g);
 }
 
+static kiln_status with_dropout(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    (void)ctx, (void)n_in;
+    out[0] = kiln_dropout(in[0], 0.5, true);
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
 static void bad_uses_are_clear_errors(void **state)
 {
     mlp_ctx c = {randn(16, 32, 1), randn(1, 32, 2), randn(32, 8, 3), false, true, false};
@@ -161,6 +169,10 @@ static void bad_uses_are_clear_errors(void **state)
     assert_int_equal(kiln_graph_run(g, &x, 1, got, 1, &n), KILN_ERR_ARG); /* room for 1 of 2 outputs */
     kiln_clear_error();
     kiln_graph_free(g);
+    /* An op whose eager calls differ (a random stream) cannot be frozen into a graph. */
+    assert_int_equal(kiln_graph_capture(with_dropout, NULL, &x, 1, &g), KILN_ERR_UNSUPPORTED);
+    assert_non_null(strstr(kiln_last_error(), "dropout"));
+    kiln_clear_error();
 }
 
 typedef struct {

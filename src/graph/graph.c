@@ -121,6 +121,15 @@ kiln_status kiln__graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_i
 {
     kiln_graph_t *g = capturing;
     const kiln__op_def *d = &kiln__ops[op];
+    /* Ops whose attributes change from one eager call to the next would be frozen into
+     * the graph: every run would draw the same random numbers, or take the same step. */
+    if (op == KILN_OP_RAND || (op == KILN_OP_DROPOUT && a->f[0] > 0))
+        return kiln__err(KILN_ERR_UNSUPPORTED, "%s during graph capture: its random stream would be frozen into the "
+                         "graph and every run would draw the same numbers; capture without it (dropout 0) for now",
+                         d->name);
+    if (op == KILN_OP_ADAMW_)
+        return kiln__err(KILN_ERR_UNSUPPORTED, "adamw_ during graph capture: its step count would be frozen into the "
+                         "graph; run the optimizer update outside the captured function for now");
     for (int i = 0; i < n_in; i++)
         if (in[i]->st->meta && (in[i]->graph_value <= 0 || in[i]->graph_value >= g->n_v))
             return kiln__err(KILN_ERR_ARG, "%s: input %d belongs to another graph's capture", d->name, i);
