@@ -203,6 +203,29 @@ static void info_and_plot_work_on_the_run(void **state)
     assert_non_null(strstr(out, "loss.svg"));
 }
 
+/* kiln compile --dump: the training step's graph written out, its loss equal to eager
+ * (the command itself compares the two and fails if they differ). */
+static void compile_dumps_the_training_step(void **state)
+{
+    char out[4096], path[1024];
+    int rc = run(out, sizeof out, "%s compile --dump %s/dump --layers 2 --width 32 --heads 4 --context 16 --batch 2",
+                 tool(), dir);
+    if (rc != 0) fail_msg("kiln compile failed: %s", out);
+    assert_non_null(strstr(out, "train_step-0"));
+    snprintf(path, sizeof path, "%s/dump/train_step-0/after_passes.txt", dir);
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    char text[65536];
+    text[fread(text, 1, sizeof text - 1, f)] = 0;
+    fclose(f);
+    assert_non_null(strstr(text, "# guard: input 0 is i64[2,16]"));
+    assert_non_null(strstr(text, "cross_entropy_backward("));
+    assert_non_null(strstr(text, "grad(%"));
+    rc = run(out, sizeof out, "%s compile", tool());
+    assert_int_not_equal(rc, 0);
+    assert_non_null(strstr(out, "--dump DIR is required"));
+}
+
 static void bad_inputs_fail_with_a_reason(void **state)
 {
     char out[8192];
@@ -251,6 +274,7 @@ int main(void)
         cmocka_unit_test(resume_survives_a_save_cut_between_its_files),
         cmocka_unit_test(sample_continues_the_prompt),
         cmocka_unit_test(info_and_plot_work_on_the_run),
+        cmocka_unit_test(compile_dumps_the_training_step),
         cmocka_unit_test(bad_inputs_fail_with_a_reason),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

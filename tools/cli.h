@@ -33,6 +33,7 @@ int cmd_tokenizer(int argc, char **argv);
 int cmd_plot(int argc, char **argv);
 int cmd_doctor(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
+int cmd_compile(int argc, char **argv);
 
 /* Checkpoint files inside a run folder. */
 #define RUN_MODEL "model.safetensors"

@@ -14,6 +14,7 @@ static const struct {
     {"train", cmd_train, "pretrain a GPT on a text corpus (checkpoints, metrics, chart, --resume)"},
     {"sample", cmd_sample, "generate text from a checkpoint"},
     {"serve", cmd_serve, "serve a checkpoint over an OpenAI-compatible HTTP API"},
+    {"compile", cmd_compile, "capture a model's training step into a graph and write it out (--dump DIR)"},
     {"tokenizer", cmd_tokenizer, "train | encode | decode with a BPE tokenizer"},
     {"info", cmd_info, "describe a checkpoint"},
     {"plot", cmd_plot, "redraw a run's loss chart from its metrics"},
