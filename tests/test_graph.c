@@ -326,15 +326,11 @@ static void gpt_forward_captures(bool llama)
     kiln_gpt_free(c.m);
 }
 
-typedef struct {
-    kiln_gpt_t *m;
-} step_ctx;
-
 /* Forward, loss and backward: the joint graph of a training step's gradients. */
 static kiln_status loss_and_grads(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
 {
     (void)n_in;
-    step_ctx *c = ctx;
+    gpt_ctx *c = ctx;
     kiln_tensor_t *loss;
     if (!kiln_gpt_forward(c->m, in[0], in[1], true, &loss)) return kiln_last_status();
     kiln_status s = kiln_backward(loss);
@@ -355,7 +351,7 @@ static void backward_is_captured_into_the_graph(void **state)
     cfg.n_embd = 32;
     cfg.block_size = 16;
     cfg.vocab_size = 50;
-    step_ctx c;
+    gpt_ctx c;
     assert_int_equal(kiln_gpt_new(&cfg, 5, &c.m), KILN_OK);
     int64_t ids[2][13], s[2] = {2, 12};
     for (int i = 0; i < 26; i++) ids[i / 13][i % 13] = (i * 7 + 3) % 50;
