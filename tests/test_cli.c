@@ -226,6 +226,17 @@ static void compile_dumps_the_training_step(void **state)
     assert_non_null(strstr(out, "--dump DIR is required"));
 }
 
+/* kiln doctor names the build's MPI (this build finds Open MPI) and every switch. */
+static void doctor_lists_mpi_and_switches(void **state)
+{
+    char out[8192];
+    int rc = run(out, sizeof out, "%s doctor", tool());
+    if (rc != 0) fail_msg("kiln doctor failed: %s", out);
+    assert_non_null(strstr(out, "distributed: "));
+    assert_non_null(strstr(out, "POOL_SPIN"));
+    assert_non_null(strstr(out, "ROWS_AVX512"));
+}
+
 static void bad_inputs_fail_with_a_reason(void **state)
 {
     char out[8192];
@@ -275,6 +286,7 @@ int main(void)
         cmocka_unit_test(sample_continues_the_prompt),
         cmocka_unit_test(info_and_plot_work_on_the_run),
         cmocka_unit_test(compile_dumps_the_training_step),
+        cmocka_unit_test(doctor_lists_mpi_and_switches),
         cmocka_unit_test(bad_inputs_fail_with_a_reason),
     };
     return cmocka_run_group_tests(tests, setup, teardown);

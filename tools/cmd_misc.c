@@ -6,6 +6,7 @@
 #include <string.h>
 #include "cli.h"
 #include "kiln/data.h"
+#include "kiln/dist.h"
 #include "kiln/io.h"
 #include "kiln/metrics.h"
 #include "kiln/tokenizer.h"
@@ -171,8 +172,13 @@ int cmd_doctor(int argc, char **argv)
         char buf[256];
         printf("  %s\n", kiln_device_describe(i, buf, sizeof buf) ? buf : kiln_device_name(i));
     }
+    char mpi[256];
+    if (kiln_dist_mpi_version(mpi, sizeof mpi))
+        printf("distributed: %s (kiln train under mpirun; docs/dist.md)\n", mpi);
+    else
+        printf("distributed: built without MPI (one process only; apt-get install libopenmpi-dev openmpi-bin)\n");
     printf("optimization switches (KILN_OPT_<NAME>=0|1):\n");
     for (int i = 0; i < kiln_opt_count(); i++)
-        printf("  %-10s %s  %s\n", kiln_opt_name(i), kiln_opt_enabled(i) ? "on " : "off", kiln_opt_help(i));
+        printf("  %-12s %s  %s\n", kiln_opt_name(i), kiln_opt_enabled(i) ? "on " : "off", kiln_opt_help(i));
     return 0;
 }

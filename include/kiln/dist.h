@@ -30,6 +30,9 @@ kiln_status kiln_pg_new_from_env(kiln_pg_t **out);
  * OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS, SLURM_NTASKS_PER_NODE); 1 if none says:
  * what to divide the cores by, so that N ranks do not oversubscribe them. */
 int kiln_pg_local_size_from_env(void);
+/* The MPI library this kiln was built with, into buf ("Open MPI v4.1.4, ..."'s first
+ * line); false when it was built without MPI. */
+bool kiln_dist_mpi_version(char *buf, size_t n);
 void kiln_pg_free(kiln_pg_t *pg);
 int kiln_pg_rank(const kiln_pg_t *pg);
 int kiln_pg_world_size(const kiln_pg_t *pg);

@@ -86,6 +86,22 @@ static const char *const rank_vars[] = {"KILN_RANK", "OMPI_COMM_WORLD_RANK", "PM
 static const char *const local_vars[] = {"KILN_LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
                                          "SLURM_NTASKS_PER_NODE", NULL};
 
+bool kiln_dist_mpi_version(char *buf, size_t n)
+{
+    if (!buf || !n) return false;
+#ifdef KILN_HAVE_MPI
+    char v[MPI_MAX_LIBRARY_VERSION_STRING] = "";
+    int len = 0;
+    MPI_Get_library_version(v, &len); /* may be called before MPI_Init */
+    v[strcspn(v, ",\n")] = 0;
+    snprintf(buf, n, "%s", v);
+    return true;
+#else
+    *buf = 0;
+    return false;
+#endif
+}
+
 int kiln_pg_local_size_from_env(void)
 {
     int n = env_int(local_vars, 1);
