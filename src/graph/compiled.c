@@ -16,9 +16,7 @@
 
 typedef struct {
     int n;
-    kiln_dtype dtype[KILN_GRAPH_MAX_IN];
-    int ndim[KILN_GRAPH_MAX_IN];
-    int64_t shape[KILN_GRAPH_MAX_IN][KILN_MAX_DIMS];
+    kiln__meta m[KILN_GRAPH_MAX_IN]; /* dtype and shape */
     const void *device[KILN_GRAPH_MAX_IN];
 } guards;
 
@@ -52,20 +50,11 @@ static void guards_of(kiln_tensor_t *const *in, int n, guards *g)
     memset(g, 0, sizeof *g);
     g->n = n;
     for (int i = 0; i < n; i++) {
-        g->dtype[i] = in[i]->dtype;
-        g->ndim[i] = in[i]->ndim;
-        memcpy(g->shape[i], in[i]->shape, sizeof g->shape[i]);
+        g->m[i].dtype = in[i]->dtype;
+        g->m[i].ndim = in[i]->ndim;
+        memcpy(g->m[i].shape, in[i]->shape, sizeof g->m[i].shape);
         g->device[i] = in[i]->st->be;
     }
-}
-
-static void shape_str(const guards *g, int i, char *b, size_t n)
-{
-    kiln_tensor_t t = {0};
-    t.dtype = g->dtype[i];
-    t.ndim = g->ndim[i];
-    memcpy(t.shape, g->shape[i], sizeof t.shape);
-    kiln__shape_str(&t, b, n);
 }
 
 /* The first guard of old that now fails, described into why; false if all hold. */
@@ -81,12 +70,12 @@ static bool broken(const guards *old, const guards *now, char *why, size_t n)
             snprintf(why, n, "input %d moved to another device", i);
             return true;
         }
-        bool same = old->dtype[i] == now->dtype[i] && old->ndim[i] == now->ndim[i] &&
-                    !memcmp(old->shape[i], now->shape[i], sizeof(int64_t) * (size_t)now->ndim[i]);
+        const kiln__meta *o = &old->m[i], *w = &now->m[i];
+        bool same = o->dtype == w->dtype && o->ndim == w->ndim &&
+                    !memcmp(o->shape, w->shape, sizeof(int64_t) * (size_t)w->ndim);
         if (!same) {
-            shape_str(old, i, a, sizeof a);
-            shape_str(now, i, b, sizeof b);
-            snprintf(why, n, "input %d %s changed: %s -> %s", i, old->dtype[i] != now->dtype[i] ? "dtype" : "shape", a, b);
+            snprintf(why, n, "input %d %s changed: %s -> %s", i, o->dtype != w->dtype ? "dtype" : "shape",
+                     kiln__meta_str(o, a, sizeof a), kiln__meta_str(w, b, sizeof b));
             return true;
         }
     }
@@ -105,8 +94,7 @@ static void dump(const char *dir, const char *file, const kiln_graph_t *g, const
     }
     for (int i = 0; with_guards && i < gd->n; i++) {
         char b[96];
-        shape_str(gd, i, b, sizeof b);
-        fprintf(f, "# guard: input %d is %s\n", i, b);
+        fprintf(f, "# guard: input %d is %s\n", i, kiln__meta_str(&gd->m[i], b, sizeof b));
     }
     kiln_graph_print(g, f);
     fclose(f);
@@ -201,8 +189,8 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
     if (kiln__log_on("guards"))
         for (int i = 0; i < n_in; i++) {
             char b[96];
-            shape_str(&now, i, b, sizeof b);
-            fprintf(stderr, "kiln [guards] %s graph %d: input %d is %s\n", c->name, c->n_graphs, i, b);
+            fprintf(stderr, "kiln [guards] %s graph %d: input %d is %s\n", c->name, c->n_graphs, i,
+                    kiln__meta_str(&now.m[i], b, sizeof b));
         }
     if (kiln__log_on("graph")) {
         fprintf(stderr, "kiln [graph] %s graph %d (%d ops after merging %d repeated and removing %d dead):\n",

@@ -304,12 +304,8 @@ kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, 
         if (!in[i]) return kiln__null_arg("graph_run");
         if (!same_meta(&g->v[i + 1].meta, in[i])) {
             char got[96], want[96];
-            kiln_tensor_t shape = {0};
-            shape.dtype = g->v[i + 1].meta.dtype;
-            shape.ndim = g->v[i + 1].meta.ndim;
-            memcpy(shape.shape, g->v[i + 1].meta.shape, sizeof shape.shape);
             return kiln__err(KILN_ERR_SHAPE, "graph_run: input %d is %s, the graph was captured for %s", i,
-                             kiln__shape_str(in[i], got, sizeof got), kiln__shape_str(&shape, want, sizeof want));
+                             kiln__shape_str(in[i], got, sizeof got), kiln__meta_str(&g->v[i + 1].meta, want, sizeof want));
         }
     }
     /* Each value is freed after its last use; outputs are kept. */
@@ -446,12 +442,8 @@ kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f)
     for (int i = 1; i < g->n_v; i++) {
         const value *v = &g->v[i];
         if (v->kind == V_OP) continue;
-        kiln_tensor_t shape = {0};
-        shape.dtype = v->meta.dtype;
-        shape.ndim = v->meta.ndim;
-        memcpy(shape.shape, v->meta.shape, sizeof shape.shape);
-        if (v->kind == V_ARG) fprintf(f, "%%%d = input %d %s\n", i, v->index, kiln__shape_str(&shape, b, sizeof b));
-        else fprintf(f, "%%%d = captured %s\n", i, kiln__shape_str(&shape, b, sizeof b));
+        if (v->kind == V_ARG) fprintf(f, "%%%d = input %d %s\n", i, v->index, kiln__meta_str(&v->meta, b, sizeof b));
+        else fprintf(f, "%%%d = captured %s\n", i, kiln__meta_str(&v->meta, b, sizeof b));
     }
     for (int k = 0; k < g->n_nd; k++) {
         const node *n = &g->nd[k];
@@ -459,14 +451,7 @@ kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f)
         fprintf(f, "%s%s(", n->n_out ? " = " : "", kiln__ops[n->op].name);
         for (int i = 0; i < n->n_in; i++) fprintf(f, "%s%%%d", i ? ", " : "", n->in[i]);
         fprintf(f, ")");
-        for (int j = 0; j < n->n_out; j++) {
-            const value *v = &g->v[n->out[j]];
-            kiln_tensor_t shape = {0};
-            shape.dtype = v->meta.dtype;
-            shape.ndim = v->meta.ndim;
-            memcpy(shape.shape, v->meta.shape, sizeof shape.shape);
-            fprintf(f, " %s", kiln__shape_str(&shape, b, sizeof b));
-        }
+        for (int j = 0; j < n->n_out; j++) fprintf(f, " %s", kiln__meta_str(&g->v[n->out[j]].meta, b, sizeof b));
         fprintf(f, "\n");
     }
     for (int j = 0; j < g->n_lg; j++) {
