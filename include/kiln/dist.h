@@ -72,7 +72,6 @@ kiln_status kiln_ddp_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, int
 kiln_status kiln_ddp_begin(kiln_ddp_t *d);
 kiln_status kiln_ddp_finish(kiln_ddp_t *d);
 int kiln_ddp_num_buckets(const kiln_ddp_t *d);
-double kiln_ddp_wait_seconds(const kiln_ddp_t *d); /* in finish, waiting for communication, so far */
 void kiln_ddp_free(kiln_ddp_t *d);
 
 /* ZeRO stage 1: AdamW (the hyperparameters of kiln_adamw_new, decay as there) with the

@@ -11,7 +11,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kiln/dist.h"
-#include "core/util.h"
 #include "kiln/ops.h"
 
 typedef struct {
@@ -32,7 +31,6 @@ struct kiln_ddp {
     bool *whole;      /* per caller index, this step */
     bucket *b;
     bool active;
-    double wait_s;    /* time spent in finish waiting for communication */
 };
 
 static kiln_tensor_t *flat_of(kiln_tensor_t *t)
@@ -102,7 +100,6 @@ void kiln_ddp_free(kiln_ddp_t *d)
 }
 
 int kiln_ddp_num_buckets(const kiln_ddp_t *d) { return d ? d->nb : 0; }
-double kiln_ddp_wait_seconds(const kiln_ddp_t *d) { return d ? d->wait_s : 0; }
 
 /* Copies bucket j's gradients (zeros where a parameter has none) in and starts it. */
 static kiln_status start_bucket(kiln_ddp_t *d, int j)
@@ -165,7 +162,6 @@ kiln_status kiln_ddp_finish(kiln_ddp_t *d)
     if (!d->active) return kiln_error(KILN_ERR_ARG, "ddp_finish: kiln_ddp_begin was not called");
     kiln_set_grad_ready_hook(NULL, NULL);
     d->active = false;
-    double t0 = kiln__now_s();
     kiln_status s = advance(d, true);
     for (int j = 0; j < d->nb; j++) {
         if (!d->b[j].work) continue;
@@ -173,7 +169,6 @@ kiln_status kiln_ddp_finish(kiln_ddp_t *d)
         d->b[j].work = NULL;
         if (s == KILN_OK) s = w;
     }
-    d->wait_s += kiln__now_s() - t0;
     kiln_scope_begin();
     for (int i = 0; s == KILN_OK && i < d->n; i++) {
         kiln_tensor_t *g = kiln_tensor_grad(d->params[i]);
