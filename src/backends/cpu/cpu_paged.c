@@ -104,17 +104,26 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 #undef PATTR
 #undef PINL
 
-static kiln__range_fn paged_kernel(kiln_dtype kv)
+/* The f16 kernel, chosen once: F16C's where the processor has it and KILN_OPT_F16C. */
+static kiln__range_fn f16_kernel = paged_range_f16;
+static pthread_once_t f16_once = PTHREAD_ONCE_INIT;
+
+static void f16_pick(void)
 {
-    if (kv == KILN_DTYPE_BF16) return paged_range_bf16;
-    if (kv != KILN_DTYPE_F16) return paged_range_f32;
 #if F16_V3
     __builtin_cpu_init();
     if (kiln__opt(KILN__OPT_F16C) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
-        return paged_range_f16v3;
+        f16_kernel = paged_range_f16v3;
 #endif
-    return paged_range_f16;
+}
+
+static kiln__range_fn paged_kernel(kiln_dtype kv)
+{
+    if (kv == KILN_DTYPE_BF16) return paged_range_bf16;
+    if (kv != KILN_DTYPE_F16) return paged_range_f32;
+    pthread_once(&f16_once, f16_pick);
+    return f16_kernel;
 }
 
 /* Every sequence index, position and block id is checked before any is used. */
