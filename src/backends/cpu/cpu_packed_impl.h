@@ -55,32 +55,25 @@ KATTR static void KFN(packed_range)(void *c, int64_t b, int64_t e)
             int64_t left = k->M - m;
             int mr = left >= KMR ? KMR : left >= 4 ? 4 : left >= 2 ? 2 : 1;
             const float *am = k->a + m * K;
-#define KT(MR, NV) else if (mr == MR && nv == NV) KFN(tile)(MR, NV, am, K, col, t)
+#define KT(MR, NV) else if (mr == MR && nv == NV) KFN(tile)(MR, NV, am, K, col, t);
+#if KMR > 4
+#define KT8(NV) KT(8, NV)
+#else
+#define KT8(NV)
+#endif
+#define KT_ROWS(NV) KT(1, NV) KT(2, NV) KT(4, NV) KT8(NV)
             if (0) {
             }
-            KT(1, KVP);
-            KT(2, KVP);
-            KT(4, KVP);
-#if KMR > 4
-            KT(8, KVP);
-#endif
+            KT_ROWS(KVP)
 #if KGROUP > 1
-            KT(1, 2 * KVP);
-            KT(2, 2 * KVP);
-            KT(4, 2 * KVP);
-#if KMR > 4
-            KT(8, 2 * KVP);
-#endif
+            KT_ROWS(2 * KVP)
 #endif
 #if KGROUP > 2
-            KT(1, 3 * KVP);
-            KT(2, 3 * KVP);
-            KT(4, 3 * KVP);
-#if KMR > 4
-            KT(8, 3 * KVP);
-#endif
+            KT_ROWS(3 * KVP)
 #endif
 #undef KT
+#undef KT8
+#undef KT_ROWS
             for (int r = 0; r < mr; r++) memcpy(k->out + (m + r) * N + c0, t + r * KMAXV * KW, sizeof(float) * (size_t)nc);
             m += mr;
         }
