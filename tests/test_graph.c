@@ -297,8 +297,7 @@ static kiln_status gpt_logits(void *ctx, kiln_tensor_t *const *in, int n_in, kil
     return out[0] ? KILN_OK : kiln_last_status();
 }
 
-/* The model code, unchanged, captured: GPT-2 and LLaMA style forwards. */
-static void gpt_forward_captures(bool llama)
+static kiln_gpt_config tiny(bool llama)
 {
     kiln_gpt_config cfg = llama ? kiln_gpt_config_llama() : kiln_gpt_config_gpt2();
     cfg.n_layer = 2;
@@ -307,6 +306,13 @@ static void gpt_forward_captures(bool llama)
     cfg.n_embd = 32;
     cfg.block_size = 16;
     cfg.vocab_size = 50;
+    return cfg;
+}
+
+/* The model code, unchanged, captured: GPT-2 and LLaMA style forwards. */
+static void gpt_forward_captures(bool llama)
+{
+    kiln_gpt_config cfg = tiny(llama);
     gpt_ctx c;
     assert_int_equal(kiln_gpt_new(&cfg, 11, &c.m), KILN_OK);
     int64_t ids[2][12], s[2] = {2, 12};
@@ -344,13 +350,7 @@ static kiln_status loss_and_grads(void *ctx, kiln_tensor_t *const *in, int n_in,
  * the gradients while capturing. */
 static void backward_is_captured_into_the_graph(void **state)
 {
-    kiln_gpt_config cfg = kiln_gpt_config_gpt2();
-    cfg.n_layer = 2;
-    cfg.n_head = 4;
-    cfg.n_kv_head = 4;
-    cfg.n_embd = 32;
-    cfg.block_size = 16;
-    cfg.vocab_size = 50;
+    kiln_gpt_config cfg = tiny(false);
     gpt_ctx c;
     assert_int_equal(kiln_gpt_new(&cfg, 5, &c.m), KILN_OK);
     int64_t ids[2][13], s[2] = {2, 12};

@@ -5,6 +5,7 @@
 # copied through the segment rather than by cross-process reads (CMA), which container
 # sandboxes often forbid; the tests check results, not bandwidth.
 if(KILN_PYTHON3)
+  set(KILN_MPI_TEST_ENV "OMPI_MCA_btl_vader_single_copy_mechanism=none;OMPI_MCA_mca_base_component_disable_dlclose=1;LSAN_OPTIONS=suppressions=${CMAKE_SOURCE_DIR}/tests/dist/lsan.supp:fast_unwind_on_malloc=0")
   add_executable(rdzv_probe tests/dist/rdzv_probe.c)
   target_link_libraries(rdzv_probe PRIVATE kiln)
   add_test(NAME dist_rendezvous COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_rendezvous.py
@@ -15,9 +16,9 @@ if(KILN_PYTHON3)
   add_test(NAME dist_collectives COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_collectives.py
            --probe $<TARGET_FILE:dist_probe> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
   set_tests_properties(dist_collectives PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600
-                       ENVIRONMENT "OMPI_MCA_btl_vader_single_copy_mechanism=none;OMPI_MCA_mca_base_component_disable_dlclose=1;LSAN_OPTIONS=suppressions=${CMAKE_SOURCE_DIR}/tests/dist/lsan.supp:fast_unwind_on_malloc=0")
+                       ENVIRONMENT "${KILN_MPI_TEST_ENV}")
   add_test(NAME dist_train COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_train.py
            --kiln $<TARGET_FILE:kiln_tool> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
   set_tests_properties(dist_train PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600
-                       ENVIRONMENT "OMPI_MCA_btl_vader_single_copy_mechanism=none;OMPI_MCA_mca_base_component_disable_dlclose=1;LSAN_OPTIONS=suppressions=${CMAKE_SOURCE_DIR}/tests/dist/lsan.supp:fast_unwind_on_malloc=0")
+                       ENVIRONMENT "${KILN_MPI_TEST_ENV}")
 endif()
