@@ -10,6 +10,7 @@
  * all in order and copies the averages back into the gradients. */
 #include <stdlib.h>
 #include <string.h>
+#include "dist/flat.h"
 #include "kiln/dist.h"
 #include "kiln/ops.h"
 
@@ -32,12 +33,6 @@ struct kiln_ddp {
     bucket *b;
     bool active;
 };
-
-static kiln_tensor_t *flat_of(kiln_tensor_t *t)
-{
-    int64_t n = kiln_tensor_numel(t);
-    return kiln_reshape(t, &n, 1);
-}
 
 kiln_status kiln_ddp_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, int64_t first_bucket_bytes,
                          int64_t bucket_bytes, kiln_ddp_t **out)
@@ -111,7 +106,7 @@ static kiln_status start_bucket(kiln_ddp_t *d, int j)
         int i = d->order[k];
         kiln_tensor_t *g = kiln_tensor_grad(d->params[i]), *dst = kiln_narrow(bk->flat, 0, d->off[i],
                                                                               kiln_tensor_numel(d->params[i]));
-        s = g ? kiln_tensor_copy_(dst, flat_of(g)) : kiln_fill_(dst, 0);
+        s = g ? kiln_tensor_copy_(dst, kiln__flat_of(g)) : kiln_fill_(dst, 0);
     }
     kiln_scope_end();
     if (s == KILN_OK) s = kiln_pg_allreduce_async(d->pg, bk->flat, KILN_REDUCE_AVG, &bk->work);
@@ -174,7 +169,7 @@ kiln_status kiln_ddp_finish(kiln_ddp_t *d)
         kiln_tensor_t *g = kiln_tensor_grad(d->params[i]);
         if (!g) continue; /* no rank's graph reached it (the same graph on every rank) */
         bucket *bk = &d->b[d->bucket_of[i]];
-        s = kiln_tensor_copy_(flat_of(g), kiln_narrow(bk->flat, 0, d->off[i], kiln_tensor_numel(g)));
+        s = kiln_tensor_copy_(kiln__flat_of(g), kiln_narrow(bk->flat, 0, d->off[i], kiln_tensor_numel(g)));
     }
     kiln_scope_end();
     return s;

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include "dist/flat.h"
 #include "kiln/dist.h"
 #include "kiln/io.h"
 #include "kiln/optim.h"
@@ -36,12 +37,6 @@ struct kiln_zero1 {
     group gr[2];
 };
 
-static kiln_tensor_t *flat_of(kiln_tensor_t *t)
-{
-    int64_t n = kiln_tensor_numel(t);
-    return kiln_reshape(t, &n, 1);
-}
-
 /* Copies the group's parameters (or, with slot >= 0, their optimizer slot from full,
  * zeros where it has none) into flat. */
 static kiln_status gather_local(kiln_zero1_t *z, group *g, kiln_optim_t *full, int slot)
@@ -50,7 +45,7 @@ static kiln_status gather_local(kiln_zero1_t *z, group *g, kiln_optim_t *full, i
     for (int k = 0; s == KILN_OK && k < g->n; k++) {
         kiln_tensor_t *src = slot < 0 ? z->params[g->idx[k]] : full ? kiln_optim_state(full, g->idx[k], slot) : NULL;
         if (!src) continue;
-        s = kiln_tensor_copy_(kiln_narrow(g->flat, 0, g->off[k], kiln_tensor_numel(src)), flat_of(src));
+        s = kiln_tensor_copy_(kiln_narrow(g->flat, 0, g->off[k], kiln_tensor_numel(src)), kiln__flat_of(src));
     }
     return s;
 }
@@ -152,7 +147,7 @@ kiln_status kiln_zero1_step(kiln_zero1_t *z, double lr, double max_norm, double 
         s = kiln_fill_(g->flat, 0);
         for (int k = 0; s == KILN_OK && k < g->n; k++) {
             kiln_tensor_t *gr = kiln_tensor_grad(z->params[g->idx[k]]);
-            if (gr) s = kiln_tensor_copy_(kiln_narrow(g->flat, 0, g->off[k], kiln_tensor_numel(gr)), flat_of(gr));
+            if (gr) s = kiln_tensor_copy_(kiln_narrow(g->flat, 0, g->off[k], kiln_tensor_numel(gr)), kiln__flat_of(gr));
         }
         if (s == KILN_OK) s = kiln_pg_reduce_scatter(z->pg, g->flat, g->g, KILN_REDUCE_AVG);
     }
@@ -182,7 +177,7 @@ kiln_status kiln_zero1_step(kiln_zero1_t *z, double lr, double max_norm, double 
         if (s == KILN_OK) s = kiln_pg_allgather(z->pg, g->p, g->flat);
         for (int k = 0; s == KILN_OK && k < g->n; k++) {
             kiln_tensor_t *p = z->params[g->idx[k]];
-            s = kiln_tensor_copy_(flat_of(p), kiln_narrow(g->flat, 0, g->off[k], kiln_tensor_numel(p)));
+            s = kiln_tensor_copy_(kiln__flat_of(p), kiln_narrow(g->flat, 0, g->off[k], kiln_tensor_numel(p)));
         }
     }
     kiln_scope_end();
