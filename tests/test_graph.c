@@ -6,6 +6,7 @@
 #include <stdint.h>
 #include <setjmp.h>
 #include <cmocka.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -60,6 +61,17 @@ static void assert_same(kiln_tensor_t *a, kiln_tensor_t *b)
     assert_int_equal(kiln_tensor_numel(a), kiln_tensor_numel(b));
     float *x = to_host(a), *y = to_host(b);
     assert_memory_equal(x, y, sizeof(float) * (size_t)kiln_tensor_numel(a));
+    free(x);
+    free(y);
+}
+
+/* |a - b| <= tol * (1 + |b|) everywhere. */
+static void assert_close(kiln_tensor_t *a, kiln_tensor_t *b, double tol)
+{
+    assert_int_equal(kiln_tensor_numel(a), kiln_tensor_numel(b));
+    float *x = to_host(a), *y = to_host(b);
+    for (int64_t i = 0; i < kiln_tensor_numel(a); i++)
+        if (!(fabs((double)x[i] - y[i]) <= tol * (1 + fabs((double)y[i])))) fail_msg("element %lld: %g vs %g", (long long)i, x[i], y[i]);
     free(x);
     free(y);
 }
@@ -238,7 +250,7 @@ static void guards_reuse_recompile_and_fall_back(void **state)
         int n;
         assert_int_equal(kiln_compiled_call(fnc, &xs[i], 1, got, 2, &n), KILN_OK);
         assert_int_equal(mlp(&c, &xs[i], 1, want, &n), KILN_OK);
-        assert_same(got[0], want[0]);
+        assert_close(got[0], want[0], 1e-5); /* compiled: generated kernels, not bitwise */
     }
     fflush(stderr);
     dup2(saved, 2);
@@ -264,20 +276,18 @@ static void guards_reuse_recompile_and_fall_back(void **state)
     assert_non_null(f);
     text[fread(text, 1, sizeof text - 1, f)] = 0;
     fclose(f);
-    assert_non_null(strstr(text, "# guard: input 0 is f32[5,16]"));
     assert_non_null(strstr(text, "gelu("));
+    snprintf(path, sizeof path, "%s/mlp-1/guards.txt", dbg);
+    f = fopen(path, "r");
+    assert_non_null(f);
+    text[fread(text, 1, sizeof text - 1, f)] = 0;
+    fclose(f);
+    assert_non_null(strstr(text, "input 0 is f32[5,16]"));
     snprintf(path, sizeof path, "%s/mlp-0/captured.txt", dbg);
     assert_int_equal(access(path, R_OK), 0);
-    for (int k = 0; k < 2; k++) { /* leave nothing behind */
-        const char *files[2] = {"captured.txt", "after_passes.txt"};
-        for (int j = 0; j < 2; j++) {
-            snprintf(path, sizeof path, "%s/mlp-%d/%s", dbg, k, files[j]);
-            unlink(path);
-        }
-        snprintf(path, sizeof path, "%s/mlp-%d", dbg, k);
-        rmdir(path);
-    }
-    rmdir(dbg);
+    char cmd[300]; /* leave nothing behind */
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dbg);
+    assert_int_equal(system(cmd), 0);
     unsetenv("KILN_DEBUG_DIR");
     kiln_compiled_free(fnc);
     unsetenv("KILN_LOGS");

@@ -61,6 +61,10 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed);
 /* Common-subexpression elimination: an op repeated on the same values with the same
  * attributes is computed once (never across an in-place update). */
 kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed);
+/* Decomposition: each composite op with a decomposition (softmax, log_softmax,
+ * layer_norm, rms_norm) is replaced by the primitive ops it is made of, which the
+ * compiler can fuse. Returns how many were replaced in *decomposed. */
+kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed);
 int kiln_graph_num_ops(const kiln_graph_t *g);
 /* One line per op: "%5 = gelu(%4) f32[8,32]  tanh=1", inputs and captured tensors first. */
 kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f);
@@ -80,6 +84,13 @@ kiln_status kiln_compiled_new(kiln_graph_fn fn, void *ctx, const char *name, kil
 kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
                                int *n_out);
 void kiln_compiled_stats(const kiln_compiled_t *c, uint64_t *calls, uint64_t *hits, uint64_t *recompiles, int *graphs);
+/* How graph number `graph` of c runs: *kernels generated kernels and *ops ops through
+ * dispatch (matmul, attention, views, ...); both 0 for an interpreted graph
+ * (KILN_COMPILE_DISABLE=codegen). *planned_peak and *eager_peak: bytes of
+ * intermediates live at once, as compiled and as eager would hold them. Any out
+ * pointer may be NULL. */
+kiln_status kiln_compiled_plan(const kiln_compiled_t *c, int graph, int *kernels, int *ops, int64_t *planned_peak,
+                               int64_t *eager_peak);
 void kiln_compiled_free(kiln_compiled_t *c);
 
 #ifdef __cplusplus

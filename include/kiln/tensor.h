@@ -52,6 +52,7 @@ typedef enum {
     KILN_ERR_BUSY = -12,       /* a queue or pool that is full: try again later */
     KILN_ERR_CANCELLED = -13,  /* work stopped because its caller asked */
     KILN_ERR_DIST = -14,       /* a collective that failed, timed out, or ran in another order on another rank */
+    KILN_ERR_COMPILE = -15,    /* generated code that the system C compiler refused (source and log kept) */
 } kiln_status;
 
 typedef enum {

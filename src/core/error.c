@@ -63,6 +63,7 @@ const char *kiln_status_name(kiln_status s)
     case KILN_ERR_BUSY: return "busy";
     case KILN_ERR_CANCELLED: return "cancelled";
     case KILN_ERR_DIST: return "distributed";
+    case KILN_ERR_COMPILE: return "compile";
     }
     return "unknown status";
 }

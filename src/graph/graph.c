@@ -13,40 +13,7 @@
 #include "kiln/ops.h"
 #include "ops/registry.h"
 
-enum { V_ARG, V_CONST, V_OP };
-
-typedef struct {
-    int kind, index; /* argument number, or the producing node */
-    int out;         /* which output of that node */
-    kiln__meta meta;
-    kiln_tensor_t *t; /* V_CONST: the captured tensor (retained) */
-} value;
-
-typedef struct {
-    kiln__op_id op;
-    kiln__attrs attrs;
-    int n_in, n_out;
-    int *in;                 /* value numbers */
-    int out[KILN__MAX_OUT];  /* value numbers; 0 for an in-place op */
-} node;
-
-typedef struct {
-    kiln_tensor_t *leaf; /* a real tensor whose gradient the graph computes (retained) */
-    int value;           /* that gradient */
-    kiln_tensor_t *acc;  /* during capture: the meta tensor of the sum so far */
-} leaf_grad;
-
-struct kiln_graph {
-    leaf_grad *lg;
-    int n_lg, cap_lg;
-    value *v;
-    int n_v, cap_v; /* value 0 is unused: 0 means "a real tensor" in a tensor header */
-    node *nd;
-    int n_nd, cap_nd;
-    int n_args;
-    int outs[KILN_GRAPH_MAX_OUT], n_outs;
-    kiln_status failed; /* the first recording error, reported at the end of capture */
-};
+#include "graph/graph_impl.h"
 
 static _Thread_local kiln_graph_t *capturing;
 
@@ -188,8 +155,9 @@ kiln_status kiln__graph_leaf_grad(kiln_tensor_t *leaf, kiln_tensor_t *g)
         e = &gr->lg[gr->n_lg++];
         *e = (leaf_grad){kiln_tensor_retain(leaf), 0, NULL};
     }
-    /* As eager backward sums them: a copy of the first part, then each next one added. */
-    kiln_tensor_t *sum = e->acc ? kiln_add(e->acc, g) : kiln_clone(g);
+    /* As eager backward sums them: the first part, then each next one added (a run
+     * gives the leaf a tensor of its own, kiln__graph_add_leaf_grads). */
+    kiln_tensor_t *sum = e->acc ? kiln_add(e->acc, g) : kiln__scoped(kiln_tensor_retain(g));
     if (!sum) return kiln_last_status();
     kiln_tensor_free(e->acc);
     e->acc = kiln_keep(sum);
@@ -293,10 +261,8 @@ static bool same_meta(const kiln__meta *m, const kiln_tensor_t *t)
     return true;
 }
 
-kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
-                           int *n_out)
+kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, int max_out)
 {
-    if (!g || !n_out || (max_out > 0 && !out)) return kiln__err(KILN_ERR_ARG, "graph_run: NULL graph or outputs");
     if (capturing) return kiln__err(KILN_ERR_ARG, "graph_run: not inside a capture (run it after kiln_graph_capture)");
     if (n_in != g->n_args) return kiln__err(KILN_ERR_ARG, "graph_run: %d inputs given, the graph takes %d", n_in, g->n_args);
     if (max_out < g->n_outs) return kiln__err(KILN_ERR_ARG, "graph_run: room for %d outputs, the graph gives %d", max_out, g->n_outs);
@@ -308,6 +274,45 @@ kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, 
                              kiln__shape_str(in[i], got, sizeof got), kiln__meta_str(&g->v[i + 1].meta, want, sizeof want));
         }
     }
+    return KILN_OK;
+}
+
+/* Gradients into the real leaves, as kiln_backward leaves them: a fresh copy, or added
+ * to what a leaf already holds. */
+kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt)
+{
+    kiln_status s = KILN_OK;
+    for (int j = 0; s == KILN_OK && j < g->n_lg; j++) {
+        int v = g->lg[j].value;
+        kiln_tensor_t *leaf = g->lg[j].leaf, *gv = rt[v];
+        if (leaf->grad) {
+            s = kiln_add_(leaf->grad, gv, 1.0);
+            continue;
+        }
+        /* An intermediate that nothing else holds (not returned, not another leaf's,
+         * no view of it alive) becomes the gradient itself; anything else is copied. */
+        bool own = g->v[v].kind == V_OP && atomic_load(&gv->refcount) == 1 && atomic_load(&gv->st->refcount) == 1 &&
+                   kiln__is_contiguous(gv) && gv->offset == 0;
+        for (int k = 0; own && k < g->n_outs; k++) own = g->outs[k] != v;
+        for (int k = 0; own && k < g->n_lg; k++) own = k == j || g->lg[k].value != v;
+        if (own) {
+            leaf->grad = gv;
+            rt[v] = NULL;
+        } else if ((leaf->grad = kiln_clone(gv))) {
+            kiln_keep(leaf->grad);
+        } else {
+            s = kiln_last_status();
+        }
+    }
+    return s;
+}
+
+kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
+                           int *n_out)
+{
+    if (!g || !n_out || (max_out > 0 && !out)) return kiln__err(KILN_ERR_ARG, "graph_run: NULL graph or outputs");
+    kiln_status cs = kiln__graph_check_inputs(g, in, n_in, max_out);
+    if (cs != KILN_OK) return cs;
     /* Each value is freed after its last use; outputs are kept. */
     int *last = calloc((size_t)g->n_v, sizeof *last);
     kiln_tensor_t **rt = calloc((size_t)g->n_v, sizeof *rt);
@@ -339,14 +344,7 @@ kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, 
         if (insp != ins) free(insp);
         insp = ins;
     }
-    /* Gradients into the real leaves, as kiln_backward leaves them: a fresh copy, or
-     * added to what a leaf already holds. */
-    for (int j = 0; s == KILN_OK && j < g->n_lg; j++) {
-        kiln_tensor_t *leaf = g->lg[j].leaf, *gv = rt[g->lg[j].value];
-        if (leaf->grad) s = kiln_add_(leaf->grad, gv, 1.0);
-        else if ((leaf->grad = kiln_clone(gv))) kiln_keep(leaf->grad);
-        else s = kiln_last_status();
-    }
+    if (s == KILN_OK) s = kiln__graph_add_leaf_grads(g, rt);
     kiln_set_grad_enabled(prev);
     for (int j = 0; s == KILN_OK && j < g->n_outs; j++) out[j] = kiln__scoped(kiln_tensor_retain(rt[g->outs[j]]));
     *n_out = s == KILN_OK ? g->n_outs : 0;
@@ -464,5 +462,81 @@ kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f)
     fprintf(f, "return");
     for (int j = 0; j < g->n_outs; j++) fprintf(f, "%s %%%d", j ? "," : "", g->outs[j]);
     fprintf(f, "\n");
+    return KILN_OK;
+}
+
+/* Decomposition: the graph replayed in capture mode into a new one, with each op that
+ * has a decomposition (src/ops/decompose.c) recorded as its primitives; the new graph
+ * then takes the old one's place. Values are renumbered; inputs, captured tensors,
+ * outputs and leaf gradients keep their meaning. */
+kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed)
+{
+    if (!g) return kiln__err(KILN_ERR_ARG, "graph_decompose: NULL graph");
+    if (capturing) return kiln__err(KILN_ERR_ARG, "graph_decompose: a capture is running on this thread");
+    kiln_graph_t *ng = calloc(1, sizeof *ng);
+    kiln_tensor_t **map = calloc((size_t)g->n_v, sizeof *map);
+    kiln__meta none = {0};
+    kiln_status s = ng && map && add_value(ng, V_ARG, -1, 0, &none, NULL) == 0
+                        ? KILN_OK : kiln__err(KILN_ERR_OOM, "graph_decompose: out of memory");
+    kiln__backend *be = kiln__backend_default();
+    for (int i = 1; s == KILN_OK && i < g->n_v; i++) {
+        const value *v = &g->v[i];
+        if (v->kind == V_CONST) map[i] = v->t;
+        if (v->kind != V_ARG) continue;
+        int num = add_value(ng, V_ARG, v->index, 0, &v->meta, NULL);
+        size_t nb = (size_t)kiln__numel(v->meta.ndim, v->meta.shape) * kiln_dtype_size(v->meta.dtype);
+        if (num < 0 || !(map[i] = meta_tensor(be, NULL, nb, &v->meta, false, num)))
+            s = num < 0 ? kiln__err(KILN_ERR_OOM, "graph_decompose: out of memory") : kiln_last_status();
+    }
+    ng->n_args = g->n_args;
+    int count = 0;
+    capturing = ng;
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_scope_begin();
+    kiln_tensor_t *ins[64];
+    for (int k = 0; s == KILN_OK && k < g->n_nd; k++) {
+        const node *n = &g->nd[k];
+        if (n->n_in > 64) {
+            s = kiln__err(KILN_ERR_UNSUPPORTED, "graph_decompose: %s has %d inputs (at most 64)", kiln__ops[n->op].name, n->n_in);
+            break;
+        }
+        for (int i = 0; i < n->n_in; i++) ins[i] = map[n->in[i]];
+        kiln_tensor_t *res[KILN__MAX_OUT] = {0};
+        kiln__decompose_fn dec = kiln__decomposition(n->op);
+        if (dec) {
+            s = dec(ins, n->n_in, &n->attrs, res);
+            count += s == KILN_OK;
+        } else {
+            s = kiln__dispatch(n->op, ins, n->n_in, &n->attrs, n->n_out ? res : NULL);
+        }
+        for (int j = 0; s == KILN_OK && j < n->n_out; j++) map[n->out[j]] = res[j];
+    }
+    for (int j = 0; s == KILN_OK && j < g->n_outs; j++)
+        if ((ng->outs[j] = value_of(ng, map[g->outs[j]])) < 0) s = kiln__err(KILN_ERR_OOM, "graph_decompose: out of memory");
+    ng->n_outs = s == KILN_OK ? g->n_outs : 0;
+    if (s == KILN_OK && g->n_lg) {
+        ng->lg = calloc((size_t)g->n_lg, sizeof *ng->lg);
+        if (!ng->lg) s = kiln__err(KILN_ERR_OOM, "graph_decompose: out of memory");
+        for (int j = 0; s == KILN_OK && j < g->n_lg; j++) {
+            ng->lg[j] = (leaf_grad){kiln_tensor_retain(g->lg[j].leaf), value_of(ng, map[g->lg[j].value]), NULL};
+            ng->n_lg = ng->cap_lg = j + 1;
+            if (ng->lg[j].value < 0) s = kiln__err(KILN_ERR_OOM, "graph_decompose: out of memory");
+        }
+    }
+    kiln_scope_end();
+    kiln_set_grad_enabled(prev);
+    capturing = NULL;
+    for (int i = 1; map && i < g->n_v; i++)
+        if (g->v[i].kind != V_CONST) kiln_tensor_free(map[i]);
+    free(map);
+    if (s != KILN_OK) {
+        kiln_graph_free(ng);
+        return s;
+    }
+    kiln_graph_t tmp = *g;
+    *g = *ng;
+    *ng = tmp;
+    kiln_graph_free(ng);
+    if (decomposed) *decomposed = count;
     return KILN_OK;
 }

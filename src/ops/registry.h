@@ -59,10 +59,11 @@ typedef struct {
     bool is_inplace;
     kiln__infer_fn infer;
     kiln__backward_fn backward;
-    kiln__decompose_fn decompose;
 } kiln__op_def;
 
 extern const kiln__op_def kiln__ops[KILN_OP_COUNT];
+/* The op's decomposition into primitives (src/ops/decompose.c), or NULL. */
+kiln__decompose_fn kiln__decomposition(kiln__op_id op);
 
 #define KILN_OP(ID, name, nin, nout, nvis, grad, save)                                 \
     kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, \

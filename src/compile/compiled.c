@@ -11,8 +11,7 @@
 #include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
-#include "core/tensor_impl.h"
-#include "kiln/graph.h"
+#include "compile/compile_impl.h"
 
 typedef struct {
     int n;
@@ -26,6 +25,7 @@ struct kiln_compiled {
     char name[64];
     int limit, n_graphs;
     kiln_graph_t **graphs;
+    kiln__program **progs; /* NULL where the graph is interpreted */
     guards *g;
     bool warned;
     uint64_t calls, hits, recompiles;
@@ -115,7 +115,8 @@ kiln_status kiln_compiled_new(kiln_graph_fn fn, void *ctx, const char *name, kil
     if (c->limit < 1) c->limit = 1;
     c->graphs = calloc((size_t)c->limit, sizeof *c->graphs);
     c->g = calloc((size_t)c->limit, sizeof *c->g);
-    if (!c->graphs || !c->g) {
+    c->progs = calloc((size_t)c->limit, sizeof *c->progs);
+    if (!c->graphs || !c->g || !c->progs) {
         kiln_compiled_free(c);
         return kiln__err(KILN_ERR_OOM, "compiled_new: out of memory");
     }
@@ -126,8 +127,12 @@ kiln_status kiln_compiled_new(kiln_graph_fn fn, void *ctx, const char *name, kil
 void kiln_compiled_free(kiln_compiled_t *c)
 {
     if (!c) return;
-    for (int i = 0; c->graphs && i < c->n_graphs; i++) kiln_graph_free(c->graphs[i]);
+    for (int i = 0; c->graphs && i < c->n_graphs; i++) {
+        kiln__program_free(c->progs[i]);
+        kiln_graph_free(c->graphs[i]);
+    }
     free(c->graphs);
+    free(c->progs);
     free(c->g);
     free(c);
 }
@@ -147,7 +152,8 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
     for (int k = c->n_graphs - 1; k >= 0; k--)
         if (!broken(&c->g[k], &now, why, sizeof why)) {
             c->hits++;
-            return kiln_graph_run(c->graphs[k], in, n_in, out, max_out, n_out);
+            return c->progs[k] ? kiln__program_run(c->progs[k], in, n_in, out, max_out, n_out)
+                               : kiln_graph_run(c->graphs[k], in, n_in, out, max_out, n_out);
         }
     if (c->n_graphs > 0) broken(&c->g[c->n_graphs - 1], &now, why, sizeof why);
     if (c->n_graphs == c->limit) { /* past the limit: eager from here on for new guards */
@@ -182,24 +188,32 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
         }
     }
     if (*dir) dump(dir, "captured.txt", g, NULL, 0);
-    int removed = 0, merged = 0;
-    kiln_graph_cse(g, &merged);
-    kiln_graph_dce(g, &removed);
-    if (*dir) dump(dir, "after_passes.txt", g, &now, 1);
+    kiln__program *prog = NULL;
+    s = kiln__compile_graph(g, *dir ? dir : NULL, c->name, c->n_graphs, &prog);
+    if (s != KILN_OK) {
+        kiln_graph_free(g);
+        return s;
+    }
+    if (*dir) {
+        char path[1200];
+        snprintf(path, sizeof path, "%s/guards.txt", dir);
+        FILE *f = fopen(path, "w");
+        for (int i = 0; f && i < n_in; i++) {
+            char b[96];
+            fprintf(f, "input %d is %s\n", i, kiln__meta_str(&now.m[i], b, sizeof b));
+        }
+        if (f) fclose(f);
+    }
     if (kiln__log_on("guards"))
         for (int i = 0; i < n_in; i++) {
             char b[96];
             fprintf(stderr, "kiln [guards] %s graph %d: input %d is %s\n", c->name, c->n_graphs, i,
                     kiln__meta_str(&now.m[i], b, sizeof b));
         }
-    if (kiln__log_on("graph")) {
-        fprintf(stderr, "kiln [graph] %s graph %d (%d ops after merging %d repeated and removing %d dead):\n",
-                c->name, c->n_graphs, kiln_graph_num_ops(g), merged, removed);
-        kiln_graph_print(g, stderr);
-    }
+    c->progs[c->n_graphs] = prog;
     c->graphs[c->n_graphs] = g;
     c->g[c->n_graphs++] = now;
-    return kiln_graph_run(g, in, n_in, out, max_out, n_out);
+    return prog ? kiln__program_run(prog, in, n_in, out, max_out, n_out) : kiln_graph_run(g, in, n_in, out, max_out, n_out);
 }
 
 void kiln_compiled_stats(const kiln_compiled_t *c, uint64_t *calls, uint64_t *hits, uint64_t *recompiles, int *graphs)
@@ -208,4 +222,19 @@ void kiln_compiled_stats(const kiln_compiled_t *c, uint64_t *calls, uint64_t *hi
     if (hits) *hits = c ? c->hits : 0;
     if (recompiles) *recompiles = c ? c->recompiles : 0;
     if (graphs) *graphs = c ? c->n_graphs : 0;
+}
+
+kiln_status kiln_compiled_plan(const kiln_compiled_t *c, int graph, int *kernels, int *ops, int64_t *planned_peak,
+                               int64_t *eager_peak)
+{
+    if (!c || graph < 0 || graph >= c->n_graphs)
+        return kiln__err(KILN_ERR_ARG, "compiled_plan: no graph %d (the function has %d)", graph, c ? c->n_graphs : 0);
+    const kiln__program *p = c->progs[graph];
+    int n_ops = 0;
+    for (int t = 0; p && t < p->n_steps; t++) n_ops += p->steps[t].kind == STEP_OP;
+    if (kernels) *kernels = p ? p->n_k : 0;
+    if (ops) *ops = n_ops;
+    if (planned_peak) *planned_peak = p ? p->planned_peak : 0;
+    if (eager_peak) *eager_peak = p ? p->eager_peak : 0;
+    return KILN_OK;
 }

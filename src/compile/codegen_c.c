@@ -1,0 +1,321 @@
+/* The cpu code generator: one C function per kernel, named after the ops it fused,
+ * with a comment listing them. A function runs tasks [t0, t1) of its kernel (a task is
+ * a row, or a piece of one); the runtime spreads the tasks over kiln's thread pool.
+ * Inner loops are written so that GCC vectorizes them: loads and stores at constant
+ * strides, selects instead of branches, a polynomial exp, and reductions kept in 16
+ * partial accumulators that are combined in a fixed order at the end of the row. */
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "compile/compile_impl.h"
+#include "core/opts.h"
+
+typedef struct {
+    char *s;
+    size_t n, cap;
+    bool failed;
+} sbuf;
+
+static void put(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void put(sbuf *b, const char *fmt, ...)
+{
+    if (b->failed) return;
+    for (;;) {
+        va_list ap;
+        va_start(ap, fmt);
+        int w = vsnprintf(b->s + b->n, b->cap - b->n, fmt, ap);
+        va_end(ap);
+        if (w < 0) {
+            b->failed = true;
+            return;
+        }
+        if ((size_t)w < b->cap - b->n) {
+            b->n += (size_t)w;
+            return;
+        }
+        size_t cap = b->cap * 2 + (size_t)w + 4096;
+        char *s = realloc(b->s, cap);
+        if (!s) {
+            b->failed = true;
+            return;
+        }
+        b->s = s;
+        b->cap = cap;
+    }
+}
+
+static const char *ctype(kiln_dtype dt)
+{
+    switch (dt) {
+    case KILN_DTYPE_F32: return "float";
+    case KILN_DTYPE_F64: return "double";
+    case KILN_DTYPE_I64: return "int64_t";
+    case KILN_DTYPE_I32: return "int32_t";
+    default: return "uint8_t";
+    }
+}
+
+/* Helpers every generated file starts with (the same formulas as the cpu backend's
+ * kernels, so that compiled and eager results agree to rounding). */
+static const char *prelude =
+    "#include <math.h>\n#include <stdint.h>\n#include <string.h>\n\n"
+    "static inline float kc_exp(float x)\n{\n"
+    "    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;\n"
+    "    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;\n"
+    "    float r = x - n * 0.693359375f + n * 2.12194440e-4f;\n"
+    "    float p = 1.9875691500e-4f;\n"
+    "    p = p * r + 1.3981999507e-3f;\n    p = p * r + 8.3334519073e-3f;\n"
+    "    p = p * r + 4.1665795894e-2f;\n    p = p * r + 1.6666665459e-1f;\n"
+    "    p = p * r + 5.0000001201e-1f;\n    p = p * r * r + r + 1.0f;\n"
+    "    int32_t bits = ((int32_t)n + 127) << 23;\n    float scale;\n    memcpy(&scale, &bits, 4);\n"
+    "    return p * scale;\n}\n"
+    "static inline float kc_tanh_fast(float u) { return 1.0f - 2.0f / (kc_exp(2.0f * u) + 1.0f); }\n"
+    "static inline float kc_sigmoid_fast(float x) { return 1.0f / (1.0f + kc_exp(-x)); }\n"
+    "static inline float kc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }\n"
+    "static inline float kc_max(float x, float y) { return x != x || x > y ? x : y; }\n"
+    "static inline float kc_min(float x, float y) { return x != x || x < y ? x : y; }\n"
+    "#define KC_C0 0.7978845608028654f\n#define KC_C1 0.044715f\n"
+    "static inline float kc_gelu_fast(float x) { return 0.5f * x * (1.0f + kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
+    "static inline float kc_gelu_tanh(float x) { return 0.5f * x * (1.0f + tanhf(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
+    "static inline float kc_gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678f)); }\n"
+    "static inline float kc_gelu_grad_fast(float x)\n{\n"
+    "    float t = kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x));\n"
+    "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
+    "static inline float kc_gelu_grad_tanh(float x)\n{\n"
+    "    float t = tanhf(KC_C0 * (x + KC_C1 * x * x * x));\n"
+    "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
+    "static inline float kc_gelu_grad_erf(float x)\n{\n"
+    "    return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;\n}\n\n";
+
+/* One expression as C, its operands being named e<N>. */
+static void expr_c(sbuf *b, const kc_kernel *k, int i, bool fast)
+{
+    const kc_expr *e = &k->e[i];
+    const char *T = ctype(e->dt);
+    char a[3][16];
+    for (int j = 0; j < e->n_arg; j++) snprintf(a[j], sizeof a[j], "e%d", e->arg[j]);
+    switch (e->kind) {
+    case E_LOAD: {
+        const char *suffix = k->ndim && e->st[k->ndim - 1] ? "" : "";
+        (void)suffix;
+        put(b, "in%d[o%d", e->buf, i);
+        if (k->ndim && e->st[k->ndim - 1]) put(b, " + jj * %lld", (long long)e->st[k->ndim - 1]);
+        put(b, "]");
+        return;
+    }
+    case E_CONST:
+        put(b, "(%s)%.17g", T, e->attrs.f[0]);
+        return;
+    case E_INDEX:
+        put(b, "(%s)(%.17g + %.17g * (double)(o%d", T, e->attrs.f[0], e->attrs.f[1], i);
+        if (k->ndim && e->st[k->ndim - 1]) put(b, " + jj * %lld", (long long)e->st[k->ndim - 1]);
+        put(b, "))");
+        return;
+    case E_ACC:
+        put(b, "a%d", e->buf);
+        return;
+    case E_OP:
+        break;
+    }
+    bool tanh_form = e->attrs.i[0] != 0;
+    switch (e->op) {
+    case KILN_OP_ADD: put(b, "%s + %s", a[0], a[1]); break;
+    case KILN_OP_SUB: put(b, "%s - %s", a[0], a[1]); break;
+    case KILN_OP_MUL: put(b, "%s * %s", a[0], a[1]); break;
+    case KILN_OP_DIV: put(b, "%s / %s", a[0], a[1]); break;
+    case KILN_OP_POW: put(b, "powf(%s, %s)", a[0], a[1]); break;
+    case KILN_OP_MAXIMUM: put(b, "kc_max(%s, %s)", a[0], a[1]); break;
+    case KILN_OP_MINIMUM: put(b, "kc_min(%s, %s)", a[0], a[1]); break;
+    case KILN_OP_NEG: put(b, "-%s", a[0]); break;
+    case KILN_OP_ABS: put(b, "fabsf(%s)", a[0]); break;
+    case KILN_OP_EXP: put(b, "kc_exp(%s)", a[0]); break;
+    case KILN_OP_LOG: put(b, "logf(%s)", a[0]); break;
+    case KILN_OP_SQRT: put(b, "sqrtf(%s)", a[0]); break;
+    case KILN_OP_RSQRT: put(b, "1.0f / sqrtf(%s)", a[0]); break;
+    case KILN_OP_TANH: put(b, fast ? "kc_tanh_fast(%s)" : "tanhf(%s)", a[0]); break;
+    case KILN_OP_SIGMOID: put(b, fast ? "kc_sigmoid_fast(%s)" : "kc_sigmoid(%s)", a[0]); break;
+    case KILN_OP_RELU: put(b, "%s > 0 ? %s : 0.0f", a[0], a[0]); break;
+    case KILN_OP_GELU:
+        put(b, "%s(%s)", !tanh_form ? "kc_gelu_erf" : fast ? "kc_gelu_fast" : "kc_gelu_tanh", a[0]);
+        break;
+    case KILN_OP_SILU: put(b, fast ? "%s * kc_sigmoid_fast(%s)" : "%s * kc_sigmoid(%s)", a[0], a[0]); break;
+    case KILN_OP_GELU_BACKWARD:
+        put(b, "%s * %s(%s)", a[1], !tanh_form ? "kc_gelu_grad_erf" : fast ? "kc_gelu_grad_fast" : "kc_gelu_grad_tanh",
+            a[0]);
+        break;
+    case KILN_OP_SILU_BACKWARD: {
+        const char *sg = fast ? "kc_sigmoid_fast" : "kc_sigmoid";
+        put(b, "%s * %s(%s) * (1.0f + %s * (1.0f - %s(%s)))", a[1], sg, a[0], a[0], sg, a[0]);
+        break;
+    }
+    case KILN_OP_WHERE: put(b, "%s ? %s : %s", a[0], a[1], a[2]); break;
+    case KILN_OP_CAST:
+        if (e->dt == KILN_DTYPE_BOOL) put(b, "(uint8_t)(%s != 0)", a[0]);
+        else put(b, "(%s)%s", T, a[0]);
+        break;
+    case KILN_OP_CONTIGUOUS: put(b, "%s", a[0]); break;
+    case KILN_OP_EQ: put(b, "(uint8_t)(%s == %s)", a[0], a[1]); break;
+    case KILN_OP_NE: put(b, "(uint8_t)(%s != %s)", a[0], a[1]); break;
+    case KILN_OP_LT: put(b, "(uint8_t)(%s < %s)", a[0], a[1]); break;
+    case KILN_OP_LE: put(b, "(uint8_t)(%s <= %s)", a[0], a[1]); break;
+    case KILN_OP_GT: put(b, "(uint8_t)(%s > %s)", a[0], a[1]); break;
+    case KILN_OP_GE: put(b, "(uint8_t)(%s >= %s)", a[0], a[1]); break;
+    default: put(b, "0 /* %s: not lowerable */", kiln__ops[e->op].name); break;
+    }
+}
+
+/* Marks in need[] the non-row expressions the roots need (row ones are already named
+ * at row scope). */
+static void mark(const kc_kernel *k, int i, bool *need)
+{
+    if (need[i] || k->e[i].row) return;
+    need[i] = true;
+    if (k->e[i].kind == E_OP)
+        for (int j = 0; j < k->e[i].n_arg; j++) mark(k, k->e[i].arg[j], need);
+}
+
+static void body(sbuf *b, const kc_kernel *k, const bool *need, bool fast, const char *ind)
+{
+    for (int i = 0; i < k->n_e; i++)
+        if (need[i]) {
+            put(b, "%sconst %s e%d = ", ind, ctype(k->e[i].dt), i);
+            expr_c(b, k, i, fast);
+            put(b, ";\n");
+        }
+}
+
+static void kernel_c(sbuf *b, const kc_kernel *k, bool fast)
+{
+    int nd = k->ndim;
+    put(b, "/* %s: %s\n * over [", k->name, k->ops);
+    for (int d = 0; d < nd; d++) put(b, "%s%lld", d ? ", " : "", (long long)k->dom[d]);
+    put(b, "], %d reduction(s), %d store(s) */\n", k->n_acc, k->n_st);
+    put(b, "void %s(char *const *b, int64_t t0, int64_t t1)\n{\n", k->name);
+    for (int i = 0; i < k->n_buf; i++)
+        put(b, "    %s%s *%sin%d = (%s%s *)b[%d];\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
+            k->buf[i].output ? "restrict " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i);
+    int64_t inner = nd ? k->dom[nd - 1] : 1;
+    int64_t per = (inner + k->chunks - 1) / k->chunks;
+    put(b, "    for (int64_t t = t0; t < t1; t++) {\n");
+    put(b, "        const int64_t r = t / %lld, j0 = (t %% %lld) * %lld, j1 = j0 + %lld < %lld ? j0 + %lld : %lld;\n",
+        (long long)k->chunks, (long long)k->chunks, (long long)per, (long long)per, (long long)inner, (long long)per,
+        (long long)inner);
+    put(b, "        (void)j0;\n        (void)j1;\n");
+    /* Row coordinates, then each access's offset at the row. */
+    for (int d = nd - 2; d >= 0; d--) {
+        int64_t below = 1;
+        for (int q = d + 1; q < nd - 1; q++) below *= k->dom[q];
+        put(b, "        const int64_t c%d = (r / %lld) %% %lld;\n", d, (long long)below, (long long)k->dom[d]);
+    }
+    for (int i = 0; i < k->n_e; i++) {
+        const kc_expr *e = &k->e[i];
+        if (e->kind != E_LOAD && e->kind != E_INDEX) continue;
+        put(b, "        const int64_t o%d = 0", i);
+        for (int d = 0; d + 1 < nd; d++)
+            if (e->st[d]) put(b, " + c%d * %lld", d, (long long)e->st[d]);
+        put(b, ";\n");
+    }
+    for (int i = 0; i < k->n_st; i++) {
+        put(b, "        const int64_t s%d = 0", i);
+        for (int d = 0; d + 1 < nd; d++)
+            if (k->st[i].st[d]) put(b, " + c%d * %lld", d, (long long)k->st[i].st[d]);
+        put(b, ";\n");
+    }
+    bool *emitted = calloc((size_t)k->n_e + 1, 1), *need = calloc((size_t)k->n_e + 1, 1);
+    if (!emitted || !need) {
+        b->failed = true;
+        free(emitted);
+        free(need);
+        return;
+    }
+    int phases = 0;
+    for (int a = 0; a < k->n_acc; a++)
+        if (k->acc[a].phase + 1 > phases) phases = k->acc[a].phase + 1;
+    for (int q = 0; q <= phases; q++) {
+        /* Row expressions available before pass q. */
+        for (int i = 0; i < k->n_e; i++)
+            if (k->e[i].row && !emitted[i] && k->e[i].phase <= q) {
+                put(b, "        const %s e%d = ", ctype(k->e[i].dt), i);
+                expr_c(b, k, i, fast);
+                put(b, ";\n        (void)e%d;\n", i);
+                emitted[i] = true;
+            }
+        if (q == phases) break;
+        memset(need, 0, (size_t)k->n_e);
+        for (int a = 0; a < k->n_acc; a++)
+            if (k->acc[a].phase == q) mark(k, k->acc[a].expr, need);
+        for (int a = 0; a < k->n_acc; a++)
+            if (k->acc[a].phase == q) put(b, "        float a%d;\n", a);
+        put(b, "        {\n        float ");
+        bool first = true;
+        for (int a = 0; a < k->n_acc; a++)
+            if (k->acc[a].phase == q) {
+                put(b, "%sl%d[16]", first ? "" : ", ", a);
+                first = false;
+            }
+        put(b, ";\n        for (int l = 0; l < 16; l++) {\n");
+        for (int a = 0; a < k->n_acc; a++)
+            if (k->acc[a].phase == q) put(b, "            l%d[l] = %s;\n", a, k->acc[a].op == KILN_OP_MAX ? "-INFINITY" : "0.0f");
+        put(b, "        }\n        int64_t j = j0;\n");
+        for (int tail = 0; tail < 2; tail++) {
+            if (!tail) put(b, "        for (; j + 16 <= j1; j += 16)\n            for (int l = 0; l < 16; l++) {\n                const int64_t jj = j + l;\n");
+            else put(b, "        for (; j < j1; j++) {\n            const int l = 0;\n            const int64_t jj = j;\n");
+            body(b, k, need, fast, tail ? "            " : "                ");
+            for (int a = 0; a < k->n_acc; a++) {
+                if (k->acc[a].phase != q) continue;
+                const char *ind = tail ? "            " : "                ";
+                if (k->acc[a].op == KILN_OP_MAX) put(b, "%sl%d[l] = kc_max(e%d, l%d[l]);\n", ind, a, k->acc[a].expr, a);
+                else put(b, "%sl%d[l] += e%d;\n", ind, a, k->acc[a].expr);
+            }
+            put(b, "%s(void)jj;\n%s}\n", tail ? "            " : "                ", tail ? "        " : "            ");
+        }
+        for (int a = 0; a < k->n_acc; a++) {
+            if (k->acc[a].phase != q) continue;
+            put(b, "        a%d = l%d[0];\n", a, a);
+            if (k->acc[a].op == KILN_OP_MAX) put(b, "        for (int l = 1; l < 16; l++) a%d = kc_max(l%d[l], a%d);\n", a, a, a);
+            else put(b, "        for (int l = 1; l < 16; l++) a%d += l%d[l];\n", a, a);
+        }
+        put(b, "        }\n");
+    }
+    /* Stores along the row, then the stores of one value per row. */
+    memset(need, 0, (size_t)k->n_e);
+    bool any = false;
+    for (int i = 0; i < k->n_st; i++)
+        if (nd && k->st[i].st[nd - 1]) {
+            mark(k, k->st[i].expr, need);
+            any = true;
+        }
+    if (any) {
+        put(b, "        for (int64_t jj = j0; jj < j1; jj++) {\n");
+        body(b, k, need, fast, "            ");
+        for (int i = 0; i < k->n_st; i++)
+            if (nd && k->st[i].st[nd - 1])
+                put(b, "            in%d[s%d + jj * %lld] = e%d;\n", k->st[i].buf, i, (long long)k->st[i].st[nd - 1], k->st[i].expr);
+        put(b, "        }\n");
+    }
+    for (int i = 0; i < k->n_st; i++)
+        if (!nd || !k->st[i].st[nd - 1]) {
+            /* A row value: written once per row (by the row's first piece). */
+            put(b, "        if (j0 == 0) in%d[s%d] = e%d;\n", k->st[i].buf, i, k->st[i].expr);
+        }
+    put(b, "    }\n}\n\n");
+    free(emitted);
+    free(need);
+}
+
+kiln_status kiln__codegen_c(const kiln__program *p, char **src)
+{
+    sbuf b = {0};
+    bool fast = kiln__opt(KILN__OPT_FAST_EXP);
+    put(&b, "/* Generated by kiln %s: %d kernel(s). */\n", KILN_VERSION, p->n_k);
+    put(&b, "%s", prelude);
+    for (int i = 0; i < p->n_k; i++) kernel_c(&b, &p->k[i], fast);
+    if (b.failed) {
+        free(b.s);
+        return kiln__err(KILN_ERR_OOM, "compile: out of memory generating C");
+    }
+    *src = b.s;
+    return KILN_OK;
+}

@@ -1,0 +1,111 @@
+/* The compiler's private structures: the loop IR of a kernel and the compiled program
+ * (a list of steps, each an op run through dispatch or a generated kernel).
+ *
+ * Loop IR. A kernel runs over an index space `dom` of ndim dims: the outer dims are
+ * the rows (split over the thread pool), the last is the inner loop. Its expressions
+ * are loads (a buffer through element strides over the domain; stride 0 broadcasts),
+ * constants, indices (arange), pointwise ops, and accumulators: an accumulator reduces
+ * one expression over the inner dim, and reading it is an expression that depends only
+ * on the row. Expressions come in a valid evaluation order (operands first). A store
+ * writes an expression into an output buffer through strides. A row kernel evaluates
+ * its accumulators in phases (an accumulator whose expression reads another one comes
+ * a phase later), each phase one pass over the inner dim, then the stores. */
+#ifndef KILN_COMPILE_IMPL_H
+#define KILN_COMPILE_IMPL_H
+
+#include "graph/graph_impl.h"
+
+typedef enum { E_LOAD, E_CONST, E_INDEX, E_OP, E_ACC } kc_ekind;
+
+typedef struct {
+    kc_ekind kind;
+    kiln__op_id op;      /* E_OP */
+    kiln__attrs attrs;   /* E_OP: the op's; E_CONST: f[0] the value; E_INDEX: f[0] start, f[1] step */
+    int arg[3], n_arg;   /* E_OP operands (expression numbers) */
+    int buf;             /* E_LOAD: buffer slot; E_ACC: accumulator number */
+    int64_t st[KILN_MAX_DIMS]; /* E_LOAD, E_INDEX: element strides over the domain */
+    kiln_dtype dt;
+    bool row;  /* the same for every inner index */
+    int phase; /* the first phase whose pass can evaluate it */
+} kc_expr;
+
+typedef struct {
+    kiln__op_id op; /* KILN_OP_SUM or KILN_OP_MAX */
+    int expr, phase;
+} kc_acc;
+
+typedef struct {
+    int expr, buf;
+    int64_t st[KILN_MAX_DIMS];
+} kc_store;
+
+typedef struct {
+    int value;   /* the graph value it holds */
+    bool output; /* written by the kernel */
+    kiln_dtype dt;
+    int64_t st[KILN_MAX_DIMS]; /* inputs: the strides the loads assume (checked at launch) */
+    int ndim;
+} kc_buf;
+
+typedef struct {
+    char name[80];      /* C function name: k<n>_<ops> */
+    char ops[400];      /* the ops it fused, in order */
+    int n_ops;
+    int ndim;
+    int64_t dom[KILN_MAX_DIMS];
+    kc_expr *e;
+    int n_e, cap_e;
+    kc_acc *acc;
+    int n_acc, cap_acc;
+    kc_store *st;
+    int n_st, cap_st;
+    kc_buf *buf;
+    int n_buf, cap_buf;
+    int64_t chunks; /* inner-dim pieces per row (pointwise kernels over long rows) */
+    int64_t tasks, grain;
+    void (*fn)(char *const *b, int64_t t0, int64_t t1); /* once loaded */
+} kc_kernel;
+
+enum { STEP_OP, STEP_KERNEL };
+typedef struct {
+    int kind, index; /* graph node, or kernel */
+} kc_step;
+
+/* What each pass may do; KILN_COMPILE_DISABLE=decompose,cse,dce,fusion,codegen turns
+ * them off one at a time, to find the one that breaks a result. */
+typedef struct {
+    bool decompose, cse, dce, fusion, codegen;
+    int max_fuse; /* ops per kernel */
+} kc_options;
+
+struct kiln__program {
+    kiln_graph_t *g; /* borrowed */
+    kc_kernel *k;
+    int n_k;
+    kc_step *steps;
+    int n_steps;
+    int *last; /* per value: the last step that reads it (n_steps: kept to the end) */
+    void *so;  /* the loaded shared object */
+    char so_path[1024];
+    int64_t planned_peak, eager_peak; /* bytes of intermediates, from the liveness */
+};
+typedef struct kiln__program kiln__program;
+
+void kiln__compile_options(kc_options *o);
+/* Runs the passes on g and compiles it; *out stays NULL when codegen is switched off
+ * (the graph is then interpreted). dir: KILN_DEBUG_DIR's folder for this graph, or NULL. */
+kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *name, int index, kiln__program **out);
+kiln_status kiln__cache_dir(char *out, size_t n);
+/* Groups the graph's ops into kernels and steps (src/compile/fuse.c). */
+kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__program **out);
+/* Generates C for every kernel into *src (malloc'd; src/compile/codegen_c.c). */
+kiln_status kiln__codegen_c(const kiln__program *p, char **src);
+/* Compiles src into a cached shared object and resolves each kernel (src/compile/jit.c). */
+kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir);
+kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
+                              int max_out, int *n_out);
+void kiln__program_free(kiln__program *p);
+void kiln__program_print(const kiln__program *p, FILE *f);
+bool kiln__log_on(const char *stage);
+
+#endif

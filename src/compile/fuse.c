@@ -1,0 +1,569 @@
+/* Scheduling and fusion: the graph's ops become steps, each either one op run through
+ * dispatch (matmul, attention, indexing, views, in-place updates, ...) or a generated
+ * kernel that fuses a run of pointwise ops and last-dim reductions.
+ *
+ * Ops are taken in program order. A fusible op joins the open group (kernel) of one of
+ * its operands when its result fits that group's index space (the same shape, or one
+ * value per row); failing that, an open group with the same index space (horizontal
+ * fusion of siblings); else it starts a group. A group is launched where its last op
+ * stood, so it must not be read early: it closes as soon as an op outside it reads one
+ * of its values, at every in-place op, and at the size limit. That rule keeps the steps
+ * in a valid order without reordering anything. A value of a group is stored only if
+ * something outside the group reads it (or the graph returns it). */
+#include <stdlib.h>
+#include <string.h>
+#include "compile/compile_impl.h"
+
+enum { F_FULL, F_ROWK, F_ROWN, F_NONE }; /* the value's place in a group's index space */
+
+typedef enum { L_NONE, L_PW, L_REDUCE, L_GEN, L_ALIAS } lower_kind;
+
+static bool loadable(kiln_dtype dt)
+{
+    return dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_I64 || dt == KILN_DTYPE_I32 || dt == KILN_DTYPE_BOOL ||
+           dt == KILN_DTYPE_U8;
+}
+
+/* How an op lowers, given its inputs' and outputs' dtypes: arithmetic in f32 only. */
+static lower_kind lowering(const kiln_graph_t *g, const node *n)
+{
+    kiln_dtype o = n->n_out ? g->v[n->out[0]].meta.dtype : KILN_DTYPE_F32;
+    bool f32_in = true;
+    for (int i = 0; i < n->n_in; i++) f32_in &= g->v[n->in[i]].meta.dtype == KILN_DTYPE_F32;
+    switch (n->op) {
+    case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_POW:
+    case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM: case KILN_OP_NEG: case KILN_OP_ABS: case KILN_OP_EXP:
+    case KILN_OP_LOG: case KILN_OP_SQRT: case KILN_OP_RSQRT: case KILN_OP_TANH: case KILN_OP_SIGMOID:
+    case KILN_OP_RELU: case KILN_OP_GELU: case KILN_OP_SILU: case KILN_OP_GELU_BACKWARD:
+    case KILN_OP_SILU_BACKWARD:
+        return f32_in && o == KILN_DTYPE_F32 ? L_PW : L_NONE;
+    case KILN_OP_EQ: case KILN_OP_NE: case KILN_OP_LT: case KILN_OP_LE: case KILN_OP_GT: case KILN_OP_GE:
+        return loadable(g->v[n->in[0]].meta.dtype) && g->v[n->in[0]].meta.dtype == g->v[n->in[1]].meta.dtype &&
+               o == KILN_DTYPE_BOOL ? L_PW : L_NONE;
+    case KILN_OP_WHERE:
+        return loadable(g->v[n->in[0]].meta.dtype) && g->v[n->in[1]].meta.dtype == KILN_DTYPE_F32 &&
+               g->v[n->in[2]].meta.dtype == KILN_DTYPE_F32 && o == KILN_DTYPE_F32 ? L_PW : L_NONE;
+    case KILN_OP_CAST: case KILN_OP_CONTIGUOUS:
+        return loadable(g->v[n->in[0]].meta.dtype) && loadable(o) ? L_PW : L_NONE;
+    case KILN_OP_SUM: case KILN_OP_MAX:
+        return f32_in && o == KILN_DTYPE_F32 ? L_REDUCE : L_NONE;
+    case KILN_OP_FULL: case KILN_OP_ARANGE:
+        return loadable(o) ? L_GEN : L_NONE;
+    case KILN_OP_VIEW:
+        return L_ALIAS;
+    default:
+        return L_NONE;
+    }
+}
+
+typedef struct {
+    int ndim;
+    int64_t dom[KILN_MAX_DIMS];
+    int last, n_ops;
+    bool open;
+} group;
+
+/* Where a value of this shape sits in a group's index space. */
+static int frame_of(const group *gr, const kiln__meta *m)
+{
+    int k = gr->ndim;
+    if (m->ndim == k && !memcmp(m->shape, gr->dom, sizeof(int64_t) * (size_t)k)) return F_FULL;
+    if (k == 0) return F_NONE;
+    bool outer = true;
+    for (int d = 0; d < k - 1 && d < m->ndim; d++) outer &= m->shape[d] == gr->dom[d];
+    if (m->ndim == k && outer && m->shape[k - 1] == 1) return F_ROWK;
+    if (m->ndim == k - 1 && outer) return F_ROWN;
+    return F_NONE;
+}
+
+/* Can a value of form fu feed an op evaluated in frame fn? A row value broadcasts along
+ * the inner dim with keepdim (or when there is one row dim fewer and no rows at all). */
+static bool feeds(int fu, int fn, int k)
+{
+    return fu == fn || (fu == F_ROWK && fn == F_FULL) || (fu == F_ROWN && fn == F_FULL && k == 1);
+}
+
+static bool reduces_last(const node *n, const kiln__meta *in)
+{
+    if (in->ndim == 0) return false;
+    if (n->attrs.ndim == 0) return in->ndim == 1;
+    return n->attrs.ndim == 1 && kiln__norm_dim((int)n->attrs.shape[0], in->ndim) == in->ndim - 1;
+}
+
+/* The element strides of value v as the graph left it: views keep the strides their
+ * inference gave, everything else is contiguous (arguments are contiguous by guard). */
+static void value_strides(const kiln_graph_t *g, int v, int64_t *st)
+{
+    const value *x = &g->v[v];
+    if (x->kind == V_CONST) {
+        memcpy(st, x->t->stride, sizeof(int64_t) * KILN_MAX_DIMS);
+        return;
+    }
+    if (x->kind == V_OP && kiln__ops[g->nd[x->index].op].is_view) {
+        memcpy(st, x->meta.stride, sizeof(int64_t) * KILN_MAX_DIMS);
+        return;
+    }
+    kiln__contiguous_strides(x->meta.ndim, x->meta.shape, st);
+}
+
+/* Strides over the domain of a kernel for a value (shape m, strides vs) read in frame f. */
+static void embed(const group *gr, const kiln__meta *m, const int64_t *vs, int f, int64_t *out)
+{
+    int k = gr->ndim, fk = f == F_ROWN ? k - 1 : k;
+    int64_t fshape[KILN_MAX_DIMS];
+    memcpy(fshape, gr->dom, sizeof fshape);
+    if (f == F_ROWK) fshape[k - 1] = 1;
+    int64_t fst[KILN_MAX_DIMS] = {0};
+    for (int i = 0; i < fk; i++) {
+        int j = i - (fk - m->ndim);
+        fst[i] = j < 0 || m->shape[j] == 1 ? 0 : vs[j];
+    }
+    memset(out, 0, sizeof(int64_t) * KILN_MAX_DIMS);
+    for (int i = 0; i < fk; i++) out[i] = fst[i];
+    if (f != F_FULL) out[k - 1] = 0;
+    (void)fshape;
+}
+
+/* Passes drop ops but keep value numbers: a value is live if its op still makes it. */
+static bool live(const kiln_graph_t *g, int v)
+{
+    const value *x = &g->v[v];
+    if (x->kind != V_OP) return true;
+    if (x->index < 0 || x->index >= g->n_nd) return false;
+    const node *n = &g->nd[x->index];
+    for (int j = 0; j < n->n_out; j++)
+        if (n->out[j] == v) return true;
+    return false;
+}
+
+#define GROW(arr, n, cap)                                                                     \
+    ((n) < (cap) ? true : ((cap) = (cap) ? 2 * (cap) : 16, (arr = realloc(arr, sizeof *(arr) * (size_t)(cap))) != NULL))
+
+typedef struct {
+    kiln_graph_t *g;
+    kc_kernel *kr;
+    group *gr;
+    int *memo; /* per value: its expression in this kernel, -1 */
+    int *form;
+    const bool *mutated;
+} lower_ctx;
+
+static int new_expr(kc_kernel *k, const kc_expr *e)
+{
+    if (!GROW(k->e, k->n_e, k->cap_e)) return -1;
+    k->e[k->n_e] = *e;
+    return k->n_e++;
+}
+
+static int buf_slot(kc_kernel *k, int value, bool output, kiln_dtype dt, const int64_t *st, int ndim)
+{
+    for (int b = 0; b < k->n_buf; b++)
+        if (k->buf[b].value == value && k->buf[b].output == output) return b;
+    if (!GROW(k->buf, k->n_buf, k->cap_buf)) return -1;
+    kc_buf *b = &k->buf[k->n_buf];
+    memset(b, 0, sizeof *b);
+    b->value = value;
+    b->output = output;
+    b->dt = dt;
+    b->ndim = ndim;
+    if (st) memcpy(b->st, st, sizeof b->st);
+    return k->n_buf++;
+}
+
+/* The expression for value u read in frame f of the kernel being built. */
+static int operand(lower_ctx *c, int u, int f)
+{
+    kc_kernel *k = c->kr;
+    if (c->memo[u] >= 0) return c->memo[u];
+    const value *x = &c->g->v[u];
+    kc_expr e;
+    memset(&e, 0, sizeof e);
+    e.dt = x->meta.dtype;
+    const node *prod = x->kind == V_OP ? &c->g->nd[x->index] : NULL;
+    int64_t vs[KILN_MAX_DIMS];
+    if (c->mutated[u]) prod = NULL; /* written in place later: read its buffer */
+    if (prod && prod->op == KILN_OP_FULL) {
+        e.kind = E_CONST;
+        e.attrs.f[0] = prod->attrs.f[0];
+    } else if (prod && prod->op == KILN_OP_ARANGE) {
+        e.kind = E_INDEX;
+        e.attrs.f[0] = prod->attrs.f[0];
+        e.attrs.f[1] = prod->attrs.f[1];
+        int64_t one = 1;
+        embed(c->gr, &x->meta, &one, f, e.st);
+    } else {
+        e.kind = E_LOAD;
+        value_strides(c->g, u, vs);
+        embed(c->gr, &x->meta, vs, f, e.st);
+        if ((e.buf = buf_slot(k, u, false, x->meta.dtype, vs, x->meta.ndim)) < 0) return -1;
+    }
+    /* Loads are shared only when read the same way (memo is per value, and a value is
+     * read in one frame within a kernel in practice; recompute if not). */
+    int id = new_expr(k, &e);
+    if (id >= 0 && f == F_FULL) c->memo[u] = id;
+    return id;
+}
+
+static void name_append(kc_kernel *k, const char *op)
+{
+    size_t n = strlen(k->ops);
+    snprintf(k->ops + n, sizeof k->ops - n, "%s%s", n ? ", " : "", op);
+    k->n_ops++;
+}
+
+static kiln_status oom(void) { return kiln__err(KILN_ERR_OOM, "compile: out of memory"); }
+
+/* Lowers group gi's ops (members[0..n)) into kernel kr. */
+static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, int n, const bool *stored, int *form,
+                               int *memo, const bool *mutated, kc_kernel *kr)
+{
+    lower_ctx c = {g, kr, gr, memo, form, mutated};
+    kr->ndim = gr->ndim;
+    memcpy(kr->dom, gr->dom, sizeof kr->dom);
+    for (int m = 0; m < n; m++) {
+        const node *nd = &g->nd[members[m]];
+        int v = nd->out[0], f = form[v];
+        name_append(kr, kiln__ops[nd->op].name);
+        if (nd->op == KILN_OP_VIEW) {
+            memo[v] = operand(&c, nd->in[0], form[nd->in[0]] == F_NONE ? f : form[nd->in[0]]);
+            if (memo[v] < 0) return oom();
+            continue;
+        }
+        if (nd->op == KILN_OP_SUM || nd->op == KILN_OP_MAX) {
+            int x = operand(&c, nd->in[0], F_FULL);
+            if (x < 0 || !GROW(kr->acc, kr->n_acc, kr->cap_acc)) return oom();
+            kr->acc[kr->n_acc] = (kc_acc){nd->op, x, 0};
+            kc_expr e;
+            memset(&e, 0, sizeof e);
+            e.kind = E_ACC;
+            e.buf = kr->n_acc++;
+            e.dt = KILN_DTYPE_F32;
+            if ((memo[v] = new_expr(kr, &e)) < 0) return oom();
+            continue;
+        }
+        kc_expr e;
+        memset(&e, 0, sizeof e);
+        e.kind = E_OP;
+        e.op = nd->op;
+        e.attrs = nd->attrs;
+        e.dt = g->v[v].meta.dtype;
+        e.n_arg = nd->n_in;
+        for (int i = 0; i < nd->n_in; i++) {
+            int u = nd->in[i];
+            int fu = memo[u] >= 0 && form[u] != F_NONE ? form[u] : f;
+            int id = operand(&c, u, fu == F_ROWN && f == F_FULL ? F_ROWN : f);
+            if (id < 0) return oom();
+            e.arg[i] = id;
+        }
+        if ((memo[v] = new_expr(kr, &e)) < 0) return oom();
+    }
+    /* Rows and phases, in evaluation order. */
+    for (int i = 0; i < kr->n_e; i++) {
+        kc_expr *e = &kr->e[i];
+        int k = kr->ndim;
+        if (e->kind == E_LOAD || e->kind == E_INDEX) e->row = k == 0 || e->st[k - 1] == 0;
+        else if (e->kind == E_CONST) e->row = true;
+        else if (e->kind == E_ACC) {
+            kc_acc *a = &kr->acc[e->buf];
+            a->phase = kr->e[a->expr].phase;
+            e->row = true;
+            e->phase = a->phase + 1;
+        } else {
+            e->row = true;
+            for (int j = 0; j < e->n_arg; j++) {
+                e->row &= kr->e[e->arg[j]].row;
+                if (kr->e[e->arg[j]].phase > e->phase) e->phase = kr->e[e->arg[j]].phase;
+            }
+        }
+    }
+    /* Stores: every value another step reads. */
+    for (int m = 0; m < n; m++) {
+        const node *nd = &g->nd[members[m]];
+        int v = nd->out[0];
+        if (!stored[v]) continue;
+        int64_t cs[KILN_MAX_DIMS];
+        kiln__contiguous_strides(g->v[v].meta.ndim, g->v[v].meta.shape, cs);
+        if (!GROW(kr->st, kr->n_st, kr->cap_st)) return oom();
+        kc_store *s = &kr->st[kr->n_st];
+        s->expr = memo[v];
+        embed(gr, &g->v[v].meta, cs, form[v], s->st);
+        if ((s->buf = buf_slot(kr, v, true, g->v[v].meta.dtype, cs, g->v[v].meta.ndim)) < 0) return oom();
+        kr->n_st++;
+    }
+    return KILN_OK;
+}
+
+/* Merges adjacent domain dims that every access walks as one (d's stride = the next
+ * one's stride times its size); the inner dim merges too when nothing is reduced. */
+static void collapse(kc_kernel *k)
+{
+    for (int d = k->ndim - 2; d >= 0; d--) {
+        if (d == k->ndim - 2 && k->n_acc) continue;
+        bool ok = true;
+        for (int i = 0; i < k->n_e && ok; i++)
+            if (k->e[i].kind == E_LOAD || k->e[i].kind == E_INDEX) ok = k->e[i].st[d] == k->e[i].st[d + 1] * k->dom[d + 1];
+        for (int i = 0; i < k->n_st && ok; i++) ok = k->st[i].st[d] == k->st[i].st[d + 1] * k->dom[d + 1];
+        if (!ok) continue;
+        k->dom[d] *= k->dom[d + 1];
+        for (int i = 0; i < k->n_e; i++) {
+            k->e[i].st[d] = k->e[i].st[d + 1];
+            memmove(&k->e[i].st[d + 1], &k->e[i].st[d + 2], sizeof(int64_t) * (size_t)(KILN_MAX_DIMS - d - 2));
+        }
+        for (int i = 0; i < k->n_st; i++) {
+            k->st[i].st[d] = k->st[i].st[d + 1];
+            memmove(&k->st[i].st[d + 1], &k->st[i].st[d + 2], sizeof(int64_t) * (size_t)(KILN_MAX_DIMS - d - 2));
+        }
+        memmove(&k->dom[d + 1], &k->dom[d + 2], sizeof(int64_t) * (size_t)(KILN_MAX_DIMS - d - 2));
+        k->ndim--;
+    }
+}
+
+/* Task split: rows of about 16k elements per task; a pointwise kernel whose rows are
+ * long splits them into pieces too. */
+static void split(kc_kernel *k)
+{
+    int64_t inner = k->ndim ? k->dom[k->ndim - 1] : 1, outer = 1;
+    for (int d = 0; d + 1 < k->ndim; d++) outer *= k->dom[d];
+    k->chunks = 1;
+    if (!k->n_acc && inner > 32768) k->chunks = (inner + 16383) / 16384;
+    k->tasks = outer * k->chunks;
+    int64_t per = (inner + k->chunks - 1) / k->chunks;
+    k->grain = per >= 16384 ? 1 : 16384 / (per ? per : 1);
+}
+
+kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__program **out)
+{
+    *out = NULL;
+    kiln__program *p = calloc(1, sizeof *p);
+    int nn = g->n_nd, nv = g->n_v;
+    int *grp = malloc(sizeof(int) * (size_t)(nn + 1)), *vgrp = malloc(sizeof(int) * (size_t)nv);
+    int *form = malloc(sizeof(int) * (size_t)nv), *memo = malloc(sizeof(int) * (size_t)nv);
+    bool *stored = calloc((size_t)nv, 1), *outside = calloc((size_t)nv, 1);
+    group *gr = malloc(sizeof *gr * (size_t)(nn + 1));
+    lower_kind *lk = malloc(sizeof *lk * (size_t)(nn + 1));
+    int n_gr = 0;
+    kiln_status s = p && grp && vgrp && form && memo && stored && outside && gr && lk ? KILN_OK : oom();
+    for (int v = 0; s == KILN_OK && v < nv; v++) {
+        vgrp[v] = -1;
+        form[v] = F_NONE;
+    }
+    /* Values an in-place op writes (through any chain of views): a constant of that kind
+     * is not a constant, and its op runs. */
+    bool *mutated = s == KILN_OK ? calloc((size_t)nv, 1) : NULL;
+    if (s == KILN_OK && !mutated) s = oom();
+    for (int k = 0; s == KILN_OK && k < nn; k++) {
+        if (!kiln__ops[g->nd[k].op].is_inplace || !g->nd[k].n_in) continue;
+        int v = g->nd[k].in[0];
+        for (;;) {
+            mutated[v] = true;
+            const value *x = &g->v[v];
+            if (x->kind != V_OP || !live(g, v) || !kiln__ops[g->nd[x->index].op].is_view) break;
+            v = g->nd[x->index].in[0];
+        }
+    }
+    for (int k = 0; s == KILN_OK && k < nn; k++) {
+        node *n = &g->nd[k];
+        lower_kind l = o->codegen ? lowering(g, n) : L_NONE;
+        if (l == L_GEN && mutated[n->out[0]]) l = L_NONE;
+        lk[k] = l;
+        grp[k] = -1;
+        if (kiln__ops[n->op].is_inplace)
+            for (int q = 0; q < n_gr; q++) gr[q].open = false;
+        if (l == L_PW || l == L_REDUCE || l == L_ALIAS) {
+            const kiln__meta *om = &g->v[n->out[0]].meta, *im = &g->v[n->in[0]].meta;
+            int chosen = -1, chosen_form = F_NONE;
+            /* An operand's open group first, then (pointwise and reductions) any open
+             * group with this index space. */
+            for (int pass = 0; pass < 2 && chosen < 0 && o->fusion; pass++)
+                for (int q = pass ? n_gr - 1 : 0; chosen < 0 && (pass ? q >= 0 : q < n->n_in); q += pass ? -1 : 1) {
+                    int G = pass ? q : vgrp[n->in[q]];
+                    if (G < 0 || !gr[G].open || gr[G].n_ops >= o->max_fuse) continue;
+                    int f = l == L_REDUCE ? (frame_of(&gr[G], im) == F_FULL && reduces_last(n, im)
+                                                 ? (n->attrs.keepdim ? F_ROWK : F_ROWN) : F_NONE)
+                                          : frame_of(&gr[G], om);
+                    if (f == F_NONE) continue;
+                    if (l == L_ALIAS && (vgrp[n->in[0]] != G || (f == F_FULL) || form[n->in[0]] == F_FULL)) continue;
+                    if (pass && l == L_ALIAS) continue;
+                    if (pass && l == L_PW && f != F_FULL) continue;
+                    bool ok = true;
+                    for (int i = 0; i < n->n_in && ok; i++) {
+                        int u = n->in[i];
+                        if (vgrp[u] == G && l == L_PW) ok = feeds(form[u], f, gr[G].ndim);
+                    }
+                    if (ok) {
+                        chosen = G;
+                        chosen_form = f;
+                    }
+                }
+            if (chosen < 0 && l != L_ALIAS && !(l == L_REDUCE && !reduces_last(n, im))) {
+                group *ng = &gr[n_gr];
+                memset(ng, 0, sizeof *ng);
+                ng->open = true;
+                const kiln__meta *dm = l == L_REDUCE ? im : om;
+                ng->ndim = dm->ndim;
+                memcpy(ng->dom, dm->shape, sizeof ng->dom);
+                chosen = n_gr++;
+                chosen_form = l == L_REDUCE ? (n->attrs.keepdim ? F_ROWK : F_ROWN) : F_FULL;
+                if (kiln__numel(dm->ndim, dm->shape) == 0) { /* nothing to compute: leave it to dispatch */
+                    n_gr--;
+                    chosen = -1;
+                }
+            }
+            if (chosen >= 0) {
+                grp[k] = chosen;
+                gr[chosen].last = k;
+                gr[chosen].n_ops++;
+                vgrp[n->out[0]] = chosen;
+                form[n->out[0]] = chosen_form;
+            }
+        }
+        /* Whoever reads a group's value from outside it closes that group and makes the
+         * value stored. */
+        for (int i = 0; i < n->n_in; i++) {
+            int u = n->in[i], G = vgrp[u];
+            if (G >= 0 && G != grp[k]) {
+                gr[G].open = false;
+                stored[u] = true;
+            }
+            if (grp[k] < 0) outside[u] = true;
+        }
+    }
+    for (int j = 0; s == KILN_OK && j < g->n_outs; j++) stored[g->outs[j]] = outside[g->outs[j]] = true;
+    for (int j = 0; s == KILN_OK && j < g->n_lg; j++) stored[g->lg[j].value] = outside[g->lg[j].value] = true;
+    /* Kernels, one per group, and the steps in program order. */
+    int *kernel_of = s == KILN_OK ? malloc(sizeof(int) * (size_t)(n_gr + 1)) : NULL;
+    int *members = s == KILN_OK ? malloc(sizeof(int) * (size_t)(nn + 1)) : NULL;
+    p->k = s == KILN_OK ? calloc((size_t)(n_gr + 1), sizeof *p->k) : NULL;
+    p->steps = s == KILN_OK ? malloc(sizeof *p->steps * (size_t)(nn + 1)) : NULL;
+    if (s == KILN_OK && (!kernel_of || !members || !p->k || !p->steps)) s = oom();
+    for (int G = 0; s == KILN_OK && G < n_gr; G++) {
+        int n = 0;
+        for (int k = 0; k <= gr[G].last; k++)
+            if (grp[k] == G) members[n++] = k;
+        for (int v = 0; v < nv; v++) memo[v] = -1;
+        kc_kernel *kr = &p->k[p->n_k];
+        s = lower_group(g, &gr[G], members, n, stored, form, memo, mutated, kr);
+        if (s != KILN_OK) break;
+        collapse(kr);
+        split(kr);
+        /* Named after its ops: k<n>_ then each op once, in order, while they fit. */
+        int w = snprintf(kr->name, sizeof kr->name, "k%d", p->n_k);
+        for (int m = 0; m < n && w < (int)sizeof kr->name - 24; m++) {
+            const char *opn = kiln__ops[g->nd[members[m]].op].name;
+            bool seen = false;
+            for (int q = 0; q < m && !seen; q++) seen = g->nd[members[q]].op == g->nd[members[m]].op;
+            if (!seen) w += snprintf(kr->name + w, sizeof kr->name - (size_t)w, "_%s", opn);
+        }
+        kernel_of[G] = p->n_k++;
+    }
+    for (int k = 0; s == KILN_OK && k < nn; k++) {
+        if (grp[k] >= 0) {
+            if (gr[grp[k]].last == k) p->steps[p->n_steps++] = (kc_step){STEP_KERNEL, kernel_of[grp[k]]};
+            continue;
+        }
+        /* A constant or index that only kernels read is computed inside them. */
+        if (lk[k] == L_GEN && !outside[g->nd[k].out[0]]) continue;
+        p->steps[p->n_steps++] = (kc_step){STEP_OP, k};
+    }
+    /* Liveness: the last step that reads each value, and the planned peak of
+     * intermediates (each stored value from its step to its last read) against eager's
+     * (every op result, including the ones fusion keeps in registers). */
+    if (s == KILN_OK && !(p->last = calloc((size_t)nv, sizeof *p->last))) s = oom();
+    int *born = s == KILN_OK ? calloc((size_t)nv, sizeof *born) : NULL;
+    if (s == KILN_OK && !born) s = oom();
+    for (int t = 0; s == KILN_OK && t < p->n_steps; t++) {
+        const kc_step *st = &p->steps[t];
+        if (st->kind == STEP_OP) {
+            const node *n = &g->nd[st->index];
+            for (int i = 0; i < n->n_in; i++) p->last[n->in[i]] = t + 1;
+            for (int j = 0; j < n->n_out; j++) born[n->out[j]] = t + 1;
+        } else {
+            const kc_kernel *kr = &p->k[st->index];
+            for (int b = 0; b < kr->n_buf; b++) {
+                if (kr->buf[b].output) born[kr->buf[b].value] = t + 1;
+                else p->last[kr->buf[b].value] = t + 1;
+            }
+        }
+    }
+    for (int j = 0; s == KILN_OK && j < g->n_outs; j++) p->last[g->outs[j]] = p->n_steps + 1;
+    for (int j = 0; s == KILN_OK && j < g->n_lg; j++) p->last[g->lg[j].value] = p->n_steps + 1;
+    if (s == KILN_OK) {
+        int64_t *delta = calloc((size_t)p->n_steps + 3, sizeof *delta);
+        if (!delta) s = oom();
+        for (int v = 1; s == KILN_OK && v < nv; v++) {
+            const value *x = &g->v[v];
+            if (x->kind != V_OP || !live(g, v) || kiln__ops[g->nd[x->index].op].is_view || !born[v]) continue;
+            int64_t bytes = kiln__numel(x->meta.ndim, x->meta.shape) * (int64_t)kiln_dtype_size(x->meta.dtype);
+            int end = p->last[v] > born[v] ? p->last[v] : born[v];
+            delta[born[v]] += bytes;
+            delta[end + 1] -= bytes;
+        }
+        int64_t cur = 0;
+        for (int t = 0; s == KILN_OK && t <= p->n_steps + 2; t++) {
+            cur += delta[t];
+            if (cur > p->planned_peak) p->planned_peak = cur;
+        }
+        free(delta);
+        /* Eager: every non-view op result lives from its op to its last use. */
+        int *elast = calloc((size_t)nv, sizeof *elast);
+        int64_t *ed = calloc((size_t)nn + 3, sizeof *ed);
+        if (s == KILN_OK && (!elast || !ed)) s = oom();
+        for (int k = 0; s == KILN_OK && k < nn; k++)
+            for (int i = 0; i < g->nd[k].n_in; i++) elast[g->nd[k].in[i]] = k + 1;
+        for (int j = 0; s == KILN_OK && j < g->n_outs; j++) elast[g->outs[j]] = nn + 1;
+        for (int j = 0; s == KILN_OK && j < g->n_lg; j++) elast[g->lg[j].value] = nn + 1;
+        for (int v = 1; s == KILN_OK && v < nv; v++) {
+            const value *x = &g->v[v];
+            if (x->kind != V_OP || !live(g, v) || kiln__ops[g->nd[x->index].op].is_view) continue;
+            int b = x->index + 1, e = elast[v] > b ? elast[v] : b;
+            int64_t bytes = kiln__numel(x->meta.ndim, x->meta.shape) * (int64_t)kiln_dtype_size(x->meta.dtype);
+            ed[b] += bytes;
+            ed[e + 1] -= bytes;
+        }
+        cur = 0;
+        for (int t = 0; s == KILN_OK && t <= nn + 2; t++) {
+            cur += ed[t];
+            if (cur > p->eager_peak) p->eager_peak = cur;
+        }
+        free(elast);
+        free(ed);
+    }
+    free(born);
+    free(mutated);
+    free(kernel_of);
+    free(members);
+    free(grp);
+    free(vgrp);
+    free(form);
+    free(memo);
+    free(stored);
+    free(outside);
+    free(gr);
+    free(lk);
+    if (s != KILN_OK) {
+        kiln__program_free(p);
+        return s;
+    }
+    p->g = g;
+    *out = p;
+    return KILN_OK;
+}
+
+void kiln__program_free(kiln__program *p)
+{
+    if (!p) return;
+    for (int i = 0; p->k && i < p->n_k; i++) {
+        free(p->k[i].e);
+        free(p->k[i].acc);
+        free(p->k[i].st);
+        free(p->k[i].buf);
+    }
+    free(p->k);
+    free(p->steps);
+    free(p->last);
+    if (p->so) {
+        extern void kiln__jit_unload(void *so);
+        kiln__jit_unload(p->so);
+    }
+    free(p);
+}

@@ -1,0 +1,220 @@
+/* Compiling generated C and caching it. The source of a program's kernels is hashed
+ * together with the compiler, its flags and the kiln version; the shared object lives
+ * under the cache dir ($KILN_CACHE_DIR, else $XDG_CACHE_HOME/kiln, else ~/.cache/kiln)
+ * as <hash>.so beside its <hash>.c. A second run of the same program finds it and only
+ * loads it. Two processes compiling the same program at once each write their own
+ * temporary files and rename them into place, so a reader sees a whole file or none.
+ * The compiler is the system's C compiler ($KILN_CC, default cc): kiln needs no code
+ * generator library of its own, and the generated C can be read and rebuilt by hand. */
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+#include "compile/compile_impl.h"
+
+extern char **environ;
+
+static const char *cflags[] = {"-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math",
+                               "-ffp-contract=fast", "-w"};
+#define N_CFLAGS (int)(sizeof cflags / sizeof cflags[0])
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *c = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ c[i]) * 1099511628211ULL;
+    return h;
+}
+
+static const char *compiler(void)
+{
+    const char *cc = getenv("KILN_CC");
+    return cc && *cc ? cc : "cc";
+}
+
+/* mkdir -p */
+static int make_dirs(const char *path)
+{
+    char tmp[1024];
+    snprintf(tmp, sizeof tmp, "%s", path);
+    for (char *p = tmp + 1; *p; p++)
+        if (*p == '/') {
+            *p = 0;
+            if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return -1;
+            *p = '/';
+        }
+    return mkdir(tmp, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+kiln_status kiln__cache_dir(char *out, size_t n)
+{
+    const char *d = getenv("KILN_CACHE_DIR"), *x = getenv("XDG_CACHE_HOME"), *h = getenv("HOME");
+    if (d && *d) snprintf(out, n, "%s", d);
+    else if (x && *x) snprintf(out, n, "%s/kiln", x);
+    else if (h && *h) snprintf(out, n, "%s/.cache/kiln", h);
+    else snprintf(out, n, "/tmp/kiln-cache-%d", (int)getuid());
+    if (make_dirs(out) != 0)
+        return kiln__err(KILN_ERR_IO, "compile: cannot make the kernel cache dir %s: %s (set KILN_CACHE_DIR)", out,
+                         strerror(errno));
+    return KILN_OK;
+}
+
+static kiln_status write_file(const char *path, const char *text)
+{
+    FILE *f = fopen(path, "w");
+    if (!f) return kiln__err(KILN_ERR_IO, "compile: cannot write %s: %s", path, strerror(errno));
+    size_t n = strlen(text);
+    bool ok = fwrite(text, 1, n, f) == n;
+    ok &= fclose(f) == 0;
+    return ok ? KILN_OK : kiln__err(KILN_ERR_IO, "compile: cannot write %s: %s", path, strerror(errno));
+}
+
+/* The first kernel function the compiler's log names, for the error. */
+static void kernel_in_log(const char *log_path, char *name, size_t n)
+{
+    snprintf(name, n, "(unknown kernel)");
+    FILE *f = fopen(log_path, "r");
+    if (!f) return;
+    char line[1024];
+    while (fgets(line, sizeof line, f)) {
+        char *p = strstr(line, "function");
+        if (!p) continue;
+        char *k = strchr(p, 'k');
+        if (!k) continue;
+        size_t len = strspn(k, "abcdefghijklmnopqrstuvwxyz0123456789_");
+        if (len > 1 && len < n) {
+            memcpy(name, k, len);
+            name[len] = 0;
+            break;
+        }
+    }
+    fclose(f);
+}
+
+/* Runs the compiler on src_path into so_path, its output into log_path. */
+static kiln_status run_cc(const char *src_path, const char *so_path, const char *log_path)
+{
+    const char *argv[N_CFLAGS + 8];
+    int a = 0;
+    argv[a++] = compiler();
+    for (int i = 0; i < N_CFLAGS; i++) argv[a++] = cflags[i];
+    argv[a++] = "-o";
+    argv[a++] = so_path;
+    argv[a++] = src_path;
+    argv[a++] = "-lm";
+    argv[a] = NULL;
+    posix_spawn_file_actions_t fa;
+    posix_spawn_file_actions_init(&fa);
+    posix_spawn_file_actions_addopen(&fa, 1, log_path, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+    posix_spawn_file_actions_adddup2(&fa, 1, 2);
+    pid_t pid;
+    int rc = posix_spawnp(&pid, argv[0], &fa, NULL, (char *const *)argv, environ);
+    posix_spawn_file_actions_destroy(&fa);
+    if (rc != 0)
+        return kiln__err(KILN_ERR_IO, "compile: cannot run the C compiler '%s': %s (install gcc, or set KILN_CC)",
+                         argv[0], strerror(rc));
+    int st = 0;
+    while (waitpid(pid, &st, 0) < 0 && errno == EINTR) {}
+    if (!WIFEXITED(st) || WEXITSTATUS(st) != 0) {
+        char k[96];
+        kernel_in_log(log_path, k, sizeof k);
+        return kiln__err(KILN_ERR_COMPILE, "compile: the C compiler failed on kernel %s; source kept at %s, the "
+                         "compiler's output at %s", k, src_path, log_path);
+    }
+    return KILN_OK;
+}
+
+void kiln__jit_unload(void *so) { dlclose(so); }
+
+kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir)
+{
+    if (p->n_k == 0) return KILN_OK;
+    uint64_t h = 1469598103934665603ULL;
+    h = fnv(h, src, strlen(src));
+    const char *cc = compiler();
+    h = fnv(h, cc, strlen(cc));
+    struct stat ccst;
+    char ccpath[1024] = "";
+    /* The compiler's identity: its resolved file's size and time, so that an upgrade
+     * misses the cache. */
+    if (!strchr(cc, '/')) {
+        const char *path = getenv("PATH");
+        for (const char *q = path ? path : "/usr/bin"; q && *q;) {
+            const char *e = strchr(q, ':');
+            size_t len = e ? (size_t)(e - q) : strlen(q);
+            snprintf(ccpath, sizeof ccpath, "%.*s/%s", (int)len, q, cc);
+            if (stat(ccpath, &ccst) == 0) break;
+            *ccpath = 0;
+            q = e ? e + 1 : NULL;
+        }
+    } else {
+        snprintf(ccpath, sizeof ccpath, "%s", cc);
+    }
+    if (*ccpath && stat(ccpath, &ccst) == 0) {
+        h = fnv(h, &ccst.st_size, sizeof ccst.st_size);
+        h = fnv(h, &ccst.st_mtime, sizeof ccst.st_mtime);
+    }
+    for (int i = 0; i < N_CFLAGS; i++) h = fnv(h, cflags[i], strlen(cflags[i]));
+    h = fnv(h, KILN_VERSION, strlen(KILN_VERSION));
+    char dir[1024];
+    kiln_status s = kiln__cache_dir(dir, sizeof dir);
+    if (s != KILN_OK) return s;
+    char so[1100], c_path[1100], tmp_c[1150], tmp_so[1150], log[1150];
+    snprintf(so, sizeof so, "%s/%016llx.so", dir, (unsigned long long)h);
+    snprintf(c_path, sizeof c_path, "%s/%016llx.c", dir, (unsigned long long)h);
+    bool hit = access(so, R_OK) == 0;
+    if (debug_dir && *debug_dir) {
+        char dp[1200];
+        snprintf(dp, sizeof dp, "%s/kernels.c", debug_dir);
+        write_file(dp, src);
+    }
+    if (kiln__log_on("perf") || kiln__log_on("code"))
+        fprintf(stderr, "kiln [perf] kernel cache %s: %s\n", hit ? "hit" : "miss", so);
+    if (!hit) {
+        int pid = (int)getpid();
+        snprintf(tmp_c, sizeof tmp_c, "%s/%016llx.%d.c", dir, (unsigned long long)h, pid);
+        snprintf(tmp_so, sizeof tmp_so, "%s/%016llx.%d.so", dir, (unsigned long long)h, pid);
+        snprintf(log, sizeof log, "%s/%016llx.%d.log", dir, (unsigned long long)h, pid);
+        if ((s = write_file(tmp_c, src)) != KILN_OK) return s;
+        s = run_cc(tmp_c, tmp_so, log);
+        if (debug_dir && *debug_dir) {
+            char dp[1200], cmd[64];
+            snprintf(dp, sizeof dp, "%s/compile.log", debug_dir);
+            FILE *in = fopen(log, "r"), *out = fopen(dp, "w");
+            if (in && out) {
+                fprintf(out, "%s", compiler());
+                for (int i = 0; i < N_CFLAGS; i++) fprintf(out, " %s", cflags[i]);
+                fprintf(out, " -o %s %s -lm\n", so, c_path);
+                size_t n;
+                while ((n = fread(cmd, 1, sizeof cmd, in)) > 0) fwrite(cmd, 1, n, out);
+            }
+            if (in) fclose(in);
+            if (out) fclose(out);
+        }
+        if (s != KILN_OK) return s; /* the source and the log stay, named in the error */
+        unlink(log);
+        if (rename(tmp_c, c_path) != 0 || rename(tmp_so, so) != 0) {
+            s = kiln__err(KILN_ERR_IO, "compile: cannot move the compiled kernels into %s: %s", dir, strerror(errno));
+            unlink(tmp_c);
+            unlink(tmp_so);
+            return s;
+        }
+    }
+    void *lib = dlopen(so, RTLD_NOW | RTLD_LOCAL);
+    if (!lib) return kiln__err(KILN_ERR_IO, "compile: cannot load %s: %s (remove it to recompile)", so, dlerror());
+    for (int i = 0; i < p->n_k; i++) {
+        *(void **)&p->k[i].fn = dlsym(lib, p->k[i].name);
+        if (!p->k[i].fn) {
+            dlclose(lib);
+            return kiln__err(KILN_ERR_IO, "compile: %s has no kernel %s (a stale cache file? remove it)", so, p->k[i].name);
+        }
+    }
+    p->so = lib;
+    snprintf(p->so_path, sizeof p->so_path, "%.1000s", so);
+    return KILN_OK;
+}

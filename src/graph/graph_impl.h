@@ -1,0 +1,50 @@
+/* Private layout of the graph IR (src/graph/graph.c), for the compiler (src/compile/). */
+#ifndef KILN_GRAPH_IMPL_H
+#define KILN_GRAPH_IMPL_H
+
+#include "core/tensor_impl.h"
+#include "kiln/graph.h"
+#include "ops/registry.h"
+
+enum { V_ARG, V_CONST, V_OP };
+
+typedef struct {
+    int kind, index; /* argument number, or the producing node */
+    int out;         /* which output of that node */
+    kiln__meta meta;
+    kiln_tensor_t *t; /* V_CONST: the captured tensor (retained) */
+} value;
+
+typedef struct {
+    kiln__op_id op;
+    kiln__attrs attrs;
+    int n_in, n_out;
+    int *in;                 /* value numbers */
+    int out[KILN__MAX_OUT];  /* value numbers; 0 for an in-place op */
+} node;
+
+typedef struct {
+    kiln_tensor_t *leaf; /* a real tensor whose gradient the graph computes (retained) */
+    int value;           /* that gradient */
+    kiln_tensor_t *acc;  /* during capture: the meta tensor of the sum so far */
+} leaf_grad;
+
+struct kiln_graph {
+    leaf_grad *lg;
+    int n_lg, cap_lg;
+    value *v;
+    int n_v, cap_v; /* value 0 is unused: 0 means "a real tensor" in a tensor header */
+    node *nd;
+    int n_nd, cap_nd;
+    int n_args;
+    int outs[KILN_GRAPH_MAX_OUT], n_outs;
+    kiln_status failed; /* the first recording error, reported at the end of capture */
+};
+
+/* Checks in[0..n_in) against the graph's arguments (count, dtype, shape). */
+kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, int max_out);
+/* Adds each computed leaf gradient (rt[value]) into its leaf, as kiln_backward would; a
+ * leaf without a gradient may take rt[value] itself (then set to NULL). */
+kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt);
+
+#endif

@@ -1,0 +1,532 @@
+/* kiln compile: fusion into generated C kernels (src/compile/). Oracle: the same
+ * function run eagerly on the same inputs. Generated kernels use the same formulas as
+ * the cpu backend but may sum in another order and use a polynomial exp, so f32
+ * results are compared with |got - want| <= 1e-5 * (1 + |want|) unless a test says
+ * otherwise; the kernel counts are the plan the compiler reports. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include "kiln/kiln.h"
+#include "kiln/nn.h"
+#include "kiln/optim.h"
+#include "test_util.h"
+
+#define TOL 1e-5
+
+static char cache_dir[] = "/tmp/kiln-compile-test-XXXXXX";
+static char label[64] = ""; /* names the case in a failure */
+
+static kiln_tensor_t *randn(const int64_t *shape, int nd, uint64_t seed)
+{
+    kiln_manual_seed(seed);
+    return kiln_randn(shape, nd, KILN_DTYPE_F32);
+}
+
+static double *to_host(kiln_tensor_t *t)
+{
+    int64_t n = kiln_tensor_numel(t);
+    kiln_tensor_t *d = kiln_cast(t, KILN_DTYPE_F64);
+    double *p = malloc(sizeof *p * (size_t)(n ? n : 1));
+    assert_int_equal(kiln_tensor_to_host(d, p, sizeof *p * (size_t)n), KILN_OK);
+    return p;
+}
+
+/* Largest |got - want| / (1 + |want|), after checking the shapes agree. */
+static double rel_err(kiln_tensor_t *got, kiln_tensor_t *want)
+{
+    assert_int_equal(kiln_tensor_ndim(got), kiln_tensor_ndim(want));
+    assert_memory_equal(kiln_tensor_shape(got), kiln_tensor_shape(want), sizeof(int64_t) * (size_t)kiln_tensor_ndim(want));
+    int64_t n = kiln_tensor_numel(want);
+    double *a = to_host(got), *b = to_host(want), m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs(a[i] - b[i]) / (1 + fabs(b[i]));
+        if (d > m || d != d) m = d != d ? INFINITY : d;
+    }
+    free(a);
+    free(b);
+    return m;
+}
+
+/* Runs fn compiled and eagerly on in[], checks every output within tol, and gives the
+ * compiled plan: generated kernels and ops through dispatch. */
+static void check(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *in, int n_in, double tol, int *kernels, int *ops)
+{
+    kiln_compiled_t *c;
+    assert_int_equal(kiln_compiled_new(fn, ctx, "test", &c), KILN_OK);
+    kiln_tensor_t *got[KILN_GRAPH_MAX_OUT], *want[KILN_GRAPH_MAX_OUT];
+    int ng = 0, nw = 0;
+    if (kiln_compiled_call(c, in, n_in, got, KILN_GRAPH_MAX_OUT, &ng) != KILN_OK) fail_msg("compiled: %s", kiln_last_error());
+    assert_int_equal(fn(ctx, in, n_in, want, &nw), KILN_OK);
+    assert_int_equal(ng, nw);
+    for (int j = 0; j < ng; j++) {
+        double e = rel_err(got[j], want[j]);
+        if (!(e <= tol)) fail_msg("%s: output %d differs from eager by %g (tolerance %g)", label, j, e, tol);
+    }
+    assert_int_equal(kiln_compiled_plan(c, 0, kernels, ops, NULL, NULL), KILN_OK);
+    kiln_compiled_free(c);
+}
+
+/* ---- single ops: every op the code generator lowers, alone ---- */
+
+typedef struct {
+    const char *name;
+    int arity;
+    bool positive; /* its inputs must be > 0 (log, sqrt, rsqrt, pow) */
+} op_case;
+
+static const op_case ops[] = {
+    {"add", 2, false}, {"sub", 2, false}, {"mul", 2, false}, {"div", 2, true}, {"pow", 2, true},
+    {"maximum", 2, false}, {"minimum", 2, false}, {"neg", 1, false}, {"abs", 1, false}, {"exp", 1, false},
+    {"log", 1, true}, {"sqrt", 1, true}, {"rsqrt", 1, true}, {"tanh", 1, false}, {"sigmoid", 1, false},
+    {"relu", 1, false}, {"gelu_tanh", 1, false}, {"gelu_erf", 1, false}, {"silu", 1, false},
+    {"where_lt", 2, false}, {"eq_cast", 2, false}, {"ge_cast", 2, false}, {"sum_last", 1, false},
+    {"max_last", 1, false}, {"cast_i64", 1, false}, {"contiguous_t", 1, false},
+};
+
+static kiln_status one_op(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    const char *nm = ctx;
+    kiln_tensor_t *a = in[0], *b = n_in > 1 ? in[1] : NULL, *r = NULL;
+    int last = -1;
+    if (!strcmp(nm, "add")) r = kiln_add(a, b);
+    else if (!strcmp(nm, "sub")) r = kiln_sub(a, b);
+    else if (!strcmp(nm, "mul")) r = kiln_mul(a, b);
+    else if (!strcmp(nm, "div")) r = kiln_div(a, b);
+    else if (!strcmp(nm, "pow")) r = kiln_pow(a, b);
+    else if (!strcmp(nm, "maximum")) r = kiln_maximum(a, b);
+    else if (!strcmp(nm, "minimum")) r = kiln_minimum(a, b);
+    else if (!strcmp(nm, "neg")) r = kiln_neg(a);
+    else if (!strcmp(nm, "abs")) r = kiln_abs(a);
+    else if (!strcmp(nm, "exp")) r = kiln_exp(a);
+    else if (!strcmp(nm, "log")) r = kiln_log(a);
+    else if (!strcmp(nm, "sqrt")) r = kiln_sqrt(a);
+    else if (!strcmp(nm, "rsqrt")) r = kiln_rsqrt(a);
+    else if (!strcmp(nm, "tanh")) r = kiln_tanh(a);
+    else if (!strcmp(nm, "sigmoid")) r = kiln_sigmoid(a);
+    else if (!strcmp(nm, "relu")) r = kiln_relu(a);
+    else if (!strcmp(nm, "gelu_tanh")) r = kiln_gelu(a, true);
+    else if (!strcmp(nm, "gelu_erf")) r = kiln_gelu(a, false);
+    else if (!strcmp(nm, "silu")) r = kiln_silu(a);
+    else if (!strcmp(nm, "where_lt")) r = kiln_where(kiln_lt(a, b), a, b);
+    else if (!strcmp(nm, "eq_cast")) r = kiln_cast(kiln_eq(kiln_relu(a), kiln_relu(kiln_add(a, b))), KILN_DTYPE_F32);
+    else if (!strcmp(nm, "ge_cast")) r = kiln_cast(kiln_ge(a, b), KILN_DTYPE_F32);
+    else if (!strcmp(nm, "sum_last")) r = kiln_sum(a, &last, 1, false);
+    else if (!strcmp(nm, "max_last")) r = kiln_max(a, &last, 1, true);
+    else if (!strcmp(nm, "cast_i64")) r = kiln_cast(kiln_cast(kiln_mul(a, kiln_scalar(10, KILN_DTYPE_F32)), KILN_DTYPE_I64), KILN_DTYPE_F32);
+    else if (!strcmp(nm, "contiguous_t")) r = kiln_contiguous(kiln_transpose(a, 0, 1));
+    out[0] = r;
+    *n_out = 1;
+    return r ? KILN_OK : kiln_last_status();
+}
+
+/* Oracle: eager, op by op, on [37, 300] (odd sizes: vector tails) and with a
+ * broadcast [300] second operand. */
+static void every_lowered_op_matches_eager(void **state)
+{
+    int64_t s[2] = {37, 300}, row[1] = {300};
+    for (size_t i = 0; i < sizeof ops / sizeof ops[0]; i++) {
+        for (int bc = 0; bc < (ops[i].arity == 2 ? 2 : 1); bc++) {
+            kiln_tensor_t *in[2] = {randn(s, 2, 10 + i), bc ? randn(row, 1, 20 + i) : randn(s, 2, 20 + i)};
+            if (ops[i].positive)
+                for (int j = 0; j < 2; j++) in[j] = kiln_add(kiln_abs(in[j]), kiln_scalar(0.1, KILN_DTYPE_F32));
+            int k = -1, o = -1;
+            check(one_op, (void *)ops[i].name, in, ops[i].arity, TOL, &k, &o);
+            int views = !strcmp(ops[i].name, "contiguous_t"); /* the transpose: a view, through dispatch */
+            if (k != 1 || o != views)
+                fail_msg("%s: %d kernels and %d dispatched ops, expected one kernel", ops[i].name, k, o);
+        }
+    }
+}
+
+/* ---- kernel counts on small graphs ---- */
+
+static kiln_status chain(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    kiln_tensor_t *x = in[0];
+    out[0] = kiln_tanh(kiln_mul(kiln_exp(kiln_sub(kiln_add(x, in[1]), kiln_scalar(1, KILN_DTYPE_F32))), x));
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+static kiln_status norm_fns(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    int which = *(int *)ctx;
+    if (which == 0) out[0] = kiln_layer_norm(in[0], in[1], in[2], 1e-5);
+    else if (which == 1) out[0] = kiln_softmax(in[0], -1);
+    else if (which == 2) out[0] = kiln_log_softmax(in[0], 1);
+    else out[0] = kiln_rms_norm(in[0], in[1], 1e-6);
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+static kiln_status linear_gelu(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    out[0] = kiln_gelu(kiln_add(kiln_matmul(in[0], in[1]), in[2]), true);
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+/* Cross-entropy on a leaf (ctx), forward and backward: the graph gives the loss and
+ * adds the logits' gradient into the leaf. */
+static kiln_status ce_fwd_bwd(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    kiln_tensor_t *loss = kiln_cross_entropy(ctx, in[0], -1);
+    out[0] = loss;
+    *n_out = 1;
+    return loss ? kiln_backward(loss) : kiln_last_status();
+}
+
+static void kernel_counts(void **state)
+{
+    int64_t s[2] = {64, 200}, c[1] = {200}, w[2] = {96, 200};
+    int k, o;
+    kiln_tensor_t *cin[2] = {randn(s, 2, 1), randn(c, 1, 2)};
+    check(chain, NULL, cin, 2, TOL, &k, &o);
+    assert_int_equal(k, 1); /* a pointwise chain is one kernel */
+    assert_int_equal(o, 0);
+    kiln_tensor_t *nin[3] = {randn(s, 2, 3), randn(c, 1, 4), randn(c, 1, 5)};
+    for (int which = 0; which < 4; which++) {
+        check(norm_fns, &which, nin, which == 3 ? 2 : 3, TOL, &k, &o);
+        /* layer norm, softmax, log_softmax, rms norm forward: one kernel each (the
+         * issue allows softmax two) */
+        if (k != 1 || o != 0) fail_msg("norm %d: %d kernels, %d ops", which, k, o);
+    }
+    kiln_tensor_t *lin[3] = {randn(w, 2, 6), randn((int64_t[]){200, 300}, 2, 7), randn((int64_t[]){300}, 1, 8)};
+    check(linear_gelu, NULL, lin, 3, TOL, &k, &o);
+    assert_int_equal(o, 1); /* the matmul */
+    assert_int_equal(k, 1); /* bias + GELU epilogue */
+    int64_t t[64];
+    for (int i = 0; i < 64; i++) t[i] = (i * 37) % 200;
+    kiln_tensor_t *logits = randn(s, 2, 9), *tg = kiln_from_data(t, (int64_t[]){64}, 1, KILN_DTYPE_I64);
+    kiln_tensor_set_requires_grad(logits, true);
+    kiln_tensor_t *loss;
+    int n;
+    assert_int_equal(ce_fwd_bwd(logits, &tg, 1, &loss, &n), KILN_OK);
+    kiln_tensor_t *want = kiln_clone(kiln_tensor_grad(logits));
+    kiln_tensor_zero_grad(logits);
+    check(ce_fwd_bwd, logits, &tg, 1, TOL, &k, &o); /* the compiled and the eager run each add the gradient */
+    assert_true(rel_err(kiln_tensor_grad(logits), kiln_mul(want, kiln_scalar(2, KILN_DTYPE_F32))) <= TOL);
+    /* cross-entropy forward + backward: the backend's two fused kernels (not decomposed,
+     * because they check the targets' range), and the seed gradient's fill. */
+    assert_int_equal(k, 0);
+    if (o > 3) fail_msg("cross-entropy forward+backward ran %d ops", o);
+}
+
+/* ---- small random graphs ---- */
+
+typedef struct {
+    uint64_t seed;
+} rg_ctx;
+
+static uint32_t next(uint64_t *r)
+{
+    *r = *r * 6364136223846793005ULL + 1442695040888963407ULL;
+    return (uint32_t)(*r >> 33);
+}
+
+/* A random graph of 12 ops over [24, 40] values: pointwise ops, row reductions (kept
+ * or dropped dims, then broadcast back), a matmul, a transpose; seeded per graph. */
+static kiln_status random_graph(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    uint64_t r = ((rg_ctx *)ctx)->seed;
+    kiln_tensor_t *vals[32] = {in[0], in[1], in[2]};
+    int n = 3, last = -1;
+    for (int step = 0; step < 12; step++) {
+        kiln_tensor_t *a = vals[next(&r) % (uint32_t)n], *b = vals[next(&r) % (uint32_t)n], *v = NULL;
+        switch (next(&r) % 10) {
+        case 0: v = kiln_add(a, b); break;
+        case 1: v = kiln_mul(a, kiln_tanh(b)); break;
+        case 2: v = kiln_sub(a, kiln_max(b, &last, 1, true)); break;
+        case 3: v = kiln_div(a, kiln_add(kiln_sum(kiln_abs(b), &last, 1, true), kiln_scalar(1, KILN_DTYPE_F32))); break;
+        case 4: v = kiln_gelu(a, true); break;
+        case 5: v = kiln_softmax(a, -1); break;
+        case 6: v = kiln_matmul(kiln_softmax(a, -1), kiln_transpose(in[2], 0, 1)); v = kiln_matmul(v, in[2]); break;
+        case 7: v = kiln_where(kiln_gt(a, b), a, kiln_neg(b)); break;
+        case 8: v = kiln_layer_norm(a, in[3], in[4], 1e-5); break;
+        default: v = kiln_sigmoid(kiln_add(a, kiln_view(kiln_sum(b, &last, 1, false), (int64_t[]){24, 1}, 2))); break;
+        }
+        if (!v) return kiln_last_status();
+        vals[n++] = v;
+    }
+    out[0] = vals[n - 1];
+    out[1] = vals[n - 4];
+    *n_out = 2;
+    return KILN_OK;
+}
+
+/* Oracle: eager f32 within 1e-5; where a graph is ill-conditioned (a layer norm of
+ * values that barely vary amplifies rounding), the compiled result may instead be no
+ * further from the same graph run in f64 than twice eager f32's own distance from it. */
+static void random_graphs_match_eager(void **state)
+{
+    int64_t s[2] = {24, 40}, c[1] = {40};
+    kiln_tensor_t *in[5] = {randn(s, 2, 1), randn(s, 2, 2), randn(s, 2, 3), randn(c, 1, 4), randn(c, 1, 5)};
+    kiln_tensor_t *in64[5];
+    for (int i = 0; i < 5; i++) in64[i] = kiln_cast(in[i], KILN_DTYPE_F64);
+    int fused = 0;
+    for (uint64_t g = 0; g < 24; g++) {
+        rg_ctx ctx = {g * 7919 + 1};
+        kiln_scope_begin();
+        kiln_compiled_t *cf;
+        assert_int_equal(kiln_compiled_new(random_graph, &ctx, "random", &cf), KILN_OK);
+        kiln_tensor_t *got[2], *want[2], *ref[2];
+        int n;
+        if (kiln_compiled_call(cf, in, 5, got, 2, &n) != KILN_OK) fail_msg("graph %d: %s", (int)g, kiln_last_error());
+        assert_int_equal(random_graph(&ctx, in, 5, want, &n), KILN_OK);
+        assert_int_equal(random_graph(&ctx, in64, 5, ref, &n), KILN_OK);
+        for (int j = 0; j < 2; j++) {
+            double e = rel_err(got[j], want[j]);
+            if (e <= TOL) continue;
+            double ec = rel_err(got[j], kiln_cast(ref[j], KILN_DTYPE_F32)), ee = rel_err(want[j], kiln_cast(ref[j], KILN_DTYPE_F32));
+            if (!(ec <= 2 * ee))
+                fail_msg("random graph %d output %d: %g from eager; from f64, compiled %g and eager %g", (int)g, j, e, ec, ee);
+        }
+        int k, o;
+        assert_int_equal(kiln_compiled_plan(cf, 0, &k, &o, NULL, NULL), KILN_OK);
+        fused += k > 0;
+        kiln_compiled_free(cf);
+        kiln_scope_end();
+    }
+    assert_true(fused >= 20); /* the graphs did run generated kernels */
+}
+
+/* ---- GPT-2 and LLaMA training ---- */
+
+typedef struct {
+    kiln_gpt_t *m;
+} gpt_ctx;
+
+static kiln_status loss_and_grads(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    kiln_tensor_t *loss;
+    if (!kiln_gpt_forward(((gpt_ctx *)ctx)->m, in[0], in[1], true, &loss)) return kiln_last_status();
+    kiln_status s = kiln_backward(loss);
+    out[0] = loss;
+    *n_out = 1;
+    return s;
+}
+
+/* Ten AdamW steps on the same batches, eager and with forward+backward compiled, from
+ * the same initial weights: the losses agree within 1e-5 relative at every step. */
+static void training_matches_eager(bool llama)
+{
+    kiln_gpt_config cfg = llama ? kiln_gpt_config_llama() : kiln_gpt_config_gpt2();
+    cfg.n_layer = 2;
+    cfg.n_head = 4;
+    cfg.n_kv_head = llama ? 2 : 4;
+    cfg.n_embd = 64;
+    cfg.block_size = 32;
+    cfg.vocab_size = 96;
+    double losses[2][10];
+    for (int mode = 0; mode < 2; mode++) {
+        gpt_ctx c;
+        assert_int_equal(kiln_gpt_new(&cfg, 21, &c.m), KILN_OK);
+        int np = kiln_gpt_num_params(c.m);
+        kiln_tensor_t **ps = malloc(sizeof *ps * (size_t)np);
+        for (int i = 0; i < np; i++) ps[i] = kiln_gpt_param(c.m, i, NULL);
+        kiln_optim_t *opt;
+        assert_int_equal(kiln_adamw_new(ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt), KILN_OK);
+        kiln_compiled_t *step = NULL;
+        if (mode) assert_int_equal(kiln_compiled_new(loss_and_grads, &c, "train", &step), KILN_OK);
+        uint64_t r = 5;
+        for (int it = 0; it < 10; it++) {
+            kiln_scope_begin();
+            int64_t x[4][32], y[4][32];
+            for (int b = 0; b < 4; b++)
+                for (int t = 0; t < 32; t++) {
+                    x[b][t] = next(&r) % 96;
+                    y[b][t] = (x[b][t] * 3 + 1) % 96;
+                }
+            kiln_tensor_t *xy[2] = {kiln_from_data(x, (int64_t[]){4, 32}, 2, KILN_DTYPE_I64),
+                                    kiln_from_data(y, (int64_t[]){4, 32}, 2, KILN_DTYPE_I64)};
+            kiln_tensor_t *loss;
+            int n;
+            kiln_status s = mode ? kiln_compiled_call(step, xy, 2, &loss, 1, &n) : loss_and_grads(&c, xy, 2, &loss, &n);
+            if (s != KILN_OK) fail_msg("step %d: %s", it, kiln_last_error());
+            assert_int_equal(kiln_tensor_item(loss, &losses[mode][it]), KILN_OK);
+            assert_int_equal(kiln_clip_grad_norm(ps, np, 1.0, NULL), KILN_OK);
+            assert_int_equal(kiln_optim_step(opt, 1e-3), KILN_OK);
+            kiln_optim_zero_grad(opt);
+            kiln_scope_end();
+        }
+        if (mode) {
+            int k, o;
+            assert_int_equal(kiln_compiled_plan(step, 0, &k, &o, NULL, NULL), KILN_OK);
+            assert_true(k > 5); /* it did run generated kernels */
+            uint64_t calls, hits, rec;
+            int graphs;
+            kiln_compiled_stats(step, &calls, &hits, &rec, &graphs);
+            assert_int_equal(graphs, 1);
+            assert_int_equal(hits, 9);
+        }
+        kiln_compiled_free(step);
+        kiln_optim_free(opt);
+        kiln_gpt_free(c.m);
+        free(ps);
+    }
+    for (int it = 0; it < 10; it++) {
+        double e = fabs(losses[1][it] - losses[0][it]) / fabs(losses[0][it]);
+        if (!(e <= 1e-5)) fail_msg("step %d: compiled loss %.9g, eager %.9g (relative %g)", it, losses[1][it], losses[0][it], e);
+    }
+    assert_true(losses[0][9] < losses[0][0]); /* and it trains */
+}
+
+static void gpt2_training_matches_eager(void **state) { training_matches_eager(false); }
+static void llama_training_matches_eager(void **state) { training_matches_eager(true); }
+
+/* ---- switches, cache, errors, debug output ---- */
+
+static void switches_turn_stages_off(void **state)
+{
+    int64_t s[2] = {64, 200}, c[1] = {200};
+    kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(c, 1, 2)};
+    int k, o;
+    setenv("KILN_COMPILE_DISABLE", "fusion", 1);
+    check(chain, NULL, in, 2, TOL, &k, &o);
+    assert_int_equal(k, 5); /* add, sub, exp, mul, tanh: one kernel each (the scalar is a constant in sub's) */
+    setenv("KILN_COMPILE_DISABLE", "codegen", 1);
+    check(chain, NULL, in, 2, 0, &k, &o); /* interpreted: bitwise eager */
+    assert_int_equal(k, 0);
+    int which = 0;
+    kiln_tensor_t *nin[3] = {randn(s, 2, 3), randn(c, 1, 4), randn(c, 1, 5)};
+    setenv("KILN_COMPILE_DISABLE", "decompose", 1);
+    check(norm_fns, &which, nin, 3, TOL, &k, &o);
+    assert_int_equal(k, 0); /* layer_norm kept whole: the backend's kernel */
+    assert_int_equal(o, 1);
+    unsetenv("KILN_COMPILE_DISABLE");
+}
+
+static int count_suffix(const char *dir, const char *suffix)
+{
+    char cmd[512];
+    snprintf(cmd, sizeof cmd, "ls %s | grep -c '%s$'", dir, suffix);
+    FILE *p = popen(cmd, "r");
+    int n = 0;
+    if (p && fscanf(p, "%d", &n) != 1) n = 0;
+    if (p) pclose(p);
+    return n;
+}
+
+/* Two compilations of the same program: the second finds the shared object in the
+ * cache, which gains no file. */
+static void second_compile_hits_the_cache(void **state)
+{
+    char dir[128];
+    snprintf(dir, sizeof dir, "%s/cache-hit", cache_dir);
+    setenv("KILN_CACHE_DIR", dir, 1);
+    int64_t s[2] = {33, 77}, c[1] = {77};
+    kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(c, 1, 2)};
+    int k, o;
+    check(chain, NULL, in, 2, TOL, &k, &o);
+    assert_int_equal(count_suffix(dir, ".so"), 1);
+    char so[256];
+    FILE *p = popen("true", "r");
+    pclose(p);
+    snprintf(so, sizeof so, "ls %s/*.so", dir);
+    p = popen(so, "r");
+    assert_non_null(fgets(so, sizeof so, p));
+    pclose(p);
+    so[strcspn(so, "\n")] = 0;
+    struct stat before, after;
+    assert_int_equal(stat(so, &before), 0);
+    check(chain, NULL, in, 2, TOL, &k, &o);
+    assert_int_equal(stat(so, &after), 0);
+    assert_int_equal(count_suffix(dir, ".so"), 1);
+    assert_int_equal(before.st_mtime, after.st_mtime);
+    assert_int_equal(before.st_ino, after.st_ino);
+    setenv("KILN_CACHE_DIR", cache_dir, 1);
+}
+
+/* A compiler that fails: a clear error naming the kernel, with the source and the
+ * compiler's output kept at the paths it gives. */
+static void compiler_failure_is_a_clear_error(void **state)
+{
+    char script[160], dir[128];
+    snprintf(dir, sizeof dir, "%s/cc-fails", cache_dir);
+    snprintf(script, sizeof script, "%s/fake-cc", cache_dir);
+    FILE *f = fopen(script, "w");
+    assert_non_null(f);
+    fprintf(f, "#!/bin/sh\necho \"x.c: In function 'k0_add_sub_exp':\"\necho 'x.c:3:1: error: something'\nexit 1\n");
+    fclose(f);
+    chmod(script, 0755);
+    setenv("KILN_CC", script, 1);
+    setenv("KILN_CACHE_DIR", dir, 1);
+    int64_t s[2] = {8, 8};
+    kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(s, 2, 2)};
+    kiln_compiled_t *c;
+    assert_int_equal(kiln_compiled_new(chain, NULL, "fails", &c), KILN_OK);
+    kiln_tensor_t *out;
+    int n;
+    assert_int_equal(kiln_compiled_call(c, in, 2, &out, 1, &n), KILN_ERR_COMPILE);
+    const char *msg = kiln_last_error();
+    assert_non_null(strstr(msg, "k0_add_sub_exp"));
+    const char *src = strstr(msg, "source kept at "), *log = strstr(msg, "output at ");
+    assert_non_null(src);
+    assert_non_null(log);
+    char path[512];
+    sscanf(src + strlen("source kept at "), "%511[^,]", path);
+    assert_int_equal(access(path, R_OK), 0);
+    sscanf(log + strlen("output at "), "%511s", path);
+    assert_int_equal(access(path, R_OK), 0);
+    kiln_compiled_free(c);
+    unsetenv("KILN_CC");
+    setenv("KILN_CACHE_DIR", cache_dir, 1);
+    kiln_clear_error();
+}
+
+static void debug_dir_has_every_stage(void **state)
+{
+    char dir[128];
+    snprintf(dir, sizeof dir, "%s/debug", cache_dir);
+    setenv("KILN_DEBUG_DIR", dir, 1);
+    int64_t s[2] = {16, 32}, c[1] = {32};
+    kiln_tensor_t *nin[3] = {randn(s, 2, 3), randn(c, 1, 4), randn(c, 1, 5)};
+    int which = 0, k, o;
+    check(norm_fns, &which, nin, 3, TOL, &k, &o);
+    unsetenv("KILN_DEBUG_DIR");
+    const char *files[] = {"captured.txt", "after_passes.txt", "guards.txt", "loop_ir_before_fusion.txt",
+                           "loop_ir_after_fusion.txt", "kernels.c", "compile.log"};
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        char path[256];
+        snprintf(path, sizeof path, "%s/test-0/%s", dir, files[i]);
+        if (access(path, R_OK) != 0) fail_msg("KILN_DEBUG_DIR has no %s", files[i]);
+    }
+    /* The generated C is readable: a function named after its ops, with a comment. */
+    char path[256], text[8192] = "";
+    snprintf(path, sizeof path, "%s/test-0/kernels.c", dir);
+    FILE *f = fopen(path, "r");
+    text[fread(text, 1, sizeof text - 1, f)] = 0;
+    fclose(f);
+    assert_non_null(strstr(text, "void k0_sum_mul_sub_add_rsqrt("));
+    assert_non_null(strstr(text, "/* k0_sum_mul_sub_add_rsqrt: sum, mul, sub, mul, sum, mul, add, rsqrt, mul, mul, add"));
+}
+
+int main(void)
+{
+    assert_non_null(mkdtemp(cache_dir));
+    setenv("KILN_CACHE_DIR", cache_dir, 1);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(every_lowered_op_matches_eager, setup, teardown),
+        cmocka_unit_test_setup_teardown(kernel_counts, setup, teardown),
+        cmocka_unit_test_setup_teardown(random_graphs_match_eager, setup, teardown),
+        cmocka_unit_test_setup_teardown(gpt2_training_matches_eager, setup, teardown),
+        cmocka_unit_test_setup_teardown(llama_training_matches_eager, setup, teardown),
+        cmocka_unit_test_setup_teardown(switches_turn_stages_off, setup, teardown),
+        cmocka_unit_test_setup_teardown(second_compile_hits_the_cache, setup, teardown),
+        cmocka_unit_test_setup_teardown(compiler_failure_is_a_clear_error, setup, teardown),
+        cmocka_unit_test_setup_teardown(debug_dir_has_every_stage, setup, teardown),
+    };
+    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", cache_dir);
+    if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", cache_dir);
+    return rc;
+}
