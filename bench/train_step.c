@@ -14,16 +14,6 @@
 #include "kiln/optim.h"
 #include "kiln/graph.h"
 
-/* The part of the step that kiln compile captures: forward, loss and backward. */
-static kiln_status loss_and_grads(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
-{
-    kiln_tensor_t *loss;
-    if (!kiln_gpt_forward(ctx, in[0], in[1], true, &loss)) return kiln_last_status();
-    kiln_status s = kiln_backward(loss);
-    out[0] = loss;
-    *n_out = 1;
-    return s;
-}
 
 int main(int argc, char **argv)
 {
@@ -66,7 +56,7 @@ int main(int argc, char **argv)
     double *times = malloc(sizeof *times * (size_t)steps);
     uint64_t rng = 42;
     kiln_compiled_t *step = NULL;
-    if (compile && kiln_compiled_new(loss_and_grads, m, "train_step", &step) != KILN_OK) {
+    if (compile && kiln_compiled_new(kiln_gpt_loss_backward, m, "train_step", &step) != KILN_OK) {
         fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());
         return 1;
     }
@@ -83,7 +73,7 @@ int main(int argc, char **argv)
         kiln_tensor_t *loss = NULL, *xy[2] = {x, y};
         int n_out = 0;
         kiln_status st = step ? kiln_compiled_call(step, xy, 2, &loss, 1, &n_out)
-                              : (kiln_gpt_forward(m, x, y, true, &loss) ? kiln_backward(loss) : kiln_last_status());
+                              : kiln_gpt_loss_backward(m, xy, 2, &loss, &n_out);
         if (s == 0) first_call_s = bench_now_s() - t0;
         if (st != KILN_OK ||
             kiln_clip_grad_norm(ps, np, 1.0, NULL) != KILN_OK || kiln_optim_step(opt, 3e-4) != KILN_OK) {

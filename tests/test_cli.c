@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include "test_util.h"
 
 static char dir[256];
 static char corpus[300];
@@ -45,7 +46,7 @@ static const char *tool(void)
 }
 
 /* A small made-up corpus: enough tokens for batches, varied enough to learn from. */
-static int setup(void **state)
+static int corpus_setup(void **state)
 {
     snprintf(dir, sizeof dir, "/tmp/kiln-cli-XXXXXX");
     if (!mkdtemp(dir)) return -1;
@@ -62,7 +63,7 @@ static int setup(void **state)
     return 0;
 }
 
-static int teardown(void **state)
+static int corpus_teardown(void **state)
 {
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
@@ -213,18 +214,12 @@ static void compile_dumps_the_training_step(void **state)
     if (rc != 0) fail_msg("kiln compile failed: %s", out);
     assert_non_null(strstr(out, "train_step-0"));
     snprintf(path, sizeof path, "%s/dump/train_step-0/after_passes.txt", dir);
-    FILE *f = fopen(path, "r");
-    assert_non_null(f);
     char text[65536];
-    text[fread(text, 1, sizeof text - 1, f)] = 0;
-    fclose(f);
+    assert_true(test_read_text(path, text, sizeof text));
     assert_non_null(strstr(text, "cross_entropy_backward("));
     assert_non_null(strstr(text, "grad(%"));
     snprintf(path, sizeof path, "%s/dump/train_step-0/guards.txt", dir);
-    f = fopen(path, "r");
-    assert_non_null(f);
-    text[fread(text, 1, sizeof text - 1, f)] = 0;
-    fclose(f);
+    assert_true(test_read_text(path, text, sizeof text));
     assert_non_null(strstr(text, "input 0 is i64[2,16]"));
     snprintf(path, sizeof path, "%s/dump/train_step-0/kernels.c", dir);
     assert_int_equal(access(path, R_OK), 0);
@@ -296,5 +291,5 @@ int main(void)
         cmocka_unit_test(doctor_lists_mpi_and_switches),
         cmocka_unit_test(bad_inputs_fail_with_a_reason),
     };
-    return cmocka_run_group_tests(tests, setup, teardown);
+    return cmocka_run_group_tests(tests, corpus_setup, corpus_teardown);
 }

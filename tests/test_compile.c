@@ -300,20 +300,6 @@ static void random_graphs_match_eager(void **state)
 
 /* ---- GPT-2 and LLaMA training ---- */
 
-typedef struct {
-    kiln_gpt_t *m;
-} gpt_ctx;
-
-static kiln_status loss_and_grads(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
-{
-    kiln_tensor_t *loss;
-    if (!kiln_gpt_forward(((gpt_ctx *)ctx)->m, in[0], in[1], true, &loss)) return kiln_last_status();
-    kiln_status s = kiln_backward(loss);
-    out[0] = loss;
-    *n_out = 1;
-    return s;
-}
-
 /* Ten AdamW steps on the same batches, eager and with forward+backward compiled, from
  * the same initial weights: the losses agree within 1e-5 relative at every step. */
 static void training_matches_eager(bool llama)
@@ -327,15 +313,15 @@ static void training_matches_eager(bool llama)
     cfg.vocab_size = 96;
     double losses[2][10];
     for (int mode = 0; mode < 2; mode++) {
-        gpt_ctx c;
-        assert_int_equal(kiln_gpt_new(&cfg, 21, &c.m), KILN_OK);
-        int np = kiln_gpt_num_params(c.m);
+        kiln_gpt_t *m;
+        assert_int_equal(kiln_gpt_new(&cfg, 21, &m), KILN_OK);
+        int np = kiln_gpt_num_params(m);
         kiln_tensor_t **ps = malloc(sizeof *ps * (size_t)np);
-        for (int i = 0; i < np; i++) ps[i] = kiln_gpt_param(c.m, i, NULL);
+        for (int i = 0; i < np; i++) ps[i] = kiln_gpt_param(m, i, NULL);
         kiln_optim_t *opt;
         assert_int_equal(kiln_adamw_new(ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt), KILN_OK);
         kiln_compiled_t *step = NULL;
-        if (mode) assert_int_equal(kiln_compiled_new(loss_and_grads, &c, "train", &step), KILN_OK);
+        if (mode) assert_int_equal(kiln_compiled_new(kiln_gpt_loss_backward, m, "train", &step), KILN_OK);
         uint64_t r = 5;
         for (int it = 0; it < 10; it++) {
             kiln_scope_begin();
@@ -349,7 +335,7 @@ static void training_matches_eager(bool llama)
                                     kiln_from_data(y, (int64_t[]){4, 32}, 2, KILN_DTYPE_I64)};
             kiln_tensor_t *loss;
             int n;
-            kiln_status s = mode ? kiln_compiled_call(step, xy, 2, &loss, 1, &n) : loss_and_grads(&c, xy, 2, &loss, &n);
+            kiln_status s = mode ? kiln_compiled_call(step, xy, 2, &loss, 1, &n) : kiln_gpt_loss_backward(m, xy, 2, &loss, &n);
             if (s != KILN_OK) fail_msg("step %d: %s", it, kiln_last_error());
             assert_int_equal(kiln_tensor_item(loss, &losses[mode][it]), KILN_OK);
             assert_int_equal(kiln_clip_grad_norm(ps, np, 1.0, NULL), KILN_OK);
@@ -369,7 +355,7 @@ static void training_matches_eager(bool llama)
         }
         kiln_compiled_free(step);
         kiln_optim_free(opt);
-        kiln_gpt_free(c.m);
+        kiln_gpt_free(m);
         free(ps);
     }
     for (int it = 0; it < 10; it++) {
@@ -502,9 +488,7 @@ static void debug_dir_has_every_stage(void **state)
     /* The generated C is readable: a function named after its ops, with a comment. */
     char path[256], text[8192] = "";
     snprintf(path, sizeof path, "%s/test-0/kernels.c", dir);
-    FILE *f = fopen(path, "r");
-    text[fread(text, 1, sizeof text - 1, f)] = 0;
-    fclose(f);
+    assert_true(test_read_text(path, text, sizeof text));
     assert_non_null(strstr(text, "void k0_sum_mul_sub_add_rsqrt("));
     assert_non_null(strstr(text, "/* k0_sum_mul_sub_add_rsqrt: sum, mul, sub, mul, sum, mul, add, rsqrt, mul, mul, add"));
 }

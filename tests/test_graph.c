@@ -272,16 +272,10 @@ static void guards_reuse_recompile_and_fall_back(void **state)
     /* KILN_DEBUG_DIR: a folder per graph, with the graph before and after its passes. */
     char path[256], text[2048] = "";
     snprintf(path, sizeof path, "%s/mlp-1/after_passes.txt", dbg);
-    FILE *f = fopen(path, "r");
-    assert_non_null(f);
-    text[fread(text, 1, sizeof text - 1, f)] = 0;
-    fclose(f);
+    assert_true(test_read_text(path, text, sizeof text));
     assert_non_null(strstr(text, "gelu("));
     snprintf(path, sizeof path, "%s/mlp-1/guards.txt", dbg);
-    f = fopen(path, "r");
-    assert_non_null(f);
-    text[fread(text, 1, sizeof text - 1, f)] = 0;
-    fclose(f);
+    assert_true(test_read_text(path, text, sizeof text));
     assert_non_null(strstr(text, "input 0 is f32[5,16]"));
     snprintf(path, sizeof path, "%s/mlp-0/captured.txt", dbg);
     assert_int_equal(access(path, R_OK), 0);
@@ -342,19 +336,6 @@ static void gpt_forward_captures(bool llama)
     kiln_gpt_free(c.m);
 }
 
-/* Forward, loss and backward: the joint graph of a training step's gradients. */
-static kiln_status loss_and_grads(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
-{
-    (void)n_in;
-    gpt_ctx *c = ctx;
-    kiln_tensor_t *loss;
-    if (!kiln_gpt_forward(c->m, in[0], in[1], true, &loss)) return kiln_last_status();
-    kiln_status s = kiln_backward(loss);
-    out[0] = loss;
-    *n_out = 1;
-    return s;
-}
-
 /* Oracle: eager forward + backward from zeroed gradients; the graph's run must leave
  * bitwise the same loss and the same gradient in every parameter, and must not touch
  * the gradients while capturing. */
@@ -371,12 +352,12 @@ static void backward_is_captured_into_the_graph(void **state)
     kiln_tensor_t *xy[2] = {kiln_from_data(xi, s, 2, KILN_DTYPE_I64), kiln_from_data(yi, s, 2, KILN_DTYPE_I64)};
     int np = kiln_gpt_num_params(c.m);
     kiln_graph_t *g;
-    kiln_status st = kiln_graph_capture(loss_and_grads, &c, xy, 2, &g);
+    kiln_status st = kiln_graph_capture(kiln_gpt_loss_backward, c.m, xy, 2, &g);
     if (st != KILN_OK) fail_msg("capture: %s", kiln_last_error());
     for (int i = 0; i < np; i++) assert_null(kiln_tensor_grad(kiln_gpt_param(c.m, i, NULL)));
     kiln_tensor_t *want_loss = NULL;
     int n;
-    assert_int_equal(loss_and_grads(&c, xy, 2, &want_loss, &n), KILN_OK);
+    assert_int_equal(kiln_gpt_loss_backward(c.m, xy, 2, &want_loss, &n), KILN_OK);
     float **want = malloc(sizeof *want * (size_t)np);
     for (int i = 0; i < np; i++) {
         kiln_tensor_t *p = kiln_gpt_param(c.m, i, NULL);

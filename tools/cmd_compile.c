@@ -10,22 +10,6 @@
 #include "cli.h"
 #include "kiln/kiln.h"
 
-typedef struct {
-    kiln_gpt_t *m;
-} step;
-
-static kiln_status loss_and_grads(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
-{
-    (void)n_in;
-    step *c = ctx;
-    kiln_tensor_t *loss;
-    if (!kiln_gpt_forward(c->m, in[0], in[1], true, &loss)) return kiln_last_status();
-    kiln_status s = kiln_backward(loss);
-    out[0] = loss;
-    *n_out = 1;
-    return s;
-}
-
 int cmd_compile(int argc, char **argv)
 {
     const char *dump = NULL, *model = "gpt2";
@@ -56,8 +40,8 @@ int cmd_compile(int argc, char **argv)
     cfg.n_head = cfg.n_kv_head = (int)heads;
     cfg.block_size = (int)context;
     cfg.vocab_size = (int)vocab;
-    step c;
-    if (kiln_gpt_new(&cfg, 1, &c.m) != KILN_OK) return cli_fail("compile", NULL);
+    kiln_gpt_t *m;
+    if (kiln_gpt_new(&cfg, 1, &m) != KILN_OK) return cli_fail("compile", NULL);
     int64_t n = batch * context, shape[2] = {batch, context};
     int64_t *ids = malloc(sizeof *ids * (size_t)(n + 1));
     if (!ids) return cli_fail("compile", "out of memory");
@@ -69,13 +53,13 @@ int cmd_compile(int argc, char **argv)
     kiln_compiled_t *fn;
     kiln_tensor_t *loss = NULL, *want = NULL;
     int nout = 0;
-    kiln_status s = kiln_compiled_new(loss_and_grads, &c, "train_step", &fn);
+    kiln_status s = kiln_compiled_new(kiln_gpt_loss_backward, m, "train_step", &fn);
     if (s == KILN_OK) s = kiln_compiled_call(fn, xy, 2, &loss, 1, &nout);
     double got_v = 0, want_v = 0;
     if (s == KILN_OK) s = kiln_tensor_item(loss, &got_v);
     /* The same step eagerly, from zeroed gradients: the graph's loss must match. */
-    for (int i = 0; s == KILN_OK && i < kiln_gpt_num_params(c.m); i++) kiln_tensor_zero_grad(kiln_gpt_param(c.m, i, NULL));
-    if (s == KILN_OK) s = loss_and_grads(&c, xy, 2, &want, &nout);
+    for (int i = 0; s == KILN_OK && i < kiln_gpt_num_params(m); i++) kiln_tensor_zero_grad(kiln_gpt_param(m, i, NULL));
+    if (s == KILN_OK) s = kiln_gpt_loss_backward(m, xy, 2, &want, &nout);
     if (s == KILN_OK) s = kiln_tensor_item(want, &want_v);
     if (s == KILN_OK)
         printf("kiln compile: %s, %d layers, C=%d, T=%d, B=%d: the training step's graph is in %s/train_step-0/\n"
@@ -84,7 +68,7 @@ int cmd_compile(int argc, char **argv)
                model, cfg.n_layer, cfg.n_embd, cfg.block_size, (int)batch, dump, got_v, want_v);
     kiln_compiled_free(fn);
     kiln_scope_end();
-    kiln_gpt_free(c.m);
+    kiln_gpt_free(m);
     if (s != KILN_OK) return cli_fail("compile", NULL);
     /* Generated kernels sum in another order than the eager ones: 1e-5 relative. */
     return fabs(got_v - want_v) <= 1e-5 * fabs(want_v) ? 0 : cli_fail("compile", "the compiled loss differs from eager");

@@ -69,6 +69,11 @@ kiln_status kiln_gpt_load_weights(kiln_gpt_t *m, const char *path);
  * mean cross-entropy (ignore_index -1) is returned in *loss. train turns dropout on. */
 kiln_tensor_t *kiln_gpt_forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t *targets, bool train,
                                 kiln_tensor_t **loss);
+/* A training step's gradients: the forward (train mode) on in[0] = idx and in[1] =
+ * targets, then backward, which adds into every parameter's gradient; out[0] = the loss.
+ * Shaped as a kiln_graph_fn with the model as ctx, so that
+ * kiln_compiled_new(kiln_gpt_loss_backward, m, ...) compiles it. */
+kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out);
 
 /* Incremental decoding with a key/value cache of up to block_size positions. */
 typedef struct kiln_kv_cache kiln_kv_cache_t;

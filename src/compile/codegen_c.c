@@ -97,14 +97,11 @@ static void expr_c(sbuf *b, const kc_kernel *k, int i, bool fast)
     char a[3][16];
     for (int j = 0; j < e->n_arg; j++) snprintf(a[j], sizeof a[j], "e%d", e->arg[j]);
     switch (e->kind) {
-    case E_LOAD: {
-        const char *suffix = k->ndim && e->st[k->ndim - 1] ? "" : "";
-        (void)suffix;
+    case E_LOAD:
         put(b, "in%d[o%d", e->buf, i);
         if (k->ndim && e->st[k->ndim - 1]) put(b, " + jj * %lld", (long long)e->st[k->ndim - 1]);
         put(b, "]");
         return;
-    }
     case E_CONST:
         put(b, "(%s)%.17g", T, e->attrs.f[0]);
         return;

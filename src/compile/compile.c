@@ -55,13 +55,34 @@ static void ir_print(const kiln__program *p, FILE *f)
     }
 }
 
-static FILE *open_in(const char *dir, const char *file)
+FILE *kiln__debug_open(const char *dir, const char *file)
 {
     char path[1200];
     snprintf(path, sizeof path, "%s/%s", dir, file);
     FILE *f = fopen(path, "w");
     if (!f) fprintf(stderr, "kiln: KILN_DEBUG_DIR: cannot write %s: %s\n", path, strerror(errno));
     return f;
+}
+
+void kiln__compile_options(kc_options *o)
+{
+    *o = (kc_options){true, true, true, true, true, 48};
+    const char *off = getenv("KILN_COMPILE_DISABLE");
+    for (const char *p = off; p && *p;) {
+        const char *e = strchr(p, ',');
+        size_t n = e ? (size_t)(e - p) : strlen(p);
+#define OFF(name) \
+    if (n == strlen(#name) && !strncmp(p, #name, n)) o->name = false;
+        OFF(decompose)
+        OFF(cse)
+        OFF(dce)
+        OFF(fusion)
+        OFF(codegen)
+#undef OFF
+        p += n + (e ? 1 : 0);
+    }
+    const char *mf = getenv("KILN_COMPILE_MAX_FUSE");
+    if (mf && atoi(mf) > 0) o->max_fuse = atoi(mf);
 }
 
 kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *name, int index, kiln__program **out)
@@ -78,7 +99,7 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
     if (s != KILN_OK) return s;
     double t1 = now_s();
     FILE *f;
-    if (dir && (f = open_in(dir, "after_passes.txt"))) {
+    if (dir && (f = kiln__debug_open(dir, "after_passes.txt"))) {
         kiln_graph_print(g, f);
         fclose(f);
     }
@@ -92,7 +113,7 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
         kc_options one = o;
         one.fusion = false;
         kiln__program *p1;
-        if (kiln__program_build(g, &one, &p1) == KILN_OK && (f = open_in(dir, "loop_ir_before_fusion.txt"))) {
+        if (kiln__program_build(g, &one, &p1) == KILN_OK && (f = kiln__debug_open(dir, "loop_ir_before_fusion.txt"))) {
             kiln__program_print(p1, f);
             ir_print(p1, f);
             fclose(f);
@@ -102,7 +123,7 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
     kiln__program *p;
     if ((s = kiln__program_build(g, &o, &p)) != KILN_OK) return s;
     double t2 = now_s();
-    if (dir && (f = open_in(dir, "loop_ir_after_fusion.txt"))) {
+    if (dir && (f = kiln__debug_open(dir, "loop_ir_after_fusion.txt"))) {
         kiln__program_print(p, f);
         ir_print(p, f);
         fclose(f);

@@ -44,7 +44,6 @@ typedef struct {
     bool output; /* written by the kernel */
     kiln_dtype dt;
     int64_t st[KILN_MAX_DIMS]; /* inputs: the strides the loads assume (checked at launch) */
-    int ndim;
 } kc_buf;
 
 typedef struct {
@@ -86,7 +85,6 @@ struct kiln__program {
     int n_steps;
     int *last; /* per value: the last step that reads it (n_steps: kept to the end) */
     void *so;  /* the loaded shared object */
-    char so_path[1024];
     int64_t planned_peak, eager_peak; /* bytes of intermediates, from the liveness */
 };
 typedef struct kiln__program kiln__program;
@@ -95,7 +93,6 @@ void kiln__compile_options(kc_options *o);
 /* Runs the passes on g and compiles it; *out stays NULL when codegen is switched off
  * (the graph is then interpreted). dir: KILN_DEBUG_DIR's folder for this graph, or NULL. */
 kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *name, int index, kiln__program **out);
-kiln_status kiln__cache_dir(char *out, size_t n);
 /* Groups the graph's ops into kernels and steps (src/compile/fuse.c). */
 kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__program **out);
 /* Generates C for every kernel into *src (malloc'd; src/compile/codegen_c.c). */
@@ -107,5 +104,7 @@ kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_
 void kiln__program_free(kiln__program *p);
 void kiln__program_print(const kiln__program *p, FILE *f);
 bool kiln__log_on(const char *stage);
+/* DIR/file opened for writing, or NULL after a warning (KILN_DEBUG_DIR output). */
+FILE *kiln__debug_open(const char *dir, const char *file);
 
 #endif

@@ -82,22 +82,13 @@ static bool broken(const guards *old, const guards *now, char *why, size_t n)
     return false;
 }
 
-/* DIR/file: the graph, and with guards, what it was captured for. */
-static void dump(const char *dir, const char *file, const kiln_graph_t *g, const guards *gd, int with_guards)
+/* One line per guard, each after prefix. */
+static void print_guards(FILE *f, const char *prefix, const guards *gd)
 {
-    char path[1200];
-    snprintf(path, sizeof path, "%s/%s", dir, file);
-    FILE *f = fopen(path, "w");
-    if (!f) {
-        fprintf(stderr, "kiln: KILN_DEBUG_DIR: cannot write %s: %s\n", path, strerror(errno));
-        return;
-    }
-    for (int i = 0; with_guards && i < gd->n; i++) {
+    for (int i = 0; i < gd->n; i++) {
         char b[96];
-        fprintf(f, "# guard: input %d is %s\n", i, kiln__meta_str(&gd->m[i], b, sizeof b));
+        fprintf(f, "%sinput %d is %s\n", prefix, i, kiln__meta_str(&gd->m[i], b, sizeof b));
     }
-    kiln_graph_print(g, f);
-    fclose(f);
 }
 
 kiln_status kiln_compiled_new(kiln_graph_fn fn, void *ctx, const char *name, kiln_compiled_t **out)
@@ -187,29 +178,26 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
             *dir = 0;
         }
     }
-    if (*dir) dump(dir, "captured.txt", g, NULL, 0);
+    FILE *f;
+    if (*dir && (f = kiln__debug_open(dir, "captured.txt"))) {
+        kiln_graph_print(g, f);
+        fclose(f);
+    }
     kiln__program *prog = NULL;
     s = kiln__compile_graph(g, *dir ? dir : NULL, c->name, c->n_graphs, &prog);
     if (s != KILN_OK) {
         kiln_graph_free(g);
         return s;
     }
-    if (*dir) {
-        char path[1200];
-        snprintf(path, sizeof path, "%s/guards.txt", dir);
-        FILE *f = fopen(path, "w");
-        for (int i = 0; f && i < n_in; i++) {
-            char b[96];
-            fprintf(f, "input %d is %s\n", i, kiln__meta_str(&now.m[i], b, sizeof b));
-        }
-        if (f) fclose(f);
+    if (*dir && (f = kiln__debug_open(dir, "guards.txt"))) {
+        print_guards(f, "", &now);
+        fclose(f);
     }
-    if (kiln__log_on("guards"))
-        for (int i = 0; i < n_in; i++) {
-            char b[96];
-            fprintf(stderr, "kiln [guards] %s graph %d: input %d is %s\n", c->name, c->n_graphs, i,
-                    kiln__meta_str(&now.m[i], b, sizeof b));
-        }
+    if (kiln__log_on("guards")) {
+        char prefix[128];
+        snprintf(prefix, sizeof prefix, "kiln [guards] %s graph %d: ", c->name, c->n_graphs);
+        print_guards(stderr, prefix, &now);
+    }
     c->progs[c->n_graphs] = prog;
     c->graphs[c->n_graphs] = g;
     c->g[c->n_graphs++] = now;

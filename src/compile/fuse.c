@@ -90,6 +90,25 @@ static bool reduces_last(const node *n, const kiln__meta *in)
     return n->attrs.ndim == 1 && kiln__norm_dim((int)n->attrs.shape[0], in->ndim) == in->ndim - 1;
 }
 
+/* The form node n's result would take in open group G, or F_NONE if n cannot join it.
+ * horizontal: n reads none of G's values (a sibling over the same index space). */
+static int join_form(const kiln_graph_t *g, const group *gr, int G, const node *n, lower_kind l, const int *vgrp,
+                     const int *form, bool horizontal, int max_fuse)
+{
+    if (!gr[G].open || gr[G].n_ops >= max_fuse) return F_NONE;
+    const kiln__meta *om = &g->v[n->out[0]].meta, *im = &g->v[n->in[0]].meta;
+    if (l == L_REDUCE)
+        return frame_of(&gr[G], im) == F_FULL && reduces_last(n, im) ? (n->attrs.keepdim ? F_ROWK : F_ROWN) : F_NONE;
+    int f = frame_of(&gr[G], om);
+    if (f == F_NONE) return F_NONE;
+    if (l == L_ALIAS) /* a view that only relabels one of G's row values (kept dim or not) */
+        return !horizontal && vgrp[n->in[0]] == G && f != F_FULL && form[n->in[0]] != F_FULL ? f : F_NONE;
+    if (horizontal && f != F_FULL) return F_NONE;
+    for (int i = 0; i < n->n_in; i++)
+        if (vgrp[n->in[i]] == G && !feeds(form[n->in[i]], f, gr[G].ndim)) return F_NONE;
+    return f;
+}
+
 /* The element strides of value v as the graph left it: views keep the strides their
  * inference gave, everything else is contiguous (arguments are contiguous by guard). */
 static void value_strides(const kiln_graph_t *g, int v, int64_t *st)
@@ -110,9 +129,6 @@ static void value_strides(const kiln_graph_t *g, int v, int64_t *st)
 static void embed(const group *gr, const kiln__meta *m, const int64_t *vs, int f, int64_t *out)
 {
     int k = gr->ndim, fk = f == F_ROWN ? k - 1 : k;
-    int64_t fshape[KILN_MAX_DIMS];
-    memcpy(fshape, gr->dom, sizeof fshape);
-    if (f == F_ROWK) fshape[k - 1] = 1;
     int64_t fst[KILN_MAX_DIMS] = {0};
     for (int i = 0; i < fk; i++) {
         int j = i - (fk - m->ndim);
@@ -121,7 +137,6 @@ static void embed(const group *gr, const kiln__meta *m, const int64_t *vs, int f
     memset(out, 0, sizeof(int64_t) * KILN_MAX_DIMS);
     for (int i = 0; i < fk; i++) out[i] = fst[i];
     if (f != F_FULL) out[k - 1] = 0;
-    (void)fshape;
 }
 
 /* Passes drop ops but keep value numbers: a value is live if its op still makes it. */
@@ -155,7 +170,7 @@ static int new_expr(kc_kernel *k, const kc_expr *e)
     return k->n_e++;
 }
 
-static int buf_slot(kc_kernel *k, int value, bool output, kiln_dtype dt, const int64_t *st, int ndim)
+static int buf_slot(kc_kernel *k, int value, bool output, kiln_dtype dt, const int64_t *st)
 {
     for (int b = 0; b < k->n_buf; b++)
         if (k->buf[b].value == value && k->buf[b].output == output) return b;
@@ -165,7 +180,6 @@ static int buf_slot(kc_kernel *k, int value, bool output, kiln_dtype dt, const i
     b->value = value;
     b->output = output;
     b->dt = dt;
-    b->ndim = ndim;
     if (st) memcpy(b->st, st, sizeof b->st);
     return k->n_buf++;
 }
@@ -195,7 +209,7 @@ static int operand(lower_ctx *c, int u, int f)
         e.kind = E_LOAD;
         value_strides(c->g, u, vs);
         embed(c->gr, &x->meta, vs, f, e.st);
-        if ((e.buf = buf_slot(k, u, false, x->meta.dtype, vs, x->meta.ndim)) < 0) return -1;
+        if ((e.buf = buf_slot(k, u, false, x->meta.dtype, vs)) < 0) return -1;
     }
     /* Loads are shared only when read the same way (memo is per value, and a value is
      * read in one frame within a kernel in practice; recompute if not). */
@@ -224,9 +238,8 @@ static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, i
         const node *nd = &g->nd[members[m]];
         int v = nd->out[0], f = form[v];
         name_append(kr, kiln__ops[nd->op].name);
-        if (nd->op == KILN_OP_VIEW) {
-            memo[v] = operand(&c, nd->in[0], form[nd->in[0]] == F_NONE ? f : form[nd->in[0]]);
-            if (memo[v] < 0) return oom();
+        if (nd->op == KILN_OP_VIEW) { /* relabels a value of this kernel (join_form) */
+            memo[v] = memo[nd->in[0]];
             continue;
         }
         if (nd->op == KILN_OP_SUM || nd->op == KILN_OP_MAX) {
@@ -248,13 +261,8 @@ static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, i
         e.attrs = nd->attrs;
         e.dt = g->v[v].meta.dtype;
         e.n_arg = nd->n_in;
-        for (int i = 0; i < nd->n_in; i++) {
-            int u = nd->in[i];
-            int fu = memo[u] >= 0 && form[u] != F_NONE ? form[u] : f;
-            int id = operand(&c, u, fu == F_ROWN && f == F_FULL ? F_ROWN : f);
-            if (id < 0) return oom();
-            e.arg[i] = id;
-        }
+        for (int i = 0; i < nd->n_in; i++)
+            if ((e.arg[i] = operand(&c, nd->in[i], f)) < 0) return oom();
         if ((memo[v] = new_expr(kr, &e)) < 0) return oom();
     }
     /* Rows and phases, in evaluation order. */
@@ -287,10 +295,31 @@ static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, i
         kc_store *s = &kr->st[kr->n_st];
         s->expr = memo[v];
         embed(gr, &g->v[v].meta, cs, form[v], s->st);
-        if ((s->buf = buf_slot(kr, v, true, g->v[v].meta.dtype, cs, g->v[v].meta.ndim)) < 0) return oom();
+        if ((s->buf = buf_slot(kr, v, true, g->v[v].meta.dtype, cs)) < 0) return oom();
         kr->n_st++;
     }
     return KILN_OK;
+}
+
+/* The most bytes of intermediates alive at once over steps 1..n_t, each non-view op
+ * result v from step born[v] (0: never made) to last[v]; -1 when out of memory. */
+static int64_t peak_bytes(const kiln_graph_t *g, const int *born, const int *last, int n_t)
+{
+    int64_t *delta = calloc((size_t)n_t + 3, sizeof *delta), cur = 0, peak = 0;
+    if (!delta) return -1;
+    for (int v = 1; v < g->n_v; v++) {
+        const value *x = &g->v[v];
+        if (!born[v] || x->kind != V_OP || !live(g, v) || kiln__ops[g->nd[x->index].op].is_view) continue;
+        int end = last[v] > born[v] ? last[v] : born[v];
+        delta[born[v]] += kiln__numel(x->meta.ndim, x->meta.shape) * (int64_t)kiln_dtype_size(x->meta.dtype);
+        delta[end + 1] -= kiln__numel(x->meta.ndim, x->meta.shape) * (int64_t)kiln_dtype_size(x->meta.dtype);
+    }
+    for (int t = 0; t <= n_t + 2; t++) {
+        cur += delta[t];
+        if (cur > peak) peak = cur;
+    }
+    free(delta);
+    return peak;
 }
 
 /* Merges adjacent domain dims that every access walks as one (d's stride = the next
@@ -372,29 +401,14 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
         if (l == L_PW || l == L_REDUCE || l == L_ALIAS) {
             const kiln__meta *om = &g->v[n->out[0]].meta, *im = &g->v[n->in[0]].meta;
             int chosen = -1, chosen_form = F_NONE;
-            /* An operand's open group first, then (pointwise and reductions) any open
-             * group with this index space. */
-            for (int pass = 0; pass < 2 && chosen < 0 && o->fusion; pass++)
-                for (int q = pass ? n_gr - 1 : 0; chosen < 0 && (pass ? q >= 0 : q < n->n_in); q += pass ? -1 : 1) {
-                    int G = pass ? q : vgrp[n->in[q]];
-                    if (G < 0 || !gr[G].open || gr[G].n_ops >= o->max_fuse) continue;
-                    int f = l == L_REDUCE ? (frame_of(&gr[G], im) == F_FULL && reduces_last(n, im)
-                                                 ? (n->attrs.keepdim ? F_ROWK : F_ROWN) : F_NONE)
-                                          : frame_of(&gr[G], om);
-                    if (f == F_NONE) continue;
-                    if (l == L_ALIAS && (vgrp[n->in[0]] != G || (f == F_FULL) || form[n->in[0]] == F_FULL)) continue;
-                    if (pass && l == L_ALIAS) continue;
-                    if (pass && l == L_PW && f != F_FULL) continue;
-                    bool ok = true;
-                    for (int i = 0; i < n->n_in && ok; i++) {
-                        int u = n->in[i];
-                        if (vgrp[u] == G && l == L_PW) ok = feeds(form[u], f, gr[G].ndim);
-                    }
-                    if (ok) {
-                        chosen = G;
-                        chosen_form = f;
-                    }
-                }
+            /* An operand's open group first, then any open group with this index space. */
+            for (int i = 0; o->fusion && chosen < 0 && i < n->n_in; i++) {
+                int G = vgrp[n->in[i]];
+                if (G >= 0 && (chosen_form = join_form(g, gr, G, n, l, vgrp, form, false, o->max_fuse)) != F_NONE)
+                    chosen = G;
+            }
+            for (int G = n_gr - 1; o->fusion && chosen < 0 && G >= 0; G--)
+                if ((chosen_form = join_form(g, gr, G, n, l, vgrp, form, true, o->max_fuse)) != F_NONE) chosen = G;
             if (chosen < 0 && l != L_ALIAS && !(l == L_REDUCE && !reduces_last(n, im))) {
                 group *ng = &gr[n_gr];
                 memset(ng, 0, sizeof *ng);
@@ -487,47 +501,16 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
     }
     for (int j = 0; s == KILN_OK && j < g->n_outs; j++) p->last[g->outs[j]] = p->n_steps + 1;
     for (int j = 0; s == KILN_OK && j < g->n_lg; j++) p->last[g->lg[j].value] = p->n_steps + 1;
+    if (s == KILN_OK && (p->planned_peak = peak_bytes(g, born, p->last, p->n_steps)) < 0) s = oom();
+    /* Eager: every op result lives from its op to its last read. */
+    int *elast = s == KILN_OK ? calloc((size_t)nv, sizeof *elast) : NULL;
+    if (s == KILN_OK && !elast) s = oom();
     if (s == KILN_OK) {
-        int64_t *delta = calloc((size_t)p->n_steps + 3, sizeof *delta);
-        if (!delta) s = oom();
-        for (int v = 1; s == KILN_OK && v < nv; v++) {
-            const value *x = &g->v[v];
-            if (x->kind != V_OP || !live(g, v) || kiln__ops[g->nd[x->index].op].is_view || !born[v]) continue;
-            int64_t bytes = kiln__numel(x->meta.ndim, x->meta.shape) * (int64_t)kiln_dtype_size(x->meta.dtype);
-            int end = p->last[v] > born[v] ? p->last[v] : born[v];
-            delta[born[v]] += bytes;
-            delta[end + 1] -= bytes;
-        }
-        int64_t cur = 0;
-        for (int t = 0; s == KILN_OK && t <= p->n_steps + 2; t++) {
-            cur += delta[t];
-            if (cur > p->planned_peak) p->planned_peak = cur;
-        }
-        free(delta);
-        /* Eager: every non-view op result lives from its op to its last use. */
-        int *elast = calloc((size_t)nv, sizeof *elast);
-        int64_t *ed = calloc((size_t)nn + 3, sizeof *ed);
-        if (s == KILN_OK && (!elast || !ed)) s = oom();
-        for (int k = 0; s == KILN_OK && k < nn; k++)
-            for (int i = 0; i < g->nd[k].n_in; i++) elast[g->nd[k].in[i]] = k + 1;
-        for (int j = 0; s == KILN_OK && j < g->n_outs; j++) elast[g->outs[j]] = nn + 1;
-        for (int j = 0; s == KILN_OK && j < g->n_lg; j++) elast[g->lg[j].value] = nn + 1;
-        for (int v = 1; s == KILN_OK && v < nv; v++) {
-            const value *x = &g->v[v];
-            if (x->kind != V_OP || !live(g, v) || kiln__ops[g->nd[x->index].op].is_view) continue;
-            int b = x->index + 1, e = elast[v] > b ? elast[v] : b;
-            int64_t bytes = kiln__numel(x->meta.ndim, x->meta.shape) * (int64_t)kiln_dtype_size(x->meta.dtype);
-            ed[b] += bytes;
-            ed[e + 1] -= bytes;
-        }
-        cur = 0;
-        for (int t = 0; s == KILN_OK && t <= nn + 2; t++) {
-            cur += ed[t];
-            if (cur > p->eager_peak) p->eager_peak = cur;
-        }
-        free(elast);
-        free(ed);
+        kiln__graph_last_use(g, elast);
+        for (int v = 1; v < nv; v++) born[v] = g->v[v].kind == V_OP && live(g, v) ? g->v[v].index + 1 : 0;
+        if ((p->eager_peak = peak_bytes(g, born, elast, nn)) < 0) s = oom();
     }
+    free(elast);
     free(born);
     free(mutated);
     free(kernel_of);

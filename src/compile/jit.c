@@ -51,7 +51,7 @@ static int make_dirs(const char *path)
     return mkdir(tmp, 0755) != 0 && errno != EEXIST ? -1 : 0;
 }
 
-kiln_status kiln__cache_dir(char *out, size_t n)
+static kiln_status cache_dir(char *out, size_t n)
 {
     const char *d = getenv("KILN_CACHE_DIR"), *x = getenv("XDG_CACHE_HOME"), *h = getenv("HOME");
     if (d && *d) snprintf(out, n, "%s", d);
@@ -162,16 +162,16 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
     for (int i = 0; i < N_CFLAGS; i++) h = fnv(h, cflags[i], strlen(cflags[i]));
     h = fnv(h, KILN_VERSION, strlen(KILN_VERSION));
     char dir[1024];
-    kiln_status s = kiln__cache_dir(dir, sizeof dir);
+    kiln_status s = cache_dir(dir, sizeof dir);
     if (s != KILN_OK) return s;
     char so[1100], c_path[1100], tmp_c[1150], tmp_so[1150], log[1150];
     snprintf(so, sizeof so, "%s/%016llx.so", dir, (unsigned long long)h);
     snprintf(c_path, sizeof c_path, "%s/%016llx.c", dir, (unsigned long long)h);
     bool hit = access(so, R_OK) == 0;
-    if (debug_dir && *debug_dir) {
-        char dp[1200];
-        snprintf(dp, sizeof dp, "%s/kernels.c", debug_dir);
-        write_file(dp, src);
+    FILE *df;
+    if (debug_dir && *debug_dir && (df = kiln__debug_open(debug_dir, "kernels.c"))) {
+        fputs(src, df);
+        fclose(df);
     }
     if (kiln__log_on("perf") || kiln__log_on("code"))
         fprintf(stderr, "kiln [perf] kernel cache %s: %s\n", hit ? "hit" : "miss", so);
@@ -182,19 +182,17 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
         snprintf(log, sizeof log, "%s/%016llx.%d.log", dir, (unsigned long long)h, pid);
         if ((s = write_file(tmp_c, src)) != KILN_OK) return s;
         s = run_cc(tmp_c, tmp_so, log);
-        if (debug_dir && *debug_dir) {
-            char dp[1200], cmd[64];
-            snprintf(dp, sizeof dp, "%s/compile.log", debug_dir);
-            FILE *in = fopen(log, "r"), *out = fopen(dp, "w");
-            if (in && out) {
-                fprintf(out, "%s", compiler());
-                for (int i = 0; i < N_CFLAGS; i++) fprintf(out, " %s", cflags[i]);
-                fprintf(out, " -o %s %s -lm\n", so, c_path);
-                size_t n;
-                while ((n = fread(cmd, 1, sizeof cmd, in)) > 0) fwrite(cmd, 1, n, out);
-            }
+        if (debug_dir && *debug_dir && (df = kiln__debug_open(debug_dir, "compile.log"))) {
+            /* The command, then what the compiler said. */
+            fprintf(df, "%s", compiler());
+            for (int i = 0; i < N_CFLAGS; i++) fprintf(df, " %s", cflags[i]);
+            fprintf(df, " -o %s %s -lm\n", so, c_path);
+            FILE *in = fopen(log, "r");
+            char chunk[512];
+            size_t n;
+            while (in && (n = fread(chunk, 1, sizeof chunk, in)) > 0) fwrite(chunk, 1, n, df);
             if (in) fclose(in);
-            if (out) fclose(out);
+            fclose(df);
         }
         if (s != KILN_OK) return s; /* the source and the log stay, named in the error */
         unlink(log);
@@ -215,6 +213,5 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
         }
     }
     p->so = lib;
-    snprintf(p->so_path, sizeof p->so_path, "%.1000s", so);
     return KILN_OK;
 }

@@ -6,7 +6,6 @@
 #include <string.h>
 #include "compile/compile_impl.h"
 #include "core/threadpool.h"
-#include "kiln/ops.h"
 
 typedef struct {
     void (*fn)(char *const *b, int64_t t0, int64_t t1);
@@ -17,27 +16,6 @@ static void launch_range(void *ctx, int64_t t0, int64_t t1)
 {
     const launch_ctx *l = ctx;
     l->fn(l->b, t0, t1);
-}
-
-void kiln__compile_options(kc_options *o)
-{
-    *o = (kc_options){true, true, true, true, true, 48};
-    const char *off = getenv("KILN_COMPILE_DISABLE");
-    for (const char *p = off; p && *p;) {
-        const char *e = strchr(p, ',');
-        size_t n = e ? (size_t)(e - p) : strlen(p);
-#define OFF(name) \
-    if (n == strlen(#name) && !strncmp(p, #name, n)) o->name = false;
-        OFF(decompose)
-        OFF(cse)
-        OFF(dce)
-        OFF(fusion)
-        OFF(codegen)
-#undef OFF
-        p += n + (e ? 1 : 0);
-    }
-    const char *mf = getenv("KILN_COMPILE_MAX_FUSE");
-    if (mf && atoi(mf) > 0) o->max_fuse = atoi(mf);
 }
 
 static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_t **rt)
@@ -82,59 +60,20 @@ kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_
                               int max_out, int *n_out)
 {
     kiln_graph_t *g = p->g;
-    if (!n_out || (max_out > 0 && !out)) return kiln__err(KILN_ERR_ARG, "graph_run: NULL outputs");
-    kiln_status s = kiln__graph_check_inputs(g, in, n_in, max_out);
-    if (s != KILN_OK) return s;
-    kiln_tensor_t **rt = calloc((size_t)g->n_v, sizeof *rt);
-    if (!rt) return kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
-    for (int i = 1; i < g->n_v; i++)
-        if (g->v[i].kind == V_ARG) rt[i] = kiln_tensor_retain(in[g->v[i].index]);
-        else if (g->v[i].kind == V_CONST) rt[i] = kiln_tensor_retain(g->v[i].t);
-    bool prev = kiln_set_grad_enabled(false);
-    kiln_tensor_t *ins[64], **insp = ins;
+    kiln__graph_frame f;
+    kiln_status s = kiln__graph_frame_begin(g, in, n_in, out, max_out, n_out, &f);
     for (int t = 0; s == KILN_OK && t < p->n_steps; t++) {
         const kc_step *st = &p->steps[t];
-        if (st->kind == STEP_KERNEL) {
-            const kc_kernel *k = &p->k[st->index];
-            s = run_kernel(p, k, rt);
-            for (int i = 0; s == KILN_OK && i < k->n_buf; i++) {
-                int v = k->buf[i].value;
-                if (!k->buf[i].output && p->last[v] == t + 1 && g->v[v].kind == V_OP) {
-                    kiln_tensor_free(rt[v]);
-                    rt[v] = NULL;
-                }
-            }
+        if (st->kind == STEP_OP) {
+            s = kiln__graph_run_node(g, st->index, &f, p->last, t + 1);
             continue;
         }
-        node *n = &g->nd[st->index];
-        if (n->n_in > 64 && !(insp = malloc(sizeof *insp * (size_t)n->n_in))) {
-            s = kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
-            break;
-        }
-        for (int i = 0; i < n->n_in; i++) insp[i] = rt[n->in[i]];
-        kiln_tensor_t *res[KILN__MAX_OUT] = {0};
-        s = kiln__dispatch(n->op, insp, n->n_in, &n->attrs, n->n_out ? res : NULL);
-        for (int j = 0; s == KILN_OK && j < n->n_out; j++) {
-            if (p->last[n->out[j]] == 0) kiln_tensor_free(res[j]); /* a hidden output nobody reads */
-            else rt[n->out[j]] = res[j];
-        }
-        for (int i = 0; s == KILN_OK && i < n->n_in; i++) {
-            int v = n->in[i];
-            if (p->last[v] == t + 1 && g->v[v].kind == V_OP) {
-                kiln_tensor_free(rt[v]);
-                rt[v] = NULL;
-            }
-        }
-        if (insp != ins) free(insp);
-        insp = ins;
+        const kc_kernel *k = &p->k[st->index];
+        s = run_kernel(p, k, f.rt);
+        for (int i = 0; s == KILN_OK && i < k->n_buf; i++)
+            if (!k->buf[i].output) kiln__graph_release(g, &f, k->buf[i].value, p->last, t + 1);
     }
-    if (s == KILN_OK) s = kiln__graph_add_leaf_grads(g, rt);
-    kiln_set_grad_enabled(prev);
-    for (int j = 0; s == KILN_OK && j < g->n_outs; j++) out[j] = kiln__scoped(kiln_tensor_retain(rt[g->outs[j]]));
-    *n_out = s == KILN_OK ? g->n_outs : 0;
-    for (int i = 0; i < g->n_v; i++) kiln_tensor_free(rt[i]);
-    free(rt);
-    return s;
+    return f.rt ? kiln__graph_frame_end(g, &f, s, out, n_out) : s;
 }
 
 void kiln__program_print(const kiln__program *p, FILE *f)

@@ -69,6 +69,17 @@ static kiln_tensor_t *meta_tensor(kiln__backend *be, kiln__storage *share, size_
     return t;
 }
 
+/* Argument `index` of the captured function, shaped by m (contiguous): a new value and
+ * the meta tensor that stands for it in *t. */
+static kiln_status add_arg(kiln_graph_t *g, int index, const kiln__meta *m, kiln__backend *be, kiln_tensor_t **t)
+{
+    int num = add_value(g, V_ARG, index, 0, m, NULL);
+    if (num < 0) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
+    size_t nb = (size_t)kiln__numel(m->ndim, m->shape) * kiln_dtype_size(m->dtype);
+    *t = meta_tensor(be, NULL, nb, m, false, num);
+    return *t ? KILN_OK : kiln_last_status();
+}
+
 /* The value number of an op's input: its own if it is being captured, else the real
  * tensor is captured by reference (once). */
 static int value_of(kiln_graph_t *g, kiln_tensor_t *t)
@@ -215,10 +226,7 @@ kiln_status kiln_graph_capture(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
         meta_of(example[i], &m);
         kiln__contiguous_strides(m.ndim, m.shape, m.stride);
         m.offset = 0;
-        int num = add_value(g, V_ARG, i, 0, &m, NULL);
-        size_t nb = (size_t)kiln_tensor_numel(example[i]) * kiln_dtype_size(m.dtype);
-        if (num < 0 || !(args[i] = meta_tensor(example[i]->st->be, NULL, nb, &m, false, num)))
-            s = num < 0 ? kiln__err(KILN_ERR_OOM, "graph_capture: out of memory") : kiln_last_status();
+        s = add_arg(g, i, &m, example[i]->st->be, &args[i]);
     }
     g->n_args = n_in;
     if (s == KILN_OK) {
@@ -307,51 +315,93 @@ kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt
     return s;
 }
 
+kiln_status kiln__graph_frame_begin(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
+                                    int max_out, int *n_out, kiln__graph_frame *f)
+{
+    memset(f, 0, sizeof *f);
+    if (!g || !n_out || (max_out > 0 && !out)) return kiln__err(KILN_ERR_ARG, "graph_run: NULL graph or outputs");
+    kiln_status s = kiln__graph_check_inputs(g, in, n_in, max_out);
+    if (s != KILN_OK) return s;
+    if (!(f->rt = calloc((size_t)g->n_v, sizeof *f->rt))) return kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
+    for (int i = 1; i < g->n_v; i++)
+        if (g->v[i].kind == V_ARG) f->rt[i] = kiln_tensor_retain(in[g->v[i].index]);
+        else if (g->v[i].kind == V_CONST) f->rt[i] = kiln_tensor_retain(g->v[i].t);
+    f->grad_was = kiln_set_grad_enabled(false);
+    return KILN_OK;
+}
+
+void kiln__graph_release(const kiln_graph_t *g, kiln__graph_frame *f, int v, const int *last, int now)
+{
+    if (last[v] == now && g->v[v].kind == V_OP) {
+        kiln_tensor_free(f->rt[v]);
+        f->rt[v] = NULL;
+    }
+}
+
+/* Node n's input tensors from vals[], in stack (64 entries) or, for more, in a new
+ * array (free it when it is not stack); NULL when out of memory. */
+static kiln_tensor_t **gather(const node *n, kiln_tensor_t *const *vals, kiln_tensor_t **stack)
+{
+    kiln_tensor_t **ins = n->n_in > 64 ? malloc(sizeof *ins * (size_t)n->n_in) : stack;
+    if (!ins) {
+        kiln__err(KILN_ERR_OOM, "graph: out of memory");
+        return NULL;
+    }
+    for (int i = 0; i < n->n_in; i++) ins[i] = vals[n->in[i]];
+    return ins;
+}
+
+kiln_status kiln__graph_run_node(const kiln_graph_t *g, int k, kiln__graph_frame *f, const int *last, int now)
+{
+    const node *n = &g->nd[k];
+    kiln_tensor_t *ins[64], **insp = gather(n, f->rt, ins);
+    if (!insp) return kiln_last_status();
+    kiln_tensor_t *res[KILN__MAX_OUT] = {0};
+    kiln_status s = kiln__dispatch(n->op, n->n_in ? insp : NULL, n->n_in, &n->attrs, n->n_out ? res : NULL);
+    if (insp != ins) free(insp);
+    if (s != KILN_OK) return s;
+    for (int j = 0; j < n->n_out; j++) {
+        if (last[n->out[j]] == 0) kiln_tensor_free(res[j]); /* a hidden output nothing reads */
+        else f->rt[n->out[j]] = res[j];
+    }
+    for (int i = 0; i < n->n_in; i++) kiln__graph_release(g, f, n->in[i], last, now);
+    return KILN_OK;
+}
+
+kiln_status kiln__graph_frame_end(const kiln_graph_t *g, kiln__graph_frame *f, kiln_status s, kiln_tensor_t **out,
+                                  int *n_out)
+{
+    if (s == KILN_OK) s = kiln__graph_add_leaf_grads(g, f->rt);
+    kiln_set_grad_enabled(f->grad_was);
+    for (int j = 0; s == KILN_OK && j < g->n_outs; j++) out[j] = kiln__scoped(kiln_tensor_retain(f->rt[g->outs[j]]));
+    *n_out = s == KILN_OK ? g->n_outs : 0;
+    for (int i = 0; i < g->n_v; i++) kiln_tensor_free(f->rt[i]);
+    free(f->rt);
+    f->rt = NULL;
+    return s;
+}
+
+void kiln__graph_last_use(const kiln_graph_t *g, int *last)
+{
+    for (int k = 0; k < g->n_nd; k++)
+        for (int i = 0; i < g->nd[k].n_in; i++) last[g->nd[k].in[i]] = k + 1;
+    for (int j = 0; j < g->n_outs; j++) last[g->outs[j]] = g->n_nd + 1;
+    for (int j = 0; j < g->n_lg; j++) last[g->lg[j].value] = g->n_nd + 1;
+}
+
 kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
                            int *n_out)
 {
-    if (!g || !n_out || (max_out > 0 && !out)) return kiln__err(KILN_ERR_ARG, "graph_run: NULL graph or outputs");
-    kiln_status cs = kiln__graph_check_inputs(g, in, n_in, max_out);
-    if (cs != KILN_OK) return cs;
+    kiln__graph_frame f;
+    kiln_status s = kiln__graph_frame_begin(g, in, n_in, out, max_out, n_out, &f);
+    if (s != KILN_OK) return s;
     /* Each value is freed after its last use; outputs are kept. */
     int *last = calloc((size_t)g->n_v, sizeof *last);
-    kiln_tensor_t **rt = calloc((size_t)g->n_v, sizeof *rt);
-    kiln_status s = last && rt ? KILN_OK : kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
-    for (int k = 0; s == KILN_OK && k < g->n_nd; k++)
-        for (int i = 0; i < g->nd[k].n_in; i++) last[g->nd[k].in[i]] = k + 1;
-    for (int j = 0; s == KILN_OK && j < g->n_outs; j++) last[g->outs[j]] = g->n_nd + 1;
-    for (int j = 0; s == KILN_OK && j < g->n_lg; j++) last[g->lg[j].value] = g->n_nd + 1;
-    for (int i = 1; s == KILN_OK && i < g->n_v; i++)
-        if (g->v[i].kind == V_ARG) rt[i] = kiln_tensor_retain(in[g->v[i].index]);
-        else if (g->v[i].kind == V_CONST) rt[i] = kiln_tensor_retain(g->v[i].t);
-    bool prev = kiln_set_grad_enabled(false);
-    kiln_tensor_t *ins[64], **insp = ins;
-    for (int k = 0; s == KILN_OK && k < g->n_nd; k++) {
-        node *n = &g->nd[k];
-        if (n->n_in > 64 && !(insp = malloc(sizeof *insp * (size_t)n->n_in))) {
-            s = kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
-            break;
-        }
-        for (int i = 0; i < n->n_in; i++) insp[i] = rt[n->in[i]];
-        kiln_tensor_t *res[KILN__MAX_OUT] = {0};
-        s = kiln__dispatch(n->op, insp, n->n_in, &n->attrs, n->n_out ? res : NULL);
-        for (int j = 0; s == KILN_OK && j < n->n_out; j++) rt[n->out[j]] = res[j];
-        for (int i = 0; s == KILN_OK && i < n->n_in; i++)
-            if (last[n->in[i]] == k + 1 && g->v[n->in[i]].kind == V_OP) {
-                kiln_tensor_free(rt[n->in[i]]);
-                rt[n->in[i]] = NULL;
-            }
-        if (insp != ins) free(insp);
-        insp = ins;
-    }
-    if (s == KILN_OK) s = kiln__graph_add_leaf_grads(g, rt);
-    kiln_set_grad_enabled(prev);
-    for (int j = 0; s == KILN_OK && j < g->n_outs; j++) out[j] = kiln__scoped(kiln_tensor_retain(rt[g->outs[j]]));
-    *n_out = s == KILN_OK ? g->n_outs : 0;
-    for (int i = 0; rt && i < g->n_v; i++) kiln_tensor_free(rt[i]);
-    free(rt);
+    if (!last) s = kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
+    else kiln__graph_last_use(g, last);
+    for (int k = 0; s == KILN_OK && k < g->n_nd; k++) s = kiln__graph_run_node(g, k, &f, last, k + 1);
     free(last);
-    return s;
+    return kiln__graph_frame_end(g, &f, s, out, n_out);
 }
 
 kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
@@ -483,32 +533,29 @@ kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed)
         const value *v = &g->v[i];
         if (v->kind == V_CONST) map[i] = v->t;
         if (v->kind != V_ARG) continue;
-        int num = add_value(ng, V_ARG, v->index, 0, &v->meta, NULL);
-        size_t nb = (size_t)kiln__numel(v->meta.ndim, v->meta.shape) * kiln_dtype_size(v->meta.dtype);
-        if (num < 0 || !(map[i] = meta_tensor(be, NULL, nb, &v->meta, false, num)))
-            s = num < 0 ? kiln__err(KILN_ERR_OOM, "graph_decompose: out of memory") : kiln_last_status();
+        s = add_arg(ng, v->index, &v->meta, be, &map[i]);
     }
     ng->n_args = g->n_args;
     int count = 0;
     capturing = ng;
     bool prev = kiln_set_grad_enabled(false);
     kiln_scope_begin();
-    kiln_tensor_t *ins[64];
     for (int k = 0; s == KILN_OK && k < g->n_nd; k++) {
         const node *n = &g->nd[k];
-        if (n->n_in > 64) {
-            s = kiln__err(KILN_ERR_UNSUPPORTED, "graph_decompose: %s has %d inputs (at most 64)", kiln__ops[n->op].name, n->n_in);
+        kiln_tensor_t *stack[64], **ins = gather(n, map, stack);
+        if (!ins) {
+            s = kiln_last_status();
             break;
         }
-        for (int i = 0; i < n->n_in; i++) ins[i] = map[n->in[i]];
         kiln_tensor_t *res[KILN__MAX_OUT] = {0};
         kiln__decompose_fn dec = kiln__decomposition(n->op);
         if (dec) {
             s = dec(ins, n->n_in, &n->attrs, res);
             count += s == KILN_OK;
         } else {
-            s = kiln__dispatch(n->op, ins, n->n_in, &n->attrs, n->n_out ? res : NULL);
+            s = kiln__dispatch(n->op, n->n_in ? ins : NULL, n->n_in, &n->attrs, n->n_out ? res : NULL);
         }
+        if (ins != stack) free(ins);
         for (int j = 0; s == KILN_OK && j < n->n_out; j++) map[n->out[j]] = res[j];
     }
     for (int j = 0; s == KILN_OK && j < g->n_outs; j++)

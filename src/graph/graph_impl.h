@@ -41,8 +41,31 @@ struct kiln_graph {
     kiln_status failed; /* the first recording error, reported at the end of capture */
 };
 
+/* One run of a graph (the interpreter's, and a compiled program's): rt[v] holds value
+ * v's tensor; arguments and captured tensors are bound at the start, grad mode is off
+ * until the end. */
+typedef struct {
+    kiln_tensor_t **rt;
+    bool grad_was;
+} kiln__graph_frame;
+
 /* Checks in[0..n_in) against the graph's arguments (count, dtype, shape). */
 kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, int max_out);
+/* Checks the arguments and binds them (nothing to end on failure). */
+kiln_status kiln__graph_frame_begin(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
+                                    int max_out, int *n_out, kiln__graph_frame *f);
+/* Runs node k through dispatch at step `now`: outputs nothing reads (last 0) are dropped,
+ * inputs whose last step is now are freed. */
+kiln_status kiln__graph_run_node(const kiln_graph_t *g, int k, kiln__graph_frame *f, const int *last, int now);
+/* last[v] = 1 + the index of the last node that reads v; n_nd + 1 for the outputs and
+ * leaf gradients; 0 for values nothing reads (last has n_v zeroed entries). */
+void kiln__graph_last_use(const kiln_graph_t *g, int *last);
+/* Frees value v if step `now` is its last read (intermediates only). */
+void kiln__graph_release(const kiln_graph_t *g, kiln__graph_frame *f, int v, const int *last, int now);
+/* After status s: adds the leaf gradients, gives the outputs (in the caller's scope),
+ * frees the rest; returns s or the first new error. */
+kiln_status kiln__graph_frame_end(const kiln_graph_t *g, kiln__graph_frame *f, kiln_status s, kiln_tensor_t **out,
+                                  int *n_out);
 /* Adds each computed leaf gradient (rt[value]) into its leaf, as kiln_backward would; a
  * leaf without a gradient may take rt[value] itself (then set to NULL). */
 kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt);

@@ -708,3 +708,15 @@ kiln_tensor_t *kiln_gpt_forward_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const ki
     free(slots);
     return logits;
 }
+
+kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    if (!model || !in || n_in != 2 || !out || !n_out)
+        return kiln_error(KILN_ERR_ARG, "gpt_loss_backward: needs the model, (idx, targets) and room for the loss");
+    kiln_tensor_t *loss;
+    if (!kiln_gpt_forward(model, in[0], in[1], true, &loss)) return kiln_last_status();
+    kiln_status s = kiln_backward(loss);
+    out[0] = loss;
+    *n_out = 1;
+    return s;
+}
