@@ -75,6 +75,21 @@ kiln_tensor_t *kiln_gpt_forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t
  * kiln_compiled_new(kiln_gpt_loss_backward, m, ...) compiles it. */
 kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out);
 
+/* A whole training step, also a kiln_graph_fn (ctx: a kiln_gpt_step), so that one graph
+ * holds forward, loss, backward, gradient clipping and the optimizer update: in = (idx,
+ * targets, lr), lr a one-element f32/f64 tensor; out = (loss, gradient norm before
+ * clipping). The gradients are zeroed at the end (inside a graph they never reach the
+ * parameters), so they must be empty when it is called. */
+typedef struct kiln_optim kiln_optim_t;
+typedef struct {
+    kiln_gpt_t *model;
+    kiln_optim_t *opt;
+    kiln_tensor_t *const *params; /* the optimizer's, for the norm */
+    int n_params;
+    double clip; /* max gradient norm; <= 0: no clipping */
+} kiln_gpt_step;
+kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out);
+
 /* Incremental decoding with a key/value cache of up to block_size positions. */
 typedef struct kiln_kv_cache kiln_kv_cache_t;
 kiln_status kiln_kv_cache_new(const kiln_gpt_t *m, int batch, kiln_kv_cache_t **out);

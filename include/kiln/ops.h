@@ -162,9 +162,17 @@ kiln_status kiln_fill_(kiln_tensor_t *dst, double value);
 /* dst[index[i]] = src[i] along dim 0 (index (n) i32/i64, src (n, ...) like dst's rows). */
 kiln_status kiln_index_copy_(kiln_tensor_t *dst, kiln_tensor_t *index, kiln_tensor_t *src);
 /* One AdamW step on p with gradient g and moments m, v (all f32, same shape):
- * bias-corrected with step t >= 1; decoupled weight decay wd. */
+ * bias-corrected with step t >= 1; decoupled weight decay wd. Not inside a graph
+ * capture (lr and t would be frozen into it): use kiln_adamw_step_ there. */
 kiln_status kiln_adamw_(kiln_tensor_t *p, kiln_tensor_t *g, kiln_tensor_t *m, kiln_tensor_t *v,
                         double lr, double beta1, double beta2, double eps, double wd, int64_t t);
+/* The same with the per-step values in one-element f32/f64 tensors, read when the update
+ * runs, so that a captured graph takes them afresh each run: learning rate lr, step
+ * count step (>= 1) and gscale, by which the gradient is multiplied first (a clipping
+ * coefficient, kiln_clip_coef; a tensor holding 1 for none). */
+kiln_status kiln_adamw_step_(kiln_tensor_t *p, kiln_tensor_t *g, kiln_tensor_t *m, kiln_tensor_t *v, kiln_tensor_t *lr,
+                             kiln_tensor_t *step, kiln_tensor_t *gscale, double beta1, double beta2, double eps,
+                             double wd);
 
 /* Autograd. */
 void kiln_tensor_set_requires_grad(kiln_tensor_t *t, bool on);

@@ -7,6 +7,13 @@
  *     kiln_clip_grad_norm(params, n, 1.0, &norm);
  *     kiln_optim_step(opt, kiln_lr_cosine(step, 100, 5000, 6e-4, 6e-5));
  *     kiln_optim_zero_grad(opt);
+ *
+ * Inside a function captured as a graph (kiln/graph.h), where nothing may read a value
+ * or take a number that changes between steps, the same step is
+ *     kiln_tensor_t *norm;
+ *     kiln_grad_norm(params, n, &norm);
+ *     kiln_optim_step_t(opt, lr_tensor, kiln_clip_coef(norm, 1.0));
+ *     kiln_optim_zero_grad(opt);
  */
 #ifndef KILN_OPTIM_H
 #define KILN_OPTIM_H
@@ -27,8 +34,16 @@ kiln_status kiln_adamw_new(kiln_tensor_t *const *params, int n, const bool *deca
 kiln_status kiln_sgd_new(kiln_tensor_t *const *params, int n, const bool *decay, double momentum,
                          double weight_decay, kiln_optim_t **out);
 void kiln_optim_free(kiln_optim_t *o);
-/* One update at learning rate lr; parameters without a gradient are skipped. */
+/* One update at learning rate lr; parameters without a gradient are skipped. Not
+ * inside a graph capture (lr would be frozen into it): use kiln_optim_step_t. */
 kiln_status kiln_optim_step(kiln_optim_t *o, double lr);
+/* The same with the learning rate in a one-element f32/f64 tensor, and each gradient
+ * multiplied by gscale (one element, as lr; NULL: 1) on the way in — the clipping
+ * coefficient of kiln_clip_coef, applied without touching the gradients. Everything
+ * that changes from step to step (lr, gscale, the step count, which the optimizer keeps
+ * in a tensor) is read when the update runs, so this works inside a captured training
+ * step (kiln/graph.h) and every run of the graph takes a fresh step. */
+kiln_status kiln_optim_step_t(kiln_optim_t *o, kiln_tensor_t *lr, kiln_tensor_t *gscale);
 void kiln_optim_zero_grad(kiln_optim_t *o);
 int64_t kiln_optim_steps(const kiln_optim_t *o);
 /* State for checkpoints: per parameter i, slot k (AdamW: 0 = m, 1 = v; SGD: 0 =
@@ -39,8 +54,15 @@ kiln_tensor_t *kiln_optim_state(kiln_optim_t *o, int i, int slot);
 kiln_status kiln_optim_set_state(kiln_optim_t *o, int64_t steps, int i, int slot, const kiln_tensor_t *value);
 
 /* Scales all gradients so that their global L2 norm is at most max_norm (<= 0: no
- * clipping); *norm receives the norm before clipping. */
+ * clipping); *norm receives the norm before clipping. Reads the norm's value, so not
+ * inside a graph capture: there use kiln_grad_norm, kiln_clip_coef, kiln_optim_step_t. */
 kiln_status kiln_clip_grad_norm(kiln_tensor_t *const *params, int n, double max_norm, double *norm);
+/* The global L2 norm of the parameters' gradients as an f64 scalar tensor (in the
+ * caller's scope; 0 when none has a gradient). */
+kiln_status kiln_grad_norm(kiln_tensor_t *const *params, int n, kiln_tensor_t **norm);
+/* The clipping coefficient for a gradient norm: min(1, max_norm / (norm + 1e-6)) as an
+ * f32 scalar tensor (1 when max_norm <= 0), for kiln_optim_step_t's gscale. */
+kiln_tensor_t *kiln_clip_coef(kiln_tensor_t *norm, double max_norm);
 
 /* Linear warmup over `warmup` steps, then cosine from lr_max down to lr_min at `total`. */
 double kiln_lr_cosine(int64_t step, int64_t warmup, int64_t total, double lr_max, double lr_min);

@@ -140,11 +140,19 @@ void kiln_tensor_set_requires_grad(kiln_tensor_t *t, bool on)
 }
 
 bool kiln_tensor_requires_grad(const kiln_tensor_t *t) { return kiln__tracks(t); }
-kiln_tensor_t *kiln_tensor_grad(const kiln_tensor_t *t) { return t ? t->grad : NULL; }
+kiln_tensor_t *kiln_tensor_grad(const kiln_tensor_t *t)
+{
+    if (t && kiln__graph_capturing() && !t->st->meta) return kiln__graph_grad_of(t);
+    return t ? t->grad : NULL;
+}
 
 void kiln_tensor_zero_grad(kiln_tensor_t *t)
 {
     if (!t) return;
+    if (kiln__graph_capturing() && !t->st->meta) {
+        kiln__graph_zero_grad(t);
+        return;
+    }
     kiln_tensor_free(t->grad);
     t->grad = NULL;
 }
@@ -158,7 +166,6 @@ void kiln_set_grad_ready_hook(kiln_grad_ready_fn fn, void *ctx)
     ready_ctx = ctx;
 }
 
-bool kiln__graph_capturing(void);
 kiln_status kiln__graph_leaf_grad(kiln_tensor_t *leaf, kiln_tensor_t *g);
 
 static kiln_status accumulate_leaf(kiln_tensor_t *leaf, kiln_tensor_t *g)

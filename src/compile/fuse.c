@@ -443,7 +443,8 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
         }
     }
     for (int j = 0; s == KILN_OK && j < g->n_outs; j++) stored[g->outs[j]] = outside[g->outs[j]] = true;
-    for (int j = 0; s == KILN_OK && j < g->n_lg; j++) stored[g->lg[j].value] = outside[g->lg[j].value] = true;
+    for (int j = 0; s == KILN_OK && j < g->n_lg; j++)
+        if (!g->lg[j].dropped) stored[g->lg[j].value] = outside[g->lg[j].value] = true;
     /* Kernels, one per group, and the steps in program order. */
     int *kernel_of = s == KILN_OK ? malloc(sizeof(int) * (size_t)(n_gr + 1)) : NULL;
     int *members = s == KILN_OK ? malloc(sizeof(int) * (size_t)(nn + 1)) : NULL;
@@ -500,7 +501,8 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
         }
     }
     for (int j = 0; s == KILN_OK && j < g->n_outs; j++) p->last[g->outs[j]] = p->n_steps + 1;
-    for (int j = 0; s == KILN_OK && j < g->n_lg; j++) p->last[g->lg[j].value] = p->n_steps + 1;
+    for (int j = 0; s == KILN_OK && j < g->n_lg; j++)
+        if (!g->lg[j].dropped) p->last[g->lg[j].value] = p->n_steps + 1;
     if (s == KILN_OK && (p->planned_peak = peak_bytes(g, born, p->last, p->n_steps)) < 0) s = oom();
     /* Eager: every op result lives from its op to its last read. */
     int *elast = s == KILN_OK ? calloc((size_t)nv, sizeof *elast) : NULL;

@@ -13,7 +13,6 @@ kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, con
                          kiln_tensor_t **out, int n_out);
 bool kiln__tracks(const kiln_tensor_t *t);
 /* src/graph/graph.c: in capture mode, records the call and gives meta outputs. */
-bool kiln__graph_capturing(void);
 kiln_status kiln__graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                const kiln__meta *meta, kiln__backend *be, kiln_tensor_t **out);
 

@@ -68,6 +68,19 @@ kiln_status kiln__err(kiln_status s, const char *fmt, ...) __attribute__((format
  * failure, so chains pass it along), else reports "op: a tensor argument is NULL". */
 kiln_status kiln__null_arg(const char *op);
 
+/* Graph capture hooks (src/graph/graph.c), for the code that must act differently while
+ * a function is being captured on this thread. */
+bool kiln__graph_capturing(void);
+/* kiln_tensor_grad and kiln_tensor_zero_grad on a real leaf during capture: the
+ * gradient the graph has computed for it so far, and dropping it (the graph consumes it;
+ * the leaf holds no gradient after a run). */
+kiln_tensor_t *kiln__graph_grad_of(const kiln_tensor_t *leaf);
+void kiln__graph_zero_grad(kiln_tensor_t *leaf);
+/* Pauses this thread's capture (returns it; NULL if none) so that real tensors can be
+ * made, such as optimizer state on its first step; kiln__graph_resume(that) goes on. */
+void *kiln__graph_suspend(void);
+void kiln__graph_resume(void *capture);
+
 /* Library state. */
 void kiln__ensure_init(void);
 void kiln__memory_account(long long delta);

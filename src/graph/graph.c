@@ -105,9 +105,6 @@ kiln_status kiln__graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_i
         return kiln__err(KILN_ERR_UNSUPPORTED, "%s during graph capture: its random stream would be frozen into the "
                          "graph and every run would draw the same numbers; capture without it (dropout 0) for now",
                          d->name);
-    if (op == KILN_OP_ADAMW_)
-        return kiln__err(KILN_ERR_UNSUPPORTED, "adamw_ during graph capture: its step count would be frozen into the "
-                         "graph; run the optimizer update outside the captured function for now");
     for (int i = 0; i < n_in; i++)
         if (in[i]->st->meta && (in[i]->graph_value <= 0 || in[i]->graph_value >= g->n_v))
             return kiln__err(KILN_ERR_ARG, "%s: input %d belongs to another graph's capture", d->name, i);
@@ -149,23 +146,44 @@ kiln_status kiln__graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_i
     return KILN_OK;
 }
 
+/* The first error of a hook that cannot return one; kiln_graph_capture reports it. */
+static void fail_later(kiln_graph_t *g, kiln_status code, const char *msg)
+{
+    if (g->failed) return;
+    g->failed = code;
+    snprintf(g->failed_msg, sizeof g->failed_msg, "%s", msg);
+}
+
+static leaf_grad *find_leaf(kiln_graph_t *g, const kiln_tensor_t *leaf)
+{
+    for (int i = 0; i < g->n_lg; i++)
+        if (g->lg[i].leaf == leaf) return &g->lg[i];
+    return NULL;
+}
+
+/* leaf's entry, made (dropped, value 0) if it has none; NULL when out of memory. */
+static leaf_grad *leaf_entry(kiln_graph_t *g, kiln_tensor_t *leaf)
+{
+    leaf_grad *e = find_leaf(g, leaf);
+    if (e) return e;
+    if (g->n_lg == g->cap_lg) {
+        int cap = g->cap_lg ? 2 * g->cap_lg : 16;
+        leaf_grad *l = realloc(g->lg, sizeof *l * (size_t)cap);
+        if (!l) return NULL;
+        g->lg = l;
+        g->cap_lg = cap;
+    }
+    e = &g->lg[g->n_lg++];
+    *e = (leaf_grad){kiln_tensor_retain(leaf), 0, NULL, false, true, false};
+    return e;
+}
+
 kiln_status kiln__graph_leaf_grad(kiln_tensor_t *leaf, kiln_tensor_t *g)
 {
     kiln_graph_t *gr = capturing;
-    leaf_grad *e = NULL;
-    for (int i = 0; i < gr->n_lg && !e; i++)
-        if (gr->lg[i].leaf == leaf) e = &gr->lg[i];
-    if (!e) {
-        if (gr->n_lg == gr->cap_lg) {
-            int cap = gr->cap_lg ? 2 * gr->cap_lg : 16;
-            leaf_grad *l = realloc(gr->lg, sizeof *l * (size_t)cap);
-            if (!l) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
-            gr->lg = l;
-            gr->cap_lg = cap;
-        }
-        e = &gr->lg[gr->n_lg++];
-        *e = (leaf_grad){kiln_tensor_retain(leaf), 0, NULL};
-    }
+    leaf_grad *e = leaf_entry(gr, leaf);
+    if (!e) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
+    e->dropped = false;
     /* As eager backward sums them: the first part, then each next one added (a run
      * gives the leaf a tensor of its own, kiln__graph_add_leaf_grads). */
     kiln_tensor_t *sum = e->acc ? kiln_add(e->acc, g) : kiln__scoped(kiln_tensor_retain(g));
@@ -175,6 +193,51 @@ kiln_status kiln__graph_leaf_grad(kiln_tensor_t *leaf, kiln_tensor_t *g)
     e->value = sum->graph_value;
     return KILN_OK;
 }
+
+kiln_tensor_t *kiln__graph_grad_of(const kiln_tensor_t *leaf)
+{
+    kiln_graph_t *g = capturing;
+    leaf_grad *e = find_leaf(g, leaf);
+    /* Until the function zeroes it, a leaf's gradient at run time is whatever it holds
+     * when the run starts plus what the graph adds; the graph cannot follow the former
+     * (a gradient tensor is replaced between calls), so it must be empty. */
+    bool old_counts = !e || !e->clear;
+    if (old_counts && leaf->grad) {
+        char b[96];
+        char msg[320];
+        snprintf(msg, sizeof msg, "graph capture: the function reads the gradient of a parameter %s that already "
+                 "held one when the capture began; a graph cannot follow a gradient that is replaced between calls: "
+                 "zero the gradients before calling it (kiln_optim_zero_grad)", kiln__shape_str(leaf, b, sizeof b));
+        fail_later(g, KILN_ERR_UNSUPPORTED, msg);
+        return NULL;
+    }
+    if (!e || !e->acc) return NULL;
+    if (old_counts) e->read = true;
+    return e->acc;
+}
+
+void kiln__graph_zero_grad(kiln_tensor_t *leaf)
+{
+    kiln_graph_t *g = capturing;
+    leaf_grad *e = leaf_entry(g, leaf);
+    if (!e) {
+        fail_later(g, KILN_ERR_OOM, "graph capture: out of memory");
+        return;
+    }
+    kiln_tensor_free(e->acc);
+    e->acc = NULL;
+    e->value = 0;
+    e->dropped = e->clear = true;
+}
+
+void *kiln__graph_suspend(void)
+{
+    kiln_graph_t *g = capturing;
+    capturing = NULL;
+    return g;
+}
+
+void kiln__graph_resume(void *capture) { capturing = capture; }
 
 kiln_status kiln__graph_data_access(const kiln_tensor_t *t, const char *what)
 {
@@ -241,6 +304,7 @@ kiln_status kiln_graph_capture(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
             if (!res[j]) s = kiln__err(KILN_ERR_ARG, "graph_capture: output %d is NULL", j);
             else if ((g->outs[j] = value_of(g, res[j])) < 0) s = kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
         }
+        if (s == KILN_OK && g->failed) s = kiln__err(g->failed, "%s", g->failed_msg);
         g->n_outs = s == KILN_OK ? n_out : 0;
         for (int i = 0; i < g->n_lg; i++) { /* the meta sums are done with */
             kiln_tensor_free(g->lg[i].acc);
@@ -282,6 +346,13 @@ kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const
                              kiln__shape_str(in[i], got, sizeof got), kiln__meta_str(&g->v[i + 1].meta, want, sizeof want));
         }
     }
+    for (int j = 0; j < g->n_lg; j++)
+        if (g->lg[j].read && g->lg[j].leaf->grad) {
+            char b[96];
+            return kiln__err(KILN_ERR_ARG, "graph_run: the graph reads the gradient of a parameter %s that holds one "
+                             "from before the call; zero the gradients first (kiln_optim_zero_grad)",
+                             kiln__shape_str(g->lg[j].leaf, b, sizeof b));
+        }
     return KILN_OK;
 }
 
@@ -293,6 +364,11 @@ kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt
     for (int j = 0; s == KILN_OK && j < g->n_lg; j++) {
         int v = g->lg[j].value;
         kiln_tensor_t *leaf = g->lg[j].leaf, *gv = rt[v];
+        if (g->lg[j].clear) {
+            kiln_tensor_free(leaf->grad);
+            leaf->grad = NULL;
+        }
+        if (g->lg[j].dropped) continue;
         if (leaf->grad) {
             s = kiln_add_(leaf->grad, gv, 1.0);
             continue;
@@ -386,7 +462,8 @@ void kiln__graph_last_use(const kiln_graph_t *g, int *last)
     for (int k = 0; k < g->n_nd; k++)
         for (int i = 0; i < g->nd[k].n_in; i++) last[g->nd[k].in[i]] = k + 1;
     for (int j = 0; j < g->n_outs; j++) last[g->outs[j]] = g->n_nd + 1;
-    for (int j = 0; j < g->n_lg; j++) last[g->lg[j].value] = g->n_nd + 1;
+    for (int j = 0; j < g->n_lg; j++)
+        if (!g->lg[j].dropped) last[g->lg[j].value] = g->n_nd + 1;
 }
 
 kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
@@ -414,7 +491,8 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
         return kiln__err(KILN_ERR_OOM, "graph_dce: out of memory");
     }
     for (int j = 0; j < g->n_outs; j++) used[g->outs[j]] = true;
-    for (int j = 0; j < g->n_lg; j++) used[g->lg[j].value] = true;
+    for (int j = 0; j < g->n_lg; j++)
+        if (!g->lg[j].dropped) used[g->lg[j].value] = true;
     for (int k = g->n_nd - 1; k >= 0; k--) {
         node *n = &g->nd[k];
         bool live = kiln__ops[n->op].is_inplace;
@@ -506,8 +584,11 @@ kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f)
         int num = 0;
         for (int i = 1; i < g->n_v && !num; i++)
             if (g->v[i].kind == V_CONST && g->v[i].t == g->lg[j].leaf) num = i;
-        if (num) fprintf(f, "grad(%%%d) += %%%d\n", num, g->lg[j].value);
-        else fprintf(f, "grad(a captured leaf) += %%%d\n", g->lg[j].value);
+        const leaf_grad *e = &g->lg[j];
+        char who[32] = "a captured leaf";
+        if (num) snprintf(who, sizeof who, "%%%d", num);
+        if (e->clear) fprintf(f, "grad(%s) = none\n", who);
+        if (!e->dropped) fprintf(f, "grad(%s) += %%%d\n", who, e->value);
     }
     fprintf(f, "return");
     for (int j = 0; j < g->n_outs; j++) fprintf(f, "%s %%%d", j ? "," : "", g->outs[j]);
@@ -565,7 +646,9 @@ kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed)
         ng->lg = calloc((size_t)g->n_lg, sizeof *ng->lg);
         if (!ng->lg) s = kiln__err(KILN_ERR_OOM, "graph_decompose: out of memory");
         for (int j = 0; s == KILN_OK && j < g->n_lg; j++) {
-            ng->lg[j] = (leaf_grad){kiln_tensor_retain(g->lg[j].leaf), value_of(ng, map[g->lg[j].value]), NULL};
+            ng->lg[j] = g->lg[j];
+            ng->lg[j].leaf = kiln_tensor_retain(g->lg[j].leaf);
+            ng->lg[j].value = g->lg[j].dropped ? 0 : value_of(ng, map[g->lg[j].value]);
             ng->n_lg = ng->cap_lg = j + 1;
             if (ng->lg[j].value < 0) s = kiln__err(KILN_ERR_OOM, "graph_decompose: out of memory");
         }

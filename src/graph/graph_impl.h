@@ -23,10 +23,15 @@ typedef struct {
     int out[KILN__MAX_OUT];  /* value numbers; 0 for an in-place op */
 } node;
 
+/* A real leaf whose gradient the graph computes, reads or clears. At the end of a run
+ * the leaf's gradient is freed if `clear`, then `value` is added into it unless
+ * `dropped` (the function zeroed it after using it: the gradient lives only inside the
+ * graph). A graph that `read` the gradient needs the leaf to hold none when it starts. */
 typedef struct {
-    kiln_tensor_t *leaf; /* a real tensor whose gradient the graph computes (retained) */
-    int value;           /* that gradient */
+    kiln_tensor_t *leaf; /* retained */
+    int value;           /* the gradient computed; 0 when dropped */
     kiln_tensor_t *acc;  /* during capture: the meta tensor of the sum so far */
+    bool read, dropped, clear;
 } leaf_grad;
 
 struct kiln_graph {
@@ -38,7 +43,8 @@ struct kiln_graph {
     int n_nd, cap_nd;
     int n_args;
     int outs[KILN_GRAPH_MAX_OUT], n_outs;
-    kiln_status failed; /* the first recording error, reported at the end of capture */
+    kiln_status failed; /* the first error of a hook that cannot return one, reported at the end of capture */
+    char failed_msg[320];
 };
 
 /* One run of a graph (the interpreter's, and a compiled program's): rt[v] holds value

@@ -6,6 +6,7 @@
 #include <string.h>
 #include "kiln/io.h"
 #include "kiln/nn.h"
+#include "kiln/optim.h"
 
 
 typedef struct {
@@ -718,5 +719,25 @@ kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_
     kiln_status s = kiln_backward(loss);
     out[0] = loss;
     *n_out = 1;
+    return s;
+}
+
+kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    const kiln_gpt_step *st = step;
+    if (!st || !st->model || !st->opt || !in || n_in != 3 || !out || !n_out)
+        return kiln_error(KILN_ERR_ARG, "gpt_train_step: needs the model and optimizer, (idx, targets, lr) and room "
+                          "for (loss, norm)");
+    kiln_tensor_t *loss, *norm = NULL;
+    if (!kiln_gpt_forward(st->model, in[0], in[1], true, &loss)) return kiln_last_status();
+    kiln_status s = kiln_backward(loss);
+    if (s == KILN_OK) s = kiln_grad_norm(st->params, st->n_params, &norm);
+    kiln_tensor_t *coef = s == KILN_OK && st->clip > 0 ? kiln_clip_coef(norm, st->clip) : NULL;
+    if (s == KILN_OK && st->clip > 0 && !coef) s = kiln_last_status();
+    if (s == KILN_OK) s = kiln_optim_step_t(st->opt, in[2], coef);
+    kiln_optim_zero_grad(st->opt);
+    out[0] = loss;
+    out[1] = norm;
+    *n_out = 2;
     return s;
 }

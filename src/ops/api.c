@@ -648,17 +648,32 @@ kiln_status kiln_fill_(kiln_tensor_t *dst, double value)
     return kiln__dispatch(KILN_OP_FILL_, &dst, 1, &at, NULL);
 }
 
+kiln_status kiln_adamw_step_(kiln_tensor_t *p, kiln_tensor_t *g, kiln_tensor_t *m, kiln_tensor_t *v, kiln_tensor_t *lr,
+                             kiln_tensor_t *step, kiln_tensor_t *gscale, double beta1, double beta2, double eps, double wd)
+{
+    kiln__attrs at = {0};
+    at.f[0] = wd;
+    memcpy(&at.shape[0], &beta1, 8);
+    memcpy(&at.shape[1], &beta2, 8);
+    memcpy(&at.shape[2], &eps, 8);
+    kiln_tensor_t *in[7] = {p, g, m, v, lr, step, gscale};
+    return kiln__dispatch(KILN_OP_ADAMW_, in, 7, &at, NULL);
+}
+
 kiln_status kiln_adamw_(kiln_tensor_t *p, kiln_tensor_t *g, kiln_tensor_t *m, kiln_tensor_t *v, double lr, double beta1,
                         double beta2, double eps, double wd, int64_t t)
 {
     if (t < 1) return kiln__err(KILN_ERR_ARG, "adamw_: step %lld must be >= 1", (long long)t);
-    kiln__attrs at = {0};
-    at.f[0] = lr;
-    at.f[1] = wd;
-    memcpy(&at.shape[0], &beta1, 8);
-    memcpy(&at.shape[1], &beta2, 8);
-    memcpy(&at.shape[2], &eps, 8);
-    at.i[0] = t;
-    kiln_tensor_t *in[4] = {p, g, m, v};
-    return kiln__dispatch(KILN_OP_ADAMW_, in, 4, &at, NULL);
+    if (kiln__graph_capturing())
+        return kiln__err(KILN_ERR_UNSUPPORTED, "adamw_ during graph capture: its lr and step count would be frozen into "
+                         "the graph; give them as tensors with kiln_adamw_step_ (kiln_optim_step_t does)");
+    double vals[3] = {lr, (double)t, 1.0};
+    int64_t one = 1;
+    kiln_scope_begin();
+    kiln_tensor_t *sc[3];
+    for (int i = 0; i < 3; i++) sc[i] = kiln_from_data(&vals[i], &one, 1, KILN_DTYPE_F64);
+    kiln_status s = sc[0] && sc[1] && sc[2] ? kiln_adamw_step_(p, g, m, v, sc[0], sc[1], sc[2], beta1, beta2, eps, wd)
+                                            : kiln_last_status();
+    kiln_scope_end();
+    return s;
 }

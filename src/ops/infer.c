@@ -632,6 +632,14 @@ kiln_status kiln__infer_adamw_(kiln_tensor_t *const *in, int n, const kiln__attr
             return kiln__err(KILN_ERR_SHAPE, "adamw_: tensor %d %s must be contiguous f32 shaped like the parameter %s", i,
                              SHP(in[i], b1), SHP(in[0], b2));
     }
+    static const char *const scalar[3] = {"lr", "step", "gscale"};
+    for (int i = 4; i < 7; i++) {
+        char b[96];
+        if ((in[i]->dtype != KILN_DTYPE_F32 && in[i]->dtype != KILN_DTYPE_F64) ||
+            kiln__numel(in[i]->ndim, in[i]->shape) != 1)
+            return kiln__err(KILN_ERR_SHAPE, "adamw_: %s %s must be a one-element f32 or f64 tensor", scalar[i - 4],
+                             SHP(in[i], b));
+    }
     return KILN_OK;
 }
 

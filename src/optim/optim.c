@@ -3,6 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kiln/optim.h"
+#include "core/tensor_impl.h"
 
 typedef enum { OPT_ADAMW, OPT_SGD } opt_kind;
 
@@ -13,8 +14,23 @@ struct kiln_optim {
     bool *decay;
     kiln_tensor_t **slot[2]; /* AdamW m, v; SGD momentum in slot 0 */
     double beta1, beta2, eps, wd, momentum;
-    int64_t steps;
+    /* One-element tensors, so that a captured step reads and advances them on every run:
+     * the step count (f64), 1 (f64, its increment), 1 (f32, the gradient scale when none
+     * is given) and the learning rate kiln_optim_step was given (f64). */
+    kiln_tensor_t *step, *one, *unit, *lr;
 };
+
+/* A real one-element tensor holding v, outside any capture (optimizer state). */
+static kiln_tensor_t *one_element(double v, kiln_dtype dt)
+{
+    void *cap = kiln__graph_suspend();
+    kiln_scope_begin();
+    int64_t one = 1;
+    kiln_tensor_t *t = kiln_keep(kiln_full(&one, 1, v, dt));
+    kiln_scope_end();
+    kiln__graph_resume(cap);
+    return t;
+}
 
 static kiln_status opt_new(opt_kind kind, kiln_tensor_t *const *params, int n, const bool *decay, kiln_optim_t **out)
 {
@@ -29,7 +45,13 @@ static kiln_status opt_new(opt_kind kind, kiln_tensor_t *const *params, int n, c
         o->slot[0] = calloc((size_t)n, sizeof(kiln_tensor_t *));
         o->slot[1] = calloc((size_t)n, sizeof(kiln_tensor_t *));
     }
-    if (!o || !o->params || !o->decay || !o->slot[0] || !o->slot[1]) {
+    if (o) {
+        o->step = one_element(0, KILN_DTYPE_F64);
+        o->one = one_element(1, KILN_DTYPE_F64);
+        o->unit = one_element(1, KILN_DTYPE_F32);
+        o->lr = one_element(0, KILN_DTYPE_F64);
+    }
+    if (!o || !o->params || !o->decay || !o->slot[0] || !o->slot[1] || !o->step || !o->one || !o->unit || !o->lr) {
         kiln_optim_free(o);
         return kiln_error(KILN_ERR_OOM, "optimizer: out of memory");
     }
@@ -77,47 +99,117 @@ void kiln_optim_free(kiln_optim_t *o)
         for (int i = 0; o->slot[k] && i < o->n; i++) kiln_tensor_free(o->slot[k][i]);
         free(o->slot[k]);
     }
+    kiln_tensor_free(o->step);
+    kiln_tensor_free(o->one);
+    kiln_tensor_free(o->unit);
+    kiln_tensor_free(o->lr);
     free(o->params);
     free(o->decay);
     free(o);
 }
 
+/* Optimizer state: real zeros even when the first step is being captured. */
 static kiln_tensor_t *zeros_like(kiln_tensor_t *p)
 {
+    void *cap = kiln__graph_suspend();
     kiln_scope_begin();
     kiln_tensor_t *z = kiln_keep(kiln_zeros(kiln_tensor_shape(p), kiln_tensor_ndim(p), KILN_DTYPE_F32));
     kiln_scope_end();
+    kiln__graph_resume(cap);
     return z;
+}
+
+static kiln_status check_one_element(const char *what, const kiln_tensor_t *t)
+{
+    kiln_dtype dt = kiln_tensor_dtype(t);
+    if (kiln_tensor_numel(t) != 1 || (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_F64)) {
+        char b[96];
+        return kiln_error(KILN_ERR_SHAPE, "optim_step_t: %s %s must be a one-element f32 or f64 tensor", what,
+                          kiln_tensor_describe(t, b, sizeof b));
+    }
+    return KILN_OK;
+}
+
+/* The slots parameter i needs, made if missing. */
+static kiln_status ensure_slots(kiln_optim_t *o, int i)
+{
+    int nslots = o->kind == OPT_ADAMW ? 2 : (o->momentum > 0 ? 1 : 0);
+    for (int k = 0; k < nslots; k++)
+        if (!o->slot[k][i] && !(o->slot[k][i] = zeros_like(o->params[i]))) return kiln_last_status();
+    return KILN_OK;
+}
+
+kiln_status kiln_optim_step_t(kiln_optim_t *o, kiln_tensor_t *lr, kiln_tensor_t *gscale)
+{
+    if (!o || !lr) return kiln_error(KILN_ERR_ARG, "optim_step_t: optimizer or learning rate is NULL");
+    kiln_status s = check_one_element("lr", lr);
+    if (s == KILN_OK && gscale) s = check_one_element("gscale", gscale);
+    if (s != KILN_OK) return s;
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_scope_begin();
+    s = kiln_add_(o->step, o->one, 1.0);
+    kiln_tensor_t *lr32 = o->kind == OPT_SGD ? kiln_cast(lr, KILN_DTYPE_F32) : NULL;
+    kiln_tensor_t *gs32 = o->kind == OPT_SGD && gscale ? kiln_cast(gscale, KILN_DTYPE_F32) : NULL;
+    if (s == KILN_OK && o->kind == OPT_SGD && (!lr32 || (gscale && !gs32))) s = kiln_last_status();
+    for (int i = 0; s == KILN_OK && i < o->n; i++) {
+        kiln_tensor_t *p = o->params[i], *g = kiln_tensor_grad(p);
+        if (!g) continue;
+        if ((s = ensure_slots(o, i)) != KILN_OK) break;
+        double wd = o->decay[i] ? o->wd : 0.0;
+        if (o->kind == OPT_ADAMW) {
+            /* Inside a graph the gradient may still be the transposed view backward made
+             * (eager copies it into the leaf). */
+            if (!(g = kiln_contiguous(g))) {
+                s = kiln_last_status();
+                break;
+            }
+            s = kiln_adamw_step_(p, g, o->slot[0][i], o->slot[1][i], lr, o->step, gscale ? gscale : o->unit, o->beta1,
+                                 o->beta2, o->eps, wd);
+            continue;
+        }
+        /* SGD out of place, the gradient left as it is: d = gscale*g + wd*p; with
+         * momentum buf = momentum*buf + d, d = buf; p -= lr*d. */
+        kiln_tensor_t *d = gs32 ? kiln_mul(g, gs32) : g;
+        if (d && wd > 0) d = kiln_add(d, kiln_mul_scalar(p, wd));
+        if (d && o->momentum > 0) {
+            s = kiln_mul_scalar_(o->slot[0][i], o->momentum);
+            if (s == KILN_OK) s = kiln_add_(o->slot[0][i], d, 1.0);
+            d = o->slot[0][i];
+        }
+        if (s == KILN_OK) s = d ? kiln_add_(p, kiln_mul(d, lr32), -1.0) : kiln_last_status();
+    }
+    kiln_scope_end();
+    kiln_set_grad_enabled(prev);
+    return s;
 }
 
 kiln_status kiln_optim_step(kiln_optim_t *o, double lr)
 {
     if (!o) return kiln_error(KILN_ERR_ARG, "optim_step: optimizer is NULL");
+    if (kiln__graph_capturing())
+        return kiln_error(KILN_ERR_UNSUPPORTED, "optim_step during graph capture: a learning rate given as a number "
+                          "would be frozen into the graph; give it as a tensor with kiln_optim_step_t");
+    if (o->kind == OPT_ADAMW) {
+        kiln_status s = kiln_fill_(o->lr, lr);
+        return s == KILN_OK ? kiln_optim_step_t(o, o->lr, NULL) : s;
+    }
+    /* SGD at a number: in place as it always was (g += wd*p; p -= lr*g). */
     bool prev = kiln_set_grad_enabled(false);
-    kiln_status s = KILN_OK;
-    int64_t t = o->steps + 1;
+    kiln_status s = kiln_add_(o->step, o->one, 1.0);
     for (int i = 0; s == KILN_OK && i < o->n; i++) {
         kiln_tensor_t *p = o->params[i], *g = kiln_tensor_grad(p);
         if (!g) continue;
-        int nslots = o->kind == OPT_ADAMW ? 2 : (o->momentum > 0 ? 1 : 0);
-        for (int k = 0; k < nslots; k++)
-            if (!o->slot[k][i] && !(o->slot[k][i] = zeros_like(p))) s = kiln_last_status();
-        if (s != KILN_OK) break;
+        if ((s = ensure_slots(o, i)) != KILN_OK) break;
         double wd = o->decay[i] ? o->wd : 0.0;
-        if (o->kind == OPT_ADAMW) {
-            s = kiln_adamw_(p, g, o->slot[0][i], o->slot[1][i], lr, o->beta1, o->beta2, o->eps, wd, t);
-        } else {
-            if (wd > 0) s = kiln_add_(g, p, wd); /* L2: g += wd * p */
-            if (s == KILN_OK && o->momentum > 0) {
-                s = kiln_mul_scalar_(o->slot[0][i], o->momentum);
-                if (s == KILN_OK) s = kiln_add_(o->slot[0][i], g, 1.0);
-                g = o->slot[0][i];
-            }
-            if (s == KILN_OK) s = kiln_add_(p, g, -lr);
+        if (wd > 0) s = kiln_add_(g, p, wd); /* L2: g += wd * p */
+        if (s == KILN_OK && o->momentum > 0) {
+            s = kiln_mul_scalar_(o->slot[0][i], o->momentum);
+            if (s == KILN_OK) s = kiln_add_(o->slot[0][i], g, 1.0);
+            g = o->slot[0][i];
         }
+        if (s == KILN_OK) s = kiln_add_(p, g, -lr);
     }
     kiln_set_grad_enabled(prev);
-    if (s == KILN_OK) o->steps = t;
     return s;
 }
 
@@ -126,7 +218,12 @@ void kiln_optim_zero_grad(kiln_optim_t *o)
     for (int i = 0; o && i < o->n; i++) kiln_tensor_zero_grad(o->params[i]);
 }
 
-int64_t kiln_optim_steps(const kiln_optim_t *o) { return o ? o->steps : 0; }
+int64_t kiln_optim_steps(const kiln_optim_t *o)
+{
+    double v = 0;
+    if (!o || kiln__graph_capturing() || kiln_tensor_item(o->step, &v) != KILN_OK) return 0;
+    return (int64_t)v;
+}
 int kiln_optim_num_slots(const kiln_optim_t *o) { return !o ? 0 : o->kind == OPT_ADAMW ? 2 : 1; }
 
 kiln_tensor_t *kiln_optim_state(kiln_optim_t *o, int i, int slot)
@@ -139,8 +236,8 @@ kiln_status kiln_optim_set_state(kiln_optim_t *o, int64_t steps, int i, int slot
 {
     if (!o || i < 0 || i >= o->n || slot < 0 || slot >= kiln_optim_num_slots(o) || steps < 0)
         return kiln_error(KILN_ERR_ARG, "optim_set_state: parameter %d slot %d is out of range", i, slot);
-    o->steps = steps;
-    if (!value) return KILN_OK;
+    kiln_status s = kiln_fill_(o->step, (double)steps);
+    if (s != KILN_OK || !value) return s;
     kiln_tensor_t *p = o->params[i];
     if (kiln_tensor_ndim(value) != kiln_tensor_ndim(p) ||
         memcmp(kiln_tensor_shape(value), kiln_tensor_shape(p), sizeof(int64_t) * (size_t)kiln_tensor_ndim(p))) {
@@ -152,22 +249,43 @@ kiln_status kiln_optim_set_state(kiln_optim_t *o, int64_t steps, int i, int slot
     return kiln_tensor_copy_(o->slot[slot][i], value);
 }
 
+kiln_status kiln_grad_norm(kiln_tensor_t *const *params, int n, kiln_tensor_t **norm)
+{
+    if (!norm || (n > 0 && !params)) return kiln_error(KILN_ERR_ARG, "grad_norm: NULL parameters or result");
+    *norm = NULL;
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_tensor_t *total = kiln_scalar(0, KILN_DTYPE_F64);
+    /* Each gradient's sum of squares in f32, the total over them in f64, in order. */
+    for (int i = 0; total && i < n; i++) {
+        kiln_tensor_t *g = params[i] ? kiln_tensor_grad(params[i]) : NULL;
+        if (g) total = kiln_add(total, kiln_cast(kiln_sum(kiln_mul(g, g), NULL, 0, false), KILN_DTYPE_F64));
+    }
+    kiln_set_grad_enabled(prev);
+    if (!total || !(*norm = kiln_sqrt(total))) return kiln_last_status();
+    return KILN_OK;
+}
+
+kiln_tensor_t *kiln_clip_coef(kiln_tensor_t *norm, double max_norm)
+{
+    if (!norm) return NULL;
+    if (!(max_norm > 0)) return kiln_scalar(1, KILN_DTYPE_F32);
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_tensor_t *coef = kiln_div(kiln_scalar(max_norm, KILN_DTYPE_F64), kiln_add_scalar(norm, 1e-6));
+    coef = kiln_cast(kiln_minimum(coef, kiln_scalar(1, KILN_DTYPE_F64)), KILN_DTYPE_F32);
+    kiln_set_grad_enabled(prev);
+    return coef;
+}
+
 kiln_status kiln_clip_grad_norm(kiln_tensor_t *const *params, int n, double max_norm, double *norm)
 {
-    bool prev = kiln_set_grad_enabled(false);
-    double total = 0;
-    kiln_status s = KILN_OK;
     kiln_scope_begin();
-    for (int i = 0; s == KILN_OK && i < n; i++) {
-        kiln_tensor_t *g = kiln_tensor_grad(params[i]);
-        if (!g) continue;
-        double v;
-        s = kiln_tensor_item(kiln_sum(kiln_mul(g, g), NULL, 0, false), &v);
-        total += v;
-    }
+    kiln_tensor_t *t;
+    double nrm = 0;
+    kiln_status s = kiln_grad_norm(params, n, &t);
+    if (s == KILN_OK) s = kiln_tensor_item(t, &nrm);
     kiln_scope_end();
-    double nrm = sqrt(total);
     if (norm) *norm = nrm;
+    bool prev = kiln_set_grad_enabled(false);
     if (s == KILN_OK && max_norm > 0 && nrm > max_norm) {
         double scale = max_norm / (nrm + 1e-6);
         for (int i = 0; s == KILN_OK && i < n; i++) {

@@ -444,14 +444,14 @@ kiln_status kiln__cpu_tri(kiln__backend *be, kiln_tensor_t *const *in, int n_in,
 /* ---- AdamW, decoupled weight decay (Loshchilov & Hutter), bias-corrected ---- */
 typedef struct {
     float *p, *g, *m, *v;
-    float lr, wd, b1, b2, eps, c1, c2;
+    float lr, wd, b1, b2, eps, c1, c2, gscale; /* gscale: each gradient is multiplied by it (clipping) */
 } adam_ctx;
 
 KILN_SIMD static void adam_range(void *c, int64_t b, int64_t e)
 {
     const adam_ctx *k = c;
     for (int64_t i = b; i < e; i++) {
-        float g = k->g[i];
+        float g = k->g[i] * k->gscale;
         float m = k->b1 * k->m[i] + (1.0f - k->b1) * g;
         float v = k->b2 * k->v[i] + (1.0f - k->b2) * g * g;
         k->m[i] = m;
@@ -461,16 +461,24 @@ KILN_SIMD static void adam_range(void *c, int64_t b, int64_t e)
     }
 }
 
+/* The value of a one-element f32 or f64 tensor (an AdamW scalar). */
+static double one_value(const kiln_tensor_t *t)
+{
+    const char *p = kiln__data(t);
+    return t->dtype == KILN_DTYPE_F64 ? *(const double *)p : (double)*(const float *)p;
+}
+
 kiln_status kiln__cpu_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                              kiln_tensor_t *const *out, int n_out)
 {
-    double b1, b2, eps;
+    double b1, b2, eps, lr = one_value(in[4]), t = one_value(in[5]);
     memcpy(&b1, &a->shape[0], 8);
     memcpy(&b2, &a->shape[1], 8);
     memcpy(&eps, &a->shape[2], 8);
-    adam_ctx k = {kiln__data(in[0]), kiln__data(in[1]), kiln__data(in[2]), kiln__data(in[3]), (float)a->f[0],
-                  (float)a->f[1], (float)b1, (float)b2, (float)eps,
-                  (float)(1.0 - pow(b1, (double)a->i[0])), (float)(1.0 - pow(b2, (double)a->i[0]))};
+    if (!(t >= 1)) return kiln__err(KILN_ERR_ARG, "adamw_: step %g must be >= 1", t);
+    adam_ctx k = {kiln__data(in[0]), kiln__data(in[1]), kiln__data(in[2]), kiln__data(in[3]), (float)lr,
+                  (float)a->f[0], (float)b1, (float)b2, (float)eps,
+                  (float)(1.0 - pow(b1, t)), (float)(1.0 - pow(b2, t)), (float)one_value(in[6])};
     kiln__parallel_for(kiln__numel(in[0]->ndim, in[0]->shape), CPU_GRAIN, adam_range, &k);
     return KILN_OK;
 }
