@@ -383,6 +383,95 @@ static void backward_is_captured_into_the_graph(void **state)
     kiln_gpt_free(c.m);
 }
 
+typedef struct {
+    kiln_gpt_t *m;
+    kiln_optim_t *opt;
+} old_step_ctx;
+
+/* A step written with the number-taking optimizer call: cannot be captured. */
+static kiln_status step_with_number_lr(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    old_step_ctx *c = ctx;
+    kiln_status s = kiln_gpt_loss_backward(c->m, in, 2, out, n_out);
+    return s == KILN_OK ? kiln_optim_step(c->opt, 1e-3) : s;
+}
+
+/* Oracle: the same kiln_gpt_train_step run eagerly on a twin model (same seed). The
+ * whole step (forward, backward, clipping, AdamW) captured once and run three times,
+ * each with its own learning rate, leaves bitwise the eager losses, norms, weights
+ * and step count, and no gradient in any parameter. */
+static void whole_training_step_is_one_graph(void **state)
+{
+    kiln_gpt_config cfg = tiny(true);
+    kiln_gpt_t *m[2];
+    kiln_optim_t *opt[2];
+    kiln_tensor_t **ps[2];
+    kiln_gpt_step st[2];
+    int np = 0;
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(kiln_gpt_new(&cfg, 9, &m[k]), KILN_OK);
+        np = kiln_gpt_num_params(m[k]);
+        ps[k] = malloc(sizeof *ps[k] * (size_t)np);
+        for (int i = 0; i < np; i++) ps[k][i] = kiln_gpt_param(m[k], i, NULL);
+        assert_int_equal(kiln_adamw_new(ps[k], np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt[k]), KILN_OK);
+        st[k] = (kiln_gpt_step){m[k], opt[k], ps[k], np, 0.5};
+    }
+    int64_t xi[2][12], yi[2][12], s2[2] = {2, 12}, one = 1;
+    for (int i = 0; i < 24; i++) xi[i / 12][i % 12] = (i * 7 + 3) % 50, yi[i / 12][i % 12] = (i * 5 + 2) % 50;
+    double lr0 = 1e-2;
+    kiln_tensor_t *in[3] = {kiln_from_data(xi, s2, 2, KILN_DTYPE_I64), kiln_from_data(yi, s2, 2, KILN_DTYPE_I64),
+                            kiln_from_data(&lr0, &one, 1, KILN_DTYPE_F64)};
+    kiln_graph_t *g;
+    kiln_status s = kiln_graph_capture(kiln_gpt_train_step, &st[1], in, 3, &g);
+    if (s != KILN_OK) fail_msg("capture: %s", kiln_last_error());
+    assert_int_equal(kiln_optim_steps(opt[1]), 0); /* capturing takes no step */
+    for (int it = 0; it < 3; it++) {
+        double lr = 1e-2 / (it + 1);
+        kiln_tensor_t *args[3] = {in[0], in[1], kiln_from_data(&lr, &one, 1, KILN_DTYPE_F64)};
+        kiln_tensor_t *want[2], *got[2];
+        int n;
+        assert_int_equal(kiln_gpt_train_step(&st[0], args, 3, want, &n), KILN_OK);
+        assert_int_equal(kiln_graph_run(g, args, 3, got, 2, &n), KILN_OK);
+        assert_int_equal(n, 2);
+        assert_same(got[0], want[0]);
+        double gn, wn; /* the norms, f64 */
+        assert_int_equal(kiln_tensor_item(got[1], &gn), KILN_OK);
+        assert_int_equal(kiln_tensor_item(want[1], &wn), KILN_OK);
+        assert_true(gn == wn && wn > 0.5); /* and clipping took part */
+    }
+    assert_int_equal(kiln_optim_steps(opt[1]), 3);
+    for (int i = 0; i < np; i++) {
+        assert_same(ps[1][i], ps[0][i]);
+        assert_null(kiln_tensor_grad(ps[1][i]));
+    }
+    /* A gradient left in a parameter before a run: the graph cannot add to it. */
+    kiln_tensor_t *loss;
+    int n;
+    assert_int_equal(kiln_gpt_loss_backward(m[1], in, 2, &loss, &n), KILN_OK);
+    kiln_tensor_t *got[2];
+    assert_int_equal(kiln_graph_run(g, in, 3, got, 2, &n), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "zero the gradients"));
+    kiln_clear_error();
+    kiln_graph_free(g);
+    /* The same when capturing, and a learning rate given as a number. */
+    kiln_graph_t *g2 = (kiln_graph_t *)1;
+    assert_int_equal(kiln_graph_capture(kiln_gpt_train_step, &st[1], in, 3, &g2), KILN_ERR_UNSUPPORTED);
+    assert_null(g2);
+    assert_non_null(strstr(kiln_last_error(), "already held one"));
+    kiln_clear_error();
+    kiln_optim_zero_grad(opt[1]);
+    old_step_ctx oc = {m[1], opt[1]};
+    assert_int_equal(kiln_graph_capture(step_with_number_lr, &oc, in, 2, &g2), KILN_ERR_UNSUPPORTED);
+    assert_non_null(strstr(kiln_last_error(), "kiln_optim_step_t"));
+    kiln_clear_error();
+    assert_int_equal(kiln_optim_steps(opt[1]), 3);
+    for (int k = 0; k < 2; k++) {
+        kiln_optim_free(opt[k]);
+        kiln_gpt_free(m[k]);
+        free(ps[k]);
+    }
+}
+
 static void gpt2_forward_captures(void **state) { gpt_forward_captures(false); }
 static void llama_forward_captures(void **state) { gpt_forward_captures(true); }
 
@@ -398,6 +487,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(gpt2_forward_captures, setup, teardown),
         cmocka_unit_test_setup_teardown(backward_is_captured_into_the_graph, setup, teardown),
         cmocka_unit_test_setup_teardown(llama_forward_captures, setup, teardown),
+        cmocka_unit_test_setup_teardown(whole_training_step_is_one_graph, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
