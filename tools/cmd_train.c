@@ -15,6 +15,7 @@
 #include "cli.h"
 #include "core/util.h"
 #include "kiln/data.h"
+#include "kiln/graph.h"
 #include "kiln/dist.h"
 #include "kiln/io.h"
 #include "kiln/metrics.h"
@@ -27,7 +28,7 @@ typedef struct {
     int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
     int64_t save_every, log_every, seed, threads;
     double lr, min_lr, wd, clip, dropout, val_fraction, momentum;
-    bool resume, quiet, zero1;
+    bool resume, quiet, zero1, compile;
     double bucket_mb;
 } train_args;
 
@@ -327,6 +328,8 @@ int cmd_train(int argc, char **argv)
         {"resume", OPT_FLAG, &a.resume, "continue from the checkpoint in --out"},
         {"quiet", OPT_FLAG, &a.quiet, "only errors and the final summary"},
         {"zero1", OPT_FLAG, &a.zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
+        {"compile", OPT_FLAG, &a.compile, "run each step (forward, backward, clipping, update) as one graph of "
+                                          "generated kernels (kiln compile; one process, --accum 1, --dropout 0)"},
         {"bucket-mb", OPT_DOUBLE, &a.bucket_mb, "with several ranks: gradient buckets of this many MiB reduced during "
                                              "backward (0: one tensor at a time after it)"},
         {NULL, 0, NULL, NULL},
@@ -438,6 +441,16 @@ int cmd_train(int argc, char **argv)
     if (rank == 0 && kiln_metrics_open(metrics_path, a.resume, &metrics) != KILN_OK) return cli_fail("train", NULL);
 
     int64_t tokens_per_step = a.batch * a.context * a.accum;
+    /* One process, one micro-batch: the step is one function, kiln_gpt_train_step, run
+     * eagerly or compiled into one graph. */
+    bool whole = world == 1 && a.accum == 1 && !a.zero1;
+    if (a.compile && (!whole || a.dropout > 0))
+        return cli_fail("train", "--compile runs the whole step as one graph: it needs one process, --accum 1, no "
+                                 "--zero1 and --dropout 0 (a graph would freeze dropout's random stream)");
+    kiln_gpt_step step_fn = {m, opt, params, np, a.clip};
+    kiln_compiled_t *compiled = NULL;
+    if (a.compile && kiln_compiled_new(kiln_gpt_train_step, &step_fn, "train_step", &compiled) != KILN_OK)
+        return cli_fail("train", NULL);
     /* Every rank starts from rank 0's parameters (the same seed gives them anyway; this
      * makes it so whatever was loaded). */
     for (int i = 0; s == KILN_OK && world > 1 && i < np; i++) s = kiln_pg_broadcast(pg, params[i], 0);
@@ -487,7 +500,29 @@ int cmd_train(int argc, char **argv)
     int64_t timed = 0;
     for (int64_t step = start; step < a.steps && s == KILN_OK; step++) {
         double t0 = kiln__now_s(), lr = kiln_lr_cosine(step, a.warmup, a.steps, a.lr, a.min_lr), loss_sum = 0;
-        for (int64_t micro = 0; micro < a.accum && s == KILN_OK; micro++) {
+        double gnorm = 0;
+        if (whole) {
+            kiln_scope_begin();
+            kiln_tensor_t *in[3], *out[2];
+            int n_out = 0;
+            int64_t one = 1;
+            s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, (int)rank_batch, (int)a.context, (uint64_t)a.seed, step, 0, 1,
+                                   &in[0], &in[1]);
+            if (s == KILN_OK && !(in[2] = kiln_from_data(&lr, &one, 1, KILN_DTYPE_F64))) s = kiln_last_status();
+            if (s == KILN_OK)
+                s = compiled ? kiln_compiled_call(compiled, in, 3, out, 2, &n_out)
+                             : kiln_gpt_train_step(&step_fn, in, 3, out, &n_out);
+            if (s == KILN_OK) s = kiln_tensor_item(out[0], &loss_sum);
+            if (s == KILN_OK) s = kiln_tensor_item(out[1], &gnorm);
+            kiln_scope_end();
+            if (s == KILN_OK && compiled && step == start && !a.quiet) {
+                int kernels = 0, ops = 0;
+                kiln_compiled_plan(compiled, 0, &kernels, &ops, NULL, NULL);
+                printf("compiled the training step: %d generated kernels and %d ops through the backend; the first "
+                       "step's time includes compiling (or loading them from the cache)\n", kernels, ops);
+            }
+        }
+        for (int64_t micro = 0; !whole && micro < a.accum && s == KILN_OK; micro++) {
             kiln_scope_begin();
             kiln_tensor_t *x, *y, *loss;
             s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, (int)rank_batch, (int)a.context, (uint64_t)a.seed,
@@ -501,7 +536,7 @@ int cmd_train(int argc, char **argv)
             kiln_scope_end();
         }
         double t_comm = kiln__now_s();
-        if (s == KILN_OK && ddp) s = kiln_ddp_finish(ddp);
+        if (s == KILN_OK && !whole && ddp) s = kiln_ddp_finish(ddp);
         for (int i = 0; s == KILN_OK && !zero && !ddp && i < np; i++)
             if (kiln_tensor_grad(params[i])) s = kiln_pg_allreduce(pg, kiln_tensor_grad(params[i]), KILN_REDUCE_AVG);
         comm_after += kiln__now_s() - t_comm;
@@ -514,10 +549,9 @@ int cmd_train(int argc, char **argv)
             if (s == KILN_OK) s = kiln_tensor_to_host(l, &loss_sum, sizeof loss_sum);
             kiln_scope_end();
         }
-        double gnorm = 0;
         if (s == KILN_OK && zero) s = kiln_zero1_step(zero, lr, a.clip, &gnorm);
-        if (s == KILN_OK && !zero) s = kiln_clip_grad_norm(params, np, a.clip, &gnorm);
-        if (s == KILN_OK && !zero) s = kiln_optim_step(opt, lr);
+        if (s == KILN_OK && !zero && !whole) s = kiln_clip_grad_norm(params, np, a.clip, &gnorm);
+        if (s == KILN_OK && !zero && !whole) s = kiln_optim_step(opt, lr);
         kiln_optim_zero_grad(opt);
         if (s != KILN_OK) break;
         double ms = (kiln__now_s() - t0) * 1e3, loss = loss_sum / (double)a.accum;
@@ -571,6 +605,7 @@ int cmd_train(int argc, char **argv)
         printf("gradient reduction (%s): %.2f ms a step left after backward\n", how,
                1e3 * comm_after / (double)(a.steps - start));
     }
+    kiln_compiled_free(compiled);
     kiln_ddp_free(ddp);
     kiln_zero1_free(zero);
     kiln_optim_free(opt);
