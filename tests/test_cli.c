@@ -5,6 +5,7 @@
 #include <stdint.h>
 #include <setjmp.h>
 #include <cmocka.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -206,6 +207,30 @@ static void info_and_plot_work_on_the_run(void **state)
 
 /* kiln compile --dump: the training step's graph written out, its loss equal to eager
  * (the command itself compares the two and fails if they differ). */
+/* Oracle: the eager run of the first test. The same run with every step compiled into
+ * one graph gives the same losses within 1e-5 relative (generated kernels sum in
+ * another order). */
+static void train_compile_matches_eager(void **state)
+{
+    char out[8192];
+    int rc = run(out, sizeof out, "%s train --data %s --out %s/c --steps 6 --save-every 3 --eval-every 3 --compile " TINY,
+                 tool(), corpus, dir);
+    if (rc != 0) fail_msg("kiln train --compile failed (%d): %s", rc, out);
+    assert_non_null(strstr(out, "compiled the training step"));
+    char a[8][64], c[8][64], pa[512], pc[512];
+    snprintf(pa, sizeof pa, "%s/a/metrics.jsonl", dir);
+    snprintf(pc, sizeof pc, "%s/c/metrics.jsonl", dir);
+    assert_int_equal(losses(pa, a, 8), 6);
+    assert_int_equal(losses(pc, c, 8), 6);
+    for (int i = 0; i < 6; i++) {
+        double want = strtod(a[i], NULL), got = strtod(c[i], NULL);
+        if (!(fabs(got - want) <= 1e-5 * fabs(want))) fail_msg("step %d: eager loss %s, compiled %s", i + 1, a[i], c[i]);
+    }
+    rc = run(out, sizeof out, "%s train --data %s --out %s/d --steps 2 --accum 2 --compile " TINY, tool(), corpus, dir);
+    assert_int_not_equal(rc, 0);
+    assert_non_null(strstr(out, "--accum 1"));
+}
+
 static void compile_dumps_the_training_step(void **state)
 {
     char out[4096], path[1024];
@@ -217,6 +242,7 @@ static void compile_dumps_the_training_step(void **state)
     char text[65536];
     assert_true(test_read_text(path, text, sizeof text));
     assert_non_null(strstr(text, "cross_entropy_backward("));
+    assert_non_null(strstr(text, "adamw_(")); /* the update is in the graph */
     assert_non_null(strstr(text, "grad(%"));
     snprintf(path, sizeof path, "%s/dump/train_step-0/guards.txt", dir);
     assert_true(test_read_text(path, text, sizeof text));
@@ -287,6 +313,7 @@ int main(void)
         cmocka_unit_test(resume_survives_a_save_cut_between_its_files),
         cmocka_unit_test(sample_continues_the_prompt),
         cmocka_unit_test(info_and_plot_work_on_the_run),
+        cmocka_unit_test(train_compile_matches_eager),
         cmocka_unit_test(compile_dumps_the_training_step),
         cmocka_unit_test(doctor_lists_mpi_and_switches),
         cmocka_unit_test(bad_inputs_fail_with_a_reason),

@@ -40,27 +40,47 @@ int cmd_compile(int argc, char **argv)
     cfg.n_head = cfg.n_kv_head = (int)heads;
     cfg.block_size = (int)context;
     cfg.vocab_size = (int)vocab;
-    kiln_gpt_t *m;
-    if (kiln_gpt_new(&cfg, 1, &m) != KILN_OK) return cli_fail("compile", NULL);
-    int64_t n = batch * context, shape[2] = {batch, context};
-    int64_t *ids = malloc(sizeof *ids * (size_t)(n + 1));
-    if (!ids) return cli_fail("compile", "out of memory");
-    for (int64_t i = 0; i <= n; i++) ids[i] = (i * 7919 + 13) % vocab;
+    /* Two twins from one seed: the whole training step (forward, backward, clipping,
+     * AdamW) compiled on one, eager on the other; the first loss must agree. */
+    kiln_gpt_t *m[2] = {NULL, NULL};
+    kiln_optim_t *opt[2] = {NULL, NULL};
+    kiln_tensor_t **ps[2] = {NULL, NULL};
+    kiln_status s = KILN_OK;
+    int nparams = 0;
+    for (int k = 0; k < 2 && s == KILN_OK; k++) {
+        if ((s = kiln_gpt_new(&cfg, 1, &m[k])) != KILN_OK) break;
+        nparams = kiln_gpt_num_params(m[k]);
+        if (!(ps[k] = malloc(sizeof *ps[k] * (size_t)nparams))) {
+            s = kiln_error(KILN_ERR_OOM, "out of memory");
+            break;
+        }
+        for (int i = 0; i < nparams; i++) ps[k][i] = kiln_gpt_param(m[k], i, NULL);
+        s = kiln_adamw_new(ps[k], nparams, NULL, 0.9, 0.95, 1e-8, 0.1, &opt[k]);
+    }
+    int64_t n = batch * context, shape[2] = {batch, context}, one = 1;
+    int64_t *ids = s == KILN_OK ? malloc(sizeof *ids * (size_t)(n + 1)) : NULL;
+    if (s == KILN_OK && !ids) s = kiln_error(KILN_ERR_OOM, "out of memory");
+    for (int64_t i = 0; ids && i <= n; i++) ids[i] = (i * 7919 + 13) % vocab;
     kiln_scope_begin();
-    kiln_tensor_t *xy[2] = {kiln_from_data(ids, shape, 2, KILN_DTYPE_I64), kiln_from_data(ids + 1, shape, 2, KILN_DTYPE_I64)};
+    double lr = 3e-4;
+    kiln_tensor_t *in[3] = {NULL, NULL, NULL};
+    if (s == KILN_OK) {
+        in[0] = kiln_from_data(ids, shape, 2, KILN_DTYPE_I64);
+        in[1] = kiln_from_data(ids + 1, shape, 2, KILN_DTYPE_I64);
+        in[2] = kiln_from_data(&lr, &one, 1, KILN_DTYPE_F64);
+    }
     free(ids);
     setenv("KILN_DEBUG_DIR", dump, 1);
-    kiln_compiled_t *fn;
-    kiln_tensor_t *loss = NULL, *want = NULL;
+    kiln_compiled_t *fn = NULL;
+    kiln_gpt_step st[2] = {{m[0], opt[0], ps[0], nparams, 1.0}, {m[1], opt[1], ps[1], nparams, 1.0}};
+    kiln_tensor_t *got[2], *want[2];
     int nout = 0;
-    kiln_status s = kiln_compiled_new(kiln_gpt_loss_backward, m, "train_step", &fn);
-    if (s == KILN_OK) s = kiln_compiled_call(fn, xy, 2, &loss, 1, &nout);
+    if (s == KILN_OK) s = kiln_compiled_new(kiln_gpt_train_step, &st[0], "train_step", &fn);
+    if (s == KILN_OK) s = kiln_compiled_call(fn, in, 3, got, 2, &nout);
     double got_v = 0, want_v = 0;
-    if (s == KILN_OK) s = kiln_tensor_item(loss, &got_v);
-    /* The same step eagerly, from zeroed gradients: the graph's loss must match. */
-    for (int i = 0; s == KILN_OK && i < kiln_gpt_num_params(m); i++) kiln_tensor_zero_grad(kiln_gpt_param(m, i, NULL));
-    if (s == KILN_OK) s = kiln_gpt_loss_backward(m, xy, 2, &want, &nout);
-    if (s == KILN_OK) s = kiln_tensor_item(want, &want_v);
+    if (s == KILN_OK) s = kiln_tensor_item(got[0], &got_v);
+    if (s == KILN_OK) s = kiln_gpt_train_step(&st[1], in, 3, want, &nout);
+    if (s == KILN_OK) s = kiln_tensor_item(want[0], &want_v);
     if (s == KILN_OK)
         printf("kiln compile: %s, %d layers, C=%d, T=%d, B=%d: the training step's graph is in %s/train_step-0/\n"
                "              (captured.txt, after_passes.txt, guards.txt, loop_ir_before_fusion.txt,\n"
@@ -68,7 +88,11 @@ int cmd_compile(int argc, char **argv)
                model, cfg.n_layer, cfg.n_embd, cfg.block_size, (int)batch, dump, got_v, want_v);
     kiln_compiled_free(fn);
     kiln_scope_end();
-    kiln_gpt_free(m);
+    for (int k = 0; k < 2; k++) {
+        kiln_optim_free(opt[k]);
+        kiln_gpt_free(m[k]);
+        free(ps[k]);
+    }
     if (s != KILN_OK) return cli_fail("compile", NULL);
     /* Generated kernels sum in another order than the eager ones: 1e-5 relative. */
     return fabs(got_v - want_v) <= 1e-5 * fabs(want_v) ? 0 : cli_fail("compile", "the compiled loss differs from eager");
