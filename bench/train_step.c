@@ -1,6 +1,7 @@
-/* bench/train_step: kiln eager training steps on reference config S (GPT-2 style,
- * byte vocab 256, T=128, C=256, 4 layers, 4 heads, B=16, AdamW), the same model and
- * batch shape as tests/reference/train_step_torch.py. Prints one JSON line: median
+/* bench/train_step: kiln training steps on reference config S (GPT-2 style, byte vocab
+ * 256, T=128, C=256, 4 layers, 4 heads, B=16; forward, backward, clipping at norm 1,
+ * AdamW: kiln_gpt_train_step), eager or with --compile as one compiled graph; the same
+ * model, batch shape and step as tests/reference/train_step_torch.py. Prints one JSON line: median
  * tokens/s over the timed steps, peak RSS, and model FLOP utilisation against a given
  * peak. Run both through bench/train_step.sh, which reports the ratio. */
 #include <stdio.h>
@@ -56,7 +57,8 @@ int main(int argc, char **argv)
     double *times = malloc(sizeof *times * (size_t)steps);
     uint64_t rng = 42;
     kiln_compiled_t *step = NULL;
-    if (compile && kiln_compiled_new(kiln_gpt_loss_backward, m, "train_step", &step) != KILN_OK) {
+    kiln_gpt_step fn = {m, opt, ps, np, 1.0}; /* forward, backward, clipping at norm 1, AdamW */
+    if (compile && kiln_compiled_new(kiln_gpt_train_step, &fn, "train_step", &step) != KILN_OK) {
         fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());
         return 1;
     }
@@ -70,17 +72,16 @@ int main(int argc, char **argv)
         kiln_scope_begin();
         kiln_tensor_t *all = kiln_from_data(buf, (int64_t[]){B, T + 1}, 2, KILN_DTYPE_I64);
         kiln_tensor_t *x = kiln_contiguous(kiln_narrow(all, 1, 0, T)), *y = kiln_contiguous(kiln_narrow(all, 1, 1, T));
-        kiln_tensor_t *loss = NULL, *xy[2] = {x, y};
+        double lr = 3e-4, loss = 0;
+        kiln_tensor_t *in[3] = {x, y, kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)}, *out[2];
         int n_out = 0;
-        kiln_status st = step ? kiln_compiled_call(step, xy, 2, &loss, 1, &n_out)
-                              : kiln_gpt_loss_backward(m, xy, 2, &loss, &n_out);
+        kiln_status st = step ? kiln_compiled_call(step, in, 3, out, 2, &n_out) : kiln_gpt_train_step(&fn, in, 3, out, &n_out);
+        if (st == KILN_OK) st = kiln_tensor_item(out[0], &loss);
         if (s == 0) first_call_s = bench_now_s() - t0;
-        if (st != KILN_OK ||
-            kiln_clip_grad_norm(ps, np, 1.0, NULL) != KILN_OK || kiln_optim_step(opt, 3e-4) != KILN_OK) {
+        if (st != KILN_OK) {
             fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());
             return 1;
         }
-        kiln_optim_zero_grad(opt);
         kiln_scope_end();
         if (s >= warmup) times[s - warmup] = bench_now_s() - t0;
     }

@@ -1,11 +1,15 @@
 #!/usr/bin/python3
 """PyTorch side of the training-step benchmark: config S (GPT-2 style, V=256, T=128, C=256,
-4 layers, 4 heads, B=16, AdamW lr 3e-4), forward + backward + step on random byte batches.
+4 layers, 4 heads, B=16, AdamW lr 3e-4), forward + backward + gradient clipping at norm 1
++ step on random byte batches, as bench/train_step.c does.
 
     /usr/bin/python3 tests/reference/train_step_torch.py --threads 2 [--steps 20] [--warmup 3]
+    TORCH2/bin/python tests/reference/train_step_torch.py --threads 2 --compile
 
 Prints one JSON line: median tokens/s over the timed steps, per-step times, peak RSS.
-Uses the model of gpt_ref.py (plain PyTorch, manual attention), eager mode.
+Uses the model of gpt_ref.py (plain PyTorch, manual attention), eager mode; --compile
+runs the whole step through torch.compile (PyTorch 2.x, inductor on the cpu), and
+reports the first step's time (the compile) apart.
 """
 import argparse
 import json
@@ -32,6 +36,8 @@ def main():
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--seed", type=int, default=1234)
+    ap.add_argument("--clip", type=float, default=1.0, help="max gradient norm; 0 = no clipping")
+    ap.add_argument("--compile", action="store_true", help="torch.compile the step (PyTorch 2.x, inductor)")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -41,18 +47,29 @@ def main():
     opt = gpt_ref.make_optimizer(model, 3e-4, (0.9, 0.95), 1e-8, 0.1)
     g = torch.Generator().manual_seed(a.seed)
 
+    def train_step(idx, tgt):
+        _, loss = model(idx, tgt)
+        loss.backward()
+        if a.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return loss
+
+    run = torch.compile(train_step) if a.compile else train_step
+
     def step():
         # random bytes; targets are the next byte, as a byte-level LM would see them
         buf = torch.randint(0, 256, (B, T + 1), generator=g, dtype=torch.int64)
         idx, tgt = buf[:, :-1], buf[:, 1:]
         t0 = time.perf_counter()
-        opt.zero_grad(set_to_none=True)
-        _, loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
+        loss = run(idx, tgt)
         return time.perf_counter() - t0, loss.item()
 
-    for _ in range(a.warmup):
+    t_first = time.perf_counter()
+    first_dt, _ = step()
+    first_s = time.perf_counter() - t_first
+    for _ in range(a.warmup - 1):
         step()
     times, losses = [], []
     for _ in range(a.steps):
@@ -62,7 +79,8 @@ def main():
     med = statistics.median(times)
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     print(json.dumps({
-        "impl": "torch-eager", "torch_version": torch.__version__, "threads": a.threads,
+        "impl": "torch-compile" if a.compile else "torch-eager", "first_step_s": round(first_s, 3),
+        "clip": a.clip, "torch_version": torch.__version__, "threads": a.threads,
         "config": "S", "batch": B, "T": T, "params": sum(p.numel() for p in model.parameters()),
         "warmup": a.warmup, "steps": a.steps, "median_step_s": round(med, 6),
         "tokens_per_s": round(B * T / med, 1), "step_s": [round(t, 6) for t in times],
