@@ -150,6 +150,42 @@ static void dead_code_is_removed(void **state)
     kiln_graph_free(g);
 }
 
+/* x * exp(arange(8) / 4) + exp(u), where u = ones(8) updated in place by x's first row:
+ * exp(arange / 4) is a constant, u (and exp of it) is not. */
+static kiln_status with_constants(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    (void)ctx, (void)n_in;
+    kiln_tensor_t *t = kiln_exp(kiln_mul_scalar(kiln_arange(0, 8, 1, KILN_DTYPE_F32), 0.25));
+    kiln_tensor_t *u = kiln_full((int64_t[]){8}, 1, 1.0, KILN_DTYPE_F32);
+    kiln_status s = u ? kiln_add_(u, kiln_squeeze(kiln_narrow(in[0], 0, 0, 1), 0), 1.0) : kiln_last_status();
+    if (s != KILN_OK) return s;
+    out[0] = kiln_add(kiln_mul(in[0], t), kiln_exp(u));
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+/* Oracle: the function run eagerly; the folded graph runs the same kernels, so bitwise.
+ * The constant part folds (its ops disappear after DCE); the part updated in place
+ * must not, or the run would use exp(1) instead of exp(1 + x[0]). */
+static void constants_fold_and_updated_values_do_not(void **state)
+{
+    kiln_tensor_t *x = randn(3, 8, 7), *x2 = randn(3, 8, 8);
+    kiln_graph_t *g;
+    assert_int_equal(kiln_graph_capture(with_constants, NULL, &x, 1, &g), KILN_OK);
+    int before = kiln_graph_num_ops(g), folded = -1, removed = -1;
+    assert_int_equal(kiln_graph_fold(g, &folded), KILN_OK);
+    assert_int_equal(kiln_graph_dce(g, &removed), KILN_OK);
+    assert_true(folded >= 2); /* the scaling and the exp of arange */
+    assert_true(removed >= 1); /* arange itself */
+    assert_int_equal(kiln_graph_num_ops(g), before - folded - removed);
+    kiln_tensor_t *got, *want;
+    int n;
+    assert_int_equal(kiln_graph_run(g, &x2, 1, &got, 1, &n), KILN_OK);
+    assert_int_equal(with_constants(NULL, &x2, 1, &want, &n), KILN_OK);
+    assert_same(got, want);
+    kiln_graph_free(g);
+}
+
 static kiln_status with_dropout(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
 {
     (void)ctx, (void)n_in;
@@ -481,6 +517,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(capture_then_run_matches_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(capture_records_and_computes_nothing, setup, teardown),
         cmocka_unit_test_setup_teardown(dead_code_is_removed, setup, teardown),
+        cmocka_unit_test_setup_teardown(constants_fold_and_updated_values_do_not, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_uses_are_clear_errors, setup, teardown),
         cmocka_unit_test_setup_teardown(repeated_ops_are_merged_but_not_across_updates, setup, teardown),
         cmocka_unit_test_setup_teardown(guards_reuse_recompile_and_fall_back, setup, teardown),

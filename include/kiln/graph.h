@@ -65,7 +65,20 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed);
  * layer_norm, rms_norm) is replaced by the primitive ops it is made of, which the
  * compiler can fuse. Returns how many were replaced in *decomposed. */
 kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed);
+/* Constant folding: each op whose inputs are all constants of the graph (full, arange,
+ * and what is computed from them alone) is computed once, now, and its result (if
+ * small) kept as a captured tensor; captured tensors themselves are never constants.
+ * Returns how many ops were folded in *folded; run kiln_graph_dce after. */
+kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded);
 int kiln_graph_num_ops(const kiln_graph_t *g);
+/* True while this thread is capturing a function. */
+bool kiln_graph_capturing(void);
+/* State that a captured function makes on its first call and keeps (optimizer moments,
+ * caches) must be real tensors, not values of the graph: kiln_graph_suspend pauses this
+ * thread's capture and returns a token (NULL if none was running); ops then run eagerly
+ * until kiln_graph_resume(token). */
+void *kiln_graph_suspend(void);
+void kiln_graph_resume(void *token);
 /* One line per op: "%5 = gelu(%4) f32[8,32]  tanh=1", inputs and captured tensors first. */
 kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f);
 void kiln_graph_free(kiln_graph_t *g); /* NULL is fine */

@@ -76,10 +76,6 @@ bool kiln__graph_capturing(void);
  * the leaf holds no gradient after a run). */
 kiln_tensor_t *kiln__graph_grad_of(const kiln_tensor_t *leaf);
 void kiln__graph_zero_grad(kiln_tensor_t *leaf);
-/* Pauses this thread's capture (returns it; NULL if none) so that real tensors can be
- * made, such as optimizer state on its first step; kiln__graph_resume(that) goes on. */
-void *kiln__graph_suspend(void);
-void kiln__graph_resume(void *capture);
 
 /* Library state. */
 void kiln__ensure_init(void);

@@ -230,14 +230,16 @@ void kiln__graph_zero_grad(kiln_tensor_t *leaf)
     e->dropped = e->clear = true;
 }
 
-void *kiln__graph_suspend(void)
+bool kiln_graph_capturing(void) { return capturing != NULL; }
+
+void *kiln_graph_suspend(void)
 {
     kiln_graph_t *g = capturing;
     capturing = NULL;
     return g;
 }
 
-void kiln__graph_resume(void *capture) { capturing = capture; }
+void kiln_graph_resume(void *token) { capturing = token; }
 
 kiln_status kiln__graph_data_access(const kiln_tensor_t *t, const char *what)
 {
@@ -559,6 +561,102 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
     free(repl);
     if (removed) *removed = dropped;
     return KILN_OK;
+}
+
+/* Constant folding: an op all of whose inputs are constants of the graph (results of
+ * full/arange, or of ops folded before) is computed now, through the same kernels a run
+ * would use, and its small results (<= KILN__FOLD_MAX elements: a large constant is
+ * cheaper as the inline value a kernel computes than as memory it reads) become
+ * captured tensors. Captured tensors are not constants (a run sees their contents at
+ * that time); random and in-place ops never fold, nor does a value that an in-place op
+ * updates, directly or through a view. The ops that made only folded values are left to
+ * dead-code elimination. */
+#define KILN__FOLD_MAX 4096
+kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
+{
+    if (!g) return kiln__err(KILN_ERR_ARG, "graph_fold: NULL graph");
+    if (capturing) return kiln__err(KILN_ERR_ARG, "graph_fold: a capture is running on this thread");
+    bool *cst = calloc((size_t)g->n_v, sizeof *cst), *mut = calloc((size_t)g->n_v, sizeof *mut);
+    if (!cst || !mut) {
+        free(cst);
+        free(mut);
+        return kiln__err(KILN_ERR_OOM, "graph_fold: out of memory");
+    }
+    /* Values updated in place, and, back through views, what they alias. */
+    for (int k = g->n_nd - 1; k >= 0; k--) {
+        const node *n = &g->nd[k];
+        const kiln__op_def *d = &kiln__ops[n->op];
+        if (d->is_inplace && n->n_in) mut[n->in[0]] = true;
+        if (d->is_view && n->n_in && mut[n->out[0]]) mut[n->in[0]] = true;
+    }
+    kiln_status s = KILN_OK;
+    int count = 0;
+    bool prev = kiln_set_grad_enabled(false);
+    for (int k = 0; s == KILN_OK && k < g->n_nd; k++) {
+        node *n = &g->nd[k];
+        const kiln__op_def *d = &kiln__ops[n->op];
+        if (d->is_inplace || n->op == KILN_OP_RAND || n->op == KILN_OP_DROPOUT) continue;
+        bool source = n->n_in == 0, all = true;
+        for (int i = 0; i < n->n_in && all; i++) all = cst[n->in[i]];
+        for (int j = 0; j < n->n_out && all; j++) all = !mut[n->out[j]];
+        if (!all) continue;
+        if (source) { /* full, arange: constants, kept as the ops they are */
+            for (int j = 0; j < n->n_out; j++) cst[n->out[j]] = true;
+            continue;
+        }
+        bool small = true;
+        for (int j = 0; j < n->n_out && small; j++) {
+            const kiln__meta *m = &g->v[n->out[j]].meta;
+            small = kiln__numel(m->ndim, m->shape) <= KILN__FOLD_MAX;
+        }
+        if (!small) continue;
+        /* Evaluate: the inputs' tensors, made by running the ops that give them. */
+        kiln_tensor_t *ins[64], *res[KILN__MAX_OUT] = {0};
+        if (n->n_in > 64) continue;
+        bool ok = true;
+        kiln_scope_begin();
+        for (int i = 0; i < n->n_in && ok; i++) {
+            const value *v = &g->v[n->in[i]];
+            if (v->kind == V_CONST) ins[i] = v->t;
+            else { /* a source op's result: run it */
+                const node *src = &g->nd[v->index];
+                kiln_tensor_t *r[KILN__MAX_OUT] = {0};
+                ok = kiln__dispatch(src->op, NULL, 0, &src->attrs, r) == KILN_OK;
+                ins[i] = ok ? kiln__scoped(r[v->out]) : NULL;
+                for (int j = 0; ok && j < src->n_out; j++)
+                    if (j != v->out) kiln_tensor_free(r[j]);
+            }
+        }
+        ok = ok && kiln__dispatch(n->op, n->n_in ? ins : NULL, n->n_in, &n->attrs, res) == KILN_OK;
+        kiln_scope_end();
+        if (!ok) { /* an op that fails on its constants fails in every run: leave it to say so */
+            for (int j = 0; j < n->n_out; j++) kiln_tensor_free(res[j]);
+            kiln_clear_error();
+            continue;
+        }
+        for (int j = 0; j < n->n_out; j++) {
+            value *v = &g->v[n->out[j]];
+            v->kind = V_CONST;
+            v->index = 0;
+            v->out = 0;
+            v->t = res[j];
+            meta_of(res[j], &v->meta);
+            cst[n->out[j]] = true;
+        }
+        /* The node computes nothing now: it becomes a no-op that DCE removes. */
+        free(n->in);
+        memmove(n, n + 1, sizeof *n * (size_t)(g->n_nd - k - 1));
+        g->n_nd--;
+        k--;
+        count++;
+    }
+    kiln_set_grad_enabled(prev);
+    for (int k = 0; k < g->n_nd; k++)
+        for (int j = 0; j < g->nd[k].n_out; j++) g->v[g->nd[k].out[j]].index = k;
+    free(cst);
+    free(mut);
+    if (folded) *folded = count;
+    return s;
 }
 
 kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f)

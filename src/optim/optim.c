@@ -3,7 +3,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kiln/optim.h"
-#include "core/tensor_impl.h"
+#include "kiln/graph.h"
 
 typedef enum { OPT_ADAMW, OPT_SGD } opt_kind;
 
@@ -23,12 +23,12 @@ struct kiln_optim {
 /* A real one-element tensor holding v, outside any capture (optimizer state). */
 static kiln_tensor_t *one_element(double v, kiln_dtype dt)
 {
-    void *cap = kiln__graph_suspend();
+    void *cap = kiln_graph_suspend();
     kiln_scope_begin();
     int64_t one = 1;
     kiln_tensor_t *t = kiln_keep(kiln_full(&one, 1, v, dt));
     kiln_scope_end();
-    kiln__graph_resume(cap);
+    kiln_graph_resume(cap);
     return t;
 }
 
@@ -111,11 +111,11 @@ void kiln_optim_free(kiln_optim_t *o)
 /* Optimizer state: real zeros even when the first step is being captured. */
 static kiln_tensor_t *zeros_like(kiln_tensor_t *p)
 {
-    void *cap = kiln__graph_suspend();
+    void *cap = kiln_graph_suspend();
     kiln_scope_begin();
     kiln_tensor_t *z = kiln_keep(kiln_zeros(kiln_tensor_shape(p), kiln_tensor_ndim(p), KILN_DTYPE_F32));
     kiln_scope_end();
-    kiln__graph_resume(cap);
+    kiln_graph_resume(cap);
     return z;
 }
 
@@ -186,7 +186,7 @@ kiln_status kiln_optim_step_t(kiln_optim_t *o, kiln_tensor_t *lr, kiln_tensor_t 
 kiln_status kiln_optim_step(kiln_optim_t *o, double lr)
 {
     if (!o) return kiln_error(KILN_ERR_ARG, "optim_step: optimizer is NULL");
-    if (kiln__graph_capturing())
+    if (kiln_graph_capturing())
         return kiln_error(KILN_ERR_UNSUPPORTED, "optim_step during graph capture: a learning rate given as a number "
                           "would be frozen into the graph; give it as a tensor with kiln_optim_step_t");
     if (o->kind == OPT_ADAMW) {
@@ -221,7 +221,7 @@ void kiln_optim_zero_grad(kiln_optim_t *o)
 int64_t kiln_optim_steps(const kiln_optim_t *o)
 {
     double v = 0;
-    if (!o || kiln__graph_capturing() || kiln_tensor_item(o->step, &v) != KILN_OK) return 0;
+    if (!o || kiln_graph_capturing() || kiln_tensor_item(o->step, &v) != KILN_OK) return 0;
     return (int64_t)v;
 }
 int kiln_optim_num_slots(const kiln_optim_t *o) { return !o ? 0 : o->kind == OPT_ADAMW ? 2 : 1; }
