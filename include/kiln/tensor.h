@@ -103,6 +103,18 @@ int kiln_device_count(void);
 const char *kiln_device_name(int i);
 /* One line describing device i (memory, compute units), or NULL. */
 const char *kiln_device_describe(int i, char *buf, size_t n);
+/* The device new tensors are made on (zeros, from_data, randn, ... and the ops that
+ * take no tensor): "cpu" unless KILN_DEVICE or kiln_set_device said otherwise. Names:
+ * "cpu", "opencl:N" ("opencl" = "opencl:0"), as kiln_device_name lists them. */
+kiln_status kiln_set_device(const char *name);
+const char *kiln_device(void);
+/* The device a tensor lives on ("cpu", "opencl:0", ...). */
+const char *kiln_tensor_device(const kiln_tensor_t *t);
+/* A copy of t on `device` (t itself, one more reference, when it is already there), in
+ * the caller's scope; not tracked by autograd: make parameters on their device
+ * (kiln_set_device) rather than moving them. An op on tensors of two devices is an
+ * error that says to move one with this. */
+kiln_tensor_t *kiln_tensor_to(kiln_tensor_t *t, const char *device);
 
 /* Scopes. */
 void kiln_scope_begin(void);

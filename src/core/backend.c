@@ -15,6 +15,7 @@ static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static int requested_threads;
 
 kiln__backend *kiln__cpu_backend(int nthreads);
+int kiln__opencl_register(void);
 
 kiln_status kiln__backend_register(kiln__backend *be)
 {
@@ -33,19 +34,54 @@ kiln_status kiln__backend_register(kiln__backend *be)
     return KILN_OK;
 }
 
+/* "opencl" is the first OpenCL device, "opencl:0"; other names are exact. */
+static kiln__backend *find_name(const char *name)
+{
+    size_t n = strlen(name);
+    for (int i = 0; i < n_backends; i++) {
+        const char *b = backends[i]->name;
+        if (!strcmp(b, name) || (!strncmp(b, name, n) && !strcmp(b + n, ":0"))) return backends[i];
+    }
+    return NULL;
+}
+
 kiln__backend *kiln__backend_find(const char *name)
 {
     kiln__ensure_init();
-    for (int i = 0; i < n_backends; i++)
-        if (!strcmp(backends[i]->name, name)) return backends[i];
-    return NULL;
+    return name ? find_name(name) : NULL;
 }
+
+static _Atomic(kiln__backend *) default_be;
 
 kiln__backend *kiln__backend_default(void)
 {
     kiln__ensure_init();
-    return backends[0];
+    return atomic_load(&default_be);
 }
+
+/* "cpu, opencl:0" */
+static void device_list(char *buf, size_t n)
+{
+    size_t w = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < n_backends && w < n; i++) w += (size_t)snprintf(buf + w, n - w, "%s%s", i ? ", " : "", backends[i]->name);
+}
+
+kiln_status kiln_set_device(const char *name)
+{
+    kiln__ensure_init();
+    kiln__backend *be = name ? find_name(name) : NULL;
+    if (!be) {
+        char have[256];
+        device_list(have, sizeof have);
+        return kiln__err(KILN_ERR_DEVICE, "no device named '%s' (this build and machine have: %s)", name ? name : "(null)",
+                         have);
+    }
+    atomic_store(&default_be, be);
+    return KILN_OK;
+}
+
+const char *kiln_device(void) { return kiln__backend_default()->name; }
 
 int kiln__backend_count(void)
 {
@@ -64,6 +100,20 @@ static void do_init(void)
     if (n <= 0) n = 1;
     kiln__pool_start(n);
     kiln__backend_register(kiln__cpu_backend(n));
+    atomic_store(&default_be, backends[0]);
+#ifdef KILN_HAVE_OPENCL
+    kiln__opencl_register();
+#endif
+    /* KILN_DEVICE picks the device new tensors go to; a name that is not here leaves the
+     * cpu, with a warning (tools check it up front with kiln_set_device). */
+    const char *dev = getenv("KILN_DEVICE");
+    if (dev && *dev && !find_name(dev)) {
+        char have[256];
+        device_list(have, sizeof have);
+        fprintf(stderr, "kiln: KILN_DEVICE=%s is not a device here (have: %s); using cpu\n", dev, have);
+    } else if (dev && *dev) {
+        atomic_store(&default_be, find_name(dev));
+    }
 }
 
 void kiln__ensure_init(void) { pthread_once(&init_once, do_init); }

@@ -3,6 +3,8 @@
  * contract, and records the call for autograd. In capture mode (src/graph/) the call is
  * recorded into the graph instead of launched, with meta outputs; autograd records it
  * all the same, so a backward inside the capture is captured too. */
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "kiln/ops.h"
@@ -15,6 +17,67 @@ bool kiln__tracks(const kiln_tensor_t *t);
 /* src/graph/graph.c: in capture mode, records the call and gives meta outputs. */
 kiln_status kiln__graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                const kiln__meta *meta, kiln__backend *be, kiln_tensor_t **out);
+
+/* A host copy of device tensor t: contiguous bytes, or for a strided view its whole
+ * storage under the same view. */
+static kiln_tensor_t *host_copy(kiln__backend *cpu, kiln_tensor_t *t, bool *whole)
+{
+    size_t es = kiln_dtype_size(t->dtype);
+    *whole = !kiln__is_contiguous(t);
+    if (*whole) {
+        int64_t n = (int64_t)(t->st->nbytes / es);
+        kiln_tensor_t *all = kiln__tensor_alloc(cpu, t->dtype, &n, 1);
+        if (!all) return NULL;
+        kiln_tensor_t *v = NULL;
+        if (t->st->be->copy_d2h(t->st->be, all->st->data, t->st->data, (size_t)n * es) == KILN_OK)
+            v = kiln__tensor_alias(all->st, t->dtype, t->ndim, t->shape, t->stride, t->offset);
+        kiln_tensor_free(all);
+        return v;
+    }
+    kiln_tensor_t *h = kiln__tensor_alloc(cpu, t->dtype, t->shape, t->ndim);
+    if (h && t->st->be->copy_d2h(t->st->be, kiln__data(h), kiln__data(t), kiln_tensor_nbytes(t)) != KILN_OK) {
+        kiln_tensor_free(h);
+        return NULL;
+    }
+    return h;
+}
+
+/* An op the backend has no kernel for runs on the cpu: inputs copied to the host, the
+ * cpu kernel, outputs (and an in-place destination) copied back. Said once per backend
+ * and op, so that a new backend can grow op by op and show what it still lacks. */
+static kiln_status cpu_fallback(kiln__backend *be, kiln__op_id op, kiln_tensor_t *const *in, int n_in,
+                                const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)
+{
+    static atomic_bool said[8][KILN_OP_COUNT];
+    kiln__backend *cpu = kiln__backend_at(0);
+    const kiln__op_def *d = &kiln__ops[op];
+    if (!cpu->kernels[op]) return kiln__err(KILN_ERR_UNSUPPORTED, "op %s is not supported by backend %s", d->name, be->name);
+    int bi = 0;
+    while (bi < 8 && kiln__backend_at(bi) != be) bi++;
+    if (bi < 8 && !atomic_exchange(&said[bi][op], true))
+        fprintf(stderr, "kiln: %s has no kernel for %s; it runs on the cpu with copies (said once per op; `kiln doctor "
+                "--ops %s` lists them)\n", be->name, d->name, be->name);
+    kiln_tensor_t *stack[16], **h = n_in + n_out > 16 ? calloc((size_t)(n_in + n_out), sizeof *h) : stack;
+    bool whole0 = false, w;
+    if (!h) return kiln__err(KILN_ERR_OOM, "%s: out of memory", d->name);
+    memset(h, 0, sizeof *h * (size_t)(n_in + n_out));
+    kiln_status s = KILN_OK;
+    for (int i = 0; s == KILN_OK && i < n_in; i++) {
+        h[i] = host_copy(cpu, in[i], i == 0 ? &whole0 : &w);
+        if (!h[i]) s = kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_OOM, "%s: out of memory", d->name);
+    }
+    for (int j = 0; s == KILN_OK && j < n_out; j++)
+        if (!(h[n_in + j] = kiln__tensor_alloc(cpu, out[j]->dtype, out[j]->shape, out[j]->ndim))) s = kiln_last_status();
+    if (s == KILN_OK) s = cpu->kernels[op](cpu, h, n_in, a, h + n_in, n_out);
+    for (int j = 0; s == KILN_OK && j < n_out; j++)
+        s = be->copy_h2d(be, kiln__data(out[j]), kiln__data(h[n_in + j]), kiln_tensor_nbytes(out[j]));
+    if (s == KILN_OK && d->is_inplace)
+        s = whole0 ? be->copy_h2d(be, in[0]->st->data, h[0]->st->data, in[0]->st->nbytes)
+                   : be->copy_h2d(be, kiln__data(in[0]), kiln__data(h[0]), kiln_tensor_nbytes(in[0]));
+    for (int i = 0; i < n_in + n_out; i++) kiln_tensor_free(h[i]);
+    if (h != stack) free(h);
+    return s;
+}
 
 kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                            kiln_tensor_t **out)
@@ -54,8 +117,7 @@ kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, c
     }
     if (!captured && !d->is_view && (out_elems > 0 || d->is_inplace)) {
         kiln__kernel_fn k = be->kernels[op];
-        s = k ? k(be, in, n_in, a, outs, d->n_out)
-              : kiln__err(KILN_ERR_UNSUPPORTED, "op %s is not supported by backend %s", d->name, be->name);
+        s = k ? k(be, in, n_in, a, outs, d->n_out) : cpu_fallback(be, op, in, n_in, a, outs, d->n_out);
         if (s != KILN_OK) {
             for (int j = 0; j < d->n_out; j++) kiln_tensor_free(outs[j]);
             return s;

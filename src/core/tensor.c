@@ -301,6 +301,51 @@ kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes
     return s;
 }
 
+const char *kiln_tensor_device(const kiln_tensor_t *t) { return t ? t->st->be->name : NULL; }
+
+/* n bytes from one backend's address to another's, through the host unless one side is
+ * the host itself (the cpu backend). */
+kiln_status kiln__copy_across(kiln__backend *dbe, void *dst, kiln__backend *sbe, const void *src, size_t n)
+{
+    kiln__backend *cpu = kiln__backend_at(0);
+    if (!n) return KILN_OK;
+    if (dbe == sbe) return dbe->copy_d2d(dbe, dst, src, n);
+    if (sbe == cpu) return dbe->copy_h2d(dbe, dst, src, n);
+    if (dbe == cpu) return sbe->copy_d2h(sbe, dst, src, n);
+    void *tmp = malloc(n);
+    if (!tmp) return kiln__err(KILN_ERR_OOM, "copy from %s to %s: out of host memory for %zu bytes", sbe->name, dbe->name, n);
+    kiln_status s = sbe->copy_d2h(sbe, tmp, src, n);
+    if (s == KILN_OK) s = dbe->copy_h2d(dbe, dst, tmp, n);
+    free(tmp);
+    return s;
+}
+
+kiln_tensor_t *kiln_tensor_to(kiln_tensor_t *t, const char *device)
+{
+    if (!t) return kiln__null_arg("tensor_to"), NULL;
+    kiln__backend *be = kiln__backend_find(device);
+    if (!be) return kiln_set_device(device), NULL; /* the error that lists the devices */
+    if (t->st->meta)
+        return kiln__err(KILN_ERR_UNSUPPORTED, "tensor_to: moving a tensor that is being captured into a graph; move it "
+                         "before the captured function"), NULL;
+    if (t->st->be == be) return kiln__scoped(kiln_tensor_retain(t));
+    kiln_tensor_t *c = (kiln_tensor_t *)t;
+    kiln__attrs a = {0};
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_status s = kiln__is_contiguous(t) ? (kiln_tensor_retain(t), KILN_OK)
+                                           : kiln__dispatch(KILN_OP_CONTIGUOUS, &c, 1, &a, &c);
+    kiln_set_grad_enabled(prev);
+    if (s != KILN_OK) return NULL;
+    kiln_tensor_t *out = kiln__tensor_alloc(be, t->dtype, t->shape, t->ndim);
+    if (out) s = kiln__copy_across(be, kiln__data(out), c->st->be, kiln__data(c), kiln_tensor_nbytes(c));
+    kiln_tensor_free(c);
+    if (!out || s != KILN_OK) {
+        kiln_tensor_free(out);
+        return NULL;
+    }
+    return kiln__scoped(out);
+}
+
 kiln_status kiln_tensor_item(const kiln_tensor_t *t, double *out)
 {
     if (!t) return kiln__null_arg("item");

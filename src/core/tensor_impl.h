@@ -77,6 +77,9 @@ bool kiln__graph_capturing(void);
 kiln_tensor_t *kiln__graph_grad_of(const kiln_tensor_t *leaf);
 void kiln__graph_zero_grad(kiln_tensor_t *leaf);
 
+/* n bytes from address src on sbe to dst on dbe (through the host between devices). */
+kiln_status kiln__copy_across(kiln__backend *dbe, void *dst, kiln__backend *sbe, const void *src, size_t n);
+
 /* Library state. */
 void kiln__ensure_init(void);
 void kiln__memory_account(long long delta);
