@@ -164,9 +164,28 @@ int cmd_plot(int argc, char **argv)
 
 int cmd_doctor(int argc, char **argv)
 {
-    const cli_opt opts[] = {{NULL, 0, NULL, NULL}};
-    int r = cli_parse("doctor", "", opts, argc, argv, NULL, 0, NULL);
+    const char *ops = NULL;
+    const cli_opt opts[] = {
+        {"ops", OPT_STRING, &ops, "print which ops DEVICE runs with its own kernels and which on the cpu"},
+        {NULL, 0, NULL, NULL},
+    };
+    int r = cli_parse("doctor", "[--ops DEVICE]", opts, argc, argv, NULL, 0, NULL);
     if (r) return r == 1 ? 0 : 2;
+    if (ops) {
+        if (kiln_set_device(ops) != KILN_OK) return cli_fail("doctor", NULL);
+        kiln_set_device("cpu");
+        int count[3] = {0, 0, 0};
+        static const char *how[3] = {"not supported", "on the cpu (copies)", "native"};
+        printf("%-26s %s\n", "op", ops);
+        for (int i = 0; i < kiln_op_count(); i++) {
+            kiln_op_support k = kiln_device_op_support(ops, i);
+            count[k]++;
+            printf("%-26s %s\n", kiln_op_name(i), how[k]);
+        }
+        printf("%d ops: %d native, %d on the cpu with copies, %d not supported\n", kiln_op_count(), count[2], count[1],
+               count[0]);
+        return 0;
+    }
     printf("kiln %s\nbuild: %s\nthreads: %d\ndevices:\n", kiln_version(), kiln_build_info(), kiln_num_threads());
     for (int i = 0; i < kiln_device_count(); i++) {
         char buf[256];

@@ -115,6 +115,12 @@ const char *kiln_tensor_device(const kiln_tensor_t *t);
  * (kiln_set_device) rather than moving them. An op on tensors of two devices is an
  * error that says to move one with this. */
 kiln_tensor_t *kiln_tensor_to(kiln_tensor_t *t, const char *device);
+/* Op coverage (kiln doctor --ops): op i's name for i < kiln_op_count(), and how a
+ * device runs it: with its own kernel, on the cpu with copies to and fro, or not. */
+typedef enum { KILN_OP_NONE, KILN_OP_ON_CPU, KILN_OP_NATIVE } kiln_op_support;
+int kiln_op_count(void);
+const char *kiln_op_name(int i);
+kiln_op_support kiln_device_op_support(const char *device, int op);
 
 /* Scopes. */
 void kiln_scope_begin(void);

@@ -111,6 +111,18 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
         kiln_graph_print(g, stderr);
     }
     if (!o.codegen) return KILN_OK; /* interpreted */
+    /* Generated code is C on host memory: a graph with tensors on another device runs
+     * through that device's kernels (interpreted) until its code generator exists. */
+    for (int i = 1; i < g->n_v; i++) {
+        const value *v = &g->v[i];
+        kiln__backend *be = v->kind == V_ARG ? v->be : v->kind == V_CONST ? v->t->st->be : NULL;
+        if (be && be != kiln__backend_at(0)) {
+            if (kiln__log_on("fusion"))
+                fprintf(stderr, "kiln [fusion] %s graph %d: tensors on %s, which has no code generator yet; the graph "
+                        "is interpreted through its kernels\n", name, index, be->name);
+            return KILN_OK;
+        }
+    }
     if (dir) { /* the loop IR before fusion: every fusible op its own kernel */
         kc_options one = o;
         one.fusion = false;

@@ -58,12 +58,12 @@ static kiln_status cpu_fallback(kiln__backend *be, kiln__op_id op, kiln_tensor_t
         fprintf(stderr, "kiln: %s has no kernel for %s; it runs on the cpu with copies (said once per op; `kiln doctor "
                 "--ops %s` lists them)\n", be->name, d->name, be->name);
     kiln_tensor_t *stack[16], **h = n_in + n_out > 16 ? calloc((size_t)(n_in + n_out), sizeof *h) : stack;
-    bool whole0 = false, w;
+    bool whole[4] = {false}, w;
     if (!h) return kiln__err(KILN_ERR_OOM, "%s: out of memory", d->name);
     memset(h, 0, sizeof *h * (size_t)(n_in + n_out));
     kiln_status s = KILN_OK;
     for (int i = 0; s == KILN_OK && i < n_in; i++) {
-        h[i] = host_copy(cpu, in[i], i == 0 ? &whole0 : &w);
+        h[i] = host_copy(cpu, in[i], i < 4 ? &whole[i] : &w);
         if (!h[i]) s = kiln_last_status() ? kiln_last_status() : kiln__err(KILN_ERR_OOM, "%s: out of memory", d->name);
     }
     for (int j = 0; s == KILN_OK && j < n_out; j++)
@@ -71,9 +71,12 @@ static kiln_status cpu_fallback(kiln__backend *be, kiln__op_id op, kiln_tensor_t
     if (s == KILN_OK) s = cpu->kernels[op](cpu, h, n_in, a, h + n_in, n_out);
     for (int j = 0; s == KILN_OK && j < n_out; j++)
         s = be->copy_h2d(be, kiln__data(out[j]), kiln__data(h[n_in + j]), kiln_tensor_nbytes(out[j]));
-    if (s == KILN_OK && d->is_inplace)
-        s = whole0 ? be->copy_h2d(be, in[0]->st->data, h[0]->st->data, in[0]->st->nbytes)
-                   : be->copy_h2d(be, kiln__data(in[0]), kiln__data(h[0]), kiln_tensor_nbytes(in[0]));
+    /* What an in-place op writes: its destination, and for adamw_ the moments too. */
+    unsigned mutated = !d->is_inplace ? 0u : op == KILN_OP_ADAMW_ ? 0xDu : 1u;
+    for (int i = 0; s == KILN_OK && i < 4 && i < n_in; i++)
+        if (mutated >> i & 1)
+            s = whole[i] ? be->copy_h2d(be, in[i]->st->data, h[i]->st->data, in[i]->st->nbytes)
+                         : be->copy_h2d(be, kiln__data(in[i]), kiln__data(h[i]), kiln_tensor_nbytes(in[i]));
     for (int i = 0; i < n_in + n_out; i++) kiln_tensor_free(h[i]);
     if (h != stack) free(h);
     return s;
@@ -141,4 +144,17 @@ kiln_tensor_t *kiln__call(kiln__op_id op, kiln_tensor_t *const *in, int n_in, co
     if (kiln__dispatch(op, in, n_in, a, out) != KILN_OK) return NULL;
     for (int j = 1; j < kiln__ops[op].n_out; j++) kiln_tensor_free(out[j]);
     return kiln__scoped(out[0]);
+}
+
+int kiln_op_count(void) { return KILN_OP_COUNT; }
+
+const char *kiln_op_name(int i) { return i >= 0 && i < KILN_OP_COUNT ? kiln__ops[i].name : NULL; }
+
+kiln_op_support kiln_device_op_support(const char *device, int op)
+{
+    kiln__backend *be = kiln__backend_find(device), *cpu = kiln__backend_at(0);
+    if (!be || op < 0 || op >= KILN_OP_COUNT) return KILN_OP_NONE;
+    if (kiln__ops[op].is_view) return KILN_OP_NATIVE; /* views alias storage on every device */
+    if (be->kernels[op]) return KILN_OP_NATIVE;
+    return cpu->kernels[op] ? KILN_OP_ON_CPU : KILN_OP_NONE;
 }

@@ -40,7 +40,7 @@ static int add_value(kiln_graph_t *g, int kind, int index, int out, const kiln__
         g->v = v;
         g->cap_v = cap;
     }
-    g->v[g->n_v] = (value){kind, index, out, *m, t};
+    g->v[g->n_v] = (value){kind, index, out, *m, t, NULL};
     return g->n_v++;
 }
 
@@ -75,6 +75,7 @@ static kiln_status add_arg(kiln_graph_t *g, int index, const kiln__meta *m, kiln
 {
     int num = add_value(g, V_ARG, index, 0, m, NULL);
     if (num < 0) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
+    g->v[num].be = be;
     size_t nb = (size_t)kiln__numel(m->ndim, m->shape) * kiln_dtype_size(m->dtype);
     *t = meta_tensor(be, NULL, nb, m, false, num);
     return *t ? KILN_OK : kiln_last_status();
@@ -712,7 +713,7 @@ kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed)
         const value *v = &g->v[i];
         if (v->kind == V_CONST) map[i] = v->t;
         if (v->kind != V_ARG) continue;
-        s = add_arg(ng, v->index, &v->meta, be, &map[i]);
+        s = add_arg(ng, v->index, &v->meta, v->be ? v->be : be, &map[i]);
     }
     ng->n_args = g->n_args;
     int count = 0;

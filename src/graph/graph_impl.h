@@ -13,6 +13,7 @@ typedef struct {
     int out;         /* which output of that node */
     kiln__meta meta;
     kiln_tensor_t *t; /* V_CONST: the captured tensor (retained) */
+    kiln__backend *be; /* V_ARG: the device its example was on */
 } value;
 
 typedef struct {
