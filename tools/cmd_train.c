@@ -24,7 +24,7 @@
 #include "kiln/tokenizer.h"
 
 typedef struct {
-    const char *data, *out, *config, *model, *tokenizer, *optimizer;
+    const char *data, *out, *config, *model, *tokenizer, *optimizer, *device;
     int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
     int64_t save_every, log_every, seed, threads;
     double lr, min_lr, wd, clip, dropout, val_fraction, momentum;
@@ -325,6 +325,8 @@ int cmd_train(int argc, char **argv)
         {"val-fraction", OPT_DOUBLE, &a.val_fraction, "tail of the corpus kept for validation"},
         {"seed", OPT_INT, &a.seed, "seed for weights, batches and dropout"},
         {"threads", OPT_INT, &a.threads, "threads per rank; 0 = the cores over the ranks on this machine ($KILN_NUM_THREADS)"},
+        {"device", OPT_STRING, &a.device, "where the model and batches live: cpu, opencl[:N] (`kiln doctor` lists them; "
+                                         "default $KILN_DEVICE, else cpu)"},
         {"resume", OPT_FLAG, &a.resume, "continue from the checkpoint in --out"},
         {"quiet", OPT_FLAG, &a.quiet, "only errors and the final summary"},
         {"zero1", OPT_FLAG, &a.zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
@@ -366,6 +368,8 @@ int cmd_train(int argc, char **argv)
         a.threads = cores / local > 1 ? cores / local : 1;
     }
     kiln_init((int)a.threads);
+    if (!a.device) a.device = getenv("KILN_DEVICE") && *getenv("KILN_DEVICE") ? getenv("KILN_DEVICE") : "cpu";
+    if (kiln_set_device(a.device) != KILN_OK) return cli_fail("train", NULL);
 
     kiln_pg_t *pg;
     if (kiln_pg_new_from_env(&pg) != KILN_OK) return cli_fail("train", NULL);
@@ -490,11 +494,12 @@ int cmd_train(int argc, char **argv)
     }
     if (!a.quiet && rank == 0)
         printf("kiln train: %s model, %d layers, C=%d, %d heads (%d kv), T=%d, vocab %d (%s), %.2fM parameters\n"
-               "            %zu train / %zu val tokens, %lld tokens per step, %d rank(s) x %d thread(s), unigram "
-               "baseline %.3f nats\n",
+               "            %zu train / %zu val tokens, %lld tokens per step, %d rank(s) x %d thread(s) on %s, "
+               "unigram baseline %.3f nats\n",
                a.model, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.block_size, vocab, tok_kind,
                (double)kiln_gpt_param_elements(m) / 1e6, kiln_dataset_len(ds, KILN_SPLIT_TRAIN),
-               kiln_dataset_len(ds, KILN_SPLIT_VAL), (long long)tokens_per_step, world, kiln_num_threads(), unigram);
+               kiln_dataset_len(ds, KILN_SPLIT_VAL), (long long)tokens_per_step, world, kiln_num_threads(), kiln_device(),
+               unigram);
 
     double t_begin = kiln__now_s(), val = NAN, comm_after = 0; /* gradient reduction left after backward */
     int64_t timed = 0;
