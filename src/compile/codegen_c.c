@@ -89,6 +89,40 @@ static const char *prelude =
     "static inline float kc_gelu_grad_erf(float x)\n{\n"
     "    return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;\n}\n\n";
 
+/* The same helpers in OpenCL C (src/backends/opencl compiles the result): the builtins
+ * are overloaded, so the C library's f-suffixed names map onto them. */
+static const char *prelude_cl =
+    "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
+    "typedef long int64_t;\ntypedef int int32_t;\ntypedef uchar uint8_t;\n"
+    "#define expf exp\n#define logf log\n#define sqrtf sqrt\n#define powf pow\n#define fabsf fabs\n"
+    "#define tanhf tanh\n#define erff erf\n\n"
+    "inline float kc_exp(float x)\n{\n"
+    "    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;\n"
+    "    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;\n"
+    "    float r = x - n * 0.693359375f + n * 2.12194440e-4f;\n"
+    "    float p = 1.9875691500e-4f;\n"
+    "    p = p * r + 1.3981999507e-3f;\n    p = p * r + 8.3334519073e-3f;\n"
+    "    p = p * r + 4.1665795894e-2f;\n    p = p * r + 1.6666665459e-1f;\n"
+    "    p = p * r + 5.0000001201e-1f;\n    p = p * r * r + r + 1.0f;\n"
+    "    return p * as_float(((int)n + 127) << 23);\n}\n"
+    "inline float kc_tanh_fast(float u) { return 1.0f - 2.0f / (kc_exp(2.0f * u) + 1.0f); }\n"
+    "inline float kc_sigmoid_fast(float x) { return 1.0f / (1.0f + kc_exp(-x)); }\n"
+    "inline float kc_sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }\n"
+    "inline float kc_max(float x, float y) { return x != x || x > y ? x : y; }\n"
+    "inline float kc_min(float x, float y) { return x != x || x < y ? x : y; }\n"
+    "#define KC_C0 0.7978845608028654f\n#define KC_C1 0.044715f\n"
+    "inline float kc_gelu_fast(float x) { return 0.5f * x * (1.0f + kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
+    "inline float kc_gelu_tanh(float x) { return 0.5f * x * (1.0f + tanh(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
+    "inline float kc_gelu_erf(float x) { return 0.5f * x * (1.0f + erf(x * 0.70710678f)); }\n"
+    "inline float kc_gelu_grad_fast(float x)\n{\n"
+    "    float t = kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x));\n"
+    "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
+    "inline float kc_gelu_grad_tanh(float x)\n{\n"
+    "    float t = tanh(KC_C0 * (x + KC_C1 * x * x * x));\n"
+    "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
+    "inline float kc_gelu_grad_erf(float x)\n{\n"
+    "    return 0.5f * (1.0f + erf(x * 0.70710678f)) + x * exp(-0.5f * x * x) * 0.39894228f;\n}\n\n";
+
 /* One expression as C, its operands being named e<N>. */
 static void expr_c(sbuf *b, const kc_kernel *k, int i, bool fast)
 {
@@ -183,16 +217,30 @@ static void body(sbuf *b, const kc_kernel *k, const bool *need, bool fast, const
         }
 }
 
-static void kernel_c(sbuf *b, const kc_kernel *k, bool fast)
+/* One kernel. In C it runs tasks [t0, t1) given its buffers in b[]; in OpenCL C (cl)
+ * each work-item runs one task, its buffers passed as (buffer, byte offset) pairs and
+ * the number of tasks last. The body is the same text. */
+static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, bool cl)
 {
     int nd = k->ndim;
     put(b, "/* %s: %s\n * over [", k->name, k->ops);
     for (int d = 0; d < nd; d++) put(b, "%s%lld", d ? ", " : "", (long long)k->dom[d]);
     put(b, "], %d reduction(s), %d store(s) */\n", k->n_acc, k->n_st);
-    put(b, "void %s(char *const *b, int64_t t0, int64_t t1)\n{\n", k->name);
-    for (int i = 0; i < k->n_buf; i++)
-        put(b, "    %s%s *%sin%d = (%s%s *)b[%d];\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
-            k->buf[i].output ? "restrict " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i);
+    if (cl) {
+        put(b, "__kernel void %s(", k->name);
+        for (int i = 0; i < k->n_buf; i++) put(b, "__global char *g%d, ulong go%d, ", i, i);
+        put(b, "long n_tasks)\n{\n");
+        for (int i = 0; i < k->n_buf; i++)
+            put(b, "    __global %s%s *%sin%d = (__global %s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ",
+                ctype(k->buf[i].dt), k->buf[i].output ? "restrict " : "", i, k->buf[i].output ? "" : "const ",
+                ctype(k->buf[i].dt), i, i);
+        put(b, "    const int64_t t0 = get_global_id(0), t1 = t0 + 1;\n    if (t0 >= n_tasks) return;\n");
+    } else {
+        put(b, "void %s(char *const *b, int64_t t0, int64_t t1)\n{\n", k->name);
+        for (int i = 0; i < k->n_buf; i++)
+            put(b, "    %s%s *%sin%d = (%s%s *)b[%d];\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
+                k->buf[i].output ? "restrict " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i);
+    }
     int64_t inner = nd ? k->dom[nd - 1] : 1;
     int64_t per = (inner + k->chunks - 1) / k->chunks;
     put(b, "    for (int64_t t = t0; t < t1; t++) {\n");
@@ -302,17 +350,20 @@ static void kernel_c(sbuf *b, const kc_kernel *k, bool fast)
     free(need);
 }
 
-kiln_status kiln__codegen_c(const kiln__program *p, char **src)
+static kiln_status generate(const kiln__program *p, bool cl, char **src)
 {
     sbuf b = {0};
     bool fast = kiln__opt(KILN__OPT_FAST_EXP);
-    put(&b, "/* Generated by kiln %s: %d kernel(s). */\n", KILN_VERSION, p->n_k);
-    put(&b, "%s", prelude);
-    for (int i = 0; i < p->n_k; i++) kernel_c(&b, &p->k[i], fast);
+    put(&b, "/* Generated by kiln %s: %d kernel(s)%s. */\n", KILN_VERSION, p->n_k, cl ? " in OpenCL C" : "");
+    put(&b, "%s", cl ? prelude_cl : prelude);
+    for (int i = 0; i < p->n_k; i++) kernel_c(&b, &p->k[i], fast, cl);
     if (b.failed) {
         free(b.s);
-        return kiln__err(KILN_ERR_OOM, "compile: out of memory generating C");
+        return kiln__err(KILN_ERR_OOM, "compile: out of memory generating %s", cl ? "OpenCL C" : "C");
     }
     *src = b.s;
     return KILN_OK;
 }
+
+kiln_status kiln__codegen_c(const kiln__program *p, char **src) { return generate(p, false, src); }
+kiln_status kiln__codegen_opencl(const kiln__program *p, char **src) { return generate(p, true, src); }

@@ -110,7 +110,9 @@ static int join_form(const kiln_graph_t *g, const group *gr, int G, const node *
 }
 
 /* The element strides of value v as the graph left it: views keep the strides their
- * inference gave, everything else is contiguous (arguments are contiguous by guard). */
+ * inference gave, arguments those they were captured with (contiguous, by guard, for
+ * kiln_compiled; the eager ops' one-op graphs keep their inputs'), everything else is
+ * contiguous. */
 static void value_strides(const kiln_graph_t *g, int v, int64_t *st)
 {
     const value *x = &g->v[v];
@@ -118,7 +120,7 @@ static void value_strides(const kiln_graph_t *g, int v, int64_t *st)
         memcpy(st, x->t->stride, sizeof(int64_t) * KILN_MAX_DIMS);
         return;
     }
-    if (x->kind == V_OP && kiln__ops[g->nd[x->index].op].is_view) {
+    if (x->kind == V_ARG || (x->kind == V_OP && kiln__ops[g->nd[x->index].op].is_view)) {
         memcpy(st, x->meta.stride, sizeof(int64_t) * KILN_MAX_DIMS);
         return;
     }

@@ -17,6 +17,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #include "compile/compile_impl.h"
+#include "core/cache.h"
 
 extern char **environ;
 
@@ -24,45 +25,13 @@ static const char *cflags[] = {"-O3", "-march=native", "-fPIC", "-shared", "-fno
                                "-ffp-contract=fast", "-w"};
 #define N_CFLAGS (int)(sizeof cflags / sizeof cflags[0])
 
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
-{
-    const unsigned char *c = p;
-    for (size_t i = 0; i < n; i++) h = (h ^ c[i]) * 1099511628211ULL;
-    return h;
-}
-
 static const char *compiler(void)
 {
     const char *cc = getenv("KILN_CC");
     return cc && *cc ? cc : "cc";
 }
 
-/* mkdir -p */
-static int make_dirs(const char *path)
-{
-    char tmp[1024];
-    snprintf(tmp, sizeof tmp, "%s", path);
-    for (char *p = tmp + 1; *p; p++)
-        if (*p == '/') {
-            *p = 0;
-            if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return -1;
-            *p = '/';
-        }
-    return mkdir(tmp, 0755) != 0 && errno != EEXIST ? -1 : 0;
-}
-
-static kiln_status cache_dir(char *out, size_t n)
-{
-    const char *d = getenv("KILN_CACHE_DIR"), *x = getenv("XDG_CACHE_HOME"), *h = getenv("HOME");
-    if (d && *d) snprintf(out, n, "%s", d);
-    else if (x && *x) snprintf(out, n, "%s/kiln", x);
-    else if (h && *h) snprintf(out, n, "%s/.cache/kiln", h);
-    else snprintf(out, n, "/tmp/kiln-cache-%d", (int)getuid());
-    if (make_dirs(out) != 0)
-        return kiln__err(KILN_ERR_IO, "compile: cannot make the kernel cache dir %s: %s (set KILN_CACHE_DIR)", out,
-                         strerror(errno));
-    return KILN_OK;
-}
+static kiln_status cache_dir(char *out, size_t n) { return kiln__cache_dir(NULL, out, n); }
 
 static kiln_status write_file(const char *path, const char *text)
 {
@@ -134,10 +103,10 @@ void kiln__jit_unload(void *so) { dlclose(so); }
 kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir)
 {
     if (p->n_k == 0) return KILN_OK;
-    uint64_t h = 1469598103934665603ULL;
-    h = fnv(h, src, strlen(src));
+    uint64_t h = KILN__FNV_SEED;
+    h = kiln__fnv(h, src, strlen(src));
     const char *cc = compiler();
-    h = fnv(h, cc, strlen(cc));
+    h = kiln__fnv(h, cc, strlen(cc));
     struct stat ccst;
     char ccpath[1024] = "";
     /* The compiler's identity: its resolved file's size and time, so that an upgrade
@@ -156,11 +125,11 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
         snprintf(ccpath, sizeof ccpath, "%s", cc);
     }
     if (*ccpath && stat(ccpath, &ccst) == 0) {
-        h = fnv(h, &ccst.st_size, sizeof ccst.st_size);
-        h = fnv(h, &ccst.st_mtime, sizeof ccst.st_mtime);
+        h = kiln__fnv(h, &ccst.st_size, sizeof ccst.st_size);
+        h = kiln__fnv(h, &ccst.st_mtime, sizeof ccst.st_mtime);
     }
-    for (int i = 0; i < N_CFLAGS; i++) h = fnv(h, cflags[i], strlen(cflags[i]));
-    h = fnv(h, KILN_VERSION, strlen(KILN_VERSION));
+    for (int i = 0; i < N_CFLAGS; i++) h = kiln__fnv(h, cflags[i], strlen(cflags[i]));
+    h = kiln__fnv(h, KILN_VERSION, strlen(KILN_VERSION));
     char dir[1024];
     kiln_status s = cache_dir(dir, sizeof dir);
     if (s != KILN_OK) return s;

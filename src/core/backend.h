@@ -9,7 +9,7 @@
 #include "kiln/tensor.h"
 #include "ops/attrs.h"
 
-#define KILN_BACKEND_ABI_VERSION 1
+#define KILN_BACKEND_ABI_VERSION 2
 
 typedef struct kiln__backend kiln__backend;
 typedef struct kiln__stream kiln__stream;
@@ -19,6 +19,16 @@ typedef struct kiln__event kiln__event;
  * belongs to this backend; outputs are allocated, contiguous, and uninitialised. */
 typedef kiln_status (*kiln__kernel_fn)(kiln__backend *be, kiln_tensor_t *const *in, int n_in,
                                        const kiln__attrs *a, kiln_tensor_t *const *out, int n_out);
+
+/* An argument of a launched kernel: a device address in this backend's memory (the
+ * backend passes it in its language's form, e.g. an OpenCL buffer and offset), or a
+ * 64-bit integer. */
+typedef enum { KILN__KARG_BUF, KILN__KARG_I64 } kiln__karg_kind;
+typedef struct {
+    kiln__karg_kind kind;
+    const void *ptr;
+    int64_t i64;
+} kiln__karg;
 
 typedef struct {
     const char *name;        /* "cpu", "opencl", ... */
@@ -49,10 +59,15 @@ struct kiln__backend {
     /* One kernel per op id; NULL where the backend lacks that op. */
     const kiln__kernel_fn *kernels;
 
-    /* Optional. */
+    /* Optional. A kernel from source in the backend's language (language names it:
+     * "opencl-c", "cuda-c"), kept until kernel_free; launched over grid[0..grid_dims)
+     * work-items with its arguments in order. The compiler's eager path uses these for
+     * the ops a backend has no kernel of its own for (src/compile/eager.c). */
+    const char *language;
     kiln_status (*compile_kernel)(kiln__backend *be, const char *source, const char *entry,
                                   void **kernel_out);
-    kiln_status (*launch)(kiln__backend *be, void *kernel, void **args, int nargs,
+    void (*kernel_free)(kiln__backend *be, void *kernel);
+    kiln_status (*launch)(kiln__backend *be, void *kernel, const kiln__karg *args, int nargs,
                           const size_t *grid, int grid_dims);
     kiln_status (*host_register)(kiln__backend *be, void *ptr, size_t n);
     kiln_status (*host_unregister)(kiln__backend *be, void *ptr);
@@ -61,6 +76,12 @@ struct kiln__backend {
     kiln_status (*replay)(kiln__backend *be, void *graph);
     kiln_status (*capture_reset)(kiln__backend *be, void *graph);
 };
+
+/* The compiler's eager path (src/compile/eager.c): runs op on a backend without a kernel
+ * for it but with compile_kernel and launch, through a generated kernel; *handled false
+ * means it does not lower and the caller falls back. */
+kiln_status kiln__eager_compiled(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t *const *out, int n_out, bool *handled);
 
 /* Registration and look-up by name. The cpu backend is registered at kiln_init. */
 kiln_status kiln__backend_register(kiln__backend *be);

@@ -120,7 +120,10 @@ kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, c
     }
     if (!captured && !d->is_view && (out_elems > 0 || d->is_inplace)) {
         kiln__kernel_fn k = be->kernels[op];
-        s = k ? k(be, in, n_in, a, outs, d->n_out) : cpu_fallback(be, op, in, n_in, a, outs, d->n_out);
+        bool handled = false;
+        if (k) s = k(be, in, n_in, a, outs, d->n_out);
+        else if ((s = kiln__eager_compiled(be, op, in, n_in, a, outs, d->n_out, &handled)) == KILN_OK && !handled)
+            s = cpu_fallback(be, op, in, n_in, a, outs, d->n_out);
         if (s != KILN_OK) {
             for (int j = 0; j < d->n_out; j++) kiln_tensor_free(outs[j]);
             return s;

@@ -76,8 +76,17 @@ static kiln_status add_arg(kiln_graph_t *g, int index, const kiln__meta *m, kiln
     int num = add_value(g, V_ARG, index, 0, m, NULL);
     if (num < 0) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
     g->v[num].be = be;
-    size_t nb = (size_t)kiln__numel(m->ndim, m->shape) * kiln_dtype_size(m->dtype);
-    *t = meta_tensor(be, NULL, nb, m, false, num);
+    /* The elements the strides reach (all of them when contiguous). */
+    int64_t extent = kiln__numel(m->ndim, m->shape) ? 1 : 0;
+    bool contiguous = true;
+    int64_t cs[KILN_MAX_DIMS];
+    kiln__contiguous_strides(m->ndim, m->shape, cs);
+    for (int d = 0; d < m->ndim; d++) {
+        if (m->shape[d] > 0) extent += (m->shape[d] - 1) * m->stride[d];
+        contiguous &= m->shape[d] == 1 || m->stride[d] == cs[d];
+    }
+    size_t nb = (size_t)extent * kiln_dtype_size(m->dtype);
+    *t = meta_tensor(be, NULL, nb, m, !contiguous, num);
     return *t ? KILN_OK : kiln_last_status();
 }
 
@@ -274,6 +283,12 @@ void kiln_graph_free(kiln_graph_t *g)
 
 kiln_status kiln_graph_capture(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *example, int n_in, kiln_graph_t **out)
 {
+    return kiln__graph_capture_as(fn, ctx, example, n_in, false, out);
+}
+
+kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *example, int n_in, bool strided,
+                                   kiln_graph_t **out)
+{
     if (!out) return kiln__err(KILN_ERR_ARG, "graph_capture: out is NULL");
     *out = NULL;
     if (!fn || n_in < 0 || (n_in && !example)) return kiln__err(KILN_ERR_ARG, "graph_capture: needs a function and its examples");
@@ -290,7 +305,7 @@ kiln_status kiln_graph_capture(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
     for (int i = 0; s == KILN_OK && i < n_in; i++) {
         kiln__meta m;
         meta_of(example[i], &m);
-        kiln__contiguous_strides(m.ndim, m.shape, m.stride);
+        if (!strided) kiln__contiguous_strides(m.ndim, m.shape, m.stride);
         m.offset = 0;
         s = add_arg(g, i, &m, example[i]->st->be, &args[i]);
     }

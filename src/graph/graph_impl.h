@@ -56,6 +56,10 @@ typedef struct {
     bool grad_was;
 } kiln__graph_frame;
 
+/* kiln_graph_capture, with `strided`: the arguments keep their examples' strides (the
+ * graph then assumes them; kiln_graph_capture assumes contiguous arguments). */
+kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *example, int n_in, bool strided,
+                                   kiln_graph_t **out);
 /* Checks in[0..n_in) against the graph's arguments (count, dtype, shape). */
 kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, int max_out);
 /* Checks the arguments and binds them (nothing to end on failure). */

@@ -77,7 +77,9 @@ static kiln__backend cpu_backend = {
     /* .synchronize = */ cpu_synchronize,
     /* .kernels = */ cpu_kernels,
     /* Optional entries the cpu does not offer yet: */
+    /* .language = */ NULL,
     /* .compile_kernel = */ NULL,
+    /* .kernel_free = */ NULL,
     /* .launch = */ NULL,
     /* .host_register = */ NULL,
     /* .host_unregister = */ NULL,

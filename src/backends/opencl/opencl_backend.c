@@ -11,9 +11,12 @@
  * needed from the platform.
  *
  * Work goes to one in-order command queue per device (the "stream"); copies to the host
- * block, the rest is enqueued. The kernel table is empty for now: dispatch runs every
- * op on the cpu with copies (src/core/dispatch.c), which makes the memory path and the
- * device plumbing testable before the OpenCL C kernels arrive. */
+ * block, the rest is enqueued. Kernels come from source (compile_kernel): the compiler
+ * generates OpenCL C for the ops it lowers (src/compile/eager.c); each program is built
+ * once per process and its binary kept in the kernel cache ($KILN_CACHE_DIR/opencl),
+ * keyed by a hash of the source, the device and its driver, so a later process loads
+ * it without building. The kernel table itself is empty: an op neither it nor the
+ * compiler covers runs on the cpu with copies (src/core/dispatch.c). */
 #ifdef KILN_HAVE_OPENCL
 #define CL_TARGET_OPENCL_VERSION 120
 #include <CL/cl.h>
@@ -23,6 +26,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <unistd.h>
+#include "core/cache.h"
 #include "core/tensor_impl.h"
 #include "ops/registry.h"
 
@@ -45,7 +50,17 @@ typedef struct {
     pthread_mutex_t lock; /* guards the ranges */
     cl_range *r;
     int n_r, cap_r;
+    pthread_mutex_t prog_lock; /* guards the programs and kernel launches (argument setting) */
+    struct cl_prog *progs;
+    char driver[128];
 } cl_dev;
+
+/* A built program, by the hash of its source. */
+typedef struct cl_prog {
+    uint64_t hash;
+    cl_program p;
+    struct cl_prog *next;
+} cl_prog;
 
 static cl_dev devs[MAX_CL_DEVICES];
 static kiln__backend cl_backends[MAX_CL_DEVICES];
@@ -229,6 +244,150 @@ static kiln_status cl_synchronize(kiln__backend *be)
     return err == CL_SUCCESS ? KILN_OK : cl_fail(be->ctx, "clFinish", err);
 }
 
+static uint64_t source_hash(const cl_dev *d, const char *src)
+{
+    uint64_t h = kiln__fnv(KILN__FNV_SEED, src, strlen(src));
+    h = kiln__fnv(h, d->description, strlen(d->description));
+    h = kiln__fnv(h, d->driver, strlen(d->driver));
+    return kiln__fnv(h, KILN_VERSION, strlen(KILN_VERSION));
+}
+
+/* Writes n bytes to path through a temporary name, so a reader sees all or nothing. */
+static void write_whole(const char *path, const void *p, size_t n)
+{
+    char tmp[1100];
+    snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
+    FILE *f = fopen(tmp, "wb");
+    if (!f) return;
+    bool ok = fwrite(p, 1, n, f) == n;
+    ok &= fclose(f) == 0;
+    if (!ok || rename(tmp, path) != 0) remove(tmp);
+}
+
+/* The program built from src: from this process's table, the cache's binary, or built
+ * now (its binary then saved). */
+static kiln_status get_program(cl_dev *d, const char *src, const char *entry, cl_program *out)
+{
+    uint64_t h = source_hash(d, src);
+    for (cl_prog *q = d->progs; q; q = q->next)
+        if (q->hash == h) {
+            *out = q->p;
+            return KILN_OK;
+        }
+    char dir[1024], path[1100];
+    if (kiln__cache_dir("opencl", dir, sizeof dir) != KILN_OK) return kiln_last_status();
+    snprintf(path, sizeof path, "%s/%016llx.bin", dir, (unsigned long long)h);
+    cl_int err = CL_SUCCESS, st = CL_SUCCESS;
+    cl_program p = NULL;
+    FILE *f = fopen(path, "rb");
+    if (f) { /* a binary from an earlier run; if the driver refuses it, build from source */
+        fseek(f, 0, SEEK_END);
+        long n = ftell(f);
+        fseek(f, 0, SEEK_SET);
+        unsigned char *bin = n > 0 ? malloc((size_t)n) : NULL;
+        if (bin && fread(bin, 1, (size_t)n, f) == (size_t)n) {
+            size_t len = (size_t)n;
+            const unsigned char *bp = bin;
+            p = clCreateProgramWithBinary(d->ctx, 1, &d->dev, &len, &bp, &st, &err);
+            if (err != CL_SUCCESS || st != CL_SUCCESS || clBuildProgram(p, 1, &d->dev, "", NULL, NULL) != CL_SUCCESS) {
+                if (p) clReleaseProgram(p);
+                p = NULL;
+            }
+        }
+        free(bin);
+        fclose(f);
+    }
+    if (!p) {
+        p = clCreateProgramWithSource(d->ctx, 1, &src, NULL, &err);
+        if (err != CL_SUCCESS) return cl_fail(d, "clCreateProgramWithSource", err);
+        err = clBuildProgram(p, 1, &d->dev, "-cl-std=CL1.2", NULL, NULL);
+        if (err != CL_SUCCESS) { /* keep the source and the build log for the message */
+            char sp[1100], lp[1100];
+            snprintf(sp, sizeof sp, "%s/%016llx.cl", dir, (unsigned long long)h);
+            snprintf(lp, sizeof lp, "%s/%016llx.log", dir, (unsigned long long)h);
+            write_whole(sp, src, strlen(src));
+            size_t ln = 0;
+            clGetProgramBuildInfo(p, d->dev, CL_PROGRAM_BUILD_LOG, 0, NULL, &ln);
+            char *log = malloc(ln + 1);
+            if (log && clGetProgramBuildInfo(p, d->dev, CL_PROGRAM_BUILD_LOG, ln, log, NULL) == CL_SUCCESS)
+                write_whole(lp, log, strlen(log));
+            free(log);
+            clReleaseProgram(p);
+            return kiln__err(KILN_ERR_COMPILE, "%s: the OpenCL compiler failed on kernel %s (error %d); source kept at "
+                             "%s, the build log at %s", d->name, entry, (int)err, sp, lp);
+        }
+        size_t bn = 0;
+        if (clGetProgramInfo(p, CL_PROGRAM_BINARY_SIZES, sizeof bn, &bn, NULL) == CL_SUCCESS && bn > 0) {
+            unsigned char *bin = malloc(bn);
+            if (bin && clGetProgramInfo(p, CL_PROGRAM_BINARIES, sizeof bin, &bin, NULL) == CL_SUCCESS)
+                write_whole(path, bin, bn);
+            free(bin);
+        }
+    }
+    cl_prog *q = malloc(sizeof *q);
+    if (!q) {
+        clReleaseProgram(p);
+        return kiln__err(KILN_ERR_OOM, "%s: out of memory", d->name);
+    }
+    *q = (cl_prog){h, p, d->progs};
+    d->progs = q;
+    *out = p;
+    return KILN_OK;
+}
+
+static kiln_status cl_compile_kernel(kiln__backend *be, const char *source, const char *entry, void **kernel_out)
+{
+    cl_dev *d = be->ctx;
+    cl_program p;
+    pthread_mutex_lock(&d->prog_lock);
+    kiln_status s = get_program(d, source, entry, &p);
+    cl_int err = CL_SUCCESS;
+    cl_kernel k = s == KILN_OK ? clCreateKernel(p, entry, &err) : NULL;
+    pthread_mutex_unlock(&d->prog_lock);
+    if (s != KILN_OK) return s;
+    if (err != CL_SUCCESS) return cl_fail(d, "clCreateKernel", err);
+    *kernel_out = k;
+    return KILN_OK;
+}
+
+static void cl_kernel_free(kiln__backend *be, void *kernel)
+{
+    if (kernel) clReleaseKernel((cl_kernel)kernel);
+}
+
+/* Each buffer argument goes as (cl_mem, byte offset into it): the generated kernels take
+ * them in pairs. */
+static kiln_status cl_launch(kiln__backend *be, void *kernel, const kiln__karg *args, int nargs, const size_t *grid,
+                             int grid_dims)
+{
+    cl_dev *d = be->ctx;
+    cl_kernel k = kernel;
+    kiln_status s = KILN_OK;
+    cl_uint ai = 0;
+    cl_int err = CL_SUCCESS;
+    pthread_mutex_lock(&d->prog_lock);
+    for (int i = 0; s == KILN_OK && err == CL_SUCCESS && i < nargs; i++) {
+        if (args[i].kind == KILN__KARG_I64) {
+            cl_long v = args[i].i64;
+            err = clSetKernelArg(k, ai++, sizeof v, &v);
+            continue;
+        }
+        cl_mem mem;
+        size_t off;
+        if ((s = resolve(d, args[i].ptr, 0, &mem, &off)) != KILN_OK) break;
+        cl_ulong o = off;
+        err = clSetKernelArg(k, ai++, sizeof mem, &mem);
+        if (err == CL_SUCCESS) err = clSetKernelArg(k, ai++, sizeof o, &o);
+    }
+    if (s == KILN_OK && err != CL_SUCCESS) s = cl_fail(d, "clSetKernelArg", err);
+    if (s == KILN_OK) {
+        err = clEnqueueNDRangeKernel(d->q, k, (cl_uint)grid_dims, NULL, grid, NULL, 0, NULL, NULL);
+        if (err != CL_SUCCESS) s = cl_fail(d, "clEnqueueNDRangeKernel", err);
+    }
+    pthread_mutex_unlock(&d->prog_lock);
+    return s;
+}
+
 static kiln_status open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev, int index)
 {
     cl_int err;
@@ -252,6 +411,8 @@ static kiln_status open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev,
         return cl_fail(d, "clCreateCommandQueue", err);
     }
     pthread_mutex_init(&d->lock, NULL);
+    pthread_mutex_init(&d->prog_lock, NULL);
+    clGetDeviceInfo(dev, CL_DRIVER_VERSION, sizeof d->driver - 1, d->driver, NULL);
     return KILN_OK;
 }
 
@@ -278,7 +439,9 @@ int kiln__opencl_register(void)
                 .copy_d2h = cl_copy_d2h, .copy_d2d = cl_copy_d2d, .memset = cl_memset, .stream_new = cl_stream_new,
                 .stream_free = cl_stream_free, .event_record = cl_event_record, .event_wait = cl_event_wait,
                 .event_free = cl_event_free, .synchronize = cl_synchronize, .kernels = cl_kernels,
-                /* optional entries (kernel compile/launch, pinned memory, capture): not yet */
+                .language = "opencl-c", .compile_kernel = cl_compile_kernel, .kernel_free = cl_kernel_free,
+                .launch = cl_launch,
+                /* not yet: pinned host memory, graph capture */
             };
             if (kiln__backend_register(be) == KILN_OK) n++;
             else kiln_clear_error();

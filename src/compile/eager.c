@@ -1,0 +1,233 @@
+/* Eager ops on a backend that compiles kernels from source (OpenCL; CUDA next): an op
+ * the backend has no kernel of its own for is captured as a one-op graph, lowered and
+ * fused like any graph (so softmax or layer norm, decomposed, become one kernel), and
+ * generated in the backend's language; the kernels are compiled once per (op,
+ * attributes, input dtypes, shapes and strides, device) and kept for the process, the
+ * backend keeping their binaries on disk. An op the lowering cannot take (matmul,
+ * indexing, an in-place update) is reported as not handled, and dispatch then runs it
+ * on the cpu with copies. */
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "compile/compile_impl.h"
+#include "core/cache.h"
+#include "kiln/ops.h"
+
+typedef struct entry {
+    uint64_t hash;
+    unsigned char *key;
+    size_t key_n;
+    bool ok; /* false: the op does not lower; dispatch falls back */
+    kiln_graph_t *g;
+    kiln__program *p;
+    void **kern; /* per kernel of p, from the backend */
+    struct entry *next;
+} entry;
+
+#define N_BUCKETS 1024
+static entry *buckets[N_BUCKETS];
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+
+typedef struct {
+    unsigned char b[2048];
+    size_t n;
+    bool overflow;
+} keybuf;
+
+static void key_add(keybuf *k, const void *p, size_t n)
+{
+    if (k->n + n > sizeof k->b) {
+        k->overflow = true;
+        return;
+    }
+    memcpy(k->b + k->n, p, n);
+    k->n += n;
+}
+
+typedef struct {
+    kiln__op_id op;
+    const kiln__attrs *a;
+} one_op;
+
+static kiln_status one_op_fn(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    const one_op *o = ctx;
+    kiln_tensor_t *res[KILN__MAX_OUT] = {0};
+    kiln_status s = kiln__dispatch(o->op, in, n_in, o->a, res);
+    int n = kiln__ops[o->op].n_out;
+    for (int j = 0; j < n; j++) out[j] = s == KILN_OK ? kiln__scoped(res[j]) : NULL;
+    *n_out = s == KILN_OK ? n : 0;
+    return s;
+}
+
+/* Captures, lowers, generates and compiles; e->ok says whether all of it worked. */
+static kiln_status build(entry *e, kiln__backend *be, kiln__op_id op, kiln_tensor_t *const *in, int n_in,
+                         const kiln__attrs *a)
+{
+    one_op o = {op, a};
+    kiln_status s = kiln__graph_capture_as(one_op_fn, &o, in, n_in, true, &e->g);
+    if (s != KILN_OK) return s;
+    kc_options opt;
+    kiln__compile_options(&opt);
+    if (opt.decompose && (s = kiln_graph_decompose(e->g, NULL)) != KILN_OK) return s;
+    if ((s = kiln__program_build(e->g, &opt, &e->p)) != KILN_OK) return s;
+    const kiln__program *p = e->p;
+    /* Only kernels (and views between them): anything else is not this path's. */
+    for (int t = 0; t < p->n_steps; t++)
+        if (p->steps[t].kind == STEP_OP && !kiln__ops[e->g->nd[p->steps[t].index].op].is_view) return KILN_OK;
+    for (int j = 0; j < e->g->n_outs; j++) {
+        bool written = false;
+        for (int i = 0; i < p->n_k && !written; i++)
+            for (int b = 0; b < p->k[i].n_buf && !written; b++)
+                written = p->k[i].buf[b].output && p->k[i].buf[b].value == e->g->outs[j];
+        if (!written) return KILN_OK;
+    }
+    char *src = NULL;
+    if (strcmp(be->language, "opencl-c") || (s = kiln__codegen_opencl(p, &src)) != KILN_OK) return s;
+    if (kiln__log_on("code")) fprintf(stderr, "kiln [code] %s on %s:\n%s", kiln__ops[op].name, be->name, src);
+    e->kern = calloc((size_t)(p->n_k ? p->n_k : 1), sizeof *e->kern);
+    if (!e->kern) s = kiln__err(KILN_ERR_OOM, "compile: out of memory");
+    for (int i = 0; s == KILN_OK && i < p->n_k; i++) s = be->compile_kernel(be, src, p->k[i].name, &e->kern[i]);
+    free(src);
+    e->ok = s == KILN_OK;
+    return s;
+}
+
+static kiln_status run(const entry *e, kiln__backend *be, kiln_tensor_t *const *in, kiln_tensor_t *const *out)
+{
+    const kiln_graph_t *g = e->g;
+    const kiln__program *p = e->p;
+    kiln_tensor_t **rt = calloc((size_t)g->n_v, sizeof *rt);
+    bool *mine = calloc((size_t)g->n_v, sizeof *mine); /* made here, freed here */
+    if (!rt || !mine) {
+        free(rt);
+        free(mine);
+        return kiln__err(KILN_ERR_OOM, "compile: out of memory");
+    }
+    for (int i = 1; i < g->n_v; i++)
+        if (g->v[i].kind == V_ARG) rt[i] = in[g->v[i].index];
+        else if (g->v[i].kind == V_CONST) rt[i] = g->v[i].t;
+    for (int j = 0; j < g->n_outs; j++) rt[g->outs[j]] = out[j];
+    kiln_status s = KILN_OK;
+    for (int t = 0; s == KILN_OK && t < p->n_steps; t++) {
+        const kc_step *st = &p->steps[t];
+        if (st->kind == STEP_OP) { /* a view */
+            const node *n = &g->nd[st->index];
+            kiln_tensor_t *ins[8], *res[KILN__MAX_OUT] = {0};
+            for (int i = 0; i < n->n_in && i < 8; i++) ins[i] = rt[n->in[i]];
+            s = kiln__dispatch(n->op, ins, n->n_in, &n->attrs, res);
+            for (int j = 0; s == KILN_OK && j < n->n_out; j++) {
+                rt[n->out[j]] = res[j];
+                mine[n->out[j]] = true;
+            }
+            continue;
+        }
+        const kc_kernel *k = &p->k[st->index];
+        kiln__karg args[64];
+        if (k->n_buf + 1 > 64) {
+            s = kiln__err(KILN_ERR_UNSUPPORTED, "compile: kernel %s has %d buffers (at most 63 on a device)", k->name,
+                          k->n_buf);
+            break;
+        }
+        for (int i = 0; s == KILN_OK && i < k->n_buf; i++) {
+            const kc_buf *kb = &k->buf[i];
+            if (kb->output && !rt[kb->value]) {
+                const kiln__meta *m = &g->v[kb->value].meta;
+                if (!(rt[kb->value] = kiln__tensor_alloc(be, m->dtype, m->shape, m->ndim))) s = kiln_last_status();
+                mine[kb->value] = true;
+            }
+            if (s == KILN_OK && !rt[kb->value])
+                s = kiln__err(KILN_ERR_INTERNAL, "compile: kernel %s reads value %%%d before it exists", k->name, kb->value);
+            if (s == KILN_OK) args[i] = (kiln__karg){KILN__KARG_BUF, kiln__data(rt[kb->value]), 0};
+        }
+        if (s != KILN_OK || k->tasks <= 0) continue;
+        args[k->n_buf] = (kiln__karg){KILN__KARG_I64, NULL, k->tasks};
+        size_t grid = (size_t)k->tasks;
+        s = be->launch(be, e->kern[st->index], args, k->n_buf + 1, &grid, 1);
+    }
+    for (int i = 0; i < g->n_v; i++)
+        if (mine[i]) kiln_tensor_free(rt[i]);
+    free(rt);
+    free(mine);
+    return s;
+}
+
+/* The ops worth a try: what the lowering takes (pointwise, casts, copies, last-dim
+ * reductions) and what decomposes into it. full and arange are left out on purpose:
+ * their value is baked into the code, so each new constant would be a new program. */
+static bool candidate(kiln__op_id op)
+{
+    switch (op) {
+    case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_POW:
+    case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM: case KILN_OP_NEG: case KILN_OP_ABS: case KILN_OP_EXP:
+    case KILN_OP_LOG: case KILN_OP_SQRT: case KILN_OP_RSQRT: case KILN_OP_TANH: case KILN_OP_SIGMOID:
+    case KILN_OP_RELU: case KILN_OP_GELU: case KILN_OP_SILU: case KILN_OP_GELU_BACKWARD:
+    case KILN_OP_SILU_BACKWARD: case KILN_OP_EQ: case KILN_OP_NE: case KILN_OP_LT: case KILN_OP_LE:
+    case KILN_OP_GT: case KILN_OP_GE: case KILN_OP_WHERE: case KILN_OP_CAST: case KILN_OP_CONTIGUOUS:
+    case KILN_OP_SUM: case KILN_OP_MAX: case KILN_OP_SOFTMAX: case KILN_OP_LOG_SOFTMAX: case KILN_OP_LAYER_NORM:
+    case KILN_OP_RMS_NORM:
+        return true;
+    default:
+        return false;
+    }
+}
+
+kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t *const *out, int n_out, bool *handled)
+{
+    kiln__op_id op = (kiln__op_id)op_id;
+    *handled = false;
+    if (!be->language || !be->compile_kernel || !be->launch || !candidate(op) || n_in > 16) return KILN_OK;
+    keybuf k = {.n = 0};
+    key_add(&k, &be, sizeof be);
+    key_add(&k, &op, sizeof op);
+    key_add(&k, a, sizeof *a);
+    for (int i = 0; i < n_in; i++) {
+        const kiln_tensor_t *t = in[i];
+        key_add(&k, &t->dtype, sizeof t->dtype);
+        key_add(&k, &t->ndim, sizeof t->ndim);
+        key_add(&k, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+        key_add(&k, t->stride, sizeof(int64_t) * (size_t)t->ndim);
+    }
+    if (k.overflow) return KILN_OK;
+    uint64_t h = kiln__fnv(KILN__FNV_SEED, k.b, k.n);
+    pthread_mutex_lock(&lock);
+    entry *e = buckets[h % N_BUCKETS];
+    while (e && !(e->hash == h && e->key_n == k.n && !memcmp(e->key, k.b, k.n))) e = e->next;
+    kiln_status s = KILN_OK;
+    if (!e) {
+        e = calloc(1, sizeof *e);
+        if (e) e->key = malloc(k.n);
+        if (!e || !e->key) {
+            free(e);
+            pthread_mutex_unlock(&lock);
+            return kiln__err(KILN_ERR_OOM, "compile: out of memory");
+        }
+        memcpy(e->key, k.b, k.n);
+        e->key_n = k.n;
+        e->hash = h;
+        bool prev = kiln_set_grad_enabled(false);
+        s = build(e, be, op, in, n_in, a);
+        kiln_set_grad_enabled(prev);
+        if (s != KILN_OK) { /* a generator or driver limit, not the caller's error: say so once, run on the cpu */
+            fprintf(stderr, "kiln: %s on %s: the generated kernel could not be built (%s); it runs on the cpu\n",
+                    kiln__ops[op].name, be->name, kiln_last_error());
+            kiln_clear_error();
+            s = KILN_OK;
+        }
+        if (!e->ok) { /* only the verdict is kept */
+            kiln__program_free(e->p);
+            kiln_graph_free(e->g);
+            e->p = NULL;
+            e->g = NULL;
+        }
+        e->next = buckets[h % N_BUCKETS];
+        buckets[h % N_BUCKETS] = e;
+    }
+    pthread_mutex_unlock(&lock);
+    if (s != KILN_OK || !e->ok) return s;
+    *handled = true;
+    (void)n_out;
+    return run(e, be, in, out);
+}

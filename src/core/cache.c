@@ -1,0 +1,44 @@
+/* The on-disk cache kiln keeps for compiled kernels (generated C as shared objects,
+ * OpenCL program binaries): where it is, and the hash that names its files. */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+#include "core/cache.h"
+
+uint64_t kiln__fnv(uint64_t h, const void *p, size_t n)
+{
+    const unsigned char *c = p;
+    for (size_t i = 0; i < n; i++) h = (h ^ c[i]) * 1099511628211ULL;
+    return h;
+}
+
+int kiln__make_dirs(const char *path)
+{
+    char tmp[1024];
+    snprintf(tmp, sizeof tmp, "%s", path);
+    for (char *p = tmp + 1; *p; p++)
+        if (*p == '/') {
+            *p = 0;
+            if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return -1;
+            *p = '/';
+        }
+    return mkdir(tmp, 0755) != 0 && errno != EEXIST ? -1 : 0;
+}
+
+kiln_status kiln__cache_dir(const char *sub, char *out, size_t n)
+{
+    const char *d = getenv("KILN_CACHE_DIR"), *x = getenv("XDG_CACHE_HOME"), *h = getenv("HOME");
+    char base[900];
+    if (d && *d) snprintf(base, sizeof base, "%s", d);
+    else if (x && *x) snprintf(base, sizeof base, "%s/kiln", x);
+    else if (h && *h) snprintf(base, sizeof base, "%s/.cache/kiln", h);
+    else snprintf(base, sizeof base, "/tmp/kiln-cache-%d", (int)getuid());
+    if (sub && *sub) snprintf(out, n, "%s/%s", base, sub);
+    else snprintf(out, n, "%s", base);
+    if (kiln__make_dirs(out) != 0)
+        return kiln__err(KILN_ERR_IO, "cannot make the kernel cache dir %s: %s (set KILN_CACHE_DIR)", out, strerror(errno));
+    return KILN_OK;
+}
