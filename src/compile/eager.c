@@ -139,12 +139,12 @@ static kiln_status run(const entry *e, kiln__backend *be, kiln_tensor_t *const *
             }
             if (s == KILN_OK && !rt[kb->value])
                 s = kiln__err(KILN_ERR_INTERNAL, "compile: kernel %s reads value %%%d before it exists", k->name, kb->value);
-            if (s == KILN_OK) args[i] = (kiln__karg){KILN__KARG_BUF, kiln__data(rt[kb->value]), 0};
+            if (s == KILN_OK) args[i] = (kiln__karg){KILN__KARG_BUF, kiln__data(rt[kb->value]), 0, 0};
         }
         if (s != KILN_OK || k->tasks <= 0) continue;
-        args[k->n_buf] = (kiln__karg){KILN__KARG_I64, NULL, k->tasks};
+        args[k->n_buf] = (kiln__karg){KILN__KARG_I64, NULL, k->tasks, 0};
         size_t grid = (size_t)k->tasks;
-        s = be->launch(be, e->kern[st->index], args, k->n_buf + 1, &grid, 1);
+        s = be->launch(be, e->kern[st->index], args, k->n_buf + 1, &grid, NULL, 1);
     }
     for (int i = 0; i < g->n_v; i++)
         if (mine[i]) kiln_tensor_free(rt[i]);

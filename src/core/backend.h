@@ -23,11 +23,12 @@ typedef kiln_status (*kiln__kernel_fn)(kiln__backend *be, kiln_tensor_t *const *
 /* An argument of a launched kernel: a device address in this backend's memory (the
  * backend passes it in its language's form, e.g. an OpenCL buffer and offset), or a
  * 64-bit integer. */
-typedef enum { KILN__KARG_BUF, KILN__KARG_I64 } kiln__karg_kind;
+typedef enum { KILN__KARG_BUF, KILN__KARG_I64, KILN__KARG_F32, KILN__KARG_F64 } kiln__karg_kind;
 typedef struct {
     kiln__karg_kind kind;
-    const void *ptr;
-    int64_t i64;
+    const void *ptr; /* BUF */
+    int64_t i64;     /* I64 */
+    double f;        /* F32 (passed as float), F64 */
 } kiln__karg;
 
 typedef struct {
@@ -68,7 +69,7 @@ struct kiln__backend {
                                   void **kernel_out);
     void (*kernel_free)(kiln__backend *be, void *kernel);
     kiln_status (*launch)(kiln__backend *be, void *kernel, const kiln__karg *args, int nargs,
-                          const size_t *grid, int grid_dims);
+                          const size_t *grid, const size_t *block, int grid_dims); /* block NULL: any */
     kiln_status (*host_register)(kiln__backend *be, void *ptr, size_t n);
     kiln_status (*host_unregister)(kiln__backend *be, void *ptr);
     kiln_status (*capture_begin)(kiln__backend *be);
@@ -82,6 +83,12 @@ struct kiln__backend {
  * means it does not lower and the caller falls back. */
 kiln_status kiln__eager_compiled(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                  kiln_tensor_t *const *out, int n_out, bool *handled);
+
+/* Runs op on the cpu for backend be: inputs copied to the host, outputs and updated
+ * inputs copied back (src/core/dispatch.c). What dispatch does for an op a backend lacks;
+ * a backend kernel calls it for the layouts it does not take. */
+kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                               kiln_tensor_t *const *out, int n_out);
 
 /* Registration and look-up by name. The cpu backend is registered at kiln_init. */
 kiln_status kiln__backend_register(kiln__backend *be);

@@ -45,8 +45,8 @@ static kiln_tensor_t *host_copy(kiln__backend *cpu, kiln_tensor_t *t, bool *whol
 /* An op the backend has no kernel for runs on the cpu: inputs copied to the host, the
  * cpu kernel, outputs (and an in-place destination) copied back. Said once per backend
  * and op, so that a new backend can grow op by op and show what it still lacks. */
-static kiln_status cpu_fallback(kiln__backend *be, kiln__op_id op, kiln_tensor_t *const *in, int n_in,
-                                const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                               kiln_tensor_t *const *out, int n_out)
 {
     static atomic_bool said[8][KILN_OP_COUNT];
     kiln__backend *cpu = kiln__backend_at(0);
@@ -55,8 +55,8 @@ static kiln_status cpu_fallback(kiln__backend *be, kiln__op_id op, kiln_tensor_t
     int bi = 0;
     while (bi < 8 && kiln__backend_at(bi) != be) bi++;
     if (bi < 8 && !atomic_exchange(&said[bi][op], true))
-        fprintf(stderr, "kiln: %s has no kernel for %s; it runs on the cpu with copies (said once per op; `kiln doctor "
-                "--ops %s` lists them)\n", be->name, d->name, be->name);
+        fprintf(stderr, "kiln: %s runs %s on the cpu with copies: no kernel of its own for it, or for these dtypes and "
+                "layouts (said once per op; `kiln doctor --ops %s` lists its kernels)\n", be->name, d->name, be->name);
     kiln_tensor_t *stack[16], **h = n_in + n_out > 16 ? calloc((size_t)(n_in + n_out), sizeof *h) : stack;
     bool whole[4] = {false}, w;
     if (!h) return kiln__err(KILN_ERR_OOM, "%s: out of memory", d->name);
@@ -123,7 +123,7 @@ kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, c
         bool handled = false;
         if (k) s = k(be, in, n_in, a, outs, d->n_out);
         else if ((s = kiln__eager_compiled(be, op, in, n_in, a, outs, d->n_out, &handled)) == KILN_OK && !handled)
-            s = cpu_fallback(be, op, in, n_in, a, outs, d->n_out);
+            s = kiln__cpu_fallback(be, op, in, n_in, a, outs, d->n_out);
         if (s != KILN_OK) {
             for (int j = 0; j < d->n_out; j++) kiln_tensor_free(outs[j]);
             return s;

@@ -28,6 +28,7 @@
 #include <sys/mman.h>
 #include <unistd.h>
 #include "core/cache.h"
+#include "core/dtype.h"
 #include "core/tensor_impl.h"
 #include "ops/registry.h"
 
@@ -64,7 +65,6 @@ typedef struct cl_prog {
 
 static cl_dev devs[MAX_CL_DEVICES];
 static kiln__backend cl_backends[MAX_CL_DEVICES];
-static const kiln__kernel_fn cl_kernels[KILN_OP_COUNT]; /* none yet: the cpu runs them with copies */
 
 static kiln_status cl_fail(const cl_dev *d, const char *what, cl_int err)
 {
@@ -358,7 +358,7 @@ static void cl_kernel_free(kiln__backend *be, void *kernel)
 /* Each buffer argument goes as (cl_mem, byte offset into it): the generated kernels take
  * them in pairs. */
 static kiln_status cl_launch(kiln__backend *be, void *kernel, const kiln__karg *args, int nargs, const size_t *grid,
-                             int grid_dims)
+                             const size_t *block, int grid_dims)
 {
     cl_dev *d = be->ctx;
     cl_kernel k = kernel;
@@ -372,6 +372,16 @@ static kiln_status cl_launch(kiln__backend *be, void *kernel, const kiln__karg *
             err = clSetKernelArg(k, ai++, sizeof v, &v);
             continue;
         }
+        if (args[i].kind == KILN__KARG_F32) {
+            cl_float v = (cl_float)args[i].f;
+            err = clSetKernelArg(k, ai++, sizeof v, &v);
+            continue;
+        }
+        if (args[i].kind == KILN__KARG_F64) {
+            cl_double v = args[i].f;
+            err = clSetKernelArg(k, ai++, sizeof v, &v);
+            continue;
+        }
         cl_mem mem;
         size_t off;
         if ((s = resolve(d, args[i].ptr, 0, &mem, &off)) != KILN_OK) break;
@@ -381,12 +391,227 @@ static kiln_status cl_launch(kiln__backend *be, void *kernel, const kiln__karg *
     }
     if (s == KILN_OK && err != CL_SUCCESS) s = cl_fail(d, "clSetKernelArg", err);
     if (s == KILN_OK) {
-        err = clEnqueueNDRangeKernel(d->q, k, (cl_uint)grid_dims, NULL, grid, NULL, 0, NULL, NULL);
+        err = clEnqueueNDRangeKernel(d->q, k, (cl_uint)grid_dims, NULL, grid, block, 0, NULL, NULL);
         if (err != CL_SUCCESS) s = cl_fail(d, "clEnqueueNDRangeKernel", err);
     }
     pthread_mutex_unlock(&d->prog_lock);
     return s;
 }
+
+/* ---- the backend's own kernels: what the compiler's lowering does not cover ---- */
+
+/* Written by hand because no OpenCL library on Debian does batched strided GEMM with
+ * kiln's layouts (clBLAS is unmaintained): a 16x16 tiled matmul over up to 4 broadcast
+ * batch dims, and the in-place updates (add_, scale_, adamw_) the lowering leaves out. */
+static const char *builtin_src =
+    "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
+    "#define TS 16\n"
+    "__kernel __attribute__((reqd_work_group_size(TS, TS, 1)))\n"
+    "void kiln_matmul(__global const char *ga, ulong oa, __global const char *gb, ulong ob, __global char *gc, ulong oc,\n"
+    "                 long M, long N, long K, long sam, long sak, long sbk, long sbn,\n"
+    "                 long d1, long d2, long d3, long a0, long a1, long a2, long a3, long b0, long b1, long b2, long b3)\n"
+    "{\n"
+    "    const int lr = get_local_id(1), lc = get_local_id(0);\n"
+    "    const long row = get_group_id(1) * TS + lr, col = get_group_id(0) * TS + lc, bt = get_global_id(2);\n"
+    "    long r = bt;\n"
+    "    const long i3 = r % d3; r /= d3;\n    const long i2 = r % d2; r /= d2;\n    const long i1 = r % d1; r /= d1;\n"
+    "    const long i0 = r;\n"
+    "    __global const float *A = (__global const float *)(ga + oa) + i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3;\n"
+    "    __global const float *B = (__global const float *)(gb + ob) + i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3;\n"
+    "    __global float *C = (__global float *)(gc + oc) + bt * M * N;\n"
+    "    __local float As[TS][TS], Bs[TS][TS];\n"
+    "    float acc = 0.0f;\n"
+    "    for (long t = 0; t < K; t += TS) {\n"
+    "        const long ka = t + lc, kb = t + lr;\n"
+    "        As[lr][lc] = row < M && ka < K ? A[row * sam + ka * sak] : 0.0f;\n"
+    "        Bs[lr][lc] = kb < K && col < N ? B[kb * sbk + col * sbn] : 0.0f;\n"
+    "        barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "        for (int k = 0; k < TS; k++) acc = fma(As[lr][k], Bs[k][lc], acc);\n"
+    "        barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "    }\n"
+    "    if (row < M && col < N) C[row * N + col] = acc;\n"
+    "}\n"
+    "__kernel void kiln_add_(__global char *gd, ulong od, __global const char *gs, ulong os, float alpha, long n)\n"
+    "{\n"
+    "    const long i = get_global_id(0);\n"
+    "    __global float *d = (__global float *)(gd + od);\n"
+    "    if (i < n) d[i] = fma(alpha, ((__global const float *)(gs + os))[i], d[i]);\n"
+    "}\n"
+    "__kernel void kiln_scale_(__global char *gd, ulong od, float s, long n)\n"
+    "{\n"
+    "    const long i = get_global_id(0);\n"
+    "    __global float *d = (__global float *)(gd + od);\n"
+    "    if (i < n) d[i] = d[i] * s;\n"
+    "}\n"
+    "double one_value(__global const char *g, ulong o, long f64)\n"
+    "{\n"
+    "    return f64 ? *(__global const double *)(g + o) : (double)*(__global const float *)(g + o);\n"
+    "}\n"
+    "__kernel void kiln_adamw_(__global char *gp, ulong op, __global const char *gg, ulong og, __global char *gm, ulong om,\n"
+    "                          __global char *gv, ulong ov, __global const char *glr, ulong olr, __global const char *gt,\n"
+    "                          ulong ot, __global const char *gs, ulong os, long f64s, float wd, double b1, double b2,\n"
+    "                          float eps, long n)\n"
+    "{\n"
+    "    const long i = get_global_id(0);\n"
+    "    if (i >= n) return;\n"
+    "    const double t = one_value(gt, ot, f64s & 2);\n"
+    "    const float lr = (float)one_value(glr, olr, f64s & 1), gsc = (float)one_value(gs, os, f64s & 4);\n"
+    "    const float c1 = (float)(1.0 - pow(b1, t)), c2 = (float)(1.0 - pow(b2, t)), fb1 = (float)b1, fb2 = (float)b2;\n"
+    "    __global float *p = (__global float *)(gp + op), *m = (__global float *)(gm + om), *v = (__global float *)(gv + ov);\n"
+    "    const float g = ((__global const float *)(gg + og))[i] * gsc;\n"
+    "    const float mi = fb1 * m[i] + (1.0f - fb1) * g, vi = fb2 * v[i] + (1.0f - fb2) * g * g;\n"
+    "    m[i] = mi;\n"
+    "    v[i] = vi;\n"
+    "    const float pi = p[i] * (1.0f - lr * wd);\n"
+    "    p[i] = pi - lr * (mi / c1) / (sqrt(vi / c2) + eps);\n"
+    "}\n";
+
+enum { BK_MATMUL, BK_ADD_, BK_SCALE_, BK_ADAMW_, N_BK };
+static const char *const bk_names[N_BK] = {"kiln_matmul", "kiln_add_", "kiln_scale_", "kiln_adamw_"};
+static cl_kernel bk[MAX_CL_DEVICES][N_BK];
+
+/* Builtin kernel `which` of the device, built on first use; NULL (with a message said
+ * once) if the device cannot build it, and the op then runs on the cpu. */
+static cl_kernel builtin(kiln__backend *be, int which)
+{
+    cl_dev *d = be->ctx;
+    int di = (int)(d - devs);
+    if (bk[di][which]) return bk[di][which];
+    void *k = NULL;
+    if (cl_compile_kernel(be, builtin_src, bk_names[which], &k) != KILN_OK) {
+        static bool said;
+        if (!said) fprintf(stderr, "kiln: %s: its own kernels do not build (%s); those ops run on the cpu\n", d->name,
+                           kiln_last_error());
+        said = true;
+        kiln_clear_error();
+        return NULL;
+    }
+    return bk[di][which] = k;
+}
+
+static kiln__karg buf_arg(const kiln_tensor_t *t) { return (kiln__karg){KILN__KARG_BUF, kiln__data(t), 0, 0}; }
+static kiln__karg i64_arg(int64_t v) { return (kiln__karg){KILN__KARG_I64, NULL, v, 0}; }
+static kiln__karg f_arg(kiln__karg_kind k, double v) { return (kiln__karg){k, NULL, 0, v}; }
+
+static kiln_status ocl_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                              kiln_tensor_t *const *out, int n_out)
+{
+    const kiln_tensor_t *x = in[0], *y = in[1], *o = out[0];
+    cl_kernel k = x->dtype == KILN_DTYPE_F32 && o->ndim <= 6 ? builtin(be, BK_MATMUL) : NULL;
+    if (!k) return kiln__cpu_fallback(be, KILN_OP_MATMUL, in, n_in, a, out, n_out);
+    int nb = o->ndim - 2;
+    int64_t M = o->shape[nb], N = o->shape[nb + 1], K = x->shape[x->ndim - 1];
+    int64_t dsh[4] = {1, 1, 1, 1}, as[4] = {0, 0, 0, 0}, bs[4] = {0, 0, 0, 0};
+    for (int d = 0; d < nb; d++) { /* batch dims right-aligned into 4; broadcast ones step 0 */
+        int slot = 4 - nb + d, i = d - (nb - (x->ndim - 2)), j = d - (nb - (y->ndim - 2));
+        dsh[slot] = o->shape[d];
+        as[slot] = i >= 0 && x->shape[i] != 1 ? x->stride[i] : 0;
+        bs[slot] = j >= 0 && y->shape[j] != 1 ? y->stride[j] : 0;
+    }
+    int64_t batch = dsh[0] * dsh[1] * dsh[2] * dsh[3];
+    if (!M || !N || !batch) return KILN_OK;
+    if (!K) return be->memset(be, kiln__data(o), 0, kiln_tensor_nbytes(o));
+    kiln__karg args[] = {buf_arg(x), buf_arg(y), buf_arg(o), i64_arg(M), i64_arg(N), i64_arg(K),
+                         i64_arg(x->stride[x->ndim - 2]), i64_arg(x->stride[x->ndim - 1]),
+                         i64_arg(y->stride[y->ndim - 2]), i64_arg(y->stride[y->ndim - 1]), i64_arg(dsh[1]),
+                         i64_arg(dsh[2]), i64_arg(dsh[3]), i64_arg(as[0]), i64_arg(as[1]), i64_arg(as[2]),
+                         i64_arg(as[3]), i64_arg(bs[0]), i64_arg(bs[1]), i64_arg(bs[2]), i64_arg(bs[3])};
+    size_t grid[3] = {(size_t)((N + 15) / 16 * 16), (size_t)((M + 15) / 16 * 16), (size_t)batch}, block[3] = {16, 16, 1};
+    return cl_launch(be, k, args, (int)(sizeof args / sizeof args[0]), grid, block, 3);
+}
+
+static bool contiguous_f32(const kiln_tensor_t *t) { return t->dtype == KILN_DTYPE_F32 && kiln__is_contiguous(t); }
+
+static kiln_status ocl_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                            kiln_tensor_t *const *out, int n_out)
+{
+    int64_t n = kiln_tensor_numel(in[0]);
+    cl_kernel k = contiguous_f32(in[0]) && contiguous_f32(in[1]) && kiln_tensor_numel(in[1]) == n ? builtin(be, BK_ADD_)
+                                                                                                   : NULL;
+    if (!k) return kiln__cpu_fallback(be, KILN_OP_ADD_, in, n_in, a, out, n_out);
+    if (!n) return KILN_OK;
+    kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), f_arg(KILN__KARG_F32, a->f[0]), i64_arg(n)};
+    size_t grid = (size_t)n;
+    return cl_launch(be, k, args, 4, &grid, NULL, 1);
+}
+
+static kiln_status ocl_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                              kiln_tensor_t *const *out, int n_out)
+{
+    int64_t n = kiln_tensor_numel(in[0]);
+    cl_kernel k = contiguous_f32(in[0]) ? builtin(be, BK_SCALE_) : NULL;
+    if (!k) return kiln__cpu_fallback(be, KILN_OP_SCALE_, in, n_in, a, out, n_out);
+    if (!n) return KILN_OK;
+    kiln__karg args[] = {buf_arg(in[0]), f_arg(KILN__KARG_F32, a->f[0]), i64_arg(n)};
+    size_t grid = (size_t)n;
+    return cl_launch(be, k, args, 3, &grid, NULL, 1);
+}
+
+static kiln_status ocl_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                              kiln_tensor_t *const *out, int n_out)
+{
+    cl_kernel k = builtin(be, BK_ADAMW_); /* shapes and layouts were checked by inference */
+    if (!k) return kiln__cpu_fallback(be, KILN_OP_ADAMW_, in, n_in, a, out, n_out);
+    int64_t n = kiln_tensor_numel(in[0]);
+    if (!n) return KILN_OK;
+    double b1, b2, eps;
+    memcpy(&b1, &a->shape[0], 8);
+    memcpy(&b2, &a->shape[1], 8);
+    memcpy(&eps, &a->shape[2], 8);
+    int64_t f64s = (in[4]->dtype == KILN_DTYPE_F64) | (in[5]->dtype == KILN_DTYPE_F64) << 1 |
+                   (in[6]->dtype == KILN_DTYPE_F64) << 2;
+    kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), buf_arg(in[2]), buf_arg(in[3]), buf_arg(in[4]),
+                         buf_arg(in[5]), buf_arg(in[6]), i64_arg(f64s), f_arg(KILN__KARG_F32, a->f[0]),
+                         f_arg(KILN__KARG_F64, b1), f_arg(KILN__KARG_F64, b2), f_arg(KILN__KARG_F32, eps), i64_arg(n)};
+    size_t grid = (size_t)n;
+    return cl_launch(be, k, args, (int)(sizeof args / sizeof args[0]), &grid, NULL, 1);
+}
+
+/* A fill of a contiguous tensor with one value: the enqueued fill command. */
+static kiln_status fill_value(kiln__backend *be, kiln_tensor_t *t, double v)
+{
+    cl_dev *d = be->ctx;
+    unsigned char pat[8];
+    size_t es = kiln_dtype_size(t->dtype);
+    kiln__store(pat, t->dtype, v);
+    size_t n = kiln_tensor_nbytes(t);
+    cl_mem mem;
+    size_t off;
+    kiln_status s = n ? resolve(d, kiln__data(t), n, &mem, &off) : KILN_OK;
+    if (s != KILN_OK || !n) return s;
+    if (off % es) return kiln__err(KILN_ERR_INTERNAL, "%s: a fill at an unaligned offset", d->name);
+    cl_int err = clEnqueueFillBuffer(d->q, mem, pat, es, off, n, 0, NULL, NULL);
+    return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clEnqueueFillBuffer", err);
+}
+
+static kiln_status ocl_full(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                            kiln_tensor_t *const *out, int n_out)
+{
+    return fill_value(be, out[0], a->f[0]);
+}
+
+static kiln_status ocl_fill_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                             kiln_tensor_t *const *out, int n_out)
+{
+    if (!kiln__is_contiguous(in[0])) return kiln__cpu_fallback(be, KILN_OP_FILL_, in, n_in, a, out, n_out);
+    return fill_value(be, in[0], a->f[0]);
+}
+
+static kiln_status ocl_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                             kiln_tensor_t *const *out, int n_out)
+{
+    const kiln_tensor_t *dst = in[0], *src = in[1];
+    if (dst->dtype != src->dtype || !kiln__is_contiguous(dst) || !kiln__is_contiguous(src) ||
+        kiln_tensor_numel(dst) != kiln_tensor_numel(src))
+        return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
+    return cl_copy_d2d(be, kiln__data(dst), kiln__data(src), kiln_tensor_nbytes(dst));
+}
+
+static const kiln__kernel_fn cl_kernels[KILN_OP_COUNT] = {
+    [KILN_OP_MATMUL] = ocl_matmul, [KILN_OP_ADD_] = ocl_add_,   [KILN_OP_SCALE_] = ocl_scale_,
+    [KILN_OP_ADAMW_] = ocl_adamw_, [KILN_OP_FULL] = ocl_full,   [KILN_OP_FILL_] = ocl_fill_,
+    [KILN_OP_COPY_] = ocl_copy_,
+};
 
 static kiln_status open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev, int index)
 {
