@@ -20,7 +20,7 @@ int main(int argc, char **argv)
 {
     int threads = 0, steps = 20, warmup = 3;
     double peak_gflops = 0;
-    const char *model = "gpt2";
+    const char *model = "gpt2", *device = "cpu";
     bool compile = false;
     for (int i = 1; i < argc; i += 2) {
         if (!strcmp(argv[i], "--compile")) {
@@ -30,17 +30,22 @@ int main(int argc, char **argv)
             fprintf(stderr, "bench_train_step: %s needs a value\n", argv[i]);
             return 2;
         } else if (!strcmp(argv[i], "--threads")) threads = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--device")) device = argv[i + 1];
         else if (!strcmp(argv[i], "--steps")) steps = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--warmup")) warmup = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--peak-gflops")) peak_gflops = atof(argv[i + 1]);
         else if (!strcmp(argv[i], "--model")) model = argv[i + 1];
         else {
-            fprintf(stderr, "usage: bench_train_step [--threads N] [--steps N] [--warmup N] [--peak-gflops G] [--model gpt2|llama] [--compile]\n");
+            fprintf(stderr, "usage: bench_train_step [--threads N] [--steps N] [--warmup N] [--peak-gflops G] [--model gpt2|llama] [--compile] [--device NAME]\n");
             return 2;
         }
     }
     if (steps < 1) steps = 1;
     kiln_init(threads);
+    if (kiln_set_device(device) != KILN_OK) {
+        fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());
+        return 1;
+    }
     kiln_gpt_config c = strcmp(model, "llama") ? kiln_gpt_config_gpt2() : kiln_gpt_config_llama();
     kiln_gpt_t *m;
     if (kiln_gpt_new(&c, 1234, &m) != KILN_OK) {
@@ -94,9 +99,9 @@ int main(int argc, char **argv)
     double gflops = flops_per_token * tps / 1e9;
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    printf("{\"engine\":\"%s\",\"first_step_s\":%.3f,\"model\":\"%s\",\"threads\":%d,\"steps\":%d,\"median_step_ms\":%.1f,"
+    printf("{\"engine\":\"%s\",\"device\":\"%s\",\"first_step_s\":%.3f,\"model\":\"%s\",\"threads\":%d,\"steps\":%d,\"median_step_ms\":%.1f,"
            "\"tokens_per_s\":%.1f,\"model_gflops\":%.2f,\"mfu\":%.4f,\"peak_rss_mb\":%.1f}\n",
-           step ? "kiln-compile" : "kiln", first_call_s, model, kiln_num_threads(), steps, med * 1e3, tps, gflops, peak_gflops > 0 ? gflops / peak_gflops : 0.0,
+           step ? "kiln-compile" : "kiln", kiln_device(), first_call_s, model, kiln_num_threads(), steps, med * 1e3, tps, gflops, peak_gflops > 0 ? gflops / peak_gflops : 0.0,
            (double)ru.ru_maxrss / 1024.0);
     kiln_compiled_free(step);
     kiln_optim_free(opt);

@@ -401,35 +401,52 @@ static kiln_status cl_launch(kiln__backend *be, void *kernel, const kiln__karg *
 /* ---- the backend's own kernels: what the compiler's lowering does not cover ---- */
 
 /* Written by hand because no OpenCL library on Debian does batched strided GEMM with
- * kiln's layouts (clBLAS is unmaintained): a 16x16 tiled matmul over up to 4 broadcast
- * batch dims, and the in-place updates (add_, scale_, adamw_) the lowering leaves out. */
+ * kiln's layouts (clBLAS is unmaintained): a tiled matmul over up to 4 broadcast batch
+ * dims, and the in-place updates (add_, scale_, adamw_) the lowering leaves out. */
 static const char *builtin_src =
     "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
-    "#define TS 16\n"
-    "__kernel __attribute__((reqd_work_group_size(TS, TS, 1)))\n"
+    /* 64x64 output tiles per 16x16 work-group, each work-item a 4x4 block of them held
+     * in registers; A and B tiles of depth 16 staged in local memory. */
+    "#define TM 64\n#define TK 16\n#define WPT 4\n"
+    "__kernel __attribute__((reqd_work_group_size(16, 16, 1)))\n"
     "void kiln_matmul(__global const char *ga, ulong oa, __global const char *gb, ulong ob, __global char *gc, ulong oc,\n"
     "                 long M, long N, long K, long sam, long sak, long sbk, long sbn,\n"
     "                 long d1, long d2, long d3, long a0, long a1, long a2, long a3, long b0, long b1, long b2, long b3)\n"
     "{\n"
     "    const int lr = get_local_id(1), lc = get_local_id(0);\n"
-    "    const long row = get_group_id(1) * TS + lr, col = get_group_id(0) * TS + lc, bt = get_global_id(2);\n"
+    "    const long row0 = get_group_id(1) * TM, col0 = get_group_id(0) * TM, bt = get_global_id(2);\n"
     "    long r = bt;\n"
     "    const long i3 = r % d3; r /= d3;\n    const long i2 = r % d2; r /= d2;\n    const long i1 = r % d1; r /= d1;\n"
     "    const long i0 = r;\n"
     "    __global const float *A = (__global const float *)(ga + oa) + i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3;\n"
     "    __global const float *B = (__global const float *)(gb + ob) + i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3;\n"
     "    __global float *C = (__global float *)(gc + oc) + bt * M * N;\n"
-    "    __local float As[TS][TS], Bs[TS][TS];\n"
-    "    float acc = 0.0f;\n"
-    "    for (long t = 0; t < K; t += TS) {\n"
-    "        const long ka = t + lc, kb = t + lr;\n"
-    "        As[lr][lc] = row < M && ka < K ? A[row * sam + ka * sak] : 0.0f;\n"
-    "        Bs[lr][lc] = kb < K && col < N ? B[kb * sbk + col * sbn] : 0.0f;\n"
+    "    __local float As[TK][TM], Bs[TK][TM];\n"
+    "    float acc[WPT][WPT];\n"
+    "    for (int i = 0; i < WPT; i++)\n        for (int j = 0; j < WPT; j++) acc[i][j] = 0.0f;\n"
+    "    const int tid = lr * 16 + lc;\n"
+    "    for (long t = 0; t < K; t += TK) {\n"
+    "        for (int q = tid; q < TK * TM; q += 256) {\n"
+    "            const int kk = q / TM, mm = q % TM;\n"
+    "            const long gm = row0 + mm, gk = t + kk, gn = col0 + mm;\n"
+    "            As[kk][mm] = gm < M && gk < K ? A[gm * sam + gk * sak] : 0.0f;\n"
+    "            Bs[kk][mm] = gk < K && gn < N ? B[gk * sbk + gn * sbn] : 0.0f;\n"
+    "        }\n"
     "        barrier(CLK_LOCAL_MEM_FENCE);\n"
-    "        for (int k = 0; k < TS; k++) acc = fma(As[lr][k], Bs[k][lc], acc);\n"
+    "        for (int k = 0; k < TK; k++) {\n"
+    "            float a[WPT], b[WPT];\n"
+    "            for (int i = 0; i < WPT; i++) a[i] = As[k][lr + 16 * i];\n"
+    "            for (int j = 0; j < WPT; j++) b[j] = Bs[k][lc + 16 * j];\n"
+    "            for (int i = 0; i < WPT; i++)\n"
+    "                for (int j = 0; j < WPT; j++) acc[i][j] = fma(a[i], b[j], acc[i][j]);\n"
+    "        }\n"
     "        barrier(CLK_LOCAL_MEM_FENCE);\n"
     "    }\n"
-    "    if (row < M && col < N) C[row * N + col] = acc;\n"
+    "    for (int i = 0; i < WPT; i++)\n"
+    "        for (int j = 0; j < WPT; j++) {\n"
+    "            const long gm = row0 + lr + 16 * i, gn = col0 + lc + 16 * j;\n"
+    "            if (gm < M && gn < N) C[gm * N + gn] = acc[i][j];\n"
+    "        }\n"
     "}\n"
     "__kernel void kiln_add_(__global char *gd, ulong od, __global const char *gs, ulong os, float alpha, long n)\n"
     "{\n"
@@ -516,7 +533,8 @@ static kiln_status ocl_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n
                          i64_arg(y->stride[y->ndim - 2]), i64_arg(y->stride[y->ndim - 1]), i64_arg(dsh[1]),
                          i64_arg(dsh[2]), i64_arg(dsh[3]), i64_arg(as[0]), i64_arg(as[1]), i64_arg(as[2]),
                          i64_arg(as[3]), i64_arg(bs[0]), i64_arg(bs[1]), i64_arg(bs[2]), i64_arg(bs[3])};
-    size_t grid[3] = {(size_t)((N + 15) / 16 * 16), (size_t)((M + 15) / 16 * 16), (size_t)batch}, block[3] = {16, 16, 1};
+    /* 64x64 tiles of the output per 16x16 work-group. */
+    size_t grid[3] = {(size_t)((N + 63) / 64 * 16), (size_t)((M + 63) / 64 * 16), (size_t)batch}, block[3] = {16, 16, 1};
     return cl_launch(be, k, args, (int)(sizeof args / sizeof args[0]), grid, block, 3);
 }
 
