@@ -191,6 +191,7 @@ int cmd_doctor(int argc, char **argv)
         char buf[256];
         printf("  %s\n", kiln_device_describe(i, buf, sizeof buf) ? buf : kiln_device_name(i));
     }
+    printf("cuda: %s\n", kiln_cuda_status());
     char mpi[256];
     if (kiln_dist_mpi_version(mpi, sizeof mpi))
         printf("distributed: %s (kiln train under mpirun; docs/dist.md)\n", mpi);

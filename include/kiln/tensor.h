@@ -115,6 +115,9 @@ const char *kiln_tensor_device(const kiln_tensor_t *t);
  * (kiln_set_device) rather than moving them. An op on tensors of two devices is an
  * error that says to move one with this. */
 kiln_tensor_t *kiln_tensor_to(kiln_tensor_t *t, const char *device);
+/* Why there are no cuda devices, or how many there are ("libcuda.so.1 (the driver) not
+ * found", "no GPU (...)", "1 GPU(s)"): for kiln doctor. */
+const char *kiln_cuda_status(void);
 /* Op coverage (kiln doctor --ops): op i's name for i < kiln_op_count(), and how a
  * device runs it: with its own kernel, on the cpu with copies to and fro, or not. */
 typedef enum { KILN_OP_NONE, KILN_OP_ON_CPU, KILN_OP_NATIVE } kiln_op_support;

@@ -123,6 +123,38 @@ static const char *prelude_cl =
     "inline float kc_gelu_grad_erf(float x)\n{\n"
     "    return 0.5f * (1.0f + erf(x * 0.70710678f)) + x * exp(-0.5f * x * x) * 0.39894228f;\n}\n\n";
 
+/* The same helpers in CUDA C for NVRTC (src/backends/cuda compiles the result): device
+ * functions, the C library's float math being CUDA's own. */
+static const char *prelude_cuda =
+    "typedef long long int64_t;\ntypedef int int32_t;\ntypedef unsigned char uint8_t;\n"
+    "#define INFINITY __int_as_float(0x7f800000)\n\n"
+    "__device__ inline float kc_exp(float x)\n{\n"
+    "    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;\n"
+    "    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;\n"
+    "    float r = x - n * 0.693359375f + n * 2.12194440e-4f;\n"
+    "    float p = 1.9875691500e-4f;\n"
+    "    p = p * r + 1.3981999507e-3f;\n    p = p * r + 8.3334519073e-3f;\n"
+    "    p = p * r + 4.1665795894e-2f;\n    p = p * r + 1.6666665459e-1f;\n"
+    "    p = p * r + 5.0000001201e-1f;\n    p = p * r * r + r + 1.0f;\n"
+    "    return p * __int_as_float(((int)n + 127) << 23);\n}\n"
+    "__device__ inline float kc_tanh_fast(float u) { return 1.0f - 2.0f / (kc_exp(2.0f * u) + 1.0f); }\n"
+    "__device__ inline float kc_sigmoid_fast(float x) { return 1.0f / (1.0f + kc_exp(-x)); }\n"
+    "__device__ inline float kc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }\n"
+    "__device__ inline float kc_max(float x, float y) { return x != x || x > y ? x : y; }\n"
+    "__device__ inline float kc_min(float x, float y) { return x != x || x < y ? x : y; }\n"
+    "#define KC_C0 0.7978845608028654f\n#define KC_C1 0.044715f\n"
+    "__device__ inline float kc_gelu_fast(float x) { return 0.5f * x * (1.0f + kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
+    "__device__ inline float kc_gelu_tanh(float x) { return 0.5f * x * (1.0f + tanhf(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
+    "__device__ inline float kc_gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678f)); }\n"
+    "__device__ inline float kc_gelu_grad_fast(float x)\n{\n"
+    "    float t = kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x));\n"
+    "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
+    "__device__ inline float kc_gelu_grad_tanh(float x)\n{\n"
+    "    float t = tanhf(KC_C0 * (x + KC_C1 * x * x * x));\n"
+    "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
+    "__device__ inline float kc_gelu_grad_erf(float x)\n{\n"
+    "    return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;\n}\n\n";
+
 /* One expression as C, its operands being named e<N>. */
 static void expr_c(sbuf *b, const kc_kernel *k, int i, bool fast)
 {
@@ -220,8 +252,11 @@ static void body(sbuf *b, const kc_kernel *k, const bool *need, bool fast, const
 /* One kernel. In C it runs tasks [t0, t1) given its buffers in b[]; in OpenCL C (cl)
  * each work-item runs one task, its buffers passed as (buffer, byte offset) pairs and
  * the number of tasks last. The body is the same text. */
-static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, bool cl)
+enum { D_C, D_OPENCL, D_CUDA };
+
+static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, int dialect)
 {
+    bool cl = dialect == D_OPENCL;
     int nd = k->ndim;
     put(b, "/* %s: %s\n * over [", k->name, k->ops);
     for (int d = 0; d < nd; d++) put(b, "%s%lld", d ? ", " : "", (long long)k->dom[d]);
@@ -235,6 +270,15 @@ static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, bool cl)
                 ctype(k->buf[i].dt), k->buf[i].output ? "restrict " : "", i, k->buf[i].output ? "" : "const ",
                 ctype(k->buf[i].dt), i, i);
         put(b, "    const int64_t t0 = get_global_id(0), t1 = t0 + 1;\n    if (t0 >= n_tasks) return;\n");
+    } else if (dialect == D_CUDA) {
+        put(b, "extern \"C\" __global__ void %s(", k->name);
+        for (int i = 0; i < k->n_buf; i++) put(b, "char *g%d, unsigned long long go%d, ", i, i);
+        put(b, "long long n_tasks)\n{\n");
+        for (int i = 0; i < k->n_buf; i++)
+            put(b, "    %s%s *%sin%d = (%s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
+                k->buf[i].output ? "__restrict__ " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i, i);
+        put(b, "    const int64_t t0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, t1 = t0 + 1;\n"
+               "    if (t0 >= n_tasks) return;\n");
     } else {
         put(b, "void %s(char *const *b, int64_t t0, int64_t t1)\n{\n", k->name);
         for (int i = 0; i < k->n_buf; i++)
@@ -350,20 +394,23 @@ static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, bool cl)
     free(need);
 }
 
-static kiln_status generate(const kiln__program *p, bool cl, char **src)
+static kiln_status generate(const kiln__program *p, int dialect, char **src)
 {
+    static const char *const lang[] = {"C", "OpenCL C", "CUDA C"};
+    static const char *const *pre[] = {&prelude, &prelude_cl, &prelude_cuda};
     sbuf b = {0};
     bool fast = kiln__opt(KILN__OPT_FAST_EXP);
-    put(&b, "/* Generated by kiln %s: %d kernel(s)%s. */\n", KILN_VERSION, p->n_k, cl ? " in OpenCL C" : "");
-    put(&b, "%s", cl ? prelude_cl : prelude);
-    for (int i = 0; i < p->n_k; i++) kernel_c(&b, &p->k[i], fast, cl);
+    put(&b, "/* Generated by kiln %s: %d kernel(s) in %s. */\n", KILN_VERSION, p->n_k, lang[dialect]);
+    put(&b, "%s", *pre[dialect]);
+    for (int i = 0; i < p->n_k; i++) kernel_c(&b, &p->k[i], fast, dialect);
     if (b.failed) {
         free(b.s);
-        return kiln__err(KILN_ERR_OOM, "compile: out of memory generating %s", cl ? "OpenCL C" : "C");
+        return kiln__err(KILN_ERR_OOM, "compile: out of memory generating %s", lang[dialect]);
     }
     *src = b.s;
     return KILN_OK;
 }
 
-kiln_status kiln__codegen_c(const kiln__program *p, char **src) { return generate(p, false, src); }
-kiln_status kiln__codegen_opencl(const kiln__program *p, char **src) { return generate(p, true, src); }
+kiln_status kiln__codegen_c(const kiln__program *p, char **src) { return generate(p, D_C, src); }
+kiln_status kiln__codegen_opencl(const kiln__program *p, char **src) { return generate(p, D_OPENCL, src); }
+kiln_status kiln__codegen_cuda(const kiln__program *p, char **src) { return generate(p, D_CUDA, src); }

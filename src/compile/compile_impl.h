@@ -99,6 +99,8 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
 kiln_status kiln__codegen_c(const kiln__program *p, char **src);
 /* The same kernels in OpenCL C, one __kernel per kernel (same file). */
 kiln_status kiln__codegen_opencl(const kiln__program *p, char **src);
+/* ... and in CUDA C for NVRTC, one extern "C" __global__ function per kernel. */
+kiln_status kiln__codegen_cuda(const kiln__program *p, char **src);
 /* Compiles src into a cached shared object and resolves each kernel (src/compile/jit.c). */
 kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir);
 kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,

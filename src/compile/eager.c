@@ -84,7 +84,10 @@ static kiln_status build(entry *e, kiln__backend *be, kiln__op_id op, kiln_tenso
         if (!written) return KILN_OK;
     }
     char *src = NULL;
-    if (strcmp(be->language, "opencl-c") || (s = kiln__codegen_opencl(p, &src)) != KILN_OK) return s;
+    if (!strcmp(be->language, "opencl-c")) s = kiln__codegen_opencl(p, &src);
+    else if (!strcmp(be->language, "cuda-c")) s = kiln__codegen_cuda(p, &src);
+    else return KILN_OK; /* a language the compiler has no generator for */
+    if (s != KILN_OK) return s;
     if (kiln__log_on("code")) fprintf(stderr, "kiln [code] %s on %s:\n%s", kiln__ops[op].name, be->name, src);
     e->kern = calloc((size_t)(p->n_k ? p->n_k : 1), sizeof *e->kern);
     if (!e->kern) s = kiln__err(KILN_ERR_OOM, "compile: out of memory");

@@ -16,6 +16,7 @@ static int requested_threads;
 
 kiln__backend *kiln__cpu_backend(int nthreads);
 int kiln__opencl_register(void);
+int kiln__cuda_register(void);
 
 kiln_status kiln__backend_register(kiln__backend *be)
 {
@@ -103,6 +104,9 @@ static void do_init(void)
     atomic_store(&default_be, backends[0]);
 #ifdef KILN_HAVE_OPENCL
     kiln__opencl_register();
+#endif
+#ifdef KILN_HAVE_CUDA
+    kiln__cuda_register();
 #endif
     /* KILN_DEVICE picks the device new tensors go to; a name that is not here leaves the
      * cpu, with a warning (tools check it up front with kiln_set_device). */

@@ -1,0 +1,586 @@
+/* The CUDA backend: one registered backend per GPU ("cuda:0", ...). cuBLAS does the
+ * GEMMs; NVRTC compiles CUDA C (the compiler's generated kernels for eager ops, and this
+ * file's own in-place updates) to PTX, loaded and launched through the driver API; one
+ * stream per device; pinned host memory through cudaHostRegister.
+ *
+ * The toolkit's libraries (cudart, cuBLAS, NVRTC) and the driver (libcuda.so.1) are
+ * opened with dlopen when kiln starts, not linked: the same kiln binary then runs on a
+ * machine without a GPU or driver (it just has no cuda devices, and `kiln doctor` says
+ * which library or call was missing), and builds anywhere the toolkit's headers are.
+ * Device pointers are real addresses in one unified space, so a tensor's data pointer
+ * plus offset is what kernels and copies take. */
+#ifdef KILN_HAVE_CUDA
+#include <cublas_v2.h>
+#include <cuda.h>
+#include <cuda_runtime_api.h>
+#include <dlfcn.h>
+#include <nvrtc.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "core/cache.h"
+#include "core/dtype.h"
+#include "core/tensor_impl.h"
+#include "ops/registry.h"
+
+#define MAX_CUDA_DEVICES 8
+
+/* The entry points used, looked up by name. */
+#define CUDART_FNS(X)                                                                                        \
+    X(cudaGetDeviceCount) X(cudaSetDevice) X(cudaMalloc) X(cudaFree) X(cudaMemcpy) X(cudaMemcpyAsync)        \
+    X(cudaMemsetAsync) X(cudaMemGetInfo) X(cudaStreamCreate) X(cudaStreamSynchronize) X(cudaEventCreate)      \
+    X(cudaEventRecord) X(cudaEventSynchronize) X(cudaEventDestroy) X(cudaDeviceGetAttribute)                 \
+    X(cudaHostRegister) X(cudaHostUnregister) X(cudaGetErrorString) X(cudaRuntimeGetVersion)
+#define DRIVER_FNS(X) X(cuInit) X(cuDeviceGet) X(cuDeviceGetName) X(cuModuleLoadData) X(cuModuleGetFunction) X(cuLaunchKernel)
+#define CUBLAS_FNS(X) X(cublasCreate_v2) X(cublasSetStream_v2) X(cublasSgemm_v2)
+#define NVRTC_FNS(X)                                                                                          \
+    X(nvrtcCreateProgram) X(nvrtcCompileProgram) X(nvrtcGetPTXSize) X(nvrtcGetPTX) X(nvrtcGetProgramLogSize) \
+    X(nvrtcGetProgramLog) X(nvrtcDestroyProgram) X(nvrtcVersion)
+
+#define DECLARE(f) static __typeof__(f) *p_##f;
+CUDART_FNS(DECLARE) DRIVER_FNS(DECLARE) CUBLAS_FNS(DECLARE) NVRTC_FNS(DECLARE)
+#undef DECLARE
+
+static char why_none[256] = "not probed";
+
+typedef struct {
+    int ordinal;
+    char name[16];
+    char description[160];
+    size_t memory;
+    int units, cc_major, cc_minor;
+    cudaStream_t stream;
+    cublasHandle_t blas;
+    pthread_mutex_t lock; /* the builtin kernels, made once */
+    CUfunction builtin[4];
+} cuda_dev;
+
+static cuda_dev devs[MAX_CUDA_DEVICES];
+static kiln__backend cuda_backends[MAX_CUDA_DEVICES];
+
+static void *open_first(const char *const *names)
+{
+    for (int i = 0; names[i]; i++) {
+        void *h = dlopen(names[i], RTLD_NOW | RTLD_LOCAL);
+        if (h) return h;
+    }
+    return NULL;
+}
+
+#define LOAD(f)                                                                                  \
+    if (!(p_##f = (__typeof__(f) *)dlsym(h, #f))) {                                              \
+        snprintf(why_none, sizeof why_none, "%s lacks %s", lib, #f);                             \
+        return false;                                                                            \
+    }
+
+/* NVRTC alone: a compiler, usable with no GPU or driver. */
+static bool load_nvrtc(void)
+{
+    static const char *const nv[] = {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so",
+                                     "/usr/local/cuda/lib64/libnvrtc.so", NULL};
+    if (p_nvrtcVersion) return true;
+    void *h = open_first(nv);
+    const char *lib = "libnvrtc";
+    if (!h) {
+        snprintf(why_none, sizeof why_none, "libnvrtc not found");
+        return false;
+    }
+    NVRTC_FNS(LOAD)
+    return true;
+}
+
+/* Loads every entry point; false with why_none set when a library or symbol is missing. */
+static bool load_libraries(void)
+{
+    static const char *const rt[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so",
+                                     "/usr/local/cuda/lib64/libcudart.so", NULL};
+    static const char *const drv[] = {"libcuda.so.1", "libcuda.so", NULL};
+    static const char *const bl[] = {"libcublas.so.13", "libcublas.so.12", "libcublas.so",
+                                     "/usr/local/cuda/lib64/libcublas.so", NULL};
+    if (!load_nvrtc()) return false;
+    void *h_rt = open_first(rt), *h_bl = open_first(bl), *h_drv = open_first(drv);
+    const char *missing = !h_rt ? "libcudart" : !h_bl ? "libcublas" : !h_drv ? "libcuda.so.1 (the driver)" : NULL;
+    if (missing) {
+        snprintf(why_none, sizeof why_none, "%s not found", missing);
+        return false;
+    }
+    void *h = h_rt;
+    const char *lib = "libcudart";
+    CUDART_FNS(LOAD)
+    h = h_drv, lib = "libcuda";
+    DRIVER_FNS(LOAD)
+    h = h_bl, lib = "libcublas";
+    CUBLAS_FNS(LOAD)
+    return true;
+}
+
+static kiln_status cu_fail(const cuda_dev *d, const char *what, cudaError_t e)
+{
+    return kiln__err(KILN_ERR_DEVICE, "%s: %s failed: %s", d->name, what, p_cudaGetErrorString(e));
+}
+
+static kiln_status use(const cuda_dev *d)
+{
+    cudaError_t e = p_cudaSetDevice(d->ordinal);
+    return e == cudaSuccess ? KILN_OK : cu_fail(d, "cudaSetDevice", e);
+}
+
+static kiln_status cu_device_info(kiln__backend *be, kiln__device_info *out)
+{
+    cuda_dev *d = be->ctx;
+    out->name = d->name;
+    out->description = d->description;
+    out->total_memory = d->memory;
+    out->compute_units = d->units;
+    return KILN_OK;
+}
+
+static void *cu_alloc(kiln__backend *be, size_t n)
+{
+    void *p = NULL;
+    if (use(be->ctx) != KILN_OK) return NULL;
+    return p_cudaMalloc(&p, n ? n : 256) == cudaSuccess ? p : NULL;
+}
+
+static void cu_free(kiln__backend *be, void *p, size_t n)
+{
+    if (p && use(be->ctx) == KILN_OK) p_cudaFree(p);
+}
+
+static kiln_status copy(kiln__backend *be, void *dst, const void *src, size_t n, enum cudaMemcpyKind kind)
+{
+    cuda_dev *d = be->ctx;
+    kiln_status s = n ? use(d) : KILN_OK;
+    if (s != KILN_OK || !n) return s;
+    /* On the device's stream, so that it is ordered after the kernels before it; copies
+     * to the host then wait for it. */
+    cudaError_t e = p_cudaMemcpyAsync(dst, src, n, kind, d->stream);
+    if (e == cudaSuccess && kind == cudaMemcpyDeviceToHost) e = p_cudaStreamSynchronize(d->stream);
+    if (e == cudaSuccess && kind == cudaMemcpyHostToDevice) e = p_cudaStreamSynchronize(d->stream); /* src may go */
+    return e == cudaSuccess ? KILN_OK : cu_fail(d, "cudaMemcpyAsync", e);
+}
+
+static kiln_status cu_h2d(kiln__backend *be, void *dst, const void *src, size_t n) { return copy(be, dst, src, n, cudaMemcpyHostToDevice); }
+static kiln_status cu_d2h(kiln__backend *be, void *dst, const void *src, size_t n) { return copy(be, dst, src, n, cudaMemcpyDeviceToHost); }
+static kiln_status cu_d2d(kiln__backend *be, void *dst, const void *src, size_t n) { return copy(be, dst, src, n, cudaMemcpyDeviceToDevice); }
+
+static kiln_status cu_memset(kiln__backend *be, void *dst, int byte, size_t n)
+{
+    cuda_dev *d = be->ctx;
+    kiln_status s = n ? use(d) : KILN_OK;
+    if (s != KILN_OK || !n) return s;
+    cudaError_t e = p_cudaMemsetAsync(dst, byte, n, d->stream);
+    return e == cudaSuccess ? KILN_OK : cu_fail(d, "cudaMemsetAsync", e);
+}
+
+static kiln__stream *cu_stream_new(kiln__backend *be) { return (kiln__stream *)((cuda_dev *)be->ctx)->stream; }
+static void cu_stream_free(kiln__backend *be, kiln__stream *s) {}
+
+static kiln__event *cu_event_record(kiln__backend *be, kiln__stream *s)
+{
+    cuda_dev *d = be->ctx;
+    cudaEvent_t e;
+    if (use(d) != KILN_OK || p_cudaEventCreate(&e) != cudaSuccess) return NULL;
+    if (p_cudaEventRecord(e, d->stream) != cudaSuccess) {
+        p_cudaEventDestroy(e);
+        return NULL;
+    }
+    return (kiln__event *)e;
+}
+
+static kiln_status cu_event_wait(kiln__backend *be, kiln__event *e)
+{
+    cudaError_t r = e ? p_cudaEventSynchronize((cudaEvent_t)e) : cudaSuccess;
+    return r == cudaSuccess ? KILN_OK : cu_fail(be->ctx, "cudaEventSynchronize", r);
+}
+
+static void cu_event_free(kiln__backend *be, kiln__event *e)
+{
+    if (e) p_cudaEventDestroy((cudaEvent_t)e);
+}
+
+static kiln_status cu_synchronize(kiln__backend *be)
+{
+    cuda_dev *d = be->ctx;
+    kiln_status s = use(d);
+    cudaError_t e = s == KILN_OK ? p_cudaStreamSynchronize(d->stream) : cudaSuccess;
+    return s != KILN_OK ? s : e == cudaSuccess ? KILN_OK : cu_fail(d, "cudaStreamSynchronize", e);
+}
+
+static kiln_status cu_host_register(kiln__backend *be, void *ptr, size_t n)
+{
+    if (!ptr || !n) return KILN_OK; /* nothing to pin */
+    cudaError_t e = p_cudaHostRegister(ptr, n, cudaHostRegisterDefault);
+    return e == cudaSuccess ? KILN_OK : cu_fail(be->ctx, "cudaHostRegister", e);
+}
+
+static kiln_status cu_host_unregister(kiln__backend *be, void *ptr)
+{
+    if (!ptr) return KILN_OK;
+    cudaError_t e = p_cudaHostUnregister(ptr);
+    return e == cudaSuccess ? KILN_OK : cu_fail(be->ctx, "cudaHostUnregister", e);
+}
+
+/* CUDA C to PTX with NVRTC for compute capability major.minor; *ptx malloc'd. Usable
+ * without a GPU (NVRTC is a compiler), which is how the tests check the generator. */
+kiln_status kiln__cuda_nvrtc(const char *src, const char *name, int major, int minor, char **ptx)
+{
+    *ptx = NULL;
+    if (!load_nvrtc()) return kiln__err(KILN_ERR_DEVICE, "cuda: NVRTC is not available (%s)", why_none);
+    nvrtcProgram prog;
+    if (p_nvrtcCreateProgram(&prog, src, name, 0, NULL, NULL) != NVRTC_SUCCESS)
+        return kiln__err(KILN_ERR_OOM, "cuda: nvrtcCreateProgram failed for %s", name);
+    char arch[40];
+    snprintf(arch, sizeof arch, "--gpu-architecture=compute_%d%d", major, minor);
+    const char *opts[] = {arch, "--std=c++17", "-default-device"};
+    nvrtcResult r = p_nvrtcCompileProgram(prog, 3, opts);
+    if (r != NVRTC_SUCCESS) {
+        size_t n = 0;
+        p_nvrtcGetProgramLogSize(prog, &n);
+        char *log = malloc(n + 1);
+        if (log) {
+            log[0] = 0;
+            p_nvrtcGetProgramLog(prog, log);
+        }
+        char dir[1024], sp[1100], lp[1100];
+        uint64_t h = kiln__fnv(KILN__FNV_SEED, src, strlen(src));
+        if (kiln__cache_dir("cuda", dir, sizeof dir) == KILN_OK) {
+            snprintf(sp, sizeof sp, "%s/%016llx.cu", dir, (unsigned long long)h);
+            snprintf(lp, sizeof lp, "%s/%016llx.log", dir, (unsigned long long)h);
+            FILE *f = fopen(sp, "w");
+            if (f) fputs(src, f), fclose(f);
+            if (log && (f = fopen(lp, "w"))) fputs(log, f), fclose(f);
+        } else {
+            snprintf(sp, sizeof sp, "(not kept)");
+            snprintf(lp, sizeof lp, "(not kept)");
+        }
+        free(log);
+        p_nvrtcDestroyProgram(&prog);
+        return kiln__err(KILN_ERR_COMPILE, "cuda: NVRTC failed on kernel %s; source kept at %s, its log at %s", name, sp, lp);
+    }
+    size_t n = 0;
+    p_nvrtcGetPTXSize(prog, &n);
+    *ptx = malloc(n + 1);
+    if (*ptx) p_nvrtcGetPTX(prog, *ptx);
+    p_nvrtcDestroyProgram(&prog);
+    return *ptx ? KILN_OK : kiln__err(KILN_ERR_OOM, "cuda: out of memory for PTX");
+}
+
+static kiln_status cu_compile_kernel(kiln__backend *be, const char *source, const char *entry, void **kernel_out)
+{
+    cuda_dev *d = be->ctx;
+    char *ptx;
+    kiln_status s = use(d);
+    if (s == KILN_OK) s = kiln__cuda_nvrtc(source, entry, d->cc_major, d->cc_minor, &ptx);
+    if (s != KILN_OK) return s;
+    CUmodule mod;
+    CUfunction fn;
+    CUresult r = p_cuModuleLoadData(&mod, ptx);
+    free(ptx);
+    if (r == CUDA_SUCCESS) r = p_cuModuleGetFunction(&fn, mod, entry);
+    if (r != CUDA_SUCCESS)
+        return kiln__err(KILN_ERR_DEVICE, "%s: loading kernel %s failed (CUresult %d)", d->name, entry, (int)r);
+    *kernel_out = fn;
+    return KILN_OK;
+}
+
+static void cu_kernel_free(kiln__backend *be, void *kernel) {} /* modules live as long as the process */
+
+/* Buffers go as (pointer, byte offset 0) pairs, as the generated kernels take them. */
+static kiln_status cu_launch(kiln__backend *be, void *kernel, const kiln__karg *args, int nargs, const size_t *grid,
+                             const size_t *block, int grid_dims)
+{
+    cuda_dev *d = be->ctx;
+    union {
+        void *p;
+        unsigned long long u;
+        long long i;
+        float f;
+        double g;
+    } vals[130];
+    void *params[130];
+    int n = 0;
+    for (int i = 0; i < nargs && n < 128; i++) {
+        switch (args[i].kind) {
+        case KILN__KARG_BUF:
+            vals[n].p = (void *)args[i].ptr;
+            params[n] = &vals[n];
+            n++;
+            vals[n].u = 0;
+            break;
+        case KILN__KARG_I64: vals[n].i = args[i].i64; break;
+        case KILN__KARG_F32: vals[n].f = (float)args[i].f; break;
+        case KILN__KARG_F64: vals[n].g = args[i].f; break;
+        }
+        params[n] = &vals[n];
+        n++;
+    }
+    unsigned int bl[3] = {1, 1, 1}, gr[3] = {1, 1, 1};
+    for (int k = 0; k < grid_dims && k < 3; k++) {
+        bl[k] = block ? (unsigned)block[k] : k == 0 ? 256u : 1u;
+        gr[k] = (unsigned)((grid[k] + bl[k] - 1) / bl[k]);
+    }
+    kiln_status s = use(d);
+    if (s != KILN_OK) return s;
+    CUresult r = p_cuLaunchKernel((CUfunction)kernel, gr[0], gr[1], gr[2], bl[0], bl[1], bl[2], 0, (CUstream)d->stream,
+                                  params, NULL);
+    return r == CUDA_SUCCESS ? KILN_OK : kiln__err(KILN_ERR_DEVICE, "%s: cuLaunchKernel failed (CUresult %d)", d->name, (int)r);
+}
+
+/* ---- the backend's own kernels ---- */
+
+/* In-place updates and fills, the same formulas as the cpu's (fma where it contracts). */
+static const char *builtin_src =
+    "extern \"C\" __global__ void kiln_add_(float *d, unsigned long long od, const float *s, unsigned long long os,\n"
+    "                                      float alpha, long long n)\n"
+    "{\n    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
+    "    if (i < n) d[i] = fmaf(alpha, s[i], d[i]);\n}\n"
+    "extern \"C\" __global__ void kiln_scale_(float *d, unsigned long long od, float a, long long n)\n"
+    "{\n    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i < n) d[i] *= a;\n}\n"
+    "__device__ double one_value(const char *p, long long f64)\n"
+    "{\n    return f64 ? *(const double *)p : (double)*(const float *)p;\n}\n"
+    "extern \"C\" __global__ void kiln_adamw_(float *p, unsigned long long op, const float *g, unsigned long long og,\n"
+    "    float *m, unsigned long long om, float *v, unsigned long long ov, const char *lrp, unsigned long long olr,\n"
+    "    const char *tp, unsigned long long ot, const char *gsp, unsigned long long ogs, long long f64s, float wd,\n"
+    "    double b1, double b2, float eps, long long n)\n"
+    "{\n"
+    "    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
+    "    if (i >= n) return;\n"
+    "    double t = one_value(tp, f64s & 2);\n"
+    "    float lr = (float)one_value(lrp, f64s & 1), gs = (float)one_value(gsp, f64s & 4);\n"
+    "    float c1 = (float)(1.0 - pow(b1, t)), c2 = (float)(1.0 - pow(b2, t)), fb1 = (float)b1, fb2 = (float)b2;\n"
+    "    float gi = g[i] * gs;\n"
+    "    float mi = fb1 * m[i] + (1.0f - fb1) * gi, vi = fb2 * v[i] + (1.0f - fb2) * gi * gi;\n"
+    "    m[i] = mi;\n    v[i] = vi;\n"
+    "    float pi = p[i] * (1.0f - lr * wd);\n"
+    "    p[i] = pi - lr * (mi / c1) / (sqrtf(vi / c2) + eps);\n"
+    "}\n"
+    "extern \"C\" __global__ void kiln_fill(char *d, unsigned long long od, long long pattern, long long esize, long long n)\n"
+    "{\n    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n"
+    "    if (esize == 8) ((long long *)d)[i] = pattern;\n"
+    "    else if (esize == 4) ((int *)d)[i] = (int)pattern;\n"
+    "    else if (esize == 2) ((short *)d)[i] = (short)pattern;\n"
+    "    else d[i] = (char)pattern;\n}\n";
+
+const char *kiln__cuda_builtin_source(void) { return builtin_src; }
+
+enum { CB_ADD_, CB_SCALE_, CB_ADAMW_, CB_FILL, N_CB };
+static const char *const cb_names[N_CB] = {"kiln_add_", "kiln_scale_", "kiln_adamw_", "kiln_fill"};
+
+static CUfunction builtin(kiln__backend *be, int which)
+{
+    cuda_dev *d = be->ctx;
+    pthread_mutex_lock(&d->lock);
+    if (!d->builtin[which]) {
+        void *k = NULL;
+        if (cu_compile_kernel(be, builtin_src, cb_names[which], &k) == KILN_OK) d->builtin[which] = k;
+        else {
+            fprintf(stderr, "kiln: %s: its own kernel %s does not build (%s); that op runs on the cpu\n", d->name,
+                    cb_names[which], kiln_last_error());
+            kiln_clear_error();
+        }
+    }
+    pthread_mutex_unlock(&d->lock);
+    return d->builtin[which];
+}
+
+static kiln__karg buf_arg(const kiln_tensor_t *t) { return (kiln__karg){KILN__KARG_BUF, kiln__data(t), 0, 0}; }
+static kiln__karg i64_arg(int64_t v) { return (kiln__karg){KILN__KARG_I64, NULL, v, 0}; }
+static kiln__karg f_arg(kiln__karg_kind k, double v) { return (kiln__karg){k, NULL, 0, v}; }
+static bool contiguous_f32(const kiln_tensor_t *t) { return t->dtype == KILN_DTYPE_F32 && kiln__is_contiguous(t); }
+
+static kiln_status run_1d(kiln__backend *be, int which, const kiln__karg *args, int n, int64_t items)
+{
+    CUfunction k = builtin(be, which);
+    if (!k) return kiln__err(KILN_ERR_UNSUPPORTED, "%s lacks %s", be->name, cb_names[which]);
+    size_t grid = (size_t)items;
+    return items ? cu_launch(be, k, args, n, &grid, NULL, 1) : KILN_OK;
+}
+
+static kiln_status fill_value(kiln__backend *be, kiln_tensor_t *t, double v)
+{
+    int64_t pattern = 0;
+    kiln__store(&pattern, t->dtype, v);
+    kiln__karg args[] = {buf_arg(t), i64_arg(pattern), i64_arg((int64_t)kiln_dtype_size(t->dtype)),
+                         i64_arg(kiln_tensor_numel(t))};
+    return run_1d(be, CB_FILL, args, 4, kiln_tensor_numel(t));
+}
+
+static kiln_status cu_full(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                           kiln_tensor_t *const *out, int n_out)
+{
+    return fill_value(be, out[0], a->f[0]);
+}
+
+static kiln_status cu_fill_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                            kiln_tensor_t *const *out, int n_out)
+{
+    if (!kiln__is_contiguous(in[0])) return kiln__cpu_fallback(be, KILN_OP_FILL_, in, n_in, a, out, n_out);
+    return fill_value(be, in[0], a->f[0]);
+}
+
+static kiln_status cu_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                            kiln_tensor_t *const *out, int n_out)
+{
+    if (in[0]->dtype != in[1]->dtype || !kiln__is_contiguous(in[0]) || !kiln__is_contiguous(in[1]) ||
+        kiln_tensor_numel(in[0]) != kiln_tensor_numel(in[1]))
+        return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
+    return cu_d2d(be, kiln__data(in[0]), kiln__data(in[1]), kiln_tensor_nbytes(in[0]));
+}
+
+static kiln_status cu_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                           kiln_tensor_t *const *out, int n_out)
+{
+    int64_t n = kiln_tensor_numel(in[0]);
+    if (!contiguous_f32(in[0]) || !contiguous_f32(in[1]) || kiln_tensor_numel(in[1]) != n)
+        return kiln__cpu_fallback(be, KILN_OP_ADD_, in, n_in, a, out, n_out);
+    kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), f_arg(KILN__KARG_F32, a->f[0]), i64_arg(n)};
+    return run_1d(be, CB_ADD_, args, 4, n);
+}
+
+static kiln_status cu_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                             kiln_tensor_t *const *out, int n_out)
+{
+    int64_t n = kiln_tensor_numel(in[0]);
+    if (!contiguous_f32(in[0])) return kiln__cpu_fallback(be, KILN_OP_SCALE_, in, n_in, a, out, n_out);
+    kiln__karg args[] = {buf_arg(in[0]), f_arg(KILN__KARG_F32, a->f[0]), i64_arg(n)};
+    return run_1d(be, CB_SCALE_, args, 3, n);
+}
+
+static kiln_status cu_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                             kiln_tensor_t *const *out, int n_out)
+{
+    double b1, b2, eps;
+    memcpy(&b1, &a->shape[0], 8);
+    memcpy(&b2, &a->shape[1], 8);
+    memcpy(&eps, &a->shape[2], 8);
+    int64_t f64s = (in[4]->dtype == KILN_DTYPE_F64) | (in[5]->dtype == KILN_DTYPE_F64) << 1 |
+                   (in[6]->dtype == KILN_DTYPE_F64) << 2;
+    kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), buf_arg(in[2]), buf_arg(in[3]), buf_arg(in[4]),
+                         buf_arg(in[5]), buf_arg(in[6]), i64_arg(f64s), f_arg(KILN__KARG_F32, a->f[0]),
+                         f_arg(KILN__KARG_F64, b1), f_arg(KILN__KARG_F64, b2), f_arg(KILN__KARG_F32, eps),
+                         i64_arg(kiln_tensor_numel(in[0]))};
+    return run_1d(be, CB_ADAMW_, args, (int)(sizeof args / sizeof args[0]), kiln_tensor_numel(in[0]));
+}
+
+/* A (rows, cols) matrix with strides (sr, sc) as cuBLAS sees it (column-major): its
+ * transpose is column-major with leading dimension sr when sc == 1; it is itself
+ * column-major with leading dimension sc when sr == 1. */
+static bool blas_view(int64_t rows, int64_t cols, int64_t sr, int64_t sc, cublasOperation_t *op, int *ld)
+{
+    if (sc == 1 && (sr >= cols || rows == 1)) {
+        *op = CUBLAS_OP_N;
+        *ld = (int)(rows == 1 ? (cols > 0 ? cols : 1) : sr);
+        return true;
+    }
+    if (sr == 1 && (sc >= rows || cols == 1)) {
+        *op = CUBLAS_OP_T;
+        *ld = (int)(cols == 1 ? (rows > 0 ? rows : 1) : sc);
+        return true;
+    }
+    return false;
+}
+
+/* Row-major C = A B as cuBLAS's column-major C^T = B^T A^T, one GEMM per batch entry. */
+static kiln_status cu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                             kiln_tensor_t *const *out, int n_out)
+{
+    cuda_dev *d = be->ctx;
+    const kiln_tensor_t *x = in[0], *y = in[1], *o = out[0];
+    int nb = o->ndim - 2;
+    int64_t M = o->shape[nb], N = o->shape[nb + 1], K = x->shape[x->ndim - 1];
+    cublasOperation_t opa, opb;
+    int lda, ldb;
+    if (x->dtype != KILN_DTYPE_F32 || M > 1 << 30 || N > 1 << 30 || K > 1 << 30 ||
+        !blas_view(M, K, x->stride[x->ndim - 2], x->stride[x->ndim - 1], &opa, &lda) ||
+        !blas_view(K, N, y->stride[y->ndim - 2], y->stride[y->ndim - 1], &opb, &ldb))
+        return kiln__cpu_fallback(be, KILN_OP_MATMUL, in, n_in, a, out, n_out);
+    int64_t batch = kiln__numel(nb, o->shape);
+    if (!M || !N || !batch) return KILN_OK;
+    if (!K) return cu_memset(be, kiln__data(o), 0, kiln_tensor_nbytes(o));
+    kiln_status s = use(d);
+    const float one = 1.0f, zero = 0.0f;
+    for (int64_t bi = 0; s == KILN_OK && bi < batch; bi++) {
+        int64_t rem = bi, ox = 0, oy = 0;
+        for (int dd = nb - 1; dd >= 0; dd--) { /* broadcast batch dims: step 0 where the operand has 1 */
+            int64_t idx = rem % o->shape[dd];
+            rem /= o->shape[dd];
+            int i = dd - (nb - (x->ndim - 2)), j = dd - (nb - (y->ndim - 2));
+            if (i >= 0 && x->shape[i] != 1) ox += idx * x->stride[i];
+            if (j >= 0 && y->shape[j] != 1) oy += idx * y->stride[j];
+        }
+        const float *A = (const float *)kiln__data(x) + ox, *B = (const float *)kiln__data(y) + oy;
+        float *C = (float *)kiln__data(o) + bi * M * N;
+        cublasStatus_t st = p_cublasSgemm_v2(d->blas, opb, opa, (int)N, (int)M, (int)K, &one, B, ldb, A, lda, &zero, C,
+                                             (int)N);
+        if (st != CUBLAS_STATUS_SUCCESS) s = kiln__err(KILN_ERR_DEVICE, "%s: cublasSgemm failed (status %d)", d->name, (int)st);
+    }
+    return s;
+}
+
+static const kiln__kernel_fn cuda_kernels[KILN_OP_COUNT] = {
+    [KILN_OP_MATMUL] = cu_matmul, [KILN_OP_ADD_] = cu_add_, [KILN_OP_SCALE_] = cu_scale_, [KILN_OP_ADAMW_] = cu_adamw_,
+    [KILN_OP_FULL] = cu_full,     [KILN_OP_FILL_] = cu_fill_, [KILN_OP_COPY_] = cu_copy_,
+};
+
+const char *kiln_cuda_status(void) { return why_none; }
+
+/* Registers every GPU found; none (no driver, no device, no toolkit) is not an error,
+ * and kiln_cuda_status then says why. */
+int kiln__cuda_register(void)
+{
+    if (!load_libraries()) return 0;
+    int count = 0;
+    if (p_cuInit(0) != CUDA_SUCCESS) {
+        snprintf(why_none, sizeof why_none, "the driver did not initialise (cuInit failed; is there a GPU?)");
+        return 0;
+    }
+    cudaError_t e = p_cudaGetDeviceCount(&count);
+    if (e != cudaSuccess || count == 0) {
+        snprintf(why_none, sizeof why_none, "no GPU (%s)", e != cudaSuccess ? p_cudaGetErrorString(e) : "0 devices");
+        return 0;
+    }
+    int n = 0, rtv = 0;
+    p_cudaRuntimeGetVersion(&rtv);
+    for (int i = 0; i < count && n < MAX_CUDA_DEVICES; i++) {
+        cuda_dev *d = &devs[n];
+        d->ordinal = i;
+        snprintf(d->name, sizeof d->name, "cuda:%d", n);
+        CUdevice cd;
+        char gpu[96] = "GPU";
+        if (p_cuDeviceGet(&cd, i) == CUDA_SUCCESS) p_cuDeviceGetName(gpu, sizeof gpu, cd);
+        if (p_cudaSetDevice(i) != cudaSuccess || p_cudaStreamCreate(&d->stream) != cudaSuccess ||
+            p_cublasCreate_v2(&d->blas) != CUBLAS_STATUS_SUCCESS || p_cublasSetStream_v2(d->blas, d->stream) != CUBLAS_STATUS_SUCCESS)
+            continue;
+        size_t free_b = 0, total = 0;
+        p_cudaMemGetInfo(&free_b, &total);
+        p_cudaDeviceGetAttribute(&d->units, cudaDevAttrMultiProcessorCount, i);
+        p_cudaDeviceGetAttribute(&d->cc_major, cudaDevAttrComputeCapabilityMajor, i);
+        p_cudaDeviceGetAttribute(&d->cc_minor, cudaDevAttrComputeCapabilityMinor, i);
+        d->memory = total;
+        snprintf(d->description, sizeof d->description, "CUDA %s (sm_%d%d), runtime %d.%d", gpu, d->cc_major, d->cc_minor,
+                 rtv / 1000, rtv % 1000 / 10);
+        pthread_mutex_init(&d->lock, NULL);
+        kiln__backend *be = &cuda_backends[n];
+        *be = (kiln__backend){
+            .abi_version = KILN_BACKEND_ABI_VERSION, .name = d->name, .ctx = d, .device_info = cu_device_info,
+            .alloc = cu_alloc, .free = cu_free, .copy_h2d = cu_h2d, .copy_d2h = cu_d2h, .copy_d2d = cu_d2d,
+            .memset = cu_memset, .stream_new = cu_stream_new, .stream_free = cu_stream_free,
+            .event_record = cu_event_record, .event_wait = cu_event_wait, .event_free = cu_event_free,
+            .synchronize = cu_synchronize, .kernels = cuda_kernels, .language = "cuda-c",
+            .compile_kernel = cu_compile_kernel, .kernel_free = cu_kernel_free, .launch = cu_launch,
+            .host_register = cu_host_register, .host_unregister = cu_host_unregister,
+            /* not yet: graph capture (CUDA graphs) */
+        };
+        if (kiln__backend_register(be) == KILN_OK) n++;
+        else kiln_clear_error();
+    }
+    if (!n) snprintf(why_none, sizeof why_none, "%d GPU(s) found but none could be opened", count);
+    else snprintf(why_none, sizeof why_none, "%d GPU(s)", n);
+    return n;
+}
+#else
+#include "kiln/tensor.h"
+const char *kiln_cuda_status(void) { return "not built (the CUDA toolkit's headers were not found)"; }
+#endif

@@ -1,0 +1,178 @@
+/* The backend contract (src/core/backend.h) and the devices behind it: registration
+ * checks, device selection and its errors, moving tensors, the coverage table, and the
+ * code the compiler generates for each backend's language — OpenCL C built by the
+ * OpenCL platform, CUDA C compiled by NVRTC (which needs no GPU). Oracles: the cpu's
+ * own result for moved tensors (bitwise: a copy), the compilers' verdicts. Op-by-op
+ * numbers on each device are the conformance runs (tests/on_device.sh). */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "compile/compile_impl.h"
+#include "core/backend.h"
+#include "kiln/kiln.h"
+#include "test_util.h"
+
+kiln_status kiln__cuda_nvrtc(const char *src, const char *name, int major, int minor, char **ptx);
+const char *kiln__cuda_builtin_source(void);
+
+static bool have_device(const char *name)
+{
+    for (int i = 0; i < kiln_device_count(); i++)
+        if (!strcmp(kiln_device_name(i), name)) return true;
+    return false;
+}
+
+static kiln_status no_info(kiln__backend *be, kiln__device_info *out) { return KILN_OK; }
+
+static void registration_checks_version_and_entries(void **state)
+{
+    static const kiln__kernel_fn none[KILN_OP_COUNT];
+    kiln__backend old = {.abi_version = 1, .name = "old-npu", .device_info = no_info, .kernels = none};
+    assert_int_equal(kiln__backend_register(&old), KILN_ERR_UNSUPPORTED);
+    assert_non_null(strstr(kiln_last_error(), "old-npu"));
+    assert_non_null(strstr(kiln_last_error(), "version 1"));
+    kiln__backend half = {.abi_version = KILN_BACKEND_ABI_VERSION, .name = "half-npu", .device_info = no_info,
+                          .kernels = none};
+    assert_int_equal(kiln__backend_register(&half), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "lacks a required entry"));
+    kiln__backend *cpu = kiln__backend_find("cpu");
+    assert_int_equal(kiln__backend_register(cpu), KILN_ERR_ARG); /* the name is taken */
+    kiln_clear_error();
+}
+
+static void a_missing_device_is_a_clear_error(void **state)
+{
+    assert_string_equal(kiln_device(), "cpu");
+    assert_int_equal(kiln_set_device("npu:7"), KILN_ERR_DEVICE);
+    assert_non_null(strstr(kiln_last_error(), "npu:7"));
+    assert_non_null(strstr(kiln_last_error(), "cpu")); /* and what there is */
+    assert_string_equal(kiln_device(), "cpu");
+    kiln_tensor_t *x = kiln_ones((int64_t[]){3}, 1, KILN_DTYPE_F32);
+    assert_null(kiln_tensor_to(x, "npu:7"));
+    assert_non_null(strstr(kiln_last_error(), "npu:7"));
+    kiln_clear_error();
+}
+
+/* Oracle: the cpu tensor itself; a round trip through the device is a copy, bitwise. */
+static void tensors_move_and_mixed_devices_are_refused(void **state)
+{
+    if (!have_device("opencl:0")) skip();
+    float v[6] = {1, -2, 3.5f, 4, 5, -6.25f}, back[6];
+    kiln_tensor_t *x = kiln_from_data(v, (int64_t[]){2, 3}, 2, KILN_DTYPE_F32);
+    kiln_tensor_t *d = kiln_tensor_to(kiln_transpose(x, 0, 1), "opencl"); /* a strided view moves as its values */
+    assert_non_null(d);
+    assert_string_equal(kiln_tensor_device(d), "opencl:0");
+    assert_int_equal(kiln_tensor_to_host(kiln_tensor_to(d, "cpu"), back, sizeof back), KILN_OK);
+    float want[6] = {1, 4, -2, 5, 3.5f, -6.25f};
+    assert_memory_equal(back, want, sizeof want);
+    assert_null(kiln_add(d, kiln_transpose(x, 0, 1)));
+    assert_non_null(strstr(kiln_last_error(), "kiln_tensor_to"));
+    kiln_clear_error();
+}
+
+static void coverage_table_says_how_each_op_runs(void **state)
+{
+    int matmul = -1, embedding = -1;
+    for (int i = 0; i < kiln_op_count(); i++) {
+        if (!strcmp(kiln_op_name(i), "matmul")) matmul = i;
+        if (!strcmp(kiln_op_name(i), "embedding")) embedding = i;
+    }
+    assert_true(matmul >= 0 && embedding >= 0);
+    assert_int_equal(kiln_device_op_support("cpu", matmul), KILN_OP_NATIVE);
+    assert_int_equal(kiln_device_op_support("npu:7", matmul), KILN_OP_NONE);
+    if (!have_device("opencl:0")) skip();
+    assert_int_equal(kiln_device_op_support("opencl", matmul), KILN_OP_NATIVE);
+    assert_int_equal(kiln_device_op_support("opencl", embedding), KILN_OP_ON_CPU);
+}
+
+static void opencl_compiler_failure_is_a_structured_error(void **state)
+{
+    if (!have_device("opencl:0")) skip();
+    kiln__backend *be = kiln__backend_find("opencl:0");
+    void *k = NULL;
+    assert_int_equal(be->compile_kernel(be, "__kernel void broken(__global float *x) { x[0] = y; }", "broken", &k),
+                     KILN_ERR_COMPILE);
+    assert_non_null(strstr(kiln_last_error(), "broken"));
+    assert_non_null(strstr(kiln_last_error(), ".cl"));
+    assert_non_null(strstr(kiln_last_error(), ".log"));
+    kiln_clear_error();
+}
+
+typedef struct {
+    int which;
+} gen_ctx;
+
+/* Three graphs the generator must handle: a pointwise chain, a softmax (a reduction
+ * with a prologue and epilogue), and layer norm (two reductions, three outputs). */
+static kiln_status small_graph(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    const gen_ctx *c = ctx;
+    if (c->which == 0) out[0] = kiln_gelu(kiln_add(kiln_mul(in[0], in[0]), in[0]), true);
+    else if (c->which == 1) out[0] = kiln_softmax(in[0], 1);
+    else out[0] = kiln_layer_norm(in[0], NULL, NULL, 1e-5);
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+static void generated_cuda_c_compiles_with_nvrtc(void **state)
+{
+    char *ptx = NULL;
+    if (kiln__cuda_nvrtc("extern \"C\" __global__ void probe() {}", "probe", 9, 0, &ptx) != KILN_OK) {
+        print_message("skipped: NVRTC is not available here (%s)\n", kiln_last_error());
+        kiln_clear_error();
+        skip();
+    }
+    free(ptx);
+    kiln_tensor_t *x = kiln_ones((int64_t[]){8, 40}, 2, KILN_DTYPE_F32);
+    for (int which = 0; which < 3; which++) {
+        gen_ctx c = {which};
+        kiln_graph_t *g;
+        assert_int_equal(kiln_graph_capture(small_graph, &c, &x, 1, &g), KILN_OK);
+        assert_int_equal(kiln_graph_decompose(g, NULL), KILN_OK);
+        kc_options o;
+        kiln__compile_options(&o);
+        kiln__program *p;
+        assert_int_equal(kiln__program_build(g, &o, &p), KILN_OK);
+        assert_true(p->n_k >= 1);
+        char *src;
+        assert_int_equal(kiln__codegen_cuda(p, &src), KILN_OK);
+        kiln_status s = kiln__cuda_nvrtc(src, p->k[0].name, 9, 0, &ptx);
+        if (s != KILN_OK) fail_msg("graph %d: %s\n%s", which, kiln_last_error(), src);
+        for (int i = 0; i < p->n_k; i++) {
+            char entry[128];
+            snprintf(entry, sizeof entry, ".entry %s", p->k[i].name);
+            if (!strstr(ptx, entry)) fail_msg("graph %d: the PTX has no %s", which, entry);
+        }
+        free(ptx);
+        free(src);
+        kiln__program_free(p);
+        kiln_graph_free(g);
+    }
+    assert_int_equal(kiln__cuda_nvrtc(kiln__cuda_builtin_source(), "builtin", 9, 0, &ptx), KILN_OK);
+    assert_non_null(strstr(ptx, ".entry kiln_adamw_"));
+    free(ptx);
+    /* A kernel NVRTC refuses: the error names it and keeps the source. */
+    assert_int_equal(kiln__cuda_nvrtc("extern \"C\" __global__ void bad() { undefined_thing(); }", "bad", 9, 0, &ptx),
+                     KILN_ERR_COMPILE);
+    assert_non_null(strstr(kiln_last_error(), "bad"));
+    assert_non_null(strstr(kiln_last_error(), ".cu"));
+    kiln_clear_error();
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(registration_checks_version_and_entries, setup, teardown),
+        cmocka_unit_test_setup_teardown(a_missing_device_is_a_clear_error, setup, teardown),
+        cmocka_unit_test_setup_teardown(tensors_move_and_mixed_devices_are_refused, setup, teardown),
+        cmocka_unit_test_setup_teardown(coverage_table_says_how_each_op_runs, setup, teardown),
+        cmocka_unit_test_setup_teardown(opencl_compiler_failure_is_a_structured_error, setup, teardown),
+        cmocka_unit_test_setup_teardown(generated_cuda_c_compiles_with_nvrtc, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
