@@ -164,6 +164,110 @@ static void generated_cuda_c_compiles_with_nvrtc(void **state)
     kiln_clear_error();
 }
 
+/* Oracle: the same kiln_gpt_train_step run eagerly on a twin model (same seed). Step 1
+ * recorded, steps 2..5 replayed, each on a new batch with a new learning rate: the
+ * losses and the final weights are bitwise eager's (the same kernels, in the same
+ * order, on the same values), on each device here. A new shape is refused. */
+static void replayed_training_steps_match_eager(const char *device)
+{
+    assert_int_equal(kiln_set_device(device), KILN_OK);
+    kiln_gpt_config cfg = kiln_gpt_config_gpt2();
+    cfg.n_layer = 2;
+    cfg.n_head = 2;
+    cfg.n_kv_head = 2;
+    cfg.n_embd = 32;
+    cfg.block_size = 16;
+    cfg.vocab_size = 40;
+    kiln_gpt_t *m[2];
+    kiln_optim_t *opt[2];
+    kiln_tensor_t **ps[2];
+    kiln_gpt_step st[2];
+    int np = 0;
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(kiln_gpt_new(&cfg, 3, &m[k]), KILN_OK);
+        np = kiln_gpt_num_params(m[k]);
+        ps[k] = malloc(sizeof *ps[k] * (size_t)np);
+        for (int i = 0; i < np; i++) ps[k][i] = kiln_gpt_param(m[k], i, NULL);
+        assert_int_equal(kiln_adamw_new(ps[k], np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt[k]), KILN_OK);
+        st[k] = (kiln_gpt_step){m[k], opt[k], ps[k], np, 1.0};
+    }
+    kiln_replay_t *r = NULL;
+    for (int it = 0; it < 5; it++) {
+        kiln_scope_begin();
+        int64_t x[2][16], y[2][16];
+        for (int i = 0; i < 32; i++) x[i / 16][i % 16] = (i * 7 + it * 3) % 40, y[i / 16][i % 16] = (i * 5 + it) % 40;
+        double lr = 3e-3 / (it + 1), got, want;
+        kiln_tensor_t *in[3] = {kiln_from_data(x, (int64_t[]){2, 16}, 2, KILN_DTYPE_I64),
+                                kiln_from_data(y, (int64_t[]){2, 16}, 2, KILN_DTYPE_I64),
+                                kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)};
+        kiln_tensor_t *a[2], *b[2];
+        int n;
+        assert_int_equal(kiln_gpt_train_step(&st[0], in, 3, a, &n), KILN_OK);
+        kiln_status s = it == 0 ? kiln_replay_record(kiln_gpt_train_step, &st[1], in, 3, &r, b, 2, &n)
+                                : kiln_replay_run(r, in, 3, b, 2, &n);
+        if (s != KILN_OK) fail_msg("%s step %d: %s", device, it, kiln_last_error());
+        assert_int_equal(kiln_tensor_item(a[0], &want), KILN_OK);
+        assert_int_equal(kiln_tensor_item(b[0], &got), KILN_OK);
+        if (got != want) fail_msg("%s step %d: replayed loss %.9g, eager %.9g", device, it, got, want);
+        kiln_scope_end();
+    }
+    assert_true(kiln_replay_num_launches(r) > 50);
+    for (int i = 0; i < np; i++) {
+        int64_t n = kiln_tensor_numel(ps[0][i]);
+        float *wa = malloc(sizeof(float) * (size_t)n), *wb = malloc(sizeof(float) * (size_t)n);
+        assert_int_equal(kiln_tensor_to_host(ps[0][i], wa, sizeof(float) * (size_t)n), KILN_OK);
+        assert_int_equal(kiln_tensor_to_host(ps[1][i], wb, sizeof(float) * (size_t)n), KILN_OK);
+        if (memcmp(wa, wb, sizeof(float) * (size_t)n)) fail_msg("%s: parameter %d differs after the replays", device, i);
+        free(wa);
+        free(wb);
+    }
+    assert_int_equal(kiln_optim_steps(opt[1]), 5);
+    kiln_scope_begin();
+    double lr = 1e-3;
+    kiln_tensor_t *wrong[3] = {kiln_zeros((int64_t[]){3, 16}, 2, KILN_DTYPE_I64), kiln_zeros((int64_t[]){3, 16}, 2, KILN_DTYPE_I64),
+                               kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)}, *b[2];
+    int n;
+    assert_int_equal(kiln_replay_run(r, wrong, 3, b, 2, &n), KILN_ERR_SHAPE);
+    assert_non_null(strstr(kiln_last_error(), "record it again"));
+    kiln_clear_error();
+    kiln_scope_end();
+    kiln_replay_free(r);
+    for (int k = 0; k < 2; k++) {
+        kiln_optim_free(opt[k]);
+        kiln_gpt_free(m[k]);
+        free(ps[k]);
+    }
+    kiln_set_device("cpu");
+}
+
+static void replay_on_cpu(void **state) { replayed_training_steps_match_eager("cpu"); }
+
+static void replay_on_opencl(void **state)
+{
+    if (!have_device("opencl:0")) skip();
+    replayed_training_steps_match_eager("opencl:0");
+}
+
+static kiln_status reads_a_value(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    double v;
+    kiln_status s = kiln_tensor_item(kiln_sum(in[0], NULL, 0, false), &v);
+    out[0] = in[0];
+    *n_out = 1;
+    return s;
+}
+
+static void recording_refuses_reads_and_random_ops(void **state)
+{
+    kiln_tensor_t *x = kiln_ones((int64_t[]){4}, 1, KILN_DTYPE_F32), *out[1];
+    kiln_replay_t *r = (kiln_replay_t *)1;
+    int n;
+    assert_int_equal(kiln_replay_record(reads_a_value, NULL, &x, 1, &r, out, 1, &n), KILN_ERR_UNSUPPORTED);
+    assert_null(r);
+    assert_non_null(strstr(kiln_last_error(), "recording a replay"));
+    kiln_clear_error();
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -173,6 +277,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(coverage_table_says_how_each_op_runs, setup, teardown),
         cmocka_unit_test_setup_teardown(opencl_compiler_failure_is_a_structured_error, setup, teardown),
         cmocka_unit_test_setup_teardown(generated_cuda_c_compiles_with_nvrtc, setup, teardown),
+        cmocka_unit_test_setup_teardown(replay_on_cpu, setup, teardown),
+        cmocka_unit_test_setup_teardown(replay_on_opencl, setup, teardown),
+        cmocka_unit_test_setup_teardown(recording_refuses_reads_and_random_ops, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

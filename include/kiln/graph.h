@@ -73,10 +73,11 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded);
 int kiln_graph_num_ops(const kiln_graph_t *g);
 /* True while this thread is capturing a function. */
 bool kiln_graph_capturing(void);
-/* State that a captured function makes on its first call and keeps (optimizer moments,
- * caches) must be real tensors, not values of the graph: kiln_graph_suspend pauses this
- * thread's capture and returns a token (NULL if none was running); ops then run eagerly
- * until kiln_graph_resume(token). */
+/* State that a captured or recorded function makes on its first call and keeps
+ * (optimizer moments, caches) must be real tensors, made once, not values of the graph
+ * or launches of the replay: kiln_graph_suspend pauses this thread's capture and replay
+ * recording and returns a token (NULL if neither was running); ops then run eagerly
+ * and unrecorded until kiln_graph_resume(token). */
 void *kiln_graph_suspend(void);
 void kiln_graph_resume(void *token);
 /* One line per op: "%5 = gelu(%4) f32[8,32]  tanh=1", inputs and captured tensors first. */
@@ -105,6 +106,30 @@ void kiln_compiled_stats(const kiln_compiled_t *c, uint64_t *calls, uint64_t *hi
 kiln_status kiln_compiled_plan(const kiln_compiled_t *c, int graph, int *kernels, int *ops, int64_t *planned_peak,
                                int64_t *eager_peak);
 void kiln_compiled_free(kiln_compiled_t *c);
+
+/* Recorded replay: the launch list of one real run, replayed without dispatch.
+ *
+ *     kiln_replay_t *r;
+ *     kiln_replay_record(kiln_gpt_train_step, &step, in, 3, &r, out, 2, &n); // step 1, recorded
+ *     for (...) kiln_replay_run(r, next_in, 3, out, 2, &n);                 // steps 2, 3, ...
+ *
+ * kiln_replay_record runs fn once on in[] for real (its effects happen, its outputs come
+ * back) while noting every kernel launched: the backend's own, the compiler's generated
+ * ones, the cpu fallback. kiln_replay_run copies new inputs (same dtypes and shapes;
+ * another shape is an error that says to record again) into the recorded inputs'
+ * buffers and launches the list again on the same buffers: no checks, inference,
+ * allocation or autograd. Its outputs are the recorded output tensors, rewritten by
+ * every run (clone them to keep one). Host-side decisions the function took are frozen
+ * (as in CUDA graphs): it must take the same path every time, e.g. start each step with
+ * empty gradients. Everything it touched (parameters, optimizer state) must outlive the
+ * replay; random ops (dropout > 0) cannot be recorded. */
+typedef struct kiln_replay kiln_replay_t;
+kiln_status kiln_replay_record(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *in, int n_in, kiln_replay_t **r,
+                               kiln_tensor_t **out, int max_out, int *n_out);
+kiln_status kiln_replay_run(kiln_replay_t *r, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
+                            int *n_out);
+int kiln_replay_num_launches(const kiln_replay_t *r);
+void kiln_replay_free(kiln_replay_t *r); /* NULL is fine */
 
 #ifdef __cplusplus
 }

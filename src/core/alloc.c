@@ -23,6 +23,19 @@ static cache caches[8];
 static int n_caches;
 static size_t bytes_live, bytes_peak;
 
+struct kiln__pool {
+    int refs;   /* the replay, and each storage allocated while it recorded */
+    bool alive; /* the replay still exists */
+    struct pool_block {
+        struct pool_block *next;
+        kiln__backend *be;
+        void *ptr;
+        int cls;
+    } *free;
+};
+static _Thread_local kiln__pool *recording;
+void kiln__pool_release_ref(kiln__pool *p);
+
 static int size_class(size_t n, size_t *rounded)
 {
     if (n < 256) n = 256;
@@ -51,7 +64,20 @@ static kiln__storage *storage_new(kiln__backend *be, size_t nbytes)
     void *ptr = NULL;
     pthread_mutex_lock(&lock);
     cache *c = cache_for(be);
-    if (c && cls < N_CLASSES && c->free_list[cls]) {
+    kiln__pool *pool = recording;
+    if (pool) { /* the pool's own blocks first */
+        for (struct pool_block **q = &pool->free; *q && !ptr; q = &(*q)->next)
+            if ((*q)->be == be && (*q)->cls == cls) {
+                struct pool_block *b = *q;
+                *q = b->next;
+                ptr = b->ptr;
+                free(b);
+                break;
+            }
+        pool->refs++;
+        st->pool = pool;
+    }
+    if (!ptr && c && cls < N_CLASSES && c->free_list[cls]) {
         block *b = c->free_list[cls];
         c->free_list[cls] = b->next;
         ptr = b->ptr;
@@ -64,6 +90,7 @@ static kiln__storage *storage_new(kiln__backend *be, size_t nbytes)
         ptr = be->alloc(be, rounded);
     }
     if (!ptr) {
+        if (st->pool) kiln__pool_release_ref(st->pool);
         free(st);
         return NULL;
     }
@@ -85,6 +112,21 @@ void kiln__storage_release(kiln__storage *st)
     size_t rounded;
     int cls = size_class(st->nbytes, &rounded);
     kiln__memory_account(-(long long)st->nbytes);
+    /* While recording, or for a block the live replay owns: the pool keeps it. */
+    kiln__pool *pool = recording ? recording : st->pool && st->pool->alive ? st->pool : NULL;
+    if (pool) {
+        struct pool_block *pb = malloc(sizeof *pb);
+        if (pb) {
+            pthread_mutex_lock(&lock);
+            *pb = (struct pool_block){pool->free, st->be, st->data, cls};
+            pool->free = pb;
+            pthread_mutex_unlock(&lock);
+            if (st->pool) kiln__pool_release_ref(st->pool);
+            free(st);
+            return;
+        }
+    }
+    if (st->pool) kiln__pool_release_ref(st->pool);
     block *b = malloc(sizeof *b);
     pthread_mutex_lock(&lock);
     cache *c = cache_for(st->be);
@@ -100,6 +142,57 @@ void kiln__storage_release(kiln__storage *st)
         st->be->free(st->be, st->data, st->nbytes);
     }
     free(st);
+}
+
+kiln__pool *kiln__pool_new(void)
+{
+    kiln__pool *p = calloc(1, sizeof *p);
+    if (p) {
+        p->refs = 1;
+        p->alive = true;
+    }
+    return p;
+}
+
+void kiln__pool_begin(kiln__pool *p) { recording = p; }
+void kiln__pool_end(void) { recording = NULL; }
+
+/* Drops one reference; the last one frees the pool (its blocks are gone by then). */
+void kiln__pool_release_ref(kiln__pool *p)
+{
+    pthread_mutex_lock(&lock);
+    bool last = --p->refs == 0;
+    pthread_mutex_unlock(&lock);
+    if (last) free(p);
+}
+
+void kiln__pool_release(kiln__pool *p)
+{
+    if (!p) return;
+    pthread_mutex_lock(&lock);
+    p->alive = false;
+    struct pool_block *b = p->free;
+    p->free = NULL;
+    pthread_mutex_unlock(&lock);
+    while (b) { /* into the shared cache, as any freed block */
+        struct pool_block *nx = b->next;
+        pthread_mutex_lock(&lock);
+        cache *c = cache_for(b->be);
+        block *cb = c && b->cls < N_CLASSES ? malloc(sizeof *cb) : NULL;
+        if (cb) {
+            cb->ptr = b->ptr;
+            cb->next = c->free_list[b->cls];
+            c->free_list[b->cls] = cb;
+        }
+        pthread_mutex_unlock(&lock);
+        if (!cb) {
+            size_t base = (size_t)1 << (b->cls / 4);
+            b->be->free(b->be, b->ptr, base + (size_t)(b->cls % 4) * (base / 4));
+        }
+        free(b);
+        b = nx;
+    }
+    kiln__pool_release_ref(p);
 }
 
 void kiln_memory_empty_cache(void)

@@ -90,6 +90,12 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op, kiln_tensor_t *const
 kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                kiln_tensor_t *const *out, int n_out);
 
+/* How dispatch ran an op, as a replay being recorded notes it (src/graph/replay.c). */
+typedef enum { KILN__LAUNCH_KERNEL, KILN__LAUNCH_COMPILED, KILN__LAUNCH_ON_CPU } kiln__launch_kind;
+bool kiln__replay_recording(void);
+void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__kernel_fn fn, kiln_tensor_t *const *in,
+                       int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out);
+
 /* Registration and look-up by name. The cpu backend is registered at kiln_init. */
 kiln_status kiln__backend_register(kiln__backend *be);
 kiln__backend *kiln__backend_find(const char *name);

@@ -96,6 +96,9 @@ kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, c
         if (in[i]->st->be != be)
             return kiln__err(KILN_ERR_DEVICE, "%s: input 0 is on %s but input %d is on %s (move one with kiln_tensor_to)",
                              d->name, be->name, i, in[i]->st->be->name);
+    if (kiln__replay_recording() && (op == KILN_OP_RAND || (op == KILN_OP_DROPOUT && a->f[0] > 0)))
+        return kiln__err(KILN_ERR_UNSUPPORTED, "%s while recording a replay: its random stream would be frozen and every "
+                         "replay would draw the same numbers; record without it (dropout 0)", d->name);
     if (d->is_inplace && kiln_grad_enabled() && kiln__tracks(in[0]))
         return kiln__err(KILN_ERR_AUTOGRAD, "%s: the destination is tracked by autograd; update it with grad mode off",
                          d->name);
@@ -121,9 +124,15 @@ kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, c
     if (!captured && !d->is_view && (out_elems > 0 || d->is_inplace)) {
         kiln__kernel_fn k = be->kernels[op];
         bool handled = false;
+        kiln__launch_kind how = KILN__LAUNCH_KERNEL;
         if (k) s = k(be, in, n_in, a, outs, d->n_out);
-        else if ((s = kiln__eager_compiled(be, op, in, n_in, a, outs, d->n_out, &handled)) == KILN_OK && !handled)
+        else if ((s = kiln__eager_compiled(be, op, in, n_in, a, outs, d->n_out, &handled)) == KILN_OK && !handled) {
             s = kiln__cpu_fallback(be, op, in, n_in, a, outs, d->n_out);
+            how = KILN__LAUNCH_ON_CPU;
+        } else {
+            how = KILN__LAUNCH_COMPILED;
+        }
+        if (s == KILN_OK && kiln__replay_recording()) kiln__replay_note(how, op, be, k, in, n_in, a, outs, d->n_out);
         if (s != KILN_OK) {
             for (int j = 0; j < d->n_out; j++) kiln_tensor_free(outs[j]);
             return s;

@@ -281,10 +281,18 @@ kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nby
     return nbytes ? t->st->be->copy_h2d(t->st->be, kiln__data(t), src, nbytes) : KILN_OK;
 }
 
+/* A value read by the function being recorded would freeze the decision taken on it. */
+static kiln_status replay_read(const char *what)
+{
+    return kiln__err(KILN_ERR_UNSUPPORTED, "%s while recording a replay: the replay could not take a decision made on "
+                     "this value again; read it after the recorded function returns", what);
+}
+
 kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes)
 {
     if (!t) return kiln__null_arg("to_host");
     if (t->st->meta) return kiln__graph_data_access(t, "to_host");
+    if (kiln__replay_recording()) return replay_read("to_host");
     if (nbytes != kiln_tensor_nbytes(t))
         return kiln__err(KILN_ERR_ARG, "to_host: %zu bytes of room, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
     if (nbytes && !dst) return kiln__err(KILN_ERR_ARG, "to_host: destination is NULL");
@@ -350,6 +358,7 @@ kiln_status kiln_tensor_item(const kiln_tensor_t *t, double *out)
 {
     if (!t) return kiln__null_arg("item");
     if (t->st->meta) return kiln__graph_data_access(t, "item");
+    if (kiln__replay_recording()) return replay_read("item");
     char buf[96];
     if (kiln_tensor_numel(t) != 1)
         return kiln__err(KILN_ERR_SHAPE, "item: tensor %s has %lld elements, not 1", kiln__shape_str(t, buf, sizeof buf),

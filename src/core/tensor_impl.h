@@ -14,7 +14,20 @@ typedef struct {
     void *data;
     size_t nbytes;
     bool meta; /* a tensor being captured into a graph: shape and dtype, no data */
+    struct kiln__pool *pool; /* allocated while a replay was being recorded (src/core/alloc.c) */
 } kiln__storage;
+
+/* A replay's private memory (src/core/alloc.c). While this thread records a replay
+ * (kiln__pool_begin), every storage it frees is kept by the pool instead of going back
+ * to the shared cache, and its allocations reuse those first, so the recorded kernels'
+ * buffers stay theirs, in the order they were used, until the pool is released. */
+typedef struct kiln__pool kiln__pool;
+kiln__pool *kiln__pool_new(void);
+void kiln__pool_begin(kiln__pool *p); /* this thread records into p */
+void kiln__pool_end(void);
+/* The replay is gone: the pool's blocks go back to the cache, and storages from it
+ * released later go there too. */
+void kiln__pool_release(kiln__pool *p);
 
 struct kiln_tensor {
     atomic_int refcount;

@@ -242,14 +242,37 @@ void kiln__graph_zero_grad(kiln_tensor_t *leaf)
 
 bool kiln_graph_capturing(void) { return capturing != NULL; }
 
+/* A suspension pauses the graph capture and the replay recording of this thread, both;
+ * they nest (up to 8 deep). */
+typedef struct {
+    kiln_graph_t *g;
+    void *replay;
+} suspension;
+static _Thread_local suspension suspended[8];
+static _Thread_local int n_suspended;
+
+void *kiln__replay_pause(void);
+void kiln__replay_unpause(void *r);
+
 void *kiln_graph_suspend(void)
 {
-    kiln_graph_t *g = capturing;
+    if (!capturing && !kiln__replay_recording()) return NULL;
+    if (n_suspended == 8) return NULL; /* deeper than anyone needs: stays as it is */
+    suspension *sp = &suspended[n_suspended++];
+    sp->g = capturing;
+    sp->replay = kiln__replay_pause();
     capturing = NULL;
-    return g;
+    return sp;
 }
 
-void kiln_graph_resume(void *token) { capturing = token; }
+void kiln_graph_resume(void *token)
+{
+    if (!token) return;
+    suspension *sp = token;
+    capturing = sp->g;
+    kiln__replay_unpause(sp->replay);
+    n_suspended = (int)(sp - suspended);
+}
 
 kiln_status kiln__graph_data_access(const kiln_tensor_t *t, const char *what)
 {

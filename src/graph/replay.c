@@ -1,0 +1,205 @@
+/* Recorded replay: one real run of a function, with every kernel it launches written
+ * down (kernel, attributes, and its tensors' headers as they were), then replayed
+ * without dispatch — no checks, shape inference, allocation, autograd or reference
+ * counting, only the kernels in order on the same buffers. The buffers stay put
+ * because the recording run allocates from a private pool that keeps every block it
+ * frees (src/core/alloc.c). Works on every backend through the contract: a replayed
+ * step is the backend's own kernels, the compiler's generated ones, or the cpu
+ * fallback, exactly as recorded. This is the launch list that CUDA graphs or OpenCL
+ * command buffers would hold; a backend with capture entries could take it over. */
+#include <stdlib.h>
+#include <string.h>
+#include "core/tensor_impl.h"
+#include "graph/graph_impl.h"
+#include "kiln/graph.h"
+#include "kiln/ops.h"
+#include "ops/registry.h"
+
+typedef struct {
+    kiln__launch_kind kind;
+    int op;
+    kiln__backend *be;
+    kiln__kernel_fn fn;
+    kiln__attrs a;
+    int n_in, n_out;
+    kiln_tensor_t *t;   /* n_in + n_out header copies */
+    kiln__storage *st;  /* their storages' copies */
+    kiln_tensor_t **p;  /* pointers to t[] */
+} launch;
+
+struct kiln_replay {
+    kiln__pool *pool;
+    launch *l;
+    int n_l, cap_l;
+    int n_in, n_out;
+    kiln_tensor_t *in[KILN_GRAPH_MAX_IN];   /* the recorded inputs (retained): the buffers later inputs are copied to */
+    kiln_tensor_t *out[KILN_GRAPH_MAX_OUT]; /* the recorded outputs (retained), rewritten by every replay */
+    kiln_status failed;
+};
+
+static _Thread_local kiln_replay_t *rec;
+
+bool kiln__replay_recording(void) { return rec != NULL; }
+
+/* kiln_graph_suspend: state made now (optimizer moments) is real and not recorded. */
+void *kiln__replay_pause(void)
+{
+    kiln_replay_t *r = rec;
+    if (r) kiln__pool_end();
+    rec = NULL;
+    return r;
+}
+
+void kiln__replay_unpause(void *r)
+{
+    rec = r;
+    if (rec) kiln__pool_begin(rec->pool);
+}
+
+void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__kernel_fn fn, kiln_tensor_t *const *in,
+                       int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)
+{
+    kiln_replay_t *r = rec;
+    if (r->failed) return;
+    if (r->n_l == r->cap_l) {
+        int cap = r->cap_l ? 2 * r->cap_l : 256;
+        launch *l = realloc(r->l, sizeof *l * (size_t)cap);
+        if (!l) {
+            r->failed = KILN_ERR_OOM;
+            return;
+        }
+        r->l = l;
+        r->cap_l = cap;
+    }
+    int n = n_in + n_out;
+    launch *L = &r->l[r->n_l];
+    *L = (launch){kind, op, be, fn, *a, n_in, n_out, calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t)),
+                  calloc((size_t)(n ? n : 1), sizeof(kiln__storage)), calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t *))};
+    if (!L->t || !L->st || !L->p) {
+        free(L->t);
+        free(L->st);
+        free(L->p);
+        r->failed = KILN_ERR_OOM;
+        return;
+    }
+    for (int i = 0; i < n; i++) {
+        const kiln_tensor_t *src = i < n_in ? in[i] : out[i - n_in];
+        L->st[i] = *src->st;
+        atomic_init(&L->st[i].refcount, 1);
+        L->st[i].pool = NULL;
+        L->t[i] = *src;
+        atomic_init(&L->t[i].refcount, 1);
+        L->t[i].st = &L->st[i];
+        L->t[i].grad = NULL;
+        L->t[i].grad_fn = NULL;
+        L->p[i] = &L->t[i];
+    }
+    r->n_l++;
+}
+
+kiln_status kiln_replay_record(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *in, int n_in, kiln_replay_t **out_r,
+                               kiln_tensor_t **out, int max_out, int *n_out)
+{
+    if (!out_r) return kiln__err(KILN_ERR_ARG, "replay_record: out is NULL");
+    *out_r = NULL;
+    if (!fn || n_in < 0 || n_in > KILN_GRAPH_MAX_IN || (n_in && !in) || !n_out || (max_out > 0 && !out))
+        return kiln__err(KILN_ERR_ARG, "replay_record: needs a function, at most %d inputs and room for outputs",
+                         KILN_GRAPH_MAX_IN);
+    if (rec || kiln__graph_capturing())
+        return kiln__err(KILN_ERR_ARG, "replay_record: a recording or graph capture is already running on this thread");
+    for (int i = 0; i < n_in; i++)
+        if (!in[i]) return kiln__null_arg("replay_record");
+    kiln_replay_t *r = calloc(1, sizeof *r);
+    if (!r || !(r->pool = kiln__pool_new())) {
+        free(r);
+        return kiln__err(KILN_ERR_OOM, "replay_record: out of memory");
+    }
+    r->n_in = n_in;
+    for (int i = 0; i < n_in; i++) r->in[i] = kiln_tensor_retain(in[i]);
+    kiln_tensor_t *res[KILN_GRAPH_MAX_OUT] = {0};
+    int n = 0;
+    rec = r;
+    kiln__pool_begin(r->pool);
+    kiln_scope_begin();
+    kiln_status s = fn(ctx, in, n_in, res, &n);
+    if (s == KILN_OK && (n < 0 || n > KILN_GRAPH_MAX_OUT || n > max_out))
+        s = kiln__err(KILN_ERR_ARG, "replay_record: the function gave %d outputs (room for %d)", n, max_out);
+    for (int j = 0; s == KILN_OK && j < n; j++)
+        if (!res[j]) s = kiln__err(KILN_ERR_ARG, "replay_record: output %d is NULL", j);
+    for (int j = 0; s == KILN_OK && j < n; j++) r->out[j] = kiln_tensor_retain(res[j]);
+    kiln_scope_end();
+    kiln__pool_end();
+    rec = NULL;
+    if (s == KILN_OK && r->failed) s = kiln__err(r->failed, "replay_record: out of memory recording the launches");
+    if (s != KILN_OK) {
+        kiln_replay_free(r);
+        return s;
+    }
+    r->n_out = n;
+    for (int j = 0; j < n; j++) out[j] = kiln__scoped(kiln_tensor_retain(r->out[j]));
+    *n_out = n;
+    *out_r = r;
+    return KILN_OK;
+}
+
+kiln_status kiln_replay_run(kiln_replay_t *r, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
+                            int *n_out)
+{
+    if (!r || !n_out || (max_out > 0 && !out)) return kiln__err(KILN_ERR_ARG, "replay_run: NULL replay or outputs");
+    if (n_in != r->n_in) return kiln__err(KILN_ERR_ARG, "replay_run: %d inputs given, recorded with %d", n_in, r->n_in);
+    if (max_out < r->n_out) return kiln__err(KILN_ERR_ARG, "replay_run: room for %d outputs, it gives %d", max_out, r->n_out);
+    if (rec || kiln__graph_capturing()) return kiln__err(KILN_ERR_ARG, "replay_run: inside a recording or capture");
+    kiln_status s = KILN_OK;
+    for (int i = 0; s == KILN_OK && i < n_in; i++) {
+        kiln_tensor_t *want = r->in[i], *got = in[i];
+        if (!got) return kiln__null_arg("replay_run");
+        char a[96], b[96];
+        if (got->dtype != want->dtype || got->ndim != want->ndim ||
+            memcmp(got->shape, want->shape, sizeof(int64_t) * (size_t)got->ndim))
+            return kiln__err(KILN_ERR_SHAPE, "replay_run: input %d is %s, the replay was recorded for %s; record it "
+                             "again for the new shape", i, kiln__shape_str(got, a, sizeof a), kiln__shape_str(want, b, sizeof b));
+        if (got == want) continue;
+        /* The new contents into the recorded input's buffer. */
+        kiln_scope_begin();
+        kiln_tensor_t *src = got->st->be == want->st->be ? got : kiln_tensor_to(got, want->st->be->name);
+        s = src ? kiln_tensor_copy_(want, src) : kiln_last_status();
+        kiln_scope_end();
+    }
+    bool prev = kiln_set_grad_enabled(false);
+    for (int k = 0; s == KILN_OK && k < r->n_l; k++) {
+        const launch *L = &r->l[k];
+        kiln_tensor_t *const *ins = L->p, *const *outs = L->p + L->n_in;
+        bool handled = true;
+        switch (L->kind) {
+        case KILN__LAUNCH_KERNEL: s = L->fn(L->be, ins, L->n_in, &L->a, outs, L->n_out); break;
+        case KILN__LAUNCH_COMPILED:
+            s = kiln__eager_compiled(L->be, L->op, ins, L->n_in, &L->a, outs, L->n_out, &handled);
+            if (s == KILN_OK && !handled)
+                s = kiln__err(KILN_ERR_INTERNAL, "replay_run: the generated kernel of %s is gone", kiln__ops[L->op].name);
+            break;
+        case KILN__LAUNCH_ON_CPU: s = kiln__cpu_fallback(L->be, L->op, ins, L->n_in, &L->a, outs, L->n_out); break;
+        }
+    }
+    kiln_set_grad_enabled(prev);
+    if (s != KILN_OK) return s;
+    for (int j = 0; j < r->n_out; j++) out[j] = kiln__scoped(kiln_tensor_retain(r->out[j]));
+    *n_out = r->n_out;
+    return KILN_OK;
+}
+
+int kiln_replay_num_launches(const kiln_replay_t *r) { return r ? r->n_l : 0; }
+
+void kiln_replay_free(kiln_replay_t *r)
+{
+    if (!r) return;
+    for (int k = 0; k < r->n_l; k++) {
+        free(r->l[k].t);
+        free(r->l[k].st);
+        free(r->l[k].p);
+    }
+    free(r->l);
+    for (int i = 0; i < r->n_in; i++) kiln_tensor_free(r->in[i]);
+    for (int j = 0; j < KILN_GRAPH_MAX_OUT; j++) kiln_tensor_free(r->out[j]);
+    kiln__pool_release(r->pool);
+    free(r);
+}
