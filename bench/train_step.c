@@ -21,10 +21,16 @@ int main(int argc, char **argv)
     int threads = 0, steps = 20, warmup = 3;
     double peak_gflops = 0;
     const char *model = "gpt2", *device = "cpu";
-    bool compile = false;
+    bool compile = false, replay = false, small = false;
     for (int i = 1; i < argc; i += 2) {
         if (!strcmp(argv[i], "--compile")) {
             compile = true;
+            i--;
+        } else if (!strcmp(argv[i], "--replay")) {
+            replay = true;
+            i--;
+        } else if (!strcmp(argv[i], "--small")) {
+            small = true;
             i--;
         } else if (i + 1 >= argc) {
             fprintf(stderr, "bench_train_step: %s needs a value\n", argv[i]);
@@ -36,7 +42,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--peak-gflops")) peak_gflops = atof(argv[i + 1]);
         else if (!strcmp(argv[i], "--model")) model = argv[i + 1];
         else {
-            fprintf(stderr, "usage: bench_train_step [--threads N] [--steps N] [--warmup N] [--peak-gflops G] [--model gpt2|llama] [--compile] [--device NAME]\n");
+            fprintf(stderr, "usage: bench_train_step [--threads N] [--steps N] [--warmup N] [--peak-gflops G] [--model gpt2|llama] [--compile | --replay] [--device NAME] [--small]\n");
             return 2;
         }
     }
@@ -47,6 +53,11 @@ int main(int argc, char **argv)
         return 1;
     }
     kiln_gpt_config c = strcmp(model, "llama") ? kiln_gpt_config_gpt2() : kiln_gpt_config_llama();
+    if (small) { /* where per-op overhead shows: 2 layers, C=64, T=32 */
+        c.n_layer = 2;
+        c.n_embd = 64;
+        c.block_size = 32;
+    }
     kiln_gpt_t *m;
     if (kiln_gpt_new(&c, 1234, &m) != KILN_OK) {
         fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());
@@ -62,6 +73,7 @@ int main(int argc, char **argv)
     double *times = malloc(sizeof *times * (size_t)steps);
     uint64_t rng = 42;
     kiln_compiled_t *step = NULL;
+    kiln_replay_t *rp = NULL; /* --replay: step 1 recorded, the rest replayed */
     kiln_gpt_step fn = {m, opt, ps, np, 1.0}; /* forward, backward, clipping at norm 1, AdamW */
     if (compile && kiln_compiled_new(kiln_gpt_train_step, &fn, "train_step", &step) != KILN_OK) {
         fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());
@@ -80,7 +92,10 @@ int main(int argc, char **argv)
         double lr = 3e-4, loss = 0;
         kiln_tensor_t *in[3] = {x, y, kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)}, *out[2];
         int n_out = 0;
-        kiln_status st = step ? kiln_compiled_call(step, in, 3, out, 2, &n_out) : kiln_gpt_train_step(&fn, in, 3, out, &n_out);
+        kiln_status st = step     ? kiln_compiled_call(step, in, 3, out, 2, &n_out)
+                         : !replay ? kiln_gpt_train_step(&fn, in, 3, out, &n_out)
+                         : rp      ? kiln_replay_run(rp, in, 3, out, 2, &n_out)
+                                   : kiln_replay_record(kiln_gpt_train_step, &fn, in, 3, &rp, out, 2, &n_out);
         if (st == KILN_OK) st = kiln_tensor_item(out[0], &loss);
         if (s == 0) first_call_s = bench_now_s() - t0;
         if (st != KILN_OK) {
@@ -101,9 +116,10 @@ int main(int argc, char **argv)
     getrusage(RUSAGE_SELF, &ru);
     printf("{\"engine\":\"%s\",\"device\":\"%s\",\"first_step_s\":%.3f,\"model\":\"%s\",\"threads\":%d,\"steps\":%d,\"median_step_ms\":%.1f,"
            "\"tokens_per_s\":%.1f,\"model_gflops\":%.2f,\"mfu\":%.4f,\"peak_rss_mb\":%.1f}\n",
-           step ? "kiln-compile" : "kiln", kiln_device(), first_call_s, model, kiln_num_threads(), steps, med * 1e3, tps, gflops, peak_gflops > 0 ? gflops / peak_gflops : 0.0,
+           step ? "kiln-compile" : replay ? "kiln-replay" : "kiln", kiln_device(), first_call_s, model, kiln_num_threads(), steps, med * 1e3, tps, gflops, peak_gflops > 0 ? gflops / peak_gflops : 0.0,
            (double)ru.ru_maxrss / 1024.0);
     kiln_compiled_free(step);
+    kiln_replay_free(rp);
     kiln_optim_free(opt);
     kiln_gpt_free(m);
     free(ps);

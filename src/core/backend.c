@@ -46,10 +46,32 @@ static kiln__backend *find_name(const char *name)
     return NULL;
 }
 
+/* The device backends are probed on first need (a device named, or listed), so that a
+ * process that stays on the cpu never loads an OpenCL platform or looks for a GPU. */
+static pthread_once_t probe_once = PTHREAD_ONCE_INIT;
+
+static void do_probe(void)
+{
+#ifdef KILN_HAVE_OPENCL
+    kiln__opencl_register();
+#endif
+#ifdef KILN_HAVE_CUDA
+    kiln__cuda_register();
+#endif
+}
+
+static void probe_devices(void) { pthread_once(&probe_once, do_probe); }
+
 kiln__backend *kiln__backend_find(const char *name)
 {
     kiln__ensure_init();
-    return name ? find_name(name) : NULL;
+    if (!name) return NULL;
+    kiln__backend *be = find_name(name);
+    if (!be) {
+        probe_devices();
+        be = find_name(name);
+    }
+    return be;
 }
 
 static _Atomic(kiln__backend *) default_be;
@@ -70,8 +92,7 @@ static void device_list(char *buf, size_t n)
 
 kiln_status kiln_set_device(const char *name)
 {
-    kiln__ensure_init();
-    kiln__backend *be = name ? find_name(name) : NULL;
+    kiln__backend *be = kiln__backend_find(name);
     if (!be) {
         char have[256];
         device_list(have, sizeof have);
@@ -90,6 +111,13 @@ int kiln__backend_count(void)
     return n_backends;
 }
 
+int kiln_device_count(void)
+{
+    kiln__ensure_init();
+    probe_devices();
+    return n_backends;
+}
+
 kiln__backend *kiln__backend_at(int i) { return i >= 0 && i < n_backends ? backends[i] : NULL; }
 
 static void do_init(void)
@@ -102,15 +130,10 @@ static void do_init(void)
     kiln__pool_start(n);
     kiln__backend_register(kiln__cpu_backend(n));
     atomic_store(&default_be, backends[0]);
-#ifdef KILN_HAVE_OPENCL
-    kiln__opencl_register();
-#endif
-#ifdef KILN_HAVE_CUDA
-    kiln__cuda_register();
-#endif
     /* KILN_DEVICE picks the device new tensors go to; a name that is not here leaves the
      * cpu, with a warning (tools check it up front with kiln_set_device). */
     const char *dev = getenv("KILN_DEVICE");
+    if (dev && *dev && strcmp(dev, "cpu")) probe_devices();
     if (dev && *dev && !find_name(dev)) {
         char have[256];
         device_list(have, sizeof have);
@@ -153,7 +176,6 @@ const char *kiln_build_info(void)
            " simd=avx2+fma (runtime-selected clones), plain C fallback";
 }
 
-int kiln_device_count(void) { return kiln__backend_count(); }
 
 const char *kiln_device_name(int i)
 {

@@ -98,13 +98,19 @@ static bool load_libraries(void)
     static const char *const drv[] = {"libcuda.so.1", "libcuda.so", NULL};
     static const char *const bl[] = {"libcublas.so.13", "libcublas.so.12", "libcublas.so",
                                      "/usr/local/cuda/lib64/libcublas.so", NULL};
-    if (!load_nvrtc()) return false;
-    void *h_rt = open_first(rt), *h_bl = open_first(bl), *h_drv = open_first(drv);
-    const char *missing = !h_rt ? "libcudart" : !h_bl ? "libcublas" : !h_drv ? "libcuda.so.1 (the driver)" : NULL;
-    if (missing) {
-        snprintf(why_none, sizeof why_none, "%s not found", missing);
+    /* The driver first: without it there is no GPU to use, and the toolkit's libraries
+     * (cuBLAS alone is hundreds of MB) are not worth mapping into every process. */
+    void *h_drv = open_first(drv);
+    if (!h_drv) {
+        snprintf(why_none, sizeof why_none, "libcuda.so.1 (the driver) not found");
         return false;
     }
+    void *h_rt = open_first(rt), *h_bl = h_rt ? open_first(bl) : NULL;
+    if (!h_rt || !h_bl) {
+        snprintf(why_none, sizeof why_none, "%s not found (the CUDA toolkit's libraries)", !h_rt ? "libcudart" : "libcublas");
+        return false;
+    }
+    if (!load_nvrtc()) return false;
     void *h = h_rt;
     const char *lib = "libcudart";
     CUDART_FNS(LOAD)
