@@ -362,7 +362,10 @@ static void training_matches_eager(bool llama)
         if (mode == 2) {
             int k, o;
             assert_int_equal(kiln_compiled_plan(step, 0, &k, &o, NULL, NULL), KILN_OK);
-            assert_true(k > 5); /* it did run generated kernels */
+            /* It did run generated kernels; on another device than the cpu the graph is
+             * interpreted through that device's kernels (no generator there yet). */
+            if (!strcmp(kiln_device(), "cpu")) assert_true(k > 5);
+            else assert_int_equal(k, 0);
             uint64_t calls, hits, rec;
             int graphs;
             kiln_compiled_stats(step, &calls, &hits, &rec, &graphs);
@@ -537,6 +540,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(compiler_failure_is_a_clear_error, setup, teardown),
         cmocka_unit_test_setup_teardown(debug_dir_has_every_stage, setup, teardown),
     };
+    /* KILN_TEST_FILTER picks tests by name (the device conformance run takes the
+     * training ones: compiled against eager on that device). */
+    if (getenv("KILN_TEST_FILTER")) cmocka_set_test_filter(getenv("KILN_TEST_FILTER"));
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", cache_dir);
