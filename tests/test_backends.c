@@ -12,6 +12,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "compile/compile_impl.h"
 #include "core/backend.h"
 #include "kiln/kiln.h"
@@ -268,6 +269,42 @@ static void recording_refuses_reads_and_random_ops(void **state)
     kiln_clear_error();
 }
 
+/* Pinned memory is optional: where a backend has none (cpu, OpenCL), pinning says so
+ * and succeeds; a NULL or empty buffer is nothing to pin; a checkpoint of device tensors
+ * (which pins its staging buffer where it can) saves and loads back bitwise. */
+static void pinning_is_optional_and_checkpoints_work_without_it(void **state)
+{
+    bool pinned = true;
+    char buf[64];
+    assert_int_equal(kiln_host_pin("cpu", buf, sizeof buf, &pinned), KILN_OK);
+    assert_false(pinned);
+    pinned = true;
+    assert_int_equal(kiln_host_pin("cpu", NULL, 0, &pinned), KILN_OK);
+    assert_false(pinned);
+    assert_int_equal(kiln_host_unpin("cpu", NULL), KILN_OK);
+    assert_int_equal(kiln_host_pin("npu:7", buf, sizeof buf, &pinned), KILN_ERR_DEVICE);
+    kiln_clear_error();
+    if (!have_device("opencl:0")) skip();
+    assert_int_equal(kiln_host_pin("opencl", buf, sizeof buf, &pinned), KILN_OK);
+    assert_false(pinned);
+    float v[6] = {1, 2, 3, 4, 5, 6}, back[6];
+    kiln_tensor_t *t = kiln_tensor_to(kiln_from_data(v, (int64_t[]){2, 3}, 2, KILN_DTYPE_F32), "opencl");
+    const char *names[1] = {"w"};
+    char path[] = "/tmp/kiln-pin-XXXXXX";
+    int fd = mkstemp(path);
+    assert_true(fd >= 0);
+    close(fd);
+    assert_int_equal(kiln_safetensors_save(path, names, &t, 1, NULL), KILN_OK);
+    kiln_safetensors_t *f;
+    assert_int_equal(kiln_safetensors_load(path, &f), KILN_OK);
+    kiln_tensor_t *w = kiln_safetensors_get(f, "w");
+    assert_non_null(w);
+    assert_int_equal(kiln_tensor_to_host(w, back, sizeof back), KILN_OK);
+    assert_memory_equal(back, v, sizeof v);
+    kiln_safetensors_free(f);
+    unlink(path);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -280,6 +317,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(replay_on_cpu, setup, teardown),
         cmocka_unit_test_setup_teardown(replay_on_opencl, setup, teardown),
         cmocka_unit_test_setup_teardown(recording_refuses_reads_and_random_ops, setup, teardown),
+        cmocka_unit_test_setup_teardown(pinning_is_optional_and_checkpoints_work_without_it, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

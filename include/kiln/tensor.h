@@ -115,6 +115,12 @@ const char *kiln_tensor_device(const kiln_tensor_t *t);
  * (kiln_set_device) rather than moving them. An op on tensors of two devices is an
  * error that says to move one with this. */
 kiln_tensor_t *kiln_tensor_to(kiln_tensor_t *t, const char *device);
+/* Pins n bytes of host memory at ptr (page-locked) for faster copies with device, where
+ * its backend can (CUDA); *pinned says whether it did: false on a device without pinned
+ * memory (cpu, OpenCL), and for a NULL ptr or n == 0 (nothing to pin), all KILN_OK.
+ * Unpin with kiln_host_unpin before freeing the memory. */
+kiln_status kiln_host_pin(const char *device, void *ptr, size_t n, bool *pinned);
+kiln_status kiln_host_unpin(const char *device, void *ptr);
 /* Why there are no cuda devices, or how many there are ("libcuda.so.1 (the driver) not
  * found", "no GPU (...)", "1 GPU(s)"): for kiln doctor. */
 const char *kiln_cuda_status(void);

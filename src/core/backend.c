@@ -105,6 +105,24 @@ kiln_status kiln_set_device(const char *name)
 
 const char *kiln_device(void) { return kiln__backend_default()->name; }
 
+kiln_status kiln_host_pin(const char *device, void *ptr, size_t n, bool *pinned)
+{
+    if (pinned) *pinned = false;
+    kiln__backend *be = kiln__backend_find(device);
+    if (!be) return kiln_set_device(device) == KILN_OK ? KILN_OK : kiln_last_status(); /* names the devices */
+    if (!ptr || !n || !be->host_register) return KILN_OK; /* nothing to pin, or a backend without it */
+    kiln_status s = be->host_register(be, ptr, n);
+    if (s == KILN_OK && pinned) *pinned = true;
+    return s;
+}
+
+kiln_status kiln_host_unpin(const char *device, void *ptr)
+{
+    kiln__backend *be = kiln__backend_find(device);
+    if (!be) return kiln_set_device(device) == KILN_OK ? KILN_OK : kiln_last_status();
+    return ptr && be->host_unregister ? be->host_unregister(be, ptr) : KILN_OK;
+}
+
 int kiln__backend_count(void)
 {
     kiln__ensure_init();

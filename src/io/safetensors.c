@@ -515,12 +515,20 @@ kiln_status kiln_safetensors_save(const char *path, const char *const *names, ki
     for (int i = 0; i < 8; i++) lenbuf[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
     s = write_all(fp, tmp, lenbuf, 8);
     if (s == KILN_OK) s = write_all(fp, tmp, header, hlen);
+    /* Tensors on a device come through the scratch buffer: pinned, where that device's
+     * backend can pin host memory, for faster copies; as it is where it cannot. */
+    const char *dev = NULL;
+    for (int k = 0; k < n && !dev; k++)
+        if (strcmp(kiln_tensor_device(tensors[k]), "cpu")) dev = kiln_tensor_device(tensors[k]);
+    bool pinned = false;
+    if (dev && kiln_host_pin(dev, scratch, max_bytes, &pinned) != KILN_OK) kiln_clear_error(); /* only slower */
     for (int k = 0; k < n && s == KILN_OK; k++) {
         const kiln_tensor_t *t = tensors[order[k].index];
         size_t nb = kiln_tensor_nbytes(t);
         s = kiln_tensor_to_host(t, scratch, nb);
         if (s == KILN_OK) s = write_all(fp, tmp, scratch, nb);
     }
+    if (pinned) kiln_host_unpin(dev, scratch);
     if (s == KILN_OK && fflush(fp) != 0)
         s = kiln_error(KILN_ERR_IO, "safetensors: cannot write %s: %s", tmp, strerror(errno));
     if (s == KILN_OK && fsync(fileno(fp)) != 0)
