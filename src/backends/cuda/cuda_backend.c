@@ -46,7 +46,7 @@ static char why_none[256] = "not probed";
 
 typedef struct {
     int ordinal;
-    char name[16];
+    char name[24];
     char description[160];
     size_t memory;
     int units, cc_major, cc_minor;

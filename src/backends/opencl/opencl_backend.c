@@ -44,7 +44,7 @@ typedef struct {
     cl_context ctx;
     cl_command_queue q;
     cl_device_id dev;
-    char name[16];       /* "opencl:N" */
+    char name[24];       /* "opencl:N" */
     char description[160];
     size_t memory;
     int units;
