@@ -305,6 +305,26 @@ static void pinning_is_optional_and_checkpoints_work_without_it(void **state)
     unlink(path);
 }
 
+/* One process: collectives on device tensors are copies on that device (the data is
+ * already where it goes); oracle: the input values. */
+static void one_rank_collectives_on_a_device(void **state)
+{
+    if (!have_device("opencl:0")) skip();
+    kiln_pg_t *pg;
+    assert_int_equal(kiln_pg_new_from_env(&pg), KILN_OK);
+    assert_int_equal(kiln_pg_world_size(pg), 1);
+    float v[4] = {1, 2, 3, 4}, back[4];
+    kiln_tensor_t *in = kiln_tensor_to(kiln_from_data(v, (int64_t[]){4}, 1, KILN_DTYPE_F32), "opencl");
+    kiln_tensor_t *out = kiln_tensor_to(kiln_zeros((int64_t[]){4}, 1, KILN_DTYPE_F32), "opencl");
+    assert_int_equal(kiln_pg_allgather(pg, in, out), KILN_OK);
+    assert_int_equal(kiln_pg_allreduce(pg, in, KILN_REDUCE_AVG), KILN_OK);
+    assert_int_equal(kiln_tensor_to_host(out, back, sizeof back), KILN_OK);
+    assert_memory_equal(back, v, sizeof v);
+    assert_int_equal(kiln_tensor_to_host(in, back, sizeof back), KILN_OK);
+    assert_memory_equal(back, v, sizeof v);
+    kiln_pg_free(pg);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -318,6 +338,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(replay_on_opencl, setup, teardown),
         cmocka_unit_test_setup_teardown(recording_refuses_reads_and_random_ops, setup, teardown),
         cmocka_unit_test_setup_teardown(pinning_is_optional_and_checkpoints_work_without_it, setup, teardown),
+        cmocka_unit_test_setup_teardown(one_rank_collectives_on_a_device, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

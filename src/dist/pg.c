@@ -406,7 +406,7 @@ int kiln_pg_world_size(const kiln_pg_t *pg) { return pg ? pg->world : 1; }
 uint64_t kiln_pg_seq(const kiln_pg_t *pg) { return pg ? pg->seq : 0; }
 
 /* The host buffer of a contiguous f32 or f64 tensor, or an error that says why not. */
-static kiln_status host_buffer(const char *op, kiln_tensor_t *t, void **data, int64_t *n)
+static kiln_status host_buffer(const char *op, kiln_tensor_t *t, int world, void **data, int64_t *n)
 {
     if (!t) return kiln_error(KILN_ERR_ARG, "%s: NULL tensor", op);
     if (t->st->meta) return kiln_error(KILN_ERR_UNSUPPORTED, "%s: the tensor is being captured into a graph; "
@@ -414,6 +414,9 @@ static kiln_status host_buffer(const char *op, kiln_tensor_t *t, void **data, in
     if (t->dtype != KILN_DTYPE_F32 && t->dtype != KILN_DTYPE_F64)
         return kiln_error(KILN_ERR_DTYPE, "%s: %s tensors are not supported (f32 or f64)", op, kiln_dtype_name(t->dtype));
     if (!kiln__is_contiguous(t)) return kiln_error(KILN_ERR_ARG, "%s: the tensor must be contiguous", op);
+    if (world > 1 && t->st->be != kiln__backend_at(0))
+        return kiln_error(KILN_ERR_DEVICE, "%s: the tensor is on %s, and MPI moves host memory (NCCL for device tensors "
+                          "is not built yet): reduce a copy made with kiln_tensor_to(t, \"cpu\")", op, t->st->be->name);
     *data = kiln__data(t);
     *n = kiln_tensor_numel(t);
 #ifdef KILN_HAVE_MPI
@@ -434,8 +437,8 @@ static kiln_status start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t
     int64_t nin = 0, nout = 0;
     kiln_status st = KILN_OK;
     const char *op = op_names[s->op];
-    if (s->op != OP_BARRIER) st = host_buffer(op, in, &din, &nin);
-    if (st == KILN_OK && out && out != in) st = host_buffer(op, out, &dout, &nout);
+    if (s->op != OP_BARRIER) st = host_buffer(op, in, pg->world, &din, &nin);
+    if (st == KILN_OK && out && out != in) st = host_buffer(op, out, pg->world, &dout, &nout);
     if (st != KILN_OK) return st;
     if (out && out != in && out->dtype != in->dtype)
         return kiln_error(KILN_ERR_DTYPE, "%s: in is %s, out %s", op, kiln_dtype_name(in->dtype), kiln_dtype_name(out->dtype));
@@ -449,10 +452,11 @@ static kiln_status start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t
     s->dtype = s->op == OP_BARRIER ? 0 : (uint32_t)in->dtype;
     record(pg, s);
     w->s = *s;
-    if (!pg->mpi) { /* one rank: the data is already where it goes */
-        if (dout && dout != din) memcpy(dout, din, (size_t)nin * kiln_dtype_size(in->dtype));
+    if (!pg->mpi) { /* one rank: the data is already where it goes (on whichever device) */
+        if (dout && dout != din)
+            st = kiln__copy_across(out->st->be, dout, in->st->be, din, (size_t)nin * kiln_dtype_size(in->dtype));
         w->done = true;
-        return KILN_OK;
+        return st;
     }
 #ifdef KILN_HAVE_MPI
     if (pg->debug && (st = check_sig(pg, s)) != KILN_OK) return st;
