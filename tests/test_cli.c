@@ -263,6 +263,16 @@ static void doctor_lists_mpi_and_switches(void **state)
     assert_non_null(strstr(out, "distributed: "));
     assert_non_null(strstr(out, "POOL_SPIN"));
     assert_non_null(strstr(out, "ROWS_AVX512"));
+    assert_non_null(strstr(out, "  cpu: "));  /* the devices */
+    assert_non_null(strstr(out, "\ncuda: ")); /* and what the cuda backend found, or why not */
+    assert_non_null(strstr(out, "\nnccl: "));
+    rc = run(out, sizeof out, "%s doctor --ops cpu", tool());
+    assert_int_equal(rc, 0);
+    assert_non_null(strstr(out, "matmul"));
+    assert_non_null(strstr(out, "0 on the cpu with copies")); /* the cpu runs all its own */
+    rc = run(out, sizeof out, "%s doctor --ops npu", tool());
+    assert_int_not_equal(rc, 0);
+    assert_non_null(strstr(out, "no device named 'npu'"));
 }
 
 static void bad_inputs_fail_with_a_reason(void **state)

@@ -192,6 +192,9 @@ int cmd_doctor(int argc, char **argv)
         printf("  %s\n", kiln_device_describe(i, buf, sizeof buf) ? buf : kiln_device_name(i));
     }
     printf("cuda: %s\n", kiln_cuda_status());
+    char nccl[160];
+    kiln_dist_nccl_version(nccl, sizeof nccl);
+    printf("nccl: %s (collectives on cuda tensors)\n", nccl);
     char mpi[256];
     if (kiln_dist_mpi_version(mpi, sizeof mpi))
         printf("distributed: %s (kiln train under mpirun; docs/dist.md)\n", mpi);

@@ -33,6 +33,9 @@ int kiln_pg_local_size_from_env(void);
 /* The MPI library this kiln was built with, into buf ("Open MPI v4.1.4, ..."'s first
  * line); false when it was built without MPI. */
 bool kiln_dist_mpi_version(char *buf, size_t n);
+/* The NCCL library found at run time ("NCCL 2.30.7"), which takes the collectives on
+ * cuda tensors, into buf; false (and why, in buf) when there is none. */
+bool kiln_dist_nccl_version(char *buf, size_t n);
 void kiln_pg_free(kiln_pg_t *pg);
 int kiln_pg_rank(const kiln_pg_t *pg);
 int kiln_pg_world_size(const kiln_pg_t *pg);

@@ -70,6 +70,9 @@ struct kiln__backend {
     void (*kernel_free)(kiln__backend *be, void *kernel);
     kiln_status (*launch)(kiln__backend *be, void *kernel, const kiln__karg *args, int nargs,
                           const size_t *grid, const size_t *block, int grid_dims); /* block NULL: any */
+    /* Makes the device current on this thread and gives its native stream (a
+     * cudaStream_t, a cl_command_queue): what a communication library (NCCL) enqueues on. */
+    void *(*native_stream)(kiln__backend *be);
     kiln_status (*host_register)(kiln__backend *be, void *ptr, size_t n);
     kiln_status (*host_unregister)(kiln__backend *be, void *ptr);
     kiln_status (*capture_begin)(kiln__backend *be);

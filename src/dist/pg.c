@@ -28,6 +28,7 @@
 #include <unistd.h>
 #include "core/tensor_impl.h"
 #include "core/util.h"
+#include "dist/nccl.h"
 #include "kiln/dist.h"
 #include "kiln/ops.h"
 #ifdef KILN_HAVE_MPI
@@ -58,6 +59,8 @@ struct kiln_pg {
 #ifdef KILN_HAVE_MPI
     MPI_Comm comm, mon; /* collectives; the where-are-you queries at a deadline */
 #endif
+    void *nccl;             /* the NCCL communicator, made on the first collective on a cuda tensor */
+    kiln__backend *nccl_be; /* its device */
 };
 
 struct kiln_pg_work {
@@ -397,6 +400,7 @@ void kiln_pg_free(kiln_pg_t *pg)
         if (!done) MPI_Finalize();
     }
 #endif
+    kiln__nccl_comm_free(pg->nccl);
     pthread_mutex_destroy(&pg->mu);
     free(pg);
 }
@@ -415,14 +419,66 @@ static kiln_status host_buffer(const char *op, kiln_tensor_t *t, int world, void
         return kiln_error(KILN_ERR_DTYPE, "%s: %s tensors are not supported (f32 or f64)", op, kiln_dtype_name(t->dtype));
     if (!kiln__is_contiguous(t)) return kiln_error(KILN_ERR_ARG, "%s: the tensor must be contiguous", op);
     if (world > 1 && t->st->be != kiln__backend_at(0))
-        return kiln_error(KILN_ERR_DEVICE, "%s: the tensor is on %s, and MPI moves host memory (NCCL for device tensors "
-                          "is not built yet): reduce a copy made with kiln_tensor_to(t, \"cpu\")", op, t->st->be->name);
+        return kiln_error(KILN_ERR_DEVICE, "%s: the tensor is on %s, and MPI moves host memory (NCCL takes cuda tensors, "
+                          "nothing yet takes others'): reduce a copy made with kiln_tensor_to(t, \"cpu\")", op,
+                          t->st->be->name);
     *data = kiln__data(t);
     *n = kiln_tensor_numel(t);
 #ifdef KILN_HAVE_MPI
     if (*n > 2147483647) return kiln_error(KILN_ERR_ARG, "%s: %lld elements is over MPI's int count", op, (long long)*n);
 #endif
     return KILN_OK;
+}
+
+/* A collective on cuda tensors, through NCCL: the communicator made on first use over
+ * rank 0's unique id (sent with MPI_Bcast; one rank needs no channel), the op enqueued on
+ * the device's stream and waited for. Numbered and recorded as any other. */
+static kiln_status nccl_start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t *out, struct kiln_pg_work *w)
+{
+    const char *op = op_names[s->op];
+    kiln__backend *be = in->st->be;
+    if ((in->dtype != KILN_DTYPE_F32 && in->dtype != KILN_DTYPE_F64) || !kiln__is_contiguous(in) ||
+        (out && (!kiln__is_contiguous(out) || out->dtype != in->dtype || out->st->be != be)))
+        return kiln_error(KILN_ERR_ARG, "%s: NCCL takes contiguous f32/f64 tensors on one device", op);
+    int64_t nin = kiln_tensor_numel(in), nout = out ? kiln_tensor_numel(out) : nin;
+    if (s->op == OP_ALLGATHER && nout != nin * pg->world)
+        return kiln_error(KILN_ERR_SHAPE, "allgather: out holds %lld elements, not world %d x in %lld", (long long)nout,
+                          pg->world, (long long)nin);
+    if (s->op == OP_REDUCE_SCATTER && nin != nout * pg->world)
+        return kiln_error(KILN_ERR_SHAPE, "reduce_scatter: in holds %lld elements, not world %d x out %lld", (long long)nin,
+                          pg->world, (long long)nout);
+    kiln_status st = KILN_OK;
+    if (!pg->nccl) {
+        unsigned char id[KILN__NCCL_ID_BYTES] = {0};
+        if (pg->rank == 0) st = kiln__nccl_unique_id(id, sizeof id);
+        if (st == KILN_OK && pg->world > 1) {
+#ifdef KILN_HAVE_MPI
+            if (!pg->mpi) st = kiln_error(KILN_ERR_UNSUPPORTED, "%s: NCCL's id goes over MPI; launch with mpirun", op);
+            else if (MPI_Bcast(id, sizeof id, MPI_BYTE, 0, pg->comm) != MPI_SUCCESS)
+                st = kiln_error(KILN_ERR_DIST, "%s: rank %d: could not receive NCCL's id from rank 0", op, pg->rank);
+#else
+            st = kiln_error(KILN_ERR_UNSUPPORTED, "%s: NCCL's id goes over MPI, and this kiln has none", op);
+#endif
+        }
+        if (st == KILN_OK) st = kiln__nccl_comm_new(be, id, pg->world, pg->rank, &pg->nccl);
+        if (st != KILN_OK) return st;
+        pg->nccl_be = be;
+    }
+    if (be != pg->nccl_be)
+        return kiln_error(KILN_ERR_DEVICE, "%s: the group's NCCL communicator is on %s, the tensor on %s (one device per "
+                          "rank)", op, pg->nccl_be->name, be->name);
+    s->count = (uint64_t)nin;
+    s->dtype = (uint32_t)in->dtype;
+    record(pg, s);
+    w->s = *s;
+    static const int nccl_op[OP_COUNT] = {0, KILN__NCCL_ALLREDUCE, KILN__NCCL_BROADCAST, 0, KILN__NCCL_ALLGATHER,
+                                          KILN__NCCL_REDUCE_SCATTER};
+    st = kiln__nccl_collective(pg->nccl, be, nccl_op[s->op], kiln__data(in), kiln__data(out ? out : in), (size_t)nout,
+                               in->dtype, (int)s->reduce);
+    if (s->op != OP_ALLGATHER && s->op != OP_REDUCE_SCATTER) (void)nout;
+    w->done = true;
+    if (st != KILN_OK) pg->broken = true;
+    return st;
 }
 
 /* Starts a collective: checks, numbers it, and (with MPI) posts it; w gets the work. */
@@ -433,6 +489,9 @@ static kiln_status start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t
     if (pg->broken)
         return kiln_error(KILN_ERR_DIST, "process group: an earlier collective failed on rank %d; the group cannot be used",
                           pg->rank);
+    if (s->op != OP_BARRIER && in && !in->st->meta && in->st->be != kiln__backend_at(0) && in->st->be->native_stream &&
+        kiln__nccl_available())
+        return nccl_start(pg, s, in, out, w);
     void *din = NULL, *dout = NULL;
     int64_t nin = 0, nout = 0;
     kiln_status st = KILN_OK;
@@ -630,4 +689,11 @@ kiln_status kiln_pg_check_step(kiln_pg_t *pg)
     return st;
 #endif
     return KILN_OK;
+}
+
+bool kiln_dist_nccl_version(char *buf, size_t n)
+{
+    bool ok = kiln__nccl_available();
+    if (buf && n) snprintf(buf, n, "%s", kiln__nccl_status());
+    return ok;
 }

@@ -214,6 +214,12 @@ static kiln_status cu_synchronize(kiln__backend *be)
     return s != KILN_OK ? s : e == cudaSuccess ? KILN_OK : cu_fail(d, "cudaStreamSynchronize", e);
 }
 
+static void *cu_native_stream(kiln__backend *be)
+{
+    cuda_dev *d = be->ctx;
+    return use(d) == KILN_OK ? (void *)d->stream : NULL;
+}
+
 static kiln_status cu_host_register(kiln__backend *be, void *ptr, size_t n)
 {
     if (!ptr || !n) return KILN_OK; /* nothing to pin */
@@ -576,7 +582,7 @@ int kiln__cuda_register(void)
             .event_record = cu_event_record, .event_wait = cu_event_wait, .event_free = cu_event_free,
             .synchronize = cu_synchronize, .kernels = cuda_kernels, .language = "cuda-c",
             .compile_kernel = cu_compile_kernel, .kernel_free = cu_kernel_free, .launch = cu_launch,
-            .host_register = cu_host_register, .host_unregister = cu_host_unregister,
+            .native_stream = cu_native_stream, .host_register = cu_host_register, .host_unregister = cu_host_unregister,
             /* not yet: graph capture (CUDA graphs) */
         };
         if (kiln__backend_register(be) == KILN_OK) n++;
