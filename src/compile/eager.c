@@ -12,6 +12,7 @@
 #include <string.h>
 #include "compile/compile_impl.h"
 #include "core/cache.h"
+#include "core/opts.h"
 #include "kiln/ops.h"
 
 typedef struct entry {
@@ -181,7 +182,9 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
 {
     kiln__op_id op = (kiln__op_id)op_id;
     *handled = false;
-    if (!be->language || !be->compile_kernel || !be->launch || !candidate(op) || n_in > 16) return KILN_OK;
+    if (!be->language || !be->compile_kernel || !be->launch || !candidate(op) || n_in > 16 ||
+        !kiln__opt(KILN__OPT_DEVICE_CODEGEN))
+        return KILN_OK;
     keybuf k = {.n = 0};
     key_add(&k, &be, sizeof be);
     key_add(&k, &op, sizeof op);

@@ -29,6 +29,7 @@
 #include <unistd.h>
 #include "core/cache.h"
 #include "core/dtype.h"
+#include "core/opts.h"
 #include "core/tensor_impl.h"
 #include "ops/registry.h"
 
@@ -448,6 +449,32 @@ static const char *builtin_src =
     "            if (gm < M && gn < N) C[gm * N + gn] = acc[i][j];\n"
     "        }\n"
     "}\n"
+    /* KILN_OPT_CL_MATMUL_TILES=0: the first kernel, 16x16 tiles, one output each. */
+    "__kernel __attribute__((reqd_work_group_size(16, 16, 1)))\n"
+    "void kiln_matmul_simple(__global const char *ga, ulong oa, __global const char *gb, ulong ob, __global char *gc,\n"
+    "                 ulong oc, long M, long N, long K, long sam, long sak, long sbk, long sbn,\n"
+    "                 long d1, long d2, long d3, long a0, long a1, long a2, long a3, long b0, long b1, long b2, long b3)\n"
+    "{\n"
+    "    const int lr = get_local_id(1), lc = get_local_id(0);\n"
+    "    const long row = get_group_id(1) * 16 + lr, col = get_group_id(0) * 16 + lc, bt = get_global_id(2);\n"
+    "    long r = bt;\n"
+    "    const long i3 = r % d3; r /= d3;\n    const long i2 = r % d2; r /= d2;\n    const long i1 = r % d1; r /= d1;\n"
+    "    const long i0 = r;\n"
+    "    __global const float *A = (__global const float *)(ga + oa) + i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3;\n"
+    "    __global const float *B = (__global const float *)(gb + ob) + i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3;\n"
+    "    __global float *C = (__global float *)(gc + oc) + bt * M * N;\n"
+    "    __local float As[16][16], Bs[16][16];\n"
+    "    float acc = 0.0f;\n"
+    "    for (long t = 0; t < K; t += 16) {\n"
+    "        const long ka = t + lc, kb = t + lr;\n"
+    "        As[lr][lc] = row < M && ka < K ? A[row * sam + ka * sak] : 0.0f;\n"
+    "        Bs[lr][lc] = kb < K && col < N ? B[kb * sbk + col * sbn] : 0.0f;\n"
+    "        barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "        for (int k = 0; k < 16; k++) acc = fma(As[lr][k], Bs[k][lc], acc);\n"
+    "        barrier(CLK_LOCAL_MEM_FENCE);\n"
+    "    }\n"
+    "    if (row < M && col < N) C[row * N + col] = acc;\n"
+    "}\n"
     "__kernel void kiln_add_(__global char *gd, ulong od, __global const char *gs, ulong os, float alpha, long n)\n"
     "{\n"
     "    const long i = get_global_id(0);\n"
@@ -483,8 +510,8 @@ static const char *builtin_src =
     "    p[i] = pi - lr * (mi / c1) / (sqrt(vi / c2) + eps);\n"
     "}\n";
 
-enum { BK_MATMUL, BK_ADD_, BK_SCALE_, BK_ADAMW_, N_BK };
-static const char *const bk_names[N_BK] = {"kiln_matmul", "kiln_add_", "kiln_scale_", "kiln_adamw_"};
+enum { BK_MATMUL, BK_MATMUL_SIMPLE, BK_ADD_, BK_SCALE_, BK_ADAMW_, N_BK };
+static const char *const bk_names[N_BK] = {"kiln_matmul", "kiln_matmul_simple", "kiln_add_", "kiln_scale_", "kiln_adamw_"};
 static cl_kernel bk[MAX_CL_DEVICES][N_BK];
 
 /* Builtin kernel `which` of the device, built on first use; NULL (with a message said
@@ -514,7 +541,8 @@ static kiln_status ocl_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n
                               kiln_tensor_t *const *out, int n_out)
 {
     const kiln_tensor_t *x = in[0], *y = in[1], *o = out[0];
-    cl_kernel k = x->dtype == KILN_DTYPE_F32 && o->ndim <= 6 ? builtin(be, BK_MATMUL) : NULL;
+    bool tiles = kiln__opt(KILN__OPT_CL_MATMUL_TILES);
+    cl_kernel k = x->dtype == KILN_DTYPE_F32 && o->ndim <= 6 ? builtin(be, tiles ? BK_MATMUL : BK_MATMUL_SIMPLE) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_MATMUL, in, n_in, a, out, n_out);
     int nb = o->ndim - 2;
     int64_t M = o->shape[nb], N = o->shape[nb + 1], K = x->shape[x->ndim - 1];
@@ -533,8 +561,10 @@ static kiln_status ocl_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n
                          i64_arg(y->stride[y->ndim - 2]), i64_arg(y->stride[y->ndim - 1]), i64_arg(dsh[1]),
                          i64_arg(dsh[2]), i64_arg(dsh[3]), i64_arg(as[0]), i64_arg(as[1]), i64_arg(as[2]),
                          i64_arg(as[3]), i64_arg(bs[0]), i64_arg(bs[1]), i64_arg(bs[2]), i64_arg(bs[3])};
-    /* 64x64 tiles of the output per 16x16 work-group. */
-    size_t grid[3] = {(size_t)((N + 63) / 64 * 16), (size_t)((M + 63) / 64 * 16), (size_t)batch}, block[3] = {16, 16, 1};
+    /* 64x64 (or 16x16) tiles of the output per 16x16 work-group. */
+    int64_t tile = tiles ? 64 : 16;
+    size_t grid[3] = {(size_t)((N + tile - 1) / tile * 16), (size_t)((M + tile - 1) / tile * 16), (size_t)batch},
+           block[3] = {16, 16, 1};
     return cl_launch(be, k, args, (int)(sizeof args / sizeof args[0]), grid, block, 3);
 }
 
