@@ -475,6 +475,30 @@ static const char *builtin_src =
     "    }\n"
     "    if (row < M && col < N) C[row * N + col] = acc;\n"
     "}\n"
+    /* Embedding rows (indices checked on the host first) and their gradient: each
+     * work-item owns one column and adds the rows in order, so the sum is the cpu's. */
+    "__kernel void kiln_embedding(__global const char *gw, ulong ow, __global const char *gi, ulong oi,\n"
+    "                             __global char *go, ulong oo, long C, long n, long idx64)\n"
+    "{\n"
+    "    const long q = get_global_id(0);\n"
+    "    if (q >= n * C) return;\n"
+    "    const long i = q / C, c = q % C;\n"
+    "    const long v = idx64 ? ((__global const long *)(gi + oi))[i] : (long)((__global const int *)(gi + oi))[i];\n"
+    "    ((__global float *)(go + oo))[q] = ((__global const float *)(gw + ow))[v * C + c];\n"
+    "}\n"
+    "__kernel void kiln_embedding_backward(__global const char *gg, ulong og, __global const char *gi, ulong oi,\n"
+    "                                      __global char *gd, ulong od, long C, long N, long V, long idx64)\n"
+    "{\n"
+    "    const long c = get_global_id(0);\n"
+    "    if (c >= C) return;\n"
+    "    __global float *d = (__global float *)(gd + od);\n"
+    "    __global const float *g = (__global const float *)(gg + og);\n"
+    "    for (long v = 0; v < V; v++) d[v * C + c] = 0.0f;\n"
+    "    for (long i = 0; i < N; i++) {\n"
+    "        const long v = idx64 ? ((__global const long *)(gi + oi))[i] : (long)((__global const int *)(gi + oi))[i];\n"
+    "        d[v * C + c] += g[i * C + c];\n"
+    "    }\n"
+    "}\n"
     "__kernel void kiln_add_(__global char *gd, ulong od, __global const char *gs, ulong os, float alpha, long n)\n"
     "{\n"
     "    const long i = get_global_id(0);\n"
@@ -510,8 +534,9 @@ static const char *builtin_src =
     "    p[i] = pi - lr * (mi / c1) / (sqrt(vi / c2) + eps);\n"
     "}\n";
 
-enum { BK_MATMUL, BK_MATMUL_SIMPLE, BK_ADD_, BK_SCALE_, BK_ADAMW_, N_BK };
-static const char *const bk_names[N_BK] = {"kiln_matmul", "kiln_matmul_simple", "kiln_add_", "kiln_scale_", "kiln_adamw_"};
+enum { BK_MATMUL, BK_MATMUL_SIMPLE, BK_ADD_, BK_SCALE_, BK_ADAMW_, BK_EMB, BK_EMB_BWD, N_BK };
+static const char *const bk_names[N_BK] = {"kiln_matmul", "kiln_matmul_simple", "kiln_add_", "kiln_scale_",
+                                           "kiln_adamw_", "kiln_embedding", "kiln_embedding_backward"};
 static cl_kernel bk[MAX_CL_DEVICES][N_BK];
 
 /* Builtin kernel `which` of the device, built on first use; NULL (with a message said
@@ -615,6 +640,61 @@ static kiln_status ocl_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n
     return cl_launch(be, k, args, (int)(sizeof args / sizeof args[0]), &grid, NULL, 1);
 }
 
+/* The indices on the host, checked as the cpu checks them (an index outside [0, limit)
+ * is an error that names it); *ok false for a layout this backend does not take. */
+static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_tensor_t *idx, int64_t limit, bool *ok)
+{
+    *ok = kiln__is_contiguous(idx) && (idx->dtype == KILN_DTYPE_I64 || idx->dtype == KILN_DTYPE_I32);
+    if (!*ok) return KILN_OK;
+    int64_t n = kiln_tensor_numel(idx);
+    size_t sz = kiln_dtype_size(idx->dtype);
+    char *h = malloc(sz * (size_t)(n ? n : 1));
+    if (!h) return kiln__err(KILN_ERR_OOM, "%s: out of memory", op);
+    kiln_status s = cl_copy_d2h(be, h, kiln__data(idx), sz * (size_t)n);
+    for (int64_t i = 0; s == KILN_OK && i < n; i++) {
+        int64_t v = kiln__load_index(h + i * (int64_t)sz, idx->dtype);
+        if (v < 0 || v >= limit)
+            s = kiln__err(KILN_ERR_INDEX, "%s: index %lld at position %lld is outside [0, %lld)", op, (long long)v,
+                          (long long)i, (long long)limit);
+    }
+    free(h);
+    return s;
+}
+
+static kiln_status ocl_embedding(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t *const *out, int n_out)
+{
+    const kiln_tensor_t *w = in[0], *idx = in[1];
+    bool ok = contiguous_f32(w);
+    kiln_status s = ok ? check_indices(be, "embedding", idx, w->shape[0], &ok) : KILN_OK;
+    if (s != KILN_OK) return s;
+    cl_kernel k = ok ? builtin(be, BK_EMB) : NULL;
+    if (!k) return kiln__cpu_fallback(be, KILN_OP_EMBEDDING, in, n_in, a, out, n_out);
+    int64_t C = w->shape[1], n = kiln_tensor_numel(idx);
+    if (!n || !C) return KILN_OK;
+    kiln__karg args[] = {buf_arg(w), buf_arg(idx), buf_arg(out[0]), i64_arg(C), i64_arg(n),
+                         i64_arg(idx->dtype == KILN_DTYPE_I64)};
+    size_t grid = (size_t)(n * C);
+    return cl_launch(be, k, args, 6, &grid, NULL, 1);
+}
+
+static kiln_status ocl_embedding_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                          kiln_tensor_t *const *out, int n_out)
+{
+    const kiln_tensor_t *g = in[0], *idx = in[1], *o = out[0];
+    int64_t V = o->shape[0], C = o->shape[1];
+    bool ok = contiguous_f32(g) && o->dtype == KILN_DTYPE_F32;
+    kiln_status s = ok ? check_indices(be, "embedding backward", idx, V, &ok) : KILN_OK;
+    if (s != KILN_OK) return s;
+    cl_kernel k = ok ? builtin(be, BK_EMB_BWD) : NULL;
+    if (!k) return kiln__cpu_fallback(be, KILN_OP_EMBEDDING_BACKWARD, in, n_in, a, out, n_out);
+    if (!C || !V) return KILN_OK;
+    kiln__karg args[] = {buf_arg(g), buf_arg(idx), buf_arg(o), i64_arg(C), i64_arg(kiln_tensor_numel(idx)), i64_arg(V),
+                         i64_arg(idx->dtype == KILN_DTYPE_I64)};
+    size_t grid = (size_t)C;
+    return cl_launch(be, k, args, 7, &grid, NULL, 1);
+}
+
 /* A fill of a contiguous tensor with one value: the enqueued fill command. */
 static kiln_status fill_value(kiln__backend *be, kiln_tensor_t *t, double v)
 {
@@ -658,7 +738,7 @@ static kiln_status ocl_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_
 static const kiln__kernel_fn cl_kernels[KILN_OP_COUNT] = {
     [KILN_OP_MATMUL] = ocl_matmul, [KILN_OP_ADD_] = ocl_add_,   [KILN_OP_SCALE_] = ocl_scale_,
     [KILN_OP_ADAMW_] = ocl_adamw_, [KILN_OP_FULL] = ocl_full,   [KILN_OP_FILL_] = ocl_fill_,
-    [KILN_OP_COPY_] = ocl_copy_,
+    [KILN_OP_COPY_] = ocl_copy_,   [KILN_OP_EMBEDDING] = ocl_embedding, [KILN_OP_EMBEDDING_BACKWARD] = ocl_embedding_backward,
 };
 
 static kiln_status open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev, int index)
