@@ -499,6 +499,38 @@ static const char *builtin_src =
     "        d[v * C + c] += g[i * C + c];\n"
     "    }\n"
     "}\n"
+    /* Cross-entropy rows in double, as the cpu's: the loss of each row (0 for an ignored
+     * one) and its log-sum-exp; the gradient from the log-sum-exp. */
+    "__kernel void kiln_ce_rows(__global const char *gx, ulong ox, __global const char *gt, ulong ot,\n"
+    "                           __global char *gl, ulong ol, __global char *gr, ulong orr, long N, long V,\n"
+    "                           long ignore, long t64)\n"
+    "{\n"
+    "    const long n = get_global_id(0);\n"
+    "    if (n >= N) return;\n"
+    "    __global const float *x = (__global const float *)(gx + ox) + n * V;\n"
+    "    double m = -INFINITY, s = 0;\n"
+    "    for (long v = 0; v < V; v++) if (x[v] > m) m = x[v];\n"
+    "    for (long v = 0; v < V; v++) s += exp((double)x[v] - m);\n"
+    "    const double lse = m + log(s);\n"
+    "    ((__global float *)(gl + ol))[n] = (float)lse;\n"
+    "    const long t = t64 ? ((__global const long *)(gt + ot))[n] : (long)((__global const int *)(gt + ot))[n];\n"
+    "    ((__global double *)(gr + orr))[n] = t == ignore ? 0.0 : lse - (double)x[t];\n"
+    "}\n"
+    "__kernel void kiln_ce_backward(__global const char *gx, ulong ox, __global const char *gt, ulong ot,\n"
+    "                               __global const char *gl, ulong ol, __global char *gd, ulong od, long N, long V,\n"
+    "                               long ignore, long t64, double gscale)\n"
+    "{\n"
+    "    const long q = get_global_id(0);\n"
+    "    if (q >= N * V) return;\n"
+    "    const long n = q / V, v = q % V;\n"
+    "    const long t = t64 ? ((__global const long *)(gt + ot))[n] : (long)((__global const int *)(gt + ot))[n];\n"
+    "    __global float *dx = (__global float *)(gd + od);\n"
+    "    if (t == ignore) { dx[q] = 0.0f; return; }\n"
+    "    const double lse = ((__global const float *)(gl + ol))[n];\n"
+    "    float d = (float)(gscale * exp((double)((__global const float *)(gx + ox))[q] - lse));\n"
+    "    if (v == t) d -= (float)gscale;\n"
+    "    dx[q] = d;\n"
+    "}\n"
     "__kernel void kiln_add_(__global char *gd, ulong od, __global const char *gs, ulong os, float alpha, long n)\n"
     "{\n"
     "    const long i = get_global_id(0);\n"
@@ -534,9 +566,10 @@ static const char *builtin_src =
     "    p[i] = pi - lr * (mi / c1) / (sqrt(vi / c2) + eps);\n"
     "}\n";
 
-enum { BK_MATMUL, BK_MATMUL_SIMPLE, BK_ADD_, BK_SCALE_, BK_ADAMW_, BK_EMB, BK_EMB_BWD, N_BK };
-static const char *const bk_names[N_BK] = {"kiln_matmul", "kiln_matmul_simple", "kiln_add_", "kiln_scale_",
-                                           "kiln_adamw_", "kiln_embedding", "kiln_embedding_backward"};
+enum { BK_MATMUL, BK_MATMUL_SIMPLE, BK_ADD_, BK_SCALE_, BK_ADAMW_, BK_EMB, BK_EMB_BWD, BK_CE, BK_CE_BWD, N_BK };
+static const char *const bk_names[N_BK] = {"kiln_matmul",  "kiln_matmul_simple",      "kiln_add_",
+                                           "kiln_scale_",  "kiln_adamw_",             "kiln_embedding",
+                                           "kiln_embedding_backward", "kiln_ce_rows", "kiln_ce_backward"};
 static cl_kernel bk[MAX_CL_DEVICES][N_BK];
 
 /* Builtin kernel `which` of the device, built on first use; NULL (with a message said
@@ -695,6 +728,79 @@ static kiln_status ocl_embedding_backward(kiln__backend *be, kiln_tensor_t *cons
     return cl_launch(be, k, args, 7, &grid, NULL, 1);
 }
 
+/* Cross-entropy targets on the host: each in [0, V) or the ignore index, as the cpu
+ * checks them; *count the rows that count. */
+static kiln_status ce_targets(kiln__backend *be, const kiln_tensor_t *t, int64_t V, int64_t ignore, int64_t *count)
+{
+    int64_t n = kiln_tensor_numel(t), c = 0;
+    size_t sz = kiln_dtype_size(t->dtype);
+    char *h = malloc(sz * (size_t)(n ? n : 1));
+    if (!h) return kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
+    kiln_status s = cl_copy_d2h(be, h, kiln__data(t), sz * (size_t)n);
+    for (int64_t i = 0; s == KILN_OK && i < n; i++) {
+        int64_t v = kiln__load_index(h + i * (int64_t)sz, t->dtype);
+        if (v == ignore) continue;
+        if (v < 0 || v >= V)
+            s = kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) (and is not "
+                          "ignore_index %lld)", (long long)v, (long long)i, (long long)V, (long long)ignore);
+        c++;
+    }
+    free(h);
+    *count = c;
+    return s;
+}
+
+static bool ce_layout(const kiln_tensor_t *x, const kiln_tensor_t *t)
+{
+    return contiguous_f32(x) && kiln__is_contiguous(t) && (t->dtype == KILN_DTYPE_I64 || t->dtype == KILN_DTYPE_I32);
+}
+
+static kiln_status ocl_cross_entropy(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                     kiln_tensor_t *const *out, int n_out)
+{
+    const kiln_tensor_t *x = in[0], *t = in[1];
+    cl_kernel k = ce_layout(x, t) && out[1]->dtype == KILN_DTYPE_F32 ? builtin(be, BK_CE) : NULL;
+    if (!k) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY, in, n_in, a, out, n_out);
+    int64_t N = x->shape[0], V = x->shape[1], count = 0;
+    kiln_status s = ce_targets(be, t, V, a->i[0], &count);
+    if (s != KILN_OK) return s;
+    double *loss = malloc(sizeof(double) * (size_t)(N ? N : 1));
+    void *dloss = N ? cl_alloc(be, sizeof(double) * (size_t)N) : NULL;
+    if (!loss || (N && !dloss)) s = kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
+    if (s == KILN_OK && N) {
+        kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(out[1]), {KILN__KARG_BUF, dloss, 0, 0}, i64_arg(N),
+                             i64_arg(V), i64_arg(a->i[0]), i64_arg(t->dtype == KILN_DTYPE_I64)};
+        size_t grid = (size_t)N;
+        s = cl_launch(be, k, args, 8, &grid, NULL, 1);
+        if (s == KILN_OK) s = cl_copy_d2h(be, loss, dloss, sizeof(double) * (size_t)N);
+    }
+    /* The mean over the rows that count, summed in row order on the host as the cpu does. */
+    double sum = 0;
+    for (int64_t i = 0; s == KILN_OK && i < N; i++) sum += loss[i];
+    float v = (float)(count ? sum / (double)count : NAN);
+    if (s == KILN_OK) s = cl_copy_h2d(be, kiln__data(out[0]), &v, sizeof v);
+    if (dloss) cl_free(be, dloss, sizeof(double) * (size_t)N);
+    free(loss);
+    return s;
+}
+
+static kiln_status ocl_cross_entropy_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in,
+                                              const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)
+{
+    const kiln_tensor_t *g = in[0], *x = in[1], *t = in[2], *lse = in[3];
+    cl_kernel k = ce_layout(x, t) && contiguous_f32(lse) && g->dtype == KILN_DTYPE_F32 ? builtin(be, BK_CE_BWD) : NULL;
+    if (!k) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY_BACKWARD, in, n_in, a, out, n_out);
+    int64_t N = x->shape[0], V = x->shape[1], count = 0;
+    float gv = 0;
+    kiln_status s = ce_targets(be, t, V, a->i[0], &count);
+    if (s == KILN_OK) s = cl_copy_d2h(be, &gv, kiln__data(g), sizeof gv);
+    if (s != KILN_OK || !N || !V) return s;
+    kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(lse), buf_arg(out[0]), i64_arg(N), i64_arg(V), i64_arg(a->i[0]),
+                         i64_arg(t->dtype == KILN_DTYPE_I64), f_arg(KILN__KARG_F64, count ? gv / (double)count : 0)};
+    size_t grid = (size_t)(N * V);
+    return cl_launch(be, k, args, 9, &grid, NULL, 1);
+}
+
 /* A fill of a contiguous tensor with one value: the enqueued fill command. */
 static kiln_status fill_value(kiln__backend *be, kiln_tensor_t *t, double v)
 {
@@ -739,6 +845,7 @@ static const kiln__kernel_fn cl_kernels[KILN_OP_COUNT] = {
     [KILN_OP_MATMUL] = ocl_matmul, [KILN_OP_ADD_] = ocl_add_,   [KILN_OP_SCALE_] = ocl_scale_,
     [KILN_OP_ADAMW_] = ocl_adamw_, [KILN_OP_FULL] = ocl_full,   [KILN_OP_FILL_] = ocl_fill_,
     [KILN_OP_COPY_] = ocl_copy_,   [KILN_OP_EMBEDDING] = ocl_embedding, [KILN_OP_EMBEDDING_BACKWARD] = ocl_embedding_backward,
+    [KILN_OP_CROSS_ENTROPY] = ocl_cross_entropy, [KILN_OP_CROSS_ENTROPY_BACKWARD] = ocl_cross_entropy_backward,
 };
 
 static kiln_status open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev, int index)
