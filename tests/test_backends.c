@@ -258,6 +258,14 @@ static kiln_status reads_a_value(void *ctx, kiln_tensor_t *const *in, int n_in, 
     return s;
 }
 
+static kiln_status writes_from_host(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    float v[4] = {1, 2, 3, 4};
+    out[0] = kiln_add(in[0], kiln_from_data(v, (int64_t[]){4}, 1, KILN_DTYPE_F32));
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
 static void recording_refuses_reads_and_random_ops(void **state)
 {
     kiln_tensor_t *x = kiln_ones((int64_t[]){4}, 1, KILN_DTYPE_F32), *out[1];
@@ -266,6 +274,10 @@ static void recording_refuses_reads_and_random_ops(void **state)
     assert_int_equal(kiln_replay_record(reads_a_value, NULL, &x, 1, &r, out, 1, &n), KILN_ERR_UNSUPPORTED);
     assert_null(r);
     assert_non_null(strstr(kiln_last_error(), "recording a replay"));
+    kiln_clear_error();
+    /* A write from host memory is not a launch: it would not be replayed. */
+    assert_int_equal(kiln_replay_record(writes_from_host, NULL, &x, 1, &r, out, 1, &n), KILN_ERR_UNSUPPORTED);
+    assert_non_null(strstr(kiln_last_error(), "from_host"));
     kiln_clear_error();
 }
 

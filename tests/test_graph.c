@@ -186,6 +186,37 @@ static void constants_fold_and_updated_values_do_not(void **state)
     kiln_graph_free(g);
 }
 
+/* Several constants in a row, some folded before others are used: x + neg(1) + 3 * 4
+ * (the review's case: folding must look each source up where it now is). */
+static kiln_status constants_in_a_row(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    (void)ctx, (void)n_in;
+    int64_t one = 1;
+    kiln_tensor_t *a = kiln_neg(kiln_full(&one, 1, 1.0, KILN_DTYPE_F32));
+    kiln_tensor_t *b3 = kiln_full(&one, 1, 3.0, KILN_DTYPE_F32), *b4 = kiln_full(&one, 1, 4.0, KILN_DTYPE_F32);
+    kiln_tensor_t *b5 = kiln_full(&one, 1, 5.0, KILN_DTYPE_F32);
+    (void)b5;
+    out[0] = kiln_add(kiln_add(in[0], a), kiln_mul(b3, b4));
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+static void folds_in_a_row_keep_their_sources(void **state)
+{
+    kiln_tensor_t *x = randn(2, 1, 3);
+    kiln_graph_t *g;
+    assert_int_equal(kiln_graph_capture(constants_in_a_row, NULL, &x, 1, &g), KILN_OK);
+    int folded = 0;
+    assert_int_equal(kiln_graph_fold(g, &folded), KILN_OK);
+    assert_int_equal(folded, 2); /* neg(1) and 3 * 4 */
+    kiln_tensor_t *got, *want;
+    int n;
+    assert_int_equal(kiln_graph_run(g, &x, 1, &got, 1, &n), KILN_OK);
+    assert_int_equal(constants_in_a_row(NULL, &x, 1, &want, &n), KILN_OK);
+    assert_same(got, want);
+    kiln_graph_free(g);
+}
+
 static kiln_status with_dropout(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
 {
     (void)ctx, (void)n_in;
@@ -518,6 +549,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(capture_records_and_computes_nothing, setup, teardown),
         cmocka_unit_test_setup_teardown(dead_code_is_removed, setup, teardown),
         cmocka_unit_test_setup_teardown(constants_fold_and_updated_values_do_not, setup, teardown),
+        cmocka_unit_test_setup_teardown(folds_in_a_row_keep_their_sources, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_uses_are_clear_errors, setup, teardown),
         cmocka_unit_test_setup_teardown(repeated_ops_are_merged_but_not_across_updates, setup, teardown),
         cmocka_unit_test_setup_teardown(guards_reuse_recompile_and_fall_back, setup, teardown),

@@ -129,6 +129,7 @@ kiln_status kiln_replay_record(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
 kiln_status kiln_replay_run(kiln_replay_t *r, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
                             int *n_out);
 int kiln_replay_num_launches(const kiln_replay_t *r);
+bool kiln_replay_recording(void); /* true while this thread records a replay */
 void kiln_replay_free(kiln_replay_t *r); /* NULL is fine */
 
 #ifdef __cplusplus

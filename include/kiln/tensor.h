@@ -147,6 +147,8 @@ kiln_tensor_t *kiln_zeros(const int64_t *shape, int ndim, kiln_dtype dt);
 kiln_tensor_t *kiln_ones(const int64_t *shape, int ndim, kiln_dtype dt);
 kiln_tensor_t *kiln_full(const int64_t *shape, int ndim, double value, kiln_dtype dt);
 kiln_tensor_t *kiln_scalar(double value, kiln_dtype dt);
+/* A tensor shaped like t, on t's device, filled with value. */
+kiln_tensor_t *kiln_full_like(const kiln_tensor_t *t, double value, kiln_dtype dt);
 kiln_tensor_t *kiln_arange(double start, double end, double step, kiln_dtype dt);
 /* Uniform in [0, 1) and standard normal, from the global counter-based generator. */
 kiln_tensor_t *kiln_rand(const int64_t *shape, int ndim, kiln_dtype dt);

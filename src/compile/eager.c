@@ -95,6 +95,12 @@ static kiln_status build(entry *e, kiln__backend *be, kiln__op_id op, kiln_tenso
     for (int i = 0; s == KILN_OK && i < p->n_k; i++) s = be->compile_kernel(be, src, p->k[i].name, &e->kern[i]);
     free(src);
     e->ok = s == KILN_OK;
+    if (!e->ok && e->kern) { /* what did compile goes back */
+        for (int i = 0; i < p->n_k; i++)
+            if (e->kern[i] && be->kernel_free) be->kernel_free(be, e->kern[i]);
+        free(e->kern);
+        e->kern = NULL;
+    }
     return s;
 }
 

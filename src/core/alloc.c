@@ -112,20 +112,25 @@ void kiln__storage_release(kiln__storage *st)
     size_t rounded;
     int cls = size_class(st->nbytes, &rounded);
     kiln__memory_account(-(long long)st->nbytes);
-    /* While recording, or for a block the live replay owns: the pool keeps it. */
-    kiln__pool *pool = recording ? recording : st->pool && st->pool->alive ? st->pool : NULL;
-    if (pool) {
-        struct pool_block *pb = malloc(sizeof *pb);
-        if (pb) {
-            pthread_mutex_lock(&lock);
-            *pb = (struct pool_block){pool->free, st->be, st->data, cls};
-            pool->free = pb;
-            pthread_mutex_unlock(&lock);
-            if (st->pool) kiln__pool_release_ref(st->pool);
-            free(st);
-            return;
-        }
+    /* A block a live replay owns goes back to that replay's pool; any other block freed
+     * while this thread records goes to the recording's pool. Decided under the lock,
+     * so that a replay being released meanwhile is seen as gone. */
+    struct pool_block *pb = malloc(sizeof *pb);
+    bool kept = false;
+    pthread_mutex_lock(&lock);
+    kiln__pool *pool = st->pool && st->pool->alive ? st->pool : recording;
+    if (pb && pool && pool->alive) {
+        *pb = (struct pool_block){pool->free, st->be, st->data, cls};
+        pool->free = pb;
+        kept = true;
     }
+    pthread_mutex_unlock(&lock);
+    if (kept) {
+        if (st->pool) kiln__pool_release_ref(st->pool);
+        free(st);
+        return;
+    }
+    free(pb);
     if (st->pool) kiln__pool_release_ref(st->pool);
     block *b = malloc(sizeof *b);
     pthread_mutex_lock(&lock);

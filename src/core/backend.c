@@ -7,7 +7,7 @@
 #include "core/tensor_impl.h"
 #include "core/threadpool.h"
 
-#define MAX_BACKENDS 8
+#define MAX_BACKENDS 16 /* the cpu, up to 4 OpenCL devices, up to 8 GPUs */
 
 static kiln__backend *backends[MAX_BACKENDS];
 static int n_backends;
@@ -76,10 +76,19 @@ kiln__backend *kiln__backend_find(const char *name)
 
 static _Atomic(kiln__backend *) default_be;
 
+static _Thread_local kiln__backend *here; /* kiln__backend_here: made next to a tensor */
+
 kiln__backend *kiln__backend_default(void)
 {
     kiln__ensure_init();
-    return atomic_load(&default_be);
+    return here ? here : atomic_load(&default_be);
+}
+
+kiln__backend *kiln__backend_here(kiln__backend *be)
+{
+    kiln__backend *was = here;
+    here = be;
+    return was;
 }
 
 /* "cpu, opencl:0" */

@@ -103,6 +103,9 @@ void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__
 kiln_status kiln__backend_register(kiln__backend *be);
 kiln__backend *kiln__backend_find(const char *name);
 kiln__backend *kiln__backend_default(void);
+/* Until called again with what it returns, this thread's new tensors (and ops without
+ * inputs) go to be instead of the default device: scalars made next to a tensor. */
+kiln__backend *kiln__backend_here(kiln__backend *be);
 int kiln__backend_count(void);
 kiln__backend *kiln__backend_at(int i);
 

@@ -48,13 +48,13 @@ static kiln_tensor_t *host_copy(kiln__backend *cpu, kiln_tensor_t *t, bool *whol
 kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                kiln_tensor_t *const *out, int n_out)
 {
-    static atomic_bool said[8][KILN_OP_COUNT];
+    static atomic_bool said[16][KILN_OP_COUNT];
     kiln__backend *cpu = kiln__backend_at(0);
     const kiln__op_def *d = &kiln__ops[op];
     if (!cpu->kernels[op]) return kiln__err(KILN_ERR_UNSUPPORTED, "op %s is not supported by backend %s", d->name, be->name);
     int bi = 0;
-    while (bi < 8 && kiln__backend_at(bi) != be) bi++;
-    if (bi < 8 && !atomic_exchange(&said[bi][op], true))
+    while (bi < 16 && kiln__backend_at(bi) != be) bi++;
+    if (bi < 16 && !atomic_exchange(&said[bi][op], true))
         fprintf(stderr, "kiln: %s runs %s on the cpu with copies: no kernel of its own for it, or for these dtypes and "
                 "layouts (said once per op; `kiln doctor --ops %s` lists its kernels)\n", be->name, d->name, be->name);
     kiln_tensor_t *stack[16], **h = n_in + n_out > 16 ? calloc((size_t)(n_in + n_out), sizeof *h) : stack;

@@ -218,6 +218,15 @@ kiln_tensor_t *kiln_full(const int64_t *shape, int ndim, double value, kiln_dtyp
     return creation(KILN_OP_FULL, "full", shape, ndim, dt, &a);
 }
 
+kiln_tensor_t *kiln_full_like(const kiln_tensor_t *t, double value, kiln_dtype dt)
+{
+    if (!t) return kiln__null_arg("full_like"), NULL;
+    kiln__backend *was = kiln__backend_here(t->st->be);
+    kiln_tensor_t *r = kiln_full(t->shape, t->ndim, value, dt);
+    kiln__backend_here(was);
+    return r;
+}
+
 kiln_tensor_t *kiln_zeros(const int64_t *shape, int ndim, kiln_dtype dt) { return kiln_full(shape, ndim, 0, dt); }
 kiln_tensor_t *kiln_ones(const int64_t *shape, int ndim, kiln_dtype dt) { return kiln_full(shape, ndim, 1, dt); }
 kiln_tensor_t *kiln_scalar(double value, kiln_dtype dt) { return kiln_full(NULL, 0, value, dt); }
@@ -273,6 +282,9 @@ kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nby
 {
     if (!t) return kiln__null_arg("from_host");
     if (t->st->meta) return kiln__graph_data_access(t, "from_host");
+    if (kiln__replay_recording())
+        return kiln__err(KILN_ERR_UNSUPPORTED, "from_host while recording a replay: a write from host memory is not a "
+                         "launch and would not be replayed; make the tensor before recording and pass it in");
     if (nbytes != kiln_tensor_nbytes(t))
         return kiln__err(KILN_ERR_ARG, "from_host: %zu bytes given, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
     if (nbytes && !src) return kiln__err(KILN_ERR_ARG, "from_host: source is NULL");
@@ -336,6 +348,9 @@ kiln_tensor_t *kiln_tensor_to(kiln_tensor_t *t, const char *device)
     if (t->st->meta)
         return kiln__err(KILN_ERR_UNSUPPORTED, "tensor_to: moving a tensor that is being captured into a graph; move it "
                          "before the captured function"), NULL;
+    if (kiln__replay_recording() && t->st->be != be)
+        return kiln__err(KILN_ERR_UNSUPPORTED, "tensor_to while recording a replay: a copy between devices is not a "
+                         "launch and would not be replayed; move it before recording"), NULL;
     if (t->st->be == be) return kiln__scoped(kiln_tensor_retain(t));
     kiln_tensor_t *c = (kiln_tensor_t *)t;
     kiln__attrs a = {0};

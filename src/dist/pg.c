@@ -447,11 +447,15 @@ static kiln_status nccl_start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_ten
     if (s->op == OP_REDUCE_SCATTER && nin != nout * pg->world)
         return kiln_error(KILN_ERR_SHAPE, "reduce_scatter: in holds %lld elements, not world %d x out %lld", (long long)nin,
                           pg->world, (long long)nout);
+    if ((s->op == OP_ALLREDUCE || s->op == OP_BROADCAST) && out && nout != nin)
+        return kiln_error(KILN_ERR_SHAPE, "%s: out holds %lld elements, in %lld", op, (long long)nout, (long long)nin);
     kiln_status st = KILN_OK;
     if (!pg->nccl) {
-        unsigned char id[KILN__NCCL_ID_BYTES] = {0};
-        if (pg->rank == 0) st = kiln__nccl_unique_id(id, sizeof id);
-        if (st == KILN_OK && pg->world > 1) {
+        /* Rank 0's id, and whether it got one, go to every rank in one broadcast, so a
+         * failure there reaches the others instead of leaving them waiting. */
+        unsigned char id[KILN__NCCL_ID_BYTES + 1] = {0};
+        if (pg->rank == 0) id[KILN__NCCL_ID_BYTES] = kiln__nccl_unique_id(id, KILN__NCCL_ID_BYTES) == KILN_OK;
+        if (pg->world > 1) {
 #ifdef KILN_HAVE_MPI
             if (!pg->mpi) st = kiln_error(KILN_ERR_UNSUPPORTED, "%s: NCCL's id goes over MPI; launch with mpirun", op);
             else if (MPI_Bcast(id, sizeof id, MPI_BYTE, 0, pg->comm) != MPI_SUCCESS)
@@ -460,6 +464,9 @@ static kiln_status nccl_start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_ten
             st = kiln_error(KILN_ERR_UNSUPPORTED, "%s: NCCL's id goes over MPI, and this kiln has none", op);
 #endif
         }
+        if (st == KILN_OK && !id[KILN__NCCL_ID_BYTES])
+            st = pg->rank == 0 ? kiln_last_status()
+                               : kiln_error(KILN_ERR_DIST, "%s: rank 0 could not make NCCL's unique id", op);
         if (st == KILN_OK) st = kiln__nccl_comm_new(be, id, pg->world, pg->rank, &pg->nccl);
         if (st != KILN_OK) return st;
         pg->nccl_be = be;
@@ -473,9 +480,11 @@ static kiln_status nccl_start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_ten
     w->s = *s;
     static const int nccl_op[OP_COUNT] = {0, KILN__NCCL_ALLREDUCE, KILN__NCCL_BROADCAST, 0, KILN__NCCL_ALLGATHER,
                                           KILN__NCCL_REDUCE_SCATTER};
-    st = kiln__nccl_collective(pg->nccl, be, nccl_op[s->op], kiln__data(in), kiln__data(out ? out : in), (size_t)nout,
-                               in->dtype, (int)s->reduce);
-    if (s->op != OP_ALLGATHER && s->op != OP_REDUCE_SCATTER) (void)nout;
+    /* NCCL's count: what each rank sends for allgather, what each receives for
+     * reduce_scatter, the whole buffer otherwise. */
+    size_t count = (size_t)(s->op == OP_REDUCE_SCATTER ? nout : nin);
+    st = kiln__nccl_collective(pg->nccl, be, nccl_op[s->op], kiln__data(in), kiln__data(out ? out : in), count, in->dtype,
+                               (int)s->reduce);
     w->done = true;
     if (st != KILN_OK) pg->broken = true;
     return st;

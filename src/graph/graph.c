@@ -221,7 +221,12 @@ kiln_tensor_t *kiln__graph_grad_of(const kiln_tensor_t *leaf)
         fail_later(g, KILN_ERR_UNSUPPORTED, msg);
         return NULL;
     }
-    if (!e || !e->acc) return NULL;
+    if (!e && !(e = leaf_entry(g, (kiln_tensor_t *)leaf))) {
+        fail_later(g, KILN_ERR_OOM, "graph capture: out of memory");
+        return NULL;
+    }
+    /* Read (even before any backward made it): the leaf must hold no gradient when a run
+     * starts, or the graph would not see it. */
     if (old_counts) e->read = true;
     return e->acc;
 }
@@ -243,12 +248,12 @@ void kiln__graph_zero_grad(kiln_tensor_t *leaf)
 bool kiln_graph_capturing(void) { return capturing != NULL; }
 
 /* A suspension pauses the graph capture and the replay recording of this thread, both;
- * they nest (up to 8 deep). */
+ * they nest, up to 32 deep (deeper, nothing more is paused: no caller comes close). */
 typedef struct {
     kiln_graph_t *g;
     void *replay;
 } suspension;
-static _Thread_local suspension suspended[8];
+static _Thread_local suspension suspended[32];
 static _Thread_local int n_suspended;
 
 void *kiln__replay_pause(void);
@@ -257,7 +262,7 @@ void kiln__replay_unpause(void *r);
 void *kiln_graph_suspend(void)
 {
     if (!capturing && !kiln__replay_recording()) return NULL;
-    if (n_suspended == 8) return NULL; /* deeper than anyone needs: stays as it is */
+    if (n_suspended == 32) return NULL;
     suspension *sp = &suspended[n_suspended++];
     sp->g = capturing;
     sp->replay = kiln__replay_pause();
@@ -626,6 +631,7 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
         const node *n = &g->nd[k];
         const kiln__op_def *d = &kiln__ops[n->op];
         if (d->is_inplace && n->n_in) mut[n->in[0]] = true;
+        if (n->op == KILN_OP_ADAMW_ && n->n_in == 7) mut[n->in[2]] = mut[n->in[3]] = true; /* the moments too */
         if (d->is_view && n->n_in && mut[n->out[0]]) mut[n->in[0]] = true;
     }
     kiln_status s = KILN_OK;
@@ -682,10 +688,13 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
             meta_of(res[j], &v->meta);
             cst[n->out[j]] = true;
         }
-        /* The node computes nothing now: it becomes a no-op that DCE removes. */
+        /* The node computes nothing now: it goes, and the nodes after it move down one,
+         * their outputs' producer index with them (later folds look sources up by it). */
         free(n->in);
         memmove(n, n + 1, sizeof *n * (size_t)(g->n_nd - k - 1));
         g->n_nd--;
+        for (int q = k; q < g->n_nd; q++)
+            for (int j = 0; j < g->nd[q].n_out; j++) g->v[g->nd[q].out[j]].index = q;
         k--;
         count++;
     }

@@ -40,6 +40,7 @@ struct kiln_replay {
 static _Thread_local kiln_replay_t *rec;
 
 bool kiln__replay_recording(void) { return rec != NULL; }
+bool kiln_replay_recording(void) { return rec != NULL; }
 
 /* kiln_graph_suspend: state made now (optimizer moments) is real and not recorded. */
 void *kiln__replay_pause(void)
@@ -149,6 +150,7 @@ kiln_status kiln_replay_run(kiln_replay_t *r, kiln_tensor_t *const *in, int n_in
     if (n_in != r->n_in) return kiln__err(KILN_ERR_ARG, "replay_run: %d inputs given, recorded with %d", n_in, r->n_in);
     if (max_out < r->n_out) return kiln__err(KILN_ERR_ARG, "replay_run: room for %d outputs, it gives %d", max_out, r->n_out);
     if (rec || kiln__graph_capturing()) return kiln__err(KILN_ERR_ARG, "replay_run: inside a recording or capture");
+    if (n_in > 0 && !in) return kiln__err(KILN_ERR_ARG, "replay_run: inputs are NULL");
     kiln_status s = KILN_OK;
     for (int i = 0; s == KILN_OK && i < n_in; i++) {
         kiln_tensor_t *want = r->in[i], *got = in[i];

@@ -43,7 +43,9 @@ static kiln_tensor_t *scalar_like(kiln_tensor_t *a, double s)
 {
     if (!a) return NULL;
     bool prev = kiln_set_grad_enabled(false);
+    kiln__backend *was = kiln__backend_here(a->st->be); /* on a's device */
     kiln_tensor_t *t = kiln_scalar(s, kiln_dtype_is_float(a->dtype) ? a->dtype : KILN_DTYPE_F64);
+    kiln__backend_here(was);
     kiln_set_grad_enabled(prev);
     return t;
 }
@@ -664,9 +666,9 @@ kiln_status kiln_adamw_(kiln_tensor_t *p, kiln_tensor_t *g, kiln_tensor_t *m, ki
                         double beta2, double eps, double wd, int64_t t)
 {
     if (t < 1) return kiln__err(KILN_ERR_ARG, "adamw_: step %lld must be >= 1", (long long)t);
-    if (kiln__graph_capturing())
-        return kiln__err(KILN_ERR_UNSUPPORTED, "adamw_ during graph capture: its lr and step count would be frozen into "
-                         "the graph; give them as tensors with kiln_adamw_step_ (kiln_optim_step_t does)");
+    if (kiln__graph_capturing() || kiln__replay_recording())
+        return kiln__err(KILN_ERR_UNSUPPORTED, "adamw_ during graph capture or replay recording: its lr and step count "
+                         "would be frozen; give them as tensors with kiln_adamw_step_ (kiln_optim_step_t does)");
     double vals[3] = {lr, (double)t, 1.0};
     int64_t one = 1;
     kiln_scope_begin();

@@ -20,13 +20,14 @@ struct kiln_optim {
     kiln_tensor_t *step, *one, *unit, *lr;
 };
 
-/* A real one-element tensor holding v, outside any capture (optimizer state). */
-static kiln_tensor_t *one_element(double v, kiln_dtype dt)
+/* A real one-element tensor holding v on like's device, outside any capture
+ * (optimizer state). */
+static kiln_tensor_t *one_element(const kiln_tensor_t *like, double v, kiln_dtype dt)
 {
     void *cap = kiln_graph_suspend();
     kiln_scope_begin();
     int64_t one = 1;
-    kiln_tensor_t *t = kiln_keep(kiln_full(&one, 1, v, dt));
+    kiln_tensor_t *t = kiln_keep(kiln_tensor_to(kiln_full(&one, 1, v, dt), kiln_tensor_device(like)));
     kiln_scope_end();
     kiln_graph_resume(cap);
     return t;
@@ -46,10 +47,10 @@ static kiln_status opt_new(opt_kind kind, kiln_tensor_t *const *params, int n, c
         o->slot[1] = calloc((size_t)n, sizeof(kiln_tensor_t *));
     }
     if (o) {
-        o->step = one_element(0, KILN_DTYPE_F64);
-        o->one = one_element(1, KILN_DTYPE_F64);
-        o->unit = one_element(1, KILN_DTYPE_F32);
-        o->lr = one_element(0, KILN_DTYPE_F64);
+        o->step = one_element(params[0], 0, KILN_DTYPE_F64);
+        o->one = one_element(params[0], 1, KILN_DTYPE_F64);
+        o->unit = one_element(params[0], 1, KILN_DTYPE_F32);
+        o->lr = one_element(params[0], 0, KILN_DTYPE_F64);
     }
     if (!o || !o->params || !o->decay || !o->slot[0] || !o->slot[1] || !o->step || !o->one || !o->unit || !o->lr) {
         kiln_optim_free(o);
@@ -113,7 +114,7 @@ static kiln_tensor_t *zeros_like(kiln_tensor_t *p)
 {
     void *cap = kiln_graph_suspend();
     kiln_scope_begin();
-    kiln_tensor_t *z = kiln_keep(kiln_zeros(kiln_tensor_shape(p), kiln_tensor_ndim(p), KILN_DTYPE_F32));
+    kiln_tensor_t *z = kiln_keep(kiln_full_like(p, 0, KILN_DTYPE_F32)); /* on p's device */
     kiln_scope_end();
     kiln_graph_resume(cap);
     return z;
@@ -142,6 +143,13 @@ static kiln_status ensure_slots(kiln_optim_t *o, int i)
 kiln_status kiln_optim_step_t(kiln_optim_t *o, kiln_tensor_t *lr, kiln_tensor_t *gscale)
 {
     if (!o || !lr) return kiln_error(KILN_ERR_ARG, "optim_step_t: optimizer or learning rate is NULL");
+    if (kiln_graph_capturing() == false && strcmp(kiln_tensor_device(lr), kiln_tensor_device(o->step))) {
+        kiln_scope_begin(); /* a learning rate made on another device than the parameters': moved */
+        kiln_tensor_t *moved = kiln_tensor_to(lr, kiln_tensor_device(o->step));
+        kiln_status s = moved ? kiln_optim_step_t(o, moved, gscale) : kiln_last_status();
+        kiln_scope_end();
+        return s;
+    }
     kiln_status s = check_one_element("lr", lr);
     if (s == KILN_OK && gscale) s = check_one_element("gscale", gscale);
     if (s != KILN_OK) return s;
@@ -186,9 +194,9 @@ kiln_status kiln_optim_step_t(kiln_optim_t *o, kiln_tensor_t *lr, kiln_tensor_t 
 kiln_status kiln_optim_step(kiln_optim_t *o, double lr)
 {
     if (!o) return kiln_error(KILN_ERR_ARG, "optim_step: optimizer is NULL");
-    if (kiln_graph_capturing())
-        return kiln_error(KILN_ERR_UNSUPPORTED, "optim_step during graph capture: a learning rate given as a number "
-                          "would be frozen into the graph; give it as a tensor with kiln_optim_step_t");
+    if (kiln_graph_capturing() || kiln_replay_recording())
+        return kiln_error(KILN_ERR_UNSUPPORTED, "optim_step during graph capture or replay recording: a learning rate "
+                          "given as a number would be frozen; give it as a tensor with kiln_optim_step_t");
     if (o->kind == OPT_ADAMW) {
         kiln_status s = kiln_fill_(o->lr, lr);
         return s == KILN_OK ? kiln_optim_step_t(o, o->lr, NULL) : s;
@@ -254,12 +262,18 @@ kiln_status kiln_grad_norm(kiln_tensor_t *const *params, int n, kiln_tensor_t **
     if (!norm || (n > 0 && !params)) return kiln_error(KILN_ERR_ARG, "grad_norm: NULL parameters or result");
     *norm = NULL;
     bool prev = kiln_set_grad_enabled(false);
-    kiln_tensor_t *total = kiln_scalar(0, KILN_DTYPE_F64);
-    /* Each gradient's sum of squares in f32, the total over them in f64, in order. */
-    for (int i = 0; total && i < n; i++) {
+    kiln_tensor_t *total = NULL;
+    bool failed = false;
+    /* Each gradient's sum of squares in f32, the total over them in f64, in order (on
+     * the gradients' device; 0 on the default one when none has a gradient). */
+    for (int i = 0; !failed && i < n; i++) {
         kiln_tensor_t *g = params[i] ? kiln_tensor_grad(params[i]) : NULL;
-        if (g) total = kiln_add(total, kiln_cast(kiln_sum(kiln_mul(g, g), NULL, 0, false), KILN_DTYPE_F64));
+        if (!g) continue;
+        kiln_tensor_t *sq = kiln_cast(kiln_sum(kiln_mul(g, g), NULL, 0, false), KILN_DTYPE_F64);
+        total = !sq ? NULL : total ? kiln_add(total, sq) : kiln_add_scalar(sq, 0.0);
+        failed = !total;
     }
+    if (!failed && !total) total = kiln_scalar(0, KILN_DTYPE_F64);
     kiln_set_grad_enabled(prev);
     if (!total || !(*norm = kiln_sqrt(total))) return kiln_last_status();
     return KILN_OK;
@@ -270,8 +284,8 @@ kiln_tensor_t *kiln_clip_coef(kiln_tensor_t *norm, double max_norm)
     if (!norm) return NULL;
     if (!(max_norm > 0)) return kiln_scalar(1, KILN_DTYPE_F32);
     bool prev = kiln_set_grad_enabled(false);
-    kiln_tensor_t *coef = kiln_div(kiln_scalar(max_norm, KILN_DTYPE_F64), kiln_add_scalar(norm, 1e-6));
-    coef = kiln_cast(kiln_minimum(coef, kiln_scalar(1, KILN_DTYPE_F64)), KILN_DTYPE_F32);
+    kiln_tensor_t *coef = kiln_div(kiln_full_like(norm, max_norm, KILN_DTYPE_F64), kiln_add_scalar(norm, 1e-6));
+    coef = kiln_cast(kiln_minimum(coef, kiln_full_like(norm, 1, KILN_DTYPE_F64)), KILN_DTYPE_F32);
     kiln_set_grad_enabled(prev);
     return coef;
 }

@@ -32,7 +32,9 @@
     X(cudaMemsetAsync) X(cudaMemGetInfo) X(cudaStreamCreate) X(cudaStreamSynchronize) X(cudaEventCreate)      \
     X(cudaEventRecord) X(cudaEventSynchronize) X(cudaEventDestroy) X(cudaDeviceGetAttribute)                 \
     X(cudaHostRegister) X(cudaHostUnregister) X(cudaGetErrorString) X(cudaRuntimeGetVersion)
-#define DRIVER_FNS(X) X(cuInit) X(cuDeviceGet) X(cuDeviceGetName) X(cuModuleLoadData) X(cuModuleGetFunction) X(cuLaunchKernel)
+#define DRIVER_FNS(X)                                                                                         \
+    X(cuInit) X(cuDeviceGet) X(cuDeviceGetName) X(cuModuleLoadData) X(cuModuleGetFunction) X(cuModuleUnload)  \
+    X(cuLaunchKernel)
 #define CUBLAS_FNS(X) X(cublasCreate_v2) X(cublasSetStream_v2) X(cublasSgemm_v2)
 #define NVRTC_FNS(X)                                                                                          \
     X(nvrtcCreateProgram) X(nvrtcCompileProgram) X(nvrtcGetPTXSize) X(nvrtcGetPTX) X(nvrtcGetProgramLogSize) \
@@ -290,7 +292,7 @@ static kiln_status cu_compile_kernel(kiln__backend *be, const char *source, cons
     CUfunction fn;
     CUresult r = p_cuModuleLoadData(&mod, ptx);
     free(ptx);
-    if (r == CUDA_SUCCESS) r = p_cuModuleGetFunction(&fn, mod, entry);
+    if (r == CUDA_SUCCESS && (r = p_cuModuleGetFunction(&fn, mod, entry)) != CUDA_SUCCESS) p_cuModuleUnload(mod);
     if (r != CUDA_SUCCESS)
         return kiln__err(KILN_ERR_DEVICE, "%s: loading kernel %s failed (CUresult %d)", d->name, entry, (int)r);
     *kernel_out = fn;

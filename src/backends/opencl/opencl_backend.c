@@ -576,19 +576,24 @@ static cl_kernel bk[MAX_CL_DEVICES][N_BK];
  * once) if the device cannot build it, and the op then runs on the cpu. */
 static cl_kernel builtin(kiln__backend *be, int which)
 {
+    static pthread_mutex_t bk_lock = PTHREAD_MUTEX_INITIALIZER;
+    static bool said;
     cl_dev *d = be->ctx;
     int di = (int)(d - devs);
-    if (bk[di][which]) return bk[di][which];
-    void *k = NULL;
-    if (cl_compile_kernel(be, builtin_src, bk_names[which], &k) != KILN_OK) {
-        static bool said;
-        if (!said) fprintf(stderr, "kiln: %s: its own kernels do not build (%s); those ops run on the cpu\n", d->name,
-                           kiln_last_error());
-        said = true;
-        kiln_clear_error();
-        return NULL;
+    pthread_mutex_lock(&bk_lock);
+    if (!bk[di][which]) {
+        void *k = NULL;
+        if (cl_compile_kernel(be, builtin_src, bk_names[which], &k) == KILN_OK) bk[di][which] = k;
+        else {
+            if (!said) fprintf(stderr, "kiln: %s: its own kernels do not build (%s); those ops run on the cpu\n",
+                               d->name, kiln_last_error());
+            said = true;
+            kiln_clear_error();
+        }
     }
-    return bk[di][which] = k;
+    cl_kernel k = bk[di][which];
+    pthread_mutex_unlock(&bk_lock);
+    return k;
 }
 
 static kiln__karg buf_arg(const kiln_tensor_t *t) { return (kiln__karg){KILN__KARG_BUF, kiln__data(t), 0, 0}; }
@@ -903,8 +908,13 @@ int kiln__opencl_register(void)
                 .launch = cl_launch,
                 /* not yet: pinned host memory, graph capture */
             };
-            if (kiln__backend_register(be) == KILN_OK) n++;
-            else kiln_clear_error();
+            if (kiln__backend_register(be) == KILN_OK) {
+                n++;
+                continue;
+            }
+            kiln_clear_error(); /* no room: the device is closed again */
+            clReleaseCommandQueue(devs[n].q);
+            clReleaseContext(devs[n].ctx);
         }
     }
     return n;
