@@ -9,6 +9,7 @@
 #include <stdint.h>
 #include <setjmp.h>
 #include <cmocka.h>
+#include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -337,6 +338,51 @@ static void one_rank_collectives_on_a_device(void **state)
     kiln_pg_free(pg);
 }
 
+/* A model made on opencl:0 and trained while the current device is the cpu: the
+ * optimizer's state, the backward formulas' zeros and scalars follow the tensors, and
+ * the loss is the cpu twin's (oracle: the same step on the cpu, within 1e-5). */
+static void a_step_follows_the_model_device(void **state)
+{
+    if (!have_device("opencl:0")) skip();
+    kiln_gpt_config cfg = kiln_gpt_config_gpt2();
+    cfg.n_layer = 1;
+    cfg.n_head = 2;
+    cfg.n_kv_head = 2;
+    cfg.n_embd = 16;
+    cfg.block_size = 8;
+    cfg.vocab_size = 20;
+    double loss[2][2];
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(kiln_set_device(k ? "opencl" : "cpu"), KILN_OK);
+        kiln_gpt_t *m;
+        assert_int_equal(kiln_gpt_new(&cfg, 1, &m), KILN_OK);
+        int np = kiln_gpt_num_params(m);
+        kiln_tensor_t *ps[64];
+        for (int i = 0; i < np; i++) ps[i] = kiln_gpt_param(m, i, NULL);
+        kiln_optim_t *o;
+        assert_int_equal(kiln_adamw_new(ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, &o), KILN_OK);
+        int64_t x[8] = {1, 2, 3, 4, 5, 6, 7, 8}, y[8] = {2, 3, 4, 5, 6, 7, 8, 9};
+        kiln_tensor_t *in[3] = {kiln_from_data(x, (int64_t[]){1, 8}, 2, KILN_DTYPE_I64),
+                                kiln_from_data(y, (int64_t[]){1, 8}, 2, KILN_DTYPE_I64), NULL};
+        kiln_set_device("cpu"); /* the model stays where it was made */
+        double lr = 1e-2;
+        in[2] = kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64);
+        kiln_gpt_step st = {m, o, ps, np, 1.0};
+        for (int it = 0; it < 2; it++) {
+            kiln_tensor_t *out[2];
+            int n;
+            kiln_status s = kiln_gpt_train_step(&st, in, 3, out, &n);
+            if (s != KILN_OK) fail_msg("device %d step %d: %s", k, it, kiln_last_error());
+            assert_int_equal(kiln_tensor_item(out[0], &loss[k][it]), KILN_OK);
+        }
+        kiln_optim_free(o);
+        kiln_gpt_free(m);
+    }
+    for (int it = 0; it < 2; it++)
+        if (!(fabs(loss[1][it] - loss[0][it]) <= 1e-5 * fabs(loss[0][it])))
+            fail_msg("step %d: opencl %.9g, cpu %.9g", it, loss[1][it], loss[0][it]);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -351,6 +397,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(recording_refuses_reads_and_random_ops, setup, teardown),
         cmocka_unit_test_setup_teardown(pinning_is_optional_and_checkpoints_work_without_it, setup, teardown),
         cmocka_unit_test_setup_teardown(one_rank_collectives_on_a_device, setup, teardown),
+        cmocka_unit_test_setup_teardown(a_step_follows_the_model_device, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

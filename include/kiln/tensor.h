@@ -105,7 +105,10 @@ const char *kiln_device_name(int i);
 const char *kiln_device_describe(int i, char *buf, size_t n);
 /* The device new tensors are made on (zeros, from_data, randn, ... and the ops that
  * take no tensor): "cpu" unless KILN_DEVICE or kiln_set_device said otherwise. Names:
- * "cpu", "opencl:N" ("opencl" = "opencl:0"), as kiln_device_name lists them. */
+ * "cpu", "opencl:N" ("opencl" = "opencl:0"), as kiln_device_name lists them. Ops follow
+ * their inputs' device; code that makes tensors of its own as it runs (a model's
+ * positions, a loss's targets) makes them here, so keep the model's device current
+ * while it runs, as kiln train --device does. */
 kiln_status kiln_set_device(const char *name);
 const char *kiln_device(void);
 /* The device a tensor lives on ("cpu", "opencl:0", ...). */

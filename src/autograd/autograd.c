@@ -285,7 +285,13 @@ static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
         for (int i = 0; i < cur->n_in; i++) counted[i] = cur->needs_grad[i];
         kiln_scope_begin();
         if (any) {
+            /* Tensors a formula makes (zeros to scatter into, scalars) go to the device of
+             * the gradient it is given. */
+            kiln_tensor_t *g0 = NULL;
+            for (int j = 0; j < KILN__MAX_OUT && !g0; j++) g0 = cur->grad_out[j];
+            kiln__backend *was = g0 && !g0->st->meta ? kiln__backend_here(g0->st->be) : NULL;
             s = d->backward(cur, cur->grad_out, gin);
+            if (g0 && !g0->st->meta) kiln__backend_here(was);
         }
         for (int i = 0; s == KILN_OK && i < cur->n_in; i++) {
             if (!gin[i] || !cur->needs_grad[i]) continue;
@@ -351,7 +357,7 @@ kiln_status kiln_backward(kiln_tensor_t *root)
                          kiln__shape_str(root, a, sizeof a));
     }
     bool prev = kiln_set_grad_enabled(false);
-    kiln_tensor_t *one = kiln_full(root->shape, root->ndim, 1.0, root->dtype);
+    kiln_tensor_t *one = kiln_full_like(root, 1.0, root->dtype); /* on the root's device */
     kiln_set_grad_enabled(prev);
     if (!one) return kiln_last_status();
     kiln_keep(one);

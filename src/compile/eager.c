@@ -220,7 +220,9 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
         e->key_n = k.n;
         e->hash = h;
         bool prev = kiln_set_grad_enabled(false);
+        kiln__backend *was = kiln__backend_here(be); /* the decompositions' scalars on the op's device */
         s = build(e, be, op, in, n_in, a);
+        kiln__backend_here(was);
         kiln_set_grad_enabled(prev);
         if (s != KILN_OK) { /* a generator or driver limit, not the caller's error: say so once, run on the cpu */
             fprintf(stderr, "kiln: %s on %s: the generated kernel could not be built (%s); it runs on the cpu\n",
