@@ -96,6 +96,10 @@ kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *
 /* How dispatch ran an op, as a replay being recorded notes it (src/graph/replay.c). */
 typedef enum { KILN__LAUNCH_KERNEL, KILN__LAUNCH_COMPILED, KILN__LAUNCH_ON_CPU } kiln__launch_kind;
 bool kiln__replay_recording(void);
+/* Pauses this thread's recording (returns it; NULL if none) for work a kernel does
+ * through dispatch on its own behalf, which its own launch already stands for. */
+void *kiln__replay_pause(void);
+void kiln__replay_unpause(void *r);
 void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__kernel_fn fn, kiln_tensor_t *const *in,
                        int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out);
 

@@ -29,6 +29,7 @@
 #include <unistd.h>
 #include "core/cache.h"
 #include "core/dtype.h"
+#include "kiln/ops.h"
 #include "core/opts.h"
 #include "core/tensor_impl.h"
 #include "ops/registry.h"
@@ -531,6 +532,105 @@ static const char *builtin_src =
     "    if (v == t) d -= (float)gscale;\n"
     "    dx[q] = d;\n"
     "}\n"
+    /* Attention, one work-item per query row (forward, dQ) or key row (dK, dV): scores
+     * recomputed from q and k, softmax online in the forward and from the saved
+     * log-sum-exp in the backward; rows of at most ATT_D values in registers. Query i sees
+     * keys j < i + (Tk - Tq) + 1 when causal. Heads share kv heads in groups of H / Hkv. */
+    "#define ATT_D 256\n"
+    "long att_keys(long i, long Tq, long Tk, long causal)\n"
+    "{\n    if (!causal) return Tk;\n    const long n = i + (Tk - Tq) + 1;\n    return n < Tk ? n : Tk;\n}\n"
+    "__kernel void kiln_attention(__global const char *gq, ulong oq, __global const char *gk, ulong ok,\n"
+    "                             __global const char *gv, ulong ov, __global char *go, ulong oo, __global char *gl,\n"
+    "                             ulong ol, long B, long H, long Hkv, long Tq, long Tk, long D, float scale, long causal)\n"
+    "{\n"
+    "    const long row = get_global_id(0);\n"
+    "    if (row >= B * H * Tq) return;\n"
+    "    const long i = row % Tq, bh = row / Tq, b = bh / H, h = bh % H, hk = h / (H / Hkv);\n"
+    "    __global const float *q = (__global const float *)(gq + oq) + row * D;\n"
+    "    __global const float *K = (__global const float *)(gk + ok) + (b * Hkv + hk) * Tk * D;\n"
+    "    __global const float *V = (__global const float *)(gv + ov) + (b * Hkv + hk) * Tk * D;\n"
+    "    __global float *o = (__global float *)(go + oo) + row * D;\n"
+    "    float acc[ATT_D];\n"
+    "    for (long d = 0; d < D; d++) acc[d] = 0.0f;\n"
+    "    float m = -INFINITY;\n    double l = 0;\n"
+    "    const long nk = att_keys(i, Tq, Tk, causal);\n"
+    "    for (long j = 0; j < nk; j++) {\n"
+    "        float sc = 0.0f;\n"
+    "        for (long d = 0; d < D; d++) sc = fma(q[d], K[j * D + d], sc);\n"
+    "        sc *= scale;\n"
+    "        if (sc > m) { /* a new maximum: what was summed is rescaled */\n"
+    "            const float f = exp(m - sc);\n"
+    "            l *= f;\n"
+    "            for (long d = 0; d < D; d++) acc[d] *= f;\n"
+    "            m = sc;\n"
+    "        }\n"
+    "        const float p = exp(sc - m);\n"
+    "        l += p;\n"
+    "        for (long d = 0; d < D; d++) acc[d] = fma(p, V[j * D + d], acc[d]);\n"
+    "    }\n"
+    "    const float inv = nk ? (float)(1.0 / l) : 0.0f;\n"
+    "    for (long d = 0; d < D; d++) o[d] = acc[d] * inv;\n"
+    "    ((__global float *)(gl + ol))[row] = nk ? (float)((double)m + log(l)) : -INFINITY;\n"
+    "}\n"
+    /* dQ_i = scale sum_j dS_ij K_j, dS_ij = P_ij (dO_i . V_j - dO_i . O_i) */
+    "__kernel void kiln_attention_dq(__global const char *gg, ulong og, __global const char *gq, ulong oq,\n"
+    "                                __global const char *gk, ulong ok, __global const char *gv, ulong ov,\n"
+    "                                __global const char *go, ulong oo, __global const char *gl, ulong ol,\n"
+    "                                __global char *gd, ulong od, long B, long H, long Hkv, long Tq, long Tk, long D,\n"
+    "                                float scale, long causal)\n"
+    "{\n"
+    "    const long row = get_global_id(0);\n"
+    "    if (row >= B * H * Tq) return;\n"
+    "    const long i = row % Tq, bh = row / Tq, b = bh / H, h = bh % H, hk = h / (H / Hkv);\n"
+    "    __global const float *q = (__global const float *)(gq + oq) + row * D;\n"
+    "    __global const float *g = (__global const float *)(gg + og) + row * D;\n"
+    "    __global const float *o = (__global const float *)(go + oo) + row * D;\n"
+    "    __global const float *K = (__global const float *)(gk + ok) + (b * Hkv + hk) * Tk * D;\n"
+    "    __global const float *V = (__global const float *)(gv + ov) + (b * Hkv + hk) * Tk * D;\n"
+    "    const float lse = ((__global const float *)(gl + ol))[row];\n"
+    "    float Di = 0.0f, dq[ATT_D];\n"
+    "    for (long d = 0; d < D; d++) { Di = fma(g[d], o[d], Di); dq[d] = 0.0f; }\n"
+    "    const long nk = att_keys(i, Tq, Tk, causal);\n"
+    "    for (long j = 0; j < nk; j++) {\n"
+    "        float sc = 0.0f, dp = 0.0f;\n"
+    "        for (long d = 0; d < D; d++) { sc = fma(q[d], K[j * D + d], sc); dp = fma(g[d], V[j * D + d], dp); }\n"
+    "        const float ds = exp(sc * scale - lse) * (dp - Di);\n"
+    "        for (long d = 0; d < D; d++) dq[d] = fma(ds, K[j * D + d], dq[d]);\n"
+    "    }\n"
+    "    __global float *out = (__global float *)(gd + od) + row * D;\n"
+    "    for (long d = 0; d < D; d++) out[d] = dq[d] * scale;\n"
+    "}\n"
+    /* dK_j = scale sum_{h in group, i} dS_ij Q_i, dV_j = sum P_ij dO_i */
+    "__kernel void kiln_attention_dkv(__global const char *gg, ulong og, __global const char *gq, ulong oq,\n"
+    "                                 __global const char *gk, ulong ok, __global const char *gv, ulong ov,\n"
+    "                                 __global const char *go, ulong oo, __global const char *gl, ulong ol,\n"
+    "                                 __global char *gdk, ulong odk, __global char *gdv, ulong odv, long B, long H,\n"
+    "                                 long Hkv, long Tq, long Tk, long D, float scale, long causal)\n"
+    "{\n"
+    "    const long kr = get_global_id(0);\n"
+    "    if (kr >= B * Hkv * Tk) return;\n"
+    "    const long j = kr % Tk, bhk = kr / Tk, b = bhk / Hkv, hk = bhk % Hkv, grp = H / Hkv;\n"
+    "    __global const float *k = (__global const float *)(gk + ok) + kr * D;\n"
+    "    __global const float *v = (__global const float *)(gv + ov) + kr * D;\n"
+    "    float dk[ATT_D], dv[ATT_D];\n"
+    "    for (long d = 0; d < D; d++) { dk[d] = 0.0f; dv[d] = 0.0f; }\n"
+    "    for (long h = hk * grp; h < (hk + 1) * grp; h++)\n"
+    "        for (long i = 0; i < Tq; i++) {\n"
+    "            if (j >= att_keys(i, Tq, Tk, causal)) continue;\n"
+    "            const long row = (b * H + h) * Tq + i;\n"
+    "            __global const float *q = (__global const float *)(gq + oq) + row * D;\n"
+    "            __global const float *g = (__global const float *)(gg + og) + row * D;\n"
+    "            __global const float *o = (__global const float *)(go + oo) + row * D;\n"
+    "            float sc = 0.0f, dp = 0.0f, Di = 0.0f;\n"
+    "            for (long d = 0; d < D; d++) {\n"
+    "                sc = fma(q[d], k[d], sc);\n                dp = fma(g[d], v[d], dp);\n                Di = fma(g[d], o[d], Di);\n"
+    "            }\n"
+    "            const float p = exp(sc * scale - ((__global const float *)(gl + ol))[row]), ds = p * (dp - Di);\n"
+    "            for (long d = 0; d < D; d++) { dv[d] = fma(p, g[d], dv[d]); dk[d] = fma(ds, q[d], dk[d]); }\n"
+    "        }\n"
+    "    __global float *odkp = (__global float *)(gdk + odk) + kr * D, *odvp = (__global float *)(gdv + odv) + kr * D;\n"
+    "    for (long d = 0; d < D; d++) { odkp[d] = dk[d] * scale; odvp[d] = dv[d]; }\n"
+    "}\n"
     "__kernel void kiln_add_(__global char *gd, ulong od, __global const char *gs, ulong os, float alpha, long n)\n"
     "{\n"
     "    const long i = get_global_id(0);\n"
@@ -566,10 +666,14 @@ static const char *builtin_src =
     "    p[i] = pi - lr * (mi / c1) / (sqrt(vi / c2) + eps);\n"
     "}\n";
 
-enum { BK_MATMUL, BK_MATMUL_SIMPLE, BK_ADD_, BK_SCALE_, BK_ADAMW_, BK_EMB, BK_EMB_BWD, BK_CE, BK_CE_BWD, N_BK };
-static const char *const bk_names[N_BK] = {"kiln_matmul",  "kiln_matmul_simple",      "kiln_add_",
-                                           "kiln_scale_",  "kiln_adamw_",             "kiln_embedding",
-                                           "kiln_embedding_backward", "kiln_ce_rows", "kiln_ce_backward"};
+enum {
+    BK_MATMUL, BK_MATMUL_SIMPLE, BK_ADD_, BK_SCALE_, BK_ADAMW_, BK_EMB, BK_EMB_BWD, BK_CE, BK_CE_BWD,
+    BK_ATT, BK_ATT_DQ, BK_ATT_DKV, N_BK
+};
+static const char *const bk_names[N_BK] = {"kiln_matmul",       "kiln_matmul_simple", "kiln_add_",
+                                           "kiln_scale_",       "kiln_adamw_",        "kiln_embedding",
+                                           "kiln_embedding_backward", "kiln_ce_rows", "kiln_ce_backward",
+                                           "kiln_attention",    "kiln_attention_dq",  "kiln_attention_dkv"};
 static cl_kernel bk[MAX_CL_DEVICES][N_BK];
 
 /* Builtin kernel `which` of the device, built on first use; NULL (with a message said
@@ -806,6 +910,91 @@ static kiln_status ocl_cross_entropy_backward(kiln__backend *be, kiln_tensor_t *
     return cl_launch(be, k, args, 9, &grid, NULL, 1);
 }
 
+/* t itself when contiguous, else a contiguous copy on its device (through dispatch,
+ * unrecorded: the kernel's own launch is what a replay repeats); a new reference. */
+static kiln_tensor_t *dense(kiln_tensor_t *t)
+{
+    if (kiln__is_contiguous(t)) return kiln_tensor_retain(t);
+    kiln__attrs a = {0};
+    kiln_tensor_t *c = NULL;
+    bool prev = kiln_set_grad_enabled(false);
+    void *rec = kiln__replay_pause();
+    kiln__dispatch(KILN_OP_CONTIGUOUS, &t, 1, &a, &c);
+    kiln__replay_unpause(rec);
+    kiln_set_grad_enabled(prev);
+    return c;
+}
+
+/* q (B,H,Tq,D), k and v (B,Hkv,Tk,D), all f32, D within the kernels' rows. */
+static bool att_layout(kiln_tensor_t *const *t, int n, int64_t D)
+{
+    for (int i = 0; i < n; i++)
+        if (t[i]->dtype != KILN_DTYPE_F32) return false;
+    return D <= 256;
+}
+
+/* Dense copies of t[0..n) into d (NULL where one failed); freed by undense. */
+static bool densify(kiln_tensor_t *const *t, int n, kiln_tensor_t **d)
+{
+    bool ok = true;
+    for (int i = 0; i < n; i++) ok &= (d[i] = dense(t[i])) != NULL;
+    return ok;
+}
+
+static void undense(kiln_tensor_t **d, int n)
+{
+    for (int i = 0; i < n; i++) kiln_tensor_free(d[i]);
+}
+
+static kiln_status ocl_attention(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t *const *out, int n_out)
+{
+    const kiln_tensor_t *q = in[0], *k = in[1];
+    int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], D = q->shape[3], Hkv = k->shape[1], Tk = k->shape[2];
+    cl_kernel kern = att_layout(in, 3, D) && out[1]->dtype == KILN_DTYPE_F32 ? builtin(be, BK_ATT) : NULL;
+    if (!kern) return kiln__cpu_fallback(be, KILN_OP_ATTENTION, in, n_in, a, out, n_out);
+    kiln_tensor_t *c[3];
+    kiln_status s = densify(in, 3, c) ? KILN_OK : kiln_last_status();
+    size_t grid = (size_t)(B * H * Tq);
+    if (s == KILN_OK && grid) {
+        kiln__karg args[] = {buf_arg(c[0]), buf_arg(c[1]), buf_arg(c[2]), buf_arg(out[0]), buf_arg(out[1]), i64_arg(B),
+                             i64_arg(H), i64_arg(Hkv), i64_arg(Tq), i64_arg(Tk), i64_arg(D),
+                             f_arg(KILN__KARG_F32, a->f[0]), i64_arg(a->i[0])};
+        s = cl_launch(be, kern, args, 13, &grid, NULL, 1);
+    }
+    undense(c, 3);
+    return s;
+}
+
+/* in: g, q, k, v, o, lse -> dq, dk, dv */
+static kiln_status ocl_attention_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                          kiln_tensor_t *const *out, int n_out)
+{
+    const kiln_tensor_t *q = in[1], *k = in[2];
+    int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], D = q->shape[3], Hkv = k->shape[1], Tk = k->shape[2];
+    cl_kernel kq = att_layout(in, 6, D) ? builtin(be, BK_ATT_DQ) : NULL, kkv = kq ? builtin(be, BK_ATT_DKV) : NULL;
+    if (!kq || !kkv) return kiln__cpu_fallback(be, KILN_OP_ATTENTION_BACKWARD, in, n_in, a, out, n_out);
+    kiln__karg dims[] = {i64_arg(B), i64_arg(H), i64_arg(Hkv), i64_arg(Tq), i64_arg(Tk), i64_arg(D),
+                         f_arg(KILN__KARG_F32, a->f[0]), i64_arg(a->i[0])};
+    kiln_tensor_t *c[6];
+    if (!densify(in, 6, c)) {
+        undense(c, 6);
+        return kiln_last_status();
+    }
+    kiln__karg aq[15], akv[16];
+    for (int i = 0; i < 6; i++) aq[i] = akv[i] = buf_arg(c[i]);
+    aq[6] = buf_arg(out[0]);
+    akv[6] = buf_arg(out[1]);
+    akv[7] = buf_arg(out[2]);
+    memcpy(aq + 7, dims, sizeof dims);
+    memcpy(akv + 8, dims, sizeof dims);
+    size_t gq = (size_t)(B * H * Tq), gkv = (size_t)(B * Hkv * Tk);
+    kiln_status s = gq ? cl_launch(be, kq, aq, 15, &gq, NULL, 1) : KILN_OK;
+    if (s == KILN_OK && gkv) s = cl_launch(be, kkv, akv, 16, &gkv, NULL, 1);
+    undense(c, 6);
+    return s;
+}
+
 /* A fill of a contiguous tensor with one value: the enqueued fill command. */
 static kiln_status fill_value(kiln__backend *be, kiln_tensor_t *t, double v)
 {
@@ -851,6 +1040,7 @@ static const kiln__kernel_fn cl_kernels[KILN_OP_COUNT] = {
     [KILN_OP_ADAMW_] = ocl_adamw_, [KILN_OP_FULL] = ocl_full,   [KILN_OP_FILL_] = ocl_fill_,
     [KILN_OP_COPY_] = ocl_copy_,   [KILN_OP_EMBEDDING] = ocl_embedding, [KILN_OP_EMBEDDING_BACKWARD] = ocl_embedding_backward,
     [KILN_OP_CROSS_ENTROPY] = ocl_cross_entropy, [KILN_OP_CROSS_ENTROPY_BACKWARD] = ocl_cross_entropy_backward,
+    [KILN_OP_ATTENTION] = ocl_attention, [KILN_OP_ATTENTION_BACKWARD] = ocl_attention_backward,
 };
 
 static kiln_status open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev, int index)
