@@ -534,9 +534,11 @@ static const char *builtin_src =
     "}\n"
     /* Attention, one work-item per query row (forward, dQ) or key row (dK, dV): scores
      * recomputed from q and k, softmax online in the forward and from the saved
-     * log-sum-exp in the backward; rows of at most ATT_D values in registers. Query i sees
+     * log-sum-exp in the backward; rows of at most ATT_D values in private memory, in
+     * small work-groups (PoCL keeps a group's private arrays on one thread's stack:
+     * 256 work-items of 2 KiB each overflowed it). Query i sees
      * keys j < i + (Tk - Tq) + 1 when causal. Heads share kv heads in groups of H / Hkv. */
-    "#define ATT_D 256\n"
+    "#define ATT_D 128\n"
     "long att_keys(long i, long Tq, long Tk, long causal)\n"
     "{\n    if (!causal) return Tk;\n    const long n = i + (Tk - Tq) + 1;\n    return n < Tk ? n : Tk;\n}\n"
     "__kernel void kiln_attention(__global const char *gq, ulong oq, __global const char *gk, ulong ok,\n"
@@ -930,8 +932,12 @@ static bool att_layout(kiln_tensor_t *const *t, int n, int64_t D)
 {
     for (int i = 0; i < n; i++)
         if (t[i]->dtype != KILN_DTYPE_F32) return false;
-    return D <= 256;
+    return D <= 128;
 }
+
+/* 16 work-items a group, the grid rounded up to it (the kernels skip the spare ones). */
+static size_t att_grid(int64_t n) { return (size_t)((n + 15) / 16 * 16); }
+static const size_t att_block = 16;
 
 /* Dense copies of t[0..n) into d (NULL where one failed); freed by undense. */
 static bool densify(kiln_tensor_t *const *t, int n, kiln_tensor_t **d)
@@ -955,12 +961,12 @@ static kiln_status ocl_attention(kiln__backend *be, kiln_tensor_t *const *in, in
     if (!kern) return kiln__cpu_fallback(be, KILN_OP_ATTENTION, in, n_in, a, out, n_out);
     kiln_tensor_t *c[3];
     kiln_status s = densify(in, 3, c) ? KILN_OK : kiln_last_status();
-    size_t grid = (size_t)(B * H * Tq);
+    size_t grid = att_grid(B * H * Tq);
     if (s == KILN_OK && grid) {
         kiln__karg args[] = {buf_arg(c[0]), buf_arg(c[1]), buf_arg(c[2]), buf_arg(out[0]), buf_arg(out[1]), i64_arg(B),
                              i64_arg(H), i64_arg(Hkv), i64_arg(Tq), i64_arg(Tk), i64_arg(D),
                              f_arg(KILN__KARG_F32, a->f[0]), i64_arg(a->i[0])};
-        s = cl_launch(be, kern, args, 13, &grid, NULL, 1);
+        s = cl_launch(be, kern, args, 13, &grid, &att_block, 1);
     }
     undense(c, 3);
     return s;
@@ -988,9 +994,9 @@ static kiln_status ocl_attention_backward(kiln__backend *be, kiln_tensor_t *cons
     akv[7] = buf_arg(out[2]);
     memcpy(aq + 7, dims, sizeof dims);
     memcpy(akv + 8, dims, sizeof dims);
-    size_t gq = (size_t)(B * H * Tq), gkv = (size_t)(B * Hkv * Tk);
-    kiln_status s = gq ? cl_launch(be, kq, aq, 15, &gq, NULL, 1) : KILN_OK;
-    if (s == KILN_OK && gkv) s = cl_launch(be, kkv, akv, 16, &gkv, NULL, 1);
+    size_t gq = att_grid(B * H * Tq), gkv = att_grid(B * Hkv * Tk);
+    kiln_status s = gq ? cl_launch(be, kq, aq, 15, &gq, &att_block, 1) : KILN_OK;
+    if (s == KILN_OK && gkv) s = cl_launch(be, kkv, akv, 16, &gkv, &att_block, 1);
     undense(c, 6);
     return s;
 }
