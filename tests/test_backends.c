@@ -383,7 +383,7 @@ static void a_step_follows_the_model_device(void **state)
             fail_msg("step %d: opencl %.9g, cpu %.9g", it, loss[1][it], loss[0][it]);
 }
 
-/* Attention at the size of config S (B=2 of its 16, H=4, T=128, D=64, causal), forward
+/* Attention at the size of config S (B=8 of its 16, H=4, T=128, D=64, causal), forward
  * and backward, on opencl:0 against the cpu's kernels (oracle; 1e-4 relative: the device
  * sums in another order). Small shapes do not show what a full grid does. */
 static void attention_at_full_size_matches_the_cpu(void **state)
