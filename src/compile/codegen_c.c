@@ -58,10 +58,11 @@ static const char *ctype(kiln_dtype dt)
 }
 
 /* Helpers every generated file starts with (the same formulas as the cpu backend's
- * kernels, so that compiled and eager results agree to rounding). */
-static const char *prelude =
-    "#include <math.h>\n#include <stdint.h>\n#include <string.h>\n\n"
-    "static inline float kc_exp(float x)\n{\n"
+ * kernels, so that compiled and eager results agree to rounding), written once for the
+ * three dialects: KC_FN is the function qualifier and kc_bits reinterprets an int's bits
+ * as a float, each dialect's header saying how. */
+static const char *helpers =
+    "KC_FN float kc_exp(float x)\n{\n"
     "    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;\n"
     "    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;\n"
     "    float r = x - n * 0.693359375f + n * 2.12194440e-4f;\n"
@@ -69,91 +70,45 @@ static const char *prelude =
     "    p = p * r + 1.3981999507e-3f;\n    p = p * r + 8.3334519073e-3f;\n"
     "    p = p * r + 4.1665795894e-2f;\n    p = p * r + 1.6666665459e-1f;\n"
     "    p = p * r + 5.0000001201e-1f;\n    p = p * r * r + r + 1.0f;\n"
-    "    int32_t bits = ((int32_t)n + 127) << 23;\n    float scale;\n    memcpy(&scale, &bits, 4);\n"
-    "    return p * scale;\n}\n"
-    "static inline float kc_tanh_fast(float u) { return 1.0f - 2.0f / (kc_exp(2.0f * u) + 1.0f); }\n"
-    "static inline float kc_sigmoid_fast(float x) { return 1.0f / (1.0f + kc_exp(-x)); }\n"
-    "static inline float kc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }\n"
-    "static inline float kc_max(float x, float y) { return x != x || x > y ? x : y; }\n"
-    "static inline float kc_min(float x, float y) { return x != x || x < y ? x : y; }\n"
+    "    return p * kc_bits(((int32_t)n + 127) << 23);\n}\n"
+    "KC_FN float kc_tanh_fast(float u) { return 1.0f - 2.0f / (kc_exp(2.0f * u) + 1.0f); }\n"
+    "KC_FN float kc_sigmoid_fast(float x) { return 1.0f / (1.0f + kc_exp(-x)); }\n"
+    "KC_FN float kc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }\n"
+    "KC_FN float kc_max(float x, float y) { return x != x || x > y ? x : y; }\n"
+    "KC_FN float kc_min(float x, float y) { return x != x || x < y ? x : y; }\n"
     "#define KC_C0 0.7978845608028654f\n#define KC_C1 0.044715f\n"
-    "static inline float kc_gelu_fast(float x) { return 0.5f * x * (1.0f + kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
-    "static inline float kc_gelu_tanh(float x) { return 0.5f * x * (1.0f + tanhf(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
-    "static inline float kc_gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678f)); }\n"
-    "static inline float kc_gelu_grad_fast(float x)\n{\n"
+    "KC_FN float kc_gelu_fast(float x) { return 0.5f * x * (1.0f + kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
+    "KC_FN float kc_gelu_tanh(float x) { return 0.5f * x * (1.0f + tanhf(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
+    "KC_FN float kc_gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678f)); }\n"
+    "KC_FN float kc_gelu_grad_fast(float x)\n{\n"
     "    float t = kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x));\n"
     "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
-    "static inline float kc_gelu_grad_tanh(float x)\n{\n"
+    "KC_FN float kc_gelu_grad_tanh(float x)\n{\n"
     "    float t = tanhf(KC_C0 * (x + KC_C1 * x * x * x));\n"
     "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
-    "static inline float kc_gelu_grad_erf(float x)\n{\n"
+    "KC_FN float kc_gelu_grad_erf(float x)\n{\n"
     "    return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;\n}\n\n";
 
-/* The same helpers in OpenCL C (src/backends/opencl compiles the result): the builtins
- * are overloaded, so the C library's f-suffixed names map onto them. */
-static const char *prelude_cl =
+/* C for the system compiler. */
+static const char *header_c =
+    "#include <math.h>\n#include <stdint.h>\n#include <string.h>\n\n"
+    "#define KC_FN static inline\n"
+    "static inline float kc_bits(int32_t b)\n{\n    float f;\n    memcpy(&f, &b, 4);\n    return f;\n}\n";
+
+/* OpenCL C (src/backends/opencl compiles it): the builtins are overloaded, so the C
+ * library's f-suffixed names map onto them. */
+static const char *header_cl =
     "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
     "typedef long int64_t;\ntypedef int int32_t;\ntypedef uchar uint8_t;\n"
     "#define expf exp\n#define logf log\n#define sqrtf sqrt\n#define powf pow\n#define fabsf fabs\n"
-    "#define tanhf tanh\n#define erff erf\n\n"
-    "inline float kc_exp(float x)\n{\n"
-    "    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;\n"
-    "    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;\n"
-    "    float r = x - n * 0.693359375f + n * 2.12194440e-4f;\n"
-    "    float p = 1.9875691500e-4f;\n"
-    "    p = p * r + 1.3981999507e-3f;\n    p = p * r + 8.3334519073e-3f;\n"
-    "    p = p * r + 4.1665795894e-2f;\n    p = p * r + 1.6666665459e-1f;\n"
-    "    p = p * r + 5.0000001201e-1f;\n    p = p * r * r + r + 1.0f;\n"
-    "    return p * as_float(((int)n + 127) << 23);\n}\n"
-    "inline float kc_tanh_fast(float u) { return 1.0f - 2.0f / (kc_exp(2.0f * u) + 1.0f); }\n"
-    "inline float kc_sigmoid_fast(float x) { return 1.0f / (1.0f + kc_exp(-x)); }\n"
-    "inline float kc_sigmoid(float x) { return 1.0f / (1.0f + exp(-x)); }\n"
-    "inline float kc_max(float x, float y) { return x != x || x > y ? x : y; }\n"
-    "inline float kc_min(float x, float y) { return x != x || x < y ? x : y; }\n"
-    "#define KC_C0 0.7978845608028654f\n#define KC_C1 0.044715f\n"
-    "inline float kc_gelu_fast(float x) { return 0.5f * x * (1.0f + kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
-    "inline float kc_gelu_tanh(float x) { return 0.5f * x * (1.0f + tanh(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
-    "inline float kc_gelu_erf(float x) { return 0.5f * x * (1.0f + erf(x * 0.70710678f)); }\n"
-    "inline float kc_gelu_grad_fast(float x)\n{\n"
-    "    float t = kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x));\n"
-    "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
-    "inline float kc_gelu_grad_tanh(float x)\n{\n"
-    "    float t = tanh(KC_C0 * (x + KC_C1 * x * x * x));\n"
-    "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
-    "inline float kc_gelu_grad_erf(float x)\n{\n"
-    "    return 0.5f * (1.0f + erf(x * 0.70710678f)) + x * exp(-0.5f * x * x) * 0.39894228f;\n}\n\n";
+    "#define tanhf tanh\n#define erff erf\n"
+    "#define KC_FN inline\n#define kc_bits(b) as_float(b)\n\n";
 
-/* The same helpers in CUDA C for NVRTC (src/backends/cuda compiles the result): device
- * functions, the C library's float math being CUDA's own. */
-static const char *prelude_cuda =
+/* CUDA C for NVRTC (src/backends/cuda compiles it): device functions, CUDA's own math. */
+static const char *header_cuda =
     "typedef long long int64_t;\ntypedef int int32_t;\ntypedef unsigned char uint8_t;\n"
-    "#define INFINITY __int_as_float(0x7f800000)\n\n"
-    "__device__ inline float kc_exp(float x)\n{\n"
-    "    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;\n"
-    "    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;\n"
-    "    float r = x - n * 0.693359375f + n * 2.12194440e-4f;\n"
-    "    float p = 1.9875691500e-4f;\n"
-    "    p = p * r + 1.3981999507e-3f;\n    p = p * r + 8.3334519073e-3f;\n"
-    "    p = p * r + 4.1665795894e-2f;\n    p = p * r + 1.6666665459e-1f;\n"
-    "    p = p * r + 5.0000001201e-1f;\n    p = p * r * r + r + 1.0f;\n"
-    "    return p * __int_as_float(((int)n + 127) << 23);\n}\n"
-    "__device__ inline float kc_tanh_fast(float u) { return 1.0f - 2.0f / (kc_exp(2.0f * u) + 1.0f); }\n"
-    "__device__ inline float kc_sigmoid_fast(float x) { return 1.0f / (1.0f + kc_exp(-x)); }\n"
-    "__device__ inline float kc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }\n"
-    "__device__ inline float kc_max(float x, float y) { return x != x || x > y ? x : y; }\n"
-    "__device__ inline float kc_min(float x, float y) { return x != x || x < y ? x : y; }\n"
-    "#define KC_C0 0.7978845608028654f\n#define KC_C1 0.044715f\n"
-    "__device__ inline float kc_gelu_fast(float x) { return 0.5f * x * (1.0f + kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
-    "__device__ inline float kc_gelu_tanh(float x) { return 0.5f * x * (1.0f + tanhf(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
-    "__device__ inline float kc_gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678f)); }\n"
-    "__device__ inline float kc_gelu_grad_fast(float x)\n{\n"
-    "    float t = kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x));\n"
-    "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
-    "__device__ inline float kc_gelu_grad_tanh(float x)\n{\n"
-    "    float t = tanhf(KC_C0 * (x + KC_C1 * x * x * x));\n"
-    "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
-    "__device__ inline float kc_gelu_grad_erf(float x)\n{\n"
-    "    return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;\n}\n\n";
+    "#define INFINITY __int_as_float(0x7f800000)\n"
+    "#define KC_FN __device__ inline\n#define kc_bits(b) __int_as_float(b)\n\n";
 
 /* One expression as C, its operands being named e<N>. */
 static void expr_c(sbuf *b, const kc_kernel *k, int i, bool fast)
@@ -397,11 +352,11 @@ static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, int dialect)
 static kiln_status generate(const kiln__program *p, int dialect, char **src)
 {
     static const char *const lang[] = {"C", "OpenCL C", "CUDA C"};
-    static const char *const *pre[] = {&prelude, &prelude_cl, &prelude_cuda};
+    const char *header = dialect == D_C ? header_c : dialect == D_OPENCL ? header_cl : header_cuda;
     sbuf b = {0};
     bool fast = kiln__opt(KILN__OPT_FAST_EXP);
     put(&b, "/* Generated by kiln %s: %d kernel(s) in %s. */\n", KILN_VERSION, p->n_k, lang[dialect]);
-    put(&b, "%s", *pre[dialect]);
+    put(&b, "%s%s", header, helpers);
     for (int i = 0; i < p->n_k; i++) kernel_c(&b, &p->k[i], fast, dialect);
     if (b.failed) {
         free(b.s);

@@ -430,6 +430,19 @@ static kiln_status host_buffer(const char *op, kiln_tensor_t *t, int world, void
     return KILN_OK;
 }
 
+/* The element counts a gathering or scattering collective needs: out = world x in, or
+ * in = world x out. */
+static kiln_status check_counts(const kiln_pg_t *pg, const sig *s, int64_t nin, int64_t nout)
+{
+    if (s->op == OP_ALLGATHER && nout != nin * pg->world)
+        return kiln_error(KILN_ERR_SHAPE, "allgather: out holds %lld elements, not world %d x in %lld", (long long)nout,
+                          pg->world, (long long)nin);
+    if (s->op == OP_REDUCE_SCATTER && nin != nout * pg->world)
+        return kiln_error(KILN_ERR_SHAPE, "reduce_scatter: in holds %lld elements, not world %d x out %lld", (long long)nin,
+                          pg->world, (long long)nout);
+    return KILN_OK;
+}
+
 /* A collective on cuda tensors, through NCCL: the communicator made on first use over
  * rank 0's unique id (sent with MPI_Bcast; one rank needs no channel), the op enqueued on
  * the device's stream and waited for. Numbered and recorded as any other. */
@@ -441,12 +454,8 @@ static kiln_status nccl_start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_ten
         (out && (!kiln__is_contiguous(out) || out->dtype != in->dtype || out->st->be != be)))
         return kiln_error(KILN_ERR_ARG, "%s: NCCL takes contiguous f32/f64 tensors on one device", op);
     int64_t nin = kiln_tensor_numel(in), nout = out ? kiln_tensor_numel(out) : nin;
-    if (s->op == OP_ALLGATHER && nout != nin * pg->world)
-        return kiln_error(KILN_ERR_SHAPE, "allgather: out holds %lld elements, not world %d x in %lld", (long long)nout,
-                          pg->world, (long long)nin);
-    if (s->op == OP_REDUCE_SCATTER && nin != nout * pg->world)
-        return kiln_error(KILN_ERR_SHAPE, "reduce_scatter: in holds %lld elements, not world %d x out %lld", (long long)nin,
-                          pg->world, (long long)nout);
+    kiln_status st0;
+    if ((st0 = check_counts(pg, s, nin, nout)) != KILN_OK) return st0;
     if ((s->op == OP_ALLREDUCE || s->op == OP_BROADCAST) && out && nout != nin)
         return kiln_error(KILN_ERR_SHAPE, "%s: out holds %lld elements, in %lld", op, (long long)nout, (long long)nin);
     kiln_status st = KILN_OK;
@@ -510,12 +519,8 @@ static kiln_status start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t
     if (st != KILN_OK) return st;
     if (out && out != in && out->dtype != in->dtype)
         return kiln_error(KILN_ERR_DTYPE, "%s: in is %s, out %s", op, kiln_dtype_name(in->dtype), kiln_dtype_name(out->dtype));
-    if (s->op == OP_ALLGATHER && nout != nin * pg->world)
-        return kiln_error(KILN_ERR_SHAPE, "allgather: out holds %lld elements, not world %d x in %lld", (long long)nout,
-                          pg->world, (long long)nin);
-    if (s->op == OP_REDUCE_SCATTER && nin != nout * pg->world)
-        return kiln_error(KILN_ERR_SHAPE, "reduce_scatter: in holds %lld elements, not world %d x out %lld", (long long)nin,
-                          pg->world, (long long)nout);
+    kiln_status st0;
+    if ((st0 = check_counts(pg, s, nin, nout)) != KILN_OK) return st0;
     s->count = (uint64_t)nin;
     s->dtype = s->op == OP_BARRIER ? 0 : (uint32_t)in->dtype;
     record(pg, s);
