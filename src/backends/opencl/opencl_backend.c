@@ -633,6 +633,47 @@ static const char *builtin_src =
     "    __global float *odkp = (__global float *)(gdk + odk) + kr * D, *odvp = (__global float *)(gdv + odv) + kr * D;\n"
     "    for (long d = 0; d < D; d++) { odkp[d] = dk[d] * scale; odvp[d] = dv[d]; }\n"
     "}\n"
+    /* Layer / RMS norm backward in double as the cpu's: dx a work-item per row; dw and
+     * db a work-item per column, its rows summed in order. mean is unused for RMS. */
+    "__kernel void kiln_norm_dx(__global const char *gg, ulong og, __global const char *gx, ulong ox,\n"
+    "                           __global const char *gw, ulong ow, __global const char *gm, ulong om,\n"
+    "                           __global const char *gr, ulong orr, __global char *gd, ulong od, long N, long C,\n"
+    "                           long rms)\n"
+    "{\n"
+    "    const long n = get_global_id(0);\n"
+    "    if (n >= N) return;\n"
+    "    __global const float *g = (__global const float *)(gg + og) + n * C, *x = (__global const float *)(gx + ox) + n * C;\n"
+    "    __global const float *w = (__global const float *)(gw + ow);\n"
+    "    const double mu = rms ? 0.0 : ((__global const float *)(gm + om))[n], rs = ((__global const float *)(gr + orr))[n];\n"
+    "    double s1 = 0, s2 = 0;\n"
+    "    for (long i = 0; i < C; i++) {\n"
+    "        const double xh = ((double)x[i] - mu) * rs, gwv = (double)g[i] * w[i];\n"
+    "        s1 += gwv;\n        s2 += gwv * xh;\n"
+    "    }\n"
+    "    s1 = rms ? 0.0 : s1 / (double)C;\n    s2 /= (double)C;\n"
+    "    __global float *dx = (__global float *)(gd + od) + n * C;\n"
+    "    for (long i = 0; i < C; i++) {\n"
+    "        const double xh = ((double)x[i] - mu) * rs;\n"
+    "        dx[i] = (float)(rs * ((double)g[i] * w[i] - s1 - xh * s2));\n"
+    "    }\n"
+    "}\n"
+    "__kernel void kiln_norm_dwb(__global const char *gg, ulong og, __global const char *gx, ulong ox,\n"
+    "                            __global const char *gm, ulong om, __global const char *gr, ulong orr,\n"
+    "                            __global char *gdw, ulong odw, __global char *gdb, ulong odb, long N, long C, long rms)\n"
+    "{\n"
+    "    const long i = get_global_id(0);\n"
+    "    if (i >= C) return;\n"
+    "    double sw = 0, sb = 0;\n"
+    "    for (long n = 0; n < N; n++) {\n"
+    "        const double mu = rms ? 0.0 : ((__global const float *)(gm + om))[n];\n"
+    "        const double xh = ((double)((__global const float *)(gx + ox))[n * C + i] - mu) *\n"
+    "                          ((__global const float *)(gr + orr))[n];\n"
+    "        const float g = ((__global const float *)(gg + og))[n * C + i];\n"
+    "        sw += (double)g * xh;\n        sb += g;\n"
+    "    }\n"
+    "    ((__global float *)(gdw + odw))[i] = (float)sw;\n"
+    "    if (!rms) ((__global float *)(gdb + odb))[i] = (float)sb;\n"
+    "}\n"
     "__kernel void kiln_add_(__global char *gd, ulong od, __global const char *gs, ulong os, float alpha, long n)\n"
     "{\n"
     "    const long i = get_global_id(0);\n"
@@ -670,12 +711,13 @@ static const char *builtin_src =
 
 enum {
     BK_MATMUL, BK_MATMUL_SIMPLE, BK_ADD_, BK_SCALE_, BK_ADAMW_, BK_EMB, BK_EMB_BWD, BK_CE, BK_CE_BWD,
-    BK_ATT, BK_ATT_DQ, BK_ATT_DKV, N_BK
+    BK_ATT, BK_ATT_DQ, BK_ATT_DKV, BK_NORM_DX, BK_NORM_DWB, N_BK
 };
 static const char *const bk_names[N_BK] = {"kiln_matmul",       "kiln_matmul_simple", "kiln_add_",
                                            "kiln_scale_",       "kiln_adamw_",        "kiln_embedding",
                                            "kiln_embedding_backward", "kiln_ce_rows", "kiln_ce_backward",
-                                           "kiln_attention",    "kiln_attention_dq",  "kiln_attention_dkv"};
+                                           "kiln_attention",    "kiln_attention_dq",  "kiln_attention_dkv",
+                                           "kiln_norm_dx",      "kiln_norm_dwb"};
 static cl_kernel bk[MAX_CL_DEVICES][N_BK];
 
 /* Builtin kernel `which` of the device, built on first use; NULL (with a message said
@@ -1001,6 +1043,44 @@ static kiln_status ocl_attention_backward(kiln__backend *be, kiln_tensor_t *cons
     return s;
 }
 
+/* in: g, x, w, [mean,] rstd -> dx, dw, [db]: rows of C = the last dim. */
+static kiln_status norm_backward(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t *const *out, int n_out)
+{
+    bool rms = op == KILN_OP_RMS_NORM_BACKWARD, ok = true;
+    for (int i = 0; i < n_in; i++) ok &= in[i]->dtype == KILN_DTYPE_F32;
+    cl_kernel kx = ok ? builtin(be, BK_NORM_DX) : NULL, kw = kx ? builtin(be, BK_NORM_DWB) : NULL;
+    if (!kx || !kw) return kiln__cpu_fallback(be, op, in, n_in, a, out, n_out);
+    kiln_tensor_t *c[5] = {NULL};
+    if (!densify(in, n_in, c)) {
+        undense(c, n_in);
+        return kiln_last_status();
+    }
+    const kiln_tensor_t *x = c[1], *mean = c[3], *rstd = c[rms ? 3 : 4]; /* RMS: mean is not read */
+    int64_t C = x->shape[x->ndim - 1], N = C ? kiln_tensor_numel(x) / C : 0;
+    kiln__karg ax[] = {buf_arg(c[0]), buf_arg(x), buf_arg(c[2]), buf_arg(mean), buf_arg(rstd), buf_arg(out[0]),
+                       i64_arg(N), i64_arg(C), i64_arg(rms)};
+    kiln__karg aw[] = {buf_arg(c[0]), buf_arg(x), buf_arg(mean), buf_arg(rstd), buf_arg(out[1]),
+                       buf_arg(rms ? out[1] : out[2]), i64_arg(N), i64_arg(C), i64_arg(rms)};
+    size_t gn = (size_t)N, gc = (size_t)C;
+    kiln_status s = gn && gc ? cl_launch(be, kx, ax, 9, &gn, NULL, 1) : KILN_OK;
+    if (s == KILN_OK && gc) s = cl_launch(be, kw, aw, 9, &gc, NULL, 1);
+    undense(c, n_in);
+    return s;
+}
+
+static kiln_status ocl_layer_norm_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                           kiln_tensor_t *const *out, int n_out)
+{
+    return norm_backward(be, KILN_OP_LAYER_NORM_BACKWARD, in, n_in, a, out, n_out);
+}
+
+static kiln_status ocl_rms_norm_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                         kiln_tensor_t *const *out, int n_out)
+{
+    return norm_backward(be, KILN_OP_RMS_NORM_BACKWARD, in, n_in, a, out, n_out);
+}
+
 /* A fill of a contiguous tensor with one value: the enqueued fill command. */
 static kiln_status fill_value(kiln__backend *be, kiln_tensor_t *t, double v)
 {
@@ -1047,6 +1127,7 @@ static const kiln__kernel_fn cl_kernels[KILN_OP_COUNT] = {
     [KILN_OP_COPY_] = ocl_copy_,   [KILN_OP_EMBEDDING] = ocl_embedding, [KILN_OP_EMBEDDING_BACKWARD] = ocl_embedding_backward,
     [KILN_OP_CROSS_ENTROPY] = ocl_cross_entropy, [KILN_OP_CROSS_ENTROPY_BACKWARD] = ocl_cross_entropy_backward,
     [KILN_OP_ATTENTION] = ocl_attention, [KILN_OP_ATTENTION_BACKWARD] = ocl_attention_backward,
+    [KILN_OP_LAYER_NORM_BACKWARD] = ocl_layer_norm_backward, [KILN_OP_RMS_NORM_BACKWARD] = ocl_rms_norm_backward,
 };
 
 static kiln_status open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev, int index)
