@@ -70,6 +70,9 @@ struct kiln__backend {
     void (*kernel_free)(kiln__backend *be, void *kernel);
     kiln_status (*launch)(kiln__backend *be, void *kernel, const kiln__karg *args, int nargs,
                           const size_t *grid, const size_t *block, int grid_dims); /* block NULL: any */
+    /* Fills n bytes at dst with a pattern of size bytes (1, 2, 4 or 8) repeated: with
+     * copy_d2d it gives every backend full, fill_ and copy_ (src/core/dispatch.c). */
+    kiln_status (*fill)(kiln__backend *be, void *dst, const void *pattern, size_t size, size_t n);
     /* Makes the device current on this thread and gives its native stream (a
      * cudaStream_t, a cl_command_queue): what a communication library (NCCL) enqueues on. */
     void *(*native_stream)(kiln__backend *be);

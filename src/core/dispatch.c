@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kiln/ops.h"
+#include "core/dtype.h"
 #include "core/tensor_impl.h"
 #include "ops/registry.h"
 
@@ -82,6 +83,59 @@ kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *
     return s;
 }
 
+/* full, fill_ and copy_ for any backend with a fill entry, from the contract alone
+ * (the layouts they do not take go to the cpu). */
+static kiln_status fill_value(kiln__backend *be, kiln_tensor_t *t, double v)
+{
+    unsigned char pat[8];
+    kiln__store(pat, t->dtype, v);
+    return be->fill(be, kiln__data(t), pat, kiln_dtype_size(t->dtype), kiln_tensor_nbytes(t));
+}
+
+static kiln_status generic_full(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                kiln_tensor_t *const *out, int n_out)
+{
+    return fill_value(be, out[0], a->f[0]);
+}
+
+static kiln_status generic_fill_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t *const *out, int n_out)
+{
+    if (!kiln__is_contiguous(in[0])) return kiln__cpu_fallback(be, KILN_OP_FILL_, in, n_in, a, out, n_out);
+    return fill_value(be, in[0], a->f[0]);
+}
+
+static kiln_status generic_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t *const *out, int n_out)
+{
+    kiln_tensor_t *dst = in[0], *src = in[1];
+    if (dst->dtype != src->dtype || !kiln__is_contiguous(dst) || kiln_tensor_numel(dst) != kiln_tensor_numel(src) ||
+        src->st->be != be)
+        return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
+    if (kiln__is_contiguous(src)) return be->copy_d2d(be, kiln__data(dst), kiln__data(src), kiln_tensor_nbytes(dst));
+    /* A strided source: made dense on the device first (unrecorded: this launch stands
+     * for it in a replay), then copied. */
+    kiln__attrs none = {0};
+    kiln_tensor_t *c = NULL;
+    bool prev = kiln_set_grad_enabled(false);
+    void *rec = kiln__replay_pause();
+    kiln_status s = kiln__dispatch(KILN_OP_CONTIGUOUS, &src, 1, &none, &c);
+    kiln__replay_unpause(rec);
+    kiln_set_grad_enabled(prev);
+    if (s == KILN_OK) s = be->copy_d2d(be, kiln__data(dst), kiln__data(c), kiln_tensor_nbytes(dst));
+    kiln_tensor_free(c);
+    return s;
+}
+
+/* The kernel dispatch uses for op on be: its own, or the contract-made one, or NULL. */
+static kiln__kernel_fn kernel_for(const kiln__backend *be, int op)
+{
+    if (be->kernels[op]) return be->kernels[op];
+    if (!be->fill) return NULL;
+    return op == KILN_OP_FULL ? generic_full : op == KILN_OP_FILL_ ? generic_fill_ : op == KILN_OP_COPY_ ? generic_copy_
+                                                                                                            : NULL;
+}
+
 kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                            kiln_tensor_t **out)
 {
@@ -122,7 +176,7 @@ kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, c
         out_elems += kiln__numel(meta[j].ndim, meta[j].shape);
     }
     if (!captured && !d->is_view && (out_elems > 0 || d->is_inplace)) {
-        kiln__kernel_fn k = be->kernels[op];
+        kiln__kernel_fn k = kernel_for(be, op);
         bool handled = false;
         kiln__launch_kind how = KILN__LAUNCH_KERNEL;
         if (k) s = k(be, in, n_in, a, outs, d->n_out);
@@ -167,6 +221,6 @@ kiln_op_support kiln_device_op_support(const char *device, int op)
     kiln__backend *be = kiln__backend_find(device), *cpu = kiln__backend_at(0);
     if (!be || op < 0 || op >= KILN_OP_COUNT) return KILN_OP_NONE;
     if (kiln__ops[op].is_view) return KILN_OP_NATIVE; /* views alias storage on every device */
-    if (be->kernels[op]) return KILN_OP_NATIVE;
+    if (kernel_for(be, op)) return KILN_OP_NATIVE;
     return cpu->kernels[op] ? KILN_OP_ON_CPU : KILN_OP_NONE;
 }

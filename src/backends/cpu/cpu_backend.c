@@ -81,6 +81,7 @@ static kiln__backend cpu_backend = {
     /* .compile_kernel = */ NULL,
     /* .kernel_free = */ NULL,
     /* .launch = */ NULL,
+    /* .fill = */ NULL,
     /* .native_stream = */ NULL,
     /* .host_register = */ NULL,
     /* .host_unregister = */ NULL,

@@ -412,35 +412,15 @@ static kiln_status run_1d(kiln__backend *be, int which, const kiln__karg *args, 
     return items ? cu_launch(be, k, args, n, &grid, NULL, 1) : KILN_OK;
 }
 
-static kiln_status fill_value(kiln__backend *be, kiln_tensor_t *t, double v)
+/* The contract's fill (full, fill_ and copy_ are made from it and copy_d2d by
+ * dispatch): the fill kernel, a pattern of 1, 2, 4 or 8 bytes. */
+static kiln_status cu_fill(kiln__backend *be, void *dst, const void *pattern, size_t size, size_t n)
 {
-    int64_t pattern = 0;
-    kiln__store(&pattern, t->dtype, v);
-    kiln__karg args[] = {buf_arg(t), i64_arg(pattern), i64_arg((int64_t)kiln_dtype_size(t->dtype)),
-                         i64_arg(kiln_tensor_numel(t))};
-    return run_1d(be, CB_FILL, args, 4, kiln_tensor_numel(t));
-}
-
-static kiln_status cu_full(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                           kiln_tensor_t *const *out, int n_out)
-{
-    return fill_value(be, out[0], a->f[0]);
-}
-
-static kiln_status cu_fill_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out)
-{
-    if (!kiln__is_contiguous(in[0])) return kiln__cpu_fallback(be, KILN_OP_FILL_, in, n_in, a, out, n_out);
-    return fill_value(be, in[0], a->f[0]);
-}
-
-static kiln_status cu_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out)
-{
-    if (in[0]->dtype != in[1]->dtype || !kiln__is_contiguous(in[0]) || !kiln__is_contiguous(in[1]) ||
-        kiln_tensor_numel(in[0]) != kiln_tensor_numel(in[1]))
-        return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
-    return cu_d2d(be, kiln__data(in[0]), kiln__data(in[1]), kiln_tensor_nbytes(in[0]));
+    int64_t pat = 0;
+    memcpy(&pat, pattern, size);
+    int64_t items = (int64_t)(n / size);
+    kiln__karg args[] = {{KILN__KARG_BUF, dst, 0, 0}, i64_arg(pat), i64_arg((int64_t)size), i64_arg(items)};
+    return run_1d(be, CB_FILL, args, 4, items);
 }
 
 static kiln_status cu_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
@@ -535,7 +515,6 @@ static kiln_status cu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
 
 static const kiln__kernel_fn cuda_kernels[KILN_OP_COUNT] = {
     [KILN_OP_MATMUL] = cu_matmul, [KILN_OP_ADD_] = cu_add_, [KILN_OP_SCALE_] = cu_scale_, [KILN_OP_ADAMW_] = cu_adamw_,
-    [KILN_OP_FULL] = cu_full,     [KILN_OP_FILL_] = cu_fill_, [KILN_OP_COPY_] = cu_copy_,
 };
 
 const char *kiln_cuda_status(void) { return why_none; }
@@ -583,7 +562,7 @@ int kiln__cuda_register(void)
             .memset = cu_memset, .stream_new = cu_stream_new, .stream_free = cu_stream_free,
             .event_record = cu_event_record, .event_wait = cu_event_wait, .event_free = cu_event_free,
             .synchronize = cu_synchronize, .kernels = cuda_kernels, .language = "cuda-c",
-            .compile_kernel = cu_compile_kernel, .kernel_free = cu_kernel_free, .launch = cu_launch,
+            .compile_kernel = cu_compile_kernel, .kernel_free = cu_kernel_free, .launch = cu_launch, .fill = cu_fill,
             .native_stream = cu_native_stream, .host_register = cu_host_register, .host_unregister = cu_host_unregister,
             /* not yet: graph capture (CUDA graphs) */
         };

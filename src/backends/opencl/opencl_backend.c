@@ -1081,50 +1081,23 @@ static kiln_status ocl_rms_norm_backward(kiln__backend *be, kiln_tensor_t *const
     return norm_backward(be, KILN_OP_RMS_NORM_BACKWARD, in, n_in, a, out, n_out);
 }
 
-/* A fill of a contiguous tensor with one value: the enqueued fill command. */
-static kiln_status fill_value(kiln__backend *be, kiln_tensor_t *t, double v)
+/* The contract's fill: the enqueued fill command (full, fill_ and copy_ are made from it
+ * and copy_d2d by dispatch). */
+static kiln_status cl_fill(kiln__backend *be, void *dst, const void *pattern, size_t size, size_t n)
 {
     cl_dev *d = be->ctx;
-    unsigned char pat[8];
-    size_t es = kiln_dtype_size(t->dtype);
-    kiln__store(pat, t->dtype, v);
-    size_t n = kiln_tensor_nbytes(t);
     cl_mem mem;
     size_t off;
-    kiln_status s = n ? resolve(d, kiln__data(t), n, &mem, &off) : KILN_OK;
+    kiln_status s = n ? resolve(d, dst, n, &mem, &off) : KILN_OK;
     if (s != KILN_OK || !n) return s;
-    if (off % es) return kiln__err(KILN_ERR_INTERNAL, "%s: a fill at an unaligned offset", d->name);
-    cl_int err = clEnqueueFillBuffer(d->q, mem, pat, es, off, n, 0, NULL, NULL);
+    if (off % size || n % size) return kiln__err(KILN_ERR_INTERNAL, "%s: a fill not aligned to its pattern", d->name);
+    cl_int err = clEnqueueFillBuffer(d->q, mem, pattern, size, off, n, 0, NULL, NULL);
     return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clEnqueueFillBuffer", err);
-}
-
-static kiln_status ocl_full(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out)
-{
-    return fill_value(be, out[0], a->f[0]);
-}
-
-static kiln_status ocl_fill_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
-{
-    if (!kiln__is_contiguous(in[0])) return kiln__cpu_fallback(be, KILN_OP_FILL_, in, n_in, a, out, n_out);
-    return fill_value(be, in[0], a->f[0]);
-}
-
-static kiln_status ocl_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
-{
-    const kiln_tensor_t *dst = in[0], *src = in[1];
-    if (dst->dtype != src->dtype || !kiln__is_contiguous(dst) || !kiln__is_contiguous(src) ||
-        kiln_tensor_numel(dst) != kiln_tensor_numel(src))
-        return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
-    return cl_copy_d2d(be, kiln__data(dst), kiln__data(src), kiln_tensor_nbytes(dst));
 }
 
 static const kiln__kernel_fn cl_kernels[KILN_OP_COUNT] = {
     [KILN_OP_MATMUL] = ocl_matmul, [KILN_OP_ADD_] = ocl_add_,   [KILN_OP_SCALE_] = ocl_scale_,
-    [KILN_OP_ADAMW_] = ocl_adamw_, [KILN_OP_FULL] = ocl_full,   [KILN_OP_FILL_] = ocl_fill_,
-    [KILN_OP_COPY_] = ocl_copy_,   [KILN_OP_EMBEDDING] = ocl_embedding, [KILN_OP_EMBEDDING_BACKWARD] = ocl_embedding_backward,
+    [KILN_OP_ADAMW_] = ocl_adamw_, [KILN_OP_EMBEDDING] = ocl_embedding, [KILN_OP_EMBEDDING_BACKWARD] = ocl_embedding_backward,
     [KILN_OP_CROSS_ENTROPY] = ocl_cross_entropy, [KILN_OP_CROSS_ENTROPY_BACKWARD] = ocl_cross_entropy_backward,
     [KILN_OP_ATTENTION] = ocl_attention, [KILN_OP_ATTENTION_BACKWARD] = ocl_attention_backward,
     [KILN_OP_LAYER_NORM_BACKWARD] = ocl_layer_norm_backward, [KILN_OP_RMS_NORM_BACKWARD] = ocl_rms_norm_backward,
@@ -1182,7 +1155,7 @@ int kiln__opencl_register(void)
                 .stream_free = cl_stream_free, .event_record = cl_event_record, .event_wait = cl_event_wait,
                 .event_free = cl_event_free, .synchronize = cl_synchronize, .kernels = cl_kernels,
                 .language = "opencl-c", .compile_kernel = cl_compile_kernel, .kernel_free = cl_kernel_free,
-                .launch = cl_launch,
+                .launch = cl_launch, .fill = cl_fill,
                 /* not yet: pinned host memory, graph capture */
             };
             if (kiln__backend_register(be) == KILN_OK) {
