@@ -523,8 +523,12 @@ int cmd_train(int argc, char **argv)
             if (s == KILN_OK && compiled && step == start && !a.quiet) {
                 int kernels = 0, ops = 0;
                 kiln_compiled_plan(compiled, 0, &kernels, &ops, NULL, NULL);
-                printf("compiled the training step: %d generated kernels and %d ops through the backend; the first "
-                       "step's time includes compiling (or loading them from the cache)\n", kernels, ops);
+                if (kernels + ops > 0)
+                    printf("compiled the training step: %d generated kernels and %d ops through the backend; the first "
+                           "step's time includes compiling (or loading them from the cache)\n", kernels, ops);
+                else
+                    printf("captured the training step as one graph; on %s it runs through the device's kernels (the "
+                           "compiler generates whole graphs for the cpu only so far)\n", kiln_device());
             }
         }
         for (int64_t micro = 0; !whole && micro < a.accum && s == KILN_OK; micro++) {
