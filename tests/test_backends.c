@@ -18,6 +18,7 @@
 #include "core/backend.h"
 #include "kiln/kiln.h"
 #include "test_util.h"
+#include "test_train.h"
 
 kiln_status kiln__cuda_nvrtc(const char *src, const char *name, int major, int minor, char **ptx);
 const char *kiln__cuda_builtin_source(void);
@@ -180,19 +181,8 @@ static void replayed_training_steps_match_eager(const char *device)
     cfg.n_embd = 32;
     cfg.block_size = 16;
     cfg.vocab_size = 40;
-    kiln_gpt_t *m[2];
-    kiln_optim_t *opt[2];
-    kiln_tensor_t **ps[2];
-    kiln_gpt_step st[2];
-    int np = 0;
-    for (int k = 0; k < 2; k++) {
-        assert_int_equal(kiln_gpt_new(&cfg, 3, &m[k]), KILN_OK);
-        np = kiln_gpt_num_params(m[k]);
-        ps[k] = malloc(sizeof *ps[k] * (size_t)np);
-        for (int i = 0; i < np; i++) ps[k][i] = kiln_gpt_param(m[k], i, NULL);
-        assert_int_equal(kiln_adamw_new(ps[k], np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt[k]), KILN_OK);
-        st[k] = (kiln_gpt_step){m[k], opt[k], ps[k], np, 1.0};
-    }
+    test_trainer t[2];
+    for (int k = 0; k < 2; k++) test_trainer_new(&t[k], &cfg, 3, 1.0);
     kiln_replay_t *r = NULL;
     for (int it = 0; it < 5; it++) {
         kiln_scope_begin();
@@ -204,8 +194,8 @@ static void replayed_training_steps_match_eager(const char *device)
                                 kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)};
         kiln_tensor_t *a[2], *b[2];
         int n;
-        assert_int_equal(kiln_gpt_train_step(&st[0], in, 3, a, &n), KILN_OK);
-        kiln_status s = it == 0 ? kiln_replay_record(kiln_gpt_train_step, &st[1], in, 3, &r, b, 2, &n)
+        assert_int_equal(kiln_gpt_train_step(&t[0].step, in, 3, a, &n), KILN_OK);
+        kiln_status s = it == 0 ? kiln_replay_record(kiln_gpt_train_step, &t[1].step, in, 3, &r, b, 2, &n)
                                 : kiln_replay_run(r, in, 3, b, 2, &n);
         if (s != KILN_OK) fail_msg("%s step %d: %s", device, it, kiln_last_error());
         assert_int_equal(kiln_tensor_item(a[0], &want), KILN_OK);
@@ -214,16 +204,16 @@ static void replayed_training_steps_match_eager(const char *device)
         kiln_scope_end();
     }
     assert_true(kiln_replay_num_launches(r) > 50);
-    for (int i = 0; i < np; i++) {
-        int64_t n = kiln_tensor_numel(ps[0][i]);
+    for (int i = 0; i < t[0].np; i++) {
+        int64_t n = kiln_tensor_numel(t[0].ps[i]);
         float *wa = malloc(sizeof(float) * (size_t)n), *wb = malloc(sizeof(float) * (size_t)n);
-        assert_int_equal(kiln_tensor_to_host(ps[0][i], wa, sizeof(float) * (size_t)n), KILN_OK);
-        assert_int_equal(kiln_tensor_to_host(ps[1][i], wb, sizeof(float) * (size_t)n), KILN_OK);
+        assert_int_equal(kiln_tensor_to_host(t[0].ps[i], wa, sizeof(float) * (size_t)n), KILN_OK);
+        assert_int_equal(kiln_tensor_to_host(t[1].ps[i], wb, sizeof(float) * (size_t)n), KILN_OK);
         if (memcmp(wa, wb, sizeof(float) * (size_t)n)) fail_msg("%s: parameter %d differs after the replays", device, i);
         free(wa);
         free(wb);
     }
-    assert_int_equal(kiln_optim_steps(opt[1]), 5);
+    assert_int_equal(kiln_optim_steps(t[1].opt), 5);
     kiln_scope_begin();
     double lr = 1e-3;
     kiln_tensor_t *wrong[3] = {kiln_zeros((int64_t[]){3, 16}, 2, KILN_DTYPE_I64), kiln_zeros((int64_t[]){3, 16}, 2, KILN_DTYPE_I64),
@@ -234,11 +224,7 @@ static void replayed_training_steps_match_eager(const char *device)
     kiln_clear_error();
     kiln_scope_end();
     kiln_replay_free(r);
-    for (int k = 0; k < 2; k++) {
-        kiln_optim_free(opt[k]);
-        kiln_gpt_free(m[k]);
-        free(ps[k]);
-    }
+    for (int k = 0; k < 2; k++) test_trainer_free(&t[k]);
     kiln_set_device("cpu");
 }
 
@@ -354,29 +340,22 @@ static void a_step_follows_the_model_device(void **state)
     double loss[2][2];
     for (int k = 0; k < 2; k++) {
         assert_int_equal(kiln_set_device(k ? "opencl" : "cpu"), KILN_OK);
-        kiln_gpt_t *m;
-        assert_int_equal(kiln_gpt_new(&cfg, 1, &m), KILN_OK);
-        int np = kiln_gpt_num_params(m);
-        kiln_tensor_t *ps[64];
-        for (int i = 0; i < np; i++) ps[i] = kiln_gpt_param(m, i, NULL);
-        kiln_optim_t *o;
-        assert_int_equal(kiln_adamw_new(ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, &o), KILN_OK);
+        test_trainer t;
+        test_trainer_new(&t, &cfg, 1, 1.0);
         int64_t x[8] = {1, 2, 3, 4, 5, 6, 7, 8}, y[8] = {2, 3, 4, 5, 6, 7, 8, 9};
         kiln_tensor_t *in[3] = {kiln_from_data(x, (int64_t[]){1, 8}, 2, KILN_DTYPE_I64),
                                 kiln_from_data(y, (int64_t[]){1, 8}, 2, KILN_DTYPE_I64), NULL};
         kiln_set_device("cpu"); /* the model stays where it was made */
         double lr = 1e-2;
         in[2] = kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64);
-        kiln_gpt_step st = {m, o, ps, np, 1.0};
         for (int it = 0; it < 2; it++) {
             kiln_tensor_t *out[2];
             int n;
-            kiln_status s = kiln_gpt_train_step(&st, in, 3, out, &n);
+            kiln_status s = kiln_gpt_train_step(&t.step, in, 3, out, &n);
             if (s != KILN_OK) fail_msg("device %d step %d: %s", k, it, kiln_last_error());
             assert_int_equal(kiln_tensor_item(out[0], &loss[k][it]), KILN_OK);
         }
-        kiln_optim_free(o);
-        kiln_gpt_free(m);
+        test_trainer_free(&t);
     }
     for (int it = 0; it < 2; it++)
         if (!(fabs(loss[1][it] - loss[0][it]) <= 1e-5 * fabs(loss[0][it])))

@@ -18,6 +18,7 @@
 #include "kiln/nn.h"
 #include "kiln/optim.h"
 #include "test_util.h"
+#include "test_train.h"
 
 #define TOL 1e-5
 
@@ -318,14 +319,13 @@ static void training_matches_eager(bool llama)
     double losses[3][10], norms[3][10];
     kiln_tensor_t *w_eager = NULL;
     for (int mode = 0; mode < 3; mode++) {
-        kiln_gpt_t *m;
-        assert_int_equal(kiln_gpt_new(&cfg, 21, &m), KILN_OK);
-        int np = kiln_gpt_num_params(m);
-        kiln_tensor_t **ps = malloc(sizeof *ps * (size_t)np);
-        for (int i = 0; i < np; i++) ps[i] = kiln_gpt_param(m, i, NULL);
-        kiln_optim_t *opt;
-        assert_int_equal(kiln_adamw_new(ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt), KILN_OK);
-        kiln_gpt_step st = {m, opt, ps, np, 1.0};
+        test_trainer tr;
+        test_trainer_new(&tr, &cfg, 21, 1.0);
+        kiln_gpt_t *m = tr.m;
+        kiln_optim_t *opt = tr.opt;
+        kiln_tensor_t **ps = tr.ps;
+        int np = tr.np;
+        kiln_gpt_step st = tr.step;
         kiln_compiled_t *step = NULL;
         if (mode == 2) assert_int_equal(kiln_compiled_new(kiln_gpt_train_step, &st, "train", &step), KILN_OK);
         uint64_t r = 5;
@@ -380,9 +380,7 @@ static void training_matches_eager(bool llama)
             kiln_tensor_free(w_eager);
         }
         kiln_compiled_free(step);
-        kiln_optim_free(opt);
-        kiln_gpt_free(m);
-        free(ps);
+        test_trainer_free(&tr);
     }
     for (int mode = 1; mode < 3; mode++)
         for (int it = 0; it < 10; it++) {

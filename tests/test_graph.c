@@ -13,6 +13,7 @@
 #include <unistd.h>
 #include "kiln/kiln.h"
 #include "test_util.h"
+#include "test_train.h"
 
 static float *to_host(kiln_tensor_t *t)
 {
@@ -470,19 +471,13 @@ static kiln_status step_with_number_lr(void *ctx, kiln_tensor_t *const *in, int 
 static void whole_training_step_is_one_graph(void **state)
 {
     kiln_gpt_config cfg = tiny(true);
-    kiln_gpt_t *m[2];
-    kiln_optim_t *opt[2];
-    kiln_tensor_t **ps[2];
-    kiln_gpt_step st[2];
-    int np = 0;
-    for (int k = 0; k < 2; k++) {
-        assert_int_equal(kiln_gpt_new(&cfg, 9, &m[k]), KILN_OK);
-        np = kiln_gpt_num_params(m[k]);
-        ps[k] = malloc(sizeof *ps[k] * (size_t)np);
-        for (int i = 0; i < np; i++) ps[k][i] = kiln_gpt_param(m[k], i, NULL);
-        assert_int_equal(kiln_adamw_new(ps[k], np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt[k]), KILN_OK);
-        st[k] = (kiln_gpt_step){m[k], opt[k], ps[k], np, 0.5};
-    }
+    test_trainer t[2];
+    for (int k = 0; k < 2; k++) test_trainer_new(&t[k], &cfg, 9, 0.5);
+    kiln_gpt_t *m[2] = {t[0].m, t[1].m};
+    kiln_optim_t *opt[2] = {t[0].opt, t[1].opt};
+    kiln_tensor_t **ps[2] = {t[0].ps, t[1].ps};
+    kiln_gpt_step st[2] = {t[0].step, t[1].step};
+    int np = t[0].np;
     int64_t xi[2][12], yi[2][12], s2[2] = {2, 12}, one = 1;
     for (int i = 0; i < 24; i++) xi[i / 12][i % 12] = (i * 7 + 3) % 50, yi[i / 12][i % 12] = (i * 5 + 2) % 50;
     double lr0 = 1e-2;
@@ -532,11 +527,7 @@ static void whole_training_step_is_one_graph(void **state)
     assert_non_null(strstr(kiln_last_error(), "kiln_optim_step_t"));
     kiln_clear_error();
     assert_int_equal(kiln_optim_steps(opt[1]), 3);
-    for (int k = 0; k < 2; k++) {
-        kiln_optim_free(opt[k]);
-        kiln_gpt_free(m[k]);
-        free(ps[k]);
-    }
+    for (int k = 0; k < 2; k++) test_trainer_free(&t[k]);
 }
 
 static void gpt2_forward_captures(void **state) { gpt_forward_captures(false); }
