@@ -164,26 +164,28 @@ static void cl_free(kiln__backend *be, void *ptr, size_t nbytes)
     munmap((void *)gone.base, gone.n);
 }
 
-static kiln_status cl_copy_h2d(kiln__backend *be, void *dst, const void *src, size_t n)
+/* n bytes between the host and the device address dev, blocking: written to the
+ * device (write), or read from it. */
+static kiln_status transfer(kiln__backend *be, const void *dev, void *host, size_t n, bool write)
 {
     cl_dev *d = be->ctx;
     cl_mem mem;
     size_t off;
-    kiln_status s = n ? resolve(d, dst, n, &mem, &off) : KILN_OK;
+    kiln_status s = n ? resolve(d, dev, n, &mem, &off) : KILN_OK;
     if (s != KILN_OK || !n) return s;
-    cl_int err = clEnqueueWriteBuffer(d->q, mem, CL_TRUE, off, n, src, 0, NULL, NULL);
-    return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clEnqueueWriteBuffer", err);
+    cl_int err = write ? clEnqueueWriteBuffer(d->q, mem, CL_TRUE, off, n, host, 0, NULL, NULL)
+                       : clEnqueueReadBuffer(d->q, mem, CL_TRUE, off, n, host, 0, NULL, NULL);
+    return err == CL_SUCCESS ? KILN_OK : cl_fail(d, write ? "clEnqueueWriteBuffer" : "clEnqueueReadBuffer", err);
+}
+
+static kiln_status cl_copy_h2d(kiln__backend *be, void *dst, const void *src, size_t n)
+{
+    return transfer(be, dst, (void *)src, n, true);
 }
 
 static kiln_status cl_copy_d2h(kiln__backend *be, void *dst, const void *src, size_t n)
 {
-    cl_dev *d = be->ctx;
-    cl_mem mem;
-    size_t off;
-    kiln_status s = n ? resolve(d, src, n, &mem, &off) : KILN_OK;
-    if (s != KILN_OK || !n) return s;
-    cl_int err = clEnqueueReadBuffer(d->q, mem, CL_TRUE, off, n, dst, 0, NULL, NULL);
-    return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clEnqueueReadBuffer", err);
+    return transfer(be, src, dst, n, false);
 }
 
 static kiln_status cl_copy_d2d(kiln__backend *be, void *dst, const void *src, size_t n)
