@@ -270,7 +270,7 @@ kiln_status kiln_grad_norm(kiln_tensor_t *const *params, int n, kiln_tensor_t **
         kiln_tensor_t *g = params[i] ? kiln_tensor_grad(params[i]) : NULL;
         if (!g) continue;
         kiln_tensor_t *sq = kiln_cast(kiln_sum(kiln_mul(g, g), NULL, 0, false), KILN_DTYPE_F64);
-        total = !sq ? NULL : total ? kiln_add(total, sq) : kiln_add_scalar(sq, 0.0);
+        total = !sq || !total ? sq : kiln_add(total, sq);
         failed = !total;
     }
     if (!failed && !total) total = kiln_scalar(0, KILN_DTYPE_F64);
