@@ -12,6 +12,7 @@
  * a phase later), each phase one pass over the inner dim, then the stores. */
 #ifndef KILN_COMPILE_IMPL_H
 #define KILN_COMPILE_IMPL_H
+#include "core/opts.h"
 
 #include "graph/graph_impl.h"
 
@@ -107,7 +108,6 @@ kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_
                               int max_out, int *n_out);
 void kiln__program_free(kiln__program *p);
 void kiln__program_print(const kiln__program *p, FILE *f);
-bool kiln__log_on(const char *stage);
 /* DIR/file opened for writing, or NULL after a warning (KILN_DEBUG_DIR output). */
 FILE *kiln__debug_open(const char *dir, const char *file);
 

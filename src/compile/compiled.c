@@ -31,20 +31,6 @@ struct kiln_compiled {
     uint64_t calls, hits, recompiles;
 };
 
-bool kiln__log_on(const char *stage)
-{
-    const char *v = getenv("KILN_LOGS");
-    if (!v || !*v) return false;
-    size_t n = strlen(stage);
-    for (const char *p = v; *p;) {
-        const char *e = strchr(p, ',');
-        size_t len = e ? (size_t)(e - p) : strlen(p);
-        if ((len == n && !strncmp(p, stage, n)) || (len == 3 && !strncmp(p, "all", 3))) return true;
-        p += len + (e ? 1 : 0);
-    }
-    return false;
-}
-
 static void guards_of(kiln_tensor_t *const *in, int n, guards *g)
 {
     memset(g, 0, sizeof *g);

@@ -9,7 +9,7 @@
 #include "kiln/tensor.h"
 #include "ops/attrs.h"
 
-#define KILN_BACKEND_ABI_VERSION 2
+#define KILN_BACKEND_ABI_VERSION 3
 
 typedef struct kiln__backend kiln__backend;
 typedef struct kiln__stream kiln__stream;
@@ -76,6 +76,9 @@ struct kiln__backend {
     /* Makes the device current on this thread and gives its native stream (a
      * cudaStream_t, a cl_command_queue): what a communication library (NCCL) enqueues on. */
     void *(*native_stream)(kiln__backend *be);
+    /* Whether the work before event e has finished, without waiting: what a collective
+     * on the device polls against its deadline (src/dist/nccl.c). */
+    kiln_status (*event_query)(kiln__backend *be, kiln__event *e, bool *done);
     kiln_status (*host_register)(kiln__backend *be, void *ptr, size_t n);
     kiln_status (*host_unregister)(kiln__backend *be, void *ptr);
     kiln_status (*capture_begin)(kiln__backend *be);

@@ -38,3 +38,18 @@ int kiln_opt_count(void) { return KILN__OPT_COUNT; }
 const char *kiln_opt_name(int i) { return i >= 0 && i < KILN__OPT_COUNT ? table[i].name : NULL; }
 const char *kiln_opt_help(int i) { return i >= 0 && i < KILN__OPT_COUNT ? table[i].help : NULL; }
 bool kiln_opt_enabled(int i) { return i >= 0 && i < KILN__OPT_COUNT && kiln__opt((kiln__opt_id)i); }
+
+/* KILN_LOGS (a comma list; "all" for every stage) names stage. */
+bool kiln__log_on(const char *stage)
+{
+    const char *v = getenv("KILN_LOGS");
+    if (!v || !*v) return false;
+    size_t n = strlen(stage);
+    for (const char *p = v; *p;) {
+        const char *e = strchr(p, ',');
+        size_t len = e ? (size_t)(e - p) : strlen(p);
+        if ((len == n && !strncmp(p, stage, n)) || (len == 3 && !strncmp(p, "all", 3))) return true;
+        p += len + (e ? 1 : 0);
+    }
+    return false;
+}

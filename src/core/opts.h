@@ -22,4 +22,6 @@ typedef enum {
 } kiln__opt_id;
 
 bool kiln__opt(kiln__opt_id id);
+/* Whether KILN_LOGS names stage (graph, fusion, code, perf, dist, ...). */
+bool kiln__log_on(const char *stage);
 #endif

@@ -4,8 +4,10 @@
  * the launcher's channel carries (MPI_Bcast under mpirun; nothing to carry for one rank),
  * and enqueues each collective on the device's stream. */
 #include <dlfcn.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <string.h>
+#include "core/util.h"
 #include "dist/nccl.h"
 
 #ifdef KILN_HAVE_NCCL
@@ -13,7 +15,8 @@
 
 #define NCCL_FNS(X)                                                                                   \
     X(ncclGetVersion) X(ncclGetUniqueId) X(ncclCommInitRank) X(ncclCommDestroy) X(ncclAllReduce)       \
-    X(ncclBroadcast) X(ncclAllGather) X(ncclReduceScatter) X(ncclGetErrorString)
+    X(ncclBroadcast) X(ncclAllGather) X(ncclReduceScatter) X(ncclGetErrorString) X(ncclCommAbort)               \
+    X(ncclCommGetAsyncError)
 #define DECLARE(f) static __typeof__(f) *p_##f;
 NCCL_FNS(DECLARE)
 #undef DECLARE
@@ -82,12 +85,13 @@ void kiln__nccl_comm_free(void *comm)
     if (comm && p_ncclCommDestroy) p_ncclCommDestroy((ncclComm_t)comm);
 }
 
-kiln_status kiln__nccl_collective(void *comm, kiln__backend *be, int op, const void *in, void *out, size_t count,
-                                  kiln_dtype dt, int root)
+kiln_status kiln__nccl_collective(void **comm, kiln__backend *be, int op, const void *in, void *out, size_t count,
+                                  kiln_dtype dt, int root, double deadline, bool *timed_out)
 {
-    ncclDataType_t ty = dt == KILN_DTYPE_F64 ? ncclFloat64 : ncclFloat32;
+    *timed_out = false;
+    ncclDataType_t ty = dt == KILN_DTYPE_F64 ? ncclFloat64 : dt == KILN_DTYPE_I64 ? ncclInt64 : ncclFloat32;
     cudaStream_t st = (cudaStream_t)be->native_stream(be);
-    ncclComm_t c = comm;
+    ncclComm_t c = *comm;
     ncclResult_t r;
     switch (op) {
     case KILN__NCCL_ALLREDUCE: r = p_ncclAllReduce(in, out, count, ty, ncclSum, c, st); break;
@@ -97,7 +101,34 @@ kiln_status kiln__nccl_collective(void *comm, kiln__backend *be, int op, const v
     default: return kiln_error(KILN_ERR_INTERNAL, "nccl: op %d", op);
     }
     if (r != ncclSuccess) return kiln_error(KILN_ERR_DIST, "nccl: collective on %s: %s", be->name, p_ncclGetErrorString(r));
-    return be->synchronize(be); /* the work handle completes when the device has done it */
+    /* The work handle completes when the device has done it. The wait polls an event
+     * so that it can end: at the deadline, or when the communicator reports a peer's
+     * failure, the communicator is aborted (which frees the device from the kernel that
+     * waits for the others) rather than left to hang. */
+    kiln__event *e = be->event_record && be->event_query ? be->event_record(be, NULL) : NULL;
+    if (!e) return be->synchronize(be);
+    kiln_status s = KILN_OK;
+    for (unsigned k = 0;; k++) {
+        bool done = false;
+        if ((s = be->event_query(be, e, &done)) != KILN_OK || done) break;
+        ncclResult_t ae = ncclSuccess;
+        if (p_ncclCommGetAsyncError(c, &ae) == ncclSuccess && ae != ncclSuccess && ae != ncclInProgress) {
+            s = kiln_error(KILN_ERR_DIST, "nccl: the communicator on %s failed: %s", be->name, p_ncclGetErrorString(ae));
+            break;
+        }
+        if (kiln__now_s() > deadline) {
+            *timed_out = true;
+            s = kiln_error(KILN_ERR_DIST, "nccl: deadline passed on %s", be->name);
+            break;
+        }
+        usleep(k < 1000 ? 5 : 200);
+    }
+    be->event_free(be, e);
+    if (s != KILN_OK) {
+        p_ncclCommAbort(c);
+        *comm = NULL;
+    }
+    return s;
 }
 #else
 const char *kiln__nccl_status(void) { return "not built (nccl.h was not found)"; }
@@ -108,9 +139,10 @@ kiln_status kiln__nccl_comm_new(kiln__backend *be, const void *id, int world, in
     return kiln_error(KILN_ERR_UNSUPPORTED, "nccl: not built");
 }
 void kiln__nccl_comm_free(void *comm) {}
-kiln_status kiln__nccl_collective(void *comm, kiln__backend *be, int op, const void *in, void *out, size_t count,
-                                  kiln_dtype dt, int root)
+kiln_status kiln__nccl_collective(void **comm, kiln__backend *be, int op, const void *in, void *out, size_t count,
+                                  kiln_dtype dt, int root, double deadline, bool *timed_out)
 {
+    *timed_out = false;
     return kiln_error(KILN_ERR_UNSUPPORTED, "nccl: not built");
 }
 #endif

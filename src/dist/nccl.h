@@ -12,8 +12,10 @@ bool kiln__nccl_available(void);
 kiln_status kiln__nccl_unique_id(void *id, size_t n);
 kiln_status kiln__nccl_comm_new(kiln__backend *be, const void *id, int world, int rank, void **comm);
 void kiln__nccl_comm_free(void *comm);
-/* Enqueues op (a sum for the reductions) on be's stream and waits for it. */
-kiln_status kiln__nccl_collective(void *comm, kiln__backend *be, int op, const void *in, void *out, size_t count,
-                                  kiln_dtype dt, int root);
+/* Enqueues op (a sum for the reductions; f32, f64 or i64) on be's stream and waits for
+ * it until deadline (kiln__now_s() seconds). On a failure or at the deadline (then
+ * *timed_out) the communicator is aborted and *comm set to NULL. */
+kiln_status kiln__nccl_collective(void **comm, kiln__backend *be, int op, const void *in, void *out, size_t count,
+                                  kiln_dtype dt, int root, double deadline, bool *timed_out);
 
 #endif

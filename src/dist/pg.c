@@ -27,6 +27,8 @@
 #include <string.h>
 #include <unistd.h>
 #include "core/tensor_impl.h"
+#include "core/cache.h"
+#include "core/opts.h"
 #include "core/util.h"
 #include "dist/nccl.h"
 #include "kiln/dist.h"
@@ -61,6 +63,8 @@ struct kiln_pg {
 #endif
     void *nccl;             /* the NCCL communicator, made on the first collective on a cuda tensor */
     kiln__backend *nccl_be; /* its device */
+    bool tcp;               /* formed by the TCP rendezvous: every collective goes through NCCL */
+    unsigned char nccl_id[KILN__NCCL_ID_BYTES]; /* rank 0's, as the rendezvous carried it */
 };
 
 struct kiln_pg_work {
@@ -139,6 +143,29 @@ static void record(kiln_pg_t *pg, sig *s)
     pg->ring_t[s->seq % RING] = kiln__now_s();
 }
 
+/* The ring buffer of recent collectives, to DIR/kiln-dist-rank<R>.txt (KILN_DIST_DUMP_DIR,
+ * default the working directory); path gets the file's name. */
+static void dump_ring(kiln_pg_t *pg, char *path, size_t n)
+{
+    const char *dir = getenv("KILN_DIST_DUMP_DIR");
+    snprintf(path, n, "%s/kiln-dist-rank%d.txt", dir && *dir ? dir : ".", pg->rank);
+    FILE *f = fopen(path, "w");
+    if (!f) {
+        snprintf(path, n, "(not written: %s)", dir && *dir ? dir : ".");
+        return;
+    }
+    fprintf(f, "rank %d of %d: the last collectives, oldest first (t = seconds since the first listed)\n", pg->rank,
+            pg->world);
+    uint64_t first = pg->seq > RING ? pg->seq - RING + 1 : 1;
+    double t0 = pg->ring_t[first % RING];
+    for (uint64_t q = first; q <= pg->seq; q++) {
+        char w[160];
+        sig_str(&pg->ring[q % RING], w, sizeof w);
+        fprintf(f, "%10.6f  %s%s\n", pg->ring_t[q % RING] - t0, w, q == pg->seq ? "   <- waiting here" : "");
+    }
+    fclose(f);
+}
+
 #ifdef KILN_HAVE_MPI
 enum { TAG_QUERY = 7001, TAG_ANSWER = 7002 };
 
@@ -165,29 +192,6 @@ static void serve_queries(kiln_pg_t *pg, const sig *cur)
         uint64_t ans[6] = {cur->seq, cur->count, cur->op, cur->dtype, cur->reduce, cur->tag};
         MPI_Send(ans, 6, MPI_UINT64_T, st.MPI_SOURCE, TAG_ANSWER, pg->mon);
     }
-}
-
-/* The ring buffer of recent collectives, to DIR/kiln-dist-rank<R>.txt (KILN_DIST_DUMP_DIR,
- * default the working directory); path gets the file's name. */
-static void dump_ring(kiln_pg_t *pg, char *path, size_t n)
-{
-    const char *dir = getenv("KILN_DIST_DUMP_DIR");
-    snprintf(path, n, "%s/kiln-dist-rank%d.txt", dir && *dir ? dir : ".", pg->rank);
-    FILE *f = fopen(path, "w");
-    if (!f) {
-        snprintf(path, n, "(not written: %s)", dir && *dir ? dir : ".");
-        return;
-    }
-    fprintf(f, "rank %d of %d: the last collectives, oldest first (t = seconds since the first listed)\n", pg->rank,
-            pg->world);
-    uint64_t first = pg->seq > RING ? pg->seq - RING + 1 : 1;
-    double t0 = pg->ring_t[first % RING];
-    for (uint64_t q = first; q <= pg->seq; q++) {
-        char w[160];
-        sig_str(&pg->ring[q % RING], w, sizeof w);
-        fprintf(f, "%10.6f  %s%s\n", pg->ring_t[q % RING] - t0, w, q == pg->seq ? "   <- waiting here" : "");
-    }
-    fclose(f);
 }
 
 /* At the deadline: where is everyone? One line per other rank into msg. */
@@ -266,36 +270,6 @@ static kiln_status wait_req(kiln_pg_t *pg, MPI_Request *req, const sig *s)
     }
 }
 
-/* KILN_DIST_DEBUG: every rank shows the others the collective it is about to run. */
-static kiln_status check_sig(kiln_pg_t *pg, const sig *s)
-{
-    uint64_t mine[6] = {s->seq, s->count, s->op, s->dtype, s->reduce, s->tag};
-    uint64_t *all = malloc(sizeof(uint64_t) * 6 * (size_t)pg->world);
-    if (!all) return kiln_error(KILN_ERR_OOM, "collective check: out of memory");
-    MPI_Request req;
-    sig chk = {s->seq, 6, OP_ALLGATHER, KILN_DTYPE_I64, 0, 0xc4ec};
-    int rc = MPI_Iallgather(mine, 6, MPI_UINT64_T, all, 6, MPI_UINT64_T, pg->comm, &req);
-    kiln_status st = rc == MPI_SUCCESS ? wait_req(pg, &req, &chk) : mpi_fail(pg, &chk, rc);
-    bool same = true;
-    for (int r = 1; st == KILN_OK && r < pg->world; r++) same &= !memcmp(all, all + 6 * r, sizeof mine);
-    if (st == KILN_OK && !same) {
-        char msg[2048];
-        size_t used = 0;
-        for (int r = 0; r < pg->world && used < sizeof msg; r++) {
-            uint64_t *a = all + 6 * r;
-            sig o = {a[0], a[1], (uint32_t)a[2], (uint32_t)a[3], (uint32_t)a[4], (uint32_t)a[5]};
-            char w[160];
-            sig_str(&o, w, sizeof w);
-            used += (size_t)snprintf(msg + used, sizeof msg - used, "%s rank %d: %s", r ? ";" : "", r, w);
-        }
-        pg->broken = true;
-        st = kiln_error(KILN_ERR_DIST, "collectives issued in different orders on communicator world, at collective "
-                        "#%llu:%s", (unsigned long long)s->seq, msg);
-    }
-    free(all);
-    return st;
-}
-
 static kiln_status mpi_start(kiln_pg_t *pg, int want_world, int want_rank)
 {
     int inited = 0, provided = 0;
@@ -322,23 +296,72 @@ static kiln_status mpi_start(kiln_pg_t *pg, int want_world, int want_rank)
 static MPI_Datatype mpi_type(kiln_dtype dt) { return dt == KILN_DTYPE_F64 ? MPI_DOUBLE : MPI_FLOAT; }
 #endif
 
-/* Ranks started by a scheduler: the TCP rendezvous forms the group (and checks that
- * every rank is there), but the collectives on cpu tensors are MPI's, so the group is
- * refused with that said. The rendezvous is what cuda ranks will share NCCL's id over. */
-static kiln_status tcp_group(int world)
+static bool is_cuda(const kiln__backend *be) { return be && be->language && !strcmp(be->language, "cuda-c"); }
+
+/* What each rank tells the others at the TCP rendezvous. */
+typedef struct {
+    char host[64];
+    char why[160]; /* empty when this rank can run NCCL on a cuda device */
+    unsigned char has_id, id[KILN__NCCL_ID_BYTES];
+} tcp_hello;
+
+/* Ranks started by a scheduler: the TCP rendezvous forms the group and carries rank 0's
+ * NCCL unique id to the others; every collective then runs through NCCL on the rank's
+ * cuda device (the current device when it is one, else the first), cpu tensors staged
+ * through it. A rank without NCCL or a cuda device refuses the group for everyone, each
+ * such rank named with its reason: collectives on cpu tensors need MPI. */
+static kiln_status tcp_group(kiln_pg_t *pg)
 {
     kiln_rdzv_opts o;
     kiln_status s = kiln_rdzv_opts_from_env(&o);
-    char me[64] = "", *all = calloc((size_t)world, sizeof me);
-    double secs = 0;
-    if (!all) return kiln_error(KILN_ERR_OOM, "process group: out of memory");
-    gethostname(me, sizeof me - 1);
-    if (s == KILN_OK) s = kiln_rendezvous(&o, me, sizeof me, all, &secs);
-    free(all);
     if (s != KILN_OK) return s;
-    return kiln_error(KILN_ERR_UNSUPPORTED, "process group: %d ranks met over TCP at %s:%d in %.3f s, but collectives on "
-                      "cpu tensors need MPI: launch with mpirun -np %d (NCCL for cuda ranks is not built yet)", world,
-                      o.addr, o.port, secs, world);
+    tcp_hello me = {0}, *all = calloc((size_t)pg->world, sizeof me);
+    if (!all) return kiln_error(KILN_ERR_OOM, "process group: out of memory");
+    gethostname(me.host, sizeof me.host - 1);
+    kiln__backend *be = kiln__backend_default();
+    if (!is_cuda(be)) be = kiln__backend_find("cuda");
+    if (!kiln__nccl_available()) snprintf(me.why, sizeof me.why, "no NCCL (%s)", kiln__nccl_status());
+    else if (!is_cuda(be)) snprintf(me.why, sizeof me.why, "no cuda device (%s)", kiln_cuda_status());
+    else if (!be->native_stream || !be->native_stream(be)) snprintf(me.why, sizeof me.why, "%s has no stream", be->name);
+    /* Rank 0 draws the id even where it cannot use it: the id is only a bootstrap address,
+     * and KILN_LOGS=dist shows every rank the one it got. */
+    if (pg->rank == 0 && kiln__nccl_available()) {
+        me.has_id = kiln__nccl_unique_id(me.id, sizeof me.id) == KILN_OK;
+        if (!me.has_id && !me.why[0]) snprintf(me.why, sizeof me.why, "%s", kiln_last_error());
+    }
+    double secs = 0;
+    s = kiln_rendezvous(&o, &me, sizeof me, all, &secs);
+    if (s != KILN_OK) {
+        free(all);
+        return s;
+    }
+    if (all[0].has_id) {
+        memcpy(pg->nccl_id, all[0].id, sizeof pg->nccl_id);
+        if (kiln__log_on("dist"))
+            fprintf(stderr, "kiln dist: rank %d: NCCL unique id from rank 0 (%s), hash %016llx\n", pg->rank,
+                    all[0].host, (unsigned long long)kiln__fnv(KILN__FNV_SEED, all[0].id, sizeof all[0].id));
+    }
+    char why[2048] = "";
+    size_t used = 0;
+    for (int r = 0; r < pg->world && used < sizeof why; r++)
+        if (all[r].why[0])
+            used += (size_t)snprintf(why + used, sizeof why - used, "%s rank %d (%.63s): %.159s", used ? ";" : "", r,
+                                     all[r].host, all[r].why);
+    bool has_id = all[0].has_id;
+    free(all);
+    if (used)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "process group: %d ranks met over TCP at %s:%d in %.3f s, but a group "
+                          "formed there runs its collectives through NCCL on a cuda device per rank, and not every rank has one:%s. "
+                          "Collectives on cpu "
+                          "tensors need MPI: launch with mpirun -np %d (or srun --mpi=pmix)", pg->world, o.addr, o.port,
+                          secs, why, pg->world);
+    if (!has_id) return kiln_error(KILN_ERR_DIST, "process group: rank 0 sent no NCCL unique id");
+    if (kiln__log_on("dist"))
+        fprintf(stderr, "kiln dist: rank %d of %d: group formed over TCP at %s:%d in %.3f s; collectives through NCCL on "
+                "%s\n", pg->rank, pg->world, o.addr, o.port, secs, be->name);
+    pg->tcp = true;
+    pg->nccl_be = be;
+    return KILN_OK;
 }
 
 kiln_status kiln_pg_new_from_env(kiln_pg_t **out)
@@ -362,17 +385,19 @@ kiln_status kiln_pg_new_from_env(kiln_pg_t **out)
     kiln_status s = KILN_OK;
     if (world > 1) {
         bool launched_by_mpi = env_int(mpi_world_vars, 0) > 1;
+        if (!launched_by_mpi && getenv("KILN_MASTER_ADDR")) s = tcp_group(pg);
 #ifdef KILN_HAVE_MPI
-        if (launched_by_mpi) s = mpi_start(pg, world, rank);
-        else if (getenv("KILN_MASTER_ADDR")) s = tcp_group(world);
+        else if (launched_by_mpi) s = mpi_start(pg, world, rank);
         else
             s = kiln_error(KILN_ERR_UNSUPPORTED, "process group: world size %d from KILN_WORLD_SIZE/SLURM, but not launched "
                            "by mpirun or srun --mpi, and no KILN_MASTER_ADDR/KILN_MASTER_PORT for the TCP rendezvous; cpu "
                            "collectives need MPI (mpirun -np %d kiln ...)", world, world);
 #else
-        s = kiln_error(KILN_ERR_UNSUPPORTED, "process group: world size %d asked for%s, but this kiln was built without MPI "
-                       "(apt-get install libopenmpi-dev openmpi-bin, then rebuild)", world,
-                       launched_by_mpi ? " by an MPI launcher" : "");
+        else
+            s = kiln_error(KILN_ERR_UNSUPPORTED, "process group: world size %d asked for%s, but this kiln was built "
+                           "without MPI (apt-get install libopenmpi-dev openmpi-bin, then rebuild), and no "
+                           "KILN_MASTER_ADDR/KILN_MASTER_PORT for the TCP rendezvous that NCCL ranks can use", world,
+                           launched_by_mpi ? " by an MPI launcher" : "");
 #endif
     }
     if (s != KILN_OK) {
@@ -443,26 +468,26 @@ static kiln_status check_counts(const kiln_pg_t *pg, const sig *s, int64_t nin, 
     return KILN_OK;
 }
 
-/* A collective on cuda tensors, through NCCL: the communicator made on first use over
- * rank 0's unique id (sent with MPI_Bcast; one rank needs no channel), the op enqueued on
- * the device's stream and waited for. Numbered and recorded as any other. */
-static kiln_status nccl_start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t *out, struct kiln_pg_work *w)
+/* The group's NCCL communicator on be, made on first use over rank 0's unique id: the
+ * one the TCP rendezvous carried, else one broadcast with MPI together with whether rank
+ * 0 got it (so that a failure there reaches the others instead of leaving them
+ * waiting); one rank needs no channel. */
+static kiln_status nccl_comm(kiln_pg_t *pg, kiln__backend *be, const char *op)
 {
-    const char *op = op_names[s->op];
-    kiln__backend *be = in->st->be;
-    if ((in->dtype != KILN_DTYPE_F32 && in->dtype != KILN_DTYPE_F64) || !kiln__is_contiguous(in) ||
-        (out && (!kiln__is_contiguous(out) || out->dtype != in->dtype || out->st->be != be)))
-        return kiln_error(KILN_ERR_ARG, "%s: NCCL takes contiguous f32/f64 tensors on one device", op);
-    int64_t nin = kiln_tensor_numel(in), nout = out ? kiln_tensor_numel(out) : nin;
-    kiln_status st0;
-    if ((st0 = check_counts(pg, s, nin, nout)) != KILN_OK) return st0;
-    if ((s->op == OP_ALLREDUCE || s->op == OP_BROADCAST) && out && nout != nin)
-        return kiln_error(KILN_ERR_SHAPE, "%s: out holds %lld elements, in %lld", op, (long long)nout, (long long)nin);
+    if (pg->nccl) {
+        if (be == pg->nccl_be) return KILN_OK;
+        return kiln_error(KILN_ERR_DEVICE, "%s: the group's NCCL communicator is on %s, the tensor on %s (one device per "
+                          "rank)", op, pg->nccl_be->name, be->name);
+    }
+    if (pg->tcp && be != pg->nccl_be)
+        return kiln_error(KILN_ERR_DEVICE, "%s: the group formed over TCP on %s, the tensor is on %s (one device per rank)",
+                          op, pg->nccl_be->name, be->name);
+    unsigned char id[KILN__NCCL_ID_BYTES + 1] = {0};
     kiln_status st = KILN_OK;
-    if (!pg->nccl) {
-        /* Rank 0's id, and whether it got one, go to every rank in one broadcast, so a
-         * failure there reaches the others instead of leaving them waiting. */
-        unsigned char id[KILN__NCCL_ID_BYTES + 1] = {0};
+    if (pg->tcp) {
+        memcpy(id, pg->nccl_id, KILN__NCCL_ID_BYTES);
+        id[KILN__NCCL_ID_BYTES] = 1;
+    } else {
         if (pg->rank == 0) id[KILN__NCCL_ID_BYTES] = kiln__nccl_unique_id(id, KILN__NCCL_ID_BYTES) == KILN_OK;
         if (pg->world > 1) {
 #ifdef KILN_HAVE_MPI
@@ -476,28 +501,166 @@ static kiln_status nccl_start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_ten
         if (st == KILN_OK && !id[KILN__NCCL_ID_BYTES])
             st = pg->rank == 0 ? kiln_last_status()
                                : kiln_error(KILN_ERR_DIST, "%s: rank 0 could not make NCCL's unique id", op);
-        if (st == KILN_OK) st = kiln__nccl_comm_new(be, id, pg->world, pg->rank, &pg->nccl);
-        if (st != KILN_OK) return st;
-        pg->nccl_be = be;
     }
-    if (be != pg->nccl_be)
-        return kiln_error(KILN_ERR_DEVICE, "%s: the group's NCCL communicator is on %s, the tensor on %s (one device per "
-                          "rank)", op, pg->nccl_be->name, be->name);
-    s->count = (uint64_t)nin;
-    s->dtype = (uint32_t)in->dtype;
+    if (st == KILN_OK) st = kiln__nccl_comm_new(be, id, pg->world, pg->rank, &pg->nccl);
+    if (st != KILN_OK) {
+        pg->broken = pg->tcp; /* a TCP group has no other way to run collectives */
+        return st;
+    }
+    pg->nccl_be = be;
+    return KILN_OK;
+}
+
+/* One NCCL collective on the group's device buffers, waited for against the group's
+ * deadline; what is the signature it runs under, for the messages. A failure breaks the
+ * group (the communicator is aborted). */
+static kiln_status nccl_run(kiln_pg_t *pg, const sig *what, int nop, const void *din, void *dout, size_t count,
+                            kiln_dtype dt, int root)
+{
+    bool timed_out = false;
+    kiln_status st = kiln__nccl_collective(&pg->nccl, pg->nccl_be, nop, din, dout, count, dt, root,
+                                           kiln__now_s() + pg->timeout, &timed_out);
+    if (st == KILN_OK) return st;
+    pg->broken = true;
+    char why[512], w[160], path[512];
+    snprintf(why, sizeof why, "%s", kiln_last_error());
+    sig_str(what, w, sizeof w);
+    if (!timed_out) return kiln_error(KILN_ERR_DIST, "collective %s failed on rank %d of %d: %s", w, pg->rank, pg->world, why);
+    dump_ring(pg, path, sizeof path);
+    return kiln_error(KILN_ERR_DIST, "collective timeout: rank %d of %d waited %g s (KILN_DIST_TIMEOUT) in %s on NCCL "
+                      "(%s), which was aborted; a rank that lags or has gone is not named (NCCL has no side channel); its "
+                      "recent collectives are in %s", pg->rank, pg->world, pg->timeout, w, pg->nccl_be->name, path);
+}
+
+static const int nccl_op[OP_COUNT] = {0, KILN__NCCL_ALLREDUCE, KILN__NCCL_BROADCAST, KILN__NCCL_ALLREDUCE,
+                                      KILN__NCCL_ALLGATHER, KILN__NCCL_REDUCE_SCATTER};
+
+static kiln_status check_sig(kiln_pg_t *pg, const sig *s);
+
+/* A collective through NCCL on device buffers din/dout (nin and nout elements): numbered
+ * and recorded as any other. A barrier is an allreduce of one float. */
+static kiln_status nccl_post(kiln_pg_t *pg, sig *s, kiln__backend *be, const void *din, void *dout, int64_t nin,
+                             int64_t nout, kiln_dtype dt)
+{
+    const char *op = op_names[s->op];
+    kiln_status st = nccl_comm(pg, be, op);
+    if (st != KILN_OK) return st;
+    s->count = s->op == OP_BARRIER ? 0 : (uint64_t)nin;
+    s->dtype = s->op == OP_BARRIER ? 0 : (uint32_t)dt;
     record(pg, s);
-    w->s = *s;
-    static const int nccl_op[OP_COUNT] = {0, KILN__NCCL_ALLREDUCE, KILN__NCCL_BROADCAST, 0, KILN__NCCL_ALLGATHER,
-                                          KILN__NCCL_REDUCE_SCATTER};
+    if (pg->debug && (st = check_sig(pg, s)) != KILN_OK) return st;
+    void *tmp = NULL;
+    if (s->op == OP_BARRIER) {
+        static const float zero = 0;
+        if (!(tmp = be->alloc(be, sizeof zero))) return kiln_error(KILN_ERR_OOM, "barrier: out of memory on %s", be->name);
+        if ((st = be->copy_h2d(be, tmp, &zero, sizeof zero)) != KILN_OK) {
+            be->free(be, tmp, sizeof zero);
+            return st;
+        }
+        din = dout = tmp;
+        nin = nout = 1;
+        dt = KILN_DTYPE_F32;
+    }
     /* NCCL's count: what each rank sends for allgather, what each receives for
      * reduce_scatter, the whole buffer otherwise. */
     size_t count = (size_t)(s->op == OP_REDUCE_SCATTER ? nout : nin);
-    st = kiln__nccl_collective(pg->nccl, be, nccl_op[s->op], kiln__data(in), kiln__data(out ? out : in), count, in->dtype,
-                               (int)s->reduce);
-    w->done = true;
-    if (st != KILN_OK) pg->broken = true;
+    st = nccl_run(pg, s, nccl_op[s->op], din, dout ? dout : (void *)din, count, dt, (int)s->reduce);
+    if (tmp) be->free(be, tmp, sizeof(float));
     return st;
 }
+
+/* A collective on cuda tensors, through NCCL. */
+static kiln_status nccl_start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t *out, struct kiln_pg_work *w)
+{
+    const char *op = op_names[s->op];
+    kiln__backend *be = in->st->be;
+    if ((in->dtype != KILN_DTYPE_F32 && in->dtype != KILN_DTYPE_F64) || !kiln__is_contiguous(in) ||
+        (out && (!kiln__is_contiguous(out) || out->dtype != in->dtype || out->st->be != be)))
+        return kiln_error(KILN_ERR_ARG, "%s: NCCL takes contiguous f32/f64 tensors on one device", op);
+    int64_t nin = kiln_tensor_numel(in), nout = out ? kiln_tensor_numel(out) : nin;
+    kiln_status st;
+    if ((st = check_counts(pg, s, nin, nout)) != KILN_OK) return st;
+    if ((s->op == OP_ALLREDUCE || s->op == OP_BROADCAST) && out && nout != nin)
+        return kiln_error(KILN_ERR_SHAPE, "%s: out holds %lld elements, in %lld", op, (long long)nout, (long long)nin);
+    st = nccl_post(pg, s, be, kiln__data(in), out ? kiln__data(out) : NULL, nin, nout, in->dtype);
+    w->s = *s;
+    w->done = true;
+    return st;
+}
+
+/* In a group formed over TCP, a collective on host buffers (cpu tensors, a barrier)
+ * goes through the group's device: copied there, run by NCCL, copied back. */
+static kiln_status staged(kiln_pg_t *pg, sig *s, const void *hin, void *hout, int64_t nin, int64_t nout, kiln_dtype dt,
+                          struct kiln_pg_work *w)
+{
+    kiln__backend *be = pg->nccl_be;
+    size_t es = kiln_dtype_size(dt), bin = (size_t)nin * es, bout = hout && hout != hin ? (size_t)nout * es : 0;
+    char *d = bin + bout ? be->alloc(be, bin + bout) : NULL;
+    if (bin + bout && !d) return kiln_error(KILN_ERR_OOM, "%s: out of memory on %s staging %zu bytes", op_names[s->op],
+                                            be->name, bin + bout);
+    kiln_status st = bin ? be->copy_h2d(be, d, hin, bin) : KILN_OK;
+    if (st == KILN_OK) st = nccl_post(pg, s, be, d, bout ? d + bin : NULL, nin, nout, dt);
+    if (st == KILN_OK && bout) st = be->copy_d2h(be, hout, d + bin, bout);
+    else if (st == KILN_OK && bin && s->op != OP_BARRIER) st = be->copy_d2h(be, (void *)hin, d, bin);
+    if (d) be->free(be, d, bin + bout);
+    w->s = *s;
+    w->done = true;
+    return st;
+}
+
+/* k uint64 from every rank into all (world x k), in rank order, outside the numbering:
+ * how the guards compare ranks. */
+static kiln_status gather_u64(kiln_pg_t *pg, const uint64_t *mine, int k, uint64_t *all, const sig *chk)
+{
+    if (pg->tcp) {
+        kiln__backend *be = pg->nccl_be;
+        size_t b = sizeof(uint64_t) * (size_t)k, ball = b * (size_t)pg->world;
+        kiln_status st = nccl_comm(pg, be, "collective check");
+        char *d = st == KILN_OK ? be->alloc(be, b + ball) : NULL;
+        if (st == KILN_OK && !d) st = kiln_error(KILN_ERR_OOM, "collective check: out of memory on %s", be->name);
+        if (st == KILN_OK) st = be->copy_h2d(be, d, mine, b);
+        if (st == KILN_OK) st = nccl_run(pg, chk, KILN__NCCL_ALLGATHER, d, d + b, (size_t)k, KILN_DTYPE_I64, 0);
+        if (st == KILN_OK) st = be->copy_d2h(be, all, d + b, ball);
+        if (d) be->free(be, d, b + ball);
+        return st;
+    }
+#ifdef KILN_HAVE_MPI
+    MPI_Request req;
+    int rc = MPI_Iallgather(mine, k, MPI_UINT64_T, all, k, MPI_UINT64_T, pg->comm, &req);
+    return rc == MPI_SUCCESS ? wait_req(pg, &req, chk) : mpi_fail(pg, chk, rc);
+#else
+    return kiln_error(KILN_ERR_INTERNAL, "collective check: no transport");
+#endif
+}
+
+/* KILN_DIST_DEBUG: every rank shows the others the collective it is about to run. */
+static kiln_status check_sig(kiln_pg_t *pg, const sig *s)
+{
+    uint64_t mine[6] = {s->seq, s->count, s->op, s->dtype, s->reduce, s->tag};
+    uint64_t *all = malloc(sizeof(uint64_t) * 6 * (size_t)pg->world);
+    if (!all) return kiln_error(KILN_ERR_OOM, "collective check: out of memory");
+    sig chk = {s->seq, 6, OP_ALLGATHER, KILN_DTYPE_I64, 0, 0xc4ec};
+    kiln_status st = gather_u64(pg, mine, 6, all, &chk);
+    bool same = true;
+    for (int r = 1; st == KILN_OK && r < pg->world; r++) same &= !memcmp(all, all + 6 * r, sizeof mine);
+    if (st == KILN_OK && !same) {
+        char msg[2048];
+        size_t used = 0;
+        for (int r = 0; r < pg->world && used < sizeof msg; r++) {
+            uint64_t *a = all + 6 * r;
+            sig o = {a[0], a[1], (uint32_t)a[2], (uint32_t)a[3], (uint32_t)a[4], (uint32_t)a[5]};
+            char w[160];
+            sig_str(&o, w, sizeof w);
+            used += (size_t)snprintf(msg + used, sizeof msg - used, "%s rank %d: %s", r ? ";" : "", r, w);
+        }
+        pg->broken = true;
+        st = kiln_error(KILN_ERR_DIST, "collectives issued in different orders on communicator world, at collective "
+                        "#%llu:%s", (unsigned long long)s->seq, msg);
+    }
+    free(all);
+    return st;
+}
+
 
 /* Starts a collective: checks, numbers it, and (with MPI) posts it; w gets the work. */
 static kiln_status start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t *out, struct kiln_pg_work *w)
@@ -507,8 +670,7 @@ static kiln_status start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t
     if (pg->broken)
         return kiln_error(KILN_ERR_DIST, "process group: an earlier collective failed on rank %d; the group cannot be used",
                           pg->rank);
-    if (s->op != OP_BARRIER && in && !in->st->meta && in->st->be != kiln__backend_at(0) && in->st->be->native_stream &&
-        kiln__nccl_available())
+    if (s->op != OP_BARRIER && in && !in->st->meta && is_cuda(in->st->be) && kiln__nccl_available())
         return nccl_start(pg, s, in, out, w);
     void *din = NULL, *dout = NULL;
     int64_t nin = 0, nout = 0;
@@ -521,6 +683,7 @@ static kiln_status start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t
         return kiln_error(KILN_ERR_DTYPE, "%s: in is %s, out %s", op, kiln_dtype_name(in->dtype), kiln_dtype_name(out->dtype));
     kiln_status st0;
     if ((st0 = check_counts(pg, s, nin, nout)) != KILN_OK) return st0;
+    if (pg->tcp) return staged(pg, s, din, dout ? dout : din, nin, dout ? nout : nin, in ? in->dtype : KILN_DTYPE_F32, w);
     s->count = (uint64_t)nin;
     s->dtype = s->op == OP_BARRIER ? 0 : (uint32_t)in->dtype;
     record(pg, s);
@@ -674,17 +837,12 @@ kiln_status kiln_pg_work_wait(kiln_pg_work_t *w)
 kiln_status kiln_pg_check_step(kiln_pg_t *pg)
 {
     if (!pg) return kiln_error(KILN_ERR_ARG, "check_step: NULL group");
-    if (!pg->mpi) return KILN_OK;
-#ifdef KILN_HAVE_MPI
+    if (!pg->mpi && !pg->tcp) return KILN_OK;
     pthread_mutex_lock(&pg->mu);
     uint64_t mine[2] = {pg->seq, pg->hash}, *all = malloc(sizeof(uint64_t) * 2 * (size_t)pg->world);
     kiln_status st = all ? KILN_OK : kiln_error(KILN_ERR_OOM, "check_step: out of memory");
-    if (st == KILN_OK) {
-        MPI_Request req;
-        sig chk = {pg->seq, 2, OP_ALLGATHER, KILN_DTYPE_I64, 0, 0x57e9};
-        int rc = MPI_Iallgather(mine, 2, MPI_UINT64_T, all, 2, MPI_UINT64_T, pg->comm, &req);
-        st = rc == MPI_SUCCESS ? wait_req(pg, &req, &chk) : mpi_fail(pg, &chk, rc);
-    }
+    sig chk = {pg->seq, 2, OP_ALLGATHER, KILN_DTYPE_I64, 0, 0x57e9};
+    if (st == KILN_OK) st = gather_u64(pg, mine, 2, all, &chk);
     bool same = true;
     for (int r = 1; st == KILN_OK && r < pg->world; r++) same &= all[2 * r] == all[0] && all[2 * r + 1] == all[1];
     if (st == KILN_OK && !same) {
@@ -701,8 +859,6 @@ kiln_status kiln_pg_check_step(kiln_pg_t *pg)
     free(all);
     pthread_mutex_unlock(&pg->mu);
     return st;
-#endif
-    return KILN_OK;
 }
 
 bool kiln_dist_nccl_version(char *buf, size_t n)

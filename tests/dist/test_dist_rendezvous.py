@@ -10,7 +10,11 @@
   that differs (the client reports rank 0's refusal, rank 0 names the rank that never
   checked in), a rank that checks in twice, and a host name, which is resolved once
   and logged.
-  python3 tests/dist/test_dist_rendezvous.py --probe build/rdzv_probe
+- A process group formed over TCP (`kiln train` with KILN_MASTER_ADDR, no mpirun): rank
+  0's NCCL unique id reaches rank 1 (KILN_LOGS=dist prints its hash on each rank), and a
+  rank without NCCL or a cuda device refuses the group for every rank, each such rank
+  named with its reason (on a machine with one GPU per rank the group forms instead).
+  python3 tests/dist/test_dist_rendezvous.py --probe build/rdzv_probe --kiln build/kiln
 """
 import argparse
 import os
@@ -30,11 +34,11 @@ def env(rank, world, addr, port, timeout=3, **extra):
 
 
 def group(probe, ranks, timeout=30):
-    """ranks: list of (netns or None, env). Returns (outputs, wall seconds)."""
+    """ranks: list of (netns or None, env); probe: a program, or its argv. Returns (outputs, wall seconds)."""
     t0 = time.time()
     procs = []
     for ns, e in ranks:
-        cmd = ([ "ip", "netns", "exec", ns] if ns else []) + [probe]
+        cmd = ([ "ip", "netns", "exec", ns] if ns else []) + (probe if isinstance(probe, list) else [probe])
         procs.append(subprocess.Popen(cmd, env=e, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
     outs = []
     for p in procs:
@@ -72,6 +76,7 @@ def make_hosts():
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("--probe", required=True)
+    p.add_argument("--kiln", help="the kiln program, for the process group formed over TCP")
     a = p.parse_args()
     failed = 0
 
@@ -107,6 +112,25 @@ def main():
     dup = [o for rc, o, _ in outs[1:] if "already checked in" in o]
     check(len(dup) == 1 and "1 of 3 ranks never checked in" in outs[0][1] and outs[0][1].endswith("rank 2"),
           f"a rank twice: one copy refused ({dup[0][:90] if dup else 'none'}), rank 0 names rank 2: {outs[0][1][:120]}")
+
+    if a.kiln:
+        import re
+        import tempfile
+        with tempfile.TemporaryDirectory() as tmp:
+            argv = [a.kiln, "train", "--steps", "1", "--out", tmp]
+            outs, dt = group(argv, [(None, env(r, 2, "127.0.0.1", port + 24, KILN_LOGS="dist")) for r in range(2)])
+        hashes = [re.findall(r"NCCL unique id from rank 0 \(.*\), hash ([0-9a-f]{16})", err) for _, _, err in outs]
+        nccl = bool(hashes[0])
+        check(not nccl or (len(hashes[1]) == 1 and hashes[0] == hashes[1]),
+              f"tcp group: rank 0's NCCL id reaches rank 1 unchanged: {hashes if nccl else 'no NCCL in this build'}")
+        refused = [err for rc, _, err in outs if rc != 0]
+        if refused:
+            check(len(refused) == 2 and all("met over TCP" in e and "need MPI" in e and
+                                            re.search(r"rank 0 \(.*\): no (cuda device|NCCL)", e) and
+                                            re.search(r"rank 1 \(.*\): no (cuda device|NCCL)", e) for e in refused),
+                  f"tcp group without a cuda device per rank: refused on both, each rank named: {refused[0][-260:]}")
+        else:
+            check("group formed over TCP" in outs[0][2], "tcp group: formed through NCCL")
 
     if os.geteuid() != 0:
         print("skip: the two-host checks need root for ip netns")

@@ -9,7 +9,7 @@ if(KILN_PYTHON3)
   add_executable(rdzv_probe tests/dist/rdzv_probe.c)
   target_link_libraries(rdzv_probe PRIVATE kiln)
   add_test(NAME dist_rendezvous COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_rendezvous.py
-           --probe $<TARGET_FILE:rdzv_probe>)
+           --probe $<TARGET_FILE:rdzv_probe> --kiln $<TARGET_FILE:kiln_tool>)
   set_tests_properties(dist_rendezvous PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600 RUN_SERIAL TRUE)
   add_executable(dist_probe tests/dist/dist_probe.c)
   target_link_libraries(dist_probe PRIVATE kiln)

@@ -83,6 +83,7 @@ static kiln__backend cpu_backend = {
     /* .launch = */ NULL,
     /* .fill = */ NULL,
     /* .native_stream = */ NULL,
+    /* .event_query = */ NULL,
     /* .host_register = */ NULL,
     /* .host_unregister = */ NULL,
     /* .capture_begin = */ NULL,

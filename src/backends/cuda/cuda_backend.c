@@ -30,7 +30,7 @@
 #define CUDART_FNS(X)                                                                                        \
     X(cudaGetDeviceCount) X(cudaSetDevice) X(cudaMalloc) X(cudaFree) X(cudaMemcpy) X(cudaMemcpyAsync)        \
     X(cudaMemsetAsync) X(cudaMemGetInfo) X(cudaStreamCreate) X(cudaStreamSynchronize) X(cudaEventCreate)      \
-    X(cudaEventRecord) X(cudaEventSynchronize) X(cudaEventDestroy) X(cudaDeviceGetAttribute)                 \
+    X(cudaEventRecord) X(cudaEventSynchronize) X(cudaEventQuery) X(cudaEventDestroy) X(cudaDeviceGetAttribute)                 \
     X(cudaHostRegister) X(cudaHostUnregister) X(cudaGetErrorString) X(cudaRuntimeGetVersion)
 #define DRIVER_FNS(X)                                                                                         \
     X(cuInit) X(cuDeviceGet) X(cuDeviceGetName) X(cuModuleLoadData) X(cuModuleGetFunction) X(cuModuleUnload)  \
@@ -201,6 +201,13 @@ static kiln_status cu_event_wait(kiln__backend *be, kiln__event *e)
 {
     cudaError_t r = e ? p_cudaEventSynchronize((cudaEvent_t)e) : cudaSuccess;
     return r == cudaSuccess ? KILN_OK : cu_fail(be->ctx, "cudaEventSynchronize", r);
+}
+
+static kiln_status cu_event_query(kiln__backend *be, kiln__event *e, bool *done)
+{
+    cudaError_t r = e ? p_cudaEventQuery((cudaEvent_t)e) : cudaSuccess;
+    *done = r == cudaSuccess;
+    return r == cudaSuccess || r == cudaErrorNotReady ? KILN_OK : cu_fail(be->ctx, "cudaEventQuery", r);
 }
 
 static void cu_event_free(kiln__backend *be, kiln__event *e)
@@ -560,7 +567,7 @@ int kiln__cuda_register(void)
             .abi_version = KILN_BACKEND_ABI_VERSION, .name = d->name, .ctx = d, .device_info = cu_device_info,
             .alloc = cu_alloc, .free = cu_free, .copy_h2d = cu_h2d, .copy_d2h = cu_d2h, .copy_d2d = cu_d2d,
             .memset = cu_memset, .stream_new = cu_stream_new, .stream_free = cu_stream_free,
-            .event_record = cu_event_record, .event_wait = cu_event_wait, .event_free = cu_event_free,
+            .event_record = cu_event_record, .event_wait = cu_event_wait, .event_free = cu_event_free, .event_query = cu_event_query,
             .synchronize = cu_synchronize, .kernels = cuda_kernels, .language = "cuda-c",
             .compile_kernel = cu_compile_kernel, .kernel_free = cu_kernel_free, .launch = cu_launch, .fill = cu_fill,
             .native_stream = cu_native_stream, .host_register = cu_host_register, .host_unregister = cu_host_unregister,

@@ -237,6 +237,16 @@ static kiln_status cl_event_wait(kiln__backend *be, kiln__event *e)
     return err == CL_SUCCESS ? KILN_OK : cl_fail(be->ctx, "clWaitForEvents", err);
 }
 
+static kiln_status cl_event_query(kiln__backend *be, kiln__event *e, bool *done)
+{
+    cl_int state = CL_COMPLETE, err = e ? clGetEventInfo((cl_event)e, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof state,
+                                                         &state, NULL)
+                                        : CL_SUCCESS;
+    if (err == CL_SUCCESS && state < 0) err = state; /* the command failed */
+    *done = state == CL_COMPLETE;
+    return err == CL_SUCCESS ? KILN_OK : cl_fail(be->ctx, "clGetEventInfo", err);
+}
+
 static void cl_event_free(kiln__backend *be, kiln__event *e)
 {
     if (e) clReleaseEvent((cl_event)e);
@@ -1155,7 +1165,7 @@ int kiln__opencl_register(void)
                 .device_info = ocl_device_info, .alloc = cl_alloc, .free = cl_free, .copy_h2d = cl_copy_h2d,
                 .copy_d2h = cl_copy_d2h, .copy_d2d = cl_copy_d2d, .memset = cl_memset, .stream_new = cl_stream_new,
                 .stream_free = cl_stream_free, .event_record = cl_event_record, .event_wait = cl_event_wait,
-                .event_free = cl_event_free, .synchronize = cl_synchronize, .kernels = cl_kernels,
+                .event_free = cl_event_free, .event_query = cl_event_query, .synchronize = cl_synchronize, .kernels = cl_kernels,
                 .language = "opencl-c", .compile_kernel = cl_compile_kernel, .kernel_free = cl_kernel_free,
                 .launch = cl_launch, .fill = cl_fill,
                 /* not yet: pinned host memory, graph capture */
