@@ -1,11 +1,12 @@
 #!/bin/sh
-# Installs what the server's end-to-end tests use beyond the build: curl, Chromium and
-# python3-websocket from Debian (only what is missing), and a venv at BUILD/venv with
-# the openai package from PyPI. Run as root on Debian 12.
+# Installs what the tests use beyond the build: curl, Chromium and python3-websocket
+# (the server's end-to-end tests), Slurm's daemons and srun (tests/dist/test_dist_srun.py
+# starts a one-node cluster of its own) from Debian (only what is missing), and a venv at
+# BUILD/venv with the openai package from PyPI. Run as root on Debian 12.
 #   sh scripts/install-test-deps.sh [BUILD_DIR]
 set -eu
 build=${1:-build}
-PKGS="python3 python3-venv curl chromium python3-websocket"
+PKGS="python3 python3-venv curl chromium python3-websocket slurmctld slurmd slurm-client"
 missing=""
 for p in $PKGS; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing="$missing $p"

@@ -89,9 +89,17 @@ static int env_int(const char *const *names, int dflt)
 
 static const char *const mpi_world_vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", NULL};
 static const char *const world_vars[] = {"KILN_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", NULL};
-static const char *const rank_vars[] = {"KILN_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "SLURM_PROCID", NULL};
+static const char *const rank_vars[] = {"KILN_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID",
+                                        NULL};
 static const char *const local_vars[] = {"KILN_LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
-                                         "SLURM_NTASKS_PER_NODE", NULL};
+                                         "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", NULL};
+
+/* Whether an MPI launcher started this process: mpirun sets a world size; srun
+ * --mpi=pmix sets only PMIx's namespace and rank (the size is SLURM_NTASKS). */
+static bool mpi_launched(void)
+{
+    return env_int(mpi_world_vars, 0) > 1 || (getenv("PMIX_NAMESPACE") && getenv("PMIX_RANK"));
+}
 
 bool kiln_dist_mpi_version(char *buf, size_t n)
 {
@@ -384,13 +392,13 @@ kiln_status kiln_pg_new_from_env(kiln_pg_t **out)
     pthread_mutex_init(&pg->mu, NULL);
     kiln_status s = KILN_OK;
     if (world > 1) {
-        bool launched_by_mpi = env_int(mpi_world_vars, 0) > 1;
+        bool launched_by_mpi = mpi_launched();
         if (!launched_by_mpi && getenv("KILN_MASTER_ADDR")) s = tcp_group(pg);
 #ifdef KILN_HAVE_MPI
         else if (launched_by_mpi) s = mpi_start(pg, world, rank);
         else
             s = kiln_error(KILN_ERR_UNSUPPORTED, "process group: world size %d from KILN_WORLD_SIZE/SLURM, but not launched "
-                           "by mpirun or srun --mpi, and no KILN_MASTER_ADDR/KILN_MASTER_PORT for the TCP rendezvous; cpu "
+                           "by mpirun or srun --mpi=pmix, and no KILN_MASTER_ADDR/KILN_MASTER_PORT for the TCP rendezvous; cpu "
                            "collectives need MPI (mpirun -np %d kiln ...)", world, world);
 #else
         else

@@ -17,6 +17,10 @@ if(KILN_PYTHON3)
            --probe $<TARGET_FILE:dist_probe> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
   set_tests_properties(dist_collectives PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600
                        ENVIRONMENT "${KILN_MPI_TEST_ENV}")
+  add_test(NAME dist_srun COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_srun.py
+           --kiln $<TARGET_FILE:kiln_tool> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
+  set_tests_properties(dist_srun PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600 RUN_SERIAL TRUE
+                       ENVIRONMENT "${KILN_MPI_TEST_ENV}")
   add_test(NAME dist_train COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_train.py
            --kiln $<TARGET_FILE:kiln_tool> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
   set_tests_properties(dist_train PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600
