@@ -53,10 +53,16 @@ kiln_status kiln_pg_barrier(kiln_pg_t *pg);
 kiln_status kiln_pg_allgather(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out);
 /* out (in's elements / world) = rank r's block of the reduction of every rank's in. */
 kiln_status kiln_pg_reduce_scatter(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out, kiln_reduce_op op);
-/* allreduce started now and finished by kiln_pg_work_wait (which frees work);
- * kiln_pg_work_test says whether it has finished, without waiting. t must not be
- * touched until then. */
+/* The same collectives started now and finished by kiln_pg_work_wait (which frees
+ * work; an average is scaled there); kiln_pg_work_test says whether one has finished,
+ * without waiting. Their tensors must not be touched until then. Each is numbered when
+ * it starts, so every rank must start them in the same order. */
 kiln_status kiln_pg_allreduce_async(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op, kiln_pg_work_t **work);
+kiln_status kiln_pg_broadcast_async(kiln_pg_t *pg, kiln_tensor_t *t, int root, kiln_pg_work_t **work);
+kiln_status kiln_pg_barrier_async(kiln_pg_t *pg, kiln_pg_work_t **work);
+kiln_status kiln_pg_allgather_async(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out, kiln_pg_work_t **work);
+kiln_status kiln_pg_reduce_scatter_async(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out, kiln_reduce_op op,
+                                         kiln_pg_work_t **work);
 kiln_status kiln_pg_work_test(kiln_pg_work_t *work, bool *done);
 kiln_status kiln_pg_work_wait(kiln_pg_work_t *work);
 /* Compares, across ranks, the number of collectives so far and a hash of their

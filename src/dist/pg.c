@@ -786,26 +786,69 @@ kiln_status kiln_pg_reduce_scatter(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor
     return run(pg, (sig){0, 0, OP_REDUCE_SCATTER, 0, op, 0}, in, out, op == KILN_REDUCE_AVG ? out : NULL);
 }
 
+/* A collective started now, its work handed out: finished by kiln_pg_work_wait. */
+static kiln_status start_async(kiln_pg_t *pg, sig s, kiln_tensor_t *in, kiln_tensor_t *out, kiln_tensor_t *avg_of,
+                               kiln_pg_work_t **work)
+{
+    kiln_pg_work_t *w = malloc(sizeof *w);
+    if (!w) return kiln_error(KILN_ERR_OOM, "%s: out of memory", op_names[s.op]);
+    pthread_mutex_lock(&pg->mu);
+    kiln_status st = start(pg, &s, in, out, w);
+    pthread_mutex_unlock(&pg->mu);
+    if (st != KILN_OK) {
+        free(w);
+        return st;
+    }
+    w->t = avg_of;
+    w->avg = avg_of != NULL;
+    *work = w;
+    return KILN_OK;
+}
+
 kiln_status kiln_pg_allreduce_async(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op, kiln_pg_work_t **work)
 {
     if (!work) return kiln_error(KILN_ERR_ARG, "allreduce_async: work is NULL");
     *work = NULL;
     if (!pg || !t) return kiln_error(KILN_ERR_ARG, "allreduce_async: NULL group or tensor");
     if (check_reduce("allreduce_async", op) != KILN_OK) return kiln_last_status();
-    kiln_pg_work_t *w = malloc(sizeof *w);
-    if (!w) return kiln_error(KILN_ERR_OOM, "allreduce_async: out of memory");
-    pthread_mutex_lock(&pg->mu);
-    sig s = {0, 0, OP_ALLREDUCE, 0, op, 0};
-    kiln_status st = start(pg, &s, t, NULL, w);
-    pthread_mutex_unlock(&pg->mu);
-    if (st != KILN_OK) {
-        free(w);
-        return st;
-    }
-    w->t = t;
-    w->avg = op == KILN_REDUCE_AVG;
-    *work = w;
-    return KILN_OK;
+    return start_async(pg, (sig){0, 0, OP_ALLREDUCE, 0, op, 0}, t, NULL, op == KILN_REDUCE_AVG ? t : NULL, work);
+}
+
+kiln_status kiln_pg_broadcast_async(kiln_pg_t *pg, kiln_tensor_t *t, int root, kiln_pg_work_t **work)
+{
+    if (!work) return kiln_error(KILN_ERR_ARG, "broadcast_async: work is NULL");
+    *work = NULL;
+    if (!pg || !t) return kiln_error(KILN_ERR_ARG, "broadcast_async: NULL group or tensor");
+    if (root < 0 || root >= pg->world) return kiln_error(KILN_ERR_ARG, "broadcast_async: root %d outside the group", root);
+    return start_async(pg, (sig){0, 0, OP_BROADCAST, 0, (uint32_t)root, 0}, t, NULL, NULL, work);
+}
+
+kiln_status kiln_pg_barrier_async(kiln_pg_t *pg, kiln_pg_work_t **work)
+{
+    if (!work) return kiln_error(KILN_ERR_ARG, "barrier_async: work is NULL");
+    *work = NULL;
+    if (!pg) return kiln_error(KILN_ERR_ARG, "barrier_async: NULL group");
+    return start_async(pg, (sig){0, 0, OP_BARRIER, 0, 0, 0}, NULL, NULL, NULL, work);
+}
+
+kiln_status kiln_pg_allgather_async(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out, kiln_pg_work_t **work)
+{
+    if (!work) return kiln_error(KILN_ERR_ARG, "allgather_async: work is NULL");
+    *work = NULL;
+    if (!pg || !in || !out) return kiln_error(KILN_ERR_ARG, "allgather_async: NULL group or tensor");
+    if (in == out) return kiln_error(KILN_ERR_ARG, "allgather_async: in and out must be different tensors");
+    return start_async(pg, (sig){0, 0, OP_ALLGATHER, 0, 0, 0}, in, out, NULL, work);
+}
+
+kiln_status kiln_pg_reduce_scatter_async(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out, kiln_reduce_op op,
+                                         kiln_pg_work_t **work)
+{
+    if (!work) return kiln_error(KILN_ERR_ARG, "reduce_scatter_async: work is NULL");
+    *work = NULL;
+    if (!pg || !in || !out) return kiln_error(KILN_ERR_ARG, "reduce_scatter_async: NULL group or tensor");
+    if (in == out) return kiln_error(KILN_ERR_ARG, "reduce_scatter_async: in and out must be different tensors");
+    if (check_reduce("reduce_scatter_async", op) != KILN_OK) return kiln_last_status();
+    return start_async(pg, (sig){0, 0, OP_REDUCE_SCATTER, 0, op, 0}, in, out, op == KILN_REDUCE_AVG ? out : NULL, work);
 }
 
 kiln_status kiln_pg_work_test(kiln_pg_work_t *w, bool *done)

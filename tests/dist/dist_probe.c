@@ -1,7 +1,7 @@
 /* The process group's collectives and guards under mpirun, one scenario per run (the
  * test that drives it is tests/dist/test_dist_collectives.py):
- *   values   allreduce sum/avg, broadcast, allgather, reduce_scatter (sum, avg) and an
- *            async allreduce on rank-dependent values, each checked against the
+ *   values   allreduce sum/avg, broadcast, allgather, reduce_scatter (sum, avg) and
+ *            their async forms (four in flight at once) on rank-dependent values, each checked against the
  *            closed-form result; prints "values ok"
  *   order    two threads issue allreduce(10 floats) and allreduce(20 floats), rank 0
  *            in one order and the others in the other; prints the error each rank gets
@@ -66,6 +66,20 @@ static int values(void)
     bool done = false;
     if (!bad) bad |= kiln_pg_work_test(w, &done) != KILN_OK;
     if (!bad) bad |= kiln_pg_work_wait(w) != KILN_OK || expect(t, 100000, w_avg, "async allreduce avg");
+    /* The other async forms, four in flight at once, waited for in another order. */
+    kiln_pg_work_t *wb, *wg, *wr, *wbar;
+    kiln_tensor_t *bt = filled(50, rank ? -1 : 7), *g2 = filled(3 * world, 0), *t3 = filled(3, rank + 1);
+    kiln_tensor_t *mine2 = filled(4, 0);
+    bad |= kiln_pg_broadcast_async(pg, bt, 0, &wb) != KILN_OK;
+    bad |= kiln_pg_allgather_async(pg, t3, g2, &wg) != KILN_OK;
+    bad |= kiln_pg_reduce_scatter_async(pg, big, mine2, KILN_REDUCE_AVG, &wr) != KILN_OK;
+    bad |= kiln_pg_barrier_async(pg, &wbar) != KILN_OK;
+    if (!bad) {
+        bad |= kiln_pg_work_wait(wbar) != KILN_OK;
+        bad |= kiln_pg_work_wait(wr) != KILN_OK || expect(mine2, 4, w_avg, "async reduce_scatter avg");
+        bad |= kiln_pg_work_wait(wg) != KILN_OK || expect(g2, 3 * world, gathered, "async allgather");
+        bad |= kiln_pg_work_wait(wb) != KILN_OK || expect(bt, 50, root_val, "async broadcast");
+    }
     bad |= kiln_pg_check_step(pg) != KILN_OK;
     /* A wrong-sized output is refused on this rank before anything is sent. */
     kiln_status s = kiln_pg_allgather(pg, t, mine);
