@@ -204,6 +204,12 @@ static void replayed_training_steps_match_eager(const char *device)
         kiln_scope_end();
     }
     assert_true(kiln_replay_num_launches(r) > 50);
+    /* Not the device's own graph yet on either: the step still runs some ops on the cpu
+     * (opencl), and the cpu has no capture entries; the reason says which. */
+    char why[256];
+    assert_false(kiln_replay_native(r, why, sizeof why));
+    assert_non_null(strstr(why, "a launch list"));
+    assert_non_null(strstr(why, !strcmp(device, "cpu") ? "no graph capture" : "cpu"));
     for (int i = 0; i < t[0].np; i++) {
         int64_t n = kiln_tensor_numel(t[0].ps[i]);
         float *wa = malloc(sizeof(float) * (size_t)n), *wb = malloc(sizeof(float) * (size_t)n);
@@ -234,6 +240,102 @@ static void replay_on_opencl(void **state)
 {
     if (!have_device("opencl:0")) skip();
     replayed_training_steps_match_eager("opencl:0");
+}
+
+/* A step whose every launch stays on the device: w += -0.1 * softmax(layer_norm(gelu(x @ w)))
+ * (matmul and add_ are the backend's kernels, the rest generated), returning y. */
+static kiln_status device_step(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    kiln_tensor_t *w = ctx;
+    kiln_tensor_t *y = kiln_softmax(kiln_layer_norm(kiln_gelu(kiln_matmul(in[0], w), true), NULL, NULL, 1e-5), -1);
+    kiln_status s = y ? kiln_add_(w, y, -0.1) : kiln_last_status();
+    out[0] = y;
+    *n_out = 1;
+    return s;
+}
+
+/* Oracle: the same step run eagerly on a twin weight. Recorded once, the launch list is
+ * captured as the device's command buffer (cl_khr_command_buffer on PoCL); each run on
+ * new inputs gives eager's outputs and leaves eager's weight, bitwise (the same kernels
+ * on the same values), so the buffer reads the new contents of its input and carries
+ * the in-place update from run to run. */
+static void replay_as_a_command_buffer(void **state)
+{
+    if (!have_device("opencl:0")) skip();
+    assert_int_equal(kiln_set_device("opencl:0"), KILN_OK);
+    float w0[64], x0[64];
+    for (int i = 0; i < 64; i++) w0[i] = (float)((i * 37 % 17) - 8) / 16.0f;
+    kiln_tensor_t *we = kiln_tensor_to(kiln_from_data(w0, (int64_t[]){8, 8}, 2, KILN_DTYPE_F32), "opencl:0");
+    kiln_tensor_t *wr = kiln_tensor_to(kiln_from_data(w0, (int64_t[]){8, 8}, 2, KILN_DTYPE_F32), "opencl:0");
+    kiln_replay_t *r = NULL;
+    for (int it = 0; it < 5; it++) {
+        kiln_scope_begin();
+        for (int i = 0; i < 64; i++) x0[i] = (float)(((i + 5 * it) * 13 % 23) - 11) / 8.0f;
+        kiln_tensor_t *x = kiln_tensor_to(kiln_from_data(x0, (int64_t[]){8, 8}, 2, KILN_DTYPE_F32), "opencl:0");
+        kiln_tensor_t *ye, *yr;
+        int n;
+        assert_int_equal(device_step(we, &x, 1, &ye, &n), KILN_OK);
+        kiln_status s = it == 0 ? kiln_replay_record(device_step, wr, &x, 1, &r, &yr, 1, &n) : kiln_replay_run(r, &x, 1, &yr, 1, &n);
+        if (s != KILN_OK) fail_msg("step %d: %s", it, kiln_last_error());
+        if (it == 0) {
+            char why[256];
+            if (!kiln_replay_native(r, why, sizeof why)) fail_msg("not captured: %s", why);
+            assert_non_null(strstr(why, "opencl:0's own graph"));
+        }
+        float a[64], b[64];
+        assert_int_equal(kiln_tensor_to_host(ye, a, sizeof a), KILN_OK);
+        assert_int_equal(kiln_tensor_to_host(yr, b, sizeof b), KILN_OK);
+        if (memcmp(a, b, sizeof a)) fail_msg("step %d: the command buffer's output differs from eager's", it);
+        kiln_scope_end();
+    }
+    float a[64], b[64];
+    assert_int_equal(kiln_tensor_to_host(we, a, sizeof a), KILN_OK);
+    assert_int_equal(kiln_tensor_to_host(wr, b, sizeof b), KILN_OK);
+    assert_memory_equal(a, b, sizeof a);
+    assert_true(memcmp(a, w0, sizeof a) != 0); /* the updates happened */
+    kiln_replay_free(r);
+    kiln_set_device("cpu");
+}
+
+/* embedding checks its indices on the host before it launches: a copy to the host. */
+static kiln_status embeds(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    out[0] = kiln_gelu(kiln_embedding(ctx, in[0]), true);
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+/* A list whose kernels read back to the host cannot be a command buffer: the capture
+ * fails on that copy, says so, and the launch list runs instead, reading new indices
+ * (oracle: eager on the same weight, bitwise). */
+static void a_list_that_reads_back_stays_a_launch_list(void **state)
+{
+    if (!have_device("opencl:0")) skip();
+    assert_int_equal(kiln_set_device("opencl:0"), KILN_OK);
+    float w0[40];
+    for (int i = 0; i < 40; i++) w0[i] = (float)(i % 9) / 4.0f - 1.0f;
+    kiln_tensor_t *w = kiln_tensor_to(kiln_from_data(w0, (int64_t[]){10, 4}, 2, KILN_DTYPE_F32), "opencl:0");
+    kiln_replay_t *r = NULL;
+    for (int it = 0; it < 3; it++) {
+        kiln_scope_begin();
+        int64_t ids[6];
+        for (int i = 0; i < 6; i++) ids[i] = (i * 3 + it * 7) % 10;
+        kiln_tensor_t *x = kiln_tensor_to(kiln_from_data(ids, (int64_t[]){6}, 1, KILN_DTYPE_I64), "opencl:0"), *ye, *yr;
+        int n;
+        assert_int_equal(embeds(w, &x, 1, &ye, &n), KILN_OK);
+        kiln_status s = it == 0 ? kiln_replay_record(embeds, w, &x, 1, &r, &yr, 1, &n) : kiln_replay_run(r, &x, 1, &yr, 1, &n);
+        if (s != KILN_OK) fail_msg("step %d: %s", it, kiln_last_error());
+        char why[256];
+        assert_false(kiln_replay_native(r, why, sizeof why));
+        if (!strstr(why, "could not capture") || !strstr(why, "a copy to the host")) fail_msg("why: %s", why);
+        float a[24], b[24];
+        assert_int_equal(kiln_tensor_to_host(ye, a, sizeof a), KILN_OK);
+        assert_int_equal(kiln_tensor_to_host(yr, b, sizeof b), KILN_OK);
+        assert_memory_equal(a, b, sizeof a);
+        kiln_scope_end();
+    }
+    kiln_replay_free(r);
+    kiln_set_device("cpu");
 }
 
 static kiln_status reads_a_value(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
@@ -414,6 +516,8 @@ int main(void)
         cmocka_unit_test_setup_teardown(generated_cuda_c_compiles_with_nvrtc, setup, teardown),
         cmocka_unit_test_setup_teardown(replay_on_cpu, setup, teardown),
         cmocka_unit_test_setup_teardown(replay_on_opencl, setup, teardown),
+        cmocka_unit_test_setup_teardown(replay_as_a_command_buffer, setup, teardown),
+        cmocka_unit_test_setup_teardown(a_list_that_reads_back_stays_a_launch_list, setup, teardown),
         cmocka_unit_test_setup_teardown(recording_refuses_reads_and_random_ops, setup, teardown),
         cmocka_unit_test_setup_teardown(pinning_is_optional_and_checkpoints_work_without_it, setup, teardown),
         cmocka_unit_test_setup_teardown(one_rank_collectives_on_a_device, setup, teardown),

@@ -122,13 +122,23 @@ void kiln_compiled_free(kiln_compiled_t *c);
  * every run (clone them to keep one). Host-side decisions the function took are frozen
  * (as in CUDA graphs): it must take the same path every time, e.g. start each step with
  * empty gradients. Everything it touched (parameters, optimizer state) must outlive the
- * replay; random ops (dropout > 0) cannot be recorded. */
+ * replay; random ops (dropout > 0) cannot be recorded.
+ *
+ * Where every launch went to one device whose backend has graph capture (OpenCL's
+ * cl_khr_command_buffer, CUDA graphs), the list is also captured once as that device's
+ * own graph, and each run enqueues that instead of launching op by op; a list the
+ * device cannot capture (a launch on the cpu, a copy through the host, a second device)
+ * stays a launch list. KILN_OPT_DEVICE_GRAPHS=0 turns the capture off;
+ * kiln_replay_native says which one runs, and why. */
 typedef struct kiln_replay kiln_replay_t;
 kiln_status kiln_replay_record(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *in, int n_in, kiln_replay_t **r,
                                kiln_tensor_t **out, int max_out, int *n_out);
 kiln_status kiln_replay_run(kiln_replay_t *r, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
                             int *n_out);
 int kiln_replay_num_launches(const kiln_replay_t *r);
+/* Whether runs enqueue the device's own graph; why gets "opencl:0 command buffer of N
+ * launches" or the reason it is a launch list (may be NULL). */
+bool kiln_replay_native(const kiln_replay_t *r, char *why, size_t n);
 bool kiln_replay_recording(void); /* true while this thread records a replay */
 void kiln_replay_free(kiln_replay_t *r); /* NULL is fine */
 

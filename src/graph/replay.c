@@ -5,10 +5,20 @@
  * because the recording run allocates from a private pool that keeps every block it
  * frees (src/core/alloc.c). Works on every backend through the contract: a replayed
  * step is the backend's own kernels, the compiler's generated ones, or the cpu
- * fallback, exactly as recorded. This is the launch list that CUDA graphs or OpenCL
- * command buffers would hold; a backend with capture entries could take it over. */
+ * fallback, exactly as recorded.
+ *
+ * When every launch went to one device whose backend has the capture entries, the list
+ * is then captured once more as that device's own graph: capture_begin, the list
+ * launched again (recorded by the backend, not run), capture_end. What the kernels
+ * allocate for themselves meanwhile comes from a second private pool, which lives as
+ * long as the graph: the recording's pool cannot serve it, since its free blocks may be
+ * ones the list itself names. A run then enqueues the graph. What the backend cannot record
+ * (a copy through the host, a kernel that reads a value back) fails that capture, and
+ * the launch list stays, with the reason kept for kiln_replay_native. */
 #include <stdlib.h>
 #include <string.h>
+#include <stdio.h>
+#include "core/opts.h"
 #include "core/tensor_impl.h"
 #include "graph/graph_impl.h"
 #include "kiln/graph.h"
@@ -35,6 +45,10 @@ struct kiln_replay {
     kiln_tensor_t *in[KILN_GRAPH_MAX_IN];   /* the recorded inputs (retained): the buffers later inputs are copied to */
     kiln_tensor_t *out[KILN_GRAPH_MAX_OUT]; /* the recorded outputs (retained), rewritten by every replay */
     kiln_status failed;
+    kiln__backend *native_be; /* the device whose own graph runs, or NULL */
+    void *native;
+    kiln__pool *native_pool; /* what the kernels allocated while it was captured */
+    char why[256];
 };
 
 static _Thread_local kiln_replay_t *rec;
@@ -98,6 +112,80 @@ void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__
     r->n_l++;
 }
 
+/* The launches, in order, on the recorded tensors. */
+static kiln_status run_list(kiln_replay_t *r)
+{
+    kiln_status s = KILN_OK;
+    bool prev = kiln_set_grad_enabled(false);
+    for (int k = 0; s == KILN_OK && k < r->n_l; k++) {
+        const launch *L = &r->l[k];
+        kiln_tensor_t *const *ins = L->p, *const *outs = L->p + L->n_in;
+        bool handled = true;
+        switch (L->kind) {
+        case KILN__LAUNCH_KERNEL: s = L->fn(L->be, ins, L->n_in, &L->a, outs, L->n_out); break;
+        case KILN__LAUNCH_COMPILED:
+            s = kiln__eager_compiled(L->be, L->op, ins, L->n_in, &L->a, outs, L->n_out, &handled);
+            if (s == KILN_OK && !handled)
+                s = kiln__err(KILN_ERR_INTERNAL, "replay_run: the generated kernel of %s is gone", kiln__ops[L->op].name);
+            break;
+        case KILN__LAUNCH_ON_CPU: s = kiln__cpu_fallback(L->be, L->op, ins, L->n_in, &L->a, outs, L->n_out); break;
+        }
+    }
+    kiln_set_grad_enabled(prev);
+    return s;
+}
+
+/* The launch list as the device's own graph, where it can be; r->why says what came of it. */
+static void capture_native(kiln_replay_t *r)
+{
+    kiln__backend *be = r->n_l ? r->l[0].be : NULL;
+    for (int k = 0; be && k < r->n_l; k++) {
+        const launch *L = &r->l[k];
+        if (L->kind == KILN__LAUNCH_ON_CPU) {
+            snprintf(r->why, sizeof r->why, "a launch list: launch %d (%s) runs on the cpu with copies", k,
+                     kiln__ops[L->op].name);
+            return;
+        }
+        if (L->be != be) {
+            snprintf(r->why, sizeof r->why, "a launch list: launches on %s and %s", be->name, L->be->name);
+            return;
+        }
+    }
+    if (!be) {
+        snprintf(r->why, sizeof r->why, "a launch list: nothing was launched");
+        return;
+    }
+    if (!be->capture_begin || !be->capture_end || !be->replay || !be->capture_reset) {
+        snprintf(r->why, sizeof r->why, "a launch list: %s has no graph capture", be->name);
+        return;
+    }
+    if (!kiln__opt(KILN__OPT_DEVICE_GRAPHS)) {
+        snprintf(r->why, sizeof r->why, "a launch list: KILN_OPT_DEVICE_GRAPHS=0");
+        return;
+    }
+    if (!(r->native_pool = kiln__pool_new())) {
+        snprintf(r->why, sizeof r->why, "a launch list: out of memory");
+        return;
+    }
+    kiln_status s = be->capture_begin(be);
+    void *g = NULL;
+    if (s == KILN_OK) {
+        kiln__pool_begin(r->native_pool);
+        kiln_status ran = run_list(r);
+        kiln__pool_end();
+        s = be->capture_end(be, &g); /* ends the capture either way */
+        if (ran != KILN_OK) s = ran;
+    }
+    if (s != KILN_OK) {
+        snprintf(r->why, sizeof r->why, "a launch list: %s could not capture it: %s", be->name, kiln_last_error());
+        kiln_clear_error();
+        return;
+    }
+    r->native_be = be;
+    r->native = g;
+    snprintf(r->why, sizeof r->why, "%s's own graph of %d launches", be->name, r->n_l);
+}
+
 kiln_status kiln_replay_record(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *in, int n_in, kiln_replay_t **out_r,
                                kiln_tensor_t **out, int max_out, int *n_out)
 {
@@ -137,6 +225,8 @@ kiln_status kiln_replay_record(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
         return s;
     }
     r->n_out = n;
+    capture_native(r);
+    if (kiln__log_on("replay")) fprintf(stderr, "kiln [replay] %d launches, run as %s\n", r->n_l, r->why);
     for (int j = 0; j < n; j++) out[j] = kiln__scoped(kiln_tensor_retain(r->out[j]));
     *n_out = n;
     *out_r = r;
@@ -167,22 +257,7 @@ kiln_status kiln_replay_run(kiln_replay_t *r, kiln_tensor_t *const *in, int n_in
         s = src ? kiln_tensor_copy_(want, src) : kiln_last_status();
         kiln_scope_end();
     }
-    bool prev = kiln_set_grad_enabled(false);
-    for (int k = 0; s == KILN_OK && k < r->n_l; k++) {
-        const launch *L = &r->l[k];
-        kiln_tensor_t *const *ins = L->p, *const *outs = L->p + L->n_in;
-        bool handled = true;
-        switch (L->kind) {
-        case KILN__LAUNCH_KERNEL: s = L->fn(L->be, ins, L->n_in, &L->a, outs, L->n_out); break;
-        case KILN__LAUNCH_COMPILED:
-            s = kiln__eager_compiled(L->be, L->op, ins, L->n_in, &L->a, outs, L->n_out, &handled);
-            if (s == KILN_OK && !handled)
-                s = kiln__err(KILN_ERR_INTERNAL, "replay_run: the generated kernel of %s is gone", kiln__ops[L->op].name);
-            break;
-        case KILN__LAUNCH_ON_CPU: s = kiln__cpu_fallback(L->be, L->op, ins, L->n_in, &L->a, outs, L->n_out); break;
-        }
-    }
-    kiln_set_grad_enabled(prev);
+    if (s == KILN_OK) s = r->native ? r->native_be->replay(r->native_be, r->native) : run_list(r);
     if (s != KILN_OK) return s;
     for (int j = 0; j < r->n_out; j++) out[j] = kiln__scoped(kiln_tensor_retain(r->out[j]));
     *n_out = r->n_out;
@@ -191,9 +266,17 @@ kiln_status kiln_replay_run(kiln_replay_t *r, kiln_tensor_t *const *in, int n_in
 
 int kiln_replay_num_launches(const kiln_replay_t *r) { return r ? r->n_l : 0; }
 
+bool kiln_replay_native(const kiln_replay_t *r, char *why, size_t n)
+{
+    if (why && n) snprintf(why, n, "%s", r ? r->why : "no replay");
+    return r && r->native;
+}
+
 void kiln_replay_free(kiln_replay_t *r)
 {
     if (!r) return;
+    if (r->native) r->native_be->capture_reset(r->native_be, r->native); /* before the pools its commands name */
+    kiln__pool_release(r->native_pool);
     for (int k = 0; k < r->n_l; k++) {
         free(r->l[k].t);
         free(r->l[k].st);

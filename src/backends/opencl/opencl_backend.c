@@ -15,11 +15,18 @@
  * generates OpenCL C for the ops it lowers (src/compile/eager.c); each program is built
  * once per process and its binary kept in the kernel cache ($KILN_CACHE_DIR/opencl),
  * keyed by a hash of the source, the device and its driver, so a later process loads
- * it without building. The kernel table itself is empty: an op neither it nor the
- * compiler covers runs on the cpu with copies (src/core/dispatch.c). */
+ * it without building. An op neither the backend's own kernels nor the compiler covers
+ * runs on the cpu with copies (src/core/dispatch.c).
+ *
+ * Graph capture, where the platform has cl_khr_command_buffer (PoCL 3.1 does, at the
+ * extension's provisional 0.9.0): between capture_begin and capture_end every kernel,
+ * device copy and fill goes into a command buffer instead of the queue, each waiting on
+ * the one before; a replay enqueues the buffer. A copy to or from the host cannot be
+ * recorded and fails the capture. */
 #ifdef KILN_HAVE_OPENCL
 #define CL_TARGET_OPENCL_VERSION 120
 #include <CL/cl.h>
+#include <CL/cl_ext.h>
 #include <pthread.h>
 #include <stdint.h>
 #include <stdio.h>
@@ -56,7 +63,31 @@ typedef struct {
     pthread_mutex_t prog_lock; /* guards the programs and kernel launches (argument setting) */
     struct cl_prog *progs;
     char driver[128];
+    /* cl_khr_command_buffer, where the platform has it (the capture entries). */
+    clCreateCommandBufferKHR_fn cb_create;
+    clCommandNDRangeKernelKHR_fn cb_kernel;
+    clCommandCopyBufferKHR_fn cb_copy;
+    clCommandFillBufferKHR_fn cb_fill;
+    clFinalizeCommandBufferKHR_fn cb_finalize;
+    clEnqueueCommandBufferKHR_fn cb_enqueue;
+    clReleaseCommandBufferKHR_fn cb_release;
+    struct cl_graph *cap; /* being recorded: work goes into it instead of the queue */
 } cl_dev;
+
+/* A captured command buffer and what it holds: a kernel object per recorded launch
+ * (arguments stay with the kernel object, and some platforms read them when the buffer
+ * runs rather than when the command is recorded, so none is ever set again), and the
+ * buffers freed while recording, kept until the graph goes (the commands name them). */
+typedef struct cl_graph {
+    cl_command_buffer_khr cb;
+    cl_sync_point_khr last;
+    bool any;
+    const char *failed; /* the first thing that could not be recorded */
+    cl_kernel *k;
+    int n_k, cap_k;
+    cl_range *freed;
+    int n_freed, cap_freed;
+} cl_graph;
 
 /* A built program, by the hash of its source. */
 typedef struct cl_prog {
@@ -146,6 +177,12 @@ static void *cl_alloc(kiln__backend *be, size_t nbytes)
     return addr;
 }
 
+static void release_range(cl_range r)
+{
+    clReleaseMemObject(r.mem);
+    munmap((void *)r.base, r.n);
+}
+
 static void cl_free(kiln__backend *be, void *ptr, size_t nbytes)
 {
     cl_dev *d = be->ctx;
@@ -158,10 +195,35 @@ static void cl_free(kiln__backend *be, void *ptr, size_t nbytes)
         memmove(r, r + 1, sizeof *r * (size_t)(d->n_r - at - 1));
         d->n_r--;
     }
+    cl_graph *g = d->cap;
+    bool kept = false;
+    if (gone.mem && g) { /* a recorded command may name it: kept until the graph goes */
+        if (g->n_freed == g->cap_freed) {
+            int cap = g->cap_freed ? 2 * g->cap_freed : 16;
+            cl_range *f = realloc(g->freed, sizeof *f * (size_t)cap);
+            if (f) {
+                g->freed = f;
+                g->cap_freed = cap;
+            }
+        }
+        if (g->n_freed < g->cap_freed) {
+            g->freed[g->n_freed++] = gone;
+            kept = true;
+        } else if (!g->failed) {
+            g->failed = "out of memory keeping a freed buffer";
+            kept = true; /* leaked rather than released under a recorded command */
+        }
+    }
     pthread_mutex_unlock(&d->lock);
-    if (!gone.mem) return;
-    clReleaseMemObject(gone.mem);
-    munmap((void *)gone.base, gone.n);
+    if (gone.mem && !kept) release_range(gone);
+}
+
+/* While recording, the first thing that cannot go into a command buffer fails the
+ * capture (and is what capture_end reports). */
+static kiln_status not_recordable(cl_dev *d, const char *what)
+{
+    if (!d->cap->failed) d->cap->failed = what;
+    return kiln__err(KILN_ERR_UNSUPPORTED, "%s: %s cannot be recorded into a command buffer", d->name, what);
 }
 
 /* n bytes between the host and the device address dev, blocking: written to the
@@ -173,6 +235,7 @@ static kiln_status transfer(kiln__backend *be, const void *dev, void *host, size
     size_t off;
     kiln_status s = n ? resolve(d, dev, n, &mem, &off) : KILN_OK;
     if (s != KILN_OK || !n) return s;
+    if (d->cap) return not_recordable(d, write ? "a copy from the host" : "a copy to the host");
     cl_int err = write ? clEnqueueWriteBuffer(d->q, mem, CL_TRUE, off, n, host, 0, NULL, NULL)
                        : clEnqueueReadBuffer(d->q, mem, CL_TRUE, off, n, host, 0, NULL, NULL);
     return err == CL_SUCCESS ? KILN_OK : cl_fail(d, write ? "clEnqueueWriteBuffer" : "clEnqueueReadBuffer", err);
@@ -204,8 +267,31 @@ static kiln_status cl_copy_d2d(kiln__backend *be, void *dst, const void *src, si
         free(tmp);
         return s;
     }
-    cl_int err = clEnqueueCopyBuffer(d->q, ms, md, os, od, n, 0, NULL, NULL);
+    cl_int err;
+    if (d->cap) {
+        cl_graph *g = d->cap;
+        cl_sync_point_khr prev = g->last; /* each command after the one before */
+        err = d->cb_copy(g->cb, NULL, ms, md, os, od, n, g->any, g->any ? &prev : NULL, &g->last, NULL);
+        g->any |= err == CL_SUCCESS;
+        return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clCommandCopyBufferKHR", err);
+    }
+    err = clEnqueueCopyBuffer(d->q, ms, md, os, od, n, 0, NULL, NULL);
     return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clEnqueueCopyBuffer", err);
+}
+
+/* A fill enqueued, or recorded while capturing. */
+static kiln_status fill_mem(cl_dev *d, cl_mem mem, const void *pattern, size_t size, size_t off, size_t n)
+{
+    cl_int err;
+    if (d->cap) {
+        cl_graph *g = d->cap;
+        cl_sync_point_khr prev = g->last; /* each command after the one before */
+        err = d->cb_fill(g->cb, NULL, mem, pattern, size, off, n, g->any, g->any ? &prev : NULL, &g->last, NULL);
+        g->any |= err == CL_SUCCESS;
+        return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clCommandFillBufferKHR", err);
+    }
+    err = clEnqueueFillBuffer(d->q, mem, pattern, size, off, n, 0, NULL, NULL);
+    return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clEnqueueFillBuffer", err);
 }
 
 static kiln_status cl_memset(kiln__backend *be, void *dst, int byte, size_t n)
@@ -216,8 +302,7 @@ static kiln_status cl_memset(kiln__backend *be, void *dst, int byte, size_t n)
     kiln_status s = n ? resolve(d, dst, n, &mem, &off) : KILN_OK;
     if (s != KILN_OK || !n) return s;
     unsigned char pattern = (unsigned char)byte;
-    cl_int err = clEnqueueFillBuffer(d->q, mem, &pattern, 1, off, n, 0, NULL, NULL);
-    return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clEnqueueFillBuffer", err);
+    return fill_mem(d, mem, &pattern, 1, off, n);
 }
 
 /* One in-order queue per device: a stream is that queue, an event a marker on it. */
@@ -369,6 +454,32 @@ static void cl_kernel_free(kiln__backend *be, void *kernel)
     if (kernel) clReleaseKernel((cl_kernel)kernel);
 }
 
+/* While recording: a new kernel object for the same function, owned by the graph, to take
+ * this launch's arguments. */
+static kiln_status recording_kernel(cl_dev *d, cl_kernel k, cl_kernel *out)
+{
+    cl_graph *g = d->cap;
+    cl_program prog;
+    char name[128] = "";
+    cl_int err = clGetKernelInfo(k, CL_KERNEL_PROGRAM, sizeof prog, &prog, NULL);
+    if (err == CL_SUCCESS) err = clGetKernelInfo(k, CL_KERNEL_FUNCTION_NAME, sizeof name - 1, name, NULL);
+    cl_kernel nk = err == CL_SUCCESS ? clCreateKernel(prog, name, &err) : NULL;
+    if (err != CL_SUCCESS) return cl_fail(d, "clCreateKernel (recording)", err);
+    if (g->n_k == g->cap_k) {
+        int cap = g->cap_k ? 2 * g->cap_k : 256;
+        cl_kernel *ks = realloc(g->k, sizeof *ks * (size_t)cap);
+        if (!ks) {
+            clReleaseKernel(nk);
+            return kiln__err(KILN_ERR_OOM, "%s: out of memory recording a command buffer", d->name);
+        }
+        g->k = ks;
+        g->cap_k = cap;
+    }
+    g->k[g->n_k++] = nk;
+    *out = nk;
+    return KILN_OK;
+}
+
 /* Each buffer argument goes as (cl_mem, byte offset into it): the generated kernels take
  * them in pairs. */
 static kiln_status cl_launch(kiln__backend *be, void *kernel, const kiln__karg *args, int nargs, const size_t *grid,
@@ -380,6 +491,10 @@ static kiln_status cl_launch(kiln__backend *be, void *kernel, const kiln__karg *
     cl_uint ai = 0;
     cl_int err = CL_SUCCESS;
     pthread_mutex_lock(&d->prog_lock);
+    if (d->cap && (s = recording_kernel(d, kernel, &k)) != KILN_OK) {
+        pthread_mutex_unlock(&d->prog_lock);
+        return s;
+    }
     for (int i = 0; s == KILN_OK && err == CL_SUCCESS && i < nargs; i++) {
         if (args[i].kind == KILN__KARG_I64) {
             cl_long v = args[i].i64;
@@ -404,7 +519,15 @@ static kiln_status cl_launch(kiln__backend *be, void *kernel, const kiln__karg *
         if (err == CL_SUCCESS) err = clSetKernelArg(k, ai++, sizeof o, &o);
     }
     if (s == KILN_OK && err != CL_SUCCESS) s = cl_fail(d, "clSetKernelArg", err);
-    if (s == KILN_OK) {
+    if (s == KILN_OK && d->cap) {
+        cl_graph *g = d->cap;
+        /* Each command after the one before; the wait list only when there is one: PoCL 3.1
+         * crashes on a non-NULL list whose count is 0. */
+        cl_sync_point_khr prev = g->last;
+        err = d->cb_kernel(g->cb, NULL, NULL, k, (cl_uint)grid_dims, NULL, grid, block, g->any, g->any ? &prev : NULL, &g->last, NULL);
+        g->any |= err == CL_SUCCESS;
+        if (err != CL_SUCCESS) s = cl_fail(d, "clCommandNDRangeKernelKHR", err);
+    } else if (s == KILN_OK) {
         err = clEnqueueNDRangeKernel(d->q, k, (cl_uint)grid_dims, NULL, grid, block, 0, NULL, NULL);
         if (err != CL_SUCCESS) s = cl_fail(d, "clEnqueueNDRangeKernel", err);
     }
@@ -1103,8 +1226,103 @@ static kiln_status cl_fill(kiln__backend *be, void *dst, const void *pattern, si
     kiln_status s = n ? resolve(d, dst, n, &mem, &off) : KILN_OK;
     if (s != KILN_OK || !n) return s;
     if (off % size || n % size) return kiln__err(KILN_ERR_INTERNAL, "%s: a fill not aligned to its pattern", d->name);
-    cl_int err = clEnqueueFillBuffer(d->q, mem, pattern, size, off, n, 0, NULL, NULL);
-    return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clEnqueueFillBuffer", err);
+    return fill_mem(d, mem, pattern, size, off, n);
+}
+
+/* ---- graph capture: cl_khr_command_buffer ---- */
+
+static void graph_free(cl_dev *d, cl_graph *g)
+{
+    if (!g) return;
+    if (g->cb) d->cb_release(g->cb);
+    for (int i = 0; i < g->n_k; i++) clReleaseKernel(g->k[i]);
+    for (int i = 0; i < g->n_freed; i++) release_range(g->freed[i]);
+    free(g->k);
+    free(g->freed);
+    free(g);
+}
+
+/* From here to capture_end the queue's work (kernels, device copies, fills) is recorded,
+ * not run; anything else (a copy to or from the host) fails the capture. */
+static kiln_status cl_capture_begin(kiln__backend *be)
+{
+    cl_dev *d = be->ctx;
+    if (!d->cb_create)
+        return kiln__err(KILN_ERR_UNSUPPORTED, "%s: the platform has no cl_khr_command_buffer", d->name);
+    if (d->cap) return kiln__err(KILN_ERR_ARG, "%s: a capture is already being recorded", d->name);
+    cl_graph *g = calloc(1, sizeof *g);
+    if (!g) return kiln__err(KILN_ERR_OOM, "%s: out of memory", d->name);
+    cl_int err;
+    g->cb = d->cb_create(1, &d->q, NULL, &err);
+    if (err != CL_SUCCESS) {
+        free(g);
+        return cl_fail(d, "clCreateCommandBufferKHR", err);
+    }
+    pthread_mutex_lock(&d->lock);
+    d->cap = g;
+    pthread_mutex_unlock(&d->lock);
+    return KILN_OK;
+}
+
+static kiln_status cl_capture_end(kiln__backend *be, void **graph_out)
+{
+    cl_dev *d = be->ctx;
+    *graph_out = NULL;
+    pthread_mutex_lock(&d->lock);
+    cl_graph *g = d->cap;
+    d->cap = NULL;
+    pthread_mutex_unlock(&d->lock);
+    if (!g) return kiln__err(KILN_ERR_ARG, "%s: no capture is being recorded", d->name);
+    kiln_status s = KILN_OK;
+    if (g->failed) s = kiln__err(KILN_ERR_UNSUPPORTED, "%s: %s cannot be recorded into a command buffer", d->name, g->failed);
+    cl_int err = s == KILN_OK ? d->cb_finalize(g->cb) : CL_SUCCESS;
+    if (s == KILN_OK && err != CL_SUCCESS) s = cl_fail(d, "clFinalizeCommandBufferKHR", err);
+    if (s != KILN_OK) {
+        graph_free(d, g);
+        return s;
+    }
+    *graph_out = g;
+    return KILN_OK;
+}
+
+static kiln_status cl_replay(kiln__backend *be, void *graph)
+{
+    cl_dev *d = be->ctx;
+    cl_graph *g = graph;
+    cl_int err = d->cb_enqueue(0, NULL, g->cb, 0, NULL, NULL);
+    return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clEnqueueCommandBufferKHR", err);
+}
+
+static kiln_status cl_capture_reset(kiln__backend *be, void *graph)
+{
+    cl_dev *d = be->ctx;
+    clFinish(d->q); /* the buffer may still be running */
+    graph_free(d, graph);
+    return KILN_OK;
+}
+
+/* The extension's entry points, when the device lists it. */
+static void find_command_buffers(cl_dev *d, cl_platform_id plat)
+{
+    size_t n = 0;
+    if (clGetDeviceInfo(d->dev, CL_DEVICE_EXTENSIONS, 0, NULL, &n) != CL_SUCCESS || !n) return;
+    char *ext = malloc(n + 1);
+    if (!ext) return;
+    bool has = clGetDeviceInfo(d->dev, CL_DEVICE_EXTENSIONS, n, ext, NULL) == CL_SUCCESS &&
+               strstr(ext, "cl_khr_command_buffer") != NULL;
+    free(ext);
+    if (!has) return;
+#define GET(f, field) d->field = (f##_fn)clGetExtensionFunctionAddressForPlatform(plat, #f)
+    GET(clCreateCommandBufferKHR, cb_create);
+    GET(clCommandNDRangeKernelKHR, cb_kernel);
+    GET(clCommandCopyBufferKHR, cb_copy);
+    GET(clCommandFillBufferKHR, cb_fill);
+    GET(clFinalizeCommandBufferKHR, cb_finalize);
+    GET(clEnqueueCommandBufferKHR, cb_enqueue);
+    GET(clReleaseCommandBufferKHR, cb_release);
+#undef GET
+    if (!d->cb_kernel || !d->cb_copy || !d->cb_fill || !d->cb_finalize || !d->cb_enqueue || !d->cb_release)
+        d->cb_create = NULL; /* all or nothing */
 }
 
 static const kiln__kernel_fn cl_kernels[KILN_OP_COUNT] = {
@@ -1140,6 +1358,7 @@ static kiln_status open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev,
     pthread_mutex_init(&d->lock, NULL);
     pthread_mutex_init(&d->prog_lock, NULL);
     clGetDeviceInfo(dev, CL_DRIVER_VERSION, sizeof d->driver - 1, d->driver, NULL);
+    find_command_buffers(d, plat);
     return KILN_OK;
 }
 
@@ -1168,8 +1387,14 @@ int kiln__opencl_register(void)
                 .event_free = cl_event_free, .event_query = cl_event_query, .synchronize = cl_synchronize, .kernels = cl_kernels,
                 .language = "opencl-c", .compile_kernel = cl_compile_kernel, .kernel_free = cl_kernel_free,
                 .launch = cl_launch, .fill = cl_fill,
-                /* not yet: pinned host memory, graph capture */
+                /* not yet: pinned host memory */
             };
+            if (devs[n].cb_create) {
+                be->capture_begin = cl_capture_begin;
+                be->capture_end = cl_capture_end;
+                be->replay = cl_replay;
+                be->capture_reset = cl_capture_reset;
+            }
             if (kiln__backend_register(be) == KILN_OK) {
                 n++;
                 continue;
