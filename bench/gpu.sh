@@ -25,4 +25,6 @@ if g and c:
     print(f"config S: cuda:0 {g['tokens_per_s']:.0f} tokens/s, cpu {c['tokens_per_s']:.0f}; ratio {g['tokens_per_s'] / c['tokens_per_s']:.2f}")
 PY
 rm -f "$out"
+# A replay as a launch list against the same replay as a CUDA graph.
+sh bench/device_graph.sh "$build" 2 --device cuda:0 --rows 16 --width 256 --steps 200 --rounds 5 || true
 echo "gpu.sh: $(( $(date +%s) - start )) s"

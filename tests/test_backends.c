@@ -255,23 +255,23 @@ static kiln_status device_step(void *ctx, kiln_tensor_t *const *in, int n_in, ki
 }
 
 /* Oracle: the same step run eagerly on a twin weight. Recorded once, the launch list is
- * captured as the device's command buffer (cl_khr_command_buffer on PoCL); each run on
+ * captured as the device's own graph (a command buffer through cl_khr_command_buffer on
+ * PoCL, a CUDA graph on a GPU); each run on
  * new inputs gives eager's outputs and leaves eager's weight, bitwise (the same kernels
  * on the same values), so the buffer reads the new contents of its input and carries
  * the in-place update from run to run. */
-static void replay_as_a_command_buffer(void **state)
+static void replay_as_a_device_graph(const char *dev)
 {
-    if (!have_device("opencl:0")) skip();
-    assert_int_equal(kiln_set_device("opencl:0"), KILN_OK);
+    assert_int_equal(kiln_set_device(dev), KILN_OK);
     float w0[64], x0[64];
     for (int i = 0; i < 64; i++) w0[i] = (float)((i * 37 % 17) - 8) / 16.0f;
-    kiln_tensor_t *we = kiln_tensor_to(kiln_from_data(w0, (int64_t[]){8, 8}, 2, KILN_DTYPE_F32), "opencl:0");
-    kiln_tensor_t *wr = kiln_tensor_to(kiln_from_data(w0, (int64_t[]){8, 8}, 2, KILN_DTYPE_F32), "opencl:0");
+    kiln_tensor_t *we = kiln_tensor_to(kiln_from_data(w0, (int64_t[]){8, 8}, 2, KILN_DTYPE_F32), dev);
+    kiln_tensor_t *wr = kiln_tensor_to(kiln_from_data(w0, (int64_t[]){8, 8}, 2, KILN_DTYPE_F32), dev);
     kiln_replay_t *r = NULL;
     for (int it = 0; it < 5; it++) {
         kiln_scope_begin();
         for (int i = 0; i < 64; i++) x0[i] = (float)(((i + 5 * it) * 13 % 23) - 11) / 8.0f;
-        kiln_tensor_t *x = kiln_tensor_to(kiln_from_data(x0, (int64_t[]){8, 8}, 2, KILN_DTYPE_F32), "opencl:0");
+        kiln_tensor_t *x = kiln_tensor_to(kiln_from_data(x0, (int64_t[]){8, 8}, 2, KILN_DTYPE_F32), dev);
         kiln_tensor_t *ye, *yr;
         int n;
         assert_int_equal(device_step(we, &x, 1, &ye, &n), KILN_OK);
@@ -280,12 +280,12 @@ static void replay_as_a_command_buffer(void **state)
         if (it == 0) {
             char why[256];
             if (!kiln_replay_native(r, why, sizeof why)) fail_msg("not captured: %s", why);
-            assert_non_null(strstr(why, "opencl:0's own graph"));
+            assert_non_null(strstr(why, "'s own graph"));
         }
         float a[64], b[64];
         assert_int_equal(kiln_tensor_to_host(ye, a, sizeof a), KILN_OK);
         assert_int_equal(kiln_tensor_to_host(yr, b, sizeof b), KILN_OK);
-        if (memcmp(a, b, sizeof a)) fail_msg("step %d: the command buffer's output differs from eager's", it);
+        if (memcmp(a, b, sizeof a)) fail_msg("%s step %d: the device graph's output differs from eager's", dev, it);
         kiln_scope_end();
     }
     float a[64], b[64];
@@ -295,6 +295,21 @@ static void replay_as_a_command_buffer(void **state)
     assert_true(memcmp(a, w0, sizeof a) != 0); /* the updates happened */
     kiln_replay_free(r);
     kiln_set_device("cpu");
+}
+
+static void replay_as_a_command_buffer(void **state)
+{
+    if (!have_device("opencl:0")) skip();
+    replay_as_a_device_graph("opencl:0");
+}
+
+static void replay_as_a_cuda_graph(void **state)
+{
+    if (!have_device("cuda:0")) {
+        print_message("skipped: no cuda device (%s)\n", kiln_cuda_status());
+        skip();
+    }
+    replay_as_a_device_graph("cuda:0");
 }
 
 /* embedding checks its indices on the host before it launches: a copy to the host. */
@@ -517,6 +532,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(replay_on_cpu, setup, teardown),
         cmocka_unit_test_setup_teardown(replay_on_opencl, setup, teardown),
         cmocka_unit_test_setup_teardown(replay_as_a_command_buffer, setup, teardown),
+        cmocka_unit_test_setup_teardown(replay_as_a_cuda_graph, setup, teardown),
         cmocka_unit_test_setup_teardown(a_list_that_reads_back_stays_a_launch_list, setup, teardown),
         cmocka_unit_test_setup_teardown(recording_refuses_reads_and_random_ops, setup, teardown),
         cmocka_unit_test_setup_teardown(pinning_is_optional_and_checkpoints_work_without_it, setup, teardown),

@@ -124,6 +124,9 @@ kiln_tensor_t *kiln_tensor_to(kiln_tensor_t *t, const char *device);
  * Unpin with kiln_host_unpin before freeing the memory. */
 kiln_status kiln_host_pin(const char *device, void *ptr, size_t n, bool *pinned);
 kiln_status kiln_host_unpin(const char *device, void *ptr);
+/* Waits until everything queued on device has run (work on a device is asynchronous;
+ * copies to the host already wait): for timing. */
+kiln_status kiln_device_synchronize(const char *device);
 /* Why there are no cuda devices, or how many there are ("libcuda.so.1 (the driver) not
  * found", "no GPU (...)", "1 GPU(s)"): for kiln doctor. */
 const char *kiln_cuda_status(void);

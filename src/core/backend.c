@@ -132,6 +132,13 @@ kiln_status kiln_host_unpin(const char *device, void *ptr)
     return ptr && be->host_unregister ? be->host_unregister(be, ptr) : KILN_OK;
 }
 
+kiln_status kiln_device_synchronize(const char *device)
+{
+    kiln__backend *be = kiln__backend_find(device);
+    if (!be) return kiln_set_device(device) == KILN_OK ? KILN_OK : kiln_last_status(); /* names the devices */
+    return be->synchronize(be);
+}
+
 int kiln__backend_count(void)
 {
     kiln__ensure_init();

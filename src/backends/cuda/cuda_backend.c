@@ -8,7 +8,14 @@
  * machine without a GPU or driver (it just has no cuda devices, and `kiln doctor` says
  * which library or call was missing), and builds anywhere the toolkit's headers are.
  * Device pointers are real addresses in one unified space, so a tensor's data pointer
- * plus offset is what kernels and copies take. */
+ * plus offset is what kernels and copies take.
+ *
+ * Graph capture is CUDA graphs: capture_begin starts capturing the device's stream
+ * (relaxed mode, so that a kernel's own temporaries may still be allocated), the work
+ * issued until capture_end becomes a graph, instantiated once and launched by replay. A
+ * copy to or from the host cannot be captured and fails the capture; buffers freed
+ * meanwhile are kept until the graph goes (cudaFree would synchronize, and the graph's
+ * nodes name them). Written against the CUDA 12/13 runtime; not yet run on a GPU. */
 #ifdef KILN_HAVE_CUDA
 #include <cublas_v2.h>
 #include <cuda.h>
@@ -31,7 +38,9 @@
     X(cudaGetDeviceCount) X(cudaSetDevice) X(cudaMalloc) X(cudaFree) X(cudaMemcpy) X(cudaMemcpyAsync)        \
     X(cudaMemsetAsync) X(cudaMemGetInfo) X(cudaStreamCreate) X(cudaStreamSynchronize) X(cudaEventCreate)      \
     X(cudaEventRecord) X(cudaEventSynchronize) X(cudaEventQuery) X(cudaEventDestroy) X(cudaDeviceGetAttribute)                 \
-    X(cudaHostRegister) X(cudaHostUnregister) X(cudaGetErrorString) X(cudaRuntimeGetVersion)
+    X(cudaHostRegister) X(cudaHostUnregister) X(cudaGetErrorString) X(cudaRuntimeGetVersion)                 \
+    X(cudaStreamBeginCapture) X(cudaStreamEndCapture) X(cudaGraphInstantiate) X(cudaGraphLaunch)             \
+    X(cudaGraphExecDestroy) X(cudaGraphDestroy)
 #define DRIVER_FNS(X)                                                                                         \
     X(cuInit) X(cuDeviceGet) X(cuDeviceGetName) X(cuModuleLoadData) X(cuModuleGetFunction) X(cuModuleUnload)  \
     X(cuLaunchKernel)
@@ -56,7 +65,17 @@ typedef struct {
     cublasHandle_t blas;
     pthread_mutex_t lock; /* the builtin kernels, made once */
     CUfunction builtin[4];
+    struct cu_graph *cap; /* being captured */
 } cuda_dev;
+
+/* A captured graph: the executable one, and the buffers freed while it was captured. */
+typedef struct cu_graph {
+    cudaGraph_t g;
+    cudaGraphExec_t exec;
+    const char *failed;
+    void **freed;
+    int n_freed, cap_freed;
+} cu_graph;
 
 static cuda_dev devs[MAX_CUDA_DEVICES];
 static kiln__backend cuda_backends[MAX_CUDA_DEVICES];
@@ -153,7 +172,19 @@ static void *cu_alloc(kiln__backend *be, size_t n)
 
 static void cu_free(kiln__backend *be, void *p, size_t n)
 {
-    if (p && use(be->ctx) == KILN_OK) p_cudaFree(p);
+    cuda_dev *d = be->ctx;
+    cu_graph *g = d->cap;
+    if (p && g) { /* captured nodes may name it: kept until the graph goes */
+        if (g->n_freed == g->cap_freed) {
+            int cap = g->cap_freed ? 2 * g->cap_freed : 16;
+            void **f = realloc(g->freed, sizeof *f * (size_t)cap);
+            if (f) g->freed = f, g->cap_freed = cap;
+        }
+        if (g->n_freed < g->cap_freed) g->freed[g->n_freed++] = p;
+        else if (!g->failed) g->failed = "out of memory keeping a freed buffer"; /* leaked, not freed under a node */
+        return;
+    }
+    if (p && use(d) == KILN_OK) p_cudaFree(p);
 }
 
 static kiln_status copy(kiln__backend *be, void *dst, const void *src, size_t n, enum cudaMemcpyKind kind)
@@ -161,6 +192,15 @@ static kiln_status copy(kiln__backend *be, void *dst, const void *src, size_t n,
     cuda_dev *d = be->ctx;
     kiln_status s = n ? use(d) : KILN_OK;
     if (s != KILN_OK || !n) return s;
+    if (d->cap && kind != cudaMemcpyDeviceToDevice) {
+        const char *what = kind == cudaMemcpyHostToDevice ? "a copy from the host" : "a copy to the host";
+        if (!d->cap->failed) d->cap->failed = what;
+        return kiln__err(KILN_ERR_UNSUPPORTED, "%s: %s cannot be captured into a CUDA graph", d->name, what);
+    }
+    if (d->cap) { /* captured as a node, not waited for */
+        cudaError_t e = p_cudaMemcpyAsync(dst, src, n, kind, d->stream);
+        return e == cudaSuccess ? KILN_OK : cu_fail(d, "cudaMemcpyAsync (capturing)", e);
+    }
     /* On the device's stream, so that it is ordered after the kernels before it; copies
      * to the host then wait for it. */
     cudaError_t e = p_cudaMemcpyAsync(dst, src, n, kind, d->stream);
@@ -218,6 +258,7 @@ static void cu_event_free(kiln__backend *be, kiln__event *e)
 static kiln_status cu_synchronize(kiln__backend *be)
 {
     cuda_dev *d = be->ctx;
+    if (d->cap) return KILN_OK; /* nothing runs while the stream is captured */
     kiln_status s = use(d);
     cudaError_t e = s == KILN_OK ? p_cudaStreamSynchronize(d->stream) : cudaSuccess;
     return s != KILN_OK ? s : e == cudaSuccess ? KILN_OK : cu_fail(d, "cudaStreamSynchronize", e);
@@ -520,6 +561,72 @@ static kiln_status cu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
     return s;
 }
 
+/* ---- graph capture: CUDA graphs ---- */
+
+static void graph_free(cuda_dev *d, cu_graph *g)
+{
+    if (!g) return;
+    if (g->exec) p_cudaGraphExecDestroy(g->exec);
+    if (g->g) p_cudaGraphDestroy(g->g);
+    for (int i = 0; i < g->n_freed; i++) p_cudaFree(g->freed[i]);
+    free(g->freed);
+    free(g);
+}
+
+static kiln_status cu_capture_begin(kiln__backend *be)
+{
+    cuda_dev *d = be->ctx;
+    if (d->cap) return kiln__err(KILN_ERR_ARG, "%s: a capture is already running", d->name);
+    kiln_status s = use(d);
+    if (s != KILN_OK) return s;
+    cu_graph *g = calloc(1, sizeof *g);
+    if (!g) return kiln__err(KILN_ERR_OOM, "%s: out of memory", d->name);
+    cudaError_t e = p_cudaStreamSynchronize(d->stream); /* what came before is not part of it */
+    if (e == cudaSuccess) e = p_cudaStreamBeginCapture(d->stream, cudaStreamCaptureModeRelaxed);
+    if (e != cudaSuccess) {
+        free(g);
+        return cu_fail(d, "cudaStreamBeginCapture", e);
+    }
+    d->cap = g;
+    return KILN_OK;
+}
+
+static kiln_status cu_capture_end(kiln__backend *be, void **graph_out)
+{
+    cuda_dev *d = be->ctx;
+    *graph_out = NULL;
+    cu_graph *g = d->cap;
+    if (!g) return kiln__err(KILN_ERR_ARG, "%s: no capture is running", d->name);
+    d->cap = NULL;
+    cudaError_t e = p_cudaStreamEndCapture(d->stream, &g->g); /* ends it even when it was invalidated */
+    kiln_status s = KILN_OK;
+    if (g->failed) s = kiln__err(KILN_ERR_UNSUPPORTED, "%s: %s cannot be captured into a CUDA graph", d->name, g->failed);
+    else if (e != cudaSuccess) s = cu_fail(d, "cudaStreamEndCapture", e);
+    else if ((e = p_cudaGraphInstantiate(&g->exec, g->g, 0)) != cudaSuccess) s = cu_fail(d, "cudaGraphInstantiate", e);
+    if (s != KILN_OK) {
+        graph_free(d, g);
+        return s;
+    }
+    *graph_out = g;
+    return KILN_OK;
+}
+
+static kiln_status cu_replay(kiln__backend *be, void *graph)
+{
+    cuda_dev *d = be->ctx;
+    kiln_status s = use(d);
+    cudaError_t e = s == KILN_OK ? p_cudaGraphLaunch(((cu_graph *)graph)->exec, d->stream) : cudaSuccess;
+    return s != KILN_OK ? s : e == cudaSuccess ? KILN_OK : cu_fail(d, "cudaGraphLaunch", e);
+}
+
+static kiln_status cu_capture_reset(kiln__backend *be, void *graph)
+{
+    cuda_dev *d = be->ctx;
+    if (use(d) == KILN_OK) p_cudaStreamSynchronize(d->stream); /* it may still be running */
+    graph_free(d, graph);
+    return KILN_OK;
+}
+
 static const kiln__kernel_fn cuda_kernels[KILN_OP_COUNT] = {
     [KILN_OP_MATMUL] = cu_matmul, [KILN_OP_ADD_] = cu_add_, [KILN_OP_SCALE_] = cu_scale_, [KILN_OP_ADAMW_] = cu_adamw_,
 };
@@ -571,7 +678,8 @@ int kiln__cuda_register(void)
             .synchronize = cu_synchronize, .kernels = cuda_kernels, .language = "cuda-c",
             .compile_kernel = cu_compile_kernel, .kernel_free = cu_kernel_free, .launch = cu_launch, .fill = cu_fill,
             .native_stream = cu_native_stream, .host_register = cu_host_register, .host_unregister = cu_host_unregister,
-            /* not yet: graph capture (CUDA graphs) */
+            .capture_begin = cu_capture_begin, .capture_end = cu_capture_end, .replay = cu_replay,
+            .capture_reset = cu_capture_reset,
         };
         if (kiln__backend_register(be) == KILN_OK) n++;
         else kiln_clear_error();

@@ -71,6 +71,7 @@ typedef struct {
     clFinalizeCommandBufferKHR_fn cb_finalize;
     clEnqueueCommandBufferKHR_fn cb_enqueue;
     clReleaseCommandBufferKHR_fn cb_release;
+    bool cb_simultaneous; /* a buffer may be enqueued again while it is still pending */
     struct cl_graph *cap; /* being recorded: work goes into it instead of the queue */
 } cl_dev;
 
@@ -87,6 +88,7 @@ typedef struct cl_graph {
     int n_k, cap_k;
     cl_range *freed;
     int n_freed, cap_freed;
+    cl_event pending; /* the last run, where the buffer cannot run twice at once */
 } cl_graph;
 
 /* A built program, by the hash of its source. */
@@ -1234,6 +1236,7 @@ static kiln_status cl_fill(kiln__backend *be, void *dst, const void *pattern, si
 static void graph_free(cl_dev *d, cl_graph *g)
 {
     if (!g) return;
+    if (g->pending) clReleaseEvent(g->pending);
     if (g->cb) d->cb_release(g->cb);
     for (int i = 0; i < g->n_k; i++) clReleaseKernel(g->k[i]);
     for (int i = 0; i < g->n_freed; i++) release_range(g->freed[i]);
@@ -1253,7 +1256,8 @@ static kiln_status cl_capture_begin(kiln__backend *be)
     cl_graph *g = calloc(1, sizeof *g);
     if (!g) return kiln__err(KILN_ERR_OOM, "%s: out of memory", d->name);
     cl_int err;
-    g->cb = d->cb_create(1, &d->q, NULL, &err);
+    cl_command_buffer_properties_khr props[] = {CL_COMMAND_BUFFER_FLAGS_KHR, CL_COMMAND_BUFFER_SIMULTANEOUS_USE_KHR, 0};
+    g->cb = d->cb_create(1, &d->q, d->cb_simultaneous ? props : NULL, &err);
     if (err != CL_SUCCESS) {
         free(g);
         return cl_fail(d, "clCreateCommandBufferKHR", err);
@@ -1289,7 +1293,13 @@ static kiln_status cl_replay(kiln__backend *be, void *graph)
 {
     cl_dev *d = be->ctx;
     cl_graph *g = graph;
-    cl_int err = d->cb_enqueue(0, NULL, g->cb, 0, NULL, NULL);
+    if (g->pending) { /* a buffer without simultaneous use must have finished its last run */
+        cl_int err = clWaitForEvents(1, &g->pending);
+        clReleaseEvent(g->pending);
+        g->pending = NULL;
+        if (err != CL_SUCCESS) return cl_fail(d, "clWaitForEvents", err);
+    }
+    cl_int err = d->cb_enqueue(0, NULL, g->cb, 0, NULL, d->cb_simultaneous ? NULL : &g->pending);
     return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clEnqueueCommandBufferKHR", err);
 }
 
@@ -1323,6 +1333,9 @@ static void find_command_buffers(cl_dev *d, cl_platform_id plat)
 #undef GET
     if (!d->cb_kernel || !d->cb_copy || !d->cb_fill || !d->cb_finalize || !d->cb_enqueue || !d->cb_release)
         d->cb_create = NULL; /* all or nothing */
+    cl_bitfield caps = 0;
+    clGetDeviceInfo(d->dev, CL_DEVICE_COMMAND_BUFFER_CAPABILITIES_KHR, sizeof caps, &caps, NULL);
+    d->cb_simultaneous = (caps & CL_COMMAND_BUFFER_CAPABILITY_SIMULTANEOUS_USE_KHR) != 0;
 }
 
 static const kiln__kernel_fn cl_kernels[KILN_OP_COUNT] = {
