@@ -70,6 +70,12 @@ kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed);
  * small) kept as a captured tensor; captured tensors themselves are never constants.
  * Returns how many ops were folded in *folded; run kiln_graph_dce after. */
 kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded);
+/* Saved or recomputed: a pointwise result read in the forward part and again far later
+ * (in backward) gets its late reads from a copy computed again just before them, from
+ * values alive there anyway, instead of being kept alive in between (less memory, one
+ * more fused kernel). Returns how many results were recomputed in *recomputed; run it
+ * after kiln_graph_cse, which would merge the copies back. */
+kiln_status kiln_graph_recompute(kiln_graph_t *g, int *recomputed);
 int kiln_graph_num_ops(const kiln_graph_t *g);
 /* True while this thread is capturing a function. */
 bool kiln_graph_capturing(void);

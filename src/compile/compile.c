@@ -66,7 +66,7 @@ FILE *kiln__debug_open(const char *dir, const char *file)
 
 void kiln__compile_options(kc_options *o)
 {
-    *o = (kc_options){true, true, true, true, true, true, 48};
+    *o = (kc_options){true, true, true, true, true, true, true, 48};
     const char *off = getenv("KILN_COMPILE_DISABLE");
     for (const char *p = off; p && *p;) {
         const char *e = strchr(p, ',');
@@ -77,6 +77,7 @@ void kiln__compile_options(kc_options *o)
         OFF(fold)
         OFF(cse)
         OFF(dce)
+        OFF(recompute)
         OFF(fusion)
         OFF(codegen)
 #undef OFF
@@ -92,12 +93,13 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
     kc_options o;
     kiln__compile_options(&o);
     double t0 = now_s();
-    int dec = 0, folded = 0, merged = 0, removed = 0;
+    int dec = 0, folded = 0, merged = 0, removed = 0, recomputed = 0;
     kiln_status s = KILN_OK;
     if (o.decompose) s = kiln_graph_decompose(g, &dec);
     if (s == KILN_OK && o.fold) s = kiln_graph_fold(g, &folded);
     if (s == KILN_OK && o.cse) s = kiln_graph_cse(g, &merged);
     if (s == KILN_OK && o.dce) s = kiln_graph_dce(g, &removed);
+    if (s == KILN_OK && o.recompute) s = kiln_graph_recompute(g, &recomputed); /* after CSE, which would undo it */
     if (s != KILN_OK) return s;
     double t1 = now_s();
     FILE *f;
@@ -107,7 +109,7 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
     }
     if (kiln__log_on("graph")) {
         fprintf(stderr, "kiln [graph] %s graph %d (%d ops after %d decomposed, %d folded, %d repeated merged, %d dead "
-                "removed):\n", name, index, kiln_graph_num_ops(g), dec, folded, merged, removed);
+                "removed, %d recomputed):\n", name, index, kiln_graph_num_ops(g), dec, folded, merged, removed, recomputed);
         kiln_graph_print(g, stderr);
     }
     if (!o.codegen) return KILN_OK; /* interpreted */

@@ -71,10 +71,10 @@ typedef struct {
     int kind, index; /* graph node, or kernel */
 } kc_step;
 
-/* What each pass may do; KILN_COMPILE_DISABLE=decompose,fold,cse,dce,fusion,codegen
- * turns them off one at a time, to find the one that breaks a result. */
+/* What each pass may do; KILN_COMPILE_DISABLE=decompose,fold,cse,dce,recompute,fusion,
+ * codegen turns them off one at a time, to find the one that breaks a result. */
 typedef struct {
-    bool decompose, fold, cse, dce, fusion, codegen;
+    bool decompose, fold, cse, dce, fusion, codegen, recompute;
     int max_fuse; /* ops per kernel */
 } kc_options;
 

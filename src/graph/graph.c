@@ -707,6 +707,205 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
     return s;
 }
 
+/* Saved or recomputed: a pointwise result read early (forward) and again much later
+ * (backward) is not kept alive between the two; the late reads get a copy computed
+ * again, just before the first of them, from values that are alive there anyway (the
+ * graph's arguments and constants, values read at or after that point), itself rebuilt
+ * the same way through up to RC_DEPTH pointwise producers (or views, which cost
+ * nothing). So layer norm's output, or GELU's, is recomputed before the weight-gradient matmul from what its backward keeps,
+ * and the recomputed chain fuses into one kernel. Only results of at least RC_MIN
+ * elements are worth it, and only across a gap of RC_GAP ops or more; values updated in
+ * place (or read through views of such) are never recomputed, nor are the graph's
+ * outputs. Runs after CSE (which would merge the copies back). */
+#define RC_GAP 32
+#define RC_MIN 1024
+#define RC_DEPTH 6
+
+static bool recomputable(kiln__op_id op)
+{
+    if (kiln__ops[op].is_view && !kiln__ops[op].is_inplace) return true; /* free: a new view of the copy */
+    switch (op) {
+    case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_NEG: case KILN_OP_ABS:
+    case KILN_OP_EXP: case KILN_OP_LOG: case KILN_OP_SQRT: case KILN_OP_RSQRT: case KILN_OP_TANH:
+    case KILN_OP_SIGMOID: case KILN_OP_RELU: case KILN_OP_GELU: case KILN_OP_SILU: case KILN_OP_MAXIMUM:
+    case KILN_OP_MINIMUM: case KILN_OP_CAST:
+        return true;
+    default:
+        return false;
+    }
+}
+
+typedef struct {
+    kiln_graph_t *g;
+    const bool *keep, *mut;
+    int map_from[64], map_to[64], n_map; /* what this rebuild has cloned so far */
+} rc_ctx;
+
+/* Is value x there at position late without being computed again? So it is when read
+ * at or after late, or when a view of it is (the view keeps its storage). */
+static bool alive_but(const rc_ctx *c, int x, int late, int skip)
+{
+    const kiln_graph_t *g = c->g;
+    if (g->v[x].kind != V_OP || c->keep[x]) return true;
+    for (int q = late; q < g->n_nd; q++)
+        for (int i = 0; i < g->nd[q].n_in; i++)
+            if (g->nd[q].in[i] == x) return true;
+    for (int q = g->v[x].index + 1; q < g->n_nd; q++) {
+        const node *n = &g->nd[q];
+        if (q != skip && kiln__ops[n->op].is_view && n->n_in && n->in[0] == x && n->n_out == 1 &&
+            alive_but(c, n->out[0], late, skip))
+            return true;
+    }
+    return false;
+}
+
+static bool alive_at(const rc_ctx *c, int x, int late) { return alive_but(c, x, late, -1); }
+
+static bool rebuildable(const rc_ctx *c, int x, int late, int depth)
+{
+    const kiln_graph_t *g = c->g;
+    if (alive_at(c, x, late)) return true;
+    if (depth >= RC_DEPTH || c->mut[x]) return false;
+    const node *n = &g->nd[g->v[x].index];
+    if (!recomputable(n->op) || n->n_out != 1) return false;
+    for (int i = 0; i < n->n_in; i++)
+        if (!rebuildable(c, n->in[i], late, depth + 1)) return false;
+    return true;
+}
+
+/* Inserts node copy at position at (the nodes from there move up one). */
+static kiln_status insert_node(kiln_graph_t *g, int at, const node *n, int *out_value)
+{
+    if (g->n_nd == g->cap_nd) {
+        int cap = g->cap_nd ? 2 * g->cap_nd : 64;
+        node *nd = realloc(g->nd, sizeof *nd * (size_t)cap);
+        if (!nd) return kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
+        g->nd = nd;
+        g->cap_nd = cap;
+    }
+    node c = *n;
+    kiln__meta m = g->v[n->out[0]].meta; /* add_value may move g->v */
+    c.in = malloc(sizeof(int) * (size_t)(n->n_in ? n->n_in : 1));
+    int v = c.in ? add_value(g, V_OP, at, 0, &m, NULL) : -1;
+    if (v < 0) {
+        free(c.in);
+        return kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
+    }
+    memcpy(c.in, n->in, sizeof(int) * (size_t)n->n_in);
+    c.out[0] = v;
+    memmove(&g->nd[at + 1], &g->nd[at], sizeof *g->nd * (size_t)(g->n_nd - at));
+    g->nd[at] = c;
+    g->n_nd++;
+    for (int q = at; q < g->n_nd; q++)
+        for (int j = 0; j < g->nd[q].n_out; j++) g->v[g->nd[q].out[j]].index = q;
+    *out_value = v;
+    return KILN_OK;
+}
+
+/* x as of position *at: itself where alive, else a copy of its producer (on rebuilt
+ * inputs) inserted at *at, which moves past it. */
+static kiln_status rebuild(rc_ctx *c, int x, int late, int *at, int *out)
+{
+    kiln_graph_t *g = c->g;
+    for (int i = 0; i < c->n_map; i++)
+        if (c->map_from[i] == x) {
+            *out = c->map_to[i];
+            return KILN_OK;
+        }
+    if (alive_at(c, x, late)) {
+        *out = x;
+        return KILN_OK;
+    }
+    node n = g->nd[g->v[x].index];
+    int ins[8];
+    if (n.n_in > 8 || c->n_map == 64) return kiln__err(KILN_ERR_INTERNAL, "graph_recompute: chain too wide");
+    for (int i = 0; i < n.n_in; i++) {
+        kiln_status s = rebuild(c, n.in[i], late, at, &ins[i]);
+        if (s != KILN_OK) return s;
+    }
+    n = g->nd[g->v[x].index]; /* insertions may have moved the array */
+    n.in = ins;
+    kiln_status s = insert_node(g, *at, &n, out);
+    if (s != KILN_OK) return s;
+    (*at)++;
+    c->map_from[c->n_map] = x;
+    c->map_to[c->n_map++] = *out;
+    return KILN_OK;
+}
+
+kiln_status kiln_graph_recompute(kiln_graph_t *g, int *recomputed)
+{
+    if (!g) return kiln__err(KILN_ERR_ARG, "graph_recompute: NULL graph");
+    int n_v0 = g->n_v, cap_v = n_v0 * 4 + 64;
+    bool *keep = calloc((size_t)cap_v, sizeof *keep), *mut = calloc((size_t)cap_v, sizeof *mut);
+    if (!keep || !mut) {
+        free(keep);
+        free(mut);
+        return kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
+    }
+    for (int j = 0; j < g->n_outs; j++) keep[g->outs[j]] = true;
+    for (int j = 0; j < g->n_lg; j++)
+        if (!g->lg[j].dropped) keep[g->lg[j].value] = true;
+    for (int k = g->n_nd - 1; k >= 0; k--) { /* as kiln_graph_fold: updated in place, or aliased by such */
+        const node *n = &g->nd[k];
+        const kiln__op_def *d = &kiln__ops[n->op];
+        if (d->is_inplace && n->n_in) mut[n->in[0]] = true;
+        if (n->op == KILN_OP_ADAMW_ && n->n_in == 7) mut[n->in[2]] = mut[n->in[3]] = true;
+        if (d->is_view && n->n_in && mut[n->out[0]]) mut[n->in[0]] = true;
+    }
+    kiln_status s = KILN_OK;
+    int count = 0, *uses = malloc(sizeof(int) * (size_t)(g->n_nd + 1));
+    if (!uses) s = kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
+    for (int k = g->n_nd - 1; s == KILN_OK && k >= 0; k--) {
+        const node *n = &g->nd[k];
+        if (!recomputable(n->op) || n->n_out != 1) continue;
+        bool view_top = kiln__ops[n->op].is_view;
+        int v = n->out[0];
+        if (v >= n_v0 || keep[v] || mut[v]) continue;
+        const kiln__meta *m = &g->v[v].meta;
+        if (kiln__numel(m->ndim, m->shape) < RC_MIN) continue;
+        int n_uses = 0;
+        for (int q = k + 1; q < g->n_nd; q++)
+            for (int i = 0; i < g->nd[q].n_in; i++)
+                if (g->nd[q].in[i] == v) {
+                    uses[n_uses++] = q;
+                    break;
+                }
+        int late = -1;
+        for (int i = 0; i + 1 < n_uses && late < 0; i++)
+            if (uses[i + 1] - uses[i] >= RC_GAP) late = uses[i + 1];
+        if (late < 0) continue;
+        rc_ctx c = {g, keep, mut, {0}, {0}, 0};
+        bool ok = true;
+        for (int i = 0; i < n->n_in && ok; i++) ok = !mut[n->in[i]] && rebuildable(&c, n->in[i], late, 1);
+        /* A view owns no memory: one is worth recomputing only for the storage behind it
+         * (a view of GELU's output, say), when that is not alive late anyway. */
+        if (ok && view_top) ok = !alive_but(&c, n->in[0], late, k);
+        if (!ok) continue;
+        if (g->n_v + 8 * RC_DEPTH > cap_v) break; /* the flags below cover the values made so far */
+        /* v's own copy (v is read at late, so rebuild would hand back v itself). */
+        int at = late, nv = 0, ins[8];
+        node copy = g->nd[k];
+        if (copy.n_in > 8) continue;
+        for (int i = 0; s == KILN_OK && i < copy.n_in; i++) s = rebuild(&c, copy.in[i], late, &at, &ins[i]);
+        copy = g->nd[k]; /* the array may have moved */
+        copy.in = ins;
+        if (s == KILN_OK) s = insert_node(g, at, &copy, &nv);
+        if (s == KILN_OK) at++;
+        if (s != KILN_OK) break;
+        /* The late reads (now from at on) take the copy. */
+        for (int q = at; q < g->n_nd; q++)
+            for (int i = 0; i < g->nd[q].n_in; i++)
+                if (g->nd[q].in[i] == v) g->nd[q].in[i] = nv;
+        count++;
+    }
+    free(uses);
+    free(keep);
+    free(mut);
+    if (recomputed) *recomputed = count;
+    return s;
+}
+
 kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f)
 {
     if (!g || !f) return kiln__err(KILN_ERR_ARG, "graph_print: NULL graph or file");
