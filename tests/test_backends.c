@@ -204,12 +204,13 @@ static void replayed_training_steps_match_eager(const char *device)
         kiln_scope_end();
     }
     assert_true(kiln_replay_num_launches(r) > 50);
-    /* Not the device's own graph yet on either: the step still runs some ops on the cpu
-     * (opencl), and the cpu has no capture entries; the reason says which. */
+    /* Not the device's own graph yet on either: the cpu has no capture entries, and on
+     * opencl embedding and cross-entropy check their indices on the host, which a command
+     * buffer cannot hold; the reason says which. */
     char why[256];
     assert_false(kiln_replay_native(r, why, sizeof why));
     assert_non_null(strstr(why, "a launch list"));
-    assert_non_null(strstr(why, !strcmp(device, "cpu") ? "no graph capture" : "cpu"));
+    if (!strstr(why, !strcmp(device, "cpu") ? "no graph capture" : "a copy to the host")) fail_msg("why: %s", why);
     for (int i = 0; i < t[0].np; i++) {
         int64_t n = kiln_tensor_numel(t[0].ps[i]);
         float *wa = malloc(sizeof(float) * (size_t)n), *wb = malloc(sizeof(float) * (size_t)n);

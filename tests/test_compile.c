@@ -147,6 +147,34 @@ static void every_lowered_op_matches_eager(void **state)
     }
 }
 
+/* The same in f64, for the ops the lowering takes in f64 (the arithmetic, exp/log/sqrt,
+ * min/max and last-dim reductions: what a gradient norm computes). Oracle: eager, op by
+ * op, in f64 (libm's double functions on both sides); tolerance 1e-12 relative. */
+#define TOL64 1e-12
+static void f64_ops_match_eager(void **state)
+{
+    static const char *const names[] = {"add", "sub", "mul", "div", "pow", "maximum", "minimum", "neg", "abs",
+                                        "exp", "log", "sqrt", "rsqrt", "sum_last", "max_last"};
+    int64_t s[2] = {37, 300};
+    for (size_t i = 0; i < sizeof names / sizeof names[0]; i++) {
+        const op_case *oc = NULL;
+        for (size_t j = 0; j < sizeof ops / sizeof ops[0]; j++)
+            if (!strcmp(ops[j].name, names[i])) oc = &ops[j];
+        assert_non_null(oc);
+        kiln_tensor_t *in[2];
+        for (int j = 0; j < 2; j++) {
+            kiln_tensor_t *r = randn(s, 2, 40 + 2 * i + j);
+            if (oc->positive) r = kiln_add(kiln_abs(r), kiln_scalar(0.1, KILN_DTYPE_F32));
+            in[j] = kiln_cast(r, KILN_DTYPE_F64);
+        }
+        snprintf(label, sizeof label, "%s (f64)", names[i]);
+        int k = -1, o = -1;
+        check(one_op, (void *)names[i], in, oc->arity, TOL64, &k, &o);
+        if (k != 1 || o != 0) fail_msg("%s: %d kernels and %d dispatched ops, expected one kernel", label, k, o);
+    }
+    label[0] = 0;
+}
+
 /* ---- kernel counts on small graphs ---- */
 
 static kiln_status chain(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
@@ -528,6 +556,7 @@ int main(void)
     assert_non_null(mkdtemp(cache_dir));
     setenv("KILN_CACHE_DIR", cache_dir, 1);
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(f64_ops_match_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(every_lowered_op_matches_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(kernel_counts, setup, teardown),
         cmocka_unit_test_setup_teardown(random_graphs_match_eager, setup, teardown),

@@ -76,6 +76,8 @@ static const char *helpers =
     "KC_FN float kc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }\n"
     "KC_FN float kc_max(float x, float y) { return x != x || x > y ? x : y; }\n"
     "KC_FN float kc_min(float x, float y) { return x != x || x < y ? x : y; }\n"
+    "KC_FN double kc_maxd(double x, double y) { return x != x || x > y ? x : y; }\n"
+    "KC_FN double kc_mind(double x, double y) { return x != x || x < y ? x : y; }\n"
     "#define KC_C0 0.7978845608028654f\n#define KC_C1 0.044715f\n"
     "KC_FN float kc_gelu_fast(float x) { return 0.5f * x * (1.0f + kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
     "KC_FN float kc_gelu_tanh(float x) { return 0.5f * x * (1.0f + tanhf(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
@@ -138,6 +140,19 @@ static void expr_c(sbuf *b, const kc_kernel *k, int i, bool fast)
         break;
     }
     bool tanh_form = e->attrs.i[0] != 0;
+    if (e->dt == KILN_DTYPE_F64) { /* lowering lets only these through in f64: double math, no fast forms */
+        switch (e->op) {
+        case KILN_OP_POW: put(b, "pow(%s, %s)", a[0], a[1]); return;
+        case KILN_OP_MAXIMUM: put(b, "kc_maxd(%s, %s)", a[0], a[1]); return;
+        case KILN_OP_MINIMUM: put(b, "kc_mind(%s, %s)", a[0], a[1]); return;
+        case KILN_OP_ABS: put(b, "fabs(%s)", a[0]); return;
+        case KILN_OP_EXP: put(b, "exp(%s)", a[0]); return;
+        case KILN_OP_LOG: put(b, "log(%s)", a[0]); return;
+        case KILN_OP_SQRT: put(b, "sqrt(%s)", a[0]); return;
+        case KILN_OP_RSQRT: put(b, "1.0 / sqrt(%s)", a[0]); return;
+        default: break; /* + - * / neg, casts, where: as in f32 */
+        }
+    }
     switch (e->op) {
     case KILN_OP_ADD: put(b, "%s + %s", a[0], a[1]); break;
     case KILN_OP_SUB: put(b, "%s - %s", a[0], a[1]); break;
@@ -202,6 +217,11 @@ static void body(sbuf *b, const kc_kernel *k, const bool *need, bool fast, const
             expr_c(b, k, i, fast);
             put(b, ";\n");
         }
+}
+
+static const char *maxfn(const kc_kernel *k, int a)
+{
+    return k->e[k->acc[a].expr].dt == KILN_DTYPE_F64 ? "kc_maxd" : "kc_max";
 }
 
 /* One kernel. In C it runs tasks [t0, t1) given its buffers in b[]; in OpenCL C (cl)
@@ -291,15 +311,11 @@ static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, int dialect)
         for (int a = 0; a < k->n_acc; a++)
             if (k->acc[a].phase == q) mark(k, k->acc[a].expr, need);
         for (int a = 0; a < k->n_acc; a++)
-            if (k->acc[a].phase == q) put(b, "        float a%d;\n", a);
-        put(b, "        {\n        float ");
-        bool first = true;
+            if (k->acc[a].phase == q) put(b, "        %s a%d;\n", ctype(k->e[k->acc[a].expr].dt), a);
+        put(b, "        {\n");
         for (int a = 0; a < k->n_acc; a++)
-            if (k->acc[a].phase == q) {
-                put(b, "%sl%d[16]", first ? "" : ", ", a);
-                first = false;
-            }
-        put(b, ";\n        for (int l = 0; l < 16; l++) {\n");
+            if (k->acc[a].phase == q) put(b, "        %s l%d[16];\n", ctype(k->e[k->acc[a].expr].dt), a);
+        put(b, "        for (int l = 0; l < 16; l++) {\n");
         for (int a = 0; a < k->n_acc; a++)
             if (k->acc[a].phase == q) put(b, "            l%d[l] = %s;\n", a, k->acc[a].op == KILN_OP_MAX ? "-INFINITY" : "0.0f");
         put(b, "        }\n        int64_t j = j0;\n");
@@ -310,7 +326,8 @@ static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, int dialect)
             for (int a = 0; a < k->n_acc; a++) {
                 if (k->acc[a].phase != q) continue;
                 const char *ind = tail ? "            " : "                ";
-                if (k->acc[a].op == KILN_OP_MAX) put(b, "%sl%d[l] = kc_max(e%d, l%d[l]);\n", ind, a, k->acc[a].expr, a);
+                if (k->acc[a].op == KILN_OP_MAX)
+                    put(b, "%sl%d[l] = %s(e%d, l%d[l]);\n", ind, a, maxfn(k, a), k->acc[a].expr, a);
                 else put(b, "%sl%d[l] += e%d;\n", ind, a, k->acc[a].expr);
             }
             put(b, "%s(void)jj;\n%s}\n", tail ? "            " : "                ", tail ? "        " : "            ");
@@ -318,7 +335,8 @@ static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, int dialect)
         for (int a = 0; a < k->n_acc; a++) {
             if (k->acc[a].phase != q) continue;
             put(b, "        a%d = l%d[0];\n", a, a);
-            if (k->acc[a].op == KILN_OP_MAX) put(b, "        for (int l = 1; l < 16; l++) a%d = kc_max(l%d[l], a%d);\n", a, a, a);
+            if (k->acc[a].op == KILN_OP_MAX)
+                put(b, "        for (int l = 1; l < 16; l++) a%d = %s(l%d[l], a%d);\n", a, maxfn(k, a), a, a);
             else put(b, "        for (int l = 1; l < 16; l++) a%d += l%d[l];\n", a, a);
         }
         put(b, "        }\n");

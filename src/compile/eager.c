@@ -183,6 +183,38 @@ static bool candidate(kiln__op_id op)
     }
 }
 
+/* A sum or max of a contiguous tensor over a leading or trailing run of its dims (or
+ * all of them), other than the last dim alone: the lowering reduces only the last dim,
+ * so such a reduction is handed to it over a two-dim header on the same buffer, [kept,
+ * reduced], the reduced run merged into the last dim (strided, for a leading run).
+ * False for anything else. */
+static bool flat_reduction(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                           kiln_tensor_t *flat)
+{
+    if ((op != KILN_OP_SUM && op != KILN_OP_MAX) || n_in != 1 || !kiln__is_contiguous(in[0])) return false;
+    const kiln_tensor_t *x = in[0];
+    int nd = x->ndim;
+    if (nd < 1 || nd > 31) return false;
+    unsigned seen = 0;
+    if (a->ndim == 0) seen = (1u << nd) - 1;
+    for (int i = 0; i < a->ndim; i++) seen |= 1u << kiln__norm_dim((int)a->shape[i], nd);
+    int k = __builtin_popcount(seen);
+    bool all = seen == (1u << nd) - 1, lead = seen == (1u << k) - 1, trail = seen == ((1u << nd) - 1) - ((1u << (nd - k)) - 1);
+    if (!k || (!all && !lead && !trail) || (nd == 1) || (trail && k == 1 && !all)) return false; /* the lowering's own cases */
+    int64_t red = 1, kept = 1;
+    for (int d = 0; d < nd; d++) {
+        if (seen >> d & 1) red *= x->shape[d];
+        else kept *= x->shape[d];
+    }
+    *flat = *x;
+    flat->ndim = 2;
+    flat->shape[0] = kept;
+    flat->shape[1] = red;
+    if (all || trail) flat->stride[0] = red, flat->stride[1] = 1;
+    else flat->stride[0] = 1, flat->stride[1] = kept; /* leading run: column sums */
+    return true;
+}
+
 kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                  kiln_tensor_t *const *out, int n_out, bool *handled)
 {
@@ -191,6 +223,16 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
     if (!be->language || !be->compile_kernel || !be->launch || !candidate(op) || n_in > 16 ||
         !kiln__opt(KILN__OPT_DEVICE_CODEGEN))
         return KILN_OK;
+    kiln_tensor_t flat, *fp = &flat;
+    if (flat_reduction(op, in, n_in, a, &flat)) {
+        /* The header is only read here; out holds one element per kept one, contiguous,
+         * whatever dims it keeps. */
+        kiln__attrs a1 = *a;
+        a1.ndim = 1;
+        a1.shape[0] = 1;
+        a1.keepdim = false;
+        return kiln__eager_compiled(be, op, &fp, 1, &a1, out, n_out, handled);
+    }
     keybuf k = {.n = 0};
     key_add(&k, &be, sizeof be);
     key_add(&k, &op, sizeof op);

@@ -20,20 +20,28 @@ typedef enum { L_NONE, L_PW, L_REDUCE, L_GEN, L_ALIAS } lower_kind;
 
 static bool loadable(kiln_dtype dt)
 {
-    return dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_I64 || dt == KILN_DTYPE_I32 || dt == KILN_DTYPE_BOOL ||
-           dt == KILN_DTYPE_U8;
+    return dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_F64 || dt == KILN_DTYPE_I64 || dt == KILN_DTYPE_I32 ||
+           dt == KILN_DTYPE_BOOL || dt == KILN_DTYPE_U8;
 }
 
-/* How an op lowers, given its inputs' and outputs' dtypes: arithmetic in f32 only. */
+/* How an op lowers, given its inputs' and outputs' dtypes: arithmetic in f32, and the
+ * plain arithmetic, square roots, exp/log and reductions in f64 too (what a gradient
+ * norm does); the activations stay f32-only (their generated forms are float code). */
 static lower_kind lowering(const kiln_graph_t *g, const node *n)
 {
     kiln_dtype o = n->n_out ? g->v[n->out[0]].meta.dtype : KILN_DTYPE_F32;
-    bool f32_in = true;
-    for (int i = 0; i < n->n_in; i++) f32_in &= g->v[n->in[i]].meta.dtype == KILN_DTYPE_F32;
+    bool f32_in = true, f64_in = true;
+    for (int i = 0; i < n->n_in; i++) {
+        f32_in &= g->v[n->in[i]].meta.dtype == KILN_DTYPE_F32;
+        f64_in &= g->v[n->in[i]].meta.dtype == KILN_DTYPE_F64;
+    }
+    bool same_float = (f32_in && o == KILN_DTYPE_F32) || (f64_in && o == KILN_DTYPE_F64);
     switch (n->op) {
     case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_POW:
     case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM: case KILN_OP_NEG: case KILN_OP_ABS: case KILN_OP_EXP:
-    case KILN_OP_LOG: case KILN_OP_SQRT: case KILN_OP_RSQRT: case KILN_OP_TANH: case KILN_OP_SIGMOID:
+    case KILN_OP_LOG: case KILN_OP_SQRT: case KILN_OP_RSQRT:
+        return same_float ? L_PW : L_NONE;
+    case KILN_OP_TANH: case KILN_OP_SIGMOID:
     case KILN_OP_RELU: case KILN_OP_GELU: case KILN_OP_SILU: case KILN_OP_GELU_BACKWARD:
     case KILN_OP_SILU_BACKWARD:
         return f32_in && o == KILN_DTYPE_F32 ? L_PW : L_NONE;
@@ -46,7 +54,7 @@ static lower_kind lowering(const kiln_graph_t *g, const node *n)
     case KILN_OP_CAST: case KILN_OP_CONTIGUOUS:
         return loadable(g->v[n->in[0]].meta.dtype) && loadable(o) ? L_PW : L_NONE;
     case KILN_OP_SUM: case KILN_OP_MAX:
-        return f32_in && o == KILN_DTYPE_F32 ? L_REDUCE : L_NONE;
+        return same_float ? L_REDUCE : L_NONE;
     case KILN_OP_FULL: case KILN_OP_ARANGE:
         return loadable(o) ? L_GEN : L_NONE;
     case KILN_OP_VIEW:
@@ -252,7 +260,7 @@ static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, i
             memset(&e, 0, sizeof e);
             e.kind = E_ACC;
             e.buf = kr->n_acc++;
-            e.dt = KILN_DTYPE_F32;
+            e.dt = g->v[v].meta.dtype;
             if ((memo[v] = new_expr(kr, &e)) < 0) return oom();
             continue;
         }

@@ -817,6 +817,12 @@ static const char *builtin_src =
     "    __global float *d = (__global float *)(gd + od);\n"
     "    if (i < n) d[i] = fma(alpha, ((__global const float *)(gs + os))[i], d[i]);\n"
     "}\n"
+    "__kernel void kiln_add_f64_(__global char *gd, ulong od, __global const char *gs, ulong os, double alpha, long n)\n"
+    "{\n"
+    "    const long i = get_global_id(0);\n"
+    "    __global double *d = (__global double *)(gd + od);\n"
+    "    if (i < n) d[i] = fma(alpha, ((__global const double *)(gs + os))[i], d[i]);\n"
+    "}\n"
     "__kernel void kiln_scale_(__global char *gd, ulong od, float s, long n)\n"
     "{\n"
     "    const long i = get_global_id(0);\n"
@@ -848,13 +854,13 @@ static const char *builtin_src =
 
 enum {
     BK_MATMUL, BK_MATMUL_SIMPLE, BK_ADD_, BK_SCALE_, BK_ADAMW_, BK_EMB, BK_EMB_BWD, BK_CE, BK_CE_BWD,
-    BK_ATT, BK_ATT_DQ, BK_ATT_DKV, BK_NORM_DX, BK_NORM_DWB, N_BK
+    BK_ATT, BK_ATT_DQ, BK_ATT_DKV, BK_NORM_DX, BK_NORM_DWB, BK_ADD_F64_, N_BK
 };
 static const char *const bk_names[N_BK] = {"kiln_matmul",       "kiln_matmul_simple", "kiln_add_",
                                            "kiln_scale_",       "kiln_adamw_",        "kiln_embedding",
                                            "kiln_embedding_backward", "kiln_ce_rows", "kiln_ce_backward",
                                            "kiln_attention",    "kiln_attention_dq",  "kiln_attention_dkv",
-                                           "kiln_norm_dx",      "kiln_norm_dwb"};
+                                           "kiln_norm_dx",      "kiln_norm_dwb",      "kiln_add_f64_"};
 static cl_kernel bk[MAX_CL_DEVICES][N_BK];
 
 /* Builtin kernel `which` of the device, built on first use; NULL (with a message said
@@ -918,15 +924,20 @@ static kiln_status ocl_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n
 
 static bool contiguous_f32(const kiln_tensor_t *t) { return t->dtype == KILN_DTYPE_F32 && kiln__is_contiguous(t); }
 
+static bool contiguous_as(const kiln_tensor_t *t, kiln_dtype dt) { return t->dtype == dt && kiln__is_contiguous(t); }
+
 static kiln_status ocl_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                             kiln_tensor_t *const *out, int n_out)
 {
     int64_t n = kiln_tensor_numel(in[0]);
-    cl_kernel k = contiguous_f32(in[0]) && contiguous_f32(in[1]) && kiln_tensor_numel(in[1]) == n ? builtin(be, BK_ADD_)
-                                                                                                   : NULL;
+    kiln_dtype dt = in[0]->dtype;
+    bool ok = (dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_F64) && contiguous_as(in[0], dt) && contiguous_as(in[1], dt) &&
+              kiln_tensor_numel(in[1]) == n;
+    cl_kernel k = ok ? builtin(be, dt == KILN_DTYPE_F64 ? BK_ADD_F64_ : BK_ADD_) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_ADD_, in, n_in, a, out, n_out);
     if (!n) return KILN_OK;
-    kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), f_arg(KILN__KARG_F32, a->f[0]), i64_arg(n)};
+    kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), f_arg(dt == KILN_DTYPE_F64 ? KILN__KARG_F64 : KILN__KARG_F32, a->f[0]),
+                         i64_arg(n)};
     size_t grid = (size_t)n;
     return cl_launch(be, k, args, 4, &grid, NULL, 1);
 }
@@ -1375,6 +1386,16 @@ static kiln_status open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev,
     return KILN_OK;
 }
 
+static int n_open;
+
+/* At exit, every queue is finished first: work still queued (an in-place update nobody
+ * read back) would otherwise be running, or being compiled by the platform's threads,
+ * while the process tears down the platform's compiler under them (PoCL crashes so). */
+static void finish_all(void)
+{
+    for (int i = 0; i < n_open; i++) clFinish(devs[i].q);
+}
+
 /* Registers every OpenCL device found; none (no platform, no ICD) is not an error. */
 int kiln__opencl_register(void)
 {
@@ -1410,6 +1431,7 @@ int kiln__opencl_register(void)
             }
             if (kiln__backend_register(be) == KILN_OK) {
                 n++;
+                if (n_open++ == 0) atexit(finish_all);
                 continue;
             }
             kiln_clear_error(); /* no room: the device is closed again */
