@@ -204,13 +204,16 @@ static void replayed_training_steps_match_eager(const char *device)
         kiln_scope_end();
     }
     assert_true(kiln_replay_num_launches(r) > 50);
-    /* Not the device's own graph yet on either: the cpu has no capture entries, and on
-     * opencl embedding and cross-entropy check their indices on the host, which a command
-     * buffer cannot hold; the reason says which. */
+    /* On opencl every launch of the step stays on the device, so the whole step is one
+     * command buffer (the losses above came from it); the cpu has no capture entries. */
     char why[256];
-    assert_false(kiln_replay_native(r, why, sizeof why));
-    assert_non_null(strstr(why, "a launch list"));
-    if (!strstr(why, !strcmp(device, "cpu") ? "no graph capture" : "a copy to the host")) fail_msg("why: %s", why);
+    bool native = kiln_replay_native(r, why, sizeof why);
+    if (!strcmp(device, "cpu")) {
+        assert_false(native);
+        assert_non_null(strstr(why, "no graph capture"));
+    } else if (!native || !strstr(why, "own graph")) {
+        fail_msg("%s: the step is %s", device, why);
+    }
     for (int i = 0; i < t[0].np; i++) {
         int64_t n = kiln_tensor_numel(t[0].ps[i]);
         float *wa = malloc(sizeof(float) * (size_t)n), *wb = malloc(sizeof(float) * (size_t)n);
@@ -313,7 +316,53 @@ static void replay_as_a_cuda_graph(void **state)
     replay_as_a_device_graph("cuda:0");
 }
 
-/* embedding checks its indices on the host before it launches: a copy to the host. */
+/* A copy_ to another dtype: the backend's copy_ kernel hands it to the cpu (through the
+ * host), which a command buffer cannot hold. */
+static kiln_status casts_through_the_host(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    kiln_tensor_t *y = kiln_gelu(in[0], true), *z = ctx;
+    kiln_status s = y ? kiln_tensor_copy_(z, y) : kiln_last_status();
+    out[0] = z;
+    *n_out = 1;
+    return s;
+}
+
+/* A list with a kernel that goes through the host cannot be a command buffer: the
+ * capture fails there, says where, and the launch list runs instead, reading new inputs
+ * (oracle: eager on the same values, bitwise). */
+static void a_list_that_reads_back_stays_a_launch_list(void **state)
+{
+    if (!have_device("opencl:0")) skip();
+    assert_int_equal(kiln_set_device("opencl:0"), KILN_OK);
+    kiln_tensor_t *ze = kiln_zeros((int64_t[]){6, 4}, 2, KILN_DTYPE_F64), *zr = kiln_zeros((int64_t[]){6, 4}, 2, KILN_DTYPE_F64);
+    kiln_replay_t *r = NULL;
+    for (int it = 0; it < 3; it++) {
+        kiln_scope_begin();
+        float v[24];
+        for (int i = 0; i < 24; i++) v[i] = (float)((i * 5 + it * 3) % 13) / 4.0f - 1.5f;
+        kiln_tensor_t *x = kiln_tensor_to(kiln_from_data(v, (int64_t[]){6, 4}, 2, KILN_DTYPE_F32), "opencl:0"), *ye, *yr;
+        int n;
+        assert_int_equal(casts_through_the_host(ze, &x, 1, &ye, &n), KILN_OK);
+        kiln_status s = it == 0 ? kiln_replay_record(casts_through_the_host, zr, &x, 1, &r, &yr, 1, &n)
+                                : kiln_replay_run(r, &x, 1, &yr, 1, &n);
+        if (s != KILN_OK) fail_msg("step %d: %s", it, kiln_last_error());
+        char why[256];
+        assert_false(kiln_replay_native(r, why, sizeof why));
+        if (!strstr(why, "could not capture it at launch 1 (copy_)") || !strstr(why, "a copy to the host"))
+            fail_msg("why: %s", why);
+        double a[24], b[24];
+        assert_int_equal(kiln_tensor_to_host(ye, a, sizeof a), KILN_OK);
+        assert_int_equal(kiln_tensor_to_host(yr, b, sizeof b), KILN_OK);
+        assert_memory_equal(a, b, sizeof a);
+        kiln_scope_end();
+    }
+    kiln_replay_free(r);
+    kiln_set_device("cpu");
+}
+
+/* embedding, captured: indices are checked by the kernel into the device's error word
+ * (no host between the commands), so a bad index on a later run is KILN_ERR_INDEX from
+ * that run, not a read outside the table; a good run after it works again. */
 static kiln_status embeds(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
 {
     out[0] = kiln_gelu(kiln_embedding(ctx, in[0]), true);
@@ -321,35 +370,35 @@ static kiln_status embeds(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_te
     return out[0] ? KILN_OK : kiln_last_status();
 }
 
-/* A list whose kernels read back to the host cannot be a command buffer: the capture
- * fails on that copy, says so, and the launch list runs instead, reading new indices
- * (oracle: eager on the same weight, bitwise). */
-static void a_list_that_reads_back_stays_a_launch_list(void **state)
+static void a_bad_index_in_a_captured_step_is_an_error(void **state)
 {
     if (!have_device("opencl:0")) skip();
     assert_int_equal(kiln_set_device("opencl:0"), KILN_OK);
     float w0[40];
     for (int i = 0; i < 40; i++) w0[i] = (float)(i % 9) / 4.0f - 1.0f;
     kiln_tensor_t *w = kiln_tensor_to(kiln_from_data(w0, (int64_t[]){10, 4}, 2, KILN_DTYPE_F32), "opencl:0");
+    int64_t good[6] = {1, 2, 3, 4, 5, 9}, bad[6] = {1, 2, 99, 4, 5, 9};
+    kiln_tensor_t *x = kiln_tensor_to(kiln_from_data(good, (int64_t[]){6}, 1, KILN_DTYPE_I64), "opencl:0"), *y, *ye;
+    kiln_tensor_t *xb = kiln_tensor_to(kiln_from_data(bad, (int64_t[]){6}, 1, KILN_DTYPE_I64), "opencl:0");
     kiln_replay_t *r = NULL;
-    for (int it = 0; it < 3; it++) {
-        kiln_scope_begin();
-        int64_t ids[6];
-        for (int i = 0; i < 6; i++) ids[i] = (i * 3 + it * 7) % 10;
-        kiln_tensor_t *x = kiln_tensor_to(kiln_from_data(ids, (int64_t[]){6}, 1, KILN_DTYPE_I64), "opencl:0"), *ye, *yr;
-        int n;
-        assert_int_equal(embeds(w, &x, 1, &ye, &n), KILN_OK);
-        kiln_status s = it == 0 ? kiln_replay_record(embeds, w, &x, 1, &r, &yr, 1, &n) : kiln_replay_run(r, &x, 1, &yr, 1, &n);
-        if (s != KILN_OK) fail_msg("step %d: %s", it, kiln_last_error());
-        char why[256];
-        assert_false(kiln_replay_native(r, why, sizeof why));
-        if (!strstr(why, "could not capture") || !strstr(why, "a copy to the host")) fail_msg("why: %s", why);
-        float a[24], b[24];
-        assert_int_equal(kiln_tensor_to_host(ye, a, sizeof a), KILN_OK);
-        assert_int_equal(kiln_tensor_to_host(yr, b, sizeof b), KILN_OK);
-        assert_memory_equal(a, b, sizeof a);
-        kiln_scope_end();
-    }
+    int n;
+    assert_int_equal(kiln_replay_record(embeds, w, &x, 1, &r, &y, 1, &n), KILN_OK);
+    char why[256];
+    if (!kiln_replay_native(r, why, sizeof why)) fail_msg("not captured: %s", why);
+    assert_int_equal(kiln_replay_run(r, &xb, 1, &y, 1, &n), KILN_ERR_INDEX);
+    assert_non_null(strstr(kiln_last_error(), "replayed step"));
+    kiln_clear_error();
+    assert_int_equal(embeds(w, &xb, 1, &ye, &n), KILN_ERR_INDEX); /* eagerly: the host says which */
+    assert_non_null(strstr(kiln_last_error(), "index 99 at position 2"));
+    kiln_clear_error();
+    /* (the run above copied the bad indices into x, the recorded input: good ones anew) */
+    kiln_tensor_t *x2 = kiln_tensor_to(kiln_from_data(good, (int64_t[]){6}, 1, KILN_DTYPE_I64), "opencl:0");
+    assert_int_equal(kiln_replay_run(r, &x2, 1, &y, 1, &n), KILN_OK);
+    assert_int_equal(embeds(w, &x2, 1, &ye, &n), KILN_OK);
+    float a[24], b[24];
+    assert_int_equal(kiln_tensor_to_host(y, a, sizeof a), KILN_OK);
+    assert_int_equal(kiln_tensor_to_host(ye, b, sizeof b), KILN_OK);
+    assert_memory_equal(a, b, sizeof a);
     kiln_replay_free(r);
     kiln_set_device("cpu");
 }
@@ -535,6 +584,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(replay_as_a_command_buffer, setup, teardown),
         cmocka_unit_test_setup_teardown(replay_as_a_cuda_graph, setup, teardown),
         cmocka_unit_test_setup_teardown(a_list_that_reads_back_stays_a_launch_list, setup, teardown),
+        cmocka_unit_test_setup_teardown(a_bad_index_in_a_captured_step_is_an_error, setup, teardown),
         cmocka_unit_test_setup_teardown(recording_refuses_reads_and_random_ops, setup, teardown),
         cmocka_unit_test_setup_teardown(pinning_is_optional_and_checkpoints_work_without_it, setup, teardown),
         cmocka_unit_test_setup_teardown(one_rank_collectives_on_a_device, setup, teardown),

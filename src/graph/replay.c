@@ -112,8 +112,8 @@ void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__
     r->n_l++;
 }
 
-/* The launches, in order, on the recorded tensors. */
-static kiln_status run_list(kiln_replay_t *r)
+/* The launches, in order, on the recorded tensors; *at gets the one that failed. */
+static kiln_status run_list_at(kiln_replay_t *r, int *at)
 {
     kiln_status s = KILN_OK;
     bool prev = kiln_set_grad_enabled(false);
@@ -130,9 +130,16 @@ static kiln_status run_list(kiln_replay_t *r)
             break;
         case KILN__LAUNCH_ON_CPU: s = kiln__cpu_fallback(L->be, L->op, ins, L->n_in, &L->a, outs, L->n_out); break;
         }
+        if (s != KILN_OK) *at = k;
     }
     kiln_set_grad_enabled(prev);
     return s;
+}
+
+static kiln_status run_list(kiln_replay_t *r)
+{
+    int at;
+    return run_list_at(r, &at);
 }
 
 /* The launch list as the device's own graph, where it can be; r->why says what came of it. */
@@ -169,15 +176,18 @@ static void capture_native(kiln_replay_t *r)
     }
     kiln_status s = be->capture_begin(be);
     void *g = NULL;
+    int at = -1;
     if (s == KILN_OK) {
         kiln__pool_begin(r->native_pool);
-        kiln_status ran = run_list(r);
+        kiln_status ran = run_list_at(r, &at);
         kiln__pool_end();
         s = be->capture_end(be, &g); /* ends the capture either way */
         if (ran != KILN_OK) s = ran;
     }
     if (s != KILN_OK) {
-        snprintf(r->why, sizeof r->why, "a launch list: %s could not capture it: %s", be->name, kiln_last_error());
+        char op[64] = "";
+        if (at >= 0) snprintf(op, sizeof op, " at launch %d (%s)", at, kiln__ops[r->l[at].op].name);
+        snprintf(r->why, sizeof r->why, "a launch list: %s could not capture it%s: %s", be->name, op, kiln_last_error());
         kiln_clear_error();
         return;
     }

@@ -73,6 +73,7 @@ typedef struct {
     clReleaseCommandBufferKHR_fn cb_release;
     bool cb_simultaneous; /* a buffer may be enqueued again while it is still pending */
     struct cl_graph *cap; /* being recorded: work goes into it instead of the queue */
+    void *err; /* the error word: kernels raise a bad index in it where the host cannot check */
 } cl_dev;
 
 /* A captured command buffer and what it holds: a kernel object per recorded launch
@@ -261,12 +262,13 @@ static kiln_status cl_copy_d2d(kiln__backend *be, void *dst, const void *src, si
     kiln_status s = KILN_OK;
     if (!n) return KILN_OK;
     if ((s = resolve(d, dst, n, &md, &od)) != KILN_OK || (s = resolve(d, src, n, &ms, &os)) != KILN_OK) return s;
-    if (md == ms && (od < os + n && os < od + n)) { /* OpenCL forbids overlapping copies: go through the host */
-        void *tmp = malloc(n);
-        if (!tmp) return kiln__err(KILN_ERR_OOM, "%s: out of host memory for an overlapping copy", d->name);
-        s = cl_copy_d2h(be, tmp, src, n);
-        if (s == KILN_OK) s = cl_copy_h2d(be, dst, tmp, n);
-        free(tmp);
+    if (md == ms && od == os) return KILN_OK; /* onto itself */
+    if (md == ms && (od < os + n && os < od + n)) { /* OpenCL forbids overlapping copies: through a device buffer */
+        void *tmp = cl_alloc(be, n);
+        if (!tmp) return kiln__err(KILN_ERR_OOM, "%s: out of device memory for an overlapping copy", d->name);
+        s = cl_copy_d2d(be, tmp, src, n);
+        if (s == KILN_OK) s = cl_copy_d2d(be, dst, tmp, n);
+        cl_free(be, tmp, n); /* in-order queue: after the copies */
         return s;
     }
     cl_int err;
@@ -615,17 +617,28 @@ static const char *builtin_src =
     "}\n"
     /* Embedding rows (indices checked on the host first) and their gradient: each
      * work-item owns one column and adds the rows in order, so the sum is the cpu's. */
+    /* Indices are checked on the host before an eager launch; inside a command buffer
+     * (no host in between) a bad one is clamped to 0 and raised in the device's error
+     * word, which a replay reads after it runs. */
+    "long kiln_index(__global const char *gi, ulong oi, long i, long idx64, long V, __global int *err)\n"
+    "{\n"
+    "    const long v = idx64 ? ((__global const long *)(gi + oi))[i] : (long)((__global const int *)(gi + oi))[i];\n"
+    "    if (v < 0 || v >= V) { *err = 1; return 0; }\n"
+    "    return v;\n"
+    "}\n"
     "__kernel void kiln_embedding(__global const char *gw, ulong ow, __global const char *gi, ulong oi,\n"
-    "                             __global char *go, ulong oo, long C, long n, long idx64)\n"
+    "                             __global char *go, ulong oo, long C, long n, long idx64, long V,\n"
+    "                             __global char *ge, ulong oe)\n"
     "{\n"
     "    const long q = get_global_id(0);\n"
     "    if (q >= n * C) return;\n"
     "    const long i = q / C, c = q % C;\n"
-    "    const long v = idx64 ? ((__global const long *)(gi + oi))[i] : (long)((__global const int *)(gi + oi))[i];\n"
+    "    const long v = kiln_index(gi, oi, i, idx64, V, (__global int *)(ge + oe));\n"
     "    ((__global float *)(go + oo))[q] = ((__global const float *)(gw + ow))[v * C + c];\n"
     "}\n"
     "__kernel void kiln_embedding_backward(__global const char *gg, ulong og, __global const char *gi, ulong oi,\n"
-    "                                      __global char *gd, ulong od, long C, long N, long V, long idx64)\n"
+    "                                      __global char *gd, ulong od, long C, long N, long V, long idx64,\n"
+    "                                      __global char *ge, ulong oe)\n"
     "{\n"
     "    const long c = get_global_id(0);\n"
     "    if (c >= C) return;\n"
@@ -633,15 +646,24 @@ static const char *builtin_src =
     "    __global const float *g = (__global const float *)(gg + og);\n"
     "    for (long v = 0; v < V; v++) d[v * C + c] = 0.0f;\n"
     "    for (long i = 0; i < N; i++) {\n"
-    "        const long v = idx64 ? ((__global const long *)(gi + oi))[i] : (long)((__global const int *)(gi + oi))[i];\n"
+    "        const long v = kiln_index(gi, oi, i, idx64, V, (__global int *)(ge + oe));\n"
     "        d[v * C + c] += g[i * C + c];\n"
     "    }\n"
     "}\n"
     /* Cross-entropy rows in double, as the cpu's: the loss of each row (0 for an ignored
-     * one) and its log-sum-exp; the gradient from the log-sum-exp. */
+     * one) and its log-sum-exp; the mean and the rows that count by one work-item, in row
+     * order as the cpu sums; the gradient from the log-sum-exp, scaled by the upstream
+     * gradient over the count, both read on the device. A target outside [0, V) (and
+     * not ignore) is raised in the error word and counts as ignored. */
+    "long kiln_target(__global const char *gt, ulong ot, long n, long t64, long V, long ignore, __global int *err)\n"
+    "{\n"
+    "    const long t = t64 ? ((__global const long *)(gt + ot))[n] : (long)((__global const int *)(gt + ot))[n];\n"
+    "    if (t != ignore && (t < 0 || t >= V)) { *err = 1; return ignore; }\n"
+    "    return t;\n"
+    "}\n"
     "__kernel void kiln_ce_rows(__global const char *gx, ulong ox, __global const char *gt, ulong ot,\n"
     "                           __global char *gl, ulong ol, __global char *gr, ulong orr, long N, long V,\n"
-    "                           long ignore, long t64)\n"
+    "                           long ignore, long t64, __global char *ge, ulong oe)\n"
     "{\n"
     "    const long n = get_global_id(0);\n"
     "    if (n >= N) return;\n"
@@ -651,19 +673,44 @@ static const char *builtin_src =
     "    for (long v = 0; v < V; v++) s += exp((double)x[v] - m);\n"
     "    const double lse = m + log(s);\n"
     "    ((__global float *)(gl + ol))[n] = (float)lse;\n"
-    "    const long t = t64 ? ((__global const long *)(gt + ot))[n] : (long)((__global const int *)(gt + ot))[n];\n"
+    "    const long t = kiln_target(gt, ot, n, t64, V, ignore, (__global int *)(ge + oe));\n"
     "    ((__global double *)(gr + orr))[n] = t == ignore ? 0.0 : lse - (double)x[t];\n"
+    "}\n"
+    "__kernel void kiln_ce_mean(__global const char *gr, ulong orr, __global const char *gt, ulong ot,\n"
+    "                           __global char *go, ulong oo, long N, long V, long ignore, long t64,\n"
+    "                           __global char *ge, ulong oe)\n"
+    "{\n"
+    "    if (get_global_id(0) != 0) return;\n"
+    "    double sum = 0;\n"
+    "    long count = 0;\n"
+    "    for (long n = 0; n < N; n++) {\n"
+    "        sum += ((__global const double *)(gr + orr))[n];\n"
+    "        count += kiln_target(gt, ot, n, t64, V, ignore, (__global int *)(ge + oe)) != ignore;\n"
+    "    }\n"
+    "    ((__global float *)(go + oo))[0] = (float)(count ? sum / (double)count : NAN);\n"
+    "}\n"
+    "__kernel void kiln_ce_scale(__global const char *gt, ulong ot, __global const char *gg, ulong og,\n"
+    "                            __global char *gs, ulong os, long N, long V, long ignore, long t64,\n"
+    "                            __global char *ge, ulong oe)\n"
+    "{\n"
+    "    if (get_global_id(0) != 0) return;\n"
+    "    long count = 0;\n"
+    "    for (long n = 0; n < N; n++) count += kiln_target(gt, ot, n, t64, V, ignore, (__global int *)(ge + oe)) != ignore;\n"
+    "    const double g = ((__global const float *)(gg + og))[0];\n"
+    "    ((__global double *)(gs + os))[0] = count ? g / (double)count : 0.0;\n"
     "}\n"
     "__kernel void kiln_ce_backward(__global const char *gx, ulong ox, __global const char *gt, ulong ot,\n"
     "                               __global const char *gl, ulong ol, __global char *gd, ulong od, long N, long V,\n"
-    "                               long ignore, long t64, double gscale)\n"
+    "                               long ignore, long t64, __global const char *gs, ulong os,\n"
+    "                               __global char *ge, ulong oe)\n"
     "{\n"
     "    const long q = get_global_id(0);\n"
     "    if (q >= N * V) return;\n"
     "    const long n = q / V, v = q % V;\n"
-    "    const long t = t64 ? ((__global const long *)(gt + ot))[n] : (long)((__global const int *)(gt + ot))[n];\n"
+    "    const long t = kiln_target(gt, ot, n, t64, V, ignore, (__global int *)(ge + oe));\n"
     "    __global float *dx = (__global float *)(gd + od);\n"
     "    if (t == ignore) { dx[q] = 0.0f; return; }\n"
+    "    const double gscale = ((__global const double *)(gs + os))[0];\n"
     "    const double lse = ((__global const float *)(gl + ol))[n];\n"
     "    float d = (float)(gscale * exp((double)((__global const float *)(gx + ox))[q] - lse));\n"
     "    if (v == t) d -= (float)gscale;\n"
@@ -823,6 +870,28 @@ static const char *builtin_src =
     "    __global double *d = (__global double *)(gd + od);\n"
     "    if (i < n) d[i] = fma(alpha, ((__global const double *)(gs + os))[i], d[i]);\n"
     "}\n"
+    /* A copy between any two layouts of the same shape (up to 6 dims, element strides),
+     * one element per work-item, es bytes each: what slicing's backward writes into a
+     * strided view. */
+    "__kernel void kiln_copy_nd(__global char *gd, ulong od, __global const char *gs, ulong os, long n, long es,\n"
+    "                           long nd, long n0, long n1, long n2, long n3, long n4, long n5, long d0, long d1,\n"
+    "                           long d2, long d3, long d4, long d5, long r0, long r1, long r2, long r3, long r4,\n"
+    "                           long r5)\n"
+    "{\n"
+    "    const long q = get_global_id(0);\n"
+    "    if (q >= n) return;\n"
+    "    const long sh[6] = {n0, n1, n2, n3, n4, n5}, ds[6] = {d0, d1, d2, d3, d4, d5}, rs[6] = {r0, r1, r2, r3, r4, r5};\n"
+    "    long rem = q, dofs = 0, sofs = 0;\n"
+    "    for (long d = nd - 1; d >= 0; d--) {\n"
+    "        const long i = rem % sh[d];\n"
+    "        rem /= sh[d];\n"
+    "        dofs += i * ds[d];\n"
+    "        sofs += i * rs[d];\n"
+    "    }\n"
+    "    __global char *dst = gd + od + dofs * es;\n"
+    "    __global const char *src = gs + os + sofs * es;\n"
+    "    for (long b = 0; b < es; b++) dst[b] = src[b];\n"
+    "}\n"
     "__kernel void kiln_scale_(__global char *gd, ulong od, float s, long n)\n"
     "{\n"
     "    const long i = get_global_id(0);\n"
@@ -854,13 +923,13 @@ static const char *builtin_src =
 
 enum {
     BK_MATMUL, BK_MATMUL_SIMPLE, BK_ADD_, BK_SCALE_, BK_ADAMW_, BK_EMB, BK_EMB_BWD, BK_CE, BK_CE_BWD,
-    BK_ATT, BK_ATT_DQ, BK_ATT_DKV, BK_NORM_DX, BK_NORM_DWB, BK_ADD_F64_, N_BK
+    BK_ATT, BK_ATT_DQ, BK_ATT_DKV, BK_NORM_DX, BK_NORM_DWB, BK_ADD_F64_, BK_CE_MEAN, BK_CE_SCALE, BK_COPY_ND, N_BK
 };
 static const char *const bk_names[N_BK] = {"kiln_matmul",       "kiln_matmul_simple", "kiln_add_",
                                            "kiln_scale_",       "kiln_adamw_",        "kiln_embedding",
                                            "kiln_embedding_backward", "kiln_ce_rows", "kiln_ce_backward",
                                            "kiln_attention",    "kiln_attention_dq",  "kiln_attention_dkv",
-                                           "kiln_norm_dx",      "kiln_norm_dwb",      "kiln_add_f64_"};
+                                           "kiln_norm_dx",      "kiln_norm_dwb",      "kiln_add_f64_",      "kiln_ce_mean",       "kiln_ce_scale",      "kiln_copy_nd"};
 static cl_kernel bk[MAX_CL_DEVICES][N_BK];
 
 /* Builtin kernel `which` of the device, built on first use; NULL (with a message said
@@ -942,6 +1011,37 @@ static kiln_status ocl_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_i
     return cl_launch(be, k, args, 4, &grid, NULL, 1);
 }
 
+/* copy_: contiguous to contiguous as one device copy, other layouts of the same shape
+ * (a source of as many elements is read as laid out like the destination when
+ * contiguous) by kiln_copy_nd; broadcasts, dtype changes and other devices on the cpu. */
+static kiln_status ocl_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                             kiln_tensor_t *const *out, int n_out)
+{
+    kiln_tensor_t *dst = in[0], *src = in[1];
+    int64_t n = kiln_tensor_numel(dst);
+    bool same_shape = src->ndim == dst->ndim && !memcmp(src->shape, dst->shape, sizeof(int64_t) * (size_t)dst->ndim);
+    if (dst->dtype != src->dtype || src->st->be != be || kiln_tensor_numel(src) != n || dst->ndim > 6 ||
+        (!same_shape && !kiln__is_contiguous(src)))
+        return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
+    if (!n) return KILN_OK;
+    if (kiln__is_contiguous(dst) && kiln__is_contiguous(src))
+        return cl_copy_d2d(be, kiln__data(dst), kiln__data(src), kiln_tensor_nbytes(dst));
+    cl_kernel k = builtin(be, BK_COPY_ND);
+    if (!k) return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
+    int64_t rs[KILN_MAX_DIMS];
+    if (same_shape) memcpy(rs, src->stride, sizeof(int64_t) * (size_t)dst->ndim);
+    else kiln__contiguous_strides(dst->ndim, dst->shape, rs);
+    kiln__karg args[25] = {buf_arg(dst), buf_arg(src), i64_arg(n), i64_arg((int64_t)kiln_dtype_size(dst->dtype)),
+                           i64_arg(dst->ndim)};
+    for (int d = 0; d < 6; d++) {
+        args[5 + d] = i64_arg(d < dst->ndim ? dst->shape[d] : 1);
+        args[11 + d] = i64_arg(d < dst->ndim ? dst->stride[d] : 0);
+        args[17 + d] = i64_arg(d < dst->ndim ? rs[d] : 0);
+    }
+    size_t grid = (size_t)n;
+    return cl_launch(be, k, args, 23, &grid, NULL, 1);
+}
+
 static kiln_status ocl_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                               kiln_tensor_t *const *out, int n_out)
 {
@@ -974,12 +1074,42 @@ static kiln_status ocl_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n
     return cl_launch(be, k, args, (int)(sizeof args / sizeof args[0]), &grid, NULL, 1);
 }
 
-/* The indices on the host, checked as the cpu checks them (an index outside [0, limit)
- * is an error that names it); *ok false for a layout this backend does not take. */
-static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_tensor_t *idx, int64_t limit, bool *ok)
+static kiln_status cl_fill(kiln__backend *be, void *dst, const void *pattern, size_t size, size_t n);
+
+static bool index_layout(const kiln_tensor_t *idx)
 {
-    *ok = kiln__is_contiguous(idx) && (idx->dtype == KILN_DTYPE_I64 || idx->dtype == KILN_DTYPE_I32);
-    if (!*ok) return KILN_OK;
+    return kiln__is_contiguous(idx) && (idx->dtype == KILN_DTYPE_I64 || idx->dtype == KILN_DTYPE_I32);
+}
+
+/* The device's error word (one int, 0 until a kernel raises it), made on first use:
+ * eager code always runs before a capture, so it exists by the time one is recorded. */
+static void *err_word(kiln__backend *be)
+{
+    cl_dev *d = be->ctx;
+    if (d->err) return d->err;
+    if (d->cap) {
+        not_recordable(d, "the first use of the error word");
+        return NULL;
+    }
+    int zero[16] = {0};
+    void *p = cl_alloc(be, sizeof zero);
+    if (!p) {
+        kiln__err(KILN_ERR_OOM, "%s: out of device memory", d->name);
+        return NULL;
+    }
+    if (cl_copy_h2d(be, p, zero, sizeof zero) != KILN_OK) {
+        cl_free(be, p, sizeof zero);
+        return NULL;
+    }
+    return d->err = p;
+}
+
+/* The indices on the host, checked as the cpu checks them (an index outside [0, limit)
+ * is an error that names it), before an eager launch. While a capture is recorded there
+ * is no host in between: the kernels check them into the error word instead. */
+static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_tensor_t *idx, int64_t limit)
+{
+    if (((cl_dev *)be->ctx)->cap) return KILN_OK;
     int64_t n = kiln_tensor_numel(idx);
     size_t sz = kiln_dtype_size(idx->dtype);
     char *h = malloc(sz * (size_t)(n ? n : 1));
@@ -999,17 +1129,17 @@ static kiln_status ocl_embedding(kiln__backend *be, kiln_tensor_t *const *in, in
                                  kiln_tensor_t *const *out, int n_out)
 {
     const kiln_tensor_t *w = in[0], *idx = in[1];
-    bool ok = contiguous_f32(w);
-    kiln_status s = ok ? check_indices(be, "embedding", idx, w->shape[0], &ok) : KILN_OK;
-    if (s != KILN_OK) return s;
-    cl_kernel k = ok ? builtin(be, BK_EMB) : NULL;
+    cl_kernel k = contiguous_f32(w) && index_layout(idx) ? builtin(be, BK_EMB) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_EMBEDDING, in, n_in, a, out, n_out);
-    int64_t C = w->shape[1], n = kiln_tensor_numel(idx);
-    if (!n || !C) return KILN_OK;
-    kiln__karg args[] = {buf_arg(w), buf_arg(idx), buf_arg(out[0]), i64_arg(C), i64_arg(n),
-                         i64_arg(idx->dtype == KILN_DTYPE_I64)};
+    int64_t V = w->shape[0], C = w->shape[1], n = kiln_tensor_numel(idx);
+    kiln_status s = check_indices(be, "embedding", idx, V);
+    if (s != KILN_OK || !n || !C) return s;
+    void *err = err_word(be);
+    if (!err) return kiln_last_status();
+    kiln__karg args[] = {buf_arg(w),  buf_arg(idx), buf_arg(out[0]), i64_arg(C), i64_arg(n),
+                         i64_arg(idx->dtype == KILN_DTYPE_I64), i64_arg(V), {KILN__KARG_BUF, err, 0, 0}};
     size_t grid = (size_t)(n * C);
-    return cl_launch(be, k, args, 6, &grid, NULL, 1);
+    return cl_launch(be, k, args, 8, &grid, NULL, 1);
 }
 
 static kiln_status ocl_embedding_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
@@ -1017,71 +1147,70 @@ static kiln_status ocl_embedding_backward(kiln__backend *be, kiln_tensor_t *cons
 {
     const kiln_tensor_t *g = in[0], *idx = in[1], *o = out[0];
     int64_t V = o->shape[0], C = o->shape[1];
-    bool ok = contiguous_f32(g) && o->dtype == KILN_DTYPE_F32;
-    kiln_status s = ok ? check_indices(be, "embedding backward", idx, V, &ok) : KILN_OK;
-    if (s != KILN_OK) return s;
-    cl_kernel k = ok ? builtin(be, BK_EMB_BWD) : NULL;
+    cl_kernel k = contiguous_f32(g) && o->dtype == KILN_DTYPE_F32 && index_layout(idx) ? builtin(be, BK_EMB_BWD) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_EMBEDDING_BACKWARD, in, n_in, a, out, n_out);
-    if (!C || !V) return KILN_OK;
+    kiln_status s = check_indices(be, "embedding backward", idx, V);
+    if (s != KILN_OK || !C || !V) return s;
+    void *err = err_word(be);
+    if (!err) return kiln_last_status();
     kiln__karg args[] = {buf_arg(g), buf_arg(idx), buf_arg(o), i64_arg(C), i64_arg(kiln_tensor_numel(idx)), i64_arg(V),
-                         i64_arg(idx->dtype == KILN_DTYPE_I64)};
+                         i64_arg(idx->dtype == KILN_DTYPE_I64), {KILN__KARG_BUF, err, 0, 0}};
     size_t grid = (size_t)C;
-    return cl_launch(be, k, args, 7, &grid, NULL, 1);
+    return cl_launch(be, k, args, 8, &grid, NULL, 1);
 }
 
-/* Cross-entropy targets on the host: each in [0, V) or the ignore index, as the cpu
- * checks them; *count the rows that count. */
-static kiln_status ce_targets(kiln__backend *be, const kiln_tensor_t *t, int64_t V, int64_t ignore, int64_t *count)
+/* Cross-entropy targets on the host before an eager launch: each in [0, V) or the
+ * ignore index, as the cpu checks them (while recording, the kernels do). */
+static kiln_status ce_targets(kiln__backend *be, const kiln_tensor_t *t, int64_t V, int64_t ignore)
 {
-    int64_t n = kiln_tensor_numel(t), c = 0;
+    if (((cl_dev *)be->ctx)->cap) return KILN_OK;
+    int64_t n = kiln_tensor_numel(t);
     size_t sz = kiln_dtype_size(t->dtype);
     char *h = malloc(sz * (size_t)(n ? n : 1));
     if (!h) return kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
     kiln_status s = cl_copy_d2h(be, h, kiln__data(t), sz * (size_t)n);
     for (int64_t i = 0; s == KILN_OK && i < n; i++) {
         int64_t v = kiln__load_index(h + i * (int64_t)sz, t->dtype);
-        if (v == ignore) continue;
-        if (v < 0 || v >= V)
+        if (v != ignore && (v < 0 || v >= V))
             s = kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) (and is not "
                           "ignore_index %lld)", (long long)v, (long long)i, (long long)V, (long long)ignore);
-        c++;
     }
     free(h);
-    *count = c;
     return s;
 }
 
 static bool ce_layout(const kiln_tensor_t *x, const kiln_tensor_t *t)
 {
-    return contiguous_f32(x) && kiln__is_contiguous(t) && (t->dtype == KILN_DTYPE_I64 || t->dtype == KILN_DTYPE_I32);
+    return contiguous_f32(x) && index_layout(t);
 }
 
+/* The rows on the device, then their mean over the rows that count by one work-item in
+ * row order (as the cpu sums): no value comes back to the host. */
 static kiln_status ocl_cross_entropy(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                      kiln_tensor_t *const *out, int n_out)
 {
     const kiln_tensor_t *x = in[0], *t = in[1];
     cl_kernel k = ce_layout(x, t) && out[1]->dtype == KILN_DTYPE_F32 ? builtin(be, BK_CE) : NULL;
-    if (!k) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY, in, n_in, a, out, n_out);
-    int64_t N = x->shape[0], V = x->shape[1], count = 0;
-    kiln_status s = ce_targets(be, t, V, a->i[0], &count);
+    cl_kernel km = k ? builtin(be, BK_CE_MEAN) : NULL;
+    if (!km) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY, in, n_in, a, out, n_out);
+    int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64;
+    kiln_status s = ce_targets(be, t, V, a->i[0]);
     if (s != KILN_OK) return s;
-    double *loss = malloc(sizeof(double) * (size_t)(N ? N : 1));
-    void *dloss = N ? cl_alloc(be, sizeof(double) * (size_t)N) : NULL;
-    if (!loss || (N && !dloss)) s = kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
-    if (s == KILN_OK && N) {
-        kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(out[1]), {KILN__KARG_BUF, dloss, 0, 0}, i64_arg(N),
-                             i64_arg(V), i64_arg(a->i[0]), i64_arg(t->dtype == KILN_DTYPE_I64)};
-        size_t grid = (size_t)N;
-        s = cl_launch(be, k, args, 8, &grid, NULL, 1);
-        if (s == KILN_OK) s = cl_copy_d2h(be, loss, dloss, sizeof(double) * (size_t)N);
+    if (!N) { /* no rows: the mean of nothing */
+        float nan = NAN;
+        return cl_fill(be, kiln__data(out[0]), &nan, sizeof nan, sizeof nan);
     }
-    /* The mean over the rows that count, summed in row order on the host as the cpu does. */
-    double sum = 0;
-    for (int64_t i = 0; s == KILN_OK && i < N; i++) sum += loss[i];
-    float v = (float)(count ? sum / (double)count : NAN);
-    if (s == KILN_OK) s = cl_copy_h2d(be, kiln__data(out[0]), &v, sizeof v);
-    if (dloss) cl_free(be, dloss, sizeof(double) * (size_t)N);
-    free(loss);
+    void *err = err_word(be), *dloss = err ? cl_alloc(be, sizeof(double) * (size_t)N) : NULL;
+    if (!err) return kiln_last_status();
+    if (!dloss) return kiln__err(KILN_ERR_OOM, "cross_entropy: out of device memory");
+    kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(out[1]), {KILN__KARG_BUF, dloss, 0, 0}, i64_arg(N),
+                         i64_arg(V), i64_arg(a->i[0]), i64_arg(t64), {KILN__KARG_BUF, err, 0, 0}};
+    size_t grid = (size_t)N, one = 1;
+    s = cl_launch(be, k, args, 9, &grid, NULL, 1);
+    kiln__karg margs[] = {{KILN__KARG_BUF, dloss, 0, 0}, buf_arg(t), buf_arg(out[0]), i64_arg(N), i64_arg(V),
+                          i64_arg(a->i[0]), i64_arg(t64), {KILN__KARG_BUF, err, 0, 0}};
+    if (s == KILN_OK) s = cl_launch(be, km, margs, 8, &one, NULL, 1);
+    cl_free(be, dloss, sizeof(double) * (size_t)N); /* in-order queue: after the kernels that read it */
     return s;
 }
 
@@ -1089,17 +1218,24 @@ static kiln_status ocl_cross_entropy_backward(kiln__backend *be, kiln_tensor_t *
                                               const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)
 {
     const kiln_tensor_t *g = in[0], *x = in[1], *t = in[2], *lse = in[3];
-    cl_kernel k = ce_layout(x, t) && contiguous_f32(lse) && g->dtype == KILN_DTYPE_F32 ? builtin(be, BK_CE_BWD) : NULL;
-    if (!k) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY_BACKWARD, in, n_in, a, out, n_out);
-    int64_t N = x->shape[0], V = x->shape[1], count = 0;
-    float gv = 0;
-    kiln_status s = ce_targets(be, t, V, a->i[0], &count);
-    if (s == KILN_OK) s = cl_copy_d2h(be, &gv, kiln__data(g), sizeof gv);
+    bool ok = ce_layout(x, t) && contiguous_f32(lse) && g->dtype == KILN_DTYPE_F32;
+    cl_kernel k = ok ? builtin(be, BK_CE_BWD) : NULL, ks = k ? builtin(be, BK_CE_SCALE) : NULL;
+    if (!ks) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY_BACKWARD, in, n_in, a, out, n_out);
+    int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64;
+    kiln_status s = ce_targets(be, t, V, a->i[0]);
     if (s != KILN_OK || !N || !V) return s;
+    void *err = err_word(be), *gs = err ? cl_alloc(be, sizeof(double)) : NULL;
+    if (!err) return kiln_last_status();
+    if (!gs) return kiln__err(KILN_ERR_OOM, "cross_entropy backward: out of device memory");
+    kiln__karg sargs[] = {buf_arg(t), buf_arg(g), {KILN__KARG_BUF, gs, 0, 0}, i64_arg(N), i64_arg(V), i64_arg(a->i[0]),
+                          i64_arg(t64), {KILN__KARG_BUF, err, 0, 0}};
+    size_t one = 1, grid = (size_t)(N * V);
+    s = cl_launch(be, ks, sargs, 8, &one, NULL, 1);
     kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(lse), buf_arg(out[0]), i64_arg(N), i64_arg(V), i64_arg(a->i[0]),
-                         i64_arg(t->dtype == KILN_DTYPE_I64), f_arg(KILN__KARG_F64, count ? gv / (double)count : 0)};
-    size_t grid = (size_t)(N * V);
-    return cl_launch(be, k, args, 9, &grid, NULL, 1);
+                         i64_arg(t64), {KILN__KARG_BUF, gs, 0, 0}, {KILN__KARG_BUF, err, 0, 0}};
+    if (s == KILN_OK) s = cl_launch(be, k, args, 10, &grid, NULL, 1);
+    cl_free(be, gs, sizeof(double));
+    return s;
 }
 
 /* t itself when contiguous, else a contiguous copy on its device (through dispatch,
@@ -1311,7 +1447,17 @@ static kiln_status cl_replay(kiln__backend *be, void *graph)
         if (err != CL_SUCCESS) return cl_fail(d, "clWaitForEvents", err);
     }
     cl_int err = d->cb_enqueue(0, NULL, g->cb, 0, NULL, d->cb_simultaneous ? NULL : &g->pending);
-    return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clEnqueueCommandBufferKHR", err);
+    if (err != CL_SUCCESS) return cl_fail(d, "clEnqueueCommandBufferKHR", err);
+    if (!d->err) return KILN_OK;
+    /* What the host checks before an eager launch the kernels checked: a bad index or
+     * target makes this run's results meaningless, and is said. */
+    int word = 0;
+    kiln_status s = cl_copy_d2h(be, &word, d->err, sizeof word);
+    if (s != KILN_OK || !word) return s;
+    word = 0;
+    cl_copy_h2d(be, d->err, &word, sizeof word);
+    return kiln__err(KILN_ERR_INDEX, "%s: an index or target outside its range (embedding or cross_entropy) in a "
+                     "replayed step: its results are not valid (run the step eagerly to see which)", d->name);
 }
 
 static kiln_status cl_capture_reset(kiln__backend *be, void *graph)
@@ -1350,7 +1496,7 @@ static void find_command_buffers(cl_dev *d, cl_platform_id plat)
 }
 
 static const kiln__kernel_fn cl_kernels[KILN_OP_COUNT] = {
-    [KILN_OP_MATMUL] = ocl_matmul, [KILN_OP_ADD_] = ocl_add_,   [KILN_OP_SCALE_] = ocl_scale_,
+    [KILN_OP_MATMUL] = ocl_matmul, [KILN_OP_ADD_] = ocl_add_,   [KILN_OP_SCALE_] = ocl_scale_, [KILN_OP_COPY_] = ocl_copy_,
     [KILN_OP_ADAMW_] = ocl_adamw_, [KILN_OP_EMBEDDING] = ocl_embedding, [KILN_OP_EMBEDDING_BACKWARD] = ocl_embedding_backward,
     [KILN_OP_CROSS_ENTROPY] = ocl_cross_entropy, [KILN_OP_CROSS_ENTROPY_BACKWARD] = ocl_cross_entropy_backward,
     [KILN_OP_ATTENTION] = ocl_attention, [KILN_OP_ATTENTION_BACKWARD] = ocl_attention_backward,
