@@ -616,6 +616,18 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
  * updates, directly or through a view. The ops that made only folded values are left to
  * dead-code elimination. */
 #define KILN__FOLD_MAX 4096
+
+/* mut[v]: value v is updated in place, or, back through views, aliased by one that is. */
+static void mutated_values(const kiln_graph_t *g, bool *mut)
+{
+    for (int k = g->n_nd - 1; k >= 0; k--) {
+        const node *n = &g->nd[k];
+        const kiln__op_def *d = &kiln__ops[n->op];
+        if (d->is_inplace && n->n_in) mut[n->in[0]] = true;
+        if (n->op == KILN_OP_ADAMW_ && n->n_in == 7) mut[n->in[2]] = mut[n->in[3]] = true; /* the moments too */
+        if (d->is_view && n->n_in && mut[n->out[0]]) mut[n->in[0]] = true;
+    }
+}
 kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
 {
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_fold: NULL graph");
@@ -626,14 +638,7 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
         free(mut);
         return kiln__err(KILN_ERR_OOM, "graph_fold: out of memory");
     }
-    /* Values updated in place, and, back through views, what they alias. */
-    for (int k = g->n_nd - 1; k >= 0; k--) {
-        const node *n = &g->nd[k];
-        const kiln__op_def *d = &kiln__ops[n->op];
-        if (d->is_inplace && n->n_in) mut[n->in[0]] = true;
-        if (n->op == KILN_OP_ADAMW_ && n->n_in == 7) mut[n->in[2]] = mut[n->in[3]] = true; /* the moments too */
-        if (d->is_view && n->n_in && mut[n->out[0]]) mut[n->in[0]] = true;
-    }
+    mutated_values(g, mut);
     kiln_status s = KILN_OK;
     int count = 0;
     bool prev = kiln_set_grad_enabled(false);
@@ -846,13 +851,7 @@ kiln_status kiln_graph_recompute(kiln_graph_t *g, int *recomputed)
     for (int j = 0; j < g->n_outs; j++) keep[g->outs[j]] = true;
     for (int j = 0; j < g->n_lg; j++)
         if (!g->lg[j].dropped) keep[g->lg[j].value] = true;
-    for (int k = g->n_nd - 1; k >= 0; k--) { /* as kiln_graph_fold: updated in place, or aliased by such */
-        const node *n = &g->nd[k];
-        const kiln__op_def *d = &kiln__ops[n->op];
-        if (d->is_inplace && n->n_in) mut[n->in[0]] = true;
-        if (n->op == KILN_OP_ADAMW_ && n->n_in == 7) mut[n->in[2]] = mut[n->in[3]] = true;
-        if (d->is_view && n->n_in && mut[n->out[0]]) mut[n->in[0]] = true;
-    }
+    mutated_values(g, mut);
     kiln_status s = KILN_OK;
     int count = 0, *uses = malloc(sizeof(int) * (size_t)(g->n_nd + 1));
     if (!uses) s = kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");

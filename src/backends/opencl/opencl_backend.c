@@ -221,6 +221,15 @@ static void cl_free(kiln__backend *be, void *ptr, size_t nbytes)
     if (gone.mem && !kept) release_range(gone);
 }
 
+/* Each recorded command waits on the one before: *prev gets that one's sync point and
+ * the count (0 for the first) is returned. The wait list goes as NULL when the count is
+ * 0 (PoCL 3.1 crashes on a non-NULL list of 0). */
+static cl_uint after_last(const cl_graph *g, cl_sync_point_khr *prev)
+{
+    *prev = g->last;
+    return g->any ? 1 : 0;
+}
+
 /* While recording, the first thing that cannot go into a command buffer fails the
  * capture (and is what capture_end reports). */
 static kiln_status not_recordable(cl_dev *d, const char *what)
@@ -274,8 +283,8 @@ static kiln_status cl_copy_d2d(kiln__backend *be, void *dst, const void *src, si
     cl_int err;
     if (d->cap) {
         cl_graph *g = d->cap;
-        cl_sync_point_khr prev = g->last; /* each command after the one before */
-        err = d->cb_copy(g->cb, NULL, ms, md, os, od, n, g->any, g->any ? &prev : NULL, &g->last, NULL);
+        cl_sync_point_khr prev;
+        err = d->cb_copy(g->cb, NULL, ms, md, os, od, n, after_last(g, &prev), g->any ? &prev : NULL, &g->last, NULL);
         g->any |= err == CL_SUCCESS;
         return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clCommandCopyBufferKHR", err);
     }
@@ -289,8 +298,9 @@ static kiln_status fill_mem(cl_dev *d, cl_mem mem, const void *pattern, size_t s
     cl_int err;
     if (d->cap) {
         cl_graph *g = d->cap;
-        cl_sync_point_khr prev = g->last; /* each command after the one before */
-        err = d->cb_fill(g->cb, NULL, mem, pattern, size, off, n, g->any, g->any ? &prev : NULL, &g->last, NULL);
+        cl_sync_point_khr prev;
+        err = d->cb_fill(g->cb, NULL, mem, pattern, size, off, n, after_last(g, &prev), g->any ? &prev : NULL, &g->last,
+                         NULL);
         g->any |= err == CL_SUCCESS;
         return err == CL_SUCCESS ? KILN_OK : cl_fail(d, "clCommandFillBufferKHR", err);
     }
@@ -525,10 +535,9 @@ static kiln_status cl_launch(kiln__backend *be, void *kernel, const kiln__karg *
     if (s == KILN_OK && err != CL_SUCCESS) s = cl_fail(d, "clSetKernelArg", err);
     if (s == KILN_OK && d->cap) {
         cl_graph *g = d->cap;
-        /* Each command after the one before; the wait list only when there is one: PoCL 3.1
-         * crashes on a non-NULL list whose count is 0. */
-        cl_sync_point_khr prev = g->last;
-        err = d->cb_kernel(g->cb, NULL, NULL, k, (cl_uint)grid_dims, NULL, grid, block, g->any, g->any ? &prev : NULL, &g->last, NULL);
+        cl_sync_point_khr prev;
+        err = d->cb_kernel(g->cb, NULL, NULL, k, (cl_uint)grid_dims, NULL, grid, block, after_last(g, &prev),
+                           g->any ? &prev : NULL, &g->last, NULL);
         g->any |= err == CL_SUCCESS;
         if (err != CL_SUCCESS) s = cl_fail(d, "clCommandNDRangeKernelKHR", err);
     } else if (s == KILN_OK) {
