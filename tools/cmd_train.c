@@ -286,6 +286,31 @@ static void write_run_info(const char *dir, double unigram, const char *tok, con
     free(path);
 }
 
+/* The micro-batches step * accum + k (k < accum) of one process as (accum, B, T) idx and
+ * targets, for the whole step with --compile: the same data the eager micro-batch loop
+ * reads. */
+static kiln_status stacked_batches(kiln_dataset_t *ds, int B, int T, uint64_t seed, int64_t step, int accum,
+                                   kiln_tensor_t **in)
+{
+    size_t per = (size_t)B * (size_t)T;
+    int64_t *h[2] = {malloc(sizeof(int64_t) * per * (size_t)accum), malloc(sizeof(int64_t) * per * (size_t)accum)};
+    kiln_status s = h[0] && h[1] ? KILN_OK : kiln_error(KILN_ERR_OOM, "train: out of memory");
+    for (int k = 0; s == KILN_OK && k < accum; k++) {
+        kiln_tensor_t *xy[2];
+        s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, B, T, seed, step * accum + k, 0, 1, &xy[0], &xy[1]);
+        for (int j = 0; s == KILN_OK && j < 2; j++) {
+            kiln_tensor_t *c = kiln_cast(xy[j], KILN_DTYPE_I64);
+            s = c ? kiln_tensor_to_host(c, h[j] + per * (size_t)k, sizeof(int64_t) * per) : kiln_last_status();
+        }
+    }
+    int64_t shape[3] = {accum, B, T};
+    for (int j = 0; s == KILN_OK && j < 2; j++)
+        if (!(in[j] = kiln_from_data(h[j], shape, 3, KILN_DTYPE_I64))) s = kiln_last_status();
+    free(h[0]);
+    free(h[1]);
+    return s;
+}
+
 int cmd_train(int argc, char **argv)
 {
     train_args a = {
@@ -330,8 +355,8 @@ int cmd_train(int argc, char **argv)
         {"resume", OPT_FLAG, &a.resume, "continue from the checkpoint in --out"},
         {"quiet", OPT_FLAG, &a.quiet, "only errors and the final summary"},
         {"zero1", OPT_FLAG, &a.zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
-        {"compile", OPT_FLAG, &a.compile, "run each step (forward, backward, clipping, update) as one graph of "
-                                          "generated kernels (kiln compile; one process, --accum 1, --dropout 0)"},
+        {"compile", OPT_FLAG, &a.compile, "run each step (forward, backward of every --accum micro-batch, clipping, update) as one graph of "
+                                          "generated kernels (kiln compile; one process, --dropout 0)"},
         {"bucket-mb", OPT_DOUBLE, &a.bucket_mb, "with several ranks: gradient buckets of this many MiB reduced during "
                                              "backward (0: one tensor at a time after it)"},
         {NULL, 0, NULL, NULL},
@@ -445,13 +470,14 @@ int cmd_train(int argc, char **argv)
     if (rank == 0 && kiln_metrics_open(metrics_path, a.resume, &metrics) != KILN_OK) return cli_fail("train", NULL);
 
     int64_t tokens_per_step = a.batch * a.context * a.accum;
-    /* One process, one micro-batch: the step is one function, kiln_gpt_train_step, run
-     * eagerly or compiled into one graph. */
-    bool whole = world == 1 && a.accum == 1 && !a.zero1;
+    /* One process, one micro-batch (or --compile's several): the step is one function,
+     * kiln_gpt_train_step, run eagerly or compiled into one graph. */
+    bool whole = world == 1 && !a.zero1 && (a.accum == 1 || a.compile);
     if (a.compile && (!whole || a.dropout > 0))
-        return cli_fail("train", "--compile runs the whole step as one graph: it needs one process, --accum 1, no "
-                                 "--zero1 and --dropout 0 (a graph would freeze dropout's random stream)");
-    kiln_gpt_step step_fn = {m, opt, params, np, a.clip};
+        return cli_fail("train", "--compile runs the whole step as one graph: it needs one process (collectives are "
+                                 "not captured), no --zero1 and --dropout 0 (a graph would freeze dropout's random "
+                                 "stream)");
+    kiln_gpt_step step_fn = {m, opt, params, np, a.clip, (int)a.accum};
     kiln_compiled_t *compiled = NULL;
     if (a.compile && kiln_compiled_new(kiln_gpt_train_step, &step_fn, "train_step", &compiled) != KILN_OK)
         return cli_fail("train", NULL);
@@ -511,13 +537,17 @@ int cmd_train(int argc, char **argv)
             kiln_tensor_t *in[3], *out[2];
             int n_out = 0;
             int64_t one = 1;
-            s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, (int)rank_batch, (int)a.context, (uint64_t)a.seed, step, 0, 1,
-                                   &in[0], &in[1]);
+            if (a.accum == 1)
+                s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, (int)rank_batch, (int)a.context, (uint64_t)a.seed, step, 0, 1,
+                                       &in[0], &in[1]);
+            else
+                s = stacked_batches(ds, (int)rank_batch, (int)a.context, (uint64_t)a.seed, step, (int)a.accum, in);
             if (s == KILN_OK && !(in[2] = kiln_from_data(&lr, &one, 1, KILN_DTYPE_F64))) s = kiln_last_status();
             if (s == KILN_OK)
                 s = compiled ? kiln_compiled_call(compiled, in, 3, out, 2, &n_out)
                              : kiln_gpt_train_step(&step_fn, in, 3, out, &n_out);
             if (s == KILN_OK) s = kiln_tensor_item(out[0], &loss_sum);
+            loss_sum *= (double)a.accum; /* the step gives the micro-batches' mean */
             if (s == KILN_OK) s = kiln_tensor_item(out[1], &gnorm);
             kiln_scope_end();
             if (s == KILN_OK && compiled && step == start && !a.quiet) {

@@ -79,7 +79,9 @@ kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_
  * holds forward, loss, backward, gradient clipping and the optimizer update: in = (idx,
  * targets, lr), lr a one-element f32/f64 tensor; out = (loss, gradient norm before
  * clipping). The gradients are zeroed at the end (inside a graph they never reach the
- * parameters), so they must be empty when it is called. */
+ * parameters), so they must be empty when it is called. With accum = A > 1, idx and
+ * targets are (A, B, T): A micro-batches, each forward and backward on its loss / A (the
+ * gradients add up), then one update; the loss given is the micro-batches' mean. */
 typedef struct kiln_optim kiln_optim_t;
 typedef struct {
     kiln_gpt_t *model;
@@ -87,6 +89,7 @@ typedef struct {
     kiln_tensor_t *const *params; /* the optimizer's, for the norm */
     int n_params;
     double clip; /* max gradient norm; <= 0: no clipping */
+    int accum;   /* micro-batches per step; 0 or 1: one */
 } kiln_gpt_step;
 kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out);
 

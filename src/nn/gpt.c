@@ -728,9 +728,26 @@ kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, 
     if (!st || !st->model || !st->opt || !in || n_in != 3 || !out || !n_out)
         return kiln_error(KILN_ERR_ARG, "gpt_train_step: needs the model and optimizer, (idx, targets, lr) and room "
                           "for (loss, norm)");
-    kiln_tensor_t *loss, *norm = NULL;
-    if (!kiln_gpt_forward(st->model, in[0], in[1], true, &loss)) return kiln_last_status();
-    kiln_status s = kiln_backward(loss);
+    kiln_tensor_t *loss = NULL, *norm = NULL;
+    kiln_status s = KILN_OK;
+    int A = st->accum > 1 ? st->accum : 1;
+    if (A == 1) {
+        if (!kiln_gpt_forward(st->model, in[0], in[1], true, &loss)) return kiln_last_status();
+        s = kiln_backward(loss);
+    } else {
+        if (kiln_tensor_ndim(in[0]) != 3 || kiln_tensor_shape(in[0])[0] != A || kiln_tensor_ndim(in[1]) != 3 ||
+            kiln_tensor_shape(in[1])[0] != A)
+            return kiln_error(KILN_ERR_SHAPE, "gpt_train_step: accum %d takes idx and targets of shape (%d, B, T)", A, A);
+        for (int k = 0; s == KILN_OK && k < A; k++) {
+            kiln_tensor_t *x = kiln_squeeze(kiln_narrow(in[0], 0, k, 1), 0), *y = kiln_squeeze(kiln_narrow(in[1], 0, k, 1), 0);
+            kiln_tensor_t *lk;
+            if (!x || !y || !kiln_gpt_forward(st->model, x, y, true, &lk)) return kiln_last_status();
+            s = kiln_backward(kiln_mul_scalar(lk, 1.0 / A));
+            loss = s != KILN_OK ? NULL : loss ? kiln_add(loss, lk) : lk;
+            if (s == KILN_OK && !loss) s = kiln_last_status();
+        }
+        if (s == KILN_OK && !(loss = kiln_mul_scalar(loss, 1.0 / A))) s = kiln_last_status();
+    }
     if (s == KILN_OK) s = kiln_grad_norm(st->params, st->n_params, &norm);
     kiln_tensor_t *coef = s == KILN_OK && st->clip > 0 ? kiln_clip_coef(norm, st->clip) : NULL;
     if (s == KILN_OK && st->clip > 0 && !coef) s = kiln_last_status();
