@@ -1538,6 +1538,10 @@ static kiln_status open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev,
     pthread_mutex_init(&d->prog_lock, NULL);
     clGetDeviceInfo(dev, CL_DRIVER_VERSION, sizeof d->driver - 1, d->driver, NULL);
     find_command_buffers(d, plat);
+    if (d->cb_create) { /* kiln doctor says whether a replay can be the device's own graph */
+        size_t n = strlen(d->description);
+        snprintf(d->description + n, sizeof d->description - n, " (command buffers)");
+    }
     return KILN_OK;
 }
 
