@@ -766,15 +766,16 @@ static bool alive_but(const rc_ctx *c, int x, int late, int skip)
 
 static bool alive_at(const rc_ctx *c, int x, int late) { return alive_but(c, x, late, -1); }
 
-static bool rebuildable(const rc_ctx *c, int x, int late, int depth)
+/* *budget: how many more copies the chain may make (rebuild keeps at most 64). */
+static bool rebuildable(const rc_ctx *c, int x, int late, int depth, int *budget)
 {
     const kiln_graph_t *g = c->g;
     if (alive_at(c, x, late)) return true;
     if (depth >= RC_DEPTH || c->mut[x]) return false;
     const node *n = &g->nd[g->v[x].index];
-    if (!recomputable(n->op) || n->n_out != 1) return false;
+    if (!recomputable(n->op) || n->n_out != 1 || n->n_in > 8 || --*budget < 0) return false;
     for (int i = 0; i < n->n_in; i++)
-        if (!rebuildable(c, n->in[i], late, depth + 1)) return false;
+        if (!rebuildable(c, n->in[i], late, depth + 1, budget)) return false;
     return true;
 }
 
@@ -876,7 +877,8 @@ kiln_status kiln_graph_recompute(kiln_graph_t *g, int *recomputed)
         if (late < 0) continue;
         rc_ctx c = {g, keep, mut, {0}, {0}, 0};
         bool ok = true;
-        for (int i = 0; i < n->n_in && ok; i++) ok = !mut[n->in[i]] && rebuildable(&c, n->in[i], late, 1);
+        int budget = 48;
+        for (int i = 0; i < n->n_in && ok; i++) ok = !mut[n->in[i]] && rebuildable(&c, n->in[i], late, 1, &budget);
         /* A view owns no memory: one is worth recomputing only for the storage behind it
          * (a view of GELU's output, say), when that is not alive late anyway. */
         if (ok && view_top) ok = !alive_but(&c, n->in[0], late, k);
