@@ -490,6 +490,9 @@ static kiln_status nccl_comm(kiln_pg_t *pg, kiln__backend *be, const char *op)
     if (pg->tcp && be != pg->nccl_be)
         return kiln_error(KILN_ERR_DEVICE, "%s: the group formed over TCP on %s, the tensor is on %s (one device per rank)",
                           op, pg->nccl_be->name, be->name);
+    if (pg->broken) /* an aborted communicator is not made again: rank 0's id is spent */
+        return kiln_error(KILN_ERR_DIST, "%s: an earlier collective failed on rank %d; the group cannot be used", op,
+                          pg->rank);
     unsigned char id[KILN__NCCL_ID_BYTES + 1] = {0};
     kiln_status st = KILN_OK;
     if (pg->tcp) {
@@ -607,6 +610,7 @@ static kiln_status staged(kiln_pg_t *pg, sig *s, const void *hin, void *hout, in
     if (bin + bout && !d) return kiln_error(KILN_ERR_OOM, "%s: out of memory on %s staging %zu bytes", op_names[s->op],
                                             be->name, bin + bout);
     kiln_status st = bin ? be->copy_h2d(be, d, hin, bin) : KILN_OK;
+    if (st != KILN_OK) pg->broken = true; /* this rank cannot take part: the others would wait for it */
     if (st == KILN_OK) st = nccl_post(pg, s, be, d, bout ? d + bin : NULL, nin, nout, dt);
     if (st == KILN_OK && bout) st = be->copy_d2h(be, hout, d + bin, bout);
     else if (st == KILN_OK && bin && s->op != OP_BARRIER) st = be->copy_d2h(be, (void *)hin, d, bin);
@@ -889,6 +893,9 @@ kiln_status kiln_pg_check_step(kiln_pg_t *pg)
 {
     if (!pg) return kiln_error(KILN_ERR_ARG, "check_step: NULL group");
     if (!pg->mpi && !pg->tcp) return KILN_OK;
+    if (pg->broken)
+        return kiln_error(KILN_ERR_DIST, "process group: an earlier collective failed on rank %d; the group cannot be used",
+                          pg->rank);
     pthread_mutex_lock(&pg->mu);
     uint64_t mine[2] = {pg->seq, pg->hash}, *all = malloc(sizeof(uint64_t) * 2 * (size_t)pg->world);
     kiln_status st = all ? KILN_OK : kiln_error(KILN_ERR_OOM, "check_step: out of memory");

@@ -854,7 +854,7 @@ kiln_status kiln_graph_recompute(kiln_graph_t *g, int *recomputed)
         if (!g->lg[j].dropped) keep[g->lg[j].value] = true;
     mutated_values(g, mut);
     kiln_status s = KILN_OK;
-    int count = 0, *uses = malloc(sizeof(int) * (size_t)(g->n_nd + 1));
+    int count = 0, cap_uses = g->n_nd + 1, *uses = malloc(sizeof(int) * (size_t)cap_uses);
     if (!uses) s = kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
     for (int k = g->n_nd - 1; s == KILN_OK && k >= 0; k--) {
         const node *n = &g->nd[k];
@@ -865,6 +865,15 @@ kiln_status kiln_graph_recompute(kiln_graph_t *g, int *recomputed)
         const kiln__meta *m = &g->v[v].meta;
         if (kiln__numel(m->ndim, m->shape) < RC_MIN) continue;
         int n_uses = 0;
+        if (g->n_nd + 1 > cap_uses) { /* clones made so far count as readers too */
+            int *u = realloc(uses, sizeof(int) * (size_t)(g->n_nd + 1));
+            if (!u) {
+                s = kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
+                break;
+            }
+            uses = u;
+            cap_uses = g->n_nd + 1;
+        }
         for (int q = k + 1; q < g->n_nd; q++)
             for (int i = 0; i < g->nd[q].n_in; i++)
                 if (g->nd[q].in[i] == v) {
@@ -883,7 +892,7 @@ kiln_status kiln_graph_recompute(kiln_graph_t *g, int *recomputed)
          * (a view of GELU's output, say), when that is not alive late anyway. */
         if (ok && view_top) ok = !alive_but(&c, n->in[0], late, k);
         if (!ok) continue;
-        if (g->n_v + 8 * RC_DEPTH > cap_v) break; /* the flags below cover the values made so far */
+        if (g->n_v + 64 > cap_v) break; /* the flags cover the values made so far (a chain makes <= 49) */
         /* v's own copy (v is read at late, so rebuild would hand back v itself). */
         int at = late, nv = 0, ins[8];
         node copy = g->nd[k];

@@ -678,9 +678,14 @@ int kiln__cuda_register(void)
             .synchronize = cu_synchronize, .kernels = cuda_kernels, .language = "cuda-c",
             .compile_kernel = cu_compile_kernel, .kernel_free = cu_kernel_free, .launch = cu_launch, .fill = cu_fill,
             .native_stream = cu_native_stream, .host_register = cu_host_register, .host_unregister = cu_host_unregister,
-            .capture_begin = cu_capture_begin, .capture_end = cu_capture_end, .replay = cu_replay,
-            .capture_reset = cu_capture_reset,
+            /* graph capture: set below for CUDA 12+, whose cudaGraphInstantiate this calls */
         };
+        if (rtv >= 12000) {
+            be->capture_begin = cu_capture_begin;
+            be->capture_end = cu_capture_end;
+            be->replay = cu_replay;
+            be->capture_reset = cu_capture_reset;
+        }
         if (kiln__backend_register(be) == KILN_OK) n++;
         else kiln_clear_error();
     }

@@ -1029,8 +1029,9 @@ static kiln_status ocl_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_
     kiln_tensor_t *dst = in[0], *src = in[1];
     int64_t n = kiln_tensor_numel(dst);
     bool same_shape = src->ndim == dst->ndim && !memcmp(src->shape, dst->shape, sizeof(int64_t) * (size_t)dst->ndim);
+    bool strided = !kiln__is_contiguous(dst) || !kiln__is_contiguous(src);
     if (dst->dtype != src->dtype || src->st->be != be || kiln_tensor_numel(src) != n || dst->ndim > 6 ||
-        (!same_shape && !kiln__is_contiguous(src)))
+        (!same_shape && !kiln__is_contiguous(src)) || (strided && dst->st == src->st)) /* one buffer: the cpu orders it */
         return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
     if (!n) return KILN_OK;
     if (kiln__is_contiguous(dst) && kiln__is_contiguous(src))
@@ -1464,7 +1465,7 @@ static kiln_status cl_replay(kiln__backend *be, void *graph)
     kiln_status s = cl_copy_d2h(be, &word, d->err, sizeof word);
     if (s != KILN_OK || !word) return s;
     word = 0;
-    cl_copy_h2d(be, d->err, &word, sizeof word);
+    if ((s = cl_copy_h2d(be, d->err, &word, sizeof word)) != KILN_OK) return s;
     return kiln__err(KILN_ERR_INDEX, "%s: an index or target outside its range (embedding or cross_entropy) in a "
                      "replayed step: its results are not valid (run the step eagerly to see which)", d->name);
 }
@@ -1484,10 +1485,27 @@ static void find_command_buffers(cl_dev *d, cl_platform_id plat)
     if (clGetDeviceInfo(d->dev, CL_DEVICE_EXTENSIONS, 0, NULL, &n) != CL_SUCCESS || !n) return;
     char *ext = malloc(n + 1);
     if (!ext) return;
-    bool has = clGetDeviceInfo(d->dev, CL_DEVICE_EXTENSIONS, n, ext, NULL) == CL_SUCCESS &&
-               strstr(ext, "cl_khr_command_buffer") != NULL;
+    bool has = false;
+    if (clGetDeviceInfo(d->dev, CL_DEVICE_EXTENSIONS, n, ext, NULL) == CL_SUCCESS) {
+        ext[n] = 0;
+        for (char *t = strtok(ext, " "); t && !has; t = strtok(NULL, " ")) has = !strcmp(t, "cl_khr_command_buffer");
+    }
     free(ext);
     if (!has) return;
+    /* The extension is provisional and its entry points changed after 0.9.4 (a properties
+     * argument more): these calls are 0.9.0-0.9.4's. An OpenCL 3.0 platform says which
+     * revision it has (CL_DEVICE_EXTENSIONS_WITH_VERSION, 0x1060); another is taken as one. */
+    struct {
+        cl_uint version;
+        char name[64];
+    } vers[256];
+    size_t got = 0;
+    if (clGetDeviceInfo(d->dev, 0x1060, sizeof vers, vers, &got) == CL_SUCCESS)
+        for (size_t i = 0; i < got / sizeof vers[0]; i++)
+            if (!strcmp(vers[i].name, "cl_khr_command_buffer")) {
+                cl_uint v = vers[i].version, major = v >> 22, minor = (v >> 12) & 0x3ff, patch = v & 0xfff;
+                if (major != 0 || minor != 9 || patch > 4) return; /* a revision these calls do not fit */
+            }
 #define GET(f, field) d->field = (f##_fn)clGetExtensionFunctionAddressForPlatform(plat, #f)
     GET(clCreateCommandBufferKHR, cb_create);
     GET(clCommandNDRangeKernelKHR, cb_kernel);
