@@ -211,6 +211,21 @@ static void info_and_plot_work_on_the_run(void **state)
  * one graph gives the same losses within 1e-5 relative (generated kernels sum in
  * another order); so does --accum 2 compiled (both micro-batches' forward and backward
  * in the one graph) against --accum 2 eager. */
+/* The runs in dir/eager and dir/compiled both logged n losses, equal within 1e-5 relative. */
+static void same_losses(const char *eager, const char *compiled, int n, const char *what)
+{
+    char a[8][64], c[8][64], pa[512], pc[512];
+    snprintf(pa, sizeof pa, "%s/%s/metrics.jsonl", dir, eager);
+    snprintf(pc, sizeof pc, "%s/%s/metrics.jsonl", dir, compiled);
+    assert_int_equal(losses(pa, a, 8), n);
+    assert_int_equal(losses(pc, c, 8), n);
+    for (int i = 0; i < n; i++) {
+        double want = strtod(a[i], NULL), got = strtod(c[i], NULL);
+        if (!(fabs(got - want) <= 1e-5 * fabs(want)))
+            fail_msg("%sstep %d: eager loss %s, compiled %s", what, i + 1, a[i], c[i]);
+    }
+}
+
 static void train_compile_matches_eager(void **state)
 {
     char out[8192];
@@ -218,29 +233,13 @@ static void train_compile_matches_eager(void **state)
                  tool(), corpus, dir);
     if (rc != 0) fail_msg("kiln train --compile failed (%d): %s", rc, out);
     assert_non_null(strstr(out, "compiled the training step"));
-    char a[8][64], c[8][64], pa[512], pc[512];
-    snprintf(pa, sizeof pa, "%s/a/metrics.jsonl", dir);
-    snprintf(pc, sizeof pc, "%s/c/metrics.jsonl", dir);
-    assert_int_equal(losses(pa, a, 8), 6);
-    assert_int_equal(losses(pc, c, 8), 6);
-    for (int i = 0; i < 6; i++) {
-        double want = strtod(a[i], NULL), got = strtod(c[i], NULL);
-        if (!(fabs(got - want) <= 1e-5 * fabs(want))) fail_msg("step %d: eager loss %s, compiled %s", i + 1, a[i], c[i]);
-    }
+    same_losses("a", "c", 6, "");
     rc = run(out, sizeof out, "%s train --data %s --out %s/e --steps 4 --eval-every 4 --accum 2 " TINY, tool(), corpus, dir);
     if (rc != 0) fail_msg("kiln train --accum 2 failed (%d): %s", rc, out);
     rc = run(out, sizeof out, "%s train --data %s --out %s/d --steps 4 --eval-every 4 --accum 2 --compile " TINY, tool(),
              corpus, dir);
     if (rc != 0) fail_msg("kiln train --accum 2 --compile failed (%d): %s", rc, out);
-    snprintf(pa, sizeof pa, "%s/e/metrics.jsonl", dir);
-    snprintf(pc, sizeof pc, "%s/d/metrics.jsonl", dir);
-    assert_int_equal(losses(pa, a, 8), 4);
-    assert_int_equal(losses(pc, c, 8), 4);
-    for (int i = 0; i < 4; i++) {
-        double want = strtod(a[i], NULL), got = strtod(c[i], NULL);
-        if (!(fabs(got - want) <= 1e-5 * fabs(want)))
-            fail_msg("--accum 2 step %d: eager loss %s, compiled %s", i + 1, a[i], c[i]);
-    }
+    same_losses("e", "d", 4, "--accum 2 ");
     rc = run(out, sizeof out, "%s train --data %s --out %s/f --steps 2 --dropout 0.1 --compile " TINY, tool(), corpus, dir);
     assert_int_not_equal(rc, 0);
     assert_non_null(strstr(out, "--dropout 0"));
