@@ -10,7 +10,12 @@
  * What limits them: float32 summation order differs (kiln sums reductions in double,
  * the BLAS blocks GEMMs its own way, the AVX2 clones contract a*b+c into one FMA), so
  * agreement is to about 1e-7 relative per op, growing through the layers and through
- * Adam's division by sqrt(v) on small second moments. */
+ * Adam's division by sqrt(v) on small second moments.
+ *
+ * Each file is checked twice: eagerly, and compiled (kiln_compiled_*: the forward as one
+ * graph, the loss and backward as a second, and each AdamW step, forward to update, as
+ * a third; fused generated kernels on the cpu), against the same PyTorch values and
+ * tolerances. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -21,6 +26,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kiln/graph.h"
 #include "kiln/io.h"
 #include "kiln/kiln.h"
 #include "kiln/nn.h"
@@ -84,8 +90,30 @@ static void compare(kiln_tensor_t *a, kiln_tensor_t *b, double *maxdiff, double 
     free(y);
 }
 
-static void check_golden(const char *file)
+/* The evaluation forward as a graph function (ctx: the model): in = (idx, targets),
+ * out = (logits, loss). */
+static kiln_status eval_forward(void *model, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
 {
+    kiln_tensor_t *loss = NULL;
+    kiln_tensor_t *logits = kiln_gpt_forward(model, in[0], in[1], false, &loss);
+    if (!logits) return kiln_last_status();
+    out[0] = logits;
+    out[1] = loss;
+    *n_out = 2;
+    return KILN_OK;
+}
+
+/* Runs a compiled function once, naming what failed. */
+static void call(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out)
+{
+    int n;
+    if (kiln_compiled_call(c, in, n_in, out, max_out, &n) != KILN_OK) fail_msg("compiled call: %s", kiln_last_error());
+    assert_int_equal(n, max_out);
+}
+
+static void check_golden(const char *file, bool compiled)
+{
+    const char *how = compiled ? "compiled" : "eager";
     kiln_safetensors_t *f;
     if (kiln_safetensors_load(golden_path(file), &f) != KILN_OK) fail_msg("%s", kiln_last_error());
     kiln_gpt_config cfg = golden_config(f);
@@ -97,20 +125,37 @@ static void check_golden(const char *file)
     assert_non_null(idx);
     assert_non_null(tgt);
 
-    kiln_tensor_t *loss;
-    kiln_tensor_t *logits = kiln_gpt_forward(m, idx, tgt, false, &loss);
-    if (!logits) fail_msg("%s", kiln_last_error());
+    kiln_tensor_t *loss, *logits;
+    kiln_compiled_t *fwd = NULL, *grads = NULL, *step = NULL;
+    if (compiled) {
+        assert_int_equal(kiln_compiled_new(eval_forward, m, "align_forward", &fwd), KILN_OK);
+        kiln_tensor_t *out[2];
+        call(fwd, (kiln_tensor_t *[]){idx, tgt}, 2, out, 2);
+        logits = out[0];
+        loss = out[1];
+    } else {
+        logits = kiln_gpt_forward(m, idx, tgt, false, &loss);
+        if (!logits) fail_msg("%s", kiln_last_error());
+    }
     double d, ref;
     compare(logits, kiln_safetensors_get(f, "out.logits"), &d, &ref);
-    printf("%s: logits max|d| = %.3g\n", file, d);
+    printf("%s (%s): logits max|d| = %.3g\n", file, how, d);
     assert_true(d <= 1e-5);
     double l, lref;
     assert_int_equal(kiln_tensor_item(loss, &l), KILN_OK);
     assert_int_equal(kiln_tensor_item(kiln_safetensors_get(f, "out.loss"), &lref), KILN_OK);
-    printf("%s: loss %.7f vs %.7f (rel %.3g)\n", file, l, lref, fabs(l - lref) / fabs(lref));
+    printf("%s (%s): loss %.7f vs %.7f (rel %.3g)\n", file, how, l, lref, fabs(l - lref) / fabs(lref));
     assert_true(fabs(l - lref) <= 1e-6 * fabs(lref));
 
-    assert_int_equal(kiln_backward(loss), KILN_OK);
+    if (compiled) {
+        /* kiln_gpt_loss_backward's forward is in train mode: the golden model has no
+         * dropout, so it is the same forward. */
+        assert_int_equal(kiln_compiled_new(kiln_gpt_loss_backward, m, "align_grads", &grads), KILN_OK);
+        kiln_tensor_t *out[1];
+        call(grads, (kiln_tensor_t *[]){idx, tgt}, 2, out, 1);
+    } else {
+        assert_int_equal(kiln_backward(loss), KILN_OK);
+    }
     double worst = 0;
     for (int i = 0; i < kiln_gpt_num_params(m); i++) {
         const char *name;
@@ -125,7 +170,7 @@ static void check_golden(const char *file)
         if (rel > worst) worst = rel;
         if (!(rel <= 1e-4)) fail_msg("%s: gradient of %s: max|d|/max|ref| = %.3g", file, name, rel);
     }
-    printf("%s: worst gradient max|d|/max|ref| = %.3g\n", file, worst);
+    printf("%s (%s): worst gradient max|d|/max|ref| = %.3g\n", file, how, worst);
 
     /* 10 AdamW steps on the same batch: lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight
      * decay 0.1 on parameters of 2 or more dims, as the reference ran them. */
@@ -139,21 +184,51 @@ static void check_golden(const char *file)
     float *ref_losses = host(kiln_safetensors_get(f, "out.losses"), &nl);
     assert_int_equal(nl, 10);
     double worst_loss = 0;
+    /* Compiled, each step is kiln_gpt_train_step without clipping (the reference has
+     * none): forward, backward and AdamW in one graph, lr given as a tensor. */
+    kiln_gpt_step st = {.model = m, .opt = opt, .params = ps, .n_params = np, .clip = 0};
+    if (compiled) assert_int_equal(kiln_compiled_new(kiln_gpt_train_step, &st, "align_step", &step), KILN_OK);
     for (int k = 0; k < 10; k++) {
         kiln_scope_begin();
-        kiln_tensor_t *lk;
-        assert_non_null(kiln_gpt_forward(m, idx, tgt, false, &lk));
         double v;
-        assert_int_equal(kiln_tensor_item(lk, &v), KILN_OK);
-        assert_int_equal(kiln_backward(lk), KILN_OK);
-        assert_int_equal(kiln_optim_step(opt, 1e-3), KILN_OK);
-        kiln_optim_zero_grad(opt);
+        if (compiled) {
+            double lr = 1e-3;
+            kiln_tensor_t *out[2];
+            call(step, (kiln_tensor_t *[]){idx, tgt, kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)}, 3, out, 2);
+            assert_int_equal(kiln_tensor_item(out[0], &v), KILN_OK);
+        } else {
+            kiln_tensor_t *lk;
+            assert_non_null(kiln_gpt_forward(m, idx, tgt, false, &lk));
+            assert_int_equal(kiln_tensor_item(lk, &v), KILN_OK);
+            assert_int_equal(kiln_backward(lk), KILN_OK);
+            assert_int_equal(kiln_optim_step(opt, 1e-3), KILN_OK);
+            kiln_optim_zero_grad(opt);
+        }
         kiln_scope_end();
         double dl = fabs(v - ref_losses[k]);
         if (dl > worst_loss) worst_loss = dl;
-        if (!(dl <= 1e-5)) fail_msg("%s: AdamW step %d loss %.7f vs reference %.7f", file, k, v, ref_losses[k]);
+        if (!(dl <= 1e-5)) fail_msg("%s (%s): AdamW step %d loss %.7f vs reference %.7f", file, how, k, v, ref_losses[k]);
     }
-    printf("%s: 10 AdamW losses, worst |d| = %.3g\n", file, worst_loss);
+    printf("%s (%s): 10 AdamW losses, worst |d| = %.3g\n", file, how, worst_loss);
+    assert_int_equal(kiln_optim_steps(opt), 10);
+    if (compiled) {
+        /* Each compiled once and ran as compiled: no fallback to eager. */
+        kiln_compiled_t *cs[3] = {fwd, grads, step};
+        uint64_t want_calls[3] = {1, 1, 10};
+        for (int i = 0; i < 3; i++) {
+            uint64_t calls, hits, rec;
+            int graphs;
+            kiln_compiled_stats(cs[i], &calls, &hits, &rec, &graphs);
+            assert_int_equal(calls, want_calls[i]);
+            assert_int_equal(graphs, 1);
+            assert_int_equal(hits, want_calls[i] - 1);
+            int kernels, ops;
+            assert_int_equal(kiln_compiled_plan(cs[i], 0, &kernels, &ops, NULL, NULL), KILN_OK);
+            /* generated kernels on the cpu; another device interprets the graph (no generator) */
+            if (!strcmp(kiln_device(), "cpu")) assert_true(kernels > 0);
+            kiln_compiled_free(cs[i]);
+        }
+    }
     free(ref_losses);
     kiln_optim_free(opt);
     free(ps);
@@ -162,14 +237,18 @@ static void check_golden(const char *file)
     kiln_safetensors_free(f);
 }
 
-static void gpt2_style_matches_pytorch(void **state) { check_golden("golden_gpt2.safetensors"); }
-static void llama_style_matches_pytorch(void **state) { check_golden("golden_llama.safetensors"); }
+static void gpt2_style_matches_pytorch(void **state) { check_golden("golden_gpt2.safetensors", false); }
+static void llama_style_matches_pytorch(void **state) { check_golden("golden_llama.safetensors", false); }
+static void gpt2_style_compiled_matches_pytorch(void **state) { check_golden("golden_gpt2.safetensors", true); }
+static void llama_style_compiled_matches_pytorch(void **state) { check_golden("golden_llama.safetensors", true); }
 
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(gpt2_style_matches_pytorch),
         cmocka_unit_test(llama_style_matches_pytorch),
+        cmocka_unit_test(gpt2_style_compiled_matches_pytorch),
+        cmocka_unit_test(llama_style_compiled_matches_pytorch),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
