@@ -125,18 +125,16 @@ static void check_golden(const char *file, bool compiled)
     assert_non_null(idx);
     assert_non_null(tgt);
 
-    kiln_tensor_t *loss, *logits;
     kiln_compiled_t *fwd = NULL, *grads = NULL, *step = NULL;
+    kiln_tensor_t *fin[2] = {idx, tgt}, *fout[2];
     if (compiled) {
         assert_int_equal(kiln_compiled_new(eval_forward, m, "align_forward", &fwd), KILN_OK);
-        kiln_tensor_t *out[2];
-        call(fwd, (kiln_tensor_t *[]){idx, tgt}, 2, out, 2);
-        logits = out[0];
-        loss = out[1];
+        call(fwd, fin, 2, fout, 2);
     } else {
-        logits = kiln_gpt_forward(m, idx, tgt, false, &loss);
-        if (!logits) fail_msg("%s", kiln_last_error());
+        int n;
+        if (eval_forward(m, fin, 2, fout, &n) != KILN_OK) fail_msg("%s", kiln_last_error());
     }
+    kiln_tensor_t *logits = fout[0], *loss = fout[1];
     double d, ref;
     compare(logits, kiln_safetensors_get(f, "out.logits"), &d, &ref);
     printf("%s (%s): logits max|d| = %.3g\n", file, how, d);
