@@ -295,6 +295,50 @@ static void repeated_ops_are_merged_but_not_across_updates(void **state)
     }
 }
 
+typedef struct {
+    kiln_tensor_t *a, *b, *other;
+} cse2_ctx;
+
+/* exp(a) + b twice (captured tensors) with an update of an unrelated captured tensor
+ * between them, and a zero tensor made twice with the first one updated in place in
+ * between. */
+static kiln_status twice_around_updates(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    (void)n_in;
+    cse2_ctx *c = ctx;
+    kiln_tensor_t *y1 = kiln_add(kiln_exp(c->a), c->b);
+    if (kiln_fill_(c->other, 2.0) != KILN_OK) return kiln_last_status();
+    kiln_tensor_t *y2 = kiln_add(kiln_exp(c->a), c->b);
+    kiln_tensor_t *z1 = kiln_zeros((int64_t[]){4, 16}, 2, KILN_DTYPE_F32);
+    if (!z1 || kiln_add_(z1, in[0], 1.0) != KILN_OK) return kiln_last_status();
+    kiln_tensor_t *z2 = kiln_zeros((int64_t[]){4, 16}, 2, KILN_DTYPE_F32);
+    out[0] = kiln_add(kiln_mul(y1, y2), kiln_sub(z1, z2));
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+/* Oracle for the merge counts: which values the updates between them write. An update
+ * of another tensor does not stop a merge; an update of a result does stop its twin
+ * (made after it) from taking its place. */
+static void merges_look_at_what_updates_write(void **state)
+{
+    cse2_ctx c = {randn(4, 16, 1), randn(4, 16, 2), randn(4, 16, 3)};
+    kiln_tensor_t *x = randn(4, 16, 4);
+    kiln_graph_t *g;
+    assert_int_equal(kiln_graph_capture(twice_around_updates, &c, &x, 1, &g), KILN_OK);
+    int merged = -1;
+    assert_int_equal(kiln_graph_cse(g, &merged), KILN_OK);
+    assert_int_equal(merged, 2); /* exp(a) and + b; the second zeros stays */
+    cse2_ctx e = {c.a, c.b, kiln_clone(c.other)};
+    kiln_tensor_t *got, *want;
+    int n;
+    assert_int_equal(kiln_graph_run(g, &x, 1, &got, 1, &n), KILN_OK);
+    assert_int_equal(twice_around_updates(&e, &x, 1, &want, &n), KILN_OK);
+    assert_same(got, want);
+    assert_same(c.other, e.other);
+    kiln_graph_free(g);
+}
+
 /* Guards: the same shape reuses its graph, a new one captures again (and the log says
  * which guard failed, old -> new), and past the limit calls run eagerly with one
  * warning; every result equals the eager function's. */
@@ -594,6 +638,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(constants_fold_and_updated_values_do_not, setup, teardown),
         cmocka_unit_test_setup_teardown(folds_in_a_row_keep_their_sources, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_uses_are_clear_errors, setup, teardown),
+        cmocka_unit_test_setup_teardown(merges_look_at_what_updates_write, setup, teardown),
         cmocka_unit_test_setup_teardown(repeated_ops_are_merged_but_not_across_updates, setup, teardown),
         cmocka_unit_test_setup_teardown(guards_reuse_recompile_and_fall_back, setup, teardown),
         cmocka_unit_test_setup_teardown(gpt2_forward_captures, setup, teardown),

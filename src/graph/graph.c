@@ -572,36 +572,102 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
 }
 
 /* Common-subexpression elimination: an op with the same attributes on the same values
- * as an earlier one gives the earlier one's results. An in-place op may change what a
- * value holds (directly or through a view), so each starts the table afresh; in-place
- * and random ops are never merged (random ones already differ in their counters). */
+ * as an earlier one gives the earlier one's results, unless an in-place op between
+ * them wrote the memory one of those values lives in (directly or through a view).
+ * Memory is tracked per op result, per captured storage (captured tensors on one
+ * storage are one memory), and for arguments as one memory that may alias any captured
+ * tensor. In-place and random ops are never merged (random ones already differ in their
+ * counters). Candidates are found through a hash of (op, attributes, inputs). */
+static uint64_t node_hash(const node *n)
+{
+    uint64_t h = 1469598103934665603ULL;
+    const unsigned char *a = (const unsigned char *)&n->attrs;
+    for (size_t i = 0; i < sizeof n->attrs; i++) h = (h ^ a[i]) * 1099511628211ULL;
+    h = (h ^ (uint64_t)n->op) * 1099511628211ULL;
+    for (int i = 0; i < n->n_in; i++) h = (h ^ (uint64_t)(uint32_t)n->in[i]) * 1099511628211ULL;
+    return h;
+}
+
+/* 1 + the kept op that last wrote memory m (0: none); an argument may alias any
+ * captured tensor and another argument. */
+static int last_write(const kiln_graph_t *g, int m, const int *wrote, int ext)
+{
+    if (m == 0 || g->v[m].kind == V_ARG) return ext;
+    if (g->v[m].kind == V_CONST && wrote[0] > wrote[m]) return wrote[0];
+    return wrote[m];
+}
+
 kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
 {
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_cse: NULL graph");
-    int *repl = malloc(sizeof(int) * (size_t)g->n_v);
-    if (!repl) return kiln__err(KILN_ERR_OOM, "graph_cse: out of memory");
-    for (int i = 0; i < g->n_v; i++) repl[i] = i;
-    int w = 0, dropped = 0, region = 0; /* nodes [region, w) are candidates */
+    int nb = 64;
+    while (nb < 2 * g->n_nd) nb *= 2;
+    int *repl = malloc(sizeof(int) * (size_t)g->n_v), *mem = malloc(sizeof(int) * (size_t)g->n_v);
+    int *wrote = malloc(sizeof(int) * (size_t)g->n_v), *slot = malloc(sizeof(int) * (size_t)nb);
+    if (!repl || !mem || !wrote || !slot) {
+        free(repl);
+        free(mem);
+        free(wrote);
+        free(slot);
+        return kiln__err(KILN_ERR_OOM, "graph_cse: out of memory");
+    }
+    /* mem[v]: the memory value v lives in, named by a value number (0: the arguments);
+     * wrote[m]: 1 + the kept op that last wrote memory m, 0 if none did. */
+    for (int i = 0; i < g->n_v; i++) {
+        repl[i] = i;
+        wrote[i] = 0;
+        mem[i] = g->v[i].kind == V_ARG ? 0 : i;
+        for (int j = 1; j < i && g->v[i].kind == V_CONST; j++)
+            if (g->v[j].kind == V_CONST && g->v[j].t->st == g->v[i].t->st) {
+                mem[i] = j;
+                break;
+            }
+    }
+    for (int b = 0; b < nb; b++) slot[b] = -1;
+    int w = 0, dropped = 0, ext = 0; /* ext: 1 + the last write to any captured tensor or argument */
     for (int k = 0; k < g->n_nd; k++) {
         node *n = &g->nd[k];
         for (int i = 0; i < n->n_in; i++) n->in[i] = repl[n->in[i]];
         const kiln__op_def *d = &kiln__ops[n->op];
         int same = -1;
-        if (!d->is_inplace)
-            for (int q = region; q < w && same < 0; q++) {
-                node *o = &g->nd[q];
-                if (o->op == n->op && o->n_in == n->n_in && !memcmp(&o->attrs, &n->attrs, sizeof n->attrs) &&
-                    !memcmp(o->in, n->in, sizeof(int) * (size_t)n->n_in))
-                    same = q;
+        uint64_t h = node_hash(n);
+        if (!d->is_inplace) {
+            int since = 0; /* the merge target must come after the last write to its inputs */
+            for (int i = 0; i < n->n_in; i++) {
+                int t = last_write(g, mem[n->in[i]], wrote, ext);
+                if (t > since) since = t;
             }
+            for (int b = (int)(h & (uint64_t)(nb - 1)); slot[b] >= 0 && same < 0; b = (b + 1) & (nb - 1)) {
+                const node *o = &g->nd[slot[b]];
+                bool ok = slot[b] >= since && o->op == n->op && o->n_in == n->n_in &&
+                          !memcmp(&o->attrs, &n->attrs, sizeof n->attrs) &&
+                          !memcmp(o->in, n->in, sizeof(int) * (size_t)n->n_in);
+                /* ... and its results must not have been written since it made them */
+                for (int j = 0; ok && j < o->n_out; j++) ok = last_write(g, mem[o->out[j]], wrote, ext) <= slot[b];
+                if (ok) same = slot[b];
+            }
+        }
         if (same >= 0) {
             for (int j = 0; j < n->n_out; j++) repl[n->out[j]] = g->nd[same].out[j];
             free(n->in);
             dropped++;
             continue;
         }
-        g->nd[w++] = *n;
-        if (d->is_inplace) region = w;
+        g->nd[w] = *n;
+        if (d->is_inplace) {
+            int writes[3] = {0, 2, 3}, nw = n->op == KILN_OP_ADAMW_ && n->n_in == 7 ? 3 : 1;
+            for (int q = 0; q < nw && n->n_in; q++) {
+                int m = mem[n->in[writes[q]]];
+                wrote[m] = w + 1;
+                if (m == 0 || g->v[m].kind != V_OP) ext = w + 1;
+            }
+        } else {
+            for (int j = 0; j < n->n_out; j++) mem[n->out[j]] = d->is_view && n->n_in ? mem[n->in[0]] : n->out[j];
+            int b = (int)(h & (uint64_t)(nb - 1));
+            while (slot[b] >= 0) b = (b + 1) & (nb - 1);
+            slot[b] = w;
+        }
+        w++;
     }
     for (int j = 0; j < g->n_outs; j++) g->outs[j] = repl[g->outs[j]];
     for (int j = 0; j < g->n_lg; j++) g->lg[j].value = repl[g->lg[j].value];
@@ -609,6 +675,9 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
         for (int j = 0; j < g->nd[k].n_out; j++) g->v[g->nd[k].out[j]].index = k;
     g->n_nd = w;
     free(repl);
+    free(mem);
+    free(wrote);
+    free(slot);
     if (removed) *removed = dropped;
     return KILN_OK;
 }
@@ -988,7 +1057,7 @@ kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed)
             break;
         }
         kiln_tensor_t *res[KILN__MAX_OUT] = {0};
-        kiln__decompose_fn dec = kiln__decomposition(n->op);
+        kiln__decompose_fn dec = kiln__decomposition(n->op, ins, n->n_in);
         if (dec) {
             s = dec(ins, n->n_in, &n->attrs, res);
             count += s == KILN_OK;

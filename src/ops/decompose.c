@@ -1,11 +1,15 @@
 /* Decompositions: composite ops written with primitive ones, for the compiler, which
  * fuses the primitives (src/compile/). Each gives the op's outputs (hidden ones too, with
- * the shapes inference gives them) as new references in out[]. Called in capture mode
+ * the shapes inference gives them) as new references in out[]; an in-place op ends
+ * with the copy_ of each new value into the tensor it updates. Called in capture mode
  * by kiln_graph_decompose, so the kiln ops below are recorded, not run.
  *
  * Not decomposed, and why: cross_entropy checks that every target is in range, a
  * decision on data that a graph of primitives would drop; attention and the backward
  * ops stay fused kernels of the backend. */
+#include <string.h>
+#include "core/backend.h"
+#include "core/tensor_impl.h"
 #include "kiln/ops.h"
 #include "ops/registry.h"
 
@@ -78,9 +82,60 @@ static kiln_status dec_rms_norm(kiln_tensor_t *const *in, int n_in, const kiln__
     return give(out, 2, res);
 }
 
-kiln__decompose_fn kiln__decomposition(kiln__op_id op)
+/* A one-element tensor (an AdamW scalar) as a 0-dim one of dtype dt, so that it
+ * broadcasts against any shape. */
+static kiln_tensor_t *scalar_of(kiln_tensor_t *t, kiln_dtype dt)
+{
+    return kiln_cast(kiln_view(t, NULL, 0), dt);
+}
+
+/* adamw_(p, g, m, v, lr, step, gscale): the cpu backend's update (adam_range in
+ * src/backends/cpu/cpu_pointwise.c) op for op, in the same f32 order and with the bias
+ * corrections 1 - beta^t in f64 then rounded, so that compiled and eager agree to
+ * rounding:
+ *   g' = g * gscale; m' = b1 m + (1 - b1) g'; v' = b2 v + (1 - b2) g' g'
+ *   p' = p (1 - lr wd) - lr (m' / c1) / (sqrt(v' / c2) + eps)
+ * then m, v and p take m', v' and p' (copy_; the fused kernel stores them in place).
+ * The step count goes through check_min, so a step < 1 is the same error as eagerly
+ * instead of weights divided by zero. The scalars are shared by every parameter's
+ * update once CSE has run. */
+static kiln_status dec_adamw(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t **out)
+{
+    double b1, b2, eps;
+    memcpy(&b1, &a->shape[0], 8);
+    memcpy(&b2, &a->shape[1], 8);
+    memcpy(&eps, &a->shape[2], 8);
+    const kiln_dtype F = KILN_DTYPE_F32, D = KILN_DTYPE_F64;
+    float b1f = (float)b1, b2f = (float)b2;
+    kiln_tensor_t *p = in[0], *g = in[1], *m = in[2], *v = in[3];
+    kiln_tensor_t *lr = scalar_of(in[4], F), *gscale = scalar_of(in[6], F), *step = kiln_view(in[5], NULL, 0);
+    kiln__attrs ca = {0};
+    ca.f[0] = 1;
+    ca.i[0] = KILN__CHECK_ADAMW_STEP;
+    kiln_tensor_t *t = step ? kiln__call(KILN_OP_CHECK_MIN, &step, 1, &ca) : NULL;
+    t = kiln_cast(t, D);
+    kiln_tensor_t *one = kiln_scalar(1, D);
+    kiln_tensor_t *c1 = kiln_cast(kiln_sub(one, kiln_pow(kiln_scalar(b1, D), t)), F);
+    kiln_tensor_t *c2 = kiln_cast(kiln_sub(one, kiln_pow(kiln_scalar(b2, D), t)), F);
+    kiln_tensor_t *decay = kiln_sub(kiln_scalar(1, F), kiln_mul(lr, kiln_scalar((float)a->f[0], F)));
+    kiln_tensor_t *gs = kiln_mul(g, gscale);
+    kiln_tensor_t *m1 = kiln_add(kiln_mul(kiln_scalar(b1f, F), m), kiln_mul(kiln_scalar(1.0f - b1f, F), gs));
+    kiln_tensor_t *v1 = kiln_add(kiln_mul(kiln_scalar(b2f, F), v), kiln_mul(kiln_mul(kiln_scalar(1.0f - b2f, F), gs), gs));
+    kiln_tensor_t *den = kiln_add(kiln_sqrt(kiln_div(v1, c2)), kiln_scalar((float)eps, F));
+    kiln_tensor_t *p1 = kiln_sub(kiln_mul(p, decay), kiln_div(kiln_mul(lr, kiln_div(m1, c1)), den));
+    if (!p1 || !m1 || !v1) return kiln_last_status();
+    kiln_status s = kiln_tensor_copy_(m, m1);
+    if (s == KILN_OK) s = kiln_tensor_copy_(v, v1);
+    return s == KILN_OK ? kiln_tensor_copy_(p, p1) : s;
+}
+
+kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in)
 {
     switch (op) {
+    case KILN_OP_ADAMW_:
+        /* Only where it becomes generated code: a graph on another device is interpreted
+         * through that device's kernels, where one fused update beats fifteen ops. */
+        return n_in == 7 && in[0]->st->be == kiln__backend_at(0) ? dec_adamw : NULL;
     case KILN_OP_SOFTMAX: return dec_softmax;
     case KILN_OP_LOG_SOFTMAX: return dec_log_softmax;
     case KILN_OP_LAYER_NORM: return dec_layer_norm;

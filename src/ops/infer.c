@@ -643,6 +643,16 @@ kiln_status kiln__infer_adamw_(kiln_tensor_t *const *in, int n, const kiln__attr
     return KILN_OK;
 }
 
+kiln_status kiln__infer_check_min(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    kiln_dtype dt = in[0]->dtype;
+    char b[96];
+    if (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_F64 && dt != KILN_DTYPE_I32 && dt != KILN_DTYPE_I64)
+        return kiln__err(KILN_ERR_DTYPE, "check_min: %s must be f32, f64, i32 or i64", SHP(in[0], b));
+    meta_like(in[0], dt, out);
+    return KILN_OK;
+}
+
 /* Backward ops. */
 kiln_status kiln__infer_gelu_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {

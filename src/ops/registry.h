@@ -62,8 +62,12 @@ typedef struct {
 } kiln__op_def;
 
 extern const kiln__op_def kiln__ops[KILN_OP_COUNT];
-/* The op's decomposition into primitives (src/ops/decompose.c), or NULL. */
-kiln__decompose_fn kiln__decomposition(kiln__op_id op);
+/* The op's decomposition into primitives (src/ops/decompose.c), or NULL: for a
+ * primitive, and for an op best left whole on these inputs. */
+kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in);
+
+/* What a CHECK_MIN checks (its i[0]), naming it in the error. */
+enum { KILN__CHECK_VALUE, KILN__CHECK_ADAMW_STEP };
 
 #define KILN_OP(ID, name, nin, nout, nvis, grad, save)                                 \
     kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, \

@@ -306,6 +306,24 @@ kiln_status kiln__cpu_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_i
     return KILN_OK;
 }
 
+/* A copy that fails on an element below the bound (or NaN); the message names what it
+ * checks, as the op whose check it is would have. */
+kiln_status kiln__cpu_check_min(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                kiln_tensor_t *const *out, int n_out)
+{
+    static const char *const what[] = {[KILN__CHECK_VALUE] = "check_min: value", [KILN__CHECK_ADAMW_STEP] = "adamw_: step"};
+    cpu_copy(out[0], in[0]);
+    const char *p = kiln__data(out[0]);
+    size_t sz = kiln_dtype_size(out[0]->dtype);
+    int64_t n = kiln__numel(out[0]->ndim, out[0]->shape);
+    for (int64_t i = 0; i < n; i++) {
+        double x = kiln__load(p + i * (int64_t)sz, out[0]->dtype);
+        if (!(x >= a->f[0]))
+            return kiln__err(KILN_ERR_ARG, "%s %g must be >= %g", what[a->i[0] == KILN__CHECK_ADAMW_STEP], x, a->f[0]);
+    }
+    return KILN_OK;
+}
+
 kiln_status kiln__cpu_where(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                             kiln_tensor_t *const *out, int n_out);
 
