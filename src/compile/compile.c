@@ -27,7 +27,7 @@ static void ir_print(const kiln__program *p, FILE *f)
         fprintf(f, "], %lld task(s), grain %lld\n", (long long)k->tasks, (long long)k->grain);
         for (int b = 0; b < k->n_buf; b++)
             fprintf(f, "  buf %d = %%%d %s %s\n", b, k->buf[b].value, kiln_dtype_name(k->buf[b].dt),
-                    k->buf[b].output ? "out" : "in");
+                    k->buf[b].inplace ? "in+out (in place)" : k->buf[b].output ? "out" : "in");
         for (int j = 0; j < k->n_e; j++) {
             const kc_expr *e = &k->e[j];
             fprintf(f, "  e%d = %s", j, ekind_name[e->kind]);

@@ -41,8 +41,10 @@ typedef struct {
 } kc_store;
 
 typedef struct {
-    int value;   /* the graph value it holds */
-    bool output; /* written by the kernel */
+    int value;    /* the graph value it holds */
+    bool output;  /* written by the kernel */
+    bool inplace; /* output: an existing tensor (a copy_'s destination), loaded and stored
+                   * through this one pointer, each element read only where it is written */
     kiln_dtype dt;
     int64_t st[KILN_MAX_DIMS]; /* inputs: the strides the loads assume (checked at launch) */
 } kc_buf;
@@ -107,6 +109,8 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
 kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
                               int max_out, int *n_out);
 void kiln__program_free(kiln__program *p);
+/* Do two host tensors' elements share bytes? */
+bool kiln__tensors_overlap(const kiln_tensor_t *a, const kiln_tensor_t *b);
 void kiln__program_print(const kiln__program *p, FILE *f);
 /* DIR/file opened for writing, or NULL after a warning (KILN_DEBUG_DIR output). */
 FILE *kiln__debug_open(const char *dir, const char *file);

@@ -161,6 +161,56 @@ static bool live(const kiln_graph_t *g, int v)
     return false;
 }
 
+/* The value whose memory v lives in: v, or for a view the value it views. */
+static int root_of(const kiln_graph_t *g, int v)
+{
+    for (;;) {
+        const value *x = &g->v[v];
+        if (x->kind != V_OP || !live(g, v)) return v;
+        const node *n = &g->nd[x->index];
+        if (!kiln__ops[n->op].is_view || !n->n_in) return v;
+        v = n->in[0];
+    }
+}
+
+/* The elements' byte range [lo, hi) of a tensor. */
+static void byte_span(const kiln_tensor_t *t, int64_t *lo, int64_t *hi)
+{
+    int64_t sz = (int64_t)kiln_dtype_size(t->dtype), a = t->offset, b = t->offset;
+    for (int d = 0; d < t->ndim; d++) {
+        if (t->shape[d] == 0) {
+            *lo = *hi = 0;
+            return;
+        }
+        int64_t e = (t->shape[d] - 1) * t->stride[d];
+        if (e < 0) a += e;
+        else b += e;
+    }
+    *lo = a * sz;
+    *hi = (b + 1) * sz;
+}
+
+bool kiln__tensors_overlap(const kiln_tensor_t *a, const kiln_tensor_t *b)
+{
+    if (a->st != b->st) return false;
+    int64_t alo, ahi, blo, bhi;
+    byte_span(a, &alo, &ahi);
+    byte_span(b, &blo, &bhi);
+    return alo < bhi && blo < ahi && alo < ahi && blo < bhi;
+}
+
+/* May value u's memory overlap captured tensor dst's? Only views of dst and captured
+ * tensors over the same bytes do; with `args`, any argument may too (it can be any
+ * tensor: the launch checks the ones a kernel binds). */
+static bool may_alias(const kiln_graph_t *g, int u, int dst, bool args)
+{
+    int r = root_of(g, u);
+    const value *x = &g->v[r];
+    if (r == dst) return true;
+    if (x->kind == V_ARG) return args;
+    return x->kind == V_CONST && kiln__tensors_overlap(x->t, g->v[dst].t);
+}
+
 #define GROW(arr, n, cap)                                                                     \
     ((n) < (cap) ? true : ((cap) = (cap) ? 2 * (cap) : 16, (arr = realloc(arr, sizeof *(arr) * (size_t)(cap))) != NULL))
 
@@ -183,7 +233,7 @@ static int new_expr(kc_kernel *k, const kc_expr *e)
 static int buf_slot(kc_kernel *k, int value, bool output, kiln_dtype dt, const int64_t *st)
 {
     for (int b = 0; b < k->n_buf; b++)
-        if (k->buf[b].value == value && k->buf[b].output == output) return b;
+        if (k->buf[b].value == value && (k->buf[b].output == output || k->buf[b].inplace)) return b;
     if (!GROW(k->buf, k->n_buf, k->cap_buf)) return -1;
     kc_buf *b = &k->buf[k->n_buf];
     memset(b, 0, sizeof *b);
@@ -244,10 +294,33 @@ static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, i
     lower_ctx c = {g, kr, gr, memo, form, mutated};
     kr->ndim = gr->ndim;
     memcpy(kr->dom, gr->dom, sizeof kr->dom);
+    /* A copy_ absorbed into the kernel: its destination's buffer is bound first, so
+     * that the kernel's loads of it go through the pointer it stores through. */
     for (int m = 0; m < n; m++) {
         const node *nd = &g->nd[members[m]];
-        int v = nd->out[0], f = form[v];
+        if (nd->op != KILN_OP_COPY_) continue;
+        int64_t cs[KILN_MAX_DIMS];
+        value_strides(g, nd->in[0], cs);
+        int b = buf_slot(kr, nd->in[0], true, g->v[nd->in[0]].meta.dtype, cs);
+        if (b < 0) return oom();
+        kr->buf[b].inplace = true;
+    }
+    for (int m = 0; m < n; m++) {
+        const node *nd = &g->nd[members[m]];
         name_append(kr, kiln__ops[nd->op].name);
+        if (nd->op == KILN_OP_COPY_) { /* the source's value stored into the destination */
+            int dst = nd->in[0];
+            if (!GROW(kr->st, kr->n_st, kr->cap_st)) return oom();
+            kc_store *s = &kr->st[kr->n_st];
+            int64_t cs[KILN_MAX_DIMS];
+            value_strides(g, dst, cs);
+            s->expr = memo[nd->in[1]];
+            embed(gr, &g->v[dst].meta, cs, F_FULL, s->st);
+            if ((s->buf = buf_slot(kr, dst, true, g->v[dst].meta.dtype, cs)) < 0) return oom();
+            kr->n_st++;
+            continue;
+        }
+        int v = nd->out[0], f = form[v];
         if (nd->op == KILN_OP_VIEW) { /* relabels a value of this kernel (join_form) */
             memo[v] = memo[nd->in[0]];
             continue;
@@ -298,7 +371,7 @@ static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, i
     for (int m = 0; m < n; m++) {
         const node *nd = &g->nd[members[m]];
         int v = nd->out[0];
-        if (!stored[v]) continue;
+        if (nd->op == KILN_OP_COPY_ || !stored[v]) continue;
         int64_t cs[KILN_MAX_DIMS];
         kiln__contiguous_strides(g->v[v].meta.ndim, g->v[v].meta.shape, cs);
         if (!GROW(kr->st, kr->n_st, kr->cap_st)) return oom();
@@ -370,6 +443,36 @@ static void split(kc_kernel *k)
     k->grain = per >= 16384 ? 1 : 16384 / (per ? per : 1);
 }
 
+/* The open group that copy_ node n (at position k) can join as a store into its
+ * destination, or -1. The source must be a value of the group over its whole index
+ * space; the destination a whole contiguous captured tensor of that shape and dtype,
+ * which the group's ops read, if at all, only at the element being written (so that
+ * each element is loaded before it is stored over, and no other is). */
+static int absorbing_group(const kiln_graph_t *g, const node *n, int k, const group *gr, const int *grp,
+                           const int *vgrp, const int *form, int max_fuse)
+{
+    int dst = n->in[0], src = n->in[1], G = vgrp[src];
+    if (G < 0 || !gr[G].open || gr[G].n_ops >= max_fuse || form[src] != F_FULL) return -1;
+    const value *d = &g->v[dst];
+    const kiln__meta *sm = &g->v[src].meta;
+    if (d->kind != V_CONST || !kiln__is_contiguous(d->t) || d->t->st->be != kiln__backend_at(0) ||
+        d->meta.dtype != sm->dtype || !loadable(sm->dtype) || frame_of(&gr[G], &d->meta) != F_FULL ||
+        frame_of(&gr[G], sm) != F_FULL)
+        return -1;
+    for (int q = 0; q < k; q++) {
+        if (grp[q] != G) continue;
+        const node *m = &g->nd[q];
+        for (int i = 0; i < m->n_in; i++) {
+            int u = m->in[i];
+            if (!may_alias(g, u, dst, false)) continue;
+            bool at_element = u == dst && !(m->op == KILN_OP_COPY_ && i == 0) &&
+                              (m->op == KILN_OP_SUM || m->op == KILN_OP_MAX || (m->n_out && form[m->out[0]] == F_FULL));
+            if (!at_element) return -1;
+        }
+    }
+    return G;
+}
+
 kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__program **out)
 {
     *out = NULL;
@@ -400,14 +503,38 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
             v = g->nd[x->index].in[0];
         }
     }
+    /* Copies absorbed into a group that has not launched yet: (destination, group). An
+     * op that may read the destination's memory closes the group first, so that it
+     * runs after the store (and never inside the group, before it). */
+    int *pd_dst = s == KILN_OK ? malloc(sizeof(int) * (size_t)(nn + 1)) : NULL;
+    int *pd_grp = s == KILN_OK ? malloc(sizeof(int) * (size_t)(nn + 1)) : NULL, n_pd = 0;
+    if (s == KILN_OK && (!pd_dst || !pd_grp)) s = oom();
     for (int k = 0; s == KILN_OK && k < nn; k++) {
         node *n = &g->nd[k];
         lower_kind l = o->codegen ? lowering(g, n) : L_NONE;
         if (l == L_GEN && mutated[n->out[0]]) l = L_NONE;
         lk[k] = l;
         grp[k] = -1;
+        for (int q = 0; q < n_pd; q++) {
+            bool hit = !gr[pd_grp[q]].open;
+            for (int i = 0; i < n->n_in && !hit; i++) hit = may_alias(g, n->in[i], pd_dst[q], true);
+            if (!hit) continue;
+            gr[pd_grp[q]].open = false;
+            pd_dst[q] = pd_dst[--n_pd];
+            pd_grp[q--] = pd_grp[n_pd];
+        }
+        int absorb = n->op == KILN_OP_COPY_ && o->codegen && o->fusion
+                         ? absorbing_group(g, n, k, gr, grp, vgrp, form, o->max_fuse) : -1;
         if (kiln__ops[n->op].is_inplace)
-            for (int q = 0; q < n_gr; q++) gr[q].open = false;
+            for (int q = 0; q < n_gr; q++)
+                if (q != absorb) gr[q].open = false;
+        if (absorb >= 0) {
+            grp[k] = absorb;
+            gr[absorb].last = k;
+            gr[absorb].n_ops++;
+            pd_dst[n_pd] = n->in[0];
+            pd_grp[n_pd++] = absorb;
+        }
         if (l == L_PW || l == L_REDUCE || l == L_ALIAS) {
             const kiln__meta *om = &g->v[n->out[0]].meta, *im = &g->v[n->in[0]].meta;
             int chosen = -1, chosen_form = F_NONE;
@@ -522,6 +649,8 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
         for (int v = 1; v < nv; v++) born[v] = g->v[v].kind == V_OP && live(g, v) ? g->v[v].index + 1 : 0;
         if ((p->eager_peak = peak_bytes(g, born, elast, nn)) < 0) s = oom();
     }
+    free(pd_dst);
+    free(pd_grp);
     free(elast);
     free(born);
     free(mutated);

@@ -27,7 +27,7 @@ static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_
     for (int i = 0; s == KILN_OK && i < k->n_buf; i++) {
         const kc_buf *kb = &k->buf[i];
         const kiln__meta *m = &g->v[kb->value].meta;
-        if (kb->output) {
+        if (kb->output && !kb->inplace) {
             rt[kb->value] = kiln__tensor_alloc(kiln__backend_default(), m->dtype, m->shape, m->ndim);
             if (!rt[kb->value]) s = kiln_last_status();
             else b[i] = kiln__data(rt[kb->value]);
@@ -47,6 +47,16 @@ static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_
                 break;
             }
         b[i] = kiln__data(t);
+    }
+    /* A tensor written in place must share no bytes with another buffer of the kernel
+     * (an argument can be any tensor, even one the graph captured). */
+    for (int i = 0; s == KILN_OK && i < k->n_buf; i++) {
+        if (!k->buf[i].inplace) continue;
+        for (int j = 0; s == KILN_OK && j < k->n_buf; j++)
+            if (j != i && kiln__tensors_overlap(rt[k->buf[i].value], rt[k->buf[j].value]))
+                s = kiln__err(KILN_ERR_UNSUPPORTED, "compile: kernel %s writes %%%d in place but %%%d shares its memory "
+                              "(an argument that is also a captured tensor?); run it eagerly", k->name,
+                              k->buf[i].value, k->buf[j].value);
     }
     if (s == KILN_OK && k->tasks > 0) {
         launch_ctx l = {k->fn, b};
@@ -98,7 +108,7 @@ void kiln__program_print(const kiln__program *p, FILE *f)
             if (!k->buf[i].output) fprintf(f, " %%%d", k->buf[i].value);
         fprintf(f, " writes");
         for (int i = 0; i < k->n_buf; i++)
-            if (k->buf[i].output) fprintf(f, " %%%d", k->buf[i].value);
+            if (k->buf[i].output) fprintf(f, " %%%d%s", k->buf[i].value, k->buf[i].inplace ? " (in place)" : "");
         fprintf(f, "\n");
     }
 }
