@@ -109,8 +109,6 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
 kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
                               int max_out, int *n_out);
 void kiln__program_free(kiln__program *p);
-/* Do two host tensors' elements share bytes? */
-bool kiln__tensors_overlap(const kiln_tensor_t *a, const kiln_tensor_t *b);
 void kiln__program_print(const kiln__program *p, FILE *f);
 /* DIR/file opened for writing, or NULL after a warning (KILN_DEBUG_DIR output). */
 FILE *kiln__debug_open(const char *dir, const char *file);

@@ -173,42 +173,14 @@ static int root_of(const kiln_graph_t *g, int v)
     }
 }
 
-/* The elements' byte range [lo, hi) of a tensor. */
-static void byte_span(const kiln_tensor_t *t, int64_t *lo, int64_t *hi)
-{
-    int64_t sz = (int64_t)kiln_dtype_size(t->dtype), a = t->offset, b = t->offset;
-    for (int d = 0; d < t->ndim; d++) {
-        if (t->shape[d] == 0) {
-            *lo = *hi = 0;
-            return;
-        }
-        int64_t e = (t->shape[d] - 1) * t->stride[d];
-        if (e < 0) a += e;
-        else b += e;
-    }
-    *lo = a * sz;
-    *hi = (b + 1) * sz;
-}
-
-bool kiln__tensors_overlap(const kiln_tensor_t *a, const kiln_tensor_t *b)
-{
-    if (a->st != b->st) return false;
-    int64_t alo, ahi, blo, bhi;
-    byte_span(a, &alo, &ahi);
-    byte_span(b, &blo, &bhi);
-    return alo < bhi && blo < ahi && alo < ahi && blo < bhi;
-}
-
-/* May value u's memory overlap captured tensor dst's? Only views of dst and captured
- * tensors over the same bytes do; with `args`, any argument may too (it can be any
- * tensor: the launch checks the ones a kernel binds). */
-static bool may_alias(const kiln_graph_t *g, int u, int dst, bool args)
+/* May value u's memory overlap captured tensor dst's? Views of dst and captured
+ * tensors over the same bytes do; an argument does not (a run refuses one that shares
+ * memory with a captured tensor the graph writes, kiln__graph_check_inputs). */
+static bool may_alias(const kiln_graph_t *g, int u, int dst)
 {
     int r = root_of(g, u);
     const value *x = &g->v[r];
-    if (r == dst) return true;
-    if (x->kind == V_ARG) return args;
-    return x->kind == V_CONST && kiln__tensors_overlap(x->t, g->v[dst].t);
+    return r == dst || (x->kind == V_CONST && kiln__tensors_overlap(x->t, g->v[dst].t));
 }
 
 #define GROW(arr, n, cap)                                                                     \
@@ -464,7 +436,7 @@ static int absorbing_group(const kiln_graph_t *g, const node *n, int k, const gr
         const node *m = &g->nd[q];
         for (int i = 0; i < m->n_in; i++) {
             int u = m->in[i];
-            if (!may_alias(g, u, dst, false)) continue;
+            if (!may_alias(g, u, dst)) continue;
             bool at_element = u == dst && !(m->op == KILN_OP_COPY_ && i == 0) &&
                               (m->op == KILN_OP_SUM || m->op == KILN_OP_MAX || (m->n_out && form[m->out[0]] == F_FULL));
             if (!at_element) return -1;
@@ -517,7 +489,7 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
         grp[k] = -1;
         for (int q = 0; q < n_pd; q++) {
             bool hit = !gr[pd_grp[q]].open;
-            for (int i = 0; i < n->n_in && !hit; i++) hit = may_alias(g, n->in[i], pd_dst[q], true);
+            for (int i = 0; i < n->n_in && !hit; i++) hit = may_alias(g, n->in[i], pd_dst[q]);
             if (!hit) continue;
             gr[pd_grp[q]].open = false;
             pd_dst[q] = pd_dst[--n_pd];

@@ -391,3 +391,29 @@ kiln_status kiln_tensor_copy_(kiln_tensor_t *dst, const kiln_tensor_t *src)
     kiln__attrs a = {0};
     return kiln__dispatch(KILN_OP_COPY_, in, 2, &a, NULL);
 }
+
+/* The elements' byte range [lo, hi) of a tensor in its storage. */
+static void byte_span(const kiln_tensor_t *t, int64_t *lo, int64_t *hi)
+{
+    int64_t sz = (int64_t)kiln_dtype_size(t->dtype), a = t->offset, b = t->offset;
+    for (int d = 0; d < t->ndim; d++) {
+        if (t->shape[d] == 0) {
+            *lo = *hi = 0;
+            return;
+        }
+        int64_t e = (t->shape[d] - 1) * t->stride[d];
+        if (e < 0) a += e;
+        else b += e;
+    }
+    *lo = a * sz;
+    *hi = (b + 1) * sz;
+}
+
+bool kiln__tensors_overlap(const kiln_tensor_t *a, const kiln_tensor_t *b)
+{
+    if (a->st != b->st) return false;
+    int64_t alo, ahi, blo, bhi;
+    byte_span(a, &alo, &ahi);
+    byte_span(b, &blo, &bhi);
+    return alo < bhi && blo < ahi && alo < ahi && blo < bhi;
+}

@@ -64,6 +64,8 @@ kiln_tensor_t *kiln__scoped(kiln_tensor_t *t);
 int64_t kiln__numel(int ndim, const int64_t *shape);
 void kiln__contiguous_strides(int ndim, const int64_t *shape, int64_t *stride);
 bool kiln__is_contiguous(const kiln_tensor_t *t);
+/* Do two tensors' elements share bytes (of one storage)? */
+bool kiln__tensors_overlap(const kiln_tensor_t *a, const kiln_tensor_t *b);
 void kiln__storage_release(kiln__storage *st);
 /* Pointer to the first element of t (host-addressable backends only). */
 static inline void *kiln__data(const kiln_tensor_t *t)

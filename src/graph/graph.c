@@ -379,6 +379,8 @@ static bool same_meta(const kiln__meta *m, const kiln_tensor_t *t)
     return true;
 }
 
+static void mutated_values(const kiln_graph_t *g, bool *mut);
+
 kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, int max_out)
 {
     if (capturing) return kiln__err(KILN_ERR_ARG, "graph_run: not inside a capture (run it after kiln_graph_capture)");
@@ -392,6 +394,20 @@ kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const
                              kiln__shape_str(in[i], got, sizeof got), kiln__meta_str(&g->v[i + 1].meta, want, sizeof want));
         }
     }
+    /* The passes take arguments and captured tensors for separate memory where the graph
+     * writes one of them in place (it may reorder and merge reads around the write). */
+    bool *mut = calloc((size_t)g->n_v, sizeof *mut);
+    if (!mut) return kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
+    mutated_values(g, mut);
+    for (int i = 0; i < n_in; i++)
+        for (int c = 1; c < g->n_v; c++)
+            if (g->v[c].kind == V_CONST && (mut[c] || mut[i + 1]) && kiln__tensors_overlap(in[i], g->v[c].t)) {
+                const char *which = mut[c] ? "the captured tensor" : "the input";
+                free(mut);
+                return kiln__err(KILN_ERR_ARG, "graph_run: input %d shares memory with captured tensor %%%d, and the graph "
+                                 "updates %s in place; pass a copy of it", i, c, which);
+            }
+    free(mut);
     for (int j = 0; j < g->n_lg; j++)
         if (g->lg[j].read && g->lg[j].leaf->grad) {
             char b[96];
@@ -575,8 +591,9 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
  * as an earlier one gives the earlier one's results, unless an in-place op between
  * them wrote the memory one of those values lives in (directly or through a view).
  * Memory is tracked per op result, per captured storage (captured tensors on one
- * storage are one memory), and for arguments as one memory that may alias any captured
- * tensor. In-place and random ops are never merged (random ones already differ in their
+ * storage are one memory) and for the arguments as one memory (a run refuses an
+ * argument that shares memory with a captured tensor either side writes, in
+ * kiln__graph_check_inputs). In-place and random ops are never merged (random ones already differ in their
  * counters). Candidates are found through a hash of (op, attributes, inputs). */
 static uint64_t node_hash(const node *n)
 {
@@ -588,14 +605,6 @@ static uint64_t node_hash(const node *n)
     return h;
 }
 
-/* 1 + the kept op that last wrote memory m (0: none); an argument may alias any
- * captured tensor and another argument. */
-static int last_write(const kiln_graph_t *g, int m, const int *wrote, int ext)
-{
-    if (m == 0 || g->v[m].kind == V_ARG) return ext;
-    if (g->v[m].kind == V_CONST && wrote[0] > wrote[m]) return wrote[0];
-    return wrote[m];
-}
 
 kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
 {
@@ -624,7 +633,7 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
             }
     }
     for (int b = 0; b < nb; b++) slot[b] = -1;
-    int w = 0, dropped = 0, ext = 0; /* ext: 1 + the last write to any captured tensor or argument */
+    int w = 0, dropped = 0;
     for (int k = 0; k < g->n_nd; k++) {
         node *n = &g->nd[k];
         for (int i = 0; i < n->n_in; i++) n->in[i] = repl[n->in[i]];
@@ -634,7 +643,7 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
         if (!d->is_inplace) {
             int since = 0; /* the merge target must come after the last write to its inputs */
             for (int i = 0; i < n->n_in; i++) {
-                int t = last_write(g, mem[n->in[i]], wrote, ext);
+                int t = wrote[mem[n->in[i]]];
                 if (t > since) since = t;
             }
             for (int b = (int)(h & (uint64_t)(nb - 1)); slot[b] >= 0 && same < 0; b = (b + 1) & (nb - 1)) {
@@ -643,7 +652,7 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
                           !memcmp(&o->attrs, &n->attrs, sizeof n->attrs) &&
                           !memcmp(o->in, n->in, sizeof(int) * (size_t)n->n_in);
                 /* ... and its results must not have been written since it made them */
-                for (int j = 0; ok && j < o->n_out; j++) ok = last_write(g, mem[o->out[j]], wrote, ext) <= slot[b];
+                for (int j = 0; ok && j < o->n_out; j++) ok = wrote[mem[o->out[j]]] <= slot[b];
                 if (ok) same = slot[b];
             }
         }
@@ -657,9 +666,7 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
         if (d->is_inplace) {
             int writes[3] = {0, 2, 3}, nw = n->op == KILN_OP_ADAMW_ && n->n_in == 7 ? 3 : 1;
             for (int q = 0; q < nw && n->n_in; q++) {
-                int m = mem[n->in[writes[q]]];
-                wrote[m] = w + 1;
-                if (m == 0 || g->v[m].kind != V_OP) ext = w + 1;
+                wrote[mem[n->in[writes[q]]]] = w + 1;
             }
         } else {
             for (int j = 0; j < n->n_out; j++) mem[n->out[j]] = d->is_view && n->n_in ? mem[n->in[0]] : n->out[j];
