@@ -289,15 +289,15 @@ static void write_run_info(const char *dir, double unigram, const char *tok, con
 /* The micro-batches step * accum + k (k < accum) of one process as (accum, B, T) idx and
  * targets, for the whole step with --compile: the same data the eager micro-batch loop
  * reads. */
-static kiln_status stacked_batches(kiln_dataset_t *ds, int B, int T, uint64_t seed, int64_t step, int accum,
-                                   kiln_tensor_t **in)
+static kiln_status stacked_batches(kiln_dataset_t *ds, int B, int T, uint64_t seed, int64_t step, int accum, int rank,
+                                   int world, kiln_tensor_t **in)
 {
     size_t per = (size_t)B * (size_t)T;
     int64_t *h[2] = {malloc(sizeof(int64_t) * per * (size_t)accum), malloc(sizeof(int64_t) * per * (size_t)accum)};
     kiln_status s = h[0] && h[1] ? KILN_OK : kiln_error(KILN_ERR_OOM, "train: out of memory");
     for (int k = 0; s == KILN_OK && k < accum; k++) {
         kiln_tensor_t *xy[2];
-        s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, B, T, seed, step * accum + k, 0, 1, &xy[0], &xy[1]);
+        s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, B, T, seed, step * accum + k, rank, world, &xy[0], &xy[1]);
         for (int j = 0; s == KILN_OK && j < 2; j++) {
             kiln_tensor_t *c = kiln_cast(xy[j], KILN_DTYPE_I64);
             s = c ? kiln_tensor_to_host(c, h[j] + per * (size_t)k, sizeof(int64_t) * per) : kiln_last_status();
@@ -356,7 +356,7 @@ int cmd_train(int argc, char **argv)
         {"quiet", OPT_FLAG, &a.quiet, "only errors and the final summary"},
         {"zero1", OPT_FLAG, &a.zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
         {"compile", OPT_FLAG, &a.compile, "run each step (forward, backward of every --accum micro-batch, clipping, update) as one graph of "
-                                          "generated kernels (kiln compile; one process, --dropout 0)"},
+                                          "generated kernels (kiln compile; --dropout 0, no --zero1)"},
         {"bucket-mb", OPT_DOUBLE, &a.bucket_mb, "with several ranks: gradient buckets of this many MiB reduced during "
                                              "backward (0: one tensor at a time after it)"},
         {NULL, 0, NULL, NULL},
@@ -470,14 +470,15 @@ int cmd_train(int argc, char **argv)
     if (rank == 0 && kiln_metrics_open(metrics_path, a.resume, &metrics) != KILN_OK) return cli_fail("train", NULL);
 
     int64_t tokens_per_step = a.batch * a.context * a.accum;
-    /* One process, one micro-batch (or --compile's several): the step is one function,
-     * kiln_gpt_train_step, run eagerly or compiled into one graph. */
-    bool whole = world == 1 && !a.zero1 && (a.accum == 1 || a.compile);
+    /* One process and one micro-batch, or --compile: the step is one function,
+     * kiln_gpt_train_step, run eagerly or compiled into one graph (with several
+     * processes its gradients' allreduce is in the graph too, unbucketed; without
+     * --compile they use the bucketed reduction overlapped with backward). */
+    bool whole = (world == 1 || a.compile) && !a.zero1 && (a.accum == 1 || a.compile);
     if (a.compile && (!whole || a.dropout > 0))
-        return cli_fail("train", "--compile runs the whole step as one graph: it needs one process (collectives are "
-                                 "not captured), no --zero1 and --dropout 0 (a graph would freeze dropout's random "
-                                 "stream)");
-    kiln_gpt_step step_fn = {m, opt, params, np, a.clip, (int)a.accum};
+        return cli_fail("train", "--compile runs the whole step as one graph: it needs no --zero1 (the sharded update "
+                                 "is not captured) and --dropout 0 (a graph would freeze dropout's random stream)");
+    kiln_gpt_step step_fn = {m, opt, params, np, a.clip, (int)a.accum, world > 1 ? pg : NULL};
     kiln_compiled_t *compiled = NULL;
     if (a.compile && kiln_compiled_new(kiln_gpt_train_step, &step_fn, "train_step", &compiled) != KILN_OK)
         return cli_fail("train", NULL);
@@ -501,7 +502,8 @@ int cmd_train(int argc, char **argv)
     kiln_ddp_t *ddp = NULL; /* buckets: a first one of 1 MiB (or --bucket-mb if smaller), then --bucket-mb */
     if (!(a.bucket_mb >= 0 && a.bucket_mb <= 1 << 20)) return cli_fail("train", "--bucket-mb must be in 0..1048576");
     int64_t bucket = (int64_t)(a.bucket_mb * (1 << 20)), first = bucket < (1 << 20) ? bucket : (1 << 20);
-    if (world > 1 && !a.zero1 && bucket > 0 && kiln_ddp_new(pg, params, np, first > 0 ? first : 1, bucket, &ddp) != KILN_OK)
+    if (world > 1 && !whole && !a.zero1 && bucket > 0 &&
+        kiln_ddp_new(pg, params, np, first > 0 ? first : 1, bucket, &ddp) != KILN_OK)
         return cli_fail("train", NULL);
     if (a.zero1) {
         if (strcmp(a.optimizer, "adamw")) return cli_fail("train", "--zero1 shards AdamW; it needs --optimizer adamw");
@@ -538,10 +540,11 @@ int cmd_train(int argc, char **argv)
             int n_out = 0;
             int64_t one = 1;
             if (a.accum == 1)
-                s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, (int)rank_batch, (int)a.context, (uint64_t)a.seed, step, 0, 1,
-                                       &in[0], &in[1]);
+                s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, (int)rank_batch, (int)a.context, (uint64_t)a.seed, step,
+                                       (int)rank, (int)world, &in[0], &in[1]);
             else
-                s = stacked_batches(ds, (int)rank_batch, (int)a.context, (uint64_t)a.seed, step, (int)a.accum, in);
+                s = stacked_batches(ds, (int)rank_batch, (int)a.context, (uint64_t)a.seed, step, (int)a.accum, (int)rank,
+                                    (int)world, in);
             if (s == KILN_OK && !(in[2] = kiln_from_data(&lr, &one, 1, KILN_DTYPE_F64))) s = kiln_last_status();
             if (s == KILN_OK)
                 s = compiled ? kiln_compiled_call(compiled, in, 3, out, 2, &n_out)
@@ -550,7 +553,7 @@ int cmd_train(int argc, char **argv)
             loss_sum *= (double)a.accum; /* the step gives the micro-batches' mean */
             if (s == KILN_OK) s = kiln_tensor_item(out[1], &gnorm);
             kiln_scope_end();
-            if (s == KILN_OK && compiled && step == start && !a.quiet) {
+            if (s == KILN_OK && compiled && step == start && !a.quiet && rank == 0) {
                 int kernels = 0, ops = 0;
                 kiln_compiled_plan(compiled, 0, &kernels, &ops, NULL, NULL);
                 if (kernels + ops > 0)
@@ -638,7 +641,10 @@ int cmd_train(int argc, char **argv)
     if (!a.quiet && rank == 0 && start < a.steps)
         printf("done: %lld steps in %.1f s; final val loss %.4f vs unigram baseline %.4f; checkpoint %s/%s, chart %s\n",
                (long long)(a.steps - start), kiln__now_s() - t_begin, val, unigram, a.out, RUN_MODEL, chart_path);
-    if (world > 1 && !zero && !a.quiet && rank == 0 && start < a.steps) {
+    if (world > 1 && whole && !a.quiet && rank == 0 && start < a.steps)
+        printf("gradient reduction: one tensor at a time inside the %s training step, after its backward\n",
+               compiled ? "compiled" : "whole");
+    if (world > 1 && !zero && !whole && !a.quiet && rank == 0 && start < a.steps) {
         char how[64] = "one tensor at a time after backward";
         if (ddp) snprintf(how, sizeof how, "%d bucket(s) during backward", kiln_ddp_num_buckets(ddp));
         printf("gradient reduction (%s): %.2f ms a step left after backward\n", how,

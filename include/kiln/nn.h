@@ -81,8 +81,12 @@ kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_
  * clipping). The gradients are zeroed at the end (inside a graph they never reach the
  * parameters), so they must be empty when it is called. With accum = A > 1, idx and
  * targets are (A, B, T): A micro-batches, each forward and backward on its loss / A (the
- * gradients add up), then one update; the loss given is the micro-batches' mean. */
+ * gradients add up), then one update; the loss given is the micro-batches' mean. With
+ * a process group, every gradient is averaged over it (kiln_pg_allreduce, captured
+ * into the graph too) before the norm and the update: data-parallel training where
+ * each rank passes its own share of the batch. */
 typedef struct kiln_optim kiln_optim_t;
+typedef struct kiln_pg kiln_pg_t;
 typedef struct {
     kiln_gpt_t *model;
     kiln_optim_t *opt;
@@ -90,6 +94,7 @@ typedef struct {
     int n_params;
     double clip; /* max gradient norm; <= 0: no clipping */
     int accum;   /* micro-batches per step; 0 or 1: one */
+    kiln_pg_t *pg; /* data parallel: average the gradients over it; NULL: one process */
 } kiln_gpt_step;
 kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out);
 

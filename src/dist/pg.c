@@ -31,6 +31,8 @@
 #include "core/opts.h"
 #include "core/util.h"
 #include "dist/nccl.h"
+#include "kiln/graph.h"
+#include "ops/registry.h"
 #include "kiln/dist.h"
 #include "kiln/ops.h"
 #ifdef KILN_HAVE_MPI
@@ -446,8 +448,9 @@ uint64_t kiln_pg_seq(const kiln_pg_t *pg) { return pg ? pg->seq : 0; }
 static kiln_status host_buffer(const char *op, kiln_tensor_t *t, int world, void **data, int64_t *n)
 {
     if (!t) return kiln_error(KILN_ERR_ARG, "%s: NULL tensor", op);
-    if (t->st->meta) return kiln_error(KILN_ERR_UNSUPPORTED, "%s: the tensor is being captured into a graph; "
-                                       "collectives are not captured yet (run them outside the captured function)", op);
+    if (t->st->meta)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: the tensor is being captured into a graph, and of the collectives "
+                          "only allreduce is captured; run this one outside the captured function", op);
     if (t->dtype != KILN_DTYPE_F32 && t->dtype != KILN_DTYPE_F64)
         return kiln_error(KILN_ERR_DTYPE, "%s: %s tensors are not supported (f32 or f64)", op, kiln_dtype_name(t->dtype));
     if (!kiln__is_contiguous(t)) return kiln_error(KILN_ERR_ARG, "%s: the tensor must be contiguous", op);
@@ -755,11 +758,34 @@ static kiln_status check_reduce(const char *op, kiln_reduce_op r)
     return r == KILN_REDUCE_SUM || r == KILN_REDUCE_AVG ? KILN_OK : kiln_error(KILN_ERR_ARG, "%s: unknown reduce op %d", op, r);
 }
 
+/* In place; a strided tensor (a gradient that a graph left as a view) through a
+ * contiguous copy. */
+static kiln_status allreduce_now(void *group, kiln_tensor_t *t, int op)
+{
+    kiln_pg_t *pg = group;
+    if (kiln__is_contiguous(t))
+        return run(pg, (sig){0, 0, OP_ALLREDUCE, 0, (uint32_t)op, 0}, t, NULL, op == KILN_REDUCE_AVG ? t : NULL);
+    kiln_scope_begin();
+    kiln_tensor_t *c = kiln_contiguous(t);
+    kiln_status s = c ? run(pg, (sig){0, 0, OP_ALLREDUCE, 0, (uint32_t)op, 0}, c, NULL, op == KILN_REDUCE_AVG ? c : NULL)
+                      : kiln_last_status();
+    if (s == KILN_OK) s = kiln_tensor_copy_(t, c);
+    kiln_scope_end();
+    return s;
+}
+
 kiln_status kiln_pg_allreduce(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op)
 {
     if (!pg || !t) return kiln_error(KILN_ERR_ARG, "allreduce: NULL group or tensor");
     if (check_reduce("allreduce", op) != KILN_OK) return kiln_last_status();
-    return run(pg, (sig){0, 0, OP_ALLREDUCE, 0, op, 0}, t, NULL, op == KILN_REDUCE_AVG ? t : NULL);
+    if (t->st->meta && kiln_graph_capturing()) { /* recorded: the graph runs it in its place, through allreduce_now */
+        kiln__attrs a = {0};
+        a.u[0] = (uint64_t)(uintptr_t)pg;
+        a.u[1] = (uint64_t)(uintptr_t)allreduce_now;
+        a.i[0] = op;
+        return kiln__dispatch(KILN_OP_ALLREDUCE_, &t, 1, &a, NULL);
+    }
+    return allreduce_now(pg, t, op);
 }
 
 kiln_status kiln_pg_broadcast(kiln_pg_t *pg, kiln_tensor_t *t, int root)

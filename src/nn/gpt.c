@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "kiln/dist.h"
 #include "kiln/io.h"
 #include "kiln/nn.h"
 #include "kiln/optim.h"
@@ -747,6 +748,10 @@ kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, 
             if (s == KILN_OK && !loss) s = kiln_last_status();
         }
         if (s == KILN_OK && !(loss = kiln_mul_scalar(loss, 1.0 / A))) s = kiln_last_status();
+    }
+    for (int i = 0; s == KILN_OK && st->pg && i < st->n_params; i++) {
+        kiln_tensor_t *g = kiln_tensor_grad(st->params[i]);
+        if (g) s = kiln_pg_allreduce(st->pg, g, KILN_REDUCE_AVG);
     }
     if (s == KILN_OK) s = kiln_grad_norm(st->params, st->n_params, &norm);
     kiln_tensor_t *coef = s == KILN_OK && st->clip > 0 ? kiln_clip_coef(norm, st->clip) : NULL;

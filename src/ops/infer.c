@@ -653,6 +653,15 @@ kiln_status kiln__infer_check_min(kiln_tensor_t *const *in, int n, const kiln__a
     return KILN_OK;
 }
 
+kiln_status kiln__infer_allreduce_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    char b[96];
+    if (in[0]->dtype != KILN_DTYPE_F32 && in[0]->dtype != KILN_DTYPE_F64)
+        return kiln__err(KILN_ERR_DTYPE, "allreduce_: %s must be f32 or f64", SHP(in[0], b));
+    if (!a->u[0] || !a->u[1]) return kiln__err(KILN_ERR_ARG, "allreduce_: no process group");
+    return KILN_OK;
+}
+
 /* Backward ops. */
 kiln_status kiln__infer_gelu_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {

@@ -66,6 +66,9 @@ extern const kiln__op_def kiln__ops[KILN_OP_COUNT];
  * primitive, and for an op best left whole on these inputs. */
 kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in);
 
+/* ALLREDUCE_'s u[1]: runs the collective on group (its u[0]) in place on t. */
+typedef kiln_status (*kiln__collective_fn)(void *group, kiln_tensor_t *t, int op);
+
 /* What a CHECK_MIN checks (its i[0]), naming it in the error. */
 enum { KILN__CHECK_VALUE, KILN__CHECK_ADAMW_STEP };
 

@@ -5,7 +5,8 @@ With N ranks each takes batch/N rows of every global batch and the gradients are
 averaged, so the losses match one process within float reassociation: the mean loss
 of N equal shares against the mean over all rows, and gradients summed in another
 order. Tolerance 1e-5 relative on every logged loss over 8 AdamW steps (measured
-differences are about 1e-7). Two runs at the same N must give bitwise the same
+differences are about 1e-7), also for `--compile` on 2 ranks (the step one graph with
+the gradients' allreduce in it; generated kernels round differently from eager ones). Two runs at the same N must give bitwise the same
 losses. A world size above 1 without an MPI launcher must fail with an error that
 says to use mpirun, and a batch that does not split evenly must be refused.
 
@@ -111,6 +112,21 @@ def main():
         ok = r.returncode == 0 and len(losses(out)) == 8
         worst = max(abs(x - y) / abs(y) for x, y in zip(losses(out), want)) if ok else float("inf")
         check(ok and worst <= 1e-5, f"--bucket-mb {mb} on 2 ranks matches one process: worst {worst:.2e}")
+    # --compile on 2 ranks: the whole step as one graph with the gradients' allreduce in
+    # it (and with --accum 2, two micro-batches per rank in the graph): the same losses
+    # as one eager process, and no --compile run refused.
+    for extra in ((), ("--accum", "2", "--batch", "4")):
+        out = os.path.join(a.workdir, "compile" + "".join(extra))
+        r = train(a.kiln, data, out, 2, extra=("--compile", *extra), env=dict(os.environ, KILN_LOGS="graph"))
+        check(r.returncode == 0 and "allreduce_(" in r.stderr, f"--compile {' '.join(extra)}: the graph holds the allreduce")
+        ref = want
+        if extra:
+            ref_out = os.path.join(a.workdir, "w1" + "".join(extra))
+            ref = losses(ref_out) if train(a.kiln, data, ref_out, 1, extra=extra).returncode == 0 else []
+        ok = r.returncode == 0 and len(losses(out)) == 8 and len(ref) == 8
+        worst = max(abs(x - y) / abs(y) for x, y in zip(losses(out), ref)) if ok else float("inf")
+        check(ok and worst <= 1e-5, f"--compile {' '.join(extra)} on 2 ranks matches one eager process: worst "
+              f"{worst:.2e} ({r.stderr.strip()[-300:] if r.returncode else ''})")
     # ZeRO-1: the moments sharded, the same losses.
     z = os.path.join(a.workdir, "zero1")
     r = train(a.kiln, data, z, 2, extra=("--zero1",))

@@ -324,6 +324,15 @@ kiln_status kiln__cpu_check_min(kiln__backend *be, kiln_tensor_t *const *in, int
     return KILN_OK;
 }
 
+/* A collective recorded in a graph: the process group's own function, which the op
+ * carries, runs it (src/dist/pg.c). */
+kiln_status kiln__cpu_allreduce_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t *const *out, int n_out)
+{
+    kiln__collective_fn run = (kiln__collective_fn)(uintptr_t)a->u[1];
+    return run((void *)(uintptr_t)a->u[0], in[0], (int)a->i[0]);
+}
+
 kiln_status kiln__cpu_where(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                             kiln_tensor_t *const *out, int n_out);
 
