@@ -396,10 +396,13 @@ kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const
     }
     /* The passes take arguments and captured tensors for separate memory where the graph
      * writes one of them in place (it may reorder and merge reads around the write). */
-    bool *mut = calloc((size_t)g->n_v, sizeof *mut);
-    if (!mut) return kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
-    mutated_values(g, mut);
-    for (int i = 0; i < n_in; i++)
+    bool shared = false; /* the usual case is none: then nothing more to look at */
+    for (int i = 0; i < n_in && !shared; i++)
+        for (int c = 1; c < g->n_v && !shared; c++) shared = g->v[c].kind == V_CONST && g->v[c].t->st == in[i]->st;
+    bool *mut = shared ? calloc((size_t)g->n_v, sizeof *mut) : NULL;
+    if (shared && !mut) return kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
+    if (shared) mutated_values(g, mut);
+    for (int i = 0; shared && i < n_in; i++)
         for (int c = 1; c < g->n_v; c++)
             if (g->v[c].kind == V_CONST && (mut[c] || mut[i + 1]) && kiln__tensors_overlap(in[i], g->v[c].t)) {
                 const char *which = mut[c] ? "the captured tensor" : "the input";
