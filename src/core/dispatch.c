@@ -72,8 +72,7 @@ kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *
     if (s == KILN_OK) s = cpu->kernels[op](cpu, h, n_in, a, h + n_in, n_out);
     for (int j = 0; s == KILN_OK && j < n_out; j++)
         s = be->copy_h2d(be, kiln__data(out[j]), kiln__data(h[n_in + j]), kiln_tensor_nbytes(out[j]));
-    /* What an in-place op writes: its destination, and for adamw_ the moments too. */
-    unsigned mutated = !d->is_inplace ? 0u : op == KILN_OP_ADAMW_ ? 0xDu : 1u;
+    unsigned mutated = kiln__written_inputs(op);
     for (int i = 0; s == KILN_OK && i < 4 && i < n_in; i++)
         if (mutated >> i & 1)
             s = whole[i] ? be->copy_h2d(be, in[i]->st->data, h[i]->st->data, in[i]->st->nbytes)

@@ -762,14 +762,11 @@ static kiln_status check_reduce(const char *op, kiln_reduce_op r)
  * contiguous copy. */
 static kiln_status allreduce_now(void *group, kiln_tensor_t *t, int op)
 {
-    kiln_pg_t *pg = group;
-    if (kiln__is_contiguous(t))
-        return run(pg, (sig){0, 0, OP_ALLREDUCE, 0, (uint32_t)op, 0}, t, NULL, op == KILN_REDUCE_AVG ? t : NULL);
     kiln_scope_begin();
-    kiln_tensor_t *c = kiln_contiguous(t);
-    kiln_status s = c ? run(pg, (sig){0, 0, OP_ALLREDUCE, 0, (uint32_t)op, 0}, c, NULL, op == KILN_REDUCE_AVG ? c : NULL)
+    kiln_tensor_t *c = kiln__is_contiguous(t) ? t : kiln_contiguous(t);
+    kiln_status s = c ? run(group, (sig){0, 0, OP_ALLREDUCE, 0, (uint32_t)op, 0}, c, NULL, op == KILN_REDUCE_AVG ? c : NULL)
                       : kiln_last_status();
-    if (s == KILN_OK) s = kiln_tensor_copy_(t, c);
+    if (s == KILN_OK && c != t) s = kiln_tensor_copy_(t, c);
     kiln_scope_end();
     return s;
 }

@@ -596,8 +596,9 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
  * Memory is tracked per op result, per captured storage (captured tensors on one
  * storage are one memory) and for the arguments as one memory (a run refuses an
  * argument that shares memory with a captured tensor either side writes, in
- * kiln__graph_check_inputs). In-place and random ops are never merged (random ones already differ in their
- * counters). Candidates are found through a hash of (op, attributes, inputs). */
+ * kiln__graph_check_inputs). In-place and random ops are never merged (random ones
+ * already differ in their counters). Candidates are found through a hash of (op,
+ * attributes, inputs). */
 static uint64_t node_hash(const node *n)
 {
     uint64_t h = 1469598103934665603ULL;
@@ -607,7 +608,6 @@ static uint64_t node_hash(const node *n)
     for (int i = 0; i < n->n_in; i++) h = (h ^ (uint64_t)(uint32_t)n->in[i]) * 1099511628211ULL;
     return h;
 }
-
 
 kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
 {
@@ -667,10 +667,8 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
         }
         g->nd[w] = *n;
         if (d->is_inplace) {
-            int writes[3] = {0, 2, 3}, nw = n->op == KILN_OP_ADAMW_ && n->n_in == 7 ? 3 : 1;
-            for (int q = 0; q < nw && n->n_in; q++) {
-                wrote[mem[n->in[writes[q]]]] = w + 1;
-            }
+            for (int i = 0; i < n->n_in && i < 4; i++)
+                if (kiln__written_inputs(n->op) >> i & 1) wrote[mem[n->in[i]]] = w + 1;
         } else {
             for (int j = 0; j < n->n_out; j++) mem[n->out[j]] = d->is_view && n->n_in ? mem[n->in[0]] : n->out[j];
             int b = (int)(h & (uint64_t)(nb - 1));
@@ -708,8 +706,8 @@ static void mutated_values(const kiln_graph_t *g, bool *mut)
     for (int k = g->n_nd - 1; k >= 0; k--) {
         const node *n = &g->nd[k];
         const kiln__op_def *d = &kiln__ops[n->op];
-        if (d->is_inplace && n->n_in) mut[n->in[0]] = true;
-        if (n->op == KILN_OP_ADAMW_ && n->n_in == 7) mut[n->in[2]] = mut[n->in[3]] = true; /* the moments too */
+        for (int i = 0; i < n->n_in && i < 4; i++)
+            if (kiln__written_inputs(n->op) >> i & 1) mut[n->in[i]] = true;
         if (d->is_view && n->n_in && mut[n->out[0]]) mut[n->in[0]] = true;
     }
 }

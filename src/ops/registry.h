@@ -66,6 +66,13 @@ extern const kiln__op_def kiln__ops[KILN_OP_COUNT];
  * primitive, and for an op best left whole on these inputs. */
 kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in);
 
+/* The inputs an op writes, as a bit mask: none for an out-of-place op, the destination
+ * (input 0) for an in-place one, and for adamw_ the two moments (inputs 2, 3) too. */
+static inline unsigned kiln__written_inputs(kiln__op_id op)
+{
+    return !kiln__ops[op].is_inplace ? 0u : op == KILN_OP_ADAMW_ ? 0xDu : 1u;
+}
+
 /* ALLREDUCE_'s u[1]: runs the collective on group (its u[0]) in place on t. */
 typedef kiln_status (*kiln__collective_fn)(void *group, kiln_tensor_t *t, int op);
 
