@@ -642,8 +642,7 @@ int cmd_train(int argc, char **argv)
         printf("done: %lld steps in %.1f s; final val loss %.4f vs unigram baseline %.4f; checkpoint %s/%s, chart %s\n",
                (long long)(a.steps - start), kiln__now_s() - t_begin, val, unigram, a.out, RUN_MODEL, chart_path);
     if (world > 1 && whole && !a.quiet && rank == 0 && start < a.steps)
-        printf("gradient reduction: one tensor at a time inside the %s training step, after its backward\n",
-               compiled ? "compiled" : "whole");
+        printf("gradient reduction: one tensor at a time inside the compiled training step, after its backward\n");
     if (world > 1 && !zero && !whole && !a.quiet && rank == 0 && start < a.steps) {
         char how[64] = "one tensor at a time after backward";
         if (ddp) snprintf(how, sizeof how, "%d bucket(s) during backward", kiln_ddp_num_buckets(ddp));
