@@ -74,6 +74,8 @@ typedef struct {
     bool cb_simultaneous; /* a buffer may be enqueued again while it is still pending */
     struct cl_graph *cap; /* being recorded: work goes into it instead of the queue */
     void *err; /* the error word: kernels raise a bad index in it where the host cannot check */
+    uint64_t *ran; /* launches run before, by hash of kernel and sizes: first_run() (under prog_lock) */
+    int n_ran;
 } cl_dev;
 
 /* A captured command buffer and what it holds: a kernel object per recorded launch
@@ -90,6 +92,7 @@ typedef struct cl_graph {
     cl_range *freed;
     int n_freed, cap_freed;
     cl_event pending; /* the last run, where the buffer cannot run twice at once */
+    bool ran; /* replayed before: the first replay is waited for (first_run()) */
 } cl_graph;
 
 /* A built program, by the hash of its source. */
@@ -496,6 +499,33 @@ static kiln_status recording_kernel(cl_dev *d, cl_kernel k, cl_kernel *out)
 
 /* Each buffer argument goes as (cl_mem, byte offset into it): the generated kernels take
  * them in pairs. */
+/* Whether this is the first run of a kernel at these sizes, which the caller then waits
+ * for. PoCL generates a kernel's machine code for each work-group size when it first
+ * runs, on its own threads. Left queued until the process exits (an update nobody read
+ * back), that code generation runs from our atexit handler, after LLVM's own exit-time
+ * destructors, and crashes (PoCL 3.1 on Debian 12, whenever its kernel cache is cold).
+ * Waiting once per kernel and size costs a sync per new shape, nothing in a steady loop. */
+enum { RAN_CAP = 4096 };
+
+static bool first_run(cl_dev *d, cl_kernel k, const size_t *grid, const size_t *block, int dims)
+{
+    uint64_t h = kiln__fnv(KILN__FNV_SEED, &k, sizeof k);
+    h = kiln__fnv(h, grid, (size_t)dims * sizeof *grid);
+    if (block) h = kiln__fnv(h, block, (size_t)dims * sizeof *block);
+    h |= 1; /* 0 marks an empty slot */
+    if (!d->ran && !(d->ran = calloc(RAN_CAP, sizeof *d->ran))) return true;
+    if (d->n_ran >= RAN_CAP / 2) { /* full: forget them all (each is waited for once more) */
+        memset(d->ran, 0, RAN_CAP * sizeof *d->ran);
+        d->n_ran = 0;
+    }
+    size_t i = h & (RAN_CAP - 1);
+    while (d->ran[i] && d->ran[i] != h) i = (i + 1) & (RAN_CAP - 1);
+    if (d->ran[i]) return false;
+    d->ran[i] = h;
+    d->n_ran++;
+    return true;
+}
+
 static kiln_status cl_launch(kiln__backend *be, void *kernel, const kiln__karg *args, int nargs, const size_t *grid,
                              const size_t *block, int grid_dims)
 {
@@ -543,6 +573,8 @@ static kiln_status cl_launch(kiln__backend *be, void *kernel, const kiln__karg *
     } else if (s == KILN_OK) {
         err = clEnqueueNDRangeKernel(d->q, k, (cl_uint)grid_dims, NULL, grid, block, 0, NULL, NULL);
         if (err != CL_SUCCESS) s = cl_fail(d, "clEnqueueNDRangeKernel", err);
+        else if (first_run(d, k, grid, block, grid_dims) && (err = clFinish(d->q)) != CL_SUCCESS)
+            s = cl_fail(d, "clFinish", err);
     }
     pthread_mutex_unlock(&d->prog_lock);
     return s;
@@ -1458,6 +1490,10 @@ static kiln_status cl_replay(kiln__backend *be, void *graph)
     }
     cl_int err = d->cb_enqueue(0, NULL, g->cb, 0, NULL, d->cb_simultaneous ? NULL : &g->pending);
     if (err != CL_SUCCESS) return cl_fail(d, "clEnqueueCommandBufferKHR", err);
+    if (!g->ran) { /* its kernels' first runs: see first_run() */
+        g->ran = true;
+        if ((err = clFinish(d->q)) != CL_SUCCESS) return cl_fail(d, "clFinish", err);
+    }
     if (!d->err) return KILN_OK;
     /* What the host checks before an eager launch the kernels checked: a bad index or
      * target makes this run's results meaningless, and is said. */
