@@ -616,6 +616,55 @@ static void second_compile_hits_the_cache(void **state)
     setenv("KILN_CACHE_DIR", cache_dir, 1);
 }
 
+/* Kernels of every shape of domain: a row reduction (layer norm over a last dim of 40),
+ * a 3-d broadcast that no dim merge removes, a transposed read (inner stride = rows) and
+ * long rows split into pieces (> 32768 elements: pieces of one row may start a task). */
+static kiln_status shapes_fn(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    out[0] = kiln_layer_norm(kiln_add(in[0], in[1]), in[1], in[1], 1e-5);
+    out[1] = kiln_mul(kiln_exp(in[2]), in[3]);
+    out[2] = kiln_contiguous(kiln_transpose(kiln_relu(in[0]), 0, 1));
+    out[3] = kiln_tanh(kiln_add(in[4], kiln_scalar(0.5, KILN_DTYPE_F32)));
+    *n_out = 4;
+    for (int i = 0; i < 4; i++)
+        if (!out[i]) return kiln_last_status();
+    return KILN_OK;
+}
+
+static int compile_shapes(const char *dir, const int64_t *rows, const int64_t *a3, const int64_t *b3, int64_t n_long,
+                          int n_sets)
+{
+    setenv("KILN_CACHE_DIR", dir, 1);
+    for (int i = 0; i < n_sets; i++) {
+        int64_t x[2] = {rows[i], 40}, c[1] = {40}, y[3] = {a3[i], b3[i], 24}, z[3] = {a3[i], 1, 24};
+        int64_t l[2] = {2, n_long + 9000 * i};
+        kiln_tensor_t *in[5] = {randn(x, 2, 10 + i), randn(c, 1, 20 + i), randn(y, 3, 30 + i), randn(z, 3, 40 + i),
+                                randn(l, 2, 50 + i)};
+        int k, o;
+        snprintf(label, sizeof label, "shape set %d", i);
+        check(shapes_fn, NULL, in, 5, TOL, &k, &o);
+        assert_true(k >= 4);
+    }
+    setenv("KILN_CACHE_DIR", cache_dir, 1);
+    return count_suffix(dir, ".so");
+}
+
+/* Sizes are arguments of the generated code: programs that differ only in sizes match
+ * eager (oracle: the eager ops, TOL) and share one shared object, built once. With sizes
+ * as literals (the switch), each size set is a new compile. */
+static void new_sizes_reuse_the_kernels(void **state)
+{
+    const int64_t rows[3] = {33, 70, 5}, a3[3] = {3, 7, 2}, b3[3] = {5, 2, 11};
+    char dir[128];
+    snprintf(dir, sizeof dir, "%s/sizes-symbolic", cache_dir);
+    assert_int_equal(compile_shapes(dir, rows, a3, b3, 40000, 3), 1);
+    snprintf(dir, sizeof dir, "%s/sizes-literal", cache_dir);
+    setenv("KILN_COMPILE_DISABLE", "symbolic", 1);
+    assert_int_equal(compile_shapes(dir, rows, a3, b3, 40000, 3), 3);
+    unsetenv("KILN_COMPILE_DISABLE");
+    *label = 0;
+}
+
 /* A compiler that fails: a clear error naming the kernel, with the source and the
  * compiler's output kept at the paths it gives. */
 static void compiler_failure_is_a_clear_error(void **state)
@@ -693,6 +742,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(copies_into_captured_tensors_match_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(switches_turn_stages_off, setup, teardown),
         cmocka_unit_test_setup_teardown(second_compile_hits_the_cache, setup, teardown),
+        cmocka_unit_test_setup_teardown(new_sizes_reuse_the_kernels, setup, teardown),
         cmocka_unit_test_setup_teardown(compiler_failure_is_a_clear_error, setup, teardown),
         cmocka_unit_test_setup_teardown(debug_dir_has_every_stage, setup, teardown),
     };

@@ -1,6 +1,9 @@
 /* The cpu code generator: one C function per kernel, named after the ops it fused,
  * with a comment listing them. A function runs tasks [t0, t1) of its kernel (a task is
  * a row, or a piece of one); the runtime spreads the tasks over kiln's thread pool.
+ * Sizes and strides are the function's sz[] argument (compile_impl.h), so a kernel's
+ * text does not change when only the sizes it runs on do (the OpenCL and CUDA dialects
+ * and KILN_COMPILE_DISABLE=symbolic write them in).
  * Inner loops are written so that GCC vectorizes them: loads and stores at constant
  * strides, selects instead of branches, a polynomial exp, and reductions kept in 16
  * partial accumulators that are combined in a fixed order at the end of the row. */
@@ -112,9 +115,44 @@ static const char *header_cuda =
     "#define INFINITY __int_as_float(0x7f800000)\n"
     "#define KC_FN __device__ inline\n#define kc_bits(b) __int_as_float(b)\n\n";
 
-/* One expression as C, its operands being named e<N>. */
-static void expr_c(sbuf *b, const kc_kernel *k, int i, bool fast)
+/* What one kernel's generation needs: the kernel, whether sizes are symbolic and fast
+ * math on, and which size slots its text reads (each becomes a local z<N> = sz[N] at
+ * the top, so that no store through a char-typed buffer makes the compiler reload it). */
+typedef struct {
+    const kc_kernel *k;
+    bool sym, fast;
+    bool *used;
+} gen;
+
+/* Size slot n as C: z<n> when sizes are symbolic, else its value. */
+static void num(sbuf *b, const gen *G, int n)
 {
+    if (!G->sym) {
+        put(b, "%lld", (long long)G->k->sz[n]);
+        return;
+    }
+    G->used[n] = true;
+    put(b, "z%d", n);
+}
+
+/* " + jj * stride" for the inner-dim stride in slot n: nothing for 0, no product for 1. */
+static void inner_step(sbuf *b, const gen *G, int n)
+{
+    int64_t st = G->k->sz[n];
+    if (st == 0) return;
+    if (st == 1) {
+        put(b, " + jj");
+        return;
+    }
+    put(b, " + jj * ");
+    num(b, G, n);
+}
+
+/* One expression as C, its operands being named e<N>. */
+static void expr_c(sbuf *b, const gen *G, int i)
+{
+    const kc_kernel *k = G->k;
+    bool fast = G->fast;
     const kc_expr *e = &k->e[i];
     const char *T = ctype(e->dt);
     char a[3][16];
@@ -122,7 +160,7 @@ static void expr_c(sbuf *b, const kc_kernel *k, int i, bool fast)
     switch (e->kind) {
     case E_LOAD:
         put(b, "in%d[o%d", e->buf, i);
-        if (k->ndim && e->st[k->ndim - 1]) put(b, " + jj * %lld", (long long)e->st[k->ndim - 1]);
+        if (k->ndim) inner_step(b, G, kc_sz_load(k, i, k->ndim - 1));
         put(b, "]");
         return;
     case E_CONST:
@@ -130,7 +168,7 @@ static void expr_c(sbuf *b, const kc_kernel *k, int i, bool fast)
         return;
     case E_INDEX:
         put(b, "(%s)(%.17g + %.17g * (double)(o%d", T, e->attrs.f[0], e->attrs.f[1], i);
-        if (k->ndim && e->st[k->ndim - 1]) put(b, " + jj * %lld", (long long)e->st[k->ndim - 1]);
+        if (k->ndim) inner_step(b, G, kc_sz_load(k, i, k->ndim - 1));
         put(b, "))");
         return;
     case E_ACC:
@@ -209,12 +247,13 @@ static void mark(const kc_kernel *k, int i, bool *need)
         for (int j = 0; j < k->e[i].n_arg; j++) mark(k, k->e[i].arg[j], need);
 }
 
-static void body(sbuf *b, const kc_kernel *k, const bool *need, bool fast, const char *ind)
+static void body(sbuf *b, const gen *G, const bool *need, const char *ind)
 {
+    const kc_kernel *k = G->k;
     for (int i = 0; i < k->n_e; i++)
         if (need[i]) {
             put(b, "%sconst %s e%d = ", ind, ctype(k->e[i].dt), i);
-            expr_c(b, k, i, fast);
+            expr_c(b, G, i);
             put(b, ";\n");
         }
 }
@@ -224,67 +263,56 @@ static const char *maxfn(const kc_kernel *k, int a)
     return k->e[k->acc[a].expr].dt == KILN_DTYPE_F64 ? "kc_maxd" : "kc_max";
 }
 
-/* One kernel. In C it runs tasks [t0, t1) given its buffers in b[]; in OpenCL C (cl)
- * each work-item runs one task, its buffers passed as (buffer, byte offset) pairs and
- * the number of tasks last. The body is the same text. */
+/* One kernel. In C it runs tasks [t0, t1) given its buffers in b[] and its sizes in
+ * sz[]; in OpenCL C (cl) each work-item runs one task, its buffers passed as (buffer,
+ * byte offset) pairs and the number of tasks last. The body is the same text: the row
+ * coordinates c<d> of the first task, then per task its accesses' offsets, the passes
+ * over the row, the stores, and a step of the coordinates to the next row (no division
+ * per row). */
 enum { D_C, D_OPENCL, D_CUDA };
 
-static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, int dialect)
+static void kernel_body(sbuf *b, const gen *G)
 {
-    bool cl = dialect == D_OPENCL;
+    const kc_kernel *k = G->k;
     int nd = k->ndim;
-    put(b, "/* %s: %s\n * over [", k->name, k->ops);
-    for (int d = 0; d < nd; d++) put(b, "%s%lld", d ? ", " : "", (long long)k->dom[d]);
-    put(b, "], %d reduction(s), %d store(s) */\n", k->n_acc, k->n_st);
-    if (cl) {
-        put(b, "__kernel void %s(", k->name);
-        for (int i = 0; i < k->n_buf; i++) put(b, "__global char *g%d, ulong go%d, ", i, i);
-        put(b, "long n_tasks)\n{\n");
-        for (int i = 0; i < k->n_buf; i++)
-            put(b, "    __global %s%s *%sin%d = (__global %s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ",
-                ctype(k->buf[i].dt), k->buf[i].output ? "restrict " : "", i, k->buf[i].output ? "" : "const ",
-                ctype(k->buf[i].dt), i, i);
-        put(b, "    const int64_t t0 = get_global_id(0), t1 = t0 + 1;\n    if (t0 >= n_tasks) return;\n");
-    } else if (dialect == D_CUDA) {
-        put(b, "extern \"C\" __global__ void %s(", k->name);
-        for (int i = 0; i < k->n_buf; i++) put(b, "char *g%d, unsigned long long go%d, ", i, i);
-        put(b, "long long n_tasks)\n{\n");
-        for (int i = 0; i < k->n_buf; i++)
-            put(b, "    %s%s *%sin%d = (%s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
-                k->buf[i].output ? "__restrict__ " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i, i);
-        put(b, "    const int64_t t0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, t1 = t0 + 1;\n"
-               "    if (t0 >= n_tasks) return;\n");
-    } else {
-        put(b, "void %s(char *const *b, int64_t t0, int64_t t1)\n{\n", k->name);
-        for (int i = 0; i < k->n_buf; i++)
-            put(b, "    %s%s *%sin%d = (%s%s *)b[%d];\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
-                k->buf[i].output ? "restrict " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i);
+    put(b, "    const int64_t kn = ");
+    num(b, G, KC_SZ_INNER);
+    put(b, ", kch = ");
+    num(b, G, KC_SZ_CHUNKS);
+    put(b, ", kper = ");
+    num(b, G, KC_SZ_PER);
+    put(b, ";\n    int64_t q = t0 %% kch, r = t0 / kch;\n");
+    for (int d = nd - 2; d >= 1; d--) {
+        put(b, "    int64_t c%d = r %% ", d);
+        num(b, G, KC_SZ_DOM + d);
+        put(b, ";\n    r /= ");
+        num(b, G, KC_SZ_DOM + d);
+        put(b, ";\n");
     }
-    int64_t inner = nd ? k->dom[nd - 1] : 1;
-    int64_t per = (inner + k->chunks - 1) / k->chunks;
+    if (nd >= 2) put(b, "    int64_t c0 = r;\n");
+    put(b, "    (void)r;\n");
     put(b, "    for (int64_t t = t0; t < t1; t++) {\n");
-    put(b, "        const int64_t r = t / %lld, j0 = (t %% %lld) * %lld, j1 = j0 + %lld < %lld ? j0 + %lld : %lld;\n",
-        (long long)k->chunks, (long long)k->chunks, (long long)per, (long long)per, (long long)inner, (long long)per,
-        (long long)inner);
+    put(b, "        const int64_t j0 = q * kper, j1 = j0 + kper < kn ? j0 + kper : kn;\n");
     put(b, "        (void)j0;\n        (void)j1;\n");
-    /* Row coordinates, then each access's offset at the row. */
-    for (int d = nd - 2; d >= 0; d--) {
-        int64_t below = 1;
-        for (int q = d + 1; q < nd - 1; q++) below *= k->dom[q];
-        put(b, "        const int64_t c%d = (r / %lld) %% %lld;\n", d, (long long)below, (long long)k->dom[d]);
-    }
+    /* Each access's offset at the row. */
     for (int i = 0; i < k->n_e; i++) {
         const kc_expr *e = &k->e[i];
         if (e->kind != E_LOAD && e->kind != E_INDEX) continue;
         put(b, "        const int64_t o%d = 0", i);
         for (int d = 0; d + 1 < nd; d++)
-            if (e->st[d]) put(b, " + c%d * %lld", d, (long long)e->st[d]);
+            if (e->st[d]) {
+                put(b, " + c%d * ", d);
+                num(b, G, kc_sz_load(k, i, d));
+            }
         put(b, ";\n");
     }
     for (int i = 0; i < k->n_st; i++) {
         put(b, "        const int64_t s%d = 0", i);
         for (int d = 0; d + 1 < nd; d++)
-            if (k->st[i].st[d]) put(b, " + c%d * %lld", d, (long long)k->st[i].st[d]);
+            if (k->st[i].st[d]) {
+                put(b, " + c%d * ", d);
+                num(b, G, kc_sz_store(k, i, d));
+            }
         put(b, ";\n");
     }
     bool *emitted = calloc((size_t)k->n_e + 1, 1), *need = calloc((size_t)k->n_e + 1, 1);
@@ -302,7 +330,7 @@ static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, int dialect)
         for (int i = 0; i < k->n_e; i++)
             if (k->e[i].row && !emitted[i] && k->e[i].phase <= q) {
                 put(b, "        const %s e%d = ", ctype(k->e[i].dt), i);
-                expr_c(b, k, i, fast);
+                expr_c(b, G, i);
                 put(b, ";\n        (void)e%d;\n", i);
                 emitted[i] = true;
             }
@@ -322,7 +350,7 @@ static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, int dialect)
         for (int tail = 0; tail < 2; tail++) {
             if (!tail) put(b, "        for (; j + 16 <= j1; j += 16)\n            for (int l = 0; l < 16; l++) {\n                const int64_t jj = j + l;\n");
             else put(b, "        for (; j < j1; j++) {\n            const int l = 0;\n            const int64_t jj = j;\n");
-            body(b, k, need, fast, tail ? "            " : "                ");
+            body(b, G, need, tail ? "            " : "                ");
             for (int a = 0; a < k->n_acc; a++) {
                 if (k->acc[a].phase != q) continue;
                 const char *ind = tail ? "            " : "                ";
@@ -351,10 +379,13 @@ static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, int dialect)
         }
     if (any) {
         put(b, "        for (int64_t jj = j0; jj < j1; jj++) {\n");
-        body(b, k, need, fast, "            ");
+        body(b, G, need, "            ");
         for (int i = 0; i < k->n_st; i++)
-            if (nd && k->st[i].st[nd - 1])
-                put(b, "            in%d[s%d + jj * %lld] = e%d;\n", k->st[i].buf, i, (long long)k->st[i].st[nd - 1], k->st[i].expr);
+            if (nd && k->st[i].st[nd - 1]) {
+                put(b, "            in%d[s%d", k->st[i].buf, i);
+                inner_step(b, G, kc_sz_store(k, i, nd - 1));
+                put(b, "] = e%d;\n", k->st[i].expr);
+            }
         put(b, "        }\n");
     }
     for (int i = 0; i < k->n_st; i++)
@@ -362,9 +393,80 @@ static void kernel_c(sbuf *b, const kc_kernel *k, bool fast, int dialect)
             /* A row value: written once per row (by the row's first piece). */
             put(b, "        if (j0 == 0) in%d[s%d] = e%d;\n", k->st[i].buf, i, k->st[i].expr);
         }
+    /* The next task: the next piece of the row, or the first of the next row. */
+    if (nd >= 2) {
+        put(b, "        if (++q == kch) {\n            q = 0;\n");
+        int open = 0;
+        for (int d = nd - 2; d >= 1; d--, open++) {
+            put(b, "%*sif (++c%d == ", 12 + 4 * open, "", d);
+            num(b, G, KC_SZ_DOM + d);
+            put(b, ") {\n%*sc%d = 0;\n", 16 + 4 * open, "", d);
+        }
+        put(b, "%*sc0++;\n", 12 + 4 * open, "");
+        for (int o = open - 1; o >= 0; o--) put(b, "%*s}\n", 12 + 4 * o, "");
+        put(b, "        }\n");
+    } else {
+        put(b, "        if (++q == kch) q = 0;\n");
+    }
     put(b, "    }\n}\n\n");
     free(emitted);
     free(need);
+}
+
+static void kernel_c(sbuf *b, const kiln__program *p, const kc_kernel *k, bool fast, int dialect)
+{
+    bool cl = dialect == D_OPENCL;
+    int nd = k->ndim;
+    gen G = {k, p->symbolic && dialect == D_C, fast, calloc((size_t)k->n_sz + 1, 1)};
+    sbuf text = {0};
+    if (!G.used) {
+        b->failed = true;
+        return;
+    }
+    kernel_body(&text, &G);
+    put(b, "/* %s: %s\n * over [", k->name, k->ops);
+    for (int d = 0; d < nd; d++) {
+        put(b, "%s", d ? ", " : "");
+        int n = d == nd - 1 ? KC_SZ_INNER : KC_SZ_DOM + d;
+        if (G.sym) put(b, "z%d", n); /* named, not read: the comment does not use it */
+        else put(b, "%lld", (long long)k->sz[n]);
+    }
+    put(b, "], %d reduction(s), %d store(s) */\n", k->n_acc, k->n_st);
+    if (cl) {
+        put(b, "__kernel void %s(", k->name);
+        for (int i = 0; i < k->n_buf; i++) put(b, "__global char *g%d, ulong go%d, ", i, i);
+        put(b, "long n_tasks)\n{\n");
+        for (int i = 0; i < k->n_buf; i++)
+            put(b, "    __global %s%s *%sin%d = (__global %s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ",
+                ctype(k->buf[i].dt), k->buf[i].output ? "restrict " : "", i, k->buf[i].output ? "" : "const ",
+                ctype(k->buf[i].dt), i, i);
+        put(b, "    const int64_t t0 = get_global_id(0), t1 = t0 + 1;\n    if (t0 >= n_tasks) return;\n");
+    } else if (dialect == D_CUDA) {
+        put(b, "extern \"C\" __global__ void %s(", k->name);
+        for (int i = 0; i < k->n_buf; i++) put(b, "char *g%d, unsigned long long go%d, ", i, i);
+        put(b, "long long n_tasks)\n{\n");
+        for (int i = 0; i < k->n_buf; i++)
+            put(b, "    %s%s *%sin%d = (%s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
+                k->buf[i].output ? "__restrict__ " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i, i);
+        put(b, "    const int64_t t0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, t1 = t0 + 1;\n"
+               "    if (t0 >= n_tasks) return;\n");
+    } else {
+        put(b, "void %s(char *const *b, const int64_t *sz, int64_t t0, int64_t t1)\n{\n", k->name);
+        for (int i = 0; i < k->n_buf; i++)
+            put(b, "    %s%s *%sin%d = (%s%s *)b[%d];\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
+                k->buf[i].output ? "restrict " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i);
+        bool any = false;
+        for (int n = 0; n < k->n_sz; n++)
+            if (G.used[n]) {
+                put(b, "    const int64_t z%d = sz[%d];\n", n, n);
+                any = true;
+            }
+        if (!any) put(b, "    (void)sz;\n");
+    }
+    if (text.failed) b->failed = true;
+    else put(b, "%s", text.s ? text.s : "");
+    free(text.s);
+    free(G.used);
 }
 
 static kiln_status generate(const kiln__program *p, int dialect, char **src)
@@ -375,7 +477,7 @@ static kiln_status generate(const kiln__program *p, int dialect, char **src)
     bool fast = kiln__opt(KILN__OPT_FAST_EXP);
     put(&b, "/* Generated by kiln %s: %d kernel(s) in %s. */\n", KILN_VERSION, p->n_k, lang[dialect]);
     put(&b, "%s%s", header, helpers);
-    for (int i = 0; i < p->n_k; i++) kernel_c(&b, &p->k[i], fast, dialect);
+    for (int i = 0; i < p->n_k; i++) kernel_c(&b, p, &p->k[i], fast, dialect);
     if (b.failed) {
         free(b.s);
         return kiln__err(KILN_ERR_OOM, "compile: out of memory generating %s", lang[dialect]);

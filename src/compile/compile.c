@@ -66,7 +66,7 @@ FILE *kiln__debug_open(const char *dir, const char *file)
 
 void kiln__compile_options(kc_options *o)
 {
-    *o = (kc_options){true, true, true, true, true, true, true, 48};
+    *o = (kc_options){true, true, true, true, true, true, true, true, 48};
     const char *off = getenv("KILN_COMPILE_DISABLE");
     for (const char *p = off; p && *p;) {
         const char *e = strchr(p, ',');
@@ -80,6 +80,7 @@ void kiln__compile_options(kc_options *o)
         OFF(recompute)
         OFF(fusion)
         OFF(codegen)
+        OFF(symbolic)
 #undef OFF
         p += n + (e ? 1 : 0);
     }

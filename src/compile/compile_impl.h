@@ -65,8 +65,22 @@ typedef struct {
     int n_buf, cap_buf;
     int64_t chunks; /* inner-dim pieces per row (pointwise kernels over long rows) */
     int64_t tasks, grain;
-    void (*fn)(char *const *b, int64_t t0, int64_t t1); /* once loaded */
+    int64_t *sz; /* the sizes its code reads, by slot (below) */
+    int n_sz;
+    void (*fn)(char *const *b, const int64_t *sz, int64_t t0, int64_t t1); /* once loaded */
 } kc_kernel;
+
+/* Sizes are symbolic in the generated C: a kernel reads its domain, its task split and
+ * its accesses' strides from its sz[] argument, bound at launch from the program's
+ * shapes, so that graphs differing only in sizes have the same source, one cache entry
+ * and one shared object. What stays in the text: the structure, constants, and inner-dim
+ * strides of 0 and 1 (they decide how the inner loop vectorizes). With
+ * KILN_COMPILE_DISABLE=symbolic (and in the OpenCL and CUDA dialects) sizes are literals.
+ * Slots: the inner size, pieces per row, elements per piece, the outer dims, then each
+ * load or index expression's strides and each store's, ndim apiece. */
+enum { KC_SZ_INNER, KC_SZ_CHUNKS, KC_SZ_PER, KC_SZ_DOM };
+static inline int kc_sz_load(const kc_kernel *k, int e, int d) { return KC_SZ_DOM + KILN_MAX_DIMS + e * k->ndim + d; }
+static inline int kc_sz_store(const kc_kernel *k, int s, int d) { return kc_sz_load(k, k->n_e, 0) + s * k->ndim + d; }
 
 enum { STEP_OP, STEP_KERNEL };
 typedef struct {
@@ -74,9 +88,9 @@ typedef struct {
 } kc_step;
 
 /* What each pass may do; KILN_COMPILE_DISABLE=decompose,fold,cse,dce,recompute,fusion,
- * codegen turns them off one at a time, to find the one that breaks a result. */
+ * codegen,symbolic turns them off one at a time, to find the one that breaks a result. */
 typedef struct {
-    bool decompose, fold, cse, dce, fusion, codegen, recompute;
+    bool decompose, fold, cse, dce, fusion, codegen, recompute, symbolic;
     int max_fuse; /* ops per kernel */
 } kc_options;
 
@@ -88,6 +102,7 @@ struct kiln__program {
     int n_steps;
     int *last; /* per value: the last step that reads it (n_steps: kept to the end) */
     void *so;  /* the loaded shared object */
+    bool symbolic; /* the C reads sizes from sz[] (kc_options.symbolic) */
     int64_t planned_peak, eager_peak; /* bytes of intermediates, from the liveness */
 };
 typedef struct kiln__program kiln__program;

@@ -415,6 +415,25 @@ static void split(kc_kernel *k)
     k->grain = per >= 16384 ? 1 : 16384 / (per ? per : 1);
 }
 
+/* The values of the kernel's size slots (compile_impl.h), which its generated code
+ * reads from sz[] or has written in. */
+static kiln_status bind_sizes(kc_kernel *k)
+{
+    int nd = k->ndim;
+    k->n_sz = kc_sz_store(k, k->n_st, 0);
+    if (!(k->sz = calloc((size_t)k->n_sz, sizeof *k->sz))) return oom();
+    int64_t inner = nd ? k->dom[nd - 1] : 1;
+    k->sz[KC_SZ_INNER] = inner;
+    k->sz[KC_SZ_CHUNKS] = k->chunks;
+    k->sz[KC_SZ_PER] = (inner + k->chunks - 1) / k->chunks;
+    for (int d = 0; d + 1 < nd; d++) k->sz[KC_SZ_DOM + d] = k->dom[d];
+    for (int i = 0; i < k->n_e; i++)
+        for (int d = 0; d < nd; d++) k->sz[kc_sz_load(k, i, d)] = k->e[i].st[d];
+    for (int i = 0; i < k->n_st; i++)
+        for (int d = 0; d < nd; d++) k->sz[kc_sz_store(k, i, d)] = k->st[i].st[d];
+    return KILN_OK;
+}
+
 /* The open group that copy_ node n (at position k) can join as a store into its
  * destination, or -1. The source must be a value of the group over its whole index
  * space; the destination a whole contiguous captured tensor of that shape and dtype,
@@ -457,6 +476,7 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
     lower_kind *lk = malloc(sizeof *lk * (size_t)(nn + 1));
     int n_gr = 0;
     kiln_status s = p && grp && vgrp && form && memo && stored && outside && gr && lk ? KILN_OK : oom();
+    if (p) p->symbolic = o->symbolic;
     for (int v = 0; s == KILN_OK && v < nv; v++) {
         vgrp[v] = -1;
         form[v] = F_NONE;
@@ -579,6 +599,7 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
             if (!seen) w += snprintf(kr->name + w, sizeof kr->name - (size_t)w, "_%s", opn);
         }
         kernel_of[G] = p->n_k++;
+        s = bind_sizes(kr);
     }
     for (int k = 0; s == KILN_OK && k < nn; k++) {
         if (grp[k] >= 0) {
@@ -653,6 +674,7 @@ void kiln__program_free(kiln__program *p)
         free(p->k[i].acc);
         free(p->k[i].st);
         free(p->k[i].buf);
+        free(p->k[i].sz);
     }
     free(p->k);
     free(p->steps);

@@ -8,14 +8,15 @@
 #include "core/threadpool.h"
 
 typedef struct {
-    void (*fn)(char *const *b, int64_t t0, int64_t t1);
+    void (*fn)(char *const *b, const int64_t *sz, int64_t t0, int64_t t1);
     char *const *b;
+    const int64_t *sz;
 } launch_ctx;
 
 static void launch_range(void *ctx, int64_t t0, int64_t t1)
 {
     const launch_ctx *l = ctx;
-    l->fn(l->b, t0, t1);
+    l->fn(l->b, l->sz, t0, t1);
 }
 
 static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_t **rt)
@@ -59,7 +60,7 @@ static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_
                               k->buf[i].value, k->buf[j].value);
     }
     if (s == KILN_OK && k->tasks > 0) {
-        launch_ctx l = {k->fn, b};
+        launch_ctx l = {k->fn, b, k->sz};
         kiln__parallel_for(k->tasks, k->grain, launch_range, &l);
     }
     if (b != bufs) free(b);
