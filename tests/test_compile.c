@@ -17,6 +17,8 @@
 #include "kiln/kiln.h"
 #include "kiln/nn.h"
 #include "kiln/optim.h"
+#include "core/backend.h"
+#include "ops/registry.h"
 #include "test_util.h"
 #include "test_train.h"
 
@@ -247,6 +249,43 @@ static void kernel_counts(void **state)
      * because they check the targets' range), and the seed gradient's fill. */
     assert_int_equal(k, 0);
     if (o > 3) fail_msg("cross-entropy forward+backward ran %d ops", o);
+}
+
+/* A backend's can_fuse hook keeps an op out of generated kernels: it runs as its own
+ * step through the backend's kernel, and the fused kernels around it split there. */
+static int refused_op;
+static bool refuse_one(kiln__backend *be, int op, const kiln_dtype *in, int n_in, kiln_dtype out)
+{
+    return op != refused_op;
+}
+static bool refuse_all(kiln__backend *be, int op, const kiln_dtype *in, int n_in, kiln_dtype out) { return false; }
+
+/* The hook is put back even when a check fails (fail_msg leaves the test early). */
+static int hook_teardown(void **state)
+{
+    kiln__backend_at(0)->can_fuse = NULL;
+    return teardown(state);
+}
+
+static void can_fuse_hook_splits_kernels(void **state)
+{
+    int64_t s[2] = {64, 200}, c[1] = {200};
+    kiln_tensor_t *in[2] = {randn(s, 2, 11), randn(c, 1, 12)};
+    kiln__backend *cpu = kiln__backend_at(0);
+    int k, o;
+    /* tanh(exp(x + y - full(1)) * x): one kernel; with exp refused, [add, full, sub] exp
+     * [mul, tanh]; with everything refused, six ops. */
+    refused_op = KILN_OP_EXP;
+    cpu->can_fuse = refuse_one;
+    check(chain, NULL, in, 2, TOL, &k, &o);
+    cpu->can_fuse = NULL;
+    if (k != 2 || o != 1) fail_msg("exp refused: %d kernels and %d ops, want 2 and 1", k, o);
+    cpu->can_fuse = refuse_all;
+    check(chain, NULL, in, 2, TOL, &k, &o);
+    cpu->can_fuse = NULL;
+    if (k != 0 || o != 6) fail_msg("everything refused: %d kernels and %d ops, want 0 and 6", k, o);
+    check(chain, NULL, in, 2, TOL, &k, &o);
+    assert_int_equal(k, 1);
 }
 
 /* ---- small random graphs ---- */
@@ -735,6 +774,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(f64_ops_match_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(every_lowered_op_matches_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(kernel_counts, setup, teardown),
+        cmocka_unit_test_setup_teardown(can_fuse_hook_splits_kernels, setup, hook_teardown),
         cmocka_unit_test_setup_teardown(random_graphs_match_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(gpt2_training_matches_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(llama_training_matches_eager, setup, teardown),

@@ -2,6 +2,7 @@
  * system compiler and the cache, each stage logged (KILN_LOGS=graph,fusion,code,perf)
  * and, with KILN_DEBUG_DIR, written beside the captured graph. */
 #include <errno.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -64,15 +65,18 @@ FILE *kiln__debug_open(const char *dir, const char *file)
     return f;
 }
 
+static atomic_bool warned_disable, warned_max_fuse; /* each said once per process */
+
 void kiln__compile_options(kc_options *o)
 {
-    *o = (kc_options){true, true, true, true, true, true, true, true, 48};
+    *o = (kc_options){true, true, true, true, true, true, true, true, 48, kiln__backend_at(0)};
     const char *off = getenv("KILN_COMPILE_DISABLE");
     for (const char *p = off; p && *p;) {
         const char *e = strchr(p, ',');
         size_t n = e ? (size_t)(e - p) : strlen(p);
+        bool known = n == 0;
 #define OFF(name) \
-    if (n == strlen(#name) && !strncmp(p, #name, n)) o->name = false;
+    if (n == strlen(#name) && !strncmp(p, #name, n)) o->name = false, known = true;
         OFF(decompose)
         OFF(fold)
         OFF(cse)
@@ -82,10 +86,23 @@ void kiln__compile_options(kc_options *o)
         OFF(codegen)
         OFF(symbolic)
 #undef OFF
+        if (!known && !atomic_exchange(&warned_disable, true))
+            fprintf(stderr, "kiln: KILN_COMPILE_DISABLE: no stage '%.*s' (the stages: decompose, fold, cse, dce, "
+                    "recompute, fusion, codegen, symbolic); ignored\n", (int)n, p);
         p += n + (e ? 1 : 0);
     }
     const char *mf = getenv("KILN_COMPILE_MAX_FUSE");
-    if (mf && atoi(mf) > 0) o->max_fuse = atoi(mf);
+    if (mf && *mf) {
+        char *end;
+        long v = strtol(mf, &end, 10);
+        if (*end || v < 1 || v > 100000) {
+            if (!atomic_exchange(&warned_max_fuse, true))
+                fprintf(stderr, "kiln: KILN_COMPILE_MAX_FUSE='%s' is not a count of ops >= 1; using %d\n", mf,
+                        o->max_fuse);
+        } else {
+            o->max_fuse = (int)v;
+        }
+    }
 }
 
 kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *name, int index, kiln__program **out)

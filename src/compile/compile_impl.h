@@ -92,6 +92,7 @@ typedef struct {
 typedef struct {
     bool decompose, fold, cse, dce, fusion, codegen, recompute, symbolic;
     int max_fuse; /* ops per kernel */
+    kiln__backend *target; /* whose kernels are generated: its can_fuse hook is asked */
 } kc_options;
 
 struct kiln__program {

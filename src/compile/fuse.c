@@ -27,7 +27,7 @@ static bool loadable(kiln_dtype dt)
 /* How an op lowers, given its inputs' and outputs' dtypes: arithmetic in f32, and the
  * plain arithmetic, square roots, exp/log and reductions in f64 too (what a gradient
  * norm does); the activations stay f32-only (their generated forms are float code). */
-static lower_kind lowering(const kiln_graph_t *g, const node *n)
+static lower_kind lower_op(const kiln_graph_t *g, const node *n)
 {
     kiln_dtype o = n->n_out ? g->v[n->out[0]].meta.dtype : KILN_DTYPE_F32;
     bool f32_in = true, f64_in = true;
@@ -62,6 +62,19 @@ static lower_kind lowering(const kiln_graph_t *g, const node *n)
     default:
         return L_NONE;
     }
+}
+
+/* How an op lowers for backend be: as lower_op says, unless be's can_fuse hook keeps it
+ * out of generated kernels (a view is only a relabelling, and always taken). */
+static lower_kind lowering(const kiln_graph_t *g, const node *n, kiln__backend *be)
+{
+    lower_kind l = lower_op(g, n);
+    if (l == L_NONE || l == L_ALIAS || !be || !be->can_fuse) return l;
+    kiln_dtype in[4]; /* an op that lowers has at most 3 inputs (where) */
+    if (n->n_in > 4) return L_NONE;
+    for (int i = 0; i < n->n_in; i++) in[i] = g->v[n->in[i]].meta.dtype;
+    kiln_dtype out = n->n_out ? g->v[n->out[0]].meta.dtype : KILN_DTYPE_F32;
+    return be->can_fuse(be, n->op, in, n->n_in, out) ? l : L_NONE;
 }
 
 typedef struct {
@@ -503,7 +516,7 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
     if (s == KILN_OK && (!pd_dst || !pd_grp)) s = oom();
     for (int k = 0; s == KILN_OK && k < nn; k++) {
         node *n = &g->nd[k];
-        lower_kind l = o->codegen ? lowering(g, n) : L_NONE;
+        lower_kind l = o->codegen ? lowering(g, n, o->target) : L_NONE;
         if (l == L_GEN && mutated[n->out[0]]) l = L_NONE;
         lk[k] = l;
         grp[k] = -1;

@@ -9,7 +9,7 @@
 #include "kiln/tensor.h"
 #include "ops/attrs.h"
 
-#define KILN_BACKEND_ABI_VERSION 3
+#define KILN_BACKEND_ABI_VERSION 4
 
 typedef struct kiln__backend kiln__backend;
 typedef struct kiln__stream kiln__stream;
@@ -85,6 +85,12 @@ struct kiln__backend {
     kiln_status (*capture_end)(kiln__backend *be, void **graph_out);
     kiln_status (*replay)(kiln__backend *be, void *graph);
     kiln_status (*capture_reset)(kiln__backend *be, void *graph);
+    /* Whether the compiler may take op (with these input and output dtypes) into a fused
+     * kernel it generates for this backend; NULL: every op its lowering knows. An op
+     * refused runs as its own step through the backend's kernel, and the fused kernels
+     * around it split there (a backend whose generator lacks a form, or whose own kernel
+     * for the op is better, says so here). */
+    bool (*can_fuse)(kiln__backend *be, int op, const kiln_dtype *in, int n_in, kiln_dtype out);
 };
 
 /* The compiler's eager path (src/compile/eager.c): runs op on a backend without a kernel

@@ -90,6 +90,7 @@ static kiln__backend cpu_backend = {
     /* .capture_end = */ NULL,
     /* .replay = */ NULL,
     /* .capture_reset = */ NULL,
+    /* .can_fuse = */ NULL, /* every op the lowering knows */
 };
 
 kiln__backend *kiln__cpu_backend(int nthreads)
