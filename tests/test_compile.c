@@ -429,10 +429,10 @@ static void training_matches_eager(bool llama)
         if (mode == 2) {
             int k, o;
             assert_int_equal(kiln_compiled_plan(step, 0, &k, &o, NULL, NULL), KILN_OK);
-            /* It did run generated kernels; on another device than the cpu the graph is
-             * interpreted through that device's kernels (no generator there yet). */
-            if (!strcmp(kiln_device(), "cpu")) assert_true(k > 5);
-            else assert_int_equal(k, 0);
+            /* It did run generated kernels: C on the cpu, OpenCL C on an OpenCL device; a
+             * graph on a CUDA device is interpreted (docs/compile.md, "Not built yet"). */
+            if (!strncmp(kiln_device(), "cuda", 4)) assert_int_equal(k, 0);
+            else if (k <= 5) fail_msg("%d generated kernels on %s", k, kiln_device());
             uint64_t calls, hits, rec;
             int graphs;
             kiln_compiled_stats(step, &calls, &hits, &rec, &graphs);
@@ -770,26 +770,39 @@ int main(void)
 {
     assert_non_null(mkdtemp(cache_dir));
     setenv("KILN_CACHE_DIR", cache_dir, 1);
-    const struct CMUnitTest tests[] = {
-        cmocka_unit_test_setup_teardown(f64_ops_match_eager, setup, teardown),
-        cmocka_unit_test_setup_teardown(every_lowered_op_matches_eager, setup, teardown),
-        cmocka_unit_test_setup_teardown(kernel_counts, setup, teardown),
-        cmocka_unit_test_setup_teardown(can_fuse_hook_splits_kernels, setup, hook_teardown),
-        cmocka_unit_test_setup_teardown(random_graphs_match_eager, setup, teardown),
-        cmocka_unit_test_setup_teardown(gpt2_training_matches_eager, setup, teardown),
-        cmocka_unit_test_setup_teardown(llama_training_matches_eager, setup, teardown),
-        cmocka_unit_test_setup_teardown(adamw_is_one_kernel_and_matches_eager, setup, teardown),
-        cmocka_unit_test_setup_teardown(copies_into_captured_tensors_match_eager, setup, teardown),
-        cmocka_unit_test_setup_teardown(switches_turn_stages_off, setup, teardown),
-        cmocka_unit_test_setup_teardown(second_compile_hits_the_cache, setup, teardown),
-        cmocka_unit_test_setup_teardown(new_sizes_reuse_the_kernels, setup, teardown),
-        cmocka_unit_test_setup_teardown(compiler_failure_is_a_clear_error, setup, teardown),
-        cmocka_unit_test_setup_teardown(debug_dir_has_every_stage, setup, teardown),
+    /* On a device (KILN_DEVICE, the conformance run) the tests that check the cpu's own
+     * machinery (its C compiler and .so cache, its can_fuse hook, AdamW decomposed on
+     * the cpu, kernels.c) are left out, and said so; the rest check that device. */
+    static const struct {
+        struct CMUnitTest t;
+        bool cpu_only;
+    } all[] = {
+        {cmocka_unit_test_setup_teardown(f64_ops_match_eager, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(every_lowered_op_matches_eager, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(kernel_counts, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(can_fuse_hook_splits_kernels, setup, hook_teardown), true},
+        {cmocka_unit_test_setup_teardown(random_graphs_match_eager, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(gpt2_training_matches_eager, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(llama_training_matches_eager, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(adamw_is_one_kernel_and_matches_eager, setup, teardown), true},
+        {cmocka_unit_test_setup_teardown(copies_into_captured_tensors_match_eager, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(switches_turn_stages_off, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(second_compile_hits_the_cache, setup, teardown), true},
+        {cmocka_unit_test_setup_teardown(new_sizes_reuse_the_kernels, setup, teardown), true},
+        {cmocka_unit_test_setup_teardown(compiler_failure_is_a_clear_error, setup, teardown), true},
+        {cmocka_unit_test_setup_teardown(debug_dir_has_every_stage, setup, teardown), true},
     };
-    /* KILN_TEST_FILTER picks tests by name (the device conformance run takes the
-     * training ones: compiled against eager on that device). */
+    enum { N_ALL = sizeof all / sizeof all[0] };
+    struct CMUnitTest tests[N_ALL];
+    const char *dev = getenv("KILN_DEVICE");
+    bool on_cpu = !dev || !*dev || !strcmp(dev, "cpu");
+    size_t n = 0;
+    for (size_t i = 0; i < N_ALL; i++)
+        if (on_cpu || !all[i].cpu_only) tests[n++] = all[i].t;
+        else printf("left out on %s (the cpu run has it): %s\n", dev, all[i].t.name);
+    /* KILN_TEST_FILTER picks tests by name. */
     if (getenv("KILN_TEST_FILTER")) cmocka_set_test_filter(getenv("KILN_TEST_FILTER"));
-    int rc = cmocka_run_group_tests(tests, NULL, NULL);
+    int rc = _cmocka_run_group_tests("test_compile", tests, n, NULL, NULL);
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", cache_dir);
     if (system(cmd) != 0) fprintf(stderr, "could not remove %s\n", cache_dir);

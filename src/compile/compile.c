@@ -131,18 +131,33 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
         kiln_graph_print(g, stderr);
     }
     if (!o.codegen) return KILN_OK; /* interpreted */
-    /* Generated code is C on host memory: a graph with tensors on another device runs
-     * through that device's kernels (interpreted) until its code generator exists. */
-    for (int i = 1; i < g->n_v; i++) {
+    /* The kernels are generated for the one backend the graph's tensors live on: C on
+     * the cpu, the backend's own language (OpenCL C) on a device that compiles and
+     * launches kernels. Tensors on two backends, or on a device without a kernel
+     * language, leave the graph interpreted through the backends' kernels. */
+    kiln__backend *cpu = kiln__backend_at(0), *dev = NULL;
+    const char *why = NULL;
+    for (int i = 1; i < g->n_v && !why; i++) {
         const value *v = &g->v[i];
         kiln__backend *be = v->kind == V_ARG ? v->be : v->kind == V_CONST ? v->t->st->be : NULL;
-        if (be && be != kiln__backend_at(0)) {
-            if (kiln__log_on("fusion"))
-                fprintf(stderr, "kiln [fusion] %s graph %d: tensors on %s, which has no code generator yet; the graph "
-                        "is interpreted through its kernels\n", name, index, be->name);
-            return KILN_OK;
-        }
+        if (!be) continue;
+        if (!dev) dev = be;
+        else if (be != dev) why = "tensors on two devices";
     }
+    if (!dev) dev = cpu;
+    bool cl = dev->language && !strcmp(dev->language, "opencl-c"), cu = dev->language && !strcmp(dev->language, "cuda-c");
+    if (!why && dev != cpu && (!(cl || cu) || !dev->compile_kernel || !dev->launch))
+        why = "a device without a kernel language the compiler generates";
+    /* The CUDA dialect runs eager.c's one-op kernels on GPUs; whole graphs in it wait for
+     * a GPU run of tests/test_compile.c (bench/gpu.sh) before they are switched on. */
+    if (!why && cu) why = "tensors on a CUDA device, where whole graphs are not generated yet";
+    if (why) {
+        if (kiln__log_on("fusion"))
+            fprintf(stderr, "kiln [fusion] %s graph %d: %s; the graph is interpreted through their kernels\n", name,
+                    index, why);
+        return KILN_OK;
+    }
+    o.target = dev;
     if (dir) { /* the loop IR before fusion: every fusible op its own kernel */
         kc_options one = o;
         one.fusion = false;
@@ -167,12 +182,13 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
         kiln__program_print(p, stderr);
     }
     char *src = NULL;
-    if ((s = kiln__codegen_c(p, &src)) != KILN_OK) {
+    s = dev == cpu ? kiln__codegen_c(p, &src) : cl ? kiln__codegen_opencl(p, &src) : kiln__codegen_cuda(p, &src);
+    if (s != KILN_OK) {
         kiln__program_free(p);
         return s;
     }
     if (kiln__log_on("code")) fprintf(stderr, "kiln [code] %s graph %d:\n%s", name, index, src);
-    s = kiln__jit_load(p, src, dir);
+    s = dev == cpu ? kiln__jit_load(p, src, dir) : kiln__device_load(p, src, dir);
     free(src);
     if (s != KILN_OK) {
         kiln__program_free(p);

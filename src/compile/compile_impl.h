@@ -103,6 +103,9 @@ struct kiln__program {
     int n_steps;
     int *last; /* per value: the last step that reads it (n_steps: kept to the end) */
     void *so;  /* the loaded shared object */
+    kiln__backend *be; /* where its kernels run: the cpu (fn, over the thread pool), or a
+                        * device with a kernel language (kern[i], through be->launch) */
+    void **kern;
     bool symbolic; /* the C reads sizes from sz[] (kc_options.symbolic) */
     int64_t planned_peak, eager_peak; /* bytes of intermediates, from the liveness */
 };
@@ -122,6 +125,8 @@ kiln_status kiln__codegen_opencl(const kiln__program *p, char **src);
 kiln_status kiln__codegen_cuda(const kiln__program *p, char **src);
 /* Compiles src into a cached shared object and resolves each kernel (src/compile/jit.c). */
 kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir);
+/* Compiles each kernel of src (in p->be's language) with p->be->compile_kernel. */
+kiln_status kiln__device_load(kiln__program *p, const char *src, const char *debug_dir);
 kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
                               int max_out, int *n_out);
 void kiln__program_free(kiln__program *p);

@@ -489,7 +489,10 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
     lower_kind *lk = malloc(sizeof *lk * (size_t)(nn + 1));
     int n_gr = 0;
     kiln_status s = p && grp && vgrp && form && memo && stored && outside && gr && lk ? KILN_OK : oom();
-    if (p) p->symbolic = o->symbolic;
+    if (p) {
+        p->symbolic = o->symbolic;
+        p->be = o->target ? o->target : kiln__backend_at(0);
+    }
     for (int v = 0; s == KILN_OK && v < nv; v++) {
         vgrp[v] = -1;
         form[v] = F_NONE;
@@ -696,5 +699,8 @@ void kiln__program_free(kiln__program *p)
         extern void kiln__jit_unload(void *so);
         kiln__jit_unload(p->so);
     }
+    for (int i = 0; p->kern && i < p->n_k; i++)
+        if (p->kern[i] && p->be->kernel_free) p->be->kernel_free(p->be, p->kern[i]);
+    free(p->kern);
     free(p);
 }

@@ -100,6 +100,26 @@ static kiln_status run_cc(const char *src_path, const char *so_path, const char 
 
 void kiln__jit_unload(void *so) { dlclose(so); }
 
+kiln_status kiln__device_load(kiln__program *p, const char *src, const char *debug_dir)
+{
+    kiln__backend *be = p->be;
+    bool cuda = !strcmp(be->language, "cuda-c");
+    FILE *df;
+    if (debug_dir && *debug_dir && (df = kiln__debug_open(debug_dir, cuda ? "kernels.cu" : "kernels.cl"))) {
+        fputs(src, df);
+        fclose(df);
+    }
+    if (p->n_k == 0) return KILN_OK;
+    /* The backend builds the source once (it keeps its programs by the source's hash)
+     * and takes each kernel out of it. */
+    if (!(p->kern = calloc((size_t)p->n_k, sizeof *p->kern))) return kiln__err(KILN_ERR_OOM, "compile: out of memory");
+    for (int i = 0; i < p->n_k; i++) {
+        kiln_status s = be->compile_kernel(be, src, p->k[i].name, &p->kern[i]);
+        if (s != KILN_OK) return s; /* kiln__program_free releases what was built */
+    }
+    return KILN_OK;
+}
+
 kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir)
 {
     if (p->n_k == 0) return KILN_OK;

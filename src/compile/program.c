@@ -1,6 +1,7 @@
 /* Running a compiled program: its steps in order, each either one op through dispatch
- * (as the graph interpreter runs it) or a generated kernel launched over the thread
- * pool on freshly allocated outputs. A value is freed after the last step that reads
+ * (as the graph interpreter runs it) or a generated kernel on freshly allocated
+ * outputs: launched over the thread pool on the cpu, through the backend's launch on a
+ * device (a work-item per task). A value is freed after the last step that reads
  * it; the graph's outputs and leaf gradients are kept. */
 #include <stdlib.h>
 #include <string.h>
@@ -19,6 +20,21 @@ static void launch_range(void *ctx, int64_t t0, int64_t t1)
     l->fn(l->b, l->sz, t0, t1);
 }
 
+/* A device kernel's arguments: each buffer (the backend passes its own form of the
+ * address), then the task count; one work-item per task. */
+static kiln_status launch_on_device(kiln__program *p, const kc_kernel *k, char *const *b)
+{
+    kiln__karg args[65], *a = args;
+    if (k->n_buf + 1 > 65 && !(a = malloc(sizeof *a * (size_t)(k->n_buf + 1))))
+        return kiln__err(KILN_ERR_OOM, "compile: out of memory");
+    for (int i = 0; i < k->n_buf; i++) a[i] = (kiln__karg){KILN__KARG_BUF, b[i], 0, 0};
+    a[k->n_buf] = (kiln__karg){KILN__KARG_I64, NULL, k->tasks, 0};
+    size_t grid = (size_t)k->tasks;
+    kiln_status s = p->be->launch(p->be, p->kern[k - p->k], a, k->n_buf + 1, &grid, NULL, 1);
+    if (a != args) free(a);
+    return s;
+}
+
 static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_t **rt)
 {
     kiln_graph_t *g = p->g;
@@ -29,7 +45,7 @@ static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_
         const kc_buf *kb = &k->buf[i];
         const kiln__meta *m = &g->v[kb->value].meta;
         if (kb->output && !kb->inplace) {
-            rt[kb->value] = kiln__tensor_alloc(kiln__backend_default(), m->dtype, m->shape, m->ndim);
+            rt[kb->value] = kiln__tensor_alloc(p->be, m->dtype, m->shape, m->ndim);
             if (!rt[kb->value]) s = kiln_last_status();
             else b[i] = kiln__data(rt[kb->value]);
             continue;
@@ -59,7 +75,9 @@ static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_
                               "(an argument that is also a captured tensor?); run it eagerly", k->name,
                               k->buf[i].value, k->buf[j].value);
     }
-    if (s == KILN_OK && k->tasks > 0) {
+    if (s == KILN_OK && k->tasks > 0 && p->kern) {
+        s = launch_on_device(p, k, b);
+    } else if (s == KILN_OK && k->tasks > 0) {
         launch_ctx l = {k->fn, b, k->sz};
         kiln__parallel_for(k->tasks, k->grain, launch_range, &l);
     }
