@@ -133,8 +133,10 @@ kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in,
 {
     switch (op) {
     case KILN_OP_ADAMW_:
-        /* Only where it becomes generated code: a graph on another device is interpreted
-         * through that device's kernels, where one fused update beats fifteen ops. */
+        /* Only on the cpu, where the primitives and their copy_ stores become one
+         * generated kernel. A device already has the update as one hand-written kernel
+         * (and a CUDA graph is interpreted, where one kernel beats fifteen launches), so
+         * there adamw_ stays whole. */
         return n_in == 7 && in[0]->st->be == kiln__backend_at(0) ? dec_adamw : NULL;
     case KILN_OP_SOFTMAX: return dec_softmax;
     case KILN_OP_LOG_SOFTMAX: return dec_log_softmax;
