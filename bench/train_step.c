@@ -15,6 +15,9 @@
 #include "kiln/optim.h"
 #include "kiln/graph.h"
 
+#define USAGE                                                                                           \
+    "usage: bench_train_step [--threads N] [--steps N] [--warmup N] [--peak-gflops G]\n"                \
+    "                        [--model gpt2|llama] [--compile | --replay] [--device NAME] [--small]\n"
 
 int main(int argc, char **argv)
 {
@@ -32,6 +35,9 @@ int main(int argc, char **argv)
         } else if (!strcmp(argv[i], "--small")) {
             small = true;
             i--;
+        } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
+            printf("%s", USAGE);
+            return 0;
         } else if (i + 1 >= argc) {
             fprintf(stderr, "bench_train_step: %s needs a value\n", argv[i]);
             return 2;
@@ -42,7 +48,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--peak-gflops")) peak_gflops = atof(argv[i + 1]);
         else if (!strcmp(argv[i], "--model")) model = argv[i + 1];
         else {
-            fprintf(stderr, "usage: bench_train_step [--threads N] [--steps N] [--warmup N] [--peak-gflops G] [--model gpt2|llama] [--compile | --replay] [--device NAME] [--small]\n");
+            fprintf(stderr, "bench_train_step: unknown option %s\n%s", argv[i], USAGE);
             return 2;
         }
     }
