@@ -489,3 +489,11 @@ static kiln_status generate(const kiln__program *p, int dialect, char **src)
 kiln_status kiln__codegen_c(const kiln__program *p, char **src) { return generate(p, D_C, src); }
 kiln_status kiln__codegen_opencl(const kiln__program *p, char **src) { return generate(p, D_OPENCL, src); }
 kiln_status kiln__codegen_cuda(const kiln__program *p, char **src) { return generate(p, D_CUDA, src); }
+
+kiln__codegen_fn kiln__codegen_for(const kiln__backend *be)
+{
+    if (!be->language) return NULL;
+    if (!strcmp(be->language, "opencl-c")) return kiln__codegen_opencl;
+    if (!strcmp(be->language, "cuda-c")) return kiln__codegen_cuda;
+    return NULL;
+}

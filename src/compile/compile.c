@@ -145,12 +145,12 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
         else if (be != dev) why = "tensors on two devices";
     }
     if (!dev) dev = cpu;
-    bool cl = dev->language && !strcmp(dev->language, "opencl-c"), cu = dev->language && !strcmp(dev->language, "cuda-c");
-    if (!why && dev != cpu && (!(cl || cu) || !dev->compile_kernel || !dev->launch))
+    kiln__codegen_fn gen = dev == cpu ? kiln__codegen_c : kiln__codegen_for(dev);
+    if (!why && dev != cpu && (!gen || !dev->compile_kernel || !dev->launch))
         why = "a device without a kernel language the compiler generates";
     /* The CUDA dialect runs eager.c's one-op kernels on GPUs; whole graphs in it wait for
      * a GPU run of tests/test_compile.c (bench/gpu.sh) before they are switched on. */
-    if (!why && cu) why = "tensors on a CUDA device, where whole graphs are not generated yet";
+    if (!why && gen == kiln__codegen_cuda) why = "tensors on a CUDA device, where whole graphs are not generated yet";
     if (why) {
         if (kiln__log_on("fusion"))
             fprintf(stderr, "kiln [fusion] %s graph %d: %s; the graph is interpreted through their kernels\n", name,
@@ -182,8 +182,7 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
         kiln__program_print(p, stderr);
     }
     char *src = NULL;
-    s = dev == cpu ? kiln__codegen_c(p, &src) : cl ? kiln__codegen_opencl(p, &src) : kiln__codegen_cuda(p, &src);
-    if (s != KILN_OK) {
+    if ((s = gen(p, &src)) != KILN_OK) {
         kiln__program_free(p);
         return s;
     }

@@ -123,10 +123,16 @@ kiln_status kiln__codegen_c(const kiln__program *p, char **src);
 kiln_status kiln__codegen_opencl(const kiln__program *p, char **src);
 /* ... and in CUDA C for NVRTC, one extern "C" __global__ function per kernel. */
 kiln_status kiln__codegen_cuda(const kiln__program *p, char **src);
+/* The generator for a device's kernel language (OpenCL C, CUDA C), or NULL. */
+typedef kiln_status (*kiln__codegen_fn)(const kiln__program *p, char **src);
+kiln__codegen_fn kiln__codegen_for(const kiln__backend *be);
 /* Compiles src into a cached shared object and resolves each kernel (src/compile/jit.c). */
 kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir);
-/* Compiles each kernel of src (in p->be's language) with p->be->compile_kernel. */
+/* Compiles each kernel of src (in p->be's language) into p->kern with
+ * p->be->compile_kernel; on failure none is kept. */
 kiln_status kiln__device_load(kiln__program *p, const char *src, const char *debug_dir);
+/* Launches kernel k of p on p->be over its buffers b[] (one work-item per task). */
+kiln_status kiln__device_launch(const kiln__program *p, const kc_kernel *k, char *const *b);
 kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
                               int max_out, int *n_out);
 void kiln__program_free(kiln__program *p);

@@ -22,7 +22,6 @@ typedef struct entry {
     bool ok; /* false: the op does not lower; dispatch falls back */
     kiln_graph_t *g;
     kiln__program *p;
-    void **kern; /* per kernel of p, from the backend */
     struct entry *next;
 } entry;
 
@@ -85,23 +84,14 @@ static kiln_status build(entry *e, kiln__backend *be, kiln__op_id op, kiln_tenso
                 written = p->k[i].buf[b].output && p->k[i].buf[b].value == e->g->outs[j];
         if (!written) return KILN_OK;
     }
+    kiln__codegen_fn gen = kiln__codegen_for(be);
     char *src = NULL;
-    if (!strcmp(be->language, "opencl-c")) s = kiln__codegen_opencl(p, &src);
-    else if (!strcmp(be->language, "cuda-c")) s = kiln__codegen_cuda(p, &src);
-    else return KILN_OK; /* a language the compiler has no generator for */
-    if (s != KILN_OK) return s;
+    if (!gen) return KILN_OK; /* a language the compiler has no generator for */
+    if ((s = gen(p, &src)) != KILN_OK) return s;
     if (kiln__log_on("code")) fprintf(stderr, "kiln [code] %s on %s:\n%s", kiln__ops[op].name, be->name, src);
-    e->kern = calloc((size_t)(p->n_k ? p->n_k : 1), sizeof *e->kern);
-    if (!e->kern) s = kiln__err(KILN_ERR_OOM, "compile: out of memory");
-    for (int i = 0; s == KILN_OK && i < p->n_k; i++) s = be->compile_kernel(be, src, p->k[i].name, &e->kern[i]);
+    s = kiln__device_load(e->p, src, NULL); /* e->p->be is be: the options' target */
     free(src);
     e->ok = s == KILN_OK;
-    if (!e->ok && e->kern) { /* what did compile goes back */
-        for (int i = 0; i < p->n_k; i++)
-            if (e->kern[i] && be->kernel_free) be->kernel_free(be, e->kern[i]);
-        free(e->kern);
-        e->kern = NULL;
-    }
     return s;
 }
 
@@ -135,7 +125,7 @@ static kiln_status run(const entry *e, kiln__backend *be, kiln_tensor_t *const *
             continue;
         }
         const kc_kernel *k = &p->k[st->index];
-        kiln__karg args[64];
+        char *b[64];
         if (k->n_buf + 1 > 64) {
             s = kiln__err(KILN_ERR_UNSUPPORTED, "compile: kernel %s has %d buffers (at most 63 on a device)", k->name,
                           k->n_buf);
@@ -150,12 +140,9 @@ static kiln_status run(const entry *e, kiln__backend *be, kiln_tensor_t *const *
             }
             if (s == KILN_OK && !rt[kb->value])
                 s = kiln__err(KILN_ERR_INTERNAL, "compile: kernel %s reads value %%%d before it exists", k->name, kb->value);
-            if (s == KILN_OK) args[i] = (kiln__karg){KILN__KARG_BUF, kiln__data(rt[kb->value]), 0, 0};
+            if (s == KILN_OK) b[i] = kiln__data(rt[kb->value]);
         }
-        if (s != KILN_OK || k->tasks <= 0) continue;
-        args[k->n_buf] = (kiln__karg){KILN__KARG_I64, NULL, k->tasks, 0};
-        size_t grid = (size_t)k->tasks;
-        s = be->launch(be, e->kern[st->index], args, k->n_buf + 1, &grid, NULL, 1);
+        if (s == KILN_OK && k->tasks > 0) s = kiln__device_launch(p, k, b);
     }
     for (int i = 0; i < g->n_v; i++)
         if (mine[i]) kiln_tensor_free(rt[i]);

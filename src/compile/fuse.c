@@ -449,17 +449,17 @@ static kiln_status bind_sizes(kc_kernel *k)
 
 /* The open group that copy_ node n (at position k) can join as a store into its
  * destination, or -1. The source must be a value of the group over its whole index
- * space; the destination a whole contiguous captured tensor of that shape and dtype,
+ * space; the destination a whole contiguous captured tensor on be of that shape and dtype,
  * which the group's ops read, if at all, only at the element being written (so that
  * each element is loaded before it is stored over, and no other is). */
 static int absorbing_group(const kiln_graph_t *g, const node *n, int k, const group *gr, const int *grp,
-                           const int *vgrp, const int *form, const kc_options *o)
+                           const int *vgrp, const int *form, int max_fuse, const kiln__backend *be)
 {
     int dst = n->in[0], src = n->in[1], G = vgrp[src];
-    if (G < 0 || !gr[G].open || gr[G].n_ops >= o->max_fuse || form[src] != F_FULL) return -1;
+    if (G < 0 || !gr[G].open || gr[G].n_ops >= max_fuse || form[src] != F_FULL) return -1;
     const value *d = &g->v[dst];
     const kiln__meta *sm = &g->v[src].meta;
-    if (d->kind != V_CONST || !kiln__is_contiguous(d->t) || d->t->st->be != (o->target ? o->target : kiln__backend_at(0)) ||
+    if (d->kind != V_CONST || !kiln__is_contiguous(d->t) || d->t->st->be != be ||
         d->meta.dtype != sm->dtype || !loadable(sm->dtype) || frame_of(&gr[G], &d->meta) != F_FULL ||
         frame_of(&gr[G], sm) != F_FULL)
         return -1;
@@ -532,7 +532,7 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
             pd_grp[q--] = pd_grp[n_pd];
         }
         int absorb = n->op == KILN_OP_COPY_ && o->codegen && o->fusion
-                         ? absorbing_group(g, n, k, gr, grp, vgrp, form, o) : -1;
+                         ? absorbing_group(g, n, k, gr, grp, vgrp, form, o->max_fuse, p->be) : -1;
         if (kiln__ops[n->op].is_inplace)
             for (int q = 0; q < n_gr; q++)
                 if (q != absorb) gr[q].open = false;

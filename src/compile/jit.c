@@ -113,11 +113,15 @@ kiln_status kiln__device_load(kiln__program *p, const char *src, const char *deb
     /* The backend builds the source once (it keeps its programs by the source's hash)
      * and takes each kernel out of it. */
     if (!(p->kern = calloc((size_t)p->n_k, sizeof *p->kern))) return kiln__err(KILN_ERR_OOM, "compile: out of memory");
-    for (int i = 0; i < p->n_k; i++) {
-        kiln_status s = be->compile_kernel(be, src, p->k[i].name, &p->kern[i]);
-        if (s != KILN_OK) return s; /* kiln__program_free releases what was built */
+    kiln_status s = KILN_OK;
+    for (int i = 0; s == KILN_OK && i < p->n_k; i++) s = be->compile_kernel(be, src, p->k[i].name, &p->kern[i]);
+    if (s != KILN_OK) { /* what did compile goes back */
+        for (int i = 0; i < p->n_k; i++)
+            if (p->kern[i] && be->kernel_free) be->kernel_free(be, p->kern[i]);
+        free(p->kern);
+        p->kern = NULL;
     }
-    return KILN_OK;
+    return s;
 }
 
 kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir)

@@ -21,8 +21,8 @@ static void launch_range(void *ctx, int64_t t0, int64_t t1)
 }
 
 /* A device kernel's arguments: each buffer (the backend passes its own form of the
- * address), then the task count; one work-item per task. */
-static kiln_status launch_on_device(kiln__program *p, const kc_kernel *k, char *const *b)
+ * address), then the task count; one work-item per task. Shared with eager.c. */
+kiln_status kiln__device_launch(const kiln__program *p, const kc_kernel *k, char *const *b)
 {
     kiln__karg args[65], *a = args;
     if (k->n_buf + 1 > 65 && !(a = malloc(sizeof *a * (size_t)(k->n_buf + 1))))
@@ -76,7 +76,7 @@ static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_
                               k->buf[i].value, k->buf[j].value);
     }
     if (s == KILN_OK && k->tasks > 0 && p->kern) {
-        s = launch_on_device(p, k, b);
+        s = kiln__device_launch(p, k, b);
     } else if (s == KILN_OK && k->tasks > 0) {
         launch_ctx l = {k->fn, b, k->sz};
         kiln__parallel_for(k->tasks, k->grain, launch_range, &l);
