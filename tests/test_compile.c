@@ -766,6 +766,41 @@ static void debug_dir_has_every_stage(void **state)
     assert_non_null(strstr(text, "/* k0_sum_mul_sub_add_rsqrt: sum, mul, sub, mul, sum, mul, add, rsqrt, mul, mul, add"));
 }
 
+/* KILN_LOGS=profile: when the compiled function is freed, a table of where its runs
+ * spent their time (the first run left out): the matmul through dispatch, the fused
+ * bias + GELU kernel by its name. */
+static void profile_log_names_the_steps(void **state)
+{
+    kiln_tensor_t *lin[3] = {randn((int64_t[]){96, 200}, 2, 6), randn((int64_t[]){200, 300}, 2, 7),
+                             randn((int64_t[]){300}, 1, 8)};
+    setenv("KILN_LOGS", "profile", 1);
+    kiln_compiled_t *fnc;
+    assert_int_equal(kiln_compiled_new(linear_gelu, NULL, "profiled", &fnc), KILN_OK);
+    fflush(stderr);
+    int saved = dup(2);
+    FILE *log = tmpfile();
+    assert_non_null(log);
+    dup2(fileno(log), 2);
+    for (int i = 0; i < 3; i++) {
+        kiln_tensor_t *got;
+        int n;
+        assert_int_equal(kiln_compiled_call(fnc, lin, 3, &got, 1, &n), KILN_OK);
+        kiln_tensor_free(got);
+    }
+    kiln_compiled_free(fnc);
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    unsetenv("KILN_LOGS");
+    char buf[4096] = "";
+    rewind(log);
+    buf[fread(buf, 1, sizeof buf - 1, log)] = 0;
+    fclose(log);
+    if (!strstr(buf, "kiln [profile] ") || !strstr(buf, "2 runs after the first") || !strstr(buf, "op matmul") ||
+        !strstr(buf, "_add_gelu") || !strstr(buf, "slowest generated kernels"))
+        fail_msg("profile log:\n%s", buf);
+}
+
 int main(void)
 {
     assert_non_null(mkdtemp(cache_dir));
@@ -791,6 +826,7 @@ int main(void)
         {cmocka_unit_test_setup_teardown(new_sizes_reuse_the_kernels, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(compiler_failure_is_a_clear_error, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(debug_dir_has_every_stage, setup, teardown), true},
+        {cmocka_unit_test_setup_teardown(profile_log_names_the_steps, setup, teardown), false},
     };
     enum { N_ALL = sizeof all / sizeof all[0] };
     struct CMUnitTest tests[N_ALL];

@@ -108,6 +108,10 @@ struct kiln__program {
     void **kern;
     bool symbolic; /* the C reads sizes from sz[] (kc_options.symbolic) */
     int64_t planned_peak, eager_peak; /* bytes of intermediates, from the liveness */
+    /* KILN_LOGS=profile: seconds spent in each step over the runs after the first,
+     * printed when the program is freed (kiln__program_profile_print). */
+    double *prof;
+    int64_t prof_runs;
 };
 typedef struct kiln__program kiln__program;
 
@@ -137,6 +141,9 @@ kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_
                               int max_out, int *n_out);
 void kiln__program_free(kiln__program *p);
 void kiln__program_print(const kiln__program *p, FILE *f);
+/* The KILN_LOGS=profile table: the steps taking most time per run, and the totals of
+ * generated kernels and of each op run through dispatch. */
+void kiln__program_profile_print(const kiln__program *p, FILE *f);
 /* DIR/file opened for writing, or NULL after a warning (KILN_DEBUG_DIR output). */
 FILE *kiln__debug_open(const char *dir, const char *file);
 

@@ -7,6 +7,7 @@
 #include <string.h>
 #include "compile/compile_impl.h"
 #include "core/threadpool.h"
+#include "core/util.h"
 
 typedef struct {
     void (*fn)(char *const *b, const int64_t *sz, int64_t t0, int64_t t1);
@@ -91,16 +92,26 @@ kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_
     kiln_graph_t *g = p->g;
     kiln__graph_frame f;
     kiln_status s = kiln__graph_frame_begin(g, in, n_in, out, max_out, n_out, &f);
+    /* The profile leaves the first run out: it pays for first-touch page faults. */
+    bool want_prof = kiln__log_on("profile");
+    if (want_prof && !p->prof && !(p->prof = calloc((size_t)p->n_steps + 1, sizeof *p->prof))) want_prof = false;
+    bool timed = want_prof && p->prof[p->n_steps] > 0;
     for (int t = 0; s == KILN_OK && t < p->n_steps; t++) {
         const kc_step *st = &p->steps[t];
+        double t0 = timed ? kiln__now_s() : 0;
         if (st->kind == STEP_OP) {
             s = kiln__graph_run_node(g, st->index, &f, p->last, t + 1);
-            continue;
+        } else {
+            const kc_kernel *k = &p->k[st->index];
+            s = run_kernel(p, k, f.rt);
+            for (int i = 0; s == KILN_OK && i < k->n_buf; i++)
+                if (!k->buf[i].output) kiln__graph_release(g, &f, k->buf[i].value, p->last, t + 1);
         }
-        const kc_kernel *k = &p->k[st->index];
-        s = run_kernel(p, k, f.rt);
-        for (int i = 0; s == KILN_OK && i < k->n_buf; i++)
-            if (!k->buf[i].output) kiln__graph_release(g, &f, k->buf[i].value, p->last, t + 1);
+        if (timed) p->prof[t] += kiln__now_s() - t0;
+    }
+    if (want_prof && s == KILN_OK) {
+        p->prof_runs += timed;
+        p->prof[p->n_steps] = 1; /* the first run is done */
     }
     return f.rt ? kiln__graph_frame_end(g, &f, s, out, n_out) : s;
 }
@@ -130,4 +141,57 @@ void kiln__program_print(const kiln__program *p, FILE *f)
             if (k->buf[i].output) fprintf(f, " %%%d%s", k->buf[i].value, k->buf[i].inplace ? " (in place)" : "");
         fprintf(f, "\n");
     }
+}
+
+static const char *step_name(const kiln__program *p, int t)
+{
+    const kc_step *st = &p->steps[t];
+    return st->kind == STEP_OP ? kiln__ops[p->g->nd[st->index].op].name : p->k[st->index].name;
+}
+
+void kiln__program_profile_print(const kiln__program *p, FILE *f)
+{
+    double total = 0, kern = 0, runs = (double)p->prof_runs;
+    for (int t = 0; t < p->n_steps; t++) {
+        total += p->prof[t];
+        if (p->steps[t].kind == STEP_KERNEL) kern += p->prof[t];
+    }
+    if (total <= 0) return;
+    fprintf(f, "kiln [profile] %d steps, %lld runs after the first: %.2f ms a run; generated kernels %.2f ms (%.1f%%)%s\n",
+            p->n_steps, (long long)p->prof_runs, 1e3 * total / runs, 1e3 * kern / runs, 100 * kern / total,
+            p->kern ? " (device launches are asynchronous: a step's time is its enqueue plus any wait)" : "");
+    /* Ops through dispatch, totalled by op. */
+    double by_op[KILN_OP_COUNT] = {0};
+    int n_by_op[KILN_OP_COUNT] = {0};
+    for (int t = 0; t < p->n_steps; t++)
+        if (p->steps[t].kind == STEP_OP) {
+            int op = (int)p->g->nd[p->steps[t].index].op;
+            by_op[op] += p->prof[t];
+            n_by_op[op]++;
+        }
+    for (int op = 0; op < KILN_OP_COUNT; op++)
+        if (n_by_op[op])
+            fprintf(f, "kiln [profile]   op %-24s x%-4d %8.2f ms %5.1f%%\n", kiln__ops[op].name, n_by_op[op],
+                    1e3 * by_op[op] / runs, 100 * by_op[op] / total);
+    int *ord = malloc(sizeof *ord * (size_t)p->n_steps);
+    if (!ord) return;
+    /* Twice: the slowest steps of any kind, then the slowest generated kernels. */
+    for (int pass = 0; pass < 2; pass++) {
+        int n = 0;
+        for (int t = 0; t < p->n_steps; t++)
+            if (pass == 0 || p->steps[t].kind == STEP_KERNEL) ord[n++] = t;
+        int top = n < 15 ? n : 15;
+        for (int i = 0; i < top; i++) /* the top few by selection: no need to sort them all */
+            for (int j = i + 1; j < n; j++)
+                if (p->prof[ord[j]] > p->prof[ord[i]]) {
+                    int x = ord[i];
+                    ord[i] = ord[j];
+                    ord[j] = x;
+                }
+        if (top) fprintf(f, "kiln [profile]   the %d slowest %s:\n", top, pass ? "generated kernels" : "steps");
+        for (int i = 0; i < top; i++)
+            fprintf(f, "kiln [profile]   step %-4d %-48.48s %8.3f ms %5.1f%%\n", ord[i], step_name(p, ord[i]),
+                    1e3 * p->prof[ord[i]] / runs, 100 * p->prof[ord[i]] / total);
+    }
+    free(ord);
 }
