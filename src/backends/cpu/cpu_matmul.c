@@ -75,8 +75,7 @@ static void gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t
                  const char *B, char *C)
 {
     /* Blocks of 128 rows or columns: big enough for the BLAS's own blocking. */
-    static int64_t block = 0;
-    if (!block) block = getenv("KILN_GEMM_BLOCK") ? atoll(getenv("KILN_GEMM_BLOCK")) : 128;
+    const int64_t block = 128;
     bool by_rows = M >= N;
     int64_t nblk = ((by_rows ? M : N) + block - 1) / block;
     if (!kiln__opt(KILN__OPT_POOL_GEMM) || nblk < 2 || M * N * K < (int64_t)1 << 18) {
