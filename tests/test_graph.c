@@ -644,6 +644,61 @@ static void recomputed_activations_match_eager(void **state)
     for (int k = 0; k < 2; k++) test_trainer_free(&t[k]);
 }
 
+/* A leaf read through three slices of its last dim (q | k | v), each slice's gradient
+ * its own formula: ctx holds the leaf and the slices' bounds. */
+typedef struct {
+    kiln_tensor_t *x;
+    int64_t lo[3], hi[3];
+    bool read_fill; /* also return the first slice's gradient scatter (see below) */
+} slices_ctx;
+
+static kiln_status three_slices(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    (void)in, (void)n_in;
+    slices_ctx *c = ctx;
+    kiln_tensor_t *q = kiln_slice(c->x, 1, c->lo[0], c->hi[0], 1), *k = kiln_slice(c->x, 1, c->lo[1], c->hi[1], 1);
+    kiln_tensor_t *v = kiln_slice(c->x, 1, c->lo[2], c->hi[2], 1);
+    kiln_tensor_t *loss = kiln_add(kiln_add(kiln_sum(kiln_mul_scalar(q, 2.0), NULL, 0, false),
+                                            kiln_sum(kiln_exp(k), NULL, 0, false)),
+                                   kiln_sum(kiln_mul(v, v), NULL, 0, false));
+    out[0] = loss;
+    *n_out = 1;
+    return loss ? kiln_backward(loss) : kiln_last_status();
+}
+
+/* Oracle: eager backward on the same leaf. Disjoint slices: the gradient's three zero
+ * fills and two adds become one fill with three copies into it, and the gradient is
+ * eager's (0 + g is g; tolerance 0, compared as numbers). With k overlapping q, the
+ * gradients of q and v (disjoint) still merge, but k's must not (a sum over the overlap
+ * is not a copy), and the gradient is still eager's. */
+static void slice_scatters_merge_only_when_disjoint(void **state)
+{
+    for (int overlap = 0; overlap < 2; overlap++) {
+        slices_ctx c = {randn(4, 12, 11), {0, 4, 8}, {4, 8, 12}, false};
+        if (overlap) c.lo[1] = 2; /* k = x[:, 2:8] overlaps q */
+        kiln_tensor_set_requires_grad(c.x, true);
+        kiln_tensor_t *want_loss;
+        int n;
+        assert_int_equal(three_slices(&c, NULL, 0, &want_loss, &n), KILN_OK);
+        kiln_tensor_t *want = kiln_clone(kiln_tensor_grad(c.x));
+        kiln_tensor_zero_grad(c.x);
+        kiln_graph_t *g;
+        kiln_status st = kiln_graph_capture(three_slices, &c, NULL, 0, &g);
+        if (st != KILN_OK) fail_msg("capture: %s", kiln_last_error());
+        assert_int_equal(count_op(g, " full(") >= 3, true);
+        int fills = count_op(g, " full("), merged = -1, removed;
+        assert_int_equal(kiln_graph_merge_slices(g, &merged), KILN_OK);
+        assert_int_equal(kiln_graph_dce(g, &removed), KILN_OK);
+        assert_int_equal(merged, overlap ? 1 : 2);
+        assert_int_equal(count_op(g, " full("), overlap ? fills - 1 : fills - 2);
+        kiln_tensor_t *got_loss;
+        assert_int_equal(kiln_graph_run(g, NULL, 0, &got_loss, 1, &n), KILN_OK);
+        assert_close(got_loss, want_loss, 0);
+        assert_close(kiln_tensor_grad(c.x), want, 0);
+        kiln_graph_free(g);
+    }
+}
+
 static void gpt2_forward_captures(void **state) { gpt_forward_captures(false); }
 static void llama_forward_captures(void **state) { gpt_forward_captures(true); }
 
@@ -665,6 +720,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(llama_forward_captures, setup, teardown),
         cmocka_unit_test_setup_teardown(whole_training_step_is_one_graph, setup, teardown),
         cmocka_unit_test_setup_teardown(recomputed_activations_match_eager, setup, teardown),
+        cmocka_unit_test_setup_teardown(slice_scatters_merge_only_when_disjoint, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -76,6 +76,11 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded);
  * more fused kernel). Returns how many results were recomputed in *recomputed; run it
  * after kiln_graph_cse, which would merge the copies back. */
 kiln_status kiln_graph_recompute(kiln_graph_t *g, int *recomputed);
+/* Merging slice scatters: the sum of zero fills that are only written through copies
+ * into disjoint slices of one dim (the backward of an input read through several
+ * slices) becomes one fill with every copy into it. Returns how many adds were merged
+ * away in *merged; run kiln_graph_dce after, which drops them and the spare fills. */
+kiln_status kiln_graph_merge_slices(kiln_graph_t *g, int *merged);
 int kiln_graph_num_ops(const kiln_graph_t *g);
 /* True while this thread is capturing a function. */
 bool kiln_graph_capturing(void);

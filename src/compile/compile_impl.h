@@ -87,10 +87,11 @@ typedef struct {
     int kind, index; /* graph node, or kernel */
 } kc_step;
 
-/* What each pass may do; KILN_COMPILE_DISABLE=decompose,fold,cse,dce,recompute,fusion,
- * codegen,symbolic turns them off one at a time, to find the one that breaks a result. */
+/* What each pass may do; KILN_COMPILE_DISABLE=decompose,fold,cse,slices,dce,recompute,
+ * fusion,codegen,symbolic turns them off one at a time, to find the one that breaks a
+ * result. */
 typedef struct {
-    bool decompose, fold, cse, dce, fusion, codegen, recompute, symbolic;
+    bool decompose, fold, cse, dce, fusion, codegen, recompute, symbolic, slices;
     int max_fuse; /* ops per kernel */
     kiln__backend *target; /* whose kernels are generated: its can_fuse hook is asked */
 } kc_options;
