@@ -109,8 +109,8 @@ struct kiln__program {
     void **kern;
     bool symbolic; /* the C reads sizes from sz[] (kc_options.symbolic) */
     int64_t planned_peak, eager_peak; /* bytes of intermediates, from the liveness */
-    /* KILN_LOGS=profile: seconds spent in each step over the runs after the first,
-     * printed when the program is freed (kiln__program_profile_print). */
+    /* KILN_LOGS=profile: seconds spent in each step over the runs after the first, and
+     * the runs so far; printed when the program is freed (kiln__program_profile_print). */
     double *prof;
     int64_t prof_runs;
 };

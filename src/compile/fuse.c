@@ -685,7 +685,7 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
 void kiln__program_free(kiln__program *p)
 {
     if (!p) return;
-    if (p->prof && p->prof_runs > 0) kiln__program_profile_print(p, stderr);
+    if (p->prof && p->prof_runs > 1) kiln__program_profile_print(p, stderr);
     free(p->prof);
     for (int i = 0; p->k && i < p->n_k; i++) {
         free(p->k[i].e);

@@ -94,8 +94,8 @@ kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_
     kiln_status s = kiln__graph_frame_begin(g, in, n_in, out, max_out, n_out, &f);
     /* The profile leaves the first run out: it pays for first-touch page faults. */
     bool want_prof = kiln__log_on("profile");
-    if (want_prof && !p->prof && !(p->prof = calloc((size_t)p->n_steps + 1, sizeof *p->prof))) want_prof = false;
-    bool timed = want_prof && p->prof[p->n_steps] > 0;
+    if (want_prof && !p->prof && !(p->prof = calloc((size_t)p->n_steps, sizeof *p->prof))) want_prof = false;
+    bool timed = want_prof && p->prof_runs > 0;
     for (int t = 0; s == KILN_OK && t < p->n_steps; t++) {
         const kc_step *st = &p->steps[t];
         double t0 = timed ? kiln__now_s() : 0;
@@ -109,10 +109,7 @@ kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_
         }
         if (timed) p->prof[t] += kiln__now_s() - t0;
     }
-    if (want_prof && s == KILN_OK) {
-        p->prof_runs += timed;
-        p->prof[p->n_steps] = 1; /* the first run is done */
-    }
+    if (want_prof && s == KILN_OK) p->prof_runs++;
     return f.rt ? kiln__graph_frame_end(g, &f, s, out, n_out) : s;
 }
 
@@ -151,14 +148,14 @@ static const char *step_name(const kiln__program *p, int t)
 
 void kiln__program_profile_print(const kiln__program *p, FILE *f)
 {
-    double total = 0, kern = 0, runs = (double)p->prof_runs;
+    double total = 0, kern = 0, runs = (double)(p->prof_runs - 1); /* the first is not timed */
     for (int t = 0; t < p->n_steps; t++) {
         total += p->prof[t];
         if (p->steps[t].kind == STEP_KERNEL) kern += p->prof[t];
     }
     if (total <= 0) return;
     fprintf(f, "kiln [profile] %d steps, %lld runs after the first: %.2f ms a run; generated kernels %.2f ms (%.1f%%)%s\n",
-            p->n_steps, (long long)p->prof_runs, 1e3 * total / runs, 1e3 * kern / runs, 100 * kern / total,
+            p->n_steps, (long long)p->prof_runs - 1, 1e3 * total / runs, 1e3 * kern / runs, 100 * kern / total,
             p->kern ? " (device launches are asynchronous: a step's time is its enqueue plus any wait)" : "");
     /* Ops through dispatch, totalled by op. */
     double by_op[KILN_OP_COUNT] = {0};

@@ -547,7 +547,7 @@ kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, 
 }
 
 /* res[v]: value v is what a run gives back: an output, or a leaf's gradient. */
-static void mark_results(const kiln_graph_t *g, bool *res)
+void kiln__graph_mark_results(const kiln_graph_t *g, bool *res)
 {
     for (int j = 0; j < g->n_outs; j++) res[g->outs[j]] = true;
     for (int j = 0; j < g->n_lg; j++)
@@ -563,7 +563,7 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
         free(keep);
         return kiln__err(KILN_ERR_OOM, "graph_dce: out of memory");
     }
-    mark_results(g, used);
+    kiln__graph_mark_results(g, used);
     for (int k = g->n_nd - 1; k >= 0; k--) {
         node *n = &g->nd[k];
         bool live = kiln__ops[n->op].is_inplace;
@@ -932,7 +932,7 @@ kiln_status kiln_graph_recompute(kiln_graph_t *g, int *recomputed)
         free(mut);
         return kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
     }
-    mark_results(g, keep);
+    kiln__graph_mark_results(g, keep);
     mutated_values(g, mut);
     kiln_status s = KILN_OK;
     int count = 0, cap_uses = g->n_nd + 1, *uses = malloc(sizeof(int) * (size_t)cap_uses);

@@ -71,6 +71,8 @@ kiln_status kiln__graph_run_node(const kiln_graph_t *g, int k, kiln__graph_frame
 /* last[v] = 1 + the index of the last node that reads v; n_nd + 1 for the outputs and
  * leaf gradients; 0 for values nothing reads (last has n_v zeroed entries). */
 void kiln__graph_last_use(const kiln_graph_t *g, int *last);
+/* res[v] = true for each value the graph returns or adds into a leaf's gradient. */
+void kiln__graph_mark_results(const kiln_graph_t *g, bool *res);
 /* Frees value v if step `now` is its last read (intermediates only). */
 void kiln__graph_release(const kiln_graph_t *g, kiln__graph_frame *f, int v, const int *last, int now);
 /* After status s: adds the leaf gradients, gives the outputs (in the caller's scope),

@@ -23,27 +23,18 @@ typedef struct {
 } region;
 
 /* The pass so far: repl[v] is what value v now is (an add merged away is its first
- * operand), dead[k] marks the adds merged away. */
+ * operand), dead[k] marks the adds merged away, res[v] the values the graph returns or
+ * gives a leaf as its gradient (kept true through merges). */
 typedef struct {
     kiln_graph_t *g;
     int *repl;
-    bool *dead;
+    bool *dead, *res;
 } pass;
-
-static bool is_output(const pass *c, int v)
-{
-    const kiln_graph_t *g = c->g;
-    for (int j = 0; j < g->n_outs; j++)
-        if (c->repl[g->outs[j]] == v) return true;
-    for (int j = 0; j < g->n_lg; j++)
-        if (!g->lg[j].dropped && c->repl[g->lg[j].value] == v) return true;
-    return false;
-}
 
 /* Is value v read only by copy_ as its destination, before node `before`? */
 static bool only_copied_into(const pass *c, int v, int before)
 {
-    if (is_output(c, v)) return false;
+    if (c->res[v]) return false;
     for (int k = 0; k < c->g->n_nd; k++) {
         const node *n = &c->g->nd[k];
         for (int i = 0; i < n->n_in && !c->dead[k]; i++)
@@ -59,7 +50,7 @@ static bool zero_scatter(const pass *c, int v, int add, const kiln__meta *out, r
 {
     const kiln_graph_t *g = c->g;
     const value *x = &g->v[v];
-    if (x->kind != V_OP || is_output(c, v)) return false;
+    if (x->kind != V_OP || c->res[v]) return false;
     const node *f = &g->nd[x->index];
     const kiln__meta *m = &x->meta;
     if (f->op != KILN_OP_FULL || f->attrs.f[0] != 0 || m->dtype != out->dtype || m->ndim != out->ndim ||
@@ -98,13 +89,15 @@ kiln_status kiln_graph_merge_slices(kiln_graph_t *g, int *merged)
 {
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_merge_slices: NULL graph");
     int *repl = malloc(sizeof(int) * (size_t)g->n_v);
-    bool *dead = calloc((size_t)g->n_nd + 1, sizeof *dead);
-    if (!repl || !dead) {
+    bool *dead = calloc((size_t)g->n_nd + 1, sizeof *dead), *res = calloc((size_t)g->n_v, sizeof *res);
+    if (!repl || !dead || !res) {
         free(repl);
         free(dead);
+        free(res);
         return kiln__err(KILN_ERR_OOM, "graph_merge_slices: out of memory");
     }
-    pass c = {g, repl, dead};
+    kiln__graph_mark_results(g, res);
+    pass c = {g, repl, dead, res};
     for (int v = 0; v < g->n_v; v++) repl[v] = v;
     int done = 0;
     for (int k = 0; k < g->n_nd; k++) {
@@ -126,6 +119,7 @@ kiln_status kiln_graph_merge_slices(kiln_graph_t *g, int *merged)
         for (int j = 0; j < k; j++)
             if (g->nd[j].op == KILN_OP_SLICE && g->nd[j].in[0] == b) g->nd[j].in[0] = a;
         repl[n->out[0]] = a;
+        res[a] |= res[n->out[0]];
         dead[k] = true;
         done++;
     }
@@ -133,6 +127,7 @@ kiln_status kiln_graph_merge_slices(kiln_graph_t *g, int *merged)
     for (int j = 0; j < g->n_lg; j++) g->lg[j].value = repl[g->lg[j].value];
     free(repl);
     free(dead);
+    free(res);
     if (merged) *merged = done;
     return KILN_OK;
 }
