@@ -699,6 +699,75 @@ static void slice_scatters_merge_only_when_disjoint(void **state)
     }
 }
 
+/* Four allreduces in a row on one group: a = 2x, t = (3x)^T (a view whose base is
+ * returned), b = exp(x), and the argument y itself; then a, t and y are updated in place
+ * (t's update must reach its base, y's the caller's buffer). */
+static kiln_status four_allreduces(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    (void)n_in;
+    kiln_pg_t *pg = ctx;
+    kiln_tensor_t *a = kiln_mul_scalar(in[0], 2.0), *base = kiln_mul_scalar(in[0], 3.0), *b = kiln_exp(in[0]);
+    kiln_tensor_t *t = kiln_transpose(base, 0, 1);
+    kiln_tensor_t *ts[4] = {a, t, b, in[1]};
+    kiln_status s = KILN_OK;
+    for (int i = 0; s == KILN_OK && i < 4; i++) s = kiln_pg_allreduce(pg, ts[i], KILN_REDUCE_AVG);
+    if (s == KILN_OK) s = kiln_mul_scalar_(a, 0.5);
+    if (s == KILN_OK) s = kiln_mul_scalar_(t, 5.0);
+    if (s == KILN_OK) s = kiln_add_(in[1], b, 1.0);
+    if (s != KILN_OK) return s;
+    out[0] = kiln_add(kiln_mul(a, b), kiln_transpose(t, 0, 1));
+    out[1] = base;
+    out[2] = kiln_mul(in[1], b);
+    *n_out = 3;
+    return out[0] && out[2] ? KILN_OK : kiln_last_status();
+}
+
+/* Oracle: the function run eagerly on a group of one, whose allreduce leaves the data as
+ * it is, so that every value read after the coalesced allreduces (from the flat
+ * buffer's ranges, or copied back), the base of t and the caller's y must be eager's
+ * bitwise (tolerance 0). The four tensors (128 bytes each) become one allreduce with a
+ * bucket that holds them all, two with a bucket of 256 bytes, and stay four with one of
+ * 64; the group counts one collective per bucket. */
+static void allreduces_coalesce_into_buckets(void **state)
+{
+    unsetenv("KILN_WORLD_SIZE");
+    kiln_pg_t *pg;
+    assert_int_equal(kiln_pg_new_from_env(&pg), KILN_OK);
+    kiln_tensor_t *x = randn(8, 4, 21), *y = randn(8, 4, 22), *y_eager = kiln_clone(y);
+    kiln_tensor_t *want[3], *in[2] = {x, y_eager};
+    int n;
+    assert_int_equal(four_allreduces(pg, in, 2, want, &n), KILN_OK);
+    struct {
+        int64_t bucket;
+        int merged, collectives;
+    } cases[] = {{1 << 20, 3, 1}, {256, 2, 2}, {64, 0, 4}};
+    for (int c = 0; c < 3; c++) {
+        kiln_graph_t *g;
+        kiln_tensor_t *ex[2] = {x, y};
+        kiln_status st = kiln_graph_capture(four_allreduces, pg, ex, 2, &g);
+        if (st != KILN_OK) fail_msg("capture: %s", kiln_last_error());
+        assert_int_equal(count_op(g, "allreduce_("), 4);
+        int merged = -1;
+        assert_int_equal(kiln_graph_coalesce_allreduce(g, cases[c].bucket, &merged), KILN_OK);
+        assert_int_equal(merged, cases[c].merged);
+        assert_int_equal(count_op(g, "allreduce_("), cases[c].collectives);
+        kiln_tensor_t *y2 = kiln_clone(y), *args[2] = {x, y2}, *got[3];
+        uint64_t seq = kiln_pg_seq(pg);
+        assert_int_equal(kiln_graph_run(g, args, 2, got, 3, &n), KILN_OK);
+        assert_int_equal(n, 3);
+        assert_int_equal(kiln_pg_seq(pg) - seq, (uint64_t)cases[c].collectives);
+        for (int i = 0; i < 3; i++) assert_close(got[i], want[i], 0);
+        assert_close(y2, y_eager, 0);
+        kiln_graph_free(g);
+    }
+    kiln_graph_t *g;
+    assert_int_equal(kiln_graph_capture(four_allreduces, pg, (kiln_tensor_t *[]){x, y}, 2, &g), KILN_OK);
+    assert_int_equal(kiln_graph_coalesce_allreduce(g, 0, NULL), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "bucket"));
+    kiln_graph_free(g);
+    kiln_pg_free(pg);
+}
+
 static void gpt2_forward_captures(void **state) { gpt_forward_captures(false); }
 static void llama_forward_captures(void **state) { gpt_forward_captures(true); }
 
@@ -721,6 +790,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(whole_training_step_is_one_graph, setup, teardown),
         cmocka_unit_test_setup_teardown(recomputed_activations_match_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(slice_scatters_merge_only_when_disjoint, setup, teardown),
+        cmocka_unit_test_setup_teardown(allreduces_coalesce_into_buckets, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

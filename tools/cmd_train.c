@@ -472,8 +472,9 @@ int cmd_train(int argc, char **argv)
     int64_t tokens_per_step = a.batch * a.context * a.accum;
     /* One process and one micro-batch, or --compile: the step is one function,
      * kiln_gpt_train_step, run eagerly or compiled into one graph (with several
-     * processes its gradients' allreduce is in the graph too, unbucketed; without
-     * --compile they use the bucketed reduction overlapped with backward). */
+     * processes its gradients' allreduce is in the graph too, coalesced into buckets
+     * after backward; without --compile they use the bucketed reduction overlapped
+     * with backward). */
     bool whole = (world == 1 || a.compile) && !a.zero1 && (a.accum == 1 || a.compile);
     if (a.compile && (!whole || a.dropout > 0))
         return cli_fail("train", "--compile runs the whole step as one graph: it needs no --zero1 (the sharded update "
@@ -642,7 +643,8 @@ int cmd_train(int argc, char **argv)
         printf("done: %lld steps in %.1f s; final val loss %.4f vs unigram baseline %.4f; checkpoint %s/%s, chart %s\n",
                (long long)(a.steps - start), kiln__now_s() - t_begin, val, unigram, a.out, RUN_MODEL, chart_path);
     if (world > 1 && whole && !a.quiet && rank == 0 && start < a.steps)
-        printf("gradient reduction: one tensor at a time inside the compiled training step, after its backward\n");
+        printf("gradient reduction: inside the compiled training step, after its backward, in buckets of up to "
+               "KILN_COMPILE_BUCKET_MB (default 4 MiB; KILN_COMPILE_DISABLE=coalesce: one tensor at a time)\n");
     if (world > 1 && !zero && !whole && !a.quiet && rank == 0 && start < a.steps) {
         char how[64] = "one tensor at a time after backward";
         if (ddp) snprintf(how, sizeof how, "%d bucket(s) during backward", kiln_ddp_num_buckets(ddp));

@@ -81,6 +81,12 @@ kiln_status kiln_graph_recompute(kiln_graph_t *g, int *recomputed);
  * slices) becomes one fill with every copy into it. Returns how many adds were merged
  * away in *merged; run kiln_graph_dce after, which drops them and the spare fills. */
 kiln_status kiln_graph_merge_slices(kiln_graph_t *g, int *merged);
+/* Coalescing allreduces: a run of consecutive in-graph allreduces (kiln_pg_allreduce
+ * while capturing) with one group, reduce op, dtype and device becomes, for each bucket
+ * of at most bucket_bytes (a tensor larger than that is a bucket of its own), one
+ * allreduce of the tensors flattened into one buffer, then copied back. Returns how many
+ * allreduces were merged away in *merged. */
+kiln_status kiln_graph_coalesce_allreduce(kiln_graph_t *g, int64_t bucket_bytes, int *merged);
 int kiln_graph_num_ops(const kiln_graph_t *g);
 /* True while this thread is capturing a function. */
 bool kiln_graph_capturing(void);

@@ -1032,19 +1032,24 @@ kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f)
     return KILN_OK;
 }
 
-/* Decomposition: the graph replayed in capture mode into a new one, with each op that
- * has a decomposition (src/ops/decompose.c) recorded as its primitives; the new graph
- * then takes the old one's place. Values are renumbered; inputs, captured tensors,
- * outputs and leaf gradients keep their meaning. */
-kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed)
+/* A rewrite: the graph replayed in capture mode into a new one that then takes its
+ * place, each node recorded as it is unless `rule` records it (and the `*used - 1`
+ * nodes after it) in another form: rule(g, k, ins, map, ctx, used) gets node k's input
+ * tensors, sets map[] for the outputs of the nodes it took, and leaves *used 0 to take
+ * none. Values are renumbered; inputs, captured tensors, outputs and leaf gradients
+ * keep their meaning. */
+typedef kiln_status (*rewrite_rule)(const kiln_graph_t *g, int k, kiln_tensor_t **ins, kiln_tensor_t **map,
+                                    void *ctx, int *used);
+
+static kiln_status rewrite(kiln_graph_t *g, const char *who, rewrite_rule rule, void *ctx, int *count)
 {
-    if (!g) return kiln__err(KILN_ERR_ARG, "graph_decompose: NULL graph");
-    if (capturing) return kiln__err(KILN_ERR_ARG, "graph_decompose: a capture is running on this thread");
+    if (!g) return kiln__err(KILN_ERR_ARG, "%s: NULL graph", who);
+    if (capturing) return kiln__err(KILN_ERR_ARG, "%s: a capture is running on this thread", who);
     kiln_graph_t *ng = calloc(1, sizeof *ng);
     kiln_tensor_t **map = calloc((size_t)g->n_v, sizeof *map);
     kiln__meta none = {0};
     kiln_status s = ng && map && add_value(ng, V_ARG, -1, 0, &none, NULL) == 0
-                        ? KILN_OK : kiln__err(KILN_ERR_OOM, "graph_decompose: out of memory");
+                        ? KILN_OK : kiln__err(KILN_ERR_OOM, "%s: out of memory", who);
     kiln__backend *be = kiln__backend_default();
     for (int i = 1; s == KILN_OK && i < g->n_v; i++) {
         const value *v = &g->v[i];
@@ -1053,40 +1058,41 @@ kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed)
         s = add_arg(ng, v->index, &v->meta, v->be ? v->be : be, &map[i]);
     }
     ng->n_args = g->n_args;
-    int count = 0;
+    int n_rules = 0;
     capturing = ng;
     bool prev = kiln_set_grad_enabled(false);
     kiln_scope_begin();
-    for (int k = 0; s == KILN_OK && k < g->n_nd; k++) {
+    for (int k = 0; s == KILN_OK && k < g->n_nd;) {
         const node *n = &g->nd[k];
         kiln_tensor_t *stack[64], **ins = gather(n, map, stack);
         if (!ins) {
             s = kiln_last_status();
             break;
         }
-        kiln_tensor_t *res[KILN__MAX_OUT] = {0};
-        kiln__decompose_fn dec = kiln__decomposition(n->op, ins, n->n_in);
-        if (dec) {
-            s = dec(ins, n->n_in, &n->attrs, res);
-            count += s == KILN_OK;
-        } else {
+        int used = 0;
+        s = rule(g, k, ins, map, ctx, &used);
+        n_rules += s == KILN_OK && used > 0;
+        if (s == KILN_OK && used == 0) {
+            kiln_tensor_t *res[KILN__MAX_OUT] = {0};
             s = kiln__dispatch(n->op, n->n_in ? ins : NULL, n->n_in, &n->attrs, n->n_out ? res : NULL);
+            for (int j = 0; s == KILN_OK && j < n->n_out; j++) map[n->out[j]] = res[j];
+            used = 1;
         }
         if (ins != stack) free(ins);
-        for (int j = 0; s == KILN_OK && j < n->n_out; j++) map[n->out[j]] = res[j];
+        k += used;
     }
     for (int j = 0; s == KILN_OK && j < g->n_outs; j++)
-        if ((ng->outs[j] = value_of(ng, map[g->outs[j]])) < 0) s = kiln__err(KILN_ERR_OOM, "graph_decompose: out of memory");
+        if ((ng->outs[j] = value_of(ng, map[g->outs[j]])) < 0) s = kiln__err(KILN_ERR_OOM, "%s: out of memory", who);
     ng->n_outs = s == KILN_OK ? g->n_outs : 0;
     if (s == KILN_OK && g->n_lg) {
         ng->lg = calloc((size_t)g->n_lg, sizeof *ng->lg);
-        if (!ng->lg) s = kiln__err(KILN_ERR_OOM, "graph_decompose: out of memory");
+        if (!ng->lg) s = kiln__err(KILN_ERR_OOM, "%s: out of memory", who);
         for (int j = 0; s == KILN_OK && j < g->n_lg; j++) {
             ng->lg[j] = g->lg[j];
             ng->lg[j].leaf = kiln_tensor_retain(g->lg[j].leaf);
             ng->lg[j].value = g->lg[j].dropped ? 0 : value_of(ng, map[g->lg[j].value]);
             ng->n_lg = ng->cap_lg = j + 1;
-            if (ng->lg[j].value < 0) s = kiln__err(KILN_ERR_OOM, "graph_decompose: out of memory");
+            if (ng->lg[j].value < 0) s = kiln__err(KILN_ERR_OOM, "%s: out of memory", who);
         }
     }
     kiln_scope_end();
@@ -1103,6 +1109,126 @@ kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed)
     *g = *ng;
     *ng = tmp;
     kiln_graph_free(ng);
-    if (decomposed) *decomposed = count;
+    if (count) *count = n_rules;
     return KILN_OK;
+}
+
+/* Decomposition: each op with a decomposition (src/ops/decompose.c) recorded as its
+ * primitives. */
+static kiln_status decompose_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, kiln_tensor_t **map, void *ctx,
+                                  int *used)
+{
+    (void)ctx;
+    const node *n = &g->nd[k];
+    kiln__decompose_fn dec = kiln__decomposition(n->op, ins, n->n_in);
+    if (!dec) return KILN_OK;
+    kiln_tensor_t *res[KILN__MAX_OUT] = {0};
+    kiln_status s = dec(ins, n->n_in, &n->attrs, res);
+    for (int j = 0; s == KILN_OK && j < n->n_out; j++) map[n->out[j]] = res[j];
+    *used = 1;
+    return s;
+}
+
+kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed)
+{
+    return rewrite(g, "graph_decompose", decompose_rule, NULL, decomposed);
+}
+
+/* Coalescing allreduces: a run of consecutive ALLREDUCE_ nodes with one group, reduce
+ * op, dtype and device (the gradients of a step, one tensor each) becomes, bucket by
+ * bucket, the tensors flattened into one buffer, one allreduce of it, and each tensor
+ * read from its range from there on: one collective's latency and one rank-to-rank wait
+ * per bucket instead of per tensor. A tensor whose storage something else reads later
+ * (another view of it, its base) is copied back into instead, which the other readers
+ * then see. A run stops at a tensor that shares storage with one already in it (an
+ * allreduce of overlapping views, twice over, is not one of their union). */
+typedef struct {
+    int64_t bucket_bytes;
+    int merged;
+    int *last; /* kiln__graph_last_use of the graph rewritten */
+} coalesce_ctx;
+
+static int64_t nbytes(const kiln_tensor_t *t) { return kiln_tensor_numel(t) * (int64_t)kiln_dtype_size(t->dtype); }
+
+static bool same_collective(const node *a, const node *b, const kiln_tensor_t *ta, const kiln_tensor_t *tb)
+{
+    return b->op == KILN_OP_ALLREDUCE_ && a->attrs.u[0] == b->attrs.u[0] && a->attrs.u[1] == b->attrs.u[1] &&
+           a->attrs.i[0] == b->attrs.i[0] && ta->dtype == tb->dtype && ta->st->be == tb->st->be;
+}
+
+/* Must v's new contents be written into its storage: is v an argument or captured
+ * tensor (whose real buffer takes the update), or does another value made before node
+ * `end` share its storage and get read from `end` on (or returned), or is it one? */
+static bool aliased_later(const kiln_graph_t *g, kiln_tensor_t **map, const int *last, int v, int end)
+{
+    if (g->v[v].kind != V_OP) return true;
+    for (int x = 1; x < g->n_v; x++)
+        if (x != v && map[x] && map[x]->st == map[v]->st && (last[x] > end || g->v[x].kind != V_OP)) return true;
+    return false;
+}
+
+static kiln_status coalesce_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, kiln_tensor_t **map, void *ctx,
+                                 int *used)
+{
+    coalesce_ctx *c = ctx;
+    const node *n = &g->nd[k];
+    if (n->op != KILN_OP_ALLREDUCE_ || n->n_in != 1) return KILN_OK;
+    enum { MAX_RUN = 1024 };
+    kiln_tensor_t *ts[MAX_RUN];
+    int vs[MAX_RUN];
+    ts[0] = ins[0];
+    vs[0] = n->in[0];
+    int64_t bytes = nbytes(ins[0]);
+    int m = 1;
+    for (; k + m < g->n_nd && m < MAX_RUN; m++) {
+        const node *b = &g->nd[k + m];
+        if (b->n_in != 1) break;
+        kiln_tensor_t *t = map[b->in[0]];
+        if (!t || !same_collective(n, b, ins[0], t) || bytes + nbytes(t) > c->bucket_bytes) break;
+        bool shared = false;
+        for (int i = 0; i < m && !shared; i++) shared = ts[i]->st == t->st;
+        if (shared) break;
+        ts[m] = t;
+        vs[m] = b->in[0];
+        bytes += nbytes(t);
+    }
+    if (m < 2) return KILN_OK;
+    kiln_tensor_t *flat[MAX_RUN], *buf;
+    for (int i = 0; i < m; i++) {
+        int64_t numel = kiln_tensor_numel(ts[i]);
+        if (!(flat[i] = kiln_reshape(ts[i], &numel, 1))) return kiln_last_status();
+    }
+    if (!(buf = kiln_cat(flat, m, 0))) return kiln_last_status();
+    kiln_status s = kiln__dispatch(KILN_OP_ALLREDUCE_, &buf, 1, &n->attrs, NULL);
+    int64_t off = 0;
+    for (int i = 0; s == KILN_OK && i < m; i++) {
+        int64_t numel = kiln_tensor_numel(ts[i]);
+        kiln_tensor_t *part = kiln_reshape(kiln_narrow(buf, 0, off, numel), ts[i]->shape, ts[i]->ndim);
+        off += numel;
+        if (!part) {
+            s = kiln_last_status();
+        } else if (aliased_later(g, map, c->last, vs[i], k + m)) {
+            s = kiln_tensor_copy_(ts[i], part);
+        } else { /* the readers from here on read the range */
+            kiln_tensor_free(map[vs[i]]);
+            map[vs[i]] = kiln_tensor_retain(part);
+        }
+    }
+    c->merged += m - 1;
+    *used = m;
+    return s;
+}
+
+kiln_status kiln_graph_coalesce_allreduce(kiln_graph_t *g, int64_t bucket_bytes, int *merged)
+{
+    if (bucket_bytes < 1) return kiln__err(KILN_ERR_ARG, "graph_coalesce_allreduce: bucket of %lld bytes",
+                                           (long long)bucket_bytes);
+    if (!g) return kiln__err(KILN_ERR_ARG, "graph_coalesce_allreduce: NULL graph");
+    coalesce_ctx c = {bucket_bytes, 0, calloc((size_t)g->n_v, sizeof(int))};
+    if (!c.last) return kiln__err(KILN_ERR_OOM, "graph_coalesce_allreduce: out of memory");
+    kiln__graph_last_use(g, c.last);
+    kiln_status s = rewrite(g, "graph_coalesce_allreduce", coalesce_rule, &c, NULL);
+    free(c.last);
+    if (merged) *merged = s == KILN_OK ? c.merged : 0;
+    return s;
 }

@@ -17,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -119,6 +120,12 @@ def main():
         out = os.path.join(a.workdir, "compile" + "".join(extra))
         r = train(a.kiln, data, out, 2, extra=("--compile", *extra), env=dict(os.environ, KILN_LOGS="graph"))
         check(r.returncode == 0 and "allreduce_(" in r.stderr, f"--compile {' '.join(extra)}: the graph holds the allreduce")
+        # The per-tensor allreduces are coalesced into buckets (one of 4 MiB holds all of
+        # this small model's gradients): one allreduce_ line per graph printed.
+        coalesced = re.findall(r"(\d+) allreduces coalesced", r.stderr)
+        check(coalesced and int(coalesced[0]) > 0 and r.stderr.count("allreduce_(") == len(coalesced),
+              f"--compile {' '.join(extra)}: the allreduces are coalesced ({coalesced}, "
+              f"{r.stderr.count('allreduce_(')} in the graphs)")
         ref = want
         if extra:
             ref_out = os.path.join(a.workdir, "w1" + "".join(extra))
