@@ -222,10 +222,23 @@ kiln_status kiln__bw_log_softmax(kiln__node *n, kiln_tensor_t *const *gout, kiln
     return done(gin, 1, n);
 }
 
+/* Is t a 2-D matrix laid out by columns (a transposed view of a contiguous one, as
+ * kiln_linear's weight is)? */
+static bool by_columns(const kiln_tensor_t *t)
+{
+    return t->ndim == 2 && t->shape[0] > 1 && t->shape[1] > 1 && t->stride[0] == 1 && t->stride[1] == t->shape[0];
+}
+
 kiln_status kiln__bw_matmul(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 {
     if (NEED(0)) gin[0] = to_input(n, 0, kiln_matmul(G, kiln_transpose(X(1), -1, -2)));
-    if (NEED(1)) gin[1] = to_input(n, 1, kiln_matmul(kiln_transpose(X(0), -1, -2), G));
+    /* dB = A^T G; for a B laid out by columns, computed as (G^T A)^T, so that dB has B's
+     * layout and the gradient of the matrix B views (a linear layer's weight) comes out
+     * contiguous, not transposed: the norm and the optimizer then read it in order. */
+    if (NEED(1) && by_columns(X(1)) && X(0)->ndim == 2 && G->ndim == 2)
+        gin[1] = to_input(n, 1, kiln_transpose(kiln_matmul(kiln_transpose(G, 0, 1), X(0)), 0, 1));
+    else if (NEED(1))
+        gin[1] = to_input(n, 1, kiln_matmul(kiln_transpose(X(0), -1, -2), G));
     return done(gin, 2, n);
 }
 
