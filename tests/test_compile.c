@@ -383,9 +383,17 @@ static void training_matches_eager(bool llama)
     cfg.n_embd = 64;
     cfg.block_size = 32;
     cfg.vocab_size = 96;
-    double losses[3][10], norms[3][10];
+    /* Modes: 0 eager loss, clipping and AdamW; 1 kiln_gpt_train_step eagerly; 2 compiled;
+     * on the cpu also ZeRO-1 over a group of one, 3 eagerly (kiln_zero1_step) and 4
+     * inside the compiled step (reduce-scatter, norm, sharded AdamW and allgather in
+     * the graph). */
+    double losses[5][10], norms[5][10];
     kiln_tensor_t *w_eager = NULL;
-    for (int mode = 0; mode < 3; mode++) {
+    int modes = strcmp(kiln_device(), "cpu") ? 3 : 5;
+    unsetenv("KILN_WORLD_SIZE");
+    kiln_pg_t *pg;
+    assert_int_equal(kiln_pg_new_from_env(&pg), KILN_OK);
+    for (int mode = 0; mode < modes; mode++) {
         test_trainer tr;
         test_trainer_new(&tr, &cfg, 21, 1.0);
         kiln_gpt_t *m = tr.m;
@@ -394,7 +402,11 @@ static void training_matches_eager(bool llama)
         int np = tr.np;
         kiln_gpt_step st = tr.step;
         kiln_compiled_t *step = NULL;
-        if (mode == 2) assert_int_equal(kiln_compiled_new(kiln_gpt_train_step, &st, "train", &step), KILN_OK);
+        kiln_zero1_t *z = NULL;
+        if (mode >= 3) assert_int_equal(kiln_zero1_new(pg, ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, NULL, &z), KILN_OK);
+        st.zero = mode == 4 ? z : NULL;
+        if (mode == 2 || mode == 4)
+            assert_int_equal(kiln_compiled_new(kiln_gpt_train_step, &st, "train", &step), KILN_OK);
         uint64_t r = 5;
         for (int it = 0; it < 10; it++) {
             kiln_scope_begin();
@@ -411,13 +423,14 @@ static void training_matches_eager(bool llama)
             kiln_tensor_t *out[2];
             int n;
             kiln_status s;
-            if (mode == 0) {
+            if (mode == 0 || mode == 3) {
                 s = kiln_gpt_loss_backward(m, in, 2, out, &n);
-                if (s == KILN_OK) s = kiln_clip_grad_norm(ps, np, 1.0, &norms[0][it]);
-                if (s == KILN_OK) s = kiln_optim_step(opt, lr);
+                if (s == KILN_OK && mode == 0) s = kiln_clip_grad_norm(ps, np, 1.0, &norms[0][it]);
+                if (s == KILN_OK && mode == 0) s = kiln_optim_step(opt, lr);
+                if (s == KILN_OK && mode == 3) s = kiln_zero1_step(z, lr, 1.0, &norms[3][it]);
                 kiln_optim_zero_grad(opt);
             } else {
-                s = mode == 2 ? kiln_compiled_call(step, in, 3, out, 2, &n) : kiln_gpt_train_step(&st, in, 3, out, &n);
+                s = step ? kiln_compiled_call(step, in, 3, out, 2, &n) : kiln_gpt_train_step(&st, in, 3, out, &n);
                 if (s == KILN_OK) assert_int_equal(kiln_tensor_item(out[1], &norms[mode][it]), KILN_OK);
             }
             if (s != KILN_OK) fail_msg("mode %d step %d: %s", mode, it, kiln_last_error());
@@ -425,8 +438,8 @@ static void training_matches_eager(bool llama)
             for (int i = 0; i < np; i++) assert_null(kiln_tensor_grad(ps[i])); /* zeroed */
             kiln_scope_end();
         }
-        assert_int_equal(kiln_optim_steps(opt), 10);
-        if (mode == 2) {
+        assert_int_equal(kiln_optim_steps(opt), mode >= 3 ? 0 : 10);
+        if (step) {
             int k, o;
             assert_int_equal(kiln_compiled_plan(step, 0, &k, &o, NULL, NULL), KILN_OK);
             /* It did run generated kernels: C on the cpu, OpenCL C on an OpenCL device; a
@@ -441,21 +454,22 @@ static void training_matches_eager(bool llama)
         }
         kiln_tensor_t *w = ps[np - 1];
         if (mode == 1) w_eager = kiln_keep(kiln_clone(w));
-        if (mode == 2) {
+        if (mode >= 2) {
             double e = rel_err(w, w_eager);
-            if (!(e <= 1e-4)) fail_msg("compiled weights differ from eager by %g (tolerance 1e-4)", e);
-            kiln_tensor_free(w_eager);
+            if (!(e <= 1e-4)) fail_msg("mode %d: weights differ from eager by %g (tolerance 1e-4)", mode, e);
         }
         kiln_compiled_free(step);
+        kiln_zero1_free(z);
         test_trainer_free(&tr);
     }
-    for (int mode = 1; mode < 3; mode++)
+    kiln_tensor_free(w_eager);
+    kiln_pg_free(pg);
+    for (int mode = 1; mode < modes; mode++)
         for (int it = 0; it < 10; it++) {
             double e = fabs(losses[mode][it] - losses[0][it]) / fabs(losses[0][it]);
             double en = fabs(norms[mode][it] - norms[0][it]) / fabs(norms[0][it]);
             if (!(e <= 1e-5) || !(en <= 1e-5))
-                fail_msg("%s step %d: loss %.9g vs eager %.9g (relative %g), norm %.9g vs %.9g (relative %g)",
-                         mode == 2 ? "compiled" : "train_step", it, losses[mode][it], losses[0][it], e, norms[mode][it],
+                fail_msg("mode %d step %d: loss %.9g vs eager %.9g (relative %g), norm %.9g vs %.9g (relative %g)", mode, it, losses[mode][it], losses[0][it], e, norms[mode][it],
                          norms[0][it], en);
         }
     assert_true(norms[0][0] > 1.0);            /* clipping took part */

@@ -356,7 +356,7 @@ int cmd_train(int argc, char **argv)
         {"quiet", OPT_FLAG, &a.quiet, "only errors and the final summary"},
         {"zero1", OPT_FLAG, &a.zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
         {"compile", OPT_FLAG, &a.compile, "run each step (forward, backward of every --accum micro-batch, clipping, update) as one graph of "
-                                          "generated kernels (kiln compile; --dropout 0, no --zero1)"},
+                                          "generated kernels (kiln compile; --dropout 0)"},
         {"bucket-mb", OPT_DOUBLE, &a.bucket_mb, "with several ranks: gradient buckets of this many MiB reduced during "
                                              "backward (0: one tensor at a time after it)"},
         {NULL, 0, NULL, NULL},
@@ -475,11 +475,11 @@ int cmd_train(int argc, char **argv)
      * processes its gradients' allreduce is in the graph too, coalesced into buckets
      * after backward; without --compile they use the bucketed reduction overlapped
      * with backward). */
-    bool whole = (world == 1 || a.compile) && !a.zero1 && (a.accum == 1 || a.compile);
-    if (a.compile && (!whole || a.dropout > 0))
-        return cli_fail("train", "--compile runs the whole step as one graph: it needs no --zero1 (the sharded update "
-                                 "is not captured) and --dropout 0 (a graph would freeze dropout's random stream)");
-    kiln_gpt_step step_fn = {m, opt, params, np, a.clip, (int)a.accum, world > 1 ? pg : NULL};
+    bool whole = a.compile || (world == 1 && !a.zero1 && a.accum == 1);
+    if (a.compile && a.dropout > 0)
+        return cli_fail("train", "--compile runs the whole step as one graph: it needs --dropout 0 (a graph would "
+                                 "freeze dropout's random stream)");
+    kiln_gpt_step step_fn = {m, opt, params, np, a.clip, (int)a.accum, world > 1 ? pg : NULL, NULL};
     kiln_compiled_t *compiled = NULL;
     if (a.compile && kiln_compiled_new(kiln_gpt_train_step, &step_fn, "train_step", &compiled) != KILN_OK)
         return cli_fail("train", NULL);
@@ -515,6 +515,8 @@ int cmd_train(int argc, char **argv)
          * none, so that a checkpoint's train state carries only its metadata. */
         kiln_optim_free(opt);
         if (kiln_adamw_new(params, np, NULL, 0.9, 0.95, 1e-8, a.wd, &opt) != KILN_OK) return cli_fail("train", NULL);
+        step_fn.opt = opt; /* --compile: the sharded update inside the graph (captured at the first call) */
+        step_fn.zero = zero;
         if (!a.quiet && rank == 0)
             printf("ZeRO-1: optimizer state %.2f MiB per rank (moments and a master copy of this rank's shard), "
                    "against %.2f MiB of moments on every rank unsharded\n",
@@ -580,7 +582,7 @@ int cmd_train(int argc, char **argv)
         }
         double t_comm = kiln__now_s();
         if (s == KILN_OK && !whole && ddp) s = kiln_ddp_finish(ddp);
-        for (int i = 0; s == KILN_OK && !zero && !ddp && i < np; i++)
+        for (int i = 0; s == KILN_OK && !whole && !zero && !ddp && i < np; i++)
             if (kiln_tensor_grad(params[i])) s = kiln_pg_allreduce(pg, kiln_tensor_grad(params[i]), KILN_REDUCE_AVG);
         comm_after += kiln__now_s() - t_comm;
         if (s == KILN_OK) s = kiln_pg_check_step(pg); /* every rank ran the same collectives this step */
@@ -592,7 +594,7 @@ int cmd_train(int argc, char **argv)
             if (s == KILN_OK) s = kiln_tensor_to_host(l, &loss_sum, sizeof loss_sum);
             kiln_scope_end();
         }
-        if (s == KILN_OK && zero) s = kiln_zero1_step(zero, lr, a.clip, &gnorm);
+        if (s == KILN_OK && zero && !whole) s = kiln_zero1_step(zero, lr, a.clip, &gnorm);
         if (s == KILN_OK && !zero && !whole) s = kiln_clip_grad_norm(params, np, a.clip, &gnorm);
         if (s == KILN_OK && !zero && !whole) s = kiln_optim_step(opt, lr);
         kiln_optim_zero_grad(opt);

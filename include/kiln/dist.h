@@ -94,6 +94,12 @@ typedef struct kiln_zero1 kiln_zero1_t;
 kiln_status kiln_zero1_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, const bool *decay, double beta1,
                            double beta2, double eps, double weight_decay, kiln_optim_t *resume_from, kiln_zero1_t **out);
 kiln_status kiln_zero1_step(kiln_zero1_t *z, double lr, double max_norm, double *norm);
+/* The same with the learning rate a one-element f32/f64 tensor and the norm given as an
+ * f64 scalar tensor (in the caller's scope; norm may be NULL): what changes from step
+ * to step is read when it runs and its collectives are recorded when capturing, so a
+ * captured training step (kiln_gpt_step's zero) holds it. kiln_zero1_step is this,
+ * eagerly, and an error inside a capture. */
+kiln_status kiln_zero1_step_t(kiln_zero1_t *z, kiln_tensor_t *lr, double max_norm, kiln_tensor_t **norm);
 int64_t kiln_zero1_state_bytes(const kiln_zero1_t *z); /* this rank's shard: parameters and moments */
 /* Sharded checkpoints: every rank calls kiln_zero1_save (its shards to
  * DIR/zero1.step<S>.rank<R>.safetensors, then a barrier); rank 0 then calls

@@ -84,9 +84,12 @@ kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_
  * gradients add up), then one update; the loss given is the micro-batches' mean. With
  * a process group, every gradient is averaged over it (kiln_pg_allreduce, captured
  * into the graph too) before the norm and the update: data-parallel training where
- * each rank passes its own share of the batch. */
+ * each rank passes its own share of the batch. With zero (ZeRO-1 over the group), the
+ * update is kiln_zero1_step_t instead (reduce-scatter, norm, sharded AdamW,
+ * allgather; opt only zeroes the gradients, pg is not used). */
 typedef struct kiln_optim kiln_optim_t;
 typedef struct kiln_pg kiln_pg_t;
+typedef struct kiln_zero1 kiln_zero1_t;
 typedef struct {
     kiln_gpt_t *model;
     kiln_optim_t *opt;
@@ -95,6 +98,7 @@ typedef struct {
     double clip; /* max gradient norm; <= 0: no clipping */
     int accum;   /* micro-batches per step; 0 or 1: one */
     kiln_pg_t *pg; /* data parallel: average the gradients over it; NULL: one process */
+    kiln_zero1_t *zero; /* or NULL: the sharded update in place of pg's allreduce and opt's step */
 } kiln_gpt_step;
 kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out);
 

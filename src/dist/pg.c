@@ -450,7 +450,8 @@ static kiln_status host_buffer(const char *op, kiln_tensor_t *t, int world, void
     if (!t) return kiln_error(KILN_ERR_ARG, "%s: NULL tensor", op);
     if (t->st->meta)
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: the tensor is being captured into a graph, and of the collectives "
-                          "only allreduce is captured; run this one outside the captured function", op);
+                          "only allreduce, reduce_scatter and allgather are captured; run this one outside the "
+                          "captured function", op);
     if (t->dtype != KILN_DTYPE_F32 && t->dtype != KILN_DTYPE_F64)
         return kiln_error(KILN_ERR_DTYPE, "%s: %s tensors are not supported (f32 or f64)", op, kiln_dtype_name(t->dtype));
     if (!kiln__is_contiguous(t)) return kiln_error(KILN_ERR_ARG, "%s: the tensor must be contiguous", op);
@@ -775,7 +776,7 @@ kiln_status kiln_pg_allreduce(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op
 {
     if (!pg || !t) return kiln_error(KILN_ERR_ARG, "allreduce: NULL group or tensor");
     if (check_reduce("allreduce", op) != KILN_OK) return kiln_last_status();
-    if (t->st->meta && kiln_graph_capturing()) { /* recorded: the graph runs it in its place, through allreduce_now */
+    if (kiln_graph_capturing()) { /* recorded: the graph runs it in its place, through allreduce_now */
         kiln__attrs a = {0};
         a.u[0] = (uint64_t)(uintptr_t)pg;
         a.u[1] = (uint64_t)(uintptr_t)allreduce_now;
@@ -798,11 +799,37 @@ kiln_status kiln_pg_barrier(kiln_pg_t *pg)
     return run(pg, (sig){0, 0, OP_BARRIER, 0, 0, 0}, NULL, NULL, NULL);
 }
 
+static kiln_status allgather_now(void *group, kiln_tensor_t *out, kiln_tensor_t *in, int op)
+{
+    (void)op;
+    return run(group, (sig){0, 0, OP_ALLGATHER, 0, 0, 0}, in, out, NULL);
+}
+
+static kiln_status reduce_scatter_now(void *group, kiln_tensor_t *out, kiln_tensor_t *in, int op)
+{
+    return run(group, (sig){0, 0, OP_REDUCE_SCATTER, 0, (uint32_t)op, 0}, in, out, op == KILN_REDUCE_AVG ? out : NULL);
+}
+
+/* While capturing, a collective from in into out is recorded (out updated in place),
+ * whether the tensors are the graph's values or real ones it captured (ZeRO-1's flat
+ * buffers and shards); the graph runs it in its place. */
+static kiln_status record2(kiln_pg_t *pg, kiln__op_id op, kiln__collective2_fn fn, kiln_tensor_t *out,
+                           kiln_tensor_t *in, int reduce)
+{
+    kiln__attrs a = {0};
+    a.u[0] = (uint64_t)(uintptr_t)pg;
+    a.u[1] = (uint64_t)(uintptr_t)fn;
+    a.i[0] = reduce;
+    kiln_tensor_t *ts[2] = {out, in};
+    return kiln__dispatch(op, ts, 2, &a, NULL);
+}
+
 kiln_status kiln_pg_allgather(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out)
 {
     if (!pg || !in || !out) return kiln_error(KILN_ERR_ARG, "allgather: NULL group or tensor");
     if (in == out) return kiln_error(KILN_ERR_ARG, "allgather: in and out must be different tensors");
-    return run(pg, (sig){0, 0, OP_ALLGATHER, 0, 0, 0}, in, out, NULL);
+    if (kiln_graph_capturing()) return record2(pg, KILN_OP_ALLGATHER_, allgather_now, out, in, 0);
+    return allgather_now(pg, out, in, 0);
 }
 
 kiln_status kiln_pg_reduce_scatter(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out, kiln_reduce_op op)
@@ -810,7 +837,8 @@ kiln_status kiln_pg_reduce_scatter(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor
     if (!pg || !in || !out) return kiln_error(KILN_ERR_ARG, "reduce_scatter: NULL group or tensor");
     if (in == out) return kiln_error(KILN_ERR_ARG, "reduce_scatter: in and out must be different tensors");
     if (check_reduce("reduce_scatter", op) != KILN_OK) return kiln_last_status();
-    return run(pg, (sig){0, 0, OP_REDUCE_SCATTER, 0, op, 0}, in, out, op == KILN_REDUCE_AVG ? out : NULL);
+    if (kiln_graph_capturing()) return record2(pg, KILN_OP_REDUCE_SCATTER_, reduce_scatter_now, out, in, op);
+    return reduce_scatter_now(pg, out, in, op);
 }
 
 /* A collective started now, its work handed out: finished by kiln_pg_work_wait. */

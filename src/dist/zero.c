@@ -13,7 +13,9 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include "core/tensor_impl.h"
 #include "dist/flat.h"
+#include "kiln/graph.h"
 #include "kiln/dist.h"
 #include "kiln/io.h"
 #include "kiln/optim.h"
@@ -33,7 +35,7 @@ struct kiln_zero1 {
     kiln_tensor_t **params;
     int n;
     double beta1, beta2, eps, wd;
-    int64_t steps;
+    kiln_tensor_t *step, *one; /* f64 (1): the steps taken, advanced in place (also inside a graph) */
     group gr[2];
 };
 
@@ -62,9 +64,17 @@ kiln_status kiln_zero1_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, c
     z->pg = pg;
     z->n = n;
     z->beta1 = beta1, z->beta2 = beta2, z->eps = eps, z->wd = weight_decay;
-    z->steps = resume_from ? kiln_optim_steps(resume_from) : 0;
     z->params = malloc(sizeof *z->params * (size_t)n);
     kiln_status s = z->params ? KILN_OK : kiln_error(KILN_ERR_OOM, "zero1_new: out of memory");
+    int64_t one = 1;
+    double steps = resume_from ? (double)kiln_optim_steps(resume_from) : 0, unit = 1;
+    if (s == KILN_OK && (!(z->step = kiln_from_data(&steps, &one, 1, KILN_DTYPE_F64)) ||
+                         !(z->one = kiln_from_data(&unit, &one, 1, KILN_DTYPE_F64))))
+        s = kiln_last_status();
+    if (s == KILN_OK) {
+        kiln_keep(z->step);
+        kiln_keep(z->one);
+    }
     int world = kiln_pg_world_size(pg), rank = kiln_pg_rank(pg);
     for (int gi = 0; s == KILN_OK && gi < 2; gi++) {
         group *g = &z->gr[gi];
@@ -123,6 +133,8 @@ void kiln_zero1_free(kiln_zero1_t *z)
         kiln_tensor_free(g->m);
         kiln_tensor_free(g->v);
     }
+    kiln_tensor_free(z->step);
+    kiln_tensor_free(z->one);
     free(z->params);
     free(z);
 }
@@ -134,9 +146,17 @@ int64_t kiln_zero1_state_bytes(const kiln_zero1_t *z)
     return b;
 }
 
-kiln_status kiln_zero1_step(kiln_zero1_t *z, double lr, double max_norm, double *norm)
+/* Every value that changes from step to step is a tensor read when the update runs (the
+ * learning rate, the step count, the clipping coefficient computed from the global
+ * norm), and every collective is recorded when capturing: the same code runs eagerly
+ * and inside a captured training step (kiln train --zero1 --compile). */
+kiln_status kiln_zero1_step_t(kiln_zero1_t *z, kiln_tensor_t *lr, double max_norm, kiln_tensor_t **norm)
 {
-    if (!z) return kiln_error(KILN_ERR_ARG, "zero1_step: NULL");
+    if (norm) *norm = NULL;
+    if (!z || !lr) return kiln_error(KILN_ERR_ARG, "zero1_step_t: NULL state or learning rate");
+    if (kiln_tensor_numel(lr) != 1 ||
+        (kiln_tensor_dtype(lr) != KILN_DTYPE_F32 && kiln_tensor_dtype(lr) != KILN_DTYPE_F64))
+        return kiln_error(KILN_ERR_SHAPE, "zero1_step_t: the learning rate must be a one-element f32 or f64 tensor");
     bool prev = kiln_set_grad_enabled(false);
     kiln_status s = KILN_OK;
     kiln_scope_begin();
@@ -151,28 +171,24 @@ kiln_status kiln_zero1_step(kiln_zero1_t *z, double lr, double max_norm, double 
         }
         if (s == KILN_OK) s = kiln_pg_reduce_scatter(z->pg, g->flat, g->g, KILN_REDUCE_AVG);
     }
-    /* The global norm: every shard's squared norm, summed over the ranks. */
-    double sq = 0;
-    for (int gi = 0; s == KILN_OK && gi < 2; gi++) {
-        double v = 0;
-        if (z->gr[gi].shard) s = kiln_tensor_item(kiln_sum(kiln_mul(z->gr[gi].g, z->gr[gi].g), NULL, 0, false), &v);
-        sq += v;
-    }
-    if (s == KILN_OK) {
-        int64_t one = 1;
-        kiln_tensor_t *t = kiln_from_data(&sq, &one, 1, KILN_DTYPE_F64);
-        s = t ? kiln_pg_allreduce(z->pg, t, KILN_REDUCE_SUM) : kiln_last_status();
-        if (s == KILN_OK) s = kiln_tensor_to_host(t, &sq, sizeof sq);
-    }
-    double nrm = sqrt(sq);
-    if (norm) *norm = nrm;
-    int64_t t = z->steps + 1;
+    /* The global norm: every shard's squared norm (in f32, as kiln_grad_norm's), summed
+     * in f64 over the groups and the ranks. */
+    kiln_tensor_t *sq = NULL, *nrm = NULL, *coef = NULL;
     for (int gi = 0; s == KILN_OK && gi < 2; gi++) {
         group *g = &z->gr[gi];
         if (!g->shard) continue;
-        if (max_norm > 0 && nrm > max_norm) s = kiln_mul_scalar_(g->g, max_norm / (nrm + 1e-6)); /* as clip_grad_norm */
-        if (s == KILN_OK)
-            s = kiln_adamw_(g->p, g->g, g->m, g->v, lr, z->beta1, z->beta2, z->eps, g->decay ? z->wd : 0.0, t);
+        kiln_tensor_t *t = kiln_cast(kiln_sum(kiln_mul(g->g, g->g), NULL, 0, false), KILN_DTYPE_F64);
+        if (!(sq = !t || !sq ? t : kiln_add(sq, t))) s = kiln_last_status();
+    }
+    if (s == KILN_OK && !sq && !(sq = kiln_scalar(0, KILN_DTYPE_F64))) s = kiln_last_status();
+    if (s == KILN_OK) s = kiln_pg_allreduce(z->pg, sq, KILN_REDUCE_SUM);
+    if (s == KILN_OK && (!(nrm = kiln_sqrt(sq)) || !(coef = kiln_clip_coef(nrm, max_norm)))) s = kiln_last_status();
+    if (s == KILN_OK) s = kiln_add_(z->step, z->one, 1.0);
+    for (int gi = 0; s == KILN_OK && gi < 2; gi++) {
+        group *g = &z->gr[gi];
+        if (!g->shard) continue;
+        s = kiln_adamw_step_(g->p, g->g, g->m, g->v, lr, z->step, coef, z->beta1, z->beta2, z->eps,
+                             g->decay ? z->wd : 0.0);
         /* Every rank's updated shard, back into every rank's parameters. */
         if (s == KILN_OK) s = kiln_pg_allgather(z->pg, g->p, g->flat);
         for (int k = 0; s == KILN_OK && k < g->n; k++) {
@@ -180,9 +196,27 @@ kiln_status kiln_zero1_step(kiln_zero1_t *z, double lr, double max_norm, double 
             s = kiln_tensor_copy_(kiln__flat_of(p), kiln_narrow(g->flat, 0, g->off[k], kiln_tensor_numel(p)));
         }
     }
+    if (s == KILN_OK && norm) *norm = kiln_keep(nrm);
     kiln_scope_end();
     kiln_set_grad_enabled(prev);
-    if (s == KILN_OK) z->steps = t;
+    if (norm && *norm) *norm = kiln__scoped(*norm); /* in the caller's scope */
+    return s;
+}
+
+kiln_status kiln_zero1_step(kiln_zero1_t *z, double lr, double max_norm, double *norm)
+{
+    if (!z) return kiln_error(KILN_ERR_ARG, "zero1_step: NULL");
+    if (kiln_graph_capturing())
+        return kiln_error(KILN_ERR_UNSUPPORTED, "zero1_step during graph capture: a learning rate given as a number "
+                          "would be frozen, and the norm read; use kiln_zero1_step_t");
+    int64_t one = 1;
+    kiln_scope_begin();
+    kiln_tensor_t *lr_t = kiln_from_data(&lr, &one, 1, KILN_DTYPE_F64), *nrm = NULL;
+    kiln_status s = lr_t ? kiln_zero1_step_t(z, lr_t, max_norm, &nrm) : kiln_last_status();
+    double v = 0;
+    if (s == KILN_OK) s = kiln_tensor_item(nrm, &v);
+    if (s == KILN_OK && norm) *norm = v;
+    kiln_scope_end();
     return s;
 }
 
@@ -340,6 +374,6 @@ kiln_status kiln_zero1_load(kiln_zero1_t *z, const char *dir, int64_t step)
     }
     kiln_scope_end();
     kiln_set_grad_enabled(prev);
-    if (s == KILN_OK) z->steps = step;
+    if (s == KILN_OK) s = kiln_fill_(z->step, (double)step);
     return s;
 }

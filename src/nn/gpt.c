@@ -749,6 +749,14 @@ kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, 
         }
         if (s == KILN_OK && !(loss = kiln_mul_scalar(loss, 1.0 / A))) s = kiln_last_status();
     }
+    if (st->zero) {
+        if (s == KILN_OK) s = kiln_zero1_step_t(st->zero, in[2], st->clip, &norm);
+        kiln_optim_zero_grad(st->opt);
+        out[0] = loss;
+        out[1] = norm;
+        *n_out = 2;
+        return s;
+    }
     for (int i = 0; s == KILN_OK && st->pg && i < st->n_params; i++) {
         kiln_tensor_t *g = kiln_tensor_grad(st->params[i]);
         if (g) s = kiln_pg_allreduce(st->pg, g, KILN_REDUCE_AVG);

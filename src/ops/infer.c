@@ -662,6 +662,29 @@ kiln_status kiln__infer_allreduce_(kiln_tensor_t *const *in, int n, const kiln__
     return KILN_OK;
 }
 
+/* Sizes are the group's to check when it runs (the infer step knows no world size). */
+static kiln_status infer_collective2(const char *what, kiln_tensor_t *const *in, const kiln__attrs *a)
+{
+    char b[96], c[96];
+    if (in[0]->dtype != KILN_DTYPE_F32 && in[0]->dtype != KILN_DTYPE_F64)
+        return kiln__err(KILN_ERR_DTYPE, "%s: %s must be f32 or f64", what, SHP(in[0], b));
+    if (in[1]->dtype != in[0]->dtype)
+        return kiln__err(KILN_ERR_DTYPE, "%s: source %s and destination %s differ in dtype", what, SHP(in[1], b),
+                         SHP(in[0], c));
+    if (!a->u[0] || !a->u[1]) return kiln__err(KILN_ERR_ARG, "%s: no process group", what);
+    return KILN_OK;
+}
+
+kiln_status kiln__infer_reduce_scatter_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    return infer_collective2("reduce_scatter_", in, a);
+}
+
+kiln_status kiln__infer_allgather_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    return infer_collective2("allgather_", in, a);
+}
+
 /* Backward ops. */
 kiln_status kiln__infer_gelu_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {

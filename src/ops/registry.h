@@ -76,6 +76,9 @@ static inline unsigned kiln__written_inputs(kiln__op_id op)
 /* ALLREDUCE_'s u[1]: runs the collective on group (its u[0]) in place on t. */
 typedef kiln_status (*kiln__collective_fn)(void *group, kiln_tensor_t *t, int op);
 
+/* REDUCE_SCATTER_'s and ALLGATHER_'s u[1]: runs the collective on group from src into dst. */
+typedef kiln_status (*kiln__collective2_fn)(void *group, kiln_tensor_t *dst, kiln_tensor_t *src, int op);
+
 /* What a CHECK_MIN checks (its i[0]), naming it in the error. */
 enum { KILN__CHECK_VALUE, KILN__CHECK_ADAMW_STEP };
 

@@ -333,6 +333,20 @@ kiln_status kiln__cpu_allreduce_(kiln__backend *be, kiln_tensor_t *const *in, in
     return run((void *)(uintptr_t)a->u[0], in[0], (int)a->i[0]);
 }
 
+kiln_status kiln__cpu_reduce_scatter_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                      kiln_tensor_t *const *out, int n_out)
+{
+    kiln__collective2_fn run = (kiln__collective2_fn)(uintptr_t)a->u[1];
+    return run((void *)(uintptr_t)a->u[0], in[0], in[1], (int)a->i[0]);
+}
+
+kiln_status kiln__cpu_allgather_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t *const *out, int n_out)
+{
+    kiln__collective2_fn run = (kiln__collective2_fn)(uintptr_t)a->u[1];
+    return run((void *)(uintptr_t)a->u[0], in[0], in[1], (int)a->i[0]);
+}
+
 kiln_status kiln__cpu_where(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                             kiln_tensor_t *const *out, int n_out);
 
