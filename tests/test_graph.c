@@ -218,14 +218,6 @@ static void folds_in_a_row_keep_their_sources(void **state)
     kiln_graph_free(g);
 }
 
-static kiln_status with_dropout(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
-{
-    (void)ctx, (void)n_in;
-    out[0] = kiln_dropout(in[0], 0.5, true);
-    *n_out = 1;
-    return out[0] ? KILN_OK : kiln_last_status();
-}
-
 static void bad_uses_are_clear_errors(void **state)
 {
     mlp_ctx c = {randn(16, 32, 1), randn(1, 32, 2), randn(32, 8, 3), false, true, false};
@@ -249,10 +241,55 @@ static void bad_uses_are_clear_errors(void **state)
     assert_int_equal(kiln_graph_run(g, &x, 1, got, 1, &n), KILN_ERR_ARG); /* room for 1 of 2 outputs */
     kiln_clear_error();
     kiln_graph_free(g);
-    /* An op whose eager calls differ (a random stream) cannot be frozen into a graph. */
-    assert_int_equal(kiln_graph_capture(with_dropout, NULL, &x, 1, &g), KILN_ERR_UNSUPPORTED);
-    assert_non_null(strstr(kiln_last_error(), "dropout"));
-    kiln_clear_error();
+}
+
+static int count_op(kiln_graph_t *g, const char *op);
+
+/* Two dropouts of the same input and a rand: three draws. */
+static kiln_status three_draws(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    (void)ctx, (void)n_in;
+    out[0] = kiln_dropout(in[0], 0.5, true);
+    out[1] = kiln_dropout(in[0], 0.5, true);
+    out[2] = kiln_rand(kiln_tensor_shape(in[0]), kiln_tensor_ndim(in[0]), KILN_DTYPE_F32);
+    *n_out = 3;
+    return out[0] && out[1] && out[2] ? KILN_OK : kiln_last_status();
+}
+
+static bool same_values(kiln_tensor_t *a, kiln_tensor_t *b)
+{
+    float *x = to_host(a), *y = to_host(b);
+    bool same = !memcmp(x, y, sizeof(float) * (size_t)kiln_tensor_numel(a));
+    free(x);
+    free(y);
+    return same;
+}
+
+/* Random ops in a graph draw when it runs. Oracle: the function called eagerly from the
+ * same generator state (kiln_manual_seed), bitwise: capture draws nothing, each run
+ * draws what the eager call would, a second run draws new numbers (the eager second
+ * call's), and CSE keeps the two dropouts of one input apart. */
+static void random_ops_draw_when_the_graph_runs(void **state)
+{
+    kiln_tensor_t *x = randn(4, 16, 4), *want[2][3], *got[2][3];
+    int n;
+    kiln_manual_seed(7);
+    for (int r = 0; r < 2; r++) assert_int_equal(three_draws(NULL, &x, 1, want[r], &n), KILN_OK);
+    kiln_graph_t *g;
+    kiln_manual_seed(7);
+    assert_int_equal(kiln_graph_capture(three_draws, NULL, &x, 1, &g), KILN_OK);
+    int removed = -1;
+    assert_int_equal(kiln_graph_cse(g, &removed), KILN_OK);
+    assert_int_equal(count_op(g, " dropout("), 2);
+    assert_int_equal(count_op(g, " rand("), 1);
+    for (int r = 0; r < 2; r++) {
+        assert_int_equal(kiln_graph_run(g, &x, 1, got[r], 3, &n), KILN_OK);
+        for (int i = 0; i < 3; i++) assert_close(got[r][i], want[r][i], 0);
+    }
+    assert_false(same_values(got[0][0], got[0][1]));
+    assert_false(same_values(got[0][0], got[1][0]));
+    assert_false(same_values(got[0][2], got[1][2]));
+    kiln_graph_free(g);
 }
 
 typedef struct {
@@ -791,6 +828,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(recomputed_activations_match_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(slice_scatters_merge_only_when_disjoint, setup, teardown),
         cmocka_unit_test_setup_teardown(allreduces_coalesce_into_buckets, setup, teardown),
+        cmocka_unit_test_setup_teardown(random_ops_draw_when_the_graph_runs, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -356,7 +356,7 @@ int cmd_train(int argc, char **argv)
         {"quiet", OPT_FLAG, &a.quiet, "only errors and the final summary"},
         {"zero1", OPT_FLAG, &a.zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
         {"compile", OPT_FLAG, &a.compile, "run each step (forward, backward of every --accum micro-batch, clipping, update) as one graph of "
-                                          "generated kernels (kiln compile; --dropout 0)"},
+                                          "generated kernels (kiln compile)"},
         {"bucket-mb", OPT_DOUBLE, &a.bucket_mb, "with several ranks: gradient buckets of this many MiB reduced during "
                                              "backward (0: one tensor at a time after it)"},
         {NULL, 0, NULL, NULL},
@@ -476,9 +476,6 @@ int cmd_train(int argc, char **argv)
      * after backward; without --compile they use the bucketed reduction overlapped
      * with backward). */
     bool whole = a.compile || (world == 1 && !a.zero1 && a.accum == 1);
-    if (a.compile && a.dropout > 0)
-        return cli_fail("train", "--compile runs the whole step as one graph: it needs --dropout 0 (a graph would "
-                                 "freeze dropout's random stream)");
     kiln_gpt_step step_fn = {m, opt, params, np, a.clip, (int)a.accum, world > 1 ? pg : NULL, NULL};
     kiln_compiled_t *compiled = NULL;
     if (a.compile && kiln_compiled_new(kiln_gpt_train_step, &step_fn, "train_step", &compiled) != KILN_OK)

@@ -8,6 +8,7 @@
  * code. */
 #include <stdlib.h>
 #include <string.h>
+#include "core/rng.h"
 #include "core/tensor_impl.h"
 #include "kiln/graph.h"
 #include "kiln/ops.h"
@@ -109,12 +110,6 @@ kiln_status kiln__graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_i
 {
     kiln_graph_t *g = capturing;
     const kiln__op_def *d = &kiln__ops[op];
-    /* Ops whose attributes change from one eager call to the next would be frozen into
-     * the graph: every run would draw the same random numbers, or take the same step. */
-    if (op == KILN_OP_RAND || (op == KILN_OP_DROPOUT && a->f[0] > 0))
-        return kiln__err(KILN_ERR_UNSUPPORTED, "%s during graph capture: its random stream would be frozen into the "
-                         "graph and every run would draw the same numbers; capture without it (dropout 0) for now",
-                         d->name);
     for (int i = 0; i < n_in; i++)
         if (in[i]->st->meta && (in[i]->graph_value <= 0 || in[i]->graph_value >= g->n_v))
             return kiln__err(KILN_ERR_ARG, "%s: input %d belongs to another graph's capture", d->name, i);
@@ -456,6 +451,22 @@ kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt
     return s;
 }
 
+bool kiln__graph_random(const node *n) { return n->op == KILN_OP_RAND || (n->op == KILN_OP_DROPOUT && n->attrs.f[0] > 0); }
+
+/* Random ops take their counters from the generator when the graph runs, in program
+ * order, as many as the eager calls would (capture took none: src/ops/api.c), so that
+ * every run draws new numbers and a run draws what the function run eagerly from the
+ * same generator state would have. */
+static void draw_random(const kiln_graph_t *g)
+{
+    for (int k = 0; k < g->n_nd; k++) {
+        node *n = &g->nd[k];
+        if (!kiln__graph_random(n)) continue;
+        const kiln__meta *m = &g->v[n->op == KILN_OP_RAND ? n->out[0] : n->in[0]].meta;
+        n->attrs.u[1] = kiln__rng_take((uint64_t)kiln__numel(m->ndim, m->shape), &n->attrs.u[0]);
+    }
+}
+
 kiln_status kiln__graph_frame_begin(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
                                     int max_out, int *n_out, kiln__graph_frame *f)
 {
@@ -464,6 +475,7 @@ kiln_status kiln__graph_frame_begin(const kiln_graph_t *g, kiln_tensor_t *const 
     kiln_status s = kiln__graph_check_inputs(g, in, n_in, max_out);
     if (s != KILN_OK) return s;
     if (!(f->rt = calloc((size_t)g->n_v, sizeof *f->rt))) return kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
+    draw_random(g);
     for (int i = 1; i < g->n_v; i++)
         if (g->v[i].kind == V_ARG) f->rt[i] = kiln_tensor_retain(in[g->v[i].index]);
         else if (g->v[i].kind == V_CONST) f->rt[i] = kiln_tensor_retain(g->v[i].t);
@@ -643,7 +655,7 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
         const kiln__op_def *d = &kiln__ops[n->op];
         int same = -1;
         uint64_t h = node_hash(n);
-        if (!d->is_inplace) {
+        if (!d->is_inplace && !kiln__graph_random(n)) { /* two draws are two draws */
             int since = 0; /* the merge target must come after the last write to its inputs */
             for (int i = 0; i < n->n_in; i++) {
                 int t = wrote[mem[n->in[i]]];
