@@ -245,12 +245,13 @@ static void bad_uses_are_clear_errors(void **state)
 
 static int count_op(kiln_graph_t *g, const char *op);
 
-/* Two dropouts of the same input and a rand: three draws. */
+/* Three dropouts of the same input (one never read) and a rand: four draws. */
 static kiln_status three_draws(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
 {
     (void)ctx, (void)n_in;
     out[0] = kiln_dropout(in[0], 0.5, true);
     out[1] = kiln_dropout(in[0], 0.5, true);
+    if (!kiln_dropout(in[0], 0.5, true)) return kiln_last_status(); /* drawn, never read */
     out[2] = kiln_rand(kiln_tensor_shape(in[0]), kiln_tensor_ndim(in[0]), KILN_DTYPE_F32);
     *n_out = 3;
     return out[0] && out[1] && out[2] ? KILN_OK : kiln_last_status();
@@ -268,7 +269,8 @@ static bool same_values(kiln_tensor_t *a, kiln_tensor_t *b)
 /* Random ops in a graph draw when it runs. Oracle: the function called eagerly from the
  * same generator state (kiln_manual_seed), bitwise: capture draws nothing, each run
  * draws what the eager call would, a second run draws new numbers (the eager second
- * call's), and CSE keeps the two dropouts of one input apart. */
+ * call's), CSE keeps the dropouts of one input apart, and DCE keeps the one nothing
+ * reads (its draw comes before the rand's). */
 static void random_ops_draw_when_the_graph_runs(void **state)
 {
     kiln_tensor_t *x = randn(4, 16, 4), *want[2][3], *got[2][3];
@@ -280,7 +282,8 @@ static void random_ops_draw_when_the_graph_runs(void **state)
     assert_int_equal(kiln_graph_capture(three_draws, NULL, &x, 1, &g), KILN_OK);
     int removed = -1;
     assert_int_equal(kiln_graph_cse(g, &removed), KILN_OK);
-    assert_int_equal(count_op(g, " dropout("), 2);
+    assert_int_equal(kiln_graph_dce(g, &removed), KILN_OK);
+    assert_int_equal(count_op(g, " dropout("), 3);
     assert_int_equal(count_op(g, " rand("), 1);
     for (int r = 0; r < 2; r++) {
         assert_int_equal(kiln_graph_run(g, &x, 1, got[r], 3, &n), KILN_OK);
@@ -736,21 +739,28 @@ static void slice_scatters_merge_only_when_disjoint(void **state)
     }
 }
 
-/* Four allreduces in a row on one group: a = 2x, t = (3x)^T (a view whose base is
- * returned), b = exp(x), and the argument y itself; then a, t and y are updated in place
- * (t's update must reach its base, y's the caller's buffer). */
-static kiln_status four_allreduces(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+/* Six allreduces in a row on one group: a = 2x, t = (3x)^T (a view whose base is
+ * returned), b = exp(x), the argument y itself, and two overlapping views v1, v2 (rows
+ * 0-3 and 2-5) of a captured tensor c; then a, t, y and v1 are updated in place (t's
+ * update must reach its base, y's the caller's buffer, v1's the captured c). */
+typedef struct {
+    kiln_pg_t *pg;
+    kiln_tensor_t *c;
+} ar_ctx;
+
+static kiln_status six_allreduces(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
 {
     (void)n_in;
-    kiln_pg_t *pg = ctx;
+    ar_ctx *c = ctx;
     kiln_tensor_t *a = kiln_mul_scalar(in[0], 2.0), *base = kiln_mul_scalar(in[0], 3.0), *b = kiln_exp(in[0]);
-    kiln_tensor_t *t = kiln_transpose(base, 0, 1);
-    kiln_tensor_t *ts[4] = {a, t, b, in[1]};
+    kiln_tensor_t *t = kiln_transpose(base, 0, 1), *v1 = kiln_narrow(c->c, 0, 0, 4), *v2 = kiln_narrow(c->c, 0, 2, 4);
+    kiln_tensor_t *ts[6] = {a, t, b, in[1], v1, v2};
     kiln_status s = KILN_OK;
-    for (int i = 0; s == KILN_OK && i < 4; i++) s = kiln_pg_allreduce(pg, ts[i], KILN_REDUCE_AVG);
+    for (int i = 0; s == KILN_OK && i < 6; i++) s = kiln_pg_allreduce(c->pg, ts[i], KILN_REDUCE_AVG);
     if (s == KILN_OK) s = kiln_mul_scalar_(a, 0.5);
     if (s == KILN_OK) s = kiln_mul_scalar_(t, 5.0);
     if (s == KILN_OK) s = kiln_add_(in[1], b, 1.0);
+    if (s == KILN_OK) s = kiln_mul_scalar_(v1, 2.0);
     if (s != KILN_OK) return s;
     out[0] = kiln_add(kiln_mul(a, b), kiln_transpose(t, 0, 1));
     out[1] = base;
@@ -761,48 +771,54 @@ static kiln_status four_allreduces(void *ctx, kiln_tensor_t *const *in, int n_in
 
 /* Oracle: the function run eagerly on a group of one, whose allreduce leaves the data as
  * it is, so that every value read after the coalesced allreduces (from the flat
- * buffer's ranges, or copied back), the base of t and the caller's y must be eager's
- * bitwise (tolerance 0). The four tensors (128 bytes each) become one allreduce with a
- * bucket that holds them all, two with a bucket of 256 bytes, and stay four with one of
- * 64; the group counts one collective per bucket. */
+ * buffer's ranges, or copied back), the base of t, the caller's y and the captured c
+ * must be eager's bitwise (tolerance 0). With a bucket that holds them all, a to v1 (128
+ * bytes each, v1 64) become one allreduce and v2, which overlaps v1, stays its own; with
+ * 256 bytes, a|t and b|y merge; with 64, nothing does. The group counts one collective
+ * per bucket; copies back go only into t, y and v1 (the buffer's ranges are read for a
+ * and b). */
 static void allreduces_coalesce_into_buckets(void **state)
 {
     unsetenv("KILN_WORLD_SIZE");
-    kiln_pg_t *pg;
-    assert_int_equal(kiln_pg_new_from_env(&pg), KILN_OK);
-    kiln_tensor_t *x = randn(8, 4, 21), *y = randn(8, 4, 22), *y_eager = kiln_clone(y);
+    ar_ctx c = {NULL, randn(8, 4, 23)};
+    assert_int_equal(kiln_pg_new_from_env(&c.pg), KILN_OK);
+    kiln_tensor_t *x = randn(8, 4, 21), *y = randn(8, 4, 22), *y_eager = kiln_clone(y), *c0 = kiln_clone(c.c);
     kiln_tensor_t *want[3], *in[2] = {x, y_eager};
     int n;
-    assert_int_equal(four_allreduces(pg, in, 2, want, &n), KILN_OK);
+    assert_int_equal(six_allreduces(&c, in, 2, want, &n), KILN_OK);
+    kiln_tensor_t *c_eager = kiln_clone(c.c);
     struct {
         int64_t bucket;
-        int merged, collectives;
-    } cases[] = {{1 << 20, 3, 1}, {256, 2, 2}, {64, 0, 4}};
-    for (int c = 0; c < 3; c++) {
+        int merged, collectives, copies;
+    } cases[] = {{1 << 20, 4, 2, 3}, {256, 2, 4, 2}, {64, 0, 6, 0}};
+    for (int k = 0; k < 3; k++) {
+        assert_int_equal(kiln_tensor_copy_(c.c, c0), KILN_OK);
         kiln_graph_t *g;
         kiln_tensor_t *ex[2] = {x, y};
-        kiln_status st = kiln_graph_capture(four_allreduces, pg, ex, 2, &g);
+        kiln_status st = kiln_graph_capture(six_allreduces, &c, ex, 2, &g);
         if (st != KILN_OK) fail_msg("capture: %s", kiln_last_error());
-        assert_int_equal(count_op(g, "allreduce_("), 4);
+        assert_int_equal(count_op(g, "allreduce_("), 6);
         int merged = -1;
-        assert_int_equal(kiln_graph_coalesce_allreduce(g, cases[c].bucket, &merged), KILN_OK);
-        assert_int_equal(merged, cases[c].merged);
-        assert_int_equal(count_op(g, "allreduce_("), cases[c].collectives);
+        assert_int_equal(kiln_graph_coalesce_allreduce(g, cases[k].bucket, &merged), KILN_OK);
+        assert_int_equal(merged, cases[k].merged);
+        assert_int_equal(count_op(g, "allreduce_("), cases[k].collectives);
+        assert_int_equal(count_op(g, "copy_("), cases[k].copies);
         kiln_tensor_t *y2 = kiln_clone(y), *args[2] = {x, y2}, *got[3];
-        uint64_t seq = kiln_pg_seq(pg);
+        uint64_t seq = kiln_pg_seq(c.pg);
         assert_int_equal(kiln_graph_run(g, args, 2, got, 3, &n), KILN_OK);
         assert_int_equal(n, 3);
-        assert_int_equal(kiln_pg_seq(pg) - seq, (uint64_t)cases[c].collectives);
+        assert_int_equal(kiln_pg_seq(c.pg) - seq, (uint64_t)cases[k].collectives);
         for (int i = 0; i < 3; i++) assert_close(got[i], want[i], 0);
         assert_close(y2, y_eager, 0);
+        assert_close(c.c, c_eager, 0);
         kiln_graph_free(g);
     }
     kiln_graph_t *g;
-    assert_int_equal(kiln_graph_capture(four_allreduces, pg, (kiln_tensor_t *[]){x, y}, 2, &g), KILN_OK);
+    assert_int_equal(kiln_graph_capture(six_allreduces, &c, (kiln_tensor_t *[]){x, y}, 2, &g), KILN_OK);
     assert_int_equal(kiln_graph_coalesce_allreduce(g, 0, NULL), KILN_ERR_ARG);
     assert_non_null(strstr(kiln_last_error(), "bucket"));
     kiln_graph_free(g);
-    kiln_pg_free(pg);
+    kiln_pg_free(c.pg);
 }
 
 static void gpt2_forward_captures(void **state) { gpt_forward_captures(false); }

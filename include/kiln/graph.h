@@ -52,7 +52,9 @@ typedef kiln_status (*kiln_graph_fn)(void *ctx, kiln_tensor_t *const *in, int n_
 kiln_status kiln_graph_capture(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *example, int n_in,
                                kiln_graph_t **out);
 /* Runs the graph on in[0..n_in) (their shapes and dtypes must be those captured);
- * out[0..*n_out) get its results, in the caller's scope. */
+ * out[0..*n_out) get its results, in the caller's scope. Random ops (dropout, rand) take
+ * their counters from the generator at the start of each run and keep them in the
+ * graph's nodes: one graph is not run from two threads at once. */
 kiln_status kiln_graph_run(kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
                            int *n_out);
 /* Dead-code elimination: drops the ops whose results nothing uses (in-place updates
@@ -84,8 +86,10 @@ kiln_status kiln_graph_merge_slices(kiln_graph_t *g, int *merged);
 /* Coalescing allreduces: a run of consecutive in-graph allreduces (kiln_pg_allreduce
  * while capturing) with one group, reduce op, dtype and device becomes, for each bucket
  * of at most bucket_bytes (a tensor larger than that is a bucket of its own), one
- * allreduce of the tensors flattened into one buffer, then copied back. Returns how many
- * allreduces were merged away in *merged. */
+ * allreduce of the tensors flattened into one buffer; later reads of each tensor read its
+ * range of the buffer, and a tensor whose memory something else reads later (its base,
+ * another view, an argument's or captured tensor's real buffer) is copied back into.
+ * Returns how many allreduces were merged away in *merged. */
 kiln_status kiln_graph_coalesce_allreduce(kiln_graph_t *g, int64_t bucket_bytes, int *merged);
 int kiln_graph_num_ops(const kiln_graph_t *g);
 /* True while this thread is capturing a function. */

@@ -790,12 +790,18 @@ kiln_status kiln_pg_broadcast(kiln_pg_t *pg, kiln_tensor_t *t, int root)
 {
     if (!pg || !t) return kiln_error(KILN_ERR_ARG, "broadcast: NULL group or tensor");
     if (root < 0 || root >= pg->world) return kiln_error(KILN_ERR_ARG, "broadcast: root %d outside the group", root);
+    if (kiln_graph_capturing())
+        return kiln_error(KILN_ERR_UNSUPPORTED, "broadcast inside a graph capture: of the collectives only allreduce, "
+                          "reduce_scatter and allgather are recorded; broadcast outside the captured function");
     return run(pg, (sig){0, 0, OP_BROADCAST, 0, (uint32_t)root, 0}, t, NULL, NULL);
 }
 
 kiln_status kiln_pg_barrier(kiln_pg_t *pg)
 {
     if (!pg) return kiln_error(KILN_ERR_ARG, "barrier: NULL group");
+    if (kiln_graph_capturing())
+        return kiln_error(KILN_ERR_UNSUPPORTED, "barrier inside a graph capture: it would run once, while capturing, "
+                          "and never in the graph's runs; call it outside the captured function");
     return run(pg, (sig){0, 0, OP_BARRIER, 0, 0, 0}, NULL, NULL, NULL);
 }
 

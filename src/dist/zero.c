@@ -68,13 +68,9 @@ kiln_status kiln_zero1_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, c
     kiln_status s = z->params ? KILN_OK : kiln_error(KILN_ERR_OOM, "zero1_new: out of memory");
     int64_t one = 1;
     double steps = resume_from ? (double)kiln_optim_steps(resume_from) : 0, unit = 1;
-    if (s == KILN_OK && (!(z->step = kiln_from_data(&steps, &one, 1, KILN_DTYPE_F64)) ||
-                         !(z->one = kiln_from_data(&unit, &one, 1, KILN_DTYPE_F64))))
+    if (s == KILN_OK && (!(z->step = kiln_keep(kiln_from_data(&steps, &one, 1, KILN_DTYPE_F64))) ||
+                         !(z->one = kiln_keep(kiln_from_data(&unit, &one, 1, KILN_DTYPE_F64)))))
         s = kiln_last_status();
-    if (s == KILN_OK) {
-        kiln_keep(z->step);
-        kiln_keep(z->one);
-    }
     int world = kiln_pg_world_size(pg), rank = kiln_pg_rank(pg);
     for (int gi = 0; s == KILN_OK && gi < 2; gi++) {
         group *g = &z->gr[gi];
@@ -183,7 +179,7 @@ kiln_status kiln_zero1_step_t(kiln_zero1_t *z, kiln_tensor_t *lr, double max_nor
     if (s == KILN_OK && !sq && !(sq = kiln_scalar(0, KILN_DTYPE_F64))) s = kiln_last_status();
     if (s == KILN_OK) s = kiln_pg_allreduce(z->pg, sq, KILN_REDUCE_SUM);
     if (s == KILN_OK && (!(nrm = kiln_sqrt(sq)) || !(coef = kiln_clip_coef(nrm, max_norm)))) s = kiln_last_status();
-    if (s == KILN_OK) s = kiln_add_(z->step, z->one, 1.0);
+    bool counted = s == KILN_OK && (s = kiln_add_(z->step, z->one, 1.0)) == KILN_OK;
     for (int gi = 0; s == KILN_OK && gi < 2; gi++) {
         group *g = &z->gr[gi];
         if (!g->shard) continue;
@@ -197,6 +193,9 @@ kiln_status kiln_zero1_step_t(kiln_zero1_t *z, kiln_tensor_t *lr, double max_nor
         }
     }
     if (s == KILN_OK && norm) *norm = kiln_keep(nrm);
+    /* An eager step that failed after counting itself is not counted (inside a capture
+     * nothing ran yet: the graph's run fails as a whole). */
+    if (s != KILN_OK && counted && !kiln_graph_capturing()) kiln_add_(z->step, z->one, -1.0);
     kiln_scope_end();
     kiln_set_grad_enabled(prev);
     if (norm && *norm) *norm = kiln__scoped(*norm); /* in the caller's scope */

@@ -578,7 +578,9 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
     kiln__graph_mark_results(g, used);
     for (int k = g->n_nd - 1; k >= 0; k--) {
         node *n = &g->nd[k];
-        bool live = kiln__ops[n->op].is_inplace;
+        /* A random op whose results nothing reads still takes its counters, as the eager
+         * call did, so that the draws after it stay eager's. */
+        bool live = kiln__ops[n->op].is_inplace || kiln__graph_random(n);
         for (int j = 0; j < n->n_out; j++) live |= used[n->out[j]];
         keep[k] = live;
         if (live)
@@ -841,6 +843,38 @@ typedef struct {
     int map_from[64], map_to[64], n_map; /* what this rebuild has cloned so far */
 } rc_ctx;
 
+/* The value whose memory v lives in: v itself, or the base that its views lead back to. */
+static int root_value(const kiln_graph_t *g, int v)
+{
+    while (g->v[v].kind == V_OP) {
+        const node *n = &g->nd[g->v[v].index];
+        if (!kiln__ops[n->op].is_view || kiln__ops[n->op].is_inplace || !n->n_in) break;
+        v = n->in[0];
+    }
+    return v;
+}
+
+/* Do values a and b live in the same memory (one base, or two captured tensors on one
+ * storage)? */
+static bool same_memory(const kiln_graph_t *g, int a, int b)
+{
+    int ra = root_value(g, a), rb = root_value(g, b);
+    return ra == rb || (g->v[ra].kind == V_CONST && g->v[rb].kind == V_CONST && g->v[ra].t->st == g->v[rb].t->st);
+}
+
+/* Does a node before `before` write value x's memory in place after x was made (at
+ * all, for an argument or captured tensor)? */
+static bool written_before(const kiln_graph_t *g, int x, int before)
+{
+    for (int q = g->v[x].kind == V_OP ? g->v[x].index + 1 : 0; q < before && q < g->n_nd; q++) {
+        const node *n = &g->nd[q];
+        unsigned w = kiln__written_inputs(n->op);
+        for (int i = 0; i < n->n_in && i < 4; i++)
+            if ((w >> i & 1) && same_memory(g, n->in[i], x)) return true;
+    }
+    return false;
+}
+
 /* Is value x there at position late without being computed again? So it is when read
  * at or after late, or when a view of it is (the view keeps its storage). */
 static bool alive_but(const rc_ctx *c, int x, int late, int skip)
@@ -865,7 +899,9 @@ static bool alive_at(const rc_ctx *c, int x, int late) { return alive_but(c, x, 
 static bool rebuildable(const rc_ctx *c, int x, int late, int depth, int *budget)
 {
     const kiln_graph_t *g = c->g;
-    if (alive_at(c, x, late)) return true;
+    /* Alive there, and holding at late what it held when first read (not written in
+     * place since: an update, a collective). */
+    if (alive_at(c, x, late)) return !written_before(g, x, late);
     if (depth >= RC_DEPTH || c->mut[x]) return false;
     const node *n = &g->nd[g->v[x].index];
     if (!recomputable(n->op) || n->n_out != 1 || n->n_in > 8 || --*budget < 0) return false;
@@ -1173,9 +1209,13 @@ static bool same_collective(const node *a, const node *b, const kiln_tensor_t *t
  * `end` share its storage and get read from `end` on (or returned), or is it one? */
 static bool aliased_later(const kiln_graph_t *g, kiln_tensor_t **map, const int *last, int v, int end)
 {
-    if (g->v[v].kind != V_OP) return true;
+    /* A view of an argument or captured tensor (whose meta storage is its own when the
+     * base is a real tensor) writes into that tensor. */
+    if (g->v[root_value(g, v)].kind != V_OP) return true;
     for (int x = 1; x < g->n_v; x++)
-        if (x != v && map[x] && map[x]->st == map[v]->st && (last[x] > end || g->v[x].kind != V_OP)) return true;
+        if (x != v && map[x] && (map[x]->st == map[v]->st || same_memory(g, x, v)) &&
+            (last[x] > end || g->v[x].kind != V_OP))
+            return true;
     return false;
 }
 
@@ -1198,7 +1238,7 @@ static kiln_status coalesce_rule(const kiln_graph_t *g, int k, kiln_tensor_t **i
         kiln_tensor_t *t = map[b->in[0]];
         if (!t || !same_collective(n, b, ins[0], t) || bytes + nbytes(t) > c->bucket_bytes) break;
         bool shared = false;
-        for (int i = 0; i < m && !shared; i++) shared = ts[i]->st == t->st;
+        for (int i = 0; i < m && !shared; i++) shared = ts[i]->st == t->st || same_memory(g, vs[i], b->in[0]);
         if (shared) break;
         ts[m] = t;
         vs[m] = b->in[0];
