@@ -91,6 +91,11 @@ kiln_status kiln_graph_merge_slices(kiln_graph_t *g, int *merged);
  * another view, an argument's or captured tensor's real buffer) is copied back into.
  * Returns how many allreduces were merged away in *merged. */
 kiln_status kiln_graph_coalesce_allreduce(kiln_graph_t *g, int64_t bucket_bytes, int *merged);
+/* Sinking views: an elementwise op whose inputs are all reshapes of contiguous values of
+ * one shape is computed in that shape and its result reshaped (gelu(view(add)) becomes
+ * view(gelu(add)), which fuse). Returns how many ops were moved in *sunk; run
+ * kiln_graph_dce after, which drops the views nothing reads any more. */
+kiln_status kiln_graph_sink_views(kiln_graph_t *g, int *sunk);
 int kiln_graph_num_ops(const kiln_graph_t *g);
 /* True while this thread is capturing a function. */
 bool kiln_graph_capturing(void);

@@ -1284,3 +1284,72 @@ kiln_status kiln_graph_coalesce_allreduce(kiln_graph_t *g, int64_t bucket_bytes,
     if (merged) *merged = s == KILN_OK ? c.merged : 0;
     return s;
 }
+
+/* Sinking views below elementwise ops: an elementwise op all of whose inputs are
+ * reshapes (view) of contiguous values of one shape S, to its own shape, is computed on
+ * those values in S and its result reshaped after it: gelu(view(add(mm, b))) becomes
+ * view(gelu(add(mm, b))), so that the add and the gelu are one index space and fuse
+ * into one kernel (kiln_linear's 2-D matmul and bias inside a 3-D model). Elementwise
+ * results do not depend on the shape they are computed in, only on which elements meet,
+ * and a reshape of a contiguous value keeps every element's place in memory. Only where
+ * a source is itself an elementwise result (whose kernel the op then joins), and not
+ * for scalars. */
+static bool elementwise(kiln__op_id op)
+{
+    switch (op) {
+    case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_POW:
+    case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM: case KILN_OP_NEG: case KILN_OP_ABS: case KILN_OP_EXP:
+    case KILN_OP_LOG: case KILN_OP_SQRT: case KILN_OP_RSQRT: case KILN_OP_TANH: case KILN_OP_SIGMOID:
+    case KILN_OP_RELU: case KILN_OP_GELU: case KILN_OP_SILU: case KILN_OP_WHERE: case KILN_OP_CAST:
+    case KILN_OP_EQ: case KILN_OP_NE: case KILN_OP_LT: case KILN_OP_LE: case KILN_OP_GT: case KILN_OP_GE:
+    case KILN_OP_GELU_BACKWARD: case KILN_OP_SILU_BACKWARD:
+        return true;
+    default:
+        return false;
+    }
+}
+
+static kiln_status sink_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, kiln_tensor_t **map, void *ctx,
+                             int *used)
+{
+    (void)ins;
+    const node *n = &g->nd[k];
+    if (!elementwise(n->op) || n->n_out != 1 || n->n_in < 1 || n->n_in > 3) return KILN_OK;
+    const kiln__meta *om = &g->v[n->out[0]].meta;
+    kiln_tensor_t *src[3];
+    bool joins = false; /* a source is an elementwise op's result, whose kernel the op can join */
+    for (int i = 0; i < n->n_in; i++) {
+        const value *x = &g->v[n->in[i]];
+        if (x->kind != V_OP || g->nd[x->index].op != KILN_OP_VIEW) return KILN_OK;
+        const value *sv = &g->v[g->nd[x->index].in[0]];
+        joins |= sv->kind == V_OP && elementwise(g->nd[sv->index].op);
+        const kiln__meta *xm = &x->meta;
+        if (xm->ndim != om->ndim || memcmp(xm->shape, om->shape, sizeof(int64_t) * (size_t)om->ndim)) return KILN_OK;
+        src[i] = map[g->nd[x->index].in[0]];
+        if (!src[i] || !kiln__is_contiguous(src[i]) ||
+            (i > 0 && (src[i]->ndim != src[0]->ndim ||
+                       memcmp(src[i]->shape, src[0]->shape, sizeof(int64_t) * (size_t)src[0]->ndim))))
+            return KILN_OK;
+    }
+    if (!joins || kiln__numel(om->ndim, om->shape) < 2 ||
+        (src[0]->ndim == om->ndim && !memcmp(src[0]->shape, om->shape, sizeof(int64_t) * (size_t)om->ndim)))
+        return KILN_OK; /* nothing to fuse with, a scalar, or views that change no shape */
+    kiln_tensor_t *res[KILN__MAX_OUT] = {0};
+    kiln_status s = kiln__dispatch(n->op, src, n->n_in, &n->attrs, res);
+    if (s != KILN_OK) return s;
+    kiln_tensor_t *out = kiln_reshape(res[0], om->shape, om->ndim);
+    kiln_tensor_free(res[0]);
+    if (!out) return kiln_last_status();
+    map[n->out[0]] = kiln_tensor_retain(out);
+    (*(int *)ctx)++;
+    *used = 1;
+    return KILN_OK;
+}
+
+kiln_status kiln_graph_sink_views(kiln_graph_t *g, int *sunk)
+{
+    int count = 0;
+    kiln_status s = rewrite(g, "graph_sink_views", sink_rule, &count, NULL);
+    if (sunk) *sunk = s == KILN_OK ? count : 0;
+    return s;
+}
