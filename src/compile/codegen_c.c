@@ -2,8 +2,9 @@
  * with a comment listing them. A function runs tasks [t0, t1) of its kernel (a task is
  * a row, or a piece of one); the runtime spreads the tasks over kiln's thread pool.
  * Sizes and strides are the function's sz[] argument (compile_impl.h), so a kernel's
- * text does not change when only the sizes it runs on do (the OpenCL and CUDA dialects
- * and KILN_COMPILE_DISABLE=symbolic write them in).
+ * text does not change when only the sizes it runs on do; the OpenCL dialect takes them
+ * as kernel arguments instead (the CUDA dialect and KILN_COMPILE_DISABLE=symbolic write
+ * them in).
  * Inner loops are written so that GCC vectorizes them: loads and stores at constant
  * strides, selects instead of branches, a polynomial exp, and reductions kept in 16
  * partial accumulators that are combined in a fixed order at the end of the row. */
@@ -417,7 +418,7 @@ static void kernel_c(sbuf *b, const kiln__program *p, const kc_kernel *k, bool f
 {
     bool cl = dialect == D_OPENCL;
     int nd = k->ndim;
-    gen G = {k, p->symbolic && dialect == D_C, fast, calloc((size_t)k->n_sz + 1, 1)};
+    gen G = {k, p->symbolic && dialect != D_CUDA, fast, calloc((size_t)k->n_sz + 1, 1)};
     sbuf text = {0};
     if (!G.used) {
         b->failed = true;
@@ -435,7 +436,9 @@ static void kernel_c(sbuf *b, const kiln__program *p, const kc_kernel *k, bool f
     if (cl) {
         put(b, "__kernel void %s(", k->name);
         for (int i = 0; i < k->n_buf; i++) put(b, "__global char *g%d, ulong go%d, ", i, i);
-        put(b, "long n_tasks)\n{\n");
+        put(b, "long n_tasks");
+        for (int n = 0; G.sym && n < k->n_sz; n++) put(b, ", long z%d", n); /* every size, as kiln__device_launch gives them */
+        put(b, ")\n{\n");
         for (int i = 0; i < k->n_buf; i++)
             put(b, "    __global %s%s *%sin%d = (__global %s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ",
                 ctype(k->buf[i].dt), k->buf[i].output ? "restrict " : "", i, k->buf[i].output ? "" : "const ",

@@ -75,7 +75,8 @@ typedef struct {
  * shapes, so that graphs differing only in sizes have the same source, one cache entry
  * and one shared object. What stays in the text: the structure, constants, and inner-dim
  * strides of 0 and 1 (they decide how the inner loop vectorizes). With
- * KILN_COMPILE_DISABLE=symbolic (and in the OpenCL and CUDA dialects) sizes are literals.
+ * KILN_COMPILE_DISABLE=symbolic (and in the CUDA dialect) sizes are literals; the OpenCL
+ * dialect takes every slot as a kernel argument (kiln__device_launch).
  * Slots: the inner size, pieces per row, elements per piece, the outer dims, then each
  * load or index expression's strides and each store's, ndim apiece. */
 enum { KC_SZ_INNER, KC_SZ_CHUNKS, KC_SZ_PER, KC_SZ_DOM };
