@@ -4,6 +4,7 @@
  * recorded input metadata. */
 #include <math.h>
 #include <string.h>
+#include "core/opts.h"
 #include "kiln/ops.h"
 #include "ops/registry.h"
 
@@ -235,7 +236,7 @@ kiln_status kiln__bw_matmul(kiln__node *n, kiln_tensor_t *const *gout, kiln_tens
     /* dB = A^T G; for a B laid out by columns, computed as (G^T A)^T, so that dB has B's
      * layout and the gradient of the matrix B views (a linear layer's weight) comes out
      * contiguous, not transposed: the norm and the optimizer then read it in order. */
-    if (NEED(1) && by_columns(X(1)) && X(0)->ndim == 2 && G->ndim == 2)
+    if (NEED(1) && by_columns(X(1)) && X(0)->ndim == 2 && G->ndim == 2 && kiln__opt(KILN__OPT_GRAD_LAYOUT))
         gin[1] = to_input(n, 1, kiln_transpose(kiln_matmul(kiln_transpose(G, 0, 1), X(0)), 0, 1));
     else if (NEED(1))
         gin[1] = to_input(n, 1, kiln_matmul(kiln_transpose(X(0), -1, -2), G));
