@@ -618,8 +618,45 @@ static int rng_child(void)
     return 0;
 }
 
-/* Runs this binary as a child with KILN_NUM_THREADS=threads; reads its line. */
+/* The child side for GEMMs: the matmul shapes of a GPT step (rows x C by C x 3C, the
+ * weight gradient's C x rows by rows x 4C, a transposed operand, a small M, a batch),
+ * hashed. */
+static int matmul_child(void)
+{
+    kiln_scope_begin();
+    kiln_manual_seed(77);
+    struct {
+        int64_t a[3], b[3];
+        int nd;
+        bool tb;
+    } cases[] = {{{2048, 256}, {256, 768}, 2, false}, {{1024, 2048}, {2048, 256}, 2, false},
+                 {{1000, 200}, {300, 200}, 2, true},  {{130, 640}, {640, 1500}, 2, false},
+                 {{3, 384, 64}, {3, 64, 384}, 3, false}};
+    uint64_t h = 1469598103934665603ULL;
+    for (int c = 0; c < 5; c++) {
+        kiln_tensor_t *a = kiln_randn(cases[c].a, cases[c].nd, KILN_DTYPE_F32);
+        kiln_tensor_t *b = kiln_randn(cases[c].b, cases[c].nd, KILN_DTYPE_F32);
+        kiln_tensor_t *y = kiln_matmul(a, cases[c].tb ? kiln_transpose(b, 0, 1) : b);
+        size_t nb = y ? kiln_tensor_nbytes(y) : 0;
+        unsigned char *buf = nb ? malloc(nb) : NULL;
+        if (!buf || kiln_tensor_to_host(y, buf, nb) != KILN_OK) return 1;
+        for (size_t i = 0; i < nb; i++) h = (h ^ buf[i]) * 1099511628211ULL;
+        free(buf);
+    }
+    printf("%d %016llx\n", kiln_num_threads(), (unsigned long long)h);
+    kiln_scope_end();
+    return 0;
+}
+
+/* Runs this binary as a child with KILN_NUM_THREADS=threads and the given mode; reads
+ * its line. */
+static void run_child_as(const char *mode, int threads, int *got_threads, unsigned long long *hash);
 static void run_child(int threads, int *got_threads, unsigned long long *hash)
+{
+    run_child_as("--rng-child", threads, got_threads, hash);
+}
+
+static void run_child_as(const char *mode, int threads, int *got_threads, unsigned long long *hash)
 {
     int fd[2];
     assert_int_equal(pipe(fd), 0);
@@ -632,7 +669,7 @@ static void run_child(int threads, int *got_threads, unsigned long long *hash)
         dup2(fd[1], 1);
         close(fd[0]);
         close(fd[1]);
-        execl("/proc/self/exe", "test_tensor", "--rng-child", (char *)NULL);
+        execl("/proc/self/exe", "test_tensor", mode, (char *)NULL);
         _exit(127);
     }
     close(fd[1]);
@@ -645,6 +682,19 @@ static void run_child(int threads, int *got_threads, unsigned long long *hash)
     assert_int_equal(waitpid(pid, &status, 0), pid);
     assert_true(WIFEXITED(status) && WEXITSTATUS(status) == 0);
     assert_int_equal(sscanf(line, "%d %llx", got_threads, hash), 2);
+}
+
+/* GEMMs split over the pool in one block per thread: 1, 2, 3 and 4 threads give
+ * bitwise the same products (oracle: the 1-thread run, one BLAS call per product). */
+static void test_matmuls_do_not_depend_on_the_thread_count(void **state)
+{
+    int t[4];
+    unsigned long long h[4];
+    for (int i = 0; i < 4; i++) {
+        run_child_as("--matmul-child", i + 1, &t[i], &h[i]);
+        assert_int_equal(t[i], i + 1);
+        if (h[i] != h[0]) fail_msg("matmuls on %d threads differ from 1 thread's", i + 1);
+    }
 }
 
 static void test_random_streams_do_not_depend_on_the_thread_count(void **state)
@@ -756,6 +806,7 @@ static void test_clear_error_resets_the_status(void **state)
 int main(int argc, char **argv)
 {
     if (argc > 1 && !strcmp(argv[1], "--rng-child")) return rng_child();
+    if (argc > 1 && !strcmp(argv[1], "--matmul-child")) return matmul_child();
     const struct CMUnitTest tests[] = {
         T(test_zeros_ones_full_fill_every_element),
         T(test_scalar_is_zero_dim_with_one_element),
@@ -792,6 +843,7 @@ int main(int argc, char **argv)
         T(test_same_seed_gives_the_same_numbers),
         T(test_successive_draws_differ_and_state_restores_them),
         T(test_random_streams_do_not_depend_on_the_thread_count),
+        T(test_matmuls_do_not_depend_on_the_thread_count),
         T(test_broadcast_mismatch_names_the_op_and_shapes),
         T(test_matmul_inner_mismatch_names_both_shapes),
         T(test_float_op_on_integers_is_a_dtype_error),

@@ -14,6 +14,7 @@
     X(DEVICE_CODEGEN, 1, "eager ops a device lacks compiled from generated code (else run on the cpu with copies)") \
     X(CL_MATMUL_TILES, 1, "OpenCL matmul in 64x64 tiles with 4x4 outputs per work-item (else 16x16, one each)") \
     X(DEVICE_GRAPHS, 1, "a recorded replay captured as the device's own graph (OpenCL command buffer, CUDA graph)") \
+    X(GEMM_THREAD_BLOCKS, 1, "pool GEMMs split into one block per thread (multiples of 128) instead of 128-row blocks") \
     X(GRAD_LAYOUT, 1, "the gradient of a column-major matmul operand (a linear weight) computed in its layout, (G^T A)^T")
 
 typedef enum {

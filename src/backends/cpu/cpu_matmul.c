@@ -43,8 +43,9 @@ static void gemm1(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_
 /* With KILN_OPT_POOL_GEMM the BLAS runs single-threaded and kiln's own pool splits each
  * GEMM into blocks of rows (or columns, when there are more of them). One pool for all
  * the cores: the BLAS's OpenMP threads no longer spin against kiln's threads between
- * calls (docs/perf-log.md, "one thread pool for GEMM"). The split depends only on the
- * shape, never on the thread count, so results are the same with any number of threads. */
+ * calls (docs/perf-log.md, "one thread pool for GEMM"). A block is a GEMM of whole
+ * rows (columns), each element the same sum over K as in one call, so results are the
+ * same with any number of threads. */
 typedef struct {
     kiln_dtype dt;
     mat_layout la, lb;
@@ -74,9 +75,19 @@ static void gemm_blocks(void *c, int64_t b, int64_t e)
 static void gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
                  const char *B, char *C)
 {
-    /* Blocks of 128 rows or columns: big enough for the BLAS's own blocking. */
-    const int64_t block = 128;
+    /* Blocks of 128 rows or columns at least (big enough for the BLAS's own blocking),
+     * and with KILN_OPT_GEMM_THREAD_BLOCKS one block per thread in multiples of 128:
+     * every block call packs the other operand again, so fewer, larger blocks pack it
+     * less often. Each element is still the BLAS's one sum over K in its order, whichever
+     * block its row (column) is in, so results do not depend on the thread count
+     * (tests/test_tensor.c checks 1 to 4 threads bitwise). */
+    int64_t block = 128;
     bool by_rows = M >= N;
+    if (kiln__opt(KILN__OPT_GEMM_THREAD_BLOCKS)) {
+        int64_t nt = kiln_num_threads(), per = ((by_rows ? M : N) + nt - 1) / (nt > 0 ? nt : 1);
+        block = (per + 127) / 128 * 128;
+        if (block < 128) block = 128;
+    }
     int64_t nblk = ((by_rows ? M : N) + block - 1) / block;
     if (!kiln__opt(KILN__OPT_POOL_GEMM) || nblk < 2 || M * N * K < (int64_t)1 << 18) {
         gemm1(dt, la, lb, M, N, K, A, B, C, N);
