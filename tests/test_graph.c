@@ -821,6 +821,71 @@ static void allreduces_coalesce_into_buckets(void **state)
     kiln_pg_free(c.pg);
 }
 
+/* Two siblings over x on either side of a matmul, and two over a captured c on either
+ * side of an in-place update of c. */
+typedef struct {
+    kiln_tensor_t *w, *c;
+} hoist_ctx;
+
+static kiln_status siblings(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    (void)n_in;
+    hoist_ctx *h = ctx;
+    kiln_tensor_t *a = kiln_exp(in[0]), *m = kiln_matmul(in[0], h->w), *b = kiln_tanh(in[0]);
+    kiln_tensor_t *e = kiln_exp(h->c);
+    kiln_status s = kiln_mul_scalar_(h->c, 2.0);
+    kiln_tensor_t *t = kiln_tanh(h->c);
+    out[0] = kiln_add(a, b);
+    out[1] = m;
+    out[2] = kiln_add(e, t);
+    *n_out = 3;
+    return s != KILN_OK ? s : out[0] && out[2] ? KILN_OK : kiln_last_status();
+}
+
+/* Position of the first line of g's listing that contains what (-1: none). */
+static int line_of(kiln_graph_t *g, const char *what)
+{
+    size_t cap = 1 << 16;
+    char *buf = calloc(cap, 1);
+    FILE *f = fmemopen(buf, cap - 1, "w");
+    kiln_graph_print(g, f);
+    fclose(f);
+    int line = -1, k = 0;
+    for (char *p = buf, *e; *p && line < 0; p = e + 1, k++) {
+        e = strchr(p, '\n');
+        if (!e) break;
+        *e = 0;
+        if (strstr(p, what)) line = k;
+    }
+    free(buf);
+    return line;
+}
+
+/* Hoisting: the tanh of x moves up past the matmul to its sibling exp (they then share a
+ * kernel), the tanh of c does not move past the update of c. Oracle: eager, bitwise (the
+ * same ops on the same values), c included. */
+static void siblings_hoist_but_not_past_writes(void **state)
+{
+    hoist_ctx h = {randn(16, 8, 31), randn(4, 16, 32)};
+    kiln_tensor_t *x = randn(4, 16, 33), *c0 = kiln_clone(h.c), *want[3], *got[3];
+    int n;
+    assert_int_equal(siblings(&h, &x, 1, want, &n), KILN_OK);
+    kiln_tensor_t *c_eager = kiln_clone(h.c);
+    assert_int_equal(kiln_tensor_copy_(h.c, c0), KILN_OK);
+    kiln_graph_t *g;
+    assert_int_equal(kiln_graph_capture(siblings, &h, &x, 1, &g), KILN_OK);
+    assert_true(line_of(g, " tanh(%1)") > line_of(g, " matmul("));
+    int moved = -1;
+    assert_int_equal(kiln_graph_hoist_siblings(g, &moved), KILN_OK);
+    assert_int_equal(moved, 1); /* not the tanh of c, which would read c before its update */
+    assert_true(line_of(g, " tanh(%1)") < line_of(g, " matmul("));
+    assert_true(line_of(g, " tanh(%1)") == line_of(g, " exp(%1)") + 1);
+    assert_int_equal(kiln_graph_run(g, &x, 1, got, 3, &n), KILN_OK);
+    for (int i = 0; i < 3; i++) assert_close(got[i], want[i], 0);
+    assert_close(h.c, c_eager, 0);
+    kiln_graph_free(g);
+}
+
 static void gpt2_forward_captures(void **state) { gpt_forward_captures(false); }
 static void llama_forward_captures(void **state) { gpt_forward_captures(true); }
 
@@ -845,6 +910,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(slice_scatters_merge_only_when_disjoint, setup, teardown),
         cmocka_unit_test_setup_teardown(allreduces_coalesce_into_buckets, setup, teardown),
         cmocka_unit_test_setup_teardown(random_ops_draw_when_the_graph_runs, setup, teardown),
+        cmocka_unit_test_setup_teardown(siblings_hoist_but_not_past_writes, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

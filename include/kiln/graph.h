@@ -96,6 +96,11 @@ kiln_status kiln_graph_coalesce_allreduce(kiln_graph_t *g, int64_t bucket_bytes,
  * view(gelu(add)), which fuse). Returns how many ops were moved in *sunk; run
  * kiln_graph_dce after, which drops the views nothing reads any more. */
 kiln_status kiln_graph_sink_views(kiln_graph_t *g, int *sunk);
+/* Hoisting siblings: an elementwise op moves up (at most 32 ops) to just after an
+ * earlier elementwise op of its shape that reads one of its inputs, when its inputs
+ * exist there and nothing in between writes them, so that the two fuse. Returns how many
+ * ops moved in *moved. */
+kiln_status kiln_graph_hoist_siblings(kiln_graph_t *g, int *moved);
 int kiln_graph_num_ops(const kiln_graph_t *g);
 /* True while this thread is capturing a function. */
 bool kiln_graph_capturing(void);

@@ -69,7 +69,7 @@ static atomic_bool warned_disable, warned_max_fuse, warned_bucket; /* each said 
 
 void kiln__compile_options(kc_options *o)
 {
-    *o = (kc_options){true, true, true, true, true, true, true, true, true, true, true, 48, (int64_t)4 << 20,
+    *o = (kc_options){true, true, true, true, true, true, true, true, true, true, true, true, 48, (int64_t)4 << 20,
                       kiln__backend_at(0)};
     const char *off = getenv("KILN_COMPILE_DISABLE");
     for (const char *p = off; p && *p;) {
@@ -89,10 +89,11 @@ void kiln__compile_options(kc_options *o)
         OFF(slices)
         OFF(coalesce)
         OFF(views)
+        OFF(hoist)
 #undef OFF
         if (!known && !atomic_exchange(&warned_disable, true))
             fprintf(stderr, "kiln: KILN_COMPILE_DISABLE: no stage '%.*s' (the stages: decompose, fold, cse, slices, "
-                    "views, dce, coalesce, recompute, fusion, codegen, symbolic); ignored\n", (int)n, p);
+                    "views, dce, coalesce, recompute, hoist, fusion, codegen, symbolic); ignored\n", (int)n, p);
         p += n + (e ? 1 : 0);
     }
     const char *bm = getenv("KILN_COMPILE_BUCKET_MB");
@@ -128,7 +129,7 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
     kc_options o;
     kiln__compile_options(&o);
     double t0 = now_s();
-    int dec = 0, folded = 0, merged = 0, scatters = 0, sunk = 0, removed = 0, reductions = 0, recomputed = 0;
+    int dec = 0, folded = 0, merged = 0, scatters = 0, sunk = 0, removed = 0, reductions = 0, recomputed = 0, hoisted = 0;
     kiln_status s = KILN_OK;
     if (o.decompose) s = kiln_graph_decompose(g, &dec);
     if (s == KILN_OK && o.fold) s = kiln_graph_fold(g, &folded);
@@ -138,6 +139,7 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
     if (s == KILN_OK && o.dce) s = kiln_graph_dce(g, &removed);
     if (s == KILN_OK && o.coalesce) s = kiln_graph_coalesce_allreduce(g, o.bucket_bytes, &reductions);
     if (s == KILN_OK && o.recompute) s = kiln_graph_recompute(g, &recomputed); /* after CSE, which would undo it */
+    if (s == KILN_OK && o.hoist) s = kiln_graph_hoist_siblings(g, &hoisted); /* after recompute, whose copies it pairs */
     if (s != KILN_OK) return s;
     double t1 = now_s();
     FILE *f;
@@ -147,8 +149,9 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
     }
     if (kiln__log_on("graph")) {
         fprintf(stderr, "kiln [graph] %s graph %d (%d ops after %d decomposed, %d folded, %d repeated merged, %d slice "
-                "scatters merged, %d views sunk, %d dead removed, %d allreduces coalesced, %d recomputed):\n", name,
-                index, kiln_graph_num_ops(g), dec, folded, merged, scatters, sunk, removed, reductions, recomputed);
+                "scatters merged, %d views sunk, %d dead removed, %d allreduces coalesced, %d recomputed, %d "
+                "hoisted):\n", name, index, kiln_graph_num_ops(g), dec, folded, merged, scatters, sunk, removed,
+                reductions, recomputed, hoisted);
         kiln_graph_print(g, stderr);
     }
     if (!o.codegen) return KILN_OK; /* interpreted */

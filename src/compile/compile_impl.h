@@ -89,10 +89,10 @@ typedef struct {
 } kc_step;
 
 /* What each pass may do; KILN_COMPILE_DISABLE=decompose,fold,cse,slices,views,dce,
- * coalesce,recompute,fusion,codegen,symbolic turns them off one at a time, to find the
- * one that breaks a result. */
+ * coalesce,recompute,hoist,fusion,codegen,symbolic turns them off one at a time, to find
+ * the one that breaks a result. */
 typedef struct {
-    bool decompose, fold, cse, dce, fusion, codegen, recompute, symbolic, slices, coalesce, views;
+    bool decompose, fold, cse, dce, fusion, codegen, recompute, symbolic, slices, coalesce, views, hoist;
     int max_fuse; /* ops per kernel */
     int64_t bucket_bytes; /* per coalesced allreduce (KILN_COMPILE_BUCKET_MB, default 4) */
     kiln__backend *target; /* whose kernels are generated: its can_fuse hook is asked */

@@ -1353,3 +1353,68 @@ kiln_status kiln_graph_sink_views(kiln_graph_t *g, int *sunk)
     if (sunk) *sunk = s == KILN_OK ? count : 0;
     return s;
 }
+
+/* Hoisting siblings: an elementwise op moves up to just after an earlier elementwise op
+ * of its shape that reads one of the same inputs, when all its inputs exist there and
+ * nothing in between writes them, so that the two fuse into one kernel reading the
+ * shared input once (a recomputed GELU and GELU's backward, both of the pre-activation,
+ * on either side of the weight-gradient matmul). At most HOIST_REACH nodes up, which
+ * bounds how much longer its result lives. */
+enum { HOIST_REACH = 32 };
+
+static bool same_shape(const kiln__meta *a, const kiln__meta *b)
+{
+    return a->ndim == b->ndim && !memcmp(a->shape, b->shape, sizeof(int64_t) * (size_t)a->ndim);
+}
+
+static bool shares_input(const node *a, const node *b)
+{
+    for (int i = 0; i < a->n_in; i++)
+        for (int j = 0; j < b->n_in; j++)
+            if (a->in[i] == b->in[j]) return true;
+    return false;
+}
+
+/* Does a node in [from, to) write the memory of one of n's inputs? */
+static bool inputs_written(const kiln_graph_t *g, const node *n, int from, int to)
+{
+    for (int q = from; q < to; q++) {
+        const node *m = &g->nd[q];
+        unsigned w = kiln__written_inputs(m->op);
+        for (int i = 0; i < m->n_in && i < 4; i++)
+            for (int j = 0; (w >> i & 1) && j < n->n_in; j++)
+                if (same_memory(g, m->in[i], n->in[j])) return true;
+    }
+    return false;
+}
+
+kiln_status kiln_graph_hoist_siblings(kiln_graph_t *g, int *moved)
+{
+    if (!g) return kiln__err(KILN_ERR_ARG, "graph_hoist_siblings: NULL graph");
+    int count = 0;
+    for (int j = 1; j < g->n_nd; j++) {
+        const node *n = &g->nd[j];
+        if (!elementwise(n->op) || n->n_out != 1 || kiln__graph_random(n)) continue;
+        int earliest = 0; /* where all of n's inputs exist */
+        for (int i = 0; i < n->n_in; i++)
+            if (g->v[n->in[i]].kind == V_OP && g->v[n->in[i]].index + 1 > earliest) earliest = g->v[n->in[i]].index + 1;
+        const kiln__meta *om = &g->v[n->out[0]].meta;
+        int to = -1;
+        for (int i = j - 1; i >= 0 && i >= j - HOIST_REACH && i + 1 >= earliest; i--) {
+            const node *s = &g->nd[i];
+            if (elementwise(s->op) && s->n_out == 1 && same_shape(&g->v[s->out[0]].meta, om) && shares_input(s, n)) {
+                to = i + 1;
+                break;
+            }
+        }
+        if (to < 0 || to >= j || inputs_written(g, n, to, j)) continue;
+        node tmp = g->nd[j];
+        memmove(&g->nd[to + 1], &g->nd[to], sizeof *g->nd * (size_t)(j - to));
+        g->nd[to] = tmp;
+        for (int q = to; q <= j; q++)
+            for (int k = 0; k < g->nd[q].n_out; k++) g->v[g->nd[q].out[k]].index = q;
+        count++;
+    }
+    if (moved) *moved = count;
+    return KILN_OK;
+}
