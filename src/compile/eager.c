@@ -156,15 +156,10 @@ static kiln_status run(const entry *e, kiln__backend *be, kiln_tensor_t *const *
  * their value is baked into the code, so each new constant would be a new program. */
 static bool candidate(kiln__op_id op)
 {
+    if (kiln__graph_elementwise(op)) return true;
     switch (op) {
-    case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_POW:
-    case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM: case KILN_OP_NEG: case KILN_OP_ABS: case KILN_OP_EXP:
-    case KILN_OP_LOG: case KILN_OP_SQRT: case KILN_OP_RSQRT: case KILN_OP_TANH: case KILN_OP_SIGMOID:
-    case KILN_OP_RELU: case KILN_OP_GELU: case KILN_OP_SILU: case KILN_OP_GELU_BACKWARD:
-    case KILN_OP_SILU_BACKWARD: case KILN_OP_EQ: case KILN_OP_NE: case KILN_OP_LT: case KILN_OP_LE:
-    case KILN_OP_GT: case KILN_OP_GE: case KILN_OP_WHERE: case KILN_OP_CAST: case KILN_OP_CONTIGUOUS:
-    case KILN_OP_SUM: case KILN_OP_MAX: case KILN_OP_SOFTMAX: case KILN_OP_LOG_SOFTMAX: case KILN_OP_LAYER_NORM:
-    case KILN_OP_RMS_NORM:
+    case KILN_OP_CONTIGUOUS: case KILN_OP_SUM: case KILN_OP_MAX: case KILN_OP_SOFTMAX: case KILN_OP_LOG_SOFTMAX:
+    case KILN_OP_LAYER_NORM: case KILN_OP_RMS_NORM:
         return true;
     default:
         return false;

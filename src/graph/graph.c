@@ -1294,7 +1294,7 @@ kiln_status kiln_graph_coalesce_allreduce(kiln_graph_t *g, int64_t bucket_bytes,
  * and a reshape of a contiguous value keeps every element's place in memory. Only where
  * a source is itself an elementwise result (whose kernel the op then joins), and not
  * for scalars. */
-static bool elementwise(kiln__op_id op)
+bool kiln__graph_elementwise(kiln__op_id op)
 {
     switch (op) {
     case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_POW:
@@ -1314,7 +1314,7 @@ static kiln_status sink_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, 
 {
     (void)ins;
     const node *n = &g->nd[k];
-    if (!elementwise(n->op) || n->n_out != 1 || n->n_in < 1 || n->n_in > 3) return KILN_OK;
+    if (!kiln__graph_elementwise(n->op) || n->n_out != 1 || n->n_in < 1 || n->n_in > 3) return KILN_OK;
     const kiln__meta *om = &g->v[n->out[0]].meta;
     kiln_tensor_t *src[3];
     bool joins = false; /* a source is an elementwise op's result, whose kernel the op can join */
@@ -1322,7 +1322,7 @@ static kiln_status sink_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, 
         const value *x = &g->v[n->in[i]];
         if (x->kind != V_OP || g->nd[x->index].op != KILN_OP_VIEW) return KILN_OK;
         const value *sv = &g->v[g->nd[x->index].in[0]];
-        joins |= sv->kind == V_OP && elementwise(g->nd[sv->index].op);
+        joins |= sv->kind == V_OP && kiln__graph_elementwise(g->nd[sv->index].op);
         const kiln__meta *xm = &x->meta;
         if (xm->ndim != om->ndim || memcmp(xm->shape, om->shape, sizeof(int64_t) * (size_t)om->ndim)) return KILN_OK;
         src[i] = map[g->nd[x->index].in[0]];
@@ -1394,7 +1394,7 @@ kiln_status kiln_graph_hoist_siblings(kiln_graph_t *g, int *moved)
     int count = 0;
     for (int j = 1; j < g->n_nd; j++) {
         const node *n = &g->nd[j];
-        if (!elementwise(n->op) || n->n_out != 1 || kiln__graph_random(n)) continue;
+        if (!kiln__graph_elementwise(n->op) || n->n_out != 1 || kiln__graph_random(n)) continue;
         int earliest = 0; /* where all of n's inputs exist */
         for (int i = 0; i < n->n_in; i++)
             if (g->v[n->in[i]].kind == V_OP && g->v[n->in[i]].index + 1 > earliest) earliest = g->v[n->in[i]].index + 1;
@@ -1402,7 +1402,8 @@ kiln_status kiln_graph_hoist_siblings(kiln_graph_t *g, int *moved)
         int to = -1;
         for (int i = j - 1; i >= 0 && i >= j - HOIST_REACH && i + 1 >= earliest; i--) {
             const node *s = &g->nd[i];
-            if (elementwise(s->op) && s->n_out == 1 && same_shape(&g->v[s->out[0]].meta, om) && shares_input(s, n)) {
+            if (kiln__graph_elementwise(s->op) && s->n_out == 1 && same_shape(&g->v[s->out[0]].meta, om) &&
+                shares_input(s, n)) {
                 to = i + 1;
                 break;
             }

@@ -71,6 +71,9 @@ kiln_status kiln__graph_run_node(const kiln_graph_t *g, int k, kiln__graph_frame
 /* last[v] = 1 + the index of the last node that reads v; n_nd + 1 for the outputs and
  * leaf gradients; 0 for values nothing reads (last has n_v zeroed entries). */
 void kiln__graph_last_use(const kiln_graph_t *g, int *last);
+/* Is op elementwise (each output element from the same element of each input: the
+ * arithmetic, activations and their backwards, comparisons, where, cast)? */
+bool kiln__graph_elementwise(kiln__op_id op);
 /* Does node n draw random numbers (rand, dropout with p > 0)? Its seed and offset are
  * taken afresh at the start of every run. */
 bool kiln__graph_random(const node *n);
