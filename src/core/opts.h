@@ -15,6 +15,7 @@
     X(CL_MATMUL_TILES, 1, "OpenCL matmul in 64x64 tiles with 4x4 outputs per work-item (else 16x16, one each)") \
     X(DEVICE_GRAPHS, 1, "a recorded replay captured as the device's own graph (OpenCL command buffer, CUDA graph)") \
     X(GEMM_THREAD_BLOCKS, 1, "pool GEMMs split into one block per thread (multiples of 128) instead of 128-row blocks") \
+    X(FULLSUM_CHUNKS, 1, "a sum of a whole f32 tensor split into fixed 64K-element chunks over the pool (else one task)") \
     X(GRAD_LAYOUT, 1, "the gradient of a column-major matmul operand (a linear weight) computed in its layout, (G^T A)^T")
 
 typedef enum {

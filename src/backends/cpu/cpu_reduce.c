@@ -1,8 +1,10 @@
 /* Reductions over any set of dims: sum, max, argmax. Each output element is reduced
  * by one thread in a fixed order, so results never depend on the thread count. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include "backends/cpu/cpu.h"
+#include "core/opts.h"
 
 typedef struct {
     kiln_tensor_t *x, *o;
@@ -110,6 +112,33 @@ KILN_SIMD static void colsum_range(void *c, int64_t b, int64_t e)
     }
 }
 
+/* A sum of all of a contiguous f32 tensor (a gradient's squares, for the norm): fixed
+ * chunks of FULLSUM_CHUNK elements, each summed by one task in 16 double lanes (lane l
+ * takes elements l, l + 16, ...), then the chunks added in order. The chunks are fixed
+ * by the size, never by the thread count, so the sum is the same with any number of
+ * threads; one task per output would leave every other thread idle. */
+enum { FULLSUM_CHUNK = 1 << 16 };
+
+typedef struct {
+    const float *x;
+    int64_t n;
+    double *part;
+} fullsum_ctx;
+
+KILN_SIMD static void fullsum_range(void *c, int64_t b, int64_t e)
+{
+    const fullsum_ctx *k = c;
+    for (int64_t t = b; t < e; t++) {
+        int64_t lo = t * FULLSUM_CHUNK, hi = lo + FULLSUM_CHUNK < k->n ? lo + FULLSUM_CHUNK : k->n, i = lo;
+        double acc[16] = {0}, s = 0;
+        for (; i + 16 <= hi; i += 16)
+            for (int l = 0; l < 16; l++) acc[l] += k->x[i + l];
+        for (int l = 0; l < 16; l++) s += acc[l];
+        for (; i < hi; i++) s += k->x[i];
+        k->part[t] = s;
+    }
+}
+
 /* Are the reduced dims a leading run of a contiguous tensor? */
 static bool leading_dims(const kiln_tensor_t *x, const int64_t *dims, int ndims, int64_t *rows, int64_t *cols)
 {
@@ -123,7 +152,19 @@ static bool leading_dims(const kiln_tensor_t *x, const int64_t *dims, int ndims,
 
 static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dims, int ndims, int kind)
 {
-    int64_t rows, cols;
+    int64_t rows, cols, n = kiln__numel(x->ndim, x->shape);
+    if (kind == 0 && x->dtype == KILN_DTYPE_F32 && ndims == 0 && n >= 2 * FULLSUM_CHUNK && kiln__is_contiguous(x) &&
+        kiln__opt(KILN__OPT_FULLSUM_CHUNKS)) {
+        int64_t chunks = (n + FULLSUM_CHUNK - 1) / FULLSUM_CHUNK;
+        double *part = malloc(sizeof(double) * (size_t)chunks), s = 0;
+        if (!part) return kiln__err(KILN_ERR_OOM, "sum: out of memory for partial sums");
+        fullsum_ctx k = {kiln__data(x), n, part};
+        kiln__parallel_for(chunks, 1, fullsum_range, &k);
+        for (int64_t c = 0; c < chunks; c++) s += part[c];
+        free(part);
+        kiln__store(kiln__data(o), o->dtype, s);
+        return KILN_OK;
+    }
     if (kind == 0 && x->dtype == KILN_DTYPE_F32 && leading_dims(x, dims, ndims, &rows, &cols)) {
         colsum_ctx k = {kiln__data(x), kiln__data(o), rows, cols};
         kiln__parallel_for((cols + 255) / 256, 1, colsum_range, &k);
