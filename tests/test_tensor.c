@@ -618,9 +618,9 @@ static int rng_child(void)
     return 0;
 }
 
-/* The child side for GEMMs: the matmul shapes of a GPT step (rows x C by C x 3C, the
- * weight gradient's C x rows by rows x 4C, a transposed operand, a small M, a batch),
- * hashed. */
+/* The child side for GEMMs and sums: the matmul shapes of a GPT step (rows x C by C x
+ * 3C, the weight gradient's C x rows by rows x 4C, a transposed operand, a small M, a
+ * batch), and a whole-tensor sum of each product (chunked over the pool), hashed. */
 static int matmul_child(void)
 {
     kiln_scope_begin();
@@ -639,8 +639,12 @@ static int matmul_child(void)
         kiln_tensor_t *y = kiln_matmul(a, cases[c].tb ? kiln_transpose(b, 0, 1) : b);
         size_t nb = y ? kiln_tensor_nbytes(y) : 0;
         unsigned char *buf = nb ? malloc(nb) : NULL;
-        if (!buf || kiln_tensor_to_host(y, buf, nb) != KILN_OK) return 1;
+        float total;
+        if (!buf || kiln_tensor_to_host(y, buf, nb) != KILN_OK ||
+            kiln_tensor_to_host(kiln_sum(y, NULL, 0, false), &total, sizeof total) != KILN_OK)
+            return 1;
         for (size_t i = 0; i < nb; i++) h = (h ^ buf[i]) * 1099511628211ULL;
+        for (size_t i = 0; i < sizeof total; i++) h = (h ^ ((unsigned char *)&total)[i]) * 1099511628211ULL;
         free(buf);
     }
     printf("%d %016llx\n", kiln_num_threads(), (unsigned long long)h);
@@ -684,8 +688,9 @@ static void run_child_as(const char *mode, int threads, int *got_threads, unsign
     assert_int_equal(sscanf(line, "%d %llx", got_threads, hash), 2);
 }
 
-/* GEMMs split over the pool in one block per thread: 1, 2, 3 and 4 threads give
- * bitwise the same products (oracle: the 1-thread run, one BLAS call per product). */
+/* GEMMs split over the pool in one block per thread, and whole-tensor sums in fixed
+ * chunks: 1, 2, 3 and 4 threads give bitwise the same products and sums (oracle: the
+ * 1-thread run, one BLAS call per product). */
 static void test_matmuls_do_not_depend_on_the_thread_count(void **state)
 {
     int t[4];
