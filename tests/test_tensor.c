@@ -620,7 +620,8 @@ static int rng_child(void)
 
 /* The child side for GEMMs and sums: the matmul shapes of a GPT step (rows x C by C x
  * 3C, the weight gradient's C x rows by rows x 4C, a transposed operand, a small M, a
- * batch), and a whole-tensor sum of each product (chunked over the pool), hashed. */
+ * batch, a skinny one whose blocks would reach the BLAS's small-matrix kernels), and a
+ * whole-tensor sum of each product (chunked over the pool), hashed. */
 static int matmul_child(void)
 {
     kiln_scope_begin();
@@ -631,9 +632,9 @@ static int matmul_child(void)
         bool tb;
     } cases[] = {{{2048, 256}, {256, 768}, 2, false}, {{1024, 2048}, {2048, 256}, 2, false},
                  {{1000, 200}, {300, 200}, 2, true},  {{130, 640}, {640, 1500}, 2, false},
-                 {{3, 384, 64}, {3, 64, 384}, 3, false}};
+                 {{3, 384, 64}, {3, 64, 384}, 3, false}, {{1024, 512}, {512, 4}, 2, false}};
     uint64_t h = 1469598103934665603ULL;
-    for (int c = 0; c < 5; c++) {
+    for (int c = 0; c < 6; c++) {
         kiln_tensor_t *a = kiln_randn(cases[c].a, cases[c].nd, KILN_DTYPE_F32);
         kiln_tensor_t *b = kiln_randn(cases[c].b, cases[c].nd, KILN_DTYPE_F32);
         kiln_tensor_t *y = kiln_matmul(a, cases[c].tb ? kiln_transpose(b, 0, 1) : b);
@@ -641,8 +642,10 @@ static int matmul_child(void)
         unsigned char *buf = nb ? malloc(nb) : NULL;
         float total;
         if (!buf || kiln_tensor_to_host(y, buf, nb) != KILN_OK ||
-            kiln_tensor_to_host(kiln_sum(y, NULL, 0, false), &total, sizeof total) != KILN_OK)
+            kiln_tensor_to_host(kiln_sum(y, NULL, 0, false), &total, sizeof total) != KILN_OK) {
+            free(buf);
             return 1;
+        }
         for (size_t i = 0; i < nb; i++) h = (h ^ buf[i]) * 1099511628211ULL;
         for (size_t i = 0; i < sizeof total; i++) h = (h ^ ((unsigned char *)&total)[i]) * 1099511628211ULL;
         free(buf);

@@ -2,8 +2,8 @@
  * with a comment listing them. A function runs tasks [t0, t1) of its kernel (a task is
  * a row, or a piece of one); the runtime spreads the tasks over kiln's thread pool.
  * Sizes and strides are the function's sz[] argument (compile_impl.h), so a kernel's
- * text does not change when only the sizes it runs on do; the OpenCL dialect takes them
- * as kernel arguments instead (the CUDA dialect and KILN_COMPILE_DISABLE=symbolic write
+ * text does not change when only the sizes it runs on do; OpenCL kernels read them from
+ * a device buffer argument (the CUDA dialect and KILN_COMPILE_DISABLE=symbolic write
  * them in).
  * Inner loops are written so that GCC vectorizes them: loads and stores at constant
  * strides, selects instead of branches, a polynomial exp, and reductions kept in 16
@@ -436,14 +436,17 @@ static void kernel_c(sbuf *b, const kiln__program *p, const kc_kernel *k, bool f
     if (cl) {
         put(b, "__kernel void %s(", k->name);
         for (int i = 0; i < k->n_buf; i++) put(b, "__global char *g%d, ulong go%d, ", i, i);
-        put(b, "long n_tasks");
-        for (int n = 0; G.sym && n < k->n_sz; n++) put(b, ", long z%d", n); /* every size, as kiln__device_launch gives them */
-        put(b, ")\n{\n");
+        put(b, "long n_tasks%s)\n{\n", G.sym ? ", __global char *gsz, ulong gszo" : "");
         for (int i = 0; i < k->n_buf; i++)
             put(b, "    __global %s%s *%sin%d = (__global %s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ",
                 ctype(k->buf[i].dt), k->buf[i].output ? "restrict " : "", i, k->buf[i].output ? "" : "const ",
                 ctype(k->buf[i].dt), i, i);
         put(b, "    const int64_t t0 = get_global_id(0), t1 = t0 + 1;\n    if (t0 >= n_tasks) return;\n");
+        if (G.sym) { /* the sizes: a device copy of k->sz, made when the program was loaded */
+            put(b, "    __global const long *sz = (__global const long *)(gsz + gszo);\n");
+            for (int n = 0; n < k->n_sz; n++)
+                if (G.used[n]) put(b, "    const int64_t z%d = sz[%d];\n", n, n);
+        }
     } else if (dialect == D_CUDA) {
         put(b, "extern \"C\" __global__ void %s(", k->name);
         for (int i = 0; i < k->n_buf; i++) put(b, "char *g%d, unsigned long long go%d, ", i, i);

@@ -75,8 +75,8 @@ typedef struct {
  * shapes, so that graphs differing only in sizes have the same source, one cache entry
  * and one shared object. What stays in the text: the structure, constants, and inner-dim
  * strides of 0 and 1 (they decide how the inner loop vectorizes). With
- * KILN_COMPILE_DISABLE=symbolic (and in the CUDA dialect) sizes are literals; the OpenCL
- * dialect takes every slot as a kernel argument (kiln__device_launch).
+ * KILN_COMPILE_DISABLE=symbolic (and in the CUDA dialect) sizes are literals; OpenCL
+ * kernels read their slots from a device copy of sz[] (kiln__program.dsz).
  * Slots: the inner size, pieces per row, elements per piece, the outer dims, then each
  * load or index expression's strides and each store's, ndim apiece. */
 enum { KC_SZ_INNER, KC_SZ_CHUNKS, KC_SZ_PER, KC_SZ_DOM };
@@ -109,6 +109,7 @@ struct kiln__program {
     kiln__backend *be; /* where its kernels run: the cpu (fn, over the thread pool), or a
                         * device with a kernel language (kern[i], through be->launch) */
     void **kern;
+    void **dsz;    /* OpenCL with symbolic sizes: each kernel's sz[] copied to the device (be->alloc) */
     bool symbolic; /* the C reads sizes from sz[] (kc_options.symbolic) */
     int64_t planned_peak, eager_peak; /* bytes of intermediates, from the liveness */
     /* KILN_LOGS=profile: seconds spent in each step over the runs after the first, and

@@ -687,6 +687,9 @@ void kiln__program_free(kiln__program *p)
     if (!p) return;
     if (p->prof && p->prof_runs > 1) kiln__program_profile_print(p, stderr);
     free(p->prof);
+    for (int i = 0; p->dsz && i < p->n_k; i++) /* before p->k, whose sizes they were */
+        if (p->dsz[i]) p->be->free(p->be, p->dsz[i], sizeof(int64_t) * (size_t)(p->k[i].n_sz > 0 ? p->k[i].n_sz : 1));
+    free(p->dsz);
     for (int i = 0; p->k && i < p->n_k; i++) {
         free(p->k[i].e);
         free(p->k[i].acc);

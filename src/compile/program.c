@@ -22,17 +22,18 @@ static void launch_range(void *ctx, int64_t t0, int64_t t1)
 }
 
 /* A device kernel's arguments: each buffer (the backend passes its own form of the
- * address), then the task count, then, for OpenCL with symbolic sizes, every size slot
- * (the C reads them from sz[]); one work-item per task. Shared with eager.c. */
+ * address), then the task count, then, for OpenCL with symbolic sizes, the device copy
+ * of its sizes (p->dsz; the C reads them from sz[]); one work-item per task. Shared
+ * with eager.c. */
 kiln_status kiln__device_launch(const kiln__program *p, const kc_kernel *k, char *const *b)
 {
-    int n_sz = p->symbolic && kiln__codegen_for(p->be) == kiln__codegen_opencl ? k->n_sz : 0;
-    int na = k->n_buf + 1 + n_sz;
-    kiln__karg args[96], *a = args;
-    if (na > 96 && !(a = malloc(sizeof *a * (size_t)na))) return kiln__err(KILN_ERR_OOM, "compile: out of memory");
+    void *dsz = p->dsz ? p->dsz[k - p->k] : NULL;
+    int na = k->n_buf + 1 + (dsz != NULL);
+    kiln__karg args[66], *a = args;
+    if (na > 66 && !(a = malloc(sizeof *a * (size_t)na))) return kiln__err(KILN_ERR_OOM, "compile: out of memory");
     for (int i = 0; i < k->n_buf; i++) a[i] = (kiln__karg){KILN__KARG_BUF, b[i], 0, 0};
     a[k->n_buf] = (kiln__karg){KILN__KARG_I64, NULL, k->tasks, 0};
-    for (int n = 0; n < n_sz; n++) a[k->n_buf + 1 + n] = (kiln__karg){KILN__KARG_I64, NULL, k->sz[n], 0};
+    if (dsz) a[k->n_buf + 1] = (kiln__karg){KILN__KARG_BUF, dsz, 0, 0};
     size_t grid = (size_t)k->tasks;
     kiln_status s = p->be->launch(p->be, p->kern[k - p->k], a, na, &grid, NULL, 1);
     if (a != args) free(a);

@@ -854,12 +854,14 @@ static int root_value(const kiln_graph_t *g, int v)
     return v;
 }
 
-/* Do values a and b live in the same memory (one base, or two captured tensors on one
- * storage)? */
+/* May values a and b live in the same memory (one base, two captured tensors on one
+ * storage, or two arguments: a caller may pass one buffer twice, as CSE assumes too)? */
 static bool same_memory(const kiln_graph_t *g, int a, int b)
 {
     int ra = root_value(g, a), rb = root_value(g, b);
-    return ra == rb || (g->v[ra].kind == V_CONST && g->v[rb].kind == V_CONST && g->v[ra].t->st == g->v[rb].t->st);
+    const value *xa = &g->v[ra], *xb = &g->v[rb];
+    return ra == rb || (xa->kind == V_ARG && xb->kind == V_ARG) ||
+           (xa->kind == V_CONST && xb->kind == V_CONST && xa->t->st == xb->t->st);
 }
 
 /* Does a node before `before` write value x's memory in place after x was made (at

@@ -78,12 +78,14 @@ static void gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t
     /* Blocks of 128 rows or columns at least (big enough for the BLAS's own blocking),
      * and with KILN_OPT_GEMM_THREAD_BLOCKS one block per thread in multiples of 128:
      * every block call packs the other operand again, so fewer, larger blocks pack it
-     * less often. Each element is still the BLAS's one sum over K in its order, whichever
-     * block its row (column) is in, so results do not depend on the thread count
-     * (tests/test_tensor.c checks 1 to 4 threads bitwise). */
+     * less often. The BLAS's blocked path sums each element over K the same way whatever
+     * the block's size, so results do not depend on the thread count (tests/test_tensor.c
+     * checks 1 to 4 threads bitwise). But OpenBLAS takes other, small-matrix kernels for
+     * M N K <= 100^3 on AVX-512 cores, which sum differently: a GEMM whose 128-row blocks
+     * could be that small keeps the fixed 128-row split at any thread count. */
     int64_t block = 128;
     bool by_rows = M >= N;
-    if (kiln__opt(KILN__OPT_GEMM_THREAD_BLOCKS)) {
+    if (kiln__opt(KILN__OPT_GEMM_THREAD_BLOCKS) && 128 * (by_rows ? N : M) * K > ((int64_t)1 << 22)) {
         int64_t nt = kiln_num_threads(), per = ((by_rows ? M : N) + nt - 1) / (nt > 0 ? nt : 1);
         block = (per + 127) / 128 * 128;
         if (block < 128) block = 128;

@@ -1,5 +1,6 @@
 /* Reductions over any set of dims: sum, max, argmax. Each output element is reduced
- * by one thread in a fixed order, so results never depend on the thread count. */
+ * in a fixed order (by one thread, or for a whole-tensor sum in fixed chunks added in
+ * order), so results never depend on the thread count. */
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
