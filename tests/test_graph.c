@@ -633,13 +633,20 @@ static void whole_training_step_is_one_graph(void **state)
 }
 
 /* Counts "op(" in the printed graph. */
-static int count_op(kiln_graph_t *g, const char *op)
+/* g's listing (kiln_graph_print), malloc'd. */
+static char *listing(kiln_graph_t *g)
 {
     size_t cap = 1 << 20;
     char *buf = calloc(cap, 1);
     FILE *f = fmemopen(buf, cap - 1, "w");
     assert_int_equal(kiln_graph_print(g, f), KILN_OK);
     fclose(f);
+    return buf;
+}
+
+static int count_op(kiln_graph_t *g, const char *op)
+{
+    char *buf = listing(g);
     int n = 0;
     for (const char *p = buf; (p = strstr(p, op)); p++) n++;
     free(buf);
@@ -845,11 +852,7 @@ static kiln_status siblings(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_
 /* Position of the first line of g's listing that contains what (-1: none). */
 static int line_of(kiln_graph_t *g, const char *what)
 {
-    size_t cap = 1 << 16;
-    char *buf = calloc(cap, 1);
-    FILE *f = fmemopen(buf, cap - 1, "w");
-    kiln_graph_print(g, f);
-    fclose(f);
+    char *buf = listing(g);
     int line = -1, k = 0;
     for (char *p = buf, *e; *p && line < 0; p = e + 1, k++) {
         e = strchr(p, '\n');

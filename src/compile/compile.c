@@ -67,6 +67,21 @@ FILE *kiln__debug_open(const char *dir, const char *file)
 
 static atomic_bool warned_disable, warned_max_fuse, warned_bucket; /* each said once per process */
 
+/* The number in environment variable name, in (lo, hi] (a whole one if whole): true with
+ * it in *v; false when unset, or, said once (*warned), when it is not one. */
+static bool env_number(const char *name, double lo, double hi, bool whole, atomic_bool *warned, const char *what,
+                       double current, double *v)
+{
+    const char *s = getenv(name);
+    if (!s || !*s) return false;
+    char *end;
+    *v = strtod(s, &end);
+    if (!*end && *v > lo && *v <= hi && (!whole || *v == (double)(long)*v)) return true;
+    if (!atomic_exchange(warned, true))
+        fprintf(stderr, "kiln: %s='%s' is not %s; using %g\n", name, s, what, current);
+    return false;
+}
+
 void kiln__compile_options(kc_options *o)
 {
     *o = (kc_options){true, true, true, true, true, true, true, true, true, true, true, true, 48, (int64_t)4 << 20,
@@ -96,31 +111,14 @@ void kiln__compile_options(kc_options *o)
                     "views, dce, coalesce, recompute, hoist, fusion, codegen, symbolic); ignored\n", (int)n, p);
         p += n + (e ? 1 : 0);
     }
-    const char *bm = getenv("KILN_COMPILE_BUCKET_MB");
-    if (bm && *bm) {
-        char *end;
-        double v = strtod(bm, &end);
-        if (*end || !(v > 0 && v <= 1 << 20)) {
-            if (!atomic_exchange(&warned_bucket, true))
-                fprintf(stderr, "kiln: KILN_COMPILE_BUCKET_MB='%s' is not a size in MiB above 0; using %g\n", bm,
-                        (double)o->bucket_bytes / (1 << 20));
-        } else {
-            o->bucket_bytes = (int64_t)(v * (1 << 20));
-            if (o->bucket_bytes < 1) o->bucket_bytes = 1;
-        }
+    double v;
+    if (env_number("KILN_COMPILE_BUCKET_MB", 0, 1 << 20, false, &warned_bucket, "a size in MiB above 0",
+                   (double)o->bucket_bytes / (1 << 20), &v)) {
+        o->bucket_bytes = (int64_t)(v * (1 << 20));
+        if (o->bucket_bytes < 1) o->bucket_bytes = 1;
     }
-    const char *mf = getenv("KILN_COMPILE_MAX_FUSE");
-    if (mf && *mf) {
-        char *end;
-        long v = strtol(mf, &end, 10);
-        if (*end || v < 1 || v > 100000) {
-            if (!atomic_exchange(&warned_max_fuse, true))
-                fprintf(stderr, "kiln: KILN_COMPILE_MAX_FUSE='%s' is not a count of ops >= 1; using %d\n", mf,
-                        o->max_fuse);
-        } else {
-            o->max_fuse = (int)v;
-        }
-    }
+    if (env_number("KILN_COMPILE_MAX_FUSE", 0, 100000, true, &warned_max_fuse, "a count of ops >= 1", o->max_fuse, &v))
+        o->max_fuse = (int)v;
 }
 
 kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *name, int index, kiln__program **out)

@@ -67,6 +67,7 @@ typedef struct {
     int64_t tasks, grain;
     int64_t *sz; /* the sizes its code reads, by slot (below) */
     int n_sz;
+#define KC_SZ_BYTES(k) (sizeof(int64_t) * (size_t)((k)->n_sz > 0 ? (k)->n_sz : 1)) /* its device copy's size */
     void (*fn)(char *const *b, const int64_t *sz, int64_t t0, int64_t t1); /* once loaded */
 } kc_kernel;
 

@@ -162,36 +162,12 @@ static void embed(const group *gr, const kiln__meta *m, const int64_t *vs, int f
     if (f != F_FULL) out[k - 1] = 0;
 }
 
-/* Passes drop ops but keep value numbers: a value is live if its op still makes it. */
-static bool live(const kiln_graph_t *g, int v)
-{
-    const value *x = &g->v[v];
-    if (x->kind != V_OP) return true;
-    if (x->index < 0 || x->index >= g->n_nd) return false;
-    const node *n = &g->nd[x->index];
-    for (int j = 0; j < n->n_out; j++)
-        if (n->out[j] == v) return true;
-    return false;
-}
-
-/* The value whose memory v lives in: v, or for a view the value it views. */
-static int root_of(const kiln_graph_t *g, int v)
-{
-    for (;;) {
-        const value *x = &g->v[v];
-        if (x->kind != V_OP || !live(g, v)) return v;
-        const node *n = &g->nd[x->index];
-        if (!kiln__ops[n->op].is_view || !n->n_in) return v;
-        v = n->in[0];
-    }
-}
-
 /* May value u's memory overlap captured tensor dst's? Views of dst and captured
  * tensors over the same bytes do; an argument does not (a run refuses one that shares
  * memory with a captured tensor the graph writes, kiln__graph_check_inputs). */
 static bool may_alias(const kiln_graph_t *g, int u, int dst)
 {
-    int r = root_of(g, u);
+    int r = kiln__graph_root(g, u);
     const value *x = &g->v[r];
     return r == dst || (x->kind == V_CONST && kiln__tensors_overlap(x->t, g->v[dst].t));
 }
@@ -377,7 +353,7 @@ static int64_t peak_bytes(const kiln_graph_t *g, const int *born, const int *las
     if (!delta) return -1;
     for (int v = 1; v < g->n_v; v++) {
         const value *x = &g->v[v];
-        if (!born[v] || x->kind != V_OP || !live(g, v) || kiln__ops[g->nd[x->index].op].is_view) continue;
+        if (!born[v] || x->kind != V_OP || !kiln__graph_live(g, v) || kiln__ops[g->nd[x->index].op].is_view) continue;
         int end = last[v] > born[v] ? last[v] : born[v];
         delta[born[v]] += kiln__numel(x->meta.ndim, x->meta.shape) * (int64_t)kiln_dtype_size(x->meta.dtype);
         delta[end + 1] -= kiln__numel(x->meta.ndim, x->meta.shape) * (int64_t)kiln_dtype_size(x->meta.dtype);
@@ -507,7 +483,7 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
         for (;;) {
             mutated[v] = true;
             const value *x = &g->v[v];
-            if (x->kind != V_OP || !live(g, v) || !kiln__ops[g->nd[x->index].op].is_view) break;
+            if (x->kind != V_OP || !kiln__graph_live(g, v) || !kiln__ops[g->nd[x->index].op].is_view) break;
             v = g->nd[x->index].in[0];
         }
     }
@@ -655,7 +631,7 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
     if (s == KILN_OK && !elast) s = oom();
     if (s == KILN_OK) {
         kiln__graph_last_use(g, elast);
-        for (int v = 1; v < nv; v++) born[v] = g->v[v].kind == V_OP && live(g, v) ? g->v[v].index + 1 : 0;
+        for (int v = 1; v < nv; v++) born[v] = g->v[v].kind == V_OP && kiln__graph_live(g, v) ? g->v[v].index + 1 : 0;
         if ((p->eager_peak = peak_bytes(g, born, elast, nn)) < 0) s = oom();
     }
     free(pd_dst);
@@ -688,7 +664,7 @@ void kiln__program_free(kiln__program *p)
     if (p->prof && p->prof_runs > 1) kiln__program_profile_print(p, stderr);
     free(p->prof);
     for (int i = 0; p->dsz && i < p->n_k; i++) /* before p->k, whose sizes they were */
-        if (p->dsz[i]) p->be->free(p->be, p->dsz[i], sizeof(int64_t) * (size_t)(p->k[i].n_sz > 0 ? p->k[i].n_sz : 1));
+        if (p->dsz[i]) p->be->free(p->be, p->dsz[i], KC_SZ_BYTES(&p->k[i]));
     free(p->dsz);
     for (int i = 0; p->k && i < p->n_k; i++) {
         free(p->k[i].e);

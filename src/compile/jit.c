@@ -120,8 +120,7 @@ kiln_status kiln__device_load(kiln__program *p, const char *src, const char *deb
     if (s == KILN_OK && p->symbolic && kiln__codegen_for(be) == kiln__codegen_opencl) {
         if (!(p->dsz = calloc((size_t)p->n_k, sizeof *p->dsz))) s = kiln__err(KILN_ERR_OOM, "compile: out of memory");
         for (int i = 0; s == KILN_OK && i < p->n_k; i++) {
-            size_t nb = sizeof(int64_t) * (size_t)(p->k[i].n_sz > 0 ? p->k[i].n_sz : 1);
-            if (!(p->dsz[i] = be->alloc(be, nb)))
+            if (!(p->dsz[i] = be->alloc(be, KC_SZ_BYTES(&p->k[i]))))
                 s = kiln__err(KILN_ERR_OOM, "compile: out of %s memory for a kernel's sizes", be->name);
             else if (p->k[i].n_sz > 0)
                 s = be->copy_h2d(be, p->dsz[i], p->k[i].sz, sizeof(int64_t) * (size_t)p->k[i].n_sz);
@@ -132,12 +131,8 @@ kiln_status kiln__device_load(kiln__program *p, const char *src, const char *deb
             if (p->kern[i] && be->kernel_free) be->kernel_free(be, p->kern[i]);
         free(p->kern);
         p->kern = NULL;
-        for (int i = 0; p->dsz && i < p->n_k; i++)
-            if (p->dsz[i]) be->free(be, p->dsz[i], sizeof(int64_t) * (size_t)(p->k[i].n_sz > 0 ? p->k[i].n_sz : 1));
-        free(p->dsz);
-        p->dsz = NULL;
     }
-    return s;
+    return s; /* device sizes made so far go with the program (kiln__program_free) */
 }
 
 kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir)

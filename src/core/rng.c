@@ -33,9 +33,15 @@ void kiln_rng_set_state(kiln_rng_state s)
     pthread_mutex_unlock(&lock);
 }
 
-/* Reserves n counters (rounded up to whole Philox blocks of 4); returns the first. */
+/* Reserves n counters (rounded up to whole Philox blocks of 4); returns the first. While
+ * this thread captures a graph nothing is reserved (seed and offset 0): the graph takes
+ * the counters each time it runs (src/graph/graph.c, draw_random). */
 uint64_t kiln__rng_take(uint64_t n, uint64_t *seed)
 {
+    if (kiln__graph_capturing()) {
+        *seed = 0;
+        return 0;
+    }
     pthread_mutex_lock(&lock);
     uint64_t first = state.offset;
     *seed = state.seed;

@@ -253,8 +253,7 @@ static kiln_tensor_t *random_tensor(const int64_t *shape, int ndim, kiln_dtype d
     if (check_shape("rand", shape, ndim, dt) != KILN_OK) return NULL;
     kiln__attrs a = {0};
     a.i[1] = normal;
-    /* While capturing, the graph takes the counters when it runs (src/graph/graph.c). */
-    if (!kiln__graph_capturing()) a.u[1] = kiln__rng_take((uint64_t)kiln__numel(ndim, shape), &a.u[0]);
+    a.u[1] = kiln__rng_take((uint64_t)kiln__numel(ndim, shape), &a.u[0]);
     return creation(KILN_OP_RAND, "rand", shape, ndim, dt, &a);
 }
 

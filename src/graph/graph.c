@@ -843,38 +843,54 @@ typedef struct {
     int map_from[64], map_to[64], n_map; /* what this rebuild has cloned so far */
 } rc_ctx;
 
-/* The value whose memory v lives in: v itself, or the base that its views lead back to. */
-static int root_value(const kiln_graph_t *g, int v)
+bool kiln__graph_live(const kiln_graph_t *g, int v)
 {
-    while (g->v[v].kind == V_OP) {
-        const node *n = &g->nd[g->v[v].index];
-        if (!kiln__ops[n->op].is_view || kiln__ops[n->op].is_inplace || !n->n_in) break;
+    const value *x = &g->v[v];
+    if (x->kind != V_OP) return true;
+    if (x->index < 0 || x->index >= g->n_nd) return false;
+    const node *n = &g->nd[x->index];
+    for (int j = 0; j < n->n_out; j++)
+        if (n->out[j] == v) return true;
+    return false;
+}
+
+int kiln__graph_root(const kiln_graph_t *g, int v)
+{
+    for (;;) {
+        const value *x = &g->v[v];
+        if (x->kind != V_OP || !kiln__graph_live(g, v)) return v;
+        const node *n = &g->nd[x->index];
+        if (!kiln__ops[n->op].is_view || !n->n_in) return v;
         v = n->in[0];
     }
-    return v;
 }
 
 /* May values a and b live in the same memory (one base, two captured tensors on one
  * storage, or two arguments: a caller may pass one buffer twice, as CSE assumes too)? */
 static bool same_memory(const kiln_graph_t *g, int a, int b)
 {
-    int ra = root_value(g, a), rb = root_value(g, b);
+    int ra = kiln__graph_root(g, a), rb = kiln__graph_root(g, b);
     const value *xa = &g->v[ra], *xb = &g->v[rb];
     return ra == rb || (xa->kind == V_ARG && xb->kind == V_ARG) ||
            (xa->kind == V_CONST && xb->kind == V_CONST && xa->t->st == xb->t->st);
 }
 
-/* Does a node before `before` write value x's memory in place after x was made (at
- * all, for an argument or captured tensor)? */
-static bool written_before(const kiln_graph_t *g, int x, int before)
+/* Does a node in [from, to) write value x's memory in place? */
+static bool written_between(const kiln_graph_t *g, int x, int from, int to)
 {
-    for (int q = g->v[x].kind == V_OP ? g->v[x].index + 1 : 0; q < before && q < g->n_nd; q++) {
+    for (int q = from; q < to && q < g->n_nd; q++) {
         const node *n = &g->nd[q];
         unsigned w = kiln__written_inputs(n->op);
         for (int i = 0; i < n->n_in && i < 4; i++)
             if ((w >> i & 1) && same_memory(g, n->in[i], x)) return true;
     }
     return false;
+}
+
+/* ... after x was made (at all, for an argument or captured tensor), before node `before`? */
+static bool written_before(const kiln_graph_t *g, int x, int before)
+{
+    return written_between(g, x, g->v[x].kind == V_OP ? g->v[x].index + 1 : 0, before);
 }
 
 /* Is value x there at position late without being computed again? So it is when read
@@ -1198,8 +1214,6 @@ typedef struct {
     int *last; /* kiln__graph_last_use of the graph rewritten */
 } coalesce_ctx;
 
-static int64_t nbytes(const kiln_tensor_t *t) { return kiln_tensor_numel(t) * (int64_t)kiln_dtype_size(t->dtype); }
-
 static bool same_collective(const node *a, const node *b, const kiln_tensor_t *ta, const kiln_tensor_t *tb)
 {
     return b->op == KILN_OP_ALLREDUCE_ && a->attrs.u[0] == b->attrs.u[0] && a->attrs.u[1] == b->attrs.u[1] &&
@@ -1213,7 +1227,7 @@ static bool aliased_later(const kiln_graph_t *g, kiln_tensor_t **map, const int 
 {
     /* A view of an argument or captured tensor (whose meta storage is its own when the
      * base is a real tensor) writes into that tensor. */
-    if (g->v[root_value(g, v)].kind != V_OP) return true;
+    if (g->v[kiln__graph_root(g, v)].kind != V_OP) return true;
     for (int x = 1; x < g->n_v; x++)
         if (x != v && map[x] && (map[x]->st == map[v]->st || same_memory(g, x, v)) &&
             (last[x] > end || g->v[x].kind != V_OP))
@@ -1232,19 +1246,19 @@ static kiln_status coalesce_rule(const kiln_graph_t *g, int k, kiln_tensor_t **i
     int vs[MAX_RUN];
     ts[0] = ins[0];
     vs[0] = n->in[0];
-    int64_t bytes = nbytes(ins[0]);
+    int64_t bytes = (int64_t)kiln_tensor_nbytes(ins[0]);
     int m = 1;
     for (; k + m < g->n_nd && m < MAX_RUN; m++) {
         const node *b = &g->nd[k + m];
         if (b->n_in != 1) break;
         kiln_tensor_t *t = map[b->in[0]];
-        if (!t || !same_collective(n, b, ins[0], t) || bytes + nbytes(t) > c->bucket_bytes) break;
+        if (!t || !same_collective(n, b, ins[0], t) || bytes + (int64_t)kiln_tensor_nbytes(t) > c->bucket_bytes) break;
         bool shared = false;
         for (int i = 0; i < m && !shared; i++) shared = ts[i]->st == t->st || same_memory(g, vs[i], b->in[0]);
         if (shared) break;
         ts[m] = t;
         vs[m] = b->in[0];
-        bytes += nbytes(t);
+        bytes += (int64_t)kiln_tensor_nbytes(t);
     }
     if (m < 2) return KILN_OK;
     kiln_tensor_t *flat[MAX_RUN], *buf;
@@ -1311,6 +1325,11 @@ bool kiln__graph_elementwise(kiln__op_id op)
     }
 }
 
+static bool same_shape(const kiln__meta *a, const kiln__meta *b)
+{
+    return a->ndim == b->ndim && !memcmp(a->shape, b->shape, sizeof(int64_t) * (size_t)a->ndim);
+}
+
 static kiln_status sink_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, kiln_tensor_t **map, void *ctx,
                              int *used)
 {
@@ -1326,7 +1345,7 @@ static kiln_status sink_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, 
         const value *sv = &g->v[g->nd[x->index].in[0]];
         joins |= sv->kind == V_OP && kiln__graph_elementwise(g->nd[sv->index].op);
         const kiln__meta *xm = &x->meta;
-        if (xm->ndim != om->ndim || memcmp(xm->shape, om->shape, sizeof(int64_t) * (size_t)om->ndim)) return KILN_OK;
+        if (!same_shape(xm, om)) return KILN_OK;
         src[i] = map[g->nd[x->index].in[0]];
         if (!src[i] || !kiln__is_contiguous(src[i]) ||
             (i > 0 && (src[i]->ndim != src[0]->ndim ||
@@ -1364,11 +1383,6 @@ kiln_status kiln_graph_sink_views(kiln_graph_t *g, int *sunk)
  * bounds how much longer its result lives. */
 enum { HOIST_REACH = 32 };
 
-static bool same_shape(const kiln__meta *a, const kiln__meta *b)
-{
-    return a->ndim == b->ndim && !memcmp(a->shape, b->shape, sizeof(int64_t) * (size_t)a->ndim);
-}
-
 static bool shares_input(const node *a, const node *b)
 {
     for (int i = 0; i < a->n_in; i++)
@@ -1380,13 +1394,8 @@ static bool shares_input(const node *a, const node *b)
 /* Does a node in [from, to) write the memory of one of n's inputs? */
 static bool inputs_written(const kiln_graph_t *g, const node *n, int from, int to)
 {
-    for (int q = from; q < to; q++) {
-        const node *m = &g->nd[q];
-        unsigned w = kiln__written_inputs(m->op);
-        for (int i = 0; i < m->n_in && i < 4; i++)
-            for (int j = 0; (w >> i & 1) && j < n->n_in; j++)
-                if (same_memory(g, m->in[i], n->in[j])) return true;
-    }
+    for (int j = 0; j < n->n_in; j++)
+        if (written_between(g, n->in[j], from, to)) return true;
     return false;
 }
 

@@ -71,6 +71,10 @@ kiln_status kiln__graph_run_node(const kiln_graph_t *g, int k, kiln__graph_frame
 /* last[v] = 1 + the index of the last node that reads v; n_nd + 1 for the outputs and
  * leaf gradients; 0 for values nothing reads (last has n_v zeroed entries). */
 void kiln__graph_last_use(const kiln_graph_t *g, int *last);
+/* Passes drop ops but keep value numbers: is v still made (its op still outputs it)? */
+bool kiln__graph_live(const kiln_graph_t *g, int v);
+/* The value whose memory v lives in: v, or the base that its views lead back to. */
+int kiln__graph_root(const kiln_graph_t *g, int v);
 /* Is op elementwise (each output element from the same element of each input: the
  * arithmetic, activations and their backwards, comparisons, where, cast)? */
 bool kiln__graph_elementwise(kiln__op_id op);

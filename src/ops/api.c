@@ -295,8 +295,7 @@ kiln_tensor_t *kiln_dropout(kiln_tensor_t *a, double p, bool train)
     if (!train || p == 0) return kiln__scoped(kiln_tensor_retain(a));
     kiln__attrs at = {0};
     at.f[0] = p;
-    /* While capturing, the graph takes the counters when it runs (src/graph/graph.c). */
-    if (!kiln__graph_capturing()) at.u[1] = kiln__rng_take((uint64_t)kiln__numel(a->ndim, a->shape), &at.u[0]);
+    at.u[1] = kiln__rng_take((uint64_t)kiln__numel(a->ndim, a->shape), &at.u[0]);
     return kiln__call(KILN_OP_DROPOUT, &a, 1, &at);
 }
 
