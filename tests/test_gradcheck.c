@@ -494,6 +494,18 @@ static kiln_tensor_t *f_attention(kiln_tensor_t *const *x, const void *c)
 {
     return kiln_attention(x[0], x[1], x[2], *(const bool *)c, 0);
 }
+/* q, k, v as the heads of one fused projection x (B, T, 3 * H * D), and the output
+ * back in (B, T, H, D): attention reads and its backward gets strided rows. */
+static kiln_tensor_t *f_attention_heads(kiln_tensor_t *const *x, const void *c)
+{
+    (void)c;
+    kiln_tensor_t *part[3];
+    int64_t sizes[3] = {8, 8, 8}, sh[4] = {1, 5, 2, 4};
+    if (kiln_split(x[0], sizes, 3, -1, part) != KILN_OK) return NULL;
+    kiln_tensor_t *h[3];
+    for (int i = 0; i < 3; i++) h[i] = kiln_transpose(kiln_reshape(part[i], sh, 4), 1, 2);
+    return kiln_transpose(kiln_attention(h[0], h[1], h[2], true, 0), 1, 2);
+}
 static void case_attention(void)
 {
     int64_t sq[4] = {1, 2, 4, 4}, sk[4] = {1, 2, 4, 4};
@@ -502,6 +514,8 @@ static void case_attention(void)
     int64_t gq[4] = {1, 4, 3, 4}, gk[4] = {1, 2, 5, 4};
     GC("attention GQA causal Tq<Tk", f_attention, &on, leaf(4, gq, -1, 1, false), leaf(4, gk, -1, 1, false),
        leaf(4, gk, -1, 1, false));
+    int64_t sx[3] = {1, 5, 24};
+    GC("attention on the heads of a fused projection", f_attention_heads, NULL, leaf(3, sx, -1, 1, false));
 }
 
 static kiln_tensor_t *f_reshape(kiln_tensor_t *const *x, const void *c)

@@ -46,11 +46,13 @@ static int64_t numel(int nd, const int64_t *sh)
     return n;
 }
 
-enum { CONTIG, TRANSPOSED, STRIDED };
+enum { CONTIG, TRANSPOSED, STRIDED, HEADS };
 
 /* A tensor of logical shape sh holding v (row-major) in dtype dt. TRANSPOSED: a
  * transpose view of a base whose last two dims are swapped; STRIDED: every other
- * element of a base twice as wide in the last dim. */
+ * element of a base twice as wide in the last dim; HEADS (4-D only): dims 1 and 2
+ * swapped and each last-dim row padded by one element, the way attention sees the
+ * heads of a fused projection (rows contiguous, no dim in order). */
 static kiln_tensor_t *make(const double *v, int nd, const int64_t *sh, kiln_dtype dt, int layout)
 {
     int64_t n = numel(nd, sh);
@@ -61,7 +63,19 @@ static kiln_tensor_t *make(const double *v, int nd, const int64_t *sh, kiln_dtyp
     int64_t c = sh[nd - 1];
     double *b;
     kiln_tensor_t *base, *r;
-    if (layout == TRANSPOSED) {
+    if (layout == HEADS) {
+        assert_int_equal(nd, 4);
+        int64_t hb[4] = {sh[0], sh[2], sh[1], c + 1};
+        b = malloc(sizeof(double) * (size_t)(numel(4, hb) ? numel(4, hb) : 1));
+        for (int64_t i0 = 0; i0 < sh[0]; i0++)
+            for (int64_t i1 = 0; i1 < sh[1]; i1++)
+                for (int64_t i2 = 0; i2 < sh[2]; i2++)
+                    for (int64_t i3 = 0; i3 <= c; i3++)
+                        b[((i0 * sh[2] + i2) * sh[1] + i1) * (c + 1) + i3] =
+                            i3 < c ? v[((i0 * sh[1] + i1) * sh[2] + i2) * c + i3] : 999;
+        base = kiln_cast(kiln_from_data(b, hb, 4, KILN_DTYPE_F64), dt);
+        r = kiln_transpose(kiln_narrow(base, 3, 0, c), 1, 2);
+    } else if (layout == TRANSPOSED) {
         int64_t rr = sh[nd - 2];
         bs[nd - 2] = c;
         bs[nd - 1] = rr;
@@ -1128,8 +1142,8 @@ static void run_attention(int64_t B, int64_t H, int64_t Hkv, int64_t Tq, int64_t
     fill(k, nk, -1, 1);
     fill(v, nk, -1, 1);
     ref_attention(q, k, v, B, H, Hkv, Tq, Tk, D, causal, scale > 0 ? scale : 1 / sqrt((double)D), w);
-    kiln_tensor_t *r = kiln_attention(make(q, 4, sq, dt, layout), make(k, 4, sk, dt, layout), make(v, 4, sk, dt, CONTIG),
-                                      causal, scale);
+    kiln_tensor_t *r = kiln_attention(make(q, 4, sq, dt, layout), make(k, 4, sk, dt, layout),
+                                      make(v, 4, sk, dt, layout == HEADS ? HEADS : CONTIG), causal, scale);
     char what[96];
     snprintf(what, sizeof what, "attention H=%lld Hkv=%lld Tq=%lld Tk=%lld causal=%d %s", (long long)H, (long long)Hkv,
              (long long)Tq, (long long)Tk, causal, kiln_dtype_name(dt));
@@ -1146,6 +1160,8 @@ static void test_attention_matches_naive_softmax_reference(void **state)
         kiln_dtype dt = dti ? KILN_DTYPE_F64 : KILN_DTYPE_F32;
         run_attention(2, 2, 2, 5, 5, 8, false, 0, dt, CONTIG);
         run_attention(2, 2, 2, 5, 5, 8, true, 0, dt, TRANSPOSED);
+        run_attention(2, 3, 3, 5, 5, 8, true, 0, dt, HEADS);
+        run_attention(2, 2, 2, 70, 70, 16, true, 0, dt, HEADS); /* past one 64-row tile */
     }
 }
 
@@ -1155,6 +1171,7 @@ static void test_attention_with_grouped_query_heads(void **state)
         kiln_dtype dt = dti ? KILN_DTYPE_F64 : KILN_DTYPE_F32;
         run_attention(2, 4, 2, 4, 4, 4, false, 0.3, dt, STRIDED);
         run_attention(2, 4, 2, 4, 4, 4, true, 0, dt, CONTIG);
+        run_attention(2, 4, 2, 4, 4, 4, false, 0, dt, HEADS);
     }
 }
 
@@ -1162,6 +1179,7 @@ static void test_attention_causal_offset_when_fewer_queries_than_keys(void **sta
 {
     run_attention(1, 4, 2, 3, 7, 4, true, 0, KILN_DTYPE_F64, CONTIG);
     run_attention(2, 4, 1, 1, 6, 8, true, 0, KILN_DTYPE_F32, TRANSPOSED);
+    run_attention(2, 4, 1, 1, 6, 8, true, 0, KILN_DTYPE_F32, HEADS);
     run_attention(1, 2, 2, 3, 7, 4, false, 0, KILN_DTYPE_F64, CONTIG);
 }
 

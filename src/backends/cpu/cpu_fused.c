@@ -270,6 +270,30 @@ kiln_status kiln__cpu_rope_at(K_ARGS)
     return s;
 }
 
+/* Attention reads (B, H, T, D) inputs through their strides when each row of D is
+ * contiguous and rows do not overlap (the BLAS takes a leading dimension); others are
+ * copied. Like contig_all, tmp[] holds the copies to free. */
+static bool rows_contig_all(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp)
+{
+    for (int i = 0; i < n; i++) tmp[i] = NULL;
+    for (int i = 0; i < n; i++) {
+        const kiln_tensor_t *t = in[i];
+        bool rows = t->ndim == 4 && (t->stride[3] == 1 || t->shape[3] == 1) &&
+                    (t->stride[2] >= t->shape[3] || t->shape[2] == 1) &&
+                    t->stride[0] >= 0 && t->stride[1] >= 0 && t->stride[2] <= INT32_MAX;
+        c[i] = rows ? in[i] : cpu_contig(in[i], &tmp[i]);
+        if (!c[i]) return false;
+    }
+    return true;
+}
+
+/* A dim of one element may carry any stride; the BLAS wants a row stride of at least D. */
+static void strides3(const kiln_tensor_t *t, int64_t *s)
+{
+    for (int d = 0; d < 3; d++) s[d] = t->stride[d];
+    if (t->shape[2] == 1 || s[2] < t->shape[3]) s[2] = t->shape[3] > 1 ? t->shape[3] : 1;
+}
+
 #define ATT_SETUP(SFX)                                                                               \
     att_ctx_##SFX k = {0};                                                                           \
     k.B = q->shape[0];                                                                               \
@@ -283,7 +307,10 @@ kiln_status kiln__cpu_rope_at(K_ARGS)
     k.fast = kiln__opt(KILN__OPT_FAST_EXP);                                                          \
     k.q = kiln__data(q);                                                                             \
     k.k = kiln__data(kk);                                                                            \
-    k.v = kiln__data(vv)
+    k.v = kiln__data(vv);                                                                            \
+    strides3(q, k.qs);                                                                               \
+    strides3(kk, k.ks);                                                                              \
+    strides3(vv, k.vs)
 
 /* Tasks call the BLAS: in parallel when the BLAS is single-threaded (POOL_GEMM), else
  * one after another with the BLAS threading each tile. */
@@ -296,7 +323,10 @@ static void att_run(int64_t tasks, kiln__range_fn fn, void *ctx)
 kiln_status kiln__cpu_attention(K_ARGS)
 {
     kiln_tensor_t *c[3], *tmp[3];
-    if (!contig_all(in, 3, c, tmp)) return kiln_last_status();
+    if (!rows_contig_all(in, 3, c, tmp)) {
+        free_all(tmp, 3);
+        return kiln_last_status();
+    }
     kiln_tensor_t *q = c[0], *kk = c[1], *vv = c[2];
     int64_t tasks = q->shape[0] * q->shape[1];
     kiln_status s = KILN_OK;
@@ -323,7 +353,10 @@ kiln_status kiln__cpu_attention(K_ARGS)
 kiln_status kiln__cpu_attention_backward(K_ARGS)
 {
     kiln_tensor_t *c[6], *tmp[6];
-    if (!contig_all(in, 6, c, tmp)) return kiln_last_status();
+    if (!rows_contig_all(in, 5, c, tmp) || !contig_all(in + 5, 1, c + 5, tmp + 5)) {
+        free_all(tmp, 6);
+        return kiln_last_status();
+    }
     kiln_tensor_t *q = c[1], *kk = c[2], *vv = c[3];
     int64_t tasks = q->shape[0] * kk->shape[1];
     bool bad = false;
@@ -331,6 +364,8 @@ kiln_status kiln__cpu_attention_backward(K_ARGS)
         ATT_SETUP(f32);
         k.g = kiln__data(c[0]);
         k.o = kiln__data(c[4]);
+        strides3(c[0], k.gs);
+        strides3(c[4], k.os);
         k.lse_in = kiln__data(c[5]);
         k.dq = kiln__data(out[0]);
         k.dk = kiln__data(out[1]);
@@ -341,6 +376,8 @@ kiln_status kiln__cpu_attention_backward(K_ARGS)
         ATT_SETUP(f64);
         k.g = kiln__data(c[0]);
         k.o = kiln__data(c[4]);
+        strides3(c[0], k.gs);
+        strides3(c[4], k.os);
         k.lse_in = kiln__data(c[5]);
         k.dq = kiln__data(out[0]);
         k.dk = kiln__data(out[1]);

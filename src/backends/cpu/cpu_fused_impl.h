@@ -225,6 +225,10 @@ typedef struct {
     const R *q, *k, *v, *o, *g, *lse_in;
     R *out, *lse, *dq, *dk, *dv;
     int64_t B, H, Hkv, Tq, Tk, D;
+    /* Strides (elements) of dims 0-2 of the inputs q, k, v, g, o: their rows need only
+     * be contiguous (the heads of a fused qkv projection are read where they lie). The
+     * outputs are contiguous. */
+    int64_t qs[3], ks[3], vs[3], gs[3], os[3];
     double scale;
     bool causal;
     atomic_int oom; /* a task could not get its tile buffer */
@@ -244,6 +248,46 @@ static inline int64_t FN(att_keys)(const FN(att_ctx) *a, int64_t i)
  * dV of its kv head, so no two tasks write one gradient and sums keep a fixed order. */
 #define ATT_QB 64
 
+/* The row loops run in 16 independent lanes so they vectorize: the maximum is exact in
+ * any order, and the sum adds each lane in order and then the lanes in order, so the
+ * result does not depend on the thread count. */
+#define ATT_LANES 16
+
+static inline R FN(att_row_max)(const R *row, int64_t nk)
+{
+    R mx[ATT_LANES];
+    for (int l = 0; l < ATT_LANES; l++) mx[l] = -INFINITY;
+    int64_t j = 0;
+    for (; j + ATT_LANES <= nk; j += ATT_LANES)
+        for (int l = 0; l < ATT_LANES; l++) mx[l] = row[j + l] > mx[l] ? row[j + l] : mx[l];
+    R m = -INFINITY;
+    for (int l = 0; l < ATT_LANES; l++) m = mx[l] > m ? mx[l] : m;
+    for (; j < nk; j++) m = row[j] > m ? row[j] : m;
+    return m;
+}
+
+/* row[j] = exp(row[j] - m) for j < nk; returns their sum (in double lanes). */
+static inline double FN(att_row_exp)(R *row, int64_t nk, R m, bool fast)
+{
+    double acc[ATT_LANES] = {0};
+    int64_t j = 0;
+    if (fast) {
+        for (; j + ATT_LANES <= nk; j += ATT_LANES)
+            for (int l = 0; l < ATT_LANES; l++) {
+                row[j + l] = (R)FN(expr)(row[j + l] - m);
+                acc[l] += row[j + l];
+            }
+    }
+    double s = 0;
+    for (; j < nk; j++) {
+        row[j] = (R)(fast ? FN(expr)(row[j] - m) : exp((double)row[j] - (double)m));
+        s += row[j];
+    }
+    double t = 0;
+    for (int l = 0; l < ATT_LANES; l++) t += acc[l];
+    return t + s;
+}
+
 static inline void FN(att_softmax_rows)(const FN(att_ctx) *a, int64_t i0, int64_t rows, int64_t nblk, R *S,
                                          const R *lse_in, R *lse_out, bool fast)
 {
@@ -251,16 +295,10 @@ static inline void FN(att_softmax_rows)(const FN(att_ctx) *a, int64_t i0, int64_
         R *row = S + r * nblk;
         int64_t nk = FN(att_keys)(a, i0 + r);
         if (lse_in) { /* backward: P from the saved log-sum-exp */
-            R l = lse_in[r];
-            for (int64_t j = 0; j < nk; j++) row[j] = (R)(fast ? FN(expr)(row[j] - l) : exp((double)row[j] - (double)l));
+            (void)FN(att_row_exp)(row, nk, lse_in[r], fast);
         } else {
-            R m = -INFINITY;
-            for (int64_t j = 0; j < nk; j++) m = row[j] > m ? row[j] : m;
-            double l = 0;
-            for (int64_t j = 0; j < nk; j++) {
-                row[j] = (R)(fast ? FN(expr)(row[j] - m) : exp((double)row[j] - (double)m));
-                l += row[j];
-            }
+            R m = FN(att_row_max)(row, nk);
+            double l = FN(att_row_exp)(row, nk, m, fast);
             R inv = (R)(nk ? 1.0 / l : 0.0);
             for (int64_t j = 0; j < nk; j++) row[j] *= inv;
             lse_out[r] = nk ? (R)((double)m + log(l)) : (R)-INFINITY;
@@ -281,22 +319,22 @@ KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
     bool fast = a->fast;
     for (int64_t t = b; t < e; t++) {
         int64_t bb = t / a->H, h = t % a->H, hk = h / grp;
-        const R *K = a->k + (bb * a->Hkv + hk) * Tk * D, *V = a->v + (bb * a->Hkv + hk) * Tk * D;
+        const R *K = a->k + bb * a->ks[0] + hk * a->ks[1], *V = a->v + bb * a->vs[0] + hk * a->vs[1];
         for (int64_t i0 = 0; i0 < a->Tq; i0 += ATT_QB) {
             int64_t rows = a->Tq - i0 < ATT_QB ? a->Tq - i0 : ATT_QB;
             int64_t nblk = FN(att_keys)(a, i0 + rows - 1);
-            const R *Q = a->q + (t * a->Tq + i0) * D;
+            const R *Q = a->q + bb * a->qs[0] + h * a->qs[1] + i0 * a->qs[2];
             R *O = a->out + (t * a->Tq + i0) * D;
             if (nblk == 0) {
                 memset(O, 0, sizeof(R) * (size_t)(rows * D));
                 for (int64_t r = 0; r < rows; r++) a->lse[t * a->Tq + i0 + r] = (R)-INFINITY;
                 continue;
             }
-            GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)nblk, (int)D, (R)a->scale, Q, (int)D, K,
-                 (int)D, 0, S, (int)nblk);
+            GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)nblk, (int)D, (R)a->scale, Q,
+                 (int)a->qs[2], K, (int)a->ks[2], 0, S, (int)nblk);
             FN(att_softmax_rows)(a, i0, rows, nblk, S, NULL, a->lse + t * a->Tq + i0, fast);
-            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, 1, S, (int)nblk, V, (int)D, 0,
-                 O, (int)D);
+            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, 1, S, (int)nblk, V,
+                 (int)a->vs[2], 0, O, (int)D);
         }
     }
     free(S);
@@ -315,7 +353,7 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
     bool fast = a->fast;
     for (int64_t t = b; t < e; t++) {
         int64_t bb = t / a->Hkv, hk = t % a->Hkv;
-        const R *K = a->k + t * Tk * D, *V = a->v + t * Tk * D;
+        const R *K = a->k + bb * a->ks[0] + hk * a->ks[1], *V = a->v + bb * a->vs[0] + hk * a->vs[1];
         R *dK = a->dk + t * Tk * D, *dV = a->dv + t * Tk * D;
         memset(dK, 0, sizeof(R) * (size_t)(Tk * D));
         memset(dV, 0, sizeof(R) * (size_t)(Tk * D));
@@ -324,31 +362,34 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
             for (int64_t i0 = 0; i0 < a->Tq; i0 += ATT_QB) {
                 int64_t rows = a->Tq - i0 < ATT_QB ? a->Tq - i0 : ATT_QB;
                 int64_t nblk = FN(att_keys)(a, i0 + rows - 1), base = (qh * a->Tq + i0) * D;
-                const R *Q = a->q + base, *G = a->g + base, *O = a->o + base;
+                const R *Q = a->q + bb * a->qs[0] + h * a->qs[1] + i0 * a->qs[2];
+                const R *G = a->g + bb * a->gs[0] + h * a->gs[1] + i0 * a->gs[2];
+                const R *O = a->o + bb * a->os[0] + h * a->os[1] + i0 * a->os[2];
+                int64_t ldq = a->qs[2], ldg = a->gs[2], ldk = a->ks[2], ldv = a->vs[2];
                 R *dQ = a->dq + base;
                 if (nblk == 0) {
                     memset(dQ, 0, sizeof(R) * (size_t)(rows * D));
                     continue;
                 }
-                GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)nblk, (int)D, (R)a->scale, Q, (int)D, K,
-                     (int)D, 0, P, (int)nblk);
+                GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)nblk, (int)D, (R)a->scale, Q, (int)ldq,
+                     K, (int)ldk, 0, P, (int)nblk);
                 FN(att_softmax_rows)(a, i0, rows, nblk, P, a->lse_in + qh * a->Tq + i0, NULL, fast);
                 /* dV += P^T dO; dP = dO V^T */
-                GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nblk, (int)D, (int)rows, 1, P, (int)nblk, G, (int)D,
-                     1, dV, (int)D);
-                GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)nblk, (int)D, 1, G, (int)D, V, (int)D, 0,
-                     dP, (int)nblk);
+                GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nblk, (int)D, (int)rows, 1, P, (int)nblk, G,
+                     (int)ldg, 1, dV, (int)D);
+                GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)nblk, (int)D, 1, G, (int)ldg, V, (int)ldv,
+                     0, dP, (int)nblk);
                 /* dS = P * (dP - rowsum(dO * O)), in place in dP */
                 for (int64_t r = 0; r < rows; r++) {
-                    R Di = (R)FN(dot)(G + r * D, O + r * D, D);
+                    R Di = (R)FN(dot)(G + r * ldg, O + r * a->os[2], D);
                     R *pr = P + r * nblk, *dr = dP + r * nblk;
                     for (int64_t j = 0; j < nblk; j++) dr[j] = pr[j] * (dr[j] - Di);
                 }
                 /* dQ = scale dS K; dK += scale dS^T Q */
                 GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, (R)a->scale, dP, (int)nblk,
-                     K, (int)D, 0, dQ, (int)D);
+                     K, (int)ldk, 0, dQ, (int)D);
                 GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nblk, (int)D, (int)rows, (R)a->scale, dP, (int)nblk,
-                     Q, (int)D, 1, dK, (int)D);
+                     Q, (int)ldq, 1, dK, (int)D);
             }
         }
     }
