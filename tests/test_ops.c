@@ -498,6 +498,36 @@ static void test_sum_matches_reference(void **state)
     run_reduction("sum", kiln_sum, 0, KILN_DTYPE_F64);
 }
 
+/* Sums over the rows of tall f32 matrices (bias gradients), which the cpu backend
+ * splits into fixed chunks of rows: more rows than one chunk, a ragged last chunk, one
+ * column, and two leading dims reduced together (oracle: the double reference). */
+static void test_column_sums_of_tall_matrices_match_reference(void **state)
+{
+    (void)state;
+    struct {
+        int64_t sh[3];
+        int nd, dims[2], nred;
+    } cases[] = {{{1300, 70, 1}, 2, {0}, 1}, {{600, 1, 1}, 2, {0}, 1}, {{3, 300, 33}, 3, {0, 1}, 2}};
+    for (int c = 0; c < 3; c++) {
+        int nd = cases[c].nd;
+        int64_t n = numel(nd, cases[c].sh), no;
+        double *x = malloc(sizeof(double) * (size_t)n), *want = malloc(sizeof(double) * (size_t)n);
+        fill(x, n, -2, 2);
+        bool red[3] = {false, false, false};
+        for (int k = 0; k < cases[c].nred; k++) red[cases[c].dims[k]] = true;
+        ref_reduce(x, nd, cases[c].sh, red, 0, want, &no);
+        int ond;
+        int64_t osh[3];
+        out_shape(nd, cases[c].sh, red, false, &ond, osh);
+        char what[64];
+        snprintf(what, sizeof what, "column sum case %d", c);
+        check(what, kiln_sum(make(x, nd, cases[c].sh, KILN_DTYPE_F32, CONTIG), cases[c].dims, cases[c].nred, false),
+              ond, osh, want, tol_of(KILN_DTYPE_F32));
+        free(x);
+        free(want);
+    }
+}
+
 static void test_max_matches_reference(void **state)
 {
     run_reduction("max", kiln_max, 1, KILN_DTYPE_F32);
@@ -1401,6 +1431,7 @@ int main(void)
         T(test_cast_to_bool_is_nonzero),
         T(test_cast_between_floats_rounds_to_target),
         T(test_sum_matches_reference),
+        T(test_column_sums_of_tall_matrices_match_reference),
         T(test_max_matches_reference),
         T(test_mean_matches_reference),
         T(test_logsumexp_matches_reference),

@@ -641,12 +641,19 @@ static int matmul_child(void)
         size_t nb = y ? kiln_tensor_nbytes(y) : 0;
         unsigned char *buf = nb ? malloc(nb) : NULL;
         float total;
-        if (!buf || kiln_tensor_to_host(y, buf, nb) != KILN_OK ||
+        int d0 = 0;
+        kiln_tensor_t *cols = y ? kiln_sum(y, &d0, 1, false) : NULL; /* column sums: the bias gradient's sum */
+        size_t nc = cols ? kiln_tensor_nbytes(cols) : 0;
+        unsigned char *cbuf = nc ? malloc(nc) : NULL;
+        if (!buf || !cbuf || kiln_tensor_to_host(y, buf, nb) != KILN_OK || kiln_tensor_to_host(cols, cbuf, nc) != KILN_OK ||
             kiln_tensor_to_host(kiln_sum(y, NULL, 0, false), &total, sizeof total) != KILN_OK) {
             free(buf);
+            free(cbuf);
             return 1;
         }
         for (size_t i = 0; i < nb; i++) h = (h ^ buf[i]) * 1099511628211ULL;
+        for (size_t i = 0; i < nc; i++) h = (h ^ cbuf[i]) * 1099511628211ULL;
+        free(cbuf);
         for (size_t i = 0; i < sizeof total; i++) h = (h ^ ((unsigned char *)&total)[i]) * 1099511628211ULL;
         free(buf);
     }
@@ -691,8 +698,9 @@ static void run_child_as(const char *mode, int threads, int *got_threads, unsign
     assert_int_equal(sscanf(line, "%d %llx", got_threads, hash), 2);
 }
 
-/* GEMMs split over the pool in one block per thread, and whole-tensor sums in fixed
- * chunks: 1, 2, 3 and 4 threads give bitwise the same products and sums (oracle: the
+/* GEMMs split over the pool in one block per thread, whole-tensor sums in fixed chunks
+ * and column sums in fixed row chunks: 1, 2, 3 and 4 threads give bitwise the same
+ * products and sums (oracle: the
  * 1-thread run, one BLAS call per product). */
 static void test_matmuls_do_not_depend_on_the_thread_count(void **state)
 {

@@ -16,7 +16,8 @@
     X(DEVICE_GRAPHS, 1, "a recorded replay captured as the device's own graph (OpenCL command buffer, CUDA graph)") \
     X(GEMM_THREAD_BLOCKS, 1, "pool GEMMs split into one block per thread (multiples of 128) instead of 128-row blocks") \
     X(FULLSUM_CHUNKS, 1, "a sum of a whole f32 tensor split into fixed 64K-element chunks over the pool (else one task)") \
-    X(GRAD_LAYOUT, 1, "the gradient of a column-major matmul operand (a linear weight) computed in its layout, (G^T A)^T")
+    X(GRAD_LAYOUT, 1, "the gradient of a column-major matmul operand (a linear weight) computed in its layout, (G^T A)^T") \
+    X(COLSUM_ROWS, 1, "f32 sums over the rows of a tall matrix (bias gradients) in fixed 256-row chunks of whole rows")
 
 typedef enum {
 #define KILN__OPT_ENUM(name, dflt, help) KILN__OPT_##name,

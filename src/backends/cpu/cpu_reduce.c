@@ -113,6 +113,49 @@ KILN_SIMD static void colsum_range(void *c, int64_t b, int64_t e)
     }
 }
 
+/* The same sums by chunks of COLSUM_ROWS whole rows (KILN_OPT_COLSUM_ROWS): a task adds
+ * its chunk's rows in order into its own row of double partials, reading memory in one
+ * stream (a block of columns reads a short piece of every row, one stream per row in
+ * flight), then each column adds the chunks in order. Chunks are fixed by the shape, so
+ * the result does not depend on the thread count. */
+enum { COLSUM_ROWS = 256 };
+
+typedef struct {
+    const float *x;
+    double *part; /* (chunks, cols) */
+    int64_t rows, cols;
+} rowsum_ctx;
+
+KILN_SIMD static void rowchunk_range(void *c, int64_t b, int64_t e)
+{
+    const rowsum_ctx *k = c;
+    for (int64_t t = b; t < e; t++) {
+        double *acc = k->part + t * k->cols;
+        int64_t r1 = (t + 1) * COLSUM_ROWS < k->rows ? (t + 1) * COLSUM_ROWS : k->rows;
+        for (int64_t j = 0; j < k->cols; j++) acc[j] = 0;
+        for (int64_t r = t * COLSUM_ROWS; r < r1; r++) {
+            const float *row = k->x + r * k->cols;
+            for (int64_t j = 0; j < k->cols; j++) acc[j] += row[j];
+        }
+    }
+}
+
+static kiln_status colsum_by_rows(const float *x, float *o, int64_t rows, int64_t cols)
+{
+    int64_t chunks = (rows + COLSUM_ROWS - 1) / COLSUM_ROWS;
+    double *part = malloc(sizeof(double) * (size_t)(chunks * cols));
+    if (!part) return kiln__err(KILN_ERR_OOM, "sum: out of memory for partial sums");
+    rowsum_ctx k = {x, part, rows, cols};
+    kiln__parallel_for(chunks, 1, rowchunk_range, &k);
+    for (int64_t j = 0; j < cols; j++) {
+        double s = 0;
+        for (int64_t t = 0; t < chunks; t++) s += part[t * cols + j];
+        o[j] = (float)s;
+    }
+    free(part);
+    return KILN_OK;
+}
+
 /* A sum of all of a contiguous f32 tensor (a gradient's squares, for the norm): fixed
  * chunks of FULLSUM_CHUNK elements, each summed by one task in 16 double lanes (lane l
  * takes elements l, l + 16, ...), then the chunks added in order. The chunks are fixed
@@ -167,6 +210,8 @@ static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dim
         return KILN_OK;
     }
     if (kind == 0 && x->dtype == KILN_DTYPE_F32 && leading_dims(x, dims, ndims, &rows, &cols)) {
+        if (rows >= 2 * COLSUM_ROWS && kiln__opt(KILN__OPT_COLSUM_ROWS))
+            return colsum_by_rows(kiln__data(x), kiln__data(o), rows, cols);
         colsum_ctx k = {kiln__data(x), kiln__data(o), rows, cols};
         kiln__parallel_for((cols + 255) / 256, 1, colsum_range, &k);
         return KILN_OK;
