@@ -6,7 +6,7 @@
 #include <stdbool.h>
 
 #define KILN__OPTS(X)                                                                            \
-    X(FAST_EXP, 1, "polynomial expf/tanhf (vectorized) in f32 GELU, SiLU, sigmoid, tanh and attention")                \
+    X(FAST_EXP, 1, "polynomial expf/tanhf (vectorized) in f32 GELU, SiLU, sigmoid, tanh, attention, cross-entropy")              \
     X(POOL_GEMM, 1, "single-threaded BLAS, GEMMs split into row/column blocks over kiln's thread pool")         \
     X(POOL_SPIN, 1, "pool threads poll for 200 us before sleeping, so back-to-back jobs skip the wake-up")     \
     X(ROWS_AVX512, 1, "matmul_rows (the serving engine's linear layers) in AVX-512 tiles where the CPU has them")  \

@@ -152,7 +152,7 @@ static kiln_status check_targets(const kiln_tensor_t *t, int64_t V, int64_t igno
 #define CE_FWD(SFX, RT)                                                                              \
     do {                                                                                             \
         ce_ctx_##SFX k = {kiln__data(c[0]), kiln__data(c[1]), c[1]->dtype, kiln__data(out[1]), NULL, loss, N, V, \
-                          a->i[0], 0};                                                               \
+                          a->i[0], 0, kiln__opt(KILN__OPT_FAST_EXP)};                                \
         kiln__parallel_for(N, CPU_GRAIN / (V ? V : 1) + 1, ce_fwd_range_##SFX, &k);                 \
         double sum = 0;                                                                              \
         for (int64_t i = 0; i < N; i++) sum += loss[i];                                              \
@@ -181,7 +181,7 @@ kiln_status kiln__cpu_cross_entropy(K_ARGS)
 #define CE_BWD(SFX)                                                                                  \
     do {                                                                                             \
         ce_ctx_##SFX k = {kiln__data(c[1]), kiln__data(c[2]), c[2]->dtype, kiln__data(c[3]), kiln__data(out[0]), \
-                          NULL, N, V, a->i[0], count ? g / (double)count : 0};                       \
+                          NULL, N, V, a->i[0], count ? g / (double)count : 0, kiln__opt(KILN__OPT_FAST_EXP)}; \
         kiln__parallel_for(N, CPU_GRAIN / (V ? V : 1) + 1, ce_bwd_range_##SFX, &k);                 \
     } while (0)
 

@@ -21,6 +21,37 @@ static inline double FN(dot)(const R *a, const R *b, int64_t n)
 }
 
 
+/* Row loops of softmax-like kernels in 16 independent lanes, so they vectorize: the
+ * maximum is exact in any order, and a sum adds each lane in order and then the lanes
+ * in order, so results do not depend on the thread count. */
+#define ROW_LANES 16
+
+static inline R FN(row_max)(const R *row, int64_t nk)
+{
+    R mx[ROW_LANES];
+    for (int l = 0; l < ROW_LANES; l++) mx[l] = -INFINITY;
+    int64_t j = 0;
+    for (; j + ROW_LANES <= nk; j += ROW_LANES)
+        for (int l = 0; l < ROW_LANES; l++) mx[l] = row[j + l] > mx[l] ? row[j + l] : mx[l];
+    R m = -INFINITY;
+    for (int l = 0; l < ROW_LANES; l++) m = mx[l] > m ? mx[l] : m;
+    for (; j < nk; j++) m = row[j] > m ? row[j] : m;
+    return m;
+}
+
+/* The sum of exp(row[j] - m) over j < n, in double lanes; the row is not written. */
+static inline double FN(row_expsum)(const R *row, int64_t n, R m, bool fast)
+{
+    double acc[ROW_LANES] = {0}, s = 0, t = 0;
+    int64_t j = 0;
+    if (fast)
+        for (; j + ROW_LANES <= n; j += ROW_LANES)
+            for (int l = 0; l < ROW_LANES; l++) acc[l] += FN(expr)(row[j + l] - m);
+    for (; j < n; j++) s += fast ? FN(expr)(row[j] - m) : exp((double)row[j] - (double)m);
+    for (int l = 0; l < ROW_LANES; l++) t += acc[l];
+    return t + s;
+}
+
 /* ---- softmax / log_softmax over dim: x viewed as (outer, L, inner) ---- */
 typedef struct {
     const R *x;
@@ -72,6 +103,7 @@ typedef struct {
 } FN(ln_ctx);
 
 #define LN_BLOCK 32
+#define LN_LANES 4
 
 KILN_SIMD static void FN(ln_fwd_range)(void *c, int64_t b, int64_t e)
 {
@@ -80,12 +112,20 @@ KILN_SIMD static void FN(ln_fwd_range)(void *c, int64_t b, int64_t e)
     for (int64_t n = b; n < e; n++) {
         const R *x = k->x + n * C;
         R *y = k->y + n * C;
-        double mu = 0, var = 0;
+        /* Sums in LN_LANES independent partials (they vectorize), added in order. */
+        double mu = 0, var = 0, lm[LN_LANES] = {0}, lv[LN_LANES] = {0};
+        int64_t i0 = C - C % LN_LANES;
         if (!k->rms) {
-            for (int64_t i = 0; i < C; i++) mu += x[i];
+            for (int64_t i = 0; i < i0; i += LN_LANES)
+                for (int l = 0; l < LN_LANES; l++) lm[l] += x[i + l];
+            for (int l = 0; l < LN_LANES; l++) mu += lm[l];
+            for (int64_t i = i0; i < C; i++) mu += x[i];
             mu /= (double)C;
         }
-        for (int64_t i = 0; i < C; i++) var += ((double)x[i] - mu) * ((double)x[i] - mu);
+        for (int64_t i = 0; i < i0; i += LN_LANES)
+            for (int l = 0; l < LN_LANES; l++) lv[l] += ((double)x[i + l] - mu) * ((double)x[i + l] - mu);
+        for (int l = 0; l < LN_LANES; l++) var += lv[l];
+        for (int64_t i = i0; i < C; i++) var += ((double)x[i] - mu) * ((double)x[i] - mu);
         var /= (double)C;
         double rs = 1.0 / sqrt(var + k->eps);
         R rsr = (R)rs, mur = (R)mu;
@@ -112,8 +152,21 @@ KILN_SIMD static void FN(ln_bwd_range)(void *c, int64_t bb, int64_t be)
             const R *x = k->x + n * C, *g = k->g + n * C;
             R *dx = k->dx + n * C;
             double mu = k->rms ? 0.0 : (double)k->mean[n], rs = k->rstd[n];
-            double s1 = 0, s2 = 0;
-            for (int64_t i = 0; i < C; i++) {
+            double s1 = 0, s2 = 0, l1[LN_LANES] = {0}, l2[LN_LANES] = {0};
+            int64_t i0 = C - C % LN_LANES;
+            for (int64_t i = 0; i < i0; i += LN_LANES)
+                for (int l = 0; l < LN_LANES; l++) {
+                    double xh = ((double)x[i + l] - mu) * rs, gw = (double)g[i + l] * k->w[i + l];
+                    l1[l] += gw;
+                    l2[l] += gw * xh;
+                    dw[i + l] += (double)g[i + l] * xh;
+                    db[i + l] += g[i + l];
+                }
+            for (int l = 0; l < LN_LANES; l++) {
+                s1 += l1[l];
+                s2 += l2[l];
+            }
+            for (int64_t i = i0; i < C; i++) {
                 double xh = ((double)x[i] - mu) * rs, gw = (double)g[i] * k->w[i];
                 s1 += gw;
                 s2 += gw * xh;
@@ -159,6 +212,7 @@ typedef struct {
     double *loss;
     int64_t N, V, ignore;
     double gscale;
+    bool fast; /* KILN_OPT_FAST_EXP for the f32 exponentials */
 } FN(ce_ctx);
 
 KILN_SIMD static void FN(ce_fwd_range)(void *c, int64_t b, int64_t e)
@@ -166,10 +220,8 @@ KILN_SIMD static void FN(ce_fwd_range)(void *c, int64_t b, int64_t e)
     const FN(ce_ctx) *k = c;
     for (int64_t n = b; n < e; n++) {
         const R *x = k->x + n * k->V;
-        double m = -INFINITY, s = 0;
-        for (int64_t v = 0; v < k->V; v++)
-            if (x[v] > m) m = x[v];
-        for (int64_t v = 0; v < k->V; v++) s += exp((double)x[v] - m);
+        R mr = FN(row_max)(x, k->V);
+        double m = mr, s = FN(row_expsum)(x, k->V, mr, k->fast);
         double lse = m + log(s);
         k->lse[n] = (R)lse;
         int64_t t = kiln__load_index((const char *)k->t + n * (int64_t)kiln_dtype_size(k->tdt), k->tdt);
@@ -189,7 +241,12 @@ KILN_SIMD static void FN(ce_bwd_range)(void *c, int64_t b, int64_t e)
             continue;
         }
         double lse = k->lse[n];
-        for (int64_t v = 0; v < k->V; v++) dx[v] = (R)(k->gscale * exp((double)x[v] - lse));
+        if (k->fast) {
+            R l = k->lse[n], gs = (R)k->gscale;
+            for (int64_t v = 0; v < k->V; v++) dx[v] = gs * (R)FN(expr)(x[v] - l);
+        } else {
+            for (int64_t v = 0; v < k->V; v++) dx[v] = (R)(k->gscale * exp((double)x[v] - lse));
+        }
         dx[t] -= (R)k->gscale;
     }
 }
@@ -248,32 +305,14 @@ static inline int64_t FN(att_keys)(const FN(att_ctx) *a, int64_t i)
  * dV of its kv head, so no two tasks write one gradient and sums keep a fixed order. */
 #define ATT_QB 64
 
-/* The row loops run in 16 independent lanes so they vectorize: the maximum is exact in
- * any order, and the sum adds each lane in order and then the lanes in order, so the
- * result does not depend on the thread count. */
-#define ATT_LANES 16
-
-static inline R FN(att_row_max)(const R *row, int64_t nk)
-{
-    R mx[ATT_LANES];
-    for (int l = 0; l < ATT_LANES; l++) mx[l] = -INFINITY;
-    int64_t j = 0;
-    for (; j + ATT_LANES <= nk; j += ATT_LANES)
-        for (int l = 0; l < ATT_LANES; l++) mx[l] = row[j + l] > mx[l] ? row[j + l] : mx[l];
-    R m = -INFINITY;
-    for (int l = 0; l < ATT_LANES; l++) m = mx[l] > m ? mx[l] : m;
-    for (; j < nk; j++) m = row[j] > m ? row[j] : m;
-    return m;
-}
-
 /* row[j] = exp(row[j] - m) for j < nk; returns their sum (in double lanes). */
 static inline double FN(att_row_exp)(R *row, int64_t nk, R m, bool fast)
 {
-    double acc[ATT_LANES] = {0};
+    double acc[ROW_LANES] = {0};
     int64_t j = 0;
     if (fast) {
-        for (; j + ATT_LANES <= nk; j += ATT_LANES)
-            for (int l = 0; l < ATT_LANES; l++) {
+        for (; j + ROW_LANES <= nk; j += ROW_LANES)
+            for (int l = 0; l < ROW_LANES; l++) {
                 row[j + l] = (R)FN(expr)(row[j + l] - m);
                 acc[l] += row[j + l];
             }
@@ -284,7 +323,7 @@ static inline double FN(att_row_exp)(R *row, int64_t nk, R m, bool fast)
         s += row[j];
     }
     double t = 0;
-    for (int l = 0; l < ATT_LANES; l++) t += acc[l];
+    for (int l = 0; l < ROW_LANES; l++) t += acc[l];
     return t + s;
 }
 
@@ -297,7 +336,7 @@ static inline void FN(att_softmax_rows)(const FN(att_ctx) *a, int64_t i0, int64_
         if (lse_in) { /* backward: P from the saved log-sum-exp */
             (void)FN(att_row_exp)(row, nk, lse_in[r], fast);
         } else {
-            R m = FN(att_row_max)(row, nk);
+            R m = FN(row_max)(row, nk);
             double l = FN(att_row_exp)(row, nk, m, fast);
             R inv = (R)(nk ? 1.0 / l : 0.0);
             for (int64_t j = 0; j < nk; j++) row[j] *= inv;
