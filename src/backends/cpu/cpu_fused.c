@@ -305,6 +305,7 @@ static void strides3(const kiln_tensor_t *t, int64_t *s)
     k.scale = a->f[0];                                                                               \
     k.causal = a->i[0];                                                                              \
     k.fast = kiln__opt(KILN__OPT_FAST_EXP);                                                          \
+    k.kt = kiln__opt(KILN__OPT_ATT_KT);                                                              \
     k.q = kiln__data(q);                                                                             \
     k.k = kiln__data(kk);                                                                            \
     k.v = kiln__data(vv);                                                                            \
