@@ -224,6 +224,24 @@ static kiln_status ce_fwd_bwd(void *ctx, kiln_tensor_t *const *in, int n_in, kil
     return loss ? kiln_backward(loss) : kiln_last_status();
 }
 
+/* The backward of splitting a fused projection into heads: each head's gradient,
+ * (B, H, T, D), transposed back to (B, T, H * D) and copied into its slice of one
+ * zero-filled buffer, which is then read. */
+static kiln_status heads_into_slices(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    int64_t B = kiln_tensor_dim(in[0], 0), H = kiln_tensor_dim(in[0], 1), T = kiln_tensor_dim(in[0], 2),
+            D = kiln_tensor_dim(in[0], 3);
+    kiln_tensor_t *buf = kiln_zeros((int64_t[]){B, T, 3 * H * D}, 3, KILN_DTYPE_F32);
+    for (int i = 0; i < 3; i++) {
+        kiln_tensor_t *part = kiln_reshape(kiln_transpose(in[i], 1, 2), (int64_t[]){B, T, H * D}, 3);
+        kiln_status s = kiln_tensor_copy_(kiln_narrow(buf, 2, i * H * D, H * D), part);
+        if (s != KILN_OK) return s;
+    }
+    out[0] = kiln_mul(buf, kiln_scalar(2, KILN_DTYPE_F32));
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
 static void kernel_counts(void **state)
 {
     int64_t s[2] = {64, 200}, c[1] = {200}, w[2] = {96, 200};
@@ -250,6 +268,16 @@ static void kernel_counts(void **state)
     check(linear3d_gelu, NULL, l3, 3, TOL, &k, &o);
     assert_int_equal(k, 1);
     if (o > 4) fail_msg("linear on 3-D + GELU ran %d ops (the matmul and views expected)", o);
+    /* Heads copied into their slices of one buffer: the transposes and the three copies
+     * are one kernel storing into the slices (kiln_graph_sink_views moves each copy to
+     * the transpose's shape; the copy is absorbed although its destination is an
+     * intermediate, since the slices share no element), then the read: two kernels,
+     * and no copy_ left to dispatch (the fill and the views remain). */
+    kiln_tensor_t *hin[3];
+    for (int i = 0; i < 3; i++) hin[i] = randn((int64_t[]){2, 3, 5, 4}, 4, 20 + i);
+    check(heads_into_slices, NULL, hin, 3, TOL, &k, &o);
+    if (k != 2 || o > 10) /* the fill, 3 slices, 3 views of them, 3 transposes */
+        fail_msg("heads into slices: %d kernels and %d ops, want 2 and at most 10 (no copy_)", k, o);
     int64_t t[64];
     for (int i = 0; i < 64; i++) t[i] = (i * 37) % 200;
     kiln_tensor_t *logits = randn(s, 2, 9), *tg = kiln_from_data(t, (int64_t[]){64}, 1, KILN_DTYPE_I64);

@@ -15,6 +15,7 @@
 
 #include "kiln/ops.h"
 #include "core/rng.h"
+#include "core/tensor_impl.h"
 
 #include "test_util.h"
 
@@ -448,6 +449,66 @@ static void test_contiguous_copies_a_strided_view_and_clone_always_copies(void *
     assert_true(poke_and_read(kiln_narrow(same, 1, 2, 1), a, 5) == 100);
 }
 
+/* Does any element of a sit where one of b does? By enumerating both (the oracle). */
+static bool brute_overlap(const kiln_tensor_t *a, const kiln_tensor_t *b)
+{
+    int64_t na = kiln__numel(a->ndim, a->shape), nb = kiln__numel(b->ndim, b->shape);
+    for (int64_t i = 0; i < na; i++) {
+        int64_t oa = a->offset, r = i;
+        for (int d = a->ndim - 1; d >= 0; d--) {
+            oa += (r % a->shape[d]) * a->stride[d];
+            r /= a->shape[d];
+        }
+        for (int64_t j = 0; j < nb; j++) {
+            int64_t ob = b->offset, q = j;
+            for (int d = b->ndim - 1; d >= 0; d--) {
+                ob += (q % b->shape[d]) * b->stride[d];
+                q /= b->shape[d];
+            }
+            if (oa == ob) return true;
+        }
+    }
+    return false;
+}
+
+/* Two views of one tensor overlap when they share an element, not when their byte
+ * ranges interleave: slices of one dim of a row-major tensor share none (the fused
+ * q|k|v gradient written by one kernel). Random windows of a (6, 10) and a (4, 5, 6)
+ * tensor, oracle: enumerating the elements; views of one shape and strides must match
+ * it exactly, any others may only err towards overlapping. */
+static void test_views_overlap_by_their_elements(void **state)
+{
+    (void)state;
+    int64_t s2[2] = {6, 10}, s3[3] = {4, 5, 6};
+    kiln_tensor_t *bases[2] = {kiln_zeros(s2, 2, KILN_DTYPE_F32), kiln_zeros(s3, 3, KILN_DTYPE_F32)};
+    uint32_t seed = 12345;
+    int exact = 0, apart = 0;
+    for (int it = 0; it < 2000; it++) {
+        kiln_tensor_t *base = bases[it % 2], *v[2];
+        int dim = (int)((seed = seed * 1103515245u + 12345u) >> 16) % base->ndim;
+        int64_t len = 1 + (int64_t)((seed = seed * 1103515245u + 12345u) >> 16) % base->shape[dim];
+        for (int w = 0; w < 2; w++) {
+            int64_t start = (int64_t)((seed = seed * 1103515245u + 12345u) >> 16) % (base->shape[dim] - len + 1);
+            v[w] = kiln_narrow(base, dim, start, len);
+            if (it % 3 == 0) v[w] = kiln_transpose(v[w], 0, 1); /* strides out of order */
+        }
+        bool want = brute_overlap(v[0], v[1]), got = kiln__tensors_overlap(v[0], v[1]);
+        if (want) assert_true(got);
+        else if (!got) apart++;
+        exact += !want;
+        if (!want) assert_false(got); /* same shape and strides here: exact */
+    }
+    assert_true(apart > 100); /* the cases did include disjoint, interleaved windows */
+    assert_int_equal(apart, exact);
+    /* Offsets reached only with steps of both signs: (3, 4) with strides (10, 1), 7 apart. */
+    int64_t sh[2] = {3, 4}, st[2] = {10, 1};
+    assert_true(kiln__strided_overlap(2, sh, st, 0, 7));
+    assert_false(kiln__strided_overlap(2, sh, st, 0, 4));
+    /* Strides that do not nest are taken to overlap. */
+    int64_t st2[2] = {2, 1};
+    assert_true(kiln__strided_overlap(2, sh, st2, 0, 100)); /* the test's scope frees the tensors */
+}
+
 static void test_view_of_a_transpose_fails_and_reshape_copies(void **state)
 {
     int64_t s[2] = {2, 3}, flat[1] = {6};
@@ -849,6 +910,7 @@ int main(int argc, char **argv)
         T(test_unsqueeze_of_a_transpose_stays_a_view),
         T(test_contiguous_copies_a_strided_view_and_clone_always_copies),
         T(test_view_of_a_transpose_fails_and_reshape_copies),
+        T(test_views_overlap_by_their_elements),
         T(test_view_with_the_wrong_element_count_is_a_shape_error),
         T(test_from_host_refuses_a_strided_destination),
         T(test_scope_end_frees_every_tensor_made_in_it),

@@ -165,11 +165,29 @@ static void embed(const group *gr, const kiln__meta *m, const int64_t *vs, int f
 /* May value u's memory overlap captured tensor dst's? Views of dst and captured
  * tensors over the same bytes do; an argument does not (a run refuses one that shares
  * memory with a captured tensor the graph writes, kiln__graph_check_inputs). */
+/* Do two views of one root share an element? (Exact for views of one shape and strides
+ * of a dense tensor: slices on one dim do not.) */
+static bool views_overlap(const kiln__meta *a, const kiln__meta *b)
+{
+    if (a->ndim != b->ndim || memcmp(a->shape, b->shape, sizeof(int64_t) * (size_t)a->ndim) ||
+        memcmp(a->stride, b->stride, sizeof(int64_t) * (size_t)a->ndim))
+        return true;
+    return kiln__strided_overlap(a->ndim, a->shape, a->stride, a->offset, b->offset);
+}
+
+static bool is_view_value(const kiln_graph_t *g, int v)
+{
+    return g->v[v].kind == V_OP && kiln__ops[g->nd[g->v[v].index].op].is_view;
+}
+
 static bool may_alias(const kiln_graph_t *g, int u, int dst)
 {
-    int r = kiln__graph_root(g, u);
-    const value *x = &g->v[r];
-    return r == dst || (x->kind == V_CONST && kiln__tensors_overlap(x->t, g->v[dst].t));
+    int r = kiln__graph_root(g, u), rd = kiln__graph_root(g, dst);
+    const value *x = &g->v[r], *d = &g->v[rd];
+    if (r == rd) /* two views of one intermediate: by their elements */
+        return !(x->kind == V_OP && u != r && dst != rd && is_view_value(g, u) && is_view_value(g, dst)) ||
+               views_overlap(&g->v[u].meta, &g->v[dst].meta);
+    return x->kind == V_CONST && d->kind == V_CONST && kiln__tensors_overlap(x->t, d->t);
 }
 
 #define GROW(arr, n, cap)                                                                     \
@@ -435,8 +453,11 @@ static int absorbing_group(const kiln_graph_t *g, const node *n, int k, const gr
     if (G < 0 || !gr[G].open || gr[G].n_ops >= max_fuse || form[src] != F_FULL) return -1;
     const value *d = &g->v[dst];
     const kiln__meta *sm = &g->v[src].meta;
-    if (d->kind != V_CONST || !kiln__is_contiguous(d->t) || d->t->st->be != be ||
-        d->meta.dtype != sm->dtype || !loadable(sm->dtype) || frame_of(&gr[G], &d->meta) != F_FULL ||
+    /* The destination: a captured tensor (a parameter, optimizer state), or a view of an
+     * intermediate (a gradient's slice of a fused projection's), bound with its strides. */
+    bool held = d->kind == V_CONST && kiln__is_contiguous(d->t) && d->t->st->be == be;
+    bool inner = d->kind == V_OP && kiln__ops[g->nd[d->index].op].is_view && g->v[kiln__graph_root(g, dst)].kind == V_OP;
+    if (!(held || (inner && kiln__opt(KILN__OPT_COPY_INTO_VIEWS))) || d->meta.dtype != sm->dtype || !loadable(sm->dtype) || frame_of(&gr[G], &d->meta) != F_FULL ||
         frame_of(&gr[G], sm) != F_FULL)
         return -1;
     for (int q = 0; q < k; q++) {
@@ -501,7 +522,8 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
         grp[k] = -1;
         for (int q = 0; q < n_pd; q++) {
             bool hit = !gr[pd_grp[q]].open;
-            for (int i = 0; i < n->n_in && !hit; i++) hit = may_alias(g, n->in[i], pd_dst[q]);
+            bool reads = !kiln__ops[n->op].is_view; /* a view reads no memory; what reads through it does */
+            for (int i = 0; i < n->n_in && !hit && reads; i++) hit = may_alias(g, n->in[i], pd_dst[q]);
             if (!hit) continue;
             gr[pd_grp[q]].open = false;
             pd_dst[q] = pd_dst[--n_pd];
@@ -617,7 +639,8 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
         } else {
             const kc_kernel *kr = &p->k[st->index];
             for (int b = 0; b < kr->n_buf; b++) {
-                if (kr->buf[b].output) born[kr->buf[b].value] = t + 1;
+                if (kr->buf[b].inplace) p->last[kr->buf[b].value] = t + 1; /* made by an earlier step */
+                else if (kr->buf[b].output) born[kr->buf[b].value] = t + 1;
                 else p->last[kr->buf[b].value] = t + 1;
             }
         }

@@ -409,11 +409,57 @@ static void byte_span(const kiln_tensor_t *t, int64_t *lo, int64_t *hi)
     *hi = (b + 1) * sz;
 }
 
+/* Is delta = sum k_i stride[ord[i]] for i >= i0 with |k_i| < shape? With nested strides
+ * the smaller dims reach at most rest[i] either way, so only the two multiples of this
+ * stride around delta can leave a remainder they reach. */
+static bool offset_reachable(const int64_t *shape, const int64_t *stride, const int *ord, const int64_t *rest, int n,
+                             int i, int64_t delta)
+{
+    if (i == n) return delta == 0;
+    int64_t s = stride[ord[i]], sh = shape[ord[i]];
+    int64_t k0 = delta >= 0 ? delta / s : -((-delta + s - 1) / s); /* floor */
+    for (int64_t k = k0; k <= k0 + 1; k++) {
+        int64_t r = delta - k * s;
+        if (k > -sh && k < sh && r <= rest[i] && -r <= rest[i] &&
+            offset_reachable(shape, stride, ord, rest, n, i + 1, r))
+            return true;
+    }
+    return false;
+}
+
+bool kiln__strided_overlap(int ndim, const int64_t *shape, const int64_t *stride, int64_t off_a, int64_t off_b)
+{
+    int ord[KILN_MAX_DIMS], n = 0; /* the dims that step, by stride, largest first */
+    for (int d = 0; d < ndim; d++) {
+        if (shape[d] == 0) return false;
+        if (shape[d] == 1) continue;
+        if (stride[d] <= 0) return true;
+        int j = n++;
+        for (; j > 0 && stride[ord[j - 1]] < stride[d]; j--) ord[j] = ord[j - 1];
+        ord[j] = d;
+    }
+    /* rest[i]: how far the dims after i reach; the strides must nest (each past it). */
+    int64_t rest[KILN_MAX_DIMS], span = 0;
+    for (int i = n - 1; i >= 0; i--) {
+        if (stride[ord[i]] <= span) return true;
+        rest[i] = span;
+        span += (shape[ord[i]] - 1) * stride[ord[i]];
+    }
+    /* An element of one is an element of the other when the offset between them is
+     * whole steps, fewer than each dim's size either way. */
+    return offset_reachable(shape, stride, ord, rest, n, 0, off_b - off_a);
+}
+
 bool kiln__tensors_overlap(const kiln_tensor_t *a, const kiln_tensor_t *b)
 {
     if (a->st != b->st) return false;
     int64_t alo, ahi, blo, bhi;
     byte_span(a, &alo, &ahi);
     byte_span(b, &blo, &bhi);
-    return alo < bhi && blo < ahi && alo < ahi && blo < bhi;
+    if (!(alo < bhi && blo < ahi && alo < ahi && blo < bhi)) return false;
+    /* Interleaved spans: two slices of one tensor on one dim share none. */
+    if (a->dtype == b->dtype && a->ndim == b->ndim && !memcmp(a->shape, b->shape, sizeof(int64_t) * (size_t)a->ndim) &&
+        !memcmp(a->stride, b->stride, sizeof(int64_t) * (size_t)a->ndim))
+        return kiln__strided_overlap(a->ndim, a->shape, a->stride, a->offset, b->offset);
+    return true;
 }

@@ -66,6 +66,10 @@ void kiln__contiguous_strides(int ndim, const int64_t *shape, int64_t *stride);
 bool kiln__is_contiguous(const kiln_tensor_t *t);
 /* Do two tensors' elements share bytes (of one storage)? */
 bool kiln__tensors_overlap(const kiln_tensor_t *a, const kiln_tensor_t *b);
+/* Do two views of one storage with this shape and these strides (elements), at offsets
+ * off_a and off_b, share an element? Exact when the strides nest (each larger than the
+ * span of the smaller ones, as in any slice of a dense tensor), else true. */
+bool kiln__strided_overlap(int ndim, const int64_t *shape, const int64_t *stride, int64_t off_a, int64_t off_b);
 void kiln__storage_release(kiln__storage *st);
 /* Pointer to the first element of t (host-addressable backends only). */
 static inline void *kiln__data(const kiln_tensor_t *t)

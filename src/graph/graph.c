@@ -1330,11 +1330,37 @@ static bool same_shape(const kiln__meta *a, const kiln__meta *b)
     return a->ndim == b->ndim && !memcmp(a->shape, b->shape, sizeof(int64_t) * (size_t)a->ndim);
 }
 
+/* copy_(dst, view(x)) becomes copy_(view(dst), x) when dst can be viewed in x's shape:
+ * the copy then has the shape of the value it reads, so the kernel that computes x can
+ * store it into dst itself (a gradient copied into its slice of a fused projection's). */
+static kiln_status sink_copy(const kiln_graph_t *g, int k, kiln_tensor_t **ins, kiln_tensor_t **map, int *used)
+{
+    const node *n = &g->nd[k];
+    const value *sv = &g->v[n->in[1]];
+    if (sv->kind != V_OP || g->nd[sv->index].op != KILN_OP_VIEW) return KILN_OK;
+    kiln_tensor_t *x = map[g->nd[sv->index].in[0]];
+    if (!x || (x->ndim == ins[1]->ndim && !memcmp(x->shape, ins[1]->shape, sizeof(int64_t) * (size_t)x->ndim)))
+        return KILN_OK;
+    kiln_tensor_t *dv = kiln_view(ins[0], x->shape, x->ndim);
+    if (!dv) {
+        kiln_clear_error();
+        return KILN_OK; /* dst's strides do not allow x's shape */
+    }
+    kiln_tensor_t *pair[2] = {dv, x};
+    kiln_status s = kiln__dispatch(KILN_OP_COPY_, pair, 2, &n->attrs, NULL); /* dv is the scope's */
+    if (s == KILN_OK) *used = 1;
+    return s;
+}
+
 static kiln_status sink_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, kiln_tensor_t **map, void *ctx,
                              int *used)
 {
-    (void)ins;
     const node *n = &g->nd[k];
+    if (n->op == KILN_OP_COPY_) {
+        kiln_status s = sink_copy(g, k, ins, map, used);
+        if (*used) (*(int *)ctx)++;
+        return s;
+    }
     if (!kiln__graph_elementwise(n->op) || n->n_out != 1 || n->n_in < 1 || n->n_in > 3) return KILN_OK;
     const kiln__meta *om = &g->v[n->out[0]].meta;
     kiln_tensor_t *src[3];
