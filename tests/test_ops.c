@@ -1202,6 +1202,7 @@ static void test_attention_with_grouped_query_heads(void **state)
         run_attention(2, 4, 2, 4, 4, 4, false, 0.3, dt, STRIDED);
         run_attention(2, 4, 2, 4, 4, 4, true, 0, dt, CONTIG);
         run_attention(2, 4, 2, 4, 4, 4, false, 0, dt, HEADS);
+        run_attention(1, 2, 1, 24, 40, 8, true, 0, dt, HEADS); /* sizes of 8s: the vector transpose of K, V */
     }
 }
 

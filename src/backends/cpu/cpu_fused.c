@@ -11,6 +11,48 @@
 static inline float expr_f32(float x) { return kiln__fast_expf(x); }
 static inline double expr_f64(double x) { return exp(x); }
 
+/* transpose_fast_T(dst, src, T, D, ld): dst (D, T) = src (T, D) (row stride ld) in 8x8
+ * AVX register blocks when the processor has AVX and both sizes are multiples of 8;
+ * false leaves it to the plain loop. (The compiler turns neither loop order of a
+ * transpose into vector code by itself.) */
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(KILN_NO_CLONES)
+#include <immintrin.h>
+__attribute__((target("avx"))) static void transpose_avx_f32(float *dst, const float *src, int64_t T, int64_t D,
+                                                             int64_t ld)
+{
+    for (int64_t j0 = 0; j0 < T; j0 += 8)
+        for (int64_t d0 = 0; d0 < D; d0 += 8) {
+            __m256 r[8], t[8];
+            for (int i = 0; i < 8; i++) r[i] = _mm256_loadu_ps(src + (j0 + i) * ld + d0);
+            for (int i = 0; i < 8; i += 2) {
+                t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+                t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+            }
+            for (int i = 0; i < 8; i += 4) {
+                r[i] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(1, 0, 1, 0));
+                r[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], _MM_SHUFFLE(3, 2, 3, 2));
+                r[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(1, 0, 1, 0));
+                r[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], _MM_SHUFFLE(3, 2, 3, 2));
+            }
+            for (int i = 0; i < 4; i++) {
+                t[i] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x20);
+                t[i + 4] = _mm256_permute2f128_ps(r[i], r[i + 4], 0x31);
+            }
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + (d0 + i) * T + j0, t[i]);
+        }
+}
+
+static bool transpose_fast_f32(float *dst, const float *src, int64_t T, int64_t D, int64_t ld)
+{
+    if (T % 8 || D % 8 || !__builtin_cpu_supports("avx")) return false;
+    transpose_avx_f32(dst, src, T, D, ld);
+    return true;
+}
+#else
+static bool transpose_fast_f32(float *dst, const float *src, int64_t T, int64_t D, int64_t ld) { return false; }
+#endif
+static bool transpose_fast_f64(double *dst, const double *src, int64_t T, int64_t D, int64_t ld) { return false; }
+
 #define R float
 #define SFX f32
 #define GEMM cblas_sgemm

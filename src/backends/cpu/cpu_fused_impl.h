@@ -297,6 +297,7 @@ typedef struct {
  * The BLAS runs A B (NN) on these tiles about 1.6x faster than A B^T (NT). */
 static void FN(att_transpose)(R *dst, const R *src, int64_t T, int64_t D, int64_t ld)
 {
+    if (FN(transpose_fast)(dst, src, T, D, ld)) return;
     for (int64_t j0 = 0; j0 < T; j0 += 16)
         for (int64_t d0 = 0; d0 < D; d0 += 16) {
             int64_t j1 = j0 + 16 < T ? j0 + 16 : T, d1 = d0 + 16 < D ? d0 + 16 : D;
