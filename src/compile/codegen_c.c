@@ -66,15 +66,15 @@ static const char *ctype(kiln_dtype dt)
  * three dialects: KC_FN is the function qualifier and kc_bits reinterprets an int's bits
  * as a float, each dialect's header saying how. */
 static const char *helpers =
-    "KC_FN float kc_exp(float x)\n{\n"
-    "    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;\n"
+    "KC_FN float kc_exp(float x0)\n{\n"
+    "    float x = x0 > -87.0f ? x0 : -87.0f;\n    x = x < 88.0f ? x : 88.0f;\n"
     "    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;\n"
     "    float r = x - n * 0.693359375f + n * 2.12194440e-4f;\n"
     "    float p = 1.9875691500e-4f;\n"
     "    p = p * r + 1.3981999507e-3f;\n    p = p * r + 8.3334519073e-3f;\n"
     "    p = p * r + 4.1665795894e-2f;\n    p = p * r + 1.6666665459e-1f;\n"
     "    p = p * r + 5.0000001201e-1f;\n    p = p * r * r + r + 1.0f;\n"
-    "    return p * kc_bits(((int32_t)n + 127) << 23);\n}\n"
+    "    return x0 == x0 ? p * kc_bits(((int32_t)n + 127) << 23) : x0;\n}\n"
     "KC_FN float kc_tanh_fast(float u) { return 1.0f - 2.0f / (kc_exp(2.0f * u) + 1.0f); }\n"
     "KC_FN float kc_sigmoid_fast(float x) { return 1.0f / (1.0f + kc_exp(-x)); }\n"
     "KC_FN float kc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }\n"

@@ -162,9 +162,6 @@ static void embed(const group *gr, const kiln__meta *m, const int64_t *vs, int f
     if (f != F_FULL) out[k - 1] = 0;
 }
 
-/* May value u's memory overlap captured tensor dst's? Views of dst and captured
- * tensors over the same bytes do; an argument does not (a run refuses one that shares
- * memory with a captured tensor the graph writes, kiln__graph_check_inputs). */
 /* Do two views of one root share an element? (Exact for views of one shape and strides
  * of a dense tensor: slices on one dim do not.) */
 static bool views_overlap(const kiln__meta *a, const kiln__meta *b)
@@ -175,17 +172,29 @@ static bool views_overlap(const kiln__meta *a, const kiln__meta *b)
     return kiln__strided_overlap(a->ndim, a->shape, a->stride, a->offset, b->offset);
 }
 
+/* Are a view's elements all at different addresses (no stride 0 of an expand, strides
+ * that nest)? The kernel's tasks store to them in parallel. */
+static bool distinct_elements(const kiln__meta *m)
+{
+    int64_t n = kiln__numel(m->ndim, m->shape);
+    return n < 2 || !kiln__strided_overlap_self(m->ndim, m->shape, m->stride);
+}
+
 static bool is_view_value(const kiln_graph_t *g, int v)
 {
     return g->v[v].kind == V_OP && kiln__ops[g->nd[g->v[v].index].op].is_view;
 }
 
+/* May value u's memory overlap that of dst (a copy_'s destination)? Views of one root do
+ * when they share an element; captured tensors over the same bytes do; an argument
+ * does not (a run refuses one that shares memory with a captured tensor the graph
+ * writes, kiln__graph_check_inputs), nor do two intermediates. */
 static bool may_alias(const kiln_graph_t *g, int u, int dst)
 {
     int r = kiln__graph_root(g, u), rd = kiln__graph_root(g, dst);
     const value *x = &g->v[r], *d = &g->v[rd];
     if (r == rd) /* two views of one intermediate: by their elements */
-        return !(x->kind == V_OP && u != r && dst != rd && is_view_value(g, u) && is_view_value(g, dst)) ||
+        return !(x->kind == V_OP && is_view_value(g, u) && is_view_value(g, dst)) ||
                views_overlap(&g->v[u].meta, &g->v[dst].meta);
     return x->kind == V_CONST && d->kind == V_CONST && kiln__tensors_overlap(x->t, d->t);
 }
@@ -443,9 +452,10 @@ static kiln_status bind_sizes(kc_kernel *k)
 
 /* The open group that copy_ node n (at position k) can join as a store into its
  * destination, or -1. The source must be a value of the group over its whole index
- * space; the destination a whole contiguous captured tensor on be of that shape and dtype,
- * which the group's ops read, if at all, only at the element being written (so that
- * each element is loaded before it is stored over, and no other is). */
+ * space; the destination a whole contiguous captured tensor on be, or a view of an
+ * intermediate whose elements are distinct memory, of that shape and dtype, which the
+ * group's ops read, if at all, only at the element being written (so that each element
+ * is loaded before it is stored over, and no other is). */
 static int absorbing_group(const kiln_graph_t *g, const node *n, int k, const group *gr, const int *grp,
                            const int *vgrp, const int *form, int max_fuse, const kiln__backend *be)
 {
@@ -456,8 +466,9 @@ static int absorbing_group(const kiln_graph_t *g, const node *n, int k, const gr
     /* The destination: a captured tensor (a parameter, optimizer state), or a view of an
      * intermediate (a gradient's slice of a fused projection's), bound with its strides. */
     bool held = d->kind == V_CONST && kiln__is_contiguous(d->t) && d->t->st->be == be;
-    bool inner = d->kind == V_OP && kiln__ops[g->nd[d->index].op].is_view && g->v[kiln__graph_root(g, dst)].kind == V_OP;
-    if (!(held || (inner && kiln__opt(KILN__OPT_COPY_INTO_VIEWS))) || d->meta.dtype != sm->dtype || !loadable(sm->dtype) || frame_of(&gr[G], &d->meta) != F_FULL ||
+    bool inner = kiln__opt(KILN__OPT_COPY_INTO_VIEWS) && is_view_value(g, dst) &&
+                 g->v[kiln__graph_root(g, dst)].kind == V_OP && distinct_elements(&d->meta);
+    if (!(held || inner) || d->meta.dtype != sm->dtype || !loadable(sm->dtype) || frame_of(&gr[G], &d->meta) != F_FULL ||
         frame_of(&gr[G], sm) != F_FULL)
         return -1;
     for (int q = 0; q < k; q++) {

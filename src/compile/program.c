@@ -109,7 +109,8 @@ kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_
             const kc_kernel *k = &p->k[st->index];
             s = run_kernel(p, k, f.rt);
             for (int i = 0; s == KILN_OK && i < k->n_buf; i++)
-                if (!k->buf[i].output) kiln__graph_release(g, &f, k->buf[i].value, p->last, t + 1);
+                if (!k->buf[i].output || k->buf[i].inplace) /* a view written in place holds its root */
+                    kiln__graph_release(g, &f, k->buf[i].value, p->last, t + 1);
         }
         if (timed) p->prof[t] += kiln__now_s() - t0;
     }

@@ -427,27 +427,46 @@ static bool offset_reachable(const int64_t *shape, const int64_t *stride, const 
     return false;
 }
 
-bool kiln__strided_overlap(int ndim, const int64_t *shape, const int64_t *stride, int64_t off_a, int64_t off_b)
+/* The dims of a view that step, by stride, largest first, in ord[0..*n), and how far the
+ * dims after each reach (rest). Returns 1 when the strides nest (each past the reach of
+ * the smaller ones: every element at its own address), 0 when the view is empty, -1
+ * otherwise (a stride 0 or below, or strides that interleave). */
+static int nest_order(int ndim, const int64_t *shape, const int64_t *stride, int *ord, int64_t *rest, int *n)
 {
-    int ord[KILN_MAX_DIMS], n = 0; /* the dims that step, by stride, largest first */
+    *n = 0;
     for (int d = 0; d < ndim; d++) {
-        if (shape[d] == 0) return false;
+        if (shape[d] == 0) return 0;
         if (shape[d] == 1) continue;
-        if (stride[d] <= 0) return true;
-        int j = n++;
+        if (stride[d] <= 0) return -1;
+        int j = (*n)++;
         for (; j > 0 && stride[ord[j - 1]] < stride[d]; j--) ord[j] = ord[j - 1];
         ord[j] = d;
     }
-    /* rest[i]: how far the dims after i reach; the strides must nest (each past it). */
-    int64_t rest[KILN_MAX_DIMS], span = 0;
-    for (int i = n - 1; i >= 0; i--) {
-        if (stride[ord[i]] <= span) return true;
+    int64_t span = 0;
+    for (int i = *n - 1; i >= 0; i--) {
+        if (stride[ord[i]] <= span) return -1;
         rest[i] = span;
         span += (shape[ord[i]] - 1) * stride[ord[i]];
     }
+    return 1;
+}
+
+bool kiln__strided_overlap(int ndim, const int64_t *shape, const int64_t *stride, int64_t off_a, int64_t off_b)
+{
+    int ord[KILN_MAX_DIMS], n;
+    int64_t rest[KILN_MAX_DIMS];
+    int k = nest_order(ndim, shape, stride, ord, rest, &n);
+    if (k <= 0) return k < 0;
     /* An element of one is an element of the other when the offset between them is
      * whole steps, fewer than each dim's size either way. */
     return offset_reachable(shape, stride, ord, rest, n, 0, off_b - off_a);
+}
+
+bool kiln__strided_overlap_self(int ndim, const int64_t *shape, const int64_t *stride)
+{
+    int ord[KILN_MAX_DIMS], n;
+    int64_t rest[KILN_MAX_DIMS];
+    return nest_order(ndim, shape, stride, ord, rest, &n) < 0;
 }
 
 bool kiln__tensors_overlap(const kiln_tensor_t *a, const kiln_tensor_t *b)

@@ -70,6 +70,9 @@ bool kiln__tensors_overlap(const kiln_tensor_t *a, const kiln_tensor_t *b);
  * off_a and off_b, share an element? Exact when the strides nest (each larger than the
  * span of the smaller ones, as in any slice of a dense tensor), else true. */
 bool kiln__strided_overlap(int ndim, const int64_t *shape, const int64_t *stride, int64_t off_a, int64_t off_b);
+/* May two elements of one view share an address (an expand's stride 0, or strides that
+ * do not nest)? */
+bool kiln__strided_overlap_self(int ndim, const int64_t *shape, const int64_t *stride);
 void kiln__storage_release(kiln__storage *st);
 /* Pointer to the first element of t (host-addressable backends only). */
 static inline void *kiln__data(const kiln_tensor_t *t)

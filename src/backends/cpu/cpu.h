@@ -50,9 +50,10 @@ void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t 
 /* expf by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (the Cephes
  * coefficients), about 2 ulp, written with selects and a rounding constant so that the
  * compiler vectorizes it; libm's expf is a call per element. Behind KILN_OPT_FAST_EXP. */
-static inline __attribute__((always_inline)) float kiln__fast_expf(float x)
+static inline __attribute__((always_inline)) float kiln__fast_expf(float x0)
 {
-    x = x < -87.0f ? -87.0f : x > 88.0f ? 88.0f : x;
+    float x = x0 > -87.0f ? x0 : -87.0f; /* a NaN too, so the conversion below stays in range */
+    x = x < 88.0f ? x : 88.0f;
     float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
     float r = x - n * 0.693359375f + n * 2.12194440e-4f;
     float p = 1.9875691500e-4f;
@@ -65,7 +66,7 @@ static inline __attribute__((always_inline)) float kiln__fast_expf(float x)
     int32_t bits = ((int32_t)n + 127) << 23;
     float scale;
     memcpy(&scale, &bits, 4);
-    return p * scale;
+    return x0 == x0 ? p * scale : x0;
 }
 
 /* Grain for parallel_for over elements (rows are split to about this many elements). */

@@ -395,7 +395,7 @@ kiln_status kiln__cpu_attention(K_ARGS)
 /* in: g, q, k, v, o, lse */
 kiln_status kiln__cpu_attention_backward(K_ARGS)
 {
-    kiln_tensor_t *c[6], *tmp[6];
+    kiln_tensor_t *c[6], *tmp[6] = {0};
     if (!rows_contig_all(in, 5, c, tmp) || !contig_all(in + 5, 1, c + 5, tmp + 5)) {
         free_all(tmp, 6);
         return kiln_last_status();

@@ -293,8 +293,9 @@ typedef struct {
     bool kt;        /* KILN_OPT_ATT_KT: Q K^T and dO V^T on transposed copies of K and V */
 } FN(att_ctx);
 
-/* dst (D, T), row stride T = src (T, D) with row stride ld, transposed in 16x16 blocks.
- * The BLAS runs A B (NN) on these tiles about 1.6x faster than A B^T (NT). */
+/* dst (D, T), row stride T = src (T, D) with row stride ld: in 8x8 AVX register blocks
+ * where transpose_fast takes it, else in 16x16 blocks. The BLAS runs A B (NN) on these
+ * tiles about 1.6x faster than A B^T (NT). */
 static void FN(att_transpose)(R *dst, const R *src, int64_t T, int64_t D, int64_t ld)
 {
     if (FN(transpose_fast)(dst, src, T, D, ld)) return;
@@ -332,7 +333,6 @@ static inline int64_t FN(att_keys)(const FN(att_ctx) *a, int64_t i)
  * dV of its kv head, so no two tasks write one gradient and sums keep a fixed order. */
 #define ATT_QB 64
 
-/* row[j] = exp(row[j] - m) for j < nk; returns their sum (in double lanes). */
 /* A score row's first nk entries of a buffer row of cap: the lanes run whole blocks of
  * ROW_LANES while they start below nk and fit in cap, masking the entries past nk (a
  * causal row's last block), so only a row shorter than one block is left scalar. */
@@ -402,11 +402,15 @@ KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
         return;
     }
     R *Kt = a->kt ? S + ATT_QB * Tk : NULL;
+    int64_t kt_of = -1; /* the kv head Kt holds: query heads of one group run in a row */
     bool fast = a->fast;
     for (int64_t t = b; t < e; t++) {
         int64_t bb = t / a->H, h = t % a->H, hk = h / grp;
         const R *K = a->k + bb * a->ks[0] + hk * a->ks[1], *V = a->v + bb * a->vs[0] + hk * a->vs[1];
-        if (Kt) FN(att_transpose)(Kt, K, Tk, D, a->ks[2]);
+        if (Kt && kt_of != bb * a->Hkv + hk) {
+            FN(att_transpose)(Kt, K, Tk, D, a->ks[2]);
+            kt_of = bb * a->Hkv + hk;
+        }
         for (int64_t i0 = 0; i0 < a->Tq; i0 += ATT_QB) {
             int64_t rows = a->Tq - i0 < ATT_QB ? a->Tq - i0 : ATT_QB;
             int64_t nblk = FN(att_keys)(a, i0 + rows - 1);

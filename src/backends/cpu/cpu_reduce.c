@@ -113,7 +113,8 @@ KILN_SIMD static void colsum_range(void *c, int64_t b, int64_t e)
     }
 }
 
-/* The same sums by chunks of COLSUM_ROWS whole rows (KILN_OPT_COLSUM_ROWS): a task adds
+/* The same sums, for at least 2 COLSUM_ROWS rows and at most 4096 columns, by chunks of
+ * COLSUM_ROWS whole rows (KILN_OPT_COLSUM_ROWS): a task adds
  * its chunk's rows in order into its own row of double partials, reading memory in one
  * stream (a block of columns reads a short piece of every row, one stream per row in
  * flight), then each column adds the chunks in order. Chunks are fixed by the shape, so
@@ -210,7 +211,8 @@ static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dim
         return KILN_OK;
     }
     if (kind == 0 && x->dtype == KILN_DTYPE_F32 && leading_dims(x, dims, ndims, &rows, &cols)) {
-        if (rows >= 2 * COLSUM_ROWS && kiln__opt(KILN__OPT_COLSUM_ROWS))
+        /* Tall and not too wide: wider ones have column blocks enough for every thread. */
+        if (rows >= 2 * COLSUM_ROWS && cols <= 16 * 256 && kiln__opt(KILN__OPT_COLSUM_ROWS))
             return colsum_by_rows(kiln__data(x), kiln__data(o), rows, cols);
         colsum_ctx k = {kiln__data(x), kiln__data(o), rows, cols};
         kiln__parallel_for((cols + 255) / 256, 1, colsum_range, &k);
