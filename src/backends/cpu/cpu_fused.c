@@ -76,15 +76,22 @@ static kiln_status unsupported(const char *op, kiln_dtype dt)
                      kiln_dtype_name(dt));
 }
 
-/* Makes n inputs contiguous; tmp[] holds the copies to free. */
-static bool contig_all(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp)
+/* Makes n inputs contiguous, except those as_is (when given) takes as they are; tmp[]
+ * holds the copies to free. */
+static bool contig_unless(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp,
+                          bool (*as_is)(const kiln_tensor_t *))
 {
     for (int i = 0; i < n; i++) tmp[i] = NULL;
     for (int i = 0; i < n; i++) {
-        c[i] = cpu_contig(in[i], &tmp[i]);
+        c[i] = as_is && as_is(in[i]) ? in[i] : cpu_contig(in[i], &tmp[i]);
         if (!c[i]) return false;
     }
     return true;
+}
+
+static bool contig_all(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp)
+{
+    return contig_unless(in, n, c, tmp, NULL);
 }
 
 static void free_all(kiln_tensor_t **tmp, int n)
@@ -314,19 +321,11 @@ kiln_status kiln__cpu_rope_at(K_ARGS)
 
 /* Attention reads (B, H, T, D) inputs through their strides when each row of D is
  * contiguous and rows do not overlap (the BLAS takes a leading dimension); others are
- * copied. Like contig_all, tmp[] holds the copies to free. */
-static bool rows_contig_all(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp)
+ * copied. */
+static bool att_rows(const kiln_tensor_t *t)
 {
-    for (int i = 0; i < n; i++) tmp[i] = NULL;
-    for (int i = 0; i < n; i++) {
-        const kiln_tensor_t *t = in[i];
-        bool rows = t->ndim == 4 && (t->stride[3] == 1 || t->shape[3] == 1) &&
-                    (t->stride[2] >= t->shape[3] || t->shape[2] == 1) &&
-                    t->stride[0] >= 0 && t->stride[1] >= 0 && t->stride[2] <= INT32_MAX;
-        c[i] = rows ? in[i] : cpu_contig(in[i], &tmp[i]);
-        if (!c[i]) return false;
-    }
-    return true;
+    return t->ndim == 4 && (t->stride[3] == 1 || t->shape[3] == 1) && (t->stride[2] >= t->shape[3] || t->shape[2] == 1) &&
+           t->stride[0] >= 0 && t->stride[1] >= 0 && t->stride[2] <= INT32_MAX;
 }
 
 /* A dim of one element may carry any stride; the BLAS wants a row stride of at least D. */
@@ -366,7 +365,7 @@ static void att_run(int64_t tasks, kiln__range_fn fn, void *ctx)
 kiln_status kiln__cpu_attention(K_ARGS)
 {
     kiln_tensor_t *c[3], *tmp[3];
-    if (!rows_contig_all(in, 3, c, tmp)) {
+    if (!contig_unless(in, 3, c, tmp, att_rows)) {
         free_all(tmp, 3);
         return kiln_last_status();
     }
@@ -395,8 +394,8 @@ kiln_status kiln__cpu_attention(K_ARGS)
 /* in: g, q, k, v, o, lse */
 kiln_status kiln__cpu_attention_backward(K_ARGS)
 {
-    kiln_tensor_t *c[6], *tmp[6] = {0};
-    if (!rows_contig_all(in, 5, c, tmp) || !contig_all(in + 5, 1, c + 5, tmp + 5)) {
+    kiln_tensor_t *c[6], *tmp[6];
+    if (!contig_unless(in, 6, c, tmp, att_rows)) { /* lse, 3-D, is made contiguous */
         free_all(tmp, 6);
         return kiln_last_status();
     }

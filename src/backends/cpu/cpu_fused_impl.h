@@ -26,13 +26,16 @@ static inline double FN(dot)(const R *a, const R *b, int64_t n)
  * in order, so results do not depend on the thread count. */
 #define ROW_LANES 16
 
-static inline R FN(row_max)(const R *row, int64_t nk)
+/* The maximum of a row's first nk entries, in a buffer row of cap >= nk: the lanes run
+ * whole blocks while they start below nk and fit in cap, masking the entries past nk
+ * (a causal row's last block), so only what is left of a short buffer row is scalar. */
+static inline R FN(row_max)(const R *row, int64_t nk, int64_t cap)
 {
     R mx[ROW_LANES];
     for (int l = 0; l < ROW_LANES; l++) mx[l] = -INFINITY;
     int64_t j = 0;
-    for (; j + ROW_LANES <= nk; j += ROW_LANES)
-        for (int l = 0; l < ROW_LANES; l++) mx[l] = row[j + l] > mx[l] ? row[j + l] : mx[l];
+    for (; j < nk && j + ROW_LANES <= cap; j += ROW_LANES)
+        for (int l = 0; l < ROW_LANES; l++) mx[l] = j + l < nk && row[j + l] > mx[l] ? row[j + l] : mx[l];
     R m = -INFINITY;
     for (int l = 0; l < ROW_LANES; l++) m = mx[l] > m ? mx[l] : m;
     for (; j < nk; j++) m = row[j] > m ? row[j] : m;
@@ -220,7 +223,7 @@ KILN_SIMD static void FN(ce_fwd_range)(void *c, int64_t b, int64_t e)
     const FN(ce_ctx) *k = c;
     for (int64_t n = b; n < e; n++) {
         const R *x = k->x + n * k->V;
-        R mr = FN(row_max)(x, k->V);
+        R mr = FN(row_max)(x, k->V, k->V);
         double m = mr, s = FN(row_expsum)(x, k->V, mr, k->fast);
         double lse = m + log(s);
         k->lse[n] = (R)lse;
@@ -333,24 +336,8 @@ static inline int64_t FN(att_keys)(const FN(att_ctx) *a, int64_t i)
  * dV of its kv head, so no two tasks write one gradient and sums keep a fixed order. */
 #define ATT_QB 64
 
-/* A score row's first nk entries of a buffer row of cap: the lanes run whole blocks of
- * ROW_LANES while they start below nk and fit in cap, masking the entries past nk (a
- * causal row's last block), so only a row shorter than one block is left scalar. */
-static inline R FN(att_row_max)(const R *row, int64_t nk, int64_t cap)
-{
-    R mx[ROW_LANES];
-    for (int l = 0; l < ROW_LANES; l++) mx[l] = -INFINITY;
-    int64_t j = 0;
-    for (; j < nk && j + ROW_LANES <= cap; j += ROW_LANES)
-        for (int l = 0; l < ROW_LANES; l++) mx[l] = j + l < nk && row[j + l] > mx[l] ? row[j + l] : mx[l];
-    R m = -INFINITY;
-    for (int l = 0; l < ROW_LANES; l++) m = mx[l] > m ? mx[l] : m;
-    for (; j < nk; j++) m = row[j] > m ? row[j] : m;
-    return m;
-}
-
-/* row[j] = exp(row[j] - m) for j < nk, 0 past nk in the blocks the lanes ran; returns
- * the sum (double lanes, in order). */
+/* row[j] = exp(row[j] - m) for j < nk, 0 past nk in the blocks the lanes ran (as in
+ * row_max); returns the sum (double lanes, in order). */
 static inline double FN(att_row_exp)(R *row, int64_t nk, int64_t cap, R m, bool fast)
 {
     double acc[ROW_LANES] = {0};
@@ -382,7 +369,7 @@ static inline void FN(att_softmax_rows)(const FN(att_ctx) *a, int64_t i0, int64_
         if (lse_in) { /* backward: P from the saved log-sum-exp */
             (void)FN(att_row_exp)(row, nk, nblk, lse_in[r], fast);
         } else {
-            R m = FN(att_row_max)(row, nk, nblk);
+            R m = FN(row_max)(row, nk, nblk);
             double l = FN(att_row_exp)(row, nk, nblk, m, fast);
             R inv = (R)(nk ? 1.0 / l : 0.0);
             for (int64_t j = 0; j < nk; j++) row[j] *= inv;
