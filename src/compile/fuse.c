@@ -166,10 +166,7 @@ static void embed(const group *gr, const kiln__meta *m, const int64_t *vs, int f
  * of a dense tensor: slices on one dim do not.) */
 static bool views_overlap(const kiln__meta *a, const kiln__meta *b)
 {
-    if (a->ndim != b->ndim || memcmp(a->shape, b->shape, sizeof(int64_t) * (size_t)a->ndim) ||
-        memcmp(a->stride, b->stride, sizeof(int64_t) * (size_t)a->ndim))
-        return true;
-    return kiln__strided_overlap(a->ndim, a->shape, a->stride, a->offset, b->offset);
+    return kiln__views_overlap(a->ndim, a->shape, a->stride, a->offset, b->ndim, b->shape, b->stride, b->offset);
 }
 
 /* Are a view's elements all at different addresses (no stride 0 of an expand, strides

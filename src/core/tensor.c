@@ -477,8 +477,15 @@ bool kiln__tensors_overlap(const kiln_tensor_t *a, const kiln_tensor_t *b)
     byte_span(b, &blo, &bhi);
     if (!(alo < bhi && blo < ahi && alo < ahi && blo < bhi)) return false;
     /* Interleaved spans: two slices of one tensor on one dim share none. */
-    if (a->dtype == b->dtype && a->ndim == b->ndim && !memcmp(a->shape, b->shape, sizeof(int64_t) * (size_t)a->ndim) &&
-        !memcmp(a->stride, b->stride, sizeof(int64_t) * (size_t)a->ndim))
-        return kiln__strided_overlap(a->ndim, a->shape, a->stride, a->offset, b->offset);
-    return true;
+    return a->dtype != b->dtype || kiln__views_overlap(a->ndim, a->shape, a->stride, a->offset, b->ndim, b->shape,
+                                                       b->stride, b->offset);
+}
+
+bool kiln__views_overlap(int nda, const int64_t *shape_a, const int64_t *stride_a, int64_t off_a, int ndb,
+                         const int64_t *shape_b, const int64_t *stride_b, int64_t off_b)
+{
+    if (nda != ndb || memcmp(shape_a, shape_b, sizeof(int64_t) * (size_t)nda) ||
+        memcmp(stride_a, stride_b, sizeof(int64_t) * (size_t)nda))
+        return true;
+    return kiln__strided_overlap(nda, shape_a, stride_a, off_a, off_b);
 }

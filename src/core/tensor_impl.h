@@ -70,6 +70,10 @@ bool kiln__tensors_overlap(const kiln_tensor_t *a, const kiln_tensor_t *b);
  * off_a and off_b, share an element? Exact when the strides nest (each larger than the
  * span of the smaller ones, as in any slice of a dense tensor), else true. */
 bool kiln__strided_overlap(int ndim, const int64_t *shape, const int64_t *stride, int64_t off_a, int64_t off_b);
+/* Do two views of one storage (shapes, strides, offsets in elements) share an element?
+ * Exact for one shape and one set of nesting strides (kiln__strided_overlap), else true. */
+bool kiln__views_overlap(int nda, const int64_t *shape_a, const int64_t *stride_a, int64_t off_a, int ndb,
+                         const int64_t *shape_b, const int64_t *stride_b, int64_t off_b);
 /* May two elements of one view share an address (an expand's stride 0, or strides that
  * do not nest)? */
 bool kiln__strided_overlap_self(int ndim, const int64_t *shape, const int64_t *stride);
