@@ -885,6 +885,83 @@ static void debug_dir_has_every_stage(void **state)
     assert_non_null(strstr(text, "/* k0_sum_mul_sub_add_rsqrt: sum, mul, sub, mul, sum, mul, add, rsqrt, mul, mul, add"));
 }
 
+/* A value reduced across the group late in the function but made early: x * 3, read
+ * by one matmul, then three matmuls that do not touch it, then its allreduce, then
+ * read again. */
+static kiln_status reduced_late(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    kiln_tensor_t *g = kiln_mul(in[0], kiln_scalar(3, KILN_DTYPE_F32));
+    kiln_tensor_t *m = kiln_matmul(g, in[1]), *h = kiln_matmul(in[1], in[1]);
+    h = kiln_matmul(kiln_matmul(h, in[1]), in[1]);
+    if (!m || !h) return kiln_last_status();
+    kiln_status s = kiln_pg_allreduce(ctx, g, KILN_REDUCE_AVG);
+    if (s != KILN_OK) return s;
+    out[0] = kiln_add(g, kiln_scalar(1, KILN_DTYPE_F32));
+    out[1] = m;
+    out[2] = h;
+    *n_out = 3;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+/* The program listing KILN_DEBUG_DIR writes (loop_ir_after_fusion.txt) for
+ * reduced_late, compiled on a group of one; its results match eager. */
+static void listing_of_reduced_late(kiln_pg_t *pg, const char *dir, char *text, size_t cap)
+{
+    setenv("KILN_DEBUG_DIR", dir, 1);
+    kiln_tensor_t *in[2] = {randn((int64_t[]){64, 64}, 2, 40), randn((int64_t[]){64, 64}, 2, 41)};
+    int k, o;
+    check(reduced_late, pg, in, 2, TOL, &k, &o);
+    unsetenv("KILN_DEBUG_DIR");
+    char path[256];
+    snprintf(path, sizeof path, "%s/test-0/loop_ir_after_fusion.txt", dir);
+    assert_true(test_read_text(path, text, cap));
+}
+
+/* The matmul lines of a listing before its allreduce_ line (-1: no allreduce_). */
+static int matmuls_before_allreduce(const char *text)
+{
+    const char *ar = strstr(text, "op     allreduce_");
+    if (!ar) return -1;
+    int n = 0;
+    for (const char *q = text; (q = strstr(q, "op     matmul")) && q < ar; q++) n++;
+    return n;
+}
+
+/* Overlapping a collective with the steps after it (src/compile/overlap.c): the
+ * allreduce is started right after the last step it must follow (the matmul that reads
+ * the value unreduced), ahead of the three matmuls that do not touch the value, and
+ * finished before the first step after it that does (the add). Switched off
+ * (KILN_COMPILE_DISABLE=overlap), it stays after the three and runs to the end at once.
+ * Oracle: the program listing; the values match eager (check). */
+static void collectives_start_early_and_finish_late(void **state)
+{
+    unsetenv("KILN_WORLD_SIZE");
+    kiln_pg_t *pg;
+    assert_int_equal(kiln_pg_new_from_env(&pg), KILN_OK);
+    char dir[160], text[16384] = "";
+    snprintf(dir, sizeof dir, "%s/overlap-on", cache_dir);
+    listing_of_reduced_late(pg, dir, text, sizeof text);
+    if (matmuls_before_allreduce(text) != 1) fail_msg("the allreduce is not right after the first matmul:\n%s", text);
+    int until = -1;
+    const char *ar = strstr(text, "op     allreduce_");
+    if (sscanf(strstr(ar, "(started; finished before step ") ? strstr(ar, "before step ") : "", "before step %d", &until) != 1)
+        fail_msg("the allreduce is not marked to overlap:\n%s", text);
+    /* Step `until` (0-based, one line each after the header) is the kernel of the add. */
+    const char *line = strchr(text, '\n');
+    for (int t = 0; line && t < until; t++) line = strchr(line + 1, '\n');
+    char step[256] = "";
+    if (line) snprintf(step, sizeof step, "%.*s", (int)strcspn(line + 1, "\n"), line + 1);
+    if (strncmp(step, "  kernel", 8) || !strstr(step, "add"))
+        fail_msg("step %d, where the allreduce is finished, is not the add's kernel (%s):\n%s", until, step, text);
+    setenv("KILN_COMPILE_DISABLE", "overlap", 1);
+    snprintf(dir, sizeof dir, "%s/overlap-off", cache_dir);
+    listing_of_reduced_late(pg, dir, text, sizeof text);
+    unsetenv("KILN_COMPILE_DISABLE");
+    if (matmuls_before_allreduce(text) != 4 || strstr(text, "(started"))
+        fail_msg("KILN_COMPILE_DISABLE=overlap: the allreduce moved or overlaps:\n%s", text);
+    kiln_pg_free(pg);
+}
+
 /* KILN_LOGS=profile: when the compiled function is freed, a table of where its runs
  * spent their time (the first run left out): the matmul through dispatch, the fused
  * bias + GELU kernel by its name. */
@@ -946,6 +1023,7 @@ int main(void)
         {cmocka_unit_test_setup_teardown(compiler_failure_is_a_clear_error, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(debug_dir_has_every_stage, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(profile_log_names_the_steps, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(collectives_start_early_and_finish_late, setup, teardown), false},
     };
     enum { N_ALL = sizeof all / sizeof all[0] };
     struct CMUnitTest tests[N_ALL];

@@ -472,9 +472,10 @@ int cmd_train(int argc, char **argv)
     int64_t tokens_per_step = a.batch * a.context * a.accum;
     /* One process and one micro-batch, or --compile: the step is one function,
      * kiln_gpt_train_step, run eagerly or compiled into one graph (with several
-     * processes its gradients' allreduce is in the graph too, coalesced into buckets
-     * after backward; without --compile they use the bucketed reduction overlapped
-     * with backward). */
+     * processes its gradients' allreduce is in the graph too, coalesced into buckets,
+     * each started as soon as its gradients are made and finished where the update
+     * reads them; without --compile they use kiln_ddp's buckets, also overlapped with
+     * backward). */
     bool whole = a.compile || (world == 1 && !a.zero1 && a.accum == 1);
     kiln_gpt_step step_fn = {m, opt, params, np, a.clip, (int)a.accum, world > 1 ? pg : NULL, NULL};
     kiln_compiled_t *compiled = NULL;
@@ -642,8 +643,9 @@ int cmd_train(int argc, char **argv)
         printf("done: %lld steps in %.1f s; final val loss %.4f vs unigram baseline %.4f; checkpoint %s/%s, chart %s\n",
                (long long)(a.steps - start), kiln__now_s() - t_begin, val, unigram, a.out, RUN_MODEL, chart_path);
     if (world > 1 && whole && !a.quiet && rank == 0 && start < a.steps)
-        printf("gradient reduction: inside the compiled training step, after its backward, in buckets of up to "
-               "KILN_COMPILE_BUCKET_MB (default 4 MiB; KILN_COMPILE_DISABLE=coalesce: one tensor at a time)\n");
+        printf("gradient reduction: inside the compiled training step, in buckets of up to KILN_COMPILE_BUCKET_MB "
+               "(default 4 MiB; KILN_COMPILE_DISABLE=coalesce: one tensor at a time), each overlapped with the rest of "
+               "backward (KILN_COMPILE_DISABLE=overlap: run where the step calls it)\n");
     if (world > 1 && !zero && !whole && !a.quiet && rank == 0 && start < a.steps) {
         char how[64] = "one tensor at a time after backward";
         if (ddp) snprintf(how, sizeof how, "%d bucket(s) during backward", kiln_ddp_num_buckets(ddp));

@@ -84,8 +84,8 @@ static bool env_number(const char *name, double lo, double hi, bool whole, atomi
 
 void kiln__compile_options(kc_options *o)
 {
-    *o = (kc_options){true, true, true, true, true, true, true, true, true, true, true, true, 48, (int64_t)4 << 20,
-                      kiln__backend_at(0)};
+    *o = (kc_options){true, true, true, true, true, true, true, true, true, true, true, true, true, 48,
+                      (int64_t)4 << 20, kiln__backend_at(0)};
     const char *off = getenv("KILN_COMPILE_DISABLE");
     for (const char *p = off; p && *p;) {
         const char *e = strchr(p, ',');
@@ -105,10 +105,11 @@ void kiln__compile_options(kc_options *o)
         OFF(coalesce)
         OFF(views)
         OFF(hoist)
+        OFF(overlap)
 #undef OFF
         if (!known && !atomic_exchange(&warned_disable, true))
             fprintf(stderr, "kiln: KILN_COMPILE_DISABLE: no stage '%.*s' (the stages: decompose, fold, cse, slices, "
-                    "views, dce, coalesce, recompute, hoist, fusion, codegen, symbolic); ignored\n", (int)n, p);
+                    "views, dce, coalesce, recompute, hoist, fusion, codegen, symbolic, overlap); ignored\n", (int)n, p);
         p += n + (e ? 1 : 0);
     }
     double v;

@@ -87,13 +87,15 @@ static inline int kc_sz_store(const kc_kernel *k, int s, int d) { return kc_sz_l
 enum { STEP_OP, STEP_KERNEL };
 typedef struct {
     int kind, index; /* graph node, or kernel */
+    int until; /* an overlapped collective (src/compile/overlap.c): started here, finished
+                * before step `until` (n_steps: at the end); 0 for every other step */
 } kc_step;
 
 /* What each pass may do; KILN_COMPILE_DISABLE=decompose,fold,cse,slices,views,dce,
- * coalesce,recompute,hoist,fusion,codegen,symbolic turns them off one at a time, to find
- * the one that breaks a result. */
+ * coalesce,recompute,hoist,fusion,codegen,symbolic,overlap turns them off one at a time,
+ * to find the one that breaks a result. */
 typedef struct {
-    bool decompose, fold, cse, dce, fusion, codegen, recompute, symbolic, slices, coalesce, views, hoist;
+    bool decompose, fold, cse, dce, fusion, codegen, recompute, symbolic, slices, coalesce, views, hoist, overlap;
     int max_fuse; /* ops per kernel */
     int64_t bucket_bytes; /* per coalesced allreduce (KILN_COMPILE_BUCKET_MB, default 4) */
     kiln__backend *target; /* whose kernels are generated: its can_fuse hook is asked */
@@ -113,9 +115,11 @@ struct kiln__program {
     void **dsz;    /* OpenCL with symbolic sizes: each kernel's sz[] copied to the device (be->alloc) */
     bool symbolic; /* the C reads sizes from sz[] (kc_options.symbolic) */
     int64_t planned_peak, eager_peak; /* bytes of intermediates, from the liveness */
+    int n_overlapped;                 /* collectives marked to overlap, and moved up */
+    int n_hoisted;
     /* KILN_LOGS=profile: seconds spent in each step over the runs after the first, and
      * the runs so far; printed when the program is freed (kiln__program_profile_print). */
-    double *prof;
+    double *prof, prof_wait; /* prof_wait: finishing overlapped collectives */
     int64_t prof_runs;
 };
 typedef struct kiln__program kiln__program;
@@ -135,6 +139,10 @@ kiln_status kiln__codegen_cuda(const kiln__program *p, char **src);
 /* The generator for a device's kernel language (OpenCL C, CUDA C), or NULL. */
 typedef kiln_status (*kiln__codegen_fn)(const kiln__program *p, char **src);
 kiln__codegen_fn kiln__codegen_for(const kiln__backend *be);
+/* Moves each allreduce step (and the views and cat that gather its input) up to just
+ * after what it depends on, and marks it to run overlapped with the steps after it
+ * (kc_step.until); *moved: how many moved (src/compile/overlap.c). */
+kiln_status kiln__program_overlap(kiln__program *p, int *moved);
 /* Compiles src into a cached shared object and resolves each kernel (src/compile/jit.c). */
 kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir);
 /* Compiles each kernel of src (in p->be's language) into p->kern with

@@ -90,6 +90,46 @@ static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_
     return s;
 }
 
+/* A collective in flight (kc_step.until): its work, and its tensor held until it is
+ * finished, whatever the liveness says. */
+typedef struct {
+    void *work;
+    const kiln__collective_ops *ops;
+    kiln_tensor_t *t;
+    int until;
+} in_flight;
+
+static kiln_status start_collective(const kiln_graph_t *g, const kc_step *st, kiln__graph_frame *f, in_flight *fl,
+                                    int *n_fl)
+{
+    const node *n = &g->nd[st->index];
+    const kiln__collective_ops *c = (const kiln__collective_ops *)(uintptr_t)n->attrs.u[1];
+    kiln_tensor_t *t = f->rt[n->in[0]];
+    if (!t) return kiln__err(KILN_ERR_INTERNAL, "compile: allreduce_ of value %%%d before it exists", n->in[0]);
+    void *w = NULL;
+    kiln_status s = c->start((void *)(uintptr_t)n->attrs.u[0], t, (int)n->attrs.i[0], &w);
+    if (w) fl[(*n_fl)++] = (in_flight){w, c, kiln_tensor_retain(t), st->until};
+    return s;
+}
+
+/* Finishes those due before step t (all of them for t < 0), in the order they started;
+ * the first failure is kept. */
+static kiln_status finish_collectives(in_flight *fl, int *n_fl, int t, kiln_status s)
+{
+    int kept = 0;
+    for (int i = 0; i < *n_fl; i++) {
+        if (t >= 0 && fl[i].until != t) {
+            fl[kept++] = fl[i];
+            continue;
+        }
+        kiln_status w = fl[i].ops->finish(fl[i].work);
+        kiln_tensor_free(fl[i].t);
+        if (s == KILN_OK) s = w;
+    }
+    *n_fl = kept;
+    return s;
+}
+
 kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
                               int max_out, int *n_out)
 {
@@ -100,10 +140,26 @@ kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_
     bool want_prof = kiln__log_on("profile");
     if (want_prof && !p->prof && !(p->prof = calloc((size_t)p->n_steps, sizeof *p->prof))) want_prof = false;
     bool timed = want_prof && p->prof_runs > 0;
+    in_flight fl_stack[16], *fl = fl_stack;
+    int n_fl = 0;
+    if (p->n_overlapped > 16 && !(fl = malloc(sizeof *fl * (size_t)p->n_overlapped)))
+        s = kiln__err(KILN_ERR_OOM, "compile: out of memory");
     for (int t = 0; s == KILN_OK && t < p->n_steps; t++) {
         const kc_step *st = &p->steps[t];
         double t0 = timed ? kiln__now_s() : 0;
-        if (st->kind == STEP_OP) {
+        if (n_fl) {
+            s = finish_collectives(fl, &n_fl, t, s);
+            if (timed) { /* the wait is its own line in the profile, not the step's */
+                double t1 = kiln__now_s();
+                p->prof_wait += t1 - t0;
+                t0 = t1;
+            }
+        }
+        if (s != KILN_OK) break;
+        if (st->until) {
+            s = start_collective(g, st, &f, fl, &n_fl);
+            if (s == KILN_OK) kiln__graph_release(g, &f, g->nd[st->index].in[0], p->last, t + 1);
+        } else if (st->kind == STEP_OP) {
             s = kiln__graph_run_node(g, st->index, &f, p->last, t + 1);
         } else {
             const kc_kernel *k = &p->k[st->index];
@@ -112,8 +168,14 @@ kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_
                 if (!k->buf[i].output || k->buf[i].inplace) /* a view written in place holds its root */
                     kiln__graph_release(g, &f, k->buf[i].value, p->last, t + 1);
         }
+        /* Those in flight advance between steps (MPI moves data only inside its calls). */
+        for (int i = 0; s == KILN_OK && i < n_fl; i++) s = fl[i].ops->progress(fl[i].work);
         if (timed) p->prof[t] += kiln__now_s() - t0;
     }
+    double t0 = timed ? kiln__now_s() : 0;
+    s = finish_collectives(fl, &n_fl, -1, s);
+    if (timed) p->prof_wait += kiln__now_s() - t0;
+    if (fl != fl_stack) free(fl);
     if (want_prof && s == KILN_OK) p->prof_runs++;
     return f.rt ? kiln__graph_frame_end(g, &f, s, out, n_out) : s;
 }
@@ -123,14 +185,19 @@ void kiln__program_print(const kiln__program *p, FILE *f)
     const kiln_graph_t *g = p->g;
     int ops = 0;
     for (int t = 0; t < p->n_steps; t++) ops += p->steps[t].kind == STEP_OP;
-    fprintf(f, "%d steps: %d kernels, %d ops through dispatch; intermediates planned peak %.2f MiB, eager %.2f MiB\n",
+    fprintf(f, "%d steps: %d kernels, %d ops through dispatch; intermediates planned peak %.2f MiB, eager %.2f MiB",
             p->n_steps, p->n_k, ops, (double)p->planned_peak / 1048576.0, (double)p->eager_peak / 1048576.0);
+    if (p->n_overlapped)
+        fprintf(f, "; %d collective(s) overlapped with the steps after them, %d moved up", p->n_overlapped, p->n_hoisted);
+    fprintf(f, "\n");
     for (int t = 0; t < p->n_steps; t++) {
         const kc_step *st = &p->steps[t];
         if (st->kind == STEP_OP) {
             const node *n = &g->nd[st->index];
             fprintf(f, "  op     %s ->", kiln__ops[n->op].name);
             for (int j = 0; j < n->n_out; j++) fprintf(f, " %%%d", n->out[j]);
+            if (st->until == p->n_steps) fprintf(f, " (started; finished at the end)");
+            else if (st->until) fprintf(f, " (started; finished before step %d)", st->until);
             fprintf(f, "\n");
             continue;
         }
@@ -158,10 +225,14 @@ void kiln__program_profile_print(const kiln__program *p, FILE *f)
         total += p->prof[t];
         if (p->steps[t].kind == STEP_KERNEL) kern += p->prof[t];
     }
+    total += p->prof_wait;
     if (total <= 0) return;
     fprintf(f, "kiln [profile] %d steps, %lld runs after the first: %.2f ms a run; generated kernels %.2f ms (%.1f%%)%s\n",
             p->n_steps, (long long)p->prof_runs - 1, 1e3 * total / runs, 1e3 * kern / runs, 100 * kern / total,
             p->kern ? " (device launches are asynchronous: a step's time is its enqueue plus any wait)" : "");
+    if (p->n_overlapped)
+        fprintf(f, "kiln [profile]   waiting for %d overlapped collective(s) to finish %8.2f ms %5.1f%%\n",
+                p->n_overlapped, 1e3 * p->prof_wait / runs, 100 * p->prof_wait / total);
     /* Ops through dispatch, totalled by op. */
     double by_op[KILN_OP_COUNT] = {0};
     int n_by_op[KILN_OP_COUNT] = {0};

@@ -772,14 +772,36 @@ static kiln_status allreduce_now(void *group, kiln_tensor_t *t, int op)
     return s;
 }
 
+/* The entries a compiled program overlaps it through: a strided tensor runs to the end
+ * at once (through its contiguous copy), a contiguous one is started. */
+static kiln_status allreduce_start(void *group, kiln_tensor_t *t, int op, void **work)
+{
+    *work = NULL;
+    if (!kiln__is_contiguous(t)) return allreduce_now(group, t, op);
+    kiln_pg_work_t *w;
+    kiln_status s = kiln_pg_allreduce_async(group, t, (kiln_reduce_op)op, &w);
+    if (s == KILN_OK) *work = w;
+    return s;
+}
+
+static kiln_status work_progress(void *w)
+{
+    bool done;
+    return kiln_pg_work_test(w, &done);
+}
+
+static kiln_status work_finish(void *w) { return kiln_pg_work_wait(w); }
+
+static const kiln__collective_ops allreduce_ops = {allreduce_now, allreduce_start, work_progress, work_finish};
+
 kiln_status kiln_pg_allreduce(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op)
 {
     if (!pg || !t) return kiln_error(KILN_ERR_ARG, "allreduce: NULL group or tensor");
     if (check_reduce("allreduce", op) != KILN_OK) return kiln_last_status();
-    if (kiln_graph_capturing()) { /* recorded: the graph runs it in its place, through allreduce_now */
+    if (kiln_graph_capturing()) { /* recorded: the graph runs it in its place, through allreduce_ops */
         kiln__attrs a = {0};
         a.u[0] = (uint64_t)(uintptr_t)pg;
-        a.u[1] = (uint64_t)(uintptr_t)allreduce_now;
+        a.u[1] = (uint64_t)(uintptr_t)&allreduce_ops;
         a.i[0] = op;
         return kiln__dispatch(KILN_OP_ALLREDUCE_, &t, 1, &a, NULL);
     }

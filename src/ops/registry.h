@@ -73,8 +73,19 @@ static inline unsigned kiln__written_inputs(kiln__op_id op)
     return !kiln__ops[op].is_inplace ? 0u : op == KILN_OP_ADAMW_ ? 0xDu : 1u;
 }
 
-/* ALLREDUCE_'s u[1]: runs the collective on group (its u[0]) in place on t. */
-typedef kiln_status (*kiln__collective_fn)(void *group, kiln_tensor_t *t, int op);
+/* ALLREDUCE_'s u[1]: the group's entries for it (the group is u[0], the reduce op
+ * i[0]), in place on t. run returns when it is done. start begins it and hands out
+ * *work (NULL when it already ran to the end), which progress lets advance without
+ * waiting and finish waits for and frees: a compiled program starts the collective
+ * where its input is ready and finishes it before the first step that touches that
+ * memory again (src/compile/overlap.c). finish is called once for every work handed
+ * out, also after an error. */
+typedef struct {
+    kiln_status (*run)(void *group, kiln_tensor_t *t, int op);
+    kiln_status (*start)(void *group, kiln_tensor_t *t, int op, void **work);
+    kiln_status (*progress)(void *work);
+    kiln_status (*finish)(void *work);
+} kiln__collective_ops;
 
 /* REDUCE_SCATTER_'s and ALLGATHER_'s u[1]: runs the collective on group from src into dst. */
 typedef kiln_status (*kiln__collective2_fn)(void *group, kiln_tensor_t *dst, kiln_tensor_t *src, int op);

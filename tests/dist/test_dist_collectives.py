@@ -9,6 +9,10 @@ tests/dist/dist_probe.c (one scenario per run).
   naming both ranks' signatures; without it they must still fail (MPI's own error),
   within the deadline, not hang.
 - step: rank 0 sums where rank 1 averages; kiln_pg_check_step must fail on both.
+- graph (2 and 4 ranks): two allreduces inside a compiled function, which the program
+  starts early and finishes late (src/compile/overlap.c), with reads of the value before
+  its allreduce, against closed-form results (tolerance as for values); and with
+  KILN_COMPILE_DISABLE=overlap.
 - lag: rank 1 sleeps 30 s before its collective; with KILN_DIST_TIMEOUT=3, rank 0 must
   fail within 12 s naming rank 1, and write its ring buffer with the waiting collective.
 
@@ -62,6 +66,11 @@ def main():
               f"{n} ranks: every collective gives the closed-form result"
               + ("" if r is None or r.returncode == 0 else f" ({r.stderr.strip()[-300:]})"))
 
+    for n, env in ((2, {}), (4, {}), (2, {"KILN_COMPILE_DISABLE": "overlap"})):
+        r, _ = mpirun(a.probe, n, "graph", env)
+        check(r is not None and r.returncode == 0 and r.stdout.count("graph ok") == n,
+              f"{n} ranks{' ' + str(env) if env else ''}: allreduces in a compiled function give the closed-form result"
+              + ("" if r is None or r.returncode == 0 else f" ({r.stderr.strip()[-300:]})"))
     r, dt = mpirun(a.probe, 2, "order", {"KILN_DIST_DEBUG": "1", "KILN_DIST_TIMEOUT": "10"})
     out = r.stdout if r else ""
     want = "rank 0: #1 allreduce f32 x 10 sum; rank 1: #1 allreduce f32 x 20 sum"

@@ -329,8 +329,8 @@ kiln_status kiln__cpu_check_min(kiln__backend *be, kiln_tensor_t *const *in, int
 kiln_status kiln__cpu_allreduce_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                  kiln_tensor_t *const *out, int n_out)
 {
-    kiln__collective_fn run = (kiln__collective_fn)(uintptr_t)a->u[1];
-    return run((void *)(uintptr_t)a->u[0], in[0], (int)a->i[0]);
+    const kiln__collective_ops *c = (const kiln__collective_ops *)(uintptr_t)a->u[1];
+    return c->run((void *)(uintptr_t)a->u[0], in[0], (int)a->i[0]);
 }
 
 kiln_status kiln__cpu_reduce_scatter_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
