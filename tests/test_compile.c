@@ -695,6 +695,32 @@ static void copies_into_captured_tensors_match_eager(void **state)
     kiln_tensor_free(e.q);
 }
 
+/* A view of a row reduction, then an in-place write into the reduction: the view must
+ * see the write (it is the same memory), also when fusion would make the view in the
+ * reduction's kernel. */
+static kiln_status view_of_written_reduction(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
+                                             int *n_out)
+{
+    int d = 1;
+    kiln_tensor_t *s = kiln_sum(kiln_reshape(in[0], (int64_t[]){32, 32}, 2), &d, 1, true);
+    kiln_tensor_t *w = kiln_reshape(s, (int64_t[]){32}, 1);
+    if (!w) return kiln_last_status();
+    kiln_status st = kiln_mul_scalar_(s, 3);
+    out[0] = kiln_mul(w, kiln_scalar(2, KILN_DTYPE_F32));
+    out[1] = kiln_add(s, kiln_scalar(1, KILN_DTYPE_F32));
+    *n_out = 2;
+    return st != KILN_OK ? st : out[0] && out[1] ? KILN_OK : kiln_last_status();
+}
+
+/* Oracle: eager (check), within 1e-5. */
+static void views_see_writes_into_their_base(void **state)
+{
+    kiln_tensor_t *x = randn((int64_t[]){1024}, 1, 50);
+    int k, o;
+    snprintf(label, sizeof label, "view of a reduction written in place");
+    check(view_of_written_reduction, NULL, &x, 1, TOL, &k, &o);
+}
+
 /* ---- switches, cache, errors, debug output ---- */
 
 static void switches_turn_stages_off(void **state)
@@ -1017,6 +1043,7 @@ int main(void)
         {cmocka_unit_test_setup_teardown(llama_training_matches_eager, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(adamw_is_one_kernel_and_matches_eager, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(copies_into_captured_tensors_match_eager, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(views_see_writes_into_their_base, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(switches_turn_stages_off, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(second_compile_hits_the_cache, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(new_sizes_reuse_the_kernels, setup, teardown), false},

@@ -56,7 +56,9 @@ kiln_status kiln_pg_reduce_scatter(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor
 /* The same collectives started now and finished by kiln_pg_work_wait (which frees
  * work; an average is scaled there); kiln_pg_work_test says whether one has finished,
  * without waiting. Their tensors must not be touched until then. Each is numbered when
- * it starts, so every rank must start them in the same order. */
+ * it starts, so every rank must start them in the same order. Once a collective of the
+ * group has failed, waiting for the others fails at once; those are left posted (MPI
+ * may still write their tensors, so keep them allocated). */
 kiln_status kiln_pg_allreduce_async(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op, kiln_pg_work_t **work);
 kiln_status kiln_pg_broadcast_async(kiln_pg_t *pg, kiln_tensor_t *t, int root, kiln_pg_work_t **work);
 kiln_status kiln_pg_barrier_async(kiln_pg_t *pg, kiln_pg_work_t **work);

@@ -526,6 +526,10 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
         node *n = &g->nd[k];
         lower_kind l = o->codegen ? lowering(g, n, o->target) : L_NONE;
         if (l == L_GEN && mutated[n->out[0]]) l = L_NONE;
+        /* A view made inside a kernel is stored as a buffer of its own: of memory that an
+         * in-place op writes later, it must stay a view (an op through dispatch), which
+         * sees the write. */
+        if (l == L_ALIAS && mutated[kiln__graph_root(g, n->in[0])]) l = L_NONE;
         lk[k] = l;
         grp[k] = -1;
         for (int q = 0; q < n_pd; q++) {

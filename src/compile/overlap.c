@@ -98,7 +98,7 @@ kiln_status kiln__program_overlap(kiln__program *p, int *moved)
     }
     access *s = malloc(sizeof *s * (size_t)most), *x = malloc(sizeof *x * (size_t)most);
     int *made_by = malloc(sizeof *made_by * (size_t)g->n_v), *work = malloc(sizeof *work * (size_t)g->n_v);
-    bool *chain = malloc((size_t)p->n_steps);
+    bool *chain = malloc((size_t)p->n_steps + 1);
     kiln_status st = s && x && made_by && work && chain ? KILN_OK : kiln__err(KILN_ERR_OOM, "compile: out of memory");
     for (int a = 0; st == KILN_OK && a < p->n_steps; a++) {
         if (!is_collective(p, a)) continue;

@@ -113,20 +113,26 @@ static kiln_status start_collective(const kiln_graph_t *g, const kc_step *st, ki
 }
 
 /* Finishes those due before step t (all of them for t < 0), in the order they started;
- * the first failure is kept. */
+ * the first failure, and its message, are kept. A collective left posted by a failed
+ * group keeps its tensor (MPI may still write it). */
 static kiln_status finish_collectives(in_flight *fl, int *n_fl, int t, kiln_status s)
 {
+    char first[512] = "";
+    if (s != KILN_OK) snprintf(first, sizeof first, "%s", kiln_last_error());
     int kept = 0;
     for (int i = 0; i < *n_fl; i++) {
         if (t >= 0 && fl[i].until != t) {
             fl[kept++] = fl[i];
             continue;
         }
-        kiln_status w = fl[i].ops->finish(fl[i].work);
-        kiln_tensor_free(fl[i].t);
+        bool posted = false;
+        kiln_status w = fl[i].ops->finish(fl[i].work, &posted);
+        if (!posted) kiln_tensor_free(fl[i].t);
+        if (s == KILN_OK && w != KILN_OK) snprintf(first, sizeof first, "%s", kiln_last_error());
         if (s == KILN_OK) s = w;
     }
     *n_fl = kept;
+    if (s != KILN_OK) kiln__err(s, "%s", first); /* a later failure may have replaced it */
     return s;
 }
 

@@ -154,8 +154,9 @@ static void record(kiln_pg_t *pg, sig *s)
 }
 
 /* The ring buffer of recent collectives, to DIR/kiln-dist-rank<R>.txt (KILN_DIST_DUMP_DIR,
- * default the working directory); path gets the file's name. */
-static void dump_ring(kiln_pg_t *pg, char *path, size_t n)
+ * default the working directory), the one waited for marked (`waiting`, its sequence
+ * number: several may be in flight); path gets the file's name. */
+static void dump_ring(kiln_pg_t *pg, uint64_t waiting, char *path, size_t n)
 {
     const char *dir = getenv("KILN_DIST_DUMP_DIR");
     snprintf(path, n, "%s/kiln-dist-rank%d.txt", dir && *dir ? dir : ".", pg->rank);
@@ -171,7 +172,7 @@ static void dump_ring(kiln_pg_t *pg, char *path, size_t n)
     for (uint64_t q = first; q <= pg->seq; q++) {
         char w[160];
         sig_str(&pg->ring[q % RING], w, sizeof w);
-        fprintf(f, "%10.6f  %s%s\n", pg->ring_t[q % RING] - t0, w, q == pg->seq ? "   <- waiting here" : "");
+        fprintf(f, "%10.6f  %s%s\n", pg->ring_t[q % RING] - t0, w, q == waiting ? "   <- waiting here" : "");
     }
     fclose(f);
 }
@@ -268,7 +269,7 @@ static kiln_status wait_req(kiln_pg_t *pg, MPI_Request *req, const sig *s)
             serve_queries(pg, s);
             if (kiln__now_s() > deadline) {
                 char path[512], who[2048] = "", what[160];
-                dump_ring(pg, path, sizeof path);
+                dump_ring(pg, s->seq, path, sizeof path);
                 ask_peers(pg, s, who, sizeof who);
                 sig_str(s, what, sizeof what);
                 pg->broken = pg->left = true; /* the request stays posted */
@@ -541,7 +542,7 @@ static kiln_status nccl_run(kiln_pg_t *pg, const sig *what, int nop, const void 
     snprintf(why, sizeof why, "%s", kiln_last_error());
     sig_str(what, w, sizeof w);
     if (!timed_out) return kiln_error(KILN_ERR_DIST, "collective %s failed on rank %d of %d: %s", w, pg->rank, pg->world, why);
-    dump_ring(pg, path, sizeof path);
+    dump_ring(pg, what->seq, path, sizeof path);
     return kiln_error(KILN_ERR_DIST, "collective timeout: rank %d of %d waited %g s (KILN_DIST_TIMEOUT) in %s on NCCL "
                       "(%s), which was aborted; a rank that lags or has gone is not named (NCCL has no side channel); its "
                       "recent collectives are in %s", pg->rank, pg->world, pg->timeout, w, pg->nccl_be->name, path);
@@ -728,14 +729,24 @@ static kiln_status start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t
     return KILN_OK;
 }
 
+/* Waits for w. On a group that an earlier collective broke it fails at once rather than
+ * waiting out another deadline; a request that did not complete stays posted (w->done
+ * stays false, pg->left is set), and MPI may still write its buffers. */
 static kiln_status finish(struct kiln_pg_work *w)
 {
     kiln_status st = KILN_OK;
 #ifdef KILN_HAVE_MPI
-    if (!w->done) st = wait_req(w->pg, &w->req, &w->s);
+    if (!w->done && w->pg->broken) {
+        char what[160];
+        sig_str(&w->s, what, sizeof what);
+        w->pg->left = true;
+        return kiln_error(KILN_ERR_DIST, "process group: an earlier collective failed on rank %d; %s is left unfinished",
+                          w->pg->rank, what);
+    }
+    if (!w->done && (st = wait_req(w->pg, &w->req, &w->s)) != KILN_OK) return st;
 #endif
     w->done = true;
-    if (st == KILN_OK && w->avg && w->pg->world > 1) st = kiln_mul_scalar_(w->t, 1.0 / w->pg->world);
+    if (w->avg && w->pg->world > 1) st = kiln_mul_scalar_(w->t, 1.0 / w->pg->world);
     return st;
 }
 
@@ -790,7 +801,16 @@ static kiln_status work_progress(void *w)
     return kiln_pg_work_test(w, &done);
 }
 
-static kiln_status work_finish(void *w) { return kiln_pg_work_wait(w); }
+static kiln_status work_finish(void *work, bool *posted)
+{
+    struct kiln_pg_work *w = work;
+    pthread_mutex_lock(&w->pg->mu);
+    kiln_status st = finish(w);
+    *posted = !w->done;
+    pthread_mutex_unlock(&w->pg->mu);
+    free(w);
+    return st;
+}
 
 static const kiln__collective_ops allreduce_ops = {allreduce_now, allreduce_start, work_progress, work_finish};
 

@@ -79,12 +79,13 @@ static inline unsigned kiln__written_inputs(kiln__op_id op)
  * waiting and finish waits for and frees: a compiled program starts the collective
  * where its input is ready and finishes it before the first step that touches that
  * memory again (src/compile/overlap.c). finish is called once for every work handed
- * out, also after an error. */
+ * out, also after an error; *posted then says whether the collective was left
+ * unfinished (a failed group), so that t must outlive the process's use of it. */
 typedef struct {
     kiln_status (*run)(void *group, kiln_tensor_t *t, int op);
     kiln_status (*start)(void *group, kiln_tensor_t *t, int op, void **work);
     kiln_status (*progress)(void *work);
-    kiln_status (*finish)(void *work);
+    kiln_status (*finish)(void *work, bool *posted);
 } kiln__collective_ops;
 
 /* REDUCE_SCATTER_'s and ALLGATHER_'s u[1]: runs the collective on group from src into dst. */

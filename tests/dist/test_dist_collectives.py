@@ -13,14 +13,17 @@ tests/dist/dist_probe.c (one scenario per run).
   starts early and finishes late (src/compile/overlap.c), with reads of the value before
   its allreduce, against closed-form results (tolerance as for values); and with
   KILN_COMPILE_DISABLE=overlap.
-- lag: rank 1 sleeps 30 s before its collective; with KILN_DIST_TIMEOUT=3, rank 0 must
-  fail within 12 s naming rank 1, and write its ring buffer with the waiting collective.
+- lag: rank 1 sleeps 30 s before its collectives; with KILN_DIST_TIMEOUT=3, rank 0 must
+  fail within 12 s naming rank 1, and write its ring buffer with the waiting collective;
+  a second collective it has in flight must then fail at once (under 1 s), not after a
+  deadline of its own.
 
 Exits 77 (skip) when mpirun is missing or the kiln build has no MPI.
   python3 tests/dist/test_dist_collectives.py --probe build/dist_probe --workdir DIR
 """
 import argparse
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -94,6 +97,9 @@ def main():
     out = r.stdout if r else ""
     check(r is not None and "collective timeout" in out and "rank 1 did not answer" in out and dt < 12,
           f"a lagging rank: rank 0 stops in {dt:.1f} s (deadline 3 s) naming rank 1: {out.strip()[:160]}")
+    m = re.search(r"then, after ([0-9.]+) s: (.*)", out)
+    check(m is not None and float(m.group(1)) < 1 and "left unfinished" in m.group(2),
+          f"the second collective in flight on the broken group fails at once ({m.group(0) if m else out.strip()[-160:]})")
     text = open(ring).read() if os.path.exists(ring) else ""
     check("#1 allreduce f32 x 16 sum   <- waiting here" in text, f"the ring buffer names the waiting collective ({ring})")
     print(f"{'FAILED' if failed else 'passed'}: {failed} check(s) failed")
