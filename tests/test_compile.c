@@ -721,6 +721,162 @@ static void views_see_writes_into_their_base(void **state)
     check(view_of_written_reduction, NULL, &x, 1, TOL, &k, &o);
 }
 
+/* ---- decompositions of the fused composites ---- */
+
+typedef struct {
+    int which;            /* 0 cross_entropy, 1 causal grouped attention, 2 attention, 3 gelu (tanh) */
+    kiln_tensor_t *x[3];  /* captured, with gradients */
+} composite_ctx;
+
+/* The composite forward, and the backward of a weighted sum of its output (in[0]: the
+ * targets for cross_entropy, the weights otherwise). */
+static kiln_status composite(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    composite_ctx *c = ctx;
+    kiln_tensor_t *y = c->which == 0 ? kiln_cross_entropy(c->x[0], in[0], -1)
+                       : c->which == 3 ? kiln_gelu(c->x[0], true)
+                                       : kiln_attention(c->x[0], c->x[1], c->x[2], c->which == 1, 0);
+    kiln_tensor_t *loss = c->which == 0 ? y : kiln_sum(kiln_mul(y, in[0]), NULL, 0, false);
+    out[0] = y;
+    *n_out = 1;
+    if (!loss) return kiln_last_status();
+    return kiln_tensor_requires_grad(loss) ? kiln_backward(loss) : KILN_OK; /* forward only without grads */
+}
+
+static const char *const composite_op[] = {"= cross_entropy(", "= attention(", "= attention(", "= gelu("};
+
+/* Runs composite compiled (with the environment as the caller set it, KILN_DEBUG_DIR
+ * under dir) and eagerly; the output and every gradient within 1e-5 of eager's, and
+ * the graph after the passes has the composite op or not, as `decomposed` says. */
+static void check_composite(composite_ctx *c, kiln_tensor_t *arg, const char *dir, bool decomposed)
+{
+    kiln_tensor_t *want[1], *got[1], *gw[3] = {0};
+    int n, nx = c->which == 0 || c->which == 3 ? 1 : 3;
+    for (int i = 0; i < nx; i++) kiln_tensor_zero_grad(c->x[i]);
+    assert_int_equal(composite(c, &arg, 1, want, &n), KILN_OK);
+    for (int i = 0; i < nx; i++) {
+        gw[i] = kiln_clone(kiln_tensor_grad(c->x[i]));
+        kiln_tensor_zero_grad(c->x[i]);
+    }
+    setenv("KILN_DEBUG_DIR", dir, 1);
+    kiln_compiled_t *cf;
+    assert_int_equal(kiln_compiled_new(composite, c, "test", &cf), KILN_OK);
+    kiln_status s = kiln_compiled_call(cf, &arg, 1, got, 1, &n);
+    unsetenv("KILN_DEBUG_DIR");
+    if (s != KILN_OK) fail_msg("composite %d compiled: %s", c->which, kiln_last_error());
+    kiln_compiled_free(cf);
+    double e = rel_err(got[0], want[0]);
+    if (!(e <= TOL)) fail_msg("composite %d: output differs from eager by %g", c->which, e);
+    for (int i = 0; i < nx; i++) {
+        e = rel_err(kiln_tensor_grad(c->x[i]), gw[i]);
+        if (!(e <= TOL)) fail_msg("composite %d: gradient %d differs from eager by %g", c->which, i, e);
+    }
+    char path[256], text[65536] = "";
+    snprintf(path, sizeof path, "%s/test-0/after_passes.txt", dir);
+    assert_true(test_read_text(path, text, sizeof text));
+    if ((strstr(text, composite_op[c->which]) == NULL) != decomposed)
+        fail_msg("composite %d: the graph after the passes %s %s:\n%s", c->which, decomposed ? "still has" : "lacks",
+                 composite_op[c->which], text);
+}
+
+static kiln_tensor_t *grad_leaf(const int64_t *shape, int nd, uint64_t seed)
+{
+    kiln_tensor_t *t = kiln_keep(randn(shape, nd, seed));
+    kiln_tensor_set_requires_grad(t, true);
+    return t;
+}
+
+/* KILN_COMPILE_DECOMPOSE=all: cross_entropy (rows with ignore_index), attention (causal
+ * with grouped heads and Tq < Tk; plain) and gelu's tanh form become primitives, and
+ * forward and backward match eager within 1e-5 (the backward ops read the decomposed
+ * lse). A target out of range is still an index error naming cross_entropy. Without
+ * the switch, on the cpu, they stay whole. */
+static void composites_decompose_and_match_eager(void **state)
+{
+    int64_t t[12] = {3, 0, 39, -1, 7, 7, 12, -1, 25, 1, 38, 5};
+    kiln_tensor_t *tg = kiln_from_data(t, (int64_t[]){12}, 1, KILN_DTYPE_I64);
+    composite_ctx cases[4] = {
+        {0, {grad_leaf((int64_t[]){12, 40}, 2, 60)}},
+        {1, {grad_leaf((int64_t[]){2, 4, 6, 8}, 4, 61), grad_leaf((int64_t[]){2, 2, 9, 8}, 4, 62),
+             grad_leaf((int64_t[]){2, 2, 9, 8}, 4, 63)}},
+        {2, {grad_leaf((int64_t[]){2, 2, 7, 8}, 4, 64), grad_leaf((int64_t[]){2, 2, 7, 8}, 4, 65),
+             grad_leaf((int64_t[]){2, 2, 7, 8}, 4, 66)}},
+        {3, {grad_leaf((int64_t[]){16, 33}, 2, 67)}},
+    };
+    kiln_tensor_t *w[4] = {tg, randn((int64_t[]){2, 4, 6, 8}, 4, 70), randn((int64_t[]){2, 2, 7, 8}, 4, 71),
+                           randn((int64_t[]){16, 33}, 2, 72)};
+    char dir[160];
+    for (int all = 0; all < 2; all++) {
+        if (all) setenv("KILN_COMPILE_DECOMPOSE", "all", 1);
+        for (int i = 0; i < 4; i++) {
+            snprintf(dir, sizeof dir, "%s/composite-%d-%d", cache_dir, all, i);
+            check_composite(&cases[i], w[i], dir, all);
+        }
+    }
+    /* The range check survives the decomposition (forward only: no backward op checks). */
+    composite_ctx fwd = {0, {kiln_keep(randn((int64_t[]){12, 40}, 2, 68))}};
+    t[4] = 40;
+    kiln_tensor_t *bad = kiln_from_data(t, (int64_t[]){12}, 1, KILN_DTYPE_I64), *got;
+    kiln_compiled_t *cf;
+    assert_int_equal(kiln_compiled_new(composite, &fwd, "bad", &cf), KILN_OK);
+    int n;
+    kiln_status s = kiln_compiled_call(cf, &bad, 1, &got, 1, &n);
+    unsetenv("KILN_COMPILE_DECOMPOSE");
+    kiln_compiled_free(cf);
+    if (s != KILN_ERR_INDEX || !strstr(kiln_last_error(), "cross_entropy: the target at row 4 is outside [0, 40)"))
+        fail_msg("a target of 40 of 40 classes, decomposed: status %d, %s", s, kiln_last_error());
+    kiln_clear_error();
+    for (int i = 0; i < 4; i++)
+        for (int j = 0; j < 3; j++) kiln_tensor_free(cases[i].x[j]);
+    kiln_tensor_free(fwd.x[0]);
+}
+
+/* A backend without a fused kernel for cross_entropy and attention (a new device that
+ * has the primitives: here the cpu with those two slots emptied while compiling) gets
+ * them decomposed by default, and the results match eager's (run with the kernels
+ * back). */
+static void composites_decompose_where_the_backend_lacks_them(void **state)
+{
+    kiln__backend *cpu = kiln__backend_at(0);
+    int64_t t[12] = {3, 0, 39, -1, 7, 7, 12, -1, 25, 1, 38, 5};
+    kiln_tensor_t *tg = kiln_from_data(t, (int64_t[]){12}, 1, KILN_DTYPE_I64);
+    composite_ctx ce = {0, {grad_leaf((int64_t[]){12, 40}, 2, 80)}};
+    composite_ctx att = {1, {grad_leaf((int64_t[]){2, 4, 6, 8}, 4, 81), grad_leaf((int64_t[]){2, 2, 9, 8}, 4, 82),
+                             grad_leaf((int64_t[]){2, 2, 9, 8}, 4, 83)}};
+    kiln_tensor_t *w = randn((int64_t[]){2, 4, 6, 8}, 4, 84);
+    composite_ctx *cs[2] = {&ce, &att};
+    kiln_tensor_t *args[2] = {tg, w};
+    for (int i = 0; i < 2; i++) {
+        composite_ctx *c = cs[i];
+        kiln_tensor_t *want[1], *got[1], *gw[3] = {0};
+        int n, nx = c->which == 0 ? 1 : 3;
+        assert_int_equal(composite(c, &args[i], 1, want, &n), KILN_OK);
+        for (int j = 0; j < nx; j++) {
+            gw[j] = kiln_clone(kiln_tensor_grad(c->x[j]));
+            kiln_tensor_zero_grad(c->x[j]);
+        }
+        kiln__op_id op = c->which == 0 ? KILN_OP_CROSS_ENTROPY : KILN_OP_ATTENTION;
+        static kiln__kernel_fn table[KILN_OP_COUNT];
+        const kiln__kernel_fn *saved = cpu->kernels;
+        memcpy(table, saved, sizeof table);
+        table[op] = NULL;
+        cpu->kernels = table;
+        kiln_compiled_t *cf;
+        kiln_status s = kiln_compiled_new(composite, c, "lacks", &cf);
+        if (s == KILN_OK) s = kiln_compiled_call(cf, &args[i], 1, got, 1, &n);
+        cpu->kernels = saved;
+        if (s != KILN_OK) fail_msg("composite %d without its kernel: %s", c->which, kiln_last_error());
+        kiln_compiled_free(cf);
+        double e = rel_err(got[0], want[0]);
+        for (int j = 0; j < nx; j++) {
+            double eg = rel_err(kiln_tensor_grad(c->x[j]), gw[j]);
+            if (eg > e) e = eg;
+        }
+        if (!(e <= TOL)) fail_msg("composite %d without its kernel: differs from eager by %g", c->which, e);
+        for (int j = 0; j < nx; j++) kiln_tensor_free(c->x[j]);
+    }
+}
+
 /* ---- switches, cache, errors, debug output ---- */
 
 static void switches_turn_stages_off(void **state)
@@ -1044,6 +1200,8 @@ int main(void)
         {cmocka_unit_test_setup_teardown(adamw_is_one_kernel_and_matches_eager, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(copies_into_captured_tensors_match_eager, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(views_see_writes_into_their_base, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(composites_decompose_and_match_eager, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(composites_decompose_where_the_backend_lacks_them, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(switches_turn_stages_off, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(second_compile_hits_the_cache, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(new_sizes_reuse_the_kernels, setup, teardown), false},

@@ -64,8 +64,11 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed);
  * attributes is computed once (never across an in-place update). */
 kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed);
 /* Decomposition: each composite op with a decomposition (softmax, log_softmax,
- * layer_norm, rms_norm) is replaced by the primitive ops it is made of, which the
- * compiler can fuse. Returns how many were replaced in *decomposed. */
+ * layer_norm, rms_norm, AdamW on the cpu; cross_entropy and attention where their
+ * backend has no fused kernel of its own) is replaced by the primitive ops it is made
+ * of, which the compiler can fuse. Returns how many were replaced in *decomposed.
+ * KILN_COMPILE_DECOMPOSE=all makes kiln compile take every decomposition there is
+ * (cross_entropy, attention and gelu's tanh form too). */
 kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed);
 /* Constant folding: each op whose inputs are all constants of the graph (full, arange,
  * and what is computed from them alone) is computed once, now, and its result (if

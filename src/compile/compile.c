@@ -65,7 +65,7 @@ FILE *kiln__debug_open(const char *dir, const char *file)
     return f;
 }
 
-static atomic_bool warned_disable, warned_max_fuse, warned_bucket; /* each said once per process */
+static atomic_bool warned_disable, warned_max_fuse, warned_bucket, warned_decompose; /* each said once per process */
 
 /* The number in environment variable name, in (lo, hi] (a whole one if whole): true with
  * it in *v; false when unset, or, said once (*warned), when it is not one. */
@@ -84,8 +84,12 @@ static bool env_number(const char *name, double lo, double hi, bool whole, atomi
 
 void kiln__compile_options(kc_options *o)
 {
-    *o = (kc_options){true, true, true, true, true, true, true, true, true, true, true, true, true, 48,
+    *o = (kc_options){true, true, true, true, true, true, true, true, true, true, true, true, true, false, 48,
                       (int64_t)4 << 20, kiln__backend_at(0)};
+    const char *dec = getenv("KILN_COMPILE_DECOMPOSE");
+    if (dec && !strcmp(dec, "all")) o->decompose_all = true;
+    else if (dec && *dec && strcmp(dec, "default") && !atomic_exchange(&warned_decompose, true))
+        fprintf(stderr, "kiln: KILN_COMPILE_DECOMPOSE='%s' is not all or default; using default\n", dec);
     const char *off = getenv("KILN_COMPILE_DISABLE");
     for (const char *p = off; p && *p;) {
         const char *e = strchr(p, ',');
@@ -130,7 +134,7 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
     double t0 = now_s();
     int dec = 0, folded = 0, merged = 0, scatters = 0, sunk = 0, removed = 0, reductions = 0, recomputed = 0, hoisted = 0;
     kiln_status s = KILN_OK;
-    if (o.decompose) s = kiln_graph_decompose(g, &dec);
+    if (o.decompose) s = kiln__graph_decompose(g, o.decompose_all, &dec);
     if (s == KILN_OK && o.fold) s = kiln_graph_fold(g, &folded);
     if (s == KILN_OK && o.cse) s = kiln_graph_cse(g, &merged);
     if (s == KILN_OK && o.slices) s = kiln_graph_merge_slices(g, &scatters);

@@ -96,7 +96,8 @@ typedef struct {
  * to find the one that breaks a result. */
 typedef struct {
     bool decompose, fold, cse, dce, fusion, codegen, recompute, symbolic, slices, coalesce, views, hoist, overlap;
-    int max_fuse; /* ops per kernel */
+    bool decompose_all; /* KILN_COMPILE_DECOMPOSE=all: every decomposition there is */
+    int max_fuse;       /* ops per kernel */
     int64_t bucket_bytes; /* per coalesced allreduce (KILN_COMPILE_BUCKET_MB, default 4) */
     kiln__backend *target; /* whose kernels are generated: its can_fuse hook is asked */
 } kc_options;

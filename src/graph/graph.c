@@ -1184,9 +1184,8 @@ static kiln_status rewrite(kiln_graph_t *g, const char *who, rewrite_rule rule, 
 static kiln_status decompose_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, kiln_tensor_t **map, void *ctx,
                                   int *used)
 {
-    (void)ctx;
     const node *n = &g->nd[k];
-    kiln__decompose_fn dec = kiln__decomposition(n->op, ins, n->n_in);
+    kiln__decompose_fn dec = kiln__decomposition(n->op, ins, n->n_in, &n->attrs, *(const bool *)ctx);
     if (!dec) return KILN_OK;
     kiln_tensor_t *res[KILN__MAX_OUT] = {0};
     kiln_status s = dec(ins, n->n_in, &n->attrs, res);
@@ -1195,10 +1194,12 @@ static kiln_status decompose_rule(const kiln_graph_t *g, int k, kiln_tensor_t **
     return s;
 }
 
-kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed)
+kiln_status kiln__graph_decompose(kiln_graph_t *g, bool all, int *decomposed)
 {
-    return rewrite(g, "graph_decompose", decompose_rule, NULL, decomposed);
+    return rewrite(g, "graph_decompose", decompose_rule, &all, decomposed);
 }
+
+kiln_status kiln_graph_decompose(kiln_graph_t *g, int *decomposed) { return kiln__graph_decompose(g, false, decomposed); }
 
 /* Coalescing allreduces: a run of consecutive ALLREDUCE_ nodes with one group, reduce
  * op, dtype and device (the gradients of a step, one tensor each) becomes, bucket by

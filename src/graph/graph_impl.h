@@ -75,6 +75,8 @@ void kiln__graph_last_use(const kiln_graph_t *g, int *last);
 bool kiln__graph_live(const kiln_graph_t *g, int v);
 /* The value whose memory v lives in: v, or the base that its views lead back to. */
 int kiln__graph_root(const kiln_graph_t *g, int v);
+/* kiln_graph_decompose; all: every op that has a decomposition takes it. */
+kiln_status kiln__graph_decompose(kiln_graph_t *g, bool all, int *decomposed);
 /* Is op elementwise (each output element from the same element of each input: the
  * arithmetic, activations and their backwards, comparisons, where, cast)? */
 bool kiln__graph_elementwise(kiln__op_id op);

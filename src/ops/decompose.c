@@ -4,9 +4,15 @@
  * with the copy_ of each new value into the tensor it updates. Called in capture mode
  * by kiln_graph_decompose, so the kiln ops below are recorded, not run.
  *
- * Not decomposed, and why: cross_entropy checks that every target is in range, a
- * decision on data that a graph of primitives would drop; attention and the backward
- * ops stay fused kernels of the backend. */
+ * Which are used (kiln__decomposition): softmax, log_softmax and the norms always;
+ * adamw_ on the cpu. cross_entropy and attention, which every backend here has as one
+ * fused kernel that beats their primitives, only where the tensors' backend has no
+ * kernel of its own for them (a new device that has the primitives), or when asked for
+ * every decomposition (KILN_COMPILE_DECOMPOSE=all); gelu, which every code generator
+ * emits as one expression, only when asked, and in its tanh form (there is no erf
+ * primitive). The backward ops stay fused kernels: a decomposed forward gives them the
+ * hidden outputs they read (lse). */
+#include <math.h>
 #include <string.h>
 #include "core/backend.h"
 #include "core/tensor_impl.h"
@@ -129,7 +135,87 @@ static kiln_status dec_adamw(kiln_tensor_t *const *in, int n_in, const kiln__att
     return s == KILN_OK ? kiln_tensor_copy_(p, p1) : s;
 }
 
-kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in)
+/* cross_entropy(logits (N,V), targets (N)) with ignore_index: per row lse = max +
+ * log(sum(exp(x - max))), the mean over the rows that count of lse - x[target] (NaN
+ * when none does, as the kernel gives), and lse, which backward reads. A target outside
+ * [0, V) that is not ignore_index is the same kind of error as eagerly: the index goes
+ * through two check_min before the gather reads it. */
+static kiln_status dec_cross_entropy(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t **out)
+{
+    kiln_tensor_t *x = in[0], *t = in[1];
+    kiln_dtype F = x->dtype, I = t->dtype;
+    int64_t N = x->shape[0], V = x->shape[1], col[2] = {N, 1};
+    int dim = 1;
+    kiln_tensor_t *sh, *e, *s;
+    softmax_parts(x, dim, &sh, &e, &s);
+    kiln_tensor_t *lse = kiln_add(kiln_max(x, &dim, 1, true), kiln_log(s)); /* (N, 1) */
+    kiln_tensor_t *valid = kiln_ne(t, kiln_scalar((double)a->i[0], I));
+    kiln_tensor_t *idx = kiln_where(valid, t, kiln_scalar(0, I)), *top = kiln_scalar((double)(V - 1), I);
+    kiln__attrs ca = {0};
+    ca.i[0] = KILN__CHECK_CE_TARGET;
+    ca.f[1] = (double)V;
+    idx = idx ? kiln__call(KILN_OP_CHECK_MIN, &idx, 1, &ca) : NULL; /* >= 0 */
+    kiln_tensor_t *rev = kiln_sub(top, idx);
+    rev = rev ? kiln__call(KILN_OP_CHECK_MIN, &rev, 1, &ca) : NULL; /* <= V - 1 */
+    idx = kiln_reshape(kiln_sub(top, rev), col, 2);
+    kiln_tensor_t *picked = kiln_gather(x, 1, idx);
+    kiln_tensor_t *vcol = kiln_reshape(valid, col, 2);
+    kiln_tensor_t *per = kiln_where(vcol, kiln_sub(lse, picked), kiln_scalar(0, F));
+    kiln_tensor_t *count = kiln_sum(kiln_cast(valid, F), NULL, 0, false);
+    kiln_tensor_t *res[2] = {kiln_div(kiln_sum(per, NULL, 0, false), count), kiln_reshape(lse, &N, 1)};
+    return give(out, 2, res);
+}
+
+/* attention(q (B,H,Tq,D), k, v (B,Hkv,Tk,D)): query head h reads kv head h / (H / Hkv);
+ * s = q k^T * scale, masked causally to keys j <= i + Tk - Tq, p = softmax(s), o = p v,
+ * and lse = max + log(sum(exp(s - max))) (B,H,Tq), which backward reads. */
+static kiln_tensor_t *kv_heads(kiln_tensor_t *k, int64_t H)
+{
+    int64_t B = k->shape[0], Hkv = k->shape[1], T = k->shape[2], D = k->shape[3];
+    if (Hkv == H) return k;
+    int64_t one[5] = {B, Hkv, 1, T, D}, all[5] = {B, Hkv, H / Hkv, T, D}, heads[4] = {B, H, T, D};
+    return kiln_reshape(kiln_contiguous(kiln_expand(kiln_reshape(k, one, 5), all, 5)), heads, 4);
+}
+
+static kiln_status dec_attention(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t **out)
+{
+    kiln_tensor_t *q = in[0];
+    kiln_dtype F = q->dtype;
+    int64_t H = q->shape[1], Tq = q->shape[2], Tk = in[1]->shape[2];
+    kiln_tensor_t *k = kv_heads(in[1], H), *v = kv_heads(in[2], H);
+    kiln_tensor_t *s = kiln_mul(kiln_matmul(q, kiln_transpose(k, 2, 3)), kiln_scalar(a->f[0], F));
+    if (a->i[0]) {
+        int64_t rows[2] = {Tq, 1}, cols[2] = {1, Tk};
+        kiln_tensor_t *i = kiln_reshape(kiln_arange((double)(Tk - Tq), (double)Tk, 1, KILN_DTYPE_I64), rows, 2);
+        kiln_tensor_t *j = kiln_reshape(kiln_arange(0, (double)Tk, 1, KILN_DTYPE_I64), cols, 2);
+        s = kiln_where(kiln_le(j, i), s, kiln_scalar(-INFINITY, F));
+    }
+    int dim = 3;
+    kiln_tensor_t *m = kiln_max(s, &dim, 1, true), *e = kiln_exp(kiln_sub(s, m)), *l = kiln_sum(e, &dim, 1, true);
+    kiln_tensor_t *res[2] = {kiln_matmul(kiln_div(e, l), v), drop_last(kiln_add(m, kiln_log(l)))};
+    return give(out, 2, res);
+}
+
+/* gelu, tanh form: 0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))). */
+static kiln_status dec_gelu_tanh(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t **out)
+{
+    kiln_tensor_t *x = in[0];
+    kiln_dtype F = x->dtype;
+    kiln_tensor_t *x3 = kiln_mul(kiln_mul(x, x), x);
+    kiln_tensor_t *u = kiln_mul(kiln_scalar(0.7978845608028654, F), kiln_add(x, kiln_mul(kiln_scalar(0.044715, F), x3)));
+    kiln_tensor_t *y = kiln_mul(kiln_mul(kiln_scalar(0.5, F), x), kiln_add(kiln_scalar(1, F), kiln_tanh(u)));
+    return give(out, 1, &y);
+}
+
+/* Whether the tensors' backend runs op with a kernel of its own (else dispatch would
+ * copy to the cpu for it). */
+static bool has_kernel(const kiln_tensor_t *t, kiln__op_id op)
+{
+    return t->st->be && t->st->be->kernels[op];
+}
+
+kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                       bool all)
 {
     switch (op) {
     case KILN_OP_ADAMW_:
@@ -142,6 +228,11 @@ kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in,
     case KILN_OP_LOG_SOFTMAX: return dec_log_softmax;
     case KILN_OP_LAYER_NORM: return dec_layer_norm;
     case KILN_OP_RMS_NORM: return dec_rms_norm;
+    case KILN_OP_CROSS_ENTROPY:
+        return n_in == 2 && in[0]->shape[1] > 0 && (all || !has_kernel(in[0], op)) ? dec_cross_entropy : NULL;
+    case KILN_OP_ATTENTION: /* no keys: the kernel's lse of -inf, left to it */
+        return n_in == 3 && in[1]->shape[2] > 0 && (all || !has_kernel(in[0], op)) ? dec_attention : NULL;
+    case KILN_OP_GELU: return all && a->i[0] ? dec_gelu_tanh : NULL;
     default: return NULL;
     }
 }

@@ -63,8 +63,10 @@ typedef struct {
 
 extern const kiln__op_def kiln__ops[KILN_OP_COUNT];
 /* The op's decomposition into primitives (src/ops/decompose.c), or NULL: for a
- * primitive, and for an op best left whole on these inputs. */
-kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in);
+ * primitive, and for an op best left whole on these inputs (all: every op that has a
+ * decomposition takes it, KILN_COMPILE_DECOMPOSE=all). */
+kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                       bool all);
 
 /* The inputs an op writes, as a bit mask: none for an out-of-place op, the destination
  * (input 0) for an in-place one, and for adamw_ the two moments (inputs 2, 3) too. */
@@ -92,7 +94,7 @@ typedef struct {
 typedef kiln_status (*kiln__collective2_fn)(void *group, kiln_tensor_t *dst, kiln_tensor_t *src, int op);
 
 /* What a CHECK_MIN checks (its i[0]), naming it in the error. */
-enum { KILN__CHECK_VALUE, KILN__CHECK_ADAMW_STEP };
+enum { KILN__CHECK_VALUE, KILN__CHECK_ADAMW_STEP, KILN__CHECK_CE_TARGET /* f[1] = V */ };
 
 #define KILN_OP(ID, name, nin, nout, nvis, grad, save)                                 \
     kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, \

@@ -318,8 +318,11 @@ kiln_status kiln__cpu_check_min(kiln__backend *be, kiln_tensor_t *const *in, int
     int64_t n = kiln__numel(out[0]->ndim, out[0]->shape);
     for (int64_t i = 0; i < n; i++) {
         double x = kiln__load(p + i * (int64_t)sz, out[0]->dtype);
-        if (!(x >= a->f[0]))
-            return kiln__err(KILN_ERR_ARG, "%s %g must be >= %g", what[a->i[0] == KILN__CHECK_ADAMW_STEP], x, a->f[0]);
+        if (x >= a->f[0]) continue;
+        if (a->i[0] == KILN__CHECK_CE_TARGET) /* a decomposed cross_entropy's index, or V - 1 minus it */
+            return kiln__err(KILN_ERR_INDEX, "cross_entropy: the target at row %lld is outside [0, %lld) (and is not "
+                             "ignore_index)", (long long)i, (long long)a->f[1]);
+        return kiln__err(KILN_ERR_ARG, "%s %g must be >= %g", what[a->i[0] == KILN__CHECK_ADAMW_STEP], x, a->f[0]);
     }
     return KILN_OK;
 }
