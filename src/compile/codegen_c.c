@@ -74,7 +74,7 @@ static const char *helpers =
     "    p = p * r + 1.3981999507e-3f;\n    p = p * r + 8.3334519073e-3f;\n"
     "    p = p * r + 4.1665795894e-2f;\n    p = p * r + 1.6666665459e-1f;\n"
     "    p = p * r + 5.0000001201e-1f;\n    p = p * r * r + r + 1.0f;\n"
-    "    return x0 == x0 ? p * kc_bits(((int32_t)n + 127) << 23) : x0;\n}\n"
+    "    return x0 == x0 ? (x0 < -87.0f ? 0.0f : p * kc_bits(((int32_t)n + 127) << 23)) : x0;\n}\n"
     "KC_FN float kc_tanh_fast(float u) { return 1.0f - 2.0f / (kc_exp(2.0f * u) + 1.0f); }\n"
     "KC_FN float kc_sigmoid_fast(float x) { return 1.0f / (1.0f + kc_exp(-x)); }\n"
     "KC_FN float kc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }\n"
