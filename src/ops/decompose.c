@@ -146,9 +146,8 @@ static kiln_status dec_cross_entropy(kiln_tensor_t *const *in, int n_in, const k
     kiln_dtype F = x->dtype, I = t->dtype;
     int64_t N = x->shape[0], V = x->shape[1], col[2] = {N, 1};
     int dim = 1;
-    kiln_tensor_t *sh, *e, *s;
-    softmax_parts(x, dim, &sh, &e, &s);
-    kiln_tensor_t *lse = kiln_add(kiln_max(x, &dim, 1, true), kiln_log(s)); /* (N, 1) */
+    kiln_tensor_t *m = kiln_max(x, &dim, 1, true);
+    kiln_tensor_t *lse = kiln_add(m, kiln_log(kiln_sum(kiln_exp(kiln_sub(x, m)), &dim, 1, true))); /* (N, 1) */
     kiln_tensor_t *valid = kiln_ne(t, kiln_scalar((double)a->i[0], I));
     kiln_tensor_t *idx = kiln_where(valid, t, kiln_scalar(0, I)), *top = kiln_scalar((double)(V - 1), I);
     kiln__attrs ca = {0};
