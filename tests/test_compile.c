@@ -49,11 +49,7 @@ static double rel_err(kiln_tensor_t *got, kiln_tensor_t *want)
     assert_int_equal(kiln_tensor_ndim(got), kiln_tensor_ndim(want));
     assert_memory_equal(kiln_tensor_shape(got), kiln_tensor_shape(want), sizeof(int64_t) * (size_t)kiln_tensor_ndim(want));
     int64_t n = kiln_tensor_numel(want);
-    double *a = to_host(got), *b = to_host(want), m = 0;
-    for (int64_t i = 0; i < n; i++) {
-        double d = fabs(a[i] - b[i]) / (1 + fabs(b[i]));
-        if (d > m || d != d) m = d != d ? INFINITY : d;
-    }
+    double *a = to_host(got), *b = to_host(want), m = test_max_rel_err(a, b, n);
     free(a);
     free(b);
     return m;

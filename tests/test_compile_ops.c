@@ -532,13 +532,10 @@ static double rel_err(const char *what, kiln_tensor_t *got, kiln_tensor_t *want)
     if (memcmp(kiln_tensor_shape(got), kiln_tensor_shape(want), sizeof(int64_t) * (size_t)kiln_tensor_ndim(want)))
         fail_msg("%s: shape differs from eager's", what);
     int64_t n = kiln_tensor_numel(want);
-    double *a = malloc(sizeof *a * (size_t)(n + 1)), *b = malloc(sizeof *b * (size_t)(n + 1)), m = 0;
+    double *a = malloc(sizeof *a * (size_t)(n + 1)), *b = malloc(sizeof *b * (size_t)(n + 1));
     assert_int_equal(kiln_tensor_to_host(kiln_cast(got, KILN_DTYPE_F64), a, sizeof *a * (size_t)n), KILN_OK);
     assert_int_equal(kiln_tensor_to_host(kiln_cast(want, KILN_DTYPE_F64), b, sizeof *b * (size_t)n), KILN_OK);
-    for (int64_t i = 0; i < n; i++) {
-        double d = fabs(a[i] - b[i]) / (1 + fabs(b[i]));
-        if (d > m || d != d) m = d != d ? INFINITY : d;
-    }
+    double m = test_max_rel_err(a, b, n);
     free(a);
     free(b);
     return m;

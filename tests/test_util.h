@@ -2,6 +2,7 @@
  * LeakSanitizer sees nothing left at exit. */
 #ifndef KILN_TEST_UTIL_H
 #define KILN_TEST_UTIL_H
+#include <math.h>
 #include <stdio.h>
 #include "kiln/tensor.h"
 
@@ -28,5 +29,16 @@ static inline bool test_read_text(const char *path, char *buf, size_t n)
     buf[fread(buf, 1, n - 1, f)] = 0;
     fclose(f);
     return true;
+}
+/* Largest |a[i] - b[i]| / (1 + |b[i]|) over n values, b the reference; infinite when
+ * either holds a NaN where the other does not match it. */
+static inline double test_max_rel_err(const double *a, const double *b, int64_t n)
+{
+    double m = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs(a[i] - b[i]) / (1 + fabs(b[i]));
+        if (d > m || d != d) m = d != d ? INFINITY : d;
+    }
+    return m;
 }
 #endif
