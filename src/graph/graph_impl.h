@@ -1,4 +1,5 @@
-/* Private layout of the graph IR (src/graph/graph.c), for the compiler (src/compile/). */
+/* Private layout of the graph IR (src/graph/graph.c), for its passes (passes.c) and the
+ * compiler (src/compile/). */
 #ifndef KILN_GRAPH_IMPL_H
 #define KILN_GRAPH_IMPL_H
 
@@ -94,5 +95,23 @@ kiln_status kiln__graph_frame_end(const kiln_graph_t *g, kiln__graph_frame *f, k
 /* Adds each computed leaf gradient (rt[value]) into its leaf, as kiln_backward would; a
  * leaf without a gradient may take rt[value] itself (then set to NULL). */
 kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt);
+
+/* mut[v] = true for each value updated in place, or, back through views, aliased by
+ * one that is. */
+void kiln__graph_mutated(const kiln_graph_t *g, bool *mut);
+/* m = t's dtype, shape, strides and offset. */
+void kiln__graph_meta_of(const kiln_tensor_t *t, kiln__meta *m);
+/* Inserts a copy of node n (one output, a new value, number in *out_value) at position
+ * at; the nodes from there move up one. */
+kiln_status kiln__graph_insert_node(kiln_graph_t *g, int at, const node *n, int *out_value);
+/* A rewrite: the graph replayed in capture mode into a new one that then takes its
+ * place, each node recorded as it is unless `rule` records it (and the `*used - 1`
+ * nodes after it) in another form: rule(g, k, ins, map, ctx, used) gets node k's input
+ * tensors, sets map[] for the outputs of the nodes it took, and leaves *used 0 to take
+ * none. Values are renumbered; inputs, captured tensors, outputs and leaf gradients
+ * keep their meaning. */
+typedef kiln_status (*kiln__graph_rule)(const kiln_graph_t *g, int k, kiln_tensor_t **ins, kiln_tensor_t **map,
+                                        void *ctx, int *used);
+kiln_status kiln__graph_rewrite(kiln_graph_t *g, const char *who, kiln__graph_rule rule, void *ctx, int *count);
 
 #endif
