@@ -708,6 +708,34 @@ static kiln_status view_of_written_reduction(void *ctx, kiln_tensor_t *const *in
     return st != KILN_OK ? st : out[0] && out[1] ? KILN_OK : kiln_last_status();
 }
 
+/* A compiled call inside a recorded replay (ctx: the compiled chain). */
+static kiln_status call_compiled(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    return kiln_compiled_call(ctx, in, n_in, out, 1, n_out);
+}
+
+/* A replay notes the launches made through dispatch; a compiled program launches its
+ * generated kernels itself, so recording a compiled call would give a replay without
+ * them. It is refused, with an error that says what to do, and the recording is not
+ * made. */
+static void compiled_calls_are_not_recorded(void **state)
+{
+    int64_t s[2] = {16, 40}, c[1] = {40};
+    kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(c, 1, 2)}, *got[1];
+    kiln_compiled_t *cf;
+    assert_int_equal(kiln_compiled_new(chain, NULL, "chain", &cf), KILN_OK);
+    int n;
+    assert_int_equal(kiln_compiled_call(cf, in, 2, got, 1, &n), KILN_OK); /* compiled before the recording */
+    kiln_replay_t *r = NULL;
+    kiln_status st = kiln_replay_record(call_compiled, cf, in, 2, &r, got, 1, &n);
+    if (st != KILN_ERR_UNSUPPORTED || !strstr(kiln_last_error(), "kiln_replay_record") || r)
+        fail_msg("recording a compiled call: status %d, %s", st, kiln_last_error());
+    kiln_clear_error();
+    assert_false(kiln_replay_recording());
+    assert_int_equal(kiln_compiled_call(cf, in, 2, got, 1, &n), KILN_OK); /* still usable */
+    kiln_compiled_free(cf);
+}
+
 /* Oracle: eager (check), within 1e-5. */
 static void views_see_writes_into_their_base(void **state)
 {
@@ -1224,6 +1252,7 @@ int main(void)
         {cmocka_unit_test_setup_teardown(adamw_is_one_kernel_and_matches_eager, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(copies_into_captured_tensors_match_eager, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(views_see_writes_into_their_base, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(compiled_calls_are_not_recorded, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(exp_underflows_to_zero, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(composites_decompose_and_match_eager, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(composites_decompose_where_the_backend_lacks_them, setup, teardown), true},

@@ -122,6 +122,13 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
         return kiln__err(KILN_ERR_ARG, "compiled_call: %d inputs, at most %d are guarded", n_in, KILN_GRAPH_MAX_IN);
     for (int i = 0; i < n_in; i++)
         if (!in[i]) return kiln__null_arg("compiled_call");
+    /* A replay notes the launches made through dispatch; a compiled program launches
+     * its generated kernels and its collectives itself, so a recording would leave them
+     * out and every replay would skip them. */
+    if (kiln__replay_recording())
+        return kiln__err(KILN_ERR_UNSUPPORTED, "compiled_call: %s inside kiln_replay_record: the replay would not hold "
+                         "its generated kernels; record the function itself, or call the compiled one, not both",
+                         c->name);
     c->calls++;
     guards now;
     guards_of(in, n_in, &now);
