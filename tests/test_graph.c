@@ -397,6 +397,97 @@ static void merges_look_at_what_updates_write(void **state)
     kiln_graph_free(g);
 }
 
+/* y = (x w) * scale; backward of sum(y) where grad mode is on and w wants a gradient. */
+typedef struct {
+    kiln_tensor_t *w;
+    double scale;
+} scaled_ctx;
+
+static kiln_status scaled(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    scaled_ctx *c = ctx;
+    kiln_tensor_t *y = kiln_mul_scalar(kiln_matmul(in[0], c->w), c->scale);
+    out[0] = y;
+    *n_out = 1;
+    if (!y) return kiln_last_status();
+    return kiln_tensor_requires_grad(y) ? kiln_backward(kiln_sum(y, NULL, 0, false)) : KILN_OK;
+}
+
+/* Runs scaled compiled and eagerly on x: the results, and w's gradients (or their
+ * absence), agree within 1e-5. */
+static void check_scaled(kiln_compiled_t *fnc, scaled_ctx *c, kiln_tensor_t *x)
+{
+    kiln_tensor_t *got[1], *want[1];
+    int n;
+    kiln_tensor_zero_grad(c->w);
+    if (kiln_compiled_call(fnc, &x, 1, got, 1, &n) != KILN_OK) fail_msg("compiled: %s", kiln_last_error());
+    kiln_tensor_t *gg = kiln_tensor_grad(c->w) ? kiln_clone(kiln_tensor_grad(c->w)) : NULL;
+    kiln_tensor_zero_grad(c->w);
+    assert_int_equal(scaled(c, &x, 1, want, &n), KILN_OK);
+    assert_close(got[0], want[0], 1e-5);
+    kiln_tensor_t *gw = kiln_tensor_grad(c->w);
+    assert_int_equal(gg != NULL, gw != NULL);
+    if (gg) assert_close(gg, gw, 1e-5);
+    kiln_tensor_zero_grad(c->w);
+}
+
+/* The guards past shapes: a declared attribute, grad mode and whether a captured tensor
+ * requires gradients each capture again when they change (the log names the guard, old
+ * -> new), and each graph then gives eager's results and gradients. An input that
+ * requires gradients is an error (the graph would give it none), and so is declaring an
+ * attribute after the first call. */
+static void guards_on_attributes_grad_mode_and_requires_grad(void **state)
+{
+    setenv("KILN_LOGS", "recompiles", 1);
+    scaled_ctx c = {kiln_keep(randn(16, 8, 1)), 2.0};
+    kiln_tensor_set_requires_grad(c.w, true);
+    kiln_compiled_t *fnc;
+    assert_int_equal(kiln_compiled_new(scaled, &c, "scaled", &fnc), KILN_OK);
+    assert_int_equal(kiln_compiled_guard(fnc, "scale", &c.scale, sizeof c.scale), KILN_OK);
+    kiln_tensor_t *x = randn(4, 16, 2);
+    fflush(stderr);
+    int saved = dup(2);
+    FILE *log = tmpfile();
+    dup2(fileno(log), 2);
+    check_scaled(fnc, &c, x); /* graph 0 */
+    check_scaled(fnc, &c, x); /* reused */
+    c.scale = 3.0;
+    check_scaled(fnc, &c, x); /* graph 1 */
+    bool prev = kiln_set_grad_enabled(false);
+    check_scaled(fnc, &c, x); /* graph 2: no backward */
+    kiln_set_grad_enabled(prev);
+    kiln_tensor_set_requires_grad(c.w, false);
+    check_scaled(fnc, &c, x); /* graph 3: w frozen */
+    fflush(stderr);
+    dup2(saved, 2);
+    close(saved);
+    unsetenv("KILN_LOGS");
+    char buf[2048] = "";
+    rewind(log);
+    buf[fread(buf, 1, sizeof buf - 1, log)] = 0;
+    fclose(log);
+    uint64_t calls, hits, recompiles;
+    int graphs;
+    kiln_compiled_stats(fnc, &calls, &hits, &recompiles, &graphs);
+    assert_int_equal(graphs, 4);
+    assert_int_equal(hits, 1);
+    if (!strstr(buf, "attribute scale changed: 2 -> 3") || !strstr(buf, "grad mode changed: on -> off") ||
+        !strstr(buf, "captured tensor 0 (f32[16,8]) requires_grad changed: true -> false"))
+        fail_msg("recompiles log:\n%s", buf);
+    kiln_tensor_t *xg = kiln_contiguous(kiln_detach(x)), *got[1];
+    kiln_tensor_set_requires_grad(xg, true);
+    int n;
+    kiln_status s = kiln_compiled_call(fnc, &xg, 1, got, 1, &n);
+    if (s != KILN_ERR_UNSUPPORTED || !strstr(kiln_last_error(), "input 0 requires gradients"))
+        fail_msg("an input that requires gradients: status %d, %s", s, kiln_last_error());
+    s = kiln_compiled_guard(fnc, "late", &c.scale, sizeof c.scale);
+    if (s != KILN_ERR_ARG || !strstr(kiln_last_error(), "before the first call"))
+        fail_msg("a guard declared after a call: status %d, %s", s, kiln_last_error());
+    kiln_clear_error();
+    kiln_compiled_free(fnc);
+    kiln_tensor_free(c.w);
+}
+
 /* Guards: the same shape reuses its graph, a new one captures again (and the log says
  * which guard failed, old -> new), and past the limit calls run eagerly with one
  * warning; every result equals the eager function's. */
@@ -905,6 +996,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(an_input_over_an_updated_capture_is_refused, setup, teardown),
         cmocka_unit_test_setup_teardown(repeated_ops_are_merged_but_not_across_updates, setup, teardown),
         cmocka_unit_test_setup_teardown(guards_reuse_recompile_and_fall_back, setup, teardown),
+        cmocka_unit_test_setup_teardown(guards_on_attributes_grad_mode_and_requires_grad, setup, teardown),
         cmocka_unit_test_setup_teardown(gpt2_forward_captures, setup, teardown),
         cmocka_unit_test_setup_teardown(backward_is_captured_into_the_graph, setup, teardown),
         cmocka_unit_test_setup_teardown(llama_forward_captures, setup, teardown),

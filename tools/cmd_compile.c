@@ -76,6 +76,8 @@ int cmd_compile(int argc, char **argv)
     kiln_tensor_t *got[2], *want[2];
     int nout = 0;
     if (s == KILN_OK) s = kiln_compiled_new(kiln_gpt_train_step, &st[0], "train_step", &fn);
+    if (s == KILN_OK) s = kiln_compiled_guard(fn, "clip", &st[0].clip, sizeof st[0].clip);
+    if (s == KILN_OK) s = kiln_compiled_guard(fn, "accum", &st[0].accum, sizeof st[0].accum);
     if (s == KILN_OK) s = kiln_compiled_call(fn, in, 3, got, 2, &nout);
     double got_v = 0, want_v = 0;
     if (s == KILN_OK) s = kiln_tensor_item(got[0], &got_v);

@@ -479,7 +479,10 @@ int cmd_train(int argc, char **argv)
     bool whole = a.compile || (world == 1 && !a.zero1 && a.accum == 1);
     kiln_gpt_step step_fn = {m, opt, params, np, a.clip, (int)a.accum, world > 1 ? pg : NULL, NULL};
     kiln_compiled_t *compiled = NULL;
-    if (a.compile && kiln_compiled_new(kiln_gpt_train_step, &step_fn, "train_step", &compiled) != KILN_OK)
+    /* The clipping norm and the micro-batch count are numbers the graph is built with. */
+    if (a.compile && (kiln_compiled_new(kiln_gpt_train_step, &step_fn, "train_step", &compiled) != KILN_OK ||
+                      kiln_compiled_guard(compiled, "clip", &step_fn.clip, sizeof step_fn.clip) != KILN_OK ||
+                      kiln_compiled_guard(compiled, "accum", &step_fn.accum, sizeof step_fn.accum) != KILN_OK))
         return cli_fail("train", NULL);
     /* Every rank starts from rank 0's parameters (the same seed gives them anyway; this
      * makes it so whatever was loaded). */

@@ -119,8 +119,10 @@ kiln_status kiln_graph_print(const kiln_graph_t *g, FILE *f);
 void kiln_graph_free(kiln_graph_t *g); /* NULL is fine */
 
 /* A function kept as graphs, each with the guards it was captured under: every
- * input's dtype, shape and device (at most KILN_GRAPH_MAX_IN inputs). A call whose
- * inputs match a graph's guards runs that graph; otherwise the function is captured
+ * input's dtype, shape and device (at most KILN_GRAPH_MAX_IN inputs), grad mode, which
+ * of the tensors the function read (its parameters) required gradients, and the
+ * attributes declared with kiln_compiled_guard. A call that matches a graph's guards
+ * runs that graph; otherwise the function is captured
  * again (KILN_LOGS=recompiles says which guard failed, old -> new), up to
  * KILN_RECOMPILE_LIMIT graphs (default 8), after which non-matching calls run eagerly,
  * with one warning. KILN_LOGS=graph prints each captured graph (after its passes),
@@ -129,9 +131,17 @@ void kiln_graph_free(kiln_graph_t *g); /* NULL is fine */
 #define KILN_GRAPH_MAX_IN 16
 typedef struct kiln_compiled kiln_compiled_t;
 kiln_status kiln_compiled_new(kiln_graph_fn fn, void *ctx, const char *name, kiln_compiled_t **out);
+/* An input that requires gradients is refused (KILN_ERR_UNSUPPORTED): a graph computes
+ * gradients only for the tensors the function reads itself. */
 kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
                                int *n_out);
 void kiln_compiled_stats(const kiln_compiled_t *c, uint64_t *calls, uint64_t *hits, uint64_t *recompiles, int *graphs);
+/* Guards n bytes (1..64) at ptr, a value the function reads from its ctx and bakes into
+ * the graph (a clipping norm, a number of micro-batches, a training flag): each graph
+ * keeps the bytes it was captured with, and a call where they differ captures again
+ * (KILN_LOGS=recompiles: "attribute NAME changed: old -> new"). At most 8 per function,
+ * declared before its first call; ptr must stay valid as long as c. */
+kiln_status kiln_compiled_guard(kiln_compiled_t *c, const char *name, const void *ptr, size_t n);
 /* How graph number `graph` of c runs: *kernels generated kernels and *ops ops through
  * dispatch (matmul, attention, views, ...); both 0 for an interpreted graph
  * (KILN_COMPILE_DISABLE=codegen). *planned_peak and *eager_peak: bytes of

@@ -1,22 +1,43 @@
 /* A captured function with guards (kiln_compiled_*): each graph is kept with what it
- * assumed about its inputs (dtype, shape, device); a call whose inputs match one reuses
- * it, and one that breaks every guard captures again, up to a limit, after which the
- * function runs eagerly. KILN_LOGS (a comma list) prints the stages: "graph" each
+ * assumed: its inputs' dtype, shape and device, grad mode, which of the tensors it
+ * captured required gradients, and the bytes of the attributes the caller declared
+ * (kiln_compiled_guard); a call that matches one reuses it, and one that breaks every
+ * guard captures again, up to a limit, after which the function runs eagerly. KILN_LOGS (a comma list) prints the stages: "graph" each
  * captured graph, "guards" what it assumes, "recompiles" why a call captured again,
  * with the old and the new value. KILN_DEBUG_DIR=DIR writes one folder per captured
  * graph, DIR/<name>-<n>/: the graph as captured, after the passes, and its guards. */
 #include <errno.h>
+#include <math.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <sys/stat.h>
 #include <stdlib.h>
 #include <string.h>
 #include "compile/compile_impl.h"
+#include "kiln/ops.h"
+
+#define MAX_ATTRS 8
+#define ATTR_BYTES 64
+
+/* An attribute the caller declared: n bytes at ptr, read at every call. */
+typedef struct {
+    char name[32];
+    const void *ptr;
+    size_t n;
+} attr;
 
 typedef struct {
     int n;
     kiln__meta m[KILN_GRAPH_MAX_IN]; /* dtype and shape */
     const void *device[KILN_GRAPH_MAX_IN];
+    bool grad_mode;
+    unsigned char attr[MAX_ATTRS][ATTR_BYTES]; /* each declared attribute's bytes */
+    /* The tensors the graph captured (retained) and whether each required gradients
+     * then: a graph computes gradients for exactly those that did. Empty in a call's
+     * guards, which are checked against each graph's list. */
+    kiln_tensor_t **cap;
+    bool *cap_rg;
+    int n_cap;
 } guards;
 
 struct kiln_compiled {
@@ -27,11 +48,13 @@ struct kiln_compiled {
     kiln_graph_t **graphs;
     kiln__program **progs; /* NULL where the graph is interpreted */
     guards *g;
+    attr attrs[MAX_ATTRS];
+    int n_attrs;
     bool warned;
     uint64_t calls, hits, recompiles;
 };
 
-static void guards_of(kiln_tensor_t *const *in, int n, guards *g)
+static void guards_of(const kiln_compiled_t *c, kiln_tensor_t *const *in, int n, guards *g)
 {
     memset(g, 0, sizeof *g);
     g->n = n;
@@ -41,10 +64,72 @@ static void guards_of(kiln_tensor_t *const *in, int n, guards *g)
         memcpy(g->m[i].shape, in[i]->shape, sizeof g->m[i].shape);
         g->device[i] = in[i]->st->be;
     }
+    g->grad_mode = kiln_grad_enabled();
+    for (int i = 0; i < c->n_attrs; i++) memcpy(g->attr[i], c->attrs[i].ptr, c->attrs[i].n);
+}
+
+/* Records in gd the tensors graph gr captured, and which of them require gradients. */
+static kiln_status capture_guards(const kiln_graph_t *gr, guards *gd)
+{
+    int n = 0;
+    for (int i = 1; i < gr->n_v; i++) n += gr->v[i].kind == V_CONST && gr->v[i].t;
+    gd->cap = calloc((size_t)(n ? n : 1), sizeof *gd->cap);
+    gd->cap_rg = calloc((size_t)(n ? n : 1), sizeof *gd->cap_rg);
+    if (!gd->cap || !gd->cap_rg) {
+        free(gd->cap);
+        free(gd->cap_rg);
+        gd->cap = NULL;
+        gd->cap_rg = NULL;
+        return kiln__err(KILN_ERR_OOM, "compiled_call: out of memory");
+    }
+    for (int i = 1; i < gr->n_v; i++)
+        if (gr->v[i].kind == V_CONST && gr->v[i].t) {
+            gd->cap[gd->n_cap] = kiln_tensor_retain(gr->v[i].t);
+            gd->cap_rg[gd->n_cap++] = kiln_tensor_requires_grad(gr->v[i].t);
+        }
+    return KILN_OK;
+}
+
+static void guards_free(guards *gd)
+{
+    for (int i = 0; i < gd->n_cap; i++) kiln_tensor_free(gd->cap[i]);
+    free(gd->cap);
+    free(gd->cap_rg);
+}
+
+/* An attribute's bytes as a reader wants them: an integer for 1, 2, 4 or 8 bytes (8
+ * bytes as a double when they read as a normal double and as an integer beyond 2^53,
+ * which an integer attribute is not), else hex. */
+static void attr_str(const unsigned char *p, size_t n, char *b, size_t bn)
+{
+    int64_t v = 0;
+    if (n == 1) {
+        v = (int8_t)p[0];
+    } else if (n == 2) {
+        int16_t x;
+        memcpy(&x, p, 2);
+        v = x;
+    } else if (n == 4) {
+        int32_t x;
+        memcpy(&x, p, 4);
+        v = x;
+    }
+    if (n == 1 || n == 2 || n == 4) {
+        snprintf(b, bn, "%lld", (long long)v);
+    } else if (n == 8) {
+        double d;
+        memcpy(&v, p, 8);
+        memcpy(&d, p, 8);
+        if (isnormal(d) && (v > (1LL << 53) || v < -(1LL << 53))) snprintf(b, bn, "%g", d);
+        else snprintf(b, bn, "%lld", (long long)v);
+    } else {
+        size_t k = 0;
+        for (size_t i = 0; i < n && k + 3 < bn; i++) k += (size_t)snprintf(b + k, bn - k, "%02x", p[i]);
+    }
 }
 
 /* The first guard of old that now fails, described into why; false if all hold. */
-static bool broken(const guards *old, const guards *now, char *why, size_t n)
+static bool broken(const kiln_compiled_t *c, const guards *old, const guards *now, char *why, size_t n)
 {
     if (old->n != now->n) {
         snprintf(why, n, "the number of inputs changed: %d -> %d", old->n, now->n);
@@ -53,7 +138,8 @@ static bool broken(const guards *old, const guards *now, char *why, size_t n)
     for (int i = 0; i < now->n; i++) {
         char a[96], b[96];
         if (old->device[i] != now->device[i]) {
-            snprintf(why, n, "input %d moved to another device", i);
+            snprintf(why, n, "input %d moved to another device: %s -> %s", i,
+                     ((const kiln__backend *)old->device[i])->name, ((const kiln__backend *)now->device[i])->name);
             return true;
         }
         const kiln__meta *o = &old->m[i], *w = &now->m[i];
@@ -65,16 +151,62 @@ static bool broken(const guards *old, const guards *now, char *why, size_t n)
             return true;
         }
     }
+    if (old->grad_mode != now->grad_mode) {
+        snprintf(why, n, "grad mode changed: %s -> %s", old->grad_mode ? "on" : "off", now->grad_mode ? "on" : "off");
+        return true;
+    }
+    for (int i = 0; i < c->n_attrs; i++)
+        if (memcmp(old->attr[i], now->attr[i], c->attrs[i].n)) {
+            char a[80], b[80];
+            attr_str(old->attr[i], c->attrs[i].n, a, sizeof a);
+            attr_str(now->attr[i], c->attrs[i].n, b, sizeof b);
+            snprintf(why, n, "attribute %s changed: %s -> %s", c->attrs[i].name, a, b);
+            return true;
+        }
+    for (int i = 0; i < old->n_cap; i++)
+        if (kiln_tensor_requires_grad(old->cap[i]) != old->cap_rg[i]) {
+            char b[96];
+            snprintf(why, n, "captured tensor %d (%s) requires_grad changed: %s -> %s", i,
+                     kiln__shape_str(old->cap[i], b, sizeof b), old->cap_rg[i] ? "true" : "false",
+                     old->cap_rg[i] ? "false" : "true");
+            return true;
+        }
     return false;
 }
 
 /* One line per guard, each after prefix. */
-static void print_guards(FILE *f, const char *prefix, const guards *gd)
+static void print_guards(FILE *f, const char *prefix, const kiln_compiled_t *c, const guards *gd)
 {
-    for (int i = 0; i < gd->n; i++) {
-        char b[96];
-        fprintf(f, "%sinput %d is %s\n", prefix, i, kiln__meta_str(&gd->m[i], b, sizeof b));
+    char b[160];
+    for (int i = 0; i < gd->n; i++)
+        fprintf(f, "%sinput %d is %s on %s\n", prefix, i, kiln__meta_str(&gd->m[i], b, sizeof b),
+                ((const kiln__backend *)gd->device[i])->name);
+    fprintf(f, "%sgrad mode is %s\n", prefix, gd->grad_mode ? "on" : "off");
+    for (int i = 0; i < c->n_attrs; i++) {
+        attr_str(gd->attr[i], c->attrs[i].n, b, sizeof b);
+        fprintf(f, "%sattribute %s is %s\n", prefix, c->attrs[i].name, b);
     }
+    int rg = 0;
+    for (int i = 0; i < gd->n_cap; i++) rg += gd->cap_rg[i];
+    fprintf(f, "%s%d captured tensors, %d of them requiring gradients\n", prefix, gd->n_cap, rg);
+}
+
+kiln_status kiln_compiled_guard(kiln_compiled_t *c, const char *name, const void *ptr, size_t n)
+{
+    if (!c || !name || !ptr) return kiln__err(KILN_ERR_ARG, "compiled_guard: NULL argument");
+    if (n < 1 || n > ATTR_BYTES)
+        return kiln__err(KILN_ERR_ARG, "compiled_guard: attribute %s is %zu bytes (1..%d)", name, n, ATTR_BYTES);
+    if (c->n_attrs == MAX_ATTRS)
+        return kiln__err(KILN_ERR_ARG, "compiled_guard: %s already guards %d attributes, the most it can", c->name,
+                         MAX_ATTRS);
+    if (c->calls)
+        return kiln__err(KILN_ERR_ARG, "compiled_guard: %s was already called; declare attribute %s before the first "
+                         "call", c->name, name);
+    attr *a = &c->attrs[c->n_attrs++];
+    snprintf(a->name, sizeof a->name, "%s", name);
+    a->ptr = ptr;
+    a->n = n;
+    return KILN_OK;
 }
 
 kiln_status kiln_compiled_new(kiln_graph_fn fn, void *ctx, const char *name, kiln_compiled_t **out)
@@ -107,6 +239,7 @@ void kiln_compiled_free(kiln_compiled_t *c)
     for (int i = 0; c->graphs && i < c->n_graphs; i++) {
         kiln__program_free(c->progs[i]);
         kiln_graph_free(c->graphs[i]);
+        guards_free(&c->g[i]);
     }
     free(c->graphs);
     free(c->progs);
@@ -129,21 +262,33 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
         return kiln__err(KILN_ERR_UNSUPPORTED, "compiled_call: %s inside kiln_replay_record: the replay would not hold "
                          "its generated kernels; record the function itself, or call the compiled one, not both",
                          c->name);
+    /* A graph computes gradients only for the tensors it captures (autograd does not see
+     * its arguments), so an argument that wants one would silently get none. */
+    for (int i = 0; i < n_in && kiln_grad_enabled(); i++)
+        if (kiln_tensor_requires_grad(in[i]))
+            return kiln__err(KILN_ERR_UNSUPPORTED, "compiled_call: %s input %d requires gradients, which a compiled "
+                             "graph computes only for the tensors the function reads itself (its parameters); pass "
+                             "kiln_detach(x), or let the function read x as a captured tensor", c->name, i);
     c->calls++;
     guards now;
-    guards_of(in, n_in, &now);
-    char why[256] = "";
+    guards_of(c, in, n_in, &now);
+    char why[400] = "";
     for (int k = c->n_graphs - 1; k >= 0; k--)
-        if (!broken(&c->g[k], &now, why, sizeof why)) {
+        if (!broken(c, &c->g[k], &now, why, sizeof why)) {
             c->hits++;
             return c->progs[k] ? kiln__program_run(c->progs[k], in, n_in, out, max_out, n_out)
                                : kiln_graph_run(c->graphs[k], in, n_in, out, max_out, n_out);
         }
-    if (c->n_graphs > 0) broken(&c->g[c->n_graphs - 1], &now, why, sizeof why);
+    /* Why each graph (the newest first) did not fit, as far as the message holds them. */
+    char all[1024] = "";
+    for (int k = c->n_graphs - 1, len = 0; k >= 0 && len < (int)sizeof all - 16; k--) {
+        broken(c, &c->g[k], &now, why, sizeof why);
+        len += snprintf(all + len, sizeof all - (size_t)len, "%sgraph %d: %s", len ? "; " : "", k, why);
+    }
     if (c->n_graphs == c->limit) { /* past the limit: eager from here on for new guards */
         if (!c->warned) {
             fprintf(stderr, "kiln: %s was captured %d times (KILN_RECOMPILE_LIMIT); calls that match none of those "
-                    "graphs now run eagerly (last reason: %s)\n", c->name, c->limit, why);
+                    "graphs now run eagerly (%s)\n", c->name, c->limit, all);
             c->warned = true;
         }
         kiln_tensor_t *res[KILN_GRAPH_MAX_OUT] = {0};
@@ -156,10 +301,11 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
     }
     if (c->n_graphs > 0) {
         c->recompiles++;
-        if (kiln__log_on("recompiles")) fprintf(stderr, "kiln [recompiles] %s: capturing again: %s\n", c->name, why);
+        if (kiln__log_on("recompiles")) fprintf(stderr, "kiln [recompiles] %s: capturing again: %s\n", c->name, all);
     }
     kiln_graph_t *g;
     kiln_status s = kiln_graph_capture(c->fn, c->ctx, in, n_in, &g);
+    if (s == KILN_OK && (s = capture_guards(g, &now)) != KILN_OK) kiln_graph_free(g);
     if (s != KILN_OK) return s;
     char dir[1024] = "";
     const char *dbg = getenv("KILN_DEBUG_DIR");
@@ -179,17 +325,18 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
     kiln__program *prog = NULL;
     s = kiln__compile_graph(g, *dir ? dir : NULL, c->name, c->n_graphs, &prog);
     if (s != KILN_OK) {
+        guards_free(&now);
         kiln_graph_free(g);
         return s;
     }
     if (*dir && (f = kiln__debug_open(dir, "guards.txt"))) {
-        print_guards(f, "", &now);
+        print_guards(f, "", c, &now);
         fclose(f);
     }
     if (kiln__log_on("guards")) {
         char prefix[128];
         snprintf(prefix, sizeof prefix, "kiln [guards] %s graph %d: ", c->name, c->n_graphs);
-        print_guards(stderr, prefix, &now);
+        print_guards(stderr, prefix, c, &now);
     }
     c->progs[c->n_graphs] = prog;
     c->graphs[c->n_graphs] = g;
