@@ -1206,25 +1206,17 @@ static void profile_log_names_the_steps(void **state)
     setenv("KILN_LOGS", "profile", 1);
     kiln_compiled_t *fnc;
     assert_int_equal(kiln_compiled_new(linear_gelu, NULL, "profiled", &fnc), KILN_OK);
-    fflush(stderr);
-    int saved = dup(2);
-    FILE *log = tmpfile();
-    assert_non_null(log);
-    dup2(fileno(log), 2);
+    test_stderr cap;
+    assert_true(test_stderr_begin(&cap));
     for (int i = 0; i < 3; i++) {
         kiln_tensor_t *got;
         int n;
         assert_int_equal(kiln_compiled_call(fnc, lin, 3, &got, 1, &n), KILN_OK); /* freed with the test's scope */
     }
     kiln_compiled_free(fnc);
-    fflush(stderr);
-    dup2(saved, 2);
-    close(saved);
+    char buf[4096];
+    test_stderr_end(&cap, buf, sizeof buf);
     unsetenv("KILN_LOGS");
-    char buf[4096] = "";
-    rewind(log);
-    buf[fread(buf, 1, sizeof buf - 1, log)] = 0;
-    fclose(log);
     if (!strstr(buf, "kiln [profile] ") || !strstr(buf, "2 runs after the first") || !strstr(buf, "op matmul") ||
         !strstr(buf, "_add_gelu") || !strstr(buf, "slowest generated kernels"))
         fail_msg("profile log:\n%s", buf);

@@ -1,9 +1,11 @@
 /* Every op of the registry compiled alone against eager. Each case below is a small
  * function around one op (where the op is differentiable, with the backward of
- * sum(y * y) over its result, so that the backward ops are compiled too), run once
- * eagerly and once as a compiled graph (kiln_compiled_*: capture, passes, fusion,
- * generated kernels) on arguments and leaves made from the same seeds, with the
- * generator at the same state.
+ * sum(y * y) over its result, so that the backward ops are compiled too), run eagerly
+ * and as a compiled graph (kiln_compiled_*: capture, passes, fusion, generated
+ * kernels), twice each: on arguments of round 0, which the compiled function captures
+ * with, then of round 1 (other values), which it runs through the same graph. Leaves
+ * (captured tensors with gradients) have the same values every time, and the generator
+ * is at the same state for the two sides.
  *
  * Oracle: the same function run eagerly. Compared: every result, every leaf's gradient,
  * and every argument after the run (in-place ops write into theirs; the others must
@@ -11,12 +13,14 @@
  * (generated kernels sum in another order and use the backend's polynomial exp); f64
  * 1e-12 (1 + |want|); integer and bool results exactly. Random ops draw the numbers the
  * eager call draws from the same generator state (docs/compile.md), so dropout masks
- * and rand are compared like any other result.
+ * and rand are compared like any other result. On the cpu, the ops a case marks as
+ * generated must not run through dispatch (loop_ir_after_fusion.txt of its debug
+ * folder says which steps do).
  *
- * The first test fails, naming the op, when an op of the registry appears in no case's
- * graph, as captured or after every decomposition (check_min appears only there: the
- * range checks of cross_entropy's targets and of AdamW's step). On a device
- * (tests/on_device.sh) the same cases check that device's compiled graphs. */
+ * The first test fails, naming the op, when an op of the registry is no case's op; and
+ * a case fails when its ops are not in its graph, as captured or after the cpu's
+ * decompositions (check_min appears only there: AdamW's step check). On a device
+ * (tests/on_device.sh) the cases check that device's compiled graphs. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -41,6 +45,7 @@ static kiln_pg_t *pg; /* a group of one: collectives run their whole path and co
 typedef struct {
     kiln_dtype dt;
     int which;
+    int round; /* arguments of another round have other values; leaves never change */
     kiln_tensor_t *leaf[4];
     int n_leaf;
 } env;
@@ -50,27 +55,41 @@ typedef struct {
     kiln_graph_fn fn;
     int (*make)(env *e, kiln_tensor_t **in); /* makes the arguments, returns their count, and the leaves */
     int which;
-    bool f64; /* run in f64 as well as f32 */
+    bool f64;             /* run in f64 as well as f32 */
+    unsigned gen;         /* bit i: op[i] runs in generated kernels (cpu, f32) */
+    kiln__op_id op[4];    /* the registry ops the case is for, up to KILN_OP_COUNT */
 } op_case;
 
 /* ---- making inputs ---- */
 
+/* randn(seed) in e's dtype: an argument's values change with the round, a leaf's
+ * (rnd0, pos0) do not. */
+static kiln_tensor_t *rnd_at(env *e, const int64_t *shape, int nd, uint64_t seed, int round)
+{
+    kiln_manual_seed(seed + 1000 * (uint64_t)round);
+    return kiln_cast(kiln_randn(shape, nd, KILN_DTYPE_F32), e->dt);
+}
 static kiln_tensor_t *rnd(env *e, const int64_t *shape, int nd, uint64_t seed)
 {
-    kiln_manual_seed(seed);
-    return kiln_cast(kiln_randn(shape, nd, KILN_DTYPE_F32), e->dt);
+    return rnd_at(e, shape, nd, seed, e->round);
+}
+
+static kiln_tensor_t *rnd0(env *e, const int64_t *shape, int nd, uint64_t seed)
+{
+    return rnd_at(e, shape, nd, seed, 0);
 }
 
 /* |randn| + 0.5: for log, sqrt, rsqrt, pow and divisors. */
-static kiln_tensor_t *pos(env *e, const int64_t *shape, int nd, uint64_t seed)
+static kiln_tensor_t *pos0(env *e, const int64_t *shape, int nd, uint64_t seed)
 {
-    return kiln_add_scalar(kiln_abs(rnd(e, shape, nd, seed)), 0.5);
+    return kiln_add_scalar(kiln_abs(rnd0(e, shape, nd, seed)), 0.5);
 }
 
 static kiln_tensor_t *leaf(env *e, kiln_tensor_t *t)
 {
     t = kiln_contiguous(kiln_detach(t));
     kiln_tensor_set_requires_grad(t, true);
+    assert_true(e->n_leaf < 4);
     e->leaf[e->n_leaf++] = t;
     return t;
 }
@@ -84,7 +103,7 @@ static kiln_tensor_t *ints(const int64_t *v, const int64_t *shape, int nd)
  * sum(y * y) (a weighting that varies over y, so that a softmax's gradient is not 0). */
 static kiln_status finish(kiln_tensor_t *y, kiln_tensor_t **out, int *n_out)
 {
-    if (!y) return kiln_last_status();
+    if (!y) return kiln_last_status() != KILN_OK ? kiln_last_status() : kiln_error(KILN_ERR_INTERNAL, "no result");
     out[0] = y;
     *n_out = 1;
     if (!kiln_tensor_requires_grad(y)) return KILN_OK;
@@ -99,7 +118,7 @@ static const int64_t S[2] = {7, 33}, ROW[1] = {33};
 static int make_one(env *e, kiln_tensor_t **in)
 {
     /* log, sqrt and rsqrt need positive inputs; the rest take both signs */
-    leaf(e, e->which >= 4 && e->which <= 6 ? pos(e, S, 2, 1) : rnd(e, S, 2, 1));
+    leaf(e, e->which >= 4 && e->which <= 6 ? pos0(e, S, 2, 1) : rnd0(e, S, 2, 1));
     return 0;
 }
 
@@ -128,8 +147,8 @@ static kiln_status unary(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_ten
 static int make_two(env *e, kiln_tensor_t **in)
 {
     bool p = e->which == 3 || e->which == 4;
-    leaf(e, p ? pos(e, S, 2, 2) : rnd(e, S, 2, 2));
-    leaf(e, p ? pos(e, ROW, 1, 3) : rnd(e, ROW, 1, 3));
+    leaf(e, p ? pos0(e, S, 2, 2) : rnd0(e, S, 2, 2));
+    leaf(e, p ? pos0(e, ROW, 1, 3) : rnd0(e, ROW, 1, 3));
     return 0;
 }
 
@@ -188,7 +207,7 @@ static kiln_status casts(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_ten
  * its gradient; argmax (no gradient). */
 static int make_red(env *e, kiln_tensor_t **in)
 {
-    leaf(e, rnd(e, (int64_t[]){3, 5, 6}, 3, 4));
+    leaf(e, rnd0(e, (int64_t[]){3, 5, 6}, 3, 4));
     return 0;
 }
 
@@ -224,11 +243,11 @@ static kiln_status softmaxes(void *ctx, kiln_tensor_t *const *in, int n_in, kiln
 static int make_mm(env *e, kiln_tensor_t **in)
 {
     if (e->which == 0) {
-        leaf(e, rnd(e, (int64_t[]){9, 20}, 2, 5));
-        leaf(e, rnd(e, (int64_t[]){20, 13}, 2, 6));
+        leaf(e, rnd0(e, (int64_t[]){9, 20}, 2, 5));
+        leaf(e, rnd0(e, (int64_t[]){20, 13}, 2, 6));
     } else {
-        leaf(e, rnd(e, (int64_t[]){2, 3, 5, 8}, 4, 5));
-        leaf(e, rnd(e, (int64_t[]){8, 6}, 2, 6));
+        leaf(e, rnd0(e, (int64_t[]){2, 3, 5, 8}, 4, 5));
+        leaf(e, rnd0(e, (int64_t[]){8, 6}, 2, 6));
     }
     return 0;
 }
@@ -244,13 +263,13 @@ static int make_index(env *e, kiln_tensor_t **in)
 {
     static const int64_t idx[6] = {3, 0, 3, 5, 1, 3};
     static const int64_t gidx[5][3] = {{0, 2, 2}, {1, 1, 0}, {5, 3, 0}, {4, 4, 4}, {2, 0, 1}};
-    leaf(e, rnd(e, (int64_t[]){6, 5}, 2, 7));
+    leaf(e, rnd0(e, (int64_t[]){6, 5}, 2, 7));
     if (e->which <= 1) {
         in[0] = ints(idx, (int64_t[]){2, 3}, 2);
         return 1;
     }
     in[0] = ints(&gidx[0][0], (int64_t[]){5, 3}, 2);
-    if (e->which == 3) leaf(e, rnd(e, (int64_t[]){5, 3}, 2, 8)); /* scatter_add's source */
+    if (e->which == 3) leaf(e, rnd0(e, (int64_t[]){5, 3}, 2, 8)); /* scatter_add's source */
     return 1;
 }
 
@@ -267,9 +286,9 @@ static kiln_status indexing(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_
 
 static int make_norm(env *e, kiln_tensor_t **in)
 {
-    leaf(e, rnd(e, (int64_t[]){4, 3, 40}, 3, 9));
-    leaf(e, kiln_add_scalar(rnd(e, (int64_t[]){40}, 1, 10), 1));
-    leaf(e, rnd(e, (int64_t[]){40}, 1, 11));
+    leaf(e, rnd0(e, (int64_t[]){4, 3, 40}, 3, 9));
+    leaf(e, kiln_add_scalar(rnd0(e, (int64_t[]){40}, 1, 10), 1));
+    leaf(e, rnd0(e, (int64_t[]){40}, 1, 11));
     return 0;
 }
 
@@ -290,7 +309,7 @@ static kiln_status norms(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_ten
 static int make_ce(env *e, kiln_tensor_t **in)
 {
     static const int64_t t[10] = {3, 0, 16, -1, 7, 7, 12, -1, 2, 1};
-    leaf(e, rnd(e, (int64_t[]){10, 17}, 2, 12));
+    leaf(e, rnd0(e, (int64_t[]){10, 17}, 2, 12));
     in[0] = ints(t, (int64_t[]){10}, 1);
     return 1;
 }
@@ -303,7 +322,7 @@ static kiln_status cross_entropy(void *ctx, kiln_tensor_t *const *in, int n_in, 
 
 static int make_x(env *e, kiln_tensor_t **in)
 {
-    leaf(e, rnd(e, (int64_t[]){2, 3, 6, 8}, 4, 13));
+    leaf(e, rnd0(e, (int64_t[]){2, 3, 6, 8}, 4, 13));
     return 0;
 }
 
@@ -324,11 +343,11 @@ static kiln_status shaped(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_te
 static int make_att(env *e, kiln_tensor_t **in)
 {
     if (e->which == 0) {
-        leaf(e, rnd(e, (int64_t[]){2, 4, 5, 8}, 4, 14));
-        leaf(e, rnd(e, (int64_t[]){2, 2, 9, 8}, 4, 15));
-        leaf(e, rnd(e, (int64_t[]){2, 2, 9, 8}, 4, 16));
+        leaf(e, rnd0(e, (int64_t[]){2, 4, 5, 8}, 4, 14));
+        leaf(e, rnd0(e, (int64_t[]){2, 2, 9, 8}, 4, 15));
+        leaf(e, rnd0(e, (int64_t[]){2, 2, 9, 8}, 4, 16));
     } else {
-        for (int i = 0; i < 3; i++) leaf(e, rnd(e, (int64_t[]){1, 2, 7, 16}, 4, 17 + i));
+        for (int i = 0; i < 3; i++) leaf(e, rnd0(e, (int64_t[]){1, 2, 7, 16}, 4, 17 + i));
     }
     return 0;
 }
@@ -478,45 +497,104 @@ static kiln_status collectives(void *ctx, kiln_tensor_t *const *in, int n_in, ki
     return finish(kiln_add_scalar(y, 1), out, n_out);
 }
 
-#define ONE(n, w, f64) {"unary_" n, unary, make_one, w, f64}
-#define TWO(n, w) {"binary_" n, binary, make_two, w, true}
+/* Each case: its function and inputs, the registry ops it is for (KILN_OP_COUNT ends
+ * the list), whether it runs in f64 too, and which of its ops must run inside generated
+ * kernels on the cpu in f32 (a bit per op of the list: not one of them a step through
+ * dispatch; the rest, matmul and attention say, run through the backend as in eager
+ * code, and for them the case checks the graph around the kernel). f64 is left out
+ * where the op or the case's input is f32 only (comparisons on integers, argmax, the
+ * serving ops, the AdamW update) or where the numbers come from the generator (dropout,
+ * rand, randn). */
+#define END KILN_OP_COUNT
+#define ONE(n, w, o, bo) \
+    {.name = "unary_" n, .fn = unary, .make = make_one, .which = w, .f64 = true, .gen = 3, .op = {o, bo, END}}
+#define TWO(n, w, o) \
+    {.name = "binary_" n, .fn = binary, .make = make_two, .which = w, .f64 = true, .gen = 1, .op = {o, END}}
+#define CMP(n, w, o) {.name = "compare_" n, .fn = compare, .make = make_cmp, .which = w, .gen = 1, .op = {o, END}}
 static const op_case cases[] = {
-    ONE("neg", 0, true), ONE("abs", 1, true), ONE("exp", 2, true), ONE("tanh", 3, true), ONE("log", 4, true),
-    ONE("sqrt", 5, true), ONE("rsqrt", 6, true), ONE("sigmoid", 7, true), ONE("relu", 8, true),
-    ONE("gelu_tanh", 9, true), ONE("gelu_erf", 10, true), ONE("silu", 11, true),
-    TWO("add", 0), TWO("sub", 1), TWO("mul", 2), TWO("div", 3), TWO("pow", 4), TWO("maximum", 5),
-    TWO("minimum", 6), TWO("where_lt", 7),
-    {"compare_eq", compare, make_cmp, 0, false}, {"compare_ne", compare, make_cmp, 1, false},
-    {"compare_lt", compare, make_cmp, 2, false}, {"compare_le", compare, make_cmp, 3, false},
-    {"compare_gt", compare, make_cmp, 4, false}, {"compare_ge", compare, make_cmp, 5, false},
-    {"cast", casts, make_one, 0, true},
-    {"sum_mean", reductions, make_red, 0, true}, {"max", reductions, make_red, 1, true},
-    {"argmax", reductions, make_red_arg, 2, false},
-    {"softmax", softmaxes, make_red, 0, true}, {"log_softmax", softmaxes, make_red, 1, true},
-    {"matmul_2d", matmul, make_mm, 0, true}, {"matmul_batched_broadcast", matmul, make_mm, 1, true},
-    {"embedding", indexing, make_index, 0, true}, {"index_select", indexing, make_index, 1, true},
-    {"gather", indexing, make_index, 2, true}, {"scatter_add", indexing, make_index, 3, true},
-    {"layer_norm", norms, make_norm, 0, true}, {"rms_norm", norms, make_norm, 1, true},
-    {"cross_entropy_ignore_index", cross_entropy, make_ce, 0, true},
-    {"dropout", shaped, make_x, 0, false}, {"cat", shaped, make_x, 1, true},
-    {"tril_triu", shaped, make_x, 2, true}, {"rope", shaped, make_x, 3, true},
-    {"attention_causal_gqa", attention, make_att, 0, true}, {"attention", attention, make_att, 1, true},
-    {"view", views, make_x, 0, true}, {"permute", views, make_x, 1, true}, {"slice", views, make_x, 2, true},
-    {"expand", views, make_x, 3, true}, {"contiguous", views, make_x, 4, true},
-    {"full", makers, make_none, 0, true}, {"arange", makers, make_none, 1, true},
-    {"rand", makers, make_none, 2, false}, {"randn", makers, make_none, 3, false},
-    {"matmul_rows_packed", serving, make_serving, 0, false}, {"rope_at", serving, make_serving, 1, false},
-    {"paged_attention", serving, make_serving, 2, false},
-    {"add_", inplace, make_inplace, 0, true}, {"scale_", inplace, make_inplace, 1, true},
-    {"fill_", inplace, make_inplace, 2, true}, {"copy_", inplace, make_inplace, 3, true},
-    {"index_copy_", inplace, make_inplace, 4, true},
-    {"adamw_", adamw, make_adamw, 0, false},
-    {"allreduce_", collectives, make_coll, 0, true}, {"reduce_scatter_", collectives, make_coll, 1, true},
-    {"allgather_", collectives, make_coll, 2, true},
+    ONE("neg", 0, KILN_OP_NEG, END), ONE("abs", 1, KILN_OP_ABS, END), ONE("exp", 2, KILN_OP_EXP, END),
+    ONE("tanh", 3, KILN_OP_TANH, END), ONE("log", 4, KILN_OP_LOG, END), ONE("sqrt", 5, KILN_OP_SQRT, END),
+    ONE("rsqrt", 6, KILN_OP_RSQRT, END), ONE("sigmoid", 7, KILN_OP_SIGMOID, END), ONE("relu", 8, KILN_OP_RELU, END),
+    ONE("gelu_tanh", 9, KILN_OP_GELU, KILN_OP_GELU_BACKWARD), ONE("gelu_erf", 10, KILN_OP_GELU, KILN_OP_GELU_BACKWARD),
+    ONE("silu", 11, KILN_OP_SILU, KILN_OP_SILU_BACKWARD),
+    TWO("add", 0, KILN_OP_ADD), TWO("sub", 1, KILN_OP_SUB), TWO("mul", 2, KILN_OP_MUL), TWO("div", 3, KILN_OP_DIV),
+    TWO("pow", 4, KILN_OP_POW), TWO("maximum", 5, KILN_OP_MAXIMUM), TWO("minimum", 6, KILN_OP_MINIMUM),
+    {.name = "binary_where_lt", .fn = binary, .make = make_two, .which = 7, .f64 = true, .gen = 3,
+     .op = {KILN_OP_WHERE, KILN_OP_LT, END}},
+    CMP("eq", 0, KILN_OP_EQ), CMP("ne", 1, KILN_OP_NE), CMP("lt", 2, KILN_OP_LT), CMP("le", 3, KILN_OP_LE),
+    CMP("gt", 4, KILN_OP_GT), CMP("ge", 5, KILN_OP_GE),
+    {.name = "cast", .fn = casts, .make = make_one, .f64 = true, .gen = 1, .op = {KILN_OP_CAST, END}},
+    {.name = "sum_mean", .fn = reductions, .make = make_red, .which = 0, .f64 = true, .op = {KILN_OP_SUM, END}},
+    {.name = "max", .fn = reductions, .make = make_red, .which = 1, .f64 = true, .op = {KILN_OP_MAX, END}},
+    {.name = "argmax", .fn = reductions, .make = make_red_arg, .which = 2, .op = {KILN_OP_ARGMAX, END}},
+    {.name = "softmax", .fn = softmaxes, .make = make_red, .which = 0, .f64 = true, .gen = 1,
+     .op = {KILN_OP_SOFTMAX, END}},
+    {.name = "log_softmax", .fn = softmaxes, .make = make_red, .which = 1, .f64 = true, .gen = 1,
+     .op = {KILN_OP_LOG_SOFTMAX, END}},
+    {.name = "matmul_2d", .fn = matmul, .make = make_mm, .which = 0, .f64 = true, .op = {KILN_OP_MATMUL, END}},
+    {.name = "matmul_batched_broadcast", .fn = matmul, .make = make_mm, .which = 1, .f64 = true,
+     .op = {KILN_OP_MATMUL, END}},
+    {.name = "embedding", .fn = indexing, .make = make_index, .which = 0, .f64 = true,
+     .op = {KILN_OP_EMBEDDING, KILN_OP_EMBEDDING_BACKWARD, END}},
+    {.name = "index_select", .fn = indexing, .make = make_index, .which = 1, .f64 = true,
+     .op = {KILN_OP_INDEX_SELECT, END}},
+    {.name = "gather", .fn = indexing, .make = make_index, .which = 2, .f64 = true, .op = {KILN_OP_GATHER, END}},
+    {.name = "scatter_add", .fn = indexing, .make = make_index, .which = 3, .f64 = true,
+     .op = {KILN_OP_SCATTER_ADD, END}},
+    {.name = "layer_norm", .fn = norms, .make = make_norm, .which = 0, .f64 = true, .gen = 1,
+     .op = {KILN_OP_LAYER_NORM, KILN_OP_LAYER_NORM_BACKWARD, END}},
+    {.name = "rms_norm", .fn = norms, .make = make_norm, .which = 1, .f64 = true, .gen = 1,
+     .op = {KILN_OP_RMS_NORM, KILN_OP_RMS_NORM_BACKWARD, END}},
+    {.name = "cross_entropy_ignore_index", .fn = cross_entropy, .make = make_ce, .f64 = true,
+     .op = {KILN_OP_CROSS_ENTROPY, KILN_OP_CROSS_ENTROPY_BACKWARD, END}},
+    {.name = "dropout", .fn = shaped, .make = make_x, .which = 0, .op = {KILN_OP_DROPOUT, END}},
+    {.name = "cat", .fn = shaped, .make = make_x, .which = 1, .f64 = true, .op = {KILN_OP_CAT, END}},
+    {.name = "tril_triu", .fn = shaped, .make = make_x, .which = 2, .f64 = true, .op = {KILN_OP_TRI, END}},
+    {.name = "rope", .fn = shaped, .make = make_x, .which = 3, .f64 = true, .op = {KILN_OP_ROPE, END}},
+    {.name = "attention_causal_gqa", .fn = attention, .make = make_att, .which = 0, .f64 = true,
+     .op = {KILN_OP_ATTENTION, KILN_OP_ATTENTION_BACKWARD, END}},
+    {.name = "attention", .fn = attention, .make = make_att, .which = 1, .f64 = true,
+     .op = {KILN_OP_ATTENTION, KILN_OP_ATTENTION_BACKWARD, END}},
+    {.name = "view", .fn = views, .make = make_x, .which = 0, .f64 = true, .op = {KILN_OP_VIEW, END}},
+    {.name = "permute", .fn = views, .make = make_x, .which = 1, .f64 = true, .op = {KILN_OP_PERMUTE, END}},
+    {.name = "slice", .fn = views, .make = make_x, .which = 2, .f64 = true, .op = {KILN_OP_SLICE, END}},
+    {.name = "expand", .fn = views, .make = make_x, .which = 3, .f64 = true, .op = {KILN_OP_EXPAND, END}},
+    {.name = "contiguous", .fn = views, .make = make_x, .which = 4, .f64 = true, .gen = 1,
+     .op = {KILN_OP_CONTIGUOUS, END}},
+    {.name = "full", .fn = makers, .make = make_none, .which = 0, .f64 = true, .op = {KILN_OP_FULL, END}},
+    {.name = "arange", .fn = makers, .make = make_none, .which = 1, .f64 = true, .op = {KILN_OP_ARANGE, END}},
+    {.name = "rand", .fn = makers, .make = make_none, .which = 2, .op = {KILN_OP_RAND, END}},
+    {.name = "randn", .fn = makers, .make = make_none, .which = 3, .op = {KILN_OP_RAND, END}},
+    {.name = "matmul_rows_packed", .fn = serving, .make = make_serving, .which = 0,
+     .op = {KILN_OP_MATMUL_ROWS_PACKED, END}},
+    {.name = "rope_at", .fn = serving, .make = make_serving, .which = 1, .op = {KILN_OP_ROPE_AT, END}},
+    {.name = "paged_attention", .fn = serving, .make = make_serving, .which = 2, .op = {KILN_OP_PAGED_ATTENTION, END}},
+    {.name = "add_", .fn = inplace, .make = make_inplace, .which = 0, .f64 = true, .op = {KILN_OP_ADD_, END}},
+    {.name = "scale_", .fn = inplace, .make = make_inplace, .which = 1, .f64 = true, .op = {KILN_OP_SCALE_, END}},
+    {.name = "fill_", .fn = inplace, .make = make_inplace, .which = 2, .f64 = true, .op = {KILN_OP_FILL_, END}},
+    {.name = "copy_", .fn = inplace, .make = make_inplace, .which = 3, .f64 = true, .op = {KILN_OP_COPY_, END}},
+    {.name = "index_copy_", .fn = inplace, .make = make_inplace, .which = 4, .f64 = true,
+     .op = {KILN_OP_INDEX_COPY_, END}},
+    /* decomposed on the cpu: one kernel per update, its step checked by check_min */
+    {.name = "adamw_", .fn = adamw, .make = make_adamw, .gen = 1, .op = {KILN_OP_ADAMW_, KILN_OP_CHECK_MIN, END}},
+    /* On a group of one the collectives copy nothing, so these check the graph around
+     * them (the allreduce started early and finished before its read), not the sums. */
+    {.name = "allreduce_", .fn = collectives, .make = make_coll, .which = 0, .f64 = true,
+     .op = {KILN_OP_ALLREDUCE_, END}},
+    {.name = "reduce_scatter_", .fn = collectives, .make = make_coll, .which = 1, .f64 = true,
+     .op = {KILN_OP_REDUCE_SCATTER_, END}},
+    {.name = "allgather_", .fn = collectives, .make = make_coll, .which = 2, .f64 = true,
+     .op = {KILN_OP_ALLGATHER_, END}},
 };
 #define N_CASES (sizeof cases / sizeof cases[0])
 
 /* ---- running and comparing ---- */
+
+static bool on_cpu(void)
+{
+    const char *dev = getenv("KILN_DEVICE");
+    return !dev || !*dev || !strcmp(dev, "cpu");
+}
 
 static double tol_of(kiln_dtype dt)
 {
@@ -546,56 +624,107 @@ typedef struct {
     int n_out, n_leaf, n_arg;
 } run_result;
 
-/* Makes the case's inputs afresh and runs it eagerly or compiled, keeping copies of the
- * results, the leaves' gradients and the arguments as they are afterwards. */
-static void run_once(const op_case *c, kiln_dtype dt, bool compiled, run_result *r)
+/* Copies of what a run gave: its results, the leaves' gradients (then zeroed) and the
+ * arguments as they are afterwards. */
+static void keep_run(const op_case *c, const char *how, env *e, kiln_tensor_t *const *in, int n_in, run_result *r)
 {
-    env e = {dt, c->which, {0}, 0};
-    kiln_tensor_t *in[MAX_IO];
-    int n_in = c->make(&e, in);
-    kiln_manual_seed(1234);
-    kiln_status s;
-    if (compiled) {
-        kiln_compiled_t *cf;
-        assert_int_equal(kiln_compiled_new(c->fn, &e, c->name, &cf), KILN_OK);
-        s = kiln_compiled_call(cf, in, n_in, r->out, MAX_IO, &r->n_out);
-        kiln_compiled_free(cf);
-    } else {
-        s = c->fn(&e, in, n_in, r->out, &r->n_out);
-    }
-    if (s != KILN_OK) fail_msg("%s (%s) %s: %s", c->name, kiln_dtype_name(dt), compiled ? "compiled" : "eager", kiln_last_error());
     for (int j = 0; j < r->n_out; j++) r->out[j] = kiln_clone(r->out[j]);
-    r->n_leaf = e.n_leaf;
-    for (int j = 0; j < e.n_leaf; j++) {
-        kiln_tensor_t *g = kiln_tensor_grad(e.leaf[j]);
-        if (!g) fail_msg("%s (%s) %s: leaf %d has no gradient", c->name, kiln_dtype_name(dt), compiled ? "compiled" : "eager", j);
+    r->n_leaf = e->n_leaf;
+    for (int j = 0; j < e->n_leaf; j++) {
+        kiln_tensor_t *g = kiln_tensor_grad(e->leaf[j]);
+        if (!g) fail_msg("%s %s: leaf %d has no gradient", c->name, how, j);
         r->grad[j] = kiln_clone(g);
-        kiln_tensor_zero_grad(e.leaf[j]);
+        kiln_tensor_zero_grad(e->leaf[j]);
     }
     r->n_arg = n_in;
     for (int j = 0; j < n_in; j++) r->arg[j] = kiln_clone(in[j]);
 }
 
+/* Makes the case's inputs (arguments from round `round`: 0 and 1 give other values;
+ * leaves always the same) into e and in[]. */
+static int make_inputs(const op_case *c, kiln_dtype dt, int round, env *e, kiln_tensor_t **in)
+{
+    *e = (env){.dt = dt, .which = c->which, .round = round};
+    int n_in = c->make(e, in);
+    assert_true(n_in <= MAX_IO && e->n_leaf <= 4);
+    return n_in;
+}
+
+/* The ops of the first block of loop_ir_after_fusion.txt that run through dispatch
+ * ("  op     NAME -> ...") include none of c's ops marked for generated kernels. */
+static void check_generated(const op_case *c, const char *dir)
+{
+    char path[512], text[16384] = "";
+    snprintf(path, sizeof path, "%s/%s-0/loop_ir_after_fusion.txt", dir, c->name);
+    if (!test_read_text(path, text, sizeof text)) fail_msg("%s: no %s", c->name, path);
+    if (!strstr(text, "  kernel ")) fail_msg("%s: no generated kernel:\n%s", c->name, text);
+    for (int i = 0; c->op[i] != END; i++) {
+        if (!(c->gen >> i & 1)) continue;
+        char step[80];
+        snprintf(step, sizeof step, "  op     %s -> ", kiln__ops[c->op[i]].name);
+        if (strstr(text, step)) fail_msg("%s: %s runs through dispatch, not in a generated kernel:\n%s", c->name,
+                                         kiln__ops[c->op[i]].name, text);
+    }
+}
+
+/* Eager on round 0 and round 1 arguments (want[0], want[1]); compiled, one function
+ * called on round 0 (it captures) and on round 1 (it reuses the graph on new values):
+ * got[0], got[1]. */
+static void run_both(const op_case *c, kiln_dtype dt, run_result want[2], run_result got[2], const char *dir)
+{
+    env e;
+    kiln_tensor_t *in[MAX_IO];
+    for (int round = 0; round < 2; round++) {
+        int n_in = make_inputs(c, dt, round, &e, in);
+        kiln_manual_seed(1234 + round);
+        want[round].n_out = 0;
+        kiln_status s = c->fn(&e, in, n_in, want[round].out, &want[round].n_out);
+        if (s != KILN_OK) fail_msg("%s (%s) eager: %s", c->name, kiln_dtype_name(dt), kiln_last_error());
+        keep_run(c, "eager", &e, in, n_in, &want[round]);
+    }
+    env ce; /* the compiled function's: its leaves are captured */
+    kiln_compiled_t *cf;
+    if (dir) setenv("KILN_DEBUG_DIR", dir, 1);
+    for (int round = 0; round < 2; round++) {
+        int n_in = make_inputs(c, dt, round, round ? &e : &ce, in);
+        if (!round) assert_int_equal(kiln_compiled_new(c->fn, &ce, c->name, &cf), KILN_OK);
+        kiln_manual_seed(1234 + round);
+        got[round].n_out = 0;
+        kiln_status s = kiln_compiled_call(cf, in, n_in, got[round].out, MAX_IO, &got[round].n_out);
+        if (s != KILN_OK) fail_msg("%s (%s) compiled: %s", c->name, kiln_dtype_name(dt), kiln_last_error());
+        keep_run(c, "compiled", &ce, in, n_in, &got[round]);
+    }
+    unsetenv("KILN_DEBUG_DIR");
+    uint64_t hits;
+    kiln_compiled_stats(cf, NULL, &hits, NULL, NULL);
+    kiln_compiled_free(cf);
+    assert_int_equal(hits, 1); /* the second call ran the graph of the first */
+}
+
 static void check_case(const op_case *c, kiln_dtype dt)
 {
-    run_result want, got;
-    kiln_scope_begin();
-    run_once(c, dt, false, &want);
-    run_once(c, dt, true, &got);
-    assert_int_equal(got.n_out, want.n_out);
+    char dir[256] = "";
+    bool gen = c->gen && dt == KILN_DTYPE_F32 && on_cpu();
+    if (gen) snprintf(dir, sizeof dir, "%s/debug-%s", cache_dir, c->name);
+    run_result want[2], got[2];
+    run_both(c, dt, want, got, gen ? dir : NULL);
+    if (gen) check_generated(c, dir);
     char what[160];
-    for (int k = 0; k < 3; k++) {
-        int n = k == 0 ? want.n_out : k == 1 ? want.n_leaf : want.n_arg;
-        for (int j = 0; j < n; j++) {
-            kiln_tensor_t *g = k == 0 ? got.out[j] : k == 1 ? got.grad[j] : got.arg[j];
-            kiln_tensor_t *w = k == 0 ? want.out[j] : k == 1 ? want.grad[j] : want.arg[j];
-            snprintf(what, sizeof what, "%s (%s): %s %d", c->name, kiln_dtype_name(dt),
-                     k == 0 ? "result" : k == 1 ? "gradient of leaf" : "argument after the run", j);
-            double err = rel_err(what, g, w), tol = tol_of(kiln_tensor_dtype(w));
-            if (!(err <= tol)) fail_msg("%s differs from eager by %g (tolerance %g)", what, err, tol);
+    for (int round = 0; round < 2; round++) {
+        assert_int_equal(got[round].n_out, want[round].n_out);
+        for (int k = 0; k < 3; k++) {
+            const run_result *g = &got[round], *w = &want[round];
+            int n = k == 0 ? w->n_out : k == 1 ? w->n_leaf : w->n_arg;
+            for (int j = 0; j < n; j++) {
+                kiln_tensor_t *gt = k == 0 ? g->out[j] : k == 1 ? g->grad[j] : g->arg[j];
+                kiln_tensor_t *wt = k == 0 ? w->out[j] : k == 1 ? w->grad[j] : w->arg[j];
+                snprintf(what, sizeof what, "%s (%s, call %d): %s %d", c->name, kiln_dtype_name(dt), round + 1,
+                         k == 0 ? "result" : k == 1 ? "gradient of leaf" : "argument after the run", j);
+                double err = rel_err(what, gt, wt), tol = tol_of(kiln_tensor_dtype(wt));
+                if (!(err <= tol)) fail_msg("%s differs from eager by %g (tolerance %g)", what, err, tol);
+            }
         }
     }
-    kiln_scope_end();
 }
 
 static void run_case(void **state)
@@ -605,34 +734,45 @@ static void run_case(void **state)
     if (c->f64) check_case(c, KILN_DTYPE_F64);
 }
 
-/* Every op of the registry is in some case's graph: as captured (backward ops come from
- * the cases' backward), or after every decomposition there is (KILN_COMPILE_DECOMPOSE=all:
- * the same on every device). */
+/* Every op of the registry is some case's op, and each case's ops are in its graph: as
+ * captured, or after the decompositions (the cpu's: check_min comes from AdamW's). */
 static void every_op_has_a_case(void **state)
 {
-    bool seen[KILN_OP_COUNT] = {0};
+    bool listed[KILN_OP_COUNT] = {0};
     for (size_t i = 0; i < N_CASES; i++) {
         const op_case *c = &cases[i];
-        env e = {KILN_DTYPE_F32, c->which, {0}, 0};
+        env e;
         kiln_tensor_t *in[MAX_IO];
-        int n_in = c->make(&e, in);
+        int n_in = make_inputs(c, KILN_DTYPE_F32, 0, &e, in);
         kiln_graph_t *g;
         if (kiln_graph_capture(c->fn, &e, in, n_in, &g) != KILN_OK) fail_msg("%s: %s", c->name, kiln_last_error());
+        bool seen[KILN_OP_COUNT] = {0};
         for (int pass = 0; pass < 2; pass++) {
             for (int k = 0; k < g->n_nd; k++) seen[g->nd[k].op] = true;
             int n;
-            if (!pass) assert_int_equal(kiln__graph_decompose(g, true, &n), KILN_OK);
+            if (!pass) assert_int_equal(kiln_graph_decompose(g, &n), KILN_OK);
         }
         kiln_graph_free(g);
         for (int j = 0; j < e.n_leaf; j++) kiln_tensor_zero_grad(e.leaf[j]);
+        for (int k = 0; c->op[k] != END; k++) {
+            if (!seen[c->op[k]]) fail_msg("case %s: its op %s is not in its graph", c->name, kiln__ops[c->op[k]].name);
+            listed[c->op[k]] = true;
+        }
     }
     int missing = 0;
     for (int op = 0; op < KILN_OP_COUNT; op++)
-        if (!seen[op]) {
+        if (!listed[op]) {
             print_error("op '%s' is in no case of tests/test_compile_ops.c\n", kiln__ops[op].name);
             missing++;
         }
     if (missing) fail_msg("%d op(s) of the registry never compiled alone", missing);
+}
+
+/* A failed case may leave its debug folder set. */
+static int teardown_case(void **state)
+{
+    unsetenv("KILN_DEBUG_DIR");
+    return teardown(state);
 }
 
 int main(void)
@@ -644,13 +784,20 @@ int main(void)
         fprintf(stderr, "test_compile_ops: no process group of one: %s\n", kiln_last_error());
         return 1;
     }
+    /* The coverage check is about this file's table; on a device (tests/on_device.sh)
+     * the cases run and it is left out, since the decompositions differ there. */
     struct CMUnitTest tests[N_CASES + 1];
-    tests[0] = (struct CMUnitTest)cmocka_unit_test_setup_teardown(every_op_has_a_case, setup, teardown);
-    for (size_t i = 0; i < N_CASES; i++) {
-        tests[i + 1] = (struct CMUnitTest){cases[i].name, run_case, setup, teardown, (void *)&cases[i]};
-    }
+    size_t n = 0;
+    if (on_cpu())
+        tests[n++] = (struct CMUnitTest){.name = "every_op_has_a_case", .test_func = every_op_has_a_case,
+                                         .setup_func = setup, .teardown_func = teardown};
+    else
+        printf("left out on %s (the cpu run has it): every_op_has_a_case\n", getenv("KILN_DEVICE"));
+    for (size_t i = 0; i < N_CASES; i++)
+        tests[n++] = (struct CMUnitTest){.name = cases[i].name, .test_func = run_case, .setup_func = setup,
+                                         .teardown_func = teardown_case, .initial_state = (void *)&cases[i]};
     if (getenv("KILN_TEST_FILTER")) cmocka_set_test_filter(getenv("KILN_TEST_FILTER"));
-    int rc = _cmocka_run_group_tests("test_compile_ops", tests, N_CASES + 1, NULL, NULL);
+    int rc = _cmocka_run_group_tests("test_compile_ops", tests, n, NULL, NULL);
     kiln_pg_free(pg);
     char cmd[128];
     snprintf(cmd, sizeof cmd, "rm -rf %s", cache_dir);

@@ -445,10 +445,8 @@ static void guards_on_attributes_grad_mode_and_requires_grad(void **state)
     assert_int_equal(kiln_compiled_new(scaled, &c, "scaled", &fnc), KILN_OK);
     assert_int_equal(kiln_compiled_guard(fnc, "scale", &c.scale, sizeof c.scale), KILN_OK);
     kiln_tensor_t *x = randn(4, 16, 2);
-    fflush(stderr);
-    int saved = dup(2);
-    FILE *log = tmpfile();
-    dup2(fileno(log), 2);
+    test_stderr cap;
+    assert_true(test_stderr_begin(&cap));
     check_scaled(fnc, &c, x); /* graph 0 */
     check_scaled(fnc, &c, x); /* reused */
     c.scale = 3.0;
@@ -458,14 +456,9 @@ static void guards_on_attributes_grad_mode_and_requires_grad(void **state)
     kiln_set_grad_enabled(prev);
     kiln_tensor_set_requires_grad(c.w, false);
     check_scaled(fnc, &c, x); /* graph 3: w frozen */
-    fflush(stderr);
-    dup2(saved, 2);
-    close(saved);
+    char buf[2048];
+    test_stderr_end(&cap, buf, sizeof buf);
     unsetenv("KILN_LOGS");
-    char buf[2048] = "";
-    rewind(log);
-    buf[fread(buf, 1, sizeof buf - 1, log)] = 0;
-    fclose(log);
     uint64_t calls, hits, recompiles;
     int graphs;
     kiln_compiled_stats(fnc, &calls, &hits, &recompiles, &graphs);
@@ -502,10 +495,8 @@ static void guards_reuse_recompile_and_fall_back(void **state)
     kiln_compiled_t *fnc;
     assert_int_equal(kiln_compiled_new(mlp, &c, "mlp", &fnc), KILN_OK);
     kiln_tensor_t *xs[4] = {randn(4, 16, 4), randn(4, 16, 5), randn(5, 16, 6), randn(6, 16, 7)};
-    fflush(stderr);
-    int saved = dup(2);
-    FILE *log = tmpfile();
-    dup2(fileno(log), 2);
+    test_stderr cap;
+    assert_true(test_stderr_begin(&cap));
     for (int i = 0; i < 4; i++) {
         kiln_tensor_t *got[2], *want[2];
         int n;
@@ -513,14 +504,8 @@ static void guards_reuse_recompile_and_fall_back(void **state)
         assert_int_equal(mlp(&c, &xs[i], 1, want, &n), KILN_OK);
         assert_close(got[0], want[0], 1e-5); /* compiled: generated kernels, not bitwise */
     }
-    fflush(stderr);
-    dup2(saved, 2);
-    close(saved);
-    char buf[2048] = "";
-    rewind(log);
-    size_t len = fread(buf, 1, sizeof buf - 1, log);
-    buf[len] = 0;
-    fclose(log);
+    char buf[2048];
+    test_stderr_end(&cap, buf, sizeof buf);
     uint64_t calls, hits, recompiles;
     int graphs;
     kiln_compiled_stats(fnc, &calls, &hits, &recompiles, &graphs);

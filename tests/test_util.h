@@ -4,6 +4,7 @@
 #define KILN_TEST_UTIL_H
 #include <math.h>
 #include <stdio.h>
+#include <unistd.h>
 #include "kiln/tensor.h"
 
 static inline int setup(void **state)
@@ -30,8 +31,33 @@ static inline bool test_read_text(const char *path, char *buf, size_t n)
     fclose(f);
     return true;
 }
-/* Largest |a[i] - b[i]| / (1 + |b[i]|) over n values, b the reference; infinite when
- * either holds a NaN where the other does not match it. */
+/* What this process writes to stderr between test_stderr_begin and test_stderr_end
+ * goes to a temporary file, whose first n - 1 bytes end up in buf. */
+typedef struct {
+    int saved;
+    FILE *log;
+} test_stderr;
+
+static inline bool test_stderr_begin(test_stderr *c)
+{
+    fflush(stderr);
+    c->log = tmpfile();
+    c->saved = c->log ? dup(2) : -1;
+    return c->saved >= 0 && dup2(fileno(c->log), 2) >= 0;
+}
+
+static inline void test_stderr_end(test_stderr *c, char *buf, size_t n)
+{
+    fflush(stderr);
+    dup2(c->saved, 2);
+    close(c->saved);
+    rewind(c->log);
+    buf[fread(buf, 1, n - 1, c->log)] = 0;
+    fclose(c->log);
+}
+
+/* Largest |a[i] - b[i]| / (1 + |b[i]|) over n values, b the reference; infinite when a
+ * NaN or an infinity appears on either side (so that no such value passes a tolerance). */
 static inline double test_max_rel_err(const double *a, const double *b, int64_t n)
 {
     double m = 0;
