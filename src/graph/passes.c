@@ -161,6 +161,24 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
  * dead-code elimination. */
 #define KILN__FOLD_MAX 4096
 
+/* Is v read after position k, and only by ops that a generated kernel never takes in
+ * (not an elementwise op, a reduction, or a view, which such ops then read through)? */
+static bool read_by_backend_kernels_only(const kiln_graph_t *g, int v, int k)
+{
+    bool read = false;
+    for (int q = k + 1; q < g->n_nd; q++) {
+        const node *n = &g->nd[q];
+        for (int i = 0; i < n->n_in; i++) {
+            if (n->in[i] != v) continue;
+            if (kiln__graph_elementwise(n->op) || n->op == KILN_OP_SUM || n->op == KILN_OP_MAX ||
+                kiln__ops[n->op].is_view)
+                return false;
+            read = true;
+        }
+    }
+    return read;
+}
+
 kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
 {
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_fold: NULL graph");
@@ -172,6 +190,13 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
         return kiln__err(KILN_ERR_OOM, "graph_fold: out of memory");
     }
     kiln__graph_mutated(g, mut);
+    bool *res_of = calloc((size_t)g->n_v, sizeof *res_of);
+    if (!res_of) {
+        free(cst);
+        free(mut);
+        return kiln__err(KILN_ERR_OOM, "graph_fold: out of memory");
+    }
+    kiln__graph_mark_results(g, res_of); /* a graph's result is a new tensor every run */
     kiln_status s = KILN_OK;
     int count = 0;
     bool prev = kiln_set_grad_enabled(false);
@@ -183,7 +208,11 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
         for (int i = 0; i < n->n_in && all; i++) all = cst[n->in[i]];
         for (int j = 0; j < n->n_out && all; j++) all = !mut[n->out[j]];
         if (!all) continue;
-        if (source) { /* full, arange: constants, kept as the ops they are */
+        /* full, arange: constants, kept as the ops they are where a generated kernel may
+         * take them in as inline values; one that only backend kernels read (the seed
+         * gradient of a loss, read by cross_entropy_backward) is folded into a captured
+         * tensor, so that no run spends a step filling it. */
+        if (source && (res_of[n->out[0]] || !read_by_backend_kernels_only(g, n->out[0], k))) {
             for (int j = 0; j < n->n_out; j++) cst[n->out[j]] = true;
             continue;
         }
@@ -241,6 +270,7 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
         for (int j = 0; j < g->nd[k].n_out; j++) g->v[g->nd[k].out[j]].index = k;
     free(cst);
     free(mut);
+    free(res_of);
     if (folded) *folded = count;
     return s;
 }
