@@ -279,11 +279,36 @@ static void compile_dumps_the_training_step(void **state)
     snprintf(path, sizeof path, "%s/dump/train_step-0/guards.txt", dir);
     assert_true(test_read_text(path, text, sizeof text));
     assert_non_null(strstr(text, "input 0 is i64[2,16]"));
+    assert_non_null(strstr(text, "attribute clip is 1\n")); /* the numbers the step is built with */
+    assert_non_null(strstr(text, "attribute accum is 1\n"));
     snprintf(path, sizeof path, "%s/dump/train_step-0/kernels.c", dir);
     assert_int_equal(access(path, R_OK), 0);
     rc = run(out, sizeof out, "%s compile", tool());
     assert_int_not_equal(rc, 0);
     assert_non_null(strstr(out, "--dump DIR is required"));
+}
+
+/* Two processes compiling the same step into one empty kernel cache at once: both
+ * succeed, and the cache ends with one shared object and its source, no temporary
+ * files (each writes its own and renames it into place). */
+static void two_processes_compile_into_one_cache(void **state)
+{
+    char out[8192], cmd[2048];
+    snprintf(cmd, sizeof cmd, "%s compile --layers 2 --width 32 --heads 4 --context 16 --batch 2 --dump", tool());
+    int rc = run(out, sizeof out,
+                 "export KILN_CACHE_DIR=%s/shared-cache; (%s %s/p1 >/dev/null 2>&1; echo rc1=$?) & "
+                 "(%s %s/p2 >/dev/null 2>&1; echo rc2=$?) & wait; ls $KILN_CACHE_DIR",
+                 dir, cmd, dir, cmd, dir);
+    if (rc != 0 || !strstr(out, "rc1=0") || !strstr(out, "rc2=0")) fail_msg("two compiles at once: %s", out);
+    int so = 0, c = 0, other = 0;
+    for (char *line = strtok(out, "\n"); line; line = strtok(NULL, "\n")) {
+        size_t n = strlen(line);
+        if (!strncmp(line, "rc", 2)) continue;
+        if (n == 19 && !strcmp(line + 16, ".so")) so++;
+        else if (n == 18 && !strcmp(line + 16, ".c")) c++;
+        else other++;
+    }
+    if (so != 1 || c != 1 || other) fail_msg("the cache after two compiles at once: %d .so, %d .c, %d others", so, c, other);
 }
 
 /* kiln doctor names the build's MPI (this build finds Open MPI) and every switch. */
@@ -357,6 +382,7 @@ int main(void)
         cmocka_unit_test(info_and_plot_work_on_the_run),
         cmocka_unit_test(train_compile_matches_eager),
         cmocka_unit_test(compile_dumps_the_training_step),
+        cmocka_unit_test(two_processes_compile_into_one_cache),
         cmocka_unit_test(doctor_lists_mpi_and_switches),
         cmocka_unit_test(bad_inputs_fail_with_a_reason),
     };

@@ -1117,6 +1117,19 @@ static void debug_dir_has_every_stage(void **state)
     assert_true(test_read_text(path, text, sizeof text));
     assert_non_null(strstr(text, "void k0_sum_mul_sub_add_rsqrt("));
     assert_non_null(strstr(text, "/* k0_sum_mul_sub_add_rsqrt: sum, mul, sub, mul, sum, mul, add, rsqrt, mul, mul, add"));
+    /* Compiled again (a new function, the same graph): the cache has it, and the folder
+     * still has every stage, its compile.log saying that the compiler was not run. */
+    snprintf(dir, sizeof dir, "%s/debug-warm", cache_dir);
+    setenv("KILN_DEBUG_DIR", dir, 1);
+    check(norm_fns, &which, nin, 3, TOL, &k, &o);
+    unsetenv("KILN_DEBUG_DIR");
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        snprintf(path, sizeof path, "%s/test-0/%s", dir, files[i]);
+        if (access(path, R_OK) != 0) fail_msg("KILN_DEBUG_DIR (warm) has no %s", files[i]);
+    }
+    snprintf(path, sizeof path, "%s/test-0/compile.log", dir);
+    assert_true(test_read_text(path, text, sizeof text));
+    if (!strstr(text, "cache hit: ") || !strstr(text, "the compiler was not run")) fail_msg("warm compile.log: %s", text);
 }
 
 /* A value reduced across the group late in the function but made early: x * 3, read

@@ -10,6 +10,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <spawn.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -135,6 +136,26 @@ kiln_status kiln__device_load(kiln__program *p, const char *src, const char *deb
     return s; /* device sizes made so far go with the program (kiln__program_free) */
 }
 
+/* The host processor's identity for the cache key: -march=native makes code for this
+ * processor only, so a cache folder shared by machines (a home directory on NFS) must
+ * not hand one machine another's. The first processor's model name and flags from
+ * /proc/cpuinfo; nothing where there is no such file. */
+static uint64_t hash_cpu(uint64_t h)
+{
+    FILE *f = fopen("/proc/cpuinfo", "r");
+    if (!f) return h;
+    char line[8192];
+    int found = 0;
+    while (found < 2 && fgets(line, sizeof line, f)) {
+        if (!strncmp(line, "model name", 10) || !strncmp(line, "flags", 5) || !strncmp(line, "Features", 8)) {
+            h = kiln__fnv(h, line, strlen(line));
+            found++;
+        }
+    }
+    fclose(f);
+    return h;
+}
+
 kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir)
 {
     if (p->n_k == 0) return KILN_OK;
@@ -165,6 +186,7 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
     }
     for (int i = 0; i < N_CFLAGS; i++) h = kiln__fnv(h, cflags[i], strlen(cflags[i]));
     h = kiln__fnv(h, KILN_VERSION, strlen(KILN_VERSION));
+    h = hash_cpu(h);
     char dir[1024];
     kiln_status s = cache_dir(dir, sizeof dir);
     if (s != KILN_OK) return s;
@@ -179,11 +201,19 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
     }
     if (kiln__log_on("perf") || kiln__log_on("code"))
         fprintf(stderr, "kiln [perf] kernel cache %s: %s\n", hit ? "hit" : "miss", so);
+    if (hit && debug_dir && *debug_dir && (df = kiln__debug_open(debug_dir, "compile.log"))) {
+        fprintf(df, "cache hit: %s, built earlier from %s; the compiler was not run\n", so, c_path);
+        fclose(df);
+    }
     if (!hit) {
+        /* Temporary names of this process and this call (two threads may compile the
+         * same source at once), renamed into place when complete. */
+        static atomic_uint calls;
         int pid = (int)getpid();
-        snprintf(tmp_c, sizeof tmp_c, "%s/%016llx.%d.c", dir, (unsigned long long)h, pid);
-        snprintf(tmp_so, sizeof tmp_so, "%s/%016llx.%d.so", dir, (unsigned long long)h, pid);
-        snprintf(log, sizeof log, "%s/%016llx.%d.log", dir, (unsigned long long)h, pid);
+        unsigned call = atomic_fetch_add(&calls, 1);
+        snprintf(tmp_c, sizeof tmp_c, "%s/%016llx.%d.%u.c", dir, (unsigned long long)h, pid, call);
+        snprintf(tmp_so, sizeof tmp_so, "%s/%016llx.%d.%u.so", dir, (unsigned long long)h, pid, call);
+        snprintf(log, sizeof log, "%s/%016llx.%d.%u.log", dir, (unsigned long long)h, pid, call);
         if ((s = write_file(tmp_c, src)) != KILN_OK) return s;
         s = run_cc(tmp_c, tmp_so, log);
         if (debug_dir && *debug_dir && (df = kiln__debug_open(debug_dir, "compile.log"))) {
