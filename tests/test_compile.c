@@ -962,6 +962,121 @@ static int count_suffix(const char *dir, const char *suffix)
     return n;
 }
 
+/* Two steps of a small GPT-2's kiln_gpt_train_step (forward, loss, backward, clipping,
+ * AdamW), compiled or eager, from the same weights and batches: the losses and norms. */
+static void two_steps(bool compiled, double loss[2], double norm[2])
+{
+    kiln_gpt_config cfg = kiln_gpt_config_gpt2();
+    cfg.n_layer = 1;
+    cfg.n_head = 2;
+    cfg.n_kv_head = 2;
+    cfg.n_embd = 32;
+    cfg.block_size = 16;
+    cfg.vocab_size = 40;
+    test_trainer tr;
+    test_trainer_new(&tr, &cfg, 5, 1.0);
+    kiln_compiled_t *step = NULL;
+    if (compiled) assert_int_equal(kiln_compiled_new(kiln_gpt_train_step, &tr.step, "stage", &step), KILN_OK);
+    for (int it = 0; it < 2; it++) {
+        kiln_scope_begin();
+        int64_t x[2][16], y[2][16];
+        for (int b = 0; b < 2; b++)
+            for (int t = 0; t < 16; t++) {
+                x[b][t] = (b * 7 + t * 3 + it) % 40;
+                y[b][t] = (x[b][t] * 5 + 1) % 40;
+            }
+        double lr = 1e-2;
+        kiln_tensor_t *in[3] = {kiln_from_data(x, (int64_t[]){2, 16}, 2, KILN_DTYPE_I64),
+                                kiln_from_data(y, (int64_t[]){2, 16}, 2, KILN_DTYPE_I64),
+                                kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)};
+        kiln_tensor_t *out[2];
+        int n;
+        kiln_status st = step ? kiln_compiled_call(step, in, 3, out, 2, &n) : kiln_gpt_train_step(&tr.step, in, 3, out, &n);
+        if (st != KILN_OK) fail_msg("%s step %d: %s", compiled ? "compiled" : "eager", it, kiln_last_error());
+        assert_int_equal(kiln_tensor_item(out[0], &loss[it]), KILN_OK);
+        assert_int_equal(kiln_tensor_item(out[1], &norm[it]), KILN_OK);
+        kiln_scope_end();
+    }
+    kiln_compiled_free(step);
+    test_trainer_free(&tr);
+}
+
+/* Each stage of KILN_COMPILE_DISABLE turned off alone leaves the compiled training
+ * step's results those of eager (oracle: eager, 1e-5 relative on the losses and
+ * gradient norms of two steps), which is what makes the switch a way to find the stage
+ * that breaks a result. A name that is no stage is said once and ignored. */
+static void every_stage_switches_off_alone(void **state)
+{
+    static const char *const stages[] = {"decompose", "fold", "cse", "slices", "views", "dce", "coalesce",
+                                         "recompute", "hoist", "fusion", "codegen", "symbolic", "overlap"};
+    double want_loss[2], want_norm[2];
+    two_steps(false, want_loss, want_norm);
+    for (size_t i = 0; i < sizeof stages / sizeof stages[0]; i++) {
+        setenv("KILN_COMPILE_DISABLE", stages[i], 1);
+        double loss[2], norm[2];
+        two_steps(true, loss, norm);
+        for (int it = 0; it < 2; it++)
+            if (!(fabs(loss[it] - want_loss[it]) <= 1e-5 * fabs(want_loss[it])) ||
+                !(fabs(norm[it] - want_norm[it]) <= 1e-5 * fabs(want_norm[it])))
+                fail_msg("%s off, step %d: loss %.9g (eager %.9g), norm %.9g (eager %.9g)", stages[i], it, loss[it],
+                         want_loss[it], norm[it], want_norm[it]);
+    }
+    unsetenv("KILN_COMPILE_DISABLE");
+}
+
+/* KILN_LOGS: each stage prints under its own tag (graph after the passes, guards, the
+ * fused program, the generated code, compile times and the planned peak). */
+static void logs_print_every_stage(void **state)
+{
+    int64_t s[2] = {8, 24}, c[1] = {24};
+    kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(c, 1, 2)};
+    setenv("KILN_LOGS", "graph,guards,fusion,code,perf", 1);
+    test_stderr cap;
+    assert_true(test_stderr_begin(&cap));
+    int k, o;
+    check(chain, NULL, in, 2, TOL, &k, &o);
+    char buf[32768];
+    test_stderr_end(&cap, buf, sizeof buf);
+    unsetenv("KILN_LOGS");
+    static const char *const want[] = {"kiln [graph] test graph 0 (", "= tanh(", "kiln [guards] test graph 0: input 0 is f32[8,24]",
+                                       "kiln [fusion] test graph 0: ", "kiln [code] test graph 0:", "void k0_add_sub_exp_mul_tanh(",
+                                       "kiln [perf] test graph 0: passes", "intermediates planned peak"};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
+        if (!strstr(buf, want[i])) fail_msg("KILN_LOGS: no \"%s\" in:\n%s", want[i], buf);
+}
+
+/* KILN_COMPILE_MAX_FUSE caps the ops in one kernel: the 5-op chain is one kernel, and
+ * three under a cap of 2 (oracle for the values: eager). */
+static void fusion_size_limit_splits_kernels(void **state)
+{
+    int64_t s[2] = {16, 40}, c[1] = {40};
+    kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(c, 1, 2)};
+    int k, o;
+    setenv("KILN_COMPILE_MAX_FUSE", "2", 1);
+    check(chain, NULL, in, 2, TOL, &k, &o);
+    unsetenv("KILN_COMPILE_MAX_FUSE");
+    assert_int_equal(k, 3);
+    check(chain, NULL, in, 2, TOL, &k, &o);
+    assert_int_equal(k, 1);
+}
+
+/* With no KILN_CACHE_DIR the kernels go under $XDG_CACHE_HOME/kiln. */
+static void cache_defaults_to_xdg(void **state)
+{
+    char xdg[160], cmd[400];
+    snprintf(xdg, sizeof xdg, "%s/xdg", cache_dir);
+    unsetenv("KILN_CACHE_DIR");
+    setenv("XDG_CACHE_HOME", xdg, 1);
+    int64_t s[2] = {5, 7}, c[1] = {7};
+    kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(c, 1, 2)};
+    int k, o;
+    check(chain, NULL, in, 2, TOL, &k, &o);
+    unsetenv("XDG_CACHE_HOME");
+    setenv("KILN_CACHE_DIR", cache_dir, 1);
+    snprintf(cmd, sizeof cmd, "%s/kiln", xdg);
+    assert_int_equal(count_suffix(cmd, ".so"), 1);
+}
+
 /* Two compilations of the same program: the second finds the shared object in the
  * cache, which gains no file. */
 static void second_compile_hits_the_cache(void **state)
@@ -1262,6 +1377,10 @@ int main(void)
         {cmocka_unit_test_setup_teardown(composites_decompose_and_match_eager, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(composites_decompose_where_the_backend_lacks_them, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(switches_turn_stages_off, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(every_stage_switches_off_alone, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(logs_print_every_stage, setup, teardown), true},
+        {cmocka_unit_test_setup_teardown(fusion_size_limit_splits_kernels, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(cache_defaults_to_xdg, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(second_compile_hits_the_cache, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(new_sizes_reuse_the_kernels, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(compiler_failure_is_a_clear_error, setup, teardown), true},
