@@ -441,7 +441,7 @@ static void kernel_c(sbuf *b, const kiln__program *p, const kc_kernel *k, bool f
         put(b, "long n_tasks%s)\n{\n", G.sym ? ", __global char *gsz, ulong gszo" : "");
         for (int i = 0; i < k->n_buf; i++)
             put(b, "    __global %s%s *%sin%d = (__global %s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ",
-                ctype(k->buf[i].dt), k->buf[i].output ? "restrict " : "", i, k->buf[i].output ? "" : "const ",
+                ctype(k->buf[i].dt), k->buf[i].output && !k->buf[i].reuse ? "restrict " : "", i, k->buf[i].output ? "" : "const ",
                 ctype(k->buf[i].dt), i, i);
         put(b, "    const int64_t t0 = get_global_id(0), t1 = t0 + 1;\n    if (t0 >= n_tasks) return;\n");
         if (G.sym) { /* the sizes: a device copy of k->sz, made when the program was loaded */
@@ -455,14 +455,15 @@ static void kernel_c(sbuf *b, const kiln__program *p, const kc_kernel *k, bool f
         put(b, "long long n_tasks)\n{\n");
         for (int i = 0; i < k->n_buf; i++)
             put(b, "    %s%s *%sin%d = (%s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
-                k->buf[i].output ? "__restrict__ " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i, i);
+                k->buf[i].output && !k->buf[i].reuse ? "__restrict__ " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i, i);
         put(b, "    const int64_t t0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, t1 = t0 + 1;\n"
                "    if (t0 >= n_tasks) return;\n");
     } else {
+        /* An output over an input's buffer (kc_buf.reuse) is not restrict: it aliases one. */
         put(b, "void %s(char *const *b, const int64_t *sz, int64_t t0, int64_t t1)\n{\n", k->name);
         for (int i = 0; i < k->n_buf; i++)
             put(b, "    %s%s *%sin%d = (%s%s *)b[%d];\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
-                k->buf[i].output ? "restrict " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i);
+                k->buf[i].output && !k->buf[i].reuse ? "restrict " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i);
         bool any = false;
         for (int n = 0; n < k->n_sz; n++)
             if (G.used[n]) {

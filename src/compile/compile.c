@@ -84,7 +84,7 @@ static bool env_number(const char *name, double lo, double hi, bool whole, atomi
 
 void kiln__compile_options(kc_options *o)
 {
-    *o = (kc_options){true, true, true, true, true, true, true, true, true, true, true, true, true, false, 48,
+    *o = (kc_options){true, true, true, true, true, true, true, true, true, true, true, true, true, true, false, 48,
                       (int64_t)4 << 20, kiln__backend_at(0)};
     const char *dec = getenv("KILN_COMPILE_DECOMPOSE");
     if (dec && !strcmp(dec, "all")) o->decompose_all = true;
@@ -110,10 +110,11 @@ void kiln__compile_options(kc_options *o)
         OFF(views)
         OFF(hoist)
         OFF(overlap)
+        OFF(reuse)
 #undef OFF
         if (!known && !atomic_exchange(&warned_disable, true))
             fprintf(stderr, "kiln: KILN_COMPILE_DISABLE: no stage '%.*s' (the stages: decompose, fold, cse, slices, "
-                    "views, dce, coalesce, recompute, hoist, fusion, codegen, symbolic, overlap); ignored\n", (int)n, p);
+                    "views, dce, coalesce, recompute, hoist, fusion, codegen, symbolic, overlap, reuse); ignored\n", (int)n, p);
         p += n + (e ? 1 : 0);
     }
     double v;

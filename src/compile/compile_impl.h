@@ -45,6 +45,9 @@ typedef struct {
     bool output;  /* written by the kernel */
     bool inplace; /* output: an existing tensor (a copy_'s destination), loaded and stored
                    * through this one pointer, each element read only where it is written */
+    int reuse;    /* output: an input value read for the last time here, each element only
+                   * where this output's is written, whose buffer it takes at launch when no
+                   * one else holds that buffer (kc_options.reuse); 0 for none */
     kiln_dtype dt;
     int64_t st[KILN_MAX_DIMS]; /* inputs: the strides the loads assume (checked at launch) */
 } kc_buf;
@@ -92,10 +95,11 @@ typedef struct {
 } kc_step;
 
 /* What each pass may do; KILN_COMPILE_DISABLE=decompose,fold,cse,slices,views,dce,
- * coalesce,recompute,hoist,fusion,codegen,symbolic,overlap turns them off one at a time,
- * to find the one that breaks a result. */
+ * coalesce,recompute,hoist,fusion,codegen,symbolic,overlap,reuse turns them off one at a
+ * time, to find the one that breaks a result. */
 typedef struct {
     bool decompose, fold, cse, dce, fusion, codegen, recompute, symbolic, slices, coalesce, views, hoist, overlap;
+    bool reuse; /* an elementwise kernel's output takes the buffer of an input it reads last */
     bool decompose_all; /* KILN_COMPILE_DECOMPOSE=all: every decomposition there is */
     int max_fuse;       /* ops per kernel */
     int64_t bucket_bytes; /* per coalesced allreduce (KILN_COMPILE_BUCKET_MB, default 4) */

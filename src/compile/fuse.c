@@ -390,6 +390,70 @@ static int64_t peak_bytes(const kiln_graph_t *g, const int *born, const int *las
     return peak;
 }
 
+/* Does kernel k read buffer slot bi only where it stores slot bo, element for element
+ * (every load of bi with the strides of bo's store), in a kernel without reductions (a
+ * row kernel reads a row in several passes)? Then bo may be written over bi. */
+static bool reads_only_where_it_writes(const kc_kernel *k, int bi, int bo)
+{
+    if (k->n_acc) return false;
+    const kc_store *st = NULL;
+    for (int i = 0; i < k->n_st; i++)
+        if (k->st[i].buf == bo) {
+            if (st) return false; /* stored twice */
+            st = &k->st[i];
+        }
+    if (!st) return false;
+    for (int e = 0; e < k->n_e; e++)
+        if (k->e[e].kind == E_LOAD && k->e[e].buf == bi &&
+            memcmp(k->e[e].st, st->st, sizeof(int64_t) * (size_t)k->ndim))
+            return false;
+    return true;
+}
+
+/* In-place reuse: an output of an elementwise kernel takes the buffer of an input the
+ * kernel reads for the last time, of its dtype and shape, both contiguous, when the
+ * input owns its memory (an op's result, not a view) and nothing else reads that memory
+ * afterwards (no view of it is read later, and the kernel reads no other view of it).
+ * The launch takes the buffer only if no one else holds it then (an argument or a
+ * captured tensor that a dispatched op handed back as its result stays untouched).
+ * plast gets the liveness the planned peak counts: the input ends a step earlier. */
+static void plan_reuse(kiln__program *p, const kiln_graph_t *g, int *plast)
+{
+    for (int t = 0; t < p->n_steps; t++) {
+        if (p->steps[t].kind != STEP_KERNEL) continue;
+        kc_kernel *k = &p->k[p->steps[t].index];
+        for (int bo = 0; bo < k->n_buf; bo++) {
+            kc_buf *o = &k->buf[bo];
+            if (!o->output || o->inplace) continue;
+            const kiln__meta *mo = &g->v[o->value].meta;
+            int64_t cs[KILN_MAX_DIMS];
+            kiln__contiguous_strides(mo->ndim, mo->shape, cs);
+            for (int bi = 0; bi < k->n_buf && !o->reuse; bi++) {
+                const kc_buf *in = &k->buf[bi];
+                int u = in->value;
+                const value *x = &g->v[u];
+                if (in->output || p->last[u] != t + 1 || x->kind != V_OP || kiln__ops[g->nd[x->index].op].is_view ||
+                    kiln__ops[g->nd[x->index].op].is_inplace)
+                    continue;
+                if (x->meta.dtype != mo->dtype || x->meta.ndim != mo->ndim ||
+                    memcmp(x->meta.shape, mo->shape, sizeof(int64_t) * (size_t)mo->ndim) ||
+                    memcmp(in->st, cs, sizeof(int64_t) * (size_t)mo->ndim))
+                    continue;
+                bool taken = false, other = false;
+                for (int b = 0; b < k->n_buf; b++) {
+                    taken |= k->buf[b].reuse == u;
+                    other |= b != bi && kiln__graph_root(g, k->buf[b].value) == u;
+                }
+                for (int w = 1; w < g->n_v && !other; w++)
+                    other = w != u && p->last[w] > t + 1 && kiln__graph_live(g, w) && kiln__graph_root(g, w) == u;
+                if (taken || other || !reads_only_where_it_writes(k, bi, bo)) continue;
+                o->reuse = u;
+                plast[u] = t;
+            }
+        }
+    }
+}
+
 /* Merges adjacent domain dims that every access walks as one (d's stride = the next
  * one's stride times its size); the inner dim merges too when nothing is reduced. */
 static void collapse(kc_kernel *k)
@@ -665,7 +729,14 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
     for (int j = 0; s == KILN_OK && j < g->n_outs; j++) p->last[g->outs[j]] = p->n_steps + 1;
     for (int j = 0; s == KILN_OK && j < g->n_lg; j++)
         if (!g->lg[j].dropped) p->last[g->lg[j].value] = p->n_steps + 1;
-    if (s == KILN_OK && (p->planned_peak = peak_bytes(g, born, p->last, p->n_steps)) < 0) s = oom();
+    int *plast = s == KILN_OK ? malloc(sizeof *plast * (size_t)nv) : NULL;
+    if (s == KILN_OK && !plast) s = oom();
+    if (s == KILN_OK) {
+        memcpy(plast, p->last, sizeof *plast * (size_t)nv);
+        if (o->reuse) plan_reuse(p, g, plast);
+    }
+    if (s == KILN_OK && (p->planned_peak = peak_bytes(g, born, plast, p->n_steps)) < 0) s = oom();
+    free(plast);
     /* Eager: every op result lives from its op to its last read. */
     int *elast = s == KILN_OK ? calloc((size_t)nv, sizeof *elast) : NULL;
     if (s == KILN_OK && !elast) s = oom();

@@ -50,6 +50,15 @@ static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_
         const kc_buf *kb = &k->buf[i];
         const kiln__meta *m = &g->v[kb->value].meta;
         if (kb->output && !kb->inplace) {
+            /* The buffer of an input read for the last time here (planned in fuse.c),
+             * when this run's rt holds the only reference to it and to its storage. */
+            kiln_tensor_t *d = kb->reuse ? rt[kb->reuse] : NULL;
+            if (d && atomic_load(&d->refcount) == 1 && atomic_load(&d->st->refcount) == 1 && d->offset == 0 &&
+                kiln__is_contiguous(d)) {
+                rt[kb->value] = kiln_tensor_retain(d);
+                b[i] = kiln__data(d);
+                continue;
+            }
             rt[kb->value] = kiln__tensor_alloc(p->be, m->dtype, m->shape, m->ndim);
             if (!rt[kb->value]) s = kiln_last_status();
             else b[i] = kiln__data(rt[kb->value]);
@@ -213,7 +222,10 @@ void kiln__program_print(const kiln__program *p, FILE *f)
             if (!k->buf[i].output) fprintf(f, " %%%d", k->buf[i].value);
         fprintf(f, " writes");
         for (int i = 0; i < k->n_buf; i++)
-            if (k->buf[i].output) fprintf(f, " %%%d%s", k->buf[i].value, k->buf[i].inplace ? " (in place)" : "");
+            if (k->buf[i].output) {
+                fprintf(f, " %%%d%s", k->buf[i].value, k->buf[i].inplace ? " (in place)" : "");
+                if (k->buf[i].reuse) fprintf(f, " (over %%%d)", k->buf[i].reuse);
+            }
         fprintf(f, "\n");
     }
 }
