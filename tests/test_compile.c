@@ -1068,7 +1068,7 @@ static void two_steps(bool compiled, double loss[2], double norm[2])
 static void every_stage_switches_off_alone(void **state)
 {
     static const char *const stages[] = {"decompose", "fold", "cse", "slices", "views", "dce", "coalesce",
-                                         "recompute", "hoist", "fusion", "codegen", "symbolic", "overlap"};
+                                         "recompute", "hoist", "fusion", "codegen", "symbolic", "overlap", "reuse"};
     double want_loss[2], want_norm[2];
     two_steps(false, want_loss, want_norm);
     for (size_t i = 0; i < sizeof stages / sizeof stages[0]; i++) {
