@@ -9,6 +9,7 @@
 #include <setjmp.h>
 #include <cmocka.h>
 #include <math.h>
+#include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -736,6 +737,11 @@ static size_t warm_peak(kiln_graph_fn fn, void *ctx, kiln_tensor_t **in, const c
     kiln_memory_reset_peak();
     assert_int_equal(kiln_compiled_call(c, in, 2, got, 2, &n), KILN_OK);
     size_t held = kiln_memory_peak() - before;
+    kiln_tensor_t *want[2];
+    int nw;
+    assert_int_equal(fn(ctx, in, 2, want, &nw), KILN_OK); /* the warm run's results are eager's too */
+    for (int j = 0; j < n; j++)
+        if (!(rel_err(got[j], want[j]) <= TOL)) fail_msg("warm run: output %d differs from eager", j);
     kiln_scope_end();
     kiln_compiled_free(c);
     char path[256];
@@ -1067,8 +1073,10 @@ static void two_steps(bool compiled, double loss[2], double norm[2])
  * that breaks a result. A name that is no stage is said once and ignored. */
 static void every_stage_switches_off_alone(void **state)
 {
-    static const char *const stages[] = {"decompose", "fold", "cse", "slices", "views", "dce", "coalesce",
-                                         "recompute", "hoist", "fusion", "codegen", "symbolic", "overlap", "reuse"};
+    /* (coalesce and overlap act on collectives, which a step on one process has none
+     * of: collectives_start_early_and_finish_late and tests/dist turn them off) */
+    static const char *const stages[] = {"decompose", "fold",   "cse",     "slices",   "views", "dce",
+                                         "recompute", "hoist",  "fusion",  "codegen",  "symbolic", "reuse"};
     double want_loss[2], want_norm[2];
     two_steps(false, want_loss, want_norm);
     for (size_t i = 0; i < sizeof stages / sizeof stages[0]; i++) {
@@ -1120,18 +1128,63 @@ static void fusion_size_limit_splits_kernels(void **state)
     assert_int_equal(k, 1);
 }
 
+/* Two threads compiling the same function at once into one empty cache: both get
+ * eager's results (1e-5), and the cache ends with one shared object and its source,
+ * no temporary file (each call writes its own and renames it into place). */
+static kiln_tensor_t *thread_in[2];
+static void *compile_in_thread(void *arg)
+{
+    kiln_scope_begin();
+    kiln_compiled_t *c = NULL;
+    kiln_tensor_t *got[1];
+    int n;
+    kiln_status s = kiln_compiled_new(chain, NULL, "threads", &c);
+    if (s == KILN_OK) s = kiln_compiled_call(c, thread_in, 2, got, 1, &n);
+    kiln_tensor_t *want[1];
+    if (s == KILN_OK) s = chain(NULL, thread_in, 2, want, &n);
+    *(double *)arg = s == KILN_OK ? rel_err(got[0], want[0]) : INFINITY;
+    kiln_compiled_free(c);
+    kiln_scope_end();
+    return NULL;
+}
+
+static void two_threads_compile_into_one_cache(void **state)
+{
+    char dir[160];
+    snprintf(dir, sizeof dir, "%s/threads", cache_dir);
+    setenv("KILN_CACHE_DIR", dir, 1);
+    int64_t s[2] = {12, 52}, c[1] = {52};
+    thread_in[0] = randn(s, 2, 1);
+    thread_in[1] = randn(c, 1, 2);
+    pthread_t th[2];
+    double err[2];
+    for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&th[i], NULL, compile_in_thread, &err[i]), 0);
+    for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
+    setenv("KILN_CACHE_DIR", cache_dir, 1);
+    for (int i = 0; i < 2; i++)
+        if (!(err[i] <= TOL)) fail_msg("thread %d: differs from eager by %g", i, err[i]);
+    assert_int_equal(count_suffix(dir, ".so"), 1);
+    assert_int_equal(count_suffix(dir, "[0-9a-f]\\{16\\}\\.c"), 1);
+    assert_int_equal(count_suffix(dir, ".log"), 0);
+    assert_int_equal(count_suffix(dir, "\\.[0-9]*\\.c"), 0); /* no host.pid.call temporaries */
+}
+
 /* With no KILN_CACHE_DIR the kernels go under $XDG_CACHE_HOME/kiln. */
 static void cache_defaults_to_xdg(void **state)
 {
     char xdg[160], cmd[400];
     snprintf(xdg, sizeof xdg, "%s/xdg", cache_dir);
+    const char *was = getenv("XDG_CACHE_HOME");
+    char prev[512] = "";
+    if (was) snprintf(prev, sizeof prev, "%s", was);
     unsetenv("KILN_CACHE_DIR");
     setenv("XDG_CACHE_HOME", xdg, 1);
     int64_t s[2] = {5, 7}, c[1] = {7};
     kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(c, 1, 2)};
     int k, o;
     check(chain, NULL, in, 2, TOL, &k, &o);
-    unsetenv("XDG_CACHE_HOME");
+    if (was) setenv("XDG_CACHE_HOME", prev, 1);
+    else unsetenv("XDG_CACHE_HOME");
     setenv("KILN_CACHE_DIR", cache_dir, 1);
     snprintf(cmd, sizeof cmd, "%s/kiln", xdg);
     assert_int_equal(count_suffix(cmd, ".so"), 1);
@@ -1442,6 +1495,7 @@ int main(void)
         {cmocka_unit_test_setup_teardown(logs_print_every_stage, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(fusion_size_limit_splits_kernels, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(cache_defaults_to_xdg, setup, teardown), true},
+        {cmocka_unit_test_setup_teardown(two_threads_compile_into_one_cache, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(second_compile_hits_the_cache, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(new_sizes_reuse_the_kernels, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(compiler_failure_is_a_clear_error, setup, teardown), true},

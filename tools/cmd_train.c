@@ -482,8 +482,11 @@ int cmd_train(int argc, char **argv)
     /* The clipping norm and the micro-batch count are numbers the graph is built with. */
     if (a.compile && (kiln_compiled_new(kiln_gpt_train_step, &step_fn, "train_step", &compiled) != KILN_OK ||
                       kiln_compiled_guard(compiled, "clip", &step_fn.clip, sizeof step_fn.clip) != KILN_OK ||
-                      kiln_compiled_guard(compiled, "accum", &step_fn.accum, sizeof step_fn.accum) != KILN_OK))
-        return cli_fail("train", NULL);
+                      kiln_compiled_guard(compiled, "accum", &step_fn.accum, sizeof step_fn.accum) != KILN_OK)) {
+        int fs = cli_fail("train", NULL); /* prints the error before the free can replace it */
+        kiln_compiled_free(compiled);
+        return fs;
+    }
     /* Every rank starts from rank 0's parameters (the same seed gives them anyway; this
      * makes it so whatever was loaded). */
     for (int i = 0; s == KILN_OK && world > 1 && i < np; i++) s = kiln_pg_broadcast(pg, params[i], 0);

@@ -157,13 +157,14 @@ static bool broken(const kiln_compiled_t *c, const guards *old, const guards *no
     }
     for (int i = 0; i < c->n_attrs; i++)
         if (memcmp(old->attr[i], now->attr[i], c->attrs[i].n)) {
-            char a[80], b[80];
+            char a[2 * ATTR_BYTES + 4], b[2 * ATTR_BYTES + 4];
             attr_str(old->attr[i], c->attrs[i].n, a, sizeof a);
             attr_str(now->attr[i], c->attrs[i].n, b, sizeof b);
             snprintf(why, n, "attribute %s changed: %s -> %s", c->attrs[i].name, a, b);
             return true;
         }
-    for (int i = 0; i < old->n_cap; i++)
+    /* (with grad mode off no gradient is computed, whatever the tensors want) */
+    for (int i = 0; i < old->n_cap && old->grad_mode; i++)
         if (kiln_tensor_requires_grad(old->cap[i]) != old->cap_rg[i]) {
             char b[96];
             snprintf(why, n, "captured tensor %d (%s) requires_grad changed: %s -> %s", i,
@@ -247,14 +248,9 @@ void kiln_compiled_free(kiln_compiled_t *c)
     free(c);
 }
 
-kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
-                               int *n_out)
+/* What a compiled graph cannot do for this call (the function run eagerly can). */
+static kiln_status refused(const kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in)
 {
-    if (!c || !n_out || (n_in && !in)) return kiln__err(KILN_ERR_ARG, "compiled_call: NULL argument");
-    if (n_in > KILN_GRAPH_MAX_IN)
-        return kiln__err(KILN_ERR_ARG, "compiled_call: %d inputs, at most %d are guarded", n_in, KILN_GRAPH_MAX_IN);
-    for (int i = 0; i < n_in; i++)
-        if (!in[i]) return kiln__null_arg("compiled_call");
     /* A replay notes the launches made through dispatch; a compiled program launches
      * its generated kernels and its collectives itself, so a recording would leave them
      * out and every replay would skip them. */
@@ -269,12 +265,25 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
             return kiln__err(KILN_ERR_UNSUPPORTED, "compiled_call: %s input %d requires gradients, which a compiled "
                              "graph computes only for the tensors the function reads itself (its parameters); pass "
                              "kiln_detach(x), or let the function read x as a captured tensor", c->name, i);
+    return KILN_OK;
+}
+
+kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
+                               int *n_out)
+{
+    if (!c || !n_out || (n_in && !in)) return kiln__err(KILN_ERR_ARG, "compiled_call: NULL argument");
+    if (n_in > KILN_GRAPH_MAX_IN)
+        return kiln__err(KILN_ERR_ARG, "compiled_call: %d inputs, at most %d are guarded", n_in, KILN_GRAPH_MAX_IN);
+    for (int i = 0; i < n_in; i++)
+        if (!in[i]) return kiln__null_arg("compiled_call");
     c->calls++;
     guards now;
     guards_of(c, in, n_in, &now);
-    char why[400] = "";
+    char why[2 * (2 * ATTR_BYTES + 4) + 100] = "";
     for (int k = c->n_graphs - 1; k >= 0; k--)
         if (!broken(c, &c->g[k], &now, why, sizeof why)) {
+            kiln_status r = refused(c, in, n_in);
+            if (r != KILN_OK) return r;
             c->hits++;
             return c->progs[k] ? kiln__program_run(c->progs[k], in, n_in, out, max_out, n_out)
                                : kiln_graph_run(c->graphs[k], in, n_in, out, max_out, n_out);
@@ -303,8 +312,10 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
         c->recompiles++;
         if (kiln__log_on("recompiles")) fprintf(stderr, "kiln [recompiles] %s: capturing again: %s\n", c->name, all);
     }
+    kiln_status s = refused(c, in, n_in);
+    if (s != KILN_OK) return s;
     kiln_graph_t *g;
-    kiln_status s = kiln_graph_capture(c->fn, c->ctx, in, n_in, &g);
+    s = kiln_graph_capture(c->fn, c->ctx, in, n_in, &g);
     if (s == KILN_OK && (s = capture_guards(g, &now)) != KILN_OK) kiln_graph_free(g);
     if (s != KILN_OK) return s;
     char dir[1024] = "";

@@ -71,6 +71,7 @@ static kiln_status build(entry *e, kiln__backend *be, kiln__op_id op, kiln_tenso
     kc_options opt;
     kiln__compile_options(&opt);
     opt.target = be;
+    opt.reuse = false; /* eager's one-op programs allocate their outputs as dispatch does */
     if (opt.decompose && (s = kiln__graph_decompose(e->g, opt.decompose_all, NULL)) != KILN_OK) return s;
     if ((s = kiln__program_build(e->g, &opt, &e->p)) != KILN_OK) return s;
     const kiln__program *p = e->p;

@@ -34,10 +34,17 @@ static const char *compiler(void)
 
 static kiln_status cache_dir(char *out, size_t n) { return kiln__cache_dir(NULL, out, n); }
 
-static kiln_status write_file(const char *path, const char *text)
+/* Writes text to path, which must not exist yet (exclusive: EEXIST is returned as is,
+ * with no error set, for the caller to pick another name). */
+static int write_new_file(const char *path, const char *text)
 {
-    FILE *f = fopen(path, "w");
-    if (!f) return kiln__err(KILN_ERR_IO, "compile: cannot write %s: %s", path, strerror(errno));
+    int fd = open(path, O_WRONLY | O_CREAT | O_EXCL, 0644);
+    if (fd < 0 && errno == EEXIST) return EEXIST;
+    FILE *f = fd >= 0 ? fdopen(fd, "w") : NULL;
+    if (!f) {
+        if (fd >= 0) close(fd);
+        return kiln__err(KILN_ERR_IO, "compile: cannot write %s: %s", path, strerror(errno));
+    }
     size_t n = strlen(text);
     bool ok = fwrite(text, 1, n, f) == n;
     ok &= fclose(f) == 0;
@@ -206,15 +213,26 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
         fclose(df);
     }
     if (!hit) {
-        /* Temporary names of this process and this call (two threads may compile the
-         * same source at once), renamed into place when complete. */
+        /* Temporary files of this call alone, renamed into place when complete: the
+         * source is created exclusively under a name of this host, process and call
+         * (processes on two machines sharing the cache, two threads of one), another
+         * name tried while one exists, and the object and log take its stem. */
         static atomic_uint calls;
-        int pid = (int)getpid();
-        unsigned call = atomic_fetch_add(&calls, 1);
-        snprintf(tmp_c, sizeof tmp_c, "%s/%016llx.%d.%u.c", dir, (unsigned long long)h, pid, call);
-        snprintf(tmp_so, sizeof tmp_so, "%s/%016llx.%d.%u.so", dir, (unsigned long long)h, pid, call);
-        snprintf(log, sizeof log, "%s/%016llx.%d.%u.log", dir, (unsigned long long)h, pid, call);
-        if ((s = write_file(tmp_c, src)) != KILN_OK) return s;
+        char host[64] = "host";
+        gethostname(host, sizeof host - 1);
+        host[strcspn(host, "/")] = 0;
+        int pid = (int)getpid(), w = EEXIST;
+        for (int tries = 0; w == EEXIST && tries < 64; tries++) {
+            unsigned call = atomic_fetch_add(&calls, 1);
+            char stem[1100];
+            snprintf(stem, sizeof stem, "%s/%016llx.%s.%d.%u", dir, (unsigned long long)h, host, pid, call);
+            snprintf(tmp_c, sizeof tmp_c, "%s.c", stem);
+            snprintf(tmp_so, sizeof tmp_so, "%s.so", stem);
+            snprintf(log, sizeof log, "%s.log", stem);
+            w = write_new_file(tmp_c, src);
+        }
+        if (w == EEXIST) return kiln__err(KILN_ERR_IO, "compile: no free temporary name in %s", dir);
+        if ((s = (kiln_status)w) != KILN_OK) return s;
         s = run_cc(tmp_c, tmp_so, log);
         if (debug_dir && *debug_dir && (df = kiln__debug_open(debug_dir, "compile.log"))) {
             /* The command, then what the compiler said. */
