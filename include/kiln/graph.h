@@ -166,9 +166,11 @@ void kiln_compiled_free(kiln_compiled_t *c);
  * every run (clone them to keep one). Host-side decisions the function took are frozen
  * (as in CUDA graphs): it must take the same path every time, e.g. start each step with
  * empty gradients. Everything it touched (parameters, optimizer state) must outlive the
- * replay; random ops (dropout > 0) cannot be recorded, nor can a call of a compiled
- * function (kiln_compiled_call launches its generated kernels itself, outside dispatch:
- * record the plain function instead).
+ * replay; random ops (dropout > 0) cannot be recorded. A compiled function's call can
+ * be (its generated kernels become launches of the list, and the compiled function must
+ * outlive the replay), once it has been compiled for those shapes: a call that would
+ * capture and compile inside the recording is an error, as is one whose program
+ * overlaps collectives.
  *
  * Where every launch went to one device whose backend has graph capture (OpenCL's
  * cl_khr_command_buffer, CUDA graphs), the list is also captured once as that device's

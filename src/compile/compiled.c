@@ -248,16 +248,21 @@ void kiln_compiled_free(kiln_compiled_t *c)
     free(c);
 }
 
-/* What a compiled graph cannot do for this call (the function run eagerly can). */
-static kiln_status refused(const kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in)
+/* What a compiled graph cannot do for this call (the function run eagerly can). prog:
+ * the program the call would run; NULL when it would capture and compile first (or
+ * run an interpreted graph, for which capturing is false). */
+static kiln_status refused(const kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, const kiln__program *prog,
+                           bool capturing)
 {
-    /* A replay notes the launches made through dispatch; a compiled program launches
-     * its generated kernels and its collectives itself, so a recording would leave them
-     * out and every replay would skip them. */
-    if (kiln__replay_recording())
-        return kiln__err(KILN_ERR_UNSUPPORTED, "compiled_call: %s inside kiln_replay_record: the replay would not hold "
-                         "its generated kernels; record the function itself, or call the compiled one, not both",
-                         c->name);
+    /* A replay being recorded notes every launch, the program's generated kernels too
+     * (program.c), but not a capture and compile (the folding pass runs ops of its own)
+     * nor an overlapped collective, which the program starts and finishes itself. */
+    if (kiln__replay_recording() && capturing)
+        return kiln__err(KILN_ERR_UNSUPPORTED, "compiled_call: %s would capture and compile inside kiln_replay_record; "
+                         "call it once on inputs of these shapes before recording", c->name);
+    if (kiln__replay_recording() && prog && prog->n_overlapped)
+        return kiln__err(KILN_ERR_UNSUPPORTED, "compiled_call: %s overlaps collectives, which a replay cannot hold; "
+                         "record it with KILN_COMPILE_DISABLE=overlap, or do not record it", c->name);
     /* A graph computes gradients only for the tensors it captures (autograd does not see
      * its arguments), so an argument that wants one would silently get none. */
     for (int i = 0; i < n_in && kiln_grad_enabled(); i++)
@@ -282,7 +287,7 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
     char why[2 * (2 * ATTR_BYTES + 4) + 100] = "";
     for (int k = c->n_graphs - 1; k >= 0; k--)
         if (!broken(c, &c->g[k], &now, why, sizeof why)) {
-            kiln_status r = refused(c, in, n_in);
+            kiln_status r = refused(c, in, n_in, c->progs[k], false);
             if (r != KILN_OK) return r;
             c->hits++;
             return c->progs[k] ? kiln__program_run(c->progs[k], in, n_in, out, max_out, n_out)
@@ -312,7 +317,7 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
         c->recompiles++;
         if (kiln__log_on("recompiles")) fprintf(stderr, "kiln [recompiles] %s: capturing again: %s\n", c->name, all);
     }
-    kiln_status s = refused(c, in, n_in);
+    kiln_status s = refused(c, in, n_in, NULL, true);
     if (s != KILN_OK) return s;
     kiln_graph_t *g;
     s = kiln_graph_capture(c->fn, c->ctx, in, n_in, &g);

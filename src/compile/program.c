@@ -40,6 +40,40 @@ kiln_status kiln__device_launch(const kiln__program *p, const kc_kernel *k, char
     return s;
 }
 
+/* Kernel k on buffers b: on the device, or over the thread pool. */
+static kiln_status launch_kernel(const kiln__program *p, const kc_kernel *k, char *const *b)
+{
+    if (p->kern) return kiln__device_launch(p, k, b);
+    launch_ctx l = {k->fn, b, k->sz};
+    kiln__parallel_for(k->tasks, k->grain, launch_range, &l);
+    return KILN_OK;
+}
+
+/* A launch as a replay being recorded keeps it: the kernel and its buffers' addresses,
+ * which the recording's pool keeps in place (src/graph/replay.c). The program must
+ * outlive the replay, as everything else the recorded function touched. */
+typedef struct {
+    const kiln__program *p;
+    const kc_kernel *k;
+    char *b[];
+} saved_launch;
+
+static kiln_status run_saved(void *ctx)
+{
+    const saved_launch *l = ctx;
+    return launch_kernel(l->p, l->k, l->b);
+}
+
+static void note_launch(const kiln__program *p, const kc_kernel *k, char *const *b)
+{
+    saved_launch *l = malloc(sizeof *l + sizeof(char *) * (size_t)k->n_buf);
+    if (!l) return kiln__replay_note_call(p->be, NULL, NULL, NULL); /* the recording fails: out of memory */
+    l->p = p;
+    l->k = k;
+    memcpy(l->b, b, sizeof(char *) * (size_t)k->n_buf);
+    kiln__replay_note_call(p->be, run_saved, l, free);
+}
+
 static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_t **rt)
 {
     kiln_graph_t *g = p->g;
@@ -89,12 +123,8 @@ static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_
                               "(an argument that is also a captured tensor?); run it eagerly", k->name,
                               k->buf[i].value, k->buf[j].value);
     }
-    if (s == KILN_OK && k->tasks > 0 && p->kern) {
-        s = kiln__device_launch(p, k, b);
-    } else if (s == KILN_OK && k->tasks > 0) {
-        launch_ctx l = {k->fn, b, k->sz};
-        kiln__parallel_for(k->tasks, k->grain, launch_range, &l);
-    }
+    if (s == KILN_OK && k->tasks > 0) s = launch_kernel(p, k, b);
+    if (s == KILN_OK && k->tasks > 0 && kiln__replay_recording()) note_launch(p, k, b);
     if (b != bufs) free(b);
     return s;
 }

@@ -106,7 +106,7 @@ kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *
                                kiln_tensor_t *const *out, int n_out);
 
 /* How dispatch ran an op, as a replay being recorded notes it (src/graph/replay.c). */
-typedef enum { KILN__LAUNCH_KERNEL, KILN__LAUNCH_COMPILED, KILN__LAUNCH_ON_CPU } kiln__launch_kind;
+typedef enum { KILN__LAUNCH_KERNEL, KILN__LAUNCH_COMPILED, KILN__LAUNCH_ON_CPU, KILN__LAUNCH_CALL } kiln__launch_kind;
 bool kiln__replay_recording(void);
 /* Pauses this thread's recording (returns it; NULL if none) for work a kernel does
  * through dispatch on its own behalf, which its own launch already stands for. */
@@ -114,6 +114,11 @@ void *kiln__replay_pause(void);
 void kiln__replay_unpause(void *r);
 void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__kernel_fn fn, kiln_tensor_t *const *in,
                        int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out);
+/* A launch made outside dispatch (a compiled program's generated kernel on be): the
+ * replay calls call(ctx) in its place, and free_ctx(ctx) when it is freed; the replay
+ * takes ctx, also when noting fails. call NULL: the caller ran out of memory making
+ * ctx, and the recording fails. */
+void kiln__replay_note_call(kiln__backend *be, kiln_status (*call)(void *ctx), void *ctx, void (*free_ctx)(void *ctx));
 
 /* Registration and look-up by name. The cpu backend is registered at kiln_init. */
 kiln_status kiln__backend_register(kiln__backend *be);

@@ -35,6 +35,9 @@ typedef struct {
     kiln_tensor_t *t;   /* n_in + n_out header copies */
     kiln__storage *st;  /* their storages' copies */
     kiln_tensor_t **p;  /* pointers to t[] */
+    kiln_status (*call)(void *ctx); /* KILN__LAUNCH_CALL: what runs, on call_ctx */
+    void *call_ctx;
+    void (*call_free)(void *ctx);
 } launch;
 
 struct kiln_replay {
@@ -88,8 +91,10 @@ void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__
     }
     int n = n_in + n_out;
     launch *L = &r->l[r->n_l];
-    *L = (launch){kind, op, be, fn, *a, n_in, n_out, calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t)),
-                  calloc((size_t)(n ? n : 1), sizeof(kiln__storage)), calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t *))};
+    *L = (launch){.kind = kind, .op = op, .be = be, .fn = fn, .a = *a, .n_in = n_in, .n_out = n_out,
+                  .t = calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t)),
+                  .st = calloc((size_t)(n ? n : 1), sizeof(kiln__storage)),
+                  .p = calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t *))};
     if (!L->t || !L->st || !L->p) {
         free(L->t);
         free(L->st);
@@ -112,6 +117,34 @@ void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__
     r->n_l++;
 }
 
+void kiln__replay_note_call(kiln__backend *be, kiln_status (*call)(void *ctx), void *ctx, void (*free_ctx)(void *ctx))
+{
+    kiln_replay_t *r = rec;
+    if (!call) r->failed = KILN_ERR_OOM;
+    if (!r->failed && r->n_l == r->cap_l) {
+        int cap = r->cap_l ? 2 * r->cap_l : 256;
+        launch *l = realloc(r->l, sizeof *l * (size_t)cap);
+        if (l) {
+            r->l = l;
+            r->cap_l = cap;
+        } else {
+            r->failed = KILN_ERR_OOM;
+        }
+    }
+    if (r->failed) {
+        if (free_ctx) free_ctx(ctx);
+        return;
+    }
+    r->l[r->n_l++] = (launch){.kind = KILN__LAUNCH_CALL, .op = -1, .be = be, .call = call, .call_ctx = ctx,
+                              .call_free = free_ctx};
+}
+
+/* What launch L is, for a message. */
+static const char *launch_name(const launch *L)
+{
+    return L->kind == KILN__LAUNCH_CALL ? "a generated kernel" : kiln__ops[L->op].name;
+}
+
 /* The launches, in order, on the recorded tensors; *at gets the one that failed. */
 static kiln_status run_list_at(kiln_replay_t *r, int *at)
 {
@@ -129,6 +162,7 @@ static kiln_status run_list_at(kiln_replay_t *r, int *at)
                 s = kiln__err(KILN_ERR_INTERNAL, "replay_run: the generated kernel of %s is gone", kiln__ops[L->op].name);
             break;
         case KILN__LAUNCH_ON_CPU: s = kiln__cpu_fallback(L->be, L->op, ins, L->n_in, &L->a, outs, L->n_out); break;
+        case KILN__LAUNCH_CALL: s = L->call(L->call_ctx); break;
         }
         if (s != KILN_OK) *at = k;
     }
@@ -150,7 +184,7 @@ static void capture_native(kiln_replay_t *r)
         const launch *L = &r->l[k];
         if (L->kind == KILN__LAUNCH_ON_CPU) {
             snprintf(r->why, sizeof r->why, "a launch list: launch %d (%s) runs on the cpu with copies", k,
-                     kiln__ops[L->op].name);
+                     launch_name(L));
             return;
         }
         if (L->be != be) {
@@ -186,7 +220,7 @@ static void capture_native(kiln_replay_t *r)
     }
     if (s != KILN_OK) {
         char op[64] = "";
-        if (at >= 0) snprintf(op, sizeof op, " at launch %d (%s)", at, kiln__ops[r->l[at].op].name);
+        if (at >= 0) snprintf(op, sizeof op, " at launch %d (%s)", at, launch_name(&r->l[at]));
         snprintf(r->why, sizeof r->why, "a launch list: %s could not capture it%s: %s", be->name, op, kiln_last_error());
         kiln_clear_error();
         return;
@@ -291,6 +325,7 @@ void kiln_replay_free(kiln_replay_t *r)
         free(r->l[k].t);
         free(r->l[k].st);
         free(r->l[k].p);
+        if (r->l[k].call_free) r->l[k].call_free(r->l[k].call_ctx);
     }
     free(r->l);
     for (int i = 0; i < r->n_in; i++) kiln_tensor_free(r->in[i]);
