@@ -197,7 +197,7 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
     char dir[1024];
     kiln_status s = cache_dir(dir, sizeof dir);
     if (s != KILN_OK) return s;
-    char so[1100], c_path[1100], tmp_c[1150], tmp_so[1150], log[1150];
+    char so[1100], c_path[1100], tmp_c[1250], tmp_so[1250], log[1250];
     snprintf(so, sizeof so, "%s/%016llx.so", dir, (unsigned long long)h);
     snprintf(c_path, sizeof c_path, "%s/%016llx.c", dir, (unsigned long long)h);
     bool hit = access(so, R_OK) == 0;
@@ -224,7 +224,7 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
         int pid = (int)getpid(), w = EEXIST;
         for (int tries = 0; w == EEXIST && tries < 64; tries++) {
             unsigned call = atomic_fetch_add(&calls, 1);
-            char stem[1100];
+            char stem[1200];
             snprintf(stem, sizeof stem, "%s/%016llx.%s.%d.%u", dir, (unsigned long long)h, host, pid, call);
             snprintf(tmp_c, sizeof tmp_c, "%s.c", stem);
             snprintf(tmp_so, sizeof tmp_so, "%s.so", stem);
