@@ -1,6 +1,7 @@
 /* bench/train_step: kiln training steps on reference config S (GPT-2 style, byte vocab
  * 256, T=128, C=256, 4 layers, 4 heads, B=16; forward, backward, clipping at norm 1,
- * AdamW: kiln_gpt_train_step), eager or with --compile as one compiled graph; the same
+ * AdamW: kiln_gpt_train_step), eager or with --compile as one compiled graph, either of
+ * them with --replay recorded once and replayed without dispatch; the same
  * model, batch shape and step as tests/reference/train_step_torch.py. Prints one JSON line: median
  * tokens/s over the timed steps, peak RSS, and model FLOP utilisation against a given
  * peak. Run both through bench/train_step.sh, which reports the ratio. */
@@ -17,7 +18,13 @@
 
 #define USAGE                                                                                           \
     "usage: bench_train_step [--threads N] [--steps N] [--warmup N] [--peak-gflops G]\n"                \
-    "                        [--model gpt2|llama] [--compile | --replay] [--device NAME] [--small]\n"
+    "                        [--model gpt2|llama] [--compile] [--replay] [--device NAME] [--small]\n"
+
+/* The compiled step, as a function a replay records (ctx: the compiled step). */
+static kiln_status call_compiled(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    return kiln_compiled_call(ctx, in, n_in, out, 2, n_out);
+}
 
 int main(int argc, char **argv)
 {
@@ -98,9 +105,12 @@ int main(int argc, char **argv)
         double lr = 3e-4, loss = 0;
         kiln_tensor_t *in[3] = {x, y, kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)}, *out[2];
         int n_out = 0;
-        kiln_status st = step     ? kiln_compiled_call(step, in, 3, out, 2, &n_out)
+        /* --compile --replay: step 1 compiles, step 2 is recorded, the rest replayed */
+        kiln_status st = rp                  ? kiln_replay_run(rp, in, 3, out, 2, &n_out)
+                         : replay && step && s > 0
+                             ? kiln_replay_record(call_compiled, step, in, 3, &rp, out, 2, &n_out)
+                         : step    ? kiln_compiled_call(step, in, 3, out, 2, &n_out)
                          : !replay ? kiln_gpt_train_step(&fn, in, 3, out, &n_out)
-                         : rp      ? kiln_replay_run(rp, in, 3, out, 2, &n_out)
                                    : kiln_replay_record(kiln_gpt_train_step, &fn, in, 3, &rp, out, 2, &n_out);
         if (st == KILN_OK) st = kiln_tensor_item(out[0], &loss);
         if (s == 0) first_call_s = bench_now_s() - t0;
@@ -122,7 +132,7 @@ int main(int argc, char **argv)
     getrusage(RUSAGE_SELF, &ru);
     printf("{\"engine\":\"%s\",\"device\":\"%s\",\"first_step_s\":%.3f,\"model\":\"%s\",\"threads\":%d,\"steps\":%d,\"median_step_ms\":%.1f,"
            "\"tokens_per_s\":%.1f,\"model_gflops\":%.2f,\"mfu\":%.4f,\"peak_rss_mb\":%.1f}\n",
-           step ? "kiln-compile" : replay ? "kiln-replay" : "kiln", kiln_device(), first_call_s, model, kiln_num_threads(), steps, med * 1e3, tps, gflops, peak_gflops > 0 ? gflops / peak_gflops : 0.0,
+           step && replay ? "kiln-compile-replay" : step ? "kiln-compile" : replay ? "kiln-replay" : "kiln", kiln_device(), first_call_s, model, kiln_num_threads(), steps, med * 1e3, tps, gflops, peak_gflops > 0 ? gflops / peak_gflops : 0.0,
            (double)ru.ru_maxrss / 1024.0);
     kiln_compiled_free(step);
     kiln_replay_free(rp);
