@@ -167,6 +167,31 @@ static void generated_cuda_c_compiles_with_nvrtc(void **state)
     kiln_clear_error();
 }
 
+/* Step it's batch (2 x 16 tokens of 40) and learning rate, as kiln_gpt_train_step takes them. */
+static void step_batch(int it, kiln_tensor_t **in)
+{
+    int64_t x[2][16], y[2][16];
+    for (int i = 0; i < 32; i++) x[i / 16][i % 16] = (i * 7 + it * 3) % 40, y[i / 16][i % 16] = (i * 5 + it) % 40;
+    double lr = 3e-3 / (it + 1);
+    in[0] = kiln_from_data(x, (int64_t[]){2, 16}, 2, KILN_DTYPE_I64);
+    in[1] = kiln_from_data(y, (int64_t[]){2, 16}, 2, KILN_DTYPE_I64);
+    in[2] = kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64);
+}
+
+/* The twins' parameters are bitwise equal. */
+static void same_weights(const char *device, const test_trainer *a, const test_trainer *b)
+{
+    for (int i = 0; i < a->np; i++) {
+        int64_t n = kiln_tensor_numel(a->ps[i]);
+        float *wa = malloc(sizeof(float) * (size_t)n), *wb = malloc(sizeof(float) * (size_t)n);
+        assert_int_equal(kiln_tensor_to_host(a->ps[i], wa, sizeof(float) * (size_t)n), KILN_OK);
+        assert_int_equal(kiln_tensor_to_host(b->ps[i], wb, sizeof(float) * (size_t)n), KILN_OK);
+        if (memcmp(wa, wb, sizeof(float) * (size_t)n)) fail_msg("%s: parameter %d differs after the replays", device, i);
+        free(wa);
+        free(wb);
+    }
+}
+
 /* Oracle: the same kiln_gpt_train_step run eagerly on a twin model (same seed). Step 1
  * recorded, steps 2..5 replayed, each on a new batch with a new learning rate: the
  * losses and the final weights are bitwise eager's (the same kernels, in the same
@@ -174,24 +199,15 @@ static void generated_cuda_c_compiles_with_nvrtc(void **state)
 static void replayed_training_steps_match_eager(const char *device)
 {
     assert_int_equal(kiln_set_device(device), KILN_OK);
-    kiln_gpt_config cfg = kiln_gpt_config_gpt2();
-    cfg.n_layer = 2;
-    cfg.n_head = 2;
-    cfg.n_kv_head = 2;
-    cfg.n_embd = 32;
-    cfg.block_size = 16;
-    cfg.vocab_size = 40;
+    kiln_gpt_config cfg = test_small_gpt2(2);
     test_trainer t[2];
     for (int k = 0; k < 2; k++) test_trainer_new(&t[k], &cfg, 3, 1.0);
     kiln_replay_t *r = NULL;
     for (int it = 0; it < 5; it++) {
         kiln_scope_begin();
-        int64_t x[2][16], y[2][16];
-        for (int i = 0; i < 32; i++) x[i / 16][i % 16] = (i * 7 + it * 3) % 40, y[i / 16][i % 16] = (i * 5 + it) % 40;
-        double lr = 3e-3 / (it + 1), got, want;
-        kiln_tensor_t *in[3] = {kiln_from_data(x, (int64_t[]){2, 16}, 2, KILN_DTYPE_I64),
-                                kiln_from_data(y, (int64_t[]){2, 16}, 2, KILN_DTYPE_I64),
-                                kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)};
+        double got, want;
+        kiln_tensor_t *in[3];
+        step_batch(it, in);
         kiln_tensor_t *a[2], *b[2];
         int n;
         assert_int_equal(kiln_gpt_train_step(&t[0].step, in, 3, a, &n), KILN_OK);
@@ -214,15 +230,7 @@ static void replayed_training_steps_match_eager(const char *device)
     } else if (!native || !strstr(why, "own graph")) {
         fail_msg("%s: the step is %s", device, why);
     }
-    for (int i = 0; i < t[0].np; i++) {
-        int64_t n = kiln_tensor_numel(t[0].ps[i]);
-        float *wa = malloc(sizeof(float) * (size_t)n), *wb = malloc(sizeof(float) * (size_t)n);
-        assert_int_equal(kiln_tensor_to_host(t[0].ps[i], wa, sizeof(float) * (size_t)n), KILN_OK);
-        assert_int_equal(kiln_tensor_to_host(t[1].ps[i], wb, sizeof(float) * (size_t)n), KILN_OK);
-        if (memcmp(wa, wb, sizeof(float) * (size_t)n)) fail_msg("%s: parameter %d differs after the replays", device, i);
-        free(wa);
-        free(wb);
-    }
+    same_weights(device, &t[0], &t[1]);
     assert_int_equal(kiln_optim_steps(t[1].opt), 5);
     kiln_scope_begin();
     double lr = 1e-3;
@@ -260,13 +268,7 @@ static kiln_status call_compiled_step(void *ctx, kiln_tensor_t *const *in, int n
 static void replayed_compiled_steps_match_compiled(const char *device)
 {
     assert_int_equal(kiln_set_device(device), KILN_OK);
-    kiln_gpt_config cfg = kiln_gpt_config_gpt2();
-    cfg.n_layer = 2;
-    cfg.n_head = 2;
-    cfg.n_kv_head = 2;
-    cfg.n_embd = 32;
-    cfg.block_size = 16;
-    cfg.vocab_size = 40;
+    kiln_gpt_config cfg = test_small_gpt2(2);
     test_trainer t[2];
     kiln_compiled_t *c[2];
     for (int k = 0; k < 2; k++) {
@@ -276,12 +278,9 @@ static void replayed_compiled_steps_match_compiled(const char *device)
     kiln_replay_t *r = NULL;
     for (int it = 0; it < 6; it++) {
         kiln_scope_begin();
-        int64_t x[2][16], y[2][16];
-        for (int i = 0; i < 32; i++) x[i / 16][i % 16] = (i * 7 + it * 3) % 40, y[i / 16][i % 16] = (i * 5 + it) % 40;
-        double lr = 3e-3 / (it + 1), got, want;
-        kiln_tensor_t *in[3] = {kiln_from_data(x, (int64_t[]){2, 16}, 2, KILN_DTYPE_I64),
-                                kiln_from_data(y, (int64_t[]){2, 16}, 2, KILN_DTYPE_I64),
-                                kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)};
+        double got, want;
+        kiln_tensor_t *in[3];
+        step_batch(it, in);
         kiln_tensor_t *a[2], *b[2];
         int n;
         assert_int_equal(kiln_compiled_call(c[0], in, 3, a, 2, &n), KILN_OK);
@@ -305,15 +304,7 @@ static void replayed_compiled_steps_match_compiled(const char *device)
     assert_true(kernels > 5);
     if (kiln_replay_num_launches(r) < kernels) fail_msg("%s: %d launches for %d generated kernels", device,
                                                         kiln_replay_num_launches(r), kernels);
-    for (int i = 0; i < t[0].np; i++) {
-        int64_t n = kiln_tensor_numel(t[0].ps[i]);
-        float *wa = malloc(sizeof(float) * (size_t)n), *wb = malloc(sizeof(float) * (size_t)n);
-        assert_int_equal(kiln_tensor_to_host(t[0].ps[i], wa, sizeof(float) * (size_t)n), KILN_OK);
-        assert_int_equal(kiln_tensor_to_host(t[1].ps[i], wb, sizeof(float) * (size_t)n), KILN_OK);
-        if (memcmp(wa, wb, sizeof(float) * (size_t)n)) fail_msg("%s: parameter %d differs after the replays", device, i);
-        free(wa);
-        free(wb);
-    }
+    same_weights(device, &t[0], &t[1]);
     kiln_replay_free(r); /* before the compiled step its launches run */
     for (int k = 0; k < 2; k++) {
         kiln_compiled_free(c[k]);

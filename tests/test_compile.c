@@ -1041,13 +1041,7 @@ static int count_suffix(const char *dir, const char *suffix)
  * AdamW), compiled or eager, from the same weights and batches: the losses and norms. */
 static void two_steps(bool compiled, double loss[2], double norm[2])
 {
-    kiln_gpt_config cfg = kiln_gpt_config_gpt2();
-    cfg.n_layer = 1;
-    cfg.n_head = 2;
-    cfg.n_kv_head = 2;
-    cfg.n_embd = 32;
-    cfg.block_size = 16;
-    cfg.vocab_size = 40;
+    kiln_gpt_config cfg = test_small_gpt2(1);
     test_trainer tr;
     test_trainer_new(&tr, &cfg, 5, 1.0);
     kiln_compiled_t *step = NULL;

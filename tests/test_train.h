@@ -15,6 +15,19 @@ typedef struct {
     kiln_gpt_step step; /* kiln_gpt_train_step's context: clipping at the given norm */
 } test_trainer;
 
+/* A small GPT-2 for the training tests: one or two blocks, C = 32, T = 16, 40 tokens. */
+static inline kiln_gpt_config test_small_gpt2(int n_layer)
+{
+    kiln_gpt_config cfg = kiln_gpt_config_gpt2();
+    cfg.n_layer = n_layer;
+    cfg.n_head = 2;
+    cfg.n_kv_head = 2;
+    cfg.n_embd = 32;
+    cfg.block_size = 16;
+    cfg.vocab_size = 40;
+    return cfg;
+}
+
 /* The model of cfg from seed, AdamW (0.9, 0.95, 1e-8, weight decay 0.1), clip norm clip. */
 static inline void test_trainer_new(test_trainer *t, const kiln_gpt_config *cfg, uint64_t seed, double clip)
 {
