@@ -74,21 +74,27 @@ void kiln__replay_unpause(void *r)
     if (rec) kiln__pool_begin(rec->pool);
 }
 
+/* Room for one more launch; false (and the recording failed) when there is none. */
+static bool room(kiln_replay_t *r)
+{
+    if (r->failed) return false;
+    if (r->n_l < r->cap_l) return true;
+    int cap = r->cap_l ? 2 * r->cap_l : 256;
+    launch *l = realloc(r->l, sizeof *l * (size_t)cap);
+    if (!l) {
+        r->failed = KILN_ERR_OOM;
+        return false;
+    }
+    r->l = l;
+    r->cap_l = cap;
+    return true;
+}
+
 void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__kernel_fn fn, kiln_tensor_t *const *in,
                        int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)
 {
     kiln_replay_t *r = rec;
-    if (r->failed) return;
-    if (r->n_l == r->cap_l) {
-        int cap = r->cap_l ? 2 * r->cap_l : 256;
-        launch *l = realloc(r->l, sizeof *l * (size_t)cap);
-        if (!l) {
-            r->failed = KILN_ERR_OOM;
-            return;
-        }
-        r->l = l;
-        r->cap_l = cap;
-    }
+    if (!room(r)) return;
     int n = n_in + n_out;
     launch *L = &r->l[r->n_l];
     *L = (launch){.kind = kind, .op = op, .be = be, .fn = fn, .a = *a, .n_in = n_in, .n_out = n_out,
@@ -121,17 +127,7 @@ void kiln__replay_note_call(kiln__backend *be, kiln_status (*call)(void *ctx), v
 {
     kiln_replay_t *r = rec;
     if (!call) r->failed = KILN_ERR_OOM;
-    if (!r->failed && r->n_l == r->cap_l) {
-        int cap = r->cap_l ? 2 * r->cap_l : 256;
-        launch *l = realloc(r->l, sizeof *l * (size_t)cap);
-        if (l) {
-            r->l = l;
-            r->cap_l = cap;
-        } else {
-            r->failed = KILN_ERR_OOM;
-        }
-    }
-    if (r->failed) {
+    if (!room(r)) {
         if (free_ctx) free_ctx(ctx);
         return;
     }
