@@ -284,8 +284,10 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
     c->calls++;
     guards now;
     guards_of(c, in, n_in, &now);
-    char why[2 * (2 * ATTR_BYTES + 4) + 100] = "";
-    for (int k = c->n_graphs - 1; k >= 0; k--)
+    /* Each graph, the newest first; why each did not fit goes into all, as far as the
+     * message holds them. */
+    char why[2 * (2 * ATTR_BYTES + 4) + 100] = "", all[1024] = "";
+    for (int k = c->n_graphs - 1, len = 0; k >= 0; k--) {
         if (!broken(c, &c->g[k], &now, why, sizeof why)) {
             kiln_status r = refused(c, in, n_in, c->progs[k], false);
             if (r != KILN_OK) return r;
@@ -293,11 +295,8 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
             return c->progs[k] ? kiln__program_run(c->progs[k], in, n_in, out, max_out, n_out)
                                : kiln_graph_run(c->graphs[k], in, n_in, out, max_out, n_out);
         }
-    /* Why each graph (the newest first) did not fit, as far as the message holds them. */
-    char all[1024] = "";
-    for (int k = c->n_graphs - 1, len = 0; k >= 0 && len < (int)sizeof all - 16; k--) {
-        broken(c, &c->g[k], &now, why, sizeof why);
-        len += snprintf(all + len, sizeof all - (size_t)len, "%sgraph %d: %s", len ? "; " : "", k, why);
+        if (len < (int)sizeof all - 16)
+            len += snprintf(all + len, sizeof all - (size_t)len, "%sgraph %d: %s", len ? "; " : "", k, why);
     }
     if (c->n_graphs == c->limit) { /* past the limit: eager from here on for new guards */
         if (!c->warned) {

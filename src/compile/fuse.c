@@ -417,8 +417,19 @@ static bool reads_only_where_it_writes(const kc_kernel *k, int bi, int bo)
  * The launch takes the buffer only if no one else holds it then (an argument or a
  * captured tensor that a dispatched op handed back as its result stays untouched).
  * plast gets the liveness the planned peak counts: the input ends a step earlier. */
-static void plan_reuse(kiln__program *p, const kiln_graph_t *g, int *plast)
+static kiln_status plan_reuse(kiln__program *p, const kiln_graph_t *g, int *plast)
 {
+    /* root[v]: the value v's memory is; late[r]: the last step reading a view of r. */
+    int *root = malloc(sizeof *root * (size_t)g->n_v), *late = calloc((size_t)g->n_v, sizeof *late);
+    if (!root || !late) {
+        free(root);
+        free(late);
+        return oom();
+    }
+    for (int w = 1; w < g->n_v; w++) {
+        root[w] = kiln__graph_root(g, w);
+        if (root[w] != w && kiln__graph_live(g, w) && p->last[w] > late[root[w]]) late[root[w]] = p->last[w];
+    }
     for (int t = 0; t < p->n_steps; t++) {
         if (p->steps[t].kind != STEP_KERNEL) continue;
         kc_kernel *k = &p->k[p->steps[t].index];
@@ -432,8 +443,8 @@ static void plan_reuse(kiln__program *p, const kiln_graph_t *g, int *plast)
                 const kc_buf *in = &k->buf[bi];
                 int u = in->value;
                 const value *x = &g->v[u];
-                if (in->output || p->last[u] != t + 1 || x->kind != V_OP || kiln__ops[g->nd[x->index].op].is_view ||
-                    kiln__ops[g->nd[x->index].op].is_inplace)
+                if (in->output || p->last[u] != t + 1 || late[u] > t + 1 || x->kind != V_OP ||
+                    kiln__ops[g->nd[x->index].op].is_view || kiln__ops[g->nd[x->index].op].is_inplace)
                     continue;
                 if (x->meta.dtype != mo->dtype || x->meta.ndim != mo->ndim ||
                     memcmp(x->meta.shape, mo->shape, sizeof(int64_t) * (size_t)mo->ndim) ||
@@ -442,16 +453,17 @@ static void plan_reuse(kiln__program *p, const kiln_graph_t *g, int *plast)
                 bool taken = false, other = false;
                 for (int b = 0; b < k->n_buf; b++) {
                     taken |= k->buf[b].reuse == u;
-                    other |= b != bi && kiln__graph_root(g, k->buf[b].value) == u;
+                    other |= b != bi && root[k->buf[b].value] == u;
                 }
-                for (int w = 1; w < g->n_v && !other; w++)
-                    other = w != u && p->last[w] > t + 1 && kiln__graph_live(g, w) && kiln__graph_root(g, w) == u;
                 if (taken || other || !reads_only_where_it_writes(k, bi, bo)) continue;
                 o->reuse = u;
                 plast[u] = t;
             }
         }
     }
+    free(root);
+    free(late);
+    return KILN_OK;
 }
 
 /* Merges adjacent domain dims that every access walks as one (d's stride = the next
@@ -733,7 +745,7 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
     if (s == KILN_OK && !plast) s = oom();
     if (s == KILN_OK) {
         memcpy(plast, p->last, sizeof *plast * (size_t)nv);
-        if (o->reuse) plan_reuse(p, g, plast);
+        if (o->reuse) s = plan_reuse(p, g, plast);
     }
     if (s == KILN_OK && (p->planned_peak = peak_bytes(g, born, plast, p->n_steps)) < 0) s = oom();
     free(plast);

@@ -9,6 +9,7 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
+#include <pthread.h>
 #include <spawn.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -145,22 +146,21 @@ kiln_status kiln__device_load(kiln__program *p, const char *src, const char *deb
 
 /* The host processor's identity for the cache key: -march=native makes code for this
  * processor only, so a cache folder shared by machines (a home directory on NFS) must
- * not hand one machine another's. The first processor's model name and flags from
- * /proc/cpuinfo; nothing where there is no such file. */
-static uint64_t hash_cpu(uint64_t h)
+ * not hand one machine another's. A hash of the first processor's model name and flags
+ * from /proc/cpuinfo (nothing where there is no such file), read once per process. */
+static uint64_t cpu_id;
+static void read_cpu_id(void)
 {
+    uint64_t h = KILN__FNV_SEED;
     FILE *f = fopen("/proc/cpuinfo", "r");
-    if (!f) return h;
     char line[8192];
-    int found = 0;
-    while (found < 2 && fgets(line, sizeof line, f)) {
+    for (int found = 0; f && found < 2 && fgets(line, sizeof line, f);)
         if (!strncmp(line, "model name", 10) || !strncmp(line, "flags", 5) || !strncmp(line, "Features", 8)) {
             h = kiln__fnv(h, line, strlen(line));
             found++;
         }
-    }
-    fclose(f);
-    return h;
+    if (f) fclose(f);
+    cpu_id = h;
 }
 
 kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir)
@@ -193,7 +193,9 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
     }
     for (int i = 0; i < N_CFLAGS; i++) h = kiln__fnv(h, cflags[i], strlen(cflags[i]));
     h = kiln__fnv(h, KILN_VERSION, strlen(KILN_VERSION));
-    h = hash_cpu(h);
+    static pthread_once_t cpu_once = PTHREAD_ONCE_INIT;
+    pthread_once(&cpu_once, read_cpu_id);
+    h = kiln__fnv(h, &cpu_id, sizeof cpu_id);
     char dir[1024];
     kiln_status s = cache_dir(dir, sizeof dir);
     if (s != KILN_OK) return s;

@@ -599,6 +599,12 @@ int kiln__graph_root(const kiln_graph_t *g, int v)
     }
 }
 
+void kiln__graph_reindex(kiln_graph_t *g, int from, int to)
+{
+    for (int k = from; k < to; k++)
+        for (int j = 0; j < g->nd[k].n_out; j++) g->v[g->nd[k].out[j]].index = k;
+}
+
 /* Inserts node copy at position at (the nodes from there move up one). */
 kiln_status kiln__graph_insert_node(kiln_graph_t *g, int at, const node *n, int *out_value)
 {
@@ -622,8 +628,7 @@ kiln_status kiln__graph_insert_node(kiln_graph_t *g, int at, const node *n, int 
     memmove(&g->nd[at + 1], &g->nd[at], sizeof *g->nd * (size_t)(g->n_nd - at));
     g->nd[at] = c;
     g->n_nd++;
-    for (int q = at; q < g->n_nd; q++)
-        for (int j = 0; j < g->nd[q].n_out; j++) g->v[g->nd[q].out[j]].index = q;
+    kiln__graph_reindex(g, at, g->n_nd);
     *out_value = v;
     return KILN_OK;
 }

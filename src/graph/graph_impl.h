@@ -96,6 +96,8 @@ kiln_status kiln__graph_frame_end(const kiln_graph_t *g, kiln__graph_frame *f, k
  * leaf without a gradient may take rt[value] itself (then set to NULL). */
 kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt);
 
+/* Re-points the outputs of nodes [from, to) at their nodes' places (after nodes moved). */
+void kiln__graph_reindex(kiln_graph_t *g, int from, int to);
 /* mut[v] = true for each value updated in place, or, back through views, aliased by
  * one that is. */
 void kiln__graph_mutated(const kiln_graph_t *g, bool *mut);

@@ -42,8 +42,7 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
         }
     }
     /* Values keep their numbers; re-point each op output at its node's new place. */
-    for (int k = 0; k < w; k++)
-        for (int j = 0; j < g->nd[k].n_out; j++) g->v[g->nd[k].out[j]].index = k;
+    kiln__graph_reindex(g, 0, w);
     g->n_nd = w;
     free(used);
     free(keep);
@@ -140,8 +139,7 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
     }
     for (int j = 0; j < g->n_outs; j++) g->outs[j] = repl[g->outs[j]];
     for (int j = 0; j < g->n_lg; j++) g->lg[j].value = repl[g->lg[j].value];
-    for (int k = 0; k < w; k++)
-        for (int j = 0; j < g->nd[k].n_out; j++) g->v[g->nd[k].out[j]].index = k;
+    kiln__graph_reindex(g, 0, w);
     g->n_nd = w;
     free(repl);
     free(mem);
@@ -260,14 +258,12 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
         free(n->in);
         memmove(n, n + 1, sizeof *n * (size_t)(g->n_nd - k - 1));
         g->n_nd--;
-        for (int q = k; q < g->n_nd; q++)
-            for (int j = 0; j < g->nd[q].n_out; j++) g->v[g->nd[q].out[j]].index = q;
+        kiln__graph_reindex(g, k, g->n_nd);
         k--;
         count++;
     }
     kiln_set_grad_enabled(prev);
-    for (int k = 0; k < g->n_nd; k++)
-        for (int j = 0; j < g->nd[k].n_out; j++) g->v[g->nd[k].out[j]].index = k;
+    kiln__graph_reindex(g, 0, g->n_nd);
     free(cst);
     free(mut);
     free(res_of);
@@ -753,8 +749,7 @@ kiln_status kiln_graph_hoist_siblings(kiln_graph_t *g, int *moved)
         node tmp = g->nd[j];
         memmove(&g->nd[to + 1], &g->nd[to], sizeof *g->nd * (size_t)(j - to));
         g->nd[to] = tmp;
-        for (int q = to; q <= j; q++)
-            for (int k = 0; k < g->nd[q].n_out; k++) g->v[g->nd[q].out[k]].index = q;
+        kiln__graph_reindex(g, to, j + 1);
         count++;
     }
     if (moved) *moved = count;
