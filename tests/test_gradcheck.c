@@ -648,7 +648,7 @@ static void test_every_differentiable_op_has_a_gradcheck_case(void **state)
 {
     int missing = 0;
     for (int op = 0; op < KILN_OP_COUNT; op++) {
-        if (!kiln__ops[op].backward) continue;
+        if (!kiln__op_backward[op]) continue;
         bool found = false;
         for (size_t k = 0; k < N_CASES && !found; k++) found = cases[k].op == (kiln__op_id)op;
         if (!found) {

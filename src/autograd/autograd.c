@@ -2,28 +2,40 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kiln/ops.h"
+#include "autograd/autograd.h"
+#include "core/intercept.h"
 #include "core/tensor_impl.h"
-#include "ops/registry.h"
 
-static _Thread_local bool grad_disabled;
+/* Autograd's state on a tensor (its extension slot), made when the tensor first takes
+ * part: set to require a gradient, or made by a recorded op. */
+typedef struct {
+    bool requires_grad;     /* a leaf that wants a gradient */
+    kiln_tensor_t *grad;    /* accumulated gradient of a leaf */
+    kiln__node *grad_fn;    /* the op that made a non-leaf, or NULL */
+    int out_index;          /* which output of grad_fn this is */
+    int grad_pending;       /* during backward: edges still to bring this leaf gradient */
+} ag_state;
 
-bool kiln_grad_enabled(void) { return !grad_disabled; }
+static int ag_slot = -1;
 
-bool kiln_set_grad_enabled(bool on)
+static ag_state *ag(const kiln_tensor_t *t) { return kiln__ext(t, ag_slot); }
+
+/* t's state, made when missing (NULL when out of memory, with the error set). */
+static ag_state *ag_make(kiln_tensor_t *t)
 {
-    bool prev = !grad_disabled;
-    grad_disabled = !on;
-    return prev;
+    if (ag_slot < 0) return kiln__err(KILN_ERR_INTERNAL, "autograd: no extension slot was left for it"), NULL;
+    ag_state *s = ag(t);
+    if (!s && !(s = t->ext[ag_slot] = calloc(1, sizeof *s))) kiln__err(KILN_ERR_OOM, "autograd: out of memory");
+    return s;
 }
 
-bool kiln__tracks(const kiln_tensor_t *t) { return t && (t->requires_grad || t->grad_fn); }
-
-static kiln_tensor_t *detached(const kiln_tensor_t *t)
+bool kiln__tracks(const kiln_tensor_t *t)
 {
-    kiln_tensor_t *d = kiln__tensor_alias(t->st, t->dtype, t->ndim, t->shape, t->stride, t->offset);
-    if (d) d->graph_value = t->graph_value; /* the same value, when it is being captured */
-    return d;
+    const ag_state *s = t ? ag(t) : NULL;
+    return s && (s->requires_grad || s->grad_fn);
 }
+
+static kiln_tensor_t *detached(const kiln_tensor_t *t) { return kiln__tensor_detach(t); }
 
 static void meta_of(const kiln_tensor_t *t, kiln__meta *m)
 {
@@ -113,11 +125,12 @@ kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, con
     for (int i = 0; i < n_in; i++) {
         meta_of(in[i], &n->in_meta[i]);
         n->needs_grad[i] = kiln__tracks(in[i]);
-        if (in[i]->grad_fn) {
-            n->next[i] = in[i]->grad_fn;
+        const ag_state *st = ag(in[i]);
+        if (st && st->grad_fn) {
+            n->next[i] = st->grad_fn;
             atomic_fetch_add(&n->next[i]->refcount, 1);
-            n->next_out[i] = in[i]->out_index;
-        } else if (in[i]->requires_grad) {
+            n->next_out[i] = st->out_index;
+        } else if (st && st->requires_grad) {
             n->leaf[i] = kiln_tensor_retain(in[i]);
         }
         if (d->save & KILN__SI(i)) n->saved_in[i] = detached(in[i]);
@@ -126,35 +139,73 @@ kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, con
         meta_of(out[j], &n->out_meta[j]);
         if (d->save & KILN__SO(j)) n->saved_out[j] = detached(out[j]);
     }
+    /* Every visible output's state first, so that running out of memory leaves no
+     * output pointing at a half-made node. */
+    ag_state *os[KILN__MAX_OUT] = {0};
+    for (int j = 0; j < d->n_visible; j++)
+        if (!(os[j] = ag_make(out[j]))) {
+            atomic_fetch_add(&n->refcount, 1);
+            kiln__node_release(n);
+            return NULL;
+        }
     for (int j = 0; j < d->n_visible; j++) {
-        out[j]->grad_fn = n;
-        out[j]->out_index = j;
+        os[j]->grad_fn = n;
+        os[j]->out_index = j;
         atomic_fetch_add(&n->refcount, 1);
     }
     return n;
 }
 
+static _Thread_local const kiln__leaf_sink *sink;
+
+const kiln__leaf_sink *kiln__autograd_set_leaf_sink(const kiln__leaf_sink *s)
+{
+    const kiln__leaf_sink *was = sink;
+    sink = s;
+    return was;
+}
+
+kiln_tensor_t *kiln__autograd_grad(const kiln_tensor_t *t)
+{
+    const ag_state *s = t ? ag(t) : NULL;
+    return s ? s->grad : NULL;
+}
+
+kiln_status kiln__autograd_set_grad(kiln_tensor_t *t, kiln_tensor_t *g)
+{
+    ag_state *s = ag(t);
+    if (!s && !g) return KILN_OK;
+    if (!s && !(s = ag_make(t))) {
+        kiln_tensor_free(g);
+        return kiln_last_status();
+    }
+    kiln_tensor_free(s->grad);
+    s->grad = g;
+    return KILN_OK;
+}
+
 void kiln_tensor_set_requires_grad(kiln_tensor_t *t, bool on)
 {
-    if (t && !t->grad_fn) t->requires_grad = on;
+    if (!t || (ag(t) && ag(t)->grad_fn) || (!on && !ag(t))) return;
+    ag_state *s = ag_make(t);
+    if (s) s->requires_grad = on;
 }
 
 bool kiln_tensor_requires_grad(const kiln_tensor_t *t) { return kiln__tracks(t); }
 kiln_tensor_t *kiln_tensor_grad(const kiln_tensor_t *t)
 {
-    if (t && kiln__graph_capturing() && !t->st->meta) return kiln__graph_grad_of(t);
-    return t ? t->grad : NULL;
+    if (t && sink && !t->st->meta) return sink->grad_of(sink->ctx, t);
+    return kiln__autograd_grad(t);
 }
 
 void kiln_tensor_zero_grad(kiln_tensor_t *t)
 {
     if (!t) return;
-    if (kiln__graph_capturing() && !t->st->meta) {
-        kiln__graph_zero_grad(t);
+    if (sink && !t->st->meta) {
+        sink->zero_grad(sink->ctx, t);
         return;
     }
-    kiln_tensor_free(t->grad);
-    t->grad = NULL;
+    kiln__autograd_set_grad(t, NULL);
 }
 
 static _Thread_local kiln_grad_ready_fn ready_fn;
@@ -166,19 +217,17 @@ void kiln_set_grad_ready_hook(kiln_grad_ready_fn fn, void *ctx)
     ready_ctx = ctx;
 }
 
-kiln_status kiln__graph_leaf_grad(kiln_tensor_t *leaf, kiln_tensor_t *g);
-
 static kiln_status accumulate_leaf(kiln_tensor_t *leaf, kiln_tensor_t *g)
 {
     /* Backward inside a capture: the gradient of a real leaf is a value of the graph,
      * added to the leaf's gradient on each run, not now. */
-    if (kiln__graph_capturing() && !leaf->st->meta) return kiln__graph_leaf_grad(leaf, g);
-    if (leaf->grad) return kiln_add_(leaf->grad, g, 1.0);
+    if (sink && !leaf->st->meta) return sink->accumulate(sink->ctx, leaf, g);
+    kiln_tensor_t *held = kiln__autograd_grad(leaf);
+    if (held) return kiln_add_(held, g, 1.0);
     /* A fresh copy: g may be shared with another gradient or be a broadcast view. */
     kiln_tensor_t *c = kiln_clone(g);
     if (!c) return kiln_last_status();
-    leaf->grad = kiln_keep(c);
-    return KILN_OK;
+    return kiln__autograd_set_grad(leaf, kiln_keep(c));
 }
 
 static kiln_status accumulate(kiln_tensor_t **slot, kiln_tensor_t *g)
@@ -207,7 +256,7 @@ static kiln_status check_grad(kiln__node *n, int i, kiln_tensor_t *g)
 
 static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
 {
-    kiln__node *top = root->grad_fn;
+    kiln__node *top = ag(root)->grad_fn;
     /* Collect the graph and count, for each node, the edges that reach it. */
     size_t cap = 256, n = 0, head = 0;
     kiln__node **all = malloc(cap * sizeof *all);
@@ -253,15 +302,15 @@ static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
     if (ready_fn)
         for (size_t k = 0; k < n; k++)
             for (int i = 0; i < all[k]->n_in; i++)
-                if (all[k]->leaf[i] && all[k]->needs_grad[i]) all[k]->leaf[i]->grad_pending = 0;
+                if (all[k]->leaf[i] && all[k]->needs_grad[i]) ag(all[k]->leaf[i])->grad_pending = 0;
     if (ready_fn)
         for (size_t k = 0; k < n; k++)
             for (int i = 0; i < all[k]->n_in; i++)
-                if (all[k]->leaf[i] && all[k]->needs_grad[i]) all[k]->leaf[i]->grad_pending++;
+                if (all[k]->leaf[i] && all[k]->needs_grad[i]) ag(all[k]->leaf[i])->grad_pending++;
 
     kiln_status s = KILN_OK;
     bool prev = kiln_set_grad_enabled(false);
-    top->grad_out[root->out_index] = kiln_tensor_retain(seed);
+    top->grad_out[ag(root)->out_index] = kiln_tensor_retain(seed);
     /* Kahn's order: a node runs once every consumer has handed it its gradient. */
     kiln__node **ready = malloc(n * sizeof *ready);
     size_t tail = 0;
@@ -269,7 +318,6 @@ static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
     else ready[tail++] = top;
     while (s == KILN_OK && head < tail) {
         kiln__node *cur = ready[head++];
-        const kiln__op_def *d = &kiln__ops[cur->op];
         bool any = false;
         for (int j = 0; j < cur->n_out; j++) any |= cur->grad_out[j] != NULL;
         kiln_tensor_t **gin = calloc((size_t)(cur->n_in > 0 ? cur->n_in : 1), sizeof *gin);
@@ -290,7 +338,7 @@ static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
             kiln_tensor_t *g0 = NULL;
             for (int j = 0; j < KILN__MAX_OUT && !g0; j++) g0 = cur->grad_out[j];
             kiln__backend *was = g0 && !g0->st->meta ? kiln__backend_here(g0->st->be) : NULL;
-            s = d->backward(cur, cur->grad_out, gin);
+            s = kiln__op_backward[cur->op](cur, cur->grad_out, gin);
             if (g0 && !g0->st->meta) kiln__backend_here(was);
         }
         for (int i = 0; s == KILN_OK && i < cur->n_in; i++) {
@@ -299,7 +347,7 @@ static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
             if (s != KILN_OK) break;
             if (cur->leaf[i]) {
                 s = accumulate_leaf(cur->leaf[i], gin[i]);
-                if (s == KILN_OK && ready_fn && --cur->leaf[i]->grad_pending == 0) s = ready_fn(ready_ctx, cur->leaf[i]);
+                if (s == KILN_OK && ready_fn && --ag(cur->leaf[i])->grad_pending == 0) s = ready_fn(ready_ctx, cur->leaf[i]);
             } else if (cur->next[i]) {
                 s = accumulate(&cur->next[i]->grad_out[cur->next_out[i]], gin[i]);
             }
@@ -334,8 +382,8 @@ kiln_status kiln_backward_with(kiln_tensor_t *root, kiln_tensor_t *grad)
     if (root->ndim != grad->ndim || memcmp(root->shape, grad->shape, sizeof(int64_t) * (size_t)root->ndim))
         return kiln__err(KILN_ERR_SHAPE, "backward: gradient %s does not match the root %s", kiln__shape_str(grad, a, sizeof a),
                          kiln__shape_str(root, b, sizeof b));
-    if (!root->grad_fn) {
-        if (!root->requires_grad)
+    if (!ag(root) || !ag(root)->grad_fn) {
+        if (!kiln__tracks(root))
             return kiln__err(KILN_ERR_AUTOGRAD, "backward: the root %s does not require grad (no tracked input made it)",
                              kiln__shape_str(root, a, sizeof a));
         bool prev = kiln_set_grad_enabled(false);
@@ -364,4 +412,41 @@ kiln_status kiln_backward(kiln_tensor_t *root)
     kiln_status s = kiln_backward_with(root, one);
     kiln_tensor_free(one);
     return s;
+}
+
+/* Autograd as dispatch sees it: an in-place update of a tracked tensor is refused, and
+ * a call with a tracked input is recorded once it ran (or was captured). */
+static kiln_status ag_before(void *ctx, const kiln__call_info *c)
+{
+    if (kiln__ops[c->op].is_inplace && kiln_grad_enabled() && kiln__tracks(c->in[0]))
+        return kiln__err(KILN_ERR_AUTOGRAD, "%s: the destination is tracked by autograd; update it with grad mode off",
+                         kiln__ops[c->op].name);
+    return KILN_OK;
+}
+
+static kiln_status ag_after(void *ctx, const kiln__call_info *c)
+{
+    if (!kiln__op_backward[c->op] || !kiln_grad_enabled()) return KILN_OK;
+    bool any = false;
+    for (int i = 0; i < c->n_in; i++) any |= kiln__tracks(c->in[i]);
+    if (any && !kiln__record(c->op, c->in, c->n_in, c->a, c->out, c->n_out)) return kiln_last_status();
+    return KILN_OK;
+}
+
+static void ag_release(void *v)
+{
+    ag_state *s = v;
+    kiln_tensor_free(s->grad);
+    if (s->grad_fn) kiln__node_release(s->grad_fn);
+    free(s);
+}
+
+static const kiln__interceptor ag_interceptor = {
+    .name = "autograd", .order = KILN__ORDER_AUTOGRAD, .before = ag_before, .after = ag_after,
+};
+
+KILN__REGISTER(register_autograd)
+{
+    ag_slot = kiln__ext_register("autograd", ag_release, false);
+    kiln__intercept_register(&ag_interceptor);
 }

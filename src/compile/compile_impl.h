@@ -165,4 +165,11 @@ void kiln__program_profile_print(const kiln__program *p, FILE *f);
 /* DIR/file opened for writing, or NULL after a warning (KILN_DEBUG_DIR output). */
 FILE *kiln__debug_open(const char *dir, const char *file);
 
+/* The compiler's eager path (src/compile/eager.c), registered as a kernel provider:
+ * runs op on a backend without a kernel for it but with compile_kernel and launch,
+ * through a generated kernel; *handled false means it does not lower and the next
+ * provider is asked. */
+kiln_status kiln__eager_compiled(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t *const *out, int n_out, bool *handled);
+
 #endif

@@ -12,6 +12,7 @@
 #include <string.h>
 #include "compile/compile_impl.h"
 #include "core/cache.h"
+#include "core/intercept.h"
 #include "core/opts.h"
 #include "kiln/ops.h"
 
@@ -271,3 +272,9 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
     (void)n_out;
     return run(e, be, in, out);
 }
+
+/* The compiler as a kernel provider: after the backend's own kernels, before the cpu
+ * with copies. */
+static const kiln__provider generated_provider = {.name = "generated", .order = 50, .run = kiln__eager_compiled};
+
+KILN__REGISTER(register_generated) { kiln__provider_register(&generated_provider); }

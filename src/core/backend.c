@@ -5,6 +5,7 @@
 #include <string.h>
 #include <unistd.h>
 #include "core/tensor_impl.h"
+#include "core/intercept.h"
 #include "core/threadpool.h"
 
 #define MAX_BACKENDS 16 /* the cpu, up to 4 OpenCL devices, up to 8 GPUs */
@@ -14,9 +15,31 @@ static int n_backends;
 static pthread_once_t init_once = PTHREAD_ONCE_INIT;
 static int requested_threads;
 
-kiln__backend *kiln__cpu_backend(int nthreads);
-int kiln__opencl_register(void);
-int kiln__cuda_register(void);
+/* Who makes the backends (src/core/intercept.h): registered before main by each backend
+ * room; the cpu's at start-up, the devices' on first need. */
+#define MAX_PROVIDERS 8
+typedef struct {
+    const char *name;
+    int (*make)(int nthreads);
+    bool at_init;
+} backend_provider;
+static backend_provider providers[MAX_PROVIDERS];
+static int n_providers;
+
+kiln_status kiln__backend_provider_register(const char *name, int (*make)(int nthreads), bool at_init)
+{
+    if (!name || !make) return kiln__err(KILN_ERR_ARG, "backend_provider_register: name or make is NULL");
+    if (n_providers == MAX_PROVIDERS) return kiln__err(KILN_ERR_ARG, "too many backend providers (at most %d)", MAX_PROVIDERS);
+    providers[n_providers++] = (backend_provider){name, make, at_init};
+    return KILN_OK;
+}
+
+/* Runs the providers made at start-up (at_init) or those probed later. */
+static void run_providers(bool at_init, int nthreads)
+{
+    for (int i = 0; i < n_providers; i++)
+        if (providers[i].at_init == at_init) providers[i].make(nthreads);
+}
 
 kiln_status kiln__backend_register(kiln__backend *be)
 {
@@ -50,15 +73,7 @@ static kiln__backend *find_name(const char *name)
  * process that stays on the cpu never loads an OpenCL platform or looks for a GPU. */
 static pthread_once_t probe_once = PTHREAD_ONCE_INIT;
 
-static void do_probe(void)
-{
-#ifdef KILN_HAVE_OPENCL
-    kiln__opencl_register();
-#endif
-#ifdef KILN_HAVE_CUDA
-    kiln__cuda_register();
-#endif
-}
+static void do_probe(void) { run_providers(false, 0); }
 
 static void probe_devices(void) { pthread_once(&probe_once, do_probe); }
 
@@ -162,7 +177,11 @@ static void do_init(void)
     if (n <= 0) n = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (n <= 0) n = 1;
     kiln__pool_start(n);
-    kiln__backend_register(kiln__cpu_backend(n));
+    run_providers(true, n);
+    if (!n_backends) { /* a build without the cpu room: nothing can run */
+        fprintf(stderr, "kiln: no backend was registered at start-up (a build without src/backends/cpu)\n");
+        abort();
+    }
     atomic_store(&default_be, backends[0]);
     /* KILN_DEVICE picks the device new tensors go to; a name that is not here leaves the
      * cpu, with a warning (tools check it up front with kiln_set_device). */

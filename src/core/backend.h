@@ -7,7 +7,7 @@
 
 #include <stddef.h>
 #include "kiln/tensor.h"
-#include "ops/attrs.h"
+#include "core/attrs.h"
 
 #define KILN_BACKEND_ABI_VERSION 4
 
@@ -93,34 +93,15 @@ struct kiln__backend {
     bool (*can_fuse)(kiln__backend *be, int op, const kiln_dtype *in, int n_in, kiln_dtype out);
 };
 
-/* The compiler's eager path (src/compile/eager.c): runs op on a backend without a kernel
- * for it but with compile_kernel and launch, through a generated kernel; *handled false
- * means it does not lower and the caller falls back. */
-kiln_status kiln__eager_compiled(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out, bool *handled);
-
 /* Runs op on the cpu for backend be: inputs copied to the host, outputs and updated
  * inputs copied back (src/core/dispatch.c). What dispatch does for an op a backend lacks;
  * a backend kernel calls it for the layouts it does not take. */
 kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                kiln_tensor_t *const *out, int n_out);
 
-/* How dispatch ran an op, as a replay being recorded notes it (src/graph/replay.c). */
-typedef enum { KILN__LAUNCH_KERNEL, KILN__LAUNCH_COMPILED, KILN__LAUNCH_ON_CPU, KILN__LAUNCH_CALL } kiln__launch_kind;
-bool kiln__replay_recording(void);
-/* Pauses this thread's recording (returns it; NULL if none) for work a kernel does
- * through dispatch on its own behalf, which its own launch already stands for. */
-void *kiln__replay_pause(void);
-void kiln__replay_unpause(void *r);
-void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__kernel_fn fn, kiln_tensor_t *const *in,
-                       int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out);
-/* A launch made outside dispatch (a compiled program's generated kernel on be): the
- * replay calls call(ctx) in its place, and free_ctx(ctx) when it is freed; the replay
- * takes ctx, also when noting fails. call NULL: the caller ran out of memory making
- * ctx, and the recording fails. */
-void kiln__replay_note_call(kiln__backend *be, kiln_status (*call)(void *ctx), void *ctx, void (*free_ctx)(void *ctx));
-
-/* Registration and look-up by name. The cpu backend is registered at kiln_init. */
+/* Registration and look-up by name. Backends are made by the backend providers
+ * registered with kiln__backend_provider_register (src/core/intercept.h): the cpu at
+ * kiln_init, the devices on first need. */
 kiln_status kiln__backend_register(kiln__backend *be);
 kiln__backend *kiln__backend_find(const char *name);
 kiln__backend *kiln__backend_default(void);

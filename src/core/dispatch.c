@@ -1,8 +1,10 @@
 /* Dispatch: every op call goes through here. It checks inputs, infers output shapes,
- * allocates outputs on the inputs' backend, launches that backend's kernel through the
- * contract, and records the call for autograd. In capture mode (src/graph/) the call is
- * recorded into the graph instead of launched, with meta outputs; autograd records it
- * all the same, so a backward inside the capture is captured too. */
+ * allocates outputs on the inputs' backend, and runs the call through the first kernel
+ * provider that has it (the backend's own kernel, a generated one, the cpu with copies).
+ * The rooms above watch through interceptors (src/core/intercept.h): autograd records
+ * the call after it ran; graph capture takes it instead of running it, giving meta
+ * outputs (autograd records it all the same, so a backward inside the capture is
+ * captured too); a replay being recorded notes the launch. Dispatch knows none of them. */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -10,14 +12,21 @@
 #include "kiln/ops.h"
 #include "core/dtype.h"
 #include "core/tensor_impl.h"
-#include "ops/registry.h"
+#include "core/intercept.h"
 
-kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                         kiln_tensor_t **out, int n_out);
-bool kiln__tracks(const kiln_tensor_t *t);
-/* src/graph/graph.c: in capture mode, records the call and gives meta outputs. */
-kiln_status kiln__graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                               const kiln__meta *meta, kiln__backend *be, kiln_tensor_t **out);
+/* Grad mode: whether autograd's interceptor records (per thread). It lives here, below
+ * every room, because the rooms under autograd turn it off for work that must not be
+ * recorded (a scalar made for an op, a shift constant in logsumexp). */
+static _Thread_local bool grad_disabled;
+
+bool kiln_grad_enabled(void) { return !grad_disabled; }
+
+bool kiln_set_grad_enabled(bool on)
+{
+    bool prev = !grad_disabled;
+    grad_disabled = !on;
+    return prev;
+}
 
 /* A host copy of device tensor t: contiguous bytes, or for a strided view its whole
  * storage under the same view. */
@@ -112,15 +121,11 @@ static kiln_status generic_copy_(kiln__backend *be, kiln_tensor_t *const *in, in
         src->st->be != be)
         return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
     if (kiln__is_contiguous(src)) return be->copy_d2d(be, kiln__data(dst), kiln__data(src), kiln_tensor_nbytes(dst));
-    /* A strided source: made dense on the device first (unrecorded: this launch stands
+    /* A strided source: made dense on the device first (unwatched: this launch stands
      * for it in a replay), then copied. */
     kiln__attrs none = {0};
     kiln_tensor_t *c = NULL;
-    bool prev = kiln_set_grad_enabled(false);
-    void *rec = kiln__replay_pause();
-    kiln_status s = kiln__dispatch(KILN_OP_CONTIGUOUS, &src, 1, &none, &c);
-    kiln__replay_unpause(rec);
-    kiln_set_grad_enabled(prev);
+    kiln_status s = kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &src, 1, &none, &c);
     if (s == KILN_OK) s = be->copy_d2d(be, kiln__data(dst), kiln__data(c), kiln_tensor_nbytes(dst));
     kiln_tensor_free(c);
     return s;
@@ -135,8 +140,42 @@ static kiln__kernel_fn kernel_for(const kiln__backend *be, int op)
                                                                                                             : NULL;
 }
 
-kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                           kiln_tensor_t **out)
+/* The backend's own kernel (or the contract-made one). */
+static kiln_status run_kernel(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                              kiln_tensor_t *const *out, int n_out, bool *handled)
+{
+    kiln__kernel_fn k = kernel_for(be, op);
+    *handled = k != NULL;
+    return k ? k(be, in, n_in, a, out, n_out) : KILN_OK;
+}
+
+/* Last: the cpu with copies (an error naming the op where the cpu lacks it too). */
+static kiln_status run_on_cpu(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                              kiln_tensor_t *const *out, int n_out, bool *handled)
+{
+    *handled = true;
+    return kiln__cpu_fallback(be, op, in, n_in, a, out, n_out);
+}
+
+static const kiln__provider kernel_provider = {.name = "kernel", .order = 0, .run = run_kernel};
+static const kiln__provider cpu_provider = {.name = "cpu-copies", .order = 100, .on_cpu = true, .run = run_on_cpu};
+
+KILN__REGISTER(register_providers)
+{
+    kiln__provider_register(&kernel_provider);
+    kiln__provider_register(&cpu_provider);
+}
+
+static void free_outs(kiln_tensor_t **outs, int n)
+{
+    for (int j = 0; j < n; j++) {
+        kiln_tensor_free(outs[j]);
+        outs[j] = NULL;
+    }
+}
+
+static kiln_status dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                            kiln_tensor_t **out, bool watched)
 {
     kiln__ensure_init();
     const kiln__op_def *d = &kiln__ops[op];
@@ -149,58 +188,56 @@ kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, c
         if (in[i]->st->be != be)
             return kiln__err(KILN_ERR_DEVICE, "%s: input 0 is on %s but input %d is on %s (move one with kiln_tensor_to)",
                              d->name, be->name, i, in[i]->st->be->name);
-    if (kiln__replay_recording() && (op == KILN_OP_RAND || (op == KILN_OP_DROPOUT && a->f[0] > 0)))
-        return kiln__err(KILN_ERR_UNSUPPORTED, "%s while recording a replay: its random stream would be frozen and every "
-                         "replay would draw the same numbers; record without it (dropout 0)", d->name);
-    if (d->is_inplace && kiln_grad_enabled() && kiln__tracks(in[0]))
-        return kiln__err(KILN_ERR_AUTOGRAD, "%s: the destination is tracked by autograd; update it with grad mode off",
-                         d->name);
 
+    const kiln__interceptor *ics[16];
+    int n_ics = watched ? kiln__intercept_active(ics) : 0;
     kiln__meta meta[KILN__MAX_OUT];
     memset(meta, 0, sizeof meta);
-    kiln_status s = d->infer(in, n_in, a, meta);
-    if (s != KILN_OK) return s;
     kiln_tensor_t *outs[KILN__MAX_OUT] = {0};
-    bool captured = kiln__graph_capturing();
-    if (captured && (s = kiln__graph_record(op, in, n_in, a, meta, be, outs)) != KILN_OK) return s;
+    kiln__call_info c = {.op = op, .be = be, .in = in, .n_in = n_in, .a = a, .meta = meta, .out = outs,
+                         .n_out = d->n_out};
+    kiln_status s;
+    for (int k = 0; k < n_ics; k++)
+        if (ics[k]->before && (s = ics[k]->before(ics[k]->ctx, &c)) != KILN_OK) return s;
+    if ((s = d->infer(in, n_in, a, meta)) != KILN_OK) return s;
+    bool taken = false;
+    for (int k = 0; k < n_ics && !taken; k++)
+        if (ics[k]->take && (s = ics[k]->take(ics[k]->ctx, &c, &taken)) != KILN_OK) return s;
     int64_t out_elems = 0;
-    for (int j = 0; !captured && j < d->n_out; j++) {
+    for (int j = 0; !taken && j < d->n_out; j++) {
         outs[j] = d->is_view ? kiln__tensor_alias(in[0]->st, meta[j].dtype, meta[j].ndim, meta[j].shape,
                                                    meta[j].stride, meta[j].offset)
                              : kiln__tensor_alloc(be, meta[j].dtype, meta[j].shape, meta[j].ndim);
         if (!outs[j]) {
-            for (int k = 0; k < j; k++) kiln_tensor_free(outs[k]);
+            free_outs(outs, j);
             return kiln_last_status();
         }
         out_elems += kiln__numel(meta[j].ndim, meta[j].shape);
     }
-    if (!captured && !d->is_view && (out_elems > 0 || d->is_inplace)) {
-        kiln__kernel_fn k = kernel_for(be, op);
-        bool handled = false;
-        kiln__launch_kind how = KILN__LAUNCH_KERNEL;
-        if (k) s = k(be, in, n_in, a, outs, d->n_out);
-        else if ((s = kiln__eager_compiled(be, op, in, n_in, a, outs, d->n_out, &handled)) == KILN_OK && !handled) {
-            s = kiln__cpu_fallback(be, op, in, n_in, a, outs, d->n_out);
-            how = KILN__LAUNCH_ON_CPU;
-        } else {
-            how = KILN__LAUNCH_COMPILED;
-        }
-        if (s == KILN_OK && kiln__replay_recording()) kiln__replay_note(how, op, be, k, in, n_in, a, outs, d->n_out);
-        if (s != KILN_OK) {
-            for (int j = 0; j < d->n_out; j++) kiln_tensor_free(outs[j]);
+    if (!taken && !d->is_view && (out_elems > 0 || d->is_inplace) &&
+        (s = kiln__provider_run(be, op, in, n_in, a, outs, d->n_out, &c.ran)) != KILN_OK) {
+        free_outs(outs, d->n_out);
+        return s;
+    }
+    for (int k = 0; k < n_ics; k++)
+        if (ics[k]->after && (s = ics[k]->after(ics[k]->ctx, &c)) != KILN_OK) {
+            free_outs(outs, d->n_out);
             return s;
         }
-    }
-    if (d->backward && kiln_grad_enabled()) {
-        bool any = false;
-        for (int i = 0; i < n_in; i++) any |= kiln__tracks(in[i]);
-        if (any && !kiln__record(op, in, n_in, a, outs, d->n_out)) {
-            for (int j = 0; j < d->n_out; j++) kiln_tensor_free(outs[j]);
-            return kiln_last_status();
-        }
-    }
     for (int j = 0; j < d->n_out; j++) out[j] = outs[j];
     return KILN_OK;
+}
+
+kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                           kiln_tensor_t **out)
+{
+    return dispatch(op, in, n_in, a, out, true);
+}
+
+kiln_status kiln__dispatch_quiet(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t **out)
+{
+    return dispatch(op, in, n_in, a, out, false);
 }
 
 kiln_tensor_t *kiln__call(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a)

@@ -5,6 +5,7 @@
 #include <math.h>
 #include <pthread.h>
 #include "core/rng.h"
+#include "core/intercept.h"
 #include "core/tensor_impl.h"
 
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
@@ -38,7 +39,7 @@ void kiln_rng_set_state(kiln_rng_state s)
  * the counters each time it runs (src/graph/graph.c, draw_random). */
 uint64_t kiln__rng_take(uint64_t n, uint64_t *seed)
 {
-    if (kiln__graph_capturing()) {
+    if (kiln__dispatch_tracing()) {
         *seed = 0;
         return 0;
     }

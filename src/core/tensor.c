@@ -5,9 +5,7 @@
 #include "core/dtype.h"
 #include "kiln/ops.h"
 #include "core/tensor_impl.h"
-#include "ops/registry.h"
-
-void kiln__node_release(kiln__node *n);
+#include "core/intercept.h"
 
 int64_t kiln__numel(int ndim, const int64_t *shape)
 {
@@ -65,8 +63,7 @@ kiln_tensor_t *kiln_tensor_retain(kiln_tensor_t *t)
 void kiln_tensor_free(kiln_tensor_t *t)
 {
     if (!t || atomic_fetch_sub(&t->refcount, 1) != 1) return;
-    kiln_tensor_free(t->grad);
-    if (t->grad_fn) kiln__node_release(t->grad_fn);
+    kiln__ext_release_all(t);
     kiln__storage_release(t->st);
     free(t);
 }
@@ -274,17 +271,11 @@ kiln_tensor_t *kiln_from_data(const void *data, const int64_t *shape, int ndim, 
     return kiln__scoped(t);
 }
 
-/* A read or write of a tensor that is being captured: there is no data to give, and the
- * graph could not replay a value read now; the error names the op that made it. */
-kiln_status kiln__graph_data_access(const kiln_tensor_t *t, const char *what);
-
 kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nbytes)
 {
     if (!t) return kiln__null_arg("from_host");
-    if (t->st->meta) return kiln__graph_data_access(t, "from_host");
-    if (kiln__replay_recording())
-        return kiln__err(KILN_ERR_UNSUPPORTED, "from_host while recording a replay: a write from host memory is not a "
-                         "launch and would not be replayed; make the tensor before recording and pass it in");
+    kiln_status s = kiln__intercept_data_access(t, "from_host");
+    if (s != KILN_OK) return s;
     if (nbytes != kiln_tensor_nbytes(t))
         return kiln__err(KILN_ERR_ARG, "from_host: %zu bytes given, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
     if (nbytes && !src) return kiln__err(KILN_ERR_ARG, "from_host: source is NULL");
@@ -293,18 +284,11 @@ kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nby
     return nbytes ? t->st->be->copy_h2d(t->st->be, kiln__data(t), src, nbytes) : KILN_OK;
 }
 
-/* A value read by the function being recorded would freeze the decision taken on it. */
-static kiln_status replay_read(const char *what)
-{
-    return kiln__err(KILN_ERR_UNSUPPORTED, "%s while recording a replay: the replay could not take a decision made on "
-                     "this value again; read it after the recorded function returns", what);
-}
-
 kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes)
 {
     if (!t) return kiln__null_arg("to_host");
-    if (t->st->meta) return kiln__graph_data_access(t, "to_host");
-    if (kiln__replay_recording()) return replay_read("to_host");
+    kiln_status s = kiln__intercept_data_access(t, "to_host");
+    if (s != KILN_OK) return s;
     if (nbytes != kiln_tensor_nbytes(t))
         return kiln__err(KILN_ERR_ARG, "to_host: %zu bytes of room, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
     if (nbytes && !dst) return kiln__err(KILN_ERR_ARG, "to_host: destination is NULL");
@@ -313,9 +297,7 @@ kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes
     kiln_tensor_t *c = NULL;
     kiln__attrs a = {0};
     kiln_tensor_t *in = (kiln_tensor_t *)t;
-    bool prev = kiln_set_grad_enabled(false);
-    kiln_status s = kiln__dispatch(KILN_OP_CONTIGUOUS, &in, 1, &a, &c);
-    kiln_set_grad_enabled(prev);
+    s = kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &in, 1, &a, &c);
     if (s == KILN_OK) s = c->st->be->copy_d2h(c->st->be, dst, kiln__data(c), nbytes);
     kiln_tensor_free(c);
     return s;
@@ -348,16 +330,12 @@ kiln_tensor_t *kiln_tensor_to(kiln_tensor_t *t, const char *device)
     if (t->st->meta)
         return kiln__err(KILN_ERR_UNSUPPORTED, "tensor_to: moving a tensor that is being captured into a graph; move it "
                          "before the captured function"), NULL;
-    if (kiln__replay_recording() && t->st->be != be)
-        return kiln__err(KILN_ERR_UNSUPPORTED, "tensor_to while recording a replay: a copy between devices is not a "
-                         "launch and would not be replayed; move it before recording"), NULL;
     if (t->st->be == be) return kiln__scoped(kiln_tensor_retain(t));
+    if (kiln__intercept_data_access(t, "tensor_to") != KILN_OK) return NULL;
     kiln_tensor_t *c = (kiln_tensor_t *)t;
     kiln__attrs a = {0};
-    bool prev = kiln_set_grad_enabled(false);
     kiln_status s = kiln__is_contiguous(t) ? (kiln_tensor_retain(t), KILN_OK)
-                                           : kiln__dispatch(KILN_OP_CONTIGUOUS, &c, 1, &a, &c);
-    kiln_set_grad_enabled(prev);
+                                           : kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &c, 1, &a, &c);
     if (s != KILN_OK) return NULL;
     kiln_tensor_t *out = kiln__tensor_alloc(be, t->dtype, t->shape, t->ndim);
     if (out) s = kiln__copy_across(be, kiln__data(out), c->st->be, kiln__data(c), kiln_tensor_nbytes(c));
@@ -372,8 +350,8 @@ kiln_tensor_t *kiln_tensor_to(kiln_tensor_t *t, const char *device)
 kiln_status kiln_tensor_item(const kiln_tensor_t *t, double *out)
 {
     if (!t) return kiln__null_arg("item");
-    if (t->st->meta) return kiln__graph_data_access(t, "item");
-    if (kiln__replay_recording()) return replay_read("item");
+    kiln_status st = kiln__intercept_data_access(t, "item");
+    if (st != KILN_OK) return st;
     char buf[96];
     if (kiln_tensor_numel(t) != 1)
         return kiln__err(KILN_ERR_SHAPE, "item: tensor %s has %lld elements, not 1", kiln__shape_str(t, buf, sizeof buf),

@@ -6,14 +6,14 @@
 #include "kiln/tensor.h"
 #include "core/backend.h"
 
-typedef struct kiln__node kiln__node;
+#define KILN__EXT_SLOTS 4
 
 typedef struct {
     atomic_int refcount;
     kiln__backend *be;
     void *data;
     size_t nbytes;
-    bool meta; /* a tensor being captured into a graph: shape and dtype, no data */
+    bool meta; /* a traced tensor (captured into a graph): shape and dtype, no data */
     struct kiln__pool *pool; /* allocated while a replay was being recorded (src/core/alloc.c) */
 } kiln__storage;
 
@@ -37,12 +37,9 @@ struct kiln_tensor {
     int64_t shape[KILN_MAX_DIMS];
     int64_t stride[KILN_MAX_DIMS]; /* in elements */
     int64_t offset;                /* in elements */
-    bool requires_grad;            /* a leaf that wants a gradient */
-    kiln_tensor_t *grad;           /* accumulated gradient of a leaf */
-    kiln__node *grad_fn;           /* the op that made a non-leaf, or NULL */
-    int out_index;                 /* which output of grad_fn this is */
-    int grad_pending;              /* during backward: edges still to bring this leaf gradient */
-    int graph_value;               /* while captured: its value in the graph (0: a real tensor) */
+    /* One pointer per room that keeps state on tensors (src/core/intercept.h): autograd's
+     * gradient state, the graph value a captured tensor stands for. */
+    void *ext[KILN__EXT_SLOTS];
 };
 
 /* Shape and dtype of a tensor before it exists (used by shape inference). */
@@ -93,15 +90,6 @@ kiln_status kiln__err(kiln_status s, const char *fmt, ...) __attribute__((format
 /* For a NULL tensor argument: keeps the error that made it NULL (ops return NULL on
  * failure, so chains pass it along), else reports "op: a tensor argument is NULL". */
 kiln_status kiln__null_arg(const char *op);
-
-/* Graph capture hooks (src/graph/graph.c), for the code that must act differently while
- * a function is being captured on this thread. */
-bool kiln__graph_capturing(void);
-/* kiln_tensor_grad and kiln_tensor_zero_grad on a real leaf during capture: the
- * gradient the graph has computed for it so far, and dropping it (the graph consumes it;
- * the leaf holds no gradient after a run). */
-kiln_tensor_t *kiln__graph_grad_of(const kiln_tensor_t *leaf);
-void kiln__graph_zero_grad(kiln_tensor_t *leaf);
 
 /* n bytes from address src on sbe to dst on dbe (through the host between devices). */
 kiln_status kiln__copy_across(kiln__backend *dbe, void *dst, kiln__backend *sbe, const void *src, size_t n);

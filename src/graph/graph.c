@@ -8,6 +8,8 @@
  * code. */
 #include <stdlib.h>
 #include <string.h>
+#include "autograd/autograd.h"
+#include "core/intercept.h"
 #include "core/rng.h"
 #include "core/tensor_impl.h"
 #include "kiln/graph.h"
@@ -19,6 +21,22 @@
 static _Thread_local kiln_graph_t *capturing;
 
 bool kiln__graph_capturing(void) { return capturing != NULL; }
+
+/* The value a captured (meta) tensor stands for, kept in the tensor's extension slot
+ * for the graph; a detached alias keeps it (autograd saves aliases of outputs). */
+static int value_slot = -1;
+
+static int graph_value(const kiln_tensor_t *t) { return (int)(intptr_t)kiln__ext(t, value_slot); }
+
+KILN__REGISTER(register_graph_slot) { value_slot = kiln__ext_register("graph value", NULL, true); }
+
+/* What a capture of g on this thread holds: its interceptor and autograd's leaf sink. */
+typedef struct {
+    kiln_graph_t *g;
+    kiln__interceptor ic;
+    kiln__leaf_sink sink;
+    const kiln__leaf_sink *sink_was;
+} capture_frame;
 
 void kiln__graph_meta_of(const kiln_tensor_t *t, kiln__meta *m)
 {
@@ -66,7 +84,7 @@ static kiln_tensor_t *meta_tensor(kiln__backend *be, kiln__storage *share, size_
     else kiln__contiguous_strides(m->ndim, m->shape, stride);
     kiln_tensor_t *t = kiln__tensor_alias(st, m->dtype, m->ndim, m->shape, stride, view ? m->offset : 0);
     if (!share) kiln__storage_release(st); /* the header holds it now */
-    if (t) t->graph_value = num;
+    if (t) t->ext[value_slot] = (void *)(intptr_t)num;
     return t;
 }
 
@@ -95,7 +113,7 @@ static kiln_status add_arg(kiln_graph_t *g, int index, const kiln__meta *m, kiln
  * tensor is captured by reference (once). */
 static int value_of(kiln_graph_t *g, kiln_tensor_t *t)
 {
-    if (t->st->meta) return t->graph_value;
+    if (t->st->meta) return graph_value(t);
     for (int i = 1; i < g->n_v; i++)
         if (g->v[i].kind == V_CONST && g->v[i].t == t) return i;
     kiln__meta m;
@@ -105,13 +123,13 @@ static int value_of(kiln_graph_t *g, kiln_tensor_t *t)
     return num;
 }
 
-kiln_status kiln__graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+static kiln_status graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                const kiln__meta *meta, kiln__backend *be, kiln_tensor_t **out)
 {
     kiln_graph_t *g = capturing;
     const kiln__op_def *d = &kiln__ops[op];
     for (int i = 0; i < n_in; i++)
-        if (in[i]->st->meta && (in[i]->graph_value <= 0 || in[i]->graph_value >= g->n_v))
+        if (in[i]->st->meta && (graph_value(in[i]) <= 0 || graph_value(in[i]) >= g->n_v))
             return kiln__err(KILN_ERR_ARG, "%s: input %d belongs to another graph's capture", d->name, i);
     if (g->n_nd == g->cap_nd) {
         int cap = g->cap_nd ? 2 * g->cap_nd : 64;
@@ -183,9 +201,9 @@ static leaf_grad *leaf_entry(kiln_graph_t *g, kiln_tensor_t *leaf)
     return e;
 }
 
-kiln_status kiln__graph_leaf_grad(kiln_tensor_t *leaf, kiln_tensor_t *g)
+static kiln_status sink_accumulate(void *ctx, kiln_tensor_t *leaf, kiln_tensor_t *g)
 {
-    kiln_graph_t *gr = capturing;
+    kiln_graph_t *gr = ctx;
     leaf_grad *e = leaf_entry(gr, leaf);
     if (!e) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
     e->dropped = false;
@@ -195,19 +213,19 @@ kiln_status kiln__graph_leaf_grad(kiln_tensor_t *leaf, kiln_tensor_t *g)
     if (!sum) return kiln_last_status();
     kiln_tensor_free(e->acc);
     e->acc = kiln_keep(sum);
-    e->value = sum->graph_value;
+    e->value = graph_value(sum);
     return KILN_OK;
 }
 
-kiln_tensor_t *kiln__graph_grad_of(const kiln_tensor_t *leaf)
+static kiln_tensor_t *sink_grad_of(void *ctx, const kiln_tensor_t *leaf)
 {
-    kiln_graph_t *g = capturing;
+    kiln_graph_t *g = ctx;
     leaf_grad *e = find_leaf(g, leaf);
     /* Until the function zeroes it, a leaf's gradient at run time is whatever it holds
      * when the run starts plus what the graph adds; the graph cannot follow the former
      * (a gradient tensor is replaced between calls), so it must be empty. */
     bool old_counts = !e || !e->clear;
-    if (old_counts && leaf->grad) {
+    if (old_counts && kiln__autograd_grad(leaf)) {
         char b[96];
         char msg[320];
         snprintf(msg, sizeof msg, "graph capture: the function reads the gradient of a parameter %s that already "
@@ -226,9 +244,9 @@ kiln_tensor_t *kiln__graph_grad_of(const kiln_tensor_t *leaf)
     return e->acc;
 }
 
-void kiln__graph_zero_grad(kiln_tensor_t *leaf)
+static void sink_zero_grad(void *ctx, kiln_tensor_t *leaf)
 {
-    kiln_graph_t *g = capturing;
+    kiln_graph_t *g = ctx;
     leaf_grad *e = leaf_entry(g, leaf);
     if (!e) {
         fail_later(g, KILN_ERR_OOM, "graph capture: out of memory");
@@ -242,50 +260,68 @@ void kiln__graph_zero_grad(kiln_tensor_t *leaf)
 
 bool kiln_graph_capturing(void) { return capturing != NULL; }
 
-/* A suspension pauses the graph capture and the replay recording of this thread, both;
- * they nest, up to 32 deep (deeper, nothing more is paused: no caller comes close). */
-typedef struct {
-    kiln_graph_t *g;
-    void *replay;
-} suspension;
-static _Thread_local suspension suspended[32];
-static _Thread_local int n_suspended;
+/* A suspension pauses every interceptor of this thread (the graph capture and the
+ * replay recording, both); they nest, up to 32 deep (deeper, nothing more is paused: no
+ * caller comes close). */
+void *kiln_graph_suspend(void) { return kiln__intercept_suspend(); }
 
-void *kiln__replay_pause(void);
-void kiln__replay_unpause(void *r);
+void kiln_graph_resume(void *token) { kiln__intercept_resume(token); }
 
-void *kiln_graph_suspend(void)
+/* A read or write of a tensor that is being captured: there is no data to give, and the
+ * graph could not replay a value read now; the error names the op that made it. */
+static kiln_status capture_data_access(void *ctx, const kiln_tensor_t *t, const char *what)
 {
-    if (!capturing && !kiln__replay_recording()) return NULL;
-    if (n_suspended == 32) return NULL;
-    suspension *sp = &suspended[n_suspended++];
-    sp->g = capturing;
-    sp->replay = kiln__replay_pause();
-    capturing = NULL;
-    return sp;
-}
-
-void kiln_graph_resume(void *token)
-{
-    if (!token) return;
-    suspension *sp = token;
-    capturing = sp->g;
-    kiln__replay_unpause(sp->replay);
-    n_suspended = (int)(sp - suspended);
-}
-
-kiln_status kiln__graph_data_access(const kiln_tensor_t *t, const char *what)
-{
-    kiln_graph_t *g = capturing;
+    kiln_graph_t *g = ((capture_frame *)ctx)->g;
+    if (!t->st->meta) return KILN_OK;
     const char *op = "an argument of the captured function";
-    if (g && t->graph_value > 0 && t->graph_value < g->n_v && g->v[t->graph_value].kind == V_OP)
-        op = kiln__ops[g->nd[g->v[t->graph_value].index].op].name;
-    else if (!g)
-        op = "a graph capture that has ended";
+    int v = graph_value(t);
+    if (v > 0 && v < g->n_v && g->v[v].kind == V_OP) op = kiln__ops[g->nd[g->v[v].index].op].name;
     return kiln__err(KILN_ERR_UNSUPPORTED, "%s: a data-dependent read during graph capture, of the result of %s: a "
                      "captured tensor has no value yet, and a graph cannot replay a decision taken on one; move the read "
                      "out of the captured function (capture the part before it and the part after it as two graphs)",
                      what, op);
+}
+
+/* Capture as dispatch sees it: every call is recorded here instead of run. */
+static kiln_status capture_take(void *ctx, kiln__call_info *c, bool *taken)
+{
+    *taken = true;
+    return graph_record(c->op, c->in, c->n_in, c->a, c->meta, c->be, c->out);
+}
+
+static void capture_suspend(void *ctx)
+{
+    capturing = NULL;
+    kiln__autograd_set_leaf_sink(NULL);
+}
+
+static void capture_resume(void *ctx)
+{
+    capture_frame *f = ctx;
+    capturing = f->g;
+    kiln__autograd_set_leaf_sink(&f->sink);
+}
+
+static kiln_status capture_begin(capture_frame *f, kiln_graph_t *g)
+{
+    f->g = g;
+    f->ic = (kiln__interceptor){.name = "capture", .order = KILN__ORDER_CAPTURE, .traces = true, .records = true,
+                                .take = capture_take, .data_access = capture_data_access,
+                                .suspend = capture_suspend, .resume = capture_resume, .ctx = f};
+    f->sink = (kiln__leaf_sink){.grad_of = sink_grad_of, .zero_grad = sink_zero_grad, .accumulate = sink_accumulate,
+                                .ctx = g};
+    kiln_status s = kiln__intercept_push(&f->ic);
+    if (s != KILN_OK) return s;
+    capturing = g;
+    f->sink_was = kiln__autograd_set_leaf_sink(&f->sink);
+    return KILN_OK;
+}
+
+static void capture_end(capture_frame *f)
+{
+    kiln__intercept_pop(&f->ic);
+    kiln__autograd_set_leaf_sink(f->sink_was);
+    capturing = NULL;
 }
 
 void kiln_graph_free(kiln_graph_t *g)
@@ -336,9 +372,10 @@ kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *c
     if (s == KILN_OK) {
         kiln_tensor_t *res[KILN_GRAPH_MAX_OUT] = {0};
         int n_out = 0;
-        capturing = g;
+        capture_frame cf;
+        bool began = (s = capture_begin(&cf, g)) == KILN_OK;
         kiln_scope_begin();
-        s = fn(ctx, args, n_in, res, &n_out);
+        if (s == KILN_OK) s = fn(ctx, args, n_in, res, &n_out);
         if (s == KILN_OK && (n_out < 0 || n_out > KILN_GRAPH_MAX_OUT))
             s = kiln__err(KILN_ERR_ARG, "graph_capture: the function gave %d outputs (0..%d)", n_out, KILN_GRAPH_MAX_OUT);
         for (int j = 0; s == KILN_OK && j < n_out; j++) {
@@ -352,7 +389,7 @@ kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *c
             g->lg[i].acc = NULL;
         }
         kiln_scope_end();
-        capturing = NULL;
+        if (began) capture_end(&cf);
     }
     for (int i = 0; args && i < n_in; i++) kiln_tensor_free(args[i]);
     free(args);
@@ -406,7 +443,7 @@ kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const
             }
     free(mut);
     for (int j = 0; j < g->n_lg; j++)
-        if (g->lg[j].read && g->lg[j].leaf->grad) {
+        if (g->lg[j].read && kiln__autograd_grad(g->lg[j].leaf)) {
             char b[96];
             return kiln__err(KILN_ERR_ARG, "graph_run: the graph reads the gradient of a parameter %s that holds one "
                              "from before the call; zero the gradients first (kiln_optim_zero_grad)",
@@ -423,13 +460,11 @@ kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt
     for (int j = 0; s == KILN_OK && j < g->n_lg; j++) {
         int v = g->lg[j].value;
         kiln_tensor_t *leaf = g->lg[j].leaf, *gv = rt[v];
-        if (g->lg[j].clear) {
-            kiln_tensor_free(leaf->grad);
-            leaf->grad = NULL;
-        }
+        if (g->lg[j].clear) kiln__autograd_set_grad(leaf, NULL);
         if (g->lg[j].dropped) continue;
-        if (leaf->grad) {
-            s = kiln_add_(leaf->grad, gv, 1.0);
+        kiln_tensor_t *held = kiln__autograd_grad(leaf);
+        if (held) {
+            s = kiln_add_(held, gv, 1.0);
             continue;
         }
         /* An intermediate that nothing else holds (not returned, not another leaf's,
@@ -439,12 +474,11 @@ kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt
         for (int k = 0; own && k < g->n_outs; k++) own = g->outs[k] != v;
         for (int k = 0; own && k < g->n_lg; k++) own = k == j || g->lg[k].value != v;
         if (own) {
-            leaf->grad = gv;
             rt[v] = NULL;
-        } else if ((leaf->grad = kiln_clone(gv))) {
-            kiln_keep(leaf->grad);
+            s = kiln__autograd_set_grad(leaf, gv);
         } else {
-            s = kiln_last_status();
+            kiln_tensor_t *c = kiln_clone(gv);
+            s = c ? kiln__autograd_set_grad(leaf, kiln_keep(c)) : kiln_last_status();
         }
     }
     return s;
@@ -686,7 +720,9 @@ kiln_status kiln__graph_rewrite(kiln_graph_t *g, const char *who, kiln__graph_ru
     }
     ng->n_args = g->n_args;
     int n_rules = 0;
-    capturing = ng;
+    capture_frame cf;
+    if (s == KILN_OK) s = capture_begin(&cf, ng);
+    bool began = s == KILN_OK;
     bool prev = kiln_set_grad_enabled(false);
     kiln_scope_begin();
     for (int k = 0; s == KILN_OK && k < g->n_nd;) {
@@ -724,7 +760,7 @@ kiln_status kiln__graph_rewrite(kiln_graph_t *g, const char *who, kiln__graph_ru
     }
     kiln_scope_end();
     kiln_set_grad_enabled(prev);
-    capturing = NULL;
+    if (began) capture_end(&cf);
     for (int i = 1; map && i < g->n_v; i++)
         if (g->v[i].kind != V_CONST) kiln_tensor_free(map[i]);
     free(map);

@@ -18,6 +18,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <stdio.h>
+#include "core/intercept.h"
 #include "core/opts.h"
 #include "core/tensor_impl.h"
 #include "graph/graph_impl.h"
@@ -25,17 +26,21 @@
 #include "kiln/ops.h"
 #include "ops/registry.h"
 
+/* A launch: an op as the provider that ran it runs it, or a call noted from outside
+ * dispatch (a compiled program's generated kernel). */
+typedef enum { LAUNCH_OP, LAUNCH_CALL } launch_kind;
+
 typedef struct {
-    kiln__launch_kind kind;
+    launch_kind kind;
     int op;
     kiln__backend *be;
-    kiln__kernel_fn fn;
+    const kiln__provider *provider; /* LAUNCH_OP: who ran it */
     kiln__attrs a;
     int n_in, n_out;
     kiln_tensor_t *t;   /* n_in + n_out header copies */
     kiln__storage *st;  /* their storages' copies */
     kiln_tensor_t **p;  /* pointers to t[] */
-    kiln_status (*call)(void *ctx); /* KILN__LAUNCH_CALL: what runs, on call_ctx */
+    kiln_status (*call)(void *ctx); /* LAUNCH_CALL: what runs, on call_ctx */
     void *call_ctx;
     void (*call_free)(void *ctx);
 } launch;
@@ -60,18 +65,16 @@ bool kiln__replay_recording(void) { return rec != NULL; }
 bool kiln_replay_recording(void) { return rec != NULL; }
 
 /* kiln_graph_suspend: state made now (optimizer moments) is real and not recorded. */
-void *kiln__replay_pause(void)
+static void replay_suspend(void *ctx)
 {
-    kiln_replay_t *r = rec;
-    if (r) kiln__pool_end();
+    kiln__pool_end();
     rec = NULL;
-    return r;
 }
 
-void kiln__replay_unpause(void *r)
+static void replay_resume(void *ctx)
 {
-    rec = r;
-    if (rec) kiln__pool_begin(rec->pool);
+    rec = ctx;
+    kiln__pool_begin(rec->pool);
 }
 
 /* Room for one more launch; false (and the recording failed) when there is none. */
@@ -90,14 +93,18 @@ static bool room(kiln_replay_t *r)
     return true;
 }
 
-void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__kernel_fn fn, kiln_tensor_t *const *in,
-                       int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)
+/* Notes a launch dispatch made (c->ran ran it); never fails the call: a recording that
+ * ran out of memory says so when it ends. */
+static kiln_status replay_after(void *ctx, const kiln__call_info *c)
 {
-    kiln_replay_t *r = rec;
-    if (!room(r)) return;
+    kiln_replay_t *r = ctx;
+    if (!c->ran || !room(r)) return KILN_OK;
+    int n_in = c->n_in, n_out = c->n_out;
+    kiln_tensor_t *const *in = c->in, *const *out = c->out;
     int n = n_in + n_out;
     launch *L = &r->l[r->n_l];
-    *L = (launch){.kind = kind, .op = op, .be = be, .fn = fn, .a = *a, .n_in = n_in, .n_out = n_out,
+    *L = (launch){.kind = LAUNCH_OP, .op = c->op, .be = c->be, .provider = c->ran, .a = *c->a, .n_in = n_in,
+                  .n_out = n_out,
                   .t = calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t)),
                   .st = calloc((size_t)(n ? n : 1), sizeof(kiln__storage)),
                   .p = calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t *))};
@@ -106,7 +113,7 @@ void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__
         free(L->st);
         free(L->p);
         r->failed = KILN_ERR_OOM;
-        return;
+        return KILN_OK;
     }
     for (int i = 0; i < n; i++) {
         const kiln_tensor_t *src = i < n_in ? in[i] : out[i - n_in];
@@ -116,11 +123,33 @@ void kiln__replay_note(kiln__launch_kind kind, int op, kiln__backend *be, kiln__
         L->t[i] = *src;
         atomic_init(&L->t[i].refcount, 1);
         L->t[i].st = &L->st[i];
-        L->t[i].grad = NULL;
-        L->t[i].grad_fn = NULL;
+        memset(L->t[i].ext, 0, sizeof L->t[i].ext); /* a bare header: no room's state */
         L->p[i] = &L->t[i];
     }
     r->n_l++;
+    return KILN_OK;
+}
+
+/* Random ops draw a fresh stream each time they run; a replay would repeat one. */
+static kiln_status replay_before(void *ctx, const kiln__call_info *c)
+{
+    if (c->op == KILN_OP_RAND || (c->op == KILN_OP_DROPOUT && c->a->f[0] > 0))
+        return kiln__err(KILN_ERR_UNSUPPORTED, "%s while recording a replay: its random stream would be frozen and every "
+                         "replay would draw the same numbers; record without it (dropout 0)", kiln__ops[c->op].name);
+    return KILN_OK;
+}
+
+/* What the host reads or writes is not a launch: the replay would not repeat it. */
+static kiln_status replay_data_access(void *ctx, const kiln_tensor_t *t, const char *what)
+{
+    if (!strcmp(what, "from_host"))
+        return kiln__err(KILN_ERR_UNSUPPORTED, "from_host while recording a replay: a write from host memory is not a "
+                         "launch and would not be replayed; make the tensor before recording and pass it in");
+    if (!strcmp(what, "tensor_to"))
+        return kiln__err(KILN_ERR_UNSUPPORTED, "tensor_to while recording a replay: a copy between devices is not a "
+                         "launch and would not be replayed; move it before recording");
+    return kiln__err(KILN_ERR_UNSUPPORTED, "%s while recording a replay: the replay could not take a decision made on "
+                     "this value again; read it after the recorded function returns", what);
 }
 
 void kiln__replay_note_call(kiln__backend *be, kiln_status (*call)(void *ctx), void *ctx, void (*free_ctx)(void *ctx))
@@ -131,14 +160,14 @@ void kiln__replay_note_call(kiln__backend *be, kiln_status (*call)(void *ctx), v
         if (free_ctx) free_ctx(ctx);
         return;
     }
-    r->l[r->n_l++] = (launch){.kind = KILN__LAUNCH_CALL, .op = -1, .be = be, .call = call, .call_ctx = ctx,
+    r->l[r->n_l++] = (launch){.kind = LAUNCH_CALL, .op = -1, .be = be, .call = call, .call_ctx = ctx,
                               .call_free = free_ctx};
 }
 
 /* What launch L is, for a message. */
 static const char *launch_name(const launch *L)
 {
-    return L->kind == KILN__LAUNCH_CALL ? "a generated kernel" : kiln__ops[L->op].name;
+    return L->kind == LAUNCH_CALL ? "a generated kernel" : kiln__ops[L->op].name;
 }
 
 /* The launches, in order, on the recorded tensors; *at gets the one that failed. */
@@ -150,15 +179,13 @@ static kiln_status run_list_at(kiln_replay_t *r, int *at)
         const launch *L = &r->l[k];
         kiln_tensor_t *const *ins = L->p, *const *outs = L->p + L->n_in;
         bool handled = true;
-        switch (L->kind) {
-        case KILN__LAUNCH_KERNEL: s = L->fn(L->be, ins, L->n_in, &L->a, outs, L->n_out); break;
-        case KILN__LAUNCH_COMPILED:
-            s = kiln__eager_compiled(L->be, L->op, ins, L->n_in, &L->a, outs, L->n_out, &handled);
+        if (L->kind == LAUNCH_CALL) {
+            s = L->call(L->call_ctx);
+        } else {
+            s = L->provider->run(L->be, L->op, ins, L->n_in, &L->a, outs, L->n_out, &handled);
             if (s == KILN_OK && !handled)
-                s = kiln__err(KILN_ERR_INTERNAL, "replay_run: the generated kernel of %s is gone", kiln__ops[L->op].name);
-            break;
-        case KILN__LAUNCH_ON_CPU: s = kiln__cpu_fallback(L->be, L->op, ins, L->n_in, &L->a, outs, L->n_out); break;
-        case KILN__LAUNCH_CALL: s = L->call(L->call_ctx); break;
+                s = kiln__err(KILN_ERR_INTERNAL, "replay_run: the %s kernel of %s is gone", L->provider->name,
+                              kiln__ops[L->op].name);
         }
         if (s != KILN_OK) *at = k;
     }
@@ -178,7 +205,7 @@ static void capture_native(kiln_replay_t *r)
     kiln__backend *be = r->n_l ? r->l[0].be : NULL;
     for (int k = 0; be && k < r->n_l; k++) {
         const launch *L = &r->l[k];
-        if (L->kind == KILN__LAUNCH_ON_CPU) {
+        if (L->kind == LAUNCH_OP && L->provider->on_cpu) {
             snprintf(r->why, sizeof r->why, "a launch list: launch %d (%s) runs on the cpu with copies", k,
                      launch_name(L));
             return;
@@ -247,10 +274,18 @@ kiln_status kiln_replay_record(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
     for (int i = 0; i < n_in; i++) r->in[i] = kiln_tensor_retain(in[i]);
     kiln_tensor_t *res[KILN_GRAPH_MAX_OUT] = {0};
     int n = 0;
+    kiln__interceptor ic = {.name = "replay", .order = KILN__ORDER_REPLAY, .records = true, .before = replay_before,
+                            .after = replay_after, .data_access = replay_data_access, .suspend = replay_suspend,
+                            .resume = replay_resume, .ctx = r};
+    kiln_status s = kiln__intercept_push(&ic);
+    if (s != KILN_OK) {
+        kiln_replay_free(r);
+        return s;
+    }
     rec = r;
     kiln__pool_begin(r->pool);
     kiln_scope_begin();
-    kiln_status s = fn(ctx, in, n_in, res, &n);
+    s = fn(ctx, in, n_in, res, &n);
     if (s == KILN_OK && (n < 0 || n > KILN_GRAPH_MAX_OUT || n > max_out))
         s = kiln__err(KILN_ERR_ARG, "replay_record: the function gave %d outputs (room for %d)", n, max_out);
     for (int j = 0; s == KILN_OK && j < n; j++)
@@ -259,6 +294,7 @@ kiln_status kiln_replay_record(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
     kiln_scope_end();
     kiln__pool_end();
     rec = NULL;
+    kiln__intercept_pop(&ic);
     if (s == KILN_OK && r->failed) s = kiln__err(r->failed, "replay_record: out of memory recording the launches");
     if (s != KILN_OK) {
         kiln_replay_free(r);

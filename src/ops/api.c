@@ -2,6 +2,7 @@
 #include <math.h>
 #include <string.h>
 #include "kiln/ops.h"
+#include "core/intercept.h"
 #include "core/rng.h"
 #include "ops/registry.h"
 
@@ -666,7 +667,7 @@ kiln_status kiln_adamw_(kiln_tensor_t *p, kiln_tensor_t *g, kiln_tensor_t *m, ki
                         double beta2, double eps, double wd, int64_t t)
 {
     if (t < 1) return kiln__err(KILN_ERR_ARG, "adamw_: step %lld must be >= 1", (long long)t);
-    if (kiln__graph_capturing() || kiln__replay_recording())
+    if (kiln__dispatch_recording())
         return kiln__err(KILN_ERR_UNSUPPORTED, "adamw_ during graph capture or replay recording: its lr and step count "
                          "would be frozen; give them as tensors with kiln_adamw_step_ (kiln_optim_step_t does)");
     double vals[3] = {lr, (double)t, 1.0};

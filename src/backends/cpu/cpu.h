@@ -5,7 +5,7 @@
 #include "core/dtype.h"
 #include "core/tensor_impl.h"
 #include "core/threadpool.h"
-#include "ops/registry.h"
+#include "core/intercept.h"
 
 #define CPU_MAX_OPS 4
 
@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) float kiln__fast_expf(float x0)
 #define KILN_OP(ID, name, nin, nout, nvis, grad, save) \
     kiln_status kiln__cpu_##name(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, \
                                  kiln_tensor_t *const *out, int n_out);
-#include "ops/ops.def"
+#include "core/ops.def"
 #undef KILN_OP
 
 #endif

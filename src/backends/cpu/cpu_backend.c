@@ -15,7 +15,7 @@ void openblas_set_num_threads(int n);
 
 static const kiln__kernel_fn cpu_kernels[KILN_OP_COUNT] = {
 #define KILN_OP(ID, name, nin, nout, nvis, grad, save) [KILN_OP_##ID] = kiln__cpu_##name,
-#include "ops/ops.def"
+#include "core/ops.def"
 #undef KILN_OP
 };
 
@@ -93,11 +93,14 @@ static kiln__backend cpu_backend = {
     /* .can_fuse = */ NULL, /* every op the lowering knows */
 };
 
-kiln__backend *kiln__cpu_backend(int nthreads)
+/* The cpu is made at start-up, first, so that it is device 0. */
+static int make_cpu(int nthreads)
 {
     BLAS_SET_THREADS(kiln__opt(KILN__OPT_POOL_GEMM) ? 1 : nthreads);
-    return &cpu_backend;
+    return kiln__backend_register(&cpu_backend) == KILN_OK;
 }
+
+KILN__REGISTER(register_cpu) { kiln__backend_provider_register("cpu", make_cpu, true); }
 
 /* View ops alias their input's storage and the core never launches a kernel for them;
  * the table still has a slot per op so that a missing kernel elsewhere fails to link. */

@@ -29,7 +29,7 @@
 #include "core/cache.h"
 #include "core/dtype.h"
 #include "core/tensor_impl.h"
-#include "ops/registry.h"
+#include "core/intercept.h"
 
 #define MAX_CUDA_DEVICES 8
 
@@ -635,7 +635,7 @@ const char *kiln_cuda_status(void) { return why_none; }
 
 /* Registers every GPU found; none (no driver, no device, no toolkit) is not an error,
  * and kiln_cuda_status then says why. */
-int kiln__cuda_register(void)
+static int cuda_register(int nthreads)
 {
     if (!load_libraries()) return 0;
     int count = 0;
@@ -693,6 +693,7 @@ int kiln__cuda_register(void)
     else snprintf(why_none, sizeof why_none, "%d GPU(s)", n);
     return n;
 }
+KILN__REGISTER(register_cuda) { kiln__backend_provider_register("cuda", cuda_register, false); }
 #else
 #include "kiln/tensor.h"
 const char *kiln_cuda_status(void) { return "not built (the CUDA toolkit's headers were not found)"; }

@@ -39,7 +39,7 @@
 #include "kiln/ops.h"
 #include "core/opts.h"
 #include "core/tensor_impl.h"
-#include "ops/registry.h"
+#include "core/intercept.h"
 
 #define MAX_CL_DEVICES 4
 
@@ -1287,11 +1287,7 @@ static kiln_tensor_t *dense(kiln_tensor_t *t)
     if (kiln__is_contiguous(t)) return kiln_tensor_retain(t);
     kiln__attrs a = {0};
     kiln_tensor_t *c = NULL;
-    bool prev = kiln_set_grad_enabled(false);
-    void *rec = kiln__replay_pause();
-    kiln__dispatch(KILN_OP_CONTIGUOUS, &t, 1, &a, &c);
-    kiln__replay_unpause(rec);
-    kiln_set_grad_enabled(prev);
+    kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &t, 1, &a, &c);
     return c;
 }
 
@@ -1610,7 +1606,7 @@ static void finish_all(void)
 }
 
 /* Registers every OpenCL device found; none (no platform, no ICD) is not an error. */
-int kiln__opencl_register(void)
+static int opencl_register(int nthreads)
 {
     cl_platform_id plats[8];
     cl_uint np = 0;
@@ -1654,4 +1650,5 @@ int kiln__opencl_register(void)
     }
     return n;
 }
+KILN__REGISTER(register_opencl) { kiln__backend_provider_register("opencl", opencl_register, false); }
 #endif

@@ -2,7 +2,7 @@
  * shapes and the dtypes when it refuses. */
 #include <string.h>
 #include "kiln/ops.h"
-#include "ops/registry.h"
+#include "core/op_table.h"
 
 #define SHP(t, buf) kiln__shape_str((t), (buf), sizeof(buf))
 

@@ -1,0 +1,74 @@
+/* The op table's schema columns: what dispatch needs to know of every op to check, infer
+ * and run a call (src/core/ops.def is the list; src/core/op_table.c renders it). The
+ * columns that belong to rooms above (backward formulas, decompositions, code
+ * generation) are rendered from the same list by those rooms (src/ops/registry.c), so
+ * that every fact about an op is written once, in ops.def or beside its name there. */
+#ifndef KILN_CORE_OP_TABLE_H
+#define KILN_CORE_OP_TABLE_H
+
+#include "core/attrs.h"
+#include "core/tensor_impl.h"
+
+#define KILN__SI(i) (1u << (i))
+#define KILN__SO(j) (1u << (8 + (j)))
+#define KILN__MAX_OUT 4
+
+typedef enum {
+#define KILN_OP(ID, name, nin, nout, nvis, grad, save) KILN_OP_##ID,
+#include "core/ops.def"
+#undef KILN_OP
+    KILN_OP_COUNT
+} kiln__op_id;
+
+/* Fills out[0..n_out) with the output shapes and dtypes, or returns an error that names
+ * the op, the shapes and dtypes. View ops also fill stride and offset (relative to
+ * input 0's storage). */
+typedef kiln_status (*kiln__infer_fn)(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                      kiln__meta *out);
+
+typedef struct {
+    const char *name;
+    int n_in, n_out, n_visible;
+    unsigned save;   /* what backward keeps: KILN__SI(i) input i, KILN__SO(j) output j */
+    bool has_grad;   /* has a backward formula (src/ops/backward.c) */
+    bool is_view;
+    bool is_inplace;
+    kiln__infer_fn infer;
+} kiln__op_def;
+
+extern const kiln__op_def kiln__ops[KILN_OP_COUNT];
+
+/* The inputs an op writes, as a bit mask: none for an out-of-place op, the destination
+ * (input 0) for an in-place one, and for adamw_ the two moments (inputs 2, 3) too. */
+static inline unsigned kiln__written_inputs(kiln__op_id op)
+{
+    return !kiln__ops[op].is_inplace ? 0u : op == KILN_OP_ADAMW_ ? 0xDu : 1u;
+}
+
+#define KILN_OP(ID, name, nin, nout, nvis, grad, save)                                        \
+    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, \
+                                   kiln__meta *out);
+#include "core/ops.def"
+#undef KILN_OP
+
+/* Runs op on its inputs' backend: checks, infers, lets this thread's interceptors watch
+ * or take the call, runs it through the first kernel provider that has it
+ * (src/core/intercept.h). out[] receives n_out new references (the caller keeps or
+ * frees them). */
+kiln_status kiln__dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                           kiln_tensor_t **out);
+/* Dispatch returning the first output registered with the scope (NULL on error);
+ * hidden outputs are dropped. */
+kiln_tensor_t *kiln__call(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a);
+/* Dispatch for work a kernel does on its own behalf (a strided source made dense before
+ * a copy): no interceptor sees it, so autograd does not record it and a replay does not
+ * note it; the kernel's own launch stands for it. */
+kiln_status kiln__dispatch_quiet(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                 kiln_tensor_t **out);
+
+/* Shape helpers shared by inference and the rooms above. */
+kiln_status kiln__broadcast_shapes(const char *op, int n, kiln_tensor_t *const *ts, kiln__meta *out);
+int kiln__norm_dim(int dim, int ndim);
+kiln_dtype kiln__promote(kiln_dtype a, kiln_dtype b);
+
+#endif
