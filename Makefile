@@ -4,7 +4,7 @@ BLAS ?= OPENBLAS
 CMAKE_FLAGS ?=
 JOBS ?= $(shell nproc)
 
-.PHONY: all deps test-deps build test demo asan fuzz clean
+.PHONY: all deps test-deps build test demo asan fuzz install clean
 
 all: build
 
@@ -21,6 +21,11 @@ test-deps:
 
 test: build test-deps
 	@ctest --test-dir $(BUILD) --output-on-failure -j $(JOBS)
+
+# Installs the libraries, headers, pkg-config files and CMake package under PREFIX.
+PREFIX ?= /usr/local
+install: build
+	@cmake --install $(BUILD) --prefix $(PREFIX)
 
 # Trains a small GPT on the King James Bible for a few minutes, then samples from it.
 demo: build
