@@ -174,7 +174,7 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
     }
     if (!dev) dev = cpu;
     kiln__codegen_fn gen = dev == cpu ? kiln__codegen_c : kiln__codegen_for(dev);
-    if (!why && dev != cpu && (!gen || !dev->compile_kernel || !dev->launch))
+    if (!why && dev != cpu && (!gen || !kiln__be_can_compile(dev)))
         why = "a device without a kernel language the compiler generates";
     /* The CUDA dialect runs eager.c's one-op kernels on GPUs; whole graphs in it wait for
      * a GPU run of tests/test_compile.c (bench/gpu.sh) before they are switched on. */

@@ -205,7 +205,7 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
 {
     kiln__op_id op = (kiln__op_id)op_id;
     *handled = false;
-    if (!be->language || !be->compile_kernel || !be->launch || !candidate(op) || n_in > 16 ||
+    if (!kiln__be_can_compile(be) || !candidate(op) || n_in > 16 ||
         !kiln__opt(KILN__OPT_DEVICE_CODEGEN))
         return KILN_OK;
     kiln_tensor_t flat, *fp = &flat;

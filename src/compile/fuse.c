@@ -69,12 +69,12 @@ static lower_kind lower_op(const kiln_graph_t *g, const node *n)
 static lower_kind lowering(const kiln_graph_t *g, const node *n, kiln__backend *be)
 {
     lower_kind l = lower_op(g, n);
-    if (l == L_NONE || l == L_ALIAS || !be || !be->can_fuse) return l;
+    if (l == L_NONE || l == L_ALIAS || !be) return l;
     kiln_dtype in[4]; /* an op that lowers has at most 3 inputs (where) */
     if (n->n_in > 4) return L_NONE;
     for (int i = 0; i < n->n_in; i++) in[i] = g->v[n->in[i]].meta.dtype;
     kiln_dtype out = n->n_out ? g->v[n->out[0]].meta.dtype : KILN_DTYPE_F32;
-    return be->can_fuse(be, n->op, in, n->n_in, out) ? l : L_NONE;
+    return kiln__be_can_fuse(be, n->op, in, n->n_in, out) ? l : L_NONE;
 }
 
 typedef struct {
@@ -787,7 +787,7 @@ void kiln__program_free(kiln__program *p)
     if (p->prof && p->prof_runs > 1) kiln__program_profile_print(p, stderr);
     free(p->prof);
     for (int i = 0; p->dsz && i < p->n_k; i++) /* before p->k, whose sizes they were */
-        if (p->dsz[i]) p->be->free(p->be, p->dsz[i], KC_SZ_BYTES(&p->k[i]));
+        if (p->dsz[i]) kiln__be_free(p->be, p->dsz[i], KC_SZ_BYTES(&p->k[i]));
     free(p->dsz);
     for (int i = 0; p->k && i < p->n_k; i++) {
         free(p->k[i].e);
@@ -804,7 +804,7 @@ void kiln__program_free(kiln__program *p)
         kiln__jit_unload(p->so);
     }
     for (int i = 0; p->kern && i < p->n_k; i++)
-        if (p->kern[i] && p->be->kernel_free) p->be->kernel_free(p->be, p->kern[i]);
+        kiln__be_kernel_free(p->be, p->kern[i]);
     free(p->kern);
     free(p);
 }

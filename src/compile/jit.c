@@ -123,21 +123,21 @@ kiln_status kiln__device_load(kiln__program *p, const char *src, const char *deb
      * and takes each kernel out of it. */
     if (!(p->kern = calloc((size_t)p->n_k, sizeof *p->kern))) return kiln__err(KILN_ERR_OOM, "compile: out of memory");
     kiln_status s = KILN_OK;
-    for (int i = 0; s == KILN_OK && i < p->n_k; i++) s = be->compile_kernel(be, src, p->k[i].name, &p->kern[i]);
+    for (int i = 0; s == KILN_OK && i < p->n_k; i++) s = kiln__be_compile_kernel(be, src, p->k[i].name, &p->kern[i]);
     /* OpenCL kernels with symbolic sizes read them from a device buffer (codegen_c.c),
      * one per kernel, filled once: a program's sizes do not change. */
     if (s == KILN_OK && p->symbolic && kiln__codegen_for(be) == kiln__codegen_opencl) {
         if (!(p->dsz = calloc((size_t)p->n_k, sizeof *p->dsz))) s = kiln__err(KILN_ERR_OOM, "compile: out of memory");
         for (int i = 0; s == KILN_OK && i < p->n_k; i++) {
-            if (!(p->dsz[i] = be->alloc(be, KC_SZ_BYTES(&p->k[i]))))
+            if (!(p->dsz[i] = kiln__be_alloc(be, KC_SZ_BYTES(&p->k[i]))))
                 s = kiln__err(KILN_ERR_OOM, "compile: out of %s memory for a kernel's sizes", be->name);
             else if (p->k[i].n_sz > 0)
-                s = be->copy_h2d(be, p->dsz[i], p->k[i].sz, sizeof(int64_t) * (size_t)p->k[i].n_sz);
+                s = kiln__be_copy_h2d(be, p->dsz[i], p->k[i].sz, sizeof(int64_t) * (size_t)p->k[i].n_sz);
         }
     }
     if (s != KILN_OK) { /* what did compile goes back */
         for (int i = 0; i < p->n_k; i++)
-            if (p->kern[i] && be->kernel_free) be->kernel_free(be, p->kern[i]);
+            kiln__be_kernel_free(be, p->kern[i]);
         free(p->kern);
         p->kern = NULL;
     }

@@ -35,7 +35,7 @@ kiln_status kiln__device_launch(const kiln__program *p, const kc_kernel *k, char
     a[k->n_buf] = (kiln__karg){KILN__KARG_I64, NULL, k->tasks, 0};
     if (dsz) a[k->n_buf + 1] = (kiln__karg){KILN__KARG_BUF, dsz, 0, 0};
     size_t grid = (size_t)k->tasks;
-    kiln_status s = p->be->launch(p->be, p->kern[k - p->k], a, na, &grid, NULL, 1);
+    kiln_status s = kiln__be_launch(p->be, p->kern[k - p->k], a, na, &grid, NULL, 1);
     if (a != args) free(a);
     return s;
 }

@@ -84,10 +84,10 @@ static kiln__storage *storage_new(kiln__backend *be, size_t nbytes)
         free(b);
     }
     pthread_mutex_unlock(&lock);
-    if (!ptr) ptr = be->alloc(be, rounded);
+    if (!ptr) ptr = kiln__be_alloc(be, rounded);
     if (!ptr) {
         kiln_memory_empty_cache();
-        ptr = be->alloc(be, rounded);
+        ptr = kiln__be_alloc(be, rounded);
     }
     if (!ptr) {
         if (st->pool) kiln__pool_release_ref(st->pool);
@@ -144,7 +144,7 @@ void kiln__storage_release(kiln__storage *st)
     pthread_mutex_unlock(&lock);
     if (b) {
         free(b);
-        st->be->free(st->be, st->data, st->nbytes);
+        kiln__be_free(st->be, st->data, st->nbytes);
     }
     free(st);
 }
@@ -192,7 +192,7 @@ void kiln__pool_release(kiln__pool *p)
         pthread_mutex_unlock(&lock);
         if (!cb) {
             size_t base = (size_t)1 << (b->cls / 4);
-            b->be->free(b->be, b->ptr, base + (size_t)(b->cls % 4) * (base / 4));
+            kiln__be_free(b->be, b->ptr, base + (size_t)(b->cls % 4) * (base / 4));
         }
         free(b);
         b = nx;
@@ -211,7 +211,7 @@ void kiln_memory_empty_cache(void)
                 /* The class gives back the rounded size the block was allocated with. */
                 size_t base = (size_t)1 << (cls / 4);
                 rounded = base + (size_t)(cls % 4) * (base / 4);
-                caches[i].be->free(caches[i].be, b->ptr, rounded);
+                kiln__be_free(caches[i].be, b->ptr, rounded);
                 free(b);
             }
             caches[i].free_list[cls] = NULL;

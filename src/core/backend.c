@@ -135,7 +135,7 @@ kiln_status kiln_host_pin(const char *device, void *ptr, size_t n, bool *pinned)
     kiln__backend *be = kiln__backend_find(device);
     if (!be) return kiln_set_device(device) == KILN_OK ? KILN_OK : kiln_last_status(); /* names the devices */
     if (!ptr || !n || !be->host_register) return KILN_OK; /* nothing to pin, or a backend without it */
-    kiln_status s = be->host_register(be, ptr, n);
+    kiln_status s = kiln__be_host_register(be, ptr, n);
     if (s == KILN_OK && pinned) *pinned = true;
     return s;
 }
@@ -144,14 +144,14 @@ kiln_status kiln_host_unpin(const char *device, void *ptr)
 {
     kiln__backend *be = kiln__backend_find(device);
     if (!be) return kiln_set_device(device) == KILN_OK ? KILN_OK : kiln_last_status();
-    return ptr && be->host_unregister ? be->host_unregister(be, ptr) : KILN_OK;
+    return ptr && be->host_unregister ? kiln__be_host_unregister(be, ptr) : KILN_OK;
 }
 
 kiln_status kiln_device_synchronize(const char *device)
 {
     kiln__backend *be = kiln__backend_find(device);
     if (!be) return kiln_set_device(device) == KILN_OK ? KILN_OK : kiln_last_status(); /* names the devices */
-    return be->synchronize(be);
+    return kiln__be_synchronize(be);
 }
 
 int kiln__backend_count(void)
@@ -240,7 +240,7 @@ const char *kiln_device_describe(int i, char *buf, size_t n)
 {
     kiln__backend *be = (kiln__ensure_init(), kiln__backend_at(i));
     kiln__device_info info = {0};
-    if (!be || !buf || be->device_info(be, &info) != KILN_OK) return NULL;
+    if (!be || !buf || kiln__be_device_info(be, &info) != KILN_OK) return NULL;
     snprintf(buf, n, "%s: %s, %.1f GiB, %d compute units", be->name, info.description ? info.description : "",
              (double)info.total_memory / (1024.0 * 1024.0 * 1024.0), info.compute_units);
     return buf;

@@ -281,7 +281,7 @@ kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nby
     if (nbytes && !src) return kiln__err(KILN_ERR_ARG, "from_host: source is NULL");
     if (!kiln__is_contiguous(t))
         return kiln__err(KILN_ERR_ARG, "from_host: the tensor is not contiguous (write into a contiguous copy)");
-    return nbytes ? t->st->be->copy_h2d(t->st->be, kiln__data(t), src, nbytes) : KILN_OK;
+    return nbytes ? kiln__be_copy_h2d(t->st->be, kiln__data(t), src, nbytes) : KILN_OK;
 }
 
 kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes)
@@ -293,12 +293,12 @@ kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes
         return kiln__err(KILN_ERR_ARG, "to_host: %zu bytes of room, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
     if (nbytes && !dst) return kiln__err(KILN_ERR_ARG, "to_host: destination is NULL");
     if (!nbytes) return KILN_OK;
-    if (kiln__is_contiguous(t)) return t->st->be->copy_d2h(t->st->be, dst, kiln__data(t), nbytes);
+    if (kiln__is_contiguous(t)) return kiln__be_copy_d2h(t->st->be, dst, kiln__data(t), nbytes);
     kiln_tensor_t *c = NULL;
     kiln__attrs a = {0};
     kiln_tensor_t *in = (kiln_tensor_t *)t;
     s = kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &in, 1, &a, &c);
-    if (s == KILN_OK) s = c->st->be->copy_d2h(c->st->be, dst, kiln__data(c), nbytes);
+    if (s == KILN_OK) s = kiln__be_copy_d2h(c->st->be, dst, kiln__data(c), nbytes);
     kiln_tensor_free(c);
     return s;
 }
@@ -311,13 +311,13 @@ kiln_status kiln__copy_across(kiln__backend *dbe, void *dst, kiln__backend *sbe,
 {
     kiln__backend *cpu = kiln__backend_at(0);
     if (!n) return KILN_OK;
-    if (dbe == sbe) return dbe->copy_d2d(dbe, dst, src, n);
-    if (sbe == cpu) return dbe->copy_h2d(dbe, dst, src, n);
-    if (dbe == cpu) return sbe->copy_d2h(sbe, dst, src, n);
+    if (dbe == sbe) return kiln__be_copy_d2d(dbe, dst, src, n);
+    if (sbe == cpu) return kiln__be_copy_h2d(dbe, dst, src, n);
+    if (dbe == cpu) return kiln__be_copy_d2h(sbe, dst, src, n);
     void *tmp = malloc(n);
     if (!tmp) return kiln__err(KILN_ERR_OOM, "copy from %s to %s: out of host memory for %zu bytes", sbe->name, dbe->name, n);
-    kiln_status s = sbe->copy_d2h(sbe, tmp, src, n);
-    if (s == KILN_OK) s = dbe->copy_h2d(dbe, dst, tmp, n);
+    kiln_status s = kiln__be_copy_d2h(sbe, tmp, src, n);
+    if (s == KILN_OK) s = kiln__be_copy_h2d(dbe, dst, tmp, n);
     free(tmp);
     return s;
 }
@@ -357,7 +357,7 @@ kiln_status kiln_tensor_item(const kiln_tensor_t *t, double *out)
         return kiln__err(KILN_ERR_SHAPE, "item: tensor %s has %lld elements, not 1", kiln__shape_str(t, buf, sizeof buf),
                          (long long)kiln_tensor_numel(t));
     unsigned char v[8];
-    kiln_status s = t->st->be->copy_d2h(t->st->be, v, kiln__data(t), kiln_dtype_size(t->dtype));
+    kiln_status s = kiln__be_copy_d2h(t->st->be, v, kiln__data(t), kiln_dtype_size(t->dtype));
     if (s == KILN_OK) *out = kiln__load(v, t->dtype);
     return s;
 }

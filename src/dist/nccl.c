@@ -67,7 +67,7 @@ kiln_status kiln__nccl_unique_id(void *id, size_t n)
 kiln_status kiln__nccl_comm_new(kiln__backend *be, const void *id, int world, int rank, void **comm)
 {
     if (!load()) return kiln_error(KILN_ERR_UNSUPPORTED, "nccl: %s", status);
-    if (!be->native_stream || !be->native_stream(be))
+    if (!kiln__be_native_stream(be))
         return kiln_error(KILN_ERR_DEVICE, "nccl: %s has no native stream to enqueue on", be->name);
     ncclUniqueId u;
     memcpy(&u, id, sizeof u);
@@ -90,7 +90,7 @@ kiln_status kiln__nccl_collective(void **comm, kiln__backend *be, int op, const 
 {
     *timed_out = false;
     ncclDataType_t ty = dt == KILN_DTYPE_F64 ? ncclFloat64 : dt == KILN_DTYPE_I64 ? ncclInt64 : ncclFloat32;
-    cudaStream_t st = (cudaStream_t)be->native_stream(be);
+    cudaStream_t st = (cudaStream_t)kiln__be_native_stream(be);
     ncclComm_t c = *comm;
     ncclResult_t r;
     switch (op) {
@@ -105,12 +105,12 @@ kiln_status kiln__nccl_collective(void **comm, kiln__backend *be, int op, const 
      * so that it can end: at the deadline, or when the communicator reports a peer's
      * failure, the communicator is aborted (which frees the device from the kernel that
      * waits for the others) rather than left to hang. */
-    kiln__event *e = be->event_record && be->event_query ? be->event_record(be, NULL) : NULL;
-    if (!e) return be->synchronize(be);
+    kiln__event *e = kiln__be_event_record(be, NULL);
+    if (!e) return KILN_OK; /* a backend without events synchronized instead */
     kiln_status s = KILN_OK;
     for (unsigned k = 0;; k++) {
         bool done = false;
-        if ((s = be->event_query(be, e, &done)) != KILN_OK || done) break;
+        if ((s = kiln__be_event_query(be, e, &done)) != KILN_OK || done) break;
         ncclResult_t ae = ncclSuccess;
         if (p_ncclCommGetAsyncError(c, &ae) == ncclSuccess && ae != ncclSuccess && ae != ncclInProgress) {
             s = kiln_error(KILN_ERR_DIST, "nccl: the communicator on %s failed: %s", be->name, p_ncclGetErrorString(ae));
@@ -123,7 +123,7 @@ kiln_status kiln__nccl_collective(void **comm, kiln__backend *be, int op, const 
         }
         usleep(k < 1000 ? 5 : 200);
     }
-    be->event_free(be, e);
+    kiln__be_event_free(be, e);
     if (s != KILN_OK) {
         p_ncclCommAbort(c);
         *comm = NULL;

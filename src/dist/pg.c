@@ -333,7 +333,7 @@ static kiln_status tcp_group(kiln_pg_t *pg)
     if (!is_cuda(be)) be = kiln__backend_find("cuda");
     if (!kiln__nccl_available()) snprintf(me.why, sizeof me.why, "no NCCL (%s)", kiln__nccl_status());
     else if (!is_cuda(be)) snprintf(me.why, sizeof me.why, "no cuda device (%s)", kiln_cuda_status());
-    else if (!be->native_stream || !be->native_stream(be)) snprintf(me.why, sizeof me.why, "%s has no stream", be->name);
+    else if (!kiln__be_native_stream(be)) snprintf(me.why, sizeof me.why, "%s has no stream", be->name);
     /* Rank 0 draws the id even where it cannot use it: the id is only a bootstrap address,
      * and KILN_LOGS=dist shows every rank the one it got. */
     if (pg->rank == 0 && kiln__nccl_available()) {
@@ -568,9 +568,9 @@ static kiln_status nccl_post(kiln_pg_t *pg, sig *s, kiln__backend *be, const voi
     void *tmp = NULL;
     if (s->op == OP_BARRIER) {
         static const float zero = 0;
-        if (!(tmp = be->alloc(be, sizeof zero))) return kiln_error(KILN_ERR_OOM, "barrier: out of memory on %s", be->name);
-        if ((st = be->copy_h2d(be, tmp, &zero, sizeof zero)) != KILN_OK) {
-            be->free(be, tmp, sizeof zero);
+        if (!(tmp = kiln__be_alloc(be, sizeof zero))) return kiln_error(KILN_ERR_OOM, "barrier: out of memory on %s", be->name);
+        if ((st = kiln__be_copy_h2d(be, tmp, &zero, sizeof zero)) != KILN_OK) {
+            kiln__be_free(be, tmp, sizeof zero);
             return st;
         }
         din = dout = tmp;
@@ -581,7 +581,7 @@ static kiln_status nccl_post(kiln_pg_t *pg, sig *s, kiln__backend *be, const voi
      * reduce_scatter, the whole buffer otherwise. */
     size_t count = (size_t)(s->op == OP_REDUCE_SCATTER ? nout : nin);
     st = nccl_run(pg, s, nccl_op[s->op], din, dout ? dout : (void *)din, count, dt, (int)s->reduce);
-    if (tmp) be->free(be, tmp, sizeof(float));
+    if (tmp) kiln__be_free(be, tmp, sizeof(float));
     return st;
 }
 
@@ -611,15 +611,15 @@ static kiln_status staged(kiln_pg_t *pg, sig *s, const void *hin, void *hout, in
 {
     kiln__backend *be = pg->nccl_be;
     size_t es = kiln_dtype_size(dt), bin = (size_t)nin * es, bout = hout && hout != hin ? (size_t)nout * es : 0;
-    char *d = bin + bout ? be->alloc(be, bin + bout) : NULL;
+    char *d = bin + bout ? kiln__be_alloc(be, bin + bout) : NULL;
     if (bin + bout && !d) return kiln_error(KILN_ERR_OOM, "%s: out of memory on %s staging %zu bytes", op_names[s->op],
                                             be->name, bin + bout);
-    kiln_status st = bin ? be->copy_h2d(be, d, hin, bin) : KILN_OK;
+    kiln_status st = bin ? kiln__be_copy_h2d(be, d, hin, bin) : KILN_OK;
     if (st != KILN_OK) pg->broken = true; /* this rank cannot take part: the others would wait for it */
     if (st == KILN_OK) st = nccl_post(pg, s, be, d, bout ? d + bin : NULL, nin, nout, dt);
-    if (st == KILN_OK && bout) st = be->copy_d2h(be, hout, d + bin, bout);
-    else if (st == KILN_OK && bin && s->op != OP_BARRIER) st = be->copy_d2h(be, (void *)hin, d, bin);
-    if (d) be->free(be, d, bin + bout);
+    if (st == KILN_OK && bout) st = kiln__be_copy_d2h(be, hout, d + bin, bout);
+    else if (st == KILN_OK && bin && s->op != OP_BARRIER) st = kiln__be_copy_d2h(be, (void *)hin, d, bin);
+    if (d) kiln__be_free(be, d, bin + bout);
     w->s = *s;
     w->done = true;
     return st;
@@ -633,12 +633,12 @@ static kiln_status gather_u64(kiln_pg_t *pg, const uint64_t *mine, int k, uint64
         kiln__backend *be = pg->nccl_be;
         size_t b = sizeof(uint64_t) * (size_t)k, ball = b * (size_t)pg->world;
         kiln_status st = nccl_comm(pg, be, "collective check");
-        char *d = st == KILN_OK ? be->alloc(be, b + ball) : NULL;
+        char *d = st == KILN_OK ? kiln__be_alloc(be, b + ball) : NULL;
         if (st == KILN_OK && !d) st = kiln_error(KILN_ERR_OOM, "collective check: out of memory on %s", be->name);
-        if (st == KILN_OK) st = be->copy_h2d(be, d, mine, b);
+        if (st == KILN_OK) st = kiln__be_copy_h2d(be, d, mine, b);
         if (st == KILN_OK) st = nccl_run(pg, chk, KILN__NCCL_ALLGATHER, d, d + b, (size_t)k, KILN_DTYPE_I64, 0);
-        if (st == KILN_OK) st = be->copy_d2h(be, all, d + b, ball);
-        if (d) be->free(be, d, b + ball);
+        if (st == KILN_OK) st = kiln__be_copy_d2h(be, all, d + b, ball);
+        if (d) kiln__be_free(be, d, b + ball);
         return st;
     }
 #ifdef KILN_HAVE_MPI

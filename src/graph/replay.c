@@ -219,7 +219,7 @@ static void capture_native(kiln_replay_t *r)
         snprintf(r->why, sizeof r->why, "a launch list: nothing was launched");
         return;
     }
-    if (!be->capture_begin || !be->capture_end || !be->replay || !be->capture_reset) {
+    if (!kiln__be_can_capture(be)) {
         snprintf(r->why, sizeof r->why, "a launch list: %s has no graph capture", be->name);
         return;
     }
@@ -231,14 +231,14 @@ static void capture_native(kiln_replay_t *r)
         snprintf(r->why, sizeof r->why, "a launch list: out of memory");
         return;
     }
-    kiln_status s = be->capture_begin(be);
+    kiln_status s = kiln__be_capture_begin(be);
     void *g = NULL;
     int at = -1;
     if (s == KILN_OK) {
         kiln__pool_begin(r->native_pool);
         kiln_status ran = run_list_at(r, &at);
         kiln__pool_end();
-        s = be->capture_end(be, &g); /* ends the capture either way */
+        s = kiln__be_capture_end(be, &g); /* ends the capture either way */
         if (ran != KILN_OK) s = ran;
     }
     if (s != KILN_OK) {
@@ -333,7 +333,7 @@ kiln_status kiln_replay_run(kiln_replay_t *r, kiln_tensor_t *const *in, int n_in
         s = src ? kiln_tensor_copy_(want, src) : kiln_last_status();
         kiln_scope_end();
     }
-    if (s == KILN_OK) s = r->native ? r->native_be->replay(r->native_be, r->native) : run_list(r);
+    if (s == KILN_OK) s = r->native ? kiln__be_replay(r->native_be, r->native) : run_list(r);
     if (s != KILN_OK) return s;
     for (int j = 0; j < r->n_out; j++) out[j] = kiln__scoped(kiln_tensor_retain(r->out[j]));
     *n_out = r->n_out;
@@ -351,7 +351,7 @@ bool kiln_replay_native(const kiln_replay_t *r, char *why, size_t n)
 void kiln_replay_free(kiln_replay_t *r)
 {
     if (!r) return;
-    if (r->native) r->native_be->capture_reset(r->native_be, r->native); /* before the pools its commands name */
+    if (r->native) kiln__be_capture_reset(r->native_be, r->native); /* before the pools its commands name */
     kiln__pool_release(r->native_pool);
     for (int k = 0; k < r->n_l; k++) {
         free(r->l[k].t);

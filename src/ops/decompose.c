@@ -210,7 +210,7 @@ static kiln_status dec_gelu_tanh(kiln_tensor_t *const *in, int n_in, const kiln_
  * copy to the cpu for it). */
 static bool has_kernel(const kiln_tensor_t *t, kiln__op_id op)
 {
-    return t->st->be && t->st->be->kernels[op];
+    return t->st->be && kiln__be_has_kernel(t->st->be, op);
 }
 
 kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
