@@ -311,9 +311,52 @@ static kiln_status stacked_batches(kiln_dataset_t *ds, int B, int T, uint64_t se
     return s;
 }
 
-int cmd_train(int argc, char **argv)
+/* ---- the run, as a sequence of steps ----
+ * Each step is a function over the run's state that returns GO_ON, or the exit code
+ * to return with (after printing why). An early exit leaves what was made to the
+ * process's end, as it did when cmd_train was one function. */
+
+enum { GO_ON = -1 };
+
+typedef struct {
+    int argc;
+    char **argv;
+    train_args a;
+    kiln_pg_t *pg;
+    int rank, world;
+    int64_t rank_batch;                  /* sequences per micro-batch on this rank */
+    char *tok_path, *metrics_path, *chart_path;
+    kiln_tokenizer_t *tok;
+    const char *tok_kind;
+    int vocab;
+    kiln_dataset_t *ds;
+    double unigram;                      /* the unigram baseline, in nats */
+    kiln_gpt_config cfg;
+    kiln_gpt_t *m;
+    int np;
+    kiln_tensor_t **params;
+    kiln_optim_t *opt;
+    int64_t start;                       /* the first step to run: 0, or the checkpoint's */
+    kiln_metrics_t *metrics;
+    bool whole;                          /* the step is one call of kiln_gpt_train_step */
+    kiln_gpt_step step_fn;
+    kiln_compiled_t *compiled;
+    bool sharded;                        /* resuming from ZeRO-1 shards */
+    kiln_zero1_t *zero;
+    int64_t committed;                   /* the step of the ZeRO-1 shards the marker names */
+    kiln_ddp_t *ddp;
+    int64_t tokens_per_step;
+    double t_begin, val, comm_after;     /* comm_after: gradient reduction left after backward */
+    int64_t timed;                       /* steps run, for the ETA */
+} train_run;
+
+/* The options: defaults, then a --config file, then the flags; checked. */
+static int parse_options(train_run *r)
 {
-    train_args a = {
+    train_args *a = &r->a;
+    int argc = r->argc;
+    char **argv = r->argv;
+    *a = (train_args){
         .data = default_data(), .out = "runs/default", .config = NULL, .model = "gpt2", .tokenizer = "byte",
         .optimizer = "adamw", .layers = 4, .heads = 4, .kv_heads = 0, .width = 256, .context = 128, .ffn = 0,
         .batch = 16, .steps = 1000, .warmup = 50, .accum = 1, .eval_every = 100, .eval_batches = 8,
@@ -321,43 +364,43 @@ int cmd_train(int argc, char **argv)
         .clip = 1.0, .dropout = 0.0, .val_fraction = 0.1, .momentum = 0.9, .bucket_mb = 25,
     };
     const cli_opt opts[] = {
-        {"data", OPT_STRING, &a.data, "text file or folder to train on ($KILN_DATA)"},
-        {"out", OPT_STRING, &a.out, "run folder: checkpoints, metrics.jsonl, loss.svg"},
-        {"config", OPT_STRING, &a.config, "JSON file of these options ({\"steps\": 500, ...}); flags win"},
-        {"model", OPT_STRING, &a.model, "gpt2 (LayerNorm, learned positions, GELU) or llama (RMSNorm, RoPE, SwiGLU)"},
-        {"tokenizer", OPT_STRING, &a.tokenizer, "byte, bpe:VOCAB (trained on the data), or a tokenizer.json"},
-        {"layers", OPT_INT, &a.layers, "transformer blocks"},
-        {"heads", OPT_INT, &a.heads, "attention heads"},
-        {"kv-heads", OPT_INT, &a.kv_heads, "key/value heads (grouped-query); 0 = model default"},
-        {"width", OPT_INT, &a.width, "embedding width C"},
-        {"context", OPT_INT, &a.context, "context length T"},
-        {"ffn", OPT_INT, &a.ffn, "MLP hidden width; 0 = model default"},
-        {"dropout", OPT_DOUBLE, &a.dropout, "dropout probability in training"},
-        {"batch", OPT_INT, &a.batch, "sequences per micro-batch B, all ranks together (each rank takes B / world)"},
-        {"accum", OPT_INT, &a.accum, "micro-batches per step (gradient accumulation)"},
-        {"steps", OPT_INT, &a.steps, "optimizer steps in total"},
-        {"optimizer", OPT_STRING, &a.optimizer, "adamw or sgd"},
-        {"lr", OPT_DOUBLE, &a.lr, "peak learning rate"},
-        {"min-lr", OPT_DOUBLE, &a.min_lr, "final learning rate of the cosine schedule"},
-        {"warmup", OPT_INT, &a.warmup, "linear warmup steps"},
-        {"wd", OPT_DOUBLE, &a.wd, "weight decay (matrices and embeddings only)"},
-        {"momentum", OPT_DOUBLE, &a.momentum, "SGD momentum"},
-        {"clip", OPT_DOUBLE, &a.clip, "global gradient-norm clip; 0 = off"},
-        {"eval-every", OPT_INT, &a.eval_every, "steps between validation losses; 0 = only at the end"},
-        {"eval-batches", OPT_INT, &a.eval_batches, "validation batches per evaluation"},
-        {"save-every", OPT_INT, &a.save_every, "steps between checkpoints (and one at the end)"},
-        {"log-every", OPT_INT, &a.log_every, "steps between progress lines"},
-        {"val-fraction", OPT_DOUBLE, &a.val_fraction, "tail of the corpus kept for validation"},
-        {"seed", OPT_INT, &a.seed, "seed for weights, batches and dropout"},
-        {"threads", OPT_INT, &a.threads, "threads per rank; 0 = the cores over the ranks on this machine ($KILN_NUM_THREADS)"},
-        {"device", OPT_STRING, &a.device, "where the model and batches live: cpu, opencl[:N] (`kiln doctor` lists them; "
+        {"data", OPT_STRING, &a->data, "text file or folder to train on ($KILN_DATA)"},
+        {"out", OPT_STRING, &a->out, "run folder: checkpoints, metrics.jsonl, loss.svg"},
+        {"config", OPT_STRING, &a->config, "JSON file of these options ({\"steps\": 500, ...}); flags win"},
+        {"model", OPT_STRING, &a->model, "gpt2 (LayerNorm, learned positions, GELU) or llama (RMSNorm, RoPE, SwiGLU)"},
+        {"tokenizer", OPT_STRING, &a->tokenizer, "byte, bpe:VOCAB (trained on the data), or a tokenizer.json"},
+        {"layers", OPT_INT, &a->layers, "transformer blocks"},
+        {"heads", OPT_INT, &a->heads, "attention heads"},
+        {"kv-heads", OPT_INT, &a->kv_heads, "key/value heads (grouped-query); 0 = model default"},
+        {"width", OPT_INT, &a->width, "embedding width C"},
+        {"context", OPT_INT, &a->context, "context length T"},
+        {"ffn", OPT_INT, &a->ffn, "MLP hidden width; 0 = model default"},
+        {"dropout", OPT_DOUBLE, &a->dropout, "dropout probability in training"},
+        {"batch", OPT_INT, &a->batch, "sequences per micro-batch B, all ranks together (each rank takes B / world)"},
+        {"accum", OPT_INT, &a->accum, "micro-batches per step (gradient accumulation)"},
+        {"steps", OPT_INT, &a->steps, "optimizer steps in total"},
+        {"optimizer", OPT_STRING, &a->optimizer, "adamw or sgd"},
+        {"lr", OPT_DOUBLE, &a->lr, "peak learning rate"},
+        {"min-lr", OPT_DOUBLE, &a->min_lr, "final learning rate of the cosine schedule"},
+        {"warmup", OPT_INT, &a->warmup, "linear warmup steps"},
+        {"wd", OPT_DOUBLE, &a->wd, "weight decay (matrices and embeddings only)"},
+        {"momentum", OPT_DOUBLE, &a->momentum, "SGD momentum"},
+        {"clip", OPT_DOUBLE, &a->clip, "global gradient-norm clip; 0 = off"},
+        {"eval-every", OPT_INT, &a->eval_every, "steps between validation losses; 0 = only at the end"},
+        {"eval-batches", OPT_INT, &a->eval_batches, "validation batches per evaluation"},
+        {"save-every", OPT_INT, &a->save_every, "steps between checkpoints (and one at the end)"},
+        {"log-every", OPT_INT, &a->log_every, "steps between progress lines"},
+        {"val-fraction", OPT_DOUBLE, &a->val_fraction, "tail of the corpus kept for validation"},
+        {"seed", OPT_INT, &a->seed, "seed for weights, batches and dropout"},
+        {"threads", OPT_INT, &a->threads, "threads per rank; 0 = the cores over the ranks on this machine ($KILN_NUM_THREADS)"},
+        {"device", OPT_STRING, &a->device, "where the model and batches live: cpu, opencl[:N] (`kiln doctor` lists them; "
                                          "default $KILN_DEVICE, else cpu)"},
-        {"resume", OPT_FLAG, &a.resume, "continue from the checkpoint in --out"},
-        {"quiet", OPT_FLAG, &a.quiet, "only errors and the final summary"},
-        {"zero1", OPT_FLAG, &a.zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
-        {"compile", OPT_FLAG, &a.compile, "run each step (forward, backward of every --accum micro-batch, clipping, update) as one graph of "
+        {"resume", OPT_FLAG, &a->resume, "continue from the checkpoint in --out"},
+        {"quiet", OPT_FLAG, &a->quiet, "only errors and the final summary"},
+        {"zero1", OPT_FLAG, &a->zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
+        {"compile", OPT_FLAG, &a->compile, "run each step (forward, backward of every --accum micro-batch, clipping, update) as one graph of "
                                           "generated kernels (kiln compile)"},
-        {"bucket-mb", OPT_DOUBLE, &a.bucket_mb, "with several ranks: gradient buckets of this many MiB reduced during "
+        {"bucket-mb", OPT_DOUBLE, &a->bucket_mb, "with several ranks: gradient buckets of this many MiB reduced during "
                                              "backward (0: one tensor at a time after it)"},
         {NULL, 0, NULL, NULL},
     };
@@ -368,307 +411,452 @@ int cmd_train(int argc, char **argv)
                                                                          : NULL;
         if (cfg && cli_load_config("train", opts, cfg)) return 2;
     }
-    int r = cli_parse("train", "[options]", opts, argc, argv, NULL, 0, NULL);
-    if (r) return r == 1 ? 0 : 2;
+    int rc = cli_parse("train", "[options]", opts, argc, argv, NULL, 0, NULL);
+    if (rc) return rc == 1 ? 0 : 2;
     const struct {
         const char *name;
         int64_t v, lo;
-    } ints[] = {{"layers", a.layers, 1}, {"heads", a.heads, 1}, {"kv-heads", a.kv_heads, 0}, {"width", a.width, 1},
-                {"context", a.context, 1}, {"ffn", a.ffn, 0}, {"batch", a.batch, 1}, {"threads", a.threads, 0}};
+    } ints[] = {{"layers", a->layers, 1}, {"heads", a->heads, 1}, {"kv-heads", a->kv_heads, 0}, {"width", a->width, 1},
+                {"context", a->context, 1}, {"ffn", a->ffn, 0}, {"batch", a->batch, 1}, {"threads", a->threads, 0}};
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
         if (ints[i].v < ints[i].lo || ints[i].v > (1 << 24)) {
             fprintf(stderr, "kiln train: --%s = %lld is outside %lld..%d\n", ints[i].name, (long long)ints[i].v,
                     (long long)ints[i].lo, 1 << 24);
             return 2;
         }
-    if (a.batch < 1 || a.steps < 0 || a.accum < 1 || a.context < 1 || a.eval_batches < 1 || a.log_every < 1 ||
-        !(a.lr > 0) || a.min_lr < 0)
+    if (a->batch < 1 || a->steps < 0 || a->accum < 1 || a->context < 1 || a->eval_batches < 1 || a->log_every < 1 ||
+        !(a->lr > 0) || a->min_lr < 0)
         return cli_fail("train", "--batch, --accum, --context, --eval-batches, --log-every must be >= 1, --steps >= 0, "
                                  "--lr > 0, --min-lr >= 0");
-    if (strcmp(a.optimizer, "adamw") && strcmp(a.optimizer, "sgd")) return cli_fail("train", "--optimizer must be adamw or sgd");
+    if (strcmp(a->optimizer, "adamw") && strcmp(a->optimizer, "sgd"))
+        return cli_fail("train", "--optimizer must be adamw or sgd");
+    return GO_ON;
+}
+
+/* Threads, the device, the process group, and the run folder. */
+static int setup_devices(train_run *r)
+{
+    train_args *a = &r->a;
     /* N ranks on one machine share its cores rather than each taking all of them. */
     int local = kiln_pg_local_size_from_env();
-    if (a.threads == 0 && !getenv("KILN_NUM_THREADS") && local > 1) {
+    if (a->threads == 0 && !getenv("KILN_NUM_THREADS") && local > 1) {
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
-        a.threads = cores / local > 1 ? cores / local : 1;
+        a->threads = cores / local > 1 ? cores / local : 1;
     }
-    kiln_init((int)a.threads);
-    if (!a.device) a.device = getenv("KILN_DEVICE") && *getenv("KILN_DEVICE") ? getenv("KILN_DEVICE") : "cpu";
-    if (kiln_set_device(a.device) != KILN_OK) return cli_fail("train", NULL);
+    kiln_init((int)a->threads);
+    if (!a->device) a->device = getenv("KILN_DEVICE") && *getenv("KILN_DEVICE") ? getenv("KILN_DEVICE") : "cpu";
+    if (kiln_set_device(a->device) != KILN_OK) return cli_fail("train", NULL);
 
-    kiln_pg_t *pg;
-    if (kiln_pg_new_from_env(&pg) != KILN_OK) return cli_fail("train", NULL);
-    int rank = kiln_pg_rank(pg), world = kiln_pg_world_size(pg);
-    if (a.batch % world)
+    if (kiln_pg_new_from_env(&r->pg) != KILN_OK) return cli_fail("train", NULL);
+    r->rank = kiln_pg_rank(r->pg);
+    r->world = kiln_pg_world_size(r->pg);
+    if (a->batch % r->world)
         return cli_fail("train", "--batch is the batch of all ranks together and must be a multiple of the world size");
-    int64_t rank_batch = a.batch / world;
-    if (mkdir_p(a.out) != KILN_OK) return cli_fail("train", NULL);
+    r->rank_batch = a->batch / r->world;
+    if (mkdir_p(a->out) != KILN_OK) return cli_fail("train", NULL);
+    return GO_ON;
+}
 
+/* The corpus, its tokenizer (trained or loaded, and saved in the run), and the
+ * dataset of its token ids. */
+static int setup_data(train_run *r)
+{
+    train_args *a = &r->a;
     char *text;
     size_t len;
-    if (kiln_text_read(a.data, &text, &len) != KILN_OK) {
+    if (kiln_text_read(a->data, &text, &len) != KILN_OK) {
         fprintf(stderr, "kiln train: %s\n(the default corpus is made by `make demo`, or: bible -l200 Gen1:1-Rev22:21 > data/kjv.txt)\n",
                 kiln_last_error());
         return 1;
     }
     /* On resume the run's own tokenizer is used. */
-    char *tok_path = join(a.out, RUN_TOKENIZER);
-    if (a.resume && strcmp(a.tokenizer, "byte")) {
+    r->tok_path = join(a->out, RUN_TOKENIZER);
+    if (a->resume && strcmp(a->tokenizer, "byte")) {
         struct stat st;
-        if (stat(tok_path, &st) == 0) a.tokenizer = tok_path;
+        if (stat(r->tok_path, &st) == 0) a->tokenizer = r->tok_path;
     }
-    kiln_tokenizer_t *tok;
-    if (get_tokenizer(&a, text, len, &tok) != KILN_OK) return cli_fail("train", NULL);
-    const char *tok_kind = kiln_tokenizer_kind(tok);
-    if (strcmp(tok_kind, "byte") && kiln_tokenizer_save(tok, tok_path) != KILN_OK) return cli_fail("train", NULL);
+    if (get_tokenizer(a, text, len, &r->tok) != KILN_OK) return cli_fail("train", NULL);
+    r->tok_kind = kiln_tokenizer_kind(r->tok);
+    if (strcmp(r->tok_kind, "byte") && kiln_tokenizer_save(r->tok, r->tok_path) != KILN_OK) return cli_fail("train", NULL);
     int32_t *ids = malloc(sizeof *ids * (len + 1));
     size_t n_ids = 0;
-    if (!ids || kiln_tokenizer_encode(tok, text, len, ids, len + 1, &n_ids) != KILN_OK)
+    if (!ids || kiln_tokenizer_encode(r->tok, text, len, ids, len + 1, &n_ids) != KILN_OK)
         return cli_fail("train", ids ? NULL : "out of memory for the token ids");
     free(text);
-    kiln_dataset_t *ds;
-    if (kiln_dataset_new(ids, n_ids, a.val_fraction, &ds) != KILN_OK) return cli_fail("train", NULL);
+    if (kiln_dataset_new(ids, n_ids, a->val_fraction, &r->ds) != KILN_OK) return cli_fail("train", NULL);
     free(ids);
     /* Both splits must hold a window, or the run would fail at its first evaluation. */
-    if (kiln_dataset_len(ds, KILN_SPLIT_TRAIN) < (size_t)a.context + 1 ||
-        kiln_dataset_len(ds, KILN_SPLIT_VAL) < (size_t)a.context + 1) {
+    if (kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN) < (size_t)a->context + 1 ||
+        kiln_dataset_len(r->ds, KILN_SPLIT_VAL) < (size_t)a->context + 1) {
         fprintf(stderr, "kiln train: %s gives %zu training and %zu validation tokens; each split needs at least "
                         "--context + 1 = %lld (raise --val-fraction, lower --context, or give more text)\n",
-                a.data, kiln_dataset_len(ds, KILN_SPLIT_TRAIN), kiln_dataset_len(ds, KILN_SPLIT_VAL),
-                (long long)a.context + 1);
+                a->data, kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN), kiln_dataset_len(r->ds, KILN_SPLIT_VAL),
+                (long long)a->context + 1);
         return 1;
     }
-    int vocab = kiln_tokenizer_vocab_size(tok);
-    double unigram = kiln_dataset_unigram_entropy(ds, vocab);
+    r->vocab = kiln_tokenizer_vocab_size(r->tok);
+    r->unigram = kiln_dataset_unigram_entropy(r->ds, r->vocab);
+    return GO_ON;
+}
 
-    kiln_gpt_config cfg;
-    kiln_gpt_t *m;
-    if (model_config(&a, vocab, &cfg) != KILN_OK || kiln_gpt_new(&cfg, (uint64_t)a.seed, &m) != KILN_OK)
+/* The model from its configuration and the seed, and its optimizer. */
+static int build_model(train_run *r)
+{
+    train_args *a = &r->a;
+    if (model_config(a, r->vocab, &r->cfg) != KILN_OK || kiln_gpt_new(&r->cfg, (uint64_t)a->seed, &r->m) != KILN_OK)
         return cli_fail("train", NULL);
-    int np = kiln_gpt_num_params(m);
-    kiln_tensor_t **params = malloc(sizeof *params * (size_t)np);
-    for (int i = 0; i < np; i++) params[i] = kiln_gpt_param(m, i, NULL);
-    kiln_optim_t *opt;
-    kiln_status s = !strcmp(a.optimizer, "adamw") ? kiln_adamw_new(params, np, NULL, 0.9, 0.95, 1e-8, a.wd, &opt)
-                                                  : kiln_sgd_new(params, np, NULL, a.momentum, a.wd, &opt);
+    r->np = kiln_gpt_num_params(r->m);
+    r->params = malloc(sizeof *r->params * (size_t)r->np);
+    for (int i = 0; i < r->np; i++) r->params[i] = kiln_gpt_param(r->m, i, NULL);
+    kiln_status s = !strcmp(a->optimizer, "adamw")
+                        ? kiln_adamw_new(r->params, r->np, NULL, 0.9, 0.95, 1e-8, a->wd, &r->opt)
+                        : kiln_sgd_new(r->params, r->np, NULL, a->momentum, a->wd, &r->opt);
     if (s != KILN_OK) return cli_fail("train", NULL);
-    int64_t start = 0;
-    kiln_manual_seed((uint64_t)a.seed);
-    if (a.resume) {
-        if (load_state(a.out, m, opt, &a, &start) != KILN_OK) return cli_fail("train", NULL);
-        if (start >= a.steps) {
-            fprintf(stderr, "kiln train: %s is already at step %lld; give --steps above it to train on\n", a.out,
-                    (long long)start);
+    return GO_ON;
+}
+
+/* With --resume, the checkpoint's weights, optimizer state and step; then the run's
+ * description and its metrics file (cut back to the checkpoint's step). */
+static int load_checkpoint(train_run *r)
+{
+    train_args *a = &r->a;
+    r->start = 0;
+    kiln_manual_seed((uint64_t)a->seed);
+    if (a->resume) {
+        if (load_state(a->out, r->m, r->opt, a, &r->start) != KILN_OK) return cli_fail("train", NULL);
+        if (r->start >= a->steps) {
+            fprintf(stderr, "kiln train: %s is already at step %lld; give --steps above it to train on\n", a->out,
+                    (long long)r->start);
             return 1;
         }
-        if (!a.quiet && rank == 0) printf("resumed %s at step %lld\n", a.out, (long long)start);
+        if (!a->quiet && r->rank == 0) printf("resumed %s at step %lld\n", a->out, (long long)r->start);
     }
-    if (rank == 0) write_run_info(a.out, unigram, tok_kind, &cfg, &a);
-    char *metrics_path = join(a.out, RUN_METRICS), *chart_path = join(a.out, RUN_CHART);
-    kiln_metrics_t *metrics = NULL;
-    if (rank == 0 && a.resume && keep_metrics_upto(metrics_path, start) != KILN_OK) return cli_fail("train", NULL);
-    if (rank == 0 && kiln_metrics_open(metrics_path, a.resume, &metrics) != KILN_OK) return cli_fail("train", NULL);
+    if (r->rank == 0) write_run_info(a->out, r->unigram, r->tok_kind, &r->cfg, a);
+    r->metrics_path = join(a->out, RUN_METRICS);
+    r->chart_path = join(a->out, RUN_CHART);
+    if (r->rank == 0 && a->resume && keep_metrics_upto(r->metrics_path, r->start) != KILN_OK)
+        return cli_fail("train", NULL);
+    if (r->rank == 0 && kiln_metrics_open(r->metrics_path, a->resume, &r->metrics) != KILN_OK)
+        return cli_fail("train", NULL);
+    return GO_ON;
+}
 
-    int64_t tokens_per_step = a.batch * a.context * a.accum;
-    /* One process and one micro-batch, or --compile: the step is one function,
-     * kiln_gpt_train_step, run eagerly or compiled into one graph (with several
-     * processes its gradients' allreduce is in the graph too, coalesced into buckets,
-     * each started as soon as its gradients are made and finished where the update
-     * reads them; without --compile they use kiln_ddp's buckets, also overlapped with
-     * backward). */
-    bool whole = a.compile || (world == 1 && !a.zero1 && a.accum == 1);
-    kiln_gpt_step step_fn = {m, opt, params, np, a.clip, (int)a.accum, world > 1 ? pg : NULL, NULL};
-    kiln_compiled_t *compiled = NULL;
+/* How a step runs. One process and one micro-batch, or --compile: the step is one
+ * function, kiln_gpt_train_step, run eagerly or compiled into one graph (with several
+ * processes its gradients' allreduce is in the graph too, coalesced into buckets, each
+ * started as soon as its gradients are made and finished where the update reads them;
+ * without --compile they use kiln_ddp's buckets, also overlapped with backward). */
+static int setup_step(train_run *r)
+{
+    train_args *a = &r->a;
+    int np = r->np, world = r->world;
+    kiln_tensor_t **params = r->params;
+    r->tokens_per_step = a->batch * a->context * a->accum;
+    r->whole = a->compile || (world == 1 && !a->zero1 && a->accum == 1);
+    r->step_fn = (kiln_gpt_step){r->m, r->opt, params, np, a->clip, (int)a->accum, world > 1 ? r->pg : NULL, NULL};
     /* The clipping norm and the micro-batch count are numbers the graph is built with. */
-    if (a.compile && (kiln_compiled_new(kiln_gpt_train_step, &step_fn, "train_step", &compiled) != KILN_OK ||
-                      kiln_compiled_guard(compiled, "clip", &step_fn.clip, sizeof step_fn.clip) != KILN_OK ||
-                      kiln_compiled_guard(compiled, "accum", &step_fn.accum, sizeof step_fn.accum) != KILN_OK)) {
+    if (a->compile &&
+        (kiln_compiled_new(kiln_gpt_train_step, &r->step_fn, "train_step", &r->compiled) != KILN_OK ||
+         kiln_compiled_guard(r->compiled, "clip", &r->step_fn.clip, sizeof r->step_fn.clip) != KILN_OK ||
+         kiln_compiled_guard(r->compiled, "accum", &r->step_fn.accum, sizeof r->step_fn.accum) != KILN_OK)) {
         int fs = cli_fail("train", NULL); /* prints the error before the free can replace it */
-        kiln_compiled_free(compiled);
+        kiln_compiled_free(r->compiled);
         return fs;
     }
     /* Every rank starts from rank 0's parameters (the same seed gives them anyway; this
      * makes it so whatever was loaded). */
-    for (int i = 0; s == KILN_OK && world > 1 && i < np; i++) s = kiln_pg_broadcast(pg, params[i], 0);
+    kiln_status s = KILN_OK;
+    for (int i = 0; s == KILN_OK && world > 1 && i < np; i++) s = kiln_pg_broadcast(r->pg, params[i], 0);
     if (s != KILN_OK) return cli_fail("train", NULL);
-    kiln_zero1_t *zero = NULL;
-    int64_t committed = -1; /* the step of the ZeRO-1 shards the marker names */
+    return GO_ON;
+}
+
+/* Where the gradients and the optimizer state go with several ranks: kiln_ddp's
+ * buckets, or ZeRO-1's shards of AdamW's moments (loaded from the checkpoint's shards
+ * on resume). */
+static int setup_gradients(train_run *r)
+{
+    train_args *a = &r->a;
+    int np = r->np, world = r->world;
+    kiln_tensor_t **params = r->params;
+    r->committed = -1;
     int64_t mstep;
     int mworld;
-    bool sharded = a.resume && kiln_zero1_read_marker(a.out, &mstep, &mworld) == KILN_OK && mstep == start;
+    r->sharded = a->resume && kiln_zero1_read_marker(a->out, &mstep, &mworld) == KILN_OK && mstep == r->start;
     kiln_clear_error();
-    if (sharded && !a.zero1)
+    if (r->sharded && !a->zero1)
         return cli_fail("train", "this run's optimizer state is sharded (ZeRO-1): resume it with --zero1");
     bool has_state = false;
-    for (int i = 0; i < np && !has_state; i++) has_state = kiln_optim_state(opt, i, 0) != NULL;
-    if (a.resume && start > 0 && !strcmp(a.optimizer, "adamw") && !has_state && !sharded)
+    for (int i = 0; i < np && !has_state; i++) has_state = kiln_optim_state(r->opt, i, 0) != NULL;
+    if (a->resume && r->start > 0 && !strcmp(a->optimizer, "adamw") && !has_state && !r->sharded)
         return cli_fail("train", "the checkpoint holds no optimizer state for its step, and no complete ZeRO-1 shards "
                                  "for it (a sharded save that did not finish); it is not loaded");
-    kiln_ddp_t *ddp = NULL; /* buckets: a first one of 1 MiB (or --bucket-mb if smaller), then --bucket-mb */
-    if (!(a.bucket_mb >= 0 && a.bucket_mb <= 1 << 20)) return cli_fail("train", "--bucket-mb must be in 0..1048576");
-    int64_t bucket = (int64_t)(a.bucket_mb * (1 << 20)), first = bucket < (1 << 20) ? bucket : (1 << 20);
-    if (world > 1 && !whole && !a.zero1 && bucket > 0 &&
-        kiln_ddp_new(pg, params, np, first > 0 ? first : 1, bucket, &ddp) != KILN_OK)
+    /* buckets: a first one of 1 MiB (or --bucket-mb if smaller), then --bucket-mb */
+    if (!(a->bucket_mb >= 0 && a->bucket_mb <= 1 << 20)) return cli_fail("train", "--bucket-mb must be in 0..1048576");
+    int64_t bucket = (int64_t)(a->bucket_mb * (1 << 20)), first = bucket < (1 << 20) ? bucket : (1 << 20);
+    if (world > 1 && !r->whole && !a->zero1 && bucket > 0 &&
+        kiln_ddp_new(r->pg, params, np, first > 0 ? first : 1, bucket, &r->ddp) != KILN_OK)
         return cli_fail("train", NULL);
-    if (a.zero1) {
-        if (strcmp(a.optimizer, "adamw")) return cli_fail("train", "--zero1 shards AdamW; it needs --optimizer adamw");
-        if (kiln_zero1_new(pg, params, np, NULL, 0.9, 0.95, 1e-8, a.wd, opt, &zero) != KILN_OK) return cli_fail("train", NULL);
-        if (sharded && kiln_zero1_load(zero, a.out, start) != KILN_OK) return cli_fail("train", NULL);
-        if (sharded) committed = start;
+    if (a->zero1) {
+        if (strcmp(a->optimizer, "adamw")) return cli_fail("train", "--zero1 shards AdamW; it needs --optimizer adamw");
+        if (kiln_zero1_new(r->pg, params, np, NULL, 0.9, 0.95, 1e-8, a->wd, r->opt, &r->zero) != KILN_OK)
+            return cli_fail("train", NULL);
+        if (r->sharded && kiln_zero1_load(r->zero, a->out, r->start) != KILN_OK) return cli_fail("train", NULL);
+        if (r->sharded) r->committed = r->start;
         /* The moments live in the shards from here on: the replicated optimizer keeps
          * none, so that a checkpoint's train state carries only its metadata. */
-        kiln_optim_free(opt);
-        if (kiln_adamw_new(params, np, NULL, 0.9, 0.95, 1e-8, a.wd, &opt) != KILN_OK) return cli_fail("train", NULL);
-        step_fn.opt = opt; /* --compile: the sharded update inside the graph (captured at the first call) */
-        step_fn.zero = zero;
-        if (!a.quiet && rank == 0)
+        kiln_optim_free(r->opt);
+        if (kiln_adamw_new(params, np, NULL, 0.9, 0.95, 1e-8, a->wd, &r->opt) != KILN_OK) return cli_fail("train", NULL);
+        r->step_fn.opt = r->opt; /* --compile: the sharded update inside the graph (captured at the first call) */
+        r->step_fn.zero = r->zero;
+        if (!a->quiet && r->rank == 0)
             printf("ZeRO-1: optimizer state %.2f MiB per rank (moments and a master copy of this rank's shard), "
                    "against %.2f MiB of moments on every rank unsharded\n",
-                   (double)kiln_zero1_state_bytes(zero) / (1 << 20),
-                   (double)kiln_gpt_param_elements(m) * 2 * sizeof(float) / (1 << 20));
+                   (double)kiln_zero1_state_bytes(r->zero) / (1 << 20),
+                   (double)kiln_gpt_param_elements(r->m) * 2 * sizeof(float) / (1 << 20));
     }
-    if (!a.quiet && rank == 0)
+    return GO_ON;
+}
+
+static int print_banner(train_run *r)
+{
+    train_args *a = &r->a;
+    if (!a->quiet && r->rank == 0)
         printf("kiln train: %s model, %d layers, C=%d, %d heads (%d kv), T=%d, vocab %d (%s), %.2fM parameters\n"
                "            %zu train / %zu val tokens, %lld tokens per step, %d rank(s) x %d thread(s) on %s, "
                "unigram baseline %.3f nats\n",
-               a.model, cfg.n_layer, cfg.n_embd, cfg.n_head, cfg.n_kv_head, cfg.block_size, vocab, tok_kind,
-               (double)kiln_gpt_param_elements(m) / 1e6, kiln_dataset_len(ds, KILN_SPLIT_TRAIN),
-               kiln_dataset_len(ds, KILN_SPLIT_VAL), (long long)tokens_per_step, world, kiln_num_threads(), kiln_device(),
-               unigram);
+               a->model, r->cfg.n_layer, r->cfg.n_embd, r->cfg.n_head, r->cfg.n_kv_head, r->cfg.block_size, r->vocab,
+               r->tok_kind, (double)kiln_gpt_param_elements(r->m) / 1e6, kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN),
+               kiln_dataset_len(r->ds, KILN_SPLIT_VAL), (long long)r->tokens_per_step, r->world, kiln_num_threads(),
+               kiln_device(), r->unigram);
+    return GO_ON;
+}
 
-    double t_begin = kiln__now_s(), val = NAN, comm_after = 0; /* gradient reduction left after backward */
-    int64_t timed = 0;
-    for (int64_t step = start; step < a.steps && s == KILN_OK; step++) {
-        double t0 = kiln__now_s(), lr = kiln_lr_cosine(step, a.warmup, a.steps, a.lr, a.min_lr), loss_sum = 0;
+/* Forward, backward and update of one step as one call of kiln_gpt_train_step, eager
+ * or compiled; the sum of the micro-batches' losses and the gradient norm. */
+static kiln_status step_whole(train_run *r, int64_t step, double lr, double *loss_sum, double *gnorm)
+{
+    train_args *a = &r->a;
+    kiln_scope_begin();
+    kiln_tensor_t *in[3], *out[2];
+    int n_out = 0;
+    int64_t one = 1;
+    kiln_status s;
+    if (a->accum == 1)
+        s = kiln_dataset_batch(r->ds, KILN_SPLIT_TRAIN, (int)r->rank_batch, (int)a->context, (uint64_t)a->seed, step,
+                               (int)r->rank, (int)r->world, &in[0], &in[1]);
+    else
+        s = stacked_batches(r->ds, (int)r->rank_batch, (int)a->context, (uint64_t)a->seed, step, (int)a->accum,
+                            (int)r->rank, (int)r->world, in);
+    if (s == KILN_OK && !(in[2] = kiln_from_data(&lr, &one, 1, KILN_DTYPE_F64))) s = kiln_last_status();
+    if (s == KILN_OK)
+        s = r->compiled ? kiln_compiled_call(r->compiled, in, 3, out, 2, &n_out)
+                        : kiln_gpt_train_step(&r->step_fn, in, 3, out, &n_out);
+    if (s == KILN_OK) s = kiln_tensor_item(out[0], loss_sum);
+    *loss_sum *= (double)a->accum; /* the step gives the micro-batches' mean */
+    if (s == KILN_OK) s = kiln_tensor_item(out[1], gnorm);
+    kiln_scope_end();
+    if (s == KILN_OK && r->compiled && step == r->start && !a->quiet && r->rank == 0) {
+        int kernels = 0, ops = 0;
+        kiln_compiled_plan(r->compiled, 0, &kernels, &ops, NULL, NULL);
+        if (kernels + ops > 0)
+            printf("compiled the training step: %d generated kernels and %d ops through the backend; the first "
+                   "step's time includes compiling (or loading them from the cache)\n", kernels, ops);
+        else
+            printf("captured the training step as one graph; on %s it runs through the device's kernels (the "
+                   "compiler generates whole graphs for the cpu only so far)\n", kiln_device());
+    }
+    return s;
+}
+
+/* Forward and backward of --accum micro-batches, eager; the sum of their losses. With
+ * kiln_ddp, the gradients' reduction starts during the last backward. */
+static kiln_status step_micro_batches(train_run *r, int64_t step, double *loss_sum)
+{
+    train_args *a = &r->a;
+    kiln_status s = KILN_OK;
+    for (int64_t micro = 0; micro < a->accum && s == KILN_OK; micro++) {
+        kiln_scope_begin();
+        kiln_tensor_t *x, *y, *loss;
+        s = kiln_dataset_batch(r->ds, KILN_SPLIT_TRAIN, (int)r->rank_batch, (int)a->context, (uint64_t)a->seed,
+                               step * a->accum + micro, r->rank, r->world, &x, &y);
+        if (s == KILN_OK && !kiln_gpt_forward(r->m, x, y, true, &loss)) s = kiln_last_status();
+        double v = 0;
+        if (s == KILN_OK) s = kiln_tensor_item(loss, &v);
+        if (s == KILN_OK && r->ddp && micro == a->accum - 1) s = kiln_ddp_begin(r->ddp); /* reduce during the last backward */
+        if (s == KILN_OK) s = kiln_backward(a->accum > 1 ? kiln_mul_scalar(loss, 1.0 / (double)a->accum) : loss);
+        *loss_sum += v;
+        kiln_scope_end();
+    }
+    return s;
+}
+
+/* After backward: the gradients reduced over the ranks (unless the step did it), the
+ * ranks' collectives checked, the loss averaged over the ranks, and (unless the step
+ * did it) clipping and the update. */
+static kiln_status step_reduce_update(train_run *r, double lr, double *loss_sum, double *gnorm)
+{
+    train_args *a = &r->a;
+    kiln_status s = KILN_OK;
+    double t_comm = kiln__now_s();
+    if (!r->whole && r->ddp) s = kiln_ddp_finish(r->ddp);
+    for (int i = 0; s == KILN_OK && !r->whole && !r->zero && !r->ddp && i < r->np; i++)
+        if (kiln_tensor_grad(r->params[i]))
+            s = kiln_pg_allreduce(r->pg, kiln_tensor_grad(r->params[i]), KILN_REDUCE_AVG);
+    r->comm_after += kiln__now_s() - t_comm;
+    if (s == KILN_OK) s = kiln_pg_check_step(r->pg); /* every rank ran the same collectives this step */
+    if (s == KILN_OK && r->world > 1) { /* the loss of the whole batch: the mean of the ranks' equal shares */
+        kiln_scope_begin();
+        int64_t one = 1;
+        kiln_tensor_t *l = kiln_from_data(loss_sum, &one, 1, KILN_DTYPE_F64);
+        s = l ? kiln_pg_allreduce(r->pg, l, KILN_REDUCE_AVG) : kiln_last_status();
+        if (s == KILN_OK) s = kiln_tensor_to_host(l, loss_sum, sizeof *loss_sum);
+        kiln_scope_end();
+    }
+    if (s == KILN_OK && r->zero && !r->whole) s = kiln_zero1_step(r->zero, lr, a->clip, gnorm);
+    if (s == KILN_OK && !r->zero && !r->whole) s = kiln_clip_grad_norm(r->params, r->np, a->clip, gnorm);
+    if (s == KILN_OK && !r->zero && !r->whole) s = kiln_optim_step(r->opt, lr);
+    return s;
+}
+
+/* A checkpoint at step (the number of steps done): ZeRO-1's shards on every rank, the
+ * model and train state on rank 0, then the marker that names the complete shards (in
+ * place of those of step r->committed). */
+static kiln_status save(train_run *r, int64_t step)
+{
+    kiln_status s = KILN_OK;
+    if (r->zero) s = kiln_zero1_save(r->zero, r->a.out, step); /* every rank, then a barrier */
+    if (s == KILN_OK && r->rank == 0) s = save_checkpoint(r->a.out, r->m, r->opt, step, r->tok_kind, &r->a);
+    if (s == KILN_OK && r->rank == 0 && r->zero) s = kiln_zero1_commit(r->a.out, step, r->world, r->committed);
+    return s;
+}
+
+/* The loss chart redrawn from the metrics file (closed for the read, reopened unless
+ * the run is over). */
+static kiln_status redraw_chart(train_run *r, bool last)
+{
+    kiln_metrics_close(r->metrics);
+    r->metrics = NULL;
+    kiln_metrics_row *rows;
+    size_t nrows;
+    if (kiln_metrics_read(r->metrics_path, &rows, &nrows) == KILN_OK) {
+        kiln_metrics_plot_svg(rows, nrows, "kiln train: loss", r->unigram, "unigram baseline", r->chart_path);
+        free(rows);
+    }
+    return last ? KILN_OK : kiln_metrics_open(r->metrics_path, true, &r->metrics);
+}
+
+/* After a step: the validation loss when it is due, the progress line, the metrics
+ * row, a checkpoint when it is due, and the chart after each validation. */
+static kiln_status step_report(train_run *r, int64_t step, double lr, double loss, double gnorm, double ms)
+{
+    train_args *a = &r->a;
+    kiln_status s = KILN_OK;
+    r->timed++;
+    bool last = step + 1 == a->steps;
+    r->val = NAN;
+    if ((a->eval_every > 0 && (step + 1) % a->eval_every == 0) || last) s = eval_loss(r->m, r->ds, a, &r->val);
+    double elapsed = kiln__now_s() - r->t_begin, tps = (double)r->tokens_per_step / (ms / 1e3);
+    char eta[32];
+    fmt_eta(elapsed / (double)r->timed * (double)(a->steps - step - 1), eta, sizeof eta);
+    if (!a->quiet && r->rank == 0 && ((step + 1) % a->log_every == 0 || last || !isnan(r->val))) {
+        printf("step %5lld/%lld | loss %.4f | lr %.2e | %7.1f ms | %7.0f tok/s | norm %.3f | ETA %s",
+               (long long)step + 1, (long long)a->steps, loss, lr, ms, tps, gnorm, eta);
+        if (!isnan(r->val)) printf(" | val %.4f", r->val);
+        printf("\n");
+        fflush(stdout);
+    }
+    if (r->metrics) {
+        kiln_metrics_row row = {step + 1, loss, r->val, lr, tps, gnorm, ms};
+        if (kiln_metrics_write(r->metrics, &row) != KILN_OK) s = kiln_last_status();
+    }
+    bool due = (a->save_every > 0 && (step + 1) % a->save_every == 0) || last;
+    if (s == KILN_OK && due) s = save(r, step + 1);
+    if (due && r->zero) r->committed = step + 1;
+    if (s == KILN_OK && r->rank == 0 && !isnan(r->val) && r->metrics) s = redraw_chart(r, last);
+    return s;
+}
+
+/* The steps from r->start to --steps. */
+static int train_loop(train_run *r)
+{
+    train_args *a = &r->a;
+    kiln_status s = KILN_OK;
+    r->t_begin = kiln__now_s();
+    r->val = NAN;
+    r->comm_after = 0;
+    r->timed = 0;
+    for (int64_t step = r->start; step < a->steps && s == KILN_OK; step++) {
+        double t0 = kiln__now_s(), lr = kiln_lr_cosine(step, a->warmup, a->steps, a->lr, a->min_lr), loss_sum = 0;
         double gnorm = 0;
-        if (whole) {
-            kiln_scope_begin();
-            kiln_tensor_t *in[3], *out[2];
-            int n_out = 0;
-            int64_t one = 1;
-            if (a.accum == 1)
-                s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, (int)rank_batch, (int)a.context, (uint64_t)a.seed, step,
-                                       (int)rank, (int)world, &in[0], &in[1]);
-            else
-                s = stacked_batches(ds, (int)rank_batch, (int)a.context, (uint64_t)a.seed, step, (int)a.accum, (int)rank,
-                                    (int)world, in);
-            if (s == KILN_OK && !(in[2] = kiln_from_data(&lr, &one, 1, KILN_DTYPE_F64))) s = kiln_last_status();
-            if (s == KILN_OK)
-                s = compiled ? kiln_compiled_call(compiled, in, 3, out, 2, &n_out)
-                             : kiln_gpt_train_step(&step_fn, in, 3, out, &n_out);
-            if (s == KILN_OK) s = kiln_tensor_item(out[0], &loss_sum);
-            loss_sum *= (double)a.accum; /* the step gives the micro-batches' mean */
-            if (s == KILN_OK) s = kiln_tensor_item(out[1], &gnorm);
-            kiln_scope_end();
-            if (s == KILN_OK && compiled && step == start && !a.quiet && rank == 0) {
-                int kernels = 0, ops = 0;
-                kiln_compiled_plan(compiled, 0, &kernels, &ops, NULL, NULL);
-                if (kernels + ops > 0)
-                    printf("compiled the training step: %d generated kernels and %d ops through the backend; the first "
-                           "step's time includes compiling (or loading them from the cache)\n", kernels, ops);
-                else
-                    printf("captured the training step as one graph; on %s it runs through the device's kernels (the "
-                           "compiler generates whole graphs for the cpu only so far)\n", kiln_device());
-            }
-        }
-        for (int64_t micro = 0; !whole && micro < a.accum && s == KILN_OK; micro++) {
-            kiln_scope_begin();
-            kiln_tensor_t *x, *y, *loss;
-            s = kiln_dataset_batch(ds, KILN_SPLIT_TRAIN, (int)rank_batch, (int)a.context, (uint64_t)a.seed,
-                                   step * a.accum + micro, rank, world, &x, &y);
-            if (s == KILN_OK && !kiln_gpt_forward(m, x, y, true, &loss)) s = kiln_last_status();
-            double v = 0;
-            if (s == KILN_OK) s = kiln_tensor_item(loss, &v);
-            if (s == KILN_OK && ddp && micro == a.accum - 1) s = kiln_ddp_begin(ddp); /* reduce during the last backward */
-            if (s == KILN_OK) s = kiln_backward(a.accum > 1 ? kiln_mul_scalar(loss, 1.0 / (double)a.accum) : loss);
-            loss_sum += v;
-            kiln_scope_end();
-        }
-        double t_comm = kiln__now_s();
-        if (s == KILN_OK && !whole && ddp) s = kiln_ddp_finish(ddp);
-        for (int i = 0; s == KILN_OK && !whole && !zero && !ddp && i < np; i++)
-            if (kiln_tensor_grad(params[i])) s = kiln_pg_allreduce(pg, kiln_tensor_grad(params[i]), KILN_REDUCE_AVG);
-        comm_after += kiln__now_s() - t_comm;
-        if (s == KILN_OK) s = kiln_pg_check_step(pg); /* every rank ran the same collectives this step */
-        if (s == KILN_OK && world > 1) { /* the loss of the whole batch: the mean of the ranks' equal shares */
-            kiln_scope_begin();
-            int64_t one = 1;
-            kiln_tensor_t *l = kiln_from_data(&loss_sum, &one, 1, KILN_DTYPE_F64);
-            s = l ? kiln_pg_allreduce(pg, l, KILN_REDUCE_AVG) : kiln_last_status();
-            if (s == KILN_OK) s = kiln_tensor_to_host(l, &loss_sum, sizeof loss_sum);
-            kiln_scope_end();
-        }
-        if (s == KILN_OK && zero && !whole) s = kiln_zero1_step(zero, lr, a.clip, &gnorm);
-        if (s == KILN_OK && !zero && !whole) s = kiln_clip_grad_norm(params, np, a.clip, &gnorm);
-        if (s == KILN_OK && !zero && !whole) s = kiln_optim_step(opt, lr);
-        kiln_optim_zero_grad(opt);
+        s = r->whole ? step_whole(r, step, lr, &loss_sum, &gnorm) : step_micro_batches(r, step, &loss_sum);
+        if (s == KILN_OK) s = step_reduce_update(r, lr, &loss_sum, &gnorm);
+        kiln_optim_zero_grad(r->opt);
         if (s != KILN_OK) break;
-        double ms = (kiln__now_s() - t0) * 1e3, loss = loss_sum / (double)a.accum;
+        double ms = (kiln__now_s() - t0) * 1e3, loss = loss_sum / (double)a->accum;
         if (!isfinite(loss)) {
             s = kiln_error(KILN_ERR_ARG, "the loss became %g at step %lld; lower --lr or raise --warmup", loss, (long long)step);
             break;
         }
-        timed++;
-        bool last = step + 1 == a.steps;
-        val = NAN;
-        if ((a.eval_every > 0 && (step + 1) % a.eval_every == 0) || last) s = eval_loss(m, ds, &a, &val);
-        double elapsed = kiln__now_s() - t_begin, tps = (double)tokens_per_step / (ms / 1e3);
-        char eta[32];
-        fmt_eta(elapsed / (double)timed * (double)(a.steps - step - 1), eta, sizeof eta);
-        if (!a.quiet && rank == 0 && ((step + 1) % a.log_every == 0 || last || !isnan(val))) {
-            printf("step %5lld/%lld | loss %.4f | lr %.2e | %7.1f ms | %7.0f tok/s | norm %.3f | ETA %s",
-                   (long long)step + 1, (long long)a.steps, loss, lr, ms, tps, gnorm, eta);
-            if (!isnan(val)) printf(" | val %.4f", val);
-            printf("\n");
-            fflush(stdout);
-        }
-        if (metrics) {
-            kiln_metrics_row row = {step + 1, loss, val, lr, tps, gnorm, ms};
-            if (kiln_metrics_write(metrics, &row) != KILN_OK) s = kiln_last_status();
-        }
-        bool save = (a.save_every > 0 && (step + 1) % a.save_every == 0) || last;
-        if (s == KILN_OK && save && zero) s = kiln_zero1_save(zero, a.out, step + 1); /* every rank, then a barrier */
-        if (s == KILN_OK && rank == 0 && save) s = save_checkpoint(a.out, m, opt, step + 1, tok_kind, &a);
-        if (s == KILN_OK && rank == 0 && save && zero) s = kiln_zero1_commit(a.out, step + 1, world, committed);
-        if (save && zero) committed = step + 1;
-        if (s == KILN_OK && rank == 0 && !isnan(val) && metrics) {
-            kiln_metrics_close(metrics);
-            metrics = NULL;
-            kiln_metrics_row *rows;
-            size_t nrows;
-            if (kiln_metrics_read(metrics_path, &rows, &nrows) == KILN_OK) {
-                kiln_metrics_plot_svg(rows, nrows, "kiln train: loss", unigram, "unigram baseline", chart_path);
-                free(rows);
-            }
-            if (!last) s = kiln_metrics_open(metrics_path, true, &metrics);
-        }
+        s = step_report(r, step, lr, loss, gnorm, ms);
     }
-    kiln_metrics_close(metrics);
+    kiln_metrics_close(r->metrics);
     if (s != KILN_OK) return cli_fail("train", NULL);
-    if (!a.quiet && rank == 0 && start < a.steps)
+    return GO_ON;
+}
+
+/* The summary lines, and everything freed. */
+static int report(train_run *r)
+{
+    train_args *a = &r->a;
+    bool ran = !a->quiet && r->rank == 0 && r->start < a->steps;
+    if (ran)
         printf("done: %lld steps in %.1f s; final val loss %.4f vs unigram baseline %.4f; checkpoint %s/%s, chart %s\n",
-               (long long)(a.steps - start), kiln__now_s() - t_begin, val, unigram, a.out, RUN_MODEL, chart_path);
-    if (world > 1 && whole && !a.quiet && rank == 0 && start < a.steps)
+               (long long)(a->steps - r->start), kiln__now_s() - r->t_begin, r->val, r->unigram, a->out, RUN_MODEL,
+               r->chart_path);
+    if (r->world > 1 && r->whole && ran)
         printf("gradient reduction: inside the compiled training step, in buckets of up to KILN_COMPILE_BUCKET_MB "
                "(default 4 MiB; KILN_COMPILE_DISABLE=coalesce: one tensor at a time), each overlapped with the rest of "
                "backward (KILN_COMPILE_DISABLE=overlap: run where the step calls it)\n");
-    if (world > 1 && !zero && !whole && !a.quiet && rank == 0 && start < a.steps) {
+    if (r->world > 1 && !r->zero && !r->whole && ran) {
         char how[64] = "one tensor at a time after backward";
-        if (ddp) snprintf(how, sizeof how, "%d bucket(s) during backward", kiln_ddp_num_buckets(ddp));
+        if (r->ddp) snprintf(how, sizeof how, "%d bucket(s) during backward", kiln_ddp_num_buckets(r->ddp));
         printf("gradient reduction (%s): %.2f ms a step left after backward\n", how,
-               1e3 * comm_after / (double)(a.steps - start));
+               1e3 * r->comm_after / (double)(a->steps - r->start));
     }
-    kiln_compiled_free(compiled);
-    kiln_ddp_free(ddp);
-    kiln_zero1_free(zero);
-    kiln_optim_free(opt);
-    free(params);
-    kiln_gpt_free(m);
-    kiln_dataset_free(ds);
-    kiln_tokenizer_free(tok);
-    kiln_pg_free(pg);
-    free(metrics_path);
-    free(chart_path);
-    free(tok_path);
+    kiln_compiled_free(r->compiled);
+    kiln_ddp_free(r->ddp);
+    kiln_zero1_free(r->zero);
+    kiln_optim_free(r->opt);
+    free(r->params);
+    kiln_gpt_free(r->m);
+    kiln_dataset_free(r->ds);
+    kiln_tokenizer_free(r->tok);
+    kiln_pg_free(r->pg);
+    free(r->metrics_path);
+    free(r->chart_path);
+    free(r->tok_path);
+    return 0;
+}
+
+int cmd_train(int argc, char **argv)
+{
+    static int (*const steps[])(train_run *) = {
+        parse_options,   /* the flags, over a --config file */
+        setup_devices,   /* threads, the device, the process group, the run folder */
+        setup_data,      /* the corpus, its tokenizer, the dataset */
+        build_model,     /* the model and its optimizer */
+        load_checkpoint, /* --resume: weights, optimizer state, step; the metrics file */
+        setup_step,      /* eager or compiled, and rank 0's parameters on every rank */
+        setup_gradients, /* kiln_ddp's buckets or ZeRO-1's shards */
+        print_banner,
+        train_loop,      /* the steps, with evaluation, logging and checkpoints */
+        report,          /* the summary, and everything freed */
+    };
+    train_run r = {.argc = argc, .argv = argv};
+    for (size_t i = 0; i < sizeof steps / sizeof steps[0]; i++) {
+        int rc = steps[i](&r);
+        if (rc != GO_ON) return rc;
+    }
     return 0;
 }

@@ -346,48 +346,105 @@ struct kiln_kv_cache {
     kiln_tensor_t **k, **v; /* per layer (B, Hkv, block_size, hs) */
 };
 
-/* One pass over T new positions starting at pos0; with a cache, keys and values are
- * appended to it and attention sees all cached positions. */
+/* The linear layers of a block, in the order of the packed copies a KV pool keeps. */
+enum { PK_QKV, PK_PROJ, PK_FC, PK_UP, PK_OUT, PK_N };
+
+/* One pass through the blocks: training and forward over (B,T) tokens, or paged decoding
+ * over N rows of a batch of sequences. block() is the same for both; the pass says how
+ * it attends and how it multiplies by a linear layer's weights. */
+typedef struct pass pass;
+struct pass {
+    /* Attention of layer i from the q, k, v parts of its qkv projection: (B,T,H*hs),
+     * (B,T,Hk*hs) x2 or (N,H*hs), (N,Hk*hs) x2; returns (B,T,C) or (N,C). */
+    kiln_tensor_t *(*attend)(const pass *ps, int i, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v);
+    const kiln_gpt_t *m;
+    kiln_tensor_t *(*pk)[PK_N]; /* packed weights per layer (kiln_matmul_rows_packed), or NULL: kiln_linear */
+    double p;                   /* dropout on the attention and MLP outputs, in training */
+    bool train;
+    /* full causal attention: positions pos0.. of B sequences of T, and the cache if any */
+    int64_t B, T, pos0;
+    kiln_kv_cache_t *cache;
+    /* paged attention: the pool, and the rows' positions, slots, (seq, pos) and block table */
+    kiln_kv_pool_t *pool;
+    kiln_tensor_t *pos, *slot, *seq_pos, *block_table;
+};
+
+/* x w^T + b through w's packed copy wp (n = w's rows): rows that do not depend on each
+ * other (kiln_matmul_rows). */
+static kiln_tensor_t *linear_rows(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *wp, kiln_tensor_t *b)
+{
+    kiln_tensor_t *y = kiln_matmul_rows_packed(x, wp, kiln_tensor_dim(w, 0));
+    return b ? kiln_add(y, b) : y;
+}
+
+/* Layer i's linear layer `which` (PK_*) with weight w and bias b, as the pass runs it. */
+static kiln_tensor_t *linear(const pass *ps, int i, int which, kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *b)
+{
+    return ps->pk ? linear_rows(x, w, ps->pk[i][which], b) : kiln_linear(x, w, b);
+}
+
+/* Transformer block i on x (B,T,C) or (N,C): x + attention(norm1(x)), then
+ * x + mlp(norm2(x)). */
+static kiln_tensor_t *block(const pass *ps, int i, kiln_tensor_t *x)
+{
+    const kiln_gpt_t *m = ps->m;
+    const kiln_gpt_config *c = &m->cfg;
+    const layer *L = &m->layers[i];
+    int64_t H = c->n_head, Hk = c->n_kv_head, hs = c->n_embd / H;
+    kiln_tensor_t *qkv = linear(ps, i, PK_QKV, norm(m, x, L->n1w, L->n1b), L->qkv_w, L->qkv_b);
+    kiln_tensor_t *part[3];
+    int64_t sizes[3] = {H * hs, Hk * hs, Hk * hs};
+    if (!qkv || kiln_split(qkv, sizes, 3, -1, part) != KILN_OK) return NULL;
+    kiln_tensor_t *y = ps->attend(ps, i, part[0], part[1], part[2]);
+    y = kiln_dropout(linear(ps, i, PK_PROJ, y, L->proj_w, L->proj_b), ps->p, ps->train);
+    x = kiln_add(x, y);
+    kiln_tensor_t *h = norm(m, x, L->n2w, L->n2b), *mo;
+    if (c->mlp == KILN_MLP_GELU)
+        mo = linear(ps, i, PK_OUT, kiln_gelu(linear(ps, i, PK_FC, h, L->fc_w, L->fc_b), true), L->out_w, L->out_b);
+    else
+        mo = linear(ps, i, PK_OUT,
+                    kiln_mul(kiln_silu(linear(ps, i, PK_FC, h, L->fc_w, L->fc_b)),
+                             linear(ps, i, PK_UP, h, L->up_w, L->up_b)),
+                    L->out_w, L->out_b);
+    return kiln_add(x, kiln_dropout(mo, ps->p, ps->train));
+}
+
+/* Causal attention over B sequences of T new positions from pos0; with a cache, keys and
+ * values are appended to it and attention sees all cached positions. */
+static kiln_tensor_t *attend_full(const pass *ps, int i, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v)
+{
+    const kiln_gpt_config *c = &ps->m->cfg;
+    int64_t B = ps->B, T = ps->T, pos0 = ps->pos0, C = c->n_embd, H = c->n_head, Hk = c->n_kv_head, hs = C / H;
+    kiln_kv_cache_t *cache = ps->cache;
+    q = heads(q, B, T, H, hs);
+    k = heads(k, B, T, Hk, hs);
+    v = heads(v, B, T, Hk, hs);
+    if (c->pos == KILN_POS_ROPE) {
+        q = kiln_rope(q, pos0, c->rope_theta);
+        k = kiln_rope(k, pos0, c->rope_theta);
+    }
+    if (cache) {
+        kiln_tensor_t *kd = kiln_narrow(cache->k[i], 2, pos0, T), *vd = kiln_narrow(cache->v[i], 2, pos0, T);
+        if (kiln_tensor_copy_(kd, k) != KILN_OK || kiln_tensor_copy_(vd, v) != KILN_OK) return NULL;
+        k = kiln_narrow(cache->k[i], 2, 0, pos0 + T);
+        v = kiln_narrow(cache->v[i], 2, 0, pos0 + T);
+    }
+    kiln_tensor_t *y = kiln_attention(q, k, v, true, 0.0);
+    int64_t bt[3] = {B, T, C};
+    return kiln_reshape(kiln_transpose(y, 1, 2), bt, 3);
+}
+
+/* Logits of T new positions of B sequences from pos0, through the cache if any. */
 static kiln_tensor_t *run(kiln_gpt_t *m, kiln_tensor_t *idx, int64_t pos0, kiln_kv_cache_t *cache, bool train)
 {
     const kiln_gpt_config *c = &m->cfg;
-    int64_t B = kiln_tensor_dim(idx, 0), T = kiln_tensor_dim(idx, 1), C = c->n_embd;
-    int64_t H = c->n_head, Hk = c->n_kv_head, hs = C / H;
-    double p = train ? c->dropout : 0.0;
+    int64_t T = kiln_tensor_dim(idx, 1);
+    pass ps = {.attend = attend_full, .m = m, .p = train ? c->dropout : 0.0, .train = train,
+               .B = kiln_tensor_dim(idx, 0), .T = T, .pos0 = pos0, .cache = cache};
     kiln_tensor_t *x = kiln_embedding(m->tok_emb, idx);
     if (c->pos == KILN_POS_LEARNED) x = kiln_add(x, kiln_narrow(m->pos_emb, 0, pos0, T));
-    for (int i = 0; i < c->n_layer; i++) {
-        layer *L = &m->layers[i];
-        kiln_tensor_t *h = norm(m, x, L->n1w, L->n1b);
-        kiln_tensor_t *qkv = kiln_linear(h, L->qkv_w, L->qkv_b);
-        kiln_tensor_t *part[3];
-        int64_t sizes[3] = {H * hs, Hk * hs, Hk * hs};
-        if (!qkv || kiln_split(qkv, sizes, 3, -1, part) != KILN_OK) return NULL;
-        kiln_tensor_t *q = heads(part[0], B, T, H, hs), *k = heads(part[1], B, T, Hk, hs), *v = heads(part[2], B, T, Hk, hs);
-        if (c->pos == KILN_POS_ROPE) {
-            q = kiln_rope(q, pos0, c->rope_theta);
-            k = kiln_rope(k, pos0, c->rope_theta);
-        }
-        if (cache) {
-            kiln_tensor_t *kd = kiln_narrow(cache->k[i], 2, pos0, T), *vd = kiln_narrow(cache->v[i], 2, pos0, T);
-            if (kiln_tensor_copy_(kd, k) != KILN_OK || kiln_tensor_copy_(vd, v) != KILN_OK) return NULL;
-            k = kiln_narrow(cache->k[i], 2, 0, pos0 + T);
-            v = kiln_narrow(cache->v[i], 2, 0, pos0 + T);
-        }
-        kiln_tensor_t *y = kiln_attention(q, k, v, true, 0.0);
-        int64_t bt[3] = {B, T, C};
-        y = kiln_reshape(kiln_transpose(y, 1, 2), bt, 3);
-        y = kiln_dropout(kiln_linear(y, L->proj_w, L->proj_b), p, train);
-        x = kiln_add(x, y);
-        h = norm(m, x, L->n2w, L->n2b);
-        kiln_tensor_t *mo;
-        if (c->mlp == KILN_MLP_GELU)
-            mo = kiln_linear(kiln_gelu(kiln_linear(h, L->fc_w, L->fc_b), true), L->out_w, L->out_b);
-        else
-            mo = kiln_linear(kiln_mul(kiln_silu(kiln_linear(h, L->fc_w, L->fc_b)), kiln_linear(h, L->up_w, L->up_b)),
-                             L->out_w, L->out_b);
-        x = kiln_add(x, kiln_dropout(mo, p, train));
-    }
+    for (int i = 0; i < c->n_layer; i++)
+        if (!(x = block(&ps, i, x))) return NULL;
     x = norm(m, x, m->nfw, m->nfb);
     return kiln_linear(x, c->tied ? m->tok_emb : m->lm_head, NULL);
 }
@@ -490,8 +547,6 @@ kiln_tensor_t *kiln_gpt_forward_cached(kiln_gpt_t *m, kiln_kv_cache_t *c, kiln_t
 }
 
 /* ---- paged decoding (the serving engine) ---- */
-
-enum { PK_QKV, PK_PROJ, PK_FC, PK_UP, PK_OUT, PK_N };
 
 struct kiln_kv_pool {
     int num_blocks, block_len, n_layer;
@@ -627,19 +682,36 @@ static kiln_status check_paged(const kiln_gpt_t *m, const kiln_kv_pool_t *p, con
     return KILN_OK;
 }
 
-/* A linear layer whose rows do not depend on each other (kiln_matmul_rows). */
-/* x w^T + b through w's packed copy wp (n = w's rows). */
-static kiln_tensor_t *linear_rows(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *wp, kiln_tensor_t *b)
+/* Paged attention of N rows: each row's key and value written into its slot of the pool,
+ * then the row attends to positions 0..pos of its sequence through the block table. */
+static kiln_tensor_t *attend_paged(const pass *ps, int i, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v)
 {
-    kiln_tensor_t *y = kiln_matmul_rows_packed(x, wp, kiln_tensor_dim(w, 0));
-    return b ? kiln_add(y, b) : y;
+    const kiln_gpt_config *c = &ps->m->cfg;
+    kiln_kv_pool_t *p = ps->pool;
+    int64_t N = kiln_tensor_dim(q, 0), C = c->n_embd, H = c->n_head, Hk = c->n_kv_head, hs = C / H;
+    int64_t qs[3] = {N, H, hs}, ks[3] = {N, Hk, hs}, nc[2] = {N, C};
+    q = kiln_reshape(q, qs, 3);
+    k = kiln_reshape(k, ks, 3);
+    v = kiln_reshape(v, ks, 3);
+    if (c->pos == KILN_POS_ROPE) {
+        q = kiln_rope_at(q, ps->pos, c->rope_theta);
+        k = kiln_rope_at(k, ps->pos, c->rope_theta);
+    }
+    if (p->dtype != KILN_DTYPE_F32) {
+        k = kiln_cast(k, p->dtype);
+        v = kiln_cast(v, p->dtype);
+    }
+    if (kiln_index_copy_(p->k[i], ps->slot, k) != KILN_OK || kiln_index_copy_(p->v[i], ps->slot, v) != KILN_OK)
+        return NULL;
+    kiln_tensor_t *y = kiln_paged_attention(q, p->k[i], p->v[i], ps->block_table, ps->seq_pos, p->block_len, 0.0);
+    return kiln_reshape(y, nc, 2);
 }
 
 static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_paged_batch *b, int32_t *slots,
                                 int32_t *seq_pos)
 {
     const kiln_gpt_config *c = &m->cfg;
-    int64_t N = b->n_tokens, C = c->n_embd, H = c->n_head, Hk = c->n_kv_head, hs = C / H, bl = p->block_len;
+    int64_t N = b->n_tokens, bl = p->block_len;
     for (int64_t i = 0; i < N; i++) {
         slots[i] = b->block_table[b->seq[i] * b->max_blocks + b->pos[i] / bl] * (int32_t)bl + b->pos[i] % (int32_t)bl;
         seq_pos[2 * i] = b->seq[i];
@@ -647,44 +719,16 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
     }
     int64_t n2[2] = {N, 2}, bts[2] = {b->n_seqs, b->max_blocks}, nl = b->n_logits;
     kiln_tensor_t *idx = kiln_from_data(b->tokens, &N, 1, KILN_DTYPE_I32);
-    kiln_tensor_t *pos = kiln_from_data(b->pos, &N, 1, KILN_DTYPE_I32);
-    kiln_tensor_t *slot = kiln_from_data(slots, &N, 1, KILN_DTYPE_I32);
-    kiln_tensor_t *sp = kiln_from_data(seq_pos, n2, 2, KILN_DTYPE_I32);
-    kiln_tensor_t *bt = kiln_from_data(b->block_table, bts, 2, KILN_DTYPE_I32);
+    pass ps = {.attend = attend_paged, .m = m, .pk = p->pk, .pool = p};
+    ps.pos = kiln_from_data(b->pos, &N, 1, KILN_DTYPE_I32);
+    ps.slot = kiln_from_data(slots, &N, 1, KILN_DTYPE_I32);
+    ps.seq_pos = kiln_from_data(seq_pos, n2, 2, KILN_DTYPE_I32);
+    ps.block_table = kiln_from_data(b->block_table, bts, 2, KILN_DTYPE_I32);
     kiln_tensor_t *rows = nl ? kiln_from_data(b->logit_rows, &nl, 1, KILN_DTYPE_I32) : NULL;
     kiln_tensor_t *x = kiln_embedding(m->tok_emb, idx);
-    if (c->pos == KILN_POS_LEARNED) x = kiln_add(x, kiln_index_select(m->pos_emb, 0, pos));
-    int64_t qs[3] = {N, H, hs}, ks[3] = {N, Hk, hs}, nc[2] = {N, C};
-    for (int i = 0; i < c->n_layer; i++) {
-        layer *L = &m->layers[i];
-        kiln_tensor_t *const *pk = p->pk[i];
-        kiln_tensor_t *qkv = linear_rows(norm(m, x, L->n1w, L->n1b), L->qkv_w, pk[PK_QKV], L->qkv_b);
-        kiln_tensor_t *part[3];
-        int64_t sizes[3] = {H * hs, Hk * hs, Hk * hs};
-        if (!qkv || kiln_split(qkv, sizes, 3, -1, part) != KILN_OK) return NULL;
-        kiln_tensor_t *q = kiln_reshape(part[0], qs, 3), *k = kiln_reshape(part[1], ks, 3);
-        kiln_tensor_t *v = kiln_reshape(part[2], ks, 3);
-        if (c->pos == KILN_POS_ROPE) {
-            q = kiln_rope_at(q, pos, c->rope_theta);
-            k = kiln_rope_at(k, pos, c->rope_theta);
-        }
-        if (p->dtype != KILN_DTYPE_F32) {
-            k = kiln_cast(k, p->dtype);
-            v = kiln_cast(v, p->dtype);
-        }
-        if (kiln_index_copy_(p->k[i], slot, k) != KILN_OK || kiln_index_copy_(p->v[i], slot, v) != KILN_OK) return NULL;
-        kiln_tensor_t *y = kiln_paged_attention(q, p->k[i], p->v[i], bt, sp, bl, 0.0);
-        x = kiln_add(x, linear_rows(kiln_reshape(y, nc, 2), L->proj_w, pk[PK_PROJ], L->proj_b));
-        kiln_tensor_t *h = norm(m, x, L->n2w, L->n2b), *mo;
-        if (c->mlp == KILN_MLP_GELU)
-            mo = linear_rows(kiln_gelu(linear_rows(h, L->fc_w, pk[PK_FC], L->fc_b), true), L->out_w, pk[PK_OUT],
-                             L->out_b);
-        else
-            mo = linear_rows(kiln_mul(kiln_silu(linear_rows(h, L->fc_w, pk[PK_FC], L->fc_b)),
-                                      linear_rows(h, L->up_w, pk[PK_UP], L->up_b)),
-                             L->out_w, pk[PK_OUT], L->out_b);
-        x = kiln_add(x, mo);
-    }
+    if (c->pos == KILN_POS_LEARNED) x = kiln_add(x, kiln_index_select(m->pos_emb, 0, ps.pos));
+    for (int i = 0; i < c->n_layer; i++)
+        if (!(x = block(&ps, i, x))) return NULL;
     /* Only the rows whose logits are wanted go through the last norm and the head (a
      * step that only prefills wants none). */
     if (!nl) {

@@ -1,0 +1,215 @@
+/* A generation's job: what the engine's callbacks produce for one HTTP request, with
+ * one engine request per choice. The job is reference-counted (the connection, the
+ * streamed response, and each engine request hold one) because the HTTP side and the
+ * engine side end in either order. A watchdog thread cancels jobs past the request
+ * timeout. A client that goes away is noticed when its connection is next written to
+ * (MHD does not watch suspended sockets), that is at its next token, and its engine
+ * requests are cancelled then. */
+#include <stdlib.h>
+#include <time.h>
+#include "core/util.h"
+#include "kiln/tokenizer.h"
+#include "serve/server_impl.h"
+
+void kiln__serve_job_unref(job *j)
+{
+    pthread_mutex_lock(&j->mu);
+    int left = --j->refs;
+    pthread_mutex_unlock(&j->mu);
+    if (left) return;
+    kiln_server_t *s = j->srv;
+    pthread_mutex_lock(&s->mu);
+    for (job **p = &s->jobs; *p; p = &(*p)->next)
+        if (*p == j) {
+            *p = j->next;
+            break;
+        }
+    pthread_mutex_unlock(&s->mu);
+    for (int i = 0; i < j->n; i++) {
+        choice *c = &j->ch[i];
+        kiln__textstream_free(&c->ts);
+        free(c->tok);
+        free(c->tok_start);
+        free(c->lp);
+        free(c->top_ids);
+        free(c->top_lp);
+    }
+    kiln__oai_free(&j->req);
+    free(j->out);
+    pthread_mutex_destroy(&j->mu);
+    free(j);
+}
+
+void kiln__serve_job_track(job *j)
+{
+    kiln_server_t *s = j->srv;
+    pthread_mutex_lock(&s->mu);
+    j->next = s->jobs;
+    s->jobs = j;
+    pthread_mutex_unlock(&s->mu);
+}
+
+void kiln__serve_job_cancel(job *j)
+{
+    for (int i = 0; i < j->n; i++)
+        if (j->ch[i].submitted && !j->ch[i].finished) kiln_engine_cancel(j->srv->engine, j->ch[i].engine_id);
+}
+
+/* Resumes the connection if it waits for us. Under j->mu. */
+static void wake(job *j)
+{
+    if (j->suspended && j->conn) {
+        j->suspended = false;
+        MHD_resume_connection(j->conn);
+        pthread_mutex_lock(&j->srv->mu);
+        /* Only shutdown waits for the count to reach zero; a broadcast per token would
+         * wake the watchdog thousands of times a second, onto the compute cores. */
+        if (--j->srv->n_suspended == 0 && j->srv->stopping) pthread_cond_broadcast(&j->srv->cv);
+        pthread_mutex_unlock(&j->srv->mu);
+    }
+}
+
+void kiln__serve_job_suspend(job *j)
+{
+    j->suspended = true;
+    MHD_suspend_connection(j->conn);
+    pthread_mutex_lock(&j->srv->mu);
+    j->srv->n_suspended++;
+    pthread_mutex_unlock(&j->srv->mu);
+}
+
+static bool grow_tokens(job *j, choice *c)
+{
+    if (c->n_tok < c->cap_tok) return true;
+    int cap = c->cap_tok ? c->cap_tok * 2 : 64;
+    int32_t *t = realloc(c->tok, sizeof *t * (size_t)cap);
+    if (t) c->tok = t;
+    size_t *st = realloc(c->tok_start, sizeof *st * (size_t)cap);
+    if (st) c->tok_start = st;
+    float *lp = realloc(c->lp, sizeof *lp * (size_t)cap);
+    if (lp) c->lp = lp;
+    if (!t || !st || !lp) return false;
+    if (j->n_top > 0) {
+        int32_t *ti = realloc(c->top_ids, sizeof *ti * (size_t)cap * (size_t)j->n_top);
+        if (ti) c->top_ids = ti;
+        float *tl = realloc(c->top_lp, sizeof *tl * (size_t)cap * (size_t)j->n_top);
+        if (tl) c->top_lp = tl;
+        if (!ti || !tl) return false;
+    }
+    c->cap_tok = cap;
+    return true;
+}
+
+/* The engine's callback, on the engine's thread. */
+bool kiln__serve_on_token(void *user, const kiln_token_event *ev, kiln_finish fin)
+{
+    choice *c = user;
+    job *j = c->j;
+    kiln_server_t *s = j->srv;
+    pthread_mutex_lock(&j->mu);
+    bool go = true;
+    if (ev) {
+        if (!j->first_token) {
+            j->first_token = true;
+            kiln__serve_count_ttft(s, kiln__now_s() - j->t_start);
+        }
+        if (ev->token == s->eot) {
+            go = false; /* the end-of-text token ends the answer and is not part of it */
+        } else if (grow_tokens(j, c)) {
+            size_t n;
+            const char *b = kiln_tokenizer_token_bytes(s->tok, ev->token, &n);
+            c->tok[c->n_tok] = ev->token;
+            c->tok_start[c->n_tok] = c->ts.n_bytes;
+            c->lp[c->n_tok] = ev->logprob;
+            for (int k = 0; k < j->n_top && k < ev->n_top; k++) {
+                c->top_ids[c->n_tok * j->n_top + k] = ev->top_ids[k];
+                c->top_lp[c->n_tok * j->n_top + k] = ev->top_logprobs[k];
+            }
+            c->n_tok++;
+            if (!kiln__textstream_push(&c->ts, b ? b : "", n)) go = false;
+            size_t from, len;
+            kiln__textstream_take(&c->ts, false, &from, &len);
+            if (c->ts.stopped) go = false;
+            if (j->stream && len) {
+                kiln__serve_sse_chunk(j, c, c->ts.text + from, len, NULL);
+                j->sent_role = true;
+            }
+        } else {
+            go = false;
+        }
+        if (!j->conn || atomic_load(&j->timed_out)) go = false;
+    } else {
+        c->finished = true;
+        c->finish = fin;
+        size_t from, len;
+        kiln__textstream_take(&c->ts, true, &from, &len);
+        if (c->ts.stopped && fin != KILN_FINISH_ERROR && fin != KILN_FINISH_CANCELLED) c->finish = KILN_FINISH_STOP;
+        bool failed = fin == KILN_FINISH_ERROR || (fin == KILN_FINISH_CANCELLED && !c->ts.stopped);
+        if (j->stream && !failed) {
+            kiln__serve_sse_chunk(j, c, c->ts.text + from, len, kiln__serve_finish_reason(c));
+            j->sent_role = true;
+        }
+        kiln__serve_count_generated(s, c->n_tok);
+        if (++j->n_done == j->n) {
+            j->done = true;
+            if (j->stream) kiln__serve_sse_end(j);
+        }
+    }
+    wake(j);
+    pthread_mutex_unlock(&j->mu);
+    if (!ev) kiln__serve_job_unref(j); /* the engine's reference */
+    return go;
+}
+
+/* The realtime clock ms milliseconds from now, for pthread_cond_timedwait. */
+static struct timespec deadline_in_ms(long ms)
+{
+    struct timespec t;
+    clock_gettime(CLOCK_REALTIME, &t);
+    t.tv_nsec += ms * 1000000L;
+    if (t.tv_nsec >= 1000000000L) {
+        t.tv_sec++;
+        t.tv_nsec -= 1000000000L;
+    }
+    return t;
+}
+
+/* Cancels jobs that ran past the request timeout. */
+void *kiln__serve_watchdog_main(void *arg)
+{
+    kiln_server_t *s = arg;
+    pthread_mutex_lock(&s->mu);
+    while (!s->stopping) {
+        struct timespec t = deadline_in_ms(100);
+        pthread_cond_timedwait(&s->cv, &s->mu, &t);
+        double now = kiln__now_s();
+        for (job *j = s->jobs; j; j = j->next)
+            if (now - j->t_start > s->o.request_timeout && !atomic_exchange(&j->timed_out, true))
+                for (int i = 0; i < j->n; i++)
+                    if (j->ch[i].submitted) kiln_engine_cancel(s->engine, j->ch[i].engine_id);
+    }
+    pthread_mutex_unlock(&s->mu);
+    return NULL;
+}
+
+void kiln__serve_jobs_stop(kiln_server_t *s)
+{
+    pthread_mutex_lock(&s->mu);
+    s->stopping = true;
+    pthread_cond_broadcast(&s->cv);
+    pthread_mutex_unlock(&s->mu);
+    if (s->watchdog_started) pthread_join(s->watchdog, NULL);
+    s->watchdog_started = false;
+    /* Cancel what runs: each final callback ends its stream and resumes its connection.
+     * MHD must not be stopped with a connection suspended, so wait (bounded) for them;
+     * the engine stays alive until MHD is stopped, since closing a stream cancels. */
+    pthread_mutex_lock(&s->mu);
+    for (job *j = s->jobs; j && s->engine; j = j->next)
+        for (int i = 0; i < j->n; i++)
+            if (j->ch[i].submitted) kiln_engine_cancel(s->engine, j->ch[i].engine_id);
+    for (int i = 0; i < 100 && s->n_suspended > 0; i++) {
+        struct timespec t = deadline_in_ms(50);
+        pthread_cond_timedwait(&s->cv, &s->mu, &t);
+    }
+    pthread_mutex_unlock(&s->mu);
+}
