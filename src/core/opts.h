@@ -1,6 +1,7 @@
 /* Optimization switches: each fast path sits behind one, KILN_OPT_<NAME>=0|1 in the
  * environment, so its effect can be measured alone (DESIGN.md, "Performance
- * discipline"). kiln doctor lists them. */
+ * discipline"). Each is a row of the environment table (env.h), read through it;
+ * kiln doctor lists them. */
 #ifndef KILN_CORE_OPTS_H
 #define KILN_CORE_OPTS_H
 #include <stdbool.h>
