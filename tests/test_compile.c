@@ -1026,6 +1026,35 @@ static void switches_turn_stages_off(void **state)
     unsetenv("KILN_COMPILE_DISABLE");
 }
 
+/* Each stage is also a switch of its own, KILN_OPT_COMPILE_<STAGE>=0 (src/core/opts.h),
+ * which turns the stage off as KILN_COMPILE_DISABLE=<stage> does: the same kernel and
+ * op counts as switches_turn_stages_off above, where every stage on fuses the chain. */
+static void stage_switches_turn_stages_off_as_the_alias_does(void **state)
+{
+    int64_t s[2] = {64, 200}, c[1] = {200};
+    kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(c, 1, 2)};
+    int k, o;
+    check(chain, NULL, in, 2, TOL, &k, &o);
+    assert_true(k >= 1 && k < 5); /* fused */
+    setenv("KILN_OPT_COMPILE_FUSION", "0", 1);
+    check(chain, NULL, in, 2, TOL, &k, &o);
+    assert_int_equal(k, 5); /* add, sub, exp, mul, tanh: one kernel each */
+    unsetenv("KILN_OPT_COMPILE_FUSION");
+    setenv("KILN_OPT_COMPILE_CODEGEN", "0", 1);
+    check(chain, NULL, in, 2, 0, &k, &o); /* interpreted: bitwise eager */
+    assert_int_equal(k, 0);
+    unsetenv("KILN_OPT_COMPILE_CODEGEN");
+    int which = 0;
+    kiln_tensor_t *nin[3] = {randn(s, 2, 3), randn(c, 1, 4), randn(c, 1, 5)};
+    setenv("KILN_OPT_COMPILE_DECOMPOSE", "0", 1);
+    check(norm_fns, &which, nin, 3, TOL, &k, &o);
+    assert_int_equal(k, 0); /* layer_norm kept whole: the backend's kernel */
+    assert_int_equal(o, 1);
+    unsetenv("KILN_OPT_COMPILE_DECOMPOSE");
+    check(norm_fns, &which, nin, 3, TOL, &k, &o);
+    assert_true(k >= 1); /* decomposed again: generated kernels */
+}
+
 static int count_suffix(const char *dir, const char *suffix)
 {
     char cmd[512];
@@ -1494,6 +1523,7 @@ int main(void)
         {cmocka_unit_test_setup_teardown(composites_decompose_and_match_eager, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(composites_decompose_where_the_backend_lacks_them, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(switches_turn_stages_off, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(stage_switches_turn_stages_off_as_the_alias_does, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(every_stage_switches_off_alone, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(logs_print_every_stage, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(fusion_size_limit_splits_kernels, setup, teardown), false},

@@ -48,7 +48,7 @@ int cmd_info(int argc, char **argv)
 
 static int tok_train(int argc, char **argv)
 {
-    const char *data = getenv("KILN_DATA") ? getenv("KILN_DATA") : "data/kjv.txt", *out = "tokenizer.json";
+    const char *data = kiln_env_or_default("KILN_DATA"), *out = "tokenizer.json";
     int64_t vocab = 1024;
     const cli_opt opts[] = {
         {"data", OPT_STRING, &data, "text file or folder"},
@@ -162,15 +162,71 @@ int cmd_plot(int argc, char **argv)
     return 0;
 }
 
+/* How many of kiln's environment variables are set here. */
+static int env_set_count(void)
+{
+    kiln_env_var v;
+    int n = 0;
+    for (int i = 0; kiln_env_var_at(i, &v); i++) n += v.value != NULL;
+    return n;
+}
+
+/* s for a Markdown table cell: < > and | escaped. */
+static void md_print(const char *s)
+{
+    for (; *s; s++) {
+        if (*s == '<') fputs("&lt;", stdout);
+        else if (*s == '>') fputs("&gt;", stdout);
+        else if (*s == '|') fputs("\\|", stdout);
+        else putchar(*s);
+    }
+}
+
+/* kiln doctor --env [--markdown]: every KILN_* variable kiln reads, from its one table
+ * (src/core/env.def); the Markdown form is docs/env.md's table. */
+static int doctor_env(bool markdown)
+{
+    kiln_env_var v;
+    if (markdown) {
+        printf("| variable | type | default | read by | meaning |\n|---|---|---|---|---|\n");
+        for (int i = 0; kiln_env_var_at(i, &v); i++) {
+            printf("| `%s` | %s | ", v.name, v.type);
+            if (*v.dflt == '(') md_print(v.dflt);
+            else if (*v.dflt) printf("`%s`", v.dflt);
+            else printf("(none)");
+            printf(" | %s | ", v.who);
+            md_print(v.help);
+            printf(" |\n");
+        }
+        return 0;
+    }
+    int w = 8;
+    for (int i = 0; kiln_env_var_at(i, &v); i++) w = (int)strlen(v.name) > w ? (int)strlen(v.name) : w;
+    printf("%-*s  %-6s  %-12s  %s\n", w, "variable", "type", "value", "meaning (default; who reads it)");
+    int bad = 0;
+    for (int i = 0; kiln_env_var_at(i, &v); i++) {
+        printf("%-*s  %-6s  %-12s  %s (default %s; %s)\n", w, v.name, v.type, v.value ? v.value : "-", v.help,
+               *v.dflt ? v.dflt : "none", v.who);
+        if (v.value && kiln_env_check(v.name) != KILN_OK) printf("%-*s  ^ %s\n", w, "", kiln_last_error()), bad++;
+    }
+    printf("%d variables, %d set here%s\n", kiln_env_count(), env_set_count(), bad ? ", some not valid (^)" : "");
+    return 0;
+}
+
 int cmd_doctor(int argc, char **argv)
 {
     const char *ops = NULL;
+    bool env = false, markdown = false;
     const cli_opt opts[] = {
         {"ops", OPT_STRING, &ops, "print which ops DEVICE runs with its own kernels and which on the cpu"},
+        {"env", OPT_FLAG, &env, "print every KILN_* environment variable kiln reads: type, value here, meaning, default"},
+        {"markdown", OPT_FLAG, &markdown, "with --env: as a Markdown table (docs/env.md)"},
         {NULL, 0, NULL, NULL},
     };
-    int r = cli_parse("doctor", "[--ops DEVICE]", opts, argc, argv, NULL, 0, NULL);
+    int r = cli_parse("doctor", "[--ops DEVICE] [--env [--markdown]]", opts, argc, argv, NULL, 0, NULL);
     if (r) return r == 1 ? 0 : 2;
+    if (markdown && !env) return cli_fail("doctor", "--markdown goes with --env");
+    if (env) return doctor_env(markdown);
     if (ops) {
         if (kiln_set_device(ops) != KILN_OK) return cli_fail("doctor", NULL);
         kiln_set_device("cpu");
@@ -200,8 +256,16 @@ int cmd_doctor(int argc, char **argv)
         printf("distributed: %s (kiln train under mpirun; docs/dist.md)\n", mpi);
     else
         printf("distributed: built without MPI (one process only; apt-get install libopenmpi-dev openmpi-bin)\n");
-    printf("optimization switches (KILN_OPT_<NAME>=0|1):\n");
+    printf("optimization switches (KILN_OPT_<NAME>=0|1; the compiler's stages also KILN_COMPILE_DISABLE=<stage>,...):\n");
+    int w = 0;
+    for (int i = 0; i < kiln_opt_count(); i++) w = (int)strlen(kiln_opt_name(i)) > w ? (int)strlen(kiln_opt_name(i)) : w;
     for (int i = 0; i < kiln_opt_count(); i++)
-        printf("  %-12s %s  %s\n", kiln_opt_name(i), kiln_opt_enabled(i) ? "on " : "off", kiln_opt_help(i));
+        printf("  %-*s %s  %s\n", w, kiln_opt_name(i), kiln_opt_enabled(i) ? "on " : "off", kiln_opt_help(i));
+    printf("environment: %d KILN_* variables read (kiln doctor --env lists them), %d set here", kiln_env_count(),
+           env_set_count());
+    kiln_env_var v;
+    for (int i = 0, k = 0; kiln_env_var_at(i, &v); i++)
+        if (v.value) printf("%s%s=%s", k++ ? ", " : ": ", v.name, v.value);
+    printf("\n");
     return 0;
 }

@@ -58,7 +58,7 @@ int cmd_serve(int argc, char **argv)
     if (kiln_dtype_parse(kv_dtype, &kvt) != KILN_OK ||
         (kvt != KILN_DTYPE_F32 && kvt != KILN_DTYPE_F16 && kvt != KILN_DTYPE_BF16))
         return cli_fail("serve", "--kv-dtype must be f32, f16 or bf16");
-    if (!api_key) api_key = getenv("KILN_API_KEY");
+    if (!api_key) api_key = kiln_env("KILN_API_KEY");
     o.host = host;
     o.port = (int)port;
     o.api_key = api_key && *api_key ? api_key : NULL;

@@ -32,11 +32,7 @@ typedef struct {
     double bucket_mb;
 } train_args;
 
-static const char *default_data(void)
-{
-    const char *env = getenv("KILN_DATA");
-    return env && *env ? env : "data/kjv.txt";
-}
+static const char *default_data(void) { return kiln_env_or_default("KILN_DATA"); }
 
 static char *join(const char *dir, const char *file)
 {
@@ -439,12 +435,12 @@ static int setup_devices(train_run *r)
     train_args *a = &r->a;
     /* N ranks on one machine share its cores rather than each taking all of them. */
     int local = kiln_pg_local_size_from_env();
-    if (a->threads == 0 && !getenv("KILN_NUM_THREADS") && local > 1) {
+    if (a->threads == 0 && !kiln_env("KILN_NUM_THREADS") && local > 1) {
         long cores = sysconf(_SC_NPROCESSORS_ONLN);
         a->threads = cores / local > 1 ? cores / local : 1;
     }
     kiln_init((int)a->threads);
-    if (!a->device) a->device = getenv("KILN_DEVICE") && *getenv("KILN_DEVICE") ? getenv("KILN_DEVICE") : "cpu";
+    if (!a->device) a->device = kiln_env_or_default("KILN_DEVICE");
     if (kiln_set_device(a->device) != KILN_OK) return cli_fail("train", NULL);
 
     if (kiln_pg_new_from_env(&r->pg) != KILN_OK) return cli_fail("train", NULL);

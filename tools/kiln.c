@@ -18,7 +18,7 @@ static const struct {
     {"tokenizer", cmd_tokenizer, "train | encode | decode with a BPE tokenizer"},
     {"info", cmd_info, "describe a checkpoint"},
     {"plot", cmd_plot, "redraw a run's loss chart from its metrics"},
-    {"doctor", cmd_doctor, "show the build, threads and devices"},
+    {"doctor", cmd_doctor, "show the build, threads, devices, switches and environment variables"},
 };
 
 static void usage(FILE *f)

@@ -93,11 +93,33 @@ int kiln_num_threads(void);
 const char *kiln_version(void);
 /* How this library was built: BLAS, SIMD, sanitizers (one line, for kiln doctor). */
 const char *kiln_build_info(void);
-/* Optimization switches (KILN_OPT_<NAME>=0|1 in the environment, read once). */
+/* Optimization switches (KILN_OPT_<NAME>=0|1 in the environment, read once; the
+ * compiler's stages, COMPILE_<STAGE>, read at each compile). */
 int kiln_opt_count(void);
 const char *kiln_opt_name(int i);
 const char *kiln_opt_help(int i);
 bool kiln_opt_enabled(int i);
+/* Environment variables: every KILN_* variable kiln reads is one row of one table,
+ * the switches above included (kiln doctor --env prints it; docs/env.md). */
+typedef struct {
+    const char *name;  /* "KILN_DEVICE" */
+    const char *type;  /* bool, int, number, string, list or path */
+    const char *who;   /* who reads it: library, kiln program or tests */
+    const char *dflt;  /* what unset means: a value, "" (nothing) or "(a description)" */
+    const char *help;  /* one line */
+    const char *value; /* as set now; NULL when unset or empty (borrowed from the environment) */
+} kiln_env_var;
+int kiln_env_count(void);
+/* Row i of the table into *out (copied); false past its end. */
+bool kiln_env_var_at(int i, kiln_env_var *out);
+/* The value of variable name as set, NULL when unset or empty; NULL with KILN_ERR_ARG
+ * in kiln_last_error() when name is not in the table. */
+const char *kiln_env(const char *name);
+/* The same, but the table's default when unset and that default is a value. */
+const char *kiln_env_or_default(const char *name);
+/* KILN_OK when variable name is unset or holds a value of its type and range; else
+ * KILN_ERR_ARG, saying what the value should be. */
+kiln_status kiln_env_check(const char *name);
 /* Registered devices (backends): "cpu" first. */
 int kiln_device_count(void);
 const char *kiln_device_name(int i);

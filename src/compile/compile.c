@@ -8,6 +8,7 @@
 #include <string.h>
 #include <time.h>
 #include "compile/compile_impl.h"
+#include "core/env.h"
 
 static double now_s(void)
 {
@@ -65,66 +66,36 @@ FILE *kiln__debug_open(const char *dir, const char *file)
     return f;
 }
 
-static atomic_bool warned_disable, warned_max_fuse, warned_bucket, warned_decompose; /* each said once per process */
+static atomic_bool warned_decompose; /* said once per process */
 
-/* The number in environment variable name, in (lo, hi] (a whole one if whole): true with
- * it in *v; false when unset, or, said once (*warned), when it is not one. */
-static bool env_number(const char *name, double lo, double hi, bool whole, atomic_bool *warned, const char *what,
-                       double current, double *v)
-{
-    const char *s = getenv(name);
-    if (!s || !*s) return false;
-    char *end;
-    *v = strtod(s, &end);
-    if (!*end && *v > lo && *v <= hi && (!whole || *v == (double)(long)*v)) return true;
-    if (!atomic_exchange(warned, true))
-        fprintf(stderr, "kiln: %s='%s' is not %s; using %g\n", name, s, what, current);
-    return false;
-}
-
+/* The stages are switches (KILN_OPT_COMPILE_<STAGE>, or KILN_COMPILE_DISABLE naming
+ * them: src/core/opts.h), read at each compile, as are the sizes below. */
 void kiln__compile_options(kc_options *o)
 {
-    *o = (kc_options){true, true, true, true, true, true, true, true, true, true, true, true, true, true, false, 48,
-                      (int64_t)4 << 20, kiln__backend_at(0)};
-    const char *dec = getenv("KILN_COMPILE_DECOMPOSE");
-    if (dec && !strcmp(dec, "all")) o->decompose_all = true;
-    else if (dec && *dec && strcmp(dec, "default") && !atomic_exchange(&warned_decompose, true))
+    int64_t bucket = (int64_t)(kiln__env_num(KILN__ENV_COMPILE_BUCKET_MB) * (1 << 20));
+    *o = (kc_options){
+        .decompose = kiln__opt(KILN__OPT_COMPILE_DECOMPOSE),
+        .fold = kiln__opt(KILN__OPT_COMPILE_FOLD),
+        .cse = kiln__opt(KILN__OPT_COMPILE_CSE),
+        .dce = kiln__opt(KILN__OPT_COMPILE_DCE),
+        .fusion = kiln__opt(KILN__OPT_COMPILE_FUSION),
+        .codegen = kiln__opt(KILN__OPT_COMPILE_CODEGEN),
+        .recompute = kiln__opt(KILN__OPT_COMPILE_RECOMPUTE),
+        .symbolic = kiln__opt(KILN__OPT_COMPILE_SYMBOLIC),
+        .slices = kiln__opt(KILN__OPT_COMPILE_SLICES),
+        .coalesce = kiln__opt(KILN__OPT_COMPILE_COALESCE),
+        .views = kiln__opt(KILN__OPT_COMPILE_VIEWS),
+        .hoist = kiln__opt(KILN__OPT_COMPILE_HOIST),
+        .overlap = kiln__opt(KILN__OPT_COMPILE_OVERLAP),
+        .reuse = kiln__opt(KILN__OPT_COMPILE_REUSE),
+        .max_fuse = (int)kiln__env_int(KILN__ENV_COMPILE_MAX_FUSE),
+        .bucket_bytes = bucket > 0 ? bucket : 1,
+        .target = kiln__backend_at(0),
+    };
+    const char *dec = kiln__env_text(KILN__ENV_COMPILE_DECOMPOSE);
+    if (!strcmp(dec, "all")) o->decompose_all = true;
+    else if (strcmp(dec, "default") && !atomic_exchange(&warned_decompose, true))
         fprintf(stderr, "kiln: KILN_COMPILE_DECOMPOSE='%s' is not all or default; using default\n", dec);
-    const char *off = getenv("KILN_COMPILE_DISABLE");
-    for (const char *p = off; p && *p;) {
-        const char *e = strchr(p, ',');
-        size_t n = e ? (size_t)(e - p) : strlen(p);
-        bool known = n == 0;
-#define OFF(name) \
-    if (n == strlen(#name) && !strncmp(p, #name, n)) o->name = false, known = true;
-        OFF(decompose)
-        OFF(fold)
-        OFF(cse)
-        OFF(dce)
-        OFF(recompute)
-        OFF(fusion)
-        OFF(codegen)
-        OFF(symbolic)
-        OFF(slices)
-        OFF(coalesce)
-        OFF(views)
-        OFF(hoist)
-        OFF(overlap)
-        OFF(reuse)
-#undef OFF
-        if (!known && !atomic_exchange(&warned_disable, true))
-            fprintf(stderr, "kiln: KILN_COMPILE_DISABLE: no stage '%.*s' (the stages: decompose, fold, cse, slices, "
-                    "views, dce, coalesce, recompute, hoist, fusion, codegen, symbolic, overlap, reuse); ignored\n", (int)n, p);
-        p += n + (e ? 1 : 0);
-    }
-    double v;
-    if (env_number("KILN_COMPILE_BUCKET_MB", 0, 1 << 20, false, &warned_bucket, "a size in MiB above 0",
-                   (double)o->bucket_bytes / (1 << 20), &v)) {
-        o->bucket_bytes = (int64_t)(v * (1 << 20));
-        if (o->bucket_bytes < 1) o->bucket_bytes = 1;
-    }
-    if (env_number("KILN_COMPILE_MAX_FUSE", 0, 100000, true, &warned_max_fuse, "a count of ops >= 1", o->max_fuse, &v))
-        o->max_fuse = (int)v;
 }
 
 kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *name, int index, kiln__program **out)

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "compile/compile_impl.h"
+#include "core/env.h"
 #include "kiln/ops.h"
 
 #define MAX_ATTRS 8
@@ -220,9 +221,7 @@ kiln_status kiln_compiled_new(kiln_graph_fn fn, void *ctx, const char *name, kil
     c->fn = fn;
     c->ctx = ctx;
     snprintf(c->name, sizeof c->name, "%s", name && *name ? name : "function");
-    const char *lim = getenv("KILN_RECOMPILE_LIMIT");
-    c->limit = lim && *lim ? atoi(lim) : 8;
-    if (c->limit < 1) c->limit = 1;
+    c->limit = (int)kiln__env_int(KILN__ENV_RECOMPILE_LIMIT);
     c->graphs = calloc((size_t)c->limit, sizeof *c->graphs);
     c->g = calloc((size_t)c->limit, sizeof *c->g);
     c->progs = calloc((size_t)c->limit, sizeof *c->progs);
@@ -323,8 +322,8 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
     if (s == KILN_OK && (s = capture_guards(g, &now)) != KILN_OK) kiln_graph_free(g);
     if (s != KILN_OK) return s;
     char dir[1024] = "";
-    const char *dbg = getenv("KILN_DEBUG_DIR");
-    if (dbg && *dbg) {
+    const char *dbg = kiln__env_str(KILN__ENV_DEBUG_DIR);
+    if (dbg) {
         snprintf(dir, sizeof dir, "%s/%s-%d", dbg, c->name, c->n_graphs);
         mkdir(dbg, 0755);
         if (mkdir(dir, 0755) != 0 && errno != EEXIST) {

@@ -19,6 +19,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #include "compile/compile_impl.h"
+#include "core/env.h"
 #include "core/cache.h"
 
 extern char **environ;
@@ -29,8 +30,7 @@ static const char *cflags[] = {"-O3", "-march=native", "-fPIC", "-shared", "-fno
 
 static const char *compiler(void)
 {
-    const char *cc = getenv("KILN_CC");
-    return cc && *cc ? cc : "cc";
+    return kiln__env_text(KILN__ENV_CC);
 }
 
 static kiln_status cache_dir(char *out, size_t n) { return kiln__cache_dir(NULL, out, n); }

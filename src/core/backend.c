@@ -5,6 +5,7 @@
 #include <string.h>
 #include <unistd.h>
 #include "core/tensor_impl.h"
+#include "core/env.h"
 #include "core/intercept.h"
 #include "core/threadpool.h"
 
@@ -172,8 +173,7 @@ kiln__backend *kiln__backend_at(int i) { return i >= 0 && i < n_backends ? backe
 static void do_init(void)
 {
     int n = requested_threads;
-    const char *env = getenv("KILN_NUM_THREADS");
-    if (n <= 0 && env) n = atoi(env);
+    if (n <= 0) n = (int)kiln__env_int(KILN__ENV_NUM_THREADS);
     if (n <= 0) n = (int)sysconf(_SC_NPROCESSORS_ONLN);
     if (n <= 0) n = 1;
     kiln__pool_start(n);
@@ -185,7 +185,7 @@ static void do_init(void)
     atomic_store(&default_be, backends[0]);
     /* KILN_DEVICE picks the device new tensors go to; a name that is not here leaves the
      * cpu, with a warning (tools check it up front with kiln_set_device). */
-    const char *dev = getenv("KILN_DEVICE");
+    const char *dev = kiln__env_str(KILN__ENV_DEVICE);
     if (dev && *dev && strcmp(dev, "cpu")) probe_devices();
     if (dev && *dev && !find_name(dev)) {
         char have[256];

@@ -7,6 +7,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include "core/cache.h"
+#include "core/env.h"
 
 uint64_t kiln__fnv(uint64_t h, const void *p, size_t n)
 {
@@ -30,9 +31,9 @@ int kiln__make_dirs(const char *path)
 
 kiln_status kiln__cache_dir(const char *sub, char *out, size_t n)
 {
-    const char *d = getenv("KILN_CACHE_DIR"), *x = getenv("XDG_CACHE_HOME"), *h = getenv("HOME");
+    const char *d = kiln__env_str(KILN__ENV_CACHE_DIR), *x = getenv("XDG_CACHE_HOME"), *h = getenv("HOME");
     char base[900];
-    if (d && *d) snprintf(base, sizeof base, "%s", d);
+    if (d) snprintf(base, sizeof base, "%s", d);
     else if (x && *x) snprintf(base, sizeof base, "%s/kiln", x);
     else if (h && *h) snprintf(base, sizeof base, "%s/.cache/kiln", h);
     else snprintf(base, sizeof base, "/tmp/kiln-cache-%d", (int)getuid());

@@ -1,34 +1,62 @@
+#include <ctype.h>
 #include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
+#include "core/env.h"
 #include "core/opts.h"
 #include "kiln/tensor.h"
 
 static const struct {
-    const char *name;
-    bool dflt;
-    const char *help;
+    const char *name, *help; /* the default is the environment table's (env.c) */
 } table[KILN__OPT_COUNT] = {
-#define KILN__OPT_ROW(name, dflt, help) {#name, dflt, help},
-    KILN__OPTS(KILN__OPT_ROW)
+#define KILN__OPT_ROW(name, dflt, help) {#name, help},
+    KILN__OPTS(KILN__OPT_ROW) KILN__COMPILE_STAGES(KILN__OPT_ROW)
 #undef KILN__OPT_ROW
 };
 
 static bool value[KILN__OPT_COUNT];
 static pthread_once_t once = PTHREAD_ONCE_INIT;
+static atomic_bool warned_disable; /* an unknown name in KILN_COMPILE_DISABLE is said once */
 
 static void read_env(void)
 {
-    for (int i = 0; i < KILN__OPT_COUNT; i++) {
-        char var[64] = "KILN_OPT_";
-        strncat(var, table[i].name, sizeof var - strlen(var) - 1);
-        const char *v = getenv(var);
-        value[i] = v && *v ? strcmp(v, "0") != 0 : table[i].dflt;
+    for (int i = 0; i < KILN__OPT_FIRST_STAGE; i++) value[i] = kiln__env_bool(KILN__ENV_OPT(i));
+}
+
+#define STAGE_PREFIX "COMPILE_"
+
+/* Whether KILN_COMPILE_DISABLE names stage id (its name after COMPILE_, in any case);
+ * a name that is no stage is said once and ignored. */
+static bool disabled_by_alias(kiln__opt_id id)
+{
+    const char *p = kiln__env_str(KILN__ENV_COMPILE_DISABLE), *it;
+    size_t n, pre = strlen(STAGE_PREFIX);
+    bool off = false;
+    while (p && (it = kiln__env_list_next(&p, &n))) {
+        int hit = -1;
+        for (int s = KILN__OPT_FIRST_STAGE; s < KILN__OPT_COUNT && hit < 0; s++)
+            if (strlen(table[s].name + pre) == n && !strncasecmp(it, table[s].name + pre, n)) hit = s;
+        if (hit == (int)id) off = true;
+        if (hit < 0 && !atomic_exchange(&warned_disable, true)) {
+            char all[400];
+            size_t at = 0;
+            for (int s = KILN__OPT_FIRST_STAGE; s < KILN__OPT_COUNT && at + 16 < sizeof all; s++) {
+                if (s > KILN__OPT_FIRST_STAGE) all[at++] = ',', all[at++] = ' ';
+                for (const char *c = table[s].name + pre; *c && at + 3 < sizeof all; c++) all[at++] = (char)tolower(*c);
+            }
+            all[at] = 0;
+            fprintf(stderr, "kiln: KILN_COMPILE_DISABLE: no stage '%.*s' (the stages: %s); ignored\n", (int)n, it, all);
+        }
     }
+    return off;
 }
 
 bool kiln__opt(kiln__opt_id id)
 {
+    if ((int)id >= KILN__OPT_FIRST_STAGE) return kiln__env_bool(KILN__ENV_OPT(id)) && !disabled_by_alias(id);
     pthread_once(&once, read_env);
     return value[id];
 }
@@ -42,14 +70,5 @@ bool kiln_opt_enabled(int i) { return i >= 0 && i < KILN__OPT_COUNT && kiln__opt
 /* KILN_LOGS (a comma list; "all" for every stage) names stage. */
 bool kiln__log_on(const char *stage)
 {
-    const char *v = getenv("KILN_LOGS");
-    if (!v || !*v) return false;
-    size_t n = strlen(stage);
-    for (const char *p = v; *p;) {
-        const char *e = strchr(p, ',');
-        size_t len = e ? (size_t)(e - p) : strlen(p);
-        if ((len == n && !strncmp(p, stage, n)) || (len == 3 && !strncmp(p, "all", 3))) return true;
-        p += len + (e ? 1 : 0);
-    }
-    return false;
+    return kiln__env_list_has(KILN__ENV_LOGS, stage) || kiln__env_list_has(KILN__ENV_LOGS, "all");
 }

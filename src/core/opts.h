@@ -1,6 +1,7 @@
 /* Optimization switches: each fast path sits behind one, KILN_OPT_<NAME>=0|1 in the
  * environment, so its effect can be measured alone (DESIGN.md, "Performance
- * discipline"). kiln doctor lists them. */
+ * discipline"). Each is a row of the environment table (env.h), read through it;
+ * kiln doctor lists them. */
 #ifndef KILN_CORE_OPTS_H
 #define KILN_CORE_OPTS_H
 #include <stdbool.h>
@@ -21,12 +22,40 @@
     X(COPY_INTO_VIEWS, 1, "a generated kernel stores a copy_ into a view of an intermediate itself (not a copy step after)") \
     X(COLSUM_ROWS, 1, "f32 sums over the rows of a tall matrix (bias gradients) in fixed 256-row chunks of whole rows")
 
+/* The compiler's stages (src/compile/compile.c), each a switch of its own, on by
+ * default: KILN_OPT_COMPILE_FUSION=0 compiles without fusion, to find the stage that
+ * changes a result. Unlike the switches above, which are read once, these are read each
+ * time a graph is compiled. KILN_COMPILE_DISABLE=fusion,reuse,... (a comma list of the
+ * names after COMPILE_, in lower case) is an alias that turns the named ones off; a
+ * stage runs when neither turns it off. */
+#define KILN__COMPILE_STAGES(X)                                                                  \
+    X(COMPILE_DECOMPOSE, 1, "compiler stage: composite ops (softmax, layer_norm, AdamW, ...) decomposed into primitives") \
+    X(COMPILE_FOLD, 1, "compiler stage: constant folding")                                       \
+    X(COMPILE_CSE, 1, "compiler stage: common-subexpression elimination")                        \
+    X(COMPILE_SLICES, 1, "compiler stage: the scatters of disjoint slices merged into one fill and copies") \
+    X(COMPILE_VIEWS, 1, "compiler stage: views sunk below elementwise ops, so that both sides fuse") \
+    X(COMPILE_DCE, 1, "compiler stage: dead-code elimination")                                   \
+    X(COMPILE_COALESCE, 1, "compiler stage: a run of in-graph allreduces coalesced into buckets") \
+    X(COMPILE_RECOMPUTE, 1, "compiler stage: pointwise results read late in backward recomputed there, not kept") \
+    X(COMPILE_HOIST, 1, "compiler stage: an elementwise op moved up beside its sibling, so that they fuse") \
+    X(COMPILE_FUSION, 1, "compiler stage: elementwise ops and reductions fused into kernels")    \
+    X(COMPILE_CODEGEN, 1, "compiler stage: generated kernels (off: the graph runs through the ordinary kernels)") \
+    X(COMPILE_SYMBOLIC, 1, "compiler stage: sizes symbolic in generated code, one kernel for every size") \
+    X(COMPILE_OVERLAP, 1, "compiler stage: collectives started early and waited for late, under compute") \
+    X(COMPILE_REUSE, 1, "compiler stage: an elementwise kernel's output takes the buffer of an input it reads last")
+
 typedef enum {
 #define KILN__OPT_ENUM(name, dflt, help) KILN__OPT_##name,
     KILN__OPTS(KILN__OPT_ENUM)
+    KILN__COMPILE_STAGES(KILN__OPT_ENUM)
 #undef KILN__OPT_ENUM
     KILN__OPT_COUNT
 } kiln__opt_id;
+
+/* The switches before this id are read once; the compiler stages, from it on, when asked. */
+#define KILN__OPT_PLUS_ONE(name, dflt, help) +1
+enum { KILN__OPT_FIRST_STAGE = 0 KILN__OPTS(KILN__OPT_PLUS_ONE) };
+#undef KILN__OPT_PLUS_ONE
 
 bool kiln__opt(kiln__opt_id id);
 /* Whether KILN_LOGS names stage (graph, fusion, code, perf, dist, ...). */

@@ -18,13 +18,17 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/env.h"
 #include "kiln/graph.h"
 #include "ops/registry.h"
 #include "kiln/ops.h"
 #include "dist/pg_impl.h"
 
-static int env_int(const char *const *names, int dflt)
+/* A count from the environment: kiln's own variable (id; -1 for none) when set, else the
+ * first launcher variable of names that is set, else dflt. */
+static int env_int(int id, const char *const *names, int dflt)
 {
+    if (id >= 0 && kiln__env_str((kiln__env_id)id)) return (int)kiln__env_int((kiln__env_id)id);
     for (int i = 0; names[i]; i++) {
         const char *v = getenv(names[i]);
         if (v && *v) return atoi(v);
@@ -33,22 +37,21 @@ static int env_int(const char *const *names, int dflt)
 }
 
 static const char *const mpi_world_vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_SIZE", NULL};
-static const char *const world_vars[] = {"KILN_WORLD_SIZE", "OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", NULL};
-static const char *const rank_vars[] = {"KILN_RANK", "OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID",
-                                        NULL};
-static const char *const local_vars[] = {"KILN_LOCAL_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
-                                         "SLURM_NTASKS_PER_NODE", "SLURM_STEP_TASKS_PER_NODE", NULL};
+static const char *const world_vars[] = {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "SLURM_NTASKS", NULL};
+static const char *const rank_vars[] = {"OMPI_COMM_WORLD_RANK", "PMI_RANK", "PMIX_RANK", "SLURM_PROCID", NULL};
+static const char *const local_vars[] = {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "SLURM_NTASKS_PER_NODE",
+                                         "SLURM_STEP_TASKS_PER_NODE", NULL};
 
 /* Whether an MPI launcher started this process: mpirun sets a world size; srun
  * --mpi=pmix sets only PMIx's namespace and rank (the size is SLURM_NTASKS). */
 static bool mpi_launched(void)
 {
-    return env_int(mpi_world_vars, 0) > 1 || (getenv("PMIX_NAMESPACE") && getenv("PMIX_RANK"));
+    return env_int(-1, mpi_world_vars, 0) > 1 || (getenv("PMIX_NAMESPACE") && getenv("PMIX_RANK"));
 }
 
 int kiln_pg_local_size_from_env(void)
 {
-    int n = env_int(local_vars, 1);
+    int n = env_int(KILN__ENV_LOCAL_WORLD_SIZE, local_vars, 1);
     return n >= 1 ? n : 1;
 }
 
@@ -56,24 +59,24 @@ kiln_status kiln_pg_new_from_env(kiln_pg_t **out)
 {
     if (!out) return kiln_error(KILN_ERR_ARG, "process group: out is NULL");
     *out = NULL;
-    int world = env_int(world_vars, 1), rank = env_int(rank_vars, 0);
+    static const kiln__env_id checked[] = {KILN__ENV_WORLD_SIZE, KILN__ENV_RANK, KILN__ENV_DIST_TIMEOUT};
+    for (size_t i = 0; i < sizeof checked / sizeof checked[0]; i++)
+        if (kiln__env_check(checked[i]) != KILN_OK) return KILN_ERR_ARG; /* the message names the variable */
+    int world = env_int(KILN__ENV_WORLD_SIZE, world_vars, 1), rank = env_int(KILN__ENV_RANK, rank_vars, 0);
     if (world < 1 || rank < 0 || rank >= world)
         return kiln_error(KILN_ERR_ARG, "process group: rank %d and world size %d from the environment do not fit", rank, world);
-    const char *to = getenv("KILN_DIST_TIMEOUT");
-    double timeout = to && *to ? atof(to) : 300;
-    if (!(timeout > 0)) return kiln_error(KILN_ERR_ARG, "process group: KILN_DIST_TIMEOUT=%s is not a number of seconds > 0", to);
+    double timeout = kiln__env_num(KILN__ENV_DIST_TIMEOUT);
     kiln_pg_t *pg = calloc(1, sizeof *pg);
     if (!pg) return kiln_error(KILN_ERR_OOM, "process group: out of memory");
     pg->rank = rank;
     pg->world = world;
     pg->timeout = timeout;
-    const char *dbg = getenv("KILN_DIST_DEBUG");
-    pg->debug = dbg && *dbg && strcmp(dbg, "0");
+    pg->debug = kiln__env_bool(KILN__ENV_DIST_DEBUG);
     pthread_mutex_init(&pg->mu, NULL);
     kiln_status s = KILN_OK;
     if (world > 1) {
         bool launched_by_mpi = mpi_launched();
-        if (!launched_by_mpi && getenv("KILN_MASTER_ADDR")) s = kiln__pg_tcp_group(pg);
+        if (!launched_by_mpi && kiln__env_str(KILN__ENV_MASTER_ADDR)) s = kiln__pg_tcp_group(pg);
 #ifdef KILN_HAVE_MPI
         else if (launched_by_mpi) s = kiln__pg_mpi_start(pg, world, rank);
         else

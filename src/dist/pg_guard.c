@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include "core/util.h"
+#include "core/env.h"
 #include "dist/pg_impl.h"
 
 const char *const kiln__pg_op_names[OP_COUNT] = {"?", "allreduce", "broadcast", "barrier", "allgather", "reduce_scatter"};
@@ -45,11 +46,11 @@ void kiln__pg_record(kiln_pg_t *pg, sig *s)
  * number: several may be in flight); path gets the file's name. */
 void kiln__pg_dump_ring(kiln_pg_t *pg, uint64_t waiting, char *path, size_t n)
 {
-    const char *dir = getenv("KILN_DIST_DUMP_DIR");
-    snprintf(path, n, "%s/kiln-dist-rank%d.txt", dir && *dir ? dir : ".", pg->rank);
+    const char *dir = kiln__env_text(KILN__ENV_DIST_DUMP_DIR);
+    snprintf(path, n, "%s/kiln-dist-rank%d.txt", dir, pg->rank);
     FILE *f = fopen(path, "w");
     if (!f) {
-        snprintf(path, n, "(not written: %s)", dir && *dir ? dir : ".");
+        snprintf(path, n, "(not written: %s)", dir);
         return;
     }
     fprintf(f, "rank %d of %d: the last collectives, oldest first (t = seconds since the first listed)\n", pg->rank,

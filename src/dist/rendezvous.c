@@ -27,6 +27,7 @@
 #include <string.h>
 #include <sys/socket.h>
 #include <unistd.h>
+#include "core/env.h"
 #include "core/util.h"
 #include "kiln/dist.h"
 
@@ -273,8 +274,8 @@ kiln_status kiln_rendezvous(const kiln_rdzv_opts *o, const void *mine, size_t le
     struct sockaddr_in sa;
     kiln_status s = resolve(o->addr, o->port, &sa);
     struct in_addr from, *fromp = NULL;
-    const char *ifn = getenv("KILN_SOCKET_IFNAME");
-    if (s == KILN_OK && ifn && *ifn && (s = iface_addr(ifn, &from)) == KILN_OK) fromp = &from;
+    const char *ifn = kiln__env_str(KILN__ENV_SOCKET_IFNAME);
+    if (s == KILN_OK && ifn && (s = iface_addr(ifn, &from)) == KILN_OK) fromp = &from;
     if (s == KILN_OK) {
         if (o->world == 1) memcpy(all, mine, len);
         else if (o->rank == 0) {
@@ -292,15 +293,18 @@ kiln_status kiln_rdzv_opts_from_env(kiln_rdzv_opts *o)
 {
     if (!o) return kiln_error(KILN_ERR_ARG, "rendezvous: NULL options");
     memset(o, 0, sizeof *o);
-    const char *w = getenv("KILN_WORLD_SIZE"), *r = getenv("KILN_RANK"), *a = getenv("KILN_MASTER_ADDR"),
-               *p = getenv("KILN_MASTER_PORT"), *t = getenv("KILN_RENDEZVOUS_TIMEOUT");
-    if (!w || !r || !a || !p)
+    if (!kiln__env_str(KILN__ENV_WORLD_SIZE) || !kiln__env_str(KILN__ENV_RANK) || !kiln__env_str(KILN__ENV_MASTER_ADDR) ||
+        !kiln__env_str(KILN__ENV_MASTER_PORT))
         return kiln_error(KILN_ERR_ARG, "rendezvous: set KILN_RANK, KILN_WORLD_SIZE, KILN_MASTER_ADDR and KILN_MASTER_PORT");
-    o->world = atoi(w);
-    o->rank = atoi(r);
-    o->addr = a;
-    o->port = atoi(p);
-    o->timeout = t && *t ? atof(t) : 60;
-    o->job_id = getenv("KILN_JOB_ID");
+    static const kiln__env_id numbers[] = {KILN__ENV_WORLD_SIZE, KILN__ENV_RANK, KILN__ENV_MASTER_PORT,
+                                           KILN__ENV_RENDEZVOUS_TIMEOUT};
+    for (size_t i = 0; i < sizeof numbers / sizeof numbers[0]; i++)
+        if (kiln__env_check(numbers[i]) != KILN_OK) return KILN_ERR_ARG; /* the message names the variable */
+    o->world = (int)kiln__env_int(KILN__ENV_WORLD_SIZE);
+    o->rank = (int)kiln__env_int(KILN__ENV_RANK);
+    o->addr = kiln__env_str(KILN__ENV_MASTER_ADDR);
+    o->port = (int)kiln__env_int(KILN__ENV_MASTER_PORT);
+    o->timeout = kiln__env_num(KILN__ENV_RENDEZVOUS_TIMEOUT);
+    o->job_id = kiln__env_str(KILN__ENV_JOB_ID);
     return KILN_OK;
 }
