@@ -641,22 +641,41 @@ int kiln__cuda_register(void)
                  rtv / 1000, rtv % 1000 / 10);
         pthread_mutex_init(&d->lock, NULL);
         kiln__backend *be = &cuda_backends[n];
+        /* Graph capture for CUDA 12+, whose cudaGraphInstantiate this calls. */
+        bool graphs = rtv >= 12000;
         *be = (kiln__backend){
-            .abi_version = KILN_BACKEND_ABI_VERSION, .name = d->name, .ctx = d, .device_info = cu_device_info,
-            .alloc = cu_alloc, .free = cu_free, .copy_h2d = cu_h2d, .copy_d2h = cu_d2h, .copy_d2d = cu_d2d,
-            .memset = cu_memset, .stream_new = cu_stream_new, .stream_free = cu_stream_free,
-            .event_record = cu_event_record, .event_wait = cu_event_wait, .event_free = cu_event_free, .event_query = cu_event_query,
-            .synchronize = cu_synchronize, .kernels = cuda_kernels, .language = "cuda-c",
-            .compile_kernel = cu_compile_kernel, .kernel_free = cu_kernel_free, .launch = cu_launch, .fill = cu_fill,
-            .native_stream = cu_native_stream, .host_register = cu_host_register, .host_unregister = cu_host_unregister,
-            /* graph capture: set below for CUDA 12+, whose cudaGraphInstantiate this calls */
+            .abi_version = KILN_BACKEND_ABI_VERSION,
+            .name = d->name,
+            .ctx = d,
+            .device_info = cu_device_info,
+            .alloc = cu_alloc,
+            .free = cu_free,
+            .copy_h2d = cu_h2d,
+            .copy_d2h = cu_d2h,
+            .copy_d2d = cu_d2d,
+            .memset = cu_memset,
+            .stream_new = cu_stream_new,
+            .stream_free = cu_stream_free,
+            .event_record = cu_event_record,
+            .event_wait = cu_event_wait,
+            .event_free = cu_event_free,
+            .synchronize = cu_synchronize,
+            .kernels = cuda_kernels,
+            .language = "cuda-c",
+            .compile_kernel = cu_compile_kernel,
+            .kernel_free = cu_kernel_free,
+            .launch = cu_launch,
+            .fill = cu_fill,
+            .native_stream = cu_native_stream,
+            .event_query = cu_event_query,
+            .host_register = cu_host_register,
+            .host_unregister = cu_host_unregister,
+            .capture_begin = graphs ? cu_capture_begin : NULL,
+            .capture_end = graphs ? cu_capture_end : NULL,
+            .replay = graphs ? cu_replay : NULL,
+            .capture_reset = graphs ? cu_capture_reset : NULL,
+            .can_fuse = NULL, /* every op the lowering knows */
         };
-        if (rtv >= 12000) {
-            be->capture_begin = cu_capture_begin;
-            be->capture_end = cu_capture_end;
-            be->replay = cu_replay;
-            be->capture_reset = cu_capture_reset;
-        }
         if (kiln__backend_register(be) == KILN_OK) n++;
         else kiln_clear_error();
     }
