@@ -392,40 +392,11 @@ static kiln_status cu_launch(kiln__backend *be, void *kernel, const kiln__karg *
 
 /* ---- the backend's own kernels ---- */
 
-/* In-place updates and fills, the same formulas as the cpu's (fma where it contracts). */
-static const char *builtin_src =
-    "extern \"C\" __global__ void kiln_add_(float *d, unsigned long long od, const float *s, unsigned long long os,\n"
-    "                                      float alpha, long long n)\n"
-    "{\n    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
-    "    if (i < n) d[i] = fmaf(alpha, s[i], d[i]);\n}\n"
-    "extern \"C\" __global__ void kiln_scale_(float *d, unsigned long long od, float a, long long n)\n"
-    "{\n    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i < n) d[i] *= a;\n}\n"
-    "__device__ double one_value(const char *p, long long f64)\n"
-    "{\n    return f64 ? *(const double *)p : (double)*(const float *)p;\n}\n"
-    "extern \"C\" __global__ void kiln_adamw_(float *p, unsigned long long op, const float *g, unsigned long long og,\n"
-    "    float *m, unsigned long long om, float *v, unsigned long long ov, const char *lrp, unsigned long long olr,\n"
-    "    const char *tp, unsigned long long ot, const char *gsp, unsigned long long ogs, long long f64s, float wd,\n"
-    "    double b1, double b2, float eps, long long n)\n"
-    "{\n"
-    "    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n"
-    "    if (i >= n) return;\n"
-    "    double t = one_value(tp, f64s & 2);\n"
-    "    float lr = (float)one_value(lrp, f64s & 1), gs = (float)one_value(gsp, f64s & 4);\n"
-    "    float c1 = (float)(1.0 - pow(b1, t)), c2 = (float)(1.0 - pow(b2, t)), fb1 = (float)b1, fb2 = (float)b2;\n"
-    "    float gi = g[i] * gs;\n"
-    "    float mi = fb1 * m[i] + (1.0f - fb1) * gi, vi = fb2 * v[i] + (1.0f - fb2) * gi * gi;\n"
-    "    m[i] = mi;\n    v[i] = vi;\n"
-    "    float pi = p[i] * (1.0f - lr * wd);\n"
-    "    p[i] = pi - lr * (mi / c1) / (sqrtf(vi / c2) + eps);\n"
-    "}\n"
-    "extern \"C\" __global__ void kiln_fill(char *d, unsigned long long od, long long pattern, long long esize, long long n)\n"
-    "{\n    long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;\n    if (i >= n) return;\n"
-    "    if (esize == 8) ((long long *)d)[i] = pattern;\n"
-    "    else if (esize == 4) ((int *)d)[i] = (int)pattern;\n"
-    "    else if (esize == 2) ((short *)d)[i] = (short)pattern;\n"
-    "    else d[i] = (char)pattern;\n}\n";
+/* In-place updates and fills, the same formulas as the cpu's: kernels.cu, embedded at
+ * build time (cmake/embed.cmake). */
+extern const char kiln__cuda_kernel_source[];
 
-const char *kiln__cuda_builtin_source(void) { return builtin_src; }
+const char *kiln__cuda_builtin_source(void) { return kiln__cuda_kernel_source; }
 
 enum { CB_ADD_, CB_SCALE_, CB_ADAMW_, CB_FILL, N_CB };
 static const char *const cb_names[N_CB] = {"kiln_add_", "kiln_scale_", "kiln_adamw_", "kiln_fill"};
@@ -436,7 +407,7 @@ static CUfunction builtin(kiln__backend *be, int which)
     pthread_mutex_lock(&d->lock);
     if (!d->builtin[which]) {
         void *k = NULL;
-        if (cu_compile_kernel(be, builtin_src, cb_names[which], &k) == KILN_OK) d->builtin[which] = k;
+        if (cu_compile_kernel(be, kiln__cuda_kernel_source, cb_names[which], &k) == KILN_OK) d->builtin[which] = k;
         else {
             fprintf(stderr, "kiln: %s: its own kernel %s does not build (%s); that op runs on the cpu\n", d->name,
                     cb_names[which], kiln_last_error());
@@ -670,22 +641,41 @@ static int cuda_register(int nthreads)
                  rtv / 1000, rtv % 1000 / 10);
         pthread_mutex_init(&d->lock, NULL);
         kiln__backend *be = &cuda_backends[n];
+        /* Graph capture for CUDA 12+, whose cudaGraphInstantiate this calls. */
+        bool graphs = rtv >= 12000;
         *be = (kiln__backend){
-            .abi_version = KILN_BACKEND_ABI_VERSION, .name = d->name, .ctx = d, .device_info = cu_device_info,
-            .alloc = cu_alloc, .free = cu_free, .copy_h2d = cu_h2d, .copy_d2h = cu_d2h, .copy_d2d = cu_d2d,
-            .memset = cu_memset, .stream_new = cu_stream_new, .stream_free = cu_stream_free,
-            .event_record = cu_event_record, .event_wait = cu_event_wait, .event_free = cu_event_free, .event_query = cu_event_query,
-            .synchronize = cu_synchronize, .kernels = cuda_kernels, .language = "cuda-c",
-            .compile_kernel = cu_compile_kernel, .kernel_free = cu_kernel_free, .launch = cu_launch, .fill = cu_fill,
-            .native_stream = cu_native_stream, .host_register = cu_host_register, .host_unregister = cu_host_unregister,
-            /* graph capture: set below for CUDA 12+, whose cudaGraphInstantiate this calls */
+            .abi_version = KILN_BACKEND_ABI_VERSION,
+            .name = d->name,
+            .ctx = d,
+            .device_info = cu_device_info,
+            .alloc = cu_alloc,
+            .free = cu_free,
+            .copy_h2d = cu_h2d,
+            .copy_d2h = cu_d2h,
+            .copy_d2d = cu_d2d,
+            .memset = cu_memset,
+            .stream_new = cu_stream_new,
+            .stream_free = cu_stream_free,
+            .event_record = cu_event_record,
+            .event_wait = cu_event_wait,
+            .event_free = cu_event_free,
+            .synchronize = cu_synchronize,
+            .kernels = cuda_kernels,
+            .language = "cuda-c",
+            .compile_kernel = cu_compile_kernel,
+            .kernel_free = cu_kernel_free,
+            .launch = cu_launch,
+            .fill = cu_fill,
+            .native_stream = cu_native_stream,
+            .event_query = cu_event_query,
+            .host_register = cu_host_register,
+            .host_unregister = cu_host_unregister,
+            .capture_begin = graphs ? cu_capture_begin : NULL,
+            .capture_end = graphs ? cu_capture_end : NULL,
+            .replay = graphs ? cu_replay : NULL,
+            .capture_reset = graphs ? cu_capture_reset : NULL,
+            .can_fuse = NULL, /* every op the lowering knows */
         };
-        if (rtv >= 12000) {
-            be->capture_begin = cu_capture_begin;
-            be->capture_end = cu_capture_end;
-            be->replay = cu_replay;
-            be->capture_reset = cu_capture_reset;
-        }
         if (kiln__backend_register(be) == KILN_OK) n++;
         else kiln_clear_error();
     }

@@ -1,0 +1,411 @@
+/* The OpenCL backend's own kernels: what the compiler's lowering does not cover.
+ * Embedded into kiln at build time (cmake/embed.cmake) as kiln__opencl_kernel_source,
+ * built once per device on first use (opencl_ops.c, builtin()).
+ *
+ * Written by hand because no OpenCL library on Debian does batched strided GEMM with
+ * kiln's layouts (clBLAS is unmaintained): a tiled matmul over up to 4 broadcast batch
+ * dims, and the in-place updates (add_, scale_, adamw_) the lowering leaves out.
+ *
+ * Every buffer argument is a (__global char *, ulong byte offset) pair: the host passes
+ * an OpenCL buffer and the offset inside it of the tensor's first element. */
+#pragma OPENCL EXTENSION cl_khr_fp64 : enable
+
+/* 64x64 output tiles per 16x16 work-group, each work-item a 4x4 block of them held
+ * in registers; A and B tiles of depth 16 staged in local memory. */
+#define TM 64
+#define TK 16
+#define WPT 4
+__kernel __attribute__((reqd_work_group_size(16, 16, 1)))
+void kiln_matmul(__global const char *ga, ulong oa, __global const char *gb, ulong ob, __global char *gc, ulong oc,
+                 long M, long N, long K, long sam, long sak, long sbk, long sbn,
+                 long d1, long d2, long d3, long a0, long a1, long a2, long a3, long b0, long b1, long b2, long b3)
+{
+    const int lr = get_local_id(1), lc = get_local_id(0);
+    const long row0 = get_group_id(1) * TM, col0 = get_group_id(0) * TM, bt = get_global_id(2);
+    long r = bt;
+    const long i3 = r % d3; r /= d3;
+    const long i2 = r % d2; r /= d2;
+    const long i1 = r % d1; r /= d1;
+    const long i0 = r;
+    __global const float *A = (__global const float *)(ga + oa) + i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3;
+    __global const float *B = (__global const float *)(gb + ob) + i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3;
+    __global float *C = (__global float *)(gc + oc) + bt * M * N;
+    __local float As[TK][TM], Bs[TK][TM];
+    float acc[WPT][WPT];
+    for (int i = 0; i < WPT; i++)
+        for (int j = 0; j < WPT; j++) acc[i][j] = 0.0f;
+    const int tid = lr * 16 + lc;
+    for (long t = 0; t < K; t += TK) {
+        for (int q = tid; q < TK * TM; q += 256) {
+            const int kk = q / TM, mm = q % TM;
+            const long gm = row0 + mm, gk = t + kk, gn = col0 + mm;
+            As[kk][mm] = gm < M && gk < K ? A[gm * sam + gk * sak] : 0.0f;
+            Bs[kk][mm] = gk < K && gn < N ? B[gk * sbk + gn * sbn] : 0.0f;
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int k = 0; k < TK; k++) {
+            float a[WPT], b[WPT];
+            for (int i = 0; i < WPT; i++) a[i] = As[k][lr + 16 * i];
+            for (int j = 0; j < WPT; j++) b[j] = Bs[k][lc + 16 * j];
+            for (int i = 0; i < WPT; i++)
+                for (int j = 0; j < WPT; j++) acc[i][j] = fma(a[i], b[j], acc[i][j]);
+        }
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    for (int i = 0; i < WPT; i++)
+        for (int j = 0; j < WPT; j++) {
+            const long gm = row0 + lr + 16 * i, gn = col0 + lc + 16 * j;
+            if (gm < M && gn < N) C[gm * N + gn] = acc[i][j];
+        }
+}
+
+/* KILN_OPT_CL_MATMUL_TILES=0: the first kernel, 16x16 tiles, one output each. */
+__kernel __attribute__((reqd_work_group_size(16, 16, 1)))
+void kiln_matmul_simple(__global const char *ga, ulong oa, __global const char *gb, ulong ob, __global char *gc,
+                 ulong oc, long M, long N, long K, long sam, long sak, long sbk, long sbn,
+                 long d1, long d2, long d3, long a0, long a1, long a2, long a3, long b0, long b1, long b2, long b3)
+{
+    const int lr = get_local_id(1), lc = get_local_id(0);
+    const long row = get_group_id(1) * 16 + lr, col = get_group_id(0) * 16 + lc, bt = get_global_id(2);
+    long r = bt;
+    const long i3 = r % d3; r /= d3;
+    const long i2 = r % d2; r /= d2;
+    const long i1 = r % d1; r /= d1;
+    const long i0 = r;
+    __global const float *A = (__global const float *)(ga + oa) + i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3;
+    __global const float *B = (__global const float *)(gb + ob) + i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3;
+    __global float *C = (__global float *)(gc + oc) + bt * M * N;
+    __local float As[16][16], Bs[16][16];
+    float acc = 0.0f;
+    for (long t = 0; t < K; t += 16) {
+        const long ka = t + lc, kb = t + lr;
+        As[lr][lc] = row < M && ka < K ? A[row * sam + ka * sak] : 0.0f;
+        Bs[lr][lc] = kb < K && col < N ? B[kb * sbk + col * sbn] : 0.0f;
+        barrier(CLK_LOCAL_MEM_FENCE);
+        for (int k = 0; k < 16; k++) acc = fma(As[lr][k], Bs[k][lc], acc);
+        barrier(CLK_LOCAL_MEM_FENCE);
+    }
+    if (row < M && col < N) C[row * N + col] = acc;
+}
+
+/* Embedding rows (indices checked on the host first) and their gradient: each
+ * work-item owns one column and adds the rows in order, so the sum is the cpu's.
+ * Indices are checked on the host before an eager launch; inside a command buffer
+ * (no host in between) a bad one is clamped to 0 and raised in the device's error
+ * word, which a replay reads after it runs. */
+long kiln_index(__global const char *gi, ulong oi, long i, long idx64, long V, __global int *err)
+{
+    const long v = idx64 ? ((__global const long *)(gi + oi))[i] : (long)((__global const int *)(gi + oi))[i];
+    if (v < 0 || v >= V) { *err = 1; return 0; }
+    return v;
+}
+__kernel void kiln_embedding(__global const char *gw, ulong ow, __global const char *gi, ulong oi,
+                             __global char *go, ulong oo, long C, long n, long idx64, long V,
+                             __global char *ge, ulong oe)
+{
+    const long q = get_global_id(0);
+    if (q >= n * C) return;
+    const long i = q / C, c = q % C;
+    const long v = kiln_index(gi, oi, i, idx64, V, (__global int *)(ge + oe));
+    ((__global float *)(go + oo))[q] = ((__global const float *)(gw + ow))[v * C + c];
+}
+__kernel void kiln_embedding_backward(__global const char *gg, ulong og, __global const char *gi, ulong oi,
+                                      __global char *gd, ulong od, long C, long N, long V, long idx64,
+                                      __global char *ge, ulong oe)
+{
+    const long c = get_global_id(0);
+    if (c >= C) return;
+    __global float *d = (__global float *)(gd + od);
+    __global const float *g = (__global const float *)(gg + og);
+    for (long v = 0; v < V; v++) d[v * C + c] = 0.0f;
+    for (long i = 0; i < N; i++) {
+        const long v = kiln_index(gi, oi, i, idx64, V, (__global int *)(ge + oe));
+        d[v * C + c] += g[i * C + c];
+    }
+}
+
+/* Cross-entropy rows in double, as the cpu's: the loss of each row (0 for an ignored
+ * one) and its log-sum-exp; the mean and the rows that count by one work-item, in row
+ * order as the cpu sums; the gradient from the log-sum-exp, scaled by the upstream
+ * gradient over the count, both read on the device. A target outside [0, V) (and
+ * not ignore) is raised in the error word and counts as ignored. */
+long kiln_target(__global const char *gt, ulong ot, long n, long t64, long V, long ignore, __global int *err)
+{
+    const long t = t64 ? ((__global const long *)(gt + ot))[n] : (long)((__global const int *)(gt + ot))[n];
+    if (t != ignore && (t < 0 || t >= V)) { *err = 1; return ignore; }
+    return t;
+}
+__kernel void kiln_ce_rows(__global const char *gx, ulong ox, __global const char *gt, ulong ot,
+                           __global char *gl, ulong ol, __global char *gr, ulong orr, long N, long V,
+                           long ignore, long t64, __global char *ge, ulong oe)
+{
+    const long n = get_global_id(0);
+    if (n >= N) return;
+    __global const float *x = (__global const float *)(gx + ox) + n * V;
+    double m = -INFINITY, s = 0;
+    for (long v = 0; v < V; v++) if (x[v] > m) m = x[v];
+    for (long v = 0; v < V; v++) s += exp((double)x[v] - m);
+    const double lse = m + log(s);
+    ((__global float *)(gl + ol))[n] = (float)lse;
+    const long t = kiln_target(gt, ot, n, t64, V, ignore, (__global int *)(ge + oe));
+    ((__global double *)(gr + orr))[n] = t == ignore ? 0.0 : lse - (double)x[t];
+}
+__kernel void kiln_ce_mean(__global const char *gr, ulong orr, __global const char *gt, ulong ot,
+                           __global char *go, ulong oo, long N, long V, long ignore, long t64,
+                           __global char *ge, ulong oe)
+{
+    if (get_global_id(0) != 0) return;
+    double sum = 0;
+    long count = 0;
+    for (long n = 0; n < N; n++) {
+        sum += ((__global const double *)(gr + orr))[n];
+        count += kiln_target(gt, ot, n, t64, V, ignore, (__global int *)(ge + oe)) != ignore;
+    }
+    ((__global float *)(go + oo))[0] = (float)(count ? sum / (double)count : NAN);
+}
+__kernel void kiln_ce_scale(__global const char *gt, ulong ot, __global const char *gg, ulong og,
+                            __global char *gs, ulong os, long N, long V, long ignore, long t64,
+                            __global char *ge, ulong oe)
+{
+    if (get_global_id(0) != 0) return;
+    long count = 0;
+    for (long n = 0; n < N; n++) count += kiln_target(gt, ot, n, t64, V, ignore, (__global int *)(ge + oe)) != ignore;
+    const double g = ((__global const float *)(gg + og))[0];
+    ((__global double *)(gs + os))[0] = count ? g / (double)count : 0.0;
+}
+__kernel void kiln_ce_backward(__global const char *gx, ulong ox, __global const char *gt, ulong ot,
+                               __global const char *gl, ulong ol, __global char *gd, ulong od, long N, long V,
+                               long ignore, long t64, __global const char *gs, ulong os,
+                               __global char *ge, ulong oe)
+{
+    const long q = get_global_id(0);
+    if (q >= N * V) return;
+    const long n = q / V, v = q % V;
+    const long t = kiln_target(gt, ot, n, t64, V, ignore, (__global int *)(ge + oe));
+    __global float *dx = (__global float *)(gd + od);
+    if (t == ignore) { dx[q] = 0.0f; return; }
+    const double gscale = ((__global const double *)(gs + os))[0];
+    const double lse = ((__global const float *)(gl + ol))[n];
+    float d = (float)(gscale * exp((double)((__global const float *)(gx + ox))[q] - lse));
+    if (v == t) d -= (float)gscale;
+    dx[q] = d;
+}
+
+/* Attention, one work-item per query row (forward, dQ) or key row (dK, dV): scores
+ * recomputed from q and k, softmax online in the forward and from the saved
+ * log-sum-exp in the backward; rows of at most ATT_D values in private memory, in
+ * small work-groups (PoCL keeps a group's private arrays on one thread's stack:
+ * 256 work-items of 2 KiB each overflowed it). Query i sees
+ * keys j < i + (Tk - Tq) + 1 when causal. Heads share kv heads in groups of H / Hkv. */
+#define ATT_D 128
+long att_keys(long i, long Tq, long Tk, long causal)
+{
+    if (!causal) return Tk;
+    const long n = i + (Tk - Tq) + 1;
+    return n < Tk ? n : Tk;
+}
+__kernel void kiln_attention(__global const char *gq, ulong oq, __global const char *gk, ulong ok,
+                             __global const char *gv, ulong ov, __global char *go, ulong oo, __global char *gl,
+                             ulong ol, long B, long H, long Hkv, long Tq, long Tk, long D, float scale, long causal)
+{
+    const long row = get_global_id(0);
+    if (row >= B * H * Tq) return;
+    const long i = row % Tq, bh = row / Tq, b = bh / H, h = bh % H, hk = h / (H / Hkv);
+    __global const float *q = (__global const float *)(gq + oq) + row * D;
+    __global const float *K = (__global const float *)(gk + ok) + (b * Hkv + hk) * Tk * D;
+    __global const float *V = (__global const float *)(gv + ov) + (b * Hkv + hk) * Tk * D;
+    __global float *o = (__global float *)(go + oo) + row * D;
+    float acc[ATT_D];
+    for (long d = 0; d < D; d++) acc[d] = 0.0f;
+    float m = -INFINITY;
+    double l = 0;
+    const long nk = att_keys(i, Tq, Tk, causal);
+    for (long j = 0; j < nk; j++) {
+        float sc = 0.0f;
+        for (long d = 0; d < D; d++) sc = fma(q[d], K[j * D + d], sc);
+        sc *= scale;
+        if (sc > m) { /* a new maximum: what was summed is rescaled */
+            const float f = exp(m - sc);
+            l *= f;
+            for (long d = 0; d < D; d++) acc[d] *= f;
+            m = sc;
+        }
+        const float p = exp(sc - m);
+        l += p;
+        for (long d = 0; d < D; d++) acc[d] = fma(p, V[j * D + d], acc[d]);
+    }
+    const float inv = nk ? (float)(1.0 / l) : 0.0f;
+    for (long d = 0; d < D; d++) o[d] = acc[d] * inv;
+    ((__global float *)(gl + ol))[row] = nk ? (float)((double)m + log(l)) : -INFINITY;
+}
+
+/* dQ_i = scale sum_j dS_ij K_j, dS_ij = P_ij (dO_i . V_j - dO_i . O_i) */
+__kernel void kiln_attention_dq(__global const char *gg, ulong og, __global const char *gq, ulong oq,
+                                __global const char *gk, ulong ok, __global const char *gv, ulong ov,
+                                __global const char *go, ulong oo, __global const char *gl, ulong ol,
+                                __global char *gd, ulong od, long B, long H, long Hkv, long Tq, long Tk, long D,
+                                float scale, long causal)
+{
+    const long row = get_global_id(0);
+    if (row >= B * H * Tq) return;
+    const long i = row % Tq, bh = row / Tq, b = bh / H, h = bh % H, hk = h / (H / Hkv);
+    __global const float *q = (__global const float *)(gq + oq) + row * D;
+    __global const float *g = (__global const float *)(gg + og) + row * D;
+    __global const float *o = (__global const float *)(go + oo) + row * D;
+    __global const float *K = (__global const float *)(gk + ok) + (b * Hkv + hk) * Tk * D;
+    __global const float *V = (__global const float *)(gv + ov) + (b * Hkv + hk) * Tk * D;
+    const float lse = ((__global const float *)(gl + ol))[row];
+    float Di = 0.0f, dq[ATT_D];
+    for (long d = 0; d < D; d++) { Di = fma(g[d], o[d], Di); dq[d] = 0.0f; }
+    const long nk = att_keys(i, Tq, Tk, causal);
+    for (long j = 0; j < nk; j++) {
+        float sc = 0.0f, dp = 0.0f;
+        for (long d = 0; d < D; d++) { sc = fma(q[d], K[j * D + d], sc); dp = fma(g[d], V[j * D + d], dp); }
+        const float ds = exp(sc * scale - lse) * (dp - Di);
+        for (long d = 0; d < D; d++) dq[d] = fma(ds, K[j * D + d], dq[d]);
+    }
+    __global float *out = (__global float *)(gd + od) + row * D;
+    for (long d = 0; d < D; d++) out[d] = dq[d] * scale;
+}
+
+/* dK_j = scale sum_{h in group, i} dS_ij Q_i, dV_j = sum P_ij dO_i */
+__kernel void kiln_attention_dkv(__global const char *gg, ulong og, __global const char *gq, ulong oq,
+                                 __global const char *gk, ulong ok, __global const char *gv, ulong ov,
+                                 __global const char *go, ulong oo, __global const char *gl, ulong ol,
+                                 __global char *gdk, ulong odk, __global char *gdv, ulong odv, long B, long H,
+                                 long Hkv, long Tq, long Tk, long D, float scale, long causal)
+{
+    const long kr = get_global_id(0);
+    if (kr >= B * Hkv * Tk) return;
+    const long j = kr % Tk, bhk = kr / Tk, b = bhk / Hkv, hk = bhk % Hkv, grp = H / Hkv;
+    __global const float *k = (__global const float *)(gk + ok) + kr * D;
+    __global const float *v = (__global const float *)(gv + ov) + kr * D;
+    float dk[ATT_D], dv[ATT_D];
+    for (long d = 0; d < D; d++) { dk[d] = 0.0f; dv[d] = 0.0f; }
+    for (long h = hk * grp; h < (hk + 1) * grp; h++)
+        for (long i = 0; i < Tq; i++) {
+            if (j >= att_keys(i, Tq, Tk, causal)) continue;
+            const long row = (b * H + h) * Tq + i;
+            __global const float *q = (__global const float *)(gq + oq) + row * D;
+            __global const float *g = (__global const float *)(gg + og) + row * D;
+            __global const float *o = (__global const float *)(go + oo) + row * D;
+            float sc = 0.0f, dp = 0.0f, Di = 0.0f;
+            for (long d = 0; d < D; d++) {
+                sc = fma(q[d], k[d], sc);
+                dp = fma(g[d], v[d], dp);
+                Di = fma(g[d], o[d], Di);
+            }
+            const float p = exp(sc * scale - ((__global const float *)(gl + ol))[row]), ds = p * (dp - Di);
+            for (long d = 0; d < D; d++) { dv[d] = fma(p, g[d], dv[d]); dk[d] = fma(ds, q[d], dk[d]); }
+        }
+    __global float *odkp = (__global float *)(gdk + odk) + kr * D, *odvp = (__global float *)(gdv + odv) + kr * D;
+    for (long d = 0; d < D; d++) { odkp[d] = dk[d] * scale; odvp[d] = dv[d]; }
+}
+
+/* Layer / RMS norm backward in double as the cpu's: dx a work-item per row; dw and
+ * db a work-item per column, its rows summed in order. mean is unused for RMS. */
+__kernel void kiln_norm_dx(__global const char *gg, ulong og, __global const char *gx, ulong ox,
+                           __global const char *gw, ulong ow, __global const char *gm, ulong om,
+                           __global const char *gr, ulong orr, __global char *gd, ulong od, long N, long C,
+                           long rms)
+{
+    const long n = get_global_id(0);
+    if (n >= N) return;
+    __global const float *g = (__global const float *)(gg + og) + n * C, *x = (__global const float *)(gx + ox) + n * C;
+    __global const float *w = (__global const float *)(gw + ow);
+    const double mu = rms ? 0.0 : ((__global const float *)(gm + om))[n], rs = ((__global const float *)(gr + orr))[n];
+    double s1 = 0, s2 = 0;
+    for (long i = 0; i < C; i++) {
+        const double xh = ((double)x[i] - mu) * rs, gwv = (double)g[i] * w[i];
+        s1 += gwv;
+        s2 += gwv * xh;
+    }
+    s1 = rms ? 0.0 : s1 / (double)C;
+    s2 /= (double)C;
+    __global float *dx = (__global float *)(gd + od) + n * C;
+    for (long i = 0; i < C; i++) {
+        const double xh = ((double)x[i] - mu) * rs;
+        dx[i] = (float)(rs * ((double)g[i] * w[i] - s1 - xh * s2));
+    }
+}
+__kernel void kiln_norm_dwb(__global const char *gg, ulong og, __global const char *gx, ulong ox,
+                            __global const char *gm, ulong om, __global const char *gr, ulong orr,
+                            __global char *gdw, ulong odw, __global char *gdb, ulong odb, long N, long C, long rms)
+{
+    const long i = get_global_id(0);
+    if (i >= C) return;
+    double sw = 0, sb = 0;
+    for (long n = 0; n < N; n++) {
+        const double mu = rms ? 0.0 : ((__global const float *)(gm + om))[n];
+        const double xh = ((double)((__global const float *)(gx + ox))[n * C + i] - mu) *
+                          ((__global const float *)(gr + orr))[n];
+        const float g = ((__global const float *)(gg + og))[n * C + i];
+        sw += (double)g * xh;
+        sb += g;
+    }
+    ((__global float *)(gdw + odw))[i] = (float)sw;
+    if (!rms) ((__global float *)(gdb + odb))[i] = (float)sb;
+}
+__kernel void kiln_add_(__global char *gd, ulong od, __global const char *gs, ulong os, float alpha, long n)
+{
+    const long i = get_global_id(0);
+    __global float *d = (__global float *)(gd + od);
+    if (i < n) d[i] = fma(alpha, ((__global const float *)(gs + os))[i], d[i]);
+}
+__kernel void kiln_add_f64_(__global char *gd, ulong od, __global const char *gs, ulong os, double alpha, long n)
+{
+    const long i = get_global_id(0);
+    __global double *d = (__global double *)(gd + od);
+    if (i < n) d[i] = fma(alpha, ((__global const double *)(gs + os))[i], d[i]);
+}
+
+/* A copy between any two layouts of the same shape (up to 6 dims, element strides),
+ * one element per work-item, es bytes each: what slicing's backward writes into a
+ * strided view. */
+__kernel void kiln_copy_nd(__global char *gd, ulong od, __global const char *gs, ulong os, long n, long es,
+                           long nd, long n0, long n1, long n2, long n3, long n4, long n5, long d0, long d1,
+                           long d2, long d3, long d4, long d5, long r0, long r1, long r2, long r3, long r4,
+                           long r5)
+{
+    const long q = get_global_id(0);
+    if (q >= n) return;
+    const long sh[6] = {n0, n1, n2, n3, n4, n5}, ds[6] = {d0, d1, d2, d3, d4, d5}, rs[6] = {r0, r1, r2, r3, r4, r5};
+    long rem = q, dofs = 0, sofs = 0;
+    for (long d = nd - 1; d >= 0; d--) {
+        const long i = rem % sh[d];
+        rem /= sh[d];
+        dofs += i * ds[d];
+        sofs += i * rs[d];
+    }
+    __global char *dst = gd + od + dofs * es;
+    __global const char *src = gs + os + sofs * es;
+    for (long b = 0; b < es; b++) dst[b] = src[b];
+}
+__kernel void kiln_scale_(__global char *gd, ulong od, float s, long n)
+{
+    const long i = get_global_id(0);
+    __global float *d = (__global float *)(gd + od);
+    if (i < n) d[i] = d[i] * s;
+}
+double one_value(__global const char *g, ulong o, long f64)
+{
+    return f64 ? *(__global const double *)(g + o) : (double)*(__global const float *)(g + o);
+}
+__kernel void kiln_adamw_(__global char *gp, ulong op, __global const char *gg, ulong og, __global char *gm, ulong om,
+                          __global char *gv, ulong ov, __global const char *glr, ulong olr, __global const char *gt,
+                          ulong ot, __global const char *gs, ulong os, long f64s, float wd, double b1, double b2,
+                          float eps, long n)
+{
+    const long i = get_global_id(0);
+    if (i >= n) return;
+    const double t = one_value(gt, ot, f64s & 2);
+    const float lr = (float)one_value(glr, olr, f64s & 1), gsc = (float)one_value(gs, os, f64s & 4);
+    const float c1 = (float)(1.0 - pow(b1, t)), c2 = (float)(1.0 - pow(b2, t)), fb1 = (float)b1, fb2 = (float)b2;
+    __global float *p = (__global float *)(gp + op), *m = (__global float *)(gm + om), *v = (__global float *)(gv + ov);
+    const float g = ((__global const float *)(gg + og))[i] * gsc;
+    const float mi = fb1 * m[i] + (1.0f - fb1) * g, vi = fb2 * v[i] + (1.0f - fb2) * g * g;
+    m[i] = mi;
+    v[i] = vi;
+    const float pi = p[i] * (1.0f - lr * wd);
+    p[i] = pi - lr * (mi / c1) / (sqrt(vi / c2) + eps);
+}
