@@ -61,45 +61,16 @@ static const char *ctype(kiln_dtype dt)
     }
 }
 
-/* Helpers every generated file starts with (the same formulas as the cpu backend's
- * kernels, so that compiled and eager results agree to rounding), written once for the
- * three dialects: KC_FN is the function qualifier and kc_bits reinterprets an int's bits
- * as a float, each dialect's header saying how. */
-static const char *helpers =
-    "KC_FN float kc_exp(float x0)\n{\n"
-    "    float x = x0 > -87.0f ? x0 : -87.0f;\n    x = x < 88.0f ? x : 88.0f;\n"
-    "    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;\n"
-    "    float r = x - n * 0.693359375f + n * 2.12194440e-4f;\n"
-    "    float p = 1.9875691500e-4f;\n"
-    "    p = p * r + 1.3981999507e-3f;\n    p = p * r + 8.3334519073e-3f;\n"
-    "    p = p * r + 4.1665795894e-2f;\n    p = p * r + 1.6666665459e-1f;\n"
-    "    p = p * r + 5.0000001201e-1f;\n    p = p * r * r + r + 1.0f;\n"
-    "    return x0 == x0 ? (x0 < -87.0f ? 0.0f : p * kc_bits(((int32_t)n + 127) << 23)) : x0;\n}\n"
-    "KC_FN float kc_tanh_fast(float u) { return 1.0f - 2.0f / (kc_exp(2.0f * u) + 1.0f); }\n"
-    "KC_FN float kc_sigmoid_fast(float x) { return 1.0f / (1.0f + kc_exp(-x)); }\n"
-    "KC_FN float kc_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }\n"
-    "KC_FN float kc_max(float x, float y) { return x != x || x > y ? x : y; }\n"
-    "KC_FN float kc_min(float x, float y) { return x != x || x < y ? x : y; }\n"
-    "KC_FN double kc_maxd(double x, double y) { return x != x || x > y ? x : y; }\n"
-    "KC_FN double kc_mind(double x, double y) { return x != x || x < y ? x : y; }\n"
-    "#define KC_C0 0.7978845608028654f\n#define KC_C1 0.044715f\n"
-    "KC_FN float kc_gelu_fast(float x) { return 0.5f * x * (1.0f + kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
-    "KC_FN float kc_gelu_tanh(float x) { return 0.5f * x * (1.0f + tanhf(KC_C0 * (x + KC_C1 * x * x * x))); }\n"
-    "KC_FN float kc_gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678f)); }\n"
-    "KC_FN float kc_gelu_grad_fast(float x)\n{\n"
-    "    float t = kc_tanh_fast(KC_C0 * (x + KC_C1 * x * x * x));\n"
-    "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
-    "KC_FN float kc_gelu_grad_tanh(float x)\n{\n"
-    "    float t = tanhf(KC_C0 * (x + KC_C1 * x * x * x));\n"
-    "    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KC_C0 * (1.0f + 3.0f * KC_C1 * x * x);\n}\n"
-    "KC_FN float kc_gelu_grad_erf(float x)\n{\n"
-    "    return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;\n}\n\n";
+/* Every generated file starts with its dialect's header (below), then the text of
+ * src/core/kmath.h, embedded at build time: the same helpers the cpu backend's kernels
+ * inline, so that compiled and eager results agree to rounding. */
+extern const char kiln__kmath_source[];
 
 /* C for the system compiler. */
 static const char *header_c =
     "#include <math.h>\n#include <stdint.h>\n#include <string.h>\n\n"
-    "#define KC_FN static inline\n"
-    "static inline float kc_bits(int32_t b)\n{\n    float f;\n    memcpy(&f, &b, 4);\n    return f;\n}\n";
+    "#define KM_FN static inline\n"
+    "static inline float km_bits(int32_t b)\n{\n    float f;\n    memcpy(&f, &b, 4);\n    return f;\n}\n";
 
 /* OpenCL C (src/backends/opencl compiles it): the builtins are overloaded, so the C
  * library's f-suffixed names map onto them. */
@@ -107,14 +78,14 @@ static const char *header_cl =
     "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
     "typedef long int64_t;\ntypedef int int32_t;\ntypedef uchar uint8_t;\n"
     "#define expf exp\n#define logf log\n#define sqrtf sqrt\n#define powf pow\n#define fabsf fabs\n"
-    "#define tanhf tanh\n#define erff erf\n"
-    "#define KC_FN inline\n#define kc_bits(b) as_float(b)\n\n";
+    "#define tanhf tanh\n#define erff erf\n#define log1pf log1p\n"
+    "#define KM_FN inline\n#define km_bits(b) as_float(b)\n\n";
 
 /* CUDA C for NVRTC (src/backends/cuda compiles it): device functions, CUDA's own math. */
 static const char *header_cuda =
     "typedef long long int64_t;\ntypedef int int32_t;\ntypedef unsigned char uint8_t;\n"
     "#define INFINITY __int_as_float(0x7f800000)\n"
-    "#define KC_FN __device__ inline\n#define kc_bits(b) __int_as_float(b)\n\n";
+    "#define KM_FN __device__ inline\n#define km_bits(b) __int_as_float(b)\n\n";
 
 /* What one kernel's generation needs: the kernel, whether sizes are symbolic and fast
  * math on, and which size slots its text reads (each becomes a local z<N> = sz[N] at
@@ -166,7 +137,7 @@ static void expr_c(sbuf *b, const gen *G, int i)
         return;
     case E_CONST: /* %g writes inf and nan as words; INFINITY is there in every dialect */
         if (isinf(e->attrs.f[0])) put(b, "(%s)(%sINFINITY)", T, e->attrs.f[0] < 0 ? "-" : "");
-        else if (isnan(e->attrs.f[0])) put(b, "(%s)kc_bits(0x7fc00000)", T);
+        else if (isnan(e->attrs.f[0])) put(b, "(%s)km_bits(0x7fc00000)", T);
         else put(b, "(%s)%.17g", T, e->attrs.f[0]);
         return;
     case E_INDEX:
@@ -184,8 +155,8 @@ static void expr_c(sbuf *b, const gen *G, int i)
     if (e->dt == KILN_DTYPE_F64) { /* lowering lets only these through in f64: double math, no fast forms */
         switch (e->op) {
         case KILN_OP_POW: put(b, "pow(%s, %s)", a[0], a[1]); return;
-        case KILN_OP_MAXIMUM: put(b, "kc_maxd(%s, %s)", a[0], a[1]); return;
-        case KILN_OP_MINIMUM: put(b, "kc_mind(%s, %s)", a[0], a[1]); return;
+        case KILN_OP_MAXIMUM: put(b, "km_maxd(%s, %s)", a[0], a[1]); return;
+        case KILN_OP_MINIMUM: put(b, "km_mind(%s, %s)", a[0], a[1]); return;
         case KILN_OP_ABS: put(b, "fabs(%s)", a[0]); return;
         case KILN_OP_EXP: put(b, "exp(%s)", a[0]); return;
         case KILN_OP_LOG: put(b, "log(%s)", a[0]); return;
@@ -200,27 +171,27 @@ static void expr_c(sbuf *b, const gen *G, int i)
     case KILN_OP_MUL: put(b, "%s * %s", a[0], a[1]); break;
     case KILN_OP_DIV: put(b, "%s / %s", a[0], a[1]); break;
     case KILN_OP_POW: put(b, "powf(%s, %s)", a[0], a[1]); break;
-    case KILN_OP_MAXIMUM: put(b, "kc_max(%s, %s)", a[0], a[1]); break;
-    case KILN_OP_MINIMUM: put(b, "kc_min(%s, %s)", a[0], a[1]); break;
+    case KILN_OP_MAXIMUM: put(b, "km_max(%s, %s)", a[0], a[1]); break;
+    case KILN_OP_MINIMUM: put(b, "km_min(%s, %s)", a[0], a[1]); break;
     case KILN_OP_NEG: put(b, "-%s", a[0]); break;
     case KILN_OP_ABS: put(b, "fabsf(%s)", a[0]); break;
-    case KILN_OP_EXP: put(b, "kc_exp(%s)", a[0]); break;
+    case KILN_OP_EXP: put(b, "km_exp(%s)", a[0]); break;
     case KILN_OP_LOG: put(b, "logf(%s)", a[0]); break;
     case KILN_OP_SQRT: put(b, "sqrtf(%s)", a[0]); break;
     case KILN_OP_RSQRT: put(b, "1.0f / sqrtf(%s)", a[0]); break;
-    case KILN_OP_TANH: put(b, fast ? "kc_tanh_fast(%s)" : "tanhf(%s)", a[0]); break;
-    case KILN_OP_SIGMOID: put(b, fast ? "kc_sigmoid_fast(%s)" : "kc_sigmoid(%s)", a[0]); break;
+    case KILN_OP_TANH: put(b, fast ? "km_tanh_fast(%s)" : "tanhf(%s)", a[0]); break;
+    case KILN_OP_SIGMOID: put(b, fast ? "km_sigmoid_fast(%s)" : "km_sigmoid(%s)", a[0]); break;
     case KILN_OP_RELU: put(b, "%s > 0 ? %s : 0.0f", a[0], a[0]); break;
     case KILN_OP_GELU:
-        put(b, "%s(%s)", !tanh_form ? "kc_gelu_erf" : fast ? "kc_gelu_fast" : "kc_gelu_tanh", a[0]);
+        put(b, "%s(%s)", !tanh_form ? "km_gelu_erf" : fast ? "km_gelu_fast" : "km_gelu_tanh", a[0]);
         break;
-    case KILN_OP_SILU: put(b, fast ? "%s * kc_sigmoid_fast(%s)" : "%s * kc_sigmoid(%s)", a[0], a[0]); break;
+    case KILN_OP_SILU: put(b, fast ? "%s * km_sigmoid_fast(%s)" : "%s * km_sigmoid(%s)", a[0], a[0]); break;
     case KILN_OP_GELU_BACKWARD:
-        put(b, "%s * %s(%s)", a[1], !tanh_form ? "kc_gelu_grad_erf" : fast ? "kc_gelu_grad_fast" : "kc_gelu_grad_tanh",
+        put(b, "%s * %s(%s)", a[1], !tanh_form ? "km_gelu_grad_erf" : fast ? "km_gelu_grad_fast" : "km_gelu_grad_tanh",
             a[0]);
         break;
     case KILN_OP_SILU_BACKWARD: {
-        const char *sg = fast ? "kc_sigmoid_fast" : "kc_sigmoid";
+        const char *sg = fast ? "km_sigmoid_fast" : "km_sigmoid";
         put(b, "%s * %s(%s) * (1.0f + %s * (1.0f - %s(%s)))", a[1], sg, a[0], a[0], sg, a[0]);
         break;
     }
@@ -263,7 +234,7 @@ static void body(sbuf *b, const gen *G, const bool *need, const char *ind)
 
 static const char *maxfn(const kc_kernel *k, int a)
 {
-    return k->e[k->acc[a].expr].dt == KILN_DTYPE_F64 ? "kc_maxd" : "kc_max";
+    return k->e[k->acc[a].expr].dt == KILN_DTYPE_F64 ? "km_maxd" : "km_max";
 }
 
 /* One kernel. In C it runs tasks [t0, t1) given its buffers in b[] and its sizes in
@@ -485,7 +456,7 @@ static kiln_status generate(const kiln__program *p, int dialect, char **src)
     sbuf b = {0};
     bool fast = kiln__opt(KILN__OPT_FAST_EXP);
     put(&b, "/* Generated by kiln %s: %d kernel(s) in %s. */\n", KILN_VERSION, p->n_k, lang[dialect]);
-    put(&b, "%s%s", header, helpers);
+    put(&b, "%s%s\n", header, kiln__kmath_source);
     for (int i = 0; i < p->n_k; i++) kernel_c(&b, p, &p->k[i], fast, dialect);
     if (b.failed) {
         free(b.s);

@@ -2,6 +2,7 @@
 #ifndef KILN_CPU_H
 #define KILN_CPU_H
 
+#include "core/kmath_c.h"
 #include "core/dtype.h"
 #include "core/tensor_impl.h"
 #include "core/threadpool.h"
@@ -47,30 +48,8 @@ void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t 
 #define KILN_SIMD
 #endif
 
-/* expf by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (the Cephes
- * coefficients), about 2 ulp, written with selects and a rounding constant so that the
- * compiler vectorizes it; libm's expf is a call per element. Behind KILN_OPT_FAST_EXP. */
-static inline __attribute__((always_inline)) float kiln__fast_expf(float x0)
-{
-    float x = x0 > -87.0f ? x0 : -87.0f; /* a NaN too, so the conversion below stays in range */
-    x = x < 88.0f ? x : 88.0f;
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    int32_t bits = ((int32_t)n + 127) << 23;
-    float scale;
-    memcpy(&scale, &bits, 4);
-    /* Below -87 the true value is under FLT_MIN: 0, as exp(-inf) must be, and never a
-     * denormal, which would slow every multiply that reads it (a masked softmax's
-     * weights in a GEMM ran 25x slower). */
-    return x0 == x0 ? (x0 < -87.0f ? 0.0f : p * scale) : x0;
-}
+/* The fast-exp switch's exp (src/core/kmath.h, shared with the generated kernels). */
+#define kiln__fast_expf km_exp
 
 /* Grain for parallel_for over elements (rows are split to about this many elements). */
 #define CPU_GRAIN 16384

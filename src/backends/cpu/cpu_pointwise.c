@@ -17,11 +17,7 @@ static inline double gelu_d(double x, bool tanh_form)
     return 0.5 * x * (1.0 + erf(x * 0.7071067811865476));
 }
 
-static inline float gelu_f(float x, bool tanh_form)
-{
-    if (tanh_form) return 0.5f * x * (1.0f + tanhf((float)SQRT_2_OVER_PI * (x + (float)GELU_C * x * x * x)));
-    return 0.5f * x * (1.0f + erff(x * 0.70710678f));
-}
+static inline float gelu_f(float x, bool tanh_form) { return tanh_form ? km_gelu_tanh(x) : km_gelu_erf(x); }
 
 static inline double gelu_grad_d(double x, bool tanh_form)
 {
@@ -32,32 +28,16 @@ static inline double gelu_grad_d(double x, bool tanh_form)
     return 0.5 * (1.0 + erf(x * 0.7071067811865476)) + x * exp(-0.5 * x * x) * 0.3989422804014327;
 }
 
-static inline float gelu_grad_f(float x, bool tanh_form)
-{
-    if (tanh_form) {
-        float u = (float)SQRT_2_OVER_PI * (x + (float)GELU_C * x * x * x), t = tanhf(u);
-        return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (float)SQRT_2_OVER_PI * (1.0f + 3.0f * (float)GELU_C * x * x);
-    }
-    return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;
-}
+static inline float gelu_grad_f(float x, bool tanh_form) { return tanh_form ? km_gelu_grad_tanh(x) : km_gelu_grad_erf(x); }
 
-/* tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits at both ends; absolute error ~1e-7. */
-static inline __attribute__((always_inline)) float fast_tanhf(float u) { return 1.0f - 2.0f / (kiln__fast_expf(2.0f * u) + 1.0f); }
-static inline __attribute__((always_inline)) float fast_sigmoidf(float x) { return 1.0f / (1.0f + kiln__fast_expf(-x)); }
-
-static inline __attribute__((always_inline)) float gelu_fast(float x)
-{
-    return 0.5f * x * (1.0f + fast_tanhf((float)SQRT_2_OVER_PI * (x + (float)GELU_C * x * x * x)));
-}
-
-static inline __attribute__((always_inline)) float gelu_grad_fast(float x)
-{
-    float t = fast_tanhf((float)SQRT_2_OVER_PI * (x + (float)GELU_C * x * x * x));
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * (float)SQRT_2_OVER_PI * (1.0f + 3.0f * (float)GELU_C * x * x);
-}
+/* The f32 forms are src/core/kmath.h's, which the generated kernels share. */
+#define fast_tanhf km_tanh_fast
+#define fast_sigmoidf km_sigmoid_fast
+#define gelu_fast km_gelu_fast
+#define gelu_grad_fast km_gelu_grad_fast
+#define sigmoid_f km_sigmoid
 
 static inline double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
-static inline float sigmoid_f(float x) { return 1.0f / (1.0f + expf(-x)); }
 
 static bool all_dtype(kiln_tensor_t *const *in, int n, kiln_tensor_t *const *out, int nout, kiln_dtype dt)
 {

@@ -1,0 +1,70 @@
+/* kiln's pointwise math, written once for every place that computes it: the cpu
+ * backend's kernels include it (src/core/kmath_c.h), and every generated kernel, in C,
+ * OpenCL C or CUDA C, starts with its text (embedded at build time, src/compile/
+ * codegen_c.c), so that eager and compiled results agree to rounding on every device.
+ *
+ * It is written in the subset the three dialects share, over two names the includer
+ * defines first: KM_FN, the qualifier of a helper function ("static inline", "inline",
+ * "__device__ inline"), and km_bits(b), a float made from the bits of an int32_t. The C
+ * library's f-suffixed names (expf, tanhf, erff, log1pf, ...) are used as in C; the
+ * OpenCL header maps them onto its overloaded builtins. No #include: each dialect has
+ * its own. */
+#ifndef KILN_CORE_KMATH_H
+#define KILN_CORE_KMATH_H
+
+/* exp(x) by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (the Cephes
+ * coefficients), about 2 ulp, written with selects and a rounding constant so that a
+ * compiler vectorizes it (libm's expf is a call per element): the fast-exp switch's
+ * form (KILN_OPT_FAST_EXP). Below -87 the true value is under FLT_MIN:
+ * 0, as exp(-inf) must be, and never a denormal, which would slow every multiply that
+ * reads it (a masked softmax's weights in a GEMM ran 25x slower). NaN stays NaN. */
+KM_FN float km_exp(float x0)
+{
+    float x = x0 > -87.0f ? x0 : -87.0f; /* a NaN too, so the conversion below stays in range */
+    x = x < 88.0f ? x : 88.0f;
+    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    return x0 == x0 ? (x0 < -87.0f ? 0.0f : p * km_bits(((int32_t)n + 127) << 23)) : x0;
+}
+
+/* tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits at both ends; absolute error ~1e-7. */
+KM_FN float km_tanh_fast(float u) { return 1.0f - 2.0f / (km_exp(2.0f * u) + 1.0f); }
+KM_FN float km_sigmoid_fast(float x) { return 1.0f / (1.0f + km_exp(-x)); }
+KM_FN float km_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+
+/* NaN propagates through maximum and minimum, as in PyTorch. */
+KM_FN float km_max(float x, float y) { return x != x || x > y ? x : y; }
+KM_FN float km_min(float x, float y) { return x != x || x < y ? x : y; }
+KM_FN double km_maxd(double x, double y) { return x != x || x > y ? x : y; }
+KM_FN double km_mind(double x, double y) { return x != x || x < y ? x : y; }
+
+/* GELU: the tanh approximation (sqrt(2/pi) and 0.044715), its fast-exp form, and the
+ * erf form; each with its derivative. */
+#define KM_C0 0.7978845608028654f
+#define KM_C1 0.044715f
+KM_FN float km_gelu_fast(float x) { return 0.5f * x * (1.0f + km_tanh_fast(KM_C0 * (x + KM_C1 * x * x * x))); }
+KM_FN float km_gelu_tanh(float x) { return 0.5f * x * (1.0f + tanhf(KM_C0 * (x + KM_C1 * x * x * x))); }
+KM_FN float km_gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678f)); }
+KM_FN float km_gelu_grad_fast(float x)
+{
+    float t = km_tanh_fast(KM_C0 * (x + KM_C1 * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KM_C0 * (1.0f + 3.0f * KM_C1 * x * x);
+}
+KM_FN float km_gelu_grad_tanh(float x)
+{
+    float t = tanhf(KM_C0 * (x + KM_C1 * x * x * x));
+    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KM_C0 * (1.0f + 3.0f * KM_C1 * x * x);
+}
+KM_FN float km_gelu_grad_erf(float x)
+{
+    return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;
+}
+
+#endif
