@@ -151,6 +151,13 @@ static void expr_c(sbuf *b, const gen *G, int i)
     case E_OP:
         break;
     }
+    const kiln__op_math_t *m = &kiln__op_math[e->op];
+    if (m->name) { /* km_<name>[d](x), or g * km_<name>_dx[d](x) for its backward op */
+        const char *d = e->dt == KILN_DTYPE_F64 ? "d" : "";
+        if (m->dx) put(b, "%s * km_%s_dx%s(%s)", a[1], m->name, d, a[0]);
+        else put(b, "km_%s%s(%s)", m->name, d, a[0]);
+        return;
+    }
     bool tanh_form = e->attrs.i[0] != 0;
     if (e->dt == KILN_DTYPE_F64) { /* lowering lets only these through in f64: double math, no fast forms */
         switch (e->op) {

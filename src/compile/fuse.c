@@ -36,6 +36,7 @@ static lower_kind lower_op(const kiln_graph_t *g, const node *n)
         f64_in &= g->v[n->in[i]].meta.dtype == KILN_DTYPE_F64;
     }
     bool same_float = (f32_in && o == KILN_DTYPE_F32) || (f64_in && o == KILN_DTYPE_F64);
+    if (kiln__op_math[n->op].name) return same_float ? L_PW : L_NONE; /* f32 and f64 forms in kmath.h */
     switch (n->op) {
     case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_POW:
     case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM: case KILN_OP_NEG: case KILN_OP_ABS: case KILN_OP_EXP:

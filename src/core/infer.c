@@ -731,3 +731,19 @@ kiln_status kiln__infer_attention_backward(kiln_tensor_t *const *in, int n, cons
     for (int j = 0; j < 3; j++) meta_like(in[1 + j], in[1 + j]->dtype, &out[j]);
     return KILN_OK;
 }
+
+/* The pointwise ops defined by their math: a float tensor of x's shape; the backward
+ * op's (x, g) the same as x. */
+#define KILN_PW(ID, name)                                                                                   \
+    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)   \
+    {                                                                                                       \
+        return unary_float(#name, in, out);                                                                 \
+    }                                                                                                       \
+    kiln_status kiln__infer_##name##_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a,          \
+                                              kiln__meta *out)                                              \
+    {                                                                                                       \
+        meta_like(in[0], in[0]->dtype, out);                                                                \
+        return KILN_OK;                                                                                     \
+    }
+#include "kiln/pointwise.def"
+#undef KILN_PW

@@ -21,3 +21,9 @@ const kiln__op_def kiln__ops[KILN_OP_COUNT] = {
 #include "core/ops.def"
 #undef KILN_OP
 };
+
+const kiln__op_math_t kiln__op_math[KILN_OP_COUNT] = {
+#define KILN_PW(ID, nm) [KILN_OP_##ID] = {#nm, false}, [KILN_OP_##ID##_BACKWARD] = {#nm, true},
+#include "kiln/pointwise.def"
+#undef KILN_PW
+};

@@ -38,6 +38,15 @@ typedef struct {
 
 extern const kiln__op_def kiln__ops[KILN_OP_COUNT];
 
+/* The math of a pointwise op defined by it (include/kiln/pointwise.def): name is the
+ * kmath.h function family (km_<name>, km_<name>d and their _dx derivatives), NULL for
+ * every other op; dx marks the backward op (g * dy/dx). */
+typedef struct {
+    const char *name;
+    bool dx;
+} kiln__op_math_t;
+extern const kiln__op_math_t kiln__op_math[KILN_OP_COUNT];
+
 /* The inputs an op writes, as a bit mask: none for an out-of-place op, the destination
  * (input 0) for an in-place one, and for adamw_ the two moments (inputs 2, 3) too. */
 static inline unsigned kiln__written_inputs(kiln__op_id op)

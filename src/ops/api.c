@@ -66,6 +66,10 @@ kiln_tensor_t *kiln_tanh(kiln_tensor_t *a) { return call1(KILN_OP_TANH, a); }
 kiln_tensor_t *kiln_sigmoid(kiln_tensor_t *a) { return call1(KILN_OP_SIGMOID, a); }
 kiln_tensor_t *kiln_relu(kiln_tensor_t *a) { return call1(KILN_OP_RELU, a); }
 kiln_tensor_t *kiln_silu(kiln_tensor_t *a) { return call1(KILN_OP_SILU, a); }
+#define KILN_PW(ID, name) \
+    kiln_tensor_t *kiln_##name(kiln_tensor_t *a) { return call1(KILN_OP_##ID, a); }
+#include "kiln/pointwise.def"
+#undef KILN_PW
 kiln_tensor_t *kiln_contiguous(kiln_tensor_t *a)
 {
     if (a && kiln__is_contiguous(a)) return kiln__scoped(kiln_tensor_retain(a));

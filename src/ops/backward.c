@@ -402,3 +402,14 @@ kiln_status kiln__bw_contiguous(kiln__node *n, kiln_tensor_t *const *gout, kiln_
     gin[0] = G;
     return done(gin, 1, n);
 }
+
+/* The pointwise ops defined by their math: g * dy/dx, by their backward op. */
+#define KILN_PW(ID, name)                                                                     \
+    kiln_status kiln__bw_##name(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin) \
+    {                                                                                         \
+        kiln_tensor_t *in[2] = {X(0), G};                                                     \
+        gin[0] = kiln__call(KILN_OP_##ID##_BACKWARD, in, 2, &n->attrs);                       \
+        return done(gin, 1, n);                                                               \
+    }
+#include "kiln/pointwise.def"
+#undef KILN_PW

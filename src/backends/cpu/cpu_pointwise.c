@@ -174,6 +174,14 @@ BINARY(silu_backward_exact, y * sigmoid_f(x) * (1.0f + x * (1.0f - sigmoid_f(x))
 BINARY(silu_backward_fast, y * fast_sigmoidf(x) * (1.0f + x * (1.0f - fast_sigmoidf(x))),
        y * sigmoid_d(x) * (1.0 + x * (1.0 - sigmoid_d(x))), 0)
 
+/* The pointwise ops defined by their math (include/kiln/pointwise.def): y = km_<name>(x),
+ * and the backward op's g * km_<name>_dx(x); in f64, the d forms. */
+#define KILN_PW(ID, name)                                              \
+    UNARY(name, km_##name(x), km_##name##d(x))                         \
+    BINARY(name##_backward, y * km_##name##_dx(x), y * km_##name##_dxd(x), 0)
+#include "kiln/pointwise.def"
+#undef KILN_PW
+
 /* The ops with a fast-exp variant pick it by switch (GELU's fast form is the tanh one). */
 #define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
 kiln_status kiln__cpu_gelu_exact(K_ARGS);
