@@ -139,6 +139,7 @@ static kiln_status unary(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_ten
     case 9: y = kiln_gelu(x, true); break;
     case 10: y = kiln_gelu(x, false); break;
     case 11: y = kiln_silu(x); break;
+    case 12: y = kiln_softplus(x); break;
     }
     return finish(y, out, n_out);
 }
@@ -517,6 +518,7 @@ static const op_case cases[] = {
     ONE("rsqrt", 6, KILN_OP_RSQRT, END), ONE("sigmoid", 7, KILN_OP_SIGMOID, END), ONE("relu", 8, KILN_OP_RELU, END),
     ONE("gelu_tanh", 9, KILN_OP_GELU, KILN_OP_GELU_BACKWARD), ONE("gelu_erf", 10, KILN_OP_GELU, KILN_OP_GELU_BACKWARD),
     ONE("silu", 11, KILN_OP_SILU, KILN_OP_SILU_BACKWARD),
+    ONE("softplus", 12, KILN_OP_SOFTPLUS, KILN_OP_SOFTPLUS_BACKWARD),
     TWO("add", 0, KILN_OP_ADD), TWO("sub", 1, KILN_OP_SUB), TWO("mul", 2, KILN_OP_MUL), TWO("div", 3, KILN_OP_DIV),
     TWO("pow", 4, KILN_OP_POW), TWO("maximum", 5, KILN_OP_MAXIMUM), TWO("minimum", 6, KILN_OP_MINIMUM),
     {.name = "binary_where_lt", .fn = binary, .make = make_two, .which = 7, .f64 = true, .gen = 3,

@@ -248,6 +248,7 @@ static void case_gelu(void)
     unary_case(gelu_tanh, "gelu tanh", -3, 3, false);
 }
 static void case_silu(void) { unary_case(kiln_silu, "silu", -4, 4, false); }
+static void case_softplus(void) { unary_case(kiln_softplus, "softplus", -4, 4, false); }
 static void case_square(void) { unary_case(kiln_square, "square (x used twice)", -2, 2, false); }
 
 static kiln_tensor_t *f_where(kiln_tensor_t *const *x, const void *c)
@@ -614,6 +615,7 @@ static const grad_case cases[] = {
     {KILN_OP_RELU, "gradcheck_relu", case_relu},
     {KILN_OP_GELU, "gradcheck_gelu_both_forms", case_gelu},
     {KILN_OP_SILU, "gradcheck_silu", case_silu},
+    {KILN_OP_SOFTPLUS, "gradcheck_softplus", case_softplus},
     {KILN_OP_WHERE, "gradcheck_where_broadcast", case_where},
     {KILN_OP_CAST, "gradcheck_cast_both_ways", case_cast},
     {KILN_OP_SUM, "gradcheck_sum_keepdim_and_not", case_sum},

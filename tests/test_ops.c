@@ -171,6 +171,9 @@ static double r_square(double x) { return x * x; }
 static double r_sigmoid(double x) { return 1 / (1 + exp(-x)); }
 static double r_relu(double x) { return x > 0 ? x : 0; }
 static double r_silu(double x) { return x / (1 + exp(-x)); }
+/* PyTorch's softplus (torch.nn.functional.softplus, beta 1, threshold 20): log1p(exp(x)),
+ * and x itself above the threshold. */
+static double r_softplus(double x) { return x > 20 ? x : log1p(exp(x)); }
 static double r_gelu_erf(double x) { return 0.5 * x * (1 + erf(x / sqrt(2.0))); }
 static double r_gelu_tanh(double x)
 {
@@ -191,6 +194,7 @@ static const unary_case unary_cases[] = {
     {"sigmoid", kiln_sigmoid, r_sigmoid, -5, 5},
     {"relu", kiln_relu, r_relu, -3, 3},
     {"silu", kiln_silu, r_silu, -5, 5},
+    {"softplus", kiln_softplus, r_softplus, -30, 30}, /* both sides of its threshold at 20 */
     {"gelu_erf", gelu_erf, r_gelu_erf, -4, 4},
     {"gelu_tanh", gelu_tanh, r_gelu_tanh, -4, 4},
 };

@@ -67,4 +67,11 @@ KM_FN float km_gelu_grad_erf(float x)
     return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;
 }
 
+/* softplus(x) = log(1 + exp(x)), and x itself above 20 (where they agree to rounding),
+ * as PyTorch's default threshold; its derivative is the sigmoid (1 above 20). */
+KM_FN float km_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+KM_FN double km_softplusd(double x) { return x > 20.0 ? x : log1p(exp(x)); }
+KM_FN float km_softplus_dx(float x) { return x > 20.0f ? 1.0f : 1.0f / (1.0f + expf(-x)); }
+KM_FN double km_softplus_dxd(double x) { return x > 20.0 ? 1.0 : 1.0 / (1.0 + exp(-x)); }
+
 #endif
