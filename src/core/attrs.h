@@ -7,6 +7,12 @@
 #include <stdint.h>
 #include "kiln/tensor.h"
 
+/* Typed attributes, one struct per op that has them (in kiln__attrs.op); the other ops
+ * still use the positional slots that ops.def's comment lists. */
+typedef struct {
+    double weight_decay, beta1, beta2, eps;
+} kiln__adamw_attrs; /* ADAMW_ */
+
 typedef struct {
     int64_t shape[KILN_MAX_DIMS]; /* a shape, or a list of dims */
     int ndim;                     /* entries used in shape */
@@ -14,6 +20,9 @@ typedef struct {
     double f[2];                  /* op-specific reals */
     uint64_t u[2];                /* random seed and counter offset */
     bool keepdim;
+    union {
+        kiln__adamw_attrs adamw;
+    } op;
 } kiln__attrs;
 
 /* ALLREDUCE_'s u[1]: the group's entries for it (the group is u[0], the reduce op

@@ -659,10 +659,7 @@ kiln_status kiln_adamw_step_(kiln_tensor_t *p, kiln_tensor_t *g, kiln_tensor_t *
                              kiln_tensor_t *step, kiln_tensor_t *gscale, double beta1, double beta2, double eps, double wd)
 {
     kiln__attrs at = {0};
-    at.f[0] = wd;
-    memcpy(&at.shape[0], &beta1, 8);
-    memcpy(&at.shape[1], &beta2, 8);
-    memcpy(&at.shape[2], &eps, 8);
+    at.op.adamw = (kiln__adamw_attrs){.weight_decay = wd, .beta1 = beta1, .beta2 = beta2, .eps = eps};
     kiln_tensor_t *in[7] = {p, g, m, v, lr, step, gscale};
     return kiln__dispatch(KILN_OP_ADAMW_, in, 7, &at, NULL);
 }

@@ -108,9 +108,9 @@ static kiln_tensor_t *scalar_of(kiln_tensor_t *t, kiln_dtype dt)
 static kiln_status dec_adamw(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t **out)
 {
     double b1, b2, eps;
-    memcpy(&b1, &a->shape[0], 8);
-    memcpy(&b2, &a->shape[1], 8);
-    memcpy(&eps, &a->shape[2], 8);
+    b1 = a->op.adamw.beta1;
+    b2 = a->op.adamw.beta2;
+    eps = a->op.adamw.eps;
     const kiln_dtype F = KILN_DTYPE_F32, D = KILN_DTYPE_F64;
     float b1f = (float)b1, b2f = (float)b2;
     kiln_tensor_t *p = in[0], *g = in[1], *m = in[2], *v = in[3];
@@ -123,7 +123,7 @@ static kiln_status dec_adamw(kiln_tensor_t *const *in, int n_in, const kiln__att
     kiln_tensor_t *one = kiln_scalar(1, D);
     kiln_tensor_t *c1 = kiln_cast(kiln_sub(one, kiln_pow(kiln_scalar(b1, D), t)), F);
     kiln_tensor_t *c2 = kiln_cast(kiln_sub(one, kiln_pow(kiln_scalar(b2, D), t)), F);
-    kiln_tensor_t *decay = kiln_sub(kiln_scalar(1, F), kiln_mul(lr, kiln_scalar((float)a->f[0], F)));
+    kiln_tensor_t *decay = kiln_sub(kiln_scalar(1, F), kiln_mul(lr, kiln_scalar((float)a->op.adamw.weight_decay, F)));
     kiln_tensor_t *gs = kiln_mul(g, gscale);
     kiln_tensor_t *m1 = kiln_add(kiln_mul(kiln_scalar(b1f, F), m), kiln_mul(kiln_scalar(1.0f - b1f, F), gs));
     kiln_tensor_t *v1 = kiln_add(kiln_mul(kiln_scalar(b2f, F), v), kiln_mul(kiln_mul(kiln_scalar(1.0f - b2f, F), gs), gs));

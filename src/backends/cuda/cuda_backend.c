@@ -465,13 +465,13 @@ static kiln_status cu_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_
                              kiln_tensor_t *const *out, int n_out)
 {
     double b1, b2, eps;
-    memcpy(&b1, &a->shape[0], 8);
-    memcpy(&b2, &a->shape[1], 8);
-    memcpy(&eps, &a->shape[2], 8);
+    b1 = a->op.adamw.beta1;
+    b2 = a->op.adamw.beta2;
+    eps = a->op.adamw.eps;
     int64_t f64s = (in[4]->dtype == KILN_DTYPE_F64) | (in[5]->dtype == KILN_DTYPE_F64) << 1 |
                    (in[6]->dtype == KILN_DTYPE_F64) << 2;
     kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), buf_arg(in[2]), buf_arg(in[3]), buf_arg(in[4]),
-                         buf_arg(in[5]), buf_arg(in[6]), i64_arg(f64s), f_arg(KILN__KARG_F32, a->f[0]),
+                         buf_arg(in[5]), buf_arg(in[6]), i64_arg(f64s), f_arg(KILN__KARG_F32, a->op.adamw.weight_decay),
                          f_arg(KILN__KARG_F64, b1), f_arg(KILN__KARG_F64, b2), f_arg(KILN__KARG_F32, eps),
                          i64_arg(kiln_tensor_numel(in[0]))};
     return run_1d(be, CB_ADAMW_, args, (int)(sizeof args / sizeof args[0]), kiln_tensor_numel(in[0]));
