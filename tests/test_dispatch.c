@@ -263,6 +263,25 @@ static void an_extension_slot_is_released_with_its_tensor_and_kept_by_detach_whe
     kiln_scope_begin();
 }
 
+/* The op table's columns agree with each other: an op writes inputs exactly when it has
+ * no outputs (in-place and collective ops), the views are the kind VIEW, and every op
+ * of pointwise.def is POINTWISE with its backward op beside it. */
+static void op_table_columns_agree(void **state)
+{
+    for (int op = 0; op < KILN_OP_COUNT; op++) {
+        const kiln__op_def *d = &kiln__ops[op];
+        if ((d->n_out == 0) != (d->writes != 0)) fail_msg("%s: n_out %d but writes 0x%x", d->name, d->n_out, d->writes);
+        if (d->n_out == 0 && d->kind != KILN__KIND_INPLACE && d->kind != KILN__KIND_COLLECTIVE)
+            fail_msg("%s: writes its inputs but is of kind %d", d->name, d->kind);
+        if (d->is_view != (d->kind == KILN__KIND_VIEW)) fail_msg("%s: is_view and kind disagree", d->name);
+        if (d->n_in >= 0 && d->writes >> d->n_in) fail_msg("%s: writes an input it does not have", d->name);
+        if (kiln__op_math[op].name && d->kind != KILN__KIND_POINTWISE) fail_msg("%s: from pointwise.def, not POINTWISE", d->name);
+    }
+    assert_int_equal(kiln__ops[KILN_OP_ADAMW_].writes, 0xD); /* p, m, v */
+    assert_true(kiln__op_math[KILN_OP_SOFTPLUS].name && !kiln__op_math[KILN_OP_SOFTPLUS].dx);
+    assert_true(kiln__op_math[KILN_OP_SOFTPLUS_BACKWARD].dx);
+}
+
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
 
 int main(void)
@@ -276,6 +295,7 @@ int main(void)
         T(quiet_dispatch_is_seen_by_no_interceptor),
         T(providers_are_asked_in_order_and_the_call_says_who_ran_it),
         T(an_extension_slot_is_released_with_its_tensor_and_kept_by_detach_when_asked),
+        T(op_table_columns_agree),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -3,18 +3,19 @@
 
 #define KILN__GRAD_Y true
 #define KILN__GRAD_N false
-#define KILN__IS(ID, X) (KILN_OP_##ID == KILN_OP_##X)
 
 const kiln__op_def kiln__ops[KILN_OP_COUNT] = {
-#define KILN_OP(ID, nm, nin, nout, nvis, grad, sv)                                                   \
+#define KILN_OP(ID, nm, kd, nin, nout, nvis, wr, grad, sv)                                                   \
     [KILN_OP_##ID] = {                                                                               \
         .name = #nm,                                                                                 \
+        .kind = KILN__KIND_##kd,                                                                     \
         .n_in = nin,                                                                                 \
+        .writes = wr,                                                                                 \
         .n_out = nout,                                                                               \
         .n_visible = nvis,                                                                           \
         .save = sv,                                                                                  \
         .has_grad = KILN__GRAD_##grad,                                                               \
-        .is_view = KILN__IS(ID, VIEW) || KILN__IS(ID, PERMUTE) || KILN__IS(ID, SLICE) || KILN__IS(ID, EXPAND), \
+        .is_view = KILN__KIND_##kd == KILN__KIND_VIEW,                                               \
         .is_inplace = (nout) == 0,                                                                   \
         .infer = kiln__infer_##nm,                                                                   \
     },

@@ -14,7 +14,7 @@
 #define KILN__MAX_OUT 4
 
 typedef enum {
-#define KILN_OP(ID, name, nin, nout, nvis, grad, save) KILN_OP_##ID,
+#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save) KILN_OP_##ID,
 #include "core/ops.def"
 #undef KILN_OP
     KILN_OP_COUNT
@@ -26,9 +26,24 @@ typedef enum {
 typedef kiln_status (*kiln__infer_fn)(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                       kiln__meta *out);
 
+/* An op's kind (ops.def's kind column): what the passes and the compiler ask of it. */
+typedef enum {
+    KILN__KIND_POINTWISE,
+    KILN__KIND_REDUCTION,
+    KILN__KIND_VIEW,
+    KILN__KIND_SOURCE,
+    KILN__KIND_INDEXING,
+    KILN__KIND_CONTRACTION,
+    KILN__KIND_COMPOSITE,
+    KILN__KIND_INPLACE,
+    KILN__KIND_COLLECTIVE,
+} kiln__op_kind;
+
 typedef struct {
     const char *name;
+    kiln__op_kind kind;
     int n_in, n_out, n_visible;
+    unsigned writes; /* the inputs it updates in place, a bit each */
     unsigned save;   /* what backward keeps: KILN__SI(i) input i, KILN__SO(j) output j */
     bool has_grad;   /* has a backward formula (src/ops/backward.c) */
     bool is_view;
@@ -47,14 +62,10 @@ typedef struct {
 } kiln__op_math_t;
 extern const kiln__op_math_t kiln__op_math[KILN_OP_COUNT];
 
-/* The inputs an op writes, as a bit mask: none for an out-of-place op, the destination
- * (input 0) for an in-place one, and for adamw_ the two moments (inputs 2, 3) too. */
-static inline unsigned kiln__written_inputs(kiln__op_id op)
-{
-    return !kiln__ops[op].is_inplace ? 0u : op == KILN_OP_ADAMW_ ? 0xDu : 1u;
-}
+/* The inputs an op writes, as a bit mask (ops.def's writes column). */
+static inline unsigned kiln__written_inputs(kiln__op_id op) { return kiln__ops[op].writes; }
 
-#define KILN_OP(ID, name, nin, nout, nvis, grad, save)                                        \
+#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save)                                        \
     kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, \
                                    kiln__meta *out);
 #include "core/ops.def"

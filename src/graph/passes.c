@@ -288,7 +288,7 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
 static bool recomputable(kiln__op_id op)
 {
     if (kiln__ops[op].is_view && !kiln__ops[op].is_inplace) return true; /* free: a new view of the copy */
-    if (kiln__op_math[op].name && !kiln__op_math[op].dx) return true;
+    if (kiln__op_math[op].name && !kiln__op_math[op].dx) return true; /* pointwise.def's ops */
     switch (op) {
     case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_NEG: case KILN_OP_ABS:
     case KILN_OP_EXP: case KILN_OP_LOG: case KILN_OP_SQRT: case KILN_OP_RSQRT: case KILN_OP_TANH:
@@ -613,18 +613,8 @@ kiln_status kiln_graph_coalesce_allreduce(kiln_graph_t *g, int64_t bucket_bytes,
  * for scalars. */
 bool kiln__graph_elementwise(kiln__op_id op)
 {
-    if (kiln__op_math[op].name) return true;
-    switch (op) {
-    case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_POW:
-    case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM: case KILN_OP_NEG: case KILN_OP_ABS: case KILN_OP_EXP:
-    case KILN_OP_LOG: case KILN_OP_SQRT: case KILN_OP_RSQRT: case KILN_OP_TANH: case KILN_OP_SIGMOID:
-    case KILN_OP_RELU: case KILN_OP_GELU: case KILN_OP_SILU: case KILN_OP_WHERE: case KILN_OP_CAST:
-    case KILN_OP_EQ: case KILN_OP_NE: case KILN_OP_LT: case KILN_OP_LE: case KILN_OP_GT: case KILN_OP_GE:
-    case KILN_OP_GELU_BACKWARD: case KILN_OP_SILU_BACKWARD:
-        return true;
-    default:
-        return false;
-    }
+    /* contiguous is a copy in a layout, not arithmetic: nothing to sink a reshape past */
+    return kiln__ops[op].kind == KILN__KIND_POINTWISE && op != KILN_OP_CONTIGUOUS;
 }
 
 static bool same_shape(const kiln__meta *a, const kiln__meta *b)
