@@ -14,6 +14,29 @@ typedef struct {
 } kiln__adamw_attrs; /* ADAMW_ */
 
 typedef struct {
+    double scale; /* of the scores, q.k * scale */
+    bool causal;
+} kiln__attention_attrs; /* ATTENTION, ATTENTION_BACKWARD */
+
+typedef struct {
+    double theta;   /* the frequencies' base */
+    int64_t pos0;   /* ROPE: the position of the first row */
+    bool inverse;   /* ROPE: rotate backwards (its backward) */
+} kiln__rope_attrs; /* ROPE, ROPE_AT */
+
+typedef struct {
+    double eps;
+} kiln__norm_attrs; /* LAYER_NORM, RMS_NORM and their backward ops */
+
+typedef struct {
+    int64_t ignore_index;
+} kiln__cross_entropy_attrs; /* CROSS_ENTROPY, CROSS_ENTROPY_BACKWARD */
+
+typedef struct {
+    double p; /* the probability of zeroing (the random stream is u[0..1], as RAND's) */
+} kiln__dropout_attrs; /* DROPOUT */
+
+typedef struct {
     int64_t shape[KILN_MAX_DIMS]; /* a shape, or a list of dims */
     int ndim;                     /* entries used in shape */
     int64_t i[4];                 /* op-specific integers (see ops.def) */
@@ -22,6 +45,11 @@ typedef struct {
     bool keepdim;
     union {
         kiln__adamw_attrs adamw;
+        kiln__attention_attrs attention;
+        kiln__rope_attrs rope;
+        kiln__norm_attrs norm;
+        kiln__cross_entropy_attrs cross_entropy;
+        kiln__dropout_attrs dropout;
     } op;
 } kiln__attrs;
 

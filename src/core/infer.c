@@ -363,7 +363,8 @@ kiln_status kiln__infer_cross_entropy(kiln_tensor_t *const *in, int n, const kil
 
 kiln_status kiln__infer_dropout(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
-    if (!(a->f[0] >= 0 && a->f[0] < 1)) return kiln__err(KILN_ERR_ARG, "dropout: p = %g is outside [0, 1)", a->f[0]);
+    double p = a->op.dropout.p;
+    if (!(p >= 0 && p < 1)) return kiln__err(KILN_ERR_ARG, "dropout: p = %g is outside [0, 1)", p);
     kiln_status s = unary_float("dropout", in, out);
     meta_like(in[0], KILN_DTYPE_U8, &out[1]);
     return s;
@@ -411,7 +412,7 @@ kiln_status kiln__infer_attention(kiln_tensor_t *const *in, int n, const kiln__a
     bool ok = q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && q->shape[0] == k->shape[0] &&
               k->shape[0] == v->shape[0] && k->shape[1] == v->shape[1] && k->shape[2] == v->shape[2] &&
               q->shape[3] == k->shape[3] && k->shape[3] == v->shape[3] && k->shape[1] > 0 &&
-              q->shape[1] % k->shape[1] == 0 && (!a->i[0] || q->shape[2] <= k->shape[2]);
+              q->shape[1] % k->shape[1] == 0 && (!a->op.attention.causal || q->shape[2] <= k->shape[2]);
     if (!ok)
         return kiln__err(KILN_ERR_SHAPE, "attention: q %s, k %s, v %s must be (B,H,Tq,D), (B,Hkv,Tk,D), (B,Hkv,Tk,D) with "
                          "H a multiple of Hkv (and Tq <= Tk when causal)", SHP(q, b1), SHP(k, b2), SHP(v, b3));

@@ -484,7 +484,7 @@ kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt
     return s;
 }
 
-bool kiln__graph_random(const node *n) { return n->op == KILN_OP_RAND || (n->op == KILN_OP_DROPOUT && n->attrs.f[0] > 0); }
+bool kiln__graph_random(const node *n) { return n->op == KILN_OP_RAND || (n->op == KILN_OP_DROPOUT && n->attrs.op.dropout.p > 0); }
 
 /* Random ops take their counters from the generator when the graph runs, in program
  * order, as many as the eager calls would (capture took none: src/ops/api.c), so that

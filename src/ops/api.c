@@ -271,8 +271,7 @@ static kiln_tensor_t *param_or(kiln_tensor_t *p, kiln_tensor_t *x, double v)
 kiln_tensor_t *kiln_layer_norm(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *b, double eps)
 {
     if (!x) return null_arg("layer_norm");
-    kiln__attrs at = {0};
-    at.f[0] = eps;
+    kiln__attrs at = {.op.norm.eps = eps};
     kiln_tensor_t *in[3] = {x, param_or(w, x, 1.0), param_or(b, x, 0.0)};
     return kiln__call(KILN_OP_LAYER_NORM, in, 3, &at);
 }
@@ -280,16 +279,14 @@ kiln_tensor_t *kiln_layer_norm(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t
 kiln_tensor_t *kiln_rms_norm(kiln_tensor_t *x, kiln_tensor_t *w, double eps)
 {
     if (!x) return null_arg("rms_norm");
-    kiln__attrs at = {0};
-    at.f[0] = eps;
+    kiln__attrs at = {.op.norm.eps = eps};
     kiln_tensor_t *in[2] = {x, param_or(w, x, 1.0)};
     return kiln__call(KILN_OP_RMS_NORM, in, 2, &at);
 }
 
 kiln_tensor_t *kiln_cross_entropy(kiln_tensor_t *logits, kiln_tensor_t *targets, int64_t ignore_index)
 {
-    kiln__attrs at = {0};
-    at.i[0] = ignore_index;
+    kiln__attrs at = {.op.cross_entropy.ignore_index = ignore_index};
     kiln_tensor_t *in[2] = {logits, targets};
     return kiln__call(KILN_OP_CROSS_ENTROPY, in, 2, &at);
 }
@@ -298,8 +295,7 @@ kiln_tensor_t *kiln_dropout(kiln_tensor_t *a, double p, bool train)
 {
     if (!a) return null_arg("dropout");
     if (!train || p == 0) return kiln__scoped(kiln_tensor_retain(a));
-    kiln__attrs at = {0};
-    at.f[0] = p;
+    kiln__attrs at = {.op.dropout.p = p};
     at.u[1] = kiln__rng_take((uint64_t)kiln__numel(a->ndim, a->shape), &at.u[0]);
     return kiln__call(KILN_OP_DROPOUT, &a, 1, &at);
 }
@@ -373,18 +369,15 @@ kiln_tensor_t *kiln_triu(kiln_tensor_t *a, int64_t k) { return tri(a, k, true); 
 
 kiln_tensor_t *kiln_rope(kiln_tensor_t *x, int64_t pos0, double theta)
 {
-    kiln__attrs at = {0};
-    at.i[0] = pos0;
-    at.f[0] = theta;
+    kiln__attrs at = {.op.rope = {.theta = theta, .pos0 = pos0}};
     return kiln__call(KILN_OP_ROPE, &x, 1, &at);
 }
 
 kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, bool causal, double scale)
 {
     if (!q || !k || !v) return null_arg("attention");
-    kiln__attrs at = {0};
-    at.i[0] = causal;
-    at.f[0] = scale > 0 ? scale : 1.0 / sqrt((double)(q->ndim == 4 ? q->shape[3] : 1));
+    kiln__attrs at = {.op.attention = {.causal = causal}};
+    at.op.attention.scale = scale > 0 ? scale : 1.0 / sqrt((double)(q->ndim == 4 ? q->shape[3] : 1));
     kiln_tensor_t *in[3] = {q, k, v};
     return kiln__call(KILN_OP_ATTENTION, in, 3, &at);
 }
@@ -430,8 +423,7 @@ kiln_tensor_t *kiln_matmul_rows_packed(kiln_tensor_t *a, kiln_tensor_t *wp, int6
 kiln_tensor_t *kiln_rope_at(kiln_tensor_t *x, kiln_tensor_t *pos, double theta)
 {
     if (!x || !pos) return null_arg("rope_at");
-    kiln__attrs at = {0};
-    at.f[0] = theta;
+    kiln__attrs at = {.op.rope.theta = theta};
     kiln_tensor_t *in[2] = {x, pos};
     return kiln__call(KILN_OP_ROPE_AT, in, 2, &at);
 }

@@ -334,7 +334,7 @@ kiln_status kiln__bw_attention(kiln__node *n, kiln_tensor_t *const *gout, kiln_t
 
 kiln_status kiln__bw_dropout(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 {
-    gin[0] = kiln_mul_scalar(kiln_mul(G, kiln_cast(Y(1), G->dtype)), 1.0 / (1.0 - n->attrs.f[0]));
+    gin[0] = kiln_mul_scalar(kiln_mul(G, kiln_cast(Y(1), G->dtype)), 1.0 / (1.0 - n->attrs.op.dropout.p));
     return done(gin, 1, n);
 }
 
@@ -359,7 +359,7 @@ kiln_status kiln__bw_tri(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_
 kiln_status kiln__bw_rope(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 {
     kiln__attrs a = n->attrs;
-    a.i[1] = !a.i[1]; /* the inverse rotation */
+    a.op.rope.inverse = !a.op.rope.inverse; /* the inverse rotation */
     kiln_tensor_t *g = G;
     gin[0] = kiln__call(KILN_OP_ROPE, &g, 1, &a);
     return done(gin, 1, n);

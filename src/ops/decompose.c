@@ -71,7 +71,7 @@ static kiln_status dec_layer_norm(kiln_tensor_t *const *in, int n_in, const kiln
     kiln_tensor_t *mean = kiln_mul(kiln_sum(x, &d, 1, true), inv_c);
     kiln_tensor_t *xc = kiln_sub(x, mean);
     kiln_tensor_t *var = kiln_mul(kiln_sum(kiln_mul(xc, xc), &d, 1, true), inv_c);
-    kiln_tensor_t *rstd = kiln_rsqrt(kiln_add(var, kiln_scalar(a->f[0], dt)));
+    kiln_tensor_t *rstd = kiln_rsqrt(kiln_add(var, kiln_scalar(a->op.norm.eps, dt)));
     kiln_tensor_t *res[3] = {kiln_add(kiln_mul(kiln_mul(xc, rstd), in[1]), in[2]), drop_last(mean), drop_last(rstd)};
     return give(out, 3, res);
 }
@@ -83,7 +83,7 @@ static kiln_status dec_rms_norm(kiln_tensor_t *const *in, int n_in, const kiln__
     int d = kiln_tensor_ndim(x) - 1;
     kiln_dtype dt = kiln_tensor_dtype(x);
     kiln_tensor_t *ms = kiln_mul(kiln_sum(kiln_mul(x, x), &d, 1, true), kiln_scalar(1.0 / (double)kiln_tensor_shape(x)[d], dt));
-    kiln_tensor_t *rstd = kiln_rsqrt(kiln_add(ms, kiln_scalar(a->f[0], dt)));
+    kiln_tensor_t *rstd = kiln_rsqrt(kiln_add(ms, kiln_scalar(a->op.norm.eps, dt)));
     kiln_tensor_t *res[2] = {kiln_mul(kiln_mul(x, rstd), in[1]), drop_last(rstd)};
     return give(out, 2, res);
 }
@@ -148,7 +148,7 @@ static kiln_status dec_cross_entropy(kiln_tensor_t *const *in, int n_in, const k
     int dim = 1;
     kiln_tensor_t *m = kiln_max(x, &dim, 1, true);
     kiln_tensor_t *lse = kiln_add(m, kiln_log(kiln_sum(kiln_exp(kiln_sub(x, m)), &dim, 1, true))); /* (N, 1) */
-    kiln_tensor_t *valid = kiln_ne(t, kiln_scalar((double)a->i[0], I));
+    kiln_tensor_t *valid = kiln_ne(t, kiln_scalar((double)a->op.cross_entropy.ignore_index, I));
     kiln_tensor_t *idx = kiln_where(valid, t, kiln_scalar(0, I)), *top = kiln_scalar((double)(V - 1), I);
     kiln__attrs ca = {0};
     ca.i[0] = KILN__CHECK_CE_TARGET;
@@ -182,8 +182,8 @@ static kiln_status dec_attention(kiln_tensor_t *const *in, int n_in, const kiln_
     kiln_dtype F = q->dtype;
     int64_t H = q->shape[1], Tq = q->shape[2], Tk = in[1]->shape[2];
     kiln_tensor_t *k = kv_heads(in[1], H), *v = kv_heads(in[2], H);
-    kiln_tensor_t *s = kiln_mul(kiln_matmul(q, kiln_transpose(k, 2, 3)), kiln_scalar(a->f[0], F));
-    if (a->i[0]) {
+    kiln_tensor_t *s = kiln_mul(kiln_matmul(q, kiln_transpose(k, 2, 3)), kiln_scalar(a->op.attention.scale, F));
+    if (a->op.attention.causal) {
         int64_t rows[2] = {Tq, 1}, cols[2] = {1, Tk};
         kiln_tensor_t *i = kiln_reshape(kiln_arange((double)(Tk - Tq), (double)Tk, 1, KILN_DTYPE_I64), rows, 2);
         kiln_tensor_t *j = kiln_reshape(kiln_arange(0, (double)Tk, 1, KILN_DTYPE_I64), cols, 2);

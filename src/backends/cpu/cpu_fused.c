@@ -128,7 +128,7 @@ static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->n
         k.rstd = kiln__data(out[rms ? 1 : 2]);                                                       \
         k.N = rows_of(c[0]);                                                                         \
         k.C = last_dim(c[0]);                                                                        \
-        k.eps = a->f[0];                                                                             \
+        k.eps = a->op.norm.eps;                                                                           \
         k.rms = rms;                                                                                 \
         kiln__parallel_for(k.N, CPU_GRAIN / (k.C ? k.C : 1) + 1, ln_fwd_range_##SFX, &k);           \
     } while (0)
@@ -201,7 +201,7 @@ static kiln_status check_targets(const kiln_tensor_t *t, int64_t V, int64_t igno
 #define CE_FWD(SFX, RT)                                                                              \
     do {                                                                                             \
         ce_ctx_##SFX k = {kiln__data(c[0]), kiln__data(c[1]), c[1]->dtype, kiln__data(out[1]), NULL, loss, N, V, \
-                          a->i[0], 0, kiln__opt(KILN__OPT_FAST_EXP)};                                \
+                          a->op.cross_entropy.ignore_index, 0, kiln__opt(KILN__OPT_FAST_EXP)};                                \
         kiln__parallel_for(N, CPU_GRAIN / (V ? V : 1) + 1, ce_fwd_range_##SFX, &k);                 \
         double sum = 0;                                                                              \
         for (int64_t i = 0; i < N; i++) sum += loss[i];                                              \
@@ -213,7 +213,7 @@ kiln_status kiln__cpu_cross_entropy(K_ARGS)
     kiln_tensor_t *c[2], *tmp[2];
     if (!contig_all(in, 2, c, tmp)) return kiln_last_status();
     int64_t N = c[0]->shape[0], V = c[0]->shape[1], count = 0;
-    kiln_status s = check_targets(c[1], V, a->i[0], &count);
+    kiln_status s = check_targets(c[1], V, a->op.cross_entropy.ignore_index, &count);
     double *loss = s == KILN_OK ? malloc(sizeof(double) * (size_t)(N ? N : 1)) : NULL;
     if (s == KILN_OK && !loss) s = kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
     if (s == KILN_OK) {
@@ -230,7 +230,7 @@ kiln_status kiln__cpu_cross_entropy(K_ARGS)
 #define CE_BWD(SFX)                                                                                  \
     do {                                                                                             \
         ce_ctx_##SFX k = {kiln__data(c[1]), kiln__data(c[2]), c[2]->dtype, kiln__data(c[3]), kiln__data(out[0]), \
-                          NULL, N, V, a->i[0], count ? g / (double)count : 0, kiln__opt(KILN__OPT_FAST_EXP)}; \
+                          NULL, N, V, a->op.cross_entropy.ignore_index, count ? g / (double)count : 0, kiln__opt(KILN__OPT_FAST_EXP)}; \
         kiln__parallel_for(N, CPU_GRAIN / (V ? V : 1) + 1, ce_bwd_range_##SFX, &k);                 \
     } while (0)
 
@@ -240,7 +240,7 @@ kiln_status kiln__cpu_cross_entropy_backward(K_ARGS)
     if (!contig_all(in, 4, c, tmp)) return kiln_last_status();
     int64_t N = c[1]->shape[0], V = c[1]->shape[1], count = 0;
     double g = kiln__load(kiln__data(c[0]), c[0]->dtype);
-    kiln_status s = check_targets(c[2], V, a->i[0], &count);
+    kiln_status s = check_targets(c[2], V, a->op.cross_entropy.ignore_index, &count);
     if (s == KILN_OK) {
         if (c[1]->dtype == KILN_DTYPE_F32) CE_BWD(f32);
         else if (c[1]->dtype == KILN_DTYPE_F64) CE_BWD(f64);
@@ -293,8 +293,8 @@ kiln_status kiln__cpu_rope(K_ARGS)
     double *cs = malloc(sizeof(double) * (size_t)(T * D + 1));
     kiln_status s = cs ? KILN_OK : kiln__err(KILN_ERR_OOM, "rope: out of memory");
     if (s == KILN_OK) {
-        rope_angles(cs, T, D, a->f[0], a->i[0], NULL);
-        s = rope_apply("rope", x, out[0], cs, T, 1, a->i[1] ? -1.0 : 1.0);
+        rope_angles(cs, T, D, a->op.rope.theta, a->op.rope.pos0, NULL);
+        s = rope_apply("rope", x, out[0], cs, T, 1, a->op.rope.inverse ? -1.0 : 1.0);
     }
     free(cs);
     free_all(tmp, 1);
@@ -311,7 +311,7 @@ kiln_status kiln__cpu_rope_at(K_ARGS)
     double *cs = malloc(sizeof(double) * (size_t)(N * D + 1));
     kiln_status s = cs ? KILN_OK : kiln__err(KILN_ERR_OOM, "rope_at: out of memory");
     if (s == KILN_OK) {
-        rope_angles(cs, N, D, a->f[0], 0, c[1]);
+        rope_angles(cs, N, D, a->op.rope.theta, 0, c[1]);
         s = rope_apply("rope_at", x, out[0], cs, N, H, 1.0);
     }
     free(cs);
@@ -343,8 +343,8 @@ static void strides3(const kiln_tensor_t *t, int64_t *s)
     k.D = q->shape[3];                                                                               \
     k.Hkv = kk->shape[1];                                                                            \
     k.Tk = kk->shape[2];                                                                             \
-    k.scale = a->f[0];                                                                               \
-    k.causal = a->i[0];                                                                              \
+    k.scale = a->op.attention.scale;                                                                             \
+    k.causal = a->op.attention.causal;                                                                            \
     k.fast = kiln__opt(KILN__OPT_FAST_EXP);                                                          \
     k.kt = kiln__opt(KILN__OPT_ATT_KT);                                                              \
     k.q = kiln__data(q);                                                                             \

@@ -432,7 +432,7 @@ typedef struct {
 static void drop_range(void *c, int64_t b, int64_t e)
 {
     const drop_ctx *d = c;
-    double p = d->a->f[0], scale = 1.0 / (1.0 - p);
+    double p = d->a->op.dropout.p, scale = 1.0 / (1.0 - p);
     kiln_dtype dt = d->x->dtype;
     size_t sz = kiln_dtype_size(dt);
     char *x = kiln__data(d->x), *y = kiln__data(d->y);

@@ -301,7 +301,7 @@ static kiln_status ocl_cross_entropy(kiln__backend *be, kiln_tensor_t *const *in
     cl_kernel km = k ? builtin(be, BK_CE_MEAN) : NULL;
     if (!km) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY, in, n_in, a, out, n_out);
     int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64;
-    kiln_status s = ce_targets(be, t, V, a->i[0]);
+    kiln_status s = ce_targets(be, t, V, a->op.cross_entropy.ignore_index);
     if (s != KILN_OK) return s;
     if (!N) { /* no rows: the mean of nothing */
         float nan = NAN;
@@ -311,11 +311,11 @@ static kiln_status ocl_cross_entropy(kiln__backend *be, kiln_tensor_t *const *in
     if (!err) return kiln_last_status();
     if (!dloss) return kiln__err(KILN_ERR_OOM, "cross_entropy: out of device memory");
     kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(out[1]), {KILN__KARG_BUF, dloss, 0, 0}, i64_arg(N),
-                         i64_arg(V), i64_arg(a->i[0]), i64_arg(t64), {KILN__KARG_BUF, err, 0, 0}};
+                         i64_arg(V), i64_arg(a->op.cross_entropy.ignore_index), i64_arg(t64), {KILN__KARG_BUF, err, 0, 0}};
     size_t grid = (size_t)N, one = 1;
     s = kiln__opencl_launch(be, k, args, 9, &grid, NULL, 1);
     kiln__karg margs[] = {{KILN__KARG_BUF, dloss, 0, 0}, buf_arg(t), buf_arg(out[0]), i64_arg(N), i64_arg(V),
-                          i64_arg(a->i[0]), i64_arg(t64), {KILN__KARG_BUF, err, 0, 0}};
+                          i64_arg(a->op.cross_entropy.ignore_index), i64_arg(t64), {KILN__KARG_BUF, err, 0, 0}};
     if (s == KILN_OK) s = kiln__opencl_launch(be, km, margs, 8, &one, NULL, 1);
     kiln__opencl_free(be, dloss, sizeof(double) * (size_t)N); /* in-order queue: after the kernels that read it */
     return s;
@@ -329,16 +329,16 @@ static kiln_status ocl_cross_entropy_backward(kiln__backend *be, kiln_tensor_t *
     cl_kernel k = ok ? builtin(be, BK_CE_BWD) : NULL, ks = k ? builtin(be, BK_CE_SCALE) : NULL;
     if (!ks) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY_BACKWARD, in, n_in, a, out, n_out);
     int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64;
-    kiln_status s = ce_targets(be, t, V, a->i[0]);
+    kiln_status s = ce_targets(be, t, V, a->op.cross_entropy.ignore_index);
     if (s != KILN_OK || !N || !V) return s;
     void *err = err_word(be), *gs = err ? kiln__opencl_alloc(be, sizeof(double)) : NULL;
     if (!err) return kiln_last_status();
     if (!gs) return kiln__err(KILN_ERR_OOM, "cross_entropy backward: out of device memory");
-    kiln__karg sargs[] = {buf_arg(t), buf_arg(g), {KILN__KARG_BUF, gs, 0, 0}, i64_arg(N), i64_arg(V), i64_arg(a->i[0]),
+    kiln__karg sargs[] = {buf_arg(t), buf_arg(g), {KILN__KARG_BUF, gs, 0, 0}, i64_arg(N), i64_arg(V), i64_arg(a->op.cross_entropy.ignore_index),
                           i64_arg(t64), {KILN__KARG_BUF, err, 0, 0}};
     size_t one = 1, grid = (size_t)(N * V);
     s = kiln__opencl_launch(be, ks, sargs, 8, &one, NULL, 1);
-    kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(lse), buf_arg(out[0]), i64_arg(N), i64_arg(V), i64_arg(a->i[0]),
+    kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(lse), buf_arg(out[0]), i64_arg(N), i64_arg(V), i64_arg(a->op.cross_entropy.ignore_index),
                          i64_arg(t64), {KILN__KARG_BUF, gs, 0, 0}, {KILN__KARG_BUF, err, 0, 0}};
     if (s == KILN_OK) s = kiln__opencl_launch(be, k, args, 10, &grid, NULL, 1);
     kiln__opencl_free(be, gs, sizeof(double));
@@ -394,7 +394,7 @@ static kiln_status ocl_attention(kiln__backend *be, kiln_tensor_t *const *in, in
     if (s == KILN_OK && grid) {
         kiln__karg args[] = {buf_arg(c[0]), buf_arg(c[1]), buf_arg(c[2]), buf_arg(out[0]), buf_arg(out[1]), i64_arg(B),
                              i64_arg(H), i64_arg(Hkv), i64_arg(Tq), i64_arg(Tk), i64_arg(D),
-                             f_arg(KILN__KARG_F32, a->f[0]), i64_arg(a->i[0])};
+                             f_arg(KILN__KARG_F32, a->op.attention.scale), i64_arg(a->op.attention.causal)};
         s = kiln__opencl_launch(be, kern, args, 13, &grid, &att_block, 1);
     }
     undense(c, 3);
@@ -410,7 +410,7 @@ static kiln_status ocl_attention_backward(kiln__backend *be, kiln_tensor_t *cons
     cl_kernel kq = att_layout(in, 6, D) ? builtin(be, BK_ATT_DQ) : NULL, kkv = kq ? builtin(be, BK_ATT_DKV) : NULL;
     if (!kq || !kkv) return kiln__cpu_fallback(be, KILN_OP_ATTENTION_BACKWARD, in, n_in, a, out, n_out);
     kiln__karg dims[] = {i64_arg(B), i64_arg(H), i64_arg(Hkv), i64_arg(Tq), i64_arg(Tk), i64_arg(D),
-                         f_arg(KILN__KARG_F32, a->f[0]), i64_arg(a->i[0])};
+                         f_arg(KILN__KARG_F32, a->op.attention.scale), i64_arg(a->op.attention.causal)};
     kiln_tensor_t *c[6];
     if (!densify(in, 6, c)) {
         undense(c, 6);
