@@ -230,16 +230,16 @@ int cmd_doctor(int argc, char **argv)
     if (ops) {
         if (kiln_set_device(ops) != KILN_OK) return cli_fail("doctor", NULL);
         kiln_set_device("cpu");
-        int count[3] = {0, 0, 0};
-        static const char *how[3] = {"not supported", "on the cpu (copies)", "native"};
+        int count[4] = {0, 0, 0, 0};
+        static const char *how[4] = {"not supported", "on the cpu (copies)", "native", "generated kernel"};
         printf("%-26s %s\n", "op", ops);
         for (int i = 0; i < kiln_op_count(); i++) {
             kiln_op_support k = kiln_device_op_support(ops, i);
             count[k]++;
             printf("%-26s %s\n", kiln_op_name(i), how[k]);
         }
-        printf("%d ops: %d native, %d on the cpu with copies, %d not supported\n", kiln_op_count(), count[2], count[1],
-               count[0]);
+        printf("%d ops: %d native, %d generated kernels, %d on the cpu with copies, %d not supported\n", kiln_op_count(),
+               count[2], count[3], count[1], count[0]);
         return 0;
     }
     printf("kiln %s\nbuild: %s\nthreads: %d\ndevices:\n", kiln_version(), kiln_build_info(), kiln_num_threads());

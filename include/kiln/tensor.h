@@ -153,8 +153,10 @@ kiln_status kiln_device_synchronize(const char *device);
  * found", "no GPU (...)", "1 GPU(s)"): for kiln doctor. */
 const char *kiln_cuda_status(void);
 /* Op coverage (kiln doctor --ops): op i's name for i < kiln_op_count(), and how a
- * device runs it: with its own kernel, on the cpu with copies to and fro, or not. */
-typedef enum { KILN_OP_NONE, KILN_OP_ON_CPU, KILN_OP_NATIVE } kiln_op_support;
+ * device runs it: with its own kernel, through a kernel kiln generates for it (the
+ * dtypes and layouts the generator does not take go to the cpu), on the cpu with
+ * copies to and fro, or not. */
+typedef enum { KILN_OP_NONE, KILN_OP_ON_CPU, KILN_OP_NATIVE, KILN_OP_GENERATED } kiln_op_support;
 int kiln_op_count(void);
 const char *kiln_op_name(int i);
 kiln_op_support kiln_device_op_support(const char *device, int op);

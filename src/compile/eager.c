@@ -275,6 +275,12 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
 
 /* The compiler as a kernel provider: after the backend's own kernels, before the cpu
  * with copies. */
-static const kiln__provider generated_provider = {.name = "generated", .order = 50, .run = kiln__eager_compiled};
+static bool generates(const kiln__backend *be, int op)
+{
+    return kiln__be_can_compile(be) && candidate((kiln__op_id)op) && kiln__opt(KILN__OPT_DEVICE_CODEGEN);
+}
+
+static const kiln__provider generated_provider = {
+    .name = "generated", .order = 50, .support = KILN_OP_GENERATED, .offers = generates, .run = kiln__eager_compiled};
 
 KILN__REGISTER(register_generated) { kiln__provider_register(&generated_provider); }

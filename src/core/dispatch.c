@@ -157,8 +157,13 @@ static kiln_status run_on_cpu(kiln__backend *be, int op, kiln_tensor_t *const *i
     return kiln__cpu_fallback(be, op, in, n_in, a, out, n_out);
 }
 
-static const kiln__provider kernel_provider = {.name = "kernel", .order = 0, .run = run_kernel};
-static const kiln__provider cpu_provider = {.name = "cpu-copies", .order = 100, .on_cpu = true, .run = run_on_cpu};
+static bool has_kernel(const kiln__backend *be, int op) { return kernel_for(be, op) != NULL; }
+static bool cpu_has(const kiln__backend *be, int op) { return kiln__backend_at(0)->kernels[op] != NULL; }
+
+static const kiln__provider kernel_provider = {
+    .name = "kernel", .order = 0, .support = KILN_OP_NATIVE, .offers = has_kernel, .run = run_kernel};
+static const kiln__provider cpu_provider = {
+    .name = "cpu-copies", .order = 100, .on_cpu = true, .support = KILN_OP_ON_CPU, .offers = cpu_has, .run = run_on_cpu};
 
 KILN__REGISTER(register_providers)
 {
@@ -254,9 +259,8 @@ const char *kiln_op_name(int i) { return i >= 0 && i < KILN_OP_COUNT ? kiln__ops
 
 kiln_op_support kiln_device_op_support(const char *device, int op)
 {
-    kiln__backend *be = kiln__backend_find(device), *cpu = kiln__backend_at(0);
+    kiln__backend *be = kiln__backend_find(device);
     if (!be || op < 0 || op >= KILN_OP_COUNT) return KILN_OP_NONE;
     if (kiln__ops[op].is_view) return KILN_OP_NATIVE; /* views alias storage on every device */
-    if (kernel_for(be, op)) return KILN_OP_NATIVE;
-    return cpu->kernels[op] ? KILN_OP_ON_CPU : KILN_OP_NONE;
+    return kiln__provider_offering(be, op);
 }

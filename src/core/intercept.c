@@ -169,6 +169,13 @@ kiln_status kiln__provider_run(kiln__backend *be, int op, kiln_tensor_t *const *
     return kiln__err(KILN_ERR_UNSUPPORTED, "op %s is not supported by backend %s", kiln__ops[op].name, be->name);
 }
 
+kiln_op_support kiln__provider_offering(const kiln__backend *be, int op)
+{
+    for (int i = 0; i < n_providers; i++)
+        if (providers[i]->offers && providers[i]->offers(be, op)) return providers[i]->support;
+    return KILN_OP_NONE;
+}
+
 int kiln__ext_register(const char *name, void (*release)(void *value), bool kept_by_detach)
 {
     if (n_slots == KILN__EXT_SLOTS || (release && kept_by_detach)) return -1; /* a copied value has no owner */

@@ -88,11 +88,16 @@ struct kiln__provider {
     const char *name;
     int order;   /* lower first */
     bool on_cpu; /* runs on the cpu with copies (a device graph cannot hold it) */
+    kiln_op_support support; /* how kiln doctor --ops names what it runs */
+    /* Whether it would take op on be (for kiln doctor --ops); NULL: never asked. */
+    bool (*offers)(const kiln__backend *be, int op);
     /* Runs op on be; *handled false: not this provider's (nothing was run). */
     kiln_status (*run)(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                        kiln_tensor_t *const *out, int n_out, bool *handled);
 };
 kiln_status kiln__provider_register(const kiln__provider *p);
+/* How the first provider that offers op on be runs it (KILN_OP_NONE: none does). */
+kiln_op_support kiln__provider_offering(const kiln__backend *be, int op);
 /* The provider that runs op on be for these arguments, asked in order (NULL: none). */
 kiln_status kiln__provider_run(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                kiln_tensor_t *const *out, int n_out, const kiln__provider **ran);
