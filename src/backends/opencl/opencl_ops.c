@@ -13,6 +13,7 @@
 #include "kiln/ops.h"
 #include "core/intercept.h"
 
+/* The kernels of kernels.cl that the ops launch, by entry point; built per device. */
 enum {
     BK_MATMUL, BK_MATMUL_SIMPLE, BK_ADD_, BK_SCALE_, BK_ADAMW_, BK_EMB, BK_EMB_BWD, BK_CE, BK_CE_BWD,
     BK_ATT, BK_ATT_DQ, BK_ATT_DKV, BK_NORM_DX, BK_NORM_DWB, BK_ADD_F64_, BK_CE_MEAN, BK_CE_SCALE, BK_COPY_ND, N_BK
