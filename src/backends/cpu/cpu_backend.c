@@ -1,6 +1,8 @@
 /* The cpu backend: host memory, synchronous "streams", and the kernel table. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <strings.h>
 #include <unistd.h>
 #include "backends/cpu/cpu.h"
 #include "core/opts.h"
@@ -8,10 +10,33 @@
 #if defined(KILN_BLAS_BLIS)
 void bli_thread_set_num_threads(long n);
 #define BLAS_SET_THREADS(n) bli_thread_set_num_threads(n)
+#define BLAS_NAME "BLIS"
+#define BLAS_CORE() NULL
 #elif defined(KILN_BLAS_OPENBLAS)
 void openblas_set_num_threads(int n);
+char *openblas_get_corename(void);
 #define BLAS_SET_THREADS(n) openblas_set_num_threads(n)
+#define BLAS_NAME "OpenBLAS"
+#define BLAS_CORE() openblas_get_corename()
 #endif
+
+/* What kiln doctor says of the cpu: with OpenBLAS, which of its kernels it picked for
+ * this processor. A processor it does not recognise (a new one, or one a hypervisor
+ * shows under an odd family) gets an old generic kernel: on a Sapphire Rapids VM it
+ * chose "Prescott" (SSE3), and OPENBLAS_CORETYPE=SkylakeX made a config S step 1.22x
+ * faster (docs/perf-log.md); the description says so, since nothing else would. */
+static char description[256] = "host CPU (AVX2/FMA kernels where available, BLAS for GEMM)";
+
+static void describe(void)
+{
+    const char *core = BLAS_CORE();
+    static const char *const generic[] = {"Prescott", "Core2", "Katmai", "Coppermine", "Northwood", "Banias", "Atom"};
+    bool old = false;
+    for (size_t i = 0; core && i < sizeof generic / sizeof generic[0]; i++) old |= !strcasecmp(core, generic[i]);
+    snprintf(description, sizeof description, "host CPU (AVX2/FMA kernels where available; GEMM by %s%s%s%s%s)",
+             BLAS_NAME, core ? ", its " : "", core ? core : "", core ? " kernels" : "",
+             old ? ": a generic core for this processor, set OPENBLAS_CORETYPE to its family" : "");
+}
 
 static const kiln__kernel_fn cpu_kernels[KILN_OP_COUNT] = {
 #define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save) [KILN_OP_##ID] = kiln__cpu_##name,
@@ -23,7 +48,7 @@ static kiln_status cpu_device_info(kiln__backend *be, kiln__device_info *out)
 {
     long pages = sysconf(_SC_PHYS_PAGES), psize = sysconf(_SC_PAGESIZE);
     out->name = "cpu";
-    out->description = "host CPU (AVX2/FMA kernels where available, BLAS for GEMM)";
+    out->description = description;
     out->total_memory = pages > 0 && psize > 0 ? (size_t)pages * (size_t)psize : 0;
     out->compute_units = kiln__pool_size();
     return KILN_OK;
@@ -97,6 +122,7 @@ static kiln__backend cpu_backend = {
 static int make_cpu(int nthreads)
 {
     BLAS_SET_THREADS(kiln__opt(KILN__OPT_POOL_GEMM) ? 1 : nthreads);
+    describe();
     return kiln__backend_register(&cpu_backend) == KILN_OK;
 }
 
