@@ -476,7 +476,7 @@ static void training_matches_eager(bool llama)
     double losses[5][10], norms[5][10];
     kiln_tensor_t *w_eager = NULL;
     int modes = strcmp(kiln_device(), "cpu") ? 3 : 5;
-    unsetenv("KILN_WORLD_SIZE");
+    test_unsetenv("KILN_WORLD_SIZE");
     kiln_pg_t *pg;
     assert_int_equal(kiln_pg_new_from_env(&pg), KILN_OK);
     for (int mode = 0; mode < modes; mode++) {
@@ -723,7 +723,7 @@ static kiln_status mm_gelu(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_t
  * and the program listing (KILN_DEBUG_DIR) in text; results checked against eager. */
 static size_t warm_peak(kiln_graph_fn fn, void *ctx, kiln_tensor_t **in, const char *dir, char *text, size_t cap)
 {
-    setenv("KILN_DEBUG_DIR", dir, 1);
+    test_setenv("KILN_DEBUG_DIR", dir, 1);
     int k, o;
     check(fn, ctx, in, 2, TOL, &k, &o);
     kiln_compiled_t *c;
@@ -731,7 +731,7 @@ static size_t warm_peak(kiln_graph_fn fn, void *ctx, kiln_tensor_t **in, const c
     kiln_tensor_t *got[2];
     int n;
     assert_int_equal(kiln_compiled_call(c, in, 2, got, 2, &n), KILN_OK);
-    unsetenv("KILN_DEBUG_DIR");
+    test_unsetenv("KILN_DEBUG_DIR");
     kiln_scope_begin();
     size_t before = kiln_memory_allocated();
     kiln_memory_reset_peak();
@@ -763,10 +763,10 @@ static void dead_inputs_lend_their_buffers(void **state)
     snprintf(dir, sizeof dir, "%s/reuse-on", cache_dir);
     size_t on = warm_peak(mm_gelu, NULL, in, dir, text, sizeof text);
     if (!strstr(text, "(over %")) fail_msg("no reuse in the listing:\n%s", text);
-    setenv("KILN_COMPILE_DISABLE", "reuse", 1);
+    test_setenv("KILN_COMPILE_DISABLE", "reuse", 1);
     snprintf(dir, sizeof dir, "%s/reuse-off", cache_dir);
     size_t off = warm_peak(mm_gelu, NULL, in, dir, text, sizeof text);
-    unsetenv("KILN_COMPILE_DISABLE");
+    test_unsetenv("KILN_COMPILE_DISABLE");
     if (strstr(text, "(over %")) fail_msg("reuse with the switch off:\n%s", text);
     if (off < on + buf) fail_msg("peak with reuse %zu bytes, without %zu: one buffer is %zu", on, off, buf);
     snprintf(dir, sizeof dir, "%s/reuse-kept", cache_dir);
@@ -885,11 +885,11 @@ static void check_composite(composite_ctx *c, kiln_tensor_t *arg, const char *di
         gw[i] = kiln_clone(kiln_tensor_grad(c->x[i]));
         kiln_tensor_zero_grad(c->x[i]);
     }
-    setenv("KILN_DEBUG_DIR", dir, 1);
+    test_setenv("KILN_DEBUG_DIR", dir, 1);
     kiln_compiled_t *cf;
     assert_int_equal(kiln_compiled_new(composite, c, "test", &cf), KILN_OK);
     kiln_status s = kiln_compiled_call(cf, &arg, 1, got, 1, &n);
-    unsetenv("KILN_DEBUG_DIR");
+    test_unsetenv("KILN_DEBUG_DIR");
     if (s != KILN_OK) fail_msg("composite %d compiled: %s", c->which, kiln_last_error());
     kiln_compiled_free(cf);
     double e = rel_err(got[0], want[0]);
@@ -934,7 +934,7 @@ static void composites_decompose_and_match_eager(void **state)
                            randn((int64_t[]){16, 33}, 2, 72)};
     char dir[160];
     for (int all = 0; all < 2; all++) {
-        if (all) setenv("KILN_COMPILE_DECOMPOSE", "all", 1);
+        if (all) test_setenv("KILN_COMPILE_DECOMPOSE", "all", 1);
         for (int i = 0; i < 4; i++) {
             snprintf(dir, sizeof dir, "%s/composite-%d-%d", cache_dir, all, i);
             check_composite(&cases[i], w[i], dir, all);
@@ -948,7 +948,7 @@ static void composites_decompose_and_match_eager(void **state)
     assert_int_equal(kiln_compiled_new(composite, &fwd, "bad", &cf), KILN_OK);
     int n;
     kiln_status s = kiln_compiled_call(cf, &bad, 1, &got, 1, &n);
-    unsetenv("KILN_COMPILE_DECOMPOSE");
+    test_unsetenv("KILN_COMPILE_DECOMPOSE");
     kiln_compiled_free(cf);
     if (s != KILN_ERR_INDEX || !strstr(kiln_last_error(), "cross_entropy: the target at row 4 is outside [0, 40)"))
         fail_msg("a target of 40 of 40 classes, decomposed: status %d, %s", s, kiln_last_error());
@@ -1011,19 +1011,19 @@ static void switches_turn_stages_off(void **state)
     int64_t s[2] = {64, 200}, c[1] = {200};
     kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(c, 1, 2)};
     int k, o;
-    setenv("KILN_COMPILE_DISABLE", "fusion", 1);
+    test_setenv("KILN_COMPILE_DISABLE", "fusion", 1);
     check(chain, NULL, in, 2, TOL, &k, &o);
     assert_int_equal(k, 5); /* add, sub, exp, mul, tanh: one kernel each (the scalar is a constant in sub's) */
-    setenv("KILN_COMPILE_DISABLE", "codegen", 1);
+    test_setenv("KILN_COMPILE_DISABLE", "codegen", 1);
     check(chain, NULL, in, 2, 0, &k, &o); /* interpreted: bitwise eager */
     assert_int_equal(k, 0);
     int which = 0;
     kiln_tensor_t *nin[3] = {randn(s, 2, 3), randn(c, 1, 4), randn(c, 1, 5)};
-    setenv("KILN_COMPILE_DISABLE", "decompose", 1);
+    test_setenv("KILN_COMPILE_DISABLE", "decompose", 1);
     check(norm_fns, &which, nin, 3, TOL, &k, &o);
     assert_int_equal(k, 0); /* layer_norm kept whole: the backend's kernel */
     assert_int_equal(o, 1);
-    unsetenv("KILN_COMPILE_DISABLE");
+    test_unsetenv("KILN_COMPILE_DISABLE");
 }
 
 /* Each stage is also a switch of its own, KILN_OPT_COMPILE_<STAGE>=0 (src/core/opts.h),
@@ -1036,21 +1036,21 @@ static void stage_switches_turn_stages_off_as_the_alias_does(void **state)
     int k, o;
     check(chain, NULL, in, 2, TOL, &k, &o);
     assert_true(k >= 1 && k < 5); /* fused */
-    setenv("KILN_OPT_COMPILE_FUSION", "0", 1);
+    test_setenv("KILN_OPT_COMPILE_FUSION", "0", 1);
     check(chain, NULL, in, 2, TOL, &k, &o);
     assert_int_equal(k, 5); /* add, sub, exp, mul, tanh: one kernel each */
-    unsetenv("KILN_OPT_COMPILE_FUSION");
-    setenv("KILN_OPT_COMPILE_CODEGEN", "0", 1);
+    test_unsetenv("KILN_OPT_COMPILE_FUSION");
+    test_setenv("KILN_OPT_COMPILE_CODEGEN", "0", 1);
     check(chain, NULL, in, 2, 0, &k, &o); /* interpreted: bitwise eager */
     assert_int_equal(k, 0);
-    unsetenv("KILN_OPT_COMPILE_CODEGEN");
+    test_unsetenv("KILN_OPT_COMPILE_CODEGEN");
     int which = 0;
     kiln_tensor_t *nin[3] = {randn(s, 2, 3), randn(c, 1, 4), randn(c, 1, 5)};
-    setenv("KILN_OPT_COMPILE_DECOMPOSE", "0", 1);
+    test_setenv("KILN_OPT_COMPILE_DECOMPOSE", "0", 1);
     check(norm_fns, &which, nin, 3, TOL, &k, &o);
     assert_int_equal(k, 0); /* layer_norm kept whole: the backend's kernel */
     assert_int_equal(o, 1);
-    unsetenv("KILN_OPT_COMPILE_DECOMPOSE");
+    test_unsetenv("KILN_OPT_COMPILE_DECOMPOSE");
     check(norm_fns, &which, nin, 3, TOL, &k, &o);
     assert_true(k >= 1); /* decomposed again: generated kernels */
 }
@@ -1112,7 +1112,7 @@ static void every_stage_switches_off_alone(void **state)
     double want_loss[2], want_norm[2];
     two_steps(false, want_loss, want_norm);
     for (size_t i = 0; i < sizeof stages / sizeof stages[0]; i++) {
-        setenv("KILN_COMPILE_DISABLE", stages[i], 1);
+        test_setenv("KILN_COMPILE_DISABLE", stages[i], 1);
         double loss[2], norm[2];
         two_steps(true, loss, norm);
         for (int it = 0; it < 2; it++)
@@ -1121,7 +1121,7 @@ static void every_stage_switches_off_alone(void **state)
                 fail_msg("%s off, step %d: loss %.9g (eager %.9g), norm %.9g (eager %.9g)", stages[i], it, loss[it],
                          want_loss[it], norm[it], want_norm[it]);
     }
-    unsetenv("KILN_COMPILE_DISABLE");
+    test_unsetenv("KILN_COMPILE_DISABLE");
 }
 
 /* KILN_LOGS: each stage prints under its own tag (graph after the passes, guards, the
@@ -1130,14 +1130,14 @@ static void logs_print_every_stage(void **state)
 {
     int64_t s[2] = {8, 24}, c[1] = {24};
     kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(c, 1, 2)};
-    setenv("KILN_LOGS", "graph,guards,fusion,code,perf", 1);
+    test_setenv("KILN_LOGS", "graph,guards,fusion,code,perf", 1);
     test_stderr cap;
     assert_true(test_stderr_begin(&cap));
     int k, o;
     check(chain, NULL, in, 2, TOL, &k, &o);
     char buf[32768];
     test_stderr_end(&cap, buf, sizeof buf);
-    unsetenv("KILN_LOGS");
+    test_unsetenv("KILN_LOGS");
     static const char *const want[] = {"kiln [graph] test graph 0 (", "= tanh(", "kiln [guards] test graph 0: input 0 is f32[8,24]",
                                        "kiln [fusion] test graph 0: ", "kiln [code] test graph 0:", "void k0_add_sub_exp_mul_tanh(",
                                        "kiln [perf] test graph 0: passes", "intermediates planned peak"};
@@ -1152,9 +1152,9 @@ static void fusion_size_limit_splits_kernels(void **state)
     int64_t s[2] = {16, 40}, c[1] = {40};
     kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(c, 1, 2)};
     int k, o;
-    setenv("KILN_COMPILE_MAX_FUSE", "2", 1);
+    test_setenv("KILN_COMPILE_MAX_FUSE", "2", 1);
     check(chain, NULL, in, 2, TOL, &k, &o);
-    unsetenv("KILN_COMPILE_MAX_FUSE");
+    test_unsetenv("KILN_COMPILE_MAX_FUSE");
     assert_int_equal(k, 3);
     check(chain, NULL, in, 2, TOL, &k, &o);
     assert_int_equal(k, 1);
@@ -1184,7 +1184,7 @@ static void two_threads_compile_into_one_cache(void **state)
 {
     char dir[160];
     snprintf(dir, sizeof dir, "%s/threads", cache_dir);
-    setenv("KILN_CACHE_DIR", dir, 1);
+    test_setenv("KILN_CACHE_DIR", dir, 1);
     int64_t s[2] = {12, 52}, c[1] = {52};
     thread_in[0] = randn(s, 2, 1);
     thread_in[1] = randn(c, 1, 2);
@@ -1192,7 +1192,7 @@ static void two_threads_compile_into_one_cache(void **state)
     double err[2];
     for (int i = 0; i < 2; i++) assert_int_equal(pthread_create(&th[i], NULL, compile_in_thread, &err[i]), 0);
     for (int i = 0; i < 2; i++) pthread_join(th[i], NULL);
-    setenv("KILN_CACHE_DIR", cache_dir, 1);
+    test_setenv("KILN_CACHE_DIR", cache_dir, 1);
     for (int i = 0; i < 2; i++)
         if (!(err[i] <= TOL)) fail_msg("thread %d: differs from eager by %g", i, err[i]);
     assert_int_equal(count_suffix(dir, ".so"), 1);
@@ -1209,15 +1209,15 @@ static void cache_defaults_to_xdg(void **state)
     const char *was = getenv("XDG_CACHE_HOME");
     char prev[512] = "";
     if (was) snprintf(prev, sizeof prev, "%s", was);
-    unsetenv("KILN_CACHE_DIR");
-    setenv("XDG_CACHE_HOME", xdg, 1);
+    test_unsetenv("KILN_CACHE_DIR");
+    test_setenv("XDG_CACHE_HOME", xdg, 1);
     int64_t s[2] = {5, 7}, c[1] = {7};
     kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(c, 1, 2)};
     int k, o;
     check(chain, NULL, in, 2, TOL, &k, &o);
-    if (was) setenv("XDG_CACHE_HOME", prev, 1);
-    else unsetenv("XDG_CACHE_HOME");
-    setenv("KILN_CACHE_DIR", cache_dir, 1);
+    if (was) test_setenv("XDG_CACHE_HOME", prev, 1);
+    else test_unsetenv("XDG_CACHE_HOME");
+    test_setenv("KILN_CACHE_DIR", cache_dir, 1);
     snprintf(cmd, sizeof cmd, "%s/kiln", xdg);
     assert_int_equal(count_suffix(cmd, ".so"), 1);
 }
@@ -1228,7 +1228,7 @@ static void second_compile_hits_the_cache(void **state)
 {
     char dir[128];
     snprintf(dir, sizeof dir, "%s/cache-hit", cache_dir);
-    setenv("KILN_CACHE_DIR", dir, 1);
+    test_setenv("KILN_CACHE_DIR", dir, 1);
     int64_t s[2] = {33, 77}, c[1] = {77};
     kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(c, 1, 2)};
     int k, o;
@@ -1249,7 +1249,7 @@ static void second_compile_hits_the_cache(void **state)
     assert_int_equal(count_suffix(dir, ".so"), 1);
     assert_int_equal(before.st_mtime, after.st_mtime);
     assert_int_equal(before.st_ino, after.st_ino);
-    setenv("KILN_CACHE_DIR", cache_dir, 1);
+    test_setenv("KILN_CACHE_DIR", cache_dir, 1);
 }
 
 /* Kernels of every shape of domain: a row reduction (layer norm over a last dim of 40),
@@ -1270,7 +1270,7 @@ static kiln_status shapes_fn(void *ctx, kiln_tensor_t *const *in, int n_in, kiln
 static int compile_shapes(const char *dir, const int64_t *rows, const int64_t *a3, const int64_t *b3, int64_t n_long,
                           int n_sets)
 {
-    setenv("KILN_CACHE_DIR", dir, 1);
+    test_setenv("KILN_CACHE_DIR", dir, 1);
     for (int i = 0; i < n_sets; i++) {
         int64_t x[2] = {rows[i], 40}, c[1] = {40}, y[3] = {a3[i], b3[i], 24}, z[3] = {a3[i], 1, 24};
         int64_t l[2] = {2, n_long + 9000 * i};
@@ -1281,7 +1281,7 @@ static int compile_shapes(const char *dir, const int64_t *rows, const int64_t *a
         check(shapes_fn, NULL, in, 5, TOL, &k, &o);
         assert_true(k >= 4);
     }
-    setenv("KILN_CACHE_DIR", cache_dir, 1);
+    test_setenv("KILN_CACHE_DIR", cache_dir, 1);
     if (strcmp(kiln_device(), "cpu")) { /* programs built now: $KILN_CACHE_DIR/opencl/<hash>.bin (one
                                           * built before in this process is not built again) */
         char sub[192];
@@ -1309,9 +1309,9 @@ static void new_sizes_reuse_the_kernels(void **state)
     snprintf(dir, sizeof dir, "%s/sizes-symbolic", cache_dir);
     assert_int_equal(compile_shapes(dir, rows, a3, b3, 40000, 3), cpu ? 1 : 0);
     snprintf(dir, sizeof dir, "%s/sizes-literal", cache_dir);
-    setenv("KILN_COMPILE_DISABLE", "symbolic", 1);
+    test_setenv("KILN_COMPILE_DISABLE", "symbolic", 1);
     int lit = compile_shapes(dir, rows, a3, b3, 40000, 3);
-    unsetenv("KILN_COMPILE_DISABLE");
+    test_unsetenv("KILN_COMPILE_DISABLE");
     if (cpu) assert_int_equal(lit, 3);
     else if (lit < 3) fail_msg("literal sizes built %d programs for three size sets", lit);
     *label = 0;
@@ -1329,8 +1329,8 @@ static void compiler_failure_is_a_clear_error(void **state)
     fprintf(f, "#!/bin/sh\necho \"x.c: In function 'k0_add_sub_exp':\"\necho 'x.c:3:1: error: something'\nexit 1\n");
     fclose(f);
     chmod(script, 0755);
-    setenv("KILN_CC", script, 1);
-    setenv("KILN_CACHE_DIR", dir, 1);
+    test_setenv("KILN_CC", script, 1);
+    test_setenv("KILN_CACHE_DIR", dir, 1);
     int64_t s[2] = {8, 8};
     kiln_tensor_t *in[2] = {randn(s, 2, 1), randn(s, 2, 2)};
     kiln_compiled_t *c;
@@ -1349,8 +1349,8 @@ static void compiler_failure_is_a_clear_error(void **state)
     sscanf(log + strlen("output at "), "%511s", path);
     assert_int_equal(access(path, R_OK), 0);
     kiln_compiled_free(c);
-    unsetenv("KILN_CC");
-    setenv("KILN_CACHE_DIR", cache_dir, 1);
+    test_unsetenv("KILN_CC");
+    test_setenv("KILN_CACHE_DIR", cache_dir, 1);
     kiln_clear_error();
 }
 
@@ -1358,12 +1358,12 @@ static void debug_dir_has_every_stage(void **state)
 {
     char dir[128];
     snprintf(dir, sizeof dir, "%s/debug", cache_dir);
-    setenv("KILN_DEBUG_DIR", dir, 1);
+    test_setenv("KILN_DEBUG_DIR", dir, 1);
     int64_t s[2] = {16, 32}, c[1] = {32};
     kiln_tensor_t *nin[3] = {randn(s, 2, 3), randn(c, 1, 4), randn(c, 1, 5)};
     int which = 0, k, o;
     check(norm_fns, &which, nin, 3, TOL, &k, &o);
-    unsetenv("KILN_DEBUG_DIR");
+    test_unsetenv("KILN_DEBUG_DIR");
     const char *files[] = {"captured.txt", "after_passes.txt", "guards.txt", "loop_ir_before_fusion.txt",
                            "loop_ir_after_fusion.txt", "kernels.c", "compile.log"};
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
@@ -1380,9 +1380,9 @@ static void debug_dir_has_every_stage(void **state)
     /* Compiled again (a new function, the same graph): the cache has it, and the folder
      * still has every stage, its compile.log saying that the compiler was not run. */
     snprintf(dir, sizeof dir, "%s/debug-warm", cache_dir);
-    setenv("KILN_DEBUG_DIR", dir, 1);
+    test_setenv("KILN_DEBUG_DIR", dir, 1);
     check(norm_fns, &which, nin, 3, TOL, &k, &o);
-    unsetenv("KILN_DEBUG_DIR");
+    test_unsetenv("KILN_DEBUG_DIR");
     for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
         snprintf(path, sizeof path, "%s/test-0/%s", dir, files[i]);
         if (access(path, R_OK) != 0) fail_msg("KILN_DEBUG_DIR (warm) has no %s", files[i]);
@@ -1414,11 +1414,11 @@ static kiln_status reduced_late(void *ctx, kiln_tensor_t *const *in, int n_in, k
  * reduced_late, compiled on a group of one; its results match eager. */
 static void listing_of_reduced_late(kiln_pg_t *pg, const char *dir, char *text, size_t cap)
 {
-    setenv("KILN_DEBUG_DIR", dir, 1);
+    test_setenv("KILN_DEBUG_DIR", dir, 1);
     kiln_tensor_t *in[2] = {randn((int64_t[]){64, 64}, 2, 40), randn((int64_t[]){64, 64}, 2, 41)};
     int k, o;
     check(reduced_late, pg, in, 2, TOL, &k, &o);
-    unsetenv("KILN_DEBUG_DIR");
+    test_unsetenv("KILN_DEBUG_DIR");
     char path[256];
     snprintf(path, sizeof path, "%s/test-0/loop_ir_after_fusion.txt", dir);
     assert_true(test_read_text(path, text, cap));
@@ -1442,7 +1442,7 @@ static int matmuls_before_allreduce(const char *text)
  * Oracle: the program listing; the values match eager (check). */
 static void collectives_start_early_and_finish_late(void **state)
 {
-    unsetenv("KILN_WORLD_SIZE");
+    test_unsetenv("KILN_WORLD_SIZE");
     kiln_pg_t *pg;
     assert_int_equal(kiln_pg_new_from_env(&pg), KILN_OK);
     char dir[160], text[16384] = "";
@@ -1460,10 +1460,10 @@ static void collectives_start_early_and_finish_late(void **state)
     if (line) snprintf(step, sizeof step, "%.*s", (int)strcspn(line + 1, "\n"), line + 1);
     if (strncmp(step, "  kernel", 8) || !strstr(step, "add"))
         fail_msg("step %d, where the allreduce is finished, is not the add's kernel (%s):\n%s", until, step, text);
-    setenv("KILN_COMPILE_DISABLE", "overlap", 1);
+    test_setenv("KILN_COMPILE_DISABLE", "overlap", 1);
     snprintf(dir, sizeof dir, "%s/overlap-off", cache_dir);
     listing_of_reduced_late(pg, dir, text, sizeof text);
-    unsetenv("KILN_COMPILE_DISABLE");
+    test_unsetenv("KILN_COMPILE_DISABLE");
     if (matmuls_before_allreduce(text) != 4 || strstr(text, "(started"))
         fail_msg("KILN_COMPILE_DISABLE=overlap: the allreduce moved or overlaps:\n%s", text);
     kiln_pg_free(pg);
@@ -1476,7 +1476,7 @@ static void profile_log_names_the_steps(void **state)
 {
     kiln_tensor_t *lin[3] = {randn((int64_t[]){96, 200}, 2, 6), randn((int64_t[]){200, 300}, 2, 7),
                              randn((int64_t[]){300}, 1, 8)};
-    setenv("KILN_LOGS", "profile", 1);
+    test_setenv("KILN_LOGS", "profile", 1);
     kiln_compiled_t *fnc;
     assert_int_equal(kiln_compiled_new(linear_gelu, NULL, "profiled", &fnc), KILN_OK);
     test_stderr cap;
@@ -1489,7 +1489,7 @@ static void profile_log_names_the_steps(void **state)
     kiln_compiled_free(fnc);
     char buf[4096];
     test_stderr_end(&cap, buf, sizeof buf);
-    unsetenv("KILN_LOGS");
+    test_unsetenv("KILN_LOGS");
     if (!strstr(buf, "kiln [profile] ") || !strstr(buf, "2 runs after the first") || !strstr(buf, "op matmul") ||
         !strstr(buf, "_add_gelu") || !strstr(buf, "slowest generated kernels"))
         fail_msg("profile log:\n%s", buf);
@@ -1498,7 +1498,7 @@ static void profile_log_names_the_steps(void **state)
 int main(void)
 {
     assert_non_null(mkdtemp(cache_dir));
-    setenv("KILN_CACHE_DIR", cache_dir, 1);
+    test_setenv("KILN_CACHE_DIR", cache_dir, 1);
     /* On a device (KILN_DEVICE, the conformance run) the tests that check the cpu's own
      * machinery (its C compiler and .so cache, its can_fuse hook, AdamW decomposed on
      * the cpu, kernels.c) are left out, and said so; the rest check that device. */

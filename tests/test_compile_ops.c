@@ -686,7 +686,7 @@ static void run_both(const op_case *c, kiln_dtype dt, run_result want[2], run_re
     }
     env ce; /* the compiled function's: its leaves are captured */
     kiln_compiled_t *cf;
-    if (dir) setenv("KILN_DEBUG_DIR", dir, 1);
+    if (dir) test_setenv("KILN_DEBUG_DIR", dir, 1);
     for (int round = 0; round < 2; round++) {
         int n_in = make_inputs(c, dt, round, round ? &e : &ce, in);
         if (!round) assert_int_equal(kiln_compiled_new(c->fn, &ce, c->name, &cf), KILN_OK);
@@ -696,7 +696,7 @@ static void run_both(const op_case *c, kiln_dtype dt, run_result want[2], run_re
         if (s != KILN_OK) fail_msg("%s (%s) compiled: %s", c->name, kiln_dtype_name(dt), kiln_last_error());
         keep_run(c, "compiled", &ce, in, n_in, &got[round]);
     }
-    unsetenv("KILN_DEBUG_DIR");
+    test_unsetenv("KILN_DEBUG_DIR");
     uint64_t hits;
     kiln_compiled_stats(cf, NULL, &hits, NULL, NULL);
     kiln_compiled_free(cf);
@@ -773,15 +773,15 @@ static void every_op_has_a_case(void **state)
 /* A failed case may leave its debug folder set. */
 static int teardown_case(void **state)
 {
-    unsetenv("KILN_DEBUG_DIR");
+    test_unsetenv("KILN_DEBUG_DIR");
     return teardown(state);
 }
 
 int main(void)
 {
     assert_non_null(mkdtemp(cache_dir));
-    setenv("KILN_CACHE_DIR", cache_dir, 1);
-    unsetenv("KILN_WORLD_SIZE");
+    test_setenv("KILN_CACHE_DIR", cache_dir, 1);
+    test_unsetenv("KILN_WORLD_SIZE");
     if (kiln_pg_new_from_env(&pg) != KILN_OK) {
         fprintf(stderr, "test_compile_ops: no process group of one: %s\n", kiln_last_error());
         return 1;

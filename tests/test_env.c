@@ -62,10 +62,10 @@ static void every_row_is_named_once_and_its_default_parses(void **state)
             continue;
         }
         char *was = getenv(r->name) ? strdup(getenv(r->name)) : NULL;
-        setenv(r->name, r->dflt, 1);
+        test_setenv(r->name, r->dflt, 1);
         if (kiln__env_check((kiln__env_id)i) != KILN_OK) fail_msg("%s: default %s: %s", r->name, r->dflt, kiln_last_error());
-        if (was) setenv(r->name, was, 1);
-        else unsetenv(r->name);
+        if (was) test_setenv(r->name, was, 1);
+        else test_unsetenv(r->name);
         free(was);
     }
     assert_null(kiln__env_row_at(KILN__ENV_COUNT));
@@ -83,57 +83,57 @@ static void every_row_is_named_once_and_its_default_parses(void **state)
 /* Each type parses, and an unset (or empty) variable is its default. */
 static void accessors_parse_types_and_defaults(void **state)
 {
-    unsetenv("KILN_RECOMPILE_LIMIT");
+    test_unsetenv("KILN_RECOMPILE_LIMIT");
     assert_int_equal(kiln__env_int(KILN__ENV_RECOMPILE_LIMIT), 8);
-    setenv("KILN_RECOMPILE_LIMIT", "3", 1);
+    test_setenv("KILN_RECOMPILE_LIMIT", "3", 1);
     assert_int_equal(kiln__env_int(KILN__ENV_RECOMPILE_LIMIT), 3);
-    setenv("KILN_RECOMPILE_LIMIT", "", 1);
+    test_setenv("KILN_RECOMPILE_LIMIT", "", 1);
     assert_int_equal(kiln__env_int(KILN__ENV_RECOMPILE_LIMIT), 8);
-    unsetenv("KILN_RECOMPILE_LIMIT");
+    test_unsetenv("KILN_RECOMPILE_LIMIT");
 
     assert_true(kiln__env_num(KILN__ENV_COMPILE_BUCKET_MB) == 4);
-    setenv("KILN_COMPILE_BUCKET_MB", "0.5", 1);
+    test_setenv("KILN_COMPILE_BUCKET_MB", "0.5", 1);
     assert_true(kiln__env_num(KILN__ENV_COMPILE_BUCKET_MB) == 0.5);
-    unsetenv("KILN_COMPILE_BUCKET_MB");
+    test_unsetenv("KILN_COMPILE_BUCKET_MB");
 
     static const char *const yes[] = {"1", "true", "ON", "yes"}, *const no[] = {"0", "false", "off", "No"};
     for (int i = 0; i < 4; i++) {
-        setenv("KILN_DIST_DEBUG", yes[i], 1);
+        test_setenv("KILN_DIST_DEBUG", yes[i], 1);
         assert_true(kiln__env_bool(KILN__ENV_DIST_DEBUG));
-        setenv("KILN_DIST_DEBUG", no[i], 1);
+        test_setenv("KILN_DIST_DEBUG", no[i], 1);
         assert_false(kiln__env_bool(KILN__ENV_DIST_DEBUG));
     }
-    unsetenv("KILN_DIST_DEBUG");
+    test_unsetenv("KILN_DIST_DEBUG");
     assert_false(kiln__env_bool(KILN__ENV_DIST_DEBUG));
     assert_true(kiln__env_bool(KILN__ENV_OPT(KILN__OPT_COMPILE_FUSION))); /* switches default to their row's */
 
-    unsetenv("KILN_CC");
+    test_unsetenv("KILN_CC");
     assert_null(kiln__env_str(KILN__ENV_CC));
     assert_string_equal(kiln__env_text(KILN__ENV_CC), "cc");
-    setenv("KILN_CC", "clang", 1);
+    test_setenv("KILN_CC", "clang", 1);
     assert_string_equal(kiln__env_str(KILN__ENV_CC), "clang");
     assert_string_equal(kiln__env_text(KILN__ENV_CC), "clang");
-    unsetenv("KILN_CC");
+    test_unsetenv("KILN_CC");
     char *cache = strdup(getenv("KILN_CACHE_DIR") ? getenv("KILN_CACHE_DIR") : "");
-    unsetenv("KILN_CACHE_DIR");
+    test_unsetenv("KILN_CACHE_DIR");
     assert_null(kiln__env_text(KILN__ENV_CACHE_DIR)); /* a described default is no value */
-    if (*cache) setenv("KILN_CACHE_DIR", cache, 1);
+    if (*cache) test_setenv("KILN_CACHE_DIR", cache, 1);
     free(cache);
 
-    setenv("KILN_LOGS", "graph,,fusion", 1);
+    test_setenv("KILN_LOGS", "graph,,fusion", 1);
     assert_true(kiln__env_list_has(KILN__ENV_LOGS, "fusion"));
     assert_true(kiln__log_on("graph"));
     assert_false(kiln__log_on("fus"));
     assert_false(kiln__log_on("code"));
-    setenv("KILN_LOGS", "all", 1);
+    test_setenv("KILN_LOGS", "all", 1);
     assert_true(kiln__log_on("code"));
-    unsetenv("KILN_LOGS");
+    test_unsetenv("KILN_LOGS");
     assert_false(kiln__log_on("code"));
 
     /* the public lookup, by name: a name not in the table is an error that names it */
-    setenv("KILN_DATA", "corpus.txt", 1);
+    test_setenv("KILN_DATA", "corpus.txt", 1);
     assert_string_equal(kiln_env("KILN_DATA"), "corpus.txt");
-    unsetenv("KILN_DATA");
+    test_unsetenv("KILN_DATA");
     assert_null(kiln_env("KILN_DATA"));
     assert_string_equal(kiln_env_or_default("KILN_DATA"), "data/kjv.txt");
     kiln_clear_error();
@@ -148,33 +148,33 @@ static void bad_value_is_said_once_and_the_default_used(void **state)
 {
     char err[2048];
     test_stderr cap;
-    setenv("KILN_COMPILE_MAX_FUSE", "many", 1);
+    test_setenv("KILN_COMPILE_MAX_FUSE", "many", 1);
     assert_true(test_stderr_begin(&cap));
     int64_t a = kiln__env_int(KILN__ENV_COMPILE_MAX_FUSE), b = kiln__env_int(KILN__ENV_COMPILE_MAX_FUSE);
     test_stderr_end(&cap, err, sizeof err);
-    unsetenv("KILN_COMPILE_MAX_FUSE");
+    test_unsetenv("KILN_COMPILE_MAX_FUSE");
     assert_int_equal(a, 48);
     assert_int_equal(b, 48);
     const char *want = "kiln: KILN_COMPILE_MAX_FUSE='many' is not a whole number from 1 to 100000; using 48\n";
     if (!strstr(err, want)) fail_msg("stderr: %s", err);
     if (strstr(strstr(err, want) + strlen(want), "KILN_COMPILE_MAX_FUSE")) fail_msg("said twice: %s", err);
 
-    setenv("KILN_LOCAL_WORLD_SIZE", "0", 1); /* out of range */
+    test_setenv("KILN_LOCAL_WORLD_SIZE", "0", 1); /* out of range */
     assert_true(test_stderr_begin(&cap));
     assert_int_equal(kiln__env_int(KILN__ENV_LOCAL_WORLD_SIZE), 1);
     test_stderr_end(&cap, err, sizeof err);
-    unsetenv("KILN_LOCAL_WORLD_SIZE");
+    test_unsetenv("KILN_LOCAL_WORLD_SIZE");
     if (!strstr(err, "KILN_LOCAL_WORLD_SIZE='0' is not a whole number from 1 to")) fail_msg("stderr: %s", err);
 
-    setenv("KILN_OPT_COMPILE_HOIST", "maybe", 1);
+    test_setenv("KILN_OPT_COMPILE_HOIST", "maybe", 1);
     assert_true(test_stderr_begin(&cap));
     bool on = kiln__opt(KILN__OPT_COMPILE_HOIST);
     test_stderr_end(&cap, err, sizeof err);
-    unsetenv("KILN_OPT_COMPILE_HOIST");
+    test_unsetenv("KILN_OPT_COMPILE_HOIST");
     assert_true(on); /* the default */
     if (!strstr(err, "KILN_OPT_COMPILE_HOIST='maybe' is not 0 or 1")) fail_msg("stderr: %s", err);
 
-    setenv("KILN_DIST_TIMEOUT", "soon", 1);
+    test_setenv("KILN_DIST_TIMEOUT", "soon", 1);
     assert_int_equal(kiln__env_check(KILN__ENV_DIST_TIMEOUT), KILN_ERR_ARG);
     assert_non_null(strstr(kiln_last_error(), "KILN_DIST_TIMEOUT='soon' is not a number above 0"));
     kiln_clear_error();
@@ -182,9 +182,9 @@ static void bad_value_is_said_once_and_the_default_used(void **state)
     assert_int_equal(kiln_pg_new_from_env(&pg), KILN_ERR_ARG);
     assert_null(pg);
     assert_non_null(strstr(kiln_last_error(), "KILN_DIST_TIMEOUT='soon'"));
-    setenv("KILN_DIST_TIMEOUT", "-3", 1);
+    test_setenv("KILN_DIST_TIMEOUT", "-3", 1);
     assert_int_equal(kiln_pg_new_from_env(&pg), KILN_ERR_ARG);
-    unsetenv("KILN_DIST_TIMEOUT");
+    test_unsetenv("KILN_DIST_TIMEOUT");
     kiln_clear_error();
 }
 
@@ -202,32 +202,32 @@ static void stage_switch_and_alias_turn_off_the_same_stage(void **state)
         for (; stage[i] && i < sizeof lower - 1; i++) lower[i] = (char)tolower(stage[i]);
         lower[i] = 0;
         assert_true(kiln__opt((kiln__opt_id)s));
-        setenv(var, "0", 1);
+        test_setenv(var, "0", 1);
         if (kiln__opt((kiln__opt_id)s)) fail_msg("%s=0 left it on", var);
         assert_false(kiln_opt_enabled(s));
-        setenv(var, "1", 1);
+        test_setenv(var, "1", 1);
         assert_true(kiln__opt((kiln__opt_id)s));
-        unsetenv(var);
+        test_unsetenv(var);
         char list[80];
         snprintf(list, sizeof list, "fold,%s", lower);
-        setenv("KILN_COMPILE_DISABLE", list, 1);
+        test_setenv("KILN_COMPILE_DISABLE", list, 1);
         if (kiln__opt((kiln__opt_id)s)) fail_msg("KILN_COMPILE_DISABLE=%s left %s on", list, name);
         for (int t = KILN__OPT_FIRST_STAGE; t < KILN__OPT_COUNT; t++)
             if (t != s && t != KILN__OPT_COMPILE_FOLD && !kiln__opt((kiln__opt_id)t))
                 fail_msg("KILN_COMPILE_DISABLE=%s turned %s off too", list, kiln_opt_name(t));
-        setenv(var, "1", 1); /* either one turns a stage off */
+        test_setenv(var, "1", 1); /* either one turns a stage off */
         assert_false(kiln__opt((kiln__opt_id)s));
-        unsetenv(var);
-        unsetenv("KILN_COMPILE_DISABLE");
+        test_unsetenv(var);
+        test_unsetenv("KILN_COMPILE_DISABLE");
         assert_true(kiln__opt((kiln__opt_id)s));
     }
     char err[2048];
     test_stderr cap;
-    setenv("KILN_COMPILE_DISABLE", "fusoin,reuse", 1);
+    test_setenv("KILN_COMPILE_DISABLE", "fusoin,reuse", 1);
     assert_true(test_stderr_begin(&cap));
     bool fusion = kiln__opt(KILN__OPT_COMPILE_FUSION), reuse = kiln__opt(KILN__OPT_COMPILE_REUSE);
     test_stderr_end(&cap, err, sizeof err);
-    unsetenv("KILN_COMPILE_DISABLE");
+    test_unsetenv("KILN_COMPILE_DISABLE");
     assert_true(fusion);
     assert_false(reuse);
     const char *want = "kiln: KILN_COMPILE_DISABLE: no stage 'fusoin' (the stages: decompose, fold, cse, slices, views, "

@@ -438,7 +438,7 @@ static void check_scaled(kiln_compiled_t *fnc, scaled_ctx *c, kiln_tensor_t *x)
  * attribute after the first call. */
 static void guards_on_attributes_grad_mode_and_requires_grad(void **state)
 {
-    setenv("KILN_LOGS", "recompiles", 1);
+    test_setenv("KILN_LOGS", "recompiles", 1);
     scaled_ctx c = {kiln_keep(randn(16, 8, 1)), 2.0};
     kiln_tensor_set_requires_grad(c.w, true);
     kiln_compiled_t *fnc;
@@ -458,7 +458,7 @@ static void guards_on_attributes_grad_mode_and_requires_grad(void **state)
     check_scaled(fnc, &c, x); /* graph 3: w frozen */
     char buf[2048];
     test_stderr_end(&cap, buf, sizeof buf);
-    unsetenv("KILN_LOGS");
+    test_unsetenv("KILN_LOGS");
     uint64_t calls, hits, recompiles;
     int graphs;
     kiln_compiled_stats(fnc, &calls, &hits, &recompiles, &graphs);
@@ -486,11 +486,11 @@ static void guards_on_attributes_grad_mode_and_requires_grad(void **state)
  * warning; every result equals the eager function's. */
 static void guards_reuse_recompile_and_fall_back(void **state)
 {
-    setenv("KILN_LOGS", "recompiles", 1);
-    setenv("KILN_RECOMPILE_LIMIT", "2", 1);
+    test_setenv("KILN_LOGS", "recompiles", 1);
+    test_setenv("KILN_RECOMPILE_LIMIT", "2", 1);
     char dbg[] = "/tmp/kiln-graph-test-XXXXXX";
     assert_non_null(mkdtemp(dbg));
-    setenv("KILN_DEBUG_DIR", dbg, 1);
+    test_setenv("KILN_DEBUG_DIR", dbg, 1);
     mlp_ctx c = {randn(16, 32, 1), randn(1, 32, 2), randn(32, 8, 3), false, false, false};
     kiln_compiled_t *fnc;
     assert_int_equal(kiln_compiled_new(mlp, &c, "mlp", &fnc), KILN_OK);
@@ -528,10 +528,10 @@ static void guards_reuse_recompile_and_fall_back(void **state)
     char cmd[300]; /* leave nothing behind */
     snprintf(cmd, sizeof cmd, "rm -rf %s", dbg);
     assert_int_equal(system(cmd), 0);
-    unsetenv("KILN_DEBUG_DIR");
+    test_unsetenv("KILN_DEBUG_DIR");
     kiln_compiled_free(fnc);
-    unsetenv("KILN_LOGS");
-    unsetenv("KILN_RECOMPILE_LIMIT");
+    test_unsetenv("KILN_LOGS");
+    test_unsetenv("KILN_RECOMPILE_LIMIT");
 }
 
 typedef struct {
@@ -862,7 +862,7 @@ static kiln_status six_allreduces(void *ctx, kiln_tensor_t *const *in, int n_in,
  * and b). */
 static void allreduces_coalesce_into_buckets(void **state)
 {
-    unsetenv("KILN_WORLD_SIZE");
+    test_unsetenv("KILN_WORLD_SIZE");
     ar_ctx c = {NULL, randn(8, 4, 23)};
     assert_int_equal(kiln_pg_new_from_env(&c.pg), KILN_OK);
     kiln_tensor_t *x = randn(8, 4, 21), *y = randn(8, 4, 22), *y_eager = kiln_clone(y), *c0 = kiln_clone(c.c);

@@ -740,7 +740,7 @@ static void run_child_as(const char *mode, int threads, int *got_threads, unsign
     if (pid == 0) {
         char env[32];
         snprintf(env, sizeof env, "%d", threads);
-        setenv("KILN_NUM_THREADS", env, 1);
+        test_setenv("KILN_NUM_THREADS", env, 1);
         dup2(fd[1], 1);
         close(fd[0]);
         close(fd[1]);

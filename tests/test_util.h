@@ -3,6 +3,7 @@
 #ifndef KILN_TEST_UTIL_H
 #define KILN_TEST_UTIL_H
 #include <math.h>
+#include <stdlib.h>
 #include <stdio.h>
 #include <unistd.h>
 #include "kiln/tensor.h"
@@ -66,5 +67,25 @@ static inline double test_max_rel_err(const double *a, const double *b, int64_t 
         if (d > m || d != d) m = d != d ? INFINITY : d;
     }
     return m;
+}
+/* setenv and unsetenv once every device registered so far has finished its queued
+ * work: a device's worker threads (PoCL's) read the environment while they run, and
+ * glibc's getenv is not safe against a concurrent setenv (a worker crashed in getenv
+ * under ASan while test_compile set KILN_COMPILE_DECOMPOSE). Devices not yet probed are
+ * left alone. */
+int kiln__backend_count(void);
+static inline void test_quiesce(void)
+{
+    for (int i = 0; i < kiln__backend_count(); i++) kiln_device_synchronize(kiln_device_name(i));
+}
+static inline int test_setenv(const char *name, const char *value, int overwrite)
+{
+    test_quiesce();
+    return setenv(name, value, overwrite);
+}
+static inline int test_unsetenv(const char *name)
+{
+    test_quiesce();
+    return unsetenv(name);
 }
 #endif
