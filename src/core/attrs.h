@@ -37,6 +37,27 @@ typedef struct {
 } kiln__dropout_attrs; /* DROPOUT */
 
 typedef struct {
+    int64_t dim; /* normalized: 0 .. ndim - 1 */
+} kiln__dim_attrs; /* SOFTMAX, LOG_SOFTMAX, ARGMAX, INDEX_SELECT, GATHER, SCATTER_ADD, CAT */
+
+typedef struct {
+    kiln_dtype dtype;
+} kiln__cast_attrs; /* CAST */
+
+typedef struct {
+    int64_t k; /* the diagonal: 0 the main one, > 0 above */
+    bool upper;
+} kiln__tri_attrs; /* TRI */
+
+typedef struct {
+    int64_t dim, start, step, length;
+} kiln__slice_attrs; /* SLICE */
+
+typedef struct {
+    bool tanh; /* the tanh approximation, else the erf form */
+} kiln__gelu_attrs; /* GELU, GELU_BACKWARD */
+
+typedef struct {
     int64_t shape[KILN_MAX_DIMS]; /* a shape, or a list of dims */
     int ndim;                     /* entries used in shape */
     int64_t i[4];                 /* op-specific integers (see ops.def) */
@@ -50,6 +71,11 @@ typedef struct {
         kiln__norm_attrs norm;
         kiln__cross_entropy_attrs cross_entropy;
         kiln__dropout_attrs dropout;
+        kiln__dim_attrs dim;
+        kiln__cast_attrs cast;
+        kiln__tri_attrs tri;
+        kiln__slice_attrs slice;
+        kiln__gelu_attrs gelu;
     } op;
 } kiln__attrs;
 

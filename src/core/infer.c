@@ -164,8 +164,8 @@ kiln_status kiln__infer_where(kiln_tensor_t *const *in, int n, const kiln__attrs
 
 kiln_status kiln__infer_cast(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
-    if ((uint64_t)a->i[0] >= KILN_DTYPE_COUNT) return kiln__err(KILN_ERR_DTYPE, "cast: unknown dtype %lld", (long long)a->i[0]);
-    meta_like(in[0], (kiln_dtype)a->i[0], out);
+    if ((uint64_t)a->op.cast.dtype >= KILN_DTYPE_COUNT) return kiln__err(KILN_ERR_DTYPE, "cast: unknown dtype %lld", (long long)a->op.cast.dtype);
+    meta_like(in[0], (kiln_dtype)a->op.cast.dtype, out);
     return KILN_OK;
 }
 
@@ -204,17 +204,17 @@ kiln_status kiln__infer_max(kiln_tensor_t *const *in, int n, const kiln__attrs *
 kiln_status kiln__infer_argmax(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     out->dtype = KILN_DTYPE_I64;
-    if (in[0]->ndim == 0 || in[0]->shape[a->i[0]] == 0)
-        return kiln__err(KILN_ERR_SHAPE, "argmax: the input has no elements along dim %lld", (long long)a->i[0]);
+    if (in[0]->ndim == 0 || in[0]->shape[a->op.dim.dim] == 0)
+        return kiln__err(KILN_ERR_SHAPE, "argmax: the input has no elements along dim %lld", (long long)a->op.dim.dim);
     kiln__attrs r = *a;
     r.ndim = 1;
-    r.shape[0] = a->i[0];
+    r.shape[0] = a->op.dim.dim;
     return reduce_shape("argmax", in[0], &r, out);
 }
 
 static kiln_status along_dim(const char *op, kiln_tensor_t *const *in, const kiln__attrs *a, kiln__meta *out)
 {
-    if (a->i[0] < 0 || a->i[0] >= (in[0]->ndim ? in[0]->ndim : 1)) return bad_dim(op, (int)a->i[0], in[0]);
+    if (a->op.dim.dim < 0 || a->op.dim.dim >= (in[0]->ndim ? in[0]->ndim : 1)) return bad_dim(op, (int)a->op.dim.dim, in[0]);
     return unary_float(op, in, out);
 }
 
@@ -274,9 +274,9 @@ kiln_status kiln__infer_index_select(kiln_tensor_t *const *in, int n, const kiln
     if (s != KILN_OK) return s;
     char b[96];
     if (in[1]->ndim != 1) return kiln__err(KILN_ERR_SHAPE, "index_select: index %s must be 1-D", SHP(in[1], b));
-    if (a->i[0] < 0 || a->i[0] >= in[0]->ndim) return bad_dim("index_select", (int)a->i[0], in[0]);
+    if (a->op.dim.dim < 0 || a->op.dim.dim >= in[0]->ndim) return bad_dim("index_select", (int)a->op.dim.dim, in[0]);
     meta_like(in[0], in[0]->dtype, out);
-    out->shape[a->i[0]] = in[1]->shape[0];
+    out->shape[a->op.dim.dim] = in[1]->shape[0];
     return KILN_OK;
 }
 
@@ -287,9 +287,9 @@ kiln_status kiln__infer_gather(kiln_tensor_t *const *in, int n, const kiln__attr
     char b1[96], b2[96];
     if (in[1]->ndim != in[0]->ndim)
         return kiln__err(KILN_ERR_SHAPE, "gather: index %s must have the dims of the input %s", SHP(in[1], b1), SHP(in[0], b2));
-    if (a->i[0] < 0 || a->i[0] >= in[0]->ndim) return bad_dim("gather", (int)a->i[0], in[0]);
+    if (a->op.dim.dim < 0 || a->op.dim.dim >= in[0]->ndim) return bad_dim("gather", (int)a->op.dim.dim, in[0]);
     for (int d = 0; d < in[0]->ndim; d++)
-        if (d != a->i[0] && in[1]->shape[d] > in[0]->shape[d])
+        if (d != a->op.dim.dim && in[1]->shape[d] > in[0]->shape[d])
             return kiln__err(KILN_ERR_SHAPE, "gather: index %s is larger than the input %s in dim %d", SHP(in[1], b1),
                              SHP(in[0], b2), d);
     meta_like(in[1], in[0]->dtype, out);
@@ -307,10 +307,10 @@ kiln_status kiln__infer_scatter_add(kiln_tensor_t *const *in, int n, const kiln_
     if (in[1]->ndim != in[0]->ndim)
         return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s must have the dims of the input %s", SHP(in[1], b1),
                          SHP(in[0], b2));
-    if (a->i[0] < 0 || a->i[0] >= in[0]->ndim) return bad_dim("scatter_add", (int)a->i[0], in[0]);
+    if (a->op.dim.dim < 0 || a->op.dim.dim >= in[0]->ndim) return bad_dim("scatter_add", (int)a->op.dim.dim, in[0]);
     /* As for gather: a wider index would address elements outside the output. */
     for (int d = 0; d < in[0]->ndim; d++)
-        if (d != a->i[0] && in[1]->shape[d] > in[0]->shape[d])
+        if (d != a->op.dim.dim && in[1]->shape[d] > in[0]->shape[d])
             return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s is larger than the input %s in dim %d", SHP(in[1], b1),
                              SHP(in[0], b2), d);
     if (in[2]->dtype != in[0]->dtype)
@@ -373,7 +373,7 @@ kiln_status kiln__infer_dropout(kiln_tensor_t *const *in, int n, const kiln__att
 kiln_status kiln__infer_cat(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     if (n < 1) return kiln__err(KILN_ERR_ARG, "cat: no tensors given");
-    int dim = (int)a->i[0];
+    int dim = (int)a->op.dim.dim;
     if (dim < 0 || dim >= in[0]->ndim) return bad_dim("cat", dim, in[0]);
     meta_like(in[0], in[0]->dtype, out);
     out->shape[dim] = 0;
@@ -545,12 +545,12 @@ kiln_status kiln__infer_permute(kiln_tensor_t *const *in, int n, const kiln__att
 kiln_status kiln__infer_slice(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     const kiln_tensor_t *t = in[0];
-    int dim = (int)a->i[0];
+    int dim = (int)a->op.slice.dim;
     if (dim < 0 || dim >= t->ndim) return bad_dim("slice", dim, t);
     view_of(t, out);
-    out->shape[dim] = a->shape[0];
-    out->stride[dim] = t->stride[dim] * a->i[2];
-    out->offset = t->offset + a->i[1] * t->stride[dim];
+    out->shape[dim] = a->op.slice.length;
+    out->stride[dim] = t->stride[dim] * a->op.slice.step;
+    out->offset = t->offset + a->op.slice.start * t->stride[dim];
     return KILN_OK;
 }
 

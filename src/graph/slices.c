@@ -63,13 +63,13 @@ static bool zero_scatter(const pass *c, int v, int add, const kiln__meta *out, r
         const node *n = &g->nd[k];
         for (int i = 0; i < n->n_in; i++) {
             if (c->repl[n->in[i]] != v || k == add || c->dead[k]) continue;
-            if (n->op != KILN_OP_SLICE || n->attrs.i[2] != 1 || r->n == 16 || k > add) return false;
-            int d = (int)n->attrs.i[0];
+            if (n->op != KILN_OP_SLICE || n->attrs.op.slice.step != 1 || r->n == 16 || k > add) return false;
+            int d = (int)n->attrs.op.slice.dim;
             if (r->dim >= 0 && d != r->dim) return false;
             if (!only_copied_into(c, n->out[0], add)) return false;
             r->dim = d;
-            r->lo[r->n] = n->attrs.i[1];
-            r->hi[r->n++] = n->attrs.i[1] + n->attrs.shape[0];
+            r->lo[r->n] = n->attrs.op.slice.start;
+            r->hi[r->n++] = n->attrs.op.slice.start + n->attrs.op.slice.length;
             if (r->first < 0) r->first = k;
         }
     }

@@ -86,7 +86,7 @@ kiln_tensor_t *kiln_detach(kiln_tensor_t *a)
 kiln_tensor_t *kiln_gelu(kiln_tensor_t *a, bool approximate)
 {
     kiln__attrs at = {0};
-    at.i[0] = approximate;
+    at.op.gelu.tanh = approximate;
     return kiln__call(KILN_OP_GELU, &a, 1, &at);
 }
 
@@ -101,7 +101,7 @@ kiln_tensor_t *kiln_cast(kiln_tensor_t *a, kiln_dtype dt)
 {
     if (a && a->dtype == dt) return kiln__scoped(kiln_tensor_retain(a));
     kiln__attrs at = {0};
-    at.i[0] = dt;
+    at.op.cast.dtype = dt;
     return kiln__call(KILN_OP_CAST, &a, 1, &at);
 }
 
@@ -203,7 +203,7 @@ static kiln_tensor_t *dim_op(kiln__op_id op, const char *name, kiln_tensor_t *a,
         return NULL;
     }
     kiln__attrs at = {0};
-    at.i[0] = d;
+    at.op.dim.dim = d;
     at.keepdim = keepdim;
     return kiln__call(op, &a, 1, &at);
 }
@@ -241,7 +241,7 @@ static kiln_tensor_t *indexed(kiln__op_id op, const char *name, kiln_tensor_t *a
         return NULL;
     }
     kiln__attrs at = {0};
-    at.i[0] = d;
+    at.op.dim.dim = d;
     kiln_tensor_t *in[3] = {a, idx, src};
     return kiln__call(op, in, src ? 3 : 2, &at);
 }
@@ -310,7 +310,7 @@ kiln_tensor_t *kiln_cat(kiln_tensor_t *const *ts, int n, int dim)
         if (!ts[i]) return null_arg("cat");
     kiln__attrs at = {0};
     int d = kiln__norm_dim(dim, ts[0]->ndim);
-    at.i[0] = d < 0 ? dim : d;
+    at.op.dim.dim = d < 0 ? dim : d;
     return kiln__call(KILN_OP_CAT, ts, n, &at);
 }
 
@@ -359,8 +359,8 @@ kiln_status kiln_split(kiln_tensor_t *a, const int64_t *sizes, int n, int dim, k
 static kiln_tensor_t *tri(kiln_tensor_t *a, int64_t k, bool upper)
 {
     kiln__attrs at = {0};
-    at.i[0] = k;
-    at.i[1] = upper;
+    at.op.tri.k = k;
+    at.op.tri.upper = upper;
     return kiln__call(KILN_OP_TRI, &a, 1, &at);
 }
 
@@ -551,10 +551,7 @@ kiln_tensor_t *kiln_slice(kiln_tensor_t *a, int dim, int64_t start, int64_t end,
     if (start > n) start = n;
     int64_t len = end > start ? (end - start + step - 1) / step : 0;
     kiln__attrs at = {0};
-    at.i[0] = d;
-    at.i[1] = start;
-    at.i[2] = step;
-    at.shape[0] = len;
+    at.op.slice = (kiln__slice_attrs){.dim = d, .start = start, .step = step, .length = len};
     return kiln__call(KILN_OP_SLICE, &a, 1, &at);
 }
 

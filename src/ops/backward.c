@@ -210,7 +210,7 @@ kiln_status kiln__bw_max(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_
 
 kiln_status kiln__bw_softmax(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 {
-    int dim = (int)n->attrs.i[0];
+    int dim = (int)n->attrs.op.dim.dim;
     kiln_tensor_t *dot = kiln_sum(kiln_mul(G, Y(0)), &dim, 1, true);
     gin[0] = kiln_mul(Y(0), kiln_sub(G, dot));
     return done(gin, 1, n);
@@ -218,7 +218,7 @@ kiln_status kiln__bw_softmax(kiln__node *n, kiln_tensor_t *const *gout, kiln_ten
 
 kiln_status kiln__bw_log_softmax(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 {
-    int dim = (int)n->attrs.i[0];
+    int dim = (int)n->attrs.op.dim.dim;
     gin[0] = kiln_sub(G, kiln_mul(kiln_exp(Y(0)), kiln_sum(G, &dim, 1, true)));
     return done(gin, 1, n);
 }
@@ -264,7 +264,7 @@ static kiln_tensor_t *slice_index(kiln_tensor_t *idx, const kiln_tensor_t *g, in
 
 kiln_status kiln__bw_index_select(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 {
-    int dim = (int)n->attrs.i[0];
+    int dim = (int)n->attrs.op.dim.dim;
     kiln_tensor_t *z = kiln_zeros(META(0)->shape, META(0)->ndim, G->dtype);
     gin[0] = kiln_scatter_add(z, dim, slice_index(X(1), G, dim), G);
     n->needs_grad[1] = false;
@@ -274,7 +274,7 @@ kiln_status kiln__bw_index_select(kiln__node *n, kiln_tensor_t *const *gout, kil
 kiln_status kiln__bw_gather(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 {
     kiln_tensor_t *z = kiln_zeros(META(0)->shape, META(0)->ndim, G->dtype);
-    gin[0] = kiln_scatter_add(z, (int)n->attrs.i[0], X(1), G);
+    gin[0] = kiln_scatter_add(z, (int)n->attrs.op.dim.dim, X(1), G);
     n->needs_grad[1] = false;
     return done(gin, 2, n);
 }
@@ -282,7 +282,7 @@ kiln_status kiln__bw_gather(kiln__node *n, kiln_tensor_t *const *gout, kiln_tens
 kiln_status kiln__bw_scatter_add(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 {
     if (NEED(0)) gin[0] = G;
-    if (NEED(2)) gin[2] = kiln_gather(G, (int)n->attrs.i[0], X(1));
+    if (NEED(2)) gin[2] = kiln_gather(G, (int)n->attrs.op.dim.dim, X(1));
     n->needs_grad[1] = false;
     return done(gin, 3, n);
 }
@@ -340,7 +340,7 @@ kiln_status kiln__bw_dropout(kiln__node *n, kiln_tensor_t *const *gout, kiln_ten
 
 kiln_status kiln__bw_cat(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 {
-    int dim = (int)n->attrs.i[0];
+    int dim = (int)n->attrs.op.dim.dim;
     int64_t at = 0;
     for (int i = 0; i < n->n_in; i++) {
         int64_t len = META(i)->shape[dim];
@@ -352,7 +352,7 @@ kiln_status kiln__bw_cat(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_
 
 kiln_status kiln__bw_tri(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 {
-    gin[0] = n->attrs.i[1] ? kiln_triu(G, n->attrs.i[0]) : kiln_tril(G, n->attrs.i[0]);
+    gin[0] = n->attrs.op.tri.upper ? kiln_triu(G, n->attrs.op.tri.k) : kiln_tril(G, n->attrs.op.tri.k);
     return done(gin, 1, n);
 }
 

@@ -39,7 +39,7 @@ static void softmax_parts(kiln_tensor_t *x, int dim, kiln_tensor_t **shifted, ki
 static kiln_status dec_softmax(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t **out)
 {
     kiln_tensor_t *sh, *e, *s;
-    softmax_parts(in[0], kiln__norm_dim((int)a->i[0], in[0]->ndim), &sh, &e, &s);
+    softmax_parts(in[0], kiln__norm_dim((int)a->op.dim.dim, in[0]->ndim), &sh, &e, &s);
     kiln_tensor_t *y = kiln_div(e, s);
     return give(out, 1, &y);
 }
@@ -47,7 +47,7 @@ static kiln_status dec_softmax(kiln_tensor_t *const *in, int n_in, const kiln__a
 static kiln_status dec_log_softmax(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t **out)
 {
     kiln_tensor_t *sh, *e, *s;
-    softmax_parts(in[0], kiln__norm_dim((int)a->i[0], in[0]->ndim), &sh, &e, &s);
+    softmax_parts(in[0], kiln__norm_dim((int)a->op.dim.dim, in[0]->ndim), &sh, &e, &s);
     kiln_tensor_t *y = kiln_sub(sh, kiln_log(s));
     return give(out, 1, &y);
 }
@@ -231,7 +231,7 @@ kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in,
         return n_in == 2 && in[0]->shape[1] > 0 && (all || !has_kernel(in[0], op)) ? dec_cross_entropy : NULL;
     case KILN_OP_ATTENTION: /* no keys: the kernel's lse of -inf, left to it */
         return n_in == 3 && in[1]->shape[2] > 0 && (all || !has_kernel(in[0], op)) ? dec_attention : NULL;
-    case KILN_OP_GELU: return all && a->i[0] ? dec_gelu_tanh : NULL;
+    case KILN_OP_GELU: return all && a->op.gelu.tanh ? dec_gelu_tanh : NULL;
     default: return NULL;
     }
 }

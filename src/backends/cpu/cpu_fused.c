@@ -104,8 +104,8 @@ static kiln_status softmax_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out
     kiln_tensor_t *c[1], *tmp[1];
     if (!contig_all(in, 1, c, tmp)) return kiln_last_status();
     kiln_status s = KILN_OK;
-    if (c[0]->dtype == KILN_DTYPE_F32) softmax_f32(c[0], out[0], (int)a->i[0], log);
-    else if (c[0]->dtype == KILN_DTYPE_F64) softmax_f64(c[0], out[0], (int)a->i[0], log);
+    if (c[0]->dtype == KILN_DTYPE_F32) softmax_f32(c[0], out[0], (int)a->op.dim.dim, log);
+    else if (c[0]->dtype == KILN_DTYPE_F64) softmax_f64(c[0], out[0], (int)a->op.dim.dim, log);
     else s = unsupported(log ? "log_softmax" : "softmax", c[0]->dtype);
     free_all(tmp, 1);
     return s;

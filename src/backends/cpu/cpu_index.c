@@ -58,7 +58,7 @@ static kiln_status select_rows(const char *op, kiln_tensor_t *x, kiln_tensor_t *
 }
 
 kiln_status kiln__cpu_embedding(K_ARGS) { return select_rows("embedding", in[0], in[1], out[0], 0); }
-kiln_status kiln__cpu_index_select(K_ARGS) { return select_rows("index_select", in[0], in[1], out[0], (int)a->i[0]); }
+kiln_status kiln__cpu_index_select(K_ARGS) { return select_rows("index_select", in[0], in[1], out[0], (int)a->op.dim.dim); }
 
 /* dW (V, C) from g (N, C): each task owns a range of columns for every row, so the
  * additions for one weight happen in row order whatever the thread count. */
@@ -128,7 +128,7 @@ static int64_t remap(int64_t flat, int nd, const int64_t *ishape, const int64_t 
 kiln_status kiln__cpu_gather(K_ARGS)
 {
     kiln_tensor_t *tx, *ti, *x = cpu_contig(in[0], &tx), *idx = cpu_contig(in[1], &ti);
-    int dim = (int)a->i[0];
+    int dim = (int)a->op.dim.dim;
     kiln_status s = x && idx ? check_indices("gather", idx, in[0]->shape[dim]) : kiln_last_status();
     if (s == KILN_OK) {
         size_t sz = kiln_dtype_size(x->dtype), isz = kiln_dtype_size(idx->dtype);
@@ -150,7 +150,7 @@ kiln_status kiln__cpu_gather(K_ARGS)
 kiln_status kiln__cpu_scatter_add(K_ARGS)
 {
     kiln_tensor_t *ti, *ts, *idx = cpu_contig(in[1], &ti), *src = cpu_contig(in[2], &ts);
-    int dim = (int)a->i[0];
+    int dim = (int)a->op.dim.dim;
     kiln_tensor_t *o = out[0];
     kiln_status s = idx && src ? check_indices("scatter_add", idx, in[0]->shape[dim]) : kiln_last_status();
     if (s == KILN_OK) {
@@ -174,7 +174,7 @@ kiln_status kiln__cpu_scatter_add(K_ARGS)
 kiln_status kiln__cpu_cat(K_ARGS)
 {
     kiln_tensor_t *o = out[0];
-    int dim = (int)a->i[0];
+    int dim = (int)a->op.dim.dim;
     int64_t at = 0;
     for (int i = 0; i < n_in; i++) {
         kiln_tensor_t v;

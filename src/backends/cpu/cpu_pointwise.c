@@ -99,8 +99,8 @@ UNARY(tanh_fast, fast_tanhf(x), tanh(x))
 UNARY(sigmoid_exact, sigmoid_f(x), sigmoid_d(x))
 UNARY(sigmoid_fast, fast_sigmoidf(x), sigmoid_d(x))
 UNARY(relu, x > 0 ? x : 0.0f, x > 0 ? x : 0.0)
-UNARY(gelu_exact, gelu_f(x, AT->i[0]), gelu_d(x, AT->i[0]))
-UNARY(gelu_fast, gelu_fast(x), gelu_d(x, AT->i[0]))
+UNARY(gelu_exact, gelu_f(x, AT->op.gelu.tanh), gelu_d(x, AT->op.gelu.tanh))
+UNARY(gelu_fast, gelu_fast(x), gelu_d(x, AT->op.gelu.tanh))
 UNARY(silu_exact, x * sigmoid_f(x), x * sigmoid_d(x))
 UNARY(silu_fast, x * fast_sigmoidf(x), x * sigmoid_d(x))
 UNARY(scale_body, x * (float)AT->f[0], x * AT->f[0])
@@ -167,8 +167,8 @@ BINARY(lt, ((void)x, (void)y, 0.0f), x < y, 1)
 BINARY(le, ((void)x, (void)y, 0.0f), x <= y, 1)
 BINARY(gt, ((void)x, (void)y, 0.0f), x > y, 1)
 BINARY(ge, ((void)x, (void)y, 0.0f), x >= y, 1)
-BINARY(gelu_backward_exact, y * gelu_grad_f(x, AT->i[0]), y * gelu_grad_d(x, AT->i[0]), 0)
-BINARY(gelu_backward_fast, y * gelu_grad_fast(x), y * gelu_grad_d(x, AT->i[0]), 0)
+BINARY(gelu_backward_exact, y * gelu_grad_f(x, AT->op.gelu.tanh), y * gelu_grad_d(x, AT->op.gelu.tanh), 0)
+BINARY(gelu_backward_fast, y * gelu_grad_fast(x), y * gelu_grad_d(x, AT->op.gelu.tanh), 0)
 BINARY(silu_backward_exact, y * sigmoid_f(x) * (1.0f + x * (1.0f - sigmoid_f(x))),
        y * sigmoid_d(x) * (1.0 + x * (1.0 - sigmoid_d(x))), 0)
 BINARY(silu_backward_fast, y * fast_sigmoidf(x) * (1.0f + x * (1.0f - fast_sigmoidf(x))),
@@ -205,7 +205,7 @@ kiln_status kiln__cpu_silu_backward_fast(K_ARGS);
 #define BY_SWITCH_GELU(name)                                                                     \
     kiln_status kiln__cpu_##name(K_ARGS)                                                         \
     {                                                                                            \
-        return kiln__opt(KILN__OPT_FAST_EXP) && a->i[0] ? kiln__cpu_##name##_fast(be, in, n_in, a, out, n_out) \
+        return kiln__opt(KILN__OPT_FAST_EXP) && a->op.gelu.tanh ? kiln__cpu_##name##_fast(be, in, n_in, a, out, n_out) \
                                                         : kiln__cpu_##name##_exact(be, in, n_in, a, out, n_out); \
     }
 BY_SWITCH_GELU(gelu)
@@ -467,7 +467,7 @@ kiln_status kiln__cpu_tri(kiln__backend *be, kiln_tensor_t *const *in, int n_in,
     for (int64_t m = 0; m < mats; m++)
         for (int64_t i = 0; i < r; i++)
             for (int64_t j = 0; j < c; j++) {
-                bool keep = a->i[1] ? j - i >= a->i[0] : j - i <= a->i[0];
+                bool keep = a->op.tri.upper ? j - i >= a->op.tri.k : j - i <= a->op.tri.k;
                 if (!keep) memset(base + ((m * r + i) * c + j) * (int64_t)sz, 0, sz);
             }
     return KILN_OK;

@@ -241,6 +241,6 @@ kiln_status kiln__cpu_max(kiln__backend *be, kiln_tensor_t *const *in, int n_in,
 kiln_status kiln__cpu_argmax(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                              kiln_tensor_t *const *out, int n_out)
 {
-    int64_t dim = a->i[0];
+    int64_t dim = a->op.dim.dim;
     return reduce(in[0], out[0], &dim, 1, 2);
 }
