@@ -136,12 +136,12 @@ static void expr_c(sbuf *b, const gen *G, int i)
         put(b, "]");
         return;
     case E_CONST: /* %g writes inf and nan as words; INFINITY is there in every dialect */
-        if (isinf(e->attrs.f[0])) put(b, "(%s)(%sINFINITY)", T, e->attrs.f[0] < 0 ? "-" : "");
-        else if (isnan(e->attrs.f[0])) put(b, "(%s)km_bits(0x7fc00000)", T);
-        else put(b, "(%s)%.17g", T, e->attrs.f[0]);
+        if (isinf(e->attrs.op.source.value)) put(b, "(%s)(%sINFINITY)", T, e->attrs.op.source.value < 0 ? "-" : "");
+        else if (isnan(e->attrs.op.source.value)) put(b, "(%s)km_bits(0x7fc00000)", T);
+        else put(b, "(%s)%.17g", T, e->attrs.op.source.value);
         return;
     case E_INDEX:
-        put(b, "(%s)(%.17g + %.17g * (double)(o%d", T, e->attrs.f[0], e->attrs.f[1], i);
+        put(b, "(%s)(%.17g + %.17g * (double)(o%d", T, e->attrs.op.source.start, e->attrs.op.source.step, i);
         if (k->ndim) inner_step(b, G, kc_sz_load(k, i, k->ndim - 1));
         put(b, "))");
         return;

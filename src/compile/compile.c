@@ -45,7 +45,7 @@ static void ir_print(const kiln__program *p, FILE *f)
             } else if (e->kind == E_ACC) {
                 fprintf(f, " %s(e%d) over the inner dim", kiln__ops[k->acc[e->buf].op].name, k->acc[e->buf].expr);
             } else {
-                fprintf(f, " %g", e->attrs.f[0]);
+                fprintf(f, " %g", e->kind == E_INDEX ? e->attrs.op.source.start : e->attrs.op.source.value);
             }
             fprintf(f, " %s%s phase %d\n", kiln_dtype_name(e->dt), e->row ? " row" : "", e->phase);
         }

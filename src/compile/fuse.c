@@ -244,11 +244,11 @@ static int operand(lower_ctx *c, int u, int f)
     if (c->mutated[u]) prod = NULL; /* written in place later: read its buffer */
     if (prod && prod->op == KILN_OP_FULL) {
         e.kind = E_CONST;
-        e.attrs.f[0] = prod->attrs.f[0];
+        e.attrs.op.source.value = prod->attrs.op.source.value;
     } else if (prod && prod->op == KILN_OP_ARANGE) {
         e.kind = E_INDEX;
-        e.attrs.f[0] = prod->attrs.f[0];
-        e.attrs.f[1] = prod->attrs.f[1];
+        e.attrs.op.source.start = prod->attrs.op.source.start;
+        e.attrs.op.source.step = prod->attrs.op.source.step;
         int64_t one = 1;
         embed(c->gr, &x->meta, &one, f, e.st);
     } else {

@@ -70,7 +70,7 @@ static bool is_collective(const kiln__program *p, int t)
     if (st->kind != STEP_OP) return false;
     const node *n = &p->g->nd[st->index];
     if (n->op != KILN_OP_ALLREDUCE_ || n->n_in != 1) return false;
-    const kiln__collective_ops *c = (const kiln__collective_ops *)(uintptr_t)n->attrs.u[1];
+    const kiln__collective_ops *c = n->attrs.op.collective.ops;
     return c && c->start;
 }
 

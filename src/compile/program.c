@@ -142,11 +142,11 @@ static kiln_status start_collective(const kiln_graph_t *g, const kc_step *st, ki
                                     int *n_fl)
 {
     const node *n = &g->nd[st->index];
-    const kiln__collective_ops *c = (const kiln__collective_ops *)(uintptr_t)n->attrs.u[1];
+    const kiln__collective_ops *c = n->attrs.op.collective.ops;
     kiln_tensor_t *t = f->rt[n->in[0]];
     if (!t) return kiln__err(KILN_ERR_INTERNAL, "compile: allreduce_ of value %%%d before it exists", n->in[0]);
     void *w = NULL;
-    kiln_status s = c->start((void *)(uintptr_t)n->attrs.u[0], t, (int)n->attrs.i[0], &w);
+    kiln_status s = c->start(n->attrs.op.collective.group, t, n->attrs.op.collective.reduce, &w);
     if (w) fl[(*n_fl)++] = (in_flight){w, c, kiln_tensor_retain(t), st->until};
     return s;
 }

@@ -1,5 +1,7 @@
 /* Attributes of one op call: a fixed-size plain struct so that it can be copied into an
- * autograd node, compared and hashed (zero it before filling it). */
+ * autograd node, compared and hashed (zero it before filling it). Each op's own
+ * attributes are a typed struct in the union `op`; the shape-like ones (a reduction's
+ * dims, a view's or a source op's shape) and a random op's stream are shared fields. */
 #ifndef KILN_OPS_ATTRS_H
 #define KILN_OPS_ATTRS_H
 
@@ -7,8 +9,7 @@
 #include <stdint.h>
 #include "kiln/tensor.h"
 
-/* Typed attributes, one struct per op that has them (in kiln__attrs.op); the other ops
- * still use the positional slots that ops.def's comment lists. */
+/* Typed attributes, one struct per op (or family of ops) that has them. */
 typedef struct {
     double weight_decay, beta1, beta2, eps;
 } kiln__adamw_attrs; /* ADAMW_ */
@@ -57,12 +58,47 @@ typedef struct {
     bool tanh; /* the tanh approximation, else the erf form */
 } kiln__gelu_attrs; /* GELU, GELU_BACKWARD */
 
+/* The source ops' shape is kiln__attrs.shape/ndim; RAND's random stream is u[0..1]. */
+typedef struct {
+    kiln_dtype dtype;
+    double value;       /* FULL */
+    double start, step; /* ARANGE: element i is start + i * step */
+    bool normal;        /* RAND: normal, else uniform in [0, 1) */
+} kiln__source_attrs; /* FULL, ARANGE, RAND */
+
+typedef struct {
+    double value; /* ADD_'s alpha, SCALE_'s factor, FILL_'s value */
+} kiln__scalar_attrs; /* ADD_, SCALE_, FILL_ */
+
+typedef struct {
+    double min;      /* an element below it (or NaN) fails */
+    int what;        /* what is checked, for the message (KILN__CHECK_*) */
+    int64_t classes; /* KILN__CHECK_CE_TARGET: the vocabulary size */
+} kiln__check_attrs; /* CHECK_MIN */
+
+typedef struct {
+    int64_t vocab; /* rows of the gradient */
+} kiln__embedding_backward_attrs; /* EMBEDDING_BACKWARD */
+
+typedef struct {
+    int64_t cols; /* n, the weight's rows before packing */
+} kiln__rows_packed_attrs; /* MATMUL_ROWS_PACKED */
+
+typedef struct {
+    int64_t block_len;
+    double scale;
+} kiln__paged_attention_attrs; /* PAGED_ATTENTION */
+
+typedef struct {
+    void *group;     /* the process group (the backends know nothing of groups) */
+    const void *ops; /* ALLREDUCE_: its kiln__collective_ops; the others: a kiln__collective2_fn */
+    int reduce;      /* the reduce op */
+} kiln__collective_attrs; /* ALLREDUCE_, REDUCE_SCATTER_, ALLGATHER_ */
+
 typedef struct {
     int64_t shape[KILN_MAX_DIMS]; /* a shape, or a list of dims */
     int ndim;                     /* entries used in shape */
-    int64_t i[4];                 /* op-specific integers (see ops.def) */
-    double f[2];                  /* op-specific reals */
-    uint64_t u[2];                /* random seed and counter offset */
+    uint64_t u[2];                /* RAND's and DROPOUT's random stream: seed and counter offset */
     bool keepdim;
     union {
         kiln__adamw_attrs adamw;
@@ -76,6 +112,13 @@ typedef struct {
         kiln__tri_attrs tri;
         kiln__slice_attrs slice;
         kiln__gelu_attrs gelu;
+        kiln__source_attrs source;
+        kiln__scalar_attrs scalar;
+        kiln__check_attrs check;
+        kiln__embedding_backward_attrs embedding_backward;
+        kiln__rows_packed_attrs rows_packed;
+        kiln__paged_attention_attrs paged_attention;
+        kiln__collective_attrs collective;
     } op;
 } kiln__attrs;
 

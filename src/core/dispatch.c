@@ -103,14 +103,14 @@ static kiln_status fill_value(kiln__backend *be, kiln_tensor_t *t, double v)
 static kiln_status generic_full(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                 kiln_tensor_t *const *out, int n_out)
 {
-    return fill_value(be, out[0], a->f[0]);
+    return fill_value(be, out[0], a->op.source.value);
 }
 
 static kiln_status generic_fill_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                  kiln_tensor_t *const *out, int n_out)
 {
     if (!kiln__is_contiguous(in[0])) return kiln__cpu_fallback(be, KILN_OP_FILL_, in, n_in, a, out, n_out);
-    return fill_value(be, in[0], a->f[0]);
+    return fill_value(be, in[0], a->op.scalar.value);
 }
 
 static kiln_status generic_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,

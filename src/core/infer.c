@@ -428,7 +428,7 @@ kiln_status kiln__infer_matmul_rows_packed(kiln_tensor_t *const *in, int n, cons
 {
     const kiln_tensor_t *x = in[0], *w = in[1];
     char b1[96], b2[96];
-    int64_t cols = a->i[0];
+    int64_t cols = a->op.rows_packed.cols;
     if (x->ndim != 2 || w->ndim != 3 || x->shape[1] != w->shape[1] || w->shape[2] != KILN_ROWS_PANEL || cols < 1 ||
         cols > w->shape[0] * KILN_ROWS_PANEL || cols <= (w->shape[0] - 1) * KILN_ROWS_PANEL)
         return kiln__err(KILN_ERR_SHAPE, "matmul_rows_packed: a %s and packed w %s for %lld columns must be (M,K) and "
@@ -458,12 +458,12 @@ kiln_status kiln__infer_paged_attention(kiln_tensor_t *const *in, int n, const k
     bool ok = q->ndim == 3 && k->ndim == 3 && v->ndim == 3 && bt->ndim == 2 && sp->ndim == 2 && sp->shape[1] == 2 &&
               sp->shape[0] == q->shape[0] && k->shape[0] == v->shape[0] && k->shape[1] == v->shape[1] &&
               k->shape[1] > 0 && q->shape[1] % k->shape[1] == 0 && q->shape[2] == k->shape[2] &&
-              k->shape[2] == v->shape[2] && a->i[0] >= 1 && k->shape[0] % a->i[0] == 0;
+              k->shape[2] == v->shape[2] && a->op.paged_attention.block_len >= 1 && k->shape[0] % a->op.paged_attention.block_len == 0;
     if (!ok)
         return kiln__err(KILN_ERR_SHAPE, "paged_attention: q %s, k_pages %s, v_pages %s, block_table %s, seq_pos %s must "
                          "be (N,H,D), (S,Hkv,D), (S,Hkv,D), (n_seqs,max_blocks), (N,2) with H a multiple of Hkv and S a "
                          "multiple of block_len %lld", SHP(q, b1), SHP(k, b2), SHP(v, b3), SHP(bt, b4), SHP(sp, b5),
-                         (long long)a->i[0]);
+                         (long long)a->op.paged_attention.block_len);
     bool kv_ok = k->dtype == v->dtype &&
                  (k->dtype == KILN_DTYPE_F32 || k->dtype == KILN_DTYPE_F16 || k->dtype == KILN_DTYPE_BF16);
     if (q->dtype != KILN_DTYPE_F32 || !kv_ok)
@@ -585,7 +585,7 @@ kiln_status kiln__infer_expand(kiln_tensor_t *const *in, int n, const kiln__attr
 
 static kiln_status creation(const kiln__attrs *a, kiln__meta *out)
 {
-    meta_shape(out, (kiln_dtype)a->i[0], a->ndim, a->shape);
+    meta_shape(out, a->op.source.dtype, a->ndim, a->shape);
     return KILN_OK;
 }
 
@@ -659,7 +659,7 @@ kiln_status kiln__infer_allreduce_(kiln_tensor_t *const *in, int n, const kiln__
     char b[96];
     if (in[0]->dtype != KILN_DTYPE_F32 && in[0]->dtype != KILN_DTYPE_F64)
         return kiln__err(KILN_ERR_DTYPE, "allreduce_: %s must be f32 or f64", SHP(in[0], b));
-    if (!a->u[0] || !a->u[1]) return kiln__err(KILN_ERR_ARG, "allreduce_: no process group");
+    if (!a->op.collective.group || !a->op.collective.ops) return kiln__err(KILN_ERR_ARG, "allreduce_: no process group");
     return KILN_OK;
 }
 
@@ -672,7 +672,7 @@ static kiln_status infer_collective2(const char *what, kiln_tensor_t *const *in,
     if (in[1]->dtype != in[0]->dtype)
         return kiln__err(KILN_ERR_DTYPE, "%s: source %s and destination %s differ in dtype", what, SHP(in[1], b),
                          SHP(in[0], c));
-    if (!a->u[0] || !a->u[1]) return kiln__err(KILN_ERR_ARG, "%s: no process group", what);
+    if (!a->op.collective.group || !a->op.collective.ops) return kiln__err(KILN_ERR_ARG, "%s: no process group", what);
     return KILN_OK;
 }
 
@@ -701,7 +701,7 @@ kiln_status kiln__infer_silu_backward(kiln_tensor_t *const *in, int n, const kil
 
 kiln_status kiln__infer_embedding_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
-    int64_t shape[2] = {a->i[0], in[0]->shape[in[0]->ndim - 1]};
+    int64_t shape[2] = {a->op.embedding_backward.vocab, in[0]->shape[in[0]->ndim - 1]};
     meta_shape(out, in[0]->dtype, 2, shape);
     return KILN_OK;
 }

@@ -197,7 +197,7 @@ static kiln_tensor_t *creation(kiln__op_id op, const char *name, const int64_t *
     if (check_shape(name, shape, ndim, dt) != KILN_OK) return NULL;
     a->ndim = ndim;
     for (int i = 0; i < ndim; i++) a->shape[i] = shape[i];
-    a->i[0] = dt;
+    a->op.source.dtype = dt;
     return kiln__call(op, NULL, 0, a);
 }
 
@@ -211,7 +211,7 @@ kiln_tensor_t *kiln_empty(const int64_t *shape, int ndim, kiln_dtype dt)
 kiln_tensor_t *kiln_full(const int64_t *shape, int ndim, double value, kiln_dtype dt)
 {
     kiln__attrs a = {0};
-    a.f[0] = value;
+    a.op.source.value = value;
     return creation(KILN_OP_FULL, "full", shape, ndim, dt, &a);
 }
 
@@ -233,8 +233,8 @@ kiln_tensor_t *kiln_arange(double start, double end, double step, kiln_dtype dt)
     if (step == 0 || (end - start) / step < 0)
         return kiln__err(KILN_ERR_ARG, "arange: step %g cannot go from %g to %g", step, start, end), NULL;
     kiln__attrs a = {0};
-    a.f[0] = start;
-    a.f[1] = step;
+    a.op.source.start = start;
+    a.op.source.step = step;
     int64_t n = (int64_t)((end - start) / step);
     if (start + (double)n * step != end && (end - start) / step > (double)n) n++;
     return creation(KILN_OP_ARANGE, "arange", &n, 1, dt, &a);
@@ -249,7 +249,7 @@ static kiln_tensor_t *random_tensor(const int64_t *shape, int ndim, kiln_dtype d
                          kiln_dtype_name(dt)), NULL;
     if (check_shape("rand", shape, ndim, dt) != KILN_OK) return NULL;
     kiln__attrs a = {0};
-    a.i[1] = normal;
+    a.op.source.normal = normal;
     a.u[1] = kiln__rng_take((uint64_t)kiln__numel(ndim, shape), &a.u[0]);
     return creation(KILN_OP_RAND, "rand", shape, ndim, dt, &a);
 }

@@ -282,9 +282,7 @@ kiln_status kiln_pg_allreduce(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op
     if (check_reduce("allreduce", op) != KILN_OK) return kiln_last_status();
     if (kiln_graph_capturing()) { /* recorded: the graph runs it in its place, through allreduce_ops */
         kiln__attrs a = {0};
-        a.u[0] = (uint64_t)(uintptr_t)pg;
-        a.u[1] = (uint64_t)(uintptr_t)&allreduce_ops;
-        a.i[0] = op;
+        a.op.collective = (kiln__collective_attrs){.group = pg, .ops = &allreduce_ops, .reduce = op};
         return kiln__dispatch(KILN_OP_ALLREDUCE_, &t, 1, &a, NULL);
     }
     return allreduce_now(pg, t, op);
@@ -327,9 +325,7 @@ static kiln_status record2(kiln_pg_t *pg, kiln__op_id op, kiln__collective2_fn f
                            kiln_tensor_t *in, int reduce)
 {
     kiln__attrs a = {0};
-    a.u[0] = (uint64_t)(uintptr_t)pg;
-    a.u[1] = (uint64_t)(uintptr_t)fn;
-    a.i[0] = reduce;
+    a.op.collective = (kiln__collective_attrs){.group = pg, .ops = (const void *)(uintptr_t)fn, .reduce = reduce};
     kiln_tensor_t *ts[2] = {out, in};
     return kiln__dispatch(op, ts, 2, &a, NULL);
 }

@@ -517,8 +517,8 @@ typedef struct {
 
 static bool same_collective(const node *a, const node *b, const kiln_tensor_t *ta, const kiln_tensor_t *tb)
 {
-    return b->op == KILN_OP_ALLREDUCE_ && a->attrs.u[0] == b->attrs.u[0] && a->attrs.u[1] == b->attrs.u[1] &&
-           a->attrs.i[0] == b->attrs.i[0] && ta->dtype == tb->dtype && ta->st->be == tb->st->be;
+    return b->op == KILN_OP_ALLREDUCE_ && a->attrs.op.collective.group == b->attrs.op.collective.group && a->attrs.op.collective.ops == b->attrs.op.collective.ops &&
+           a->attrs.op.collective.reduce == b->attrs.op.collective.reduce && ta->dtype == tb->dtype && ta->st->be == tb->st->be;
 }
 
 /* Must v's new contents be written into its storage: is v an argument or captured

@@ -416,7 +416,7 @@ kiln_tensor_t *kiln_matmul_rows_packed(kiln_tensor_t *a, kiln_tensor_t *wp, int6
     if (!a || !wp) return null_arg("matmul_rows_packed");
     kiln_tensor_t *in[2] = {a, wp};
     kiln__attrs at = {0};
-    at.i[0] = n;
+    at.op.rows_packed.cols = n;
     return kiln__call(KILN_OP_MATMUL_ROWS_PACKED, in, 2, &at);
 }
 
@@ -434,8 +434,8 @@ kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, ki
 {
     if (!q || !k_pages || !v_pages || !block_table || !seq_pos) return null_arg("paged_attention");
     kiln__attrs at = {0};
-    at.i[0] = block_len;
-    at.f[0] = scale > 0 ? scale : 1.0 / sqrt((double)(q->ndim == 3 ? q->shape[2] : 1));
+    at.op.paged_attention.block_len = block_len;
+    at.op.paged_attention.scale = scale > 0 ? scale : 1.0 / sqrt((double)(q->ndim == 3 ? q->shape[2] : 1));
     kiln_tensor_t *in[5] = {q, k_pages, v_pages, block_table, seq_pos};
     return kiln__call(KILN_OP_PAGED_ATTENTION, in, 5, &at);
 }
@@ -619,7 +619,7 @@ kiln_tensor_t *kiln_unsqueeze(kiln_tensor_t *a, int dim)
 kiln_status kiln_add_(kiln_tensor_t *dst, kiln_tensor_t *src, double alpha)
 {
     kiln__attrs at = {0};
-    at.f[0] = alpha;
+    at.op.scalar.value = alpha;
     kiln_tensor_t *in[2] = {dst, src};
     return kiln__dispatch(KILN_OP_ADD_, in, 2, &at, NULL);
 }
@@ -633,14 +633,14 @@ kiln_status kiln_index_copy_(kiln_tensor_t *dst, kiln_tensor_t *index, kiln_tens
 kiln_status kiln_mul_scalar_(kiln_tensor_t *dst, double s)
 {
     kiln__attrs at = {0};
-    at.f[0] = s;
+    at.op.scalar.value = s;
     return kiln__dispatch(KILN_OP_SCALE_, &dst, 1, &at, NULL);
 }
 
 kiln_status kiln_fill_(kiln_tensor_t *dst, double value)
 {
     kiln__attrs at = {0};
-    at.f[0] = value;
+    at.op.scalar.value = value;
     return kiln__dispatch(KILN_OP_FILL_, &dst, 1, &at, NULL);
 }
 

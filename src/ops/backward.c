@@ -246,7 +246,7 @@ kiln_status kiln__bw_matmul(kiln__node *n, kiln_tensor_t *const *gout, kiln_tens
 kiln_status kiln__bw_embedding(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 {
     kiln__attrs a = {0};
-    a.i[0] = META(0)->shape[0];
+    a.op.embedding_backward.vocab = META(0)->shape[0];
     kiln_tensor_t *in[2] = {G, X(1)};
     gin[0] = kiln__call(KILN_OP_EMBEDDING_BACKWARD, in, 2, &a);
     n->needs_grad[1] = false;

@@ -116,8 +116,7 @@ static kiln_status dec_adamw(kiln_tensor_t *const *in, int n_in, const kiln__att
     kiln_tensor_t *p = in[0], *g = in[1], *m = in[2], *v = in[3];
     kiln_tensor_t *lr = scalar_of(in[4], F), *gscale = scalar_of(in[6], F), *step = kiln_view(in[5], NULL, 0);
     kiln__attrs ca = {0};
-    ca.f[0] = 1;
-    ca.i[0] = KILN__CHECK_ADAMW_STEP;
+    ca.op.check = (kiln__check_attrs){.min = 1, .what = KILN__CHECK_ADAMW_STEP};
     kiln_tensor_t *t = step ? kiln__call(KILN_OP_CHECK_MIN, &step, 1, &ca) : NULL;
     t = kiln_cast(t, D);
     kiln_tensor_t *one = kiln_scalar(1, D);
@@ -151,8 +150,8 @@ static kiln_status dec_cross_entropy(kiln_tensor_t *const *in, int n_in, const k
     kiln_tensor_t *valid = kiln_ne(t, kiln_scalar((double)a->op.cross_entropy.ignore_index, I));
     kiln_tensor_t *idx = kiln_where(valid, t, kiln_scalar(0, I)), *top = kiln_scalar((double)(V - 1), I);
     kiln__attrs ca = {0};
-    ca.i[0] = KILN__CHECK_CE_TARGET;
-    ca.f[1] = (double)V;
+    ca.op.check.what = KILN__CHECK_CE_TARGET;
+    ca.op.check.classes = V;
     idx = idx ? kiln__call(KILN_OP_CHECK_MIN, &idx, 1, &ca) : NULL; /* >= 0 */
     kiln_tensor_t *rev = kiln_sub(top, idx);
     rev = rev ? kiln__call(KILN_OP_CHECK_MIN, &rev, 1, &ca) : NULL; /* <= V - 1 */

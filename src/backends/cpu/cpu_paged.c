@@ -152,13 +152,13 @@ kiln_status kiln__cpu_paged_attention(K_ARGS)
     kiln_status s = KILN_OK;
     for (int i = 0; i < 5 && s == KILN_OK; i++)
         if (!(c[i] = cpu_contig(in[i], &tmp[i]))) s = kiln_last_status();
-    int64_t N = s == KILN_OK ? c[0]->shape[0] : 0, bl = a->i[0];
+    int64_t N = s == KILN_OK ? c[0]->shape[0] : 0, bl = a->op.paged_attention.block_len;
     if (s == KILN_OK)
         s = check_pages(kiln__data(c[3]), kiln__data(c[4]), N, c[3]->shape[0], c[3]->shape[1], bl, c[1]->shape[0] / bl);
     if (s == KILN_OK && N > 0) {
         paged_ctx k = {kiln__data(c[0]), kiln__data(c[1]), kiln__data(c[2]), kiln__data(c[3]), kiln__data(c[4]),
                        kiln__data(out[0]), c[0]->shape[1], c[1]->shape[1], c[0]->shape[2], bl, c[3]->shape[1],
-                       c[3]->shape[1] * bl, 0, 0, (float)a->f[0], 0};
+                       c[3]->shape[1] * bl, 0, 0, (float)a->op.paged_attention.scale, 0};
         /* Whole rows when there are enough of them to share out; else rows split into
          * head groups, so that one decoding sequence still uses every thread. */
         int64_t want = 2 * kiln__pool_size(), split = N >= want ? 1 : (want + N - 1) / N;

@@ -103,8 +103,8 @@ UNARY(gelu_exact, gelu_f(x, AT->op.gelu.tanh), gelu_d(x, AT->op.gelu.tanh))
 UNARY(gelu_fast, gelu_fast(x), gelu_d(x, AT->op.gelu.tanh))
 UNARY(silu_exact, x * sigmoid_f(x), x * sigmoid_d(x))
 UNARY(silu_fast, x * fast_sigmoidf(x), x * sigmoid_d(x))
-UNARY(scale_body, x * (float)AT->f[0], x * AT->f[0])
-UNARY(fill_body, ((void)x, (float)AT->f[0]), ((void)x, AT->f[0]))
+UNARY(scale_body, x * (float)AT->op.scalar.value, x * AT->op.scalar.value)
+UNARY(fill_body, ((void)x, (float)AT->op.scalar.value), ((void)x, AT->op.scalar.value))
 
 /* ---- binary ---- */
 #define BINARY(name, EXPR_F, EXPR_D, OUT_IS_BOOL)                                                   \
@@ -219,7 +219,7 @@ BY_SWITCH(silu_backward)
 KILN_SIMD static void add__f32(void *c, char **p, const int64_t *s, int64_t n)
 {
     const pw_ctx *pc = c;
-    float *o = (float *)p[0], al = (float)pc->a->f[0];
+    float *o = (float *)p[0], al = (float)pc->a->op.scalar.value;
     const float *x = (const float *)p[1];
     if (s[0] == 1 && s[1] == 1)
         for (int64_t i = 0; i < n; i++) o[i] += al * x[i];
@@ -233,7 +233,7 @@ static void add__any(void *c, char **p, const int64_t *s, int64_t n)
     size_t so = kiln_dtype_size(pc->dt[0]), si = kiln_dtype_size(pc->dt[1]);
     for (int64_t i = 0; i < n; i++) {
         char *d = p[0] + i * s[0] * (int64_t)so;
-        kiln__store(d, pc->dt[0], kiln__load(d, pc->dt[0]) + pc->a->f[0] * kiln__load(p[1] + i * s[1] * (int64_t)si, pc->dt[1]));
+        kiln__store(d, pc->dt[0], kiln__load(d, pc->dt[0]) + pc->a->op.scalar.value * kiln__load(p[1] + i * s[1] * (int64_t)si, pc->dt[1]));
     }
 }
 
@@ -306,11 +306,11 @@ kiln_status kiln__cpu_check_min(kiln__backend *be, kiln_tensor_t *const *in, int
     int64_t n = kiln__numel(out[0]->ndim, out[0]->shape);
     for (int64_t i = 0; i < n; i++) {
         double x = kiln__load(p + i * (int64_t)sz, out[0]->dtype);
-        if (x >= a->f[0]) continue;
-        if (a->i[0] == KILN__CHECK_CE_TARGET) /* a decomposed cross_entropy's index, or V - 1 minus it */
+        if (x >= a->op.check.min) continue;
+        if (a->op.check.what == KILN__CHECK_CE_TARGET) /* a decomposed cross_entropy's index, or V - 1 minus it */
             return kiln__err(KILN_ERR_INDEX, "cross_entropy: the target at row %lld is outside [0, %lld) (and is not "
-                             "ignore_index)", (long long)i, (long long)a->f[1]);
-        return kiln__err(KILN_ERR_ARG, "%s %g must be >= %g", what[a->i[0] == KILN__CHECK_ADAMW_STEP], x, a->f[0]);
+                             "ignore_index)", (long long)i, (long long)a->op.check.classes);
+        return kiln__err(KILN_ERR_ARG, "%s %g must be >= %g", what[a->op.check.what == KILN__CHECK_ADAMW_STEP], x, a->op.check.min);
     }
     return KILN_OK;
 }
@@ -320,22 +320,22 @@ kiln_status kiln__cpu_check_min(kiln__backend *be, kiln_tensor_t *const *in, int
 kiln_status kiln__cpu_allreduce_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                  kiln_tensor_t *const *out, int n_out)
 {
-    const kiln__collective_ops *c = (const kiln__collective_ops *)(uintptr_t)a->u[1];
-    return c->run((void *)(uintptr_t)a->u[0], in[0], (int)a->i[0]);
+    const kiln__collective_ops *c = a->op.collective.ops;
+    return c->run(a->op.collective.group, in[0], a->op.collective.reduce);
 }
 
 kiln_status kiln__cpu_reduce_scatter_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                       kiln_tensor_t *const *out, int n_out)
 {
-    kiln__collective2_fn run = (kiln__collective2_fn)(uintptr_t)a->u[1];
-    return run((void *)(uintptr_t)a->u[0], in[0], in[1], (int)a->i[0]);
+    kiln__collective2_fn run = (kiln__collective2_fn)(uintptr_t)a->op.collective.ops;
+    return run(a->op.collective.group, in[0], in[1], a->op.collective.reduce);
 }
 
 kiln_status kiln__cpu_allgather_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                  kiln_tensor_t *const *out, int n_out)
 {
-    kiln__collective2_fn run = (kiln__collective2_fn)(uintptr_t)a->u[1];
-    return run((void *)(uintptr_t)a->u[0], in[0], in[1], (int)a->i[0]);
+    kiln__collective2_fn run = (kiln__collective2_fn)(uintptr_t)a->op.collective.ops;
+    return run(a->op.collective.group, in[0], in[1], a->op.collective.reduce);
 }
 
 kiln_status kiln__cpu_where(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
@@ -395,15 +395,15 @@ static void make_range(void *c, int64_t b, int64_t e)
     char *base = kiln__data(m->t);
     size_t sz = kiln_dtype_size(dt);
     if (m->kind == 0 && dt == KILN_DTYPE_F32) {
-        float v = (float)a->f[0], *o = (float *)base;
+        float v = (float)a->op.source.value, *o = (float *)base;
         for (int64_t i = b; i < e; i++) o[i] = v;
         return;
     }
     for (int64_t i = b; i < e; i++) {
         double v;
-        if (m->kind == 0) v = a->f[0];
-        else if (m->kind == 1) v = a->f[0] + (double)i * a->f[1];
-        else if (a->i[1]) v = kiln__rng_normal(a->u[0], a->u[1], (uint64_t)i);
+        if (m->kind == 0) v = a->op.source.value;
+        else if (m->kind == 1) v = a->op.source.start + (double)i * a->op.source.step;
+        else if (a->op.source.normal) v = kiln__rng_normal(a->u[0], a->u[1], (uint64_t)i);
         else v = fmin(kiln__rng_uniform(a->u[0], a->u[1], (uint64_t)i), below_one(dt));
         kiln__store(base + i * (int64_t)sz, dt, v);
     }

@@ -448,7 +448,7 @@ static kiln_status cu_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in
     int64_t n = kiln_tensor_numel(in[0]);
     if (!contiguous_f32(in[0]) || !contiguous_f32(in[1]) || kiln_tensor_numel(in[1]) != n)
         return kiln__cpu_fallback(be, KILN_OP_ADD_, in, n_in, a, out, n_out);
-    kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), f_arg(KILN__KARG_F32, a->f[0]), i64_arg(n)};
+    kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), f_arg(KILN__KARG_F32, a->op.scalar.value), i64_arg(n)};
     return run_1d(be, CB_ADD_, args, 4, n);
 }
 
@@ -457,7 +457,7 @@ static kiln_status cu_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_
 {
     int64_t n = kiln_tensor_numel(in[0]);
     if (!contiguous_f32(in[0])) return kiln__cpu_fallback(be, KILN_OP_SCALE_, in, n_in, a, out, n_out);
-    kiln__karg args[] = {buf_arg(in[0]), f_arg(KILN__KARG_F32, a->f[0]), i64_arg(n)};
+    kiln__karg args[] = {buf_arg(in[0]), f_arg(KILN__KARG_F32, a->op.scalar.value), i64_arg(n)};
     return run_1d(be, CB_SCALE_, args, 3, n);
 }
 

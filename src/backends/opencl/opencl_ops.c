@@ -114,7 +114,7 @@ static kiln_status ocl_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_i
     cl_kernel k = ok ? builtin(be, dt == KILN_DTYPE_F64 ? BK_ADD_F64_ : BK_ADD_) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_ADD_, in, n_in, a, out, n_out);
     if (!n) return KILN_OK;
-    kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), f_arg(dt == KILN_DTYPE_F64 ? KILN__KARG_F64 : KILN__KARG_F32, a->f[0]),
+    kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), f_arg(dt == KILN_DTYPE_F64 ? KILN__KARG_F64 : KILN__KARG_F32, a->op.scalar.value),
                          i64_arg(n)};
     size_t grid = (size_t)n;
     return kiln__opencl_launch(be, k, args, 4, &grid, NULL, 1);
@@ -159,7 +159,7 @@ static kiln_status ocl_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n
     cl_kernel k = contiguous_f32(in[0]) ? builtin(be, BK_SCALE_) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_SCALE_, in, n_in, a, out, n_out);
     if (!n) return KILN_OK;
-    kiln__karg args[] = {buf_arg(in[0]), f_arg(KILN__KARG_F32, a->f[0]), i64_arg(n)};
+    kiln__karg args[] = {buf_arg(in[0]), f_arg(KILN__KARG_F32, a->op.scalar.value), i64_arg(n)};
     size_t grid = (size_t)n;
     return kiln__opencl_launch(be, k, args, 3, &grid, NULL, 1);
 }
