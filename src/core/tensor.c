@@ -6,6 +6,7 @@
 #include "kiln/ops.h"
 #include "core/tensor_impl.h"
 #include "core/intercept.h"
+#include "core/rng.h"
 
 int64_t kiln__numel(int ndim, const int64_t *shape)
 {
@@ -239,8 +240,6 @@ kiln_tensor_t *kiln_arange(double start, double end, double step, kiln_dtype dt)
     if (start + (double)n * step != end && (end - start) / step > (double)n) n++;
     return creation(KILN_OP_ARANGE, "arange", &n, 1, dt, &a);
 }
-
-uint64_t kiln__rng_take(uint64_t n, uint64_t *seed);
 
 static kiln_tensor_t *random_tensor(const int64_t *shape, int ndim, kiln_dtype dt, bool normal)
 {
