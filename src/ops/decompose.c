@@ -212,25 +212,52 @@ static bool has_kernel(const kiln_tensor_t *t, kiln__op_id op)
     return t->st->be && kiln__be_has_kernel(t->st->be, op);
 }
 
+/* When each decomposition is taken (all: KILN_COMPILE_DECOMPOSE=all). */
+static bool adamw_when(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, bool all)
+{
+    /* Only on the cpu, where the primitives and their copy_ stores become one generated
+     * kernel. A device already has the update as one hand-written kernel (and a CUDA
+     * graph is interpreted, where one kernel beats fifteen launches), so there adamw_
+     * stays whole. */
+    return n_in == 7 && in[0]->st->be == kiln__backend_at(0);
+}
+
+static bool always(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, bool all) { return true; }
+
+static bool cross_entropy_when(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, bool all)
+{
+    return n_in == 2 && in[0]->shape[1] > 0 && (all || !has_kernel(in[0], KILN_OP_CROSS_ENTROPY));
+}
+
+static bool attention_when(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, bool all)
+{
+    /* no keys: the kernel's lse of -inf, left to it */
+    return n_in == 3 && in[1]->shape[2] > 0 && (all || !has_kernel(in[0], KILN_OP_ATTENTION));
+}
+
+static bool gelu_when(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, bool all)
+{
+    return all && a->op.gelu.tanh;
+}
+
+/* The ops room's decomposition column of the op table: the ops that have one, and when
+ * it is taken (the others are primitives to the compiler). */
+static const struct {
+    kiln__decompose_fn fn;
+    bool (*when)(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, bool all);
+} decompositions[KILN_OP_COUNT] = {
+    [KILN_OP_ADAMW_] = {dec_adamw, adamw_when},
+    [KILN_OP_SOFTMAX] = {dec_softmax, always},
+    [KILN_OP_LOG_SOFTMAX] = {dec_log_softmax, always},
+    [KILN_OP_LAYER_NORM] = {dec_layer_norm, always},
+    [KILN_OP_RMS_NORM] = {dec_rms_norm, always},
+    [KILN_OP_CROSS_ENTROPY] = {dec_cross_entropy, cross_entropy_when},
+    [KILN_OP_ATTENTION] = {dec_attention, attention_when},
+    [KILN_OP_GELU] = {dec_gelu_tanh, gelu_when},
+};
+
 kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                        bool all)
 {
-    switch (op) {
-    case KILN_OP_ADAMW_:
-        /* Only on the cpu, where the primitives and their copy_ stores become one
-         * generated kernel. A device already has the update as one hand-written kernel
-         * (and a CUDA graph is interpreted, where one kernel beats fifteen launches), so
-         * there adamw_ stays whole. */
-        return n_in == 7 && in[0]->st->be == kiln__backend_at(0) ? dec_adamw : NULL;
-    case KILN_OP_SOFTMAX: return dec_softmax;
-    case KILN_OP_LOG_SOFTMAX: return dec_log_softmax;
-    case KILN_OP_LAYER_NORM: return dec_layer_norm;
-    case KILN_OP_RMS_NORM: return dec_rms_norm;
-    case KILN_OP_CROSS_ENTROPY:
-        return n_in == 2 && in[0]->shape[1] > 0 && (all || !has_kernel(in[0], op)) ? dec_cross_entropy : NULL;
-    case KILN_OP_ATTENTION: /* no keys: the kernel's lse of -inf, left to it */
-        return n_in == 3 && in[1]->shape[2] > 0 && (all || !has_kernel(in[0], op)) ? dec_attention : NULL;
-    case KILN_OP_GELU: return all && a->op.gelu.tanh ? dec_gelu_tanh : NULL;
-    default: return NULL;
-    }
+    return decompositions[op].fn && decompositions[op].when(in, n_in, a, all) ? decompositions[op].fn : NULL;
 }
