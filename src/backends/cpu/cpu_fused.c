@@ -402,31 +402,23 @@ kiln_status kiln__cpu_attention_backward(K_ARGS)
     kiln_tensor_t *q = c[1], *kk = c[2], *vv = c[3];
     int64_t tasks = q->shape[0] * kk->shape[1];
     bool bad = false;
-    if (q->dtype == KILN_DTYPE_F32) {
-        ATT_SETUP(f32);
-        k.g = kiln__data(c[0]);
-        k.o = kiln__data(c[4]);
-        strides3(c[0], k.gs);
-        strides3(c[4], k.os);
-        k.lse_in = kiln__data(c[5]);
-        k.dq = kiln__data(out[0]);
-        k.dk = kiln__data(out[1]);
-        k.dv = kiln__data(out[2]);
-        att_run(tasks, att_bwd_range_f32, &k);
-        bad = atomic_load(&k.oom);
-    } else {
-        ATT_SETUP(f64);
-        k.g = kiln__data(c[0]);
-        k.o = kiln__data(c[4]);
-        strides3(c[0], k.gs);
-        strides3(c[4], k.os);
-        k.lse_in = kiln__data(c[5]);
-        k.dq = kiln__data(out[0]);
-        k.dk = kiln__data(out[1]);
-        k.dv = kiln__data(out[2]);
-        att_run(tasks, att_bwd_range_f64, &k);
-        bad = atomic_load(&k.oom);
-    }
+#define ATT_BWD(SFX)                              \
+    do {                                          \
+        ATT_SETUP(SFX);                           \
+        k.g = kiln__data(c[0]);                   \
+        k.o = kiln__data(c[4]);                   \
+        strides3(c[0], k.gs);                     \
+        strides3(c[4], k.os);                     \
+        k.lse_in = kiln__data(c[5]);              \
+        k.dq = kiln__data(out[0]);                \
+        k.dk = kiln__data(out[1]);                \
+        k.dv = kiln__data(out[2]);                \
+        att_run(tasks, att_bwd_range_##SFX, &k);  \
+        bad = atomic_load(&k.oom);                \
+    } while (0)
+    if (q->dtype == KILN_DTYPE_F32) ATT_BWD(f32);
+    else ATT_BWD(f64);
+#undef ATT_BWD
     free_all(tmp, 6);
     return bad ? kiln__err(KILN_ERR_OOM, "attention backward: out of memory for a tile buffer") : KILN_OK;
 }
