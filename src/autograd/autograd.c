@@ -139,11 +139,16 @@ kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, con
         meta_of(out[j], &n->out_meta[j]);
         if (d->save & KILN__SO(j)) n->saved_out[j] = detached(out[j]);
     }
-    /* Every visible output's state first, so that running out of memory leaves no
-     * output pointing at a half-made node. */
+    /* What backward needs must all be there, and every visible output's state made,
+     * before an output points at the node: running out of memory leaves none pointing
+     * at a half-made one. */
+    bool saved = true;
+    for (int i = 0; i < n_in; i++) saved &= !(d->save & KILN__SI(i)) || n->saved_in[i];
+    for (int j = 0; j < n_out; j++) saved &= !(d->save & KILN__SO(j)) || n->saved_out[j];
+    if (!saved) kiln__err(KILN_ERR_OOM, "%s: out of memory saving tensors for autograd", d->name);
     ag_state *os[KILN__MAX_OUT] = {0};
     for (int j = 0; j < d->n_visible; j++)
-        if (!(os[j] = ag_make(out[j]))) {
+        if (!saved || !(os[j] = ag_make(out[j]))) {
             atomic_fetch_add(&n->refcount, 1);
             kiln__node_release(n);
             return NULL;

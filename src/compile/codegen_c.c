@@ -75,7 +75,7 @@ static const char *header_c =
 /* OpenCL C (src/backends/opencl compiles it): the builtins are overloaded, so the C
  * library's f-suffixed names map onto them. */
 static const char *header_cl =
-    "#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n"
+    "#ifdef cl_khr_fp64\n#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n#else\n#define KM_NO_F64\n#endif\n"
     "typedef long int64_t;\ntypedef int int32_t;\ntypedef uchar uint8_t;\n"
     "#define expf exp\n#define logf log\n#define sqrtf sqrt\n#define powf pow\n#define fabsf fabs\n"
     "#define tanhf tanh\n#define erff erf\n#define log1pf log1p\n"

@@ -261,7 +261,7 @@ static kiln_status refused(const kiln_compiled_t *c, kiln_tensor_t *const *in, i
                          "call it once on inputs of these shapes before recording", c->name);
     if (kiln__replay_recording() && prog && prog->n_overlapped)
         return kiln__err(KILN_ERR_UNSUPPORTED, "compiled_call: %s overlaps collectives, which a replay cannot hold; "
-                         "record it with KILN_COMPILE_DISABLE=overlap, or do not record it", c->name);
+                         "record it with KILN_OPT_COMPILE_OVERLAP=0, or do not record it", c->name);
     /* A graph computes gradients only for the tensors it captures (autograd does not see
      * its arguments), so an argument that wants one would silently get none. */
     for (int i = 0; i < n_in && kiln_grad_enabled(); i++)

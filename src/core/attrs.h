@@ -122,8 +122,8 @@ typedef struct {
     } op;
 } kiln__attrs;
 
-/* ALLREDUCE_'s u[1]: the group's entries for it (the group is u[0], the reduce op
- * i[0]), in place on t. run returns when it is done. start begins it and hands out
+/* ALLREDUCE_'s op.collective.ops: the group's entries for it (the group is
+ * op.collective.group, the reduce op op.collective.reduce), in place on t. run returns when it is done. start begins it and hands out
  * *work (NULL when it already ran to the end), which progress lets advance without
  * waiting and finish waits for and frees: a compiled program starts the collective
  * where its input is ready and finishes it before the first step that touches that
@@ -137,10 +137,11 @@ typedef struct {
     kiln_status (*finish)(void *work, bool *posted);
 } kiln__collective_ops;
 
-/* REDUCE_SCATTER_'s and ALLGATHER_'s u[1]: runs the collective on group from src into dst. */
+/* REDUCE_SCATTER_'s and ALLGATHER_'s op.collective.ops: runs the collective on group
+ * from src into dst. */
 typedef kiln_status (*kiln__collective2_fn)(void *group, kiln_tensor_t *dst, kiln_tensor_t *src, int op);
 
-/* What a CHECK_MIN checks (its i[0]), naming it in the error. */
-enum { KILN__CHECK_VALUE, KILN__CHECK_ADAMW_STEP, KILN__CHECK_CE_TARGET /* f[1] = V */ };
+/* What a CHECK_MIN checks (its op.check.what), naming it in the error. */
+enum { KILN__CHECK_VALUE, KILN__CHECK_ADAMW_STEP, KILN__CHECK_CE_TARGET /* op.check.classes = V */ };
 
 #endif

@@ -35,7 +35,7 @@ typedef struct {
     kiln_tensor_t *const *in;
     int n_in;
     const kiln__attrs *a;
-    const kiln__meta *meta;  /* the inferred outputs */
+    const kiln__meta *meta;  /* the inferred outputs (zeros in `before`: inference comes after it) */
     kiln_tensor_t **out;     /* [n_out] set before `after` (and by a `take`) */
     int n_out;
     const kiln__provider *ran; /* who ran it; NULL when no kernel ran (a view, no elements, taken) */

@@ -7,8 +7,9 @@
  * defines first: KM_FN, the qualifier of a helper function ("static inline", "inline",
  * "__device__ inline"), and km_bits(b), a float made from the bits of an int32_t. The C
  * library's f-suffixed names (expf, tanhf, erff, log1pf, ...) are used as in C; the
- * OpenCL header maps them onto its overloaded builtins. No #include: each dialect has
- * its own. */
+ * OpenCL header maps them onto its overloaded builtins. The double forms are left out
+ * where KM_NO_F64 is defined (an OpenCL device without cl_khr_fp64). No #include: each
+ * dialect has its own. */
 #ifndef KILN_CORE_KMATH_H
 #define KILN_CORE_KMATH_H
 
@@ -42,8 +43,10 @@ KM_FN float km_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
 /* NaN propagates through maximum and minimum, as in PyTorch. */
 KM_FN float km_max(float x, float y) { return x != x || x > y ? x : y; }
 KM_FN float km_min(float x, float y) { return x != x || x < y ? x : y; }
+#ifndef KM_NO_F64
 KM_FN double km_maxd(double x, double y) { return x != x || x > y ? x : y; }
 KM_FN double km_mind(double x, double y) { return x != x || x < y ? x : y; }
+#endif
 
 /* GELU: the tanh approximation (sqrt(2/pi) and 0.044715), its fast-exp form, and the
  * erf form; each with its derivative. */
@@ -70,8 +73,12 @@ KM_FN float km_gelu_grad_erf(float x)
 /* softplus(x) = log(1 + exp(x)), and x itself above 20 (where they agree to rounding),
  * as PyTorch's default threshold; its derivative is the sigmoid (1 above 20). */
 KM_FN float km_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
+#ifndef KM_NO_F64
 KM_FN double km_softplusd(double x) { return x > 20.0 ? x : log1p(exp(x)); }
+#endif
 KM_FN float km_softplus_dx(float x) { return x > 20.0f ? 1.0f : 1.0f / (1.0f + expf(-x)); }
+#ifndef KM_NO_F64
 KM_FN double km_softplus_dxd(double x) { return x > 20.0 ? 1.0 : 1.0 / (1.0 + exp(-x)); }
+#endif
 
 #endif

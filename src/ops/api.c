@@ -80,7 +80,7 @@ kiln_tensor_t *kiln_clone(kiln_tensor_t *a) { return call1(KILN_OP_CONTIGUOUS, a
 kiln_tensor_t *kiln_detach(kiln_tensor_t *a)
 {
     if (!a) return null_arg("detach");
-    return kiln__scoped(kiln__tensor_alias(a->st, a->dtype, a->ndim, a->shape, a->stride, a->offset));
+    return kiln__scoped(kiln__tensor_detach(a)); /* a captured tensor's alias stands for the same value */
 }
 
 kiln_tensor_t *kiln_gelu(kiln_tensor_t *a, bool approximate)
