@@ -282,6 +282,24 @@ static void op_table_columns_agree(void **state)
     assert_true(kiln__op_math[KILN_OP_SOFTPLUS_BACKWARD].dx);
 }
 
+/* CSE and the kernel caches compare attributes byte for byte: attributes made with a
+ * designated initializer and made field by field on a zeroed struct must be the same
+ * bytes (padding and the union's unused bytes zero) on the compiler kiln is built with. */
+static void attributes_compare_bytewise_however_made(void **state)
+{
+    kiln__attrs a = {.op.rope = {.theta = 10000, .pos0 = 3}}, b;
+    memset(&b, 0, sizeof b);
+    b.op.rope.theta = 10000;
+    b.op.rope.pos0 = 3;
+    assert_memory_equal(&a, &b, sizeof a);
+    kiln__attrs c = {0}, d;
+    memset(&d, 0, sizeof d);
+    c.op.check = (kiln__check_attrs){.min = 1, .what = KILN__CHECK_ADAMW_STEP};
+    d.op.check.min = 1;
+    d.op.check.what = KILN__CHECK_ADAMW_STEP;
+    assert_memory_equal(&c, &d, sizeof c);
+}
+
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
 
 int main(void)
@@ -296,6 +314,7 @@ int main(void)
         T(providers_are_asked_in_order_and_the_call_says_who_ran_it),
         T(an_extension_slot_is_released_with_its_tensor_and_kept_by_detach_when_asked),
         T(op_table_columns_agree),
+        T(attributes_compare_bytewise_however_made),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

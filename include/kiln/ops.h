@@ -180,6 +180,8 @@ kiln_status kiln_adamw_step_(kiln_tensor_t *p, kiln_tensor_t *g, kiln_tensor_t *
 
 /* Autograd. */
 void kiln_tensor_set_requires_grad(kiln_tensor_t *t, bool on);
+/* (Tracking a tensor gives it autograd's state; out of memory, it stays untracked and
+ * kiln_last_error says so.) */
 bool kiln_tensor_requires_grad(const kiln_tensor_t *t);
 /* The accumulated gradient of a leaf, or NULL; borrowed. */
 kiln_tensor_t *kiln_tensor_grad(const kiln_tensor_t *t);
