@@ -3,11 +3,14 @@
 # from a room on its own floor or above, naming the file that uses it, the symbol and
 # the file that defines it; exits 1 if there is any, 0 if none.
 #
-#   sh scripts/check-layers.sh SOURCE_DIR BUILD_DIR [--extra ROOM OBJECT]...
+#   sh scripts/check-layers.sh SOURCE_DIR BUILD_DIR [--extra ROOM OBJECT]... [--extra-source ROOM FILE]...
 #
-# It reads the objects CMake built for each room (BUILD_DIR/CMakeFiles/kiln_room_*).
-# --extra adds an object as if it were part of ROOM (tests/layers/test_planted.sh plants
-# an upward call this way, to see the check fail).
+# It reads the objects CMake built for each room (BUILD_DIR/CMakeFiles/kiln_room_*), and
+# the #include lines of each room's sources: a room includes the headers of the floors
+# below it only (a struct layout or a macro from above is an upward dependency too,
+# though no symbol shows it). --extra adds an object, --extra-source a source file, as
+# if it were part of ROOM (tests/layers/test_planted.sh plants upward uses this way, to
+# see the check fail).
 set -eu
 src=$1
 build=$2
@@ -32,11 +35,36 @@ while read -r room floor; do
     scan "$room" "$o" "${o#"$dir"/}" | sed 's/\.o$//' >>"$tmp/syms"
   done
 done <"$tmp/floors"
+# One line an include: "ROOM FILE INCLUDED-ROOM HEADER".
+includes() { # room file name
+  grep -oE '^[[:space:]]*#[[:space:]]*include[[:space:]]+"[^"]+"' "$2" | sed -E 's/.*"([^"]+)"/\1/' |
+    awk -v r="$1" -v f="$3" -F/ 'NF > 1 { room = ($1 == "backends" && NF > 2) ? $1 "/" $2 : $1; print r, f, room, $0 }'
+}
+: >"$tmp/incs"
+while read -r room floor; do
+  for f in "$src/src/$room"/*.c "$src/src/$room"/*.h; do
+    [ -f "$f" ] && includes "$room" "$f" "${f#"$src"/}" >>"$tmp/incs"
+  done
+done <"$tmp/floors"
 while [ $# -gt 0 ]; do
-  [ "$1" = --extra ] && [ $# -ge 3 ] || { echo "usage: check-layers.sh SRC BUILD [--extra ROOM OBJECT]..." >&2; exit 2; }
-  scan "$2" "$3" "$(basename "$3" .o)" >>"$tmp/syms"
+  case "$1" in
+    --extra) [ $# -ge 3 ] || { echo "check-layers: --extra ROOM OBJECT" >&2; exit 2; }
+      scan "$2" "$3" "$(basename "$3" .o)" >>"$tmp/syms" ;;
+    --extra-source) [ $# -ge 3 ] || { echo "check-layers: --extra-source ROOM FILE" >&2; exit 2; }
+      includes "$2" "$3" "$(basename "$3")" >>"$tmp/incs" ;;
+    *) echo "usage: check-layers.sh SRC BUILD [--extra ROOM OBJECT]... [--extra-source ROOM FILE]..." >&2; exit 2 ;;
+  esac
   shift 3
 done
+
+# Headers: a room's own, a lower floor's, or the public ones (kiln/...) only.
+bad_inc=$(awk '
+  FNR == NR { floor[$1] = $2; next }
+  !($3 in floor) || $3 == $1 { next }
+  floor[$3] >= floor[$1] {
+    printf "layers: %s includes %s (room %s is %s room %s)\n", $2, $4, $3,
+           floor[$3] == floor[$1] ? "on the same floor as" : "above", $1
+  }' "$tmp/floors" "$tmp/incs")
 
 awk '
   FNR == NR { floor[$1] = $2; next }
@@ -54,5 +82,10 @@ awk '
       bad++
     }
     if (bad) { printf "layers: %d upward or sideways use(s); see src/LAYERS\n", bad; exit 1 }
-    print "layers: every room uses only the floors below it"
   }' "$tmp/floors" "$tmp/syms"
+if [ -n "$bad_inc" ]; then
+  echo "$bad_inc"
+  echo "layers: $(echo "$bad_inc" | wc -l) upward or sideways include(s); see src/LAYERS"
+  exit 1
+fi
+echo "layers: every room uses and includes only the floors below it"
