@@ -158,7 +158,8 @@ static void expr_c(sbuf *b, const gen *G, int i)
         else put(b, "km_%s%s(%s)", m->name, d, a[0]);
         return;
     }
-    bool tanh_form = e->attrs.op.gelu.tanh;
+    /* the union's gelu member is GELU's and GELU_BACKWARD's alone */
+    bool tanh_form = (e->op == KILN_OP_GELU || e->op == KILN_OP_GELU_BACKWARD) && e->attrs.op.gelu.tanh;
     if (e->dt == KILN_DTYPE_F64) { /* lowering lets only these through in f64: double math, no fast forms */
         switch (e->op) {
         case KILN_OP_POW: put(b, "pow(%s, %s)", a[0], a[1]); return;
