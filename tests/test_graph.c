@@ -990,10 +990,43 @@ static void detach_inside_a_capture_keeps_the_value(void **state)
     kiln_graph_free(g);
 }
 
+/* A function that suspends its capture or recording and returns without resuming it
+ * gets a clear error, and a later capture on the thread works as usual (no suspension
+ * left behind that a stray resume could bring back). */
+static kiln_status suspends_and_leaves(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    out[0] = kiln_mul(in[0], in[0]);
+    (void)kiln_graph_suspend();
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+static void a_suspension_left_open_is_an_error(void **state)
+{
+    kiln_tensor_t *x = randn(2, 3, 12), *got[1], *want[1];
+    kiln_graph_t *g = (kiln_graph_t *)1;
+    assert_int_equal(kiln_graph_capture(suspends_and_leaves, NULL, &x, 1, &g), KILN_ERR_ARG);
+    assert_null(g);
+    assert_non_null(strstr(kiln_last_error(), "without resuming"));
+    kiln_clear_error();
+    kiln_replay_t *r = (kiln_replay_t *)1;
+    int n = 0;
+    assert_int_equal(kiln_replay_record(suspends_and_leaves, NULL, &x, 1, &r, got, 1, &n), KILN_ERR_ARG);
+    assert_null(r);
+    assert_non_null(strstr(kiln_last_error(), "without resuming"));
+    kiln_clear_error();
+    assert_int_equal(kiln_graph_capture(detached_square, NULL, &x, 1, &g), KILN_OK);
+    assert_int_equal(kiln_graph_run(g, &x, 1, got, 1, &n), KILN_OK);
+    assert_int_equal(detached_square(NULL, &x, 1, want, &n), KILN_OK);
+    assert_same(got[0], want[0]);
+    kiln_graph_free(g);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(detach_inside_a_capture_keeps_the_value, setup, teardown),
+        cmocka_unit_test_setup_teardown(a_suspension_left_open_is_an_error, setup, teardown),
         cmocka_unit_test_setup_teardown(capture_then_run_matches_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(capture_records_and_computes_nothing, setup, teardown),
         cmocka_unit_test_setup_teardown(dead_code_is_removed, setup, teardown),

@@ -102,6 +102,17 @@ void kiln__intercept_resume(void *saved)
         if (stack.ic[i]->resume) stack.ic[i]->resume(stack.ic[i]->ctx);
 }
 
+bool kiln__intercept_forget_suspended(const kiln__interceptor *ic)
+{
+    for (int k = n_suspended - 1; k >= 0; k--)
+        for (int i = 0; i < suspended[k].n; i++)
+            if (suspended[k].ic[i] == ic) {
+                n_suspended = k;
+                return true;
+            }
+    return false;
+}
+
 bool kiln__dispatch_tracing(void)
 {
     for (int i = 0; i < stack.n; i++)

@@ -295,6 +295,9 @@ kiln_status kiln_replay_record(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
     kiln__pool_end();
     rec = NULL;
     kiln__intercept_pop(&ic);
+    if (kiln__intercept_forget_suspended(&ic) && s == KILN_OK)
+        s = kiln__err(KILN_ERR_ARG, "replay_record: the function suspended the recording (kiln_graph_suspend) and "
+                      "returned without resuming it (kiln_graph_resume)");
     if (s == KILN_OK && r->failed) s = kiln__err(r->failed, "replay_record: out of memory recording the launches");
     if (s != KILN_OK) {
         kiln_replay_free(r);
