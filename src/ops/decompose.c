@@ -107,10 +107,7 @@ static kiln_tensor_t *scalar_of(kiln_tensor_t *t, kiln_dtype dt)
  * update once CSE has run. */
 static kiln_status dec_adamw(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t **out)
 {
-    double b1, b2, eps;
-    b1 = a->op.adamw.beta1;
-    b2 = a->op.adamw.beta2;
-    eps = a->op.adamw.eps;
+    double b1 = a->op.adamw.beta1, b2 = a->op.adamw.beta2, eps = a->op.adamw.eps;
     const kiln_dtype F = KILN_DTYPE_F32, D = KILN_DTYPE_F64;
     float b1f = (float)b1, b2f = (float)b2;
     kiln_tensor_t *p = in[0], *g = in[1], *m = in[2], *v = in[3];

@@ -502,13 +502,10 @@ static double one_value(const kiln_tensor_t *t)
 kiln_status kiln__cpu_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                              kiln_tensor_t *const *out, int n_out)
 {
-    double b1, b2, eps, lr = one_value(in[4]), t = one_value(in[5]);
-    b1 = a->op.adamw.beta1;
-    b2 = a->op.adamw.beta2;
-    eps = a->op.adamw.eps;
+    double lr = one_value(in[4]), t = one_value(in[5]), b1 = a->op.adamw.beta1, b2 = a->op.adamw.beta2;
     if (!(t >= 1)) return kiln__err(KILN_ERR_ARG, "adamw_: step %g must be >= 1", t);
     adam_ctx k = {kiln__data(in[0]), kiln__data(in[1]), kiln__data(in[2]), kiln__data(in[3]), (float)lr,
-                  (float)a->op.adamw.weight_decay, (float)b1, (float)b2, (float)eps,
+                  (float)a->op.adamw.weight_decay, (float)b1, (float)b2, (float)a->op.adamw.eps,
                   (float)(1.0 - pow(b1, t)), (float)(1.0 - pow(b2, t)), (float)one_value(in[6])};
     kiln__parallel_for(kiln__numel(in[0]->ndim, in[0]->shape), CPU_GRAIN, adam_range, &k);
     return KILN_OK;

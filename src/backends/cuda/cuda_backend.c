@@ -464,15 +464,12 @@ static kiln_status cu_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_
 static kiln_status cu_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                              kiln_tensor_t *const *out, int n_out)
 {
-    double b1, b2, eps;
-    b1 = a->op.adamw.beta1;
-    b2 = a->op.adamw.beta2;
-    eps = a->op.adamw.eps;
+    const kiln__adamw_attrs *h = &a->op.adamw;
     int64_t f64s = (in[4]->dtype == KILN_DTYPE_F64) | (in[5]->dtype == KILN_DTYPE_F64) << 1 |
                    (in[6]->dtype == KILN_DTYPE_F64) << 2;
     kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), buf_arg(in[2]), buf_arg(in[3]), buf_arg(in[4]),
-                         buf_arg(in[5]), buf_arg(in[6]), i64_arg(f64s), f_arg(KILN__KARG_F32, a->op.adamw.weight_decay),
-                         f_arg(KILN__KARG_F64, b1), f_arg(KILN__KARG_F64, b2), f_arg(KILN__KARG_F32, eps),
+                         buf_arg(in[5]), buf_arg(in[6]), i64_arg(f64s), f_arg(KILN__KARG_F32, h->weight_decay),
+                         f_arg(KILN__KARG_F64, h->beta1), f_arg(KILN__KARG_F64, h->beta2), f_arg(KILN__KARG_F32, h->eps),
                          i64_arg(kiln_tensor_numel(in[0]))};
     return run_1d(be, CB_ADAMW_, args, (int)(sizeof args / sizeof args[0]), kiln_tensor_numel(in[0]));
 }

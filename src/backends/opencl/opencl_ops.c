@@ -171,15 +171,12 @@ static kiln_status ocl_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n
     if (!k) return kiln__cpu_fallback(be, KILN_OP_ADAMW_, in, n_in, a, out, n_out);
     int64_t n = kiln_tensor_numel(in[0]);
     if (!n) return KILN_OK;
-    double b1, b2, eps;
-    b1 = a->op.adamw.beta1;
-    b2 = a->op.adamw.beta2;
-    eps = a->op.adamw.eps;
+    const kiln__adamw_attrs *h = &a->op.adamw;
     int64_t f64s = (in[4]->dtype == KILN_DTYPE_F64) | (in[5]->dtype == KILN_DTYPE_F64) << 1 |
                    (in[6]->dtype == KILN_DTYPE_F64) << 2;
     kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), buf_arg(in[2]), buf_arg(in[3]), buf_arg(in[4]),
-                         buf_arg(in[5]), buf_arg(in[6]), i64_arg(f64s), f_arg(KILN__KARG_F32, a->op.adamw.weight_decay),
-                         f_arg(KILN__KARG_F64, b1), f_arg(KILN__KARG_F64, b2), f_arg(KILN__KARG_F32, eps), i64_arg(n)};
+                         buf_arg(in[5]), buf_arg(in[6]), i64_arg(f64s), f_arg(KILN__KARG_F32, h->weight_decay),
+                         f_arg(KILN__KARG_F64, h->beta1), f_arg(KILN__KARG_F64, h->beta2), f_arg(KILN__KARG_F32, h->eps), i64_arg(n)};
     size_t grid = (size_t)n;
     return kiln__opencl_launch(be, k, args, (int)(sizeof args / sizeof args[0]), &grid, NULL, 1);
 }
