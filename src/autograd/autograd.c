@@ -35,7 +35,6 @@ bool kiln__tracks(const kiln_tensor_t *t)
     return s && (s->requires_grad || s->grad_fn);
 }
 
-static kiln_tensor_t *detached(const kiln_tensor_t *t) { return kiln__tensor_detach(t); }
 
 static void meta_of(const kiln_tensor_t *t, kiln__meta *m)
 {
@@ -133,11 +132,11 @@ kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, con
         } else if (st && st->requires_grad) {
             n->leaf[i] = kiln_tensor_retain(in[i]);
         }
-        if (d->save & KILN__SI(i)) n->saved_in[i] = detached(in[i]);
+        if (d->save & KILN__SI(i)) n->saved_in[i] = kiln__tensor_detach(in[i]);
     }
     for (int j = 0; j < n_out; j++) {
         meta_of(out[j], &n->out_meta[j]);
-        if (d->save & KILN__SO(j)) n->saved_out[j] = detached(out[j]);
+        if (d->save & KILN__SO(j)) n->saved_out[j] = kiln__tensor_detach(out[j]);
     }
     /* What backward needs must all be there, and every visible output's state made,
      * before an output points at the node: running out of memory leaves none pointing

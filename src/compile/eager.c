@@ -200,14 +200,19 @@ static bool flat_reduction(kiln__op_id op, kiln_tensor_t *const *in, int n_in, c
     return true;
 }
 
+/* Whether this path takes op on be at all (the dtypes and layouts it meets decide the
+ * rest): what kiln doctor --ops is told, and the first test of every call. */
+static bool generates(const kiln__backend *be, int op)
+{
+    return kiln__be_can_compile(be) && candidate((kiln__op_id)op) && kiln__opt(KILN__OPT_DEVICE_CODEGEN);
+}
+
 kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                  kiln_tensor_t *const *out, int n_out, bool *handled)
 {
     kiln__op_id op = (kiln__op_id)op_id;
     *handled = false;
-    if (!kiln__be_can_compile(be) || !candidate(op) || n_in > 16 ||
-        !kiln__opt(KILN__OPT_DEVICE_CODEGEN))
-        return KILN_OK;
+    if (!generates(be, op) || n_in > 16) return KILN_OK;
     kiln_tensor_t flat, *fp = &flat;
     if (flat_reduction(op, in, n_in, a, &flat)) {
         /* The header is only read here; out holds one element per kept one, contiguous,
@@ -275,11 +280,6 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
 
 /* The compiler as a kernel provider: after the backend's own kernels, before the cpu
  * with copies. */
-static bool generates(const kiln__backend *be, int op)
-{
-    return kiln__be_can_compile(be) && candidate((kiln__op_id)op) && kiln__opt(KILN__OPT_DEVICE_CODEGEN);
-}
-
 static const kiln__provider generated_provider = {
     .name = "generated", .order = 50, .support = KILN_OP_GENERATED, .offers = generates, .run = kiln__eager_compiled};
 

@@ -687,17 +687,12 @@ kiln_status kiln__infer_allgather_(kiln_tensor_t *const *in, int n, const kiln__
 }
 
 /* Backward ops. */
-kiln_status kiln__infer_gelu_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    meta_like(in[0], in[0]->dtype, out);
-    return KILN_OK;
-}
-
-kiln_status kiln__infer_silu_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    meta_like(in[0], in[0]->dtype, out);
-    return KILN_OK;
-}
+/* A pointwise backward op (x, g): a gradient shaped and typed as x. */
+#define LIKE_INPUT(name) \
+    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
+    { meta_like(in[0], in[0]->dtype, out); return KILN_OK; }
+LIKE_INPUT(gelu_backward)
+LIKE_INPUT(silu_backward)
 
 kiln_status kiln__infer_embedding_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
@@ -735,16 +730,6 @@ kiln_status kiln__infer_attention_backward(kiln_tensor_t *const *in, int n, cons
 
 /* The pointwise ops defined by their math: a float tensor of x's shape; the backward
  * op's (x, g) the same as x. */
-#define KILN_PW(ID, name)                                                                                   \
-    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)   \
-    {                                                                                                       \
-        return unary_float(#name, in, out);                                                                 \
-    }                                                                                                       \
-    kiln_status kiln__infer_##name##_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a,          \
-                                              kiln__meta *out)                                              \
-    {                                                                                                       \
-        meta_like(in[0], in[0]->dtype, out);                                                                \
-        return KILN_OK;                                                                                     \
-    }
+#define KILN_PW(ID, name) UNARY_FLOAT(name) LIKE_INPUT(name##_backward)
 #include "kiln/pointwise.def"
 #undef KILN_PW

@@ -10,6 +10,20 @@
  * an OpenCL buffer and the offset inside it of the tensor's first element. */
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
 
+/* Batch bt's element offsets into A (.x) and B (.y): its index split over the batch
+ * dims (sizes d1..d3 inside, the rest outermost), each with its stride in A and in B
+ * (0 where that operand is broadcast). C is dense, batch after batch. */
+inline long2 batch_offsets(long bt, long d1, long d2, long d3, long a0, long a1, long a2, long a3, long b0, long b1,
+                           long b2, long b3)
+{
+    long r = bt;
+    const long i3 = r % d3; r /= d3;
+    const long i2 = r % d2; r /= d2;
+    const long i1 = r % d1; r /= d1;
+    const long i0 = r;
+    return (long2)(i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3, i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3);
+}
+
 /* 64x64 output tiles per 16x16 work-group, each work-item a 4x4 block of them held
  * in registers; A and B tiles of depth 16 staged in local memory. */
 #define TM 64
@@ -22,13 +36,9 @@ void kiln_matmul(__global const char *ga, ulong oa, __global const char *gb, ulo
 {
     const int lr = get_local_id(1), lc = get_local_id(0);
     const long row0 = get_group_id(1) * TM, col0 = get_group_id(0) * TM, bt = get_global_id(2);
-    long r = bt;
-    const long i3 = r % d3; r /= d3;
-    const long i2 = r % d2; r /= d2;
-    const long i1 = r % d1; r /= d1;
-    const long i0 = r;
-    __global const float *A = (__global const float *)(ga + oa) + i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3;
-    __global const float *B = (__global const float *)(gb + ob) + i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3;
+    const long2 at = batch_offsets(bt, d1, d2, d3, a0, a1, a2, a3, b0, b1, b2, b3);
+    __global const float *A = (__global const float *)(ga + oa) + at.x;
+    __global const float *B = (__global const float *)(gb + ob) + at.y;
     __global float *C = (__global float *)(gc + oc) + bt * M * N;
     __local float As[TK][TM], Bs[TK][TM];
     float acc[WPT][WPT];
@@ -67,13 +77,9 @@ void kiln_matmul_simple(__global const char *ga, ulong oa, __global const char *
 {
     const int lr = get_local_id(1), lc = get_local_id(0);
     const long row = get_group_id(1) * 16 + lr, col = get_group_id(0) * 16 + lc, bt = get_global_id(2);
-    long r = bt;
-    const long i3 = r % d3; r /= d3;
-    const long i2 = r % d2; r /= d2;
-    const long i1 = r % d1; r /= d1;
-    const long i0 = r;
-    __global const float *A = (__global const float *)(ga + oa) + i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3;
-    __global const float *B = (__global const float *)(gb + ob) + i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3;
+    const long2 at = batch_offsets(bt, d1, d2, d3, a0, a1, a2, a3, b0, b1, b2, b3);
+    __global const float *A = (__global const float *)(ga + oa) + at.x;
+    __global const float *B = (__global const float *)(gb + ob) + at.y;
     __global float *C = (__global float *)(gc + oc) + bt * M * N;
     __local float As[16][16], Bs[16][16];
     float acc = 0.0f;
