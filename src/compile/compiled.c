@@ -60,9 +60,7 @@ static void guards_of(const kiln_compiled_t *c, kiln_tensor_t *const *in, int n,
     memset(g, 0, sizeof *g);
     g->n = n;
     for (int i = 0; i < n; i++) {
-        g->m[i].dtype = in[i]->dtype;
-        g->m[i].ndim = in[i]->ndim;
-        memcpy(g->m[i].shape, in[i]->shape, sizeof g->m[i].shape);
+        kiln__meta_of(in[i], &g->m[i]);
         g->device[i] = in[i]->st->be;
     }
     g->grad_mode = kiln_grad_enabled();

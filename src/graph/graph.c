@@ -38,18 +38,6 @@ typedef struct {
     const kiln__leaf_sink *sink_was;
 } capture_frame;
 
-void kiln__graph_meta_of(const kiln_tensor_t *t, kiln__meta *m)
-{
-    memset(m, 0, sizeof *m);
-    m->dtype = t->dtype;
-    m->ndim = t->ndim;
-    for (int i = 0; i < t->ndim; i++) {
-        m->shape[i] = t->shape[i];
-        m->stride[i] = t->stride[i];
-    }
-    m->offset = t->offset;
-}
-
 static int add_value(kiln_graph_t *g, int kind, int index, int out, const kiln__meta *m, kiln_tensor_t *t)
 {
     if (g->n_v == g->cap_v) {
@@ -117,7 +105,7 @@ static int value_of(kiln_graph_t *g, kiln_tensor_t *t)
     for (int i = 1; i < g->n_v; i++)
         if (g->v[i].kind == V_CONST && g->v[i].t == t) return i;
     kiln__meta m;
-    kiln__graph_meta_of(t, &m);
+    kiln__meta_of(t, &m);
     int num = add_value(g, V_CONST, 0, 0, &m, t);
     if (num >= 0) kiln_tensor_retain(t);
     return num;
@@ -366,7 +354,7 @@ kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *c
     if (!args) s = kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
     for (int i = 0; s == KILN_OK && i < n_in; i++) {
         kiln__meta m;
-        kiln__graph_meta_of(example[i], &m);
+        kiln__meta_of(example[i], &m);
         if (!strided) kiln__contiguous_strides(m.ndim, m.shape, m.stride);
         m.offset = 0;
         s = add_arg(g, i, &m, example[i]->st->be, &args[i]);

@@ -101,8 +101,6 @@ void kiln__graph_reindex(kiln_graph_t *g, int from, int to);
 /* mut[v] = true for each value updated in place, or, back through views, aliased by
  * one that is. */
 void kiln__graph_mutated(const kiln_graph_t *g, bool *mut);
-/* m = t's dtype, shape, strides and offset. */
-void kiln__graph_meta_of(const kiln_tensor_t *t, kiln__meta *m);
 /* Inserts a copy of node n (one output, a new value, number in *out_value) at position
  * at; the nodes from there move up one. */
 kiln_status kiln__graph_insert_node(kiln_graph_t *g, int at, const node *n, int *out_value);

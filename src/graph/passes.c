@@ -250,7 +250,7 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
             v->index = 0;
             v->out = 0;
             v->t = res[j];
-            kiln__graph_meta_of(res[j], &v->meta);
+            kiln__meta_of(res[j], &v->meta);
             cst[n->out[j]] = true;
         }
         /* The node computes nothing now: it goes, and the nodes after it move down one,
