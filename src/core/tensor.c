@@ -7,6 +7,7 @@
 #include "core/tensor_impl.h"
 #include "core/intercept.h"
 #include "core/rng.h"
+#include "core/util.h"
 
 int64_t kiln__numel(int ndim, const int64_t *shape)
 {
@@ -90,13 +91,8 @@ static _Thread_local int n_scopes, cap_scopes;
 
 void kiln_scope_begin(void)
 {
-    if (n_scopes == cap_scopes) {
-        int cap = cap_scopes ? cap_scopes * 2 : 8;
-        scope *s = realloc(scopes, (size_t)cap * sizeof *s);
-        if (!s) abort(); /* a few bytes for the scope stack: nothing sane remains */
-        scopes = s;
-        cap_scopes = cap;
-    }
+    if (!kiln__grow(&scopes, n_scopes, &cap_scopes, sizeof *scopes, 8))
+        abort(); /* a few bytes for the scope stack: nothing sane remains */
     scopes[n_scopes++] = (scope){0};
 }
 
@@ -280,14 +276,24 @@ kiln_tensor_t *kiln_from_data(const void *data, const int64_t *shape, int ndim, 
     return kiln__scoped(t);
 }
 
-kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nbytes)
+/* What a copy between t and host memory at ptr checks first (write: into t). */
+static kiln_status host_copy_check(const kiln_tensor_t *t, const void *ptr, size_t nbytes, bool write)
 {
-    if (!t) return kiln__null_arg("from_host");
-    kiln_status s = kiln__intercept_data_access(t, "from_host");
+    const char *what = write ? "from_host" : "to_host";
+    if (!t) return kiln__null_arg(what);
+    kiln_status s = kiln__intercept_data_access(t, what);
     if (s != KILN_OK) return s;
     if (nbytes != kiln_tensor_nbytes(t))
-        return kiln__err(KILN_ERR_ARG, "from_host: %zu bytes given, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
-    if (nbytes && !src) return kiln__err(KILN_ERR_ARG, "from_host: source is NULL");
+        return kiln__err(KILN_ERR_ARG, "%s: %zu bytes %s, the tensor holds %zu", what, nbytes, write ? "given" : "of room",
+                         kiln_tensor_nbytes(t));
+    if (nbytes && !ptr) return kiln__err(KILN_ERR_ARG, "%s: %s is NULL", what, write ? "source" : "destination");
+    return KILN_OK;
+}
+
+kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nbytes)
+{
+    kiln_status s = host_copy_check(t, src, nbytes, true);
+    if (s != KILN_OK) return s;
     if (!kiln__is_contiguous(t))
         return kiln__err(KILN_ERR_ARG, "from_host: the tensor is not contiguous (write into a contiguous copy)");
     return nbytes ? kiln__be_copy_h2d(t->st->be, kiln__data(t), src, nbytes) : KILN_OK;
@@ -295,12 +301,8 @@ kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nby
 
 kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes)
 {
-    if (!t) return kiln__null_arg("to_host");
-    kiln_status s = kiln__intercept_data_access(t, "to_host");
+    kiln_status s = host_copy_check(t, dst, nbytes, false);
     if (s != KILN_OK) return s;
-    if (nbytes != kiln_tensor_nbytes(t))
-        return kiln__err(KILN_ERR_ARG, "to_host: %zu bytes of room, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
-    if (nbytes && !dst) return kiln__err(KILN_ERR_ARG, "to_host: destination is NULL");
     if (!nbytes) return KILN_OK;
     if (kiln__is_contiguous(t)) return kiln__be_copy_d2h(t->st->be, dst, kiln__data(t), nbytes);
     kiln_tensor_t *c = NULL;

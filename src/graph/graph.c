@@ -12,6 +12,7 @@
 #include "core/intercept.h"
 #include "core/rng.h"
 #include "core/tensor_impl.h"
+#include "core/util.h"
 #include "kiln/graph.h"
 #include "kiln/ops.h"
 #include "ops/registry.h"
@@ -40,15 +41,19 @@ typedef struct {
 
 static int add_value(kiln_graph_t *g, int kind, int index, int out, const kiln__meta *m, kiln_tensor_t *t)
 {
-    if (g->n_v == g->cap_v) {
-        int cap = g->cap_v ? 2 * g->cap_v : 64;
-        value *v = realloc(g->v, sizeof *v * (size_t)cap);
-        if (!v) return -1;
-        g->v = v;
-        g->cap_v = cap;
-    }
+    if (!kiln__grow(&g->v, g->n_v, &g->cap_v, sizeof *g->v, 64)) return -1;
     g->v[g->n_v] = (value){kind, index, out, *m, t, NULL};
     return g->n_v++;
+}
+
+/* A new graph, its value 0 (unused) made; NULL when out of memory, the error naming who. */
+static kiln_graph_t *graph_new(const char *who)
+{
+    kiln_graph_t *g = calloc(1, sizeof *g);
+    kiln__meta none = {0};
+    if (g && add_value(g, V_ARG, -1, 0, &none, NULL) == 0) return g;
+    free(g);
+    return kiln__err(KILN_ERR_OOM, "%s: out of memory", who), NULL;
 }
 
 /* A tensor header with no data, shaped by m, standing for value num. */
@@ -119,13 +124,8 @@ static kiln_status graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_
     for (int i = 0; i < n_in; i++)
         if (in[i]->st->meta && (graph_value(in[i]) <= 0 || graph_value(in[i]) >= g->n_v))
             return kiln__err(KILN_ERR_ARG, "%s: input %d belongs to another graph's capture", d->name, i);
-    if (g->n_nd == g->cap_nd) {
-        int cap = g->cap_nd ? 2 * g->cap_nd : 64;
-        node *nd = realloc(g->nd, sizeof *nd * (size_t)cap);
-        if (!nd) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
-        g->nd = nd;
-        g->cap_nd = cap;
-    }
+    if (!kiln__grow(&g->nd, g->n_nd, &g->cap_nd, sizeof *g->nd, 64))
+        return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
     node *n = &g->nd[g->n_nd];
     memset(n, 0, sizeof *n);
     n->op = op;
@@ -177,13 +177,7 @@ static leaf_grad *leaf_entry(kiln_graph_t *g, kiln_tensor_t *leaf)
 {
     leaf_grad *e = find_leaf(g, leaf);
     if (e) return e;
-    if (g->n_lg == g->cap_lg) {
-        int cap = g->cap_lg ? 2 * g->cap_lg : 16;
-        leaf_grad *l = realloc(g->lg, sizeof *l * (size_t)cap);
-        if (!l) return NULL;
-        g->lg = l;
-        g->cap_lg = cap;
-    }
+    if (!kiln__grow(&g->lg, g->n_lg, &g->cap_lg, sizeof *g->lg, 16)) return NULL;
     e = &g->lg[g->n_lg++];
     *e = (leaf_grad){kiln_tensor_retain(leaf), 0, NULL, false, true, false};
     return e;
@@ -346,10 +340,9 @@ kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *c
     for (int i = 0; i < n_in; i++)
         if (!example[i]) return kiln__null_arg("graph_capture");
     kiln__ensure_init();
-    kiln_graph_t *g = calloc(1, sizeof *g);
-    if (!g) return kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
-    kiln__meta none = {0};
-    kiln_status s = add_value(g, V_ARG, -1, 0, &none, NULL) == 0 ? KILN_OK : kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
+    kiln_graph_t *g = graph_new("graph_capture");
+    if (!g) return kiln_last_status();
+    kiln_status s = KILN_OK;
     kiln_tensor_t **args = calloc((size_t)(n_in ? n_in : 1), sizeof *args);
     if (!args) s = kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
     for (int i = 0; s == KILN_OK && i < n_in; i++) {
@@ -634,13 +627,8 @@ void kiln__graph_reindex(kiln_graph_t *g, int from, int to)
 /* Inserts node copy at position at (the nodes from there move up one). */
 kiln_status kiln__graph_insert_node(kiln_graph_t *g, int at, const node *n, int *out_value)
 {
-    if (g->n_nd == g->cap_nd) {
-        int cap = g->cap_nd ? 2 * g->cap_nd : 64;
-        node *nd = realloc(g->nd, sizeof *nd * (size_t)cap);
-        if (!nd) return kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
-        g->nd = nd;
-        g->cap_nd = cap;
-    }
+    if (!kiln__grow(&g->nd, g->n_nd, &g->cap_nd, sizeof *g->nd, 64))
+        return kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
     node c = *n;
     kiln__meta m = g->v[n->out[0]].meta; /* add_value may move g->v */
     c.in = malloc(sizeof(int) * (size_t)(n->n_in ? n->n_in : 1));
@@ -698,11 +686,10 @@ kiln_status kiln__graph_rewrite(kiln_graph_t *g, const char *who, kiln__graph_ru
 {
     if (!g) return kiln__err(KILN_ERR_ARG, "%s: NULL graph", who);
     if (capturing) return kiln__err(KILN_ERR_ARG, "%s: a capture is running on this thread", who);
-    kiln_graph_t *ng = calloc(1, sizeof *ng);
+    kiln_graph_t *ng = graph_new(who);
+    if (!ng) return kiln_last_status();
     kiln_tensor_t **map = calloc((size_t)g->n_v, sizeof *map);
-    kiln__meta none = {0};
-    kiln_status s = ng && map && add_value(ng, V_ARG, -1, 0, &none, NULL) == 0
-                        ? KILN_OK : kiln__err(KILN_ERR_OOM, "%s: out of memory", who);
+    kiln_status s = map ? KILN_OK : kiln__err(KILN_ERR_OOM, "%s: out of memory", who);
     kiln__backend *be = kiln__backend_default();
     for (int i = 1; s == KILN_OK && i < g->n_v; i++) {
         const value *v = &g->v[i];

@@ -21,6 +21,7 @@
 #include "core/intercept.h"
 #include "core/opts.h"
 #include "core/tensor_impl.h"
+#include "core/util.h"
 #include "graph/graph_impl.h"
 #include "kiln/graph.h"
 #include "kiln/ops.h"
@@ -80,17 +81,8 @@ static void replay_resume(void *ctx)
 /* Room for one more launch; false (and the recording failed) when there is none. */
 static bool room(kiln_replay_t *r)
 {
-    if (r->failed) return false;
-    if (r->n_l < r->cap_l) return true;
-    int cap = r->cap_l ? 2 * r->cap_l : 256;
-    launch *l = realloc(r->l, sizeof *l * (size_t)cap);
-    if (!l) {
-        r->failed = KILN_ERR_OOM;
-        return false;
-    }
-    r->l = l;
-    r->cap_l = cap;
-    return true;
+    if (!r->failed && !kiln__grow(&r->l, r->n_l, &r->cap_l, sizeof *r->l, 256)) r->failed = KILN_ERR_OOM;
+    return !r->failed;
 }
 
 /* Notes a launch dispatch made (c->ran ran it); never fails the call: a recording that
