@@ -165,6 +165,8 @@ void kiln__program_print(const kiln__program *p, FILE *f);
 void kiln__program_profile_print(const kiln__program *p, FILE *f);
 /* DIR/file opened for writing, or NULL after a warning (KILN_DEBUG_DIR output). */
 FILE *kiln__debug_open(const char *dir, const char *file);
+/* text into DIR/file (nothing when dir is NULL or empty). */
+void kiln__debug_text(const char *dir, const char *file, const char *text);
 
 /* The compiler's eager path (src/compile/eager.c), registered as a kernel provider:
  * runs op on a backend without a kernel for it but with compile_kernel and launch,

@@ -67,6 +67,13 @@ static void guards_of(const kiln_compiled_t *c, kiln_tensor_t *const *in, int n,
     for (int i = 0; i < c->n_attrs; i++) memcpy(g->attr[i], c->attrs[i].ptr, c->attrs[i].n);
 }
 
+static void guards_free(guards *gd)
+{
+    for (int i = 0; i < gd->n_cap; i++) kiln_tensor_free(gd->cap[i]);
+    free(gd->cap);
+    free(gd->cap_rg);
+}
+
 /* Records in gd the tensors graph gr captured, and which of them require gradients. */
 static kiln_status capture_guards(const kiln_graph_t *gr, guards *gd)
 {
@@ -75,10 +82,7 @@ static kiln_status capture_guards(const kiln_graph_t *gr, guards *gd)
     gd->cap = calloc((size_t)(n ? n : 1), sizeof *gd->cap);
     gd->cap_rg = calloc((size_t)(n ? n : 1), sizeof *gd->cap_rg);
     if (!gd->cap || !gd->cap_rg) {
-        free(gd->cap);
-        free(gd->cap_rg);
-        gd->cap = NULL;
-        gd->cap_rg = NULL;
+        guards_free(gd);
         return kiln__err(KILN_ERR_OOM, "compiled_call: out of memory");
     }
     for (int i = 1; i < gr->n_v; i++)
@@ -87,13 +91,6 @@ static kiln_status capture_guards(const kiln_graph_t *gr, guards *gd)
             gd->cap_rg[gd->n_cap++] = kiln_tensor_requires_grad(gr->v[i].t);
         }
     return KILN_OK;
-}
-
-static void guards_free(guards *gd)
-{
-    for (int i = 0; i < gd->n_cap; i++) kiln_tensor_free(gd->cap[i]);
-    free(gd->cap);
-    free(gd->cap_rg);
 }
 
 /* An attribute's bytes as a reader wants them: an integer for 1, 2, 4 or 8 bytes (8
@@ -270,54 +267,31 @@ static kiln_status refused(const kiln_compiled_t *c, kiln_tensor_t *const *in, i
     return KILN_OK;
 }
 
-kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
-                               int *n_out)
+/* Past the limit: the function run eagerly (said once, with why no graph fits: all). */
+static kiln_status call_eagerly(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
+                                int max_out, int *n_out, const char *all)
 {
-    if (!c || !n_out || (n_in && !in)) return kiln__err(KILN_ERR_ARG, "compiled_call: NULL argument");
-    if (n_in > KILN_GRAPH_MAX_IN)
-        return kiln__err(KILN_ERR_ARG, "compiled_call: %d inputs, at most %d are guarded", n_in, KILN_GRAPH_MAX_IN);
-    for (int i = 0; i < n_in; i++)
-        if (!in[i]) return kiln__null_arg("compiled_call");
-    c->calls++;
-    guards now;
-    guards_of(c, in, n_in, &now);
-    /* Each graph, the newest first; why each did not fit goes into all, as far as the
-     * message holds them. */
-    char why[2 * (2 * ATTR_BYTES + 4) + 100] = "", all[1024] = "";
-    for (int k = c->n_graphs - 1, len = 0; k >= 0; k--) {
-        if (!broken(c, &c->g[k], &now, why, sizeof why)) {
-            kiln_status r = refused(c, in, n_in, c->progs[k], false);
-            if (r != KILN_OK) return r;
-            c->hits++;
-            return c->progs[k] ? kiln__program_run(c->progs[k], in, n_in, out, max_out, n_out)
-                               : kiln_graph_run(c->graphs[k], in, n_in, out, max_out, n_out);
-        }
-        if (len < (int)sizeof all - 16)
-            len += snprintf(all + len, sizeof all - (size_t)len, "%sgraph %d: %s", len ? "; " : "", k, why);
+    if (!c->warned) {
+        fprintf(stderr, "kiln: %s was captured %d times (KILN_RECOMPILE_LIMIT); calls that match none of those graphs "
+                "now run eagerly (%s)\n", c->name, c->limit, all);
+        c->warned = true;
     }
-    if (c->n_graphs == c->limit) { /* past the limit: eager from here on for new guards */
-        if (!c->warned) {
-            fprintf(stderr, "kiln: %s was captured %d times (KILN_RECOMPILE_LIMIT); calls that match none of those "
-                    "graphs now run eagerly (%s)\n", c->name, c->limit, all);
-            c->warned = true;
-        }
-        kiln_tensor_t *res[KILN_GRAPH_MAX_OUT] = {0};
-        int n = 0;
-        kiln_status s = c->fn(c->ctx, in, n_in, res, &n);
-        if (s == KILN_OK && n > max_out) s = kiln__err(KILN_ERR_ARG, "compiled_call: room for %d outputs, %d given", max_out, n);
-        for (int j = 0; s == KILN_OK && j < n; j++) out[j] = res[j];
-        *n_out = s == KILN_OK ? n : 0;
-        return s;
-    }
-    if (c->n_graphs > 0) {
-        c->recompiles++;
-        if (kiln__log_on("recompiles")) fprintf(stderr, "kiln [recompiles] %s: capturing again: %s\n", c->name, all);
-    }
-    kiln_status s = refused(c, in, n_in, NULL, true);
-    if (s != KILN_OK) return s;
+    kiln_tensor_t *res[KILN_GRAPH_MAX_OUT] = {0};
+    int n = 0;
+    kiln_status s = c->fn(c->ctx, in, n_in, res, &n);
+    if (s == KILN_OK && n > max_out) s = kiln__err(KILN_ERR_ARG, "compiled_call: room for %d outputs, %d given", max_out, n);
+    for (int j = 0; s == KILN_OK && j < n; j++) out[j] = res[j];
+    *n_out = s == KILN_OK ? n : 0;
+    return s;
+}
+
+/* Captures the function again for guards now (taken) and compiles it as graph number
+ * c->n_graphs, with KILN_DEBUG_DIR's files under DIR/<name>-<n>/. */
+static kiln_status capture_new(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, guards *now)
+{
     kiln_graph_t *g;
-    s = kiln_graph_capture(c->fn, c->ctx, in, n_in, &g);
-    if (s == KILN_OK && (s = capture_guards(g, &now)) != KILN_OK) kiln_graph_free(g);
+    kiln_status s = kiln_graph_capture(c->fn, c->ctx, in, n_in, &g);
+    if (s == KILN_OK && (s = capture_guards(g, now)) != KILN_OK) kiln_graph_free(g);
     if (s != KILN_OK) return s;
     char dir[1024] = "";
     const char *dbg = kiln__env_str(KILN__ENV_DEBUG_DIR);
@@ -337,23 +311,65 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
     kiln__program *prog = NULL;
     s = kiln__compile_graph(g, *dir ? dir : NULL, c->name, c->n_graphs, &prog);
     if (s != KILN_OK) {
-        guards_free(&now);
+        guards_free(now);
         kiln_graph_free(g);
         return s;
     }
     if (*dir && (f = kiln__debug_open(dir, "guards.txt"))) {
-        print_guards(f, "", c, &now);
+        print_guards(f, "", c, now);
         fclose(f);
     }
     if (kiln__log_on("guards")) {
         char prefix[128];
         snprintf(prefix, sizeof prefix, "kiln [guards] %s graph %d: ", c->name, c->n_graphs);
-        print_guards(stderr, prefix, c, &now);
+        print_guards(stderr, prefix, c, now);
     }
     c->progs[c->n_graphs] = prog;
     c->graphs[c->n_graphs] = g;
-    c->g[c->n_graphs++] = now;
-    return prog ? kiln__program_run(prog, in, n_in, out, max_out, n_out) : kiln_graph_run(g, in, n_in, out, max_out, n_out);
+    c->g[c->n_graphs++] = *now;
+    return KILN_OK;
+}
+
+/* Graph k (or its program) on in. */
+static kiln_status run_graph(const kiln_compiled_t *c, int k, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
+                             int max_out, int *n_out)
+{
+    return c->progs[k] ? kiln__program_run(c->progs[k], in, n_in, out, max_out, n_out)
+                       : kiln_graph_run(c->graphs[k], in, n_in, out, max_out, n_out);
+}
+
+kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
+                               int *n_out)
+{
+    if (!c || !n_out || (n_in && !in)) return kiln__err(KILN_ERR_ARG, "compiled_call: NULL argument");
+    if (n_in > KILN_GRAPH_MAX_IN)
+        return kiln__err(KILN_ERR_ARG, "compiled_call: %d inputs, at most %d are guarded", n_in, KILN_GRAPH_MAX_IN);
+    for (int i = 0; i < n_in; i++)
+        if (!in[i]) return kiln__null_arg("compiled_call");
+    c->calls++;
+    guards now;
+    guards_of(c, in, n_in, &now);
+    /* Each graph, the newest first; why each did not fit goes into all, as far as the
+     * message holds them. */
+    char why[2 * (2 * ATTR_BYTES + 4) + 100] = "", all[1024] = "";
+    for (int k = c->n_graphs - 1, len = 0; k >= 0; k--) {
+        if (!broken(c, &c->g[k], &now, why, sizeof why)) {
+            kiln_status r = refused(c, in, n_in, c->progs[k], false);
+            if (r != KILN_OK) return r;
+            c->hits++;
+            return run_graph(c, k, in, n_in, out, max_out, n_out);
+        }
+        if (len < (int)sizeof all - 16)
+            len += snprintf(all + len, sizeof all - (size_t)len, "%sgraph %d: %s", len ? "; " : "", k, why);
+    }
+    if (c->n_graphs == c->limit) return call_eagerly(c, in, n_in, out, max_out, n_out, all);
+    if (c->n_graphs > 0) {
+        c->recompiles++;
+        if (kiln__log_on("recompiles")) fprintf(stderr, "kiln [recompiles] %s: capturing again: %s\n", c->name, all);
+    }
+    kiln_status s = refused(c, in, n_in, NULL, true);
+    if (s == KILN_OK) s = capture_new(c, in, n_in, &now);
+    return s == KILN_OK ? run_graph(c, c->n_graphs - 1, in, n_in, out, max_out, n_out) : s;
 }
 
 void kiln_compiled_stats(const kiln_compiled_t *c, uint64_t *calls, uint64_t *hits, uint64_t *recompiles, int *graphs)
