@@ -70,9 +70,5 @@ bool kiln_opt_enabled(int i) { return i >= 0 && i < KILN__OPT_COUNT && kiln__opt
 /* KILN_LOGS (a comma list; "all" for every stage) names stage. */
 bool kiln__log_on(const char *stage)
 {
-    const char *p = kiln__env_str(KILN__ENV_LOGS), *it;
-    size_t n, want = strlen(stage);
-    while (p && (it = kiln__env_list_next(&p, &n)))
-        if ((n == want && !strncmp(it, stage, n)) || (n == 3 && !strncmp(it, "all", 3))) return true;
-    return false;
+    return kiln__env_list_has(KILN__ENV_LOGS, stage) || kiln__env_list_has(KILN__ENV_LOGS, "all");
 }

@@ -38,7 +38,7 @@ typedef struct {
     const kiln__provider *provider; /* LAUNCH_OP: who ran it */
     kiln__attrs a;
     int n_in, n_out;
-    kiln_tensor_t *t;   /* n_in + n_out header copies */
+    kiln_tensor_t *t;   /* n_in + n_out header copies (the block that holds st and p too) */
     kiln__storage *st;  /* their storages' copies */
     kiln_tensor_t **p;  /* pointers to t[] */
     kiln_status (*call)(void *ctx); /* LAUNCH_CALL: what runs, on call_ctx */
@@ -97,16 +97,13 @@ static kiln_status replay_after(void *ctx, const kiln__call_info *c)
     launch *L = &r->l[r->n_l];
     *L = (launch){.kind = LAUNCH_OP, .op = c->op, .be = c->be, .provider = c->ran, .a = *c->a, .n_in = n_in,
                   .n_out = n_out,
-                  .t = calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t)),
-                  .st = calloc((size_t)(n ? n : 1), sizeof(kiln__storage)),
-                  .p = calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t *))};
-    if (!L->t || !L->st || !L->p) {
-        free(L->t);
-        free(L->st);
-        free(L->p);
+                  .t = calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t) + sizeof(kiln__storage) + sizeof(kiln_tensor_t *))};
+    if (!L->t) {
         r->failed = KILN_ERR_OOM;
         return KILN_OK;
     }
+    L->st = (kiln__storage *)(L->t + n);
+    L->p = (kiln_tensor_t **)(L->st + n);
     for (int i = 0; i < n; i++) {
         const kiln_tensor_t *src = i < n_in ? in[i] : out[i - n_in];
         L->st[i] = *src->st;
@@ -195,38 +192,22 @@ static kiln_status run_list(kiln_replay_t *r)
 static void capture_native(kiln_replay_t *r)
 {
     kiln__backend *be = r->n_l ? r->l[0].be : NULL;
-    for (int k = 0; be && k < r->n_l; k++) {
+    char no[256] = ""; /* why not */
+    for (int k = 0; be && !*no && k < r->n_l; k++) {
         const launch *L = &r->l[k];
-        if (L->kind == LAUNCH_OP && L->provider->on_cpu) {
-            snprintf(r->why, sizeof r->why, "a launch list: launch %d (%s) runs on the cpu with copies", k,
-                     launch_name(L));
-            return;
-        }
-        if (L->be != be) {
-            snprintf(r->why, sizeof r->why, "a launch list: launches on %s and %s", be->name, L->be->name);
-            return;
-        }
+        if (L->kind == LAUNCH_OP && L->provider->on_cpu)
+            snprintf(no, sizeof no, "launch %d (%s) runs on the cpu with copies", k, launch_name(L));
+        else if (L->be != be)
+            snprintf(no, sizeof no, "launches on %s and %s", be->name, L->be->name);
     }
-    if (!be) {
-        snprintf(r->why, sizeof r->why, "a launch list: nothing was launched");
-        return;
-    }
-    if (!kiln__be_can_capture(be)) {
-        snprintf(r->why, sizeof r->why, "a launch list: %s has no graph capture", be->name);
-        return;
-    }
-    if (!kiln__opt(KILN__OPT_DEVICE_GRAPHS)) {
-        snprintf(r->why, sizeof r->why, "a launch list: KILN_OPT_DEVICE_GRAPHS=0");
-        return;
-    }
-    if (!(r->native_pool = kiln__pool_new())) {
-        snprintf(r->why, sizeof r->why, "a launch list: out of memory");
-        return;
-    }
-    kiln_status s = kiln__be_capture_begin(be);
+    if (!*no && !be) snprintf(no, sizeof no, "nothing was launched");
+    else if (!*no && !kiln__be_can_capture(be)) snprintf(no, sizeof no, "%s has no graph capture", be->name);
+    else if (!*no && !kiln__opt(KILN__OPT_DEVICE_GRAPHS)) snprintf(no, sizeof no, "KILN_OPT_DEVICE_GRAPHS=0");
+    else if (!*no && !(r->native_pool = kiln__pool_new())) snprintf(no, sizeof no, "out of memory");
     void *g = NULL;
     int at = -1;
-    if (s == KILN_OK) {
+    kiln_status s = *no ? KILN_OK : kiln__be_capture_begin(be);
+    if (!*no && s == KILN_OK) {
         kiln__pool_begin(r->native_pool);
         kiln_status ran = run_list_at(r, &at);
         kiln__pool_end();
@@ -236,8 +217,11 @@ static void capture_native(kiln_replay_t *r)
     if (s != KILN_OK) {
         char op[64] = "";
         if (at >= 0) snprintf(op, sizeof op, " at launch %d (%s)", at, launch_name(&r->l[at]));
-        snprintf(r->why, sizeof r->why, "a launch list: %s could not capture it%s: %s", be->name, op, kiln_last_error());
+        snprintf(no, sizeof no, "%s could not capture it%s: %s", be->name, op, kiln_last_error());
         kiln_clear_error();
+    }
+    if (*no) {
+        snprintf(r->why, sizeof r->why, "a launch list: %s", no);
         return;
     }
     r->native_be = be;
@@ -350,8 +334,6 @@ void kiln_replay_free(kiln_replay_t *r)
     kiln__pool_release(r->native_pool);
     for (int k = 0; k < r->n_l; k++) {
         free(r->l[k].t);
-        free(r->l[k].st);
-        free(r->l[k].p);
         if (r->l[k].call_free) r->l[k].call_free(r->l[k].call_ctx);
     }
     free(r->l);
