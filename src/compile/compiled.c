@@ -251,10 +251,10 @@ static kiln_status refused(const kiln_compiled_t *c, kiln_tensor_t *const *in, i
     /* A replay being recorded notes every launch, the program's generated kernels too
      * (program.c), but not a capture and compile (the folding pass runs ops of its own)
      * nor an overlapped collective, which the program starts and finishes itself. */
-    if (kiln__replay_recording() && capturing)
+    if (kiln_replay_recording() && capturing)
         return kiln__err(KILN_ERR_UNSUPPORTED, "compiled_call: %s would capture and compile inside kiln_replay_record; "
                          "call it once on inputs of these shapes before recording", c->name);
-    if (kiln__replay_recording() && prog && prog->n_overlapped)
+    if (kiln_replay_recording() && prog && prog->n_overlapped)
         return kiln__err(KILN_ERR_UNSUPPORTED, "compiled_call: %s overlaps collectives, which a replay cannot hold; "
                          "record it with KILN_OPT_COMPILE_OVERLAP=0, or do not record it", c->name);
     /* A graph computes gradients only for the tensors it captures (autograd does not see

@@ -21,8 +21,6 @@
 
 static _Thread_local kiln_graph_t *capturing;
 
-bool kiln__graph_capturing(void) { return capturing != NULL; }
-
 /* The value a captured (meta) tensor stands for, kept in the tensor's extension slot
  * for the graph; a detached alias keeps it (autograd saves aliases of outputs). */
 static int value_slot = -1;
@@ -378,12 +376,9 @@ kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *c
     }
     for (int i = 0; args && i < n_in; i++) kiln_tensor_free(args[i]);
     free(args);
-    if (s != KILN_OK) {
-        kiln_graph_free(g);
-        return s;
-    }
-    *out = g;
-    return KILN_OK;
+    if (s == KILN_OK) *out = g;
+    else kiln_graph_free(g);
+    return s;
 }
 
 int kiln_graph_num_ops(const kiln_graph_t *g) { return g ? g->n_nd : 0; }

@@ -114,9 +114,6 @@ typedef kiln_status (*kiln__graph_rule)(const kiln_graph_t *g, int k, kiln_tenso
                                         void *ctx, int *used);
 kiln_status kiln__graph_rewrite(kiln_graph_t *g, const char *who, kiln__graph_rule rule, void *ctx, int *count);
 
-/* Whether this thread captures a graph, or records a replay (src/graph/replay.c). */
-bool kiln__graph_capturing(void);
-bool kiln__replay_recording(void);
 /* A launch made outside dispatch (a compiled program's generated kernel on be): the
  * replay calls call(ctx) in its place, and free_ctx(ctx) when it is freed; the replay
  * takes ctx, also when noting fails. call NULL: the caller ran out of memory making

@@ -180,7 +180,7 @@ static bool read_by_backend_kernels_only(const kiln_graph_t *g, int v, int k)
 kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
 {
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_fold: NULL graph");
-    if (kiln__graph_capturing()) return kiln__err(KILN_ERR_ARG, "graph_fold: a capture is running on this thread");
+    if (kiln_graph_capturing()) return kiln__err(KILN_ERR_ARG, "graph_fold: a capture is running on this thread");
     bool *cst = calloc((size_t)g->n_v, sizeof *cst), *mut = calloc((size_t)g->n_v, sizeof *mut);
     if (!cst || !mut) {
         free(cst);

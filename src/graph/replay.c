@@ -62,7 +62,6 @@ struct kiln_replay {
 
 static _Thread_local kiln_replay_t *rec;
 
-bool kiln__replay_recording(void) { return rec != NULL; }
 bool kiln_replay_recording(void) { return rec != NULL; }
 
 /* kiln_graph_suspend: state made now (optimizer moments) is real and not recorded. */
@@ -237,7 +236,7 @@ kiln_status kiln_replay_record(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
     if (!fn || n_in < 0 || n_in > KILN_GRAPH_MAX_IN || (n_in && !in) || !n_out || (max_out > 0 && !out))
         return kiln__err(KILN_ERR_ARG, "replay_record: needs a function, at most %d inputs and room for outputs",
                          KILN_GRAPH_MAX_IN);
-    if (rec || kiln__graph_capturing())
+    if (rec || kiln_graph_capturing())
         return kiln__err(KILN_ERR_ARG, "replay_record: a recording or graph capture is already running on this thread");
     for (int i = 0; i < n_in; i++)
         if (!in[i]) return kiln__null_arg("replay_record");
@@ -294,7 +293,7 @@ kiln_status kiln_replay_run(kiln_replay_t *r, kiln_tensor_t *const *in, int n_in
     if (!r || !n_out || (max_out > 0 && !out)) return kiln__err(KILN_ERR_ARG, "replay_run: NULL replay or outputs");
     if (n_in != r->n_in) return kiln__err(KILN_ERR_ARG, "replay_run: %d inputs given, recorded with %d", n_in, r->n_in);
     if (max_out < r->n_out) return kiln__err(KILN_ERR_ARG, "replay_run: room for %d outputs, it gives %d", max_out, r->n_out);
-    if (rec || kiln__graph_capturing()) return kiln__err(KILN_ERR_ARG, "replay_run: inside a recording or capture");
+    if (rec || kiln_graph_capturing()) return kiln__err(KILN_ERR_ARG, "replay_run: inside a recording or capture");
     if (n_in > 0 && !in) return kiln__err(KILN_ERR_ARG, "replay_run: inputs are NULL");
     kiln_status s = KILN_OK;
     for (int i = 0; s == KILN_OK && i < n_in; i++) {
