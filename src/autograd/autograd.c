@@ -51,7 +51,7 @@ static void node_clear(kiln__node *n)
 }
 
 /* Iterative, so that freeing a deep graph cannot overflow the stack. */
-void kiln__node_release(kiln__node *root)
+static void node_release(kiln__node *root)
 {
     kiln__node **stack = NULL;
     size_t n = 0, cap = 0;
@@ -78,8 +78,8 @@ void kiln__node_release(kiln__node *root)
     free(stack);
 }
 
-kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                         kiln_tensor_t **out, int n_out)
+static kiln__node *record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                          kiln_tensor_t **out, int n_out)
 {
     const kiln__op_def *d = &kiln__ops[op];
     /* The node and its per-input arrays in one block, the most aligned first. */
@@ -126,7 +126,7 @@ kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, con
     for (int j = 0; j < d->n_visible; j++)
         if (!saved || !(os[j] = ag_make(out[j]))) {
             atomic_fetch_add(&n->refcount, 1);
-            kiln__node_release(n);
+            node_release(n);
             return NULL;
         }
     for (int j = 0; j < d->n_visible; j++) {
@@ -411,7 +411,7 @@ static kiln_status ag_after(void *ctx, const kiln__call_info *c)
     if (!kiln__op_backward[c->op] || !kiln_grad_enabled()) return KILN_OK;
     bool any = false;
     for (int i = 0; i < c->n_in; i++) any |= kiln__tracks(c->in[i]);
-    if (any && !kiln__record(c->op, c->in, c->n_in, c->a, c->out, c->n_out)) return kiln_last_status();
+    if (any && !record(c->op, c->in, c->n_in, c->a, c->out, c->n_out)) return kiln_last_status();
     return KILN_OK;
 }
 
@@ -419,7 +419,7 @@ static void ag_release(void *v)
 {
     ag_state *s = v;
     kiln_tensor_free(s->grad);
-    if (s->grad_fn) kiln__node_release(s->grad_fn);
+    if (s->grad_fn) node_release(s->grad_fn);
     free(s);
 }
 

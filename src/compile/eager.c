@@ -18,12 +18,12 @@
 
 typedef struct entry {
     uint64_t hash;
-    unsigned char *key;
-    size_t key_n;
     bool ok; /* false: the op does not lower; dispatch falls back */
     kiln_graph_t *g;
     kiln__program *p;
     struct entry *next;
+    size_t key_n;
+    unsigned char key[];
 } entry;
 
 #define N_BUCKETS 1024
@@ -241,10 +241,7 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
     while (e && !(e->hash == h && e->key_n == k.n && !memcmp(e->key, k.b, k.n))) e = e->next;
     kiln_status s = KILN_OK;
     if (!e) {
-        e = calloc(1, sizeof *e);
-        if (e) e->key = malloc(k.n);
-        if (!e || !e->key) {
-            free(e);
+        if (!(e = calloc(1, sizeof *e + k.n))) {
             pthread_mutex_unlock(&lock);
             return kiln__err(KILN_ERR_OOM, "compile: out of memory");
         }

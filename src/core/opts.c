@@ -41,13 +41,11 @@ static bool disabled_by_alias(kiln__opt_id id)
             if (strlen(table[s].name + pre) == n && !strncasecmp(it, table[s].name + pre, n)) hit = s;
         if (hit == (int)id) off = true;
         if (hit < 0 && !atomic_exchange(&warned_disable, true)) {
-            char all[400];
-            size_t at = 0;
-            for (int s = KILN__OPT_FIRST_STAGE; s < KILN__OPT_COUNT && at + 16 < sizeof all; s++) {
-                if (s > KILN__OPT_FIRST_STAGE) all[at++] = ',', all[at++] = ' ';
-                for (const char *c = table[s].name + pre; *c && at + 3 < sizeof all; c++) all[at++] = (char)tolower(*c);
-            }
-            all[at] = 0;
+            char all[400] = "";
+            for (int s = KILN__OPT_FIRST_STAGE; s < KILN__OPT_COUNT; s++)
+                snprintf(all + strlen(all), sizeof all - strlen(all), "%s%s", s > KILN__OPT_FIRST_STAGE ? ", " : "",
+                         table[s].name + pre);
+            for (char *c = all; *c; c++) *c = (char)tolower(*c);
             fprintf(stderr, "kiln: KILN_COMPILE_DISABLE: no stage '%.*s' (the stages: %s); ignored\n", (int)n, it, all);
         }
     }
