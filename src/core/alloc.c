@@ -236,10 +236,7 @@ kiln_tensor_t *kiln__tensor_alloc(kiln__backend *be, kiln_dtype dt, const int64_
     int64_t n = kiln__numel(ndim, shape);
     size_t nbytes = (size_t)n * kiln_dtype_size(dt);
     kiln__storage *st = storage_new(be, nbytes ? nbytes : 1);
-    if (!st) {
-        kiln__err(KILN_ERR_OOM, "out of memory allocating %zu bytes on %s", nbytes, be->name);
-        return NULL;
-    }
+    if (!st) return kiln__err(KILN_ERR_OOM, "out of memory allocating %zu bytes on %s", nbytes, be->name), NULL;
     int64_t stride[KILN_MAX_DIMS];
     kiln__contiguous_strides(ndim, shape, stride);
     kiln_tensor_t *t = kiln__tensor_alias(st, dt, ndim, shape, stride, 0);

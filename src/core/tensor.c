@@ -49,10 +49,7 @@ kiln_tensor_t *kiln__tensor_alias(kiln__storage *st, kiln_dtype dt, int ndim, co
                                   const int64_t *stride, int64_t offset)
 {
     kiln_tensor_t *t = calloc(1, sizeof *t);
-    if (!t) {
-        kiln__err(KILN_ERR_OOM, "out of memory allocating a tensor header");
-        return NULL;
-    }
+    if (!t) return kiln__err(KILN_ERR_OOM, "out of memory allocating a tensor header"), NULL;
     atomic_init(&t->refcount, 1);
     atomic_fetch_add(&st->refcount, 1);
     t->st = st;

@@ -61,10 +61,7 @@ static kiln_tensor_t *meta_tensor(kiln__backend *be, kiln__storage *share, size_
     kiln__storage *st = share;
     if (!st) {
         st = calloc(1, sizeof *st);
-        if (!st) {
-            kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
-            return NULL;
-        }
+        if (!st) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory"), NULL;
         atomic_init(&st->refcount, 1);
         st->be = be;
         st->meta = true;
@@ -509,10 +506,7 @@ void kiln__graph_release(const kiln_graph_t *g, kiln__graph_frame *f, int v, con
 static kiln_tensor_t **gather(const node *n, kiln_tensor_t *const *vals, kiln_tensor_t **stack)
 {
     kiln_tensor_t **ins = n->n_in > 64 ? malloc(sizeof *ins * (size_t)n->n_in) : stack;
-    if (!ins) {
-        kiln__err(KILN_ERR_OOM, "graph: out of memory");
-        return NULL;
-    }
+    if (!ins) return kiln__err(KILN_ERR_OOM, "graph: out of memory"), NULL;
     for (int i = 0; i < n->n_in; i++) ins[i] = vals[n->in[i]];
     return ins;
 }
