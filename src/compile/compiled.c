@@ -46,9 +46,11 @@ struct kiln_compiled {
     void *ctx;
     char name[64];
     int limit, n_graphs;
-    kiln_graph_t **graphs;
-    kiln__program **progs; /* NULL where the graph is interpreted */
-    guards *g;
+    struct {
+        kiln_graph_t *graph;
+        kiln__program *prog; /* NULL where the graph is interpreted */
+        guards g;
+    } *graphs;
     attr attrs[MAX_ATTRS];
     int n_attrs;
     bool warned;
@@ -57,13 +59,11 @@ struct kiln_compiled {
 
 static void guards_of(const kiln_compiled_t *c, kiln_tensor_t *const *in, int n, guards *g)
 {
-    memset(g, 0, sizeof *g);
-    g->n = n;
+    *g = (guards){.n = n, .grad_mode = kiln_grad_enabled()};
     for (int i = 0; i < n; i++) {
         kiln__meta_of(in[i], &g->m[i]);
         g->device[i] = in[i]->st->be;
     }
-    g->grad_mode = kiln_grad_enabled();
     for (int i = 0; i < c->n_attrs; i++) memcpy(g->attr[i], c->attrs[i].ptr, c->attrs[i].n);
 }
 
@@ -217,10 +217,7 @@ kiln_status kiln_compiled_new(kiln_graph_fn fn, void *ctx, const char *name, kil
     c->ctx = ctx;
     snprintf(c->name, sizeof c->name, "%s", name && *name ? name : "function");
     c->limit = (int)kiln__env_int(KILN__ENV_RECOMPILE_LIMIT);
-    c->graphs = calloc((size_t)c->limit, sizeof *c->graphs);
-    c->g = calloc((size_t)c->limit, sizeof *c->g);
-    c->progs = calloc((size_t)c->limit, sizeof *c->progs);
-    if (!c->graphs || !c->g || !c->progs) {
+    if (!(c->graphs = calloc((size_t)c->limit, sizeof *c->graphs))) {
         kiln_compiled_free(c);
         return kiln__err(KILN_ERR_OOM, "compiled_new: out of memory");
     }
@@ -232,13 +229,11 @@ void kiln_compiled_free(kiln_compiled_t *c)
 {
     if (!c) return;
     for (int i = 0; c->graphs && i < c->n_graphs; i++) {
-        kiln__program_free(c->progs[i]);
-        kiln_graph_free(c->graphs[i]);
-        guards_free(&c->g[i]);
+        kiln__program_free(c->graphs[i].prog);
+        kiln_graph_free(c->graphs[i].graph);
+        guards_free(&c->graphs[i].g);
     }
     free(c->graphs);
-    free(c->progs);
-    free(c->g);
     free(c);
 }
 
@@ -324,9 +319,9 @@ static kiln_status capture_new(kiln_compiled_t *c, kiln_tensor_t *const *in, int
         snprintf(prefix, sizeof prefix, "kiln [guards] %s graph %d: ", c->name, c->n_graphs);
         print_guards(stderr, prefix, c, now);
     }
-    c->progs[c->n_graphs] = prog;
-    c->graphs[c->n_graphs] = g;
-    c->g[c->n_graphs++] = *now;
+    c->graphs[c->n_graphs].prog = prog;
+    c->graphs[c->n_graphs].graph = g;
+    c->graphs[c->n_graphs++].g = *now;
     return KILN_OK;
 }
 
@@ -334,8 +329,8 @@ static kiln_status capture_new(kiln_compiled_t *c, kiln_tensor_t *const *in, int
 static kiln_status run_graph(const kiln_compiled_t *c, int k, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
                              int max_out, int *n_out)
 {
-    return c->progs[k] ? kiln__program_run(c->progs[k], in, n_in, out, max_out, n_out)
-                       : kiln_graph_run(c->graphs[k], in, n_in, out, max_out, n_out);
+    return c->graphs[k].prog ? kiln__program_run(c->graphs[k].prog, in, n_in, out, max_out, n_out)
+                             : kiln_graph_run(c->graphs[k].graph, in, n_in, out, max_out, n_out);
 }
 
 kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
@@ -353,8 +348,8 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
      * message holds them. */
     char why[2 * (2 * ATTR_BYTES + 4) + 100] = "", all[1024] = "";
     for (int k = c->n_graphs - 1, len = 0; k >= 0; k--) {
-        if (!broken(c, &c->g[k], &now, why, sizeof why)) {
-            kiln_status r = refused(c, in, n_in, c->progs[k], false);
+        if (!broken(c, &c->graphs[k].g, &now, why, sizeof why)) {
+            kiln_status r = refused(c, in, n_in, c->graphs[k].prog, false);
             if (r != KILN_OK) return r;
             c->hits++;
             return run_graph(c, k, in, n_in, out, max_out, n_out);
@@ -385,7 +380,7 @@ kiln_status kiln_compiled_plan(const kiln_compiled_t *c, int graph, int *kernels
 {
     if (!c || graph < 0 || graph >= c->n_graphs)
         return kiln__err(KILN_ERR_ARG, "compiled_plan: no graph %d (the function has %d)", graph, c ? c->n_graphs : 0);
-    const kiln__program *p = c->progs[graph];
+    const kiln__program *p = c->graphs[graph].prog;
     int n_ops = 0;
     for (int t = 0; p && t < p->n_steps; t++) n_ops += p->steps[t].kind == STEP_OP;
     if (kernels) *kernels = p ? p->n_k : 0;

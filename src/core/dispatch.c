@@ -196,8 +196,7 @@ static kiln_status dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, 
 
     const kiln__interceptor *ics[16];
     int n_ics = watched ? kiln__intercept_active(ics) : 0;
-    kiln__meta meta[KILN__MAX_OUT];
-    memset(meta, 0, sizeof meta);
+    kiln__meta meta[KILN__MAX_OUT] = {0};
     kiln_tensor_t *outs[KILN__MAX_OUT] = {0};
     kiln__call_info c = {.op = op, .be = be, .in = in, .n_in = n_in, .a = a, .meta = meta, .out = outs,
                          .n_out = d->n_out};

@@ -37,12 +37,9 @@ bool kiln__is_contiguous(const kiln_tensor_t *t)
 
 void kiln__meta_of(const kiln_tensor_t *t, kiln__meta *m)
 {
-    memset(m, 0, sizeof *m);
-    m->dtype = t->dtype;
-    m->ndim = t->ndim;
+    *m = (kiln__meta){.dtype = t->dtype, .ndim = t->ndim, .offset = t->offset};
     memcpy(m->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
     memcpy(m->stride, t->stride, sizeof(int64_t) * (size_t)t->ndim);
-    m->offset = t->offset;
 }
 
 kiln_tensor_t *kiln__tensor_alias(kiln__storage *st, kiln_dtype dt, int ndim, const int64_t *shape,

@@ -104,15 +104,11 @@ void kiln__pool_start(int nthreads)
     workers = calloc((size_t)nthreads - 1, sizeof *workers);
     if (!workers) return;
     int started = 0;
-    for (int i = 0; i < nthreads - 1; i++) {
-        pthread_attr_t at;
-        pthread_attr_init(&at);
-        if (pthread_create(&workers[i], &at, worker, NULL) == 0) {
+    for (int i = 0; i < nthreads - 1; i++)
+        if (pthread_create(&workers[i], NULL, worker, NULL) == 0) {
             pthread_detach(workers[i]);
             started++;
         }
-        pthread_attr_destroy(&at);
-    }
     n_threads = started + 1;
 }
 

@@ -6,6 +6,8 @@
  * (storage without data) that carry their value number. A run replays the calls through
  * dispatch, so views, in-place updates and every kernel behave exactly as in eager
  * code. */
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "autograd/autograd.h"
@@ -122,11 +124,7 @@ static kiln_status graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_
     if (!kiln__grow(&g->nd, g->n_nd, &g->cap_nd, sizeof *g->nd, 64))
         return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
     node *n = &g->nd[g->n_nd];
-    memset(n, 0, sizeof *n);
-    n->op = op;
-    n->attrs = *a;
-    n->n_in = n_in;
-    n->n_out = d->n_out;
+    *n = (node){.op = op, .attrs = *a, .n_in = n_in, .n_out = d->n_out};
     n->in = malloc(sizeof(int) * (size_t)(n_in ? n_in : 1));
     if (!n->in) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
     for (int i = 0; i < n_in; i++)
@@ -153,11 +151,14 @@ static kiln_status graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_
 }
 
 /* The first error of a hook that cannot return one; kiln_graph_capture reports it. */
-static void fail_later(kiln_graph_t *g, kiln_status code, const char *msg)
+__attribute__((format(printf, 3, 4))) static void fail_later(kiln_graph_t *g, kiln_status code, const char *fmt, ...)
 {
     if (g->failed) return;
     g->failed = code;
-    snprintf(g->failed_msg, sizeof g->failed_msg, "%s", msg);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g->failed_msg, sizeof g->failed_msg, fmt, ap);
+    va_end(ap);
 }
 
 static leaf_grad *find_leaf(kiln_graph_t *g, const kiln_tensor_t *leaf)
@@ -204,11 +205,10 @@ static kiln_tensor_t *sink_grad_of(void *ctx, const kiln_tensor_t *leaf)
     bool old_counts = !e || !e->clear;
     if (old_counts && kiln__autograd_grad(leaf)) {
         char b[96];
-        char msg[320];
-        snprintf(msg, sizeof msg, "graph capture: the function reads the gradient of a parameter %s that already "
-                 "held one when the capture began; a graph cannot follow a gradient that is replaced between calls: "
-                 "zero the gradients before calling it (kiln_optim_zero_grad)", kiln__shape_str(leaf, b, sizeof b));
-        fail_later(g, KILN_ERR_UNSUPPORTED, msg);
+        fail_later(g, KILN_ERR_UNSUPPORTED, "graph capture: the function reads the gradient of a parameter %s that "
+                   "already held one when the capture began; a graph cannot follow a gradient that is replaced between "
+                   "calls: zero the gradients before calling it (kiln_optim_zero_grad)",
+                   kiln__shape_str(leaf, b, sizeof b));
         return NULL;
     }
     if (!e && !(e = leaf_entry(g, (kiln_tensor_t *)leaf))) {
