@@ -181,12 +181,8 @@ kiln_tensor_t *kiln_tensor_grad(const kiln_tensor_t *t)
 
 void kiln_tensor_zero_grad(kiln_tensor_t *t)
 {
-    if (!t) return;
-    if (sink && !t->st->meta) {
-        sink->zero_grad(sink->ctx, t);
-        return;
-    }
-    kiln__autograd_set_grad(t, NULL);
+    if (t && sink && !t->st->meta) sink->zero_grad(sink->ctx, t);
+    else if (t) kiln__autograd_set_grad(t, NULL);
 }
 
 static _Thread_local kiln_grad_ready_fn ready_fn;
@@ -207,8 +203,7 @@ static kiln_status accumulate_leaf(kiln_tensor_t *leaf, kiln_tensor_t *g)
     if (held) return kiln_add_(held, g, 1.0);
     /* A fresh copy: g may be shared with another gradient or be a broadcast view. */
     kiln_tensor_t *c = kiln_clone(g);
-    if (!c) return kiln_last_status();
-    return kiln__autograd_set_grad(leaf, kiln_keep(c));
+    return c ? kiln__autograd_set_grad(leaf, kiln_keep(c)) : kiln_last_status();
 }
 
 static kiln_status accumulate(kiln_tensor_t **slot, kiln_tensor_t *g)

@@ -100,15 +100,18 @@ void kiln__intercept_resume(void *saved)
         if (stack.ic[i]->resume) stack.ic[i]->resume(stack.ic[i]->ctx);
 }
 
-bool kiln__intercept_forget_suspended(const kiln__interceptor *ic)
+kiln_status kiln__intercept_end(const kiln__interceptor *ic, kiln_status s, const char *who, const char *what)
 {
+    kiln__intercept_pop(ic);
     for (int k = n_suspended - 1; k >= 0; k--)
         for (int i = 0; i < suspended[k].n; i++)
             if (suspended[k].ic[i] == ic) {
                 n_suspended = k;
-                return true;
+                if (s != KILN_OK) return s;
+                return kiln__err(KILN_ERR_ARG, "%s: the function suspended the %s (kiln_graph_suspend) and returned "
+                                 "without resuming it (kiln_graph_resume)", who, what);
             }
-    return false;
+    return s;
 }
 
 bool kiln__dispatch_tracing(void)

@@ -294,14 +294,11 @@ static kiln_status capture_begin(capture_frame *f, kiln_graph_t *g)
     return KILN_OK;
 }
 
-static kiln_status capture_end(capture_frame *f)
+static kiln_status capture_end(capture_frame *f, kiln_status s)
 {
-    bool open = kiln__intercept_forget_suspended(&f->ic);
-    kiln__intercept_pop(&f->ic);
     kiln__autograd_set_leaf_sink(f->sink_was);
     capturing = NULL;
-    return open ? kiln__err(KILN_ERR_ARG, "graph_capture: the function suspended the capture (kiln_graph_suspend) "
-                            "and returned without resuming it (kiln_graph_resume)") : KILN_OK;
+    return kiln__intercept_end(&f->ic, s, "graph_capture", "capture");
 }
 
 void kiln_graph_free(kiln_graph_t *g)
@@ -368,8 +365,7 @@ kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *c
             g->lg[i].acc = NULL;
         }
         kiln_scope_end();
-        kiln_status e = began ? capture_end(&cf) : KILN_OK;
-        if (s == KILN_OK) s = e;
+        if (began) s = capture_end(&cf, s);
     }
     for (int i = 0; args && i < n_in; i++) kiln_tensor_free(args[i]);
     free(args);
@@ -728,8 +724,7 @@ kiln_status kiln__graph_rewrite(kiln_graph_t *g, const char *who, kiln__graph_ru
     }
     kiln_scope_end();
     kiln_set_grad_enabled(prev);
-    kiln_status e = began ? capture_end(&cf) : KILN_OK;
-    if (s == KILN_OK) s = e;
+    if (began) s = capture_end(&cf, s);
     for (int i = 1; map && i < g->n_v; i++)
         if (g->v[i].kind != V_CONST) kiln_tensor_free(map[i]);
     free(map);

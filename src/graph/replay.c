@@ -158,8 +158,8 @@ static const char *launch_name(const launch *L)
     return L->kind == LAUNCH_CALL ? "a generated kernel" : kiln__ops[L->op].name;
 }
 
-/* The launches, in order, on the recorded tensors; *at gets the one that failed. */
-static kiln_status run_list_at(kiln_replay_t *r, int *at)
+/* The launches, in order, on the recorded tensors; *at (at not NULL) gets the one that failed. */
+static kiln_status run_list(kiln_replay_t *r, int *at)
 {
     kiln_status s = KILN_OK;
     bool prev = kiln_set_grad_enabled(false);
@@ -175,16 +175,10 @@ static kiln_status run_list_at(kiln_replay_t *r, int *at)
                 s = kiln__err(KILN_ERR_INTERNAL, "replay_run: the %s kernel of %s is gone", L->provider->name,
                               kiln__ops[L->op].name);
         }
-        if (s != KILN_OK) *at = k;
+        if (s != KILN_OK && at) *at = k;
     }
     kiln_set_grad_enabled(prev);
     return s;
-}
-
-static kiln_status run_list(kiln_replay_t *r)
-{
-    int at;
-    return run_list_at(r, &at);
 }
 
 /* The launch list as the device's own graph, where it can be; r->why says what came of it. */
@@ -208,7 +202,7 @@ static void capture_native(kiln_replay_t *r)
     kiln_status s = *no ? KILN_OK : kiln__be_capture_begin(be);
     if (!*no && s == KILN_OK) {
         kiln__pool_begin(r->native_pool);
-        kiln_status ran = run_list_at(r, &at);
+        kiln_status ran = run_list(r, &at);
         kiln__pool_end();
         s = kiln__be_capture_end(be, &g); /* ends the capture either way */
         if (ran != KILN_OK) s = ran;
@@ -265,14 +259,11 @@ kiln_status kiln_replay_record(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
         s = kiln__err(KILN_ERR_ARG, "replay_record: the function gave %d outputs (room for %d)", n, max_out);
     for (int j = 0; s == KILN_OK && j < n; j++)
         if (!res[j]) s = kiln__err(KILN_ERR_ARG, "replay_record: output %d is NULL", j);
-    for (int j = 0; s == KILN_OK && j < n; j++) r->out[j] = kiln_tensor_retain(res[j]);
+        else r->out[j] = kiln_tensor_retain(res[j]);
     kiln_scope_end();
     kiln__pool_end();
     rec = NULL;
-    kiln__intercept_pop(&ic);
-    if (kiln__intercept_forget_suspended(&ic) && s == KILN_OK)
-        s = kiln__err(KILN_ERR_ARG, "replay_record: the function suspended the recording (kiln_graph_suspend) and "
-                      "returned without resuming it (kiln_graph_resume)");
+    s = kiln__intercept_end(&ic, s, "replay_record", "recording");
     if (s == KILN_OK && r->failed) s = kiln__err(r->failed, "replay_record: out of memory recording the launches");
     if (s != KILN_OK) {
         kiln_replay_free(r);
@@ -311,7 +302,7 @@ kiln_status kiln_replay_run(kiln_replay_t *r, kiln_tensor_t *const *in, int n_in
         s = src ? kiln_tensor_copy_(want, src) : kiln_last_status();
         kiln_scope_end();
     }
-    if (s == KILN_OK) s = r->native ? kiln__be_replay(r->native_be, r->native) : run_list(r);
+    if (s == KILN_OK) s = r->native ? kiln__be_replay(r->native_be, r->native) : run_list(r, NULL);
     if (s != KILN_OK) return s;
     for (int j = 0; j < r->n_out; j++) out[j] = kiln__scoped(kiln_tensor_retain(r->out[j]));
     *n_out = r->n_out;
