@@ -37,7 +37,7 @@ typedef struct {
      * then: a graph computes gradients for exactly those that did. Empty in a call's
      * guards, which are checked against each graph's list. */
     kiln_tensor_t **cap;
-    bool *cap_rg;
+    bool *cap_rg; /* in cap's block */
     int n_cap;
 } guards;
 
@@ -70,8 +70,7 @@ static void guards_of(const kiln_compiled_t *c, kiln_tensor_t *const *in, int n,
 static void guards_free(guards *gd)
 {
     for (int i = 0; i < gd->n_cap; i++) kiln_tensor_free(gd->cap[i]);
-    free(gd->cap);
-    free(gd->cap_rg);
+    free(gd->cap); /* and cap_rg, in the same block */
 }
 
 /* Records in gd the tensors graph gr captured, and which of them require gradients. */
@@ -79,12 +78,9 @@ static kiln_status capture_guards(const kiln_graph_t *gr, guards *gd)
 {
     int n = 0;
     for (int i = 1; i < gr->n_v; i++) n += gr->v[i].kind == V_CONST && gr->v[i].t;
-    gd->cap = calloc((size_t)(n ? n : 1), sizeof *gd->cap);
-    gd->cap_rg = calloc((size_t)(n ? n : 1), sizeof *gd->cap_rg);
-    if (!gd->cap || !gd->cap_rg) {
-        guards_free(gd);
+    if (!(gd->cap = calloc((size_t)(n ? n : 1), sizeof *gd->cap + sizeof *gd->cap_rg)))
         return kiln__err(KILN_ERR_OOM, "compiled_call: out of memory");
-    }
+    gd->cap_rg = (bool *)(gd->cap + (n ? n : 1));
     for (int i = 1; i < gr->n_v; i++)
         if (gr->v[i].kind == V_CONST && gr->v[i].t) {
             gd->cap[gd->n_cap] = kiln_tensor_retain(gr->v[i].t);

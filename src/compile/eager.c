@@ -101,13 +101,9 @@ static kiln_status run(const entry *e, kiln__backend *be, kiln_tensor_t *const *
 {
     const kiln_graph_t *g = e->g;
     const kiln__program *p = e->p;
-    kiln_tensor_t **rt = calloc((size_t)g->n_v, sizeof *rt);
-    bool *mine = calloc((size_t)g->n_v, sizeof *mine); /* made here, freed here */
-    if (!rt || !mine) {
-        free(rt);
-        free(mine);
-        return kiln__err(KILN_ERR_OOM, "compile: out of memory");
-    }
+    kiln_tensor_t **rt = calloc((size_t)g->n_v, sizeof *rt + sizeof(bool));
+    if (!rt) return kiln__err(KILN_ERR_OOM, "compile: out of memory");
+    bool *mine = (bool *)(rt + g->n_v); /* made here, freed here */
     for (int i = 1; i < g->n_v; i++)
         if (g->v[i].kind == V_ARG) rt[i] = in[g->v[i].index];
         else if (g->v[i].kind == V_CONST) rt[i] = g->v[i].t;
@@ -149,7 +145,6 @@ static kiln_status run(const entry *e, kiln__backend *be, kiln_tensor_t *const *
     for (int i = 0; i < g->n_v; i++)
         if (mine[i]) kiln_tensor_free(rt[i]);
     free(rt);
-    free(mine);
     return s;
 }
 

@@ -123,9 +123,8 @@ static kiln_status generic_copy_(kiln__backend *be, kiln_tensor_t *const *in, in
     if (kiln__is_contiguous(src)) return kiln__be_copy_d2d(be, kiln__data(dst), kiln__data(src), kiln_tensor_nbytes(dst));
     /* A strided source: made dense on the device first (unwatched: this launch stands
      * for it in a replay), then copied. */
-    kiln__attrs none = {0};
     kiln_tensor_t *c = NULL;
-    kiln_status s = kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &src, 1, &none, &c);
+    kiln_status s = kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &src, 1, &(kiln__attrs){0}, &c);
     if (s == KILN_OK) s = kiln__be_copy_d2d(be, kiln__data(dst), kiln__data(c), kiln_tensor_nbytes(dst));
     kiln_tensor_free(c);
     return s;

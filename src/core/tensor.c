@@ -211,8 +211,7 @@ kiln_tensor_t *kiln_empty(const int64_t *shape, int ndim, kiln_dtype dt)
 
 kiln_tensor_t *kiln_full(const int64_t *shape, int ndim, double value, kiln_dtype dt)
 {
-    kiln__attrs a = {0};
-    a.op.source.value = value;
+    kiln__attrs a = {.op.source.value = value};
     return creation(KILN_OP_FULL, "full", shape, ndim, dt, &a);
 }
 
@@ -233,9 +232,7 @@ kiln_tensor_t *kiln_arange(double start, double end, double step, kiln_dtype dt)
 {
     if (step == 0 || (end - start) / step < 0)
         return kiln__err(KILN_ERR_ARG, "arange: step %g cannot go from %g to %g", step, start, end), NULL;
-    kiln__attrs a = {0};
-    a.op.source.start = start;
-    a.op.source.step = step;
+    kiln__attrs a = {.op.source.start = start, .op.source.step = step};
     int64_t n = (int64_t)((end - start) / step);
     if (start + (double)n * step != end && (end - start) / step > (double)n) n++;
     return creation(KILN_OP_ARANGE, "arange", &n, 1, dt, &a);
@@ -247,8 +244,7 @@ static kiln_tensor_t *random_tensor(const int64_t *shape, int ndim, kiln_dtype d
         return kiln__err(KILN_ERR_DTYPE, "%s: dtype %s is not a float dtype", normal ? "randn" : "rand",
                          kiln_dtype_name(dt)), NULL;
     if (check_shape("rand", shape, ndim, dt) != KILN_OK) return NULL;
-    kiln__attrs a = {0};
-    a.op.source.normal = normal;
+    kiln__attrs a = {.op.source.normal = normal};
     a.u[1] = kiln__rng_take((uint64_t)kiln__numel(ndim, shape), &a.u[0]);
     return creation(KILN_OP_RAND, "rand", shape, ndim, dt, &a);
 }
@@ -300,9 +296,8 @@ kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes
     if (!nbytes) return KILN_OK;
     if (kiln__is_contiguous(t)) return kiln__be_copy_d2h(t->st->be, dst, kiln__data(t), nbytes);
     kiln_tensor_t *c = NULL;
-    kiln__attrs a = {0};
     kiln_tensor_t *in = (kiln_tensor_t *)t;
-    s = kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &in, 1, &a, &c);
+    s = kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &in, 1, &(kiln__attrs){0}, &c);
     if (s == KILN_OK) s = kiln__be_copy_d2h(c->st->be, dst, kiln__data(c), nbytes);
     kiln_tensor_free(c);
     return s;
@@ -338,9 +333,8 @@ kiln_tensor_t *kiln_tensor_to(kiln_tensor_t *t, const char *device)
     if (t->st->be == be) return kiln__scoped(kiln_tensor_retain(t));
     if (kiln__intercept_data_access(t, "tensor_to") != KILN_OK) return NULL;
     kiln_tensor_t *c = (kiln_tensor_t *)t;
-    kiln__attrs a = {0};
     kiln_status s = kiln__is_contiguous(t) ? (kiln_tensor_retain(t), KILN_OK)
-                                           : kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &c, 1, &a, &c);
+                                           : kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &c, 1, &(kiln__attrs){0}, &c);
     if (s != KILN_OK) return NULL;
     kiln_tensor_t *out = kiln__tensor_alloc(be, t->dtype, t->shape, t->ndim);
     if (out) s = kiln__copy_across(be, kiln__data(out), c->st->be, kiln__data(c), kiln_tensor_nbytes(c));
@@ -371,8 +365,7 @@ kiln_status kiln_tensor_copy_(kiln_tensor_t *dst, const kiln_tensor_t *src)
 {
     if (!dst || !src) return kiln__null_arg("copy_");
     kiln_tensor_t *in[2] = {dst, (kiln_tensor_t *)src};
-    kiln__attrs a = {0};
-    return kiln__dispatch(KILN_OP_COPY_, in, 2, &a, NULL);
+    return kiln__dispatch(KILN_OP_COPY_, in, 2, &(kiln__attrs){0}, NULL);
 }
 
 /* The elements' byte range [lo, hi) of a tensor in its storage. */
