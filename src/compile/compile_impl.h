@@ -94,10 +94,9 @@ typedef struct {
                 * before step `until` (n_steps: at the end); 0 for every other step */
 } kc_step;
 
-/* What each pass may do: the switches KILN_OPT_COMPILE_<STAGE>=0 (or the alias
- * KILN_COMPILE_DISABLE=decompose,fold,cse,slices,views,dce,coalesce,recompute,hoist,
- * fusion,codegen,symbolic,overlap,reuse) turn them off one at a time, to find the one
- * that breaks a result (core/opts.h). */
+/* What each pass may do: the stage switches of core/opts.h (KILN_OPT_COMPILE_<STAGE>=0,
+ * or KILN_COMPILE_DISABLE naming them) turn them off one at a time, to find the one that
+ * breaks a result. */
 typedef struct {
     bool decompose, fold, cse, dce, fusion, codegen, recompute, symbolic, slices, coalesce, views, hoist, overlap;
     bool reuse; /* an elementwise kernel's output takes the buffer of an input it reads last */
