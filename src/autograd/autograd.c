@@ -54,18 +54,14 @@ static void node_clear(kiln__node *n)
 static void node_release(kiln__node *root)
 {
     kiln__node **stack = NULL;
-    size_t n = 0, cap = 0;
+    int n = 0, cap = 0;
     kiln__node *cur = root;
     while (cur) {
         if (atomic_fetch_sub(&cur->refcount, 1) == 1) {
             for (int i = 0; i < cur->n_in; i++) {
                 if (cur->next[i]) {
-                    if (n == cap) {
-                        cap = cap ? cap * 2 : 64;
-                        kiln__node **s = realloc(stack, cap * sizeof *s);
-                        if (!s) abort(); /* cannot free without memory to walk with */
-                        stack = s;
-                    }
+                    if (!kiln__grow(&stack, n, &cap, sizeof *stack, 64))
+                        abort(); /* cannot free without memory to walk with */
                     stack[n++] = cur->next[i];
                 }
                 kiln_tensor_free(cur->leaf[i]);

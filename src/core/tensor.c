@@ -77,7 +77,7 @@ void kiln_tensor_free(kiln_tensor_t *t)
 /* Scopes: a per-thread stack of growable lists of references. */
 typedef struct {
     kiln_tensor_t **items;
-    size_t n, cap;
+    int n, cap;
 } scope;
 
 static _Thread_local scope *scopes;
@@ -94,7 +94,7 @@ void kiln_scope_end(void)
 {
     if (n_scopes == 0) return;
     scope *s = &scopes[--n_scopes];
-    for (size_t i = s->n; i-- > 0;) kiln_tensor_free(s->items[i]);
+    for (int i = s->n; i-- > 0;) kiln_tensor_free(s->items[i]);
     free(s->items);
     if (n_scopes == 0) { /* the outermost scope: a thread that ends now leaves nothing behind */
         free(scopes);
@@ -107,16 +107,9 @@ kiln_tensor_t *kiln__scoped(kiln_tensor_t *t)
 {
     if (!t || n_scopes == 0) return t;
     scope *s = &scopes[n_scopes - 1];
-    if (s->n == s->cap) {
-        size_t cap = s->cap ? s->cap * 2 : 64;
-        kiln_tensor_t **items = realloc(s->items, cap * sizeof *items);
-        if (!items) {
-            kiln_tensor_free(t);
-            kiln__err(KILN_ERR_OOM, "out of memory growing a scope");
-            return NULL;
-        }
-        s->items = items;
-        s->cap = cap;
+    if (!kiln__grow(&s->items, s->n, &s->cap, sizeof *s->items, 64)) {
+        kiln_tensor_free(t);
+        return kiln__err(KILN_ERR_OOM, "out of memory growing a scope"), NULL;
     }
     s->items[s->n++] = t;
     return t;
@@ -127,7 +120,7 @@ kiln_tensor_t *kiln_keep(kiln_tensor_t *t)
     if (!t) return NULL;
     for (int k = n_scopes - 1; k >= 0; k--) {
         scope *s = &scopes[k];
-        for (size_t i = s->n; i-- > 0;) {
+        for (int i = s->n; i-- > 0;) {
             if (s->items[i] == t) {
                 s->items[i] = s->items[--s->n];
                 return t;
