@@ -334,9 +334,8 @@ kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *c
     kiln__ensure_init();
     kiln_graph_t *g = graph_new("graph_capture");
     if (!g) return kiln_last_status();
-    kiln_status s = KILN_OK;
     kiln_tensor_t **args = calloc((size_t)(n_in ? n_in : 1), sizeof *args);
-    if (!args) s = kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
+    kiln_status s = args ? KILN_OK : kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
     for (int i = 0; s == KILN_OK && i < n_in; i++) {
         kiln__meta m;
         kiln__meta_of(example[i], &m);

@@ -90,12 +90,10 @@ static kiln_status replay_after(void *ctx, const kiln__call_info *c)
 {
     kiln_replay_t *r = ctx;
     if (!c->ran || !room(r)) return KILN_OK;
-    int n_in = c->n_in, n_out = c->n_out;
-    kiln_tensor_t *const *in = c->in, *const *out = c->out;
-    int n = n_in + n_out;
+    int n = c->n_in + c->n_out;
     launch *L = &r->l[r->n_l];
-    *L = (launch){.kind = LAUNCH_OP, .op = c->op, .be = c->be, .provider = c->ran, .a = *c->a, .n_in = n_in,
-                  .n_out = n_out,
+    *L = (launch){.kind = LAUNCH_OP, .op = c->op, .be = c->be, .provider = c->ran, .a = *c->a, .n_in = c->n_in,
+                  .n_out = c->n_out,
                   .t = calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t) + sizeof(kiln__storage) + sizeof(kiln_tensor_t *))};
     if (!L->t) {
         r->failed = KILN_ERR_OOM;
@@ -104,7 +102,7 @@ static kiln_status replay_after(void *ctx, const kiln__call_info *c)
     L->st = (kiln__storage *)(L->t + n);
     L->p = (kiln_tensor_t **)(L->st + n);
     for (int i = 0; i < n; i++) {
-        const kiln_tensor_t *src = i < n_in ? in[i] : out[i - n_in];
+        const kiln_tensor_t *src = i < c->n_in ? c->in[i] : c->out[i - c->n_in];
         L->st[i] = *src->st;
         atomic_init(&L->st[i].refcount, 1);
         L->st[i].pool = NULL;
