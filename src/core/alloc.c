@@ -97,6 +97,7 @@ static kiln__storage *storage_new(kiln__backend *be, size_t nbytes)
                 *q = b->next;
                 ptr = b->ptr;
                 free(b);
+                break;
             }
         pool->refs++;
         st->pool = pool;
