@@ -151,58 +151,29 @@ static void expr_c(sbuf *b, const gen *G, int i)
     case E_OP:
         break;
     }
+    /* f64 takes the double forms: km_<name>d, pow, km_maxd; no fast forms */
+    bool f64 = e->dt == KILN_DTYPE_F64;
     const kiln__op_math_t *m = &kiln__op_math[e->op];
-    if (m->name) { /* km_<name>[d](x), or g * km_<name>_dx[d](x) for its backward op */
-        const char *d = e->dt == KILN_DTYPE_F64 ? "d" : "";
-        if (m->dx) put(b, "%s * km_%s_dx%s(%s)", a[1], m->name, d, a[0]);
-        else put(b, "km_%s%s(%s)", m->name, d, a[0]);
+    if (m->name) { /* km_<name>(x), or g * km_<name>_dx(x) for its backward op; d or _fast forms */
+        bool fast_form = !f64 && (m->fast == KILN__PW_GEN || (m->fast == KILN__PW_SWITCH && fast));
+        const char *form = f64 ? "d" : fast_form ? "_fast" : "";
+        if (m->dx) put(b, "%s * km_%s_dx%s(%s)", a[1], m->name, form, a[0]);
+        else put(b, "km_%s%s(%s)", m->name, form, a[0]);
         return;
     }
-    /* the union's gelu member is GELU's and GELU_BACKWARD's alone */
+    /* the union's gelu member is GELU's and GELU_BACKWARD's alone; GELU is f32 only */
     bool tanh_form = (e->op == KILN_OP_GELU || e->op == KILN_OP_GELU_BACKWARD) && e->attrs.op.gelu.tanh;
-    if (e->dt == KILN_DTYPE_F64) { /* lowering lets only these through in f64: double math, no fast forms */
-        switch (e->op) {
-        case KILN_OP_POW: put(b, "pow(%s, %s)", a[0], a[1]); return;
-        case KILN_OP_MAXIMUM: put(b, "km_maxd(%s, %s)", a[0], a[1]); return;
-        case KILN_OP_MINIMUM: put(b, "km_mind(%s, %s)", a[0], a[1]); return;
-        case KILN_OP_ABS: put(b, "fabs(%s)", a[0]); return;
-        case KILN_OP_EXP: put(b, "exp(%s)", a[0]); return;
-        case KILN_OP_LOG: put(b, "log(%s)", a[0]); return;
-        case KILN_OP_SQRT: put(b, "sqrt(%s)", a[0]); return;
-        case KILN_OP_RSQRT: put(b, "1.0 / sqrt(%s)", a[0]); return;
-        default: break; /* + - * / neg, casts, where: as in f32 */
-        }
-    }
+    const char *gelu = !tanh_form ? "erf" : fast ? "fast" : "tanh";
     switch (e->op) {
     case KILN_OP_ADD: put(b, "%s + %s", a[0], a[1]); break;
     case KILN_OP_SUB: put(b, "%s - %s", a[0], a[1]); break;
     case KILN_OP_MUL: put(b, "%s * %s", a[0], a[1]); break;
     case KILN_OP_DIV: put(b, "%s / %s", a[0], a[1]); break;
-    case KILN_OP_POW: put(b, "powf(%s, %s)", a[0], a[1]); break;
-    case KILN_OP_MAXIMUM: put(b, "km_max(%s, %s)", a[0], a[1]); break;
-    case KILN_OP_MINIMUM: put(b, "km_min(%s, %s)", a[0], a[1]); break;
-    case KILN_OP_NEG: put(b, "-%s", a[0]); break;
-    case KILN_OP_ABS: put(b, "fabsf(%s)", a[0]); break;
-    case KILN_OP_EXP: put(b, "km_exp(%s)", a[0]); break;
-    case KILN_OP_LOG: put(b, "logf(%s)", a[0]); break;
-    case KILN_OP_SQRT: put(b, "sqrtf(%s)", a[0]); break;
-    case KILN_OP_RSQRT: put(b, "1.0f / sqrtf(%s)", a[0]); break;
-    case KILN_OP_TANH: put(b, fast ? "km_tanh_fast(%s)" : "tanhf(%s)", a[0]); break;
-    case KILN_OP_SIGMOID: put(b, fast ? "km_sigmoid_fast(%s)" : "km_sigmoid(%s)", a[0]); break;
-    case KILN_OP_RELU: put(b, "%s > 0 ? %s : 0.0f", a[0], a[0]); break;
-    case KILN_OP_GELU:
-        put(b, "%s(%s)", !tanh_form ? "km_gelu_erf" : fast ? "km_gelu_fast" : "km_gelu_tanh", a[0]);
-        break;
-    case KILN_OP_SILU: put(b, fast ? "%s * km_sigmoid_fast(%s)" : "%s * km_sigmoid(%s)", a[0], a[0]); break;
-    case KILN_OP_GELU_BACKWARD:
-        put(b, "%s * %s(%s)", a[1], !tanh_form ? "km_gelu_grad_erf" : fast ? "km_gelu_grad_fast" : "km_gelu_grad_tanh",
-            a[0]);
-        break;
-    case KILN_OP_SILU_BACKWARD: {
-        const char *sg = fast ? "km_sigmoid_fast" : "km_sigmoid";
-        put(b, "%s * %s(%s) * (1.0f + %s * (1.0f - %s(%s)))", a[1], sg, a[0], a[0], sg, a[0]);
-        break;
-    }
+    case KILN_OP_POW: put(b, "pow%s(%s, %s)", f64 ? "" : "f", a[0], a[1]); break;
+    case KILN_OP_MAXIMUM: put(b, "km_max%s(%s, %s)", f64 ? "d" : "", a[0], a[1]); break;
+    case KILN_OP_MINIMUM: put(b, "km_min%s(%s, %s)", f64 ? "d" : "", a[0], a[1]); break;
+    case KILN_OP_GELU: put(b, "km_gelu_%s(%s)", gelu, a[0]); break;
+    case KILN_OP_GELU_BACKWARD: put(b, "%s * km_gelu_grad_%s(%s)", a[1], gelu, a[0]); break;
     case KILN_OP_WHERE: put(b, "%s ? %s : %s", a[0], a[1], a[2]); break;
     case KILN_OP_CAST:
         if (e->dt == KILN_DTYPE_BOOL) put(b, "(uint8_t)(%s != 0)", a[0]);

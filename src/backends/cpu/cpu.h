@@ -49,7 +49,7 @@ void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t 
 #endif
 
 /* The fast-exp switch's exp (src/core/kmath.h, shared with the generated kernels). */
-#define kiln__fast_expf km_exp
+#define kiln__fast_expf km_exp_fast
 
 /* Grain for parallel_for over elements (rows are split to about this many elements). */
 #define CPU_GRAIN 16384
