@@ -385,14 +385,28 @@ static void kernel_c(sbuf *b, const kiln__program *p, const kc_kernel *k, bool f
         else put(b, "%lld", (long long)k->sz[n]);
     }
     put(b, "], %d reduction(s), %d store(s) */\n", k->n_acc, k->n_st);
+    /* The signature; then the buffers, typed (an output over an input's buffer,
+     * kc_buf.reuse, is not restrict: it aliases one); then the task and the sizes. */
+    static const char *const space[] = {"", "__global ", ""}, *const restr[] = {"restrict ", "restrict ", "__restrict__ "};
     if (cl) {
         put(b, "__kernel void %s(", k->name);
         for (int i = 0; i < k->n_buf; i++) put(b, "__global char *g%d, ulong go%d, ", i, i);
         put(b, "long n_tasks%s)\n{\n", G.sym ? ", __global char *gsz, ulong gszo" : "");
-        for (int i = 0; i < k->n_buf; i++)
-            put(b, "    __global %s%s *%sin%d = (__global %s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ",
-                ctype(k->buf[i].dt), k->buf[i].output && !k->buf[i].reuse ? "restrict " : "", i, k->buf[i].output ? "" : "const ",
-                ctype(k->buf[i].dt), i, i);
+    } else if (dialect == D_CUDA) {
+        put(b, "extern \"C\" __global__ void %s(", k->name);
+        for (int i = 0; i < k->n_buf; i++) put(b, "char *g%d, unsigned long long go%d, ", i, i);
+        put(b, "long long n_tasks)\n{\n");
+    } else {
+        put(b, "void %s(char *const *b, const int64_t *sz, int64_t t0, int64_t t1)\n{\n", k->name);
+    }
+    for (int i = 0; i < k->n_buf; i++) {
+        const char *c = k->buf[i].output ? "" : "const ", *T = ctype(k->buf[i].dt), *sp = space[dialect];
+        put(b, "    %s%s%s *%sin%d = (%s%s%s *)", sp, c, T, k->buf[i].output && !k->buf[i].reuse ? restr[dialect] : "", i,
+            sp, c, T);
+        if (dialect == D_C) put(b, "b[%d];\n", i);
+        else put(b, "(g%d + go%d);\n", i, i);
+    }
+    if (cl) {
         put(b, "    const int64_t t0 = get_global_id(0), t1 = t0 + 1;\n    if (t0 >= n_tasks) return;\n");
         if (G.sym) { /* the sizes: a device copy of k->sz, made when the program was loaded */
             put(b, "    __global const long *sz = (__global const long *)(gsz + gszo);\n");
@@ -400,20 +414,9 @@ static void kernel_c(sbuf *b, const kiln__program *p, const kc_kernel *k, bool f
                 if (G.used[n]) put(b, "    const int64_t z%d = sz[%d];\n", n, n);
         }
     } else if (dialect == D_CUDA) {
-        put(b, "extern \"C\" __global__ void %s(", k->name);
-        for (int i = 0; i < k->n_buf; i++) put(b, "char *g%d, unsigned long long go%d, ", i, i);
-        put(b, "long long n_tasks)\n{\n");
-        for (int i = 0; i < k->n_buf; i++)
-            put(b, "    %s%s *%sin%d = (%s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
-                k->buf[i].output && !k->buf[i].reuse ? "__restrict__ " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i, i);
         put(b, "    const int64_t t0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, t1 = t0 + 1;\n"
                "    if (t0 >= n_tasks) return;\n");
     } else {
-        /* An output over an input's buffer (kc_buf.reuse) is not restrict: it aliases one. */
-        put(b, "void %s(char *const *b, const int64_t *sz, int64_t t0, int64_t t1)\n{\n", k->name);
-        for (int i = 0; i < k->n_buf; i++)
-            put(b, "    %s%s *%sin%d = (%s%s *)b[%d];\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
-                k->buf[i].output && !k->buf[i].reuse ? "restrict " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i);
         bool any = false;
         for (int n = 0; n < k->n_sz; n++)
             if (G.used[n]) {

@@ -182,18 +182,14 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_fold: NULL graph");
     if (kiln__graph_capturing()) return kiln__err(KILN_ERR_ARG, "graph_fold: a capture is running on this thread");
     bool *cst = calloc((size_t)g->n_v, sizeof *cst), *mut = calloc((size_t)g->n_v, sizeof *mut);
-    if (!cst || !mut) {
+    bool *res_of = calloc((size_t)g->n_v, sizeof *res_of);
+    if (!cst || !mut || !res_of) {
         free(cst);
         free(mut);
+        free(res_of);
         return kiln__err(KILN_ERR_OOM, "graph_fold: out of memory");
     }
     kiln__graph_mutated(g, mut);
-    bool *res_of = calloc((size_t)g->n_v, sizeof *res_of);
-    if (!res_of) {
-        free(cst);
-        free(mut);
-        return kiln__err(KILN_ERR_OOM, "graph_fold: out of memory");
-    }
     kiln__graph_mark_results(g, res_of); /* a graph's result is a new tensor every run */
     kiln_status s = KILN_OK;
     int count = 0;

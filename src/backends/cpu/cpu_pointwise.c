@@ -315,8 +315,7 @@ kiln_status kiln__cpu_reduce_scatter_(kiln__backend *be, kiln_tensor_t *const *i
 kiln_status kiln__cpu_allgather_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                  kiln_tensor_t *const *out, int n_out)
 {
-    kiln__collective2_fn run = (kiln__collective2_fn)(uintptr_t)a->op.collective.ops;
-    return run(a->op.collective.group, in[0], in[1], a->op.collective.reduce);
+    return kiln__cpu_reduce_scatter_(be, in, n_in, a, out, n_out); /* the same call: the op carries its function */
 }
 
 kiln_status kiln__cpu_where(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
