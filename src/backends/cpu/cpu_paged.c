@@ -43,10 +43,9 @@ typedef struct {
 #define PSFX f32
 #include "backends/cpu/cpu_paged_impl.h"
 #undef KT
-#undef KLOAD8
-#undef PSFX
 
 #define KT uint16_t
+#define PATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
 #define KLOAD8(dst, p)                                                                                  \
     do {                                                                                              \
         u16x8 b_;                                                                                     \
@@ -54,24 +53,19 @@ typedef struct {
         u32x8 w_ = __builtin_convertvector(b_, u32x8) << 16;                                          \
         memcpy(&(dst), &w_, sizeof w_);                                                               \
     } while (0)
-#undef KSCALAR
 #define KSCALAR(x) kiln__bf16_to_f32(x)
 #define PSFX bf16
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 #include "backends/cpu/cpu_paged_impl.h"
-#undef KLOAD8
-#undef KSCALAR
-#undef PSFX
-#undef PATTR
 
 /* f16 twice: with F16C's vcvtph2ps (an intrinsic: GCC 12 widens a _Float16 vector one
  * element at a time, which made f16 pages slower than f32 ones), picked at run time
  * where the processor has it, and a portable one. */
-#define KSCALAR(x) kiln__f16_to_f32(x)
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define F16_V3 1
+#define KSCALAR(x) kiln__f16_to_f32(x)
 #define PATTR __attribute__((target("arch=x86-64-v3")))
 #undef PINL
 #define PINL static inline __attribute__((always_inline, target("arch=x86-64-v3")))
@@ -82,15 +76,13 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
     } while (0)
 #define PSFX f16v3
 #include "backends/cpu/cpu_paged_impl.h"
-#undef KLOAD8
-#undef PSFX
-#undef PATTR
 #undef PINL
 #define PINL static inline __attribute__((always_inline))
 #else
 #define F16_V3 0
 #endif
 #define PATTR
+#define KSCALAR(x) kiln__f16_to_f32(x)
 #define KLOAD8(dst, p)                                                                                  \
     do {                                                                                              \
         for (int l_ = 0; l_ < 8; l_++) (dst)[l_] = kiln__f16_to_f32((p)[l_]);                          \
@@ -98,10 +90,6 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 #define PSFX f16
 #include "backends/cpu/cpu_paged_impl.h"
 #undef KT
-#undef KLOAD8
-#undef KSCALAR
-#undef PSFX
-#undef PATTR
 #undef PINL
 
 /* The f16 kernel, chosen once: F16C's where the processor has it and KILN_OPT_F16C. */
@@ -202,12 +190,6 @@ typedef struct {
 #define KBCAST(s) ((v8){s, s, s, s, s, s, s, s})
 #define KATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
 #include "backends/cpu/cpu_packed_impl.h"
-#undef KV
-#undef KSFX
-#undef KGROUP
-#undef KMR
-#undef KBCAST
-#undef KATTR
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ROWS_WIDE 1
@@ -219,12 +201,6 @@ typedef struct {
 #define KBCAST(s) ((v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s})
 #define KATTR __attribute__((target("arch=x86-64-v4")))
 #include "backends/cpu/cpu_packed_impl.h"
-#undef KV
-#undef KSFX
-#undef KGROUP
-#undef KMR
-#undef KBCAST
-#undef KATTR
 #else
 #define ROWS_WIDE 0
 #endif
