@@ -60,8 +60,6 @@ static int opencl_register(int nthreads)
                 .copy_d2h = kiln__opencl_copy_d2h,
                 .copy_d2d = kiln__opencl_copy_d2d,
                 .memset = kiln__opencl_memset,
-                .stream_new = kiln__opencl_stream_new,
-                .stream_free = kiln__opencl_stream_free,
                 .event_record = kiln__opencl_event_record,
                 .event_wait = kiln__opencl_event_wait,
                 .event_free = kiln__opencl_event_free,
@@ -72,15 +70,11 @@ static int opencl_register(int nthreads)
                 .kernel_free = kiln__opencl_kernel_free,
                 .launch = kiln__opencl_launch,
                 .fill = kiln__opencl_fill,
-                .native_stream = NULL,
                 .event_query = kiln__opencl_event_query,
-                .host_register = NULL,
-                .host_unregister = NULL,
                 .capture_begin = cb ? kiln__opencl_capture_begin : NULL,
                 .capture_end = cb ? kiln__opencl_capture_end : NULL,
                 .replay = cb ? kiln__opencl_replay : NULL,
                 .capture_reset = cb ? kiln__opencl_capture_reset : NULL,
-                .can_fuse = NULL, /* every op the lowering knows */
             };
             if (kiln__backend_register(be) == KILN_OK) {
                 n++;

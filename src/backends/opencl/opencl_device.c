@@ -40,8 +40,7 @@ kiln_status kiln__opencl_open_device(cl_dev *d, cl_platform_id plat, cl_device_i
     cl_uint units = 0;
     clGetDeviceInfo(dev, CL_DEVICE_GLOBAL_MEM_SIZE, sizeof mem, &mem, NULL);
     clGetDeviceInfo(dev, CL_DEVICE_MAX_COMPUTE_UNITS, sizeof units, &units, NULL);
-    d->memory = (size_t)mem;
-    d->units = (int)units;
+    d->info = (kiln__device_info){d->name, d->description, (size_t)mem, (int)units};
     d->ctx = clCreateContext(NULL, 1, &dev, NULL, NULL, &err);
     if (err != CL_SUCCESS) return kiln__opencl_fail(d, "clCreateContext", err);
     d->q = clCreateCommandQueue(d->ctx, dev, 0, &err);
@@ -91,11 +90,7 @@ kiln_status kiln__opencl_resolve(cl_dev *d, const void *p, size_t n, cl_mem *mem
 
 kiln_status kiln__opencl_device_info(kiln__backend *be, kiln__device_info *out)
 {
-    cl_dev *d = be->ctx;
-    out->name = d->name;
-    out->description = d->description;
-    out->total_memory = d->memory;
-    out->compute_units = d->units;
+    *out = ((cl_dev *)be->ctx)->info;
     return KILN_OK;
 }
 
@@ -224,9 +219,7 @@ kiln_status kiln__opencl_memset(kiln__backend *be, void *dst, int byte, size_t n
     return fill_mem(d, mem, &pattern, 1, off, n);
 }
 
-/* One in-order queue per device: a stream is that queue, an event a marker on it. */
-kiln__stream *kiln__opencl_stream_new(kiln__backend *be) { return (kiln__stream *)((cl_dev *)be->ctx)->q; }
-void kiln__opencl_stream_free(kiln__backend *be, kiln__stream *s) {}
+/* One in-order queue per device (the core's one stream): an event is a marker on it. */
 
 kiln__event *kiln__opencl_event_record(kiln__backend *be, kiln__stream *s)
 {

@@ -35,8 +35,7 @@ typedef struct {
     int index;           /* N of "opencl:N" */
     char name[24];       /* "opencl:N" */
     char description[160];
-    size_t memory;
-    int units;
+    kiln__device_info info; /* names the two above */
     pthread_mutex_t lock; /* guards the ranges */
     cl_range *r;
     int n_r, cap_r;
@@ -80,8 +79,6 @@ kiln_status kiln__opencl_copy_d2h(kiln__backend *be, void *dst, const void *src,
 kiln_status kiln__opencl_copy_d2d(kiln__backend *be, void *dst, const void *src, size_t n);
 kiln_status kiln__opencl_memset(kiln__backend *be, void *dst, int byte, size_t n);
 kiln_status kiln__opencl_fill(kiln__backend *be, void *dst, const void *pattern, size_t size, size_t n);
-kiln__stream *kiln__opencl_stream_new(kiln__backend *be);
-void kiln__opencl_stream_free(kiln__backend *be, kiln__stream *s);
 kiln__event *kiln__opencl_event_record(kiln__backend *be, kiln__stream *s);
 kiln_status kiln__opencl_event_wait(kiln__backend *be, kiln__event *e);
 kiln_status kiln__opencl_event_query(kiln__backend *be, kiln__event *e, bool *done);

@@ -210,9 +210,11 @@ static void *err_word(kiln__backend *be)
 }
 
 /* The indices on the host, checked as the cpu checks them (an index outside [0, limit)
- * is an error that names it), before an eager launch. While a capture is recorded there
- * is no host in between: the kernels check them into the error word instead. */
-static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_tensor_t *idx, int64_t limit)
+ * is an error that names it), before an eager launch; cross-entropy targets (ignore
+ * given) may also be the ignore index. While a capture is recorded there is no host in
+ * between: the kernels check them into the error word instead. */
+static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_tensor_t *idx, int64_t limit,
+                                 const int64_t *ignore)
 {
     if (((cl_dev *)be->ctx)->cap) return KILN_OK;
     int64_t n = kiln_tensor_numel(idx);
@@ -222,7 +224,11 @@ static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_t
     kiln_status s = kiln__opencl_copy_d2h(be, h, kiln__data(idx), sz * (size_t)n);
     for (int64_t i = 0; s == KILN_OK && i < n; i++) {
         int64_t v = kiln__load_index(h + i * (int64_t)sz, idx->dtype);
-        if (v < 0 || v >= limit)
+        if ((ignore && v == *ignore) || (v >= 0 && v < limit)) continue;
+        if (ignore)
+            s = kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) (and is not "
+                          "ignore_index %lld)", (long long)v, (long long)i, (long long)limit, (long long)*ignore);
+        else
             s = kiln__err(KILN_ERR_INDEX, "%s: index %lld at position %lld is outside [0, %lld)", op, (long long)v,
                           (long long)i, (long long)limit);
     }
@@ -237,7 +243,7 @@ static kiln_status ocl_embedding(kiln__backend *be, kiln_tensor_t *const *in, in
     cl_kernel k = contiguous_f32(w) && index_layout(idx) ? builtin(be, BK_EMB) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_EMBEDDING, in, n_in, a, out, n_out);
     int64_t V = w->shape[0], C = w->shape[1], n = kiln_tensor_numel(idx);
-    kiln_status s = check_indices(be, "embedding", idx, V);
+    kiln_status s = check_indices(be, "embedding", idx, V, NULL);
     if (s != KILN_OK || !n || !C) return s;
     void *err = err_word(be);
     if (!err) return kiln_last_status();
@@ -254,7 +260,7 @@ static kiln_status ocl_embedding_backward(kiln__backend *be, kiln_tensor_t *cons
     int64_t V = o->shape[0], C = o->shape[1];
     cl_kernel k = contiguous_f32(g) && o->dtype == KILN_DTYPE_F32 && index_layout(idx) ? builtin(be, BK_EMB_BWD) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_EMBEDDING_BACKWARD, in, n_in, a, out, n_out);
-    kiln_status s = check_indices(be, "embedding backward", idx, V);
+    kiln_status s = check_indices(be, "embedding backward", idx, V, NULL);
     if (s != KILN_OK || !C || !V) return s;
     void *err = err_word(be);
     if (!err) return kiln_last_status();
@@ -262,26 +268,6 @@ static kiln_status ocl_embedding_backward(kiln__backend *be, kiln_tensor_t *cons
                          i64_arg(idx->dtype == KILN_DTYPE_I64), {KILN__KARG_BUF, err, 0, 0}};
     size_t grid = (size_t)C;
     return kiln__opencl_launch(be, k, args, 8, &grid, NULL, 1);
-}
-
-/* Cross-entropy targets on the host before an eager launch: each in [0, V) or the
- * ignore index, as the cpu checks them (while recording, the kernels do). */
-static kiln_status ce_targets(kiln__backend *be, const kiln_tensor_t *t, int64_t V, int64_t ignore)
-{
-    if (((cl_dev *)be->ctx)->cap) return KILN_OK;
-    int64_t n = kiln_tensor_numel(t);
-    size_t sz = kiln_dtype_size(t->dtype);
-    char *h = malloc(sz * (size_t)(n ? n : 1));
-    if (!h) return kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
-    kiln_status s = kiln__opencl_copy_d2h(be, h, kiln__data(t), sz * (size_t)n);
-    for (int64_t i = 0; s == KILN_OK && i < n; i++) {
-        int64_t v = kiln__load_index(h + i * (int64_t)sz, t->dtype);
-        if (v != ignore && (v < 0 || v >= V))
-            s = kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) (and is not "
-                          "ignore_index %lld)", (long long)v, (long long)i, (long long)V, (long long)ignore);
-    }
-    free(h);
-    return s;
 }
 
 static bool ce_layout(const kiln_tensor_t *x, const kiln_tensor_t *t)
@@ -299,7 +285,7 @@ static kiln_status ocl_cross_entropy(kiln__backend *be, kiln_tensor_t *const *in
     cl_kernel km = k ? builtin(be, BK_CE_MEAN) : NULL;
     if (!km) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY, in, n_in, a, out, n_out);
     int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64;
-    kiln_status s = ce_targets(be, t, V, a->op.cross_entropy.ignore_index);
+    kiln_status s = check_indices(be, "cross_entropy", t, V, &a->op.cross_entropy.ignore_index);
     if (s != KILN_OK) return s;
     if (!N) { /* no rows: the mean of nothing */
         float nan = NAN;
@@ -327,7 +313,7 @@ static kiln_status ocl_cross_entropy_backward(kiln__backend *be, kiln_tensor_t *
     cl_kernel k = ok ? builtin(be, BK_CE_BWD) : NULL, ks = k ? builtin(be, BK_CE_SCALE) : NULL;
     if (!ks) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY_BACKWARD, in, n_in, a, out, n_out);
     int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64;
-    kiln_status s = ce_targets(be, t, V, a->op.cross_entropy.ignore_index);
+    kiln_status s = check_indices(be, "cross_entropy", t, V, &a->op.cross_entropy.ignore_index);
     if (s != KILN_OK || !N || !V) return s;
     void *err = err_word(be), *gs = err ? kiln__opencl_alloc(be, sizeof(double)) : NULL;
     if (!err) return kiln_last_status();
@@ -428,11 +414,13 @@ static kiln_status ocl_attention_backward(kiln__backend *be, kiln_tensor_t *cons
     return s;
 }
 
-/* in: g, x, w, [mean,] rstd -> dx, dw, [db]: rows of C = the last dim. */
-static kiln_status norm_backward(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+/* Layer norm's and RMS norm's backward. in: g, x, w, [mean,] rstd -> dx, dw, [db]: rows
+ * of C = the last dim; RMS norm has no mean and no db. */
+static kiln_status ocl_norm_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                                     kiln_tensor_t *const *out, int n_out)
 {
-    bool rms = op == KILN_OP_RMS_NORM_BACKWARD, ok = true;
+    bool rms = n_in == 4, ok = true;
+    int op = rms ? KILN_OP_RMS_NORM_BACKWARD : KILN_OP_LAYER_NORM_BACKWARD;
     for (int i = 0; i < n_in; i++) ok &= in[i]->dtype == KILN_DTYPE_F32;
     cl_kernel kx = ok ? builtin(be, BK_NORM_DX) : NULL, kw = kx ? builtin(be, BK_NORM_DWB) : NULL;
     if (!kx || !kw) return kiln__cpu_fallback(be, op, in, n_in, a, out, n_out);
@@ -454,18 +442,6 @@ static kiln_status norm_backward(kiln__backend *be, int op, kiln_tensor_t *const
     return s;
 }
 
-static kiln_status ocl_layer_norm_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                           kiln_tensor_t *const *out, int n_out)
-{
-    return norm_backward(be, KILN_OP_LAYER_NORM_BACKWARD, in, n_in, a, out, n_out);
-}
-
-static kiln_status ocl_rms_norm_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                         kiln_tensor_t *const *out, int n_out)
-{
-    return norm_backward(be, KILN_OP_RMS_NORM_BACKWARD, in, n_in, a, out, n_out);
-}
-
 const kiln__kernel_fn kiln__opencl_kernels[KILN_OP_COUNT] = {
     [KILN_OP_MATMUL] = ocl_matmul,
     [KILN_OP_ADD_] = ocl_add_,
@@ -478,7 +454,7 @@ const kiln__kernel_fn kiln__opencl_kernels[KILN_OP_COUNT] = {
     [KILN_OP_CROSS_ENTROPY_BACKWARD] = ocl_cross_entropy_backward,
     [KILN_OP_ATTENTION] = ocl_attention,
     [KILN_OP_ATTENTION_BACKWARD] = ocl_attention_backward,
-    [KILN_OP_LAYER_NORM_BACKWARD] = ocl_layer_norm_backward,
-    [KILN_OP_RMS_NORM_BACKWARD] = ocl_rms_norm_backward,
+    [KILN_OP_LAYER_NORM_BACKWARD] = ocl_norm_backward,
+    [KILN_OP_RMS_NORM_BACKWARD] = ocl_norm_backward,
 };
 #endif
