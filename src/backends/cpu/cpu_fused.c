@@ -89,10 +89,7 @@ static bool contig_unless(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, ki
     return true;
 }
 
-static bool contig_all(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp)
-{
-    return contig_unless(in, n, c, tmp, NULL);
-}
+#define contig_all(in, n, c, tmp) contig_unless(in, n, c, tmp, NULL)
 
 static void free_all(kiln_tensor_t **tmp, int n)
 {
@@ -117,20 +114,13 @@ kiln_status kiln__cpu_log_softmax(K_ARGS) { return softmax_k(in, out, a, true); 
 static int64_t rows_of(const kiln_tensor_t *x) { return x->ndim ? kiln__numel(x->ndim - 1, x->shape) : 1; }
 static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->ndim - 1] : 1; }
 
-#define NORM_FWD(SFX, RT, rms)                                                                       \
-    do {                                                                                             \
-        ln_ctx_##SFX k = {0};                                                                        \
-        k.x = kiln__data(c[0]);                                                                      \
-        k.w = kiln__data(c[1]);                                                                      \
-        k.b = rms ? NULL : kiln__data(c[2]);                                                         \
-        k.y = kiln__data(out[0]);                                                                    \
-        k.mean = rms ? NULL : kiln__data(out[1]);                                                    \
-        k.rstd = kiln__data(out[rms ? 1 : 2]);                                                       \
-        k.N = rows_of(c[0]);                                                                         \
-        k.C = last_dim(c[0]);                                                                        \
-        k.eps = a->op.norm.eps;                                                                           \
-        k.rms = rms;                                                                                 \
-        kiln__parallel_for(k.N, CPU_GRAIN / (k.C ? k.C : 1) + 1, ln_fwd_range_##SFX, &k);           \
+#define NORM_FWD(SFX)                                                                                    \
+    do {                                                                                                 \
+        ln_ctx_##SFX k = {.x = kiln__data(c[0]), .w = kiln__data(c[1]), .b = rms ? NULL : kiln__data(c[2]), \
+                          .y = kiln__data(out[0]), .mean = rms ? NULL : kiln__data(out[1]),              \
+                          .rstd = kiln__data(out[rms ? 1 : 2]), .N = rows_of(c[0]), .C = last_dim(c[0]), \
+                          .eps = a->op.norm.eps, .rms = rms};                                            \
+        kiln__parallel_for(k.N, CPU_GRAIN / (k.C ? k.C : 1) + 1, ln_fwd_range_##SFX, &k);                \
     } while (0)
 
 static kiln_status norm_fwd(kiln_tensor_t *const *in, int nin, kiln_tensor_t *const *out, const kiln__attrs *a, bool rms)
@@ -138,8 +128,8 @@ static kiln_status norm_fwd(kiln_tensor_t *const *in, int nin, kiln_tensor_t *co
     kiln_tensor_t *c[3], *tmp[3];
     if (!contig_all(in, nin, c, tmp)) return kiln_last_status();
     kiln_status s = KILN_OK;
-    if (c[0]->dtype == KILN_DTYPE_F32) NORM_FWD(f32, float, rms);
-    else if (c[0]->dtype == KILN_DTYPE_F64) NORM_FWD(f64, double, rms);
+    if (c[0]->dtype == KILN_DTYPE_F32) NORM_FWD(f32);
+    else if (c[0]->dtype == KILN_DTYPE_F64) NORM_FWD(f64);
     else s = unsupported(rms ? "rms_norm" : "layer_norm", c[0]->dtype);
     free_all(tmp, nin);
     return s;
@@ -149,19 +139,12 @@ kiln_status kiln__cpu_layer_norm(K_ARGS) { return norm_fwd(in, 3, out, a, false)
 kiln_status kiln__cpu_rms_norm(K_ARGS) { return norm_fwd(in, 2, out, a, true); }
 
 /* in: g, x, w, [mean,] rstd */
-#define NORM_BWD(SFX, rms)                                                                           \
-    do {                                                                                             \
-        ln_ctx_##SFX k = {0};                                                                        \
-        k.g = kiln__data(c[0]);                                                                      \
-        k.x = kiln__data(c[1]);                                                                      \
-        k.w = kiln__data(c[2]);                                                                      \
-        k.mean = rms ? NULL : kiln__data(c[3]);                                                      \
-        k.rstd = kiln__data(c[rms ? 3 : 4]);                                                         \
-        k.dx = kiln__data(out[0]);                                                                   \
-        k.N = rows_of(c[1]);                                                                         \
-        k.C = last_dim(c[1]);                                                                        \
-        k.rms = rms;                                                                                 \
-        s = norm_bwd_##SFX(&k, kiln__data(out[1]), rms ? NULL : kiln__data(out[2]));                 \
+#define NORM_BWD(SFX)                                                                                    \
+    do {                                                                                                 \
+        ln_ctx_##SFX k = {.g = kiln__data(c[0]), .x = kiln__data(c[1]), .w = kiln__data(c[2]),           \
+                          .mean = rms ? NULL : kiln__data(c[3]), .rstd = kiln__data(c[rms ? 3 : 4]),     \
+                          .dx = kiln__data(out[0]), .N = rows_of(c[1]), .C = last_dim(c[1]), .rms = rms}; \
+        s = norm_bwd_##SFX(&k, kiln__data(out[1]), rms ? NULL : kiln__data(out[2]));                     \
     } while (0)
 
 static kiln_status norm_bwd(kiln_tensor_t *const *in, int nin, kiln_tensor_t *const *out, bool rms)
@@ -169,8 +152,8 @@ static kiln_status norm_bwd(kiln_tensor_t *const *in, int nin, kiln_tensor_t *co
     kiln_tensor_t *c[5], *tmp[5];
     if (!contig_all(in, nin, c, tmp)) return kiln_last_status();
     kiln_status s = KILN_OK;
-    if (c[1]->dtype == KILN_DTYPE_F32) NORM_BWD(f32, rms);
-    else if (c[1]->dtype == KILN_DTYPE_F64) NORM_BWD(f64, rms);
+    if (c[1]->dtype == KILN_DTYPE_F32) NORM_BWD(f32);
+    else if (c[1]->dtype == KILN_DTYPE_F64) NORM_BWD(f64);
     else s = unsupported(rms ? "rms_norm" : "layer_norm", c[1]->dtype);
     free_all(tmp, nin);
     return s;
@@ -284,40 +267,28 @@ static kiln_status rope_apply(const char *op, const kiln_tensor_t *x, kiln_tenso
     return KILN_OK;
 }
 
-kiln_status kiln__cpu_rope(K_ARGS)
+/* rope: x (..., T, D), row r at position pos0 + r % T. rope_at: x (N, H, D), pos (N),
+ * row n at position pos[n] for its H heads. */
+static kiln_status rope_k(const char *op, kiln_tensor_t *const *in, int n_in, kiln_tensor_t *out, const kiln__attrs *a)
 {
-    kiln_tensor_t *c[1], *tmp[1];
-    if (!contig_all(in, 1, c, tmp)) return kiln_last_status();
+    kiln_tensor_t *c[2], *tmp[2];
+    if (!contig_all(in, n_in, c, tmp)) return kiln_last_status();
     const kiln_tensor_t *x = c[0];
-    int64_t D = x->shape[x->ndim - 1], T = x->shape[x->ndim - 2];
+    bool at = n_in == 2;
+    int64_t D = x->shape[x->ndim - 1], T = at ? x->shape[0] : x->shape[x->ndim - 2];
     double *cs = malloc(sizeof(double) * (size_t)(T * D + 1));
-    kiln_status s = cs ? KILN_OK : kiln__err(KILN_ERR_OOM, "rope: out of memory");
+    kiln_status s = cs ? KILN_OK : kiln__err(KILN_ERR_OOM, "%s: out of memory", op);
     if (s == KILN_OK) {
-        rope_angles(cs, T, D, a->op.rope.theta, a->op.rope.pos0, NULL);
-        s = rope_apply("rope", x, out[0], cs, T, 1, a->op.rope.inverse ? -1.0 : 1.0);
+        rope_angles(cs, T, D, a->op.rope.theta, at ? 0 : a->op.rope.pos0, at ? c[1] : NULL);
+        s = rope_apply(op, x, out, cs, T, at ? x->shape[1] : 1, !at && a->op.rope.inverse ? -1.0 : 1.0);
     }
     free(cs);
-    free_all(tmp, 1);
+    free_all(tmp, n_in);
     return s;
 }
 
-/* x (N,H,D), pos (N): row n at position pos[n]. */
-kiln_status kiln__cpu_rope_at(K_ARGS)
-{
-    kiln_tensor_t *c[2], *tmp[2];
-    if (!contig_all(in, 2, c, tmp)) return kiln_last_status();
-    const kiln_tensor_t *x = c[0];
-    int64_t N = x->shape[0], H = x->shape[1], D = x->shape[2];
-    double *cs = malloc(sizeof(double) * (size_t)(N * D + 1));
-    kiln_status s = cs ? KILN_OK : kiln__err(KILN_ERR_OOM, "rope_at: out of memory");
-    if (s == KILN_OK) {
-        rope_angles(cs, N, D, a->op.rope.theta, 0, c[1]);
-        s = rope_apply("rope_at", x, out[0], cs, N, H, 1.0);
-    }
-    free(cs);
-    free_all(tmp, 2);
-    return s;
-}
+kiln_status kiln__cpu_rope(K_ARGS) { return rope_k("rope", in, 1, out[0], a); }
+kiln_status kiln__cpu_rope_at(K_ARGS) { return rope_k("rope_at", in, 2, out[0], a); }
 
 /* Attention reads (B, H, T, D) inputs through their strides when each row of D is
  * contiguous and rows do not overlap (the BLAS takes a leading dimension); others are
@@ -335,23 +306,13 @@ static void strides3(const kiln_tensor_t *t, int64_t *s)
     if (t->shape[2] == 1 || s[2] < t->shape[3]) s[2] = t->shape[3] > 1 ? t->shape[3] : 1;
 }
 
-#define ATT_SETUP(SFX)                                                                               \
-    att_ctx_##SFX k = {0};                                                                           \
-    k.B = q->shape[0];                                                                               \
-    k.H = q->shape[1];                                                                               \
-    k.Tq = q->shape[2];                                                                              \
-    k.D = q->shape[3];                                                                               \
-    k.Hkv = kk->shape[1];                                                                            \
-    k.Tk = kk->shape[2];                                                                             \
-    k.scale = a->op.attention.scale;                                                                             \
-    k.causal = a->op.attention.causal;                                                                            \
-    k.fast = kiln__opt(KILN__OPT_FAST_EXP);                                                          \
-    k.kt = kiln__opt(KILN__OPT_ATT_KT);                                                              \
-    k.q = kiln__data(q);                                                                             \
-    k.k = kiln__data(kk);                                                                            \
-    k.v = kiln__data(vv);                                                                            \
-    strides3(q, k.qs);                                                                               \
-    strides3(kk, k.ks);                                                                              \
+#define ATT_SETUP(SFX)                                                                                    \
+    att_ctx_##SFX k = {.q = kiln__data(q), .k = kiln__data(kk), .v = kiln__data(vv), .B = q->shape[0],    \
+                       .H = q->shape[1], .Hkv = kk->shape[1], .Tq = q->shape[2], .Tk = kk->shape[2],      \
+                       .D = q->shape[3], .scale = a->op.attention.scale, .causal = a->op.attention.causal, \
+                       .fast = kiln__opt(KILN__OPT_FAST_EXP), .kt = kiln__opt(KILN__OPT_ATT_KT)};        \
+    strides3(q, k.qs);                                                                                    \
+    strides3(kk, k.ks);                                                                                   \
     strides3(vv, k.vs)
 
 /* Tasks call the BLAS: in parallel when the BLAS is single-threaded (POOL_GEMM), else
@@ -371,24 +332,20 @@ kiln_status kiln__cpu_attention(K_ARGS)
     }
     kiln_tensor_t *q = c[0], *kk = c[1], *vv = c[2];
     int64_t tasks = q->shape[0] * q->shape[1];
-    kiln_status s = KILN_OK;
     bool bad = false;
-    if (q->dtype == KILN_DTYPE_F32) {
-        ATT_SETUP(f32);
-        k.out = kiln__data(out[0]);
-        k.lse = kiln__data(out[1]);
-        att_run(tasks, att_fwd_range_f32, &k);
-        bad = atomic_load(&k.oom);
-    } else {
-        ATT_SETUP(f64);
-        k.out = kiln__data(out[0]);
-        k.lse = kiln__data(out[1]);
-        att_run(tasks, att_fwd_range_f64, &k);
-        bad = atomic_load(&k.oom);
-    }
-    if (bad) s = kiln__err(KILN_ERR_OOM, "attention: out of memory for a row buffer");
+#define ATT_FWD(SFX)                              \
+    do {                                          \
+        ATT_SETUP(SFX);                           \
+        k.out = kiln__data(out[0]);               \
+        k.lse = kiln__data(out[1]);               \
+        att_run(tasks, att_fwd_range_##SFX, &k);  \
+        bad = atomic_load(&k.oom);                \
+    } while (0)
+    if (q->dtype == KILN_DTYPE_F32) ATT_FWD(f32);
+    else ATT_FWD(f64);
+#undef ATT_FWD
     free_all(tmp, 3);
-    return s;
+    return bad ? kiln__err(KILN_ERR_OOM, "attention: out of memory for a row buffer") : KILN_OK;
 }
 
 /* in: g, q, k, v, o, lse */
