@@ -54,9 +54,7 @@ void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t 
 /* Grain for parallel_for over elements (rows are split to about this many elements). */
 #define CPU_GRAIN 16384
 
-#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save) \
-    kiln_status kiln__cpu_##name(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, \
-                                 kiln_tensor_t *const *out, int n_out);
+#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save) kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS);
 #include "core/ops.def"
 #undef KILN_OP
 

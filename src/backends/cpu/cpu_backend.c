@@ -107,8 +107,7 @@ KILN__REGISTER(register_cpu) { kiln__backend_provider_register("cpu", make_cpu, 
 /* View ops alias their input's storage and the core never launches a kernel for them;
  * the table still has a slot per op so that a missing kernel elsewhere fails to link. */
 #define VIEW_OP(name) \
-    kiln_status kiln__cpu_##name(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, \
-                                 kiln_tensor_t *const *out, int n_out) \
+    kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS) \
     { return kiln__err(KILN_ERR_INTERNAL, #name " is a view and has no kernel"); }
 VIEW_OP(view)
 VIEW_OP(permute)

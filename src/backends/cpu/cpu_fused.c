@@ -68,8 +68,6 @@ static bool transpose_fast_f64(double *dst, const double *src, int64_t T, int64_
 #undef SFX
 #undef GEMM
 
-#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
-
 static kiln_status unsupported(const char *op, kiln_dtype dt)
 {
     return kiln__err(KILN_ERR_UNSUPPORTED, "%s: dtype %s is not supported by the cpu backend (cast to f32)", op,
@@ -108,8 +106,8 @@ static kiln_status softmax_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out
     return s;
 }
 
-kiln_status kiln__cpu_softmax(K_ARGS) { return softmax_k(in, out, a, false); }
-kiln_status kiln__cpu_log_softmax(K_ARGS) { return softmax_k(in, out, a, true); }
+kiln_status kiln__cpu_softmax(KILN__KERNEL_ARGS) { return softmax_k(in, out, a, false); }
+kiln_status kiln__cpu_log_softmax(KILN__KERNEL_ARGS) { return softmax_k(in, out, a, true); }
 
 static int64_t rows_of(const kiln_tensor_t *x) { return x->ndim ? kiln__numel(x->ndim - 1, x->shape) : 1; }
 static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->ndim - 1] : 1; }
@@ -135,8 +133,8 @@ static kiln_status norm_fwd(kiln_tensor_t *const *in, int nin, kiln_tensor_t *co
     return s;
 }
 
-kiln_status kiln__cpu_layer_norm(K_ARGS) { return norm_fwd(in, 3, out, a, false); }
-kiln_status kiln__cpu_rms_norm(K_ARGS) { return norm_fwd(in, 2, out, a, true); }
+kiln_status kiln__cpu_layer_norm(KILN__KERNEL_ARGS) { return norm_fwd(in, 3, out, a, false); }
+kiln_status kiln__cpu_rms_norm(KILN__KERNEL_ARGS) { return norm_fwd(in, 2, out, a, true); }
 
 /* in: g, x, w, [mean,] rstd */
 #define NORM_BWD(SFX)                                                                                    \
@@ -159,8 +157,8 @@ static kiln_status norm_bwd(kiln_tensor_t *const *in, int nin, kiln_tensor_t *co
     return s;
 }
 
-kiln_status kiln__cpu_layer_norm_backward(K_ARGS) { return norm_bwd(in, 5, out, false); }
-kiln_status kiln__cpu_rms_norm_backward(K_ARGS) { return norm_bwd(in, 4, out, true); }
+kiln_status kiln__cpu_layer_norm_backward(KILN__KERNEL_ARGS) { return norm_bwd(in, 5, out, false); }
+kiln_status kiln__cpu_rms_norm_backward(KILN__KERNEL_ARGS) { return norm_bwd(in, 4, out, true); }
 
 /* Checks every target before any work: an out-of-range class is an error, not a read
  * outside the row. Returns the number of targets that count. */
@@ -191,7 +189,7 @@ static kiln_status check_targets(const kiln_tensor_t *t, int64_t V, int64_t igno
         *(RT *)kiln__data(out[0]) = (RT)(count ? sum / (double)count : NAN);                         \
     } while (0)
 
-kiln_status kiln__cpu_cross_entropy(K_ARGS)
+kiln_status kiln__cpu_cross_entropy(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *c[2], *tmp[2];
     if (!contig_all(in, 2, c, tmp)) return kiln_last_status();
@@ -217,7 +215,7 @@ kiln_status kiln__cpu_cross_entropy(K_ARGS)
         kiln__parallel_for(N, CPU_GRAIN / (V ? V : 1) + 1, ce_bwd_range_##SFX, &k);                 \
     } while (0)
 
-kiln_status kiln__cpu_cross_entropy_backward(K_ARGS)
+kiln_status kiln__cpu_cross_entropy_backward(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *c[4], *tmp[4];
     if (!contig_all(in, 4, c, tmp)) return kiln_last_status();
@@ -287,8 +285,8 @@ static kiln_status rope_k(const char *op, kiln_tensor_t *const *in, int n_in, ki
     return s;
 }
 
-kiln_status kiln__cpu_rope(K_ARGS) { return rope_k("rope", in, 1, out[0], a); }
-kiln_status kiln__cpu_rope_at(K_ARGS) { return rope_k("rope_at", in, 2, out[0], a); }
+kiln_status kiln__cpu_rope(KILN__KERNEL_ARGS) { return rope_k("rope", in, 1, out[0], a); }
+kiln_status kiln__cpu_rope_at(KILN__KERNEL_ARGS) { return rope_k("rope_at", in, 2, out[0], a); }
 
 /* Attention reads (B, H, T, D) inputs through their strides when each row of D is
  * contiguous and rows do not overlap (the BLAS takes a leading dimension); others are
@@ -323,7 +321,7 @@ static void att_run(int64_t tasks, kiln__range_fn fn, void *ctx)
     else fn(ctx, 0, tasks);
 }
 
-kiln_status kiln__cpu_attention(K_ARGS)
+kiln_status kiln__cpu_attention(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *c[3], *tmp[3];
     if (!contig_unless(in, 3, c, tmp, att_rows)) {
@@ -349,7 +347,7 @@ kiln_status kiln__cpu_attention(K_ARGS)
 }
 
 /* in: g, q, k, v, o, lse */
-kiln_status kiln__cpu_attention_backward(K_ARGS)
+kiln_status kiln__cpu_attention_backward(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *c[6], *tmp[6];
     if (!contig_unless(in, 6, c, tmp, att_rows)) { /* lse, 3-D, is made contiguous */

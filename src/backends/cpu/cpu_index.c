@@ -4,8 +4,6 @@
 #include <string.h>
 #include "backends/cpu/cpu.h"
 
-#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
-
 static kiln_status check_indices(const char *op, const kiln_tensor_t *idx, int64_t limit)
 {
     const char *p = kiln__data(idx);
@@ -57,8 +55,8 @@ static kiln_status select_rows(const char *op, kiln_tensor_t *x, kiln_tensor_t *
     return s;
 }
 
-kiln_status kiln__cpu_embedding(K_ARGS) { return select_rows("embedding", in[0], in[1], out[0], 0); }
-kiln_status kiln__cpu_index_select(K_ARGS) { return select_rows("index_select", in[0], in[1], out[0], (int)a->op.dim.dim); }
+kiln_status kiln__cpu_embedding(KILN__KERNEL_ARGS) { return select_rows("embedding", in[0], in[1], out[0], 0); }
+kiln_status kiln__cpu_index_select(KILN__KERNEL_ARGS) { return select_rows("index_select", in[0], in[1], out[0], (int)a->op.dim.dim); }
 
 /* dW (V, C) from g (N, C): each task owns a range of columns for every row, so the
  * additions for one weight happen in row order whatever the thread count. */
@@ -83,7 +81,7 @@ static void emb_bwd_range(void *c, int64_t b, int64_t e)
     }
 }
 
-kiln_status kiln__cpu_embedding_backward(K_ARGS)
+kiln_status kiln__cpu_embedding_backward(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *tg, *ti, *g = cpu_contig(in[0], &tg), *idx = cpu_contig(in[1], &ti);
     kiln_tensor_t *o = out[0];
@@ -125,7 +123,7 @@ static int64_t remap(int64_t flat, int nd, const int64_t *ishape, const int64_t 
     return off;
 }
 
-kiln_status kiln__cpu_gather(K_ARGS)
+kiln_status kiln__cpu_gather(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *tx, *ti, *x = cpu_contig(in[0], &tx), *idx = cpu_contig(in[1], &ti);
     int dim = (int)a->op.dim.dim;
@@ -147,7 +145,7 @@ kiln_status kiln__cpu_gather(K_ARGS)
 
 /* Serial on purpose: several sources may add into one element, and a fixed order keeps
  * the result the same on every run. */
-kiln_status kiln__cpu_scatter_add(K_ARGS)
+kiln_status kiln__cpu_scatter_add(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *ti, *ts, *idx = cpu_contig(in[1], &ti), *src = cpu_contig(in[2], &ts);
     int dim = (int)a->op.dim.dim;
@@ -171,7 +169,7 @@ kiln_status kiln__cpu_scatter_add(K_ARGS)
     return s;
 }
 
-kiln_status kiln__cpu_cat(K_ARGS)
+kiln_status kiln__cpu_cat(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *o = out[0];
     int dim = (int)a->op.dim.dim;
@@ -189,7 +187,7 @@ kiln_status kiln__cpu_cat(K_ARGS)
 }
 
 /* dst[index[i]] = src[i] along dim 0; dst is written in place, so it must be dense. */
-kiln_status kiln__cpu_index_copy_(K_ARGS)
+kiln_status kiln__cpu_index_copy_(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *dst = in[0];
     if (!kiln__is_contiguous(dst))

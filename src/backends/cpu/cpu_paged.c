@@ -11,8 +11,6 @@
 #include "core/opts.h"
 #include "kiln/ops.h"
 
-#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
-
 /* Eight lanes in GCC's vector extension: ymm registers in the AVX2 clone, plain code
  * in the default one; the accumulators are named variables so that they stay in
  * registers. */
@@ -134,7 +132,7 @@ static kiln_status check_pages(const int32_t *bt, const int32_t *sp, int64_t N, 
     return KILN_OK;
 }
 
-kiln_status kiln__cpu_paged_attention(K_ARGS)
+kiln_status kiln__cpu_paged_attention(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *c[5], *tmp[5] = {0};
     kiln_status s = KILN_OK;
@@ -205,7 +203,7 @@ typedef struct {
 #define ROWS_WIDE 0
 #endif
 
-kiln_status kiln__cpu_matmul_rows_packed(K_ARGS)
+kiln_status kiln__cpu_matmul_rows_packed(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *ta, *tw, *ca = cpu_contig(in[0], &ta), *cw = cpu_contig(in[1], &tw);
     kiln_status s = ca && cw ? KILN_OK : kiln_last_status();

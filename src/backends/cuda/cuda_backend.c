@@ -429,8 +429,7 @@ static kiln_status cu_fill(kiln__backend *be, void *dst, const void *pattern, si
     return run_1d(be, CB_FILL, args, 4, items);
 }
 
-static kiln_status cu_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                           kiln_tensor_t *const *out, int n_out)
+static kiln_status cu_add_(KILN__KERNEL_ARGS)
 {
     int64_t n = kiln_tensor_numel(in[0]);
     if (!contiguous_f32(in[0]) || !contiguous_f32(in[1]) || kiln_tensor_numel(in[1]) != n)
@@ -439,8 +438,7 @@ static kiln_status cu_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in
     return run_1d(be, CB_ADD_, args, 4, n);
 }
 
-static kiln_status cu_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
+static kiln_status cu_scale_(KILN__KERNEL_ARGS)
 {
     int64_t n = kiln_tensor_numel(in[0]);
     if (!contiguous_f32(in[0])) return kiln__cpu_fallback(be, KILN_OP_SCALE_, in, n_in, a, out, n_out);
@@ -448,8 +446,7 @@ static kiln_status cu_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_
     return run_1d(be, CB_SCALE_, args, 3, n);
 }
 
-static kiln_status cu_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
+static kiln_status cu_adamw_(KILN__KERNEL_ARGS)
 {
     const kiln__adamw_attrs *h = &a->op.adamw;
     int64_t f64s = (in[4]->dtype == KILN_DTYPE_F64) | (in[5]->dtype == KILN_DTYPE_F64) << 1 |
@@ -480,8 +477,7 @@ static bool blas_view(int64_t rows, int64_t cols, int64_t sr, int64_t sc, cublas
 }
 
 /* Row-major C = A B as cuBLAS's column-major C^T = B^T A^T, one GEMM per batch entry. */
-static kiln_status cu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
+static kiln_status cu_matmul(KILN__KERNEL_ARGS)
 {
     cuda_dev *d = be->ctx;
     const kiln_tensor_t *x = in[0], *y = in[1], *o = out[0];

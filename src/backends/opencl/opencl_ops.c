@@ -69,8 +69,7 @@ static kiln__karg buf_arg(const kiln_tensor_t *t) { return (kiln__karg){KILN__KA
 static kiln__karg i64_arg(int64_t v) { return (kiln__karg){KILN__KARG_I64, NULL, v, 0}; }
 static kiln__karg f_arg(kiln__karg_kind k, double v) { return (kiln__karg){k, NULL, 0, v}; }
 
-static kiln_status ocl_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                              kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_matmul(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *x = in[0], *y = in[1], *o = out[0];
     bool tiles = kiln__opt(KILN__OPT_CL_MATMUL_TILES);
@@ -104,8 +103,7 @@ static bool contiguous_f32(const kiln_tensor_t *t) { return t->dtype == KILN_DTY
 
 static bool contiguous_as(const kiln_tensor_t *t, kiln_dtype dt) { return t->dtype == dt && kiln__is_contiguous(t); }
 
-static kiln_status ocl_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_add_(KILN__KERNEL_ARGS)
 {
     int64_t n = kiln_tensor_numel(in[0]);
     kiln_dtype dt = in[0]->dtype;
@@ -123,8 +121,7 @@ static kiln_status ocl_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_i
 /* copy_: contiguous to contiguous as one device copy, other layouts of the same shape
  * (a source of as many elements is read as laid out like the destination when
  * contiguous) by kiln_copy_nd; broadcasts, dtype changes and other devices on the cpu. */
-static kiln_status ocl_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_copy_(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *dst = in[0], *src = in[1];
     int64_t n = kiln_tensor_numel(dst);
@@ -152,8 +149,7 @@ static kiln_status ocl_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_
     return kiln__opencl_launch(be, k, args, 23, &grid, NULL, 1);
 }
 
-static kiln_status ocl_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                              kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_scale_(KILN__KERNEL_ARGS)
 {
     int64_t n = kiln_tensor_numel(in[0]);
     cl_kernel k = contiguous_f32(in[0]) ? builtin(be, BK_SCALE_) : NULL;
@@ -164,8 +160,7 @@ static kiln_status ocl_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n
     return kiln__opencl_launch(be, k, args, 3, &grid, NULL, 1);
 }
 
-static kiln_status ocl_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                              kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_adamw_(KILN__KERNEL_ARGS)
 {
     cl_kernel k = builtin(be, BK_ADAMW_); /* shapes and layouts were checked by inference */
     if (!k) return kiln__cpu_fallback(be, KILN_OP_ADAMW_, in, n_in, a, out, n_out);
@@ -236,8 +231,7 @@ static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_t
     return s;
 }
 
-static kiln_status ocl_embedding(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_embedding(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *w = in[0], *idx = in[1];
     cl_kernel k = contiguous_f32(w) && index_layout(idx) ? builtin(be, BK_EMB) : NULL;
@@ -253,8 +247,7 @@ static kiln_status ocl_embedding(kiln__backend *be, kiln_tensor_t *const *in, in
     return kiln__opencl_launch(be, k, args, 8, &grid, NULL, 1);
 }
 
-static kiln_status ocl_embedding_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                          kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_embedding_backward(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *g = in[0], *idx = in[1], *o = out[0];
     int64_t V = o->shape[0], C = o->shape[1];
@@ -277,8 +270,7 @@ static bool ce_layout(const kiln_tensor_t *x, const kiln_tensor_t *t)
 
 /* The rows on the device, then their mean over the rows that count by one work-item in
  * row order (as the cpu sums): no value comes back to the host. */
-static kiln_status ocl_cross_entropy(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                     kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_cross_entropy(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *x = in[0], *t = in[1];
     cl_kernel k = ce_layout(x, t) && out[1]->dtype == KILN_DTYPE_F32 ? builtin(be, BK_CE) : NULL;
@@ -305,8 +297,7 @@ static kiln_status ocl_cross_entropy(kiln__backend *be, kiln_tensor_t *const *in
     return s;
 }
 
-static kiln_status ocl_cross_entropy_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in,
-                                              const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_cross_entropy_backward(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *g = in[0], *x = in[1], *t = in[2], *lse = in[3];
     bool ok = ce_layout(x, t) && contiguous_f32(lse) && g->dtype == KILN_DTYPE_F32;
@@ -365,8 +356,7 @@ static void undense(kiln_tensor_t **d, int n)
     for (int i = 0; i < n; i++) kiln_tensor_free(d[i]);
 }
 
-static kiln_status ocl_attention(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_attention(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *q = in[0], *k = in[1];
     int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], D = q->shape[3], Hkv = k->shape[1], Tk = k->shape[2];
@@ -386,8 +376,7 @@ static kiln_status ocl_attention(kiln__backend *be, kiln_tensor_t *const *in, in
 }
 
 /* in: g, q, k, v, o, lse -> dq, dk, dv */
-static kiln_status ocl_attention_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                          kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_attention_backward(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *q = in[1], *k = in[2];
     int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], D = q->shape[3], Hkv = k->shape[1], Tk = k->shape[2];
@@ -416,8 +405,7 @@ static kiln_status ocl_attention_backward(kiln__backend *be, kiln_tensor_t *cons
 
 /* Layer norm's and RMS norm's backward. in: g, x, w, [mean,] rstd -> dx, dw, [db]: rows
  * of C = the last dim; RMS norm has no mean and no db. */
-static kiln_status ocl_norm_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                     kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_norm_backward(KILN__KERNEL_ARGS)
 {
     bool rms = n_in == 4, ok = true;
     int op = rms ? KILN_OP_RMS_NORM_BACKWARD : KILN_OP_LAYER_NORM_BACKWARD;
