@@ -53,6 +53,21 @@ static bool transpose_fast_f32(float *dst, const float *src, int64_t T, int64_t 
 #endif
 static bool transpose_fast_f64(double *dst, const double *src, int64_t T, int64_t D, int64_t ld) { return false; }
 
+/* A dim of one element may carry any stride; the BLAS wants a row stride of at least D. */
+static void strides3(const kiln_tensor_t *t, int64_t *s)
+{
+    for (int d = 0; d < 3; d++) s[d] = t->stride[d];
+    if (t->shape[2] == 1 || s[2] < t->shape[3]) s[2] = t->shape[3] > 1 ? t->shape[3] : 1;
+}
+
+/* Attention's tasks call the BLAS: in parallel when the BLAS is single-threaded
+ * (POOL_GEMM), else one after another with the BLAS threading each tile. */
+static void att_run(int64_t tasks, kiln__range_fn fn, void *ctx)
+{
+    if (kiln__opt(KILN__OPT_POOL_GEMM)) kiln__parallel_for(tasks, 1, fn, ctx);
+    else fn(ctx, 0, tasks);
+}
+
 #define R float
 #define SFX f32
 #define GEMM cblas_sgemm
@@ -297,83 +312,18 @@ static bool att_rows(const kiln_tensor_t *t)
            t->stride[0] >= 0 && t->stride[1] >= 0 && t->stride[2] <= INT32_MAX;
 }
 
-/* A dim of one element may carry any stride; the BLAS wants a row stride of at least D. */
-static void strides3(const kiln_tensor_t *t, int64_t *s)
+/* Forward in: q, k, v; backward in: g, q, k, v, o, lse (3-D, made contiguous). */
+static kiln_status att_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out, const kiln__attrs *a, bool bwd)
 {
-    for (int d = 0; d < 3; d++) s[d] = t->stride[d];
-    if (t->shape[2] == 1 || s[2] < t->shape[3]) s[2] = t->shape[3] > 1 ? t->shape[3] : 1;
-}
-
-#define ATT_SETUP(SFX)                                                                                    \
-    att_ctx_##SFX k = {.q = kiln__data(q), .k = kiln__data(kk), .v = kiln__data(vv), .B = q->shape[0],    \
-                       .H = q->shape[1], .Hkv = kk->shape[1], .Tq = q->shape[2], .Tk = kk->shape[2],      \
-                       .D = q->shape[3], .scale = a->op.attention.scale, .causal = a->op.attention.causal, \
-                       .fast = kiln__opt(KILN__OPT_FAST_EXP), .kt = kiln__opt(KILN__OPT_ATT_KT)};        \
-    strides3(q, k.qs);                                                                                    \
-    strides3(kk, k.ks);                                                                                   \
-    strides3(vv, k.vs)
-
-/* Tasks call the BLAS: in parallel when the BLAS is single-threaded (POOL_GEMM), else
- * one after another with the BLAS threading each tile. */
-static void att_run(int64_t tasks, kiln__range_fn fn, void *ctx)
-{
-    if (kiln__opt(KILN__OPT_POOL_GEMM)) kiln__parallel_for(tasks, 1, fn, ctx);
-    else fn(ctx, 0, tasks);
-}
-
-kiln_status kiln__cpu_attention(KILN__KERNEL_ARGS)
-{
-    kiln_tensor_t *c[3], *tmp[3];
-    if (!contig_unless(in, 3, c, tmp, att_rows)) {
-        free_all(tmp, 3);
-        return kiln_last_status();
-    }
-    kiln_tensor_t *q = c[0], *kk = c[1], *vv = c[2];
-    int64_t tasks = q->shape[0] * q->shape[1];
-    bool bad = false;
-#define ATT_FWD(SFX)                              \
-    do {                                          \
-        ATT_SETUP(SFX);                           \
-        k.out = kiln__data(out[0]);               \
-        k.lse = kiln__data(out[1]);               \
-        att_run(tasks, att_fwd_range_##SFX, &k);  \
-        bad = atomic_load(&k.oom);                \
-    } while (0)
-    if (q->dtype == KILN_DTYPE_F32) ATT_FWD(f32);
-    else ATT_FWD(f64);
-#undef ATT_FWD
-    free_all(tmp, 3);
-    return bad ? kiln__err(KILN_ERR_OOM, "attention: out of memory for a row buffer") : KILN_OK;
-}
-
-/* in: g, q, k, v, o, lse */
-kiln_status kiln__cpu_attention_backward(KILN__KERNEL_ARGS)
-{
+    int n = bwd ? 6 : 3;
     kiln_tensor_t *c[6], *tmp[6];
-    if (!contig_unless(in, 6, c, tmp, att_rows)) { /* lse, 3-D, is made contiguous */
-        free_all(tmp, 6);
-        return kiln_last_status();
-    }
-    kiln_tensor_t *q = c[1], *kk = c[2], *vv = c[3];
-    int64_t tasks = q->shape[0] * kk->shape[1];
-    bool bad = false;
-#define ATT_BWD(SFX)                              \
-    do {                                          \
-        ATT_SETUP(SFX);                           \
-        k.g = kiln__data(c[0]);                   \
-        k.o = kiln__data(c[4]);                   \
-        strides3(c[0], k.gs);                     \
-        strides3(c[4], k.os);                     \
-        k.lse_in = kiln__data(c[5]);              \
-        k.dq = kiln__data(out[0]);                \
-        k.dk = kiln__data(out[1]);                \
-        k.dv = kiln__data(out[2]);                \
-        att_run(tasks, att_bwd_range_##SFX, &k);  \
-        bad = atomic_load(&k.oom);                \
-    } while (0)
-    if (q->dtype == KILN_DTYPE_F32) ATT_BWD(f32);
-    else ATT_BWD(f64);
-#undef ATT_BWD
-    free_all(tmp, 6);
-    return bad ? kiln__err(KILN_ERR_OOM, "attention backward: out of memory for a tile buffer") : KILN_OK;
+    kiln_status s = contig_unless(in, n, c, tmp, att_rows) ? KILN_OK : kiln_last_status();
+    if (s == KILN_OK && !(c[bwd]->dtype == KILN_DTYPE_F32 ? att_f32(c, out, a, bwd) : att_f64(c, out, a, bwd)))
+        s = kiln__err(KILN_ERR_OOM, bwd ? "attention backward: out of memory for a tile buffer"
+                                        : "attention: out of memory for a row buffer");
+    free_all(tmp, n);
+    return s;
 }
+
+kiln_status kiln__cpu_attention(KILN__KERNEL_ARGS) { return att_k(in, out, a, false); }
+kiln_status kiln__cpu_attention_backward(KILN__KERNEL_ARGS) { return att_k(in, out, a, true); }

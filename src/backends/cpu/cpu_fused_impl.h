@@ -475,6 +475,36 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
     free(P);
 }
 
+/* Attention forward (c: q, k, v -> out: o, lse) or backward (c: g, q, k, v, o, lse ->
+ * out: dq, dk, dv); false when a task had no memory for its buffer. */
+static bool FN(att)(kiln_tensor_t *const *c, kiln_tensor_t *const *out, const kiln__attrs *a, bool bwd)
+{
+    const kiln_tensor_t *q = c[bwd], *kk = c[bwd + 1], *vv = c[bwd + 2];
+    FN(att_ctx) k = {.q = kiln__data(q), .k = kiln__data(kk), .v = kiln__data(vv), .B = q->shape[0], .H = q->shape[1],
+                     .Hkv = kk->shape[1], .Tq = q->shape[2], .Tk = kk->shape[2], .D = q->shape[3],
+                     .scale = a->op.attention.scale, .causal = a->op.attention.causal,
+                     .fast = kiln__opt(KILN__OPT_FAST_EXP), .kt = kiln__opt(KILN__OPT_ATT_KT)};
+    strides3(q, k.qs);
+    strides3(kk, k.ks);
+    strides3(vv, k.vs);
+    if (bwd) {
+        k.g = kiln__data(c[0]);
+        k.o = kiln__data(c[4]);
+        strides3(c[0], k.gs);
+        strides3(c[4], k.os);
+        k.lse_in = kiln__data(c[5]);
+        k.dq = kiln__data(out[0]);
+        k.dk = kiln__data(out[1]);
+        k.dv = kiln__data(out[2]);
+        att_run(k.B * k.Hkv, FN(att_bwd_range), &k);
+    } else {
+        k.out = kiln__data(out[0]);
+        k.lse = kiln__data(out[1]);
+        att_run(k.B * k.H, FN(att_fwd_range), &k);
+    }
+    return !atomic_load(&k.oom);
+}
+
 #undef FN
 #undef CAT
 #undef CAT_
