@@ -68,6 +68,9 @@ static void att_run(int64_t tasks, kiln__range_fn fn, void *ctx)
     else fn(ctx, 0, tasks);
 }
 
+static int64_t rows_of(const kiln_tensor_t *x) { return x->ndim ? kiln__numel(x->ndim - 1, x->shape) : 1; }
+static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->ndim - 1] : 1; }
+
 #define R float
 #define SFX f32
 #define GEMM cblas_sgemm
@@ -88,6 +91,12 @@ static kiln_status unsupported(const char *op, kiln_dtype dt)
     return kiln__err(KILN_ERR_UNSUPPORTED, "%s: dtype %s is not supported by the cpu backend (cast to f32)", op,
                      kiln_dtype_name(dt));
 }
+
+/* The template's f_f32(...) or f_f64(...), by the dtype dt; any other is unsupported in op. */
+#define BY_REAL(dt, op, f, ...) \
+    ((dt) == KILN_DTYPE_F32   ? f##_f32(__VA_ARGS__) \
+     : (dt) == KILN_DTYPE_F64 ? f##_f64(__VA_ARGS__) \
+                              : unsupported(op, dt))
 
 /* Makes n inputs contiguous, except those as_is (when given) takes as they are; tmp[]
  * holds the copies to free. */
@@ -113,10 +122,8 @@ static kiln_status softmax_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out
 {
     kiln_tensor_t *c[1], *tmp[1];
     if (!contig_all(in, 1, c, tmp)) return kiln_last_status();
-    kiln_status s = KILN_OK;
-    if (c[0]->dtype == KILN_DTYPE_F32) softmax_f32(c[0], out[0], (int)a->op.dim.dim, log);
-    else if (c[0]->dtype == KILN_DTYPE_F64) softmax_f64(c[0], out[0], (int)a->op.dim.dim, log);
-    else s = unsupported(log ? "log_softmax" : "softmax", c[0]->dtype);
+    const char *op = log ? "log_softmax" : "softmax";
+    kiln_status s = BY_REAL(c[0]->dtype, op, softmax, c[0], out[0], (int)a->op.dim.dim, log);
     free_all(tmp, 1);
     return s;
 }
@@ -124,56 +131,24 @@ static kiln_status softmax_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out
 kiln_status kiln__cpu_softmax(KILN__KERNEL_ARGS) { return softmax_k(in, out, a, false); }
 kiln_status kiln__cpu_log_softmax(KILN__KERNEL_ARGS) { return softmax_k(in, out, a, true); }
 
-static int64_t rows_of(const kiln_tensor_t *x) { return x->ndim ? kiln__numel(x->ndim - 1, x->shape) : 1; }
-static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->ndim - 1] : 1; }
-
-#define NORM_FWD(SFX)                                                                                    \
-    do {                                                                                                 \
-        ln_ctx_##SFX k = {.x = kiln__data(c[0]), .w = kiln__data(c[1]), .b = rms ? NULL : kiln__data(c[2]), \
-                          .y = kiln__data(out[0]), .mean = rms ? NULL : kiln__data(out[1]),              \
-                          .rstd = kiln__data(out[rms ? 1 : 2]), .N = rows_of(c[0]), .C = last_dim(c[0]), \
-                          .eps = a->op.norm.eps, .rms = rms};                                            \
-        kiln__parallel_for(k.N, CPU_GRAIN / (k.C ? k.C : 1) + 1, ln_fwd_range_##SFX, &k);                \
-    } while (0)
-
-static kiln_status norm_fwd(kiln_tensor_t *const *in, int nin, kiln_tensor_t *const *out, const kiln__attrs *a, bool rms)
-{
-    kiln_tensor_t *c[3], *tmp[3];
-    if (!contig_all(in, nin, c, tmp)) return kiln_last_status();
-    kiln_status s = KILN_OK;
-    if (c[0]->dtype == KILN_DTYPE_F32) NORM_FWD(f32);
-    else if (c[0]->dtype == KILN_DTYPE_F64) NORM_FWD(f64);
-    else s = unsupported(rms ? "rms_norm" : "layer_norm", c[0]->dtype);
-    free_all(tmp, nin);
-    return s;
-}
-
-kiln_status kiln__cpu_layer_norm(KILN__KERNEL_ARGS) { return norm_fwd(in, 3, out, a, false); }
-kiln_status kiln__cpu_rms_norm(KILN__KERNEL_ARGS) { return norm_fwd(in, 2, out, a, true); }
-
-/* in: g, x, w, [mean,] rstd */
-#define NORM_BWD(SFX)                                                                                    \
-    do {                                                                                                 \
-        ln_ctx_##SFX k = {.g = kiln__data(c[0]), .x = kiln__data(c[1]), .w = kiln__data(c[2]),           \
-                          .mean = rms ? NULL : kiln__data(c[3]), .rstd = kiln__data(c[rms ? 3 : 4]),     \
-                          .dx = kiln__data(out[0]), .N = rows_of(c[1]), .C = last_dim(c[1]), .rms = rms}; \
-        s = norm_bwd_##SFX(&k, kiln__data(out[1]), rms ? NULL : kiln__data(out[2]));                     \
-    } while (0)
-
-static kiln_status norm_bwd(kiln_tensor_t *const *in, int nin, kiln_tensor_t *const *out, bool rms)
+/* Layer norm (rms false) and RMS norm, forward (nin inputs) or backward; x is input 0
+ * forward, 1 backward. */
+static kiln_status norm_k(kiln_tensor_t *const *in, int nin, kiln_tensor_t *const *out, const kiln__attrs *a, bool rms,
+                          bool bwd)
 {
     kiln_tensor_t *c[5], *tmp[5];
     if (!contig_all(in, nin, c, tmp)) return kiln_last_status();
-    kiln_status s = KILN_OK;
-    if (c[1]->dtype == KILN_DTYPE_F32) NORM_BWD(f32);
-    else if (c[1]->dtype == KILN_DTYPE_F64) NORM_BWD(f64);
-    else s = unsupported(rms ? "rms_norm" : "layer_norm", c[1]->dtype);
+    const char *op = rms ? "rms_norm" : "layer_norm";
+    kiln_status s = bwd ? BY_REAL(c[1]->dtype, op, norm_bwd, c, out, rms)
+                        : BY_REAL(c[0]->dtype, op, norm_fwd, c, out, a, rms);
     free_all(tmp, nin);
     return s;
 }
 
-kiln_status kiln__cpu_layer_norm_backward(KILN__KERNEL_ARGS) { return norm_bwd(in, 5, out, false); }
-kiln_status kiln__cpu_rms_norm_backward(KILN__KERNEL_ARGS) { return norm_bwd(in, 4, out, true); }
+kiln_status kiln__cpu_layer_norm(KILN__KERNEL_ARGS) { return norm_k(in, 3, out, a, false, false); }
+kiln_status kiln__cpu_rms_norm(KILN__KERNEL_ARGS) { return norm_k(in, 2, out, a, true, false); }
+kiln_status kiln__cpu_layer_norm_backward(KILN__KERNEL_ARGS) { return norm_k(in, 5, out, a, false, true); }
+kiln_status kiln__cpu_rms_norm_backward(KILN__KERNEL_ARGS) { return norm_k(in, 4, out, a, true, true); }
 
 /* Checks every target before any work: an out-of-range class is an error, not a read
  * outside the row. Returns the number of targets that count. */
@@ -194,16 +169,6 @@ static kiln_status check_targets(const kiln_tensor_t *t, int64_t V, int64_t igno
     return KILN_OK;
 }
 
-#define CE_FWD(SFX, RT)                                                                              \
-    do {                                                                                             \
-        ce_ctx_##SFX k = {kiln__data(c[0]), kiln__data(c[1]), c[1]->dtype, kiln__data(out[1]), NULL, loss, N, V, \
-                          a->op.cross_entropy.ignore_index, 0, kiln__opt(KILN__OPT_FAST_EXP)};                                \
-        kiln__parallel_for(N, CPU_GRAIN / (V ? V : 1) + 1, ce_fwd_range_##SFX, &k);                 \
-        double sum = 0;                                                                              \
-        for (int64_t i = 0; i < N; i++) sum += loss[i];                                              \
-        *(RT *)kiln__data(out[0]) = (RT)(count ? sum / (double)count : NAN);                         \
-    } while (0)
-
 kiln_status kiln__cpu_cross_entropy(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *c[2], *tmp[2];
@@ -212,36 +177,21 @@ kiln_status kiln__cpu_cross_entropy(KILN__KERNEL_ARGS)
     kiln_status s = check_targets(c[1], V, a->op.cross_entropy.ignore_index, &count);
     double *loss = s == KILN_OK ? malloc(sizeof(double) * (size_t)(N ? N : 1)) : NULL;
     if (s == KILN_OK && !loss) s = kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
-    if (s == KILN_OK) {
-        if (c[0]->dtype == KILN_DTYPE_F32) CE_FWD(f32, float);
-        else if (c[0]->dtype == KILN_DTYPE_F64) CE_FWD(f64, double);
-        else s = unsupported("cross_entropy", c[0]->dtype);
-    }
+    if (s == KILN_OK) s = BY_REAL(c[0]->dtype, "cross_entropy", ce_fwd, c, out, a, count, loss);
     free(loss);
     free_all(tmp, 2);
     return s;
 }
 
 /* in: g (scalar), logits, targets, lse */
-#define CE_BWD(SFX)                                                                                  \
-    do {                                                                                             \
-        ce_ctx_##SFX k = {kiln__data(c[1]), kiln__data(c[2]), c[2]->dtype, kiln__data(c[3]), kiln__data(out[0]), \
-                          NULL, N, V, a->op.cross_entropy.ignore_index, count ? g / (double)count : 0, kiln__opt(KILN__OPT_FAST_EXP)}; \
-        kiln__parallel_for(N, CPU_GRAIN / (V ? V : 1) + 1, ce_bwd_range_##SFX, &k);                 \
-    } while (0)
-
 kiln_status kiln__cpu_cross_entropy_backward(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *c[4], *tmp[4];
     if (!contig_all(in, 4, c, tmp)) return kiln_last_status();
-    int64_t N = c[1]->shape[0], V = c[1]->shape[1], count = 0;
+    int64_t count = 0;
     double g = kiln__load(kiln__data(c[0]), c[0]->dtype);
-    kiln_status s = check_targets(c[2], V, a->op.cross_entropy.ignore_index, &count);
-    if (s == KILN_OK) {
-        if (c[1]->dtype == KILN_DTYPE_F32) CE_BWD(f32);
-        else if (c[1]->dtype == KILN_DTYPE_F64) CE_BWD(f64);
-        else s = unsupported("cross_entropy", c[1]->dtype);
-    }
+    kiln_status s = check_targets(c[2], c[1]->shape[1], a->op.cross_entropy.ignore_index, &count);
+    if (s == KILN_OK) s = BY_REAL(c[1]->dtype, "cross_entropy", ce_bwd, c, out, a, count, g);
     free_all(tmp, 4);
     return s;
 }
@@ -263,23 +213,6 @@ static void rope_angles(double *cs, int64_t T, int64_t D, double theta, int64_t 
     }
 }
 
-/* Rotates the rows of x (contiguous) into out with the angles cs; per rows share one. */
-static kiln_status rope_apply(const char *op, const kiln_tensor_t *x, kiln_tensor_t *out, const double *cs, int64_t T,
-                              int64_t per, double sign)
-{
-    int64_t D = x->shape[x->ndim - 1], rows = kiln__numel(x->ndim - 1, x->shape);
-    if (x->dtype == KILN_DTYPE_F32) {
-        rope_ctx_f32 k = {kiln__data(x), kiln__data(out), cs, T, D, sign, per};
-        kiln__parallel_for(rows, CPU_GRAIN / D + 1, rope_range_f32, &k);
-    } else if (x->dtype == KILN_DTYPE_F64) {
-        rope_ctx_f64 k = {kiln__data(x), kiln__data(out), cs, T, D, sign, per};
-        kiln__parallel_for(rows, CPU_GRAIN / D + 1, rope_range_f64, &k);
-    } else {
-        return unsupported(op, x->dtype);
-    }
-    return KILN_OK;
-}
-
 /* rope: x (..., T, D), row r at position pos0 + r % T. rope_at: x (N, H, D), pos (N),
  * row n at position pos[n] for its H heads. */
 static kiln_status rope_k(const char *op, kiln_tensor_t *const *in, int n_in, kiln_tensor_t *out, const kiln__attrs *a)
@@ -293,7 +226,7 @@ static kiln_status rope_k(const char *op, kiln_tensor_t *const *in, int n_in, ki
     kiln_status s = cs ? KILN_OK : kiln__err(KILN_ERR_OOM, "%s: out of memory", op);
     if (s == KILN_OK) {
         rope_angles(cs, T, D, a->op.rope.theta, at ? 0 : a->op.rope.pos0, at ? c[1] : NULL);
-        s = rope_apply(op, x, out, cs, T, at ? x->shape[1] : 1, !at && a->op.rope.inverse ? -1.0 : 1.0);
+        s = BY_REAL(x->dtype, op, rope, x, out, cs, T, at ? x->shape[1] : 1, !at && a->op.rope.inverse ? -1.0 : 1.0);
     }
     free(cs);
     free_all(tmp, n_in);
