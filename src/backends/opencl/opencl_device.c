@@ -200,23 +200,10 @@ kiln_status kiln__opencl_copy_d2d(kiln__backend *be, void *dst, const void *src,
     return err == CL_SUCCESS ? KILN_OK : kiln__opencl_fail(d, "clEnqueueCopyBuffer", err);
 }
 
-/* A fill enqueued, or recorded while capturing. */
-static kiln_status fill_mem(cl_dev *d, cl_mem mem, const void *pattern, size_t size, size_t off, size_t n)
-{
-    if (d->cap) return kiln__opencl_record_fill(d, mem, pattern, size, off, n);
-    cl_int err = clEnqueueFillBuffer(d->q, mem, pattern, size, off, n, 0, NULL, NULL);
-    return err == CL_SUCCESS ? KILN_OK : kiln__opencl_fail(d, "clEnqueueFillBuffer", err);
-}
-
 kiln_status kiln__opencl_memset(kiln__backend *be, void *dst, int byte, size_t n)
 {
-    cl_dev *d = be->ctx;
-    cl_mem mem;
-    size_t off;
-    kiln_status s = n ? kiln__opencl_resolve(d, dst, n, &mem, &off) : KILN_OK;
-    if (s != KILN_OK || !n) return s;
     unsigned char pattern = (unsigned char)byte;
-    return fill_mem(d, mem, &pattern, 1, off, n);
+    return kiln__opencl_fill(be, dst, &pattern, 1, n);
 }
 
 /* One in-order queue per device (the core's one stream): an event is a marker on it. */
@@ -255,8 +242,8 @@ kiln_status kiln__opencl_synchronize(kiln__backend *be)
     return err == CL_SUCCESS ? KILN_OK : kiln__opencl_fail(be->ctx, "clFinish", err);
 }
 
-/* The contract's fill: the enqueued fill command (full, fill_ and copy_ are made from it
- * and copy_d2d by dispatch). */
+/* The contract's fill: the enqueued fill command, or recorded while capturing (full,
+ * fill_ and copy_ are made from it and copy_d2d by dispatch). */
 kiln_status kiln__opencl_fill(kiln__backend *be, void *dst, const void *pattern, size_t size, size_t n)
 {
     cl_dev *d = be->ctx;
@@ -265,6 +252,8 @@ kiln_status kiln__opencl_fill(kiln__backend *be, void *dst, const void *pattern,
     kiln_status s = n ? kiln__opencl_resolve(d, dst, n, &mem, &off) : KILN_OK;
     if (s != KILN_OK || !n) return s;
     if (off % size || n % size) return kiln__err(KILN_ERR_INTERNAL, "%s: a fill not aligned to its pattern", d->name);
-    return fill_mem(d, mem, pattern, size, off, n);
+    if (d->cap) return kiln__opencl_record_fill(d, mem, pattern, size, off, n);
+    cl_int err = clEnqueueFillBuffer(d->q, mem, pattern, size, off, n, 0, NULL, NULL);
+    return err == CL_SUCCESS ? KILN_OK : kiln__opencl_fail(d, "clEnqueueFillBuffer", err);
 }
 #endif

@@ -343,17 +343,19 @@ static bool att_layout(kiln_tensor_t *const *t, int n, int64_t D)
 static size_t att_grid(int64_t n) { return (size_t)((n + 15) / 16 * 16); }
 static const size_t att_block = 16;
 
-/* Dense copies of t[0..n) into d (NULL where one failed); freed by undense. */
-static bool densify(kiln_tensor_t *const *t, int n, kiln_tensor_t **d)
-{
-    bool ok = true;
-    for (int i = 0; i < n; i++) ok &= (d[i] = dense(t[i])) != NULL;
-    return ok;
-}
-
 static void undense(kiln_tensor_t **d, int n)
 {
     for (int i = 0; i < n; i++) kiln_tensor_free(d[i]);
+}
+
+/* Dense copies of t[0..n) into d, freed by undense; none is left when one fails. */
+static kiln_status densify(kiln_tensor_t *const *t, int n, kiln_tensor_t **d)
+{
+    bool ok = true;
+    for (int i = 0; i < n; i++) ok &= (d[i] = dense(t[i])) != NULL;
+    kiln_status s = ok ? KILN_OK : kiln_last_status();
+    if (!ok) undense(d, n);
+    return s;
 }
 
 static kiln_status ocl_attention(KILN__KERNEL_ARGS)
@@ -363,9 +365,10 @@ static kiln_status ocl_attention(KILN__KERNEL_ARGS)
     cl_kernel kern = att_layout(in, 3, D) && out[1]->dtype == KILN_DTYPE_F32 ? builtin(be, BK_ATT) : NULL;
     if (!kern) return kiln__cpu_fallback(be, KILN_OP_ATTENTION, in, n_in, a, out, n_out);
     kiln_tensor_t *c[3];
-    kiln_status s = densify(in, 3, c) ? KILN_OK : kiln_last_status();
+    kiln_status s = densify(in, 3, c);
     size_t grid = att_grid(B * H * Tq);
-    if (s == KILN_OK && grid) {
+    if (s != KILN_OK) return s;
+    if (grid) {
         kiln__karg args[] = {buf_arg(c[0]), buf_arg(c[1]), buf_arg(c[2]), buf_arg(out[0]), buf_arg(out[1]), i64_arg(B),
                              i64_arg(H), i64_arg(Hkv), i64_arg(Tq), i64_arg(Tk), i64_arg(D),
                              f_arg(KILN__KARG_F32, a->op.attention.scale), i64_arg(a->op.attention.causal)};
@@ -385,10 +388,8 @@ static kiln_status ocl_attention_backward(KILN__KERNEL_ARGS)
     kiln__karg dims[] = {i64_arg(B), i64_arg(H), i64_arg(Hkv), i64_arg(Tq), i64_arg(Tk), i64_arg(D),
                          f_arg(KILN__KARG_F32, a->op.attention.scale), i64_arg(a->op.attention.causal)};
     kiln_tensor_t *c[6];
-    if (!densify(in, 6, c)) {
-        undense(c, 6);
-        return kiln_last_status();
-    }
+    kiln_status s = densify(in, 6, c);
+    if (s != KILN_OK) return s;
     kiln__karg aq[15], akv[16];
     for (int i = 0; i < 6; i++) aq[i] = akv[i] = buf_arg(c[i]);
     aq[6] = buf_arg(out[0]);
@@ -397,7 +398,7 @@ static kiln_status ocl_attention_backward(KILN__KERNEL_ARGS)
     memcpy(aq + 7, dims, sizeof dims);
     memcpy(akv + 8, dims, sizeof dims);
     size_t gq = att_grid(B * H * Tq), gkv = att_grid(B * Hkv * Tk);
-    kiln_status s = gq ? kiln__opencl_launch(be, kq, aq, 15, &gq, &att_block, 1) : KILN_OK;
+    s = gq ? kiln__opencl_launch(be, kq, aq, 15, &gq, &att_block, 1) : KILN_OK;
     if (s == KILN_OK && gkv) s = kiln__opencl_launch(be, kkv, akv, 16, &gkv, &att_block, 1);
     undense(c, 6);
     return s;
@@ -413,10 +414,8 @@ static kiln_status ocl_norm_backward(KILN__KERNEL_ARGS)
     cl_kernel kx = ok ? builtin(be, BK_NORM_DX) : NULL, kw = kx ? builtin(be, BK_NORM_DWB) : NULL;
     if (!kx || !kw) return kiln__cpu_fallback(be, op, in, n_in, a, out, n_out);
     kiln_tensor_t *c[5] = {NULL};
-    if (!densify(in, n_in, c)) {
-        undense(c, n_in);
-        return kiln_last_status();
-    }
+    kiln_status s = densify(in, n_in, c);
+    if (s != KILN_OK) return s;
     const kiln_tensor_t *x = c[1], *mean = c[3], *rstd = c[rms ? 3 : 4]; /* RMS: mean is not read */
     int64_t C = x->shape[x->ndim - 1], N = C ? kiln_tensor_numel(x) / C : 0;
     kiln__karg ax[] = {buf_arg(c[0]), buf_arg(x), buf_arg(c[2]), buf_arg(mean), buf_arg(rstd), buf_arg(out[0]),
@@ -424,7 +423,7 @@ static kiln_status ocl_norm_backward(KILN__KERNEL_ARGS)
     kiln__karg aw[] = {buf_arg(c[0]), buf_arg(x), buf_arg(mean), buf_arg(rstd), buf_arg(out[1]),
                        buf_arg(rms ? out[1] : out[2]), i64_arg(N), i64_arg(C), i64_arg(rms)};
     size_t gn = (size_t)N, gc = (size_t)C;
-    kiln_status s = gn && gc ? kiln__opencl_launch(be, kx, ax, 9, &gn, NULL, 1) : KILN_OK;
+    s = gn && gc ? kiln__opencl_launch(be, kx, ax, 9, &gn, NULL, 1) : KILN_OK;
     if (s == KILN_OK && gc) s = kiln__opencl_launch(be, kw, aw, 9, &gc, NULL, 1);
     undense(c, n_in);
     return s;
