@@ -132,7 +132,7 @@ static kiln_status ocl_copy_(KILN__KERNEL_ARGS)
         return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
     if (!n) return KILN_OK;
     if (kiln__is_contiguous(dst) && kiln__is_contiguous(src))
-        return kiln__opencl_copy_d2d(be, kiln__data(dst), kiln__data(src), kiln_tensor_nbytes(dst));
+        return kiln__be_copy_d2d(be, kiln__data(dst), kiln__data(src), kiln_tensor_nbytes(dst));
     cl_kernel k = builtin(be, BK_COPY_ND);
     if (!k) return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
     int64_t rs[KILN_MAX_DIMS];
@@ -192,13 +192,13 @@ static void *err_word(kiln__backend *be)
         return NULL;
     }
     int zero[16] = {0};
-    void *p = kiln__opencl_alloc(be, sizeof zero);
+    void *p = kiln__be_alloc(be, sizeof zero);
     if (!p) {
         kiln__err(KILN_ERR_OOM, "%s: out of device memory", d->name);
         return NULL;
     }
-    if (kiln__opencl_copy_h2d(be, p, zero, sizeof zero) != KILN_OK) {
-        kiln__opencl_free(be, p, sizeof zero);
+    if (kiln__be_copy_h2d(be, p, zero, sizeof zero) != KILN_OK) {
+        kiln__be_free(be, p, sizeof zero);
         return NULL;
     }
     return d->err = p;
@@ -216,7 +216,7 @@ static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_t
     size_t sz = kiln_dtype_size(idx->dtype);
     char *h = malloc(sz * (size_t)(n ? n : 1));
     if (!h) return kiln__err(KILN_ERR_OOM, "%s: out of memory", op);
-    kiln_status s = kiln__opencl_copy_d2h(be, h, kiln__data(idx), sz * (size_t)n);
+    kiln_status s = kiln__be_copy_d2h(be, h, kiln__data(idx), sz * (size_t)n);
     for (int64_t i = 0; s == KILN_OK && i < n; i++) {
         int64_t v = kiln__load_index(h + i * (int64_t)sz, idx->dtype);
         if ((ignore && v == *ignore) || (v >= 0 && v < limit)) continue;
@@ -281,9 +281,9 @@ static kiln_status ocl_cross_entropy(KILN__KERNEL_ARGS)
     if (s != KILN_OK) return s;
     if (!N) { /* no rows: the mean of nothing */
         float nan = NAN;
-        return kiln__opencl_fill(be, kiln__data(out[0]), &nan, sizeof nan, sizeof nan);
+        return kiln__be_fill(be, kiln__data(out[0]), &nan, sizeof nan, sizeof nan);
     }
-    void *err = err_word(be), *dloss = err ? kiln__opencl_alloc(be, sizeof(double) * (size_t)N) : NULL;
+    void *err = err_word(be), *dloss = err ? kiln__be_alloc(be, sizeof(double) * (size_t)N) : NULL;
     if (!err) return kiln_last_status();
     if (!dloss) return kiln__err(KILN_ERR_OOM, "cross_entropy: out of device memory");
     kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(out[1]), {KILN__KARG_BUF, dloss, 0, 0}, i64_arg(N),
@@ -293,7 +293,7 @@ static kiln_status ocl_cross_entropy(KILN__KERNEL_ARGS)
     kiln__karg margs[] = {{KILN__KARG_BUF, dloss, 0, 0}, buf_arg(t), buf_arg(out[0]), i64_arg(N), i64_arg(V),
                           i64_arg(a->op.cross_entropy.ignore_index), i64_arg(t64), {KILN__KARG_BUF, err, 0, 0}};
     if (s == KILN_OK) s = kiln__opencl_launch(be, km, margs, 8, &one, NULL, 1);
-    kiln__opencl_free(be, dloss, sizeof(double) * (size_t)N); /* in-order queue: after the kernels that read it */
+    kiln__be_free(be, dloss, sizeof(double) * (size_t)N); /* in-order queue: after the kernels that read it */
     return s;
 }
 
@@ -306,7 +306,7 @@ static kiln_status ocl_cross_entropy_backward(KILN__KERNEL_ARGS)
     int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64;
     kiln_status s = check_indices(be, "cross_entropy", t, V, &a->op.cross_entropy.ignore_index);
     if (s != KILN_OK || !N || !V) return s;
-    void *err = err_word(be), *gs = err ? kiln__opencl_alloc(be, sizeof(double)) : NULL;
+    void *err = err_word(be), *gs = err ? kiln__be_alloc(be, sizeof(double)) : NULL;
     if (!err) return kiln_last_status();
     if (!gs) return kiln__err(KILN_ERR_OOM, "cross_entropy backward: out of device memory");
     kiln__karg sargs[] = {buf_arg(t), buf_arg(g), {KILN__KARG_BUF, gs, 0, 0}, i64_arg(N), i64_arg(V), i64_arg(a->op.cross_entropy.ignore_index),
@@ -316,7 +316,7 @@ static kiln_status ocl_cross_entropy_backward(KILN__KERNEL_ARGS)
     kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(lse), buf_arg(out[0]), i64_arg(N), i64_arg(V), i64_arg(a->op.cross_entropy.ignore_index),
                          i64_arg(t64), {KILN__KARG_BUF, gs, 0, 0}, {KILN__KARG_BUF, err, 0, 0}};
     if (s == KILN_OK) s = kiln__opencl_launch(be, k, args, 10, &grid, NULL, 1);
-    kiln__opencl_free(be, gs, sizeof(double));
+    kiln__be_free(be, gs, sizeof(double));
     return s;
 }
 
