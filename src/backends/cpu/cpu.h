@@ -35,6 +35,11 @@ void cpu_iter_run(const cpu_iter *it, cpu_row_fn fn, void *ctx);
 void cpu_copy(kiln_tensor_t *dst, kiln_tensor_t *src);
 /* A contiguous version of t: t itself, or a new copy in *tmp (free it after). */
 kiln_tensor_t *cpu_contig(kiln_tensor_t *t, kiln_tensor_t **tmp);
+/* Checks every index of idx before any is used: each in [0, limit), or for cross-entropy
+ * targets (ignore given) the ignore index; an index outside is an error that names it
+ * (op, or the target's row). *count, when given, gets how many are not ignored. */
+kiln_status cpu_check_indices(const char *op, const kiln_tensor_t *idx, int64_t limit, const int64_t *ignore,
+                              int64_t *count);
 /* A stack header viewing `t` with another shape/stride/offset (no references). */
 void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t *shape, const int64_t *stride,
               int64_t offset);

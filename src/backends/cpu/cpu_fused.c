@@ -150,31 +150,14 @@ kiln_status kiln__cpu_rms_norm(KILN__KERNEL_ARGS) { return norm_k(in, 2, out, a,
 kiln_status kiln__cpu_layer_norm_backward(KILN__KERNEL_ARGS) { return norm_k(in, 5, out, a, false, true); }
 kiln_status kiln__cpu_rms_norm_backward(KILN__KERNEL_ARGS) { return norm_k(in, 4, out, a, true, true); }
 
-/* Checks every target before any work: an out-of-range class is an error, not a read
- * outside the row. Returns the number of targets that count. */
-static kiln_status check_targets(const kiln_tensor_t *t, int64_t V, int64_t ignore, int64_t *count)
-{
-    const char *p = kiln__data(t);
-    size_t sz = kiln_dtype_size(t->dtype);
-    int64_t n = t->shape[0], c = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t v = kiln__load_index(p + i * (int64_t)sz, t->dtype);
-        if (v == ignore) continue;
-        if (v < 0 || v >= V)
-            return kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) "
-                             "(and is not ignore_index %lld)", (long long)v, (long long)i, (long long)V, (long long)ignore);
-        c++;
-    }
-    *count = c;
-    return KILN_OK;
-}
-
 kiln_status kiln__cpu_cross_entropy(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *c[2], *tmp[2];
     if (!contig_all(in, 2, c, tmp)) return kiln_last_status();
     int64_t N = c[0]->shape[0], V = c[0]->shape[1], count = 0;
-    kiln_status s = check_targets(c[1], V, a->op.cross_entropy.ignore_index, &count);
+    /* Every target is checked before any work: an out-of-range class is an error, not a
+     * read outside the row. */
+    kiln_status s = cpu_check_indices("cross_entropy", c[1], V, &a->op.cross_entropy.ignore_index, &count);
     double *loss = s == KILN_OK ? malloc(sizeof(double) * (size_t)(N ? N : 1)) : NULL;
     if (s == KILN_OK && !loss) s = kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
     if (s == KILN_OK) s = BY_REAL(c[0]->dtype, "cross_entropy", ce_fwd, c, out, a, count, loss);
@@ -190,7 +173,8 @@ kiln_status kiln__cpu_cross_entropy_backward(KILN__KERNEL_ARGS)
     if (!contig_all(in, 4, c, tmp)) return kiln_last_status();
     int64_t count = 0;
     double g = kiln__load(kiln__data(c[0]), c[0]->dtype);
-    kiln_status s = check_targets(c[2], c[1]->shape[1], a->op.cross_entropy.ignore_index, &count);
+    int64_t V = c[1]->shape[1];
+    kiln_status s = cpu_check_indices("cross_entropy", c[2], V, &a->op.cross_entropy.ignore_index, &count);
     if (s == KILN_OK) s = BY_REAL(c[1]->dtype, "cross_entropy", ce_bwd, c, out, a, count, g);
     free_all(tmp, 4);
     return s;
