@@ -35,6 +35,11 @@ void cpu_iter_run(const cpu_iter *it, cpu_row_fn fn, void *ctx);
 void cpu_copy(kiln_tensor_t *dst, kiln_tensor_t *src);
 /* A contiguous version of t: t itself, or a new copy in *tmp (free it after). */
 kiln_tensor_t *cpu_contig(kiln_tensor_t *t, kiln_tensor_t **tmp);
+/* Contiguous versions c[i] of n inputs, except those as_is (when given) takes as they
+ * are; tmp[] holds the copies, which cpu_free_n frees. False when a copy failed. */
+bool cpu_contig_n(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp,
+                  bool (*as_is)(const kiln_tensor_t *));
+void cpu_free_n(kiln_tensor_t **tmp, int n);
 /* Checks every index of idx before any is used: each in [0, limit), or for cross-entropy
  * targets (ignore given) the ignore index; an index outside is an error that names it
  * (op, or the target's row). *count, when given, gets how many are not ignored. */

@@ -98,33 +98,14 @@ static kiln_status unsupported(const char *op, kiln_dtype dt)
      : (dt) == KILN_DTYPE_F64 ? f##_f64(__VA_ARGS__) \
                               : unsupported(op, dt))
 
-/* Makes n inputs contiguous, except those as_is (when given) takes as they are; tmp[]
- * holds the copies to free. */
-static bool contig_unless(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp,
-                          bool (*as_is)(const kiln_tensor_t *))
-{
-    for (int i = 0; i < n; i++) tmp[i] = NULL;
-    for (int i = 0; i < n; i++) {
-        c[i] = as_is && as_is(in[i]) ? in[i] : cpu_contig(in[i], &tmp[i]);
-        if (!c[i]) return false;
-    }
-    return true;
-}
-
-#define contig_all(in, n, c, tmp) contig_unless(in, n, c, tmp, NULL)
-
-static void free_all(kiln_tensor_t **tmp, int n)
-{
-    for (int i = 0; i < n; i++) kiln_tensor_free(tmp[i]);
-}
 
 static kiln_status softmax_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out, const kiln__attrs *a, bool log)
 {
     kiln_tensor_t *c[1], *tmp[1];
-    if (!contig_all(in, 1, c, tmp)) return kiln_last_status();
+    if (!cpu_contig_n(in, 1, c, tmp, NULL)) return kiln_last_status();
     const char *op = log ? "log_softmax" : "softmax";
     kiln_status s = BY_REAL(c[0]->dtype, op, softmax, c[0], out[0], (int)a->op.dim.dim, log);
-    free_all(tmp, 1);
+    cpu_free_n(tmp, 1);
     return s;
 }
 
@@ -137,11 +118,11 @@ static kiln_status norm_k(kiln_tensor_t *const *in, int nin, kiln_tensor_t *cons
                           bool bwd)
 {
     kiln_tensor_t *c[5], *tmp[5];
-    if (!contig_all(in, nin, c, tmp)) return kiln_last_status();
+    if (!cpu_contig_n(in, nin, c, tmp, NULL)) return kiln_last_status();
     const char *op = rms ? "rms_norm" : "layer_norm";
     kiln_status s = bwd ? BY_REAL(c[1]->dtype, op, norm_bwd, c, out, rms)
                         : BY_REAL(c[0]->dtype, op, norm_fwd, c, out, a, rms);
-    free_all(tmp, nin);
+    cpu_free_n(tmp, nin);
     return s;
 }
 
@@ -153,7 +134,7 @@ kiln_status kiln__cpu_rms_norm_backward(KILN__KERNEL_ARGS) { return norm_k(in, 4
 kiln_status kiln__cpu_cross_entropy(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *c[2], *tmp[2];
-    if (!contig_all(in, 2, c, tmp)) return kiln_last_status();
+    if (!cpu_contig_n(in, 2, c, tmp, NULL)) return kiln_last_status();
     int64_t N = c[0]->shape[0], V = c[0]->shape[1], count = 0;
     /* Every target is checked before any work: an out-of-range class is an error, not a
      * read outside the row. */
@@ -162,7 +143,7 @@ kiln_status kiln__cpu_cross_entropy(KILN__KERNEL_ARGS)
     if (s == KILN_OK && !loss) s = kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
     if (s == KILN_OK) s = BY_REAL(c[0]->dtype, "cross_entropy", ce_fwd, c, out, a, count, loss);
     free(loss);
-    free_all(tmp, 2);
+    cpu_free_n(tmp, 2);
     return s;
 }
 
@@ -170,13 +151,13 @@ kiln_status kiln__cpu_cross_entropy(KILN__KERNEL_ARGS)
 kiln_status kiln__cpu_cross_entropy_backward(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *c[4], *tmp[4];
-    if (!contig_all(in, 4, c, tmp)) return kiln_last_status();
+    if (!cpu_contig_n(in, 4, c, tmp, NULL)) return kiln_last_status();
     int64_t count = 0;
     double g = kiln__load(kiln__data(c[0]), c[0]->dtype);
     int64_t V = c[1]->shape[1];
     kiln_status s = cpu_check_indices("cross_entropy", c[2], V, &a->op.cross_entropy.ignore_index, &count);
     if (s == KILN_OK) s = BY_REAL(c[1]->dtype, "cross_entropy", ce_bwd, c, out, a, count, g);
-    free_all(tmp, 4);
+    cpu_free_n(tmp, 4);
     return s;
 }
 
@@ -202,7 +183,7 @@ static void rope_angles(double *cs, int64_t T, int64_t D, double theta, int64_t 
 static kiln_status rope_k(const char *op, kiln_tensor_t *const *in, int n_in, kiln_tensor_t *out, const kiln__attrs *a)
 {
     kiln_tensor_t *c[2], *tmp[2];
-    if (!contig_all(in, n_in, c, tmp)) return kiln_last_status();
+    if (!cpu_contig_n(in, n_in, c, tmp, NULL)) return kiln_last_status();
     const kiln_tensor_t *x = c[0];
     bool at = n_in == 2;
     int64_t D = x->shape[x->ndim - 1], T = at ? x->shape[0] : x->shape[x->ndim - 2];
@@ -213,7 +194,7 @@ static kiln_status rope_k(const char *op, kiln_tensor_t *const *in, int n_in, ki
         s = BY_REAL(x->dtype, op, rope, x, out, cs, T, at ? x->shape[1] : 1, !at && a->op.rope.inverse ? -1.0 : 1.0);
     }
     free(cs);
-    free_all(tmp, n_in);
+    cpu_free_n(tmp, n_in);
     return s;
 }
 
@@ -234,11 +215,11 @@ static kiln_status att_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out, co
 {
     int n = bwd ? 6 : 3;
     kiln_tensor_t *c[6], *tmp[6];
-    kiln_status s = contig_unless(in, n, c, tmp, att_rows) ? KILN_OK : kiln_last_status();
+    kiln_status s = cpu_contig_n(in, n, c, tmp, att_rows) ? KILN_OK : kiln_last_status();
     if (s == KILN_OK && !(c[bwd]->dtype == KILN_DTYPE_F32 ? att_f32(c, out, a, bwd) : att_f64(c, out, a, bwd)))
         s = kiln__err(KILN_ERR_OOM, bwd ? "attention backward: out of memory for a tile buffer"
                                         : "attention: out of memory for a row buffer");
-    free_all(tmp, n);
+    cpu_free_n(tmp, n);
     return s;
 }
 

@@ -134,10 +134,8 @@ static kiln_status check_pages(const int32_t *bt, const int32_t *sp, int64_t N, 
 
 kiln_status kiln__cpu_paged_attention(KILN__KERNEL_ARGS)
 {
-    kiln_tensor_t *c[5], *tmp[5] = {0};
-    kiln_status s = KILN_OK;
-    for (int i = 0; i < 5 && s == KILN_OK; i++)
-        if (!(c[i] = cpu_contig(in[i], &tmp[i]))) s = kiln_last_status();
+    kiln_tensor_t *c[5], *tmp[5];
+    kiln_status s = cpu_contig_n(in, 5, c, tmp, NULL) ? KILN_OK : kiln_last_status();
     int64_t N = s == KILN_OK ? c[0]->shape[0] : 0, bl = a->op.paged_attention.block_len;
     if (s == KILN_OK)
         s = check_pages(kiln__data(c[3]), kiln__data(c[4]), N, c[3]->shape[0], c[3]->shape[1], bl, c[1]->shape[0] / bl);
@@ -154,7 +152,7 @@ kiln_status kiln__cpu_paged_attention(KILN__KERNEL_ARGS)
         kiln__parallel_for(N * k.per_row, 1, paged_kernel(c[1]->dtype), &k);
         if (atomic_load(&k.oom)) s = kiln__err(KILN_ERR_OOM, "paged_attention: out of memory for a score buffer");
     }
-    for (int i = 0; i < 5; i++) kiln_tensor_free(tmp[i]);
+    cpu_free_n(tmp, 5);
     return s;
 }
 
