@@ -1,7 +1,10 @@
-/* Small helpers that several rooms need: a monotonic clock and a 64-bit mixer. */
+/* Small helpers that several rooms need: a monotonic clock, a 64-bit mixer, freeing
+ * many buffers at once, and a growing byte buffer. */
 #ifndef KILN_CORE_UTIL_H
 #define KILN_CORE_UTIL_H
+#include <stdbool.h>
 #include <stdint.h>
+#include <stdlib.h>
 #include <time.h>
 
 /* Seconds on the monotonic clock. */
@@ -20,5 +23,27 @@ static inline uint64_t kiln__mix64(uint64_t x)
     x ^= x >> 33;
     x *= 0xc4ceb9fe1a85ec53ULL;
     return x ^ (x >> 33);
+}
+
+static inline void kiln__free_n(void *const *p, size_t n)
+{
+    for (size_t i = 0; i < n; i++) free(p[i]);
+}
+
+/* free() of each argument: for an object whose free would list every buffer it holds. */
+#define KILN__FREE(...) kiln__free_n((void *const[]){__VA_ARGS__}, sizeof((void *const[]){__VA_ARGS__}) / sizeof(void *))
+
+/* Room for need bytes in *p (capacity *cap, doubled up from first); false when out of
+ * memory, and then *p and *cap are as they were. */
+static inline bool kiln__reserve(char **p, size_t *cap, size_t need, size_t first)
+{
+    if (need <= *cap) return true;
+    size_t c = *cap ? *cap : first;
+    while (c < need) c *= 2;
+    char *q = realloc(*p, c);
+    if (!q) return false;
+    *p = q;
+    *cap = c;
+    return true;
 }
 #endif

@@ -10,6 +10,7 @@
  * all in order and copies the averages back into the gradients. */
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "dist/flat.h"
 #include "kiln/dist.h"
 #include "kiln/ops.h"
@@ -90,8 +91,7 @@ void kiln_ddp_free(kiln_ddp_t *d)
         if (d->b[j].work) kiln_pg_work_wait(d->b[j].work);
         kiln_tensor_free(d->b[j].flat);
     }
-    free(d->params), free(d->order), free(d->bucket_of), free(d->off), free(d->whole), free(d->b);
-    free(d);
+    KILN__FREE(d->params, d->order, d->bucket_of, d->off, d->whole, d->b, d);
 }
 
 int kiln_ddp_num_buckets(const kiln_ddp_t *d) { return d ? d->nb : 0; }

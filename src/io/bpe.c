@@ -166,10 +166,7 @@ static bool scratch_reserve(kiln__bpe_scratch *s, size_t n)
 
 void kiln__bpe_scratch_free(kiln__bpe_scratch *s)
 {
-    free(s->sym);
-    free(s->prev);
-    free(s->next);
-    free(s->heap);
+    KILN__FREE(s->sym, s->prev, s->next, s->heap);
     memset(s, 0, sizeof *s);
 }
 
@@ -459,9 +456,7 @@ static bool word_table_grow(word_table *wt)
     size_t *klen = malloc(cap * sizeof *klen);
     int32_t *word = malloc(cap * sizeof *word);
     if (!key || !klen || !word) {
-        free(key);
-        free(klen);
-        free(word);
+        KILN__FREE(key, klen, word);
         return false;
     }
     for (size_t i = 0; i < wt->cap; i++) {
@@ -474,9 +469,7 @@ static bool word_table_grow(word_table *wt)
         klen[j] = wt->klen[i];
         word[j] = wt->word[i];
     }
-    free(wt->key);
-    free(wt->klen);
-    free(wt->word);
+    KILN__FREE(wt->key, wt->klen, wt->word);
     wt->key = key;
     wt->klen = klen;
     wt->word = word;
@@ -507,18 +500,12 @@ static int32_t word_table_find(word_table *wt, const uint8_t *p, size_t n, int32
 
 static void word_table_free(word_table *wt)
 {
-    free(wt->key);
-    free(wt->klen);
-    free(wt->word);
+    KILN__FREE(wt->key, wt->klen, wt->word);
 }
 
 static void trainer_free(trainer *tr)
 {
-    free(tr->sym);
-    free(tr->off);
-    free(tr->len);
-    free(tr->cnt);
-    free(tr->wstamp);
+    KILN__FREE(tr->sym, tr->off, tr->len, tr->cnt, tr->wstamp);
     for (int32_t p = 0; p < tr->n_pairs; p++)
         free(tr->pairs[p].words);
     free(tr->pairs);

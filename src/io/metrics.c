@@ -20,6 +20,7 @@
 
 #include <jansson.h>
 
+#include "core/util.h"
 #include "kiln/metrics.h"
 
 /* ---- the fields of a row: one table, walked by the writer and the reader ---- */
@@ -222,20 +223,6 @@ typedef struct {
     bool oom;
 } strbuf;
 
-static void sb_grow(strbuf *b, size_t need)
-{
-    if (b->oom || b->len + need + 1 <= b->cap) return;
-    size_t ncap = b->cap ? b->cap : 4096;
-    while (ncap < b->len + need + 1) ncap *= 2;
-    char *np = realloc(b->p, ncap);
-    if (!np) {
-        b->oom = true;
-        return;
-    }
-    b->p = np;
-    b->cap = ncap;
-}
-
 static void sb_printf(strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void sb_printf(strbuf *b, const char *fmt, ...)
 {
@@ -247,8 +234,10 @@ static void sb_printf(strbuf *b, const char *fmt, ...)
         b->oom = true;
         return;
     }
-    sb_grow(b, (size_t)k);
-    if (b->oom) return;
+    if (b->oom || !kiln__reserve(&b->p, &b->cap, b->len + (size_t)k + 1, 4096)) {
+        b->oom = true;
+        return;
+    }
     va_start(ap, fmt);
     vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
     va_end(ap);

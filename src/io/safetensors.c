@@ -7,8 +7,8 @@
  * keys in insertion order, which the writer relies on to lay the header out as the
  * reference writer does.
  *
- * Apart from kiln__err (the only way to set the thread's error message) this file
- * uses the public API, as src/io/ should. */
+ * Apart from core/util.h's inline helpers this file uses the public API, as src/io/
+ * should. */
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -18,6 +18,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include "core/util.h"
 #include "kiln/io.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -328,10 +329,7 @@ void kiln_safetensors_free(kiln_safetensors_t *f)
 {
     if (!f) return;
     json_decref(f->header);
-    free(f->entries);
-    free(f->buf);
-    free(f->path);
-    free(f);
+    KILN__FREE(f->entries, f->buf, f->path, f);
 }
 
 /* ---- saving ----------------------------------------------------------------- */
@@ -543,9 +541,6 @@ kiln_status kiln_safetensors_save(const char *path, const char *const *names, ki
     }
     s = sync_dir(path);
 done:
-    free(scratch);
-    free(tmp);
-    free(header);
-    free(order);
+    KILN__FREE(scratch, tmp, header, order);
     return s;
 }

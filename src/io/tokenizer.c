@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "io/tokenizer_impl.h"
 
 /* ---- construction --------------------------------------------------------------------- */
@@ -42,14 +43,8 @@ void kiln_tokenizer_free(kiln_tokenizer_t *t)
 {
     if (!t)
         return;
-    free(t->tok_bytes);
-    free(t->tok_off);
-    free(t->merge_a);
-    free(t->merge_b);
-    free(t->merge_id);
-    free(t->special_id);
     kiln__u64map_clear(&t->merge_rank);
-    free(t);
+    KILN__FREE(t->tok_bytes, t->tok_off, t->merge_a, t->merge_b, t->merge_id, t->special_id, t);
 }
 
 kiln_tokenizer_t *kiln_tokenizer_byte(void)
@@ -627,10 +622,7 @@ static kiln_status build_from_json(const json_t *root, const char *path, kiln_to
     }
     for (size_t i = 0; bytes && i < n_entries; i++)
         free(bytes[i]);
-    free(bytes);
-    free(blen);
-    free(special);
-    free(special_ids);
+    KILN__FREE(bytes, blen, special, special_ids);
     if (st != KILN_OK) {
         kiln_tokenizer_free(t);
         t = NULL;

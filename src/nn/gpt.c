@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "kiln/dist.h"
 #include "kiln/io.h"
 #include "kiln/nn.h"
@@ -268,10 +269,7 @@ void kiln_gpt_free(kiln_gpt_t *m)
         kiln_tensor_free(m->params[i]);
         free(m->names[i]);
     }
-    free(m->params);
-    free(m->names);
-    free(m->layers);
-    free(m);
+    KILN__FREE(m->params, m->names, m->layers, m);
 }
 
 const kiln_gpt_config *kiln_gpt_get_config(const kiln_gpt_t *m) { return &m->cfg; }
@@ -521,9 +519,7 @@ void kiln_kv_cache_free(kiln_kv_cache_t *c)
         kiln_tensor_free(c->k[i]);
         kiln_tensor_free(c->v[i]);
     }
-    free(c->k);
-    free(c->v);
-    free(c);
+    KILN__FREE(c->k, c->v, c);
 }
 
 int kiln_kv_cache_len(const kiln_kv_cache_t *c) { return c ? c->len : 0; }
@@ -628,10 +624,7 @@ void kiln_kv_pool_free(kiln_kv_pool_t *p)
         for (int j = 0; j < PK_N; j++) kiln_tensor_free(p->pk[i][j]);
     }
     kiln_tensor_free(p->pk_head);
-    free(p->k);
-    free(p->v);
-    free(p->pk);
-    free(p);
+    KILN__FREE(p->k, p->v, p->pk, p);
 }
 
 int kiln_kv_pool_num_blocks(const kiln_kv_pool_t *p) { return p ? p->num_blocks : 0; }

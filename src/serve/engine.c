@@ -195,11 +195,7 @@ static void register_full_blocks(kiln_engine_t *e, seq *s)
 
 static void seq_free(seq *s)
 {
-    if (!s) return;
-    free(s->tok);
-    free(s->blocks);
-    free(s->hash);
-    free(s);
+    if (s) KILN__FREE(s->tok, s->blocks, s->hash, s);
 }
 
 static int blocks_for(const kiln_engine_t *e, int positions) { return (positions + e->BS - 1) / e->BS; }
@@ -560,21 +556,8 @@ void kiln_engine_free(kiln_engine_t *e)
         pthread_cond_destroy(&e->cv);
     }
     kiln_kv_pool_free(e->pool);
-    free(e->meta);
-    free(e->block_tokens);
-    free(e->free_stack);
-    free(e->b_tok);
-    free(e->b_seq);
-    free(e->b_pos);
-    free(e->b_rows);
-    free(e->b_row_seq);
-    free(e->b_table);
-    free(e->logits);
-    free(e->scratch);
-    free(e->top_ids);
-    free(e->top_lp);
-    free(e->cancels);
-    free(e);
+    KILN__FREE(e->meta, e->block_tokens, e->free_stack, e->b_tok, e->b_seq, e->b_pos, e->b_rows, e->b_row_seq,
+               e->b_table, e->logits, e->scratch, e->top_ids, e->top_lp, e->cancels, e);
 }
 
 kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint64_t *id)

@@ -6,7 +6,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include "core/util.h"
 #include "serve/server_impl.h"
 
 /* The answer to a finished non-streamed job. */

@@ -7,7 +7,6 @@
  * requests are cancelled then. */
 #include <stdlib.h>
 #include <time.h>
-#include "core/util.h"
 #include "kiln/tokenizer.h"
 #include "serve/server_impl.h"
 
@@ -28,11 +27,7 @@ void kiln__serve_job_unref(job *j)
     for (int i = 0; i < j->n; i++) {
         choice *c = &j->ch[i];
         kiln__textstream_free(&c->ts);
-        free(c->tok);
-        free(c->tok_start);
-        free(c->lp);
-        free(c->top_ids);
-        free(c->top_lp);
+        KILN__FREE(c->tok, c->tok_start, c->lp, c->top_ids, c->top_lp);
     }
     kiln__oai_free(&j->req);
     free(j->out);

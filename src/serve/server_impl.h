@@ -20,6 +20,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include "core/util.h"
 #include "kiln/serve.h"
 #include "serve/openai.h"
 

@@ -10,14 +10,7 @@
 /* Appends to the stream buffer. Under j->mu. */
 static void emit(job *j, const char *s, size_t n)
 {
-    if (j->out_len + n > j->out_cap) {
-        size_t cap = j->out_cap ? j->out_cap : 4096;
-        while (cap < j->out_len + n) cap *= 2;
-        char *p = realloc(j->out, cap);
-        if (!p) return; /* out of memory: this piece is lost, the stream goes on */
-        j->out = p;
-        j->out_cap = cap;
-    }
+    if (!kiln__reserve(&j->out, &j->out_cap, j->out_len + n, 4096)) return; /* out of memory: the piece is lost */
     memcpy(j->out + j->out_len, s, n);
     j->out_len += n;
 }
