@@ -75,12 +75,9 @@ kiln_status kiln_ddp_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, int
     for (int j = 0; s == KILN_OK && j < d->nb; j++)
         if (!(d->b[j].flat = kiln_keep(kiln_zeros(&d->b[j].elems, 1, KILN_DTYPE_F32)))) s = kiln_last_status();
     kiln_scope_end();
-    if (s != KILN_OK) {
-        kiln_ddp_free(d);
-        return s;
-    }
-    *out = d;
-    return KILN_OK;
+    if (s == KILN_OK) *out = d;
+    else kiln_ddp_free(d);
+    return s;
 }
 
 void kiln_ddp_free(kiln_ddp_t *d)

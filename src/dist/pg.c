@@ -91,12 +91,9 @@ kiln_status kiln_pg_new_from_env(kiln_pg_t **out)
                            launched_by_mpi ? " by an MPI launcher" : "");
 #endif
     }
-    if (s != KILN_OK) {
-        kiln_pg_free(pg);
-        return s;
-    }
-    *out = pg;
-    return KILN_OK;
+    if (s == KILN_OK) *out = pg;
+    else kiln_pg_free(pg);
+    return s;
 }
 
 void kiln_pg_free(kiln_pg_t *pg)

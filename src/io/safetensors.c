@@ -292,12 +292,9 @@ kiln_status kiln_safetensors_load(const char *path, kiln_safetensors_t **out)
     }
     kiln_status s = load_fd(f, fd);
     close(fd);
-    if (s != KILN_OK) {
-        kiln_safetensors_free(f);
-        return s;
-    }
-    *out = f;
-    return KILN_OK;
+    if (s == KILN_OK) *out = f;
+    else kiln_safetensors_free(f);
+    return s;
 }
 
 int kiln_safetensors_count(const kiln_safetensors_t *f) { return f ? f->n : 0; }

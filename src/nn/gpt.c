@@ -254,12 +254,9 @@ kiln_status kiln_gpt_new(const kiln_gpt_config *cfg, uint64_t seed, kiln_gpt_t *
     kiln_scope_end();
     kiln_set_grad_enabled(prev);
     kiln_rng_set_state(saved);
-    if (s != KILN_OK) {
-        kiln_gpt_free(m);
-        return s;
-    }
-    *out = m;
-    return KILN_OK;
+    if (s == KILN_OK) *out = m;
+    else kiln_gpt_free(m);
+    return s;
 }
 
 void kiln_gpt_free(kiln_gpt_t *m)
@@ -788,20 +785,16 @@ kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, 
     }
     if (st->zero) {
         if (s == KILN_OK) s = kiln_zero1_step_t(st->zero, in[2], st->clip, &norm);
-        kiln_optim_zero_grad(st->opt);
-        out[0] = loss;
-        out[1] = norm;
-        *n_out = 2;
-        return s;
+    } else {
+        for (int i = 0; s == KILN_OK && st->pg && i < st->n_params; i++) {
+            kiln_tensor_t *g = kiln_tensor_grad(st->params[i]);
+            if (g) s = kiln_pg_allreduce(st->pg, g, KILN_REDUCE_AVG);
+        }
+        if (s == KILN_OK) s = kiln_grad_norm(st->params, st->n_params, &norm);
+        kiln_tensor_t *coef = s == KILN_OK && st->clip > 0 ? kiln_clip_coef(norm, st->clip) : NULL;
+        if (s == KILN_OK && st->clip > 0 && !coef) s = kiln_last_status();
+        if (s == KILN_OK) s = kiln_optim_step_t(st->opt, in[2], coef);
     }
-    for (int i = 0; s == KILN_OK && st->pg && i < st->n_params; i++) {
-        kiln_tensor_t *g = kiln_tensor_grad(st->params[i]);
-        if (g) s = kiln_pg_allreduce(st->pg, g, KILN_REDUCE_AVG);
-    }
-    if (s == KILN_OK) s = kiln_grad_norm(st->params, st->n_params, &norm);
-    kiln_tensor_t *coef = s == KILN_OK && st->clip > 0 ? kiln_clip_coef(norm, st->clip) : NULL;
-    if (s == KILN_OK && st->clip > 0 && !coef) s = kiln_last_status();
-    if (s == KILN_OK) s = kiln_optim_step_t(st->opt, in[2], coef);
     kiln_optim_zero_grad(st->opt);
     out[0] = loss;
     out[1] = norm;
