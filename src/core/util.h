@@ -33,6 +33,18 @@ static inline void kiln__free_n(void *const *p, size_t n)
 /* free() of each argument: for an object whose free would list every buffer it holds. */
 #define KILN__FREE(...) kiln__free_n((void *const[]){__VA_ARGS__}, sizeof((void *const[]){__VA_ARGS__}) / sizeof(void *))
 
+/* The array p (n items of size bytes, room for *cap) with room for one more: p itself,
+ * or a larger copy with *cap doubled (from first); NULL when out of memory, and then p
+ * is still the caller's and *cap is as it was. */
+static inline void *kiln__grow(void *p, size_t n, size_t *cap, size_t first, size_t size)
+{
+    if (n < *cap) return p;
+    size_t c = *cap ? 2 * *cap : first;
+    void *q = realloc(p, c * size);
+    if (q) *cap = c;
+    return q;
+}
+
 /* Room for need bytes in *p (capacity *cap, doubled up from first); false when out of
  * memory, and then *p and *cap are as they were. */
 static inline bool kiln__reserve(char **p, size_t *cap, size_t need, size_t first)

@@ -258,9 +258,9 @@ typedef struct {
     int32_t a, b;
     int64_t count;
     int64_t before; /* count at the start of the current merge, when stamp == step */
-    int32_t stamp;
+    int32_t stamp, n_words;
     int32_t *words;
-    int32_t n_words, cap_words;
+    size_t cap_words;
 } train_pair;
 
 typedef struct {
@@ -277,12 +277,14 @@ typedef struct {
     int32_t *wstamp;
     int32_t n_words;
     train_pair *pairs;
-    int32_t n_pairs, cap_pairs;
+    int32_t n_pairs;
+    size_t cap_pairs;
     kiln__u64map pair_index;
     heap_entry *heap;
     size_t heap_len, heap_cap;
     int32_t *dirty;
-    int32_t n_dirty, cap_dirty;
+    int32_t n_dirty;
+    size_t cap_dirty;
     int32_t step;
 } trainer;
 
@@ -299,14 +301,10 @@ static bool entry_before(const trainer *tr, heap_entry x, heap_entry y)
 
 static bool heap_push(trainer *tr, int32_t pair)
 {
-    if (tr->heap_len == tr->heap_cap) {
-        size_t cap = tr->heap_cap ? tr->heap_cap * 2 : 1024;
-        heap_entry *h = realloc(tr->heap, cap * sizeof *h);
-        if (!h)
-            return false;
-        tr->heap = h;
-        tr->heap_cap = cap;
-    }
+    heap_entry *h = kiln__grow(tr->heap, tr->heap_len, &tr->heap_cap, 1024, sizeof *h);
+    if (!h)
+        return false;
+    tr->heap = h;
     heap_entry e = {tr->pairs[pair].count, pair};
     size_t i = tr->heap_len++;
     while (i > 0) {
@@ -346,14 +344,10 @@ static bool pair_add(trainer *tr, int32_t a, int32_t b, int64_t delta, int32_t w
     uint64_t key = kiln__pair_key(a, b);
     int32_t p = kiln__u64map_get(&tr->pair_index, key);
     if (p < 0) {
-        if (tr->n_pairs == tr->cap_pairs) {
-            int32_t cap = tr->cap_pairs ? tr->cap_pairs * 2 : 4096;
-            train_pair *np = realloc(tr->pairs, (size_t)cap * sizeof *np);
-            if (!np)
-                return false;
-            tr->pairs = np;
-            tr->cap_pairs = cap;
-        }
+        train_pair *np = kiln__grow(tr->pairs, (size_t)tr->n_pairs, &tr->cap_pairs, 4096, sizeof *np);
+        if (!np)
+            return false;
+        tr->pairs = np;
         p = tr->n_pairs;
         if (!kiln__u64map_put(&tr->pair_index, key, p))
             return false;
@@ -362,28 +356,20 @@ static bool pair_add(trainer *tr, int32_t a, int32_t b, int64_t delta, int32_t w
     }
     train_pair *q = &tr->pairs[p];
     if (q->stamp != tr->step) {
-        if (tr->n_dirty == tr->cap_dirty) {
-            int32_t cap = tr->cap_dirty ? tr->cap_dirty * 2 : 1024;
-            int32_t *d = realloc(tr->dirty, (size_t)cap * sizeof *d);
-            if (!d)
-                return false;
-            tr->dirty = d;
-            tr->cap_dirty = cap;
-        }
+        int32_t *d = kiln__grow(tr->dirty, (size_t)tr->n_dirty, &tr->cap_dirty, 1024, sizeof *d);
+        if (!d)
+            return false;
+        tr->dirty = d;
         tr->dirty[tr->n_dirty++] = p;
         q->stamp = tr->step;
         q->before = q->count;
     }
     q->count += delta;
     if (note_word && (q->n_words == 0 || q->words[q->n_words - 1] != w)) {
-        if (q->n_words == q->cap_words) {
-            int32_t cap = q->cap_words ? q->cap_words * 2 : 4;
-            int32_t *nw = realloc(q->words, (size_t)cap * sizeof *nw);
-            if (!nw)
-                return false;
-            q->words = nw;
-            q->cap_words = cap;
-        }
+        int32_t *nw = kiln__grow(q->words, (size_t)q->n_words, &q->cap_words, 4, sizeof *nw);
+        if (!nw)
+            return false;
+        q->words = nw;
         q->words[q->n_words++] = w;
     }
     return true;
@@ -654,7 +640,8 @@ kiln_status kiln_tokenizer_train_bpe(const char *text, size_t len, int vocab_siz
         p = &tr.pairs[e.pair]; /* pair_add may have moved the array */
         free(p->words);
         p->words = NULL;
-        p->n_words = p->cap_words = 0;
+        p->n_words = 0;
+        p->cap_words = 0;
         if (st == KILN_OK && !flush_dirty(&tr))
             TRAIN_OOM();
     }

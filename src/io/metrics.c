@@ -177,17 +177,13 @@ kiln_status kiln_metrics_read(const char *path, kiln_metrics_row **rows, size_t 
                             jerr.text);
             break;
         }
-        if (count == cap) {
-            size_t ncap = cap ? cap * 2 : 256;
-            kiln_metrics_row *grown = realloc(out, ncap * sizeof *out);
-            if (!grown) {
-                json_decref(obj);
-                st = kiln_error(KILN_ERR_OOM, "metrics_read: out of memory at %s:%zu", path, lineno);
-                break;
-            }
-            out = grown;
-            cap = ncap;
+        kiln_metrics_row *grown = kiln__grow(out, count, &cap, 256, sizeof *out);
+        if (!grown) {
+            json_decref(obj);
+            st = kiln_error(KILN_ERR_OOM, "metrics_read: out of memory at %s:%zu", path, lineno);
+            break;
         }
+        out = grown;
         char why[128];
         bool ok = row_from_json(obj, &out[count], why, sizeof why);
         json_decref(obj);

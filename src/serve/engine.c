@@ -74,7 +74,8 @@ struct kiln_engine {
     seq *wait_head, *wait_tail; /* under mu */
     int n_waiting;
     uint64_t *cancels; /* ids to cancel, under mu */
-    int n_cancels, cap_cancels;
+    int n_cancels;
+    size_t cap_cancels;
     uint64_t next_id;
 
     seq *running; /* engine thread only */
@@ -623,18 +624,12 @@ void kiln_engine_cancel(kiln_engine_t *e, uint64_t id)
 {
     if (!e || !id) return;
     pthread_mutex_lock(&e->mu);
-    if (e->n_cancels == e->cap_cancels) {
-        int cap = e->cap_cancels ? 2 * e->cap_cancels : 16;
-        uint64_t *p = realloc(e->cancels, sizeof *p * (size_t)cap);
-        if (!p) { /* cannot record it: the request runs to its end instead */
-            pthread_mutex_unlock(&e->mu);
-            return;
-        }
+    uint64_t *p = kiln__grow(e->cancels, (size_t)e->n_cancels, &e->cap_cancels, 16, sizeof *p);
+    if (p) { /* else it cannot be recorded: the request runs to its end instead */
         e->cancels = p;
-        e->cap_cancels = cap;
+        e->cancels[e->n_cancels++] = id;
+        pthread_cond_signal(&e->cv);
     }
-    e->cancels[e->n_cancels++] = id;
-    pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
 }
 
