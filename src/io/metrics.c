@@ -331,41 +331,24 @@ static double py(const axes *a, double y) { return PY1 - (y - a->y.lo) / (a->y.h
 
 static double series_value(const kiln_metrics_row *r, int series) { return series == 0 ? r->loss : r->val_loss; }
 
-/* Number of data points (of both series) that fall inside a box, used to keep the
- * legend and the baseline label off the curves. */
-static size_t points_in_box(const axes *a, const kiln_metrics_row *rows, size_t n, double bx0, double by0,
-                            double bx1, double by1)
-{
-    size_t hits = 0;
-    for (size_t i = 0; i < n; i++) {
-        for (int s = 0; s < 2; s++) {
-            double v = series_value(&rows[i], s);
-            if (!isfinite(v)) continue;
-            double x = px(a, (double)rows[i].step), y = py(a, v);
-            if (x >= bx0 && x <= bx1 && y >= by0 && y <= by1) hits++;
-        }
-    }
-    return hits;
-}
-
-/* Also counts segments of the training curve that cross the box, since a curve of few
- * points can pass through a box that holds none of them. */
+/* How much of the curves a box hides, used to keep the legend and the baseline label
+ * off them: the data points (of both series) inside it, and samples of the segments
+ * between them, since a curve of few points can pass through a box that holds none. */
 static size_t curve_hits_box(const axes *a, const kiln_metrics_row *rows, size_t n, double bx0, double by0,
                              double bx1, double by1)
 {
-    size_t hits = points_in_box(a, rows, n, bx0, by0, bx1, by1);
+    size_t hits = 0;
     for (int s = 0; s < 2; s++) {
         double lx = NAN, ly = NAN;
         for (size_t i = 0; i < n; i++) {
             double v = series_value(&rows[i], s);
             if (!isfinite(v)) continue;
             double x = px(a, (double)rows[i].step), y = py(a, v);
-            if (isfinite(lx)) {
-                /* Sample the segment; exact clipping is not worth its lines here. */
-                for (int k = 1; k < 8; k++) {
-                    double t = k / 8.0, sx = lx + t * (x - lx), sy = ly + t * (y - ly);
-                    if (sx >= bx0 && sx <= bx1 && sy >= by0 && sy <= by1) hits++;
-                }
+            if (x >= bx0 && x <= bx1 && y >= by0 && y <= by1) hits++;
+            /* Sample the segment; exact clipping is not worth its lines here. */
+            for (int k = 1; isfinite(lx) && k < 8; k++) {
+                double t = k / 8.0, sx = lx + t * (x - lx), sy = ly + t * (y - ly);
+                if (sx >= bx0 && sx <= bx1 && sy >= by0 && sy <= by1) hits++;
             }
             lx = x;
             ly = y;
