@@ -5,6 +5,7 @@
  * timeout. A client that goes away is noticed when its connection is next written to
  * (MHD does not watch suspended sockets), that is at its next token, and its engine
  * requests are cancelled then. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 #include "kiln/tokenizer.h"
@@ -73,6 +74,27 @@ void kiln__serve_job_suspend(job *j)
     pthread_mutex_unlock(&j->srv->mu);
 }
 
+/* Whether a choice failed: an engine error, or cancelled before a stop string ended it. */
+static bool choice_failed(const choice *c)
+{
+    return c->finish == KILN_FINISH_ERROR || (c->finish == KILN_FINISH_CANCELLED && !c->ts.stopped);
+}
+
+int kiln__serve_job_failure(job *j, char *msg, size_t n)
+{
+    bool failed = false;
+    for (int i = 0; i < j->n; i++) failed |= choice_failed(&j->ch[i]);
+    if (!failed) return 0;
+    if (atomic_load(&j->timed_out)) {
+        snprintf(msg, n, "the request ran past the server's timeout of %g s", j->srv->o.request_timeout);
+        return 504;
+    }
+    char e[512];
+    kiln_engine_last_error(j->srv->engine, e, sizeof e);
+    snprintf(msg, n, "generation stopped: %s", *e ? e : "the server is shutting down");
+    return *e ? 500 : 503;
+}
+
 static bool grow_tokens(job *j, choice *c)
 {
     if (c->n_tok < c->cap_tok) return true;
@@ -139,8 +161,7 @@ bool kiln__serve_on_token(void *user, const kiln_token_event *ev, kiln_finish fi
         size_t from, len;
         kiln__textstream_take(&c->ts, true, &from, &len);
         if (c->ts.stopped && fin != KILN_FINISH_ERROR && fin != KILN_FINISH_CANCELLED) c->finish = KILN_FINISH_STOP;
-        bool failed = fin == KILN_FINISH_ERROR || (fin == KILN_FINISH_CANCELLED && !c->ts.stopped);
-        if (j->stream && !failed) {
+        if (j->stream && !choice_failed(c)) {
             kiln__serve_sse_chunk(j, c, c->ts.text + from, len, kiln__serve_finish_reason(c));
             j->sent_role = true;
         }

@@ -155,6 +155,9 @@ bool kiln__serve_encode(kiln_server_t *s, const char *text, size_t len, int32_t 
 void kiln__serve_job_unref(job *j);
 /* Puts j on the watchdog's list. */
 void kiln__serve_job_track(job *j);
+/* 0 when every choice of j finished; else the status for its failure (504 timed out,
+ * 500 an engine error, 503 shutting down), with the message in msg. Under j->mu. */
+int kiln__serve_job_failure(job *j, char *msg, size_t n);
 /* Cancels j's engine requests that still run. Under j->mu. */
 void kiln__serve_job_cancel(job *j);
 /* Suspends j's connection until the engine has something for it. Under j->mu. */

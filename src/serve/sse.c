@@ -64,21 +64,10 @@ void kiln__serve_sse_chunk(job *j, choice *c, const char *text, size_t len, cons
 
 void kiln__serve_sse_end(job *j)
 {
-    kiln_server_t *s = j->srv;
-    bool any_failed = false;
-    for (int i = 0; i < j->n; i++)
-        any_failed |= j->ch[i].finish == KILN_FINISH_ERROR ||
-                      (j->ch[i].finish == KILN_FINISH_CANCELLED && !j->ch[i].ts.stopped);
-    if (any_failed) {
-        char msg[600];
-        if (atomic_load(&j->timed_out))
-            snprintf(msg, sizeof msg, "the request ran past the server's timeout of %g s", s->o.request_timeout);
-        else {
-            char e[512];
-            kiln_engine_last_error(s->engine, e, sizeof e);
-            snprintf(msg, sizeof msg, "generation stopped: %s", *e ? e : "the server is shutting down");
-        }
-        char *t = kiln__oai_error_json(msg, "server_error", NULL, atomic_load(&j->timed_out) ? "timeout" : NULL);
+    char msg[600];
+    int code = kiln__serve_job_failure(j, msg, sizeof msg);
+    if (code) {
+        char *t = kiln__oai_error_json(msg, "server_error", NULL, code == 504 ? "timeout" : NULL);
         if (t) {
             emit_data(j, t);
             free(t);
