@@ -1,5 +1,5 @@
-/* Small helpers that several rooms need: a monotonic clock, a 64-bit mixer, freeing
- * many buffers at once, and a growing byte buffer. */
+/* Small helpers that several rooms need: a monotonic clock, 64-bit mixers, freeing many
+ * buffers at once, and growing arrays. */
 #ifndef KILN_CORE_UTIL_H
 #define KILN_CORE_UTIL_H
 #include <stdbool.h>
@@ -23,6 +23,16 @@ static inline uint64_t kiln__mix64(uint64_t x)
     x ^= x >> 33;
     x *= 0xc4ceb9fe1a85ec53ULL;
     return x ^ (x >> 33);
+}
+
+/* SplitMix64's output function (Steele, Lea, Flood 2014): a counter-based hash, for draws
+ * that depend only on their coordinates. */
+static inline uint64_t kiln__splitmix64(uint64_t x)
+{
+    x += 0x9e3779b97f4a7c15ULL;
+    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
+    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
+    return x ^ (x >> 31);
 }
 
 static inline void kiln__free_n(void *const *p, size_t n)

@@ -28,9 +28,7 @@ static uint64_t random_seed(kiln_server_t *s)
     pthread_mutex_lock(&s->mu);
     uint64_t x = (uint64_t)t.tv_nsec ^ ((uint64_t)t.tv_sec << 32) ^ (++s->next_id * 0x9e3779b97f4a7c15ULL);
     pthread_mutex_unlock(&s->mu);
-    x ^= x >> 31;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    return x ^ (x >> 29);
+    return kiln__splitmix64(x);
 }
 
 /* Answers the request with an error and frees what was made of it. */
