@@ -134,8 +134,6 @@ static kiln_status host_buffer(const char *op, kiln_tensor_t *t, int world, void
     return KILN_OK;
 }
 
-/* The element counts a gathering or scattering collective needs: out = world x in, or
- * in = world x out. */
 kiln_status kiln__pg_check_counts(const kiln_pg_t *pg, const sig *s, int64_t nin, int64_t nout)
 {
     if (s->op == OP_ALLGATHER && nout != nin * pg->world)

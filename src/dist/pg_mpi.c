@@ -108,7 +108,6 @@ static void ask_peers(kiln_pg_t *pg, const sig *cur, char *msg, size_t n)
     KILN__FREE(reqs, ans, got);
 }
 
-/* Polls req until it completes or the deadline passes. */
 kiln_status kiln__pg_mpi_wait(kiln_pg_t *pg, MPI_Request *req, const sig *s)
 {
     double deadline = kiln__now_s() + pg->timeout;

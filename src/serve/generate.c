@@ -8,7 +8,6 @@
 #include <time.h>
 #include "serve/server_impl.h"
 
-/* The answer to a finished non-streamed job. */
 enum MHD_Result kiln__serve_finish_plain(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs)
 {
     job *j = cs->j;

@@ -190,7 +190,6 @@ static struct timespec deadline_in_ms(long ms)
     return t;
 }
 
-/* Cancels jobs that ran past the request timeout. */
 void *kiln__serve_watchdog_main(void *arg)
 {
     kiln_server_t *s = arg;

@@ -32,8 +32,6 @@ static void emit_event(job *j, json_t *o)
     free(t);
 }
 
-/* One streamed chunk for choice c: text delta, logprobs of the tokens it completes,
- * and the finish reason when it is the last. Under j->mu. */
 void kiln__serve_sse_chunk(job *j, choice *c, const char *text, size_t len, const char *finish)
 {
     json_t *ch = json_pack("{s:i}", "index", c->index);
