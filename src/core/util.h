@@ -41,7 +41,8 @@ static inline void kiln__free_n(void *const *p, size_t n)
 }
 
 /* free() of each argument: for an object whose free would list every buffer it holds. */
-#define KILN__FREE(...) kiln__free_n((void *const[]){__VA_ARGS__}, sizeof((void *const[]){__VA_ARGS__}) / sizeof(void *))
+#define KILN__FREE(...) \
+    kiln__free_n((void *const[]){__VA_ARGS__}, sizeof((void *const[]){__VA_ARGS__}) / sizeof(void *))
 
 /* The array p (n items of size bytes, room for *cap) with room for one more: p itself,
  * or a larger copy with *cap doubled (from first); NULL when out of memory, and then p

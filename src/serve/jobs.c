@@ -165,7 +165,6 @@ bool kiln__serve_on_token(void *user, const kiln_token_event *ev, kiln_finish fi
             kiln__serve_sse_chunk(j, c, c->ts.text + from, len, kiln__serve_finish_reason(c));
             j->sent_role = true;
         }
-        kiln__serve_count_generated(s, c->n_tok);
         if (++j->n_done == j->n) {
             j->done = true;
             if (j->stream) kiln__serve_sse_end(j);

@@ -34,7 +34,7 @@ enum { KILN__SERVE_N_CODES = 12, KILN__SERVE_N_TTFT = 11 };
 
 typedef struct {
     uint64_t requests[EP_COUNT][KILN__SERVE_N_CODES + 1]; /* the last column: any other code */
-    uint64_t prompt_tokens, generation_tokens;
+    uint64_t prompt_tokens; /* generated tokens are the engine's count */
     uint64_t ttft_buckets[KILN__SERVE_N_TTFT + 1], ttft_count;
     double ttft_sum;
 } kiln__serve_metrics_t;
@@ -199,7 +199,6 @@ json_t *kiln__serve_completion_json(job *j);
 void kiln__serve_count_request(kiln_server_t *s, int ep, int code);
 void kiln__serve_count_ttft(kiln_server_t *s, double seconds);
 void kiln__serve_count_prompt(kiln_server_t *s, int n_tokens);
-void kiln__serve_count_generated(kiln_server_t *s, int n_tokens);
 enum MHD_Result kiln__serve_metrics(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs);
 
 #endif
