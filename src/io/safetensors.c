@@ -377,24 +377,14 @@ static char *build_header(const char *const *names, kiln_tensor_t *const *tensor
         int i = order[k].index;
         const kiln_tensor_t *t = tensors[i];
         uint64_t nbytes = kiln_tensor_nbytes(t);
-        json_t *e = json_object(), *shape = json_array(), *offs = json_array();
-        if (!e || !shape || !offs) {
-            json_decref(e);
-            json_decref(shape);
-            json_decref(offs);
-            goto oom;
-        }
-        /* The *_new setters take the value even when they fail, so one size check at
-         * the end catches any allocation that failed on the way. */
-        json_object_set_new(e, "dtype", json_string(dtype_to_st(kiln_tensor_dtype(t))));
+        /* The appends and json_pack take their values even when they fail, so a shape
+         * shorter than the tensor's is an allocation that failed on the way. */
+        json_t *shape = json_array();
         for (int d = 0; d < kiln_tensor_ndim(t); d++)
             json_array_append_new(shape, json_integer((json_int_t)kiln_tensor_dim(t, d)));
-        json_array_append_new(offs, json_integer((json_int_t)offset));
-        json_array_append_new(offs, json_integer((json_int_t)(offset + nbytes)));
-        bool ok = json_array_size(shape) == (size_t)kiln_tensor_ndim(t) && json_array_size(offs) == 2;
-        json_object_set_new(e, "shape", shape);
-        json_object_set_new(e, "data_offsets", offs);
-        if (!ok || json_object_size(e) != 3) {
+        json_t *e = json_pack("{s:s, s:o, s:[I, I]}", "dtype", dtype_to_st(kiln_tensor_dtype(t)), "shape", shape,
+                              "data_offsets", (json_int_t)offset, (json_int_t)(offset + nbytes));
+        if (!e || json_array_size(json_object_get(e, "shape")) != (size_t)kiln_tensor_ndim(t)) {
             json_decref(e);
             goto oom;
         }
