@@ -56,6 +56,10 @@ static inline void *kiln__grow(void *p, size_t n, size_t *cap, size_t first, siz
     return q;
 }
 
+/* Resizes the array p to n items, through tmp (a void *): true, or false when out of
+ * memory (p is then as it was). */
+#define KILN__RESIZE(p, n, tmp) (((tmp) = realloc((p), (size_t)(n) * sizeof *(p))) != NULL && ((p) = (tmp), true))
+
 /* Room for need bytes in *p (capacity *cap, doubled up from first); false when out of
  * memory, and then *p and *cap are as they were. */
 static inline bool kiln__reserve(char **p, size_t *cap, size_t need, size_t first)

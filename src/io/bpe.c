@@ -145,20 +145,10 @@ static bool scratch_reserve(kiln__bpe_scratch *s, size_t n)
     if (n <= s->cap)
         return true;
     size_t cap = n < 64 ? 64 : n;
-    int32_t *sym = realloc(s->sym, cap * sizeof *sym);
-    if (sym)
-        s->sym = sym;
-    int32_t *prev = realloc(s->prev, cap * sizeof *prev);
-    if (prev)
-        s->prev = prev;
-    int32_t *next = realloc(s->next, cap * sizeof *next);
-    if (next)
-        s->next = next;
+    void *tmp;
     /* Each merge pushes at most two pairs, on top of the n - 1 first ones. */
-    uint64_t *heap = realloc(s->heap, 3 * cap * sizeof *heap);
-    if (heap)
-        s->heap = heap;
-    if (!sym || !prev || !next || !heap)
+    if (!KILN__RESIZE(s->sym, cap, tmp) || !KILN__RESIZE(s->prev, cap, tmp) || !KILN__RESIZE(s->next, cap, tmp) ||
+        !KILN__RESIZE(s->heap, 3 * cap, tmp))
         return false;
     s->cap = cap;
     return true;
@@ -516,16 +506,9 @@ static kiln_status collect_words(trainer *tr, const uint8_t *text, size_t len)
             size_t j = kiln__pretok_next(text + seg, seg_end - seg, i - seg) + seg;
             if ((size_t)tr->n_words == cap_words) {
                 size_t cap = cap_words ? cap_words * 2 : 1024;
-                size_t *off = realloc(tr->off, cap * sizeof *off);
-                if (off)
-                    tr->off = off;
-                int32_t *ln = realloc(tr->len, cap * sizeof *ln);
-                if (ln)
-                    tr->len = ln;
-                int64_t *cnt = realloc(tr->cnt, cap * sizeof *cnt);
-                if (cnt)
-                    tr->cnt = cnt;
-                if (!off || !ln || !cnt || cap > INT32_MAX) {
+                void *tmp;
+                if (cap > INT32_MAX || !KILN__RESIZE(tr->off, cap, tmp) || !KILN__RESIZE(tr->len, cap, tmp) ||
+                    !KILN__RESIZE(tr->cnt, cap, tmp)) {
                     st = kiln_error(KILN_ERR_OOM, "kiln_tokenizer_train_bpe: out of memory counting words");
                     break;
                 }

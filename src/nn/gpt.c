@@ -169,14 +169,11 @@ static kiln_tensor_t *add_param(kiln_gpt_t *m, const char *name, int64_t d0, int
     if (!t) return NULL;
     if (m->n == m->cap) {
         int cap = m->cap ? m->cap * 2 : 32;
-        kiln_tensor_t **p = realloc(m->params, sizeof *p * (size_t)cap);
-        char **nm = p ? realloc(m->names, sizeof *nm * (size_t)cap) : NULL;
-        if (p) m->params = p;
-        if (!p || !nm) {
+        void *tmp;
+        if (!KILN__RESIZE(m->params, cap, tmp) || !KILN__RESIZE(m->names, cap, tmp)) {
             kiln_error(KILN_ERR_OOM, "gpt: out of memory for the parameter list");
             return NULL;
         }
-        m->names = nm;
         m->cap = cap;
     }
     if (!(m->names[m->n] = strdup(name))) {

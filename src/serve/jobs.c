@@ -99,20 +99,11 @@ static bool grow_tokens(job *j, choice *c)
 {
     if (c->n_tok < c->cap_tok) return true;
     int cap = c->cap_tok ? c->cap_tok * 2 : 64;
-    int32_t *t = realloc(c->tok, sizeof *t * (size_t)cap);
-    if (t) c->tok = t;
-    size_t *st = realloc(c->tok_start, sizeof *st * (size_t)cap);
-    if (st) c->tok_start = st;
-    float *lp = realloc(c->lp, sizeof *lp * (size_t)cap);
-    if (lp) c->lp = lp;
-    if (!t || !st || !lp) return false;
-    if (j->n_top > 0) {
-        int32_t *ti = realloc(c->top_ids, sizeof *ti * (size_t)cap * (size_t)j->n_top);
-        if (ti) c->top_ids = ti;
-        float *tl = realloc(c->top_lp, sizeof *tl * (size_t)cap * (size_t)j->n_top);
-        if (tl) c->top_lp = tl;
-        if (!ti || !tl) return false;
-    }
+    size_t top = (size_t)cap * (size_t)j->n_top;
+    void *tmp;
+    if (!KILN__RESIZE(c->tok, cap, tmp) || !KILN__RESIZE(c->tok_start, cap, tmp) || !KILN__RESIZE(c->lp, cap, tmp) ||
+        (top && (!KILN__RESIZE(c->top_ids, top, tmp) || !KILN__RESIZE(c->top_lp, top, tmp))))
+        return false;
     c->cap_tok = cap;
     return true;
 }
