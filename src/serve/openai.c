@@ -99,12 +99,8 @@ static int parse_prompt(ctx *c, json_t *v, kiln__oai_req *r)
 /* content: a string, null, or a list of {"type": "text", "text": ...} parts. */
 static int parse_content(ctx *c, json_t *v, size_t i, char **out)
 {
-    if (!v || json_is_null(v)) {
-        *out = dup_n("", 0);
-        return *out ? 0 : bad(c, NULL, "out of memory");
-    }
-    if (json_is_string(v)) {
-        *out = dup_n(json_string_value(v), json_string_length(v));
+    if (!v || json_is_null(v) || json_is_string(v)) {
+        *out = json_is_string(v) ? dup_n(json_string_value(v), json_string_length(v)) : dup_n("", 0);
         return *out ? 0 : bad(c, NULL, "out of memory");
     }
     if (!json_is_array(v)) return bad(c, "messages", "messages[%zu].content must be a string or a list of text parts", i);
