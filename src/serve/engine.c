@@ -86,8 +86,8 @@ struct kiln_engine {
     seq **b_row_seq;
     float *logits;
     void *scratch;
-    int *top_ids;
-    float *top_lp;
+    int top_ids[20]; /* logprobs asks for at most 20 alternatives */
+    float top_lp[20];
 
     kiln_engine_stats st; /* under mu */
     char last_error[512]; /* under mu */
@@ -516,10 +516,8 @@ kiln_status kiln_engine_new(kiln_gpt_t *model, const kiln_engine_opts *opts, kil
     e->b_table = malloc(sizeof(int32_t) * (size_t)o.max_batch * (size_t)maxb);
     e->logits = malloc(sizeof(float) * (size_t)o.max_batch * (size_t)e->V);
     e->scratch = malloc(kiln_sample_scratch_bytes(e->V));
-    e->top_ids = malloc(sizeof(int) * 21);
-    e->top_lp = malloc(sizeof(float) * 21);
     if (!e->meta || !e->block_tokens || !e->free_stack || !e->b_tok || !e->b_seq || !e->b_pos || !e->b_rows ||
-        !e->b_row_seq || !e->b_table || !e->logits || !e->scratch || !e->top_ids || !e->top_lp) {
+        !e->b_row_seq || !e->b_table || !e->logits || !e->scratch) {
         kiln_engine_free(e);
         return kiln_error(KILN_ERR_OOM, "engine_new: out of memory for %d KV blocks", nb);
     }
@@ -558,7 +556,7 @@ void kiln_engine_free(kiln_engine_t *e)
     }
     kiln_kv_pool_free(e->pool);
     KILN__FREE(e->meta, e->block_tokens, e->free_stack, e->b_tok, e->b_seq, e->b_pos, e->b_rows, e->b_row_seq,
-               e->b_table, e->logits, e->scratch, e->top_ids, e->top_lp, e->cancels, e);
+               e->b_table, e->logits, e->scratch, e->cancels, e);
 }
 
 kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint64_t *id)
