@@ -302,26 +302,27 @@ kiln_status kiln_pg_allreduce(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op
     return allreduce_now(pg, t, op);
 }
 
+/* A blocking collective that a graph does not record: refused while capturing, saying why. */
+static kiln_status run_uncaptured(const char *name, kiln_pg_t *pg, sig s, kiln_tensor_t *t, const char *why)
+{
+    kiln_status st = check_args(name, pg, &s, t, NULL);
+    if (st != KILN_OK) return st;
+    if (kiln_graph_capturing()) return kiln_error(KILN_ERR_UNSUPPORTED, "%s inside a graph capture: %s", name, why);
+    return run(pg, s, t, NULL);
+}
+
 kiln_status kiln_pg_broadcast(kiln_pg_t *pg, kiln_tensor_t *t, int root)
 {
-    sig s = {0, 0, OP_BROADCAST, 0, (uint32_t)root, 0};
-    kiln_status st = check_args("broadcast", pg, &s, t, NULL);
-    if (st != KILN_OK) return st;
-    if (kiln_graph_capturing())
-        return kiln_error(KILN_ERR_UNSUPPORTED, "broadcast inside a graph capture: of the collectives only allreduce, "
-                          "reduce_scatter and allgather are recorded; broadcast outside the captured function");
-    return run(pg, s, t, NULL);
+    return run_uncaptured("broadcast", pg, (sig){0, 0, OP_BROADCAST, 0, (uint32_t)root, 0}, t,
+                          "of the collectives only allreduce, reduce_scatter and allgather are recorded; broadcast "
+                          "outside the captured function");
 }
 
 kiln_status kiln_pg_barrier(kiln_pg_t *pg)
 {
-    sig s = {0, 0, OP_BARRIER, 0, 0, 0};
-    kiln_status st = check_args("barrier", pg, &s, NULL, NULL);
-    if (st != KILN_OK) return st;
-    if (kiln_graph_capturing())
-        return kiln_error(KILN_ERR_UNSUPPORTED, "barrier inside a graph capture: it would run once, while capturing, "
-                          "and never in the graph's runs; call it outside the captured function");
-    return run(pg, s, NULL, NULL);
+    return run_uncaptured("barrier", pg, (sig){0, 0, OP_BARRIER, 0, 0, 0}, NULL,
+                          "it would run once, while capturing, and never in the graph's runs; call it outside the "
+                          "captured function");
 }
 
 static kiln_status allgather_now(void *group, kiln_tensor_t *out, kiln_tensor_t *in, int op)
