@@ -54,14 +54,15 @@ static void node_clear(kiln__node *n)
 static void node_release(kiln__node *root)
 {
     kiln__node **stack = NULL;
-    int n = 0, cap = 0;
+    int n = 0;
+    size_t cap = 0;
+    void *tmp;
     kiln__node *cur = root;
     while (cur) {
         if (atomic_fetch_sub(&cur->refcount, 1) == 1) {
             for (int i = 0; i < cur->n_in; i++) {
                 if (cur->next[i]) {
-                    if (!kiln__grow(&stack, n, &cap, sizeof *stack, 64))
-                        abort(); /* cannot free without memory to walk with */
+                    if (!KILN__GROW(stack, n, &cap, 64, tmp)) abort(); /* cannot free without memory to walk with */
                     stack[n++] = cur->next[i];
                 }
                 kiln_tensor_free(cur->leaf[i]);
@@ -230,9 +231,11 @@ static kiln_status check_grad(kiln__node *n, int i, kiln_tensor_t *g)
  * in this graph that reach it. */
 static kiln_status collect(kiln__node *top, kiln__node ***out, int *count)
 {
-    int cap = 0, n = 0;
+    int n = 0;
+    size_t cap = 0;
     kiln__node **all = NULL;
-    kiln_status s = kiln__grow(&all, n, &cap, sizeof *all, 256) ? KILN_OK : kiln__err(KILN_ERR_OOM, "backward: out of memory");
+    void *tmp;
+    kiln_status s = KILN__GROW(all, n, &cap, 256, tmp) ? KILN_OK : kiln__err(KILN_ERR_OOM, "backward: out of memory");
     if (s == KILN_OK) all[n++] = top;
     top->visited = true;
     top->pending = 0;
@@ -244,7 +247,7 @@ static kiln_status collect(kiln__node *top, kiln__node ***out, int *count)
             if (!nx->visited && nx->spent)
                 s = kiln__err(KILN_ERR_AUTOGRAD, "backward: part of this graph (%s) was freed by an earlier backward; "
                               "run the forward pass again", kiln__ops[nx->op].name);
-            else if (!nx->visited && !kiln__grow(&all, n, &cap, sizeof *all, 256))
+            else if (!nx->visited && !KILN__GROW(all, n, &cap, 256, tmp))
                 s = kiln__err(KILN_ERR_OOM, "backward: out of memory");
             else if (!nx->visited) {
                 nx->visited = true;

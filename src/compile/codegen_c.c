@@ -151,58 +151,29 @@ static void expr_c(sbuf *b, const gen *G, int i)
     case E_OP:
         break;
     }
+    /* f64 takes the double forms: km_<name>d, pow, km_maxd; no fast forms */
+    bool f64 = e->dt == KILN_DTYPE_F64;
     const kiln__op_math_t *m = &kiln__op_math[e->op];
-    if (m->name) { /* km_<name>[d](x), or g * km_<name>_dx[d](x) for its backward op */
-        const char *d = e->dt == KILN_DTYPE_F64 ? "d" : "";
-        if (m->dx) put(b, "%s * km_%s_dx%s(%s)", a[1], m->name, d, a[0]);
-        else put(b, "km_%s%s(%s)", m->name, d, a[0]);
+    if (m->name) { /* km_<name>(x), or g * km_<name>_dx(x) for its backward op; d or _fast forms */
+        bool fast_form = !f64 && (m->fast == KILN__PW_GEN || (m->fast == KILN__PW_SWITCH && fast));
+        const char *form = f64 ? "d" : fast_form ? "_fast" : "";
+        if (m->dx) put(b, "%s * km_%s_dx%s(%s)", a[1], m->name, form, a[0]);
+        else put(b, "km_%s%s(%s)", m->name, form, a[0]);
         return;
     }
-    /* the union's gelu member is GELU's and GELU_BACKWARD's alone */
+    /* the union's gelu member is GELU's and GELU_BACKWARD's alone; GELU is f32 only */
     bool tanh_form = (e->op == KILN_OP_GELU || e->op == KILN_OP_GELU_BACKWARD) && e->attrs.op.gelu.tanh;
-    if (e->dt == KILN_DTYPE_F64) { /* lowering lets only these through in f64: double math, no fast forms */
-        switch (e->op) {
-        case KILN_OP_POW: put(b, "pow(%s, %s)", a[0], a[1]); return;
-        case KILN_OP_MAXIMUM: put(b, "km_maxd(%s, %s)", a[0], a[1]); return;
-        case KILN_OP_MINIMUM: put(b, "km_mind(%s, %s)", a[0], a[1]); return;
-        case KILN_OP_ABS: put(b, "fabs(%s)", a[0]); return;
-        case KILN_OP_EXP: put(b, "exp(%s)", a[0]); return;
-        case KILN_OP_LOG: put(b, "log(%s)", a[0]); return;
-        case KILN_OP_SQRT: put(b, "sqrt(%s)", a[0]); return;
-        case KILN_OP_RSQRT: put(b, "1.0 / sqrt(%s)", a[0]); return;
-        default: break; /* + - * / neg, casts, where: as in f32 */
-        }
-    }
+    const char *gelu = !tanh_form ? "erf" : fast ? "fast" : "tanh";
     switch (e->op) {
     case KILN_OP_ADD: put(b, "%s + %s", a[0], a[1]); break;
     case KILN_OP_SUB: put(b, "%s - %s", a[0], a[1]); break;
     case KILN_OP_MUL: put(b, "%s * %s", a[0], a[1]); break;
     case KILN_OP_DIV: put(b, "%s / %s", a[0], a[1]); break;
-    case KILN_OP_POW: put(b, "powf(%s, %s)", a[0], a[1]); break;
-    case KILN_OP_MAXIMUM: put(b, "km_max(%s, %s)", a[0], a[1]); break;
-    case KILN_OP_MINIMUM: put(b, "km_min(%s, %s)", a[0], a[1]); break;
-    case KILN_OP_NEG: put(b, "-%s", a[0]); break;
-    case KILN_OP_ABS: put(b, "fabsf(%s)", a[0]); break;
-    case KILN_OP_EXP: put(b, "km_exp(%s)", a[0]); break;
-    case KILN_OP_LOG: put(b, "logf(%s)", a[0]); break;
-    case KILN_OP_SQRT: put(b, "sqrtf(%s)", a[0]); break;
-    case KILN_OP_RSQRT: put(b, "1.0f / sqrtf(%s)", a[0]); break;
-    case KILN_OP_TANH: put(b, fast ? "km_tanh_fast(%s)" : "tanhf(%s)", a[0]); break;
-    case KILN_OP_SIGMOID: put(b, fast ? "km_sigmoid_fast(%s)" : "km_sigmoid(%s)", a[0]); break;
-    case KILN_OP_RELU: put(b, "%s > 0 ? %s : 0.0f", a[0], a[0]); break;
-    case KILN_OP_GELU:
-        put(b, "%s(%s)", !tanh_form ? "km_gelu_erf" : fast ? "km_gelu_fast" : "km_gelu_tanh", a[0]);
-        break;
-    case KILN_OP_SILU: put(b, fast ? "%s * km_sigmoid_fast(%s)" : "%s * km_sigmoid(%s)", a[0], a[0]); break;
-    case KILN_OP_GELU_BACKWARD:
-        put(b, "%s * %s(%s)", a[1], !tanh_form ? "km_gelu_grad_erf" : fast ? "km_gelu_grad_fast" : "km_gelu_grad_tanh",
-            a[0]);
-        break;
-    case KILN_OP_SILU_BACKWARD: {
-        const char *sg = fast ? "km_sigmoid_fast" : "km_sigmoid";
-        put(b, "%s * %s(%s) * (1.0f + %s * (1.0f - %s(%s)))", a[1], sg, a[0], a[0], sg, a[0]);
-        break;
-    }
+    case KILN_OP_POW: put(b, "pow%s(%s, %s)", f64 ? "" : "f", a[0], a[1]); break;
+    case KILN_OP_MAXIMUM: put(b, "km_max%s(%s, %s)", f64 ? "d" : "", a[0], a[1]); break;
+    case KILN_OP_MINIMUM: put(b, "km_min%s(%s, %s)", f64 ? "d" : "", a[0], a[1]); break;
+    case KILN_OP_GELU: put(b, "km_gelu_%s(%s)", gelu, a[0]); break;
+    case KILN_OP_GELU_BACKWARD: put(b, "%s * km_gelu_grad_%s(%s)", a[1], gelu, a[0]); break;
     case KILN_OP_WHERE: put(b, "%s ? %s : %s", a[0], a[1], a[2]); break;
     case KILN_OP_CAST:
         if (e->dt == KILN_DTYPE_BOOL) put(b, "(uint8_t)(%s != 0)", a[0]);
@@ -414,14 +385,28 @@ static void kernel_c(sbuf *b, const kiln__program *p, const kc_kernel *k, bool f
         else put(b, "%lld", (long long)k->sz[n]);
     }
     put(b, "], %d reduction(s), %d store(s) */\n", k->n_acc, k->n_st);
+    /* The signature; then the buffers, typed (an output over an input's buffer,
+     * kc_buf.reuse, is not restrict: it aliases one); then the task and the sizes. */
+    static const char *const space[] = {"", "__global ", ""}, *const restr[] = {"restrict ", "restrict ", "__restrict__ "};
     if (cl) {
         put(b, "__kernel void %s(", k->name);
         for (int i = 0; i < k->n_buf; i++) put(b, "__global char *g%d, ulong go%d, ", i, i);
         put(b, "long n_tasks%s)\n{\n", G.sym ? ", __global char *gsz, ulong gszo" : "");
-        for (int i = 0; i < k->n_buf; i++)
-            put(b, "    __global %s%s *%sin%d = (__global %s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ",
-                ctype(k->buf[i].dt), k->buf[i].output && !k->buf[i].reuse ? "restrict " : "", i, k->buf[i].output ? "" : "const ",
-                ctype(k->buf[i].dt), i, i);
+    } else if (dialect == D_CUDA) {
+        put(b, "extern \"C\" __global__ void %s(", k->name);
+        for (int i = 0; i < k->n_buf; i++) put(b, "char *g%d, unsigned long long go%d, ", i, i);
+        put(b, "long long n_tasks)\n{\n");
+    } else {
+        put(b, "void %s(char *const *b, const int64_t *sz, int64_t t0, int64_t t1)\n{\n", k->name);
+    }
+    for (int i = 0; i < k->n_buf; i++) {
+        const char *c = k->buf[i].output ? "" : "const ", *T = ctype(k->buf[i].dt), *sp = space[dialect];
+        put(b, "    %s%s%s *%sin%d = (%s%s%s *)", sp, c, T, k->buf[i].output && !k->buf[i].reuse ? restr[dialect] : "", i,
+            sp, c, T);
+        if (dialect == D_C) put(b, "b[%d];\n", i);
+        else put(b, "(g%d + go%d);\n", i, i);
+    }
+    if (cl) {
         put(b, "    const int64_t t0 = get_global_id(0), t1 = t0 + 1;\n    if (t0 >= n_tasks) return;\n");
         if (G.sym) { /* the sizes: a device copy of k->sz, made when the program was loaded */
             put(b, "    __global const long *sz = (__global const long *)(gsz + gszo);\n");
@@ -429,20 +414,9 @@ static void kernel_c(sbuf *b, const kiln__program *p, const kc_kernel *k, bool f
                 if (G.used[n]) put(b, "    const int64_t z%d = sz[%d];\n", n, n);
         }
     } else if (dialect == D_CUDA) {
-        put(b, "extern \"C\" __global__ void %s(", k->name);
-        for (int i = 0; i < k->n_buf; i++) put(b, "char *g%d, unsigned long long go%d, ", i, i);
-        put(b, "long long n_tasks)\n{\n");
-        for (int i = 0; i < k->n_buf; i++)
-            put(b, "    %s%s *%sin%d = (%s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
-                k->buf[i].output && !k->buf[i].reuse ? "__restrict__ " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i, i);
         put(b, "    const int64_t t0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, t1 = t0 + 1;\n"
                "    if (t0 >= n_tasks) return;\n");
     } else {
-        /* An output over an input's buffer (kc_buf.reuse) is not restrict: it aliases one. */
-        put(b, "void %s(char *const *b, const int64_t *sz, int64_t t0, int64_t t1)\n{\n", k->name);
-        for (int i = 0; i < k->n_buf; i++)
-            put(b, "    %s%s *%sin%d = (%s%s *)b[%d];\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
-                k->buf[i].output && !k->buf[i].reuse ? "restrict " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i);
         bool any = false;
         for (int n = 0; n < k->n_sz; n++)
             if (G.used[n]) {

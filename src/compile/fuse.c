@@ -24,9 +24,9 @@ static bool loadable(kiln_dtype dt)
            dt == KILN_DTYPE_BOOL || dt == KILN_DTYPE_U8;
 }
 
-/* How an op lowers, given its inputs' and outputs' dtypes: arithmetic in f32, and the
- * plain arithmetic, square roots, exp/log and reductions in f64 too (what a gradient
- * norm does); the activations stay f32-only (their generated forms are float code). */
+/* How an op lowers, given its inputs' and outputs' dtypes: arithmetic, the ops of
+ * include/kiln/pointwise.def and reductions in f32 and f64 (kmath.h has both forms);
+ * GELU stays f32-only (its generated forms are float code). */
 static lower_kind lower_op(const kiln_graph_t *g, const node *n)
 {
     kiln_dtype o = n->n_out ? g->v[n->out[0]].meta.dtype : KILN_DTYPE_F32;
@@ -36,15 +36,12 @@ static lower_kind lower_op(const kiln_graph_t *g, const node *n)
         f64_in &= g->v[n->in[i]].meta.dtype == KILN_DTYPE_F64;
     }
     bool same_float = (f32_in && o == KILN_DTYPE_F32) || (f64_in && o == KILN_DTYPE_F64);
-    if (kiln__op_math[n->op].name) return same_float ? L_PW : L_NONE; /* f32 and f64 forms in kmath.h */
+    if (kiln__op_math[n->op].name) return same_float ? L_PW : L_NONE;
     switch (n->op) {
     case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_POW:
-    case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM: case KILN_OP_NEG: case KILN_OP_ABS: case KILN_OP_EXP:
-    case KILN_OP_LOG: case KILN_OP_SQRT: case KILN_OP_RSQRT:
+    case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM:
         return same_float ? L_PW : L_NONE;
-    case KILN_OP_TANH: case KILN_OP_SIGMOID:
-    case KILN_OP_RELU: case KILN_OP_GELU: case KILN_OP_SILU: case KILN_OP_GELU_BACKWARD:
-    case KILN_OP_SILU_BACKWARD:
+    case KILN_OP_GELU: case KILN_OP_GELU_BACKWARD:
         return f32_in && o == KILN_DTYPE_F32 ? L_PW : L_NONE;
     case KILN_OP_EQ: case KILN_OP_NE: case KILN_OP_LT: case KILN_OP_LE: case KILN_OP_GT: case KILN_OP_GE:
         return loadable(g->v[n->in[0]].meta.dtype) && g->v[n->in[0]].meta.dtype == g->v[n->in[1]].meta.dtype &&

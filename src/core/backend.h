@@ -19,6 +19,9 @@ typedef struct kiln__event kiln__event;
  * belongs to this backend; outputs are allocated, contiguous, and uninitialised. */
 typedef kiln_status (*kiln__kernel_fn)(kiln__backend *be, kiln_tensor_t *const *in, int n_in,
                                        const kiln__attrs *a, kiln_tensor_t *const *out, int n_out);
+/* Those parameters, for defining a kernel: kiln_status my_kernel(KILN__KERNEL_ARGS). */
+#define KILN__KERNEL_ARGS \
+    kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
 
 /* An argument of a launched kernel: a device address in this backend's memory (the
  * backend passes it in its language's form, e.g. an OpenCL buffer and offset), or a

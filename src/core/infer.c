@@ -91,19 +91,14 @@ kiln_status kiln__broadcast_shapes(const char *op, int n, kiln_tensor_t *const *
     return KILN_OK;
 }
 
-static kiln_status binary(const char *op, kiln_tensor_t *const *in, kiln__meta *out, bool float_only)
+/* A binary pointwise op: broadcast shapes; the promoted dtype (float_only: which must
+ * be a float), or bool for a comparison. */
+enum { B_ANY, B_FLOAT, B_COMPARE };
+static kiln_status binary(const char *op, kiln_tensor_t *const *in, kiln__meta *out, int kind)
 {
     kiln_status s = kiln__broadcast_shapes(op, 2, in, out);
-    if (s != KILN_OK) return s;
-    out->dtype = kiln__promote(in[0]->dtype, in[1]->dtype);
-    if (float_only && !kiln_dtype_is_float(out->dtype)) return need_float(op, in[0]);
-    return KILN_OK;
-}
-
-static kiln_status compare(const char *op, kiln_tensor_t *const *in, kiln__meta *out)
-{
-    kiln_status s = kiln__broadcast_shapes(op, 2, in, out);
-    out->dtype = KILN_DTYPE_BOOL;
+    out->dtype = kind == B_COMPARE ? KILN_DTYPE_BOOL : kiln__promote(in[0]->dtype, in[1]->dtype);
+    if (s == KILN_OK && kind == B_FLOAT && !kiln_dtype_is_float(out->dtype)) return need_float(op, in[0]);
     return s;
 }
 
@@ -114,46 +109,37 @@ static kiln_status unary_float(const char *op, kiln_tensor_t *const *in, kiln__m
     return s;
 }
 
-#define BINARY(name, fl) \
+#define BINARY(name, kind) \
     kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
-    { return binary(#name, in, out, fl); }
-BINARY(add, false)
-BINARY(sub, false)
-BINARY(mul, false)
-BINARY(div, true)
-BINARY(pow, true)
-BINARY(maximum, false)
-BINARY(minimum, false)
-
-#define COMPARE(name) \
-    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
-    { return compare(#name, in, out); }
-COMPARE(eq)
-COMPARE(ne)
-COMPARE(lt)
-COMPARE(le)
-COMPARE(gt)
-COMPARE(ge)
+    { return binary(#name, in, out, kind); }
+BINARY(add, B_ANY)
+BINARY(sub, B_ANY)
+BINARY(mul, B_ANY)
+BINARY(div, B_FLOAT)
+BINARY(pow, B_FLOAT)
+BINARY(maximum, B_ANY)
+BINARY(minimum, B_ANY)
+BINARY(eq, B_COMPARE)
+BINARY(ne, B_COMPARE)
+BINARY(lt, B_COMPARE)
+BINARY(le, B_COMPARE)
+BINARY(gt, B_COMPARE)
+BINARY(ge, B_COMPARE)
 
 #define UNARY_FLOAT(name) \
     kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
     { return unary_float(#name, in, out); }
-UNARY_FLOAT(exp)
-UNARY_FLOAT(log)
-UNARY_FLOAT(sqrt)
-UNARY_FLOAT(rsqrt)
-UNARY_FLOAT(tanh)
-UNARY_FLOAT(sigmoid)
-UNARY_FLOAT(gelu)
-UNARY_FLOAT(silu)
-
+/* x's shape and dtype, any dtype; for a pointwise backward op (x, g), the gradient's. */
 #define UNARY_ANY(name) \
     kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
     { meta_like(in[0], in[0]->dtype, out); return KILN_OK; }
-UNARY_ANY(neg)
-UNARY_ANY(abs)
-UNARY_ANY(relu)
+UNARY_FLOAT(gelu)
+UNARY_ANY(gelu_backward)
 UNARY_ANY(contiguous)
+/* The rows of include/kiln/pointwise.def: FLOAT or ANY, and the backward op's (x, g). */
+#define KILN_PW(ID, name, dtypes, grad, fast) UNARY_##dtypes(name) KILN__PW_IF_OP(grad, UNARY_ANY(name##_backward))
+#include "kiln/pointwise.def"
+#undef KILN_PW
 
 kiln_status kiln__infer_where(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
@@ -687,13 +673,6 @@ kiln_status kiln__infer_allgather_(kiln_tensor_t *const *in, int n, const kiln__
 }
 
 /* Backward ops. */
-/* A pointwise backward op (x, g): a gradient shaped and typed as x. */
-#define LIKE_INPUT(name) \
-    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
-    { meta_like(in[0], in[0]->dtype, out); return KILN_OK; }
-LIKE_INPUT(gelu_backward)
-LIKE_INPUT(silu_backward)
-
 kiln_status kiln__infer_embedding_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     int64_t shape[2] = {a->op.embedding_backward.vocab, in[0]->shape[in[0]->ndim - 1]};
@@ -727,9 +706,3 @@ kiln_status kiln__infer_attention_backward(kiln_tensor_t *const *in, int n, cons
     for (int j = 0; j < 3; j++) meta_like(in[1 + j], in[1 + j]->dtype, &out[j]);
     return KILN_OK;
 }
-
-/* The pointwise ops defined by their math: a float tensor of x's shape; the backward
- * op's (x, g) the same as x. */
-#define KILN_PW(ID, name) UNARY_FLOAT(name) LIKE_INPUT(name##_backward)
-#include "kiln/pointwise.def"
-#undef KILN_PW

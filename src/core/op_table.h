@@ -13,6 +13,19 @@
 #define KILN__SO(j) (1u << (8 + (j)))
 #define KILN__MAX_OUT 4
 
+/* For the rows of include/kiln/pointwise.def: what an op saves for its backward formula
+ * (grad column OP and X: x; Y: y; NONE: nothing), and KILN__PW_IF_OP(grad, text), the text
+ * only for a row with its own backward op. */
+#define KILN__PW_SAVE_OP KILN__SI(0)
+#define KILN__PW_SAVE_X KILN__SI(0)
+#define KILN__PW_SAVE_Y KILN__SO(0)
+#define KILN__PW_SAVE_NONE 0
+#define KILN__PW_IF_OP(grad, ...) KILN__PW_IF_OP_##grad(__VA_ARGS__)
+#define KILN__PW_IF_OP_OP(...) __VA_ARGS__
+#define KILN__PW_IF_OP_X(...)
+#define KILN__PW_IF_OP_Y(...)
+#define KILN__PW_IF_OP_NONE(...)
+
 typedef enum {
 #define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save) KILN_OP_##ID,
 #include "core/ops.def"
@@ -55,10 +68,12 @@ extern const kiln__op_def kiln__ops[KILN_OP_COUNT];
 
 /* The math of a pointwise op defined by it (include/kiln/pointwise.def): name is the
  * kmath.h function family (km_<name>, km_<name>d and their _dx derivatives), NULL for
- * every other op; dx marks the backward op (g * dy/dx). */
+ * every other op; dx marks the backward op (g * dy/dx); fast is the row's fast column. */
+typedef enum { KILN__PW_EXACT, KILN__PW_SWITCH, KILN__PW_GEN } kiln__pw_fast;
 typedef struct {
     const char *name;
     bool dx;
+    kiln__pw_fast fast;
 } kiln__op_math_t;
 extern const kiln__op_math_t kiln__op_math[KILN_OP_COUNT];
 

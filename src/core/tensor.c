@@ -77,16 +77,18 @@ void kiln_tensor_free(kiln_tensor_t *t)
 /* Scopes: a per-thread stack of growable lists of references. */
 typedef struct {
     kiln_tensor_t **items;
-    int n, cap;
+    int n;
+    size_t cap;
 } scope;
 
 static _Thread_local scope *scopes;
-static _Thread_local int n_scopes, cap_scopes;
+static _Thread_local int n_scopes;
+static _Thread_local size_t cap_scopes;
 
 void kiln_scope_begin(void)
 {
-    if (!kiln__grow(&scopes, n_scopes, &cap_scopes, sizeof *scopes, 8))
-        abort(); /* a few bytes for the scope stack: nothing sane remains */
+    void *tmp;
+    if (!KILN__GROW(scopes, n_scopes, &cap_scopes, 8, tmp)) abort(); /* a few bytes: nothing sane remains */
     scopes[n_scopes++] = (scope){0};
 }
 
@@ -107,7 +109,8 @@ kiln_tensor_t *kiln__scoped(kiln_tensor_t *t)
 {
     if (!t || n_scopes == 0) return t;
     scope *s = &scopes[n_scopes - 1];
-    if (!kiln__grow(&s->items, s->n, &s->cap, sizeof *s->items, 64)) {
+    void *tmp;
+    if (!KILN__GROW(s->items, s->n, &s->cap, 64, tmp)) {
         kiln_tensor_free(t);
         return kiln__err(KILN_ERR_OOM, "out of memory growing a scope"), NULL;
     }

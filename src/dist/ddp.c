@@ -10,6 +10,7 @@
  * all in order and copies the averages back into the gradients. */
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "dist/flat.h"
 #include "kiln/dist.h"
 #include "kiln/ops.h"
@@ -74,12 +75,9 @@ kiln_status kiln_ddp_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, int
     for (int j = 0; s == KILN_OK && j < d->nb; j++)
         if (!(d->b[j].flat = kiln_keep(kiln_zeros(&d->b[j].elems, 1, KILN_DTYPE_F32)))) s = kiln_last_status();
     kiln_scope_end();
-    if (s != KILN_OK) {
-        kiln_ddp_free(d);
-        return s;
-    }
-    *out = d;
-    return KILN_OK;
+    if (s == KILN_OK) *out = d;
+    else kiln_ddp_free(d);
+    return s;
 }
 
 void kiln_ddp_free(kiln_ddp_t *d)
@@ -90,8 +88,7 @@ void kiln_ddp_free(kiln_ddp_t *d)
         if (d->b[j].work) kiln_pg_work_wait(d->b[j].work);
         kiln_tensor_free(d->b[j].flat);
     }
-    free(d->params), free(d->order), free(d->bucket_of), free(d->off), free(d->whole), free(d->b);
-    free(d);
+    KILN__FREE(d->params, d->order, d->bucket_of, d->off, d->whole, d->b, d);
 }
 
 int kiln_ddp_num_buckets(const kiln_ddp_t *d) { return d ? d->nb : 0; }

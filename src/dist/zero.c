@@ -108,12 +108,9 @@ kiln_status kiln_zero1_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, c
         kiln_scope_end();
     }
     kiln_set_grad_enabled(prev);
-    if (s != KILN_OK) {
-        kiln_zero1_free(z);
-        return s;
-    }
-    *out = z;
-    return KILN_OK;
+    if (s == KILN_OK) *out = z;
+    else kiln_zero1_free(z);
+    return s;
 }
 
 void kiln_zero1_free(kiln_zero1_t *z)

@@ -41,7 +41,8 @@ typedef struct {
 
 static int add_value(kiln_graph_t *g, int kind, int index, int out, const kiln__meta *m, kiln_tensor_t *t)
 {
-    if (!kiln__grow(&g->v, g->n_v, &g->cap_v, sizeof *g->v, 64)) return -1;
+    void *tmp;
+    if (!KILN__GROW(g->v, g->n_v, &g->cap_v, 64, tmp)) return -1;
     g->v[g->n_v] = (value){kind, index, out, *m, t, NULL};
     return g->n_v++;
 }
@@ -121,8 +122,8 @@ static kiln_status graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_
     for (int i = 0; i < n_in; i++)
         if (in[i]->st->meta && (graph_value(in[i]) <= 0 || graph_value(in[i]) >= g->n_v))
             return kiln__err(KILN_ERR_ARG, "%s: input %d belongs to another graph's capture", d->name, i);
-    if (!kiln__grow(&g->nd, g->n_nd, &g->cap_nd, sizeof *g->nd, 64))
-        return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
+    void *tmp;
+    if (!KILN__GROW(g->nd, g->n_nd, &g->cap_nd, 64, tmp)) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
     node *n = &g->nd[g->n_nd];
     *n = (node){.op = op, .attrs = *a, .n_in = n_in, .n_out = d->n_out};
     n->in = malloc(sizeof(int) * (size_t)(n_in ? n_in : 1));
@@ -173,7 +174,8 @@ static leaf_grad *leaf_entry(kiln_graph_t *g, kiln_tensor_t *leaf)
 {
     leaf_grad *e = find_leaf(g, leaf);
     if (e) return e;
-    if (!kiln__grow(&g->lg, g->n_lg, &g->cap_lg, sizeof *g->lg, 16)) return NULL;
+    void *tmp;
+    if (!KILN__GROW(g->lg, g->n_lg, &g->cap_lg, 16, tmp)) return NULL;
     e = &g->lg[g->n_lg++];
     *e = (leaf_grad){kiln_tensor_retain(leaf), 0, NULL, false, true, false};
     return e;
@@ -611,8 +613,8 @@ void kiln__graph_reindex(kiln_graph_t *g, int from, int to)
 /* Inserts node copy at position at (the nodes from there move up one). */
 kiln_status kiln__graph_insert_node(kiln_graph_t *g, int at, const node *n, int *out_value)
 {
-    if (!kiln__grow(&g->nd, g->n_nd, &g->cap_nd, sizeof *g->nd, 64))
-        return kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
+    void *tmp;
+    if (!KILN__GROW(g->nd, g->n_nd, &g->cap_nd, 64, tmp)) return kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
     node c = *n;
     kiln__meta m = g->v[n->out[0]].meta; /* add_value may move g->v */
     c.in = malloc(sizeof(int) * (size_t)(n->n_in ? n->n_in : 1));

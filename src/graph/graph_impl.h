@@ -38,11 +38,14 @@ typedef struct {
 
 struct kiln_graph {
     leaf_grad *lg;
-    int n_lg, cap_lg;
+    int n_lg;
+    size_t cap_lg;
     value *v;
-    int n_v, cap_v; /* value 0 is unused: 0 means "a real tensor" in a tensor header */
+    int n_v; /* value 0 is unused: 0 means "a real tensor" in a tensor header */
+    size_t cap_v;
     node *nd;
-    int n_nd, cap_nd;
+    int n_nd;
+    size_t cap_nd;
     int n_args;
     int outs[KILN_GRAPH_MAX_OUT], n_outs;
     kiln_status failed; /* the first error of a hook that cannot return one, reported at the end of capture */

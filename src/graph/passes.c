@@ -182,18 +182,14 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_fold: NULL graph");
     if (kiln_graph_capturing()) return kiln__err(KILN_ERR_ARG, "graph_fold: a capture is running on this thread");
     bool *cst = calloc((size_t)g->n_v, sizeof *cst), *mut = calloc((size_t)g->n_v, sizeof *mut);
-    if (!cst || !mut) {
+    bool *res_of = calloc((size_t)g->n_v, sizeof *res_of);
+    if (!cst || !mut || !res_of) {
         free(cst);
         free(mut);
+        free(res_of);
         return kiln__err(KILN_ERR_OOM, "graph_fold: out of memory");
     }
     kiln__graph_mutated(g, mut);
-    bool *res_of = calloc((size_t)g->n_v, sizeof *res_of);
-    if (!res_of) {
-        free(cst);
-        free(mut);
-        return kiln__err(KILN_ERR_OOM, "graph_fold: out of memory");
-    }
     kiln__graph_mark_results(g, res_of); /* a graph's result is a new tensor every run */
     kiln_status s = KILN_OK;
     int count = 0;
@@ -285,19 +281,13 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
 #define RC_MIN 1024
 #define RC_DEPTH 6
 
+/* The differentiable pointwise ops but pow and where (and the copy contiguous), and
+ * the views. */
 static bool recomputable(kiln__op_id op)
 {
     if (kiln__ops[op].is_view && !kiln__ops[op].is_inplace) return true; /* free: a new view of the copy */
-    if (kiln__op_math[op].name && !kiln__op_math[op].dx) return true; /* pointwise.def's ops */
-    switch (op) {
-    case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_NEG: case KILN_OP_ABS:
-    case KILN_OP_EXP: case KILN_OP_LOG: case KILN_OP_SQRT: case KILN_OP_RSQRT: case KILN_OP_TANH:
-    case KILN_OP_SIGMOID: case KILN_OP_RELU: case KILN_OP_GELU: case KILN_OP_SILU: case KILN_OP_MAXIMUM:
-    case KILN_OP_MINIMUM: case KILN_OP_CAST:
-        return true;
-    default:
-        return false;
-    }
+    return kiln__ops[op].kind == KILN__KIND_POINTWISE && kiln__ops[op].has_grad && op != KILN_OP_POW &&
+           op != KILN_OP_WHERE && op != KILN_OP_CONTIGUOUS;
 }
 
 typedef struct {

@@ -49,7 +49,8 @@ typedef struct {
 struct kiln_replay {
     kiln__pool *pool;
     launch *l;
-    int n_l, cap_l;
+    int n_l;
+    size_t cap_l;
     int n_in, n_out;
     kiln_tensor_t *in[KILN_GRAPH_MAX_IN];   /* the recorded inputs (retained): the buffers later inputs are copied to */
     kiln_tensor_t *out[KILN_GRAPH_MAX_OUT]; /* the recorded outputs (retained), rewritten by every replay */
@@ -80,7 +81,8 @@ static void replay_resume(void *ctx)
 /* Room for one more launch; false (and the recording failed) when there is none. */
 static bool room(kiln_replay_t *r)
 {
-    if (!r->failed && !kiln__grow(&r->l, r->n_l, &r->cap_l, sizeof *r->l, 256)) r->failed = KILN_ERR_OOM;
+    void *tmp;
+    if (!r->failed && !KILN__GROW(r->l, r->n_l, &r->cap_l, 256, tmp)) r->failed = KILN_ERR_OOM;
     return !r->failed;
 }
 

@@ -20,6 +20,7 @@
 
 #include <jansson.h>
 
+#include "core/util.h"
 #include "kiln/metrics.h"
 
 /* ---- the fields of a row: one table, walked by the writer and the reader ---- */
@@ -176,17 +177,13 @@ kiln_status kiln_metrics_read(const char *path, kiln_metrics_row **rows, size_t 
                             jerr.text);
             break;
         }
-        if (count == cap) {
-            size_t ncap = cap ? cap * 2 : 256;
-            kiln_metrics_row *grown = realloc(out, ncap * sizeof *out);
-            if (!grown) {
-                json_decref(obj);
-                st = kiln_error(KILN_ERR_OOM, "metrics_read: out of memory at %s:%zu", path, lineno);
-                break;
-            }
-            out = grown;
-            cap = ncap;
+        kiln_metrics_row *grown = kiln__grow(out, count, &cap, 256, sizeof *out);
+        if (!grown) {
+            json_decref(obj);
+            st = kiln_error(KILN_ERR_OOM, "metrics_read: out of memory at %s:%zu", path, lineno);
+            break;
         }
+        out = grown;
         char why[128];
         bool ok = row_from_json(obj, &out[count], why, sizeof why);
         json_decref(obj);
@@ -222,20 +219,6 @@ typedef struct {
     bool oom;
 } strbuf;
 
-static void sb_grow(strbuf *b, size_t need)
-{
-    if (b->oom || b->len + need + 1 <= b->cap) return;
-    size_t ncap = b->cap ? b->cap : 4096;
-    while (ncap < b->len + need + 1) ncap *= 2;
-    char *np = realloc(b->p, ncap);
-    if (!np) {
-        b->oom = true;
-        return;
-    }
-    b->p = np;
-    b->cap = ncap;
-}
-
 static void sb_printf(strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void sb_printf(strbuf *b, const char *fmt, ...)
 {
@@ -247,8 +230,10 @@ static void sb_printf(strbuf *b, const char *fmt, ...)
         b->oom = true;
         return;
     }
-    sb_grow(b, (size_t)k);
-    if (b->oom) return;
+    if (b->oom || !kiln__reserve(&b->p, &b->cap, b->len + (size_t)k + 1, 4096)) {
+        b->oom = true;
+        return;
+    }
     va_start(ap, fmt);
     vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
     va_end(ap);
@@ -346,41 +331,24 @@ static double py(const axes *a, double y) { return PY1 - (y - a->y.lo) / (a->y.h
 
 static double series_value(const kiln_metrics_row *r, int series) { return series == 0 ? r->loss : r->val_loss; }
 
-/* Number of data points (of both series) that fall inside a box, used to keep the
- * legend and the baseline label off the curves. */
-static size_t points_in_box(const axes *a, const kiln_metrics_row *rows, size_t n, double bx0, double by0,
-                            double bx1, double by1)
-{
-    size_t hits = 0;
-    for (size_t i = 0; i < n; i++) {
-        for (int s = 0; s < 2; s++) {
-            double v = series_value(&rows[i], s);
-            if (!isfinite(v)) continue;
-            double x = px(a, (double)rows[i].step), y = py(a, v);
-            if (x >= bx0 && x <= bx1 && y >= by0 && y <= by1) hits++;
-        }
-    }
-    return hits;
-}
-
-/* Also counts segments of the training curve that cross the box, since a curve of few
- * points can pass through a box that holds none of them. */
+/* How much of the curves a box hides, used to keep the legend and the baseline label
+ * off them: the data points (of both series) inside it, and samples of the segments
+ * between them, since a curve of few points can pass through a box that holds none. */
 static size_t curve_hits_box(const axes *a, const kiln_metrics_row *rows, size_t n, double bx0, double by0,
                              double bx1, double by1)
 {
-    size_t hits = points_in_box(a, rows, n, bx0, by0, bx1, by1);
+    size_t hits = 0;
     for (int s = 0; s < 2; s++) {
         double lx = NAN, ly = NAN;
         for (size_t i = 0; i < n; i++) {
             double v = series_value(&rows[i], s);
             if (!isfinite(v)) continue;
             double x = px(a, (double)rows[i].step), y = py(a, v);
-            if (isfinite(lx)) {
-                /* Sample the segment; exact clipping is not worth its lines here. */
-                for (int k = 1; k < 8; k++) {
-                    double t = k / 8.0, sx = lx + t * (x - lx), sy = ly + t * (y - ly);
-                    if (sx >= bx0 && sx <= bx1 && sy >= by0 && sy <= by1) hits++;
-                }
+            if (x >= bx0 && x <= bx1 && y >= by0 && y <= by1) hits++;
+            /* Sample the segment; exact clipping is not worth its lines here. */
+            for (int k = 1; isfinite(lx) && k < 8; k++) {
+                double t = k / 8.0, sx = lx + t * (x - lx), sy = ly + t * (y - ly);
+                if (sx >= bx0 && sx <= bx1 && sy >= by0 && sy <= by1) hits++;
             }
             lx = x;
             ly = y;

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "kiln/dist.h"
 #include "kiln/io.h"
 #include "kiln/nn.h"
@@ -168,14 +169,11 @@ static kiln_tensor_t *add_param(kiln_gpt_t *m, const char *name, int64_t d0, int
     if (!t) return NULL;
     if (m->n == m->cap) {
         int cap = m->cap ? m->cap * 2 : 32;
-        kiln_tensor_t **p = realloc(m->params, sizeof *p * (size_t)cap);
-        char **nm = p ? realloc(m->names, sizeof *nm * (size_t)cap) : NULL;
-        if (p) m->params = p;
-        if (!p || !nm) {
+        void *tmp;
+        if (!KILN__RESIZE(m->params, cap, tmp) || !KILN__RESIZE(m->names, cap, tmp)) {
             kiln_error(KILN_ERR_OOM, "gpt: out of memory for the parameter list");
             return NULL;
         }
-        m->names = nm;
         m->cap = cap;
     }
     if (!(m->names[m->n] = strdup(name))) {
@@ -253,12 +251,9 @@ kiln_status kiln_gpt_new(const kiln_gpt_config *cfg, uint64_t seed, kiln_gpt_t *
     kiln_scope_end();
     kiln_set_grad_enabled(prev);
     kiln_rng_set_state(saved);
-    if (s != KILN_OK) {
-        kiln_gpt_free(m);
-        return s;
-    }
-    *out = m;
-    return KILN_OK;
+    if (s == KILN_OK) *out = m;
+    else kiln_gpt_free(m);
+    return s;
 }
 
 void kiln_gpt_free(kiln_gpt_t *m)
@@ -268,10 +263,7 @@ void kiln_gpt_free(kiln_gpt_t *m)
         kiln_tensor_free(m->params[i]);
         free(m->names[i]);
     }
-    free(m->params);
-    free(m->names);
-    free(m->layers);
-    free(m);
+    KILN__FREE(m->params, m->names, m->layers, m);
 }
 
 const kiln_gpt_config *kiln_gpt_get_config(const kiln_gpt_t *m) { return &m->cfg; }
@@ -521,9 +513,7 @@ void kiln_kv_cache_free(kiln_kv_cache_t *c)
         kiln_tensor_free(c->k[i]);
         kiln_tensor_free(c->v[i]);
     }
-    free(c->k);
-    free(c->v);
-    free(c);
+    KILN__FREE(c->k, c->v, c);
 }
 
 int kiln_kv_cache_len(const kiln_kv_cache_t *c) { return c ? c->len : 0; }
@@ -628,10 +618,7 @@ void kiln_kv_pool_free(kiln_kv_pool_t *p)
         for (int j = 0; j < PK_N; j++) kiln_tensor_free(p->pk[i][j]);
     }
     kiln_tensor_free(p->pk_head);
-    free(p->k);
-    free(p->v);
-    free(p->pk);
-    free(p);
+    KILN__FREE(p->k, p->v, p->pk, p);
 }
 
 int kiln_kv_pool_num_blocks(const kiln_kv_pool_t *p) { return p ? p->num_blocks : 0; }
@@ -645,12 +632,10 @@ kiln_status kiln_kv_pool_copy_block(kiln_kv_pool_t *p, int dst, int src)
     if (dst == src) return KILN_OK;
     kiln_status s = KILN_OK;
     kiln_scope_begin();
-    for (int i = 0; i < p->n_layer && s == KILN_OK; i++) {
-        s = kiln_tensor_copy_(kiln_narrow(p->k[i], 0, (int64_t)dst * p->block_len, p->block_len),
-                              kiln_narrow(p->k[i], 0, (int64_t)src * p->block_len, p->block_len));
-        if (s == KILN_OK)
-            s = kiln_tensor_copy_(kiln_narrow(p->v[i], 0, (int64_t)dst * p->block_len, p->block_len),
-                                  kiln_narrow(p->v[i], 0, (int64_t)src * p->block_len, p->block_len));
+    for (int i = 0; i < 2 * p->n_layer && s == KILN_OK; i++) {
+        kiln_tensor_t *t = (i % 2 ? p->v : p->k)[i / 2]; /* layer i / 2's keys, then its values */
+        s = kiln_tensor_copy_(kiln_narrow(t, 0, (int64_t)dst * p->block_len, p->block_len),
+                              kiln_narrow(t, 0, (int64_t)src * p->block_len, p->block_len));
     }
     kiln_scope_end();
     return s;
@@ -795,20 +780,16 @@ kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, 
     }
     if (st->zero) {
         if (s == KILN_OK) s = kiln_zero1_step_t(st->zero, in[2], st->clip, &norm);
-        kiln_optim_zero_grad(st->opt);
-        out[0] = loss;
-        out[1] = norm;
-        *n_out = 2;
-        return s;
+    } else {
+        for (int i = 0; s == KILN_OK && st->pg && i < st->n_params; i++) {
+            kiln_tensor_t *g = kiln_tensor_grad(st->params[i]);
+            if (g) s = kiln_pg_allreduce(st->pg, g, KILN_REDUCE_AVG);
+        }
+        if (s == KILN_OK) s = kiln_grad_norm(st->params, st->n_params, &norm);
+        kiln_tensor_t *coef = s == KILN_OK && st->clip > 0 ? kiln_clip_coef(norm, st->clip) : NULL;
+        if (s == KILN_OK && st->clip > 0 && !coef) s = kiln_last_status();
+        if (s == KILN_OK) s = kiln_optim_step_t(st->opt, in[2], coef);
     }
-    for (int i = 0; s == KILN_OK && st->pg && i < st->n_params; i++) {
-        kiln_tensor_t *g = kiln_tensor_grad(st->params[i]);
-        if (g) s = kiln_pg_allreduce(st->pg, g, KILN_REDUCE_AVG);
-    }
-    if (s == KILN_OK) s = kiln_grad_norm(st->params, st->n_params, &norm);
-    kiln_tensor_t *coef = s == KILN_OK && st->clip > 0 ? kiln_clip_coef(norm, st->clip) : NULL;
-    if (s == KILN_OK && st->clip > 0 && !coef) s = kiln_last_status();
-    if (s == KILN_OK) s = kiln_optim_step_t(st->opt, in[2], coef);
     kiln_optim_zero_grad(st->opt);
     out[0] = loss;
     out[1] = norm;

@@ -56,17 +56,8 @@ kiln_tensor_t *kiln_mul_scalar(kiln_tensor_t *a, double s) { return a ? kiln_mul
 kiln_tensor_t *kiln_pow_scalar(kiln_tensor_t *a, double p) { return a ? kiln_pow(a, scalar_like(a, p)) : null_arg("pow_scalar"); }
 kiln_tensor_t *kiln_square(kiln_tensor_t *a) { return kiln_mul(a, a); }
 
-kiln_tensor_t *kiln_neg(kiln_tensor_t *a) { return call1(KILN_OP_NEG, a); }
-kiln_tensor_t *kiln_abs(kiln_tensor_t *a) { return call1(KILN_OP_ABS, a); }
-kiln_tensor_t *kiln_exp(kiln_tensor_t *a) { return call1(KILN_OP_EXP, a); }
-kiln_tensor_t *kiln_log(kiln_tensor_t *a) { return call1(KILN_OP_LOG, a); }
-kiln_tensor_t *kiln_sqrt(kiln_tensor_t *a) { return call1(KILN_OP_SQRT, a); }
-kiln_tensor_t *kiln_rsqrt(kiln_tensor_t *a) { return call1(KILN_OP_RSQRT, a); }
-kiln_tensor_t *kiln_tanh(kiln_tensor_t *a) { return call1(KILN_OP_TANH, a); }
-kiln_tensor_t *kiln_sigmoid(kiln_tensor_t *a) { return call1(KILN_OP_SIGMOID, a); }
-kiln_tensor_t *kiln_relu(kiln_tensor_t *a) { return call1(KILN_OP_RELU, a); }
-kiln_tensor_t *kiln_silu(kiln_tensor_t *a) { return call1(KILN_OP_SILU, a); }
-#define KILN_PW(ID, name) \
+/* The rows of include/kiln/pointwise.def. */
+#define KILN_PW(ID, name, ...) \
     kiln_tensor_t *kiln_##name(kiln_tensor_t *a) { return call1(KILN_OP_##ID, a); }
 #include "kiln/pointwise.def"
 #undef KILN_PW

@@ -94,73 +94,36 @@ static kiln_status minmax(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor
 kiln_status kiln__bw_maximum(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin) { return minmax(n, gout, gin, true); }
 kiln_status kiln__bw_minimum(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin) { return minmax(n, gout, gin, false); }
 
-kiln_status kiln__bw_neg(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+/* The rows of include/kiln/pointwise.def whose grad column is X, Y or NONE: g * dy/dx
+ * from the saved input x, the saved output y, or from g alone. */
+#define UNARY_BW(name, dx)                                                                    \
+    kiln_status kiln__bw_##name(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin) \
+    {                                                                                         \
+        gin[0] = (dx);                                                                        \
+        return done(gin, 1, n);                                                               \
+    }
+
+/* sign(x) (0 at 0) in like's dtype. */
+static kiln_tensor_t *sign(kiln_tensor_t *x, kiln_tensor_t *like)
 {
-    gin[0] = kiln_neg(G);
-    return done(gin, 1, n);
+    kiln_tensor_t *zero = kiln_scalar(0, x->dtype);
+    return kiln_sub(as(kiln_gt(x, zero), like), as(kiln_lt(x, zero), like));
 }
 
-kiln_status kiln__bw_abs(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    kiln_tensor_t *zero = kiln_scalar(0, X(0)->dtype);
-    kiln_tensor_t *sign = kiln_sub(as(kiln_gt(X(0), zero), G), as(kiln_lt(X(0), zero), G));
-    gin[0] = kiln_mul(G, sign);
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_exp(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_mul(G, Y(0));
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_log(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_div(G, X(0));
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_sqrt(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_div(kiln_mul_scalar(G, 0.5), Y(0));
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_rsqrt(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_mul(kiln_mul_scalar(G, -0.5), kiln_mul(Y(0), kiln_mul(Y(0), Y(0))));
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_tanh(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_mul(G, kiln_add_scalar(kiln_neg(kiln_mul(Y(0), Y(0))), 1.0));
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_sigmoid(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_mul(G, kiln_mul(Y(0), kiln_add_scalar(kiln_neg(Y(0)), 1.0)));
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_relu(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_mul(G, as(kiln_gt(Y(0), kiln_scalar(0, Y(0)->dtype)), G));
-    return done(gin, 1, n);
-}
+UNARY_BW(neg, kiln_neg(G))
+UNARY_BW(abs, kiln_mul(G, sign(X(0), G)))
+UNARY_BW(exp, kiln_mul(G, Y(0)))
+UNARY_BW(log, kiln_div(G, X(0)))
+UNARY_BW(sqrt, kiln_div(kiln_mul_scalar(G, 0.5), Y(0)))
+UNARY_BW(rsqrt, kiln_mul(kiln_mul_scalar(G, -0.5), kiln_mul(Y(0), kiln_mul(Y(0), Y(0)))))
+UNARY_BW(tanh, kiln_mul(G, kiln_add_scalar(kiln_neg(kiln_mul(Y(0), Y(0))), 1.0)))
+UNARY_BW(sigmoid, kiln_mul(G, kiln_mul(Y(0), kiln_add_scalar(kiln_neg(Y(0)), 1.0))))
+UNARY_BW(relu, kiln_mul(G, as(kiln_gt(Y(0), kiln_scalar(0, Y(0)->dtype)), G)))
 
 kiln_status kiln__bw_gelu(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 {
     kiln_tensor_t *in[2] = {X(0), G};
     gin[0] = kiln__call(KILN_OP_GELU_BACKWARD, in, 2, &n->attrs);
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_silu(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    kiln_tensor_t *in[2] = {X(0), G};
-    gin[0] = kiln__call(KILN_OP_SILU_BACKWARD, in, 2, &n->attrs);
     return done(gin, 1, n);
 }
 
@@ -403,13 +366,13 @@ kiln_status kiln__bw_contiguous(kiln__node *n, kiln_tensor_t *const *gout, kiln_
     return done(gin, 1, n);
 }
 
-/* The pointwise ops defined by their math: g * dy/dx, by their backward op. */
-#define KILN_PW(ID, name)                                                                     \
-    kiln_status kiln__bw_##name(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin) \
-    {                                                                                         \
-        kiln_tensor_t *in[2] = {X(0), G};                                                     \
-        gin[0] = kiln__call(KILN_OP_##ID##_BACKWARD, in, 2, &n->attrs);                       \
-        return done(gin, 1, n);                                                               \
-    }
+/* The rows of include/kiln/pointwise.def with a backward op: g * dy/dx, by it. */
+#define KILN_PW(ID, name, dtypes, grad, fast)                                                          \
+    KILN__PW_IF_OP(grad, kiln_status kiln__bw_##name(kiln__node *n, kiln_tensor_t *const *gout,      \
+                                                     kiln_tensor_t **gin) {                         \
+        kiln_tensor_t *in[2] = {X(0), G};                                                           \
+        gin[0] = kiln__call(KILN_OP_##ID##_BACKWARD, in, 2, &n->attrs);                             \
+        return done(gin, 1, n);                                                                     \
+    })
 #include "kiln/pointwise.def"
 #undef KILN_PW

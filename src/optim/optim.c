@@ -2,6 +2,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "kiln/optim.h"
 #include "kiln/graph.h"
 
@@ -104,9 +105,7 @@ void kiln_optim_free(kiln_optim_t *o)
     kiln_tensor_free(o->one);
     kiln_tensor_free(o->unit);
     kiln_tensor_free(o->lr);
-    free(o->params);
-    free(o->decay);
-    free(o);
+    KILN__FREE(o->params, o->decay, o);
 }
 
 /* Optimizer state: real zeros even when the first step is being captured. */

@@ -74,7 +74,8 @@ struct kiln_engine {
     seq *wait_head, *wait_tail; /* under mu */
     int n_waiting;
     uint64_t *cancels; /* ids to cancel, under mu */
-    int n_cancels, cap_cancels;
+    int n_cancels;
+    size_t cap_cancels;
     uint64_t next_id;
 
     seq *running; /* engine thread only */
@@ -85,8 +86,8 @@ struct kiln_engine {
     seq **b_row_seq;
     float *logits;
     void *scratch;
-    int *top_ids;
-    float *top_lp;
+    int top_ids[20]; /* logprobs asks for at most 20 alternatives */
+    float top_lp[20];
 
     kiln_engine_stats st; /* under mu */
     char last_error[512]; /* under mu */
@@ -195,11 +196,7 @@ static void register_full_blocks(kiln_engine_t *e, seq *s)
 
 static void seq_free(seq *s)
 {
-    if (!s) return;
-    free(s->tok);
-    free(s->blocks);
-    free(s->hash);
-    free(s);
+    if (s) KILN__FREE(s->tok, s->blocks, s->hash, s);
 }
 
 static int blocks_for(const kiln_engine_t *e, int positions) { return (positions + e->BS - 1) / e->BS; }
@@ -519,10 +516,8 @@ kiln_status kiln_engine_new(kiln_gpt_t *model, const kiln_engine_opts *opts, kil
     e->b_table = malloc(sizeof(int32_t) * (size_t)o.max_batch * (size_t)maxb);
     e->logits = malloc(sizeof(float) * (size_t)o.max_batch * (size_t)e->V);
     e->scratch = malloc(kiln_sample_scratch_bytes(e->V));
-    e->top_ids = malloc(sizeof(int) * 21);
-    e->top_lp = malloc(sizeof(float) * 21);
     if (!e->meta || !e->block_tokens || !e->free_stack || !e->b_tok || !e->b_seq || !e->b_pos || !e->b_rows ||
-        !e->b_row_seq || !e->b_table || !e->logits || !e->scratch || !e->top_ids || !e->top_lp) {
+        !e->b_row_seq || !e->b_table || !e->logits || !e->scratch) {
         kiln_engine_free(e);
         return kiln_error(KILN_ERR_OOM, "engine_new: out of memory for %d KV blocks", nb);
     }
@@ -560,21 +555,8 @@ void kiln_engine_free(kiln_engine_t *e)
         pthread_cond_destroy(&e->cv);
     }
     kiln_kv_pool_free(e->pool);
-    free(e->meta);
-    free(e->block_tokens);
-    free(e->free_stack);
-    free(e->b_tok);
-    free(e->b_seq);
-    free(e->b_pos);
-    free(e->b_rows);
-    free(e->b_row_seq);
-    free(e->b_table);
-    free(e->logits);
-    free(e->scratch);
-    free(e->top_ids);
-    free(e->top_lp);
-    free(e->cancels);
-    free(e);
+    KILN__FREE(e->meta, e->block_tokens, e->free_stack, e->b_tok, e->b_seq, e->b_pos, e->b_rows, e->b_row_seq,
+               e->b_table, e->logits, e->scratch, e->cancels, e);
 }
 
 kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint64_t *id)
@@ -640,18 +622,12 @@ void kiln_engine_cancel(kiln_engine_t *e, uint64_t id)
 {
     if (!e || !id) return;
     pthread_mutex_lock(&e->mu);
-    if (e->n_cancels == e->cap_cancels) {
-        int cap = e->cap_cancels ? 2 * e->cap_cancels : 16;
-        uint64_t *p = realloc(e->cancels, sizeof *p * (size_t)cap);
-        if (!p) { /* cannot record it: the request runs to its end instead */
-            pthread_mutex_unlock(&e->mu);
-            return;
-        }
+    uint64_t *p = kiln__grow(e->cancels, (size_t)e->n_cancels, &e->cap_cancels, 16, sizeof *p);
+    if (p) { /* else it cannot be recorded: the request runs to its end instead */
         e->cancels = p;
-        e->cap_cancels = cap;
+        e->cancels[e->n_cancels++] = id;
+        pthread_cond_signal(&e->cv);
     }
-    e->cancels[e->n_cancels++] = id;
-    pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
 }
 

@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "serve/openai.h"
 
 /* ---- requests ---- */
@@ -98,12 +99,8 @@ static int parse_prompt(ctx *c, json_t *v, kiln__oai_req *r)
 /* content: a string, null, or a list of {"type": "text", "text": ...} parts. */
 static int parse_content(ctx *c, json_t *v, size_t i, char **out)
 {
-    if (!v || json_is_null(v)) {
-        *out = dup_n("", 0);
-        return *out ? 0 : bad(c, NULL, "out of memory");
-    }
-    if (json_is_string(v)) {
-        *out = dup_n(json_string_value(v), json_string_length(v));
+    if (!v || json_is_null(v) || json_is_string(v)) {
+        *out = json_is_string(v) ? dup_n(json_string_value(v), json_string_length(v)) : dup_n("", 0);
         return *out ? 0 : bad(c, NULL, "out of memory");
     }
     if (!json_is_array(v)) return bad(c, "messages", "messages[%zu].content must be a string or a list of text parts", i);
@@ -238,9 +235,7 @@ int kiln__oai_parse(const char *body, size_t len, bool chat, kiln__oai_req *r, c
 void kiln__oai_free(kiln__oai_req *r)
 {
     if (!r) return;
-    free(r->model);
-    free(r->prompt);
-    free(r->prompt_ids);
+    KILN__FREE(r->model, r->prompt, r->prompt_ids);
     for (int i = 0; i < r->n_msgs; i++) {
         free(r->msgs[i].role);
         free(r->msgs[i].content);
@@ -275,21 +270,9 @@ void kiln__textstream_free(kiln__textstream *ts)
     memset(ts, 0, sizeof *ts);
 }
 
-static bool grow(char **p, size_t *cap, size_t need)
-{
-    if (need <= *cap) return true;
-    size_t c = *cap ? *cap : 64;
-    while (c < need) c *= 2;
-    char *q = realloc(*p, c);
-    if (!q) return false;
-    *p = q;
-    *cap = c;
-    return true;
-}
-
 bool kiln__textstream_push(kiln__textstream *ts, const char *bytes, size_t n)
 {
-    if (!grow(&ts->bytes, &ts->cap_bytes, ts->n_bytes + n + 1)) return false;
+    if (!kiln__reserve(&ts->bytes, &ts->cap_bytes, ts->n_bytes + n + 1, 64)) return false;
     memcpy(ts->bytes + ts->n_bytes, bytes, n);
     ts->n_bytes += n;
     return true;
@@ -318,7 +301,7 @@ static int utf8_char(const unsigned char *s, size_t n)
  * cut-off character is left out unless end. */
 static bool repair(kiln__textstream *ts, bool end)
 {
-    if (!grow(&ts->text, &ts->cap_text, ts->n_bytes * 3 + 4)) return false;
+    if (!kiln__reserve(&ts->text, &ts->cap_text, ts->n_bytes * 3 + 4, 64)) return false;
     const unsigned char *b = (const unsigned char *)ts->bytes;
     size_t i = 0, o = 0;
     while (i < ts->n_bytes) {

@@ -147,6 +147,22 @@ kiln_tensor_t *cpu_contig(kiln_tensor_t *t, kiln_tensor_t **tmp)
     return *tmp;
 }
 
+bool cpu_contig_n(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp,
+                  bool (*as_is)(const kiln_tensor_t *))
+{
+    for (int i = 0; i < n; i++) tmp[i] = NULL;
+    for (int i = 0; i < n; i++) {
+        c[i] = as_is && as_is(in[i]) ? in[i] : cpu_contig(in[i], &tmp[i]);
+        if (!c[i]) return false;
+    }
+    return true;
+}
+
+void cpu_free_n(kiln_tensor_t **tmp, int n)
+{
+    for (int i = 0; i < n; i++) kiln_tensor_free(tmp[i]);
+}
+
 void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t *shape, const int64_t *stride,
               int64_t offset)
 {

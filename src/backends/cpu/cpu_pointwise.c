@@ -30,15 +30,6 @@ static inline double gelu_grad_d(double x, bool tanh_form)
 
 static inline float gelu_grad_f(float x, bool tanh_form) { return tanh_form ? km_gelu_grad_tanh(x) : km_gelu_grad_erf(x); }
 
-/* The f32 forms are src/core/kmath.h's, which the generated kernels share. */
-#define fast_tanhf km_tanh_fast
-#define fast_sigmoidf km_sigmoid_fast
-#define gelu_fast km_gelu_fast
-#define gelu_grad_fast km_gelu_grad_fast
-#define sigmoid_f km_sigmoid
-
-static inline double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
-
 static bool all_dtype(kiln_tensor_t *const *in, int n, kiln_tensor_t *const *out, int nout, kiln_dtype dt)
 {
     for (int i = 0; i < n; i++)
@@ -53,9 +44,14 @@ typedef struct {
     const kiln__attrs *a;
 } pw_ctx;
 
-/* ---- unary ---- */
-#define UNARY(name, EXPR_F, EXPR_D)                                                                 \
-    KILN_SIMD static void u_##name##_f32(void *c, char **p, const int64_t *s, int64_t n)            \
+#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
+
+/* ---- unary: y = f(x) ---- */
+typedef void (*row_fn)(void *c, char **p, const int64_t *s, int64_t n);
+
+/* The row loop over f32 x (fn_f32), and over any dtypes through double (fn_any). */
+#define UNARY_F32(fn, EXPR_F)                                                                       \
+    KILN_SIMD static void fn(void *c, char **p, const int64_t *s, int64_t n)                        \
     {                                                                                               \
         const pw_ctx *pc = c;                                                                       \
         (void)pc;                                                                                   \
@@ -66,8 +62,9 @@ typedef struct {
         } else {                                                                                    \
             for (int64_t i = 0; i < n; i++) { float x = in[i * s[1]]; o[i * s[0]] = (EXPR_F); }     \
         }                                                                                           \
-    }                                                                                               \
-    static void u_##name##_any(void *c, char **p, const int64_t *s, int64_t n)                      \
+    }
+#define UNARY_ANY(fn, EXPR_D)                                                                       \
+    static void fn(void *c, char **p, const int64_t *s, int64_t n)                                  \
     {                                                                                               \
         const pw_ctx *pc = c;                                                                       \
         size_t so = kiln_dtype_size(pc->dt[0]), si = kiln_dtype_size(pc->dt[1]);                   \
@@ -75,40 +72,43 @@ typedef struct {
             double x = kiln__load(p[1] + i * s[1] * (int64_t)si, pc->dt[1]);                        \
             kiln__store(p[0] + i * s[0] * (int64_t)so, pc->dt[0], (EXPR_D));                        \
         }                                                                                           \
-    }                                                                                               \
-    kiln_status kiln__cpu_##name(kiln__backend *be, kiln_tensor_t *const *in, int n_in,              \
-                                 const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)        \
+    }
+
+static kiln_status unary(row_fn f32, row_fn any, kiln_tensor_t *x, kiln_tensor_t *y, const kiln__attrs *a)
+{
+    kiln_tensor_t *ops[2] = {y, x};
+    cpu_iter it;
+    cpu_iter_init(&it, 2, ops);
+    pw_ctx pc = {{y->dtype, x->dtype}, a};
+    cpu_iter_run(&it, x->dtype == KILN_DTYPE_F32 && y->dtype == KILN_DTYPE_F32 ? f32 : any, &pc);
+    return KILN_OK;
+}
+
+/* kiln__cpu_<name>: EXPR_F over f32, EXPR_D over any dtype; UNARY_FAST: EXPR_FAST
+ * instead of EXPR_F when FAST holds (the fast-exp switch). */
+#define UNARY(name, EXPR_F, EXPR_D)                                                                 \
+    UNARY_F32(u_##name##_f32, EXPR_F)                                                               \
+    UNARY_ANY(u_##name##_any, EXPR_D)                                                               \
+    kiln_status kiln__cpu_##name(K_ARGS) { return unary(u_##name##_f32, u_##name##_any, in[0], out[0], a); }
+#define UNARY_FAST(name, EXPR_F, EXPR_FAST, EXPR_D, FAST)                                           \
+    UNARY_F32(u_##name##_f32, EXPR_F)                                                               \
+    UNARY_F32(u_##name##_fast_f32, EXPR_FAST)                                                       \
+    UNARY_ANY(u_##name##_any, EXPR_D)                                                               \
+    kiln_status kiln__cpu_##name(K_ARGS)                                                            \
     {                                                                                               \
-        kiln_tensor_t *ops[2] = {out[0], in[0]};                                                    \
-        cpu_iter it;                                                                                \
-        cpu_iter_init(&it, 2, ops);                                                                 \
-        pw_ctx pc = {{out[0]->dtype, in[0]->dtype}, a};                                             \
-        cpu_iter_run(&it, all_dtype(in, 1, out, 1, KILN_DTYPE_F32) ? u_##name##_f32 : u_##name##_any, &pc); \
-        return KILN_OK;                                                                             \
+        return unary((FAST) ? u_##name##_fast_f32 : u_##name##_f32, u_##name##_any, in[0], out[0], a); \
     }
 
 #define AT (pc->a)
-UNARY(neg, -x, -x)
-UNARY(abs, fabsf(x), fabs(x))
-UNARY(exp, expf(x), exp(x))
-UNARY(log, logf(x), log(x))
-UNARY(sqrt, sqrtf(x), sqrt(x))
-UNARY(rsqrt, 1.0f / sqrtf(x), 1.0 / sqrt(x))
-UNARY(tanh_exact, tanhf(x), tanh(x))
-UNARY(tanh_fast, fast_tanhf(x), tanh(x))
-UNARY(sigmoid_exact, sigmoid_f(x), sigmoid_d(x))
-UNARY(sigmoid_fast, fast_sigmoidf(x), sigmoid_d(x))
-UNARY(relu, x > 0 ? x : 0.0f, x > 0 ? x : 0.0)
-UNARY(gelu_exact, gelu_f(x, AT->op.gelu.tanh), gelu_d(x, AT->op.gelu.tanh))
-UNARY(gelu_fast, gelu_fast(x), gelu_d(x, AT->op.gelu.tanh))
-UNARY(silu_exact, x * sigmoid_f(x), x * sigmoid_d(x))
-UNARY(silu_fast, x * fast_sigmoidf(x), x * sigmoid_d(x))
+#define FAST_EXP kiln__opt(KILN__OPT_FAST_EXP)
+#define FAST_GELU (kiln__opt(KILN__OPT_FAST_EXP) && a->op.gelu.tanh) /* GELU's fast form is the tanh one */
+UNARY_FAST(gelu, gelu_f(x, AT->op.gelu.tanh), km_gelu_fast(x), gelu_d(x, AT->op.gelu.tanh), FAST_GELU)
 UNARY(scale_body, x * (float)AT->op.scalar.value, x * AT->op.scalar.value)
 UNARY(fill_body, ((void)x, (float)AT->op.scalar.value), ((void)x, AT->op.scalar.value))
 
-/* ---- binary ---- */
-#define BINARY(name, EXPR_F, EXPR_D, OUT_IS_BOOL)                                                   \
-    KILN_SIMD static void b_##name##_f32(void *c, char **p, const int64_t *s, int64_t n)            \
+/* ---- binary: z = f(x, y) ---- */
+#define BINARY_F32(fn, EXPR_F)                                                                      \
+    KILN_SIMD static void fn(void *c, char **p, const int64_t *s, int64_t n)                        \
     {                                                                                               \
         const pw_ctx *pc = c;                                                                       \
         (void)pc;                                                                                   \
@@ -128,8 +128,9 @@ UNARY(fill_body, ((void)x, (float)AT->op.scalar.value), ((void)x, AT->op.scalar.
                 o[i * s[0]] = (EXPR_F);                                                             \
             }                                                                                       \
         }                                                                                           \
-    }                                                                                               \
-    static void b_##name##_any(void *c, char **p, const int64_t *s, int64_t n)                      \
+    }
+#define BINARY_ANY(fn, EXPR_D)                                                                      \
+    static void fn(void *c, char **p, const int64_t *s, int64_t n)                                  \
     {                                                                                               \
         const pw_ctx *pc = c;                                                                       \
         size_t so = kiln_dtype_size(pc->dt[0]), sa = kiln_dtype_size(pc->dt[1]), sb = kiln_dtype_size(pc->dt[2]); \
@@ -138,82 +139,63 @@ UNARY(fill_body, ((void)x, (float)AT->op.scalar.value), ((void)x, AT->op.scalar.
             double y = kiln__load(p[2] + i * s[2] * (int64_t)sb, pc->dt[2]);                        \
             kiln__store(p[0] + i * s[0] * (int64_t)so, pc->dt[0], (EXPR_D));                        \
         }                                                                                           \
-    }                                                                                               \
-    kiln_status kiln__cpu_##name(kiln__backend *be, kiln_tensor_t *const *in, int n_in,              \
-                                 const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)        \
-    {                                                                                               \
-        kiln_tensor_t *ops[3] = {out[0], in[0], in[1]};                                             \
-        cpu_iter it;                                                                                \
-        cpu_iter_init(&it, 3, ops);                                                                 \
-        pw_ctx pc = {{out[0]->dtype, in[0]->dtype, in[1]->dtype}, a};                               \
-        bool f32 = !(OUT_IS_BOOL) && all_dtype(in, 2, out, 1, KILN_DTYPE_F32);                     \
-        cpu_iter_run(&it, f32 ? b_##name##_f32 : b_##name##_any, &pc);                              \
-        return KILN_OK;                                                                             \
     }
 
-/* NaN propagates through maximum/minimum, as in PyTorch. */
-#define MAXF(x, y) ((x) != (x) || (x) > (y) ? (x) : (y))
-#define MINF(x, y) ((x) != (x) || (x) < (y) ? (x) : (y))
+/* A bool result (a comparison) always takes the any-dtype loop. */
+static kiln_status binary(row_fn f32, row_fn any, kiln_tensor_t *const *in, kiln_tensor_t *z, const kiln__attrs *a,
+                          bool out_is_bool)
+{
+    kiln_tensor_t *ops[3] = {z, in[0], in[1]};
+    cpu_iter it;
+    cpu_iter_init(&it, 3, ops);
+    pw_ctx pc = {{z->dtype, in[0]->dtype, in[1]->dtype}, a};
+    cpu_iter_run(&it, !out_is_bool && all_dtype(in, 2, &z, 1, KILN_DTYPE_F32) ? f32 : any, &pc);
+    return KILN_OK;
+}
+
+#define BINARY(name, EXPR_F, EXPR_D, OUT_IS_BOOL)                                                   \
+    BINARY_F32(b_##name##_f32, EXPR_F)                                                              \
+    BINARY_ANY(b_##name##_any, EXPR_D)                                                              \
+    kiln_status kiln__cpu_##name(K_ARGS) { return binary(b_##name##_f32, b_##name##_any, in, out[0], a, OUT_IS_BOOL); }
+#define BINARY_FAST(name, EXPR_F, EXPR_FAST, EXPR_D, FAST)                                          \
+    BINARY_F32(b_##name##_f32, EXPR_F)                                                              \
+    BINARY_F32(b_##name##_fast_f32, EXPR_FAST)                                                      \
+    BINARY_ANY(b_##name##_any, EXPR_D)                                                              \
+    kiln_status kiln__cpu_##name(K_ARGS)                                                            \
+    {                                                                                               \
+        return binary((FAST) ? b_##name##_fast_f32 : b_##name##_f32, b_##name##_any, in, out[0], a, false); \
+    }
+
 BINARY(add, x + y, x + y, 0)
 BINARY(sub, x - y, x - y, 0)
 BINARY(mul, x * y, x * y, 0)
 BINARY(div, x / y, x / y, 0)
 BINARY(pow, powf(x, y), pow(x, y), 0)
-BINARY(maximum, MAXF(x, y), MAXF(x, y), 0)
-BINARY(minimum, MINF(x, y), MINF(x, y), 0)
+BINARY(maximum, km_max(x, y), km_maxd(x, y), 0)
+BINARY(minimum, km_min(x, y), km_mind(x, y), 0)
 BINARY(eq, ((void)x, (void)y, 0.0f), x == y, 1)
 BINARY(ne, ((void)x, (void)y, 0.0f), x != y, 1)
 BINARY(lt, ((void)x, (void)y, 0.0f), x < y, 1)
 BINARY(le, ((void)x, (void)y, 0.0f), x <= y, 1)
 BINARY(gt, ((void)x, (void)y, 0.0f), x > y, 1)
 BINARY(ge, ((void)x, (void)y, 0.0f), x >= y, 1)
-BINARY(gelu_backward_exact, y * gelu_grad_f(x, AT->op.gelu.tanh), y * gelu_grad_d(x, AT->op.gelu.tanh), 0)
-BINARY(gelu_backward_fast, y * gelu_grad_fast(x), y * gelu_grad_d(x, AT->op.gelu.tanh), 0)
-BINARY(silu_backward_exact, y * sigmoid_f(x) * (1.0f + x * (1.0f - sigmoid_f(x))),
-       y * sigmoid_d(x) * (1.0 + x * (1.0 - sigmoid_d(x))), 0)
-BINARY(silu_backward_fast, y * fast_sigmoidf(x) * (1.0f + x * (1.0f - fast_sigmoidf(x))),
-       y * sigmoid_d(x) * (1.0 + x * (1.0 - sigmoid_d(x))), 0)
+BINARY_FAST(gelu_backward, y * gelu_grad_f(x, AT->op.gelu.tanh), y * km_gelu_grad_fast(x),
+            y * gelu_grad_d(x, AT->op.gelu.tanh), FAST_GELU)
 
-/* The pointwise ops defined by their math (include/kiln/pointwise.def): y = km_<name>(x),
- * and the backward op's g * km_<name>_dx(x); in f64, the d forms. */
-#define KILN_PW(ID, name)                                              \
-    UNARY(name, km_##name(x), km_##name##d(x))                         \
-    BINARY(name##_backward, y * km_##name##_dx(x), y * km_##name##_dxd(x), 0)
+/* The rows of include/kiln/pointwise.def: y = km_<name>(x) and the backward op's
+ * g * km_<name>_dx(x); in any other dtype than f32 the d forms; by its fast column, the
+ * _fast forms in f32 under the fast-exp switch (SWITCH), or never here (EXACT, and GEN,
+ * whose fast form is the generated kernels'). */
+#define PW_EXACT(name) UNARY(name, km_##name(x), km_##name##d(x))
+#define PW_GEN PW_EXACT
+#define PW_SWITCH(name) UNARY_FAST(name, km_##name(x), km_##name##_fast(x), km_##name##d(x), FAST_EXP)
+#define PW_BW_EXACT(name) BINARY(name##_backward, y * km_##name##_dx(x), y * km_##name##_dxd(x), 0)
+#define PW_BW_GEN PW_BW_EXACT
+#define PW_BW_SWITCH(name) \
+    BINARY_FAST(name##_backward, y * km_##name##_dx(x), y * km_##name##_dx_fast(x), y * km_##name##_dxd(x), FAST_EXP)
+#define KILN_PW(ID, name, dtypes, grad, fast) PW_##fast(name) KILN__PW_IF_OP(grad, PW_BW_##fast(name))
 #include "kiln/pointwise.def"
 #undef KILN_PW
-
-/* The ops with a fast-exp variant pick it by switch (GELU's fast form is the tanh one). */
-#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
-kiln_status kiln__cpu_gelu_exact(K_ARGS);
-kiln_status kiln__cpu_gelu_fast(K_ARGS);
-kiln_status kiln__cpu_silu_exact(K_ARGS);
-kiln_status kiln__cpu_silu_fast(K_ARGS);
-kiln_status kiln__cpu_tanh_exact(K_ARGS);
-kiln_status kiln__cpu_tanh_fast(K_ARGS);
-kiln_status kiln__cpu_sigmoid_exact(K_ARGS);
-kiln_status kiln__cpu_sigmoid_fast(K_ARGS);
-kiln_status kiln__cpu_gelu_backward_exact(K_ARGS);
-kiln_status kiln__cpu_gelu_backward_fast(K_ARGS);
-kiln_status kiln__cpu_silu_backward_exact(K_ARGS);
-kiln_status kiln__cpu_silu_backward_fast(K_ARGS);
-#define BY_SWITCH(name)                                                                          \
-    kiln_status kiln__cpu_##name(K_ARGS)                                                         \
-    {                                                                                            \
-        return kiln__opt(KILN__OPT_FAST_EXP) ? kiln__cpu_##name##_fast(be, in, n_in, a, out, n_out) \
-                                              : kiln__cpu_##name##_exact(be, in, n_in, a, out, n_out); \
-    }
-#define BY_SWITCH_GELU(name)                                                                     \
-    kiln_status kiln__cpu_##name(K_ARGS)                                                         \
-    {                                                                                            \
-        return kiln__opt(KILN__OPT_FAST_EXP) && a->op.gelu.tanh ? kiln__cpu_##name##_fast(be, in, n_in, a, out, n_out) \
-                                                        : kiln__cpu_##name##_exact(be, in, n_in, a, out, n_out); \
-    }
-BY_SWITCH_GELU(gelu)
-BY_SWITCH(silu)
-BY_SWITCH(tanh)
-BY_SWITCH(sigmoid)
-BY_SWITCH_GELU(gelu_backward)
-BY_SWITCH(silu_backward)
 
 /* ---- in-place: operand 0 is the destination, read and written ---- */
 KILN_SIMD static void add__f32(void *c, char **p, const int64_t *s, int64_t n)
@@ -333,8 +315,7 @@ kiln_status kiln__cpu_reduce_scatter_(kiln__backend *be, kiln_tensor_t *const *i
 kiln_status kiln__cpu_allgather_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                  kiln_tensor_t *const *out, int n_out)
 {
-    kiln__collective2_fn run = (kiln__collective2_fn)(uintptr_t)a->op.collective.ops;
-    return run(a->op.collective.group, in[0], in[1], a->op.collective.reduce);
+    return kiln__cpu_reduce_scatter_(be, in, n_in, a, out, n_out); /* the same call: the op carries its function */
 }
 
 kiln_status kiln__cpu_where(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,

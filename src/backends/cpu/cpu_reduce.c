@@ -226,20 +226,10 @@ static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dim
     return KILN_OK;
 }
 
-kiln_status kiln__cpu_sum(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                          kiln_tensor_t *const *out, int n_out)
-{
-    return reduce(in[0], out[0], a->shape, a->ndim, 0);
-}
+kiln_status kiln__cpu_sum(KILN__KERNEL_ARGS) { return reduce(in[0], out[0], a->shape, a->ndim, 0); }
+kiln_status kiln__cpu_max(KILN__KERNEL_ARGS) { return reduce(in[0], out[0], a->shape, a->ndim, 1); }
 
-kiln_status kiln__cpu_max(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                          kiln_tensor_t *const *out, int n_out)
-{
-    return reduce(in[0], out[0], a->shape, a->ndim, 1);
-}
-
-kiln_status kiln__cpu_argmax(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_argmax(KILN__KERNEL_ARGS)
 {
     int64_t dim = a->op.dim.dim;
     return reduce(in[0], out[0], &dim, 1, 2);

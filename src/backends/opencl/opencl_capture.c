@@ -241,10 +241,10 @@ kiln_status kiln__opencl_replay(kiln__backend *be, void *graph)
     /* What the host checks before an eager launch the kernels checked: a bad index or
      * target makes this run's results meaningless, and is said. */
     int word = 0;
-    kiln_status s = kiln__opencl_copy_d2h(be, &word, d->err, sizeof word);
+    kiln_status s = kiln__be_copy_d2h(be, &word, d->err, sizeof word);
     if (s != KILN_OK || !word) return s;
     word = 0;
-    if ((s = kiln__opencl_copy_h2d(be, d->err, &word, sizeof word)) != KILN_OK) return s;
+    if ((s = kiln__be_copy_h2d(be, d->err, &word, sizeof word)) != KILN_OK) return s;
     return kiln__err(KILN_ERR_INDEX, "%s: an index or target outside its range (embedding or cross_entropy) in a "
                      "replayed step: its results are not valid (run the step eagerly to see which)", d->name);
 }

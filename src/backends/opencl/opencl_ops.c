@@ -69,8 +69,7 @@ static kiln__karg buf_arg(const kiln_tensor_t *t) { return (kiln__karg){KILN__KA
 static kiln__karg i64_arg(int64_t v) { return (kiln__karg){KILN__KARG_I64, NULL, v, 0}; }
 static kiln__karg f_arg(kiln__karg_kind k, double v) { return (kiln__karg){k, NULL, 0, v}; }
 
-static kiln_status ocl_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                              kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_matmul(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *x = in[0], *y = in[1], *o = out[0];
     bool tiles = kiln__opt(KILN__OPT_CL_MATMUL_TILES);
@@ -104,8 +103,7 @@ static bool contiguous_f32(const kiln_tensor_t *t) { return t->dtype == KILN_DTY
 
 static bool contiguous_as(const kiln_tensor_t *t, kiln_dtype dt) { return t->dtype == dt && kiln__is_contiguous(t); }
 
-static kiln_status ocl_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_add_(KILN__KERNEL_ARGS)
 {
     int64_t n = kiln_tensor_numel(in[0]);
     kiln_dtype dt = in[0]->dtype;
@@ -123,8 +121,7 @@ static kiln_status ocl_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_i
 /* copy_: contiguous to contiguous as one device copy, other layouts of the same shape
  * (a source of as many elements is read as laid out like the destination when
  * contiguous) by kiln_copy_nd; broadcasts, dtype changes and other devices on the cpu. */
-static kiln_status ocl_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_copy_(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *dst = in[0], *src = in[1];
     int64_t n = kiln_tensor_numel(dst);
@@ -135,7 +132,7 @@ static kiln_status ocl_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_
         return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
     if (!n) return KILN_OK;
     if (kiln__is_contiguous(dst) && kiln__is_contiguous(src))
-        return kiln__opencl_copy_d2d(be, kiln__data(dst), kiln__data(src), kiln_tensor_nbytes(dst));
+        return kiln__be_copy_d2d(be, kiln__data(dst), kiln__data(src), kiln_tensor_nbytes(dst));
     cl_kernel k = builtin(be, BK_COPY_ND);
     if (!k) return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
     int64_t rs[KILN_MAX_DIMS];
@@ -152,8 +149,7 @@ static kiln_status ocl_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_
     return kiln__opencl_launch(be, k, args, 23, &grid, NULL, 1);
 }
 
-static kiln_status ocl_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                              kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_scale_(KILN__KERNEL_ARGS)
 {
     int64_t n = kiln_tensor_numel(in[0]);
     cl_kernel k = contiguous_f32(in[0]) ? builtin(be, BK_SCALE_) : NULL;
@@ -164,8 +160,7 @@ static kiln_status ocl_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n
     return kiln__opencl_launch(be, k, args, 3, &grid, NULL, 1);
 }
 
-static kiln_status ocl_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                              kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_adamw_(KILN__KERNEL_ARGS)
 {
     cl_kernel k = builtin(be, BK_ADAMW_); /* shapes and layouts were checked by inference */
     if (!k) return kiln__cpu_fallback(be, KILN_OP_ADAMW_, in, n_in, a, out, n_out);
@@ -197,32 +192,38 @@ static void *err_word(kiln__backend *be)
         return NULL;
     }
     int zero[16] = {0};
-    void *p = kiln__opencl_alloc(be, sizeof zero);
+    void *p = kiln__be_alloc(be, sizeof zero);
     if (!p) {
         kiln__err(KILN_ERR_OOM, "%s: out of device memory", d->name);
         return NULL;
     }
-    if (kiln__opencl_copy_h2d(be, p, zero, sizeof zero) != KILN_OK) {
-        kiln__opencl_free(be, p, sizeof zero);
+    if (kiln__be_copy_h2d(be, p, zero, sizeof zero) != KILN_OK) {
+        kiln__be_free(be, p, sizeof zero);
         return NULL;
     }
     return d->err = p;
 }
 
 /* The indices on the host, checked as the cpu checks them (an index outside [0, limit)
- * is an error that names it), before an eager launch. While a capture is recorded there
- * is no host in between: the kernels check them into the error word instead. */
-static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_tensor_t *idx, int64_t limit)
+ * is an error that names it), before an eager launch; cross-entropy targets (ignore
+ * given) may also be the ignore index. While a capture is recorded there is no host in
+ * between: the kernels check them into the error word instead. */
+static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_tensor_t *idx, int64_t limit,
+                                 const int64_t *ignore)
 {
     if (((cl_dev *)be->ctx)->cap) return KILN_OK;
     int64_t n = kiln_tensor_numel(idx);
     size_t sz = kiln_dtype_size(idx->dtype);
     char *h = malloc(sz * (size_t)(n ? n : 1));
     if (!h) return kiln__err(KILN_ERR_OOM, "%s: out of memory", op);
-    kiln_status s = kiln__opencl_copy_d2h(be, h, kiln__data(idx), sz * (size_t)n);
+    kiln_status s = kiln__be_copy_d2h(be, h, kiln__data(idx), sz * (size_t)n);
     for (int64_t i = 0; s == KILN_OK && i < n; i++) {
         int64_t v = kiln__load_index(h + i * (int64_t)sz, idx->dtype);
-        if (v < 0 || v >= limit)
+        if ((ignore && v == *ignore) || (v >= 0 && v < limit)) continue;
+        if (ignore)
+            s = kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) (and is not "
+                          "ignore_index %lld)", (long long)v, (long long)i, (long long)limit, (long long)*ignore);
+        else
             s = kiln__err(KILN_ERR_INDEX, "%s: index %lld at position %lld is outside [0, %lld)", op, (long long)v,
                           (long long)i, (long long)limit);
     }
@@ -230,14 +231,13 @@ static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_t
     return s;
 }
 
-static kiln_status ocl_embedding(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_embedding(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *w = in[0], *idx = in[1];
     cl_kernel k = contiguous_f32(w) && index_layout(idx) ? builtin(be, BK_EMB) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_EMBEDDING, in, n_in, a, out, n_out);
     int64_t V = w->shape[0], C = w->shape[1], n = kiln_tensor_numel(idx);
-    kiln_status s = check_indices(be, "embedding", idx, V);
+    kiln_status s = check_indices(be, "embedding", idx, V, NULL);
     if (s != KILN_OK || !n || !C) return s;
     void *err = err_word(be);
     if (!err) return kiln_last_status();
@@ -247,14 +247,13 @@ static kiln_status ocl_embedding(kiln__backend *be, kiln_tensor_t *const *in, in
     return kiln__opencl_launch(be, k, args, 8, &grid, NULL, 1);
 }
 
-static kiln_status ocl_embedding_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                          kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_embedding_backward(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *g = in[0], *idx = in[1], *o = out[0];
     int64_t V = o->shape[0], C = o->shape[1];
     cl_kernel k = contiguous_f32(g) && o->dtype == KILN_DTYPE_F32 && index_layout(idx) ? builtin(be, BK_EMB_BWD) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_EMBEDDING_BACKWARD, in, n_in, a, out, n_out);
-    kiln_status s = check_indices(be, "embedding backward", idx, V);
+    kiln_status s = check_indices(be, "embedding backward", idx, V, NULL);
     if (s != KILN_OK || !C || !V) return s;
     void *err = err_word(be);
     if (!err) return kiln_last_status();
@@ -264,26 +263,6 @@ static kiln_status ocl_embedding_backward(kiln__backend *be, kiln_tensor_t *cons
     return kiln__opencl_launch(be, k, args, 8, &grid, NULL, 1);
 }
 
-/* Cross-entropy targets on the host before an eager launch: each in [0, V) or the
- * ignore index, as the cpu checks them (while recording, the kernels do). */
-static kiln_status ce_targets(kiln__backend *be, const kiln_tensor_t *t, int64_t V, int64_t ignore)
-{
-    if (((cl_dev *)be->ctx)->cap) return KILN_OK;
-    int64_t n = kiln_tensor_numel(t);
-    size_t sz = kiln_dtype_size(t->dtype);
-    char *h = malloc(sz * (size_t)(n ? n : 1));
-    if (!h) return kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
-    kiln_status s = kiln__opencl_copy_d2h(be, h, kiln__data(t), sz * (size_t)n);
-    for (int64_t i = 0; s == KILN_OK && i < n; i++) {
-        int64_t v = kiln__load_index(h + i * (int64_t)sz, t->dtype);
-        if (v != ignore && (v < 0 || v >= V))
-            s = kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) (and is not "
-                          "ignore_index %lld)", (long long)v, (long long)i, (long long)V, (long long)ignore);
-    }
-    free(h);
-    return s;
-}
-
 static bool ce_layout(const kiln_tensor_t *x, const kiln_tensor_t *t)
 {
     return contiguous_f32(x) && index_layout(t);
@@ -291,21 +270,20 @@ static bool ce_layout(const kiln_tensor_t *x, const kiln_tensor_t *t)
 
 /* The rows on the device, then their mean over the rows that count by one work-item in
  * row order (as the cpu sums): no value comes back to the host. */
-static kiln_status ocl_cross_entropy(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                     kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_cross_entropy(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *x = in[0], *t = in[1];
     cl_kernel k = ce_layout(x, t) && out[1]->dtype == KILN_DTYPE_F32 ? builtin(be, BK_CE) : NULL;
     cl_kernel km = k ? builtin(be, BK_CE_MEAN) : NULL;
     if (!km) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY, in, n_in, a, out, n_out);
     int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64;
-    kiln_status s = ce_targets(be, t, V, a->op.cross_entropy.ignore_index);
+    kiln_status s = check_indices(be, "cross_entropy", t, V, &a->op.cross_entropy.ignore_index);
     if (s != KILN_OK) return s;
     if (!N) { /* no rows: the mean of nothing */
         float nan = NAN;
-        return kiln__opencl_fill(be, kiln__data(out[0]), &nan, sizeof nan, sizeof nan);
+        return kiln__be_fill(be, kiln__data(out[0]), &nan, sizeof nan, sizeof nan);
     }
-    void *err = err_word(be), *dloss = err ? kiln__opencl_alloc(be, sizeof(double) * (size_t)N) : NULL;
+    void *err = err_word(be), *dloss = err ? kiln__be_alloc(be, sizeof(double) * (size_t)N) : NULL;
     if (!err) return kiln_last_status();
     if (!dloss) return kiln__err(KILN_ERR_OOM, "cross_entropy: out of device memory");
     kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(out[1]), {KILN__KARG_BUF, dloss, 0, 0}, i64_arg(N),
@@ -315,21 +293,20 @@ static kiln_status ocl_cross_entropy(kiln__backend *be, kiln_tensor_t *const *in
     kiln__karg margs[] = {{KILN__KARG_BUF, dloss, 0, 0}, buf_arg(t), buf_arg(out[0]), i64_arg(N), i64_arg(V),
                           i64_arg(a->op.cross_entropy.ignore_index), i64_arg(t64), {KILN__KARG_BUF, err, 0, 0}};
     if (s == KILN_OK) s = kiln__opencl_launch(be, km, margs, 8, &one, NULL, 1);
-    kiln__opencl_free(be, dloss, sizeof(double) * (size_t)N); /* in-order queue: after the kernels that read it */
+    kiln__be_free(be, dloss, sizeof(double) * (size_t)N); /* in-order queue: after the kernels that read it */
     return s;
 }
 
-static kiln_status ocl_cross_entropy_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in,
-                                              const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_cross_entropy_backward(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *g = in[0], *x = in[1], *t = in[2], *lse = in[3];
     bool ok = ce_layout(x, t) && contiguous_f32(lse) && g->dtype == KILN_DTYPE_F32;
     cl_kernel k = ok ? builtin(be, BK_CE_BWD) : NULL, ks = k ? builtin(be, BK_CE_SCALE) : NULL;
     if (!ks) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY_BACKWARD, in, n_in, a, out, n_out);
     int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64;
-    kiln_status s = ce_targets(be, t, V, a->op.cross_entropy.ignore_index);
+    kiln_status s = check_indices(be, "cross_entropy", t, V, &a->op.cross_entropy.ignore_index);
     if (s != KILN_OK || !N || !V) return s;
-    void *err = err_word(be), *gs = err ? kiln__opencl_alloc(be, sizeof(double)) : NULL;
+    void *err = err_word(be), *gs = err ? kiln__be_alloc(be, sizeof(double)) : NULL;
     if (!err) return kiln_last_status();
     if (!gs) return kiln__err(KILN_ERR_OOM, "cross_entropy backward: out of device memory");
     kiln__karg sargs[] = {buf_arg(t), buf_arg(g), {KILN__KARG_BUF, gs, 0, 0}, i64_arg(N), i64_arg(V), i64_arg(a->op.cross_entropy.ignore_index),
@@ -339,7 +316,7 @@ static kiln_status ocl_cross_entropy_backward(kiln__backend *be, kiln_tensor_t *
     kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(lse), buf_arg(out[0]), i64_arg(N), i64_arg(V), i64_arg(a->op.cross_entropy.ignore_index),
                          i64_arg(t64), {KILN__KARG_BUF, gs, 0, 0}, {KILN__KARG_BUF, err, 0, 0}};
     if (s == KILN_OK) s = kiln__opencl_launch(be, k, args, 10, &grid, NULL, 1);
-    kiln__opencl_free(be, gs, sizeof(double));
+    kiln__be_free(be, gs, sizeof(double));
     return s;
 }
 
@@ -366,30 +343,32 @@ static bool att_layout(kiln_tensor_t *const *t, int n, int64_t D)
 static size_t att_grid(int64_t n) { return (size_t)((n + 15) / 16 * 16); }
 static const size_t att_block = 16;
 
-/* Dense copies of t[0..n) into d (NULL where one failed); freed by undense. */
-static bool densify(kiln_tensor_t *const *t, int n, kiln_tensor_t **d)
-{
-    bool ok = true;
-    for (int i = 0; i < n; i++) ok &= (d[i] = dense(t[i])) != NULL;
-    return ok;
-}
-
 static void undense(kiln_tensor_t **d, int n)
 {
     for (int i = 0; i < n; i++) kiln_tensor_free(d[i]);
 }
 
-static kiln_status ocl_attention(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+/* Dense copies of t[0..n) into d, freed by undense; none is left when one fails. */
+static kiln_status densify(kiln_tensor_t *const *t, int n, kiln_tensor_t **d)
+{
+    bool ok = true;
+    for (int i = 0; i < n; i++) ok &= (d[i] = dense(t[i])) != NULL;
+    kiln_status s = ok ? KILN_OK : kiln_last_status();
+    if (!ok) undense(d, n);
+    return s;
+}
+
+static kiln_status ocl_attention(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *q = in[0], *k = in[1];
     int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], D = q->shape[3], Hkv = k->shape[1], Tk = k->shape[2];
     cl_kernel kern = att_layout(in, 3, D) && out[1]->dtype == KILN_DTYPE_F32 ? builtin(be, BK_ATT) : NULL;
     if (!kern) return kiln__cpu_fallback(be, KILN_OP_ATTENTION, in, n_in, a, out, n_out);
     kiln_tensor_t *c[3];
-    kiln_status s = densify(in, 3, c) ? KILN_OK : kiln_last_status();
+    kiln_status s = densify(in, 3, c);
     size_t grid = att_grid(B * H * Tq);
-    if (s == KILN_OK && grid) {
+    if (s != KILN_OK) return s;
+    if (grid) {
         kiln__karg args[] = {buf_arg(c[0]), buf_arg(c[1]), buf_arg(c[2]), buf_arg(out[0]), buf_arg(out[1]), i64_arg(B),
                              i64_arg(H), i64_arg(Hkv), i64_arg(Tq), i64_arg(Tk), i64_arg(D),
                              f_arg(KILN__KARG_F32, a->op.attention.scale), i64_arg(a->op.attention.causal)};
@@ -400,8 +379,7 @@ static kiln_status ocl_attention(kiln__backend *be, kiln_tensor_t *const *in, in
 }
 
 /* in: g, q, k, v, o, lse -> dq, dk, dv */
-static kiln_status ocl_attention_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                          kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_attention_backward(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *q = in[1], *k = in[2];
     int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], D = q->shape[3], Hkv = k->shape[1], Tk = k->shape[2];
@@ -410,10 +388,8 @@ static kiln_status ocl_attention_backward(kiln__backend *be, kiln_tensor_t *cons
     kiln__karg dims[] = {i64_arg(B), i64_arg(H), i64_arg(Hkv), i64_arg(Tq), i64_arg(Tk), i64_arg(D),
                          f_arg(KILN__KARG_F32, a->op.attention.scale), i64_arg(a->op.attention.causal)};
     kiln_tensor_t *c[6];
-    if (!densify(in, 6, c)) {
-        undense(c, 6);
-        return kiln_last_status();
-    }
+    kiln_status s = densify(in, 6, c);
+    if (s != KILN_OK) return s;
     kiln__karg aq[15], akv[16];
     for (int i = 0; i < 6; i++) aq[i] = akv[i] = buf_arg(c[i]);
     aq[6] = buf_arg(out[0]);
@@ -422,25 +398,24 @@ static kiln_status ocl_attention_backward(kiln__backend *be, kiln_tensor_t *cons
     memcpy(aq + 7, dims, sizeof dims);
     memcpy(akv + 8, dims, sizeof dims);
     size_t gq = att_grid(B * H * Tq), gkv = att_grid(B * Hkv * Tk);
-    kiln_status s = gq ? kiln__opencl_launch(be, kq, aq, 15, &gq, &att_block, 1) : KILN_OK;
+    s = gq ? kiln__opencl_launch(be, kq, aq, 15, &gq, &att_block, 1) : KILN_OK;
     if (s == KILN_OK && gkv) s = kiln__opencl_launch(be, kkv, akv, 16, &gkv, &att_block, 1);
     undense(c, 6);
     return s;
 }
 
-/* in: g, x, w, [mean,] rstd -> dx, dw, [db]: rows of C = the last dim. */
-static kiln_status norm_backward(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+/* Layer norm's and RMS norm's backward. in: g, x, w, [mean,] rstd -> dx, dw, [db]: rows
+ * of C = the last dim; RMS norm has no mean and no db. */
+static kiln_status ocl_norm_backward(KILN__KERNEL_ARGS)
 {
-    bool rms = op == KILN_OP_RMS_NORM_BACKWARD, ok = true;
+    bool rms = n_in == 4, ok = true;
+    int op = rms ? KILN_OP_RMS_NORM_BACKWARD : KILN_OP_LAYER_NORM_BACKWARD;
     for (int i = 0; i < n_in; i++) ok &= in[i]->dtype == KILN_DTYPE_F32;
     cl_kernel kx = ok ? builtin(be, BK_NORM_DX) : NULL, kw = kx ? builtin(be, BK_NORM_DWB) : NULL;
     if (!kx || !kw) return kiln__cpu_fallback(be, op, in, n_in, a, out, n_out);
     kiln_tensor_t *c[5] = {NULL};
-    if (!densify(in, n_in, c)) {
-        undense(c, n_in);
-        return kiln_last_status();
-    }
+    kiln_status s = densify(in, n_in, c);
+    if (s != KILN_OK) return s;
     const kiln_tensor_t *x = c[1], *mean = c[3], *rstd = c[rms ? 3 : 4]; /* RMS: mean is not read */
     int64_t C = x->shape[x->ndim - 1], N = C ? kiln_tensor_numel(x) / C : 0;
     kiln__karg ax[] = {buf_arg(c[0]), buf_arg(x), buf_arg(c[2]), buf_arg(mean), buf_arg(rstd), buf_arg(out[0]),
@@ -448,22 +423,10 @@ static kiln_status norm_backward(kiln__backend *be, int op, kiln_tensor_t *const
     kiln__karg aw[] = {buf_arg(c[0]), buf_arg(x), buf_arg(mean), buf_arg(rstd), buf_arg(out[1]),
                        buf_arg(rms ? out[1] : out[2]), i64_arg(N), i64_arg(C), i64_arg(rms)};
     size_t gn = (size_t)N, gc = (size_t)C;
-    kiln_status s = gn && gc ? kiln__opencl_launch(be, kx, ax, 9, &gn, NULL, 1) : KILN_OK;
+    s = gn && gc ? kiln__opencl_launch(be, kx, ax, 9, &gn, NULL, 1) : KILN_OK;
     if (s == KILN_OK && gc) s = kiln__opencl_launch(be, kw, aw, 9, &gc, NULL, 1);
     undense(c, n_in);
     return s;
-}
-
-static kiln_status ocl_layer_norm_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                           kiln_tensor_t *const *out, int n_out)
-{
-    return norm_backward(be, KILN_OP_LAYER_NORM_BACKWARD, in, n_in, a, out, n_out);
-}
-
-static kiln_status ocl_rms_norm_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                         kiln_tensor_t *const *out, int n_out)
-{
-    return norm_backward(be, KILN_OP_RMS_NORM_BACKWARD, in, n_in, a, out, n_out);
 }
 
 const kiln__kernel_fn kiln__opencl_kernels[KILN_OP_COUNT] = {
@@ -478,7 +441,7 @@ const kiln__kernel_fn kiln__opencl_kernels[KILN_OP_COUNT] = {
     [KILN_OP_CROSS_ENTROPY_BACKWARD] = ocl_cross_entropy_backward,
     [KILN_OP_ATTENTION] = ocl_attention,
     [KILN_OP_ATTENTION_BACKWARD] = ocl_attention_backward,
-    [KILN_OP_LAYER_NORM_BACKWARD] = ocl_layer_norm_backward,
-    [KILN_OP_RMS_NORM_BACKWARD] = ocl_rms_norm_backward,
+    [KILN_OP_LAYER_NORM_BACKWARD] = ocl_norm_backward,
+    [KILN_OP_RMS_NORM_BACKWARD] = ocl_norm_backward,
 };
 #endif
