@@ -145,11 +145,14 @@ kiln_status kiln__pg_check_counts(const kiln_pg_t *pg, const sig *s, int64_t nin
     return KILN_OK;
 }
 
-/* Starts a collective: checks, numbers it, and (with MPI) posts it; w gets the work. */
+/* Starts a collective: checks, numbers it, and (with MPI) posts it; w gets the work,
+ * with the tensor an average is taken in (the reduced one, of an allreduce or a
+ * reduce_scatter with KILN_REDUCE_AVG). */
 static kiln_status start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t *out, struct kiln_pg_work *w)
 {
-    memset(w, 0, sizeof *w);
-    w->pg = pg;
+    bool reduces = s->op == OP_ALLREDUCE || s->op == OP_REDUCE_SCATTER;
+    *w = (struct kiln_pg_work){.pg = pg, .t = reduces && s->reduce == KILN_REDUCE_AVG ? (out ? out : in) : NULL};
+    w->avg = w->t != NULL;
     if (pg->broken)
         return kiln_error(KILN_ERR_DIST, "process group: an earlier collective failed on rank %d; the group cannot be used",
                           pg->rank);
@@ -207,25 +210,13 @@ static kiln_status finish(struct kiln_pg_work *w)
     return st;
 }
 
-/* The tensor an average is taken in: the reduced one, of an allreduce or a
- * reduce_scatter with KILN_REDUCE_AVG. */
-static kiln_tensor_t *avg_of(const sig *s, kiln_tensor_t *in, kiln_tensor_t *out)
-{
-    bool reduces = s->op == OP_ALLREDUCE || s->op == OP_REDUCE_SCATTER;
-    return reduces && s->reduce == KILN_REDUCE_AVG ? (out ? out : in) : NULL;
-}
-
 /* A blocking collective: start and finish under the lock. */
 static kiln_status run(kiln_pg_t *pg, sig s, kiln_tensor_t *in, kiln_tensor_t *out)
 {
     struct kiln_pg_work w;
     pthread_mutex_lock(&pg->mu);
     kiln_status st = start(pg, &s, in, out, &w);
-    if (st == KILN_OK) {
-        w.t = avg_of(&s, in, out);
-        w.avg = w.t != NULL;
-        st = finish(&w);
-    }
+    if (st == KILN_OK) st = finish(&w);
     pthread_mutex_unlock(&pg->mu);
     return st;
 }
@@ -381,8 +372,6 @@ static kiln_status start_async(const char *name, kiln_pg_t *pg, sig s, kiln_tens
         free(w);
         return st;
     }
-    w->t = avg_of(&s, in, out);
-    w->avg = w->t != NULL;
     *work = w;
     return KILN_OK;
 }
