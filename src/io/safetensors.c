@@ -30,32 +30,17 @@
 #define MAX_HEADER_BYTES 100000000ull
 #define META_KEY "__metadata__"
 
-/* One table from safetensors dtype names to kiln dtypes. */
-static const struct {
-    const char *name;
-    kiln_dtype dt;
-} dtype_table[] = {
-    {"F32", KILN_DTYPE_F32}, {"F64", KILN_DTYPE_F64}, {"F16", KILN_DTYPE_F16}, {"BF16", KILN_DTYPE_BF16},
-    {"I32", KILN_DTYPE_I32}, {"I64", KILN_DTYPE_I64}, {"U8", KILN_DTYPE_U8},   {"BOOL", KILN_DTYPE_BOOL},
+/* Each kiln dtype's safetensors name: one table, used both ways. */
+static const char *const st_names[] = {
+    [KILN_DTYPE_F32] = "F32", [KILN_DTYPE_F64] = "F64", [KILN_DTYPE_F16] = "F16", [KILN_DTYPE_BF16] = "BF16",
+    [KILN_DTYPE_I32] = "I32", [KILN_DTYPE_I64] = "I64", [KILN_DTYPE_U8] = "U8",   [KILN_DTYPE_BOOL] = "BOOL",
 };
-_Static_assert(sizeof dtype_table / sizeof dtype_table[0] == KILN_DTYPE_COUNT,
-               "every kiln dtype needs a safetensors name");
-
-static const char *dtype_to_st(kiln_dtype dt)
-{
-    for (size_t i = 0; i < KILN_DTYPE_COUNT; i++)
-        if (dtype_table[i].dt == dt) return dtype_table[i].name;
-    return NULL;
-}
+_Static_assert(sizeof st_names / sizeof st_names[0] == KILN_DTYPE_COUNT, "every kiln dtype needs a safetensors name");
 
 static bool dtype_from_st(const char *name, kiln_dtype *out)
 {
-    for (size_t i = 0; i < KILN_DTYPE_COUNT; i++) {
-        if (strcmp(dtype_table[i].name, name) == 0) {
-            *out = dtype_table[i].dt;
-            return true;
-        }
-    }
+    for (*out = 0; *out < KILN_DTYPE_COUNT; (*out)++)
+        if (strcmp(st_names[*out], name) == 0) return true;
     return false;
 }
 
@@ -382,7 +367,7 @@ static char *build_header(const char *const *names, kiln_tensor_t *const *tensor
         json_t *shape = json_array();
         for (int d = 0; d < kiln_tensor_ndim(t); d++)
             json_array_append_new(shape, json_integer((json_int_t)kiln_tensor_dim(t, d)));
-        json_t *e = json_pack("{s:s, s:o, s:[I, I]}", "dtype", dtype_to_st(kiln_tensor_dtype(t)), "shape", shape,
+        json_t *e = json_pack("{s:s, s:o, s:[I, I]}", "dtype", st_names[kiln_tensor_dtype(t)], "shape", shape,
                               "data_offsets", (json_int_t)offset, (json_int_t)(offset + nbytes));
         if (!e || json_array_size(json_object_get(e, "shape")) != (size_t)kiln_tensor_ndim(t)) {
             json_decref(e);
