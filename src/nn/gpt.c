@@ -149,9 +149,9 @@ kiln_status kiln_gpt_config_from_json(const char *text, kiln_gpt_config *out)
             *(double *)p = json_number_value(v);
         } else if (k == F_BOOL && json_is_boolean(v)) {
             *(bool *)p = json_is_true(v);
-        } else { /* a bool or enum key of another type is named unknown, as it always was */
-            s = kiln_error(KILN_ERR_FORMAT, k == F_INT || k == F_NUM ? "gpt config: key '%s' has the wrong type"
-                                                                     : "gpt config: unknown key '%s'", key);
+        } else {
+            s = kiln_error(KILN_ERR_FORMAT, p ? "gpt config: key '%s' has the wrong type" : "gpt config: unknown key '%s'",
+                           key);
             break;
         }
     }
