@@ -4,28 +4,6 @@
 #include <string.h>
 #include "backends/cpu/cpu.h"
 
-kiln_status cpu_check_indices(const char *op, const kiln_tensor_t *idx, int64_t limit, const int64_t *ignore,
-                              int64_t *count)
-{
-    const char *p = kiln__data(idx);
-    size_t sz = kiln_dtype_size(idx->dtype);
-    int64_t n = kiln__numel(idx->ndim, idx->shape), c = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t v = kiln__load_index(p + i * (int64_t)sz, idx->dtype);
-        if (ignore && v == *ignore) continue;
-        if ((v < 0 || v >= limit) && !ignore)
-            return kiln__err(KILN_ERR_INDEX, "%s: index %lld at position %lld is outside [0, %lld)", op, (long long)v,
-                             (long long)i, (long long)limit);
-        if (v < 0 || v >= limit)
-            return kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) "
-                             "(and is not ignore_index %lld)", (long long)v, (long long)i, (long long)limit,
-                             (long long)*ignore);
-        c++;
-    }
-    if (count) *count = c;
-    return KILN_OK;
-}
-
 typedef struct {
     const char *src;
     char *dst;
