@@ -107,25 +107,31 @@ kiln__backend *kiln__backend_here(kiln__backend *be)
     return was;
 }
 
-/* "cpu, opencl:0" */
-static void device_list(char *buf, size_t n)
+/* "cpu, opencl:0" into buf, returned. */
+static const char *device_list(char *buf, size_t n)
 {
     size_t w = 0;
     buf[0] = '\0';
     for (int i = 0; i < n_backends && w < n; i++) w += (size_t)snprintf(buf + w, n - w, "%s%s", i ? ", " : "", backends[i]->name);
+    return buf;
+}
+
+/* The backend called name, or NULL with an error that lists the devices there are. */
+static kiln__backend *named(const char *name)
+{
+    kiln__backend *be = kiln__backend_find(name);
+    char have[256];
+    if (!be)
+        kiln__err(KILN_ERR_DEVICE, "no device named '%s' (this build and machine have: %s)", name ? name : "(null)",
+                  device_list(have, sizeof have));
+    return be;
 }
 
 kiln_status kiln_set_device(const char *name)
 {
-    kiln__backend *be = kiln__backend_find(name);
-    if (!be) {
-        char have[256];
-        device_list(have, sizeof have);
-        return kiln__err(KILN_ERR_DEVICE, "no device named '%s' (this build and machine have: %s)", name ? name : "(null)",
-                         have);
-    }
-    atomic_store(&default_be, be);
-    return KILN_OK;
+    kiln__backend *be = named(name);
+    if (be) atomic_store(&default_be, be);
+    return be ? KILN_OK : kiln_last_status();
 }
 
 const char *kiln_device(void) { return kiln__backend_default()->name; }
@@ -133,8 +139,8 @@ const char *kiln_device(void) { return kiln__backend_default()->name; }
 kiln_status kiln_host_pin(const char *device, void *ptr, size_t n, bool *pinned)
 {
     if (pinned) *pinned = false;
-    kiln__backend *be = kiln__backend_find(device);
-    if (!be) return kiln_set_device(device) == KILN_OK ? KILN_OK : kiln_last_status(); /* names the devices */
+    kiln__backend *be = named(device);
+    if (!be) return kiln_last_status();
     if (!ptr || !n || !be->host_register) return KILN_OK; /* nothing to pin, or a backend without it */
     kiln_status s = kiln__be_host_register(be, ptr, n);
     if (s == KILN_OK && pinned) *pinned = true;
@@ -143,16 +149,15 @@ kiln_status kiln_host_pin(const char *device, void *ptr, size_t n, bool *pinned)
 
 kiln_status kiln_host_unpin(const char *device, void *ptr)
 {
-    kiln__backend *be = kiln__backend_find(device);
-    if (!be) return kiln_set_device(device) == KILN_OK ? KILN_OK : kiln_last_status();
+    kiln__backend *be = named(device);
+    if (!be) return kiln_last_status();
     return ptr && be->host_unregister ? kiln__be_host_unregister(be, ptr) : KILN_OK;
 }
 
 kiln_status kiln_device_synchronize(const char *device)
 {
-    kiln__backend *be = kiln__backend_find(device);
-    if (!be) return kiln_set_device(device) == KILN_OK ? KILN_OK : kiln_last_status(); /* names the devices */
-    return kiln__be_synchronize(be);
+    kiln__backend *be = named(device);
+    return be ? kiln__be_synchronize(be) : kiln_last_status();
 }
 
 int kiln__backend_count(void)
@@ -187,13 +192,12 @@ static void do_init(void)
      * cpu, with a warning (tools check it up front with kiln_set_device). */
     const char *dev = kiln__env_str(KILN__ENV_DEVICE);
     if (dev && *dev && strcmp(dev, "cpu")) probe_devices();
-    if (dev && *dev && !find_name(dev)) {
-        char have[256];
-        device_list(have, sizeof have);
-        fprintf(stderr, "kiln: KILN_DEVICE=%s is not a device here (have: %s); using cpu\n", dev, have);
-    } else if (dev && *dev) {
+    char have[256];
+    if (dev && *dev && !find_name(dev))
+        fprintf(stderr, "kiln: KILN_DEVICE=%s is not a device here (have: %s); using cpu\n", dev,
+                device_list(have, sizeof have));
+    else if (dev && *dev)
         atomic_store(&default_be, find_name(dev));
-    }
 }
 
 void kiln__ensure_init(void) { pthread_once(&init_once, do_init); }
