@@ -116,22 +116,15 @@ static const char *device_list(char *buf, size_t n)
     return buf;
 }
 
-/* The backend called name, or NULL with an error that lists the devices there are. */
-static kiln__backend *named(const char *name)
+kiln_status kiln_set_device(const char *name)
 {
     kiln__backend *be = kiln__backend_find(name);
     char have[256];
     if (!be)
-        kiln__err(KILN_ERR_DEVICE, "no device named '%s' (this build and machine have: %s)", name ? name : "(null)",
-                  device_list(have, sizeof have));
-    return be;
-}
-
-kiln_status kiln_set_device(const char *name)
-{
-    kiln__backend *be = named(name);
-    if (be) atomic_store(&default_be, be);
-    return be ? KILN_OK : kiln_last_status();
+        return kiln__err(KILN_ERR_DEVICE, "no device named '%s' (this build and machine have: %s)", name ? name : "(null)",
+                         device_list(have, sizeof have));
+    atomic_store(&default_be, be);
+    return KILN_OK;
 }
 
 const char *kiln_device(void) { return kiln__backend_default()->name; }
@@ -139,8 +132,8 @@ const char *kiln_device(void) { return kiln__backend_default()->name; }
 kiln_status kiln_host_pin(const char *device, void *ptr, size_t n, bool *pinned)
 {
     if (pinned) *pinned = false;
-    kiln__backend *be = named(device);
-    if (!be) return kiln_last_status();
+    kiln__backend *be = kiln__backend_find(device);
+    if (!be) return kiln_set_device(device) == KILN_OK ? KILN_OK : kiln_last_status(); /* names the devices */
     if (!ptr || !n || !be->host_register) return KILN_OK; /* nothing to pin, or a backend without it */
     kiln_status s = kiln__be_host_register(be, ptr, n);
     if (s == KILN_OK && pinned) *pinned = true;
@@ -149,15 +142,16 @@ kiln_status kiln_host_pin(const char *device, void *ptr, size_t n, bool *pinned)
 
 kiln_status kiln_host_unpin(const char *device, void *ptr)
 {
-    kiln__backend *be = named(device);
-    if (!be) return kiln_last_status();
+    kiln__backend *be = kiln__backend_find(device);
+    if (!be) return kiln_set_device(device) == KILN_OK ? KILN_OK : kiln_last_status();
     return ptr && be->host_unregister ? kiln__be_host_unregister(be, ptr) : KILN_OK;
 }
 
 kiln_status kiln_device_synchronize(const char *device)
 {
-    kiln__backend *be = named(device);
-    return be ? kiln__be_synchronize(be) : kiln_last_status();
+    kiln__backend *be = kiln__backend_find(device);
+    if (!be) return kiln_set_device(device) == KILN_OK ? KILN_OK : kiln_last_status(); /* names the devices */
+    return kiln__be_synchronize(be);
 }
 
 int kiln__backend_count(void)
