@@ -94,18 +94,18 @@ __kernel __attribute__((reqd_work_group_size(16, 16, 1))) void kiln_matmul_simpl
     if (row < M && col < N) C[row * N + col] = acc;
 }
 
-/* Embedding rows (indices checked on the host first) and their gradient: each
- * work-item owns one column and adds the rows in order, so the sum is the cpu's.
- * Indices are checked on the host before an eager launch; inside a command buffer
- * (no host in between) a bad one is clamped to 0 and raised in the device's error
- * word, which a replay reads after it runs. */
+/* Embedding rows and their gradient: each work-item of the gradient owns one column
+ * and adds the rows in order, so the sum is the cpu's. Indices are checked on the
+ * host before an eager launch; inside a command buffer (no host in between) a bad one
+ * is clamped to 0 and raised in the device's error word, which a replay reads after
+ * it runs. */
 long kiln_index(__global const char *gi, ulong oi, long i, long idx64, long V, __global int *err)
 {
     const long v = idx64 ? ((__global const long *)(gi + oi))[i] : (long)((__global const int *)(gi + oi))[i];
     if (v < 0 || v >= V) { *err = 1; return 0; }
     return v;
 }
-__kernel void kiln_embedding(BUF(w), BUF(i), BUF(o), long C, long n, long idx64, long V, BUF(e))
+__kernel void kiln_embedding(BUF(w), BUF(i), BUF(o), long C, long n, long V, long idx64, BUF(e))
 {
     const long q = get_global_id(0);
     if (q >= n * C) return;

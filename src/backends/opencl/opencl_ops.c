@@ -206,37 +206,27 @@ static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_t
     return s;
 }
 
-static kiln_status ocl_embedding(KILN__KERNEL_ARGS)
+/* Embedding rows (w (V, C), idx -> out) or, bwd, their gradient (g, idx -> dW (V, C)):
+ * a work-item an element of out, or a column of dW. */
+static kiln_status embedding(KILN__KERNEL_ARGS, bool bwd)
 {
-    const kiln_tensor_t *w = in[0], *idx = in[1];
-    cl_kernel k = contiguous_f32(w) && index_layout(idx) ? builtin(be, BK_embedding) : NULL;
-    if (!k) return kiln__cpu_fallback(be, KILN_OP_EMBEDDING, in, n_in, a, out, n_out);
+    const kiln_tensor_t *idx = in[1], *w = bwd ? out[0] : in[0];
     int64_t V = w->shape[0], C = w->shape[1], n = kiln_tensor_numel(idx);
-    kiln_status s = check_indices(be, "embedding", idx, V, NULL);
-    if (s != KILN_OK || !n || !C) return s;
+    bool ok = contiguous_f32(in[0]) && w->dtype == KILN_DTYPE_F32 && index_layout(idx);
+    cl_kernel k = ok ? builtin(be, bwd ? BK_embedding_backward : BK_embedding) : NULL;
+    if (!k) return kiln__cpu_fallback(be, bwd ? KILN_OP_EMBEDDING_BACKWARD : KILN_OP_EMBEDDING, in, n_in, a, out, n_out);
+    kiln_status s = check_indices(be, bwd ? "embedding backward" : "embedding", idx, V, NULL);
+    if (s != KILN_OK || !C || !(bwd ? V : n)) return s;
     void *err = err_word(be);
     if (!err) return kiln_last_status();
-    kiln__karg args[] = {buf_arg(w), buf_arg(idx), buf_arg(out[0]), i64_arg(C), i64_arg(n),
-                         i64_arg(idx->dtype == KILN_DTYPE_I64), i64_arg(V), ptr_arg(err)};
-    size_t grid = (size_t)(n * C);
+    kiln__karg args[] = {buf_arg(in[0]), buf_arg(idx), buf_arg(out[0]), i64_arg(C), i64_arg(n), i64_arg(V),
+                         i64_arg(idx->dtype == KILN_DTYPE_I64), ptr_arg(err)};
+    size_t grid = (size_t)(bwd ? C : n * C);
     return kiln__opencl_launch(be, k, args, 8, &grid, NULL, 1);
 }
 
-static kiln_status ocl_embedding_backward(KILN__KERNEL_ARGS)
-{
-    const kiln_tensor_t *g = in[0], *idx = in[1], *o = out[0];
-    int64_t V = o->shape[0], C = o->shape[1];
-    cl_kernel k = contiguous_f32(g) && o->dtype == KILN_DTYPE_F32 && index_layout(idx) ? builtin(be, BK_embedding_backward) : NULL;
-    if (!k) return kiln__cpu_fallback(be, KILN_OP_EMBEDDING_BACKWARD, in, n_in, a, out, n_out);
-    kiln_status s = check_indices(be, "embedding backward", idx, V, NULL);
-    if (s != KILN_OK || !C || !V) return s;
-    void *err = err_word(be);
-    if (!err) return kiln_last_status();
-    kiln__karg args[] = {buf_arg(g), buf_arg(idx), buf_arg(o), i64_arg(C), i64_arg(kiln_tensor_numel(idx)), i64_arg(V),
-                         i64_arg(idx->dtype == KILN_DTYPE_I64), ptr_arg(err)};
-    size_t grid = (size_t)C;
-    return kiln__opencl_launch(be, k, args, 8, &grid, NULL, 1);
-}
+static kiln_status ocl_embedding(KILN__KERNEL_ARGS) { return embedding(be, in, n_in, a, out, n_out, false); }
+static kiln_status ocl_embedding_backward(KILN__KERNEL_ARGS) { return embedding(be, in, n_in, a, out, n_out, true); }
 
 static bool ce_layout(const kiln_tensor_t *x, const kiln_tensor_t *t)
 {
