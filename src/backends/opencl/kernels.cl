@@ -159,7 +159,7 @@ __kernel void kiln_ce_count(BUF(rl), BUF(t), BUF(o), long N, long V, long ignore
     if (bwd) AT(double, o)[0] = count ? AT(const float, rl)[0] / (double)count : 0.0;
     else AT(float, o)[0] = (float)(count ? sum / (double)count : NAN);
 }
-__kernel void kiln_ce_backward(BUF(x), BUF(t), BUF(l), BUF(d), long N, long V, long ignore, long t64, BUF(s), BUF(e))
+__kernel void kiln_ce_backward(BUF(x), BUF(t), BUF(l), BUF(d), long N, long V, long ignore, long t64, BUF(e), BUF(s))
 {
     const long q = get_global_id(0);
     if (q >= N * V) return;

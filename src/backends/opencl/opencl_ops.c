@@ -228,62 +228,46 @@ static kiln_status embedding(KILN__KERNEL_ARGS, bool bwd)
 static kiln_status ocl_embedding(KILN__KERNEL_ARGS) { return embedding(be, in, n_in, a, out, n_out, false); }
 static kiln_status ocl_embedding_backward(KILN__KERNEL_ARGS) { return embedding(be, in, n_in, a, out, n_out, true); }
 
-static bool ce_layout(const kiln_tensor_t *x, const kiln_tensor_t *t)
+/* Cross-entropy (in: logits x, targets t -> mean loss, lse) or, bwd, its backward (in:
+ * g, x, t, lse -> dx), on the device: no value comes back to the host. The forward's
+ * rows (their losses into a device buffer), then their mean over the rows that count
+ * by one work-item in row order (as the cpu sums); the backward's g over that count
+ * (into a device double), then the rows. */
+static kiln_status cross_entropy(KILN__KERNEL_ARGS, bool bwd)
 {
-    return contiguous_f32(x) && index_layout(t);
-}
-
-/* The rows on the device, then their mean over the rows that count by one work-item in
- * row order (as the cpu sums): no value comes back to the host. */
-static kiln_status ocl_cross_entropy(KILN__KERNEL_ARGS)
-{
-    const kiln_tensor_t *x = in[0], *t = in[1];
-    cl_kernel k = ce_layout(x, t) && out[1]->dtype == KILN_DTYPE_F32 ? builtin(be, BK_ce_rows) : NULL;
-    cl_kernel km = k ? builtin(be, BK_ce_count) : NULL;
-    if (!km) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY, in, n_in, a, out, n_out);
+    const kiln_tensor_t *x = in[bwd], *t = in[bwd + 1];
+    bool ok = contiguous_f32(x) && index_layout(t) &&
+              (bwd ? contiguous_f32(in[3]) && in[0]->dtype == KILN_DTYPE_F32 : out[1]->dtype == KILN_DTYPE_F32);
+    cl_kernel k = ok ? builtin(be, bwd ? BK_ce_backward : BK_ce_rows) : NULL, kc = k ? builtin(be, BK_ce_count) : NULL;
+    if (!kc) return kiln__cpu_fallback(be, bwd ? KILN_OP_CROSS_ENTROPY_BACKWARD : KILN_OP_CROSS_ENTROPY, in, n_in, a, out, n_out);
     int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64, ig = a->op.cross_entropy.ignore_index;
     kiln_status s = check_indices(be, "cross_entropy", t, V, &ig);
-    if (s != KILN_OK) return s;
+    if (s != KILN_OK || (bwd && (!N || !V))) return s;
     if (!N) { /* no rows: the mean of nothing */
         float nan = NAN;
         return kiln__be_fill(be, kiln__data(out[0]), &nan, sizeof nan, sizeof nan);
     }
-    void *err = err_word(be), *dloss = err ? kiln__be_alloc(be, sizeof(double) * (size_t)N) : NULL;
+    size_t nb = sizeof(double) * (size_t)(bwd ? 1 : N);
+    void *err = err_word(be), *tmp = err ? kiln__be_alloc(be, nb) : NULL;
     if (!err) return kiln_last_status();
-    if (!dloss) return kiln__err(KILN_ERR_OOM, "cross_entropy: out of device memory");
-    kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(out[1]), ptr_arg(dloss), i64_arg(N), i64_arg(V), i64_arg(ig),
-                         i64_arg(t64), ptr_arg(err)};
-    kiln__karg margs[] = {ptr_arg(dloss), buf_arg(t), buf_arg(out[0]), i64_arg(N), i64_arg(V), i64_arg(ig),
-                          i64_arg(t64), ptr_arg(err), i64_arg(0)};
-    size_t grid = (size_t)N, one = 1;
-    s = kiln__opencl_launch(be, k, args, 9, &grid, NULL, 1);
-    if (s == KILN_OK) s = kiln__opencl_launch(be, km, margs, 9, &one, NULL, 1);
-    kiln__be_free(be, dloss, sizeof(double) * (size_t)N); /* in-order queue: after the kernels that read it */
+    if (!tmp) return kiln__err(KILN_ERR_OOM, bwd ? "cross_entropy backward: out of device memory"
+                                                  : "cross_entropy: out of device memory");
+    kiln__karg rows[] = {buf_arg(x), buf_arg(t), buf_arg(bwd ? in[3] : out[1]), bwd ? buf_arg(out[0]) : ptr_arg(tmp),
+                         i64_arg(N), i64_arg(V), i64_arg(ig), i64_arg(t64), ptr_arg(err), ptr_arg(tmp)};
+    kiln__karg count[] = {bwd ? buf_arg(in[0]) : ptr_arg(tmp), buf_arg(t), bwd ? ptr_arg(tmp) : buf_arg(out[0]),
+                          i64_arg(N), i64_arg(V), i64_arg(ig), i64_arg(t64), ptr_arg(err), i64_arg(bwd)};
+    size_t grid = (size_t)(bwd ? N * V : N), one = 1;
+    if (bwd) s = kiln__opencl_launch(be, kc, count, 9, &one, NULL, 1);
+    if (s == KILN_OK) s = kiln__opencl_launch(be, k, rows, 9 + bwd, &grid, NULL, 1);
+    if (s == KILN_OK && !bwd) s = kiln__opencl_launch(be, kc, count, 9, &one, NULL, 1);
+    kiln__be_free(be, tmp, nb); /* in-order queue: after the kernels that read it */
     return s;
 }
 
-/* The upstream gradient over the rows that count, on the device, then the rows. */
+static kiln_status ocl_cross_entropy(KILN__KERNEL_ARGS) { return cross_entropy(be, in, n_in, a, out, n_out, false); }
 static kiln_status ocl_cross_entropy_backward(KILN__KERNEL_ARGS)
 {
-    const kiln_tensor_t *g = in[0], *x = in[1], *t = in[2], *lse = in[3];
-    bool ok = ce_layout(x, t) && contiguous_f32(lse) && g->dtype == KILN_DTYPE_F32;
-    cl_kernel k = ok ? builtin(be, BK_ce_backward) : NULL, ks = k ? builtin(be, BK_ce_count) : NULL;
-    if (!ks) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY_BACKWARD, in, n_in, a, out, n_out);
-    int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64, ig = a->op.cross_entropy.ignore_index;
-    kiln_status s = check_indices(be, "cross_entropy", t, V, &ig);
-    if (s != KILN_OK || !N || !V) return s;
-    void *err = err_word(be), *gs = err ? kiln__be_alloc(be, sizeof(double)) : NULL;
-    if (!err) return kiln_last_status();
-    if (!gs) return kiln__err(KILN_ERR_OOM, "cross_entropy backward: out of device memory");
-    kiln__karg sargs[] = {buf_arg(g), buf_arg(t), ptr_arg(gs), i64_arg(N), i64_arg(V), i64_arg(ig), i64_arg(t64),
-                          ptr_arg(err), i64_arg(1)};
-    kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(lse), buf_arg(out[0]), i64_arg(N), i64_arg(V), i64_arg(ig),
-                         i64_arg(t64), ptr_arg(gs), ptr_arg(err)};
-    size_t one = 1, grid = (size_t)(N * V);
-    s = kiln__opencl_launch(be, ks, sargs, 9, &one, NULL, 1);
-    if (s == KILN_OK) s = kiln__opencl_launch(be, k, args, 10, &grid, NULL, 1);
-    kiln__be_free(be, gs, sizeof(double));
-    return s;
+    return cross_entropy(be, in, n_in, a, out, n_out, true);
 }
 
 /* Whether every tensor of t[0..n) is f32. */
