@@ -100,21 +100,18 @@ static kiln_status fill_value(kiln__backend *be, kiln_tensor_t *t, double v)
     return kiln__be_fill(be, kiln__data(t), pat, kiln_dtype_size(t->dtype), kiln_tensor_nbytes(t));
 }
 
-static kiln_status generic_full(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                kiln_tensor_t *const *out, int n_out)
+static kiln_status generic_full(KILN__KERNEL_ARGS)
 {
     return fill_value(be, out[0], a->op.source.value);
 }
 
-static kiln_status generic_fill_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+static kiln_status generic_fill_(KILN__KERNEL_ARGS)
 {
     if (!kiln__is_contiguous(in[0])) return kiln__cpu_fallback(be, KILN_OP_FILL_, in, n_in, a, out, n_out);
     return fill_value(be, in[0], a->op.scalar.value);
 }
 
-static kiln_status generic_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+static kiln_status generic_copy_(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *dst = in[0], *src = in[1];
     if (dst->dtype != src->dtype || !kiln__is_contiguous(dst) || kiln_tensor_numel(dst) != kiln_tensor_numel(src) ||
