@@ -45,18 +45,14 @@ void kiln__meta_of(const kiln_tensor_t *t, kiln__meta *m)
 kiln_tensor_t *kiln__tensor_alias(kiln__storage *st, kiln_dtype dt, int ndim, const int64_t *shape,
                                   const int64_t *stride, int64_t offset)
 {
-    kiln_tensor_t *t = calloc(1, sizeof *t);
+    kiln_tensor_t *t = malloc(sizeof *t);
     if (!t) return kiln__err(KILN_ERR_OOM, "out of memory allocating a tensor header"), NULL;
-    atomic_init(&t->refcount, 1);
+    *t = (kiln_tensor_t){.refcount = 1, .st = st, .dtype = dt, .ndim = ndim, .offset = offset};
     atomic_fetch_add(&st->refcount, 1);
-    t->st = st;
-    t->dtype = dt;
-    t->ndim = ndim;
     for (int i = 0; i < ndim; i++) {
         t->shape[i] = shape[i];
         t->stride[i] = stride[i];
     }
-    t->offset = offset;
     return t;
 }
 

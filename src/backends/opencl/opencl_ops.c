@@ -353,19 +353,12 @@ static kiln_status ocl_norm_backward(KILN__KERNEL_ARGS)
     return s;
 }
 
-const kiln__kernel_fn kiln__opencl_kernels[KILN_OP_COUNT] = {
-    [KILN_OP_MATMUL] = ocl_matmul,
-    [KILN_OP_ADD_] = ocl_add_,
-    [KILN_OP_SCALE_] = ocl_scale_,
-    [KILN_OP_COPY_] = ocl_copy_,
-    [KILN_OP_ADAMW_] = ocl_adamw_,
-    [KILN_OP_EMBEDDING] = ocl_embedding,
-    [KILN_OP_EMBEDDING_BACKWARD] = ocl_embedding_backward,
-    [KILN_OP_CROSS_ENTROPY] = ocl_cross_entropy,
-    [KILN_OP_CROSS_ENTROPY_BACKWARD] = ocl_cross_entropy_backward,
-    [KILN_OP_ATTENTION] = ocl_attention,
-    [KILN_OP_ATTENTION_BACKWARD] = ocl_attention,
-    [KILN_OP_LAYER_NORM_BACKWARD] = ocl_norm_backward,
-    [KILN_OP_RMS_NORM_BACKWARD] = ocl_norm_backward,
-};
+/* The op kernels: X(op, the function ocl_<name> that runs it). */
+#define OPS(X)                                                                                          \
+    X(MATMUL, matmul) X(ADD_, add_) X(SCALE_, scale_) X(COPY_, copy_) X(ADAMW_, adamw_) X(EMBEDDING, embedding) \
+    X(EMBEDDING_BACKWARD, embedding_backward) X(CROSS_ENTROPY, cross_entropy)                          \
+    X(CROSS_ENTROPY_BACKWARD, cross_entropy_backward) X(ATTENTION, attention) X(ATTENTION_BACKWARD, attention) \
+    X(LAYER_NORM_BACKWARD, norm_backward) X(RMS_NORM_BACKWARD, norm_backward)
+#define OP_ROW(op, name) [KILN_OP_##op] = ocl_##name,
+const kiln__kernel_fn kiln__opencl_kernels[KILN_OP_COUNT] = {OPS(OP_ROW)};
 #endif
