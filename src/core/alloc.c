@@ -160,11 +160,8 @@ void kiln__storage_release(kiln__storage *st)
 
 kiln__pool *kiln__pool_new(void)
 {
-    kiln__pool *p = calloc(1, sizeof *p);
-    if (p) {
-        p->refs = 1;
-        p->alive = true;
-    }
+    kiln__pool *p = malloc(sizeof *p);
+    if (p) *p = (kiln__pool){.refs = 1, .alive = true};
     return p;
 }
 

@@ -9,10 +9,9 @@
 #include "kiln/tensor.h"
 #include "core/attrs.h"
 
-#define KILN_BACKEND_ABI_VERSION 4
+#define KILN_BACKEND_ABI_VERSION 5
 
 typedef struct kiln__backend kiln__backend;
-typedef struct kiln__stream kiln__stream;
 typedef struct kiln__event kiln__event;
 
 /* One op's kernel on one backend. in[i] and out[j] are device tensors whose storage
@@ -54,9 +53,7 @@ struct kiln__backend {
     kiln_status (*copy_d2h)(kiln__backend *be, void *dst, const void *src, size_t n);
     kiln_status (*copy_d2d)(kiln__backend *be, void *dst, const void *src, size_t n);
     kiln_status (*memset)(kiln__backend *be, void *dst, int byte, size_t n);
-    kiln__stream *(*stream_new)(kiln__backend *be);
-    void (*stream_free)(kiln__backend *be, kiln__stream *s);
-    kiln__event *(*event_record)(kiln__backend *be, kiln__stream *s);
+    kiln__event *(*event_record)(kiln__backend *be); /* a marker after the work queued so far */
     kiln_status (*event_wait)(kiln__backend *be, kiln__event *e);
     void (*event_free)(kiln__backend *be, kiln__event *e);
     kiln_status (*synchronize)(kiln__backend *be);
@@ -101,6 +98,12 @@ struct kiln__backend {
  * a backend kernel calls it for the layouts it does not take. */
 kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                kiln_tensor_t *const *out, int n_out);
+/* Checks the n indices of dtype dt at idx (host memory) before any is used: each in
+ * [0, limit), or for cross-entropy targets (ignore given) the ignore index; an index
+ * outside is an error that names it (op, or the target's row). *count, when given,
+ * gets how many are not ignored (src/core/tensor.c). */
+kiln_status kiln__check_indices(const char *op, const void *idx, kiln_dtype dt, int64_t n, int64_t limit,
+                                const int64_t *ignore, int64_t *count);
 
 /* Registration and look-up by name. Backends are made by the backend providers
  * registered with kiln__backend_provider_register (src/core/intercept.h): the cpu at
@@ -150,7 +153,7 @@ KILN__BE_REQUIRED_CALLS(KILN__BE_DECLARE)
 KILN__BE_OPTIONAL_CALLS(KILN__BE_DECLARE)
 #undef KILN__BE_DECLARE
 void kiln__be_free(kiln__backend *be, void *ptr, size_t nbytes);
-kiln__event *kiln__be_event_record(kiln__backend *be, kiln__stream *s);
+kiln__event *kiln__be_event_record(kiln__backend *be);
 void kiln__be_event_free(kiln__backend *be, kiln__event *e);
 kiln_status kiln__be_event_query(kiln__backend *be, kiln__event *e, bool *done);
 void kiln__be_kernel_free(kiln__backend *be, void *kernel);

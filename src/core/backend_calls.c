@@ -19,9 +19,9 @@ KILN__BE_OPTIONAL_CALLS(OPTIONAL)
 
 void kiln__be_free(kiln__backend *be, void *ptr, size_t nbytes) { be->free(be, ptr, nbytes); }
 
-kiln__event *kiln__be_event_record(kiln__backend *be, kiln__stream *s)
+kiln__event *kiln__be_event_record(kiln__backend *be)
 {
-    if (be->event_record) return be->event_record(be, s);
+    if (be->event_record) return be->event_record(be);
     be->synchronize(be); /* the work before it is done: nothing is left to wait for */
     return NULL;
 }

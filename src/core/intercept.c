@@ -114,19 +114,16 @@ kiln_status kiln__intercept_end(const kiln__interceptor *ic, kiln_status s, cons
     return s;
 }
 
-bool kiln__dispatch_tracing(void)
+/* Whether an interceptor on this thread's stack traces (traces true) or records. */
+static bool stack_any(bool traces)
 {
-    bool any = false;
-    for (int i = 0; i < stack.n; i++) any |= stack.ic[i]->traces;
-    return any;
+    for (int i = 0; i < stack.n; i++)
+        if (traces ? stack.ic[i]->traces : stack.ic[i]->records) return true;
+    return false;
 }
 
-bool kiln__dispatch_recording(void)
-{
-    bool any = false;
-    for (int i = 0; i < stack.n; i++) any |= stack.ic[i]->records;
-    return any;
-}
+bool kiln__dispatch_tracing(void) { return stack_any(true); }
+bool kiln__dispatch_recording(void) { return stack_any(false); }
 
 /* The active interceptors in order: this thread's stack merged with the process-wide
  * ones (both already sorted). Returns how many, at most MAX_GLOBAL + MAX_STACK. */

@@ -100,6 +100,9 @@ kiln_tensor_t *kiln__call(kiln__op_id op, kiln_tensor_t *const *in, int n_in, co
  * note it; the kernel's own launch stands for it. */
 kiln_status kiln__dispatch_quiet(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                  kiln_tensor_t **out);
+/* t itself when contiguous, else a contiguous copy on its device made so; a new
+ * reference (NULL on error). */
+kiln_tensor_t *kiln__dense(kiln_tensor_t *t);
 
 /* Shape helpers shared by inference and the rooms above. */
 kiln_status kiln__broadcast_shapes(const char *op, int n, kiln_tensor_t *const *ts, kiln__meta *out);

@@ -45,18 +45,14 @@ void kiln__meta_of(const kiln_tensor_t *t, kiln__meta *m)
 kiln_tensor_t *kiln__tensor_alias(kiln__storage *st, kiln_dtype dt, int ndim, const int64_t *shape,
                                   const int64_t *stride, int64_t offset)
 {
-    kiln_tensor_t *t = calloc(1, sizeof *t);
+    kiln_tensor_t *t = malloc(sizeof *t);
     if (!t) return kiln__err(KILN_ERR_OOM, "out of memory allocating a tensor header"), NULL;
-    atomic_init(&t->refcount, 1);
+    *t = (kiln_tensor_t){.refcount = 1, .st = st, .dtype = dt, .ndim = ndim, .offset = offset};
     atomic_fetch_add(&st->refcount, 1);
-    t->st = st;
-    t->dtype = dt;
-    t->ndim = ndim;
     for (int i = 0; i < ndim; i++) {
         t->shape[i] = shape[i];
         t->stride[i] = stride[i];
     }
-    t->offset = offset;
     return t;
 }
 
@@ -131,6 +127,28 @@ kiln_tensor_t *kiln_keep(kiln_tensor_t *t)
         }
     }
     return t; /* not in a scope: the caller owned it already */
+}
+
+kiln_status kiln__check_indices(const char *op, const void *idx, kiln_dtype dt, int64_t n, int64_t limit,
+                                const int64_t *ignore, int64_t *count)
+{
+    size_t sz = kiln_dtype_size(dt);
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t v = kiln__load_index((const char *)idx + i * (int64_t)sz, dt);
+        if (ignore && v == *ignore) continue;
+        if (v >= 0 && v < limit) {
+            c++;
+            continue;
+        }
+        if (ignore)
+            return kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) (and is "
+                             "not ignore_index %lld)", (long long)v, (long long)i, (long long)limit, (long long)*ignore);
+        return kiln__err(KILN_ERR_INDEX, "%s: index %lld at position %lld is outside [0, %lld)", op, (long long)v,
+                         (long long)i, (long long)limit);
+    }
+    if (count) *count = c;
+    return KILN_OK;
 }
 
 /* Properties. */
@@ -290,11 +308,8 @@ kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes
     kiln_status s = host_copy_check(t, dst, nbytes, false);
     if (s != KILN_OK) return s;
     if (!nbytes) return KILN_OK;
-    if (kiln__is_contiguous(t)) return kiln__be_copy_d2h(t->st->be, dst, kiln__data(t), nbytes);
-    kiln_tensor_t *c = NULL;
-    kiln_tensor_t *in = (kiln_tensor_t *)t;
-    s = kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &in, 1, &(kiln__attrs){0}, &c);
-    if (s == KILN_OK) s = kiln__be_copy_d2h(c->st->be, dst, kiln__data(c), nbytes);
+    kiln_tensor_t *c = kiln__dense((kiln_tensor_t *)t);
+    s = c ? kiln__be_copy_d2h(c->st->be, dst, kiln__data(c), nbytes) : kiln_last_status();
     kiln_tensor_free(c);
     return s;
 }
@@ -328,14 +343,10 @@ kiln_tensor_t *kiln_tensor_to(kiln_tensor_t *t, const char *device)
                          "before the captured function"), NULL;
     if (t->st->be == be) return kiln__scoped(kiln_tensor_retain(t));
     if (kiln__intercept_data_access(t, "tensor_to") != KILN_OK) return NULL;
-    kiln_tensor_t *c = (kiln_tensor_t *)t;
-    kiln_status s = kiln__is_contiguous(t) ? (kiln_tensor_retain(t), KILN_OK)
-                                           : kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &c, 1, &(kiln__attrs){0}, &c);
-    if (s != KILN_OK) return NULL;
-    kiln_tensor_t *out = kiln__tensor_alloc(be, t->dtype, t->shape, t->ndim);
-    if (out) s = kiln__copy_across(be, kiln__data(out), c->st->be, kiln__data(c), kiln_tensor_nbytes(c));
+    kiln_tensor_t *c = kiln__dense(t), *out = c ? kiln__tensor_alloc(be, t->dtype, t->shape, t->ndim) : NULL;
+    bool ok = out && kiln__copy_across(be, kiln__data(out), c->st->be, kiln__data(c), kiln_tensor_nbytes(c)) == KILN_OK;
     kiln_tensor_free(c);
-    if (!out || s != KILN_OK) {
+    if (!ok) {
         kiln_tensor_free(out);
         return NULL;
     }

@@ -97,10 +97,7 @@ static void *worker(void *arg)
 
 void kiln__pool_start(int nthreads)
 {
-    if (workers || nthreads <= 1) {
-        if (!workers) n_threads = 1;
-        return;
-    }
+    if (workers || nthreads <= 1) return; /* n_threads stays 1 until workers run */
     workers = calloc((size_t)nthreads - 1, sizeof *workers);
     if (!workers) return;
     int started = 0;

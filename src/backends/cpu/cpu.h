@@ -40,11 +40,12 @@ kiln_tensor_t *cpu_contig(kiln_tensor_t *t, kiln_tensor_t **tmp);
 bool cpu_contig_n(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp,
                   bool (*as_is)(const kiln_tensor_t *));
 void cpu_free_n(kiln_tensor_t **tmp, int n);
-/* Checks every index of idx before any is used: each in [0, limit), or for cross-entropy
- * targets (ignore given) the ignore index; an index outside is an error that names it
- * (op, or the target's row). *count, when given, gets how many are not ignored. */
-kiln_status cpu_check_indices(const char *op, const kiln_tensor_t *idx, int64_t limit, const int64_t *ignore,
-                              int64_t *count);
+/* kiln__check_indices on every index of idx (contiguous). */
+static inline kiln_status cpu_check_indices(const char *op, const kiln_tensor_t *idx, int64_t limit,
+                                            const int64_t *ignore, int64_t *count)
+{
+    return kiln__check_indices(op, kiln__data(idx), idx->dtype, kiln__numel(idx->ndim, idx->shape), limit, ignore, count);
+}
 /* A stack header viewing `t` with another shape/stride/offset (no references). */
 void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t *shape, const int64_t *stride,
               int64_t offset);

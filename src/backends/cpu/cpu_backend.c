@@ -75,8 +75,8 @@ static kiln_status cpu_memset(kiln__backend *be, void *dst, int byte, size_t n)
     return KILN_OK;
 }
 
-/* Work on the cpu is synchronous, so the stream and event entries are left NULL: the
- * core's defaults (no stream; an event is a synchronize, here nothing) are what it needs. */
+/* Work on the cpu is synchronous, so the event entries are left NULL: the core's
+ * default (an event is a synchronize, here nothing) is what it needs. */
 static kiln_status cpu_synchronize(kiln__backend *be) { return KILN_OK; }
 
 static kiln__backend cpu_backend = {

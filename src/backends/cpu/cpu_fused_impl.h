@@ -109,6 +109,19 @@ typedef struct {
 #define LN_BLOCK 32
 #define LN_LANES 4
 
+/* The sum over a row x of C of x (sq false) or of (x - mu)^2, in LN_LANES independent
+ * partials (they vectorize), added in order. */
+static inline double FN(ln_sum)(const R *x, int64_t C, double mu, bool sq)
+{
+    double s = 0, ls[LN_LANES] = {0};
+    int64_t i0 = C - C % LN_LANES;
+    for (int64_t i = 0; i < i0; i += LN_LANES)
+        for (int l = 0; l < LN_LANES; l++) ls[l] += sq ? ((double)x[i + l] - mu) * ((double)x[i + l] - mu) : x[i + l];
+    for (int l = 0; l < LN_LANES; l++) s += ls[l];
+    for (int64_t i = i0; i < C; i++) s += sq ? ((double)x[i] - mu) * ((double)x[i] - mu) : x[i];
+    return s;
+}
+
 KILN_SIMD static void FN(ln_fwd_range)(void *c, int64_t b, int64_t e)
 {
     const FN(ln_ctx) *k = c;
@@ -116,22 +129,8 @@ KILN_SIMD static void FN(ln_fwd_range)(void *c, int64_t b, int64_t e)
     for (int64_t n = b; n < e; n++) {
         const R *x = k->x + n * C;
         R *y = k->y + n * C;
-        /* Sums in LN_LANES independent partials (they vectorize), added in order. */
-        double mu = 0, var = 0, lm[LN_LANES] = {0}, lv[LN_LANES] = {0};
-        int64_t i0 = C - C % LN_LANES;
-        if (!k->rms) {
-            for (int64_t i = 0; i < i0; i += LN_LANES)
-                for (int l = 0; l < LN_LANES; l++) lm[l] += x[i + l];
-            for (int l = 0; l < LN_LANES; l++) mu += lm[l];
-            for (int64_t i = i0; i < C; i++) mu += x[i];
-            mu /= (double)C;
-        }
-        for (int64_t i = 0; i < i0; i += LN_LANES)
-            for (int l = 0; l < LN_LANES; l++) lv[l] += ((double)x[i + l] - mu) * ((double)x[i + l] - mu);
-        for (int l = 0; l < LN_LANES; l++) var += lv[l];
-        for (int64_t i = i0; i < C; i++) var += ((double)x[i] - mu) * ((double)x[i] - mu);
-        var /= (double)C;
-        double rs = 1.0 / sqrt(var + k->eps);
+        double mu = k->rms ? 0 : FN(ln_sum)(x, C, 0, false) / (double)C;
+        double rs = 1.0 / sqrt(FN(ln_sum)(x, C, mu, true) / (double)C + k->eps);
         R rsr = (R)rs, mur = (R)mu;
         if (k->rms)
             for (int64_t i = 0; i < C; i++) y[i] = x[i] * rsr * k->w[i];

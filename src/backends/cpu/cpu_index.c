@@ -4,28 +4,6 @@
 #include <string.h>
 #include "backends/cpu/cpu.h"
 
-kiln_status cpu_check_indices(const char *op, const kiln_tensor_t *idx, int64_t limit, const int64_t *ignore,
-                              int64_t *count)
-{
-    const char *p = kiln__data(idx);
-    size_t sz = kiln_dtype_size(idx->dtype);
-    int64_t n = kiln__numel(idx->ndim, idx->shape), c = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t v = kiln__load_index(p + i * (int64_t)sz, idx->dtype);
-        if (ignore && v == *ignore) continue;
-        if ((v < 0 || v >= limit) && !ignore)
-            return kiln__err(KILN_ERR_INDEX, "%s: index %lld at position %lld is outside [0, %lld)", op, (long long)v,
-                             (long long)i, (long long)limit);
-        if (v < 0 || v >= limit)
-            return kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) "
-                             "(and is not ignore_index %lld)", (long long)v, (long long)i, (long long)limit,
-                             (long long)*ignore);
-        c++;
-    }
-    if (count) *count = c;
-    return KILN_OK;
-}
-
 typedef struct {
     const char *src;
     char *dst;
@@ -66,26 +44,32 @@ static kiln_status select_rows(const char *op, kiln_tensor_t *x, kiln_tensor_t *
 kiln_status kiln__cpu_embedding(KILN__KERNEL_ARGS) { return select_rows("embedding", in[0], in[1], out[0], 0); }
 kiln_status kiln__cpu_index_select(KILN__KERNEL_ARGS) { return select_rows("index_select", in[0], in[1], out[0], (int)a->op.dim.dim); }
 
-/* dW (V, C) from g (N, C): each task owns a range of columns for every row, so the
- * additions for one weight happen in row order whatever the thread count. */
+/* dW (V, C) from g (N, C), both of dtype dt: each task owns a range of columns for every
+ * row, so the additions for one weight happen in row order whatever the thread count.
+ * f32 adds natively, other dtypes through double. */
 typedef struct {
-    const float *g;
-    float *dw;
-    const char *idx;
-    kiln_dtype idt;
+    const char *g, *idx;
+    char *dw;
+    kiln_dtype dt, idt;
     int64_t N, C;
 } emb_ctx;
 
 static void emb_bwd_range(void *c, int64_t b, int64_t e)
 {
     const emb_ctx *k = c;
-    size_t isz = kiln_dtype_size(k->idt);
+    size_t isz = kiln_dtype_size(k->idt), sz = kiln_dtype_size(k->dt);
     int64_t c0 = b * 64, c1 = e * 64 < k->C ? e * 64 : k->C;
     for (int64_t n = 0; n < k->N; n++) {
         int64_t v = kiln__load_index(k->idx + n * (int64_t)isz, k->idt);
-        const float *g = k->g + n * k->C;
-        float *d = k->dw + v * k->C;
-        for (int64_t j = c0; j < c1; j++) d[j] += g[j];
+        const char *g = k->g + n * k->C * (int64_t)sz;
+        char *d = k->dw + v * k->C * (int64_t)sz;
+        if (k->dt == KILN_DTYPE_F32)
+            for (int64_t j = c0; j < c1; j++) ((float *)d)[j] += ((const float *)g)[j];
+        else
+            for (int64_t j = c0; j < c1; j++) {
+                char *q = d + j * (int64_t)sz;
+                kiln__store(q, k->dt, kiln__load(q, k->dt) + kiln__load(g + j * (int64_t)sz, k->dt));
+            }
     }
 }
 
@@ -95,22 +79,10 @@ kiln_status kiln__cpu_embedding_backward(KILN__KERNEL_ARGS)
     kiln_tensor_t *o = out[0];
     int64_t V = o->shape[0], C = o->shape[1], N = kiln__numel(idx ? idx->ndim : 0, idx ? idx->shape : NULL);
     kiln_status s = g && idx ? cpu_check_indices("embedding backward", idx, V, NULL, NULL) : kiln_last_status();
-    if (s == KILN_OK && o->dtype == KILN_DTYPE_F32) {
-        memset(kiln__data(o), 0, sizeof(float) * (size_t)(V * C));
-        emb_ctx k = {kiln__data(g), kiln__data(o), kiln__data(idx), idx->dtype, N, C};
+    if (s == KILN_OK) {
+        memset(kiln__data(o), 0, kiln_dtype_size(o->dtype) * (size_t)(V * C));
+        emb_ctx k = {kiln__data(g), kiln__data(idx), kiln__data(o), o->dtype, idx->dtype, N, C};
         kiln__parallel_for((C + 63) / 64, 1, emb_bwd_range, &k);
-    } else if (s == KILN_OK) {
-        /* Other dtypes: the generic path, serial. */
-        size_t sz = kiln_dtype_size(o->dtype), isz = kiln_dtype_size(idx->dtype);
-        memset(kiln__data(o), 0, sz * (size_t)(V * C));
-        char *d = kiln__data(o), *gp = kiln__data(g), *ip = kiln__data(idx);
-        for (int64_t n = 0; n < N; n++) {
-            int64_t v = kiln__load_index(ip + n * (int64_t)isz, idx->dtype);
-            for (int64_t j = 0; j < C; j++) {
-                char *q = d + (v * C + j) * (int64_t)sz;
-                kiln__store(q, o->dtype, kiln__load(q, o->dtype) + kiln__load(gp + (n * C + j) * (int64_t)sz, o->dtype));
-            }
-        }
     }
     kiln_tensor_free(tg);
     kiln_tensor_free(ti);

@@ -166,11 +166,7 @@ void cpu_free_n(kiln_tensor_t **tmp, int n)
 void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t *shape, const int64_t *stride,
               int64_t offset)
 {
-    memset(v, 0, sizeof *v);
-    v->st = t->st;
-    v->dtype = t->dtype;
-    v->ndim = ndim;
+    *v = (kiln_tensor_t){.st = t->st, .dtype = t->dtype, .ndim = ndim, .offset = offset};
     memcpy(v->shape, shape, sizeof(int64_t) * (size_t)ndim);
     memcpy(v->stride, stride, sizeof(int64_t) * (size_t)ndim);
-    v->offset = offset;
 }

@@ -3,7 +3,6 @@
  * order), so results never depend on the thread count. */
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
 #include "backends/cpu/cpu.h"
 #include "core/opts.h"
 
@@ -18,13 +17,9 @@ typedef struct {
 
 static void red_setup(red_ctx *r, kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dims, int ndims, int kind)
 {
-    memset(r, 0, sizeof *r);
-    r->x = x;
-    r->o = o;
-    r->kind = kind;
+    *r = (red_ctx){.x = x, .o = o, .rcount = 1, .kind = kind};
     bool red[KILN_MAX_DIMS] = {0};
     for (int k = 0; k < ndims; k++) red[dims[k]] = true;
-    r->rcount = 1;
     for (int d = 0; d < x->ndim; d++) {
         if (ndims == 0 || red[d]) {
             r->rshape[r->nr] = x->shape[d];

@@ -30,6 +30,7 @@
 #include "core/dtype.h"
 #include "core/tensor_impl.h"
 #include "core/intercept.h"
+#include "core/util.h"
 
 #define MAX_CUDA_DEVICES 8
 
@@ -74,7 +75,8 @@ typedef struct cu_graph {
     cudaGraphExec_t exec;
     const char *failed;
     void **freed;
-    int n_freed, cap_freed;
+    int n_freed;
+    size_t cap_freed;
 } cu_graph;
 
 static cuda_dev devs[MAX_CUDA_DEVICES];
@@ -170,13 +172,9 @@ static void cu_free(kiln__backend *be, void *p, size_t n)
 {
     cuda_dev *d = be->ctx;
     cu_graph *g = d->cap;
+    void *tmp;
     if (p && g) { /* captured nodes may name it: kept until the graph goes */
-        if (g->n_freed == g->cap_freed) {
-            int cap = g->cap_freed ? 2 * g->cap_freed : 16;
-            void **f = realloc(g->freed, sizeof *f * (size_t)cap);
-            if (f) g->freed = f, g->cap_freed = cap;
-        }
-        if (g->n_freed < g->cap_freed) g->freed[g->n_freed++] = p;
+        if (KILN__GROW(g->freed, g->n_freed, &g->cap_freed, 16, tmp)) g->freed[g->n_freed++] = p;
         else if (!g->failed) g->failed = "out of memory keeping a freed buffer"; /* leaked, not freed under a node */
         return;
     }
@@ -214,7 +212,7 @@ static kiln_status cu_memset(kiln__backend *be, void *dst, int byte, size_t n)
     return e == cudaSuccess ? KILN_OK : cu_fail(d, "cudaMemsetAsync", e);
 }
 
-static kiln__event *cu_event_record(kiln__backend *be, kiln__stream *s)
+static kiln__event *cu_event_record(kiln__backend *be)
 {
     cuda_dev *d = be->ctx;
     cudaEvent_t e;

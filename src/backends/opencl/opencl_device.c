@@ -108,18 +108,13 @@ static void *ocl_alloc(kiln__backend *be, size_t nbytes)
         munmap(addr, n);
         return NULL;
     }
+    void *tmp;
     pthread_mutex_lock(&d->lock);
-    if (d->n_r == d->cap_r) {
-        int cap = d->cap_r ? 2 * d->cap_r : 64;
-        cl_range *r = realloc(d->r, sizeof *r * (size_t)cap);
-        if (!r) {
-            pthread_mutex_unlock(&d->lock);
-            clReleaseMemObject(mem);
-            munmap(addr, n);
-            return NULL;
-        }
-        d->r = r;
-        d->cap_r = cap;
+    if (!KILN__GROW(d->r, d->n_r, &d->cap_r, 64, tmp)) {
+        pthread_mutex_unlock(&d->lock);
+        clReleaseMemObject(mem);
+        munmap(addr, n);
+        return NULL;
     }
     int at = d->n_r;
     while (at > 0 && d->r[at - 1].base > (uintptr_t)addr) at--;
@@ -204,7 +199,7 @@ static kiln_status ocl_copy_d2d(kiln__backend *be, void *dst, const void *src, s
 
 /* One in-order queue per device (the core's one stream): an event is a marker on it. */
 
-static kiln__event *ocl_event_record(kiln__backend *be, kiln__stream *s)
+static kiln__event *ocl_event_record(kiln__backend *be)
 {
     cl_event e = NULL;
     return clEnqueueMarkerWithWaitList(((cl_dev *)be->ctx)->q, 0, NULL, &e) == CL_SUCCESS ? (kiln__event *)e : NULL;

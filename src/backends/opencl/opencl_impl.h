@@ -22,6 +22,7 @@
 #include <stdint.h>
 #include "core/backend.h"
 #include "core/intercept.h"
+#include "core/util.h"
 
 #define MAX_CL_DEVICES 4
 
@@ -42,7 +43,8 @@ typedef struct {
     kiln__device_info info; /* names the two above */
     pthread_mutex_t lock; /* guards the ranges */
     cl_range *r;
-    int n_r, cap_r;
+    int n_r;
+    size_t cap_r;
     pthread_mutex_t prog_lock; /* guards the programs and kernel launches (argument setting) */
     struct cl_prog *progs;     /* opencl_program.c */
     char driver[128];
