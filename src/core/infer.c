@@ -5,13 +5,10 @@
 #include "core/op_table.h"
 
 #define SHP(t, buf) kiln__shape_str((t), (buf), sizeof(buf))
-
-static void meta_like(const kiln_tensor_t *t, kiln_dtype dt, kiln__meta *m)
-{
-    m->dtype = dt;
-    m->ndim = t->ndim;
-    memcpy(m->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
-}
+/* An op's inference, kiln__infer_<name>; INFER_BY(name, rule): a row for an op that
+ * shares its rule with others, rule(op name, in, n, a, out). */
+#define INFER(name) kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+#define INFER_BY(name, rule) INFER(name) { return rule(#name, in, n, a, out); }
 
 static void meta_shape(kiln__meta *m, kiln_dtype dt, int ndim, const int64_t *shape)
 {
@@ -19,6 +16,8 @@ static void meta_shape(kiln__meta *m, kiln_dtype dt, int ndim, const int64_t *sh
     m->ndim = ndim;
     for (int i = 0; i < ndim; i++) m->shape[i] = shape[i];
 }
+
+static void meta_like(const kiln_tensor_t *t, kiln_dtype dt, kiln__meta *m) { meta_shape(m, dt, t->ndim, t->shape); }
 
 int kiln__norm_dim(int dim, int ndim)
 {
@@ -102,16 +101,22 @@ static kiln_status binary(const char *op, kiln_tensor_t *const *in, kiln__meta *
     return s;
 }
 
-static kiln_status unary_float(const char *op, kiln_tensor_t *const *in, kiln__meta *out)
+/* x's shape and dtype: a float one (unary_float), or any (unary_any; for a pointwise
+ * backward op (x, g), the gradient's). */
+static kiln_status unary_float(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     kiln_status s = need_float(op, in[0]);
     meta_like(in[0], in[0]->dtype, out);
     return s;
 }
 
-#define BINARY(name, kind) \
-    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
-    { return binary(#name, in, out, kind); }
+static kiln_status unary_any(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    meta_like(in[0], in[0]->dtype, out);
+    return KILN_OK;
+}
+
+#define BINARY(name, kind) INFER(name) { return binary(#name, in, out, kind); }
 BINARY(add, B_ANY)
 BINARY(sub, B_ANY)
 BINARY(mul, B_ANY)
@@ -126,29 +131,24 @@ BINARY(le, B_COMPARE)
 BINARY(gt, B_COMPARE)
 BINARY(ge, B_COMPARE)
 
-#define UNARY_FLOAT(name) \
-    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
-    { return unary_float(#name, in, out); }
-/* x's shape and dtype, any dtype; for a pointwise backward op (x, g), the gradient's. */
-#define UNARY_ANY(name) \
-    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
-    { meta_like(in[0], in[0]->dtype, out); return KILN_OK; }
-UNARY_FLOAT(gelu)
-UNARY_ANY(gelu_backward)
-UNARY_ANY(contiguous)
+INFER_BY(gelu, unary_float)
+INFER_BY(gelu_backward, unary_any)
+INFER_BY(contiguous, unary_any)
 /* The rows of include/kiln/pointwise.def: FLOAT or ANY, and the backward op's (x, g). */
+#define UNARY_FLOAT(name) INFER_BY(name, unary_float)
+#define UNARY_ANY(name) INFER_BY(name, unary_any)
 #define KILN_PW(ID, name, dtypes, grad, fast) UNARY_##dtypes(name) KILN__PW_IF_OP(grad, UNARY_ANY(name##_backward))
 #include "kiln/pointwise.def"
 #undef KILN_PW
 
-kiln_status kiln__infer_where(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(where)
 {
     kiln_status s = kiln__broadcast_shapes("where", 3, in, out);
     out->dtype = kiln__promote(in[1]->dtype, in[2]->dtype);
     return s;
 }
 
-kiln_status kiln__infer_cast(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(cast)
 {
     if ((uint64_t)a->op.cast.dtype >= KILN_DTYPE_COUNT) return kiln__err(KILN_ERR_DTYPE, "cast: unknown dtype %lld", (long long)a->op.cast.dtype);
     meta_like(in[0], (kiln_dtype)a->op.cast.dtype, out);
@@ -173,13 +173,13 @@ static kiln_status reduce_shape(const char *op, const kiln_tensor_t *t, const ki
     return KILN_OK;
 }
 
-kiln_status kiln__infer_sum(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(sum)
 {
     out->dtype = kiln_dtype_is_float(in[0]->dtype) ? in[0]->dtype : KILN_DTYPE_I64;
     return reduce_shape("sum", in[0], a, out);
 }
 
-kiln_status kiln__infer_max(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(max)
 {
     out->dtype = in[0]->dtype;
     if (kiln__numel(in[0]->ndim, in[0]->shape) == 0)
@@ -187,7 +187,7 @@ kiln_status kiln__infer_max(kiln_tensor_t *const *in, int n, const kiln__attrs *
     return reduce_shape("max", in[0], a, out);
 }
 
-kiln_status kiln__infer_argmax(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(argmax)
 {
     out->dtype = KILN_DTYPE_I64;
     if (in[0]->ndim == 0 || in[0]->shape[a->op.dim.dim] == 0)
@@ -198,23 +198,17 @@ kiln_status kiln__infer_argmax(kiln_tensor_t *const *in, int n, const kiln__attr
     return reduce_shape("argmax", in[0], &r, out);
 }
 
-static kiln_status along_dim(const char *op, kiln_tensor_t *const *in, const kiln__attrs *a, kiln__meta *out)
+/* The softmaxes: a float x, along one of its dims (dim 0 of a 0-dim x). */
+static kiln_status along_dim(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     if (a->op.dim.dim < 0 || a->op.dim.dim >= (in[0]->ndim ? in[0]->ndim : 1)) return bad_dim(op, (int)a->op.dim.dim, in[0]);
-    return unary_float(op, in, out);
+    return unary_float(op, in, n, a, out);
 }
 
-kiln_status kiln__infer_softmax(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    return along_dim("softmax", in, a, out);
-}
+INFER_BY(softmax, along_dim)
+INFER_BY(log_softmax, along_dim)
 
-kiln_status kiln__infer_log_softmax(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    return along_dim("log_softmax", in, a, out);
-}
-
-kiln_status kiln__infer_matmul(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(matmul)
 {
     const kiln_tensor_t *x = in[0], *y = in[1];
     char b1[96], b2[96];
@@ -242,7 +236,7 @@ kiln_status kiln__infer_matmul(kiln_tensor_t *const *in, int n, const kiln__attr
     return KILN_OK;
 }
 
-kiln_status kiln__infer_embedding(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(embedding)
 {
     char b[96];
     if (in[0]->ndim != 2) return kiln__err(KILN_ERR_SHAPE, "embedding: weight %s must be (V, C)", SHP(in[0], b));
@@ -254,7 +248,7 @@ kiln_status kiln__infer_embedding(kiln_tensor_t *const *in, int n, const kiln__a
     return KILN_OK;
 }
 
-kiln_status kiln__infer_index_select(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(index_select)
 {
     kiln_status s = need_index("index_select", in[1]);
     if (s != KILN_OK) return s;
@@ -266,23 +260,30 @@ kiln_status kiln__infer_index_select(kiln_tensor_t *const *in, int n, const kiln
     return KILN_OK;
 }
 
-kiln_status kiln__infer_gather(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+/* gather's and scatter_add's index: the input's dims, and no larger than it but along dim
+ * (a wider index would address elements outside the output). */
+static kiln_status index_fits(const char *op, kiln_tensor_t *const *in, int64_t dim)
 {
-    kiln_status s = need_index("gather", in[1]);
-    if (s != KILN_OK) return s;
     char b1[96], b2[96];
     if (in[1]->ndim != in[0]->ndim)
-        return kiln__err(KILN_ERR_SHAPE, "gather: index %s must have the dims of the input %s", SHP(in[1], b1), SHP(in[0], b2));
-    if (a->op.dim.dim < 0 || a->op.dim.dim >= in[0]->ndim) return bad_dim("gather", (int)a->op.dim.dim, in[0]);
+        return kiln__err(KILN_ERR_SHAPE, "%s: index %s must have the dims of the input %s", op, SHP(in[1], b1), SHP(in[0], b2));
+    if (dim < 0 || dim >= in[0]->ndim) return bad_dim(op, (int)dim, in[0]);
     for (int d = 0; d < in[0]->ndim; d++)
-        if (d != a->op.dim.dim && in[1]->shape[d] > in[0]->shape[d])
-            return kiln__err(KILN_ERR_SHAPE, "gather: index %s is larger than the input %s in dim %d", SHP(in[1], b1),
+        if (d != dim && in[1]->shape[d] > in[0]->shape[d])
+            return kiln__err(KILN_ERR_SHAPE, "%s: index %s is larger than the input %s in dim %d", op, SHP(in[1], b1),
                              SHP(in[0], b2), d);
-    meta_like(in[1], in[0]->dtype, out);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_scatter_add(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(gather)
+{
+    kiln_status s = need_index("gather", in[1]);
+    if (s == KILN_OK) s = index_fits("gather", in, a->op.dim.dim);
+    meta_like(in[1], in[0]->dtype, out);
+    return s;
+}
+
+INFER(scatter_add)
 {
     kiln_status s = need_index("scatter_add", in[1]);
     if (s != KILN_OK) return s;
@@ -290,23 +291,16 @@ kiln_status kiln__infer_scatter_add(kiln_tensor_t *const *in, int n, const kiln_
     if (in[1]->ndim != in[2]->ndim || memcmp(in[1]->shape, in[2]->shape, sizeof(int64_t) * (size_t)in[1]->ndim))
         return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s and source %s must have one shape", SHP(in[1], b1),
                          SHP(in[2], b2));
-    if (in[1]->ndim != in[0]->ndim)
-        return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s must have the dims of the input %s", SHP(in[1], b1),
-                         SHP(in[0], b2));
-    if (a->op.dim.dim < 0 || a->op.dim.dim >= in[0]->ndim) return bad_dim("scatter_add", (int)a->op.dim.dim, in[0]);
-    /* As for gather: a wider index would address elements outside the output. */
-    for (int d = 0; d < in[0]->ndim; d++)
-        if (d != a->op.dim.dim && in[1]->shape[d] > in[0]->shape[d])
-            return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s is larger than the input %s in dim %d", SHP(in[1], b1),
-                             SHP(in[0], b2), d);
+    if ((s = index_fits("scatter_add", in, a->op.dim.dim)) != KILN_OK) return s;
     if (in[2]->dtype != in[0]->dtype)
         return kiln__err(KILN_ERR_DTYPE, "scatter_add: source %s and input %s dtypes differ", SHP(in[2], b1), SHP(in[0], b2));
     meta_like(in[0], in[0]->dtype, out);
     return KILN_OK;
 }
 
-/* x (..., C) with per-channel parameters (C); statistics (...) in f32. */
-static kiln_status norm_common(const char *op, kiln_tensor_t *const *in, int nparam, kiln__meta *out, int nstat)
+/* x (..., C) with n - 1 per-channel parameters (C); as many statistics (...), in f32
+ * (layer_norm: w, b; mean, rstd. rms_norm: w; rstd). */
+static kiln_status norm(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     const kiln_tensor_t *x = in[0];
     char b1[96], b2[96];
@@ -314,26 +308,19 @@ static kiln_status norm_common(const char *op, kiln_tensor_t *const *in, int npa
     if (s != KILN_OK) return s;
     if (x->ndim < 1) return kiln__err(KILN_ERR_SHAPE, "%s: input %s needs at least 1 dim", op, SHP(x, b1));
     int64_t c = x->shape[x->ndim - 1];
-    for (int p = 1; p <= nparam; p++)
+    for (int p = 1; p < n; p++)
         if (in[p]->ndim != 1 || in[p]->shape[0] != c || in[p]->dtype != x->dtype)
             return kiln__err(KILN_ERR_SHAPE, "%s: parameter %s must be %s[%lld] for input %s", op, SHP(in[p], b1),
                              kiln_dtype_name(x->dtype), (long long)c, SHP(x, b2));
     meta_like(x, x->dtype, &out[0]);
-    for (int k = 1; k <= nstat; k++) meta_shape(&out[k], stat_dtype(x->dtype), x->ndim - 1, x->shape);
+    for (int k = 1; k < n; k++) meta_shape(&out[k], stat_dtype(x->dtype), x->ndim - 1, x->shape);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_layer_norm(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    return norm_common("layer_norm", in, 2, out, 2);
-}
+INFER_BY(layer_norm, norm)
+INFER_BY(rms_norm, norm)
 
-kiln_status kiln__infer_rms_norm(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    return norm_common("rms_norm", in, 1, out, 1);
-}
-
-kiln_status kiln__infer_cross_entropy(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(cross_entropy)
 {
     char b1[96], b2[96];
     kiln_status s = need_float("cross_entropy", in[0]);
@@ -347,16 +334,16 @@ kiln_status kiln__infer_cross_entropy(kiln_tensor_t *const *in, int n, const kil
     return KILN_OK;
 }
 
-kiln_status kiln__infer_dropout(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(dropout)
 {
     double p = a->op.dropout.p;
     if (!(p >= 0 && p < 1)) return kiln__err(KILN_ERR_ARG, "dropout: p = %g is outside [0, 1)", p);
-    kiln_status s = unary_float("dropout", in, out);
+    kiln_status s = unary_float("dropout", in, n, a, out);
     meta_like(in[0], KILN_DTYPE_U8, &out[1]);
     return s;
 }
 
-kiln_status kiln__infer_cat(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(cat)
 {
     if (n < 1) return kiln__err(KILN_ERR_ARG, "cat: no tensors given");
     int dim = (int)a->op.dim.dim;
@@ -375,7 +362,7 @@ kiln_status kiln__infer_cat(kiln_tensor_t *const *in, int n, const kiln__attrs *
     return KILN_OK;
 }
 
-kiln_status kiln__infer_tri(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(tri)
 {
     char b[96];
     if (in[0]->ndim < 2) return kiln__err(KILN_ERR_SHAPE, "tril/triu: %s needs at least 2 dims", SHP(in[0], b));
@@ -383,15 +370,15 @@ kiln_status kiln__infer_tri(kiln_tensor_t *const *in, int n, const kiln__attrs *
     return KILN_OK;
 }
 
-kiln_status kiln__infer_rope(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(rope)
 {
     char b[96];
     if (in[0]->ndim < 2 || in[0]->shape[in[0]->ndim - 1] % 2)
         return kiln__err(KILN_ERR_SHAPE, "rope: input %s must be (..., T, D) with D even", SHP(in[0], b));
-    return unary_float("rope", in, out);
+    return unary_float("rope", in, n, a, out);
 }
 
-kiln_status kiln__infer_attention(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(attention)
 {
     const kiln_tensor_t *q = in[0], *k = in[1], *v = in[2];
     char b1[96], b2[96], b3[96];
@@ -410,7 +397,7 @@ kiln_status kiln__infer_attention(kiln_tensor_t *const *in, int n, const kiln__a
     return KILN_OK;
 }
 
-kiln_status kiln__infer_matmul_rows_packed(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(matmul_rows_packed)
 {
     const kiln_tensor_t *x = in[0], *w = in[1];
     char b1[96], b2[96];
@@ -426,7 +413,7 @@ kiln_status kiln__infer_matmul_rows_packed(kiln_tensor_t *const *in, int n, cons
     return KILN_OK;
 }
 
-kiln_status kiln__infer_rope_at(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(rope_at)
 {
     const kiln_tensor_t *x = in[0], *pos = in[1];
     char b1[96], b2[96];
@@ -434,10 +421,10 @@ kiln_status kiln__infer_rope_at(kiln_tensor_t *const *in, int n, const kiln__att
         return kiln__err(KILN_ERR_SHAPE, "rope_at: x %s must be (N,H,D) with D even and pos %s must be (N)", SHP(x, b1),
                          SHP(pos, b2));
     kiln_status s = need_index("rope_at", pos);
-    return s != KILN_OK ? s : unary_float("rope_at", in, out);
+    return s != KILN_OK ? s : unary_float("rope_at", in, n, a, out);
 }
 
-kiln_status kiln__infer_paged_attention(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(paged_attention)
 {
     const kiln_tensor_t *q = in[0], *k = in[1], *v = in[2], *bt = in[3], *sp = in[4];
     char b1[96], b2[96], b3[96], b4[96], b5[96];
@@ -474,7 +461,7 @@ static void view_of(const kiln_tensor_t *t, kiln__meta *m)
 
 /* Strides for viewing t as `shape` without a copy, if they exist: each run of merged
  * input dims must be contiguous with itself. */
-kiln_status kiln__infer_view(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(view)
 {
     const kiln_tensor_t *t = in[0];
     char b[96];
@@ -511,7 +498,7 @@ kiln_status kiln__infer_view(kiln_tensor_t *const *in, int n, const kiln__attrs 
     return KILN_OK;
 }
 
-kiln_status kiln__infer_permute(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(permute)
 {
     const kiln_tensor_t *t = in[0];
     char b[96];
@@ -528,7 +515,7 @@ kiln_status kiln__infer_permute(kiln_tensor_t *const *in, int n, const kiln__att
     return KILN_OK;
 }
 
-kiln_status kiln__infer_slice(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(slice)
 {
     const kiln_tensor_t *t = in[0];
     int dim = (int)a->op.slice.dim;
@@ -540,7 +527,7 @@ kiln_status kiln__infer_slice(kiln_tensor_t *const *in, int n, const kiln__attrs
     return KILN_OK;
 }
 
-kiln_status kiln__infer_expand(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(expand)
 {
     const kiln_tensor_t *t = in[0];
     char b[96];
@@ -569,18 +556,18 @@ kiln_status kiln__infer_expand(kiln_tensor_t *const *in, int n, const kiln__attr
     return KILN_OK;
 }
 
-static kiln_status creation(const kiln__attrs *a, kiln__meta *out)
+static kiln_status creation(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     meta_shape(out, a->op.source.dtype, a->ndim, a->shape);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_full(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return creation(a, out); }
-kiln_status kiln__infer_arange(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return creation(a, out); }
-kiln_status kiln__infer_rand(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return creation(a, out); }
+INFER_BY(full, creation)
+INFER_BY(arange, creation)
+INFER_BY(rand, creation)
 
 /* In-place ops: src must broadcast to dst; nothing is allocated. */
-static kiln_status into(const char *op, kiln_tensor_t *const *in)
+static kiln_status into(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     kiln__meta m;
     kiln_status s = kiln__broadcast_shapes(op, 2, in, &m);
@@ -592,9 +579,9 @@ static kiln_status into(const char *op, kiln_tensor_t *const *in)
     return KILN_OK;
 }
 
-kiln_status kiln__infer_add_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return into("add_", in); }
-kiln_status kiln__infer_copy_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return into("copy_", in); }
-kiln_status kiln__infer_index_copy_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER_BY(add_, into)
+INFER_BY(copy_, into)
+INFER(index_copy_)
 {
     const kiln_tensor_t *dst = in[0], *idx = in[1], *src = in[2];
     char b1[96], b2[96], b3[96];
@@ -607,10 +594,10 @@ kiln_status kiln__infer_index_copy_(kiln_tensor_t *const *in, int n, const kiln_
         return kiln__err(KILN_ERR_DTYPE, "index_copy_: src %s and dst %s differ in dtype", SHP(src, b3), SHP(dst, b1));
     return need_index("index_copy_", idx);
 }
-kiln_status kiln__infer_scale_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return KILN_OK; }
-kiln_status kiln__infer_fill_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return KILN_OK; }
+INFER(scale_) { return KILN_OK; }
+INFER(fill_) { return KILN_OK; }
 
-kiln_status kiln__infer_adamw_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(adamw_)
 {
     for (int i = 0; i < 4; i++) {
         char b1[96], b2[96];
@@ -630,7 +617,7 @@ kiln_status kiln__infer_adamw_(kiln_tensor_t *const *in, int n, const kiln__attr
     return KILN_OK;
 }
 
-kiln_status kiln__infer_check_min(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(check_min)
 {
     kiln_dtype dt = in[0]->dtype;
     char b[96];
@@ -640,69 +627,40 @@ kiln_status kiln__infer_check_min(kiln_tensor_t *const *in, int n, const kiln__a
     return KILN_OK;
 }
 
-kiln_status kiln__infer_allreduce_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    char b[96];
-    if (in[0]->dtype != KILN_DTYPE_F32 && in[0]->dtype != KILN_DTYPE_F64)
-        return kiln__err(KILN_ERR_DTYPE, "allreduce_: %s must be f32 or f64", SHP(in[0], b));
-    if (!a->op.collective.group || !a->op.collective.ops) return kiln__err(KILN_ERR_ARG, "allreduce_: no process group");
-    return KILN_OK;
-}
-
-/* Sizes are the group's to check when it runs (the infer step knows no world size). */
-static kiln_status infer_collective2(const char *what, kiln_tensor_t *const *in, const kiln__attrs *a)
+/* Collectives: an f32 or f64 tensor (and a source of its dtype) and a process group.
+ * Sizes are the group's to check when it runs (the infer step knows no world size). */
+static kiln_status collective(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     char b[96], c[96];
     if (in[0]->dtype != KILN_DTYPE_F32 && in[0]->dtype != KILN_DTYPE_F64)
-        return kiln__err(KILN_ERR_DTYPE, "%s: %s must be f32 or f64", what, SHP(in[0], b));
-    if (in[1]->dtype != in[0]->dtype)
-        return kiln__err(KILN_ERR_DTYPE, "%s: source %s and destination %s differ in dtype", what, SHP(in[1], b),
+        return kiln__err(KILN_ERR_DTYPE, "%s: %s must be f32 or f64", op, SHP(in[0], b));
+    if (n > 1 && in[1]->dtype != in[0]->dtype)
+        return kiln__err(KILN_ERR_DTYPE, "%s: source %s and destination %s differ in dtype", op, SHP(in[1], b),
                          SHP(in[0], c));
-    if (!a->op.collective.group || !a->op.collective.ops) return kiln__err(KILN_ERR_ARG, "%s: no process group", what);
+    if (!a->op.collective.group || !a->op.collective.ops) return kiln__err(KILN_ERR_ARG, "%s: no process group", op);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_reduce_scatter_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    return infer_collective2("reduce_scatter_", in, a);
-}
-
-kiln_status kiln__infer_allgather_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    return infer_collective2("allgather_", in, a);
-}
+INFER_BY(allreduce_, collective)
+INFER_BY(reduce_scatter_, collective)
+INFER_BY(allgather_, collective)
 
 /* Backward ops. */
-kiln_status kiln__infer_embedding_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(embedding_backward)
 {
     int64_t shape[2] = {a->op.embedding_backward.vocab, in[0]->shape[in[0]->ndim - 1]};
     meta_shape(out, in[0]->dtype, 2, shape);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_layer_norm_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+/* Output j shaped like input from[j]: the gradients of the forward op's inputs. */
+static kiln_status like_inputs(kiln_tensor_t *const *in, int n_out, const int *from, kiln__meta *out)
 {
-    meta_like(in[1], in[1]->dtype, &out[0]);
-    meta_like(in[2], in[2]->dtype, &out[1]);
-    meta_like(in[2], in[2]->dtype, &out[2]);
+    for (int j = 0; j < n_out; j++) meta_like(in[from[j]], in[from[j]]->dtype, &out[j]);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_rms_norm_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    meta_like(in[1], in[1]->dtype, &out[0]);
-    meta_like(in[2], in[2]->dtype, &out[1]);
-    return KILN_OK;
-}
-
-kiln_status kiln__infer_cross_entropy_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    meta_like(in[1], in[1]->dtype, out);
-    return KILN_OK;
-}
-
-kiln_status kiln__infer_attention_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    for (int j = 0; j < 3; j++) meta_like(in[1 + j], in[1 + j]->dtype, &out[j]);
-    return KILN_OK;
-}
+INFER(layer_norm_backward) { return like_inputs(in, 3, (const int[]){1, 2, 2}, out); } /* (g, x, w, ...): dx, dw, db */
+INFER(rms_norm_backward) { return like_inputs(in, 2, (const int[]){1, 2}, out); }       /* (g, x, w, ...): dx, dw */
+INFER(cross_entropy_backward) { return like_inputs(in, 1, (const int[]){1}, out); }     /* (g, logits, ...): dlogits */
+INFER(attention_backward) { return like_inputs(in, 3, (const int[]){1, 2, 3}, out); }   /* (g, q, k, v, ...): dq, dk, dv */

@@ -120,29 +120,30 @@ static kiln_tensor_t *reduce(kiln__op_id op, kiln_tensor_t *a, const int *dims, 
 kiln_tensor_t *kiln_sum(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim) { return reduce(KILN_OP_SUM, a, dims, ndims, keepdim); }
 kiln_tensor_t *kiln_max(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim) { return reduce(KILN_OP_MAX, a, dims, ndims, keepdim); }
 
-static int64_t reduced_count(kiln_tensor_t *a, const kiln__attrs *at)
+/* How many elements of a each result element of a reduction over dims takes, or -1 with
+ * the error set. */
+static int64_t reduced_count(const char *op, kiln_tensor_t *a, const int *dims, int ndims)
 {
-    if (at->ndim == 0) return kiln__numel(a->ndim, a->shape);
+    kiln__attrs at;
+    if (!a) return kiln__null_arg(op), -1;
+    if (!dims_attr(op, a, dims, ndims, false, &at)) return -1;
+    if (at.ndim == 0) return kiln__numel(a->ndim, a->shape);
     int64_t n = 1;
-    for (int k = 0; k < at->ndim; k++) n *= a->shape[at->shape[k]];
+    for (int k = 0; k < at.ndim; k++) n *= a->shape[at.shape[k]];
     return n;
 }
 
 kiln_tensor_t *kiln_mean(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim)
 {
-    kiln__attrs at;
-    if (!a) return null_arg("mean");
-    if (!dims_attr("mean", a, dims, ndims, keepdim, &at)) return NULL;
-    int64_t n = reduced_count(a, &at);
+    int64_t n = reduced_count("mean", a, dims, ndims);
+    if (n < 0) return NULL;
     return kiln_mul_scalar(kiln_sum(a, dims, ndims, keepdim), n ? 1.0 / (double)n : NAN);
 }
 
 kiln_tensor_t *kiln_var(kiln_tensor_t *a, const int *dims, int ndims, int correction, bool keepdim)
 {
-    kiln__attrs at;
-    if (!a) return null_arg("var");
-    if (!dims_attr("var", a, dims, ndims, keepdim, &at)) return NULL;
-    int64_t n = reduced_count(a, &at);
+    int64_t n = reduced_count("var", a, dims, ndims);
+    if (n < 0) return NULL;
     kiln_tensor_t *mu = kiln_mean(a, dims, ndims, true);
     kiln_tensor_t *d = kiln_sub(a, mu);
     double denom = (double)(n - correction);
