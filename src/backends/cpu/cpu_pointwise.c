@@ -84,22 +84,18 @@ static kiln_status unary(row_fn f32, row_fn any, kiln_tensor_t *x, kiln_tensor_t
 
 /* kiln__cpu_<name>: EXPR_F over f32, EXPR_D over any dtype, into out[0] (or, for an
  * in-place op, which has no outputs, into in[0]); UNARY_FAST: EXPR_FAST instead of
- * EXPR_F when FAST holds (the fast-exp switch). */
-#define UNARY(name, EXPR_F, EXPR_D)                                                                 \
+ * EXPR_F when FAST holds (the fast-exp switch). UNARY_PICK: F32 is the f32 row loop. */
+#define UNARY_PICK(name, EXPR_F, EXPR_D, F32)                                                       \
     UNARY_F32(u_##name##_f32, EXPR_F)                                                               \
     UNARY_ANY(u_##name##_any, EXPR_D)                                                               \
     kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS)                                                 \
     {                                                                                               \
-        return unary(u_##name##_f32, u_##name##_any, in[0], n_out ? out[0] : in[0], a);            \
+        return unary(F32, u_##name##_any, in[0], n_out ? out[0] : in[0], a);                        \
     }
+#define UNARY(name, EXPR_F, EXPR_D) UNARY_PICK(name, EXPR_F, EXPR_D, u_##name##_f32)
 #define UNARY_FAST(name, EXPR_F, EXPR_FAST, EXPR_D, FAST)                                           \
-    UNARY_F32(u_##name##_f32, EXPR_F)                                                               \
     UNARY_F32(u_##name##_fast_f32, EXPR_FAST)                                                       \
-    UNARY_ANY(u_##name##_any, EXPR_D)                                                               \
-    kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS)                                                 \
-    {                                                                                               \
-        return unary((FAST) ? u_##name##_fast_f32 : u_##name##_f32, u_##name##_any, in[0], out[0], a); \
-    }
+    UNARY_PICK(name, EXPR_F, EXPR_D, (FAST) ? u_##name##_fast_f32 : u_##name##_f32)
 
 #define AT (pc->a)
 #define FAST_EXP kiln__opt(KILN__OPT_FAST_EXP)
@@ -155,18 +151,14 @@ static kiln_status binary(row_fn f32, row_fn any, kiln_tensor_t *const *in, kiln
     return KILN_OK;
 }
 
-#define BINARY(name, EXPR_F, EXPR_D, OUT_IS_BOOL)                                                   \
+#define BINARY_PICK(name, EXPR_F, EXPR_D, OUT_IS_BOOL, F32)                                       \
     BINARY_F32(b_##name##_f32, EXPR_F)                                                              \
     BINARY_ANY(b_##name##_any, EXPR_D)                                                              \
-    kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS) { return binary(b_##name##_f32, b_##name##_any, in, out[0], a, OUT_IS_BOOL); }
+    kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS) { return binary(F32, b_##name##_any, in, out[0], a, OUT_IS_BOOL); }
+#define BINARY(name, EXPR_F, EXPR_D, OUT_IS_BOOL) BINARY_PICK(name, EXPR_F, EXPR_D, OUT_IS_BOOL, b_##name##_f32)
 #define BINARY_FAST(name, EXPR_F, EXPR_FAST, EXPR_D, FAST)                                          \
-    BINARY_F32(b_##name##_f32, EXPR_F)                                                              \
     BINARY_F32(b_##name##_fast_f32, EXPR_FAST)                                                      \
-    BINARY_ANY(b_##name##_any, EXPR_D)                                                              \
-    kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS)                                                 \
-    {                                                                                               \
-        return binary((FAST) ? b_##name##_fast_f32 : b_##name##_f32, b_##name##_any, in, out[0], a, false); \
-    }
+    BINARY_PICK(name, EXPR_F, EXPR_D, false, (FAST) ? b_##name##_fast_f32 : b_##name##_f32)
 
 BINARY(add, x + y, x + y, 0)
 BINARY(sub, x - y, x - y, 0)
