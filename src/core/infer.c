@@ -90,13 +90,13 @@ kiln_status kiln__broadcast_shapes(const char *op, int n, kiln_tensor_t *const *
     return KILN_OK;
 }
 
-/* A binary pointwise op: broadcast shapes; the promoted dtype (float_only: which must
- * be a float), or bool for a comparison. */
-enum { B_ANY, B_FLOAT, B_COMPARE };
+/* A binary pointwise op (src/core/binary.def): broadcast shapes; the promoted dtype
+ * (B_FLOAT: which must be a float), or bool for a comparison. */
+enum { B_ANY, B_FLOAT, B_BOOL };
 static kiln_status binary(const char *op, kiln_tensor_t *const *in, kiln__meta *out, int kind)
 {
     kiln_status s = kiln__broadcast_shapes(op, 2, in, out);
-    out->dtype = kind == B_COMPARE ? KILN_DTYPE_BOOL : kiln__promote(in[0]->dtype, in[1]->dtype);
+    out->dtype = kind == B_BOOL ? KILN_DTYPE_BOOL : kiln__promote(in[0]->dtype, in[1]->dtype);
     if (s == KILN_OK && kind == B_FLOAT && !kiln_dtype_is_float(out->dtype)) return need_float(op, in[0]);
     return s;
 }
@@ -116,20 +116,9 @@ static kiln_status unary_any(const char *op, kiln_tensor_t *const *in, int n, co
     return KILN_OK;
 }
 
-#define BINARY(name, kind) INFER(name) { return binary(#name, in, out, kind); }
-BINARY(add, B_ANY)
-BINARY(sub, B_ANY)
-BINARY(mul, B_ANY)
-BINARY(div, B_FLOAT)
-BINARY(pow, B_FLOAT)
-BINARY(maximum, B_ANY)
-BINARY(minimum, B_ANY)
-BINARY(eq, B_COMPARE)
-BINARY(ne, B_COMPARE)
-BINARY(lt, B_COMPARE)
-BINARY(le, B_COMPARE)
-BINARY(gt, B_COMPARE)
-BINARY(ge, B_COMPARE)
+#define KILN_BINARY(ID, name, dtypes, ...) INFER(name) { return binary(#name, in, out, B_##dtypes); }
+#include "core/binary.def"
+#undef KILN_BINARY
 
 INFER_BY(gelu, unary_float)
 INFER_BY(gelu_backward, unary_any)

@@ -26,19 +26,10 @@ static int dim_of(const char *op, kiln_tensor_t *a, int dim, bool scalar_ok)
     return kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", op, dim, kiln__shape_str(a, b, sizeof b)), -1;
 }
 
-kiln_tensor_t *kiln_add(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_ADD, a, b); }
-kiln_tensor_t *kiln_sub(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_SUB, a, b); }
-kiln_tensor_t *kiln_mul(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_MUL, a, b); }
-kiln_tensor_t *kiln_div(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_DIV, a, b); }
-kiln_tensor_t *kiln_pow(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_POW, a, b); }
-kiln_tensor_t *kiln_maximum(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_MAXIMUM, a, b); }
-kiln_tensor_t *kiln_minimum(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_MINIMUM, a, b); }
-kiln_tensor_t *kiln_eq(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_EQ, a, b); }
-kiln_tensor_t *kiln_ne(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_NE, a, b); }
-kiln_tensor_t *kiln_lt(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_LT, a, b); }
-kiln_tensor_t *kiln_le(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_LE, a, b); }
-kiln_tensor_t *kiln_gt(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_GT, a, b); }
-kiln_tensor_t *kiln_ge(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_GE, a, b); }
+/* The rows of src/core/binary.def. */
+#define KILN_BINARY(ID, name, ...) kiln_tensor_t *kiln_##name(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_##ID, a, b); }
+#include "core/binary.def"
+#undef KILN_BINARY
 
 /* A scalar operand: a 0-d tensor of a's dtype, broadcast by the binary op. */
 static kiln_tensor_t *scalar_like(kiln_tensor_t *a, double s)

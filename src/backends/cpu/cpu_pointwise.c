@@ -160,19 +160,13 @@ static kiln_status binary(row_fn f32, row_fn any, kiln_tensor_t *const *in, kiln
     BINARY_F32(b_##name##_fast_f32, EXPR_FAST)                                                      \
     BINARY_PICK(name, EXPR_F, EXPR_D, false, (FAST) ? b_##name##_fast_f32 : b_##name##_f32)
 
-BINARY(add, x + y, x + y, 0)
-BINARY(sub, x - y, x - y, 0)
-BINARY(mul, x * y, x * y, 0)
-BINARY(div, x / y, x / y, 0)
-BINARY(pow, powf(x, y), pow(x, y), 0)
-BINARY(maximum, km_max(x, y), km_maxd(x, y), 0)
-BINARY(minimum, km_min(x, y), km_mind(x, y), 0)
-BINARY(eq, ((void)x, (void)y, 0.0f), x == y, 1)
-BINARY(ne, ((void)x, (void)y, 0.0f), x != y, 1)
-BINARY(lt, ((void)x, (void)y, 0.0f), x < y, 1)
-BINARY(le, ((void)x, (void)y, 0.0f), x <= y, 1)
-BINARY(gt, ((void)x, (void)y, 0.0f), x > y, 1)
-BINARY(ge, ((void)x, (void)y, 0.0f), x >= y, 1)
+/* The rows of src/core/binary.def; a BOOL one (a comparison) takes the any-dtype loop. */
+#define IS_BOOL_ANY false
+#define IS_BOOL_FLOAT false
+#define IS_BOOL_BOOL true
+#define KILN_BINARY(ID, name, dtypes, grad, save, f, d) BINARY(name, f, d, IS_BOOL_##dtypes)
+#include "core/binary.def"
+#undef KILN_BINARY
 BINARY_FAST(gelu_backward, y * gelu_grad_f(x, AT->op.gelu.tanh), y * km_gelu_grad_fast(x),
             y * gelu_grad_d(x, AT->op.gelu.tanh), FAST_GELU)
 
