@@ -283,8 +283,7 @@ INFER(scatter_add)
     if ((s = index_fits("scatter_add", in, a->op.dim.dim)) != KILN_OK) return s;
     if (in[2]->dtype != in[0]->dtype)
         return kiln__err(KILN_ERR_DTYPE, "scatter_add: source %s and input %s dtypes differ", SHP(in[2], b1), SHP(in[0], b2));
-    meta_like(in[0], in[0]->dtype, out);
-    return KILN_OK;
+    return unary_any("scatter_add", in, n, a, out);
 }
 
 /* x (..., C) with n - 1 per-channel parameters (C); as many statistics (...), in f32
@@ -355,8 +354,7 @@ INFER(tri)
 {
     char b[96];
     if (in[0]->ndim < 2) return kiln__err(KILN_ERR_SHAPE, "tril/triu: %s needs at least 2 dims", SHP(in[0], b));
-    meta_like(in[0], in[0]->dtype, out);
-    return KILN_OK;
+    return unary_any("tri", in, n, a, out);
 }
 
 INFER(rope)
@@ -434,8 +432,7 @@ INFER(paged_attention)
     if (bt->dtype != KILN_DTYPE_I32 || sp->dtype != KILN_DTYPE_I32)
         return kiln__err(KILN_ERR_DTYPE, "paged_attention: block_table %s and seq_pos %s must be i32", SHP(bt, b4),
                          SHP(sp, b5));
-    meta_like(q, q->dtype, &out[0]);
-    return KILN_OK;
+    return unary_any("paged_attention", in, n, a, out);
 }
 
 /* Views: strides and offset relative to the input's storage. */
@@ -612,8 +609,7 @@ INFER(check_min)
     char b[96];
     if (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_F64 && dt != KILN_DTYPE_I32 && dt != KILN_DTYPE_I64)
         return kiln__err(KILN_ERR_DTYPE, "check_min: %s must be f32, f64, i32 or i64", SHP(in[0], b));
-    meta_like(in[0], dt, out);
-    return KILN_OK;
+    return unary_any("check_min", in, n, a, out);
 }
 
 /* Collectives: an f32 or f64 tensor (and a source of its dtype) and a process group.

@@ -219,24 +219,21 @@ static kiln_tensor_t *param_or(kiln_tensor_t *p, kiln_tensor_t *x, double v)
 kiln_tensor_t *kiln_layer_norm(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *b, double eps)
 {
     if (!x) return null_arg("layer_norm");
-    kiln__attrs at = {.op.norm.eps = eps};
     kiln_tensor_t *in[3] = {x, param_or(w, x, 1.0), param_or(b, x, 0.0)};
-    return kiln__call(KILN_OP_LAYER_NORM, in, 3, &at);
+    return kiln__call(KILN_OP_LAYER_NORM, in, 3, &(kiln__attrs){.op.norm.eps = eps});
 }
 
 kiln_tensor_t *kiln_rms_norm(kiln_tensor_t *x, kiln_tensor_t *w, double eps)
 {
     if (!x) return null_arg("rms_norm");
-    kiln__attrs at = {.op.norm.eps = eps};
     kiln_tensor_t *in[2] = {x, param_or(w, x, 1.0)};
-    return kiln__call(KILN_OP_RMS_NORM, in, 2, &at);
+    return kiln__call(KILN_OP_RMS_NORM, in, 2, &(kiln__attrs){.op.norm.eps = eps});
 }
 
 kiln_tensor_t *kiln_cross_entropy(kiln_tensor_t *logits, kiln_tensor_t *targets, int64_t ignore_index)
 {
-    kiln__attrs at = {.op.cross_entropy.ignore_index = ignore_index};
     kiln_tensor_t *in[2] = {logits, targets};
-    return kiln__call(KILN_OP_CROSS_ENTROPY, in, 2, &at);
+    return kiln__call(KILN_OP_CROSS_ENTROPY, in, 2, &(kiln__attrs){.op.cross_entropy.ignore_index = ignore_index});
 }
 
 kiln_tensor_t *kiln_dropout(kiln_tensor_t *a, double p, bool train)
@@ -306,8 +303,7 @@ kiln_tensor_t *kiln_triu(kiln_tensor_t *a, int64_t k) { return tri(a, k, true); 
 
 kiln_tensor_t *kiln_rope(kiln_tensor_t *x, int64_t pos0, double theta)
 {
-    kiln__attrs at = {.op.rope = {.theta = theta, .pos0 = pos0}};
-    return kiln__call(KILN_OP_ROPE, &x, 1, &at);
+    return kiln__call(KILN_OP_ROPE, &x, 1, &(kiln__attrs){.op.rope = {.theta = theta, .pos0 = pos0}});
 }
 
 kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, bool causal, double scale)
@@ -354,9 +350,8 @@ kiln_tensor_t *kiln_matmul_rows_packed(kiln_tensor_t *a, kiln_tensor_t *wp, int6
 kiln_tensor_t *kiln_rope_at(kiln_tensor_t *x, kiln_tensor_t *pos, double theta)
 {
     if (!x || !pos) return null_arg("rope_at");
-    kiln__attrs at = {.op.rope.theta = theta};
     kiln_tensor_t *in[2] = {x, pos};
-    return kiln__call(KILN_OP_ROPE_AT, in, 2, &at);
+    return kiln__call(KILN_OP_ROPE_AT, in, 2, &(kiln__attrs){.op.rope.theta = theta});
 }
 
 kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, kiln_tensor_t *v_pages,
@@ -463,8 +458,7 @@ kiln_tensor_t *kiln_slice(kiln_tensor_t *a, int dim, int64_t start, int64_t end,
     if (end > n) end = n;
     if (start > n) start = n;
     int64_t len = end > start ? (end - start + step - 1) / step : 0;
-    kiln__attrs at = {.op.slice = {.dim = d, .start = start, .step = step, .length = len}};
-    return kiln__call(KILN_OP_SLICE, &a, 1, &at);
+    return kiln__call(KILN_OP_SLICE, &a, 1, &(kiln__attrs){.op.slice = {.dim = d, .start = start, .step = step, .length = len}});
 }
 
 kiln_tensor_t *kiln_narrow(kiln_tensor_t *a, int dim, int64_t start, int64_t length)

@@ -18,7 +18,7 @@
 #define BW(name) kiln_status kiln__bw_##name(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 
 /* Sums g down to shape, undoing broadcasting. */
-kiln_tensor_t *kiln__sum_to(kiln_tensor_t *g, const int64_t *shape, int ndim)
+static kiln_tensor_t *sum_to(kiln_tensor_t *g, const int64_t *shape, int ndim)
 {
     if (!g) return NULL;
     int dims[KILN_MAX_DIMS], nd = 0;
@@ -35,7 +35,7 @@ kiln_tensor_t *kiln__sum_to(kiln_tensor_t *g, const int64_t *shape, int ndim)
 /* The gradient for input i: summed to its shape and cast to its dtype. */
 static kiln_tensor_t *to_input(kiln__node *n, int i, kiln_tensor_t *g)
 {
-    g = kiln__sum_to(g, META(i)->shape, META(i)->ndim);
+    g = sum_to(g, META(i)->shape, META(i)->ndim);
     return g ? kiln_cast(g, META(i)->dtype) : NULL;
 }
 
@@ -272,7 +272,7 @@ BW(slice)
     return KILN_OK;
 }
 
-UNARY_BW(expand, kiln__sum_to(G, META(0)->shape, META(0)->ndim))
+UNARY_BW(expand, sum_to(G, META(0)->shape, META(0)->ndim))
 UNARY_BW(contiguous, G)
 
 /* The rows of include/kiln/pointwise.def with a backward op: g * dy/dx, by it. */

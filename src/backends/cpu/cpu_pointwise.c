@@ -222,10 +222,7 @@ kiln_status kiln__cpu_cast(KILN__KERNEL_ARGS)
     return KILN_OK;
 }
 
-kiln_status kiln__cpu_contiguous(KILN__KERNEL_ARGS)
-{
-    return kiln__cpu_cast(be, in, n_in, a, out, n_out); /* the same element-wise copy */
-}
+kiln_status kiln__cpu_contiguous(KILN__KERNEL_ARGS) { return kiln__cpu_cast(be, in, n_in, a, out, n_out); } /* the same copy */
 
 kiln_status kiln__cpu_copy_(KILN__KERNEL_ARGS)
 {
@@ -267,10 +264,8 @@ kiln_status kiln__cpu_reduce_scatter_(KILN__KERNEL_ARGS)
     return run(a->op.collective.group, in[0], in[1], a->op.collective.reduce);
 }
 
-kiln_status kiln__cpu_allgather_(KILN__KERNEL_ARGS)
-{
-    return kiln__cpu_reduce_scatter_(be, in, n_in, a, out, n_out); /* the same call: the op carries its function */
-}
+/* allgather_ is the same call: the op carries its function. */
+kiln_status kiln__cpu_allgather_(KILN__KERNEL_ARGS) { return kiln__cpu_reduce_scatter_(be, in, n_in, a, out, n_out); }
 
 typedef struct {
     kiln_dtype dt[4];
