@@ -454,10 +454,8 @@ INFER(view)
     if (kiln__numel(a->ndim, a->shape) != kiln__numel(t->ndim, t->shape))
         return kiln__err(KILN_ERR_SHAPE, "view: cannot view %s (%lld elements) as %d dims of %lld elements", SHP(t, b),
                          (long long)kiln__numel(t->ndim, t->shape), a->ndim, (long long)kiln__numel(a->ndim, a->shape));
-    out->dtype = t->dtype;
-    out->ndim = a->ndim;
-    out->offset = t->offset;
-    memcpy(out->shape, a->shape, sizeof(int64_t) * (size_t)a->ndim);
+    view_of(t, out);
+    meta_shape(out, t->dtype, a->ndim, a->shape);
     if (t->ndim == 0 || kiln__numel(t->ndim, t->shape) == 0) {
         kiln__contiguous_strides(a->ndim, a->shape, out->stride);
         return KILN_OK;
@@ -518,9 +516,8 @@ INFER(expand)
     const kiln_tensor_t *t = in[0];
     char b[96];
     if (a->ndim < t->ndim) return kiln__err(KILN_ERR_SHAPE, "expand: %s has more dims than the %d-dim target", SHP(t, b), a->ndim);
-    out->dtype = t->dtype;
+    view_of(t, out);
     out->ndim = a->ndim;
-    out->offset = t->offset;
     for (int d = 0; d < a->ndim; d++) {
         int k = d - (a->ndim - t->ndim);
         int64_t want = a->shape[d];

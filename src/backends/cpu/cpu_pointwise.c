@@ -267,13 +267,9 @@ kiln_status kiln__cpu_reduce_scatter_(KILN__KERNEL_ARGS)
 /* allgather_ is the same call: the op carries its function. */
 kiln_status kiln__cpu_allgather_(KILN__KERNEL_ARGS) { return kiln__cpu_reduce_scatter_(be, in, n_in, a, out, n_out); }
 
-typedef struct {
-    kiln_dtype dt[4];
-} where_ctx;
-
 static void where_row(void *c, char **p, const int64_t *s, int64_t n)
 {
-    const where_ctx *w = c;
+    const pw_ctx *w = c;
     size_t sz[4];
     for (int k = 0; k < 4; k++) sz[k] = kiln_dtype_size(w->dt[k]);
     for (int64_t i = 0; i < n; i++) {
@@ -288,7 +284,7 @@ kiln_status kiln__cpu_where(KILN__KERNEL_ARGS)
     kiln_tensor_t *ops[4] = {out[0], in[0], in[1], in[2]};
     cpu_iter it;
     cpu_iter_init(&it, 4, ops);
-    where_ctx w = {{out[0]->dtype, in[0]->dtype, in[1]->dtype, in[2]->dtype}};
+    pw_ctx w = {{out[0]->dtype, in[0]->dtype, in[1]->dtype, in[2]->dtype}, a};
     cpu_iter_run(&it, where_row, &w);
     return KILN_OK;
 }
