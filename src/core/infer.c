@@ -4,11 +4,19 @@
 #include "kiln/ops.h"
 #include "core/op_table.h"
 
-#define SHP(t, buf) kiln__shape_str((t), (buf), sizeof(buf))
+#define SHP(t) kiln__shape_text(t)
 /* An op's inference, kiln__infer_<name>; INFER_BY(name, rule): a row for an op that
  * shares its rule with others, rule(op name, in, n, a, out). */
 #define INFER(name) kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 #define INFER_BY(name, rule) INFER(name) { return rule(#name, in, n, a, out); }
+
+/* Eight buffers used in turn, so that one message can name several shapes. */
+const char *kiln__shape_text(const kiln_tensor_t *t)
+{
+    static _Thread_local char ring[8][96];
+    static _Thread_local unsigned next;
+    return kiln__shape_str(t, ring[next++ % 8], sizeof ring[0]);
+}
 
 static void meta_shape(kiln__meta *m, kiln_dtype dt, int ndim, const int64_t *shape)
 {
@@ -27,8 +35,7 @@ int kiln__norm_dim(int dim, int ndim)
 
 static kiln_status bad_dim(const char *op, int dim, const kiln_tensor_t *t)
 {
-    char b[96];
-    return kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", op, dim, SHP(t, b));
+    return kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", op, dim, SHP(t));
 }
 
 /* Saved statistics (mean, rstd, logsumexp) are f64 for f64 inputs, f32 otherwise. */
@@ -37,15 +44,13 @@ static kiln_dtype stat_dtype(kiln_dtype dt) { return dt == KILN_DTYPE_F64 ? KILN
 static kiln_status need_float(const char *op, const kiln_tensor_t *t)
 {
     if (kiln_dtype_is_float(t->dtype)) return KILN_OK;
-    char b[96];
-    return kiln__err(KILN_ERR_DTYPE, "%s: %s is not a float tensor (cast it with kiln_cast first)", op, SHP(t, b));
+    return kiln__err(KILN_ERR_DTYPE, "%s: %s is not a float tensor (cast it with kiln_cast first)", op, SHP(t));
 }
 
 static kiln_status need_index(const char *op, const kiln_tensor_t *t)
 {
     if (t->dtype == KILN_DTYPE_I32 || t->dtype == KILN_DTYPE_I64) return KILN_OK;
-    char b[96];
-    return kiln__err(KILN_ERR_DTYPE, "%s: index tensor %s must be i32 or i64", op, SHP(t, b));
+    return kiln__err(KILN_ERR_DTYPE, "%s: index tensor %s must be i32 or i64", op, SHP(t));
 }
 
 static int rank(kiln_dtype dt)
@@ -81,9 +86,8 @@ kiln_status kiln__broadcast_shapes(const char *op, int n, kiln_tensor_t *const *
                 s = v;
                 continue;
             }
-            char a[96], b[96];
             return kiln__err(KILN_ERR_SHAPE, "%s: shapes %s and %s do not broadcast (dim %d: %lld vs %lld)", op,
-                             SHP(ts[0], a), SHP(ts[n > 1 ? 1 : 0], b), d, (long long)s, (long long)v);
+                             SHP(ts[0]), SHP(ts[n > 1 ? 1 : 0]), d, (long long)s, (long long)v);
         }
         out->shape[d] = s;
     }
@@ -200,14 +204,13 @@ INFER_BY(log_softmax, along_dim)
 INFER(matmul)
 {
     const kiln_tensor_t *x = in[0], *y = in[1];
-    char b1[96], b2[96];
     if (x->ndim < 2 || y->ndim < 2)
-        return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s needs at least 2 dims each", SHP(x, b1), SHP(y, b2));
+        return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s needs at least 2 dims each", SHP(x), SHP(y));
     if (x->dtype != y->dtype || (x->dtype != KILN_DTYPE_F32 && x->dtype != KILN_DTYPE_F64))
-        return kiln__err(KILN_ERR_DTYPE, "matmul: %s @ %s: both must be f32 or both f64", SHP(x, b1), SHP(y, b2));
+        return kiln__err(KILN_ERR_DTYPE, "matmul: %s @ %s: both must be f32 or both f64", SHP(x), SHP(y));
     int64_t k1 = x->shape[x->ndim - 1], k2 = y->shape[y->ndim - 2];
     if (k1 != k2)
-        return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s: inner dims %lld and %lld differ", SHP(x, b1), SHP(y, b2),
+        return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s: inner dims %lld and %lld differ", SHP(x), SHP(y),
                          (long long)k1, (long long)k2);
     /* Broadcast the batch dims. */
     int bx = x->ndim - 2, by = y->ndim - 2, nb = bx > by ? bx : by;
@@ -215,7 +218,7 @@ INFER(matmul)
         int i = d - (nb - bx), j = d - (nb - by);
         int64_t sx = i >= 0 ? x->shape[i] : 1, sy = j >= 0 ? y->shape[j] : 1;
         if (sx != sy && sx != 1 && sy != 1)
-            return kiln__err(KILN_ERR_SHAPE, "matmul: batch dims of %s and %s do not broadcast", SHP(x, b1), SHP(y, b2));
+            return kiln__err(KILN_ERR_SHAPE, "matmul: batch dims of %s and %s do not broadcast", SHP(x), SHP(y));
         out->shape[d] = sx > sy ? sx : sy;
     }
     out->ndim = nb + 2;
@@ -227,8 +230,7 @@ INFER(matmul)
 
 INFER(embedding)
 {
-    char b[96];
-    if (in[0]->ndim != 2) return kiln__err(KILN_ERR_SHAPE, "embedding: weight %s must be (V, C)", SHP(in[0], b));
+    if (in[0]->ndim != 2) return kiln__err(KILN_ERR_SHAPE, "embedding: weight %s must be (V, C)", SHP(in[0]));
     kiln_status s = need_index("embedding", in[1]);
     if (s != KILN_OK) return s;
     if (in[1]->ndim >= KILN_MAX_DIMS) return kiln__err(KILN_ERR_SHAPE, "embedding: index has too many dims");
@@ -241,8 +243,7 @@ INFER(index_select)
 {
     kiln_status s = need_index("index_select", in[1]);
     if (s != KILN_OK) return s;
-    char b[96];
-    if (in[1]->ndim != 1) return kiln__err(KILN_ERR_SHAPE, "index_select: index %s must be 1-D", SHP(in[1], b));
+    if (in[1]->ndim != 1) return kiln__err(KILN_ERR_SHAPE, "index_select: index %s must be 1-D", SHP(in[1]));
     if (a->op.dim.dim < 0 || a->op.dim.dim >= in[0]->ndim) return bad_dim("index_select", (int)a->op.dim.dim, in[0]);
     meta_like(in[0], in[0]->dtype, out);
     out->shape[a->op.dim.dim] = in[1]->shape[0];
@@ -253,14 +254,13 @@ INFER(index_select)
  * (a wider index would address elements outside the output). */
 static kiln_status index_fits(const char *op, kiln_tensor_t *const *in, int64_t dim)
 {
-    char b1[96], b2[96];
     if (in[1]->ndim != in[0]->ndim)
-        return kiln__err(KILN_ERR_SHAPE, "%s: index %s must have the dims of the input %s", op, SHP(in[1], b1), SHP(in[0], b2));
+        return kiln__err(KILN_ERR_SHAPE, "%s: index %s must have the dims of the input %s", op, SHP(in[1]), SHP(in[0]));
     if (dim < 0 || dim >= in[0]->ndim) return bad_dim(op, (int)dim, in[0]);
     for (int d = 0; d < in[0]->ndim; d++)
         if (d != dim && in[1]->shape[d] > in[0]->shape[d])
-            return kiln__err(KILN_ERR_SHAPE, "%s: index %s is larger than the input %s in dim %d", op, SHP(in[1], b1),
-                             SHP(in[0], b2), d);
+            return kiln__err(KILN_ERR_SHAPE, "%s: index %s is larger than the input %s in dim %d", op, SHP(in[1]),
+                             SHP(in[0]), d);
     return KILN_OK;
 }
 
@@ -276,13 +276,11 @@ INFER(scatter_add)
 {
     kiln_status s = need_index("scatter_add", in[1]);
     if (s != KILN_OK) return s;
-    char b1[96], b2[96];
     if (in[1]->ndim != in[2]->ndim || memcmp(in[1]->shape, in[2]->shape, sizeof(int64_t) * (size_t)in[1]->ndim))
-        return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s and source %s must have one shape", SHP(in[1], b1),
-                         SHP(in[2], b2));
+        return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s and source %s must have one shape", SHP(in[1]), SHP(in[2]));
     if ((s = index_fits("scatter_add", in, a->op.dim.dim)) != KILN_OK) return s;
     if (in[2]->dtype != in[0]->dtype)
-        return kiln__err(KILN_ERR_DTYPE, "scatter_add: source %s and input %s dtypes differ", SHP(in[2], b1), SHP(in[0], b2));
+        return kiln__err(KILN_ERR_DTYPE, "scatter_add: source %s and input %s dtypes differ", SHP(in[2]), SHP(in[0]));
     return unary_any("scatter_add", in, n, a, out);
 }
 
@@ -291,15 +289,14 @@ INFER(scatter_add)
 static kiln_status norm(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     const kiln_tensor_t *x = in[0];
-    char b1[96], b2[96];
     kiln_status s = need_float(op, x);
     if (s != KILN_OK) return s;
-    if (x->ndim < 1) return kiln__err(KILN_ERR_SHAPE, "%s: input %s needs at least 1 dim", op, SHP(x, b1));
+    if (x->ndim < 1) return kiln__err(KILN_ERR_SHAPE, "%s: input %s needs at least 1 dim", op, SHP(x));
     int64_t c = x->shape[x->ndim - 1];
     for (int p = 1; p < n; p++)
         if (in[p]->ndim != 1 || in[p]->shape[0] != c || in[p]->dtype != x->dtype)
-            return kiln__err(KILN_ERR_SHAPE, "%s: parameter %s must be %s[%lld] for input %s", op, SHP(in[p], b1),
-                             kiln_dtype_name(x->dtype), (long long)c, SHP(x, b2));
+            return kiln__err(KILN_ERR_SHAPE, "%s: parameter %s must be %s[%lld] for input %s", op, SHP(in[p]),
+                             kiln_dtype_name(x->dtype), (long long)c, SHP(x));
     meta_like(x, x->dtype, &out[0]);
     for (int k = 1; k < n; k++) meta_shape(&out[k], stat_dtype(x->dtype), x->ndim - 1, x->shape);
     return KILN_OK;
@@ -310,13 +307,12 @@ INFER_BY(rms_norm, norm)
 
 INFER(cross_entropy)
 {
-    char b1[96], b2[96];
     kiln_status s = need_float("cross_entropy", in[0]);
     if (s == KILN_OK) s = need_index("cross_entropy", in[1]);
     if (s != KILN_OK) return s;
     if (in[0]->ndim != 2 || in[1]->ndim != 1 || in[1]->shape[0] != in[0]->shape[0])
-        return kiln__err(KILN_ERR_SHAPE, "cross_entropy: logits %s must be (N, V) and targets %s (N)", SHP(in[0], b1),
-                         SHP(in[1], b2));
+        return kiln__err(KILN_ERR_SHAPE, "cross_entropy: logits %s must be (N, V) and targets %s (N)", SHP(in[0]),
+                         SHP(in[1]));
     meta_shape(&out[0], in[0]->dtype, 0, NULL);
     meta_shape(&out[1], stat_dtype(in[0]->dtype), 1, in[0]->shape);
     return KILN_OK;
@@ -339,12 +335,11 @@ INFER(cat)
     meta_like(in[0], in[0]->dtype, out);
     out->shape[dim] = 0;
     for (int i = 0; i < n; i++) {
-        char b1[96], b2[96];
         bool ok = in[i]->ndim == in[0]->ndim && in[i]->dtype == in[0]->dtype;
         for (int d = 0; ok && d < in[0]->ndim; d++) ok = d == dim || in[i]->shape[d] == in[0]->shape[d];
         if (!ok)
-            return kiln__err(KILN_ERR_SHAPE, "cat: tensor %d %s does not fit tensor 0 %s along dim %d", i, SHP(in[i], b1),
-                             SHP(in[0], b2), dim);
+            return kiln__err(KILN_ERR_SHAPE, "cat: tensor %d %s does not fit tensor 0 %s along dim %d", i, SHP(in[i]),
+                             SHP(in[0]), dim);
         out->shape[dim] += in[i]->shape[dim];
     }
     return KILN_OK;
@@ -352,33 +347,29 @@ INFER(cat)
 
 INFER(tri)
 {
-    char b[96];
-    if (in[0]->ndim < 2) return kiln__err(KILN_ERR_SHAPE, "tril/triu: %s needs at least 2 dims", SHP(in[0], b));
+    if (in[0]->ndim < 2) return kiln__err(KILN_ERR_SHAPE, "tril/triu: %s needs at least 2 dims", SHP(in[0]));
     return unary_any("tri", in, n, a, out);
 }
 
 INFER(rope)
 {
-    char b[96];
     if (in[0]->ndim < 2 || in[0]->shape[in[0]->ndim - 1] % 2)
-        return kiln__err(KILN_ERR_SHAPE, "rope: input %s must be (..., T, D) with D even", SHP(in[0], b));
+        return kiln__err(KILN_ERR_SHAPE, "rope: input %s must be (..., T, D) with D even", SHP(in[0]));
     return unary_float("rope", in, n, a, out);
 }
 
 INFER(attention)
 {
     const kiln_tensor_t *q = in[0], *k = in[1], *v = in[2];
-    char b1[96], b2[96], b3[96];
     bool ok = q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && q->shape[0] == k->shape[0] &&
               k->shape[0] == v->shape[0] && k->shape[1] == v->shape[1] && k->shape[2] == v->shape[2] &&
               q->shape[3] == k->shape[3] && k->shape[3] == v->shape[3] && k->shape[1] > 0 &&
               q->shape[1] % k->shape[1] == 0 && (!a->op.attention.causal || q->shape[2] <= k->shape[2]);
     if (!ok)
         return kiln__err(KILN_ERR_SHAPE, "attention: q %s, k %s, v %s must be (B,H,Tq,D), (B,Hkv,Tk,D), (B,Hkv,Tk,D) with "
-                         "H a multiple of Hkv (and Tq <= Tk when causal)", SHP(q, b1), SHP(k, b2), SHP(v, b3));
+                         "H a multiple of Hkv (and Tq <= Tk when causal)", SHP(q), SHP(k), SHP(v));
     if (q->dtype != k->dtype || k->dtype != v->dtype || (q->dtype != KILN_DTYPE_F32 && q->dtype != KILN_DTYPE_F64))
-        return kiln__err(KILN_ERR_DTYPE, "attention: q %s, k %s, v %s must all be f32 or all f64", SHP(q, b1), SHP(k, b2),
-                         SHP(v, b3));
+        return kiln__err(KILN_ERR_DTYPE, "attention: q %s, k %s, v %s must all be f32 or all f64", SHP(q), SHP(k), SHP(v));
     meta_like(q, q->dtype, &out[0]);
     meta_shape(&out[1], stat_dtype(q->dtype), 3, q->shape);
     return KILN_OK;
@@ -387,14 +378,13 @@ INFER(attention)
 INFER(matmul_rows_packed)
 {
     const kiln_tensor_t *x = in[0], *w = in[1];
-    char b1[96], b2[96];
     int64_t cols = a->op.rows_packed.cols;
     if (x->ndim != 2 || w->ndim != 3 || x->shape[1] != w->shape[1] || w->shape[2] != KILN_ROWS_PANEL || cols < 1 ||
         cols > w->shape[0] * KILN_ROWS_PANEL || cols <= (w->shape[0] - 1) * KILN_ROWS_PANEL)
         return kiln__err(KILN_ERR_SHAPE, "matmul_rows_packed: a %s and packed w %s for %lld columns must be (M,K) and "
-                         "(ceil(n/%d),K,%d)", SHP(x, b1), SHP(w, b2), (long long)cols, KILN_ROWS_PANEL, KILN_ROWS_PANEL);
+                         "(ceil(n/%d),K,%d)", SHP(x), SHP(w), (long long)cols, KILN_ROWS_PANEL, KILN_ROWS_PANEL);
     if (x->dtype != KILN_DTYPE_F32 || w->dtype != KILN_DTYPE_F32)
-        return kiln__err(KILN_ERR_DTYPE, "matmul_rows_packed: a %s and w %s must be f32", SHP(x, b1), SHP(w, b2));
+        return kiln__err(KILN_ERR_DTYPE, "matmul_rows_packed: a %s and w %s must be f32", SHP(x), SHP(w));
     int64_t shape[2] = {x->shape[0], cols};
     meta_shape(&out[0], KILN_DTYPE_F32, 2, shape);
     return KILN_OK;
@@ -403,10 +393,9 @@ INFER(matmul_rows_packed)
 INFER(rope_at)
 {
     const kiln_tensor_t *x = in[0], *pos = in[1];
-    char b1[96], b2[96];
     if (x->ndim != 3 || x->shape[2] % 2 || pos->ndim != 1 || pos->shape[0] != x->shape[0])
-        return kiln__err(KILN_ERR_SHAPE, "rope_at: x %s must be (N,H,D) with D even and pos %s must be (N)", SHP(x, b1),
-                         SHP(pos, b2));
+        return kiln__err(KILN_ERR_SHAPE, "rope_at: x %s must be (N,H,D) with D even and pos %s must be (N)", SHP(x),
+                         SHP(pos));
     kiln_status s = need_index("rope_at", pos);
     return s != KILN_OK ? s : unary_float("rope_at", in, n, a, out);
 }
@@ -414,7 +403,6 @@ INFER(rope_at)
 INFER(paged_attention)
 {
     const kiln_tensor_t *q = in[0], *k = in[1], *v = in[2], *bt = in[3], *sp = in[4];
-    char b1[96], b2[96], b3[96], b4[96], b5[96];
     bool ok = q->ndim == 3 && k->ndim == 3 && v->ndim == 3 && bt->ndim == 2 && sp->ndim == 2 && sp->shape[1] == 2 &&
               sp->shape[0] == q->shape[0] && k->shape[0] == v->shape[0] && k->shape[1] == v->shape[1] &&
               k->shape[1] > 0 && q->shape[1] % k->shape[1] == 0 && q->shape[2] == k->shape[2] &&
@@ -422,16 +410,15 @@ INFER(paged_attention)
     if (!ok)
         return kiln__err(KILN_ERR_SHAPE, "paged_attention: q %s, k_pages %s, v_pages %s, block_table %s, seq_pos %s must "
                          "be (N,H,D), (S,Hkv,D), (S,Hkv,D), (n_seqs,max_blocks), (N,2) with H a multiple of Hkv and S a "
-                         "multiple of block_len %lld", SHP(q, b1), SHP(k, b2), SHP(v, b3), SHP(bt, b4), SHP(sp, b5),
+                         "multiple of block_len %lld", SHP(q), SHP(k), SHP(v), SHP(bt), SHP(sp),
                          (long long)a->op.paged_attention.block_len);
     bool kv_ok = k->dtype == v->dtype &&
                  (k->dtype == KILN_DTYPE_F32 || k->dtype == KILN_DTYPE_F16 || k->dtype == KILN_DTYPE_BF16);
     if (q->dtype != KILN_DTYPE_F32 || !kv_ok)
         return kiln__err(KILN_ERR_DTYPE, "paged_attention: q %s must be f32, and k_pages %s and v_pages %s one type of "
-                         "f32, f16 or bf16", SHP(q, b1), SHP(k, b2), SHP(v, b3));
+                         "f32, f16 or bf16", SHP(q), SHP(k), SHP(v));
     if (bt->dtype != KILN_DTYPE_I32 || sp->dtype != KILN_DTYPE_I32)
-        return kiln__err(KILN_ERR_DTYPE, "paged_attention: block_table %s and seq_pos %s must be i32", SHP(bt, b4),
-                         SHP(sp, b5));
+        return kiln__err(KILN_ERR_DTYPE, "paged_attention: block_table %s and seq_pos %s must be i32", SHP(bt), SHP(sp));
     return unary_any("paged_attention", in, n, a, out);
 }
 
@@ -450,9 +437,8 @@ static void view_of(const kiln_tensor_t *t, kiln__meta *m)
 INFER(view)
 {
     const kiln_tensor_t *t = in[0];
-    char b[96];
     if (kiln__numel(a->ndim, a->shape) != kiln__numel(t->ndim, t->shape))
-        return kiln__err(KILN_ERR_SHAPE, "view: cannot view %s (%lld elements) as %d dims of %lld elements", SHP(t, b),
+        return kiln__err(KILN_ERR_SHAPE, "view: cannot view %s (%lld elements) as %d dims of %lld elements", SHP(t),
                          (long long)kiln__numel(t->ndim, t->shape), a->ndim, (long long)kiln__numel(a->ndim, a->shape));
     view_of(t, out);
     meta_shape(out, t->dtype, a->ndim, a->shape);
@@ -471,23 +457,22 @@ INFER(view)
                 view_d--;
             }
             if (view_numel != tensor_numel)
-                return kiln__err(KILN_ERR_SHAPE, "view: %s is not contiguous enough to view; use kiln_reshape", SHP(t, b));
+                return kiln__err(KILN_ERR_SHAPE, "view: %s is not contiguous enough to view; use kiln_reshape", SHP(t));
             if (d > 0) {
                 base = t->stride[d - 1];
                 tensor_numel = view_numel = 1;
             }
         }
     }
-    if (view_d != -1) return kiln__err(KILN_ERR_SHAPE, "view: %s cannot be viewed as asked; use kiln_reshape", SHP(t, b));
+    if (view_d != -1) return kiln__err(KILN_ERR_SHAPE, "view: %s cannot be viewed as asked; use kiln_reshape", SHP(t));
     return KILN_OK;
 }
 
 INFER(permute)
 {
     const kiln_tensor_t *t = in[0];
-    char b[96];
     bool seen[KILN_MAX_DIMS] = {0};
-    if (a->ndim != t->ndim) return kiln__err(KILN_ERR_ARG, "permute: %d dims given for %s", a->ndim, SHP(t, b));
+    if (a->ndim != t->ndim) return kiln__err(KILN_ERR_ARG, "permute: %d dims given for %s", a->ndim, SHP(t));
     view_of(t, out);
     for (int d = 0; d < t->ndim; d++) {
         int64_t s = a->shape[d];
@@ -514,8 +499,7 @@ INFER(slice)
 INFER(expand)
 {
     const kiln_tensor_t *t = in[0];
-    char b[96];
-    if (a->ndim < t->ndim) return kiln__err(KILN_ERR_SHAPE, "expand: %s has more dims than the %d-dim target", SHP(t, b), a->ndim);
+    if (a->ndim < t->ndim) return kiln__err(KILN_ERR_SHAPE, "expand: %s has more dims than the %d-dim target", SHP(t), a->ndim);
     view_of(t, out);
     out->ndim = a->ndim;
     for (int d = 0; d < a->ndim; d++) {
@@ -531,7 +515,7 @@ INFER(expand)
             out->shape[d] = want;
             out->stride[d] = 0;
         } else {
-            return kiln__err(KILN_ERR_SHAPE, "expand: dim %d of %s is %lld, cannot expand to %lld", k, SHP(t, b),
+            return kiln__err(KILN_ERR_SHAPE, "expand: dim %d of %s is %lld, cannot expand to %lld", k, SHP(t),
                              (long long)t->shape[k], (long long)want);
         }
         if (out->shape[d] < 0) return kiln__err(KILN_ERR_SHAPE, "expand: negative size in dim %d", d);
@@ -555,10 +539,9 @@ static kiln_status into(const char *op, kiln_tensor_t *const *in, int n, const k
     kiln__meta m;
     kiln_status s = kiln__broadcast_shapes(op, 2, in, &m);
     if (s != KILN_OK) return s;
-    char b1[96], b2[96];
     if (m.ndim != in[0]->ndim || memcmp(m.shape, in[0]->shape, sizeof(int64_t) * (size_t)m.ndim))
-        return kiln__err(KILN_ERR_SHAPE, "%s: source %s does not broadcast to the destination %s", op, SHP(in[1], b1),
-                         SHP(in[0], b2));
+        return kiln__err(KILN_ERR_SHAPE, "%s: source %s does not broadcast to the destination %s", op, SHP(in[1]),
+                         SHP(in[0]));
     return KILN_OK;
 }
 
@@ -567,14 +550,13 @@ INFER_BY(copy_, into)
 INFER(index_copy_)
 {
     const kiln_tensor_t *dst = in[0], *idx = in[1], *src = in[2];
-    char b1[96], b2[96], b3[96];
     bool ok = dst->ndim >= 1 && idx->ndim == 1 && src->ndim == dst->ndim && src->shape[0] == idx->shape[0];
     for (int d = 1; ok && d < dst->ndim; d++) ok = src->shape[d] == dst->shape[d];
     if (!ok)
         return kiln__err(KILN_ERR_SHAPE, "index_copy_: dst %s, index %s, src %s: src must be (n, ...) with dst's row shape "
-                         "and index (n)", SHP(dst, b1), SHP(idx, b2), SHP(src, b3));
+                         "and index (n)", SHP(dst), SHP(idx), SHP(src));
     if (src->dtype != dst->dtype)
-        return kiln__err(KILN_ERR_DTYPE, "index_copy_: src %s and dst %s differ in dtype", SHP(src, b3), SHP(dst, b1));
+        return kiln__err(KILN_ERR_DTYPE, "index_copy_: src %s and dst %s differ in dtype", SHP(src), SHP(dst));
     return need_index("index_copy_", idx);
 }
 INFER(scale_) { return KILN_OK; }
@@ -583,19 +565,17 @@ INFER(fill_) { return KILN_OK; }
 INFER(adamw_)
 {
     for (int i = 0; i < 4; i++) {
-        char b1[96], b2[96];
         if (in[i]->dtype != KILN_DTYPE_F32 || in[i]->ndim != in[0]->ndim ||
             memcmp(in[i]->shape, in[0]->shape, sizeof(int64_t) * (size_t)in[0]->ndim) || !kiln__is_contiguous(in[i]))
             return kiln__err(KILN_ERR_SHAPE, "adamw_: tensor %d %s must be contiguous f32 shaped like the parameter %s", i,
-                             SHP(in[i], b1), SHP(in[0], b2));
+                             SHP(in[i]), SHP(in[0]));
     }
     static const char *const scalar[3] = {"lr", "step", "gscale"};
     for (int i = 4; i < 7; i++) {
-        char b[96];
         if ((in[i]->dtype != KILN_DTYPE_F32 && in[i]->dtype != KILN_DTYPE_F64) ||
             kiln__numel(in[i]->ndim, in[i]->shape) != 1)
             return kiln__err(KILN_ERR_SHAPE, "adamw_: %s %s must be a one-element f32 or f64 tensor", scalar[i - 4],
-                             SHP(in[i], b));
+                             SHP(in[i]));
     }
     return KILN_OK;
 }
@@ -603,9 +583,8 @@ INFER(adamw_)
 INFER(check_min)
 {
     kiln_dtype dt = in[0]->dtype;
-    char b[96];
     if (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_F64 && dt != KILN_DTYPE_I32 && dt != KILN_DTYPE_I64)
-        return kiln__err(KILN_ERR_DTYPE, "check_min: %s must be f32, f64, i32 or i64", SHP(in[0], b));
+        return kiln__err(KILN_ERR_DTYPE, "check_min: %s must be f32, f64, i32 or i64", SHP(in[0]));
     return unary_any("check_min", in, n, a, out);
 }
 
@@ -613,12 +592,10 @@ INFER(check_min)
  * Sizes are the group's to check when it runs (the infer step knows no world size). */
 static kiln_status collective(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
-    char b[96], c[96];
     if (in[0]->dtype != KILN_DTYPE_F32 && in[0]->dtype != KILN_DTYPE_F64)
-        return kiln__err(KILN_ERR_DTYPE, "%s: %s must be f32 or f64", op, SHP(in[0], b));
+        return kiln__err(KILN_ERR_DTYPE, "%s: %s must be f32 or f64", op, SHP(in[0]));
     if (n > 1 && in[1]->dtype != in[0]->dtype)
-        return kiln__err(KILN_ERR_DTYPE, "%s: source %s and destination %s differ in dtype", op, SHP(in[1], b),
-                         SHP(in[0], c));
+        return kiln__err(KILN_ERR_DTYPE, "%s: source %s and destination %s differ in dtype", op, SHP(in[1]), SHP(in[0]));
     if (!a->op.collective.group || !a->op.collective.ops) return kiln__err(KILN_ERR_ARG, "%s: no process group", op);
     return KILN_OK;
 }

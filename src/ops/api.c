@@ -21,9 +21,8 @@ static kiln_tensor_t *null_arg(const char *op) { return kiln__null_arg(op), NULL
 static int dim_of(const char *op, kiln_tensor_t *a, int dim, bool scalar_ok)
 {
     int d = kiln__norm_dim(dim, a->ndim);
-    char b[96];
     if (d >= 0 && (scalar_ok || d < a->ndim)) return d;
-    return kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", op, dim, kiln__shape_str(a, b, sizeof b)), -1;
+    return kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", op, dim, kiln__shape_text(a)), -1;
 }
 
 /* The rows of src/core/binary.def. */
@@ -177,10 +176,9 @@ kiln_tensor_t *kiln_log_softmax(kiln_tensor_t *a, int dim) { return dim_op(KILN_
 kiln_tensor_t *kiln_matmul(kiln_tensor_t *a, kiln_tensor_t *b)
 {
     if (!a || !b) return null_arg("matmul");
-    char b1[96], b2[96];
     if (a->ndim == 0 || b->ndim == 0)
         return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s: scalars cannot be multiplied as matrices",
-                         kiln__shape_str(a, b1, sizeof b1), kiln__shape_str(b, b2, sizeof b2)), NULL;
+                         kiln__shape_text(a), kiln__shape_text(b)), NULL;
     bool va = a->ndim == 1, vb = b->ndim == 1;
     kiln_tensor_t *x = va ? kiln_unsqueeze(a, 0) : a, *y = vb ? kiln_unsqueeze(b, 1) : b;
     kiln_tensor_t *r = call2(KILN_OP_MATMUL, x, y);
@@ -318,20 +316,18 @@ kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t 
 kiln_tensor_t *kiln_matmul_rows(kiln_tensor_t *a, kiln_tensor_t *w)
 {
     if (!a || !w) return null_arg("matmul_rows");
-    char b1[96], b2[96];
     if (a->ndim != 2 || w->ndim != 2 || a->shape[1] != w->shape[1])
         return kiln__err(KILN_ERR_SHAPE, "matmul_rows: a %s and w %s must be (M,K) and (N,K)",
-                         kiln__shape_str(a, b1, sizeof b1), kiln__shape_str(w, b2, sizeof b2)), NULL;
+                         kiln__shape_text(a), kiln__shape_text(w)), NULL;
     return kiln_matmul_rows_packed(a, kiln_matmul_rows_pack(w), w->shape[0]);
 }
 
 kiln_tensor_t *kiln_matmul_rows_pack(kiln_tensor_t *w)
 {
     if (!w) return null_arg("matmul_rows_pack");
-    char b[96];
     if (w->ndim != 2 || w->shape[0] < 1 || w->dtype != KILN_DTYPE_F32)
         return kiln__err(KILN_ERR_SHAPE, "matmul_rows_pack: w %s must be a non-empty (N,K) f32 matrix",
-                         kiln__shape_str(w, b, sizeof b)), NULL;
+                         kiln__shape_text(w)), NULL;
     /* (N,K), padded with zero rows to P*16, as (P,16,K), then panel by panel (P,K,16). */
     int64_t N = w->shape[0], K = w->shape[1], P = (N + KILN_ROWS_PANEL - 1) / KILN_ROWS_PANEL;
     int64_t pad[2] = {P * KILN_ROWS_PANEL - N, K}, s3[3] = {P, KILN_ROWS_PANEL, K};
@@ -368,7 +364,6 @@ kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, ki
 /* Views. */
 static bool resolve_shape(const char *op, kiln_tensor_t *a, const int64_t *shape, int ndim, kiln__attrs *at)
 {
-    char b[96];
     memset(at, 0, sizeof *at);
     if (ndim < 0 || ndim > KILN_MAX_DIMS || (ndim && !shape))
         return kiln__err(KILN_ERR_ARG, "%s: bad target shape (ndim %d)", op, ndim), false;
@@ -388,12 +383,12 @@ static bool resolve_shape(const char *op, kiln_tensor_t *a, const int64_t *shape
     int64_t n = kiln__numel(a->ndim, a->shape);
     if (infer >= 0) {
         if (known == 0 || n % known)
-            return kiln__err(KILN_ERR_SHAPE, "%s: cannot infer dim %d to reshape %s", op, infer, kiln__shape_str(a, b, sizeof b)), false;
+            return kiln__err(KILN_ERR_SHAPE, "%s: cannot infer dim %d to reshape %s", op, infer, kiln__shape_text(a)), false;
         at->shape[infer] = n / known;
         known *= at->shape[infer];
     }
     if (known != n)
-        return kiln__err(KILN_ERR_SHAPE, "%s: %s has %lld elements, the target shape %lld", op, kiln__shape_str(a, b, sizeof b),
+        return kiln__err(KILN_ERR_SHAPE, "%s: %s has %lld elements, the target shape %lld", op, kiln__shape_text(a),
                          (long long)n, (long long)known), false;
     return true;
 }
@@ -435,9 +430,8 @@ kiln_tensor_t *kiln_transpose(kiln_tensor_t *a, int d0, int d1)
 {
     if (!a) return null_arg("transpose");
     int n0 = kiln__norm_dim(d0, a->ndim), n1 = kiln__norm_dim(d1, a->ndim);
-    char b[96];
     if (n0 < 0 || n1 < 0 || n0 >= a->ndim || n1 >= a->ndim)
-        return kiln__err(KILN_ERR_INDEX, "transpose: dims %d, %d are out of range for %s", d0, d1, kiln__shape_str(a, b, sizeof b)), NULL;
+        return kiln__err(KILN_ERR_INDEX, "transpose: dims %d, %d are out of range for %s", d0, d1, kiln__shape_text(a)), NULL;
     int order[KILN_MAX_DIMS];
     for (int i = 0; i < a->ndim; i++) order[i] = i;
     order[n0] = n1;
@@ -465,10 +459,9 @@ kiln_tensor_t *kiln_narrow(kiln_tensor_t *a, int dim, int64_t start, int64_t len
 {
     if (!a) return null_arg("narrow");
     int d = kiln__norm_dim(dim, a->ndim);
-    char b[96];
     if (d < 0 || d >= a->ndim || start < 0 || length < 0 || start + length > a->shape[d])
         return kiln__err(KILN_ERR_INDEX, "narrow: [%lld, %lld) along dim %d is outside %s", (long long)start,
-                         (long long)(start + length), dim, kiln__shape_str(a, b, sizeof b)), NULL;
+                         (long long)(start + length), dim, kiln__shape_text(a)), NULL;
     return kiln_slice(a, d, start, start + length, 1);
 }
 
@@ -485,9 +478,8 @@ kiln_tensor_t *kiln_squeeze(kiln_tensor_t *a, int dim)
 {
     if (!a) return null_arg("squeeze");
     int d = kiln__norm_dim(dim, a->ndim);
-    char b[96];
     if (d < 0 || d >= a->ndim || a->shape[d] != 1)
-        return kiln__err(KILN_ERR_SHAPE, "squeeze: dim %d of %s is not of size 1", dim, kiln__shape_str(a, b, sizeof b)), NULL;
+        return kiln__err(KILN_ERR_SHAPE, "squeeze: dim %d of %s is not of size 1", dim, kiln__shape_text(a)), NULL;
     int64_t shape[KILN_MAX_DIMS];
     int n = 0;
     for (int i = 0; i < a->ndim; i++)
@@ -499,9 +491,8 @@ kiln_tensor_t *kiln_unsqueeze(kiln_tensor_t *a, int dim)
 {
     if (!a) return null_arg("unsqueeze");
     int d = dim < 0 ? dim + a->ndim + 1 : dim;
-    char b[96];
     if (d < 0 || d > a->ndim || a->ndim == KILN_MAX_DIMS)
-        return kiln__err(KILN_ERR_INDEX, "unsqueeze: dim %d is out of range for %s", dim, kiln__shape_str(a, b, sizeof b)), NULL;
+        return kiln__err(KILN_ERR_INDEX, "unsqueeze: dim %d is out of range for %s", dim, kiln__shape_text(a)), NULL;
     int64_t shape[KILN_MAX_DIMS];
     int n = 0;
     for (int i = 0; i <= a->ndim; i++) {
