@@ -88,16 +88,13 @@ KM_FN double km_mind(double x, double y) { return x != x || x < y ? x : y; }
 KM_FN float km_gelu_fast(float x) { return 0.5f * x * (1.0f + km_tanh_fast(KM_C0 * (x + KM_C1 * x * x * x))); }
 KM_FN float km_gelu_tanh(float x) { return 0.5f * x * (1.0f + tanhf(KM_C0 * (x + KM_C1 * x * x * x))); }
 KM_FN float km_gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678f)); }
-KM_FN float km_gelu_grad_fast(float x)
+/* The tanh form's derivative from t = tanh(sqrt(2/pi) (x + 0.044715 x^3)). */
+KM_FN float km_gelu_grad_t(float x, float t)
 {
-    float t = km_tanh_fast(KM_C0 * (x + KM_C1 * x * x * x));
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KM_C0 * (1.0f + 3.0f * KM_C1 * x * x);
 }
-KM_FN float km_gelu_grad_tanh(float x)
-{
-    float t = tanhf(KM_C0 * (x + KM_C1 * x * x * x));
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KM_C0 * (1.0f + 3.0f * KM_C1 * x * x);
-}
+KM_FN float km_gelu_grad_fast(float x) { return km_gelu_grad_t(x, km_tanh_fast(KM_C0 * (x + KM_C1 * x * x * x))); }
+KM_FN float km_gelu_grad_tanh(float x) { return km_gelu_grad_t(x, tanhf(KM_C0 * (x + KM_C1 * x * x * x))); }
 KM_FN float km_gelu_grad_erf(float x)
 {
     return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;

@@ -104,7 +104,10 @@ kiln_status kiln__dispatch_quiet(kiln__op_id op, kiln_tensor_t *const *in, int n
  * reference (NULL on error). */
 kiln_tensor_t *kiln__dense(kiln_tensor_t *t);
 
-/* Shape helpers shared by inference and the rooms above. */
+/* Shape helpers shared by inference and the rooms above. kiln__shape_text: t's dtype and
+ * shape as text for an error message, in one of eight buffers of this thread used in turn
+ * (so that a message can name several tensors). */
+const char *kiln__shape_text(const kiln_tensor_t *t);
 kiln_status kiln__broadcast_shapes(const char *op, int n, kiln_tensor_t *const *ts, kiln__meta *out);
 int kiln__norm_dim(int dim, int ndim);
 kiln_dtype kiln__promote(kiln_dtype a, kiln_dtype b);

@@ -44,8 +44,6 @@ typedef struct {
     const kiln__attrs *a;
 } pw_ctx;
 
-#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
-
 /* ---- unary: y = f(x) ---- */
 typedef void (*row_fn)(void *c, char **p, const int64_t *s, int64_t n);
 
@@ -84,27 +82,27 @@ static kiln_status unary(row_fn f32, row_fn any, kiln_tensor_t *x, kiln_tensor_t
     return KILN_OK;
 }
 
-/* kiln__cpu_<name>: EXPR_F over f32, EXPR_D over any dtype; UNARY_FAST: EXPR_FAST
- * instead of EXPR_F when FAST holds (the fast-exp switch). */
-#define UNARY(name, EXPR_F, EXPR_D)                                                                 \
+/* kiln__cpu_<name>: EXPR_F over f32, EXPR_D over any dtype, into out[0] (or, for an
+ * in-place op, which has no outputs, into in[0]); UNARY_FAST: EXPR_FAST instead of
+ * EXPR_F when FAST holds (the fast-exp switch). UNARY_PICK: F32 is the f32 row loop. */
+#define UNARY_PICK(name, EXPR_F, EXPR_D, F32)                                                       \
     UNARY_F32(u_##name##_f32, EXPR_F)                                                               \
     UNARY_ANY(u_##name##_any, EXPR_D)                                                               \
-    kiln_status kiln__cpu_##name(K_ARGS) { return unary(u_##name##_f32, u_##name##_any, in[0], out[0], a); }
-#define UNARY_FAST(name, EXPR_F, EXPR_FAST, EXPR_D, FAST)                                           \
-    UNARY_F32(u_##name##_f32, EXPR_F)                                                               \
-    UNARY_F32(u_##name##_fast_f32, EXPR_FAST)                                                       \
-    UNARY_ANY(u_##name##_any, EXPR_D)                                                               \
-    kiln_status kiln__cpu_##name(K_ARGS)                                                            \
+    kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS)                                                 \
     {                                                                                               \
-        return unary((FAST) ? u_##name##_fast_f32 : u_##name##_f32, u_##name##_any, in[0], out[0], a); \
+        return unary(F32, u_##name##_any, in[0], n_out ? out[0] : in[0], a);                        \
     }
+#define UNARY(name, EXPR_F, EXPR_D) UNARY_PICK(name, EXPR_F, EXPR_D, u_##name##_f32)
+#define UNARY_FAST(name, EXPR_F, EXPR_FAST, EXPR_D, FAST)                                           \
+    UNARY_F32(u_##name##_fast_f32, EXPR_FAST)                                                       \
+    UNARY_PICK(name, EXPR_F, EXPR_D, (FAST) ? u_##name##_fast_f32 : u_##name##_f32)
 
 #define AT (pc->a)
 #define FAST_EXP kiln__opt(KILN__OPT_FAST_EXP)
 #define FAST_GELU (kiln__opt(KILN__OPT_FAST_EXP) && a->op.gelu.tanh) /* GELU's fast form is the tanh one */
 UNARY_FAST(gelu, gelu_f(x, AT->op.gelu.tanh), km_gelu_fast(x), gelu_d(x, AT->op.gelu.tanh), FAST_GELU)
-UNARY(scale_body, x * (float)AT->op.scalar.value, x * AT->op.scalar.value)
-UNARY(fill_body, ((void)x, (float)AT->op.scalar.value), ((void)x, AT->op.scalar.value))
+UNARY(scale_, x * (float)AT->op.scalar.value, x * AT->op.scalar.value)
+UNARY(fill_, ((void)x, (float)AT->op.scalar.value), ((void)x, AT->op.scalar.value))
 
 /* ---- binary: z = f(x, y) ---- */
 #define BINARY_F32(fn, EXPR_F)                                                                      \
@@ -153,32 +151,22 @@ static kiln_status binary(row_fn f32, row_fn any, kiln_tensor_t *const *in, kiln
     return KILN_OK;
 }
 
-#define BINARY(name, EXPR_F, EXPR_D, OUT_IS_BOOL)                                                   \
+#define BINARY_PICK(name, EXPR_F, EXPR_D, OUT_IS_BOOL, F32)                                       \
     BINARY_F32(b_##name##_f32, EXPR_F)                                                              \
     BINARY_ANY(b_##name##_any, EXPR_D)                                                              \
-    kiln_status kiln__cpu_##name(K_ARGS) { return binary(b_##name##_f32, b_##name##_any, in, out[0], a, OUT_IS_BOOL); }
+    kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS) { return binary(F32, b_##name##_any, in, out[0], a, OUT_IS_BOOL); }
+#define BINARY(name, EXPR_F, EXPR_D, OUT_IS_BOOL) BINARY_PICK(name, EXPR_F, EXPR_D, OUT_IS_BOOL, b_##name##_f32)
 #define BINARY_FAST(name, EXPR_F, EXPR_FAST, EXPR_D, FAST)                                          \
-    BINARY_F32(b_##name##_f32, EXPR_F)                                                              \
     BINARY_F32(b_##name##_fast_f32, EXPR_FAST)                                                      \
-    BINARY_ANY(b_##name##_any, EXPR_D)                                                              \
-    kiln_status kiln__cpu_##name(K_ARGS)                                                            \
-    {                                                                                               \
-        return binary((FAST) ? b_##name##_fast_f32 : b_##name##_f32, b_##name##_any, in, out[0], a, false); \
-    }
+    BINARY_PICK(name, EXPR_F, EXPR_D, false, (FAST) ? b_##name##_fast_f32 : b_##name##_f32)
 
-BINARY(add, x + y, x + y, 0)
-BINARY(sub, x - y, x - y, 0)
-BINARY(mul, x * y, x * y, 0)
-BINARY(div, x / y, x / y, 0)
-BINARY(pow, powf(x, y), pow(x, y), 0)
-BINARY(maximum, km_max(x, y), km_maxd(x, y), 0)
-BINARY(minimum, km_min(x, y), km_mind(x, y), 0)
-BINARY(eq, ((void)x, (void)y, 0.0f), x == y, 1)
-BINARY(ne, ((void)x, (void)y, 0.0f), x != y, 1)
-BINARY(lt, ((void)x, (void)y, 0.0f), x < y, 1)
-BINARY(le, ((void)x, (void)y, 0.0f), x <= y, 1)
-BINARY(gt, ((void)x, (void)y, 0.0f), x > y, 1)
-BINARY(ge, ((void)x, (void)y, 0.0f), x >= y, 1)
+/* The rows of src/core/binary.def; a BOOL one (a comparison) takes the any-dtype loop. */
+#define IS_BOOL_ANY false
+#define IS_BOOL_FLOAT false
+#define IS_BOOL_BOOL true
+#define KILN_BINARY(ID, name, dtypes, grad, save, f, d) BINARY(name, f, d, IS_BOOL_##dtypes)
+#include "core/binary.def"
+#undef KILN_BINARY
 BINARY_FAST(gelu_backward, y * gelu_grad_f(x, AT->op.gelu.tanh), y * km_gelu_grad_fast(x),
             y * gelu_grad_d(x, AT->op.gelu.tanh), FAST_GELU)
 
@@ -219,8 +207,7 @@ static void add__any(void *c, char **p, const int64_t *s, int64_t n)
     }
 }
 
-kiln_status kiln__cpu_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                           kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_add_(KILN__KERNEL_ARGS)
 {
     cpu_iter it;
     cpu_iter_init(&it, 2, in);
@@ -229,47 +216,15 @@ kiln_status kiln__cpu_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in
     return KILN_OK;
 }
 
-/* scale_ and fill_ reuse the unary kernels with the destination as both operands. */
-kiln_status kiln__cpu_scale_body(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out);
-kiln_status kiln__cpu_fill_body(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                kiln_tensor_t *const *out, int n_out);
-
-static kiln_status self_unary(kiln_status (*k)(kiln__backend *, kiln_tensor_t *const *, int, const kiln__attrs *,
-                                                kiln_tensor_t *const *, int),
-                              kiln__backend *be, kiln_tensor_t *dst, const kiln__attrs *a)
-{
-    kiln_tensor_t *o[1] = {dst};
-    return k(be, o, 1, a, o, 1);
-}
-
-kiln_status kiln__cpu_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
-{
-    return self_unary(kiln__cpu_scale_body, be, in[0], a);
-}
-
-kiln_status kiln__cpu_fill_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out)
-{
-    return self_unary(kiln__cpu_fill_body, be, in[0], a);
-}
-
-kiln_status kiln__cpu_cast(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                           kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_cast(KILN__KERNEL_ARGS)
 {
     cpu_copy(out[0], in[0]);
     return KILN_OK;
 }
 
-kiln_status kiln__cpu_contiguous(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
-{
-    return kiln__cpu_cast(be, in, n_in, a, out, n_out); /* the same element-wise copy */
-}
+kiln_status kiln__cpu_contiguous(KILN__KERNEL_ARGS) { return kiln__cpu_cast(be, in, n_in, a, out, n_out); } /* the same copy */
 
-kiln_status kiln__cpu_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_copy_(KILN__KERNEL_ARGS)
 {
     cpu_copy(in[0], in[1]);
     return KILN_OK;
@@ -277,8 +232,7 @@ kiln_status kiln__cpu_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_i
 
 /* A copy that fails on an element below the bound (or NaN); the message names what it
  * checks, as the op whose check it is would have. */
-kiln_status kiln__cpu_check_min(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_check_min(KILN__KERNEL_ARGS)
 {
     static const char *const what[] = {[KILN__CHECK_VALUE] = "check_min: value", [KILN__CHECK_ADAMW_STEP] = "adamw_: step"};
     cpu_copy(out[0], in[0]);
@@ -298,36 +252,24 @@ kiln_status kiln__cpu_check_min(kiln__backend *be, kiln_tensor_t *const *in, int
 
 /* A collective recorded in a graph: the process group's own function, which the op
  * carries, runs it (src/dist/pg.c). */
-kiln_status kiln__cpu_allreduce_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_allreduce_(KILN__KERNEL_ARGS)
 {
     const kiln__collective_ops *c = a->op.collective.ops;
     return c->run(a->op.collective.group, in[0], a->op.collective.reduce);
 }
 
-kiln_status kiln__cpu_reduce_scatter_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                      kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_reduce_scatter_(KILN__KERNEL_ARGS)
 {
     kiln__collective2_fn run = (kiln__collective2_fn)(uintptr_t)a->op.collective.ops;
     return run(a->op.collective.group, in[0], in[1], a->op.collective.reduce);
 }
 
-kiln_status kiln__cpu_allgather_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
-{
-    return kiln__cpu_reduce_scatter_(be, in, n_in, a, out, n_out); /* the same call: the op carries its function */
-}
-
-kiln_status kiln__cpu_where(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out);
-
-typedef struct {
-    kiln_dtype dt[4];
-} where_ctx;
+/* allgather_ is the same call: the op carries its function. */
+kiln_status kiln__cpu_allgather_(KILN__KERNEL_ARGS) { return kiln__cpu_reduce_scatter_(be, in, n_in, a, out, n_out); }
 
 static void where_row(void *c, char **p, const int64_t *s, int64_t n)
 {
-    const where_ctx *w = c;
+    const pw_ctx *w = c;
     size_t sz[4];
     for (int k = 0; k < 4; k++) sz[k] = kiln_dtype_size(w->dt[k]);
     for (int64_t i = 0; i < n; i++) {
@@ -337,13 +279,12 @@ static void where_row(void *c, char **p, const int64_t *s, int64_t n)
     }
 }
 
-kiln_status kiln__cpu_where(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_where(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *ops[4] = {out[0], in[0], in[1], in[2]};
     cpu_iter it;
     cpu_iter_init(&it, 4, ops);
-    where_ctx w = {{out[0]->dtype, in[0]->dtype, in[1]->dtype, in[2]->dtype}};
+    pw_ctx w = {{out[0]->dtype, in[0]->dtype, in[1]->dtype, in[2]->dtype}, a};
     cpu_iter_run(&it, where_row, &w);
     return KILN_OK;
 }
@@ -396,12 +337,9 @@ static kiln_status make(kiln_tensor_t *t, const kiln__attrs *a, int kind)
     return KILN_OK;
 }
 
-kiln_status kiln__cpu_full(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                           kiln_tensor_t *const *out, int n_out) { return make(out[0], a, 0); }
-kiln_status kiln__cpu_arange(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out) { return make(out[0], a, 1); }
-kiln_status kiln__cpu_rand(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                           kiln_tensor_t *const *out, int n_out) { return make(out[0], a, 2); }
+kiln_status kiln__cpu_full(KILN__KERNEL_ARGS) { return make(out[0], a, 0); }
+kiln_status kiln__cpu_arange(KILN__KERNEL_ARGS) { return make(out[0], a, 1); }
+kiln_status kiln__cpu_rand(KILN__KERNEL_ARGS) { return make(out[0], a, 2); }
 
 /* ---- dropout: the mask is a pure function of (seed, counter, flat index) ---- */
 typedef struct {
@@ -424,8 +362,7 @@ static void drop_range(void *c, int64_t b, int64_t e)
     }
 }
 
-kiln_status kiln__cpu_dropout(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                              kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_dropout(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *tmp, *x = cpu_contig(in[0], &tmp);
     if (!x) return kiln_last_status();
@@ -436,8 +373,7 @@ kiln_status kiln__cpu_dropout(kiln__backend *be, kiln_tensor_t *const *in, int n
 }
 
 /* ---- tril / triu: copy, then zero the other triangle of every matrix ---- */
-kiln_status kiln__cpu_tri(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                          kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_tri(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *o = out[0];
     cpu_copy(o, in[0]);
@@ -480,8 +416,7 @@ static double one_value(const kiln_tensor_t *t)
     return t->dtype == KILN_DTYPE_F64 ? *(const double *)p : (double)*(const float *)p;
 }
 
-kiln_status kiln__cpu_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_adamw_(KILN__KERNEL_ARGS)
 {
     double lr = one_value(in[4]), t = one_value(in[5]), b1 = a->op.adamw.beta1, b2 = a->op.adamw.beta2;
     if (!(t >= 1)) return kiln__err(KILN_ERR_ARG, "adamw_: step %g must be >= 1", t);
