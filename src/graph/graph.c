@@ -610,6 +610,18 @@ void kiln__graph_reindex(kiln_graph_t *g, int from, int to)
         for (int j = 0; j < g->nd[k].n_out; j++) g->v[g->nd[k].out[j]].index = k;
 }
 
+int kiln__graph_drop(kiln_graph_t *g, const bool *drop)
+{
+    int w = 0, n = g->n_nd;
+    for (int k = 0; k < n; k++) {
+        if (!drop[k]) g->nd[w++] = g->nd[k];
+        else free(g->nd[k].in);
+    }
+    g->n_nd = w;
+    kiln__graph_reindex(g, 0, w);
+    return n - w;
+}
+
 /* Inserts node copy at position at (the nodes from there move up one). */
 kiln_status kiln__graph_insert_node(kiln_graph_t *g, int at, const node *n, int *out_value)
 {

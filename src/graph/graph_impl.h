@@ -101,6 +101,9 @@ kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt
 
 /* Re-points the outputs of nodes [from, to) at their nodes' places (after nodes moved). */
 void kiln__graph_reindex(kiln_graph_t *g, int from, int to);
+/* Removes the nodes k with drop[k] (their values keep their numbers), the others moving
+ * down in order; returns how many went. */
+int kiln__graph_drop(kiln_graph_t *g, const bool *drop);
 /* mut[v] = true for each value updated in place, or, back through views, aliased by
  * one that is. */
 void kiln__graph_mutated(const kiln_graph_t *g, bool *mut);
