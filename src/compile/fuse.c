@@ -151,13 +151,11 @@ static void value_strides(const kiln_graph_t *g, int v, int64_t *st)
 static void embed(const group *gr, const kiln__meta *m, const int64_t *vs, int f, int64_t *out)
 {
     int k = gr->ndim, fk = f == F_ROWN ? k - 1 : k;
-    int64_t fst[KILN_MAX_DIMS] = {0};
+    memset(out, 0, sizeof(int64_t) * KILN_MAX_DIMS);
     for (int i = 0; i < fk; i++) {
         int j = i - (fk - m->ndim);
-        fst[i] = j < 0 || m->shape[j] == 1 ? 0 : vs[j];
+        out[i] = j < 0 || m->shape[j] == 1 ? 0 : vs[j];
     }
-    memset(out, 0, sizeof(int64_t) * KILN_MAX_DIMS);
-    for (int i = 0; i < fk; i++) out[i] = fst[i];
     if (f != F_FULL) out[k - 1] = 0;
 }
 
@@ -184,7 +182,7 @@ static bool is_view_value(const kiln_graph_t *g, int v)
 /* May value u's memory overlap that of dst (a copy_'s destination)? Views of one root do
  * when they share an element; captured tensors over the same bytes do; an argument
  * does not (a run refuses one that shares memory with a captured tensor the graph
- * writes, kiln__graph_check_inputs), nor do two intermediates. */
+ * writes, graph.c's check_inputs), nor do two intermediates. */
 static bool may_alias(const kiln_graph_t *g, int u, int dst)
 {
     int r = kiln__graph_root(g, u), rd = kiln__graph_root(g, dst);
@@ -402,12 +400,8 @@ static bool reads_only_where_it_writes(const kc_kernel *k, int bi, int bo)
 static kiln_status plan_reuse(kiln__program *p, const kiln_graph_t *g, int *plast)
 {
     /* root[v]: the value v's memory is; late[r]: the last step reading a view of r. */
-    int *root = malloc(sizeof *root * (size_t)g->n_v), *late = calloc((size_t)g->n_v, sizeof *late);
-    if (!root || !late) {
-        free(root);
-        free(late);
-        return oom();
-    }
+    int *root = calloc(2 * (size_t)g->n_v, sizeof *root), *late = root ? root + g->n_v : NULL;
+    if (!root) return oom();
     for (int w = 1; w < g->n_v; w++) {
         root[w] = kiln__graph_root(g, w);
         if (root[w] != w && kiln__graph_live(g, w) && p->last[w] > late[root[w]]) late[root[w]] = p->last[w];
@@ -443,8 +437,7 @@ static kiln_status plan_reuse(kiln__program *p, const kiln_graph_t *g, int *plas
             }
         }
     }
-    free(root);
-    free(late);
+    free(root); /* and late */
     return KILN_OK;
 }
 
@@ -741,16 +734,8 @@ void kiln__program_free(kiln__program *p)
     for (int i = 0; p->dsz && i < p->n_k; i++) /* before p->k, whose sizes they were */
         if (p->dsz[i]) kiln__be_free(p->be, p->dsz[i], KC_SZ_BYTES(&p->k[i]));
     free(p->dsz);
-    for (int i = 0; p->k && i < p->n_k; i++) {
-        free(p->k[i].e);
-        free(p->k[i].acc);
-        free(p->k[i].st);
-        free(p->k[i].buf);
-        free(p->k[i].sz);
-    }
-    free(p->k);
-    free(p->steps);
-    free(p->last);
+    for (int i = 0; p->k && i < p->n_k; i++) KILN__FREE(p->k[i].e, p->k[i].acc, p->k[i].st, p->k[i].buf, p->k[i].sz);
+    KILN__FREE(p->k, p->steps, p->last);
     if (p->so) {
         extern void kiln__jit_unload(void *so);
         kiln__jit_unload(p->so);

@@ -43,7 +43,7 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
  * Memory is tracked per op result, per captured storage (captured tensors on one
  * storage are one memory) and for the arguments as one memory (a run refuses an
  * argument that shares memory with a captured tensor either side writes, in
- * kiln__graph_check_inputs). In-place and random ops are never merged (random ones
+ * graph.c's check_inputs). In-place and random ops are never merged (random ones
  * already differ in their counters). Candidates are found through a hash of (op,
  * attributes, inputs). */
 static uint64_t node_hash(const node *n)
