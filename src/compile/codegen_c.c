@@ -42,7 +42,8 @@ static void put(sbuf *b, const char *fmt, ...)
 static const char *ctype(kiln_dtype dt)
 {
     static const char *const name[KILN_DTYPE_COUNT] = {
-        [KILN_DTYPE_F32] = "float", [KILN_DTYPE_F64] = "double", [KILN_DTYPE_I64] = "int64_t", [KILN_DTYPE_I32] = "int32_t"};
+        [KILN_DTYPE_F32] = "float", [KILN_DTYPE_F64] = "double", [KILN_DTYPE_I64] = "int64_t",
+        [KILN_DTYPE_I32] = "int32_t"};
     return name[dt] ? name[dt] : "uint8_t";
 }
 
@@ -245,7 +246,8 @@ static void kernel_body(sbuf *b, const gen *G)
     put(b, "        (void)j0;\n        (void)j1;\n");
     /* Each access's offset at the row. */
     for (int i = 0; i < k->n_e; i++)
-        if (k->e[i].kind == E_LOAD || k->e[i].kind == E_INDEX) row_offset(b, G, 'o', i, k->e[i].st, kc_sz_load(k, i, 0));
+        if (k->e[i].kind == E_LOAD || k->e[i].kind == E_INDEX)
+            row_offset(b, G, 'o', i, k->e[i].st, kc_sz_load(k, i, 0));
     for (int i = 0; i < k->n_st; i++) row_offset(b, G, 's', i, k->st[i].st, kc_sz_store(k, i, 0));
     bool *emitted = calloc(2 * ((size_t)k->n_e + 1), 1), *need = emitted ? emitted + k->n_e + 1 : NULL;
     if (!emitted) {
@@ -276,7 +278,8 @@ static void kernel_body(sbuf *b, const gen *G)
         put(b, "        {\n        int64_t j = j0;\n");
         for (int tail = 0; tail < 2; tail++) {
             const char *ind = tail ? "            " : "                ";
-            put(b, "%s", tail ? "        for (; j < j1; j++) {\n            const int l = 0;\n            const int64_t jj = j;\n"
+            put(b, "%s", tail ? "        for (; j < j1; j++) {\n            const int l = 0;\n"
+                                "            const int64_t jj = j;\n"
                               : "        for (; j + 16 <= j1; j += 16)\n            for (int l = 0; l < 16; l++) {\n"
                                 "                const int64_t jj = j + l;\n");
             body(b, G, need, ind);
@@ -347,7 +350,8 @@ static const struct {
     const char *lang, *header, *space, *restr, *kernel, *offset, *tasks, *task;
 } dialects[] = {
     [D_C] = {"C", header_c, "", "restrict "},
-    [D_OPENCL] = {"OpenCL C", header_cl, "__global ", "restrict ", "__kernel void", "ulong", "long", "get_global_id(0)"},
+    [D_OPENCL] = {"OpenCL C", header_cl, "__global ", "restrict ", "__kernel void", "ulong", "long",
+                  "get_global_id(0)"},
     [D_CUDA] = {"CUDA C", header_cuda, "", "__restrict__ ", "extern \"C\" __global__ void", "unsigned long long",
                 "long long", "(int64_t)blockIdx.x * blockDim.x + threadIdx.x"},
 };

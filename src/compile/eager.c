@@ -198,8 +198,8 @@ static bool generates(const kiln__backend *be, int op)
 
 /* The provider's run: op through a generated kernel; *handled false when it does not
  * lower (the next provider is asked). */
-static kiln_status eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                  kiln_tensor_t *const *out, int n_out, bool *handled)
+static kiln_status eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *const *in, int n_in,
+                                  const kiln__attrs *a, kiln_tensor_t *const *out, int n_out, bool *handled)
 {
     kiln__op_id op = (kiln__op_id)op_id;
     *handled = false;

@@ -136,15 +136,10 @@ static int join_form(const kiln_graph_t *g, const group *gr, int G, const node *
 static void value_strides(const kiln_graph_t *g, int v, int64_t *st)
 {
     const value *x = &g->v[v];
-    if (x->kind == V_CONST) {
-        memcpy(st, x->t->stride, sizeof(int64_t) * KILN_MAX_DIMS);
-        return;
-    }
-    if (x->kind == V_ARG || (x->kind == V_OP && kiln__ops[g->nd[x->index].op].is_view)) {
+    if (x->kind != V_OP || kiln__ops[g->nd[x->index].op].is_view)
         memcpy(st, x->meta.stride, sizeof(int64_t) * KILN_MAX_DIMS);
-        return;
-    }
-    kiln__contiguous_strides(x->meta.ndim, x->meta.shape, st);
+    else
+        kiln__contiguous_strides(x->meta.ndim, x->meta.shape, st);
 }
 
 /* Strides over the domain of a kernel for a value (shape m, strides vs) read in frame f. */
@@ -157,21 +152,6 @@ static void embed(const group *gr, const kiln__meta *m, const int64_t *vs, int f
         out[i] = j < 0 || m->shape[j] == 1 ? 0 : vs[j];
     }
     if (f != F_FULL) out[k - 1] = 0;
-}
-
-/* Do two views of one root share an element? (Exact for views of one shape and strides
- * of a dense tensor: slices on one dim do not.) */
-static bool views_overlap(const kiln__meta *a, const kiln__meta *b)
-{
-    return kiln__views_overlap(a->ndim, a->shape, a->stride, a->offset, b->ndim, b->shape, b->stride, b->offset);
-}
-
-/* Are a view's elements all at different addresses (no stride 0 of an expand, strides
- * that nest)? The kernel's tasks store to them in parallel. */
-static bool distinct_elements(const kiln__meta *m)
-{
-    int64_t n = kiln__numel(m->ndim, m->shape);
-    return n < 2 || !kiln__strided_overlap_self(m->ndim, m->shape, m->stride);
 }
 
 static bool is_view_value(const kiln_graph_t *g, int v)
@@ -187,9 +167,11 @@ static bool may_alias(const kiln_graph_t *g, int u, int dst)
 {
     int r = kiln__graph_root(g, u), rd = kiln__graph_root(g, dst);
     const value *x = &g->v[r], *d = &g->v[rd];
-    if (r == rd) /* two views of one intermediate: by their elements */
+    const kiln__meta *a = &g->v[u].meta, *b = &g->v[dst].meta;
+    if (r == rd) /* two views of one intermediate: by their elements (exact for views of one
+                  * shape and strides of a dense tensor: slices on one dim do not share one) */
         return !(x->kind == V_OP && is_view_value(g, u) && is_view_value(g, dst)) ||
-               views_overlap(&g->v[u].meta, &g->v[dst].meta);
+               kiln__views_overlap(a->ndim, a->shape, a->stride, a->offset, b->ndim, b->shape, b->stride, b->offset);
     return x->kind == V_CONST && d->kind == V_CONST && kiln__tensors_overlap(x->t, d->t);
 }
 
@@ -514,8 +496,12 @@ static int absorbing_group(const kiln_graph_t *g, const node *n, int k, const gr
     /* The destination: a captured tensor (a parameter, optimizer state), or a view of an
      * intermediate (a gradient's slice of a fused projection's), bound with its strides. */
     bool held = d->kind == V_CONST && kiln__is_contiguous(d->t) && d->t->st->be == be;
+    /* (its elements all at different addresses: no stride 0 of an expand, strides that
+     * nest; the kernel's tasks store to them in parallel) */
+    const kiln__meta *dm = &d->meta;
     bool inner = kiln__opt(KILN__OPT_COPY_INTO_VIEWS) && is_view_value(g, dst) &&
-                 g->v[kiln__graph_root(g, dst)].kind == V_OP && distinct_elements(&d->meta);
+                 g->v[kiln__graph_root(g, dst)].kind == V_OP &&
+                 (kiln__numel(dm->ndim, dm->shape) < 2 || !kiln__strided_overlap_self(dm->ndim, dm->shape, dm->stride));
     if (!(held || inner) || d->meta.dtype != sm->dtype || !loadable(sm->dtype) || frame_of(&gr[G], &d->meta) != F_FULL ||
         frame_of(&gr[G], sm) != F_FULL)
         return -1;
@@ -558,7 +544,8 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
      * closes the group first, so that it runs after the store (and never inside the
      * group, before it). */
     int *pd_dst = grp + ni, *pd_grp = pd_dst + ni, *members = pd_grp + ni, *kernel_of = members + ni;
-    int *vgrp = kernel_of + ni, *form = vgrp + nv, *memo = form + nv, *born = memo + nv, *plast = born + nv, *elast = plast + nv;
+    int *vgrp = kernel_of + ni, *form = vgrp + nv, *memo = form + nv;
+    int *born = memo + nv, *plast = born + nv, *elast = plast + nv;
     bool *outside = stored + nv, *mutated = outside + nv;
     p->symbolic = o->symbolic;
     p->be = o->target ? o->target : kiln__backend_at(0);

@@ -17,8 +17,9 @@
 kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
 {
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_dce: NULL graph");
-    bool *used = calloc((size_t)g->n_v + (size_t)g->n_nd + 1, sizeof *used), *drop = used + g->n_v;
+    bool *used = calloc((size_t)g->n_v + (size_t)g->n_nd + 1, sizeof *used);
     if (!used) return kiln__err(KILN_ERR_OOM, "graph_dce: out of memory");
+    bool *drop = used + g->n_v;
     kiln__graph_mark_results(g, used);
     for (int k = g->n_nd - 1; k >= 0; k--) {
         node *n = &g->nd[k];
@@ -158,8 +159,9 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_fold: NULL graph");
     if (kiln_graph_capturing()) return kiln__err(KILN_ERR_ARG, "graph_fold: a capture is running on this thread");
     size_t nv = (size_t)g->n_v;
-    bool *cst = calloc(3 * nv + (size_t)g->n_nd + 1, sizeof *cst), *mut = cst + nv, *res_of = mut + nv, *drop = res_of + nv;
+    bool *cst = calloc(3 * nv + (size_t)g->n_nd + 1, sizeof *cst);
     if (!cst) return kiln__err(KILN_ERR_OOM, "graph_fold: out of memory");
+    bool *mut = cst + nv, *res_of = mut + nv, *drop = res_of + nv;
     kiln__graph_mutated(g, mut);
     kiln__graph_mark_results(g, res_of); /* a graph's result is a new tensor every run */
     bool prev = kiln_set_grad_enabled(false);
@@ -367,7 +369,7 @@ kiln_status kiln_graph_recompute(kiln_graph_t *g, int *recomputed)
     /* The copies add values and nodes, as many of each: flags for up to cap_v values,
      * and room to list the readers of one among all the nodes there can be. */
     int n_v0 = g->n_v, cap_v = n_v0 * 4 + 64;
-    bool *keep = calloc(2 * (size_t)cap_v, sizeof *keep), *mut = keep + cap_v;
+    bool *keep = calloc(2 * (size_t)cap_v, sizeof *keep), *mut = keep ? keep + cap_v : NULL;
     int *uses = malloc(sizeof(int) * ((size_t)g->n_nd + (size_t)cap_v));
     if (!keep || !uses) {
         KILN__FREE(keep, uses);
@@ -586,11 +588,7 @@ static kiln_status sink_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, 
                              int *used)
 {
     const node *n = &g->nd[k];
-    if (n->op == KILN_OP_COPY_) {
-        kiln_status s = sink_copy(g, k, ins, map, used);
-        if (*used) (*(int *)ctx)++;
-        return s;
-    }
+    if (n->op == KILN_OP_COPY_) return sink_copy(g, k, ins, map, used);
     if (!kiln__graph_elementwise(n->op) || n->n_out != 1 || n->n_in < 1 || n->n_in > 3) return KILN_OK;
     const kiln__meta *om = &g->v[n->out[0]].meta;
     kiln_tensor_t *src[3];
@@ -615,16 +613,15 @@ static kiln_status sink_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, 
     kiln_tensor_free(res[0]);
     if (!out) return kiln_last_status();
     map[n->out[0]] = kiln_tensor_retain(out);
-    (*(int *)ctx)++;
     *used = 1;
     return KILN_OK;
 }
 
 kiln_status kiln_graph_sink_views(kiln_graph_t *g, int *sunk)
 {
-    int count = 0;
-    kiln_status s = kiln__graph_rewrite(g, "graph_sink_views", sink_rule, &count, NULL);
-    if (sunk) *sunk = s == KILN_OK ? count : 0;
+    int count = 0; /* the rewrite's count: how many it sank (left 0 on failure) */
+    kiln_status s = kiln__graph_rewrite(g, "graph_sink_views", sink_rule, NULL, &count);
+    if (sunk) *sunk = count;
     return s;
 }
 
@@ -667,8 +664,8 @@ kiln_status kiln_graph_hoist_siblings(kiln_graph_t *g, int *moved)
         for (int i = j - 1; i >= 0 && i >= j - HOIST_REACH && i + 1 >= earliest; i--) {
             const node *s = &g->nd[i];
             const kiln__meta *sm = &g->v[s->out[0]].meta;
-            if (kiln__graph_elementwise(s->op) && s->n_out == 1 && same_shape(sm->ndim, sm->shape, om->ndim, om->shape) &&
-                shares_input(s, n)) {
+            if (kiln__graph_elementwise(s->op) && s->n_out == 1 &&
+                same_shape(sm->ndim, sm->shape, om->ndim, om->shape) && shares_input(s, n)) {
                 to = i + 1;
                 break;
             }
