@@ -12,14 +12,22 @@
 
 static const char *ekind_name[] = {"load", "const", "index", "op", "acc"};
 
+/* "[x0, x1, ...]" */
+static void dims_print(FILE *f, const int64_t *x, int n)
+{
+    fputc('[', f);
+    for (int d = 0; d < n; d++) fprintf(f, "%s%lld", d ? ", " : "", (long long)x[d]);
+    fputc(']', f);
+}
+
 /* The loop IR of each kernel, one expression per line. */
 static void ir_print(const kiln__program *p, FILE *f)
 {
     for (int i = 0; i < p->n_k; i++) {
         const kc_kernel *k = &p->k[i];
-        fprintf(f, "kernel %s: %s\n  domain [", k->name, k->ops);
-        for (int d = 0; d < k->ndim; d++) fprintf(f, "%s%lld", d ? ", " : "", (long long)k->dom[d]);
-        fprintf(f, "], %lld task(s), grain %lld\n", (long long)k->tasks, (long long)k->grain);
+        fprintf(f, "kernel %s: %s\n  domain ", k->name, k->ops);
+        dims_print(f, k->dom, k->ndim);
+        fprintf(f, ", %lld task(s), grain %lld\n", (long long)k->tasks, (long long)k->grain);
         for (int b = 0; b < k->n_buf; b++)
             fprintf(f, "  buf %d = %%%d %s %s\n", b, k->buf[b].value, kiln_dtype_name(k->buf[b].dt),
                     k->buf[b].inplace ? "in+out (in place)" : k->buf[b].output ? "out" : "in");
@@ -32,9 +40,8 @@ static void ir_print(const kiln__program *p, FILE *f)
                 fprintf(f, ")");
             } else if (e->kind == E_LOAD || e->kind == E_INDEX) {
                 if (e->kind == E_LOAD) fprintf(f, " buf %d", e->buf);
-                fprintf(f, " strides [");
-                for (int d = 0; d < k->ndim; d++) fprintf(f, "%s%lld", d ? ", " : "", (long long)e->st[d]);
-                fprintf(f, "]");
+                fprintf(f, " strides ");
+                dims_print(f, e->st, k->ndim);
             } else if (e->kind == E_ACC) {
                 fprintf(f, " %s(e%d) over the inner dim", kiln__ops[k->acc[e->buf].op].name, k->acc[e->buf].expr);
             } else {
@@ -43,9 +50,9 @@ static void ir_print(const kiln__program *p, FILE *f)
             fprintf(f, " %s%s phase %d\n", kiln_dtype_name(e->dt), e->row ? " row" : "", e->phase);
         }
         for (int s = 0; s < k->n_st; s++) {
-            fprintf(f, "  store e%d -> buf %d strides [", k->st[s].expr, k->st[s].buf);
-            for (int d = 0; d < k->ndim; d++) fprintf(f, "%s%lld", d ? ", " : "", (long long)k->st[s].st[d]);
-            fprintf(f, "]\n");
+            fprintf(f, "  store e%d -> buf %d strides ", k->st[s].expr, k->st[s].buf);
+            dims_print(f, k->st[s].st, k->ndim);
+            fprintf(f, "\n");
         }
     }
 }

@@ -167,11 +167,4 @@ FILE *kiln__debug_open(const char *dir, const char *file);
 /* text into DIR/file (nothing when dir is NULL or empty). */
 void kiln__debug_text(const char *dir, const char *file, const char *text);
 
-/* The compiler's eager path (src/compile/eager.c), registered as a kernel provider:
- * runs op on a backend without a kernel for it but with compile_kernel and launch,
- * through a generated kernel; *handled false means it does not lower and the next
- * provider is asked. */
-kiln_status kiln__eager_compiled(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out, bool *handled);
-
 #endif

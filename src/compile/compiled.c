@@ -94,30 +94,20 @@ static kiln_status capture_guards(const kiln_graph_t *gr, guards *gd)
  * which an integer attribute is not), else hex. */
 static void attr_str(const unsigned char *p, size_t n, char *b, size_t bn)
 {
-    int64_t v = 0;
-    if (n == 1) {
-        v = (int8_t)p[0];
-    } else if (n == 2) {
-        int16_t x;
-        memcpy(&x, p, 2);
-        v = x;
-    } else if (n == 4) {
-        int32_t x;
-        memcpy(&x, p, 4);
-        v = x;
-    }
-    if (n == 1 || n == 2 || n == 4) {
-        snprintf(b, bn, "%lld", (long long)v);
-    } else if (n == 8) {
+    union {
+        int8_t i1;
+        int16_t i2;
+        int32_t i4;
+        int64_t i8;
         double d;
-        memcpy(&v, p, 8);
-        memcpy(&d, p, 8);
-        if (isnormal(d) && (v > (1LL << 53) || v < -(1LL << 53))) snprintf(b, bn, "%g", d);
-        else snprintf(b, bn, "%lld", (long long)v);
-    } else {
-        size_t k = 0;
-        for (size_t i = 0; i < n && k + 3 < bn; i++) k += (size_t)snprintf(b + k, bn - k, "%02x", p[i]);
-    }
+    } u = {0};
+    memcpy(&u, p, n < sizeof u ? n : sizeof u);
+    bool wide = u.i8 > (1LL << 53) || u.i8 < -(1LL << 53);
+    if (n == 1 || n == 2 || n == 4) snprintf(b, bn, "%lld", (long long)(n == 1 ? u.i1 : n == 2 ? u.i2 : u.i4));
+    else if (n == 8 && isnormal(u.d) && wide) snprintf(b, bn, "%g", u.d);
+    else if (n == 8) snprintf(b, bn, "%lld", (long long)u.i8);
+    else
+        for (size_t i = 0, k = 0; i < n && k + 3 < bn; i++) k += (size_t)snprintf(b + k, bn - k, "%02x", p[i]);
 }
 
 /* The first guard of old that now fails, described into why; false if all hold. */

@@ -153,14 +153,8 @@ static kiln_status run(const entry *e, kiln__backend *be, kiln_tensor_t *const *
  * their value is baked into the code, so each new constant would be a new program. */
 static bool candidate(kiln__op_id op)
 {
-    if (kiln__graph_elementwise(op)) return true;
-    switch (op) {
-    case KILN_OP_CONTIGUOUS: case KILN_OP_SUM: case KILN_OP_MAX: case KILN_OP_SOFTMAX: case KILN_OP_LOG_SOFTMAX:
-    case KILN_OP_LAYER_NORM: case KILN_OP_RMS_NORM:
-        return true;
-    default:
-        return false;
-    }
+    return kiln__graph_elementwise(op) || op == KILN_OP_CONTIGUOUS || op == KILN_OP_SUM || op == KILN_OP_MAX ||
+           op == KILN_OP_SOFTMAX || op == KILN_OP_LOG_SOFTMAX || op == KILN_OP_LAYER_NORM || op == KILN_OP_RMS_NORM;
 }
 
 /* A sum or max of a contiguous tensor over a leading or trailing run of its dims (or
@@ -202,8 +196,10 @@ static bool generates(const kiln__backend *be, int op)
     return kiln__be_can_compile(be) && candidate((kiln__op_id)op) && kiln__opt(KILN__OPT_DEVICE_CODEGEN);
 }
 
-kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out, bool *handled)
+/* The provider's run: op through a generated kernel; *handled false when it does not
+ * lower (the next provider is asked). */
+static kiln_status eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *const *in, int n_in,
+                                  const kiln__attrs *a, kiln_tensor_t *const *out, int n_out, bool *handled)
 {
     kiln__op_id op = (kiln__op_id)op_id;
     *handled = false;
@@ -216,7 +212,7 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
         a1.ndim = 1;
         a1.shape[0] = 1;
         a1.keepdim = false;
-        return kiln__eager_compiled(be, op, &fp, 1, &a1, out, n_out, handled);
+        return eager_compiled(be, op, &fp, 1, &a1, out, n_out, handled);
     }
     keybuf k = {.n = 0};
     key_add(&k, &be, sizeof be);
@@ -270,6 +266,6 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
 /* The compiler as a kernel provider: after the backend's own kernels, before the cpu
  * with copies. */
 static const kiln__provider generated_provider = {
-    .name = "generated", .order = 50, .support = KILN_OP_GENERATED, .offers = generates, .run = kiln__eager_compiled};
+    .name = "generated", .order = 50, .support = KILN_OP_GENERATED, .offers = generates, .run = eager_compiled};
 
 KILN__REGISTER(register_generated) { kiln__provider_register(&generated_provider); }

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "compile/compile_impl.h"
+#include "core/util.h"
 
 typedef struct {
     int v;
@@ -142,8 +143,6 @@ kiln_status kiln__program_overlap(kiln__program *p, int *moved)
                 }
         }
     }
-    free(s); /* and x */
-    free(made_by); /* and work */
-    free(chain);
+    KILN__FREE(s, made_by, chain); /* and x, work */
     return st;
 }

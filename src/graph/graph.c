@@ -188,7 +188,7 @@ static kiln_status sink_accumulate(void *ctx, kiln_tensor_t *leaf, kiln_tensor_t
     if (!e) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
     e->dropped = false;
     /* As eager backward sums them: the first part, then each next one added (a run
-     * gives the leaf a tensor of its own, kiln__graph_add_leaf_grads). */
+     * gives the leaf a tensor of its own, add_leaf_grads). */
     kiln_tensor_t *sum = e->acc ? kiln_add(e->acc, g) : kiln__scoped(kiln_tensor_retain(g));
     if (!sum) return kiln_last_status();
     kiln_tensor_free(e->acc);
@@ -312,11 +312,8 @@ void kiln_graph_free(kiln_graph_t *g)
         kiln_tensor_free(g->lg[i].leaf);
         kiln_tensor_free(g->lg[i].acc);
     }
-    free(g->lg);
     for (int i = 0; i < g->n_nd; i++) free(g->nd[i].in);
-    free(g->v);
-    free(g->nd);
-    free(g);
+    KILN__FREE(g->lg, g->v, g->nd, g);
 }
 
 kiln_status kiln_graph_capture(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *example, int n_in, kiln_graph_t **out)
@@ -377,26 +374,20 @@ kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *c
 
 int kiln_graph_num_ops(const kiln_graph_t *g) { return g ? g->n_nd : 0; }
 
-static bool same_meta(const kiln__meta *m, const kiln_tensor_t *t)
-{
-    if (m->dtype != t->dtype || m->ndim != t->ndim) return false;
-    for (int i = 0; i < m->ndim; i++)
-        if (m->shape[i] != t->shape[i]) return false;
-    return true;
-}
-
-
-kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, int max_out)
+/* Checks in[0..n_in) against the graph's arguments (count, dtype, shape). */
+static kiln_status check_inputs(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, int max_out)
 {
     if (capturing) return kiln__err(KILN_ERR_ARG, "graph_run: not inside a capture (run it after kiln_graph_capture)");
     if (n_in != g->n_args) return kiln__err(KILN_ERR_ARG, "graph_run: %d inputs given, the graph takes %d", n_in, g->n_args);
     if (max_out < g->n_outs) return kiln__err(KILN_ERR_ARG, "graph_run: room for %d outputs, the graph gives %d", max_out, g->n_outs);
     for (int i = 0; i < n_in; i++) {
         if (!in[i]) return kiln__null_arg("graph_run");
-        if (!same_meta(&g->v[i + 1].meta, in[i])) {
+        const kiln__meta *m = &g->v[i + 1].meta;
+        if (m->dtype != in[i]->dtype || m->ndim != in[i]->ndim ||
+            memcmp(m->shape, in[i]->shape, sizeof(int64_t) * (size_t)m->ndim)) {
             char got[96], want[96];
             return kiln__err(KILN_ERR_SHAPE, "graph_run: input %d is %s, the graph was captured for %s", i,
-                             kiln__shape_str(in[i], got, sizeof got), kiln__meta_str(&g->v[i + 1].meta, want, sizeof want));
+                             kiln__shape_str(in[i], got, sizeof got), kiln__meta_str(m, want, sizeof want));
         }
     }
     /* The passes take arguments and captured tensors for separate memory where the graph
@@ -426,9 +417,10 @@ kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const
     return KILN_OK;
 }
 
-/* Gradients into the real leaves, as kiln_backward leaves them: a fresh copy, or added
- * to what a leaf already holds. */
-kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt)
+/* Gradients into the real leaves (rt[value] each), as kiln_backward leaves them: a fresh
+ * copy, or added to what a leaf already holds; a leaf without a gradient may take
+ * rt[value] itself (then set to NULL). */
+static kiln_status add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt)
 {
     kiln_status s = KILN_OK;
     for (int j = 0; s == KILN_OK && j < g->n_lg; j++) {
@@ -479,7 +471,7 @@ kiln_status kiln__graph_frame_begin(const kiln_graph_t *g, kiln_tensor_t *const 
 {
     memset(f, 0, sizeof *f);
     if (!g || !n_out || (max_out > 0 && !out)) return kiln__err(KILN_ERR_ARG, "graph_run: NULL graph or outputs");
-    kiln_status s = kiln__graph_check_inputs(g, in, n_in, max_out);
+    kiln_status s = check_inputs(g, in, n_in, max_out);
     if (s != KILN_OK) return s;
     if (!(f->rt = calloc((size_t)g->n_v, sizeof *f->rt))) return kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
     draw_random(g);
@@ -528,7 +520,7 @@ kiln_status kiln__graph_run_node(const kiln_graph_t *g, int k, kiln__graph_frame
 kiln_status kiln__graph_frame_end(const kiln_graph_t *g, kiln__graph_frame *f, kiln_status s, kiln_tensor_t **out,
                                   int *n_out)
 {
-    if (s == KILN_OK) s = kiln__graph_add_leaf_grads(g, f->rt);
+    if (s == KILN_OK) s = add_leaf_grads(g, f->rt);
     kiln_set_grad_enabled(f->grad_was);
     for (int j = 0; s == KILN_OK && j < g->n_outs; j++) out[j] = kiln__scoped(kiln_tensor_retain(f->rt[g->outs[j]]));
     *n_out = s == KILN_OK ? g->n_outs : 0;
@@ -608,6 +600,18 @@ void kiln__graph_reindex(kiln_graph_t *g, int from, int to)
 {
     for (int k = from; k < to; k++)
         for (int j = 0; j < g->nd[k].n_out; j++) g->v[g->nd[k].out[j]].index = k;
+}
+
+int kiln__graph_drop(kiln_graph_t *g, const bool *drop)
+{
+    int w = 0, n = g->n_nd;
+    for (int k = 0; k < n; k++) {
+        if (!drop[k]) g->nd[w++] = g->nd[k];
+        else free(g->nd[k].in);
+    }
+    g->n_nd = w;
+    kiln__graph_reindex(g, 0, w);
+    return n - w;
 }
 
 /* Inserts node copy at position at (the nodes from there move up one). */

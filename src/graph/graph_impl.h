@@ -64,8 +64,6 @@ typedef struct {
  * graph then assumes them; kiln_graph_capture assumes contiguous arguments). */
 kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *example, int n_in, bool strided,
                                    kiln_graph_t **out);
-/* Checks in[0..n_in) against the graph's arguments (count, dtype, shape). */
-kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, int max_out);
 /* Checks the arguments and binds them (nothing to end on failure). */
 kiln_status kiln__graph_frame_begin(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
                                     int max_out, int *n_out, kiln__graph_frame *f);
@@ -95,12 +93,12 @@ void kiln__graph_release(const kiln_graph_t *g, kiln__graph_frame *f, int v, con
  * frees the rest; returns s or the first new error. */
 kiln_status kiln__graph_frame_end(const kiln_graph_t *g, kiln__graph_frame *f, kiln_status s, kiln_tensor_t **out,
                                   int *n_out);
-/* Adds each computed leaf gradient (rt[value]) into its leaf, as kiln_backward would; a
- * leaf without a gradient may take rt[value] itself (then set to NULL). */
-kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt);
 
 /* Re-points the outputs of nodes [from, to) at their nodes' places (after nodes moved). */
 void kiln__graph_reindex(kiln_graph_t *g, int from, int to);
+/* Removes the nodes k with drop[k] (their values keep their numbers), the others moving
+ * down in order; returns how many went. */
+int kiln__graph_drop(kiln_graph_t *g, const bool *drop);
 /* mut[v] = true for each value updated in place, or, back through views, aliased by
  * one that is. */
 void kiln__graph_mutated(const kiln_graph_t *g, bool *mut);
