@@ -422,16 +422,8 @@ INFER(paged_attention)
     return unary_any("paged_attention", in, n, a, out);
 }
 
-/* Views: strides and offset relative to the input's storage. */
-static void view_of(const kiln_tensor_t *t, kiln__meta *m)
-{
-    m->dtype = t->dtype;
-    m->ndim = t->ndim;
-    memcpy(m->shape, t->shape, sizeof m->shape);
-    memcpy(m->stride, t->stride, sizeof m->stride);
-    m->offset = t->offset;
-}
-
+/* Views: strides and offset relative to the input's storage, starting from its own
+ * (kiln__meta_of). */
 /* Strides for viewing t as `shape` without a copy, if they exist: each run of merged
  * input dims must be contiguous with itself. */
 INFER(view)
@@ -440,7 +432,7 @@ INFER(view)
     if (kiln__numel(a->ndim, a->shape) != kiln__numel(t->ndim, t->shape))
         return kiln__err(KILN_ERR_SHAPE, "view: cannot view %s (%lld elements) as %d dims of %lld elements", SHP(t),
                          (long long)kiln__numel(t->ndim, t->shape), a->ndim, (long long)kiln__numel(a->ndim, a->shape));
-    view_of(t, out);
+    kiln__meta_of(t, out);
     meta_shape(out, t->dtype, a->ndim, a->shape);
     if (t->ndim == 0 || kiln__numel(t->ndim, t->shape) == 0) {
         kiln__contiguous_strides(a->ndim, a->shape, out->stride);
@@ -473,7 +465,7 @@ INFER(permute)
     const kiln_tensor_t *t = in[0];
     bool seen[KILN_MAX_DIMS] = {0};
     if (a->ndim != t->ndim) return kiln__err(KILN_ERR_ARG, "permute: %d dims given for %s", a->ndim, SHP(t));
-    view_of(t, out);
+    kiln__meta_of(t, out);
     for (int d = 0; d < t->ndim; d++) {
         int64_t s = a->shape[d];
         if (s < 0 || s >= t->ndim || seen[s]) return kiln__err(KILN_ERR_ARG, "permute: the order is not a permutation of %d dims", t->ndim);
@@ -489,7 +481,7 @@ INFER(slice)
     const kiln_tensor_t *t = in[0];
     int dim = (int)a->op.slice.dim;
     if (dim < 0 || dim >= t->ndim) return bad_dim("slice", dim, t);
-    view_of(t, out);
+    kiln__meta_of(t, out);
     out->shape[dim] = a->op.slice.length;
     out->stride[dim] = t->stride[dim] * a->op.slice.step;
     out->offset = t->offset + a->op.slice.start * t->stride[dim];
@@ -500,7 +492,7 @@ INFER(expand)
 {
     const kiln_tensor_t *t = in[0];
     if (a->ndim < t->ndim) return kiln__err(KILN_ERR_SHAPE, "expand: %s has more dims than the %d-dim target", SHP(t), a->ndim);
-    view_of(t, out);
+    kiln__meta_of(t, out);
     out->ndim = a->ndim;
     for (int d = 0; d < a->ndim; d++) {
         int k = d - (a->ndim - t->ndim);

@@ -154,7 +154,10 @@ static kiln_status binary(row_fn f32, row_fn any, kiln_tensor_t *const *in, kiln
 #define BINARY_PICK(name, EXPR_F, EXPR_D, OUT_IS_BOOL, F32)                                       \
     BINARY_F32(b_##name##_f32, EXPR_F)                                                              \
     BINARY_ANY(b_##name##_any, EXPR_D)                                                              \
-    kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS) { return binary(F32, b_##name##_any, in, out[0], a, OUT_IS_BOOL); }
+    kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS)                                                 \
+    {                                                                                               \
+        return binary(F32, b_##name##_any, in, n_out ? out[0] : in[0], a, OUT_IS_BOOL);             \
+    }
 #define BINARY(name, EXPR_F, EXPR_D, OUT_IS_BOOL) BINARY_PICK(name, EXPR_F, EXPR_D, OUT_IS_BOOL, b_##name##_f32)
 #define BINARY_FAST(name, EXPR_F, EXPR_FAST, EXPR_D, FAST)                                          \
     BINARY_F32(b_##name##_fast_f32, EXPR_FAST)                                                      \
@@ -185,36 +188,8 @@ BINARY_FAST(gelu_backward, y * gelu_grad_f(x, AT->op.gelu.tanh), y * km_gelu_gra
 #include "kiln/pointwise.def"
 #undef KILN_PW
 
-/* ---- in-place: operand 0 is the destination, read and written ---- */
-KILN_SIMD static void add__f32(void *c, char **p, const int64_t *s, int64_t n)
-{
-    const pw_ctx *pc = c;
-    float *o = (float *)p[0], al = (float)pc->a->op.scalar.value;
-    const float *x = (const float *)p[1];
-    if (s[0] == 1 && s[1] == 1)
-        for (int64_t i = 0; i < n; i++) o[i] += al * x[i];
-    else
-        for (int64_t i = 0; i < n; i++) o[i * s[0]] += al * x[i * s[1]];
-}
-
-static void add__any(void *c, char **p, const int64_t *s, int64_t n)
-{
-    const pw_ctx *pc = c;
-    size_t so = kiln_dtype_size(pc->dt[0]), si = kiln_dtype_size(pc->dt[1]);
-    for (int64_t i = 0; i < n; i++) {
-        char *d = p[0] + i * s[0] * (int64_t)so;
-        kiln__store(d, pc->dt[0], kiln__load(d, pc->dt[0]) + pc->a->op.scalar.value * kiln__load(p[1] + i * s[1] * (int64_t)si, pc->dt[1]));
-    }
-}
-
-kiln_status kiln__cpu_add_(KILN__KERNEL_ARGS)
-{
-    cpu_iter it;
-    cpu_iter_init(&it, 2, in);
-    pw_ctx pc = {{in[0]->dtype, in[1]->dtype}, a};
-    cpu_iter_run(&it, all_dtype(in, 2, out, 0, KILN_DTYPE_F32) ? add__f32 : add__any, &pc);
-    return KILN_OK;
-}
+/* add_ (dst += alpha * src) is a binary op whose first operand is its destination. */
+BINARY(add_, x + (float)AT->op.scalar.value * y, x + AT->op.scalar.value * y, false)
 
 kiln_status kiln__cpu_cast(KILN__KERNEL_ARGS)
 {
