@@ -131,35 +131,29 @@ kiln_status kiln__cpu_rms_norm(KILN__KERNEL_ARGS) { return norm_k(in, 2, out, a,
 kiln_status kiln__cpu_layer_norm_backward(KILN__KERNEL_ARGS) { return norm_k(in, 5, out, a, false, true); }
 kiln_status kiln__cpu_rms_norm_backward(KILN__KERNEL_ARGS) { return norm_k(in, 4, out, a, true, true); }
 
-kiln_status kiln__cpu_cross_entropy(KILN__KERNEL_ARGS)
+/* Forward in: logits, targets; backward in: g (scalar), logits, targets, lse. */
+static kiln_status ce_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out, const kiln__attrs *a, bool bwd)
 {
-    kiln_tensor_t *c[2], *tmp[2];
-    if (!cpu_contig_n(in, 2, c, tmp, NULL)) return kiln_last_status();
-    int64_t N = c[0]->shape[0], V = c[0]->shape[1], count = 0;
+    int n = bwd ? 4 : 2;
+    kiln_tensor_t *c[4], *tmp[4];
+    if (!cpu_contig_n(in, n, c, tmp, NULL)) return kiln_last_status();
+    const kiln_tensor_t *x = c[bwd];
+    int64_t N = x->shape[0], count = 0;
     /* Every target is checked before any work: an out-of-range class is an error, not a
      * read outside the row. */
-    kiln_status s = cpu_check_indices("cross_entropy", c[1], V, &a->op.cross_entropy.ignore_index, &count);
-    double *loss = s == KILN_OK ? malloc(sizeof(double) * (size_t)(N ? N : 1)) : NULL;
-    if (s == KILN_OK && !loss) s = kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
-    if (s == KILN_OK) s = BY_REAL(c[0]->dtype, "cross_entropy", ce_fwd, c, out, a, count, loss);
+    kiln_status s = cpu_check_indices("cross_entropy", c[bwd + 1], x->shape[1], &a->op.cross_entropy.ignore_index, &count);
+    double *loss = s == KILN_OK && !bwd ? malloc(sizeof(double) * (size_t)(N ? N : 1)) : NULL;
+    if (s == KILN_OK && !bwd && !loss) s = kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
+    if (s == KILN_OK)
+        s = bwd ? BY_REAL(x->dtype, "cross_entropy", ce_bwd, c, out, a, count, kiln__load(kiln__data(c[0]), c[0]->dtype))
+                : BY_REAL(x->dtype, "cross_entropy", ce_fwd, c, out, a, count, loss);
     free(loss);
-    cpu_free_n(tmp, 2);
+    cpu_free_n(tmp, n);
     return s;
 }
 
-/* in: g (scalar), logits, targets, lse */
-kiln_status kiln__cpu_cross_entropy_backward(KILN__KERNEL_ARGS)
-{
-    kiln_tensor_t *c[4], *tmp[4];
-    if (!cpu_contig_n(in, 4, c, tmp, NULL)) return kiln_last_status();
-    int64_t count = 0;
-    double g = kiln__load(kiln__data(c[0]), c[0]->dtype);
-    int64_t V = c[1]->shape[1];
-    kiln_status s = cpu_check_indices("cross_entropy", c[2], V, &a->op.cross_entropy.ignore_index, &count);
-    if (s == KILN_OK) s = BY_REAL(c[1]->dtype, "cross_entropy", ce_bwd, c, out, a, count, g);
-    cpu_free_n(tmp, 4);
-    return s;
-}
+kiln_status kiln__cpu_cross_entropy(KILN__KERNEL_ARGS) { return ce_k(in, out, a, false); }
+kiln_status kiln__cpu_cross_entropy_backward(KILN__KERNEL_ARGS) { return ce_k(in, out, a, true); }
 
 /* Fills cs (T, D/2, 2) with the cos and sin of position pos(t): frequencies in f32 as
  * LLaMA's reference computes them, angles in double. */

@@ -224,8 +224,4 @@ static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dim
 kiln_status kiln__cpu_sum(KILN__KERNEL_ARGS) { return reduce(in[0], out[0], a->shape, a->ndim, 0); }
 kiln_status kiln__cpu_max(KILN__KERNEL_ARGS) { return reduce(in[0], out[0], a->shape, a->ndim, 1); }
 
-kiln_status kiln__cpu_argmax(KILN__KERNEL_ARGS)
-{
-    int64_t dim = a->op.dim.dim;
-    return reduce(in[0], out[0], &dim, 1, 2);
-}
+kiln_status kiln__cpu_argmax(KILN__KERNEL_ARGS) { return reduce(in[0], out[0], &a->op.dim.dim, 1, 2); }
