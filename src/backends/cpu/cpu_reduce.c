@@ -93,17 +93,24 @@ typedef struct {
     int64_t rows, cols;
 } colsum_ctx;
 
+/* acc[0..n) = the sums of columns c0 .. c0 + n - 1 over rows [r0, r1) of x (cols wide),
+ * added in row order. */
+static inline void add_rows(const float *x, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t n, double *acc)
+{
+    for (int64_t j = 0; j < n; j++) acc[j] = 0;
+    for (int64_t r = r0; r < r1; r++) {
+        const float *row = x + r * cols + c0;
+        for (int64_t j = 0; j < n; j++) acc[j] += row[j];
+    }
+}
+
 KILN_SIMD static void colsum_range(void *c, int64_t b, int64_t e)
 {
     const colsum_ctx *k = c;
     double acc[256];
     for (int64_t blk = b; blk < e; blk++) {
         int64_t c0 = blk * 256, n = k->cols - c0 < 256 ? k->cols - c0 : 256;
-        for (int64_t j = 0; j < n; j++) acc[j] = 0;
-        for (int64_t r = 0; r < k->rows; r++) {
-            const float *row = k->x + r * k->cols + c0;
-            for (int64_t j = 0; j < n; j++) acc[j] += row[j];
-        }
+        add_rows(k->x, k->cols, 0, k->rows, c0, n, acc);
         for (int64_t j = 0; j < n; j++) k->o[c0 + j] = (float)acc[j];
     }
 }
@@ -126,13 +133,8 @@ KILN_SIMD static void rowchunk_range(void *c, int64_t b, int64_t e)
 {
     const rowsum_ctx *k = c;
     for (int64_t t = b; t < e; t++) {
-        double *acc = k->part + t * k->cols;
         int64_t r1 = (t + 1) * COLSUM_ROWS < k->rows ? (t + 1) * COLSUM_ROWS : k->rows;
-        for (int64_t j = 0; j < k->cols; j++) acc[j] = 0;
-        for (int64_t r = t * COLSUM_ROWS; r < r1; r++) {
-            const float *row = k->x + r * k->cols;
-            for (int64_t j = 0; j < k->cols; j++) acc[j] += row[j];
-        }
+        add_rows(k->x, k->cols, t * COLSUM_ROWS, r1, 0, k->cols, k->part + t * k->cols);
     }
 }
 
