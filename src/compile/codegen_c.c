@@ -17,27 +17,8 @@
 #include "core/opts.h"
 #include "core/util.h"
 
-typedef struct {
-    char *s;
-    size_t n, cap;
-    bool failed;
-} sbuf;
-
-static void put(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void put(sbuf *b, const char *fmt, ...)
-{
-    va_list ap, again;
-    va_start(ap, fmt);
-    va_copy(again, ap);
-    /* Written where it fits; else written again once there is room. */
-    int w = b->failed ? -1 : vsnprintf(b->s + b->n, b->cap - b->n, fmt, ap);
-    if (w >= 0 && (size_t)w >= b->cap - b->n && kiln__reserve(&b->s, &b->cap, b->n + (size_t)w + 1, 4096))
-        vsnprintf(b->s + b->n, b->cap - b->n, fmt, again);
-    if (w < 0 || (size_t)w >= b->cap - b->n) b->failed = true;
-    else b->n += (size_t)w;
-    va_end(ap);
-    va_end(again);
-}
+typedef kiln__sbuf sbuf;
+#define put kiln__sbuf_put
 
 static const char *ctype(kiln_dtype dt)
 {

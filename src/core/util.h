@@ -1,9 +1,11 @@
 /* Small helpers that several rooms need: a monotonic clock, 64-bit mixers, freeing many
- * buffers at once, and growing arrays. */
+ * buffers at once, growing arrays, and a growing text buffer. */
 #ifndef KILN_CORE_UTIL_H
 #define KILN_CORE_UTIL_H
+#include <stdarg.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
 
@@ -77,5 +79,29 @@ static inline bool kiln__reserve(char **p, size_t *cap, size_t need, size_t firs
     *p = q;
     *cap = c;
     return true;
+}
+
+/* A growing text buffer: s[0..n), NUL-ended. Once an allocation or a format fails it
+ * stays failed and drops what follows; the owner frees s. */
+typedef struct {
+    char *s;
+    size_t n, cap;
+    bool failed;
+} kiln__sbuf;
+
+/* printf onto b: written where it fits, else written again once there is room. */
+static inline void kiln__sbuf_put(kiln__sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static inline void kiln__sbuf_put(kiln__sbuf *b, const char *fmt, ...)
+{
+    va_list ap, again;
+    va_start(ap, fmt);
+    va_copy(again, ap);
+    int w = b->failed ? -1 : vsnprintf(b->s + b->n, b->cap - b->n, fmt, ap);
+    if (w >= 0 && (size_t)w >= b->cap - b->n && kiln__reserve(&b->s, &b->cap, b->n + (size_t)w + 1, 4096))
+        vsnprintf(b->s + b->n, b->cap - b->n, fmt, again);
+    if (w < 0 || (size_t)w >= b->cap - b->n) b->failed = true;
+    else b->n += (size_t)w;
+    va_end(ap);
+    va_end(again);
 }
 #endif

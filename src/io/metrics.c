@@ -11,7 +11,6 @@
 #include <fcntl.h>
 #include <locale.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -206,33 +205,8 @@ kiln_status kiln_metrics_read(const char *path, kiln_metrics_row **rows, size_t 
 
 /* ---- the chart ---- */
 
-/* A growing text buffer; once an allocation fails it stays failed and drops output. */
-typedef struct {
-    char *p;
-    size_t len, cap;
-    bool oom;
-} strbuf;
-
-static void sb_printf(strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-static void sb_printf(strbuf *b, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    int k = vsnprintf(NULL, 0, fmt, ap);
-    va_end(ap);
-    if (k < 0) {
-        b->oom = true;
-        return;
-    }
-    if (b->oom || !kiln__reserve(&b->p, &b->cap, b->len + (size_t)k + 1, 4096)) {
-        b->oom = true;
-        return;
-    }
-    va_start(ap, fmt);
-    vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
-    va_end(ap);
-    b->len += (size_t)k;
-}
+typedef kiln__sbuf strbuf;
+#define sb_printf kiln__sbuf_put
 
 /* Appends s as XML character data (also safe inside an attribute). Control bytes that
  * XML 1.0 forbids become spaces, so no title can make the file unreadable. */
@@ -654,11 +628,11 @@ kiln_status kiln_metrics_plot_svg(const kiln_metrics_row *rows, size_t n, const 
     uselocale(old);
     freelocale(c_locale);
 
-    if (b.oom) {
-        free(b.p);
+    if (b.failed) {
+        free(b.s);
         return kiln_error(KILN_ERR_OOM, "metrics_plot_svg: out of memory building the chart");
     }
-    kiln_status st = write_atomically(svg_path, b.p, b.len);
-    free(b.p);
+    kiln_status st = write_atomically(svg_path, b.s, b.n);
+    free(b.s);
     return st;
 }

@@ -336,7 +336,7 @@ static char *build_header(const char *const *names, kiln_tensor_t *const *tensor
                           const char *const *meta, size_t *len)
 {
     json_t *root = json_object(), *m = NULL;
-    char *text = NULL, *padded = NULL;
+    char *text = NULL, *padded;
     if (!root) goto oom;
     if (meta && meta[0]) {
         if (!(m = json_object()) || json_object_set_new(root, META_KEY, m) != 0) goto oom;
@@ -382,10 +382,8 @@ static char *build_header(const char *const *names, kiln_tensor_t *const *tensor
     if (!(text = json_dumps(root, JSON_COMPACT))) goto oom;
     size_t raw = strlen(text);
     *len = (raw + 7) / 8 * 8;
-    if (!(padded = malloc(*len))) goto oom;
-    memcpy(padded, text, raw);
+    if (!(padded = realloc(text, *len))) goto oom;
     memset(padded + raw, ' ', *len - raw);
-    free(text);
     json_decref(root);
     return padded;
 oom:

@@ -139,21 +139,14 @@ static int parse_messages(ctx *c, json_t *v, kiln__oai_req *r)
 static int parse_stop(ctx *c, json_t *v, kiln__oai_req *r)
 {
     if (!v || json_is_null(v)) return 0;
-    json_t *one[1] = {v};
-    json_t **items = one;
-    size_t n = 1;
-    json_t *arr[4];
-    if (json_is_array(v)) {
-        n = json_array_size(v);
-        if (n > 4) return bad(c, "stop", "'stop' has %zu strings; at most 4", n);
-        for (size_t i = 0; i < n; i++) arr[i] = json_array_get(v, i);
-        items = arr;
-    }
+    bool list = json_is_array(v);
+    size_t n = list ? json_array_size(v) : 1;
+    if (n > 4) return bad(c, "stop", "'stop' has %zu strings; at most 4", n);
     for (size_t i = 0; i < n; i++) {
-        if (!json_is_string(items[i]) || json_string_length(items[i]) == 0 || json_string_length(items[i]) > 256)
+        json_t *e = list ? json_array_get(v, i) : v;
+        if (!json_is_string(e) || json_string_length(e) == 0 || json_string_length(e) > 256)
             return bad(c, "stop", "'stop' must be a string or a list of up to 4 non-empty strings");
-        if (!(r->stop[r->n_stop] = dup_n(json_string_value(items[i]), json_string_length(items[i]))))
-            return bad(c, NULL, "out of memory");
+        if (!(r->stop[r->n_stop] = dup_n(json_string_value(e), json_string_length(e)))) return bad(c, NULL, "out of memory");
         r->n_stop++;
     }
     return 0;
