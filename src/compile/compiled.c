@@ -284,11 +284,7 @@ static kiln_status capture_new(kiln_compiled_t *c, kiln_tensor_t *const *in, int
             *dir = 0;
         }
     }
-    FILE *f;
-    if (*dir && (f = kiln__debug_open(dir, "captured.txt"))) {
-        kiln_graph_print(g, f);
-        fclose(f);
-    }
+    kiln__debug_dump(dir, "captured.txt", NULL, g, NULL);
     kiln__program *prog = NULL;
     s = kiln__compile_graph(g, *dir ? dir : NULL, c->name, c->n_graphs, &prog);
     if (s != KILN_OK) {
@@ -296,7 +292,8 @@ static kiln_status capture_new(kiln_compiled_t *c, kiln_tensor_t *const *in, int
         kiln_graph_free(g);
         return s;
     }
-    if (*dir && (f = kiln__debug_open(dir, "guards.txt"))) {
+    FILE *f;
+    if ((f = kiln__debug_open(dir, "guards.txt"))) {
         print_guards(f, "", c, now);
         fclose(f);
     }

@@ -82,9 +82,9 @@ kiln_status kiln__graph_decompose(kiln_graph_t *g, bool all, int *decomposed);
 /* Is op elementwise (each output element from the same element of each input: the
  * arithmetic, activations and their backwards, comparisons, where, cast)? */
 bool kiln__graph_elementwise(kiln__op_id op);
-/* Does node n draw random numbers (rand, dropout with p > 0)? Its seed and offset are
- * taken afresh at the start of every run. */
-bool kiln__graph_random(const node *n);
+/* Does op with attributes a draw random numbers (rand, dropout with p > 0)? In a graph
+ * its seed and offset are taken afresh at the start of every run. */
+bool kiln__graph_random(kiln__op_id op, const kiln__attrs *a);
 /* res[v] = true for each value the graph returns or adds into a leaf's gradient. */
 void kiln__graph_mark_results(const kiln_graph_t *g, bool *res);
 /* Frees value v if step `now` is its last read (intermediates only). */

@@ -25,7 +25,7 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
         node *n = &g->nd[k];
         /* A random op whose results nothing reads still takes its counters, as the eager
          * call did, so that the draws after it stay eager's. */
-        bool live = kiln__ops[n->op].is_inplace || kiln__graph_random(n);
+        bool live = kiln__ops[n->op].is_inplace || kiln__graph_random(n->op, &n->attrs);
         for (int j = 0; j < n->n_out; j++) live |= used[n->out[j]];
         drop[k] = !live;
         if (live)
@@ -89,7 +89,7 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
         const kiln__op_def *d = &kiln__ops[n->op];
         int same = -1;
         uint64_t h = node_hash(n);
-        if (!d->is_inplace && !kiln__graph_random(n)) { /* two draws are two draws */
+        if (!d->is_inplace && !kiln__graph_random(n->op, &n->attrs)) { /* two draws are two draws */
             int since = 0; /* the merge target must come after the last write to its inputs */
             for (int i = 0; i < n->n_in; i++) {
                 int t = wrote[mem[n->in[i]]];
@@ -655,7 +655,7 @@ kiln_status kiln_graph_hoist_siblings(kiln_graph_t *g, int *moved)
     int count = 0;
     for (int j = 1; j < g->n_nd; j++) {
         const node *n = &g->nd[j];
-        if (!kiln__graph_elementwise(n->op) || n->n_out != 1 || kiln__graph_random(n)) continue;
+        if (!kiln__graph_elementwise(n->op) || n->n_out != 1 || kiln__graph_random(n->op, &n->attrs)) continue;
         int earliest = 0; /* where all of n's inputs exist */
         for (int i = 0; i < n->n_in; i++)
             if (g->v[n->in[i]].kind == V_OP && g->v[n->in[i]].index + 1 > earliest) earliest = g->v[n->in[i]].index + 1;

@@ -121,7 +121,7 @@ static kiln_status replay_after(void *ctx, const kiln__call_info *c)
 /* Random ops draw a fresh stream each time they run; a replay would repeat one. */
 static kiln_status replay_before(void *ctx, const kiln__call_info *c)
 {
-    if (c->op == KILN_OP_RAND || (c->op == KILN_OP_DROPOUT && c->a->op.dropout.p > 0))
+    if (kiln__graph_random(c->op, c->a))
         return kiln__err(KILN_ERR_UNSUPPORTED, "%s while recording a replay: its random stream would be frozen and every "
                          "replay would draw the same numbers; record without it (dropout 0)", kiln__ops[c->op].name);
     return KILN_OK;
