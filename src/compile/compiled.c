@@ -125,9 +125,7 @@ static bool broken(const kiln_compiled_t *c, const guards *old, const guards *no
             return true;
         }
         const kiln__meta *o = &old->m[i], *w = &now->m[i];
-        bool same = o->dtype == w->dtype && o->ndim == w->ndim &&
-                    !memcmp(o->shape, w->shape, sizeof(int64_t) * (size_t)w->ndim);
-        if (!same) {
+        if (o->dtype != w->dtype || !kiln__same_shape(o->ndim, o->shape, w->ndim, w->shape)) {
             snprintf(why, n, "input %d %s changed: %s -> %s", i, o->dtype != w->dtype ? "dtype" : "shape",
                      kiln__meta_str(o, a, sizeof a), kiln__meta_str(w, b, sizeof b));
             return true;

@@ -84,7 +84,7 @@ typedef struct {
 static int frame_of(const group *gr, const kiln__meta *m)
 {
     int k = gr->ndim;
-    if (m->ndim == k && !memcmp(m->shape, gr->dom, sizeof(int64_t) * (size_t)k)) return F_FULL;
+    if (kiln__same_shape(m->ndim, m->shape, k, gr->dom)) return F_FULL;
     if (k == 0) return F_NONE;
     bool outer = true;
     for (int d = 0; d < k - 1 && d < m->ndim; d++) outer &= m->shape[d] == gr->dom[d];
@@ -401,9 +401,8 @@ static kiln_status plan_reuse(kiln__program *p, const kiln_graph_t *g, int *plas
                 if (in->output || p->last[u] != t + 1 || late[u] > t + 1 || x->kind != V_OP ||
                     kiln__ops[g->nd[x->index].op].is_view || kiln__ops[g->nd[x->index].op].is_inplace)
                     continue;
-                if (x->meta.dtype != mo->dtype || x->meta.ndim != mo->ndim ||
-                    memcmp(x->meta.shape, mo->shape, sizeof(int64_t) * (size_t)mo->ndim) ||
-                    memcmp(in->st, cs, sizeof(int64_t) * (size_t)mo->ndim))
+                if (x->meta.dtype != mo->dtype || memcmp(in->st, cs, sizeof(int64_t) * (size_t)mo->ndim) ||
+                    !kiln__same_shape(x->meta.ndim, x->meta.shape, mo->ndim, mo->shape))
                     continue;
                 bool taken = false, other = false;
                 for (int b = 0; b < k->n_buf; b++) {

@@ -383,8 +383,7 @@ static kiln_status check_inputs(const kiln_graph_t *g, kiln_tensor_t *const *in,
     for (int i = 0; i < n_in; i++) {
         if (!in[i]) return kiln__null_arg("graph_run");
         const kiln__meta *m = &g->v[i + 1].meta;
-        if (m->dtype != in[i]->dtype || m->ndim != in[i]->ndim ||
-            memcmp(m->shape, in[i]->shape, sizeof(int64_t) * (size_t)m->ndim)) {
+        if (m->dtype != in[i]->dtype || !kiln__same_shape(m->ndim, m->shape, in[i]->ndim, in[i]->shape)) {
             char got[96], want[96];
             return kiln__err(KILN_ERR_SHAPE, "graph_run: input %d is %s, the graph was captured for %s", i,
                              kiln__shape_str(in[i], got, sizeof got), kiln__meta_str(m, want, sizeof want));

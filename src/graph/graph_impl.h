@@ -3,11 +3,18 @@
 #ifndef KILN_GRAPH_IMPL_H
 #define KILN_GRAPH_IMPL_H
 
+#include <string.h>
 #include "core/tensor_impl.h"
 #include "kiln/graph.h"
 #include "ops/registry.h"
 
 enum { V_ARG, V_CONST, V_OP };
+
+/* Are two shapes the same (rank and sizes)? */
+static inline bool kiln__same_shape(int na, const int64_t *a, int nb, const int64_t *b)
+{
+    return na == nb && !memcmp(a, b, sizeof(int64_t) * (size_t)na);
+}
 
 typedef struct {
     int kind, index; /* argument number, or the producing node */
