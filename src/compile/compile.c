@@ -59,6 +59,7 @@ static void ir_print(const kiln__program *p, FILE *f)
 
 FILE *kiln__debug_open(const char *dir, const char *file)
 {
+    if (!dir || !*dir) return NULL;
     char path[1200];
     snprintf(path, sizeof path, "%s/%s", dir, file);
     FILE *f = fopen(path, "w");
@@ -66,21 +67,17 @@ FILE *kiln__debug_open(const char *dir, const char *file)
     return f;
 }
 
-void kiln__debug_text(const char *dir, const char *file, const char *text)
+void kiln__debug_dump(const char *dir, const char *file, const char *text, const kiln_graph_t *g,
+                      const kiln__program *p)
 {
-    FILE *f = dir && *dir ? kiln__debug_open(dir, file) : NULL;
+    FILE *f = kiln__debug_open(dir, file);
     if (!f) return;
-    fputs(text, f);
-    fclose(f);
-}
-
-/* The program's steps and the loop IR of its kernels into DIR/file. */
-static void debug_program(const char *dir, const char *file, const kiln__program *p)
-{
-    FILE *f = dir ? kiln__debug_open(dir, file) : NULL;
-    if (!f) return;
-    kiln__program_print(p, f);
-    ir_print(p, f);
+    if (text) fputs(text, f);
+    if (g) kiln_graph_print(g, f);
+    if (p) {
+        kiln__program_print(p, f);
+        ir_print(p, f);
+    }
     fclose(f);
 }
 
@@ -132,11 +129,7 @@ static kiln_status run_passes(kiln_graph_t *g, const kc_options *o, const char *
     if (s == KILN_OK && o->recompute) s = kiln_graph_recompute(g, &recomputed); /* after CSE, which would undo it */
     if (s == KILN_OK && o->hoist) s = kiln_graph_hoist_siblings(g, &hoisted); /* after recompute, whose copies it pairs */
     if (s != KILN_OK) return s;
-    FILE *f;
-    if (dir && (f = kiln__debug_open(dir, "after_passes.txt"))) {
-        kiln_graph_print(g, f);
-        fclose(f);
-    }
+    kiln__debug_dump(dir, "after_passes.txt", NULL, g, NULL);
     if (kiln__log_on("graph")) {
         fprintf(stderr, "kiln [graph] %s graph %d (%d ops after %d decomposed, %d folded, %d repeated merged, %d slice "
                 "scatters merged, %d views sunk, %d dead removed, %d allreduces coalesced, %d recomputed, %d "
@@ -191,13 +184,13 @@ kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *na
         kc_options one = o;
         one.fusion = false;
         kiln__program *p1;
-        if (kiln__program_build(g, &one, &p1) == KILN_OK) debug_program(dir, "loop_ir_before_fusion.txt", p1);
+        if (kiln__program_build(g, &one, &p1) == KILN_OK) kiln__debug_dump(dir, "loop_ir_before_fusion.txt", NULL, NULL, p1);
         if (p1) kiln__program_free(p1);
     }
     kiln__program *p;
     if ((s = kiln__program_build(g, &o, &p)) != KILN_OK) return s;
     double t2 = kiln__now_s();
-    debug_program(dir, "loop_ir_after_fusion.txt", p);
+    kiln__debug_dump(dir, "loop_ir_after_fusion.txt", NULL, NULL, p);
     if (kiln__log_on("fusion")) {
         fprintf(stderr, "kiln [fusion] %s graph %d: ", name, index);
         kiln__program_print(p, stderr);

@@ -162,9 +162,12 @@ void kiln__program_print(const kiln__program *p, FILE *f);
 /* The KILN_LOGS=profile table: the steps taking most time per run, and the totals of
  * generated kernels and of each op run through dispatch. */
 void kiln__program_profile_print(const kiln__program *p, FILE *f);
-/* DIR/file opened for writing, or NULL after a warning (KILN_DEBUG_DIR output). */
+/* DIR/file opened for writing (KILN_DEBUG_DIR output); NULL when dir is NULL or empty,
+ * or after a warning. */
 FILE *kiln__debug_open(const char *dir, const char *file);
-/* text into DIR/file (nothing when dir is NULL or empty). */
-void kiln__debug_text(const char *dir, const char *file, const char *text);
+/* Into DIR/file, whichever are given: text, graph g, and program p's steps and the loop
+ * IR of its kernels. */
+void kiln__debug_dump(const char *dir, const char *file, const char *text, const kiln_graph_t *g,
+                      const kiln__program *p);
 
 #endif

@@ -125,9 +125,7 @@ static bool broken(const kiln_compiled_t *c, const guards *old, const guards *no
             return true;
         }
         const kiln__meta *o = &old->m[i], *w = &now->m[i];
-        bool same = o->dtype == w->dtype && o->ndim == w->ndim &&
-                    !memcmp(o->shape, w->shape, sizeof(int64_t) * (size_t)w->ndim);
-        if (!same) {
+        if (o->dtype != w->dtype || !kiln__same_shape(o->ndim, o->shape, w->ndim, w->shape)) {
             snprintf(why, n, "input %d %s changed: %s -> %s", i, o->dtype != w->dtype ? "dtype" : "shape",
                      kiln__meta_str(o, a, sizeof a), kiln__meta_str(w, b, sizeof b));
             return true;
@@ -284,11 +282,7 @@ static kiln_status capture_new(kiln_compiled_t *c, kiln_tensor_t *const *in, int
             *dir = 0;
         }
     }
-    FILE *f;
-    if (*dir && (f = kiln__debug_open(dir, "captured.txt"))) {
-        kiln_graph_print(g, f);
-        fclose(f);
-    }
+    kiln__debug_dump(dir, "captured.txt", NULL, g, NULL);
     kiln__program *prog = NULL;
     s = kiln__compile_graph(g, *dir ? dir : NULL, c->name, c->n_graphs, &prog);
     if (s != KILN_OK) {
@@ -296,7 +290,8 @@ static kiln_status capture_new(kiln_compiled_t *c, kiln_tensor_t *const *in, int
         kiln_graph_free(g);
         return s;
     }
-    if (*dir && (f = kiln__debug_open(dir, "guards.txt"))) {
+    FILE *f;
+    if ((f = kiln__debug_open(dir, "guards.txt"))) {
         print_guards(f, "", c, now);
         fclose(f);
     }

@@ -25,33 +25,30 @@ static bool loadable(kiln_dtype dt)
            dt == KILN_DTYPE_BOOL || dt == KILN_DTYPE_U8;
 }
 
-/* How an op lowers, given its inputs' and outputs' dtypes: arithmetic, the ops of
- * include/kiln/pointwise.def and reductions in f32 and f64 (kmath.h has both forms);
- * GELU stays f32-only (its generated forms are float code). */
-static lower_kind lower_op(const kiln_graph_t *g, const node *n)
+/* How op lowers, given its inputs' dtypes in[0..n_in) and its output's o: arithmetic,
+ * the ops of include/kiln/pointwise.def and reductions in f32 and f64 (kmath.h has both
+ * forms); GELU stays f32-only (its generated forms are float code). */
+static lower_kind lower_op(kiln__op_id op, const kiln_dtype *in, int n_in, kiln_dtype o)
 {
-    kiln_dtype o = n->n_out ? g->v[n->out[0]].meta.dtype : KILN_DTYPE_F32;
     bool f32_in = true, f64_in = true;
-    for (int i = 0; i < n->n_in; i++) {
-        f32_in &= g->v[n->in[i]].meta.dtype == KILN_DTYPE_F32;
-        f64_in &= g->v[n->in[i]].meta.dtype == KILN_DTYPE_F64;
+    for (int i = 0; i < n_in; i++) {
+        f32_in &= in[i] == KILN_DTYPE_F32;
+        f64_in &= in[i] == KILN_DTYPE_F64;
     }
     bool same_float = (f32_in && o == KILN_DTYPE_F32) || (f64_in && o == KILN_DTYPE_F64);
-    if (kiln__op_math[n->op].name) return same_float ? L_PW : L_NONE;
-    switch (n->op) {
+    if (kiln__op_math[op].name) return same_float ? L_PW : L_NONE;
+    switch (op) {
     case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_POW:
     case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM:
         return same_float ? L_PW : L_NONE;
     case KILN_OP_GELU: case KILN_OP_GELU_BACKWARD:
         return f32_in && o == KILN_DTYPE_F32 ? L_PW : L_NONE;
     case KILN_OP_EQ: case KILN_OP_NE: case KILN_OP_LT: case KILN_OP_LE: case KILN_OP_GT: case KILN_OP_GE:
-        return loadable(g->v[n->in[0]].meta.dtype) && g->v[n->in[0]].meta.dtype == g->v[n->in[1]].meta.dtype &&
-               o == KILN_DTYPE_BOOL ? L_PW : L_NONE;
+        return loadable(in[0]) && in[0] == in[1] && o == KILN_DTYPE_BOOL ? L_PW : L_NONE;
     case KILN_OP_WHERE:
-        return loadable(g->v[n->in[0]].meta.dtype) && g->v[n->in[1]].meta.dtype == KILN_DTYPE_F32 &&
-               g->v[n->in[2]].meta.dtype == KILN_DTYPE_F32 && o == KILN_DTYPE_F32 ? L_PW : L_NONE;
+        return loadable(in[0]) && in[1] == o && in[2] == o && o == KILN_DTYPE_F32 ? L_PW : L_NONE;
     case KILN_OP_CAST: case KILN_OP_CONTIGUOUS:
-        return loadable(g->v[n->in[0]].meta.dtype) && loadable(o) ? L_PW : L_NONE;
+        return loadable(in[0]) && loadable(o) ? L_PW : L_NONE;
     case KILN_OP_SUM: case KILN_OP_MAX:
         return same_float ? L_REDUCE : L_NONE;
     case KILN_OP_FULL: case KILN_OP_ARANGE:
@@ -63,16 +60,16 @@ static lower_kind lower_op(const kiln_graph_t *g, const node *n)
     }
 }
 
-/* How an op lowers for backend be: as lower_op says, unless be's can_fuse hook keeps it
+/* How node n lowers for backend be: as lower_op says, unless be's can_fuse hook keeps it
  * out of generated kernels (a view is only a relabelling, and always taken). */
 static lower_kind lowering(const kiln_graph_t *g, const node *n, kiln__backend *be)
 {
-    lower_kind l = lower_op(g, n);
-    if (l == L_NONE || l == L_ALIAS || !be) return l;
     kiln_dtype in[4]; /* an op that lowers has at most 3 inputs (where) */
     if (n->n_in > 4) return L_NONE;
     for (int i = 0; i < n->n_in; i++) in[i] = g->v[n->in[i]].meta.dtype;
     kiln_dtype out = n->n_out ? g->v[n->out[0]].meta.dtype : KILN_DTYPE_F32;
+    lower_kind l = lower_op(n->op, in, n->n_in, out);
+    if (l == L_NONE || l == L_ALIAS || !be) return l;
     return kiln__be_can_fuse(be, n->op, in, n->n_in, out) ? l : L_NONE;
 }
 
@@ -87,7 +84,7 @@ typedef struct {
 static int frame_of(const group *gr, const kiln__meta *m)
 {
     int k = gr->ndim;
-    if (m->ndim == k && !memcmp(m->shape, gr->dom, sizeof(int64_t) * (size_t)k)) return F_FULL;
+    if (kiln__same_shape(m->ndim, m->shape, k, gr->dom)) return F_FULL;
     if (k == 0) return F_NONE;
     bool outer = true;
     for (int d = 0; d < k - 1 && d < m->ndim; d++) outer &= m->shape[d] == gr->dom[d];
@@ -404,9 +401,8 @@ static kiln_status plan_reuse(kiln__program *p, const kiln_graph_t *g, int *plas
                 if (in->output || p->last[u] != t + 1 || late[u] > t + 1 || x->kind != V_OP ||
                     kiln__ops[g->nd[x->index].op].is_view || kiln__ops[g->nd[x->index].op].is_inplace)
                     continue;
-                if (x->meta.dtype != mo->dtype || x->meta.ndim != mo->ndim ||
-                    memcmp(x->meta.shape, mo->shape, sizeof(int64_t) * (size_t)mo->ndim) ||
-                    memcmp(in->st, cs, sizeof(int64_t) * (size_t)mo->ndim))
+                if (x->meta.dtype != mo->dtype || memcmp(in->st, cs, sizeof(int64_t) * (size_t)mo->ndim) ||
+                    !kiln__same_shape(x->meta.ndim, x->meta.shape, mo->ndim, mo->shape))
                     continue;
                 bool taken = false, other = false;
                 for (int b = 0; b < k->n_buf; b++) {
@@ -596,19 +592,14 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
             }
             for (int G = n_gr - 1; o->fusion && chosen < 0 && G >= 0; G--)
                 if ((chosen_form = join_form(g, gr, G, n, l, vgrp, form, true, o->max_fuse)) != F_NONE) chosen = G;
-            if (chosen < 0 && l != L_ALIAS && !(l == L_REDUCE && !reduces_last(n, im))) {
-                group *ng = &gr[n_gr];
-                memset(ng, 0, sizeof *ng);
-                ng->open = true;
-                const kiln__meta *dm = l == L_REDUCE ? im : om;
-                ng->ndim = dm->ndim;
-                memcpy(ng->dom, dm->shape, sizeof ng->dom);
+            /* A new group, unless there is nothing to compute (left to dispatch). */
+            const kiln__meta *dm = l == L_REDUCE ? im : om;
+            if (chosen < 0 && l != L_ALIAS && !(l == L_REDUCE && !reduces_last(n, im)) &&
+                kiln__numel(dm->ndim, dm->shape) > 0) {
+                gr[n_gr] = (group){.ndim = dm->ndim, .open = true};
+                memcpy(gr[n_gr].dom, dm->shape, sizeof gr[n_gr].dom);
                 chosen = n_gr++;
                 chosen_form = l == L_REDUCE ? (n->attrs.keepdim ? F_ROWK : F_ROWN) : F_FULL;
-                if (kiln__numel(dm->ndim, dm->shape) == 0) { /* nothing to compute: leave it to dispatch */
-                    n_gr--;
-                    chosen = -1;
-                }
             }
             if (chosen >= 0) {
                 grp[k] = chosen;

@@ -107,7 +107,7 @@ void kiln__jit_unload(void *so) { dlclose(so); }
 kiln_status kiln__device_load(kiln__program *p, const char *src, const char *debug_dir)
 {
     kiln__backend *be = p->be;
-    kiln__debug_text(debug_dir, !strcmp(be->language, "cuda-c") ? "kernels.cu" : "kernels.cl", src);
+    kiln__debug_dump(debug_dir, !strcmp(be->language, "cuda-c") ? "kernels.cu" : "kernels.cl", src, NULL, NULL);
     if (p->n_k == 0) return KILN_OK;
     /* The backend builds the source once (it keeps its programs by the source's hash)
      * and takes each kernel out of it. */
@@ -212,7 +212,7 @@ static kiln_status compile_into_cache(const char *src, const char *dir, uint64_t
     if (w != KILN_OK) return (kiln_status)w;
     kiln_status s = run_cc(tmp_c, tmp_so, log);
     FILE *df;
-    if (debug_dir && *debug_dir && (df = kiln__debug_open(debug_dir, "compile.log"))) {
+    if ((df = kiln__debug_open(debug_dir, "compile.log"))) {
         /* The command, then what the compiler said. */
         fprintf(df, "%s", compiler());
         for (int i = 0; i < N_CFLAGS; i++) fprintf(df, " %s", cflags[i]);
@@ -246,10 +246,10 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
     snprintf(c_path, sizeof c_path, "%s/%016llx.c", dir, (unsigned long long)h);
     bool hit = access(so, R_OK) == 0;
     FILE *df;
-    kiln__debug_text(debug_dir, "kernels.c", src);
+    kiln__debug_dump(debug_dir, "kernels.c", src, NULL, NULL);
     if (kiln__log_on("perf") || kiln__log_on("code"))
         fprintf(stderr, "kiln [perf] kernel cache %s: %s\n", hit ? "hit" : "miss", so);
-    if (hit && debug_dir && *debug_dir && (df = kiln__debug_open(debug_dir, "compile.log"))) {
+    if (hit && (df = kiln__debug_open(debug_dir, "compile.log"))) {
         fprintf(df, "cache hit: %s, built earlier from %s; the compiler was not run\n", so, c_path);
         fclose(df);
     }

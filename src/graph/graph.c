@@ -383,8 +383,7 @@ static kiln_status check_inputs(const kiln_graph_t *g, kiln_tensor_t *const *in,
     for (int i = 0; i < n_in; i++) {
         if (!in[i]) return kiln__null_arg("graph_run");
         const kiln__meta *m = &g->v[i + 1].meta;
-        if (m->dtype != in[i]->dtype || m->ndim != in[i]->ndim ||
-            memcmp(m->shape, in[i]->shape, sizeof(int64_t) * (size_t)m->ndim)) {
+        if (m->dtype != in[i]->dtype || !kiln__same_shape(m->ndim, m->shape, in[i]->ndim, in[i]->shape)) {
             char got[96], want[96];
             return kiln__err(KILN_ERR_SHAPE, "graph_run: input %d is %s, the graph was captured for %s", i,
                              kiln__shape_str(in[i], got, sizeof got), kiln__meta_str(m, want, sizeof want));
@@ -450,7 +449,10 @@ static kiln_status add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt)
     return s;
 }
 
-bool kiln__graph_random(const node *n) { return n->op == KILN_OP_RAND || (n->op == KILN_OP_DROPOUT && n->attrs.op.dropout.p > 0); }
+bool kiln__graph_random(kiln__op_id op, const kiln__attrs *a)
+{
+    return op == KILN_OP_RAND || (op == KILN_OP_DROPOUT && a->op.dropout.p > 0);
+}
 
 /* Random ops take their counters from the generator when the graph runs, in program
  * order, as many as the eager calls would (capture took none: src/ops/api.c), so that
@@ -460,7 +462,7 @@ static void draw_random(const kiln_graph_t *g)
 {
     for (int k = 0; k < g->n_nd; k++) {
         node *n = &g->nd[k];
-        if (!kiln__graph_random(n)) continue;
+        if (!kiln__graph_random(n->op, &n->attrs)) continue;
         const kiln__meta *m = &g->v[n->op == KILN_OP_RAND ? n->out[0] : n->in[0]].meta;
         n->attrs.u[1] = kiln__rng_take((uint64_t)kiln__numel(m->ndim, m->shape), &n->attrs.u[0]);
     }

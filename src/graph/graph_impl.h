@@ -3,11 +3,18 @@
 #ifndef KILN_GRAPH_IMPL_H
 #define KILN_GRAPH_IMPL_H
 
+#include <string.h>
 #include "core/tensor_impl.h"
 #include "kiln/graph.h"
 #include "ops/registry.h"
 
 enum { V_ARG, V_CONST, V_OP };
+
+/* Are two shapes the same (rank and sizes)? */
+static inline bool kiln__same_shape(int na, const int64_t *a, int nb, const int64_t *b)
+{
+    return na == nb && !memcmp(a, b, sizeof(int64_t) * (size_t)na);
+}
 
 typedef struct {
     int kind, index; /* argument number, or the producing node */
@@ -82,9 +89,9 @@ kiln_status kiln__graph_decompose(kiln_graph_t *g, bool all, int *decomposed);
 /* Is op elementwise (each output element from the same element of each input: the
  * arithmetic, activations and their backwards, comparisons, where, cast)? */
 bool kiln__graph_elementwise(kiln__op_id op);
-/* Does node n draw random numbers (rand, dropout with p > 0)? Its seed and offset are
- * taken afresh at the start of every run. */
-bool kiln__graph_random(const node *n);
+/* Does op with attributes a draw random numbers (rand, dropout with p > 0)? In a graph
+ * its seed and offset are taken afresh at the start of every run. */
+bool kiln__graph_random(kiln__op_id op, const kiln__attrs *a);
 /* res[v] = true for each value the graph returns or adds into a leaf's gradient. */
 void kiln__graph_mark_results(const kiln_graph_t *g, bool *res);
 /* Frees value v if step `now` is its last read (intermediates only). */

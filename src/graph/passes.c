@@ -25,7 +25,7 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
         node *n = &g->nd[k];
         /* A random op whose results nothing reads still takes its counters, as the eager
          * call did, so that the draws after it stay eager's. */
-        bool live = kiln__ops[n->op].is_inplace || kiln__graph_random(n);
+        bool live = kiln__ops[n->op].is_inplace || kiln__graph_random(n->op, &n->attrs);
         for (int j = 0; j < n->n_out; j++) live |= used[n->out[j]];
         drop[k] = !live;
         if (live)
@@ -89,7 +89,7 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
         const kiln__op_def *d = &kiln__ops[n->op];
         int same = -1;
         uint64_t h = node_hash(n);
-        if (!d->is_inplace && !kiln__graph_random(n)) { /* two draws are two draws */
+        if (!d->is_inplace && !kiln__graph_random(n->op, &n->attrs)) { /* two draws are two draws */
             int since = 0; /* the merge target must come after the last write to its inputs */
             for (int i = 0; i < n->n_in; i++) {
                 int t = wrote[mem[n->in[i]]];
@@ -280,14 +280,9 @@ static bool written_between(const kiln_graph_t *g, int x, int from, int to)
     return false;
 }
 
-/* ... after x was made (at all, for an argument or captured tensor), before node `before`? */
-static bool written_before(const kiln_graph_t *g, int x, int before)
-{
-    return written_between(g, x, g->v[x].kind == V_OP ? g->v[x].index + 1 : 0, before);
-}
-
 /* Is value x there at position late without being computed again? So it is when read
- * at or after late, or when a view of it is (the view keeps its storage). */
+ * at or after late, or when a view of it is (the view keeps its storage), other than
+ * one node skip makes (-1: none). */
 static bool alive_but(const rc_ctx *c, int x, int late, int skip)
 {
     const kiln_graph_t *g = c->g;
@@ -304,15 +299,14 @@ static bool alive_but(const rc_ctx *c, int x, int late, int skip)
     return false;
 }
 
-static bool alive_at(const rc_ctx *c, int x, int late) { return alive_but(c, x, late, -1); }
-
 /* *budget: how many more copies the chain may make (rebuild keeps at most 64). */
 static bool rebuildable(const rc_ctx *c, int x, int late, int depth, int *budget)
 {
     const kiln_graph_t *g = c->g;
     /* Alive there, and holding at late what it held when first read (not written in
-     * place since: an update, a collective). */
-    if (alive_at(c, x, late)) return !written_before(g, x, late);
+     * place since it was made, or at all for an argument or captured tensor: an update,
+     * a collective). */
+    if (alive_but(c, x, late, -1)) return !written_between(g, x, g->v[x].kind == V_OP ? g->v[x].index + 1 : 0, late);
     if (depth >= RC_DEPTH || c->mut[x]) return false;
     const node *n = &g->nd[g->v[x].index];
     if (!recomputable(n->op) || n->n_out != 1 || n->n_in > 8 || --*budget < 0) return false;
@@ -350,7 +344,7 @@ static kiln_status rebuild(rc_ctx *c, int x, int late, int *at, int *out)
             *out = c->map_to[i];
             return KILN_OK;
         }
-    if (alive_at(c, x, late)) {
+    if (alive_but(c, x, late, -1)) {
         *out = x;
         return KILN_OK;
     }
@@ -558,11 +552,6 @@ bool kiln__graph_elementwise(kiln__op_id op)
     return kiln__ops[op].kind == KILN__KIND_POINTWISE && op != KILN_OP_CONTIGUOUS;
 }
 
-static bool same_shape(int na, const int64_t *a, int nb, const int64_t *b)
-{
-    return na == nb && !memcmp(a, b, sizeof(int64_t) * (size_t)na);
-}
-
 /* copy_(dst, view(x)) becomes copy_(view(dst), x) when dst can be viewed in x's shape:
  * the copy then has the shape of the value it reads, so the kernel that computes x can
  * store it into dst itself (a gradient copied into its slice of a fused projection's). */
@@ -572,7 +561,7 @@ static kiln_status sink_copy(const kiln_graph_t *g, int k, kiln_tensor_t **ins, 
     const value *sv = &g->v[n->in[1]];
     if (sv->kind != V_OP || g->nd[sv->index].op != KILN_OP_VIEW) return KILN_OK;
     kiln_tensor_t *x = map[g->nd[sv->index].in[0]];
-    if (!x || same_shape(x->ndim, x->shape, ins[1]->ndim, ins[1]->shape)) return KILN_OK;
+    if (!x || kiln__same_shape(x->ndim, x->shape, ins[1]->ndim, ins[1]->shape)) return KILN_OK;
     kiln_tensor_t *dv = kiln_view(ins[0], x->shape, x->ndim);
     if (!dv) {
         kiln_clear_error();
@@ -598,13 +587,14 @@ static kiln_status sink_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, 
         if (x->kind != V_OP || g->nd[x->index].op != KILN_OP_VIEW) return KILN_OK;
         const value *sv = &g->v[g->nd[x->index].in[0]];
         joins |= sv->kind == V_OP && kiln__graph_elementwise(g->nd[sv->index].op);
-        if (!same_shape(x->meta.ndim, x->meta.shape, om->ndim, om->shape)) return KILN_OK;
+        if (!kiln__same_shape(x->meta.ndim, x->meta.shape, om->ndim, om->shape)) return KILN_OK;
         src[i] = map[g->nd[x->index].in[0]];
         if (!src[i] || !kiln__is_contiguous(src[i]) ||
-            (i > 0 && !same_shape(src[i]->ndim, src[i]->shape, src[0]->ndim, src[0]->shape)))
+            (i > 0 && !kiln__same_shape(src[i]->ndim, src[i]->shape, src[0]->ndim, src[0]->shape)))
             return KILN_OK;
     }
-    if (!joins || kiln__numel(om->ndim, om->shape) < 2 || same_shape(src[0]->ndim, src[0]->shape, om->ndim, om->shape))
+    if (!joins || kiln__numel(om->ndim, om->shape) < 2 ||
+        kiln__same_shape(src[0]->ndim, src[0]->shape, om->ndim, om->shape))
         return KILN_OK; /* nothing to fuse with, a scalar, or views that change no shape */
     kiln_tensor_t *res[KILN__MAX_OUT] = {0};
     kiln_status s = kiln__dispatch(n->op, src, n->n_in, &n->attrs, res);
@@ -655,7 +645,7 @@ kiln_status kiln_graph_hoist_siblings(kiln_graph_t *g, int *moved)
     int count = 0;
     for (int j = 1; j < g->n_nd; j++) {
         const node *n = &g->nd[j];
-        if (!kiln__graph_elementwise(n->op) || n->n_out != 1 || kiln__graph_random(n)) continue;
+        if (!kiln__graph_elementwise(n->op) || n->n_out != 1 || kiln__graph_random(n->op, &n->attrs)) continue;
         int earliest = 0; /* where all of n's inputs exist */
         for (int i = 0; i < n->n_in; i++)
             if (g->v[n->in[i]].kind == V_OP && g->v[n->in[i]].index + 1 > earliest) earliest = g->v[n->in[i]].index + 1;
@@ -665,7 +655,7 @@ kiln_status kiln_graph_hoist_siblings(kiln_graph_t *g, int *moved)
             const node *s = &g->nd[i];
             const kiln__meta *sm = &g->v[s->out[0]].meta;
             if (kiln__graph_elementwise(s->op) && s->n_out == 1 &&
-                same_shape(sm->ndim, sm->shape, om->ndim, om->shape) && shares_input(s, n)) {
+                kiln__same_shape(sm->ndim, sm->shape, om->ndim, om->shape) && shares_input(s, n)) {
                 to = i + 1;
                 break;
             }

@@ -121,7 +121,7 @@ static kiln_status replay_after(void *ctx, const kiln__call_info *c)
 /* Random ops draw a fresh stream each time they run; a replay would repeat one. */
 static kiln_status replay_before(void *ctx, const kiln__call_info *c)
 {
-    if (c->op == KILN_OP_RAND || (c->op == KILN_OP_DROPOUT && c->a->op.dropout.p > 0))
+    if (kiln__graph_random(c->op, c->a))
         return kiln__err(KILN_ERR_UNSUPPORTED, "%s while recording a replay: its random stream would be frozen and every "
                          "replay would draw the same numbers; record without it (dropout 0)", kiln__ops[c->op].name);
     return KILN_OK;
@@ -291,8 +291,7 @@ kiln_status kiln_replay_run(kiln_replay_t *r, kiln_tensor_t *const *in, int n_in
         kiln_tensor_t *want = r->in[i], *got = in[i];
         if (!got) return kiln__null_arg("replay_run");
         char a[96], b[96];
-        if (got->dtype != want->dtype || got->ndim != want->ndim ||
-            memcmp(got->shape, want->shape, sizeof(int64_t) * (size_t)got->ndim))
+        if (got->dtype != want->dtype || !kiln__same_shape(got->ndim, got->shape, want->ndim, want->shape))
             return kiln__err(KILN_ERR_SHAPE, "replay_run: input %d is %s, the replay was recorded for %s; record it "
                              "again for the new shape", i, kiln__shape_str(got, a, sizeof a), kiln__shape_str(want, b, sizeof b));
         if (got == want) continue;

@@ -54,8 +54,8 @@ static bool zero_scatter(const pass *c, int v, int add, const kiln__meta *out, r
     if (x->kind != V_OP || c->res[v]) return false;
     const node *f = &g->nd[x->index];
     const kiln__meta *m = &x->meta;
-    if (f->op != KILN_OP_FULL || f->attrs.op.source.value != 0 || m->dtype != out->dtype || m->ndim != out->ndim ||
-        memcmp(m->shape, out->shape, sizeof(int64_t) * (size_t)m->ndim))
+    if (f->op != KILN_OP_FULL || f->attrs.op.source.value != 0 || m->dtype != out->dtype ||
+        !kiln__same_shape(m->ndim, m->shape, out->ndim, out->shape))
         return false;
     r->n = 0;
     r->dim = -1;
