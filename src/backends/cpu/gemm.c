@@ -7,14 +7,17 @@
  * same micro-kernel on a full-size scratch tile, so that every element gets the same
  * arithmetic wherever it lies. */
 #include "backends/cpu/gemm.h"
+#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 #include "core/threadpool.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 #endif
 
-#define MR_MAX 12
+#define MR_MAX 32
 #define NR_MAX 32
 #define NC 4096 /* columns of B packed at once (a multiple of every NR) */
 
@@ -30,6 +33,7 @@ typedef struct {
     bool round_bf16;        /* f32 panels holding values rounded to bf16 */
     int mr, nr, kstep;
     ukernel_fn run;
+    bool amx; /* B panels in AMX's pair-interleaved 16-column halves */
 } ukernel;
 
 /* ---- micro-kernels ---- */
@@ -132,6 +136,66 @@ __attribute__((target("avx512f,avx512bf16"))) static void k_avx512bf16(int64_t s
         _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
     }
 }
+/* AMX: eight tile registers of 16 rows x 64 bytes. Tiles 0-3 hold the 32 x 32 f32
+ * block of C, 4-5 the two 16-row halves of A's 32 x 32 bf16 k-step, 6-7 the two
+ * 16-column halves of B's, each as 16 rows of k-pairs (32 bf16: 16 columns x 2);
+ * tdpbf16ps adds a 16 x 32 by 32 x 16 product into a C tile. A thread configures its
+ * tiles once (the configuration is per thread and kept by the kernel's context switch). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+static _Thread_local bool amx_configured;
+
+__attribute__((target("amx-tile,amx-bf16"))) static void k_amx(int64_t steps, const void *pa, const void *pb, float *c,
+                                                                int64_t ldc, bool add)
+{
+    if (!amx_configured) {
+        amx_config cfg = {.palette = 1};
+        for (int i = 0; i < 8; i++) {
+            cfg.colsb[i] = 64;
+            cfg.rows[i] = 16;
+        }
+        _tile_loadconfig(&cfg);
+        amx_configured = true;
+    }
+    const char *a = pa, *b = pb;
+    size_t stride = sizeof(float) * (size_t)ldc;
+    if (add) {
+        _tile_loadd(0, c, stride);
+        _tile_loadd(1, c + 16, stride);
+        _tile_loadd(2, c + 16 * ldc, stride);
+        _tile_loadd(3, c + 16 * ldc + 16, stride);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t k = 0; k < steps; k++, a += 2048, b += 2048) {
+        _tile_loadd(4, a, 64);
+        _tile_loadd(5, a + 1024, 64);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 1024, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, stride);
+    _tile_stored(1, c + 16, stride);
+    _tile_stored(2, c + 16 * ldc, stride);
+    _tile_stored(3, c + 16 * ldc + 16, stride);
+}
+
+/* Linux hands out AMX's tile state only to a process that asks (arch_prctl). */
+static bool amx_permitted;
+static void amx_ask(void)
+{
+    amx_permitted = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+                    syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
 #endif
 
 /* Every kernel, best first for each compute type. A bf16 product of two bf16 values is
@@ -140,19 +204,22 @@ __attribute__((target("avx512f,avx512bf16"))) static void k_avx512bf16(int64_t s
  * pair before the accumulator). */
 static const ukernel kernels[] = {
 #if defined(__x86_64__)
-    {"avx512-bf16", KILN__GEMM_ISA_AVX512, KILN__GEMM_BF16, false, 12, 32, 2, k_avx512bf16},
-    {"avx512", KILN__GEMM_ISA_AVX512, KILN__GEMM_F32, false, 12, 32, 1, k_avx512},
-    {"avx512 (bf16 values)", KILN__GEMM_ISA_AVX512, KILN__GEMM_F32, true, 12, 32, 1, k_avx512},
-    {"avx2", KILN__GEMM_ISA_AVX2, KILN__GEMM_F32, false, 6, 16, 1, k_avx2},
-    {"avx2 (bf16 values)", KILN__GEMM_ISA_AVX2, KILN__GEMM_F32, true, 6, 16, 1, k_avx2},
+    {.name = "amx-bf16", .isa = KILN__GEMM_ISA_AMX, .packed = KILN__GEMM_BF16, .mr = 32, .nr = 32, .kstep = 32, .run = k_amx, .amx = true},
+    {.name = "avx512-bf16", .isa = KILN__GEMM_ISA_AVX512, .packed = KILN__GEMM_BF16, .mr = 12, .nr = 32, .kstep = 2, .run = k_avx512bf16},
+    {.name = "avx512", .isa = KILN__GEMM_ISA_AVX512, .packed = KILN__GEMM_F32, .mr = 12, .nr = 32, .kstep = 1, .run = k_avx512},
+    {.name = "avx512 (bf16 values)", .isa = KILN__GEMM_ISA_AVX512, .packed = KILN__GEMM_F32, .mr = 12, .nr = 32, .kstep = 1, .run = k_avx512, .round_bf16 = true},
+    {.name = "avx2", .isa = KILN__GEMM_ISA_AVX2, .packed = KILN__GEMM_F32, .mr = 6, .nr = 16, .kstep = 1, .run = k_avx2},
+    {.name = "avx2 (bf16 values)", .isa = KILN__GEMM_ISA_AVX2, .packed = KILN__GEMM_F32, .mr = 6, .nr = 16, .kstep = 1, .run = k_avx2, .round_bf16 = true},
 #endif
-    {"c", KILN__GEMM_ISA_C, KILN__GEMM_F32, false, 4, 16, 1, k_c},
-    {"c (bf16 values)", KILN__GEMM_ISA_C, KILN__GEMM_F32, true, 4, 16, 1, k_c},
+    {.name = "c", .isa = KILN__GEMM_ISA_C, .packed = KILN__GEMM_F32, .mr = 4, .nr = 16, .kstep = 1, .run = k_c},
+    {.name = "c (bf16 values)", .isa = KILN__GEMM_ISA_C, .packed = KILN__GEMM_F32, .mr = 4, .nr = 16, .kstep = 1, .run = k_c, .round_bf16 = true},
 };
 
 static bool runs_here(const ukernel *k)
 {
 #if defined(__x86_64__)
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    if (k->isa == KILN__GEMM_ISA_AMX) return pthread_once(&once, amx_ask) == 0 && amx_permitted;
     if (k->isa == KILN__GEMM_ISA_AVX512 && !__builtin_cpu_supports("avx512f")) return false;
     if (k->packed == KILN__GEMM_BF16 && !__builtin_cpu_supports("avx512bf16")) return false;
     if (k->isa == KILN__GEMM_ISA_AVX2 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
@@ -186,12 +253,79 @@ static float load(const kiln__gemm_operand *x, int64_t i)
     return x->type == KILN__GEMM_F32 ? ((const float *)x->p)[i] : kiln__bf16_to_f32(((const uint16_t *)x->p)[i]);
 }
 
+#if defined(__x86_64__)
+/* Packing for the AMX kernel, 16 elements at a time. lanes16 reads 16 contiguous
+ * elements of an operand (f32 or bf16; lanes outside `m` read as zero) and gives each
+ * one's bf16 bits in the low half of a 32-bit lane, rounded as kiln__f32_to_bf16 does
+ * (nearest even, a NaN kept quiet), so that every path packs the same bits. */
+#define AVX512_PACK __attribute__((target("avx512f,avx512bw,avx512vl")))
+AVX512_PACK static inline __m512i lanes16(const kiln__gemm_operand *x, int64_t at, __mmask16 m)
+{
+    if (x->type == KILN__GEMM_BF16)
+        return _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x->p + at));
+    __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, (const float *)x->p + at));
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+static inline __mmask16 first_n(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* One 32-wide AMX panel of an operand whose tile dim (ts == 1) or K (ks == 1) is
+ * contiguous: A panels are 32 rows of 32 k a k-step; B panels two 16-column halves
+ * of 16 k-pairs. Returns false for other layouts (the generic packer takes them). */
+AVX512_PACK static bool pack_amx(const kiln__gemm_operand *x, bool is_b, int64_t first, int64_t ts, int64_t ks,
+                                 int64_t w, int64_t kc, uint16_t *out)
+{
+    int64_t groups = (kc + 31) / 32;
+    uint32_t *ow = (uint32_t *)out;
+    const __m512i idx16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(16));
+    if (ks == 1) { /* each row (A) or column (B) holds its k contiguously */
+        if (w < 32) memset(out, 0, sizeof(uint16_t) * (size_t)(groups * 32 * 32));
+        for (int64_t t = 0; t < w; t++)
+            for (int64_t g = 0; g < groups; g++) {
+                int64_t k = g * 32, at = first + t * ts + k;
+                __m512i lo = lanes16(x, at, first_n(kc - k)), hi = lanes16(x, at + 16, first_n(kc - k - 16));
+                __m512i pairs = _mm512_or_si512(_mm512_permutex2var_epi32(lo, _mm512_setr_epi32(0, 2, 4, 6, 8, 10,
+                                               12, 14, 16, 18, 20, 22, 24, 26, 28, 30), hi),
+                                                _mm512_slli_epi32(_mm512_permutex2var_epi32(lo,
+                                               _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                                                 29, 31), hi), 16));
+                if (!is_b) /* A: row t's 32 k are 16 consecutive words */
+                    _mm512_storeu_si512(ow + (g * 32 + t) * 16, pairs);
+                else /* B: k-pair p of column t is word (t / 16) * 256 + p * 16 + t % 16 */
+                    _mm512_i32scatter_epi32(ow + g * 512 + t / 16 * 256 + t % 16, idx16, pairs, 4);
+            }
+        return true;
+    }
+    if (ts != 1) return false;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t p = 0; p < 16; p++) {
+            int64_t k = g * 32 + 2 * p;
+            for (int64_t h = 0; h < 2; h++) {
+                __mmask16 m = first_n(w - h * 16);
+                __m512i k0 = lanes16(x, first + k * ks + h * 16, k < kc ? m : 0);
+                __m512i k1 = lanes16(x, first + (k + 1) * ks + h * 16, k + 1 < kc ? m : 0);
+                __m512i pairs = _mm512_or_si512(k0, _mm512_slli_epi32(k1, 16));
+                if (is_b) /* B: the 16 columns of half h, pair p */
+                    _mm512_storeu_si512(ow + g * 512 + h * 256 + p * 16, pairs);
+                else /* A: rows h*16.. of pair p, each row's words 16 apart */
+                    _mm512_i32scatter_epi32(ow + (g * 32 + h * 16) * 16 + p, idx16, pairs, 4);
+            }
+        }
+    return true;
+}
+#endif
+
 /* Packs `tile`-wide micro-panels of an operand's block: element (t, k) of the block, t in
  * [0, nt) along the tile dim (stride ts) and k in [0, kc) along K (stride ks), starting
  * at `first`. A panel holds, for each k-step, `tile` groups of kstep values; what lies
  * past nt or kc is zero. Panels follow each other, kpad = kc rounded up to kstep long. */
-static void pack(const ukernel *uk, const kiln__gemm_operand *x, int64_t first, int64_t ts, int64_t ks, int64_t nt,
-                 int64_t kc, int tile, void *out)
+static void pack(const ukernel *uk, const kiln__gemm_operand *x, bool is_b, int64_t first, int64_t ts, int64_t ks,
+                 int64_t nt, int64_t kc, int tile, void *out)
 {
     int kstep = uk->kstep;
     int64_t kpad = (kc + kstep - 1) / kstep * kstep;
@@ -199,6 +333,13 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, int64_t first, 
     uint16_t *oh = out;
     for (int64_t t0 = 0; t0 < nt; t0 += tile) {
         int64_t w = nt - t0 < tile ? nt - t0 : tile;
+#if defined(__x86_64__)
+        if (uk->amx && pack_amx(x, is_b, first + t0 * ts, ts, ks, w, kc, oh)) {
+            of += kpad * tile;
+            oh += kpad * tile;
+            continue;
+        }
+#endif
         if (uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && x->type == KILN__GEMM_F32 && ts == 1 && w == tile) {
             const float *src = (const float *)x->p + first + t0;
             for (int64_t k = 0; k < kc; k++) memcpy(of + k * tile, src + k * ks, sizeof(float) * (size_t)tile);
@@ -215,6 +356,8 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, int64_t first, 
                 for (int t = 0; t < tile; t++) {
                     float v = t < w && k < kc ? load(x, first + (t0 + t) * ts + k * ks) : 0.0f;
                     int64_t at = (k / kstep * tile + t) * kstep + k % kstep;
+                    if (is_b && uk->amx) /* 16-column halves of k-pairs */
+                        at = k / kstep * tile * kstep + t / 16 * 16 * kstep + k % kstep / 2 * 32 + t % 16 * 2 + k % 2;
                     if (uk->packed == KILN__GEMM_BF16) oh[at] = kiln__f32_to_bf16(v);
                     else of[at] = uk->round_bf16 ? kiln__bf16_to_f32(kiln__f32_to_bf16(v)) : v;
                 }
@@ -225,6 +368,43 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, int64_t first, 
 }
 
 /* ---- the driver ---- */
+
+/* Each thread keeps its packing buffers between calls (slot 0: the caller's packed B,
+ * slot 1: an item's packed A): fresh memory would cost page faults on every GEMM.
+ * A thread's buffers are freed when it exits. */
+typedef struct {
+    void *p[2];
+    size_t n[2];
+} buffers;
+static pthread_key_t buffers_key;
+static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
+static void buffers_free(void *v)
+{
+    buffers *b = v;
+    free(b->p[0]);
+    free(b->p[1]);
+    free(b);
+}
+static void buffers_init(void) { pthread_key_create(&buffers_key, buffers_free); }
+
+static void *buffer(int slot, size_t bytes)
+{
+    pthread_once(&buffers_once, buffers_init);
+    buffers *b = pthread_getspecific(buffers_key);
+    if (!b && (!(b = calloc(1, sizeof *b)) || pthread_setspecific(buffers_key, b))) {
+        free(b);
+        return NULL;
+    }
+    bytes = (bytes + 63) / 64 * 64;
+    if (b->n[slot] < bytes) {
+        void *p = aligned_alloc(64, bytes);
+        if (!p) return NULL;
+        free(b->p[slot]);
+        b->p[slot] = p;
+        b->n[slot] = bytes;
+    }
+    return b->p[slot];
+}
 
 typedef struct {
     const ukernel *uk;
@@ -257,7 +437,7 @@ static void pack_b_range(void *ctx, int64_t begin, int64_t end)
         for (int64_t k0 = 0; k0 < j->K; k0 += j->kc_max) {
             int64_t kc = j->K - k0 < j->kc_max ? j->K - k0 : j->kc_max;
             int64_t col = j->c0 + p * nr, w = j->c0 + j->nc - col < nr ? j->c0 + j->nc - col : nr;
-            pack(j->uk, &j->B, k0 * j->B.rs + col * j->B.cs, j->B.cs, j->B.rs, w, kc, nr, bpanel(j, k0, kc, p));
+            pack(j->uk, &j->B, true, k0 * j->B.rs + col * j->B.cs, j->B.cs, j->B.rs, w, kc, nr, bpanel(j, k0, kc, p));
         }
 }
 
@@ -278,7 +458,7 @@ static void items(void *ctx, int64_t begin, int64_t end)
 {
     job *j = ctx;
     const ukernel *uk = j->uk;
-    void *apack = aligned_alloc(64, (size_t)(j->mc * kpad_of(j, j->kc_max)) * j->es);
+    void *apack = buffer(1, (size_t)(j->mc * kpad_of(j, j->kc_max)) * j->es);
     if (!apack) {
         j->failed = true; /* a benign race: every writer stores true */
         return;
@@ -290,7 +470,7 @@ static void items(void *ctx, int64_t begin, int64_t end)
         if (p1 > j->npanels) p1 = j->npanels;
         for (int64_t k0 = 0; k0 < j->K; k0 += j->kc_max) {
             int64_t kc = j->K - k0 < j->kc_max ? j->K - k0 : j->kc_max, kpad = kpad_of(j, kc);
-            pack(uk, &j->A, r0 * j->A.rs + k0 * j->A.cs, j->A.rs, j->A.cs, m, kc, uk->mr, apack);
+            pack(uk, &j->A, false, r0 * j->A.rs + k0 * j->A.cs, j->A.rs, j->A.cs, m, kc, uk->mr, apack);
             bool add = k0 > 0 || j->accumulate;
             for (int64_t p = p0; p < p1; p++) {
                 int64_t col = p * uk->nr, n = j->nc - col < uk->nr ? j->nc - col : uk->nr;
@@ -301,7 +481,6 @@ static void items(void *ctx, int64_t begin, int64_t end)
             }
         }
     }
-    free(apack);
 }
 
 bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
@@ -318,7 +497,7 @@ bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__
              .accumulate = accumulate, .es = uk->packed == KILN__GEMM_BF16 ? 2 : 4};
     int64_t nt = kiln__pool_size() > 0 ? kiln__pool_size() : 1;
     size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < NC ? N : NC) + uk->nr) * j.es;
-    j.bpack = aligned_alloc(64, (bbytes + 63) / 64 * 64);
+    j.bpack = buffer(0, bbytes);
     if (!j.bpack) return false;
     for (j.c0 = 0; j.c0 < N && !j.failed; j.c0 += NC) {
         j.nc = N - j.c0 < NC ? N - j.c0 : NC;
@@ -337,7 +516,6 @@ bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__
         j.ngroups = (j.npanels + j.panels_per_group - 1) / j.panels_per_group;
         kiln__parallel_for(j.mblocks * j.ngroups, 1, items, &j);
     }
-    free(j.bpack);
     return !j.failed;
 }
 

@@ -1,8 +1,8 @@
 /* kiln's own GEMM: C = A B (or C += A B) for f32 and for bf16 operands with f32
  * accumulation, packed and blocked as in the BLIS papers (Van Zee and van de Geijn,
  * "BLIS: A Framework for Rapidly Instantiating BLAS Functionality", 2015), with
- * register-tiled micro-kernels for AVX-512, AVX512-BF16 and AVX2+FMA chosen at run
- * time, and a plain C fallback.
+ * register-tiled micro-kernels for AMX (bf16), AVX-512, AVX512-BF16 and AVX2+FMA
+ * chosen at run time, and a plain C fallback.
  *
  * Operands are read through their strides (row stride rs, column stride cs, in
  * elements), so A B, A B^T and A^T B are all the same call. Packing copies each block
@@ -34,6 +34,7 @@ typedef enum {
     KILN__GEMM_ISA_C,
     KILN__GEMM_ISA_AVX2,
     KILN__GEMM_ISA_AVX512,
+    KILN__GEMM_ISA_AMX,
 } kiln__gemm_isa;
 
 /* Sums over K in blocks of this many (bf16: pairs are kept whole, the block is even). */
