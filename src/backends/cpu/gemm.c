@@ -21,10 +21,14 @@
 #define NR_MAX 32
 #define NC 4096 /* columns of B packed at once (a multiple of every NR) */
 
-/* Runs `steps` k-steps (a k-step is one k for f32, a pair of k for bf16) of the packed
- * micro-panels a (MR rows) and b (NR columns) into the MR x NR tile c (row stride ldc):
- * c = sum, or c += sum with `add` (the sum then starts from c). */
-typedef void (*ukernel_fn)(int64_t steps, const void *a, const void *b, float *c, int64_t ldc, bool add);
+/* Runs `steps` k-steps (a k-step is one k for f32, a pair of k for bf16, 32 k for AMX)
+ * of the micro-panels a (MR rows) and b (NR columns, packed) into the MR x NR tile c
+ * (row stride ldc): c = sum, or c += sum with `add` (the sum then starts from c). The
+ * f32 kernels broadcast A's elements one at a time, so they read A where it lies:
+ * element (i, k) is a[i * ars + k * acs] (a packed panel has ars = 1, acs = MR); the
+ * others read packed panels only. */
+typedef void (*ukernel_fn)(int64_t steps, const void *a, int64_t ars, int64_t acs, const void *b, float *c,
+                           int64_t ldc, bool add);
 
 typedef struct {
     const char *name;
@@ -38,22 +42,23 @@ typedef struct {
 
 /* ---- micro-kernels ---- */
 
-static void k_c(int64_t steps, const void *pa, const void *pb, float *c, int64_t ldc, bool add)
+static void k_c(int64_t steps, const void *pa, int64_t ars, int64_t acs, const void *pb, float *c, int64_t ldc,
+                bool add)
 {
     enum { MR = 4, NR = 16 };
     const float *a = pa, *b = pb;
     float acc[MR][NR];
     for (int i = 0; i < MR; i++)
         for (int j = 0; j < NR; j++) acc[i][j] = add ? c[i * ldc + j] : 0.0f;
-    for (int64_t k = 0; k < steps; k++, a += MR, b += NR)
+    for (int64_t k = 0; k < steps; k++, a += acs, b += NR)
         for (int i = 0; i < MR; i++)
-            for (int j = 0; j < NR; j++) acc[i][j] += a[i] * b[j];
+            for (int j = 0; j < NR; j++) acc[i][j] += a[i * ars] * b[j];
     for (int i = 0; i < MR; i++) memcpy(c + i * ldc, acc[i], sizeof acc[i]);
 }
 
 #if defined(__x86_64__)
-__attribute__((target("avx2,fma"))) static void k_avx2(int64_t steps, const void *pa, const void *pb, float *c,
-                                                        int64_t ldc, bool add)
+__attribute__((target("avx2,fma"))) static void k_avx2(int64_t steps, const void *pa, int64_t ars, int64_t acs,
+                                                        const void *pb, float *c, int64_t ldc, bool add)
 {
     enum { MR = 6 };
     const float *a = pa, *b = pb;
@@ -63,11 +68,11 @@ __attribute__((target("avx2,fma"))) static void k_avx2(int64_t steps, const void
         acc[i][0] = add ? _mm256_loadu_ps(c + i * ldc) : _mm256_setzero_ps();
         acc[i][1] = add ? _mm256_loadu_ps(c + i * ldc + 8) : _mm256_setzero_ps();
     }
-    for (int64_t k = 0; k < steps; k++, a += MR, b += 16) {
+    for (int64_t k = 0; k < steps; k++, a += acs, b += 16) {
         __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
 #pragma GCC unroll 6
         for (int i = 0; i < MR; i++) {
-            __m256 ai = _mm256_broadcast_ss(a + i);
+            __m256 ai = _mm256_broadcast_ss(a + i * ars);
             acc[i][0] = _mm256_fmadd_ps(ai, b0, acc[i][0]);
             acc[i][1] = _mm256_fmadd_ps(ai, b1, acc[i][1]);
         }
@@ -79,22 +84,27 @@ __attribute__((target("avx2,fma"))) static void k_avx2(int64_t steps, const void
     }
 }
 
-__attribute__((target("avx512f"))) static void k_avx512(int64_t steps, const void *pa, const void *pb, float *c,
-                                                         int64_t ldc, bool add)
+__attribute__((target("avx512f"))) static void k_avx512(int64_t steps, const void *pa, int64_t ars, int64_t acs,
+                                                         const void *pb, float *c, int64_t ldc, bool add)
 {
     enum { MR = 12 };
-    const float *a = pa, *b = pb;
+    /* Rows 3q..3q+2 of A from base p[q] with the row stride r in the address (x86
+     * addressing takes one scaled index), so the loop moves four pointers. */
+    const char *p0 = pa, *p3 = p0 + 12 * ars, *p6 = p0 + 24 * ars, *p9 = p0 + 36 * ars;
+    const int64_t r = 4 * ars, step = 4 * acs;
+    const float *b = pb;
     __m512 acc[MR][2];
 #pragma GCC unroll 12
     for (int i = 0; i < MR; i++) {
         acc[i][0] = add ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
         acc[i][1] = add ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
     }
-    for (int64_t k = 0; k < steps; k++, a += MR, b += 32) {
+    for (int64_t k = 0; k < steps; k++, p0 += step, p3 += step, p6 += step, p9 += step, b += 32) {
         __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
+        const char *base[4] = {p0, p3, p6, p9};
 #pragma GCC unroll 12
         for (int i = 0; i < MR; i++) {
-            __m512 ai = _mm512_set1_ps(a[i]);
+            __m512 ai = _mm512_set1_ps(*(const float *)(base[i / 3] + i % 3 * r));
             acc[i][0] = _mm512_fmadd_ps(ai, b0, acc[i][0]);
             acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
         }
@@ -109,9 +119,11 @@ __attribute__((target("avx512f"))) static void k_avx512(int64_t steps, const voi
 /* vdpbf16ps: each f32 lane adds the products of one pair of bf16 along K, so a k-step
  * is a pair: A's pair for row i is one 32-bit word broadcast, B's pairs for 16 columns
  * are one register. */
-__attribute__((target("avx512f,avx512bf16"))) static void k_avx512bf16(int64_t steps, const void *pa, const void *pb,
-                                                                      float *c, int64_t ldc, bool add)
+__attribute__((target("avx512f,avx512bf16"))) static void k_avx512bf16(int64_t steps, const void *pa, int64_t ars,
+                                                                      int64_t acs, const void *pb, float *c,
+                                                                      int64_t ldc, bool add)
 {
+    (void)ars, (void)acs;
     enum { MR = 12 };
     const uint32_t *a = pa;
     const uint16_t *b = pb;
@@ -148,9 +160,10 @@ typedef struct {
 } amx_config;
 static _Thread_local bool amx_configured;
 
-__attribute__((target("amx-tile,amx-bf16"))) static void k_amx(int64_t steps, const void *pa, const void *pb, float *c,
-                                                                int64_t ldc, bool add)
+__attribute__((target("amx-tile,amx-bf16"))) static void k_amx(int64_t steps, const void *pa, int64_t ars, int64_t acs,
+                                                                const void *pb, float *c, int64_t ldc, bool add)
 {
+    (void)ars, (void)acs;
     if (!amx_configured) {
         amx_config cfg = {.palette = 1};
         for (int i = 0; i < 8; i++) {
@@ -441,16 +454,18 @@ static void pack_b_range(void *ctx, int64_t begin, int64_t end)
         }
 }
 
-static void tile(const job *j, int64_t steps, const void *a, const void *b, float *c, int64_t m, int64_t n, bool add)
+/* One MR x NR tile; an edge tile runs the same kernel on a full-size scratch tile. */
+static void tile(const job *j, int64_t steps, const void *a, int64_t ars, int64_t acs, const void *b, float *c,
+                 int64_t m, int64_t n, bool add)
 {
     const ukernel *uk = j->uk;
     if (m == uk->mr && n == uk->nr) {
-        uk->run(steps, a, b, c, j->ldc, add);
+        uk->run(steps, a, ars, acs, b, c, j->ldc, add);
         return;
     }
     float t[MR_MAX * NR_MAX] = {0};
     for (int64_t i = 0; i < m && add; i++) memcpy(t + i * uk->nr, c + i * j->ldc, sizeof(float) * (size_t)n);
-    uk->run(steps, a, b, t, uk->nr, add);
+    uk->run(steps, a, ars, acs, b, t, uk->nr, add);
     for (int64_t i = 0; i < m; i++) memcpy(c + i * j->ldc, t + i * uk->nr, sizeof(float) * (size_t)n);
 }
 
@@ -463,21 +478,34 @@ static void items(void *ctx, int64_t begin, int64_t end)
         j->failed = true; /* a benign race: every writer stores true */
         return;
     }
+    /* The f32 kernels read whole tiles of an f32 A where it lies (packing it would only
+     * copy what the broadcasts read anyway); the rows of a last, partial tile are packed,
+     * which gives them the same values and so the same sums. */
+    bool direct = uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && j->A.type == KILN__GEMM_F32;
     for (int64_t it = begin; it < end; it++) {
         int64_t mb = it % j->mblocks, g = it / j->mblocks;
-        int64_t r0 = mb * j->mc, m = j->M - r0 < j->mc ? j->M - r0 : j->mc;
+        int64_t r0 = mb * j->mc, m = j->M - r0 < j->mc ? j->M - r0 : j->mc, whole = direct ? m / uk->mr * uk->mr : 0;
         int64_t p0 = g * j->panels_per_group, p1 = p0 + j->panels_per_group;
         if (p1 > j->npanels) p1 = j->npanels;
         for (int64_t k0 = 0; k0 < j->K; k0 += j->kc_max) {
             int64_t kc = j->K - k0 < j->kc_max ? j->K - k0 : j->kc_max, kpad = kpad_of(j, kc);
-            pack(uk, &j->A, false, r0 * j->A.rs + k0 * j->A.cs, j->A.rs, j->A.cs, m, kc, uk->mr, apack);
+            if (whole < m)
+                pack(uk, &j->A, false, (r0 + whole) * j->A.rs + k0 * j->A.cs, j->A.rs, j->A.cs, m - whole, kc, uk->mr,
+                     apack);
             bool add = k0 > 0 || j->accumulate;
             for (int64_t p = p0; p < p1; p++) {
                 int64_t col = p * uk->nr, n = j->nc - col < uk->nr ? j->nc - col : uk->nr;
                 const char *b = bpanel(j, k0, kc, p);
-                for (int64_t i = 0; i < m; i += uk->mr)
-                    tile(j, kpad / uk->kstep, (const char *)apack + i * kpad * (int64_t)j->es, b,
-                         j->C + (r0 + i) * j->ldc + j->c0 + col, m - i < uk->mr ? m - i : uk->mr, n, add);
+                for (int64_t i = 0; i < m; i += uk->mr) {
+                    float *c = j->C + (r0 + i) * j->ldc + j->c0 + col;
+                    int64_t rows = m - i < uk->mr ? m - i : uk->mr;
+                    if (i < whole)
+                        tile(j, kc, (const float *)j->A.p + (r0 + i) * j->A.rs + k0 * j->A.cs, j->A.rs, j->A.cs, b, c,
+                             rows, n, add);
+                    else
+                        tile(j, kpad / uk->kstep, (const char *)apack + (i - whole) * kpad * (int64_t)j->es, 1,
+                             uk->mr, b, c, rows, n, add);
+                }
             }
         }
     }
