@@ -261,6 +261,30 @@ const char *kiln__gemm_kernel_name(kiln__gemm_type compute)
 
 /* ---- packing ---- */
 
+/* Copies n floats, n <= 32 in one or two masked AVX-512 moves (a memcpy call of 48 or
+ * 128 bytes costs more than the copy: 9% of a GEMM whose B rows are 32 floats). */
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) static void copy32_avx512(float *d, const float *s, int64_t n)
+{
+    __mmask16 lo = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1), hi = n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
+    if (n >= 32) hi = 0xffff;
+    _mm512_mask_storeu_ps(d, lo, _mm512_maskz_loadu_ps(lo, s));
+    if (hi) _mm512_mask_storeu_ps(d + 16, hi, _mm512_maskz_loadu_ps(hi, s + 16));
+}
+#endif
+
+/* `uk` tells whether the processor has AVX-512: its kernel does. */
+static void copy_f32(const ukernel *uk, float *d, const float *s, int64_t n)
+{
+#if defined(__x86_64__)
+    if (uk->isa == KILN__GEMM_ISA_AVX512 && n <= 32) {
+        copy32_avx512(d, s, n);
+        return;
+    }
+#endif
+    memcpy(d, s, sizeof(float) * (size_t)n);
+}
+
 static float load(const kiln__gemm_operand *x, int64_t i)
 {
     return x->type == KILN__GEMM_F32 ? ((const float *)x->p)[i] : kiln__bf16_to_f32(((const uint16_t *)x->p)[i]);
@@ -355,7 +379,7 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, bool is_b, int6
 #endif
         if (uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && x->type == KILN__GEMM_F32 && ts == 1 && w == tile) {
             const float *src = (const float *)x->p + first + t0;
-            for (int64_t k = 0; k < kc; k++) memcpy(of + k * tile, src + k * ks, sizeof(float) * (size_t)tile);
+            for (int64_t k = 0; k < kc; k++) copy_f32(uk, of + k * tile, src + k * ks, tile);
         } else if (uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && x->type == KILN__GEMM_F32 && ks == 1) {
             for (int t = 0; t < tile; t++) {
                 const float *src = (const float *)x->p + first + (t0 + t) * ts;
@@ -469,29 +493,76 @@ static void tile(const job *j, int64_t steps, const void *a, int64_t ars, int64_
     for (int64_t i = 0; i < m; i++) memcpy(c + i * j->ldc, t + i * uk->nr, sizeof(float) * (size_t)n);
 }
 
+/* Where an f32 kernel reads rows [r, r + m) of A in K block [k0, k0 + kc): tile q (rows
+ * r + q MR ...) starts at p + q * tile and has element (i, k) at [i * rs + k * cs].
+ * Row-major A whose row stride spreads a tile's rows over L1's sets is read in place;
+ * row-major A with rows a multiple of 2 KiB apart (which share one or two of L1's 64
+ * sets and evict the packed B: measured 0.71 of OpenBLAS read in place,
+ * docs/perf-log.md) is copied row by row with a padded stride; a transposed A, whose
+ * k-th column of a tile is MR adjacent values, is packed into panels (MR values a k),
+ * 16 at a time. Rows past m up to a whole tile are zero. A copy holds the same values
+ * as A, so every path gives the same sums. */
+typedef struct {
+    const float *p;
+    int64_t rs, cs, tile;
+} a_view;
+
+static a_view a_rows(const job *j, int64_t r, int64_t m, int64_t k0, int64_t kc, float *buf)
+{
+    const kiln__gemm_operand *A = &j->A;
+    const float *src = (const float *)A->p + r * A->rs + k0 * A->cs;
+    int mr = j->uk->mr;
+    int64_t rows = (m + mr - 1) / mr * mr;
+    if (A->cs == 1 && A->rs * 4 % 2048 != 0 && m == rows) return (a_view){src, A->rs, 1, mr * A->rs};
+    if (A->rs == 1 && A->cs != 1) {
+        for (int64_t t = 0; t < rows; t += mr)
+            for (int64_t k = 0; k < kc; k++) {
+                float *d = buf + (t / mr * kc + k) * mr;
+                int64_t w = m - t < mr ? m - t : mr;
+                copy_f32(j->uk, d, src + k * A->cs + t, w);
+                for (int64_t i = w; i < mr; i++) d[i] = 0.0f;
+            }
+        return (a_view){buf, 1, mr, kc * mr};
+    }
+    int64_t ld = (kc + 15) / 16 * 16 + 16;
+    for (int64_t i = 0; i < rows; i++) {
+        if (i < m && A->cs == 1) memcpy(buf + i * ld, src + i * A->rs, sizeof(float) * (size_t)kc);
+        else
+            for (int64_t k = 0; k < kc; k++) buf[i * ld + k] = i < m ? src[i * A->rs + k * A->cs] : 0.0f;
+    }
+    return (a_view){buf, ld, 1, mr * ld};
+}
+
 static void items(void *ctx, int64_t begin, int64_t end)
 {
     job *j = ctx;
     const ukernel *uk = j->uk;
-    void *apack = buffer(1, (size_t)(j->mc * kpad_of(j, j->kc_max)) * j->es);
+    bool f32 = uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && j->A.type == KILN__GEMM_F32;
+    size_t abytes = f32 ? sizeof(float) * (size_t)((j->mc + uk->mr + 32) * (j->kc_max + 32))
+                        : (size_t)(j->mc * kpad_of(j, j->kc_max)) * j->es;
+    void *apack = buffer(1, abytes);
     if (!apack) {
         j->failed = true; /* a benign race: every writer stores true */
         return;
     }
-    /* The f32 kernels read whole tiles of an f32 A where it lies (packing it would only
-     * copy what the broadcasts read anyway); the rows of a last, partial tile are packed,
-     * which gives them the same values and so the same sums. */
-    bool direct = uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && j->A.type == KILN__GEMM_F32;
     for (int64_t it = begin; it < end; it++) {
         int64_t mb = it % j->mblocks, g = it / j->mblocks;
-        int64_t r0 = mb * j->mc, m = j->M - r0 < j->mc ? j->M - r0 : j->mc, whole = direct ? m / uk->mr * uk->mr : 0;
+        int64_t r0 = mb * j->mc, m = j->M - r0 < j->mc ? j->M - r0 : j->mc;
         int64_t p0 = g * j->panels_per_group, p1 = p0 + j->panels_per_group;
         if (p1 > j->npanels) p1 = j->npanels;
         for (int64_t k0 = 0; k0 < j->K; k0 += j->kc_max) {
             int64_t kc = j->K - k0 < j->kc_max ? j->K - k0 : j->kc_max, kpad = kpad_of(j, kc);
-            if (whole < m)
-                pack(uk, &j->A, false, (r0 + whole) * j->A.rs + k0 * j->A.cs, j->A.rs, j->A.cs, m - whole, kc, uk->mr,
-                     apack);
+            /* f32: the whole tiles, then the last partial one (copied on its own, so the
+             * whole ones can still be read in place). */
+            int64_t whole = m / uk->mr * uk->mr;
+            a_view av = {0}, edge = {0};
+            if (f32) {
+                av = a_rows(j, r0, whole, k0, kc, apack);
+                if (whole < m) /* after the room a_rows may take for the whole tiles */
+                    edge = a_rows(j, r0 + whole, m - whole, k0, kc, (float *)apack + (j->mc + 16) * (j->kc_max + 32));
+            } else {
+                pack(uk, &j->A, false, r0 * j->A.rs + k0 * j->A.cs, j->A.rs, j->A.cs, m, kc, uk->mr, apack);
+            }
             bool add = k0 > 0 || j->accumulate;
             for (int64_t p = p0; p < p1; p++) {
                 int64_t col = p * uk->nr, n = j->nc - col < uk->nr ? j->nc - col : uk->nr;
@@ -499,12 +570,13 @@ static void items(void *ctx, int64_t begin, int64_t end)
                 for (int64_t i = 0; i < m; i += uk->mr) {
                     float *c = j->C + (r0 + i) * j->ldc + j->c0 + col;
                     int64_t rows = m - i < uk->mr ? m - i : uk->mr;
-                    if (i < whole)
-                        tile(j, kc, (const float *)j->A.p + (r0 + i) * j->A.rs + k0 * j->A.cs, j->A.rs, j->A.cs, b, c,
+                    if (!f32)
+                        tile(j, kpad / uk->kstep, (const char *)apack + i * kpad * (int64_t)j->es, 1, uk->mr, b, c,
                              rows, n, add);
+                    else if (i < whole)
+                        tile(j, kc, av.p + i / uk->mr * av.tile, av.rs, av.cs, b, c, rows, n, add);
                     else
-                        tile(j, kpad / uk->kstep, (const char *)apack + (i - whole) * kpad * (int64_t)j->es, 1,
-                             uk->mr, b, c, rows, n, add);
+                        tile(j, kc, edge.p, edge.rs, edge.cs, b, c, rows, n, add);
                 }
             }
         }
