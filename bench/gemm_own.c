@@ -8,12 +8,16 @@
  * count: f32 against the AVX-512 (else AVX2) FMA peak, bf16 against the best bf16
  * instruction's peak.
  *
- *   bench_gemm_own [--threads N] [--reps N] [--only shapes|square] [--max-square N]
+ *   bench_gemm_own [--threads N] [--reps N] [--rest-ms N] [--only shapes|square] [--max-square N]
  *
- * Run it through bench/gemm.sh, which makes OpenBLAS use its best kernels on processors
- * its detection misreads (OPENBLAS_CORETYPE). */
+ * Between two engines' runs the process rests (--rest-ms, default 20), so that one
+ * library's idle threads, still spinning after its call, do not run against the next
+ * engine's. Run it through bench/gemm.sh, which makes OpenBLAS use its best kernels on
+ * processors its detection misreads (OPENBLAS_CORETYPE) and BLIS's OpenMP threads
+ * sleep when idle. */
 #include <dlfcn.h>
 #include <math.h>
+#include <time.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -101,7 +105,13 @@ static double gflops(const gemm_case *g, double s) { return 2.0 * (double)g->M *
 
 /* Median GFLOP/s of each engine over reps interleaved repetitions; also the largest
  * difference of kiln f32 from the first BLAS, relative to the largest |value|. */
-static void bench_case(const gemm_case *g, int reps, const blas *bl, int nblas, double *gf, double *rel)
+static void rest(int ms)
+{
+    struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
+    nanosleep(&t, NULL);
+}
+
+static void bench_case(const gemm_case *g, int reps, int rest_ms, const blas *bl, int nblas, double *gf, double *rel)
 {
     uint64_t seed = 42;
     operands o = {randn(g->M * g->K, &seed), randn(g->K * g->N, &seed), randn(g->M * g->N, &seed), NULL, NULL};
@@ -127,6 +137,7 @@ static void bench_case(const gemm_case *g, int reps, const blas *bl, int nblas, 
     for (int r = 0; r < reps; r++)
         for (int k = 0; k < ne; k++) {
             int e = (k + r) % ne;
+            rest(rest_ms);
             t[e][r] = run(e, g, &o, bl);
         }
     for (int e = 0; e < ne; e++) {
@@ -144,15 +155,17 @@ static const char *layout(const gemm_case *g)
 
 int main(int argc, char **argv)
 {
-    int threads = 0, reps = 9, max_square = 2048;
+    int threads = 0, reps = 9, max_square = 2048, rest_ms = 20;
     const char *only = NULL;
     for (int i = 1; i < argc; i++) {
         if (i + 1 < argc && !strcmp(argv[i], "--threads")) threads = atoi(argv[++i]);
         else if (i + 1 < argc && !strcmp(argv[i], "--reps")) reps = atoi(argv[++i]);
         else if (i + 1 < argc && !strcmp(argv[i], "--only")) only = argv[++i];
+        else if (i + 1 < argc && !strcmp(argv[i], "--rest-ms")) rest_ms = atoi(argv[++i]);
         else if (i + 1 < argc && !strcmp(argv[i], "--max-square")) max_square = atoi(argv[++i]);
         else {
-            fprintf(stderr, "usage: bench_gemm_own [--threads N] [--reps N] [--only shapes|square] [--max-square N]\n");
+            fprintf(stderr, "usage: bench_gemm_own [--threads N] [--reps N] [--rest-ms N] [--only shapes|square] "
+                            "[--max-square N]\n");
             return 2;
         }
     }
@@ -197,7 +210,7 @@ int main(int argc, char **argv)
     for (int c = 0; c < n; c++) {
         const gemm_case *g = &cases[c];
         double gf[MAX_ENGINES] = {0}, rel;
-        bench_case(g, reps, bl, nblas, gf, &rel);
+        bench_case(g, reps, rest_ms, bl, nblas, gf, &rel);
         printf("%-10s %5lld %5lld %5lld %3s | %9.1f %5.2f %9.1f %5.2f | %9.1f %9.1f | %7.2f %7.2f | %8.1e\n", g->name,
                (long long)g->M, (long long)g->N, (long long)g->K, layout(g), gf[0], gf[0] / f32_peak, gf[1],
                gf[1] / bf16_peak, gf[2], gf[3], gf[2] > 0 ? gf[0] / gf[2] : NAN, gf[3] > 0 ? gf[0] / gf[3] : NAN,
