@@ -67,6 +67,14 @@ static void config_json_round_trips(void **state)
     free(j);
     assert_int_equal(kiln_gpt_config_from_json("{\"n_layer\": 2, \"colour\": 1}", &d), KILN_ERR_FORMAT);
     assert_non_null(strstr(kiln_last_error(), "colour"));
+    assert_non_null(strstr(kiln_last_error(), "unknown key"));
+    /* A known key of the wrong JSON type is said to be that, for every kind of field. */
+    static const char *const wrong[] = {"{\"bias\": \"yes\"}", "{\"norm\": 1}", "{\"n_layer\": \"2\"}",
+                                        "{\"norm_eps\": true}"};
+    for (size_t i = 0; i < sizeof wrong / sizeof wrong[0]; i++) {
+        assert_int_equal(kiln_gpt_config_from_json(wrong[i], &d), KILN_ERR_FORMAT);
+        assert_non_null(strstr(kiln_last_error(), "has the wrong type"));
+    }
 }
 
 static void bad_config_names_the_field(void **state)

@@ -49,7 +49,7 @@ kiln_tensor_t *kiln_relu(kiln_tensor_t *a);
 kiln_tensor_t *kiln_gelu(kiln_tensor_t *a, bool approximate);
 kiln_tensor_t *kiln_silu(kiln_tensor_t *a);
 /* The pointwise ops defined by their math (kiln/pointwise.def lists them): kiln_<name>(x). */
-#define KILN_PW(ID, name) kiln_tensor_t *kiln_##name(kiln_tensor_t *a);
+#define KILN_PW(ID, name, ...) kiln_tensor_t *kiln_##name(kiln_tensor_t *a);
 #include "kiln/pointwise.def"
 #undef KILN_PW
 kiln_tensor_t *kiln_where(kiln_tensor_t *cond, kiln_tensor_t *a, kiln_tensor_t *b);

@@ -5,6 +5,7 @@
 #include "autograd/autograd.h"
 #include "core/intercept.h"
 #include "core/tensor_impl.h"
+#include "core/util.h"
 
 /* Autograd's state on a tensor (its extension slot), made when the tensor first takes
  * part: set to require a gradient, or made by a recorded op. */
@@ -35,17 +36,6 @@ bool kiln__tracks(const kiln_tensor_t *t)
     return s && (s->requires_grad || s->grad_fn);
 }
 
-
-static void meta_of(const kiln_tensor_t *t, kiln__meta *m)
-{
-    memset(m, 0, sizeof *m);
-    m->dtype = t->dtype;
-    m->ndim = t->ndim;
-    memcpy(m->shape, t->shape, sizeof m->shape);
-    memcpy(m->stride, t->stride, sizeof m->stride);
-    m->offset = t->offset;
-}
-
 /* Drops a node's saved tensors and gradient buffers, keeping its edges. */
 static void node_clear(kiln__node *n)
 {
@@ -61,68 +51,52 @@ static void node_clear(kiln__node *n)
 }
 
 /* Iterative, so that freeing a deep graph cannot overflow the stack. */
-void kiln__node_release(kiln__node *root)
+static void node_release(kiln__node *root)
 {
     kiln__node **stack = NULL;
-    size_t n = 0, cap = 0;
+    int n = 0;
+    size_t cap = 0;
+    void *tmp;
     kiln__node *cur = root;
     while (cur) {
         if (atomic_fetch_sub(&cur->refcount, 1) == 1) {
             for (int i = 0; i < cur->n_in; i++) {
                 if (cur->next[i]) {
-                    if (n == cap) {
-                        cap = cap ? cap * 2 : 64;
-                        kiln__node **s = realloc(stack, cap * sizeof *s);
-                        if (!s) abort(); /* cannot free without memory to walk with */
-                        stack = s;
-                    }
+                    if (!KILN__GROW(stack, n, &cap, 64, tmp)) abort(); /* cannot free without memory to walk with */
                     stack[n++] = cur->next[i];
                 }
                 kiln_tensor_free(cur->leaf[i]);
             }
             node_clear(cur);
-            free(cur->in_meta);
-            free(cur->saved_in);
-            free(cur->needs_grad);
-            free(cur->next);
-            free(cur->next_out);
-            free(cur->leaf);
-            free(cur);
+            free(cur); /* and its per-input arrays, in the same block */
         }
         cur = n ? stack[--n] : NULL;
     }
     free(stack);
 }
 
-kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                         kiln_tensor_t **out, int n_out)
+static kiln__node *record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                          kiln_tensor_t **out, int n_out)
 {
     const kiln__op_def *d = &kiln__ops[op];
-    kiln__node *n = calloc(1, sizeof *n);
+    /* The node and its per-input arrays in one block, the most aligned first. */
     size_t k = n_in > 0 ? (size_t)n_in : 1;
-    if (n) {
-        n->in_meta = calloc(k, sizeof *n->in_meta);
-        n->saved_in = calloc(k, sizeof *n->saved_in);
-        n->needs_grad = calloc(k, sizeof *n->needs_grad);
-        n->next = calloc(k, sizeof *n->next);
-        n->next_out = calloc(k, sizeof *n->next_out);
-        n->leaf = calloc(k, sizeof *n->leaf);
-    }
-    if (!n || !n->in_meta || !n->saved_in || !n->needs_grad || !n->next || !n->next_out || !n->leaf) {
-        if (n) {
-            free(n->in_meta); free(n->saved_in); free(n->needs_grad);
-            free(n->next); free(n->next_out); free(n->leaf); free(n);
-        }
-        kiln__err(KILN_ERR_OOM, "%s: out of memory recording for autograd", d->name);
-        return NULL;
-    }
+    kiln__node *n = calloc(1, sizeof *n + k * (sizeof *n->in_meta + sizeof *n->saved_in + sizeof *n->next +
+                                               sizeof *n->leaf + sizeof *n->next_out + sizeof *n->needs_grad));
+    if (!n) return kiln__err(KILN_ERR_OOM, "%s: out of memory recording for autograd", d->name), NULL;
+    n->in_meta = (kiln__meta *)(n + 1);
+    n->saved_in = (kiln_tensor_t **)(n->in_meta + k);
+    n->next = (kiln__node **)(n->saved_in + k);
+    n->leaf = (kiln_tensor_t **)(n->next + k);
+    n->next_out = (int *)(n->leaf + k);
+    n->needs_grad = (bool *)(n->next_out + k);
     atomic_init(&n->refcount, 0);
     n->op = op;
     n->attrs = *a;
     n->n_in = n_in;
     n->n_out = n_out;
     for (int i = 0; i < n_in; i++) {
-        meta_of(in[i], &n->in_meta[i]);
+        kiln__meta_of(in[i], &n->in_meta[i]);
         n->needs_grad[i] = kiln__tracks(in[i]);
         const ag_state *st = ag(in[i]);
         if (st && st->grad_fn) {
@@ -135,7 +109,7 @@ kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, con
         if (d->save & KILN__SI(i)) n->saved_in[i] = kiln__tensor_detach(in[i]);
     }
     for (int j = 0; j < n_out; j++) {
-        meta_of(out[j], &n->out_meta[j]);
+        kiln__meta_of(out[j], &n->out_meta[j]);
         if (d->save & KILN__SO(j)) n->saved_out[j] = kiln__tensor_detach(out[j]);
     }
     /* What backward needs must all be there, and every visible output's state made,
@@ -149,7 +123,7 @@ kiln__node *kiln__record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, con
     for (int j = 0; j < d->n_visible; j++)
         if (!saved || !(os[j] = ag_make(out[j]))) {
             atomic_fetch_add(&n->refcount, 1);
-            kiln__node_release(n);
+            node_release(n);
             return NULL;
         }
     for (int j = 0; j < d->n_visible; j++) {
@@ -204,12 +178,8 @@ kiln_tensor_t *kiln_tensor_grad(const kiln_tensor_t *t)
 
 void kiln_tensor_zero_grad(kiln_tensor_t *t)
 {
-    if (!t) return;
-    if (sink && !t->st->meta) {
-        sink->zero_grad(sink->ctx, t);
-        return;
-    }
-    kiln__autograd_set_grad(t, NULL);
+    if (t && sink && !t->st->meta) sink->zero_grad(sink->ctx, t);
+    else if (t) kiln__autograd_set_grad(t, NULL);
 }
 
 static _Thread_local kiln_grad_ready_fn ready_fn;
@@ -230,8 +200,7 @@ static kiln_status accumulate_leaf(kiln_tensor_t *leaf, kiln_tensor_t *g)
     if (held) return kiln_add_(held, g, 1.0);
     /* A fresh copy: g may be shared with another gradient or be a broadcast view. */
     kiln_tensor_t *c = kiln_clone(g);
-    if (!c) return kiln_last_status();
-    return kiln__autograd_set_grad(leaf, kiln_keep(c));
+    return c ? kiln__autograd_set_grad(leaf, kiln_keep(c)) : kiln_last_status();
 }
 
 static kiln_status accumulate(kiln_tensor_t **slot, kiln_tensor_t *g)
@@ -258,42 +227,29 @@ static kiln_status check_grad(kiln__node *n, int i, kiln_tensor_t *g)
                      kiln__ops[n->op].name, i, kiln__shape_str(g, a, sizeof a), kiln__meta_str(m, b, sizeof b));
 }
 
-static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
+/* The nodes top's gradient reaches (top first) into *out, each with `pending` the edges
+ * in this graph that reach it. */
+static kiln_status collect(kiln__node *top, kiln__node ***out, int *count)
 {
-    kiln__node *top = ag(root)->grad_fn;
-    /* Collect the graph and count, for each node, the edges that reach it. */
-    size_t cap = 256, n = 0, head = 0;
-    kiln__node **all = malloc(cap * sizeof *all);
-    if (!all) return kiln__err(KILN_ERR_OOM, "backward: out of memory");
-    if (top->spent) {
-        free(all);
-        return kiln__err(KILN_ERR_AUTOGRAD, "backward: this graph was already run backward and freed; "
-                                            "run the forward pass again");
-    }
-    all[n++] = top;
+    int n = 0;
+    size_t cap = 0;
+    kiln__node **all = NULL;
+    void *tmp;
+    kiln_status s = KILN__GROW(all, n, &cap, 256, tmp) ? KILN_OK : kiln__err(KILN_ERR_OOM, "backward: out of memory");
+    if (s == KILN_OK) all[n++] = top;
     top->visited = true;
     top->pending = 0;
-    for (size_t k = 0; k < n; k++) {
+    for (int k = 0; s == KILN_OK && k < n; k++) {
         kiln__node *cur = all[k];
-        for (int i = 0; i < cur->n_in; i++) {
+        for (int i = 0; s == KILN_OK && i < cur->n_in; i++) {
             kiln__node *nx = cur->next[i];
             if (!nx || !cur->needs_grad[i]) continue;
-            if (!nx->visited) {
-                if (nx->spent) {
-                    for (size_t q = 0; q < n; q++) all[q]->visited = false;
-                    free(all);
-                    return kiln__err(KILN_ERR_AUTOGRAD, "backward: part of this graph (%s) was freed by an "
-                                     "earlier backward; run the forward pass again", kiln__ops[nx->op].name);
-                }
-                if (n == cap) {
-                    kiln__node **a2 = realloc(all, (cap *= 2) * sizeof *all);
-                    if (!a2) {
-                        for (size_t q = 0; q < n; q++) all[q]->visited = false;
-                        free(all);
-                        return kiln__err(KILN_ERR_OOM, "backward: out of memory");
-                    }
-                    all = a2;
-                }
+            if (!nx->visited && nx->spent)
+                s = kiln__err(KILN_ERR_AUTOGRAD, "backward: part of this graph (%s) was freed by an earlier backward; "
+                              "run the forward pass again", kiln__ops[nx->op].name);
+            else if (!nx->visited && !KILN__GROW(all, n, &cap, 256, tmp))
+                s = kiln__err(KILN_ERR_OOM, "backward: out of memory");
+            else if (!nx->visited) {
                 nx->visited = true;
                 nx->pending = 0;
                 all[n++] = nx;
@@ -301,76 +257,92 @@ static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
             nx->pending++;
         }
     }
-    for (size_t k = 0; k < n; k++) all[k]->visited = false;
-    /* Each leaf's edges in this graph, so that the hook hears when its gradient is whole. */
-    if (ready_fn)
-        for (size_t k = 0; k < n; k++)
-            for (int i = 0; i < all[k]->n_in; i++)
-                if (all[k]->leaf[i] && all[k]->needs_grad[i]) ag(all[k]->leaf[i])->grad_pending = 0;
-    if (ready_fn)
-        for (size_t k = 0; k < n; k++)
-            for (int i = 0; i < all[k]->n_in; i++)
-                if (all[k]->leaf[i] && all[k]->needs_grad[i]) ag(all[k]->leaf[i])->grad_pending++;
+    top->visited = false;
+    for (int k = 0; k < n; k++) all[k]->visited = false;
+    if (s != KILN_OK) free(all);
+    *out = s == KILN_OK ? all : NULL;
+    *count = n;
+    return s;
+}
 
+/* Runs node cur's backward formula and hands each input's gradient on, into a leaf or
+ * to the node that made the input; each producer whose last consumer this was joins
+ * ready[*tail]. */
+static kiln_status run_node(kiln__node *cur, kiln__node **ready, int *tail)
+{
+    bool any = false;
+    for (int j = 0; j < cur->n_out; j++) any |= cur->grad_out[j] != NULL;
+    size_t k = (size_t)(cur->n_in > 0 ? cur->n_in : 1);
+    kiln_tensor_t **gin = calloc(k, sizeof *gin);
+    /* The edges counted by collect: a backward formula may clear needs_grad[i] for an
+     * index input, and its producer must still be released below. */
+    bool *counted = malloc(k * sizeof *counted);
+    if (!gin || !counted) {
+        free(gin);
+        free(counted);
+        return kiln__err(KILN_ERR_OOM, "backward: out of memory");
+    }
+    memcpy(counted, cur->needs_grad, sizeof *counted * (size_t)cur->n_in);
     kiln_status s = KILN_OK;
+    kiln_scope_begin();
+    if (any) {
+        /* Tensors a formula makes (zeros to scatter into, scalars) go to the device of
+         * the gradient it is given. */
+        kiln_tensor_t *g0 = NULL;
+        for (int j = 0; j < KILN__MAX_OUT && !g0; j++) g0 = cur->grad_out[j];
+        kiln__backend *was = g0 && !g0->st->meta ? kiln__backend_here(g0->st->be) : NULL;
+        s = kiln__op_backward[cur->op](cur, cur->grad_out, gin);
+        if (g0 && !g0->st->meta) kiln__backend_here(was);
+    }
+    for (int i = 0; s == KILN_OK && i < cur->n_in; i++) {
+        if (!gin[i] || !cur->needs_grad[i]) continue;
+        s = check_grad(cur, i, gin[i]);
+        if (s == KILN_OK && cur->leaf[i]) {
+            s = accumulate_leaf(cur->leaf[i], gin[i]);
+            if (s == KILN_OK && ready_fn && --ag(cur->leaf[i])->grad_pending == 0) s = ready_fn(ready_ctx, cur->leaf[i]);
+        } else if (s == KILN_OK && cur->next[i]) {
+            s = accumulate(&cur->next[i]->grad_out[cur->next_out[i]], gin[i]);
+        }
+    }
+    kiln_scope_end();
+    free(gin);
+    for (int j = 0; j < cur->n_out; j++) {
+        kiln_tensor_free(cur->grad_out[j]);
+        cur->grad_out[j] = NULL;
+    }
+    for (int i = 0; i < cur->n_in; i++)
+        if (cur->next[i] && counted[i] && --cur->next[i]->pending == 0) ready[(*tail)++] = cur->next[i];
+    free(counted);
+    return s;
+}
+
+static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
+{
+    kiln__node *top = ag(root)->grad_fn, **all;
+    if (top->spent)
+        return kiln__err(KILN_ERR_AUTOGRAD, "backward: this graph was already run backward and freed; run the forward "
+                         "pass again");
+    int n, head = 0, tail = 0;
+    kiln_status s = collect(top, &all, &n);
+    if (s != KILN_OK) return s;
+    /* Each leaf's edges in this graph, so that the hook hears when its gradient is whole. */
+    for (int pass = 0; ready_fn && pass < 2; pass++)
+        for (int k = 0; k < n; k++)
+            for (int i = 0; i < all[k]->n_in; i++)
+                if (all[k]->leaf[i] && all[k]->needs_grad[i]) {
+                    ag_state *a = ag(all[k]->leaf[i]);
+                    a->grad_pending = pass ? a->grad_pending + 1 : 0;
+                }
     bool prev = kiln_set_grad_enabled(false);
     top->grad_out[ag(root)->out_index] = kiln_tensor_retain(seed);
     /* Kahn's order: a node runs once every consumer has handed it its gradient. */
-    kiln__node **ready = malloc(n * sizeof *ready);
-    size_t tail = 0;
+    kiln__node **ready = malloc((size_t)n * sizeof *ready);
     if (!ready) s = kiln__err(KILN_ERR_OOM, "backward: out of memory");
     else ready[tail++] = top;
-    while (s == KILN_OK && head < tail) {
-        kiln__node *cur = ready[head++];
-        bool any = false;
-        for (int j = 0; j < cur->n_out; j++) any |= cur->grad_out[j] != NULL;
-        kiln_tensor_t **gin = calloc((size_t)(cur->n_in > 0 ? cur->n_in : 1), sizeof *gin);
-        /* The edges counted above: a backward formula may clear needs_grad[i] for an
-         * index input, and its producer must still be released below. */
-        bool *counted = malloc((size_t)(cur->n_in > 0 ? cur->n_in : 1) * sizeof *counted);
-        if (!gin || !counted) {
-            free(gin);
-            free(counted);
-            s = kiln__err(KILN_ERR_OOM, "backward: out of memory");
-            break;
-        }
-        for (int i = 0; i < cur->n_in; i++) counted[i] = cur->needs_grad[i];
-        kiln_scope_begin();
-        if (any) {
-            /* Tensors a formula makes (zeros to scatter into, scalars) go to the device of
-             * the gradient it is given. */
-            kiln_tensor_t *g0 = NULL;
-            for (int j = 0; j < KILN__MAX_OUT && !g0; j++) g0 = cur->grad_out[j];
-            kiln__backend *was = g0 && !g0->st->meta ? kiln__backend_here(g0->st->be) : NULL;
-            s = kiln__op_backward[cur->op](cur, cur->grad_out, gin);
-            if (g0 && !g0->st->meta) kiln__backend_here(was);
-        }
-        for (int i = 0; s == KILN_OK && i < cur->n_in; i++) {
-            if (!gin[i] || !cur->needs_grad[i]) continue;
-            s = check_grad(cur, i, gin[i]);
-            if (s != KILN_OK) break;
-            if (cur->leaf[i]) {
-                s = accumulate_leaf(cur->leaf[i], gin[i]);
-                if (s == KILN_OK && ready_fn && --ag(cur->leaf[i])->grad_pending == 0) s = ready_fn(ready_ctx, cur->leaf[i]);
-            } else if (cur->next[i]) {
-                s = accumulate(&cur->next[i]->grad_out[cur->next_out[i]], gin[i]);
-            }
-        }
-        kiln_scope_end();
-        free(gin);
-        for (int j = 0; j < cur->n_out; j++) {
-            kiln_tensor_free(cur->grad_out[j]);
-            cur->grad_out[j] = NULL;
-        }
-        for (int i = 0; i < cur->n_in; i++) {
-            kiln__node *nx = cur->next[i];
-            if (nx && counted[i] && --nx->pending == 0) ready[tail++] = nx;
-        }
-        free(counted);
-    }
+    while (s == KILN_OK && head < tail) s = run_node(ready[head++], ready, &tail);
     kiln_set_grad_enabled(prev);
     /* The graph is spent: free what it saved (a second backward is an error). */
-    for (size_t k = 0; k < n; k++) {
+    for (int k = 0; k < n; k++) {
         node_clear(all[k]);
         all[k]->spent = true;
     }
@@ -433,7 +405,7 @@ static kiln_status ag_after(void *ctx, const kiln__call_info *c)
     if (!kiln__op_backward[c->op] || !kiln_grad_enabled()) return KILN_OK;
     bool any = false;
     for (int i = 0; i < c->n_in; i++) any |= kiln__tracks(c->in[i]);
-    if (any && !kiln__record(c->op, c->in, c->n_in, c->a, c->out, c->n_out)) return kiln_last_status();
+    if (any && !record(c->op, c->in, c->n_in, c->a, c->out, c->n_out)) return kiln_last_status();
     return KILN_OK;
 }
 
@@ -441,7 +413,7 @@ static void ag_release(void *v)
 {
     ag_state *s = v;
     kiln_tensor_free(s->grad);
-    if (s->grad_fn) kiln__node_release(s->grad_fn);
+    if (s->grad_fn) node_release(s->grad_fn);
     free(s);
 }
 

@@ -15,6 +15,7 @@
 #include <string.h>
 #include "compile/compile_impl.h"
 #include "core/opts.h"
+#include "core/util.h"
 
 typedef struct {
     char *s;
@@ -25,40 +26,25 @@ typedef struct {
 static void put(sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void put(sbuf *b, const char *fmt, ...)
 {
-    if (b->failed) return;
-    for (;;) {
-        va_list ap;
-        va_start(ap, fmt);
-        int w = vsnprintf(b->s + b->n, b->cap - b->n, fmt, ap);
-        va_end(ap);
-        if (w < 0) {
-            b->failed = true;
-            return;
-        }
-        if ((size_t)w < b->cap - b->n) {
-            b->n += (size_t)w;
-            return;
-        }
-        size_t cap = b->cap * 2 + (size_t)w + 4096;
-        char *s = realloc(b->s, cap);
-        if (!s) {
-            b->failed = true;
-            return;
-        }
-        b->s = s;
-        b->cap = cap;
-    }
+    va_list ap, again;
+    va_start(ap, fmt);
+    va_copy(again, ap);
+    /* Written where it fits; else written again once there is room. */
+    int w = b->failed ? -1 : vsnprintf(b->s + b->n, b->cap - b->n, fmt, ap);
+    if (w >= 0 && (size_t)w >= b->cap - b->n && kiln__reserve(&b->s, &b->cap, b->n + (size_t)w + 1, 4096))
+        vsnprintf(b->s + b->n, b->cap - b->n, fmt, again);
+    if (w < 0 || (size_t)w >= b->cap - b->n) b->failed = true;
+    else b->n += (size_t)w;
+    va_end(ap);
+    va_end(again);
 }
 
 static const char *ctype(kiln_dtype dt)
 {
-    switch (dt) {
-    case KILN_DTYPE_F32: return "float";
-    case KILN_DTYPE_F64: return "double";
-    case KILN_DTYPE_I64: return "int64_t";
-    case KILN_DTYPE_I32: return "int32_t";
-    default: return "uint8_t";
-    }
+    static const char *const name[KILN_DTYPE_COUNT] = {
+        [KILN_DTYPE_F32] = "float", [KILN_DTYPE_F64] = "double", [KILN_DTYPE_I64] = "int64_t",
+        [KILN_DTYPE_I32] = "int32_t"};
+    return name[dt] ? name[dt] : "uint8_t";
 }
 
 /* Every generated file starts with its dialect's header (below), then the text of
@@ -67,14 +53,14 @@ static const char *ctype(kiln_dtype dt)
 extern const char kiln__kmath_source[];
 
 /* C for the system compiler. */
-static const char *header_c =
+static const char header_c[] =
     "#include <math.h>\n#include <stdint.h>\n#include <string.h>\n\n"
     "#define KM_FN static inline\n"
     "static inline float km_bits(int32_t b)\n{\n    float f;\n    memcpy(&f, &b, 4);\n    return f;\n}\n";
 
 /* OpenCL C (src/backends/opencl compiles it): the builtins are overloaded, so the C
  * library's f-suffixed names map onto them. */
-static const char *header_cl =
+static const char header_cl[] =
     "#ifdef cl_khr_fp64\n#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n#else\n#define KM_NO_F64\n#endif\n"
     "typedef long int64_t;\ntypedef int int32_t;\ntypedef uchar uint8_t;\n"
     "#define expf exp\n#define logf log\n#define sqrtf sqrt\n#define powf pow\n#define fabsf fabs\n"
@@ -82,7 +68,7 @@ static const char *header_cl =
     "#define KM_FN inline\n#define km_bits(b) as_float(b)\n\n";
 
 /* CUDA C for NVRTC (src/backends/cuda compiles it): device functions, CUDA's own math. */
-static const char *header_cuda =
+static const char header_cuda[] =
     "typedef long long int64_t;\ntypedef int int32_t;\ntypedef unsigned char uint8_t;\n"
     "#define INFINITY __int_as_float(0x7f800000)\n"
     "#define KM_FN __device__ inline\n#define km_bits(b) __int_as_float(b)\n\n";
@@ -120,6 +106,15 @@ static void inner_step(sbuf *b, const gen *G, int n)
     num(b, G, n);
 }
 
+/* The ops that are one C expression of their operands, in order, in every dialect and
+ * dtype. */
+static const char *const infix[KILN_OP_COUNT] = {
+    [KILN_OP_ADD] = "%s + %s", [KILN_OP_SUB] = "%s - %s", [KILN_OP_MUL] = "%s * %s", [KILN_OP_DIV] = "%s / %s",
+    [KILN_OP_WHERE] = "%s ? %s : %s", [KILN_OP_CONTIGUOUS] = "%s", [KILN_OP_EQ] = "(uint8_t)(%s == %s)",
+    [KILN_OP_NE] = "(uint8_t)(%s != %s)", [KILN_OP_LT] = "(uint8_t)(%s < %s)", [KILN_OP_LE] = "(uint8_t)(%s <= %s)",
+    [KILN_OP_GT] = "(uint8_t)(%s > %s)", [KILN_OP_GE] = "(uint8_t)(%s >= %s)",
+};
+
 /* One expression as C, its operands being named e<N>. */
 static void expr_c(sbuf *b, const gen *G, int i)
 {
@@ -127,23 +122,20 @@ static void expr_c(sbuf *b, const gen *G, int i)
     bool fast = G->fast;
     const kc_expr *e = &k->e[i];
     const char *T = ctype(e->dt);
-    char a[3][16];
+    char a[3][16] = {"", "", ""};
     for (int j = 0; j < e->n_arg; j++) snprintf(a[j], sizeof a[j], "e%d", e->arg[j]);
     switch (e->kind) {
     case E_LOAD:
-        put(b, "in%d[o%d", e->buf, i);
+    case E_INDEX:
+        if (e->kind == E_LOAD) put(b, "in%d[o%d", e->buf, i);
+        else put(b, "(%s)(%.17g + %.17g * (double)(o%d", T, e->attrs.op.source.start, e->attrs.op.source.step, i);
         if (k->ndim) inner_step(b, G, kc_sz_load(k, i, k->ndim - 1));
-        put(b, "]");
+        put(b, "%s", e->kind == E_LOAD ? "]" : "))");
         return;
     case E_CONST: /* %g writes inf and nan as words; INFINITY is there in every dialect */
         if (isinf(e->attrs.op.source.value)) put(b, "(%s)(%sINFINITY)", T, e->attrs.op.source.value < 0 ? "-" : "");
         else if (isnan(e->attrs.op.source.value)) put(b, "(%s)km_bits(0x7fc00000)", T);
         else put(b, "(%s)%.17g", T, e->attrs.op.source.value);
-        return;
-    case E_INDEX:
-        put(b, "(%s)(%.17g + %.17g * (double)(o%d", T, e->attrs.op.source.start, e->attrs.op.source.step, i);
-        if (k->ndim) inner_step(b, G, kc_sz_load(k, i, k->ndim - 1));
-        put(b, "))");
         return;
     case E_ACC:
         put(b, "a%d", e->buf);
@@ -151,70 +143,33 @@ static void expr_c(sbuf *b, const gen *G, int i)
     case E_OP:
         break;
     }
+    /* f64 takes the double forms: km_<name>d, pow, km_maxd; no fast forms */
+    bool f64 = e->dt == KILN_DTYPE_F64;
     const kiln__op_math_t *m = &kiln__op_math[e->op];
-    if (m->name) { /* km_<name>[d](x), or g * km_<name>_dx[d](x) for its backward op */
-        const char *d = e->dt == KILN_DTYPE_F64 ? "d" : "";
-        if (m->dx) put(b, "%s * km_%s_dx%s(%s)", a[1], m->name, d, a[0]);
-        else put(b, "km_%s%s(%s)", m->name, d, a[0]);
+    if (m->name) { /* km_<name>(x), or g * km_<name>_dx(x) for its backward op; d or _fast forms */
+        bool fast_form = !f64 && (m->fast == KILN__PW_GEN || (m->fast == KILN__PW_SWITCH && fast));
+        const char *form = f64 ? "d" : fast_form ? "_fast" : "";
+        if (m->dx) put(b, "%s * km_%s_dx%s(%s)", a[1], m->name, form, a[0]);
+        else put(b, "km_%s%s(%s)", m->name, form, a[0]);
         return;
     }
-    /* the union's gelu member is GELU's and GELU_BACKWARD's alone */
+    if (infix[e->op]) {
+        put(b, infix[e->op], a[0], a[1], a[2]);
+        return;
+    }
+    /* the union's gelu member is GELU's and GELU_BACKWARD's alone; GELU is f32 only */
     bool tanh_form = (e->op == KILN_OP_GELU || e->op == KILN_OP_GELU_BACKWARD) && e->attrs.op.gelu.tanh;
-    if (e->dt == KILN_DTYPE_F64) { /* lowering lets only these through in f64: double math, no fast forms */
-        switch (e->op) {
-        case KILN_OP_POW: put(b, "pow(%s, %s)", a[0], a[1]); return;
-        case KILN_OP_MAXIMUM: put(b, "km_maxd(%s, %s)", a[0], a[1]); return;
-        case KILN_OP_MINIMUM: put(b, "km_mind(%s, %s)", a[0], a[1]); return;
-        case KILN_OP_ABS: put(b, "fabs(%s)", a[0]); return;
-        case KILN_OP_EXP: put(b, "exp(%s)", a[0]); return;
-        case KILN_OP_LOG: put(b, "log(%s)", a[0]); return;
-        case KILN_OP_SQRT: put(b, "sqrt(%s)", a[0]); return;
-        case KILN_OP_RSQRT: put(b, "1.0 / sqrt(%s)", a[0]); return;
-        default: break; /* + - * / neg, casts, where: as in f32 */
-        }
-    }
+    const char *gelu = !tanh_form ? "erf" : fast ? "fast" : "tanh";
     switch (e->op) {
-    case KILN_OP_ADD: put(b, "%s + %s", a[0], a[1]); break;
-    case KILN_OP_SUB: put(b, "%s - %s", a[0], a[1]); break;
-    case KILN_OP_MUL: put(b, "%s * %s", a[0], a[1]); break;
-    case KILN_OP_DIV: put(b, "%s / %s", a[0], a[1]); break;
-    case KILN_OP_POW: put(b, "powf(%s, %s)", a[0], a[1]); break;
-    case KILN_OP_MAXIMUM: put(b, "km_max(%s, %s)", a[0], a[1]); break;
-    case KILN_OP_MINIMUM: put(b, "km_min(%s, %s)", a[0], a[1]); break;
-    case KILN_OP_NEG: put(b, "-%s", a[0]); break;
-    case KILN_OP_ABS: put(b, "fabsf(%s)", a[0]); break;
-    case KILN_OP_EXP: put(b, "km_exp(%s)", a[0]); break;
-    case KILN_OP_LOG: put(b, "logf(%s)", a[0]); break;
-    case KILN_OP_SQRT: put(b, "sqrtf(%s)", a[0]); break;
-    case KILN_OP_RSQRT: put(b, "1.0f / sqrtf(%s)", a[0]); break;
-    case KILN_OP_TANH: put(b, fast ? "km_tanh_fast(%s)" : "tanhf(%s)", a[0]); break;
-    case KILN_OP_SIGMOID: put(b, fast ? "km_sigmoid_fast(%s)" : "km_sigmoid(%s)", a[0]); break;
-    case KILN_OP_RELU: put(b, "%s > 0 ? %s : 0.0f", a[0], a[0]); break;
-    case KILN_OP_GELU:
-        put(b, "%s(%s)", !tanh_form ? "km_gelu_erf" : fast ? "km_gelu_fast" : "km_gelu_tanh", a[0]);
-        break;
-    case KILN_OP_SILU: put(b, fast ? "%s * km_sigmoid_fast(%s)" : "%s * km_sigmoid(%s)", a[0], a[0]); break;
-    case KILN_OP_GELU_BACKWARD:
-        put(b, "%s * %s(%s)", a[1], !tanh_form ? "km_gelu_grad_erf" : fast ? "km_gelu_grad_fast" : "km_gelu_grad_tanh",
-            a[0]);
-        break;
-    case KILN_OP_SILU_BACKWARD: {
-        const char *sg = fast ? "km_sigmoid_fast" : "km_sigmoid";
-        put(b, "%s * %s(%s) * (1.0f + %s * (1.0f - %s(%s)))", a[1], sg, a[0], a[0], sg, a[0]);
-        break;
-    }
-    case KILN_OP_WHERE: put(b, "%s ? %s : %s", a[0], a[1], a[2]); break;
+    case KILN_OP_POW: put(b, "pow%s(%s, %s)", f64 ? "" : "f", a[0], a[1]); break;
+    case KILN_OP_MAXIMUM: put(b, "km_max%s(%s, %s)", f64 ? "d" : "", a[0], a[1]); break;
+    case KILN_OP_MINIMUM: put(b, "km_min%s(%s, %s)", f64 ? "d" : "", a[0], a[1]); break;
+    case KILN_OP_GELU: put(b, "km_gelu_%s(%s)", gelu, a[0]); break;
+    case KILN_OP_GELU_BACKWARD: put(b, "%s * km_gelu_grad_%s(%s)", a[1], gelu, a[0]); break;
     case KILN_OP_CAST:
         if (e->dt == KILN_DTYPE_BOOL) put(b, "(uint8_t)(%s != 0)", a[0]);
         else put(b, "(%s)%s", T, a[0]);
         break;
-    case KILN_OP_CONTIGUOUS: put(b, "%s", a[0]); break;
-    case KILN_OP_EQ: put(b, "(uint8_t)(%s == %s)", a[0], a[1]); break;
-    case KILN_OP_NE: put(b, "(uint8_t)(%s != %s)", a[0], a[1]); break;
-    case KILN_OP_LT: put(b, "(uint8_t)(%s < %s)", a[0], a[1]); break;
-    case KILN_OP_LE: put(b, "(uint8_t)(%s <= %s)", a[0], a[1]); break;
-    case KILN_OP_GT: put(b, "(uint8_t)(%s > %s)", a[0], a[1]); break;
-    case KILN_OP_GE: put(b, "(uint8_t)(%s >= %s)", a[0], a[1]); break;
     default: put(b, "0 /* %s: not lowerable */", kiln__ops[e->op].name); break;
     }
 }
@@ -253,6 +208,19 @@ static const char *maxfn(const kc_kernel *k, int a)
  * per row). */
 enum { D_C, D_OPENCL, D_CUDA };
 
+/* "const int64_t <p><i> = 0 + c<d> * <stride>...;": an access's offset at the row, its
+ * outer strides st read from the size slots from `slot` on. */
+static void row_offset(sbuf *b, const gen *G, char p, int i, const int64_t *st, int slot)
+{
+    put(b, "        const int64_t %c%d = 0", p, i);
+    for (int d = 0; d + 1 < G->k->ndim; d++)
+        if (st[d]) {
+            put(b, " + c%d * ", d);
+            num(b, G, slot + d);
+        }
+    put(b, ";\n");
+}
+
 static void kernel_body(sbuf *b, const gen *G)
 {
     const kc_kernel *k = G->k;
@@ -277,31 +245,13 @@ static void kernel_body(sbuf *b, const gen *G)
     put(b, "        const int64_t j0 = q * kper, j1 = j0 + kper < kn ? j0 + kper : kn;\n");
     put(b, "        (void)j0;\n        (void)j1;\n");
     /* Each access's offset at the row. */
-    for (int i = 0; i < k->n_e; i++) {
-        const kc_expr *e = &k->e[i];
-        if (e->kind != E_LOAD && e->kind != E_INDEX) continue;
-        put(b, "        const int64_t o%d = 0", i);
-        for (int d = 0; d + 1 < nd; d++)
-            if (e->st[d]) {
-                put(b, " + c%d * ", d);
-                num(b, G, kc_sz_load(k, i, d));
-            }
-        put(b, ";\n");
-    }
-    for (int i = 0; i < k->n_st; i++) {
-        put(b, "        const int64_t s%d = 0", i);
-        for (int d = 0; d + 1 < nd; d++)
-            if (k->st[i].st[d]) {
-                put(b, " + c%d * ", d);
-                num(b, G, kc_sz_store(k, i, d));
-            }
-        put(b, ";\n");
-    }
-    bool *emitted = calloc((size_t)k->n_e + 1, 1), *need = calloc((size_t)k->n_e + 1, 1);
-    if (!emitted || !need) {
+    for (int i = 0; i < k->n_e; i++)
+        if (k->e[i].kind == E_LOAD || k->e[i].kind == E_INDEX)
+            row_offset(b, G, 'o', i, k->e[i].st, kc_sz_load(k, i, 0));
+    for (int i = 0; i < k->n_st; i++) row_offset(b, G, 's', i, k->st[i].st, kc_sz_store(k, i, 0));
+    bool *emitted = calloc(2 * ((size_t)k->n_e + 1), 1), *need = emitted ? emitted + k->n_e + 1 : NULL;
+    if (!emitted) {
         b->failed = true;
-        free(emitted);
-        free(need);
         return;
     }
     int phases = 0;
@@ -320,27 +270,26 @@ static void kernel_body(sbuf *b, const gen *G)
         memset(need, 0, (size_t)k->n_e);
         for (int a = 0; a < k->n_acc; a++)
             if (k->acc[a].phase == q) mark(k, k->acc[a].expr, need);
+        /* Each accumulator of this pass (a<N>) and its 16 partial sums (l<N>). */
         for (int a = 0; a < k->n_acc; a++)
-            if (k->acc[a].phase == q) put(b, "        %s a%d;\n", ctype(k->e[k->acc[a].expr].dt), a);
-        put(b, "        {\n");
-        for (int a = 0; a < k->n_acc; a++)
-            if (k->acc[a].phase == q) put(b, "        %s l%d[16];\n", ctype(k->e[k->acc[a].expr].dt), a);
-        put(b, "        for (int l = 0; l < 16; l++) {\n");
-        for (int a = 0; a < k->n_acc; a++)
-            if (k->acc[a].phase == q) put(b, "            l%d[l] = %s;\n", a, k->acc[a].op == KILN_OP_MAX ? "-INFINITY" : "0.0f");
-        put(b, "        }\n        int64_t j = j0;\n");
+            if (k->acc[a].phase == q)
+                put(b, "        %s a%d, l%d[16];\n        for (int l = 0; l < 16; l++) l%d[l] = %s;\n",
+                    ctype(k->e[k->acc[a].expr].dt), a, a, a, k->acc[a].op == KILN_OP_MAX ? "-INFINITY" : "0.0f");
+        put(b, "        {\n        int64_t j = j0;\n");
         for (int tail = 0; tail < 2; tail++) {
-            if (!tail) put(b, "        for (; j + 16 <= j1; j += 16)\n            for (int l = 0; l < 16; l++) {\n                const int64_t jj = j + l;\n");
-            else put(b, "        for (; j < j1; j++) {\n            const int l = 0;\n            const int64_t jj = j;\n");
-            body(b, G, need, tail ? "            " : "                ");
+            const char *ind = tail ? "            " : "                ";
+            put(b, "%s", tail ? "        for (; j < j1; j++) {\n            const int l = 0;\n"
+                                "            const int64_t jj = j;\n"
+                              : "        for (; j + 16 <= j1; j += 16)\n            for (int l = 0; l < 16; l++) {\n"
+                                "                const int64_t jj = j + l;\n");
+            body(b, G, need, ind);
             for (int a = 0; a < k->n_acc; a++) {
                 if (k->acc[a].phase != q) continue;
-                const char *ind = tail ? "            " : "                ";
                 if (k->acc[a].op == KILN_OP_MAX)
                     put(b, "%sl%d[l] = %s(e%d, l%d[l]);\n", ind, a, maxfn(k, a), k->acc[a].expr, a);
                 else put(b, "%sl%d[l] += e%d;\n", ind, a, k->acc[a].expr);
             }
-            put(b, "%s(void)jj;\n%s}\n", tail ? "            " : "                ", tail ? "        " : "            ");
+            put(b, "%s(void)jj;\n%s}\n", ind, ind + 4); /* the loop's closing brace one level out */
         }
         for (int a = 0; a < k->n_acc; a++) {
             if (k->acc[a].phase != q) continue;
@@ -391,13 +340,24 @@ static void kernel_body(sbuf *b, const gen *G)
         put(b, "        if (++q == kch) q = 0;\n");
     }
     put(b, "    }\n}\n\n");
-    free(emitted);
-    free(need);
+    free(emitted); /* and need */
 }
+
+/* What the three dialects write differently: the file's header; a buffer's address
+ * space and restrict; a device kernel's declaration, the types of a buffer's byte
+ * offset and of the task count, and the task a work-item runs. */
+static const struct {
+    const char *lang, *header, *space, *restr, *kernel, *offset, *tasks, *task;
+} dialects[] = {
+    [D_C] = {"C", header_c, "", "restrict "},
+    [D_OPENCL] = {"OpenCL C", header_cl, "__global ", "restrict ", "__kernel void", "ulong", "long",
+                  "get_global_id(0)"},
+    [D_CUDA] = {"CUDA C", header_cuda, "", "__restrict__ ", "extern \"C\" __global__ void", "unsigned long long",
+                "long long", "(int64_t)blockIdx.x * blockDim.x + threadIdx.x"},
+};
 
 static void kernel_c(sbuf *b, const kiln__program *p, const kc_kernel *k, bool fast, int dialect)
 {
-    bool cl = dialect == D_OPENCL;
     int nd = k->ndim;
     gen G = {k, p->symbolic && dialect != D_CUDA, fast, calloc((size_t)k->n_sz + 1, 1)};
     sbuf text = {0};
@@ -414,43 +374,35 @@ static void kernel_c(sbuf *b, const kiln__program *p, const kc_kernel *k, bool f
         else put(b, "%lld", (long long)k->sz[n]);
     }
     put(b, "], %d reduction(s), %d store(s) */\n", k->n_acc, k->n_st);
-    if (cl) {
-        put(b, "__kernel void %s(", k->name);
-        for (int i = 0; i < k->n_buf; i++) put(b, "__global char *g%d, ulong go%d, ", i, i);
-        put(b, "long n_tasks%s)\n{\n", G.sym ? ", __global char *gsz, ulong gszo" : "");
-        for (int i = 0; i < k->n_buf; i++)
-            put(b, "    __global %s%s *%sin%d = (__global %s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ",
-                ctype(k->buf[i].dt), k->buf[i].output && !k->buf[i].reuse ? "restrict " : "", i, k->buf[i].output ? "" : "const ",
-                ctype(k->buf[i].dt), i, i);
-        put(b, "    const int64_t t0 = get_global_id(0), t1 = t0 + 1;\n    if (t0 >= n_tasks) return;\n");
-        if (G.sym) { /* the sizes: a device copy of k->sz, made when the program was loaded */
-            put(b, "    __global const long *sz = (__global const long *)(gsz + gszo);\n");
-            for (int n = 0; n < k->n_sz; n++)
-                if (G.used[n]) put(b, "    const int64_t z%d = sz[%d];\n", n, n);
-        }
-    } else if (dialect == D_CUDA) {
-        put(b, "extern \"C\" __global__ void %s(", k->name);
-        for (int i = 0; i < k->n_buf; i++) put(b, "char *g%d, unsigned long long go%d, ", i, i);
-        put(b, "long long n_tasks)\n{\n");
-        for (int i = 0; i < k->n_buf; i++)
-            put(b, "    %s%s *%sin%d = (%s%s *)(g%d + go%d);\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
-                k->buf[i].output && !k->buf[i].reuse ? "__restrict__ " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i, i);
-        put(b, "    const int64_t t0 = (int64_t)blockIdx.x * blockDim.x + threadIdx.x, t1 = t0 + 1;\n"
-               "    if (t0 >= n_tasks) return;\n");
-    } else {
-        /* An output over an input's buffer (kc_buf.reuse) is not restrict: it aliases one. */
+    /* The signature; then the buffers, typed (an output over an input's buffer,
+     * kc_buf.reuse, is not restrict: it aliases one); then the task and the sizes. On a
+     * device, OpenCL with symbolic sizes reads them from a device copy of k->sz, made when
+     * the program was loaded. */
+    const char *sp = dialects[dialect].space;
+    if (dialect == D_C) {
         put(b, "void %s(char *const *b, const int64_t *sz, int64_t t0, int64_t t1)\n{\n", k->name);
-        for (int i = 0; i < k->n_buf; i++)
-            put(b, "    %s%s *%sin%d = (%s%s *)b[%d];\n", k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt),
-                k->buf[i].output && !k->buf[i].reuse ? "restrict " : "", i, k->buf[i].output ? "" : "const ", ctype(k->buf[i].dt), i);
-        bool any = false;
-        for (int n = 0; n < k->n_sz; n++)
-            if (G.used[n]) {
-                put(b, "    const int64_t z%d = sz[%d];\n", n, n);
-                any = true;
-            }
-        if (!any) put(b, "    (void)sz;\n");
+    } else {
+        put(b, "%s %s(", dialects[dialect].kernel, k->name);
+        for (int i = 0; i < k->n_buf; i++) put(b, "%schar *g%d, %s go%d, ", sp, i, dialects[dialect].offset, i);
+        put(b, "%s n_tasks%s)\n{\n", dialects[dialect].tasks, G.sym ? ", __global char *gsz, ulong gszo" : "");
     }
+    for (int i = 0; i < k->n_buf; i++) {
+        const char *c = k->buf[i].output ? "" : "const ", *T = ctype(k->buf[i].dt);
+        put(b, "    %s%s%s *%sin%d = (%s%s%s *)", sp, c, T,
+            k->buf[i].output && !k->buf[i].reuse ? dialects[dialect].restr : "", i, sp, c, T);
+        if (dialect == D_C) put(b, "b[%d];\n", i);
+        else put(b, "(g%d + go%d);\n", i, i);
+    }
+    if (dialect != D_C)
+        put(b, "    const int64_t t0 = %s, t1 = t0 + 1;\n    if (t0 >= n_tasks) return;\n", dialects[dialect].task);
+    if (dialect == D_OPENCL && G.sym) put(b, "    __global const long *sz = (__global const long *)(gsz + gszo);\n");
+    bool any = false;
+    for (int n = 0; n < k->n_sz; n++)
+        if (G.used[n]) {
+            put(b, "    const int64_t z%d = sz[%d];\n", n, n);
+            any = true;
+        }
+    if (dialect == D_C && !any) put(b, "    (void)sz;\n");
     if (text.failed) b->failed = true;
     else put(b, "%s", text.s ? text.s : "");
     free(text.s);
@@ -459,16 +411,15 @@ static void kernel_c(sbuf *b, const kiln__program *p, const kc_kernel *k, bool f
 
 static kiln_status generate(const kiln__program *p, int dialect, char **src)
 {
-    static const char *const lang[] = {"C", "OpenCL C", "CUDA C"};
-    const char *header = dialect == D_C ? header_c : dialect == D_OPENCL ? header_cl : header_cuda;
+    const char *lang = dialects[dialect].lang;
     sbuf b = {0};
     bool fast = kiln__opt(KILN__OPT_FAST_EXP);
-    put(&b, "/* Generated by kiln %s: %d kernel(s) in %s. */\n", KILN_VERSION, p->n_k, lang[dialect]);
-    put(&b, "%s%s\n", header, kiln__kmath_source);
+    put(&b, "/* Generated by kiln %s: %d kernel(s) in %s. */\n", KILN_VERSION, p->n_k, lang);
+    put(&b, "%s%s\n", dialects[dialect].header, kiln__kmath_source);
     for (int i = 0; i < p->n_k; i++) kernel_c(&b, p, &p->k[i], fast, dialect);
     if (b.failed) {
         free(b.s);
-        return kiln__err(KILN_ERR_OOM, "compile: out of memory generating %s", lang[dialect]);
+        return kiln__err(KILN_ERR_OOM, "compile: out of memory generating %s", lang);
     }
     *src = b.s;
     return KILN_OK;

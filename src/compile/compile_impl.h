@@ -94,10 +94,9 @@ typedef struct {
                 * before step `until` (n_steps: at the end); 0 for every other step */
 } kc_step;
 
-/* What each pass may do: the switches KILN_OPT_COMPILE_<STAGE>=0 (or the alias
- * KILN_COMPILE_DISABLE=decompose,fold,cse,slices,views,dce,coalesce,recompute,hoist,
- * fusion,codegen,symbolic,overlap,reuse) turn them off one at a time, to find the one
- * that breaks a result (core/opts.h). */
+/* What each pass may do: the stage switches of core/opts.h (KILN_OPT_COMPILE_<STAGE>=0,
+ * or KILN_COMPILE_DISABLE naming them) turn them off one at a time, to find the one that
+ * breaks a result. */
 typedef struct {
     bool decompose, fold, cse, dce, fusion, codegen, recompute, symbolic, slices, coalesce, views, hoist, overlap;
     bool reuse; /* an elementwise kernel's output takes the buffer of an input it reads last */
@@ -165,12 +164,7 @@ void kiln__program_print(const kiln__program *p, FILE *f);
 void kiln__program_profile_print(const kiln__program *p, FILE *f);
 /* DIR/file opened for writing, or NULL after a warning (KILN_DEBUG_DIR output). */
 FILE *kiln__debug_open(const char *dir, const char *file);
-
-/* The compiler's eager path (src/compile/eager.c), registered as a kernel provider:
- * runs op on a backend without a kernel for it but with compile_kernel and launch,
- * through a generated kernel; *handled false means it does not lower and the next
- * provider is asked. */
-kiln_status kiln__eager_compiled(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out, bool *handled);
+/* text into DIR/file (nothing when dir is NULL or empty). */
+void kiln__debug_text(const char *dir, const char *file, const char *text);
 
 #endif

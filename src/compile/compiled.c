@@ -37,7 +37,7 @@ typedef struct {
      * then: a graph computes gradients for exactly those that did. Empty in a call's
      * guards, which are checked against each graph's list. */
     kiln_tensor_t **cap;
-    bool *cap_rg;
+    bool *cap_rg; /* in cap's block */
     int n_cap;
 } guards;
 
@@ -46,9 +46,11 @@ struct kiln_compiled {
     void *ctx;
     char name[64];
     int limit, n_graphs;
-    kiln_graph_t **graphs;
-    kiln__program **progs; /* NULL where the graph is interpreted */
-    guards *g;
+    struct {
+        kiln_graph_t *graph;
+        kiln__program *prog; /* NULL where the graph is interpreted */
+        guards g;
+    } *graphs;
     attr attrs[MAX_ATTRS];
     int n_attrs;
     bool warned;
@@ -57,16 +59,18 @@ struct kiln_compiled {
 
 static void guards_of(const kiln_compiled_t *c, kiln_tensor_t *const *in, int n, guards *g)
 {
-    memset(g, 0, sizeof *g);
-    g->n = n;
+    *g = (guards){.n = n, .grad_mode = kiln_grad_enabled()};
     for (int i = 0; i < n; i++) {
-        g->m[i].dtype = in[i]->dtype;
-        g->m[i].ndim = in[i]->ndim;
-        memcpy(g->m[i].shape, in[i]->shape, sizeof g->m[i].shape);
+        kiln__meta_of(in[i], &g->m[i]);
         g->device[i] = in[i]->st->be;
     }
-    g->grad_mode = kiln_grad_enabled();
     for (int i = 0; i < c->n_attrs; i++) memcpy(g->attr[i], c->attrs[i].ptr, c->attrs[i].n);
+}
+
+static void guards_free(guards *gd)
+{
+    for (int i = 0; i < gd->n_cap; i++) kiln_tensor_free(gd->cap[i]);
+    free(gd->cap); /* and cap_rg, in the same block */
 }
 
 /* Records in gd the tensors graph gr captured, and which of them require gradients. */
@@ -74,15 +78,9 @@ static kiln_status capture_guards(const kiln_graph_t *gr, guards *gd)
 {
     int n = 0;
     for (int i = 1; i < gr->n_v; i++) n += gr->v[i].kind == V_CONST && gr->v[i].t;
-    gd->cap = calloc((size_t)(n ? n : 1), sizeof *gd->cap);
-    gd->cap_rg = calloc((size_t)(n ? n : 1), sizeof *gd->cap_rg);
-    if (!gd->cap || !gd->cap_rg) {
-        free(gd->cap);
-        free(gd->cap_rg);
-        gd->cap = NULL;
-        gd->cap_rg = NULL;
+    if (!(gd->cap = calloc((size_t)(n ? n : 1), sizeof *gd->cap + sizeof *gd->cap_rg)))
         return kiln__err(KILN_ERR_OOM, "compiled_call: out of memory");
-    }
+    gd->cap_rg = (bool *)(gd->cap + (n ? n : 1));
     for (int i = 1; i < gr->n_v; i++)
         if (gr->v[i].kind == V_CONST && gr->v[i].t) {
             gd->cap[gd->n_cap] = kiln_tensor_retain(gr->v[i].t);
@@ -91,42 +89,25 @@ static kiln_status capture_guards(const kiln_graph_t *gr, guards *gd)
     return KILN_OK;
 }
 
-static void guards_free(guards *gd)
-{
-    for (int i = 0; i < gd->n_cap; i++) kiln_tensor_free(gd->cap[i]);
-    free(gd->cap);
-    free(gd->cap_rg);
-}
-
 /* An attribute's bytes as a reader wants them: an integer for 1, 2, 4 or 8 bytes (8
  * bytes as a double when they read as a normal double and as an integer beyond 2^53,
  * which an integer attribute is not), else hex. */
 static void attr_str(const unsigned char *p, size_t n, char *b, size_t bn)
 {
-    int64_t v = 0;
-    if (n == 1) {
-        v = (int8_t)p[0];
-    } else if (n == 2) {
-        int16_t x;
-        memcpy(&x, p, 2);
-        v = x;
-    } else if (n == 4) {
-        int32_t x;
-        memcpy(&x, p, 4);
-        v = x;
-    }
-    if (n == 1 || n == 2 || n == 4) {
-        snprintf(b, bn, "%lld", (long long)v);
-    } else if (n == 8) {
+    union {
+        int8_t i1;
+        int16_t i2;
+        int32_t i4;
+        int64_t i8;
         double d;
-        memcpy(&v, p, 8);
-        memcpy(&d, p, 8);
-        if (isnormal(d) && (v > (1LL << 53) || v < -(1LL << 53))) snprintf(b, bn, "%g", d);
-        else snprintf(b, bn, "%lld", (long long)v);
-    } else {
-        size_t k = 0;
-        for (size_t i = 0; i < n && k + 3 < bn; i++) k += (size_t)snprintf(b + k, bn - k, "%02x", p[i]);
-    }
+    } u = {0};
+    memcpy(&u, p, n < sizeof u ? n : sizeof u);
+    bool wide = u.i8 > (1LL << 53) || u.i8 < -(1LL << 53);
+    if (n == 1 || n == 2 || n == 4) snprintf(b, bn, "%lld", (long long)(n == 1 ? u.i1 : n == 2 ? u.i2 : u.i4));
+    else if (n == 8 && isnormal(u.d) && wide) snprintf(b, bn, "%g", u.d);
+    else if (n == 8) snprintf(b, bn, "%lld", (long long)u.i8);
+    else
+        for (size_t i = 0, k = 0; i < n && k + 3 < bn; i++) k += (size_t)snprintf(b + k, bn - k, "%02x", p[i]);
 }
 
 /* The first guard of old that now fails, described into why; false if all hold. */
@@ -222,10 +203,7 @@ kiln_status kiln_compiled_new(kiln_graph_fn fn, void *ctx, const char *name, kil
     c->ctx = ctx;
     snprintf(c->name, sizeof c->name, "%s", name && *name ? name : "function");
     c->limit = (int)kiln__env_int(KILN__ENV_RECOMPILE_LIMIT);
-    c->graphs = calloc((size_t)c->limit, sizeof *c->graphs);
-    c->g = calloc((size_t)c->limit, sizeof *c->g);
-    c->progs = calloc((size_t)c->limit, sizeof *c->progs);
-    if (!c->graphs || !c->g || !c->progs) {
+    if (!(c->graphs = calloc((size_t)c->limit, sizeof *c->graphs))) {
         kiln_compiled_free(c);
         return kiln__err(KILN_ERR_OOM, "compiled_new: out of memory");
     }
@@ -237,13 +215,11 @@ void kiln_compiled_free(kiln_compiled_t *c)
 {
     if (!c) return;
     for (int i = 0; c->graphs && i < c->n_graphs; i++) {
-        kiln__program_free(c->progs[i]);
-        kiln_graph_free(c->graphs[i]);
-        guards_free(&c->g[i]);
+        kiln__program_free(c->graphs[i].prog);
+        kiln_graph_free(c->graphs[i].graph);
+        guards_free(&c->graphs[i].g);
     }
     free(c->graphs);
-    free(c->progs);
-    free(c->g);
     free(c);
 }
 
@@ -256,10 +232,10 @@ static kiln_status refused(const kiln_compiled_t *c, kiln_tensor_t *const *in, i
     /* A replay being recorded notes every launch, the program's generated kernels too
      * (program.c), but not a capture and compile (the folding pass runs ops of its own)
      * nor an overlapped collective, which the program starts and finishes itself. */
-    if (kiln__replay_recording() && capturing)
+    if (kiln_replay_recording() && capturing)
         return kiln__err(KILN_ERR_UNSUPPORTED, "compiled_call: %s would capture and compile inside kiln_replay_record; "
                          "call it once on inputs of these shapes before recording", c->name);
-    if (kiln__replay_recording() && prog && prog->n_overlapped)
+    if (kiln_replay_recording() && prog && prog->n_overlapped)
         return kiln__err(KILN_ERR_UNSUPPORTED, "compiled_call: %s overlaps collectives, which a replay cannot hold; "
                          "record it with KILN_OPT_COMPILE_OVERLAP=0, or do not record it", c->name);
     /* A graph computes gradients only for the tensors it captures (autograd does not see
@@ -272,54 +248,31 @@ static kiln_status refused(const kiln_compiled_t *c, kiln_tensor_t *const *in, i
     return KILN_OK;
 }
 
-kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
-                               int *n_out)
+/* Past the limit: the function run eagerly (said once, with why no graph fits: all). */
+static kiln_status call_eagerly(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
+                                int max_out, int *n_out, const char *all)
 {
-    if (!c || !n_out || (n_in && !in)) return kiln__err(KILN_ERR_ARG, "compiled_call: NULL argument");
-    if (n_in > KILN_GRAPH_MAX_IN)
-        return kiln__err(KILN_ERR_ARG, "compiled_call: %d inputs, at most %d are guarded", n_in, KILN_GRAPH_MAX_IN);
-    for (int i = 0; i < n_in; i++)
-        if (!in[i]) return kiln__null_arg("compiled_call");
-    c->calls++;
-    guards now;
-    guards_of(c, in, n_in, &now);
-    /* Each graph, the newest first; why each did not fit goes into all, as far as the
-     * message holds them. */
-    char why[2 * (2 * ATTR_BYTES + 4) + 100] = "", all[1024] = "";
-    for (int k = c->n_graphs - 1, len = 0; k >= 0; k--) {
-        if (!broken(c, &c->g[k], &now, why, sizeof why)) {
-            kiln_status r = refused(c, in, n_in, c->progs[k], false);
-            if (r != KILN_OK) return r;
-            c->hits++;
-            return c->progs[k] ? kiln__program_run(c->progs[k], in, n_in, out, max_out, n_out)
-                               : kiln_graph_run(c->graphs[k], in, n_in, out, max_out, n_out);
-        }
-        if (len < (int)sizeof all - 16)
-            len += snprintf(all + len, sizeof all - (size_t)len, "%sgraph %d: %s", len ? "; " : "", k, why);
+    if (!c->warned) {
+        fprintf(stderr, "kiln: %s was captured %d times (KILN_RECOMPILE_LIMIT); calls that match none of those graphs "
+                "now run eagerly (%s)\n", c->name, c->limit, all);
+        c->warned = true;
     }
-    if (c->n_graphs == c->limit) { /* past the limit: eager from here on for new guards */
-        if (!c->warned) {
-            fprintf(stderr, "kiln: %s was captured %d times (KILN_RECOMPILE_LIMIT); calls that match none of those "
-                    "graphs now run eagerly (%s)\n", c->name, c->limit, all);
-            c->warned = true;
-        }
-        kiln_tensor_t *res[KILN_GRAPH_MAX_OUT] = {0};
-        int n = 0;
-        kiln_status s = c->fn(c->ctx, in, n_in, res, &n);
-        if (s == KILN_OK && n > max_out) s = kiln__err(KILN_ERR_ARG, "compiled_call: room for %d outputs, %d given", max_out, n);
-        for (int j = 0; s == KILN_OK && j < n; j++) out[j] = res[j];
-        *n_out = s == KILN_OK ? n : 0;
-        return s;
-    }
-    if (c->n_graphs > 0) {
-        c->recompiles++;
-        if (kiln__log_on("recompiles")) fprintf(stderr, "kiln [recompiles] %s: capturing again: %s\n", c->name, all);
-    }
-    kiln_status s = refused(c, in, n_in, NULL, true);
-    if (s != KILN_OK) return s;
+    kiln_tensor_t *res[KILN_GRAPH_MAX_OUT] = {0};
+    int n = 0;
+    kiln_status s = c->fn(c->ctx, in, n_in, res, &n);
+    if (s == KILN_OK && n > max_out) s = kiln__err(KILN_ERR_ARG, "compiled_call: room for %d outputs, %d given", max_out, n);
+    for (int j = 0; s == KILN_OK && j < n; j++) out[j] = res[j];
+    *n_out = s == KILN_OK ? n : 0;
+    return s;
+}
+
+/* Captures the function again for guards now (taken) and compiles it as graph number
+ * c->n_graphs, with KILN_DEBUG_DIR's files under DIR/<name>-<n>/. */
+static kiln_status capture_new(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, guards *now)
+{
     kiln_graph_t *g;
-    s = kiln_graph_capture(c->fn, c->ctx, in, n_in, &g);
-    if (s == KILN_OK && (s = capture_guards(g, &now)) != KILN_OK) kiln_graph_free(g);
+    kiln_status s = kiln_graph_capture(c->fn, c->ctx, in, n_in, &g);
+    if (s == KILN_OK && (s = capture_guards(g, now)) != KILN_OK) kiln_graph_free(g);
     if (s != KILN_OK) return s;
     char dir[1024] = "";
     const char *dbg = kiln__env_str(KILN__ENV_DEBUG_DIR);
@@ -339,23 +292,65 @@ kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int
     kiln__program *prog = NULL;
     s = kiln__compile_graph(g, *dir ? dir : NULL, c->name, c->n_graphs, &prog);
     if (s != KILN_OK) {
-        guards_free(&now);
+        guards_free(now);
         kiln_graph_free(g);
         return s;
     }
     if (*dir && (f = kiln__debug_open(dir, "guards.txt"))) {
-        print_guards(f, "", c, &now);
+        print_guards(f, "", c, now);
         fclose(f);
     }
     if (kiln__log_on("guards")) {
         char prefix[128];
         snprintf(prefix, sizeof prefix, "kiln [guards] %s graph %d: ", c->name, c->n_graphs);
-        print_guards(stderr, prefix, c, &now);
+        print_guards(stderr, prefix, c, now);
     }
-    c->progs[c->n_graphs] = prog;
-    c->graphs[c->n_graphs] = g;
-    c->g[c->n_graphs++] = now;
-    return prog ? kiln__program_run(prog, in, n_in, out, max_out, n_out) : kiln_graph_run(g, in, n_in, out, max_out, n_out);
+    c->graphs[c->n_graphs].prog = prog;
+    c->graphs[c->n_graphs].graph = g;
+    c->graphs[c->n_graphs++].g = *now;
+    return KILN_OK;
+}
+
+/* Graph k (or its program) on in. */
+static kiln_status run_graph(const kiln_compiled_t *c, int k, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
+                             int max_out, int *n_out)
+{
+    return c->graphs[k].prog ? kiln__program_run(c->graphs[k].prog, in, n_in, out, max_out, n_out)
+                             : kiln_graph_run(c->graphs[k].graph, in, n_in, out, max_out, n_out);
+}
+
+kiln_status kiln_compiled_call(kiln_compiled_t *c, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int max_out,
+                               int *n_out)
+{
+    if (!c || !n_out || (n_in && !in)) return kiln__err(KILN_ERR_ARG, "compiled_call: NULL argument");
+    if (n_in > KILN_GRAPH_MAX_IN)
+        return kiln__err(KILN_ERR_ARG, "compiled_call: %d inputs, at most %d are guarded", n_in, KILN_GRAPH_MAX_IN);
+    for (int i = 0; i < n_in; i++)
+        if (!in[i]) return kiln__null_arg("compiled_call");
+    c->calls++;
+    guards now;
+    guards_of(c, in, n_in, &now);
+    /* Each graph, the newest first; why each did not fit goes into all, as far as the
+     * message holds them. */
+    char why[2 * (2 * ATTR_BYTES + 4) + 100] = "", all[1024] = "";
+    for (int k = c->n_graphs - 1, len = 0; k >= 0; k--) {
+        if (!broken(c, &c->graphs[k].g, &now, why, sizeof why)) {
+            kiln_status r = refused(c, in, n_in, c->graphs[k].prog, false);
+            if (r != KILN_OK) return r;
+            c->hits++;
+            return run_graph(c, k, in, n_in, out, max_out, n_out);
+        }
+        if (len < (int)sizeof all - 16)
+            len += snprintf(all + len, sizeof all - (size_t)len, "%sgraph %d: %s", len ? "; " : "", k, why);
+    }
+    if (c->n_graphs == c->limit) return call_eagerly(c, in, n_in, out, max_out, n_out, all);
+    if (c->n_graphs > 0) {
+        c->recompiles++;
+        if (kiln__log_on("recompiles")) fprintf(stderr, "kiln [recompiles] %s: capturing again: %s\n", c->name, all);
+    }
+    kiln_status s = refused(c, in, n_in, NULL, true);
+    if (s == KILN_OK) s = capture_new(c, in, n_in, &now);
+    return s == KILN_OK ? run_graph(c, c->n_graphs - 1, in, n_in, out, max_out, n_out) : s;
 }
 
 void kiln_compiled_stats(const kiln_compiled_t *c, uint64_t *calls, uint64_t *hits, uint64_t *recompiles, int *graphs)
@@ -371,7 +366,7 @@ kiln_status kiln_compiled_plan(const kiln_compiled_t *c, int graph, int *kernels
 {
     if (!c || graph < 0 || graph >= c->n_graphs)
         return kiln__err(KILN_ERR_ARG, "compiled_plan: no graph %d (the function has %d)", graph, c ? c->n_graphs : 0);
-    const kiln__program *p = c->progs[graph];
+    const kiln__program *p = c->graphs[graph].prog;
     int n_ops = 0;
     for (int t = 0; p && t < p->n_steps; t++) n_ops += p->steps[t].kind == STEP_OP;
     if (kernels) *kernels = p ? p->n_k : 0;

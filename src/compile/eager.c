@@ -18,12 +18,12 @@
 
 typedef struct entry {
     uint64_t hash;
-    unsigned char *key;
-    size_t key_n;
     bool ok; /* false: the op does not lower; dispatch falls back */
     kiln_graph_t *g;
     kiln__program *p;
     struct entry *next;
+    size_t key_n;
+    unsigned char key[];
 } entry;
 
 #define N_BUCKETS 1024
@@ -101,13 +101,9 @@ static kiln_status run(const entry *e, kiln__backend *be, kiln_tensor_t *const *
 {
     const kiln_graph_t *g = e->g;
     const kiln__program *p = e->p;
-    kiln_tensor_t **rt = calloc((size_t)g->n_v, sizeof *rt);
-    bool *mine = calloc((size_t)g->n_v, sizeof *mine); /* made here, freed here */
-    if (!rt || !mine) {
-        free(rt);
-        free(mine);
-        return kiln__err(KILN_ERR_OOM, "compile: out of memory");
-    }
+    kiln_tensor_t **rt = calloc((size_t)g->n_v, sizeof *rt + sizeof(bool));
+    if (!rt) return kiln__err(KILN_ERR_OOM, "compile: out of memory");
+    bool *mine = (bool *)(rt + g->n_v); /* made here, freed here */
     for (int i = 1; i < g->n_v; i++)
         if (g->v[i].kind == V_ARG) rt[i] = in[g->v[i].index];
         else if (g->v[i].kind == V_CONST) rt[i] = g->v[i].t;
@@ -149,7 +145,6 @@ static kiln_status run(const entry *e, kiln__backend *be, kiln_tensor_t *const *
     for (int i = 0; i < g->n_v; i++)
         if (mine[i]) kiln_tensor_free(rt[i]);
     free(rt);
-    free(mine);
     return s;
 }
 
@@ -158,14 +153,8 @@ static kiln_status run(const entry *e, kiln__backend *be, kiln_tensor_t *const *
  * their value is baked into the code, so each new constant would be a new program. */
 static bool candidate(kiln__op_id op)
 {
-    if (kiln__graph_elementwise(op)) return true;
-    switch (op) {
-    case KILN_OP_CONTIGUOUS: case KILN_OP_SUM: case KILN_OP_MAX: case KILN_OP_SOFTMAX: case KILN_OP_LOG_SOFTMAX:
-    case KILN_OP_LAYER_NORM: case KILN_OP_RMS_NORM:
-        return true;
-    default:
-        return false;
-    }
+    return kiln__graph_elementwise(op) || op == KILN_OP_CONTIGUOUS || op == KILN_OP_SUM || op == KILN_OP_MAX ||
+           op == KILN_OP_SOFTMAX || op == KILN_OP_LOG_SOFTMAX || op == KILN_OP_LAYER_NORM || op == KILN_OP_RMS_NORM;
 }
 
 /* A sum or max of a contiguous tensor over a leading or trailing run of its dims (or
@@ -207,8 +196,10 @@ static bool generates(const kiln__backend *be, int op)
     return kiln__be_can_compile(be) && candidate((kiln__op_id)op) && kiln__opt(KILN__OPT_DEVICE_CODEGEN);
 }
 
-kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out, bool *handled)
+/* The provider's run: op through a generated kernel; *handled false when it does not
+ * lower (the next provider is asked). */
+static kiln_status eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *const *in, int n_in,
+                                  const kiln__attrs *a, kiln_tensor_t *const *out, int n_out, bool *handled)
 {
     kiln__op_id op = (kiln__op_id)op_id;
     *handled = false;
@@ -221,7 +212,7 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
         a1.ndim = 1;
         a1.shape[0] = 1;
         a1.keepdim = false;
-        return kiln__eager_compiled(be, op, &fp, 1, &a1, out, n_out, handled);
+        return eager_compiled(be, op, &fp, 1, &a1, out, n_out, handled);
     }
     keybuf k = {.n = 0};
     key_add(&k, &be, sizeof be);
@@ -239,12 +230,8 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
     pthread_mutex_lock(&lock);
     entry *e = buckets[h % N_BUCKETS];
     while (e && !(e->hash == h && e->key_n == k.n && !memcmp(e->key, k.b, k.n))) e = e->next;
-    kiln_status s = KILN_OK;
     if (!e) {
-        e = calloc(1, sizeof *e);
-        if (e) e->key = malloc(k.n);
-        if (!e || !e->key) {
-            free(e);
+        if (!(e = calloc(1, sizeof *e + k.n))) {
             pthread_mutex_unlock(&lock);
             return kiln__err(KILN_ERR_OOM, "compile: out of memory");
         }
@@ -253,14 +240,13 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
         e->hash = h;
         bool prev = kiln_set_grad_enabled(false);
         kiln__backend *was = kiln__backend_here(be); /* the decompositions' scalars on the op's device */
-        s = build(e, be, op, in, n_in, a);
+        kiln_status s = build(e, be, op, in, n_in, a);
         kiln__backend_here(was);
         kiln_set_grad_enabled(prev);
         if (s != KILN_OK) { /* a generator or driver limit, not the caller's error: say so once, run on the cpu */
             fprintf(stderr, "kiln: %s on %s: the generated kernel could not be built (%s); it runs on the cpu\n",
                     kiln__ops[op].name, be->name, kiln_last_error());
             kiln_clear_error();
-            s = KILN_OK;
         }
         if (!e->ok) { /* only the verdict is kept */
             kiln__program_free(e->p);
@@ -272,15 +258,14 @@ kiln_status kiln__eager_compiled(kiln__backend *be, int op_id, kiln_tensor_t *co
         buckets[h % N_BUCKETS] = e;
     }
     pthread_mutex_unlock(&lock);
-    if (s != KILN_OK || !e->ok) return s;
+    if (!e->ok) return KILN_OK;
     *handled = true;
-    (void)n_out;
     return run(e, be, in, out);
 }
 
 /* The compiler as a kernel provider: after the backend's own kernels, before the cpu
  * with copies. */
 static const kiln__provider generated_provider = {
-    .name = "generated", .order = 50, .support = KILN_OP_GENERATED, .offers = generates, .run = kiln__eager_compiled};
+    .name = "generated", .order = 50, .support = KILN_OP_GENERATED, .offers = generates, .run = eager_compiled};
 
 KILN__REGISTER(register_generated) { kiln__provider_register(&generated_provider); }

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "compile/compile_impl.h"
+#include "core/util.h"
 
 enum { F_FULL, F_ROWK, F_ROWN, F_NONE }; /* the value's place in a group's index space */
 
@@ -24,9 +25,9 @@ static bool loadable(kiln_dtype dt)
            dt == KILN_DTYPE_BOOL || dt == KILN_DTYPE_U8;
 }
 
-/* How an op lowers, given its inputs' and outputs' dtypes: arithmetic in f32, and the
- * plain arithmetic, square roots, exp/log and reductions in f64 too (what a gradient
- * norm does); the activations stay f32-only (their generated forms are float code). */
+/* How an op lowers, given its inputs' and outputs' dtypes: arithmetic, the ops of
+ * include/kiln/pointwise.def and reductions in f32 and f64 (kmath.h has both forms);
+ * GELU stays f32-only (its generated forms are float code). */
 static lower_kind lower_op(const kiln_graph_t *g, const node *n)
 {
     kiln_dtype o = n->n_out ? g->v[n->out[0]].meta.dtype : KILN_DTYPE_F32;
@@ -36,15 +37,12 @@ static lower_kind lower_op(const kiln_graph_t *g, const node *n)
         f64_in &= g->v[n->in[i]].meta.dtype == KILN_DTYPE_F64;
     }
     bool same_float = (f32_in && o == KILN_DTYPE_F32) || (f64_in && o == KILN_DTYPE_F64);
-    if (kiln__op_math[n->op].name) return same_float ? L_PW : L_NONE; /* f32 and f64 forms in kmath.h */
+    if (kiln__op_math[n->op].name) return same_float ? L_PW : L_NONE;
     switch (n->op) {
     case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_POW:
-    case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM: case KILN_OP_NEG: case KILN_OP_ABS: case KILN_OP_EXP:
-    case KILN_OP_LOG: case KILN_OP_SQRT: case KILN_OP_RSQRT:
+    case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM:
         return same_float ? L_PW : L_NONE;
-    case KILN_OP_TANH: case KILN_OP_SIGMOID:
-    case KILN_OP_RELU: case KILN_OP_GELU: case KILN_OP_SILU: case KILN_OP_GELU_BACKWARD:
-    case KILN_OP_SILU_BACKWARD:
+    case KILN_OP_GELU: case KILN_OP_GELU_BACKWARD:
         return f32_in && o == KILN_DTYPE_F32 ? L_PW : L_NONE;
     case KILN_OP_EQ: case KILN_OP_NE: case KILN_OP_LT: case KILN_OP_LE: case KILN_OP_GT: case KILN_OP_GE:
         return loadable(g->v[n->in[0]].meta.dtype) && g->v[n->in[0]].meta.dtype == g->v[n->in[1]].meta.dtype &&
@@ -138,44 +136,22 @@ static int join_form(const kiln_graph_t *g, const group *gr, int G, const node *
 static void value_strides(const kiln_graph_t *g, int v, int64_t *st)
 {
     const value *x = &g->v[v];
-    if (x->kind == V_CONST) {
-        memcpy(st, x->t->stride, sizeof(int64_t) * KILN_MAX_DIMS);
-        return;
-    }
-    if (x->kind == V_ARG || (x->kind == V_OP && kiln__ops[g->nd[x->index].op].is_view)) {
+    if (x->kind != V_OP || kiln__ops[g->nd[x->index].op].is_view)
         memcpy(st, x->meta.stride, sizeof(int64_t) * KILN_MAX_DIMS);
-        return;
-    }
-    kiln__contiguous_strides(x->meta.ndim, x->meta.shape, st);
+    else
+        kiln__contiguous_strides(x->meta.ndim, x->meta.shape, st);
 }
 
 /* Strides over the domain of a kernel for a value (shape m, strides vs) read in frame f. */
 static void embed(const group *gr, const kiln__meta *m, const int64_t *vs, int f, int64_t *out)
 {
     int k = gr->ndim, fk = f == F_ROWN ? k - 1 : k;
-    int64_t fst[KILN_MAX_DIMS] = {0};
+    memset(out, 0, sizeof(int64_t) * KILN_MAX_DIMS);
     for (int i = 0; i < fk; i++) {
         int j = i - (fk - m->ndim);
-        fst[i] = j < 0 || m->shape[j] == 1 ? 0 : vs[j];
+        out[i] = j < 0 || m->shape[j] == 1 ? 0 : vs[j];
     }
-    memset(out, 0, sizeof(int64_t) * KILN_MAX_DIMS);
-    for (int i = 0; i < fk; i++) out[i] = fst[i];
     if (f != F_FULL) out[k - 1] = 0;
-}
-
-/* Do two views of one root share an element? (Exact for views of one shape and strides
- * of a dense tensor: slices on one dim do not.) */
-static bool views_overlap(const kiln__meta *a, const kiln__meta *b)
-{
-    return kiln__views_overlap(a->ndim, a->shape, a->stride, a->offset, b->ndim, b->shape, b->stride, b->offset);
-}
-
-/* Are a view's elements all at different addresses (no stride 0 of an expand, strides
- * that nest)? The kernel's tasks store to them in parallel. */
-static bool distinct_elements(const kiln__meta *m)
-{
-    int64_t n = kiln__numel(m->ndim, m->shape);
-    return n < 2 || !kiln__strided_overlap_self(m->ndim, m->shape, m->stride);
 }
 
 static bool is_view_value(const kiln_graph_t *g, int v)
@@ -186,14 +162,16 @@ static bool is_view_value(const kiln_graph_t *g, int v)
 /* May value u's memory overlap that of dst (a copy_'s destination)? Views of one root do
  * when they share an element; captured tensors over the same bytes do; an argument
  * does not (a run refuses one that shares memory with a captured tensor the graph
- * writes, kiln__graph_check_inputs), nor do two intermediates. */
+ * writes, graph.c's check_inputs), nor do two intermediates. */
 static bool may_alias(const kiln_graph_t *g, int u, int dst)
 {
     int r = kiln__graph_root(g, u), rd = kiln__graph_root(g, dst);
     const value *x = &g->v[r], *d = &g->v[rd];
-    if (r == rd) /* two views of one intermediate: by their elements */
+    const kiln__meta *a = &g->v[u].meta, *b = &g->v[dst].meta;
+    if (r == rd) /* two views of one intermediate: by their elements (exact for views of one
+                  * shape and strides of a dense tensor: slices on one dim do not share one) */
         return !(x->kind == V_OP && is_view_value(g, u) && is_view_value(g, dst)) ||
-               views_overlap(&g->v[u].meta, &g->v[dst].meta);
+               kiln__views_overlap(a->ndim, a->shape, a->stride, a->offset, b->ndim, b->shape, b->stride, b->offset);
     return x->kind == V_CONST && d->kind == V_CONST && kiln__tensors_overlap(x->t, d->t);
 }
 
@@ -221,12 +199,8 @@ static int buf_slot(kc_kernel *k, int value, bool output, kiln_dtype dt, const i
     for (int b = 0; b < k->n_buf; b++)
         if (k->buf[b].value == value && (k->buf[b].output == output || k->buf[b].inplace)) return b;
     if (!GROW(k->buf, k->n_buf, k->cap_buf)) return -1;
-    kc_buf *b = &k->buf[k->n_buf];
-    memset(b, 0, sizeof *b);
-    b->value = value;
-    b->output = output;
-    b->dt = dt;
-    if (st) memcpy(b->st, st, sizeof b->st);
+    k->buf[k->n_buf] = (kc_buf){.value = value, .output = output, .dt = dt};
+    memcpy(k->buf[k->n_buf].st, st, sizeof k->buf[0].st);
     return k->n_buf++;
 }
 
@@ -236,27 +210,18 @@ static int operand(lower_ctx *c, int u, int f)
     kc_kernel *k = c->kr;
     if (c->memo[u] >= 0) return c->memo[u];
     const value *x = &c->g->v[u];
-    kc_expr e;
-    memset(&e, 0, sizeof e);
-    e.dt = x->meta.dtype;
-    const node *prod = x->kind == V_OP ? &c->g->nd[x->index] : NULL;
-    int64_t vs[KILN_MAX_DIMS];
-    if (c->mutated[u]) prod = NULL; /* written in place later: read its buffer */
-    if (prod && prod->op == KILN_OP_FULL) {
-        e.kind = E_CONST;
-        e.attrs.op.source.value = prod->attrs.op.source.value;
-    } else if (prod && prod->op == KILN_OP_ARANGE) {
-        e.kind = E_INDEX;
-        e.attrs.op.source.start = prod->attrs.op.source.start;
-        e.attrs.op.source.step = prod->attrs.op.source.step;
-        int64_t one = 1;
-        embed(c->gr, &x->meta, &one, f, e.st);
+    kc_expr e = {.kind = E_LOAD, .dt = x->meta.dtype};
+    /* full and arange (not written in place later, else their buffer is read) are inline */
+    const node *prod = x->kind == V_OP && !c->mutated[u] ? &c->g->nd[x->index] : NULL;
+    int64_t vs[KILN_MAX_DIMS] = {1};
+    if (prod && (prod->op == KILN_OP_FULL || prod->op == KILN_OP_ARANGE)) {
+        e.kind = prod->op == KILN_OP_FULL ? E_CONST : E_INDEX;
+        e.attrs.op.source = prod->attrs.op.source;
     } else {
-        e.kind = E_LOAD;
         value_strides(c->g, u, vs);
-        embed(c->gr, &x->meta, vs, f, e.st);
         if ((e.buf = buf_slot(k, u, false, x->meta.dtype, vs)) < 0) return -1;
     }
+    if (e.kind != E_CONST) embed(c->gr, &x->meta, vs, f, e.st);
     /* Loads are shared only when read the same way (memo is per value, and a value is
      * read in one frame within a kernel in practice; recompute if not). */
     int id = new_expr(k, &e);
@@ -272,6 +237,20 @@ static void name_append(kc_kernel *k, const char *op)
 }
 
 static kiln_status oom(void) { return kiln__err(KILN_ERR_OOM, "compile: out of memory"); }
+
+/* A store of expression x into value v's buffer (an output; in place for a copy_'s
+ * destination), v laid out with strides cs and read in frame f. */
+static kiln_status add_store(lower_ctx *c, int x, int v, const int64_t *cs, int f)
+{
+    kc_kernel *kr = c->kr;
+    if (!GROW(kr->st, kr->n_st, kr->cap_st)) return oom();
+    kc_store *s = &kr->st[kr->n_st];
+    s->expr = x;
+    embed(c->gr, &c->g->v[v].meta, cs, f, s->st);
+    if ((s->buf = buf_slot(kr, v, true, c->g->v[v].meta.dtype, cs)) < 0) return oom();
+    kr->n_st++;
+    return KILN_OK;
+}
 
 /* Lowers group gi's ops (members[0..n)) into kernel kr. */
 static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, int n, const bool *stored, int *form,
@@ -295,15 +274,10 @@ static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, i
         const node *nd = &g->nd[members[m]];
         name_append(kr, kiln__ops[nd->op].name);
         if (nd->op == KILN_OP_COPY_) { /* the source's value stored into the destination */
-            int dst = nd->in[0];
-            if (!GROW(kr->st, kr->n_st, kr->cap_st)) return oom();
-            kc_store *s = &kr->st[kr->n_st];
             int64_t cs[KILN_MAX_DIMS];
-            value_strides(g, dst, cs);
-            s->expr = memo[nd->in[1]];
-            embed(gr, &g->v[dst].meta, cs, F_FULL, s->st);
-            if ((s->buf = buf_slot(kr, dst, true, g->v[dst].meta.dtype, cs)) < 0) return oom();
-            kr->n_st++;
+            value_strides(g, nd->in[0], cs);
+            kiln_status s = add_store(&c, memo[nd->in[1]], nd->in[0], cs, F_FULL);
+            if (s != KILN_OK) return s;
             continue;
         }
         int v = nd->out[0], f = form[v];
@@ -315,21 +289,11 @@ static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, i
             int x = operand(&c, nd->in[0], F_FULL);
             if (x < 0 || !GROW(kr->acc, kr->n_acc, kr->cap_acc)) return oom();
             kr->acc[kr->n_acc] = (kc_acc){nd->op, x, 0};
-            kc_expr e;
-            memset(&e, 0, sizeof e);
-            e.kind = E_ACC;
-            e.buf = kr->n_acc++;
-            e.dt = g->v[v].meta.dtype;
-            if ((memo[v] = new_expr(kr, &e)) < 0) return oom();
+            if ((memo[v] = new_expr(kr, &(kc_expr){.kind = E_ACC, .buf = kr->n_acc++, .dt = g->v[v].meta.dtype})) < 0)
+                return oom();
             continue;
         }
-        kc_expr e;
-        memset(&e, 0, sizeof e);
-        e.kind = E_OP;
-        e.op = nd->op;
-        e.attrs = nd->attrs;
-        e.dt = g->v[v].meta.dtype;
-        e.n_arg = nd->n_in;
+        kc_expr e = {.kind = E_OP, .op = nd->op, .attrs = nd->attrs, .dt = g->v[v].meta.dtype, .n_arg = nd->n_in};
         for (int i = 0; i < nd->n_in; i++)
             if ((e.arg[i] = operand(&c, nd->in[i], f)) < 0) return oom();
         if ((memo[v] = new_expr(kr, &e)) < 0) return oom();
@@ -360,12 +324,8 @@ static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, i
         if (nd->op == KILN_OP_COPY_ || !stored[v]) continue;
         int64_t cs[KILN_MAX_DIMS];
         kiln__contiguous_strides(g->v[v].meta.ndim, g->v[v].meta.shape, cs);
-        if (!GROW(kr->st, kr->n_st, kr->cap_st)) return oom();
-        kc_store *s = &kr->st[kr->n_st];
-        s->expr = memo[v];
-        embed(gr, &g->v[v].meta, cs, form[v], s->st);
-        if ((s->buf = buf_slot(kr, v, true, g->v[v].meta.dtype, cs)) < 0) return oom();
-        kr->n_st++;
+        kiln_status s = add_store(&c, memo[v], v, cs, form[v]);
+        if (s != KILN_OK) return s;
     }
     return KILN_OK;
 }
@@ -380,8 +340,9 @@ static int64_t peak_bytes(const kiln_graph_t *g, const int *born, const int *las
         const value *x = &g->v[v];
         if (!born[v] || x->kind != V_OP || !kiln__graph_live(g, v) || kiln__ops[g->nd[x->index].op].is_view) continue;
         int end = last[v] > born[v] ? last[v] : born[v];
-        delta[born[v]] += kiln__numel(x->meta.ndim, x->meta.shape) * (int64_t)kiln_dtype_size(x->meta.dtype);
-        delta[end + 1] -= kiln__numel(x->meta.ndim, x->meta.shape) * (int64_t)kiln_dtype_size(x->meta.dtype);
+        int64_t bytes = kiln__numel(x->meta.ndim, x->meta.shape) * (int64_t)kiln_dtype_size(x->meta.dtype);
+        delta[born[v]] += bytes;
+        delta[end + 1] -= bytes;
     }
     for (int t = 0; t <= n_t + 2; t++) {
         cur += delta[t];
@@ -421,12 +382,8 @@ static bool reads_only_where_it_writes(const kc_kernel *k, int bi, int bo)
 static kiln_status plan_reuse(kiln__program *p, const kiln_graph_t *g, int *plast)
 {
     /* root[v]: the value v's memory is; late[r]: the last step reading a view of r. */
-    int *root = malloc(sizeof *root * (size_t)g->n_v), *late = calloc((size_t)g->n_v, sizeof *late);
-    if (!root || !late) {
-        free(root);
-        free(late);
-        return oom();
-    }
+    int *root = calloc(2 * (size_t)g->n_v, sizeof *root), *late = root ? root + g->n_v : NULL;
+    if (!root) return oom();
     for (int w = 1; w < g->n_v; w++) {
         root[w] = kiln__graph_root(g, w);
         if (root[w] != w && kiln__graph_live(g, w) && p->last[w] > late[root[w]]) late[root[w]] = p->last[w];
@@ -462,9 +419,14 @@ static kiln_status plan_reuse(kiln__program *p, const kiln_graph_t *g, int *plas
             }
         }
     }
-    free(root);
-    free(late);
+    free(root); /* and late */
     return KILN_OK;
+}
+
+/* Dim d of x[KILN_MAX_DIMS] merged into d + 1: its entry the next one's, the rest moving down. */
+static void drop_dim(int64_t *x, int d)
+{
+    memmove(&x[d], &x[d + 1], sizeof(int64_t) * (size_t)(KILN_MAX_DIMS - d - 1));
 }
 
 /* Merges adjacent domain dims that every access walks as one (d's stride = the next
@@ -478,16 +440,10 @@ static void collapse(kc_kernel *k)
             if (k->e[i].kind == E_LOAD || k->e[i].kind == E_INDEX) ok = k->e[i].st[d] == k->e[i].st[d + 1] * k->dom[d + 1];
         for (int i = 0; i < k->n_st && ok; i++) ok = k->st[i].st[d] == k->st[i].st[d + 1] * k->dom[d + 1];
         if (!ok) continue;
-        k->dom[d] *= k->dom[d + 1];
-        for (int i = 0; i < k->n_e; i++) {
-            k->e[i].st[d] = k->e[i].st[d + 1];
-            memmove(&k->e[i].st[d + 1], &k->e[i].st[d + 2], sizeof(int64_t) * (size_t)(KILN_MAX_DIMS - d - 2));
-        }
-        for (int i = 0; i < k->n_st; i++) {
-            k->st[i].st[d] = k->st[i].st[d + 1];
-            memmove(&k->st[i].st[d + 1], &k->st[i].st[d + 2], sizeof(int64_t) * (size_t)(KILN_MAX_DIMS - d - 2));
-        }
-        memmove(&k->dom[d + 1], &k->dom[d + 2], sizeof(int64_t) * (size_t)(KILN_MAX_DIMS - d - 2));
+        k->dom[d + 1] *= k->dom[d];
+        drop_dim(k->dom, d);
+        for (int i = 0; i < k->n_e; i++) drop_dim(k->e[i].st, d);
+        for (int i = 0; i < k->n_st; i++) drop_dim(k->st[i].st, d);
         k->ndim--;
     }
 }
@@ -540,8 +496,12 @@ static int absorbing_group(const kiln_graph_t *g, const node *n, int k, const gr
     /* The destination: a captured tensor (a parameter, optimizer state), or a view of an
      * intermediate (a gradient's slice of a fused projection's), bound with its strides. */
     bool held = d->kind == V_CONST && kiln__is_contiguous(d->t) && d->t->st->be == be;
+    /* (its elements all at different addresses: no stride 0 of an expand, strides that
+     * nest; the kernel's tasks store to them in parallel) */
+    const kiln__meta *dm = &d->meta;
     bool inner = kiln__opt(KILN__OPT_COPY_INTO_VIEWS) && is_view_value(g, dst) &&
-                 g->v[kiln__graph_root(g, dst)].kind == V_OP && distinct_elements(&d->meta);
+                 g->v[kiln__graph_root(g, dst)].kind == V_OP &&
+                 (kiln__numel(dm->ndim, dm->shape) < 2 || !kiln__strided_overlap_self(dm->ndim, dm->shape, dm->stride));
     if (!(held || inner) || d->meta.dtype != sm->dtype || !loadable(sm->dtype) || frame_of(&gr[G], &d->meta) != F_FULL ||
         frame_of(&gr[G], sm) != F_FULL)
         return -1;
@@ -562,44 +522,39 @@ static int absorbing_group(const kiln_graph_t *g, const node *n, int k, const gr
 kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__program **out)
 {
     *out = NULL;
+    int nn = g->n_nd, nv = g->n_v, n_gr = 0, n_pd = 0;
+    size_t ni = (size_t)nn + 1;
     kiln__program *p = calloc(1, sizeof *p);
-    int nn = g->n_nd, nv = g->n_v;
-    int *grp = malloc(sizeof(int) * (size_t)(nn + 1)), *vgrp = malloc(sizeof(int) * (size_t)nv);
-    int *form = malloc(sizeof(int) * (size_t)nv), *memo = malloc(sizeof(int) * (size_t)nv);
-    bool *stored = calloc((size_t)nv, 1), *outside = calloc((size_t)nv, 1);
-    group *gr = malloc(sizeof *gr * (size_t)(nn + 1));
-    lower_kind *lk = malloc(sizeof *lk * (size_t)(nn + 1));
-    int n_gr = 0;
-    kiln_status s = p && grp && vgrp && form && memo && stored && outside && gr && lk ? KILN_OK : oom();
-    if (p) {
-        p->symbolic = o->symbolic;
-        p->be = o->target ? o->target : kiln__backend_at(0);
+    int *grp = calloc(5 * ni + 6 * (size_t)nv, sizeof *grp);
+    bool *stored = calloc(3 * (size_t)nv, sizeof *stored);
+    group *gr = malloc(sizeof *gr * ni);
+    lower_kind *lk = malloc(sizeof *lk * ni);
+    if (!p || !grp || !stored || !gr || !lk) {
+        KILN__FREE(grp, stored, gr, lk);
+        kiln__program_free(p);
+        return oom();
     }
-    for (int v = 0; s == KILN_OK && v < nv; v++) {
+    /* The scratch: per node, its group and the lowering it takes; per group, its kernel;
+     * per value, its group, form, expression in the kernel being built (memo), the step
+     * that makes it (born) and its last reads as the two peaks count them; whether a step
+     * outside its group reads it (stored; outside: one that is not a kernel), and whether
+     * an in-place op writes it, through any chain of views (a constant of that kind is not
+     * a constant, and its op runs). pd_dst, pd_grp: the copies absorbed into a group that
+     * has not launched yet, with that group: an op that may read the destination's memory
+     * closes the group first, so that it runs after the store (and never inside the
+     * group, before it). */
+    int *pd_dst = grp + ni, *pd_grp = pd_dst + ni, *members = pd_grp + ni, *kernel_of = members + ni;
+    int *vgrp = kernel_of + ni, *form = vgrp + nv, *memo = form + nv;
+    int *born = memo + nv, *plast = born + nv, *elast = plast + nv;
+    bool *outside = stored + nv, *mutated = outside + nv;
+    p->symbolic = o->symbolic;
+    p->be = o->target ? o->target : kiln__backend_at(0);
+    for (int v = 0; v < nv; v++) {
         vgrp[v] = -1;
         form[v] = F_NONE;
     }
-    /* Values an in-place op writes (through any chain of views): a constant of that kind
-     * is not a constant, and its op runs. */
-    bool *mutated = s == KILN_OK ? calloc((size_t)nv, 1) : NULL;
-    if (s == KILN_OK && !mutated) s = oom();
-    for (int k = 0; s == KILN_OK && k < nn; k++) {
-        if (!kiln__ops[g->nd[k].op].is_inplace || !g->nd[k].n_in) continue;
-        int v = g->nd[k].in[0];
-        for (;;) {
-            mutated[v] = true;
-            const value *x = &g->v[v];
-            if (x->kind != V_OP || !kiln__graph_live(g, v) || !kiln__ops[g->nd[x->index].op].is_view) break;
-            v = g->nd[x->index].in[0];
-        }
-    }
-    /* Copies absorbed into a group that has not launched yet: (destination, group). An
-     * op that may read the destination's memory closes the group first, so that it
-     * runs after the store (and never inside the group, before it). */
-    int *pd_dst = s == KILN_OK ? malloc(sizeof(int) * (size_t)(nn + 1)) : NULL;
-    int *pd_grp = s == KILN_OK ? malloc(sizeof(int) * (size_t)(nn + 1)) : NULL, n_pd = 0;
-    if (s == KILN_OK && (!pd_dst || !pd_grp)) s = oom();
-    for (int k = 0; s == KILN_OK && k < nn; k++) {
+    kiln__graph_mutated(g, mutated);
+    for (int k = 0; k < nn; k++) {
         node *n = &g->nd[k];
         lower_kind l = o->codegen ? lowering(g, n, o->target) : L_NONE;
         if (l == L_GEN && mutated[n->out[0]]) l = L_NONE;
@@ -674,15 +629,13 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
             if (grp[k] < 0) outside[u] = true;
         }
     }
-    for (int j = 0; s == KILN_OK && j < g->n_outs; j++) stored[g->outs[j]] = outside[g->outs[j]] = true;
-    for (int j = 0; s == KILN_OK && j < g->n_lg; j++)
-        if (!g->lg[j].dropped) stored[g->lg[j].value] = outside[g->lg[j].value] = true;
+    kiln__graph_mark_results(g, stored);
+    kiln__graph_mark_results(g, outside);
     /* Kernels, one per group, and the steps in program order. */
-    int *kernel_of = s == KILN_OK ? malloc(sizeof(int) * (size_t)(n_gr + 1)) : NULL;
-    int *members = s == KILN_OK ? malloc(sizeof(int) * (size_t)(nn + 1)) : NULL;
-    p->k = s == KILN_OK ? calloc((size_t)(n_gr + 1), sizeof *p->k) : NULL;
-    p->steps = s == KILN_OK ? malloc(sizeof *p->steps * (size_t)(nn + 1)) : NULL;
-    if (s == KILN_OK && (!kernel_of || !members || !p->k || !p->steps)) s = oom();
+    p->k = calloc((size_t)n_gr + 1, sizeof *p->k);
+    p->steps = malloc(sizeof *p->steps * ni);
+    p->last = calloc((size_t)nv, sizeof *p->last);
+    kiln_status s = p->k && p->steps && p->last ? KILN_OK : oom();
     for (int G = 0; s == KILN_OK && G < n_gr; G++) {
         int n = 0;
         for (int k = 0; k <= gr[G].last; k++)
@@ -721,9 +674,6 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
     /* Liveness: the last step that reads each value, and the planned peak of
      * intermediates (each stored value from its step to its last read) against eager's
      * (every op result, including the ones fusion keeps in registers). */
-    if (s == KILN_OK && !(p->last = calloc((size_t)nv, sizeof *p->last))) s = oom();
-    int *born = s == KILN_OK ? calloc((size_t)nv, sizeof *born) : NULL;
-    if (s == KILN_OK && !born) s = oom();
     for (int t = 0; s == KILN_OK && t < p->n_steps; t++) {
         const kc_step *st = &p->steps[t];
         if (st->kind == STEP_OP) {
@@ -742,37 +692,18 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
     for (int j = 0; s == KILN_OK && j < g->n_outs; j++) p->last[g->outs[j]] = p->n_steps + 1;
     for (int j = 0; s == KILN_OK && j < g->n_lg; j++)
         if (!g->lg[j].dropped) p->last[g->lg[j].value] = p->n_steps + 1;
-    int *plast = s == KILN_OK ? malloc(sizeof *plast * (size_t)nv) : NULL;
-    if (s == KILN_OK && !plast) s = oom();
     if (s == KILN_OK) {
         memcpy(plast, p->last, sizeof *plast * (size_t)nv);
         if (o->reuse) s = plan_reuse(p, g, plast);
     }
     if (s == KILN_OK && (p->planned_peak = peak_bytes(g, born, plast, p->n_steps)) < 0) s = oom();
-    free(plast);
     /* Eager: every op result lives from its op to its last read. */
-    int *elast = s == KILN_OK ? calloc((size_t)nv, sizeof *elast) : NULL;
-    if (s == KILN_OK && !elast) s = oom();
     if (s == KILN_OK) {
         kiln__graph_last_use(g, elast);
         for (int v = 1; v < nv; v++) born[v] = g->v[v].kind == V_OP && kiln__graph_live(g, v) ? g->v[v].index + 1 : 0;
         if ((p->eager_peak = peak_bytes(g, born, elast, nn)) < 0) s = oom();
     }
-    free(pd_dst);
-    free(pd_grp);
-    free(elast);
-    free(born);
-    free(mutated);
-    free(kernel_of);
-    free(members);
-    free(grp);
-    free(vgrp);
-    free(form);
-    free(memo);
-    free(stored);
-    free(outside);
-    free(gr);
-    free(lk);
+    KILN__FREE(grp, stored, gr, lk);
     if (s != KILN_OK) {
         kiln__program_free(p);
         return s;
@@ -790,16 +721,8 @@ void kiln__program_free(kiln__program *p)
     for (int i = 0; p->dsz && i < p->n_k; i++) /* before p->k, whose sizes they were */
         if (p->dsz[i]) kiln__be_free(p->be, p->dsz[i], KC_SZ_BYTES(&p->k[i]));
     free(p->dsz);
-    for (int i = 0; p->k && i < p->n_k; i++) {
-        free(p->k[i].e);
-        free(p->k[i].acc);
-        free(p->k[i].st);
-        free(p->k[i].buf);
-        free(p->k[i].sz);
-    }
-    free(p->k);
-    free(p->steps);
-    free(p->last);
+    for (int i = 0; p->k && i < p->n_k; i++) KILN__FREE(p->k[i].e, p->k[i].acc, p->k[i].st, p->k[i].buf, p->k[i].sz);
+    KILN__FREE(p->k, p->steps, p->last);
     if (p->so) {
         extern void kiln__jit_unload(void *so);
         kiln__jit_unload(p->so);

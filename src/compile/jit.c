@@ -28,12 +28,7 @@ static const char *cflags[] = {"-O3", "-march=native", "-fPIC", "-shared", "-fno
                                "-ffp-contract=fast", "-w"};
 #define N_CFLAGS (int)(sizeof cflags / sizeof cflags[0])
 
-static const char *compiler(void)
-{
-    return kiln__env_text(KILN__ENV_CC);
-}
-
-static kiln_status cache_dir(char *out, size_t n) { return kiln__cache_dir(NULL, out, n); }
+static const char *compiler(void) { return kiln__env_text(KILN__ENV_CC); }
 
 /* Writes text to path, which must not exist yet (exclusive: EEXIST is returned as is,
  * with no error set, for the caller to pick another name). */
@@ -112,12 +107,7 @@ void kiln__jit_unload(void *so) { dlclose(so); }
 kiln_status kiln__device_load(kiln__program *p, const char *src, const char *debug_dir)
 {
     kiln__backend *be = p->be;
-    bool cuda = !strcmp(be->language, "cuda-c");
-    FILE *df;
-    if (debug_dir && *debug_dir && (df = kiln__debug_open(debug_dir, cuda ? "kernels.cu" : "kernels.cl"))) {
-        fputs(src, df);
-        fclose(df);
-    }
+    kiln__debug_text(debug_dir, !strcmp(be->language, "cuda-c") ? "kernels.cu" : "kernels.cl", src);
     if (p->n_k == 0) return KILN_OK;
     /* The backend builds the source once (it keeps its programs by the source's hash)
      * and takes each kernel out of it. */
@@ -163,17 +153,15 @@ static void read_cpu_id(void)
     cpu_id = h;
 }
 
-kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir)
+/* The cache key of src: the source, the compiler (its resolved file's size and time,
+ * so that an upgrade misses the cache), the flags, kiln's version and the processor. */
+static uint64_t cache_key(const char *src)
 {
-    if (p->n_k == 0) return KILN_OK;
-    uint64_t h = KILN__FNV_SEED;
-    h = kiln__fnv(h, src, strlen(src));
+    uint64_t h = kiln__fnv(KILN__FNV_SEED, src, strlen(src));
     const char *cc = compiler();
     h = kiln__fnv(h, cc, strlen(cc));
     struct stat ccst;
     char ccpath[1024] = "";
-    /* The compiler's identity: its resolved file's size and time, so that an upgrade
-     * misses the cache. */
     if (!strchr(cc, '/')) {
         const char *path = getenv("PATH");
         for (const char *q = path ? path : "/usr/bin"; q && *q;) {
@@ -195,68 +183,77 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
     h = kiln__fnv(h, KILN_VERSION, strlen(KILN_VERSION));
     static pthread_once_t cpu_once = PTHREAD_ONCE_INIT;
     pthread_once(&cpu_once, read_cpu_id);
-    h = kiln__fnv(h, &cpu_id, sizeof cpu_id);
+    return kiln__fnv(h, &cpu_id, sizeof cpu_id);
+}
+
+/* Compiles src into dir as so (and keeps it as c_path beside it), through temporary
+ * files of this call alone, renamed into place when complete: the source is created
+ * exclusively under a name of this host, process and call (processes on two machines
+ * sharing the cache, two threads of one), another name tried while one exists, and the
+ * object and log take its stem. */
+static kiln_status compile_into_cache(const char *src, const char *dir, uint64_t h, const char *so, const char *c_path,
+                                      const char *debug_dir)
+{
+    static atomic_uint calls;
+    char host[64] = "host", tmp_c[1250], tmp_so[1250], log[1250];
+    gethostname(host, sizeof host - 1);
+    host[strcspn(host, "/")] = 0;
+    int pid = (int)getpid(), w = EEXIST;
+    for (int tries = 0; w == EEXIST && tries < 64; tries++) {
+        unsigned call = atomic_fetch_add(&calls, 1);
+        char stem[1200];
+        snprintf(stem, sizeof stem, "%s/%016llx.%s.%d.%u", dir, (unsigned long long)h, host, pid, call);
+        snprintf(tmp_c, sizeof tmp_c, "%s.c", stem);
+        snprintf(tmp_so, sizeof tmp_so, "%s.so", stem);
+        snprintf(log, sizeof log, "%s.log", stem);
+        w = write_new_file(tmp_c, src);
+    }
+    if (w == EEXIST) return kiln__err(KILN_ERR_IO, "compile: no free temporary name in %s", dir);
+    if (w != KILN_OK) return (kiln_status)w;
+    kiln_status s = run_cc(tmp_c, tmp_so, log);
+    FILE *df;
+    if (debug_dir && *debug_dir && (df = kiln__debug_open(debug_dir, "compile.log"))) {
+        /* The command, then what the compiler said. */
+        fprintf(df, "%s", compiler());
+        for (int i = 0; i < N_CFLAGS; i++) fprintf(df, " %s", cflags[i]);
+        fprintf(df, " -o %s %s -lm\n", so, c_path);
+        FILE *in = fopen(log, "r");
+        char chunk[512];
+        size_t n;
+        while (in && (n = fread(chunk, 1, sizeof chunk, in)) > 0) fwrite(chunk, 1, n, df);
+        if (in) fclose(in);
+        fclose(df);
+    }
+    if (s != KILN_OK) return s; /* the source and the log stay, named in the error */
+    unlink(log);
+    if (rename(tmp_c, c_path) != 0 || rename(tmp_so, so) != 0) {
+        s = kiln__err(KILN_ERR_IO, "compile: cannot move the compiled kernels into %s: %s", dir, strerror(errno));
+        unlink(tmp_c);
+        unlink(tmp_so);
+    }
+    return s;
+}
+
+kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir)
+{
+    if (p->n_k == 0) return KILN_OK;
+    uint64_t h = cache_key(src);
     char dir[1024];
-    kiln_status s = cache_dir(dir, sizeof dir);
+    kiln_status s = kiln__cache_dir(NULL, dir, sizeof dir);
     if (s != KILN_OK) return s;
-    char so[1100], c_path[1100], tmp_c[1250], tmp_so[1250], log[1250];
+    char so[1100], c_path[1100];
     snprintf(so, sizeof so, "%s/%016llx.so", dir, (unsigned long long)h);
     snprintf(c_path, sizeof c_path, "%s/%016llx.c", dir, (unsigned long long)h);
     bool hit = access(so, R_OK) == 0;
     FILE *df;
-    if (debug_dir && *debug_dir && (df = kiln__debug_open(debug_dir, "kernels.c"))) {
-        fputs(src, df);
-        fclose(df);
-    }
+    kiln__debug_text(debug_dir, "kernels.c", src);
     if (kiln__log_on("perf") || kiln__log_on("code"))
         fprintf(stderr, "kiln [perf] kernel cache %s: %s\n", hit ? "hit" : "miss", so);
     if (hit && debug_dir && *debug_dir && (df = kiln__debug_open(debug_dir, "compile.log"))) {
         fprintf(df, "cache hit: %s, built earlier from %s; the compiler was not run\n", so, c_path);
         fclose(df);
     }
-    if (!hit) {
-        /* Temporary files of this call alone, renamed into place when complete: the
-         * source is created exclusively under a name of this host, process and call
-         * (processes on two machines sharing the cache, two threads of one), another
-         * name tried while one exists, and the object and log take its stem. */
-        static atomic_uint calls;
-        char host[64] = "host";
-        gethostname(host, sizeof host - 1);
-        host[strcspn(host, "/")] = 0;
-        int pid = (int)getpid(), w = EEXIST;
-        for (int tries = 0; w == EEXIST && tries < 64; tries++) {
-            unsigned call = atomic_fetch_add(&calls, 1);
-            char stem[1200];
-            snprintf(stem, sizeof stem, "%s/%016llx.%s.%d.%u", dir, (unsigned long long)h, host, pid, call);
-            snprintf(tmp_c, sizeof tmp_c, "%s.c", stem);
-            snprintf(tmp_so, sizeof tmp_so, "%s.so", stem);
-            snprintf(log, sizeof log, "%s.log", stem);
-            w = write_new_file(tmp_c, src);
-        }
-        if (w == EEXIST) return kiln__err(KILN_ERR_IO, "compile: no free temporary name in %s", dir);
-        if ((s = (kiln_status)w) != KILN_OK) return s;
-        s = run_cc(tmp_c, tmp_so, log);
-        if (debug_dir && *debug_dir && (df = kiln__debug_open(debug_dir, "compile.log"))) {
-            /* The command, then what the compiler said. */
-            fprintf(df, "%s", compiler());
-            for (int i = 0; i < N_CFLAGS; i++) fprintf(df, " %s", cflags[i]);
-            fprintf(df, " -o %s %s -lm\n", so, c_path);
-            FILE *in = fopen(log, "r");
-            char chunk[512];
-            size_t n;
-            while (in && (n = fread(chunk, 1, sizeof chunk, in)) > 0) fwrite(chunk, 1, n, df);
-            if (in) fclose(in);
-            fclose(df);
-        }
-        if (s != KILN_OK) return s; /* the source and the log stay, named in the error */
-        unlink(log);
-        if (rename(tmp_c, c_path) != 0 || rename(tmp_so, so) != 0) {
-            s = kiln__err(KILN_ERR_IO, "compile: cannot move the compiled kernels into %s: %s", dir, strerror(errno));
-            unlink(tmp_c);
-            unlink(tmp_so);
-            return s;
-        }
-    }
+    if (!hit && (s = compile_into_cache(src, dir, h, so, c_path, debug_dir)) != KILN_OK) return s;
     void *lib = dlopen(so, RTLD_NOW | RTLD_LOCAL);
     if (!lib) return kiln__err(KILN_ERR_IO, "compile: cannot load %s: %s (remove it to recompile)", so, dlerror());
     for (int i = 0; i < p->n_k; i++) {

@@ -17,6 +17,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "compile/compile_impl.h"
+#include "core/util.h"
 
 typedef struct {
     int v;
@@ -96,10 +97,10 @@ kiln_status kiln__program_overlap(kiln__program *p, int *moved)
         int n = st->kind == STEP_OP ? g->nd[st->index].n_in + g->nd[st->index].n_out : p->k[st->index].n_buf;
         if (n > most) most = n;
     }
-    access *s = malloc(sizeof *s * (size_t)most), *x = malloc(sizeof *x * (size_t)most);
-    int *made_by = malloc(sizeof *made_by * (size_t)g->n_v), *work = malloc(sizeof *work * (size_t)g->n_v);
+    access *s = malloc(sizeof *s * 2 * (size_t)most), *x = s ? s + most : NULL;
+    int *made_by = malloc(sizeof *made_by * 2 * (size_t)g->n_v), *work = made_by ? made_by + g->n_v : NULL;
     bool *chain = malloc((size_t)p->n_steps + 1);
-    kiln_status st = s && x && made_by && work && chain ? KILN_OK : kiln__err(KILN_ERR_OOM, "compile: out of memory");
+    kiln_status st = s && made_by && chain ? KILN_OK : kiln__err(KILN_ERR_OOM, "compile: out of memory");
     for (int a = 0; st == KILN_OK && a < p->n_steps; a++) {
         if (!is_collective(p, a)) continue;
         /* The view and cat steps that gather its input, by walking back from it. */
@@ -142,10 +143,6 @@ kiln_status kiln__program_overlap(kiln__program *p, int *moved)
                 }
         }
     }
-    free(s);
-    free(x);
-    free(made_by);
-    free(work);
-    free(chain);
+    KILN__FREE(s, made_by, chain); /* and x, work */
     return st;
 }

@@ -124,7 +124,7 @@ static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_
                               k->buf[i].value, k->buf[j].value);
     }
     if (s == KILN_OK && k->tasks > 0) s = launch_kernel(p, k, b);
-    if (s == KILN_OK && k->tasks > 0 && kiln__replay_recording()) note_launch(p, k, b);
+    if (s == KILN_OK && k->tasks > 0 && kiln_replay_recording()) note_launch(p, k, b);
     if (b != bufs) free(b);
     return s;
 }

@@ -34,7 +34,8 @@ struct kiln__pool {
     } *free;
 };
 static _Thread_local kiln__pool *recording;
-void kiln__pool_release_ref(kiln__pool *p);
+static void pool_release_ref(kiln__pool *p);
+static void memory_account(long long delta);
 
 static int size_class(size_t n, size_t *rounded)
 {
@@ -46,6 +47,13 @@ static int size_class(size_t n, size_t *rounded)
     return k * 4 + (int)q;
 }
 
+/* The rounded size of class cls, which a block of it was allocated with. */
+static size_t class_size(int cls)
+{
+    size_t base = (size_t)1 << (cls / 4);
+    return base + (size_t)(cls % 4) * (base / 4);
+}
+
 static cache *cache_for(kiln__backend *be)
 {
     for (int i = 0; i < n_caches; i++)
@@ -53,6 +61,23 @@ static cache *cache_for(kiln__backend *be)
     if (n_caches == (int)(sizeof caches / sizeof caches[0])) return NULL;
     caches[n_caches].be = be;
     return &caches[n_caches++];
+}
+
+/* Keeps block ptr (class cls) on be's free list; false when it cannot (no list, or no
+ * memory for the entry), for the caller to give it back to the backend. */
+static bool cache_put(kiln__backend *be, int cls, void *ptr)
+{
+    block *b = malloc(sizeof *b);
+    pthread_mutex_lock(&lock);
+    cache *c = cache_for(be);
+    bool kept = b && c && cls < N_CLASSES;
+    if (kept) {
+        *b = (block){c->free_list[cls], ptr};
+        c->free_list[cls] = b;
+    }
+    pthread_mutex_unlock(&lock);
+    if (!kept) free(b);
+    return kept;
 }
 
 static kiln__storage *storage_new(kiln__backend *be, size_t nbytes)
@@ -90,7 +115,7 @@ static kiln__storage *storage_new(kiln__backend *be, size_t nbytes)
         ptr = kiln__be_alloc(be, rounded);
     }
     if (!ptr) {
-        if (st->pool) kiln__pool_release_ref(st->pool);
+        if (st->pool) pool_release_ref(st->pool);
         free(st);
         return NULL;
     }
@@ -98,7 +123,7 @@ static kiln__storage *storage_new(kiln__backend *be, size_t nbytes)
     st->be = be;
     st->data = ptr;
     st->nbytes = rounded;
-    kiln__memory_account((long long)rounded);
+    memory_account((long long)rounded);
     return st;
 }
 
@@ -111,7 +136,7 @@ void kiln__storage_release(kiln__storage *st)
     }
     size_t rounded;
     int cls = size_class(st->nbytes, &rounded);
-    kiln__memory_account(-(long long)st->nbytes);
+    memory_account(-(long long)st->nbytes);
     /* A block a live replay owns goes back to that replay's pool; any other block freed
      * while this thread records goes to the recording's pool. Decided under the lock,
      * so that a replay being released meanwhile is seen as gone. */
@@ -125,37 +150,18 @@ void kiln__storage_release(kiln__storage *st)
         kept = true;
     }
     pthread_mutex_unlock(&lock);
-    if (kept) {
-        if (st->pool) kiln__pool_release_ref(st->pool);
-        free(st);
-        return;
-    }
-    free(pb);
-    if (st->pool) kiln__pool_release_ref(st->pool);
-    block *b = malloc(sizeof *b);
-    pthread_mutex_lock(&lock);
-    cache *c = cache_for(st->be);
-    if (b && c && cls < N_CLASSES) {
-        b->ptr = st->data;
-        b->next = c->free_list[cls];
-        c->free_list[cls] = b;
-        b = NULL;
-    }
-    pthread_mutex_unlock(&lock);
-    if (b) {
-        free(b);
-        kiln__be_free(st->be, st->data, st->nbytes);
+    if (st->pool) pool_release_ref(st->pool);
+    if (!kept) {
+        free(pb);
+        if (!cache_put(st->be, cls, st->data)) kiln__be_free(st->be, st->data, st->nbytes);
     }
     free(st);
 }
 
 kiln__pool *kiln__pool_new(void)
 {
-    kiln__pool *p = calloc(1, sizeof *p);
-    if (p) {
-        p->refs = 1;
-        p->alive = true;
-    }
+    kiln__pool *p = malloc(sizeof *p);
+    if (p) *p = (kiln__pool){.refs = 1, .alive = true};
     return p;
 }
 
@@ -163,7 +169,7 @@ void kiln__pool_begin(kiln__pool *p) { recording = p; }
 void kiln__pool_end(void) { recording = NULL; }
 
 /* Drops one reference; the last one frees the pool (its blocks are gone by then). */
-void kiln__pool_release_ref(kiln__pool *p)
+static void pool_release_ref(kiln__pool *p)
 {
     pthread_mutex_lock(&lock);
     bool last = --p->refs == 0;
@@ -181,23 +187,11 @@ void kiln__pool_release(kiln__pool *p)
     pthread_mutex_unlock(&lock);
     while (b) { /* into the shared cache, as any freed block */
         struct pool_block *nx = b->next;
-        pthread_mutex_lock(&lock);
-        cache *c = cache_for(b->be);
-        block *cb = c && b->cls < N_CLASSES ? malloc(sizeof *cb) : NULL;
-        if (cb) {
-            cb->ptr = b->ptr;
-            cb->next = c->free_list[b->cls];
-            c->free_list[b->cls] = cb;
-        }
-        pthread_mutex_unlock(&lock);
-        if (!cb) {
-            size_t base = (size_t)1 << (b->cls / 4);
-            kiln__be_free(b->be, b->ptr, base + (size_t)(b->cls % 4) * (base / 4));
-        }
+        if (!cache_put(b->be, b->cls, b->ptr)) kiln__be_free(b->be, b->ptr, class_size(b->cls));
         free(b);
         b = nx;
     }
-    kiln__pool_release_ref(p);
+    pool_release_ref(p);
 }
 
 void kiln_memory_empty_cache(void)
@@ -205,13 +199,9 @@ void kiln_memory_empty_cache(void)
     pthread_mutex_lock(&lock);
     for (int i = 0; i < n_caches; i++) {
         for (int cls = 0; cls < N_CLASSES; cls++) {
-            size_t rounded = 0;
             for (block *b = caches[i].free_list[cls], *nx; b; b = nx) {
                 nx = b->next;
-                /* The class gives back the rounded size the block was allocated with. */
-                size_t base = (size_t)1 << (cls / 4);
-                rounded = base + (size_t)(cls % 4) * (base / 4);
-                kiln__be_free(caches[i].be, b->ptr, rounded);
+                kiln__be_free(caches[i].be, b->ptr, class_size(cls));
                 free(b);
             }
             caches[i].free_list[cls] = NULL;
@@ -220,7 +210,7 @@ void kiln_memory_empty_cache(void)
     pthread_mutex_unlock(&lock);
 }
 
-void kiln__memory_account(long long delta)
+static void memory_account(long long delta)
 {
     pthread_mutex_lock(&lock);
     bytes_live = (size_t)((long long)bytes_live + delta);
@@ -243,10 +233,7 @@ kiln_tensor_t *kiln__tensor_alloc(kiln__backend *be, kiln_dtype dt, const int64_
     int64_t n = kiln__numel(ndim, shape);
     size_t nbytes = (size_t)n * kiln_dtype_size(dt);
     kiln__storage *st = storage_new(be, nbytes ? nbytes : 1);
-    if (!st) {
-        kiln__err(KILN_ERR_OOM, "out of memory allocating %zu bytes on %s", nbytes, be->name);
-        return NULL;
-    }
+    if (!st) return kiln__err(KILN_ERR_OOM, "out of memory allocating %zu bytes on %s", nbytes, be->name), NULL;
     int64_t stride[KILN_MAX_DIMS];
     kiln__contiguous_strides(ndim, shape, stride);
     kiln_tensor_t *t = kiln__tensor_alias(st, dt, ndim, shape, stride, 0);

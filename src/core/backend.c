@@ -107,23 +107,22 @@ kiln__backend *kiln__backend_here(kiln__backend *be)
     return was;
 }
 
-/* "cpu, opencl:0" */
-static void device_list(char *buf, size_t n)
+/* "cpu, opencl:0" into buf, returned. */
+static const char *device_list(char *buf, size_t n)
 {
     size_t w = 0;
     buf[0] = '\0';
     for (int i = 0; i < n_backends && w < n; i++) w += (size_t)snprintf(buf + w, n - w, "%s%s", i ? ", " : "", backends[i]->name);
+    return buf;
 }
 
 kiln_status kiln_set_device(const char *name)
 {
     kiln__backend *be = kiln__backend_find(name);
-    if (!be) {
-        char have[256];
-        device_list(have, sizeof have);
+    char have[256];
+    if (!be)
         return kiln__err(KILN_ERR_DEVICE, "no device named '%s' (this build and machine have: %s)", name ? name : "(null)",
-                         have);
-    }
+                         device_list(have, sizeof have));
     atomic_store(&default_be, be);
     return KILN_OK;
 }
@@ -187,13 +186,12 @@ static void do_init(void)
      * cpu, with a warning (tools check it up front with kiln_set_device). */
     const char *dev = kiln__env_str(KILN__ENV_DEVICE);
     if (dev && *dev && strcmp(dev, "cpu")) probe_devices();
-    if (dev && *dev && !find_name(dev)) {
-        char have[256];
-        device_list(have, sizeof have);
-        fprintf(stderr, "kiln: KILN_DEVICE=%s is not a device here (have: %s); using cpu\n", dev, have);
-    } else if (dev && *dev) {
+    char have[256];
+    if (dev && *dev && !find_name(dev))
+        fprintf(stderr, "kiln: KILN_DEVICE=%s is not a device here (have: %s); using cpu\n", dev,
+                device_list(have, sizeof have));
+    else if (dev && *dev)
         atomic_store(&default_be, find_name(dev));
-    }
 }
 
 void kiln__ensure_init(void) { pthread_once(&init_once, do_init); }

@@ -9,16 +9,18 @@
 #include "kiln/tensor.h"
 #include "core/attrs.h"
 
-#define KILN_BACKEND_ABI_VERSION 4
+#define KILN_BACKEND_ABI_VERSION 5
 
 typedef struct kiln__backend kiln__backend;
-typedef struct kiln__stream kiln__stream;
 typedef struct kiln__event kiln__event;
 
 /* One op's kernel on one backend. in[i] and out[j] are device tensors whose storage
  * belongs to this backend; outputs are allocated, contiguous, and uninitialised. */
 typedef kiln_status (*kiln__kernel_fn)(kiln__backend *be, kiln_tensor_t *const *in, int n_in,
                                        const kiln__attrs *a, kiln_tensor_t *const *out, int n_out);
+/* Those parameters, for defining a kernel: kiln_status my_kernel(KILN__KERNEL_ARGS). */
+#define KILN__KERNEL_ARGS \
+    kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
 
 /* An argument of a launched kernel: a device address in this backend's memory (the
  * backend passes it in its language's form, e.g. an OpenCL buffer and offset), or a
@@ -51,9 +53,7 @@ struct kiln__backend {
     kiln_status (*copy_d2h)(kiln__backend *be, void *dst, const void *src, size_t n);
     kiln_status (*copy_d2d)(kiln__backend *be, void *dst, const void *src, size_t n);
     kiln_status (*memset)(kiln__backend *be, void *dst, int byte, size_t n);
-    kiln__stream *(*stream_new)(kiln__backend *be);
-    void (*stream_free)(kiln__backend *be, kiln__stream *s);
-    kiln__event *(*event_record)(kiln__backend *be, kiln__stream *s);
+    kiln__event *(*event_record)(kiln__backend *be); /* a marker after the work queued so far */
     kiln_status (*event_wait)(kiln__backend *be, kiln__event *e);
     void (*event_free)(kiln__backend *be, kiln__event *e);
     kiln_status (*synchronize)(kiln__backend *be);
@@ -98,6 +98,12 @@ struct kiln__backend {
  * a backend kernel calls it for the layouts it does not take. */
 kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                kiln_tensor_t *const *out, int n_out);
+/* Checks the n indices of dtype dt at idx (host memory) before any is used: each in
+ * [0, limit), or for cross-entropy targets (ignore given) the ignore index; an index
+ * outside is an error that names it (op, or the target's row). *count, when given,
+ * gets how many are not ignored (src/core/tensor.c). */
+kiln_status kiln__check_indices(const char *op, const void *idx, kiln_dtype dt, int64_t n, int64_t limit,
+                                const int64_t *ignore, int64_t *count);
 
 /* Registration and look-up by name. Backends are made by the backend providers
  * registered with kiln__backend_provider_register (src/core/intercept.h): the cpu at
@@ -112,39 +118,45 @@ int kiln__backend_count(void);
 kiln__backend *kiln__backend_at(int i);
 
 /* The contract as the rooms above call it: every call to a backend goes through these
- * (src/core/backend.c), which supply the default where an optional entry is NULL, so
- * that no caller re-checks the table by hand.
- *   stream_new: NULL (the backend's one stream); event_record: synchronizes, and the
- *   event is NULL; event_wait and event_free on NULL: nothing; event_query: waits,
- *   then done; host_register and host_unregister: nothing to do (unpinned); fill,
- *   compile_kernel, launch, the capture entries: KILN_ERR_UNSUPPORTED naming the
- *   backend; kernel_free: nothing; native_stream: NULL; can_fuse: true. */
-kiln_status kiln__be_device_info(kiln__backend *be, kiln__device_info *out);
-void *kiln__be_alloc(kiln__backend *be, size_t nbytes);
+ * (src/core/backend_calls.c), which supply the default where an optional entry is NULL,
+ * so that no caller re-checks the table by hand. The wrappers that only call through
+ * (the required entries) or give a fixed default are rows of the two lists below,
+ * X(return type, entry, (parameters), (arguments)[, default]), each declared as
+ * kiln__be_<entry>; UNSUPPORTED(what) is KILN_ERR_UNSUPPORTED naming the backend.
+ * The rest, by hand: event_record without the entry synchronizes, and the event is
+ * NULL; event_free on NULL: nothing; event_query: waits, then done; kernel_free:
+ * nothing; can_fuse: true. */
+#define KILN__BE_REQUIRED_CALLS(X)                                                                   \
+    X(kiln_status, device_info, (kiln__backend *be, kiln__device_info *out), (be, out))               \
+    X(void *, alloc, (kiln__backend *be, size_t nbytes), (be, nbytes))                                \
+    X(kiln_status, copy_h2d, (kiln__backend *be, void *dst, const void *src, size_t n), (be, dst, src, n)) \
+    X(kiln_status, copy_d2h, (kiln__backend *be, void *dst, const void *src, size_t n), (be, dst, src, n)) \
+    X(kiln_status, copy_d2d, (kiln__backend *be, void *dst, const void *src, size_t n), (be, dst, src, n)) \
+    X(kiln_status, synchronize, (kiln__backend *be), (be))
+#define KILN__BE_OPTIONAL_CALLS(X)                                                                   \
+    X(kiln_status, fill, (kiln__backend *be, void *dst, const void *pattern, size_t size, size_t n),   \
+      (be, dst, pattern, size, n), UNSUPPORTED("fill"))                                               \
+    X(kiln_status, compile_kernel, (kiln__backend *be, const char *source, const char *entry, void **kernel_out), \
+      (be, source, entry, kernel_out), UNSUPPORTED("kernel compiler"))                                \
+    X(kiln_status, launch, (kiln__backend *be, void *kernel, const kiln__karg *args, int nargs, const size_t *grid, \
+                            const size_t *block, int grid_dims),                                      \
+      (be, kernel, args, nargs, grid, block, grid_dims), UNSUPPORTED("kernel launch"))                \
+    X(void *, native_stream, (kiln__backend *be), (be), NULL)                                         \
+    X(kiln_status, host_register, (kiln__backend *be, void *ptr, size_t n), (be, ptr, n), KILN_OK)     \
+    X(kiln_status, host_unregister, (kiln__backend *be, void *ptr), (be, ptr), KILN_OK)               \
+    X(kiln_status, capture_begin, (kiln__backend *be), (be), UNSUPPORTED("graph capture"))            \
+    X(kiln_status, capture_end, (kiln__backend *be, void **graph_out), (be, graph_out), UNSUPPORTED("graph capture")) \
+    X(kiln_status, replay, (kiln__backend *be, void *graph), (be, graph), UNSUPPORTED("graph replay")) \
+    X(kiln_status, capture_reset, (kiln__backend *be, void *graph), (be, graph), UNSUPPORTED("graph capture"))
+#define KILN__BE_DECLARE(type, entry, params, ...) type kiln__be_##entry params;
+KILN__BE_REQUIRED_CALLS(KILN__BE_DECLARE)
+KILN__BE_OPTIONAL_CALLS(KILN__BE_DECLARE)
+#undef KILN__BE_DECLARE
 void kiln__be_free(kiln__backend *be, void *ptr, size_t nbytes);
-kiln_status kiln__be_copy_h2d(kiln__backend *be, void *dst, const void *src, size_t n);
-kiln_status kiln__be_copy_d2h(kiln__backend *be, void *dst, const void *src, size_t n);
-kiln_status kiln__be_copy_d2d(kiln__backend *be, void *dst, const void *src, size_t n);
-kiln_status kiln__be_memset(kiln__backend *be, void *dst, int byte, size_t n);
-kiln_status kiln__be_synchronize(kiln__backend *be);
-kiln__stream *kiln__be_stream_new(kiln__backend *be);
-void kiln__be_stream_free(kiln__backend *be, kiln__stream *s);
-kiln__event *kiln__be_event_record(kiln__backend *be, kiln__stream *s);
-kiln_status kiln__be_event_wait(kiln__backend *be, kiln__event *e);
+kiln__event *kiln__be_event_record(kiln__backend *be);
 void kiln__be_event_free(kiln__backend *be, kiln__event *e);
 kiln_status kiln__be_event_query(kiln__backend *be, kiln__event *e, bool *done);
-kiln_status kiln__be_fill(kiln__backend *be, void *dst, const void *pattern, size_t size, size_t n);
-kiln_status kiln__be_compile_kernel(kiln__backend *be, const char *source, const char *entry, void **kernel_out);
 void kiln__be_kernel_free(kiln__backend *be, void *kernel);
-kiln_status kiln__be_launch(kiln__backend *be, void *kernel, const kiln__karg *args, int nargs, const size_t *grid,
-                            const size_t *block, int grid_dims);
-void *kiln__be_native_stream(kiln__backend *be);
-kiln_status kiln__be_host_register(kiln__backend *be, void *ptr, size_t n);
-kiln_status kiln__be_host_unregister(kiln__backend *be, void *ptr);
-kiln_status kiln__be_capture_begin(kiln__backend *be);
-kiln_status kiln__be_capture_end(kiln__backend *be, void **graph_out);
-kiln_status kiln__be_replay(kiln__backend *be, void *graph);
-kiln_status kiln__be_capture_reset(kiln__backend *be, void *graph);
 bool kiln__be_can_fuse(kiln__backend *be, int op, const kiln_dtype *in, int n_in, kiln_dtype out);
 /* What a backend offers beyond the required entries. */
 bool kiln__be_has_kernel(const kiln__backend *be, int op); /* its own kernel for op */

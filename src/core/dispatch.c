@@ -100,33 +100,27 @@ static kiln_status fill_value(kiln__backend *be, kiln_tensor_t *t, double v)
     return kiln__be_fill(be, kiln__data(t), pat, kiln_dtype_size(t->dtype), kiln_tensor_nbytes(t));
 }
 
-static kiln_status generic_full(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                kiln_tensor_t *const *out, int n_out)
+static kiln_status generic_full(KILN__KERNEL_ARGS)
 {
     return fill_value(be, out[0], a->op.source.value);
 }
 
-static kiln_status generic_fill_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+static kiln_status generic_fill_(KILN__KERNEL_ARGS)
 {
     if (!kiln__is_contiguous(in[0])) return kiln__cpu_fallback(be, KILN_OP_FILL_, in, n_in, a, out, n_out);
     return fill_value(be, in[0], a->op.scalar.value);
 }
 
-static kiln_status generic_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+static kiln_status generic_copy_(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *dst = in[0], *src = in[1];
     if (dst->dtype != src->dtype || !kiln__is_contiguous(dst) || kiln_tensor_numel(dst) != kiln_tensor_numel(src) ||
         src->st->be != be)
         return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
-    if (kiln__is_contiguous(src)) return kiln__be_copy_d2d(be, kiln__data(dst), kiln__data(src), kiln_tensor_nbytes(dst));
-    /* A strided source: made dense on the device first (unwatched: this launch stands
+    /* A strided source is made dense on the device first (unwatched: this launch stands
      * for it in a replay), then copied. */
-    kiln__attrs none = {0};
-    kiln_tensor_t *c = NULL;
-    kiln_status s = kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &src, 1, &none, &c);
-    if (s == KILN_OK) s = kiln__be_copy_d2d(be, kiln__data(dst), kiln__data(c), kiln_tensor_nbytes(dst));
+    kiln_tensor_t *c = kiln__dense(src);
+    kiln_status s = c ? kiln__be_copy_d2d(be, kiln__data(dst), kiln__data(c), kiln_tensor_nbytes(dst)) : kiln_last_status();
     kiln_tensor_free(c);
     return s;
 }
@@ -196,8 +190,7 @@ static kiln_status dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, 
 
     const kiln__interceptor *ics[16];
     int n_ics = watched ? kiln__intercept_active(ics) : 0;
-    kiln__meta meta[KILN__MAX_OUT];
-    memset(meta, 0, sizeof meta);
+    kiln__meta meta[KILN__MAX_OUT] = {0};
     kiln_tensor_t *outs[KILN__MAX_OUT] = {0};
     kiln__call_info c = {.op = op, .be = be, .in = in, .n_in = n_in, .a = a, .meta = meta, .out = outs,
                          .n_out = d->n_out};
@@ -243,6 +236,13 @@ kiln_status kiln__dispatch_quiet(kiln__op_id op, kiln_tensor_t *const *in, int n
                                  kiln_tensor_t **out)
 {
     return dispatch(op, in, n_in, a, out, false);
+}
+
+kiln_tensor_t *kiln__dense(kiln_tensor_t *t)
+{
+    kiln_tensor_t *c = NULL;
+    if (kiln__is_contiguous(t)) return kiln_tensor_retain(t);
+    return kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &t, 1, &(kiln__attrs){0}, &c) == KILN_OK ? c : NULL;
 }
 
 kiln_tensor_t *kiln__call(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a)

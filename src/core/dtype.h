@@ -7,6 +7,21 @@
 #include <string.h>
 #include "kiln/tensor.h"
 
+/* A float's bits, and the float of some bits. */
+static inline uint32_t kiln__f32_bits(float f)
+{
+    uint32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
+
+static inline float kiln__bits_f32(uint32_t b)
+{
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+}
+
 static inline float kiln__f16_to_f32(uint16_t h)
 {
     uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff, bits;
@@ -23,17 +38,13 @@ static inline float kiln__f16_to_f32(uint16_t h)
     } else {
         bits = sign | ((exp + 127 - 15) << 23) | (man << 13);
     }
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
+    return kiln__bits_f32(bits);
 }
 
 /* Round to nearest even, as IEEE 754 and PyTorch do. */
 static inline uint16_t kiln__f32_to_f16(float f)
 {
-    uint32_t x;
-    memcpy(&x, &f, 4);
-    uint32_t sign = (x >> 16) & 0x8000;
+    uint32_t x = kiln__f32_bits(f), sign = (x >> 16) & 0x8000;
     int32_t exp = (int32_t)((x >> 23) & 0xff) - 127 + 15;
     uint32_t man = x & 0x7fffff;
     if (((x >> 23) & 0xff) == 0xff) return (uint16_t)(sign | 0x7c00 | (man ? 0x200 : 0));
@@ -51,18 +62,11 @@ static inline uint16_t kiln__f32_to_f16(float f)
     return (uint16_t)h;
 }
 
-static inline float kiln__bf16_to_f32(uint16_t b)
-{
-    uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, 4);
-    return f;
-}
+static inline float kiln__bf16_to_f32(uint16_t b) { return kiln__bits_f32((uint32_t)b << 16); }
 
 static inline uint16_t kiln__f32_to_bf16(float f)
 {
-    uint32_t x;
-    memcpy(&x, &f, 4);
+    uint32_t x = kiln__f32_bits(f);
     if ((x & 0x7fffffff) > 0x7f800000) return (uint16_t)((x >> 16) | 0x40); /* quiet NaN */
     x += 0x7fff + ((x >> 16) & 1);
     return (uint16_t)(x >> 16);
@@ -76,11 +80,7 @@ static inline float kiln__f64_to_f32_odd(double v)
     float f = (float)v;
     if (!isfinite(f) || (double)f == v) return f;
     if (fabs((double)f) > fabs(v)) f = nextafterf(f, 0.0f);
-    uint32_t b;
-    memcpy(&b, &f, 4);
-    b |= 1;
-    memcpy(&f, &b, 4);
-    return f;
+    return kiln__bits_f32(kiln__f32_bits(f) | 1);
 }
 
 static inline double kiln__load(const void *p, kiln_dtype dt)

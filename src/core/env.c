@@ -39,7 +39,7 @@ const char *kiln__env_type_name(kiln__env_type t)
     return t >= 0 && t <= KILN__ENVT_PATH ? names[t] : "?";
 }
 
-const char *kiln__env_who_name(kiln__env_who w)
+static const char *who_name(kiln__env_who w)
 {
     static const char *const names[] = {"library", "kiln program", "tests"};
     return w >= 0 && w <= KILN__ENVW_TEST ? names[w] : "?";
@@ -93,7 +93,7 @@ static void scan_environment(void)
     }
 }
 
-static const char *raw(kiln__env_id id)
+const char *kiln__env_str(kiln__env_id id)
 {
     pthread_once(&scan_once, scan_environment);
     if (id < 0 || id >= KILN__ENV_COUNT) return NULL;
@@ -101,13 +101,11 @@ static const char *raw(kiln__env_id id)
     return v && *v ? v : NULL;
 }
 
-const char *kiln__env_str(kiln__env_id id) { return raw(id); }
-
 static bool default_is_value(const kiln__env_row *r) { return *r->dflt && *r->dflt != '('; }
 
 const char *kiln__env_text(kiln__env_id id)
 {
-    const char *v = raw(id);
+    const char *v = kiln__env_str(id);
     if (v) return v;
     return id >= 0 && id < KILN__ENV_COUNT && default_is_value(&rows[id]) ? rows[id].dflt : NULL;
 }
@@ -145,7 +143,7 @@ static bool parse(const kiln__env_row *r, const char *s, double *num, char *expe
 /* The value of a typed variable as a number: as set, else the default (0 for none). */
 static double typed(kiln__env_id id)
 {
-    const char *v = raw(id);
+    const char *v = kiln__env_str(id);
     if (id < 0 || id >= KILN__ENV_COUNT) return 0;
     const kiln__env_row *r = &rows[id];
     double x, d = 0;
@@ -178,7 +176,7 @@ const char *kiln__env_list_next(const char **p, size_t *n)
 
 bool kiln__env_list_has(kiln__env_id id, const char *item)
 {
-    const char *p = raw(id), *it;
+    const char *p = kiln__env_str(id), *it;
     size_t n, want = strlen(item);
     if (!p) return false;
     while ((it = kiln__env_list_next(&p, &n)))
@@ -188,7 +186,7 @@ bool kiln__env_list_has(kiln__env_id id, const char *item)
 
 kiln_status kiln__env_check(kiln__env_id id)
 {
-    const char *v = raw(id);
+    const char *v = kiln__env_str(id);
     if (!v) return KILN_OK;
     double x;
     char expect[96];
@@ -204,8 +202,8 @@ bool kiln_env_var_at(int i, kiln_env_var *out)
 {
     const kiln__env_row *r = kiln__env_row_at(i);
     if (!r || !out) return false;
-    *out = (kiln_env_var){r->name, kiln__env_type_name(r->type), kiln__env_who_name(r->who), r->dflt, r->help,
-                          raw((kiln__env_id)i)};
+    *out = (kiln_env_var){r->name, kiln__env_type_name(r->type), who_name(r->who), r->dflt, r->help,
+                          kiln__env_str((kiln__env_id)i)};
     return true;
 }
 
@@ -220,7 +218,7 @@ static int known(const char *name)
 const char *kiln_env(const char *name)
 {
     int id = known(name);
-    return id < 0 ? NULL : raw((kiln__env_id)id);
+    return id < 0 ? NULL : kiln__env_str((kiln__env_id)id);
 }
 
 const char *kiln_env_or_default(const char *name)

@@ -63,8 +63,6 @@ const char *kiln__env_list_next(const char **p, size_t *n);
  * KILN_ERR_ARG, with the variable, its value and what it should be in the last error
  * (for readers that fail on a bad value rather than use the default). */
 kiln_status kiln__env_check(kiln__env_id id);
-/* The type's name ("bool", "int", "number", "string", "list", "path"), who reads it
- * ("library", "kiln program", "tests"). */
+/* The type's name ("bool", "int", "number", "string", "list", "path"). */
 const char *kiln__env_type_name(kiln__env_type t);
-const char *kiln__env_who_name(kiln__env_who w);
 #endif

@@ -5,28 +5,13 @@
 static _Thread_local char last_msg[1024] = "no error";
 static _Thread_local kiln_status last_status = KILN_OK;
 
-static kiln_status set_error(kiln_status s, const char *fmt, va_list ap)
-{
-    vsnprintf(last_msg, sizeof last_msg, fmt, ap);
-    last_status = s;
-    return s;
-}
-
-kiln_status kiln__err(kiln_status s, const char *fmt, ...)
-{
-    va_list ap;
-    va_start(ap, fmt);
-    set_error(s, fmt, ap);
-    va_end(ap);
-    return s;
-}
-
 kiln_status kiln_error(kiln_status s, const char *fmt, ...)
 {
     va_list ap;
     va_start(ap, fmt);
-    set_error(s, fmt, ap);
+    vsnprintf(last_msg, sizeof last_msg, fmt, ap);
     va_end(ap);
+    last_status = s;
     return s;
 }
 

@@ -4,13 +4,18 @@
 #include "kiln/ops.h"
 #include "core/op_table.h"
 
-#define SHP(t, buf) kiln__shape_str((t), (buf), sizeof(buf))
+#define SHP(t) kiln__shape_text(t)
+/* An op's inference, kiln__infer_<name>; INFER_BY(name, rule): a row for an op that
+ * shares its rule with others, rule(op name, in, n, a, out). */
+#define INFER(name) kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+#define INFER_BY(name, rule) INFER(name) { return rule(#name, in, n, a, out); }
 
-static void meta_like(const kiln_tensor_t *t, kiln_dtype dt, kiln__meta *m)
+/* Eight buffers used in turn, so that one message can name several shapes. */
+const char *kiln__shape_text(const kiln_tensor_t *t)
 {
-    m->dtype = dt;
-    m->ndim = t->ndim;
-    memcpy(m->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+    static _Thread_local char ring[8][96];
+    static _Thread_local unsigned next;
+    return kiln__shape_str(t, ring[next++ % 8], sizeof ring[0]);
 }
 
 static void meta_shape(kiln__meta *m, kiln_dtype dt, int ndim, const int64_t *shape)
@@ -20,6 +25,8 @@ static void meta_shape(kiln__meta *m, kiln_dtype dt, int ndim, const int64_t *sh
     for (int i = 0; i < ndim; i++) m->shape[i] = shape[i];
 }
 
+static void meta_like(const kiln_tensor_t *t, kiln_dtype dt, kiln__meta *m) { meta_shape(m, dt, t->ndim, t->shape); }
+
 int kiln__norm_dim(int dim, int ndim)
 {
     if (dim < 0) dim += ndim;
@@ -28,8 +35,7 @@ int kiln__norm_dim(int dim, int ndim)
 
 static kiln_status bad_dim(const char *op, int dim, const kiln_tensor_t *t)
 {
-    char b[96];
-    return kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", op, dim, SHP(t, b));
+    return kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", op, dim, SHP(t));
 }
 
 /* Saved statistics (mean, rstd, logsumexp) are f64 for f64 inputs, f32 otherwise. */
@@ -38,15 +44,13 @@ static kiln_dtype stat_dtype(kiln_dtype dt) { return dt == KILN_DTYPE_F64 ? KILN
 static kiln_status need_float(const char *op, const kiln_tensor_t *t)
 {
     if (kiln_dtype_is_float(t->dtype)) return KILN_OK;
-    char b[96];
-    return kiln__err(KILN_ERR_DTYPE, "%s: %s is not a float tensor (cast it with kiln_cast first)", op, SHP(t, b));
+    return kiln__err(KILN_ERR_DTYPE, "%s: %s is not a float tensor (cast it with kiln_cast first)", op, SHP(t));
 }
 
 static kiln_status need_index(const char *op, const kiln_tensor_t *t)
 {
     if (t->dtype == KILN_DTYPE_I32 || t->dtype == KILN_DTYPE_I64) return KILN_OK;
-    char b[96];
-    return kiln__err(KILN_ERR_DTYPE, "%s: index tensor %s must be i32 or i64", op, SHP(t, b));
+    return kiln__err(KILN_ERR_DTYPE, "%s: index tensor %s must be i32 or i64", op, SHP(t));
 }
 
 static int rank(kiln_dtype dt)
@@ -82,87 +86,62 @@ kiln_status kiln__broadcast_shapes(const char *op, int n, kiln_tensor_t *const *
                 s = v;
                 continue;
             }
-            char a[96], b[96];
             return kiln__err(KILN_ERR_SHAPE, "%s: shapes %s and %s do not broadcast (dim %d: %lld vs %lld)", op,
-                             SHP(ts[0], a), SHP(ts[n > 1 ? 1 : 0], b), d, (long long)s, (long long)v);
+                             SHP(ts[0]), SHP(ts[n > 1 ? 1 : 0]), d, (long long)s, (long long)v);
         }
         out->shape[d] = s;
     }
     return KILN_OK;
 }
 
-static kiln_status binary(const char *op, kiln_tensor_t *const *in, kiln__meta *out, bool float_only)
+/* A binary pointwise op (src/core/binary.def): broadcast shapes; the promoted dtype
+ * (B_FLOAT: which must be a float), or bool for a comparison. */
+enum { B_ANY, B_FLOAT, B_BOOL };
+static kiln_status binary(const char *op, kiln_tensor_t *const *in, kiln__meta *out, int kind)
 {
     kiln_status s = kiln__broadcast_shapes(op, 2, in, out);
-    if (s != KILN_OK) return s;
-    out->dtype = kiln__promote(in[0]->dtype, in[1]->dtype);
-    if (float_only && !kiln_dtype_is_float(out->dtype)) return need_float(op, in[0]);
-    return KILN_OK;
-}
-
-static kiln_status compare(const char *op, kiln_tensor_t *const *in, kiln__meta *out)
-{
-    kiln_status s = kiln__broadcast_shapes(op, 2, in, out);
-    out->dtype = KILN_DTYPE_BOOL;
+    out->dtype = kind == B_BOOL ? KILN_DTYPE_BOOL : kiln__promote(in[0]->dtype, in[1]->dtype);
+    if (s == KILN_OK && kind == B_FLOAT && !kiln_dtype_is_float(out->dtype)) return need_float(op, in[0]);
     return s;
 }
 
-static kiln_status unary_float(const char *op, kiln_tensor_t *const *in, kiln__meta *out)
+/* x's shape and dtype: a float one (unary_float), or any (unary_any; for a pointwise
+ * backward op (x, g), the gradient's). */
+static kiln_status unary_float(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     kiln_status s = need_float(op, in[0]);
     meta_like(in[0], in[0]->dtype, out);
     return s;
 }
 
-#define BINARY(name, fl) \
-    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
-    { return binary(#name, in, out, fl); }
-BINARY(add, false)
-BINARY(sub, false)
-BINARY(mul, false)
-BINARY(div, true)
-BINARY(pow, true)
-BINARY(maximum, false)
-BINARY(minimum, false)
+static kiln_status unary_any(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+{
+    meta_like(in[0], in[0]->dtype, out);
+    return KILN_OK;
+}
 
-#define COMPARE(name) \
-    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
-    { return compare(#name, in, out); }
-COMPARE(eq)
-COMPARE(ne)
-COMPARE(lt)
-COMPARE(le)
-COMPARE(gt)
-COMPARE(ge)
+#define KILN_BINARY(ID, name, dtypes, ...) INFER(name) { return binary(#name, in, out, B_##dtypes); }
+#include "core/binary.def"
+#undef KILN_BINARY
 
-#define UNARY_FLOAT(name) \
-    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
-    { return unary_float(#name, in, out); }
-UNARY_FLOAT(exp)
-UNARY_FLOAT(log)
-UNARY_FLOAT(sqrt)
-UNARY_FLOAT(rsqrt)
-UNARY_FLOAT(tanh)
-UNARY_FLOAT(sigmoid)
-UNARY_FLOAT(gelu)
-UNARY_FLOAT(silu)
+INFER_BY(gelu, unary_float)
+INFER_BY(gelu_backward, unary_any)
+INFER_BY(contiguous, unary_any)
+/* The rows of include/kiln/pointwise.def: FLOAT or ANY, and the backward op's (x, g). */
+#define UNARY_FLOAT(name) INFER_BY(name, unary_float)
+#define UNARY_ANY(name) INFER_BY(name, unary_any)
+#define KILN_PW(ID, name, dtypes, grad, fast) UNARY_##dtypes(name) KILN__PW_IF_OP(grad, UNARY_ANY(name##_backward))
+#include "kiln/pointwise.def"
+#undef KILN_PW
 
-#define UNARY_ANY(name) \
-    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
-    { meta_like(in[0], in[0]->dtype, out); return KILN_OK; }
-UNARY_ANY(neg)
-UNARY_ANY(abs)
-UNARY_ANY(relu)
-UNARY_ANY(contiguous)
-
-kiln_status kiln__infer_where(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(where)
 {
     kiln_status s = kiln__broadcast_shapes("where", 3, in, out);
     out->dtype = kiln__promote(in[1]->dtype, in[2]->dtype);
     return s;
 }
 
-kiln_status kiln__infer_cast(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(cast)
 {
     if ((uint64_t)a->op.cast.dtype >= KILN_DTYPE_COUNT) return kiln__err(KILN_ERR_DTYPE, "cast: unknown dtype %lld", (long long)a->op.cast.dtype);
     meta_like(in[0], (kiln_dtype)a->op.cast.dtype, out);
@@ -187,13 +166,13 @@ static kiln_status reduce_shape(const char *op, const kiln_tensor_t *t, const ki
     return KILN_OK;
 }
 
-kiln_status kiln__infer_sum(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(sum)
 {
     out->dtype = kiln_dtype_is_float(in[0]->dtype) ? in[0]->dtype : KILN_DTYPE_I64;
     return reduce_shape("sum", in[0], a, out);
 }
 
-kiln_status kiln__infer_max(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(max)
 {
     out->dtype = in[0]->dtype;
     if (kiln__numel(in[0]->ndim, in[0]->shape) == 0)
@@ -201,7 +180,7 @@ kiln_status kiln__infer_max(kiln_tensor_t *const *in, int n, const kiln__attrs *
     return reduce_shape("max", in[0], a, out);
 }
 
-kiln_status kiln__infer_argmax(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(argmax)
 {
     out->dtype = KILN_DTYPE_I64;
     if (in[0]->ndim == 0 || in[0]->shape[a->op.dim.dim] == 0)
@@ -212,33 +191,26 @@ kiln_status kiln__infer_argmax(kiln_tensor_t *const *in, int n, const kiln__attr
     return reduce_shape("argmax", in[0], &r, out);
 }
 
-static kiln_status along_dim(const char *op, kiln_tensor_t *const *in, const kiln__attrs *a, kiln__meta *out)
+/* The softmaxes: a float x, along one of its dims (dim 0 of a 0-dim x). */
+static kiln_status along_dim(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     if (a->op.dim.dim < 0 || a->op.dim.dim >= (in[0]->ndim ? in[0]->ndim : 1)) return bad_dim(op, (int)a->op.dim.dim, in[0]);
-    return unary_float(op, in, out);
+    return unary_float(op, in, n, a, out);
 }
 
-kiln_status kiln__infer_softmax(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    return along_dim("softmax", in, a, out);
-}
+INFER_BY(softmax, along_dim)
+INFER_BY(log_softmax, along_dim)
 
-kiln_status kiln__infer_log_softmax(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    return along_dim("log_softmax", in, a, out);
-}
-
-kiln_status kiln__infer_matmul(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(matmul)
 {
     const kiln_tensor_t *x = in[0], *y = in[1];
-    char b1[96], b2[96];
     if (x->ndim < 2 || y->ndim < 2)
-        return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s needs at least 2 dims each", SHP(x, b1), SHP(y, b2));
+        return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s needs at least 2 dims each", SHP(x), SHP(y));
     if (x->dtype != y->dtype || (x->dtype != KILN_DTYPE_F32 && x->dtype != KILN_DTYPE_F64))
-        return kiln__err(KILN_ERR_DTYPE, "matmul: %s @ %s: both must be f32 or both f64", SHP(x, b1), SHP(y, b2));
+        return kiln__err(KILN_ERR_DTYPE, "matmul: %s @ %s: both must be f32 or both f64", SHP(x), SHP(y));
     int64_t k1 = x->shape[x->ndim - 1], k2 = y->shape[y->ndim - 2];
     if (k1 != k2)
-        return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s: inner dims %lld and %lld differ", SHP(x, b1), SHP(y, b2),
+        return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s: inner dims %lld and %lld differ", SHP(x), SHP(y),
                          (long long)k1, (long long)k2);
     /* Broadcast the batch dims. */
     int bx = x->ndim - 2, by = y->ndim - 2, nb = bx > by ? bx : by;
@@ -246,7 +218,7 @@ kiln_status kiln__infer_matmul(kiln_tensor_t *const *in, int n, const kiln__attr
         int i = d - (nb - bx), j = d - (nb - by);
         int64_t sx = i >= 0 ? x->shape[i] : 1, sy = j >= 0 ? y->shape[j] : 1;
         if (sx != sy && sx != 1 && sy != 1)
-            return kiln__err(KILN_ERR_SHAPE, "matmul: batch dims of %s and %s do not broadcast", SHP(x, b1), SHP(y, b2));
+            return kiln__err(KILN_ERR_SHAPE, "matmul: batch dims of %s and %s do not broadcast", SHP(x), SHP(y));
         out->shape[d] = sx > sy ? sx : sy;
     }
     out->ndim = nb + 2;
@@ -256,10 +228,9 @@ kiln_status kiln__infer_matmul(kiln_tensor_t *const *in, int n, const kiln__attr
     return KILN_OK;
 }
 
-kiln_status kiln__infer_embedding(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(embedding)
 {
-    char b[96];
-    if (in[0]->ndim != 2) return kiln__err(KILN_ERR_SHAPE, "embedding: weight %s must be (V, C)", SHP(in[0], b));
+    if (in[0]->ndim != 2) return kiln__err(KILN_ERR_SHAPE, "embedding: weight %s must be (V, C)", SHP(in[0]));
     kiln_status s = need_index("embedding", in[1]);
     if (s != KILN_OK) return s;
     if (in[1]->ndim >= KILN_MAX_DIMS) return kiln__err(KILN_ERR_SHAPE, "embedding: index has too many dims");
@@ -268,109 +239,95 @@ kiln_status kiln__infer_embedding(kiln_tensor_t *const *in, int n, const kiln__a
     return KILN_OK;
 }
 
-kiln_status kiln__infer_index_select(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(index_select)
 {
     kiln_status s = need_index("index_select", in[1]);
     if (s != KILN_OK) return s;
-    char b[96];
-    if (in[1]->ndim != 1) return kiln__err(KILN_ERR_SHAPE, "index_select: index %s must be 1-D", SHP(in[1], b));
+    if (in[1]->ndim != 1) return kiln__err(KILN_ERR_SHAPE, "index_select: index %s must be 1-D", SHP(in[1]));
     if (a->op.dim.dim < 0 || a->op.dim.dim >= in[0]->ndim) return bad_dim("index_select", (int)a->op.dim.dim, in[0]);
     meta_like(in[0], in[0]->dtype, out);
     out->shape[a->op.dim.dim] = in[1]->shape[0];
     return KILN_OK;
 }
 
-kiln_status kiln__infer_gather(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+/* gather's and scatter_add's index: the input's dims, and no larger than it but along dim
+ * (a wider index would address elements outside the output). */
+static kiln_status index_fits(const char *op, kiln_tensor_t *const *in, int64_t dim)
 {
-    kiln_status s = need_index("gather", in[1]);
-    if (s != KILN_OK) return s;
-    char b1[96], b2[96];
     if (in[1]->ndim != in[0]->ndim)
-        return kiln__err(KILN_ERR_SHAPE, "gather: index %s must have the dims of the input %s", SHP(in[1], b1), SHP(in[0], b2));
-    if (a->op.dim.dim < 0 || a->op.dim.dim >= in[0]->ndim) return bad_dim("gather", (int)a->op.dim.dim, in[0]);
+        return kiln__err(KILN_ERR_SHAPE, "%s: index %s must have the dims of the input %s", op, SHP(in[1]), SHP(in[0]));
+    if (dim < 0 || dim >= in[0]->ndim) return bad_dim(op, (int)dim, in[0]);
     for (int d = 0; d < in[0]->ndim; d++)
-        if (d != a->op.dim.dim && in[1]->shape[d] > in[0]->shape[d])
-            return kiln__err(KILN_ERR_SHAPE, "gather: index %s is larger than the input %s in dim %d", SHP(in[1], b1),
-                             SHP(in[0], b2), d);
-    meta_like(in[1], in[0]->dtype, out);
+        if (d != dim && in[1]->shape[d] > in[0]->shape[d])
+            return kiln__err(KILN_ERR_SHAPE, "%s: index %s is larger than the input %s in dim %d", op, SHP(in[1]),
+                             SHP(in[0]), d);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_scatter_add(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(gather)
+{
+    kiln_status s = need_index("gather", in[1]);
+    if (s == KILN_OK) s = index_fits("gather", in, a->op.dim.dim);
+    meta_like(in[1], in[0]->dtype, out);
+    return s;
+}
+
+INFER(scatter_add)
 {
     kiln_status s = need_index("scatter_add", in[1]);
     if (s != KILN_OK) return s;
-    char b1[96], b2[96];
     if (in[1]->ndim != in[2]->ndim || memcmp(in[1]->shape, in[2]->shape, sizeof(int64_t) * (size_t)in[1]->ndim))
-        return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s and source %s must have one shape", SHP(in[1], b1),
-                         SHP(in[2], b2));
-    if (in[1]->ndim != in[0]->ndim)
-        return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s must have the dims of the input %s", SHP(in[1], b1),
-                         SHP(in[0], b2));
-    if (a->op.dim.dim < 0 || a->op.dim.dim >= in[0]->ndim) return bad_dim("scatter_add", (int)a->op.dim.dim, in[0]);
-    /* As for gather: a wider index would address elements outside the output. */
-    for (int d = 0; d < in[0]->ndim; d++)
-        if (d != a->op.dim.dim && in[1]->shape[d] > in[0]->shape[d])
-            return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s is larger than the input %s in dim %d", SHP(in[1], b1),
-                             SHP(in[0], b2), d);
+        return kiln__err(KILN_ERR_SHAPE, "scatter_add: index %s and source %s must have one shape", SHP(in[1]), SHP(in[2]));
+    if ((s = index_fits("scatter_add", in, a->op.dim.dim)) != KILN_OK) return s;
     if (in[2]->dtype != in[0]->dtype)
-        return kiln__err(KILN_ERR_DTYPE, "scatter_add: source %s and input %s dtypes differ", SHP(in[2], b1), SHP(in[0], b2));
-    meta_like(in[0], in[0]->dtype, out);
-    return KILN_OK;
+        return kiln__err(KILN_ERR_DTYPE, "scatter_add: source %s and input %s dtypes differ", SHP(in[2]), SHP(in[0]));
+    return unary_any("scatter_add", in, n, a, out);
 }
 
-/* x (..., C) with per-channel parameters (C); statistics (...) in f32. */
-static kiln_status norm_common(const char *op, kiln_tensor_t *const *in, int nparam, kiln__meta *out, int nstat)
+/* x (..., C) with n - 1 per-channel parameters (C); as many statistics (...), in f32
+ * (layer_norm: w, b; mean, rstd. rms_norm: w; rstd). */
+static kiln_status norm(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     const kiln_tensor_t *x = in[0];
-    char b1[96], b2[96];
     kiln_status s = need_float(op, x);
     if (s != KILN_OK) return s;
-    if (x->ndim < 1) return kiln__err(KILN_ERR_SHAPE, "%s: input %s needs at least 1 dim", op, SHP(x, b1));
+    if (x->ndim < 1) return kiln__err(KILN_ERR_SHAPE, "%s: input %s needs at least 1 dim", op, SHP(x));
     int64_t c = x->shape[x->ndim - 1];
-    for (int p = 1; p <= nparam; p++)
+    for (int p = 1; p < n; p++)
         if (in[p]->ndim != 1 || in[p]->shape[0] != c || in[p]->dtype != x->dtype)
-            return kiln__err(KILN_ERR_SHAPE, "%s: parameter %s must be %s[%lld] for input %s", op, SHP(in[p], b1),
-                             kiln_dtype_name(x->dtype), (long long)c, SHP(x, b2));
+            return kiln__err(KILN_ERR_SHAPE, "%s: parameter %s must be %s[%lld] for input %s", op, SHP(in[p]),
+                             kiln_dtype_name(x->dtype), (long long)c, SHP(x));
     meta_like(x, x->dtype, &out[0]);
-    for (int k = 1; k <= nstat; k++) meta_shape(&out[k], stat_dtype(x->dtype), x->ndim - 1, x->shape);
+    for (int k = 1; k < n; k++) meta_shape(&out[k], stat_dtype(x->dtype), x->ndim - 1, x->shape);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_layer_norm(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    return norm_common("layer_norm", in, 2, out, 2);
-}
+INFER_BY(layer_norm, norm)
+INFER_BY(rms_norm, norm)
 
-kiln_status kiln__infer_rms_norm(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(cross_entropy)
 {
-    return norm_common("rms_norm", in, 1, out, 1);
-}
-
-kiln_status kiln__infer_cross_entropy(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    char b1[96], b2[96];
     kiln_status s = need_float("cross_entropy", in[0]);
     if (s == KILN_OK) s = need_index("cross_entropy", in[1]);
     if (s != KILN_OK) return s;
     if (in[0]->ndim != 2 || in[1]->ndim != 1 || in[1]->shape[0] != in[0]->shape[0])
-        return kiln__err(KILN_ERR_SHAPE, "cross_entropy: logits %s must be (N, V) and targets %s (N)", SHP(in[0], b1),
-                         SHP(in[1], b2));
+        return kiln__err(KILN_ERR_SHAPE, "cross_entropy: logits %s must be (N, V) and targets %s (N)", SHP(in[0]),
+                         SHP(in[1]));
     meta_shape(&out[0], in[0]->dtype, 0, NULL);
     meta_shape(&out[1], stat_dtype(in[0]->dtype), 1, in[0]->shape);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_dropout(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(dropout)
 {
     double p = a->op.dropout.p;
     if (!(p >= 0 && p < 1)) return kiln__err(KILN_ERR_ARG, "dropout: p = %g is outside [0, 1)", p);
-    kiln_status s = unary_float("dropout", in, out);
+    kiln_status s = unary_float("dropout", in, n, a, out);
     meta_like(in[0], KILN_DTYPE_U8, &out[1]);
     return s;
 }
 
-kiln_status kiln__infer_cat(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(cat)
 {
     if (n < 1) return kiln__err(KILN_ERR_ARG, "cat: no tensors given");
     int dim = (int)a->op.dim.dim;
@@ -378,83 +335,74 @@ kiln_status kiln__infer_cat(kiln_tensor_t *const *in, int n, const kiln__attrs *
     meta_like(in[0], in[0]->dtype, out);
     out->shape[dim] = 0;
     for (int i = 0; i < n; i++) {
-        char b1[96], b2[96];
         bool ok = in[i]->ndim == in[0]->ndim && in[i]->dtype == in[0]->dtype;
         for (int d = 0; ok && d < in[0]->ndim; d++) ok = d == dim || in[i]->shape[d] == in[0]->shape[d];
         if (!ok)
-            return kiln__err(KILN_ERR_SHAPE, "cat: tensor %d %s does not fit tensor 0 %s along dim %d", i, SHP(in[i], b1),
-                             SHP(in[0], b2), dim);
+            return kiln__err(KILN_ERR_SHAPE, "cat: tensor %d %s does not fit tensor 0 %s along dim %d", i, SHP(in[i]),
+                             SHP(in[0]), dim);
         out->shape[dim] += in[i]->shape[dim];
     }
     return KILN_OK;
 }
 
-kiln_status kiln__infer_tri(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(tri)
 {
-    char b[96];
-    if (in[0]->ndim < 2) return kiln__err(KILN_ERR_SHAPE, "tril/triu: %s needs at least 2 dims", SHP(in[0], b));
-    meta_like(in[0], in[0]->dtype, out);
-    return KILN_OK;
+    if (in[0]->ndim < 2) return kiln__err(KILN_ERR_SHAPE, "tril/triu: %s needs at least 2 dims", SHP(in[0]));
+    return unary_any("tri", in, n, a, out);
 }
 
-kiln_status kiln__infer_rope(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(rope)
 {
-    char b[96];
     if (in[0]->ndim < 2 || in[0]->shape[in[0]->ndim - 1] % 2)
-        return kiln__err(KILN_ERR_SHAPE, "rope: input %s must be (..., T, D) with D even", SHP(in[0], b));
-    return unary_float("rope", in, out);
+        return kiln__err(KILN_ERR_SHAPE, "rope: input %s must be (..., T, D) with D even", SHP(in[0]));
+    return unary_float("rope", in, n, a, out);
 }
 
-kiln_status kiln__infer_attention(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(attention)
 {
     const kiln_tensor_t *q = in[0], *k = in[1], *v = in[2];
-    char b1[96], b2[96], b3[96];
     bool ok = q->ndim == 4 && k->ndim == 4 && v->ndim == 4 && q->shape[0] == k->shape[0] &&
               k->shape[0] == v->shape[0] && k->shape[1] == v->shape[1] && k->shape[2] == v->shape[2] &&
               q->shape[3] == k->shape[3] && k->shape[3] == v->shape[3] && k->shape[1] > 0 &&
               q->shape[1] % k->shape[1] == 0 && (!a->op.attention.causal || q->shape[2] <= k->shape[2]);
     if (!ok)
         return kiln__err(KILN_ERR_SHAPE, "attention: q %s, k %s, v %s must be (B,H,Tq,D), (B,Hkv,Tk,D), (B,Hkv,Tk,D) with "
-                         "H a multiple of Hkv (and Tq <= Tk when causal)", SHP(q, b1), SHP(k, b2), SHP(v, b3));
+                         "H a multiple of Hkv (and Tq <= Tk when causal)", SHP(q), SHP(k), SHP(v));
     if (q->dtype != k->dtype || k->dtype != v->dtype || (q->dtype != KILN_DTYPE_F32 && q->dtype != KILN_DTYPE_F64))
-        return kiln__err(KILN_ERR_DTYPE, "attention: q %s, k %s, v %s must all be f32 or all f64", SHP(q, b1), SHP(k, b2),
-                         SHP(v, b3));
+        return kiln__err(KILN_ERR_DTYPE, "attention: q %s, k %s, v %s must all be f32 or all f64", SHP(q), SHP(k), SHP(v));
     meta_like(q, q->dtype, &out[0]);
     meta_shape(&out[1], stat_dtype(q->dtype), 3, q->shape);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_matmul_rows_packed(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(matmul_rows_packed)
 {
     const kiln_tensor_t *x = in[0], *w = in[1];
-    char b1[96], b2[96];
     int64_t cols = a->op.rows_packed.cols;
     if (x->ndim != 2 || w->ndim != 3 || x->shape[1] != w->shape[1] || w->shape[2] != KILN_ROWS_PANEL || cols < 1 ||
         cols > w->shape[0] * KILN_ROWS_PANEL || cols <= (w->shape[0] - 1) * KILN_ROWS_PANEL)
         return kiln__err(KILN_ERR_SHAPE, "matmul_rows_packed: a %s and packed w %s for %lld columns must be (M,K) and "
-                         "(ceil(n/%d),K,%d)", SHP(x, b1), SHP(w, b2), (long long)cols, KILN_ROWS_PANEL, KILN_ROWS_PANEL);
+                         "(ceil(n/%d),K,%d)", SHP(x), SHP(w), (long long)cols, KILN_ROWS_PANEL, KILN_ROWS_PANEL);
     if (x->dtype != KILN_DTYPE_F32 || w->dtype != KILN_DTYPE_F32)
-        return kiln__err(KILN_ERR_DTYPE, "matmul_rows_packed: a %s and w %s must be f32", SHP(x, b1), SHP(w, b2));
+        return kiln__err(KILN_ERR_DTYPE, "matmul_rows_packed: a %s and w %s must be f32", SHP(x), SHP(w));
     int64_t shape[2] = {x->shape[0], cols};
     meta_shape(&out[0], KILN_DTYPE_F32, 2, shape);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_rope_at(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(rope_at)
 {
     const kiln_tensor_t *x = in[0], *pos = in[1];
-    char b1[96], b2[96];
     if (x->ndim != 3 || x->shape[2] % 2 || pos->ndim != 1 || pos->shape[0] != x->shape[0])
-        return kiln__err(KILN_ERR_SHAPE, "rope_at: x %s must be (N,H,D) with D even and pos %s must be (N)", SHP(x, b1),
-                         SHP(pos, b2));
+        return kiln__err(KILN_ERR_SHAPE, "rope_at: x %s must be (N,H,D) with D even and pos %s must be (N)", SHP(x),
+                         SHP(pos));
     kiln_status s = need_index("rope_at", pos);
-    return s != KILN_OK ? s : unary_float("rope_at", in, out);
+    return s != KILN_OK ? s : unary_float("rope_at", in, n, a, out);
 }
 
-kiln_status kiln__infer_paged_attention(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(paged_attention)
 {
     const kiln_tensor_t *q = in[0], *k = in[1], *v = in[2], *bt = in[3], *sp = in[4];
-    char b1[96], b2[96], b3[96], b4[96], b5[96];
     bool ok = q->ndim == 3 && k->ndim == 3 && v->ndim == 3 && bt->ndim == 2 && sp->ndim == 2 && sp->shape[1] == 2 &&
               sp->shape[0] == q->shape[0] && k->shape[0] == v->shape[0] && k->shape[1] == v->shape[1] &&
               k->shape[1] > 0 && q->shape[1] % k->shape[1] == 0 && q->shape[2] == k->shape[2] &&
@@ -462,18 +410,16 @@ kiln_status kiln__infer_paged_attention(kiln_tensor_t *const *in, int n, const k
     if (!ok)
         return kiln__err(KILN_ERR_SHAPE, "paged_attention: q %s, k_pages %s, v_pages %s, block_table %s, seq_pos %s must "
                          "be (N,H,D), (S,Hkv,D), (S,Hkv,D), (n_seqs,max_blocks), (N,2) with H a multiple of Hkv and S a "
-                         "multiple of block_len %lld", SHP(q, b1), SHP(k, b2), SHP(v, b3), SHP(bt, b4), SHP(sp, b5),
+                         "multiple of block_len %lld", SHP(q), SHP(k), SHP(v), SHP(bt), SHP(sp),
                          (long long)a->op.paged_attention.block_len);
     bool kv_ok = k->dtype == v->dtype &&
                  (k->dtype == KILN_DTYPE_F32 || k->dtype == KILN_DTYPE_F16 || k->dtype == KILN_DTYPE_BF16);
     if (q->dtype != KILN_DTYPE_F32 || !kv_ok)
         return kiln__err(KILN_ERR_DTYPE, "paged_attention: q %s must be f32, and k_pages %s and v_pages %s one type of "
-                         "f32, f16 or bf16", SHP(q, b1), SHP(k, b2), SHP(v, b3));
+                         "f32, f16 or bf16", SHP(q), SHP(k), SHP(v));
     if (bt->dtype != KILN_DTYPE_I32 || sp->dtype != KILN_DTYPE_I32)
-        return kiln__err(KILN_ERR_DTYPE, "paged_attention: block_table %s and seq_pos %s must be i32", SHP(bt, b4),
-                         SHP(sp, b5));
-    meta_like(q, q->dtype, &out[0]);
-    return KILN_OK;
+        return kiln__err(KILN_ERR_DTYPE, "paged_attention: block_table %s and seq_pos %s must be i32", SHP(bt), SHP(sp));
+    return unary_any("paged_attention", in, n, a, out);
 }
 
 /* Views: strides and offset relative to the input's storage. */
@@ -488,17 +434,14 @@ static void view_of(const kiln_tensor_t *t, kiln__meta *m)
 
 /* Strides for viewing t as `shape` without a copy, if they exist: each run of merged
  * input dims must be contiguous with itself. */
-kiln_status kiln__infer_view(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(view)
 {
     const kiln_tensor_t *t = in[0];
-    char b[96];
     if (kiln__numel(a->ndim, a->shape) != kiln__numel(t->ndim, t->shape))
-        return kiln__err(KILN_ERR_SHAPE, "view: cannot view %s (%lld elements) as %d dims of %lld elements", SHP(t, b),
+        return kiln__err(KILN_ERR_SHAPE, "view: cannot view %s (%lld elements) as %d dims of %lld elements", SHP(t),
                          (long long)kiln__numel(t->ndim, t->shape), a->ndim, (long long)kiln__numel(a->ndim, a->shape));
-    out->dtype = t->dtype;
-    out->ndim = a->ndim;
-    out->offset = t->offset;
-    memcpy(out->shape, a->shape, sizeof(int64_t) * (size_t)a->ndim);
+    view_of(t, out);
+    meta_shape(out, t->dtype, a->ndim, a->shape);
     if (t->ndim == 0 || kiln__numel(t->ndim, t->shape) == 0) {
         kiln__contiguous_strides(a->ndim, a->shape, out->stride);
         return KILN_OK;
@@ -514,23 +457,22 @@ kiln_status kiln__infer_view(kiln_tensor_t *const *in, int n, const kiln__attrs 
                 view_d--;
             }
             if (view_numel != tensor_numel)
-                return kiln__err(KILN_ERR_SHAPE, "view: %s is not contiguous enough to view; use kiln_reshape", SHP(t, b));
+                return kiln__err(KILN_ERR_SHAPE, "view: %s is not contiguous enough to view; use kiln_reshape", SHP(t));
             if (d > 0) {
                 base = t->stride[d - 1];
                 tensor_numel = view_numel = 1;
             }
         }
     }
-    if (view_d != -1) return kiln__err(KILN_ERR_SHAPE, "view: %s cannot be viewed as asked; use kiln_reshape", SHP(t, b));
+    if (view_d != -1) return kiln__err(KILN_ERR_SHAPE, "view: %s cannot be viewed as asked; use kiln_reshape", SHP(t));
     return KILN_OK;
 }
 
-kiln_status kiln__infer_permute(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(permute)
 {
     const kiln_tensor_t *t = in[0];
-    char b[96];
     bool seen[KILN_MAX_DIMS] = {0};
-    if (a->ndim != t->ndim) return kiln__err(KILN_ERR_ARG, "permute: %d dims given for %s", a->ndim, SHP(t, b));
+    if (a->ndim != t->ndim) return kiln__err(KILN_ERR_ARG, "permute: %d dims given for %s", a->ndim, SHP(t));
     view_of(t, out);
     for (int d = 0; d < t->ndim; d++) {
         int64_t s = a->shape[d];
@@ -542,7 +484,7 @@ kiln_status kiln__infer_permute(kiln_tensor_t *const *in, int n, const kiln__att
     return KILN_OK;
 }
 
-kiln_status kiln__infer_slice(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(slice)
 {
     const kiln_tensor_t *t = in[0];
     int dim = (int)a->op.slice.dim;
@@ -554,14 +496,12 @@ kiln_status kiln__infer_slice(kiln_tensor_t *const *in, int n, const kiln__attrs
     return KILN_OK;
 }
 
-kiln_status kiln__infer_expand(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(expand)
 {
     const kiln_tensor_t *t = in[0];
-    char b[96];
-    if (a->ndim < t->ndim) return kiln__err(KILN_ERR_SHAPE, "expand: %s has more dims than the %d-dim target", SHP(t, b), a->ndim);
-    out->dtype = t->dtype;
+    if (a->ndim < t->ndim) return kiln__err(KILN_ERR_SHAPE, "expand: %s has more dims than the %d-dim target", SHP(t), a->ndim);
+    view_of(t, out);
     out->ndim = a->ndim;
-    out->offset = t->offset;
     for (int d = 0; d < a->ndim; d++) {
         int k = d - (a->ndim - t->ndim);
         int64_t want = a->shape[d];
@@ -575,7 +515,7 @@ kiln_status kiln__infer_expand(kiln_tensor_t *const *in, int n, const kiln__attr
             out->shape[d] = want;
             out->stride[d] = 0;
         } else {
-            return kiln__err(KILN_ERR_SHAPE, "expand: dim %d of %s is %lld, cannot expand to %lld", k, SHP(t, b),
+            return kiln__err(KILN_ERR_SHAPE, "expand: dim %d of %s is %lld, cannot expand to %lld", k, SHP(t),
                              (long long)t->shape[k], (long long)want);
         }
         if (out->shape[d] < 0) return kiln__err(KILN_ERR_SHAPE, "expand: negative size in dim %d", d);
@@ -583,153 +523,103 @@ kiln_status kiln__infer_expand(kiln_tensor_t *const *in, int n, const kiln__attr
     return KILN_OK;
 }
 
-static kiln_status creation(const kiln__attrs *a, kiln__meta *out)
+static kiln_status creation(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     meta_shape(out, a->op.source.dtype, a->ndim, a->shape);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_full(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return creation(a, out); }
-kiln_status kiln__infer_arange(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return creation(a, out); }
-kiln_status kiln__infer_rand(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return creation(a, out); }
+INFER_BY(full, creation)
+INFER_BY(arange, creation)
+INFER_BY(rand, creation)
 
 /* In-place ops: src must broadcast to dst; nothing is allocated. */
-static kiln_status into(const char *op, kiln_tensor_t *const *in)
+static kiln_status into(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
     kiln__meta m;
     kiln_status s = kiln__broadcast_shapes(op, 2, in, &m);
     if (s != KILN_OK) return s;
-    char b1[96], b2[96];
     if (m.ndim != in[0]->ndim || memcmp(m.shape, in[0]->shape, sizeof(int64_t) * (size_t)m.ndim))
-        return kiln__err(KILN_ERR_SHAPE, "%s: source %s does not broadcast to the destination %s", op, SHP(in[1], b1),
-                         SHP(in[0], b2));
+        return kiln__err(KILN_ERR_SHAPE, "%s: source %s does not broadcast to the destination %s", op, SHP(in[1]),
+                         SHP(in[0]));
     return KILN_OK;
 }
 
-kiln_status kiln__infer_add_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return into("add_", in); }
-kiln_status kiln__infer_copy_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return into("copy_", in); }
-kiln_status kiln__infer_index_copy_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER_BY(add_, into)
+INFER_BY(copy_, into)
+INFER(index_copy_)
 {
     const kiln_tensor_t *dst = in[0], *idx = in[1], *src = in[2];
-    char b1[96], b2[96], b3[96];
     bool ok = dst->ndim >= 1 && idx->ndim == 1 && src->ndim == dst->ndim && src->shape[0] == idx->shape[0];
     for (int d = 1; ok && d < dst->ndim; d++) ok = src->shape[d] == dst->shape[d];
     if (!ok)
         return kiln__err(KILN_ERR_SHAPE, "index_copy_: dst %s, index %s, src %s: src must be (n, ...) with dst's row shape "
-                         "and index (n)", SHP(dst, b1), SHP(idx, b2), SHP(src, b3));
+                         "and index (n)", SHP(dst), SHP(idx), SHP(src));
     if (src->dtype != dst->dtype)
-        return kiln__err(KILN_ERR_DTYPE, "index_copy_: src %s and dst %s differ in dtype", SHP(src, b3), SHP(dst, b1));
+        return kiln__err(KILN_ERR_DTYPE, "index_copy_: src %s and dst %s differ in dtype", SHP(src), SHP(dst));
     return need_index("index_copy_", idx);
 }
-kiln_status kiln__infer_scale_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return KILN_OK; }
-kiln_status kiln__infer_fill_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) { return KILN_OK; }
+INFER(scale_) { return KILN_OK; }
+INFER(fill_) { return KILN_OK; }
 
-kiln_status kiln__infer_adamw_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(adamw_)
 {
     for (int i = 0; i < 4; i++) {
-        char b1[96], b2[96];
         if (in[i]->dtype != KILN_DTYPE_F32 || in[i]->ndim != in[0]->ndim ||
             memcmp(in[i]->shape, in[0]->shape, sizeof(int64_t) * (size_t)in[0]->ndim) || !kiln__is_contiguous(in[i]))
             return kiln__err(KILN_ERR_SHAPE, "adamw_: tensor %d %s must be contiguous f32 shaped like the parameter %s", i,
-                             SHP(in[i], b1), SHP(in[0], b2));
+                             SHP(in[i]), SHP(in[0]));
     }
     static const char *const scalar[3] = {"lr", "step", "gscale"};
     for (int i = 4; i < 7; i++) {
-        char b[96];
         if ((in[i]->dtype != KILN_DTYPE_F32 && in[i]->dtype != KILN_DTYPE_F64) ||
             kiln__numel(in[i]->ndim, in[i]->shape) != 1)
             return kiln__err(KILN_ERR_SHAPE, "adamw_: %s %s must be a one-element f32 or f64 tensor", scalar[i - 4],
-                             SHP(in[i], b));
+                             SHP(in[i]));
     }
     return KILN_OK;
 }
 
-kiln_status kiln__infer_check_min(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(check_min)
 {
     kiln_dtype dt = in[0]->dtype;
-    char b[96];
     if (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_F64 && dt != KILN_DTYPE_I32 && dt != KILN_DTYPE_I64)
-        return kiln__err(KILN_ERR_DTYPE, "check_min: %s must be f32, f64, i32 or i64", SHP(in[0], b));
-    meta_like(in[0], dt, out);
-    return KILN_OK;
+        return kiln__err(KILN_ERR_DTYPE, "check_min: %s must be f32, f64, i32 or i64", SHP(in[0]));
+    return unary_any("check_min", in, n, a, out);
 }
 
-kiln_status kiln__infer_allreduce_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+/* Collectives: an f32 or f64 tensor (and a source of its dtype) and a process group.
+ * Sizes are the group's to check when it runs (the infer step knows no world size). */
+static kiln_status collective(const char *op, kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
 {
-    char b[96];
     if (in[0]->dtype != KILN_DTYPE_F32 && in[0]->dtype != KILN_DTYPE_F64)
-        return kiln__err(KILN_ERR_DTYPE, "allreduce_: %s must be f32 or f64", SHP(in[0], b));
-    if (!a->op.collective.group || !a->op.collective.ops) return kiln__err(KILN_ERR_ARG, "allreduce_: no process group");
+        return kiln__err(KILN_ERR_DTYPE, "%s: %s must be f32 or f64", op, SHP(in[0]));
+    if (n > 1 && in[1]->dtype != in[0]->dtype)
+        return kiln__err(KILN_ERR_DTYPE, "%s: source %s and destination %s differ in dtype", op, SHP(in[1]), SHP(in[0]));
+    if (!a->op.collective.group || !a->op.collective.ops) return kiln__err(KILN_ERR_ARG, "%s: no process group", op);
     return KILN_OK;
 }
 
-/* Sizes are the group's to check when it runs (the infer step knows no world size). */
-static kiln_status infer_collective2(const char *what, kiln_tensor_t *const *in, const kiln__attrs *a)
-{
-    char b[96], c[96];
-    if (in[0]->dtype != KILN_DTYPE_F32 && in[0]->dtype != KILN_DTYPE_F64)
-        return kiln__err(KILN_ERR_DTYPE, "%s: %s must be f32 or f64", what, SHP(in[0], b));
-    if (in[1]->dtype != in[0]->dtype)
-        return kiln__err(KILN_ERR_DTYPE, "%s: source %s and destination %s differ in dtype", what, SHP(in[1], b),
-                         SHP(in[0], c));
-    if (!a->op.collective.group || !a->op.collective.ops) return kiln__err(KILN_ERR_ARG, "%s: no process group", what);
-    return KILN_OK;
-}
-
-kiln_status kiln__infer_reduce_scatter_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    return infer_collective2("reduce_scatter_", in, a);
-}
-
-kiln_status kiln__infer_allgather_(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    return infer_collective2("allgather_", in, a);
-}
+INFER_BY(allreduce_, collective)
+INFER_BY(reduce_scatter_, collective)
+INFER_BY(allgather_, collective)
 
 /* Backward ops. */
-/* A pointwise backward op (x, g): a gradient shaped and typed as x. */
-#define LIKE_INPUT(name) \
-    kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out) \
-    { meta_like(in[0], in[0]->dtype, out); return KILN_OK; }
-LIKE_INPUT(gelu_backward)
-LIKE_INPUT(silu_backward)
-
-kiln_status kiln__infer_embedding_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+INFER(embedding_backward)
 {
     int64_t shape[2] = {a->op.embedding_backward.vocab, in[0]->shape[in[0]->ndim - 1]};
     meta_shape(out, in[0]->dtype, 2, shape);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_layer_norm_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
+/* Output j shaped like input from[j]: the gradients of the forward op's inputs. */
+static kiln_status like_inputs(kiln_tensor_t *const *in, int n_out, const int *from, kiln__meta *out)
 {
-    meta_like(in[1], in[1]->dtype, &out[0]);
-    meta_like(in[2], in[2]->dtype, &out[1]);
-    meta_like(in[2], in[2]->dtype, &out[2]);
+    for (int j = 0; j < n_out; j++) meta_like(in[from[j]], in[from[j]]->dtype, &out[j]);
     return KILN_OK;
 }
 
-kiln_status kiln__infer_rms_norm_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    meta_like(in[1], in[1]->dtype, &out[0]);
-    meta_like(in[2], in[2]->dtype, &out[1]);
-    return KILN_OK;
-}
-
-kiln_status kiln__infer_cross_entropy_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    meta_like(in[1], in[1]->dtype, out);
-    return KILN_OK;
-}
-
-kiln_status kiln__infer_attention_backward(kiln_tensor_t *const *in, int n, const kiln__attrs *a, kiln__meta *out)
-{
-    for (int j = 0; j < 3; j++) meta_like(in[1 + j], in[1 + j]->dtype, &out[j]);
-    return KILN_OK;
-}
-
-/* The pointwise ops defined by their math: a float tensor of x's shape; the backward
- * op's (x, g) the same as x. */
-#define KILN_PW(ID, name) UNARY_FLOAT(name) LIKE_INPUT(name##_backward)
-#include "kiln/pointwise.def"
-#undef KILN_PW
+INFER(layer_norm_backward) { return like_inputs(in, 3, (const int[]){1, 2, 2}, out); } /* (g, x, w, ...): dx, dw, db */
+INFER(rms_norm_backward) { return like_inputs(in, 2, (const int[]){1, 2}, out); }       /* (g, x, w, ...): dx, dw */
+INFER(cross_entropy_backward) { return like_inputs(in, 1, (const int[]){1}, out); }     /* (g, logits, ...): dlogits */
+INFER(attention_backward) { return like_inputs(in, 3, (const int[]){1, 2, 3}, out); }   /* (g, q, k, v, ...): dq, dk, dv */

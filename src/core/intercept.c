@@ -29,23 +29,21 @@ typedef struct {
 static ext_slot slots[KILN__EXT_SLOTS];
 static int n_slots;
 
-/* Inserts ic into list (n entries) in order, after those of the same order. */
-static void insert_ordered(const kiln__interceptor **list, int n, const kiln__interceptor *ic)
-{
-    int i = n;
-    while (i > 0 && list[i - 1]->order > ic->order) {
-        list[i] = list[i - 1];
-        i--;
-    }
-    list[i] = ic;
-}
+/* Inserts item into list (n entries) by its order, after those of the same order (the
+ * interceptors' lists and the providers'). */
+#define INSERT_ORDERED(list, n, item)                                                      \
+    do {                                                                                   \
+        int at_ = (n);                                                                     \
+        for (; at_ > 0 && (list)[at_ - 1]->order > (item)->order; at_--) (list)[at_] = (list)[at_ - 1]; \
+        (list)[at_] = (item);                                                              \
+    } while (0)
 
 kiln_status kiln__intercept_register(const kiln__interceptor *ic)
 {
     if (!ic || !ic->name) return kiln__err(KILN_ERR_ARG, "intercept_register: interceptor or its name is NULL");
     if (n_global == MAX_GLOBAL)
         return kiln__err(KILN_ERR_ARG, "intercept_register: %s: at most %d process-wide interceptors", ic->name, MAX_GLOBAL);
-    insert_ordered(global_ics, n_global++, ic);
+    INSERT_ORDERED(global_ics, n_global++, ic);
     return KILN_OK;
 }
 
@@ -55,7 +53,7 @@ kiln_status kiln__intercept_push(const kiln__interceptor *ic)
     if (stack.n == MAX_STACK)
         return kiln__err(KILN_ERR_UNSUPPORTED, "%s: this thread already has %d interceptors (captures and recordings "
                          "nested that deep)", ic->name, MAX_STACK);
-    insert_ordered(stack.ic, stack.n++, ic);
+    INSERT_ORDERED(stack.ic, stack.n++, ic);
     return KILN_OK;
 }
 
@@ -102,30 +100,30 @@ void kiln__intercept_resume(void *saved)
         if (stack.ic[i]->resume) stack.ic[i]->resume(stack.ic[i]->ctx);
 }
 
-bool kiln__intercept_forget_suspended(const kiln__interceptor *ic)
+kiln_status kiln__intercept_end(const kiln__interceptor *ic, kiln_status s, const char *who, const char *what)
 {
+    kiln__intercept_pop(ic);
     for (int k = n_suspended - 1; k >= 0; k--)
         for (int i = 0; i < suspended[k].n; i++)
             if (suspended[k].ic[i] == ic) {
                 n_suspended = k;
-                return true;
+                if (s != KILN_OK) return s;
+                return kiln__err(KILN_ERR_ARG, "%s: the function suspended the %s (kiln_graph_suspend) and returned "
+                                 "without resuming it (kiln_graph_resume)", who, what);
             }
+    return s;
+}
+
+/* Whether an interceptor on this thread's stack traces (traces true) or records. */
+static bool stack_any(bool traces)
+{
+    for (int i = 0; i < stack.n; i++)
+        if (traces ? stack.ic[i]->traces : stack.ic[i]->records) return true;
     return false;
 }
 
-bool kiln__dispatch_tracing(void)
-{
-    for (int i = 0; i < stack.n; i++)
-        if (stack.ic[i]->traces) return true;
-    return false;
-}
-
-bool kiln__dispatch_recording(void)
-{
-    for (int i = 0; i < stack.n; i++)
-        if (stack.ic[i]->records) return true;
-    return false;
-}
+bool kiln__dispatch_tracing(void) { return stack_any(true); }
+bool kiln__dispatch_recording(void) { return stack_any(false); }
 
 /* The active interceptors in order: this thread's stack merged with the process-wide
  * ones (both already sorted). Returns how many, at most MAX_GLOBAL + MAX_STACK. */
@@ -156,12 +154,7 @@ kiln_status kiln__provider_register(const kiln__provider *p)
 {
     if (!p || !p->name || !p->run) return kiln__err(KILN_ERR_ARG, "provider_register: provider, name or run is NULL");
     if (n_providers == MAX_PROVIDERS) return kiln__err(KILN_ERR_ARG, "provider_register: at most %d", MAX_PROVIDERS);
-    int i = n_providers++;
-    while (i > 0 && providers[i - 1]->order > p->order) {
-        providers[i] = providers[i - 1];
-        i--;
-    }
-    providers[i] = p;
+    INSERT_ORDERED(providers, n_providers++, p);
     return KILN_OK;
 }
 

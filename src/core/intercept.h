@@ -78,10 +78,11 @@ const kiln__interceptor *kiln__intercept_find(const char *name);
  * what a graph suspension does for state made outside the recorded function. */
 void *kiln__intercept_suspend(void);
 void kiln__intercept_resume(void *saved);
-/* Whether ic (ending now) sits in a suspension that was never resumed (a function that
- * suspended its capture and returned without resuming it); that suspension and those
- * taken after it are forgotten, so that no later resume puts ic back. */
-bool kiln__intercept_forget_suspended(const kiln__interceptor *ic);
+/* Pops ic at the end of its capture or recording (what) that has status s so far, and
+ * then fails, naming who, when ic sits in a suspension that was never resumed (its
+ * function suspended it and returned); that suspension and those taken after it are
+ * forgotten, so that no resume puts ic back. */
+kiln_status kiln__intercept_end(const kiln__interceptor *ic, kiln_status s, const char *who, const char *what);
 bool kiln__dispatch_tracing(void);
 bool kiln__dispatch_recording(void);
 /* Asks this thread's interceptors whether t's data may be read or written on the host;

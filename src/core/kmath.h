@@ -13,13 +13,24 @@
 #ifndef KILN_CORE_KMATH_H
 #define KILN_CORE_KMATH_H
 
+/* KM_PW(name, F, D): km_<name>(float x) returning F, and km_<name>d(double x)
+ * returning D where the dialect has doubles. */
+#ifdef KM_NO_F64
+#define KM_PW(name, F, D) KM_FN float km_##name(float x) { return F; }
+#else
+#define KM_PW(name, F, D)                          \
+    KM_FN float km_##name(float x) { return F; }   \
+    KM_FN double km_##name##d(double x) { return D; }
+#endif
+
 /* exp(x) by range reduction to [-ln2/2, ln2/2] and a degree-6 polynomial (the Cephes
  * coefficients), about 2 ulp, written with selects and a rounding constant so that a
  * compiler vectorizes it (libm's expf is a call per element): the fast-exp switch's
- * form (KILN_OPT_FAST_EXP). Below -87 the true value is under FLT_MIN:
- * 0, as exp(-inf) must be, and never a denormal, which would slow every multiply that
- * reads it (a masked softmax's weights in a GEMM ran 25x slower). NaN stays NaN. */
-KM_FN float km_exp(float x0)
+ * form (KILN_OPT_FAST_EXP), and the generated kernels' exp. Below -87 the true value
+ * is under FLT_MIN: 0, as exp(-inf) must be, and never a denormal, which would slow
+ * every multiply that reads it (a masked softmax's weights in a GEMM ran 25x slower).
+ * NaN stays NaN. */
+KM_FN float km_exp_fast(float x0)
 {
     float x = x0 > -87.0f ? x0 : -87.0f; /* a NaN too, so the conversion below stays in range */
     x = x < 88.0f ? x : 88.0f;
@@ -35,10 +46,32 @@ KM_FN float km_exp(float x0)
     return x0 == x0 ? (x0 < -87.0f ? 0.0f : p * km_bits(((int32_t)n + 127) << 23)) : x0;
 }
 
+/* The pointwise ops of include/kiln/pointwise.def, each row's functions (and the
+ * _fast forms of the rows that have them): neg, abs, exp, log, sqrt, rsqrt, tanh,
+ * sigmoid, relu, silu (with its derivative), softplus (with its derivative). */
+KM_PW(neg, -x, -x)
+KM_PW(abs, fabsf(x), fabs(x))
+KM_PW(exp, expf(x), exp(x))
+KM_PW(log, logf(x), log(x))
+KM_PW(sqrt, sqrtf(x), sqrt(x))
+KM_PW(rsqrt, 1.0f / sqrtf(x), 1.0 / sqrt(x))
+KM_PW(tanh, tanhf(x), tanh(x))
+KM_PW(sigmoid, 1.0f / (1.0f + expf(-x)), 1.0 / (1.0 + exp(-x)))
+KM_PW(relu, x > 0 ? x : 0.0f, x > 0 ? x : 0.0)
 /* tanh(u) = 1 - 2 / (exp(2u) + 1): exact limits at both ends; absolute error ~1e-7. */
-KM_FN float km_tanh_fast(float u) { return 1.0f - 2.0f / (km_exp(2.0f * u) + 1.0f); }
-KM_FN float km_sigmoid_fast(float x) { return 1.0f / (1.0f + km_exp(-x)); }
-KM_FN float km_sigmoid(float x) { return 1.0f / (1.0f + expf(-x)); }
+KM_FN float km_tanh_fast(float u) { return 1.0f - 2.0f / (km_exp_fast(2.0f * u) + 1.0f); }
+KM_FN float km_sigmoid_fast(float x) { return 1.0f / (1.0f + km_exp_fast(-x)); }
+
+/* silu(x) = x sigmoid(x); its derivative s (1 + x (1 - s)), s = sigmoid(x). */
+KM_PW(silu, x * km_sigmoid(x), x * km_sigmoidd(x))
+KM_PW(silu_dx, km_sigmoid(x) * (1.0f + x * (1.0f - km_sigmoid(x))), km_sigmoidd(x) * (1.0 + x * (1.0 - km_sigmoidd(x))))
+KM_FN float km_silu_fast(float x) { return x * km_sigmoid_fast(x); }
+KM_FN float km_silu_dx_fast(float x) { return km_sigmoid_fast(x) * (1.0f + x * (1.0f - km_sigmoid_fast(x))); }
+
+/* softplus(x) = log(1 + exp(x)), and x itself above 20 (where they agree to rounding),
+ * as PyTorch's default threshold; its derivative is the sigmoid (1 above 20). */
+KM_PW(softplus, x > 20.0f ? x : log1pf(expf(x)), x > 20.0 ? x : log1p(exp(x)))
+KM_PW(softplus_dx, x > 20.0f ? 1.0f : 1.0f / (1.0f + expf(-x)), x > 20.0 ? 1.0 : 1.0 / (1.0 + exp(-x)))
 
 /* NaN propagates through maximum and minimum, as in PyTorch. */
 KM_FN float km_max(float x, float y) { return x != x || x > y ? x : y; }
@@ -55,30 +88,16 @@ KM_FN double km_mind(double x, double y) { return x != x || x < y ? x : y; }
 KM_FN float km_gelu_fast(float x) { return 0.5f * x * (1.0f + km_tanh_fast(KM_C0 * (x + KM_C1 * x * x * x))); }
 KM_FN float km_gelu_tanh(float x) { return 0.5f * x * (1.0f + tanhf(KM_C0 * (x + KM_C1 * x * x * x))); }
 KM_FN float km_gelu_erf(float x) { return 0.5f * x * (1.0f + erff(x * 0.70710678f)); }
-KM_FN float km_gelu_grad_fast(float x)
+/* The tanh form's derivative from t = tanh(sqrt(2/pi) (x + 0.044715 x^3)). */
+KM_FN float km_gelu_grad_t(float x, float t)
 {
-    float t = km_tanh_fast(KM_C0 * (x + KM_C1 * x * x * x));
     return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KM_C0 * (1.0f + 3.0f * KM_C1 * x * x);
 }
-KM_FN float km_gelu_grad_tanh(float x)
-{
-    float t = tanhf(KM_C0 * (x + KM_C1 * x * x * x));
-    return 0.5f * (1.0f + t) + 0.5f * x * (1.0f - t * t) * KM_C0 * (1.0f + 3.0f * KM_C1 * x * x);
-}
+KM_FN float km_gelu_grad_fast(float x) { return km_gelu_grad_t(x, km_tanh_fast(KM_C0 * (x + KM_C1 * x * x * x))); }
+KM_FN float km_gelu_grad_tanh(float x) { return km_gelu_grad_t(x, tanhf(KM_C0 * (x + KM_C1 * x * x * x))); }
 KM_FN float km_gelu_grad_erf(float x)
 {
     return 0.5f * (1.0f + erff(x * 0.70710678f)) + x * expf(-0.5f * x * x) * 0.39894228f;
 }
-
-/* softplus(x) = log(1 + exp(x)), and x itself above 20 (where they agree to rounding),
- * as PyTorch's default threshold; its derivative is the sigmoid (1 above 20). */
-KM_FN float km_softplus(float x) { return x > 20.0f ? x : log1pf(expf(x)); }
-#ifndef KM_NO_F64
-KM_FN double km_softplusd(double x) { return x > 20.0 ? x : log1p(exp(x)); }
-#endif
-KM_FN float km_softplus_dx(float x) { return x > 20.0f ? 1.0f : 1.0f / (1.0f + expf(-x)); }
-#ifndef KM_NO_F64
-KM_FN double km_softplus_dxd(double x) { return x > 20.0 ? 1.0 : 1.0 / (1.0 + exp(-x)); }
-#endif
 
 #endif

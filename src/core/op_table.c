@@ -24,7 +24,9 @@ const kiln__op_def kiln__ops[KILN_OP_COUNT] = {
 };
 
 const kiln__op_math_t kiln__op_math[KILN_OP_COUNT] = {
-#define KILN_PW(ID, nm) [KILN_OP_##ID] = {#nm, false}, [KILN_OP_##ID##_BACKWARD] = {#nm, true},
+#define KILN_PW(ID, nm, dtypes, grad, fast)                       \
+    [KILN_OP_##ID] = {#nm, false, KILN__PW_##fast},               \
+    KILN__PW_IF_OP(grad, [KILN_OP_##ID##_BACKWARD] = {#nm, true, KILN__PW_##fast}, )
 #include "kiln/pointwise.def"
 #undef KILN_PW
 };

@@ -13,6 +13,19 @@
 #define KILN__SO(j) (1u << (8 + (j)))
 #define KILN__MAX_OUT 4
 
+/* For the rows of include/kiln/pointwise.def: what an op saves for its backward formula
+ * (grad column OP and X: x; Y: y; NONE: nothing), and KILN__PW_IF_OP(grad, text), the text
+ * only for a row with its own backward op. */
+#define KILN__PW_SAVE_OP KILN__SI(0)
+#define KILN__PW_SAVE_X KILN__SI(0)
+#define KILN__PW_SAVE_Y KILN__SO(0)
+#define KILN__PW_SAVE_NONE 0
+#define KILN__PW_IF_OP(grad, ...) KILN__PW_IF_OP_##grad(__VA_ARGS__)
+#define KILN__PW_IF_OP_OP(...) __VA_ARGS__
+#define KILN__PW_IF_OP_X(...)
+#define KILN__PW_IF_OP_Y(...)
+#define KILN__PW_IF_OP_NONE(...)
+
 typedef enum {
 #define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save) KILN_OP_##ID,
 #include "core/ops.def"
@@ -55,10 +68,12 @@ extern const kiln__op_def kiln__ops[KILN_OP_COUNT];
 
 /* The math of a pointwise op defined by it (include/kiln/pointwise.def): name is the
  * kmath.h function family (km_<name>, km_<name>d and their _dx derivatives), NULL for
- * every other op; dx marks the backward op (g * dy/dx). */
+ * every other op; dx marks the backward op (g * dy/dx); fast is the row's fast column. */
+typedef enum { KILN__PW_EXACT, KILN__PW_SWITCH, KILN__PW_GEN } kiln__pw_fast;
 typedef struct {
     const char *name;
     bool dx;
+    kiln__pw_fast fast;
 } kiln__op_math_t;
 extern const kiln__op_math_t kiln__op_math[KILN_OP_COUNT];
 
@@ -85,8 +100,14 @@ kiln_tensor_t *kiln__call(kiln__op_id op, kiln_tensor_t *const *in, int n_in, co
  * note it; the kernel's own launch stands for it. */
 kiln_status kiln__dispatch_quiet(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                  kiln_tensor_t **out);
+/* t itself when contiguous, else a contiguous copy on its device made so; a new
+ * reference (NULL on error). */
+kiln_tensor_t *kiln__dense(kiln_tensor_t *t);
 
-/* Shape helpers shared by inference and the rooms above. */
+/* Shape helpers shared by inference and the rooms above. kiln__shape_text: t's dtype and
+ * shape as text for an error message, in one of eight buffers of this thread used in turn
+ * (so that a message can name several tensors). */
+const char *kiln__shape_text(const kiln_tensor_t *t);
 kiln_status kiln__broadcast_shapes(const char *op, int n, kiln_tensor_t *const *ts, kiln__meta *out);
 int kiln__norm_dim(int dim, int ndim);
 kiln_dtype kiln__promote(kiln_dtype a, kiln_dtype b);

@@ -9,13 +9,9 @@
 #include "core/opts.h"
 #include "kiln/tensor.h"
 
-static const struct {
-    const char *name, *help; /* the default is the environment table's (env.c) */
-} table[KILN__OPT_COUNT] = {
-#define KILN__OPT_ROW(name, dflt, help) {#name, help},
-    KILN__OPTS(KILN__OPT_ROW) KILN__COMPILE_STAGES(KILN__OPT_ROW)
-#undef KILN__OPT_ROW
-};
+/* Switch i's row of the environment table (env.c): KILN_OPT_<name>, its help, its default. */
+static const kiln__env_row *row(int i) { return kiln__env_row_at(KILN__ENV_OPT(i)); }
+static const char *name_of(int i) { return row(i)->name + strlen("KILN_OPT_"); }
 
 static bool value[KILN__OPT_COUNT];
 static pthread_once_t once = PTHREAD_ONCE_INIT;
@@ -38,16 +34,14 @@ static bool disabled_by_alias(kiln__opt_id id)
     while (p && (it = kiln__env_list_next(&p, &n))) {
         int hit = -1;
         for (int s = KILN__OPT_FIRST_STAGE; s < KILN__OPT_COUNT && hit < 0; s++)
-            if (strlen(table[s].name + pre) == n && !strncasecmp(it, table[s].name + pre, n)) hit = s;
+            if (strlen(name_of(s) + pre) == n && !strncasecmp(it, name_of(s) + pre, n)) hit = s;
         if (hit == (int)id) off = true;
         if (hit < 0 && !atomic_exchange(&warned_disable, true)) {
-            char all[400];
-            size_t at = 0;
-            for (int s = KILN__OPT_FIRST_STAGE; s < KILN__OPT_COUNT && at + 16 < sizeof all; s++) {
-                if (s > KILN__OPT_FIRST_STAGE) all[at++] = ',', all[at++] = ' ';
-                for (const char *c = table[s].name + pre; *c && at + 3 < sizeof all; c++) all[at++] = (char)tolower(*c);
-            }
-            all[at] = 0;
+            char all[400] = "";
+            for (int s = KILN__OPT_FIRST_STAGE; s < KILN__OPT_COUNT; s++)
+                snprintf(all + strlen(all), sizeof all - strlen(all), "%s%s", s > KILN__OPT_FIRST_STAGE ? ", " : "",
+                         name_of(s) + pre);
+            for (char *c = all; *c; c++) *c = (char)tolower(*c);
             fprintf(stderr, "kiln: KILN_COMPILE_DISABLE: no stage '%.*s' (the stages: %s); ignored\n", (int)n, it, all);
         }
     }
@@ -63,16 +57,12 @@ bool kiln__opt(kiln__opt_id id)
 
 int kiln_opt_count(void) { return KILN__OPT_COUNT; }
 
-const char *kiln_opt_name(int i) { return i >= 0 && i < KILN__OPT_COUNT ? table[i].name : NULL; }
-const char *kiln_opt_help(int i) { return i >= 0 && i < KILN__OPT_COUNT ? table[i].help : NULL; }
+const char *kiln_opt_name(int i) { return i >= 0 && i < KILN__OPT_COUNT ? name_of(i) : NULL; }
+const char *kiln_opt_help(int i) { return i >= 0 && i < KILN__OPT_COUNT ? row(i)->help : NULL; }
 bool kiln_opt_enabled(int i) { return i >= 0 && i < KILN__OPT_COUNT && kiln__opt((kiln__opt_id)i); }
 
 /* KILN_LOGS (a comma list; "all" for every stage) names stage. */
 bool kiln__log_on(const char *stage)
 {
-    const char *p = kiln__env_str(KILN__ENV_LOGS), *it;
-    size_t n, want = strlen(stage);
-    while (p && (it = kiln__env_list_next(&p, &n)))
-        if ((n == want && !strncmp(it, stage, n)) || (n == 3 && !strncmp(it, "all", 3))) return true;
-    return false;
+    return kiln__env_list_has(KILN__ENV_LOGS, stage) || kiln__env_list_has(KILN__ENV_LOGS, "all");
 }

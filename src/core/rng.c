@@ -11,14 +11,6 @@
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static kiln_rng_state state = {.seed = 0x6b696c6eULL, .offset = 0};
 
-void kiln_manual_seed(uint64_t seed)
-{
-    pthread_mutex_lock(&lock);
-    state.seed = seed;
-    state.offset = 0;
-    pthread_mutex_unlock(&lock);
-}
-
 kiln_rng_state kiln_rng_get_state(void)
 {
     pthread_mutex_lock(&lock);
@@ -33,6 +25,8 @@ void kiln_rng_set_state(kiln_rng_state s)
     state = s;
     pthread_mutex_unlock(&lock);
 }
+
+void kiln_manual_seed(uint64_t seed) { kiln_rng_set_state((kiln_rng_state){.seed = seed, .offset = 0}); }
 
 /* Reserves n counters (rounded up to whole Philox blocks of 4); returns the first. While
  * this thread captures a graph nothing is reserved (seed and offset 0): the graph takes

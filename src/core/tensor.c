@@ -7,6 +7,7 @@
 #include "core/tensor_impl.h"
 #include "core/intercept.h"
 #include "core/rng.h"
+#include "core/util.h"
 
 int64_t kiln__numel(int ndim, const int64_t *shape)
 {
@@ -34,24 +35,24 @@ bool kiln__is_contiguous(const kiln_tensor_t *t)
     return true;
 }
 
+void kiln__meta_of(const kiln_tensor_t *t, kiln__meta *m)
+{
+    *m = (kiln__meta){.dtype = t->dtype, .ndim = t->ndim, .offset = t->offset};
+    memcpy(m->shape, t->shape, sizeof(int64_t) * (size_t)t->ndim);
+    memcpy(m->stride, t->stride, sizeof(int64_t) * (size_t)t->ndim);
+}
+
 kiln_tensor_t *kiln__tensor_alias(kiln__storage *st, kiln_dtype dt, int ndim, const int64_t *shape,
                                   const int64_t *stride, int64_t offset)
 {
-    kiln_tensor_t *t = calloc(1, sizeof *t);
-    if (!t) {
-        kiln__err(KILN_ERR_OOM, "out of memory allocating a tensor header");
-        return NULL;
-    }
-    atomic_init(&t->refcount, 1);
+    kiln_tensor_t *t = malloc(sizeof *t);
+    if (!t) return kiln__err(KILN_ERR_OOM, "out of memory allocating a tensor header"), NULL;
+    *t = (kiln_tensor_t){.refcount = 1, .st = st, .dtype = dt, .ndim = ndim, .offset = offset};
     atomic_fetch_add(&st->refcount, 1);
-    t->st = st;
-    t->dtype = dt;
-    t->ndim = ndim;
     for (int i = 0; i < ndim; i++) {
         t->shape[i] = shape[i];
         t->stride[i] = stride[i];
     }
-    t->offset = offset;
     return t;
 }
 
@@ -72,21 +73,18 @@ void kiln_tensor_free(kiln_tensor_t *t)
 /* Scopes: a per-thread stack of growable lists of references. */
 typedef struct {
     kiln_tensor_t **items;
-    size_t n, cap;
+    int n;
+    size_t cap;
 } scope;
 
 static _Thread_local scope *scopes;
-static _Thread_local int n_scopes, cap_scopes;
+static _Thread_local int n_scopes;
+static _Thread_local size_t cap_scopes;
 
 void kiln_scope_begin(void)
 {
-    if (n_scopes == cap_scopes) {
-        int cap = cap_scopes ? cap_scopes * 2 : 8;
-        scope *s = realloc(scopes, (size_t)cap * sizeof *s);
-        if (!s) abort(); /* a few bytes for the scope stack: nothing sane remains */
-        scopes = s;
-        cap_scopes = cap;
-    }
+    void *tmp;
+    if (!KILN__GROW(scopes, n_scopes, &cap_scopes, 8, tmp)) abort(); /* a few bytes: nothing sane remains */
     scopes[n_scopes++] = (scope){0};
 }
 
@@ -94,7 +92,7 @@ void kiln_scope_end(void)
 {
     if (n_scopes == 0) return;
     scope *s = &scopes[--n_scopes];
-    for (size_t i = s->n; i-- > 0;) kiln_tensor_free(s->items[i]);
+    for (int i = s->n; i-- > 0;) kiln_tensor_free(s->items[i]);
     free(s->items);
     if (n_scopes == 0) { /* the outermost scope: a thread that ends now leaves nothing behind */
         free(scopes);
@@ -107,16 +105,10 @@ kiln_tensor_t *kiln__scoped(kiln_tensor_t *t)
 {
     if (!t || n_scopes == 0) return t;
     scope *s = &scopes[n_scopes - 1];
-    if (s->n == s->cap) {
-        size_t cap = s->cap ? s->cap * 2 : 64;
-        kiln_tensor_t **items = realloc(s->items, cap * sizeof *items);
-        if (!items) {
-            kiln_tensor_free(t);
-            kiln__err(KILN_ERR_OOM, "out of memory growing a scope");
-            return NULL;
-        }
-        s->items = items;
-        s->cap = cap;
+    void *tmp;
+    if (!KILN__GROW(s->items, s->n, &s->cap, 64, tmp)) {
+        kiln_tensor_free(t);
+        return kiln__err(KILN_ERR_OOM, "out of memory growing a scope"), NULL;
     }
     s->items[s->n++] = t;
     return t;
@@ -127,7 +119,7 @@ kiln_tensor_t *kiln_keep(kiln_tensor_t *t)
     if (!t) return NULL;
     for (int k = n_scopes - 1; k >= 0; k--) {
         scope *s = &scopes[k];
-        for (size_t i = s->n; i-- > 0;) {
+        for (int i = s->n; i-- > 0;) {
             if (s->items[i] == t) {
                 s->items[i] = s->items[--s->n];
                 return t;
@@ -135,6 +127,28 @@ kiln_tensor_t *kiln_keep(kiln_tensor_t *t)
         }
     }
     return t; /* not in a scope: the caller owned it already */
+}
+
+kiln_status kiln__check_indices(const char *op, const void *idx, kiln_dtype dt, int64_t n, int64_t limit,
+                                const int64_t *ignore, int64_t *count)
+{
+    size_t sz = kiln_dtype_size(dt);
+    int64_t c = 0;
+    for (int64_t i = 0; i < n; i++) {
+        int64_t v = kiln__load_index((const char *)idx + i * (int64_t)sz, dt);
+        if (ignore && v == *ignore) continue;
+        if (v >= 0 && v < limit) {
+            c++;
+            continue;
+        }
+        if (ignore)
+            return kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) (and is "
+                             "not ignore_index %lld)", (long long)v, (long long)i, (long long)limit, (long long)*ignore);
+        return kiln__err(KILN_ERR_INDEX, "%s: index %lld at position %lld is outside [0, %lld)", op, (long long)v,
+                         (long long)i, (long long)limit);
+    }
+    if (count) *count = c;
+    return KILN_OK;
 }
 
 /* Properties. */
@@ -211,8 +225,7 @@ kiln_tensor_t *kiln_empty(const int64_t *shape, int ndim, kiln_dtype dt)
 
 kiln_tensor_t *kiln_full(const int64_t *shape, int ndim, double value, kiln_dtype dt)
 {
-    kiln__attrs a = {0};
-    a.op.source.value = value;
+    kiln__attrs a = {.op.source.value = value};
     return creation(KILN_OP_FULL, "full", shape, ndim, dt, &a);
 }
 
@@ -233,9 +246,7 @@ kiln_tensor_t *kiln_arange(double start, double end, double step, kiln_dtype dt)
 {
     if (step == 0 || (end - start) / step < 0)
         return kiln__err(KILN_ERR_ARG, "arange: step %g cannot go from %g to %g", step, start, end), NULL;
-    kiln__attrs a = {0};
-    a.op.source.start = start;
-    a.op.source.step = step;
+    kiln__attrs a = {.op.source.start = start, .op.source.step = step};
     int64_t n = (int64_t)((end - start) / step);
     if (start + (double)n * step != end && (end - start) / step > (double)n) n++;
     return creation(KILN_OP_ARANGE, "arange", &n, 1, dt, &a);
@@ -247,8 +258,7 @@ static kiln_tensor_t *random_tensor(const int64_t *shape, int ndim, kiln_dtype d
         return kiln__err(KILN_ERR_DTYPE, "%s: dtype %s is not a float dtype", normal ? "randn" : "rand",
                          kiln_dtype_name(dt)), NULL;
     if (check_shape("rand", shape, ndim, dt) != KILN_OK) return NULL;
-    kiln__attrs a = {0};
-    a.op.source.normal = normal;
+    kiln__attrs a = {.op.source.normal = normal};
     a.u[1] = kiln__rng_take((uint64_t)kiln__numel(ndim, shape), &a.u[0]);
     return creation(KILN_OP_RAND, "rand", shape, ndim, dt, &a);
 }
@@ -270,14 +280,24 @@ kiln_tensor_t *kiln_from_data(const void *data, const int64_t *shape, int ndim, 
     return kiln__scoped(t);
 }
 
-kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nbytes)
+/* What a copy between t and host memory at ptr checks first (write: into t). */
+static kiln_status host_copy_check(const kiln_tensor_t *t, const void *ptr, size_t nbytes, bool write)
 {
-    if (!t) return kiln__null_arg("from_host");
-    kiln_status s = kiln__intercept_data_access(t, "from_host");
+    const char *what = write ? "from_host" : "to_host";
+    if (!t) return kiln__null_arg(what);
+    kiln_status s = kiln__intercept_data_access(t, what);
     if (s != KILN_OK) return s;
     if (nbytes != kiln_tensor_nbytes(t))
-        return kiln__err(KILN_ERR_ARG, "from_host: %zu bytes given, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
-    if (nbytes && !src) return kiln__err(KILN_ERR_ARG, "from_host: source is NULL");
+        return kiln__err(KILN_ERR_ARG, "%s: %zu bytes %s, the tensor holds %zu", what, nbytes, write ? "given" : "of room",
+                         kiln_tensor_nbytes(t));
+    if (nbytes && !ptr) return kiln__err(KILN_ERR_ARG, "%s: %s is NULL", what, write ? "source" : "destination");
+    return KILN_OK;
+}
+
+kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nbytes)
+{
+    kiln_status s = host_copy_check(t, src, nbytes, true);
+    if (s != KILN_OK) return s;
     if (!kiln__is_contiguous(t))
         return kiln__err(KILN_ERR_ARG, "from_host: the tensor is not contiguous (write into a contiguous copy)");
     return nbytes ? kiln__be_copy_h2d(t->st->be, kiln__data(t), src, nbytes) : KILN_OK;
@@ -285,19 +305,11 @@ kiln_status kiln_tensor_from_host_(kiln_tensor_t *t, const void *src, size_t nby
 
 kiln_status kiln_tensor_to_host(const kiln_tensor_t *t, void *dst, size_t nbytes)
 {
-    if (!t) return kiln__null_arg("to_host");
-    kiln_status s = kiln__intercept_data_access(t, "to_host");
+    kiln_status s = host_copy_check(t, dst, nbytes, false);
     if (s != KILN_OK) return s;
-    if (nbytes != kiln_tensor_nbytes(t))
-        return kiln__err(KILN_ERR_ARG, "to_host: %zu bytes of room, the tensor holds %zu", nbytes, kiln_tensor_nbytes(t));
-    if (nbytes && !dst) return kiln__err(KILN_ERR_ARG, "to_host: destination is NULL");
     if (!nbytes) return KILN_OK;
-    if (kiln__is_contiguous(t)) return kiln__be_copy_d2h(t->st->be, dst, kiln__data(t), nbytes);
-    kiln_tensor_t *c = NULL;
-    kiln__attrs a = {0};
-    kiln_tensor_t *in = (kiln_tensor_t *)t;
-    s = kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &in, 1, &a, &c);
-    if (s == KILN_OK) s = kiln__be_copy_d2h(c->st->be, dst, kiln__data(c), nbytes);
+    kiln_tensor_t *c = kiln__dense((kiln_tensor_t *)t);
+    s = c ? kiln__be_copy_d2h(c->st->be, dst, kiln__data(c), nbytes) : kiln_last_status();
     kiln_tensor_free(c);
     return s;
 }
@@ -331,15 +343,10 @@ kiln_tensor_t *kiln_tensor_to(kiln_tensor_t *t, const char *device)
                          "before the captured function"), NULL;
     if (t->st->be == be) return kiln__scoped(kiln_tensor_retain(t));
     if (kiln__intercept_data_access(t, "tensor_to") != KILN_OK) return NULL;
-    kiln_tensor_t *c = (kiln_tensor_t *)t;
-    kiln__attrs a = {0};
-    kiln_status s = kiln__is_contiguous(t) ? (kiln_tensor_retain(t), KILN_OK)
-                                           : kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &c, 1, &a, &c);
-    if (s != KILN_OK) return NULL;
-    kiln_tensor_t *out = kiln__tensor_alloc(be, t->dtype, t->shape, t->ndim);
-    if (out) s = kiln__copy_across(be, kiln__data(out), c->st->be, kiln__data(c), kiln_tensor_nbytes(c));
+    kiln_tensor_t *c = kiln__dense(t), *out = c ? kiln__tensor_alloc(be, t->dtype, t->shape, t->ndim) : NULL;
+    bool ok = out && kiln__copy_across(be, kiln__data(out), c->st->be, kiln__data(c), kiln_tensor_nbytes(c)) == KILN_OK;
     kiln_tensor_free(c);
-    if (!out || s != KILN_OK) {
+    if (!ok) {
         kiln_tensor_free(out);
         return NULL;
     }
@@ -365,8 +372,7 @@ kiln_status kiln_tensor_copy_(kiln_tensor_t *dst, const kiln_tensor_t *src)
 {
     if (!dst || !src) return kiln__null_arg("copy_");
     kiln_tensor_t *in[2] = {dst, (kiln_tensor_t *)src};
-    kiln__attrs a = {0};
-    return kiln__dispatch(KILN_OP_COPY_, in, 2, &a, NULL);
+    return kiln__dispatch(KILN_OP_COPY_, in, 2, &(kiln__attrs){0}, NULL);
 }
 
 /* The elements' byte range [lo, hi) of a tensor in its storage. */

@@ -51,6 +51,8 @@ typedef struct {
     int64_t offset;                /* views only */
 } kiln__meta;
 
+/* m = t's dtype, shape, strides and offset (zero past ndim). */
+void kiln__meta_of(const kiln_tensor_t *t, kiln__meta *m);
 /* A new tensor with fresh contiguous storage on be (uninitialised). */
 kiln_tensor_t *kiln__tensor_alloc(kiln__backend *be, kiln_dtype dt, const int64_t *shape, int ndim);
 /* A new tensor header sharing st (which gains a reference). */
@@ -84,8 +86,9 @@ static inline void *kiln__data(const kiln_tensor_t *t)
 const char *kiln__shape_str(const kiln_tensor_t *t, char *buf, size_t n);
 const char *kiln__meta_str(const kiln__meta *m, char *buf, size_t n);
 
-/* Errors: set the thread's last error and return status. */
-kiln_status kiln__err(kiln_status s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/* Errors: set the thread's last error and return status (the public kiln_error, under
+ * the library's internal name). */
+#define kiln__err kiln_error
 
 /* For a NULL tensor argument: keeps the error that made it NULL (ops return NULL on
  * failure, so chains pass it along), else reports "op: a tensor argument is NULL". */
@@ -96,6 +99,5 @@ kiln_status kiln__copy_across(kiln__backend *dbe, void *dst, kiln__backend *sbe,
 
 /* Library state. */
 void kiln__ensure_init(void);
-void kiln__memory_account(long long delta);
 
 #endif

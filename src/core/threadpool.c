@@ -1,9 +1,9 @@
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdlib.h>
-#include <time.h>
 #include "core/opts.h"
 #include "core/threadpool.h"
+#include "core/util.h"
 
 static pthread_t *workers;
 static int n_threads = 1; /* including the caller */
@@ -28,7 +28,7 @@ static _Thread_local int in_pool_task;
  * more than a whole decode-sized matmul; a model step issues jobs microseconds apart,
  * so they find the workers still polling. Past the window, a thread sleeps and an idle
  * process uses no CPU. */
-#define SPIN_NS 200000
+#define SPIN_S 200e-6
 
 static inline void cpu_pause(void)
 {
@@ -39,24 +39,17 @@ static inline void cpu_pause(void)
 #endif
 }
 
-static int64_t now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
-}
-
 /* Polls until done(arg) or the spin window ends; true when done. */
 static bool spin_until(bool (*done)(const void *), const void *arg)
 {
     if (!kiln__opt(KILN__OPT_POOL_SPIN)) return done(arg);
-    int64_t end = 0;
+    double end = 0;
     for (unsigned i = 0;; i++) {
         if (done(arg)) return true;
         cpu_pause();
         if ((i & 63) == 63) {
-            int64_t t = now_ns();
-            if (!end) end = t + SPIN_NS;
+            double t = kiln__now_s();
+            if (!end) end = t + SPIN_S;
             else if (t >= end) return false;
         }
     }
@@ -104,22 +97,15 @@ static void *worker(void *arg)
 
 void kiln__pool_start(int nthreads)
 {
-    if (workers || nthreads <= 1) {
-        if (!workers) n_threads = 1;
-        return;
-    }
+    if (workers || nthreads <= 1) return; /* n_threads stays 1 until workers run */
     workers = calloc((size_t)nthreads - 1, sizeof *workers);
     if (!workers) return;
     int started = 0;
-    for (int i = 0; i < nthreads - 1; i++) {
-        pthread_attr_t at;
-        pthread_attr_init(&at);
-        if (pthread_create(&workers[i], &at, worker, NULL) == 0) {
+    for (int i = 0; i < nthreads - 1; i++)
+        if (pthread_create(&workers[i], NULL, worker, NULL) == 0) {
             pthread_detach(workers[i]);
             started++;
         }
-        pthread_attr_destroy(&at);
-    }
     n_threads = started + 1;
 }
 

@@ -10,6 +10,7 @@
  * all in order and copies the averages back into the gradients. */
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "dist/flat.h"
 #include "kiln/dist.h"
 #include "kiln/ops.h"
@@ -22,14 +23,18 @@ typedef struct {
     kiln_pg_work_t *work;
 } bucket;
 
+typedef struct {
+    kiln_tensor_t *t;
+    int bucket;
+    int64_t off; /* in its bucket */
+    bool whole;  /* this step */
+} param;
+
 struct kiln_ddp {
     kiln_pg_t *pg;
-    kiln_tensor_t **params;
+    param *p;         /* per caller index */
     int n, nb, next;  /* next: the first bucket not started */
     int *order;       /* params in bucket order (reverse of the caller's) */
-    int *bucket_of;   /* per caller index */
-    int64_t *off;     /* per caller index: offset in its bucket */
-    bool *whole;      /* per caller index, this step */
     bucket *b;
     bool active;
 };
@@ -45,17 +50,13 @@ kiln_status kiln_ddp_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, int
     if (!d) return kiln_error(KILN_ERR_OOM, "ddp_new: out of memory");
     d->pg = pg;
     d->n = n;
-    d->params = malloc(sizeof *d->params * (size_t)n);
+    d->p = calloc((size_t)n, sizeof *d->p);
     d->order = malloc(sizeof *d->order * (size_t)n);
-    d->bucket_of = malloc(sizeof *d->bucket_of * (size_t)n);
-    d->off = malloc(sizeof *d->off * (size_t)n);
-    d->whole = calloc((size_t)n, sizeof *d->whole);
     d->b = calloc((size_t)n, sizeof *d->b);
-    kiln_status s = d->params && d->order && d->bucket_of && d->off && d->whole && d->b
-                        ? KILN_OK : kiln_error(KILN_ERR_OOM, "ddp_new: out of memory");
+    kiln_status s = d->p && d->order && d->b ? KILN_OK : kiln_error(KILN_ERR_OOM, "ddp_new: out of memory");
     for (int k = 0; s == KILN_OK && k < n; k++) {
         int i = n - 1 - k;
-        d->params[i] = params[i];
+        d->p[i].t = params[i];
         d->order[k] = i;
         if (kiln_tensor_dtype(params[i]) != KILN_DTYPE_F32)
             s = kiln_error(KILN_ERR_DTYPE, "ddp_new: parameter %d is %s; buckets take f32", i,
@@ -65,8 +66,8 @@ kiln_status kiln_ddp_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, int
         int64_t cap = d->nb == 1 ? first_bucket_bytes : bucket_bytes;
         if (d->b[d->nb - 1].count > 0 && d->b[d->nb - 1].elems * 4 + bytes > cap) d->b[d->nb++].first = k;
         bucket *bk = &d->b[d->nb - 1];
-        d->bucket_of[i] = d->nb - 1;
-        d->off[i] = bk->elems;
+        d->p[i].bucket = d->nb - 1;
+        d->p[i].off = bk->elems;
         bk->count++;
         bk->elems += kiln_tensor_numel(params[i]);
     }
@@ -74,12 +75,9 @@ kiln_status kiln_ddp_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, int
     for (int j = 0; s == KILN_OK && j < d->nb; j++)
         if (!(d->b[j].flat = kiln_keep(kiln_zeros(&d->b[j].elems, 1, KILN_DTYPE_F32)))) s = kiln_last_status();
     kiln_scope_end();
-    if (s != KILN_OK) {
-        kiln_ddp_free(d);
-        return s;
-    }
-    *out = d;
-    return KILN_OK;
+    if (s == KILN_OK) *out = d;
+    else kiln_ddp_free(d);
+    return s;
 }
 
 void kiln_ddp_free(kiln_ddp_t *d)
@@ -90,8 +88,7 @@ void kiln_ddp_free(kiln_ddp_t *d)
         if (d->b[j].work) kiln_pg_work_wait(d->b[j].work);
         kiln_tensor_free(d->b[j].flat);
     }
-    free(d->params), free(d->order), free(d->bucket_of), free(d->off), free(d->whole), free(d->b);
-    free(d);
+    KILN__FREE(d->p, d->order, d->b, d);
 }
 
 int kiln_ddp_num_buckets(const kiln_ddp_t *d) { return d ? d->nb : 0; }
@@ -104,8 +101,8 @@ static kiln_status start_bucket(kiln_ddp_t *d, int j)
     kiln_scope_begin();
     for (int k = bk->first; s == KILN_OK && k < bk->first + bk->count; k++) {
         int i = d->order[k];
-        kiln_tensor_t *g = kiln_tensor_grad(d->params[i]), *dst = kiln_narrow(bk->flat, 0, d->off[i],
-                                                                              kiln_tensor_numel(d->params[i]));
+        kiln_tensor_t *g = kiln_tensor_grad(d->p[i].t), *dst = kiln_narrow(bk->flat, 0, d->p[i].off,
+                                                                           kiln_tensor_numel(d->p[i].t));
         s = g ? kiln_tensor_copy_(dst, kiln__flat_of(g)) : kiln_fill_(dst, 0);
     }
     kiln_scope_end();
@@ -130,10 +127,10 @@ static kiln_status on_ready(void *ctx, kiln_tensor_t *leaf)
 {
     kiln_ddp_t *d = ctx;
     for (int i = 0; i < d->n; i++)
-        if (d->params[i] == leaf) {
-            if (d->whole[i]) return KILN_OK;
-            d->whole[i] = true;
-            d->b[d->bucket_of[i]].ready++;
+        if (d->p[i].t == leaf) {
+            if (d->p[i].whole) return KILN_OK;
+            d->p[i].whole = true;
+            d->b[d->p[i].bucket].ready++;
             return advance(d, false);
         }
     return KILN_OK; /* a leaf that is not one of ours */
@@ -143,7 +140,7 @@ kiln_status kiln_ddp_begin(kiln_ddp_t *d)
 {
     if (!d) return kiln_error(KILN_ERR_ARG, "ddp_begin: NULL");
     if (d->active) return kiln_error(KILN_ERR_ARG, "ddp_begin: already begun; call kiln_ddp_finish first");
-    memset(d->whole, 0, sizeof *d->whole * (size_t)d->n);
+    for (int i = 0; i < d->n; i++) d->p[i].whole = false;
     for (int j = 0; j < d->nb; j++) d->b[j].ready = 0;
     d->next = 0;
     d->active = true;
@@ -166,10 +163,10 @@ kiln_status kiln_ddp_finish(kiln_ddp_t *d)
     }
     kiln_scope_begin();
     for (int i = 0; s == KILN_OK && i < d->n; i++) {
-        kiln_tensor_t *g = kiln_tensor_grad(d->params[i]);
+        kiln_tensor_t *g = kiln_tensor_grad(d->p[i].t);
         if (!g) continue; /* no rank's graph reached it (the same graph on every rank) */
-        bucket *bk = &d->b[d->bucket_of[i]];
-        s = kiln_tensor_copy_(kiln__flat_of(g), kiln_narrow(bk->flat, 0, d->off[i], kiln_tensor_numel(g)));
+        kiln_tensor_t *flat = d->b[d->p[i].bucket].flat;
+        s = kiln_tensor_copy_(kiln__flat_of(g), kiln_narrow(flat, 0, d->p[i].off, kiln_tensor_numel(g)));
     }
     kiln_scope_end();
     return s;

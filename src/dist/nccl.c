@@ -105,7 +105,7 @@ kiln_status kiln__nccl_collective(void **comm, kiln__backend *be, int op, const 
      * so that it can end: at the deadline, or when the communicator reports a peer's
      * failure, the communicator is aborted (which frees the device from the kernel that
      * waits for the others) rather than left to hang. */
-    kiln__event *e = kiln__be_event_record(be, NULL);
+    kiln__event *e = kiln__be_event_record(be);
     if (!e) return KILN_OK; /* a backend without events synchronized instead */
     kiln_status s = KILN_OK;
     for (unsigned k = 0;; k++) {

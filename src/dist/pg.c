@@ -91,12 +91,9 @@ kiln_status kiln_pg_new_from_env(kiln_pg_t **out)
                            launched_by_mpi ? " by an MPI launcher" : "");
 #endif
     }
-    if (s != KILN_OK) {
-        kiln_pg_free(pg);
-        return s;
-    }
-    *out = pg;
-    return KILN_OK;
+    if (s == KILN_OK) *out = pg;
+    else kiln_pg_free(pg);
+    return s;
 }
 
 void kiln_pg_free(kiln_pg_t *pg)
@@ -137,8 +134,6 @@ static kiln_status host_buffer(const char *op, kiln_tensor_t *t, int world, void
     return KILN_OK;
 }
 
-/* The element counts a gathering or scattering collective needs: out = world x in, or
- * in = world x out. */
 kiln_status kiln__pg_check_counts(const kiln_pg_t *pg, const sig *s, int64_t nin, int64_t nout)
 {
     if (s->op == OP_ALLGATHER && nout != nin * pg->world)
@@ -150,11 +145,14 @@ kiln_status kiln__pg_check_counts(const kiln_pg_t *pg, const sig *s, int64_t nin
     return KILN_OK;
 }
 
-/* Starts a collective: checks, numbers it, and (with MPI) posts it; w gets the work. */
+/* Starts a collective: checks, numbers it, and (with MPI) posts it; w gets the work,
+ * with the tensor an average is taken in (the reduced one, of an allreduce or a
+ * reduce_scatter with KILN_REDUCE_AVG). */
 static kiln_status start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t *out, struct kiln_pg_work *w)
 {
-    memset(w, 0, sizeof *w);
-    w->pg = pg;
+    bool reduces = s->op == OP_ALLREDUCE || s->op == OP_REDUCE_SCATTER;
+    *w = (struct kiln_pg_work){.pg = pg, .t = reduces && s->reduce == KILN_REDUCE_AVG ? (out ? out : in) : NULL};
+    w->avg = w->t != NULL;
     if (pg->broken)
         return kiln_error(KILN_ERR_DIST, "process group: an earlier collective failed on rank %d; the group cannot be used",
                           pg->rank);
@@ -213,23 +211,31 @@ static kiln_status finish(struct kiln_pg_work *w)
 }
 
 /* A blocking collective: start and finish under the lock. */
-static kiln_status run(kiln_pg_t *pg, sig s, kiln_tensor_t *in, kiln_tensor_t *out, kiln_tensor_t *avg_of)
+static kiln_status run(kiln_pg_t *pg, sig s, kiln_tensor_t *in, kiln_tensor_t *out)
 {
     struct kiln_pg_work w;
     pthread_mutex_lock(&pg->mu);
     kiln_status st = start(pg, &s, in, out, &w);
-    if (st == KILN_OK) {
-        w.t = avg_of;
-        w.avg = avg_of != NULL;
-        st = finish(&w);
-    }
+    if (st == KILN_OK) st = finish(&w);
     pthread_mutex_unlock(&pg->mu);
     return st;
 }
 
-static kiln_status check_reduce(const char *op, kiln_reduce_op r)
+/* The arguments of collective s from the entry point name, as every entry point checks
+ * them: a group, the tensors the op takes (in and out distinct), a known reduce op, a
+ * root in the group. */
+static kiln_status check_args(const char *name, kiln_pg_t *pg, const sig *s, kiln_tensor_t *in, kiln_tensor_t *out)
 {
-    return r == KILN_REDUCE_SUM || r == KILN_REDUCE_AVG ? KILN_OK : kiln_error(KILN_ERR_ARG, "%s: unknown reduce op %d", op, r);
+    bool two = s->op == OP_ALLGATHER || s->op == OP_REDUCE_SCATTER, barrier = s->op == OP_BARRIER;
+    if (!pg || (!barrier && !in) || (two && !out))
+        return kiln_error(KILN_ERR_ARG, "%s: NULL group%s", name, barrier ? "" : " or tensor");
+    if (two && in == out) return kiln_error(KILN_ERR_ARG, "%s: in and out must be different tensors", name);
+    if ((s->op == OP_ALLREDUCE || s->op == OP_REDUCE_SCATTER) && s->reduce != KILN_REDUCE_SUM &&
+        s->reduce != KILN_REDUCE_AVG)
+        return kiln_error(KILN_ERR_ARG, "%s: unknown reduce op %d", name, (int)s->reduce);
+    if (s->op == OP_BROADCAST && ((int)s->reduce < 0 || (int)s->reduce >= pg->world))
+        return kiln_error(KILN_ERR_ARG, "%s: root %d outside the group", name, (int)s->reduce);
+    return KILN_OK;
 }
 
 /* In place; a strided tensor (a gradient that a graph left as a view) through a
@@ -238,8 +244,7 @@ static kiln_status allreduce_now(void *group, kiln_tensor_t *t, int op)
 {
     kiln_scope_begin();
     kiln_tensor_t *c = kiln__is_contiguous(t) ? t : kiln_contiguous(t);
-    kiln_status s = c ? run(group, (sig){0, 0, OP_ALLREDUCE, 0, (uint32_t)op, 0}, c, NULL, op == KILN_REDUCE_AVG ? c : NULL)
-                      : kiln_last_status();
+    kiln_status s = c ? run(group, (sig){0, 0, OP_ALLREDUCE, 0, (uint32_t)op, 0}, c, NULL) : kiln_last_status();
     if (s == KILN_OK && c != t) s = kiln_tensor_copy_(t, c);
     kiln_scope_end();
     return s;
@@ -278,8 +283,8 @@ static const kiln__collective_ops allreduce_ops = {allreduce_now, allreduce_star
 
 kiln_status kiln_pg_allreduce(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op)
 {
-    if (!pg || !t) return kiln_error(KILN_ERR_ARG, "allreduce: NULL group or tensor");
-    if (check_reduce("allreduce", op) != KILN_OK) return kiln_last_status();
+    kiln_status st = check_args("allreduce", pg, &(sig){0, 0, OP_ALLREDUCE, 0, (uint32_t)op, 0}, t, NULL);
+    if (st != KILN_OK) return st;
     if (kiln_graph_capturing()) { /* recorded: the graph runs it in its place, through allreduce_ops */
         kiln__attrs a = {0};
         a.op.collective = (kiln__collective_attrs){.group = pg, .ops = &allreduce_ops, .reduce = op};
@@ -288,34 +293,38 @@ kiln_status kiln_pg_allreduce(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op
     return allreduce_now(pg, t, op);
 }
 
+/* A blocking collective that a graph does not record: refused while capturing, saying why. */
+static kiln_status run_uncaptured(const char *name, kiln_pg_t *pg, sig s, kiln_tensor_t *t, const char *why)
+{
+    kiln_status st = check_args(name, pg, &s, t, NULL);
+    if (st != KILN_OK) return st;
+    if (kiln_graph_capturing()) return kiln_error(KILN_ERR_UNSUPPORTED, "%s inside a graph capture: %s", name, why);
+    return run(pg, s, t, NULL);
+}
+
 kiln_status kiln_pg_broadcast(kiln_pg_t *pg, kiln_tensor_t *t, int root)
 {
-    if (!pg || !t) return kiln_error(KILN_ERR_ARG, "broadcast: NULL group or tensor");
-    if (root < 0 || root >= pg->world) return kiln_error(KILN_ERR_ARG, "broadcast: root %d outside the group", root);
-    if (kiln_graph_capturing())
-        return kiln_error(KILN_ERR_UNSUPPORTED, "broadcast inside a graph capture: of the collectives only allreduce, "
-                          "reduce_scatter and allgather are recorded; broadcast outside the captured function");
-    return run(pg, (sig){0, 0, OP_BROADCAST, 0, (uint32_t)root, 0}, t, NULL, NULL);
+    return run_uncaptured("broadcast", pg, (sig){0, 0, OP_BROADCAST, 0, (uint32_t)root, 0}, t,
+                          "of the collectives only allreduce, reduce_scatter and allgather are recorded; broadcast "
+                          "outside the captured function");
 }
 
 kiln_status kiln_pg_barrier(kiln_pg_t *pg)
 {
-    if (!pg) return kiln_error(KILN_ERR_ARG, "barrier: NULL group");
-    if (kiln_graph_capturing())
-        return kiln_error(KILN_ERR_UNSUPPORTED, "barrier inside a graph capture: it would run once, while capturing, "
-                          "and never in the graph's runs; call it outside the captured function");
-    return run(pg, (sig){0, 0, OP_BARRIER, 0, 0, 0}, NULL, NULL, NULL);
+    return run_uncaptured("barrier", pg, (sig){0, 0, OP_BARRIER, 0, 0, 0}, NULL,
+                          "it would run once, while capturing, and never in the graph's runs; call it outside the "
+                          "captured function");
 }
 
 static kiln_status allgather_now(void *group, kiln_tensor_t *out, kiln_tensor_t *in, int op)
 {
     (void)op;
-    return run(group, (sig){0, 0, OP_ALLGATHER, 0, 0, 0}, in, out, NULL);
+    return run(group, (sig){0, 0, OP_ALLGATHER, 0, 0, 0}, in, out);
 }
 
 static kiln_status reduce_scatter_now(void *group, kiln_tensor_t *out, kiln_tensor_t *in, int op)
 {
-    return run(group, (sig){0, 0, OP_REDUCE_SCATTER, 0, (uint32_t)op, 0}, in, out, op == KILN_REDUCE_AVG ? out : NULL);
+    return run(group, (sig){0, 0, OP_REDUCE_SCATTER, 0, (uint32_t)op, 0}, in, out);
 }
 
 /* While capturing, a collective from in into out is recorded (out updated in place),
@@ -332,84 +341,65 @@ static kiln_status record2(kiln_pg_t *pg, kiln__op_id op, kiln__collective2_fn f
 
 kiln_status kiln_pg_allgather(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out)
 {
-    if (!pg || !in || !out) return kiln_error(KILN_ERR_ARG, "allgather: NULL group or tensor");
-    if (in == out) return kiln_error(KILN_ERR_ARG, "allgather: in and out must be different tensors");
+    kiln_status st = check_args("allgather", pg, &(sig){0, 0, OP_ALLGATHER, 0, 0, 0}, in, out);
+    if (st != KILN_OK) return st;
     if (kiln_graph_capturing()) return record2(pg, KILN_OP_ALLGATHER_, allgather_now, out, in, 0);
     return allgather_now(pg, out, in, 0);
 }
 
 kiln_status kiln_pg_reduce_scatter(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out, kiln_reduce_op op)
 {
-    if (!pg || !in || !out) return kiln_error(KILN_ERR_ARG, "reduce_scatter: NULL group or tensor");
-    if (in == out) return kiln_error(KILN_ERR_ARG, "reduce_scatter: in and out must be different tensors");
-    if (check_reduce("reduce_scatter", op) != KILN_OK) return kiln_last_status();
+    kiln_status st = check_args("reduce_scatter", pg, &(sig){0, 0, OP_REDUCE_SCATTER, 0, (uint32_t)op, 0}, in, out);
+    if (st != KILN_OK) return st;
     if (kiln_graph_capturing()) return record2(pg, KILN_OP_REDUCE_SCATTER_, reduce_scatter_now, out, in, op);
     return reduce_scatter_now(pg, out, in, op);
 }
 
 /* A collective started now, its work handed out: finished by kiln_pg_work_wait. */
-static kiln_status start_async(kiln_pg_t *pg, sig s, kiln_tensor_t *in, kiln_tensor_t *out, kiln_tensor_t *avg_of,
+static kiln_status start_async(const char *name, kiln_pg_t *pg, sig s, kiln_tensor_t *in, kiln_tensor_t *out,
                                kiln_pg_work_t **work)
 {
+    if (!work) return kiln_error(KILN_ERR_ARG, "%s: work is NULL", name);
+    *work = NULL;
+    kiln_status st = check_args(name, pg, &s, in, out);
+    if (st != KILN_OK) return st;
     kiln_pg_work_t *w = malloc(sizeof *w);
     if (!w) return kiln_error(KILN_ERR_OOM, "%s: out of memory", kiln__pg_op_names[s.op]);
     pthread_mutex_lock(&pg->mu);
-    kiln_status st = start(pg, &s, in, out, w);
+    st = start(pg, &s, in, out, w);
     pthread_mutex_unlock(&pg->mu);
     if (st != KILN_OK) {
         free(w);
         return st;
     }
-    w->t = avg_of;
-    w->avg = avg_of != NULL;
     *work = w;
     return KILN_OK;
 }
 
 kiln_status kiln_pg_allreduce_async(kiln_pg_t *pg, kiln_tensor_t *t, kiln_reduce_op op, kiln_pg_work_t **work)
 {
-    if (!work) return kiln_error(KILN_ERR_ARG, "allreduce_async: work is NULL");
-    *work = NULL;
-    if (!pg || !t) return kiln_error(KILN_ERR_ARG, "allreduce_async: NULL group or tensor");
-    if (check_reduce("allreduce_async", op) != KILN_OK) return kiln_last_status();
-    return start_async(pg, (sig){0, 0, OP_ALLREDUCE, 0, op, 0}, t, NULL, op == KILN_REDUCE_AVG ? t : NULL, work);
+    return start_async("allreduce_async", pg, (sig){0, 0, OP_ALLREDUCE, 0, op, 0}, t, NULL, work);
 }
 
 kiln_status kiln_pg_broadcast_async(kiln_pg_t *pg, kiln_tensor_t *t, int root, kiln_pg_work_t **work)
 {
-    if (!work) return kiln_error(KILN_ERR_ARG, "broadcast_async: work is NULL");
-    *work = NULL;
-    if (!pg || !t) return kiln_error(KILN_ERR_ARG, "broadcast_async: NULL group or tensor");
-    if (root < 0 || root >= pg->world) return kiln_error(KILN_ERR_ARG, "broadcast_async: root %d outside the group", root);
-    return start_async(pg, (sig){0, 0, OP_BROADCAST, 0, (uint32_t)root, 0}, t, NULL, NULL, work);
+    return start_async("broadcast_async", pg, (sig){0, 0, OP_BROADCAST, 0, (uint32_t)root, 0}, t, NULL, work);
 }
 
 kiln_status kiln_pg_barrier_async(kiln_pg_t *pg, kiln_pg_work_t **work)
 {
-    if (!work) return kiln_error(KILN_ERR_ARG, "barrier_async: work is NULL");
-    *work = NULL;
-    if (!pg) return kiln_error(KILN_ERR_ARG, "barrier_async: NULL group");
-    return start_async(pg, (sig){0, 0, OP_BARRIER, 0, 0, 0}, NULL, NULL, NULL, work);
+    return start_async("barrier_async", pg, (sig){0, 0, OP_BARRIER, 0, 0, 0}, NULL, NULL, work);
 }
 
 kiln_status kiln_pg_allgather_async(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out, kiln_pg_work_t **work)
 {
-    if (!work) return kiln_error(KILN_ERR_ARG, "allgather_async: work is NULL");
-    *work = NULL;
-    if (!pg || !in || !out) return kiln_error(KILN_ERR_ARG, "allgather_async: NULL group or tensor");
-    if (in == out) return kiln_error(KILN_ERR_ARG, "allgather_async: in and out must be different tensors");
-    return start_async(pg, (sig){0, 0, OP_ALLGATHER, 0, 0, 0}, in, out, NULL, work);
+    return start_async("allgather_async", pg, (sig){0, 0, OP_ALLGATHER, 0, 0, 0}, in, out, work);
 }
 
 kiln_status kiln_pg_reduce_scatter_async(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out, kiln_reduce_op op,
                                          kiln_pg_work_t **work)
 {
-    if (!work) return kiln_error(KILN_ERR_ARG, "reduce_scatter_async: work is NULL");
-    *work = NULL;
-    if (!pg || !in || !out) return kiln_error(KILN_ERR_ARG, "reduce_scatter_async: NULL group or tensor");
-    if (in == out) return kiln_error(KILN_ERR_ARG, "reduce_scatter_async: in and out must be different tensors");
-    if (check_reduce("reduce_scatter_async", op) != KILN_OK) return kiln_last_status();
-    return start_async(pg, (sig){0, 0, OP_REDUCE_SCATTER, 0, op, 0}, in, out, op == KILN_REDUCE_AVG ? out : NULL, work);
+    return start_async("reduce_scatter_async", pg, (sig){0, 0, OP_REDUCE_SCATTER, 0, op, 0}, in, out, work);
 }
 
 kiln_status kiln_pg_work_test(kiln_pg_work_t *w, bool *done)

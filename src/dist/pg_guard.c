@@ -32,7 +32,6 @@ void kiln__pg_sig_str(const sig *s, char *buf, size_t n)
                  s->tag ? " (tagged)" : "");
 }
 
-/* Under pg->mu: numbers the collective and folds it into the step hash and the ring. */
 void kiln__pg_record(kiln_pg_t *pg, sig *s)
 {
     s->seq = ++pg->seq;
@@ -77,7 +76,6 @@ static kiln_status gather_u64(kiln_pg_t *pg, const uint64_t *mine, int k, uint64
 #endif
 }
 
-/* KILN_DIST_DEBUG: every rank shows the others the collective it is about to run. */
 kiln_status kiln__pg_check_sig(kiln_pg_t *pg, const sig *s)
 {
     uint64_t mine[6] = {s->seq, s->count, s->op, s->dtype, s->reduce, s->tag};

@@ -58,7 +58,6 @@ struct kiln_pg_work {
     sig s;
     kiln_tensor_t *t; /* scaled after the sum, for an average */
     bool avg, done;
-    kiln_status status;
 #ifdef KILN_HAVE_MPI
     MPI_Request req;
 #endif

@@ -66,7 +66,7 @@ static void ask_peers(kiln_pg_t *pg, const sig *cur, char *msg, size_t n)
     bool *got = calloc((size_t)pg->world, sizeof *got);
     if (!reqs || !ans || !got) {
         snprintf(msg, n, " (out of memory asking the other ranks)");
-        free(reqs), free(ans), free(got);
+        KILN__FREE(reqs, ans, got);
         return;
     }
     for (int r = 0; r < pg->world; r++)
@@ -105,10 +105,9 @@ static void ask_peers(kiln_pg_t *pg, const sig *cur, char *msg, size_t n)
             MPI_Cancel(&reqs[r]);
         }
     }
-    free(reqs), free(ans), free(got);
+    KILN__FREE(reqs, ans, got);
 }
 
-/* Polls req until it completes or the deadline passes. */
 kiln_status kiln__pg_mpi_wait(kiln_pg_t *pg, MPI_Request *req, const sig *s)
 {
     double deadline = kiln__now_s() + pg->timeout;

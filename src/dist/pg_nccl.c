@@ -180,7 +180,6 @@ static kiln_status nccl_post(kiln_pg_t *pg, sig *s, kiln__backend *be, const voi
     return st;
 }
 
-/* A collective on cuda tensors, through NCCL. */
 kiln_status kiln__pg_nccl_start(kiln_pg_t *pg, sig *s, kiln_tensor_t *in, kiln_tensor_t *out, struct kiln_pg_work *w)
 {
     const char *op = kiln__pg_op_names[s->op];

@@ -14,6 +14,7 @@
 #include <string.h>
 #include <unistd.h>
 #include "core/tensor_impl.h"
+#include "core/util.h"
 #include "dist/flat.h"
 #include "kiln/graph.h"
 #include "kiln/dist.h"
@@ -26,7 +27,8 @@ typedef struct {
     int64_t *off; /* offset of each in the flat group */
     int64_t total, shard;
     kiln_tensor_t *flat; /* (shard * world): gradients in, then parameters out */
-    kiln_tensor_t *p, *g, *m, *v; /* (shard): this rank's master copy, gradient, moments */
+    kiln_tensor_t *g;    /* (shard): this rank's gradient */
+    kiln_tensor_t *pmv[3]; /* (shard): this rank's master copy and moments m, v (optimizer slots 0, 1) */
     bool decay;
 } group;
 
@@ -39,13 +41,17 @@ struct kiln_zero1 {
     group gr[2];
 };
 
-/* Copies the group's parameters (or, with slot >= 0, their optimizer slot from full,
- * zeros where it has none) into flat. */
+enum { PARAMS = -1, GRADS = -2 };
+
+/* Copies the group's parameters, their gradients, or (slot >= 0) their optimizer slot
+ * from full into flat, zeros where there is none. */
 static kiln_status gather_local(kiln_zero1_t *z, group *g, kiln_optim_t *full, int slot)
 {
     kiln_status s = kiln_fill_(g->flat, 0);
     for (int k = 0; s == KILN_OK && k < g->n; k++) {
-        kiln_tensor_t *src = slot < 0 ? z->params[g->idx[k]] : full ? kiln_optim_state(full, g->idx[k], slot) : NULL;
+        kiln_tensor_t *p = z->params[g->idx[k]];
+        kiln_tensor_t *src = slot == PARAMS ? p : slot == GRADS ? kiln_tensor_grad(p)
+                           : full ? kiln_optim_state(full, g->idx[k], slot) : NULL;
         if (!src) continue;
         s = kiln_tensor_copy_(kiln_narrow(g->flat, 0, g->off[k], kiln_tensor_numel(src)), kiln__flat_of(src));
     }
@@ -71,6 +77,10 @@ kiln_status kiln_zero1_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, c
     if (s == KILN_OK && (!(z->step = kiln_keep(kiln_from_data(&steps, &one, 1, KILN_DTYPE_F64))) ||
                          !(z->one = kiln_keep(kiln_from_data(&unit, &one, 1, KILN_DTYPE_F64)))))
         s = kiln_last_status();
+    for (int i = 0; s == KILN_OK && i < n; i++)
+        if (kiln_tensor_dtype(z->params[i] = params[i]) != KILN_DTYPE_F32)
+            s = kiln_error(KILN_ERR_DTYPE, "zero1_new: parameter %d is %s; ZeRO-1 takes f32", i,
+                           kiln_dtype_name(kiln_tensor_dtype(params[i])));
     int world = kiln_pg_world_size(pg), rank = kiln_pg_rank(pg);
     for (int gi = 0; s == KILN_OK && gi < 2; gi++) {
         group *g = &z->gr[gi];
@@ -79,41 +89,30 @@ kiln_status kiln_zero1_new(kiln_pg_t *pg, kiln_tensor_t *const *params, int n, c
         g->off = malloc(sizeof *g->off * (size_t)n);
         if (!g->idx || !g->off) s = kiln_error(KILN_ERR_OOM, "zero1_new: out of memory");
         for (int i = 0; s == KILN_OK && i < n; i++) {
-            z->params[i] = params[i];
-            bool d = decay ? decay[i] : kiln_tensor_ndim(params[i]) >= 2;
-            if (kiln_tensor_dtype(params[i]) != KILN_DTYPE_F32)
-                s = kiln_error(KILN_ERR_DTYPE, "zero1_new: parameter %d is %s; ZeRO-1 takes f32", i,
-                               kiln_dtype_name(kiln_tensor_dtype(params[i])));
-            if (s != KILN_OK || d != g->decay) continue;
+            if ((decay ? decay[i] : kiln_tensor_ndim(params[i]) >= 2) != g->decay) continue;
             g->idx[g->n] = i;
             g->off[g->n++] = g->total;
             g->total += kiln_tensor_numel(params[i]);
         }
-        if (s != KILN_OK) break;
         g->shard = (g->total + world - 1) / world;
-        if (g->shard == 0) continue;
+        if (s != KILN_OK || g->shard == 0) continue;
         int64_t all = g->shard * world, sh = g->shard;
         kiln_scope_begin();
         g->flat = kiln_keep(kiln_zeros(&all, 1, KILN_DTYPE_F32));
         g->g = kiln_keep(kiln_zeros(&sh, 1, KILN_DTYPE_F32));
-        g->p = kiln_keep(kiln_zeros(&sh, 1, KILN_DTYPE_F32));
-        g->m = kiln_keep(kiln_zeros(&sh, 1, KILN_DTYPE_F32));
-        g->v = kiln_keep(kiln_zeros(&sh, 1, KILN_DTYPE_F32));
-        if (!g->flat || !g->g || !g->p || !g->m || !g->v) s = kiln_last_status();
-        kiln_tensor_t *mine[3] = {g->p, g->m, g->v};
+        if (!g->flat || !g->g) s = kiln_last_status();
+        /* The master copy from the parameters, the moments from resume_from (or zeros). */
         for (int k = 0; s == KILN_OK && k < 3; k++) {
-            s = gather_local(z, g, resume_from, k - 1);
-            if (s == KILN_OK) s = kiln_tensor_copy_(mine[k], kiln_narrow(g->flat, 0, rank * sh, sh));
+            if (!(g->pmv[k] = kiln_keep(kiln_zeros(&sh, 1, KILN_DTYPE_F32)))) s = kiln_last_status();
+            if (s == KILN_OK) s = gather_local(z, g, resume_from, k - 1);
+            if (s == KILN_OK) s = kiln_tensor_copy_(g->pmv[k], kiln_narrow(g->flat, 0, rank * sh, sh));
         }
         kiln_scope_end();
     }
     kiln_set_grad_enabled(prev);
-    if (s != KILN_OK) {
-        kiln_zero1_free(z);
-        return s;
-    }
-    *out = z;
-    return KILN_OK;
+    if (s == KILN_OK) *out = z;
+    else kiln_zero1_free(z);
+    return s;
 }
 
 void kiln_zero1_free(kiln_zero1_t *z)
@@ -121,18 +120,13 @@ void kiln_zero1_free(kiln_zero1_t *z)
     if (!z) return;
     for (int gi = 0; gi < 2; gi++) {
         group *g = &z->gr[gi];
-        free(g->idx);
-        free(g->off);
-        kiln_tensor_free(g->flat);
-        kiln_tensor_free(g->p);
-        kiln_tensor_free(g->g);
-        kiln_tensor_free(g->m);
-        kiln_tensor_free(g->v);
+        kiln_tensor_t *t[5] = {g->flat, g->g, g->pmv[0], g->pmv[1], g->pmv[2]};
+        for (int k = 0; k < 5; k++) kiln_tensor_free(t[k]);
+        KILN__FREE(g->idx, g->off);
     }
     kiln_tensor_free(z->step);
     kiln_tensor_free(z->one);
-    free(z->params);
-    free(z);
+    KILN__FREE(z->params, z);
 }
 
 int64_t kiln_zero1_state_bytes(const kiln_zero1_t *z)
@@ -160,11 +154,7 @@ kiln_status kiln_zero1_step_t(kiln_zero1_t *z, kiln_tensor_t *lr, double max_nor
     for (int gi = 0; s == KILN_OK && gi < 2; gi++) {
         group *g = &z->gr[gi];
         if (!g->shard) continue;
-        s = kiln_fill_(g->flat, 0);
-        for (int k = 0; s == KILN_OK && k < g->n; k++) {
-            kiln_tensor_t *gr = kiln_tensor_grad(z->params[g->idx[k]]);
-            if (gr) s = kiln_tensor_copy_(kiln_narrow(g->flat, 0, g->off[k], kiln_tensor_numel(gr)), kiln__flat_of(gr));
-        }
+        s = gather_local(z, g, NULL, GRADS);
         if (s == KILN_OK) s = kiln_pg_reduce_scatter(z->pg, g->flat, g->g, KILN_REDUCE_AVG);
     }
     /* The global norm: every shard's squared norm (in f32, as kiln_grad_norm's), summed
@@ -183,10 +173,10 @@ kiln_status kiln_zero1_step_t(kiln_zero1_t *z, kiln_tensor_t *lr, double max_nor
     for (int gi = 0; s == KILN_OK && gi < 2; gi++) {
         group *g = &z->gr[gi];
         if (!g->shard) continue;
-        s = kiln_adamw_step_(g->p, g->g, g->m, g->v, lr, z->step, coef, z->beta1, z->beta2, z->eps,
+        s = kiln_adamw_step_(g->pmv[0], g->g, g->pmv[1], g->pmv[2], lr, z->step, coef, z->beta1, z->beta2, z->eps,
                              g->decay ? z->wd : 0.0);
         /* Every rank's updated shard, back into every rank's parameters. */
-        if (s == KILN_OK) s = kiln_pg_allgather(z->pg, g->p, g->flat);
+        if (s == KILN_OK) s = kiln_pg_allgather(z->pg, g->pmv[0], g->flat);
         for (int k = 0; s == KILN_OK && k < g->n; k++) {
             kiln_tensor_t *p = z->params[g->idx[k]];
             s = kiln_tensor_copy_(kiln__flat_of(p), kiln_narrow(g->flat, 0, g->off[k], kiln_tensor_numel(p)));
@@ -275,11 +265,10 @@ kiln_status kiln_zero1_save(kiln_zero1_t *z, const char *dir, int64_t step)
     for (int gi = 0; gi < 2; gi++) {
         snprintf(totals[gi], sizeof totals[gi], "%lld", (long long)z->gr[gi].total);
         if (!z->gr[gi].shard) continue;
-        kiln_tensor_t *t3[3] = {z->gr[gi].p, z->gr[gi].m, z->gr[gi].v};
         for (int j = 0; j < 3; j++, k++) {
             snprintf(nm[k], sizeof nm[k], "g%d.%c", gi, "pmv"[j]);
             names[k] = nm[k];
-            ts[k] = t3[j];
+            ts[k] = z->gr[gi].pmv[j];
         }
     }
     snprintf(sbuf, sizeof sbuf, "%lld", (long long)step);
@@ -343,11 +332,10 @@ kiln_status kiln_zero1_load(kiln_zero1_t *z, const char *dir, int64_t step)
         group *g = &z->gr[gi];
         if (!g->shard) continue;
         int64_t old_shard = (g->total + old_world - 1) / old_world;
-        kiln_tensor_t *mine[3] = {g->p, g->m, g->v};
         for (int j = 0; s == KILN_OK && j < 3; j++) {
             /* This rank's new shard [rank * shard, ...) gathered from the old shards. */
             int64_t lo = rank * g->shard, hi = lo + g->shard < g->total ? lo + g->shard : g->total;
-            s = kiln_fill_(mine[j], 0);
+            s = kiln_fill_(g->pmv[j], 0);
             for (int r = 0; s == KILN_OK && r < old_world; r++) {
                 int64_t olo = r * old_shard, ohi = olo + old_shard < g->total ? olo + old_shard : g->total;
                 int64_t a = lo > olo ? lo : olo, b = hi < ohi ? hi : ohi;
@@ -365,7 +353,7 @@ kiln_status kiln_zero1_load(kiln_zero1_t *z, const char *dir, int64_t step)
                     s = kiln_error(KILN_ERR_FORMAT, "%s: %s is missing or not %lld elements", path, name,
                                    (long long)old_shard);
                 if (s == KILN_OK)
-                    s = kiln_tensor_copy_(kiln_narrow(mine[j], 0, a - lo, b - a), kiln_narrow(t, 0, a - olo, b - a));
+                    s = kiln_tensor_copy_(kiln_narrow(g->pmv[j], 0, a - lo, b - a), kiln_narrow(t, 0, a - olo, b - a));
                 kiln_safetensors_free(f);
                 free(path);
             }

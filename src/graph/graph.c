@@ -6,12 +6,15 @@
  * (storage without data) that carry their value number. A run replays the calls through
  * dispatch, so views, in-place updates and every kernel behave exactly as in eager
  * code. */
+#include <stdarg.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "autograd/autograd.h"
 #include "core/intercept.h"
 #include "core/rng.h"
 #include "core/tensor_impl.h"
+#include "core/util.h"
 #include "kiln/graph.h"
 #include "kiln/ops.h"
 #include "ops/registry.h"
@@ -19,8 +22,6 @@
 #include "graph/graph_impl.h"
 
 static _Thread_local kiln_graph_t *capturing;
-
-bool kiln__graph_capturing(void) { return capturing != NULL; }
 
 /* The value a captured (meta) tensor stands for, kept in the tensor's extension slot
  * for the graph; a detached alias keeps it (autograd saves aliases of outputs). */
@@ -38,29 +39,22 @@ typedef struct {
     const kiln__leaf_sink *sink_was;
 } capture_frame;
 
-void kiln__graph_meta_of(const kiln_tensor_t *t, kiln__meta *m)
-{
-    memset(m, 0, sizeof *m);
-    m->dtype = t->dtype;
-    m->ndim = t->ndim;
-    for (int i = 0; i < t->ndim; i++) {
-        m->shape[i] = t->shape[i];
-        m->stride[i] = t->stride[i];
-    }
-    m->offset = t->offset;
-}
-
 static int add_value(kiln_graph_t *g, int kind, int index, int out, const kiln__meta *m, kiln_tensor_t *t)
 {
-    if (g->n_v == g->cap_v) {
-        int cap = g->cap_v ? 2 * g->cap_v : 64;
-        value *v = realloc(g->v, sizeof *v * (size_t)cap);
-        if (!v) return -1;
-        g->v = v;
-        g->cap_v = cap;
-    }
+    void *tmp;
+    if (!KILN__GROW(g->v, g->n_v, &g->cap_v, 64, tmp)) return -1;
     g->v[g->n_v] = (value){kind, index, out, *m, t, NULL};
     return g->n_v++;
+}
+
+/* A new graph, its value 0 (unused) made; NULL when out of memory, the error naming who. */
+static kiln_graph_t *graph_new(const char *who)
+{
+    kiln_graph_t *g = calloc(1, sizeof *g);
+    kiln__meta none = {0};
+    if (g && add_value(g, V_ARG, -1, 0, &none, NULL) == 0) return g;
+    free(g);
+    return kiln__err(KILN_ERR_OOM, "%s: out of memory", who), NULL;
 }
 
 /* A tensor header with no data, shaped by m, standing for value num. */
@@ -70,10 +64,7 @@ static kiln_tensor_t *meta_tensor(kiln__backend *be, kiln__storage *share, size_
     kiln__storage *st = share;
     if (!st) {
         st = calloc(1, sizeof *st);
-        if (!st) {
-            kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
-            return NULL;
-        }
+        if (!st) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory"), NULL;
         atomic_init(&st->refcount, 1);
         st->be = be;
         st->meta = true;
@@ -117,7 +108,7 @@ static int value_of(kiln_graph_t *g, kiln_tensor_t *t)
     for (int i = 1; i < g->n_v; i++)
         if (g->v[i].kind == V_CONST && g->v[i].t == t) return i;
     kiln__meta m;
-    kiln__graph_meta_of(t, &m);
+    kiln__meta_of(t, &m);
     int num = add_value(g, V_CONST, 0, 0, &m, t);
     if (num >= 0) kiln_tensor_retain(t);
     return num;
@@ -131,19 +122,10 @@ static kiln_status graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_
     for (int i = 0; i < n_in; i++)
         if (in[i]->st->meta && (graph_value(in[i]) <= 0 || graph_value(in[i]) >= g->n_v))
             return kiln__err(KILN_ERR_ARG, "%s: input %d belongs to another graph's capture", d->name, i);
-    if (g->n_nd == g->cap_nd) {
-        int cap = g->cap_nd ? 2 * g->cap_nd : 64;
-        node *nd = realloc(g->nd, sizeof *nd * (size_t)cap);
-        if (!nd) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
-        g->nd = nd;
-        g->cap_nd = cap;
-    }
+    void *tmp;
+    if (!KILN__GROW(g->nd, g->n_nd, &g->cap_nd, 64, tmp)) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
     node *n = &g->nd[g->n_nd];
-    memset(n, 0, sizeof *n);
-    n->op = op;
-    n->attrs = *a;
-    n->n_in = n_in;
-    n->n_out = d->n_out;
+    *n = (node){.op = op, .attrs = *a, .n_in = n_in, .n_out = d->n_out};
     n->in = malloc(sizeof(int) * (size_t)(n_in ? n_in : 1));
     if (!n->in) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
     for (int i = 0; i < n_in; i++)
@@ -170,11 +152,14 @@ static kiln_status graph_record(kiln__op_id op, kiln_tensor_t *const *in, int n_
 }
 
 /* The first error of a hook that cannot return one; kiln_graph_capture reports it. */
-static void fail_later(kiln_graph_t *g, kiln_status code, const char *msg)
+__attribute__((format(printf, 3, 4))) static void fail_later(kiln_graph_t *g, kiln_status code, const char *fmt, ...)
 {
     if (g->failed) return;
     g->failed = code;
-    snprintf(g->failed_msg, sizeof g->failed_msg, "%s", msg);
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(g->failed_msg, sizeof g->failed_msg, fmt, ap);
+    va_end(ap);
 }
 
 static leaf_grad *find_leaf(kiln_graph_t *g, const kiln_tensor_t *leaf)
@@ -189,13 +174,8 @@ static leaf_grad *leaf_entry(kiln_graph_t *g, kiln_tensor_t *leaf)
 {
     leaf_grad *e = find_leaf(g, leaf);
     if (e) return e;
-    if (g->n_lg == g->cap_lg) {
-        int cap = g->cap_lg ? 2 * g->cap_lg : 16;
-        leaf_grad *l = realloc(g->lg, sizeof *l * (size_t)cap);
-        if (!l) return NULL;
-        g->lg = l;
-        g->cap_lg = cap;
-    }
+    void *tmp;
+    if (!KILN__GROW(g->lg, g->n_lg, &g->cap_lg, 16, tmp)) return NULL;
     e = &g->lg[g->n_lg++];
     *e = (leaf_grad){kiln_tensor_retain(leaf), 0, NULL, false, true, false};
     return e;
@@ -208,7 +188,7 @@ static kiln_status sink_accumulate(void *ctx, kiln_tensor_t *leaf, kiln_tensor_t
     if (!e) return kiln__err(KILN_ERR_OOM, "graph capture: out of memory");
     e->dropped = false;
     /* As eager backward sums them: the first part, then each next one added (a run
-     * gives the leaf a tensor of its own, kiln__graph_add_leaf_grads). */
+     * gives the leaf a tensor of its own, add_leaf_grads). */
     kiln_tensor_t *sum = e->acc ? kiln_add(e->acc, g) : kiln__scoped(kiln_tensor_retain(g));
     if (!sum) return kiln_last_status();
     kiln_tensor_free(e->acc);
@@ -227,11 +207,10 @@ static kiln_tensor_t *sink_grad_of(void *ctx, const kiln_tensor_t *leaf)
     bool old_counts = !e || !e->clear;
     if (old_counts && kiln__autograd_grad(leaf)) {
         char b[96];
-        char msg[320];
-        snprintf(msg, sizeof msg, "graph capture: the function reads the gradient of a parameter %s that already "
-                 "held one when the capture began; a graph cannot follow a gradient that is replaced between calls: "
-                 "zero the gradients before calling it (kiln_optim_zero_grad)", kiln__shape_str(leaf, b, sizeof b));
-        fail_later(g, KILN_ERR_UNSUPPORTED, msg);
+        fail_later(g, KILN_ERR_UNSUPPORTED, "graph capture: the function reads the gradient of a parameter %s that "
+                   "already held one when the capture began; a graph cannot follow a gradient that is replaced between "
+                   "calls: zero the gradients before calling it (kiln_optim_zero_grad)",
+                   kiln__shape_str(leaf, b, sizeof b));
         return NULL;
     }
     if (!e && !(e = leaf_entry(g, (kiln_tensor_t *)leaf))) {
@@ -317,14 +296,11 @@ static kiln_status capture_begin(capture_frame *f, kiln_graph_t *g)
     return KILN_OK;
 }
 
-static kiln_status capture_end(capture_frame *f)
+static kiln_status capture_end(capture_frame *f, kiln_status s)
 {
-    bool open = kiln__intercept_forget_suspended(&f->ic);
-    kiln__intercept_pop(&f->ic);
     kiln__autograd_set_leaf_sink(f->sink_was);
     capturing = NULL;
-    return open ? kiln__err(KILN_ERR_ARG, "graph_capture: the function suspended the capture (kiln_graph_suspend) "
-                            "and returned without resuming it (kiln_graph_resume)") : KILN_OK;
+    return kiln__intercept_end(&f->ic, s, "graph_capture", "capture");
 }
 
 void kiln_graph_free(kiln_graph_t *g)
@@ -336,11 +312,8 @@ void kiln_graph_free(kiln_graph_t *g)
         kiln_tensor_free(g->lg[i].leaf);
         kiln_tensor_free(g->lg[i].acc);
     }
-    free(g->lg);
     for (int i = 0; i < g->n_nd; i++) free(g->nd[i].in);
-    free(g->v);
-    free(g->nd);
-    free(g);
+    KILN__FREE(g->lg, g->v, g->nd, g);
 }
 
 kiln_status kiln_graph_capture(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *example, int n_in, kiln_graph_t **out)
@@ -358,15 +331,13 @@ kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *c
     for (int i = 0; i < n_in; i++)
         if (!example[i]) return kiln__null_arg("graph_capture");
     kiln__ensure_init();
-    kiln_graph_t *g = calloc(1, sizeof *g);
-    if (!g) return kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
-    kiln__meta none = {0};
-    kiln_status s = add_value(g, V_ARG, -1, 0, &none, NULL) == 0 ? KILN_OK : kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
+    kiln_graph_t *g = graph_new("graph_capture");
+    if (!g) return kiln_last_status();
     kiln_tensor_t **args = calloc((size_t)(n_in ? n_in : 1), sizeof *args);
-    if (!args) s = kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
+    kiln_status s = args ? KILN_OK : kiln__err(KILN_ERR_OOM, "graph_capture: out of memory");
     for (int i = 0; s == KILN_OK && i < n_in; i++) {
         kiln__meta m;
-        kiln__graph_meta_of(example[i], &m);
+        kiln__meta_of(example[i], &m);
         if (!strided) kiln__contiguous_strides(m.ndim, m.shape, m.stride);
         m.offset = 0;
         s = add_arg(g, i, &m, example[i]->st->be, &args[i]);
@@ -392,41 +363,31 @@ kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *c
             g->lg[i].acc = NULL;
         }
         kiln_scope_end();
-        kiln_status e = began ? capture_end(&cf) : KILN_OK;
-        if (s == KILN_OK) s = e;
+        if (began) s = capture_end(&cf, s);
     }
     for (int i = 0; args && i < n_in; i++) kiln_tensor_free(args[i]);
     free(args);
-    if (s != KILN_OK) {
-        kiln_graph_free(g);
-        return s;
-    }
-    *out = g;
-    return KILN_OK;
+    if (s == KILN_OK) *out = g;
+    else kiln_graph_free(g);
+    return s;
 }
 
 int kiln_graph_num_ops(const kiln_graph_t *g) { return g ? g->n_nd : 0; }
 
-static bool same_meta(const kiln__meta *m, const kiln_tensor_t *t)
-{
-    if (m->dtype != t->dtype || m->ndim != t->ndim) return false;
-    for (int i = 0; i < m->ndim; i++)
-        if (m->shape[i] != t->shape[i]) return false;
-    return true;
-}
-
-
-kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, int max_out)
+/* Checks in[0..n_in) against the graph's arguments (count, dtype, shape). */
+static kiln_status check_inputs(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, int max_out)
 {
     if (capturing) return kiln__err(KILN_ERR_ARG, "graph_run: not inside a capture (run it after kiln_graph_capture)");
     if (n_in != g->n_args) return kiln__err(KILN_ERR_ARG, "graph_run: %d inputs given, the graph takes %d", n_in, g->n_args);
     if (max_out < g->n_outs) return kiln__err(KILN_ERR_ARG, "graph_run: room for %d outputs, the graph gives %d", max_out, g->n_outs);
     for (int i = 0; i < n_in; i++) {
         if (!in[i]) return kiln__null_arg("graph_run");
-        if (!same_meta(&g->v[i + 1].meta, in[i])) {
+        const kiln__meta *m = &g->v[i + 1].meta;
+        if (m->dtype != in[i]->dtype || m->ndim != in[i]->ndim ||
+            memcmp(m->shape, in[i]->shape, sizeof(int64_t) * (size_t)m->ndim)) {
             char got[96], want[96];
             return kiln__err(KILN_ERR_SHAPE, "graph_run: input %d is %s, the graph was captured for %s", i,
-                             kiln__shape_str(in[i], got, sizeof got), kiln__meta_str(&g->v[i + 1].meta, want, sizeof want));
+                             kiln__shape_str(in[i], got, sizeof got), kiln__meta_str(m, want, sizeof want));
         }
     }
     /* The passes take arguments and captured tensors for separate memory where the graph
@@ -456,9 +417,10 @@ kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const
     return KILN_OK;
 }
 
-/* Gradients into the real leaves, as kiln_backward leaves them: a fresh copy, or added
- * to what a leaf already holds. */
-kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt)
+/* Gradients into the real leaves (rt[value] each), as kiln_backward leaves them: a fresh
+ * copy, or added to what a leaf already holds; a leaf without a gradient may take
+ * rt[value] itself (then set to NULL). */
+static kiln_status add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt)
 {
     kiln_status s = KILN_OK;
     for (int j = 0; s == KILN_OK && j < g->n_lg; j++) {
@@ -509,7 +471,7 @@ kiln_status kiln__graph_frame_begin(const kiln_graph_t *g, kiln_tensor_t *const 
 {
     memset(f, 0, sizeof *f);
     if (!g || !n_out || (max_out > 0 && !out)) return kiln__err(KILN_ERR_ARG, "graph_run: NULL graph or outputs");
-    kiln_status s = kiln__graph_check_inputs(g, in, n_in, max_out);
+    kiln_status s = check_inputs(g, in, n_in, max_out);
     if (s != KILN_OK) return s;
     if (!(f->rt = calloc((size_t)g->n_v, sizeof *f->rt))) return kiln__err(KILN_ERR_OOM, "graph_run: out of memory");
     draw_random(g);
@@ -533,10 +495,7 @@ void kiln__graph_release(const kiln_graph_t *g, kiln__graph_frame *f, int v, con
 static kiln_tensor_t **gather(const node *n, kiln_tensor_t *const *vals, kiln_tensor_t **stack)
 {
     kiln_tensor_t **ins = n->n_in > 64 ? malloc(sizeof *ins * (size_t)n->n_in) : stack;
-    if (!ins) {
-        kiln__err(KILN_ERR_OOM, "graph: out of memory");
-        return NULL;
-    }
+    if (!ins) return kiln__err(KILN_ERR_OOM, "graph: out of memory"), NULL;
     for (int i = 0; i < n->n_in; i++) ins[i] = vals[n->in[i]];
     return ins;
 }
@@ -561,7 +520,7 @@ kiln_status kiln__graph_run_node(const kiln_graph_t *g, int k, kiln__graph_frame
 kiln_status kiln__graph_frame_end(const kiln_graph_t *g, kiln__graph_frame *f, kiln_status s, kiln_tensor_t **out,
                                   int *n_out)
 {
-    if (s == KILN_OK) s = kiln__graph_add_leaf_grads(g, f->rt);
+    if (s == KILN_OK) s = add_leaf_grads(g, f->rt);
     kiln_set_grad_enabled(f->grad_was);
     for (int j = 0; s == KILN_OK && j < g->n_outs; j++) out[j] = kiln__scoped(kiln_tensor_retain(f->rt[g->outs[j]]));
     *n_out = s == KILN_OK ? g->n_outs : 0;
@@ -643,16 +602,23 @@ void kiln__graph_reindex(kiln_graph_t *g, int from, int to)
         for (int j = 0; j < g->nd[k].n_out; j++) g->v[g->nd[k].out[j]].index = k;
 }
 
+int kiln__graph_drop(kiln_graph_t *g, const bool *drop)
+{
+    int w = 0, n = g->n_nd;
+    for (int k = 0; k < n; k++) {
+        if (!drop[k]) g->nd[w++] = g->nd[k];
+        else free(g->nd[k].in);
+    }
+    g->n_nd = w;
+    kiln__graph_reindex(g, 0, w);
+    return n - w;
+}
+
 /* Inserts node copy at position at (the nodes from there move up one). */
 kiln_status kiln__graph_insert_node(kiln_graph_t *g, int at, const node *n, int *out_value)
 {
-    if (g->n_nd == g->cap_nd) {
-        int cap = g->cap_nd ? 2 * g->cap_nd : 64;
-        node *nd = realloc(g->nd, sizeof *nd * (size_t)cap);
-        if (!nd) return kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
-        g->nd = nd;
-        g->cap_nd = cap;
-    }
+    void *tmp;
+    if (!KILN__GROW(g->nd, g->n_nd, &g->cap_nd, 64, tmp)) return kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
     node c = *n;
     kiln__meta m = g->v[n->out[0]].meta; /* add_value may move g->v */
     c.in = malloc(sizeof(int) * (size_t)(n->n_in ? n->n_in : 1));
@@ -710,11 +676,10 @@ kiln_status kiln__graph_rewrite(kiln_graph_t *g, const char *who, kiln__graph_ru
 {
     if (!g) return kiln__err(KILN_ERR_ARG, "%s: NULL graph", who);
     if (capturing) return kiln__err(KILN_ERR_ARG, "%s: a capture is running on this thread", who);
-    kiln_graph_t *ng = calloc(1, sizeof *ng);
+    kiln_graph_t *ng = graph_new(who);
+    if (!ng) return kiln_last_status();
     kiln_tensor_t **map = calloc((size_t)g->n_v, sizeof *map);
-    kiln__meta none = {0};
-    kiln_status s = ng && map && add_value(ng, V_ARG, -1, 0, &none, NULL) == 0
-                        ? KILN_OK : kiln__err(KILN_ERR_OOM, "%s: out of memory", who);
+    kiln_status s = map ? KILN_OK : kiln__err(KILN_ERR_OOM, "%s: out of memory", who);
     kiln__backend *be = kiln__backend_default();
     for (int i = 1; s == KILN_OK && i < g->n_v; i++) {
         const value *v = &g->v[i];
@@ -764,8 +729,7 @@ kiln_status kiln__graph_rewrite(kiln_graph_t *g, const char *who, kiln__graph_ru
     }
     kiln_scope_end();
     kiln_set_grad_enabled(prev);
-    kiln_status e = began ? capture_end(&cf) : KILN_OK;
-    if (s == KILN_OK) s = e;
+    if (began) s = capture_end(&cf, s);
     for (int i = 1; map && i < g->n_v; i++)
         if (g->v[i].kind != V_CONST) kiln_tensor_free(map[i]);
     free(map);

@@ -38,11 +38,14 @@ typedef struct {
 
 struct kiln_graph {
     leaf_grad *lg;
-    int n_lg, cap_lg;
+    int n_lg;
+    size_t cap_lg;
     value *v;
-    int n_v, cap_v; /* value 0 is unused: 0 means "a real tensor" in a tensor header */
+    int n_v; /* value 0 is unused: 0 means "a real tensor" in a tensor header */
+    size_t cap_v;
     node *nd;
-    int n_nd, cap_nd;
+    int n_nd;
+    size_t cap_nd;
     int n_args;
     int outs[KILN_GRAPH_MAX_OUT], n_outs;
     kiln_status failed; /* the first error of a hook that cannot return one, reported at the end of capture */
@@ -61,8 +64,6 @@ typedef struct {
  * graph then assumes them; kiln_graph_capture assumes contiguous arguments). */
 kiln_status kiln__graph_capture_as(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const *example, int n_in, bool strided,
                                    kiln_graph_t **out);
-/* Checks in[0..n_in) against the graph's arguments (count, dtype, shape). */
-kiln_status kiln__graph_check_inputs(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, int max_out);
 /* Checks the arguments and binds them (nothing to end on failure). */
 kiln_status kiln__graph_frame_begin(const kiln_graph_t *g, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
                                     int max_out, int *n_out, kiln__graph_frame *f);
@@ -92,17 +93,15 @@ void kiln__graph_release(const kiln_graph_t *g, kiln__graph_frame *f, int v, con
  * frees the rest; returns s or the first new error. */
 kiln_status kiln__graph_frame_end(const kiln_graph_t *g, kiln__graph_frame *f, kiln_status s, kiln_tensor_t **out,
                                   int *n_out);
-/* Adds each computed leaf gradient (rt[value]) into its leaf, as kiln_backward would; a
- * leaf without a gradient may take rt[value] itself (then set to NULL). */
-kiln_status kiln__graph_add_leaf_grads(const kiln_graph_t *g, kiln_tensor_t **rt);
 
 /* Re-points the outputs of nodes [from, to) at their nodes' places (after nodes moved). */
 void kiln__graph_reindex(kiln_graph_t *g, int from, int to);
+/* Removes the nodes k with drop[k] (their values keep their numbers), the others moving
+ * down in order; returns how many went. */
+int kiln__graph_drop(kiln_graph_t *g, const bool *drop);
 /* mut[v] = true for each value updated in place, or, back through views, aliased by
  * one that is. */
 void kiln__graph_mutated(const kiln_graph_t *g, bool *mut);
-/* m = t's dtype, shape, strides and offset. */
-void kiln__graph_meta_of(const kiln_tensor_t *t, kiln__meta *m);
 /* Inserts a copy of node n (one output, a new value, number in *out_value) at position
  * at; the nodes from there move up one. */
 kiln_status kiln__graph_insert_node(kiln_graph_t *g, int at, const node *n, int *out_value);
@@ -116,9 +115,6 @@ typedef kiln_status (*kiln__graph_rule)(const kiln_graph_t *g, int k, kiln_tenso
                                         void *ctx, int *used);
 kiln_status kiln__graph_rewrite(kiln_graph_t *g, const char *who, kiln__graph_rule rule, void *ctx, int *count);
 
-/* Whether this thread captures a graph, or records a replay (src/graph/replay.c). */
-bool kiln__graph_capturing(void);
-bool kiln__replay_recording(void);
 /* A launch made outside dispatch (a compiled program's generated kernel on be): the
  * replay calls call(ctx) in its place, and free_ctx(ctx) when it is freed; the replay
  * takes ctx, also when noting fails. call NULL: the caller ran out of memory making

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "core/tensor_impl.h"
+#include "core/util.h"
 #include "kiln/graph.h"
 #include "kiln/ops.h"
 #include "ops/registry.h"
@@ -16,12 +17,9 @@
 kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
 {
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_dce: NULL graph");
-    bool *used = calloc((size_t)g->n_v, sizeof *used), *keep = calloc((size_t)(g->n_nd ? g->n_nd : 1), sizeof *keep);
-    if (!used || !keep) {
-        free(used);
-        free(keep);
-        return kiln__err(KILN_ERR_OOM, "graph_dce: out of memory");
-    }
+    bool *used = calloc((size_t)g->n_v + (size_t)g->n_nd + 1, sizeof *used);
+    if (!used) return kiln__err(KILN_ERR_OOM, "graph_dce: out of memory");
+    bool *drop = used + g->n_v;
     kiln__graph_mark_results(g, used);
     for (int k = g->n_nd - 1; k >= 0; k--) {
         node *n = &g->nd[k];
@@ -29,23 +27,13 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
          * call did, so that the draws after it stay eager's. */
         bool live = kiln__ops[n->op].is_inplace || kiln__graph_random(n);
         for (int j = 0; j < n->n_out; j++) live |= used[n->out[j]];
-        keep[k] = live;
+        drop[k] = !live;
         if (live)
             for (int i = 0; i < n->n_in; i++) used[n->in[i]] = true;
     }
-    int w = 0, dropped = 0;
-    for (int k = 0; k < g->n_nd; k++) {
-        if (keep[k]) g->nd[w++] = g->nd[k];
-        else {
-            free(g->nd[k].in);
-            dropped++;
-        }
-    }
-    /* Values keep their numbers; re-point each op output at its node's new place. */
-    kiln__graph_reindex(g, 0, w);
-    g->n_nd = w;
+    /* Values keep their numbers; each op output is re-pointed at its node's new place. */
+    int dropped = kiln__graph_drop(g, drop);
     free(used);
-    free(keep);
     if (removed) *removed = dropped;
     return KILN_OK;
 }
@@ -56,7 +44,7 @@ kiln_status kiln_graph_dce(kiln_graph_t *g, int *removed)
  * Memory is tracked per op result, per captured storage (captured tensors on one
  * storage are one memory) and for the arguments as one memory (a run refuses an
  * argument that shares memory with a captured tensor either side writes, in
- * kiln__graph_check_inputs). In-place and random ops are never merged (random ones
+ * graph.c's check_inputs). In-place and random ops are never merged (random ones
  * already differ in their counters). Candidates are found through a hash of (op,
  * attributes, inputs). */
 static uint64_t node_hash(const node *n)
@@ -72,20 +60,19 @@ static uint64_t node_hash(const node *n)
 kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
 {
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_cse: NULL graph");
-    int nb = 64;
+    int nb = 64, nv = g->n_v;
     while (nb < 2 * g->n_nd) nb *= 2;
-    int *repl = malloc(sizeof(int) * (size_t)g->n_v), *mem = malloc(sizeof(int) * (size_t)g->n_v);
-    int *wrote = malloc(sizeof(int) * (size_t)g->n_v), *slot = malloc(sizeof(int) * (size_t)nb);
-    if (!repl || !mem || !wrote || !slot) {
-        free(repl);
-        free(mem);
-        free(wrote);
-        free(slot);
+    int *repl = malloc(sizeof(int) * (3 * (size_t)nv + (size_t)nb));
+    bool *drop = calloc((size_t)g->n_nd + 1, sizeof *drop);
+    if (!repl || !drop) {
+        KILN__FREE(repl, drop);
         return kiln__err(KILN_ERR_OOM, "graph_cse: out of memory");
     }
-    /* mem[v]: the memory value v lives in, named by a value number (0: the arguments);
-     * wrote[m]: 1 + the kept op that last wrote memory m, 0 if none did. */
-    for (int i = 0; i < g->n_v; i++) {
+    /* repl[v]: the value v now is; mem[v]: the memory value v lives in, named by a value
+     * number (0: the arguments); wrote[m]: 1 + the kept op that last wrote memory m, 0 if
+     * none did; slot: the kept ops by hash. */
+    int *mem = repl + nv, *wrote = mem + nv, *slot = wrote + nv;
+    for (int i = 0; i < nv; i++) {
         repl[i] = i;
         wrote[i] = 0;
         mem[i] = g->v[i].kind == V_ARG ? 0 : i;
@@ -96,7 +83,6 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
             }
     }
     for (int b = 0; b < nb; b++) slot[b] = -1;
-    int w = 0, dropped = 0;
     for (int k = 0; k < g->n_nd; k++) {
         node *n = &g->nd[k];
         for (int i = 0; i < n->n_in; i++) n->in[i] = repl[n->in[i]];
@@ -121,30 +107,21 @@ kiln_status kiln_graph_cse(kiln_graph_t *g, int *removed)
         }
         if (same >= 0) {
             for (int j = 0; j < n->n_out; j++) repl[n->out[j]] = g->nd[same].out[j];
-            free(n->in);
-            dropped++;
-            continue;
-        }
-        g->nd[w] = *n;
-        if (d->is_inplace) {
+            drop[k] = true;
+        } else if (d->is_inplace) {
             for (int i = 0; i < n->n_in && i < 4; i++)
-                if (kiln__written_inputs(n->op) >> i & 1) wrote[mem[n->in[i]]] = w + 1;
+                if (kiln__written_inputs(n->op) >> i & 1) wrote[mem[n->in[i]]] = k + 1;
         } else {
             for (int j = 0; j < n->n_out; j++) mem[n->out[j]] = d->is_view && n->n_in ? mem[n->in[0]] : n->out[j];
             int b = (int)(h & (uint64_t)(nb - 1));
             while (slot[b] >= 0) b = (b + 1) & (nb - 1);
-            slot[b] = w;
+            slot[b] = k;
         }
-        w++;
     }
     for (int j = 0; j < g->n_outs; j++) g->outs[j] = repl[g->outs[j]];
     for (int j = 0; j < g->n_lg; j++) g->lg[j].value = repl[g->lg[j].value];
-    kiln__graph_reindex(g, 0, w);
-    g->n_nd = w;
-    free(repl);
-    free(mem);
-    free(wrote);
-    free(slot);
+    int dropped = kiln__graph_drop(g, drop);
+    KILN__FREE(repl, drop);
     if (removed) *removed = dropped;
     return KILN_OK;
 }
@@ -180,25 +157,15 @@ static bool read_by_backend_kernels_only(const kiln_graph_t *g, int v, int k)
 kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
 {
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_fold: NULL graph");
-    if (kiln__graph_capturing()) return kiln__err(KILN_ERR_ARG, "graph_fold: a capture is running on this thread");
-    bool *cst = calloc((size_t)g->n_v, sizeof *cst), *mut = calloc((size_t)g->n_v, sizeof *mut);
-    if (!cst || !mut) {
-        free(cst);
-        free(mut);
-        return kiln__err(KILN_ERR_OOM, "graph_fold: out of memory");
-    }
+    if (kiln_graph_capturing()) return kiln__err(KILN_ERR_ARG, "graph_fold: a capture is running on this thread");
+    size_t nv = (size_t)g->n_v;
+    bool *cst = calloc(3 * nv + (size_t)g->n_nd + 1, sizeof *cst);
+    if (!cst) return kiln__err(KILN_ERR_OOM, "graph_fold: out of memory");
+    bool *mut = cst + nv, *res_of = mut + nv, *drop = res_of + nv;
     kiln__graph_mutated(g, mut);
-    bool *res_of = calloc((size_t)g->n_v, sizeof *res_of);
-    if (!res_of) {
-        free(cst);
-        free(mut);
-        return kiln__err(KILN_ERR_OOM, "graph_fold: out of memory");
-    }
     kiln__graph_mark_results(g, res_of); /* a graph's result is a new tensor every run */
-    kiln_status s = KILN_OK;
-    int count = 0;
     bool prev = kiln_set_grad_enabled(false);
-    for (int k = 0; s == KILN_OK && k < g->n_nd; k++) {
+    for (int k = 0; k < g->n_nd; k++) {
         node *n = &g->nd[k];
         const kiln__op_def *d = &kiln__ops[n->op];
         if (d->is_inplace || n->op == KILN_OP_RAND || n->op == KILN_OP_DROPOUT) continue;
@@ -250,25 +217,16 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
             v->index = 0;
             v->out = 0;
             v->t = res[j];
-            kiln__graph_meta_of(res[j], &v->meta);
+            kiln__meta_of(res[j], &v->meta);
             cst[n->out[j]] = true;
         }
-        /* The node computes nothing now: it goes, and the nodes after it move down one,
-         * their outputs' producer index with them (later folds look sources up by it). */
-        free(n->in);
-        memmove(n, n + 1, sizeof *n * (size_t)(g->n_nd - k - 1));
-        g->n_nd--;
-        kiln__graph_reindex(g, k, g->n_nd);
-        k--;
-        count++;
+        drop[k] = true; /* it computes nothing now */
     }
     kiln_set_grad_enabled(prev);
-    kiln__graph_reindex(g, 0, g->n_nd);
+    int count = kiln__graph_drop(g, drop);
     free(cst);
-    free(mut);
-    free(res_of);
     if (folded) *folded = count;
-    return s;
+    return KILN_OK;
 }
 
 /* Saved or recomputed: a pointwise result read early (forward) and again much later
@@ -285,19 +243,13 @@ kiln_status kiln_graph_fold(kiln_graph_t *g, int *folded)
 #define RC_MIN 1024
 #define RC_DEPTH 6
 
+/* The differentiable pointwise ops but pow and where (and the copy contiguous), and
+ * the views. */
 static bool recomputable(kiln__op_id op)
 {
     if (kiln__ops[op].is_view && !kiln__ops[op].is_inplace) return true; /* free: a new view of the copy */
-    if (kiln__op_math[op].name && !kiln__op_math[op].dx) return true; /* pointwise.def's ops */
-    switch (op) {
-    case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_NEG: case KILN_OP_ABS:
-    case KILN_OP_EXP: case KILN_OP_LOG: case KILN_OP_SQRT: case KILN_OP_RSQRT: case KILN_OP_TANH:
-    case KILN_OP_SIGMOID: case KILN_OP_RELU: case KILN_OP_GELU: case KILN_OP_SILU: case KILN_OP_MAXIMUM:
-    case KILN_OP_MINIMUM: case KILN_OP_CAST:
-        return true;
-    default:
-        return false;
-    }
+    return kiln__ops[op].kind == KILN__KIND_POINTWISE && kiln__ops[op].has_grad && op != KILN_OP_POW &&
+           op != KILN_OP_WHERE && op != KILN_OP_CONTIGUOUS;
 }
 
 typedef struct {
@@ -305,7 +257,6 @@ typedef struct {
     const bool *keep, *mut;
     int map_from[64], map_to[64], n_map; /* what this rebuild has cloned so far */
 } rc_ctx;
-
 
 /* May values a and b live in the same memory (one base, two captured tensors on one
  * storage, or two arguments: a caller may pass one buffer twice, as CSE assumes too)? */
@@ -370,6 +321,24 @@ static bool rebuildable(const rc_ctx *c, int x, int late, int depth, int *budget
     return true;
 }
 
+/* A copy of node k (one output, n_in <= 8) on its inputs as of position late, inserted
+ * at *at after what those need, *at moving past it; *out: the copy's value. Nodes before
+ * late keep their places (insertions are at or after it). */
+static kiln_status rebuild(rc_ctx *c, int x, int late, int *at, int *out);
+
+static kiln_status clone_at(rc_ctx *c, int k, int late, int *at, int *out)
+{
+    int ins[8];
+    for (int i = 0; i < c->g->nd[k].n_in; i++) {
+        kiln_status s = rebuild(c, c->g->nd[k].in[i], late, at, &ins[i]);
+        if (s != KILN_OK) return s;
+    }
+    node n = c->g->nd[k]; /* insertions may have moved the array */
+    n.in = ins;
+    kiln_status s = kiln__graph_insert_node(c->g, *at, &n, out);
+    if (s == KILN_OK) (*at)++;
+    return s;
+}
 
 /* x as of position *at: itself where alive, else a copy of its producer (on rebuilt
  * inputs) inserted at *at, which moves past it. */
@@ -385,18 +354,10 @@ static kiln_status rebuild(rc_ctx *c, int x, int late, int *at, int *out)
         *out = x;
         return KILN_OK;
     }
-    node n = g->nd[g->v[x].index];
-    int ins[8];
-    if (n.n_in > 8 || c->n_map == 64) return kiln__err(KILN_ERR_INTERNAL, "graph_recompute: chain too wide");
-    for (int i = 0; i < n.n_in; i++) {
-        kiln_status s = rebuild(c, n.in[i], late, at, &ins[i]);
-        if (s != KILN_OK) return s;
-    }
-    n = g->nd[g->v[x].index]; /* insertions may have moved the array */
-    n.in = ins;
-    kiln_status s = kiln__graph_insert_node(g, *at, &n, out);
+    if (g->nd[g->v[x].index].n_in > 8 || c->n_map == 64)
+        return kiln__err(KILN_ERR_INTERNAL, "graph_recompute: chain too wide");
+    kiln_status s = clone_at(c, g->v[x].index, late, at, out);
     if (s != KILN_OK) return s;
-    (*at)++;
     c->map_from[c->n_map] = x;
     c->map_to[c->n_map++] = *out;
     return KILN_OK;
@@ -405,36 +366,27 @@ static kiln_status rebuild(rc_ctx *c, int x, int late, int *at, int *out)
 kiln_status kiln_graph_recompute(kiln_graph_t *g, int *recomputed)
 {
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_recompute: NULL graph");
+    /* The copies add values and nodes, as many of each: flags for up to cap_v values,
+     * and room to list the readers of one among all the nodes there can be. */
     int n_v0 = g->n_v, cap_v = n_v0 * 4 + 64;
-    bool *keep = calloc((size_t)cap_v, sizeof *keep), *mut = calloc((size_t)cap_v, sizeof *mut);
-    if (!keep || !mut) {
-        free(keep);
-        free(mut);
+    bool *keep = calloc(2 * (size_t)cap_v, sizeof *keep), *mut = keep ? keep + cap_v : NULL;
+    int *uses = malloc(sizeof(int) * ((size_t)g->n_nd + (size_t)cap_v));
+    if (!keep || !uses) {
+        KILN__FREE(keep, uses);
         return kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
     }
     kiln__graph_mark_results(g, keep);
     kiln__graph_mutated(g, mut);
     kiln_status s = KILN_OK;
-    int count = 0, cap_uses = g->n_nd + 1, *uses = malloc(sizeof(int) * (size_t)cap_uses);
-    if (!uses) s = kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
-    for (int k = g->n_nd - 1; s == KILN_OK && k >= 0; k--) {
+    int count = 0;
+    for (int k = g->n_nd - 1; k >= 0; k--) {
         const node *n = &g->nd[k];
-        if (!recomputable(n->op) || n->n_out != 1) continue;
-        bool view_top = kiln__ops[n->op].is_view;
+        if (!recomputable(n->op) || n->n_out != 1 || n->n_in > 8) continue;
         int v = n->out[0];
         if (v >= n_v0 || keep[v] || mut[v]) continue;
         const kiln__meta *m = &g->v[v].meta;
         if (kiln__numel(m->ndim, m->shape) < RC_MIN) continue;
-        int n_uses = 0;
-        if (g->n_nd + 1 > cap_uses) { /* clones made so far count as readers too */
-            int *u = realloc(uses, sizeof(int) * (size_t)(g->n_nd + 1));
-            if (!u) {
-                s = kiln__err(KILN_ERR_OOM, "graph_recompute: out of memory");
-                break;
-            }
-            uses = u;
-            cap_uses = g->n_nd + 1;
-        }
+        int n_uses = 0; /* clones made so far count as readers too */
         for (int q = k + 1; q < g->n_nd; q++)
             for (int i = 0; i < g->nd[q].n_in; i++)
                 if (g->nd[q].in[i] == v) {
@@ -451,33 +403,22 @@ kiln_status kiln_graph_recompute(kiln_graph_t *g, int *recomputed)
         for (int i = 0; i < n->n_in && ok; i++) ok = !mut[n->in[i]] && rebuildable(&c, n->in[i], late, 1, &budget);
         /* A view owns no memory: one is worth recomputing only for the storage behind it
          * (a view of GELU's output, say), when that is not alive late anyway. */
-        if (ok && view_top) ok = !alive_but(&c, n->in[0], late, k);
+        if (ok && kiln__ops[n->op].is_view) ok = !alive_but(&c, n->in[0], late, k);
         if (!ok) continue;
         if (g->n_v + 64 > cap_v) break; /* the flags cover the values made so far (a chain makes <= 49) */
         /* v's own copy (v is read at late, so rebuild would hand back v itself). */
-        int at = late, nv = 0, ins[8];
-        node copy = g->nd[k];
-        if (copy.n_in > 8) continue;
-        for (int i = 0; s == KILN_OK && i < copy.n_in; i++) s = rebuild(&c, copy.in[i], late, &at, &ins[i]);
-        copy = g->nd[k]; /* the array may have moved */
-        copy.in = ins;
-        if (s == KILN_OK) s = kiln__graph_insert_node(g, at, &copy, &nv);
-        if (s == KILN_OK) at++;
-        if (s != KILN_OK) break;
+        int at = late, nv = 0;
+        if ((s = clone_at(&c, k, late, &at, &nv)) != KILN_OK) break;
         /* The late reads (now from at on) take the copy. */
         for (int q = at; q < g->n_nd; q++)
             for (int i = 0; i < g->nd[q].n_in; i++)
                 if (g->nd[q].in[i] == v) g->nd[q].in[i] = nv;
         count++;
     }
-    free(uses);
-    free(keep);
-    free(mut);
+    KILN__FREE(keep, uses);
     if (recomputed) *recomputed = count;
     return s;
 }
-
-
 
 /* Decomposition: each op with a decomposition (src/ops/decompose.c) recorded as its
  * primitives. */
@@ -617,9 +558,9 @@ bool kiln__graph_elementwise(kiln__op_id op)
     return kiln__ops[op].kind == KILN__KIND_POINTWISE && op != KILN_OP_CONTIGUOUS;
 }
 
-static bool same_shape(const kiln__meta *a, const kiln__meta *b)
+static bool same_shape(int na, const int64_t *a, int nb, const int64_t *b)
 {
-    return a->ndim == b->ndim && !memcmp(a->shape, b->shape, sizeof(int64_t) * (size_t)a->ndim);
+    return na == nb && !memcmp(a, b, sizeof(int64_t) * (size_t)na);
 }
 
 /* copy_(dst, view(x)) becomes copy_(view(dst), x) when dst can be viewed in x's shape:
@@ -631,8 +572,7 @@ static kiln_status sink_copy(const kiln_graph_t *g, int k, kiln_tensor_t **ins, 
     const value *sv = &g->v[n->in[1]];
     if (sv->kind != V_OP || g->nd[sv->index].op != KILN_OP_VIEW) return KILN_OK;
     kiln_tensor_t *x = map[g->nd[sv->index].in[0]];
-    if (!x || (x->ndim == ins[1]->ndim && !memcmp(x->shape, ins[1]->shape, sizeof(int64_t) * (size_t)x->ndim)))
-        return KILN_OK;
+    if (!x || same_shape(x->ndim, x->shape, ins[1]->ndim, ins[1]->shape)) return KILN_OK;
     kiln_tensor_t *dv = kiln_view(ins[0], x->shape, x->ndim);
     if (!dv) {
         kiln_clear_error();
@@ -648,11 +588,7 @@ static kiln_status sink_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, 
                              int *used)
 {
     const node *n = &g->nd[k];
-    if (n->op == KILN_OP_COPY_) {
-        kiln_status s = sink_copy(g, k, ins, map, used);
-        if (*used) (*(int *)ctx)++;
-        return s;
-    }
+    if (n->op == KILN_OP_COPY_) return sink_copy(g, k, ins, map, used);
     if (!kiln__graph_elementwise(n->op) || n->n_out != 1 || n->n_in < 1 || n->n_in > 3) return KILN_OK;
     const kiln__meta *om = &g->v[n->out[0]].meta;
     kiln_tensor_t *src[3];
@@ -662,16 +598,13 @@ static kiln_status sink_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, 
         if (x->kind != V_OP || g->nd[x->index].op != KILN_OP_VIEW) return KILN_OK;
         const value *sv = &g->v[g->nd[x->index].in[0]];
         joins |= sv->kind == V_OP && kiln__graph_elementwise(g->nd[sv->index].op);
-        const kiln__meta *xm = &x->meta;
-        if (!same_shape(xm, om)) return KILN_OK;
+        if (!same_shape(x->meta.ndim, x->meta.shape, om->ndim, om->shape)) return KILN_OK;
         src[i] = map[g->nd[x->index].in[0]];
         if (!src[i] || !kiln__is_contiguous(src[i]) ||
-            (i > 0 && (src[i]->ndim != src[0]->ndim ||
-                       memcmp(src[i]->shape, src[0]->shape, sizeof(int64_t) * (size_t)src[0]->ndim))))
+            (i > 0 && !same_shape(src[i]->ndim, src[i]->shape, src[0]->ndim, src[0]->shape)))
             return KILN_OK;
     }
-    if (!joins || kiln__numel(om->ndim, om->shape) < 2 ||
-        (src[0]->ndim == om->ndim && !memcmp(src[0]->shape, om->shape, sizeof(int64_t) * (size_t)om->ndim)))
+    if (!joins || kiln__numel(om->ndim, om->shape) < 2 || same_shape(src[0]->ndim, src[0]->shape, om->ndim, om->shape))
         return KILN_OK; /* nothing to fuse with, a scalar, or views that change no shape */
     kiln_tensor_t *res[KILN__MAX_OUT] = {0};
     kiln_status s = kiln__dispatch(n->op, src, n->n_in, &n->attrs, res);
@@ -680,16 +613,15 @@ static kiln_status sink_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, 
     kiln_tensor_free(res[0]);
     if (!out) return kiln_last_status();
     map[n->out[0]] = kiln_tensor_retain(out);
-    (*(int *)ctx)++;
     *used = 1;
     return KILN_OK;
 }
 
 kiln_status kiln_graph_sink_views(kiln_graph_t *g, int *sunk)
 {
-    int count = 0;
-    kiln_status s = kiln__graph_rewrite(g, "graph_sink_views", sink_rule, &count, NULL);
-    if (sunk) *sunk = s == KILN_OK ? count : 0;
+    int count = 0; /* the rewrite's count: how many it sank (left 0 on failure) */
+    kiln_status s = kiln__graph_rewrite(g, "graph_sink_views", sink_rule, NULL, &count);
+    if (sunk) *sunk = count;
     return s;
 }
 
@@ -731,8 +663,9 @@ kiln_status kiln_graph_hoist_siblings(kiln_graph_t *g, int *moved)
         int to = -1;
         for (int i = j - 1; i >= 0 && i >= j - HOIST_REACH && i + 1 >= earliest; i--) {
             const node *s = &g->nd[i];
-            if (kiln__graph_elementwise(s->op) && s->n_out == 1 && same_shape(&g->v[s->out[0]].meta, om) &&
-                shares_input(s, n)) {
+            const kiln__meta *sm = &g->v[s->out[0]].meta;
+            if (kiln__graph_elementwise(s->op) && s->n_out == 1 &&
+                same_shape(sm->ndim, sm->shape, om->ndim, om->shape) && shares_input(s, n)) {
                 to = i + 1;
                 break;
             }

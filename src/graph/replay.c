@@ -21,6 +21,7 @@
 #include "core/intercept.h"
 #include "core/opts.h"
 #include "core/tensor_impl.h"
+#include "core/util.h"
 #include "graph/graph_impl.h"
 #include "kiln/graph.h"
 #include "kiln/ops.h"
@@ -37,7 +38,7 @@ typedef struct {
     const kiln__provider *provider; /* LAUNCH_OP: who ran it */
     kiln__attrs a;
     int n_in, n_out;
-    kiln_tensor_t *t;   /* n_in + n_out header copies */
+    kiln_tensor_t *t;   /* n_in + n_out header copies (the block that holds st and p too) */
     kiln__storage *st;  /* their storages' copies */
     kiln_tensor_t **p;  /* pointers to t[] */
     kiln_status (*call)(void *ctx); /* LAUNCH_CALL: what runs, on call_ctx */
@@ -48,7 +49,8 @@ typedef struct {
 struct kiln_replay {
     kiln__pool *pool;
     launch *l;
-    int n_l, cap_l;
+    int n_l;
+    size_t cap_l;
     int n_in, n_out;
     kiln_tensor_t *in[KILN_GRAPH_MAX_IN];   /* the recorded inputs (retained): the buffers later inputs are copied to */
     kiln_tensor_t *out[KILN_GRAPH_MAX_OUT]; /* the recorded outputs (retained), rewritten by every replay */
@@ -61,7 +63,6 @@ struct kiln_replay {
 
 static _Thread_local kiln_replay_t *rec;
 
-bool kiln__replay_recording(void) { return rec != NULL; }
 bool kiln_replay_recording(void) { return rec != NULL; }
 
 /* kiln_graph_suspend: state made now (optimizer moments) is real and not recorded. */
@@ -80,17 +81,9 @@ static void replay_resume(void *ctx)
 /* Room for one more launch; false (and the recording failed) when there is none. */
 static bool room(kiln_replay_t *r)
 {
-    if (r->failed) return false;
-    if (r->n_l < r->cap_l) return true;
-    int cap = r->cap_l ? 2 * r->cap_l : 256;
-    launch *l = realloc(r->l, sizeof *l * (size_t)cap);
-    if (!l) {
-        r->failed = KILN_ERR_OOM;
-        return false;
-    }
-    r->l = l;
-    r->cap_l = cap;
-    return true;
+    void *tmp;
+    if (!r->failed && !KILN__GROW(r->l, r->n_l, &r->cap_l, 256, tmp)) r->failed = KILN_ERR_OOM;
+    return !r->failed;
 }
 
 /* Notes a launch dispatch made (c->ran ran it); never fails the call: a recording that
@@ -99,24 +92,19 @@ static kiln_status replay_after(void *ctx, const kiln__call_info *c)
 {
     kiln_replay_t *r = ctx;
     if (!c->ran || !room(r)) return KILN_OK;
-    int n_in = c->n_in, n_out = c->n_out;
-    kiln_tensor_t *const *in = c->in, *const *out = c->out;
-    int n = n_in + n_out;
+    int n = c->n_in + c->n_out;
     launch *L = &r->l[r->n_l];
-    *L = (launch){.kind = LAUNCH_OP, .op = c->op, .be = c->be, .provider = c->ran, .a = *c->a, .n_in = n_in,
-                  .n_out = n_out,
-                  .t = calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t)),
-                  .st = calloc((size_t)(n ? n : 1), sizeof(kiln__storage)),
-                  .p = calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t *))};
-    if (!L->t || !L->st || !L->p) {
-        free(L->t);
-        free(L->st);
-        free(L->p);
+    *L = (launch){.kind = LAUNCH_OP, .op = c->op, .be = c->be, .provider = c->ran, .a = *c->a, .n_in = c->n_in,
+                  .n_out = c->n_out,
+                  .t = calloc((size_t)(n ? n : 1), sizeof(kiln_tensor_t) + sizeof(kiln__storage) + sizeof(kiln_tensor_t *))};
+    if (!L->t) {
         r->failed = KILN_ERR_OOM;
         return KILN_OK;
     }
+    L->st = (kiln__storage *)(L->t + n);
+    L->p = (kiln_tensor_t **)(L->st + n);
     for (int i = 0; i < n; i++) {
-        const kiln_tensor_t *src = i < n_in ? in[i] : out[i - n_in];
+        const kiln_tensor_t *src = i < c->n_in ? c->in[i] : c->out[i - c->n_in];
         L->st[i] = *src->st;
         atomic_init(&L->st[i].refcount, 1);
         L->st[i].pool = NULL;
@@ -170,8 +158,8 @@ static const char *launch_name(const launch *L)
     return L->kind == LAUNCH_CALL ? "a generated kernel" : kiln__ops[L->op].name;
 }
 
-/* The launches, in order, on the recorded tensors; *at gets the one that failed. */
-static kiln_status run_list_at(kiln_replay_t *r, int *at)
+/* The launches, in order, on the recorded tensors; *at (at not NULL) gets the one that failed. */
+static kiln_status run_list(kiln_replay_t *r, int *at)
 {
     kiln_status s = KILN_OK;
     bool prev = kiln_set_grad_enabled(false);
@@ -187,56 +175,34 @@ static kiln_status run_list_at(kiln_replay_t *r, int *at)
                 s = kiln__err(KILN_ERR_INTERNAL, "replay_run: the %s kernel of %s is gone", L->provider->name,
                               kiln__ops[L->op].name);
         }
-        if (s != KILN_OK) *at = k;
+        if (s != KILN_OK && at) *at = k;
     }
     kiln_set_grad_enabled(prev);
     return s;
-}
-
-static kiln_status run_list(kiln_replay_t *r)
-{
-    int at;
-    return run_list_at(r, &at);
 }
 
 /* The launch list as the device's own graph, where it can be; r->why says what came of it. */
 static void capture_native(kiln_replay_t *r)
 {
     kiln__backend *be = r->n_l ? r->l[0].be : NULL;
-    for (int k = 0; be && k < r->n_l; k++) {
+    char no[256] = ""; /* why not */
+    for (int k = 0; be && !*no && k < r->n_l; k++) {
         const launch *L = &r->l[k];
-        if (L->kind == LAUNCH_OP && L->provider->on_cpu) {
-            snprintf(r->why, sizeof r->why, "a launch list: launch %d (%s) runs on the cpu with copies", k,
-                     launch_name(L));
-            return;
-        }
-        if (L->be != be) {
-            snprintf(r->why, sizeof r->why, "a launch list: launches on %s and %s", be->name, L->be->name);
-            return;
-        }
+        if (L->kind == LAUNCH_OP && L->provider->on_cpu)
+            snprintf(no, sizeof no, "launch %d (%s) runs on the cpu with copies", k, launch_name(L));
+        else if (L->be != be)
+            snprintf(no, sizeof no, "launches on %s and %s", be->name, L->be->name);
     }
-    if (!be) {
-        snprintf(r->why, sizeof r->why, "a launch list: nothing was launched");
-        return;
-    }
-    if (!kiln__be_can_capture(be)) {
-        snprintf(r->why, sizeof r->why, "a launch list: %s has no graph capture", be->name);
-        return;
-    }
-    if (!kiln__opt(KILN__OPT_DEVICE_GRAPHS)) {
-        snprintf(r->why, sizeof r->why, "a launch list: KILN_OPT_DEVICE_GRAPHS=0");
-        return;
-    }
-    if (!(r->native_pool = kiln__pool_new())) {
-        snprintf(r->why, sizeof r->why, "a launch list: out of memory");
-        return;
-    }
-    kiln_status s = kiln__be_capture_begin(be);
+    if (!*no && !be) snprintf(no, sizeof no, "nothing was launched");
+    else if (!*no && !kiln__be_can_capture(be)) snprintf(no, sizeof no, "%s has no graph capture", be->name);
+    else if (!*no && !kiln__opt(KILN__OPT_DEVICE_GRAPHS)) snprintf(no, sizeof no, "KILN_OPT_DEVICE_GRAPHS=0");
+    else if (!*no && !(r->native_pool = kiln__pool_new())) snprintf(no, sizeof no, "out of memory");
     void *g = NULL;
     int at = -1;
-    if (s == KILN_OK) {
+    kiln_status s = *no ? KILN_OK : kiln__be_capture_begin(be);
+    if (!*no && s == KILN_OK) {
         kiln__pool_begin(r->native_pool);
-        kiln_status ran = run_list_at(r, &at);
+        kiln_status ran = run_list(r, &at);
         kiln__pool_end();
         s = kiln__be_capture_end(be, &g); /* ends the capture either way */
         if (ran != KILN_OK) s = ran;
@@ -244,8 +210,11 @@ static void capture_native(kiln_replay_t *r)
     if (s != KILN_OK) {
         char op[64] = "";
         if (at >= 0) snprintf(op, sizeof op, " at launch %d (%s)", at, launch_name(&r->l[at]));
-        snprintf(r->why, sizeof r->why, "a launch list: %s could not capture it%s: %s", be->name, op, kiln_last_error());
+        snprintf(no, sizeof no, "%s could not capture it%s: %s", be->name, op, kiln_last_error());
         kiln_clear_error();
+    }
+    if (*no) {
+        snprintf(r->why, sizeof r->why, "a launch list: %s", no);
         return;
     }
     r->native_be = be;
@@ -261,7 +230,7 @@ kiln_status kiln_replay_record(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
     if (!fn || n_in < 0 || n_in > KILN_GRAPH_MAX_IN || (n_in && !in) || !n_out || (max_out > 0 && !out))
         return kiln__err(KILN_ERR_ARG, "replay_record: needs a function, at most %d inputs and room for outputs",
                          KILN_GRAPH_MAX_IN);
-    if (rec || kiln__graph_capturing())
+    if (rec || kiln_graph_capturing())
         return kiln__err(KILN_ERR_ARG, "replay_record: a recording or graph capture is already running on this thread");
     for (int i = 0; i < n_in; i++)
         if (!in[i]) return kiln__null_arg("replay_record");
@@ -290,14 +259,11 @@ kiln_status kiln_replay_record(kiln_graph_fn fn, void *ctx, kiln_tensor_t *const
         s = kiln__err(KILN_ERR_ARG, "replay_record: the function gave %d outputs (room for %d)", n, max_out);
     for (int j = 0; s == KILN_OK && j < n; j++)
         if (!res[j]) s = kiln__err(KILN_ERR_ARG, "replay_record: output %d is NULL", j);
-    for (int j = 0; s == KILN_OK && j < n; j++) r->out[j] = kiln_tensor_retain(res[j]);
+        else r->out[j] = kiln_tensor_retain(res[j]);
     kiln_scope_end();
     kiln__pool_end();
     rec = NULL;
-    kiln__intercept_pop(&ic);
-    if (kiln__intercept_forget_suspended(&ic) && s == KILN_OK)
-        s = kiln__err(KILN_ERR_ARG, "replay_record: the function suspended the recording (kiln_graph_suspend) and "
-                      "returned without resuming it (kiln_graph_resume)");
+    s = kiln__intercept_end(&ic, s, "replay_record", "recording");
     if (s == KILN_OK && r->failed) s = kiln__err(r->failed, "replay_record: out of memory recording the launches");
     if (s != KILN_OK) {
         kiln_replay_free(r);
@@ -318,7 +284,7 @@ kiln_status kiln_replay_run(kiln_replay_t *r, kiln_tensor_t *const *in, int n_in
     if (!r || !n_out || (max_out > 0 && !out)) return kiln__err(KILN_ERR_ARG, "replay_run: NULL replay or outputs");
     if (n_in != r->n_in) return kiln__err(KILN_ERR_ARG, "replay_run: %d inputs given, recorded with %d", n_in, r->n_in);
     if (max_out < r->n_out) return kiln__err(KILN_ERR_ARG, "replay_run: room for %d outputs, it gives %d", max_out, r->n_out);
-    if (rec || kiln__graph_capturing()) return kiln__err(KILN_ERR_ARG, "replay_run: inside a recording or capture");
+    if (rec || kiln_graph_capturing()) return kiln__err(KILN_ERR_ARG, "replay_run: inside a recording or capture");
     if (n_in > 0 && !in) return kiln__err(KILN_ERR_ARG, "replay_run: inputs are NULL");
     kiln_status s = KILN_OK;
     for (int i = 0; s == KILN_OK && i < n_in; i++) {
@@ -336,7 +302,7 @@ kiln_status kiln_replay_run(kiln_replay_t *r, kiln_tensor_t *const *in, int n_in
         s = src ? kiln_tensor_copy_(want, src) : kiln_last_status();
         kiln_scope_end();
     }
-    if (s == KILN_OK) s = r->native ? kiln__be_replay(r->native_be, r->native) : run_list(r);
+    if (s == KILN_OK) s = r->native ? kiln__be_replay(r->native_be, r->native) : run_list(r, NULL);
     if (s != KILN_OK) return s;
     for (int j = 0; j < r->n_out; j++) out[j] = kiln__scoped(kiln_tensor_retain(r->out[j]));
     *n_out = r->n_out;
@@ -358,8 +324,6 @@ void kiln_replay_free(kiln_replay_t *r)
     kiln__pool_release(r->native_pool);
     for (int k = 0; k < r->n_l; k++) {
         free(r->l[k].t);
-        free(r->l[k].st);
-        free(r->l[k].p);
         if (r->l[k].call_free) r->l[k].call_free(r->l[k].call_ctx);
     }
     free(r->l);

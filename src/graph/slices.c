@@ -13,6 +13,7 @@
  * into one zero fill and one copy per slice. */
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "graph/graph_impl.h"
 
 /* Where the slices of a base value write: one dim, and up to 16 ranges on it. */
@@ -89,11 +90,9 @@ kiln_status kiln_graph_merge_slices(kiln_graph_t *g, int *merged)
 {
     if (!g) return kiln__err(KILN_ERR_ARG, "graph_merge_slices: NULL graph");
     int *repl = malloc(sizeof(int) * (size_t)g->n_v);
-    bool *dead = calloc((size_t)g->n_nd + 1, sizeof *dead), *res = calloc((size_t)g->n_v, sizeof *res);
-    if (!repl || !dead || !res) {
-        free(repl);
-        free(dead);
-        free(res);
+    bool *res = calloc((size_t)g->n_v + (size_t)g->n_nd + 1, sizeof *res), *dead = res ? res + g->n_v : NULL;
+    if (!repl || !res) {
+        KILN__FREE(repl, res);
         return kiln__err(KILN_ERR_OOM, "graph_merge_slices: out of memory");
     }
     kiln__graph_mark_results(g, res);
@@ -125,9 +124,7 @@ kiln_status kiln_graph_merge_slices(kiln_graph_t *g, int *merged)
     }
     for (int j = 0; j < g->n_outs; j++) g->outs[j] = repl[g->outs[j]];
     for (int j = 0; j < g->n_lg; j++) g->lg[j].value = repl[g->lg[j].value];
-    free(repl);
-    free(dead);
-    free(res);
+    KILN__FREE(repl, res); /* and dead */
     if (merged) *merged = done;
     return KILN_OK;
 }

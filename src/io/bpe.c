@@ -145,20 +145,10 @@ static bool scratch_reserve(kiln__bpe_scratch *s, size_t n)
     if (n <= s->cap)
         return true;
     size_t cap = n < 64 ? 64 : n;
-    int32_t *sym = realloc(s->sym, cap * sizeof *sym);
-    if (sym)
-        s->sym = sym;
-    int32_t *prev = realloc(s->prev, cap * sizeof *prev);
-    if (prev)
-        s->prev = prev;
-    int32_t *next = realloc(s->next, cap * sizeof *next);
-    if (next)
-        s->next = next;
+    void *tmp;
     /* Each merge pushes at most two pairs, on top of the n - 1 first ones. */
-    uint64_t *heap = realloc(s->heap, 3 * cap * sizeof *heap);
-    if (heap)
-        s->heap = heap;
-    if (!sym || !prev || !next || !heap)
+    if (!KILN__RESIZE(s->sym, cap, tmp) || !KILN__RESIZE(s->prev, cap, tmp) || !KILN__RESIZE(s->next, cap, tmp) ||
+        !KILN__RESIZE(s->heap, 3 * cap, tmp))
         return false;
     s->cap = cap;
     return true;
@@ -166,10 +156,7 @@ static bool scratch_reserve(kiln__bpe_scratch *s, size_t n)
 
 void kiln__bpe_scratch_free(kiln__bpe_scratch *s)
 {
-    free(s->sym);
-    free(s->prev);
-    free(s->next);
-    free(s->heap);
+    KILN__FREE(s->sym, s->prev, s->next, s->heap);
     memset(s, 0, sizeof *s);
 }
 
@@ -261,9 +248,9 @@ typedef struct {
     int32_t a, b;
     int64_t count;
     int64_t before; /* count at the start of the current merge, when stamp == step */
-    int32_t stamp;
+    int32_t stamp, n_words;
     int32_t *words;
-    int32_t n_words, cap_words;
+    size_t cap_words;
 } train_pair;
 
 typedef struct {
@@ -280,12 +267,14 @@ typedef struct {
     int32_t *wstamp;
     int32_t n_words;
     train_pair *pairs;
-    int32_t n_pairs, cap_pairs;
+    int32_t n_pairs;
+    size_t cap_pairs;
     kiln__u64map pair_index;
     heap_entry *heap;
     size_t heap_len, heap_cap;
     int32_t *dirty;
-    int32_t n_dirty, cap_dirty;
+    int32_t n_dirty;
+    size_t cap_dirty;
     int32_t step;
 } trainer;
 
@@ -302,14 +291,10 @@ static bool entry_before(const trainer *tr, heap_entry x, heap_entry y)
 
 static bool heap_push(trainer *tr, int32_t pair)
 {
-    if (tr->heap_len == tr->heap_cap) {
-        size_t cap = tr->heap_cap ? tr->heap_cap * 2 : 1024;
-        heap_entry *h = realloc(tr->heap, cap * sizeof *h);
-        if (!h)
-            return false;
-        tr->heap = h;
-        tr->heap_cap = cap;
-    }
+    heap_entry *h = kiln__grow(tr->heap, tr->heap_len, &tr->heap_cap, 1024, sizeof *h);
+    if (!h)
+        return false;
+    tr->heap = h;
     heap_entry e = {tr->pairs[pair].count, pair};
     size_t i = tr->heap_len++;
     while (i > 0) {
@@ -349,14 +334,10 @@ static bool pair_add(trainer *tr, int32_t a, int32_t b, int64_t delta, int32_t w
     uint64_t key = kiln__pair_key(a, b);
     int32_t p = kiln__u64map_get(&tr->pair_index, key);
     if (p < 0) {
-        if (tr->n_pairs == tr->cap_pairs) {
-            int32_t cap = tr->cap_pairs ? tr->cap_pairs * 2 : 4096;
-            train_pair *np = realloc(tr->pairs, (size_t)cap * sizeof *np);
-            if (!np)
-                return false;
-            tr->pairs = np;
-            tr->cap_pairs = cap;
-        }
+        train_pair *np = kiln__grow(tr->pairs, (size_t)tr->n_pairs, &tr->cap_pairs, 4096, sizeof *np);
+        if (!np)
+            return false;
+        tr->pairs = np;
         p = tr->n_pairs;
         if (!kiln__u64map_put(&tr->pair_index, key, p))
             return false;
@@ -365,28 +346,20 @@ static bool pair_add(trainer *tr, int32_t a, int32_t b, int64_t delta, int32_t w
     }
     train_pair *q = &tr->pairs[p];
     if (q->stamp != tr->step) {
-        if (tr->n_dirty == tr->cap_dirty) {
-            int32_t cap = tr->cap_dirty ? tr->cap_dirty * 2 : 1024;
-            int32_t *d = realloc(tr->dirty, (size_t)cap * sizeof *d);
-            if (!d)
-                return false;
-            tr->dirty = d;
-            tr->cap_dirty = cap;
-        }
+        int32_t *d = kiln__grow(tr->dirty, (size_t)tr->n_dirty, &tr->cap_dirty, 1024, sizeof *d);
+        if (!d)
+            return false;
+        tr->dirty = d;
         tr->dirty[tr->n_dirty++] = p;
         q->stamp = tr->step;
         q->before = q->count;
     }
     q->count += delta;
     if (note_word && (q->n_words == 0 || q->words[q->n_words - 1] != w)) {
-        if (q->n_words == q->cap_words) {
-            int32_t cap = q->cap_words ? q->cap_words * 2 : 4;
-            int32_t *nw = realloc(q->words, (size_t)cap * sizeof *nw);
-            if (!nw)
-                return false;
-            q->words = nw;
-            q->cap_words = cap;
-        }
+        int32_t *nw = kiln__grow(q->words, (size_t)q->n_words, &q->cap_words, 4, sizeof *nw);
+        if (!nw)
+            return false;
+        q->words = nw;
         q->words[q->n_words++] = w;
     }
     return true;
@@ -459,9 +432,7 @@ static bool word_table_grow(word_table *wt)
     size_t *klen = malloc(cap * sizeof *klen);
     int32_t *word = malloc(cap * sizeof *word);
     if (!key || !klen || !word) {
-        free(key);
-        free(klen);
-        free(word);
+        KILN__FREE(key, klen, word);
         return false;
     }
     for (size_t i = 0; i < wt->cap; i++) {
@@ -474,9 +445,7 @@ static bool word_table_grow(word_table *wt)
         klen[j] = wt->klen[i];
         word[j] = wt->word[i];
     }
-    free(wt->key);
-    free(wt->klen);
-    free(wt->word);
+    KILN__FREE(wt->key, wt->klen, wt->word);
     wt->key = key;
     wt->klen = klen;
     wt->word = word;
@@ -507,18 +476,12 @@ static int32_t word_table_find(word_table *wt, const uint8_t *p, size_t n, int32
 
 static void word_table_free(word_table *wt)
 {
-    free(wt->key);
-    free(wt->klen);
-    free(wt->word);
+    KILN__FREE(wt->key, wt->klen, wt->word);
 }
 
 static void trainer_free(trainer *tr)
 {
-    free(tr->sym);
-    free(tr->off);
-    free(tr->len);
-    free(tr->cnt);
-    free(tr->wstamp);
+    KILN__FREE(tr->sym, tr->off, tr->len, tr->cnt, tr->wstamp);
     for (int32_t p = 0; p < tr->n_pairs; p++)
         free(tr->pairs[p].words);
     free(tr->pairs);
@@ -543,16 +506,9 @@ static kiln_status collect_words(trainer *tr, const uint8_t *text, size_t len)
             size_t j = kiln__pretok_next(text + seg, seg_end - seg, i - seg) + seg;
             if ((size_t)tr->n_words == cap_words) {
                 size_t cap = cap_words ? cap_words * 2 : 1024;
-                size_t *off = realloc(tr->off, cap * sizeof *off);
-                if (off)
-                    tr->off = off;
-                int32_t *ln = realloc(tr->len, cap * sizeof *ln);
-                if (ln)
-                    tr->len = ln;
-                int64_t *cnt = realloc(tr->cnt, cap * sizeof *cnt);
-                if (cnt)
-                    tr->cnt = cnt;
-                if (!off || !ln || !cnt || cap > INT32_MAX) {
+                void *tmp;
+                if (cap > INT32_MAX || !KILN__RESIZE(tr->off, cap, tmp) || !KILN__RESIZE(tr->len, cap, tmp) ||
+                    !KILN__RESIZE(tr->cnt, cap, tmp)) {
                     st = kiln_error(KILN_ERR_OOM, "kiln_tokenizer_train_bpe: out of memory counting words");
                     break;
                 }
@@ -667,7 +623,8 @@ kiln_status kiln_tokenizer_train_bpe(const char *text, size_t len, int vocab_siz
         p = &tr.pairs[e.pair]; /* pair_add may have moved the array */
         free(p->words);
         p->words = NULL;
-        p->n_words = p->cap_words = 0;
+        p->n_words = 0;
+        p->cap_words = 0;
         if (st == KILN_OK && !flush_dirty(&tr))
             TRAIN_OOM();
     }

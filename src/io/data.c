@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include "core/util.h"
 #include "kiln/data.h"
 
 struct kiln_dataset {
@@ -21,16 +22,9 @@ static kiln_status append_file(const char *path, char **buf, size_t *len, size_t
     size_t got;
     kiln_status s = KILN_OK;
     while ((got = fread(chunk, 1, sizeof chunk, f)) > 0) {
-        if (*len + got + 2 > *cap) {
-            size_t nc = (*cap ? *cap * 2 : 1 << 20);
-            while (nc < *len + got + 2) nc *= 2;
-            char *nb = realloc(*buf, nc);
-            if (!nb) {
-                s = kiln_error(KILN_ERR_OOM, "out of memory reading '%s'", path);
-                break;
-            }
-            *buf = nb;
-            *cap = nc;
+        if (!kiln__reserve(buf, cap, *len + got + 2, 1 << 20)) {
+            s = kiln_error(KILN_ERR_OOM, "out of memory reading '%s'", path);
+            break;
         }
         memcpy(*buf + *len, chunk, got);
         *len += got;
@@ -119,16 +113,6 @@ size_t kiln_dataset_len(const kiln_dataset_t *d, kiln_data_split split)
     return !d ? 0 : split == KILN_SPLIT_TRAIN ? d->n_train : d->n - d->n_train;
 }
 
-/* SplitMix64 (Steele, Lea, Flood 2014): a counter-based hash, so a window's offset
- * depends only on its coordinates. */
-static uint64_t mix(uint64_t x)
-{
-    x += 0x9e3779b97f4a7c15ULL;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
-}
-
 kiln_status kiln_dataset_batch(const kiln_dataset_t *d, kiln_data_split split, int B, int T, uint64_t seed, int64_t step,
                                int rank, int world, kiln_tensor_t **x, kiln_tensor_t **y)
 {
@@ -147,7 +131,9 @@ kiln_status kiln_dataset_batch(const kiln_dataset_t *d, kiln_data_split split, i
     uint64_t range = len - (size_t)T; /* window starts 0 .. len - T - 1: T + 1 tokens each */
     for (int b = 0; b < B; b++) {
         uint64_t w = (uint64_t)rank * (uint64_t)B + (uint64_t)b;
-        uint64_t h = mix(seed ^ mix((uint64_t)step * 2 + (uint64_t)split) ^ mix(w + 0x1234567ULL));
+        /* A window's offset depends only on its coordinates. */
+        uint64_t h = kiln__splitmix64(seed ^ kiln__splitmix64((uint64_t)step * 2 + (uint64_t)split) ^
+                                      kiln__splitmix64(w + 0x1234567ULL));
         size_t off = base + (size_t)(h % range);
         for (int t = 0; t < T; t++) {
             xs[(size_t)b * T + t] = d->ids[off + t];

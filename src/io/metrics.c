@@ -20,6 +20,7 @@
 
 #include <jansson.h>
 
+#include "core/util.h"
 #include "kiln/metrics.h"
 
 /* ---- the fields of a row: one table, walked by the writer and the reader ---- */
@@ -71,8 +72,7 @@ kiln_status kiln_metrics_open(const char *path, bool append, kiln_metrics_t **ou
     kiln_metrics_t *m = calloc(1, sizeof *m);
     char *p = strdup(path);
     if (!m || !p) {
-        free(m);
-        free(p);
+        KILN__FREE(m, p);
         fclose(f);
         return kiln_error(KILN_ERR_OOM, "metrics_open: out of memory");
     }
@@ -111,8 +111,7 @@ void kiln_metrics_close(kiln_metrics_t *m)
 {
     if (!m) return;
     fclose(m->f);
-    free(m->path);
-    free(m);
+    KILN__FREE(m->path, m);
 }
 
 /* ---- reading ---- */
@@ -176,17 +175,13 @@ kiln_status kiln_metrics_read(const char *path, kiln_metrics_row **rows, size_t 
                             jerr.text);
             break;
         }
-        if (count == cap) {
-            size_t ncap = cap ? cap * 2 : 256;
-            kiln_metrics_row *grown = realloc(out, ncap * sizeof *out);
-            if (!grown) {
-                json_decref(obj);
-                st = kiln_error(KILN_ERR_OOM, "metrics_read: out of memory at %s:%zu", path, lineno);
-                break;
-            }
-            out = grown;
-            cap = ncap;
+        kiln_metrics_row *grown = kiln__grow(out, count, &cap, 256, sizeof *out);
+        if (!grown) {
+            json_decref(obj);
+            st = kiln_error(KILN_ERR_OOM, "metrics_read: out of memory at %s:%zu", path, lineno);
+            break;
         }
+        out = grown;
         char why[128];
         bool ok = row_from_json(obj, &out[count], why, sizeof why);
         json_decref(obj);
@@ -204,11 +199,7 @@ kiln_status kiln_metrics_read(const char *path, kiln_metrics_row **rows, size_t 
         free(out);
         return st;
     }
-    if (count == 0) {
-        free(out);
-        out = NULL;
-    }
-    *rows = out;
+    *rows = out; /* NULL when there is no row: it grows with the first */
     *n = count;
     return KILN_OK;
 }
@@ -222,20 +213,6 @@ typedef struct {
     bool oom;
 } strbuf;
 
-static void sb_grow(strbuf *b, size_t need)
-{
-    if (b->oom || b->len + need + 1 <= b->cap) return;
-    size_t ncap = b->cap ? b->cap : 4096;
-    while (ncap < b->len + need + 1) ncap *= 2;
-    char *np = realloc(b->p, ncap);
-    if (!np) {
-        b->oom = true;
-        return;
-    }
-    b->p = np;
-    b->cap = ncap;
-}
-
 static void sb_printf(strbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void sb_printf(strbuf *b, const char *fmt, ...)
 {
@@ -247,8 +224,10 @@ static void sb_printf(strbuf *b, const char *fmt, ...)
         b->oom = true;
         return;
     }
-    sb_grow(b, (size_t)k);
-    if (b->oom) return;
+    if (b->oom || !kiln__reserve(&b->p, &b->cap, b->len + (size_t)k + 1, 4096)) {
+        b->oom = true;
+        return;
+    }
     va_start(ap, fmt);
     vsnprintf(b->p + b->len, b->cap - b->len, fmt, ap);
     va_end(ap);
@@ -346,41 +325,29 @@ static double py(const axes *a, double y) { return PY1 - (y - a->y.lo) / (a->y.h
 
 static double series_value(const kiln_metrics_row *r, int series) { return series == 0 ? r->loss : r->val_loss; }
 
-/* Number of data points (of both series) that fall inside a box, used to keep the
- * legend and the baseline label off the curves. */
-static size_t points_in_box(const axes *a, const kiln_metrics_row *rows, size_t n, double bx0, double by0,
-                            double bx1, double by1)
+/* How much of the curves a box hides, used to keep the legend and the baseline label
+ * off them: the data points (of both series) inside it, and samples of the segments
+ * between them, since a curve of few points can pass through a box that holds none. */
+typedef struct {
+    double x0, y0, x1, y1;
+} box;
+
+static bool in_box(box b, double x, double y) { return x >= b.x0 && x <= b.x1 && y >= b.y0 && y <= b.y1; }
+
+static size_t curve_hits_box(const axes *a, const kiln_metrics_row *rows, size_t n, box b)
 {
     size_t hits = 0;
-    for (size_t i = 0; i < n; i++) {
-        for (int s = 0; s < 2; s++) {
-            double v = series_value(&rows[i], s);
-            if (!isfinite(v)) continue;
-            double x = px(a, (double)rows[i].step), y = py(a, v);
-            if (x >= bx0 && x <= bx1 && y >= by0 && y <= by1) hits++;
-        }
-    }
-    return hits;
-}
-
-/* Also counts segments of the training curve that cross the box, since a curve of few
- * points can pass through a box that holds none of them. */
-static size_t curve_hits_box(const axes *a, const kiln_metrics_row *rows, size_t n, double bx0, double by0,
-                             double bx1, double by1)
-{
-    size_t hits = points_in_box(a, rows, n, bx0, by0, bx1, by1);
     for (int s = 0; s < 2; s++) {
         double lx = NAN, ly = NAN;
         for (size_t i = 0; i < n; i++) {
             double v = series_value(&rows[i], s);
             if (!isfinite(v)) continue;
             double x = px(a, (double)rows[i].step), y = py(a, v);
-            if (isfinite(lx)) {
-                /* Sample the segment; exact clipping is not worth its lines here. */
-                for (int k = 1; k < 8; k++) {
-                    double t = k / 8.0, sx = lx + t * (x - lx), sy = ly + t * (y - ly);
-                    if (sx >= bx0 && sx <= bx1 && sy >= by0 && sy <= by1) hits++;
-                }
+            hits += in_box(b, x, y);
+            /* Sample the segment; exact clipping is not worth its lines here. */
+            for (int k = 1; isfinite(lx) && k < 8; k++) {
+                double t = k / 8.0;
+                hits += in_box(b, lx + t * (x - lx), ly + t * (y - ly));
             }
             lx = x;
             ly = y;
@@ -398,12 +365,10 @@ static double text_width(const char *s, double font_px)
     return (double)chars * font_px * 0.6;
 }
 
+/* The polyline of a series of count finite points, and a dot per point when few. */
 static void draw_series(strbuf *b, const axes *a, const kiln_metrics_row *rows, size_t n, int series,
-                        const char *color)
+                        const char *color, size_t count)
 {
-    size_t count = 0;
-    for (size_t i = 0; i < n; i++)
-        if (isfinite(series_value(&rows[i], series))) count++;
     if (count == 0) return;
     sb_printf(b, "<polyline class=\"%s\" fill=\"none\" stroke=\"%s\" stroke-width=\"%s\" "
                  "stroke-linejoin=\"round\" stroke-linecap=\"round\" points=\"",
@@ -431,29 +396,18 @@ static axes choose_axes(const kiln_metrics_row *rows, size_t n, double baseline)
     axes a = {.x = {INFINITY, -INFINITY}, .y = {INFINITY, -INFINITY}};
     for (size_t i = 0; i < n; i++) {
         double s = (double)rows[i].step;
-        if (s < a.x.lo) a.x.lo = s;
-        if (s > a.x.hi) a.x.hi = s;
+        a.x = (range){fmin(a.x.lo, s), fmax(a.x.hi, s)};
         for (int k = 0; k < 2; k++) {
             double v = series_value(&rows[i], k);
-            if (!isfinite(v)) continue;
-            if (v < a.y.lo) a.y.lo = v;
-            if (v > a.y.hi) a.y.hi = v;
+            if (isfinite(v)) a.y = (range){fmin(a.y.lo, v), fmax(a.y.hi, v)};
         }
     }
-    if (isfinite(baseline)) {
-        if (baseline < a.y.lo) a.y.lo = baseline;
-        if (baseline > a.y.hi) a.y.hi = baseline;
-    }
+    if (isfinite(baseline)) a.y = (range){fmin(a.y.lo, baseline), fmax(a.y.hi, baseline)};
     if (n == 0) a.x = (range){0, 1};
     if (a.x.lo == a.x.hi) a.x = (range){a.x.lo - 1, a.x.hi + 1};
     if (!isfinite(a.y.lo)) a.y = (range){0, 1};
-    if (a.y.lo == a.y.hi) {
-        double pad = a.y.lo == 0 ? 1 : fabs(a.y.lo) * 0.1;
-        a.y = (range){a.y.lo - pad, a.y.hi + pad};
-    } else {
-        double pad = (a.y.hi - a.y.lo) * 0.06;
-        a.y = (range){a.y.lo - pad, a.y.hi + pad};
-    }
+    double pad = a.y.lo != a.y.hi ? (a.y.hi - a.y.lo) * 0.06 : a.y.lo == 0 ? 1 : fabs(a.y.lo) * 0.1;
+    a.y = (range){a.y.lo - pad, a.y.hi + pad};
     a.ys = nice_step(a.y, 6);
     a.yd = step_decimals(a.ys);
     double yw = widest_tick(a.y, a.ys, a.yd);
@@ -506,11 +460,28 @@ static void draw_axes(strbuf *b, const axes *a)
               a->ylabel_x, (PY0 + PY1) / 2);
 }
 
-typedef struct {
-    double x0, y0, x1, y1;
-} box;
-
 static bool boxes_overlap(box p, box q) { return p.x0 < q.x1 && q.x0 < p.x1 && p.y0 < q.y1 && q.y0 < p.y1; }
+
+/* Of nc candidate boxes, the one that hides the least: the fewest points of the curves,
+ * not the box avoid (if any) and, if it can be helped, not the line at avoid_y; never one
+ * that leaves the plot. */
+static int least_hidden(const axes *a, const kiln_metrics_row *rows, size_t n, const box *cand, int nc,
+                        const box *avoid, double avoid_y)
+{
+    int best = 0;
+    size_t best_hits = (size_t)-1;
+    for (int c = 0; c < nc; c++) {
+        if (cand[c].y0 < PY0 || cand[c].y1 > PY1) continue;
+        size_t hits = curve_hits_box(a, rows, n, cand[c]);
+        if (avoid && boxes_overlap(cand[c], *avoid)) hits += 1000;
+        if (isfinite(avoid_y) && avoid_y >= cand[c].y0 - 2 && avoid_y <= cand[c].y1 + 2) hits += 20;
+        if (hits < best_hits) {
+            best_hits = hits;
+            best = c;
+        }
+    }
+    return best;
+}
 
 /* The dashed baseline and its label, placed at whichever end and side of the line
  * keeps the label off the curves. Returns the label's box, for the legend to avoid. */
@@ -525,30 +496,17 @@ static box draw_baseline(strbuf *b, const axes *a, const kiln_metrics_row *rows,
     char value[32];
     snprintf(value, sizeof value, " (%.4g)", baseline);
     double w = text_width(label, 11) + text_width(value, 11);
-    struct {
-        double x0, y0; /* top-left of the label's box */
-        bool right;
-    } cand[4] = {
-        {PX1 - 6 - w, y - 17, true},
-        {a->left + 6, y - 17, false},
-        {PX1 - 6 - w, y + 3, true},
-        {a->left + 6, y + 3, false},
-    };
-    int best = 0;
-    size_t best_hits = (size_t)-1;
-    for (int c = 0; c < 4; c++) {
-        if (cand[c].y0 < PY0 || cand[c].y0 + 14 > PY1) continue; /* would leave the plot */
-        size_t hits = curve_hits_box(a, rows, n, cand[c].x0, cand[c].y0, cand[c].x0 + w, cand[c].y0 + 14);
-        if (hits < best_hits) {
-            best_hits = hits;
-            best = c;
-        }
-    }
+    /* Right-aligned above the line, left-aligned above, then the same below. */
+    double x0[2] = {PX1 - 6 - w, a->left + 6}, y0[4] = {y - 17, y - 17, y + 3, y + 3};
+    box cand[4];
+    for (int c = 0; c < 4; c++) cand[c] = (box){x0[c % 2], y0[c], x0[c % 2] + w, y0[c] + 14};
+    int best = least_hidden(a, rows, n, cand, 4, NULL, NAN);
+    bool right = best % 2 == 0;
     sb_printf(b, "<text " FONT " font-size=\"11\" fill=\"" COLOR_BASE "\" text-anchor=\"%s\" x=\"%.2f\" y=\"%.2f\">",
-              cand[best].right ? "end" : "start", cand[best].right ? PX1 - 6.0 : a->left + 6.0, cand[best].y0 + 11);
+              right ? "end" : "start", right ? PX1 - 6.0 : a->left + 6.0, cand[best].y0 + 11);
     sb_escape(b, label);
     sb_printf(b, "%s</text>\n", value);
-    return (box){cand[best].x0, cand[best].y0, cand[best].x0 + w, cand[best].y0 + 14};
+    return cand[best];
 }
 
 typedef struct {
@@ -573,19 +531,10 @@ static void draw_legend(strbuf *b, const axes *a, const kiln_metrics_row *rows, 
     const double m = 10;
     double corners[4][2] = {
         {PX1 - m - w, PY0 + m}, {a->left + m, PY1 - m - h}, {PX1 - m - w, PY1 - m - h}, {a->left + m, PY0 + m}};
-    int best = 0;
-    size_t best_hits = (size_t)-1;
-    for (int c = 0; c < 4; c++) {
-        box lb = {corners[c][0], corners[c][1], corners[c][0] + w, corners[c][1] + h};
-        size_t hits = curve_hits_box(a, rows, n, lb.x0, lb.y0, lb.x1, lb.y1);
-        if (avoid && boxes_overlap(lb, *avoid)) hits += 1000;
-        if (isfinite(avoid_y) && avoid_y >= lb.y0 - 2 && avoid_y <= lb.y1 + 2) hits += 20;
-        if (hits < best_hits) {
-            best_hits = hits;
-            best = c;
-        }
-    }
-    double x = corners[best][0], y = corners[best][1];
+    box cand[4];
+    for (int c = 0; c < 4; c++) cand[c] = (box){corners[c][0], corners[c][1], corners[c][0] + w, corners[c][1] + h};
+    int best = least_hidden(a, rows, n, cand, 4, avoid, avoid_y);
+    double x = cand[best].x0, y = cand[best].y0;
     sb_printf(b, "<g class=\"legend\" " FONT " font-size=\"12\" fill=\"#222\">\n");
     sb_printf(b,
               "<rect x=\"%.2f\" y=\"%.2f\" width=\"%.2f\" height=\"%.2f\" rx=\"3\" fill=\"white\" "
@@ -638,8 +587,8 @@ static void build_svg(strbuf *b, const kiln_metrics_row *rows, size_t n, const c
         label_box = draw_baseline(b, &a, rows, n, baseline, baseline_label);
         baseline_y = py(&a, baseline);
     }
-    draw_series(b, &a, rows, n, 0, COLOR_LOSS);
-    draw_series(b, &a, rows, n, 1, COLOR_VAL);
+    draw_series(b, &a, rows, n, 0, COLOR_LOSS, n_loss);
+    draw_series(b, &a, rows, n, 1, COLOR_VAL, n_val);
     if (n_loss == 0 && n_val == 0)
         sb_printf(b, "<text " FONT " font-size=\"14\" fill=\"#888\" text-anchor=\"middle\" x=\"%d\" y=\"%d\">"
                      "no data</text>\n",

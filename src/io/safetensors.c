@@ -7,8 +7,8 @@
  * keys in insertion order, which the writer relies on to lay the header out as the
  * reference writer does.
  *
- * Apart from kiln__err (the only way to set the thread's error message) this file
- * uses the public API, as src/io/ should. */
+ * Apart from core/util.h's inline helpers this file uses the public API, as src/io/
+ * should. */
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
@@ -18,6 +18,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include "core/util.h"
 #include "kiln/io.h"
 
 #if defined(__BYTE_ORDER__) && __BYTE_ORDER__ != __ORDER_LITTLE_ENDIAN__
@@ -29,32 +30,17 @@
 #define MAX_HEADER_BYTES 100000000ull
 #define META_KEY "__metadata__"
 
-/* One table from safetensors dtype names to kiln dtypes. */
-static const struct {
-    const char *name;
-    kiln_dtype dt;
-} dtype_table[] = {
-    {"F32", KILN_DTYPE_F32}, {"F64", KILN_DTYPE_F64}, {"F16", KILN_DTYPE_F16}, {"BF16", KILN_DTYPE_BF16},
-    {"I32", KILN_DTYPE_I32}, {"I64", KILN_DTYPE_I64}, {"U8", KILN_DTYPE_U8},   {"BOOL", KILN_DTYPE_BOOL},
+/* Each kiln dtype's safetensors name: one table, used both ways. */
+static const char *const st_names[] = {
+    [KILN_DTYPE_F32] = "F32", [KILN_DTYPE_F64] = "F64", [KILN_DTYPE_F16] = "F16", [KILN_DTYPE_BF16] = "BF16",
+    [KILN_DTYPE_I32] = "I32", [KILN_DTYPE_I64] = "I64", [KILN_DTYPE_U8] = "U8",   [KILN_DTYPE_BOOL] = "BOOL",
 };
-_Static_assert(sizeof dtype_table / sizeof dtype_table[0] == KILN_DTYPE_COUNT,
-               "every kiln dtype needs a safetensors name");
-
-static const char *dtype_to_st(kiln_dtype dt)
-{
-    for (size_t i = 0; i < KILN_DTYPE_COUNT; i++)
-        if (dtype_table[i].dt == dt) return dtype_table[i].name;
-    return NULL;
-}
+_Static_assert(sizeof st_names / sizeof st_names[0] == KILN_DTYPE_COUNT, "every kiln dtype needs a safetensors name");
 
 static bool dtype_from_st(const char *name, kiln_dtype *out)
 {
-    for (size_t i = 0; i < KILN_DTYPE_COUNT; i++) {
-        if (strcmp(dtype_table[i].name, name) == 0) {
-            *out = dtype_table[i].dt;
-            return true;
-        }
-    }
+    for (*out = 0; *out < KILN_DTYPE_COUNT; (*out)++)
+        if (strcmp(st_names[*out], name) == 0) return true;
     return false;
 }
 
@@ -291,12 +277,9 @@ kiln_status kiln_safetensors_load(const char *path, kiln_safetensors_t **out)
     }
     kiln_status s = load_fd(f, fd);
     close(fd);
-    if (s != KILN_OK) {
-        kiln_safetensors_free(f);
-        return s;
-    }
-    *out = f;
-    return KILN_OK;
+    if (s == KILN_OK) *out = f;
+    else kiln_safetensors_free(f);
+    return s;
 }
 
 int kiln_safetensors_count(const kiln_safetensors_t *f) { return f ? f->n : 0; }
@@ -328,10 +311,7 @@ void kiln_safetensors_free(kiln_safetensors_t *f)
 {
     if (!f) return;
     json_decref(f->header);
-    free(f->entries);
-    free(f->buf);
-    free(f->path);
-    free(f);
+    KILN__FREE(f->entries, f->buf, f->path, f);
 }
 
 /* ---- saving ----------------------------------------------------------------- */
@@ -382,24 +362,14 @@ static char *build_header(const char *const *names, kiln_tensor_t *const *tensor
         int i = order[k].index;
         const kiln_tensor_t *t = tensors[i];
         uint64_t nbytes = kiln_tensor_nbytes(t);
-        json_t *e = json_object(), *shape = json_array(), *offs = json_array();
-        if (!e || !shape || !offs) {
-            json_decref(e);
-            json_decref(shape);
-            json_decref(offs);
-            goto oom;
-        }
-        /* The *_new setters take the value even when they fail, so one size check at
-         * the end catches any allocation that failed on the way. */
-        json_object_set_new(e, "dtype", json_string(dtype_to_st(kiln_tensor_dtype(t))));
+        /* The appends and json_pack take their values even when they fail, so a shape
+         * shorter than the tensor's is an allocation that failed on the way. */
+        json_t *shape = json_array();
         for (int d = 0; d < kiln_tensor_ndim(t); d++)
             json_array_append_new(shape, json_integer((json_int_t)kiln_tensor_dim(t, d)));
-        json_array_append_new(offs, json_integer((json_int_t)offset));
-        json_array_append_new(offs, json_integer((json_int_t)(offset + nbytes)));
-        bool ok = json_array_size(shape) == (size_t)kiln_tensor_ndim(t) && json_array_size(offs) == 2;
-        json_object_set_new(e, "shape", shape);
-        json_object_set_new(e, "data_offsets", offs);
-        if (!ok || json_object_size(e) != 3) {
+        json_t *e = json_pack("{s:s, s:o, s:[I, I]}", "dtype", st_names[kiln_tensor_dtype(t)], "shape", shape,
+                              "data_offsets", (json_int_t)offset, (json_int_t)(offset + nbytes));
+        if (!e || json_array_size(json_object_get(e, "shape")) != (size_t)kiln_tensor_ndim(t)) {
             json_decref(e);
             goto oom;
         }
@@ -543,9 +513,6 @@ kiln_status kiln_safetensors_save(const char *path, const char *const *names, ki
     }
     s = sync_dir(path);
 done:
-    free(scratch);
-    free(tmp);
-    free(header);
-    free(order);
+    KILN__FREE(scratch, tmp, header, order);
     return s;
 }

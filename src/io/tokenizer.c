@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "io/tokenizer_impl.h"
 
 /* ---- construction --------------------------------------------------------------------- */
@@ -42,14 +43,8 @@ void kiln_tokenizer_free(kiln_tokenizer_t *t)
 {
     if (!t)
         return;
-    free(t->tok_bytes);
-    free(t->tok_off);
-    free(t->merge_a);
-    free(t->merge_b);
-    free(t->merge_id);
-    free(t->special_id);
     kiln__u64map_clear(&t->merge_rank);
-    free(t);
+    KILN__FREE(t->tok_bytes, t->tok_off, t->merge_a, t->merge_b, t->merge_id, t->special_id, t);
 }
 
 kiln_tokenizer_t *kiln_tokenizer_byte(void)
@@ -298,10 +293,9 @@ static json_t *tokenizer_json(const kiln_tokenizer_t *t, const char *path)
         if (tok_len(t, i) > max_len)
             max_len = tok_len(t, i);
     char *buf = malloc(4 * max_len + 2);
-    json_t *root = json_object(), *added = json_array(), *vocab = json_object(), *merges = json_array();
-    json_t *model = NULL;
+    json_t *root = NULL, *added = json_array(), *vocab = json_object(), *merges = json_array();
     kiln_status st = KILN_OK;
-    if (!buf || !root || !added || !vocab || !merges)
+    if (!buf || !added || !vocab || !merges)
         st = kiln_error(KILN_ERR_OOM, "kiln_tokenizer_save: %s: out of memory", path);
     for (int k = 0; st == KILN_OK && k < t->n_special; k++) {
         int32_t id = t->special_id[k];
@@ -333,28 +327,18 @@ static json_t *tokenizer_json(const kiln_tokenizer_t *t, const char *path)
         if (json_array_append_new(merges, json_string(buf)))
             st = kiln_error(KILN_ERR_OOM, "kiln_tokenizer_save: %s: out of memory", path);
     }
-    if (st == KILN_OK) {
-        model = json_pack("{s:s, s:n, s:n, s:n, s:n, s:b, s:b, s:b, s:O, s:O}", "type", "BPE", "dropout",
-                          "unk_token", "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk", 0,
-                          "byte_fallback", 0, "ignore_merges", 0, "vocab", vocab, "merges", merges);
-        if (!model || json_object_set_new(root, "version", json_string("1.0")) ||
-            json_object_set_new(root, "truncation", json_null()) ||
-            json_object_set_new(root, "padding", json_null()) || json_object_set(root, "added_tokens", added) ||
-            json_object_set_new(root, "normalizer", json_null()) ||
-            json_object_set_new(root, "pre_tokenizer", byte_level_object(false)) ||
-            json_object_set_new(root, "post_processor", json_null()) ||
-            json_object_set_new(root, "decoder", byte_level_object(true)) || json_object_set(root, "model", model))
-            st = kiln_error(KILN_ERR_OOM, "kiln_tokenizer_save: %s: out of memory", path);
-    }
-    json_decref(model);
+    if (st == KILN_OK &&
+        !(root = json_pack("{s:s, s:n, s:n, s:O, s:n, s:o, s:n, s:o, "
+                           "s:{s:s, s:n, s:n, s:n, s:n, s:b, s:b, s:b, s:O, s:O}}", "version", "1.0", "truncation", "padding", "added_tokens", added, "normalizer",
+                           "pre_tokenizer", byte_level_object(false), "post_processor", "decoder",
+                           byte_level_object(true), "model", "type", "BPE", "dropout", "unk_token",
+                           "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk", 0, "byte_fallback", 0,
+                           "ignore_merges", 0, "vocab", vocab, "merges", merges)))
+        st = kiln_error(KILN_ERR_OOM, "kiln_tokenizer_save: %s: out of memory", path);
     json_decref(added);
     json_decref(vocab);
     json_decref(merges);
     free(buf);
-    if (st != KILN_OK) {
-        json_decref(root);
-        return NULL;
-    }
     return root;
 }
 
@@ -627,10 +611,7 @@ static kiln_status build_from_json(const json_t *root, const char *path, kiln_to
     }
     for (size_t i = 0; bytes && i < n_entries; i++)
         free(bytes[i]);
-    free(bytes);
-    free(blen);
-    free(special);
-    free(special_ids);
+    KILN__FREE(bytes, blen, special, special_ids);
     if (st != KILN_OK) {
         kiln_tokenizer_free(t);
         t = NULL;

@@ -1,9 +1,11 @@
 /* The GPT model of docs/model.md: GPT-2 style and LLaMA style from one config. */
 #include <jansson.h>
 #include <math.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "kiln/dist.h"
 #include "kiln/io.h"
 #include "kiln/nn.h"
@@ -79,28 +81,41 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
     return KILN_OK;
 }
 
-/* One table for the enum fields' names, used both ways. */
-static const char *norm_names[] = {"layernorm", "rmsnorm"};
-static const char *pos_names[] = {"learned", "rope"};
-static const char *mlp_names[] = {"gelu", "swiglu"};
+/* The config's fields, one row each: the JSON writer and reader walk them. */
+enum { F_INT, F_NUM, F_BOOL, F_ENUM };
+#define FIELD(name, kind, ...) {#name, kind, offsetof(kiln_gpt_config, name), {__VA_ARGS__}}
+static const struct {
+    const char *name;
+    int kind;
+    size_t offset;
+    const char *values[2]; /* F_ENUM: the names of its values, stored as an int */
+} fields[] = {
+    FIELD(n_layer, F_INT),    FIELD(n_head, F_INT),     FIELD(n_kv_head, F_INT),  FIELD(n_embd, F_INT),
+    FIELD(block_size, F_INT), FIELD(vocab_size, F_INT), FIELD(ffn_hidden, F_INT), FIELD(bias, F_BOOL),
+    FIELD(tied, F_BOOL),      FIELD(norm_eps, F_NUM),   FIELD(rope_theta, F_NUM), FIELD(dropout, F_NUM),
+    FIELD(norm, F_ENUM, "layernorm", "rmsnorm"), FIELD(pos, F_ENUM, "learned", "rope"),
+    FIELD(mlp, F_ENUM, "gelu", "swiglu"),
+};
+#undef FIELD
+#define NFIELDS (sizeof fields / sizeof fields[0])
+_Static_assert(sizeof(kiln_norm_kind) == sizeof(int) && sizeof(kiln_mlp_kind) == sizeof(int), "enums as int");
 
 char *kiln_gpt_config_to_json(const kiln_gpt_config *c)
 {
-    json_t *o = json_pack("{s:i,s:i,s:i,s:i,s:i,s:i,s:i,s:s,s:s,s:s,s:b,s:b,s:f,s:f,s:f}", "n_layer", c->n_layer,
-                          "n_head", c->n_head, "n_kv_head", c->n_kv_head, "n_embd", c->n_embd, "block_size",
-                          c->block_size, "vocab_size", c->vocab_size, "ffn_hidden", c->ffn_hidden, "norm",
-                          norm_names[c->norm], "pos", pos_names[c->pos], "mlp", mlp_names[c->mlp], "bias", c->bias,
-                          "tied", c->tied, "norm_eps", c->norm_eps, "rope_theta", c->rope_theta, "dropout", c->dropout);
+    json_t *o = json_object();
+    for (size_t i = 0; o && i < NFIELDS; i++) {
+        const void *p = (const char *)c + fields[i].offset;
+        int k = fields[i].kind;
+        json_t *v = k == F_INT ? json_integer(*(const int *)p) : k == F_NUM ? json_real(*(const double *)p)
+                  : k == F_BOOL ? json_boolean(*(const bool *)p) : json_string(fields[i].values[*(const int *)p]);
+        if (json_object_set_new(o, fields[i].name, v) != 0) {
+            json_decref(o);
+            o = NULL;
+        }
+    }
     char *s = o ? json_dumps(o, JSON_SORT_KEYS | JSON_COMPACT) : NULL;
     json_decref(o);
     return s;
-}
-
-static int find_name(const char *const *names, int n, const char *s)
-{
-    for (int i = 0; i < n; i++)
-        if (!strcmp(names[i], s)) return i;
-    return -1;
 }
 
 kiln_status kiln_gpt_config_from_json(const char *text, kiln_gpt_config *out)
@@ -117,36 +132,26 @@ kiln_status kiln_gpt_config_from_json(const char *text, kiln_gpt_config *out)
     kiln_status s = KILN_OK;
     json_object_foreach(o, key, v)
     {
-        int *ip = !strcmp(key, "n_layer") ? &c.n_layer : !strcmp(key, "n_head") ? &c.n_head
-                : !strcmp(key, "n_kv_head") ? &c.n_kv_head : !strcmp(key, "n_embd") ? &c.n_embd
-                : !strcmp(key, "block_size") ? &c.block_size : !strcmp(key, "vocab_size") ? &c.vocab_size
-                : !strcmp(key, "ffn_hidden") ? &c.ffn_hidden : NULL;
-        double *dp = !strcmp(key, "norm_eps") ? &c.norm_eps : !strcmp(key, "rope_theta") ? &c.rope_theta
-                   : !strcmp(key, "dropout") ? &c.dropout : NULL;
-        if (ip && json_is_integer(v)) {
-            *ip = (int)json_integer_value(v);
-        } else if (dp && json_is_number(v)) {
-            *dp = json_number_value(v);
-        } else if (!strcmp(key, "bias") && json_is_boolean(v)) {
-            c.bias = json_is_true(v);
-        } else if (!strcmp(key, "tied") && json_is_boolean(v)) {
-            c.tied = json_is_true(v);
-        } else if (json_is_string(v) && (!strcmp(key, "norm") || !strcmp(key, "pos") || !strcmp(key, "mlp"))) {
-            const char *sv = json_string_value(v);
-            int k = !strcmp(key, "norm") ? find_name(norm_names, 2, sv) : !strcmp(key, "pos") ? find_name(pos_names, 2, sv)
-                                                                                          : find_name(mlp_names, 2, sv);
-            if (k < 0) {
-                s = kiln_error(KILN_ERR_FORMAT, "gpt config: unknown %s '%s'", key, sv);
+        size_t i = 0;
+        while (i < NFIELDS && strcmp(fields[i].name, key)) i++;
+        void *p = i < NFIELDS ? (char *)&c + fields[i].offset : NULL;
+        int k = p ? fields[i].kind : -1, e = 0;
+        if (k == F_ENUM && json_is_string(v)) {
+            while (e < 2 && strcmp(fields[i].values[e], json_string_value(v))) e++;
+            if (e == 2) {
+                s = kiln_error(KILN_ERR_FORMAT, "gpt config: unknown %s '%s'", key, json_string_value(v));
                 break;
             }
-            if (key[0] == 'n') c.norm = (kiln_norm_kind)k;
-            else if (key[0] == 'p') c.pos = (kiln_pos_kind)k;
-            else c.mlp = (kiln_mlp_kind)k;
-        } else if (!ip && !dp) {
-            s = kiln_error(KILN_ERR_FORMAT, "gpt config: unknown key '%s'", key);
-            break;
+            *(int *)p = e;
+        } else if (k == F_INT && json_is_integer(v)) {
+            *(int *)p = (int)json_integer_value(v);
+        } else if (k == F_NUM && json_is_number(v)) {
+            *(double *)p = json_number_value(v);
+        } else if (k == F_BOOL && json_is_boolean(v)) {
+            *(bool *)p = json_is_true(v);
         } else {
-            s = kiln_error(KILN_ERR_FORMAT, "gpt config: key '%s' has the wrong type", key);
+            s = kiln_error(KILN_ERR_FORMAT, p ? "gpt config: key '%s' has the wrong type" : "gpt config: unknown key '%s'",
+                           key);
             break;
         }
     }
@@ -168,14 +173,11 @@ static kiln_tensor_t *add_param(kiln_gpt_t *m, const char *name, int64_t d0, int
     if (!t) return NULL;
     if (m->n == m->cap) {
         int cap = m->cap ? m->cap * 2 : 32;
-        kiln_tensor_t **p = realloc(m->params, sizeof *p * (size_t)cap);
-        char **nm = p ? realloc(m->names, sizeof *nm * (size_t)cap) : NULL;
-        if (p) m->params = p;
-        if (!p || !nm) {
+        void *tmp;
+        if (!KILN__RESIZE(m->params, cap, tmp) || !KILN__RESIZE(m->names, cap, tmp)) {
             kiln_error(KILN_ERR_OOM, "gpt: out of memory for the parameter list");
             return NULL;
         }
-        m->names = nm;
         m->cap = cap;
     }
     if (!(m->names[m->n] = strdup(name))) {
@@ -187,50 +189,44 @@ static kiln_tensor_t *add_param(kiln_gpt_t *m, const char *name, int64_t d0, int
     return t;
 }
 
+/* name.weight (d0, d1) drawn as add_param's std says and, with bias, name.bias (d0) of
+ * zeros, into *w and *b. */
+static bool add_pair(kiln_gpt_t *m, const char *name, int64_t d0, int64_t d1, double std, bool bias,
+                     kiln_tensor_t **w, kiln_tensor_t **b)
+{
+    char nm[128];
+    snprintf(nm, sizeof nm, "%s.weight", name);
+    if (!(*w = add_param(m, nm, d0, d1, std))) return false;
+    snprintf(nm, sizeof nm, "%s.bias", name);
+    return !bias || (*b = add_param(m, nm, d0, 0, 0));
+}
+
 static kiln_status build(kiln_gpt_t *m)
 {
     const kiln_gpt_config *c = &m->cfg;
     int64_t C = c->n_embd, hs = C / c->n_head, F = kiln_gpt_ffn_hidden(c);
     int64_t qkv = (int64_t)(c->n_head + 2 * c->n_kv_head) * hs;
     double std = 0.02, rstd = 0.02 / sqrt(2.0 * c->n_layer);
-    bool ln = c->norm == KILN_NORM_LAYERNORM;
-    char nm[128];
-#define P(var, name, d0, d1, s)                              \
-    do {                                                     \
-        if (!((var) = add_param(m, (name), (d0), (d1), (s)))) \
-            return kiln_last_status();                      \
-    } while (0)
-    P(m->tok_emb, "tok_emb.weight", c->vocab_size, C, std);
-    if (c->pos == KILN_POS_LEARNED) P(m->pos_emb, "pos_emb.weight", c->block_size, C, std);
+    bool ln = c->norm == KILN_NORM_LAYERNORM, gelu = c->mlp == KILN_MLP_GELU, bias = c->bias;
+    char nm[64];
+#define P(name, d0, d1, s, b, wp, bp) \
+    if (!add_pair(m, (name), (d0), (d1), (s), (b), (wp), (bp))) return kiln_last_status()
+    P("tok_emb", c->vocab_size, C, std, false, &m->tok_emb, NULL);
+    if (c->pos == KILN_POS_LEARNED) P("pos_emb", c->block_size, C, std, false, &m->pos_emb, NULL);
     for (int i = 0; i < c->n_layer; i++) {
         layer *L = &m->layers[i];
-#define NAME(suffix) (snprintf(nm, sizeof nm, "blocks.%d.%s", i, suffix), nm)
-        P(L->n1w, NAME("norm1.weight"), C, 0, -1);
-        if (ln) P(L->n1b, NAME("norm1.bias"), C, 0, 0);
-        P(L->qkv_w, NAME("attn.qkv.weight"), qkv, C, std);
-        if (c->bias) P(L->qkv_b, NAME("attn.qkv.bias"), qkv, 0, 0);
-        P(L->proj_w, NAME("attn.proj.weight"), C, C, rstd);
-        if (c->bias) P(L->proj_b, NAME("attn.proj.bias"), C, 0, 0);
-        P(L->n2w, NAME("norm2.weight"), C, 0, -1);
-        if (ln) P(L->n2b, NAME("norm2.bias"), C, 0, 0);
-        if (c->mlp == KILN_MLP_GELU) {
-            P(L->fc_w, NAME("mlp.fc.weight"), F, C, std);
-            if (c->bias) P(L->fc_b, NAME("mlp.fc.bias"), F, 0, 0);
-            P(L->out_w, NAME("mlp.proj.weight"), C, F, rstd);
-            if (c->bias) P(L->out_b, NAME("mlp.proj.bias"), C, 0, 0);
-        } else {
-            P(L->fc_w, NAME("mlp.gate.weight"), F, C, std);
-            if (c->bias) P(L->fc_b, NAME("mlp.gate.bias"), F, 0, 0);
-            P(L->up_w, NAME("mlp.up.weight"), F, C, std);
-            if (c->bias) P(L->up_b, NAME("mlp.up.bias"), F, 0, 0);
-            P(L->out_w, NAME("mlp.down.weight"), C, F, rstd);
-            if (c->bias) P(L->out_b, NAME("mlp.down.bias"), C, 0, 0);
-        }
-#undef NAME
+#define BLK(part) (snprintf(nm, sizeof nm, "blocks.%d.%s", i, part), nm)
+        P(BLK("norm1"), C, 0, -1, ln, &L->n1w, &L->n1b);
+        P(BLK("attn.qkv"), qkv, C, std, bias, &L->qkv_w, &L->qkv_b);
+        P(BLK("attn.proj"), C, C, rstd, bias, &L->proj_w, &L->proj_b);
+        P(BLK("norm2"), C, 0, -1, ln, &L->n2w, &L->n2b);
+        P(BLK(gelu ? "mlp.fc" : "mlp.gate"), F, C, std, bias, &L->fc_w, &L->fc_b);
+        if (!gelu) P(BLK("mlp.up"), F, C, std, bias, &L->up_w, &L->up_b);
+        P(BLK(gelu ? "mlp.proj" : "mlp.down"), C, F, rstd, bias, &L->out_w, &L->out_b);
+#undef BLK
     }
-    P(m->nfw, "norm_f.weight", C, 0, -1);
-    if (ln) P(m->nfb, "norm_f.bias", C, 0, 0);
-    if (!c->tied) P(m->lm_head, "lm_head.weight", c->vocab_size, C, std);
+    P("norm_f", C, 0, -1, ln, &m->nfw, &m->nfb);
+    if (!c->tied) P("lm_head", c->vocab_size, C, std, false, &m->lm_head, NULL);
 #undef P
     return KILN_OK;
 }
@@ -253,12 +249,9 @@ kiln_status kiln_gpt_new(const kiln_gpt_config *cfg, uint64_t seed, kiln_gpt_t *
     kiln_scope_end();
     kiln_set_grad_enabled(prev);
     kiln_rng_set_state(saved);
-    if (s != KILN_OK) {
-        kiln_gpt_free(m);
-        return s;
-    }
-    *out = m;
-    return KILN_OK;
+    if (s == KILN_OK) *out = m;
+    else kiln_gpt_free(m);
+    return s;
 }
 
 void kiln_gpt_free(kiln_gpt_t *m)
@@ -268,10 +261,7 @@ void kiln_gpt_free(kiln_gpt_t *m)
         kiln_tensor_free(m->params[i]);
         free(m->names[i]);
     }
-    free(m->params);
-    free(m->names);
-    free(m->layers);
-    free(m);
+    KILN__FREE(m->params, m->names, m->layers, m);
 }
 
 const kiln_gpt_config *kiln_gpt_get_config(const kiln_gpt_t *m) { return &m->cfg; }
@@ -483,33 +473,34 @@ kiln_tensor_t *kiln_gpt_forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t
     return logits;
 }
 
+/* n zero tensors of shape into t, kept (their owner frees them); false when one could
+ * not be made. */
+static bool zeros_n(kiln_tensor_t **t, int n, const int64_t *shape, int nd, kiln_dtype dtype)
+{
+    bool ok = true;
+    kiln_scope_begin();
+    for (int i = 0; i < n; i++) ok &= (t[i] = kiln_keep(kiln_zeros(shape, nd, dtype))) != NULL;
+    kiln_scope_end();
+    return ok;
+}
+
 kiln_status kiln_kv_cache_new(const kiln_gpt_t *m, int batch, kiln_kv_cache_t **out)
 {
     if (!m || batch < 1) return kiln_error(KILN_ERR_ARG, "kv_cache_new: model is NULL or batch %d < 1", batch);
     kiln_kv_cache_t *c = calloc(1, sizeof *c);
     int L = m->cfg.n_layer;
-    if (c) {
-        c->k = calloc((size_t)L, sizeof *c->k);
-        c->v = calloc((size_t)L, sizeof *c->v);
-    }
-    if (!c || !c->k || !c->v) {
-        if (c) { free(c->k); free(c->v); free(c); }
+    if (!c || !(c->k = calloc(2 * (size_t)L, sizeof *c->k))) { /* the keys, then the values */
+        free(c);
         return kiln_error(KILN_ERR_OOM, "kv_cache_new: out of memory");
     }
+    c->v = c->k + L;
     c->batch = batch;
     c->n_layer = L;
     int64_t shape[4] = {batch, m->cfg.n_kv_head, m->cfg.block_size, m->cfg.n_embd / m->cfg.n_head};
-    kiln_scope_begin();
-    for (int i = 0; i < L; i++) {
-        c->k[i] = kiln_keep(kiln_zeros(shape, 4, KILN_DTYPE_F32));
-        c->v[i] = kiln_keep(kiln_zeros(shape, 4, KILN_DTYPE_F32));
+    if (!zeros_n(c->k, 2 * L, shape, 4, KILN_DTYPE_F32)) {
+        kiln_kv_cache_free(c);
+        return kiln_error(KILN_ERR_OOM, "kv_cache_new: out of memory for %d layers", L);
     }
-    kiln_scope_end();
-    for (int i = 0; i < L; i++)
-        if (!c->k[i] || !c->v[i]) {
-            kiln_kv_cache_free(c);
-            return kiln_error(KILN_ERR_OOM, "kv_cache_new: out of memory for %d layers", L);
-        }
     *out = c;
     return KILN_OK;
 }
@@ -517,13 +508,8 @@ kiln_status kiln_kv_cache_new(const kiln_gpt_t *m, int batch, kiln_kv_cache_t **
 void kiln_kv_cache_free(kiln_kv_cache_t *c)
 {
     if (!c) return;
-    for (int i = 0; i < c->n_layer; i++) {
-        kiln_tensor_free(c->k[i]);
-        kiln_tensor_free(c->v[i]);
-    }
-    free(c->k);
-    free(c->v);
-    free(c);
+    for (int i = 0; i < 2 * c->n_layer; i++) kiln_tensor_free(c->k[i]);
+    KILN__FREE(c->k, c);
 }
 
 int kiln_kv_cache_len(const kiln_kv_cache_t *c) { return c ? c->len : 0; }
@@ -579,24 +565,27 @@ kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len,
     kiln_kv_pool_t *p = calloc(1, sizeof *p);
     int L = m->cfg.n_layer;
     if (p) {
-        p->k = calloc((size_t)L, sizeof *p->k);
-        p->v = calloc((size_t)L, sizeof *p->v);
+        p->k = calloc(2 * (size_t)L, sizeof *p->k); /* the keys, then the values */
         p->pk = calloc((size_t)L, sizeof *p->pk);
     }
-    if (!p || !p->k || !p->v || !p->pk) {
-        if (p) { free(p->k); free(p->v); free(p->pk); free(p); }
+    if (!p || !p->k || !p->pk) {
+        if (p) KILN__FREE(p->k, p->pk, p);
         return kiln_error(KILN_ERR_OOM, "kv_pool_new: out of memory");
     }
+    p->v = p->k + L;
     p->num_blocks = num_blocks;
     p->block_len = block_len;
     p->n_layer = L;
     p->dtype = dtype;
     int64_t shape[3] = {(int64_t)num_blocks * block_len, m->cfg.n_kv_head, m->cfg.n_embd / m->cfg.n_head};
+    if (!zeros_n(p->k, 2 * L, shape, 3, dtype)) {
+        kiln_kv_pool_free(p);
+        return kiln_error(KILN_ERR_OOM, "kv_pool_new: out of memory for %d blocks of %lld bytes", num_blocks,
+                          (long long)kiln_kv_pool_block_bytes(m, block_len, dtype));
+    }
     kiln_scope_begin();
     bool packed = true, grad = kiln_set_grad_enabled(false);
     for (int i = 0; i < L; i++) {
-        p->k[i] = kiln_keep(kiln_zeros(shape, 3, dtype));
-        p->v[i] = kiln_keep(kiln_zeros(shape, 3, dtype));
         const layer *ly = &m->layers[i];
         kiln_tensor_t *w[PK_N] = {ly->qkv_w, ly->proj_w, ly->fc_w, ly->up_w, ly->out_w};
         for (int j = 0; j < PK_N; j++)
@@ -605,12 +594,6 @@ kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len,
     if (!(p->pk_head = kiln_keep(kiln_matmul_rows_pack(m->cfg.tied ? m->tok_emb : m->lm_head)))) packed = false;
     kiln_set_grad_enabled(grad);
     kiln_scope_end();
-    for (int i = 0; i < L; i++)
-        if (!p->k[i] || !p->v[i]) {
-            kiln_kv_pool_free(p);
-            return kiln_error(KILN_ERR_OOM, "kv_pool_new: out of memory for %d blocks of %lld bytes", num_blocks,
-                              (long long)kiln_kv_pool_block_bytes(m, block_len, dtype));
-        }
     if (!packed) {
         kiln_kv_pool_free(p);
         return kiln_error(KILN_ERR_OOM, "kv_pool_new: out of memory for the packed weights");
@@ -622,16 +605,11 @@ kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len,
 void kiln_kv_pool_free(kiln_kv_pool_t *p)
 {
     if (!p) return;
-    for (int i = 0; i < p->n_layer; i++) {
-        kiln_tensor_free(p->k[i]);
-        kiln_tensor_free(p->v[i]);
+    for (int i = 0; i < 2 * p->n_layer; i++) kiln_tensor_free(p->k[i]);
+    for (int i = 0; i < p->n_layer; i++)
         for (int j = 0; j < PK_N; j++) kiln_tensor_free(p->pk[i][j]);
-    }
     kiln_tensor_free(p->pk_head);
-    free(p->k);
-    free(p->v);
-    free(p->pk);
-    free(p);
+    KILN__FREE(p->k, p->pk, p);
 }
 
 int kiln_kv_pool_num_blocks(const kiln_kv_pool_t *p) { return p ? p->num_blocks : 0; }
@@ -645,12 +623,10 @@ kiln_status kiln_kv_pool_copy_block(kiln_kv_pool_t *p, int dst, int src)
     if (dst == src) return KILN_OK;
     kiln_status s = KILN_OK;
     kiln_scope_begin();
-    for (int i = 0; i < p->n_layer && s == KILN_OK; i++) {
-        s = kiln_tensor_copy_(kiln_narrow(p->k[i], 0, (int64_t)dst * p->block_len, p->block_len),
-                              kiln_narrow(p->k[i], 0, (int64_t)src * p->block_len, p->block_len));
-        if (s == KILN_OK)
-            s = kiln_tensor_copy_(kiln_narrow(p->v[i], 0, (int64_t)dst * p->block_len, p->block_len),
-                                  kiln_narrow(p->v[i], 0, (int64_t)src * p->block_len, p->block_len));
+    for (int i = 0; i < 2 * p->n_layer && s == KILN_OK; i++) {
+        kiln_tensor_t *t = (i % 2 ? p->v : p->k)[i / 2]; /* layer i / 2's keys, then its values */
+        s = kiln_tensor_copy_(kiln_narrow(t, 0, (int64_t)dst * p->block_len, p->block_len),
+                              kiln_narrow(t, 0, (int64_t)src * p->block_len, p->block_len));
     }
     kiln_scope_end();
     return s;
@@ -795,20 +771,16 @@ kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, 
     }
     if (st->zero) {
         if (s == KILN_OK) s = kiln_zero1_step_t(st->zero, in[2], st->clip, &norm);
-        kiln_optim_zero_grad(st->opt);
-        out[0] = loss;
-        out[1] = norm;
-        *n_out = 2;
-        return s;
+    } else {
+        for (int i = 0; s == KILN_OK && st->pg && i < st->n_params; i++) {
+            kiln_tensor_t *g = kiln_tensor_grad(st->params[i]);
+            if (g) s = kiln_pg_allreduce(st->pg, g, KILN_REDUCE_AVG);
+        }
+        if (s == KILN_OK) s = kiln_grad_norm(st->params, st->n_params, &norm);
+        kiln_tensor_t *coef = s == KILN_OK && st->clip > 0 ? kiln_clip_coef(norm, st->clip) : NULL;
+        if (s == KILN_OK && st->clip > 0 && !coef) s = kiln_last_status();
+        if (s == KILN_OK) s = kiln_optim_step_t(st->opt, in[2], coef);
     }
-    for (int i = 0; s == KILN_OK && st->pg && i < st->n_params; i++) {
-        kiln_tensor_t *g = kiln_tensor_grad(st->params[i]);
-        if (g) s = kiln_pg_allreduce(st->pg, g, KILN_REDUCE_AVG);
-    }
-    if (s == KILN_OK) s = kiln_grad_norm(st->params, st->n_params, &norm);
-    kiln_tensor_t *coef = s == KILN_OK && st->clip > 0 ? kiln_clip_coef(norm, st->clip) : NULL;
-    if (s == KILN_OK && st->clip > 0 && !coef) s = kiln_last_status();
-    if (s == KILN_OK) s = kiln_optim_step_t(st->opt, in[2], coef);
     kiln_optim_zero_grad(st->opt);
     out[0] = loss;
     out[1] = norm;

@@ -6,38 +6,29 @@
 #include "core/rng.h"
 #include "ops/registry.h"
 
-static kiln_tensor_t *call1(kiln__op_id op, kiln_tensor_t *a)
-{
-    kiln__attrs at = {0};
-    return kiln__call(op, &a, 1, &at);
-}
+static kiln_tensor_t *call1(kiln__op_id op, kiln_tensor_t *a) { return kiln__call(op, &a, 1, &(kiln__attrs){0}); }
 
 static kiln_tensor_t *call2(kiln__op_id op, kiln_tensor_t *a, kiln_tensor_t *b)
 {
-    kiln__attrs at = {0};
     kiln_tensor_t *in[2] = {a, b};
-    return kiln__call(op, in, 2, &at);
+    return kiln__call(op, in, 2, &(kiln__attrs){0});
 }
 
-static kiln_tensor_t *null_arg(const char *op)
+static kiln_tensor_t *null_arg(const char *op) { return kiln__null_arg(op), NULL; }
+
+/* dim normalized for a (0 .. ndim - 1, or 0 for a 0-dim a where scalar_ok), or -1 with
+ * the error set. */
+static int dim_of(const char *op, kiln_tensor_t *a, int dim, bool scalar_ok)
 {
-    kiln__null_arg(op);
-    return NULL;
+    int d = kiln__norm_dim(dim, a->ndim);
+    if (d >= 0 && (scalar_ok || d < a->ndim)) return d;
+    return kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", op, dim, kiln__shape_text(a)), -1;
 }
 
-kiln_tensor_t *kiln_add(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_ADD, a, b); }
-kiln_tensor_t *kiln_sub(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_SUB, a, b); }
-kiln_tensor_t *kiln_mul(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_MUL, a, b); }
-kiln_tensor_t *kiln_div(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_DIV, a, b); }
-kiln_tensor_t *kiln_pow(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_POW, a, b); }
-kiln_tensor_t *kiln_maximum(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_MAXIMUM, a, b); }
-kiln_tensor_t *kiln_minimum(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_MINIMUM, a, b); }
-kiln_tensor_t *kiln_eq(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_EQ, a, b); }
-kiln_tensor_t *kiln_ne(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_NE, a, b); }
-kiln_tensor_t *kiln_lt(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_LT, a, b); }
-kiln_tensor_t *kiln_le(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_LE, a, b); }
-kiln_tensor_t *kiln_gt(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_GT, a, b); }
-kiln_tensor_t *kiln_ge(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_GE, a, b); }
+/* The rows of src/core/binary.def. */
+#define KILN_BINARY(ID, name, ...) kiln_tensor_t *kiln_##name(kiln_tensor_t *a, kiln_tensor_t *b) { return call2(KILN_OP_##ID, a, b); }
+#include "core/binary.def"
+#undef KILN_BINARY
 
 /* A scalar operand: a 0-d tensor of a's dtype, broadcast by the binary op. */
 static kiln_tensor_t *scalar_like(kiln_tensor_t *a, double s)
@@ -56,17 +47,8 @@ kiln_tensor_t *kiln_mul_scalar(kiln_tensor_t *a, double s) { return a ? kiln_mul
 kiln_tensor_t *kiln_pow_scalar(kiln_tensor_t *a, double p) { return a ? kiln_pow(a, scalar_like(a, p)) : null_arg("pow_scalar"); }
 kiln_tensor_t *kiln_square(kiln_tensor_t *a) { return kiln_mul(a, a); }
 
-kiln_tensor_t *kiln_neg(kiln_tensor_t *a) { return call1(KILN_OP_NEG, a); }
-kiln_tensor_t *kiln_abs(kiln_tensor_t *a) { return call1(KILN_OP_ABS, a); }
-kiln_tensor_t *kiln_exp(kiln_tensor_t *a) { return call1(KILN_OP_EXP, a); }
-kiln_tensor_t *kiln_log(kiln_tensor_t *a) { return call1(KILN_OP_LOG, a); }
-kiln_tensor_t *kiln_sqrt(kiln_tensor_t *a) { return call1(KILN_OP_SQRT, a); }
-kiln_tensor_t *kiln_rsqrt(kiln_tensor_t *a) { return call1(KILN_OP_RSQRT, a); }
-kiln_tensor_t *kiln_tanh(kiln_tensor_t *a) { return call1(KILN_OP_TANH, a); }
-kiln_tensor_t *kiln_sigmoid(kiln_tensor_t *a) { return call1(KILN_OP_SIGMOID, a); }
-kiln_tensor_t *kiln_relu(kiln_tensor_t *a) { return call1(KILN_OP_RELU, a); }
-kiln_tensor_t *kiln_silu(kiln_tensor_t *a) { return call1(KILN_OP_SILU, a); }
-#define KILN_PW(ID, name) \
+/* The rows of include/kiln/pointwise.def. */
+#define KILN_PW(ID, name, ...) \
     kiln_tensor_t *kiln_##name(kiln_tensor_t *a) { return call1(KILN_OP_##ID, a); }
 #include "kiln/pointwise.def"
 #undef KILN_PW
@@ -85,24 +67,19 @@ kiln_tensor_t *kiln_detach(kiln_tensor_t *a)
 
 kiln_tensor_t *kiln_gelu(kiln_tensor_t *a, bool approximate)
 {
-    kiln__attrs at = {0};
-    at.op.gelu.tanh = approximate;
-    return kiln__call(KILN_OP_GELU, &a, 1, &at);
+    return kiln__call(KILN_OP_GELU, &a, 1, &(kiln__attrs){.op.gelu.tanh = approximate});
 }
 
 kiln_tensor_t *kiln_where(kiln_tensor_t *cond, kiln_tensor_t *a, kiln_tensor_t *b)
 {
-    kiln__attrs at = {0};
     kiln_tensor_t *in[3] = {cond, a, b};
-    return kiln__call(KILN_OP_WHERE, in, 3, &at);
+    return kiln__call(KILN_OP_WHERE, in, 3, &(kiln__attrs){0});
 }
 
 kiln_tensor_t *kiln_cast(kiln_tensor_t *a, kiln_dtype dt)
 {
     if (a && a->dtype == dt) return kiln__scoped(kiln_tensor_retain(a));
-    kiln__attrs at = {0};
-    at.op.cast.dtype = dt;
-    return kiln__call(KILN_OP_CAST, &a, 1, &at);
+    return kiln__call(KILN_OP_CAST, &a, 1, &(kiln__attrs){.op.cast.dtype = dt});
 }
 
 /* Normalises a dim list into at->shape, sorted and without repeats. */
@@ -113,12 +90,8 @@ static bool dims_attr(const char *op, kiln_tensor_t *a, const int *dims, int ndi
     if (!dims || ndims <= 0) return true;
     bool on[KILN_MAX_DIMS] = {0};
     for (int k = 0; k < ndims; k++) {
-        int d = kiln__norm_dim(dims[k], a->ndim);
-        if (d < 0 || d >= a->ndim) {
-            char b[96];
-            kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", op, dims[k], kiln__shape_str(a, b, sizeof b));
-            return false;
-        }
+        int d = dim_of(op, a, dims[k], false);
+        if (d < 0) return false;
         on[d] = true;
     }
     for (int d = 0; d < a->ndim; d++)
@@ -126,45 +99,41 @@ static bool dims_attr(const char *op, kiln_tensor_t *a, const int *dims, int ndi
     return true;
 }
 
-kiln_tensor_t *kiln_sum(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim)
+static kiln_tensor_t *reduce(kiln__op_id op, kiln_tensor_t *a, const int *dims, int ndims, bool keepdim)
 {
     kiln__attrs at;
-    if (!a) return null_arg("sum");
-    if (!dims_attr("sum", a, dims, ndims, keepdim, &at)) return NULL;
-    return kiln__call(KILN_OP_SUM, &a, 1, &at);
+    if (!a) return null_arg(kiln__ops[op].name);
+    if (!dims_attr(kiln__ops[op].name, a, dims, ndims, keepdim, &at)) return NULL;
+    return kiln__call(op, &a, 1, &at);
 }
 
-kiln_tensor_t *kiln_max(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim)
+kiln_tensor_t *kiln_sum(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim) { return reduce(KILN_OP_SUM, a, dims, ndims, keepdim); }
+kiln_tensor_t *kiln_max(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim) { return reduce(KILN_OP_MAX, a, dims, ndims, keepdim); }
+
+/* How many elements of a each result element of a reduction over dims takes, or -1 with
+ * the error set. */
+static int64_t reduced_count(const char *op, kiln_tensor_t *a, const int *dims, int ndims)
 {
     kiln__attrs at;
-    if (!a) return null_arg("max");
-    if (!dims_attr("max", a, dims, ndims, keepdim, &at)) return NULL;
-    return kiln__call(KILN_OP_MAX, &a, 1, &at);
-}
-
-static int64_t reduced_count(kiln_tensor_t *a, const kiln__attrs *at)
-{
-    if (at->ndim == 0) return kiln__numel(a->ndim, a->shape);
+    if (!a) return kiln__null_arg(op), -1;
+    if (!dims_attr(op, a, dims, ndims, false, &at)) return -1;
+    if (at.ndim == 0) return kiln__numel(a->ndim, a->shape);
     int64_t n = 1;
-    for (int k = 0; k < at->ndim; k++) n *= a->shape[at->shape[k]];
+    for (int k = 0; k < at.ndim; k++) n *= a->shape[at.shape[k]];
     return n;
 }
 
 kiln_tensor_t *kiln_mean(kiln_tensor_t *a, const int *dims, int ndims, bool keepdim)
 {
-    kiln__attrs at;
-    if (!a) return null_arg("mean");
-    if (!dims_attr("mean", a, dims, ndims, keepdim, &at)) return NULL;
-    int64_t n = reduced_count(a, &at);
+    int64_t n = reduced_count("mean", a, dims, ndims);
+    if (n < 0) return NULL;
     return kiln_mul_scalar(kiln_sum(a, dims, ndims, keepdim), n ? 1.0 / (double)n : NAN);
 }
 
 kiln_tensor_t *kiln_var(kiln_tensor_t *a, const int *dims, int ndims, int correction, bool keepdim)
 {
-    kiln__attrs at;
-    if (!a) return null_arg("var");
-    if (!dims_attr("var", a, dims, ndims, keepdim, &at)) return NULL;
-    int64_t n = reduced_count(a, &at);
+    int64_t n = reduced_count("var", a, dims, ndims);
+    if (n < 0) return NULL;
     kiln_tensor_t *mu = kiln_mean(a, dims, ndims, true);
     kiln_tensor_t *d = kiln_sub(a, mu);
     double denom = (double)(n - correction);
@@ -193,34 +162,23 @@ kiln_tensor_t *kiln_logsumexp(kiln_tensor_t *a, const int *dims, int ndims, bool
     return kiln_reshape(r, shape, nd);
 }
 
-static kiln_tensor_t *dim_op(kiln__op_id op, const char *name, kiln_tensor_t *a, int dim, bool keepdim)
+static kiln_tensor_t *dim_op(kiln__op_id op, kiln_tensor_t *a, int dim, bool keepdim)
 {
-    if (!a) return null_arg(name);
-    int d = kiln__norm_dim(dim, a->ndim);
-    if (d < 0) {
-        char b[96];
-        kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", name, dim, kiln__shape_str(a, b, sizeof b));
-        return NULL;
-    }
-    kiln__attrs at = {0};
-    at.op.dim.dim = d;
-    at.keepdim = keepdim;
-    return kiln__call(op, &a, 1, &at);
+    if (!a) return null_arg(kiln__ops[op].name);
+    int d = dim_of(kiln__ops[op].name, a, dim, true);
+    return d < 0 ? NULL : kiln__call(op, &a, 1, &(kiln__attrs){.op.dim.dim = d, .keepdim = keepdim});
 }
 
-kiln_tensor_t *kiln_argmax(kiln_tensor_t *a, int dim, bool keepdim) { return dim_op(KILN_OP_ARGMAX, "argmax", a, dim, keepdim); }
-kiln_tensor_t *kiln_softmax(kiln_tensor_t *a, int dim) { return dim_op(KILN_OP_SOFTMAX, "softmax", a, dim, false); }
-kiln_tensor_t *kiln_log_softmax(kiln_tensor_t *a, int dim) { return dim_op(KILN_OP_LOG_SOFTMAX, "log_softmax", a, dim, false); }
+kiln_tensor_t *kiln_argmax(kiln_tensor_t *a, int dim, bool keepdim) { return dim_op(KILN_OP_ARGMAX, a, dim, keepdim); }
+kiln_tensor_t *kiln_softmax(kiln_tensor_t *a, int dim) { return dim_op(KILN_OP_SOFTMAX, a, dim, false); }
+kiln_tensor_t *kiln_log_softmax(kiln_tensor_t *a, int dim) { return dim_op(KILN_OP_LOG_SOFTMAX, a, dim, false); }
 
 kiln_tensor_t *kiln_matmul(kiln_tensor_t *a, kiln_tensor_t *b)
 {
     if (!a || !b) return null_arg("matmul");
-    if (a->ndim == 0 || b->ndim == 0) {
-        char b1[96], b2[96];
-        kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s: scalars cannot be multiplied as matrices", kiln__shape_str(a, b1, sizeof b1),
-                  kiln__shape_str(b, b2, sizeof b2));
-        return NULL;
-    }
+    if (a->ndim == 0 || b->ndim == 0)
+        return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s: scalars cannot be multiplied as matrices",
+                         kiln__shape_text(a), kiln__shape_text(b)), NULL;
     bool va = a->ndim == 1, vb = b->ndim == 1;
     kiln_tensor_t *x = va ? kiln_unsqueeze(a, 0) : a, *y = vb ? kiln_unsqueeze(b, 1) : b;
     kiln_tensor_t *r = call2(KILN_OP_MATMUL, x, y);
@@ -230,32 +188,20 @@ kiln_tensor_t *kiln_matmul(kiln_tensor_t *a, kiln_tensor_t *b)
     return r;
 }
 
-static kiln_tensor_t *indexed(kiln__op_id op, const char *name, kiln_tensor_t *a, int dim, kiln_tensor_t *idx,
-                              kiln_tensor_t *src)
+static kiln_tensor_t *indexed(kiln__op_id op, kiln_tensor_t *a, int dim, kiln_tensor_t *idx, kiln_tensor_t *src)
 {
-    if (!a || !idx) return null_arg(name);
-    int d = kiln__norm_dim(dim, a->ndim);
-    if (d < 0 || d >= a->ndim) {
-        char b[96];
-        kiln__err(KILN_ERR_INDEX, "%s: dim %d is out of range for %s", name, dim, kiln__shape_str(a, b, sizeof b));
-        return NULL;
-    }
-    kiln__attrs at = {0};
-    at.op.dim.dim = d;
+    if (!a || !idx) return null_arg(kiln__ops[op].name);
+    int d = dim_of(kiln__ops[op].name, a, dim, false);
     kiln_tensor_t *in[3] = {a, idx, src};
-    return kiln__call(op, in, src ? 3 : 2, &at);
+    return d < 0 ? NULL : kiln__call(op, in, src ? 3 : 2, &(kiln__attrs){.op.dim.dim = d});
 }
 
 kiln_tensor_t *kiln_embedding(kiln_tensor_t *w, kiln_tensor_t *idx) { return call2(KILN_OP_EMBEDDING, w, idx); }
-kiln_tensor_t *kiln_index_select(kiln_tensor_t *a, int dim, kiln_tensor_t *idx)
-{
-    return indexed(KILN_OP_INDEX_SELECT, "index_select", a, dim, idx, NULL);
-}
-kiln_tensor_t *kiln_gather(kiln_tensor_t *a, int dim, kiln_tensor_t *idx) { return indexed(KILN_OP_GATHER, "gather", a, dim, idx, NULL); }
+kiln_tensor_t *kiln_index_select(kiln_tensor_t *a, int dim, kiln_tensor_t *idx) { return indexed(KILN_OP_INDEX_SELECT, a, dim, idx, NULL); }
+kiln_tensor_t *kiln_gather(kiln_tensor_t *a, int dim, kiln_tensor_t *idx) { return indexed(KILN_OP_GATHER, a, dim, idx, NULL); }
 kiln_tensor_t *kiln_scatter_add(kiln_tensor_t *a, int dim, kiln_tensor_t *idx, kiln_tensor_t *src)
 {
-    if (!src) return null_arg("scatter_add");
-    return indexed(KILN_OP_SCATTER_ADD, "scatter_add", a, dim, idx, src);
+    return src ? indexed(KILN_OP_SCATTER_ADD, a, dim, idx, src) : null_arg("scatter_add");
 }
 
 static kiln_tensor_t *param_or(kiln_tensor_t *p, kiln_tensor_t *x, double v)
@@ -271,24 +217,21 @@ static kiln_tensor_t *param_or(kiln_tensor_t *p, kiln_tensor_t *x, double v)
 kiln_tensor_t *kiln_layer_norm(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *b, double eps)
 {
     if (!x) return null_arg("layer_norm");
-    kiln__attrs at = {.op.norm.eps = eps};
     kiln_tensor_t *in[3] = {x, param_or(w, x, 1.0), param_or(b, x, 0.0)};
-    return kiln__call(KILN_OP_LAYER_NORM, in, 3, &at);
+    return kiln__call(KILN_OP_LAYER_NORM, in, 3, &(kiln__attrs){.op.norm.eps = eps});
 }
 
 kiln_tensor_t *kiln_rms_norm(kiln_tensor_t *x, kiln_tensor_t *w, double eps)
 {
     if (!x) return null_arg("rms_norm");
-    kiln__attrs at = {.op.norm.eps = eps};
     kiln_tensor_t *in[2] = {x, param_or(w, x, 1.0)};
-    return kiln__call(KILN_OP_RMS_NORM, in, 2, &at);
+    return kiln__call(KILN_OP_RMS_NORM, in, 2, &(kiln__attrs){.op.norm.eps = eps});
 }
 
 kiln_tensor_t *kiln_cross_entropy(kiln_tensor_t *logits, kiln_tensor_t *targets, int64_t ignore_index)
 {
-    kiln__attrs at = {.op.cross_entropy.ignore_index = ignore_index};
     kiln_tensor_t *in[2] = {logits, targets};
-    return kiln__call(KILN_OP_CROSS_ENTROPY, in, 2, &at);
+    return kiln__call(KILN_OP_CROSS_ENTROPY, in, 2, &(kiln__attrs){.op.cross_entropy.ignore_index = ignore_index});
 }
 
 kiln_tensor_t *kiln_dropout(kiln_tensor_t *a, double p, bool train)
@@ -302,24 +245,16 @@ kiln_tensor_t *kiln_dropout(kiln_tensor_t *a, double p, bool train)
 
 kiln_tensor_t *kiln_cat(kiln_tensor_t *const *ts, int n, int dim)
 {
-    if (!ts || n < 1) {
-        kiln__err(KILN_ERR_ARG, "cat: no tensors given");
-        return NULL;
-    }
+    if (!ts || n < 1) return kiln__err(KILN_ERR_ARG, "cat: no tensors given"), NULL;
     for (int i = 0; i < n; i++)
         if (!ts[i]) return null_arg("cat");
-    kiln__attrs at = {0};
     int d = kiln__norm_dim(dim, ts[0]->ndim);
-    at.op.dim.dim = d < 0 ? dim : d;
-    return kiln__call(KILN_OP_CAT, ts, n, &at);
+    return kiln__call(KILN_OP_CAT, ts, n, &(kiln__attrs){.op.dim.dim = d < 0 ? dim : d});
 }
 
 kiln_tensor_t *kiln_stack(kiln_tensor_t *const *ts, int n, int dim)
 {
-    if (!ts || n < 1 || n > 4096) {
-        kiln__err(KILN_ERR_ARG, "stack: give between 1 and 4096 tensors");
-        return NULL;
-    }
+    if (!ts || n < 1 || n > 4096) return kiln__err(KILN_ERR_ARG, "stack: give between 1 and 4096 tensors"), NULL;
     kiln_tensor_t *u[4096];
     for (int i = 0; i < n; i++) {
         if (!ts[i]) return null_arg("stack");
@@ -358,10 +293,7 @@ kiln_status kiln_split(kiln_tensor_t *a, const int64_t *sizes, int n, int dim, k
 
 static kiln_tensor_t *tri(kiln_tensor_t *a, int64_t k, bool upper)
 {
-    kiln__attrs at = {0};
-    at.op.tri.k = k;
-    at.op.tri.upper = upper;
-    return kiln__call(KILN_OP_TRI, &a, 1, &at);
+    return kiln__call(KILN_OP_TRI, &a, 1, &(kiln__attrs){.op.tri = {.k = k, .upper = upper}});
 }
 
 kiln_tensor_t *kiln_tril(kiln_tensor_t *a, int64_t k) { return tri(a, k, false); }
@@ -369,8 +301,7 @@ kiln_tensor_t *kiln_triu(kiln_tensor_t *a, int64_t k) { return tri(a, k, true); 
 
 kiln_tensor_t *kiln_rope(kiln_tensor_t *x, int64_t pos0, double theta)
 {
-    kiln__attrs at = {.op.rope = {.theta = theta, .pos0 = pos0}};
-    return kiln__call(KILN_OP_ROPE, &x, 1, &at);
+    return kiln__call(KILN_OP_ROPE, &x, 1, &(kiln__attrs){.op.rope = {.theta = theta, .pos0 = pos0}});
 }
 
 kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, bool causal, double scale)
@@ -385,24 +316,18 @@ kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t 
 kiln_tensor_t *kiln_matmul_rows(kiln_tensor_t *a, kiln_tensor_t *w)
 {
     if (!a || !w) return null_arg("matmul_rows");
-    if (a->ndim != 2 || w->ndim != 2 || a->shape[1] != w->shape[1]) {
-        char b1[96], b2[96];
-        kiln__err(KILN_ERR_SHAPE, "matmul_rows: a %s and w %s must be (M,K) and (N,K)", kiln__shape_str(a, b1, sizeof b1),
-                  kiln__shape_str(w, b2, sizeof b2));
-        return NULL;
-    }
+    if (a->ndim != 2 || w->ndim != 2 || a->shape[1] != w->shape[1])
+        return kiln__err(KILN_ERR_SHAPE, "matmul_rows: a %s and w %s must be (M,K) and (N,K)",
+                         kiln__shape_text(a), kiln__shape_text(w)), NULL;
     return kiln_matmul_rows_packed(a, kiln_matmul_rows_pack(w), w->shape[0]);
 }
 
 kiln_tensor_t *kiln_matmul_rows_pack(kiln_tensor_t *w)
 {
     if (!w) return null_arg("matmul_rows_pack");
-    if (w->ndim != 2 || w->shape[0] < 1 || w->dtype != KILN_DTYPE_F32) {
-        char b[96];
-        kiln__err(KILN_ERR_SHAPE, "matmul_rows_pack: w %s must be a non-empty (N,K) f32 matrix",
-                  kiln__shape_str(w, b, sizeof b));
-        return NULL;
-    }
+    if (w->ndim != 2 || w->shape[0] < 1 || w->dtype != KILN_DTYPE_F32)
+        return kiln__err(KILN_ERR_SHAPE, "matmul_rows_pack: w %s must be a non-empty (N,K) f32 matrix",
+                         kiln__shape_text(w)), NULL;
     /* (N,K), padded with zero rows to P*16, as (P,16,K), then panel by panel (P,K,16). */
     int64_t N = w->shape[0], K = w->shape[1], P = (N + KILN_ROWS_PANEL - 1) / KILN_ROWS_PANEL;
     int64_t pad[2] = {P * KILN_ROWS_PANEL - N, K}, s3[3] = {P, KILN_ROWS_PANEL, K};
@@ -415,17 +340,14 @@ kiln_tensor_t *kiln_matmul_rows_packed(kiln_tensor_t *a, kiln_tensor_t *wp, int6
 {
     if (!a || !wp) return null_arg("matmul_rows_packed");
     kiln_tensor_t *in[2] = {a, wp};
-    kiln__attrs at = {0};
-    at.op.rows_packed.cols = n;
-    return kiln__call(KILN_OP_MATMUL_ROWS_PACKED, in, 2, &at);
+    return kiln__call(KILN_OP_MATMUL_ROWS_PACKED, in, 2, &(kiln__attrs){.op.rows_packed.cols = n});
 }
 
 kiln_tensor_t *kiln_rope_at(kiln_tensor_t *x, kiln_tensor_t *pos, double theta)
 {
     if (!x || !pos) return null_arg("rope_at");
-    kiln__attrs at = {.op.rope.theta = theta};
     kiln_tensor_t *in[2] = {x, pos};
-    return kiln__call(KILN_OP_ROPE_AT, in, 2, &at);
+    return kiln__call(KILN_OP_ROPE_AT, in, 2, &(kiln__attrs){.op.rope.theta = theta});
 }
 
 kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, kiln_tensor_t *v_pages,
@@ -433,8 +355,7 @@ kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, ki
                                     double scale)
 {
     if (!q || !k_pages || !v_pages || !block_table || !seq_pos) return null_arg("paged_attention");
-    kiln__attrs at = {0};
-    at.op.paged_attention.block_len = block_len;
+    kiln__attrs at = {.op.paged_attention = {.block_len = block_len}};
     at.op.paged_attention.scale = scale > 0 ? scale : 1.0 / sqrt((double)(q->ndim == 3 ? q->shape[2] : 1));
     kiln_tensor_t *in[5] = {q, k_pages, v_pages, block_table, seq_pos};
     return kiln__call(KILN_OP_PAGED_ATTENTION, in, 5, &at);
@@ -443,20 +364,16 @@ kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, ki
 /* Views. */
 static bool resolve_shape(const char *op, kiln_tensor_t *a, const int64_t *shape, int ndim, kiln__attrs *at)
 {
-    char b[96];
     memset(at, 0, sizeof *at);
-    if (ndim < 0 || ndim > KILN_MAX_DIMS || (ndim && !shape)) {
-        kiln__err(KILN_ERR_ARG, "%s: bad target shape (ndim %d)", op, ndim);
-        return false;
-    }
+    if (ndim < 0 || ndim > KILN_MAX_DIMS || (ndim && !shape))
+        return kiln__err(KILN_ERR_ARG, "%s: bad target shape (ndim %d)", op, ndim), false;
     int infer = -1;
     int64_t known = 1;
     for (int i = 0; i < ndim; i++) {
         if (shape[i] == -1 && infer < 0) {
             infer = i;
         } else if (shape[i] < 0) {
-            kiln__err(KILN_ERR_SHAPE, "%s: bad size %lld in dim %d", op, (long long)shape[i], i);
-            return false;
+            return kiln__err(KILN_ERR_SHAPE, "%s: bad size %lld in dim %d", op, (long long)shape[i], i), false;
         } else {
             known *= shape[i];
         }
@@ -465,18 +382,14 @@ static bool resolve_shape(const char *op, kiln_tensor_t *a, const int64_t *shape
     at->ndim = ndim;
     int64_t n = kiln__numel(a->ndim, a->shape);
     if (infer >= 0) {
-        if (known == 0 || n % known) {
-            kiln__err(KILN_ERR_SHAPE, "%s: cannot infer dim %d to reshape %s", op, infer, kiln__shape_str(a, b, sizeof b));
-            return false;
-        }
+        if (known == 0 || n % known)
+            return kiln__err(KILN_ERR_SHAPE, "%s: cannot infer dim %d to reshape %s", op, infer, kiln__shape_text(a)), false;
         at->shape[infer] = n / known;
         known *= at->shape[infer];
     }
-    if (known != n) {
-        kiln__err(KILN_ERR_SHAPE, "%s: %s has %lld elements, the target shape %lld", op, kiln__shape_str(a, b, sizeof b),
-                  (long long)n, (long long)known);
-        return false;
-    }
+    if (known != n)
+        return kiln__err(KILN_ERR_SHAPE, "%s: %s has %lld elements, the target shape %lld", op, kiln__shape_text(a),
+                         (long long)n, (long long)known), false;
     return true;
 }
 
@@ -505,8 +418,7 @@ kiln_tensor_t *kiln_reshape(kiln_tensor_t *a, const int64_t *shape, int ndim)
 kiln_tensor_t *kiln_permute(kiln_tensor_t *a, const int *order, int ndim)
 {
     if (!a || !order) return null_arg("permute");
-    kiln__attrs at = {0};
-    at.ndim = ndim;
+    kiln__attrs at = {.ndim = ndim};
     for (int i = 0; i < ndim && i < KILN_MAX_DIMS; i++) {
         int d = kiln__norm_dim(order[i], a->ndim);
         at.shape[i] = d < 0 ? order[i] : d;
@@ -518,11 +430,8 @@ kiln_tensor_t *kiln_transpose(kiln_tensor_t *a, int d0, int d1)
 {
     if (!a) return null_arg("transpose");
     int n0 = kiln__norm_dim(d0, a->ndim), n1 = kiln__norm_dim(d1, a->ndim);
-    if (n0 < 0 || n1 < 0 || n0 >= a->ndim || n1 >= a->ndim) {
-        char b[96];
-        kiln__err(KILN_ERR_INDEX, "transpose: dims %d, %d are out of range for %s", d0, d1, kiln__shape_str(a, b, sizeof b));
-        return NULL;
-    }
+    if (n0 < 0 || n1 < 0 || n0 >= a->ndim || n1 >= a->ndim)
+        return kiln__err(KILN_ERR_INDEX, "transpose: dims %d, %d are out of range for %s", d0, d1, kiln__shape_text(a)), NULL;
     int order[KILN_MAX_DIMS];
     for (int i = 0; i < a->ndim; i++) order[i] = i;
     order[n0] = n1;
@@ -533,16 +442,9 @@ kiln_tensor_t *kiln_transpose(kiln_tensor_t *a, int d0, int d1)
 kiln_tensor_t *kiln_slice(kiln_tensor_t *a, int dim, int64_t start, int64_t end, int64_t step)
 {
     if (!a) return null_arg("slice");
-    char b[96];
-    int d = kiln__norm_dim(dim, a->ndim);
-    if (d < 0 || d >= a->ndim) {
-        kiln__err(KILN_ERR_INDEX, "slice: dim %d is out of range for %s", dim, kiln__shape_str(a, b, sizeof b));
-        return NULL;
-    }
-    if (step <= 0) {
-        kiln__err(KILN_ERR_ARG, "slice: step %lld must be positive", (long long)step);
-        return NULL;
-    }
+    int d = dim_of("slice", a, dim, false);
+    if (d < 0) return NULL;
+    if (step <= 0) return kiln__err(KILN_ERR_ARG, "slice: step %lld must be positive", (long long)step), NULL;
     int64_t n = a->shape[d];
     if (start < 0) start += n;
     if (end < 0) end += n;
@@ -550,33 +452,24 @@ kiln_tensor_t *kiln_slice(kiln_tensor_t *a, int dim, int64_t start, int64_t end,
     if (end > n) end = n;
     if (start > n) start = n;
     int64_t len = end > start ? (end - start + step - 1) / step : 0;
-    kiln__attrs at = {0};
-    at.op.slice = (kiln__slice_attrs){.dim = d, .start = start, .step = step, .length = len};
-    return kiln__call(KILN_OP_SLICE, &a, 1, &at);
+    return kiln__call(KILN_OP_SLICE, &a, 1, &(kiln__attrs){.op.slice = {.dim = d, .start = start, .step = step, .length = len}});
 }
 
 kiln_tensor_t *kiln_narrow(kiln_tensor_t *a, int dim, int64_t start, int64_t length)
 {
     if (!a) return null_arg("narrow");
     int d = kiln__norm_dim(dim, a->ndim);
-    char b[96];
-    if (d < 0 || d >= a->ndim || start < 0 || length < 0 || start + length > a->shape[d]) {
-        kiln__err(KILN_ERR_INDEX, "narrow: [%lld, %lld) along dim %d is outside %s", (long long)start,
-                  (long long)(start + length), dim, kiln__shape_str(a, b, sizeof b));
-        return NULL;
-    }
+    if (d < 0 || d >= a->ndim || start < 0 || length < 0 || start + length > a->shape[d])
+        return kiln__err(KILN_ERR_INDEX, "narrow: [%lld, %lld) along dim %d is outside %s", (long long)start,
+                         (long long)(start + length), dim, kiln__shape_text(a)), NULL;
     return kiln_slice(a, d, start, start + length, 1);
 }
 
 kiln_tensor_t *kiln_expand(kiln_tensor_t *a, const int64_t *shape, int ndim)
 {
     if (!a || (!shape && ndim)) return null_arg("expand");
-    if (ndim < 0 || ndim > KILN_MAX_DIMS) {
-        kiln__err(KILN_ERR_ARG, "expand: ndim %d is outside 0..%d", ndim, KILN_MAX_DIMS);
-        return NULL;
-    }
-    kiln__attrs at = {0};
-    at.ndim = ndim;
+    if (ndim < 0 || ndim > KILN_MAX_DIMS) return kiln__err(KILN_ERR_ARG, "expand: ndim %d is outside 0..%d", ndim, KILN_MAX_DIMS), NULL;
+    kiln__attrs at = {.ndim = ndim};
     memcpy(at.shape, shape, sizeof(int64_t) * (size_t)ndim);
     return kiln__call(KILN_OP_EXPAND, &a, 1, &at);
 }
@@ -585,11 +478,8 @@ kiln_tensor_t *kiln_squeeze(kiln_tensor_t *a, int dim)
 {
     if (!a) return null_arg("squeeze");
     int d = kiln__norm_dim(dim, a->ndim);
-    char b[96];
-    if (d < 0 || d >= a->ndim || a->shape[d] != 1) {
-        kiln__err(KILN_ERR_SHAPE, "squeeze: dim %d of %s is not of size 1", dim, kiln__shape_str(a, b, sizeof b));
-        return NULL;
-    }
+    if (d < 0 || d >= a->ndim || a->shape[d] != 1)
+        return kiln__err(KILN_ERR_SHAPE, "squeeze: dim %d of %s is not of size 1", dim, kiln__shape_text(a)), NULL;
     int64_t shape[KILN_MAX_DIMS];
     int n = 0;
     for (int i = 0; i < a->ndim; i++)
@@ -601,11 +491,8 @@ kiln_tensor_t *kiln_unsqueeze(kiln_tensor_t *a, int dim)
 {
     if (!a) return null_arg("unsqueeze");
     int d = dim < 0 ? dim + a->ndim + 1 : dim;
-    char b[96];
-    if (d < 0 || d > a->ndim || a->ndim == KILN_MAX_DIMS) {
-        kiln__err(KILN_ERR_INDEX, "unsqueeze: dim %d is out of range for %s", dim, kiln__shape_str(a, b, sizeof b));
-        return NULL;
-    }
+    if (d < 0 || d > a->ndim || a->ndim == KILN_MAX_DIMS)
+        return kiln__err(KILN_ERR_INDEX, "unsqueeze: dim %d is out of range for %s", dim, kiln__shape_text(a)), NULL;
     int64_t shape[KILN_MAX_DIMS];
     int n = 0;
     for (int i = 0; i <= a->ndim; i++) {
@@ -618,10 +505,8 @@ kiln_tensor_t *kiln_unsqueeze(kiln_tensor_t *a, int dim)
 /* In-place. */
 kiln_status kiln_add_(kiln_tensor_t *dst, kiln_tensor_t *src, double alpha)
 {
-    kiln__attrs at = {0};
-    at.op.scalar.value = alpha;
     kiln_tensor_t *in[2] = {dst, src};
-    return kiln__dispatch(KILN_OP_ADD_, in, 2, &at, NULL);
+    return kiln__dispatch(KILN_OP_ADD_, in, 2, &(kiln__attrs){.op.scalar.value = alpha}, NULL);
 }
 
 kiln_status kiln_index_copy_(kiln_tensor_t *dst, kiln_tensor_t *index, kiln_tensor_t *src)
@@ -632,23 +517,18 @@ kiln_status kiln_index_copy_(kiln_tensor_t *dst, kiln_tensor_t *index, kiln_tens
 
 kiln_status kiln_mul_scalar_(kiln_tensor_t *dst, double s)
 {
-    kiln__attrs at = {0};
-    at.op.scalar.value = s;
-    return kiln__dispatch(KILN_OP_SCALE_, &dst, 1, &at, NULL);
+    return kiln__dispatch(KILN_OP_SCALE_, &dst, 1, &(kiln__attrs){.op.scalar.value = s}, NULL);
 }
 
 kiln_status kiln_fill_(kiln_tensor_t *dst, double value)
 {
-    kiln__attrs at = {0};
-    at.op.scalar.value = value;
-    return kiln__dispatch(KILN_OP_FILL_, &dst, 1, &at, NULL);
+    return kiln__dispatch(KILN_OP_FILL_, &dst, 1, &(kiln__attrs){.op.scalar.value = value}, NULL);
 }
 
 kiln_status kiln_adamw_step_(kiln_tensor_t *p, kiln_tensor_t *g, kiln_tensor_t *m, kiln_tensor_t *v, kiln_tensor_t *lr,
                              kiln_tensor_t *step, kiln_tensor_t *gscale, double beta1, double beta2, double eps, double wd)
 {
-    kiln__attrs at = {0};
-    at.op.adamw = (kiln__adamw_attrs){.weight_decay = wd, .beta1 = beta1, .beta2 = beta2, .eps = eps};
+    kiln__attrs at = {.op.adamw = {.weight_decay = wd, .beta1 = beta1, .beta2 = beta2, .eps = eps}};
     kiln_tensor_t *in[7] = {p, g, m, v, lr, step, gscale};
     return kiln__dispatch(KILN_OP_ADAMW_, in, 7, &at, NULL);
 }

@@ -13,10 +13,12 @@
 #define Y(j) (n->saved_out[j])
 #define NEED(i) (n->needs_grad[i])
 #define META(i) (&n->in_meta[i])
-
+#define DIM ((int)n->attrs.op.dim.dim)
+#define ZEROS kiln_zeros(META(0)->shape, META(0)->ndim, G->dtype) /* shaped like input 0 */
+#define BW(name) kiln_status kiln__bw_##name(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
 
 /* Sums g down to shape, undoing broadcasting. */
-kiln_tensor_t *kiln__sum_to(kiln_tensor_t *g, const int64_t *shape, int ndim)
+static kiln_tensor_t *sum_to(kiln_tensor_t *g, const int64_t *shape, int ndim)
 {
     if (!g) return NULL;
     int dims[KILN_MAX_DIMS], nd = 0;
@@ -33,7 +35,7 @@ kiln_tensor_t *kiln__sum_to(kiln_tensor_t *g, const int64_t *shape, int ndim)
 /* The gradient for input i: summed to its shape and cast to its dtype. */
 static kiln_tensor_t *to_input(kiln__node *n, int i, kiln_tensor_t *g)
 {
-    g = kiln__sum_to(g, META(i)->shape, META(i)->ndim);
+    g = sum_to(g, META(i)->shape, META(i)->ndim);
     return g ? kiln_cast(g, META(i)->dtype) : NULL;
 }
 
@@ -46,40 +48,20 @@ static kiln_status done(kiln_tensor_t **gin, int nin, kiln__node *n)
 
 static kiln_tensor_t *as(kiln_tensor_t *mask, kiln_tensor_t *like) { return kiln_cast(mask, like->dtype); }
 
-kiln_status kiln__bw_add(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    if (NEED(0)) gin[0] = to_input(n, 0, G);
-    if (NEED(1)) gin[1] = to_input(n, 1, G);
-    return done(gin, 2, n);
-}
-
-kiln_status kiln__bw_sub(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    if (NEED(0)) gin[0] = to_input(n, 0, G);
-    if (NEED(1)) gin[1] = to_input(n, 1, kiln_neg(G));
-    return done(gin, 2, n);
-}
-
-kiln_status kiln__bw_mul(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    if (NEED(0)) gin[0] = to_input(n, 0, kiln_mul(G, X(1)));
-    if (NEED(1)) gin[1] = to_input(n, 1, kiln_mul(G, X(0)));
-    return done(gin, 2, n);
-}
-
-kiln_status kiln__bw_div(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    if (NEED(0)) gin[0] = to_input(n, 0, kiln_div(G, X(1)));
-    if (NEED(1)) gin[1] = to_input(n, 1, kiln_neg(kiln_div(kiln_mul(G, X(0)), kiln_mul(X(1), X(1)))));
-    return done(gin, 2, n);
-}
-
-kiln_status kiln__bw_pow(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    if (NEED(0)) gin[0] = to_input(n, 0, kiln_mul(kiln_mul(G, X(1)), kiln_pow(X(0), kiln_add_scalar(X(1), -1.0))));
-    if (NEED(1)) gin[1] = to_input(n, 1, kiln_mul(kiln_mul(G, Y(0)), kiln_log(X(0))));
-    return done(gin, 2, n);
-}
+/* A binary op's formula: each input's gradient, where it needs one, summed to its shape. */
+#define BINARY_BW(name, d0, d1)                              \
+    BW(name)                                                 \
+    {                                                        \
+        if (NEED(0)) gin[0] = to_input(n, 0, (d0));          \
+        if (NEED(1)) gin[1] = to_input(n, 1, (d1));          \
+        return done(gin, 2, n);                              \
+    }
+BINARY_BW(add, G, G)
+BINARY_BW(sub, G, kiln_neg(G))
+BINARY_BW(mul, kiln_mul(G, X(1)), kiln_mul(G, X(0)))
+BINARY_BW(div, kiln_div(G, X(1)), kiln_neg(kiln_div(kiln_mul(G, X(0)), kiln_mul(X(1), X(1)))))
+BINARY_BW(pow, kiln_mul(kiln_mul(G, X(1)), kiln_pow(X(0), kiln_add_scalar(X(1), -1.0))),
+          kiln_mul(kiln_mul(G, Y(0)), kiln_log(X(0))))
 
 /* Ties split the gradient evenly, as PyTorch does. */
 static kiln_status minmax(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin, bool is_max)
@@ -91,80 +73,46 @@ static kiln_status minmax(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor
     return done(gin, 2, n);
 }
 
-kiln_status kiln__bw_maximum(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin) { return minmax(n, gout, gin, true); }
-kiln_status kiln__bw_minimum(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin) { return minmax(n, gout, gin, false); }
+BW(maximum) { return minmax(n, gout, gin, true); }
+BW(minimum) { return minmax(n, gout, gin, false); }
 
-kiln_status kiln__bw_neg(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+/* A one-input op's formula: its gradient, from g and what the node saved. */
+#define UNARY_BW(name, dx)          \
+    BW(name)                        \
+    {                               \
+        gin[0] = (dx);              \
+        return done(gin, 1, n);     \
+    }
+
+/* sign(x) (0 at 0) in like's dtype. */
+static kiln_tensor_t *sign(kiln_tensor_t *x, kiln_tensor_t *like)
 {
-    gin[0] = kiln_neg(G);
-    return done(gin, 1, n);
+    kiln_tensor_t *zero = kiln_scalar(0, x->dtype);
+    return kiln_sub(as(kiln_gt(x, zero), like), as(kiln_lt(x, zero), like));
 }
 
-kiln_status kiln__bw_abs(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+/* The rows of include/kiln/pointwise.def whose grad column is X, Y or NONE: g * dy/dx
+ * from the saved input x, the saved output y, or from g alone. */
+UNARY_BW(neg, kiln_neg(G))
+UNARY_BW(abs, kiln_mul(G, sign(X(0), G)))
+UNARY_BW(exp, kiln_mul(G, Y(0)))
+UNARY_BW(log, kiln_div(G, X(0)))
+UNARY_BW(sqrt, kiln_div(kiln_mul_scalar(G, 0.5), Y(0)))
+UNARY_BW(rsqrt, kiln_mul(kiln_mul_scalar(G, -0.5), kiln_mul(Y(0), kiln_mul(Y(0), Y(0)))))
+UNARY_BW(tanh, kiln_mul(G, kiln_add_scalar(kiln_neg(kiln_mul(Y(0), Y(0))), 1.0)))
+UNARY_BW(sigmoid, kiln_mul(G, kiln_mul(Y(0), kiln_add_scalar(kiln_neg(Y(0)), 1.0))))
+UNARY_BW(relu, kiln_mul(G, as(kiln_gt(Y(0), kiln_scalar(0, Y(0)->dtype)), G)))
+
+/* g * dy/dx by the op's backward op (x, g). */
+static kiln_tensor_t *by_op(kiln__node *n, kiln__op_id op, kiln_tensor_t *g)
 {
-    kiln_tensor_t *zero = kiln_scalar(0, X(0)->dtype);
-    kiln_tensor_t *sign = kiln_sub(as(kiln_gt(X(0), zero), G), as(kiln_lt(X(0), zero), G));
-    gin[0] = kiln_mul(G, sign);
-    return done(gin, 1, n);
+    kiln_tensor_t *in[2] = {X(0), g};
+    return kiln__call(op, in, 2, &n->attrs);
 }
 
-kiln_status kiln__bw_exp(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_mul(G, Y(0));
-    return done(gin, 1, n);
-}
+UNARY_BW(gelu, by_op(n, KILN_OP_GELU_BACKWARD, G))
 
-kiln_status kiln__bw_log(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_div(G, X(0));
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_sqrt(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_div(kiln_mul_scalar(G, 0.5), Y(0));
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_rsqrt(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_mul(kiln_mul_scalar(G, -0.5), kiln_mul(Y(0), kiln_mul(Y(0), Y(0))));
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_tanh(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_mul(G, kiln_add_scalar(kiln_neg(kiln_mul(Y(0), Y(0))), 1.0));
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_sigmoid(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_mul(G, kiln_mul(Y(0), kiln_add_scalar(kiln_neg(Y(0)), 1.0)));
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_relu(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_mul(G, as(kiln_gt(Y(0), kiln_scalar(0, Y(0)->dtype)), G));
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_gelu(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    kiln_tensor_t *in[2] = {X(0), G};
-    gin[0] = kiln__call(KILN_OP_GELU_BACKWARD, in, 2, &n->attrs);
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_silu(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    kiln_tensor_t *in[2] = {X(0), G};
-    gin[0] = kiln__call(KILN_OP_SILU_BACKWARD, in, 2, &n->attrs);
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_where(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+BW(where)
 {
     kiln_tensor_t *zero = kiln_scalar(0, G->dtype);
     if (NEED(1)) gin[1] = to_input(n, 1, kiln_where(X(0), G, zero));
@@ -173,11 +121,7 @@ kiln_status kiln__bw_where(kiln__node *n, kiln_tensor_t *const *gout, kiln_tenso
     return done(gin, 3, n);
 }
 
-kiln_status kiln__bw_cast(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_cast(G, META(0)->dtype);
-    return done(gin, 1, n);
-}
+UNARY_BW(cast, kiln_cast(G, META(0)->dtype))
 
 /* G reshaped so that the reduced dims are back (size 1), ready to broadcast. */
 static kiln_tensor_t *unreduce(kiln__node *n, kiln_tensor_t *g)
@@ -192,13 +136,9 @@ static kiln_tensor_t *unreduce(kiln__node *n, kiln_tensor_t *g)
     return kiln_reshape(g, shape, m->ndim);
 }
 
-kiln_status kiln__bw_sum(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_expand(unreduce(n, G), META(0)->shape, META(0)->ndim);
-    return done(gin, 1, n);
-}
+UNARY_BW(sum, kiln_expand(unreduce(n, G), META(0)->shape, META(0)->ndim))
 
-kiln_status kiln__bw_max(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+BW(max)
 {
     kiln_tensor_t *mask = as(kiln_eq(X(0), unreduce(n, Y(0))), G);
     int dims[KILN_MAX_DIMS];
@@ -208,20 +148,11 @@ kiln_status kiln__bw_max(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_
     return done(gin, 1, n);
 }
 
-kiln_status kiln__bw_softmax(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    int dim = (int)n->attrs.op.dim.dim;
-    kiln_tensor_t *dot = kiln_sum(kiln_mul(G, Y(0)), &dim, 1, true);
-    gin[0] = kiln_mul(Y(0), kiln_sub(G, dot));
-    return done(gin, 1, n);
-}
+/* t summed along the softmaxes' dim, kept. */
+static kiln_tensor_t *sum_dim(kiln_tensor_t *t, int dim) { return kiln_sum(t, &dim, 1, true); }
 
-kiln_status kiln__bw_log_softmax(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    int dim = (int)n->attrs.op.dim.dim;
-    gin[0] = kiln_sub(G, kiln_mul(kiln_exp(Y(0)), kiln_sum(G, &dim, 1, true)));
-    return done(gin, 1, n);
-}
+UNARY_BW(softmax, kiln_mul(Y(0), kiln_sub(G, sum_dim(kiln_mul(G, Y(0)), DIM))))
+UNARY_BW(log_softmax, kiln_sub(G, kiln_mul(kiln_exp(Y(0)), sum_dim(G, DIM))))
 
 /* Is t a 2-D matrix laid out by columns (a transposed view of a contiguous one, as
  * kiln_linear's weight is)? */
@@ -230,7 +161,7 @@ static bool by_columns(const kiln_tensor_t *t)
     return t->ndim == 2 && t->shape[0] > 1 && t->shape[1] > 1 && t->stride[0] == 1 && t->stride[1] == t->shape[0];
 }
 
-kiln_status kiln__bw_matmul(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+BW(matmul)
 {
     if (NEED(0)) gin[0] = to_input(n, 0, kiln_matmul(G, kiln_transpose(X(1), -1, -2)));
     /* dB = A^T G; for a B laid out by columns, computed as (G^T A)^T, so that dB has B's
@@ -243,15 +174,14 @@ kiln_status kiln__bw_matmul(kiln__node *n, kiln_tensor_t *const *gout, kiln_tens
     return done(gin, 2, n);
 }
 
-kiln_status kiln__bw_embedding(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    kiln__attrs a = {0};
-    a.op.embedding_backward.vocab = META(0)->shape[0];
-    kiln_tensor_t *in[2] = {G, X(1)};
-    gin[0] = kiln__call(KILN_OP_EMBEDDING_BACKWARD, in, 2, &a);
-    n->needs_grad[1] = false;
-    return done(gin, 2, n);
-}
+/* An op whose input 1 is an index, which has no gradient: input 0's. */
+#define INDEXED_BW(name, dx)             \
+    BW(name)                             \
+    {                                    \
+        gin[0] = (dx);                   \
+        n->needs_grad[1] = false;        \
+        return done(gin, 2, n);          \
+    }
 
 /* idx expanded along the other dims so that scatter_add can place whole slices. */
 static kiln_tensor_t *slice_index(kiln_tensor_t *idx, const kiln_tensor_t *g, int dim)
@@ -262,116 +192,68 @@ static kiln_tensor_t *slice_index(kiln_tensor_t *idx, const kiln_tensor_t *g, in
     return kiln_expand(r, g->shape, g->ndim);
 }
 
-kiln_status kiln__bw_index_select(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    int dim = (int)n->attrs.op.dim.dim;
-    kiln_tensor_t *z = kiln_zeros(META(0)->shape, META(0)->ndim, G->dtype);
-    gin[0] = kiln_scatter_add(z, dim, slice_index(X(1), G, dim), G);
-    n->needs_grad[1] = false;
-    return done(gin, 2, n);
-}
+INDEXED_BW(embedding, kiln__call(KILN_OP_EMBEDDING_BACKWARD, (kiln_tensor_t *[2]){G, X(1)}, 2,
+                                 &(kiln__attrs){.op.embedding_backward.vocab = META(0)->shape[0]}))
+INDEXED_BW(index_select, kiln_scatter_add(ZEROS, DIM, slice_index(X(1), G, DIM), G))
+INDEXED_BW(gather, kiln_scatter_add(ZEROS, DIM, X(1), G))
+INDEXED_BW(cross_entropy, kiln__call(KILN_OP_CROSS_ENTROPY_BACKWARD, (kiln_tensor_t *[4]){G, X(0), X(1), Y(1)}, 4, &n->attrs))
 
-kiln_status kiln__bw_gather(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    kiln_tensor_t *z = kiln_zeros(META(0)->shape, META(0)->ndim, G->dtype);
-    gin[0] = kiln_scatter_add(z, (int)n->attrs.op.dim.dim, X(1), G);
-    n->needs_grad[1] = false;
-    return done(gin, 2, n);
-}
-
-kiln_status kiln__bw_scatter_add(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+BW(scatter_add)
 {
     if (NEED(0)) gin[0] = G;
-    if (NEED(2)) gin[2] = kiln_gather(G, (int)n->attrs.op.dim.dim, X(1));
+    if (NEED(2)) gin[2] = kiln_gather(G, DIM, X(1));
     n->needs_grad[1] = false;
     return done(gin, 3, n);
 }
 
-static kiln_status set_outputs(kiln__node *n, kiln_tensor_t **out, int k, kiln_tensor_t **gin, const int *map)
+/* A fused backward op's outputs are the inputs' gradients, in order: each kept where
+ * its input needs one. */
+static kiln_status by_fused(kiln__node *n, kiln__op_id op, kiln_tensor_t *const *in, kiln_tensor_t **gin)
 {
-    for (int j = 0; j < k; j++) {
-        int i = map[j];
-        if (i >= 0 && NEED(i)) gin[i] = kiln__scoped(out[j]);
+    kiln_tensor_t *out[KILN__MAX_OUT] = {0};
+    kiln_status s = kiln__dispatch(op, in, kiln__ops[op].n_in, &n->attrs, out);
+    for (int j = 0; s == KILN_OK && j < kiln__ops[op].n_out; j++) {
+        if (NEED(j)) gin[j] = kiln__scoped(out[j]);
         else kiln_tensor_free(out[j]);
     }
-    return KILN_OK;
+    return s;
 }
 
-kiln_status kiln__bw_layer_norm(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+BW(layer_norm) { return by_fused(n, KILN_OP_LAYER_NORM_BACKWARD, (kiln_tensor_t *[5]){G, X(0), X(1), Y(1), Y(2)}, gin); }
+BW(rms_norm) { return by_fused(n, KILN_OP_RMS_NORM_BACKWARD, (kiln_tensor_t *[4]){G, X(0), X(1), Y(1)}, gin); }
+
+BW(attention)
 {
-    kiln_tensor_t *in[5] = {G, X(0), X(1), Y(1), Y(2)}, *out[3] = {0};
-    kiln_status s = kiln__dispatch(KILN_OP_LAYER_NORM_BACKWARD, in, 5, &n->attrs, out);
-    if (s != KILN_OK) return s;
-    static const int map[3] = {0, 1, 2};
-    return set_outputs(n, out, 3, gin, map);
+    kiln_tensor_t *in[6] = {kiln_contiguous(G), X(0), X(1), X(2), Y(0), Y(1)};
+    return by_fused(n, KILN_OP_ATTENTION_BACKWARD, in, gin);
 }
 
-kiln_status kiln__bw_rms_norm(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    kiln_tensor_t *in[4] = {G, X(0), X(1), Y(1)}, *out[2] = {0};
-    kiln_status s = kiln__dispatch(KILN_OP_RMS_NORM_BACKWARD, in, 4, &n->attrs, out);
-    if (s != KILN_OK) return s;
-    static const int map[2] = {0, 1};
-    return set_outputs(n, out, 2, gin, map);
-}
+UNARY_BW(dropout, kiln_mul_scalar(kiln_mul(G, kiln_cast(Y(1), G->dtype)), 1.0 / (1.0 - n->attrs.op.dropout.p)))
 
-kiln_status kiln__bw_cross_entropy(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+BW(cat)
 {
-    kiln_tensor_t *in[4] = {G, X(0), X(1), Y(1)};
-    gin[0] = kiln__call(KILN_OP_CROSS_ENTROPY_BACKWARD, in, 4, &n->attrs);
-    n->needs_grad[1] = false;
-    return done(gin, 2, n);
-}
-
-kiln_status kiln__bw_attention(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    kiln_tensor_t *in[6] = {kiln_contiguous(G), X(0), X(1), X(2), Y(0), Y(1)}, *out[3] = {0};
-    kiln_status s = kiln__dispatch(KILN_OP_ATTENTION_BACKWARD, in, 6, &n->attrs, out);
-    if (s != KILN_OK) return s;
-    static const int map[3] = {0, 1, 2};
-    return set_outputs(n, out, 3, gin, map);
-}
-
-kiln_status kiln__bw_dropout(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_mul_scalar(kiln_mul(G, kiln_cast(Y(1), G->dtype)), 1.0 / (1.0 - n->attrs.op.dropout.p));
-    return done(gin, 1, n);
-}
-
-kiln_status kiln__bw_cat(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    int dim = (int)n->attrs.op.dim.dim;
     int64_t at = 0;
     for (int i = 0; i < n->n_in; i++) {
-        int64_t len = META(i)->shape[dim];
-        if (NEED(i)) gin[i] = kiln_narrow(G, dim, at, len);
+        int64_t len = META(i)->shape[DIM];
+        if (NEED(i)) gin[i] = kiln_narrow(G, DIM, at, len);
         at += len;
     }
     return done(gin, n->n_in, n);
 }
 
-kiln_status kiln__bw_tri(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = n->attrs.op.tri.upper ? kiln_triu(G, n->attrs.op.tri.k) : kiln_tril(G, n->attrs.op.tri.k);
-    return done(gin, 1, n);
-}
+UNARY_BW(tri, n->attrs.op.tri.upper ? kiln_triu(G, n->attrs.op.tri.k) : kiln_tril(G, n->attrs.op.tri.k))
 
-kiln_status kiln__bw_rope(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+BW(rope)
 {
     kiln__attrs a = n->attrs;
     a.op.rope.inverse = !a.op.rope.inverse; /* the inverse rotation */
-    kiln_tensor_t *g = G;
-    gin[0] = kiln__call(KILN_OP_ROPE, &g, 1, &a);
+    gin[0] = kiln__call(KILN_OP_ROPE, gout, 1, &a);
     return done(gin, 1, n);
 }
 
-kiln_status kiln__bw_view(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln_reshape(G, META(0)->shape, META(0)->ndim);
-    return done(gin, 1, n);
-}
+UNARY_BW(view, kiln_reshape(G, META(0)->shape, META(0)->ndim))
 
-kiln_status kiln__bw_permute(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+BW(permute)
 {
     int inv[KILN_MAX_DIMS];
     for (int d = 0; d < n->attrs.ndim; d++) inv[n->attrs.shape[d]] = d;
@@ -379,37 +261,21 @@ kiln_status kiln__bw_permute(kiln__node *n, kiln_tensor_t *const *gout, kiln_ten
     return done(gin, 1, n);
 }
 
-kiln_status kiln__bw_slice(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+BW(slice)
 {
-    kiln_tensor_t *z = kiln_zeros(META(0)->shape, META(0)->ndim, G->dtype);
+    kiln_tensor_t *z = ZEROS;
     if (!z) return kiln_last_status();
-    kiln_tensor_t *in = z;
-    kiln_tensor_t *view = kiln__call(KILN_OP_SLICE, &in, 1, &n->attrs);
+    kiln_tensor_t *view = kiln__call(KILN_OP_SLICE, &z, 1, &n->attrs);
     kiln_status s = view ? kiln_tensor_copy_(view, G) : kiln_last_status();
     if (s != KILN_OK) return s;
     gin[0] = z;
     return KILN_OK;
 }
 
-kiln_status kiln__bw_expand(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = kiln__sum_to(G, META(0)->shape, META(0)->ndim);
-    return done(gin, 1, n);
-}
+UNARY_BW(expand, sum_to(G, META(0)->shape, META(0)->ndim))
+UNARY_BW(contiguous, G)
 
-kiln_status kiln__bw_contiguous(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
-{
-    gin[0] = G;
-    return done(gin, 1, n);
-}
-
-/* The pointwise ops defined by their math: g * dy/dx, by their backward op. */
-#define KILN_PW(ID, name)                                                                     \
-    kiln_status kiln__bw_##name(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin) \
-    {                                                                                         \
-        kiln_tensor_t *in[2] = {X(0), G};                                                     \
-        gin[0] = kiln__call(KILN_OP_##ID##_BACKWARD, in, 2, &n->attrs);                       \
-        return done(gin, 1, n);                                                               \
-    }
+/* The rows of include/kiln/pointwise.def with a backward op: g * dy/dx, by it. */
+#define KILN_PW(ID, name, dtypes, grad, fast) KILN__PW_IF_OP(grad, UNARY_BW(name, by_op(n, KILN_OP_##ID##_BACKWARD, G)))
 #include "kiln/pointwise.def"
 #undef KILN_PW

@@ -27,29 +27,25 @@ static kiln_status give(kiln_tensor_t **out, int n, kiln_tensor_t *const *res)
     return KILN_OK;
 }
 
-/* max, x - max and sum(exp(x - max)) along dim, all kept for the two softmaxes. */
-static void softmax_parts(kiln_tensor_t *x, int dim, kiln_tensor_t **shifted, kiln_tensor_t **e, kiln_tensor_t **s)
+/* Along dim, with the max kept: softmax e / s, log_softmax (x - max) - log(s), where
+ * e = exp(x - max) and s = sum(e). */
+static kiln_status softmaxes(kiln_tensor_t *const *in, const kiln__attrs *a, kiln_tensor_t **out, bool log)
 {
-    kiln_tensor_t *m = kiln_max(x, &dim, 1, true);
-    *shifted = kiln_sub(x, m);
-    *e = kiln_exp(*shifted);
-    *s = kiln_sum(*e, &dim, 1, true);
+    int dim = kiln__norm_dim((int)a->op.dim.dim, in[0]->ndim);
+    kiln_tensor_t *shifted = kiln_sub(in[0], kiln_max(in[0], &dim, 1, true));
+    kiln_tensor_t *e = kiln_exp(shifted), *s = kiln_sum(e, &dim, 1, true);
+    kiln_tensor_t *y = log ? kiln_sub(shifted, kiln_log(s)) : kiln_div(e, s);
+    return give(out, 1, &y);
 }
 
 static kiln_status dec_softmax(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t **out)
 {
-    kiln_tensor_t *sh, *e, *s;
-    softmax_parts(in[0], kiln__norm_dim((int)a->op.dim.dim, in[0]->ndim), &sh, &e, &s);
-    kiln_tensor_t *y = kiln_div(e, s);
-    return give(out, 1, &y);
+    return softmaxes(in, a, out, false);
 }
 
 static kiln_status dec_log_softmax(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t **out)
 {
-    kiln_tensor_t *sh, *e, *s;
-    softmax_parts(in[0], kiln__norm_dim((int)a->op.dim.dim, in[0]->ndim), &sh, &e, &s);
-    kiln_tensor_t *y = kiln_sub(sh, kiln_log(s));
-    return give(out, 1, &y);
+    return softmaxes(in, a, out, true);
 }
 
 /* The statistics of the norms have the input's shape without its last dim. */
@@ -219,8 +215,6 @@ static bool adamw_when(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
     return n_in == 7 && in[0]->st->be == kiln__backend_at(0);
 }
 
-static bool always(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, bool all) { return true; }
-
 static bool cross_entropy_when(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, bool all)
 {
     return n_in == 2 && in[0]->shape[1] > 0 && (all || !has_kernel(in[0], KILN_OP_CROSS_ENTROPY));
@@ -238,16 +232,16 @@ static bool gelu_when(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, 
 }
 
 /* The ops room's decomposition column of the op table: the ops that have one, and when
- * it is taken (the others are primitives to the compiler). */
+ * it is taken (NULL: always; the others are primitives to the compiler). */
 static const struct {
     kiln__decompose_fn fn;
     bool (*when)(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, bool all);
 } decompositions[KILN_OP_COUNT] = {
     [KILN_OP_ADAMW_] = {dec_adamw, adamw_when},
-    [KILN_OP_SOFTMAX] = {dec_softmax, always},
-    [KILN_OP_LOG_SOFTMAX] = {dec_log_softmax, always},
-    [KILN_OP_LAYER_NORM] = {dec_layer_norm, always},
-    [KILN_OP_RMS_NORM] = {dec_rms_norm, always},
+    [KILN_OP_SOFTMAX] = {dec_softmax},
+    [KILN_OP_LOG_SOFTMAX] = {dec_log_softmax},
+    [KILN_OP_LAYER_NORM] = {dec_layer_norm},
+    [KILN_OP_RMS_NORM] = {dec_rms_norm},
     [KILN_OP_CROSS_ENTROPY] = {dec_cross_entropy, cross_entropy_when},
     [KILN_OP_ATTENTION] = {dec_attention, attention_when},
     [KILN_OP_GELU] = {dec_gelu_tanh, gelu_when},
@@ -256,5 +250,6 @@ static const struct {
 kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                        bool all)
 {
-    return decompositions[op].fn && decompositions[op].when(in, n_in, a, all) ? decompositions[op].fn : NULL;
+    bool taken = decompositions[op].fn && (!decompositions[op].when || decompositions[op].when(in, n_in, a, all));
+    return taken ? decompositions[op].fn : NULL;
 }

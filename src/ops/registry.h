@@ -50,7 +50,4 @@ kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in,
 #include "core/ops.def"
 #undef KILN_OP
 
-/* Sums g down to shape (undoing broadcasting); a new scoped tensor. */
-kiln_tensor_t *kiln__sum_to(kiln_tensor_t *g, const int64_t *shape, int ndim);
-
 #endif

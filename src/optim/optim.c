@@ -2,6 +2,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "kiln/optim.h"
 #include "kiln/graph.h"
 
@@ -20,18 +21,20 @@ struct kiln_optim {
     kiln_tensor_t *step, *one, *unit, *lr;
 };
 
-/* A real one-element tensor holding v on like's device, outside any capture
- * (optimizer state). */
-static kiln_tensor_t *one_element(const kiln_tensor_t *like, double v, kiln_dtype dt)
+/* Optimizer state, kept: a real tensor of v on like's device even while a step is being
+ * captured; one element of dt, or (as_like) zeros shaped like like. */
+static kiln_tensor_t *state_new(const kiln_tensor_t *like, double v, kiln_dtype dt, bool as_like)
 {
     void *cap = kiln_graph_suspend();
     kiln_scope_begin();
     int64_t one = 1;
-    kiln_tensor_t *t = kiln_keep(kiln_tensor_to(kiln_full(&one, 1, v, dt), kiln_tensor_device(like)));
+    kiln_tensor_t *t = kiln_keep(as_like ? kiln_full_like(like, 0, KILN_DTYPE_F32)
+                                         : kiln_tensor_to(kiln_full(&one, 1, v, dt), kiln_tensor_device(like)));
     kiln_scope_end();
     kiln_graph_resume(cap);
     return t;
 }
+
 
 static kiln_status opt_new(opt_kind kind, kiln_tensor_t *const *params, int n, const bool *decay, kiln_optim_t **out)
 {
@@ -47,10 +50,10 @@ static kiln_status opt_new(opt_kind kind, kiln_tensor_t *const *params, int n, c
         o->slot[1] = calloc((size_t)n, sizeof(kiln_tensor_t *));
     }
     if (o) {
-        o->step = one_element(params[0], 0, KILN_DTYPE_F64);
-        o->one = one_element(params[0], 1, KILN_DTYPE_F64);
-        o->unit = one_element(params[0], 1, KILN_DTYPE_F32);
-        o->lr = one_element(params[0], 0, KILN_DTYPE_F64);
+        o->step = state_new(params[0], 0, KILN_DTYPE_F64, false);
+        o->one = state_new(params[0], 1, KILN_DTYPE_F64, false);
+        o->unit = state_new(params[0], 1, KILN_DTYPE_F32, false);
+        o->lr = state_new(params[0], 0, KILN_DTYPE_F64, false);
     }
     if (!o || !o->params || !o->decay || !o->slot[0] || !o->slot[1] || !o->step || !o->one || !o->unit || !o->lr) {
         kiln_optim_free(o);
@@ -104,20 +107,7 @@ void kiln_optim_free(kiln_optim_t *o)
     kiln_tensor_free(o->one);
     kiln_tensor_free(o->unit);
     kiln_tensor_free(o->lr);
-    free(o->params);
-    free(o->decay);
-    free(o);
-}
-
-/* Optimizer state: real zeros even when the first step is being captured. */
-static kiln_tensor_t *zeros_like(kiln_tensor_t *p)
-{
-    void *cap = kiln_graph_suspend();
-    kiln_scope_begin();
-    kiln_tensor_t *z = kiln_keep(kiln_full_like(p, 0, KILN_DTYPE_F32)); /* on p's device */
-    kiln_scope_end();
-    kiln_graph_resume(cap);
-    return z;
+    KILN__FREE(o->params, o->decay, o);
 }
 
 static kiln_status check_one_element(const char *what, const kiln_tensor_t *t)
@@ -136,7 +126,8 @@ static kiln_status ensure_slots(kiln_optim_t *o, int i)
 {
     int nslots = o->kind == OPT_ADAMW ? 2 : (o->momentum > 0 ? 1 : 0);
     for (int k = 0; k < nslots; k++)
-        if (!o->slot[k][i] && !(o->slot[k][i] = zeros_like(o->params[i]))) return kiln_last_status();
+        if (!o->slot[k][i] && !(o->slot[k][i] = state_new(o->params[i], 0, KILN_DTYPE_F32, true)))
+            return kiln_last_status();
     return KILN_OK;
 }
 
@@ -253,7 +244,7 @@ kiln_status kiln_optim_set_state(kiln_optim_t *o, int64_t steps, int i, int slot
         return kiln_error(KILN_ERR_SHAPE, "optimizer state %s for parameter %d does not match the parameter %s",
                           kiln_tensor_describe(value, a, sizeof a), i, kiln_tensor_describe(p, b, sizeof b));
     }
-    if (!o->slot[slot][i] && !(o->slot[slot][i] = zeros_like(o->params[i]))) return kiln_last_status();
+    if (!o->slot[slot][i] && !(o->slot[slot][i] = state_new(p, 0, KILN_DTYPE_F32, true))) return kiln_last_status();
     return kiln_tensor_copy_(o->slot[slot][i], value);
 }
 

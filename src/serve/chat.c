@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "kiln/serve.h"
 #include "serve/openai.h"
 
@@ -55,14 +56,7 @@ void kiln__chat_template_free(kiln__chat_template *t)
 /* Appends s[0..n) to *out (length *len, capacity *cap). */
 static bool put(char **out, size_t *len, size_t *cap, const char *s, size_t n)
 {
-    if (*len + n + 1 > *cap) {
-        size_t c = *cap ? *cap : 256;
-        while (c < *len + n + 1) c *= 2;
-        char *p = realloc(*out, c);
-        if (!p) return false;
-        *out = p;
-        *cap = c;
-    }
+    if (!kiln__reserve(out, cap, *len + n + 1, 256)) return false;
     memcpy(*out + *len, s, n);
     *len += n;
     (*out)[*len] = '\0';

@@ -12,7 +12,6 @@ enum MHD_Result kiln__serve_models(kiln_server_t *s, struct MHD_Connection *conn
     return kiln__serve_send_json(s, conn, cs->endpoint, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", m));
 }
 
-/* Tokenizes text; *ids is malloc'd. */
 bool kiln__serve_encode(kiln_server_t *s, const char *text, size_t len, int32_t **ids, int *n)
 {
     size_t cap = len + 16, got = 0;

@@ -74,7 +74,8 @@ struct kiln_engine {
     seq *wait_head, *wait_tail; /* under mu */
     int n_waiting;
     uint64_t *cancels; /* ids to cancel, under mu */
-    int n_cancels, cap_cancels;
+    int n_cancels;
+    size_t cap_cancels;
     uint64_t next_id;
 
     seq *running; /* engine thread only */
@@ -85,8 +86,8 @@ struct kiln_engine {
     seq **b_row_seq;
     float *logits;
     void *scratch;
-    int *top_ids;
-    float *top_lp;
+    int top_ids[20]; /* logprobs asks for at most 20 alternatives */
+    float top_lp[20];
 
     kiln_engine_stats st; /* under mu */
     char last_error[512]; /* under mu */
@@ -94,7 +95,7 @@ struct kiln_engine {
 
 kiln_engine_opts kiln_engine_opts_default(void)
 {
-    kiln_engine_opts o = {
+    return (kiln_engine_opts){
         .max_batch = 16,
         .max_queue = 64,
         .max_step_tokens = 512,
@@ -104,19 +105,14 @@ kiln_engine_opts kiln_engine_opts_default(void)
         .prefix_cache = true,
         .kv_dtype = KILN_DTYPE_F32,
     };
-    return o;
 }
 
 const char *kiln_finish_name(kiln_finish f)
 {
-    switch (f) {
-    case KILN_FINISH_NONE: return "none";
-    case KILN_FINISH_LENGTH: return "length";
-    case KILN_FINISH_STOP: return "stop";
-    case KILN_FINISH_CANCELLED: return "cancelled";
-    case KILN_FINISH_ERROR: return "error";
-    }
-    return "unknown";
+    static const char *const names[] = {[KILN_FINISH_NONE] = "none", [KILN_FINISH_LENGTH] = "length",
+                                        [KILN_FINISH_STOP] = "stop", [KILN_FINISH_CANCELLED] = "cancelled",
+                                        [KILN_FINISH_ERROR] = "error"};
+    return (unsigned)f < sizeof names / sizeof names[0] && names[f] ? names[f] : "unknown";
 }
 
 /* ---- blocks ---- */
@@ -149,6 +145,13 @@ static int block_alloc(kiln_engine_t *e)
         e->meta[b].last_used = ++e->clock;
     }
     return b;
+}
+
+/* One more holder of block b, a cached one perhaps unused until now. */
+static void block_hold(kiln_engine_t *e, int b)
+{
+    if (e->meta[b].ref++ == 0) e->n_evictable--;
+    e->meta[b].last_used = ++e->clock;
 }
 
 static void block_release(kiln_engine_t *e, int b)
@@ -195,11 +198,7 @@ static void register_full_blocks(kiln_engine_t *e, seq *s)
 
 static void seq_free(seq *s)
 {
-    if (!s) return;
-    free(s->tok);
-    free(s->blocks);
-    free(s->hash);
-    free(s);
+    if (s) KILN__FREE(s->tok, s->blocks, s->hash, s);
 }
 
 static int blocks_for(const kiln_engine_t *e, int positions) { return (positions + e->BS - 1) / e->BS; }
@@ -230,15 +229,10 @@ static bool try_admit(kiln_engine_t *e, seq *s)
     int evictable_hits = src >= 0 && e->meta[src].ref == 0;
     for (int j = 0; j < shared; j++) evictable_hits += e->meta[hit[j]].ref == 0;
     if (e->n_free + e->n_evictable - evictable_hits < need - shared) return false;
-    for (int j = 0; j < shared; j++) {
-        block_meta *m = &e->meta[hit[j]];
-        if (m->ref++ == 0) e->n_evictable--;
-        m->last_used = ++e->clock;
-    }
+    for (int j = 0; j < shared; j++) block_hold(e, hit[j]);
     int done = shared * e->BS;
     if (src >= 0) { /* held while its copy is made, so the allocator cannot take it */
-        block_meta *m = &e->meta[src];
-        if (m->ref++ == 0) e->n_evictable--;
+        block_hold(e, src);
         s->blocks[shared] = block_alloc(e);
         if (kiln_kv_pool_copy_block(e->pool, s->blocks[shared], src) == KILN_OK) done = s->n_prompt - 1;
         else kiln_clear_error(); /* then the whole block is recomputed */
@@ -511,18 +505,17 @@ kiln_status kiln_engine_new(kiln_gpt_t *model, const kiln_engine_opts *opts, kil
     e->meta = calloc((size_t)nb, sizeof *e->meta);
     e->block_tokens = malloc(sizeof(int32_t) * (size_t)nb * (size_t)e->BS);
     e->free_stack = malloc(sizeof(int) * (size_t)nb);
-    e->b_tok = malloc(sizeof(int32_t) * (size_t)tokens);
-    e->b_seq = malloc(sizeof(int32_t) * (size_t)tokens);
-    e->b_pos = malloc(sizeof(int32_t) * (size_t)tokens);
-    e->b_rows = malloc(sizeof(int32_t) * (size_t)o.max_batch);
+    /* The step's int32 buffers in one block: b_tok, b_seq, b_pos, b_rows, b_table. */
+    if ((e->b_tok = malloc(sizeof(int32_t) * (3 * (size_t)tokens + (size_t)o.max_batch * (1 + (size_t)maxb))))) {
+        e->b_seq = e->b_tok + tokens;
+        e->b_pos = e->b_seq + tokens;
+        e->b_rows = e->b_pos + tokens;
+        e->b_table = e->b_rows + o.max_batch;
+    }
     e->b_row_seq = malloc(sizeof(seq *) * (size_t)o.max_batch);
-    e->b_table = malloc(sizeof(int32_t) * (size_t)o.max_batch * (size_t)maxb);
     e->logits = malloc(sizeof(float) * (size_t)o.max_batch * (size_t)e->V);
     e->scratch = malloc(kiln_sample_scratch_bytes(e->V));
-    e->top_ids = malloc(sizeof(int) * 21);
-    e->top_lp = malloc(sizeof(float) * 21);
-    if (!e->meta || !e->block_tokens || !e->free_stack || !e->b_tok || !e->b_seq || !e->b_pos || !e->b_rows ||
-        !e->b_row_seq || !e->b_table || !e->logits || !e->scratch || !e->top_ids || !e->top_lp) {
+    if (!e->meta || !e->block_tokens || !e->free_stack || !e->b_tok || !e->b_row_seq || !e->logits || !e->scratch) {
         kiln_engine_free(e);
         return kiln_error(KILN_ERR_OOM, "engine_new: out of memory for %d KV blocks", nb);
     }
@@ -560,21 +553,7 @@ void kiln_engine_free(kiln_engine_t *e)
         pthread_cond_destroy(&e->cv);
     }
     kiln_kv_pool_free(e->pool);
-    free(e->meta);
-    free(e->block_tokens);
-    free(e->free_stack);
-    free(e->b_tok);
-    free(e->b_seq);
-    free(e->b_pos);
-    free(e->b_rows);
-    free(e->b_row_seq);
-    free(e->b_table);
-    free(e->logits);
-    free(e->scratch);
-    free(e->top_ids);
-    free(e->top_lp);
-    free(e->cancels);
-    free(e);
+    KILN__FREE(e->meta, e->block_tokens, e->free_stack, e->b_tok, e->b_row_seq, e->logits, e->scratch, e->cancels, e);
 }
 
 kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint64_t *id)
@@ -640,18 +619,12 @@ void kiln_engine_cancel(kiln_engine_t *e, uint64_t id)
 {
     if (!e || !id) return;
     pthread_mutex_lock(&e->mu);
-    if (e->n_cancels == e->cap_cancels) {
-        int cap = e->cap_cancels ? 2 * e->cap_cancels : 16;
-        uint64_t *p = realloc(e->cancels, sizeof *p * (size_t)cap);
-        if (!p) { /* cannot record it: the request runs to its end instead */
-            pthread_mutex_unlock(&e->mu);
-            return;
-        }
+    uint64_t *p = kiln__grow(e->cancels, (size_t)e->n_cancels, &e->cap_cancels, 16, sizeof *p);
+    if (p) { /* else it cannot be recorded: the request runs to its end instead */
         e->cancels = p;
-        e->cap_cancels = cap;
+        e->cancels[e->n_cancels++] = id;
+        pthread_cond_signal(&e->cv);
     }
-    e->cancels[e->n_cancels++] = id;
-    pthread_cond_signal(&e->cv);
     pthread_mutex_unlock(&e->mu);
 }
 

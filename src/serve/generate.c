@@ -6,28 +6,18 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
-#include "core/util.h"
 #include "serve/server_impl.h"
 
-/* The answer to a finished non-streamed job. */
 enum MHD_Result kiln__serve_finish_plain(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs)
 {
     job *j = cs->j;
+    char msg[600];
     pthread_mutex_lock(&j->mu);
-    bool failed = false;
-    for (int i = 0; i < j->n; i++)
-        failed |= j->ch[i].finish == KILN_FINISH_ERROR || (j->ch[i].finish == KILN_FINISH_CANCELLED && !j->ch[i].ts.stopped);
-    json_t *o = failed ? NULL : kiln__serve_completion_json(j);
-    bool timed_out = atomic_load(&j->timed_out);
+    int code = kiln__serve_job_failure(j, msg, sizeof msg);
+    json_t *o = code ? NULL : kiln__serve_completion_json(j);
     pthread_mutex_unlock(&j->mu);
-    if (!failed) return kiln__serve_send_json(s, conn, cs->endpoint, 200, o);
-    if (timed_out)
-        return kiln__serve_send_error(s, conn, cs->endpoint, 504, NULL, "timeout",
-                                      "the request ran past the server's timeout of %g s", s->o.request_timeout);
-    char e[512];
-    kiln_engine_last_error(s->engine, e, sizeof e);
-    return kiln__serve_send_error(s, conn, cs->endpoint, *e ? 500 : 503, NULL, NULL, "generation stopped: %s",
-                                  *e ? e : "the server is shutting down");
+    if (!code) return kiln__serve_send_json(s, conn, cs->endpoint, 200, o);
+    return kiln__serve_send_error(s, conn, cs->endpoint, code, NULL, code == 504 ? "timeout" : NULL, "%s", msg);
 }
 
 static uint64_t random_seed(kiln_server_t *s)
@@ -37,10 +27,15 @@ static uint64_t random_seed(kiln_server_t *s)
     pthread_mutex_lock(&s->mu);
     uint64_t x = (uint64_t)t.tv_nsec ^ ((uint64_t)t.tv_sec << 32) ^ (++s->next_id * 0x9e3779b97f4a7c15ULL);
     pthread_mutex_unlock(&s->mu);
-    x ^= x >> 31;
-    x *= 0xbf58476d1ce4e5b9ULL;
-    return x ^ (x >> 29);
+    return kiln__splitmix64(x);
 }
+
+/* Answers the request with an error and frees what was made of it. */
+#define FAIL(...)                                               \
+    do {                                                        \
+        res = kiln__serve_send_error(s, conn, ep, __VA_ARGS__); \
+        goto fail;                                              \
+    } while (0)
 
 static enum MHD_Result generate(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs, bool chat)
 {
@@ -57,60 +52,40 @@ static enum MHD_Result generate(kiln_server_t *s, struct MHD_Connection *conn, c
     enum MHD_Result res;
     int32_t *ids = NULL;
     int n_ids = 0;
-    if (st) {
-        res = kiln__serve_send_error(s, conn, ep, st, param, NULL, "%s", err);
-        goto fail;
-    }
-    if (q->model && strcmp(q->model, s->name)) {
-        res = kiln__serve_send_error(s, conn, ep, 404, "model", "model_not_found",
-                                     "The model '%s' does not exist; this server has '%s'", q->model, s->name);
-        goto fail;
-    }
+    if (st) FAIL(st, param, NULL, "%s", err);
+    if (q->model && strcmp(q->model, s->name))
+        FAIL(404, "model", "model_not_found", "The model '%s' does not exist; this server has '%s'", q->model, s->name);
     if (chat) {
         char *p = kiln__chat_render(&s->tmpl, q->msgs, q->n_msgs);
         bool ok = p && kiln__serve_encode(s, p, strlen(p), &ids, &n_ids);
         free(p);
-        if (!ok) {
-            res = kiln__serve_send_error(s, conn, ep, 500, NULL, NULL, "could not render or tokenize the messages: %s",
-                                         kiln_last_error());
-            goto fail;
-        }
+        if (!ok) FAIL(500, NULL, NULL, "could not render or tokenize the messages: %s", kiln_last_error());
     } else if (q->prompt) {
-        if (!kiln__serve_encode(s, q->prompt, q->prompt_len, &ids, &n_ids)) {
-            res = kiln__serve_send_error(s, conn, ep, 500, NULL, NULL, "could not tokenize the prompt: %s", kiln_last_error());
-            goto fail;
-        }
+        if (!kiln__serve_encode(s, q->prompt, q->prompt_len, &ids, &n_ids))
+            FAIL(500, NULL, NULL, "could not tokenize the prompt: %s", kiln_last_error());
     } else {
         ids = q->prompt_ids;
         n_ids = q->n_prompt_ids;
         q->prompt_ids = NULL;
         for (int i = 0; i < n_ids; i++)
-            if (ids[i] >= s->vocab) {
-                res = kiln__serve_send_error(s, conn, ep, 400, "prompt", NULL,
-                                             "prompt token %d is %d, outside the vocabulary of %d", i, ids[i], s->vocab);
-                goto fail;
-            }
+            if (ids[i] >= s->vocab)
+                FAIL(400, "prompt", NULL, "prompt token %d is %d, outside the vocabulary of %d", i, ids[i], s->vocab);
     }
-    if (n_ids == 0) {
-        if (s->eot >= 0 && (ids = malloc(sizeof *ids))) { /* an empty prompt starts a document */
-            ids[0] = s->eot;
-            n_ids = 1;
-        } else {
-            res = kiln__serve_send_error(s, conn, ep, 400, chat ? "messages" : "prompt", NULL, "the prompt is empty");
-            goto fail;
-        }
+    if (n_ids == 0) { /* an empty prompt starts a document (in the buffer the tokenizer left, if any) */
+        int32_t *one = s->eot >= 0 ? realloc(ids, sizeof *ids) : NULL;
+        if (!one) FAIL(400, chat ? "messages" : "prompt", NULL, "the prompt is empty");
+        ids = one;
+        ids[0] = s->eot;
+        n_ids = 1;
     }
     int room = s->ctx - n_ids;
     int max_tokens = q->max_tokens;
     if (max_tokens < 0) max_tokens = chat ? room : (s->o.max_tokens_default < room ? s->o.max_tokens_default : room);
-    if (room < 1 || max_tokens > room) {
-        res = kiln__serve_send_error(s, conn, ep, 400, q->max_tokens < 0 ? (chat ? "messages" : "prompt") : "max_tokens",
-                                     "context_length_exceeded",
-                                     "This model's maximum context length is %d tokens. However, you requested %d "
-                                     "tokens (%d in the prompt, %d for the completion).",
-                                     s->ctx, n_ids + (max_tokens > 0 ? max_tokens : 0), n_ids, max_tokens > 0 ? max_tokens : 0);
-        goto fail;
-    }
+    if (room < 1 || max_tokens > room)
+        FAIL(400, q->max_tokens < 0 ? (chat ? "messages" : "prompt") : "max_tokens", "context_length_exceeded",
+             "This model's maximum context length is %d tokens. However, you requested %d tokens (%d in the prompt, "
+             "%d for the completion).", s->ctx, n_ids + (max_tokens > 0 ? max_tokens : 0), n_ids,
+             max_tokens > 0 ? max_tokens : 0);
     j->n_prompt = n_ids;
     j->n = q->n;
     j->n_top = q->logprobs > 0 ? q->logprobs : 0;
@@ -179,6 +154,7 @@ fail:
     free(j);
     return res;
 }
+#undef FAIL
 
 enum MHD_Result kiln__serve_completions(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs)
 {

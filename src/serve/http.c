@@ -207,14 +207,7 @@ enum MHD_Result kiln__serve_on_request(void *cls, struct MHD_Connection *conn, c
             cs->len = cs->cap = 0;
         }
         if (!cs->too_big) {
-            if (cs->len + *upload_size + 1 > cs->cap) {
-                size_t cap = cs->cap ? cs->cap : 4096;
-                while (cap < cs->len + *upload_size + 1) cap *= 2;
-                char *p = realloc(cs->body, cap);
-                if (!p) return MHD_NO;
-                cs->body = p;
-                cs->cap = cap;
-            }
+            if (!kiln__reserve(&cs->body, &cs->cap, cs->len + *upload_size + 1, 4096)) return MHD_NO;
             memcpy(cs->body + cs->len, upload, *upload_size);
             cs->len += *upload_size;
         }

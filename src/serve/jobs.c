@@ -5,9 +5,9 @@
  * timeout. A client that goes away is noticed when its connection is next written to
  * (MHD does not watch suspended sockets), that is at its next token, and its engine
  * requests are cancelled then. */
+#include <stdio.h>
 #include <stdlib.h>
 #include <time.h>
-#include "core/util.h"
 #include "kiln/tokenizer.h"
 #include "serve/server_impl.h"
 
@@ -28,11 +28,7 @@ void kiln__serve_job_unref(job *j)
     for (int i = 0; i < j->n; i++) {
         choice *c = &j->ch[i];
         kiln__textstream_free(&c->ts);
-        free(c->tok);
-        free(c->tok_start);
-        free(c->lp);
-        free(c->top_ids);
-        free(c->top_lp);
+        KILN__FREE(c->tok, c->tok_start, c->lp, c->top_ids, c->top_lp);
     }
     kiln__oai_free(&j->req);
     free(j->out);
@@ -78,24 +74,36 @@ void kiln__serve_job_suspend(job *j)
     pthread_mutex_unlock(&j->srv->mu);
 }
 
+/* Whether a choice failed: an engine error, or cancelled before a stop string ended it. */
+static bool choice_failed(const choice *c)
+{
+    return c->finish == KILN_FINISH_ERROR || (c->finish == KILN_FINISH_CANCELLED && !c->ts.stopped);
+}
+
+int kiln__serve_job_failure(job *j, char *msg, size_t n)
+{
+    bool failed = false;
+    for (int i = 0; i < j->n; i++) failed |= choice_failed(&j->ch[i]);
+    if (!failed) return 0;
+    if (atomic_load(&j->timed_out)) {
+        snprintf(msg, n, "the request ran past the server's timeout of %g s", j->srv->o.request_timeout);
+        return 504;
+    }
+    char e[512];
+    kiln_engine_last_error(j->srv->engine, e, sizeof e);
+    snprintf(msg, n, "generation stopped: %s", *e ? e : "the server is shutting down");
+    return *e ? 500 : 503;
+}
+
 static bool grow_tokens(job *j, choice *c)
 {
     if (c->n_tok < c->cap_tok) return true;
     int cap = c->cap_tok ? c->cap_tok * 2 : 64;
-    int32_t *t = realloc(c->tok, sizeof *t * (size_t)cap);
-    if (t) c->tok = t;
-    size_t *st = realloc(c->tok_start, sizeof *st * (size_t)cap);
-    if (st) c->tok_start = st;
-    float *lp = realloc(c->lp, sizeof *lp * (size_t)cap);
-    if (lp) c->lp = lp;
-    if (!t || !st || !lp) return false;
-    if (j->n_top > 0) {
-        int32_t *ti = realloc(c->top_ids, sizeof *ti * (size_t)cap * (size_t)j->n_top);
-        if (ti) c->top_ids = ti;
-        float *tl = realloc(c->top_lp, sizeof *tl * (size_t)cap * (size_t)j->n_top);
-        if (tl) c->top_lp = tl;
-        if (!ti || !tl) return false;
-    }
+    size_t top = (size_t)cap * (size_t)j->n_top;
+    void *tmp;
+    if (!KILN__RESIZE(c->tok, cap, tmp) || !KILN__RESIZE(c->tok_start, cap, tmp) || !KILN__RESIZE(c->lp, cap, tmp) ||
+        (top && (!KILN__RESIZE(c->top_ids, top, tmp) || !KILN__RESIZE(c->top_lp, top, tmp))))
+        return false;
     c->cap_tok = cap;
     return true;
 }
@@ -144,12 +152,10 @@ bool kiln__serve_on_token(void *user, const kiln_token_event *ev, kiln_finish fi
         size_t from, len;
         kiln__textstream_take(&c->ts, true, &from, &len);
         if (c->ts.stopped && fin != KILN_FINISH_ERROR && fin != KILN_FINISH_CANCELLED) c->finish = KILN_FINISH_STOP;
-        bool failed = fin == KILN_FINISH_ERROR || (fin == KILN_FINISH_CANCELLED && !c->ts.stopped);
-        if (j->stream && !failed) {
+        if (j->stream && !choice_failed(c)) {
             kiln__serve_sse_chunk(j, c, c->ts.text + from, len, kiln__serve_finish_reason(c));
             j->sent_role = true;
         }
-        kiln__serve_count_generated(s, c->n_tok);
         if (++j->n_done == j->n) {
             j->done = true;
             if (j->stream) kiln__serve_sse_end(j);
@@ -174,7 +180,6 @@ static struct timespec deadline_in_ms(long ms)
     return t;
 }
 
-/* Cancels jobs that ran past the request timeout. */
 void *kiln__serve_watchdog_main(void *arg)
 {
     kiln_server_t *s = arg;

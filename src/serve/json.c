@@ -31,7 +31,6 @@ static json_t *token_bytes(kiln_server_t *s, int32_t id)
     return a;
 }
 
-/* Logprobs of tokens [from, to) of c, in the completions or the chat shape. */
 json_t *kiln__serve_logprobs_json(job *j, choice *c, int from, int to)
 {
     kiln_server_t *s = j->srv;
@@ -65,7 +64,6 @@ json_t *kiln__serve_logprobs_json(job *j, choice *c, int from, int to)
     return json_pack("{s:o,s:o,s:o,s:o}", "tokens", toks, "token_logprobs", lps, "top_logprobs", tops, "text_offset", offs);
 }
 
-/* Tokens whose first byte lies in the final text: those the client is told about. */
 int kiln__serve_tokens_in_text(const choice *c, size_t text_len)
 {
     int k = 0;

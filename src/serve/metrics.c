@@ -38,13 +38,6 @@ void kiln__serve_count_prompt(kiln_server_t *s, int n_tokens)
     pthread_mutex_unlock(&s->mu);
 }
 
-void kiln__serve_count_generated(kiln_server_t *s, int n_tokens)
-{
-    pthread_mutex_lock(&s->mu);
-    s->m.generation_tokens += (uint64_t)n_tokens;
-    pthread_mutex_unlock(&s->mu);
-}
-
 enum MHD_Result kiln__serve_metrics(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs)
 {
     kiln_engine_stats es = {0};

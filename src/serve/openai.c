@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "serve/openai.h"
 
 /* ---- requests ---- */
@@ -35,36 +36,27 @@ static char *dup_n(const char *s, size_t n)
     return d;
 }
 
-/* A JSON number (integer or real) into *out, with a range; absent and null keep *out. */
-static int get_number(ctx *c, json_t *o, const char *key, double lo, double hi, bool lo_open, double *out)
+enum { T_INT, T_NUM, T_NUM_OPEN /* (lo, hi] */, T_BOOL };
+
+/* key's value into *out, an int, a double or a bool by type, a number within its range;
+ * absent and null keep *out. */
+static int get(ctx *c, json_t *o, const char *key, int type, double lo, double hi, void *out)
 {
     json_t *v = json_object_get(o, key);
     if (!v || json_is_null(v)) return 0;
-    if (!json_is_number(v)) return bad(c, key, "'%s' must be a number", key);
+    bool open = type == T_NUM_OPEN, real = type == T_NUM || open;
+    if (type == T_BOOL && !json_is_boolean(v)) return bad(c, key, "'%s' must be true or false", key);
+    if (type == T_INT && !json_is_integer(v)) return bad(c, key, "'%s' must be an integer", key);
+    if (real && !json_is_number(v)) return bad(c, key, "'%s' must be a number", key);
+    long long i = json_integer_value(v);
     double x = json_number_value(v);
-    if (!(lo_open ? x > lo : x >= lo) || !(x <= hi))
-        return bad(c, key, "'%s' is %g; it must be in %s%g, %g]", key, x, lo_open ? "(" : "[", lo, hi);
-    *out = x;
-    return 0;
-}
-
-static int get_int(ctx *c, json_t *o, const char *key, long long lo, long long hi, int *out)
-{
-    json_t *v = json_object_get(o, key);
-    if (!v || json_is_null(v)) return 0;
-    if (!json_is_integer(v)) return bad(c, key, "'%s' must be an integer", key);
-    long long x = json_integer_value(v);
-    if (x < lo || x > hi) return bad(c, key, "'%s' is %lld; it must be in [%lld, %lld]", key, x, lo, hi);
-    *out = (int)x;
-    return 0;
-}
-
-static int get_bool(ctx *c, json_t *o, const char *key, bool *out)
-{
-    json_t *v = json_object_get(o, key);
-    if (!v || json_is_null(v)) return 0;
-    if (!json_is_boolean(v)) return bad(c, key, "'%s' must be true or false", key);
-    *out = json_is_true(v);
+    if (type == T_INT && (i < lo || i > hi))
+        return bad(c, key, "'%s' is %lld; it must be in [%lld, %lld]", key, i, (long long)lo, (long long)hi);
+    if (real && (!(open ? x > lo : x >= lo) || !(x <= hi)))
+        return bad(c, key, "'%s' is %g; it must be in %s%g, %g]", key, x, open ? "(" : "[", lo, hi);
+    if (type == T_INT) *(int *)out = (int)i;
+    else if (type == T_BOOL) *(bool *)out = json_is_true(v);
+    else *(double *)out = x;
     return 0;
 }
 
@@ -98,12 +90,8 @@ static int parse_prompt(ctx *c, json_t *v, kiln__oai_req *r)
 /* content: a string, null, or a list of {"type": "text", "text": ...} parts. */
 static int parse_content(ctx *c, json_t *v, size_t i, char **out)
 {
-    if (!v || json_is_null(v)) {
-        *out = dup_n("", 0);
-        return *out ? 0 : bad(c, NULL, "out of memory");
-    }
-    if (json_is_string(v)) {
-        *out = dup_n(json_string_value(v), json_string_length(v));
+    if (!v || json_is_null(v) || json_is_string(v)) {
+        *out = json_is_string(v) ? dup_n(json_string_value(v), json_string_length(v)) : dup_n("", 0);
         return *out ? 0 : bad(c, NULL, "out of memory");
     }
     if (!json_is_array(v)) return bad(c, "messages", "messages[%zu].content must be a string or a list of text parts", i);
@@ -180,13 +168,13 @@ static int parse_object(ctx *c, json_t *o, bool chat, kiln__oai_req *r)
     }
     int s = chat ? parse_messages(c, json_object_get(o, "messages"), r) : parse_prompt(c, json_object_get(o, "prompt"), r);
     if (s) return s;
-    const long long max_tok = 1 << 24;
-    if ((s = get_int(c, o, "max_tokens", 1, max_tok, &r->max_tokens))) return s;
-    if (chat && (s = get_int(c, o, "max_completion_tokens", 1, max_tok, &r->max_tokens))) return s;
-    if ((s = get_number(c, o, "temperature", 0, 2, false, &r->temperature))) return s;
-    if ((s = get_number(c, o, "top_p", 0, 1, true, &r->top_p))) return s;
-    if ((s = get_int(c, o, "top_k", 0, 1 << 24, &r->top_k))) return s;
-    if ((s = get_int(c, o, "n", 1, KILN__MAX_N, &r->n))) return s;
+    const double max_tok = 1 << 24;
+    if ((s = get(c, o, "max_tokens", T_INT, 1, max_tok, &r->max_tokens))) return s;
+    if (chat && (s = get(c, o, "max_completion_tokens", T_INT, 1, max_tok, &r->max_tokens))) return s;
+    if ((s = get(c, o, "temperature", T_NUM, 0, 2, &r->temperature))) return s;
+    if ((s = get(c, o, "top_p", T_NUM_OPEN, 0, 1, &r->top_p))) return s;
+    if ((s = get(c, o, "top_k", T_INT, 0, 1 << 24, &r->top_k))) return s;
+    if ((s = get(c, o, "n", T_INT, 1, KILN__MAX_N, &r->n))) return s;
     if ((s = parse_stop(c, json_object_get(o, "stop"), r))) return s;
     v = json_object_get(o, "seed");
     if (v && !json_is_null(v)) {
@@ -194,7 +182,7 @@ static int parse_object(ctx *c, json_t *o, bool chat, kiln__oai_req *r)
         r->has_seed = true;
         r->seed = (uint64_t)json_integer_value(v);
     }
-    if ((s = get_bool(c, o, "stream", &r->stream))) return s;
+    if ((s = get(c, o, "stream", T_BOOL, 0, 0, &r->stream))) return s;
     v = json_object_get(o, "stream_options");
     if (v && !json_is_null(v)) {
         if (!json_is_object(v)) return bad(c, "stream_options", "'stream_options' must be an object");
@@ -206,11 +194,11 @@ static int parse_object(ctx *c, json_t *o, bool chat, kiln__oai_req *r)
     if (chat) {
         bool lp = false;
         int top = 0;
-        if ((s = get_bool(c, o, "logprobs", &lp))) return s;
-        if ((s = get_int(c, o, "top_logprobs", 0, 20, &top))) return s;
+        if ((s = get(c, o, "logprobs", T_BOOL, 0, 0, &lp))) return s;
+        if ((s = get(c, o, "top_logprobs", T_INT, 0, 20, &top))) return s;
         r->logprobs = lp ? top : -1;
     } else {
-        if ((s = get_int(c, o, "logprobs", 0, 20, &r->logprobs))) return s;
+        if ((s = get(c, o, "logprobs", T_INT, 0, 20, &r->logprobs))) return s;
     }
     return 0;
 }
@@ -238,9 +226,7 @@ int kiln__oai_parse(const char *body, size_t len, bool chat, kiln__oai_req *r, c
 void kiln__oai_free(kiln__oai_req *r)
 {
     if (!r) return;
-    free(r->model);
-    free(r->prompt);
-    free(r->prompt_ids);
+    KILN__FREE(r->model, r->prompt, r->prompt_ids);
     for (int i = 0; i < r->n_msgs; i++) {
         free(r->msgs[i].role);
         free(r->msgs[i].content);
@@ -275,21 +261,9 @@ void kiln__textstream_free(kiln__textstream *ts)
     memset(ts, 0, sizeof *ts);
 }
 
-static bool grow(char **p, size_t *cap, size_t need)
-{
-    if (need <= *cap) return true;
-    size_t c = *cap ? *cap : 64;
-    while (c < need) c *= 2;
-    char *q = realloc(*p, c);
-    if (!q) return false;
-    *p = q;
-    *cap = c;
-    return true;
-}
-
 bool kiln__textstream_push(kiln__textstream *ts, const char *bytes, size_t n)
 {
-    if (!grow(&ts->bytes, &ts->cap_bytes, ts->n_bytes + n + 1)) return false;
+    if (!kiln__reserve(&ts->bytes, &ts->cap_bytes, ts->n_bytes + n + 1, 64)) return false;
     memcpy(ts->bytes + ts->n_bytes, bytes, n);
     ts->n_bytes += n;
     return true;
@@ -318,7 +292,7 @@ static int utf8_char(const unsigned char *s, size_t n)
  * cut-off character is left out unless end. */
 static bool repair(kiln__textstream *ts, bool end)
 {
-    if (!grow(&ts->text, &ts->cap_text, ts->n_bytes * 3 + 4)) return false;
+    if (!kiln__reserve(&ts->text, &ts->cap_text, ts->n_bytes * 3 + 4, 64)) return false;
     const unsigned char *b = (const unsigned char *)ts->bytes;
     size_t i = 0, o = 0;
     while (i < ts->n_bytes) {

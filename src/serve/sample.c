@@ -4,20 +4,13 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "kiln/serve.h"
 
 typedef struct {
     float p;
     int id;
 } cand;
-
-static uint64_t mix(uint64_t x)
-{
-    x += 0x9e3779b97f4a7c15ULL;
-    x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ULL;
-    x = (x ^ (x >> 27)) * 0x94d049bb133111ebULL;
-    return x ^ (x >> 31);
-}
 
 /* Likeliest first; ties by id, so the order is total and the sort deterministic. */
 static int by_prob(const void *a, const void *b)
@@ -68,7 +61,8 @@ int kiln_sample_token(const float *logits, int V, const kiln_sampling *s, int64_
     }
     double total = 0;
     for (int k = 0; k < keep; k++) total += c[k].p;
-    double u = (double)(mix(s->seed ^ mix((uint64_t)index)) >> 11) * (1.0 / 9007199254740992.0) * total;
+    uint64_t h = kiln__splitmix64(s->seed ^ kiln__splitmix64((uint64_t)index));
+    double u = (double)(h >> 11) * (1.0 / 9007199254740992.0) * total;
     for (int k = 0; k < keep; k++) {
         u -= c[k].p;
         if (u <= 0) return c[k].id;

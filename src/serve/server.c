@@ -16,6 +16,7 @@
 #include <netinet/in.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/util.h"
 #include "kiln/io.h"
 #include "serve/server_impl.h"
 
@@ -143,11 +144,7 @@ void kiln_server_free(kiln_server_t *s)
     kiln__chat_template_free(&s->tmpl);
     kiln_tokenizer_free(s->tok);
     kiln_gpt_free(s->model);
-    free(s->name);
-    free(s->host);
-    free(s->api_key);
-    free(s->cors);
-    free(s->name_opt);
+    KILN__FREE(s->name, s->host, s->api_key, s->cors, s->name_opt);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);

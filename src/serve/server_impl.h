@@ -20,6 +20,7 @@
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stdint.h>
+#include "core/util.h"
 #include "kiln/serve.h"
 #include "serve/openai.h"
 
@@ -33,7 +34,7 @@ enum { KILN__SERVE_N_CODES = 12, KILN__SERVE_N_TTFT = 11 };
 
 typedef struct {
     uint64_t requests[EP_COUNT][KILN__SERVE_N_CODES + 1]; /* the last column: any other code */
-    uint64_t prompt_tokens, generation_tokens;
+    uint64_t prompt_tokens; /* generated tokens are the engine's count */
     uint64_t ttft_buckets[KILN__SERVE_N_TTFT + 1], ttft_count;
     double ttft_sum;
 } kiln__serve_metrics_t;
@@ -154,6 +155,9 @@ bool kiln__serve_encode(kiln_server_t *s, const char *text, size_t len, int32_t 
 void kiln__serve_job_unref(job *j);
 /* Puts j on the watchdog's list. */
 void kiln__serve_job_track(job *j);
+/* 0 when every choice of j finished; else the status for its failure (504 timed out,
+ * 500 an engine error, 503 shutting down), with the message in msg. Under j->mu. */
+int kiln__serve_job_failure(job *j, char *msg, size_t n);
 /* Cancels j's engine requests that still run. Under j->mu. */
 void kiln__serve_job_cancel(job *j);
 /* Suspends j's connection until the engine has something for it. Under j->mu. */
@@ -195,7 +199,6 @@ json_t *kiln__serve_completion_json(job *j);
 void kiln__serve_count_request(kiln_server_t *s, int ep, int code);
 void kiln__serve_count_ttft(kiln_server_t *s, double seconds);
 void kiln__serve_count_prompt(kiln_server_t *s, int n_tokens);
-void kiln__serve_count_generated(kiln_server_t *s, int n_tokens);
 enum MHD_Result kiln__serve_metrics(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs);
 
 #endif

@@ -10,14 +10,7 @@
 /* Appends to the stream buffer. Under j->mu. */
 static void emit(job *j, const char *s, size_t n)
 {
-    if (j->out_len + n > j->out_cap) {
-        size_t cap = j->out_cap ? j->out_cap : 4096;
-        while (cap < j->out_len + n) cap *= 2;
-        char *p = realloc(j->out, cap);
-        if (!p) return; /* out of memory: this piece is lost, the stream goes on */
-        j->out = p;
-        j->out_cap = cap;
-    }
+    if (!kiln__reserve(&j->out, &j->out_cap, j->out_len + n, 4096)) return; /* out of memory: the piece is lost */
     memcpy(j->out + j->out_len, s, n);
     j->out_len += n;
 }
@@ -39,8 +32,6 @@ static void emit_event(job *j, json_t *o)
     free(t);
 }
 
-/* One streamed chunk for choice c: text delta, logprobs of the tokens it completes,
- * and the finish reason when it is the last. Under j->mu. */
 void kiln__serve_sse_chunk(job *j, choice *c, const char *text, size_t len, const char *finish)
 {
     json_t *ch = json_pack("{s:i}", "index", c->index);
@@ -71,21 +62,10 @@ void kiln__serve_sse_chunk(job *j, choice *c, const char *text, size_t len, cons
 
 void kiln__serve_sse_end(job *j)
 {
-    kiln_server_t *s = j->srv;
-    bool any_failed = false;
-    for (int i = 0; i < j->n; i++)
-        any_failed |= j->ch[i].finish == KILN_FINISH_ERROR ||
-                      (j->ch[i].finish == KILN_FINISH_CANCELLED && !j->ch[i].ts.stopped);
-    if (any_failed) {
-        char msg[600];
-        if (atomic_load(&j->timed_out))
-            snprintf(msg, sizeof msg, "the request ran past the server's timeout of %g s", s->o.request_timeout);
-        else {
-            char e[512];
-            kiln_engine_last_error(s->engine, e, sizeof e);
-            snprintf(msg, sizeof msg, "generation stopped: %s", *e ? e : "the server is shutting down");
-        }
-        char *t = kiln__oai_error_json(msg, "server_error", NULL, atomic_load(&j->timed_out) ? "timeout" : NULL);
+    char msg[600];
+    int code = kiln__serve_job_failure(j, msg, sizeof msg);
+    if (code) {
+        char *t = kiln__oai_error_json(msg, "server_error", NULL, code == 504 ? "timeout" : NULL);
         if (t) {
             emit_data(j, t);
             free(t);

@@ -35,6 +35,17 @@ void cpu_iter_run(const cpu_iter *it, cpu_row_fn fn, void *ctx);
 void cpu_copy(kiln_tensor_t *dst, kiln_tensor_t *src);
 /* A contiguous version of t: t itself, or a new copy in *tmp (free it after). */
 kiln_tensor_t *cpu_contig(kiln_tensor_t *t, kiln_tensor_t **tmp);
+/* Contiguous versions c[i] of n inputs, except those as_is (when given) takes as they
+ * are; tmp[] holds the copies, which cpu_free_n frees. False when a copy failed. */
+bool cpu_contig_n(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp,
+                  bool (*as_is)(const kiln_tensor_t *));
+void cpu_free_n(kiln_tensor_t **tmp, int n);
+/* kiln__check_indices on every index of idx (contiguous). */
+static inline kiln_status cpu_check_indices(const char *op, const kiln_tensor_t *idx, int64_t limit,
+                                            const int64_t *ignore, int64_t *count)
+{
+    return kiln__check_indices(op, kiln__data(idx), idx->dtype, kiln__numel(idx->ndim, idx->shape), limit, ignore, count);
+}
 /* A stack header viewing `t` with another shape/stride/offset (no references). */
 void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t *shape, const int64_t *stride,
               int64_t offset);
@@ -49,14 +60,12 @@ void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t 
 #endif
 
 /* The fast-exp switch's exp (src/core/kmath.h, shared with the generated kernels). */
-#define kiln__fast_expf km_exp
+#define kiln__fast_expf km_exp_fast
 
 /* Grain for parallel_for over elements (rows are split to about this many elements). */
 #define CPU_GRAIN 16384
 
-#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save) \
-    kiln_status kiln__cpu_##name(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, \
-                                 kiln_tensor_t *const *out, int n_out);
+#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save) kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS);
 #include "core/ops.def"
 #undef KILN_OP
 

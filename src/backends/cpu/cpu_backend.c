@@ -75,18 +75,13 @@ static kiln_status cpu_memset(kiln__backend *be, void *dst, int byte, size_t n)
     return KILN_OK;
 }
 
-/* Work on the cpu is synchronous, so a stream is a token and an event is always done. */
-static kiln__stream *cpu_stream_new(kiln__backend *be) { return (kiln__stream *)be; }
-static void cpu_stream_free(kiln__backend *be, kiln__stream *s) {}
-static kiln__event *cpu_event_record(kiln__backend *be, kiln__stream *s) { return (kiln__event *)be; }
-static kiln_status cpu_event_wait(kiln__backend *be, kiln__event *e) { return KILN_OK; }
-static void cpu_event_free(kiln__backend *be, kiln__event *e) {}
+/* Work on the cpu is synchronous, so the event entries are left NULL: the core's
+ * default (an event is a synchronize, here nothing) is what it needs. */
 static kiln_status cpu_synchronize(kiln__backend *be) { return KILN_OK; }
 
 static kiln__backend cpu_backend = {
     .abi_version = KILN_BACKEND_ABI_VERSION,
     .name = "cpu",
-    .ctx = NULL,
     .device_info = cpu_device_info,
     .alloc = cpu_alloc,
     .free = cpu_free,
@@ -94,28 +89,9 @@ static kiln__backend cpu_backend = {
     .copy_d2h = cpu_copy_bytes,
     .copy_d2d = cpu_copy_bytes,
     .memset = cpu_memset,
-    .stream_new = cpu_stream_new,
-    .stream_free = cpu_stream_free,
-    .event_record = cpu_event_record,
-    .event_wait = cpu_event_wait,
-    .event_free = cpu_event_free,
     .synchronize = cpu_synchronize,
     .kernels = cpu_kernels,
-    /* Optional entries the cpu does not offer yet: */
-    .language = NULL,
-    .compile_kernel = NULL,
-    .kernel_free = NULL,
-    .launch = NULL,
-    .fill = NULL,
-    .native_stream = NULL,
-    .event_query = NULL,
-    .host_register = NULL,
-    .host_unregister = NULL,
-    .capture_begin = NULL,
-    .capture_end = NULL,
-    .replay = NULL,
-    .capture_reset = NULL,
-    .can_fuse = NULL, /* every op the lowering knows */
+    /* The optional entries, which the cpu does not offer yet, are NULL. */
 };
 
 /* The cpu is made at start-up, first, so that it is device 0. */
@@ -131,8 +107,7 @@ KILN__REGISTER(register_cpu) { kiln__backend_provider_register("cpu", make_cpu, 
 /* View ops alias their input's storage and the core never launches a kernel for them;
  * the table still has a slot per op so that a missing kernel elsewhere fails to link. */
 #define VIEW_OP(name) \
-    kiln_status kiln__cpu_##name(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, \
-                                 kiln_tensor_t *const *out, int n_out) \
+    kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS) \
     { return kiln__err(KILN_ERR_INTERNAL, #name " is a view and has no kernel"); }
 VIEW_OP(view)
 VIEW_OP(permute)

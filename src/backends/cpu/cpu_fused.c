@@ -53,6 +53,24 @@ static bool transpose_fast_f32(float *dst, const float *src, int64_t T, int64_t 
 #endif
 static bool transpose_fast_f64(double *dst, const double *src, int64_t T, int64_t D, int64_t ld) { return false; }
 
+/* A dim of one element may carry any stride; the BLAS wants a row stride of at least D. */
+static void strides3(const kiln_tensor_t *t, int64_t *s)
+{
+    for (int d = 0; d < 3; d++) s[d] = t->stride[d];
+    if (t->shape[2] == 1 || s[2] < t->shape[3]) s[2] = t->shape[3] > 1 ? t->shape[3] : 1;
+}
+
+/* Attention's tasks call the BLAS: in parallel when the BLAS is single-threaded
+ * (POOL_GEMM), else one after another with the BLAS threading each tile. */
+static void att_run(int64_t tasks, kiln__range_fn fn, void *ctx)
+{
+    if (kiln__opt(KILN__OPT_POOL_GEMM)) kiln__parallel_for(tasks, 1, fn, ctx);
+    else fn(ctx, 0, tasks);
+}
+
+static int64_t rows_of(const kiln_tensor_t *x) { return x->ndim ? kiln__numel(x->ndim - 1, x->shape) : 1; }
+static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->ndim - 1] : 1; }
+
 #define R float
 #define SFX f32
 #define GEMM cblas_sgemm
@@ -68,185 +86,78 @@ static bool transpose_fast_f64(double *dst, const double *src, int64_t T, int64_
 #undef SFX
 #undef GEMM
 
-#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
-
 static kiln_status unsupported(const char *op, kiln_dtype dt)
 {
     return kiln__err(KILN_ERR_UNSUPPORTED, "%s: dtype %s is not supported by the cpu backend (cast to f32)", op,
                      kiln_dtype_name(dt));
 }
 
-/* Makes n inputs contiguous, except those as_is (when given) takes as they are; tmp[]
- * holds the copies to free. */
-static bool contig_unless(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp,
-                          bool (*as_is)(const kiln_tensor_t *))
-{
-    for (int i = 0; i < n; i++) tmp[i] = NULL;
-    for (int i = 0; i < n; i++) {
-        c[i] = as_is && as_is(in[i]) ? in[i] : cpu_contig(in[i], &tmp[i]);
-        if (!c[i]) return false;
-    }
-    return true;
-}
+/* The template's f_f32(...) or f_f64(...), by the dtype dt; any other is unsupported in op. */
+#define BY_REAL(dt, op, f, ...) \
+    ((dt) == KILN_DTYPE_F32   ? f##_f32(__VA_ARGS__) \
+     : (dt) == KILN_DTYPE_F64 ? f##_f64(__VA_ARGS__) \
+                              : unsupported(op, dt))
 
-static bool contig_all(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp)
-{
-    return contig_unless(in, n, c, tmp, NULL);
-}
-
-static void free_all(kiln_tensor_t **tmp, int n)
-{
-    for (int i = 0; i < n; i++) kiln_tensor_free(tmp[i]);
-}
 
 static kiln_status softmax_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out, const kiln__attrs *a, bool log)
 {
     kiln_tensor_t *c[1], *tmp[1];
-    if (!contig_all(in, 1, c, tmp)) return kiln_last_status();
-    kiln_status s = KILN_OK;
-    if (c[0]->dtype == KILN_DTYPE_F32) softmax_f32(c[0], out[0], (int)a->op.dim.dim, log);
-    else if (c[0]->dtype == KILN_DTYPE_F64) softmax_f64(c[0], out[0], (int)a->op.dim.dim, log);
-    else s = unsupported(log ? "log_softmax" : "softmax", c[0]->dtype);
-    free_all(tmp, 1);
+    if (!cpu_contig_n(in, 1, c, tmp, NULL)) return kiln_last_status();
+    const char *op = log ? "log_softmax" : "softmax";
+    kiln_status s = BY_REAL(c[0]->dtype, op, softmax, c[0], out[0], (int)a->op.dim.dim, log);
+    cpu_free_n(tmp, 1);
     return s;
 }
 
-kiln_status kiln__cpu_softmax(K_ARGS) { return softmax_k(in, out, a, false); }
-kiln_status kiln__cpu_log_softmax(K_ARGS) { return softmax_k(in, out, a, true); }
+kiln_status kiln__cpu_softmax(KILN__KERNEL_ARGS) { return softmax_k(in, out, a, false); }
+kiln_status kiln__cpu_log_softmax(KILN__KERNEL_ARGS) { return softmax_k(in, out, a, true); }
 
-static int64_t rows_of(const kiln_tensor_t *x) { return x->ndim ? kiln__numel(x->ndim - 1, x->shape) : 1; }
-static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->ndim - 1] : 1; }
-
-#define NORM_FWD(SFX, RT, rms)                                                                       \
-    do {                                                                                             \
-        ln_ctx_##SFX k = {0};                                                                        \
-        k.x = kiln__data(c[0]);                                                                      \
-        k.w = kiln__data(c[1]);                                                                      \
-        k.b = rms ? NULL : kiln__data(c[2]);                                                         \
-        k.y = kiln__data(out[0]);                                                                    \
-        k.mean = rms ? NULL : kiln__data(out[1]);                                                    \
-        k.rstd = kiln__data(out[rms ? 1 : 2]);                                                       \
-        k.N = rows_of(c[0]);                                                                         \
-        k.C = last_dim(c[0]);                                                                        \
-        k.eps = a->op.norm.eps;                                                                           \
-        k.rms = rms;                                                                                 \
-        kiln__parallel_for(k.N, CPU_GRAIN / (k.C ? k.C : 1) + 1, ln_fwd_range_##SFX, &k);           \
-    } while (0)
-
-static kiln_status norm_fwd(kiln_tensor_t *const *in, int nin, kiln_tensor_t *const *out, const kiln__attrs *a, bool rms)
-{
-    kiln_tensor_t *c[3], *tmp[3];
-    if (!contig_all(in, nin, c, tmp)) return kiln_last_status();
-    kiln_status s = KILN_OK;
-    if (c[0]->dtype == KILN_DTYPE_F32) NORM_FWD(f32, float, rms);
-    else if (c[0]->dtype == KILN_DTYPE_F64) NORM_FWD(f64, double, rms);
-    else s = unsupported(rms ? "rms_norm" : "layer_norm", c[0]->dtype);
-    free_all(tmp, nin);
-    return s;
-}
-
-kiln_status kiln__cpu_layer_norm(K_ARGS) { return norm_fwd(in, 3, out, a, false); }
-kiln_status kiln__cpu_rms_norm(K_ARGS) { return norm_fwd(in, 2, out, a, true); }
-
-/* in: g, x, w, [mean,] rstd */
-#define NORM_BWD(SFX, rms)                                                                           \
-    do {                                                                                             \
-        ln_ctx_##SFX k = {0};                                                                        \
-        k.g = kiln__data(c[0]);                                                                      \
-        k.x = kiln__data(c[1]);                                                                      \
-        k.w = kiln__data(c[2]);                                                                      \
-        k.mean = rms ? NULL : kiln__data(c[3]);                                                      \
-        k.rstd = kiln__data(c[rms ? 3 : 4]);                                                         \
-        k.dx = kiln__data(out[0]);                                                                   \
-        k.N = rows_of(c[1]);                                                                         \
-        k.C = last_dim(c[1]);                                                                        \
-        k.rms = rms;                                                                                 \
-        s = norm_bwd_##SFX(&k, kiln__data(out[1]), rms ? NULL : kiln__data(out[2]));                 \
-    } while (0)
-
-static kiln_status norm_bwd(kiln_tensor_t *const *in, int nin, kiln_tensor_t *const *out, bool rms)
+/* Layer norm (rms false) and RMS norm, forward (nin inputs) or backward; x is input 0
+ * forward, 1 backward. */
+static kiln_status norm_k(kiln_tensor_t *const *in, int nin, kiln_tensor_t *const *out, const kiln__attrs *a, bool rms,
+                          bool bwd)
 {
     kiln_tensor_t *c[5], *tmp[5];
-    if (!contig_all(in, nin, c, tmp)) return kiln_last_status();
-    kiln_status s = KILN_OK;
-    if (c[1]->dtype == KILN_DTYPE_F32) NORM_BWD(f32, rms);
-    else if (c[1]->dtype == KILN_DTYPE_F64) NORM_BWD(f64, rms);
-    else s = unsupported(rms ? "rms_norm" : "layer_norm", c[1]->dtype);
-    free_all(tmp, nin);
+    if (!cpu_contig_n(in, nin, c, tmp, NULL)) return kiln_last_status();
+    const char *op = rms ? "rms_norm" : "layer_norm";
+    kiln_status s = bwd ? BY_REAL(c[1]->dtype, op, norm_bwd, c, out, rms)
+                        : BY_REAL(c[0]->dtype, op, norm_fwd, c, out, a, rms);
+    cpu_free_n(tmp, nin);
     return s;
 }
 
-kiln_status kiln__cpu_layer_norm_backward(K_ARGS) { return norm_bwd(in, 5, out, false); }
-kiln_status kiln__cpu_rms_norm_backward(K_ARGS) { return norm_bwd(in, 4, out, true); }
+kiln_status kiln__cpu_layer_norm(KILN__KERNEL_ARGS) { return norm_k(in, 3, out, a, false, false); }
+kiln_status kiln__cpu_rms_norm(KILN__KERNEL_ARGS) { return norm_k(in, 2, out, a, true, false); }
+kiln_status kiln__cpu_layer_norm_backward(KILN__KERNEL_ARGS) { return norm_k(in, 5, out, a, false, true); }
+kiln_status kiln__cpu_rms_norm_backward(KILN__KERNEL_ARGS) { return norm_k(in, 4, out, a, true, true); }
 
-/* Checks every target before any work: an out-of-range class is an error, not a read
- * outside the row. Returns the number of targets that count. */
-static kiln_status check_targets(const kiln_tensor_t *t, int64_t V, int64_t ignore, int64_t *count)
-{
-    const char *p = kiln__data(t);
-    size_t sz = kiln_dtype_size(t->dtype);
-    int64_t n = t->shape[0], c = 0;
-    for (int64_t i = 0; i < n; i++) {
-        int64_t v = kiln__load_index(p + i * (int64_t)sz, t->dtype);
-        if (v == ignore) continue;
-        if (v < 0 || v >= V)
-            return kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) "
-                             "(and is not ignore_index %lld)", (long long)v, (long long)i, (long long)V, (long long)ignore);
-        c++;
-    }
-    *count = c;
-    return KILN_OK;
-}
-
-#define CE_FWD(SFX, RT)                                                                              \
-    do {                                                                                             \
-        ce_ctx_##SFX k = {kiln__data(c[0]), kiln__data(c[1]), c[1]->dtype, kiln__data(out[1]), NULL, loss, N, V, \
-                          a->op.cross_entropy.ignore_index, 0, kiln__opt(KILN__OPT_FAST_EXP)};                                \
-        kiln__parallel_for(N, CPU_GRAIN / (V ? V : 1) + 1, ce_fwd_range_##SFX, &k);                 \
-        double sum = 0;                                                                              \
-        for (int64_t i = 0; i < N; i++) sum += loss[i];                                              \
-        *(RT *)kiln__data(out[0]) = (RT)(count ? sum / (double)count : NAN);                         \
-    } while (0)
-
-kiln_status kiln__cpu_cross_entropy(K_ARGS)
+kiln_status kiln__cpu_cross_entropy(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *c[2], *tmp[2];
-    if (!contig_all(in, 2, c, tmp)) return kiln_last_status();
+    if (!cpu_contig_n(in, 2, c, tmp, NULL)) return kiln_last_status();
     int64_t N = c[0]->shape[0], V = c[0]->shape[1], count = 0;
-    kiln_status s = check_targets(c[1], V, a->op.cross_entropy.ignore_index, &count);
+    /* Every target is checked before any work: an out-of-range class is an error, not a
+     * read outside the row. */
+    kiln_status s = cpu_check_indices("cross_entropy", c[1], V, &a->op.cross_entropy.ignore_index, &count);
     double *loss = s == KILN_OK ? malloc(sizeof(double) * (size_t)(N ? N : 1)) : NULL;
     if (s == KILN_OK && !loss) s = kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
-    if (s == KILN_OK) {
-        if (c[0]->dtype == KILN_DTYPE_F32) CE_FWD(f32, float);
-        else if (c[0]->dtype == KILN_DTYPE_F64) CE_FWD(f64, double);
-        else s = unsupported("cross_entropy", c[0]->dtype);
-    }
+    if (s == KILN_OK) s = BY_REAL(c[0]->dtype, "cross_entropy", ce_fwd, c, out, a, count, loss);
     free(loss);
-    free_all(tmp, 2);
+    cpu_free_n(tmp, 2);
     return s;
 }
 
 /* in: g (scalar), logits, targets, lse */
-#define CE_BWD(SFX)                                                                                  \
-    do {                                                                                             \
-        ce_ctx_##SFX k = {kiln__data(c[1]), kiln__data(c[2]), c[2]->dtype, kiln__data(c[3]), kiln__data(out[0]), \
-                          NULL, N, V, a->op.cross_entropy.ignore_index, count ? g / (double)count : 0, kiln__opt(KILN__OPT_FAST_EXP)}; \
-        kiln__parallel_for(N, CPU_GRAIN / (V ? V : 1) + 1, ce_bwd_range_##SFX, &k);                 \
-    } while (0)
-
-kiln_status kiln__cpu_cross_entropy_backward(K_ARGS)
+kiln_status kiln__cpu_cross_entropy_backward(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *c[4], *tmp[4];
-    if (!contig_all(in, 4, c, tmp)) return kiln_last_status();
-    int64_t N = c[1]->shape[0], V = c[1]->shape[1], count = 0;
+    if (!cpu_contig_n(in, 4, c, tmp, NULL)) return kiln_last_status();
+    int64_t count = 0;
     double g = kiln__load(kiln__data(c[0]), c[0]->dtype);
-    kiln_status s = check_targets(c[2], V, a->op.cross_entropy.ignore_index, &count);
-    if (s == KILN_OK) {
-        if (c[1]->dtype == KILN_DTYPE_F32) CE_BWD(f32);
-        else if (c[1]->dtype == KILN_DTYPE_F64) CE_BWD(f64);
-        else s = unsupported("cross_entropy", c[1]->dtype);
-    }
-    free_all(tmp, 4);
+    int64_t V = c[1]->shape[1];
+    kiln_status s = cpu_check_indices("cross_entropy", c[2], V, &a->op.cross_entropy.ignore_index, &count);
+    if (s == KILN_OK) s = BY_REAL(c[1]->dtype, "cross_entropy", ce_bwd, c, out, a, count, g);
+    cpu_free_n(tmp, 4);
     return s;
 }
 
@@ -267,57 +178,28 @@ static void rope_angles(double *cs, int64_t T, int64_t D, double theta, int64_t 
     }
 }
 
-/* Rotates the rows of x (contiguous) into out with the angles cs; per rows share one. */
-static kiln_status rope_apply(const char *op, const kiln_tensor_t *x, kiln_tensor_t *out, const double *cs, int64_t T,
-                              int64_t per, double sign)
-{
-    int64_t D = x->shape[x->ndim - 1], rows = kiln__numel(x->ndim - 1, x->shape);
-    if (x->dtype == KILN_DTYPE_F32) {
-        rope_ctx_f32 k = {kiln__data(x), kiln__data(out), cs, T, D, sign, per};
-        kiln__parallel_for(rows, CPU_GRAIN / D + 1, rope_range_f32, &k);
-    } else if (x->dtype == KILN_DTYPE_F64) {
-        rope_ctx_f64 k = {kiln__data(x), kiln__data(out), cs, T, D, sign, per};
-        kiln__parallel_for(rows, CPU_GRAIN / D + 1, rope_range_f64, &k);
-    } else {
-        return unsupported(op, x->dtype);
-    }
-    return KILN_OK;
-}
-
-kiln_status kiln__cpu_rope(K_ARGS)
-{
-    kiln_tensor_t *c[1], *tmp[1];
-    if (!contig_all(in, 1, c, tmp)) return kiln_last_status();
-    const kiln_tensor_t *x = c[0];
-    int64_t D = x->shape[x->ndim - 1], T = x->shape[x->ndim - 2];
-    double *cs = malloc(sizeof(double) * (size_t)(T * D + 1));
-    kiln_status s = cs ? KILN_OK : kiln__err(KILN_ERR_OOM, "rope: out of memory");
-    if (s == KILN_OK) {
-        rope_angles(cs, T, D, a->op.rope.theta, a->op.rope.pos0, NULL);
-        s = rope_apply("rope", x, out[0], cs, T, 1, a->op.rope.inverse ? -1.0 : 1.0);
-    }
-    free(cs);
-    free_all(tmp, 1);
-    return s;
-}
-
-/* x (N,H,D), pos (N): row n at position pos[n]. */
-kiln_status kiln__cpu_rope_at(K_ARGS)
+/* rope: x (..., T, D), row r at position pos0 + r % T. rope_at: x (N, H, D), pos (N),
+ * row n at position pos[n] for its H heads. */
+static kiln_status rope_k(const char *op, kiln_tensor_t *const *in, int n_in, kiln_tensor_t *out, const kiln__attrs *a)
 {
     kiln_tensor_t *c[2], *tmp[2];
-    if (!contig_all(in, 2, c, tmp)) return kiln_last_status();
+    if (!cpu_contig_n(in, n_in, c, tmp, NULL)) return kiln_last_status();
     const kiln_tensor_t *x = c[0];
-    int64_t N = x->shape[0], H = x->shape[1], D = x->shape[2];
-    double *cs = malloc(sizeof(double) * (size_t)(N * D + 1));
-    kiln_status s = cs ? KILN_OK : kiln__err(KILN_ERR_OOM, "rope_at: out of memory");
+    bool at = n_in == 2;
+    int64_t D = x->shape[x->ndim - 1], T = at ? x->shape[0] : x->shape[x->ndim - 2];
+    double *cs = malloc(sizeof(double) * (size_t)(T * D + 1));
+    kiln_status s = cs ? KILN_OK : kiln__err(KILN_ERR_OOM, "%s: out of memory", op);
     if (s == KILN_OK) {
-        rope_angles(cs, N, D, a->op.rope.theta, 0, c[1]);
-        s = rope_apply("rope_at", x, out[0], cs, N, H, 1.0);
+        rope_angles(cs, T, D, a->op.rope.theta, at ? 0 : a->op.rope.pos0, at ? c[1] : NULL);
+        s = BY_REAL(x->dtype, op, rope, x, out, cs, T, at ? x->shape[1] : 1, !at && a->op.rope.inverse ? -1.0 : 1.0);
     }
     free(cs);
-    free_all(tmp, 2);
+    cpu_free_n(tmp, n_in);
     return s;
 }
+
+kiln_status kiln__cpu_rope(KILN__KERNEL_ARGS) { return rope_k("rope", in, 1, out[0], a); }
+kiln_status kiln__cpu_rope_at(KILN__KERNEL_ARGS) { return rope_k("rope_at", in, 2, out[0], a); }
 
 /* Attention reads (B, H, T, D) inputs through their strides when each row of D is
  * contiguous and rows do not overlap (the BLAS takes a leading dimension); others are
@@ -328,97 +210,18 @@ static bool att_rows(const kiln_tensor_t *t)
            t->stride[0] >= 0 && t->stride[1] >= 0 && t->stride[2] <= INT32_MAX;
 }
 
-/* A dim of one element may carry any stride; the BLAS wants a row stride of at least D. */
-static void strides3(const kiln_tensor_t *t, int64_t *s)
+/* Forward in: q, k, v; backward in: g, q, k, v, o, lse (3-D, made contiguous). */
+static kiln_status att_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out, const kiln__attrs *a, bool bwd)
 {
-    for (int d = 0; d < 3; d++) s[d] = t->stride[d];
-    if (t->shape[2] == 1 || s[2] < t->shape[3]) s[2] = t->shape[3] > 1 ? t->shape[3] : 1;
-}
-
-#define ATT_SETUP(SFX)                                                                               \
-    att_ctx_##SFX k = {0};                                                                           \
-    k.B = q->shape[0];                                                                               \
-    k.H = q->shape[1];                                                                               \
-    k.Tq = q->shape[2];                                                                              \
-    k.D = q->shape[3];                                                                               \
-    k.Hkv = kk->shape[1];                                                                            \
-    k.Tk = kk->shape[2];                                                                             \
-    k.scale = a->op.attention.scale;                                                                             \
-    k.causal = a->op.attention.causal;                                                                            \
-    k.fast = kiln__opt(KILN__OPT_FAST_EXP);                                                          \
-    k.kt = kiln__opt(KILN__OPT_ATT_KT);                                                              \
-    k.q = kiln__data(q);                                                                             \
-    k.k = kiln__data(kk);                                                                            \
-    k.v = kiln__data(vv);                                                                            \
-    strides3(q, k.qs);                                                                               \
-    strides3(kk, k.ks);                                                                              \
-    strides3(vv, k.vs)
-
-/* Tasks call the BLAS: in parallel when the BLAS is single-threaded (POOL_GEMM), else
- * one after another with the BLAS threading each tile. */
-static void att_run(int64_t tasks, kiln__range_fn fn, void *ctx)
-{
-    if (kiln__opt(KILN__OPT_POOL_GEMM)) kiln__parallel_for(tasks, 1, fn, ctx);
-    else fn(ctx, 0, tasks);
-}
-
-kiln_status kiln__cpu_attention(K_ARGS)
-{
-    kiln_tensor_t *c[3], *tmp[3];
-    if (!contig_unless(in, 3, c, tmp, att_rows)) {
-        free_all(tmp, 3);
-        return kiln_last_status();
-    }
-    kiln_tensor_t *q = c[0], *kk = c[1], *vv = c[2];
-    int64_t tasks = q->shape[0] * q->shape[1];
-    kiln_status s = KILN_OK;
-    bool bad = false;
-    if (q->dtype == KILN_DTYPE_F32) {
-        ATT_SETUP(f32);
-        k.out = kiln__data(out[0]);
-        k.lse = kiln__data(out[1]);
-        att_run(tasks, att_fwd_range_f32, &k);
-        bad = atomic_load(&k.oom);
-    } else {
-        ATT_SETUP(f64);
-        k.out = kiln__data(out[0]);
-        k.lse = kiln__data(out[1]);
-        att_run(tasks, att_fwd_range_f64, &k);
-        bad = atomic_load(&k.oom);
-    }
-    if (bad) s = kiln__err(KILN_ERR_OOM, "attention: out of memory for a row buffer");
-    free_all(tmp, 3);
+    int n = bwd ? 6 : 3;
+    kiln_tensor_t *c[6], *tmp[6];
+    kiln_status s = cpu_contig_n(in, n, c, tmp, att_rows) ? KILN_OK : kiln_last_status();
+    if (s == KILN_OK && !(c[bwd]->dtype == KILN_DTYPE_F32 ? att_f32(c, out, a, bwd) : att_f64(c, out, a, bwd)))
+        s = kiln__err(KILN_ERR_OOM, bwd ? "attention backward: out of memory for a tile buffer"
+                                        : "attention: out of memory for a row buffer");
+    cpu_free_n(tmp, n);
     return s;
 }
 
-/* in: g, q, k, v, o, lse */
-kiln_status kiln__cpu_attention_backward(K_ARGS)
-{
-    kiln_tensor_t *c[6], *tmp[6];
-    if (!contig_unless(in, 6, c, tmp, att_rows)) { /* lse, 3-D, is made contiguous */
-        free_all(tmp, 6);
-        return kiln_last_status();
-    }
-    kiln_tensor_t *q = c[1], *kk = c[2], *vv = c[3];
-    int64_t tasks = q->shape[0] * kk->shape[1];
-    bool bad = false;
-#define ATT_BWD(SFX)                              \
-    do {                                          \
-        ATT_SETUP(SFX);                           \
-        k.g = kiln__data(c[0]);                   \
-        k.o = kiln__data(c[4]);                   \
-        strides3(c[0], k.gs);                     \
-        strides3(c[4], k.os);                     \
-        k.lse_in = kiln__data(c[5]);              \
-        k.dq = kiln__data(out[0]);                \
-        k.dk = kiln__data(out[1]);                \
-        k.dv = kiln__data(out[2]);                \
-        att_run(tasks, att_bwd_range_##SFX, &k);  \
-        bad = atomic_load(&k.oom);                \
-    } while (0)
-    if (q->dtype == KILN_DTYPE_F32) ATT_BWD(f32);
-    else ATT_BWD(f64);
-#undef ATT_BWD
-    free_all(tmp, 6);
-    return bad ? kiln__err(KILN_ERR_OOM, "attention backward: out of memory for a tile buffer") : KILN_OK;
-}
+kiln_status kiln__cpu_attention(KILN__KERNEL_ARGS) { return att_k(in, out, a, false); }
+kiln_status kiln__cpu_attention_backward(KILN__KERNEL_ARGS) { return att_k(in, out, a, true); }

@@ -85,7 +85,7 @@ KILN_SIMD static void FN(sm_range)(void *c, int64_t b, int64_t e)
     }
 }
 
-static void FN(softmax)(const kiln_tensor_t *x, kiln_tensor_t *y, int dim, bool log)
+static kiln_status FN(softmax)(const kiln_tensor_t *x, kiln_tensor_t *y, int dim, bool log)
 {
     FN(sm_ctx) k = {kiln__data(x), kiln__data(y), x->ndim ? x->shape[dim] : 1, 1, log};
     int64_t outer = 1;
@@ -93,6 +93,7 @@ static void FN(softmax)(const kiln_tensor_t *x, kiln_tensor_t *y, int dim, bool 
     for (int d = dim + 1; d < x->ndim; d++) k.inner *= x->shape[d];
     int64_t lines = outer * k.inner;
     kiln__parallel_for(lines, k.L >= CPU_GRAIN ? 1 : CPU_GRAIN / (k.L ? k.L : 1), FN(sm_range), &k);
+    return KILN_OK;
 }
 
 /* ---- layer norm and RMS norm over the last dim, x viewed as (N, C) ---- */
@@ -108,6 +109,19 @@ typedef struct {
 #define LN_BLOCK 32
 #define LN_LANES 4
 
+/* The sum over a row x of C of x (sq false) or of (x - mu)^2, in LN_LANES independent
+ * partials (they vectorize), added in order. */
+static inline double FN(ln_sum)(const R *x, int64_t C, double mu, bool sq)
+{
+    double s = 0, ls[LN_LANES] = {0};
+    int64_t i0 = C - C % LN_LANES;
+    for (int64_t i = 0; i < i0; i += LN_LANES)
+        for (int l = 0; l < LN_LANES; l++) ls[l] += sq ? ((double)x[i + l] - mu) * ((double)x[i + l] - mu) : x[i + l];
+    for (int l = 0; l < LN_LANES; l++) s += ls[l];
+    for (int64_t i = i0; i < C; i++) s += sq ? ((double)x[i] - mu) * ((double)x[i] - mu) : x[i];
+    return s;
+}
+
 KILN_SIMD static void FN(ln_fwd_range)(void *c, int64_t b, int64_t e)
 {
     const FN(ln_ctx) *k = c;
@@ -115,22 +129,8 @@ KILN_SIMD static void FN(ln_fwd_range)(void *c, int64_t b, int64_t e)
     for (int64_t n = b; n < e; n++) {
         const R *x = k->x + n * C;
         R *y = k->y + n * C;
-        /* Sums in LN_LANES independent partials (they vectorize), added in order. */
-        double mu = 0, var = 0, lm[LN_LANES] = {0}, lv[LN_LANES] = {0};
-        int64_t i0 = C - C % LN_LANES;
-        if (!k->rms) {
-            for (int64_t i = 0; i < i0; i += LN_LANES)
-                for (int l = 0; l < LN_LANES; l++) lm[l] += x[i + l];
-            for (int l = 0; l < LN_LANES; l++) mu += lm[l];
-            for (int64_t i = i0; i < C; i++) mu += x[i];
-            mu /= (double)C;
-        }
-        for (int64_t i = 0; i < i0; i += LN_LANES)
-            for (int l = 0; l < LN_LANES; l++) lv[l] += ((double)x[i + l] - mu) * ((double)x[i + l] - mu);
-        for (int l = 0; l < LN_LANES; l++) var += lv[l];
-        for (int64_t i = i0; i < C; i++) var += ((double)x[i] - mu) * ((double)x[i] - mu);
-        var /= (double)C;
-        double rs = 1.0 / sqrt(var + k->eps);
+        double mu = k->rms ? 0 : FN(ln_sum)(x, C, 0, false) / (double)C;
+        double rs = 1.0 / sqrt(FN(ln_sum)(x, C, mu, true) / (double)C + k->eps);
         R rsr = (R)rs, mur = (R)mu;
         if (k->rms)
             for (int64_t i = 0; i < C; i++) y[i] = x[i] * rsr * k->w[i];
@@ -139,6 +139,17 @@ KILN_SIMD static void FN(ln_fwd_range)(void *c, int64_t b, int64_t e)
         if (!k->rms) k->mean[n] = (R)mu;
         k->rstd[n] = (R)rs;
     }
+}
+
+/* in: x, w, [b] -> y, [mean,] rstd */
+static kiln_status FN(norm_fwd)(kiln_tensor_t *const *c, kiln_tensor_t *const *out, const kiln__attrs *a, bool rms)
+{
+    FN(ln_ctx) k = {.x = kiln__data(c[0]), .w = kiln__data(c[1]), .b = rms ? NULL : kiln__data(c[2]),
+                    .y = kiln__data(out[0]), .mean = rms ? NULL : kiln__data(out[1]),
+                    .rstd = kiln__data(out[rms ? 1 : 2]), .N = rows_of(c[0]), .C = last_dim(c[0]),
+                    .eps = a->op.norm.eps, .rms = rms};
+    kiln__parallel_for(k.N, CPU_GRAIN / (k.C ? k.C : 1) + 1, FN(ln_fwd_range), &k);
+    return KILN_OK;
 }
 
 /* dx = rstd * (g*w - mean(g*w) - xhat * mean(g*w*xhat)); RMS norm drops the mean terms
@@ -187,22 +198,27 @@ KILN_SIMD static void FN(ln_bwd_range)(void *c, int64_t bb, int64_t be)
     }
 }
 
-static kiln_status FN(norm_bwd)(FN(ln_ctx) *k, R *dw, R *db)
+/* in: g, x, w, [mean,] rstd -> dx, dw, [db] */
+static kiln_status FN(norm_bwd)(kiln_tensor_t *const *c, kiln_tensor_t *const *out, bool rms)
 {
-    int64_t nblk = (k->N + LN_BLOCK - 1) / LN_BLOCK;
-    k->part = malloc(sizeof(double) * 2 * (size_t)k->C * (size_t)(nblk ? nblk : 1));
-    if (!k->part) return kiln__err(KILN_ERR_OOM, "norm backward: out of memory for partial sums");
-    kiln__parallel_for(nblk, 1, FN(ln_bwd_range), k);
-    for (int64_t i = 0; i < k->C; i++) {
+    FN(ln_ctx) k = {.g = kiln__data(c[0]), .x = kiln__data(c[1]), .w = kiln__data(c[2]),
+                    .mean = rms ? NULL : kiln__data(c[3]), .rstd = kiln__data(c[rms ? 3 : 4]), .dx = kiln__data(out[0]),
+                    .N = rows_of(c[1]), .C = last_dim(c[1]), .rms = rms};
+    R *dw = kiln__data(out[1]), *db = rms ? NULL : kiln__data(out[2]);
+    int64_t nblk = (k.N + LN_BLOCK - 1) / LN_BLOCK;
+    k.part = malloc(sizeof(double) * 2 * (size_t)k.C * (size_t)(nblk ? nblk : 1));
+    if (!k.part) return kiln__err(KILN_ERR_OOM, "norm backward: out of memory for partial sums");
+    kiln__parallel_for(nblk, 1, FN(ln_bwd_range), &k);
+    for (int64_t i = 0; i < k.C; i++) {
         double sw = 0, sb = 0;
         for (int64_t blk = 0; blk < nblk; blk++) {
-            sw += k->part[blk * 2 * k->C + i];
-            sb += k->part[blk * 2 * k->C + k->C + i];
+            sw += k.part[blk * 2 * k.C + i];
+            sb += k.part[blk * 2 * k.C + k.C + i];
         }
         dw[i] = (R)sw;
         if (db) db[i] = (R)sb;
     }
-    free(k->part);
+    free(k.part);
     return KILN_OK;
 }
 
@@ -254,6 +270,32 @@ KILN_SIMD static void FN(ce_bwd_range)(void *c, int64_t b, int64_t e)
     }
 }
 
+/* Cross-entropy of logits c[0] (N, V) and targets c[1] (count of them not ignored):
+ * out[0] the mean loss, out[1] each row's log-sum-exp; loss (N) holds the rows' losses. */
+static kiln_status FN(ce_fwd)(kiln_tensor_t *const *c, kiln_tensor_t *const *out, const kiln__attrs *a, int64_t count,
+                              double *loss)
+{
+    int64_t N = c[0]->shape[0], V = c[0]->shape[1];
+    FN(ce_ctx) k = {kiln__data(c[0]), kiln__data(c[1]), c[1]->dtype, kiln__data(out[1]), NULL, loss, N, V,
+                    a->op.cross_entropy.ignore_index, 0, kiln__opt(KILN__OPT_FAST_EXP)};
+    kiln__parallel_for(N, CPU_GRAIN / (V ? V : 1) + 1, FN(ce_fwd_range), &k);
+    double sum = 0;
+    for (int64_t i = 0; i < N; i++) sum += loss[i];
+    *(R *)kiln__data(out[0]) = (R)(count ? sum / (double)count : NAN);
+    return KILN_OK;
+}
+
+/* in: g (scalar, read as g), logits, targets, lse -> dx */
+static kiln_status FN(ce_bwd)(kiln_tensor_t *const *c, kiln_tensor_t *const *out, const kiln__attrs *a, int64_t count,
+                              double g)
+{
+    int64_t N = c[1]->shape[0], V = c[1]->shape[1];
+    FN(ce_ctx) k = {kiln__data(c[1]), kiln__data(c[2]), c[2]->dtype, kiln__data(c[3]), kiln__data(out[0]), NULL, N, V,
+                    a->op.cross_entropy.ignore_index, count ? g / (double)count : 0, kiln__opt(KILN__OPT_FAST_EXP)};
+    kiln__parallel_for(N, CPU_GRAIN / (V ? V : 1) + 1, FN(ce_bwd_range), &k);
+    return KILN_OK;
+}
+
 /* ---- rotary embedding: x (rows, D); row r uses angle row (r / per) % T of cs ---- */
 typedef struct {
     const R *x;
@@ -278,6 +320,16 @@ KILN_SIMD static void FN(rope_range)(void *c, int64_t b, int64_t e)
             y[i + h] = (R)(x1 * si + x2 * co);
         }
     }
+}
+
+/* Rotates the rows of x (contiguous) into y with the angles cs; per rows share one. */
+static kiln_status FN(rope)(const kiln_tensor_t *x, kiln_tensor_t *y, const double *cs, int64_t T, int64_t per,
+                            double sign)
+{
+    int64_t D = x->shape[x->ndim - 1], rows = kiln__numel(x->ndim - 1, x->shape);
+    FN(rope_ctx) k = {kiln__data(x), kiln__data(y), cs, T, D, sign, per};
+    kiln__parallel_for(rows, CPU_GRAIN / D + 1, FN(rope_range), &k);
+    return KILN_OK;
 }
 
 /* ---- attention: q (B,H,Tq,D), k, v (B,Hkv,Tk,D), o (B,H,Tq,D), lse (B,H,Tq) ---- */
@@ -473,6 +525,36 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
         }
     }
     free(P);
+}
+
+/* Attention forward (c: q, k, v -> out: o, lse) or backward (c: g, q, k, v, o, lse ->
+ * out: dq, dk, dv); false when a task had no memory for its buffer. */
+static bool FN(att)(kiln_tensor_t *const *c, kiln_tensor_t *const *out, const kiln__attrs *a, bool bwd)
+{
+    const kiln_tensor_t *q = c[bwd], *kk = c[bwd + 1], *vv = c[bwd + 2];
+    FN(att_ctx) k = {.q = kiln__data(q), .k = kiln__data(kk), .v = kiln__data(vv), .B = q->shape[0], .H = q->shape[1],
+                     .Hkv = kk->shape[1], .Tq = q->shape[2], .Tk = kk->shape[2], .D = q->shape[3],
+                     .scale = a->op.attention.scale, .causal = a->op.attention.causal,
+                     .fast = kiln__opt(KILN__OPT_FAST_EXP), .kt = kiln__opt(KILN__OPT_ATT_KT)};
+    strides3(q, k.qs);
+    strides3(kk, k.ks);
+    strides3(vv, k.vs);
+    if (bwd) {
+        k.g = kiln__data(c[0]);
+        k.o = kiln__data(c[4]);
+        strides3(c[0], k.gs);
+        strides3(c[4], k.os);
+        k.lse_in = kiln__data(c[5]);
+        k.dq = kiln__data(out[0]);
+        k.dk = kiln__data(out[1]);
+        k.dv = kiln__data(out[2]);
+        att_run(k.B * k.Hkv, FN(att_bwd_range), &k);
+    } else {
+        k.out = kiln__data(out[0]);
+        k.lse = kiln__data(out[1]);
+        att_run(k.B * k.H, FN(att_fwd_range), &k);
+    }
+    return !atomic_load(&k.oom);
 }
 
 #undef FN

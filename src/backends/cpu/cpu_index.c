@@ -4,22 +4,6 @@
 #include <string.h>
 #include "backends/cpu/cpu.h"
 
-#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
-
-static kiln_status check_indices(const char *op, const kiln_tensor_t *idx, int64_t limit)
-{
-    const char *p = kiln__data(idx);
-    size_t sz = kiln_dtype_size(idx->dtype);
-    int64_t n = kiln__numel(idx->ndim, idx->shape);
-    for (int64_t i = 0; i < n; i++) {
-        int64_t v = kiln__load_index(p + i * (int64_t)sz, idx->dtype);
-        if (v < 0 || v >= limit)
-            return kiln__err(KILN_ERR_INDEX, "%s: index %lld at position %lld is outside [0, %lld)", op, (long long)v,
-                             (long long)i, (long long)limit);
-    }
-    return KILN_OK;
-}
-
 typedef struct {
     const char *src;
     char *dst;
@@ -44,7 +28,7 @@ static void rows_range(void *c, int64_t b, int64_t e)
 static kiln_status select_rows(const char *op, kiln_tensor_t *x, kiln_tensor_t *idx, kiln_tensor_t *o, int dim)
 {
     kiln_tensor_t *tx, *ti, *cx = cpu_contig(x, &tx), *ci = cpu_contig(idx, &ti);
-    kiln_status s = cx && ci ? check_indices(op, ci, x->shape[dim]) : kiln_last_status();
+    kiln_status s = cx && ci ? cpu_check_indices(op, ci, x->shape[dim], NULL, NULL) : kiln_last_status();
     if (s == KILN_OK) {
         int64_t inner = kiln__numel(x->ndim - dim - 1, x->shape + dim + 1);
         rows_ctx k = {kiln__data(cx), kiln__data(o), kiln__data(ci), ci->dtype,
@@ -57,54 +41,48 @@ static kiln_status select_rows(const char *op, kiln_tensor_t *x, kiln_tensor_t *
     return s;
 }
 
-kiln_status kiln__cpu_embedding(K_ARGS) { return select_rows("embedding", in[0], in[1], out[0], 0); }
-kiln_status kiln__cpu_index_select(K_ARGS) { return select_rows("index_select", in[0], in[1], out[0], (int)a->op.dim.dim); }
+kiln_status kiln__cpu_embedding(KILN__KERNEL_ARGS) { return select_rows("embedding", in[0], in[1], out[0], 0); }
+kiln_status kiln__cpu_index_select(KILN__KERNEL_ARGS) { return select_rows("index_select", in[0], in[1], out[0], (int)a->op.dim.dim); }
 
-/* dW (V, C) from g (N, C): each task owns a range of columns for every row, so the
- * additions for one weight happen in row order whatever the thread count. */
+/* dW (V, C) from g (N, C), both of dtype dt: each task owns a range of columns for every
+ * row, so the additions for one weight happen in row order whatever the thread count.
+ * f32 adds natively, other dtypes through double. */
 typedef struct {
-    const float *g;
-    float *dw;
-    const char *idx;
-    kiln_dtype idt;
+    const char *g, *idx;
+    char *dw;
+    kiln_dtype dt, idt;
     int64_t N, C;
 } emb_ctx;
 
 static void emb_bwd_range(void *c, int64_t b, int64_t e)
 {
     const emb_ctx *k = c;
-    size_t isz = kiln_dtype_size(k->idt);
+    size_t isz = kiln_dtype_size(k->idt), sz = kiln_dtype_size(k->dt);
     int64_t c0 = b * 64, c1 = e * 64 < k->C ? e * 64 : k->C;
     for (int64_t n = 0; n < k->N; n++) {
         int64_t v = kiln__load_index(k->idx + n * (int64_t)isz, k->idt);
-        const float *g = k->g + n * k->C;
-        float *d = k->dw + v * k->C;
-        for (int64_t j = c0; j < c1; j++) d[j] += g[j];
+        const char *g = k->g + n * k->C * (int64_t)sz;
+        char *d = k->dw + v * k->C * (int64_t)sz;
+        if (k->dt == KILN_DTYPE_F32)
+            for (int64_t j = c0; j < c1; j++) ((float *)d)[j] += ((const float *)g)[j];
+        else
+            for (int64_t j = c0; j < c1; j++) {
+                char *q = d + j * (int64_t)sz;
+                kiln__store(q, k->dt, kiln__load(q, k->dt) + kiln__load(g + j * (int64_t)sz, k->dt));
+            }
     }
 }
 
-kiln_status kiln__cpu_embedding_backward(K_ARGS)
+kiln_status kiln__cpu_embedding_backward(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *tg, *ti, *g = cpu_contig(in[0], &tg), *idx = cpu_contig(in[1], &ti);
     kiln_tensor_t *o = out[0];
     int64_t V = o->shape[0], C = o->shape[1], N = kiln__numel(idx ? idx->ndim : 0, idx ? idx->shape : NULL);
-    kiln_status s = g && idx ? check_indices("embedding backward", idx, V) : kiln_last_status();
-    if (s == KILN_OK && o->dtype == KILN_DTYPE_F32) {
-        memset(kiln__data(o), 0, sizeof(float) * (size_t)(V * C));
-        emb_ctx k = {kiln__data(g), kiln__data(o), kiln__data(idx), idx->dtype, N, C};
+    kiln_status s = g && idx ? cpu_check_indices("embedding backward", idx, V, NULL, NULL) : kiln_last_status();
+    if (s == KILN_OK) {
+        memset(kiln__data(o), 0, kiln_dtype_size(o->dtype) * (size_t)(V * C));
+        emb_ctx k = {kiln__data(g), kiln__data(idx), kiln__data(o), o->dtype, idx->dtype, N, C};
         kiln__parallel_for((C + 63) / 64, 1, emb_bwd_range, &k);
-    } else if (s == KILN_OK) {
-        /* Other dtypes: the generic path, serial. */
-        size_t sz = kiln_dtype_size(o->dtype), isz = kiln_dtype_size(idx->dtype);
-        memset(kiln__data(o), 0, sz * (size_t)(V * C));
-        char *d = kiln__data(o), *gp = kiln__data(g), *ip = kiln__data(idx);
-        for (int64_t n = 0; n < N; n++) {
-            int64_t v = kiln__load_index(ip + n * (int64_t)isz, idx->dtype);
-            for (int64_t j = 0; j < C; j++) {
-                char *q = d + (v * C + j) * (int64_t)sz;
-                kiln__store(q, o->dtype, kiln__load(q, o->dtype) + kiln__load(gp + (n * C + j) * (int64_t)sz, o->dtype));
-            }
-        }
     }
     kiln_tensor_free(tg);
     kiln_tensor_free(ti);
@@ -125,11 +103,11 @@ static int64_t remap(int64_t flat, int nd, const int64_t *ishape, const int64_t 
     return off;
 }
 
-kiln_status kiln__cpu_gather(K_ARGS)
+kiln_status kiln__cpu_gather(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *tx, *ti, *x = cpu_contig(in[0], &tx), *idx = cpu_contig(in[1], &ti);
     int dim = (int)a->op.dim.dim;
-    kiln_status s = x && idx ? check_indices("gather", idx, in[0]->shape[dim]) : kiln_last_status();
+    kiln_status s = x && idx ? cpu_check_indices("gather", idx, in[0]->shape[dim], NULL, NULL) : kiln_last_status();
     if (s == KILN_OK) {
         size_t sz = kiln_dtype_size(x->dtype), isz = kiln_dtype_size(idx->dtype);
         const char *xp = kiln__data(x), *ip = kiln__data(idx);
@@ -147,12 +125,13 @@ kiln_status kiln__cpu_gather(K_ARGS)
 
 /* Serial on purpose: several sources may add into one element, and a fixed order keeps
  * the result the same on every run. */
-kiln_status kiln__cpu_scatter_add(K_ARGS)
+kiln_status kiln__cpu_scatter_add(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *ti, *ts, *idx = cpu_contig(in[1], &ti), *src = cpu_contig(in[2], &ts);
     int dim = (int)a->op.dim.dim;
     kiln_tensor_t *o = out[0];
-    kiln_status s = idx && src ? check_indices("scatter_add", idx, in[0]->shape[dim]) : kiln_last_status();
+    kiln_status s =
+        idx && src ? cpu_check_indices("scatter_add", idx, in[0]->shape[dim], NULL, NULL) : kiln_last_status();
     if (s == KILN_OK) {
         cpu_copy(o, in[0]);
         size_t sz = kiln_dtype_size(o->dtype), isz = kiln_dtype_size(idx->dtype);
@@ -171,7 +150,7 @@ kiln_status kiln__cpu_scatter_add(K_ARGS)
     return s;
 }
 
-kiln_status kiln__cpu_cat(K_ARGS)
+kiln_status kiln__cpu_cat(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *o = out[0];
     int dim = (int)a->op.dim.dim;
@@ -189,13 +168,13 @@ kiln_status kiln__cpu_cat(K_ARGS)
 }
 
 /* dst[index[i]] = src[i] along dim 0; dst is written in place, so it must be dense. */
-kiln_status kiln__cpu_index_copy_(K_ARGS)
+kiln_status kiln__cpu_index_copy_(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *dst = in[0];
     if (!kiln__is_contiguous(dst))
         return kiln__err(KILN_ERR_UNSUPPORTED, "index_copy_: the destination must be contiguous on the cpu backend");
     kiln_tensor_t *ti, *ts, *ci = cpu_contig(in[1], &ti), *cs = cpu_contig(in[2], &ts);
-    kiln_status s = ci && cs ? check_indices("index_copy_", ci, dst->shape[0]) : kiln_last_status();
+    kiln_status s = ci && cs ? cpu_check_indices("index_copy_", ci, dst->shape[0], NULL, NULL) : kiln_last_status();
     if (s == KILN_OK) {
         size_t row = (size_t)kiln__numel(dst->ndim - 1, dst->shape + 1) * kiln_dtype_size(dst->dtype);
         size_t isz = kiln_dtype_size(ci->dtype);

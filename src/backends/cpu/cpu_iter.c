@@ -147,14 +147,26 @@ kiln_tensor_t *cpu_contig(kiln_tensor_t *t, kiln_tensor_t **tmp)
     return *tmp;
 }
 
+bool cpu_contig_n(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp,
+                  bool (*as_is)(const kiln_tensor_t *))
+{
+    for (int i = 0; i < n; i++) tmp[i] = NULL;
+    for (int i = 0; i < n; i++) {
+        c[i] = as_is && as_is(in[i]) ? in[i] : cpu_contig(in[i], &tmp[i]);
+        if (!c[i]) return false;
+    }
+    return true;
+}
+
+void cpu_free_n(kiln_tensor_t **tmp, int n)
+{
+    for (int i = 0; i < n; i++) kiln_tensor_free(tmp[i]);
+}
+
 void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t *shape, const int64_t *stride,
               int64_t offset)
 {
-    memset(v, 0, sizeof *v);
-    v->st = t->st;
-    v->dtype = t->dtype;
-    v->ndim = ndim;
+    *v = (kiln_tensor_t){.st = t->st, .dtype = t->dtype, .ndim = ndim, .offset = offset};
     memcpy(v->shape, shape, sizeof(int64_t) * (size_t)ndim);
     memcpy(v->stride, stride, sizeof(int64_t) * (size_t)ndim);
-    v->offset = offset;
 }

@@ -1,5 +1,6 @@
 /* matmul_rows_packed's kernel, written once for a vector type KV and included by
- * cpu_paged.c for each lane count (KV, KSFX, KATTR, KGROUP, KMR defined there). The
+ * cpu_paged.c for each lane count (KV, KSFX, KATTR, KGROUP, KMR, KBCAST defined there,
+ * undefined at the end). The
  * weights come as panels of KILN_ROWS_PANEL output columns stored k-major, so a tile of
  * KMR rows by KGROUP panels keeps its sums in registers while the panels stream by:
  * for each k, a row's a[m][k] is broadcast and multiplied into every column vector.
@@ -86,3 +87,9 @@ KATTR static void KFN(packed_range)(void *c, int64_t b, int64_t e)
 #undef KW
 #undef KVP
 #undef KMAXV
+#undef KV
+#undef KSFX
+#undef KGROUP
+#undef KMR
+#undef KBCAST
+#undef KATTR

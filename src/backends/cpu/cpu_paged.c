@@ -11,8 +11,6 @@
 #include "core/opts.h"
 #include "kiln/ops.h"
 
-#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
-
 /* Eight lanes in GCC's vector extension: ymm registers in the AVX2 clone, plain code
  * in the default one; the accumulators are named variables so that they stay in
  * registers. */
@@ -43,10 +41,9 @@ typedef struct {
 #define PSFX f32
 #include "backends/cpu/cpu_paged_impl.h"
 #undef KT
-#undef KLOAD8
-#undef PSFX
 
 #define KT uint16_t
+#define PATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
 #define KLOAD8(dst, p)                                                                                  \
     do {                                                                                              \
         u16x8 b_;                                                                                     \
@@ -54,24 +51,19 @@ typedef struct {
         u32x8 w_ = __builtin_convertvector(b_, u32x8) << 16;                                          \
         memcpy(&(dst), &w_, sizeof w_);                                                               \
     } while (0)
-#undef KSCALAR
 #define KSCALAR(x) kiln__bf16_to_f32(x)
 #define PSFX bf16
 typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 #include "backends/cpu/cpu_paged_impl.h"
-#undef KLOAD8
-#undef KSCALAR
-#undef PSFX
-#undef PATTR
 
 /* f16 twice: with F16C's vcvtph2ps (an intrinsic: GCC 12 widens a _Float16 vector one
  * element at a time, which made f16 pages slower than f32 ones), picked at run time
  * where the processor has it, and a portable one. */
-#define KSCALAR(x) kiln__f16_to_f32(x)
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define F16_V3 1
+#define KSCALAR(x) kiln__f16_to_f32(x)
 #define PATTR __attribute__((target("arch=x86-64-v3")))
 #undef PINL
 #define PINL static inline __attribute__((always_inline, target("arch=x86-64-v3")))
@@ -82,15 +74,13 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
     } while (0)
 #define PSFX f16v3
 #include "backends/cpu/cpu_paged_impl.h"
-#undef KLOAD8
-#undef PSFX
-#undef PATTR
 #undef PINL
 #define PINL static inline __attribute__((always_inline))
 #else
 #define F16_V3 0
 #endif
 #define PATTR
+#define KSCALAR(x) kiln__f16_to_f32(x)
 #define KLOAD8(dst, p)                                                                                  \
     do {                                                                                              \
         for (int l_ = 0; l_ < 8; l_++) (dst)[l_] = kiln__f16_to_f32((p)[l_]);                          \
@@ -98,10 +88,6 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 #define PSFX f16
 #include "backends/cpu/cpu_paged_impl.h"
 #undef KT
-#undef KLOAD8
-#undef KSCALAR
-#undef PSFX
-#undef PATTR
 #undef PINL
 
 /* The f16 kernel, chosen once: F16C's where the processor has it and KILN_OPT_F16C. */
@@ -146,12 +132,10 @@ static kiln_status check_pages(const int32_t *bt, const int32_t *sp, int64_t N, 
     return KILN_OK;
 }
 
-kiln_status kiln__cpu_paged_attention(K_ARGS)
+kiln_status kiln__cpu_paged_attention(KILN__KERNEL_ARGS)
 {
-    kiln_tensor_t *c[5], *tmp[5] = {0};
-    kiln_status s = KILN_OK;
-    for (int i = 0; i < 5 && s == KILN_OK; i++)
-        if (!(c[i] = cpu_contig(in[i], &tmp[i]))) s = kiln_last_status();
+    kiln_tensor_t *c[5], *tmp[5];
+    kiln_status s = cpu_contig_n(in, 5, c, tmp, NULL) ? KILN_OK : kiln_last_status();
     int64_t N = s == KILN_OK ? c[0]->shape[0] : 0, bl = a->op.paged_attention.block_len;
     if (s == KILN_OK)
         s = check_pages(kiln__data(c[3]), kiln__data(c[4]), N, c[3]->shape[0], c[3]->shape[1], bl, c[1]->shape[0] / bl);
@@ -168,7 +152,7 @@ kiln_status kiln__cpu_paged_attention(K_ARGS)
         kiln__parallel_for(N * k.per_row, 1, paged_kernel(c[1]->dtype), &k);
         if (atomic_load(&k.oom)) s = kiln__err(KILN_ERR_OOM, "paged_attention: out of memory for a score buffer");
     }
-    for (int i = 0; i < 5; i++) kiln_tensor_free(tmp[i]);
+    cpu_free_n(tmp, 5);
     return s;
 }
 
@@ -202,12 +186,6 @@ typedef struct {
 #define KBCAST(s) ((v8){s, s, s, s, s, s, s, s})
 #define KATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
 #include "backends/cpu/cpu_packed_impl.h"
-#undef KV
-#undef KSFX
-#undef KGROUP
-#undef KMR
-#undef KBCAST
-#undef KATTR
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ROWS_WIDE 1
@@ -219,17 +197,11 @@ typedef struct {
 #define KBCAST(s) ((v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s})
 #define KATTR __attribute__((target("arch=x86-64-v4")))
 #include "backends/cpu/cpu_packed_impl.h"
-#undef KV
-#undef KSFX
-#undef KGROUP
-#undef KMR
-#undef KBCAST
-#undef KATTR
 #else
 #define ROWS_WIDE 0
 #endif
 
-kiln_status kiln__cpu_matmul_rows_packed(K_ARGS)
+kiln_status kiln__cpu_matmul_rows_packed(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *ta, *tw, *ca = cpu_contig(in[0], &ta), *cw = cpu_contig(in[1], &tw);
     kiln_status s = ca && cw ? KILN_OK : kiln_last_status();

@@ -1,6 +1,7 @@
 /* Paged attention's kernel, written once for the KV cache's element type and included
- * by cpu_paged.c for each (KT, KLOAD8, KSCALAR, PSFX, PATTR, PINL defined there): keys and
- * values are widened to f32 as they are loaded, and all arithmetic is f32. */
+ * by cpu_paged.c for each (KT, KLOAD8, KSCALAR, PSFX, PATTR, PINL defined there; the
+ * four that differ for every type are undefined at the end): keys and values are
+ * widened to f32 as they are loaded, and all arithmetic is f32. */
 #define PCAT_(a, b) a##_##b
 #define PCAT(a, b) PCAT_(a, b)
 #define PFN(name) PCAT(name, PSFX)
@@ -140,3 +141,7 @@ PATTR static void PFN(paged_range)(void *c, int64_t b, int64_t e)
 #undef PCAT_
 #undef PCAT
 #undef PFN
+#undef KLOAD8
+#undef KSCALAR
+#undef PSFX
+#undef PATTR

@@ -30,15 +30,6 @@ static inline double gelu_grad_d(double x, bool tanh_form)
 
 static inline float gelu_grad_f(float x, bool tanh_form) { return tanh_form ? km_gelu_grad_tanh(x) : km_gelu_grad_erf(x); }
 
-/* The f32 forms are src/core/kmath.h's, which the generated kernels share. */
-#define fast_tanhf km_tanh_fast
-#define fast_sigmoidf km_sigmoid_fast
-#define gelu_fast km_gelu_fast
-#define gelu_grad_fast km_gelu_grad_fast
-#define sigmoid_f km_sigmoid
-
-static inline double sigmoid_d(double x) { return 1.0 / (1.0 + exp(-x)); }
-
 static bool all_dtype(kiln_tensor_t *const *in, int n, kiln_tensor_t *const *out, int nout, kiln_dtype dt)
 {
     for (int i = 0; i < n; i++)
@@ -53,9 +44,12 @@ typedef struct {
     const kiln__attrs *a;
 } pw_ctx;
 
-/* ---- unary ---- */
-#define UNARY(name, EXPR_F, EXPR_D)                                                                 \
-    KILN_SIMD static void u_##name##_f32(void *c, char **p, const int64_t *s, int64_t n)            \
+/* ---- unary: y = f(x) ---- */
+typedef void (*row_fn)(void *c, char **p, const int64_t *s, int64_t n);
+
+/* The row loop over f32 x (fn_f32), and over any dtypes through double (fn_any). */
+#define UNARY_F32(fn, EXPR_F)                                                                       \
+    KILN_SIMD static void fn(void *c, char **p, const int64_t *s, int64_t n)                        \
     {                                                                                               \
         const pw_ctx *pc = c;                                                                       \
         (void)pc;                                                                                   \
@@ -66,8 +60,9 @@ typedef struct {
         } else {                                                                                    \
             for (int64_t i = 0; i < n; i++) { float x = in[i * s[1]]; o[i * s[0]] = (EXPR_F); }     \
         }                                                                                           \
-    }                                                                                               \
-    static void u_##name##_any(void *c, char **p, const int64_t *s, int64_t n)                      \
+    }
+#define UNARY_ANY(fn, EXPR_D)                                                                       \
+    static void fn(void *c, char **p, const int64_t *s, int64_t n)                                  \
     {                                                                                               \
         const pw_ctx *pc = c;                                                                       \
         size_t so = kiln_dtype_size(pc->dt[0]), si = kiln_dtype_size(pc->dt[1]);                   \
@@ -75,40 +70,43 @@ typedef struct {
             double x = kiln__load(p[1] + i * s[1] * (int64_t)si, pc->dt[1]);                        \
             kiln__store(p[0] + i * s[0] * (int64_t)so, pc->dt[0], (EXPR_D));                        \
         }                                                                                           \
-    }                                                                                               \
-    kiln_status kiln__cpu_##name(kiln__backend *be, kiln_tensor_t *const *in, int n_in,              \
-                                 const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)        \
-    {                                                                                               \
-        kiln_tensor_t *ops[2] = {out[0], in[0]};                                                    \
-        cpu_iter it;                                                                                \
-        cpu_iter_init(&it, 2, ops);                                                                 \
-        pw_ctx pc = {{out[0]->dtype, in[0]->dtype}, a};                                             \
-        cpu_iter_run(&it, all_dtype(in, 1, out, 1, KILN_DTYPE_F32) ? u_##name##_f32 : u_##name##_any, &pc); \
-        return KILN_OK;                                                                             \
     }
 
-#define AT (pc->a)
-UNARY(neg, -x, -x)
-UNARY(abs, fabsf(x), fabs(x))
-UNARY(exp, expf(x), exp(x))
-UNARY(log, logf(x), log(x))
-UNARY(sqrt, sqrtf(x), sqrt(x))
-UNARY(rsqrt, 1.0f / sqrtf(x), 1.0 / sqrt(x))
-UNARY(tanh_exact, tanhf(x), tanh(x))
-UNARY(tanh_fast, fast_tanhf(x), tanh(x))
-UNARY(sigmoid_exact, sigmoid_f(x), sigmoid_d(x))
-UNARY(sigmoid_fast, fast_sigmoidf(x), sigmoid_d(x))
-UNARY(relu, x > 0 ? x : 0.0f, x > 0 ? x : 0.0)
-UNARY(gelu_exact, gelu_f(x, AT->op.gelu.tanh), gelu_d(x, AT->op.gelu.tanh))
-UNARY(gelu_fast, gelu_fast(x), gelu_d(x, AT->op.gelu.tanh))
-UNARY(silu_exact, x * sigmoid_f(x), x * sigmoid_d(x))
-UNARY(silu_fast, x * fast_sigmoidf(x), x * sigmoid_d(x))
-UNARY(scale_body, x * (float)AT->op.scalar.value, x * AT->op.scalar.value)
-UNARY(fill_body, ((void)x, (float)AT->op.scalar.value), ((void)x, AT->op.scalar.value))
+static kiln_status unary(row_fn f32, row_fn any, kiln_tensor_t *x, kiln_tensor_t *y, const kiln__attrs *a)
+{
+    kiln_tensor_t *ops[2] = {y, x};
+    cpu_iter it;
+    cpu_iter_init(&it, 2, ops);
+    pw_ctx pc = {{y->dtype, x->dtype}, a};
+    cpu_iter_run(&it, x->dtype == KILN_DTYPE_F32 && y->dtype == KILN_DTYPE_F32 ? f32 : any, &pc);
+    return KILN_OK;
+}
 
-/* ---- binary ---- */
-#define BINARY(name, EXPR_F, EXPR_D, OUT_IS_BOOL)                                                   \
-    KILN_SIMD static void b_##name##_f32(void *c, char **p, const int64_t *s, int64_t n)            \
+/* kiln__cpu_<name>: EXPR_F over f32, EXPR_D over any dtype, into out[0] (or, for an
+ * in-place op, which has no outputs, into in[0]); UNARY_FAST: EXPR_FAST instead of
+ * EXPR_F when FAST holds (the fast-exp switch). UNARY_PICK: F32 is the f32 row loop. */
+#define UNARY_PICK(name, EXPR_F, EXPR_D, F32)                                                       \
+    UNARY_F32(u_##name##_f32, EXPR_F)                                                               \
+    UNARY_ANY(u_##name##_any, EXPR_D)                                                               \
+    kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS)                                                 \
+    {                                                                                               \
+        return unary(F32, u_##name##_any, in[0], n_out ? out[0] : in[0], a);                        \
+    }
+#define UNARY(name, EXPR_F, EXPR_D) UNARY_PICK(name, EXPR_F, EXPR_D, u_##name##_f32)
+#define UNARY_FAST(name, EXPR_F, EXPR_FAST, EXPR_D, FAST)                                           \
+    UNARY_F32(u_##name##_fast_f32, EXPR_FAST)                                                       \
+    UNARY_PICK(name, EXPR_F, EXPR_D, (FAST) ? u_##name##_fast_f32 : u_##name##_f32)
+
+#define AT (pc->a)
+#define FAST_EXP kiln__opt(KILN__OPT_FAST_EXP)
+#define FAST_GELU (kiln__opt(KILN__OPT_FAST_EXP) && a->op.gelu.tanh) /* GELU's fast form is the tanh one */
+UNARY_FAST(gelu, gelu_f(x, AT->op.gelu.tanh), km_gelu_fast(x), gelu_d(x, AT->op.gelu.tanh), FAST_GELU)
+UNARY(scale_, x * (float)AT->op.scalar.value, x * AT->op.scalar.value)
+UNARY(fill_, ((void)x, (float)AT->op.scalar.value), ((void)x, AT->op.scalar.value))
+
+/* ---- binary: z = f(x, y) ---- */
+#define BINARY_F32(fn, EXPR_F)                                                                      \
+    KILN_SIMD static void fn(void *c, char **p, const int64_t *s, int64_t n)                        \
     {                                                                                               \
         const pw_ctx *pc = c;                                                                       \
         (void)pc;                                                                                   \
@@ -128,8 +126,9 @@ UNARY(fill_body, ((void)x, (float)AT->op.scalar.value), ((void)x, AT->op.scalar.
                 o[i * s[0]] = (EXPR_F);                                                             \
             }                                                                                       \
         }                                                                                           \
-    }                                                                                               \
-    static void b_##name##_any(void *c, char **p, const int64_t *s, int64_t n)                      \
+    }
+#define BINARY_ANY(fn, EXPR_D)                                                                      \
+    static void fn(void *c, char **p, const int64_t *s, int64_t n)                                  \
     {                                                                                               \
         const pw_ctx *pc = c;                                                                       \
         size_t so = kiln_dtype_size(pc->dt[0]), sa = kiln_dtype_size(pc->dt[1]), sb = kiln_dtype_size(pc->dt[2]); \
@@ -138,82 +137,53 @@ UNARY(fill_body, ((void)x, (float)AT->op.scalar.value), ((void)x, AT->op.scalar.
             double y = kiln__load(p[2] + i * s[2] * (int64_t)sb, pc->dt[2]);                        \
             kiln__store(p[0] + i * s[0] * (int64_t)so, pc->dt[0], (EXPR_D));                        \
         }                                                                                           \
-    }                                                                                               \
-    kiln_status kiln__cpu_##name(kiln__backend *be, kiln_tensor_t *const *in, int n_in,              \
-                                 const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)        \
-    {                                                                                               \
-        kiln_tensor_t *ops[3] = {out[0], in[0], in[1]};                                             \
-        cpu_iter it;                                                                                \
-        cpu_iter_init(&it, 3, ops);                                                                 \
-        pw_ctx pc = {{out[0]->dtype, in[0]->dtype, in[1]->dtype}, a};                               \
-        bool f32 = !(OUT_IS_BOOL) && all_dtype(in, 2, out, 1, KILN_DTYPE_F32);                     \
-        cpu_iter_run(&it, f32 ? b_##name##_f32 : b_##name##_any, &pc);                              \
-        return KILN_OK;                                                                             \
     }
 
-/* NaN propagates through maximum/minimum, as in PyTorch. */
-#define MAXF(x, y) ((x) != (x) || (x) > (y) ? (x) : (y))
-#define MINF(x, y) ((x) != (x) || (x) < (y) ? (x) : (y))
-BINARY(add, x + y, x + y, 0)
-BINARY(sub, x - y, x - y, 0)
-BINARY(mul, x * y, x * y, 0)
-BINARY(div, x / y, x / y, 0)
-BINARY(pow, powf(x, y), pow(x, y), 0)
-BINARY(maximum, MAXF(x, y), MAXF(x, y), 0)
-BINARY(minimum, MINF(x, y), MINF(x, y), 0)
-BINARY(eq, ((void)x, (void)y, 0.0f), x == y, 1)
-BINARY(ne, ((void)x, (void)y, 0.0f), x != y, 1)
-BINARY(lt, ((void)x, (void)y, 0.0f), x < y, 1)
-BINARY(le, ((void)x, (void)y, 0.0f), x <= y, 1)
-BINARY(gt, ((void)x, (void)y, 0.0f), x > y, 1)
-BINARY(ge, ((void)x, (void)y, 0.0f), x >= y, 1)
-BINARY(gelu_backward_exact, y * gelu_grad_f(x, AT->op.gelu.tanh), y * gelu_grad_d(x, AT->op.gelu.tanh), 0)
-BINARY(gelu_backward_fast, y * gelu_grad_fast(x), y * gelu_grad_d(x, AT->op.gelu.tanh), 0)
-BINARY(silu_backward_exact, y * sigmoid_f(x) * (1.0f + x * (1.0f - sigmoid_f(x))),
-       y * sigmoid_d(x) * (1.0 + x * (1.0 - sigmoid_d(x))), 0)
-BINARY(silu_backward_fast, y * fast_sigmoidf(x) * (1.0f + x * (1.0f - fast_sigmoidf(x))),
-       y * sigmoid_d(x) * (1.0 + x * (1.0 - sigmoid_d(x))), 0)
+/* A bool result (a comparison) always takes the any-dtype loop. */
+static kiln_status binary(row_fn f32, row_fn any, kiln_tensor_t *const *in, kiln_tensor_t *z, const kiln__attrs *a,
+                          bool out_is_bool)
+{
+    kiln_tensor_t *ops[3] = {z, in[0], in[1]};
+    cpu_iter it;
+    cpu_iter_init(&it, 3, ops);
+    pw_ctx pc = {{z->dtype, in[0]->dtype, in[1]->dtype}, a};
+    cpu_iter_run(&it, !out_is_bool && all_dtype(in, 2, &z, 1, KILN_DTYPE_F32) ? f32 : any, &pc);
+    return KILN_OK;
+}
 
-/* The pointwise ops defined by their math (include/kiln/pointwise.def): y = km_<name>(x),
- * and the backward op's g * km_<name>_dx(x); in f64, the d forms. */
-#define KILN_PW(ID, name)                                              \
-    UNARY(name, km_##name(x), km_##name##d(x))                         \
-    BINARY(name##_backward, y * km_##name##_dx(x), y * km_##name##_dxd(x), 0)
+#define BINARY_PICK(name, EXPR_F, EXPR_D, OUT_IS_BOOL, F32)                                       \
+    BINARY_F32(b_##name##_f32, EXPR_F)                                                              \
+    BINARY_ANY(b_##name##_any, EXPR_D)                                                              \
+    kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS) { return binary(F32, b_##name##_any, in, out[0], a, OUT_IS_BOOL); }
+#define BINARY(name, EXPR_F, EXPR_D, OUT_IS_BOOL) BINARY_PICK(name, EXPR_F, EXPR_D, OUT_IS_BOOL, b_##name##_f32)
+#define BINARY_FAST(name, EXPR_F, EXPR_FAST, EXPR_D, FAST)                                          \
+    BINARY_F32(b_##name##_fast_f32, EXPR_FAST)                                                      \
+    BINARY_PICK(name, EXPR_F, EXPR_D, false, (FAST) ? b_##name##_fast_f32 : b_##name##_f32)
+
+/* The rows of src/core/binary.def; a BOOL one (a comparison) takes the any-dtype loop. */
+#define IS_BOOL_ANY false
+#define IS_BOOL_FLOAT false
+#define IS_BOOL_BOOL true
+#define KILN_BINARY(ID, name, dtypes, grad, save, f, d) BINARY(name, f, d, IS_BOOL_##dtypes)
+#include "core/binary.def"
+#undef KILN_BINARY
+BINARY_FAST(gelu_backward, y * gelu_grad_f(x, AT->op.gelu.tanh), y * km_gelu_grad_fast(x),
+            y * gelu_grad_d(x, AT->op.gelu.tanh), FAST_GELU)
+
+/* The rows of include/kiln/pointwise.def: y = km_<name>(x) and the backward op's
+ * g * km_<name>_dx(x); in any other dtype than f32 the d forms; by its fast column, the
+ * _fast forms in f32 under the fast-exp switch (SWITCH), or never here (EXACT, and GEN,
+ * whose fast form is the generated kernels'). */
+#define PW_EXACT(name) UNARY(name, km_##name(x), km_##name##d(x))
+#define PW_GEN PW_EXACT
+#define PW_SWITCH(name) UNARY_FAST(name, km_##name(x), km_##name##_fast(x), km_##name##d(x), FAST_EXP)
+#define PW_BW_EXACT(name) BINARY(name##_backward, y * km_##name##_dx(x), y * km_##name##_dxd(x), 0)
+#define PW_BW_GEN PW_BW_EXACT
+#define PW_BW_SWITCH(name) \
+    BINARY_FAST(name##_backward, y * km_##name##_dx(x), y * km_##name##_dx_fast(x), y * km_##name##_dxd(x), FAST_EXP)
+#define KILN_PW(ID, name, dtypes, grad, fast) PW_##fast(name) KILN__PW_IF_OP(grad, PW_BW_##fast(name))
 #include "kiln/pointwise.def"
 #undef KILN_PW
-
-/* The ops with a fast-exp variant pick it by switch (GELU's fast form is the tanh one). */
-#define K_ARGS kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t *const *out, int n_out
-kiln_status kiln__cpu_gelu_exact(K_ARGS);
-kiln_status kiln__cpu_gelu_fast(K_ARGS);
-kiln_status kiln__cpu_silu_exact(K_ARGS);
-kiln_status kiln__cpu_silu_fast(K_ARGS);
-kiln_status kiln__cpu_tanh_exact(K_ARGS);
-kiln_status kiln__cpu_tanh_fast(K_ARGS);
-kiln_status kiln__cpu_sigmoid_exact(K_ARGS);
-kiln_status kiln__cpu_sigmoid_fast(K_ARGS);
-kiln_status kiln__cpu_gelu_backward_exact(K_ARGS);
-kiln_status kiln__cpu_gelu_backward_fast(K_ARGS);
-kiln_status kiln__cpu_silu_backward_exact(K_ARGS);
-kiln_status kiln__cpu_silu_backward_fast(K_ARGS);
-#define BY_SWITCH(name)                                                                          \
-    kiln_status kiln__cpu_##name(K_ARGS)                                                         \
-    {                                                                                            \
-        return kiln__opt(KILN__OPT_FAST_EXP) ? kiln__cpu_##name##_fast(be, in, n_in, a, out, n_out) \
-                                              : kiln__cpu_##name##_exact(be, in, n_in, a, out, n_out); \
-    }
-#define BY_SWITCH_GELU(name)                                                                     \
-    kiln_status kiln__cpu_##name(K_ARGS)                                                         \
-    {                                                                                            \
-        return kiln__opt(KILN__OPT_FAST_EXP) && a->op.gelu.tanh ? kiln__cpu_##name##_fast(be, in, n_in, a, out, n_out) \
-                                                        : kiln__cpu_##name##_exact(be, in, n_in, a, out, n_out); \
-    }
-BY_SWITCH_GELU(gelu)
-BY_SWITCH(silu)
-BY_SWITCH(tanh)
-BY_SWITCH(sigmoid)
-BY_SWITCH_GELU(gelu_backward)
-BY_SWITCH(silu_backward)
 
 /* ---- in-place: operand 0 is the destination, read and written ---- */
 KILN_SIMD static void add__f32(void *c, char **p, const int64_t *s, int64_t n)
@@ -237,8 +207,7 @@ static void add__any(void *c, char **p, const int64_t *s, int64_t n)
     }
 }
 
-kiln_status kiln__cpu_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                           kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_add_(KILN__KERNEL_ARGS)
 {
     cpu_iter it;
     cpu_iter_init(&it, 2, in);
@@ -247,47 +216,15 @@ kiln_status kiln__cpu_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in
     return KILN_OK;
 }
 
-/* scale_ and fill_ reuse the unary kernels with the destination as both operands. */
-kiln_status kiln__cpu_scale_body(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out);
-kiln_status kiln__cpu_fill_body(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                kiln_tensor_t *const *out, int n_out);
-
-static kiln_status self_unary(kiln_status (*k)(kiln__backend *, kiln_tensor_t *const *, int, const kiln__attrs *,
-                                                kiln_tensor_t *const *, int),
-                              kiln__backend *be, kiln_tensor_t *dst, const kiln__attrs *a)
-{
-    kiln_tensor_t *o[1] = {dst};
-    return k(be, o, 1, a, o, 1);
-}
-
-kiln_status kiln__cpu_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
-{
-    return self_unary(kiln__cpu_scale_body, be, in[0], a);
-}
-
-kiln_status kiln__cpu_fill_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out)
-{
-    return self_unary(kiln__cpu_fill_body, be, in[0], a);
-}
-
-kiln_status kiln__cpu_cast(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                           kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_cast(KILN__KERNEL_ARGS)
 {
     cpu_copy(out[0], in[0]);
     return KILN_OK;
 }
 
-kiln_status kiln__cpu_contiguous(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
-{
-    return kiln__cpu_cast(be, in, n_in, a, out, n_out); /* the same element-wise copy */
-}
+kiln_status kiln__cpu_contiguous(KILN__KERNEL_ARGS) { return kiln__cpu_cast(be, in, n_in, a, out, n_out); } /* the same copy */
 
-kiln_status kiln__cpu_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_copy_(KILN__KERNEL_ARGS)
 {
     cpu_copy(in[0], in[1]);
     return KILN_OK;
@@ -295,8 +232,7 @@ kiln_status kiln__cpu_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_i
 
 /* A copy that fails on an element below the bound (or NaN); the message names what it
  * checks, as the op whose check it is would have. */
-kiln_status kiln__cpu_check_min(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_check_min(KILN__KERNEL_ARGS)
 {
     static const char *const what[] = {[KILN__CHECK_VALUE] = "check_min: value", [KILN__CHECK_ADAMW_STEP] = "adamw_: step"};
     cpu_copy(out[0], in[0]);
@@ -316,37 +252,24 @@ kiln_status kiln__cpu_check_min(kiln__backend *be, kiln_tensor_t *const *in, int
 
 /* A collective recorded in a graph: the process group's own function, which the op
  * carries, runs it (src/dist/pg.c). */
-kiln_status kiln__cpu_allreduce_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_allreduce_(KILN__KERNEL_ARGS)
 {
     const kiln__collective_ops *c = a->op.collective.ops;
     return c->run(a->op.collective.group, in[0], a->op.collective.reduce);
 }
 
-kiln_status kiln__cpu_reduce_scatter_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                      kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_reduce_scatter_(KILN__KERNEL_ARGS)
 {
     kiln__collective2_fn run = (kiln__collective2_fn)(uintptr_t)a->op.collective.ops;
     return run(a->op.collective.group, in[0], in[1], a->op.collective.reduce);
 }
 
-kiln_status kiln__cpu_allgather_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
-{
-    kiln__collective2_fn run = (kiln__collective2_fn)(uintptr_t)a->op.collective.ops;
-    return run(a->op.collective.group, in[0], in[1], a->op.collective.reduce);
-}
-
-kiln_status kiln__cpu_where(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out);
-
-typedef struct {
-    kiln_dtype dt[4];
-} where_ctx;
+/* allgather_ is the same call: the op carries its function. */
+kiln_status kiln__cpu_allgather_(KILN__KERNEL_ARGS) { return kiln__cpu_reduce_scatter_(be, in, n_in, a, out, n_out); }
 
 static void where_row(void *c, char **p, const int64_t *s, int64_t n)
 {
-    const where_ctx *w = c;
+    const pw_ctx *w = c;
     size_t sz[4];
     for (int k = 0; k < 4; k++) sz[k] = kiln_dtype_size(w->dt[k]);
     for (int64_t i = 0; i < n; i++) {
@@ -356,13 +279,12 @@ static void where_row(void *c, char **p, const int64_t *s, int64_t n)
     }
 }
 
-kiln_status kiln__cpu_where(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_where(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *ops[4] = {out[0], in[0], in[1], in[2]};
     cpu_iter it;
     cpu_iter_init(&it, 4, ops);
-    where_ctx w = {{out[0]->dtype, in[0]->dtype, in[1]->dtype, in[2]->dtype}};
+    pw_ctx w = {{out[0]->dtype, in[0]->dtype, in[1]->dtype, in[2]->dtype}, a};
     cpu_iter_run(&it, where_row, &w);
     return KILN_OK;
 }
@@ -415,12 +337,9 @@ static kiln_status make(kiln_tensor_t *t, const kiln__attrs *a, int kind)
     return KILN_OK;
 }
 
-kiln_status kiln__cpu_full(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                           kiln_tensor_t *const *out, int n_out) { return make(out[0], a, 0); }
-kiln_status kiln__cpu_arange(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out) { return make(out[0], a, 1); }
-kiln_status kiln__cpu_rand(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                           kiln_tensor_t *const *out, int n_out) { return make(out[0], a, 2); }
+kiln_status kiln__cpu_full(KILN__KERNEL_ARGS) { return make(out[0], a, 0); }
+kiln_status kiln__cpu_arange(KILN__KERNEL_ARGS) { return make(out[0], a, 1); }
+kiln_status kiln__cpu_rand(KILN__KERNEL_ARGS) { return make(out[0], a, 2); }
 
 /* ---- dropout: the mask is a pure function of (seed, counter, flat index) ---- */
 typedef struct {
@@ -443,8 +362,7 @@ static void drop_range(void *c, int64_t b, int64_t e)
     }
 }
 
-kiln_status kiln__cpu_dropout(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                              kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_dropout(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *tmp, *x = cpu_contig(in[0], &tmp);
     if (!x) return kiln_last_status();
@@ -455,8 +373,7 @@ kiln_status kiln__cpu_dropout(kiln__backend *be, kiln_tensor_t *const *in, int n
 }
 
 /* ---- tril / triu: copy, then zero the other triangle of every matrix ---- */
-kiln_status kiln__cpu_tri(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                          kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_tri(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *o = out[0];
     cpu_copy(o, in[0]);
@@ -499,8 +416,7 @@ static double one_value(const kiln_tensor_t *t)
     return t->dtype == KILN_DTYPE_F64 ? *(const double *)p : (double)*(const float *)p;
 }
 
-kiln_status kiln__cpu_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_adamw_(KILN__KERNEL_ARGS)
 {
     double lr = one_value(in[4]), t = one_value(in[5]), b1 = a->op.adamw.beta1, b2 = a->op.adamw.beta2;
     if (!(t >= 1)) return kiln__err(KILN_ERR_ARG, "adamw_: step %g must be >= 1", t);

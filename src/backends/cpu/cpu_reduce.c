@@ -3,7 +3,6 @@
  * order), so results never depend on the thread count. */
 #include <math.h>
 #include <stdlib.h>
-#include <string.h>
 #include "backends/cpu/cpu.h"
 #include "core/opts.h"
 
@@ -18,13 +17,9 @@ typedef struct {
 
 static void red_setup(red_ctx *r, kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dims, int ndims, int kind)
 {
-    memset(r, 0, sizeof *r);
-    r->x = x;
-    r->o = o;
-    r->kind = kind;
+    *r = (red_ctx){.x = x, .o = o, .rcount = 1, .kind = kind};
     bool red[KILN_MAX_DIMS] = {0};
     for (int k = 0; k < ndims; k++) red[dims[k]] = true;
-    r->rcount = 1;
     for (int d = 0; d < x->ndim; d++) {
         if (ndims == 0 || red[d]) {
             r->rshape[r->nr] = x->shape[d];
@@ -226,20 +221,10 @@ static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dim
     return KILN_OK;
 }
 
-kiln_status kiln__cpu_sum(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                          kiln_tensor_t *const *out, int n_out)
-{
-    return reduce(in[0], out[0], a->shape, a->ndim, 0);
-}
+kiln_status kiln__cpu_sum(KILN__KERNEL_ARGS) { return reduce(in[0], out[0], a->shape, a->ndim, 0); }
+kiln_status kiln__cpu_max(KILN__KERNEL_ARGS) { return reduce(in[0], out[0], a->shape, a->ndim, 1); }
 
-kiln_status kiln__cpu_max(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                          kiln_tensor_t *const *out, int n_out)
-{
-    return reduce(in[0], out[0], a->shape, a->ndim, 1);
-}
-
-kiln_status kiln__cpu_argmax(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
+kiln_status kiln__cpu_argmax(KILN__KERNEL_ARGS)
 {
     int64_t dim = a->op.dim.dim;
     return reduce(in[0], out[0], &dim, 1, 2);

@@ -30,6 +30,7 @@
 #include "core/dtype.h"
 #include "core/tensor_impl.h"
 #include "core/intercept.h"
+#include "core/util.h"
 
 #define MAX_CUDA_DEVICES 8
 
@@ -59,8 +60,8 @@ typedef struct {
     int ordinal;
     char name[24];
     char description[160];
-    size_t memory;
-    int units, cc_major, cc_minor;
+    kiln__device_info info; /* names the two above */
+    int cc_major, cc_minor;
     cudaStream_t stream;
     cublasHandle_t blas;
     pthread_mutex_t lock; /* the builtin kernels, made once */
@@ -74,7 +75,8 @@ typedef struct cu_graph {
     cudaGraphExec_t exec;
     const char *failed;
     void **freed;
-    int n_freed, cap_freed;
+    int n_freed;
+    size_t cap_freed;
 } cu_graph;
 
 static cuda_dev devs[MAX_CUDA_DEVICES];
@@ -155,11 +157,7 @@ static kiln_status use(const cuda_dev *d)
 
 static kiln_status cu_device_info(kiln__backend *be, kiln__device_info *out)
 {
-    cuda_dev *d = be->ctx;
-    out->name = d->name;
-    out->description = d->description;
-    out->total_memory = d->memory;
-    out->compute_units = d->units;
+    *out = ((cuda_dev *)be->ctx)->info;
     return KILN_OK;
 }
 
@@ -174,13 +172,9 @@ static void cu_free(kiln__backend *be, void *p, size_t n)
 {
     cuda_dev *d = be->ctx;
     cu_graph *g = d->cap;
+    void *tmp;
     if (p && g) { /* captured nodes may name it: kept until the graph goes */
-        if (g->n_freed == g->cap_freed) {
-            int cap = g->cap_freed ? 2 * g->cap_freed : 16;
-            void **f = realloc(g->freed, sizeof *f * (size_t)cap);
-            if (f) g->freed = f, g->cap_freed = cap;
-        }
-        if (g->n_freed < g->cap_freed) g->freed[g->n_freed++] = p;
+        if (KILN__GROW(g->freed, g->n_freed, &g->cap_freed, 16, tmp)) g->freed[g->n_freed++] = p;
         else if (!g->failed) g->failed = "out of memory keeping a freed buffer"; /* leaked, not freed under a node */
         return;
     }
@@ -197,16 +191,12 @@ static kiln_status copy(kiln__backend *be, void *dst, const void *src, size_t n,
         if (!d->cap->failed) d->cap->failed = what;
         return kiln__err(KILN_ERR_UNSUPPORTED, "%s: %s cannot be captured into a CUDA graph", d->name, what);
     }
-    if (d->cap) { /* captured as a node, not waited for */
-        cudaError_t e = p_cudaMemcpyAsync(dst, src, n, kind, d->stream);
-        return e == cudaSuccess ? KILN_OK : cu_fail(d, "cudaMemcpyAsync (capturing)", e);
-    }
-    /* On the device's stream, so that it is ordered after the kernels before it; copies
-     * to the host then wait for it. */
+    /* On the device's stream, so that it is ordered after the kernels before it (while
+     * capturing, a node of the graph). A copy to the host then waits for it, and one from
+     * the host too (src may go); only device copies are captured, and not waited for. */
     cudaError_t e = p_cudaMemcpyAsync(dst, src, n, kind, d->stream);
-    if (e == cudaSuccess && kind == cudaMemcpyDeviceToHost) e = p_cudaStreamSynchronize(d->stream);
-    if (e == cudaSuccess && kind == cudaMemcpyHostToDevice) e = p_cudaStreamSynchronize(d->stream); /* src may go */
-    return e == cudaSuccess ? KILN_OK : cu_fail(d, "cudaMemcpyAsync", e);
+    if (e == cudaSuccess && kind != cudaMemcpyDeviceToDevice) e = p_cudaStreamSynchronize(d->stream);
+    return e == cudaSuccess ? KILN_OK : cu_fail(d, d->cap ? "cudaMemcpyAsync (capturing)" : "cudaMemcpyAsync", e);
 }
 
 static kiln_status cu_h2d(kiln__backend *be, void *dst, const void *src, size_t n) { return copy(be, dst, src, n, cudaMemcpyHostToDevice); }
@@ -222,10 +212,7 @@ static kiln_status cu_memset(kiln__backend *be, void *dst, int byte, size_t n)
     return e == cudaSuccess ? KILN_OK : cu_fail(d, "cudaMemsetAsync", e);
 }
 
-static kiln__stream *cu_stream_new(kiln__backend *be) { return (kiln__stream *)((cuda_dev *)be->ctx)->stream; }
-static void cu_stream_free(kiln__backend *be, kiln__stream *s) {}
-
-static kiln__event *cu_event_record(kiln__backend *be, kiln__stream *s)
+static kiln__event *cu_event_record(kiln__backend *be)
 {
     cuda_dev *d = be->ctx;
     cudaEvent_t e;
@@ -347,8 +334,6 @@ static kiln_status cu_compile_kernel(kiln__backend *be, const char *source, cons
     return KILN_OK;
 }
 
-static void cu_kernel_free(kiln__backend *be, void *kernel) {} /* modules live as long as the process */
-
 /* Buffers go as (pointer, byte offset 0) pairs, as the generated kernels take them. */
 static kiln_status cu_launch(kiln__backend *be, void *kernel, const kiln__karg *args, int nargs, const size_t *grid,
                              const size_t *block, int grid_dims)
@@ -442,8 +427,7 @@ static kiln_status cu_fill(kiln__backend *be, void *dst, const void *pattern, si
     return run_1d(be, CB_FILL, args, 4, items);
 }
 
-static kiln_status cu_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                           kiln_tensor_t *const *out, int n_out)
+static kiln_status cu_add_(KILN__KERNEL_ARGS)
 {
     int64_t n = kiln_tensor_numel(in[0]);
     if (!contiguous_f32(in[0]) || !contiguous_f32(in[1]) || kiln_tensor_numel(in[1]) != n)
@@ -452,8 +436,7 @@ static kiln_status cu_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in
     return run_1d(be, CB_ADD_, args, 4, n);
 }
 
-static kiln_status cu_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
+static kiln_status cu_scale_(KILN__KERNEL_ARGS)
 {
     int64_t n = kiln_tensor_numel(in[0]);
     if (!contiguous_f32(in[0])) return kiln__cpu_fallback(be, KILN_OP_SCALE_, in, n_in, a, out, n_out);
@@ -461,8 +444,7 @@ static kiln_status cu_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_
     return run_1d(be, CB_SCALE_, args, 3, n);
 }
 
-static kiln_status cu_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
+static kiln_status cu_adamw_(KILN__KERNEL_ARGS)
 {
     const kiln__adamw_attrs *h = &a->op.adamw;
     int64_t f64s = (in[4]->dtype == KILN_DTYPE_F64) | (in[5]->dtype == KILN_DTYPE_F64) << 1 |
@@ -493,8 +475,7 @@ static bool blas_view(int64_t rows, int64_t cols, int64_t sr, int64_t sc, cublas
 }
 
 /* Row-major C = A B as cuBLAS's column-major C^T = B^T A^T, one GEMM per batch entry. */
-static kiln_status cu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
+static kiln_status cu_matmul(KILN__KERNEL_ARGS)
 {
     cuda_dev *d = be->ctx;
     const kiln_tensor_t *x = in[0], *y = in[1], *o = out[0];
@@ -629,11 +610,12 @@ static int cuda_register(int nthreads)
             p_cublasCreate_v2(&d->blas) != CUBLAS_STATUS_SUCCESS || p_cublasSetStream_v2(d->blas, d->stream) != CUBLAS_STATUS_SUCCESS)
             continue;
         size_t free_b = 0, total = 0;
+        int units = 0;
         p_cudaMemGetInfo(&free_b, &total);
-        p_cudaDeviceGetAttribute(&d->units, cudaDevAttrMultiProcessorCount, i);
+        p_cudaDeviceGetAttribute(&units, cudaDevAttrMultiProcessorCount, i);
         p_cudaDeviceGetAttribute(&d->cc_major, cudaDevAttrComputeCapabilityMajor, i);
         p_cudaDeviceGetAttribute(&d->cc_minor, cudaDevAttrComputeCapabilityMinor, i);
-        d->memory = total;
+        d->info = (kiln__device_info){d->name, d->description, total, units};
         snprintf(d->description, sizeof d->description, "CUDA %s (sm_%d%d), runtime %d.%d", gpu, d->cc_major, d->cc_minor,
                  rtv / 1000, rtv % 1000 / 10);
         pthread_mutex_init(&d->lock, NULL);
@@ -651,8 +633,6 @@ static int cuda_register(int nthreads)
             .copy_d2h = cu_d2h,
             .copy_d2d = cu_d2d,
             .memset = cu_memset,
-            .stream_new = cu_stream_new,
-            .stream_free = cu_stream_free,
             .event_record = cu_event_record,
             .event_wait = cu_event_wait,
             .event_free = cu_event_free,
@@ -660,7 +640,7 @@ static int cuda_register(int nthreads)
             .kernels = cuda_kernels,
             .language = "cuda-c",
             .compile_kernel = cu_compile_kernel,
-            .kernel_free = cu_kernel_free,
+            .kernel_free = NULL, /* modules live as long as the process */
             .launch = cu_launch,
             .fill = cu_fill,
             .native_stream = cu_native_stream,
@@ -671,7 +651,6 @@ static int cuda_register(int nthreads)
             .capture_end = graphs ? cu_capture_end : NULL,
             .replay = graphs ? cu_replay : NULL,
             .capture_reset = graphs ? cu_capture_reset : NULL,
-            .can_fuse = NULL, /* every op the lowering knows */
         };
         if (kiln__backend_register(be) == KILN_OK) n++;
         else kiln_clear_error();

@@ -7,8 +7,11 @@
  * dims, and the in-place updates (add_, scale_, adamw_) the lowering leaves out.
  *
  * Every buffer argument is a (__global char *, ulong byte offset) pair: the host passes
- * an OpenCL buffer and the offset inside it of the tensor's first element. */
+ * an OpenCL buffer and the offset inside it of the tensor's first element. BUF(x) is
+ * that pair, gx and ox; AT(T, x) is the tensor's first element as a T pointer. */
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
+#define BUF(x) __global char *g##x, ulong o##x
+#define AT(T, x) ((__global T *)(g##x + o##x))
 
 /* Batch bt's element offsets into A (.x) and B (.y): its index split over the batch
  * dims (sizes d1..d3 inside, the rest outermost), each with its stride in A and in B
@@ -24,22 +27,25 @@ inline long2 batch_offsets(long bt, long d1, long d2, long d3, long a0, long a1,
     return (long2)(i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3, i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3);
 }
 
+/* The two matmul kernels' parameters, and their operands A, B and C of batch bt. */
+#define MATMUL_PARAMS                                                                                   \
+    BUF(a), BUF(b), BUF(c), long M, long N, long K, long sam, long sak, long sbk, long sbn, long d1, long d2, \
+        long d3, long a0, long a1, long a2, long a3, long b0, long b1, long b2, long b3
+#define MATMUL_OPERANDS(bt)                                                                             \
+    const long2 at = batch_offsets(bt, d1, d2, d3, a0, a1, a2, a3, b0, b1, b2, b3);                      \
+    __global const float *A = AT(const float, a) + at.x, *B = AT(const float, b) + at.y;               \
+    __global float *C = AT(float, c) + bt * M * N
+
 /* 64x64 output tiles per 16x16 work-group, each work-item a 4x4 block of them held
  * in registers; A and B tiles of depth 16 staged in local memory. */
 #define TM 64
 #define TK 16
 #define WPT 4
-__kernel __attribute__((reqd_work_group_size(16, 16, 1)))
-void kiln_matmul(__global const char *ga, ulong oa, __global const char *gb, ulong ob, __global char *gc, ulong oc,
-                 long M, long N, long K, long sam, long sak, long sbk, long sbn,
-                 long d1, long d2, long d3, long a0, long a1, long a2, long a3, long b0, long b1, long b2, long b3)
+__kernel __attribute__((reqd_work_group_size(16, 16, 1))) void kiln_matmul(MATMUL_PARAMS)
 {
     const int lr = get_local_id(1), lc = get_local_id(0);
     const long row0 = get_group_id(1) * TM, col0 = get_group_id(0) * TM, bt = get_global_id(2);
-    const long2 at = batch_offsets(bt, d1, d2, d3, a0, a1, a2, a3, b0, b1, b2, b3);
-    __global const float *A = (__global const float *)(ga + oa) + at.x;
-    __global const float *B = (__global const float *)(gb + ob) + at.y;
-    __global float *C = (__global float *)(gc + oc) + bt * M * N;
+    MATMUL_OPERANDS(bt);
     __local float As[TK][TM], Bs[TK][TM];
     float acc[WPT][WPT];
     for (int i = 0; i < WPT; i++)
@@ -70,17 +76,11 @@ void kiln_matmul(__global const char *ga, ulong oa, __global const char *gb, ulo
 }
 
 /* KILN_OPT_CL_MATMUL_TILES=0: the first kernel, 16x16 tiles, one output each. */
-__kernel __attribute__((reqd_work_group_size(16, 16, 1)))
-void kiln_matmul_simple(__global const char *ga, ulong oa, __global const char *gb, ulong ob, __global char *gc,
-                 ulong oc, long M, long N, long K, long sam, long sak, long sbk, long sbn,
-                 long d1, long d2, long d3, long a0, long a1, long a2, long a3, long b0, long b1, long b2, long b3)
+__kernel __attribute__((reqd_work_group_size(16, 16, 1))) void kiln_matmul_simple(MATMUL_PARAMS)
 {
     const int lr = get_local_id(1), lc = get_local_id(0);
     const long row = get_group_id(1) * 16 + lr, col = get_group_id(0) * 16 + lc, bt = get_global_id(2);
-    const long2 at = batch_offsets(bt, d1, d2, d3, a0, a1, a2, a3, b0, b1, b2, b3);
-    __global const float *A = (__global const float *)(ga + oa) + at.x;
-    __global const float *B = (__global const float *)(gb + ob) + at.y;
-    __global float *C = (__global float *)(gc + oc) + bt * M * N;
+    MATMUL_OPERANDS(bt);
     __local float As[16][16], Bs[16][16];
     float acc = 0.0f;
     for (long t = 0; t < K; t += 16) {
@@ -94,105 +94,81 @@ void kiln_matmul_simple(__global const char *ga, ulong oa, __global const char *
     if (row < M && col < N) C[row * N + col] = acc;
 }
 
-/* Embedding rows (indices checked on the host first) and their gradient: each
- * work-item owns one column and adds the rows in order, so the sum is the cpu's.
- * Indices are checked on the host before an eager launch; inside a command buffer
- * (no host in between) a bad one is clamped to 0 and raised in the device's error
- * word, which a replay reads after it runs. */
+/* Embedding rows and their gradient: each work-item of the gradient owns one column
+ * and adds the rows in order, so the sum is the cpu's. Indices are checked on the
+ * host before an eager launch; inside a command buffer (no host in between) a bad one
+ * is clamped to 0 and raised in the device's error word, which a replay reads after
+ * it runs. */
 long kiln_index(__global const char *gi, ulong oi, long i, long idx64, long V, __global int *err)
 {
     const long v = idx64 ? ((__global const long *)(gi + oi))[i] : (long)((__global const int *)(gi + oi))[i];
     if (v < 0 || v >= V) { *err = 1; return 0; }
     return v;
 }
-__kernel void kiln_embedding(__global const char *gw, ulong ow, __global const char *gi, ulong oi,
-                             __global char *go, ulong oo, long C, long n, long idx64, long V,
-                             __global char *ge, ulong oe)
+__kernel void kiln_embedding(BUF(w), BUF(i), BUF(o), long C, long n, long V, long idx64, BUF(e))
 {
     const long q = get_global_id(0);
     if (q >= n * C) return;
-    const long i = q / C, c = q % C;
-    const long v = kiln_index(gi, oi, i, idx64, V, (__global int *)(ge + oe));
-    ((__global float *)(go + oo))[q] = ((__global const float *)(gw + ow))[v * C + c];
+    const long v = kiln_index(gi, oi, q / C, idx64, V, AT(int, e));
+    AT(float, o)[q] = AT(const float, w)[v * C + q % C];
 }
-__kernel void kiln_embedding_backward(__global const char *gg, ulong og, __global const char *gi, ulong oi,
-                                      __global char *gd, ulong od, long C, long N, long V, long idx64,
-                                      __global char *ge, ulong oe)
+__kernel void kiln_embedding_backward(BUF(g), BUF(i), BUF(d), long C, long N, long V, long idx64, BUF(e))
 {
     const long c = get_global_id(0);
     if (c >= C) return;
-    __global float *d = (__global float *)(gd + od);
-    __global const float *g = (__global const float *)(gg + og);
+    __global float *d = AT(float, d);
     for (long v = 0; v < V; v++) d[v * C + c] = 0.0f;
-    for (long i = 0; i < N; i++) {
-        const long v = kiln_index(gi, oi, i, idx64, V, (__global int *)(ge + oe));
-        d[v * C + c] += g[i * C + c];
-    }
+    for (long i = 0; i < N; i++) d[kiln_index(gi, oi, i, idx64, V, AT(int, e)) * C + c] += AT(const float, g)[i * C + c];
 }
 
 /* Cross-entropy rows in double, as the cpu's: the loss of each row (0 for an ignored
- * one) and its log-sum-exp; the mean and the rows that count by one work-item, in row
- * order as the cpu sums; the gradient from the log-sum-exp, scaled by the upstream
- * gradient over the count, both read on the device. A target outside [0, V) (and
- * not ignore) is raised in the error word and counts as ignored. */
+ * one) and its log-sum-exp; the rows that count by one work-item, in row order as the
+ * cpu sums, for the mean (forward) or the upstream gradient over the count (backward),
+ * both read on the device; the gradient from the log-sum-exp. A target outside [0, V)
+ * (and not ignore) is raised in the error word and counts as ignored. */
 long kiln_target(__global const char *gt, ulong ot, long n, long t64, long V, long ignore, __global int *err)
 {
     const long t = t64 ? ((__global const long *)(gt + ot))[n] : (long)((__global const int *)(gt + ot))[n];
     if (t != ignore && (t < 0 || t >= V)) { *err = 1; return ignore; }
     return t;
 }
-__kernel void kiln_ce_rows(__global const char *gx, ulong ox, __global const char *gt, ulong ot,
-                           __global char *gl, ulong ol, __global char *gr, ulong orr, long N, long V,
-                           long ignore, long t64, __global char *ge, ulong oe)
+__kernel void kiln_ce_rows(BUF(x), BUF(t), BUF(l), BUF(rl), long N, long V, long ignore, long t64, BUF(e))
 {
     const long n = get_global_id(0);
     if (n >= N) return;
-    __global const float *x = (__global const float *)(gx + ox) + n * V;
+    __global const float *x = AT(const float, x) + n * V;
     double m = -INFINITY, s = 0;
     for (long v = 0; v < V; v++) if (x[v] > m) m = x[v];
     for (long v = 0; v < V; v++) s += exp((double)x[v] - m);
     const double lse = m + log(s);
-    ((__global float *)(gl + ol))[n] = (float)lse;
-    const long t = kiln_target(gt, ot, n, t64, V, ignore, (__global int *)(ge + oe));
-    ((__global double *)(gr + orr))[n] = t == ignore ? 0.0 : lse - (double)x[t];
+    AT(float, l)[n] = (float)lse;
+    const long t = kiln_target(gt, ot, n, t64, V, ignore, AT(int, e));
+    AT(double, rl)[n] = t == ignore ? 0.0 : lse - (double)x[t];
 }
-__kernel void kiln_ce_mean(__global const char *gr, ulong orr, __global const char *gt, ulong ot,
-                           __global char *go, ulong oo, long N, long V, long ignore, long t64,
-                           __global char *ge, ulong oe)
+/* Forward: o (float) = the mean of the row losses rl (double), NaN for no row that
+ * counts. Backward: o (double) = the gradient rl (float) over the count, 0 for none. */
+__kernel void kiln_ce_count(BUF(rl), BUF(t), BUF(o), long N, long V, long ignore, long t64, BUF(e), long bwd)
 {
     if (get_global_id(0) != 0) return;
     double sum = 0;
     long count = 0;
     for (long n = 0; n < N; n++) {
-        sum += ((__global const double *)(gr + orr))[n];
-        count += kiln_target(gt, ot, n, t64, V, ignore, (__global int *)(ge + oe)) != ignore;
+        if (!bwd) sum += AT(const double, rl)[n];
+        count += kiln_target(gt, ot, n, t64, V, ignore, AT(int, e)) != ignore;
     }
-    ((__global float *)(go + oo))[0] = (float)(count ? sum / (double)count : NAN);
+    if (bwd) AT(double, o)[0] = count ? AT(const float, rl)[0] / (double)count : 0.0;
+    else AT(float, o)[0] = (float)(count ? sum / (double)count : NAN);
 }
-__kernel void kiln_ce_scale(__global const char *gt, ulong ot, __global const char *gg, ulong og,
-                            __global char *gs, ulong os, long N, long V, long ignore, long t64,
-                            __global char *ge, ulong oe)
-{
-    if (get_global_id(0) != 0) return;
-    long count = 0;
-    for (long n = 0; n < N; n++) count += kiln_target(gt, ot, n, t64, V, ignore, (__global int *)(ge + oe)) != ignore;
-    const double g = ((__global const float *)(gg + og))[0];
-    ((__global double *)(gs + os))[0] = count ? g / (double)count : 0.0;
-}
-__kernel void kiln_ce_backward(__global const char *gx, ulong ox, __global const char *gt, ulong ot,
-                               __global const char *gl, ulong ol, __global char *gd, ulong od, long N, long V,
-                               long ignore, long t64, __global const char *gs, ulong os,
-                               __global char *ge, ulong oe)
+__kernel void kiln_ce_backward(BUF(x), BUF(t), BUF(l), BUF(d), long N, long V, long ignore, long t64, BUF(e), BUF(s))
 {
     const long q = get_global_id(0);
     if (q >= N * V) return;
     const long n = q / V, v = q % V;
-    const long t = kiln_target(gt, ot, n, t64, V, ignore, (__global int *)(ge + oe));
-    __global float *dx = (__global float *)(gd + od);
+    const long t = kiln_target(gt, ot, n, t64, V, ignore, AT(int, e));
+    __global float *dx = AT(float, d);
     if (t == ignore) { dx[q] = 0.0f; return; }
-    const double gscale = ((__global const double *)(gs + os))[0];
-    const double lse = ((__global const float *)(gl + ol))[n];
-    float d = (float)(gscale * exp((double)((__global const float *)(gx + ox))[q] - lse));
+    const double gscale = AT(const double, s)[0], lse = AT(const float, l)[n];
+    float d = (float)(gscale * exp((double)AT(const float, x)[q] - lse));
     if (v == t) d -= (float)gscale;
     dx[q] = d;
 }
@@ -204,23 +180,22 @@ __kernel void kiln_ce_backward(__global const char *gx, ulong ox, __global const
  * 256 work-items of 2 KiB each overflowed it). Query i sees
  * keys j < i + (Tk - Tq) + 1 when causal. Heads share kv heads in groups of H / Hkv. */
 #define ATT_D 128
+#define ATT_DIMS long B, long H, long Hkv, long Tq, long Tk, long D, float scale, long causal
 long att_keys(long i, long Tq, long Tk, long causal)
 {
     if (!causal) return Tk;
     const long n = i + (Tk - Tq) + 1;
     return n < Tk ? n : Tk;
 }
-__kernel void kiln_attention(__global const char *gq, ulong oq, __global const char *gk, ulong ok,
-                             __global const char *gv, ulong ov, __global char *go, ulong oo, __global char *gl,
-                             ulong ol, long B, long H, long Hkv, long Tq, long Tk, long D, float scale, long causal)
+__kernel void kiln_attention(BUF(q), BUF(k), BUF(v), BUF(o), BUF(l), ATT_DIMS)
 {
     const long row = get_global_id(0);
     if (row >= B * H * Tq) return;
     const long i = row % Tq, bh = row / Tq, b = bh / H, h = bh % H, hk = h / (H / Hkv);
-    __global const float *q = (__global const float *)(gq + oq) + row * D;
-    __global const float *K = (__global const float *)(gk + ok) + (b * Hkv + hk) * Tk * D;
-    __global const float *V = (__global const float *)(gv + ov) + (b * Hkv + hk) * Tk * D;
-    __global float *o = (__global float *)(go + oo) + row * D;
+    __global const float *q = AT(const float, q) + row * D;
+    __global const float *K = AT(const float, k) + (b * Hkv + hk) * Tk * D;
+    __global const float *V = AT(const float, v) + (b * Hkv + hk) * Tk * D;
+    __global float *o = AT(float, o) + row * D;
     float acc[ATT_D];
     for (long d = 0; d < D; d++) acc[d] = 0.0f;
     float m = -INFINITY;
@@ -242,25 +217,20 @@ __kernel void kiln_attention(__global const char *gq, ulong oq, __global const c
     }
     const float inv = nk ? (float)(1.0 / l) : 0.0f;
     for (long d = 0; d < D; d++) o[d] = acc[d] * inv;
-    ((__global float *)(gl + ol))[row] = nk ? (float)((double)m + log(l)) : -INFINITY;
+    AT(float, l)[row] = nk ? (float)((double)m + log(l)) : -INFINITY;
 }
 
 /* dQ_i = scale sum_j dS_ij K_j, dS_ij = P_ij (dO_i . V_j - dO_i . O_i) */
-__kernel void kiln_attention_dq(__global const char *gg, ulong og, __global const char *gq, ulong oq,
-                                __global const char *gk, ulong ok, __global const char *gv, ulong ov,
-                                __global const char *go, ulong oo, __global const char *gl, ulong ol,
-                                __global char *gd, ulong od, long B, long H, long Hkv, long Tq, long Tk, long D,
-                                float scale, long causal)
+__kernel void kiln_attention_dq(BUF(g), BUF(q), BUF(k), BUF(v), BUF(o), BUF(l), BUF(d), ATT_DIMS)
 {
     const long row = get_global_id(0);
     if (row >= B * H * Tq) return;
     const long i = row % Tq, bh = row / Tq, b = bh / H, h = bh % H, hk = h / (H / Hkv);
-    __global const float *q = (__global const float *)(gq + oq) + row * D;
-    __global const float *g = (__global const float *)(gg + og) + row * D;
-    __global const float *o = (__global const float *)(go + oo) + row * D;
-    __global const float *K = (__global const float *)(gk + ok) + (b * Hkv + hk) * Tk * D;
-    __global const float *V = (__global const float *)(gv + ov) + (b * Hkv + hk) * Tk * D;
-    const float lse = ((__global const float *)(gl + ol))[row];
+    __global const float *q = AT(const float, q) + row * D, *g = AT(const float, g) + row * D;
+    __global const float *o = AT(const float, o) + row * D;
+    __global const float *K = AT(const float, k) + (b * Hkv + hk) * Tk * D;
+    __global const float *V = AT(const float, v) + (b * Hkv + hk) * Tk * D;
+    const float lse = AT(const float, l)[row];
     float Di = 0.0f, dq[ATT_D];
     for (long d = 0; d < D; d++) { Di = fma(g[d], o[d], Di); dq[d] = 0.0f; }
     const long nk = att_keys(i, Tq, Tk, causal);
@@ -270,56 +240,46 @@ __kernel void kiln_attention_dq(__global const char *gg, ulong og, __global cons
         const float ds = exp(sc * scale - lse) * (dp - Di);
         for (long d = 0; d < D; d++) dq[d] = fma(ds, K[j * D + d], dq[d]);
     }
-    __global float *out = (__global float *)(gd + od) + row * D;
+    __global float *out = AT(float, d) + row * D;
     for (long d = 0; d < D; d++) out[d] = dq[d] * scale;
 }
 
 /* dK_j = scale sum_{h in group, i} dS_ij Q_i, dV_j = sum P_ij dO_i */
-__kernel void kiln_attention_dkv(__global const char *gg, ulong og, __global const char *gq, ulong oq,
-                                 __global const char *gk, ulong ok, __global const char *gv, ulong ov,
-                                 __global const char *go, ulong oo, __global const char *gl, ulong ol,
-                                 __global char *gdk, ulong odk, __global char *gdv, ulong odv, long B, long H,
-                                 long Hkv, long Tq, long Tk, long D, float scale, long causal)
+__kernel void kiln_attention_dkv(BUF(g), BUF(q), BUF(k), BUF(v), BUF(o), BUF(l), BUF(dk), BUF(dv), ATT_DIMS)
 {
     const long kr = get_global_id(0);
     if (kr >= B * Hkv * Tk) return;
     const long j = kr % Tk, bhk = kr / Tk, b = bhk / Hkv, hk = bhk % Hkv, grp = H / Hkv;
-    __global const float *k = (__global const float *)(gk + ok) + kr * D;
-    __global const float *v = (__global const float *)(gv + ov) + kr * D;
+    __global const float *k = AT(const float, k) + kr * D, *v = AT(const float, v) + kr * D;
     float dk[ATT_D], dv[ATT_D];
     for (long d = 0; d < D; d++) { dk[d] = 0.0f; dv[d] = 0.0f; }
     for (long h = hk * grp; h < (hk + 1) * grp; h++)
         for (long i = 0; i < Tq; i++) {
             if (j >= att_keys(i, Tq, Tk, causal)) continue;
             const long row = (b * H + h) * Tq + i;
-            __global const float *q = (__global const float *)(gq + oq) + row * D;
-            __global const float *g = (__global const float *)(gg + og) + row * D;
-            __global const float *o = (__global const float *)(go + oo) + row * D;
+            __global const float *q = AT(const float, q) + row * D, *g = AT(const float, g) + row * D;
+            __global const float *o = AT(const float, o) + row * D;
             float sc = 0.0f, dp = 0.0f, Di = 0.0f;
             for (long d = 0; d < D; d++) {
                 sc = fma(q[d], k[d], sc);
                 dp = fma(g[d], v[d], dp);
                 Di = fma(g[d], o[d], Di);
             }
-            const float p = exp(sc * scale - ((__global const float *)(gl + ol))[row]), ds = p * (dp - Di);
+            const float p = exp(sc * scale - AT(const float, l)[row]), ds = p * (dp - Di);
             for (long d = 0; d < D; d++) { dv[d] = fma(p, g[d], dv[d]); dk[d] = fma(ds, q[d], dk[d]); }
         }
-    __global float *odkp = (__global float *)(gdk + odk) + kr * D, *odvp = (__global float *)(gdv + odv) + kr * D;
-    for (long d = 0; d < D; d++) { odkp[d] = dk[d] * scale; odvp[d] = dv[d]; }
+    __global float *dko = AT(float, dk) + kr * D, *dvo = AT(float, dv) + kr * D;
+    for (long d = 0; d < D; d++) { dko[d] = dk[d] * scale; dvo[d] = dv[d]; }
 }
 
 /* Layer / RMS norm backward in double as the cpu's: dx a work-item per row; dw and
  * db a work-item per column, its rows summed in order. mean is unused for RMS. */
-__kernel void kiln_norm_dx(__global const char *gg, ulong og, __global const char *gx, ulong ox,
-                           __global const char *gw, ulong ow, __global const char *gm, ulong om,
-                           __global const char *gr, ulong orr, __global char *gd, ulong od, long N, long C,
-                           long rms)
+__kernel void kiln_norm_dx(BUF(g), BUF(x), BUF(w), BUF(m), BUF(rstd), BUF(d), long N, long C, long rms)
 {
     const long n = get_global_id(0);
     if (n >= N) return;
-    __global const float *g = (__global const float *)(gg + og) + n * C, *x = (__global const float *)(gx + ox) + n * C;
-    __global const float *w = (__global const float *)(gw + ow);
-    const double mu = rms ? 0.0 : ((__global const float *)(gm + om))[n], rs = ((__global const float *)(gr + orr))[n];
+    __global const float *g = AT(const float, g) + n * C, *x = AT(const float, x) + n * C, *w = AT(const float, w);
+    const double mu = rms ? 0.0 : AT(const float, m)[n], rs = AT(const float, rstd)[n];
     double s1 = 0, s2 = 0;
     for (long i = 0; i < C; i++) {
         const double xh = ((double)x[i] - mu) * rs, gwv = (double)g[i] * w[i];
@@ -328,50 +288,44 @@ __kernel void kiln_norm_dx(__global const char *gg, ulong og, __global const cha
     }
     s1 = rms ? 0.0 : s1 / (double)C;
     s2 /= (double)C;
-    __global float *dx = (__global float *)(gd + od) + n * C;
+    __global float *dx = AT(float, d) + n * C;
     for (long i = 0; i < C; i++) {
         const double xh = ((double)x[i] - mu) * rs;
         dx[i] = (float)(rs * ((double)g[i] * w[i] - s1 - xh * s2));
     }
 }
-__kernel void kiln_norm_dwb(__global const char *gg, ulong og, __global const char *gx, ulong ox,
-                            __global const char *gm, ulong om, __global const char *gr, ulong orr,
-                            __global char *gdw, ulong odw, __global char *gdb, ulong odb, long N, long C, long rms)
+__kernel void kiln_norm_dwb(BUF(g), BUF(x), BUF(m), BUF(rstd), BUF(dw), BUF(db), long N, long C, long rms)
 {
     const long i = get_global_id(0);
     if (i >= C) return;
     double sw = 0, sb = 0;
     for (long n = 0; n < N; n++) {
-        const double mu = rms ? 0.0 : ((__global const float *)(gm + om))[n];
-        const double xh = ((double)((__global const float *)(gx + ox))[n * C + i] - mu) *
-                          ((__global const float *)(gr + orr))[n];
-        const float g = ((__global const float *)(gg + og))[n * C + i];
+        const double mu = rms ? 0.0 : AT(const float, m)[n];
+        const double xh = ((double)AT(const float, x)[n * C + i] - mu) * AT(const float, rstd)[n];
+        const float g = AT(const float, g)[n * C + i];
         sw += (double)g * xh;
         sb += g;
     }
-    ((__global float *)(gdw + odw))[i] = (float)sw;
-    if (!rms) ((__global float *)(gdb + odb))[i] = (float)sb;
+    AT(float, dw)[i] = (float)sw;
+    if (!rms) AT(float, db)[i] = (float)sb;
 }
-__kernel void kiln_add_(__global char *gd, ulong od, __global const char *gs, ulong os, float alpha, long n)
-{
-    const long i = get_global_id(0);
-    __global float *d = (__global float *)(gd + od);
-    if (i < n) d[i] = fma(alpha, ((__global const float *)(gs + os))[i], d[i]);
-}
-__kernel void kiln_add_f64_(__global char *gd, ulong od, __global const char *gs, ulong os, double alpha, long n)
-{
-    const long i = get_global_id(0);
-    __global double *d = (__global double *)(gd + od);
-    if (i < n) d[i] = fma(alpha, ((__global const double *)(gs + os))[i], d[i]);
-}
+
+/* d += alpha s, in the element type T. */
+#define ADD_(name, T)                                                                                 \
+    __kernel void name(BUF(d), BUF(s), T alpha, long n)                                               \
+    {                                                                                                 \
+        const long i = get_global_id(0);                                                              \
+        if (i < n) AT(T, d)[i] = fma(alpha, AT(const T, s)[i], AT(T, d)[i]);                          \
+    }
+ADD_(kiln_add_, float)
+ADD_(kiln_add_f64_, double)
 
 /* A copy between any two layouts of the same shape (up to 6 dims, element strides),
  * one element per work-item, es bytes each: what slicing's backward writes into a
  * strided view. */
-__kernel void kiln_copy_nd(__global char *gd, ulong od, __global const char *gs, ulong os, long n, long es,
-                           long nd, long n0, long n1, long n2, long n3, long n4, long n5, long d0, long d1,
-                           long d2, long d3, long d4, long d5, long r0, long r1, long r2, long r3, long r4,
-                           long r5)
+__kernel void kiln_copy_nd(BUF(d), BUF(s), long n, long es, long nd, long n0, long n1, long n2, long n3, long n4,
+                           long n5, long d0, long d1, long d2, long d3, long d4, long d5, long r0, long r1, long r2,
+                           long r3, long r4, long r5)
 {
     const long q = get_global_id(0);
     if (q >= n) return;
@@ -383,32 +337,29 @@ __kernel void kiln_copy_nd(__global char *gd, ulong od, __global const char *gs,
         dofs += i * ds[d];
         sofs += i * rs[d];
     }
-    __global char *dst = gd + od + dofs * es;
-    __global const char *src = gs + os + sofs * es;
+    __global char *dst = AT(char, d) + dofs * es;
+    __global const char *src = AT(const char, s) + sofs * es;
     for (long b = 0; b < es; b++) dst[b] = src[b];
 }
-__kernel void kiln_scale_(__global char *gd, ulong od, float s, long n)
+__kernel void kiln_scale_(BUF(d), float s, long n)
 {
     const long i = get_global_id(0);
-    __global float *d = (__global float *)(gd + od);
-    if (i < n) d[i] = d[i] * s;
+    if (i < n) AT(float, d)[i] = AT(float, d)[i] * s;
 }
 double one_value(__global const char *g, ulong o, long f64)
 {
     return f64 ? *(__global const double *)(g + o) : (double)*(__global const float *)(g + o);
 }
-__kernel void kiln_adamw_(__global char *gp, ulong op, __global const char *gg, ulong og, __global char *gm, ulong om,
-                          __global char *gv, ulong ov, __global const char *glr, ulong olr, __global const char *gt,
-                          ulong ot, __global const char *gs, ulong os, long f64s, float wd, double b1, double b2,
-                          float eps, long n)
+__kernel void kiln_adamw_(BUF(p), BUF(g), BUF(m), BUF(v), BUF(lr), BUF(t), BUF(s), long f64s, float wd, double b1,
+                          double b2, float eps, long n)
 {
     const long i = get_global_id(0);
     if (i >= n) return;
     const double t = one_value(gt, ot, f64s & 2);
     const float lr = (float)one_value(glr, olr, f64s & 1), gsc = (float)one_value(gs, os, f64s & 4);
     const float c1 = (float)(1.0 - pow(b1, t)), c2 = (float)(1.0 - pow(b2, t)), fb1 = (float)b1, fb2 = (float)b2;
-    __global float *p = (__global float *)(gp + op), *m = (__global float *)(gm + om), *v = (__global float *)(gv + ov);
-    const float g = ((__global const float *)(gg + og))[i] * gsc;
+    __global float *p = AT(float, p), *m = AT(float, m), *v = AT(float, v);
+    const float g = AT(const float, g)[i] * gsc;
     const float mi = fb1 * m[i] + (1.0f - fb1) * g, vi = fb2 * v[i] + (1.0f - fb2) * g * g;
     m[i] = mi;
     v[i] = vi;

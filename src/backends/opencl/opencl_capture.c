@@ -20,9 +20,9 @@ typedef struct cl_graph {
     bool any;
     const char *failed; /* the first thing that could not be recorded */
     cl_kernel *k;
-    int n_k, cap_k;
     cl_range *freed;
-    int n_freed, cap_freed;
+    int n_k, n_freed;
+    size_t cap_k, cap_freed;
     cl_event pending; /* the last run, where the buffer cannot run twice at once */
     bool ran; /* replayed before: the first replay is waited for (first_run() in opencl_program.c) */
 } cl_graph;
@@ -88,15 +88,8 @@ kiln_status kiln__opencl_not_recordable(cl_dev *d, const char *what)
 bool kiln__opencl_keep_freed(cl_dev *d, cl_range r)
 {
     cl_graph *g = d->cap;
-    if (g->n_freed == g->cap_freed) {
-        int cap = g->cap_freed ? 2 * g->cap_freed : 16;
-        cl_range *f = realloc(g->freed, sizeof *f * (size_t)cap);
-        if (f) {
-            g->freed = f;
-            g->cap_freed = cap;
-        }
-    }
-    if (g->n_freed < g->cap_freed) {
+    void *tmp;
+    if (KILN__GROW(g->freed, g->n_freed, &g->cap_freed, 16, tmp)) {
         g->freed[g->n_freed++] = r;
         return true;
     }
@@ -150,15 +143,10 @@ kiln_status kiln__opencl_record_kernel(cl_dev *d, cl_kernel k, cl_kernel *out)
     if (err == CL_SUCCESS) err = clGetKernelInfo(k, CL_KERNEL_FUNCTION_NAME, sizeof name - 1, name, NULL);
     cl_kernel nk = err == CL_SUCCESS ? clCreateKernel(prog, name, &err) : NULL;
     if (err != CL_SUCCESS) return kiln__opencl_fail(d, "clCreateKernel (recording)", err);
-    if (g->n_k == g->cap_k) {
-        int cap = g->cap_k ? 2 * g->cap_k : 256;
-        cl_kernel *ks = realloc(g->k, sizeof *ks * (size_t)cap);
-        if (!ks) {
-            clReleaseKernel(nk);
-            return kiln__err(KILN_ERR_OOM, "%s: out of memory recording a command buffer", d->name);
-        }
-        g->k = ks;
-        g->cap_k = cap;
+    void *tmp;
+    if (!KILN__GROW(g->k, g->n_k, &g->cap_k, 256, tmp)) {
+        clReleaseKernel(nk);
+        return kiln__err(KILN_ERR_OOM, "%s: out of memory recording a command buffer", d->name);
     }
     g->k[g->n_k++] = nk;
     *out = nk;
@@ -241,10 +229,10 @@ kiln_status kiln__opencl_replay(kiln__backend *be, void *graph)
     /* What the host checks before an eager launch the kernels checked: a bad index or
      * target makes this run's results meaningless, and is said. */
     int word = 0;
-    kiln_status s = kiln__opencl_copy_d2h(be, &word, d->err, sizeof word);
+    kiln_status s = kiln__be_copy_d2h(be, &word, d->err, sizeof word);
     if (s != KILN_OK || !word) return s;
     word = 0;
-    if ((s = kiln__opencl_copy_h2d(be, d->err, &word, sizeof word)) != KILN_OK) return s;
+    if ((s = kiln__be_copy_h2d(be, d->err, &word, sizeof word)) != KILN_OK) return s;
     return kiln__err(KILN_ERR_INDEX, "%s: an index or target outside its range (embedding or cross_entropy) in a "
                      "replayed step: its results are not valid (run the step eagerly to see which)", d->name);
 }

@@ -1,5 +1,6 @@
-/* An OpenCL device and its memory: opening it, buffers and the addresses that stand for
- * them, copies and fills, the queue as the stream, events.
+/* The OpenCL devices (opencl_impl.h says what the backend is): opening and registering
+ * every one found, buffers and the addresses that stand for them, copies and fills, the
+ * queue as the stream, events.
  *
  * Memory. The core addresses a tensor as its storage's pointer plus a byte offset, and
  * the contract's copies take such addresses. An OpenCL buffer has no address, so each
@@ -25,8 +26,9 @@ kiln_status kiln__opencl_fail(const cl_dev *d, const char *what, cl_int err)
     return kiln__err(KILN_ERR_DEVICE, "%s: %s failed with OpenCL error %d", d->name, what, (int)err);
 }
 
-/* Opens the device; its command buffers, where the platform has them, too. */
-kiln_status kiln__opencl_open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev, int index)
+/* Opens device dev of platform plat as "opencl:index" into d; its command buffers,
+ * where the platform has them, too. */
+static kiln_status open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev, int index)
 {
     cl_int err;
     d->dev = dev;
@@ -40,8 +42,7 @@ kiln_status kiln__opencl_open_device(cl_dev *d, cl_platform_id plat, cl_device_i
     cl_uint units = 0;
     clGetDeviceInfo(dev, CL_DEVICE_GLOBAL_MEM_SIZE, sizeof mem, &mem, NULL);
     clGetDeviceInfo(dev, CL_DEVICE_MAX_COMPUTE_UNITS, sizeof units, &units, NULL);
-    d->memory = (size_t)mem;
-    d->units = (int)units;
+    d->info = (kiln__device_info){d->name, d->description, (size_t)mem, (int)units};
     d->ctx = clCreateContext(NULL, 1, &dev, NULL, NULL, &err);
     if (err != CL_SUCCESS) return kiln__opencl_fail(d, "clCreateContext", err);
     d->q = clCreateCommandQueue(d->ctx, dev, 0, &err);
@@ -89,17 +90,13 @@ kiln_status kiln__opencl_resolve(cl_dev *d, const void *p, size_t n, cl_mem *mem
               : kiln__err(KILN_ERR_INTERNAL, "%s: address %p (+%zu bytes) is not inside one of its buffers", d->name, p, n);
 }
 
-kiln_status kiln__opencl_device_info(kiln__backend *be, kiln__device_info *out)
+static kiln_status ocl_device_info(kiln__backend *be, kiln__device_info *out)
 {
-    cl_dev *d = be->ctx;
-    out->name = d->name;
-    out->description = d->description;
-    out->total_memory = d->memory;
-    out->compute_units = d->units;
+    *out = ((cl_dev *)be->ctx)->info;
     return KILN_OK;
 }
 
-void *kiln__opencl_alloc(kiln__backend *be, size_t nbytes)
+static void *ocl_alloc(kiln__backend *be, size_t nbytes)
 {
     cl_dev *d = be->ctx;
     size_t n = nbytes ? nbytes : 64;
@@ -111,18 +108,13 @@ void *kiln__opencl_alloc(kiln__backend *be, size_t nbytes)
         munmap(addr, n);
         return NULL;
     }
+    void *tmp;
     pthread_mutex_lock(&d->lock);
-    if (d->n_r == d->cap_r) {
-        int cap = d->cap_r ? 2 * d->cap_r : 64;
-        cl_range *r = realloc(d->r, sizeof *r * (size_t)cap);
-        if (!r) {
-            pthread_mutex_unlock(&d->lock);
-            clReleaseMemObject(mem);
-            munmap(addr, n);
-            return NULL;
-        }
-        d->r = r;
-        d->cap_r = cap;
+    if (!KILN__GROW(d->r, d->n_r, &d->cap_r, 64, tmp)) {
+        pthread_mutex_unlock(&d->lock);
+        clReleaseMemObject(mem);
+        munmap(addr, n);
+        return NULL;
     }
     int at = d->n_r;
     while (at > 0 && d->r[at - 1].base > (uintptr_t)addr) at--;
@@ -139,7 +131,7 @@ void kiln__opencl_release_range(cl_range r)
     munmap((void *)r.base, r.n);
 }
 
-void kiln__opencl_free(kiln__backend *be, void *ptr, size_t nbytes)
+static void ocl_free(kiln__backend *be, void *ptr, size_t nbytes)
 {
     cl_dev *d = be->ctx;
     if (!ptr) return;
@@ -171,17 +163,17 @@ static kiln_status transfer(kiln__backend *be, const void *dev, void *host, size
     return err == CL_SUCCESS ? KILN_OK : kiln__opencl_fail(d, write ? "clEnqueueWriteBuffer" : "clEnqueueReadBuffer", err);
 }
 
-kiln_status kiln__opencl_copy_h2d(kiln__backend *be, void *dst, const void *src, size_t n)
+static kiln_status ocl_copy_h2d(kiln__backend *be, void *dst, const void *src, size_t n)
 {
     return transfer(be, dst, (void *)src, n, true);
 }
 
-kiln_status kiln__opencl_copy_d2h(kiln__backend *be, void *dst, const void *src, size_t n)
+static kiln_status ocl_copy_d2h(kiln__backend *be, void *dst, const void *src, size_t n)
 {
     return transfer(be, src, dst, n, false);
 }
 
-kiln_status kiln__opencl_copy_d2d(kiln__backend *be, void *dst, const void *src, size_t n)
+static kiln_status ocl_copy_d2d(kiln__backend *be, void *dst, const void *src, size_t n)
 {
     cl_dev *d = be->ctx;
     cl_mem md, ms;
@@ -193,11 +185,11 @@ kiln_status kiln__opencl_copy_d2d(kiln__backend *be, void *dst, const void *src,
         return s;
     if (md == ms && od == os) return KILN_OK; /* onto itself */
     if (md == ms && (od < os + n && os < od + n)) { /* OpenCL forbids overlapping copies: through a device buffer */
-        void *tmp = kiln__opencl_alloc(be, n);
+        void *tmp = ocl_alloc(be, n);
         if (!tmp) return kiln__err(KILN_ERR_OOM, "%s: out of device memory for an overlapping copy", d->name);
-        s = kiln__opencl_copy_d2d(be, tmp, src, n);
-        if (s == KILN_OK) s = kiln__opencl_copy_d2d(be, dst, tmp, n);
-        kiln__opencl_free(be, tmp, n); /* in-order queue: after the copies */
+        s = ocl_copy_d2d(be, tmp, src, n);
+        if (s == KILN_OK) s = ocl_copy_d2d(be, dst, tmp, n);
+        ocl_free(be, tmp, n); /* in-order queue: after the copies */
         return s;
     }
     if (d->cap) return kiln__opencl_record_copy(d, ms, md, os, od, n);
@@ -205,43 +197,22 @@ kiln_status kiln__opencl_copy_d2d(kiln__backend *be, void *dst, const void *src,
     return err == CL_SUCCESS ? KILN_OK : kiln__opencl_fail(d, "clEnqueueCopyBuffer", err);
 }
 
-/* A fill enqueued, or recorded while capturing. */
-static kiln_status fill_mem(cl_dev *d, cl_mem mem, const void *pattern, size_t size, size_t off, size_t n)
-{
-    if (d->cap) return kiln__opencl_record_fill(d, mem, pattern, size, off, n);
-    cl_int err = clEnqueueFillBuffer(d->q, mem, pattern, size, off, n, 0, NULL, NULL);
-    return err == CL_SUCCESS ? KILN_OK : kiln__opencl_fail(d, "clEnqueueFillBuffer", err);
-}
+/* One in-order queue per device (the core's one stream): an event is a marker on it. */
 
-kiln_status kiln__opencl_memset(kiln__backend *be, void *dst, int byte, size_t n)
-{
-    cl_dev *d = be->ctx;
-    cl_mem mem;
-    size_t off;
-    kiln_status s = n ? kiln__opencl_resolve(d, dst, n, &mem, &off) : KILN_OK;
-    if (s != KILN_OK || !n) return s;
-    unsigned char pattern = (unsigned char)byte;
-    return fill_mem(d, mem, &pattern, 1, off, n);
-}
-
-/* One in-order queue per device: a stream is that queue, an event a marker on it. */
-kiln__stream *kiln__opencl_stream_new(kiln__backend *be) { return (kiln__stream *)((cl_dev *)be->ctx)->q; }
-void kiln__opencl_stream_free(kiln__backend *be, kiln__stream *s) {}
-
-kiln__event *kiln__opencl_event_record(kiln__backend *be, kiln__stream *s)
+static kiln__event *ocl_event_record(kiln__backend *be)
 {
     cl_event e = NULL;
     return clEnqueueMarkerWithWaitList(((cl_dev *)be->ctx)->q, 0, NULL, &e) == CL_SUCCESS ? (kiln__event *)e : NULL;
 }
 
-kiln_status kiln__opencl_event_wait(kiln__backend *be, kiln__event *e)
+static kiln_status ocl_event_wait(kiln__backend *be, kiln__event *e)
 {
     cl_event ev = (cl_event)e;
     cl_int err = e ? clWaitForEvents(1, &ev) : CL_SUCCESS;
     return err == CL_SUCCESS ? KILN_OK : kiln__opencl_fail(be->ctx, "clWaitForEvents", err);
 }
 
-kiln_status kiln__opencl_event_query(kiln__backend *be, kiln__event *e, bool *done)
+static kiln_status ocl_event_query(kiln__backend *be, kiln__event *e, bool *done)
 {
     cl_int state = CL_COMPLETE, err = e ? clGetEventInfo((cl_event)e, CL_EVENT_COMMAND_EXECUTION_STATUS, sizeof state,
                                                          &state, NULL)
@@ -251,20 +222,20 @@ kiln_status kiln__opencl_event_query(kiln__backend *be, kiln__event *e, bool *do
     return err == CL_SUCCESS ? KILN_OK : kiln__opencl_fail(be->ctx, "clGetEventInfo", err);
 }
 
-void kiln__opencl_event_free(kiln__backend *be, kiln__event *e)
+static void ocl_event_free(kiln__backend *be, kiln__event *e)
 {
     if (e) clReleaseEvent((cl_event)e);
 }
 
-kiln_status kiln__opencl_synchronize(kiln__backend *be)
+static kiln_status ocl_synchronize(kiln__backend *be)
 {
     cl_int err = clFinish(((cl_dev *)be->ctx)->q);
     return err == CL_SUCCESS ? KILN_OK : kiln__opencl_fail(be->ctx, "clFinish", err);
 }
 
-/* The contract's fill: the enqueued fill command (full, fill_ and copy_ are made from it
- * and copy_d2d by dispatch). */
-kiln_status kiln__opencl_fill(kiln__backend *be, void *dst, const void *pattern, size_t size, size_t n)
+/* The contract's fill: the enqueued fill command, or recorded while capturing (full,
+ * fill_ and copy_ are made from it and copy_d2d by dispatch). */
+static kiln_status ocl_fill(kiln__backend *be, void *dst, const void *pattern, size_t size, size_t n)
 {
     cl_dev *d = be->ctx;
     cl_mem mem;
@@ -272,6 +243,89 @@ kiln_status kiln__opencl_fill(kiln__backend *be, void *dst, const void *pattern,
     kiln_status s = n ? kiln__opencl_resolve(d, dst, n, &mem, &off) : KILN_OK;
     if (s != KILN_OK || !n) return s;
     if (off % size || n % size) return kiln__err(KILN_ERR_INTERNAL, "%s: a fill not aligned to its pattern", d->name);
-    return fill_mem(d, mem, pattern, size, off, n);
+    if (d->cap) return kiln__opencl_record_fill(d, mem, pattern, size, off, n);
+    cl_int err = clEnqueueFillBuffer(d->q, mem, pattern, size, off, n, 0, NULL, NULL);
+    return err == CL_SUCCESS ? KILN_OK : kiln__opencl_fail(d, "clEnqueueFillBuffer", err);
 }
+
+static kiln_status ocl_memset(kiln__backend *be, void *dst, int byte, size_t n)
+{
+    unsigned char pattern = (unsigned char)byte;
+    return ocl_fill(be, dst, &pattern, 1, n);
+}
+
+/* ---- registration ---- */
+
+static cl_dev devs[MAX_CL_DEVICES];
+static kiln__backend cl_backends[MAX_CL_DEVICES];
+
+static int n_open;
+
+/* At exit, every queue is finished first: work still queued (an in-place update nobody
+ * read back) would otherwise be running, or being compiled by the platform's threads,
+ * while the process tears down the platform's compiler under them (PoCL crashes so). */
+static void finish_all(void)
+{
+    for (int i = 0; i < n_open; i++) clFinish(devs[i].q);
+}
+
+/* Registers every OpenCL device found; none (no platform, no ICD) is not an error. */
+static int opencl_register(int nthreads)
+{
+    cl_platform_id plats[8];
+    cl_uint np = 0;
+    if (clGetPlatformIDs(8, plats, &np) != CL_SUCCESS) return 0;
+    int n = 0;
+    for (cl_uint p = 0; p < np && n < MAX_CL_DEVICES; p++) {
+        cl_device_id ids[MAX_CL_DEVICES];
+        cl_uint nd = 0;
+        if (clGetDeviceIDs(plats[p], CL_DEVICE_TYPE_ALL, MAX_CL_DEVICES, ids, &nd) != CL_SUCCESS) continue;
+        for (cl_uint i = 0; i < nd && n < MAX_CL_DEVICES; i++) {
+            if (open_device(&devs[n], plats[p], ids[i], n) != KILN_OK) {
+                kiln_clear_error();
+                continue;
+            }
+            kiln__backend *be = &cl_backends[n];
+            /* Capture where the platform has command buffers; not yet: pinned host memory. */
+            bool cb = devs[n].cb_create != NULL;
+            *be = (kiln__backend){
+                .abi_version = KILN_BACKEND_ABI_VERSION,
+                .name = devs[n].name,
+                .ctx = &devs[n],
+                .device_info = ocl_device_info,
+                .alloc = ocl_alloc,
+                .free = ocl_free,
+                .copy_h2d = ocl_copy_h2d,
+                .copy_d2h = ocl_copy_d2h,
+                .copy_d2d = ocl_copy_d2d,
+                .memset = ocl_memset,
+                .event_record = ocl_event_record,
+                .event_wait = ocl_event_wait,
+                .event_free = ocl_event_free,
+                .synchronize = ocl_synchronize,
+                .kernels = kiln__opencl_kernels,
+                .language = "opencl-c",
+                .compile_kernel = kiln__opencl_compile_kernel,
+                .kernel_free = kiln__opencl_kernel_free,
+                .launch = kiln__opencl_launch,
+                .fill = ocl_fill,
+                .event_query = ocl_event_query,
+                .capture_begin = cb ? kiln__opencl_capture_begin : NULL,
+                .capture_end = cb ? kiln__opencl_capture_end : NULL,
+                .replay = cb ? kiln__opencl_replay : NULL,
+                .capture_reset = cb ? kiln__opencl_capture_reset : NULL,
+            };
+            if (kiln__backend_register(be) == KILN_OK) {
+                n++;
+                if (n_open++ == 0) atexit(finish_all);
+                continue;
+            }
+            kiln_clear_error(); /* no room: the device is closed again */
+            clReleaseCommandQueue(devs[n].q);
+            clReleaseContext(devs[n].ctx);
+        }
+    }
+    return n;
+}
+KILN__REGISTER(register_opencl) { kiln__backend_provider_register("opencl", opencl_register, false); }
 #endif

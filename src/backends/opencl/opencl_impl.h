@@ -1,9 +1,13 @@
 /* What the OpenCL backend's files share: the device, its address ranges, and the
  * functions one file gives the others. Private to src/backends/opencl/.
  *
- *   opencl_backend.c  the backend table and registration of every device found
- *   opencl_device.c   a device: opening it, its memory (address ranges), copies, fills,
- *                     the queue as stream, events
+ * The backend is one registered backend per OpenCL device ("opencl:0", ...), through the
+ * ICD loader, so any installed platform works (PoCL on these machines). Kernels come
+ * from source: the compiler's generated ones and the backend's own (kernels.cl); an op
+ * neither they nor the compiler cover runs on the cpu with copies (src/core/dispatch.c).
+ *
+ *   opencl_device.c   the devices: opening and registering every one found, the backend
+ *                     table, memory (address ranges), copies, fills, events
  *   opencl_program.c  programs from source, the program cache, kernel launches
  *   opencl_capture.c  graph capture into cl_khr_command_buffer
  *   opencl_ops.c      the op kernels' host side (their device side is kernels.cl) */
@@ -18,6 +22,7 @@
 #include <stdint.h>
 #include "core/backend.h"
 #include "core/intercept.h"
+#include "core/util.h"
 
 #define MAX_CL_DEVICES 4
 
@@ -35,11 +40,11 @@ typedef struct {
     int index;           /* N of "opencl:N" */
     char name[24];       /* "opencl:N" */
     char description[160];
-    size_t memory;
-    int units;
+    kiln__device_info info; /* names the two above */
     pthread_mutex_t lock; /* guards the ranges */
     cl_range *r;
-    int n_r, cap_r;
+    int n_r;
+    size_t cap_r;
     pthread_mutex_t prog_lock; /* guards the programs and kernel launches (argument setting) */
     struct cl_prog *progs;     /* opencl_program.c */
     char driver[128];
@@ -63,30 +68,12 @@ extern const char kiln__opencl_kernel_source[];
 
 /* ---- opencl_device.c ---- */
 
-/* Opens device dev of platform plat as "opencl:index" into d. */
-kiln_status kiln__opencl_open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev, int index);
 /* A KILN_ERR_DEVICE naming the device, the call and the OpenCL error; returned. */
 kiln_status kiln__opencl_fail(const cl_dev *d, const char *what, cl_int err);
 /* (buffer, offset) of the n bytes at address p, all inside one buffer. */
 kiln_status kiln__opencl_resolve(cl_dev *d, const void *p, size_t n, cl_mem *mem, size_t *off);
 /* Releases a range's buffer and its addresses. */
 void kiln__opencl_release_range(cl_range r);
-/* The contract's entries for memory, copies, streams and events. */
-kiln_status kiln__opencl_device_info(kiln__backend *be, kiln__device_info *out);
-void *kiln__opencl_alloc(kiln__backend *be, size_t nbytes);
-void kiln__opencl_free(kiln__backend *be, void *ptr, size_t nbytes);
-kiln_status kiln__opencl_copy_h2d(kiln__backend *be, void *dst, const void *src, size_t n);
-kiln_status kiln__opencl_copy_d2h(kiln__backend *be, void *dst, const void *src, size_t n);
-kiln_status kiln__opencl_copy_d2d(kiln__backend *be, void *dst, const void *src, size_t n);
-kiln_status kiln__opencl_memset(kiln__backend *be, void *dst, int byte, size_t n);
-kiln_status kiln__opencl_fill(kiln__backend *be, void *dst, const void *pattern, size_t size, size_t n);
-kiln__stream *kiln__opencl_stream_new(kiln__backend *be);
-void kiln__opencl_stream_free(kiln__backend *be, kiln__stream *s);
-kiln__event *kiln__opencl_event_record(kiln__backend *be, kiln__stream *s);
-kiln_status kiln__opencl_event_wait(kiln__backend *be, kiln__event *e);
-kiln_status kiln__opencl_event_query(kiln__backend *be, kiln__event *e, bool *done);
-void kiln__opencl_event_free(kiln__backend *be, kiln__event *e);
-kiln_status kiln__opencl_synchronize(kiln__backend *be);
 
 /* ---- opencl_program.c ---- */
 

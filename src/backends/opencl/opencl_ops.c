@@ -13,31 +13,16 @@
 #include "kiln/ops.h"
 #include "core/intercept.h"
 
-/* The kernels of kernels.cl that the ops launch, by entry point; built per device. */
-enum {
-    BK_MATMUL, BK_MATMUL_SIMPLE, BK_ADD_, BK_SCALE_, BK_ADAMW_, BK_EMB, BK_EMB_BWD, BK_CE, BK_CE_BWD,
-    BK_ATT, BK_ATT_DQ, BK_ATT_DKV, BK_NORM_DX, BK_NORM_DWB, BK_ADD_F64_, BK_CE_MEAN, BK_CE_SCALE, BK_COPY_ND, N_BK
-};
-static const char *const bk_names[N_BK] = {
-    [BK_MATMUL] = "kiln_matmul",
-    [BK_MATMUL_SIMPLE] = "kiln_matmul_simple",
-    [BK_ADD_] = "kiln_add_",
-    [BK_SCALE_] = "kiln_scale_",
-    [BK_ADAMW_] = "kiln_adamw_",
-    [BK_EMB] = "kiln_embedding",
-    [BK_EMB_BWD] = "kiln_embedding_backward",
-    [BK_CE] = "kiln_ce_rows",
-    [BK_CE_BWD] = "kiln_ce_backward",
-    [BK_ATT] = "kiln_attention",
-    [BK_ATT_DQ] = "kiln_attention_dq",
-    [BK_ATT_DKV] = "kiln_attention_dkv",
-    [BK_NORM_DX] = "kiln_norm_dx",
-    [BK_NORM_DWB] = "kiln_norm_dwb",
-    [BK_ADD_F64_] = "kiln_add_f64_",
-    [BK_CE_MEAN] = "kiln_ce_mean",
-    [BK_CE_SCALE] = "kiln_ce_scale",
-    [BK_COPY_ND] = "kiln_copy_nd",
-};
+/* The kernels of kernels.cl that the ops launch: BK_<name>, entry point kiln_<name>;
+ * built per device. */
+#define BUILTINS(X)                                                                                     \
+    X(matmul) X(matmul_simple) X(add_) X(add_f64_) X(scale_) X(adamw_) X(embedding) X(embedding_backward) \
+    X(ce_rows) X(ce_count) X(ce_backward) X(attention) X(attention_dq) X(attention_dkv) X(norm_dx) X(norm_dwb) \
+    X(copy_nd)
+#define BK_ENUM(name) BK_##name,
+#define BK_ENTRY(name) "kiln_" #name,
+enum { BUILTINS(BK_ENUM) N_BK };
+static const char *const bk_names[N_BK] = {BUILTINS(BK_ENTRY)};
 static cl_kernel bk[MAX_CL_DEVICES][N_BK];
 
 /* Builtin kernel `which` of the device, built on first use; NULL (with a message said
@@ -65,16 +50,16 @@ static cl_kernel builtin(kiln__backend *be, int which)
     return k;
 }
 
-static kiln__karg buf_arg(const kiln_tensor_t *t) { return (kiln__karg){KILN__KARG_BUF, kiln__data(t), 0, 0}; }
+static kiln__karg ptr_arg(const void *p) { return (kiln__karg){KILN__KARG_BUF, p, 0, 0}; }
+static kiln__karg buf_arg(const kiln_tensor_t *t) { return ptr_arg(kiln__data(t)); }
 static kiln__karg i64_arg(int64_t v) { return (kiln__karg){KILN__KARG_I64, NULL, v, 0}; }
 static kiln__karg f_arg(kiln__karg_kind k, double v) { return (kiln__karg){k, NULL, 0, v}; }
 
-static kiln_status ocl_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                              kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_matmul(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *x = in[0], *y = in[1], *o = out[0];
     bool tiles = kiln__opt(KILN__OPT_CL_MATMUL_TILES);
-    cl_kernel k = x->dtype == KILN_DTYPE_F32 && o->ndim <= 6 ? builtin(be, tiles ? BK_MATMUL : BK_MATMUL_SIMPLE) : NULL;
+    cl_kernel k = x->dtype == KILN_DTYPE_F32 && o->ndim <= 6 ? builtin(be, tiles ? BK_matmul : BK_matmul_simple) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_MATMUL, in, n_in, a, out, n_out);
     int nb = o->ndim - 2;
     int64_t M = o->shape[nb], N = o->shape[nb + 1], K = x->shape[x->ndim - 1];
@@ -100,18 +85,16 @@ static kiln_status ocl_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n
     return kiln__opencl_launch(be, k, args, (int)(sizeof args / sizeof args[0]), grid, block, 3);
 }
 
-static bool contiguous_f32(const kiln_tensor_t *t) { return t->dtype == KILN_DTYPE_F32 && kiln__is_contiguous(t); }
-
 static bool contiguous_as(const kiln_tensor_t *t, kiln_dtype dt) { return t->dtype == dt && kiln__is_contiguous(t); }
+static bool contiguous_f32(const kiln_tensor_t *t) { return contiguous_as(t, KILN_DTYPE_F32); }
 
-static kiln_status ocl_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                            kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_add_(KILN__KERNEL_ARGS)
 {
     int64_t n = kiln_tensor_numel(in[0]);
     kiln_dtype dt = in[0]->dtype;
     bool ok = (dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_F64) && contiguous_as(in[0], dt) && contiguous_as(in[1], dt) &&
               kiln_tensor_numel(in[1]) == n;
-    cl_kernel k = ok ? builtin(be, dt == KILN_DTYPE_F64 ? BK_ADD_F64_ : BK_ADD_) : NULL;
+    cl_kernel k = ok ? builtin(be, dt == KILN_DTYPE_F64 ? BK_add_f64_ : BK_add_) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_ADD_, in, n_in, a, out, n_out);
     if (!n) return KILN_OK;
     kiln__karg args[] = {buf_arg(in[0]), buf_arg(in[1]), f_arg(dt == KILN_DTYPE_F64 ? KILN__KARG_F64 : KILN__KARG_F32, a->op.scalar.value),
@@ -123,8 +106,7 @@ static kiln_status ocl_add_(kiln__backend *be, kiln_tensor_t *const *in, int n_i
 /* copy_: contiguous to contiguous as one device copy, other layouts of the same shape
  * (a source of as many elements is read as laid out like the destination when
  * contiguous) by kiln_copy_nd; broadcasts, dtype changes and other devices on the cpu. */
-static kiln_status ocl_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                             kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_copy_(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *dst = in[0], *src = in[1];
     int64_t n = kiln_tensor_numel(dst);
@@ -135,8 +117,8 @@ static kiln_status ocl_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_
         return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
     if (!n) return KILN_OK;
     if (kiln__is_contiguous(dst) && kiln__is_contiguous(src))
-        return kiln__opencl_copy_d2d(be, kiln__data(dst), kiln__data(src), kiln_tensor_nbytes(dst));
-    cl_kernel k = builtin(be, BK_COPY_ND);
+        return kiln__be_copy_d2d(be, kiln__data(dst), kiln__data(src), kiln_tensor_nbytes(dst));
+    cl_kernel k = builtin(be, BK_copy_nd);
     if (!k) return kiln__cpu_fallback(be, KILN_OP_COPY_, in, n_in, a, out, n_out);
     int64_t rs[KILN_MAX_DIMS];
     if (same_shape) memcpy(rs, src->stride, sizeof(int64_t) * (size_t)dst->ndim);
@@ -152,11 +134,10 @@ static kiln_status ocl_copy_(kiln__backend *be, kiln_tensor_t *const *in, int n_
     return kiln__opencl_launch(be, k, args, 23, &grid, NULL, 1);
 }
 
-static kiln_status ocl_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                              kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_scale_(KILN__KERNEL_ARGS)
 {
     int64_t n = kiln_tensor_numel(in[0]);
-    cl_kernel k = contiguous_f32(in[0]) ? builtin(be, BK_SCALE_) : NULL;
+    cl_kernel k = contiguous_f32(in[0]) ? builtin(be, BK_scale_) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_SCALE_, in, n_in, a, out, n_out);
     if (!n) return KILN_OK;
     kiln__karg args[] = {buf_arg(in[0]), f_arg(KILN__KARG_F32, a->op.scalar.value), i64_arg(n)};
@@ -164,10 +145,9 @@ static kiln_status ocl_scale_(kiln__backend *be, kiln_tensor_t *const *in, int n
     return kiln__opencl_launch(be, k, args, 3, &grid, NULL, 1);
 }
 
-static kiln_status ocl_adamw_(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                              kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_adamw_(KILN__KERNEL_ARGS)
 {
-    cl_kernel k = builtin(be, BK_ADAMW_); /* shapes and layouts were checked by inference */
+    cl_kernel k = builtin(be, BK_adamw_); /* shapes and layouts were checked by inference */
     if (!k) return kiln__cpu_fallback(be, KILN_OP_ADAMW_, in, n_in, a, out, n_out);
     int64_t n = kiln_tensor_numel(in[0]);
     if (!n) return KILN_OK;
@@ -197,181 +177,105 @@ static void *err_word(kiln__backend *be)
         return NULL;
     }
     int zero[16] = {0};
-    void *p = kiln__opencl_alloc(be, sizeof zero);
+    void *p = kiln__be_alloc(be, sizeof zero);
     if (!p) {
         kiln__err(KILN_ERR_OOM, "%s: out of device memory", d->name);
         return NULL;
     }
-    if (kiln__opencl_copy_h2d(be, p, zero, sizeof zero) != KILN_OK) {
-        kiln__opencl_free(be, p, sizeof zero);
+    if (kiln__be_copy_h2d(be, p, zero, sizeof zero) != KILN_OK) {
+        kiln__be_free(be, p, sizeof zero);
         return NULL;
     }
     return d->err = p;
 }
 
 /* The indices on the host, checked as the cpu checks them (an index outside [0, limit)
- * is an error that names it), before an eager launch. While a capture is recorded there
- * is no host in between: the kernels check them into the error word instead. */
-static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_tensor_t *idx, int64_t limit)
+ * is an error that names it), before an eager launch; cross-entropy targets (ignore
+ * given) may also be the ignore index. While a capture is recorded there is no host in
+ * between: the kernels check them into the error word instead. */
+static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_tensor_t *idx, int64_t limit,
+                                 const int64_t *ignore)
 {
     if (((cl_dev *)be->ctx)->cap) return KILN_OK;
-    int64_t n = kiln_tensor_numel(idx);
-    size_t sz = kiln_dtype_size(idx->dtype);
-    char *h = malloc(sz * (size_t)(n ? n : 1));
+    size_t nb = kiln_tensor_nbytes(idx);
+    char *h = malloc(nb ? nb : 1);
     if (!h) return kiln__err(KILN_ERR_OOM, "%s: out of memory", op);
-    kiln_status s = kiln__opencl_copy_d2h(be, h, kiln__data(idx), sz * (size_t)n);
-    for (int64_t i = 0; s == KILN_OK && i < n; i++) {
-        int64_t v = kiln__load_index(h + i * (int64_t)sz, idx->dtype);
-        if (v < 0 || v >= limit)
-            s = kiln__err(KILN_ERR_INDEX, "%s: index %lld at position %lld is outside [0, %lld)", op, (long long)v,
-                          (long long)i, (long long)limit);
-    }
+    kiln_status s = kiln__be_copy_d2h(be, h, kiln__data(idx), nb);
+    if (s == KILN_OK) s = kiln__check_indices(op, h, idx->dtype, kiln_tensor_numel(idx), limit, ignore, NULL);
     free(h);
     return s;
 }
 
-static kiln_status ocl_embedding(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+/* Embedding rows (w (V, C), idx -> out) or, bwd, their gradient (g, idx -> dW (V, C)):
+ * a work-item an element of out, or a column of dW. */
+static kiln_status embedding(KILN__KERNEL_ARGS, bool bwd)
 {
-    const kiln_tensor_t *w = in[0], *idx = in[1];
-    cl_kernel k = contiguous_f32(w) && index_layout(idx) ? builtin(be, BK_EMB) : NULL;
-    if (!k) return kiln__cpu_fallback(be, KILN_OP_EMBEDDING, in, n_in, a, out, n_out);
+    const kiln_tensor_t *idx = in[1], *w = bwd ? out[0] : in[0];
     int64_t V = w->shape[0], C = w->shape[1], n = kiln_tensor_numel(idx);
-    kiln_status s = check_indices(be, "embedding", idx, V);
-    if (s != KILN_OK || !n || !C) return s;
+    bool ok = contiguous_f32(in[0]) && w->dtype == KILN_DTYPE_F32 && index_layout(idx);
+    cl_kernel k = ok ? builtin(be, bwd ? BK_embedding_backward : BK_embedding) : NULL;
+    if (!k) return kiln__cpu_fallback(be, bwd ? KILN_OP_EMBEDDING_BACKWARD : KILN_OP_EMBEDDING, in, n_in, a, out, n_out);
+    kiln_status s = check_indices(be, bwd ? "embedding backward" : "embedding", idx, V, NULL);
+    if (s != KILN_OK || !C || !(bwd ? V : n)) return s;
     void *err = err_word(be);
     if (!err) return kiln_last_status();
-    kiln__karg args[] = {buf_arg(w),  buf_arg(idx), buf_arg(out[0]), i64_arg(C), i64_arg(n),
-                         i64_arg(idx->dtype == KILN_DTYPE_I64), i64_arg(V), {KILN__KARG_BUF, err, 0, 0}};
-    size_t grid = (size_t)(n * C);
+    kiln__karg args[] = {buf_arg(in[0]), buf_arg(idx), buf_arg(out[0]), i64_arg(C), i64_arg(n), i64_arg(V),
+                         i64_arg(idx->dtype == KILN_DTYPE_I64), ptr_arg(err)};
+    size_t grid = (size_t)(bwd ? C : n * C);
     return kiln__opencl_launch(be, k, args, 8, &grid, NULL, 1);
 }
 
-static kiln_status ocl_embedding_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                          kiln_tensor_t *const *out, int n_out)
-{
-    const kiln_tensor_t *g = in[0], *idx = in[1], *o = out[0];
-    int64_t V = o->shape[0], C = o->shape[1];
-    cl_kernel k = contiguous_f32(g) && o->dtype == KILN_DTYPE_F32 && index_layout(idx) ? builtin(be, BK_EMB_BWD) : NULL;
-    if (!k) return kiln__cpu_fallback(be, KILN_OP_EMBEDDING_BACKWARD, in, n_in, a, out, n_out);
-    kiln_status s = check_indices(be, "embedding backward", idx, V);
-    if (s != KILN_OK || !C || !V) return s;
-    void *err = err_word(be);
-    if (!err) return kiln_last_status();
-    kiln__karg args[] = {buf_arg(g), buf_arg(idx), buf_arg(o), i64_arg(C), i64_arg(kiln_tensor_numel(idx)), i64_arg(V),
-                         i64_arg(idx->dtype == KILN_DTYPE_I64), {KILN__KARG_BUF, err, 0, 0}};
-    size_t grid = (size_t)C;
-    return kiln__opencl_launch(be, k, args, 8, &grid, NULL, 1);
-}
+static kiln_status ocl_embedding(KILN__KERNEL_ARGS) { return embedding(be, in, n_in, a, out, n_out, false); }
+static kiln_status ocl_embedding_backward(KILN__KERNEL_ARGS) { return embedding(be, in, n_in, a, out, n_out, true); }
 
-/* Cross-entropy targets on the host before an eager launch: each in [0, V) or the
- * ignore index, as the cpu checks them (while recording, the kernels do). */
-static kiln_status ce_targets(kiln__backend *be, const kiln_tensor_t *t, int64_t V, int64_t ignore)
+/* Cross-entropy (in: logits x, targets t -> mean loss, lse) or, bwd, its backward (in:
+ * g, x, t, lse -> dx), on the device: no value comes back to the host. The forward's
+ * rows (their losses into a device buffer), then their mean over the rows that count
+ * by one work-item in row order (as the cpu sums); the backward's g over that count
+ * (into a device double), then the rows. */
+static kiln_status cross_entropy(KILN__KERNEL_ARGS, bool bwd)
 {
-    if (((cl_dev *)be->ctx)->cap) return KILN_OK;
-    int64_t n = kiln_tensor_numel(t);
-    size_t sz = kiln_dtype_size(t->dtype);
-    char *h = malloc(sz * (size_t)(n ? n : 1));
-    if (!h) return kiln__err(KILN_ERR_OOM, "cross_entropy: out of memory");
-    kiln_status s = kiln__opencl_copy_d2h(be, h, kiln__data(t), sz * (size_t)n);
-    for (int64_t i = 0; s == KILN_OK && i < n; i++) {
-        int64_t v = kiln__load_index(h + i * (int64_t)sz, t->dtype);
-        if (v != ignore && (v < 0 || v >= V))
-            s = kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) (and is not "
-                          "ignore_index %lld)", (long long)v, (long long)i, (long long)V, (long long)ignore);
-    }
-    free(h);
-    return s;
-}
-
-static bool ce_layout(const kiln_tensor_t *x, const kiln_tensor_t *t)
-{
-    return contiguous_f32(x) && index_layout(t);
-}
-
-/* The rows on the device, then their mean over the rows that count by one work-item in
- * row order (as the cpu sums): no value comes back to the host. */
-static kiln_status ocl_cross_entropy(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                     kiln_tensor_t *const *out, int n_out)
-{
-    const kiln_tensor_t *x = in[0], *t = in[1];
-    cl_kernel k = ce_layout(x, t) && out[1]->dtype == KILN_DTYPE_F32 ? builtin(be, BK_CE) : NULL;
-    cl_kernel km = k ? builtin(be, BK_CE_MEAN) : NULL;
-    if (!km) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY, in, n_in, a, out, n_out);
-    int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64;
-    kiln_status s = ce_targets(be, t, V, a->op.cross_entropy.ignore_index);
-    if (s != KILN_OK) return s;
+    const kiln_tensor_t *x = in[bwd], *t = in[bwd + 1];
+    bool ok = contiguous_f32(x) && index_layout(t) &&
+              (bwd ? contiguous_f32(in[3]) && in[0]->dtype == KILN_DTYPE_F32 : out[1]->dtype == KILN_DTYPE_F32);
+    cl_kernel k = ok ? builtin(be, bwd ? BK_ce_backward : BK_ce_rows) : NULL, kc = k ? builtin(be, BK_ce_count) : NULL;
+    if (!kc) return kiln__cpu_fallback(be, bwd ? KILN_OP_CROSS_ENTROPY_BACKWARD : KILN_OP_CROSS_ENTROPY, in, n_in, a, out, n_out);
+    int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64, ig = a->op.cross_entropy.ignore_index;
+    kiln_status s = check_indices(be, "cross_entropy", t, V, &ig);
+    if (s != KILN_OK || (bwd && (!N || !V))) return s;
     if (!N) { /* no rows: the mean of nothing */
         float nan = NAN;
-        return kiln__opencl_fill(be, kiln__data(out[0]), &nan, sizeof nan, sizeof nan);
+        return kiln__be_fill(be, kiln__data(out[0]), &nan, sizeof nan, sizeof nan);
     }
-    void *err = err_word(be), *dloss = err ? kiln__opencl_alloc(be, sizeof(double) * (size_t)N) : NULL;
+    size_t nb = sizeof(double) * (size_t)(bwd ? 1 : N);
+    void *err = err_word(be), *tmp = err ? kiln__be_alloc(be, nb) : NULL;
     if (!err) return kiln_last_status();
-    if (!dloss) return kiln__err(KILN_ERR_OOM, "cross_entropy: out of device memory");
-    kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(out[1]), {KILN__KARG_BUF, dloss, 0, 0}, i64_arg(N),
-                         i64_arg(V), i64_arg(a->op.cross_entropy.ignore_index), i64_arg(t64), {KILN__KARG_BUF, err, 0, 0}};
-    size_t grid = (size_t)N, one = 1;
-    s = kiln__opencl_launch(be, k, args, 9, &grid, NULL, 1);
-    kiln__karg margs[] = {{KILN__KARG_BUF, dloss, 0, 0}, buf_arg(t), buf_arg(out[0]), i64_arg(N), i64_arg(V),
-                          i64_arg(a->op.cross_entropy.ignore_index), i64_arg(t64), {KILN__KARG_BUF, err, 0, 0}};
-    if (s == KILN_OK) s = kiln__opencl_launch(be, km, margs, 8, &one, NULL, 1);
-    kiln__opencl_free(be, dloss, sizeof(double) * (size_t)N); /* in-order queue: after the kernels that read it */
+    if (!tmp) return kiln__err(KILN_ERR_OOM, bwd ? "cross_entropy backward: out of device memory"
+                                                  : "cross_entropy: out of device memory");
+    kiln__karg rows[] = {buf_arg(x), buf_arg(t), buf_arg(bwd ? in[3] : out[1]), bwd ? buf_arg(out[0]) : ptr_arg(tmp),
+                         i64_arg(N), i64_arg(V), i64_arg(ig), i64_arg(t64), ptr_arg(err), ptr_arg(tmp)};
+    kiln__karg count[] = {bwd ? buf_arg(in[0]) : ptr_arg(tmp), buf_arg(t), bwd ? ptr_arg(tmp) : buf_arg(out[0]),
+                          i64_arg(N), i64_arg(V), i64_arg(ig), i64_arg(t64), ptr_arg(err), i64_arg(bwd)};
+    size_t grid = (size_t)(bwd ? N * V : N), one = 1;
+    if (bwd) s = kiln__opencl_launch(be, kc, count, 9, &one, NULL, 1);
+    if (s == KILN_OK) s = kiln__opencl_launch(be, k, rows, 9 + bwd, &grid, NULL, 1);
+    if (s == KILN_OK && !bwd) s = kiln__opencl_launch(be, kc, count, 9, &one, NULL, 1);
+    kiln__be_free(be, tmp, nb); /* in-order queue: after the kernels that read it */
     return s;
 }
 
-static kiln_status ocl_cross_entropy_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in,
-                                              const kiln__attrs *a, kiln_tensor_t *const *out, int n_out)
+static kiln_status ocl_cross_entropy(KILN__KERNEL_ARGS) { return cross_entropy(be, in, n_in, a, out, n_out, false); }
+static kiln_status ocl_cross_entropy_backward(KILN__KERNEL_ARGS)
 {
-    const kiln_tensor_t *g = in[0], *x = in[1], *t = in[2], *lse = in[3];
-    bool ok = ce_layout(x, t) && contiguous_f32(lse) && g->dtype == KILN_DTYPE_F32;
-    cl_kernel k = ok ? builtin(be, BK_CE_BWD) : NULL, ks = k ? builtin(be, BK_CE_SCALE) : NULL;
-    if (!ks) return kiln__cpu_fallback(be, KILN_OP_CROSS_ENTROPY_BACKWARD, in, n_in, a, out, n_out);
-    int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64;
-    kiln_status s = ce_targets(be, t, V, a->op.cross_entropy.ignore_index);
-    if (s != KILN_OK || !N || !V) return s;
-    void *err = err_word(be), *gs = err ? kiln__opencl_alloc(be, sizeof(double)) : NULL;
-    if (!err) return kiln_last_status();
-    if (!gs) return kiln__err(KILN_ERR_OOM, "cross_entropy backward: out of device memory");
-    kiln__karg sargs[] = {buf_arg(t), buf_arg(g), {KILN__KARG_BUF, gs, 0, 0}, i64_arg(N), i64_arg(V), i64_arg(a->op.cross_entropy.ignore_index),
-                          i64_arg(t64), {KILN__KARG_BUF, err, 0, 0}};
-    size_t one = 1, grid = (size_t)(N * V);
-    s = kiln__opencl_launch(be, ks, sargs, 8, &one, NULL, 1);
-    kiln__karg args[] = {buf_arg(x), buf_arg(t), buf_arg(lse), buf_arg(out[0]), i64_arg(N), i64_arg(V), i64_arg(a->op.cross_entropy.ignore_index),
-                         i64_arg(t64), {KILN__KARG_BUF, gs, 0, 0}, {KILN__KARG_BUF, err, 0, 0}};
-    if (s == KILN_OK) s = kiln__opencl_launch(be, k, args, 10, &grid, NULL, 1);
-    kiln__opencl_free(be, gs, sizeof(double));
-    return s;
+    return cross_entropy(be, in, n_in, a, out, n_out, true);
 }
 
-/* t itself when contiguous, else a contiguous copy on its device (through dispatch,
- * unrecorded: the kernel's own launch is what a replay repeats); a new reference. */
-static kiln_tensor_t *dense(kiln_tensor_t *t)
-{
-    if (kiln__is_contiguous(t)) return kiln_tensor_retain(t);
-    kiln__attrs a = {0};
-    kiln_tensor_t *c = NULL;
-    kiln__dispatch_quiet(KILN_OP_CONTIGUOUS, &t, 1, &a, &c);
-    return c;
-}
-
-/* q (B,H,Tq,D), k and v (B,Hkv,Tk,D), all f32, D within the kernels' rows. */
-static bool att_layout(kiln_tensor_t *const *t, int n, int64_t D)
+/* Whether every tensor of t[0..n) is f32. */
+static bool all_f32(kiln_tensor_t *const *t, int n)
 {
     for (int i = 0; i < n; i++)
         if (t[i]->dtype != KILN_DTYPE_F32) return false;
-    return D <= 128;
-}
-
-/* 16 work-items a group, the grid rounded up to it (the kernels skip the spare ones). */
-static size_t att_grid(int64_t n) { return (size_t)((n + 15) / 16 * 16); }
-static const size_t att_block = 16;
-
-/* Dense copies of t[0..n) into d (NULL where one failed); freed by undense. */
-static bool densify(kiln_tensor_t *const *t, int n, kiln_tensor_t **d)
-{
-    bool ok = true;
-    for (int i = 0; i < n; i++) ok &= (d[i] = dense(t[i])) != NULL;
-    return ok;
+    return true;
 }
 
 static void undense(kiln_tensor_t **d, int n)
@@ -379,68 +283,63 @@ static void undense(kiln_tensor_t **d, int n)
     for (int i = 0; i < n; i++) kiln_tensor_free(d[i]);
 }
 
-static kiln_status ocl_attention(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+/* Dense copies of t[0..n) into d (kiln__dense: unrecorded, the kernel's own launch is
+ * what a replay repeats), freed by undense; none is left when one fails. */
+static kiln_status densify(kiln_tensor_t *const *t, int n, kiln_tensor_t **d)
 {
-    const kiln_tensor_t *q = in[0], *k = in[1];
-    int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], D = q->shape[3], Hkv = k->shape[1], Tk = k->shape[2];
-    cl_kernel kern = att_layout(in, 3, D) && out[1]->dtype == KILN_DTYPE_F32 ? builtin(be, BK_ATT) : NULL;
-    if (!kern) return kiln__cpu_fallback(be, KILN_OP_ATTENTION, in, n_in, a, out, n_out);
-    kiln_tensor_t *c[3];
-    kiln_status s = densify(in, 3, c) ? KILN_OK : kiln_last_status();
-    size_t grid = att_grid(B * H * Tq);
-    if (s == KILN_OK && grid) {
-        kiln__karg args[] = {buf_arg(c[0]), buf_arg(c[1]), buf_arg(c[2]), buf_arg(out[0]), buf_arg(out[1]), i64_arg(B),
-                             i64_arg(H), i64_arg(Hkv), i64_arg(Tq), i64_arg(Tk), i64_arg(D),
-                             f_arg(KILN__KARG_F32, a->op.attention.scale), i64_arg(a->op.attention.causal)};
-        s = kiln__opencl_launch(be, kern, args, 13, &grid, &att_block, 1);
-    }
-    undense(c, 3);
+    bool ok = true;
+    for (int i = 0; i < n; i++) ok &= (d[i] = kiln__dense(t[i])) != NULL;
+    kiln_status s = ok ? KILN_OK : kiln_last_status();
+    if (!ok) undense(d, n);
     return s;
 }
 
-/* in: g, q, k, v, o, lse -> dq, dk, dv */
-static kiln_status ocl_attention_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                          kiln_tensor_t *const *out, int n_out)
+/* Attention forward (in: q, k, v -> o, lse) or backward (in: g, q, k, v, o, lse -> dq,
+ * dk, dv): q (B,H,Tq,D), k and v (B,Hkv,Tk,D), all f32, D within the kernels' rows. A
+ * work-item per query row (forward, dq) or key row (dk, dv), 16 to a group, the grid
+ * rounded up to it (the kernels skip the spare ones). Each kernel takes the dense inputs,
+ * its outputs, then the sizes. */
+static kiln_status ocl_attention(KILN__KERNEL_ARGS)
 {
-    const kiln_tensor_t *q = in[1], *k = in[2];
+    static const size_t block = 16;
+    bool bwd = n_in == 6;
+    const kiln_tensor_t *q = in[bwd], *k = in[bwd + 1];
     int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], D = q->shape[3], Hkv = k->shape[1], Tk = k->shape[2];
-    cl_kernel kq = att_layout(in, 6, D) ? builtin(be, BK_ATT_DQ) : NULL, kkv = kq ? builtin(be, BK_ATT_DKV) : NULL;
-    if (!kq || !kkv) return kiln__cpu_fallback(be, KILN_OP_ATTENTION_BACKWARD, in, n_in, a, out, n_out);
+    bool ok = all_f32(in, n_in) && all_f32(out, n_out) && D <= 128;
+    cl_kernel kq = ok ? builtin(be, bwd ? BK_attention_dq : BK_attention) : NULL;
+    cl_kernel kkv = kq && bwd ? builtin(be, BK_attention_dkv) : kq;
+    if (!kkv) return kiln__cpu_fallback(be, bwd ? KILN_OP_ATTENTION_BACKWARD : KILN_OP_ATTENTION, in, n_in, a, out, n_out);
     kiln__karg dims[] = {i64_arg(B), i64_arg(H), i64_arg(Hkv), i64_arg(Tq), i64_arg(Tk), i64_arg(D),
                          f_arg(KILN__KARG_F32, a->op.attention.scale), i64_arg(a->op.attention.causal)};
     kiln_tensor_t *c[6];
-    if (!densify(in, 6, c)) {
-        undense(c, 6);
-        return kiln_last_status();
-    }
-    kiln__karg aq[15], akv[16];
-    for (int i = 0; i < 6; i++) aq[i] = akv[i] = buf_arg(c[i]);
-    aq[6] = buf_arg(out[0]);
-    akv[6] = buf_arg(out[1]);
-    akv[7] = buf_arg(out[2]);
-    memcpy(aq + 7, dims, sizeof dims);
-    memcpy(akv + 8, dims, sizeof dims);
-    size_t gq = att_grid(B * H * Tq), gkv = att_grid(B * Hkv * Tk);
-    kiln_status s = gq ? kiln__opencl_launch(be, kq, aq, 15, &gq, &att_block, 1) : KILN_OK;
-    if (s == KILN_OK && gkv) s = kiln__opencl_launch(be, kkv, akv, 16, &gkv, &att_block, 1);
-    undense(c, 6);
+    kiln_status s = densify(in, n_in, c);
+    if (s != KILN_OK) return s;
+    kiln__karg aq[16], akv[16];
+    int nq = n_in + n_out - 2 * bwd; /* the forward's o and lse; dq */
+    for (int i = 0; i < n_in; i++) aq[i] = akv[i] = buf_arg(c[i]);
+    aq[n_in] = buf_arg(out[0]);
+    aq[n_in + 1] = akv[n_in] = buf_arg(out[1]); /* the forward's lse; dk, and dq's sizes go over it */
+    akv[n_in + 1] = buf_arg(out[n_out - 1]);
+    memcpy(aq + nq, dims, sizeof dims);
+    memcpy(akv + n_in + 2, dims, sizeof dims);
+    size_t gq = (size_t)((B * H * Tq + 15) / 16 * 16), gkv = (size_t)((B * Hkv * Tk + 15) / 16 * 16);
+    s = gq ? kiln__opencl_launch(be, kq, aq, nq + 8, &gq, &block, 1) : KILN_OK;
+    if (s == KILN_OK && bwd && gkv) s = kiln__opencl_launch(be, kkv, akv, n_in + 10, &gkv, &block, 1);
+    undense(c, n_in);
     return s;
 }
 
-/* in: g, x, w, [mean,] rstd -> dx, dw, [db]: rows of C = the last dim. */
-static kiln_status norm_backward(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                 kiln_tensor_t *const *out, int n_out)
+/* Layer norm's and RMS norm's backward. in: g, x, w, [mean,] rstd -> dx, dw, [db]: rows
+ * of C = the last dim; RMS norm has no mean and no db. */
+static kiln_status ocl_norm_backward(KILN__KERNEL_ARGS)
 {
-    bool rms = op == KILN_OP_RMS_NORM_BACKWARD, ok = true;
-    for (int i = 0; i < n_in; i++) ok &= in[i]->dtype == KILN_DTYPE_F32;
-    cl_kernel kx = ok ? builtin(be, BK_NORM_DX) : NULL, kw = kx ? builtin(be, BK_NORM_DWB) : NULL;
+    bool rms = n_in == 4;
+    int op = rms ? KILN_OP_RMS_NORM_BACKWARD : KILN_OP_LAYER_NORM_BACKWARD;
+    cl_kernel kx = all_f32(in, n_in) ? builtin(be, BK_norm_dx) : NULL, kw = kx ? builtin(be, BK_norm_dwb) : NULL;
     if (!kx || !kw) return kiln__cpu_fallback(be, op, in, n_in, a, out, n_out);
     kiln_tensor_t *c[5] = {NULL};
-    if (!densify(in, n_in, c)) {
-        undense(c, n_in);
-        return kiln_last_status();
-    }
+    kiln_status s = densify(in, n_in, c);
+    if (s != KILN_OK) return s;
     const kiln_tensor_t *x = c[1], *mean = c[3], *rstd = c[rms ? 3 : 4]; /* RMS: mean is not read */
     int64_t C = x->shape[x->ndim - 1], N = C ? kiln_tensor_numel(x) / C : 0;
     kiln__karg ax[] = {buf_arg(c[0]), buf_arg(x), buf_arg(c[2]), buf_arg(mean), buf_arg(rstd), buf_arg(out[0]),
@@ -448,37 +347,18 @@ static kiln_status norm_backward(kiln__backend *be, int op, kiln_tensor_t *const
     kiln__karg aw[] = {buf_arg(c[0]), buf_arg(x), buf_arg(mean), buf_arg(rstd), buf_arg(out[1]),
                        buf_arg(rms ? out[1] : out[2]), i64_arg(N), i64_arg(C), i64_arg(rms)};
     size_t gn = (size_t)N, gc = (size_t)C;
-    kiln_status s = gn && gc ? kiln__opencl_launch(be, kx, ax, 9, &gn, NULL, 1) : KILN_OK;
+    s = gn && gc ? kiln__opencl_launch(be, kx, ax, 9, &gn, NULL, 1) : KILN_OK;
     if (s == KILN_OK && gc) s = kiln__opencl_launch(be, kw, aw, 9, &gc, NULL, 1);
     undense(c, n_in);
     return s;
 }
 
-static kiln_status ocl_layer_norm_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                           kiln_tensor_t *const *out, int n_out)
-{
-    return norm_backward(be, KILN_OP_LAYER_NORM_BACKWARD, in, n_in, a, out, n_out);
-}
-
-static kiln_status ocl_rms_norm_backward(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
-                                         kiln_tensor_t *const *out, int n_out)
-{
-    return norm_backward(be, KILN_OP_RMS_NORM_BACKWARD, in, n_in, a, out, n_out);
-}
-
-const kiln__kernel_fn kiln__opencl_kernels[KILN_OP_COUNT] = {
-    [KILN_OP_MATMUL] = ocl_matmul,
-    [KILN_OP_ADD_] = ocl_add_,
-    [KILN_OP_SCALE_] = ocl_scale_,
-    [KILN_OP_COPY_] = ocl_copy_,
-    [KILN_OP_ADAMW_] = ocl_adamw_,
-    [KILN_OP_EMBEDDING] = ocl_embedding,
-    [KILN_OP_EMBEDDING_BACKWARD] = ocl_embedding_backward,
-    [KILN_OP_CROSS_ENTROPY] = ocl_cross_entropy,
-    [KILN_OP_CROSS_ENTROPY_BACKWARD] = ocl_cross_entropy_backward,
-    [KILN_OP_ATTENTION] = ocl_attention,
-    [KILN_OP_ATTENTION_BACKWARD] = ocl_attention_backward,
-    [KILN_OP_LAYER_NORM_BACKWARD] = ocl_layer_norm_backward,
-    [KILN_OP_RMS_NORM_BACKWARD] = ocl_rms_norm_backward,
-};
+/* The op kernels: X(op, the function ocl_<name> that runs it). */
+#define OPS(X)                                                                                          \
+    X(MATMUL, matmul) X(ADD_, add_) X(SCALE_, scale_) X(COPY_, copy_) X(ADAMW_, adamw_) X(EMBEDDING, embedding) \
+    X(EMBEDDING_BACKWARD, embedding_backward) X(CROSS_ENTROPY, cross_entropy)                          \
+    X(CROSS_ENTROPY_BACKWARD, cross_entropy_backward) X(ATTENTION, attention) X(ATTENTION_BACKWARD, attention) \
+    X(LAYER_NORM_BACKWARD, norm_backward) X(RMS_NORM_BACKWARD, norm_backward)
+#define OP_ROW(op, name) [KILN_OP_##op] = ocl_##name,
+const kiln__kernel_fn kiln__opencl_kernels[KILN_OP_COUNT] = {OPS(OP_ROW)};
 #endif

@@ -174,27 +174,22 @@ kiln_status kiln__opencl_launch(kiln__backend *be, void *kernel, const kiln__kar
         return s;
     }
     for (int i = 0; s == KILN_OK && err == CL_SUCCESS && i < nargs; i++) {
-        if (args[i].kind == KILN__KARG_I64) {
-            cl_long v = args[i].i64;
-            err = clSetKernelArg(k, ai++, sizeof v, &v);
-            continue;
-        }
-        if (args[i].kind == KILN__KARG_F32) {
-            cl_float v = (cl_float)args[i].f;
-            err = clSetKernelArg(k, ai++, sizeof v, &v);
-            continue;
-        }
-        if (args[i].kind == KILN__KARG_F64) {
-            cl_double v = args[i].f;
-            err = clSetKernelArg(k, ai++, sizeof v, &v);
-            continue;
-        }
+        cl_long l = args[i].i64;
+        cl_float f = (cl_float)args[i].f;
+        cl_double g = args[i].f;
         cl_mem mem;
         size_t off;
-        if ((s = kiln__opencl_resolve(d, args[i].ptr, 0, &mem, &off)) != KILN_OK) break;
-        cl_ulong o = off;
-        err = clSetKernelArg(k, ai++, sizeof mem, &mem);
-        if (err == CL_SUCCESS) err = clSetKernelArg(k, ai++, sizeof o, &o);
+        cl_ulong o;
+        switch (args[i].kind) {
+        case KILN__KARG_I64: err = clSetKernelArg(k, ai++, sizeof l, &l); break;
+        case KILN__KARG_F32: err = clSetKernelArg(k, ai++, sizeof f, &f); break;
+        case KILN__KARG_F64: err = clSetKernelArg(k, ai++, sizeof g, &g); break;
+        case KILN__KARG_BUF:
+            if ((s = kiln__opencl_resolve(d, args[i].ptr, 0, &mem, &off)) != KILN_OK) break;
+            o = off;
+            err = clSetKernelArg(k, ai++, sizeof mem, &mem);
+            if (err == CL_SUCCESS) err = clSetKernelArg(k, ai++, sizeof o, &o);
+        }
     }
     if (s == KILN_OK && err != CL_SUCCESS) s = kiln__opencl_fail(d, "clSetKernelArg", err);
     if (s == KILN_OK && d->cap) {
