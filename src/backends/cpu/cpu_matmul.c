@@ -6,6 +6,7 @@
 #include <string.h>
 #include <cblas.h>
 #include "backends/cpu/cpu.h"
+#include "backends/cpu/gemm.h"
 #include "core/opts.h"
 
 typedef struct {
@@ -72,9 +73,21 @@ static void gemm_blocks(void *c, int64_t b, int64_t e)
     }
 }
 
+/* An operand as kiln's own GEMM reads it: a row-major or transposed matrix. */
+static kiln__gemm_operand own_operand(const char *p, mat_layout l)
+{
+    return l.trans == CblasNoTrans ? (kiln__gemm_operand){p, KILN__GEMM_F32, l.ld, 1}
+                                   : (kiln__gemm_operand){p, KILN__GEMM_F32, 1, l.ld};
+}
+
 static void gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
                  const char *B, char *C)
 {
+    /* kiln's GEMM threads itself over the pool; it fails only when out of memory for
+     * its packing buffers, and the BLAS then does the product. */
+    if (dt == KILN_DTYPE_F32 && kiln__opt(KILN__OPT_OWN_GEMM) &&
+        kiln__gemm(M, N, K, own_operand(A, la), own_operand(B, lb), (float *)C, N, false, KILN__GEMM_F32))
+        return;
     /* Blocks of 128 rows or columns at least (big enough for the BLAS's own blocking),
      * and with KILN_OPT_GEMM_THREAD_BLOCKS one block per thread in multiples of 128:
      * every block call packs the other operand again, so fewer, larger blocks pack it

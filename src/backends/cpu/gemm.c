@@ -1,0 +1,626 @@
+/* kiln's own GEMM (gemm.h): the blocking, packing and threading, and the micro-kernels.
+ *
+ * Loops, outermost first: column chunks of B (at most NC columns, packed once over the
+ * pool), then work items of (MC rows) x (a group of NR-column panels) over the pool;
+ * inside an item, K blocks of KC in order, each packing its rows of A once and running
+ * the micro-kernel over every MR x NR tile of the item. A tile at an edge of C runs the
+ * same micro-kernel on a full-size scratch tile, so that every element gets the same
+ * arithmetic wherever it lies. */
+#include "backends/cpu/gemm.h"
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+#include "core/threadpool.h"
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+#define MR_MAX 32
+#define NR_MAX 32
+#define NC 4096 /* columns of B packed at once (a multiple of every NR) */
+
+/* Runs `steps` k-steps (a k-step is one k for f32, a pair of k for bf16, 32 k for AMX)
+ * of the micro-panels a (MR rows) and b (NR columns, packed) into the MR x NR tile c
+ * (row stride ldc): c = sum, or c += sum with `add` (the sum then starts from c). The
+ * f32 kernels broadcast A's elements one at a time, so they read A where it lies:
+ * element (i, k) is a[i * ars + k * acs] (a packed panel has ars = 1, acs = MR); the
+ * others read packed panels only. */
+typedef void (*ukernel_fn)(int64_t steps, const void *a, int64_t ars, int64_t acs, const void *b, float *c,
+                           int64_t ldc, bool add);
+
+typedef struct {
+    const char *name;
+    kiln__gemm_isa isa;
+    kiln__gemm_type packed; /* the element type of the packed panels */
+    bool round_bf16;        /* f32 panels holding values rounded to bf16 */
+    int mr, nr, kstep;
+    ukernel_fn run;
+    bool amx; /* B panels in AMX's pair-interleaved 16-column halves */
+} ukernel;
+
+/* ---- micro-kernels ---- */
+
+static void k_c(int64_t steps, const void *pa, int64_t ars, int64_t acs, const void *pb, float *c, int64_t ldc,
+                bool add)
+{
+    enum { MR = 4, NR = 16 };
+    const float *a = pa, *b = pb;
+    float acc[MR][NR];
+    for (int i = 0; i < MR; i++)
+        for (int j = 0; j < NR; j++) acc[i][j] = add ? c[i * ldc + j] : 0.0f;
+    for (int64_t k = 0; k < steps; k++, a += acs, b += NR)
+        for (int i = 0; i < MR; i++)
+            for (int j = 0; j < NR; j++) acc[i][j] += a[i * ars] * b[j];
+    for (int i = 0; i < MR; i++) memcpy(c + i * ldc, acc[i], sizeof acc[i]);
+}
+
+#if defined(__x86_64__)
+__attribute__((target("avx2,fma"))) static void k_avx2(int64_t steps, const void *pa, int64_t ars, int64_t acs,
+                                                        const void *pb, float *c, int64_t ldc, bool add)
+{
+    enum { MR = 6 };
+    const float *a = pa, *b = pb;
+    __m256 acc[MR][2];
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++) {
+        acc[i][0] = add ? _mm256_loadu_ps(c + i * ldc) : _mm256_setzero_ps();
+        acc[i][1] = add ? _mm256_loadu_ps(c + i * ldc + 8) : _mm256_setzero_ps();
+    }
+    for (int64_t k = 0; k < steps; k++, a += acs, b += 16) {
+        __m256 b0 = _mm256_load_ps(b), b1 = _mm256_load_ps(b + 8);
+#pragma GCC unroll 6
+        for (int i = 0; i < MR; i++) {
+            __m256 ai = _mm256_broadcast_ss(a + i * ars);
+            acc[i][0] = _mm256_fmadd_ps(ai, b0, acc[i][0]);
+            acc[i][1] = _mm256_fmadd_ps(ai, b1, acc[i][1]);
+        }
+    }
+#pragma GCC unroll 6
+    for (int i = 0; i < MR; i++) {
+        _mm256_storeu_ps(c + i * ldc, acc[i][0]);
+        _mm256_storeu_ps(c + i * ldc + 8, acc[i][1]);
+    }
+}
+
+__attribute__((target("avx512f"))) static void k_avx512(int64_t steps, const void *pa, int64_t ars, int64_t acs,
+                                                         const void *pb, float *c, int64_t ldc, bool add)
+{
+    enum { MR = 12 };
+    /* Rows 3q..3q+2 of A from base p[q] with the row stride r in the address (x86
+     * addressing takes one scaled index), so the loop moves four pointers. */
+    const char *p0 = pa, *p3 = p0 + 12 * ars, *p6 = p0 + 24 * ars, *p9 = p0 + 36 * ars;
+    const int64_t r = 4 * ars, step = 4 * acs;
+    const float *b = pb;
+    __m512 acc[MR][2];
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; i++) {
+        acc[i][0] = add ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
+        acc[i][1] = add ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < steps; k++, p0 += step, p3 += step, p6 += step, p9 += step, b += 32) {
+        __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
+        const char *base[4] = {p0, p3, p6, p9};
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; i++) {
+            __m512 ai = _mm512_set1_ps(*(const float *)(base[i / 3] + i % 3 * r));
+            acc[i][0] = _mm512_fmadd_ps(ai, b0, acc[i][0]);
+            acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(c + i * ldc, acc[i][0]);
+        _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
+    }
+}
+
+/* vdpbf16ps: each f32 lane adds the products of one pair of bf16 along K, so a k-step
+ * is a pair: A's pair for row i is one 32-bit word broadcast, B's pairs for 16 columns
+ * are one register. */
+__attribute__((target("avx512f,avx512bf16"))) static void k_avx512bf16(int64_t steps, const void *pa, int64_t ars,
+                                                                      int64_t acs, const void *pb, float *c,
+                                                                      int64_t ldc, bool add)
+{
+    (void)ars, (void)acs;
+    enum { MR = 12 };
+    const uint32_t *a = pa;
+    const uint16_t *b = pb;
+    __m512 acc[MR][2];
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; i++) {
+        acc[i][0] = add ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
+        acc[i][1] = add ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
+    }
+    for (int64_t k = 0; k < steps; k++, a += MR, b += 64) {
+        __m512bh b0 = (__m512bh)_mm512_load_si512(b), b1 = (__m512bh)_mm512_load_si512(b + 32);
+#pragma GCC unroll 12
+        for (int i = 0; i < MR; i++) {
+            __m512bh ai = (__m512bh)_mm512_set1_epi32((int)a[i]);
+            acc[i][0] = _mm512_dpbf16_ps(acc[i][0], ai, b0);
+            acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
+        }
+    }
+#pragma GCC unroll 12
+    for (int i = 0; i < MR; i++) {
+        _mm512_storeu_ps(c + i * ldc, acc[i][0]);
+        _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
+    }
+}
+/* AMX: eight tile registers of 16 rows x 64 bytes. Tiles 0-3 hold the 32 x 32 f32
+ * block of C, 4-5 the two 16-row halves of A's 32 x 32 bf16 k-step, 6-7 the two
+ * 16-column halves of B's, each as 16 rows of k-pairs (32 bf16: 16 columns x 2);
+ * tdpbf16ps adds a 16 x 32 by 32 x 16 product into a C tile. A thread configures its
+ * tiles once (the configuration is per thread and kept by the kernel's context switch). */
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} amx_config;
+static _Thread_local bool amx_configured;
+
+__attribute__((target("amx-tile,amx-bf16"))) static void k_amx(int64_t steps, const void *pa, int64_t ars, int64_t acs,
+                                                                const void *pb, float *c, int64_t ldc, bool add)
+{
+    (void)ars, (void)acs;
+    if (!amx_configured) {
+        amx_config cfg = {.palette = 1};
+        for (int i = 0; i < 8; i++) {
+            cfg.colsb[i] = 64;
+            cfg.rows[i] = 16;
+        }
+        _tile_loadconfig(&cfg);
+        amx_configured = true;
+    }
+    const char *a = pa, *b = pb;
+    size_t stride = sizeof(float) * (size_t)ldc;
+    if (add) {
+        _tile_loadd(0, c, stride);
+        _tile_loadd(1, c + 16, stride);
+        _tile_loadd(2, c + 16 * ldc, stride);
+        _tile_loadd(3, c + 16 * ldc + 16, stride);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t k = 0; k < steps; k++, a += 2048, b += 2048) {
+        _tile_loadd(4, a, 64);
+        _tile_loadd(5, a + 1024, 64);
+        _tile_loadd(6, b, 64);
+        _tile_loadd(7, b + 1024, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c, stride);
+    _tile_stored(1, c + 16, stride);
+    _tile_stored(2, c + 16 * ldc, stride);
+    _tile_stored(3, c + 16 * ldc + 16, stride);
+}
+
+/* Linux hands out AMX's tile state only to a process that asks (arch_prctl). */
+static bool amx_permitted;
+static void amx_ask(void)
+{
+    amx_permitted = __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+                    syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
+#endif
+
+/* Every kernel, best first for each compute type. A bf16 product of two bf16 values is
+ * exact in f32, so the f32 kernels on bf16-rounded panels compute bf16 GEMMs where the
+ * processor lacks AVX512-BF16 (summing one product at a time where vdpbf16ps adds a
+ * pair before the accumulator). */
+static const ukernel kernels[] = {
+#if defined(__x86_64__)
+    {.name = "amx-bf16", .isa = KILN__GEMM_ISA_AMX, .packed = KILN__GEMM_BF16, .mr = 32, .nr = 32, .kstep = 32, .run = k_amx, .amx = true},
+    {.name = "avx512-bf16", .isa = KILN__GEMM_ISA_AVX512, .packed = KILN__GEMM_BF16, .mr = 12, .nr = 32, .kstep = 2, .run = k_avx512bf16},
+    {.name = "avx512", .isa = KILN__GEMM_ISA_AVX512, .packed = KILN__GEMM_F32, .mr = 12, .nr = 32, .kstep = 1, .run = k_avx512},
+    {.name = "avx512 (bf16 values)", .isa = KILN__GEMM_ISA_AVX512, .packed = KILN__GEMM_F32, .mr = 12, .nr = 32, .kstep = 1, .run = k_avx512, .round_bf16 = true},
+    {.name = "avx2", .isa = KILN__GEMM_ISA_AVX2, .packed = KILN__GEMM_F32, .mr = 6, .nr = 16, .kstep = 1, .run = k_avx2},
+    {.name = "avx2 (bf16 values)", .isa = KILN__GEMM_ISA_AVX2, .packed = KILN__GEMM_F32, .mr = 6, .nr = 16, .kstep = 1, .run = k_avx2, .round_bf16 = true},
+#endif
+    {.name = "c", .isa = KILN__GEMM_ISA_C, .packed = KILN__GEMM_F32, .mr = 4, .nr = 16, .kstep = 1, .run = k_c},
+    {.name = "c (bf16 values)", .isa = KILN__GEMM_ISA_C, .packed = KILN__GEMM_F32, .mr = 4, .nr = 16, .kstep = 1, .run = k_c, .round_bf16 = true},
+};
+
+static bool runs_here(const ukernel *k)
+{
+#if defined(__x86_64__)
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    if (k->isa == KILN__GEMM_ISA_AMX) return pthread_once(&once, amx_ask) == 0 && amx_permitted;
+    if (k->isa == KILN__GEMM_ISA_AVX512 && !__builtin_cpu_supports("avx512f")) return false;
+    if (k->packed == KILN__GEMM_BF16 && !__builtin_cpu_supports("avx512bf16")) return false;
+    if (k->isa == KILN__GEMM_ISA_AVX2 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
+        return false;
+#endif
+    return true;
+}
+
+/* The first kernel for `compute` that runs here (and is of `isa` unless AUTO). */
+static const ukernel *pick(kiln__gemm_isa isa, kiln__gemm_type compute)
+{
+    for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; i++) {
+        const ukernel *k = &kernels[i];
+        bool computes_bf16 = k->packed == KILN__GEMM_BF16 || k->round_bf16;
+        if ((compute == KILN__GEMM_BF16) != computes_bf16) continue;
+        if ((isa == KILN__GEMM_ISA_AUTO || k->isa == isa) && runs_here(k)) return k;
+    }
+    return NULL;
+}
+
+const char *kiln__gemm_kernel_name(kiln__gemm_type compute)
+{
+    const ukernel *k = pick(KILN__GEMM_ISA_AUTO, compute);
+    return k ? k->name : "none";
+}
+
+/* ---- packing ---- */
+
+/* Copies n floats, n <= 32 in one or two masked AVX-512 moves (a memcpy call of 48 or
+ * 128 bytes costs more than the copy: 9% of a GEMM whose B rows are 32 floats). */
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) static void copy32_avx512(float *d, const float *s, int64_t n)
+{
+    __mmask16 lo = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1), hi = n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
+    if (n >= 32) hi = 0xffff;
+    _mm512_mask_storeu_ps(d, lo, _mm512_maskz_loadu_ps(lo, s));
+    if (hi) _mm512_mask_storeu_ps(d + 16, hi, _mm512_maskz_loadu_ps(hi, s + 16));
+}
+#endif
+
+/* `uk` tells whether the processor has AVX-512: its kernel does. */
+static void copy_f32(const ukernel *uk, float *d, const float *s, int64_t n)
+{
+#if defined(__x86_64__)
+    if (uk->isa == KILN__GEMM_ISA_AVX512 && n <= 32) {
+        copy32_avx512(d, s, n);
+        return;
+    }
+#endif
+    memcpy(d, s, sizeof(float) * (size_t)n);
+}
+
+static float load(const kiln__gemm_operand *x, int64_t i)
+{
+    return x->type == KILN__GEMM_F32 ? ((const float *)x->p)[i] : kiln__bf16_to_f32(((const uint16_t *)x->p)[i]);
+}
+
+#if defined(__x86_64__)
+/* Packing for the AMX kernel, 16 elements at a time. lanes16 reads 16 contiguous
+ * elements of an operand (f32 or bf16; lanes outside `m` read as zero) and gives each
+ * one's bf16 bits in the low half of a 32-bit lane, rounded as kiln__f32_to_bf16 does
+ * (nearest even, a NaN kept quiet), so that every path packs the same bits. */
+#define AVX512_PACK __attribute__((target("avx512f,avx512bw,avx512vl")))
+AVX512_PACK static inline __m512i lanes16(const kiln__gemm_operand *x, int64_t at, __mmask16 m)
+{
+    if (x->type == KILN__GEMM_BF16)
+        return _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, (const uint16_t *)x->p + at));
+    __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, (const float *)x->p + at));
+    __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
+    __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                            _mm512_set1_epi32(0x7f800000));
+    return _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+}
+
+static inline __mmask16 first_n(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
+
+/* One 32-wide AMX panel of an operand whose tile dim (ts == 1) or K (ks == 1) is
+ * contiguous: A panels are 32 rows of 32 k a k-step; B panels two 16-column halves
+ * of 16 k-pairs. Returns false for other layouts (the generic packer takes them). */
+AVX512_PACK static bool pack_amx(const kiln__gemm_operand *x, bool is_b, int64_t first, int64_t ts, int64_t ks,
+                                 int64_t w, int64_t kc, uint16_t *out)
+{
+    int64_t groups = (kc + 31) / 32;
+    uint32_t *ow = (uint32_t *)out;
+    const __m512i idx16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                             _mm512_set1_epi32(16));
+    if (ks == 1) { /* each row (A) or column (B) holds its k contiguously */
+        if (w < 32) memset(out, 0, sizeof(uint16_t) * (size_t)(groups * 32 * 32));
+        for (int64_t t = 0; t < w; t++)
+            for (int64_t g = 0; g < groups; g++) {
+                int64_t k = g * 32, at = first + t * ts + k;
+                __m512i lo = lanes16(x, at, first_n(kc - k)), hi = lanes16(x, at + 16, first_n(kc - k - 16));
+                __m512i pairs = _mm512_or_si512(_mm512_permutex2var_epi32(lo, _mm512_setr_epi32(0, 2, 4, 6, 8, 10,
+                                               12, 14, 16, 18, 20, 22, 24, 26, 28, 30), hi),
+                                                _mm512_slli_epi32(_mm512_permutex2var_epi32(lo,
+                                               _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
+                                                                 29, 31), hi), 16));
+                if (!is_b) /* A: row t's 32 k are 16 consecutive words */
+                    _mm512_storeu_si512(ow + (g * 32 + t) * 16, pairs);
+                else /* B: k-pair p of column t is word (t / 16) * 256 + p * 16 + t % 16 */
+                    _mm512_i32scatter_epi32(ow + g * 512 + t / 16 * 256 + t % 16, idx16, pairs, 4);
+            }
+        return true;
+    }
+    if (ts != 1) return false;
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t p = 0; p < 16; p++) {
+            int64_t k = g * 32 + 2 * p;
+            for (int64_t h = 0; h < 2; h++) {
+                __mmask16 m = first_n(w - h * 16);
+                __m512i k0 = lanes16(x, first + k * ks + h * 16, k < kc ? m : 0);
+                __m512i k1 = lanes16(x, first + (k + 1) * ks + h * 16, k + 1 < kc ? m : 0);
+                __m512i pairs = _mm512_or_si512(k0, _mm512_slli_epi32(k1, 16));
+                if (is_b) /* B: the 16 columns of half h, pair p */
+                    _mm512_storeu_si512(ow + g * 512 + h * 256 + p * 16, pairs);
+                else /* A: rows h*16.. of pair p, each row's words 16 apart */
+                    _mm512_i32scatter_epi32(ow + (g * 32 + h * 16) * 16 + p, idx16, pairs, 4);
+            }
+        }
+    return true;
+}
+#endif
+
+/* Packs `tile`-wide micro-panels of an operand's block: element (t, k) of the block, t in
+ * [0, nt) along the tile dim (stride ts) and k in [0, kc) along K (stride ks), starting
+ * at `first`. A panel holds, for each k-step, `tile` groups of kstep values; what lies
+ * past nt or kc is zero. Panels follow each other, kpad = kc rounded up to kstep long. */
+static void pack(const ukernel *uk, const kiln__gemm_operand *x, bool is_b, int64_t first, int64_t ts, int64_t ks,
+                 int64_t nt, int64_t kc, int tile, void *out)
+{
+    int kstep = uk->kstep;
+    int64_t kpad = (kc + kstep - 1) / kstep * kstep;
+    float *of = out;
+    uint16_t *oh = out;
+    for (int64_t t0 = 0; t0 < nt; t0 += tile) {
+        int64_t w = nt - t0 < tile ? nt - t0 : tile;
+#if defined(__x86_64__)
+        if (uk->amx && pack_amx(x, is_b, first + t0 * ts, ts, ks, w, kc, oh)) {
+            of += kpad * tile;
+            oh += kpad * tile;
+            continue;
+        }
+#endif
+        if (uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && x->type == KILN__GEMM_F32 && ts == 1 && w == tile) {
+            const float *src = (const float *)x->p + first + t0;
+            for (int64_t k = 0; k < kc; k++) copy_f32(uk, of + k * tile, src + k * ks, tile);
+        } else if (uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && x->type == KILN__GEMM_F32 && ks == 1) {
+            for (int t = 0; t < tile; t++) {
+                const float *src = (const float *)x->p + first + (t0 + t) * ts;
+                if (t < w)
+                    for (int64_t k = 0; k < kc; k++) of[k * tile + t] = src[k];
+                else
+                    for (int64_t k = 0; k < kc; k++) of[k * tile + t] = 0.0f;
+            }
+        } else {
+            for (int64_t k = 0; k < kpad; k++)
+                for (int t = 0; t < tile; t++) {
+                    float v = t < w && k < kc ? load(x, first + (t0 + t) * ts + k * ks) : 0.0f;
+                    int64_t at = (k / kstep * tile + t) * kstep + k % kstep;
+                    if (is_b && uk->amx) /* 16-column halves of k-pairs */
+                        at = k / kstep * tile * kstep + t / 16 * 16 * kstep + k % kstep / 2 * 32 + t % 16 * 2 + k % 2;
+                    if (uk->packed == KILN__GEMM_BF16) oh[at] = kiln__f32_to_bf16(v);
+                    else of[at] = uk->round_bf16 ? kiln__bf16_to_f32(kiln__f32_to_bf16(v)) : v;
+                }
+        }
+        of += kpad * tile;
+        oh += kpad * tile;
+    }
+}
+
+/* ---- the driver ---- */
+
+/* Each thread keeps its packing buffers between calls (slot 0: the caller's packed B,
+ * slot 1: an item's packed A): fresh memory would cost page faults on every GEMM.
+ * A thread's buffers are freed when it exits. */
+typedef struct {
+    void *p[2];
+    size_t n[2];
+} buffers;
+static pthread_key_t buffers_key;
+static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
+static void buffers_free(void *v)
+{
+    buffers *b = v;
+    free(b->p[0]);
+    free(b->p[1]);
+    free(b);
+}
+static void buffers_init(void) { pthread_key_create(&buffers_key, buffers_free); }
+
+static void *buffer(int slot, size_t bytes)
+{
+    pthread_once(&buffers_once, buffers_init);
+    buffers *b = pthread_getspecific(buffers_key);
+    if (!b && (!(b = calloc(1, sizeof *b)) || pthread_setspecific(buffers_key, b))) {
+        free(b);
+        return NULL;
+    }
+    bytes = (bytes + 63) / 64 * 64;
+    if (b->n[slot] < bytes) {
+        void *p = aligned_alloc(64, bytes);
+        if (!p) return NULL;
+        free(b->p[slot]);
+        b->p[slot] = p;
+        b->n[slot] = bytes;
+    }
+    return b->p[slot];
+}
+
+typedef struct {
+    const ukernel *uk;
+    int64_t M, N, K, kc_max;
+    kiln__gemm_operand A, B;
+    float *C;
+    int64_t ldc;
+    bool accumulate;
+    size_t es;         /* bytes per packed element */
+    int64_t c0, nc;    /* this round's columns of B and C */
+    int64_t npanels;   /* NR panels in the round */
+    char *bpack;       /* the round's packed B: K block by K block, each npanels panels */
+    int64_t mc, mblocks, panels_per_group, ngroups;
+    bool failed;
+} job;
+
+static int64_t kpad_of(const job *j, int64_t kc) { return (kc + j->uk->kstep - 1) / j->uk->kstep * j->uk->kstep; }
+
+/* Where K block starting at k0 (length kc) of panel p lies in the packed B. */
+static char *bpanel(const job *j, int64_t k0, int64_t kc, int64_t p)
+{
+    return j->bpack + ((k0 * j->npanels + p * kpad_of(j, kc)) * j->uk->nr) * (int64_t)j->es;
+}
+
+static void pack_b_range(void *ctx, int64_t begin, int64_t end)
+{
+    const job *j = ctx;
+    int nr = j->uk->nr;
+    for (int64_t p = begin; p < end; p++)
+        for (int64_t k0 = 0; k0 < j->K; k0 += j->kc_max) {
+            int64_t kc = j->K - k0 < j->kc_max ? j->K - k0 : j->kc_max;
+            int64_t col = j->c0 + p * nr, w = j->c0 + j->nc - col < nr ? j->c0 + j->nc - col : nr;
+            pack(j->uk, &j->B, true, k0 * j->B.rs + col * j->B.cs, j->B.cs, j->B.rs, w, kc, nr, bpanel(j, k0, kc, p));
+        }
+}
+
+/* One MR x NR tile; an edge tile runs the same kernel on a full-size scratch tile. */
+static void tile(const job *j, int64_t steps, const void *a, int64_t ars, int64_t acs, const void *b, float *c,
+                 int64_t m, int64_t n, bool add)
+{
+    const ukernel *uk = j->uk;
+    if (m == uk->mr && n == uk->nr) {
+        uk->run(steps, a, ars, acs, b, c, j->ldc, add);
+        return;
+    }
+    float t[MR_MAX * NR_MAX] = {0};
+    for (int64_t i = 0; i < m && add; i++) memcpy(t + i * uk->nr, c + i * j->ldc, sizeof(float) * (size_t)n);
+    uk->run(steps, a, ars, acs, b, t, uk->nr, add);
+    for (int64_t i = 0; i < m; i++) memcpy(c + i * j->ldc, t + i * uk->nr, sizeof(float) * (size_t)n);
+}
+
+/* Where an f32 kernel reads rows [r, r + m) of A in K block [k0, k0 + kc): tile q (rows
+ * r + q MR ...) starts at p + q * tile and has element (i, k) at [i * rs + k * cs].
+ * Row-major A whose row stride spreads a tile's rows over L1's sets is read in place;
+ * row-major A with rows a multiple of 2 KiB apart (which share one or two of L1's 64
+ * sets and evict the packed B: measured 0.71 of OpenBLAS read in place,
+ * docs/perf-log.md) is copied row by row with a padded stride; a transposed A, whose
+ * k-th column of a tile is MR adjacent values, is packed into panels (MR values a k),
+ * 16 at a time. Rows past m up to a whole tile are zero. A copy holds the same values
+ * as A, so every path gives the same sums. */
+typedef struct {
+    const float *p;
+    int64_t rs, cs, tile;
+} a_view;
+
+static a_view a_rows(const job *j, int64_t r, int64_t m, int64_t k0, int64_t kc, float *buf)
+{
+    const kiln__gemm_operand *A = &j->A;
+    const float *src = (const float *)A->p + r * A->rs + k0 * A->cs;
+    int mr = j->uk->mr;
+    int64_t rows = (m + mr - 1) / mr * mr;
+    if (A->cs == 1 && A->rs * 4 % 2048 != 0 && m == rows) return (a_view){src, A->rs, 1, mr * A->rs};
+    if (A->rs == 1 && A->cs != 1) {
+        for (int64_t t = 0; t < rows; t += mr)
+            for (int64_t k = 0; k < kc; k++) {
+                float *d = buf + (t / mr * kc + k) * mr;
+                int64_t w = m - t < mr ? m - t : mr;
+                copy_f32(j->uk, d, src + k * A->cs + t, w);
+                for (int64_t i = w; i < mr; i++) d[i] = 0.0f;
+            }
+        return (a_view){buf, 1, mr, kc * mr};
+    }
+    int64_t ld = (kc + 15) / 16 * 16 + 16;
+    for (int64_t i = 0; i < rows; i++) {
+        if (i < m && A->cs == 1) memcpy(buf + i * ld, src + i * A->rs, sizeof(float) * (size_t)kc);
+        else
+            for (int64_t k = 0; k < kc; k++) buf[i * ld + k] = i < m ? src[i * A->rs + k * A->cs] : 0.0f;
+    }
+    return (a_view){buf, ld, 1, mr * ld};
+}
+
+static void items(void *ctx, int64_t begin, int64_t end)
+{
+    job *j = ctx;
+    const ukernel *uk = j->uk;
+    bool f32 = uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && j->A.type == KILN__GEMM_F32;
+    size_t abytes = f32 ? sizeof(float) * (size_t)((j->mc + uk->mr + 32) * (j->kc_max + 32))
+                        : (size_t)(j->mc * kpad_of(j, j->kc_max)) * j->es;
+    void *apack = buffer(1, abytes);
+    if (!apack) {
+        j->failed = true; /* a benign race: every writer stores true */
+        return;
+    }
+    for (int64_t it = begin; it < end; it++) {
+        int64_t mb = it % j->mblocks, g = it / j->mblocks;
+        int64_t r0 = mb * j->mc, m = j->M - r0 < j->mc ? j->M - r0 : j->mc;
+        int64_t p0 = g * j->panels_per_group, p1 = p0 + j->panels_per_group;
+        if (p1 > j->npanels) p1 = j->npanels;
+        for (int64_t k0 = 0; k0 < j->K; k0 += j->kc_max) {
+            int64_t kc = j->K - k0 < j->kc_max ? j->K - k0 : j->kc_max, kpad = kpad_of(j, kc);
+            /* f32: the whole tiles, then the last partial one (copied on its own, so the
+             * whole ones can still be read in place). */
+            int64_t whole = m / uk->mr * uk->mr;
+            a_view av = {0}, edge = {0};
+            if (f32) {
+                av = a_rows(j, r0, whole, k0, kc, apack);
+                if (whole < m) /* after the room a_rows may take for the whole tiles */
+                    edge = a_rows(j, r0 + whole, m - whole, k0, kc, (float *)apack + (j->mc + 16) * (j->kc_max + 32));
+            } else {
+                pack(uk, &j->A, false, r0 * j->A.rs + k0 * j->A.cs, j->A.rs, j->A.cs, m, kc, uk->mr, apack);
+            }
+            bool add = k0 > 0 || j->accumulate;
+            for (int64_t p = p0; p < p1; p++) {
+                int64_t col = p * uk->nr, n = j->nc - col < uk->nr ? j->nc - col : uk->nr;
+                const char *b = bpanel(j, k0, kc, p);
+                for (int64_t i = 0; i < m; i += uk->mr) {
+                    float *c = j->C + (r0 + i) * j->ldc + j->c0 + col;
+                    int64_t rows = m - i < uk->mr ? m - i : uk->mr;
+                    if (!f32)
+                        tile(j, kpad / uk->kstep, (const char *)apack + i * kpad * (int64_t)j->es, 1, uk->mr, b, c,
+                             rows, n, add);
+                    else if (i < whole)
+                        tile(j, kc, av.p + i / uk->mr * av.tile, av.rs, av.cs, b, c, rows, n, add);
+                    else
+                        tile(j, kc, edge.p, edge.rs, edge.cs, b, c, rows, n, add);
+                }
+            }
+        }
+    }
+}
+
+bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
+                    float *C, int64_t ldc, bool accumulate, kiln__gemm_type compute)
+{
+    const ukernel *uk = pick(isa, compute);
+    if (!uk) return false;
+    if (M <= 0 || N <= 0) return true;
+    if (K <= 0) {
+        for (int64_t i = 0; i < M && !accumulate; i++) memset(C + i * ldc, 0, sizeof(float) * (size_t)N);
+        return true;
+    }
+    job j = {.uk = uk, .M = M, .N = N, .K = K, .kc_max = KILN__GEMM_KC, .A = A, .B = B, .C = C, .ldc = ldc,
+             .accumulate = accumulate, .es = uk->packed == KILN__GEMM_BF16 ? 2 : 4};
+    int64_t nt = kiln__pool_size() > 0 ? kiln__pool_size() : 1;
+    size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < NC ? N : NC) + uk->nr) * j.es;
+    j.bpack = buffer(0, bbytes);
+    if (!j.bpack) return false;
+    for (j.c0 = 0; j.c0 < N && !j.failed; j.c0 += NC) {
+        j.nc = N - j.c0 < NC ? N - j.c0 : NC;
+        j.npanels = (j.nc + uk->nr - 1) / uk->nr;
+        kiln__parallel_for(j.npanels, 4, pack_b_range, &j);
+        /* Rows in blocks of at most 20 tiles, at least two blocks a thread where M
+         * allows; when M is short the columns are split among the threads instead. */
+        int64_t tiles = (M + uk->mr - 1) / uk->mr, per = (tiles + 2 * nt - 1) / (2 * nt);
+        if (per > 20) per = 20;
+        if (per < 1) per = 1;
+        j.mc = per * uk->mr;
+        j.mblocks = (M + j.mc - 1) / j.mc;
+        j.ngroups = j.mblocks >= 2 * nt ? 1 : (2 * nt + j.mblocks - 1) / j.mblocks;
+        if (j.ngroups > j.npanels) j.ngroups = j.npanels;
+        j.panels_per_group = (j.npanels + j.ngroups - 1) / j.ngroups;
+        j.ngroups = (j.npanels + j.panels_per_group - 1) / j.panels_per_group;
+        kiln__parallel_for(j.mblocks * j.ngroups, 1, items, &j);
+    }
+    return !j.failed;
+}
+
+bool kiln__gemm(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, float *C, int64_t ldc,
+                bool accumulate, kiln__gemm_type compute)
+{
+    return kiln__gemm_with(KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, ldc, accumulate, compute);
+}

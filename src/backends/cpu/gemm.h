@@ -1,0 +1,59 @@
+/* kiln's own GEMM: C = A B (or C += A B) for f32 and for bf16 operands with f32
+ * accumulation, packed and blocked as in the BLIS papers (Van Zee and van de Geijn,
+ * "BLIS: A Framework for Rapidly Instantiating BLAS Functionality", 2015), with
+ * register-tiled micro-kernels for AMX (bf16), AVX-512, AVX512-BF16 and AVX2+FMA
+ * chosen at run time, and a plain C fallback.
+ *
+ * Operands are read through their strides (row stride rs, column stride cs, in
+ * elements), so A B, A B^T and A^T B are all the same call. Packing copies each block
+ * into the micro-kernel's order and converts it to the kernel's type, so an f32
+ * operand can feed the bf16 kernel (rounded to nearest even as it is packed).
+ *
+ * Every element of C is summed over K in the same order — KILN__GEMM_KC-long blocks in
+ * turn, each in k order inside the micro-kernel — whatever M, the thread count or the
+ * element's place in its tile, so a row's result does not depend on the other rows
+ * (the serving engine's batches rely on this, bitwise). */
+#ifndef KILN_CPU_GEMM_H
+#define KILN_CPU_GEMM_H
+#include <stdbool.h>
+#include <stdint.h>
+#include "core/dtype.h" /* kiln__f32_to_bf16, kiln__bf16_to_f32 */
+
+typedef enum { KILN__GEMM_F32, KILN__GEMM_BF16 } kiln__gemm_type;
+
+/* An operand: its first element, element type (KILN__GEMM_F32: float, KILN__GEMM_BF16:
+ * uint16_t holding bf16) and strides in elements. */
+typedef struct {
+    const void *p;
+    kiln__gemm_type type;
+    int64_t rs, cs;
+} kiln__gemm_operand;
+
+typedef enum {
+    KILN__GEMM_ISA_AUTO, /* the best this processor runs */
+    KILN__GEMM_ISA_C,
+    KILN__GEMM_ISA_AVX2,
+    KILN__GEMM_ISA_AVX512,
+    KILN__GEMM_ISA_AMX,
+} kiln__gemm_isa;
+
+/* Sums over K in blocks of this many (bf16: pairs are kept whole, the block is even). */
+#define KILN__GEMM_KC 256
+
+/* C (M x N, row stride ldc) = A (M x K) B (K x N), or C += A B with `accumulate`.
+ * `compute` is the type the products are formed in: KILN__GEMM_F32 (exact f32 products)
+ * or KILN__GEMM_BF16 (both operands rounded to bf16, products summed in f32). Runs over
+ * kiln's thread pool. Returns false only when memory for the packed blocks ran out
+ * (C is then partly written). */
+bool kiln__gemm(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, float *C, int64_t ldc,
+                bool accumulate, kiln__gemm_type compute);
+
+/* The same with the micro-kernel chosen (tests and bench/gemm compare them); false
+ * also when this processor cannot run that one. */
+bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
+                    float *C, int64_t ldc, bool accumulate, kiln__gemm_type compute);
+
+/* The name of the micro-kernel kiln__gemm would use for `compute` ("avx512", ...). */
+const char *kiln__gemm_kernel_name(kiln__gemm_type compute);
+
+#endif

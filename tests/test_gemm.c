@@ -1,0 +1,199 @@
+/* kiln's own GEMM (src/backends/cpu/gemm.h) against a float64 reference.
+ *
+ * Oracle: C = A B summed in double over the same operand values (bf16-rounded where
+ * the product is formed in bf16, since that rounding is the definition of the bf16
+ * GEMM). Tolerance: the standard bound for a sum of K products in f32,
+ * |error| <= 2 K u sum_k |a_ik b_kj| with u = 2^-24, which grows with K as it should.
+ * Every micro-kernel this processor runs is checked, on shapes around the tile sizes
+ * (1, 7, 63, 65, ...), with K over several KC blocks and odd K, in the layouts training
+ * uses (A B, A B^T, A^T B), with padded leading dimensions, and accumulating into C.
+ * Then bitwise: a row's result does not depend on the other rows, nor a column's on
+ * the other columns (so not on how the threads split the work either). */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kiln/kiln.h"
+#include "backends/cpu/gemm.h"
+
+static const kiln__gemm_isa ISAS[] = {KILN__GEMM_ISA_C, KILN__GEMM_ISA_AVX2, KILN__GEMM_ISA_AVX512,
+                                      KILN__GEMM_ISA_AMX, KILN__GEMM_ISA_AUTO};
+static const char *const ISA_NAMES[] = {"c", "avx2", "avx512", "amx", "auto"};
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static float uniform(void)
+{
+    rng_state ^= rng_state << 13;
+    rng_state ^= rng_state >> 7;
+    rng_state ^= rng_state << 17;
+    return (float)((rng_state >> 40) / (double)(1 << 24)) * 2.0f - 1.0f;
+}
+
+/* A rows x cols matrix stored with row stride rs and column stride cs (one of them 1,
+ * the other at least the matrix's width), in f32 or in bf16. */
+typedef struct {
+    int64_t rows, cols, rs, cs;
+    kiln__gemm_type type;
+    void *data;
+} mat;
+
+static mat mat_new(int64_t rows, int64_t cols, bool transposed, int64_t pad, kiln__gemm_type type)
+{
+    mat m = {rows, cols, transposed ? 1 : cols + pad, transposed ? rows + pad : 1, type, NULL};
+    size_t n = (size_t)(transposed ? cols * (rows + pad) : rows * (cols + pad));
+    m.data = calloc(n ? n : 1, type == KILN__GEMM_F32 ? 4 : 2);
+    assert_non_null(m.data);
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t j = 0; j < cols; j++) {
+            float v = uniform();
+            if (type == KILN__GEMM_F32) ((float *)m.data)[i * m.rs + j * m.cs] = v;
+            else ((uint16_t *)m.data)[i * m.rs + j * m.cs] = kiln__f32_to_bf16(v);
+        }
+    return m;
+}
+
+static double at(const mat *m, int64_t i, int64_t j, bool round_bf16)
+{
+    int64_t o = i * m->rs + j * m->cs;
+    float v = m->type == KILN__GEMM_F32 ? ((float *)m->data)[o] : kiln__bf16_to_f32(((uint16_t *)m->data)[o]);
+    return round_bf16 ? kiln__bf16_to_f32(kiln__f32_to_bf16(v)) : v;
+}
+
+static kiln__gemm_operand operand(const mat *m) { return (kiln__gemm_operand){m->data, m->type, m->rs, m->cs}; }
+
+/* Checks one product against the double reference; returns false when this processor
+ * lacks the kernel. */
+static bool check(kiln__gemm_isa isa, const char *isa_name, int64_t M, int64_t N, int64_t K, bool at_, bool bt,
+                  kiln__gemm_type in_type, kiln__gemm_type compute, bool accumulate)
+{
+    mat A = mat_new(M, K, at_, 3, in_type), B = mat_new(K, N, bt, 5, in_type);
+    int64_t ldc = N + 2;
+    float *C = malloc(sizeof(float) * (size_t)(M * ldc + 1));
+    double *C0 = malloc(sizeof(double) * (size_t)(M * ldc + 1));
+    assert_non_null(C);
+    assert_non_null(C0);
+    for (int64_t i = 0; i < M * ldc; i++) C0[i] = C[i] = uniform();
+    bool ran = kiln__gemm_with(isa, M, N, K, operand(&A), operand(&B), C, ldc, accumulate, compute);
+    if (ran) {
+        bool rb = compute == KILN__GEMM_BF16;
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = 0; j < N; j++) {
+                double ref = accumulate ? C0[i * ldc + j] : 0.0, mag = fabs(ref);
+                for (int64_t k = 0; k < K; k++) {
+                    double p = at(&A, i, k, rb) * at(&B, k, j, rb);
+                    ref += p;
+                    mag += fabs(p);
+                }
+                double tol = 2.0 * (double)(K + 1) * 0x1p-24 * mag + 1e-30;
+                if (!(fabs(C[i * ldc + j] - ref) <= tol))
+                    fail_msg("%s %s M=%lld N=%lld K=%lld A%s B%s acc=%d: C[%lld,%lld] = %.9g, reference %.9g, "
+                             "tolerance %.3g", isa_name, rb ? "bf16" : "f32", (long long)M, (long long)N,
+                             (long long)K, at_ ? "^T" : "", bt ? "^T" : "", accumulate, (long long)i, (long long)j,
+                             C[i * ldc + j], ref, tol);
+            }
+        /* The padding between rows of C is not written. */
+        for (int64_t i = 0; i < M; i++)
+            for (int64_t j = N; j < ldc; j++) assert_true(C[i * ldc + j] == (float)C0[i * ldc + j]);
+    }
+    free(A.data);
+    free(B.data);
+    free(C);
+    free(C0);
+    return ran;
+}
+
+static void test_every_kernel_matches_double_reference(void **state)
+{
+    (void)state;
+    static const int64_t sizes[][3] = {{1, 1, 1},   {7, 7, 7},    {1, 65, 63},  {63, 65, 7},   {65, 63, 64},
+                                       {13, 33, 1}, {24, 64, 256}, {37, 100, 600}, {130, 70, 65}, {5, 300, 257}};
+    for (size_t s = 0; s < sizeof ISAS / sizeof ISAS[0]; s++) {
+        int ran = 0, cases = 0;
+        for (size_t z = 0; z < sizeof sizes / sizeof sizes[0]; z++)
+            for (int layout = 0; layout < 3; layout++)
+                for (int ty = 0; ty < 2; ty++) {
+                    int64_t M = sizes[z][0], N = sizes[z][1], K = sizes[z][2];
+                    bool a_t = layout == 2, b_t = layout == 1, acc = (z + (size_t)layout) % 2 == 1;
+                    kiln__gemm_type compute = ty ? KILN__GEMM_BF16 : KILN__GEMM_F32;
+                    kiln__gemm_type in = ty && z % 2 ? KILN__GEMM_BF16 : KILN__GEMM_F32;
+                    ran += check(ISAS[s], ISA_NAMES[s], M, N, K, a_t, b_t, in, compute, acc);
+                    cases++;
+                }
+        printf("kernel %s: %d of %d cases ran here\n", ISA_NAMES[s], ran, cases);
+        /* The plain C kernels and the best available one run everywhere. */
+        if (ISAS[s] == KILN__GEMM_ISA_C || ISAS[s] == KILN__GEMM_ISA_AUTO) assert_int_equal(ran, cases);
+    }
+}
+
+static void test_zero_k_and_empty(void **state)
+{
+    (void)state;
+    float C[6] = {1, 2, 3, 4, 5, 6}, A[1] = {0}, B[1] = {0};
+    kiln__gemm_operand a = {A, KILN__GEMM_F32, 1, 1}, b = {B, KILN__GEMM_F32, 1, 1};
+    assert_true(kiln__gemm(2, 3, 0, a, b, C, 3, true, KILN__GEMM_F32));
+    assert_true(C[0] == 1 && C[5] == 6); /* C += nothing */
+    assert_true(kiln__gemm(2, 3, 0, a, b, C, 3, false, KILN__GEMM_F32));
+    for (int i = 0; i < 6; i++) assert_true(C[i] == 0.0f);
+    assert_true(kiln__gemm(0, 3, 5, a, b, C, 3, false, KILN__GEMM_F32));
+}
+
+/* Row i of one GEMM over M rows equals, bit for bit, the GEMM of row i alone, and a
+ * block of columns equals the GEMM over just those columns. */
+static void test_rows_and_columns_do_not_depend_on_the_rest(void **state)
+{
+    (void)state;
+    const int64_t M = 41, N = 150, K = 300;
+    for (size_t s = 0; s < sizeof ISAS / sizeof ISAS[0]; s++)
+        for (int ty = 0; ty < 2; ty++) {
+            kiln__gemm_type compute = ty ? KILN__GEMM_BF16 : KILN__GEMM_F32;
+            mat A = mat_new(M, K, false, 0, KILN__GEMM_F32), B = mat_new(K, N, true, 0, KILN__GEMM_F32);
+            float *C = calloc((size_t)(M * N), sizeof(float)), *R = calloc((size_t)N, sizeof(float));
+            assert_non_null(C);
+            assert_non_null(R);
+            if (!kiln__gemm_with(ISAS[s], M, N, K, operand(&A), operand(&B), C, N, false, compute)) goto next;
+            for (int64_t i = 0; i < M; i++) {
+                kiln__gemm_operand row = {(float *)A.data + i * A.rs, KILN__GEMM_F32, A.rs, A.cs};
+                assert_true(kiln__gemm_with(ISAS[s], 1, N, K, row, operand(&B), R, N, false, compute));
+                if (memcmp(R, C + i * N, sizeof(float) * (size_t)N))
+                    fail_msg("%s %s: row %lld alone differs from the batch", ISA_NAMES[s], ty ? "bf16" : "f32",
+                             (long long)i);
+            }
+            for (int64_t j0 = 0; j0 < N; j0 += 37) {
+                int64_t w = N - j0 < 37 ? N - j0 : 37;
+                float *P = calloc((size_t)(M * w), sizeof(float));
+                assert_non_null(P);
+                kiln__gemm_operand cols = {(float *)B.data + j0 * B.cs, KILN__GEMM_F32, B.rs, B.cs};
+                assert_true(kiln__gemm_with(ISAS[s], M, w, K, operand(&A), cols, P, w, false, compute));
+                for (int64_t i = 0; i < M; i++)
+                    if (memcmp(P + i * w, C + i * N + j0, sizeof(float) * (size_t)w))
+                        fail_msg("%s: columns %lld.. alone differ from the full product", ISA_NAMES[s],
+                                 (long long)j0);
+                free(P);
+            }
+        next:
+            free(A.data);
+            free(B.data);
+            free(C);
+            free(R);
+        }
+}
+
+int main(void)
+{
+    kiln_init(0);
+    printf("gemm kernels here: f32 %s, bf16 %s\n", kiln__gemm_kernel_name(KILN__GEMM_F32),
+           kiln__gemm_kernel_name(KILN__GEMM_BF16));
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_every_kernel_matches_double_reference),
+        cmocka_unit_test(test_zero_k_and_empty),
+        cmocka_unit_test(test_rows_and_columns_do_not_depend_on_the_rest),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
