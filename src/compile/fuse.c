@@ -172,8 +172,19 @@ static bool may_alias(const kiln_graph_t *g, int u, int dst)
     return x->kind == V_CONST && d->kind == V_CONST && kiln__tensors_overlap(x->t, d->t);
 }
 
-#define GROW(arr, n, cap)                                                                     \
-    ((n) < (cap) ? true : ((cap) = (cap) ? 2 * (cap) : 16, (arr = realloc(arr, sizeof *(arr) * (size_t)(cap))) != NULL))
+/* arr with room for one more (n used of cap, doubling from 16), or arr as it was when
+ * out of memory (then cap is unchanged too, and the kernel still owns and frees arr).
+ * GROW is true when the room is there. */
+static void *grown(void *arr, int *cap, int n, size_t size)
+{
+    if (n < *cap) return arr;
+    int c = *cap ? 2 * *cap : 16;
+    void *p = realloc(arr, size * (size_t)c);
+    if (!p) return arr;
+    *cap = c;
+    return p;
+}
+#define GROW(arr, n, cap) ((arr) = grown((arr), &(cap), (n), sizeof *(arr)), (n) < (cap))
 
 typedef struct {
     kiln_graph_t *g;
