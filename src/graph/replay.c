@@ -214,7 +214,7 @@ static void capture_native(kiln_replay_t *r)
         kiln_clear_error();
     }
     if (*no) {
-        snprintf(r->why, sizeof r->why, "a launch list: %s", no);
+        snprintf(r->why, sizeof r->why, "a launch list: %.230s", no); /* why is as long as no */
         return;
     }
     r->native_be = be;
