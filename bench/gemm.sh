@@ -4,8 +4,10 @@
 #   sh bench/gemm.sh [BUILD_DIR] [THREADS...]        (default: build 1 2)
 # Debian's OpenBLAS picks its SSE3 kernels on some virtual machines (docs/perf-log.md):
 # on a processor with AVX-512 it is told to use its SkylakeX kernels, its best here,
-# unless OPENBLAS_CORETYPE is already set. BLIS's OpenMP threads are told to sleep when
-# idle, so that they do not spin against the other libraries' runs in the same process.
+# unless OPENBLAS_CORETYPE is already set. Idle threads are told not to spin (BLIS's
+# OpenMP threads sleep, OpenBLAS's wait 2^4 cycles instead of its default, about 0.1 s),
+# so that they do not run against the other libraries' runs in the same process: with
+# them spinning, kiln's two-thread figures fell to 0.36-0.6 of its one-thread ones.
 set -eu
 build=${1:-build}
 [ $# -gt 0 ] && shift
@@ -14,8 +16,9 @@ if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx512f /proc/cpuinfo; then
     export OPENBLAS_CORETYPE=SkylakeX
 fi
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
+export OPENBLAS_THREAD_TIMEOUT=${OPENBLAS_THREAD_TIMEOUT:-4}
 for t in $threads; do
     echo "## $t thread(s)"
-    "$build/bench_gemm_own" --threads "$t"
+    "$build/bench_gemm_own" --threads "$t" --rest-ms 100
 done
 "$build/bench_fma_peak" --threads "$(echo "$threads" | tr ' ' '\n' | sort -n | tail -1)" --rounds 5
