@@ -261,28 +261,40 @@ const char *kiln__gemm_kernel_name(kiln__gemm_type compute)
 
 /* ---- packing ---- */
 
-/* Copies n floats, n <= 32 in one or two masked AVX-512 moves (a memcpy call of 48 or
- * 128 bytes costs more than the copy: 9% of a GEMM whose B rows are 32 floats). */
+/* Copies `rows` rows of n floats (source rows ss apart, destination rows ds apart) and
+ * zeroes each destination row from n up to `width`. Rows of up to 32 floats go in one or
+ * two masked AVX-512 moves where the kernel has AVX-512, the loop compiled for it (a
+ * memcpy call of 48 or 128 bytes a row costs more than the copy: 9% of a GEMM whose B
+ * rows are 32 floats, and a call a row still 19% of a transposed-A GEMM). */
 #if defined(__x86_64__)
-__attribute__((target("avx512f"))) static void copy32_avx512(float *d, const float *s, int64_t n)
+__attribute__((target("avx512f"))) static void copy_rows_avx512(float *d, int64_t ds, const float *s, int64_t ss,
+                                                                 int64_t rows, int64_t n, int64_t width)
 {
-    __mmask16 lo = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1), hi = n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
-    if (n >= 32) hi = 0xffff;
-    _mm512_mask_storeu_ps(d, lo, _mm512_maskz_loadu_ps(lo, s));
-    if (hi) _mm512_mask_storeu_ps(d + 16, hi, _mm512_maskz_loadu_ps(hi, s + 16));
+    __mmask16 lo = n >= 16 ? 0xffff : (__mmask16)((1u << n) - 1);
+    __mmask16 hi = n >= 32 ? 0xffff : n <= 16 ? 0 : (__mmask16)((1u << (n - 16)) - 1);
+    for (int64_t r = 0; r < rows; r++, d += ds, s += ss) {
+        _mm512_mask_storeu_ps(d, width >= 16 ? 0xffff : (__mmask16)((1u << width) - 1), _mm512_maskz_loadu_ps(lo, s));
+        if (width > 16)
+            _mm512_mask_storeu_ps(d + 16, width >= 32 ? 0xffff : (__mmask16)((1u << (width - 16)) - 1),
+                                  _mm512_maskz_loadu_ps(hi, s + 16));
+    }
 }
 #endif
 
 /* `uk` tells whether the processor has AVX-512: its kernel does. */
-static void copy_f32(const ukernel *uk, float *d, const float *s, int64_t n)
+static void copy_rows(const ukernel *uk, float *d, int64_t ds, const float *s, int64_t ss, int64_t rows, int64_t n,
+                      int64_t width)
 {
 #if defined(__x86_64__)
-    if (uk->isa == KILN__GEMM_ISA_AVX512 && n <= 32) {
-        copy32_avx512(d, s, n);
+    if (uk->isa == KILN__GEMM_ISA_AVX512 && width <= 32) {
+        copy_rows_avx512(d, ds, s, ss, rows, n, width);
         return;
     }
 #endif
-    memcpy(d, s, sizeof(float) * (size_t)n);
+    for (int64_t r = 0; r < rows; r++) {
+        memcpy(d + r * ds, s + r * ss, sizeof(float) * (size_t)n);
+        memset(d + r * ds + n, 0, sizeof(float) * (size_t)(width - n));
+    }
 }
 
 static float load(const kiln__gemm_operand *x, int64_t i)
@@ -379,7 +391,7 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, bool is_b, int6
 #endif
         if (uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && x->type == KILN__GEMM_F32 && ts == 1 && w == tile) {
             const float *src = (const float *)x->p + first + t0;
-            for (int64_t k = 0; k < kc; k++) copy_f32(uk, of + k * tile, src + k * ks, tile);
+            copy_rows(uk, of, tile, src, ks, kc, tile, tile);
         } else if (uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && x->type == KILN__GEMM_F32 && ks == 1) {
             for (int t = 0; t < tile; t++) {
                 const float *src = (const float *)x->p + first + (t0 + t) * ts;
@@ -516,12 +528,7 @@ static a_view a_rows(const job *j, int64_t r, int64_t m, int64_t k0, int64_t kc,
     if (A->cs == 1 && A->rs * 4 % 2048 != 0 && m == rows) return (a_view){src, A->rs, 1, mr * A->rs};
     if (A->rs == 1 && A->cs != 1) {
         for (int64_t t = 0; t < rows; t += mr)
-            for (int64_t k = 0; k < kc; k++) {
-                float *d = buf + (t / mr * kc + k) * mr;
-                int64_t w = m - t < mr ? m - t : mr;
-                copy_f32(j->uk, d, src + k * A->cs + t, w);
-                for (int64_t i = w; i < mr; i++) d[i] = 0.0f;
-            }
+            copy_rows(j->uk, buf + t / mr * kc * mr, mr, src + t, A->cs, kc, m - t < mr ? m - t : mr, mr);
         return (a_view){buf, 1, mr, kc * mr};
     }
     int64_t ld = (kc + 15) / 16 * 16 + 16;
