@@ -35,12 +35,6 @@ static double median(double *v, int n)
     return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
-static void sleep_ms(int ms)
-{
-    struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&t, NULL);
-}
-
 /* The BLAS shared object this process really loaded (the Debian alternatives can
  * point libblis.so.4 at the openmp or the pthread build), read from /proc/self/maps. */
 static void loaded_blas(char *out, size_t n)
@@ -258,11 +252,11 @@ static int bench_mix(int reps, int rest_ms)
 
         kiln_scope_begin();
         h = fc(x, w);
-        sleep_ms(rest_ms);
+        bench_sleep_ms(rest_ms);
         double t3 = bench_now_s();
         y = kiln_gelu(h, true);
         double t4 = bench_now_s();
-        sleep_ms(rest_ms);
+        bench_sleep_ms(rest_ms);
         double t5 = bench_now_s();
         h = fc(x, w);
         double t6 = bench_now_s();

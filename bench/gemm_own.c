@@ -17,7 +17,6 @@
  * sleep when idle. */
 #include <dlfcn.h>
 #include <math.h>
-#include <time.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -105,12 +104,6 @@ static double gflops(const gemm_case *g, double s) { return 2.0 * (double)g->M *
 
 /* Median GFLOP/s of each engine over reps interleaved repetitions; also the largest
  * difference of kiln f32 from the first BLAS, relative to the largest |value|. */
-static void rest(int ms)
-{
-    struct timespec t = {ms / 1000, (long)(ms % 1000) * 1000000L};
-    nanosleep(&t, NULL);
-}
-
 static void bench_case(const gemm_case *g, int reps, int rest_ms, const blas *bl, int nblas, double *gf, double *rel)
 {
     uint64_t seed = 42;
@@ -137,7 +130,7 @@ static void bench_case(const gemm_case *g, int reps, int rest_ms, const blas *bl
     for (int r = 0; r < reps; r++)
         for (int k = 0; k < ne; k++) {
             int e = (k + r) % ne;
-            rest(rest_ms);
+            bench_sleep_ms(rest_ms);
             t[e][r] = run(e, g, &o, bl);
         }
     for (int e = 0; e < ne; e++) {

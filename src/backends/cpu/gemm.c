@@ -84,6 +84,18 @@ __attribute__((target("avx2,fma"))) static void k_avx2(int64_t steps, const void
     }
 }
 
+/* The AVX-512 kernels' MR x 32 tile of C in registers: loaded (or zero) and stored. */
+#define C_TILE_512_LOAD(acc, MR)                                                              \
+    _Pragma("GCC unroll 12") for (int i = 0; i < (MR); i++) {                                 \
+        (acc)[i][0] = add ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();               \
+        (acc)[i][1] = add ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();          \
+    }
+#define C_TILE_512_STORE(acc, MR)                                                             \
+    _Pragma("GCC unroll 12") for (int i = 0; i < (MR); i++) {                                 \
+        _mm512_storeu_ps(c + i * ldc, (acc)[i][0]);                                           \
+        _mm512_storeu_ps(c + i * ldc + 16, (acc)[i][1]);                                      \
+    }
+
 __attribute__((target("avx512f"))) static void k_avx512(int64_t steps, const void *pa, int64_t ars, int64_t acs,
                                                          const void *pb, float *c, int64_t ldc, bool add)
 {
@@ -94,11 +106,7 @@ __attribute__((target("avx512f"))) static void k_avx512(int64_t steps, const voi
     const int64_t r = 4 * ars, step = 4 * acs;
     const float *b = pb;
     __m512 acc[MR][2];
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; i++) {
-        acc[i][0] = add ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
-        acc[i][1] = add ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
-    }
+    C_TILE_512_LOAD(acc, MR);
     for (int64_t k = 0; k < steps; k++, p0 += step, p3 += step, p6 += step, p9 += step, b += 32) {
         __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
         const char *base[4] = {p0, p3, p6, p9};
@@ -109,11 +117,7 @@ __attribute__((target("avx512f"))) static void k_avx512(int64_t steps, const voi
             acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
         }
     }
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; i++) {
-        _mm512_storeu_ps(c + i * ldc, acc[i][0]);
-        _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
-    }
+    C_TILE_512_STORE(acc, MR);
 }
 
 /* vdpbf16ps: each f32 lane adds the products of one pair of bf16 along K, so a k-step
@@ -128,11 +132,7 @@ __attribute__((target("avx512f,avx512bf16"))) static void k_avx512bf16(int64_t s
     const uint32_t *a = pa;
     const uint16_t *b = pb;
     __m512 acc[MR][2];
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; i++) {
-        acc[i][0] = add ? _mm512_loadu_ps(c + i * ldc) : _mm512_setzero_ps();
-        acc[i][1] = add ? _mm512_loadu_ps(c + i * ldc + 16) : _mm512_setzero_ps();
-    }
+    C_TILE_512_LOAD(acc, MR);
     for (int64_t k = 0; k < steps; k++, a += MR, b += 64) {
         __m512bh b0 = (__m512bh)_mm512_load_si512(b), b1 = (__m512bh)_mm512_load_si512(b + 32);
 #pragma GCC unroll 12
@@ -142,11 +142,7 @@ __attribute__((target("avx512f,avx512bf16"))) static void k_avx512bf16(int64_t s
             acc[i][1] = _mm512_dpbf16_ps(acc[i][1], ai, b1);
         }
     }
-#pragma GCC unroll 12
-    for (int i = 0; i < MR; i++) {
-        _mm512_storeu_ps(c + i * ldc, acc[i][0]);
-        _mm512_storeu_ps(c + i * ldc + 16, acc[i][1]);
-    }
+    C_TILE_512_STORE(acc, MR);
 }
 /* AMX: eight tile registers of 16 rows x 64 bytes. Tiles 0-3 hold the 32 x 32 f32
  * block of C, 4-5 the two 16-row halves of A's 32 x 32 bf16 k-step, 6-7 the two
