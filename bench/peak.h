@@ -22,47 +22,28 @@ static const int peak_flops_per_op[PEAK_COUNT] = {16, 32, 64};
 /* acc = acc * m + c (or acc += a.b with tiny a) keeps every chain bounded, so no
  * overflow or denormals slow it down. Each returns a sum so the work is not dead. */
 #if defined(__x86_64__)
-__attribute__((target("avx2,fma"))) static float peak_loop_avx2(long iters)
-{
-    __m256 acc[PEAK_CHAINS];
-    const __m256 m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-6f);
-    for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm256_set1_ps((float)i);
-    for (long n = 0; n < iters; n++)
-#pragma GCC unroll 12
-        for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm256_fmadd_ps(acc[i], m, c);
-    __m256 s = acc[0];
-    for (int i = 1; i < PEAK_CHAINS; i++) s = _mm256_add_ps(s, acc[i]);
-    float out[8];
-    _mm256_storeu_ps(out, s);
-    return out[0] + out[7];
-}
-
-__attribute__((target("avx512f"))) static float peak_loop_avx512(long iters)
-{
-    __m512 acc[PEAK_CHAINS];
-    const __m512 m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-6f);
-    for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm512_set1_ps((float)i);
-    for (long n = 0; n < iters; n++)
-#pragma GCC unroll 12
-        for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm512_fmadd_ps(acc[i], m, c);
-    __m512 s = acc[0];
-    for (int i = 1; i < PEAK_CHAINS; i++) s = _mm512_add_ps(s, acc[i]);
-    return _mm512_reduce_add_ps(s);
-}
-
-__attribute__((target("avx512f,avx512bf16"))) static float peak_loop_avx512_bf16(long iters)
-{
-    __m512 acc[PEAK_CHAINS];
-    /* 0x3380 is bf16 6e-8: the chains grow by 2 * 36e-16 a step, far from overflow. */
-    const __m512bh a = (__m512bh)_mm512_set1_epi16(0x3380);
-    for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm512_set1_ps((float)i);
-    for (long n = 0; n < iters; n++)
-#pragma GCC unroll 12
-        for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = _mm512_dpbf16_ps(acc[i], a, a);
-    __m512 s = acc[0];
-    for (int i = 1; i < PEAK_CHAINS; i++) s = _mm512_add_ps(s, acc[i]);
-    return _mm512_reduce_add_ps(s);
-}
+/* One loop per instruction: PEAK_CHAINS chains of `step` (one instruction each), then
+ * their sum. */
+#define PEAK_LOOP(name, isa, vec, set1, add, step, sum)                                       \
+    __attribute__((target(isa))) static float name(long iters)                               \
+    {                                                                                        \
+        vec acc[PEAK_CHAINS];                                                                \
+        for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = set1((float)i);                       \
+        for (long n = 0; n < iters; n++)                                                     \
+            _Pragma("GCC unroll 12") for (int i = 0; i < PEAK_CHAINS; i++) acc[i] = step(acc[i]); \
+        vec s = acc[0];                                                                      \
+        for (int i = 1; i < PEAK_CHAINS; i++) s = add(s, acc[i]);                            \
+        return sum(s);                                                                       \
+    }
+#define AVX2_STEP(x) _mm256_fmadd_ps(x, _mm256_set1_ps(0.999999f), _mm256_set1_ps(1e-6f))
+#define AVX2_SUM(s) _mm256_cvtss_f32(s)
+#define AVX512_STEP(x) _mm512_fmadd_ps(x, _mm512_set1_ps(0.999999f), _mm512_set1_ps(1e-6f))
+/* 0x3380 is bf16 6e-8: the chains grow by 2 * 36e-16 a step, far from overflow. */
+#define BF16_STEP(x) _mm512_dpbf16_ps(x, (__m512bh)_mm512_set1_epi16(0x3380), (__m512bh)_mm512_set1_epi16(0x3380))
+PEAK_LOOP(peak_loop_avx2, "avx2,fma", __m256, _mm256_set1_ps, _mm256_add_ps, AVX2_STEP, AVX2_SUM)
+PEAK_LOOP(peak_loop_avx512, "avx512f", __m512, _mm512_set1_ps, _mm512_add_ps, AVX512_STEP, _mm512_reduce_add_ps)
+PEAK_LOOP(peak_loop_avx512_bf16, "avx512f,avx512bf16", __m512, _mm512_set1_ps, _mm512_add_ps, BF16_STEP,
+          _mm512_reduce_add_ps)
 #endif
 
 /* Whether this processor runs the instruction of `isa`. */
