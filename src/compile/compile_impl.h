@@ -59,13 +59,17 @@ typedef struct {
     int ndim;
     int64_t dom[KILN_MAX_DIMS];
     kc_expr *e;
-    int n_e, cap_e;
+    int n_e;
+    size_t cap_e;
     kc_acc *acc;
-    int n_acc, cap_acc;
+    int n_acc;
+    size_t cap_acc;
     kc_store *st;
-    int n_st, cap_st;
+    int n_st;
+    size_t cap_st;
     kc_buf *buf;
-    int n_buf, cap_buf;
+    int n_buf;
+    size_t cap_buf;
     int64_t chunks; /* inner-dim pieces per row (pointwise kernels over long rows) */
     int64_t tasks, grain;
     int64_t *sz; /* the sizes its code reads, by slot (below) */

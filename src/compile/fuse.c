@@ -172,19 +172,9 @@ static bool may_alias(const kiln_graph_t *g, int u, int dst)
     return x->kind == V_CONST && d->kind == V_CONST && kiln__tensors_overlap(x->t, d->t);
 }
 
-/* arr with room for one more (n used of cap, doubling from 16), or arr as it was when
- * out of memory (then cap is unchanged too, and the kernel still owns and frees arr).
- * GROW is true when the room is there. */
-static void *grown(void *arr, int *cap, int n, size_t size)
-{
-    if (n < *cap) return arr;
-    int c = *cap ? 2 * *cap : 16;
-    void *p = realloc(arr, size * (size_t)c);
-    if (!p) return arr;
-    *cap = c;
-    return p;
-}
-#define GROW(arr, n, cap) ((arr) = grown((arr), &(cap), (n), sizeof *(arr)), (n) < (cap))
+/* util.h's KILN__GROW from 16: the array keeps its block when out of memory (the kernel
+ * still owns and frees it). */
+#define GROW(arr, n, cap) KILN__GROW(arr, n, &(cap), 16, grow_tmp)
 
 typedef struct {
     kiln_graph_t *g;
@@ -197,6 +187,7 @@ typedef struct {
 
 static int new_expr(kc_kernel *k, const kc_expr *e)
 {
+    void *grow_tmp;
     if (!GROW(k->e, k->n_e, k->cap_e)) return -1;
     k->e[k->n_e] = *e;
     return k->n_e++;
@@ -206,6 +197,7 @@ static int buf_slot(kc_kernel *k, int value, bool output, kiln_dtype dt, const i
 {
     for (int b = 0; b < k->n_buf; b++)
         if (k->buf[b].value == value && (k->buf[b].output == output || k->buf[b].inplace)) return b;
+    void *grow_tmp;
     if (!GROW(k->buf, k->n_buf, k->cap_buf)) return -1;
     k->buf[k->n_buf] = (kc_buf){.value = value, .output = output, .dt = dt};
     memcpy(k->buf[k->n_buf].st, st, sizeof k->buf[0].st);
@@ -251,6 +243,7 @@ static kiln_status oom(void) { return kiln__err(KILN_ERR_OOM, "compile: out of m
 static kiln_status add_store(lower_ctx *c, int x, int v, const int64_t *cs, int f)
 {
     kc_kernel *kr = c->kr;
+    void *grow_tmp;
     if (!GROW(kr->st, kr->n_st, kr->cap_st)) return oom();
     kc_store *s = &kr->st[kr->n_st];
     s->expr = x;
@@ -295,6 +288,7 @@ static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, i
         }
         if (nd->op == KILN_OP_SUM || nd->op == KILN_OP_MAX) {
             int x = operand(&c, nd->in[0], F_FULL);
+            void *grow_tmp;
             if (x < 0 || !GROW(kr->acc, kr->n_acc, kr->cap_acc)) return oom();
             kr->acc[kr->n_acc] = (kc_acc){nd->op, x, 0};
             if ((memo[v] = new_expr(kr, &(kc_expr){.kind = E_ACC, .buf = kr->n_acc++, .dt = g->v[v].meta.dtype})) < 0)
