@@ -1,6 +1,7 @@
 /* Private layout of tensors and storage. */
 #ifndef KILN_CORE_TENSOR_IMPL_H
 #define KILN_CORE_TENSOR_IMPL_H
+#include <string.h>
 
 #include <stdatomic.h>
 #include "kiln/tensor.h"
@@ -50,6 +51,12 @@ typedef struct {
     int64_t stride[KILN_MAX_DIMS]; /* views only */
     int64_t offset;                /* views only */
 } kiln__meta;
+
+/* Are two shapes the same (rank and sizes)? */
+static inline bool kiln__same_shape(int na, const int64_t *a, int nb, const int64_t *b)
+{
+    return na == nb && !memcmp(a, b, sizeof(int64_t) * (size_t)na);
+}
 
 /* m = t's dtype, shape, strides and offset (zero past ndim). */
 void kiln__meta_of(const kiln_tensor_t *t, kiln__meta *m);

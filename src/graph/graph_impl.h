@@ -10,12 +10,6 @@
 
 enum { V_ARG, V_CONST, V_OP };
 
-/* Are two shapes the same (rank and sizes)? */
-static inline bool kiln__same_shape(int na, const int64_t *a, int nb, const int64_t *b)
-{
-    return na == nb && !memcmp(a, b, sizeof(int64_t) * (size_t)na);
-}
-
 typedef struct {
     int kind, index; /* argument number, or the producing node */
     int out;         /* which output of that node */

@@ -110,7 +110,7 @@ static kiln_status ocl_copy_(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *dst = in[0], *src = in[1];
     int64_t n = kiln_tensor_numel(dst);
-    bool same_shape = src->ndim == dst->ndim && !memcmp(src->shape, dst->shape, sizeof(int64_t) * (size_t)dst->ndim);
+    bool same_shape = kiln__same_shape(src->ndim, src->shape, dst->ndim, dst->shape);
     bool strided = !kiln__is_contiguous(dst) || !kiln__is_contiguous(src);
     if (dst->dtype != src->dtype || src->st->be != be || kiln_tensor_numel(src) != n || dst->ndim > 6 ||
         (!same_shape && !kiln__is_contiguous(src)) || (strided && dst->st == src->st)) /* one buffer: the cpu orders it */
