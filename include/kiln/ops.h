@@ -35,20 +35,11 @@ kiln_tensor_t *kiln_minimum(kiln_tensor_t *a, kiln_tensor_t *b);
 kiln_tensor_t *kiln_add_scalar(kiln_tensor_t *a, double s);
 kiln_tensor_t *kiln_mul_scalar(kiln_tensor_t *a, double s);
 kiln_tensor_t *kiln_pow_scalar(kiln_tensor_t *a, double p);
-kiln_tensor_t *kiln_neg(kiln_tensor_t *a);
-kiln_tensor_t *kiln_abs(kiln_tensor_t *a);
-kiln_tensor_t *kiln_exp(kiln_tensor_t *a);
-kiln_tensor_t *kiln_log(kiln_tensor_t *a);
-kiln_tensor_t *kiln_sqrt(kiln_tensor_t *a);
-kiln_tensor_t *kiln_rsqrt(kiln_tensor_t *a);
 kiln_tensor_t *kiln_square(kiln_tensor_t *a);
-kiln_tensor_t *kiln_tanh(kiln_tensor_t *a);
-kiln_tensor_t *kiln_sigmoid(kiln_tensor_t *a);
-kiln_tensor_t *kiln_relu(kiln_tensor_t *a);
 /* approximate = true: the tanh form; false: the exact erf form. */
 kiln_tensor_t *kiln_gelu(kiln_tensor_t *a, bool approximate);
-kiln_tensor_t *kiln_silu(kiln_tensor_t *a);
-/* The pointwise ops defined by their math (kiln/pointwise.def lists them): kiln_<name>(x). */
+/* The pointwise ops defined by their math (kiln/pointwise.def lists them: neg, abs, exp,
+ * log, sqrt, rsqrt, tanh, sigmoid, relu, silu, softplus): kiln_<name>(x). */
 #define KILN_PW(ID, name, ...) kiln_tensor_t *kiln_##name(kiln_tensor_t *a);
 #include "kiln/pointwise.def"
 #undef KILN_PW
