@@ -142,8 +142,8 @@ kiln_status kiln__check_indices(const char *op, const void *idx, kiln_dtype dt, 
             continue;
         }
         if (ignore)
-            return kiln__err(KILN_ERR_INDEX, "cross_entropy: target %lld at row %lld is outside [0, %lld) (and is "
-                             "not ignore_index %lld)", (long long)v, (long long)i, (long long)limit, (long long)*ignore);
+            return kiln__err(KILN_ERR_INDEX, "%s: target %lld at row %lld is outside [0, %lld) (and is not "
+                             "ignore_index %lld)", op, (long long)v, (long long)i, (long long)limit, (long long)*ignore);
         return kiln__err(KILN_ERR_INDEX, "%s: index %lld at position %lld is outside [0, %lld)", op, (long long)v,
                          (long long)i, (long long)limit);
     }
