@@ -29,6 +29,9 @@
 #include "kiln/nn.h"
 #include "kiln/tokenizer.h"
 
+/* The most alternatives a request may ask logprobs for (OpenAI's limit). */
+#define KILN_MAX_LOGPROBS 20
+
 #ifdef __cplusplus
 extern "C" {
 #endif
@@ -96,7 +99,7 @@ typedef struct {
     int n_prompt;          /* >= 1 */
     int max_tokens;        /* >= 1; prompt + max_tokens must fit the model's block_size */
     kiln_sampling sampling;
-    int logprobs;          /* -1: none; 0..20: the token's logprob and this many alternatives */
+    int logprobs;          /* -1: none; 0..KILN_MAX_LOGPROBS: the token's logprob and this many alternatives */
     kiln_engine_cb cb;
     void *user;
 } kiln_gen_request;

@@ -86,8 +86,8 @@ struct kiln_engine {
     seq **b_row_seq;
     float *logits;
     void *scratch;
-    int top_ids[20]; /* logprobs asks for at most 20 alternatives */
-    float top_lp[20];
+    int top_ids[KILN_MAX_LOGPROBS];
+    float top_lp[KILN_MAX_LOGPROBS];
 
     kiln_engine_stats st; /* under mu */
     char last_error[512]; /* under mu */
@@ -565,7 +565,8 @@ kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint
         return kiln_error(KILN_ERR_ARG,
                           "engine_submit: the prompt's %d tokens plus max_tokens %d exceed the model's context of %d",
                           r->n_prompt, r->max_tokens, e->ctx);
-    if (r->logprobs < -1 || r->logprobs > 20) return kiln_error(KILN_ERR_ARG, "engine_submit: logprobs %d is not in -1..20", r->logprobs);
+    if (r->logprobs < -1 || r->logprobs > KILN_MAX_LOGPROBS)
+        return kiln_error(KILN_ERR_ARG, "engine_submit: logprobs %d is not in -1..%d", r->logprobs, KILN_MAX_LOGPROBS);
     const kiln_sampling *sp = &r->sampling;
     if (!(sp->temperature >= 0) || !(sp->top_p > 0 && sp->top_p <= 1) || sp->top_k < 0)
         return kiln_error(KILN_ERR_ARG, "engine_submit: temperature %g, top_p %g, top_k %d: want >= 0, (0, 1], >= 0",

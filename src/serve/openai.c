@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "core/util.h"
+#include "kiln/serve.h" /* KILN_MAX_LOGPROBS */
 #include "serve/openai.h"
 
 /* ---- requests ---- */
@@ -188,10 +189,10 @@ static int parse_object(ctx *c, json_t *o, bool chat, kiln__oai_req *r)
         bool lp = false;
         int top = 0;
         if ((s = get(c, o, "logprobs", T_BOOL, 0, 0, &lp))) return s;
-        if ((s = get(c, o, "top_logprobs", T_INT, 0, 20, &top))) return s;
+        if ((s = get(c, o, "top_logprobs", T_INT, 0, KILN_MAX_LOGPROBS, &top))) return s;
         r->logprobs = lp ? top : -1;
     } else {
-        if ((s = get(c, o, "logprobs", T_INT, 0, 20, &r->logprobs))) return s;
+        if ((s = get(c, o, "logprobs", T_INT, 0, KILN_MAX_LOGPROBS, &r->logprobs))) return s;
     }
     return 0;
 }
