@@ -48,13 +48,13 @@ kiln_status kiln_text_read(const char *path, char **text, size_t *len)
         DIR *d = opendir(path);
         if (!d) return kiln_error(KILN_ERR_IO, "cannot open folder '%s': %s", path, strerror(errno));
         char **names = NULL;
-        size_t nn = 0;
+        size_t nn = 0, names_cap = 0;
         struct dirent *e;
+        void *tmp;
         while ((e = readdir(d))) {
             if (e->d_name[0] == '.') continue;
-            char **nb = realloc(names, sizeof *names * (nn + 1));
-            if (nb) names = nb;
-            if (!nb || !(names[nn] = malloc(strlen(path) + strlen(e->d_name) + 2))) {
+            if (!KILN__GROW(names, nn, &names_cap, 16, tmp) ||
+                !(names[nn] = malloc(strlen(path) + strlen(e->d_name) + 2))) {
                 s = kiln_error(KILN_ERR_OOM, "out of memory listing folder '%s'", path);
                 break;
             }

@@ -624,7 +624,7 @@ kiln_status kiln_kv_pool_copy_block(kiln_kv_pool_t *p, int dst, int src)
     kiln_status s = KILN_OK;
     kiln_scope_begin();
     for (int i = 0; i < 2 * p->n_layer && s == KILN_OK; i++) {
-        kiln_tensor_t *t = (i % 2 ? p->v : p->k)[i / 2]; /* layer i / 2's keys, then its values */
+        kiln_tensor_t *t = p->k[i]; /* every layer's keys, then every layer's values (v = k + L) */
         s = kiln_tensor_copy_(kiln_narrow(t, 0, (int64_t)dst * p->block_len, p->block_len),
                               kiln_narrow(t, 0, (int64_t)src * p->block_len, p->block_len));
     }
