@@ -48,9 +48,14 @@ kiln_status kiln__backend_register(kiln__backend *be)
     if (be->abi_version != KILN_BACKEND_ABI_VERSION)
         return kiln__err(KILN_ERR_UNSUPPORTED, "backend '%s' speaks contract version %d, kiln speaks %d", be->name,
                          be->abi_version, KILN_BACKEND_ABI_VERSION);
-    if (!be->device_info || !be->alloc || !be->free || !be->copy_h2d || !be->copy_d2h || !be->copy_d2d ||
-        !be->memset || !be->synchronize || !be->kernels)
-        return kiln__err(KILN_ERR_ARG, "backend '%s' lacks a required entry of the contract", be->name);
+    /* The required entries: those core calls through backend_calls.c (backend.h's list),
+     * free, memset and the kernel table. */
+    const char *missing = !be->free ? "free" : !be->memset ? "memset" : !be->kernels ? "kernels" : NULL;
+#define KILN__BE_MISSING(type, entry, ...) if (!be->entry) missing = #entry;
+    KILN__BE_REQUIRED_CALLS(KILN__BE_MISSING)
+#undef KILN__BE_MISSING
+    if (missing)
+        return kiln__err(KILN_ERR_ARG, "backend '%s' lacks a required entry of the contract (%s)", be->name, missing);
     for (int i = 0; i < n_backends; i++)
         if (!strcmp(backends[i]->name, be->name))
             return kiln__err(KILN_ERR_ARG, "a backend named '%s' is already registered", be->name);
