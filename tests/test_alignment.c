@@ -235,6 +235,101 @@ static void check_golden(const char *file, bool compiled)
     kiln_safetensors_free(f);
 }
 
+/* Mixed precision against PyTorch's autocast: golden_<model>_amp.safetensors (gpt_ref.py
+ * --amp, PyTorch 2.15) holds, for the golden file's weights and batch, the losses of 20
+ * AdamW steps under torch.autocast("cpu") in bf16, in f16 with torch.amp.GradScaler,
+ * and in f32, and the step-0 logits in bf16. kiln runs the same steps with the model's
+ * precision set (kiln_gpt_set_precision), eager and compiled.
+ * Tolerances (oracle: PyTorch 2.15's CPU autocast): step-0 logits within 4 bf16 ulps of
+ * the largest; each of the 20 losses |d| <= 2e-3. Measured on 2026-12-06: logits 1 ulp
+ * (1.95e-3), losses 2.7e-4 to 5.7e-4. The two differ where they round: PyTorch rounds
+ * each op of its hand-written attention and gelu to bf16 and keeps layer_norm and
+ * softmax in bf16 on the cpu, kiln's attention and gelu are one op each, rounded once,
+ * and its norms run in f32. On models this small bf16 and f32 losses differ by as
+ * little (PyTorch's own: 3e-4), so these checks hold the path together (every matmul
+ * in bf16: the logits are bf16) rather than tell the precisions apart; tests/test_amp.c
+ * checks each op's rounding against float64. */
+static void check_amp(const char *model, kiln_dtype dt, bool compiled)
+{
+    char wfile[64], afile[64];
+    snprintf(wfile, sizeof wfile, "golden_%s.safetensors", model);
+    snprintf(afile, sizeof afile, "golden_%s_amp.safetensors", model);
+    const char *how = compiled ? "compiled" : "eager", *pname = kiln_dtype_name(dt);
+    kiln_safetensors_t *f, *g;
+    if (kiln_safetensors_load(golden_path(wfile), &f) != KILN_OK) fail_msg("%s", kiln_last_error());
+    if (kiln_safetensors_load(golden_path(afile), &g) != KILN_OK) fail_msg("%s", kiln_last_error());
+    kiln_gpt_config cfg = golden_config(f);
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&cfg, 1, &m), KILN_OK);
+    if (kiln_gpt_load_weights(m, golden_path(wfile)) != KILN_OK) fail_msg("%s", kiln_last_error());
+    assert_int_equal(kiln_gpt_set_precision(m, dt), KILN_OK);
+    kiln_scope_begin();
+    kiln_tensor_t *idx = kiln_safetensors_get(f, "input.idx"), *tgt = kiln_safetensors_get(f, "input.targets");
+    char key[64];
+    snprintf(key, sizeof key, "%s.losses", pname);
+    size_t nl;
+    float *want = host(kiln_safetensors_get(g, key), &nl), *f32 = host(kiln_safetensors_get(g, "f32.losses"), &nl);
+    if (dt == KILN_DTYPE_BF16) {
+        kiln_tensor_t *loss, *logits = kiln_gpt_forward(m, idx, tgt, false, &loss);
+        assert_non_null(logits);
+        assert_int_equal(kiln_tensor_dtype(logits), KILN_DTYPE_BF16);
+        assert_int_equal(kiln_tensor_dtype(loss), KILN_DTYPE_F32);
+        double d, ref, d32, ref32;
+        compare(logits, kiln_safetensors_get(g, "bf16.logits"), &d, &ref);
+        compare(kiln_safetensors_get(f, "out.logits"), kiln_safetensors_get(g, "bf16.logits"), &d32, &ref32);
+        /* 4 bf16 ulps of the largest logit (the observed worst is 1: rounding the same
+         * f32 sums, and the inputs of the head's GEMM rounded through different paths) */
+        double tol = 4 * ldexp(1.0, ilogb(ref) - 7);
+        printf("%s bf16 (%s): step-0 logits max|d| = %.3g against PyTorch's bf16 (its f32 logits: %.3g), "
+               "tolerance %.3g\n", model, how, d, d32, tol);
+        assert_true(d <= tol);
+    }
+    int np = kiln_gpt_num_params(m);
+    kiln_tensor_t **ps = malloc(sizeof *ps * (size_t)np);
+    for (int i = 0; i < np; i++) ps[i] = kiln_gpt_param(m, i, NULL);
+    kiln_optim_t *opt;
+    assert_int_equal(kiln_adamw_new(ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt), KILN_OK);
+    kiln_gpt_step st = {.model = m, .opt = opt, .params = ps, .n_params = np, .clip = 0};
+    kiln_compiled_t *step = NULL;
+    if (compiled) assert_int_equal(kiln_compiled_new(kiln_gpt_train_step, &st, "amp_step", &step), KILN_OK);
+    double worst = 0, worst32 = 0;
+    for (int k = 0; k < (int)nl; k++) {
+        kiln_scope_begin();
+        double v, lr = 1e-3;
+        kiln_tensor_t *out[2];
+        kiln_tensor_t *in[3] = {idx, tgt, kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)};
+        if (compiled) {
+            call(step, in, 3, out, 2);
+        } else {
+            int n;
+            if (kiln_gpt_train_step(&st, in, 3, out, &n) != KILN_OK) fail_msg("%s", kiln_last_error());
+        }
+        assert_int_equal(kiln_tensor_item(out[0], &v), KILN_OK);
+        kiln_scope_end();
+        double dl = fabs(v - want[k]), d32 = fabs(v - f32[k]);
+        if (dl > worst) worst = dl;
+        if (d32 > worst32) worst32 = d32;
+        if (!(dl <= 2e-3))
+            fail_msg("%s %s (%s): AdamW step %d loss %.7f vs PyTorch's %.7f", model, pname, how, k, v, want[k]);
+    }
+    printf("%s %s (%s): %zu AdamW losses, worst |d| = %.3g against PyTorch's %s, %.3g against its f32\n", model, pname,
+           how, nl, worst, pname, worst32);
+    kiln_compiled_free(step);
+    free(want);
+    free(f32);
+    kiln_optim_free(opt);
+    free(ps);
+    kiln_scope_end();
+    kiln_gpt_free(m);
+    kiln_safetensors_free(f);
+    kiln_safetensors_free(g);
+}
+
+static void gpt2_bf16_matches_pytorch_autocast(void **state) { check_amp("gpt2", KILN_DTYPE_BF16, false); }
+static void llama_bf16_matches_pytorch_autocast(void **state) { check_amp("llama", KILN_DTYPE_BF16, false); }
+static void gpt2_bf16_compiled_matches_pytorch_autocast(void **state) { check_amp("gpt2", KILN_DTYPE_BF16, true); }
+static void llama_bf16_compiled_matches_pytorch_autocast(void **state) { check_amp("llama", KILN_DTYPE_BF16, true); }
+
 static void gpt2_style_matches_pytorch(void **state) { check_golden("golden_gpt2.safetensors", false); }
 static void llama_style_matches_pytorch(void **state) { check_golden("golden_llama.safetensors", false); }
 static void gpt2_style_compiled_matches_pytorch(void **state) { check_golden("golden_gpt2.safetensors", true); }
@@ -243,6 +338,10 @@ static void llama_style_compiled_matches_pytorch(void **state) { check_golden("g
 int main(void)
 {
     const struct CMUnitTest tests[] = {
+        cmocka_unit_test(gpt2_bf16_matches_pytorch_autocast),
+        cmocka_unit_test(llama_bf16_matches_pytorch_autocast),
+        cmocka_unit_test(gpt2_bf16_compiled_matches_pytorch_autocast),
+        cmocka_unit_test(llama_bf16_compiled_matches_pytorch_autocast),
         cmocka_unit_test(gpt2_style_matches_pytorch),
         cmocka_unit_test(llama_style_matches_pytorch),
         cmocka_unit_test(gpt2_style_compiled_matches_pytorch),

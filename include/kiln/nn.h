@@ -65,8 +65,16 @@ int64_t kiln_gpt_param_elements(const kiln_gpt_t *m);
 /* Copies every parameter from a safetensors file (names and shapes must match). */
 kiln_status kiln_gpt_load_weights(kiln_gpt_t *m, const char *path);
 
+/* The type kiln_gpt_forward computes in (not saved with the model): KILN_DTYPE_F32 (the
+ * default), or KILN_DTYPE_BF16 / KILN_DTYPE_F16 for mixed precision: forward runs under
+ * kiln_autocast_begin (kiln/ops.h), so the linear layers and attention run in that
+ * type while the parameters, norms, loss and gradients stay f32. */
+kiln_status kiln_gpt_set_precision(kiln_gpt_t *m, kiln_dtype dt);
+kiln_dtype kiln_gpt_precision(const kiln_gpt_t *m);
+
 /* Logits (B,T,V) for idx (B,T) i32/i64 with T <= block_size. With targets (B,T) the
- * mean cross-entropy (ignore_index -1) is returned in *loss. train turns dropout on. */
+ * mean cross-entropy (ignore_index -1) is returned in *loss. train turns dropout on.
+ * The logits are in the model's precision, the loss f32. */
 kiln_tensor_t *kiln_gpt_forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t *targets, bool train,
                                 kiln_tensor_t **loss);
 /* A training step's gradients: the forward (train mode) on in[0] = idx and in[1] =

@@ -46,6 +46,30 @@ kiln_tensor_t *kiln_gelu(kiln_tensor_t *a, bool approximate);
 kiln_tensor_t *kiln_where(kiln_tensor_t *cond, kiln_tensor_t *a, kiln_tensor_t *b);
 kiln_tensor_t *kiln_cast(kiln_tensor_t *a, kiln_dtype dt);
 
+/* Mixed precision (autocast), as PyTorch's torch.autocast: between kiln_autocast_begin(dt)
+ * and kiln_autocast_end() on this thread, each op runs in the type its precision policy
+ * (a column of the op table) names, and its float inputs are cast to it first:
+ *   KILN_AMP_LOW  in dt (bf16 or f16): matmul (and so kiln_linear) and attention; their
+ *                 f32, f16 and bf16 inputs are cast to dt, products summed in f32;
+ *   KILN_AMP_F32  in f32: softmax, log_softmax, layer_norm, rms_norm, cross_entropy and
+ *                 sum (and so mean, var, logsumexp); f16 and bf16 inputs are cast up;
+ *   KILN_AMP_ANY  in its inputs' types, promoted as always (everything else).
+ * f64 inputs are never cast. The casts are ops like any other: autograd records them
+ * (a gradient comes back in its input's type, so f32 weights get f32 gradients), graph
+ * capture records them. kiln_backward runs without autocast, as PyTorch's does. Regions
+ * nest (at most 8 deep); kiln_autocast_begin(KILN_DTYPE_F32) starts one that casts
+ * nothing. Errors: a dt other than bf16, f16 or f32; an end without a begin. */
+typedef enum { KILN_AMP_ANY, KILN_AMP_LOW, KILN_AMP_F32 } kiln_amp_policy;
+kiln_status kiln_autocast_begin(kiln_dtype dt);
+kiln_status kiln_autocast_end(void);
+/* This thread's autocast type; KILN_DTYPE_F32 outside any region. */
+kiln_dtype kiln_autocast_dtype(void);
+/* Op i's policy (i < kiln_op_count()), and a process-wide override of an op's policy by
+ * its name (kiln_op_name); an unknown name is an error that names it. */
+kiln_amp_policy kiln_op_amp_policy(int op);
+kiln_status kiln_op_set_amp_policy(const char *op, kiln_amp_policy p);
+const char *kiln_amp_policy_name(kiln_amp_policy p); /* "low", "f32", "any" */
+
 /* Comparisons give bool tensors. */
 kiln_tensor_t *kiln_eq(kiln_tensor_t *a, kiln_tensor_t *b);
 kiln_tensor_t *kiln_ne(kiln_tensor_t *a, kiln_tensor_t *b);

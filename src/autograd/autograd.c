@@ -6,6 +6,7 @@
 #include "core/intercept.h"
 #include "core/tensor_impl.h"
 #include "core/util.h"
+#include "ops/autocast.h"
 
 /* Autograd's state on a tensor (its extension slot), made when the tensor first takes
  * part: set to require a gradient, or made by a recorded op. */
@@ -351,9 +352,8 @@ static kiln_status run_backward(kiln_tensor_t *root, kiln_tensor_t *seed)
     return s;
 }
 
-kiln_status kiln_backward_with(kiln_tensor_t *root, kiln_tensor_t *grad)
+static kiln_status backward_with(kiln_tensor_t *root, kiln_tensor_t *grad)
 {
-    if (!root || !grad) return kiln__null_arg("backward");
     char a[96], b[96];
     if (root->ndim != grad->ndim || memcmp(root->shape, grad->shape, sizeof(int64_t) * (size_t)root->ndim))
         return kiln__err(KILN_ERR_SHAPE, "backward: gradient %s does not match the root %s", kiln__shape_str(grad, a, sizeof a),
@@ -370,6 +370,16 @@ kiln_status kiln_backward_with(kiln_tensor_t *root, kiln_tensor_t *grad)
         return s;
     }
     return run_backward(root, grad);
+}
+
+/* Backward runs in the types forward chose: autocast is paused (as PyTorch's is). */
+kiln_status kiln_backward_with(kiln_tensor_t *root, kiln_tensor_t *grad)
+{
+    if (!root || !grad) return kiln__null_arg("backward");
+    bool ac = kiln__autocast_pause();
+    kiln_status s = backward_with(root, grad);
+    kiln__autocast_resume(ac);
+    return s;
 }
 
 kiln_status kiln_backward(kiln_tensor_t *root)

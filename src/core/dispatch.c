@@ -4,7 +4,8 @@
  * The rooms above watch through interceptors (src/core/intercept.h): autograd records
  * the call after it ran; graph capture takes it instead of running it, giving meta
  * outputs (autograd records it all the same, so a backward inside the capture is
- * captured too); a replay being recorded notes the launch. Dispatch knows none of them. */
+ * captured too); a replay being recorded notes the launch; autocast rewrites a call as
+ * casts and the op in the type its precision policy names. Dispatch knows none of them. */
 #include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -195,6 +196,12 @@ static kiln_status dispatch(kiln__op_id op, kiln_tensor_t *const *in, int n_in, 
     kiln__call_info c = {.op = op, .be = be, .in = in, .n_in = n_in, .a = a, .meta = meta, .out = outs,
                          .n_out = d->n_out};
     kiln_status s;
+    for (int k = 0; k < n_ics; k++) {
+        bool done = false;
+        if (ics[k]->rewrite && (s = ics[k]->rewrite(ics[k]->ctx, &c, &done)) != KILN_OK) return s;
+        for (int j = 0; done && j < d->n_out; j++) out[j] = outs[j];
+        if (done) return KILN_OK;
+    }
     for (int k = 0; k < n_ics; k++)
         if (ics[k]->before && (s = ics[k]->before(ics[k]->ctx, &c)) != KILN_OK) return s;
     if ((s = d->infer(in, n_in, a, meta)) != KILN_OK) return s;

@@ -206,8 +206,9 @@ INFER(matmul)
     const kiln_tensor_t *x = in[0], *y = in[1];
     if (x->ndim < 2 || y->ndim < 2)
         return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s needs at least 2 dims each", SHP(x), SHP(y));
-    if (x->dtype != y->dtype || (x->dtype != KILN_DTYPE_F32 && x->dtype != KILN_DTYPE_F64))
-        return kiln__err(KILN_ERR_DTYPE, "matmul: %s @ %s: both must be f32 or both f64", SHP(x), SHP(y));
+    if (x->dtype != y->dtype || !kiln_dtype_is_float(x->dtype))
+        return kiln__err(KILN_ERR_DTYPE, "matmul: %s @ %s: both must be of one float type (f32, f64, f16 or bf16)",
+                         SHP(x), SHP(y));
     int64_t k1 = x->shape[x->ndim - 1], k2 = y->shape[y->ndim - 2];
     if (k1 != k2)
         return kiln__err(KILN_ERR_SHAPE, "matmul: %s @ %s: inner dims %lld and %lld differ", SHP(x), SHP(y),
@@ -368,8 +369,9 @@ INFER(attention)
     if (!ok)
         return kiln__err(KILN_ERR_SHAPE, "attention: q %s, k %s, v %s must be (B,H,Tq,D), (B,Hkv,Tk,D), (B,Hkv,Tk,D) with "
                          "H a multiple of Hkv (and Tq <= Tk when causal)", SHP(q), SHP(k), SHP(v));
-    if (q->dtype != k->dtype || k->dtype != v->dtype || (q->dtype != KILN_DTYPE_F32 && q->dtype != KILN_DTYPE_F64))
-        return kiln__err(KILN_ERR_DTYPE, "attention: q %s, k %s, v %s must all be f32 or all f64", SHP(q), SHP(k), SHP(v));
+    if (q->dtype != k->dtype || k->dtype != v->dtype || !kiln_dtype_is_float(q->dtype))
+        return kiln__err(KILN_ERR_DTYPE, "attention: q %s, k %s, v %s must be of one float type (f32, f64, f16 or bf16)",
+                         SHP(q), SHP(k), SHP(v));
     meta_like(q, q->dtype, &out[0]);
     meta_shape(&out[1], stat_dtype(q->dtype), 3, q->shape);
     return KILN_OK;

@@ -1,6 +1,7 @@
 /* How the rooms above dispatch plug into it, so that dispatch knows nothing above it.
  *
- * - An interceptor watches op calls: autograd's tape, graph capture, replay recording.
+ * - An interceptor watches op calls: autograd's tape, graph capture, replay recording;
+ *   or rewrites them: autocast.
  *   Autograd's is process-wide (registered once); capture and replay push theirs on the
  *   calling thread's stack while they run. Dispatch calls every active interceptor in
  *   increasing `order`: `before` (may refuse the call), then `take` (may run the call in
@@ -54,6 +55,11 @@ typedef struct kiln__interceptor {
     /* Calls are recorded to be run again later (capture, replay): values read or chosen
      * now would be frozen (kiln__dispatch_recording). */
     bool records;
+    /* Runs the call as other calls instead, before any interceptor sees it (autocast
+     * casts the inputs and calls the op again, so that what watches ops sees the casts
+     * and the op, never the call it replaced); *done says whether it did, and c->out
+     * then holds the outputs. c->meta is not yet inferred. */
+    kiln_status (*rewrite)(void *ctx, kiln__call_info *c, bool *done);
     kiln_status (*before)(void *ctx, const kiln__call_info *c);
     /* Runs the call in its own way and fills c->out; *taken says whether it did. */
     kiln_status (*take)(void *ctx, kiln__call_info *c, bool *taken);

@@ -5,7 +5,7 @@
 #define KILN__GRAD_N false
 
 const kiln__op_def kiln__ops[KILN_OP_COUNT] = {
-#define KILN_OP(ID, nm, kd, nin, nout, nvis, wr, grad, sv)                                                   \
+#define KILN_OP(ID, nm, kd, nin, nout, nvis, wr, grad, sv, pol)                                                   \
     [KILN_OP_##ID] = {                                                                               \
         .name = #nm,                                                                                 \
         .kind = KILN__KIND_##kd,                                                                     \
@@ -17,6 +17,7 @@ const kiln__op_def kiln__ops[KILN_OP_COUNT] = {
         .has_grad = KILN__GRAD_##grad,                                                               \
         .is_view = KILN__KIND_##kd == KILN__KIND_VIEW,                                               \
         .is_inplace = (nout) == 0,                                                                   \
+        .amp = KILN_AMP_##pol,                                                                       \
         .infer = kiln__infer_##nm,                                                                   \
     },
 #include "core/ops.def"

@@ -8,6 +8,7 @@
 
 #include "core/attrs.h"
 #include "core/tensor_impl.h"
+#include "kiln/ops.h" /* kiln_amp_policy */
 
 #define KILN__SI(i) (1u << (i))
 #define KILN__SO(j) (1u << (8 + (j)))
@@ -27,7 +28,7 @@
 #define KILN__PW_IF_OP_NONE(...)
 
 typedef enum {
-#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save) KILN_OP_##ID,
+#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save, amp) KILN_OP_##ID,
 #include "core/ops.def"
 #undef KILN_OP
     KILN_OP_COUNT
@@ -61,6 +62,7 @@ typedef struct {
     bool has_grad;   /* has a backward formula (src/ops/backward.c) */
     bool is_view;
     bool is_inplace;
+    kiln_amp_policy amp; /* its type under autocast (kiln/ops.h; src/ops/autocast.c) */
     kiln__infer_fn infer;
 } kiln__op_def;
 
@@ -80,7 +82,7 @@ extern const kiln__op_math_t kiln__op_math[KILN_OP_COUNT];
 /* The inputs an op writes, as a bit mask (ops.def's writes column). */
 static inline unsigned kiln__written_inputs(kiln__op_id op) { return kiln__ops[op].writes; }
 
-#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save)                                        \
+#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save, amp)                                        \
     kiln_status kiln__infer_##name(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, \
                                    kiln__meta *out);
 #include "core/ops.def"

@@ -25,6 +25,7 @@ struct kiln_gpt {
     char **names;
     kiln_tensor_t *tok_emb, *pos_emb, *nfw, *nfb, *lm_head;
     layer *layers;
+    kiln_dtype precision; /* kiln_gpt_forward's autocast type (f32: none) */
 };
 
 kiln_gpt_config kiln_gpt_config_gpt2(void)
@@ -452,13 +453,20 @@ static kiln_status check_idx(const kiln_gpt_t *m, kiln_tensor_t *idx, int64_t po
     return KILN_OK;
 }
 
-kiln_tensor_t *kiln_gpt_forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t *targets, bool train,
-                                kiln_tensor_t **loss)
+kiln_status kiln_gpt_set_precision(kiln_gpt_t *m, kiln_dtype dt)
 {
-    if (!m) return kiln_error(KILN_ERR_ARG, "gpt_forward: model is NULL"), NULL;
-    if (check_idx(m, idx, 0, "gpt_forward") != KILN_OK) return NULL;
+    if (!m) return kiln_error(KILN_ERR_ARG, "gpt_set_precision: model is NULL");
+    if (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_BF16 && dt != KILN_DTYPE_F16)
+        return kiln_error(KILN_ERR_DTYPE, "gpt_set_precision: %s: the precision is f32, bf16 or f16", kiln_dtype_name(dt));
+    m->precision = dt;
+    return KILN_OK;
+}
+
+kiln_dtype kiln_gpt_precision(const kiln_gpt_t *m) { return m ? m->precision : KILN_DTYPE_F32; }
+
+static kiln_tensor_t *forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t *targets, bool train, kiln_tensor_t **loss)
+{
     kiln_tensor_t *logits = run(m, idx, 0, NULL, train);
-    if (loss) *loss = NULL;
     if (logits && targets && loss) {
         int64_t n = kiln_tensor_numel(idx), nv[2] = {n, m->cfg.vocab_size};
         if (kiln_tensor_numel(targets) != n) {
@@ -470,6 +478,19 @@ kiln_tensor_t *kiln_gpt_forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t
         *loss = kiln_cross_entropy(kiln_reshape(logits, nv, 2), kiln_reshape(targets, &n, 1), -1);
         if (!*loss) return NULL;
     }
+    return logits;
+}
+
+kiln_tensor_t *kiln_gpt_forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t *targets, bool train,
+                                kiln_tensor_t **loss)
+{
+    if (loss) *loss = NULL;
+    if (!m) return kiln_error(KILN_ERR_ARG, "gpt_forward: model is NULL"), NULL;
+    if (check_idx(m, idx, 0, "gpt_forward") != KILN_OK) return NULL;
+    if (m->precision == KILN_DTYPE_F32) return forward(m, idx, targets, train, loss);
+    if (kiln_autocast_begin(m->precision) != KILN_OK) return NULL;
+    kiln_tensor_t *logits = forward(m, idx, targets, train, loss);
+    kiln_autocast_end();
     return logits;
 }
 

@@ -45,7 +45,7 @@ extern const kiln__backward_fn kiln__op_backward[KILN_OP_COUNT];
 kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                        bool all);
 
-#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save) \
+#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save, amp) \
     kiln_status kiln__bw_##name(kiln__node *n, kiln_tensor_t *const *gout, kiln_tensor_t **gin);
 #include "core/ops.def"
 #undef KILN_OP

@@ -321,6 +321,55 @@ def golden(cfg, B, T, steps=OPTIM["steps"]):
     return out, meta
 
 
+AMP_STEPS = 20
+
+
+def amp_golden(weights_path):
+    """Mixed precision on the golden file's weights and batch: AMP_STEPS AdamW steps (OPTIM,
+    no clipping) under torch.autocast("cpu") in bf16, and in f16 with torch.amp.GradScaler
+    (its defaults: scale 2**16, x2 every 2000 good steps, x0.5 and the step skipped on an inf
+    or nan gradient), and the same steps in f32 for scale. Stores the losses (before each
+    update), the f16 scale each step used, and the step-0 logits under bf16 autocast."""
+    t, meta = load_safetensors(weights_path)
+    cfg = json.loads(meta["config"])
+    idx, targets = t["input.idx"], t["input.targets"]
+    out = {}
+    for prec in ("f32", "bf16", "f16"):
+        model = GPT(cfg)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                p.copy_(t[name])
+        opt = make_optimizer(model, OPTIM["lr"], tuple(OPTIM["betas"]), OPTIM["eps"], OPTIM["weight_decay"])
+        scaler = torch.amp.GradScaler("cpu") if prec == "f16" else None
+        dt = {"bf16": torch.bfloat16, "f16": torch.float16}.get(prec)
+        losses, scales = [], []
+        for k in range(AMP_STEPS):
+            opt.zero_grad(set_to_none=True)
+            with torch.autocast("cpu", dtype=dt or torch.bfloat16, enabled=dt is not None):
+                logits, l = model(idx, targets)
+            if k == 0 and prec == "bf16":
+                assert logits.dtype == torch.bfloat16 and l.dtype == torch.float32
+                out["bf16.logits"] = logits.detach().float()
+            losses.append(l.item())
+            if scaler:
+                scales.append(scaler.get_scale())
+                scaler.scale(l).backward()
+                scaler.step(opt)
+                scaler.update()
+            else:
+                l.backward()
+                opt.step()
+        out[prec + ".losses"] = torch.tensor(losses, dtype=torch.float64)
+        if scaler:
+            out["f16.scales"] = torch.tensor(scales, dtype=torch.float64)
+    meta = {"config": meta["config"], "weights_from": os.path.basename(weights_path),
+            "train": json.dumps({"steps": AMP_STEPS, "optimizer": OPTIM, "clip": None,
+                                 "autocast": "torch.autocast('cpu', dtype)", "f16_scaler": "torch.amp.GradScaler('cpu')"},
+                                sort_keys=True),
+            "torch_version": torch.__version__, "generator": "tests/reference/gpt_ref.py --amp"}
+    return out, meta
+
+
 def check_file(path, verbose=True):
     t, meta = load_safetensors(path)
     cfg = json.loads(meta["config"])
@@ -483,6 +532,8 @@ def main():
     ap.add_argument("--check", action="store_true", help="only read back and check existing files")
     ap.add_argument("--selfcheck", action="store_true", help="check the reference itself (f64 finite "
                     "differences, naive attention, hand-written AdamW, f32-vs-f64 headroom)")
+    ap.add_argument("--amp", action="store_true", help="write golden_<model>_amp.safetensors from the golden "
+                    "files' weights: losses under autocast bf16 and f16 (PyTorch 2.x)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     torch.use_deterministic_algorithms(True)
@@ -490,6 +541,13 @@ def main():
     if a.selfcheck:
         return 0 if selfcheck() else 1
     os.makedirs(a.out, exist_ok=True)
+    if a.amp:
+        for name in ("gpt2", "llama"):
+            tensors, meta = amp_golden(os.path.join(a.out, "golden_%s.safetensors" % name))
+            save_safetensors(os.path.join(a.out, "golden_%s_amp.safetensors" % name), tensors, meta)
+            print("golden_%s_amp: bf16 %s\n  f16 %s\n  f32 %s" % (name, tensors["bf16.losses"].tolist()[-3:],
+                  tensors["f16.losses"].tolist()[-3:], tensors["f32.losses"].tolist()[-3:]))
+        return 0
     jobs = [("golden_gpt2.safetensors", gpt2_config()), ("golden_llama.safetensors", llama_config())]
     ok = True
     for fname, cfg in jobs:

@@ -40,6 +40,16 @@ kiln_tensor_t *cpu_contig(kiln_tensor_t *t, kiln_tensor_t **tmp);
 bool cpu_contig_n(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp,
                   bool (*as_is)(const kiln_tensor_t *));
 void cpu_free_n(kiln_tensor_t **tmp, int n);
+/* Whether a tensor among in and out is f16 or bf16. */
+bool cpu_has_half(kiln_tensor_t *const *in, int n_in, kiln_tensor_t *const *out, int n_out);
+/* Runs kernel k on f32 copies of the f16 and bf16 tensors among in and out, and rounds
+ * those outputs back to their types (to nearest even): how the kernels that compute
+ * only in f32 and f64 take the reduced types (the norms, softmaxes, cross-entropy, rope,
+ * attention, and f16 matmul). None of them writes its inputs. */
+kiln_status cpu_widened(kiln__kernel_fn k, KILN__KERNEL_ARGS);
+/* The first statement of such a kernel: the widened run of itself for the reduced types. */
+#define CPU_WIDEN(self) \
+    if (cpu_has_half(in, n_in, out, n_out)) return cpu_widened(self, be, in, n_in, a, out, n_out)
 /* kiln__check_indices on every index of idx (contiguous). */
 static inline kiln_status cpu_check_indices(const char *op, const kiln_tensor_t *idx, int64_t limit,
                                             const int64_t *ignore, int64_t *count)
@@ -65,7 +75,7 @@ void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t 
 /* Grain for parallel_for over elements (rows are split to about this many elements). */
 #define CPU_GRAIN 16384
 
-#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save) kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS);
+#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save, amp) kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS);
 #include "core/ops.def"
 #undef KILN_OP
 

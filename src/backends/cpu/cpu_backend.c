@@ -39,7 +39,7 @@ static void describe(void)
 }
 
 static const kiln__kernel_fn cpu_kernels[KILN_OP_COUNT] = {
-#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save) [KILN_OP_##ID] = kiln__cpu_##name,
+#define KILN_OP(ID, name, kind, nin, nout, nvis, writes, grad, save, amp) [KILN_OP_##ID] = kiln__cpu_##name,
 #include "core/ops.def"
 #undef KILN_OP
 };

@@ -1,6 +1,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "backends/cpu/cpu.h"
+#include "backends/cpu/gemm.h" /* the f32 <-> bf16 row conversions */
 
 void cpu_iter_init(cpu_iter *it, int nops, kiln_tensor_t *const *ops)
 {
@@ -114,6 +115,14 @@ static void copy_row(void *c, char **p, const int64_t *s, int64_t n)
         for (int64_t i = 0; i < n; i++) memcpy(p[0] + i * s[0] * (int64_t)dsz, p[1] + i * s[1] * (int64_t)ssz, dsz);
         return;
     }
+    if (s[0] == 1 && s[1] == 1 && cc->dt == KILN_DTYPE_BF16 && cc->st == KILN_DTYPE_F32) {
+        kiln__f32_to_bf16_n((const float *)p[1], (uint16_t *)p[0], n);
+        return;
+    }
+    if (s[0] == 1 && s[1] == 1 && cc->dt == KILN_DTYPE_F32 && cc->st == KILN_DTYPE_BF16) {
+        kiln__bf16_to_f32_n((const uint16_t *)p[1], (float *)p[0], n);
+        return;
+    }
     bool ints = !kiln_dtype_is_float(cc->dt) && !kiln_dtype_is_float(cc->st);
     for (int64_t i = 0; i < n; i++) {
         char *d = p[0] + i * s[0] * (int64_t)dsz, *x = p[1] + i * s[1] * (int64_t)ssz;
@@ -169,4 +178,39 @@ void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t 
     *v = (kiln_tensor_t){.st = t->st, .dtype = t->dtype, .ndim = ndim, .offset = offset};
     memcpy(v->shape, shape, sizeof(int64_t) * (size_t)ndim);
     memcpy(v->stride, stride, sizeof(int64_t) * (size_t)ndim);
+}
+
+#define WIDEN_MAX 12 /* attention_backward: 6 inputs and 3 outputs */
+
+static bool is_half(const kiln_tensor_t *t) { return t->dtype == KILN_DTYPE_F16 || t->dtype == KILN_DTYPE_BF16; }
+
+bool cpu_has_half(kiln_tensor_t *const *in, int n_in, kiln_tensor_t *const *out, int n_out)
+{
+    for (int i = 0; i < n_in; i++)
+        if (is_half(in[i])) return true;
+    for (int j = 0; j < n_out; j++)
+        if (is_half(out[j])) return true;
+    return false;
+}
+
+kiln_status cpu_widened(kiln__kernel_fn k, KILN__KERNEL_ARGS)
+{
+    kiln_tensor_t *w[WIDEN_MAX] = {0};
+    if (n_in + n_out > WIDEN_MAX)
+        return kiln__err(KILN_ERR_INTERNAL, "cpu: %d inputs and outputs to widen, at most %d", n_in + n_out,
+                         WIDEN_MAX);
+    kiln_status s = KILN_OK;
+    for (int i = 0; i < n_in + n_out && s == KILN_OK; i++) {
+        kiln_tensor_t *t = i < n_in ? in[i] : out[i - n_in];
+        if (!is_half(t)) continue;
+        if (!(w[i] = kiln__tensor_alloc(be, KILN_DTYPE_F32, t->shape, t->ndim))) s = kiln_last_status();
+        else if (i < n_in) cpu_copy(w[i], t);
+    }
+    kiln_tensor_t *wi[WIDEN_MAX] = {0};
+    for (int i = 0; i < n_in + n_out; i++) wi[i] = w[i] ? w[i] : i < n_in ? in[i] : out[i - n_in];
+    if (s == KILN_OK) s = k(be, wi, n_in, a, wi + n_in, n_out);
+    for (int j = 0; s == KILN_OK && j < n_out; j++)
+        if (w[n_in + j]) cpu_copy(out[j], w[n_in + j]);
+    for (int i = 0; i < n_in + n_out; i++) kiln_tensor_free(w[i]);
+    return s;
 }

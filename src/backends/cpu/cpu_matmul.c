@@ -1,4 +1,5 @@
-/* Batched matmul on the BLAS (BLIS or OpenBLAS, chosen at build time). Operands whose
+/* Batched matmul on the BLAS (BLIS or OpenBLAS, chosen at build time), or on kiln's
+ * own GEMM (f32 with KILN_OPT_OWN_GEMM; bf16 always; f16 widened to f32). Operands whose
  * last two dims are row-major or transposed go to the BLAS as they are; anything else
  * is copied first. A weight without batch dims is multiplied in one GEMM over all the
  * rows of the other operand, which is how Linear layers reach the BLAS. */
@@ -74,20 +75,52 @@ static void gemm_blocks(void *c, int64_t b, int64_t e)
 }
 
 /* An operand as kiln's own GEMM reads it: a row-major or transposed matrix. */
-static kiln__gemm_operand own_operand(const char *p, mat_layout l)
+static kiln__gemm_operand own_operand(const char *p, kiln__gemm_type t, mat_layout l)
 {
-    return l.trans == CblasNoTrans ? (kiln__gemm_operand){p, KILN__GEMM_F32, l.ld, 1}
-                                   : (kiln__gemm_operand){p, KILN__GEMM_F32, 1, l.ld};
+    return l.trans == CblasNoTrans ? (kiln__gemm_operand){p, t, l.ld, 1} : (kiln__gemm_operand){p, t, 1, l.ld};
 }
 
-static void gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
-                 const char *B, char *C)
+typedef struct {
+    const float *src;
+    uint16_t *dst;
+    int64_t n;
+} round_ctx;
+
+static void round_rows(void *c, int64_t b, int64_t e)
 {
+    const round_ctx *r = c;
+    for (int64_t i = b; i < e; i++) kiln__f32_to_bf16_n(r->src + i * r->n, r->dst + i * r->n, r->n);
+}
+
+/* bf16 operands: kiln's own GEMM, products of bf16 values summed in f32 (AMX or
+ * AVX512-BF16 where the processor has them), each result rounded once to bf16, as
+ * PyTorch's bf16 matmul does. The BLAS has no bf16 GEMM to fall back to. */
+static kiln_status gemm_bf16(mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
+                             const char *B, char *C)
+{
+    float *acc = malloc(sizeof(float) * (size_t)(M * N > 0 ? M * N : 1));
+    if (!acc || !kiln__gemm(M, N, K, own_operand(A, KILN__GEMM_BF16, la), own_operand(B, KILN__GEMM_BF16, lb), acc, N,
+                            false, KILN__GEMM_BF16)) {
+        free(acc);
+        return kiln__err(KILN_ERR_OOM, "matmul: out of memory for a %lld x %lld bf16 product", (long long)M,
+                         (long long)N);
+    }
+    round_ctx r = {acc, (uint16_t *)C, N};
+    kiln__parallel_for(M, M * N > ((int64_t)1 << 16) ? 16 : M, round_rows, &r);
+    free(acc);
+    return KILN_OK;
+}
+
+static kiln_status gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
+                        const char *B, char *C)
+{
+    if (dt == KILN_DTYPE_BF16) return gemm_bf16(la, lb, M, N, K, A, B, C);
     /* kiln's GEMM threads itself over the pool; it fails only when out of memory for
      * its packing buffers, and the BLAS then does the product. */
     if (dt == KILN_DTYPE_F32 && kiln__opt(KILN__OPT_OWN_GEMM) &&
-        kiln__gemm(M, N, K, own_operand(A, la), own_operand(B, lb), (float *)C, N, false, KILN__GEMM_F32))
-        return;
+        kiln__gemm(M, N, K, own_operand(A, KILN__GEMM_F32, la), own_operand(B, KILN__GEMM_F32, lb), (float *)C, N,
+                   false, KILN__GEMM_F32))
+        return KILN_OK;
     /* Blocks of 128 rows or columns at least (big enough for the BLAS's own blocking),
      * and with KILN_OPT_GEMM_THREAD_BLOCKS one block per thread in multiples of 128:
      * every block call packs the other operand again, so fewer, larger blocks pack it
@@ -106,15 +139,17 @@ static void gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t
     int64_t nblk = ((by_rows ? M : N) + block - 1) / block;
     if (!kiln__opt(KILN__OPT_POOL_GEMM) || nblk < 2 || M * N * K < (int64_t)1 << 18) {
         gemm1(dt, la, lb, M, N, K, A, B, C, N);
-        return;
+        return KILN_OK;
     }
     gemm_ctx g = {dt, la, lb, M, N, K, block, by_rows, A, B, C, kiln_dtype_size(dt)};
     kiln__parallel_for(nblk, 1, gemm_blocks, &g);
+    return KILN_OK;
 }
 
 kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                              kiln_tensor_t *const *out, int n_out)
 {
+    if (in[0]->dtype == KILN_DTYPE_F16) return cpu_widened(kiln__cpu_matmul, be, in, n_in, a, out, n_out);
     kiln_tensor_t *x = in[0], *y = in[1], *o = out[0], *tx = NULL, *ty = NULL;
     int nx = x->ndim, ny = y->ndim, no = o->ndim;
     int64_t M = o->shape[no - 2], N = o->shape[no - 1], K = x->shape[nx - 1];
@@ -147,10 +182,11 @@ kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
         expect *= x->shape[d];
     }
     if (x->stride[nx - 2] != la.ld) x_stacks = false; /* with M = 1, ld is K whatever the stride */
+    kiln_status s = KILN_OK;
     if (!y_batched && x_stacks && batches > 1) {
-        gemm(o->dtype, la, lb, M * batches, N, K, kiln__data(x), kiln__data(y), kiln__data(o));
+        s = gemm(o->dtype, la, lb, M * batches, N, K, kiln__data(x), kiln__data(y), kiln__data(o));
     } else {
-        for (int64_t bi = 0; bi < batches; bi++) {
+        for (int64_t bi = 0; bi < batches && s == KILN_OK; bi++) {
             int64_t rem = bi, ox = 0, oy = 0;
             for (int d = nb - 1; d >= 0; d--) {
                 int64_t i = rem % o->shape[d];
@@ -159,11 +195,11 @@ kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
                 if (jx >= 0 && x->shape[jx] != 1) ox += i * x->stride[jx];
                 if (jy >= 0 && y->shape[jy] != 1) oy += i * y->stride[jy];
             }
-            gemm(o->dtype, la, lb, M, N, K, (const char *)kiln__data(x) + ox * (int64_t)es,
-                 (const char *)kiln__data(y) + oy * (int64_t)es, (char *)kiln__data(o) + bi * M * N * (int64_t)es);
+            s = gemm(o->dtype, la, lb, M, N, K, (const char *)kiln__data(x) + ox * (int64_t)es,
+                     (const char *)kiln__data(y) + oy * (int64_t)es, (char *)kiln__data(o) + bi * M * N * (int64_t)es);
         }
     }
     kiln_tensor_free(tx);
     kiln_tensor_free(ty);
-    return KILN_OK;
+    return s;
 }

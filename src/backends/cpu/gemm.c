@@ -363,7 +363,57 @@ AVX512_PACK static bool pack_amx(const kiln__gemm_operand *x, bool is_b, int64_t
         }
     return true;
 }
+
+AVX512_PACK static void to_bf16_avx512(const float *src, uint16_t *dst, int64_t n)
+{
+    kiln__gemm_operand x = {src, KILN__GEMM_F32, 0, 1};
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 m = first_n(n - i);
+        _mm256_mask_storeu_epi16(dst + i, m, _mm512_cvtepi32_epi16(lanes16(&x, i, m)));
+    }
+}
+
+AVX512_PACK static void from_bf16_avx512(const uint16_t *src, float *dst, int64_t n)
+{
+    for (int64_t i = 0; i < n; i += 16) {
+        __mmask16 m = first_n(n - i);
+        __m512i w = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, src + i));
+        _mm512_mask_storeu_ps(dst + i, m, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+}
 #endif
+
+static bool avx512_rows(void)
+{
+#if defined(__x86_64__)
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+           __builtin_cpu_supports("avx512vl");
+#else
+    return false;
+#endif
+}
+
+void kiln__f32_to_bf16_n(const float *src, uint16_t *dst, int64_t n)
+{
+#if defined(__x86_64__)
+    if (avx512_rows()) {
+        to_bf16_avx512(src, dst, n);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) dst[i] = kiln__f32_to_bf16(src[i]);
+}
+
+void kiln__bf16_to_f32_n(const uint16_t *src, float *dst, int64_t n)
+{
+#if defined(__x86_64__)
+    if (avx512_rows()) {
+        from_bf16_avx512(src, dst, n);
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) dst[i] = kiln__bf16_to_f32(src[i]);
+}
 
 /* Packs `tile`-wide micro-panels of an operand's block: element (t, k) of the block, t in
  * [0, nt) along the tile dim (stride ts) and k in [0, kc) along K (stride ks), starting

@@ -53,6 +53,11 @@ bool kiln__gemm(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gem
 bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
                     float *C, int64_t ldc, bool accumulate, kiln__gemm_type compute);
 
+/* n contiguous values between f32 and bf16, rounded as kiln__f32_to_bf16 rounds (the
+ * packers' conversion, vectorized where the processor has AVX-512). */
+void kiln__f32_to_bf16_n(const float *src, uint16_t *dst, int64_t n);
+void kiln__bf16_to_f32_n(const uint16_t *src, float *dst, int64_t n);
+
 /* The name of the micro-kernel kiln__gemm would use for `compute` ("avx512", ...). */
 const char *kiln__gemm_kernel_name(kiln__gemm_type compute);
 

@@ -1,0 +1,118 @@
+/* Autocast (kiln/ops.h): an interceptor on this thread's stack while a region is open,
+ * which rewrites a call whose op's precision policy (ops.def's amp column) wants other
+ * types than its inputs have into casts and the same op on the cast inputs. Those are
+ * ordinary dispatches, so autograd, capture and replay see them as the user's own casts;
+ * the op's second dispatch finds its inputs already in place and is not rewritten. */
+#include <string.h>
+#include "core/intercept.h"
+#include "ops/autocast.h"
+
+#define MAX_DEPTH 8
+
+/* This thread's open regions, innermost last, and whether a backward paused them. */
+static _Thread_local struct {
+    kiln_dtype dt[MAX_DEPTH];
+    int n;
+    bool paused;
+} regions;
+
+/* Process-wide overrides of the op table's column, set before work starts:
+ * 0 for none, else the policy + 1. */
+static unsigned char override[KILN_OP_COUNT];
+
+kiln_amp_policy kiln_op_amp_policy(int op)
+{
+    if (op < 0 || op >= KILN_OP_COUNT) return KILN_AMP_ANY;
+    return override[op] ? (kiln_amp_policy)(override[op] - 1) : kiln__ops[op].amp;
+}
+
+const char *kiln_amp_policy_name(kiln_amp_policy p)
+{
+    return p == KILN_AMP_LOW ? "low" : p == KILN_AMP_F32 ? "f32" : p == KILN_AMP_ANY ? "any" : "?";
+}
+
+kiln_status kiln_op_set_amp_policy(const char *op, kiln_amp_policy p)
+{
+    if (p != KILN_AMP_ANY && p != KILN_AMP_LOW && p != KILN_AMP_F32)
+        return kiln__err(KILN_ERR_ARG, "op_set_amp_policy: %d is not a policy (KILN_AMP_ANY, _LOW or _F32)", (int)p);
+    for (int i = 0; op && i < KILN_OP_COUNT; i++)
+        if (!strcmp(kiln__ops[i].name, op)) {
+            override[i] = (unsigned char)(p + 1);
+            return KILN_OK;
+        }
+    return kiln__err(KILN_ERR_ARG, "op_set_amp_policy: no op is named '%s' (kiln doctor --ops lists them)",
+                     op ? op : "(null)");
+}
+
+/* Whether autocast to `want` under policy p casts t. */
+static bool casts(const kiln_tensor_t *t, kiln_amp_policy p, kiln_dtype want)
+{
+    kiln_dtype dt = t->dtype;
+    if (!kiln_dtype_is_float(dt) || dt == KILN_DTYPE_F64 || dt == want) return false;
+    return p == KILN_AMP_LOW || dt == KILN_DTYPE_F16 || dt == KILN_DTYPE_BF16;
+}
+
+static kiln_status rewrite(void *ctx, kiln__call_info *c, bool *done)
+{
+    *done = false;
+    kiln_dtype to = regions.n ? regions.dt[regions.n - 1] : KILN_DTYPE_F32;
+    kiln_amp_policy p = kiln_op_amp_policy(c->op);
+    if (regions.paused || to == KILN_DTYPE_F32 || p == KILN_AMP_ANY || c->n_in > 8) return KILN_OK;
+    kiln_dtype want = p == KILN_AMP_LOW ? to : KILN_DTYPE_F32;
+    kiln_tensor_t *in[8];
+    bool any = false;
+    for (int i = 0; i < c->n_in; i++) any |= casts(c->in[i], p, want);
+    if (!any) return KILN_OK;
+    kiln_status s = KILN_OK;
+    int made = 0;
+    for (; made < c->n_in && s == KILN_OK; made++) {
+        in[made] = c->in[made];
+        if (casts(in[made], p, want))
+            s = kiln__dispatch(KILN_OP_CAST, &c->in[made], 1, &(kiln__attrs){.op.cast.dtype = want}, &in[made]);
+        else
+            kiln_tensor_retain(in[made]);
+        if (s != KILN_OK) in[made] = NULL;
+    }
+    if (s == KILN_OK) s = kiln__dispatch(c->op, in, c->n_in, c->a, c->out);
+    for (int i = 0; i < made; i++) kiln_tensor_free(in[i]);
+    *done = s == KILN_OK;
+    return s;
+}
+
+static const kiln__interceptor autocast = {.name = "autocast", .order = 0, .rewrite = rewrite};
+
+kiln_status kiln_autocast_begin(kiln_dtype dt)
+{
+    if (dt != KILN_DTYPE_BF16 && dt != KILN_DTYPE_F16 && dt != KILN_DTYPE_F32)
+        return kiln__err(KILN_ERR_DTYPE, "autocast_begin: dtype %s: autocast runs in bf16, f16 or f32",
+                         kiln_dtype_name(dt));
+    if (regions.n == MAX_DEPTH)
+        return kiln__err(KILN_ERR_UNSUPPORTED, "autocast_begin: regions nest at most %d deep", MAX_DEPTH);
+    if (regions.n == 0) {
+        kiln_status s = kiln__intercept_push(&autocast);
+        if (s != KILN_OK) return s;
+    }
+    regions.dt[regions.n++] = dt;
+    return KILN_OK;
+}
+
+kiln_status kiln_autocast_end(void)
+{
+    if (regions.n == 0) return kiln__err(KILN_ERR_ARG, "autocast_end: no autocast region is open on this thread");
+    if (--regions.n == 0) kiln__intercept_pop(&autocast);
+    return KILN_OK;
+}
+
+kiln_dtype kiln_autocast_dtype(void)
+{
+    return regions.n && !regions.paused ? regions.dt[regions.n - 1] : KILN_DTYPE_F32;
+}
+
+bool kiln__autocast_pause(void)
+{
+    bool was = regions.paused;
+    regions.paused = true;
+    return was;
+}
+
+void kiln__autocast_resume(bool was) { regions.paused = was; }
