@@ -18,7 +18,8 @@
 
 #define USAGE                                                                                           \
     "usage: bench_train_step [--threads N] [--steps N] [--warmup N] [--peak-gflops G]\n"                \
-    "                        [--model gpt2|llama] [--compile] [--replay] [--device NAME] [--small]\n"
+    "                        [--model gpt2|llama] [--compile] [--replay] [--device NAME] [--small]\n"        \
+    "                        [--precision f32|bf16|f16]\n"
 
 /* The compiled step, as a function a replay records (ctx: the compiled step). */
 static kiln_status call_compiled(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
@@ -30,7 +31,7 @@ int main(int argc, char **argv)
 {
     int threads = 0, steps = 20, warmup = 3;
     double peak_gflops = 0;
-    const char *model = "gpt2", *device = "cpu";
+    const char *model = "gpt2", *device = "cpu", *precision = "f32";
     bool compile = false, replay = false, small = false;
     for (int i = 1; i < argc; i += 2) {
         if (!strcmp(argv[i], "--compile")) {
@@ -54,6 +55,7 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--warmup")) warmup = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--peak-gflops")) peak_gflops = atof(argv[i + 1]);
         else if (!strcmp(argv[i], "--model")) model = argv[i + 1];
+        else if (!strcmp(argv[i], "--precision")) precision = argv[i + 1];
         else {
             fprintf(stderr, "bench_train_step: unknown option %s\n%s", argv[i], USAGE);
             return 2;
@@ -75,6 +77,12 @@ int main(int argc, char **argv)
     if (kiln_gpt_new(&c, 1234, &m) != KILN_OK) {
         fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());
         return 1;
+    }
+    kiln_dtype prec = !strcmp(precision, "bf16") ? KILN_DTYPE_BF16 : !strcmp(precision, "f16") ? KILN_DTYPE_F16
+                                                                                            : KILN_DTYPE_F32;
+    if ((prec == KILN_DTYPE_F32 && strcmp(precision, "f32")) || kiln_gpt_set_precision(m, prec) != KILN_OK) {
+        fprintf(stderr, "bench_train_step: --precision %s: f32, bf16 or f16\n", precision);
+        return 2;
     }
     int np = kiln_gpt_num_params(m);
     kiln_tensor_t **ps = malloc(sizeof *ps * (size_t)np);
@@ -130,9 +138,9 @@ int main(int argc, char **argv)
     double gflops = flops_per_token * tps / 1e9;
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    printf("{\"engine\":\"%s\",\"device\":\"%s\",\"first_step_s\":%.3f,\"model\":\"%s\",\"threads\":%d,\"steps\":%d,\"median_step_ms\":%.1f,"
+    printf("{\"engine\":\"%s\",\"precision\":\"%s\",\"device\":\"%s\",\"first_step_s\":%.3f,\"model\":\"%s\",\"threads\":%d,\"steps\":%d,\"median_step_ms\":%.1f,"
            "\"tokens_per_s\":%.1f,\"model_gflops\":%.2f,\"mfu\":%.4f,\"peak_rss_mb\":%.1f}\n",
-           step && replay ? "kiln-compile-replay" : step ? "kiln-compile" : replay ? "kiln-replay" : "kiln", kiln_device(), first_call_s, model, kiln_num_threads(), steps, med * 1e3, tps, gflops, peak_gflops > 0 ? gflops / peak_gflops : 0.0,
+           step && replay ? "kiln-compile-replay" : step ? "kiln-compile" : replay ? "kiln-replay" : "kiln", precision, kiln_device(), first_call_s, model, kiln_num_threads(), steps, med * 1e3, tps, gflops, peak_gflops > 0 ? gflops / peak_gflops : 0.0,
            (double)ru.ru_maxrss / 1024.0);
     kiln_compiled_free(step);
     kiln_replay_free(rp);

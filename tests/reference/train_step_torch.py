@@ -5,6 +5,7 @@
 
     /usr/bin/python3 tests/reference/train_step_torch.py --threads 2 [--steps 20] [--warmup 3]
     TORCH2/bin/python tests/reference/train_step_torch.py --threads 2 --compile
+    TORCH2/bin/python tests/reference/train_step_torch.py --threads 2 --precision bf16
 
 Prints one JSON line: median tokens/s over the timed steps, per-step times, peak RSS.
 Uses the model of gpt_ref.py (plain PyTorch, manual attention), eager mode; --compile
@@ -38,6 +39,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--clip", type=float, default=1.0, help="max gradient norm; 0 = no clipping")
     ap.add_argument("--compile", action="store_true", help="torch.compile the step (PyTorch 2.x, inductor)")
+    ap.add_argument("--precision", choices=["f32", "bf16", "f16"], default="f32",
+                    help="bf16/f16: forward under torch.autocast('cpu'); f16 with torch.amp.GradScaler")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
@@ -47,12 +50,24 @@ def main():
     opt = gpt_ref.make_optimizer(model, 3e-4, (0.9, 0.95), 1e-8, 0.1)
     g = torch.Generator().manual_seed(a.seed)
 
+    amp = {"bf16": torch.bfloat16, "f16": torch.float16}.get(a.precision)
+    scaler = torch.amp.GradScaler("cpu") if a.precision == "f16" else None
+
     def train_step(idx, tgt):
-        _, loss = model(idx, tgt)
-        loss.backward()
+        with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
+            _, loss = model(idx, tgt)
+        if scaler:  # unscale before clipping, as the GradScaler docs do it
+            scaler.scale(loss).backward()
+            scaler.unscale_(opt)
+        else:
+            loss.backward()
         if a.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), a.clip)
-        opt.step()
+        if scaler:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
         opt.zero_grad(set_to_none=True)
         return loss
 
@@ -79,7 +94,8 @@ def main():
     med = statistics.median(times)
     rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     print(json.dumps({
-        "impl": "torch-compile" if a.compile else "torch-eager", "first_step_s": round(first_s, 3),
+        "impl": "torch-compile" if a.compile else "torch-eager", "precision": a.precision,
+        "first_step_s": round(first_s, 3),
         "clip": a.clip, "torch_version": torch.__version__, "threads": a.threads,
         "config": "S", "batch": B, "T": T, "params": sum(p.numel() for p in model.parameters()),
         "warmup": a.warmup, "steps": a.steps, "median_step_s": round(med, 6),

@@ -115,12 +115,18 @@ static void copy_row(void *c, char **p, const int64_t *s, int64_t n)
         for (int64_t i = 0; i < n; i++) memcpy(p[0] + i * s[0] * (int64_t)dsz, p[1] + i * s[1] * (int64_t)ssz, dsz);
         return;
     }
-    if (s[0] == 1 && s[1] == 1 && cc->dt == KILN_DTYPE_BF16 && cc->st == KILN_DTYPE_F32) {
-        kiln__f32_to_bf16_n((const float *)p[1], (uint16_t *)p[0], n);
+    if (cc->dt == KILN_DTYPE_BF16 && cc->st == KILN_DTYPE_F32) {
+        const float *x = (const float *)p[1];
+        uint16_t *d = (uint16_t *)p[0];
+        if (s[0] == 1 && s[1] == 1) kiln__f32_to_bf16_n(x, d, n);
+        else for (int64_t i = 0; i < n; i++) d[i * s[0]] = kiln__f32_to_bf16(x[i * s[1]]);
         return;
     }
-    if (s[0] == 1 && s[1] == 1 && cc->dt == KILN_DTYPE_F32 && cc->st == KILN_DTYPE_BF16) {
-        kiln__bf16_to_f32_n((const uint16_t *)p[1], (float *)p[0], n);
+    if (cc->dt == KILN_DTYPE_F32 && cc->st == KILN_DTYPE_BF16) {
+        const uint16_t *x = (const uint16_t *)p[1];
+        float *d = (float *)p[0];
+        if (s[0] == 1 && s[1] == 1) kiln__bf16_to_f32_n(x, d, n);
+        else for (int64_t i = 0; i < n; i++) d[i * s[0]] = kiln__bf16_to_f32(x[i * s[1]]);
         return;
     }
     bool ints = !kiln_dtype_is_float(cc->dt) && !kiln_dtype_is_float(cc->st);

@@ -1,9 +1,11 @@
 /* Pointwise kernels. Every op has an f32 row loop (contiguous rows are plain loops the
- * compiler vectorizes; the AVX2/FMA clone is picked at load time) and a generic row
- * loop that reads and writes any dtype through double. */
+ * compiler vectorizes; the AVX2/FMA clone is picked at load time), which f16 and bf16
+ * operands reach widened, and a generic row loop that reads and writes any dtype
+ * through double. */
 #include <math.h>
 #include <string.h>
 #include "backends/cpu/cpu.h"
+#include "backends/cpu/gemm.h" /* the f32 <-> bf16 row conversions */
 #include "core/opts.h"
 #include "core/rng.h"
 
@@ -30,15 +32,6 @@ static inline double gelu_grad_d(double x, bool tanh_form)
 
 static inline float gelu_grad_f(float x, bool tanh_form) { return tanh_form ? km_gelu_grad_tanh(x) : km_gelu_grad_erf(x); }
 
-static bool all_dtype(kiln_tensor_t *const *in, int n, kiln_tensor_t *const *out, int nout, kiln_dtype dt)
-{
-    for (int i = 0; i < n; i++)
-        if (in[i]->dtype != dt) return false;
-    for (int j = 0; j < nout; j++)
-        if (out[j]->dtype != dt) return false;
-    return true;
-}
-
 typedef struct {
     kiln_dtype dt[CPU_MAX_OPS];
     const kiln__attrs *a;
@@ -46,6 +39,81 @@ typedef struct {
 
 /* ---- unary: y = f(x) ---- */
 typedef void (*row_fn)(void *c, char **p, const int64_t *s, int64_t n);
+
+/* f16 and bf16 operands (with f32 ones) run the f32 row loop on chunks widened to f32,
+ * and the result is rounded to its type once (to nearest even), as PyTorch computes
+ * its reduced-precision pointwise ops: the double loop would be exact too, but several
+ * times slower where autocast puts a model's gelu and bias adds in bf16. */
+#define HALF_CHUNK 256
+
+typedef struct {
+    row_fn f32;
+    const pw_ctx *pc;
+    int nops;
+} half_ctx;
+
+static bool is_half(kiln_dtype dt) { return dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16; }
+
+/* Whether operands dt[0..n) (output first) take the widened f32 loop. */
+static bool half_rows_fit(const kiln_dtype *dt, int n)
+{
+    bool half = false;
+    for (int k = 0; k < n; k++) {
+        if (!is_half(dt[k]) && dt[k] != KILN_DTYPE_F32) return false;
+        half |= is_half(dt[k]);
+    }
+    return half;
+}
+
+static void widen(float *dst, const char *src, int64_t s, int64_t m, kiln_dtype dt)
+{
+    const uint16_t *h = (const uint16_t *)src;
+    if (dt == KILN_DTYPE_BF16 && s == 1) kiln__bf16_to_f32_n(h, dst, m);
+    else if (dt == KILN_DTYPE_BF16) for (int64_t i = 0; i < m; i++) dst[i] = kiln__bf16_to_f32(h[i * s]);
+    else for (int64_t i = 0; i < m; i++) dst[i] = kiln__f16_to_f32(h[i * s]);
+}
+
+static void narrow(char *dst, int64_t s, const float *src, int64_t m, kiln_dtype dt)
+{
+    uint16_t *h = (uint16_t *)dst;
+    if (dt == KILN_DTYPE_BF16 && s == 1) kiln__f32_to_bf16_n(src, h, m);
+    else if (dt == KILN_DTYPE_BF16) for (int64_t i = 0; i < m; i++) h[i * s] = kiln__f32_to_bf16(src[i]);
+    else for (int64_t i = 0; i < m; i++) h[i * s] = kiln__f32_to_f16(src[i]);
+}
+
+static void half_rows(void *c, char **p, const int64_t *s, int64_t n)
+{
+    const half_ctx *h = c;
+    float buf[CPU_MAX_OPS][HALF_CHUNK];
+    for (int64_t i0 = 0; i0 < n; i0 += HALF_CHUNK) {
+        int64_t m = n - i0 < HALF_CHUNK ? n - i0 : HALF_CHUNK;
+        char *q[CPU_MAX_OPS];
+        int64_t qs[CPU_MAX_OPS];
+        for (int k = 0; k < h->nops; k++) {
+            kiln_dtype dt = h->pc->dt[k];
+            char *at = p[k] + i0 * s[k] * (int64_t)kiln_dtype_size(dt);
+            q[k] = is_half(dt) ? (char *)buf[k] : at;
+            qs[k] = is_half(dt) ? (s[k] == 0 ? 0 : 1) : s[k];
+            if (k > 0 && is_half(dt)) widen(buf[k], at, s[k], s[k] == 0 ? 1 : m, dt);
+        }
+        h->f32((void *)h->pc, q, qs, m);
+        if (is_half(h->pc->dt[0])) narrow(p[0] + i0 * s[0] * 2, s[0], buf[0], m, h->pc->dt[0]);
+    }
+}
+
+/* Runs the row loop for operands ops[0..n) (output first): f32 when all are f32, the
+ * widened f32 loop for f16/bf16 with f32, else any (through double). */
+static void run_rows(kiln_tensor_t *const *ops, int n, row_fn f32, row_fn any, const pw_ctx *pc, bool f32_ok)
+{
+    cpu_iter it;
+    cpu_iter_init(&it, n, ops);
+    bool all32 = true;
+    for (int k = 0; k < n; k++) all32 &= pc->dt[k] == KILN_DTYPE_F32;
+    half_ctx h = {f32, pc, n};
+    if (f32_ok && all32) cpu_iter_run(&it, f32, (void *)pc);
+    else if (f32_ok && half_rows_fit(pc->dt, n)) cpu_iter_run(&it, half_rows, &h);
+    else cpu_iter_run(&it, any, (void *)pc);
+}
 
 /* The row loop over f32 x (fn_f32), and over any dtypes through double (fn_any). */
 #define UNARY_F32(fn, EXPR_F)                                                                       \
@@ -75,10 +143,8 @@ typedef void (*row_fn)(void *c, char **p, const int64_t *s, int64_t n);
 static kiln_status unary(row_fn f32, row_fn any, kiln_tensor_t *x, kiln_tensor_t *y, const kiln__attrs *a)
 {
     kiln_tensor_t *ops[2] = {y, x};
-    cpu_iter it;
-    cpu_iter_init(&it, 2, ops);
     pw_ctx pc = {{y->dtype, x->dtype}, a};
-    cpu_iter_run(&it, x->dtype == KILN_DTYPE_F32 && y->dtype == KILN_DTYPE_F32 ? f32 : any, &pc);
+    run_rows(ops, 2, f32, any, &pc, true);
     return KILN_OK;
 }
 
@@ -144,10 +210,8 @@ static kiln_status binary(row_fn f32, row_fn any, kiln_tensor_t *const *in, kiln
                           bool out_is_bool)
 {
     kiln_tensor_t *ops[3] = {z, in[0], in[1]};
-    cpu_iter it;
-    cpu_iter_init(&it, 3, ops);
     pw_ctx pc = {{z->dtype, in[0]->dtype, in[1]->dtype}, a};
-    cpu_iter_run(&it, !out_is_bool && all_dtype(in, 2, &z, 1, KILN_DTYPE_F32) ? f32 : any, &pc);
+    run_rows(ops, 3, f32, any, &pc, !out_is_bool);
     return KILN_OK;
 }
 
@@ -292,6 +356,12 @@ static void make_range(void *c, int64_t b, int64_t e)
     size_t sz = kiln_dtype_size(dt);
     if (m->kind == 0 && dt == KILN_DTYPE_F32) {
         float v = (float)a->op.source.value, *o = (float *)base;
+        for (int64_t i = b; i < e; i++) o[i] = v;
+        return;
+    }
+    if (m->kind == 0 && is_half(dt)) { /* the value's bits once, then a 16-bit fill */
+        uint16_t v, *o = (uint16_t *)base;
+        kiln__store(&v, dt, a->op.source.value);
         for (int64_t i = b; i < e; i++) o[i] = v;
         return;
     }

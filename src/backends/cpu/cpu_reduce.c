@@ -223,7 +223,13 @@ static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dim
     return KILN_OK;
 }
 
-kiln_status kiln__cpu_sum(KILN__KERNEL_ARGS) { return reduce(in[0], out[0], a->shape, a->ndim, 0); }
+/* f16 and bf16 are summed widened to f32, which takes the fast paths above (bias
+ * gradients under autocast). */
+kiln_status kiln__cpu_sum(KILN__KERNEL_ARGS)
+{
+    CPU_WIDEN(kiln__cpu_sum);
+    return reduce(in[0], out[0], a->shape, a->ndim, 0);
+}
 kiln_status kiln__cpu_max(KILN__KERNEL_ARGS) { return reduce(in[0], out[0], a->shape, a->ndim, 1); }
 
 kiln_status kiln__cpu_argmax(KILN__KERNEL_ARGS) { return reduce(in[0], out[0], &a->op.dim.dim, 1, 2); }
