@@ -95,7 +95,9 @@ int main(int argc, char **argv)
     uint64_t rng = 42;
     kiln_compiled_t *step = NULL;
     kiln_replay_t *rp = NULL; /* --replay: step 1 recorded, the rest replayed */
-    kiln_gpt_step fn = {m, opt, ps, np, 1.0, 1, NULL, NULL}; /* forward, backward, clipping at norm 1, AdamW */
+    kiln_loss_scaler scaler = kiln_loss_scaler_default(); /* f16: torch.amp.GradScaler's defaults, as the peer */
+    /* forward, backward, clipping at norm 1, AdamW */
+    kiln_gpt_step fn = {m, opt, ps, np, 1.0, 1, NULL, NULL, prec == KILN_DTYPE_F16 ? &scaler : NULL};
     if (compile && kiln_compiled_new(kiln_gpt_train_step, &fn, "train_step", &step) != KILN_OK) {
         fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());
         return 1;

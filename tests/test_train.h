@@ -37,7 +37,7 @@ static inline void test_trainer_new(test_trainer *t, const kiln_gpt_config *cfg,
     assert_non_null(t->ps);
     for (int i = 0; i < t->np; i++) t->ps[i] = kiln_gpt_param(t->m, i, NULL);
     assert_int_equal(kiln_adamw_new(t->ps, t->np, NULL, 0.9, 0.95, 1e-8, 0.1, &t->opt), KILN_OK);
-    t->step = (kiln_gpt_step){t->m, t->opt, t->ps, t->np, clip, 1, NULL, NULL};
+    t->step = (kiln_gpt_step){t->m, t->opt, t->ps, t->np, clip, 1, NULL, NULL, NULL};
 }
 
 static inline void test_trainer_free(test_trainer *t)

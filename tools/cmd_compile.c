@@ -72,7 +72,8 @@ int cmd_compile(int argc, char **argv)
     free(ids);
     setenv("KILN_DEBUG_DIR", dump, 1);
     kiln_compiled_t *fn = NULL;
-    kiln_gpt_step st[2] = {{m[0], opt[0], ps[0], nparams, 1.0, 1, NULL, NULL}, {m[1], opt[1], ps[1], nparams, 1.0, 1, NULL, NULL}};
+    kiln_gpt_step st[2] = {{m[0], opt[0], ps[0], nparams, 1.0, 1, NULL, NULL, NULL},
+                           {m[1], opt[1], ps[1], nparams, 1.0, 1, NULL, NULL, NULL}};
     kiln_tensor_t *got[2], *want[2];
     int nout = 0;
     if (s == KILN_OK) s = kiln_compiled_new(kiln_gpt_train_step, &st[0], "train_step", &fn);

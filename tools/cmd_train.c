@@ -24,7 +24,7 @@
 #include "kiln/tokenizer.h"
 
 typedef struct {
-    const char *data, *out, *config, *model, *tokenizer, *optimizer, *device;
+    const char *data, *out, *config, *model, *tokenizer, *optimizer, *device, *precision;
     int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
     int64_t save_every, log_every, seed, threads;
     double lr, min_lr, wd, clip, dropout, val_fraction, momentum;
@@ -336,6 +336,8 @@ typedef struct {
     kiln_metrics_t *metrics;
     bool whole;                          /* the step is one call of kiln_gpt_train_step */
     kiln_gpt_step step_fn;
+    kiln_loss_scaler scaler;             /* --precision f16 */
+    int64_t skipped_seen;                /* the scaler's skipped steps already reported */
     kiln_compiled_t *compiled;
     bool sharded;                        /* resuming from ZeRO-1 shards */
     kiln_zero1_t *zero;
@@ -357,7 +359,7 @@ static int parse_options(train_run *r)
         .optimizer = "adamw", .layers = 4, .heads = 4, .kv_heads = 0, .width = 256, .context = 128, .ffn = 0,
         .batch = 16, .steps = 1000, .warmup = 50, .accum = 1, .eval_every = 100, .eval_batches = 8,
         .save_every = 500, .log_every = 1, .seed = 1337, .threads = 0, .lr = 1e-3, .min_lr = 1e-4, .wd = 0.1,
-        .clip = 1.0, .dropout = 0.0, .val_fraction = 0.1, .momentum = 0.9, .bucket_mb = 25,
+        .clip = 1.0, .dropout = 0.0, .val_fraction = 0.1, .momentum = 0.9, .bucket_mb = 25, .precision = "f32",
     };
     const cli_opt opts[] = {
         {"data", OPT_STRING, &a->data, "text file or folder to train on ($KILN_DATA)"},
@@ -396,6 +398,9 @@ static int parse_options(train_run *r)
         {"zero1", OPT_FLAG, &a->zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
         {"compile", OPT_FLAG, &a->compile, "run each step (forward, backward of every --accum micro-batch, clipping, update) as one graph of "
                                           "generated kernels (kiln compile)"},
+        {"precision", OPT_STRING, &a->precision, "f32, or bf16 / f16 mixed precision: matmuls and attention in that "
+                                                 "type, weights, optimizer state, norms and loss in f32 (f16 with "
+                                                 "dynamic loss scaling)"},
         {"bucket-mb", OPT_DOUBLE, &a->bucket_mb, "with several ranks: gradient buckets of this many MiB reduced during "
                                              "backward (0: one tensor at a time after it)"},
         {NULL, 0, NULL, NULL},
@@ -426,6 +431,14 @@ static int parse_options(train_run *r)
                                  "--lr > 0, --min-lr >= 0");
     if (strcmp(a->optimizer, "adamw") && strcmp(a->optimizer, "sgd"))
         return cli_fail("train", "--optimizer must be adamw or sgd");
+    if (strcmp(a->precision, "f32") && strcmp(a->precision, "bf16") && strcmp(a->precision, "f16"))
+        return cli_fail("train", "--precision must be f32, bf16 or f16");
+    /* f16's loss scaler reads each step's gradient norm on the host to decide whether
+     * the step is taken, which a captured graph cannot do; ZeRO-1's sharded update has
+     * no place for the unscaling yet. */
+    if (!strcmp(a->precision, "f16") && (a->compile || a->zero1))
+        return cli_fail("train", "--precision f16 (dynamic loss scaling) runs eager steps without --zero1; "
+                                 "--precision bf16 needs no scaling and takes --compile and --zero1");
     return GO_ON;
 }
 
@@ -501,6 +514,9 @@ static int build_model(train_run *r)
     train_args *a = &r->a;
     if (model_config(a, r->vocab, &r->cfg) != KILN_OK || kiln_gpt_new(&r->cfg, (uint64_t)a->seed, &r->m) != KILN_OK)
         return cli_fail("train", NULL);
+    kiln_dtype prec = !strcmp(a->precision, "bf16") ? KILN_DTYPE_BF16
+                      : !strcmp(a->precision, "f16") ? KILN_DTYPE_F16 : KILN_DTYPE_F32;
+    if (kiln_gpt_set_precision(r->m, prec) != KILN_OK) return cli_fail("train", NULL);
     r->np = kiln_gpt_num_params(r->m);
     r->params = malloc(sizeof *r->params * (size_t)r->np);
     for (int i = 0; i < r->np; i++) r->params[i] = kiln_gpt_param(r->m, i, NULL);
@@ -548,8 +564,11 @@ static int setup_step(train_run *r)
     int np = r->np, world = r->world;
     kiln_tensor_t **params = r->params;
     r->tokens_per_step = a->batch * a->context * a->accum;
-    r->whole = a->compile || (world == 1 && !a->zero1 && a->accum == 1);
-    r->step_fn = (kiln_gpt_step){r->m, r->opt, params, np, a->clip, (int)a->accum, world > 1 ? r->pg : NULL, NULL};
+    bool scaled = !strcmp(a->precision, "f16"); /* the step function does the scaling, with any accum and world */
+    r->whole = a->compile || scaled || (world == 1 && !a->zero1 && a->accum == 1);
+    r->scaler = kiln_loss_scaler_default();
+    r->step_fn = (kiln_gpt_step){r->m, r->opt, params, np, a->clip, (int)a->accum, world > 1 ? r->pg : NULL, NULL,
+                                 scaled ? &r->scaler : NULL};
     /* The clipping norm and the micro-batch count are numbers the graph is built with. */
     if (a->compile &&
         (kiln_compiled_new(kiln_gpt_train_step, &r->step_fn, "train_step", &r->compiled) != KILN_OK ||
@@ -620,11 +639,12 @@ static int print_banner(train_run *r)
     if (!a->quiet && r->rank == 0)
         printf("kiln train: %s model, %d layers, C=%d, %d heads (%d kv), T=%d, vocab %d (%s), %.2fM parameters\n"
                "            %zu train / %zu val tokens, %lld tokens per step, %d rank(s) x %d thread(s) on %s, "
-               "unigram baseline %.3f nats\n",
+               "%s, unigram baseline %.3f nats\n",
                a->model, r->cfg.n_layer, r->cfg.n_embd, r->cfg.n_head, r->cfg.n_kv_head, r->cfg.block_size, r->vocab,
                r->tok_kind, (double)kiln_gpt_param_elements(r->m) / 1e6, kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN),
                kiln_dataset_len(r->ds, KILN_SPLIT_VAL), (long long)r->tokens_per_step, r->world, kiln_num_threads(),
-               kiln_device(), r->unigram);
+               kiln_device(), !strcmp(a->precision, "f32") ? "f32" : !strcmp(a->precision, "bf16")
+                   ? "mixed precision bf16" : "mixed precision f16 with loss scaling", r->unigram);
     return GO_ON;
 }
 
@@ -759,9 +779,15 @@ static kiln_status step_report(train_run *r, int64_t step, double lr, double los
         printf("step %5lld/%lld | loss %.4f | lr %.2e | %7.1f ms | %7.0f tok/s | norm %.3f | ETA %s",
                (long long)step + 1, (long long)a->steps, loss, lr, ms, tps, gnorm, eta);
         if (!isnan(r->val)) printf(" | val %.4f", r->val);
+        if (r->step_fn.scaler) printf(" | scale %g", r->scaler.scale);
         printf("\n");
         fflush(stdout);
     }
+    if (r->step_fn.scaler && r->scaler.skipped > r->skipped_seen && r->rank == 0)
+        printf("step %lld skipped: an inf or NaN gradient at f16 loss scale %g; the scale is now %g (%lld steps "
+               "skipped so far)\n", (long long)step + 1, r->scaler.scale / r->scaler.backoff, r->scaler.scale,
+               (long long)r->scaler.skipped);
+    r->skipped_seen = r->scaler.skipped;
     if (r->metrics) {
         kiln_metrics_row row = {step + 1, loss, r->val, lr, tps, gnorm, ms};
         if (kiln_metrics_write(r->metrics, &row) != KILN_OK) s = kiln_last_status();

@@ -98,6 +98,7 @@ kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_
 typedef struct kiln_optim kiln_optim_t;
 typedef struct kiln_pg kiln_pg_t;
 typedef struct kiln_zero1 kiln_zero1_t;
+typedef struct kiln_loss_scaler kiln_loss_scaler; /* kiln/optim.h */
 typedef struct {
     kiln_gpt_t *model;
     kiln_optim_t *opt;
@@ -107,6 +108,11 @@ typedef struct {
     int accum;   /* micro-batches per step; 0 or 1: one */
     kiln_pg_t *pg; /* data parallel: average the gradients over it; NULL: one process */
     kiln_zero1_t *zero; /* or NULL: the sharded update in place of pg's allreduce and opt's step */
+    /* f16 training: dynamic loss scaling (kiln/optim.h), or NULL. backward runs on
+     * loss * scale; the norm given back is the unscaled one, inf or NaN on a skipped
+     * step. It reads the norm on the host, so such a step is eager only (not inside a
+     * graph capture), and not with zero. */
+    kiln_loss_scaler *scaler;
 } kiln_gpt_step;
 kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out);
 

@@ -58,14 +58,16 @@ kiln_tensor_t *kiln_cast(kiln_tensor_t *a, kiln_dtype dt);
  * (a gradient comes back in its input's type, so f32 weights get f32 gradients), graph
  * capture records them. kiln_backward runs without autocast, as PyTorch's does. Regions
  * nest (at most 8 deep); kiln_autocast_begin(KILN_DTYPE_F32) starts one that casts
- * nothing. Errors: a dt other than bf16, f16 or f32; an end without a begin. */
+ * nothing. Errors: a dt other than bf16, f16 or f32 (KILN_ERR_DTYPE); a region 9 deep
+ * (KILN_ERR_UNSUPPORTED); an end without a begin (KILN_ERR_ARG). */
 typedef enum { KILN_AMP_ANY, KILN_AMP_LOW, KILN_AMP_F32 } kiln_amp_policy;
 kiln_status kiln_autocast_begin(kiln_dtype dt);
 kiln_status kiln_autocast_end(void);
 /* This thread's autocast type; KILN_DTYPE_F32 outside any region. */
 kiln_dtype kiln_autocast_dtype(void);
-/* Op i's policy (i < kiln_op_count()), and a process-wide override of an op's policy by
- * its name (kiln_op_name); an unknown name is an error that names it. */
+/* Op i's policy (i < kiln_op_count(); KILN_AMP_ANY for another i), and a process-wide
+ * override of an op's policy by its name (kiln_op_name); an unknown name is an error
+ * that names it. Overrides are set-up: make them before other threads run ops. */
 kiln_amp_policy kiln_op_amp_policy(int op);
 kiln_status kiln_op_set_amp_policy(const char *op, kiln_amp_policy p);
 const char *kiln_amp_policy_name(kiln_amp_policy p); /* "low", "f32", "any" */

@@ -64,6 +64,25 @@ kiln_status kiln_grad_norm(kiln_tensor_t *const *params, int n, kiln_tensor_t **
  * f32 scalar tensor (1 when max_norm <= 0), for kiln_optim_step_t's gscale. */
 kiln_tensor_t *kiln_clip_coef(kiln_tensor_t *norm, double max_norm);
 
+/* Dynamic loss scaling for f16 mixed precision, as torch.amp.GradScaler does it: the
+ * loss is multiplied by `scale` before backward so that small gradients survive f16's
+ * range, and the update divides it out again. A step whose gradients hold an inf or a
+ * NaN is skipped (no update, the optimizer state untouched) and the scale is multiplied
+ * by `backoff`; after `interval` good steps in a row it is multiplied by `growth`.
+ * kiln_loss_scaler_default() is GradScaler's default: 65536, x2 every 2000 good steps,
+ * x0.5 on overflow. bf16 has f32's range and needs none. */
+typedef struct kiln_loss_scaler {
+    double scale, growth, backoff;
+    int64_t interval;
+    int64_t good;    /* good steps since the scale last changed */
+    int64_t skipped; /* steps skipped in all */
+} kiln_loss_scaler;
+kiln_loss_scaler kiln_loss_scaler_default(void);
+/* After a step's gradients were made from loss * s->scale and their global norm (of the
+ * scaled gradients) is `norm`: true when the step is to be taken (norm finite); the
+ * scale is updated either way. */
+bool kiln_loss_scaler_update(kiln_loss_scaler *s, double norm);
+
 /* Linear warmup over `warmup` steps, then cosine from lr_max down to lr_min at `total`. */
 double kiln_lr_cosine(int64_t step, int64_t warmup, int64_t total, double lr_max, double lr_min);
 

@@ -57,7 +57,10 @@ static kiln_status rewrite(void *ctx, kiln__call_info *c, bool *done)
     *done = false;
     kiln_dtype to = regions.n ? regions.dt[regions.n - 1] : KILN_DTYPE_F32;
     kiln_amp_policy p = kiln_op_amp_policy(c->op);
-    if (regions.paused || to == KILN_DTYPE_F32 || p == KILN_AMP_ANY || c->n_in > 8) return KILN_OK;
+    if (regions.paused || to == KILN_DTYPE_F32 || p == KILN_AMP_ANY) return KILN_OK;
+    if (c->n_in > 8) /* only cat takes a list, and its policy is ANY */
+        return kiln__err(KILN_ERR_UNSUPPORTED, "autocast: %s has %d inputs, at most 8 are cast", kiln__ops[c->op].name,
+                         c->n_in);
     kiln_dtype want = p == KILN_AMP_LOW ? to : KILN_DTYPE_F32;
     kiln_tensor_t *in[8];
     bool any = false;

@@ -270,6 +270,27 @@ kiln_status kiln_grad_norm(kiln_tensor_t *const *params, int n, kiln_tensor_t **
     return KILN_OK;
 }
 
+kiln_loss_scaler kiln_loss_scaler_default(void)
+{
+    return (kiln_loss_scaler){.scale = 65536.0, .growth = 2.0, .backoff = 0.5, .interval = 2000};
+}
+
+bool kiln_loss_scaler_update(kiln_loss_scaler *s, double norm)
+{
+    if (!s) return isfinite(norm);
+    if (!isfinite(norm)) {
+        s->scale *= s->backoff;
+        s->good = 0;
+        s->skipped++;
+        return false;
+    }
+    if (++s->good >= s->interval) {
+        s->scale *= s->growth;
+        s->good = 0;
+    }
+    return true;
+}
+
 kiln_tensor_t *kiln_clip_coef(kiln_tensor_t *norm, double max_norm)
 {
     if (!norm) return NULL;
