@@ -60,11 +60,13 @@ static inline kiln_status cpu_check_indices(const char *op, const kiln_tensor_t 
 void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t *shape, const int64_t *stride,
               int64_t offset);
 
-/* Hot loops are compiled twice, for AVX2+FMA and for plain x86-64, and the loader
- * picks the clone the processor runs (GCC function multiversioning). The sanitizer
- * build keeps one version. */
+/* Hot loops are compiled three times, for x86-64-v4 (AVX-512 and FMA), x86-64-v3 (AVX2
+ * and FMA) and plain x86-64, and the loader picks the clone the processor runs (GCC
+ * function multiversioning). Each clone is one item of target_clones: an item
+ * "avx2,fma" would be two clones, AVX2 without FMA and FMA without AVX2, which is what
+ * kiln ran until 2026-12-06 (docs/perf-log.md). The sanitizer build keeps one version. */
 #if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(KILN_NO_CLONES)
-#define KILN_SIMD __attribute__((target_clones("avx2,fma", "default")))
+#define KILN_SIMD __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
 #else
 #define KILN_SIMD
 #endif

@@ -85,23 +85,39 @@ static void red_range(void *c, int64_t b, int64_t e)
     }
 }
 
-/* Sums of a contiguous f32 (rows, cols) over its rows (bias gradients): each task owns
- * a block of columns and adds the rows in order, in double. */
+/* Sums of a contiguous f32 or bf16 (rows, cols) over its rows (bias gradients; bf16
+ * ones under autocast): each task owns a block of columns and adds the rows in order,
+ * in double. A bf16 result is the f32 one rounded, as the widened copy would give. */
 typedef struct {
-    const float *x;
-    float *o;
+    const void *x;
+    void *o;
     int64_t rows, cols;
+    bool bf16;
 } colsum_ctx;
 
 /* acc[0..n) = the sums of columns c0 .. c0 + n - 1 over rows [r0, r1) of x (cols wide),
  * added in row order. */
-static inline void add_rows(const float *x, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t n, double *acc)
+static inline void add_rows(const void *xv, bool bf16, int64_t cols, int64_t r0, int64_t r1, int64_t c0, int64_t n,
+                            double *acc)
 {
     for (int64_t j = 0; j < n; j++) acc[j] = 0;
+    if (bf16) {
+        for (int64_t r = r0; r < r1; r++) {
+            const uint16_t *row = (const uint16_t *)xv + r * cols + c0;
+            for (int64_t j = 0; j < n; j++) acc[j] += kiln__bf16_to_f32(row[j]);
+        }
+        return;
+    }
     for (int64_t r = r0; r < r1; r++) {
-        const float *row = x + r * cols + c0;
+        const float *row = (const float *)xv + r * cols + c0;
         for (int64_t j = 0; j < n; j++) acc[j] += row[j];
     }
+}
+
+static void put_sum(void *o, bool bf16, int64_t j, double v)
+{
+    if (bf16) ((uint16_t *)o)[j] = kiln__f32_to_bf16((float)v);
+    else ((float *)o)[j] = (float)v;
 }
 
 KILN_SIMD static void colsum_range(void *c, int64_t b, int64_t e)
@@ -110,8 +126,8 @@ KILN_SIMD static void colsum_range(void *c, int64_t b, int64_t e)
     double acc[256];
     for (int64_t blk = b; blk < e; blk++) {
         int64_t c0 = blk * 256, n = k->cols - c0 < 256 ? k->cols - c0 : 256;
-        add_rows(k->x, k->cols, 0, k->rows, c0, n, acc);
-        for (int64_t j = 0; j < n; j++) k->o[c0 + j] = (float)acc[j];
+        add_rows(k->x, k->bf16, k->cols, 0, k->rows, c0, n, acc);
+        for (int64_t j = 0; j < n; j++) put_sum(k->o, k->bf16, c0 + j, acc[j]);
     }
 }
 
@@ -124,9 +140,10 @@ KILN_SIMD static void colsum_range(void *c, int64_t b, int64_t e)
 enum { COLSUM_ROWS = 256 };
 
 typedef struct {
-    const float *x;
+    const void *x;
     double *part; /* (chunks, cols) */
     int64_t rows, cols;
+    bool bf16;
 } rowsum_ctx;
 
 KILN_SIMD static void rowchunk_range(void *c, int64_t b, int64_t e)
@@ -134,21 +151,21 @@ KILN_SIMD static void rowchunk_range(void *c, int64_t b, int64_t e)
     const rowsum_ctx *k = c;
     for (int64_t t = b; t < e; t++) {
         int64_t r1 = (t + 1) * COLSUM_ROWS < k->rows ? (t + 1) * COLSUM_ROWS : k->rows;
-        add_rows(k->x, k->cols, t * COLSUM_ROWS, r1, 0, k->cols, k->part + t * k->cols);
+        add_rows(k->x, k->bf16, k->cols, t * COLSUM_ROWS, r1, 0, k->cols, k->part + t * k->cols);
     }
 }
 
-static kiln_status colsum_by_rows(const float *x, float *o, int64_t rows, int64_t cols)
+static kiln_status colsum_by_rows(const void *x, void *o, bool bf16, int64_t rows, int64_t cols)
 {
     int64_t chunks = (rows + COLSUM_ROWS - 1) / COLSUM_ROWS;
     double *part = malloc(sizeof(double) * (size_t)(chunks * cols));
     if (!part) return kiln__err(KILN_ERR_OOM, "sum: out of memory for partial sums");
-    rowsum_ctx k = {x, part, rows, cols};
+    rowsum_ctx k = {x, part, rows, cols, bf16};
     kiln__parallel_for(chunks, 1, rowchunk_range, &k);
     for (int64_t j = 0; j < cols; j++) {
         double s = 0;
         for (int64_t t = 0; t < chunks; t++) s += part[t * cols + j];
-        o[j] = (float)s;
+        put_sum(o, bf16, j, s);
     }
     free(part);
     return KILN_OK;
@@ -207,11 +224,12 @@ static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dim
         kiln__store(kiln__data(o), o->dtype, s);
         return KILN_OK;
     }
-    if (kind == 0 && x->dtype == KILN_DTYPE_F32 && leading_dims(x, dims, ndims, &rows, &cols)) {
+    bool bf16 = x->dtype == KILN_DTYPE_BF16 && o->dtype == KILN_DTYPE_BF16;
+    if (kind == 0 && (x->dtype == KILN_DTYPE_F32 || bf16) && leading_dims(x, dims, ndims, &rows, &cols)) {
         /* Tall and not too wide: wider ones have column blocks enough for every thread. */
         if (rows >= 2 * COLSUM_ROWS && cols <= 16 * 256 && kiln__opt(KILN__OPT_COLSUM_ROWS))
-            return colsum_by_rows(kiln__data(x), kiln__data(o), rows, cols);
-        colsum_ctx k = {kiln__data(x), kiln__data(o), rows, cols};
+            return colsum_by_rows(kiln__data(x), kiln__data(o), bf16, rows, cols);
+        colsum_ctx k = {kiln__data(x), kiln__data(o), rows, cols, bf16};
         kiln__parallel_for((cols + 255) / 256, 1, colsum_range, &k);
         return KILN_OK;
     }
@@ -223,11 +241,17 @@ static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dim
     return KILN_OK;
 }
 
-/* f16 and bf16 are summed widened to f32, which takes the fast paths above (bias
- * gradients under autocast). */
+/* bf16 column sums (bias gradients under autocast) read bf16 in place; other f16 and
+ * bf16 sums are widened to f32, which takes the fast paths above. */
+static bool bf16_colsum(const kiln_tensor_t *x, const kiln_tensor_t *o, const kiln__attrs *a)
+{
+    int64_t rows, cols;
+    return x->dtype == KILN_DTYPE_BF16 && o->dtype == KILN_DTYPE_BF16 && leading_dims(x, a->shape, a->ndim, &rows, &cols);
+}
+
 kiln_status kiln__cpu_sum(KILN__KERNEL_ARGS)
 {
-    CPU_WIDEN(kiln__cpu_sum);
+    if (!bf16_colsum(in[0], out[0], a)) CPU_WIDEN(kiln__cpu_sum);
     return reduce(in[0], out[0], a->shape, a->ndim, 0);
 }
 kiln_status kiln__cpu_max(KILN__KERNEL_ARGS) { return reduce(in[0], out[0], a->shape, a->ndim, 1); }
