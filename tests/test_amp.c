@@ -11,11 +11,13 @@
 
 #include <math.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 
 #include "kiln/nn.h"
 #include "kiln/ops.h"
 #include "kiln/optim.h"
+#include "kiln/graph.h"
 #include "test_util.h"
 
 /* Every test starts and ends with no region open and no policy overridden. */
@@ -497,6 +499,55 @@ static void test_f16_step_skipped_on_overflow(void **state)
     kiln_gpt_free(m);
 }
 
+/* A chain of bf16 pointwise ops with an f32 operand: bf16 values, a promotion to f32,
+ * casts both ways. */
+static kiln_status bf16_chain(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    kiln_tensor_t *x = in[0], *y = in[1];
+    kiln_tensor_t *h = kiln_gelu(kiln_add(kiln_mul(x, x), kiln_cast(y, KILN_DTYPE_BF16)), true);
+    out[0] = kiln_add(kiln_sigmoid(h), y);
+    out[1] = kiln_mul(h, kiln_neg(x));
+    out[2] = kiln_cast(kiln_sub(y, kiln_cast(x, KILN_DTYPE_F32)), KILN_DTYPE_BF16);
+    *n_out = 3;
+    return out[0] && out[1] && out[2] ? KILN_OK : kiln_last_status();
+}
+
+/* Compiled, the chain runs as generated kernels only (bf16 loaded and stored by them,
+ * no op through dispatch) and gives bitwise the eager results: a fused bf16 op rounds
+ * its value where the eager one rounds its output (kmath.h's km_round_bf16). Oracle:
+ * the same function eager. */
+static void test_compiled_bf16_chain_is_fused_and_bitwise_eager(void **state)
+{
+    const int64_t n = 1000;
+    kiln_scope_begin();
+    kiln_tensor_t *x = kiln_cast(kiln_randn(&n, 1, KILN_DTYPE_F32), KILN_DTYPE_BF16);
+    kiln_tensor_t *y = kiln_randn(&n, 1, KILN_DTYPE_F32), *in[2] = {x, y}, *want[3], *got[3];
+    int nw, ng, kernels, ops;
+    assert_int_equal(bf16_chain(NULL, in, 2, want, &nw), KILN_OK);
+    kiln_compiled_t *c;
+    assert_int_equal(kiln_compiled_new(bf16_chain, NULL, "bf16_chain", &c), KILN_OK);
+    if (kiln_compiled_call(c, in, 2, got, 3, &ng) != KILN_OK) fail_msg("%s", kiln_last_error());
+    assert_int_equal(ng, 3);
+    assert_int_equal(kiln_compiled_plan(c, 0, &kernels, &ops, NULL, NULL), KILN_OK);
+    printf("# bf16 chain compiled: %d generated kernel(s), %d op(s) through dispatch\n", kernels, ops);
+    assert_true(kernels > 0);
+    assert_int_equal(ops, 0);
+    kiln_dtype types[3] = {KILN_DTYPE_F32, KILN_DTYPE_BF16, KILN_DTYPE_BF16};
+    for (int j = 0; j < 3; j++) {
+        assert_int_equal(kiln_tensor_dtype(got[j]), types[j]);
+        assert_int_equal(kiln_tensor_dtype(want[j]), types[j]);
+        size_t bytes = (size_t)n * (j ? 2 : 4);
+        char *a = malloc(bytes), *b = malloc(bytes);
+        assert_int_equal(kiln_tensor_to_host(got[j], a, bytes), KILN_OK);
+        assert_int_equal(kiln_tensor_to_host(want[j], b, bytes), KILN_OK);
+        if (memcmp(a, b, bytes)) fail_msg("compiled bf16 chain: result %d differs from eager's", j);
+        free(a);
+        free(b);
+    }
+    kiln_compiled_free(c);
+    kiln_scope_end();
+}
+
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, amp_teardown)
 
 int main(void)
@@ -510,6 +561,7 @@ int main(void)
         T(test_linear_under_bf16_is_bf16_with_an_f32_bias),
         T(test_loss_scaler_backs_off_and_grows),
         T(test_f16_step_skipped_on_overflow),
+        T(test_compiled_bf16_chain_is_fused_and_bitwise_eager),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -20,13 +20,17 @@
 typedef kiln__sbuf sbuf;
 #define put kiln__sbuf_put
 
+/* A buffer's element type; vtype: the type its values are computed in (a bf16 value is
+ * the float it equals, kmath.h's km_round_bf16). */
 static const char *ctype(kiln_dtype dt)
 {
     static const char *const name[KILN_DTYPE_COUNT] = {
         [KILN_DTYPE_F32] = "float", [KILN_DTYPE_F64] = "double", [KILN_DTYPE_I64] = "int64_t",
-        [KILN_DTYPE_I32] = "int32_t"};
+        [KILN_DTYPE_I32] = "int32_t", [KILN_DTYPE_BF16] = "uint16_t"};
     return name[dt] ? name[dt] : "uint8_t";
 }
+
+static const char *vtype(kiln_dtype dt) { return dt == KILN_DTYPE_BF16 ? "float" : ctype(dt); }
 
 /* Every generated file starts with its dialect's header (below), then the text of
  * src/core/kmath.h, embedded at build time: the same helpers the cpu backend's kernels
@@ -37,22 +41,23 @@ extern const char kiln__kmath_source[];
 static const char header_c[] =
     "#include <math.h>\n#include <stdint.h>\n#include <string.h>\n\n"
     "#define KM_FN static inline\n"
-    "static inline float km_bits(int32_t b)\n{\n    float f;\n    memcpy(&f, &b, 4);\n    return f;\n}\n";
+    "static inline float km_bits(int32_t b)\n{\n    float f;\n    memcpy(&f, &b, 4);\n    return f;\n}\n"
+    "static inline int32_t km_fbits(float f)\n{\n    int32_t b;\n    memcpy(&b, &f, 4);\n    return b;\n}\n";
 
 /* OpenCL C (src/backends/opencl compiles it): the builtins are overloaded, so the C
  * library's f-suffixed names map onto them. */
 static const char header_cl[] =
     "#ifdef cl_khr_fp64\n#pragma OPENCL EXTENSION cl_khr_fp64 : enable\n#else\n#define KM_NO_F64\n#endif\n"
-    "typedef long int64_t;\ntypedef int int32_t;\ntypedef uchar uint8_t;\n"
+    "typedef long int64_t;\ntypedef int int32_t;\ntypedef uchar uint8_t;\ntypedef ushort uint16_t;\n"
     "#define expf exp\n#define logf log\n#define sqrtf sqrt\n#define powf pow\n#define fabsf fabs\n"
     "#define tanhf tanh\n#define erff erf\n#define log1pf log1p\n"
-    "#define KM_FN inline\n#define km_bits(b) as_float(b)\n\n";
+    "#define KM_FN inline\n#define km_bits(b) as_float(b)\n#define km_fbits(f) as_int(f)\n\n";
 
 /* CUDA C for NVRTC (src/backends/cuda compiles it): device functions, CUDA's own math. */
 static const char header_cuda[] =
-    "typedef long long int64_t;\ntypedef int int32_t;\ntypedef unsigned char uint8_t;\n"
+    "typedef long long int64_t;\ntypedef int int32_t;\ntypedef unsigned char uint8_t;\ntypedef unsigned short uint16_t;\n"
     "#define INFINITY __int_as_float(0x7f800000)\n"
-    "#define KM_FN __device__ inline\n#define km_bits(b) __int_as_float(b)\n\n";
+    "#define KM_FN __device__ inline\n#define km_bits(b) __int_as_float(b)\n#define km_fbits(f) __float_as_int(f)\n\n";
 
 /* What one kernel's generation needs: the kernel, whether sizes are symbolic and fast
  * math on, and which size slots its text reads (each becomes a local z<N> = sz[N] at
@@ -96,22 +101,23 @@ static const char *const infix[KILN_OP_COUNT] = {
     [KILN_OP_GT] = "(uint8_t)(%s > %s)", [KILN_OP_GE] = "(uint8_t)(%s >= %s)",
 };
 
-/* One expression as C, its operands being named e<N>. */
-static void expr_c(sbuf *b, const gen *G, int i)
+/* One expression as C, its operands being named e<N>; a bf16 one computed as f32 (its
+ * value rounded by expr_c). */
+static void expr_val(sbuf *b, const gen *G, int i)
 {
     const kc_kernel *k = G->k;
     bool fast = G->fast;
     const kc_expr *e = &k->e[i];
-    const char *T = ctype(e->dt);
+    const char *T = vtype(e->dt);
     char a[3][16] = {"", "", ""};
     for (int j = 0; j < e->n_arg; j++) snprintf(a[j], sizeof a[j], "e%d", e->arg[j]);
     switch (e->kind) {
     case E_LOAD:
     case E_INDEX:
-        if (e->kind == E_LOAD) put(b, "in%d[o%d", e->buf, i);
+        if (e->kind == E_LOAD) put(b, "%sin%d[o%d", k->buf[e->buf].dt == KILN_DTYPE_BF16 ? "km_from_bf16(" : "", e->buf, i);
         else put(b, "(%s)(%.17g + %.17g * (double)(o%d", T, e->attrs.op.source.start, e->attrs.op.source.step, i);
         if (k->ndim) inner_step(b, G, kc_sz_load(k, i, k->ndim - 1));
-        put(b, "%s", e->kind == E_LOAD ? "]" : "))");
+        put(b, "%s", e->kind != E_LOAD ? "))" : k->buf[e->buf].dt == KILN_DTYPE_BF16 ? "])" : "]");
         return;
     case E_CONST: /* %g writes inf and nan as words; INFINITY is there in every dialect */
         if (isinf(e->attrs.op.source.value)) put(b, "(%s)(%sINFINITY)", T, e->attrs.op.source.value < 0 ? "-" : "");
@@ -155,6 +161,17 @@ static void expr_c(sbuf *b, const gen *G, int i)
     }
 }
 
+/* One expression as C: a bf16 result is rounded as the eager op's is (a bf16 load is
+ * exact already). */
+static void expr_c(sbuf *b, const gen *G, int i)
+{
+    const kc_expr *e = &G->k->e[i];
+    bool round = e->dt == KILN_DTYPE_BF16 && e->kind != E_LOAD;
+    if (round) put(b, "km_round_bf16(");
+    expr_val(b, G, i);
+    if (round) put(b, ")");
+}
+
 /* Marks in need[] the non-row expressions the roots need (row ones are already named
  * at row scope). */
 static void mark(const kc_kernel *k, int i, bool *need)
@@ -170,7 +187,7 @@ static void body(sbuf *b, const gen *G, const bool *need, const char *ind)
     const kc_kernel *k = G->k;
     for (int i = 0; i < k->n_e; i++)
         if (need[i]) {
-            put(b, "%sconst %s e%d = ", ind, ctype(k->e[i].dt), i);
+            put(b, "%sconst %s e%d = ", ind, vtype(k->e[i].dt), i);
             expr_c(b, G, i);
             put(b, ";\n");
         }
@@ -242,7 +259,7 @@ static void kernel_body(sbuf *b, const gen *G)
         /* Row expressions available before pass q. */
         for (int i = 0; i < k->n_e; i++)
             if (k->e[i].row && !emitted[i] && k->e[i].phase <= q) {
-                put(b, "        const %s e%d = ", ctype(k->e[i].dt), i);
+                put(b, "        const %s e%d = ", vtype(k->e[i].dt), i);
                 expr_c(b, G, i);
                 put(b, ";\n        (void)e%d;\n", i);
                 emitted[i] = true;
@@ -296,14 +313,17 @@ static void kernel_body(sbuf *b, const gen *G)
             if (nd && k->st[i].st[nd - 1]) {
                 put(b, "            in%d[s%d", k->st[i].buf, i);
                 inner_step(b, G, kc_sz_store(k, i, nd - 1));
-                put(b, "] = e%d;\n", k->st[i].expr);
+                put(b, k->buf[k->st[i].buf].dt == KILN_DTYPE_BF16 ? "] = km_to_bf16(e%d);\n" : "] = e%d;\n",
+                    k->st[i].expr);
             }
         put(b, "        }\n");
     }
     for (int i = 0; i < k->n_st; i++)
         if (!nd || !k->st[i].st[nd - 1]) {
             /* A row value: written once per row (by the row's first piece). */
-            put(b, "        if (j0 == 0) in%d[s%d] = e%d;\n", k->st[i].buf, i, k->st[i].expr);
+            put(b, k->buf[k->st[i].buf].dt == KILN_DTYPE_BF16 ? "        if (j0 == 0) in%d[s%d] = km_to_bf16(e%d);\n"
+                                                               : "        if (j0 == 0) in%d[s%d] = e%d;\n",
+                k->st[i].buf, i, k->st[i].expr);
         }
     /* The next task: the next piece of the row, or the first of the next row. */
     if (nd >= 2) {

@@ -3,15 +3,29 @@
  * OpenCL C or CUDA C, starts with its text (embedded at build time, src/compile/
  * codegen_c.c), so that eager and compiled results agree to rounding on every device.
  *
- * It is written in the subset the three dialects share, over two names the includer
+ * It is written in the subset the three dialects share, over three names the includer
  * defines first: KM_FN, the qualifier of a helper function ("static inline", "inline",
- * "__device__ inline"), and km_bits(b), a float made from the bits of an int32_t. The C
+ * "__device__ inline"), km_bits(b), a float made from the bits of an int32_t, and
+ * km_fbits(f), the bits of a float as an int32_t. The C
  * library's f-suffixed names (expf, tanhf, erff, log1pf, ...) are used as in C; the
  * OpenCL header maps them onto its overloaded builtins. The double forms are left out
  * where KM_NO_F64 is defined (an OpenCL device without cl_khr_fp64). No #include: each
  * dialect has its own. */
 #ifndef KILN_CORE_KMATH_H
 #define KILN_CORE_KMATH_H
+
+/* bf16 in generated kernels: a bf16 value is held as the float it equals. km_round_bf16
+ * rounds a float to the nearest bf16 (ties to even, a NaN kept quiet), as
+ * kiln__f32_to_bf16 does (src/core/dtype.h), so a fused bf16 op rounds where the eager
+ * one does; km_from_bf16 widens stored bits, km_to_bf16 gives a rounded value's bits. */
+KM_FN float km_round_bf16(float x)
+{
+    int32_t b = km_fbits(x);
+    if ((b & 0x7fffffff) > 0x7f800000) return km_bits((b | 0x00400000) & ~0xffff);
+    return km_bits((b + 0x7fff + ((b >> 16) & 1)) & ~0xffff);
+}
+KM_FN float km_from_bf16(int32_t h) { return km_bits((h & 0xffff) << 16); }
+KM_FN int32_t km_to_bf16(float rounded) { return (km_fbits(rounded) >> 16) & 0xffff; }
 
 /* KM_PW(name, F, D): km_<name>(float x) returning F, and km_<name>d(double x)
  * returning D where the dialect has doubles. */

@@ -14,6 +14,12 @@ static inline __attribute__((always_inline)) float km_bits(int32_t b)
     memcpy(&f, &b, 4);
     return f;
 }
+static inline __attribute__((always_inline)) int32_t km_fbits(float f)
+{
+    int32_t b;
+    memcpy(&b, &f, 4);
+    return b;
+}
 #include "core/kmath.h"
 
 #endif
