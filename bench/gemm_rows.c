@@ -7,7 +7,8 @@
  *   speed       median microseconds of one product at M = 1, 4, 16, 64, 512,
  *               interleaved: the BLAS; kiln_matmul_rows, which packs W on each call;
  *               kiln_matmul_rows_packed with W packed once (what the engine runs);
- *               and the ratios to the BLAS (< 1 means kiln is faster).
+ *               the same with W packed as bf16 (kiln serve --weights bf16); and the
+ *               ratios to the BLAS (< 1 means kiln is faster) and bf16 / f32 packed.
  *
  *   bench_gemm_rows [--reps N]
  */
@@ -56,7 +57,7 @@ int main(int argc, char **argv)
     /* (K, N): a width-384 GPT-2 layer (qkv, proj, fc, out) and its 256-token head, and a
      * width-128 layer (the demo model). */
     const int shapes[][2] = {{384, 1152}, {384, 384}, {384, 1536}, {1536, 384}, {384, 256},
-                             {128, 384}, {128, 128}, {128, 512}, {512, 128}};
+                             {128, 384}, {128, 128}, {128, 512}, {512, 128}, {2048, 8192}};
     const int ns = (int)(sizeof shapes / sizeof shapes[0]), Ms[] = {1, 4, 16, 64, 512};
     printf("invariance: M values whose row 0 differs from the 16-row product's\n");
     printf("%-12s %-28s %s\n", "K x N", "cblas_sgemm", "kiln_matmul_rows");
@@ -90,19 +91,20 @@ int main(int argc, char **argv)
         free(y);
     }
     printf("\nspeed: median us per product over %d interleaved runs\n", reps);
-    printf("%-12s %5s %10s %10s %10s %7s %7s\n", "K x N", "M", "BLAS", "rows", "packed", "ratio", "ratio_p");
+    printf("%-12s %5s %10s %10s %10s %10s %7s %7s %9s\n", "K x N", "M", "BLAS", "rows", "packed", "bf16", "ratio",
+           "ratio_p", "bf16/f32");
     for (int s = 0; s < ns; s++) {
         int K = shapes[s][0], N = shapes[s][1], MX = 512;
         int64_t xs[2] = {MX, K}, ws[2] = {N, K};
         kiln_tensor_t *xt = kiln_randn(xs, 2, KILN_DTYPE_F32), *wt = kiln_randn(ws, 2, KILN_DTYPE_F32);
-        kiln_tensor_t *wp = kiln_matmul_rows_pack(wt);
+        kiln_tensor_t *wp = kiln_matmul_rows_pack(wt), *wh = kiln_matmul_rows_pack(kiln_cast(wt, KILN_DTYPE_BF16));
         float *x = malloc(sizeof(float) * (size_t)MX * (size_t)K), *w = malloc(sizeof(float) * (size_t)N * (size_t)K);
         float *y = malloc(sizeof(float) * (size_t)MX * (size_t)N);
         kiln_tensor_to_host(xt, x, sizeof(float) * (size_t)MX * (size_t)K);
         kiln_tensor_to_host(wt, w, sizeof(float) * (size_t)N * (size_t)K);
         for (int mi = 0; mi < 5; mi++) {
             int M = Ms[mi];
-            double tb[1000], tr[1000], tp[1000];
+            double tb[1000], tr[1000], tp[1000], th[1000];
             for (int r = 0; r < reps; r++) {
                 double t0 = bench_now_s();
                 blas(x, w, y, M, N, K);
@@ -111,12 +113,16 @@ int main(int argc, char **argv)
                 double t2 = bench_now_s();
                 rows(xt, wt, wp, y, M, N);
                 double t3 = bench_now_s();
+                rows(xt, wt, wh, y, M, N);
+                double t4 = bench_now_s();
                 tb[r] = (t1 - t0) * 1e6;
                 tr[r] = (t2 - t1) * 1e6;
                 tp[r] = (t3 - t2) * 1e6;
+                th[r] = (t4 - t3) * 1e6;
             }
-            double mb = median(tb, reps), mr = median(tr, reps), mp = median(tp, reps);
-            printf("%4d x %-5d %5d %10.1f %10.1f %10.1f %7.2f %7.2f\n", K, N, M, mb, mr, mp, mr / mb, mp / mb);
+            double mb = median(tb, reps), mr = median(tr, reps), mp = median(tp, reps), mh = median(th, reps);
+            printf("%4d x %-5d %5d %10.1f %10.1f %10.1f %10.1f %7.2f %7.2f %9.2f\n", K, N, M, mb, mr, mp, mh, mr / mb,
+                   mp / mb, mh / mp);
         }
         free(x);
         free(w);

@@ -93,14 +93,17 @@ static void matmul_rows_matches_matmul_and_is_row_invariant(void **state)
 /* Oracle: kiln_matmul (the BLAS), within a tolerance that grows with K; and row m alone
  * equals row m of the whole, bit for bit. The shapes cover row tiles of 8, 4, 2 and 1
  * (M = 13, 14, 17, 45) and panel groups of three, two and one (N = 50, 19, 9, 300). */
-static void matmul_rows_packed_matches_matmul_and_is_row_invariant(void **state)
+/* Packed f32 weights, and packed bf16 ones (oracle: the f32 product with the weights
+ * rounded to bf16 first, which the bf16 kernel widens exactly). */
+static void rows_packed_case(kiln_dtype wt)
 {
     const int64_t shapes[5][3] = {{13, 50, 37}, {14, 19, 64}, {17, 300, 384}, {45, 9, 1550}, {1, 50, 8}};
     for (int c = 0; c < 5; c++) {
         int64_t M = shapes[c][0], N = shapes[c][1], K = shapes[c][2], as[2] = {M, K}, ws[2] = {N, K};
-        kiln_tensor_t *a = randn(as, 2, 10 + c), *w = randn(ws, 2, 20 + c);
-        kiln_tensor_t *wp = kiln_matmul_rows_pack(w);
+        kiln_tensor_t *a = randn(as, 2, 10 + c), *w = kiln_cast(kiln_cast(randn(ws, 2, 20 + c), wt), KILN_DTYPE_F32);
+        kiln_tensor_t *wp = kiln_matmul_rows_pack(kiln_cast(w, wt));
         assert_non_null(wp);
+        assert_int_equal(kiln_tensor_dtype(wp), wt);
         assert_int_equal(kiln_tensor_dim(wp, 0), (N + 15) / 16);
         float *want = to_host(kiln_matmul(a, kiln_transpose(w, 0, 1)));
         float *got = to_host(kiln_matmul_rows_packed(a, wp, N));
@@ -113,6 +116,12 @@ static void matmul_rows_packed_matches_matmul_and_is_row_invariant(void **state)
         free(want);
         free(got);
     }
+}
+
+static void matmul_rows_packed_matches_matmul_and_is_row_invariant(void **state)
+{
+    rows_packed_case(KILN_DTYPE_F32);
+    rows_packed_case(KILN_DTYPE_BF16);
     int64_t as[2] = {3, 5}, ws[2] = {20, 5}, w4[2] = {20, 4};
     kiln_tensor_t *wp = kiln_matmul_rows_pack(randn(ws, 2, 2));
     assert_null(kiln_matmul_rows_packed(randn(as, 2, 1), wp, 33)); /* more columns than the panels hold */
@@ -252,7 +261,7 @@ static kiln_gpt_config tiny(bool llama)
  * are not in order, alongside another sequence. */
 /* With an f16 or bf16 pool, keys and values are rounded to 11 or 8 significant bits
  * as they are stored; the tolerance is a few of those units on logits of order one. */
-static void paged_forward_matches_full_forward(bool llama, kiln_dtype kv, double tol)
+static void paged_forward_matches_full_forward(bool llama, kiln_dtype kv, kiln_dtype weights, double tol)
 {
     kiln_gpt_config c = tiny(llama);
     kiln_gpt_t *m;
@@ -266,7 +275,7 @@ static void paged_forward_matches_full_forward(bool llama, kiln_dtype kv, double
     int64_t ts[2] = {1, T};
     float *want = to_host(kiln_gpt_forward(m, kiln_from_data(toks, ts, 2, KILN_DTYPE_I32), NULL, false, NULL));
     kiln_kv_pool_t *p;
-    assert_int_equal(kiln_kv_pool_new(m, 12, BL, kv, &p), KILN_OK);
+    assert_int_equal(kiln_kv_pool_new_typed(m, 12, BL, kv, weights, &p), KILN_OK);
     int32_t table[2 * 6] = {9, 2, 7, 0, 11, 4, 1, 3, 5, 6, 8, 10};
     float *got = malloc(sizeof(float) * (size_t)(T * c.vocab_size));
     int t = 0;
@@ -294,7 +303,8 @@ static void paged_forward_matches_full_forward(bool llama, kiln_dtype kv, double
         t += n;
     }
     char what[64];
-    snprintf(what, sizeof what, "paged forward (%s, %s KV cache)", llama ? "llama" : "gpt2", kiln_dtype_name(kv));
+    snprintf(what, sizeof what, "paged forward (%s, %s KV cache, %s weights)", llama ? "llama" : "gpt2",
+             kiln_dtype_name(kv), kiln_dtype_name(weights));
     assert_close(got, want, (int64_t)T * c.vocab_size, tol, what);
     free(got);
     free(want);
@@ -304,20 +314,22 @@ static void paged_forward_matches_full_forward(bool llama, kiln_dtype kv, double
 
 static void paged_forward_matches_full_forward_gpt2(void **state)
 {
-    paged_forward_matches_full_forward(false, KILN_DTYPE_F32, 2e-5);
-    paged_forward_matches_full_forward(false, KILN_DTYPE_F16, 4 * 0x1p-11);
-    paged_forward_matches_full_forward(false, KILN_DTYPE_BF16, 4 * 0x1p-8);
+    paged_forward_matches_full_forward(false, KILN_DTYPE_F32, KILN_DTYPE_F32, 2e-5);
+    paged_forward_matches_full_forward(false, KILN_DTYPE_F16, KILN_DTYPE_F32, 4 * 0x1p-11);
+    paged_forward_matches_full_forward(false, KILN_DTYPE_BF16, KILN_DTYPE_F32, 4 * 0x1p-8);
+    paged_forward_matches_full_forward(false, KILN_DTYPE_F32, KILN_DTYPE_BF16, 4 * 0x1p-8);
 }
 static void paged_forward_matches_full_forward_llama(void **state)
 {
-    paged_forward_matches_full_forward(true, KILN_DTYPE_F32, 2e-5);
-    paged_forward_matches_full_forward(true, KILN_DTYPE_F16, 4 * 0x1p-11);
-    paged_forward_matches_full_forward(true, KILN_DTYPE_BF16, 4 * 0x1p-8);
+    paged_forward_matches_full_forward(true, KILN_DTYPE_F32, KILN_DTYPE_F32, 2e-5);
+    paged_forward_matches_full_forward(true, KILN_DTYPE_F16, KILN_DTYPE_F32, 4 * 0x1p-11);
+    paged_forward_matches_full_forward(true, KILN_DTYPE_BF16, KILN_DTYPE_F32, 4 * 0x1p-8);
+    paged_forward_matches_full_forward(true, KILN_DTYPE_F32, KILN_DTYPE_BF16, 4 * 0x1p-8);
 }
 
 /* One decode step of sequence 0 alone, then the same step batched with 1..5 others at
- * other positions: its logits must be bitwise the same. */
-static void paged_forward_is_batch_invariant(void **state)
+ * other positions: its logits must be bitwise the same, with f32 and with bf16 weights. */
+static void batch_invariant_case(kiln_dtype weights)
 {
     kiln_gpt_config c = tiny(true);
     /* Wide enough that the BLAS's one-row (GEMV) path would round differently. */
@@ -328,7 +340,7 @@ static void paged_forward_is_batch_invariant(void **state)
     assert_int_equal(kiln_gpt_new(&c, 3, &m), KILN_OK);
     kiln_kv_pool_t *p;
     enum { S = 6, BL = 4, MB = 6 };
-    assert_int_equal(kiln_kv_pool_new(m, S * MB, BL, KILN_DTYPE_F32, &p), KILN_OK);
+    assert_int_equal(kiln_kv_pool_new_typed(m, S * MB, BL, KILN_DTYPE_F32, weights, &p), KILN_OK);
     int32_t table[S * MB];
     for (int i = 0; i < S * MB; i++) table[i] = (i * 5) % (S * MB);
     /* Prefill 10 positions of every sequence. */
@@ -362,6 +374,12 @@ static void paged_forward_is_batch_invariant(void **state)
     free(alone);
     kiln_kv_pool_free(p);
     kiln_gpt_free(m);
+}
+
+static void paged_forward_is_batch_invariant(void **state)
+{
+    batch_invariant_case(KILN_DTYPE_F32);
+    batch_invariant_case(KILN_DTYPE_BF16);
 }
 
 static void paged_forward_rejects_bad_batches(void **state)

@@ -14,7 +14,7 @@ static void on_signal(int sig) { stop_requested = sig; }
 int cmd_serve(int argc, char **argv)
 {
     kiln_server_opts o = kiln_server_opts_default();
-    const char *model = "runs/default", *kv_dtype = "f32", *host = o.host, *api_key = NULL, *name = NULL, *cors = o.cors_origin;
+    const char *model = "runs/default", *kv_dtype = "f32", *weights = "f32", *host = o.host, *api_key = NULL, *name = NULL, *cors = o.cors_origin;
     int64_t port = o.port, max_batch = o.engine.max_batch, max_queue = o.engine.max_queue, threads = 0,
             http_threads = o.http_threads, max_body = (int64_t)o.max_body, kv_mb = o.engine.kv_memory_mb,
             block_len = o.engine.block_len, step_tokens = o.engine.max_step_tokens, max_tokens = o.max_tokens_default;
@@ -33,6 +33,8 @@ int cmd_serve(int argc, char **argv)
         {"kv-memory", OPT_INT, &kv_mb, "KV cache size in MiB"},
         {"block-len", OPT_INT, &block_len, "positions per KV cache block"},
         {"kv-dtype", OPT_STRING, &kv_dtype, "KV cache storage: f32, or f16 / bf16 (half the memory, keys and values rounded)"},
+        {"weights", OPT_STRING, &weights, "the linear layers' weights as decoding reads them: f32, or bf16 (each rounded "
+                                         "once: half the bytes of the packed copy, and of what each token streams)"},
         {"no-prefix-cache", OPT_FLAG, &no_prefix_cache, "do not share the KV blocks of common prompt prefixes"},
         {"max-body", OPT_INT, &max_body, "request body limit in bytes"},
         {"timeout", OPT_DOUBLE, &timeout, "seconds a request may take in all"},
@@ -58,6 +60,9 @@ int cmd_serve(int argc, char **argv)
     if (kiln_dtype_parse(kv_dtype, &kvt) != KILN_OK ||
         (kvt != KILN_DTYPE_F32 && kvt != KILN_DTYPE_F16 && kvt != KILN_DTYPE_BF16))
         return cli_fail("serve", "--kv-dtype must be f32, f16 or bf16");
+    kiln_dtype wt;
+    if (kiln_dtype_parse(weights, &wt) != KILN_OK || (wt != KILN_DTYPE_F32 && wt != KILN_DTYPE_BF16))
+        return cli_fail("serve", "--weights must be f32 or bf16");
     if (!api_key) api_key = kiln_env("KILN_API_KEY");
     o.host = host;
     o.port = (int)port;
@@ -76,6 +81,7 @@ int cmd_serve(int argc, char **argv)
     o.engine.block_len = (int)block_len;
     o.engine.prefix_cache = !no_prefix_cache;
     o.engine.kv_dtype = kvt;
+    o.engine.weight_dtype = wt;
 
     /* SIGINT and SIGTERM are blocked in every thread, and let through only inside the
      * main thread's sigsuspend below, so a signal that arrives early is not lost. */

@@ -66,6 +66,9 @@ typedef struct {
     int64_t kv_memory_mb;    /* KV cache size when num_blocks is 0 (default 256) */
     bool prefix_cache;       /* share the KV blocks of a common prompt prefix (default on) */
     kiln_dtype kv_dtype;     /* KV cache storage: f32 (default), or f16 / bf16 for half the bytes */
+    /* The linear layers' packed weights as decoding reads them: f32 (default), or bf16
+     * (rounded once: half the bytes held and streamed per token; sums stay f32) */
+    kiln_dtype weight_dtype;
 } kiln_engine_opts;
 
 kiln_engine_opts kiln_engine_opts_default(void);

@@ -576,6 +576,15 @@ int64_t kiln_kv_pool_block_bytes(const kiln_gpt_t *m, int block_len, kiln_dtype 
 kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_dtype dtype,
                              kiln_kv_pool_t **out)
 {
+    return kiln_kv_pool_new_typed(m, num_blocks, block_len, dtype, KILN_DTYPE_F32, out);
+}
+
+kiln_status kiln_kv_pool_new_typed(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_dtype dtype,
+                                   kiln_dtype weights, kiln_kv_pool_t **out)
+{
+    if (weights != KILN_DTYPE_F32 && weights != KILN_DTYPE_BF16)
+        return kiln_error(KILN_ERR_DTYPE, "kv_pool_new: weights packed as %s; they are f32 or bf16",
+                          kiln_dtype_name(weights));
     if (!m || !out) return kiln_error(KILN_ERR_ARG, "kv_pool_new: model or out is NULL");
     if (dtype != KILN_DTYPE_F32 && dtype != KILN_DTYPE_F16 && dtype != KILN_DTYPE_BF16)
         return kiln_error(KILN_ERR_DTYPE, "kv_pool_new: a KV cache of %s; it must be f32, f16 or bf16",
@@ -610,9 +619,10 @@ kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len,
         const layer *ly = &m->layers[i];
         kiln_tensor_t *w[PK_N] = {ly->qkv_w, ly->proj_w, ly->fc_w, ly->up_w, ly->out_w};
         for (int j = 0; j < PK_N; j++)
-            if (w[j] && !(p->pk[i][j] = kiln_keep(kiln_matmul_rows_pack(w[j])))) packed = false;
+            if (w[j] && !(p->pk[i][j] = kiln_keep(kiln_matmul_rows_pack(kiln_cast(w[j], weights))))) packed = false;
     }
-    if (!(p->pk_head = kiln_keep(kiln_matmul_rows_pack(m->cfg.tied ? m->tok_emb : m->lm_head)))) packed = false;
+    kiln_tensor_t *head = m->cfg.tied ? m->tok_emb : m->lm_head;
+    if (!(p->pk_head = kiln_keep(kiln_matmul_rows_pack(kiln_cast(head, weights))))) packed = false;
     kiln_set_grad_enabled(grad);
     kiln_scope_end();
     if (!packed) {

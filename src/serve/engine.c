@@ -104,6 +104,7 @@ kiln_engine_opts kiln_engine_opts_default(void)
         .kv_memory_mb = 256,
         .prefix_cache = true,
         .kv_dtype = KILN_DTYPE_F32,
+        .weight_dtype = KILN_DTYPE_F32,
     };
 }
 
@@ -475,6 +476,9 @@ static kiln_status check_opts(const kiln_engine_opts *o)
     if (o->kv_dtype != KILN_DTYPE_F32 && o->kv_dtype != KILN_DTYPE_F16 && o->kv_dtype != KILN_DTYPE_BF16)
         return kiln_error(KILN_ERR_ARG, "engine: kv_dtype %s; the KV cache is f32, f16 or bf16",
                           kiln_dtype_name(o->kv_dtype));
+    if (o->weight_dtype != KILN_DTYPE_F32 && o->weight_dtype != KILN_DTYPE_BF16)
+        return kiln_error(KILN_ERR_ARG, "engine: weight_dtype %s; decoding reads its weights as f32 or bf16",
+                          kiln_dtype_name(o->weight_dtype));
     return KILN_OK;
 }
 
@@ -520,7 +524,7 @@ kiln_status kiln_engine_new(kiln_gpt_t *model, const kiln_engine_opts *opts, kil
         return kiln_error(KILN_ERR_OOM, "engine_new: out of memory for %d KV blocks", nb);
     }
     for (int i = nb - 1; i >= 0; i--) e->free_stack[e->n_free++] = i; /* block 0 on top */
-    if ((s = kiln_kv_pool_new(model, nb, e->BS, o.kv_dtype, &e->pool)) != KILN_OK) {
+    if ((s = kiln_kv_pool_new_typed(model, nb, e->BS, o.kv_dtype, o.weight_dtype, &e->pool)) != KILN_OK) {
         kiln_engine_free(e);
         return s;
     }

@@ -1,6 +1,7 @@
 /* matmul_rows_packed's kernel, written once for a vector type KV and included by
- * cpu_paged.c for each lane count (KV, KSFX, KATTR, KGROUP, KMR, KBCAST defined there,
- * undefined at the end). The
+ * cpu_paged.c for each lane count and weight type (KV, KSFX, KATTR, KGROUP, KMR, KBCAST,
+ * KWT the packed weights' element type and KLOADW(v, p) loading KW of them into v as
+ * floats, defined there, undefined at the end). The
  * weights come as panels of KILN_ROWS_PANEL output columns stored k-major, so a tile of
  * KMR rows by KGROUP panels keeps its sums in registers while the panels stream by:
  * for each k, a row's a[m][k] is broadcast and multiplied into every column vector.
@@ -16,7 +17,7 @@
 /* t[r][0 .. NV*KW) for MR rows of a: MR and NV are constants at every call, so the
  * loops unroll and acc lives in registers. */
 static inline __attribute__((always_inline)) void KFN(tile)(int MR, int NV, const float *a, int64_t K,
-                                                            const float *const *col, float *t)
+                                                            const KWT *const *col, float *t)
 {
     KV acc[KMR][KMAXV];
 #pragma GCC unroll 8
@@ -26,7 +27,7 @@ static inline __attribute__((always_inline)) void KFN(tile)(int MR, int NV, cons
     for (int64_t k = 0; k < K; k++) {
         KV w[KMAXV];
 #pragma GCC unroll 6
-        for (int j = 0; j < NV; j++) memcpy(&w[j], col[j] + k * KILN_ROWS_PANEL, sizeof(KV));
+        for (int j = 0; j < NV; j++) KLOADW(w[j], col[j] + k * KILN_ROWS_PANEL);
 #pragma GCC unroll 8
         for (int r = 0; r < MR; r++) {
             float s = a[r * K + k];
@@ -50,8 +51,8 @@ KATTR static void KFN(packed_range)(void *c, int64_t b, int64_t e)
         int64_t p0 = g * KGROUP, np = k->P - p0 < KGROUP ? k->P - p0 : KGROUP, c0 = p0 * KILN_ROWS_PANEL;
         int nv = (int)np * KVP;
         int64_t nc = N - c0 < np * KILN_ROWS_PANEL ? N - c0 : np * KILN_ROWS_PANEL;
-        const float *col[KMAXV];
-        for (int j = 0; j < nv; j++) col[j] = k->w + (p0 + j / KVP) * K * KILN_ROWS_PANEL + (j % KVP) * KW;
+        const KWT *col[KMAXV];
+        for (int j = 0; j < nv; j++) col[j] = (const KWT *)k->w + (p0 + j / KVP) * K * KILN_ROWS_PANEL + (j % KVP) * KW;
         for (int64_t m = 0; m < k->M;) {
             int64_t left = k->M - m;
             int mr = left >= KMR ? KMR : left >= 4 ? 4 : left >= 2 ? 2 : 1;
@@ -93,3 +94,5 @@ KATTR static void KFN(packed_range)(void *c, int64_t b, int64_t e)
 #undef KMR
 #undef KBCAST
 #undef KATTR
+#undef KWT
+#undef KLOADW

@@ -173,10 +173,27 @@ static void rows_pick(void)
 }
 
 typedef struct {
-    const float *a, *w;
+    const float *a;
+    const void *w; /* f32 or bf16 panels */
     float *out;
     int64_t M, N, K, P; /* P panels of KILN_ROWS_PANEL columns */
 } packed_ctx;
+
+/* Weights packed as f32, or as bf16 (half the bytes to stream: a serving model's
+ * weights held in bf16) widened exactly as they are loaded, so a product is the f32
+ * one of the bf16 weight values. */
+typedef uint16_t h8 __attribute__((vector_size(16)));
+typedef int32_t i8 __attribute__((vector_size(32)));
+typedef uint16_t h16 __attribute__((vector_size(32)));
+typedef int32_t i16 __attribute__((vector_size(64)));
+#define LOAD_F32(v, p) memcpy(&(v), (p), sizeof(v))
+#define LOAD_BF16(H, I, v, p)                                  \
+    do {                                                       \
+        H h_;                                                  \
+        memcpy(&h_, (p), sizeof h_);                           \
+        I i_ = __builtin_convertvector(h_, I) << 16;           \
+        memcpy(&(v), &i_, sizeof(v));                          \
+    } while (0)
 
 /* Eight lanes: tiles of 4 rows by one panel (two vectors), eight sums in registers. */
 #define KV v8
@@ -185,6 +202,17 @@ typedef struct {
 #define KMR 4
 #define KBCAST(s) ((v8){s, s, s, s, s, s, s, s})
 #define KATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define KWT float
+#define KLOADW(v, p) LOAD_F32(v, p)
+#include "backends/cpu/cpu_packed_impl.h"
+#define KV v8
+#define KSFX p8b
+#define KGROUP 1
+#define KMR 4
+#define KBCAST(s) ((v8){s, s, s, s, s, s, s, s})
+#define KATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define KWT uint16_t
+#define KLOADW(v, p) LOAD_BF16(h8, i8, v, p)
 #include "backends/cpu/cpu_packed_impl.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -196,6 +224,17 @@ typedef struct {
 #define KMR 8
 #define KBCAST(s) ((v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s})
 #define KATTR __attribute__((target("arch=x86-64-v4")))
+#define KWT float
+#define KLOADW(v, p) LOAD_F32(v, p)
+#include "backends/cpu/cpu_packed_impl.h"
+#define KV v16
+#define KSFX p16b
+#define KGROUP 3
+#define KMR 8
+#define KBCAST(s) ((v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s})
+#define KATTR __attribute__((target("arch=x86-64-v4")))
+#define KWT uint16_t
+#define KLOADW(v, p) LOAD_BF16(h16, i16, v, p)
 #include "backends/cpu/cpu_packed_impl.h"
 #else
 #define ROWS_WIDE 0
@@ -209,11 +248,12 @@ kiln_status kiln__cpu_matmul_rows_packed(KILN__KERNEL_ARGS)
         pthread_once(&rows_once, rows_pick);
         packed_ctx k = {kiln__data(ca), kiln__data(cw), kiln__data(out[0]), ca->shape[0], out[0]->shape[1],
                         ca->shape[1], cw->shape[0]};
-        kiln__range_fn fn = packed_range_p8;
+        bool bf16 = cw->dtype == KILN_DTYPE_BF16;
+        kiln__range_fn fn = bf16 ? packed_range_p8b : packed_range_p8;
         int64_t group = 1;
 #if ROWS_WIDE
         if (rows_wide) {
-            fn = packed_range_p16;
+            fn = bf16 ? packed_range_p16b : packed_range_p16;
             group = 3;
         }
 #endif
