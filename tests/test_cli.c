@@ -369,6 +369,34 @@ static void bad_inputs_fail_with_a_reason(void **state)
     assert_non_null(strstr(out, "cut.safetensors"));
     assert_int_equal(run(out, sizeof out, "%s train --help", tool()), 0);
     assert_non_null(strstr(out, "--resume"));
+    /* Mixed precision: an unknown type, and f16's loss scaling with --compile, are
+     * refused by name; serving's weight type likewise. */
+    assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/f --precision f8", tool(), corpus, dir), 1);
+    assert_non_null(strstr(out, "--precision must be f32, bf16 or f16"));
+    assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/f --precision f16 --compile", tool(), corpus, dir), 1);
+    assert_non_null(strstr(out, "--precision f16"));
+    assert_int_equal(run(out, sizeof out, "%s serve %s/a --weights f16", tool(), dir), 1);
+    assert_non_null(strstr(out, "--weights must be f32 or bf16"));
+}
+
+/* kiln train --precision bf16 and f16 train (the loss falls) and log what they run;
+ * f16 shows its loss scale. Oracle: the first logged loss of the same run. */
+static void train_in_mixed_precision(void **state)
+{
+    const char *prec[2] = {"bf16", "f16"};
+    for (int i = 0; i < 2; i++) {
+        char out[16384];
+        int rc = run(out, sizeof out, "%s train --data %s --out %s/mp%d --steps 8 --log-every 1 --precision %s " TINY,
+                     tool(), corpus, dir, i, prec[i]);
+        if (rc != 0) fail_msg("kiln train --precision %s failed (%d): %s", prec[i], rc, out);
+        assert_non_null(strstr(out, i ? "mixed precision f16 with loss scaling" : "mixed precision bf16"));
+        if (i) assert_non_null(strstr(out, "| scale 65536"));
+        const char *first = strstr(out, "step     1/8 | loss "), *last = strstr(out, "step     8/8 | loss ");
+        assert_non_null(first);
+        assert_non_null(last);
+        double l1 = atof(first + strlen("step     1/8 | loss ")), l8 = atof(last + strlen("step     8/8 | loss "));
+        if (!(l8 < l1)) fail_msg("--precision %s: loss %g after 8 steps, %g at the first", prec[i], l8, l1);
+    }
 }
 
 int main(void)
@@ -385,6 +413,7 @@ int main(void)
         cmocka_unit_test(two_processes_compile_into_one_cache),
         cmocka_unit_test(doctor_lists_mpi_and_switches),
         cmocka_unit_test(bad_inputs_fail_with_a_reason),
+        cmocka_unit_test(train_in_mixed_precision),
     };
     return cmocka_run_group_tests(tests, corpus_setup, corpus_teardown);
 }
