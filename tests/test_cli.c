@@ -139,6 +139,33 @@ static void resume_repeats_the_uninterrupted_losses(void **state)
         if (strcmp(a[i], b[i])) fail_msg("step %d: uninterrupted loss %s, resumed %s", i + 1, a[i], b[i]);
 }
 
+/* f16 with a loss scale that overflows: steps 1-5 are skipped, halving it each time. A
+ * run stopped after step 4 and resumed must carry the scale over (from its checkpoint,
+ * not --loss-scale again): oracle, the uninterrupted run's losses, character for
+ * character. */
+static void resume_keeps_the_f16_loss_scale(void **state)
+{
+    char out[16384];
+    const char *f16 = "--precision f16 --loss-scale 4e6 --eval-every 0 --save-every 4";
+    int rc = run(out, sizeof out, "%s train --data %s --out %s/s1 --steps 8 %s " TINY, tool(), corpus, dir, f16);
+    if (rc != 0) fail_msg("uninterrupted f16 run failed: %s", out);
+    assert_non_null(strstr(out, "step 5 skipped"));
+    assert_null(strstr(out, "step 6 skipped"));
+    rc = run(out, sizeof out, "%s train --data %s --out %s/s2 --steps 4 %s " TINY, tool(), corpus, dir, f16);
+    if (rc != 0) fail_msg("first half failed: %s", out);
+    rc = run(out, sizeof out, "%s train --data %s --out %s/s2 --steps 8 --resume %s " TINY, tool(), corpus, dir, f16);
+    if (rc != 0) fail_msg("resume failed: %s", out);
+    assert_non_null(strstr(out, "step 5 skipped"));
+    char a[8][64], b[8][64], pa[512], pb[512];
+    snprintf(pa, sizeof pa, "%s/s1/metrics.jsonl", dir);
+    snprintf(pb, sizeof pb, "%s/s2/metrics.jsonl", dir);
+    int na = losses(pa, a, 8), nb = losses(pb, b, 8);
+    assert_int_equal(na, 8);
+    assert_int_equal(nb, 8);
+    for (int i = 0; i < 8; i++)
+        if (strcmp(a[i], b[i])) fail_msg("f16 step %d: uninterrupted loss %s, resumed %s", i + 1, a[i], b[i]);
+}
+
 static void resume_refuses_a_changed_optimizer_or_seed(void **state)
 {
     char out[8192];
@@ -414,6 +441,7 @@ int main(void)
         cmocka_unit_test(doctor_lists_mpi_and_switches),
         cmocka_unit_test(bad_inputs_fail_with_a_reason),
         cmocka_unit_test(train_in_mixed_precision),
+        cmocka_unit_test(resume_keeps_the_f16_loss_scale),
     };
     return cmocka_run_group_tests(tests, corpus_setup, corpus_teardown);
 }

@@ -27,7 +27,7 @@ typedef struct {
     const char *data, *out, *config, *model, *tokenizer, *optimizer, *device, *precision;
     int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
     int64_t save_every, log_every, seed, threads;
-    double lr, min_lr, wd, clip, dropout, val_fraction, momentum;
+    double lr, min_lr, wd, clip, dropout, val_fraction, momentum, loss_scale;
     bool resume, quiet, zero1, compile;
     double bucket_mb;
 } train_args;
@@ -91,7 +91,7 @@ static kiln_status get_tokenizer(const train_args *a, const char *text, size_t l
 }
 
 static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, int64_t step, const char *tok_kind,
-                                   const train_args *a)
+                                   const train_args *a, const kiln_loss_scaler *scaler)
 {
     int n = kiln_gpt_num_params(m);
     const char **names = malloc(sizeof *names * (size_t)(3 * n + 1));
@@ -105,6 +105,16 @@ static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t 
     snprintf(seedbuf, sizeof seedbuf, "%llu", (unsigned long long)rng.seed);
     snprintf(offbuf, sizeof offbuf, "%llu", (unsigned long long)rng.offset);
     snprintf(dseed, sizeof dseed, "%lld", (long long)a->seed);
+    /* f16's loss scaler: its scale and counts, so that a resumed run skips and grows
+     * where the uninterrupted one would */
+    char scale[32] = "", good[32] = "", skipped[32] = "", osteps[32];
+    /* the optimizer's own step count: below the run's step by the skipped ones */
+    snprintf(osteps, sizeof osteps, "%lld", (long long)kiln_optim_steps(opt));
+    if (scaler) {
+        snprintf(scale, sizeof scale, "%.17g", scaler->scale);
+        snprintf(good, sizeof good, "%lld", (long long)scaler->good);
+        snprintf(skipped, sizeof skipped, "%lld", (long long)scaler->skipped);
+    }
     char *model_path = join(dir, RUN_MODEL), *state_path = join(dir, RUN_STATE);
     if (s == KILN_OK) {
         for (int i = 0; i < n; i++) ts[i] = kiln_gpt_param(m, i, &names[i]);
@@ -125,7 +135,9 @@ static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t 
                 k++;
             }
         const char *smeta[] = {"format", "kiln-train-state-1", "step", stepbuf, "rng_seed", seedbuf, "rng_offset", offbuf,
-                               "optimizer", a->optimizer, "data_seed", dseed, NULL};
+                               "optimizer", a->optimizer, "data_seed", dseed, "optim_steps", osteps, "precision", a->precision,
+                               scaler ? "loss_scale" : NULL, scale, "loss_scale_good", good,
+                               "loss_scale_skipped", skipped, NULL};
         /* The previous state stays as RUN_STATE_PREV until the new pair is written, so a
          * crash between the two files leaves a state that matches the model file. */
         char *prev_path = join(dir, RUN_STATE_PREV);
@@ -159,7 +171,8 @@ static bool state_matches_model(const char *state_path, const char *model_path)
     return ok;
 }
 
-static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, const train_args *a, int64_t *step)
+static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, const train_args *a, int64_t *step,
+                              kiln_loss_scaler *scaler)
 {
     char *model_path = join(dir, RUN_MODEL), *state_path = join(dir, RUN_STATE);
     kiln_safetensors_t *f = NULL;
@@ -195,8 +208,25 @@ static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt,
             s = kiln_error(KILN_ERR_FORMAT, "%s is at step %s but %s at step %s: the checkpoint is incomplete", model_path,
                            mst ? mst : "?", state_path, st);
         kiln_safetensors_free(mf);
+        /* f16: the scaler as it was (a state saved without one, from a bf16 or f32 run,
+         * starts from the default) */
+        const char *ls = kiln_safetensors_meta(f, "loss_scale"), *lg = kiln_safetensors_meta(f, "loss_scale_good"),
+                   *lk = kiln_safetensors_meta(f, "loss_scale_skipped");
+        if (s == KILN_OK && scaler && ls) {
+            double v = strtod(ls, NULL);
+            if (!(v > 0) || !isfinite(v) || !lg || !lk)
+                s = kiln_error(KILN_ERR_FORMAT, "%s: loss_scale '%s' is not a positive number, or its counts are missing",
+                               state_path, ls);
+            else {
+                scaler->scale = v;
+                scaler->good = strtoll(lg, NULL, 10);
+                scaler->skipped = strtoll(lk, NULL, 10);
+            }
+        }
+        const char *os = kiln_safetensors_meta(f, "optim_steps");
         if (s == KILN_OK) {
             *step = strtoll(st, NULL, 10);
+            int64_t osteps = os ? strtoll(os, NULL, 10) : *step; /* states before it: every step was taken */
             kiln_rng_set_state((kiln_rng_state){strtoull(rs, NULL, 10), strtoull(ro, NULL, 10)});
             kiln_scope_begin();
             for (int i = 0; s == KILN_OK && i < kiln_gpt_num_params(m); i++) {
@@ -210,7 +240,7 @@ static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt,
                         present = !strcmp(kiln_safetensors_name(f, j), key);
                     kiln_tensor_t *t = present ? kiln_safetensors_get(f, key) : NULL;
                     if (present && !t) s = kiln_last_status();
-                    else s = kiln_optim_set_state(opt, *step, i, slot, t);
+                    else s = kiln_optim_set_state(opt, osteps, i, slot, t);
                 }
             }
             kiln_scope_end();
@@ -360,6 +390,7 @@ static int parse_options(train_run *r)
         .batch = 16, .steps = 1000, .warmup = 50, .accum = 1, .eval_every = 100, .eval_batches = 8,
         .save_every = 500, .log_every = 1, .seed = 1337, .threads = 0, .lr = 1e-3, .min_lr = 1e-4, .wd = 0.1,
         .clip = 1.0, .dropout = 0.0, .val_fraction = 0.1, .momentum = 0.9, .bucket_mb = 25, .precision = "f32",
+        .loss_scale = 65536,
     };
     const cli_opt opts[] = {
         {"data", OPT_STRING, &a->data, "text file or folder to train on ($KILN_DATA)"},
@@ -401,6 +432,8 @@ static int parse_options(train_run *r)
         {"precision", OPT_STRING, &a->precision, "f32, or bf16 / f16 mixed precision: matmuls and attention in that "
                                                  "type, weights, optimizer state, norms and loss in f32 (f16 with "
                                                  "dynamic loss scaling)"},
+        {"loss-scale", OPT_DOUBLE, &a->loss_scale, "--precision f16: the loss scale to start from (halved on an inf or "
+                                                   "NaN gradient, doubled after 2000 good steps; kept in checkpoints)"},
         {"bucket-mb", OPT_DOUBLE, &a->bucket_mb, "with several ranks: gradient buckets of this many MiB reduced during "
                                              "backward (0: one tensor at a time after it)"},
         {NULL, 0, NULL, NULL},
@@ -433,6 +466,8 @@ static int parse_options(train_run *r)
         return cli_fail("train", "--optimizer must be adamw or sgd");
     if (strcmp(a->precision, "f32") && strcmp(a->precision, "bf16") && strcmp(a->precision, "f16"))
         return cli_fail("train", "--precision must be f32, bf16 or f16");
+    if (!(a->loss_scale >= 1 && a->loss_scale <= 1e30))
+        return cli_fail("train", "--loss-scale must be in 1..1e30");
     /* f16's loss scaler reads each step's gradient norm on the host to decide whether
      * the step is taken, which a captured graph cannot do; ZeRO-1's sharded update has
      * no place for the unscaling yet. */
@@ -517,6 +552,8 @@ static int build_model(train_run *r)
     kiln_dtype prec = !strcmp(a->precision, "bf16") ? KILN_DTYPE_BF16
                       : !strcmp(a->precision, "f16") ? KILN_DTYPE_F16 : KILN_DTYPE_F32;
     if (kiln_gpt_set_precision(r->m, prec) != KILN_OK) return cli_fail("train", NULL);
+    r->scaler = kiln_loss_scaler_default(); /* a resumed run's replaces it (load_checkpoint) */
+    r->scaler.scale = a->loss_scale;
     r->np = kiln_gpt_num_params(r->m);
     r->params = malloc(sizeof *r->params * (size_t)r->np);
     for (int i = 0; i < r->np; i++) r->params[i] = kiln_gpt_param(r->m, i, NULL);
@@ -535,7 +572,8 @@ static int load_checkpoint(train_run *r)
     r->start = 0;
     kiln_manual_seed((uint64_t)a->seed);
     if (a->resume) {
-        if (load_state(a->out, r->m, r->opt, a, &r->start) != KILN_OK) return cli_fail("train", NULL);
+        if (load_state(a->out, r->m, r->opt, a, &r->start, strcmp(a->precision, "f16") ? NULL : &r->scaler) != KILN_OK)
+            return cli_fail("train", NULL);
         if (r->start >= a->steps) {
             fprintf(stderr, "kiln train: %s is already at step %lld; give --steps above it to train on\n", a->out,
                     (long long)r->start);
@@ -566,7 +604,6 @@ static int setup_step(train_run *r)
     r->tokens_per_step = a->batch * a->context * a->accum;
     bool scaled = !strcmp(a->precision, "f16"); /* the step function does the scaling, with any accum and world */
     r->whole = a->compile || scaled || (world == 1 && !a->zero1 && a->accum == 1);
-    r->scaler = kiln_loss_scaler_default();
     r->step_fn = (kiln_gpt_step){r->m, r->opt, params, np, a->clip, (int)a->accum, world > 1 ? r->pg : NULL, NULL,
                                  scaled ? &r->scaler : NULL};
     /* The clipping norm and the micro-batch count are numbers the graph is built with. */
@@ -603,7 +640,9 @@ static int setup_gradients(train_run *r)
         return cli_fail("train", "this run's optimizer state is sharded (ZeRO-1): resume it with --zero1");
     bool has_state = false;
     for (int i = 0; i < np && !has_state; i++) has_state = kiln_optim_state(r->opt, i, 0) != NULL;
-    if (a->resume && r->start > 0 && !strcmp(a->optimizer, "adamw") && !has_state && !r->sharded)
+    /* (an f16 run whose steps were all skipped has taken none yet) */
+    bool none_taken = r->step_fn.scaler && r->scaler.skipped >= r->start;
+    if (a->resume && r->start > 0 && !strcmp(a->optimizer, "adamw") && !has_state && !r->sharded && !none_taken)
         return cli_fail("train", "the checkpoint holds no optimizer state for its step, and no complete ZeRO-1 shards "
                                  "for it (a sharded save that did not finish); it is not loaded");
     /* buckets: a first one of 1 MiB (or --bucket-mb if smaller), then --bucket-mb */
@@ -742,7 +781,8 @@ static kiln_status save(train_run *r, int64_t step)
 {
     kiln_status s = KILN_OK;
     if (r->zero) s = kiln_zero1_save(r->zero, r->a.out, step); /* every rank, then a barrier */
-    if (s == KILN_OK && r->rank == 0) s = save_checkpoint(r->a.out, r->m, r->opt, step, r->tok_kind, &r->a);
+    if (s == KILN_OK && r->rank == 0)
+        s = save_checkpoint(r->a.out, r->m, r->opt, step, r->tok_kind, &r->a, r->step_fn.scaler);
     if (s == KILN_OK && r->rank == 0 && r->zero) s = kiln_zero1_commit(r->a.out, step, r->world, r->committed);
     return s;
 }
