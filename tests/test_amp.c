@@ -501,52 +501,74 @@ static void test_f16_step_skipped_on_overflow(void **state)
 
 /* A chain of bf16 pointwise ops with an f32 operand: bf16 values, a promotion to f32,
  * casts both ways. */
-static kiln_status bf16_chain(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+static kiln_status half_chain(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
 {
     kiln_tensor_t *x = in[0], *y = in[1];
-    kiln_tensor_t *h = kiln_gelu(kiln_add(kiln_mul(x, x), kiln_cast(y, KILN_DTYPE_BF16)), true);
+    kiln_dtype h16 = kiln_tensor_dtype(x);
+    kiln_tensor_t *h = kiln_gelu(kiln_add(kiln_mul(x, x), kiln_cast(y, h16)), true);
     out[0] = kiln_add(kiln_sigmoid(h), y);
     out[1] = kiln_mul(h, kiln_neg(x));
-    out[2] = kiln_cast(kiln_sub(y, kiln_cast(x, KILN_DTYPE_F32)), KILN_DTYPE_BF16);
-    *n_out = 3;
-    return out[0] && out[1] && out[2] ? KILN_OK : kiln_last_status();
+    out[2] = kiln_cast(kiln_sub(y, kiln_cast(x, KILN_DTYPE_F32)), h16);
+    out[3] = kiln_cast(in[2], h16); /* the rounding's edge cases */
+    *n_out = 4;
+    return out[0] && out[1] && out[2] && out[3] ? KILN_OK : kiln_last_status();
 }
 
-/* Compiled, the chain runs as generated kernels only (bf16 loaded and stored by them,
- * no op through dispatch) and gives bitwise the eager results: a fused bf16 op rounds
- * its value where the eager one rounds its output (kmath.h's km_round_bf16). Oracle:
- * the same function eager. */
-static void test_compiled_bf16_chain_is_fused_and_bitwise_eager(void **state)
+/* Compiled, the chain runs as generated kernels only (bf16 or f16 loaded and stored by
+ * them, no op through dispatch) and gives bitwise the eager results: a fused op rounds
+ * its value where the eager one rounds its output (kmath.h's km_round_bf16 and
+ * km_round_f16), subnormals, ties, overflow and NaN included. Oracle: the same function
+ * eager. */
+static void compiled_half_chain(kiln_dtype h16)
 {
-    const int64_t n = 1000;
+    const int64_t n = 1000, ne = 16 + 512;
+    /* f16: a subnormal, the smallest, ties either way, 65504, just above it, a tie to
+     * infinity, infinity, NaN, -0; bf16's ties and its largest; below bf16's range; then
+     * a sweep through f16's subnormals (steps of 0.37 of their spacing, both signs) and
+     * one up to f16's largest values */
+    float edge[16 + 512] = {3e-6f, -5.96e-8f, 1.0f + 0x1p-11f, 1.0f + 3 * 0x1p-11f, 65504.0f, 65519.0f, 65520.0f,
+                            INFINITY, NAN, -0.0f, 1.0f + 0x1p-8f, 1.0f + 3 * 0x1p-8f, 3.3895314e38f, 1e-40f,
+                            -2.5e-5f, 0.1f};
+    for (int i = 0; i < 256; i++) edge[16 + i] = (float)(i - 128) * 0.37f * 0x1p-24f * 17.0f;
+    for (int i = 0; i < 256; i++) edge[16 + 256 + i] = 65000.0f + (float)i * 2.3f;
     kiln_scope_begin();
-    kiln_tensor_t *x = kiln_cast(kiln_randn(&n, 1, KILN_DTYPE_F32), KILN_DTYPE_BF16);
-    kiln_tensor_t *y = kiln_randn(&n, 1, KILN_DTYPE_F32), *in[2] = {x, y}, *want[3], *got[3];
+    kiln_tensor_t *x = kiln_cast(kiln_randn(&n, 1, KILN_DTYPE_F32), h16);
+    kiln_tensor_t *e = kiln_from_data(edge, &ne, 1, KILN_DTYPE_F32);
+    kiln_tensor_t *y = kiln_randn(&n, 1, KILN_DTYPE_F32), *in[3] = {x, y, e}, *want[4], *got[4];
     int nw, ng, kernels, ops;
-    assert_int_equal(bf16_chain(NULL, in, 2, want, &nw), KILN_OK);
+    assert_int_equal(half_chain(NULL, in, 3, want, &nw), KILN_OK);
     kiln_compiled_t *c;
-    assert_int_equal(kiln_compiled_new(bf16_chain, NULL, "bf16_chain", &c), KILN_OK);
-    if (kiln_compiled_call(c, in, 2, got, 3, &ng) != KILN_OK) fail_msg("%s", kiln_last_error());
-    assert_int_equal(ng, 3);
+    assert_int_equal(kiln_compiled_new(half_chain, NULL, "half_chain", &c), KILN_OK);
+    if (kiln_compiled_call(c, in, 3, got, 4, &ng) != KILN_OK) fail_msg("%s", kiln_last_error());
+    assert_int_equal(ng, 4);
     assert_int_equal(kiln_compiled_plan(c, 0, &kernels, &ops, NULL, NULL), KILN_OK);
-    printf("# bf16 chain compiled: %d generated kernel(s), %d op(s) through dispatch\n", kernels, ops);
+    printf("# %s chain compiled: %d generated kernel(s), %d op(s) through dispatch\n", kiln_dtype_name(h16), kernels,
+           ops);
     assert_true(kernels > 0);
     assert_int_equal(ops, 0);
-    kiln_dtype types[3] = {KILN_DTYPE_F32, KILN_DTYPE_BF16, KILN_DTYPE_BF16};
-    for (int j = 0; j < 3; j++) {
+    kiln_dtype types[4] = {KILN_DTYPE_F32, h16, h16, h16};
+    for (int j = 0; j < 4; j++) {
         assert_int_equal(kiln_tensor_dtype(got[j]), types[j]);
         assert_int_equal(kiln_tensor_dtype(want[j]), types[j]);
-        size_t bytes = (size_t)n * (j ? 2 : 4);
+        size_t bytes = (size_t)(j == 3 ? ne : n) * (j ? 2 : 4);
         char *a = malloc(bytes), *b = malloc(bytes);
         assert_int_equal(kiln_tensor_to_host(got[j], a, bytes), KILN_OK);
         assert_int_equal(kiln_tensor_to_host(want[j], b, bytes), KILN_OK);
-        if (memcmp(a, b, bytes)) fail_msg("compiled bf16 chain: result %d differs from eager's", j);
+        if (memcmp(a, b, bytes)) {
+            for (size_t i = 0; j == 3 && i < (size_t)ne; i++)
+                print_message("edge %g: compiled 0x%04x, eager 0x%04x\n", edge[i], ((uint16_t *)a)[i],
+                              ((uint16_t *)b)[i]);
+            fail_msg("compiled %s chain: result %d differs from eager's", kiln_dtype_name(h16), j);
+        }
         free(a);
         free(b);
     }
     kiln_compiled_free(c);
     kiln_scope_end();
 }
+
+static void test_compiled_bf16_chain_is_fused_and_bitwise_eager(void **state) { compiled_half_chain(KILN_DTYPE_BF16); }
+static void test_compiled_f16_chain_is_fused_and_bitwise_eager(void **state) { compiled_half_chain(KILN_DTYPE_F16); }
 
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, amp_teardown)
 
@@ -562,6 +584,7 @@ int main(void)
         T(test_loss_scaler_backs_off_and_grows),
         T(test_f16_step_skipped_on_overflow),
         T(test_compiled_bf16_chain_is_fused_and_bitwise_eager),
+        T(test_compiled_f16_chain_is_fused_and_bitwise_eager),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

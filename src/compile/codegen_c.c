@@ -26,11 +26,14 @@ static const char *ctype(kiln_dtype dt)
 {
     static const char *const name[KILN_DTYPE_COUNT] = {
         [KILN_DTYPE_F32] = "float", [KILN_DTYPE_F64] = "double", [KILN_DTYPE_I64] = "int64_t",
-        [KILN_DTYPE_I32] = "int32_t", [KILN_DTYPE_BF16] = "uint16_t"};
+        [KILN_DTYPE_I32] = "int32_t", [KILN_DTYPE_BF16] = "uint16_t", [KILN_DTYPE_F16] = "uint16_t"};
     return name[dt] ? name[dt] : "uint8_t";
 }
 
-static const char *vtype(kiln_dtype dt) { return dt == KILN_DTYPE_BF16 ? "float" : ctype(dt); }
+static bool half(kiln_dtype dt) { return dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16; }
+static const char *vtype(kiln_dtype dt) { return half(dt) ? "float" : ctype(dt); }
+/* kmath.h's helper for a half type: km_<what>_bf16 or km_<what>_f16. */
+static const char *half_sfx(kiln_dtype dt) { return dt == KILN_DTYPE_BF16 ? "bf16" : "f16"; }
 
 /* Every generated file starts with its dialect's header (below), then the text of
  * src/core/kmath.h, embedded at build time: the same helpers the cpu backend's kernels
@@ -114,10 +117,11 @@ static void expr_val(sbuf *b, const gen *G, int i)
     switch (e->kind) {
     case E_LOAD:
     case E_INDEX:
-        if (e->kind == E_LOAD) put(b, "%sin%d[o%d", k->buf[e->buf].dt == KILN_DTYPE_BF16 ? "km_from_bf16(" : "", e->buf, i);
+        if (e->kind == E_LOAD && half(k->buf[e->buf].dt)) put(b, "km_from_%s(in%d[o%d", half_sfx(k->buf[e->buf].dt), e->buf, i);
+        else if (e->kind == E_LOAD) put(b, "in%d[o%d", e->buf, i);
         else put(b, "(%s)(%.17g + %.17g * (double)(o%d", T, e->attrs.op.source.start, e->attrs.op.source.step, i);
         if (k->ndim) inner_step(b, G, kc_sz_load(k, i, k->ndim - 1));
-        put(b, "%s", e->kind != E_LOAD ? "))" : k->buf[e->buf].dt == KILN_DTYPE_BF16 ? "])" : "]");
+        put(b, "%s", e->kind != E_LOAD ? "))" : half(k->buf[e->buf].dt) ? "])" : "]");
         return;
     case E_CONST: /* %g writes inf and nan as words; INFINITY is there in every dialect */
         if (isinf(e->attrs.op.source.value)) put(b, "(%s)(%sINFINITY)", T, e->attrs.op.source.value < 0 ? "-" : "");
@@ -161,13 +165,13 @@ static void expr_val(sbuf *b, const gen *G, int i)
     }
 }
 
-/* One expression as C: a bf16 result is rounded as the eager op's is (a bf16 load is
+/* One expression as C: a bf16 or f16 result is rounded as the eager op's is (a load is
  * exact already). */
 static void expr_c(sbuf *b, const gen *G, int i)
 {
     const kc_expr *e = &G->k->e[i];
-    bool round = e->dt == KILN_DTYPE_BF16 && e->kind != E_LOAD;
-    if (round) put(b, "km_round_bf16(");
+    bool round = half(e->dt) && e->kind != E_LOAD;
+    if (round) put(b, "km_round_%s(", half_sfx(e->dt));
     expr_val(b, G, i);
     if (round) put(b, ")");
 }
@@ -313,17 +317,19 @@ static void kernel_body(sbuf *b, const gen *G)
             if (nd && k->st[i].st[nd - 1]) {
                 put(b, "            in%d[s%d", k->st[i].buf, i);
                 inner_step(b, G, kc_sz_store(k, i, nd - 1));
-                put(b, k->buf[k->st[i].buf].dt == KILN_DTYPE_BF16 ? "] = km_to_bf16(e%d);\n" : "] = e%d;\n",
-                    k->st[i].expr);
+                if (half(k->buf[k->st[i].buf].dt)) put(b, "] = km_to_%s(e%d);\n", half_sfx(k->buf[k->st[i].buf].dt), k->st[i].expr);
+                else put(b, "] = e%d;\n", k->st[i].expr);
             }
         put(b, "        }\n");
     }
     for (int i = 0; i < k->n_st; i++)
         if (!nd || !k->st[i].st[nd - 1]) {
             /* A row value: written once per row (by the row's first piece). */
-            put(b, k->buf[k->st[i].buf].dt == KILN_DTYPE_BF16 ? "        if (j0 == 0) in%d[s%d] = km_to_bf16(e%d);\n"
-                                                               : "        if (j0 == 0) in%d[s%d] = e%d;\n",
-                k->st[i].buf, i, k->st[i].expr);
+            if (half(k->buf[k->st[i].buf].dt))
+                put(b, "        if (j0 == 0) in%d[s%d] = km_to_%s(e%d);\n", k->st[i].buf, i,
+                    half_sfx(k->buf[k->st[i].buf].dt), k->st[i].expr);
+            else
+                put(b, "        if (j0 == 0) in%d[s%d] = e%d;\n", k->st[i].buf, i, k->st[i].expr);
         }
     /* The next task: the next piece of the row, or the first of the next row. */
     if (nd >= 2) {

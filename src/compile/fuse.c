@@ -22,12 +22,13 @@ typedef enum { L_NONE, L_PW, L_REDUCE, L_GEN, L_ALIAS } lower_kind;
 static bool loadable(kiln_dtype dt)
 {
     return dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_F64 || dt == KILN_DTYPE_I64 || dt == KILN_DTYPE_I32 ||
-           dt == KILN_DTYPE_BOOL || dt == KILN_DTYPE_U8 || dt == KILN_DTYPE_BF16;
+           dt == KILN_DTYPE_BOOL || dt == KILN_DTYPE_U8 || dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16;
 }
 
-/* f32, or bf16: computed in f32 (a bf16 value is the float it equals) and rounded where
- * the eager op rounds (codegen's km_round_bf16), as the cpu's eager kernels compute it. */
-static bool f32_like(kiln_dtype dt) { return dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_BF16; }
+/* f32, bf16 or f16: computed in f32 (a bf16 or f16 value is the float it equals) and
+ * rounded where the eager op rounds (kmath.h's km_round_bf16 / km_round_f16), as the
+ * cpu's eager kernels compute them. */
+static bool f32_like(kiln_dtype dt) { return dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16; }
 
 /* How op lowers, given its inputs' dtypes in[0..n_in) and its output's o: arithmetic and
  * the ops of include/kiln/pointwise.def in f32, bf16 (mixed with f32 as promotion gives)
@@ -57,7 +58,9 @@ static lower_kind lower_op(kiln__op_id op, const kiln_dtype *in, int n_in, kiln_
     case KILN_OP_CAST: case KILN_OP_CONTIGUOUS:
         /* to bf16 through float: only from what float holds exactly (f64 or a wide
          * integer would be rounded twice; the cpu's copy rounds them once) */
-        if (o == KILN_DTYPE_BF16 && !f32_like(in[0]) && in[0] != KILN_DTYPE_BOOL && in[0] != KILN_DTYPE_U8) return L_NONE;
+        if ((o == KILN_DTYPE_BF16 || o == KILN_DTYPE_F16) && !f32_like(in[0]) && in[0] != KILN_DTYPE_BOOL &&
+            in[0] != KILN_DTYPE_U8)
+            return L_NONE;
         return loadable(in[0]) && loadable(o) ? L_PW : L_NONE;
     case KILN_OP_SUM: case KILN_OP_MAX:
         return same_float ? L_REDUCE : L_NONE;

@@ -27,6 +27,33 @@ KM_FN float km_round_bf16(float x)
 KM_FN float km_from_bf16(int32_t h) { return km_bits((h & 0xffff) << 16); }
 KM_FN int32_t km_to_bf16(float rounded) { return (km_fbits(rounded) >> 16) & 0xffff; }
 
+/* f16 likewise, as kiln__f32_to_f16 and kiln__f16_to_f32 (src/core/dtype.h) do it:
+ * nearest even, subnormals (multiples of 2^-24 below 2^-14), above 65504 infinity. */
+KM_FN float km_round_f16(float x)
+{
+    int32_t b = km_fbits(x), a = b & 0x7fffffff, sign = b & (int32_t)0x80000000;
+    if (a > 0x7f800000) return x;
+    if (a < 0x38800000) /* the subnormal grid: 0.75 + x has ulp 2^-24 there */
+        return km_bits(km_fbits((x + 0.75f) - 0.75f) | sign);
+    int32_t r = (b + 0xfff + ((b >> 13) & 1)) & ~0x1fff;
+    return km_bits((r & 0x7fffffff) > 0x477fe000 ? (sign | 0x7f800000) : r);
+}
+KM_FN float km_from_f16(int32_t h)
+{
+    int32_t sign = (h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    float sub = (float)m * 5.9604644775390625e-8f; /* m 2^-24 */
+    int32_t bits = e == 31 ? (sign | 0x7f800000 | (m << 13)) : (sign | ((e + 112) << 23) | (m << 13));
+    return e == 0 ? km_bits(km_fbits(sub) | sign) : km_bits(bits);
+}
+KM_FN int32_t km_to_f16(float rounded)
+{
+    int32_t b = km_fbits(rounded), sign = (b >> 16) & 0x8000, a = b & 0x7fffffff;
+    if (a > 0x7f800000) return sign | 0x7e00;
+    if (a >= 0x47800000) return sign | 0x7c00;
+    if (a < 0x38800000) return sign | (int32_t)(km_bits(a) * 16777216.0f);
+    return sign | (((a >> 23) - 112) << 10) | ((a >> 13) & 0x3ff);
+}
+
 /* KM_PW(name, F, D): km_<name>(float x) returning F, and km_<name>d(double x)
  * returning D where the dialect has doubles. */
 #ifdef KM_NO_F64
