@@ -4,7 +4,7 @@
  *
  * Written by hand because no OpenCL library on Debian does batched strided GEMM with
  * kiln's layouts (clBLAS is unmaintained): a tiled matmul over up to 4 broadcast batch
- * dims, and the in-place updates (add_, scale_, adamw_) the lowering leaves out.
+ * dims (f32, and bf16 stored as 16-bit values), and the in-place updates (add_, scale_, adamw_) the lowering leaves out.
  *
  * Every buffer argument is a (__global char *, ulong byte offset) pair: the host passes
  * an OpenCL buffer and the offset inside it of the tensor's first element. BUF(x) is
@@ -27,53 +27,72 @@ inline long2 batch_offsets(long bt, long d1, long d2, long d3, long a0, long a1,
     return (long2)(i0 * a0 + i1 * a1 + i2 * a2 + i3 * a3, i0 * b0 + i1 * b1 + i2 * b2 + i3 * b3);
 }
 
-/* The two matmul kernels' parameters, and their operands A, B and C of batch bt. */
+/* The matmul kernels' parameters, and their operands A, B and C (of element type T) of
+ * batch bt. */
 #define MATMUL_PARAMS                                                                                   \
     BUF(a), BUF(b), BUF(c), long M, long N, long K, long sam, long sak, long sbk, long sbn, long d1, long d2, \
         long d3, long a0, long a1, long a2, long a3, long b0, long b1, long b2, long b3
-#define MATMUL_OPERANDS(bt)                                                                             \
+#define MATMUL_OPERANDS_T(bt, T)                                                                        \
     const long2 at = batch_offsets(bt, d1, d2, d3, a0, a1, a2, a3, b0, b1, b2, b3);                      \
-    __global const float *A = AT(const float, a) + at.x, *B = AT(const float, b) + at.y;               \
-    __global float *C = AT(float, c) + bt * M * N
+    __global const T *A = AT(const T, a) + at.x, *B = AT(const T, b) + at.y;                           \
+    __global T *C = AT(T, c) + bt * M * N
+#define MATMUL_OPERANDS(bt) MATMUL_OPERANDS_T(bt, float)
+
+/* bf16 as stored 16-bit values: widened exactly on load, rounded to nearest even (a NaN
+ * kept quiet) on store, as kiln__f32_to_bf16 (src/core/dtype.h) rounds. */
+inline float bf16_ld(ushort h) { return as_float((uint)h << 16); }
+inline ushort bf16_st(float f)
+{
+    uint x = as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u) return (ushort)((x >> 16) | 0x40u);
+    return (ushort)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+#define F32_LD(x) (x)
+#define F32_ST(v) (v)
 
 /* 64x64 output tiles per 16x16 work-group, each work-item a 4x4 block of them held
- * in registers; A and B tiles of depth 16 staged in local memory. */
+ * in registers; A and B tiles of depth 16 staged in local memory, as floats. Written
+ * once for element type T, loaded by LD and stored by ST: f32, and bf16 (the products
+ * of bf16 values summed in f32, each result rounded once). */
 #define TM 64
 #define TK 16
 #define WPT 4
-__kernel __attribute__((reqd_work_group_size(16, 16, 1))) void kiln_matmul(MATMUL_PARAMS)
-{
-    const int lr = get_local_id(1), lc = get_local_id(0);
-    const long row0 = get_group_id(1) * TM, col0 = get_group_id(0) * TM, bt = get_global_id(2);
-    MATMUL_OPERANDS(bt);
-    __local float As[TK][TM], Bs[TK][TM];
-    float acc[WPT][WPT];
-    for (int i = 0; i < WPT; i++)
-        for (int j = 0; j < WPT; j++) acc[i][j] = 0.0f;
-    const int tid = lr * 16 + lc;
-    for (long t = 0; t < K; t += TK) {
-        for (int q = tid; q < TK * TM; q += 256) {
-            const int kk = q / TM, mm = q % TM;
-            const long gm = row0 + mm, gk = t + kk, gn = col0 + mm;
-            As[kk][mm] = gm < M && gk < K ? A[gm * sam + gk * sak] : 0.0f;
-            Bs[kk][mm] = gk < K && gn < N ? B[gk * sbk + gn * sbn] : 0.0f;
-        }
-        barrier(CLK_LOCAL_MEM_FENCE);
-        for (int k = 0; k < TK; k++) {
-            float a[WPT], b[WPT];
-            for (int i = 0; i < WPT; i++) a[i] = As[k][lr + 16 * i];
-            for (int j = 0; j < WPT; j++) b[j] = Bs[k][lc + 16 * j];
-            for (int i = 0; i < WPT; i++)
-                for (int j = 0; j < WPT; j++) acc[i][j] = fma(a[i], b[j], acc[i][j]);
-        }
-        barrier(CLK_LOCAL_MEM_FENCE);
+#define MATMUL_TILED(NAME, T, LD, ST)                                                                   \
+    __kernel __attribute__((reqd_work_group_size(16, 16, 1))) void NAME(MATMUL_PARAMS)                  \
+    {                                                                                                   \
+        const int lr = get_local_id(1), lc = get_local_id(0);                                           \
+        const long row0 = get_group_id(1) * TM, col0 = get_group_id(0) * TM, bt = get_global_id(2);     \
+        MATMUL_OPERANDS_T(bt, T);                                                                       \
+        __local float As[TK][TM], Bs[TK][TM];                                                           \
+        float acc[WPT][WPT];                                                                            \
+        for (int i = 0; i < WPT; i++)                                                                   \
+            for (int j = 0; j < WPT; j++) acc[i][j] = 0.0f;                                             \
+        const int tid = lr * 16 + lc;                                                                   \
+        for (long t = 0; t < K; t += TK) {                                                              \
+            for (int q = tid; q < TK * TM; q += 256) {                                                  \
+                const int kk = q / TM, mm = q % TM;                                                     \
+                const long gm = row0 + mm, gk = t + kk, gn = col0 + mm;                                 \
+                As[kk][mm] = gm < M && gk < K ? LD(A[gm * sam + gk * sak]) : 0.0f;                      \
+                Bs[kk][mm] = gk < K && gn < N ? LD(B[gk * sbk + gn * sbn]) : 0.0f;                      \
+            }                                                                                           \
+            barrier(CLK_LOCAL_MEM_FENCE);                                                               \
+            for (int k = 0; k < TK; k++) {                                                              \
+                float a[WPT], b[WPT];                                                                   \
+                for (int i = 0; i < WPT; i++) a[i] = As[k][lr + 16 * i];                                \
+                for (int j = 0; j < WPT; j++) b[j] = Bs[k][lc + 16 * j];                                \
+                for (int i = 0; i < WPT; i++)                                                           \
+                    for (int j = 0; j < WPT; j++) acc[i][j] = fma(a[i], b[j], acc[i][j]);               \
+            }                                                                                           \
+            barrier(CLK_LOCAL_MEM_FENCE);                                                               \
+        }                                                                                               \
+        for (int i = 0; i < WPT; i++)                                                                   \
+            for (int j = 0; j < WPT; j++) {                                                             \
+                const long gm = row0 + lr + 16 * i, gn = col0 + lc + 16 * j;                            \
+                if (gm < M && gn < N) C[gm * N + gn] = ST(acc[i][j]);                                   \
+            }                                                                                           \
     }
-    for (int i = 0; i < WPT; i++)
-        for (int j = 0; j < WPT; j++) {
-            const long gm = row0 + lr + 16 * i, gn = col0 + lc + 16 * j;
-            if (gm < M && gn < N) C[gm * N + gn] = acc[i][j];
-        }
-}
+MATMUL_TILED(kiln_matmul, float, F32_LD, F32_ST)
+MATMUL_TILED(kiln_matmul_bf16, ushort, bf16_ld, bf16_st)
 
 /* KILN_OPT_CL_MATMUL_TILES=0: the first kernel, 16x16 tiles, one output each. */
 __kernel __attribute__((reqd_work_group_size(16, 16, 1))) void kiln_matmul_simple(MATMUL_PARAMS)
