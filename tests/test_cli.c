@@ -111,6 +111,20 @@ static void train_writes_checkpoint_metrics_and_chart(void **state)
 
 /* Oracle: the uninterrupted run of the previous test. Stopping at step 3 and resuming
  * must give the same losses, character for character. */
+/* The runs in dir/run_a (uninterrupted) and dir/run_b (resumed) logged n steps each,
+ * with the same losses, character for character. */
+static void same_run_losses(const char *run_a, const char *run_b, int n)
+{
+    char a[8][64], b[8][64], pa[512], pb[512];
+    assert_true(n <= 8);
+    snprintf(pa, sizeof pa, "%s/%s/metrics.jsonl", dir, run_a);
+    snprintf(pb, sizeof pb, "%s/%s/metrics.jsonl", dir, run_b);
+    assert_int_equal(losses(pa, a, 8), n);
+    assert_int_equal(losses(pb, b, 8), n);
+    for (int i = 0; i < n; i++)
+        if (strcmp(a[i], b[i])) fail_msg("%s step %d: uninterrupted loss %s, resumed %s", run_b, i + 1, a[i], b[i]);
+}
+
 static void resume_repeats_the_uninterrupted_losses(void **state)
 {
     char out[8192];
@@ -129,14 +143,7 @@ static void resume_repeats_the_uninterrupted_losses(void **state)
              tool(), corpus, dir);
     if (rc != 0) fail_msg("resume failed: %s", out);
     assert_non_null(strstr(out, "resumed"));
-    char a[8][64], b[8][64], pa[512], pb[512];
-    snprintf(pa, sizeof pa, "%s/a/metrics.jsonl", dir);
-    snprintf(pb, sizeof pb, "%s/b/metrics.jsonl", dir);
-    int na = losses(pa, a, 8), nb = losses(pb, b, 8);
-    assert_int_equal(na, 6);
-    assert_int_equal(nb, 6);
-    for (int i = 0; i < 6; i++)
-        if (strcmp(a[i], b[i])) fail_msg("step %d: uninterrupted loss %s, resumed %s", i + 1, a[i], b[i]);
+    same_run_losses("a", "b", 6);
 }
 
 /* f16 with a loss scale that overflows: steps 1-5 are skipped, halving it each time. A
@@ -156,14 +163,7 @@ static void resume_keeps_the_f16_loss_scale(void **state)
     rc = run(out, sizeof out, "%s train --data %s --out %s/s2 --steps 8 --resume %s " TINY, tool(), corpus, dir, f16);
     if (rc != 0) fail_msg("resume failed: %s", out);
     assert_non_null(strstr(out, "step 5 skipped"));
-    char a[8][64], b[8][64], pa[512], pb[512];
-    snprintf(pa, sizeof pa, "%s/s1/metrics.jsonl", dir);
-    snprintf(pb, sizeof pb, "%s/s2/metrics.jsonl", dir);
-    int na = losses(pa, a, 8), nb = losses(pb, b, 8);
-    assert_int_equal(na, 8);
-    assert_int_equal(nb, 8);
-    for (int i = 0; i < 8; i++)
-        if (strcmp(a[i], b[i])) fail_msg("f16 step %d: uninterrupted loss %s, resumed %s", i + 1, a[i], b[i]);
+    same_run_losses("s1", "s2", 8);
 }
 
 static void resume_refuses_a_changed_optimizer_or_seed(void **state)

@@ -109,16 +109,17 @@ static kiln_status softmax_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out
     return s;
 }
 
-kiln_status kiln__cpu_softmax(KILN__KERNEL_ARGS)
-{
-    CPU_WIDEN(kiln__cpu_softmax);
-    return softmax_k(in, out, a, false);
-}
-kiln_status kiln__cpu_log_softmax(KILN__KERNEL_ARGS)
-{
-    CPU_WIDEN(kiln__cpu_log_softmax);
-    return softmax_k(in, out, a, true);
-}
+/* The exported kernels: each computes in f32 or f64 (BY_REAL), and takes f16 and bf16
+ * on widened copies (CPU_WIDEN). */
+#define WIDENED(name, call)                    \
+    kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS) \
+    {                                          \
+        CPU_WIDEN(kiln__cpu_##name);           \
+        return call;                           \
+    }
+
+WIDENED(softmax, softmax_k(in, out, a, false))
+WIDENED(log_softmax, softmax_k(in, out, a, true))
 
 /* Layer norm (rms false) and RMS norm, forward (nin inputs) or backward; x is input 0
  * forward, 1 backward. */
@@ -134,26 +135,10 @@ static kiln_status norm_k(kiln_tensor_t *const *in, int nin, kiln_tensor_t *cons
     return s;
 }
 
-kiln_status kiln__cpu_layer_norm(KILN__KERNEL_ARGS)
-{
-    CPU_WIDEN(kiln__cpu_layer_norm);
-    return norm_k(in, 3, out, a, false, false);
-}
-kiln_status kiln__cpu_rms_norm(KILN__KERNEL_ARGS)
-{
-    CPU_WIDEN(kiln__cpu_rms_norm);
-    return norm_k(in, 2, out, a, true, false);
-}
-kiln_status kiln__cpu_layer_norm_backward(KILN__KERNEL_ARGS)
-{
-    CPU_WIDEN(kiln__cpu_layer_norm_backward);
-    return norm_k(in, 5, out, a, false, true);
-}
-kiln_status kiln__cpu_rms_norm_backward(KILN__KERNEL_ARGS)
-{
-    CPU_WIDEN(kiln__cpu_rms_norm_backward);
-    return norm_k(in, 4, out, a, true, true);
-}
+WIDENED(layer_norm, norm_k(in, 3, out, a, false, false))
+WIDENED(rms_norm, norm_k(in, 2, out, a, true, false))
+WIDENED(layer_norm_backward, norm_k(in, 5, out, a, false, true))
+WIDENED(rms_norm_backward, norm_k(in, 4, out, a, true, true))
 
 /* Forward in: logits, targets; backward in: g (scalar), logits, targets, lse. */
 static kiln_status ce_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out, const kiln__attrs *a, bool bwd)
@@ -176,16 +161,8 @@ static kiln_status ce_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out, con
     return s;
 }
 
-kiln_status kiln__cpu_cross_entropy(KILN__KERNEL_ARGS)
-{
-    CPU_WIDEN(kiln__cpu_cross_entropy);
-    return ce_k(in, out, a, false);
-}
-kiln_status kiln__cpu_cross_entropy_backward(KILN__KERNEL_ARGS)
-{
-    CPU_WIDEN(kiln__cpu_cross_entropy_backward);
-    return ce_k(in, out, a, true);
-}
+WIDENED(cross_entropy, ce_k(in, out, a, false))
+WIDENED(cross_entropy_backward, ce_k(in, out, a, true))
 
 /* Fills cs (T, D/2, 2) with the cos and sin of position pos(t): frequencies in f32 as
  * LLaMA's reference computes them, angles in double. */
@@ -224,11 +201,7 @@ static kiln_status rope_k(const char *op, kiln_tensor_t *const *in, int n_in, ki
     return s;
 }
 
-kiln_status kiln__cpu_rope(KILN__KERNEL_ARGS)
-{
-    CPU_WIDEN(kiln__cpu_rope);
-    return rope_k("rope", in, 1, out[0], a);
-}
+WIDENED(rope, rope_k("rope", in, 1, out[0], a))
 kiln_status kiln__cpu_rope_at(KILN__KERNEL_ARGS) { return rope_k("rope_at", in, 2, out[0], a); }
 
 /* Attention reads (B, H, T, D) inputs through their strides when each row of D is
@@ -253,13 +226,5 @@ static kiln_status att_k(kiln_tensor_t *const *in, kiln_tensor_t *const *out, co
     return s;
 }
 
-kiln_status kiln__cpu_attention(KILN__KERNEL_ARGS)
-{
-    CPU_WIDEN(kiln__cpu_attention);
-    return att_k(in, out, a, false);
-}
-kiln_status kiln__cpu_attention_backward(KILN__KERNEL_ARGS)
-{
-    CPU_WIDEN(kiln__cpu_attention_backward);
-    return att_k(in, out, a, true);
-}
+WIDENED(attention, att_k(in, out, a, false))
+WIDENED(attention_backward, att_k(in, out, a, true))
