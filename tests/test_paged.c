@@ -382,6 +382,51 @@ static void paged_forward_is_batch_invariant(void **state)
     batch_invariant_case(KILN_DTYPE_BF16);
 }
 
+/* A model whose linear weights are stored in bf16 (kiln_gpt_store_linear, what kiln
+ * serve --weights bf16 does) decodes bitwise as the f32 model through a pool of bf16
+ * weights (the same rounding, once), and its full forward runs (in bf16, autocast)
+ * within bf16's tolerance of the f32 model's. Oracle: the f32 model. */
+static void stored_bf16_weights_decode_as_packed_bf16(void **state)
+{
+    kiln_gpt_config c = tiny(true);
+    kiln_gpt_t *m, *h;
+    assert_int_equal(kiln_gpt_new(&c, 5, &m), KILN_OK);
+    assert_int_equal(kiln_gpt_new(&c, 5, &h), KILN_OK);
+    int64_t before = 0, after = 0;
+    for (int i = 0; i < kiln_gpt_num_params(h); i++) before += kiln_tensor_nbytes(kiln_gpt_param(h, i, NULL));
+    assert_int_equal(kiln_gpt_store_linear(h, KILN_DTYPE_BF16), KILN_OK);
+    for (int i = 0; i < kiln_gpt_num_params(h); i++) after += kiln_tensor_nbytes(kiln_gpt_param(h, i, NULL));
+    assert_true(after < before);
+    assert_int_equal(kiln_gpt_precision(h), KILN_DTYPE_BF16);
+    assert_int_equal(kiln_tensor_dtype(kiln_gpt_find_param(h, "blocks.0.attn.qkv.weight")), KILN_DTYPE_BF16);
+    kiln_kv_pool_t *pm, *ph;
+    assert_int_equal(kiln_kv_pool_new_typed(m, 8, 4, KILN_DTYPE_F32, KILN_DTYPE_BF16, &pm), KILN_OK);
+    assert_int_equal(kiln_kv_pool_new_typed(h, 8, 4, KILN_DTYPE_F32, KILN_DTYPE_BF16, &ph), KILN_OK);
+    enum { T = 6 };
+    int32_t tk[T], sq[T], ps[T], lr[1] = {T - 1}, table[8] = {3, 1, 0, 2, 4, 5, 6, 7};
+    for (int i = 0; i < T; i++) {
+        tk[i] = (i * 5 + 1) % c.vocab_size;
+        sq[i] = 0;
+        ps[i] = i;
+    }
+    kiln_paged_batch b = {T, tk, sq, ps, 1, 8, table, 1, lr};
+    float *a = to_host(kiln_gpt_forward_paged(m, pm, &b)), *g = to_host(kiln_gpt_forward_paged(h, ph, &b));
+    assert_memory_equal(a, g, sizeof(float) * (size_t)c.vocab_size);
+    int64_t ts[2] = {1, T};
+    kiln_tensor_t *idx = kiln_from_data(tk, ts, 2, KILN_DTYPE_I32);
+    float *want = to_host(kiln_cast(kiln_gpt_forward(m, idx, NULL, false, NULL), KILN_DTYPE_F32));
+    float *got = to_host(kiln_cast(kiln_gpt_forward(h, idx, NULL, false, NULL), KILN_DTYPE_F32));
+    assert_close(got, want, (int64_t)T * c.vocab_size, 8 * 0x1p-8, "forward with bf16 linear weights vs f32");
+    free(a);
+    free(g);
+    free(want);
+    free(got);
+    kiln_kv_pool_free(pm);
+    kiln_kv_pool_free(ph);
+    kiln_gpt_free(m);
+    kiln_gpt_free(h);
+}
+
 static void paged_forward_rejects_bad_batches(void **state)
 {
     kiln_gpt_config c = tiny(false);
@@ -448,6 +493,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_gpt2, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_llama, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_is_batch_invariant, setup, teardown),
+        cmocka_unit_test_setup_teardown(stored_bf16_weights_decode_as_packed_bf16, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_rejects_bad_batches, setup, teardown),
         cmocka_unit_test_setup_teardown(copy_block_copies_keys_and_values, setup, teardown),
     };

@@ -71,6 +71,12 @@ kiln_status kiln_gpt_load_weights(kiln_gpt_t *m, const char *path);
  * type while the parameters, norms, loss and gradients stay f32. */
 kiln_status kiln_gpt_set_precision(kiln_gpt_t *m, kiln_dtype dt);
 kiln_dtype kiln_gpt_precision(const kiln_gpt_t *m);
+/* Stores the linear layers' weights (and an untied head) as dt, each rounded once:
+ * bf16 or f16 hold them in half the memory (for serving; an f32 checkpoint stays the
+ * master copy), and the model's precision becomes dt so that its forward casts its
+ * activations to match. The embeddings, norms and biases stay f32. Not for training:
+ * an optimizer made before holds the old tensors. */
+kiln_status kiln_gpt_store_linear(kiln_gpt_t *m, kiln_dtype dt);
 
 /* Logits (B,T,V) for idx (B,T) i32/i64 with T <= block_size. With targets (B,T) the
  * mean cross-entropy (ignore_index -1) is returned in *loss. train turns dropout on.

@@ -464,6 +464,40 @@ kiln_status kiln_gpt_set_precision(kiln_gpt_t *m, kiln_dtype dt)
 
 kiln_dtype kiln_gpt_precision(const kiln_gpt_t *m) { return m ? m->precision : KILN_DTYPE_F32; }
 
+/* t replaced by a copy in dt, in the layer or model field and in the parameter list. */
+static kiln_status restore_param(kiln_gpt_t *m, kiln_tensor_t **field, kiln_dtype dt)
+{
+    if (!*field || kiln_tensor_dtype(*field) == dt) return KILN_OK;
+    kiln_tensor_t *t = kiln_keep(kiln_cast(*field, dt));
+    if (!t) return kiln_last_status();
+    for (int i = 0; i < m->n; i++)
+        if (m->params[i] == *field) m->params[i] = t;
+    kiln_tensor_free(*field);
+    *field = t;
+    return KILN_OK;
+}
+
+kiln_status kiln_gpt_store_linear(kiln_gpt_t *m, kiln_dtype dt)
+{
+    if (!m) return kiln_error(KILN_ERR_ARG, "gpt_store_linear: model is NULL");
+    if (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_BF16 && dt != KILN_DTYPE_F16)
+        return kiln_error(KILN_ERR_DTYPE, "gpt_store_linear: %s: the linear weights are stored as f32, bf16 or f16",
+                          kiln_dtype_name(dt));
+    kiln_status s = KILN_OK;
+    bool grad = kiln_set_grad_enabled(false);
+    kiln_scope_begin();
+    for (int i = 0; s == KILN_OK && i < m->cfg.n_layer; i++) {
+        layer *L = &m->layers[i];
+        kiln_tensor_t **w[5] = {&L->qkv_w, &L->proj_w, &L->fc_w, &L->up_w, &L->out_w};
+        for (int j = 0; s == KILN_OK && j < 5; j++) s = restore_param(m, w[j], dt);
+    }
+    if (s == KILN_OK && !m->cfg.tied) s = restore_param(m, &m->lm_head, dt);
+    kiln_scope_end();
+    kiln_set_grad_enabled(grad);
+    if (s == KILN_OK) m->precision = dt;
+    return s;
+}
+
 static kiln_tensor_t *forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t *targets, bool train, kiln_tensor_t **loss)
 {
     kiln_tensor_t *logits = run(m, idx, 0, NULL, train);
