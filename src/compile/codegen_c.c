@@ -276,7 +276,7 @@ static void kernel_body(sbuf *b, const gen *G)
         for (int a = 0; a < k->n_acc; a++)
             if (k->acc[a].phase == q)
                 put(b, "        %s a%d, l%d[16];\n        for (int l = 0; l < 16; l++) l%d[l] = %s;\n",
-                    ctype(k->e[k->acc[a].expr].dt), a, a, a, k->acc[a].op == KILN_OP_MAX ? "-INFINITY" : "0.0f");
+                    vtype(k->e[k->acc[a].expr].dt), a, a, a, k->acc[a].op == KILN_OP_MAX ? "-INFINITY" : "0.0f");
         put(b, "        {\n        int64_t j = j0;\n");
         for (int tail = 0; tail < 2; tail++) {
             const char *ind = tail ? "            " : "                ";

@@ -31,9 +31,9 @@ static bool loadable(kiln_dtype dt)
 static bool f32_like(kiln_dtype dt) { return dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16; }
 
 /* How op lowers, given its inputs' dtypes in[0..n_in) and its output's o: arithmetic and
- * the ops of include/kiln/pointwise.def in f32, bf16 (mixed with f32 as promotion gives)
- * and f64 (kmath.h has both forms), reductions in f32 and f64; GELU in f32 and bf16
- * (its generated forms are float code). */
+ * the ops of include/kiln/pointwise.def in f32, bf16 and f16 (mixed with f32 as
+ * promotion gives) and f64 (kmath.h has both forms), reductions in f32 and f64; GELU in
+ * f32, bf16 and f16 (its generated forms are float code). */
 static lower_kind lower_op(kiln__op_id op, const kiln_dtype *in, int n_in, kiln_dtype o)
 {
     bool f32_in = true, f64_in = true, like_in = true;
@@ -62,7 +62,7 @@ static lower_kind lower_op(kiln__op_id op, const kiln_dtype *in, int n_in, kiln_
             in[0] != KILN_DTYPE_U8)
             return L_NONE;
         return loadable(in[0]) && loadable(o) ? L_PW : L_NONE;
-    case KILN_OP_SUM: case KILN_OP_MAX:
+    case KILN_OP_SUM: case KILN_OP_MAX: /* bf16/f16 ones stay eager (docs/perf-log.md: slower generated) */
         return same_float ? L_REDUCE : L_NONE;
     case KILN_OP_FULL: case KILN_OP_ARANGE:
         return loadable(o) ? L_GEN : L_NONE;

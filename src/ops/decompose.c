@@ -247,9 +247,55 @@ static const struct {
     [KILN_OP_GELU] = {dec_gelu_tanh, gelu_when},
 };
 
+/* The composites the cpu computes in f32 for f16 and bf16 inputs (cpu_widened) are
+ * decomposed the same way: the inputs cast to f32, the f32 decomposition, the visible
+ * output cast back (the statistics are f32 already), so that a device or a compiled
+ * graph rounds where eager does, once, not after every primitive. */
+static bool is_half(const kiln_tensor_t *t) { return t->dtype == KILN_DTYPE_BF16 || t->dtype == KILN_DTYPE_F16; }
+
+static kiln_status widened(kiln__decompose_fn fn, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
+                           kiln_tensor_t **out)
+{
+    kiln_tensor_t *w[8];
+    kiln_dtype half = KILN_DTYPE_F32;
+    for (int i = 0; i < n_in; i++) {
+        w[i] = is_half(in[i]) ? kiln_cast(in[i], KILN_DTYPE_F32) : in[i];
+        if (is_half(in[i]) && half == KILN_DTYPE_F32) half = in[i]->dtype;
+        if (!w[i]) return kiln_last_status();
+    }
+    kiln_status s = fn(w, n_in, a, out);
+    if (s != KILN_OK) return s;
+    kiln_tensor_t *y = kiln_cast(out[0], half);
+    kiln_tensor_free(out[0]);
+    out[0] = y ? kiln_tensor_retain(y) : NULL;
+    return y ? KILN_OK : kiln_last_status();
+}
+
+#define WIDENED_DEC(name)                                                                                \
+    static kiln_status dec_##name##_widened(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,   \
+                                            kiln_tensor_t **out)                                         \
+    {                                                                                                    \
+        return widened(dec_##name, in, n_in, a, out);                                                    \
+    }
+WIDENED_DEC(softmax)
+WIDENED_DEC(log_softmax)
+WIDENED_DEC(layer_norm)
+WIDENED_DEC(rms_norm)
+WIDENED_DEC(cross_entropy)
+WIDENED_DEC(attention)
+
+static const kiln__decompose_fn widened_fns[KILN_OP_COUNT] = {
+    [KILN_OP_SOFTMAX] = dec_softmax_widened,         [KILN_OP_LOG_SOFTMAX] = dec_log_softmax_widened,
+    [KILN_OP_LAYER_NORM] = dec_layer_norm_widened,   [KILN_OP_RMS_NORM] = dec_rms_norm_widened,
+    [KILN_OP_CROSS_ENTROPY] = dec_cross_entropy_widened, [KILN_OP_ATTENTION] = dec_attention_widened,
+};
+
 kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                        bool all)
 {
     bool taken = decompositions[op].fn && (!decompositions[op].when || decompositions[op].when(in, n_in, a, all));
-    return taken ? decompositions[op].fn : NULL;
+    if (!taken) return NULL;
+    bool half = false;
+    for (int i = 0; i < n_in && i < 8; i++) half |= is_half(in[i]);
+    return half && widened_fns[op] ? widened_fns[op] : decompositions[op].fn;
 }
