@@ -75,7 +75,9 @@ kiln_dtype kiln_gpt_precision(const kiln_gpt_t *m);
  * bf16 or f16 hold them in half the memory (for serving; an f32 checkpoint stays the
  * master copy), and the model's precision becomes dt so that its forward casts its
  * activations to match. The embeddings, norms and biases stay f32. Not for training:
- * an optimizer made before holds the old tensors. */
+ * an optimizer made before keeps the old f32 tensors (it holds references, so nothing
+ * dangles, but its updates no longer reach the model), and one made after refuses
+ * the bf16 parameters. */
 kiln_status kiln_gpt_store_linear(kiln_gpt_t *m, kiln_dtype dt);
 
 /* Logits (B,T,V) for idx (B,T) i32/i64 with T <= block_size. With targets (B,T) the

@@ -26,7 +26,8 @@ extern "C" {
 
 typedef struct kiln_optim kiln_optim_t;
 
-/* AdamW over n parameters (borrowed; they must outlive the optimizer). decay[i] says
+/* AdamW over n parameters (the optimizer holds a reference to each, so a parameter its
+ * model drops stays valid until kiln_optim_free). decay[i] says
  * whether parameter i gets weight decay (NULL: those with 2 or more dims). */
 kiln_status kiln_adamw_new(kiln_tensor_t *const *params, int n, const bool *decay, double beta1, double beta2,
                            double eps, double weight_decay, kiln_optim_t **out);

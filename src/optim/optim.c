@@ -62,7 +62,7 @@ static kiln_status opt_new(opt_kind kind, kiln_tensor_t *const *params, int n, c
     o->kind = kind;
     o->n = n;
     for (int i = 0; i < n; i++) {
-        o->params[i] = params[i];
+        o->params[i] = kiln_tensor_retain(params[i]); /* held: a parameter the model drops stays valid */
         o->decay[i] = decay ? decay[i] : kiln_tensor_ndim(params[i]) >= 2;
     }
     *out = o;
@@ -107,6 +107,7 @@ void kiln_optim_free(kiln_optim_t *o)
     kiln_tensor_free(o->one);
     kiln_tensor_free(o->unit);
     kiln_tensor_free(o->lr);
+    for (int i = 0; o->params && i < o->n; i++) kiln_tensor_free(o->params[i]);
     KILN__FREE(o->params, o->decay, o);
 }
 
