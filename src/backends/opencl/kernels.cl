@@ -47,13 +47,20 @@ inline ushort bf16_st(float f)
     if ((x & 0x7fffffffu) > 0x7f800000u) return (ushort)((x >> 16) | 0x40u);
     return (ushort)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
-#define F32_LD(x) (x)
-#define F32_ST(v) (v)
+/* LD(p, i): element i of p as a float; ST(p, i, v): v stored as element i. f16 goes
+ * through the core vload_half / vstore_half_rte (nearest even), which need no
+ * cl_khr_fp16. */
+#define F32_LD(p, i) ((p)[i])
+#define F32_ST(p, i, v) ((p)[i] = (v))
+#define BF16_LD(p, i) bf16_ld((p)[i])
+#define BF16_ST(p, i, v) ((p)[i] = bf16_st(v))
+#define F16_LD(p, i) vload_half((i), (p))
+#define F16_ST(p, i, v) vstore_half_rte((v), (i), (p))
 
 /* 64x64 output tiles per 16x16 work-group, each work-item a 4x4 block of them held
  * in registers; A and B tiles of depth 16 staged in local memory, as floats. Written
- * once for element type T, loaded by LD and stored by ST: f32, and bf16 (the products
- * of bf16 values summed in f32, each result rounded once). */
+ * once for element type T, loaded by LD and stored by ST: f32, and bf16 and f16 (the
+ * products of their values summed in f32, each result rounded once). */
 #define TM 64
 #define TK 16
 #define WPT 4
@@ -72,8 +79,8 @@ inline ushort bf16_st(float f)
             for (int q = tid; q < TK * TM; q += 256) {                                                  \
                 const int kk = q / TM, mm = q % TM;                                                     \
                 const long gm = row0 + mm, gk = t + kk, gn = col0 + mm;                                 \
-                As[kk][mm] = gm < M && gk < K ? LD(A[gm * sam + gk * sak]) : 0.0f;                      \
-                Bs[kk][mm] = gk < K && gn < N ? LD(B[gk * sbk + gn * sbn]) : 0.0f;                      \
+                As[kk][mm] = gm < M && gk < K ? LD(A, gm * sam + gk * sak) : 0.0f;                      \
+                Bs[kk][mm] = gk < K && gn < N ? LD(B, gk * sbk + gn * sbn) : 0.0f;                      \
             }                                                                                           \
             barrier(CLK_LOCAL_MEM_FENCE);                                                               \
             for (int k = 0; k < TK; k++) {                                                              \
@@ -88,11 +95,12 @@ inline ushort bf16_st(float f)
         for (int i = 0; i < WPT; i++)                                                                   \
             for (int j = 0; j < WPT; j++) {                                                             \
                 const long gm = row0 + lr + 16 * i, gn = col0 + lc + 16 * j;                            \
-                if (gm < M && gn < N) C[gm * N + gn] = ST(acc[i][j]);                                   \
+                if (gm < M && gn < N) ST(C, gm * N + gn, acc[i][j]);                                    \
             }                                                                                           \
     }
 MATMUL_TILED(kiln_matmul, float, F32_LD, F32_ST)
-MATMUL_TILED(kiln_matmul_bf16, ushort, bf16_ld, bf16_st)
+MATMUL_TILED(kiln_matmul_bf16, ushort, BF16_LD, BF16_ST)
+MATMUL_TILED(kiln_matmul_f16, half, F16_LD, F16_ST)
 
 /* KILN_OPT_CL_MATMUL_TILES=0: the first kernel, 16x16 tiles, one output each. */
 __kernel __attribute__((reqd_work_group_size(16, 16, 1))) void kiln_matmul_simple(MATMUL_PARAMS)

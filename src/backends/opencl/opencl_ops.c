@@ -16,7 +16,7 @@
 /* The kernels of kernels.cl that the ops launch: BK_<name>, entry point kiln_<name>;
  * built per device. */
 #define BUILTINS(X)                                                                                     \
-    X(matmul) X(matmul_bf16) X(matmul_simple) X(add_) X(add_f64_) X(scale_) X(adamw_) X(embedding) X(embedding_backward) \
+    X(matmul) X(matmul_bf16) X(matmul_f16) X(matmul_simple) X(add_) X(add_f64_) X(scale_) X(adamw_) X(embedding) X(embedding_backward) \
     X(ce_rows) X(ce_count) X(ce_backward) X(attention) X(attention_dq) X(attention_dkv) X(norm_dx) X(norm_dwb) \
     X(copy_nd)
 #define BK_ENUM(name) BK_##name,
@@ -59,8 +59,9 @@ static kiln_status ocl_matmul(KILN__KERNEL_ARGS)
 {
     const kiln_tensor_t *x = in[0], *y = in[1], *o = out[0];
     bool tiles = kiln__opt(KILN__OPT_CL_MATMUL_TILES);
-    /* bf16: the tiled kernel on 16-bit values (no cl_khr_fp16 needed); f16 on the cpu */
+    /* bf16 and f16: the tiled kernel on 16-bit values (no cl_khr_fp16 needed) */
     int which = x->dtype == KILN_DTYPE_BF16 ? (tiles ? BK_matmul_bf16 : -1)
+              : x->dtype == KILN_DTYPE_F16  ? (tiles ? BK_matmul_f16 : -1)
               : x->dtype == KILN_DTYPE_F32  ? (tiles ? BK_matmul : BK_matmul_simple)
                                             : -1;
     cl_kernel k = which >= 0 && o->ndim <= 6 ? builtin(be, which) : NULL;
