@@ -510,8 +510,10 @@ static kiln_status half_chain(void *ctx, kiln_tensor_t *const *in, int n_in, kil
     out[1] = kiln_mul(h, kiln_neg(x));
     out[2] = kiln_cast(kiln_sub(y, kiln_cast(x, KILN_DTYPE_F32)), h16);
     out[3] = kiln_cast(in[2], h16); /* the rounding's edge cases */
-    *n_out = 4;
-    return out[0] && out[1] && out[2] && out[3] ? KILN_OK : kiln_last_status();
+    /* a constant whose rounding through float would differ: rounded once, from double */
+    out[4] = kiln_add(x, kiln_scalar(1.0 + 0x1p-8 + 0x1p-30, h16));
+    *n_out = 5;
+    return out[0] && out[1] && out[2] && out[3] && out[4] ? KILN_OK : kiln_last_status();
 }
 
 /* Compiled, the chain runs as generated kernels only (bf16 or f16 loaded and stored by
@@ -534,20 +536,20 @@ static void compiled_half_chain(kiln_dtype h16)
     kiln_scope_begin();
     kiln_tensor_t *x = kiln_cast(kiln_randn(&n, 1, KILN_DTYPE_F32), h16);
     kiln_tensor_t *e = kiln_from_data(edge, &ne, 1, KILN_DTYPE_F32);
-    kiln_tensor_t *y = kiln_randn(&n, 1, KILN_DTYPE_F32), *in[3] = {x, y, e}, *want[4], *got[4];
+    kiln_tensor_t *y = kiln_randn(&n, 1, KILN_DTYPE_F32), *in[3] = {x, y, e}, *want[5], *got[5];
     int nw, ng, kernels, ops;
     assert_int_equal(half_chain(NULL, in, 3, want, &nw), KILN_OK);
     kiln_compiled_t *c;
     assert_int_equal(kiln_compiled_new(half_chain, NULL, "half_chain", &c), KILN_OK);
-    if (kiln_compiled_call(c, in, 3, got, 4, &ng) != KILN_OK) fail_msg("%s", kiln_last_error());
-    assert_int_equal(ng, 4);
+    if (kiln_compiled_call(c, in, 3, got, 5, &ng) != KILN_OK) fail_msg("%s", kiln_last_error());
+    assert_int_equal(ng, 5);
     assert_int_equal(kiln_compiled_plan(c, 0, &kernels, &ops, NULL, NULL), KILN_OK);
     printf("# %s chain compiled: %d generated kernel(s), %d op(s) through dispatch\n", kiln_dtype_name(h16), kernels,
            ops);
     assert_true(kernels > 0);
-    assert_int_equal(ops, 0);
-    kiln_dtype types[4] = {KILN_DTYPE_F32, h16, h16, h16};
-    for (int j = 0; j < 4; j++) {
+    assert_true(ops <= 1); /* the 16-bit constant is made on dispatch (rounded once from double) */
+    kiln_dtype types[5] = {KILN_DTYPE_F32, h16, h16, h16, h16};
+    for (int j = 0; j < 5; j++) {
         assert_int_equal(kiln_tensor_dtype(got[j]), types[j]);
         assert_int_equal(kiln_tensor_dtype(want[j]), types[j]);
         size_t bytes = (size_t)(j == 3 ? ne : n) * (j ? 2 : 4);
@@ -568,6 +570,28 @@ static void compiled_half_chain(kiln_dtype h16)
 }
 
 static void test_compiled_bf16_chain_is_fused_and_bitwise_eager(void **state) { compiled_half_chain(KILN_DTYPE_BF16); }
+
+/* Ops autocast must leave alone refuse a policy (cast would cast its own input without
+ * end; an in-place op would update a cast copy); the in-place ops with a double
+ * attribute round it once into bf16 (1 + 2^-8 + 2^-30 is 0x3f81, not 1.0 through float). */
+static void test_amp_refusals_and_attribute_rounding(void **state)
+{
+    assert_int_equal(kiln_op_set_amp_policy("cast", KILN_AMP_LOW), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "cast"));
+    assert_int_equal(kiln_op_set_amp_policy("add_", KILN_AMP_LOW), KILN_ERR_ARG);
+    assert_int_equal(kiln_op_set_amp_policy("view", KILN_AMP_F32), KILN_ERR_ARG);
+    kiln_clear_error();
+    const int64_t n = 4;
+    kiln_scope_begin();
+    kiln_tensor_t *t = kiln_zeros(&n, 1, KILN_DTYPE_BF16);
+    assert_int_equal(kiln_fill_(t, 1.0 + 0x1p-8 + 0x1p-30), KILN_OK);
+    uint16_t h[4];
+    assert_int_equal(kiln_tensor_to_host(t, h, sizeof h), KILN_OK);
+    assert_int_equal(h[0], 0x3f81);
+    assert_int_equal(kiln_tensor_to_host(kiln_full(&n, 1, 1.0 + 0x1p-8 + 0x1p-30, KILN_DTYPE_BF16), h, sizeof h), KILN_OK);
+    assert_int_equal(h[3], 0x3f81);
+    kiln_scope_end();
+}
 static void test_compiled_f16_chain_is_fused_and_bitwise_eager(void **state) { compiled_half_chain(KILN_DTYPE_F16); }
 
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, amp_teardown)
@@ -585,6 +609,7 @@ int main(void)
         T(test_f16_step_skipped_on_overflow),
         T(test_compiled_bf16_chain_is_fused_and_bitwise_eager),
         T(test_compiled_f16_chain_is_fused_and_bitwise_eager),
+        T(test_amp_refusals_and_attribute_rounding),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1372,7 +1372,7 @@ static void debug_dir_has_every_stage(void **state)
         if (access(path, R_OK) != 0) fail_msg("KILN_DEBUG_DIR has no %s", files[i]);
     }
     /* The generated C is readable: a function named after its ops, with a comment. */
-    char path[256], text[8192] = "";
+    char path[256], text[65536] = ""; /* kmath.h leads the file */
     snprintf(path, sizeof path, "%s/test-0/kernels.c", dir);
     assert_true(test_read_text(path, text, sizeof text));
     assert_non_null(strstr(text, "void k0_sum_mul_sub_add_rsqrt("));

@@ -417,6 +417,11 @@ static void stored_bf16_weights_decode_as_packed_bf16(void **state)
     float *want = to_host(kiln_cast(kiln_gpt_forward(m, idx, NULL, false, NULL), KILN_DTYPE_F32));
     float *got = to_host(kiln_cast(kiln_gpt_forward(h, idx, NULL, false, NULL), KILN_DTYPE_F32));
     assert_close(got, want, (int64_t)T * c.vocab_size, 8 * 0x1p-8, "forward with bf16 linear weights vs f32");
+    kiln_kv_cache_t *kc; /* and the cached forward runs in the model's precision too */
+    assert_int_equal(kiln_kv_cache_new(h, 1, &kc), KILN_OK);
+    kiln_tensor_t *lc = kiln_gpt_forward_cached(h, kc, idx);
+    if (!lc) fail_msg("forward_cached with bf16 linear weights: %s", kiln_last_error());
+    kiln_kv_cache_free(kc);
     free(a);
     free(g);
     free(want);

@@ -574,6 +574,7 @@ static int load_checkpoint(train_run *r)
     if (a->resume) {
         if (load_state(a->out, r->m, r->opt, a, &r->start, strcmp(a->precision, "f16") ? NULL : &r->scaler) != KILN_OK)
             return cli_fail("train", NULL);
+        r->skipped_seen = r->scaler.skipped; /* the loaded run's skips are not news */
         if (r->start >= a->steps) {
             fprintf(stderr, "kiln train: %s is already at step %lld; give --steps above it to train on\n", a->out,
                     (long long)r->start);

@@ -67,7 +67,8 @@ kiln_status kiln_autocast_end(void);
 kiln_dtype kiln_autocast_dtype(void);
 /* Op i's policy (i < kiln_op_count(); KILN_AMP_ANY for another i), and a process-wide
  * override of an op's policy by its name (kiln_op_name); an unknown name is an error
- * that names it. Overrides are set-up: make them before other threads run ops. */
+ * that names it, and so is LOW or F32 for cast or for an op that writes or aliases its
+ * inputs. Overrides are set-up: make them before other threads run ops. */
 kiln_amp_policy kiln_op_amp_policy(int op);
 kiln_status kiln_op_set_amp_policy(const char *op, kiln_amp_policy p);
 const char *kiln_amp_policy_name(kiln_amp_policy p); /* "low", "f32", "any" */

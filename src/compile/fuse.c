@@ -64,8 +64,8 @@ static lower_kind lower_op(kiln__op_id op, const kiln_dtype *in, int n_in, kiln_
         return loadable(in[0]) && loadable(o) ? L_PW : L_NONE;
     case KILN_OP_SUM: case KILN_OP_MAX: /* bf16/f16 ones stay eager (docs/perf-log.md: slower generated) */
         return same_float ? L_REDUCE : L_NONE;
-    case KILN_OP_FULL: case KILN_OP_ARANGE:
-        return loadable(o) ? L_GEN : L_NONE;
+    case KILN_OP_FULL: case KILN_OP_ARANGE: /* a 16-bit one from its double value on dispatch: rounded once */
+        return loadable(o) && o != KILN_DTYPE_BF16 && o != KILN_DTYPE_F16 ? L_GEN : L_NONE;
     case KILN_OP_VIEW:
         return L_ALIAS;
     default:
@@ -224,8 +224,11 @@ static int operand(lower_ctx *c, int u, int f)
     if (c->memo[u] >= 0) return c->memo[u];
     const value *x = &c->g->v[u];
     kc_expr e = {.kind = E_LOAD, .dt = x->meta.dtype};
-    /* full and arange (not written in place later, else their buffer is read) are inline */
-    const node *prod = x->kind == V_OP && !c->mutated[u] ? &c->g->nd[x->index] : NULL;
+    /* full and arange (not written in place later, else their buffer is read) are inline;
+     * 16-bit ones are read from their buffer, made on dispatch from the double value
+     * (inline, it would be rounded to float first, then to 16 bits) */
+    bool half = x->meta.dtype == KILN_DTYPE_BF16 || x->meta.dtype == KILN_DTYPE_F16;
+    const node *prod = x->kind == V_OP && !c->mutated[u] && !half ? &c->g->nd[x->index] : NULL;
     int64_t vs[KILN_MAX_DIMS] = {1};
     if (prod && (prod->op == KILN_OP_FULL || prod->op == KILN_OP_ARANGE)) {
         e.kind = prod->op == KILN_OP_FULL ? E_CONST : E_INDEX;

@@ -24,7 +24,7 @@ KM_FN float km_round_bf16(float x)
     if ((b & 0x7fffffff) > 0x7f800000) return km_bits((b | 0x00400000) & ~0xffff);
     return km_bits((b + 0x7fff + ((b >> 16) & 1)) & ~0xffff);
 }
-KM_FN float km_from_bf16(int32_t h) { return km_bits((h & 0xffff) << 16); }
+KM_FN float km_from_bf16(int32_t h) { return km_bits((int32_t)((unsigned)(h & 0xffff) << 16)); }
 KM_FN int32_t km_to_bf16(float rounded) { return (km_fbits(rounded) >> 16) & 0xffff; }
 
 /* f16 likewise, as kiln__f32_to_f16 and kiln__f16_to_f32 (src/core/dtype.h) do it:
@@ -40,7 +40,7 @@ KM_FN float km_round_f16(float x)
 }
 KM_FN float km_from_f16(int32_t h)
 {
-    int32_t sign = (h & 0x8000) << 16, e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    int32_t sign = (int32_t)((unsigned)(h & 0x8000) << 16), e = (h >> 10) & 0x1f, m = h & 0x3ff;
     float sub = (float)m * 5.9604644775390625e-8f; /* m 2^-24 */
     int32_t bits = e == 31 ? (sign | 0x7f800000 | (m << 13)) : (sign | ((e + 112) << 23) | (m << 13));
     return e == 0 ? km_bits(km_fbits(sub) | sign) : km_bits(bits);

@@ -581,7 +581,9 @@ kiln_tensor_t *kiln_gpt_forward_cached(kiln_gpt_t *m, kiln_kv_cache_t *c, kiln_t
         return kiln_error(KILN_ERR_SHAPE, "gpt_forward_cached: batch %lld, the cache holds %d",
                          (long long)kiln_tensor_dim(idx, 0), c->batch), NULL;
     bool prev = kiln_set_grad_enabled(false);
-    kiln_tensor_t *logits = run(m, idx, c->len, c, false);
+    bool cast = m->precision != KILN_DTYPE_F32 && kiln_autocast_begin(m->precision) == KILN_OK;
+    kiln_tensor_t *logits = m->precision == KILN_DTYPE_F32 || cast ? run(m, idx, c->len, c, false) : NULL;
+    if (cast) kiln_autocast_end();
     kiln_set_grad_enabled(prev);
     if (logits) c->len += (int)kiln_tensor_dim(idx, 1);
     return logits;

@@ -31,12 +31,24 @@ const char *kiln_amp_policy_name(kiln_amp_policy p)
     return p == KILN_AMP_LOW ? "low" : p == KILN_AMP_F32 ? "f32" : p == KILN_AMP_ANY ? "any" : "?";
 }
 
+/* Ops autocast never casts for: cast itself (its inputs' casts would be rewritten
+ * again, without end), and the ops that write or alias their inputs (an update of a
+ * cast copy would be lost). */
+static bool castable(int op)
+{
+    const kiln__op_def *d = &kiln__ops[op];
+    return op != KILN_OP_CAST && !d->is_view && !d->is_inplace && !d->writes;
+}
+
 kiln_status kiln_op_set_amp_policy(const char *op, kiln_amp_policy p)
 {
     if (p != KILN_AMP_ANY && p != KILN_AMP_LOW && p != KILN_AMP_F32)
         return kiln__err(KILN_ERR_ARG, "op_set_amp_policy: %d is not a policy (KILN_AMP_ANY, _LOW or _F32)", (int)p);
     for (int i = 0; op && i < KILN_OP_COUNT; i++)
         if (!strcmp(kiln__ops[i].name, op)) {
+            if (p != KILN_AMP_ANY && !castable(i))
+                return kiln__err(KILN_ERR_ARG, "op_set_amp_policy: %s %s; autocast leaves it as it is", op,
+                                 i == KILN_OP_CAST ? "is the cast autocast makes" : "writes or aliases its inputs");
             override[i] = (unsigned char)(p + 1);
             return KILN_OK;
         }
@@ -57,7 +69,7 @@ static kiln_status rewrite(void *ctx, kiln__call_info *c, bool *done)
     *done = false;
     kiln_dtype to = regions.n ? regions.dt[regions.n - 1] : KILN_DTYPE_F32;
     kiln_amp_policy p = kiln_op_amp_policy(c->op);
-    if (regions.paused || to == KILN_DTYPE_F32 || p == KILN_AMP_ANY) return KILN_OK;
+    if (regions.paused || to == KILN_DTYPE_F32 || p == KILN_AMP_ANY || !castable(c->op)) return KILN_OK;
     if (c->n_in > 8) /* only cat takes a list, and its policy is ANY */
         return kiln__err(KILN_ERR_UNSUPPORTED, "autocast: %s has %d inputs, at most 8 are cast", kiln__ops[c->op].name,
                          c->n_in);

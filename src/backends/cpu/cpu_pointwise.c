@@ -102,8 +102,11 @@ static void half_rows(void *c, char **p, const int64_t *s, int64_t n)
 }
 
 /* Runs the row loop for operands ops[0..n) (output first): f32 when all are f32, the
- * widened f32 loop for f16/bf16 with f32, else any (through double). */
-static void run_rows(kiln_tensor_t *const *ops, int n, row_fn f32, row_fn any, const pw_ctx *pc, bool f32_ok)
+ * widened f32 loop for f16/bf16 with f32 (unless `exact`: an op with a double attribute,
+ * which the f32 loop would round to float first and then to the 16-bit type), else any
+ * (through double). */
+static void run_rows(kiln_tensor_t *const *ops, int n, row_fn f32, row_fn any, const pw_ctx *pc, bool f32_ok,
+                     bool exact)
 {
     cpu_iter it;
     cpu_iter_init(&it, n, ops);
@@ -111,7 +114,7 @@ static void run_rows(kiln_tensor_t *const *ops, int n, row_fn f32, row_fn any, c
     for (int k = 0; k < n; k++) all32 &= pc->dt[k] == KILN_DTYPE_F32;
     half_ctx h = {f32, pc, n};
     if (f32_ok && all32) cpu_iter_run(&it, f32, (void *)pc);
-    else if (f32_ok && half_rows_fit(pc->dt, n)) cpu_iter_run(&it, half_rows, &h);
+    else if (f32_ok && !exact && half_rows_fit(pc->dt, n)) cpu_iter_run(&it, half_rows, &h);
     else cpu_iter_run(&it, any, (void *)pc);
 }
 
@@ -140,25 +143,28 @@ static void run_rows(kiln_tensor_t *const *ops, int n, row_fn f32, row_fn any, c
         }                                                                                           \
     }
 
-static kiln_status unary(row_fn f32, row_fn any, kiln_tensor_t *x, kiln_tensor_t *y, const kiln__attrs *a)
+static kiln_status unary(row_fn f32, row_fn any, kiln_tensor_t *x, kiln_tensor_t *y, const kiln__attrs *a, bool exact)
 {
     kiln_tensor_t *ops[2] = {y, x};
     pw_ctx pc = {{y->dtype, x->dtype}, a};
-    run_rows(ops, 2, f32, any, &pc, true);
+    run_rows(ops, 2, f32, any, &pc, true, exact);
     return KILN_OK;
 }
 
 /* kiln__cpu_<name>: EXPR_F over f32, EXPR_D over any dtype, into out[0] (or, for an
  * in-place op, which has no outputs, into in[0]); UNARY_FAST: EXPR_FAST instead of
  * EXPR_F when FAST holds (the fast-exp switch). UNARY_PICK: F32 is the f32 row loop. */
-#define UNARY_PICK(name, EXPR_F, EXPR_D, F32)                                                       \
+#define UNARY_PICK_X(name, EXPR_F, EXPR_D, F32, EXACT)                                              \
     UNARY_F32(u_##name##_f32, EXPR_F)                                                               \
     UNARY_ANY(u_##name##_any, EXPR_D)                                                               \
     kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS)                                                 \
     {                                                                                               \
-        return unary(F32, u_##name##_any, in[0], n_out ? out[0] : in[0], a);                        \
+        return unary(F32, u_##name##_any, in[0], n_out ? out[0] : in[0], a, EXACT);                 \
     }
+#define UNARY_PICK(name, EXPR_F, EXPR_D, F32) UNARY_PICK_X(name, EXPR_F, EXPR_D, F32, false)
 #define UNARY(name, EXPR_F, EXPR_D) UNARY_PICK(name, EXPR_F, EXPR_D, u_##name##_f32)
+/* An op with a double attribute: f16 and bf16 take the double loop (rounded once). */
+#define UNARY_ATTR(name, EXPR_F, EXPR_D) UNARY_PICK_X(name, EXPR_F, EXPR_D, u_##name##_f32, true)
 #define UNARY_FAST(name, EXPR_F, EXPR_FAST, EXPR_D, FAST)                                           \
     UNARY_F32(u_##name##_fast_f32, EXPR_FAST)                                                       \
     UNARY_PICK(name, EXPR_F, EXPR_D, (FAST) ? u_##name##_fast_f32 : u_##name##_f32)
@@ -167,8 +173,8 @@ static kiln_status unary(row_fn f32, row_fn any, kiln_tensor_t *x, kiln_tensor_t
 #define FAST_EXP kiln__opt(KILN__OPT_FAST_EXP)
 #define FAST_GELU (kiln__opt(KILN__OPT_FAST_EXP) && a->op.gelu.tanh) /* GELU's fast form is the tanh one */
 UNARY_FAST(gelu, gelu_f(x, AT->op.gelu.tanh), km_gelu_fast(x), gelu_d(x, AT->op.gelu.tanh), FAST_GELU)
-UNARY(scale_, x * (float)AT->op.scalar.value, x * AT->op.scalar.value)
-UNARY(fill_, ((void)x, (float)AT->op.scalar.value), ((void)x, AT->op.scalar.value))
+UNARY_ATTR(scale_, x * (float)AT->op.scalar.value, x * AT->op.scalar.value)
+UNARY_ATTR(fill_, ((void)x, (float)AT->op.scalar.value), ((void)x, AT->op.scalar.value))
 
 /* ---- binary: z = f(x, y) ---- */
 #define BINARY_F32(fn, EXPR_F)                                                                      \
@@ -207,21 +213,22 @@ UNARY(fill_, ((void)x, (float)AT->op.scalar.value), ((void)x, AT->op.scalar.valu
 
 /* A bool result (a comparison) always takes the any-dtype loop. */
 static kiln_status binary(row_fn f32, row_fn any, kiln_tensor_t *const *in, kiln_tensor_t *z, const kiln__attrs *a,
-                          bool out_is_bool)
+                          bool out_is_bool, bool exact)
 {
     kiln_tensor_t *ops[3] = {z, in[0], in[1]};
     pw_ctx pc = {{z->dtype, in[0]->dtype, in[1]->dtype}, a};
-    run_rows(ops, 3, f32, any, &pc, !out_is_bool);
+    run_rows(ops, 3, f32, any, &pc, !out_is_bool, exact);
     return KILN_OK;
 }
 
-#define BINARY_PICK(name, EXPR_F, EXPR_D, OUT_IS_BOOL, F32)                                       \
+#define BINARY_PICK_X(name, EXPR_F, EXPR_D, OUT_IS_BOOL, F32, EXACT)                              \
     BINARY_F32(b_##name##_f32, EXPR_F)                                                              \
     BINARY_ANY(b_##name##_any, EXPR_D)                                                              \
     kiln_status kiln__cpu_##name(KILN__KERNEL_ARGS)                                                 \
     {                                                                                               \
-        return binary(F32, b_##name##_any, in, n_out ? out[0] : in[0], a, OUT_IS_BOOL);             \
+        return binary(F32, b_##name##_any, in, n_out ? out[0] : in[0], a, OUT_IS_BOOL, EXACT);      \
     }
+#define BINARY_PICK(name, EXPR_F, EXPR_D, OUT_IS_BOOL, F32) BINARY_PICK_X(name, EXPR_F, EXPR_D, OUT_IS_BOOL, F32, false)
 #define BINARY(name, EXPR_F, EXPR_D, OUT_IS_BOOL) BINARY_PICK(name, EXPR_F, EXPR_D, OUT_IS_BOOL, b_##name##_f32)
 #define BINARY_FAST(name, EXPR_F, EXPR_FAST, EXPR_D, FAST)                                          \
     BINARY_F32(b_##name##_fast_f32, EXPR_FAST)                                                      \
@@ -253,7 +260,7 @@ BINARY_FAST(gelu_backward, y * gelu_grad_f(x, AT->op.gelu.tanh), y * km_gelu_gra
 #undef KILN_PW
 
 /* add_ (dst += alpha * src) is a binary op whose first operand is its destination. */
-BINARY(add_, x + (float)AT->op.scalar.value * y, x + AT->op.scalar.value * y, false)
+BINARY_PICK_X(add_, x + (float)AT->op.scalar.value * y, x + AT->op.scalar.value * y, false, b_add__f32, true)
 
 kiln_status kiln__cpu_cast(KILN__KERNEL_ARGS)
 {
