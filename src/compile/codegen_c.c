@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "compile/compile_impl.h"
+#include "core/dtype.h"
 #include "core/opts.h"
 #include "core/util.h"
 
@@ -30,8 +31,7 @@ static const char *ctype(kiln_dtype dt)
     return name[dt] ? name[dt] : "uint8_t";
 }
 
-static bool half(kiln_dtype dt) { return dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16; }
-static const char *vtype(kiln_dtype dt) { return half(dt) ? "float" : ctype(dt); }
+static const char *vtype(kiln_dtype dt) { return kiln__is_half(dt) ? "float" : ctype(dt); }
 /* kmath.h's helper for a half type: km_<what>_bf16 or km_<what>_f16. */
 static const char *half_sfx(kiln_dtype dt) { return dt == KILN_DTYPE_BF16 ? "bf16" : "f16"; }
 
@@ -117,11 +117,11 @@ static void expr_val(sbuf *b, const gen *G, int i)
     switch (e->kind) {
     case E_LOAD:
     case E_INDEX:
-        if (e->kind == E_LOAD && half(k->buf[e->buf].dt)) put(b, "km_from_%s(in%d[o%d", half_sfx(k->buf[e->buf].dt), e->buf, i);
+        if (e->kind == E_LOAD && kiln__is_half(k->buf[e->buf].dt)) put(b, "km_from_%s(in%d[o%d", half_sfx(k->buf[e->buf].dt), e->buf, i);
         else if (e->kind == E_LOAD) put(b, "in%d[o%d", e->buf, i);
         else put(b, "(%s)(%.17g + %.17g * (double)(o%d", T, e->attrs.op.source.start, e->attrs.op.source.step, i);
         if (k->ndim) inner_step(b, G, kc_sz_load(k, i, k->ndim - 1));
-        put(b, "%s", e->kind != E_LOAD ? "))" : half(k->buf[e->buf].dt) ? "])" : "]");
+        put(b, "%s", e->kind != E_LOAD ? "))" : kiln__is_half(k->buf[e->buf].dt) ? "])" : "]");
         return;
     case E_CONST: /* %g writes inf and nan as words; INFINITY is there in every dialect */
         if (isinf(e->attrs.op.source.value)) put(b, "(%s)(%sINFINITY)", T, e->attrs.op.source.value < 0 ? "-" : "");
@@ -170,7 +170,7 @@ static void expr_val(sbuf *b, const gen *G, int i)
 static void expr_c(sbuf *b, const gen *G, int i)
 {
     const kc_expr *e = &G->k->e[i];
-    bool round = half(e->dt) && e->kind != E_LOAD;
+    bool round = kiln__is_half(e->dt) && e->kind != E_LOAD;
     if (round) put(b, "km_round_%s(", half_sfx(e->dt));
     expr_val(b, G, i);
     if (round) put(b, ")");
@@ -317,7 +317,7 @@ static void kernel_body(sbuf *b, const gen *G)
             if (nd && k->st[i].st[nd - 1]) {
                 put(b, "            in%d[s%d", k->st[i].buf, i);
                 inner_step(b, G, kc_sz_store(k, i, nd - 1));
-                if (half(k->buf[k->st[i].buf].dt)) put(b, "] = km_to_%s(e%d);\n", half_sfx(k->buf[k->st[i].buf].dt), k->st[i].expr);
+                if (kiln__is_half(k->buf[k->st[i].buf].dt)) put(b, "] = km_to_%s(e%d);\n", half_sfx(k->buf[k->st[i].buf].dt), k->st[i].expr);
                 else put(b, "] = e%d;\n", k->st[i].expr);
             }
         put(b, "        }\n");
@@ -325,7 +325,7 @@ static void kernel_body(sbuf *b, const gen *G)
     for (int i = 0; i < k->n_st; i++)
         if (!nd || !k->st[i].st[nd - 1]) {
             /* A row value: written once per row (by the row's first piece). */
-            if (half(k->buf[k->st[i].buf].dt))
+            if (kiln__is_half(k->buf[k->st[i].buf].dt))
                 put(b, "        if (j0 == 0) in%d[s%d] = km_to_%s(e%d);\n", k->st[i].buf, i,
                     half_sfx(k->buf[k->st[i].buf].dt), k->st[i].expr);
             else

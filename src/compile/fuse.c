@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "compile/compile_impl.h"
+#include "core/dtype.h"
 #include "core/util.h"
 
 enum { F_FULL, F_ROWK, F_ROWN, F_NONE }; /* the value's place in a group's index space */
@@ -22,13 +23,13 @@ typedef enum { L_NONE, L_PW, L_REDUCE, L_GEN, L_ALIAS } lower_kind;
 static bool loadable(kiln_dtype dt)
 {
     return dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_F64 || dt == KILN_DTYPE_I64 || dt == KILN_DTYPE_I32 ||
-           dt == KILN_DTYPE_BOOL || dt == KILN_DTYPE_U8 || dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16;
+           dt == KILN_DTYPE_BOOL || dt == KILN_DTYPE_U8 || kiln__is_half(dt);
 }
 
 /* f32, bf16 or f16: computed in f32 (a bf16 or f16 value is the float it equals) and
  * rounded where the eager op rounds (kmath.h's km_round_bf16 / km_round_f16), as the
  * cpu's eager kernels compute them. */
-static bool f32_like(kiln_dtype dt) { return dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16; }
+static bool f32_like(kiln_dtype dt) { return dt == KILN_DTYPE_F32 || kiln__is_half(dt); }
 
 /* How op lowers, given its inputs' dtypes in[0..n_in) and its output's o: arithmetic and
  * the ops of include/kiln/pointwise.def in f32, bf16 and f16 (mixed with f32 as
@@ -58,14 +59,14 @@ static lower_kind lower_op(kiln__op_id op, const kiln_dtype *in, int n_in, kiln_
     case KILN_OP_CAST: case KILN_OP_CONTIGUOUS:
         /* to bf16 through float: only from what float holds exactly (f64 or a wide
          * integer would be rounded twice; the cpu's copy rounds them once) */
-        if ((o == KILN_DTYPE_BF16 || o == KILN_DTYPE_F16) && !f32_like(in[0]) && in[0] != KILN_DTYPE_BOOL &&
+        if (kiln__is_half(o) && !f32_like(in[0]) && in[0] != KILN_DTYPE_BOOL &&
             in[0] != KILN_DTYPE_U8)
             return L_NONE;
         return loadable(in[0]) && loadable(o) ? L_PW : L_NONE;
     case KILN_OP_SUM: case KILN_OP_MAX: /* bf16/f16 ones stay eager (docs/perf-log.md: slower generated) */
         return same_float ? L_REDUCE : L_NONE;
     case KILN_OP_FULL: case KILN_OP_ARANGE: /* a 16-bit one from its double value on dispatch: rounded once */
-        return loadable(o) && o != KILN_DTYPE_BF16 && o != KILN_DTYPE_F16 ? L_GEN : L_NONE;
+        return loadable(o) && !kiln__is_half(o) ? L_GEN : L_NONE;
     case KILN_OP_VIEW:
         return L_ALIAS;
     default:
@@ -227,8 +228,7 @@ static int operand(lower_ctx *c, int u, int f)
     /* full and arange (not written in place later, else their buffer is read) are inline;
      * 16-bit ones are read from their buffer, made on dispatch from the double value
      * (inline, it would be rounded to float first, then to 16 bits) */
-    bool half = x->meta.dtype == KILN_DTYPE_BF16 || x->meta.dtype == KILN_DTYPE_F16;
-    const node *prod = x->kind == V_OP && !c->mutated[u] && !half ? &c->g->nd[x->index] : NULL;
+    const node *prod = x->kind == V_OP && !c->mutated[u] && !kiln__is_half(x->meta.dtype) ? &c->g->nd[x->index] : NULL;
     int64_t vs[KILN_MAX_DIMS] = {1};
     if (prod && (prod->op == KILN_OP_FULL || prod->op == KILN_OP_ARANGE)) {
         e.kind = prod->op == KILN_OP_FULL ? E_CONST : E_INDEX;

@@ -3,6 +3,7 @@
 #define KILN_CORE_DTYPE_H
 
 #include <math.h>
+#include <stdbool.h>
 #include <stdint.h>
 #include <string.h>
 #include "kiln/tensor.h"
@@ -61,6 +62,9 @@ static inline uint16_t kiln__f32_to_f16(float f)
     if (rem > 0x1000 || (rem == 0x1000 && (h & 1))) h++;
     return (uint16_t)h;
 }
+
+/* The 16-bit float types, which kernels compute in f32 (widened) and round back. */
+static inline bool kiln__is_half(kiln_dtype dt) { return dt == KILN_DTYPE_F16 || dt == KILN_DTYPE_BF16; }
 
 static inline float kiln__bf16_to_f32(uint16_t b) { return kiln__bits_f32((uint32_t)b << 16); }
 

@@ -4,6 +4,7 @@
  * ordinary dispatches, so autograd, capture and replay see them as the user's own casts;
  * the op's second dispatch finds its inputs already in place and is not rewritten. */
 #include <string.h>
+#include "core/dtype.h"
 #include "core/intercept.h"
 #include "ops/autocast.h"
 
@@ -61,7 +62,7 @@ static bool casts(const kiln_tensor_t *t, kiln_amp_policy p, kiln_dtype want)
 {
     kiln_dtype dt = t->dtype;
     if (!kiln_dtype_is_float(dt) || dt == KILN_DTYPE_F64 || dt == want) return false;
-    return p == KILN_AMP_LOW || dt == KILN_DTYPE_F16 || dt == KILN_DTYPE_BF16;
+    return p == KILN_AMP_LOW || kiln__is_half(dt);
 }
 
 static kiln_status rewrite(void *ctx, kiln__call_info *c, bool *done)

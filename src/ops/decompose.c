@@ -15,6 +15,7 @@
 #include <math.h>
 #include <string.h>
 #include "core/backend.h"
+#include "core/dtype.h"
 #include "core/tensor_impl.h"
 #include "kiln/ops.h"
 #include "ops/registry.h"
@@ -251,16 +252,14 @@ static const struct {
  * decomposed the same way: the inputs cast to f32, the f32 decomposition, the visible
  * output cast back (the statistics are f32 already), so that a device or a compiled
  * graph rounds where eager does, once, not after every primitive. */
-static bool is_half(const kiln_tensor_t *t) { return t->dtype == KILN_DTYPE_BF16 || t->dtype == KILN_DTYPE_F16; }
-
 static kiln_status widened(kiln__decompose_fn fn, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                            kiln_tensor_t **out)
 {
     kiln_tensor_t *w[8];
     kiln_dtype half = KILN_DTYPE_F32;
     for (int i = 0; i < n_in; i++) {
-        w[i] = is_half(in[i]) ? kiln_cast(in[i], KILN_DTYPE_F32) : in[i];
-        if (is_half(in[i]) && half == KILN_DTYPE_F32) half = in[i]->dtype;
+        w[i] = kiln__is_half(in[i]->dtype) ? kiln_cast(in[i], KILN_DTYPE_F32) : in[i];
+        if (kiln__is_half(in[i]->dtype) && half == KILN_DTYPE_F32) half = in[i]->dtype;
         if (!w[i]) return kiln_last_status();
     }
     kiln_status s = fn(w, n_in, a, out);
@@ -296,6 +295,6 @@ kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in,
     bool taken = decompositions[op].fn && (!decompositions[op].when || decompositions[op].when(in, n_in, a, all));
     if (!taken) return NULL;
     bool half = false;
-    for (int i = 0; i < n_in && i < 8; i++) half |= is_half(in[i]);
+    for (int i = 0; i < n_in && i < 8; i++) half |= kiln__is_half(in[i]->dtype);
     return half && widened_fns[op] ? widened_fns[op] : decompositions[op].fn;
 }

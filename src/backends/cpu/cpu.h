@@ -40,6 +40,10 @@ kiln_tensor_t *cpu_contig(kiln_tensor_t *t, kiln_tensor_t **tmp);
 bool cpu_contig_n(kiln_tensor_t *const *in, int n, kiln_tensor_t **c, kiln_tensor_t **tmp,
                   bool (*as_is)(const kiln_tensor_t *));
 void cpu_free_n(kiln_tensor_t **tmp, int n);
+/* n values between f32 and f16 or bf16 (dt), the 16-bit side at stride s (elements),
+ * rounded to nearest even: the copies' and the widened loops' conversions. */
+void cpu_widen_row(float *dst, const void *src, int64_t s, int64_t n, kiln_dtype dt);
+void cpu_narrow_row(void *dst, int64_t s, const float *src, int64_t n, kiln_dtype dt);
 /* Whether a tensor among in and out is f16 or bf16. */
 bool cpu_has_half(kiln_tensor_t *const *in, int n_in, kiln_tensor_t *const *out, int n_out);
 /* Runs kernel k on f32 copies of the f16 and bf16 tensors among in and out, and rounds

@@ -115,18 +115,12 @@ static void copy_row(void *c, char **p, const int64_t *s, int64_t n)
         for (int64_t i = 0; i < n; i++) memcpy(p[0] + i * s[0] * (int64_t)dsz, p[1] + i * s[1] * (int64_t)ssz, dsz);
         return;
     }
-    if (cc->dt == KILN_DTYPE_BF16 && cc->st == KILN_DTYPE_F32) {
-        const float *x = (const float *)p[1];
-        uint16_t *d = (uint16_t *)p[0];
-        if (s[0] == 1 && s[1] == 1) kiln__f32_to_bf16_n(x, d, n);
-        else for (int64_t i = 0; i < n; i++) d[i * s[0]] = kiln__f32_to_bf16(x[i * s[1]]);
+    if (kiln__is_half(cc->dt) && cc->st == KILN_DTYPE_F32 && s[1] == 1) {
+        cpu_narrow_row(p[0], s[0], (const float *)p[1], n, cc->dt);
         return;
     }
-    if (cc->dt == KILN_DTYPE_F32 && cc->st == KILN_DTYPE_BF16) {
-        const uint16_t *x = (const uint16_t *)p[1];
-        float *d = (float *)p[0];
-        if (s[0] == 1 && s[1] == 1) kiln__bf16_to_f32_n(x, d, n);
-        else for (int64_t i = 0; i < n; i++) d[i * s[0]] = kiln__bf16_to_f32(x[i * s[1]]);
+    if (cc->dt == KILN_DTYPE_F32 && kiln__is_half(cc->st) && s[0] == 1) {
+        cpu_widen_row((float *)p[0], p[1], s[1], n, cc->st);
         return;
     }
     bool ints = !kiln_dtype_is_float(cc->dt) && !kiln_dtype_is_float(cc->st);
@@ -141,6 +135,22 @@ static void copy_row(void *c, char **p, const int64_t *s, int64_t n)
             kiln__store(d, cc->dt, kiln__load(x, cc->st));
         }
     }
+}
+
+void cpu_widen_row(float *dst, const void *src, int64_t s, int64_t n, kiln_dtype dt)
+{
+    const uint16_t *h = src;
+    if (dt == KILN_DTYPE_BF16 && s == 1) kiln__bf16_to_f32_n(h, dst, n);
+    else if (dt == KILN_DTYPE_BF16) for (int64_t i = 0; i < n; i++) dst[i] = kiln__bf16_to_f32(h[i * s]);
+    else for (int64_t i = 0; i < n; i++) dst[i] = kiln__f16_to_f32(h[i * s]);
+}
+
+void cpu_narrow_row(void *dst, int64_t s, const float *src, int64_t n, kiln_dtype dt)
+{
+    uint16_t *h = dst;
+    if (dt == KILN_DTYPE_BF16 && s == 1) kiln__f32_to_bf16_n(src, h, n);
+    else if (dt == KILN_DTYPE_BF16) for (int64_t i = 0; i < n; i++) h[i * s] = kiln__f32_to_bf16(src[i]);
+    else for (int64_t i = 0; i < n; i++) h[i * s] = kiln__f32_to_f16(src[i]);
 }
 
 void cpu_copy(kiln_tensor_t *dst, kiln_tensor_t *src)
@@ -188,14 +198,12 @@ void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t 
 
 #define WIDEN_MAX 12 /* attention_backward: 6 inputs and 3 outputs */
 
-static bool is_half(const kiln_tensor_t *t) { return t->dtype == KILN_DTYPE_F16 || t->dtype == KILN_DTYPE_BF16; }
-
 bool cpu_has_half(kiln_tensor_t *const *in, int n_in, kiln_tensor_t *const *out, int n_out)
 {
     for (int i = 0; i < n_in; i++)
-        if (is_half(in[i])) return true;
+        if (kiln__is_half(in[i]->dtype)) return true;
     for (int j = 0; j < n_out; j++)
-        if (is_half(out[j])) return true;
+        if (kiln__is_half(out[j]->dtype)) return true;
     return false;
 }
 
@@ -208,7 +216,7 @@ kiln_status cpu_widened(kiln__kernel_fn k, KILN__KERNEL_ARGS)
     kiln_status s = KILN_OK;
     for (int i = 0; i < n_in + n_out && s == KILN_OK; i++) {
         kiln_tensor_t *t = i < n_in ? in[i] : out[i - n_in];
-        if (!is_half(t)) continue;
+        if (!kiln__is_half(t->dtype)) continue;
         if (!(w[i] = kiln__tensor_alloc(be, KILN_DTYPE_F32, t->shape, t->ndim))) s = kiln_last_status();
         else if (i < n_in) cpu_copy(w[i], t);
     }

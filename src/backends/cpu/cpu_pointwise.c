@@ -5,7 +5,6 @@
 #include <math.h>
 #include <string.h>
 #include "backends/cpu/cpu.h"
-#include "backends/cpu/gemm.h" /* the f32 <-> bf16 row conversions */
 #include "core/opts.h"
 #include "core/rng.h"
 
@@ -52,33 +51,15 @@ typedef struct {
     int nops;
 } half_ctx;
 
-static bool is_half(kiln_dtype dt) { return dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16; }
-
 /* Whether operands dt[0..n) (output first) take the widened f32 loop. */
 static bool half_rows_fit(const kiln_dtype *dt, int n)
 {
     bool half = false;
     for (int k = 0; k < n; k++) {
-        if (!is_half(dt[k]) && dt[k] != KILN_DTYPE_F32) return false;
-        half |= is_half(dt[k]);
+        if (!kiln__is_half(dt[k]) && dt[k] != KILN_DTYPE_F32) return false;
+        half |= kiln__is_half(dt[k]);
     }
     return half;
-}
-
-static void widen(float *dst, const char *src, int64_t s, int64_t m, kiln_dtype dt)
-{
-    const uint16_t *h = (const uint16_t *)src;
-    if (dt == KILN_DTYPE_BF16 && s == 1) kiln__bf16_to_f32_n(h, dst, m);
-    else if (dt == KILN_DTYPE_BF16) for (int64_t i = 0; i < m; i++) dst[i] = kiln__bf16_to_f32(h[i * s]);
-    else for (int64_t i = 0; i < m; i++) dst[i] = kiln__f16_to_f32(h[i * s]);
-}
-
-static void narrow(char *dst, int64_t s, const float *src, int64_t m, kiln_dtype dt)
-{
-    uint16_t *h = (uint16_t *)dst;
-    if (dt == KILN_DTYPE_BF16 && s == 1) kiln__f32_to_bf16_n(src, h, m);
-    else if (dt == KILN_DTYPE_BF16) for (int64_t i = 0; i < m; i++) h[i * s] = kiln__f32_to_bf16(src[i]);
-    else for (int64_t i = 0; i < m; i++) h[i * s] = kiln__f32_to_f16(src[i]);
 }
 
 static void half_rows(void *c, char **p, const int64_t *s, int64_t n)
@@ -92,12 +73,12 @@ static void half_rows(void *c, char **p, const int64_t *s, int64_t n)
         for (int k = 0; k < h->nops; k++) {
             kiln_dtype dt = h->pc->dt[k];
             char *at = p[k] + i0 * s[k] * (int64_t)kiln_dtype_size(dt);
-            q[k] = is_half(dt) ? (char *)buf[k] : at;
-            qs[k] = is_half(dt) ? (s[k] == 0 ? 0 : 1) : s[k];
-            if (k > 0 && is_half(dt)) widen(buf[k], at, s[k], s[k] == 0 ? 1 : m, dt);
+            q[k] = kiln__is_half(dt) ? (char *)buf[k] : at;
+            qs[k] = kiln__is_half(dt) ? (s[k] == 0 ? 0 : 1) : s[k];
+            if (k > 0 && kiln__is_half(dt)) cpu_widen_row(buf[k], at, s[k], s[k] == 0 ? 1 : m, dt);
         }
         h->f32((void *)h->pc, q, qs, m);
-        if (is_half(h->pc->dt[0])) narrow(p[0] + i0 * s[0] * 2, s[0], buf[0], m, h->pc->dt[0]);
+        if (kiln__is_half(h->pc->dt[0])) cpu_narrow_row(p[0] + i0 * s[0] * 2, s[0], buf[0], m, h->pc->dt[0]);
     }
 }
 
@@ -366,7 +347,7 @@ static void make_range(void *c, int64_t b, int64_t e)
         for (int64_t i = b; i < e; i++) o[i] = v;
         return;
     }
-    if (m->kind == 0 && is_half(dt)) { /* the value's bits once, then a 16-bit fill */
+    if (m->kind == 0 && kiln__is_half(dt)) { /* the value's bits once, then a 16-bit fill */
         uint16_t v, *o = (uint16_t *)base;
         kiln__store(&v, dt, a->op.source.value);
         for (int64_t i = b; i < e; i++) o[i] = v;
