@@ -95,26 +95,27 @@ static void round_rows(void *c, int64_t b, int64_t e)
 /* bf16 operands: kiln's own GEMM, products of bf16 values summed in f32 (AMX or
  * AVX512-BF16 where the processor has them), each result rounded once to bf16, as
  * PyTorch's bf16 matmul does. The BLAS has no bf16 GEMM to fall back to. */
-static kiln_status gemm_bf16(mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
-                             const char *B, char *C)
+static kiln_status gemm_bf16(kiln__backend *be, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K,
+                             const char *A, const char *B, char *C)
 {
-    float *acc = malloc(sizeof(float) * (size_t)(M * N > 0 ? M * N : 1));
-    if (!acc || !kiln__gemm(M, N, K, own_operand(A, KILN__GEMM_BF16, la), own_operand(B, KILN__GEMM_BF16, lb), acc, N,
-                            false, KILN__GEMM_BF16)) {
-        free(acc);
+    /* the f32 sums, from the caching allocator: a step asks for the same sizes again */
+    kiln_tensor_t *acc = kiln__tensor_alloc(be, KILN_DTYPE_F32, (int64_t[]){M, N}, 2);
+    if (!acc || !kiln__gemm(M, N, K, own_operand(A, KILN__GEMM_BF16, la), own_operand(B, KILN__GEMM_BF16, lb),
+                            kiln__data(acc), N, false, KILN__GEMM_BF16)) {
+        kiln_tensor_free(acc);
         return kiln__err(KILN_ERR_OOM, "matmul: out of memory for a %lld x %lld bf16 product", (long long)M,
                          (long long)N);
     }
-    round_ctx r = {acc, (uint16_t *)C, N};
+    round_ctx r = {kiln__data(acc), (uint16_t *)C, N};
     kiln__parallel_for(M, M * N > ((int64_t)1 << 16) ? 16 : M, round_rows, &r);
-    free(acc);
+    kiln_tensor_free(acc);
     return KILN_OK;
 }
 
-static kiln_status gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
-                        const char *B, char *C)
+static kiln_status gemm(kiln__backend *be, kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N,
+                        int64_t K, const char *A, const char *B, char *C)
 {
-    if (dt == KILN_DTYPE_BF16) return gemm_bf16(la, lb, M, N, K, A, B, C);
+    if (dt == KILN_DTYPE_BF16) return gemm_bf16(be, la, lb, M, N, K, A, B, C);
     /* kiln's GEMM threads itself over the pool; it fails only when out of memory for
      * its packing buffers, and the BLAS then does the product. */
     if (dt == KILN_DTYPE_F32 && kiln__opt(KILN__OPT_OWN_GEMM) &&
@@ -184,7 +185,7 @@ kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
     if (x->stride[nx - 2] != la.ld) x_stacks = false; /* with M = 1, ld is K whatever the stride */
     kiln_status s = KILN_OK;
     if (!y_batched && x_stacks && batches > 1) {
-        s = gemm(o->dtype, la, lb, M * batches, N, K, kiln__data(x), kiln__data(y), kiln__data(o));
+        s = gemm(be, o->dtype, la, lb, M * batches, N, K, kiln__data(x), kiln__data(y), kiln__data(o));
     } else {
         for (int64_t bi = 0; bi < batches && s == KILN_OK; bi++) {
             int64_t rem = bi, ox = 0, oy = 0;
@@ -195,7 +196,7 @@ kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
                 if (jx >= 0 && x->shape[jx] != 1) ox += i * x->stride[jx];
                 if (jy >= 0 && y->shape[jy] != 1) oy += i * y->stride[jy];
             }
-            s = gemm(o->dtype, la, lb, M, N, K, (const char *)kiln__data(x) + ox * (int64_t)es,
+            s = gemm(be, o->dtype, la, lb, M, N, K, (const char *)kiln__data(x) + ox * (int64_t)es,
                      (const char *)kiln__data(y) + oy * (int64_t)es, (char *)kiln__data(o) + bi * M * N * (int64_t)es);
         }
     }
