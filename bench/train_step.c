@@ -78,9 +78,8 @@ int main(int argc, char **argv)
         fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());
         return 1;
     }
-    kiln_dtype prec = !strcmp(precision, "bf16") ? KILN_DTYPE_BF16 : !strcmp(precision, "f16") ? KILN_DTYPE_F16
-                                                                                            : KILN_DTYPE_F32;
-    if ((prec == KILN_DTYPE_F32 && strcmp(precision, "f32")) || kiln_gpt_set_precision(m, prec) != KILN_OK) {
+    kiln_dtype prec;
+    if (kiln_dtype_parse(precision, &prec) != KILN_OK || kiln_gpt_set_precision(m, prec) != KILN_OK) {
         fprintf(stderr, "bench_train_step: --precision %s: f32, bf16 or f16\n", precision);
         return 2;
     }

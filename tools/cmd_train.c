@@ -28,6 +28,7 @@ typedef struct {
     int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
     int64_t save_every, log_every, seed, threads;
     double lr, min_lr, wd, clip, dropout, val_fraction, momentum, loss_scale;
+    kiln_dtype prec; /* --precision, parsed */
     bool resume, quiet, zero1, compile;
     double bucket_mb;
 } train_args;
@@ -135,7 +136,7 @@ static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t 
                 k++;
             }
         const char *smeta[] = {"format", "kiln-train-state-1", "step", stepbuf, "rng_seed", seedbuf, "rng_offset", offbuf,
-                               "optimizer", a->optimizer, "data_seed", dseed, "optim_steps", osteps, "precision", a->precision,
+                               "optimizer", a->optimizer, "data_seed", dseed, "optim_steps", osteps, "precision", kiln_dtype_name(a->prec),
                                scaler ? "loss_scale" : NULL, scale, "loss_scale_good", good,
                                "loss_scale_skipped", skipped, NULL};
         /* The previous state stays as RUN_STATE_PREV until the new pair is written, so a
@@ -464,14 +465,15 @@ static int parse_options(train_run *r)
                                  "--lr > 0, --min-lr >= 0");
     if (strcmp(a->optimizer, "adamw") && strcmp(a->optimizer, "sgd"))
         return cli_fail("train", "--optimizer must be adamw or sgd");
-    if (strcmp(a->precision, "f32") && strcmp(a->precision, "bf16") && strcmp(a->precision, "f16"))
+    if (kiln_dtype_parse(a->precision, &a->prec) != KILN_OK ||
+        (a->prec != KILN_DTYPE_F32 && a->prec != KILN_DTYPE_BF16 && a->prec != KILN_DTYPE_F16))
         return cli_fail("train", "--precision must be f32, bf16 or f16");
     if (!(a->loss_scale >= 1 && a->loss_scale <= 1e30))
         return cli_fail("train", "--loss-scale must be in 1..1e30");
     /* f16's loss scaler reads each step's gradient norm on the host to decide whether
      * the step is taken, which a captured graph cannot do; ZeRO-1's sharded update has
      * no place for the unscaling yet. */
-    if (!strcmp(a->precision, "f16") && (a->compile || a->zero1))
+    if (a->prec == KILN_DTYPE_F16 && (a->compile || a->zero1))
         return cli_fail("train", "--precision f16 (dynamic loss scaling) runs eager steps without --zero1; "
                                  "--precision bf16 needs no scaling and takes --compile and --zero1");
     return GO_ON;
@@ -549,9 +551,7 @@ static int build_model(train_run *r)
     train_args *a = &r->a;
     if (model_config(a, r->vocab, &r->cfg) != KILN_OK || kiln_gpt_new(&r->cfg, (uint64_t)a->seed, &r->m) != KILN_OK)
         return cli_fail("train", NULL);
-    kiln_dtype prec = !strcmp(a->precision, "bf16") ? KILN_DTYPE_BF16
-                      : !strcmp(a->precision, "f16") ? KILN_DTYPE_F16 : KILN_DTYPE_F32;
-    if (kiln_gpt_set_precision(r->m, prec) != KILN_OK) return cli_fail("train", NULL);
+    if (kiln_gpt_set_precision(r->m, a->prec) != KILN_OK) return cli_fail("train", NULL);
     r->scaler = kiln_loss_scaler_default(); /* a resumed run's replaces it (load_checkpoint) */
     r->scaler.scale = a->loss_scale;
     r->np = kiln_gpt_num_params(r->m);
@@ -572,7 +572,7 @@ static int load_checkpoint(train_run *r)
     r->start = 0;
     kiln_manual_seed((uint64_t)a->seed);
     if (a->resume) {
-        if (load_state(a->out, r->m, r->opt, a, &r->start, strcmp(a->precision, "f16") ? NULL : &r->scaler) != KILN_OK)
+        if (load_state(a->out, r->m, r->opt, a, &r->start, a->prec == KILN_DTYPE_F16 ? &r->scaler : NULL) != KILN_OK)
             return cli_fail("train", NULL);
         r->skipped_seen = r->scaler.skipped; /* the loaded run's skips are not news */
         if (r->start >= a->steps) {
@@ -603,7 +603,7 @@ static int setup_step(train_run *r)
     int np = r->np, world = r->world;
     kiln_tensor_t **params = r->params;
     r->tokens_per_step = a->batch * a->context * a->accum;
-    bool scaled = !strcmp(a->precision, "f16"); /* the step function does the scaling, with any accum and world */
+    bool scaled = a->prec == KILN_DTYPE_F16; /* the step function does the scaling, with any accum and world */
     r->whole = a->compile || scaled || (world == 1 && !a->zero1 && a->accum == 1);
     r->step_fn = (kiln_gpt_step){r->m, r->opt, params, np, a->clip, (int)a->accum, world > 1 ? r->pg : NULL, NULL,
                                  scaled ? &r->scaler : NULL};
@@ -683,7 +683,7 @@ static int print_banner(train_run *r)
                a->model, r->cfg.n_layer, r->cfg.n_embd, r->cfg.n_head, r->cfg.n_kv_head, r->cfg.block_size, r->vocab,
                r->tok_kind, (double)kiln_gpt_param_elements(r->m) / 1e6, kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN),
                kiln_dataset_len(r->ds, KILN_SPLIT_VAL), (long long)r->tokens_per_step, r->world, kiln_num_threads(),
-               kiln_device(), !strcmp(a->precision, "f32") ? "f32" : !strcmp(a->precision, "bf16")
+               kiln_device(), a->prec == KILN_DTYPE_F32 ? "f32" : a->prec == KILN_DTYPE_BF16
                    ? "mixed precision bf16" : "mixed precision f16 with loss scaling", r->unigram);
     return GO_ON;
 }

@@ -465,7 +465,7 @@ kiln_status kiln_gpt_set_precision(kiln_gpt_t *m, kiln_dtype dt)
 kiln_dtype kiln_gpt_precision(const kiln_gpt_t *m) { return m ? m->precision : KILN_DTYPE_F32; }
 
 /* t replaced by a copy in dt, in the layer or model field and in the parameter list. */
-static kiln_status restore_param(kiln_gpt_t *m, kiln_tensor_t **field, kiln_dtype dt)
+static kiln_status store_param(kiln_gpt_t *m, kiln_tensor_t **field, kiln_dtype dt)
 {
     if (!*field || kiln_tensor_dtype(*field) == dt) return KILN_OK;
     kiln_tensor_t *t = kiln_keep(kiln_cast(*field, dt));
@@ -489,13 +489,25 @@ kiln_status kiln_gpt_store_linear(kiln_gpt_t *m, kiln_dtype dt)
     for (int i = 0; s == KILN_OK && i < m->cfg.n_layer; i++) {
         layer *L = &m->layers[i];
         kiln_tensor_t **w[5] = {&L->qkv_w, &L->proj_w, &L->fc_w, &L->up_w, &L->out_w};
-        for (int j = 0; s == KILN_OK && j < 5; j++) s = restore_param(m, w[j], dt);
+        for (int j = 0; s == KILN_OK && j < 5; j++) s = store_param(m, w[j], dt);
     }
-    if (s == KILN_OK && !m->cfg.tied) s = restore_param(m, &m->lm_head, dt);
+    if (s == KILN_OK && !m->cfg.tied) s = store_param(m, &m->lm_head, dt);
     kiln_scope_end();
     kiln_set_grad_enabled(grad);
     if (s == KILN_OK) m->precision = dt;
     return s;
+}
+
+/* The model's autocast region around a forward (none in f32); false when it could not
+ * be opened (the error is set). */
+static bool precision_begin(const kiln_gpt_t *m)
+{
+    return m->precision == KILN_DTYPE_F32 || kiln_autocast_begin(m->precision) == KILN_OK;
+}
+
+static void precision_end(const kiln_gpt_t *m)
+{
+    if (m->precision != KILN_DTYPE_F32) kiln_autocast_end();
 }
 
 static kiln_tensor_t *forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t *targets, bool train, kiln_tensor_t **loss)
@@ -521,10 +533,9 @@ kiln_tensor_t *kiln_gpt_forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t
     if (loss) *loss = NULL;
     if (!m) return kiln_error(KILN_ERR_ARG, "gpt_forward: model is NULL"), NULL;
     if (check_idx(m, idx, 0, "gpt_forward") != KILN_OK) return NULL;
-    if (m->precision == KILN_DTYPE_F32) return forward(m, idx, targets, train, loss);
-    if (kiln_autocast_begin(m->precision) != KILN_OK) return NULL;
+    if (!precision_begin(m)) return NULL;
     kiln_tensor_t *logits = forward(m, idx, targets, train, loss);
-    kiln_autocast_end();
+    precision_end(m);
     return logits;
 }
 
@@ -581,9 +592,9 @@ kiln_tensor_t *kiln_gpt_forward_cached(kiln_gpt_t *m, kiln_kv_cache_t *c, kiln_t
         return kiln_error(KILN_ERR_SHAPE, "gpt_forward_cached: batch %lld, the cache holds %d",
                          (long long)kiln_tensor_dim(idx, 0), c->batch), NULL;
     bool prev = kiln_set_grad_enabled(false);
-    bool cast = m->precision != KILN_DTYPE_F32 && kiln_autocast_begin(m->precision) == KILN_OK;
-    kiln_tensor_t *logits = m->precision == KILN_DTYPE_F32 || cast ? run(m, idx, c->len, c, false) : NULL;
-    if (cast) kiln_autocast_end();
+    bool open = precision_begin(m);
+    kiln_tensor_t *logits = open ? run(m, idx, c->len, c, false) : NULL;
+    if (open) precision_end(m);
     kiln_set_grad_enabled(prev);
     if (logits) c->len += (int)kiln_tensor_dim(idx, 1);
     return logits;
