@@ -1,7 +1,7 @@
 /* matmul_rows_packed's kernel, written once for a vector type KV and included by
- * cpu_paged.c for each lane count and weight type (KV, KSFX, KATTR, KGROUP, KMR, KBCAST,
- * KWT the packed weights' element type and KLOADW(v, p) loading KW of them into v as
- * floats, defined there, undefined at the end). The
+ * cpu_paged.c for each lane count (KV, KATTR, KGROUP, KMR, KBCAST, defined there for
+ * both weight types) and weight type (KSFX, KWT the packed weights' element type and
+ * KLOADW(v, p) loading KW of them into v as floats, undefined at the end). The
  * weights come as panels of KILN_ROWS_PANEL output columns stored k-major, so a tile of
  * KMR rows by KGROUP panels keeps its sums in registers while the panels stream by:
  * for each k, a row's a[m][k] is broadcast and multiplied into every column vector.
@@ -88,11 +88,6 @@ KATTR static void KFN(packed_range)(void *c, int64_t b, int64_t e)
 #undef KW
 #undef KVP
 #undef KMAXV
-#undef KV
 #undef KSFX
-#undef KGROUP
-#undef KMR
-#undef KBCAST
-#undef KATTR
 #undef KWT
 #undef KLOADW

@@ -197,45 +197,45 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 
 /* Eight lanes: tiles of 4 rows by one panel (two vectors), eight sums in registers. */
 #define KV v8
-#define KSFX p8
 #define KGROUP 1
 #define KMR 4
 #define KBCAST(s) ((v8){s, s, s, s, s, s, s, s})
 #define KATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
+#define KSFX p8
 #define KWT float
 #define KLOADW(v, p) LOAD_F32(v, p)
 #include "backends/cpu/cpu_packed_impl.h"
-#define KV v8
 #define KSFX p8b
-#define KGROUP 1
-#define KMR 4
-#define KBCAST(s) ((v8){s, s, s, s, s, s, s, s})
-#define KATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
 #define KWT uint16_t
 #define KLOADW(v, p) LOAD_BF16(h8, i8, v, p)
 #include "backends/cpu/cpu_packed_impl.h"
+#undef KV
+#undef KGROUP
+#undef KMR
+#undef KBCAST
+#undef KATTR
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ROWS_WIDE 1
 /* Sixteen lanes: tiles of 8 rows by three panels, 24 of the 32 registers. */
 #define KV v16
-#define KSFX p16
 #define KGROUP 3
 #define KMR 8
 #define KBCAST(s) ((v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s})
 #define KATTR __attribute__((target("arch=x86-64-v4")))
+#define KSFX p16
 #define KWT float
 #define KLOADW(v, p) LOAD_F32(v, p)
 #include "backends/cpu/cpu_packed_impl.h"
-#define KV v16
 #define KSFX p16b
-#define KGROUP 3
-#define KMR 8
-#define KBCAST(s) ((v16){s, s, s, s, s, s, s, s, s, s, s, s, s, s, s, s})
-#define KATTR __attribute__((target("arch=x86-64-v4")))
 #define KWT uint16_t
 #define KLOADW(v, p) LOAD_BF16(h16, i16, v, p)
 #include "backends/cpu/cpu_packed_impl.h"
+#undef KV
+#undef KGROUP
+#undef KMR
+#undef KBCAST
+#undef KATTR
 #else
 #define ROWS_WIDE 0
 #endif
