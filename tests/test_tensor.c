@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "kiln/ops.h"
+#include "core/dtype.h"
 #include "core/rng.h"
 #include "core/tensor_impl.h"
 
@@ -447,6 +448,76 @@ static void test_contiguous_copies_a_strided_view_and_clone_always_copies(void *
     /* contiguous() of a contiguous tensor is the same storage. */
     kiln_tensor_t *same = kiln_contiguous(a);
     assert_true(poke_and_read(kiln_narrow(same, 1, 2, 1), a, 5) == 100);
+}
+
+/* Copies of permuted views, made contiguous or cast, element by element against the
+ * index arithmetic on the host data (the oracle), with the scalar conversions of
+ * core/dtype.h for the casts (bitwise). The shapes have edges that are not whole
+ * 32 x 32 tiles, and the 3-d ones put the source's contiguous dim first, in the middle
+ * or last, as the tiled transposing copy meets them. */
+static void test_copies_of_permuted_views_match_the_index_arithmetic(void **state)
+{
+    const struct {
+        int ndim;
+        int64_t shape[3];
+        int order[3];
+    } cases[] = {
+        {2, {37, 70}, {1, 0}},  {2, {64, 64}, {1, 0}},    {2, {8, 9}, {1, 0}},
+        {2, {1, 40}, {1, 0}},   {3, {3, 33, 41}, {0, 2, 1}}, {3, {33, 5, 41}, {2, 1, 0}},
+        {3, {9, 40, 17}, {2, 0, 1}},
+    };
+    const kiln_dtype pairs[][2] = {{KILN_DTYPE_F32, KILN_DTYPE_F32}, {KILN_DTYPE_F32, KILN_DTYPE_BF16},
+                                   {KILN_DTYPE_F32, KILN_DTYPE_F16},  {KILN_DTYPE_BF16, KILN_DTYPE_F32},
+                                   {KILN_DTYPE_BF16, KILN_DTYPE_BF16}, {KILN_DTYPE_F64, KILN_DTYPE_F32},
+                                   {KILN_DTYPE_I64, KILN_DTYPE_I64}};
+    enum { MAXN = 33 * 5 * 41 };
+    static float vals[MAXN];
+    static unsigned char src[MAXN * 8], got[MAXN * 8];
+    for (int i = 0; i < MAXN; i++) vals[i] = (float)((i * 7919 % 2003) - 1001) / 37.0f;
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++)
+        for (size_t p = 0; p < sizeof pairs / sizeof pairs[0]; p++) {
+            kiln_dtype st = pairs[p][0], dt = pairs[p][1];
+            int nd = cases[c].ndim;
+            int64_t n = kiln__numel(nd, cases[c].shape);
+            for (int64_t i = 0; i < n; i++) {
+                if (st == KILN_DTYPE_F32) ((float *)src)[i] = vals[i];
+                else if (st == KILN_DTYPE_BF16) ((uint16_t *)src)[i] = kiln__f32_to_bf16(vals[i]);
+                else if (st == KILN_DTYPE_F64) ((double *)src)[i] = vals[i] * (1.0 + 1e-9);
+                else ((int64_t *)src)[i] = i * 1000003 - 77;
+            }
+            kiln_tensor_t *a = kiln_from_data(src, cases[c].shape, nd, st);
+            kiln_tensor_t *v = kiln_permute(a, cases[c].order, nd);
+            kiln_tensor_t *o = dt == st ? kiln_contiguous(v) : kiln_cast(v, dt);
+            assert_non_null(o);
+            assert_true(kiln_tensor_is_contiguous(o));
+            assert_int_equal(kiln_tensor_to_host(o, got, kiln_tensor_nbytes(o)), KILN_OK);
+            int64_t vs[3], ss[3] = {0}; /* the view's shape and its strides into src */
+            for (int d = 0; d < nd; d++) {
+                vs[d] = cases[c].shape[cases[c].order[d]];
+                int64_t st_d = 1;
+                for (int e = cases[c].order[d] + 1; e < nd; e++) st_d *= cases[c].shape[e];
+                ss[d] = st_d;
+            }
+            for (int64_t i = 0; i < n; i++) {
+                int64_t rem = i, at = 0;
+                for (int d = nd - 1; d >= 0; d--) {
+                    at += rem % vs[d] * ss[d];
+                    rem /= vs[d];
+                }
+                bool ok;
+                if (st == KILN_DTYPE_I64) ok = ((int64_t *)got)[i] == ((int64_t *)src)[at];
+                else if (st == KILN_DTYPE_F64) ok = ((float *)got)[i] == (float)((double *)src)[at];
+                else {
+                    float x = st == KILN_DTYPE_F32 ? ((float *)src)[at] : kiln__bf16_to_f32(((uint16_t *)src)[at]);
+                    if (dt == KILN_DTYPE_F32) ok = ((float *)got)[i] == x;
+                    else if (dt == KILN_DTYPE_BF16) ok = ((uint16_t *)got)[i] == kiln__f32_to_bf16(x);
+                    else ok = ((uint16_t *)got)[i] == kiln__f32_to_f16(x);
+                }
+                if (!ok)
+                    fail_msg("case %zu (%s -> %s): element %lld differs", c, kiln_dtype_name(st), kiln_dtype_name(dt),
+                             (long long)i);
+            }
+        }
 }
 
 /* Does any element of a sit where one of b does? By enumerating both (the oracle). */
@@ -909,6 +980,7 @@ int main(int argc, char **argv)
         T(test_squeeze_and_unsqueeze_share_storage),
         T(test_unsqueeze_of_a_transpose_stays_a_view),
         T(test_contiguous_copies_a_strided_view_and_clone_always_copies),
+        T(test_copies_of_permuted_views_match_the_index_arithmetic),
         T(test_view_of_a_transpose_fails_and_reshape_copies),
         T(test_views_overlap_by_their_elements),
         T(test_view_with_the_wrong_element_count_is_a_shape_error),
