@@ -8,7 +8,8 @@
  * (1, 7, 63, 65, ...), with K over several KC blocks and odd K, in the layouts training
  * uses (A B, A B^T, A^T B), with padded leading dimensions, and accumulating into C.
  * Then bitwise: a row's result does not depend on the other rows, nor a column's on
- * the other columns (so not on how the threads split the work either). */
+ * the other columns (so not on how the threads split the work either), and a bf16
+ * result is the same sums rounded once. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -185,6 +186,45 @@ static void test_rows_and_columns_do_not_depend_on_the_rest(void **state)
         }
 }
 
+/* A bf16 result (kiln__gemm_bf16) is the f32 GEMM's sums rounded once to bf16, bit for
+ * bit (the sums themselves are checked against double above), for every kernel, on
+ * shapes whose rows or columns are split among work items and threads, with a padded
+ * row stride whose padding stays untouched; K = 0 gives zeros. */
+static void test_bf16_result_is_the_sums_rounded_once(void **state)
+{
+    (void)state;
+    static const int64_t sizes[][3] = {{1, 1, 1}, {7, 65, 63}, {65, 63, 300}, {3, 700, 70}, {300, 40, 33}, {70, 5000, 40}};
+    for (size_t s = 0; s < sizeof ISAS / sizeof ISAS[0]; s++)
+        for (size_t z = 0; z < sizeof sizes / sizeof sizes[0]; z++)
+            for (int layout = 0; layout < 3; layout++) {
+                int64_t M = sizes[z][0], N = sizes[z][1], K = sizes[z][2], ldc = N + 3;
+                mat A = mat_new(M, K, layout == 2, 1, KILN__GEMM_BF16), B = mat_new(K, N, layout == 1, 2, KILN__GEMM_BF16);
+                float *C = malloc(sizeof(float) * (size_t)(M * N));
+                uint16_t *H = malloc(sizeof(uint16_t) * (size_t)(M * ldc));
+                assert_non_null(C);
+                assert_non_null(H);
+                for (int64_t i = 0; i < M * ldc; i++) H[i] = 0x7fc1; /* a marker NaN */
+                if (kiln__gemm_with(ISAS[s], M, N, K, operand(&A), operand(&B), C, N, false, KILN__GEMM_BF16)) {
+                    assert_true(kiln__gemm_bf16_with(ISAS[s], M, N, K, operand(&A), operand(&B), H, ldc));
+                    for (int64_t i = 0; i < M; i++)
+                        for (int64_t j = 0; j < ldc; j++) {
+                            uint16_t want = j < N ? kiln__f32_to_bf16(C[i * N + j]) : 0x7fc1;
+                            if (H[i * ldc + j] != want)
+                                fail_msg("%s M=%lld N=%lld K=%lld layout %d: C[%lld,%lld] = 0x%04x, want 0x%04x",
+                                         ISA_NAMES[s], (long long)M, (long long)N, (long long)K, layout, (long long)i,
+                                         (long long)j, H[i * ldc + j], want);
+                        }
+                    assert_true(kiln__gemm_bf16_with(ISAS[s], M, N, 0, operand(&A), operand(&B), H, ldc));
+                    for (int64_t i = 0; i < M; i++)
+                        for (int64_t j = 0; j < ldc; j++) assert_int_equal(H[i * ldc + j], j < N ? 0 : 0x7fc1);
+                }
+                free(A.data);
+                free(B.data);
+                free(C);
+                free(H);
+            }
+}
+
 int main(void)
 {
     kiln_init(0);
@@ -194,6 +234,7 @@ int main(void)
         cmocka_unit_test(test_every_kernel_matches_double_reference),
         cmocka_unit_test(test_zero_k_and_empty),
         cmocka_unit_test(test_rows_and_columns_do_not_depend_on_the_rest),
+        cmocka_unit_test(test_bf16_result_is_the_sums_rounded_once),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

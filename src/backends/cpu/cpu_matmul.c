@@ -80,42 +80,23 @@ static kiln__gemm_operand own_operand(const char *p, kiln__gemm_type t, mat_layo
     return l.trans == CblasNoTrans ? (kiln__gemm_operand){p, t, l.ld, 1} : (kiln__gemm_operand){p, t, 1, l.ld};
 }
 
-typedef struct {
-    const float *src;
-    uint16_t *dst;
-    int64_t n;
-} round_ctx;
-
-static void round_rows(void *c, int64_t b, int64_t e)
-{
-    const round_ctx *r = c;
-    for (int64_t i = b; i < e; i++) kiln__f32_to_bf16_n(r->src + i * r->n, r->dst + i * r->n, r->n);
-}
-
 /* bf16 operands: kiln's own GEMM, products of bf16 values summed in f32 (AMX or
  * AVX512-BF16 where the processor has them), each result rounded once to bf16, as
  * PyTorch's bf16 matmul does. The BLAS has no bf16 GEMM to fall back to. */
-static kiln_status gemm_bf16(kiln__backend *be, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K,
-                             const char *A, const char *B, char *C)
+static kiln_status gemm_bf16(mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
+                             const char *B, char *C)
 {
-    /* the f32 sums, from the caching allocator: a step asks for the same sizes again */
-    kiln_tensor_t *acc = kiln__tensor_alloc(be, KILN_DTYPE_F32, (int64_t[]){M, N}, 2);
-    if (!acc || !kiln__gemm(M, N, K, own_operand(A, KILN__GEMM_BF16, la), own_operand(B, KILN__GEMM_BF16, lb),
-                            kiln__data(acc), N, false, KILN__GEMM_BF16)) {
-        kiln_tensor_free(acc);
+    if (!kiln__gemm_bf16(M, N, K, own_operand(A, KILN__GEMM_BF16, la), own_operand(B, KILN__GEMM_BF16, lb),
+                         (uint16_t *)C, N))
         return kiln__err(KILN_ERR_OOM, "matmul: out of memory for a %lld x %lld bf16 product", (long long)M,
                          (long long)N);
-    }
-    round_ctx r = {kiln__data(acc), (uint16_t *)C, N};
-    kiln__parallel_for(M, M * N > ((int64_t)1 << 16) ? 16 : M, round_rows, &r);
-    kiln_tensor_free(acc);
     return KILN_OK;
 }
 
-static kiln_status gemm(kiln__backend *be, kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N,
+static kiln_status gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N,
                         int64_t K, const char *A, const char *B, char *C)
 {
-    if (dt == KILN_DTYPE_BF16) return gemm_bf16(be, la, lb, M, N, K, A, B, C);
+    if (dt == KILN_DTYPE_BF16) return gemm_bf16(la, lb, M, N, K, A, B, C);
     /* kiln's GEMM threads itself over the pool; it fails only when out of memory for
      * its packing buffers, and the BLAS then does the product. */
     if (dt == KILN_DTYPE_F32 && kiln__opt(KILN__OPT_OWN_GEMM) &&
@@ -185,7 +166,7 @@ kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
     if (x->stride[nx - 2] != la.ld) x_stacks = false; /* with M = 1, ld is K whatever the stride */
     kiln_status s = KILN_OK;
     if (!y_batched && x_stacks && batches > 1) {
-        s = gemm(be, o->dtype, la, lb, M * batches, N, K, kiln__data(x), kiln__data(y), kiln__data(o));
+        s = gemm(o->dtype, la, lb, M * batches, N, K, kiln__data(x), kiln__data(y), kiln__data(o));
     } else {
         for (int64_t bi = 0; bi < batches && s == KILN_OK; bi++) {
             int64_t rem = bi, ox = 0, oy = 0;
@@ -196,7 +177,7 @@ kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
                 if (jx >= 0 && x->shape[jx] != 1) ox += i * x->stride[jx];
                 if (jy >= 0 && y->shape[jy] != 1) oy += i * y->stride[jy];
             }
-            s = gemm(be, o->dtype, la, lb, M, N, K, (const char *)kiln__data(x) + ox * (int64_t)es,
+            s = gemm(o->dtype, la, lb, M, N, K, (const char *)kiln__data(x) + ox * (int64_t)es,
                      (const char *)kiln__data(y) + oy * (int64_t)es, (char *)kiln__data(o) + bi * M * N * (int64_t)es);
         }
     }

@@ -465,19 +465,18 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, bool is_b, int6
 /* ---- the driver ---- */
 
 /* Each thread keeps its packing buffers between calls (slot 0: the caller's packed B,
- * slot 1: an item's packed A): fresh memory would cost page faults on every GEMM.
- * A thread's buffers are freed when it exits. */
+ * slot 1: an item's packed A, slot 2: an item's f32 sums when C is bf16): fresh memory
+ * would cost page faults on every GEMM. A thread's buffers are freed when it exits. */
 typedef struct {
-    void *p[2];
-    size_t n[2];
+    void *p[3];
+    size_t n[3];
 } buffers;
 static pthread_key_t buffers_key;
 static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
 static void buffers_free(void *v)
 {
     buffers *b = v;
-    free(b->p[0]);
-    free(b->p[1]);
+    for (int i = 0; i < 3; i++) free(b->p[i]);
     free(b);
 }
 static void buffers_init(void) { pthread_key_create(&buffers_key, buffers_free); }
@@ -505,7 +504,8 @@ typedef struct {
     const ukernel *uk;
     int64_t M, N, K, kc_max;
     kiln__gemm_operand A, B;
-    float *C;
+    float *C;         /* f32 C, or NULL when the result is bf16 */
+    uint16_t *Cb;     /* bf16 C: an item sums into its own f32 block, then rounds it here */
     int64_t ldc;
     bool accumulate;
     size_t es;         /* bytes per packed element */
@@ -536,19 +536,20 @@ static void pack_b_range(void *ctx, int64_t begin, int64_t end)
         }
 }
 
-/* One MR x NR tile; an edge tile runs the same kernel on a full-size scratch tile. */
+/* One MR x NR tile of C (row stride ldc); an edge tile runs the same kernel on a
+ * full-size scratch tile. */
 static void tile(const job *j, int64_t steps, const void *a, int64_t ars, int64_t acs, const void *b, float *c,
-                 int64_t m, int64_t n, bool add)
+                 int64_t ldc, int64_t m, int64_t n, bool add)
 {
     const ukernel *uk = j->uk;
     if (m == uk->mr && n == uk->nr) {
-        uk->run(steps, a, ars, acs, b, c, j->ldc, add);
+        uk->run(steps, a, ars, acs, b, c, ldc, add);
         return;
     }
     float t[MR_MAX * NR_MAX] = {0};
-    for (int64_t i = 0; i < m && add; i++) memcpy(t + i * uk->nr, c + i * j->ldc, sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < m && add; i++) memcpy(t + i * uk->nr, c + i * ldc, sizeof(float) * (size_t)n);
     uk->run(steps, a, ars, acs, b, t, uk->nr, add);
-    for (int64_t i = 0; i < m; i++) memcpy(c + i * j->ldc, t + i * uk->nr, sizeof(float) * (size_t)n);
+    for (int64_t i = 0; i < m; i++) memcpy(c + i * ldc, t + i * uk->nr, sizeof(float) * (size_t)n);
 }
 
 /* Where an f32 kernel reads rows [r, r + m) of A in K block [k0, k0 + kc): tile q (rows
@@ -594,7 +595,10 @@ static void items(void *ctx, int64_t begin, int64_t end)
     size_t abytes = f32 ? sizeof(float) * (size_t)((j->mc + uk->mr + 32) * (j->kc_max + 32))
                         : (size_t)(j->mc * kpad_of(j, j->kc_max)) * j->es;
     void *apack = buffer(1, abytes);
-    if (!apack) {
+    /* bf16 C: the item's m x (its panels' columns) f32 sums, rounded once at its end */
+    int64_t sld = j->panels_per_group * uk->nr;
+    float *sums = j->Cb ? buffer(2, sizeof(float) * (size_t)(j->mc * sld)) : NULL;
+    if (!apack || (j->Cb && !sums)) {
         j->failed = true; /* a benign race: every writer stores true */
         return;
     }
@@ -603,6 +607,9 @@ static void items(void *ctx, int64_t begin, int64_t end)
         int64_t r0 = mb * j->mc, m = j->M - r0 < j->mc ? j->M - r0 : j->mc;
         int64_t p0 = g * j->panels_per_group, p1 = p0 + j->panels_per_group;
         if (p1 > j->npanels) p1 = j->npanels;
+        /* where tile (i, p) of the item goes: C itself, or the item's sums */
+        float *cbase = j->Cb ? sums - p0 * uk->nr : j->C + r0 * j->ldc + j->c0;
+        int64_t cld = j->Cb ? sld : j->ldc;
         for (int64_t k0 = 0; k0 < j->K; k0 += j->kc_max) {
             int64_t kc = j->K - k0 < j->kc_max ? j->K - k0 : j->kc_max, kpad = kpad_of(j, kc);
             /* f32: the whole tiles, then the last partial one (copied on its own, so the
@@ -621,33 +628,41 @@ static void items(void *ctx, int64_t begin, int64_t end)
                 int64_t col = p * uk->nr, n = j->nc - col < uk->nr ? j->nc - col : uk->nr;
                 const char *b = bpanel(j, k0, kc, p);
                 for (int64_t i = 0; i < m; i += uk->mr) {
-                    float *c = j->C + (r0 + i) * j->ldc + j->c0 + col;
+                    float *c = cbase + i * cld + col;
                     int64_t rows = m - i < uk->mr ? m - i : uk->mr;
                     if (!f32)
                         tile(j, kpad / uk->kstep, (const char *)apack + i * kpad * (int64_t)j->es, 1, uk->mr, b, c,
-                             rows, n, add);
+                             cld, rows, n, add);
                     else if (i < whole)
-                        tile(j, kc, av.p + i / uk->mr * av.tile, av.rs, av.cs, b, c, rows, n, add);
+                        tile(j, kc, av.p + i / uk->mr * av.tile, av.rs, av.cs, b, c, cld, rows, n, add);
                     else
-                        tile(j, kc, edge.p, edge.rs, edge.cs, b, c, rows, n, add);
+                        tile(j, kc, edge.p, edge.rs, edge.cs, b, c, cld, rows, n, add);
                 }
             }
+        }
+        if (j->Cb) { /* the item's sums are whole: round them once, while they are in cache */
+            int64_t c0 = p0 * uk->nr, w = (p1 * uk->nr < j->nc ? p1 * uk->nr : j->nc) - c0;
+            for (int64_t r = 0; r < m; r++)
+                kiln__f32_to_bf16_n(sums + r * sld, j->Cb + (r0 + r) * j->ldc + j->c0 + c0, w);
         }
     }
 }
 
-bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
-                    float *C, int64_t ldc, bool accumulate, kiln__gemm_type compute)
+/* The driver: C f32 (C) or bf16 (Cb, then not accumulating). */
+static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
+                float *C, uint16_t *Cb, int64_t ldc, bool accumulate, kiln__gemm_type compute)
 {
     const ukernel *uk = pick(isa, compute);
     if (!uk) return false;
     if (M <= 0 || N <= 0) return true;
     if (K <= 0) {
-        for (int64_t i = 0; i < M && !accumulate; i++) memset(C + i * ldc, 0, sizeof(float) * (size_t)N);
+        for (int64_t i = 0; i < M && !accumulate; i++)
+            if (Cb) memset(Cb + i * ldc, 0, sizeof(uint16_t) * (size_t)N);
+            else memset(C + i * ldc, 0, sizeof(float) * (size_t)N);
         return true;
     }
-    job j = {.uk = uk, .M = M, .N = N, .K = K, .kc_max = KILN__GEMM_KC, .A = A, .B = B, .C = C, .ldc = ldc,
-             .accumulate = accumulate, .es = uk->packed == KILN__GEMM_BF16 ? 2 : 4};
+    job j = {.uk = uk, .M = M, .N = N, .K = K, .kc_max = KILN__GEMM_KC, .A = A, .B = B, .C = C, .Cb = Cb, .ldc = ldc,
+             .accumulate = accumulate && !Cb, .es = uk->packed == KILN__GEMM_BF16 ? 2 : 4};
     int64_t nt = kiln__pool_size() > 0 ? kiln__pool_size() : 1;
     size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < NC ? N : NC) + uk->nr) * j.es;
     j.bpack = buffer(0, bbytes);
@@ -672,8 +687,26 @@ bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__
     return !j.failed;
 }
 
+bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
+                    float *C, int64_t ldc, bool accumulate, kiln__gemm_type compute)
+{
+    return run(isa, M, N, K, A, B, C, NULL, ldc, accumulate, compute);
+}
+
 bool kiln__gemm(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, float *C, int64_t ldc,
                 bool accumulate, kiln__gemm_type compute)
 {
-    return kiln__gemm_with(KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, ldc, accumulate, compute);
+    return run(KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, ldc, accumulate, compute);
+}
+
+bool kiln__gemm_bf16_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
+                          kiln__gemm_operand B, uint16_t *C, int64_t ldc)
+{
+    return run(isa, M, N, K, A, B, NULL, C, ldc, false, KILN__GEMM_BF16);
+}
+
+bool kiln__gemm_bf16(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, uint16_t *C,
+                     int64_t ldc)
+{
+    return run(KILN__GEMM_ISA_AUTO, M, N, K, A, B, NULL, C, ldc, false, KILN__GEMM_BF16);
 }

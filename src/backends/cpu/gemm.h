@@ -53,6 +53,15 @@ bool kiln__gemm(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gem
 bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
                     float *C, int64_t ldc, bool accumulate, kiln__gemm_type compute);
 
+/* C (bf16, M x N, row stride ldc) = A B with bf16 products summed in f32 as kiln__gemm
+ * sums them, each element rounded once to bf16 (nearest even) when its sum is whole.
+ * The sums never fill an M x N f32 buffer: each work item keeps its block of them in
+ * a per-thread buffer and rounds it there, while it is in cache. */
+bool kiln__gemm_bf16(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, uint16_t *C,
+                     int64_t ldc);
+bool kiln__gemm_bf16_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
+                          kiln__gemm_operand B, uint16_t *C, int64_t ldc);
+
 /* n contiguous values between f32 and bf16, rounded as kiln__f32_to_bf16 rounds (the
  * packers' conversion, vectorized where the processor has AVX-512). */
 void kiln__f32_to_bf16_n(const float *src, uint16_t *dst, int64_t n);
