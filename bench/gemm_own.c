@@ -171,7 +171,9 @@ int main(int argc, char **argv)
     nblas += blas_open(&bl[nblas], "OpenBLAS", "libopenblas.so.0", "openblas_set_num_threads", threads);
     nblas += blas_open(&bl[nblas], "BLIS", "libblis.so.4", "bli_thread_set_num_threads", threads);
     peak_isa f32_isa = peak_supported(PEAK_AVX512) ? PEAK_AVX512 : PEAK_AVX2;
-    double f32_peak = peak_run(f32_isa, threads, 20000000L), bf16_peak = peak_run(PEAK_AVX512_BF16, threads, 20000000L);
+    /* bf16 against the peak of the instruction kiln's bf16 kernel runs on */
+    peak_isa bf16_isa = !strcmp(kiln__gemm_kernel_name(KILN__GEMM_BF16), "amx-bf16") ? PEAK_AMX_BF16 : PEAK_AVX512_BF16;
+    double f32_peak = peak_run(f32_isa, threads, 20000000L), bf16_peak = peak_run(bf16_isa, threads, 20000000L);
     if (bf16_peak <= 0) bf16_peak = f32_peak; /* bf16 then runs on the f32 kernels */
     printf("# threads %d; kernels: f32 %s, bf16 %s; peaks: f32 (%s) %.1f GFLOP/s, bf16 %.1f GFLOP/s\n", threads,
            kiln__gemm_kernel_name(KILN__GEMM_F32), kiln__gemm_kernel_name(KILN__GEMM_BF16), peak_names[f32_isa],

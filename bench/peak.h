@@ -4,6 +4,9 @@
  *   avx2         256-bit vfmadd: 8 f32 multiply-adds, 16 flops
  *   avx512       512-bit vfmadd: 16 f32 multiply-adds, 32 flops
  *   avx512-bf16  vdpbf16ps: 16 lanes each adding two bf16 products, 64 flops
+ *   amx-bf16     tdpbf16ps: a 16 x 32 by 32 x 16 bf16 product into a 16 x 16 f32 tile,
+ *                16,384 flops; four independent C tiles from two A and two B tiles, as
+ *                kiln's AMX micro-kernel runs them (the unit takes one at a time)
  * Used by bench/fma_peak.c and bench/gemm_own.c. */
 #ifndef KILN_BENCH_PEAK_H
 #define KILN_BENCH_PEAK_H
@@ -14,9 +17,10 @@
 #include <immintrin.h>
 #endif
 
-typedef enum { PEAK_AVX2, PEAK_AVX512, PEAK_AVX512_BF16, PEAK_COUNT } peak_isa;
-static const char *const peak_names[PEAK_COUNT] = {"avx2", "avx512", "avx512-bf16"};
-static const int peak_flops_per_op[PEAK_COUNT] = {16, 32, 64};
+typedef enum { PEAK_AVX2, PEAK_AVX512, PEAK_AVX512_BF16, PEAK_AMX_BF16, PEAK_COUNT } peak_isa;
+static const char *const peak_names[PEAK_COUNT] = {"avx2", "avx512", "avx512-bf16", "amx-bf16"};
+/* flops per instruction; the AMX loop counts PEAK_CHAINS instructions an iteration too */
+static const int peak_flops_per_op[PEAK_COUNT] = {16, 32, 64, 16384};
 
 #define PEAK_CHAINS 12
 /* acc = acc * m + c (or acc += a.b with tiny a) keeps every chain bounded, so no
@@ -44,6 +48,49 @@ PEAK_LOOP(peak_loop_avx2, "avx2,fma", __m256, _mm256_set1_ps, _mm256_add_ps, AVX
 PEAK_LOOP(peak_loop_avx512, "avx512f", __m512, _mm512_set1_ps, _mm512_add_ps, AVX512_STEP, _mm512_reduce_add_ps)
 PEAK_LOOP(peak_loop_avx512_bf16, "avx512f,avx512bf16", __m512, _mm512_set1_ps, _mm512_add_ps, BF16_STEP,
           _mm512_reduce_add_ps)
+
+/* AMX: Linux grants the tile state to a process that asks (arch_prctl), and each thread
+ * loads a tile configuration: here eight 16 x 64-byte tiles. The tiles hold zeros, so
+ * the sums stay zero; the unit's speed does not depend on the values. */
+#include <sys/syscall.h>
+#include <unistd.h>
+__attribute__((target("amx-tile,amx-bf16"))) static float peak_loop_amx(long iters)
+{
+    struct {
+        unsigned char palette, start_row, reserved[14];
+        unsigned short colsb[16];
+        unsigned char rows[16];
+    } cfg = {.palette = 1};
+    for (int i = 0; i < 8; i++) {
+        cfg.colsb[i] = 64;
+        cfg.rows[i] = 16;
+    }
+    _tile_loadconfig(&cfg);
+    _tile_zero(0); /* the tile numbers are immediates */
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    _tile_zero(4);
+    _tile_zero(5);
+    _tile_zero(6);
+    _tile_zero(7);
+    for (long n = 0; n < iters; n++) /* PEAK_CHAINS = 12 instructions an iteration */
+        for (int r = 0; r < 3; r++) {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    float out[256];
+    _tile_stored(0, out, 64);
+    _tile_release();
+    return out[0];
+}
+static int peak_amx_permitted(void)
+{
+    return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16") &&
+           syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
+}
 #endif
 
 /* Whether this processor runs the instruction of `isa`. */
@@ -55,6 +102,7 @@ static inline int peak_supported(peak_isa isa)
     case PEAK_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case PEAK_AVX512: return __builtin_cpu_supports("avx512f");
     case PEAK_AVX512_BF16: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
+    case PEAK_AMX_BF16: return peak_amx_permitted();
     default: return 0;
     }
 #else
@@ -75,9 +123,10 @@ static void *peak_worker(void *p)
     peak_worker_arg *a = p;
     pthread_barrier_wait(a->start);
 #if defined(__x86_64__)
-    a->sink = a->isa == PEAK_AVX2     ? peak_loop_avx2(a->iters)
-              : a->isa == PEAK_AVX512 ? peak_loop_avx512(a->iters)
-                                      : peak_loop_avx512_bf16(a->iters);
+    a->sink = a->isa == PEAK_AVX2          ? peak_loop_avx2(a->iters)
+              : a->isa == PEAK_AVX512      ? peak_loop_avx512(a->iters)
+              : a->isa == PEAK_AVX512_BF16 ? peak_loop_avx512_bf16(a->iters)
+                                           : peak_loop_amx(a->iters / 64); /* each op 256x a vdpbf16ps */
 #endif
     return NULL;
 }
@@ -104,6 +153,7 @@ static inline double peak_run(peak_isa isa, int nthreads, long iters)
     float sink = 0;
     for (int i = 0; i < nthreads; i++) sink += args[i].sink;
     if (sink == -1.0f) printf("(unreachable)\n");
-    return (double)nthreads * (double)iters * PEAK_CHAINS * peak_flops_per_op[isa] / t * 1e-9;
+    long ran = isa == PEAK_AMX_BF16 ? iters / 64 : iters;
+    return (double)nthreads * (double)ran * PEAK_CHAINS * peak_flops_per_op[isa] / t * 1e-9;
 }
 #endif
