@@ -54,7 +54,7 @@ typedef struct {
 
 typedef struct {
     float *a, *b, *c;
-    uint16_t *a16, *b16;
+    uint16_t *a16, *b16, *c16;
 } operands;
 
 static float *randn(int64_t n, uint64_t *s)
@@ -83,15 +83,16 @@ static kiln__gemm_operand op_b(const gemm_case *g, const void *p, kiln__gemm_typ
     return (kiln__gemm_operand){p, t, g->tb ? 1 : g->N, g->tb ? g->K : 1};
 }
 
-/* Engine e's seconds for one GEMM: 0 kiln f32, 1 kiln bf16 (bf16 operands), 2.. a BLAS. */
+/* Engine e's seconds for one GEMM: 0 kiln f32, 1 kiln bf16 (bf16 operands and result, as
+ * a bf16 matmul runs it), 2.. a BLAS. */
 static double run(int e, const gemm_case *g, operands *o, const blas *bl)
 {
     double t0 = bench_now_s();
     if (e == 0) kiln__gemm(g->M, g->N, g->K, op_a(g, o->a, KILN__GEMM_F32), op_b(g, o->b, KILN__GEMM_F32), o->c, g->N,
                            false, KILN__GEMM_F32);
     else if (e == 1)
-        kiln__gemm(g->M, g->N, g->K, op_a(g, o->a16, KILN__GEMM_BF16), op_b(g, o->b16, KILN__GEMM_BF16), o->c, g->N,
-                   false, KILN__GEMM_BF16);
+        kiln__gemm_bf16(g->M, g->N, g->K, op_a(g, o->a16, KILN__GEMM_BF16), op_b(g, o->b16, KILN__GEMM_BF16), o->c16,
+                        g->N);
     else
         bl[e - 2].sgemm(ROW_MAJOR, g->ta ? TRANS : NO_TRANS, g->tb ? TRANS : NO_TRANS, (int)g->M, (int)g->N,
                         (int)g->K, 1.0f, o->a, (int)(g->ta ? g->M : g->K), o->b, (int)(g->tb ? g->K : g->N), 0.0f,
@@ -107,7 +108,8 @@ static double gflops(const gemm_case *g, double s) { return 2.0 * (double)g->M *
 static void bench_case(const gemm_case *g, int reps, int rest_ms, const blas *bl, int nblas, double *gf, double *rel)
 {
     uint64_t seed = 42;
-    operands o = {randn(g->M * g->K, &seed), randn(g->K * g->N, &seed), randn(g->M * g->N, &seed), NULL, NULL};
+    operands o = {randn(g->M * g->K, &seed), randn(g->K * g->N, &seed), randn(g->M * g->N, &seed), NULL, NULL, NULL};
+    o.c16 = malloc(sizeof(uint16_t) * (size_t)(g->M * g->N));
     o.a16 = to_bf16(o.a, g->M * g->K);
     o.b16 = to_bf16(o.b, g->K * g->N);
     int ne = 2 + nblas;
@@ -137,7 +139,7 @@ static void bench_case(const gemm_case *g, int reps, int rest_ms, const blas *bl
         qsort(t[e], (size_t)reps, sizeof(double), bench_cmp_double);
         gf[e] = gflops(g, t[e][reps / 2]);
     }
-    free(o.a), free(o.b), free(o.c), free(o.a16), free(o.b16);
+    free(o.a), free(o.b), free(o.c), free(o.a16), free(o.b16), free(o.c16);
 }
 
 static const char *layout(const gemm_case *g)

@@ -193,7 +193,8 @@ static void test_rows_and_columns_do_not_depend_on_the_rest(void **state)
 static void test_bf16_result_is_the_sums_rounded_once(void **state)
 {
     (void)state;
-    static const int64_t sizes[][3] = {{1, 1, 1}, {7, 65, 63}, {65, 63, 300}, {3, 700, 70}, {300, 40, 33}, {70, 5000, 40}};
+    static const int64_t sizes[][3] = {{1, 1, 1},     {7, 65, 63},   {65, 63, 300}, {3, 700, 70},
+                                       {300, 40, 33}, {70, 5000, 40}, {96, 70, 64},  {64, 33, 544}};
     for (size_t s = 0; s < sizeof ISAS / sizeof ISAS[0]; s++)
         for (size_t z = 0; z < sizeof sizes / sizeof sizes[0]; z++)
             for (int layout = 0; layout < 3; layout++) {

@@ -321,44 +321,90 @@ static inline __mmask16 first_n(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 
 /* One 32-wide AMX panel of an operand whose tile dim (ts == 1) or K (ks == 1) is
  * contiguous: A panels are 32 rows of 32 k a k-step; B panels two 16-column halves
  * of 16 k-pairs. Returns false for other layouts (the generic packer takes them). */
+/* Transposes a 16 x 16 block of 32-bit words held in 16 registers (r[i] lane j becomes
+ * r[j] lane i): pairs of words, then of double words, then 128-bit lanes twice. */
+AVX512_PACK static inline void transpose16(__m512i r[16])
+{
+    __m512i t[16];
+    for (int i = 0; i < 8; i++) {
+        t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+        t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+    }
+    for (int i = 0; i < 4; i++) {
+        r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+        r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+        r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+    }
+    for (int i = 0; i < 2; i++)
+        for (int j = 0; j < 4; j++) {
+            t[8 * i + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0x88);
+            t[8 * i + 4 + j] = _mm512_shuffle_i32x4(r[8 * i + j], r[8 * i + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        r[j] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0x88);
+        r[j + 8] = _mm512_shuffle_i32x4(t[j], t[j + 8], 0xdd);
+    }
+}
+
+/* The 16 k-pairs of k = k0 .. k0 + 31 of a row (A) or column (B) whose k are
+ * contiguous from `at`, zero past kc. */
+AVX512_PACK static inline __m512i row_pairs(const kiln__gemm_operand *x, int64_t at, int64_t left)
+{
+    if (x->type == KILN__GEMM_BF16) { /* 32 bf16 along k are the 16 pairs as they lie */
+        __mmask32 m = left >= 32 ? 0xffffffffu : left <= 0 ? 0 : (__mmask32)((1u << left) - 1);
+        return _mm512_maskz_loadu_epi16(m, (const uint16_t *)x->p + at);
+    }
+    __m512i lo = lanes16(x, at, first_n(left)), hi = lanes16(x, at + 16, first_n(left - 16));
+    return _mm512_or_si512(
+        _mm512_permutex2var_epi32(lo, _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30), hi),
+        _mm512_slli_epi32(
+            _mm512_permutex2var_epi32(lo, _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31), hi),
+            16));
+}
+
+/* One 32-wide AMX panel of an operand whose tile dim (ts == 1) or K (ks == 1) is
+ * contiguous: A panels are 32 rows of 32 k a k-step (row t's 16 pair words together);
+ * B panels two 16-column halves of 16 k-pairs (pair p's 16 column words together).
+ * Where the operand's order is the other one, 16 x 16 blocks of words are transposed
+ * in registers. Returns false for other layouts (the generic packer takes them). */
 AVX512_PACK static bool pack_amx(const kiln__gemm_operand *x, bool is_b, int64_t first, int64_t ts, int64_t ks,
                                  int64_t w, int64_t kc, uint16_t *out)
 {
     int64_t groups = (kc + 31) / 32;
     uint32_t *ow = (uint32_t *)out;
-    const __m512i idx16 = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                             _mm512_set1_epi32(16));
+    __m512i r[16];
     if (ks == 1) { /* each row (A) or column (B) holds its k contiguously */
-        if (w < 32) memset(out, 0, sizeof(uint16_t) * (size_t)(groups * 32 * 32));
-        for (int64_t t = 0; t < w; t++)
-            for (int64_t g = 0; g < groups; g++) {
-                int64_t k = g * 32, at = first + t * ts + k;
-                __m512i lo = lanes16(x, at, first_n(kc - k)), hi = lanes16(x, at + 16, first_n(kc - k - 16));
-                __m512i pairs = _mm512_or_si512(_mm512_permutex2var_epi32(lo, _mm512_setr_epi32(0, 2, 4, 6, 8, 10,
-                                               12, 14, 16, 18, 20, 22, 24, 26, 28, 30), hi),
-                                                _mm512_slli_epi32(_mm512_permutex2var_epi32(lo,
-                                               _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27,
-                                                                 29, 31), hi), 16));
-                if (!is_b) /* A: row t's 32 k are 16 consecutive words */
-                    _mm512_storeu_si512(ow + (g * 32 + t) * 16, pairs);
-                else /* B: k-pair p of column t is word (t / 16) * 256 + p * 16 + t % 16 */
-                    _mm512_i32scatter_epi32(ow + g * 512 + t / 16 * 256 + t % 16, idx16, pairs, 4);
+        for (int64_t g = 0; g < groups; g++)
+            for (int64_t h = 0; h < 2; h++) {
+                for (int64_t c = 0; c < 16; c++) {
+                    int64_t t = h * 16 + c;
+                    r[c] = t < w ? row_pairs(x, first + t * ts + g * 32, kc - g * 32) : _mm512_setzero_si512();
+                }
+                if (!is_b) { /* A: row t's pairs in a row */
+                    for (int64_t c = 0; c < 16; c++) _mm512_storeu_si512(ow + (g * 32 + h * 16 + c) * 16, r[c]);
+                } else { /* B: pair p of the half's 16 columns in a row */
+                    transpose16(r);
+                    for (int64_t p = 0; p < 16; p++) _mm512_storeu_si512(ow + g * 512 + h * 256 + p * 16, r[p]);
+                }
             }
         return true;
     }
     if (ts != 1) return false;
     for (int64_t g = 0; g < groups; g++)
-        for (int64_t p = 0; p < 16; p++) {
-            int64_t k = g * 32 + 2 * p;
-            for (int64_t h = 0; h < 2; h++) {
-                __mmask16 m = first_n(w - h * 16);
+        for (int64_t h = 0; h < 2; h++) {
+            __mmask16 m = first_n(w - h * 16);
+            for (int64_t p = 0; p < 16; p++) { /* the 16 tile elements of the half at k-pair p */
+                int64_t k = g * 32 + 2 * p;
                 __m512i k0 = lanes16(x, first + k * ks + h * 16, k < kc ? m : 0);
                 __m512i k1 = lanes16(x, first + (k + 1) * ks + h * 16, k + 1 < kc ? m : 0);
-                __m512i pairs = _mm512_or_si512(k0, _mm512_slli_epi32(k1, 16));
-                if (is_b) /* B: the 16 columns of half h, pair p */
-                    _mm512_storeu_si512(ow + g * 512 + h * 256 + p * 16, pairs);
-                else /* A: rows h*16.. of pair p, each row's words 16 apart */
-                    _mm512_i32scatter_epi32(ow + (g * 32 + h * 16) * 16 + p, idx16, pairs, 4);
+                r[p] = _mm512_or_si512(k0, _mm512_slli_epi32(k1, 16));
+            }
+            if (is_b) {
+                for (int64_t p = 0; p < 16; p++) _mm512_storeu_si512(ow + g * 512 + h * 256 + p * 16, r[p]);
+            } else { /* A: each row's 16 pairs in a row */
+                transpose16(r);
+                for (int64_t c = 0; c < 16; c++) _mm512_storeu_si512(ow + (g * 32 + h * 16 + c) * 16, r[c]);
             }
         }
     return true;
@@ -624,20 +670,23 @@ static void items(void *ctx, int64_t begin, int64_t end)
                 pack(uk, &j->A, false, r0 * j->A.rs + k0 * j->A.cs, j->A.rs, j->A.cs, m, kc, uk->mr, apack);
             }
             bool add = k0 > 0 || j->accumulate;
-            for (int64_t p = p0; p < p1; p++) {
+            /* AMX takes the row tiles outermost: an A tile is then read from L1 for every
+             * panel, and the packed B streams past in order (5% faster on the config S
+             * shapes than panels outermost, docs/perf-log.md). */
+            int64_t ni = (m + uk->mr - 1) / uk->mr, np = p1 - p0;
+            for (int64_t q = 0; q < ni * np; q++) {
+                int64_t i = (uk->amx ? q / np : q % ni) * uk->mr, p = p0 + (uk->amx ? q % np : q / ni);
                 int64_t col = p * uk->nr, n = j->nc - col < uk->nr ? j->nc - col : uk->nr;
                 const char *b = bpanel(j, k0, kc, p);
-                for (int64_t i = 0; i < m; i += uk->mr) {
-                    float *c = cbase + i * cld + col;
-                    int64_t rows = m - i < uk->mr ? m - i : uk->mr;
-                    if (!f32)
-                        tile(j, kpad / uk->kstep, (const char *)apack + i * kpad * (int64_t)j->es, 1, uk->mr, b, c,
-                             cld, rows, n, add);
-                    else if (i < whole)
-                        tile(j, kc, av.p + i / uk->mr * av.tile, av.rs, av.cs, b, c, cld, rows, n, add);
-                    else
-                        tile(j, kc, edge.p, edge.rs, edge.cs, b, c, cld, rows, n, add);
-                }
+                float *c = cbase + i * cld + col;
+                int64_t rows = m - i < uk->mr ? m - i : uk->mr;
+                if (!f32)
+                    tile(j, kpad / uk->kstep, (const char *)apack + i * kpad * (int64_t)j->es, 1, uk->mr, b, c, cld,
+                         rows, n, add);
+                else if (i < whole)
+                    tile(j, kc, av.p + i / uk->mr * av.tile, av.rs, av.cs, b, c, cld, rows, n, add);
+                else
+                    tile(j, kc, edge.p, edge.rs, edge.cs, b, c, cld, rows, n, add);
             }
         }
         if (j->Cb) { /* the item's sums are whole: round them once, while they are in cache */
