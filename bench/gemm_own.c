@@ -177,9 +177,12 @@ int main(int argc, char **argv)
     peak_isa bf16_isa = !strcmp(kiln__gemm_kernel_name(KILN__GEMM_BF16), "amx-bf16") ? PEAK_AMX_BF16 : PEAK_AVX512_BF16;
     double f32_peak = peak_run(f32_isa, threads, 20000000L), bf16_peak = peak_run(bf16_isa, threads, 20000000L);
     if (bf16_peak <= 0) bf16_peak = f32_peak; /* bf16 then runs on the f32 kernels */
-    printf("# threads %d; kernels: f32 %s, bf16 %s; peaks: f32 (%s) %.1f GFLOP/s, bf16 %.1f GFLOP/s\n", threads,
+    printf("# threads %d; kernels: f32 %s, bf16 %s; peaks: f32 (%s) %.1f GFLOP/s, bf16 (%s) %.1f GFLOP/s\n", threads,
            kiln__gemm_kernel_name(KILN__GEMM_F32), kiln__gemm_kernel_name(KILN__GEMM_BF16), peak_names[f32_isa],
-           f32_peak, bf16_peak);
+           f32_peak, peak_names[bf16_isa], bf16_peak);
+    if (bf16_isa == PEAK_AMX_BF16) /* what a 2 x 2 AMX kernel can reach: one tile load a tdpbf16ps */
+        printf("# amx with its tile loads from L1 (bench/peak.h amx-loads): %.1f GFLOP/s\n",
+               peak_run(PEAK_AMX_LOADS, threads, 20000000L));
 
     gemm_case cases[64];
     int n = 0;

@@ -7,6 +7,10 @@
  *   amx-bf16     tdpbf16ps: a 16 x 32 by 32 x 16 bf16 product into a 16 x 16 f32 tile,
  *                16,384 flops; four independent C tiles from two A and two B tiles, as
  *                kiln's AMX micro-kernel runs them (the unit takes one at a time)
+ *   amx-loads    the same with the two A and two B tiles loaded from L1 before each
+ *                four, as a 2 x 2 AMX GEMM kernel must (eight tiles hold four C tiles
+ *                and four operands, so one load a tdpbf16ps is the fewest): the ceiling
+ *                of any GEMM built on it
  * Used by bench/fma_peak.c and bench/gemm_own.c. */
 #ifndef KILN_BENCH_PEAK_H
 #define KILN_BENCH_PEAK_H
@@ -17,10 +21,10 @@
 #include <immintrin.h>
 #endif
 
-typedef enum { PEAK_AVX2, PEAK_AVX512, PEAK_AVX512_BF16, PEAK_AMX_BF16, PEAK_COUNT } peak_isa;
-static const char *const peak_names[PEAK_COUNT] = {"avx2", "avx512", "avx512-bf16", "amx-bf16"};
-/* flops per instruction; the AMX loop counts PEAK_CHAINS instructions an iteration too */
-static const int peak_flops_per_op[PEAK_COUNT] = {16, 32, 64, 16384};
+typedef enum { PEAK_AVX2, PEAK_AVX512, PEAK_AVX512_BF16, PEAK_AMX_BF16, PEAK_AMX_LOADS, PEAK_COUNT } peak_isa;
+static const char *const peak_names[PEAK_COUNT] = {"avx2", "avx512", "avx512-bf16", "amx-bf16", "amx-loads"};
+/* flops per instruction; the AMX loops count PEAK_CHAINS instructions an iteration too */
+static const int peak_flops_per_op[PEAK_COUNT] = {16, 32, 64, 16384, 16384};
 
 #define PEAK_CHAINS 12
 /* acc = acc * m + c (or acc += a.b with tiny a) keeps every chain bounded, so no
@@ -54,8 +58,9 @@ PEAK_LOOP(peak_loop_avx512_bf16, "avx512f,avx512bf16", __m512, _mm512_set1_ps, _
  * the sums stay zero; the unit's speed does not depend on the values. */
 #include <sys/syscall.h>
 #include <unistd.h>
-__attribute__((target("amx-tile,amx-bf16"))) static float peak_loop_amx(long iters)
+__attribute__((target("amx-tile,amx-bf16"))) static float peak_loop_amx(long iters, int loads)
 {
+    static _Alignas(64) unsigned char ab[4][1024]; /* zeros: two A and two B tiles, in L1 */
     struct {
         unsigned char palette, start_row, reserved[14];
         unsigned short colsb[16];
@@ -76,6 +81,12 @@ __attribute__((target("amx-tile,amx-bf16"))) static float peak_loop_amx(long ite
     _tile_zero(7);
     for (long n = 0; n < iters; n++) /* PEAK_CHAINS = 12 instructions an iteration */
         for (int r = 0; r < 3; r++) {
+            if (loads) {
+                _tile_loadd(4, ab[0], 64);
+                _tile_loadd(5, ab[1], 64);
+                _tile_loadd(6, ab[2], 64);
+                _tile_loadd(7, ab[3], 64);
+            }
             _tile_dpbf16ps(0, 4, 6);
             _tile_dpbf16ps(1, 4, 7);
             _tile_dpbf16ps(2, 5, 6);
@@ -102,7 +113,8 @@ static inline int peak_supported(peak_isa isa)
     case PEAK_AVX2: return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
     case PEAK_AVX512: return __builtin_cpu_supports("avx512f");
     case PEAK_AVX512_BF16: return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
-    case PEAK_AMX_BF16: return peak_amx_permitted();
+    case PEAK_AMX_BF16:
+    case PEAK_AMX_LOADS: return peak_amx_permitted();
     default: return 0;
     }
 #else
@@ -126,7 +138,7 @@ static void *peak_worker(void *p)
     a->sink = a->isa == PEAK_AVX2          ? peak_loop_avx2(a->iters)
               : a->isa == PEAK_AVX512      ? peak_loop_avx512(a->iters)
               : a->isa == PEAK_AVX512_BF16 ? peak_loop_avx512_bf16(a->iters)
-                                           : peak_loop_amx(a->iters / 64); /* each op 256x a vdpbf16ps */
+                                           : peak_loop_amx(a->iters / 64, a->isa == PEAK_AMX_LOADS); /* 256x a vdpbf16ps */
 #endif
     return NULL;
 }
@@ -153,7 +165,7 @@ static inline double peak_run(peak_isa isa, int nthreads, long iters)
     float sink = 0;
     for (int i = 0; i < nthreads; i++) sink += args[i].sink;
     if (sink == -1.0f) printf("(unreachable)\n");
-    long ran = isa == PEAK_AMX_BF16 ? iters / 64 : iters;
+    long ran = isa == PEAK_AMX_BF16 || isa == PEAK_AMX_LOADS ? iters / 64 : iters;
     return (double)nthreads * (double)ran * PEAK_CHAINS * peak_flops_per_op[isa] / t * 1e-9;
 }
 #endif
