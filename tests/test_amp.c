@@ -351,23 +351,19 @@ static void test_widened_kernels_round_the_f32_kernel(void **state)
 {
     (void)state;
     enum { R = 6, C = 37 };
-    double vx[R * C], vw[C], vb[C], vq[3 * 2 * 5 * 8];
+    double vx[R * C], vw[C], vb[C];
     fill(vx, R * C, 8, -4, 4);
     fill(vw, C, 8, 0.5, 1.5);
     fill(vb, C, 8, -1, 1);
-    fill(vq, 3 * 2 * 5 * 8, 8, -1, 1);
-    int64_t sx[2] = {R, C}, sc[1] = {C}, sq[4] = {1, 2, 5, 8};
+    int64_t sx[2] = {R, C}, sc[1] = {C};
     kiln_tensor_t *x = tensor(vx, 2, sx, KILN_DTYPE_BF16), *w = tensor(vw, 1, sc, KILN_DTYPE_BF16);
-    kiln_tensor_t *b = tensor(vb, 1, sc, KILN_DTYPE_BF16), *q = tensor(vq, 4, sq, KILN_DTYPE_BF16);
-    kiln_tensor_t *k = tensor(vq + 80, 4, sq, KILN_DTYPE_BF16), *v = tensor(vq + 160, 4, sq, KILN_DTYPE_BF16);
+    kiln_tensor_t *b = tensor(vb, 1, sc, KILN_DTYPE_BF16);
 
     kiln_tensor_t *sm = kiln_softmax(x, -1);
     expect_same_bits("softmax", sm, BF16(kiln_softmax(F32(x), -1)));
     expect_same_bits("layer_norm", kiln_layer_norm(x, w, b, 1e-5),
                      BF16(kiln_layer_norm(F32(x), F32(w), F32(b), 1e-5)));
     expect_same_bits("rms_norm", kiln_rms_norm(x, w, 1e-6), BF16(kiln_rms_norm(F32(x), F32(w), 1e-6)));
-    expect_same_bits("attention", kiln_attention(q, k, v, true, 0),
-                     BF16(kiln_attention(F32(q), F32(k), F32(v), true, 0)));
 
     /* float64 softmax: the f32 kernel is within 2^-18 |exact| (a few dozen f32 ulps),
      * and one rounding to bf16 adds at most 2^-8 |value|. */
@@ -384,6 +380,120 @@ static void test_widened_kernels_round_the_f32_kernel(void **state)
         }
     }
     printf("# bf16 softmax against float64: worst error %.3f of the tolerance\n", worst);
+}
+
+/* bf16 attention, forward and backward, against float64 on the same bf16 inputs. kiln
+ * forms its products from bf16 values with f32 sums and rounds P = softmax(s Q K^T) and
+ * dS = P (dP - rowsum(dO O)) to bf16 before multiplying them, as PyTorch's bf16
+ * attention does; the oracle computes everything exactly. Tolerances, from those
+ * roundings (2^-8 each, relative): O[i,d] within 2^-7 sum_j P_ij |V_jd| + 2^-8 |O| +
+ * 2^-20; each gradient within 2^-5 of its largest element (P and dS rounded, then the
+ * result; sums of up to 70 terms). Shapes: grouped heads (H 4, Hkv 2), causal and not,
+ * Tq 70 > the kernel's 64-row tiles. */
+static void attention_f64(const double *q, const double *k, const double *v, const double *g, int H, int Hkv, int T,
+                          int D, bool causal, double *o, double *dq, double *dk, double *dv)
+{
+    double scale = 1.0 / sqrt(D), p[70], dp[70];
+    memset(dk, 0, sizeof(double) * (size_t)(Hkv * T * D));
+    memset(dv, 0, sizeof(double) * (size_t)(Hkv * T * D));
+    for (int h = 0; h < H; h++) {
+        int hk = h / (H / Hkv);
+        const double *Q = q + h * T * D, *K = k + hk * T * D, *V = v + hk * T * D, *G = g + h * T * D;
+        for (int i = 0; i < T; i++) {
+            int nk = causal ? i + 1 : T;
+            double mx = -INFINITY, z = 0, di = 0;
+            for (int j = 0; j < nk; j++) {
+                double sc = 0;
+                for (int d = 0; d < D; d++) sc += Q[i * D + d] * K[j * D + d];
+                p[j] = sc * scale;
+                mx = fmax(mx, p[j]);
+            }
+            for (int j = 0; j < nk; j++) z += (p[j] = exp(p[j] - mx));
+            for (int j = 0; j < nk; j++) p[j] /= z;
+            for (int d = 0; d < D; d++) {
+                double acc = 0;
+                for (int j = 0; j < nk; j++) acc += p[j] * V[j * D + d];
+                o[(h * T + i) * D + d] = acc;
+                di += acc * G[i * D + d];
+            }
+            for (int j = 0; j < nk; j++) {
+                double acc = 0;
+                for (int d = 0; d < D; d++) acc += G[i * D + d] * V[j * D + d];
+                dp[j] = p[j] * (acc - di);
+                for (int d = 0; d < D; d++) {
+                    dv[(hk * T + j) * D + d] += p[j] * G[i * D + d];
+                    dk[(hk * T + j) * D + d] += scale * dp[j] * Q[i * D + d];
+                }
+            }
+            for (int d = 0; d < D; d++) {
+                double acc = 0;
+                for (int j = 0; j < nk; j++) acc += dp[j] * K[j * D + d];
+                dq[(h * T + i) * D + d] = scale * acc;
+            }
+        }
+    }
+}
+
+static void expect_close_normwise(const char *what, const double *got, const double *want, int64_t n, double rel)
+{
+    double big = 0, worst = 0;
+    for (int64_t i = 0; i < n; i++) big = fmax(big, fabs(want[i]));
+    for (int64_t i = 0; i < n; i++) {
+        if (!(fabs(got[i] - want[i]) <= rel * big))
+            fail_msg("%s[%lld] = %.9g, float64 %.9g (tolerance %.3g)", what, (long long)i, got[i], want[i], rel * big);
+        worst = fmax(worst, fabs(got[i] - want[i]) / (rel * big));
+    }
+    printf("# bf16 attention %s: worst error %.3f of the tolerance\n", what, worst);
+}
+
+static void test_bf16_attention_matches_float64(void **state)
+{
+    (void)state;
+    enum { H = 4, HKV = 2, T = 70, D = 16 };
+    static double vq[H * T * D], vk[HKV * T * D], vv[HKV * T * D], vg[H * T * D], o[H * T * D], dq[H * T * D],
+        dk[HKV * T * D], dv[HKV * T * D], got[H * T * D];
+    fill(vq, H * T * D, 8, -2, 2);
+    fill(vk, HKV * T * D, 8, -2, 2);
+    fill(vv, HKV * T * D, 8, -1, 1);
+    fill(vg, H * T * D, 8, -1, 1);
+    for (int causal = 0; causal < 2; causal++) {
+        int64_t sq[4] = {1, H, T, D}, sk[4] = {1, HKV, T, D};
+        kiln_tensor_t *q = tensor(vq, 4, sq, KILN_DTYPE_BF16), *k = tensor(vk, 4, sk, KILN_DTYPE_BF16);
+        kiln_tensor_t *v = tensor(vv, 4, sk, KILN_DTYPE_BF16), *g = tensor(vg, 4, sq, KILN_DTYPE_BF16);
+        kiln_tensor_set_requires_grad(q, true);
+        kiln_tensor_set_requires_grad(k, true);
+        kiln_tensor_set_requires_grad(v, true);
+        kiln_tensor_t *y = kiln_attention(q, k, v, causal, 0);
+        expect_dtype(y, KILN_DTYPE_BF16);
+        attention_f64(vq, vk, vv, vg, H, HKV, T, D, causal, o, dq, dk, dv);
+        read_f64(y, got);
+        double worst = 0, scale = 1.0 / sqrt(D);
+        for (int h = 0; h < H; h++)
+            for (int i = 0; i < T; i++) {
+                /* sum_j P_ij |V_jd| <= max_j |V_jd| */
+                int nk = causal ? i + 1 : T;
+                for (int d = 0; d < D; d++) {
+                    double vmax = 0;
+                    for (int j = 0; j < nk; j++) vmax = fmax(vmax, fabs(vv[((h / 2) * T + j) * D + d]));
+                    int64_t at = (h * T + i) * D + d;
+                    double tol = 0x1p-7 * vmax + 0x1p-8 * fabs(o[at]) + 0x1p-20, e = fabs(got[at] - o[at]) / tol;
+                    if (!(e <= 1))
+                        fail_msg("attention (causal %d) O[%d,%d,%d] = %.9g, float64 %.9g", causal, h, i, d, got[at],
+                                 o[at]);
+                    worst = fmax(worst, e);
+                }
+            }
+        printf("# bf16 attention (causal %d, scale %.3f): worst error %.3f of the tolerance\n", causal, scale, worst);
+        kiln_tensor_t *loss = kiln_sum(kiln_cast(kiln_mul(y, g), KILN_DTYPE_F32), NULL, 0, false);
+        if (kiln_backward(loss) != KILN_OK) fail_msg("backward: %s", kiln_last_error());
+        expect_dtype(kiln_tensor_grad(q), KILN_DTYPE_BF16);
+        read_f64(kiln_tensor_grad(q), got);
+        expect_close_normwise("dq", got, dq, H * T * D, 0x1p-5);
+        read_f64(kiln_tensor_grad(k), got);
+        expect_close_normwise("dk", got, dk, HKV * T * D, 0x1p-5);
+        read_f64(kiln_tensor_grad(v), got);
+        expect_close_normwise("dv", got, dv, HKV * T * D, 0x1p-5);
+    }
 }
 
 /* Under a bf16 region kiln_linear's product is bf16 and its f32 bias is cast to bf16, so
@@ -604,6 +714,7 @@ int main(void)
         T(test_grads_through_autocast_match_the_bf16_oracle),
         T(test_half_matmul_is_the_rounded_exact_product),
         T(test_widened_kernels_round_the_f32_kernel),
+        T(test_bf16_attention_matches_float64),
         T(test_linear_under_bf16_is_bf16_with_an_f32_bias),
         T(test_loss_scaler_backs_off_and_grows),
         T(test_f16_step_skipped_on_overflow),
