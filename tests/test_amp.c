@@ -496,6 +496,40 @@ static void test_bf16_attention_matches_float64(void **state)
     }
 }
 
+/* autocast casts a permuted view of a contiguous tensor (kiln_linear's transpose(w)) as
+ * the tensor it views and permutes the cast back. Oracle: the same product with the
+ * casts written out by hand, outside any region: equal bitwise, and so are the
+ * gradients of the f32 leaves (a wrong permutation would move elements). */
+static void test_autocast_casts_views_as_stored_bitwise(void **state)
+{
+    (void)state;
+    double vx[2 * 5 * 24], vw[2 * 9 * 24];
+    fill(vx, 2 * 5 * 24, 24, -1, 1);
+    fill(vw, 2 * 9 * 24, 24, -1, 1);
+    int64_t sx[3] = {2, 5, 24}, sw[3] = {9, 2, 24};
+    double got[2][2 * 5 * 9 + 2 * 9 * 24];
+    for (int by_hand = 0; by_hand < 2; by_hand++) {
+        kiln_tensor_t *x = tensor(vx, 3, sx, KILN_DTYPE_F32), *w = tensor(vw, 3, sw, KILN_DTYPE_F32);
+        kiln_tensor_set_requires_grad(x, true);
+        kiln_tensor_set_requires_grad(w, true);
+        /* w (9, 2, 24) viewed as (2, 24, 9): a permutation of a contiguous tensor */
+        kiln_tensor_t *wv = kiln_permute(w, (int[]){1, 2, 0}, 3), *y;
+        if (by_hand) {
+            y = kiln_matmul(kiln_cast(x, KILN_DTYPE_BF16), kiln_contiguous(kiln_cast(wv, KILN_DTYPE_BF16)));
+        } else {
+            assert_int_equal(kiln_autocast_begin(KILN_DTYPE_BF16), KILN_OK);
+            y = kiln_matmul(x, wv);
+            assert_int_equal(kiln_autocast_end(), KILN_OK);
+        }
+        expect_dtype(y, KILN_DTYPE_BF16);
+        read_f64(y, got[by_hand]);
+        kiln_tensor_t *loss = kiln_sum(kiln_cast(kiln_mul(y, y), KILN_DTYPE_F32), NULL, 0, false);
+        if (kiln_backward(loss) != KILN_OK) fail_msg("backward: %s", kiln_last_error());
+        read_f64(kiln_tensor_grad(w), got[by_hand] + 2 * 5 * 9);
+    }
+    assert_memory_equal(got[0], got[1], sizeof(double) * (2 * 5 * 9 + 2 * 9 * 24));
+}
+
 /* Under a bf16 region kiln_linear's product is bf16 and its f32 bias is cast to bf16, so
  * the layer is bf16. Oracle: float64 x w^T + b of the bf16-rounded values; two roundings
  * to bf16 (product, then sum) and f32 accumulation: |got - exact| <= 1.01 2^-7
@@ -715,6 +749,7 @@ int main(void)
         T(test_half_matmul_is_the_rounded_exact_product),
         T(test_widened_kernels_round_the_f32_kernel),
         T(test_bf16_attention_matches_float64),
+        T(test_autocast_casts_views_as_stored_bitwise),
         T(test_linear_under_bf16_is_bf16_with_an_f32_bias),
         T(test_loss_scaler_backs_off_and_grows),
         T(test_f16_step_skipped_on_overflow),

@@ -5,6 +5,7 @@
  * the op's second dispatch finds its inputs already in place and is not rewritten. */
 #include <string.h>
 #include "core/dtype.h"
+#include "core/tensor_impl.h"
 #include "core/intercept.h"
 #include "ops/autocast.h"
 
@@ -65,6 +66,44 @@ static bool casts(const kiln_tensor_t *t, kiln_amp_policy p, kiln_dtype want)
     return p == KILN_AMP_LOW || kiln__is_half(dt);
 }
 
+/* Casts t to `want` in the order its elements lie in memory: a permuted view of a
+ * contiguous tensor (kiln_linear's transpose(w)) is cast as the tensor it views and
+ * permuted back. The cast then runs over contiguous memory (a transposed cast walks
+ * down columns, and in a compiled graph that is a strided gather), its gradient's cast
+ * too, and the product reads the weight as it is stored. */
+static kiln_status cast_as_stored(kiln_tensor_t *t, kiln_dtype want, kiln_tensor_t **out)
+{
+    const kiln__attrs cast = {.op.cast.dtype = want};
+    int nd = t->ndim, order[KILN_MAX_DIMS];
+    for (int i = 0; i < nd; i++) order[i] = i;
+    for (int i = 1; i < nd; i++) /* dims by falling stride, ties in order */
+        for (int k = i; k > 0 && t->stride[order[k]] > t->stride[order[k - 1]]; k--) {
+            int x = order[k];
+            order[k] = order[k - 1];
+            order[k - 1] = x;
+        }
+    bool permuted = false, dense = true;
+    int64_t expect = 1;
+    for (int d = nd - 1; d >= 0; d--) {
+        permuted |= order[d] != d;
+        if (t->shape[order[d]] != 1 && t->stride[order[d]] != expect) dense = false;
+        expect *= t->shape[order[d]];
+    }
+    if (!permuted || !dense || kiln__is_contiguous(t)) return kiln__dispatch(KILN_OP_CAST, &t, 1, &cast, out);
+    kiln__attrs fwd = {.ndim = nd}, back = {.ndim = nd};
+    for (int i = 0; i < nd; i++) {
+        fwd.shape[i] = order[i];
+        back.shape[order[i]] = i;
+    }
+    kiln_tensor_t *base = NULL, *low = NULL;
+    kiln_status s = kiln__dispatch(KILN_OP_PERMUTE, &t, 1, &fwd, &base);
+    if (s == KILN_OK) s = kiln__dispatch(KILN_OP_CAST, &base, 1, &cast, &low);
+    if (s == KILN_OK) s = kiln__dispatch(KILN_OP_PERMUTE, &low, 1, &back, out);
+    kiln_tensor_free(base);
+    kiln_tensor_free(low);
+    return s;
+}
+
 static kiln_status rewrite(void *ctx, kiln__call_info *c, bool *done)
 {
     *done = false;
@@ -84,7 +123,7 @@ static kiln_status rewrite(void *ctx, kiln__call_info *c, bool *done)
     for (; made < c->n_in && s == KILN_OK; made++) {
         in[made] = c->in[made];
         if (casts(in[made], p, want))
-            s = kiln__dispatch(KILN_OP_CAST, &c->in[made], 1, &(kiln__attrs){.op.cast.dtype = want}, &in[made]);
+            s = cast_as_stored(c->in[made], want, &in[made]);
         else
             kiln_tensor_retain(in[made]);
         if (s != KILN_OK) in[made] = NULL;
