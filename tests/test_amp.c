@@ -325,11 +325,12 @@ static void test_half_matmul_is_the_rounded_exact_product(void **state)
     }
 }
 
-/* got and want hold the same bf16 bits. */
-static void expect_same_bits(const char *what, kiln_tensor_t *got, kiln_tensor_t *want)
+/* got and want hold the same 16-bit bits (bf16 unless said). */
+#define expect_same_bits(what, got, want) expect_same_bits_as(what, got, want, KILN_DTYPE_BF16)
+static void expect_same_bits_as(const char *what, kiln_tensor_t *got, kiln_tensor_t *want, kiln_dtype dt)
 {
-    expect_dtype(got, KILN_DTYPE_BF16);
-    expect_dtype(want, KILN_DTYPE_BF16);
+    expect_dtype(got, dt);
+    expect_dtype(want, dt);
     int64_t n = kiln_tensor_numel(got);
     assert_int_equal(n, kiln_tensor_numel(want));
     uint16_t *g = malloc(sizeof(uint16_t) * (size_t)n * 2), *w = g + n;
@@ -364,6 +365,19 @@ static void test_widened_kernels_round_the_f32_kernel(void **state)
     expect_same_bits("layer_norm", kiln_layer_norm(x, w, b, 1e-5),
                      BF16(kiln_layer_norm(F32(x), F32(w), F32(b), 1e-5)));
     expect_same_bits("rms_norm", kiln_rms_norm(x, w, 1e-6), BF16(kiln_rms_norm(F32(x), F32(w), 1e-6)));
+    /* Attention (forward): f16 everywhere, and bf16 on devices; the cpu's bf16 attention
+     * rounds P as well (test_bf16_attention_matches_float64 checks it, and every
+     * device's gradients, against float64). */
+    for (int h = 0; h < 2; h++) {
+        kiln_dtype dt = h ? KILN_DTYPE_F16 : KILN_DTYPE_BF16;
+        if (dt == KILN_DTYPE_BF16 && !strcmp(kiln_device(), "cpu")) continue;
+        double vq[3 * 80];
+        fill(vq, 3 * 80, 8, -1, 1);
+        int64_t sq[4] = {1, 2, 5, 8};
+        kiln_tensor_t *q = tensor(vq, 4, sq, dt), *k = tensor(vq + 80, 4, sq, dt), *v = tensor(vq + 160, 4, sq, dt);
+        expect_same_bits_as("attention", kiln_attention(q, k, v, true, 0),
+                            kiln_cast(kiln_attention(F32(q), F32(k), F32(v), true, 0), dt), dt);
+    }
 
     /* float64 softmax: the f32 kernel is within 2^-18 |exact| (a few dozen f32 ulps),
      * and one rounding to bf16 adds at most 2^-8 |value|. */

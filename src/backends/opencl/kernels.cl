@@ -214,90 +214,113 @@ long att_keys(long i, long Tq, long Tk, long causal)
     const long n = i + (Tk - Tq) + 1;
     return n < Tk ? n : Tk;
 }
-__kernel void kiln_attention(BUF(q), BUF(k), BUF(v), BUF(o), BUF(l), ATT_DIMS)
-{
-    const long row = get_global_id(0);
-    if (row >= B * H * Tq) return;
-    const long i = row % Tq, bh = row / Tq, b = bh / H, h = bh % H, hk = h / (H / Hkv);
-    __global const float *q = AT(const float, q) + row * D;
-    __global const float *K = AT(const float, k) + (b * Hkv + hk) * Tk * D;
-    __global const float *V = AT(const float, v) + (b * Hkv + hk) * Tk * D;
-    __global float *o = AT(float, o) + row * D;
-    float acc[ATT_D];
-    for (long d = 0; d < D; d++) acc[d] = 0.0f;
-    float m = -INFINITY;
-    double l = 0;
-    const long nk = att_keys(i, Tq, Tk, causal);
-    for (long j = 0; j < nk; j++) {
-        float sc = 0.0f;
-        for (long d = 0; d < D; d++) sc = fma(q[d], K[j * D + d], sc);
-        sc *= scale;
-        if (sc > m) { /* a new maximum: what was summed is rescaled */
-            const float f = exp(m - sc);
-            l *= f;
-            for (long d = 0; d < D; d++) acc[d] *= f;
-            m = sc;
-        }
-        const float p = exp(sc - m);
-        l += p;
-        for (long d = 0; d < D; d++) acc[d] = fma(p, V[j * D + d], acc[d]);
+/* Written once for element type T of q, k, v, o and the gradients, loaded by LD and
+ * stored by ST (the matmul's): f32, and bf16 and f16, computed on the values widened
+ * and each output rounded once. The log-sum-exp is f32 in every case. */
+#define ATTENTION_KERNELS(SFX, T, LD, ST)                                                               \
+    __kernel void kiln_attention##SFX(BUF(q), BUF(k), BUF(v), BUF(o), BUF(l), ATT_DIMS)                \
+    {                                                                                                   \
+        const long row = get_global_id(0);                                                              \
+        if (row >= B * H * Tq) return;                                                                  \
+        const long i = row % Tq, bh = row / Tq, b = bh / H, h = bh % H, hk = h / (H / Hkv);            \
+        __global const T *q = AT(const T, q) + row * D;                                                 \
+        __global const T *K = AT(const T, k) + (b * Hkv + hk) * Tk * D;                                 \
+        __global const T *V = AT(const T, v) + (b * Hkv + hk) * Tk * D;                                 \
+        __global T *o = AT(T, o) + row * D;                                                             \
+        float acc[ATT_D];                                                                               \
+        for (long d = 0; d < D; d++) acc[d] = 0.0f;                                                     \
+        float m = -INFINITY;                                                                            \
+        double l = 0;                                                                                   \
+        const long nk = att_keys(i, Tq, Tk, causal);                                                    \
+        for (long j = 0; j < nk; j++) {                                                                 \
+            float sc = 0.0f;                                                                            \
+            for (long d = 0; d < D; d++) sc = fma(LD(q, d), LD(K, j * D + d), sc);                      \
+            sc *= scale;                                                                                \
+            if (sc > m) { /* a new maximum: what was summed is rescaled */                              \
+                const float f = exp(m - sc);                                                            \
+                l *= f;                                                                                 \
+                for (long d = 0; d < D; d++) acc[d] *= f;                                               \
+                m = sc;                                                                                 \
+            }                                                                                           \
+            const float p = exp(sc - m);                                                                \
+            l += p;                                                                                     \
+            for (long d = 0; d < D; d++) acc[d] = fma(p, LD(V, j * D + d), acc[d]);                     \
+        }                                                                                               \
+        const float inv = nk ? (float)(1.0 / l) : 0.0f;                                                 \
+        for (long d = 0; d < D; d++) ST(o, d, acc[d] * inv);                                            \
+        AT(float, l)[row] = nk ? (float)((double)m + log(l)) : -INFINITY;                               \
+    }                                                                                                   \
+                                                                                                        \
+    /* dQ_i = scale sum_j dS_ij K_j, dS_ij = P_ij (dO_i . V_j - dO_i . O_i) */                         \
+    __kernel void kiln_attention_dq##SFX(BUF(g), BUF(q), BUF(k), BUF(v), BUF(o), BUF(l), BUF(d), ATT_DIMS) \
+    {                                                                                                   \
+        const long row = get_global_id(0);                                                              \
+        if (row >= B * H * Tq) return;                                                                  \
+        const long i = row % Tq, bh = row / Tq, b = bh / H, h = bh % H, hk = h / (H / Hkv);            \
+        __global const T *q = AT(const T, q) + row * D, *g = AT(const T, g) + row * D;                  \
+        __global const T *o = AT(const T, o) + row * D;                                                 \
+        __global const T *K = AT(const T, k) + (b * Hkv + hk) * Tk * D;                                 \
+        __global const T *V = AT(const T, v) + (b * Hkv + hk) * Tk * D;                                 \
+        const float lse = AT(const float, l)[row];                                                      \
+        float Di = 0.0f, dq[ATT_D];                                                                     \
+        for (long d = 0; d < D; d++) {                                                                  \
+            Di = fma(LD(g, d), LD(o, d), Di);                                                           \
+            dq[d] = 0.0f;                                                                               \
+        }                                                                                               \
+        const long nk = att_keys(i, Tq, Tk, causal);                                                    \
+        for (long j = 0; j < nk; j++) {                                                                 \
+            float sc = 0.0f, dp = 0.0f;                                                                 \
+            for (long d = 0; d < D; d++) {                                                              \
+                sc = fma(LD(q, d), LD(K, j * D + d), sc);                                               \
+                dp = fma(LD(g, d), LD(V, j * D + d), dp);                                               \
+            }                                                                                           \
+            const float ds = exp(sc * scale - lse) * (dp - Di);                                         \
+            for (long d = 0; d < D; d++) dq[d] = fma(ds, LD(K, j * D + d), dq[d]);                      \
+        }                                                                                               \
+        __global T *out = AT(T, d) + row * D;                                                           \
+        for (long d = 0; d < D; d++) ST(out, d, dq[d] * scale);                                         \
+    }                                                                                                   \
+                                                                                                        \
+    /* dK_j = scale sum_{h in group, i} dS_ij Q_i, dV_j = sum P_ij dO_i */                             \
+    __kernel void kiln_attention_dkv##SFX(BUF(g), BUF(q), BUF(k), BUF(v), BUF(o), BUF(l), BUF(dk), BUF(dv), \
+                                          ATT_DIMS)                                                     \
+    {                                                                                                   \
+        const long kr = get_global_id(0);                                                               \
+        if (kr >= B * Hkv * Tk) return;                                                                 \
+        const long j = kr % Tk, bhk = kr / Tk, b = bhk / Hkv, hk = bhk % Hkv, grp = H / Hkv;           \
+        __global const T *k = AT(const T, k) + kr * D, *v = AT(const T, v) + kr * D;                    \
+        float dk[ATT_D], dv[ATT_D];                                                                     \
+        for (long d = 0; d < D; d++) {                                                                  \
+            dk[d] = 0.0f;                                                                               \
+            dv[d] = 0.0f;                                                                               \
+        }                                                                                               \
+        for (long h = hk * grp; h < (hk + 1) * grp; h++)                                                \
+            for (long i = 0; i < Tq; i++) {                                                             \
+                if (j >= att_keys(i, Tq, Tk, causal)) continue;                                         \
+                const long row = (b * H + h) * Tq + i;                                                  \
+                __global const T *q = AT(const T, q) + row * D, *g = AT(const T, g) + row * D;          \
+                __global const T *o = AT(const T, o) + row * D;                                         \
+                float sc = 0.0f, dp = 0.0f, Di = 0.0f;                                                  \
+                for (long d = 0; d < D; d++) {                                                          \
+                    sc = fma(LD(q, d), LD(k, d), sc);                                                   \
+                    dp = fma(LD(g, d), LD(v, d), dp);                                                   \
+                    Di = fma(LD(g, d), LD(o, d), Di);                                                   \
+                }                                                                                       \
+                const float p = exp(sc * scale - AT(const float, l)[row]), ds = p * (dp - Di);          \
+                for (long d = 0; d < D; d++) {                                                          \
+                    dv[d] = fma(p, LD(g, d), dv[d]);                                                    \
+                    dk[d] = fma(ds, LD(q, d), dk[d]);                                                   \
+                }                                                                                       \
+            }                                                                                           \
+        __global T *dko = AT(T, dk) + kr * D, *dvo = AT(T, dv) + kr * D;                                \
+        for (long d = 0; d < D; d++) {                                                                  \
+            ST(dko, d, dk[d] * scale);                                                                  \
+            ST(dvo, d, dv[d]);                                                                          \
+        }                                                                                               \
     }
-    const float inv = nk ? (float)(1.0 / l) : 0.0f;
-    for (long d = 0; d < D; d++) o[d] = acc[d] * inv;
-    AT(float, l)[row] = nk ? (float)((double)m + log(l)) : -INFINITY;
-}
-
-/* dQ_i = scale sum_j dS_ij K_j, dS_ij = P_ij (dO_i . V_j - dO_i . O_i) */
-__kernel void kiln_attention_dq(BUF(g), BUF(q), BUF(k), BUF(v), BUF(o), BUF(l), BUF(d), ATT_DIMS)
-{
-    const long row = get_global_id(0);
-    if (row >= B * H * Tq) return;
-    const long i = row % Tq, bh = row / Tq, b = bh / H, h = bh % H, hk = h / (H / Hkv);
-    __global const float *q = AT(const float, q) + row * D, *g = AT(const float, g) + row * D;
-    __global const float *o = AT(const float, o) + row * D;
-    __global const float *K = AT(const float, k) + (b * Hkv + hk) * Tk * D;
-    __global const float *V = AT(const float, v) + (b * Hkv + hk) * Tk * D;
-    const float lse = AT(const float, l)[row];
-    float Di = 0.0f, dq[ATT_D];
-    for (long d = 0; d < D; d++) { Di = fma(g[d], o[d], Di); dq[d] = 0.0f; }
-    const long nk = att_keys(i, Tq, Tk, causal);
-    for (long j = 0; j < nk; j++) {
-        float sc = 0.0f, dp = 0.0f;
-        for (long d = 0; d < D; d++) { sc = fma(q[d], K[j * D + d], sc); dp = fma(g[d], V[j * D + d], dp); }
-        const float ds = exp(sc * scale - lse) * (dp - Di);
-        for (long d = 0; d < D; d++) dq[d] = fma(ds, K[j * D + d], dq[d]);
-    }
-    __global float *out = AT(float, d) + row * D;
-    for (long d = 0; d < D; d++) out[d] = dq[d] * scale;
-}
-
-/* dK_j = scale sum_{h in group, i} dS_ij Q_i, dV_j = sum P_ij dO_i */
-__kernel void kiln_attention_dkv(BUF(g), BUF(q), BUF(k), BUF(v), BUF(o), BUF(l), BUF(dk), BUF(dv), ATT_DIMS)
-{
-    const long kr = get_global_id(0);
-    if (kr >= B * Hkv * Tk) return;
-    const long j = kr % Tk, bhk = kr / Tk, b = bhk / Hkv, hk = bhk % Hkv, grp = H / Hkv;
-    __global const float *k = AT(const float, k) + kr * D, *v = AT(const float, v) + kr * D;
-    float dk[ATT_D], dv[ATT_D];
-    for (long d = 0; d < D; d++) { dk[d] = 0.0f; dv[d] = 0.0f; }
-    for (long h = hk * grp; h < (hk + 1) * grp; h++)
-        for (long i = 0; i < Tq; i++) {
-            if (j >= att_keys(i, Tq, Tk, causal)) continue;
-            const long row = (b * H + h) * Tq + i;
-            __global const float *q = AT(const float, q) + row * D, *g = AT(const float, g) + row * D;
-            __global const float *o = AT(const float, o) + row * D;
-            float sc = 0.0f, dp = 0.0f, Di = 0.0f;
-            for (long d = 0; d < D; d++) {
-                sc = fma(q[d], k[d], sc);
-                dp = fma(g[d], v[d], dp);
-                Di = fma(g[d], o[d], Di);
-            }
-            const float p = exp(sc * scale - AT(const float, l)[row]), ds = p * (dp - Di);
-            for (long d = 0; d < D; d++) { dv[d] = fma(p, g[d], dv[d]); dk[d] = fma(ds, q[d], dk[d]); }
-        }
-    __global float *dko = AT(float, dk) + kr * D, *dvo = AT(float, dv) + kr * D;
-    for (long d = 0; d < D; d++) { dko[d] = dk[d] * scale; dvo[d] = dv[d]; }
-}
+ATTENTION_KERNELS(, float, F32_LD, F32_ST)
+ATTENTION_KERNELS(_bf16, ushort, BF16_LD, BF16_ST)
+ATTENTION_KERNELS(_f16, half, F16_LD, F16_ST)
 
 /* Layer / RMS norm backward in double as the cpu's: dx a work-item per row; dw and
  * db a work-item per column, its rows summed in order. mean is unused for RMS. */

@@ -17,7 +17,9 @@
  * built per device. */
 #define BUILTINS(X)                                                                                     \
     X(matmul) X(matmul_bf16) X(matmul_f16) X(matmul_simple) X(add_) X(add_f64_) X(scale_) X(adamw_) X(embedding) X(embedding_backward) \
-    X(ce_rows) X(ce_count) X(ce_backward) X(attention) X(attention_dq) X(attention_dkv) X(norm_dx) X(norm_dwb) \
+    X(ce_rows) X(ce_count) X(ce_backward) X(attention) X(attention_dq) X(attention_dkv) X(attention_bf16)         \
+    X(attention_dq_bf16) X(attention_dkv_bf16) X(attention_f16) X(attention_dq_f16) X(attention_dkv_f16)       \
+    X(norm_dx) X(norm_dwb) \
     X(copy_nd)
 #define BK_ENUM(name) BK_##name,
 #define BK_ENTRY(name) "kiln_" #name,
@@ -300,7 +302,9 @@ static kiln_status densify(kiln_tensor_t *const *t, int n, kiln_tensor_t **d)
 }
 
 /* Attention forward (in: q, k, v -> o, lse) or backward (in: g, q, k, v, o, lse -> dq,
- * dk, dv): q (B,H,Tq,D), k and v (B,Hkv,Tk,D), all f32, D within the kernels' rows. A
+ * dk, dv): q (B,H,Tq,D), k and v (B,Hkv,Tk,D), all f32, or all bf16 or all f16 but the
+ * lse (f32: the 16-bit kernels compute on widened values and round each output once),
+ * D within the kernels' rows. A
  * work-item per query row (forward, dq) or key row (dk, dv), 16 to a group, the grid
  * rounded up to it (the kernels skip the spare ones). Each kernel takes the dense inputs,
  * its outputs, then the sizes. */
@@ -310,9 +314,19 @@ static kiln_status ocl_attention(KILN__KERNEL_ARGS)
     bool bwd = n_in == 6;
     const kiln_tensor_t *q = in[bwd], *k = in[bwd + 1];
     int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], D = q->shape[3], Hkv = k->shape[1], Tk = k->shape[2];
-    bool ok = all_f32(in, n_in) && all_f32(out, n_out) && D <= 128;
-    cl_kernel kq = ok ? builtin(be, bwd ? BK_attention_dq : BK_attention) : NULL;
-    cl_kernel kkv = kq && bwd ? builtin(be, BK_attention_dkv) : kq;
+    kiln_dtype dt = q->dtype;
+    bool ok = D <= 128 && (dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16);
+    for (int i = 0; i < n_in + n_out; i++) { /* one type but the lse (the forward's out 1, the backward's in 5) */
+        const kiln_tensor_t *t = i < n_in ? in[i] : out[i - n_in];
+        bool lse = bwd ? i == 5 : i == n_in + 1;
+        ok = ok && t->dtype == (lse ? KILN_DTYPE_F32 : dt);
+    }
+    int t = dt == KILN_DTYPE_BF16 ? 1 : dt == KILN_DTYPE_F16 ? 2 : 0;
+    static const int fwd_k[3] = {BK_attention, BK_attention_bf16, BK_attention_f16};
+    static const int dq_k[3] = {BK_attention_dq, BK_attention_dq_bf16, BK_attention_dq_f16};
+    static const int dkv_k[3] = {BK_attention_dkv, BK_attention_dkv_bf16, BK_attention_dkv_f16};
+    cl_kernel kq = ok ? builtin(be, bwd ? dq_k[t] : fwd_k[t]) : NULL;
+    cl_kernel kkv = kq && bwd ? builtin(be, dkv_k[t]) : kq;
     if (!kkv) return kiln__cpu_fallback(be, bwd ? KILN_OP_ATTENTION_BACKWARD : KILN_OP_ATTENTION, in, n_in, a, out, n_out);
     kiln__karg dims[] = {i64_arg(B), i64_arg(H), i64_arg(Hkv), i64_arg(Tq), i64_arg(Tk), i64_arg(D),
                          f_arg(KILN__KARG_F32, a->op.attention.scale), i64_arg(a->op.attention.causal)};
