@@ -45,7 +45,7 @@
 #define DRIVER_FNS(X)                                                                                         \
     X(cuInit) X(cuDeviceGet) X(cuDeviceGetName) X(cuModuleLoadData) X(cuModuleGetFunction) X(cuModuleUnload)  \
     X(cuLaunchKernel)
-#define CUBLAS_FNS(X) X(cublasCreate_v2) X(cublasSetStream_v2) X(cublasSgemm_v2)
+#define CUBLAS_FNS(X) X(cublasCreate_v2) X(cublasSetStream_v2) X(cublasSgemm_v2) X(cublasGemmEx)
 #define NVRTC_FNS(X)                                                                                          \
     X(nvrtcCreateProgram) X(nvrtcCompileProgram) X(nvrtcGetPTXSize) X(nvrtcGetPTX) X(nvrtcGetProgramLogSize) \
     X(nvrtcGetProgramLog) X(nvrtcDestroyProgram) X(nvrtcVersion)
@@ -474,7 +474,10 @@ static bool blas_view(int64_t rows, int64_t cols, int64_t sr, int64_t sc, cublas
     return false;
 }
 
-/* Row-major C = A B as cuBLAS's column-major C^T = B^T A^T, one GEMM per batch entry. */
+/* Row-major C = A B as cuBLAS's column-major C^T = B^T A^T, one GEMM per batch entry:
+ * f32 with cublasSgemm; bf16 and f16 with cublasGemmEx, products summed in f32
+ * (CUBLAS_COMPUTE_32F, the tensor cores where the GPU has them) and each result
+ * rounded once to the operands' type, as the cpu's bf16 matmul does. */
 static kiln_status cu_matmul(KILN__KERNEL_ARGS)
 {
     cuda_dev *d = be->ctx;
@@ -483,7 +486,10 @@ static kiln_status cu_matmul(KILN__KERNEL_ARGS)
     int64_t M = o->shape[nb], N = o->shape[nb + 1], K = x->shape[x->ndim - 1];
     cublasOperation_t opa, opb;
     int lda, ldb;
-    if (x->dtype != KILN_DTYPE_F32 || M > 1 << 30 || N > 1 << 30 || K > 1 << 30 ||
+    kiln_dtype dt = x->dtype;
+    bool half = dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16;
+    if ((dt != KILN_DTYPE_F32 && !half) || y->dtype != dt || o->dtype != dt || M > 1 << 30 || N > 1 << 30 ||
+        K > 1 << 30 ||
         !blas_view(M, K, x->stride[x->ndim - 2], x->stride[x->ndim - 1], &opa, &lda) ||
         !blas_view(K, N, y->stride[y->ndim - 2], y->stride[y->ndim - 1], &opb, &ldb))
         return kiln__cpu_fallback(be, KILN_OP_MATMUL, in, n_in, a, out, n_out);
@@ -501,11 +507,18 @@ static kiln_status cu_matmul(KILN__KERNEL_ARGS)
             if (i >= 0 && x->shape[i] != 1) ox += idx * x->stride[i];
             if (j >= 0 && y->shape[j] != 1) oy += idx * y->stride[j];
         }
-        const float *A = (const float *)kiln__data(x) + ox, *B = (const float *)kiln__data(y) + oy;
-        float *C = (float *)kiln__data(o) + bi * M * N;
-        cublasStatus_t st = p_cublasSgemm_v2(d->blas, opb, opa, (int)N, (int)M, (int)K, &one, B, ldb, A, lda, &zero, C,
-                                             (int)N);
-        if (st != CUBLAS_STATUS_SUCCESS) s = kiln__err(KILN_ERR_DEVICE, "%s: cublasSgemm failed (status %d)", d->name, (int)st);
+        size_t es = kiln_dtype_size(dt);
+        const char *A = (const char *)kiln__data(x) + ox * (int64_t)es, *B = (const char *)kiln__data(y) + oy * (int64_t)es;
+        char *C = (char *)kiln__data(o) + bi * M * N * (int64_t)es;
+        cudaDataType ct = dt == KILN_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
+        cublasStatus_t st =
+            half ? p_cublasGemmEx(d->blas, opb, opa, (int)N, (int)M, (int)K, &one, B, ct, ldb, A, ct, lda, &zero, C, ct,
+                                  (int)N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)
+                 : p_cublasSgemm_v2(d->blas, opb, opa, (int)N, (int)M, (int)K, &one, (const float *)B, ldb,
+                                    (const float *)A, lda, &zero, (float *)C, (int)N);
+        if (st != CUBLAS_STATUS_SUCCESS)
+            s = kiln__err(KILN_ERR_DEVICE, "%s: %s failed (status %d)", d->name, half ? "cublasGemmEx" : "cublasSgemm",
+                          (int)st);
     }
     return s;
 }
