@@ -93,8 +93,8 @@ static void matmul_rows_matches_matmul_and_is_row_invariant(void **state)
 /* Oracle: kiln_matmul (the BLAS), within a tolerance that grows with K; and row m alone
  * equals row m of the whole, bit for bit. The shapes cover row tiles of 8, 4, 2 and 1
  * (M = 13, 14, 17, 45) and panel groups of three, two and one (N = 50, 19, 9, 300). */
-/* Packed f32 weights, and packed bf16 ones (oracle: the f32 product with the weights
- * rounded to bf16 first, which the bf16 kernel widens exactly). */
+/* Packed f32 weights, and packed bf16 and f16 ones (oracle: the f32 product with the
+ * weights rounded to that type first, which the 16-bit kernels widen exactly). */
 static void rows_packed_case(kiln_dtype wt)
 {
     const int64_t shapes[5][3] = {{13, 50, 37}, {14, 19, 64}, {17, 300, 384}, {45, 9, 1550}, {1, 50, 8}};
@@ -122,6 +122,7 @@ static void matmul_rows_packed_matches_matmul_and_is_row_invariant(void **state)
 {
     rows_packed_case(KILN_DTYPE_F32);
     rows_packed_case(KILN_DTYPE_BF16);
+    rows_packed_case(KILN_DTYPE_F16);
     int64_t as[2] = {3, 5}, ws[2] = {20, 5}, w4[2] = {20, 4};
     kiln_tensor_t *wp = kiln_matmul_rows_pack(randn(ws, 2, 2));
     assert_null(kiln_matmul_rows_packed(randn(as, 2, 1), wp, 33)); /* more columns than the panels hold */
@@ -318,6 +319,7 @@ static void paged_forward_matches_full_forward_gpt2(void **state)
     paged_forward_matches_full_forward(false, KILN_DTYPE_F16, KILN_DTYPE_F32, 4 * 0x1p-11);
     paged_forward_matches_full_forward(false, KILN_DTYPE_BF16, KILN_DTYPE_F32, 4 * 0x1p-8);
     paged_forward_matches_full_forward(false, KILN_DTYPE_F32, KILN_DTYPE_BF16, 4 * 0x1p-8);
+    paged_forward_matches_full_forward(false, KILN_DTYPE_F32, KILN_DTYPE_F16, 4 * 0x1p-11);
 }
 static void paged_forward_matches_full_forward_llama(void **state)
 {
@@ -325,6 +327,7 @@ static void paged_forward_matches_full_forward_llama(void **state)
     paged_forward_matches_full_forward(true, KILN_DTYPE_F16, KILN_DTYPE_F32, 4 * 0x1p-11);
     paged_forward_matches_full_forward(true, KILN_DTYPE_BF16, KILN_DTYPE_F32, 4 * 0x1p-8);
     paged_forward_matches_full_forward(true, KILN_DTYPE_F32, KILN_DTYPE_BF16, 4 * 0x1p-8);
+    paged_forward_matches_full_forward(true, KILN_DTYPE_F32, KILN_DTYPE_F16, 4 * 0x1p-11);
 }
 
 /* One decode step of sequence 0 alone, then the same step batched with 1..5 others at
@@ -380,13 +383,14 @@ static void paged_forward_is_batch_invariant(void **state)
 {
     batch_invariant_case(KILN_DTYPE_F32);
     batch_invariant_case(KILN_DTYPE_BF16);
+    batch_invariant_case(KILN_DTYPE_F16);
 }
 
-/* A model whose linear weights are stored in bf16 (kiln_gpt_store_linear, what kiln
- * serve --weights bf16 does) decodes bitwise as the f32 model through a pool of bf16
- * weights (the same rounding, once), and its full forward runs (in bf16, autocast)
- * within bf16's tolerance of the f32 model's. Oracle: the f32 model. */
-static void stored_bf16_weights_decode_as_packed_bf16(void **state)
+/* A model whose linear weights are stored in bf16 or f16 (kiln_gpt_store_linear, what
+ * kiln serve --weights bf16|f16 does) decodes bitwise as the f32 model through a pool of
+ * weights packed in that type (the same rounding, once), and its full forward runs (in
+ * that type, autocast) within its tolerance of the f32 model's. Oracle: the f32 model. */
+static void stored_weights_case(kiln_dtype wt, double tol)
 {
     kiln_gpt_config c = tiny(true);
     kiln_gpt_t *m, *h;
@@ -394,14 +398,14 @@ static void stored_bf16_weights_decode_as_packed_bf16(void **state)
     assert_int_equal(kiln_gpt_new(&c, 5, &h), KILN_OK);
     int64_t before = 0, after = 0;
     for (int i = 0; i < kiln_gpt_num_params(h); i++) before += kiln_tensor_nbytes(kiln_gpt_param(h, i, NULL));
-    assert_int_equal(kiln_gpt_store_linear(h, KILN_DTYPE_BF16), KILN_OK);
+    assert_int_equal(kiln_gpt_store_linear(h, wt), KILN_OK);
     for (int i = 0; i < kiln_gpt_num_params(h); i++) after += kiln_tensor_nbytes(kiln_gpt_param(h, i, NULL));
     assert_true(after < before);
-    assert_int_equal(kiln_gpt_precision(h), KILN_DTYPE_BF16);
-    assert_int_equal(kiln_tensor_dtype(kiln_gpt_find_param(h, "blocks.0.attn.qkv.weight")), KILN_DTYPE_BF16);
+    assert_int_equal(kiln_gpt_precision(h), wt);
+    assert_int_equal(kiln_tensor_dtype(kiln_gpt_find_param(h, "blocks.0.attn.qkv.weight")), wt);
     kiln_kv_pool_t *pm, *ph;
-    assert_int_equal(kiln_kv_pool_new_typed(m, 8, 4, KILN_DTYPE_F32, KILN_DTYPE_BF16, &pm), KILN_OK);
-    assert_int_equal(kiln_kv_pool_new_typed(h, 8, 4, KILN_DTYPE_F32, KILN_DTYPE_BF16, &ph), KILN_OK);
+    assert_int_equal(kiln_kv_pool_new_typed(m, 8, 4, KILN_DTYPE_F32, wt, &pm), KILN_OK);
+    assert_int_equal(kiln_kv_pool_new_typed(h, 8, 4, KILN_DTYPE_F32, wt, &ph), KILN_OK);
     enum { T = 6 };
     int32_t tk[T], sq[T], ps[T], lr[1] = {T - 1}, table[8] = {3, 1, 0, 2, 4, 5, 6, 7};
     for (int i = 0; i < T; i++) {
@@ -416,11 +420,11 @@ static void stored_bf16_weights_decode_as_packed_bf16(void **state)
     kiln_tensor_t *idx = kiln_from_data(tk, ts, 2, KILN_DTYPE_I32);
     float *want = to_host(kiln_cast(kiln_gpt_forward(m, idx, NULL, false, NULL), KILN_DTYPE_F32));
     float *got = to_host(kiln_cast(kiln_gpt_forward(h, idx, NULL, false, NULL), KILN_DTYPE_F32));
-    assert_close(got, want, (int64_t)T * c.vocab_size, 8 * 0x1p-8, "forward with bf16 linear weights vs f32");
+    assert_close(got, want, (int64_t)T * c.vocab_size, tol, "forward with 16-bit linear weights vs f32");
     kiln_kv_cache_t *kc; /* and the cached forward runs in the model's precision too */
     assert_int_equal(kiln_kv_cache_new(h, 1, &kc), KILN_OK);
     kiln_tensor_t *lc = kiln_gpt_forward_cached(h, kc, idx);
-    if (!lc) fail_msg("forward_cached with bf16 linear weights: %s", kiln_last_error());
+    if (!lc) fail_msg("forward_cached with %s linear weights: %s", kiln_dtype_name(wt), kiln_last_error());
     kiln_kv_cache_free(kc);
     free(a);
     free(g);
@@ -430,6 +434,12 @@ static void stored_bf16_weights_decode_as_packed_bf16(void **state)
     kiln_kv_pool_free(ph);
     kiln_gpt_free(m);
     kiln_gpt_free(h);
+}
+
+static void stored_16bit_weights_decode_as_packed(void **state)
+{
+    stored_weights_case(KILN_DTYPE_BF16, 8 * 0x1p-8);
+    stored_weights_case(KILN_DTYPE_F16, 8 * 0x1p-11);
 }
 
 static void paged_forward_rejects_bad_batches(void **state)
@@ -498,7 +508,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_gpt2, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_llama, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_is_batch_invariant, setup, teardown),
-        cmocka_unit_test_setup_teardown(stored_bf16_weights_decode_as_packed_bf16, setup, teardown),
+        cmocka_unit_test_setup_teardown(stored_16bit_weights_decode_as_packed, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_rejects_bad_batches, setup, teardown),
         cmocka_unit_test_setup_teardown(copy_block_copies_keys_and_values, setup, teardown),
     };

@@ -33,8 +33,9 @@ int cmd_serve(int argc, char **argv)
         {"kv-memory", OPT_INT, &kv_mb, "KV cache size in MiB"},
         {"block-len", OPT_INT, &block_len, "positions per KV cache block"},
         {"kv-dtype", OPT_STRING, &kv_dtype, "KV cache storage: f32, or f16 / bf16 (half the memory, keys and values rounded)"},
-        {"weights", OPT_STRING, &weights, "the linear layers' weights as decoding reads them: f32, or bf16 (each rounded "
-                                         "once: half the bytes of the packed copy, and of what each token streams)"},
+        {"weights", OPT_STRING, &weights, "the linear layers' weights as decoding reads them: f32, or bf16 / f16 (each "
+                                         "rounded once: half the bytes of the packed copy, and of what each token "
+                                         "streams)"},
         {"no-prefix-cache", OPT_FLAG, &no_prefix_cache, "do not share the KV blocks of common prompt prefixes"},
         {"max-body", OPT_INT, &max_body, "request body limit in bytes"},
         {"timeout", OPT_DOUBLE, &timeout, "seconds a request may take in all"},
@@ -61,8 +62,9 @@ int cmd_serve(int argc, char **argv)
         (kvt != KILN_DTYPE_F32 && kvt != KILN_DTYPE_F16 && kvt != KILN_DTYPE_BF16))
         return cli_fail("serve", "--kv-dtype must be f32, f16 or bf16");
     kiln_dtype wt;
-    if (kiln_dtype_parse(weights, &wt) != KILN_OK || (wt != KILN_DTYPE_F32 && wt != KILN_DTYPE_BF16))
-        return cli_fail("serve", "--weights must be f32 or bf16");
+    if (kiln_dtype_parse(weights, &wt) != KILN_OK ||
+        (wt != KILN_DTYPE_F32 && wt != KILN_DTYPE_BF16 && wt != KILN_DTYPE_F16))
+        return cli_fail("serve", "--weights must be f32, bf16 or f16");
     if (!api_key) api_key = kiln_env("KILN_API_KEY");
     o.host = host;
     o.port = (int)port;

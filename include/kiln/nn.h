@@ -145,9 +145,9 @@ typedef struct kiln_kv_pool kiln_kv_pool_t;
 kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_dtype dtype,
                              kiln_kv_pool_t **out);
 /* The same with the packed weights stored as `weights`: KILN_DTYPE_F32, or
- * KILN_DTYPE_BF16 (each weight rounded to bf16 once, half the bytes held and streamed
- * per token; products and sums stay f32, and a row's result still does not depend on
- * the batch). kiln_kv_pool_new packs them as f32. */
+ * KILN_DTYPE_BF16 or KILN_DTYPE_F16 (each weight rounded once, half the bytes held and
+ * streamed per token; products and sums stay f32, and a row's result still does not
+ * depend on the batch). kiln_kv_pool_new packs them as f32. */
 kiln_status kiln_kv_pool_new_typed(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_dtype dtype,
                                    kiln_dtype weights, kiln_kv_pool_t **out);
 void kiln_kv_pool_free(kiln_kv_pool_t *p); /* NULL is fine */

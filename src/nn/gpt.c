@@ -629,8 +629,8 @@ kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len,
 kiln_status kiln_kv_pool_new_typed(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_dtype dtype,
                                    kiln_dtype weights, kiln_kv_pool_t **out)
 {
-    if (weights != KILN_DTYPE_F32 && weights != KILN_DTYPE_BF16)
-        return kiln_error(KILN_ERR_DTYPE, "kv_pool_new: weights packed as %s; they are f32 or bf16",
+    if (weights != KILN_DTYPE_F32 && weights != KILN_DTYPE_BF16 && weights != KILN_DTYPE_F16)
+        return kiln_error(KILN_ERR_DTYPE, "kv_pool_new: weights packed as %s; they are f32, bf16 or f16",
                           kiln_dtype_name(weights));
     if (!m || !out) return kiln_error(KILN_ERR_ARG, "kv_pool_new: model or out is NULL");
     if (dtype != KILN_DTYPE_F32 && dtype != KILN_DTYPE_F16 && dtype != KILN_DTYPE_BF16)

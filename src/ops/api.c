@@ -325,8 +325,9 @@ kiln_tensor_t *kiln_matmul_rows(kiln_tensor_t *a, kiln_tensor_t *w)
 kiln_tensor_t *kiln_matmul_rows_pack(kiln_tensor_t *w)
 {
     if (!w) return null_arg("matmul_rows_pack");
-    if (w->ndim != 2 || w->shape[0] < 1 || (w->dtype != KILN_DTYPE_F32 && w->dtype != KILN_DTYPE_BF16))
-        return kiln__err(KILN_ERR_SHAPE, "matmul_rows_pack: w %s must be a non-empty (N,K) f32 or bf16 matrix",
+    if (w->ndim != 2 || w->shape[0] < 1 ||
+        (w->dtype != KILN_DTYPE_F32 && w->dtype != KILN_DTYPE_BF16 && w->dtype != KILN_DTYPE_F16))
+        return kiln__err(KILN_ERR_SHAPE, "matmul_rows_pack: w %s must be a non-empty (N,K) f32, bf16 or f16 matrix",
                          kiln__shape_text(w)), NULL;
     /* (N,K), padded with zero rows to P*16, as (P,16,K), then panel by panel (P,K,16). */
     int64_t N = w->shape[0], K = w->shape[1], P = (N + KILN_ROWS_PANEL - 1) / KILN_ROWS_PANEL;

@@ -476,8 +476,8 @@ static kiln_status check_opts(const kiln_engine_opts *o)
     if (o->kv_dtype != KILN_DTYPE_F32 && o->kv_dtype != KILN_DTYPE_F16 && o->kv_dtype != KILN_DTYPE_BF16)
         return kiln_error(KILN_ERR_ARG, "engine: kv_dtype %s; the KV cache is f32, f16 or bf16",
                           kiln_dtype_name(o->kv_dtype));
-    if (o->weight_dtype != KILN_DTYPE_F32 && o->weight_dtype != KILN_DTYPE_BF16)
-        return kiln_error(KILN_ERR_ARG, "engine: weight_dtype %s; decoding reads its weights as f32 or bf16",
+    if (o->weight_dtype != KILN_DTYPE_F32 && o->weight_dtype != KILN_DTYPE_BF16 && o->weight_dtype != KILN_DTYPE_F16)
+        return kiln_error(KILN_ERR_ARG, "engine: weight_dtype %s; decoding reads its weights as f32, bf16 or f16",
                           kiln_dtype_name(o->weight_dtype));
     return KILN_OK;
 }

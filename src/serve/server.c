@@ -131,9 +131,10 @@ kiln_status kiln_server_load(kiln_server_t *s, const char *model_path)
         return kiln_error(KILN_ERR_FORMAT, "%s: the tokenizer has %d tokens, the model %d", model_path,
                           kiln_tokenizer_vocab_size(s->tok), s->vocab);
     s->eot = kiln_tokenizer_eot(s->tok);
-    /* bf16 weights for decoding: the model's own copy in bf16 as well, so that the
+    /* 16-bit weights for decoding: the model's own copy in that type as well, so that the
      * weights take half the memory of f32 serving (the packed copy and this one) */
-    if (s->o.engine.weight_dtype == KILN_DTYPE_BF16 && (st = kiln_gpt_store_linear(s->model, KILN_DTYPE_BF16)) != KILN_OK)
+    if (s->o.engine.weight_dtype != KILN_DTYPE_F32 &&
+        (st = kiln_gpt_store_linear(s->model, s->o.engine.weight_dtype)) != KILN_OK)
         return st;
     if ((st = kiln_engine_new(s->model, &s->o.engine, &s->engine)) != KILN_OK) return st;
     /* Loading freed about twice what it keeps (the file's tensors, the model's random

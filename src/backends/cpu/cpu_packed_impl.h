@@ -1,7 +1,9 @@
 /* matmul_rows_packed's kernel, written once for a vector type KV and included by
  * cpu_paged.c for each lane count (KV, KATTR, KGROUP, KMR, KBCAST, defined there for
  * both weight types) and weight type (KSFX, KWT the packed weights' element type and
- * KLOADW(v, p) loading KW of them into v as floats, undefined at the end). The
+ * KLOADW(v, p) loading KW of them into v as floats, undefined at the end; and KINL,
+ * the tile's qualifier where KLOADW needs a target's intrinsics, else always_inline).
+ * The
  * weights come as panels of KILN_ROWS_PANEL output columns stored k-major, so a tile of
  * KMR rows by KGROUP panels keeps its sums in registers while the panels stream by:
  * for each k, a row's a[m][k] is broadcast and multiplied into every column vector.
@@ -13,11 +15,13 @@
 #define KW ((int)(sizeof(KV) / sizeof(float)))
 #define KVP (KILN_ROWS_PANEL / KW) /* vectors per panel */
 #define KMAXV (KGROUP * KVP)
+#ifndef KINL
+#define KINL static inline __attribute__((always_inline))
+#endif
 
 /* t[r][0 .. NV*KW) for MR rows of a: MR and NV are constants at every call, so the
  * loops unroll and acc lives in registers. */
-static inline __attribute__((always_inline)) void KFN(tile)(int MR, int NV, const float *a, int64_t K,
-                                                            const KWT *const *col, float *t)
+KINL void KFN(tile)(int MR, int NV, const float *a, int64_t K, const KWT *const *col, float *t)
 {
     KV acc[KMR][KMAXV];
 #pragma GCC unroll 8
@@ -91,3 +95,4 @@ KATTR static void KFN(packed_range)(void *c, int64_t b, int64_t e)
 #undef KSFX
 #undef KWT
 #undef KLOADW
+#undef KINL

@@ -162,6 +162,7 @@ kiln_status kiln__cpu_paged_attention(KILN__KERNEL_ARGS)
  * multiply-adds over k in order, and threads split the panels, never a sum. */
 typedef float v16 __attribute__((vector_size(64)));
 static bool rows_wide; /* the AVX-512 kernel: KILN_OPT_ROWS_AVX512 and a CPU with AVX-512F */
+static bool rows_f16c; /* f16 weights through vcvtph2ps: KILN_OPT_F16C and the x86-64-v3 set (AVX2, FMA, F16C) */
 static pthread_once_t rows_once = PTHREAD_ONCE_INIT;
 
 static void rows_pick(void)
@@ -169,19 +170,22 @@ static void rows_pick(void)
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
     rows_wide = kiln__opt(KILN__OPT_ROWS_AVX512) && __builtin_cpu_supports("avx512f");
+    rows_f16c = kiln__opt(KILN__OPT_F16C) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+                __builtin_cpu_supports("f16c");
 #endif
 }
 
 typedef struct {
     const float *a;
-    const void *w; /* f32 or bf16 panels */
+    const void *w; /* f32, bf16 or f16 panels */
     float *out;
     int64_t M, N, K, P; /* P panels of KILN_ROWS_PANEL columns */
 } packed_ctx;
 
-/* Weights packed as f32, or as bf16 (half the bytes to stream: a serving model's
- * weights held in bf16) widened exactly as they are loaded, so a product is the f32
- * one of the bf16 weight values. */
+/* Weights packed as f32, or as bf16 or f16 (half the bytes to stream: a serving model's
+ * weights held in 16 bits) widened exactly as they are loaded, so a product is the f32
+ * one of the 16-bit weight values. f16 is widened by F16C's vcvtph2ps (every processor
+ * with the x86-64-v3 set has it; the plain clone converts one element at a time). */
 typedef uint16_t h8 __attribute__((vector_size(16)));
 typedef int32_t i8 __attribute__((vector_size(32)));
 typedef uint16_t h16 __attribute__((vector_size(32)));
@@ -209,6 +213,33 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 #define KWT uint16_t
 #define KLOADW(v, p) LOAD_BF16(h8, i8, v, p)
 #include "backends/cpu/cpu_packed_impl.h"
+/* f16: F16C's vcvtph2ps in an x86-64-v3 kernel where the processor has it, else one
+ * element at a time (chosen in rows_pick). */
+#if defined(__x86_64__) && defined(__GNUC__)
+#define ROWS_F16C 1
+#undef KATTR
+#define KATTR __attribute__((target("arch=x86-64-v3")))
+#define KINL static inline __attribute__((always_inline, target("arch=x86-64-v3")))
+#define KSFX p8h
+#define KWT uint16_t
+#define KLOADW(v, p)                                                                                    \
+    do {                                                                                              \
+        __m256 f_ = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p)));             \
+        memcpy(&(v), &f_, sizeof(v));                                                                 \
+    } while (0)
+#include "backends/cpu/cpu_packed_impl.h"
+#else
+#define ROWS_F16C 0
+#endif
+#undef KATTR
+#define KATTR
+#define KSFX p8hc
+#define KWT uint16_t
+#define KLOADW(v, p)                                                                                    \
+    do {                                                                                              \
+        for (int l_ = 0; l_ < 8; l_++) (v)[l_] = kiln__f16_to_f32((p)[l_]);                            \
+    } while (0)
+#include "backends/cpu/cpu_packed_impl.h"
 #undef KV
 #undef KGROUP
 #undef KMR
@@ -231,6 +262,15 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 #define KWT uint16_t
 #define KLOADW(v, p) LOAD_BF16(h16, i16, v, p)
 #include "backends/cpu/cpu_packed_impl.h"
+#define KINL static inline __attribute__((always_inline, target("arch=x86-64-v4")))
+#define KSFX p16h
+#define KWT uint16_t
+#define KLOADW(v, p)                                                                                    \
+    do {                                                                                              \
+        __m512 f_ = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(const void *)(p)));          \
+        memcpy(&(v), &f_, sizeof(v));                                                                 \
+    } while (0)
+#include "backends/cpu/cpu_packed_impl.h"
 #undef KV
 #undef KGROUP
 #undef KMR
@@ -248,12 +288,13 @@ kiln_status kiln__cpu_matmul_rows_packed(KILN__KERNEL_ARGS)
         pthread_once(&rows_once, rows_pick);
         packed_ctx k = {kiln__data(ca), kiln__data(cw), kiln__data(out[0]), ca->shape[0], out[0]->shape[1],
                         ca->shape[1], cw->shape[0]};
-        bool bf16 = cw->dtype == KILN_DTYPE_BF16;
-        kiln__range_fn fn = bf16 ? packed_range_p8b : packed_range_p8;
+        int t = cw->dtype == KILN_DTYPE_BF16 ? 1 : cw->dtype == KILN_DTYPE_F16 ? 2 : 0;
+        kiln__range_fn fn = t == 1 ? packed_range_p8b : t == 2 ? (rows_f16c ? packed_range_p8h : packed_range_p8hc)
+                                                               : packed_range_p8;
         int64_t group = 1;
 #if ROWS_WIDE
         if (rows_wide) {
-            fn = bf16 ? packed_range_p16b : packed_range_p16;
+            fn = t == 1 ? packed_range_p16b : t == 2 ? packed_range_p16h : packed_range_p16;
             group = 3;
         }
 #endif
