@@ -673,12 +673,12 @@ static void items(void *ctx, int64_t begin, int64_t end)
                 pack(uk, &j->A, false, r0 * j->A.rs + k0 * j->A.cs, j->A.rs, j->A.cs, m, kc, uk->mr, apack);
             }
             bool add = k0 > 0 || j->accumulate;
-            /* AMX takes the row tiles outermost: an A tile is then read from L1 for every
-             * panel, and the packed B streams past in order (5% faster on the config S
-             * shapes than panels outermost, docs/perf-log.md). */
+            /* Row tiles outermost: an A tile is then read from L1 for every panel, and
+             * the packed B streams past in order (faster than panels outermost on the
+             * config S shapes: AMX 5%, AVX-512 3-7%, docs/perf-log.md). */
             int64_t ni = (m + uk->mr - 1) / uk->mr, np = p1 - p0;
             for (int64_t q = 0; q < ni * np; q++) {
-                int64_t i = (uk->amx ? q / np : q % ni) * uk->mr, p = p0 + (uk->amx ? q % np : q / ni);
+                int64_t i = q / np * uk->mr, p = p0 + q % np;
                 int64_t col = p * uk->nr, n = j->nc - col < uk->nr ? j->nc - col : uk->nr;
                 const char *b = bpanel(j, k0, kc, p);
                 float *c = cbase + i * cld + col;
