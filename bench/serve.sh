@@ -17,13 +17,7 @@ trap 'kill "$srv" 2>/dev/null || true; rm -rf "$work"' EXIT
 model=${MODEL:-}
 if [ -z "$model" ]; then
   model="$work/run"
-  "$py" -c "
-import random
-r = random.Random(3)
-w = 'in the beginning god created heaven and earth was without form void darkness upon face of deep'.split()
-print('\n'.join(' '.join(r.choice(w) for _ in range(12)) for _ in range(4000)))" >"$work/corpus.txt"
-  "$build/kiln" train --data "$work/corpus.txt" --out "$model" --model gpt2 --layers 6 --width 384 --heads 6 \
-      --context 256 --batch 4 --steps 5 --log-every 5 --eval-every 1000 >/dev/null
+  sh bench/serve_model.sh "$build" "$model" 6 384 6 5 4
 fi
 "$build/kiln" serve "$model" --port 0 2>"$work/serve.log" &
 srv=$!

@@ -22,13 +22,7 @@ trap 'kill $srv_f32 $srv_bf16 $srv_f16 2>/dev/null || true; rm -rf "$work"' EXIT
 model=${MODEL:-}
 if [ -z "$model" ]; then
     model="$work/run"
-    "$py" -c "
-import random
-r = random.Random(3)
-w = 'in the beginning god created heaven and earth was without form void darkness upon face of deep'.split()
-print('\n'.join(' '.join(r.choice(w) for _ in range(12)) for _ in range(4000)))" >"$work/corpus.txt"
-    "$build/kiln" train --data "$work/corpus.txt" --out "$model" --model gpt2 --layers 12 --width 768 --heads 12 \
-        --context 256 --batch 1 --steps 1 --log-every 1 --eval-every 1000 >/dev/null
+    sh bench/serve_model.sh "$build" "$model" 12 768 12 1 1
 fi
 # start NAME WEIGHTS: a server in the background; sets port_NAME and srv_NAME
 start() {
