@@ -276,7 +276,7 @@ KILN_SIMD static void att16_fwd_range(void *p, int64_t b, int64_t e)
                 for (int64_t r = 0; r < rows; r++) a->lse[t * a->Tq + i0 + r] = -INFINITY;
                 continue;
             }
-            ok = att16_scores(x, rows, nblk, Q, K, S);
+            if (!(ok = att16_scores(x, rows, nblk, Q, K, S))) break;
             att_softmax_rows_f32(a, i0, rows, nblk, S, NULL, a->lse + t * a->Tq + i0, a->fast);
             kiln__f32_to_bf16_n(S, Pb, rows * nblk);
             ok = ok && kiln__gemm_bf16(rows, D, nblk, op16(Pb, nblk, 1), op16(V, a->vs[2], 1), O, D);
@@ -315,7 +315,7 @@ KILN_SIMD static void att16_bwd_range(void *p, int64_t b, int64_t e)
                     memset(dQb, 0, sizeof(uint16_t) * (size_t)(rows * D));
                     continue;
                 }
-                ok = att16_scores(x, rows, nblk, Q, K, P);
+                if (!(ok = att16_scores(x, rows, nblk, Q, K, P))) break;
                 att_softmax_rows_f32(a, i0, rows, nblk, P, a->lse_in + qh * a->Tq + i0, NULL, a->fast);
                 kiln__f32_to_bf16_n(P, Pb, rows * nblk);
                 /* dV += P^T dO; dP = dO V^T */

@@ -213,13 +213,13 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 #define KWT uint16_t
 #define KLOADW(v, p) LOAD_BF16(h8, i8, v, p)
 #include "backends/cpu/cpu_packed_impl.h"
-/* f16: F16C's vcvtph2ps in an x86-64-v3 kernel where the processor has it, else one
- * element at a time (chosen in rows_pick). */
+/* f16: F16C's vcvtph2ps in an AVX2 kernel where the processor has AVX2, FMA and F16C,
+ * else one element at a time (chosen in rows_pick). */
 #if defined(__x86_64__) && defined(__GNUC__)
 #define ROWS_F16C 1
 #undef KATTR
-#define KATTR __attribute__((target("arch=x86-64-v3")))
-#define KINL static inline __attribute__((always_inline, target("arch=x86-64-v3")))
+#define KATTR __attribute__((target("avx2,fma,f16c")))
+#define KINL static inline __attribute__((always_inline, target("avx2,fma,f16c")))
 #define KSFX p8h
 #define KWT uint16_t
 #define KLOADW(v, p)                                                                                    \
@@ -262,7 +262,7 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 #define KWT uint16_t
 #define KLOADW(v, p) LOAD_BF16(h16, i16, v, p)
 #include "backends/cpu/cpu_packed_impl.h"
-#define KINL static inline __attribute__((always_inline, target("arch=x86-64-v4")))
+#define KINL static inline __attribute__((always_inline, target("avx512f")))
 #define KSFX p16h
 #define KWT uint16_t
 #define KLOADW(v, p)                                                                                    \
@@ -289,11 +289,14 @@ kiln_status kiln__cpu_matmul_rows_packed(KILN__KERNEL_ARGS)
         packed_ctx k = {kiln__data(ca), kiln__data(cw), kiln__data(out[0]), ca->shape[0], out[0]->shape[1],
                         ca->shape[1], cw->shape[0]};
         int t = cw->dtype == KILN_DTYPE_BF16 ? 1 : cw->dtype == KILN_DTYPE_F16 ? 2 : 0;
-        kiln__range_fn fn = t == 1 ? packed_range_p8b : t == 2 ? (rows_f16c ? packed_range_p8h : packed_range_p8hc)
-                                                               : packed_range_p8;
+        kiln__range_fn f16 = packed_range_p8hc;
+#if ROWS_F16C
+        if (rows_f16c) f16 = packed_range_p8h;
+#endif
+        kiln__range_fn fn = t == 1 ? packed_range_p8b : t == 2 ? f16 : packed_range_p8;
         int64_t group = 1;
 #if ROWS_WIDE
-        if (rows_wide) {
+        if (rows_wide && (t != 2 || rows_f16c)) { /* KILN_OPT_F16C=0: f16 one element at a time */
             fn = t == 1 ? packed_range_p16b : t == 2 ? packed_range_p16h : packed_range_p16;
             group = 3;
         }

@@ -45,7 +45,7 @@
 #define DRIVER_FNS(X)                                                                                         \
     X(cuInit) X(cuDeviceGet) X(cuDeviceGetName) X(cuModuleLoadData) X(cuModuleGetFunction) X(cuModuleUnload)  \
     X(cuLaunchKernel)
-#define CUBLAS_FNS(X) X(cublasCreate_v2) X(cublasSetStream_v2) X(cublasSgemm_v2) X(cublasGemmEx)
+#define CUBLAS_FNS(X) X(cublasCreate_v2) X(cublasSetStream_v2) X(cublasSetMathMode) X(cublasSgemm_v2) X(cublasGemmEx)
 #define NVRTC_FNS(X)                                                                                          \
     X(nvrtcCreateProgram) X(nvrtcCompileProgram) X(nvrtcGetPTXSize) X(nvrtcGetPTX) X(nvrtcGetProgramLogSize) \
     X(nvrtcGetProgramLog) X(nvrtcDestroyProgram) X(nvrtcVersion)
@@ -620,7 +620,10 @@ static int cuda_register(int nthreads)
         char gpu[96] = "GPU";
         if (p_cuDeviceGet(&cd, i) == CUDA_SUCCESS) p_cuDeviceGetName(gpu, sizeof gpu, cd);
         if (p_cudaSetDevice(i) != cudaSuccess || p_cudaStreamCreate(&d->stream) != cudaSuccess ||
-            p_cublasCreate_v2(&d->blas) != CUBLAS_STATUS_SUCCESS || p_cublasSetStream_v2(d->blas, d->stream) != CUBLAS_STATUS_SUCCESS)
+            p_cublasCreate_v2(&d->blas) != CUBLAS_STATUS_SUCCESS || p_cublasSetStream_v2(d->blas, d->stream) != CUBLAS_STATUS_SUCCESS ||
+            /* 16-bit GEMMs sum in f32 throughout: no reduced-precision split-K reductions */
+            p_cublasSetMathMode(d->blas, CUBLAS_DEFAULT_MATH | CUBLAS_MATH_DISALLOW_REDUCED_PRECISION_REDUCTION) !=
+                CUBLAS_STATUS_SUCCESS)
             continue;
         size_t free_b = 0, total = 0;
         int units = 0;
