@@ -244,7 +244,7 @@ int cmd_doctor(int argc, char **argv)
     }
     printf("kiln %s\nbuild: %s\nthreads: %d\ndevices:\n", kiln_version(), kiln_build_info(), kiln_num_threads());
     for (int i = 0; i < kiln_device_count(); i++) {
-        char buf[256];
+        char buf[512];
         printf("  %s\n", kiln_device_describe(i, buf, sizeof buf) ? buf : kiln_device_name(i));
     }
     printf("cuda: %s\n", kiln_cuda_status());

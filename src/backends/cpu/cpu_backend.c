@@ -20,12 +20,27 @@ char *openblas_get_corename(void);
 #define BLAS_CORE() openblas_get_corename()
 #endif
 
-/* What kiln doctor says of the cpu: with OpenBLAS, which of its kernels it picked for
+/* What kiln's own GEMM will run bf16 on, from the processor's flags alone: asking Linux
+ * for AMX's tile state (which kiln__gemm_kernel_name would) is left to the first bf16
+ * product, not done at every start-up. */
+static const char *bf16_kernels(void)
+{
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("amx-bf16")) return "AMX where Linux grants it";
+    if (__builtin_cpu_supports("avx512bf16")) return "AVX512-BF16";
+    if (__builtin_cpu_supports("avx512f")) return "AVX-512 on bf16 values";
+#endif
+    return "f32 kernels on bf16 values";
+}
+
+/* What kiln doctor says of the cpu: what kiln's own GEMM runs bf16 on, and with
+ * OpenBLAS, which of its kernels it picked for
  * this processor. A processor it does not recognise (a new one, or one a hypervisor
  * shows under an odd family) gets an old generic kernel: on a Sapphire Rapids VM it
  * chose "Prescott" (SSE3), and OPENBLAS_CORETYPE=SkylakeX made a config S step 1.22x
  * faster (docs/perf-log.md); the description says so, since nothing else would. */
-static char description[256] = "host CPU (AVX2/FMA kernels where available, BLAS for GEMM)";
+static char description[384] = "host CPU (AVX2/FMA kernels where available, BLAS for GEMM)";
 
 static void describe(void)
 {
@@ -33,9 +48,11 @@ static void describe(void)
     static const char *const generic[] = {"Prescott", "Core2", "Katmai", "Coppermine", "Northwood", "Banias", "Atom"};
     bool old = false;
     for (size_t i = 0; core && i < sizeof generic / sizeof generic[0]; i++) old |= !strcasecmp(core, generic[i]);
-    snprintf(description, sizeof description, "host CPU (AVX2/FMA kernels where available; GEMM by %s%s%s%s%s)",
+    snprintf(description, sizeof description,
+             "host CPU (AVX2/FMA kernels where available; f32 GEMM by %s%s%s%s%s; bf16 GEMM and attention on kiln's "
+             "own, %s)",
              BLAS_NAME, core ? ", its " : "", core ? core : "", core ? " kernels" : "",
-             old ? ": a generic core for this processor, set OPENBLAS_CORETYPE to its family" : "");
+             old ? ": a generic core for this processor, set OPENBLAS_CORETYPE to its family" : "", bf16_kernels());
 }
 
 static const kiln__kernel_fn cpu_kernels[KILN_OP_COUNT] = {
