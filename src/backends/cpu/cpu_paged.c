@@ -57,21 +57,28 @@ typedef uint16_t u16x8 __attribute__((vector_size(16)));
 typedef uint32_t u32x8 __attribute__((vector_size(32)));
 #include "backends/cpu/cpu_paged_impl.h"
 
-/* f16 twice: with F16C's vcvtph2ps (an intrinsic: GCC 12 widens a _Float16 vector one
- * element at a time, which made f16 pages slower than f32 ones), picked at run time
- * where the processor has it, and a portable one. */
+/* f16 eight values at a time, for the KV pages and the packed weights alike: with
+ * F16C's vcvtph2ps (an intrinsic: GCC 12 widens a _Float16 vector one element at a
+ * time, which made f16 pages slower than f32 ones) in kernels compiled for AVX2, FMA
+ * and F16C and picked at run time where f16c_usable, and one element at a time. */
+#define F16_EACH8(dst, p)                                                                               \
+    do {                                                                                              \
+        for (int l_ = 0; l_ < 8; l_++) (dst)[l_] = kiln__f16_to_f32((p)[l_]);                          \
+    } while (0)
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 #define F16_V3 1
-#define KSCALAR(x) kiln__f16_to_f32(x)
-#define PATTR __attribute__((target("arch=x86-64-v3")))
-#undef PINL
-#define PINL static inline __attribute__((always_inline, target("arch=x86-64-v3")))
-#define KLOAD8(dst, p)                                                                                  \
+#define F16C_TARGET "avx2,fma,f16c"
+#define F16C8(dst, p)                                                                                   \
     do {                                                                                              \
         __m256 f_ = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p)));             \
         memcpy(&(dst), &f_, sizeof f_);                                                               \
     } while (0)
+#define KSCALAR(x) kiln__f16_to_f32(x)
+#define PATTR __attribute__((target(F16C_TARGET)))
+#undef PINL
+#define PINL static inline __attribute__((always_inline, target(F16C_TARGET)))
+#define KLOAD8(dst, p) F16C8(dst, p)
 #define PSFX f16v3
 #include "backends/cpu/cpu_paged_impl.h"
 #undef PINL
@@ -81,26 +88,33 @@ typedef uint32_t u32x8 __attribute__((vector_size(32)));
 #endif
 #define PATTR
 #define KSCALAR(x) kiln__f16_to_f32(x)
-#define KLOAD8(dst, p)                                                                                  \
-    do {                                                                                              \
-        for (int l_ = 0; l_ < 8; l_++) (dst)[l_] = kiln__f16_to_f32((p)[l_]);                          \
-    } while (0)
+#define KLOAD8(dst, p) F16_EACH8(dst, p)
 #define PSFX f16
 #include "backends/cpu/cpu_paged_impl.h"
 #undef KT
 #undef PINL
 
-/* The f16 kernel, chosen once: F16C's where the processor has it and KILN_OPT_F16C. */
+/* Whether the F16C kernels (pages and packed weights) run here: KILN_OPT_F16C and the
+ * processor has what they are compiled for. */
+static bool f16c_usable(void)
+{
+#if F16_V3
+    __builtin_cpu_init();
+    return kiln__opt(KILN__OPT_F16C) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+#else
+    return false;
+#endif
+}
+
+/* The f16 kernel, chosen once. */
 static kiln__range_fn f16_kernel = paged_range_f16;
 static pthread_once_t f16_once = PTHREAD_ONCE_INIT;
 
 static void f16_pick(void)
 {
 #if F16_V3
-    __builtin_cpu_init();
-    if (kiln__opt(KILN__OPT_F16C) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-        __builtin_cpu_supports("f16c"))
-        f16_kernel = paged_range_f16v3;
+    if (f16c_usable()) f16_kernel = paged_range_f16v3;
 #endif
 }
 
@@ -162,7 +176,7 @@ kiln_status kiln__cpu_paged_attention(KILN__KERNEL_ARGS)
  * multiply-adds over k in order, and threads split the panels, never a sum. */
 typedef float v16 __attribute__((vector_size(64)));
 static bool rows_wide; /* the AVX-512 kernel: KILN_OPT_ROWS_AVX512 and a CPU with AVX-512F */
-static bool rows_f16c; /* f16 weights through vcvtph2ps: KILN_OPT_F16C and the x86-64-v3 set (AVX2, FMA, F16C) */
+static bool rows_f16c; /* f16 weights through vcvtph2ps (f16c_usable) */
 static pthread_once_t rows_once = PTHREAD_ONCE_INIT;
 
 static void rows_pick(void)
@@ -170,9 +184,8 @@ static void rows_pick(void)
 #if defined(__x86_64__) && defined(__GNUC__)
     __builtin_cpu_init();
     rows_wide = kiln__opt(KILN__OPT_ROWS_AVX512) && __builtin_cpu_supports("avx512f");
-    rows_f16c = kiln__opt(KILN__OPT_F16C) && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-                __builtin_cpu_supports("f16c");
 #endif
+    rows_f16c = f16c_usable();
 }
 
 typedef struct {
@@ -213,32 +226,21 @@ typedef int32_t i16 __attribute__((vector_size(64)));
 #define KWT uint16_t
 #define KLOADW(v, p) LOAD_BF16(h8, i8, v, p)
 #include "backends/cpu/cpu_packed_impl.h"
-/* f16: F16C's vcvtph2ps in an AVX2 kernel where the processor has AVX2, FMA and F16C,
- * else one element at a time (chosen in rows_pick). */
-#if defined(__x86_64__) && defined(__GNUC__)
-#define ROWS_F16C 1
+/* f16: the F16C loads where rows_f16c, else one element at a time (as the pages). */
+#if F16_V3
 #undef KATTR
-#define KATTR __attribute__((target("avx2,fma,f16c")))
-#define KINL static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+#define KATTR __attribute__((target(F16C_TARGET)))
+#define KINL static inline __attribute__((always_inline, target(F16C_TARGET)))
 #define KSFX p8h
 #define KWT uint16_t
-#define KLOADW(v, p)                                                                                    \
-    do {                                                                                              \
-        __m256 f_ = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(const void *)(p)));             \
-        memcpy(&(v), &f_, sizeof(v));                                                                 \
-    } while (0)
+#define KLOADW(v, p) F16C8(v, p)
 #include "backends/cpu/cpu_packed_impl.h"
-#else
-#define ROWS_F16C 0
 #endif
 #undef KATTR
 #define KATTR
 #define KSFX p8hc
 #define KWT uint16_t
-#define KLOADW(v, p)                                                                                    \
-    do {                                                                                              \
-        for (int l_ = 0; l_ < 8; l_++) (v)[l_] = kiln__f16_to_f32((p)[l_]);                            \
-    } while (0)
+#define KLOADW(v, p) F16_EACH8(v, p)
 #include "backends/cpu/cpu_packed_impl.h"
 #undef KV
 #undef KGROUP
@@ -290,7 +292,7 @@ kiln_status kiln__cpu_matmul_rows_packed(KILN__KERNEL_ARGS)
                         ca->shape[1], cw->shape[0]};
         int t = cw->dtype == KILN_DTYPE_BF16 ? 1 : cw->dtype == KILN_DTYPE_F16 ? 2 : 0;
         kiln__range_fn f16 = packed_range_p8hc;
-#if ROWS_F16C
+#if F16_V3
         if (rows_f16c) f16 = packed_range_p8h;
 #endif
         kiln__range_fn fn = t == 1 ? packed_range_p8b : t == 2 ? f16 : packed_range_p8;
