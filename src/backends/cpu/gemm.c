@@ -321,9 +321,6 @@ AVX512_PACK static inline __m512i lanes16(const kiln__gemm_operand *x, int64_t a
 
 static inline __mmask16 first_n(int64_t n) { return n >= 16 ? 0xffff : n <= 0 ? 0 : (__mmask16)((1u << n) - 1); }
 
-/* One 32-wide AMX panel of an operand whose tile dim (ts == 1) or K (ks == 1) is
- * contiguous: A panels are 32 rows of 32 k a k-step; B panels two 16-column halves
- * of 16 k-pairs. Returns false for other layouts (the generic packer takes them). */
 /* Transposes a 16 x 16 block of 32-bit words held in 16 registers (r[i] lane j becomes
  * r[j] lane i): pairs of words, then of double words, then 128-bit lanes twice. */
 AVX512_PACK static inline void transpose16(__m512i r[16])
@@ -656,9 +653,10 @@ static void items(void *ctx, int64_t begin, int64_t end)
         int64_t r0 = mb * j->mc, m = j->M - r0 < j->mc ? j->M - r0 : j->mc;
         int64_t p0 = g * j->panels_per_group, p1 = p0 + j->panels_per_group;
         if (p1 > j->npanels) p1 = j->npanels;
-        /* where tile (i, p) of the item goes: C itself, or the item's sums */
-        float *cbase = j->Cb ? sums - p0 * uk->nr : j->C + r0 * j->ldc + j->c0;
-        int64_t cld = j->Cb ? sld : j->ldc;
+        /* where tile (i, p) of the item goes: C itself, or the item's sums (whose
+         * column 0 is the item's first panel) */
+        float *cbase = j->Cb ? sums : j->C + r0 * j->ldc + j->c0;
+        int64_t cld = j->Cb ? sld : j->ldc, ccol0 = j->Cb ? p0 * uk->nr : 0;
         for (int64_t k0 = 0; k0 < j->K; k0 += j->kc_max) {
             int64_t kc = j->K - k0 < j->kc_max ? j->K - k0 : j->kc_max, kpad = kpad_of(j, kc);
             /* f32: the whole tiles, then the last partial one (copied on its own, so the
@@ -681,7 +679,7 @@ static void items(void *ctx, int64_t begin, int64_t end)
                 int64_t i = q / np * uk->mr, p = p0 + q % np;
                 int64_t col = p * uk->nr, n = j->nc - col < uk->nr ? j->nc - col : uk->nr;
                 const char *b = bpanel(j, k0, kc, p);
-                float *c = cbase + i * cld + col;
+                float *c = cbase + i * cld + col - ccol0;
                 int64_t rows = m - i < uk->mr ? m - i : uk->mr;
                 if (!f32)
                     tile(j, kpad / uk->kstep, (const char *)apack + i * kpad * (int64_t)j->es, 1, uk->mr, b, c, cld,
