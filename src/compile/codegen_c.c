@@ -210,6 +210,15 @@ static void body(sbuf *b, const gen *G, const bool *need, const char *ind)
         }
 }
 
+/* Store i's value as its buffer holds it: the bits of a bf16 or f16 value (already
+ * rounded), else the value itself. */
+static void stored_value(sbuf *b, const kc_kernel *k, int i)
+{
+    kiln_dtype dt = k->buf[k->st[i].buf].dt;
+    if (kiln__is_half(dt)) put(b, "km_to_%s(e%d)", half_sfx(dt), k->st[i].expr);
+    else put(b, "e%d", k->st[i].expr);
+}
+
 static const char *maxfn(const kc_kernel *k, int a)
 {
     return k->e[k->acc[a].expr].dt == KILN_DTYPE_F64 ? "km_maxd" : "km_max";
@@ -330,19 +339,18 @@ static void kernel_body(sbuf *b, const gen *G)
             if (nd && k->st[i].st[nd - 1]) {
                 put(b, "            in%d[s%d", k->st[i].buf, i);
                 inner_step(b, G, kc_sz_store(k, i, nd - 1));
-                if (kiln__is_half(k->buf[k->st[i].buf].dt)) put(b, "] = km_to_%s(e%d);\n", half_sfx(k->buf[k->st[i].buf].dt), k->st[i].expr);
-                else put(b, "] = e%d;\n", k->st[i].expr);
+                put(b, "] = ");
+                stored_value(b, k, i);
+                put(b, ";\n");
             }
         put(b, "        }\n");
     }
     for (int i = 0; i < k->n_st; i++)
         if (!nd || !k->st[i].st[nd - 1]) {
             /* A row value: written once per row (by the row's first piece). */
-            if (kiln__is_half(k->buf[k->st[i].buf].dt))
-                put(b, "        if (j0 == 0) in%d[s%d] = km_to_%s(e%d);\n", k->st[i].buf, i,
-                    half_sfx(k->buf[k->st[i].buf].dt), k->st[i].expr);
-            else
-                put(b, "        if (j0 == 0) in%d[s%d] = e%d;\n", k->st[i].buf, i, k->st[i].expr);
+            put(b, "        if (j0 == 0) in%d[s%d] = ", k->st[i].buf, i);
+            stored_value(b, k, i);
+            put(b, ";\n");
         }
     /* The next task: the next piece of the row, or the first of the next row. */
     if (nd >= 2) {
