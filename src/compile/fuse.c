@@ -26,40 +26,38 @@ static bool loadable(kiln_dtype dt)
            dt == KILN_DTYPE_BOOL || dt == KILN_DTYPE_U8 || kiln__is_half(dt);
 }
 
-/* f32, bf16 or f16: computed in f32 (a bf16 or f16 value is the float it equals) and
- * rounded where the eager op rounds (kmath.h's km_round_bf16 / km_round_f16), as the
- * cpu's eager kernels compute them. */
-static bool f32_like(kiln_dtype dt) { return dt == KILN_DTYPE_F32 || kiln__is_half(dt); }
 
 /* How op lowers, given its inputs' dtypes in[0..n_in) and its output's o: arithmetic and
  * the ops of include/kiln/pointwise.def in f32, bf16 and f16 (mixed with f32 as
  * promotion gives) and f64 (kmath.h has both forms), reductions in f32 and f64; GELU in
  * f32, bf16 and f16 (its generated forms are float code). */
+/* (f32-like ones, kiln__f32_or_half, are computed in f32 and rounded where the eager op
+ * rounds: kmath.h's km_round_bf16 / km_round_f16, as the cpu's eager kernels compute.) */
 static lower_kind lower_op(kiln__op_id op, const kiln_dtype *in, int n_in, kiln_dtype o)
 {
     bool f32_in = true, f64_in = true, like_in = true;
     for (int i = 0; i < n_in; i++) {
         f32_in &= in[i] == KILN_DTYPE_F32;
         f64_in &= in[i] == KILN_DTYPE_F64;
-        like_in &= f32_like(in[i]);
+        like_in &= kiln__f32_or_half(in[i]);
     }
     bool same_float = (f32_in && o == KILN_DTYPE_F32) || (f64_in && o == KILN_DTYPE_F64);
-    bool float_pw = same_float || (like_in && f32_like(o));
+    bool float_pw = same_float || (like_in && kiln__f32_or_half(o));
     if (kiln__op_math[op].name) return float_pw ? L_PW : L_NONE;
     switch (op) {
     case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_POW:
     case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM:
         return float_pw ? L_PW : L_NONE;
     case KILN_OP_GELU: case KILN_OP_GELU_BACKWARD:
-        return like_in && f32_like(o) ? L_PW : L_NONE;
+        return like_in && kiln__f32_or_half(o) ? L_PW : L_NONE;
     case KILN_OP_EQ: case KILN_OP_NE: case KILN_OP_LT: case KILN_OP_LE: case KILN_OP_GT: case KILN_OP_GE:
         return loadable(in[0]) && in[0] == in[1] && o == KILN_DTYPE_BOOL ? L_PW : L_NONE;
     case KILN_OP_WHERE:
-        return loadable(in[0]) && in[1] == o && in[2] == o && f32_like(o) ? L_PW : L_NONE;
+        return loadable(in[0]) && in[1] == o && in[2] == o && kiln__f32_or_half(o) ? L_PW : L_NONE;
     case KILN_OP_CAST: case KILN_OP_CONTIGUOUS:
         /* to bf16 through float: only from what float holds exactly (f64 or a wide
          * integer would be rounded twice; the cpu's copy rounds them once) */
-        if (kiln__is_half(o) && !f32_like(in[0]) && in[0] != KILN_DTYPE_BOOL &&
+        if (kiln__is_half(o) && !kiln__f32_or_half(in[0]) && in[0] != KILN_DTYPE_BOOL &&
             in[0] != KILN_DTYPE_U8)
             return L_NONE;
         return loadable(in[0]) && loadable(o) ? L_PW : L_NONE;

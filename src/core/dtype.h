@@ -65,6 +65,9 @@ static inline uint16_t kiln__f32_to_f16(float f)
 
 /* The 16-bit float types, which kernels compute in f32 (widened) and round back. */
 static inline bool kiln__is_half(kiln_dtype dt) { return dt == KILN_DTYPE_F16 || dt == KILN_DTYPE_BF16; }
+/* f32, bf16 or f16: the types computed in f32 (a 16-bit value is the float it equals),
+ * and the storage types of weights, KV caches and mixed precision. */
+static inline bool kiln__f32_or_half(kiln_dtype dt) { return dt == KILN_DTYPE_F32 || kiln__is_half(dt); }
 
 static inline float kiln__bf16_to_f32(uint16_t b) { return kiln__bits_f32((uint32_t)b << 16); }
 

@@ -2,6 +2,7 @@
  * shapes and the dtypes when it refuses. */
 #include <string.h>
 #include "kiln/ops.h"
+#include "core/dtype.h"
 #include "core/op_table.h"
 
 #define SHP(t) kiln__shape_text(t)
@@ -385,7 +386,7 @@ INFER(matmul_rows_packed)
         cols > w->shape[0] * KILN_ROWS_PANEL || cols <= (w->shape[0] - 1) * KILN_ROWS_PANEL)
         return kiln__err(KILN_ERR_SHAPE, "matmul_rows_packed: a %s and packed w %s for %lld columns must be (M,K) and "
                          "(ceil(n/%d),K,%d)", SHP(x), SHP(w), (long long)cols, KILN_ROWS_PANEL, KILN_ROWS_PANEL);
-    if (x->dtype != KILN_DTYPE_F32 || (w->dtype != KILN_DTYPE_F32 && w->dtype != KILN_DTYPE_BF16 && w->dtype != KILN_DTYPE_F16))
+    if (x->dtype != KILN_DTYPE_F32 || !kiln__f32_or_half(w->dtype))
         return kiln__err(KILN_ERR_DTYPE, "matmul_rows_packed: a %s must be f32 and w %s f32, bf16 or f16", SHP(x),
                          SHP(w));
     int64_t shape[2] = {x->shape[0], cols};

@@ -2,6 +2,7 @@
 #include <math.h>
 #include <string.h>
 #include "kiln/ops.h"
+#include "core/dtype.h"
 #include "core/intercept.h"
 #include "core/rng.h"
 #include "ops/registry.h"
@@ -325,8 +326,7 @@ kiln_tensor_t *kiln_matmul_rows(kiln_tensor_t *a, kiln_tensor_t *w)
 kiln_tensor_t *kiln_matmul_rows_pack(kiln_tensor_t *w)
 {
     if (!w) return null_arg("matmul_rows_pack");
-    if (w->ndim != 2 || w->shape[0] < 1 ||
-        (w->dtype != KILN_DTYPE_F32 && w->dtype != KILN_DTYPE_BF16 && w->dtype != KILN_DTYPE_F16))
+    if (w->ndim != 2 || w->shape[0] < 1 || !kiln__f32_or_half(w->dtype))
         return kiln__err(KILN_ERR_SHAPE, "matmul_rows_pack: w %s must be a non-empty (N,K) f32, bf16 or f16 matrix",
                          kiln__shape_text(w)), NULL;
     /* (N,K), padded with zero rows to P*16, as (P,16,K), then panel by panel (P,K,16). */

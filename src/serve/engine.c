@@ -27,6 +27,7 @@
 #include <string.h>
 #include <time.h>
 #include "kiln/serve.h"
+#include "core/dtype.h"
 #include "core/util.h"
 
 typedef struct seq {
@@ -473,10 +474,10 @@ static kiln_status check_opts(const kiln_engine_opts *o)
                           o->max_step_tokens, o->max_batch);
     if (o->num_blocks < 0 || (o->num_blocks == 0 && o->kv_memory_mb < 1))
         return kiln_error(KILN_ERR_ARG, "engine: give num_blocks >= 1 or kv_memory_mb >= 1");
-    if (o->kv_dtype != KILN_DTYPE_F32 && o->kv_dtype != KILN_DTYPE_F16 && o->kv_dtype != KILN_DTYPE_BF16)
+    if (!kiln__f32_or_half(o->kv_dtype))
         return kiln_error(KILN_ERR_ARG, "engine: kv_dtype %s; the KV cache is f32, f16 or bf16",
                           kiln_dtype_name(o->kv_dtype));
-    if (o->weight_dtype != KILN_DTYPE_F32 && o->weight_dtype != KILN_DTYPE_BF16 && o->weight_dtype != KILN_DTYPE_F16)
+    if (!kiln__f32_or_half(o->weight_dtype))
         return kiln_error(KILN_ERR_ARG, "engine: weight_dtype %s; decoding reads its weights as f32, bf16 or f16",
                           kiln_dtype_name(o->weight_dtype));
     return KILN_OK;

@@ -487,7 +487,7 @@ static kiln_status cu_matmul(KILN__KERNEL_ARGS)
     cublasOperation_t opa, opb;
     int lda, ldb;
     kiln_dtype dt = x->dtype;
-    bool half = dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16;
+    bool half = kiln__is_half(dt);
     if ((dt != KILN_DTYPE_F32 && !half) || y->dtype != dt || o->dtype != dt || M > 1 << 30 || N > 1 << 30 ||
         K > 1 << 30 ||
         !blas_view(M, K, x->stride[x->ndim - 2], x->stride[x->ndim - 1], &opa, &lda) ||

@@ -315,7 +315,7 @@ static kiln_status ocl_attention(KILN__KERNEL_ARGS)
     const kiln_tensor_t *q = in[bwd], *k = in[bwd + 1];
     int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], D = q->shape[3], Hkv = k->shape[1], Tk = k->shape[2];
     kiln_dtype dt = q->dtype;
-    bool ok = D <= 128 && (dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16);
+    bool ok = D <= 128 && kiln__f32_or_half(dt);
     for (int i = 0; i < n_in + n_out; i++) { /* one type but the lse (the forward's out 1, the backward's in 5) */
         const kiln_tensor_t *t = i < n_in ? in[i] : out[i - n_in];
         bool lse = bwd ? i == 5 : i == n_in + 1;
