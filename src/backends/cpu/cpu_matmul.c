@@ -93,8 +93,8 @@ static kiln_status gemm_bf16(mat_layout la, mat_layout lb, int64_t M, int64_t N,
     return KILN_OK;
 }
 
-static kiln_status gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N,
-                        int64_t K, const char *A, const char *B, char *C)
+static kiln_status gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
+                        const char *B, char *C)
 {
     if (dt == KILN_DTYPE_BF16) return gemm_bf16(la, lb, M, N, K, A, B, C);
     /* kiln's GEMM threads itself over the pool; it fails only when out of memory for
