@@ -96,7 +96,8 @@ int main(int argc, char **argv)
     kiln_replay_t *rp = NULL; /* --replay: step 1 recorded, the rest replayed */
     kiln_loss_scaler scaler = kiln_loss_scaler_default(); /* f16: torch.amp.GradScaler's defaults, as the peer */
     /* forward, backward, clipping at norm 1, AdamW */
-    kiln_gpt_step fn = {m, opt, ps, np, 1.0, 1, NULL, NULL, prec == KILN_DTYPE_F16 ? &scaler : NULL};
+    kiln_gpt_step fn = {m, opt, ps, np, 1.0, 1, NULL, NULL, prec == KILN_DTYPE_F16};
+    int n_in = 3 + fn.scaled; /* f16: the loss scale is the step's fourth input */
     if (compile && kiln_compiled_new(kiln_gpt_train_step, &fn, "train_step", &step) != KILN_OK) {
         fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());
         return 1;
@@ -112,16 +113,20 @@ int main(int argc, char **argv)
         kiln_tensor_t *all = kiln_from_data(buf, (int64_t[]){B, T + 1}, 2, KILN_DTYPE_I64);
         kiln_tensor_t *x = kiln_contiguous(kiln_narrow(all, 1, 0, T)), *y = kiln_contiguous(kiln_narrow(all, 1, 1, T));
         double lr = 3e-4, loss = 0;
-        kiln_tensor_t *in[3] = {x, y, kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)}, *out[2];
+        double norm;
+        kiln_tensor_t *in[4] = {x, y, kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64),
+                                kiln_from_data(&scaler.scale, (int64_t[]){1}, 1, KILN_DTYPE_F64)}, *out[2];
         int n_out = 0;
         /* --compile --replay: step 1 compiles, step 2 is recorded, the rest replayed */
-        kiln_status st = rp                  ? kiln_replay_run(rp, in, 3, out, 2, &n_out)
+        kiln_status st = rp                  ? kiln_replay_run(rp, in, n_in, out, 2, &n_out)
                          : replay && step && s > 0
-                             ? kiln_replay_record(call_compiled, step, in, 3, &rp, out, 2, &n_out)
-                         : step    ? kiln_compiled_call(step, in, 3, out, 2, &n_out)
-                         : !replay ? kiln_gpt_train_step(&fn, in, 3, out, &n_out)
-                                   : kiln_replay_record(kiln_gpt_train_step, &fn, in, 3, &rp, out, 2, &n_out);
+                             ? kiln_replay_record(call_compiled, step, in, n_in, &rp, out, 2, &n_out)
+                         : step    ? kiln_compiled_call(step, in, n_in, out, 2, &n_out)
+                         : !replay ? kiln_gpt_train_step(&fn, in, n_in, out, &n_out)
+                                   : kiln_replay_record(kiln_gpt_train_step, &fn, in, n_in, &rp, out, 2, &n_out);
         if (st == KILN_OK) st = kiln_tensor_item(out[0], &loss);
+        if (st == KILN_OK && fn.scaled && (st = kiln_tensor_item(out[1], &norm)) == KILN_OK)
+            kiln_loss_scaler_update(&scaler, norm);
         if (s == 0) first_call_s = bench_now_s() - t0;
         if (st != KILN_OK) {
             fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());

@@ -294,7 +294,7 @@ static void check_amp(const char *model, kiln_dtype dt, bool compiled)
     assert_int_equal(kiln_adamw_new(ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt), KILN_OK);
     kiln_loss_scaler scaler = kiln_loss_scaler_default(); /* GradScaler's defaults, as the reference */
     kiln_gpt_step st = {.model = m, .opt = opt, .params = ps, .n_params = np, .clip = 0,
-                        .scaler = dt == KILN_DTYPE_F16 ? &scaler : NULL};
+                        .scaled = dt == KILN_DTYPE_F16};
     kiln_compiled_t *step = NULL;
     if (compiled) assert_int_equal(kiln_compiled_new(kiln_gpt_train_step, &st, "amp_step", &step), KILN_OK);
     double worst = 0, worst32 = 0;
@@ -302,14 +302,19 @@ static void check_amp(const char *model, kiln_dtype dt, bool compiled)
         kiln_scope_begin();
         double v, lr = 1e-3, used = scaler.scale;
         kiln_tensor_t *out[2];
-        kiln_tensor_t *in[3] = {idx, tgt, kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)};
+        kiln_tensor_t *in[4] = {idx, tgt, kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64),
+                                kiln_scalar(used, KILN_DTYPE_F64)};
+        int n_in = 3 + st.scaled;
         if (compiled) {
-            call(step, in, 3, out, 2);
+            call(step, in, n_in, out, 2);
         } else {
             int n;
-            if (kiln_gpt_train_step(&st, in, 3, out, &n) != KILN_OK) fail_msg("%s", kiln_last_error());
+            if (kiln_gpt_train_step(&st, in, n_in, out, &n) != KILN_OK) fail_msg("%s", kiln_last_error());
         }
         assert_int_equal(kiln_tensor_item(out[0], &v), KILN_OK);
+        double norm;
+        assert_int_equal(kiln_tensor_item(out[1], &norm), KILN_OK);
+        if (st.scaled) kiln_loss_scaler_update(&scaler, norm);
         kiln_scope_end();
         /* f16: each step used the scale PyTorch's GradScaler used (the same skips) */
         if (scales && used != scales[k])
@@ -340,6 +345,8 @@ static void gpt2_f16_matches_pytorch_autocast_and_scaler(void **state) { check_a
 static void llama_f16_matches_pytorch_autocast_and_scaler(void **state) { check_amp("llama", KILN_DTYPE_F16, false); }
 static void gpt2_bf16_compiled_matches_pytorch_autocast(void **state) { check_amp("gpt2", KILN_DTYPE_BF16, true); }
 static void llama_bf16_compiled_matches_pytorch_autocast(void **state) { check_amp("llama", KILN_DTYPE_BF16, true); }
+static void gpt2_f16_compiled_matches_pytorch_autocast_and_scaler(void **state) { check_amp("gpt2", KILN_DTYPE_F16, true); }
+static void llama_f16_compiled_matches_pytorch_autocast_and_scaler(void **state) { check_amp("llama", KILN_DTYPE_F16, true); }
 
 static void gpt2_style_matches_pytorch(void **state) { check_golden("golden_gpt2.safetensors", false); }
 static void llama_style_matches_pytorch(void **state) { check_golden("golden_llama.safetensors", false); }
@@ -355,6 +362,8 @@ int main(void)
         cmocka_unit_test(llama_f16_matches_pytorch_autocast_and_scaler),
         cmocka_unit_test(gpt2_bf16_compiled_matches_pytorch_autocast),
         cmocka_unit_test(llama_bf16_compiled_matches_pytorch_autocast),
+        cmocka_unit_test(gpt2_f16_compiled_matches_pytorch_autocast_and_scaler),
+        cmocka_unit_test(llama_f16_compiled_matches_pytorch_autocast_and_scaler),
         cmocka_unit_test(gpt2_style_matches_pytorch),
         cmocka_unit_test(llama_style_matches_pytorch),
         cmocka_unit_test(gpt2_style_compiled_matches_pytorch),

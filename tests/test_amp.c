@@ -18,6 +18,7 @@
 #include "kiln/ops.h"
 #include "kiln/optim.h"
 #include "kiln/graph.h"
+#include "kiln/dist.h"
 #include "test_util.h"
 
 /* Every test starts and ends with no region open and no policy overridden. */
@@ -603,9 +604,15 @@ static void test_loss_scaler_backs_off_and_grows(void **state)
 }
 
 /* An f16 training step whose scaled loss overflows f16 (scale 2^40: the gradients of the
- * f16 matmuls become inf) is skipped: the parameters and the optimizer's step count
- * stay as they were, the norm given back is not finite, the scale halves; the next
- * step at a scale that fits is taken. */
+ * f16 matmuls become inf) is skipped inside the step: the parameters and the
+ * optimizer's step count stay as they were, the norm given back is not finite and the
+ * scaler, updated from it, halves its scale; the next step at a scale that fits is
+ * taken, as the first step (bias corrections of step 1). The same in the four ways a
+ * step runs: eager, compiled (the skip is data in the graph, nothing read on the host),
+ * and each with ZeRO-1's sharded update over a world of one. Oracle for the taken step:
+ * the eager step's parameters; compiled within 1e-5 relative, ZeRO-1 within 1e-4 (its
+ * norm is summed in another order); a step that counted the skipped one would take
+ * step 2's bias corrections, about 3/4 of step 1's update (lr 1e-2: off by ~2.6e-3). */
 static void test_f16_step_skipped_on_overflow(void **state)
 {
     kiln_gpt_config c = kiln_gpt_config_gpt2();
@@ -613,48 +620,73 @@ static void test_f16_step_skipped_on_overflow(void **state)
     c.n_embd = 32;
     c.block_size = 8;
     c.vocab_size = 16;
-    kiln_gpt_t *m;
-    assert_int_equal(kiln_gpt_new(&c, 7, &m), KILN_OK);
-    assert_int_equal(kiln_gpt_set_precision(m, KILN_DTYPE_F16), KILN_OK);
-    int np = kiln_gpt_num_params(m);
-    kiln_tensor_t *ps[64];
-    assert_true(np <= 64);
-    for (int i = 0; i < np; i++) ps[i] = kiln_gpt_param(m, i, NULL);
-    kiln_optim_t *opt;
-    assert_int_equal(kiln_adamw_new(ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt), KILN_OK);
-    kiln_loss_scaler sc = kiln_loss_scaler_default();
-    sc.scale = 0x1p40;
-    kiln_gpt_step st = {.model = m, .opt = opt, .params = ps, .n_params = np, .clip = 1.0, .scaler = &sc};
-    int64_t ids[2 * 8];
-    for (int i = 0; i < 16; i++) ids[i] = (i * 5 + 3) % 16;
-    float w0[32];
-    kiln_scope_begin();
-    kiln_tensor_t *x = kiln_from_data(ids, (int64_t[]){2, 8}, 2, KILN_DTYPE_I64);
-    double lr = 1e-2;
-    kiln_tensor_t *in[3] = {x, x, kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)}, *out[2];
-    assert_int_equal(kiln_tensor_to_host(kiln_narrow(kiln_reshape(ps[0], (int64_t[]){-1}, 1), 0, 0, 32), w0, sizeof w0),
-                     KILN_OK);
-    int n;
-    assert_int_equal(kiln_gpt_train_step(&st, in, 3, out, &n), KILN_OK);
-    double norm;
-    assert_int_equal(kiln_tensor_item(out[1], &norm), KILN_OK);
-    assert_false(isfinite(norm));
-    assert_true(sc.scale == 0x1p39 && sc.skipped == 1);
-    assert_int_equal(kiln_optim_steps(opt), 0);
-    float w1[32];
-    assert_int_equal(kiln_tensor_to_host(kiln_narrow(kiln_reshape(ps[0], (int64_t[]){-1}, 1), 0, 0, 32), w1, sizeof w1),
-                     KILN_OK);
-    assert_memory_equal(w0, w1, sizeof w0);
-    assert_null(kiln_tensor_grad(ps[0])); /* zeroed for the next step */
-    sc.scale = 1024;
-    assert_int_equal(kiln_gpt_train_step(&st, in, 3, out, &n), KILN_OK);
-    assert_int_equal(kiln_tensor_item(out[1], &norm), KILN_OK);
-    assert_true(isfinite(norm) && norm > 0);
-    assert_int_equal(kiln_optim_steps(opt), 1);
-    assert_true(sc.skipped == 1 && sc.good == 1);
-    kiln_scope_end();
-    kiln_optim_free(opt);
-    kiln_gpt_free(m);
+    kiln_pg_t *pg;
+    assert_int_equal(kiln_pg_new_from_env(&pg), KILN_OK);
+    float want[32];
+    for (int mode = 0; mode < 4; mode++) {
+        bool compiled = mode & 1, zero = mode & 2;
+        kiln_gpt_t *m;
+        assert_int_equal(kiln_gpt_new(&c, 7, &m), KILN_OK);
+        assert_int_equal(kiln_gpt_set_precision(m, KILN_DTYPE_F16), KILN_OK);
+        int np = kiln_gpt_num_params(m);
+        kiln_tensor_t *ps[64];
+        assert_true(np <= 64);
+        for (int i = 0; i < np; i++) ps[i] = kiln_gpt_param(m, i, NULL);
+        kiln_optim_t *opt;
+        kiln_zero1_t *z = NULL;
+        assert_int_equal(kiln_adamw_new(ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt), KILN_OK);
+        if (zero) assert_int_equal(kiln_zero1_new(pg, ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, NULL, &z), KILN_OK);
+        kiln_loss_scaler sc = kiln_loss_scaler_default();
+        sc.scale = 0x1p40;
+        kiln_gpt_step st = {.model = m, .opt = opt, .params = ps, .n_params = np, .clip = 1.0, .zero = z, .scaled = true};
+        kiln_compiled_t *cs = NULL;
+        if (compiled) assert_int_equal(kiln_compiled_new(kiln_gpt_train_step, &st, "f16_step", &cs), KILN_OK);
+        int64_t ids[2 * 8];
+        for (int i = 0; i < 16; i++) ids[i] = (i * 5 + 3) % 16;
+        float w0[32], w1[32];
+        kiln_scope_begin();
+        kiln_tensor_t *x = kiln_from_data(ids, (int64_t[]){2, 8}, 2, KILN_DTYPE_I64);
+        kiln_tensor_t *w = kiln_narrow(kiln_reshape(ps[0], (int64_t[]){-1}, 1), 0, 0, 32);
+        double lr = 1e-2;
+        kiln_tensor_t *in[4] = {x, x, kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64),
+                                kiln_scalar(sc.scale, KILN_DTYPE_F64)}, *out[2];
+        assert_int_equal(kiln_tensor_to_host(w, w0, sizeof w0), KILN_OK);
+        for (int k = 0; k < 2; k++) {
+            int n;
+            kiln_status s = compiled ? kiln_compiled_call(cs, in, 4, out, 2, &n) : kiln_gpt_train_step(&st, in, 4, out, &n);
+            if (s != KILN_OK) fail_msg("mode %d step %d: %s", mode, k, kiln_last_error());
+            double norm;
+            assert_int_equal(kiln_tensor_item(out[1], &norm), KILN_OK);
+            assert_null(kiln_tensor_grad(ps[0])); /* zeroed for the next step */
+            assert_int_equal(kiln_tensor_to_host(w, w1, sizeof w1), KILN_OK);
+            if (k == 0) { /* skipped */
+                assert_false(isfinite(norm));
+                assert_false(kiln_loss_scaler_update(&sc, norm));
+                assert_true(sc.scale == 0x1p39 && sc.skipped == 1);
+                if (!zero) assert_int_equal(kiln_optim_steps(opt), 0);
+                if (memcmp(w0, w1, sizeof w0)) fail_msg("mode %d: the skipped step changed the weights", mode);
+                sc.scale = 1024;
+                assert_int_equal(kiln_fill_(in[3], sc.scale), KILN_OK);
+            } else { /* taken */
+                assert_true(isfinite(norm) && norm > 0);
+                assert_true(kiln_loss_scaler_update(&sc, norm));
+                assert_true(sc.skipped == 1 && sc.good == 1);
+                if (!zero) assert_int_equal(kiln_optim_steps(opt), 1);
+                if (!memcmp(w0, w1, sizeof w0)) fail_msg("mode %d: the taken step left the weights", mode);
+                if (mode == 0) memcpy(want, w1, sizeof want);
+                double a[32], b[32], tol = zero ? 1e-4 : 1e-5;
+                for (int i = 0; i < 32; i++) a[i] = w1[i], b[i] = want[i];
+                double e = test_max_rel_err(a, b, 32);
+                if (!(e <= tol)) fail_msg("mode %d: weights after the taken step off the eager ones by %g", mode, e);
+            }
+        }
+        kiln_scope_end();
+        kiln_compiled_free(cs);
+        kiln_zero1_free(z);
+        kiln_optim_free(opt);
+        kiln_gpt_free(m);
+    }
+    kiln_pg_free(pg);
 }
 
 /* A chain of bf16 pointwise ops with an f32 operand: bf16 values, a promotion to f32,

@@ -284,6 +284,26 @@ static void train_compile_matches_eager(void **state)
     if (strtod(a[0], NULL) == strtod(g[0], NULL)) fail_msg("dropout 0.1 left the first loss as it was: %s", g[0]);
 }
 
+/* f16's loss scaling inside a compiled step and with ZeRO-1 (a world of one), eager
+ * and compiled: the same skipped steps as the eager run of resume_keeps_the_f16_loss_scale
+ * (steps 1-5 overflow at --loss-scale 4e6) and the same losses (oracle: that run,
+ * relative 1e-5). */
+static void f16_scaling_compiles_and_shards(void **state)
+{
+    const char *how[3] = {"--compile", "--zero1", "--zero1 --compile"};
+    for (int i = 0; i < 3; i++) {
+        char out[16384], name[16], what[64];
+        snprintf(name, sizeof name, "s%d", 3 + i);
+        int rc = run(out, sizeof out, "%s train --data %s --out %s/%s --steps 8 %s --precision f16 --loss-scale 4e6 "
+                     "--eval-every 0 " TINY, tool(), corpus, dir, name, how[i]);
+        if (rc != 0) fail_msg("f16 %s failed (%d): %s", how[i], rc, out);
+        if (!strstr(out, "step 5 skipped") || strstr(out, "step 6 skipped"))
+            fail_msg("f16 %s: not the eager run's skipped steps (1-5): %s", how[i], out);
+        snprintf(what, sizeof what, "f16 %s: ", how[i]);
+        same_losses("s1", name, 8, what);
+    }
+}
+
 static void compile_dumps_the_training_step(void **state)
 {
     char out[4096], path[1024];
@@ -396,12 +416,10 @@ static void bad_inputs_fail_with_a_reason(void **state)
     assert_non_null(strstr(out, "cut.safetensors"));
     assert_int_equal(run(out, sizeof out, "%s train --help", tool()), 0);
     assert_non_null(strstr(out, "--resume"));
-    /* Mixed precision: an unknown type, and f16's loss scaling with --compile, are
-     * refused by name; serving's weight type likewise. */
+    /* Mixed precision: an unknown type is refused by name; serving's weight type
+     * likewise. */
     assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/f --precision f8", tool(), corpus, dir), 1);
     assert_non_null(strstr(out, "--precision must be f32, bf16 or f16"));
-    assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/f --precision f16 --compile", tool(), corpus, dir), 1);
-    assert_non_null(strstr(out, "--precision f16"));
     assert_int_equal(run(out, sizeof out, "%s serve %s/a --weights i8", tool(), dir), 1);
     assert_non_null(strstr(out, "--weights must be f32, bf16 or f16"));
 }
@@ -442,6 +460,7 @@ int main(void)
         cmocka_unit_test(bad_inputs_fail_with_a_reason),
         cmocka_unit_test(train_in_mixed_precision),
         cmocka_unit_test(resume_keeps_the_f16_loss_scale),
+        cmocka_unit_test(f16_scaling_compiles_and_shards), /* after it: its eager run is the oracle */
     };
     return cmocka_run_group_tests(tests, corpus_setup, corpus_teardown);
 }

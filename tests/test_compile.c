@@ -598,9 +598,12 @@ static void adam_free(adam_ctx *c)
 
 /* Oracle: the backend's fused adamw_ kernel run eagerly on a copy of the same state;
  * after each of 5 steps p, m and v agree within 1e-5 relative. The compiled update is
- * one kernel that stores p, m and v in place (no copy_ through dispatch), beside one
- * kernel for the step's bias corrections and learning-rate terms; a step count below 1
- * is the eager error and leaves the state as it was. */
+ * one kernel that stores p, m and v in place (no copy_ through dispatch), beside two
+ * kernels for the step's scalars (whether it is taken, before the step check; the
+ * bias corrections and learning-rate terms after it); a step count below 1 is the
+ * eager error and leaves the state as it was. A gscale that is not finite (an f16
+ * step that overflowed) skips the update, compiled and eager: p, m and v bitwise as
+ * they were, even at step count 0, which is then not read. */
 static void adamw_is_one_kernel_and_matches_eager(void **state)
 {
     adam_ctx c = adam_state(11), e = adam_state(11);
@@ -624,8 +627,10 @@ static void adamw_is_one_kernel_and_matches_eager(void **state)
     }
     int k, o;
     assert_int_equal(kiln_compiled_plan(fc, 0, &k, &o, NULL, NULL), KILN_OK);
-    assert_int_equal(k, 2);
-    if (o > 4) fail_msg("the update ran %d ops through dispatch (views and the step check only, expected)", o);
+    assert_int_equal(k, 3);
+    /* (through dispatch: three views, and the f64 step count's select for a skipped
+     * step, its constant 1 and its check: the generated kernels take no f64) */
+    if (o > 6) fail_msg("the update ran %d ops through dispatch (views and the step count's only, expected)", o);
     /* A bad step count: an error naming it, and no element of the state changed. */
     kiln_tensor_t *p0 = kiln_keep(kiln_clone(c.p)), *m0 = kiln_keep(kiln_clone(c.m));
     double lr = 1e-2, t = 0;
@@ -637,6 +642,18 @@ static void adamw_is_one_kernel_and_matches_eager(void **state)
     assert_non_null(strstr(kiln_last_error(), "adamw_: step 0 must be >= 1"));
     kiln_clear_error();
     assert_true(rel_err(c.p, p0) == 0 && rel_err(c.m, m0) == 0);
+    for (int bad = 0; bad < 2; bad++) {
+        adam_ctx *x[2] = {&c, &e};
+        for (int j = 0; j < 2; j++) assert_int_equal(kiln_fill_(x[j]->gscale, bad ? NAN : -INFINITY), KILN_OK);
+        kiln_tensor_t *e0 = kiln_keep(kiln_clone(e.p)), *v0 = kiln_keep(kiln_clone(c.v));
+        if (kiln_compiled_call(fc, in, 3, none, 1, &n) != KILN_OK) fail_msg("skipped step: %s", kiln_last_error());
+        assert_int_equal(adam_fn(&e, in, 3, none, &n), KILN_OK);
+        if (!(rel_err(c.p, p0) == 0 && rel_err(c.m, m0) == 0 && rel_err(c.v, v0) == 0 && rel_err(e.p, e0) == 0))
+            fail_msg("a gscale of %g changed the state (compiled p %g, m %g, v %g; eager p %g)", bad ? NAN : -INFINITY,
+                     rel_err(c.p, p0), rel_err(c.m, m0), rel_err(c.v, v0), rel_err(e.p, e0));
+        kiln_tensor_free(e0);
+        kiln_tensor_free(v0);
+    }
     kiln_tensor_free(p0);
     kiln_tensor_free(m0);
     kiln_compiled_free(fc);

@@ -1392,6 +1392,19 @@ static void test_adamw_step_matches_reference(void **state)
     check("adamw p", P, 1, &n, p, 1e-6);
     check("adamw m", M, 1, &n, m, 1e-6);
     check("adamw v", V, 1, &n, v, 1e-6);
+    /* A gscale that is not finite (an f16 step that overflowed) skips the update, at
+     * any step count, even 0, which is then not read: p, m, v as they were (an update
+     * through NaN or inf would leave no element finite). */
+    int64_t one = 1;
+    double lrv = lr, bad[2] = {NAN, INFINITY}, t0 = 0;
+    for (int k = 0; k < 2; k++) {
+        kiln_tensor_t *LR = make(&lrv, 1, &one, KILN_DTYPE_F64, CONTIG), *T = make(&t0, 1, &one, KILN_DTYPE_F64, CONTIG);
+        kiln_tensor_t *GS = make(&bad[k], 1, &one, KILN_DTYPE_F32, CONTIG);
+        assert_int_equal(kiln_adamw_step_(P, G, M, V, LR, T, GS, b1, b2, eps, wd), KILN_OK);
+    }
+    check("adamw p after skipped steps", P, 1, &n, p, 1e-6);
+    check("adamw m after skipped steps", M, 1, &n, m, 1e-6);
+    check("adamw v after skipped steps", V, 1, &n, v, 1e-6);
 }
 
 static void test_adamw_refuses_step_zero_and_f64(void **state)

@@ -470,12 +470,6 @@ static int parse_options(train_run *r)
         return cli_fail("train", "--precision must be f32, bf16 or f16");
     if (!(a->loss_scale >= 1 && a->loss_scale <= 1e30))
         return cli_fail("train", "--loss-scale must be in 1..1e30");
-    /* f16's loss scaler reads each step's gradient norm on the host to decide whether
-     * the step is taken, which a captured graph cannot do; ZeRO-1's sharded update has
-     * no place for the unscaling yet. */
-    if (a->prec == KILN_DTYPE_F16 && (a->compile || a->zero1))
-        return cli_fail("train", "--precision f16 (dynamic loss scaling) runs eager steps without --zero1; "
-                                 "--precision bf16 needs no scaling and takes --compile and --zero1");
     return GO_ON;
 }
 
@@ -606,7 +600,7 @@ static int setup_step(train_run *r)
     bool scaled = a->prec == KILN_DTYPE_F16; /* the step function does the scaling, with any accum and world */
     r->whole = a->compile || scaled || (world == 1 && !a->zero1 && a->accum == 1);
     r->step_fn = (kiln_gpt_step){r->m, r->opt, params, np, a->clip, (int)a->accum, world > 1 ? r->pg : NULL, NULL,
-                                 scaled ? &r->scaler : NULL};
+                                 scaled};
     /* The clipping norm and the micro-batch count are numbers the graph is built with. */
     if (a->compile &&
         (kiln_compiled_new(kiln_gpt_train_step, &r->step_fn, "train_step", &r->compiled) != KILN_OK ||
@@ -642,7 +636,7 @@ static int setup_gradients(train_run *r)
     bool has_state = false;
     for (int i = 0; i < np && !has_state; i++) has_state = kiln_optim_state(r->opt, i, 0) != NULL;
     /* (an f16 run whose steps were all skipped has taken none yet) */
-    bool none_taken = r->step_fn.scaler && r->scaler.skipped >= r->start;
+    bool none_taken = r->step_fn.scaled && r->scaler.skipped >= r->start;
     if (a->resume && r->start > 0 && !strcmp(a->optimizer, "adamw") && !has_state && !r->sharded && !none_taken)
         return cli_fail("train", "the checkpoint holds no optimizer state for its step, and no complete ZeRO-1 shards "
                                  "for it (a sharded save that did not finish); it is not loaded");
@@ -689,12 +683,15 @@ static int print_banner(train_run *r)
 }
 
 /* Forward, backward and update of one step as one call of kiln_gpt_train_step, eager
- * or compiled; the sum of the micro-batches' losses and the gradient norm. */
+ * or compiled; the sum of the micro-batches' losses and the gradient norm. f16: the
+ * step takes the loss scale and skips itself on an overflow; the scaler moves here,
+ * from the norm it gives back. */
 static kiln_status step_whole(train_run *r, int64_t step, double lr, double *loss_sum, double *gnorm)
 {
     train_args *a = &r->a;
     kiln_scope_begin();
-    kiln_tensor_t *in[3], *out[2];
+    kiln_tensor_t *in[4], *out[2];
+    int n_in = 3 + r->step_fn.scaled;
     int n_out = 0;
     int64_t one = 1;
     kiln_status s;
@@ -705,12 +702,15 @@ static kiln_status step_whole(train_run *r, int64_t step, double lr, double *los
         s = stacked_batches(r->ds, (int)r->rank_batch, (int)a->context, (uint64_t)a->seed, step, (int)a->accum,
                             (int)r->rank, (int)r->world, in);
     if (s == KILN_OK && !(in[2] = kiln_from_data(&lr, &one, 1, KILN_DTYPE_F64))) s = kiln_last_status();
+    if (s == KILN_OK && r->step_fn.scaled && !(in[3] = kiln_from_data(&r->scaler.scale, &one, 1, KILN_DTYPE_F64)))
+        s = kiln_last_status();
     if (s == KILN_OK)
-        s = r->compiled ? kiln_compiled_call(r->compiled, in, 3, out, 2, &n_out)
-                        : kiln_gpt_train_step(&r->step_fn, in, 3, out, &n_out);
+        s = r->compiled ? kiln_compiled_call(r->compiled, in, n_in, out, 2, &n_out)
+                        : kiln_gpt_train_step(&r->step_fn, in, n_in, out, &n_out);
     if (s == KILN_OK) s = kiln_tensor_item(out[0], loss_sum);
     *loss_sum *= (double)a->accum; /* the step gives the micro-batches' mean */
     if (s == KILN_OK) s = kiln_tensor_item(out[1], gnorm);
+    if (s == KILN_OK && r->step_fn.scaled) kiln_loss_scaler_update(&r->scaler, *gnorm);
     kiln_scope_end();
     if (s == KILN_OK && r->compiled && step == r->start && !a->quiet && r->rank == 0) {
         int kernels = 0, ops = 0;
@@ -783,7 +783,7 @@ static kiln_status save(train_run *r, int64_t step)
     kiln_status s = KILN_OK;
     if (r->zero) s = kiln_zero1_save(r->zero, r->a.out, step); /* every rank, then a barrier */
     if (s == KILN_OK && r->rank == 0)
-        s = save_checkpoint(r->a.out, r->m, r->opt, step, r->tok_kind, &r->a, r->step_fn.scaler);
+        s = save_checkpoint(r->a.out, r->m, r->opt, step, r->tok_kind, &r->a, r->step_fn.scaled ? &r->scaler : NULL);
     if (s == KILN_OK && r->rank == 0 && r->zero) s = kiln_zero1_commit(r->a.out, step, r->world, r->committed);
     return s;
 }
@@ -820,11 +820,11 @@ static kiln_status step_report(train_run *r, int64_t step, double lr, double los
         printf("step %5lld/%lld | loss %.4f | lr %.2e | %7.1f ms | %7.0f tok/s | norm %.3f | ETA %s",
                (long long)step + 1, (long long)a->steps, loss, lr, ms, tps, gnorm, eta);
         if (!isnan(r->val)) printf(" | val %.4f", r->val);
-        if (r->step_fn.scaler) printf(" | scale %g", r->scaler.scale);
+        if (r->step_fn.scaled) printf(" | scale %g", r->scaler.scale);
         printf("\n");
         fflush(stdout);
     }
-    if (r->step_fn.scaler && r->scaler.skipped > r->skipped_seen && r->rank == 0)
+    if (r->step_fn.scaled && r->scaler.skipped > r->skipped_seen && r->rank == 0)
         printf("step %lld skipped: an inf or NaN gradient at f16 loss scale %g; the scale is now %g (%lld steps "
                "skipped so far)\n", (long long)step + 1, r->scaler.scale / r->scaler.backoff, r->scaler.scale,
                (long long)r->scaler.skipped);

@@ -100,8 +100,12 @@ kiln_status kiln_zero1_step(kiln_zero1_t *z, double lr, double max_norm, double 
  * f64 scalar tensor (in the caller's scope; norm may be NULL): what changes from step
  * to step is read when it runs and its collectives are recorded when capturing, so a
  * captured training step (kiln_gpt_step's zero) holds it. kiln_zero1_step is this,
- * eagerly, and an error inside a capture. */
-kiln_status kiln_zero1_step_t(kiln_zero1_t *z, kiln_tensor_t *lr, double max_norm, kiln_tensor_t **norm);
+ * eagerly, and an error inside a capture. With scale (a one-element tensor, or NULL),
+ * the gradients are those of loss * scale (f16's loss scaling): they are unscaled in
+ * the update, the norm given is the unscaled one, and a step whose norm is not finite
+ * is skipped on every rank (kiln_loss_scale_coef, kiln/optim.h). */
+kiln_status kiln_zero1_step_t(kiln_zero1_t *z, kiln_tensor_t *lr, kiln_tensor_t *scale, double max_norm,
+                              kiln_tensor_t **norm);
 int64_t kiln_zero1_state_bytes(const kiln_zero1_t *z); /* this rank's shard: parameters and moments */
 /* Sharded checkpoints: every rank calls kiln_zero1_save (its shards to
  * DIR/zero1.step<S>.rank<R>.safetensors, then a barrier); rank 0 then calls

@@ -93,7 +93,8 @@ kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_
 
 /* A whole training step, also a kiln_graph_fn (ctx: a kiln_gpt_step), so that one graph
  * holds forward, loss, backward, gradient clipping and the optimizer update: in = (idx,
- * targets, lr), lr a one-element f32/f64 tensor; out = (loss, gradient norm before
+ * targets, lr), lr a one-element f32/f64 tensor, and the loss scale after them when
+ * the step is scaled (below); out = (loss, gradient norm before
  * clipping). The gradients are zeroed at the end (inside a graph they never reach the
  * parameters), so they must be empty when it is called. With accum = A > 1, idx and
  * targets are (A, B, T): A micro-batches, each forward and backward on its loss / A (the
@@ -106,7 +107,6 @@ kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_
 typedef struct kiln_optim kiln_optim_t;
 typedef struct kiln_pg kiln_pg_t;
 typedef struct kiln_zero1 kiln_zero1_t;
-typedef struct kiln_loss_scaler kiln_loss_scaler; /* kiln/optim.h */
 typedef struct {
     kiln_gpt_t *model;
     kiln_optim_t *opt;
@@ -116,11 +116,15 @@ typedef struct {
     int accum;   /* micro-batches per step; 0 or 1: one */
     kiln_pg_t *pg; /* data parallel: average the gradients over it; NULL: one process */
     kiln_zero1_t *zero; /* or NULL: the sharded update in place of pg's allreduce and opt's step */
-    /* f16 training: dynamic loss scaling (kiln/optim.h), or NULL. backward runs on
-     * loss * scale; the norm given back is the unscaled one, inf or NaN on a skipped
-     * step. It reads the norm on the host, so such a step is eager only (not inside a
-     * graph capture), and not with zero. */
-    kiln_loss_scaler *scaler;
+    /* f16 training, dynamic loss scaling (kiln/optim.h): the step takes a fourth
+     * input, the loss scale (a one-element float tensor: the scaler's current scale).
+     * Backward runs on loss * scale, the update divides it out, and a step whose
+     * gradients hold an inf or a NaN is skipped inside the step (no update; the
+     * optimizer's state and step count stay as they were); the norm given back is the
+     * unscaled one, not finite on a skipped step. Nothing is read on the host, so the
+     * step captures and compiles, with zero too; after each call the caller updates its
+     * scaler from that norm (kiln_loss_scaler_update) for the next step's scale. */
+    bool scaled;
 } kiln_gpt_step;
 kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out);
 

@@ -43,7 +43,9 @@ kiln_status kiln_optim_step(kiln_optim_t *o, double lr);
  * coefficient of kiln_clip_coef, applied without touching the gradients. Everything
  * that changes from step to step (lr, gscale, the step count, which the optimizer keeps
  * in a tensor) is read when the update runs, so this works inside a captured training
- * step (kiln/graph.h) and every run of the graph takes a fresh step. */
+ * step (kiln/graph.h) and every run of the graph takes a fresh step. A gscale that is
+ * not finite (kiln_loss_scale_coef's, for gradients that overflowed) skips the step:
+ * the parameters, the optimizer state and the step count stay as they are. */
 kiln_status kiln_optim_step_t(kiln_optim_t *o, kiln_tensor_t *lr, kiln_tensor_t *gscale);
 void kiln_optim_zero_grad(kiln_optim_t *o);
 int64_t kiln_optim_steps(const kiln_optim_t *o);
@@ -83,6 +85,15 @@ kiln_loss_scaler kiln_loss_scaler_default(void);
  * scaled gradients) is `norm`: true when the step is to be taken (norm finite); the
  * scale is updated either way. */
 bool kiln_loss_scaler_update(kiln_loss_scaler *s, double norm);
+/* The decision and the unscaling inside the step, with tensor ops only, so that a
+ * loss-scaled step captures and compiles (the scaler itself is updated on the host
+ * after the step, from the norm it gives back). From the norm of the gradients made
+ * from loss * scale (an f64 scalar tensor) and the scale (a one-element f32/f64
+ * tensor): the gscale for kiln_optim_step_t, kiln_clip_coef(norm / scale, max_norm) /
+ * scale, or NaN where the norm is not finite, which skips the update; and in *unscaled
+ * the norm / scale (not finite on a skipped step). Both in the caller's scope. */
+kiln_tensor_t *kiln_loss_scale_coef(kiln_tensor_t *norm, kiln_tensor_t *scale, double max_norm,
+                                    kiln_tensor_t **unscaled);
 
 /* Linear warmup over `warmup` steps, then cosine from lr_max down to lr_min at `total`. */
 double kiln_lr_cosine(int64_t step, int64_t warmup, int64_t total, double lr_max, double lr_min);

@@ -140,7 +140,8 @@ int64_t kiln_zero1_state_bytes(const kiln_zero1_t *z)
  * learning rate, the step count, the clipping coefficient computed from the global
  * norm), and every collective is recorded when capturing: the same code runs eagerly
  * and inside a captured training step (kiln train --zero1 --compile). */
-kiln_status kiln_zero1_step_t(kiln_zero1_t *z, kiln_tensor_t *lr, double max_norm, kiln_tensor_t **norm)
+kiln_status kiln_zero1_step_t(kiln_zero1_t *z, kiln_tensor_t *lr, kiln_tensor_t *scale, double max_norm,
+                              kiln_tensor_t **norm)
 {
     if (norm) *norm = NULL;
     if (!z || !lr) return kiln_error(KILN_ERR_ARG, "zero1_step_t: NULL state or learning rate");
@@ -168,8 +169,17 @@ kiln_status kiln_zero1_step_t(kiln_zero1_t *z, kiln_tensor_t *lr, double max_nor
     }
     if (s == KILN_OK && !sq && !(sq = kiln_scalar(0, KILN_DTYPE_F64))) s = kiln_last_status();
     if (s == KILN_OK) s = kiln_pg_allreduce(z->pg, sq, KILN_REDUCE_SUM);
-    if (s == KILN_OK && (!(nrm = kiln_sqrt(sq)) || !(coef = kiln_clip_coef(nrm, max_norm)))) s = kiln_last_status();
-    bool counted = s == KILN_OK && (s = kiln_add_(z->step, z->one, 1.0)) == KILN_OK;
+    if (s == KILN_OK && !(nrm = kiln_sqrt(sq))) s = kiln_last_status();
+    /* Loss-scaled: the norm and the coefficient unscaled, NaN on a step whose gradients
+     * overflowed, which every rank skips alike (the norm is the same on all), not
+     * counting it. */
+    if (s == KILN_OK && !(coef = scale ? kiln_loss_scale_coef(nrm, scale, max_norm, &nrm) : kiln_clip_coef(nrm, max_norm)))
+        s = kiln_last_status();
+    kiln_tensor_t *inc = !coef ? NULL
+                         : scale ? kiln_cast(kiln_lt(kiln_abs(coef), kiln_scalar(INFINITY, KILN_DTYPE_F32)), KILN_DTYPE_F64)
+                                 : z->one;
+    if (s == KILN_OK && !inc) s = kiln_last_status();
+    bool counted = s == KILN_OK && (s = kiln_add_(z->step, inc, 1.0)) == KILN_OK;
     for (int gi = 0; s == KILN_OK && gi < 2; gi++) {
         group *g = &z->gr[gi];
         if (!g->shard) continue;
@@ -185,7 +195,7 @@ kiln_status kiln_zero1_step_t(kiln_zero1_t *z, kiln_tensor_t *lr, double max_nor
     if (s == KILN_OK && norm) *norm = kiln_keep(nrm);
     /* An eager step that failed after counting itself is not counted (inside a capture
      * nothing ran yet: the graph's run fails as a whole). */
-    if (s != KILN_OK && counted && !kiln_graph_capturing()) kiln_add_(z->step, z->one, -1.0);
+    if (s != KILN_OK && counted && !kiln_graph_capturing()) kiln_add_(z->step, inc, -1.0);
     kiln_scope_end();
     kiln_set_grad_enabled(prev);
     if (norm && *norm) *norm = kiln__scoped(*norm); /* in the caller's scope */
@@ -201,7 +211,7 @@ kiln_status kiln_zero1_step(kiln_zero1_t *z, double lr, double max_norm, double 
     int64_t one = 1;
     kiln_scope_begin();
     kiln_tensor_t *lr_t = kiln_from_data(&lr, &one, 1, KILN_DTYPE_F64), *nrm = NULL;
-    kiln_status s = lr_t ? kiln_zero1_step_t(z, lr_t, max_norm, &nrm) : kiln_last_status();
+    kiln_status s = lr_t ? kiln_zero1_step_t(z, lr_t, NULL, max_norm, &nrm) : kiln_last_status();
     double v = 0;
     if (s == KILN_OK) s = kiln_tensor_item(nrm, &v);
     if (s == KILN_OK && norm) *norm = v;

@@ -822,39 +822,26 @@ kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_
     return s;
 }
 
-/* The update of a loss-scaled step from the scaled gradients' norm *norm: skipped when
- * the norm is not finite, else the optimizer's step with the gradients divided by the
- * scale (folded into its gradient coefficient with the clipping, so the gradients are
- * not rewritten); the scaler is updated and *norm becomes the unscaled norm. */
-static kiln_status scaled_update(const kiln_gpt_step *st, kiln_tensor_t *lr, kiln_tensor_t **norm)
-{
-    double v, inv = 1.0 / st->scaler->scale;
-    kiln_status s = kiln_tensor_item(*norm, &v);
-    if (s != KILN_OK) return s;
-    bool take = kiln_loss_scaler_update(st->scaler, v);
-    if (!(*norm = kiln_mul_scalar(*norm, inv))) return kiln_last_status();
-    if (!take) return KILN_OK;
-    kiln_tensor_t *coef = st->clip > 0 ? kiln_clip_coef(*norm, st->clip) : kiln_scalar(1, KILN_DTYPE_F32);
-    if (!coef || !(coef = kiln_mul_scalar(coef, inv))) return kiln_last_status();
-    return kiln_optim_step_t(st->opt, lr, coef);
-}
-
 kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
 {
     const kiln_gpt_step *st = step;
-    if (!st || !st->model || !st->opt || !in || n_in != 3 || !out || !n_out)
-        return kiln_error(KILN_ERR_ARG, "gpt_train_step: needs the model and optimizer, (idx, targets, lr) and room "
-                          "for (loss, norm)");
-    if (st->scaler && st->zero)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "gpt_train_step: loss scaling (f16) with ZeRO-1 is not supported; use "
-                          "bf16, which needs no scaling");
-    kiln_tensor_t *loss = NULL, *norm = NULL;
+    if (!st || !st->model || !st->opt || !in || n_in != 3 + st->scaled || !out || !n_out)
+        return kiln_error(KILN_ERR_ARG, "gpt_train_step: needs the model and optimizer, (idx, targets, lr%s) and room "
+                          "for (loss, norm)", st && st->scaled ? ", loss scale" : "");
+    kiln_tensor_t *loss = NULL, *norm = NULL, *scale = st->scaled ? in[3] : NULL;
+    if (scale && (kiln_tensor_numel(scale) != 1 || !kiln_dtype_is_float(kiln_tensor_dtype(scale)))) {
+        char b[96];
+        return kiln_error(KILN_ERR_SHAPE, "gpt_train_step: the loss scale %s must be a one-element float tensor",
+                          kiln_tensor_describe(scale, b, sizeof b));
+    }
     kiln_status s = KILN_OK;
     int A = st->accum > 1 ? st->accum : 1;
-    double scale = st->scaler ? st->scaler->scale : 1.0;
+    /* Backward runs on loss * scale / A, the scale read when the step runs. */
+    kiln_tensor_t *factor = scale ? kiln_mul_scalar(kiln_cast(kiln_view(scale, NULL, 0), KILN_DTYPE_F32), 1.0 / A) : NULL;
+    if (scale && !factor) return kiln_last_status();
     if (A == 1) {
         if (!kiln_gpt_forward(st->model, in[0], in[1], true, &loss)) return kiln_last_status();
-        s = kiln_backward(scale != 1.0 ? kiln_mul_scalar(loss, scale) : loss);
+        s = kiln_backward(factor ? kiln_mul(loss, factor) : loss);
     } else {
         if (kiln_tensor_ndim(in[0]) != 3 || kiln_tensor_shape(in[0])[0] != A || kiln_tensor_ndim(in[1]) != 3 ||
             kiln_tensor_shape(in[1])[0] != A)
@@ -863,27 +850,27 @@ kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, 
             kiln_tensor_t *x = kiln_squeeze(kiln_narrow(in[0], 0, k, 1), 0), *y = kiln_squeeze(kiln_narrow(in[1], 0, k, 1), 0);
             kiln_tensor_t *lk;
             if (!x || !y || !kiln_gpt_forward(st->model, x, y, true, &lk)) return kiln_last_status();
-            s = kiln_backward(kiln_mul_scalar(lk, scale / A));
+            s = kiln_backward(factor ? kiln_mul(lk, factor) : kiln_mul_scalar(lk, 1.0 / A));
             loss = s != KILN_OK ? NULL : loss ? kiln_add(loss, lk) : lk;
             if (s == KILN_OK && !loss) s = kiln_last_status();
         }
         if (s == KILN_OK && !(loss = kiln_mul_scalar(loss, 1.0 / A))) s = kiln_last_status();
     }
     if (st->zero) {
-        if (s == KILN_OK) s = kiln_zero1_step_t(st->zero, in[2], st->clip, &norm);
+        if (s == KILN_OK) s = kiln_zero1_step_t(st->zero, in[2], scale, st->clip, &norm);
     } else {
         for (int i = 0; s == KILN_OK && st->pg && i < st->n_params; i++) {
             kiln_tensor_t *g = kiln_tensor_grad(st->params[i]);
             if (g) s = kiln_pg_allreduce(st->pg, g, KILN_REDUCE_AVG);
         }
         if (s == KILN_OK) s = kiln_grad_norm(st->params, st->n_params, &norm);
-        if (s == KILN_OK && st->scaler) {
-            s = scaled_update(st, in[2], &norm);
-        } else {
-            kiln_tensor_t *coef = s == KILN_OK && st->clip > 0 ? kiln_clip_coef(norm, st->clip) : NULL;
-            if (s == KILN_OK && st->clip > 0 && !coef) s = kiln_last_status();
-            if (s == KILN_OK) s = kiln_optim_step_t(st->opt, in[2], coef);
-        }
+        /* (the gscale of a loss-scaled step unscales, and skips the update when the
+         * gradients overflowed) */
+        kiln_tensor_t *coef = s != KILN_OK ? NULL
+                              : scale ? kiln_loss_scale_coef(norm, scale, st->clip, &norm)
+                              : st->clip > 0 ? kiln_clip_coef(norm, st->clip) : NULL;
+        if (s == KILN_OK && (scale || st->clip > 0) && !coef) s = kiln_last_status();
+        if (s == KILN_OK) s = kiln_optim_step_t(st->opt, in[2], coef);
     }
     kiln_optim_zero_grad(st->opt);
     out[0] = loss;

@@ -100,15 +100,20 @@ static kiln_tensor_t *scalar_of(kiln_tensor_t *t, kiln_dtype dt)
  *   p' = p (1 - lr wd) - lr (m' / c1) / (sqrt(v' / c2) + eps)
  * then m, v and p take m', v' and p' (copy_; the fused kernel stores them in place).
  * The step count goes through check_min, so a step < 1 is the same error as eagerly
- * instead of weights divided by zero. The scalars are shared by every parameter's
- * update once CSE has run. */
+ * instead of weights divided by zero. A gscale that is not finite skips the update as
+ * the kernel does: m, v and p take their own values again, and the check reads 1 in
+ * place of the step count. The scalars are shared by every parameter's update once CSE
+ * has run. */
 static kiln_status dec_adamw(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln_tensor_t **out)
 {
     double b1 = a->op.adamw.beta1, b2 = a->op.adamw.beta2, eps = a->op.adamw.eps;
     const kiln_dtype F = KILN_DTYPE_F32, D = KILN_DTYPE_F64;
     float b1f = (float)b1, b2f = (float)b2;
     kiln_tensor_t *p = in[0], *g = in[1], *m = in[2], *v = in[3];
-    kiln_tensor_t *lr = scalar_of(in[4], F), *gscale = scalar_of(in[6], F), *step = kiln_view(in[5], NULL, 0);
+    kiln_tensor_t *lr = scalar_of(in[4], F), *gs0 = kiln_view(in[6], NULL, 0), *step = kiln_view(in[5], NULL, 0);
+    kiln_tensor_t *gscale = kiln_cast(gs0, F);
+    kiln_tensor_t *taken = gs0 ? kiln_lt(kiln_abs(gs0), kiln_scalar(INFINITY, gs0->dtype)) : NULL;
+    step = step ? kiln_where(taken, step, kiln_scalar(1, step->dtype)) : NULL;
     kiln__attrs ca = {0};
     ca.op.check = (kiln__check_attrs){.min = 1, .what = KILN__CHECK_ADAMW_STEP};
     kiln_tensor_t *t = step ? kiln__call(KILN_OP_CHECK_MIN, &step, 1, &ca) : NULL;
@@ -122,6 +127,9 @@ static kiln_status dec_adamw(kiln_tensor_t *const *in, int n_in, const kiln__att
     kiln_tensor_t *v1 = kiln_add(kiln_mul(kiln_scalar(b2f, F), v), kiln_mul(kiln_mul(kiln_scalar(1.0f - b2f, F), gs), gs));
     kiln_tensor_t *den = kiln_add(kiln_sqrt(kiln_div(v1, c2)), kiln_scalar((float)eps, F));
     kiln_tensor_t *p1 = kiln_sub(kiln_mul(p, decay), kiln_div(kiln_mul(lr, kiln_div(m1, c1)), den));
+    m1 = kiln_where(taken, m1, m);
+    v1 = kiln_where(taken, v1, v);
+    p1 = kiln_where(taken, p1, p);
     if (!p1 || !m1 || !v1) return kiln_last_status();
     kiln_status s = kiln_tensor_copy_(m, m1);
     if (s == KILN_OK) s = kiln_tensor_copy_(v, v1);

@@ -116,10 +116,18 @@ static kiln_status check_one_element(const char *what, const kiln_tensor_t *t)
     kiln_dtype dt = kiln_tensor_dtype(t);
     if (kiln_tensor_numel(t) != 1 || (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_F64)) {
         char b[96];
-        return kiln_error(KILN_ERR_SHAPE, "optim_step_t: %s %s must be a one-element f32 or f64 tensor", what,
+        return kiln_error(KILN_ERR_SHAPE, "%s %s must be a one-element f32 or f64 tensor", what,
                           kiln_tensor_describe(t, b, sizeof b));
     }
     return KILN_OK;
+}
+
+/* Whether a one-element gscale is finite (a bool scalar): an update at one that is not
+ * is skipped (kiln_optim_step_t). */
+static kiln_tensor_t *finite_of(kiln_tensor_t *gscale)
+{
+    kiln_tensor_t *x = kiln_view(gscale, NULL, 0);
+    return x ? kiln_lt(kiln_abs(x), kiln_scalar(INFINITY, kiln_tensor_dtype(x))) : NULL;
 }
 
 /* The slots parameter i needs, made if missing. */
@@ -142,12 +150,16 @@ kiln_status kiln_optim_step_t(kiln_optim_t *o, kiln_tensor_t *lr, kiln_tensor_t 
         kiln_scope_end();
         return s;
     }
-    kiln_status s = check_one_element("lr", lr);
-    if (s == KILN_OK && gscale) s = check_one_element("gscale", gscale);
+    kiln_status s = check_one_element("optim_step_t: lr", lr);
+    if (s == KILN_OK && gscale) s = check_one_element("optim_step_t: gscale", gscale);
     if (s != KILN_OK) return s;
     bool prev = kiln_set_grad_enabled(false);
     kiln_scope_begin();
-    s = kiln_add_(o->step, o->one, 1.0);
+    /* A skipped step is not counted: the count goes up by 1 or 0 (AdamW's update does
+     * not read it when it skips). */
+    kiln_tensor_t *taken = gscale ? finite_of(gscale) : NULL;
+    kiln_tensor_t *inc = taken ? kiln_cast(taken, KILN_DTYPE_F64) : o->one;
+    s = inc ? kiln_add_(o->step, inc, 1.0) : kiln_last_status();
     kiln_tensor_t *lr32 = o->kind == OPT_SGD ? kiln_cast(lr, KILN_DTYPE_F32) : NULL;
     kiln_tensor_t *gs32 = o->kind == OPT_SGD && gscale ? kiln_cast(gscale, KILN_DTYPE_F32) : NULL;
     if (s == KILN_OK && o->kind == OPT_SGD && (!lr32 || (gscale && !gs32))) s = kiln_last_status();
@@ -168,15 +180,16 @@ kiln_status kiln_optim_step_t(kiln_optim_t *o, kiln_tensor_t *lr, kiln_tensor_t 
             continue;
         }
         /* SGD out of place, the gradient left as it is: d = gscale*g + wd*p; with
-         * momentum buf = momentum*buf + d, d = buf; p -= lr*d. */
-        kiln_tensor_t *d = gs32 ? kiln_mul(g, gs32) : g;
+         * momentum buf = momentum*buf + d, d = buf; p -= lr*d (each kept as it was on
+         * a skipped step). */
+        kiln_tensor_t *d = gs32 ? kiln_mul(g, gs32) : g, *buf = o->slot[0][i];
         if (d && wd > 0) d = kiln_add(d, kiln_mul_scalar(p, wd));
         if (d && o->momentum > 0) {
-            s = kiln_mul_scalar_(o->slot[0][i], o->momentum);
-            if (s == KILN_OK) s = kiln_add_(o->slot[0][i], d, 1.0);
-            d = o->slot[0][i];
+            d = kiln_add(kiln_mul_scalar(buf, o->momentum), d);
+            s = d ? kiln_tensor_copy_(buf, taken ? kiln_where(taken, d, buf) : d) : kiln_last_status();
         }
-        if (s == KILN_OK) s = d ? kiln_add_(p, kiln_mul(d, lr32), -1.0) : kiln_last_status();
+        kiln_tensor_t *p1 = d ? kiln_sub(p, kiln_mul(d, lr32)) : NULL;
+        if (s == KILN_OK) s = p1 ? kiln_tensor_copy_(p, taken ? kiln_where(taken, p1, p) : p1) : kiln_last_status();
     }
     kiln_scope_end();
     kiln_set_grad_enabled(prev);
@@ -290,6 +303,23 @@ bool kiln_loss_scaler_update(kiln_loss_scaler *s, double norm)
         s->good = 0;
     }
     return true;
+}
+
+kiln_tensor_t *kiln_loss_scale_coef(kiln_tensor_t *norm, kiln_tensor_t *scale, double max_norm,
+                                    kiln_tensor_t **unscaled)
+{
+    if (unscaled) *unscaled = NULL;
+    if (!norm || !scale || !unscaled) return kiln_error(KILN_ERR_ARG, "loss_scale_coef: NULL norm, scale or result"), NULL;
+    if (check_one_element("loss_scale_coef: the scale", scale) != KILN_OK) return NULL;
+    bool prev = kiln_set_grad_enabled(false);
+    kiln_tensor_t *inv = kiln_div(kiln_scalar(1, KILN_DTYPE_F64), kiln_cast(kiln_view(scale, NULL, 0), KILN_DTYPE_F64));
+    kiln_tensor_t *un = kiln_mul(norm, inv);
+    kiln_tensor_t *coef = kiln_mul(kiln_clip_coef(un, max_norm), kiln_cast(inv, KILN_DTYPE_F32));
+    coef = kiln_where(finite_of(norm), coef, kiln_scalar(NAN, KILN_DTYPE_F32));
+    kiln_set_grad_enabled(prev);
+    if (!coef) return NULL;
+    *unscaled = un;
+    return coef;
 }
 
 kiln_tensor_t *kiln_clip_coef(kiln_tensor_t *norm, double max_norm)
