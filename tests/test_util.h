@@ -57,6 +57,14 @@ static inline void test_stderr_end(test_stderr *c, char *buf, size_t n)
     fclose(c->log);
 }
 
+/* |got - want| <= tol, failing on a NaN (cmocka's assert_float_equal lets a NaN pass:
+ * its test is |a - b| > epsilon). */
+#define assert_near(got, want, tol)                                                                    \
+    do {                                                                                               \
+        double got_ = (got), want_ = (want);                                                           \
+        if (!(fabs(got_ - want_) <= (tol))) fail_msg("%s = %.9g, want %.9g within %g", #got, got_, want_, (double)(tol)); \
+    } while (0)
+
 /* Largest |a[i] - b[i]| / (1 + |b[i]|) over n values, b the reference; infinite when a
  * NaN or an infinity appears on either side (so that no such value passes a tolerance). */
 static inline double test_max_rel_err(const double *a, const double *b, int64_t n)
