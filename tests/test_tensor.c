@@ -17,6 +17,7 @@
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "core/tensor_impl.h"
+#include "backends/cpu/cpu.h"
 
 #include "test_util.h"
 
@@ -951,6 +952,67 @@ static void test_clear_error_resets_the_status(void **state)
 
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
 
+/* The bulk f16 conversions (F16C where the processor has it, backends/cpu/half.c) give
+ * the bits of the one-at-a-time functions (core/dtype.h), the oracle: all 65,536 f16
+ * values widened; narrowed, every f16 value, the midpoints between neighbours (ties to
+ * even), one f32 ulp either side of them, the overflow edge, f32 subnormals, NaNs of
+ * both signs, quiet and signalling with payloads, and 2^20 random bit patterns. Odd
+ * lengths and starts run the vector tails. */
+static void f16_runs(void)
+{
+    enum { NH = 65536, NF = (1 << 20) + 8 * 65536 };
+    uint16_t *h = malloc(sizeof *h * NH), *h2 = malloc(sizeof *h2 * NF);
+    float *f = malloc(sizeof *f * NF);
+    uint32_t *bits = malloc(sizeof *bits * NF);
+    for (int i = 0; i < NH; i++) h[i] = (uint16_t)i;
+    kiln__f16_to_f32_n(h, f, NH);
+    for (int i = 0; i < NH; i++) {
+        float want = kiln__f16_to_f32(h[i]);
+        if (memcmp(&f[i], &want, 4)) fail_msg("f16 0x%04x widened to 0x%08x, the scalar rule 0x%08x", i, kiln__f32_bits(f[i]), kiln__f32_bits(want));
+    }
+    int64_t n = 0;
+    for (int i = 0; i < NH; i++) {
+        uint32_t b = kiln__f32_bits(kiln__f16_to_f32((uint16_t)i)), nb = kiln__f32_bits(kiln__f16_to_f32((uint16_t)(i + 1)));
+        bits[n++] = b;
+        if ((i & 0x7c00) == 0x7c00 || (i & 0x7fff) == 0x7bff) continue; /* NaN, inf, the largest: no next */
+        uint32_t mid = b + (nb - b) / 2; /* same sign: the f32 between them, halfway in bits = in value */
+        bits[n++] = mid;
+        bits[n++] = mid + 1;
+        bits[n++] = mid - 1;
+    }
+    const uint32_t edges[] = {0x477fefffu, 0x477ff000u, 0x477ff001u, 0x47800000u, 0xc77ff000u, 0x00000001u,
+                              0x807fffffu, 0x7f800001u, 0xff800001u, 0x7fc00000u, 0xffc12345u, 0x7fbfffffu,
+                              0x7f802000u, 0x33000000u, 0x33000001u, 0xb3000000u, 0x387fc000u, 0x38800000u};
+    for (size_t i = 0; i < sizeof edges / sizeof edges[0]; i++) bits[n++] = edges[i];
+    uint64_t r = 12345;
+    while (n < NF) {
+        r = r * 6364136223846793005ULL + 1442695040888963407ULL;
+        bits[n++] = (uint32_t)(r >> 32);
+    }
+    memcpy(f, bits, sizeof(float) * (size_t)n);
+    for (int64_t start = 0; start < 3; start++) {
+        kiln__f32_to_f16_n(f + start, h2 + start, n - 2 * start);
+        for (int64_t i = start; i < n - start; i++)
+            if (h2[i] != kiln__f32_to_f16(f[i]))
+                fail_msg("f32 0x%08x narrowed to 0x%04x, the scalar rule 0x%04x", bits[i], h2[i], kiln__f32_to_f16(f[i]));
+    }
+    kiln__f16_to_f32_n(h + 5, f, 37); /* a tail */
+    for (int i = 0; i < 37; i++) assert_true(kiln__f32_bits(f[i]) == kiln__f32_bits(kiln__f16_to_f32(h[5 + i])));
+    free(h);
+    free(h2);
+    free(f);
+    free(bits);
+}
+
+static void test_f16_runs_convert_as_the_scalar_functions(void **state)
+{
+    for (int level = 2; level >= 1; level--) { /* AVX-512, AVX2: each where it runs */
+        kiln__half_limit(level);
+        f16_runs();
+    }
+    kiln__half_limit(2);
+}
+
 int main(int argc, char **argv)
 {
     if (argc > 1 && !strcmp(argv[1], "--rng-child")) return rng_child();
@@ -1003,6 +1065,7 @@ int main(int argc, char **argv)
         T(test_null_input_keeps_the_first_error),
         T(test_negative_size_is_a_shape_error),
         T(test_clear_error_resets_the_status),
+        T(test_f16_runs_convert_as_the_scalar_functions),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

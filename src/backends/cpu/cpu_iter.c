@@ -142,6 +142,7 @@ void cpu_widen_row(float *dst, const void *src, int64_t s, int64_t n, kiln_dtype
     const uint16_t *h = src;
     if (dt == KILN_DTYPE_BF16 && s == 1) kiln__bf16_to_f32_n(h, dst, n);
     else if (dt == KILN_DTYPE_BF16) for (int64_t i = 0; i < n; i++) dst[i] = kiln__bf16_to_f32(h[i * s]);
+    else if (s == 1) kiln__f16_to_f32_n(h, dst, n);
     else for (int64_t i = 0; i < n; i++) dst[i] = kiln__f16_to_f32(h[i * s]);
 }
 
@@ -150,6 +151,7 @@ void cpu_narrow_row(void *dst, int64_t s, const float *src, int64_t n, kiln_dtyp
     uint16_t *h = dst;
     if (dt == KILN_DTYPE_BF16 && s == 1) kiln__f32_to_bf16_n(src, h, n);
     else if (dt == KILN_DTYPE_BF16) for (int64_t i = 0; i < n; i++) h[i * s] = kiln__f32_to_bf16(src[i]);
+    else if (s == 1) kiln__f32_to_f16_n(src, h, n);
     else for (int64_t i = 0; i < n; i++) h[i * s] = kiln__f32_to_f16(src[i]);
 }
 
