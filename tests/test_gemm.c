@@ -55,6 +55,7 @@ static mat mat_new(int64_t rows, int64_t cols, bool transposed, int64_t pad, kil
         for (int64_t j = 0; j < cols; j++) {
             float v = uniform();
             if (type == KILN__GEMM_F32) ((float *)m.data)[i * m.rs + j * m.cs] = v;
+            else if (type == KILN__GEMM_F16) ((uint16_t *)m.data)[i * m.rs + j * m.cs] = kiln__f32_to_f16(v);
             else ((uint16_t *)m.data)[i * m.rs + j * m.cs] = kiln__f32_to_bf16(v);
         }
     return m;
@@ -63,7 +64,10 @@ static mat mat_new(int64_t rows, int64_t cols, bool transposed, int64_t pad, kil
 static double at(const mat *m, int64_t i, int64_t j, bool round_bf16)
 {
     int64_t o = i * m->rs + j * m->cs;
-    float v = m->type == KILN__GEMM_F32 ? ((float *)m->data)[o] : kiln__bf16_to_f32(((uint16_t *)m->data)[o]);
+    const uint16_t *h = m->data;
+    float v = m->type == KILN__GEMM_F32    ? ((float *)m->data)[o]
+              : m->type == KILN__GEMM_F16 ? kiln__f16_to_f32(h[o])
+                                          : kiln__bf16_to_f32(h[o]);
     return round_bf16 ? kiln__bf16_to_f32(kiln__f32_to_bf16(v)) : v;
 }
 
@@ -119,11 +123,11 @@ static void test_every_kernel_matches_double_reference(void **state)
         int ran = 0, cases = 0;
         for (size_t z = 0; z < sizeof sizes / sizeof sizes[0]; z++)
             for (int layout = 0; layout < 3; layout++)
-                for (int ty = 0; ty < 2; ty++) {
+                for (int ty = 0; ty < 3; ty++) { /* f32, bf16, f16 operands with f32 products */
                     int64_t M = sizes[z][0], N = sizes[z][1], K = sizes[z][2];
                     bool a_t = layout == 2, b_t = layout == 1, acc = (z + (size_t)layout) % 2 == 1;
-                    kiln__gemm_type compute = ty ? KILN__GEMM_BF16 : KILN__GEMM_F32;
-                    kiln__gemm_type in = ty && z % 2 ? KILN__GEMM_BF16 : KILN__GEMM_F32;
+                    kiln__gemm_type compute = ty == 1 ? KILN__GEMM_BF16 : KILN__GEMM_F32;
+                    kiln__gemm_type in = ty == 2 ? KILN__GEMM_F16 : ty && z % 2 ? KILN__GEMM_BF16 : KILN__GEMM_F32;
                     ran += check(ISAS[s], ISA_NAMES[s], M, N, K, a_t, b_t, in, compute, acc);
                     cases++;
                 }
@@ -226,6 +230,61 @@ static void test_bf16_result_is_the_sums_rounded_once(void **state)
             }
 }
 
+/* An f16 product (kiln__gemm_f16, f16 operands widened as they are packed) is, bit for
+ * bit, the f32 GEMM of the operands' f32 widenings (oracle: f32 copies made with
+ * kiln__f16_to_f32, through the f32 path, the sums checked against double above),
+ * rounded once to f16, for every kernel that runs f32, on the layouts and split shapes
+ * of the bf16 test, with padding left untouched; K = 0 gives zeros. */
+static mat widened(const mat *m)
+{
+    mat w = *m;
+    w.type = KILN__GEMM_F32;
+    size_t n = (size_t)(m->rs == 1 ? m->cols * m->cs : m->rows * m->rs);
+    w.data = malloc(sizeof(float) * (n ? n : 1));
+    assert_non_null(w.data);
+    for (size_t i = 0; i < n; i++) ((float *)w.data)[i] = kiln__f16_to_f32(((uint16_t *)m->data)[i]);
+    return w;
+}
+
+static void test_f16_result_is_the_widened_sums_rounded_once(void **state)
+{
+    (void)state;
+    static const int64_t sizes[][3] = {{1, 1, 1},     {7, 65, 63},   {65, 63, 300}, {3, 700, 70},
+                                       {300, 40, 33}, {70, 5000, 40}, {96, 70, 64},  {64, 33, 544}};
+    for (size_t s = 0; s < sizeof ISAS / sizeof ISAS[0]; s++)
+        for (size_t z = 0; z < sizeof sizes / sizeof sizes[0]; z++)
+            for (int layout = 0; layout < 3; layout++) {
+                int64_t M = sizes[z][0], N = sizes[z][1], K = sizes[z][2], ldc = N + 3;
+                mat A = mat_new(M, K, layout == 2, 1, KILN__GEMM_F16), B = mat_new(K, N, layout == 1, 2, KILN__GEMM_F16);
+                mat A32 = widened(&A), B32 = widened(&B);
+                float *C = malloc(sizeof(float) * (size_t)(M * N));
+                uint16_t *H = malloc(sizeof(uint16_t) * (size_t)(M * ldc));
+                assert_non_null(C);
+                assert_non_null(H);
+                for (int64_t i = 0; i < M * ldc; i++) H[i] = 0x7e01; /* a marker NaN */
+                if (kiln__gemm_with(ISAS[s], M, N, K, operand(&A32), operand(&B32), C, N, false, KILN__GEMM_F32)) {
+                    assert_true(kiln__gemm_f16_with(ISAS[s], M, N, K, operand(&A), operand(&B), H, ldc));
+                    for (int64_t i = 0; i < M; i++)
+                        for (int64_t j = 0; j < ldc; j++) {
+                            uint16_t want = j < N ? kiln__f32_to_f16(C[i * N + j]) : 0x7e01;
+                            if (H[i * ldc + j] != want)
+                                fail_msg("%s M=%lld N=%lld K=%lld layout %d: C[%lld,%lld] = 0x%04x, want 0x%04x",
+                                         ISA_NAMES[s], (long long)M, (long long)N, (long long)K, layout, (long long)i,
+                                         (long long)j, H[i * ldc + j], want);
+                        }
+                    assert_true(kiln__gemm_f16_with(ISAS[s], M, N, 0, operand(&A), operand(&B), H, ldc));
+                    for (int64_t i = 0; i < M; i++)
+                        for (int64_t j = 0; j < ldc; j++) assert_int_equal(H[i * ldc + j], j < N ? 0 : 0x7e01);
+                }
+                free(A.data);
+                free(B.data);
+                free(A32.data);
+                free(B32.data);
+                free(C);
+                free(H);
+            }
+}
+
 int main(void)
 {
     kiln_init(0);
@@ -236,6 +295,7 @@ int main(void)
         cmocka_unit_test(test_zero_k_and_empty),
         cmocka_unit_test(test_rows_and_columns_do_not_depend_on_the_rest),
         cmocka_unit_test(test_bf16_result_is_the_sums_rounded_once),
+        cmocka_unit_test(test_f16_result_is_the_widened_sums_rounded_once),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

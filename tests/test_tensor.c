@@ -17,7 +17,7 @@
 #include "core/dtype.h"
 #include "core/rng.h"
 #include "core/tensor_impl.h"
-#include "backends/cpu/cpu.h"
+#include "backends/cpu/gemm.h"
 
 #include "test_util.h"
 

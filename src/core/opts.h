@@ -22,7 +22,8 @@
     X(COPY_INTO_VIEWS, 1, "a generated kernel stores a copy_ into a view of an intermediate itself (not a copy step after)") \
     X(COLSUM_ROWS, 1, "f32 sums over the rows of a tall matrix (bias gradients) in fixed 256-row chunks of whole rows") \
     X(OWN_GEMM, 0, "f32 matmuls on kiln's own packed GEMM (src/backends/cpu/gemm.c) instead of the BLAS")   \
-    X(ATT_BF16, 1, "bf16 attention's tiles on kiln's own GEMM (AMX), P and dS rounded to bf16 as PyTorch does (else widened to f32)")
+    X(ATT_BF16, 1, "bf16 attention's tiles on kiln's own GEMM (AMX), P and dS rounded to bf16 as PyTorch does (else widened to f32)") \
+    X(OWN_GEMM_F16, 0, "f16 matmuls on kiln's own GEMM, f16 widened as it is packed and the result rounded in cache (else widened copies through the f32 matmul, the BLAS's)")
 
 /* The compiler's stages (src/compile/compile.c), each a switch of its own, on by
  * default: KILN_OPT_COMPILE_FUSION=0 compiles without fusion, to find the stage that

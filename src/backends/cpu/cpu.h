@@ -51,12 +51,6 @@ bool cpu_has_half(kiln_tensor_t *const *in, int n_in, kiln_tensor_t *const *out,
  * only in f32 and f64 take the reduced types (the norms, softmaxes, cross-entropy, rope,
  * attention, and f16 matmul). None of them writes its inputs. */
 kiln_status cpu_widened(kiln__kernel_fn k, KILN__KERNEL_ARGS);
-/* n contiguous values between f16 and f32, bitwise as kiln__f16_to_f32 and
- * kiln__f32_to_f16 give them (F16C where the processor has it: half.c). */
-void kiln__f16_to_f32_n(const uint16_t *src, float *dst, int64_t n);
-void kiln__f32_to_f16_n(const float *src, uint16_t *dst, int64_t n);
-/* Tests: the widest code they may take, 0 (one at a time), 1 (AVX2) or 2 (AVX-512). */
-void kiln__half_limit(int level);
 /* The first statement of such a kernel: the widened run of itself for the reduced types. */
 #define CPU_WIDEN(self) \
     if (cpu_has_half(in, n_in, out, n_out)) return cpu_widened(self, be, in, n_in, a, out, n_out)

@@ -1,7 +1,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "backends/cpu/cpu.h"
-#include "backends/cpu/gemm.h" /* the f32 <-> bf16 row conversions */
+#include "backends/cpu/gemm.h" /* the row conversions between f32 and bf16 or f16 */
 
 void cpu_iter_init(cpu_iter *it, int nops, kiln_tensor_t *const *ops)
 {

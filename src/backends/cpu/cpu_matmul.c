@@ -1,5 +1,6 @@
 /* Batched matmul on the BLAS (BLIS or OpenBLAS, chosen at build time), or on kiln's
- * own GEMM (f32 with KILN_OPT_OWN_GEMM; bf16 always; f16 widened to f32). Operands whose
+ * own GEMM (f32 with KILN_OPT_OWN_GEMM; bf16 always; f16 with KILN_OPT_OWN_GEMM_F16,
+ * else widened to f32). Operands whose
  * last two dims are row-major or transposed go to the BLAS as they are; anything else
  * is copied first. A weight without batch dims is multiplied in one GEMM over all the
  * rows of the other operand, which is how Linear layers reach the BLAS. */
@@ -93,10 +94,26 @@ static kiln_status gemm_bf16(mat_layout la, mat_layout lb, int64_t M, int64_t N,
     return KILN_OK;
 }
 
+/* f16 operands with KILN_OPT_OWN_GEMM_F16: kiln's own GEMM with the f32 kernels
+ * (products of f16 values are exact in f32), each operand widened as it is packed and
+ * each result rounded once to f16 while its block is in cache: no widened copy of A, B
+ * or C. (Off by default: no faster than the widened copies and the BLAS in a training
+ * step, docs/perf-log.md.) */
+static kiln_status gemm_f16(mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
+                            const char *B, char *C)
+{
+    if (!kiln__gemm_f16(M, N, K, own_operand(A, KILN__GEMM_F16, la), own_operand(B, KILN__GEMM_F16, lb),
+                        (uint16_t *)C, N))
+        return kiln__err(KILN_ERR_OOM, "matmul: out of memory for a %lld x %lld f16 product", (long long)M,
+                         (long long)N);
+    return KILN_OK;
+}
+
 static kiln_status gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
                         const char *B, char *C)
 {
     if (dt == KILN_DTYPE_BF16) return gemm_bf16(la, lb, M, N, K, A, B, C);
+    if (dt == KILN_DTYPE_F16) return gemm_f16(la, lb, M, N, K, A, B, C);
     /* kiln's GEMM threads itself over the pool; it fails only when out of memory for
      * its packing buffers, and the BLAS then does the product. */
     if (dt == KILN_DTYPE_F32 && kiln__opt(KILN__OPT_OWN_GEMM) &&
@@ -131,7 +148,8 @@ static kiln_status gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, 
 kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                              kiln_tensor_t *const *out, int n_out)
 {
-    if (in[0]->dtype == KILN_DTYPE_F16) return cpu_widened(kiln__cpu_matmul, be, in, n_in, a, out, n_out);
+    if (in[0]->dtype == KILN_DTYPE_F16 && !kiln__opt(KILN__OPT_OWN_GEMM_F16))
+        return cpu_widened(kiln__cpu_matmul, be, in, n_in, a, out, n_out);
     kiln_tensor_t *x = in[0], *y = in[1], *o = out[0], *tx = NULL, *ty = NULL;
     int nx = x->ndim, ny = y->ndim, no = o->ndim;
     int64_t M = o->shape[no - 2], N = o->shape[no - 1], K = x->shape[nx - 1];

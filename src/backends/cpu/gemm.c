@@ -7,6 +7,7 @@
  * same micro-kernel on a full-size scratch tile, so that every element gets the same
  * arithmetic wherever it lies. */
 #include "backends/cpu/gemm.h"
+#include <assert.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -298,7 +299,10 @@ static void copy_rows(const ukernel *uk, float *d, int64_t ds, const float *s, i
 
 static float load(const kiln__gemm_operand *x, int64_t i)
 {
-    return x->type == KILN__GEMM_F32 ? ((const float *)x->p)[i] : kiln__bf16_to_f32(((const uint16_t *)x->p)[i]);
+    const uint16_t *h = x->p;
+    return x->type == KILN__GEMM_F32    ? ((const float *)x->p)[i]
+           : x->type == KILN__GEMM_BF16 ? kiln__bf16_to_f32(h[i])
+                                        : kiln__f16_to_f32(h[i]);
 }
 
 #if defined(__x86_64__)
@@ -484,6 +488,19 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, bool is_b, int6
         if (uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && x->type == KILN__GEMM_F32 && ts == 1 && w == tile) {
             const float *src = (const float *)x->p + first + t0;
             copy_rows(uk, of, tile, src, ks, kc, tile, tile);
+        } else if (uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && x->type == KILN__GEMM_F16 && (ts == 1 || ks == 1)) {
+            /* f16 widened as it is packed: k-rows of the panel (tile dim contiguous), or
+             * one tile element's kc values at a time (K contiguous; kc <= KC) */
+            const uint16_t *src = (const uint16_t *)x->p + first + t0 * ts;
+            float col[KILN__GEMM_KC];
+            for (int64_t k = 0; ts == 1 && k < kc; k++) {
+                kiln__f16_to_f32_n(src + k * ks, of + k * tile, w);
+                memset(of + k * tile + w, 0, sizeof(float) * (size_t)(tile - w));
+            }
+            for (int t = 0; ts != 1 && t < tile; t++) {
+                if (t < w) kiln__f16_to_f32_n(src + t * ts, col, kc);
+                for (int64_t k = 0; k < kc; k++) of[k * tile + t] = t < w ? col[k] : 0.0f;
+            }
         } else if (uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && x->type == KILN__GEMM_F32 && ks == 1) {
             for (int t = 0; t < tile; t++) {
                 const float *src = (const float *)x->p + first + (t0 + t) * ts;
@@ -550,8 +567,9 @@ typedef struct {
     const ukernel *uk;
     int64_t M, N, K, kc_max;
     kiln__gemm_operand A, B;
-    float *C;         /* f32 C, or NULL when the result is bf16 */
-    uint16_t *Cb;     /* bf16 C: an item sums into its own f32 block, then rounds it here */
+    float *C;         /* f32 C, or NULL when the result is bf16 or f16 */
+    uint16_t *Cb;     /* bf16 or f16 C (ctype): an item sums into its own f32 block, then rounds it here */
+    kiln__gemm_type ctype;
     int64_t ldc;
     bool accumulate;
     size_t es;         /* bytes per packed element */
@@ -612,9 +630,38 @@ typedef struct {
     int64_t rs, cs, tile;
 } a_view;
 
+/* f16 A: never read in place; widened row by row into the padded stride, or (A
+ * transposed) into panels of MR values a k, as f32 A would be copied. */
+static a_view a_rows_f16(const job *j, int64_t r, int64_t m, int64_t k0, int64_t kc, float *buf)
+{
+    const kiln__gemm_operand *A = &j->A;
+    const uint16_t *src = (const uint16_t *)A->p + r * A->rs + k0 * A->cs;
+    int mr = j->uk->mr;
+    int64_t rows = (m + mr - 1) / mr * mr;
+    if (A->rs == 1 && A->cs != 1) {
+        for (int64_t t = 0; t < rows; t += mr) {
+            int64_t w = m - t < mr ? m - t : mr;
+            float *d = buf + t / mr * kc * mr;
+            for (int64_t k = 0; k < kc; k++) {
+                kiln__f16_to_f32_n(src + t + k * A->cs, d + k * mr, w);
+                memset(d + k * mr + w, 0, sizeof(float) * (size_t)(mr - w));
+            }
+        }
+        return (a_view){buf, 1, mr, kc * mr};
+    }
+    int64_t ld = (kc + 15) / 16 * 16 + 16;
+    for (int64_t i = 0; i < rows; i++) {
+        if (i < m && A->cs == 1) kiln__f16_to_f32_n(src + i * A->rs, buf + i * ld, kc);
+        else
+            for (int64_t k = 0; k < kc; k++) buf[i * ld + k] = i < m ? kiln__f16_to_f32(src[i * A->rs + k * A->cs]) : 0.0f;
+    }
+    return (a_view){buf, ld, 1, mr * ld};
+}
+
 static a_view a_rows(const job *j, int64_t r, int64_t m, int64_t k0, int64_t kc, float *buf)
 {
     const kiln__gemm_operand *A = &j->A;
+    if (A->type == KILN__GEMM_F16) return a_rows_f16(j, r, m, k0, kc, buf);
     const float *src = (const float *)A->p + r * A->rs + k0 * A->cs;
     int mr = j->uk->mr;
     int64_t rows = (m + mr - 1) / mr * mr;
@@ -637,7 +684,7 @@ static void items(void *ctx, int64_t begin, int64_t end)
 {
     job *j = ctx;
     const ukernel *uk = j->uk;
-    bool f32 = uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && j->A.type == KILN__GEMM_F32;
+    bool f32 = uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && j->A.type != KILN__GEMM_BF16;
     size_t abytes = f32 ? sizeof(float) * (size_t)((j->mc + uk->mr + 32) * (j->kc_max + 32))
                         : (size_t)(j->mc * kpad_of(j, j->kc_max)) * j->es;
     void *apack = buffer(1, abytes);
@@ -692,16 +739,21 @@ static void items(void *ctx, int64_t begin, int64_t end)
         }
         if (j->Cb) { /* the item's sums are whole: round them once, while they are in cache */
             int64_t c0 = p0 * uk->nr, w = (p1 * uk->nr < j->nc ? p1 * uk->nr : j->nc) - c0;
-            for (int64_t r = 0; r < m; r++)
-                kiln__f32_to_bf16_n(sums + r * sld, j->Cb + (r0 + r) * j->ldc + j->c0 + c0, w);
+            for (int64_t r = 0; r < m; r++) {
+                uint16_t *d = j->Cb + (r0 + r) * j->ldc + j->c0 + c0;
+                if (j->ctype == KILN__GEMM_F16) kiln__f32_to_f16_n(sums + r * sld, d, w);
+                else kiln__f32_to_bf16_n(sums + r * sld, d, w);
+            }
         }
     }
 }
 
-/* The driver: C f32 (C) or bf16 (Cb, then not accumulating). */
+/* The driver: C f32 (C) or 16-bit (Cb of type ctype, then not accumulating). */
 static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
-                float *C, uint16_t *Cb, int64_t ldc, bool accumulate, kiln__gemm_type compute)
+                float *C, uint16_t *Cb, kiln__gemm_type ctype, int64_t ldc, bool accumulate, kiln__gemm_type compute)
 {
+    /* (f16 operands are widened as packed, for the f32 kernels only) */
+    assert(compute == KILN__GEMM_F32 || (A.type != KILN__GEMM_F16 && B.type != KILN__GEMM_F16));
     const ukernel *uk = pick(isa, compute);
     if (!uk) return false;
     if (M <= 0 || N <= 0) return true;
@@ -711,7 +763,8 @@ static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_
             else memset(C + i * ldc, 0, sizeof(float) * (size_t)N);
         return true;
     }
-    job j = {.uk = uk, .M = M, .N = N, .K = K, .kc_max = KILN__GEMM_KC, .A = A, .B = B, .C = C, .Cb = Cb, .ldc = ldc,
+    job j = {.uk = uk, .M = M, .N = N, .K = K, .kc_max = KILN__GEMM_KC, .A = A, .B = B, .C = C, .Cb = Cb,
+             .ctype = ctype, .ldc = ldc,
              .accumulate = accumulate && !Cb, .es = uk->packed == KILN__GEMM_BF16 ? 2 : 4};
     int64_t nt = kiln__pool_size() > 0 ? kiln__pool_size() : 1;
     size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < NC ? N : NC) + uk->nr) * j.es;
@@ -748,23 +801,35 @@ static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_
 bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
                     float *C, int64_t ldc, bool accumulate, kiln__gemm_type compute)
 {
-    return run(isa, M, N, K, A, B, C, NULL, ldc, accumulate, compute);
+    return run(isa, M, N, K, A, B, C, NULL, KILN__GEMM_F32, ldc, accumulate, compute);
 }
 
 bool kiln__gemm(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, float *C, int64_t ldc,
                 bool accumulate, kiln__gemm_type compute)
 {
-    return run(KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, ldc, accumulate, compute);
+    return run(KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, KILN__GEMM_F32, ldc, accumulate, compute);
 }
 
 bool kiln__gemm_bf16_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
                           kiln__gemm_operand B, uint16_t *C, int64_t ldc)
 {
-    return run(isa, M, N, K, A, B, NULL, C, ldc, false, KILN__GEMM_BF16);
+    return run(isa, M, N, K, A, B, NULL, C, KILN__GEMM_BF16, ldc, false, KILN__GEMM_BF16);
 }
 
 bool kiln__gemm_bf16(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, uint16_t *C,
                      int64_t ldc)
 {
-    return run(KILN__GEMM_ISA_AUTO, M, N, K, A, B, NULL, C, ldc, false, KILN__GEMM_BF16);
+    return kiln__gemm_bf16_with(KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, ldc);
+}
+
+bool kiln__gemm_f16_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
+                         kiln__gemm_operand B, uint16_t *C, int64_t ldc)
+{
+    return run(isa, M, N, K, A, B, NULL, C, KILN__GEMM_F16, ldc, false, KILN__GEMM_F32);
+}
+
+bool kiln__gemm_f16(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, uint16_t *C,
+                    int64_t ldc)
+{
+    return kiln__gemm_f16_with(KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, ldc);
 }

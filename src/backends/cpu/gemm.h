@@ -1,4 +1,4 @@
-/* kiln's own GEMM: C = A B (or C += A B) for f32 and for bf16 operands with f32
+/* kiln's own GEMM: C = A B (or C += A B) for f32, bf16 and f16 operands with f32
  * accumulation, packed and blocked as in the BLIS papers (Van Zee and van de Geijn,
  * "BLIS: A Framework for Rapidly Instantiating BLAS Functionality", 2015), with
  * register-tiled micro-kernels for AMX (bf16), AVX-512, AVX512-BF16 and AVX2+FMA
@@ -19,10 +19,12 @@
 #include <stdint.h>
 #include "core/dtype.h" /* kiln__f32_to_bf16, kiln__bf16_to_f32 */
 
-typedef enum { KILN__GEMM_F32, KILN__GEMM_BF16 } kiln__gemm_type;
+typedef enum { KILN__GEMM_F32, KILN__GEMM_BF16, KILN__GEMM_F16 } kiln__gemm_type;
 
 /* An operand: its first element, element type (KILN__GEMM_F32: float, KILN__GEMM_BF16:
- * uint16_t holding bf16) and strides in elements. */
+ * uint16_t holding bf16, KILN__GEMM_F16: uint16_t holding f16) and strides in
+ * elements. f16 is an operand type only: its products are exact in f32, so f16
+ * operands are multiplied with compute KILN__GEMM_F32, widened as they are packed. */
 typedef struct {
     const void *p;
     kiln__gemm_type type;
@@ -62,10 +64,24 @@ bool kiln__gemm_bf16(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln
 bool kiln__gemm_bf16_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
                           kiln__gemm_operand B, uint16_t *C, int64_t ldc);
 
+/* C (f16) = A B with exact f32 products (f16 or f32 operands) summed as kiln__gemm sums
+ * them, each element rounded once to f16 (nearest even) while its block is in cache. */
+bool kiln__gemm_f16(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, uint16_t *C,
+                    int64_t ldc);
+bool kiln__gemm_f16_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
+                         kiln__gemm_operand B, uint16_t *C, int64_t ldc);
+
 /* n contiguous values between f32 and bf16, rounded as kiln__f32_to_bf16 rounds (the
  * packers' conversion, vectorized where the processor has AVX-512). */
 void kiln__f32_to_bf16_n(const float *src, uint16_t *dst, int64_t n);
 void kiln__bf16_to_f32_n(const uint16_t *src, float *dst, int64_t n);
+/* The same between f32 and f16, bitwise as kiln__f16_to_f32 and kiln__f32_to_f16 give
+ * them (F16C where the processor has it: half.c). */
+void kiln__f16_to_f32_n(const uint16_t *src, float *dst, int64_t n);
+void kiln__f32_to_f16_n(const float *src, uint16_t *dst, int64_t n);
+/* Tests: the widest code the f16 conversions may take, 0 (one at a time), 1 (AVX2) or
+ * 2 (AVX-512). */
+void kiln__half_limit(int level);
 
 /* The name of the micro-kernel kiln__gemm would use for `compute` ("avx512", ...). */
 const char *kiln__gemm_kernel_name(kiln__gemm_type compute);

@@ -10,7 +10,7 @@
  * rounding edges). KILN_OPT_F16C=0 keeps the scalar loop. */
 #include <stdbool.h>
 #include <stdint.h>
-#include "backends/cpu/cpu.h"
+#include "backends/cpu/gemm.h"
 #include "core/opts.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -97,8 +97,8 @@ typedef enum { HALF_C, HALF_AVX2, HALF_AVX512 } half_isa;
 static int limit = HALF_AVX512; /* kiln__half_limit */
 void kiln__half_limit(int level) { limit = level; }
 
-/* The processor's best, found once; the switch is read on every call (tests and
- * benchmarks turn it off and on). */
+/* The processor's best, found once, unless KILN_OPT_F16C=0; tests lower it with
+ * kiln__half_limit to check each width. */
 static half_isa isa(void)
 {
 #if defined(__x86_64__)
