@@ -190,51 +190,7 @@ static void test_rows_and_columns_do_not_depend_on_the_rest(void **state)
         }
 }
 
-/* A bf16 result (kiln__gemm_bf16) is the f32 GEMM's sums rounded once to bf16, bit for
- * bit (the sums themselves are checked against double above), for every kernel, on
- * shapes whose rows or columns are split among work items and threads, with a padded
- * row stride whose padding stays untouched; K = 0 gives zeros. */
-static void test_bf16_result_is_the_sums_rounded_once(void **state)
-{
-    (void)state;
-    static const int64_t sizes[][3] = {{1, 1, 1},     {7, 65, 63},   {65, 63, 300}, {3, 700, 70},
-                                       {300, 40, 33}, {70, 5000, 40}, {96, 70, 64},  {64, 33, 544}};
-    for (size_t s = 0; s < sizeof ISAS / sizeof ISAS[0]; s++)
-        for (size_t z = 0; z < sizeof sizes / sizeof sizes[0]; z++)
-            for (int layout = 0; layout < 3; layout++) {
-                int64_t M = sizes[z][0], N = sizes[z][1], K = sizes[z][2], ldc = N + 3;
-                mat A = mat_new(M, K, layout == 2, 1, KILN__GEMM_BF16), B = mat_new(K, N, layout == 1, 2, KILN__GEMM_BF16);
-                float *C = malloc(sizeof(float) * (size_t)(M * N));
-                uint16_t *H = malloc(sizeof(uint16_t) * (size_t)(M * ldc));
-                assert_non_null(C);
-                assert_non_null(H);
-                for (int64_t i = 0; i < M * ldc; i++) H[i] = 0x7fc1; /* a marker NaN */
-                if (kiln__gemm_with(ISAS[s], M, N, K, operand(&A), operand(&B), C, N, false, KILN__GEMM_BF16)) {
-                    assert_true(kiln__gemm_bf16_with(ISAS[s], M, N, K, operand(&A), operand(&B), H, ldc));
-                    for (int64_t i = 0; i < M; i++)
-                        for (int64_t j = 0; j < ldc; j++) {
-                            uint16_t want = j < N ? kiln__f32_to_bf16(C[i * N + j]) : 0x7fc1;
-                            if (H[i * ldc + j] != want)
-                                fail_msg("%s M=%lld N=%lld K=%lld layout %d: C[%lld,%lld] = 0x%04x, want 0x%04x",
-                                         ISA_NAMES[s], (long long)M, (long long)N, (long long)K, layout, (long long)i,
-                                         (long long)j, H[i * ldc + j], want);
-                        }
-                    assert_true(kiln__gemm_bf16_with(ISAS[s], M, N, 0, operand(&A), operand(&B), H, ldc));
-                    for (int64_t i = 0; i < M; i++)
-                        for (int64_t j = 0; j < ldc; j++) assert_int_equal(H[i * ldc + j], j < N ? 0 : 0x7fc1);
-                }
-                free(A.data);
-                free(B.data);
-                free(C);
-                free(H);
-            }
-}
-
-/* An f16 product (kiln__gemm_f16, f16 operands widened as they are packed) is, bit for
- * bit, the f32 GEMM of the operands' f32 widenings (oracle: f32 copies made with
- * kiln__f16_to_f32, through the f32 path, the sums checked against double above),
- * rounded once to f16, for every kernel that runs f32, on the layouts and split shapes
- * of the bf16 test, with padding left untouched; K = 0 gives zeros. */
+/* The oracle's f32 copy of an f16 matrix (kiln__f16_to_f32 of each element). */
 static mat widened(const mat *m)
 {
     mat w = *m;
@@ -246,44 +202,60 @@ static mat widened(const mat *m)
     return w;
 }
 
-static void test_f16_result_is_the_widened_sums_rounded_once(void **state)
+/* A 16-bit result is, bit for bit, the f32 GEMM's sums rounded once: bf16
+ * (kiln__gemm_bf16) the sums of the bf16 kernel on the same operands (checked against
+ * double above); f16 (kiln__gemm_f16, f16 operands widened as they are packed) the sums
+ * of the f32 path on the operands' f32 widenings. For every kernel that runs, on shapes
+ * whose rows or columns are split among work items and threads, A, B or neither
+ * transposed, with a padded row stride whose padding stays untouched; K = 0 gives
+ * zeros. */
+static void half_results(kiln__gemm_type half)
 {
-    (void)state;
     static const int64_t sizes[][3] = {{1, 1, 1},     {7, 65, 63},   {65, 63, 300}, {3, 700, 70},
                                        {300, 40, 33}, {70, 5000, 40}, {96, 70, 64},  {64, 33, 544}};
+    const uint16_t marker = half == KILN__GEMM_BF16 ? 0x7fc1 : 0x7e01; /* NaNs */
     for (size_t s = 0; s < sizeof ISAS / sizeof ISAS[0]; s++)
         for (size_t z = 0; z < sizeof sizes / sizeof sizes[0]; z++)
             for (int layout = 0; layout < 3; layout++) {
                 int64_t M = sizes[z][0], N = sizes[z][1], K = sizes[z][2], ldc = N + 3;
-                mat A = mat_new(M, K, layout == 2, 1, KILN__GEMM_F16), B = mat_new(K, N, layout == 1, 2, KILN__GEMM_F16);
-                mat A32 = widened(&A), B32 = widened(&B);
+                mat A = mat_new(M, K, layout == 2, 1, half), B = mat_new(K, N, layout == 1, 2, half);
+                bool f16 = half == KILN__GEMM_F16;
+                mat A32 = f16 ? widened(&A) : A, B32 = f16 ? widened(&B) : B;
                 float *C = malloc(sizeof(float) * (size_t)(M * N));
                 uint16_t *H = malloc(sizeof(uint16_t) * (size_t)(M * ldc));
                 assert_non_null(C);
                 assert_non_null(H);
-                for (int64_t i = 0; i < M * ldc; i++) H[i] = 0x7e01; /* a marker NaN */
-                if (kiln__gemm_with(ISAS[s], M, N, K, operand(&A32), operand(&B32), C, N, false, KILN__GEMM_F32)) {
-                    assert_true(kiln__gemm_f16_with(ISAS[s], M, N, K, operand(&A), operand(&B), H, ldc));
-                    for (int64_t i = 0; i < M; i++)
-                        for (int64_t j = 0; j < ldc; j++) {
-                            uint16_t want = j < N ? kiln__f32_to_f16(C[i * N + j]) : 0x7e01;
-                            if (H[i * ldc + j] != want)
-                                fail_msg("%s M=%lld N=%lld K=%lld layout %d: C[%lld,%lld] = 0x%04x, want 0x%04x",
-                                         ISA_NAMES[s], (long long)M, (long long)N, (long long)K, layout, (long long)i,
-                                         (long long)j, H[i * ldc + j], want);
-                        }
-                    assert_true(kiln__gemm_f16_with(ISAS[s], M, N, 0, operand(&A), operand(&B), H, ldc));
-                    for (int64_t i = 0; i < M; i++)
-                        for (int64_t j = 0; j < ldc; j++) assert_int_equal(H[i * ldc + j], j < N ? 0 : 0x7e01);
+                for (int64_t i = 0; i < M * ldc; i++) H[i] = marker;
+                if (kiln__gemm_with(ISAS[s], M, N, K, operand(&A32), operand(&B32), C, N, false, f16 ? KILN__GEMM_F32 : half)) {
+                    for (int q = 0; q < 2; q++) { /* K, then 0 */
+                        int k = q ? 0 : (int)K;
+                        assert_true(f16 ? kiln__gemm_f16_with(ISAS[s], M, N, k, operand(&A), operand(&B), H, ldc)
+                                        : kiln__gemm_bf16_with(ISAS[s], M, N, k, operand(&A), operand(&B), H, ldc));
+                        for (int64_t i = 0; i < M; i++)
+                            for (int64_t j = 0; j < ldc; j++) {
+                                uint16_t want = j >= N ? marker : k == 0 ? 0
+                                                : f16   ? kiln__f32_to_f16(C[i * N + j])
+                                                        : kiln__f32_to_bf16(C[i * N + j]);
+                                if (H[i * ldc + j] != want)
+                                    fail_msg("%s %s M=%lld N=%lld K=%d layout %d: C[%lld,%lld] = 0x%04x, want 0x%04x",
+                                             f16 ? "f16" : "bf16", ISA_NAMES[s], (long long)M, (long long)N, k, layout,
+                                             (long long)i, (long long)j, H[i * ldc + j], want);
+                            }
+                    }
+                }
+                if (f16) {
+                    free(A32.data);
+                    free(B32.data);
                 }
                 free(A.data);
                 free(B.data);
-                free(A32.data);
-                free(B32.data);
                 free(C);
                 free(H);
             }
 }
+
+static void test_bf16_result_is_the_sums_rounded_once(void **state) { half_results(KILN__GEMM_BF16); }
+static void test_f16_result_is_the_widened_sums_rounded_once(void **state) { half_results(KILN__GEMM_F16); }
 
 int main(void)
 {

@@ -83,37 +83,27 @@ static kiln__gemm_operand own_operand(const char *p, kiln__gemm_type t, mat_layo
 
 /* bf16 operands: kiln's own GEMM, products of bf16 values summed in f32 (AMX or
  * AVX512-BF16 where the processor has them), each result rounded once to bf16, as
- * PyTorch's bf16 matmul does. The BLAS has no bf16 GEMM to fall back to. */
-static kiln_status gemm_bf16(mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
-                             const char *B, char *C)
+ * PyTorch's bf16 matmul does; the BLAS has no bf16 GEMM to fall back to. f16 operands
+ * with KILN_OPT_OWN_GEMM_F16: the same GEMM's f32 kernels (products of f16 values are
+ * exact in f32), each operand widened as it is packed and each result rounded once to
+ * f16 in cache, no widened copy of A, B or C (off by default: no faster than the
+ * widened copies and the BLAS in a training step, docs/perf-log.md). */
+static kiln_status gemm_half(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K,
+                             const char *A, const char *B, char *C)
 {
-    if (!kiln__gemm_bf16(M, N, K, own_operand(A, KILN__GEMM_BF16, la), own_operand(B, KILN__GEMM_BF16, lb),
-                         (uint16_t *)C, N))
-        return kiln__err(KILN_ERR_OOM, "matmul: out of memory for a %lld x %lld bf16 product", (long long)M,
-                         (long long)N);
-    return KILN_OK;
-}
-
-/* f16 operands with KILN_OPT_OWN_GEMM_F16: kiln's own GEMM with the f32 kernels
- * (products of f16 values are exact in f32), each operand widened as it is packed and
- * each result rounded once to f16 while its block is in cache: no widened copy of A, B
- * or C. (Off by default: no faster than the widened copies and the BLAS in a training
- * step, docs/perf-log.md.) */
-static kiln_status gemm_f16(mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
-                            const char *B, char *C)
-{
-    if (!kiln__gemm_f16(M, N, K, own_operand(A, KILN__GEMM_F16, la), own_operand(B, KILN__GEMM_F16, lb),
-                        (uint16_t *)C, N))
-        return kiln__err(KILN_ERR_OOM, "matmul: out of memory for a %lld x %lld f16 product", (long long)M,
-                         (long long)N);
+    kiln__gemm_type t = dt == KILN_DTYPE_BF16 ? KILN__GEMM_BF16 : KILN__GEMM_F16;
+    kiln__gemm_operand a = own_operand(A, t, la), b = own_operand(B, t, lb);
+    if (!(t == KILN__GEMM_BF16 ? kiln__gemm_bf16(M, N, K, a, b, (uint16_t *)C, N)
+                               : kiln__gemm_f16(M, N, K, a, b, (uint16_t *)C, N)))
+        return kiln__err(KILN_ERR_OOM, "matmul: out of memory for a %lld x %lld %s product", (long long)M,
+                         (long long)N, kiln_dtype_name(dt));
     return KILN_OK;
 }
 
 static kiln_status gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
                         const char *B, char *C)
 {
-    if (dt == KILN_DTYPE_BF16) return gemm_bf16(la, lb, M, N, K, A, B, C);
-    if (dt == KILN_DTYPE_F16) return gemm_f16(la, lb, M, N, K, A, B, C);
+    if (kiln__is_half(dt)) return gemm_half(dt, la, lb, M, N, K, A, B, C);
     /* kiln's GEMM threads itself over the pool; it fails only when out of memory for
      * its packing buffers, and the BLAS then does the product. */
     if (dt == KILN_DTYPE_F32 && kiln__opt(KILN__OPT_OWN_GEMM) &&
