@@ -74,6 +74,17 @@ struct kiln_tokenizer;
 kiln_status kiln_model_load(const char *path, struct kiln_gpt **model, struct kiln_tokenizer **tok,
                             char **chat_template);
 
+/* A Hugging Face model folder as a kiln model with f32 weights: config.json, and
+ * model.safetensors or the shards model.safetensors.index.json lists (f32, f16 or bf16).
+ * LLaMA, Mistral and Qwen2 (model_type llama, mistral, qwen2) and GPT-2 (gpt2). A config
+ * field kiln cannot honour (rope scaling, another activation, ...) is an error naming
+ * it, and so is a tensor of the files that no parameter of kiln's model takes: the
+ * model loaded is the one the folder describes, or none. kiln_model_load takes such a
+ * folder too (its tokenizer.json, or bytes when it has none). */
+kiln_status kiln_hf_load(const char *dir, struct kiln_gpt **model);
+/* Whether path is a Hugging Face model folder (a config.json, and no kiln checkpoint). */
+bool kiln_hf_is_folder(const char *path);
+
 #ifdef __cplusplus
 }
 #endif

@@ -40,12 +40,37 @@ static kiln_status tokenizer_for(const char *dir, const char *kind, kiln_tokeniz
     return kiln_tokenizer_load(path, out);
 }
 
+/* A Hugging Face folder: the model, and its tokenizer.json (bytes when it has none). */
+static kiln_status hf_model(const char *dir, kiln_gpt_t **model, kiln_tokenizer_t **tok)
+{
+    char path[4200];
+    struct stat st;
+    snprintf(path, sizeof path, "%s/%s", dir, TOKENIZER_FILE);
+    kiln_gpt_t *m = NULL;
+    kiln_tokenizer_t *t = NULL;
+    kiln_status s = tokenizer_for(dir, stat(path, &st) == 0 ? "json" : "byte", &t);
+    if (s == KILN_OK) s = kiln_hf_load(dir, &m);
+    if (s == KILN_OK && kiln_tokenizer_vocab_size(t) != kiln_gpt_get_config(m)->vocab_size)
+        s = kiln_error(KILN_ERR_FORMAT, "%s: the model has %d tokens but its tokenizer %d%s", dir,
+                       kiln_gpt_get_config(m)->vocab_size, kiln_tokenizer_vocab_size(t),
+                       stat(path, &st) == 0 ? "" : " (no tokenizer.json: bytes)");
+    if (s != KILN_OK) {
+        kiln_gpt_free(m);
+        kiln_tokenizer_free(t);
+        return s;
+    }
+    *model = m;
+    *tok = t;
+    return KILN_OK;
+}
+
 kiln_status kiln_model_load(const char *path, kiln_gpt_t **model, kiln_tokenizer_t **tok, char **chat_template)
 {
     if (!path || !model || !tok) return kiln_error(KILN_ERR_ARG, "model_load: path, model and tok must not be NULL");
     *model = NULL;
     *tok = NULL;
     if (chat_template) *chat_template = NULL;
+    if (kiln_hf_is_folder(path)) return hf_model(path, model, tok);
     char dir[4096], file[4200];
     kiln_status s = split_path(path, dir, sizeof dir, file, sizeof file);
     kiln_safetensors_t *f = NULL;

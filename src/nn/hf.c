@@ -1,0 +1,427 @@
+/* Hugging Face model folders as kiln models: config.json read into a kiln_gpt_config,
+ * the weights (model.safetensors, or the shards model.safetensors.index.json lists) mapped
+ * onto kiln's parameters (docs/model.md) and widened to f32.
+ *
+ * Families: LLaMA, Mistral and Qwen2 (one layout: q/k/v/o, gate/up/down, RMSNorm, RoPE in
+ * rotate-half form, as kiln's), and GPT-2 (Conv1D weights stored (in, out), transposed
+ * here). kiln's `bias` is one switch for every linear layer, so a model with biases on
+ * some layers only (Qwen2's q/k/v) loads with zero biases on the others: the same
+ * model. Nothing is guessed: a config field kiln cannot honour is an error naming it,
+ * and so is a tensor of the files that no parameter takes. */
+#include <jansson.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include "kiln/io.h"
+#include "kiln/nn.h"
+#include "kiln/ops.h"
+
+typedef enum { HF_LLAMA, HF_GPT2 } hf_family;
+
+/* ---- config.json ---- */
+
+typedef struct {
+    const char *file;
+    json_t *root;
+} hf_config;
+
+/* An integer field; def when absent or null (required: an error instead). */
+static kiln_status cfg_int(const hf_config *c, const char *key, bool required, int def, int *out)
+{
+    json_t *v = json_object_get(c->root, key);
+    if (!v || json_is_null(v)) {
+        if (required) return kiln_error(KILN_ERR_FORMAT, "%s: '%s' is missing", c->file, key);
+        *out = def;
+        return KILN_OK;
+    }
+    if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > (1 << 30))
+        return kiln_error(KILN_ERR_FORMAT, "%s: '%s' must be a non-negative integer", c->file, key);
+    *out = (int)json_integer_value(v);
+    return KILN_OK;
+}
+
+static kiln_status cfg_num(const hf_config *c, json_t *obj, const char *key, double def, double *out)
+{
+    json_t *v = obj ? json_object_get(obj, key) : NULL;
+    if (!v || json_is_null(v)) {
+        *out = def;
+        return KILN_OK;
+    }
+    if (!json_is_number(v)) return kiln_error(KILN_ERR_FORMAT, "%s: '%s' must be a number", c->file, key);
+    *out = json_number_value(v);
+    return KILN_OK;
+}
+
+static bool cfg_bool(const hf_config *c, const char *key, bool def)
+{
+    json_t *v = json_object_get(c->root, key);
+    return json_is_boolean(v) ? json_is_true(v) : def;
+}
+
+static const char *cfg_str(const hf_config *c, const char *key)
+{
+    return json_string_value(json_object_get(c->root, key));
+}
+
+/* RoPE: its base, and no scaling (transformers 5's rope_parameters, or the older
+ * rope_theta and rope_scaling fields). */
+static kiln_status cfg_rope(const hf_config *c, double *theta)
+{
+    json_t *p = json_object_get(c->root, "rope_parameters"), *s = json_object_get(c->root, "rope_scaling");
+    kiln_status st = cfg_num(c, c->root, "rope_theta", 10000.0, theta);
+    if (st == KILN_OK && json_is_object(p)) st = cfg_num(c, p, "rope_theta", *theta, theta);
+    json_t *kind = json_is_object(p) ? json_object_get(p, "rope_type") : NULL;
+    if (json_is_object(s)) kind = json_object_get(s, "rope_type") ? json_object_get(s, "rope_type") : json_object_get(s, "type");
+    const char *k = json_string_value(kind);
+    if (st == KILN_OK && k && strcmp(k, "default"))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: rope scaling '%s' is not supported (kiln's RoPE has none)", c->file, k);
+    if (st == KILN_OK && !(*theta > 0)) return kiln_error(KILN_ERR_FORMAT, "%s: rope_theta must be > 0", c->file);
+    return st;
+}
+
+static kiln_status config_llama(const hf_config *c, const char *type, kiln_gpt_config *g)
+{
+    *g = kiln_gpt_config_llama();
+    int head_dim = 0, window = 0;
+    kiln_status s = cfg_int(c, "hidden_size", true, 0, &g->n_embd);
+    if (s == KILN_OK) s = cfg_int(c, "num_hidden_layers", true, 0, &g->n_layer);
+    if (s == KILN_OK) s = cfg_int(c, "num_attention_heads", true, 0, &g->n_head);
+    if (s == KILN_OK) s = cfg_int(c, "num_key_value_heads", false, g->n_head, &g->n_kv_head);
+    if (s == KILN_OK) s = cfg_int(c, "intermediate_size", true, 0, &g->ffn_hidden);
+    if (s == KILN_OK) s = cfg_int(c, "vocab_size", true, 0, &g->vocab_size);
+    if (s == KILN_OK) s = cfg_int(c, "max_position_embeddings", true, 0, &g->block_size);
+    if (s == KILN_OK) s = cfg_int(c, "head_dim", false, 0, &head_dim);
+    if (s == KILN_OK) s = cfg_int(c, "sliding_window", false, 0, &window);
+    if (s == KILN_OK) s = cfg_num(c, c->root, "rms_norm_eps", 1e-6, &g->norm_eps);
+    if (s == KILN_OK) s = cfg_rope(c, &g->rope_theta);
+    if (s != KILN_OK) return s;
+    const char *act = cfg_str(c, "hidden_act");
+    if (act && strcmp(act, "silu"))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: hidden_act '%s' is not supported (kiln's SwiGLU uses silu)", c->file, act);
+    if (g->n_head > 0 && head_dim && head_dim * g->n_head != g->n_embd)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: head_dim %d is not hidden_size / num_attention_heads = %d", c->file,
+                          head_dim, g->n_embd / g->n_head);
+    int tp = 1;
+    if (cfg_int(c, "pretraining_tp", false, 1, &tp) == KILN_OK && tp != 1)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: pretraining_tp %d is not supported", c->file, tp);
+    g->tied = cfg_bool(c, "tie_word_embeddings", false);
+    g->bias = !strcmp(type, "qwen2") || cfg_bool(c, "attention_bias", false) || cfg_bool(c, "mlp_bias", false);
+    /* A sliding window as long as the context or longer is full attention; a shorter
+     * one would change the model past it, so the context stops there (exact below). */
+    bool sliding = !strcmp(type, "qwen2") ? cfg_bool(c, "use_sliding_window", false) : window > 0;
+    if (sliding && window > 0 && window < g->block_size) g->block_size = window;
+    return KILN_OK;
+}
+
+static kiln_status config_gpt2(const hf_config *c, kiln_gpt_config *g)
+{
+    *g = kiln_gpt_config_gpt2();
+    kiln_status s = cfg_int(c, "n_embd", true, 0, &g->n_embd);
+    if (s == KILN_OK) s = cfg_int(c, "n_layer", true, 0, &g->n_layer);
+    if (s == KILN_OK) s = cfg_int(c, "n_head", true, 0, &g->n_head);
+    if (s == KILN_OK) s = cfg_int(c, "n_positions", true, 0, &g->block_size);
+    if (s == KILN_OK) s = cfg_int(c, "vocab_size", true, 0, &g->vocab_size);
+    if (s == KILN_OK) s = cfg_int(c, "n_inner", false, 0, &g->ffn_hidden);
+    if (s == KILN_OK) s = cfg_num(c, c->root, "layer_norm_epsilon", 1e-5, &g->norm_eps);
+    if (s != KILN_OK) return s;
+    g->n_kv_head = g->n_head;
+    const char *act = cfg_str(c, "activation_function");
+    if (act && strcmp(act, "gelu_new") && strcmp(act, "gelu_pytorch_tanh"))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: activation_function '%s' is not supported (kiln's GELU is the tanh "
+                          "form, gelu_new)", c->file, act);
+    if (cfg_bool(c, "scale_attn_by_inverse_layer_idx", false))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: scale_attn_by_inverse_layer_idx is not supported", c->file);
+    if (!cfg_bool(c, "scale_attn_weights", true))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: scale_attn_weights false is not supported", c->file);
+    g->tied = cfg_bool(c, "tie_word_embeddings", true);
+    return KILN_OK;
+}
+
+static kiln_status read_config(const char *dir, kiln_gpt_config *g, hf_family *fam)
+{
+    char file[4200];
+    snprintf(file, sizeof file, "%s/config.json", dir);
+    json_error_t err;
+    hf_config c = {file, json_load_file(file, 0, &err)};
+    if (!c.root) {
+        struct stat st;
+        return stat(file, &st) != 0 ? kiln_error(KILN_ERR_IO, "%s: cannot read it: not a Hugging Face model folder", file)
+                                    : kiln_error(KILN_ERR_FORMAT, "%s: line %d: %s", file, err.line, err.text);
+    }
+    const char *type = cfg_str(&c, "model_type");
+    kiln_status s;
+    if (!type) s = kiln_error(KILN_ERR_FORMAT, "%s: 'model_type' is missing", file);
+    else if (!strcmp(type, "llama") || !strcmp(type, "mistral") || !strcmp(type, "qwen2"))
+        s = config_llama(&c, type, g), *fam = HF_LLAMA;
+    else if (!strcmp(type, "gpt2")) s = config_gpt2(&c, g), *fam = HF_GPT2;
+    else
+        s = kiln_error(KILN_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, mistral, qwen2 and gpt2 are)",
+                       file, type);
+    if (s == KILN_OK && kiln_gpt_config_check(g) != KILN_OK) {
+        char why[512]; /* (the message is formatted into the buffer it is read from) */
+        snprintf(why, sizeof why, "%s", kiln_last_error());
+        s = kiln_error(KILN_ERR_UNSUPPORTED, "%s: %s", file, why);
+    }
+    json_decref(c.root);
+    return s;
+}
+
+/* ---- the weights ---- */
+
+#define MAX_FILES 256
+
+typedef struct {
+    const char *dir;
+    kiln_safetensors_t *f[MAX_FILES];
+    bool *used[MAX_FILES];
+    int n;
+} hf_weights;
+
+static void weights_free(hf_weights *w)
+{
+    for (int i = 0; i < w->n; i++) {
+        kiln_safetensors_free(w->f[i]);
+        free(w->used[i]);
+    }
+}
+
+static kiln_status weights_add(hf_weights *w, const char *name)
+{
+    if (strchr(name, '/') || !strcmp(name, "..") || w->n == MAX_FILES)
+        return kiln_error(KILN_ERR_FORMAT, "%s: shard '%s' is not a file of the folder (or too many shards)", w->dir, name);
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", w->dir, name);
+    kiln_status s = kiln_safetensors_load(path, &w->f[w->n]);
+    if (s != KILN_OK) return s;
+    w->used[w->n] = calloc((size_t)kiln_safetensors_count(w->f[w->n]) + 1, sizeof(bool));
+    w->n++;
+    return w->used[w->n - 1] ? KILN_OK : kiln_error(KILN_ERR_OOM, "hf: out of memory");
+}
+
+/* model.safetensors, or every shard the index names (each once). */
+static kiln_status weights_open(hf_weights *w)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", w->dir);
+    struct stat st;
+    if (stat(path, &st) != 0) return weights_add(w, "model.safetensors");
+    json_error_t err;
+    json_t *root = json_load_file(path, 0, &err), *map = json_object_get(root, "weight_map");
+    if (!root) return kiln_error(KILN_ERR_FORMAT, "%s: line %d: %s", path, err.line, err.text);
+    kiln_status s = json_is_object(map) ? KILN_OK : kiln_error(KILN_ERR_FORMAT, "%s: no 'weight_map' object", path);
+    const char *key;
+    json_t *v;
+    /* the distinct shard names, in the order first met */
+    const char *names[MAX_FILES];
+    int nn = 0;
+    json_object_foreach(map, key, v)
+    {
+        const char *file = json_string_value(v);
+        if (s != KILN_OK) break;
+        if (!file) {
+            s = kiln_error(KILN_ERR_FORMAT, "%s: weight_map['%s'] is not a file name", path, key);
+            break;
+        }
+        bool dup = false;
+        for (int i = 0; i < nn && !dup; i++) dup = !strcmp(names[i], file);
+        if (!dup && nn == MAX_FILES) s = kiln_error(KILN_ERR_FORMAT, "%s: more than %d shards", path, MAX_FILES);
+        else if (!dup) names[nn++] = file;
+    }
+    for (int i = 0; s == KILN_OK && i < nn; i++) s = weights_add(w, names[i]);
+    json_decref(root);
+    return s;
+}
+
+/* The tensor called name (widened to f32; in the open scope), marked as used; NULL
+ * when no file has it (no error set: the caller says what it needed). */
+static kiln_tensor_t *weight(hf_weights *w, const char *name)
+{
+    for (int i = 0; i < w->n; i++)
+        for (int j = 0; j < kiln_safetensors_count(w->f[i]); j++)
+            if (!strcmp(kiln_safetensors_name(w->f[i], j), name)) {
+                w->used[i][j] = true;
+                kiln_tensor_t *t = kiln_safetensors_get(w->f[i], name);
+                return t && kiln_tensor_dtype(t) != KILN_DTYPE_F32 ? kiln_cast(t, KILN_DTYPE_F32) : t;
+            }
+    return NULL;
+}
+
+/* The weight under prefix + name (GPT-2 files come with and without "transformer."). */
+static kiln_tensor_t *weight_at(hf_weights *w, const char *prefix, const char *fmt, int layer)
+{
+    char name[256], full[300];
+    snprintf(name, sizeof name, fmt, layer);
+    snprintf(full, sizeof full, "%s%s", prefix, name);
+    return weight(w, full);
+}
+
+/* What parameter `name` of the kiln model (shape like param) is made of. */
+static kiln_tensor_t *source_llama(hf_weights *w, const char *name, const kiln_tensor_t *param, char *need, size_t nn)
+{
+    int i = -1, off = 0;
+    const char *rest = name;
+    if (sscanf(name, "blocks.%d.%n", &i, &off) == 1 && off > 0) rest = name + off;
+    struct {
+        const char *kiln, *hf;
+    } one[] = {
+        {"tok_emb.weight", "model.embed_tokens.weight"}, {"norm_f.weight", "model.norm.weight"},
+        {"lm_head.weight", "lm_head.weight"}, {"norm1.weight", "model.layers.%d.input_layernorm.weight"},
+        {"norm2.weight", "model.layers.%d.post_attention_layernorm.weight"},
+        {"attn.proj.weight", "model.layers.%d.self_attn.o_proj.weight"},
+        {"attn.proj.bias", "model.layers.%d.self_attn.o_proj.bias"},
+        {"mlp.gate.weight", "model.layers.%d.mlp.gate_proj.weight"}, {"mlp.gate.bias", "model.layers.%d.mlp.gate_proj.bias"},
+        {"mlp.up.weight", "model.layers.%d.mlp.up_proj.weight"}, {"mlp.up.bias", "model.layers.%d.mlp.up_proj.bias"},
+        {"mlp.down.weight", "model.layers.%d.mlp.down_proj.weight"}, {"mlp.down.bias", "model.layers.%d.mlp.down_proj.bias"},
+    };
+    for (size_t k = 0; k < sizeof one / sizeof one[0]; k++)
+        if (!strcmp(rest, one[k].kiln) && (i >= 0) == (strchr(one[k].hf, '%') != NULL)) {
+            snprintf(need, nn, one[k].hf, i);
+            kiln_tensor_t *t = weight_at(w, "", one[k].hf, i);
+            /* a bias the model does not have: zero, the same model */
+            if (!t && strstr(rest, ".bias")) t = kiln_zeros(kiln_tensor_shape(param), kiln_tensor_ndim(param), KILN_DTYPE_F32);
+            return t;
+        }
+    if (i >= 0 && (!strcmp(rest, "attn.qkv.weight") || !strcmp(rest, "attn.qkv.bias"))) {
+        const char *what = strstr(rest, "bias") ? "bias" : "weight";
+        char f[3][96];
+        kiln_tensor_t *p[3];
+        const char *qkv = "qkv";
+        for (int k = 0; k < 3; k++) {
+            snprintf(f[k], sizeof f[k], "model.layers.%%d.self_attn.%c_proj.%s", qkv[k], what);
+            p[k] = weight_at(w, "", f[k], i);
+        }
+        snprintf(need, nn, "model.layers.%d.self_attn.{q,k,v}_proj.%s", i, what);
+        if (p[0] && p[1] && p[2]) return kiln_cat(p, 3, 0);
+        if (!p[0] && !p[1] && !p[2] && !strcmp(what, "bias"))
+            return kiln_zeros(kiln_tensor_shape(param), kiln_tensor_ndim(param), KILN_DTYPE_F32);
+        return NULL;
+    }
+    snprintf(need, nn, "(no Hugging Face name for %s)", name);
+    return NULL;
+}
+
+static kiln_tensor_t *source_gpt2(hf_weights *w, const char *pre, const char *name, char *need, size_t nn)
+{
+    int i = -1, off = 0;
+    const char *rest = name;
+    if (sscanf(name, "blocks.%d.%n", &i, &off) == 1 && off > 0) rest = name + off;
+    struct {
+        const char *kiln, *hf;
+        bool conv1d; /* stored (in, out): transposed */
+    } one[] = {
+        {"tok_emb.weight", "wte.weight", false}, {"pos_emb.weight", "wpe.weight", false},
+        {"norm_f.weight", "ln_f.weight", false}, {"norm_f.bias", "ln_f.bias", false},
+        {"norm1.weight", "h.%d.ln_1.weight", false}, {"norm1.bias", "h.%d.ln_1.bias", false},
+        {"norm2.weight", "h.%d.ln_2.weight", false}, {"norm2.bias", "h.%d.ln_2.bias", false},
+        {"attn.qkv.weight", "h.%d.attn.c_attn.weight", true}, {"attn.qkv.bias", "h.%d.attn.c_attn.bias", false},
+        {"attn.proj.weight", "h.%d.attn.c_proj.weight", true}, {"attn.proj.bias", "h.%d.attn.c_proj.bias", false},
+        {"mlp.fc.weight", "h.%d.mlp.c_fc.weight", true}, {"mlp.fc.bias", "h.%d.mlp.c_fc.bias", false},
+        {"mlp.proj.weight", "h.%d.mlp.c_proj.weight", true}, {"mlp.proj.bias", "h.%d.mlp.c_proj.bias", false},
+        {"lm_head.weight", "lm_head.weight", false},
+    };
+    for (size_t k = 0; k < sizeof one / sizeof one[0]; k++)
+        if (!strcmp(rest, one[k].kiln) && (i >= 0) == (strchr(one[k].hf, '%') != NULL)) {
+            /* lm_head sits outside the "transformer." prefix */
+            const char *p = strcmp(one[k].kiln, "lm_head.weight") ? pre : "";
+            char fmt[128];
+            snprintf(fmt, sizeof fmt, "%s%s", p, one[k].hf);
+            snprintf(need, nn, fmt, i);
+            kiln_tensor_t *t = weight_at(w, "", fmt, i);
+            return t && one[k].conv1d ? kiln_contiguous(kiln_transpose(t, 0, 1)) : t;
+        }
+    snprintf(need, nn, "(no Hugging Face name for %s)", name);
+    return NULL;
+}
+
+/* Tensors the files may hold that are not parameters: GPT-2's attention masks and
+ * the rotary inverse frequencies some LLaMA checkpoints carry. */
+static bool is_buffer(const char *name)
+{
+    const char *tails[] = {".attn.bias", ".attn.masked_bias", ".rotary_emb.inv_freq"};
+    size_t n = strlen(name);
+    for (size_t k = 0; k < sizeof tails / sizeof tails[0]; k++) {
+        size_t t = strlen(tails[k]);
+        if (n >= t && !strcmp(name + n - t, tails[k])) return true;
+    }
+    return false;
+}
+
+static kiln_status load_weights(kiln_gpt_t *m, hf_family fam, hf_weights *w)
+{
+    kiln_status s = weights_open(w);
+    /* GPT-2 files saved from GPT2LMHeadModel prefix the body with "transformer." */
+    const char *pre = "";
+    bool prev = kiln_set_grad_enabled(false); /* the parameters are written in place */
+    for (int i = 0; s == KILN_OK && fam == HF_GPT2 && i < w->n; i++)
+        for (int j = 0; j < kiln_safetensors_count(w->f[i]); j++)
+            if (!strncmp(kiln_safetensors_name(w->f[i], j), "transformer.", 12)) pre = "transformer.";
+    for (int k = 0; s == KILN_OK && k < kiln_gpt_num_params(m); k++) {
+        const char *name;
+        kiln_tensor_t *p = kiln_gpt_param(m, k, &name);
+        char need[256];
+        kiln_scope_begin();
+        kiln_tensor_t *src = fam == HF_GPT2 ? source_gpt2(w, pre, name, need, sizeof need)
+                                            : source_llama(w, name, p, need, sizeof need);
+        int nd = kiln_tensor_ndim(p);
+        if (!src) {
+            s = kiln_error(KILN_ERR_FORMAT, "%s: no tensor %s for kiln's %s", w->dir, need, name);
+        } else if (kiln_tensor_ndim(src) != nd ||
+                   memcmp(kiln_tensor_shape(src), kiln_tensor_shape(p), sizeof(int64_t) * (size_t)nd)) {
+            char a[96], b[96];
+            s = kiln_error(KILN_ERR_FORMAT, "%s: %s is %s, but the config makes kiln's %s %s", w->dir, need,
+                           kiln_tensor_describe(src, a, sizeof a), name, kiln_tensor_describe(p, b, sizeof b));
+        } else {
+            s = kiln_tensor_copy_(p, src);
+        }
+        kiln_scope_end();
+    }
+    kiln_set_grad_enabled(prev);
+    for (int i = 0; s == KILN_OK && i < w->n; i++)
+        for (int j = 0; s == KILN_OK && j < kiln_safetensors_count(w->f[i]); j++) {
+            const char *name = kiln_safetensors_name(w->f[i], j);
+            /* a tied model's files may hold the head as a copy of the embedding */
+            bool tied_head = kiln_gpt_get_config(m)->tied && !strcmp(name, "lm_head.weight");
+            if (!w->used[i][j] && !is_buffer(name) && !tied_head)
+                s = kiln_error(KILN_ERR_UNSUPPORTED, "%s: tensor '%s' has no place in kiln's model: not loaded, since "
+                               "the model would not be the same without it", w->dir, name);
+        }
+    return s;
+}
+
+kiln_status kiln_hf_load(const char *dir, kiln_gpt_t **model)
+{
+    if (!dir || !model) return kiln_error(KILN_ERR_ARG, "hf_load: dir and model must not be NULL");
+    *model = NULL;
+    kiln_gpt_config cfg;
+    hf_family fam = HF_LLAMA;
+    kiln_status s = read_config(dir, &cfg, &fam);
+    kiln_gpt_t *m = NULL;
+    if (s == KILN_OK) s = kiln_gpt_new(&cfg, 0, &m);
+    hf_weights w = {.dir = dir};
+    if (s == KILN_OK) s = load_weights(m, fam, &w);
+    weights_free(&w);
+    if (s != KILN_OK) {
+        kiln_gpt_free(m);
+        return s;
+    }
+    *model = m;
+    return KILN_OK;
+}
+
+bool kiln_hf_is_folder(const char *path)
+{
+    char file[4200];
+    struct stat st;
+    if (!path || stat(path, &st) != 0 || !S_ISDIR(st.st_mode)) return false;
+    snprintf(file, sizeof file, "%s/config.json", path);
+    if (stat(file, &st) != 0) return false;
+    /* a kiln run folder has no config.json; one whose model file carries kiln's config
+     * is kiln's even so */
+    snprintf(file, sizeof file, "%s/model.safetensors", path);
+    kiln_safetensors_t *f = NULL;
+    bool kiln_own = stat(file, &st) == 0 && kiln_safetensors_load(file, &f) == KILN_OK && kiln_safetensors_meta(f, "config");
+    kiln_safetensors_free(f);
+    kiln_clear_error();
+    return !kiln_own;
+}

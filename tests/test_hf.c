@@ -1,0 +1,234 @@
+/* Hugging Face model folders loaded as kiln models (kiln_hf_load, src/nn/hf.c).
+ *
+ * Oracle: transformers 5.25 on the same folders. tests/reference/hf/ holds tiny models
+ * it made with random weights (tests/reference/hf_ref.py: LLaMA untied in f32, LLaMA
+ * tied in bf16 with rope_theta 5e5, Mistral in f16 over two shards with a sliding
+ * window shorter than its context, Qwen2 with q/k/v biases, GPT-2 with Conv1D weights),
+ * each with its logits for two rows of 12 tokens, computed in float32 on the stored
+ * weights, read back in float32. kiln's logits must be within 1e-5 of them everywhere
+ * (|logits| up to about 2.2; measured 6e-7 to 1e-6 on 2026-12-06, float32
+ * reassociation). Then bad folders: each refused with a message that names what is
+ * wrong. */
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <setjmp.h>
+#include <cmocka.h>
+
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include "kiln/io.h"
+#include "kiln/kiln.h"
+#include "kiln/nn.h"
+#include "kiln/ops.h"
+#include "kiln/tokenizer.h"
+
+static char *ref_dir(const char *name)
+{
+    const char *src = getenv("KILN_SOURCE_DIR");
+    static char buf[4096];
+    snprintf(buf, sizeof buf, "%s/tests/reference/hf/%s", src ? src : ".", name);
+    return buf;
+}
+
+static void matches_transformers(const char *name, int want_block_size)
+{
+    char dir[4096], exp[4200];
+    snprintf(dir, sizeof dir, "%s", ref_dir(name));
+    snprintf(exp, sizeof exp, "%s/expected.safetensors", dir);
+    kiln_gpt_t *m;
+    if (kiln_hf_load(dir, &m) != KILN_OK) fail_msg("%s: %s", name, kiln_last_error());
+    assert_int_equal(kiln_gpt_get_config(m)->block_size, want_block_size);
+    kiln_safetensors_t *f;
+    assert_int_equal(kiln_safetensors_load(exp, &f), KILN_OK);
+    kiln_scope_begin();
+    kiln_tensor_t *idx = kiln_safetensors_get(f, "idx"), *want = kiln_safetensors_get(f, "logits");
+    kiln_tensor_t *got = kiln_gpt_forward(m, idx, NULL, false, NULL);
+    if (!got) fail_msg("%s: forward: %s", name, kiln_last_error());
+    int64_t n = kiln_tensor_numel(want);
+    assert_int_equal(kiln_tensor_numel(got), n);
+    float *a = malloc(sizeof(float) * (size_t)n), *b = malloc(sizeof(float) * (size_t)n);
+    assert_int_equal(kiln_tensor_to_host(kiln_contiguous(got), a, sizeof(float) * (size_t)n), KILN_OK);
+    assert_int_equal(kiln_tensor_to_host(want, b, sizeof(float) * (size_t)n), KILN_OK);
+    double worst = 0;
+    for (int64_t i = 0; i < n; i++) {
+        double d = fabs((double)a[i] - (double)b[i]);
+        if (!(d <= worst)) worst = d; /* a NaN makes worst NaN */
+    }
+    printf("# %s: logits max |kiln - transformers| = %.3g\n", name, worst);
+    if (!(worst <= 1e-5)) fail_msg("%s: logits differ from transformers' by %g (tolerance 1e-5)", name, worst);
+    free(a);
+    free(b);
+    kiln_scope_end();
+    kiln_safetensors_free(f);
+    kiln_gpt_free(m);
+}
+
+static void llama_matches_transformers(void **state) { matches_transformers("llama", 64); }
+static void llama_tied_bf16_matches_transformers(void **state) { matches_transformers("llama_tied_bf16", 64); }
+/* (its sliding window, 32, is shorter than its 64 positions: the context stops there) */
+static void mistral_sharded_f16_matches_transformers(void **state) { matches_transformers("mistral_sharded_f16", 32); }
+static void qwen2_matches_transformers(void **state) { matches_transformers("qwen2", 64); }
+static void gpt2_matches_transformers(void **state) { matches_transformers("gpt2", 64); }
+
+/* kiln_model_load takes the folder as it is: the model, and bytes for a folder with no
+ * tokenizer.json (these have 256 tokens). */
+static void model_load_takes_a_hf_folder(void **state)
+{
+    kiln_gpt_t *m;
+    kiln_tokenizer_t *t;
+    assert_true(kiln_hf_is_folder(ref_dir("gpt2")));
+    if (kiln_model_load(ref_dir("gpt2"), &m, &t, NULL) != KILN_OK) fail_msg("%s", kiln_last_error());
+    assert_int_equal(kiln_tokenizer_vocab_size(t), 256);
+    assert_int_equal(kiln_gpt_get_config(m)->n_layer, 2);
+    kiln_tokenizer_free(t);
+    kiln_gpt_free(m);
+}
+
+/* ---- bad folders ---- */
+
+static char tmp[64];
+
+static int make_tmp(void **state)
+{
+    snprintf(tmp, sizeof tmp, "/tmp/kiln-hf-XXXXXX");
+    return mkdtemp(tmp) ? 0 : -1;
+}
+
+static int remove_tmp(void **state)
+{
+    char cmd[128];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", tmp);
+    return system(cmd) == 0 ? 0 : -1;
+}
+
+static void write_text(const char *dir, const char *file, const char *text)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/%s", dir, file);
+    FILE *f = fopen(path, "w");
+    assert_non_null(f);
+    fputs(text, f);
+    fclose(f);
+}
+
+/* A copy of the llama folder at DIR/name whose config.json has `from` replaced by
+ * `to` (or is `to` whole when from is NULL). */
+static char *variant(const char *name, const char *from, const char *to)
+{
+    static char dir[4096];
+    snprintf(dir, sizeof dir, "%s/%s", tmp, name);
+    mkdir(dir, 0755);
+    char cmd[8400];
+    snprintf(cmd, sizeof cmd, "cp %s/model.safetensors %s/", ref_dir("llama"), dir);
+    assert_int_equal(system(cmd), 0);
+    char path[4200], text[8192];
+    snprintf(path, sizeof path, "%s/config.json", ref_dir("llama"));
+    FILE *f = fopen(path, "r");
+    assert_non_null(f);
+    size_t n = fread(text, 1, sizeof text - 1, f);
+    fclose(f);
+    text[n] = 0;
+    if (!from) {
+        write_text(dir, "config.json", to);
+        return dir;
+    }
+    char *at = strstr(text, from), out[8400];
+    assert_non_null(at);
+    snprintf(out, sizeof out, "%.*s%s%s", (int)(at - text), text, to, at + strlen(from));
+    write_text(dir, "config.json", out);
+    return dir;
+}
+
+static void refused(const char *dir, kiln_status want, const char *says)
+{
+    kiln_gpt_t *m = (kiln_gpt_t *)1;
+    kiln_status s = kiln_hf_load(dir, &m);
+    if (s != want || !strstr(kiln_last_error(), says))
+        fail_msg("%s: status %d, message '%s'; wanted %d naming '%s'", dir, s, kiln_last_error(), want, says);
+    assert_null(m);
+    kiln_clear_error();
+}
+
+static void config_fields_kiln_cannot_honour_are_refused_by_name(void **state)
+{
+    refused(variant("rope", "\"rope_type\": \"default\"", "\"rope_type\": \"llama3\", \"factor\": 8.0"),
+            KILN_ERR_UNSUPPORTED, "rope scaling 'llama3'");
+    refused(variant("act", "\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\""), KILN_ERR_UNSUPPORTED,
+            "hidden_act 'gelu'");
+    refused(variant("headdim", "\"head_dim\": 8", "\"head_dim\": 16"), KILN_ERR_UNSUPPORTED, "head_dim 16");
+    refused(variant("type", "\"model_type\": \"llama\"", "\"model_type\": \"falcon\""), KILN_ERR_UNSUPPORTED,
+            "model_type 'falcon'");
+    refused(variant("nolayers", "\"num_hidden_layers\": 2,", ""), KILN_ERR_FORMAT, "'num_hidden_layers' is missing");
+    refused(variant("json", NULL, "{\"model_type\": \"llama\", "), KILN_ERR_FORMAT, "config.json: line");
+    refused(variant("heads", "\"num_key_value_heads\": 2", "\"num_key_value_heads\": 3"), KILN_ERR_UNSUPPORTED,
+            "n_kv_head");
+    char none[4200];
+    snprintf(none, sizeof none, "%s/none", tmp);
+    refused(none, KILN_ERR_IO, "not a Hugging Face model folder");
+}
+
+/* A config that makes other shapes than the weights', a tensor missing, and a tensor
+ * no parameter takes: each named. */
+static void weights_that_do_not_fit_are_refused_by_name(void **state)
+{
+    refused(variant("ffn", "\"intermediate_size\": 80", "\"intermediate_size\": 96"), KILN_ERR_FORMAT,
+            "model.layers.0.mlp.gate_proj.weight is");
+    char dir[4096];
+    snprintf(dir, sizeof dir, "%s", variant("extra", "x", "x"));
+    kiln_safetensors_t *f;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    assert_int_equal(kiln_safetensors_load(path, &f), KILN_OK);
+    int n = kiln_safetensors_count(f);
+    const char **names = malloc(sizeof *names * (size_t)(n + 1));
+    kiln_tensor_t **ts = malloc(sizeof *ts * (size_t)(n + 1));
+    kiln_scope_begin();
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        const char *nm = kiln_safetensors_name(f, i);
+        if (!strcmp(nm, "model.norm.weight")) continue; /* dropped */
+        names[k] = nm;
+        ts[k++] = kiln_safetensors_get(f, nm);
+    }
+    names[k] = "model.layers.0.self_attn.q_norm.weight"; /* a tensor kiln has no place for */
+    ts[k++] = kiln_ones((int64_t[]){8}, 1, KILN_DTYPE_F32);
+    char missing[4096];
+    snprintf(missing, sizeof missing, "%s", variant("missing", "x", "x"));
+    char p2[4200];
+    snprintf(p2, sizeof p2, "%s/model.safetensors", missing);
+    assert_int_equal(kiln_safetensors_save(p2, names, ts, k - 1, NULL), KILN_OK);
+    /* the extra one, with the norm put back */
+    names[k - 1] = "model.norm.weight";
+    ts[k - 1] = kiln_ones((int64_t[]){32}, 1, KILN_DTYPE_F32);
+    names[k] = "model.layers.0.self_attn.q_norm.weight";
+    ts[k] = kiln_ones((int64_t[]){8}, 1, KILN_DTYPE_F32);
+    assert_int_equal(kiln_safetensors_save(path, names, ts, k + 1, NULL), KILN_OK);
+    kiln_scope_end();
+    kiln_safetensors_free(f);
+    free(names);
+    free(ts);
+    refused(missing, KILN_ERR_FORMAT, "no tensor model.norm.weight for kiln's norm_f.weight");
+    refused(dir, KILN_ERR_UNSUPPORTED, "tensor 'model.layers.0.self_attn.q_norm.weight' has no place");
+}
+
+int main(void)
+{
+    kiln_init(1);
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(llama_matches_transformers),
+        cmocka_unit_test(llama_tied_bf16_matches_transformers),
+        cmocka_unit_test(mistral_sharded_f16_matches_transformers),
+        cmocka_unit_test(qwen2_matches_transformers),
+        cmocka_unit_test(gpt2_matches_transformers),
+        cmocka_unit_test(model_load_takes_a_hf_folder),
+        cmocka_unit_test(config_fields_kiln_cannot_honour_are_refused_by_name),
+        cmocka_unit_test(weights_that_do_not_fit_are_refused_by_name),
+    };
+    return cmocka_run_group_tests(tests, make_tmp, remove_tmp);
+}
