@@ -304,6 +304,36 @@ static void f16_scaling_compiles_and_shards(void **state)
     }
 }
 
+/* kiln import hf, kiln export hf, and a Hugging Face folder taken as it is by kiln
+ * sample: greedy text from the folder itself, from its import and from the import of
+ * its export is the same (oracle: the first; tests/test_hf.c checks the logits against
+ * transformers); bad arguments are refused by name. */
+static void hf_folders_import_sample_and_export(void **state)
+{
+    char out[8192], a[8192], hf[4096];
+    const char *src = getenv("KILN_SOURCE_DIR");
+    snprintf(hf, sizeof hf, "%s/tests/reference/hf/llama", src ? src : ".");
+    const char *greedy = "--tokens 12 --temperature 0 --prompt 'in the'";
+    int rc = run(a, sizeof a, "%s sample %s %s", tool(), hf, greedy);
+    if (rc != 0) fail_msg("kiln sample on a Hugging Face folder failed: %s", a);
+    rc = run(out, sizeof out, "%s import hf %s %s/hfrun", tool(), hf, dir);
+    if (rc != 0 || !strstr(out, "imported")) fail_msg("kiln import hf failed: %s", out);
+    rc = run(out, sizeof out, "%s sample %s/hfrun %s", tool(), dir, greedy);
+    if (rc != 0 || strcmp(out, a)) fail_msg("the imported run samples '%s', the folder '%s'", out, a);
+    rc = run(out, sizeof out, "%s export hf %s/hfrun %s/hfout", tool(), dir, dir);
+    if (rc != 0 || !strstr(out, "exported")) fail_msg("kiln export hf failed: %s", out);
+    rc = run(out, sizeof out, "%s import hf %s/hfout %s/hfrun2", tool(), dir, dir);
+    if (rc != 0) fail_msg("importing the export failed: %s", out);
+    rc = run(out, sizeof out, "%s sample %s/hfrun2 %s", tool(), dir, greedy);
+    if (rc != 0 || strcmp(out, a)) fail_msg("the export's import samples '%s', the folder '%s'", out, a);
+    assert_int_equal(run(out, sizeof out, "%s import gguf %s %s/x", tool(), hf, dir), 2);
+    assert_non_null(strstr(out, "format 'gguf' is not known"));
+    assert_int_equal(run(out, sizeof out, "%s import hf %s %s/x", tool(), dir, dir), 1);
+    assert_non_null(strstr(out, "not a Hugging Face model folder"));
+    assert_int_equal(run(out, sizeof out, "%s export hf %s/hfrun %s/x --dtype i8", tool(), dir, dir), 1);
+    assert_non_null(strstr(out, "--dtype must be f32, bf16 or f16"));
+}
+
 static void compile_dumps_the_training_step(void **state)
 {
     char out[4096], path[1024];
@@ -461,6 +491,7 @@ int main(void)
         cmocka_unit_test(train_in_mixed_precision),
         cmocka_unit_test(resume_keeps_the_f16_loss_scale),
         cmocka_unit_test(f16_scaling_compiles_and_shards), /* after it: its eager run is the oracle */
+        cmocka_unit_test(hf_folders_import_sample_and_export),
     };
     return cmocka_run_group_tests(tests, corpus_setup, corpus_teardown);
 }

@@ -34,6 +34,8 @@ int cmd_plot(int argc, char **argv);
 int cmd_doctor(int argc, char **argv);
 int cmd_serve(int argc, char **argv);
 int cmd_compile(int argc, char **argv);
+int cmd_import(int argc, char **argv);
+int cmd_export(int argc, char **argv);
 
 /* Checkpoint files inside a run folder. */
 #define RUN_MODEL "model.safetensors"

@@ -82,6 +82,13 @@ kiln_status kiln_model_load(const char *path, struct kiln_gpt **model, struct ki
  * model loaded is the one the folder describes, or none. kiln_model_load takes such a
  * folder too (its tokenizer.json, or bytes when it has none). */
 kiln_status kiln_hf_load(const char *dir, struct kiln_gpt **model);
+/* A kiln model written as a Hugging Face folder that transformers loads: config.json
+ * (LlamaForCausalLM for rmsnorm + rope + swiglu models, GPT2LMHeadModel for layernorm +
+ * learned positions + gelu with biases; anything else is an error naming what fits
+ * neither), model.safetensors with weights in dt (f32, bf16 or f16), and tok's
+ * tokenizer.json when tok is not NULL. dir is made if missing; files in it are
+ * replaced. kiln_hf_load reads the folder back to the same model (bitwise in f32). */
+kiln_status kiln_hf_save(const struct kiln_gpt *m, const struct kiln_tokenizer *tok, const char *dir, kiln_dtype dt);
 /* Whether path is a Hugging Face model folder (a config.json, and no kiln checkpoint). */
 bool kiln_hf_is_folder(const char *path);
 

@@ -8,6 +8,7 @@
  * some layers only (Qwen2's q/k/v) loads with zero biases on the others: the same
  * model. Nothing is guessed: a config field kiln cannot honour is an error naming it,
  * and so is a tensor of the files that no parameter takes. */
+#include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -16,6 +17,7 @@
 #include "kiln/io.h"
 #include "kiln/nn.h"
 #include "kiln/ops.h"
+#include "kiln/tokenizer.h"
 
 typedef enum { HF_LLAMA, HF_GPT2 } hf_family;
 
@@ -247,49 +249,87 @@ static kiln_tensor_t *weight(hf_weights *w, const char *name)
     return NULL;
 }
 
-/* The weight under prefix + name (GPT-2 files come with and without "transformer."). */
-static kiln_tensor_t *weight_at(hf_weights *w, const char *prefix, const char *fmt, int layer)
-{
-    char name[256], full[300];
-    snprintf(name, sizeof name, fmt, layer);
-    snprintf(full, sizeof full, "%s%s", prefix, name);
-    return weight(w, full);
-}
+/* kiln's parameter names (docs/model.md) against the Hugging Face ones, a block's with
+ * its index as %d; GPT-2's Conv1D weights are stored (in, out), transposed. LLaMA's
+ * q/k/v (kiln's one qkv) are handled apart. */
+typedef struct {
+    const char *kiln, *hf;
+    bool conv1d;
+} name_pair;
 
-/* What parameter `name` of the kiln model (shape like param) is made of. */
-static kiln_tensor_t *source_llama(hf_weights *w, const char *name, const kiln_tensor_t *param, char *need, size_t nn)
+static const name_pair llama_names[] = {
+    {"tok_emb.weight", "model.embed_tokens.weight", false}, {"norm_f.weight", "model.norm.weight", false},
+    {"lm_head.weight", "lm_head.weight", false}, {"norm1.weight", "model.layers.%d.input_layernorm.weight", false},
+    {"norm2.weight", "model.layers.%d.post_attention_layernorm.weight", false},
+    {"attn.proj.weight", "model.layers.%d.self_attn.o_proj.weight", false},
+    {"attn.proj.bias", "model.layers.%d.self_attn.o_proj.bias", false},
+    {"mlp.gate.weight", "model.layers.%d.mlp.gate_proj.weight", false}, {"mlp.gate.bias", "model.layers.%d.mlp.gate_proj.bias", false},
+    {"mlp.up.weight", "model.layers.%d.mlp.up_proj.weight", false}, {"mlp.up.bias", "model.layers.%d.mlp.up_proj.bias", false},
+    {"mlp.down.weight", "model.layers.%d.mlp.down_proj.weight", false}, {"mlp.down.bias", "model.layers.%d.mlp.down_proj.bias", false},
+};
+
+/* (without the "transformer." prefix of GPT2LMHeadModel's files, which lm_head lacks) */
+static const name_pair gpt2_names[] = {
+    {"tok_emb.weight", "wte.weight", false}, {"pos_emb.weight", "wpe.weight", false},
+    {"norm_f.weight", "ln_f.weight", false}, {"norm_f.bias", "ln_f.bias", false},
+    {"norm1.weight", "h.%d.ln_1.weight", false}, {"norm1.bias", "h.%d.ln_1.bias", false},
+    {"norm2.weight", "h.%d.ln_2.weight", false}, {"norm2.bias", "h.%d.ln_2.bias", false},
+    {"attn.qkv.weight", "h.%d.attn.c_attn.weight", true}, {"attn.qkv.bias", "h.%d.attn.c_attn.bias", false},
+    {"attn.proj.weight", "h.%d.attn.c_proj.weight", true}, {"attn.proj.bias", "h.%d.attn.c_proj.bias", false},
+    {"mlp.fc.weight", "h.%d.mlp.c_fc.weight", true}, {"mlp.fc.bias", "h.%d.mlp.c_fc.bias", false},
+    {"mlp.proj.weight", "h.%d.mlp.c_proj.weight", true}, {"mlp.proj.bias", "h.%d.mlp.c_proj.bias", false},
+    {"lm_head.weight", "lm_head.weight", false},
+};
+
+/* The table entry for kiln's parameter `name`, its block index in *layer (-1 for none),
+ * or NULL. */
+static const name_pair *pair_of(const name_pair *t, size_t n, const char *name, int *layer)
 {
     int i = -1, off = 0;
     const char *rest = name;
     if (sscanf(name, "blocks.%d.%n", &i, &off) == 1 && off > 0) rest = name + off;
-    struct {
-        const char *kiln, *hf;
-    } one[] = {
-        {"tok_emb.weight", "model.embed_tokens.weight"}, {"norm_f.weight", "model.norm.weight"},
-        {"lm_head.weight", "lm_head.weight"}, {"norm1.weight", "model.layers.%d.input_layernorm.weight"},
-        {"norm2.weight", "model.layers.%d.post_attention_layernorm.weight"},
-        {"attn.proj.weight", "model.layers.%d.self_attn.o_proj.weight"},
-        {"attn.proj.bias", "model.layers.%d.self_attn.o_proj.bias"},
-        {"mlp.gate.weight", "model.layers.%d.mlp.gate_proj.weight"}, {"mlp.gate.bias", "model.layers.%d.mlp.gate_proj.bias"},
-        {"mlp.up.weight", "model.layers.%d.mlp.up_proj.weight"}, {"mlp.up.bias", "model.layers.%d.mlp.up_proj.bias"},
-        {"mlp.down.weight", "model.layers.%d.mlp.down_proj.weight"}, {"mlp.down.bias", "model.layers.%d.mlp.down_proj.bias"},
-    };
-    for (size_t k = 0; k < sizeof one / sizeof one[0]; k++)
-        if (!strcmp(rest, one[k].kiln) && (i >= 0) == (strchr(one[k].hf, '%') != NULL)) {
-            snprintf(need, nn, one[k].hf, i);
-            kiln_tensor_t *t = weight_at(w, "", one[k].hf, i);
-            /* a bias the model does not have: zero, the same model */
-            if (!t && strstr(rest, ".bias")) t = kiln_zeros(kiln_tensor_shape(param), kiln_tensor_ndim(param), KILN_DTYPE_F32);
-            return t;
-        }
-    if (i >= 0 && (!strcmp(rest, "attn.qkv.weight") || !strcmp(rest, "attn.qkv.bias"))) {
+    *layer = i;
+    for (size_t k = 0; k < n; k++)
+        if (!strcmp(rest, t[k].kiln) && (i >= 0) == (strchr(t[k].hf, '%') != NULL)) return &t[k];
+    return NULL;
+}
+
+/* The Hugging Face name of an entry: its layer filled in, GPT-2's prefix put before all
+ * but lm_head. */
+static void hf_name(const name_pair *e, const char *prefix, int layer, char *out, size_t n)
+{
+    char fmt[160];
+    snprintf(fmt, sizeof fmt, "%s%s", strcmp(e->kiln, "lm_head.weight") ? prefix : "", e->hf);
+    snprintf(out, n, fmt, layer);
+}
+
+#define N_OF(t) (sizeof t / sizeof t[0])
+
+/* What parameter `name` of the kiln model (shape like param) is made of; need gets the
+ * name it looked for. */
+static kiln_tensor_t *source(hf_weights *w, hf_family fam, const char *prefix, const char *name,
+                             const kiln_tensor_t *param, char *need, size_t nn)
+{
+    int i;
+    const name_pair *e = fam == HF_GPT2 ? pair_of(gpt2_names, N_OF(gpt2_names), name, &i)
+                                        : pair_of(llama_names, N_OF(llama_names), name, &i);
+    if (e) {
+        hf_name(e, prefix, i, need, nn);
+        kiln_tensor_t *t = weight(w, need);
+        /* a bias the model does not have: zero, the same model */
+        if (!t && fam == HF_LLAMA && strstr(e->kiln, ".bias"))
+            t = kiln_zeros(kiln_tensor_shape(param), kiln_tensor_ndim(param), KILN_DTYPE_F32);
+        return t && e->conv1d ? kiln_contiguous(kiln_transpose(t, 0, 1)) : t;
+    }
+    const char *rest = strchr(name, '.') ? strchr(strchr(name, '.') + 1, '.') : NULL;
+    if (fam == HF_LLAMA && i >= 0 && rest && (!strcmp(rest + 1, "attn.qkv.weight") || !strcmp(rest + 1, "attn.qkv.bias"))) {
         const char *what = strstr(rest, "bias") ? "bias" : "weight";
-        char f[3][96];
         kiln_tensor_t *p[3];
         const char *qkv = "qkv";
         for (int k = 0; k < 3; k++) {
-            snprintf(f[k], sizeof f[k], "model.layers.%%d.self_attn.%c_proj.%s", qkv[k], what);
-            p[k] = weight_at(w, "", f[k], i);
+            char n3[128];
+            snprintf(n3, sizeof n3, "model.layers.%d.self_attn.%c_proj.%s", i, qkv[k], what);
+            p[k] = weight(w, n3);
         }
         snprintf(need, nn, "model.layers.%d.self_attn.{q,k,v}_proj.%s", i, what);
         if (p[0] && p[1] && p[2]) return kiln_cat(p, 3, 0);
@@ -297,39 +337,6 @@ static kiln_tensor_t *source_llama(hf_weights *w, const char *name, const kiln_t
             return kiln_zeros(kiln_tensor_shape(param), kiln_tensor_ndim(param), KILN_DTYPE_F32);
         return NULL;
     }
-    snprintf(need, nn, "(no Hugging Face name for %s)", name);
-    return NULL;
-}
-
-static kiln_tensor_t *source_gpt2(hf_weights *w, const char *pre, const char *name, char *need, size_t nn)
-{
-    int i = -1, off = 0;
-    const char *rest = name;
-    if (sscanf(name, "blocks.%d.%n", &i, &off) == 1 && off > 0) rest = name + off;
-    struct {
-        const char *kiln, *hf;
-        bool conv1d; /* stored (in, out): transposed */
-    } one[] = {
-        {"tok_emb.weight", "wte.weight", false}, {"pos_emb.weight", "wpe.weight", false},
-        {"norm_f.weight", "ln_f.weight", false}, {"norm_f.bias", "ln_f.bias", false},
-        {"norm1.weight", "h.%d.ln_1.weight", false}, {"norm1.bias", "h.%d.ln_1.bias", false},
-        {"norm2.weight", "h.%d.ln_2.weight", false}, {"norm2.bias", "h.%d.ln_2.bias", false},
-        {"attn.qkv.weight", "h.%d.attn.c_attn.weight", true}, {"attn.qkv.bias", "h.%d.attn.c_attn.bias", false},
-        {"attn.proj.weight", "h.%d.attn.c_proj.weight", true}, {"attn.proj.bias", "h.%d.attn.c_proj.bias", false},
-        {"mlp.fc.weight", "h.%d.mlp.c_fc.weight", true}, {"mlp.fc.bias", "h.%d.mlp.c_fc.bias", false},
-        {"mlp.proj.weight", "h.%d.mlp.c_proj.weight", true}, {"mlp.proj.bias", "h.%d.mlp.c_proj.bias", false},
-        {"lm_head.weight", "lm_head.weight", false},
-    };
-    for (size_t k = 0; k < sizeof one / sizeof one[0]; k++)
-        if (!strcmp(rest, one[k].kiln) && (i >= 0) == (strchr(one[k].hf, '%') != NULL)) {
-            /* lm_head sits outside the "transformer." prefix */
-            const char *p = strcmp(one[k].kiln, "lm_head.weight") ? pre : "";
-            char fmt[128];
-            snprintf(fmt, sizeof fmt, "%s%s", p, one[k].hf);
-            snprintf(need, nn, fmt, i);
-            kiln_tensor_t *t = weight_at(w, "", fmt, i);
-            return t && one[k].conv1d ? kiln_contiguous(kiln_transpose(t, 0, 1)) : t;
-        }
     snprintf(need, nn, "(no Hugging Face name for %s)", name);
     return NULL;
 }
@@ -361,8 +368,7 @@ static kiln_status load_weights(kiln_gpt_t *m, hf_family fam, hf_weights *w)
         kiln_tensor_t *p = kiln_gpt_param(m, k, &name);
         char need[256];
         kiln_scope_begin();
-        kiln_tensor_t *src = fam == HF_GPT2 ? source_gpt2(w, pre, name, need, sizeof need)
-                                            : source_llama(w, name, p, need, sizeof need);
+        kiln_tensor_t *src = source(w, fam, pre, name, p, need, sizeof need);
         int nd = kiln_tensor_ndim(p);
         if (!src) {
             s = kiln_error(KILN_ERR_FORMAT, "%s: no tensor %s for kiln's %s", w->dir, need, name);
@@ -407,6 +413,124 @@ kiln_status kiln_hf_load(const char *dir, kiln_gpt_t **model)
     }
     *model = m;
     return KILN_OK;
+}
+
+/* ---- out ---- */
+
+/* The Hugging Face family a kiln config is, or an error naming what fits neither. */
+static kiln_status family_of(const kiln_gpt_config *c, hf_family *fam)
+{
+    if (c->norm == KILN_NORM_RMSNORM && c->pos == KILN_POS_ROPE && c->mlp == KILN_MLP_SWIGLU) {
+        *fam = HF_LLAMA;
+        return KILN_OK;
+    }
+    if (c->norm == KILN_NORM_LAYERNORM && c->pos == KILN_POS_LEARNED && c->mlp == KILN_MLP_GELU && c->bias &&
+        c->n_kv_head == c->n_head) {
+        *fam = HF_GPT2;
+        return KILN_OK;
+    }
+    return kiln_error(KILN_ERR_UNSUPPORTED, "hf export: this model (%s, %s positions, %s MLP, bias %s, %d of %d heads "
+                      "for keys) is neither a LLaMA (rmsnorm, rope, swiglu) nor a GPT-2 (layernorm, learned, gelu, "
+                      "biases, as many key heads as query heads)",
+                      c->norm == KILN_NORM_RMSNORM ? "rmsnorm" : "layernorm", c->pos == KILN_POS_ROPE ? "rope" : "learned",
+                      c->mlp == KILN_MLP_SWIGLU ? "swiglu" : "gelu", c->bias ? "on" : "off", c->n_kv_head, c->n_head);
+}
+
+static json_t *config_json(const kiln_gpt_config *c, hf_family fam, kiln_dtype dt)
+{
+    const char *dtype = dt == KILN_DTYPE_BF16 ? "bfloat16" : dt == KILN_DTYPE_F16 ? "float16" : "float32";
+    if (fam == HF_GPT2)
+        return json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:s, s:b, s:s, s:f, s:f, s:f}", "architectures",
+                         "GPT2LMHeadModel", "model_type", "gpt2", "n_embd", c->n_embd, "n_layer", c->n_layer, "n_head",
+                         c->n_head, "n_positions", c->block_size, "vocab_size", c->vocab_size, "n_inner",
+                         kiln_gpt_ffn_hidden(c), "layer_norm_epsilon", c->norm_eps, "activation_function", "gelu_new",
+                         "tie_word_embeddings", c->tied, "torch_dtype", dtype, "attn_pdrop", 0.0, "embd_pdrop", 0.0,
+                         "resid_pdrop", 0.0);
+    return json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:s, s:b, s:b, s:b, s:s}",
+                     "architectures", "LlamaForCausalLM", "model_type", "llama", "hidden_size", c->n_embd,
+                     "intermediate_size", kiln_gpt_ffn_hidden(c), "num_hidden_layers", c->n_layer,
+                     "num_attention_heads", c->n_head, "num_key_value_heads", c->n_kv_head, "head_dim",
+                     c->n_embd / c->n_head, "max_position_embeddings", c->block_size, "vocab_size", c->vocab_size,
+                     "rms_norm_eps", c->norm_eps, "rope_theta", c->rope_theta, "hidden_act", "silu", "attention_bias",
+                     c->bias, "mlp_bias", c->bias, "tie_word_embeddings", c->tied, "torch_dtype", dtype);
+}
+
+kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const char *dir, kiln_dtype dt)
+{
+    if (!m || !dir) return kiln_error(KILN_ERR_ARG, "hf_save: model and dir must not be NULL");
+    if (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_BF16 && dt != KILN_DTYPE_F16)
+        return kiln_error(KILN_ERR_ARG, "hf_save: weights are written as f32, bf16 or f16, not %s", kiln_dtype_name(dt));
+    const kiln_gpt_config *c = kiln_gpt_get_config(m);
+    hf_family fam = HF_LLAMA;
+    kiln_status s = family_of(c, &fam);
+    if (s != KILN_OK) return s;
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) return kiln_error(KILN_ERR_IO, "hf_save: cannot make %s: %s", dir, strerror(errno));
+    int np = kiln_gpt_num_params(m), n = 0, cap = np + 4 * c->n_layer; /* qkv weight and bias: 3 each */
+    const char **names = calloc((size_t)cap, sizeof *names);
+    char **owned = calloc((size_t)cap, sizeof *owned);
+    kiln_tensor_t **ts = calloc((size_t)cap, sizeof *ts);
+    if (!names || !owned || !ts) s = kiln_error(KILN_ERR_OOM, "hf_save: out of memory");
+    kiln_scope_begin();
+    const char *prefix = fam == HF_GPT2 ? "transformer." : "";
+    for (int k = 0; s == KILN_OK && k < np; k++) {
+        const char *name;
+        kiln_tensor_t *p = kiln_gpt_param(m, k, &name);
+        int layer;
+        const name_pair *e = fam == HF_GPT2 ? pair_of(gpt2_names, N_OF(gpt2_names), name, &layer)
+                                            : pair_of(llama_names, N_OF(llama_names), name, &layer);
+        int parts = e ? 1 : 3; /* LLaMA's qkv: q, k and v */
+        int64_t hs = c->n_embd / c->n_head, rows[3] = {c->n_head * hs, c->n_kv_head * hs, c->n_kv_head * hs}, at = 0;
+        if (!e && (fam != HF_LLAMA || layer < 0 || !strstr(name, "attn.qkv."))) {
+            s = kiln_error(KILN_ERR_INTERNAL, "hf_save: no Hugging Face name for %s", name);
+            break;
+        }
+        for (int q = 0; q < parts && s == KILN_OK; q++) {
+            char hn[256];
+            kiln_tensor_t *t = p;
+            if (e) {
+                hf_name(e, prefix, layer, hn, sizeof hn);
+                if (e->conv1d) t = kiln_transpose(p, 0, 1);
+            } else {
+                snprintf(hn, sizeof hn, "model.layers.%d.self_attn.%c_proj.%s", layer, "qkv"[q],
+                         strstr(name, "bias") ? "bias" : "weight");
+                t = kiln_narrow(p, 0, at, rows[q]);
+                at += rows[q];
+            }
+            t = kiln_contiguous(kiln_cast(t, dt));
+            if (!t || !(owned[n] = strdup(hn))) {
+                s = t ? kiln_error(KILN_ERR_OOM, "hf_save: out of memory") : kiln_last_status();
+                break;
+            }
+            names[n] = owned[n];
+            ts[n++] = t;
+        }
+    }
+    char path[4200];
+    const char *meta[] = {"format", "pt", NULL};
+    snprintf(path, sizeof path, "%s/model.safetensors", dir);
+    if (s == KILN_OK) s = kiln_safetensors_save(path, names, ts, n, meta);
+    kiln_scope_end();
+    json_t *cj = s == KILN_OK ? config_json(c, fam, dt) : NULL;
+    /* the end-of-text token, where the tokenizer has one (GPT2Config's default, 50256,
+     * is outside most vocabularies) */
+    int32_t eot = tok ? kiln_tokenizer_eot(tok) : -1;
+    json_t *id = eot >= 0 ? json_integer(eot) : json_null();
+    if (cj) {
+        json_object_set(cj, "bos_token_id", id);
+        json_object_set(cj, "eos_token_id", id);
+    }
+    json_decref(id);
+    snprintf(path, sizeof path, "%s/config.json", dir);
+    if (s == KILN_OK && (!cj || json_dump_file(cj, path, JSON_INDENT(2) | JSON_SORT_KEYS) != 0))
+        s = kiln_error(KILN_ERR_IO, "hf_save: cannot write %s", path);
+    json_decref(cj);
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    if (s == KILN_OK && tok) s = kiln_tokenizer_save(tok, path);
+    for (int i = 0; owned && i < n; i++) free(owned[i]);
+    free(owned);
+    free(names);
+    free(ts);
+    return s;
 }
 
 bool kiln_hf_is_folder(const char *path)

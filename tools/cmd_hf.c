@@ -1,0 +1,109 @@
+/* kiln import hf / kiln export hf: Hugging Face model folders into kiln run folders and
+ * back (src/nn/hf.c does the mapping). */
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include "cli.h"
+#include "kiln/io.h"
+#include "kiln/nn.h"
+#include "kiln/tokenizer.h"
+
+/* A run folder as `kiln train` leaves one, for a model that has taken no step: the
+ * model file with kiln's metadata, and the tokenizer.json unless it is bytes. */
+static kiln_status write_run(const char *dir, kiln_gpt_t *m, kiln_tokenizer_t *tok)
+{
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) return kiln_error(KILN_ERR_IO, "cannot make %s: %s", dir, strerror(errno));
+    char path[4200];
+    kiln_status s = KILN_OK;
+    bool bytes = !strcmp(kiln_tokenizer_kind(tok), "byte");
+    snprintf(path, sizeof path, "%s/%s", dir, RUN_TOKENIZER);
+    if (!bytes) s = kiln_tokenizer_save(tok, path);
+    int n = kiln_gpt_num_params(m);
+    const char *names[4096];
+    kiln_tensor_t *ts[4096];
+    if (s == KILN_OK && n > 4096) s = kiln_error(KILN_ERR_UNSUPPORTED, "import: %d parameters, at most 4096", n);
+    for (int i = 0; s == KILN_OK && i < n; i++) ts[i] = kiln_gpt_param(m, i, &names[i]);
+    char *cfg = kiln_gpt_config_to_json(kiln_gpt_get_config(m));
+    const char *meta[] = {"format", "kiln-gpt-1", "config", cfg ? cfg : "{}", "tokenizer", bytes ? "byte" : "bpe",
+                          "step", "0", "chat_template", kiln_chat_template_default(), NULL};
+    snprintf(path, sizeof path, "%s/%s", dir, RUN_MODEL);
+    if (s == KILN_OK) s = cfg ? kiln_safetensors_save(path, names, ts, n, meta) : kiln_error(KILN_ERR_OOM, "out of memory");
+    free(cfg);
+    return s;
+}
+
+static int check_kind(const char *cmd, int np, const char **pos)
+{
+    if (np != 3) return cli_fail(cmd, "give the format and two folders (see --help)");
+    if (strcmp(pos[0], "hf")) {
+        fprintf(stderr, "kiln %s: format '%s' is not known: hf (a Hugging Face model folder) is\n", cmd, pos[0]);
+        return 2;
+    }
+    return 0;
+}
+
+int cmd_import(int argc, char **argv)
+{
+    int64_t threads = 0;
+    const cli_opt opts[] = {{"threads", OPT_INT, &threads, "threads; 0 = all cores"}, {NULL, 0, NULL, NULL}};
+    const char *pos[3];
+    int np = 0;
+    int r = cli_parse("import",
+                      "hf HF_DIR RUN_DIR\n\n"
+                      "Reads a Hugging Face model folder (config.json, model.safetensors or its shards,\n"
+                      "tokenizer.json) and writes a kiln run folder that kiln sample, serve and train\n"
+                      "--resume read. LLaMA, Mistral, Qwen2 and GPT-2; a config field kiln cannot honour is\n"
+                      "an error naming it. kiln sample and serve also take the folder as it is.",
+                      opts, argc, argv, pos, 3, &np);
+    if (r) return r == 1 ? 0 : 2;
+    if ((r = check_kind("import", np, pos))) return r;
+    kiln_init((int)threads);
+    kiln_gpt_t *m;
+    kiln_tokenizer_t *tok;
+    if (!kiln_hf_is_folder(pos[1])) {
+        fprintf(stderr, "kiln import: %s is not a Hugging Face model folder (no config.json)\n", pos[1]);
+        return 1;
+    }
+    if (kiln_model_load(pos[1], &m, &tok, NULL) != KILN_OK) return cli_fail("import", NULL);
+    kiln_status s = write_run(pos[2], m, tok);
+    if (s == KILN_OK) {
+        const kiln_gpt_config *c = kiln_gpt_get_config(m);
+        printf("imported %s into %s: %d layers, width %d, %d heads (%d for keys), %d tokens, context %d, %.2fM "
+               "parameters, tokenizer %s\n", pos[1], pos[2], c->n_layer, c->n_embd, c->n_head, c->n_kv_head,
+               c->vocab_size, c->block_size, (double)kiln_gpt_param_elements(m) / 1e6, kiln_tokenizer_kind(tok));
+    }
+    kiln_gpt_free(m);
+    kiln_tokenizer_free(tok);
+    return s == KILN_OK ? 0 : cli_fail("import", NULL);
+}
+
+int cmd_export(int argc, char **argv)
+{
+    const char *dtype = "f32";
+    const cli_opt opts[] = {{"dtype", OPT_STRING, &dtype, "f32, bf16 or f16: the type of the weights written"},
+                            {NULL, 0, NULL, NULL}};
+    const char *pos[3];
+    int np = 0;
+    int r = cli_parse("export",
+                      "hf RUN_DIR HF_DIR [--dtype f32|bf16|f16]\n\n"
+                      "Writes a kiln model as a Hugging Face folder that transformers loads: config.json\n"
+                      "(LlamaForCausalLM, or GPT2LMHeadModel for GPT-2 style models), model.safetensors and\n"
+                      "tokenizer.json.",
+                      opts, argc, argv, pos, 3, &np);
+    if (r) return r == 1 ? 0 : 2;
+    if ((r = check_kind("export", np, pos))) return r;
+    kiln_dtype dt;
+    if (kiln_dtype_parse(dtype, &dt) != KILN_OK || (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_BF16 && dt != KILN_DTYPE_F16))
+        return cli_fail("export", "--dtype must be f32, bf16 or f16");
+    kiln_init(0);
+    kiln_gpt_t *m;
+    kiln_tokenizer_t *tok;
+    if (kiln_model_load(pos[1], &m, &tok, NULL) != KILN_OK) return cli_fail("export", NULL);
+    kiln_status s = kiln_hf_save(m, tok, pos[2], dt);
+    if (s == KILN_OK) printf("exported %s to %s (%s weights)\n", pos[1], pos[2], kiln_dtype_name(dt));
+    kiln_gpt_free(m);
+    kiln_tokenizer_free(tok);
+    return s == KILN_OK ? 0 : cli_fail("export", NULL);
+}
