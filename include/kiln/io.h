@@ -89,7 +89,8 @@ kiln_status kiln_hf_load(const char *dir, struct kiln_gpt **model);
  * tokenizer.json when tok is not NULL. dir is made if missing; files in it are
  * replaced. kiln_hf_load reads the folder back to the same model (bitwise in f32). */
 kiln_status kiln_hf_save(const struct kiln_gpt *m, const struct kiln_tokenizer *tok, const char *dir, kiln_dtype dt);
-/* Whether path is a Hugging Face model folder (a config.json, and no kiln checkpoint). */
+/* Whether path is a Hugging Face model folder: a folder with a config.json (kiln's run
+ * folders have none). */
 bool kiln_hf_is_folder(const char *path);
 
 #ifdef __cplusplus
