@@ -326,6 +326,20 @@ static void hf_folders_import_sample_and_export(void **state)
     if (rc != 0) fail_msg("importing the export failed: %s", out);
     rc = run(out, sizeof out, "%s sample %s/hfrun2 %s", tool(), dir, greedy);
     if (rc != 0 || strcmp(out, a)) fail_msg("the export's import samples '%s', the folder '%s'", out, a);
+    /* kiln train --init: the folder's weights, architecture and tokenizer. With a
+     * learning rate of 1e-12 the trained run samples what the folder does. */
+    rc = run(out, sizeof out, "%s train --init %s --data %s --out %s/initrun --steps 1 --warmup 0 --lr 1e-12 "
+             "--min-lr 1e-12 --context 32 --batch 2 --eval-batches 1 --threads 1", tool(), hf, corpus, dir);
+    if (rc != 0 || !strstr(out, "starting from") || !strstr(out, "2 layers, C=32, 4 heads (2 kv), T=64, vocab 256"))
+        fail_msg("kiln train --init failed or took another model: %s", out);
+    rc = run(out, sizeof out, "%s sample %s/initrun %s", tool(), dir, greedy);
+    if (rc != 0 || strcmp(out, a)) fail_msg("the --init run samples '%s', the folder '%s'", out, a);
+    assert_int_equal(run(out, sizeof out, "%s train --init %s --data %s --out %s/x --tokenizer bpe:300", tool(), hf,
+                         corpus, dir), 1);
+    assert_non_null(strstr(out, "--init brings its own tokenizer"));
+    assert_int_equal(run(out, sizeof out, "%s train --init %s --data %s --out %s/x --context 65", tool(), hf, corpus,
+                         dir), 1);
+    assert_non_null(strstr(out, "longer than the --init model's 64 positions"));
     assert_int_equal(run(out, sizeof out, "%s import gguf %s %s/x", tool(), hf, dir), 2);
     assert_non_null(strstr(out, "format 'gguf' is not known"));
     assert_int_equal(run(out, sizeof out, "%s import hf %s %s/x", tool(), dir, dir), 1);

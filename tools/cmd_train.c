@@ -24,7 +24,7 @@
 #include "kiln/tokenizer.h"
 
 typedef struct {
-    const char *data, *out, *config, *model, *tokenizer, *optimizer, *device, *precision;
+    const char *data, *out, *config, *model, *tokenizer, *optimizer, *device, *precision, *init;
     int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
     int64_t save_every, log_every, seed, threads;
     double lr, min_lr, wd, clip, dropout, val_fraction, momentum, loss_scale;
@@ -360,6 +360,7 @@ typedef struct {
     double unigram;                      /* the unigram baseline, in nats */
     kiln_gpt_config cfg;
     kiln_gpt_t *m;
+    kiln_gpt_t *init;                    /* --init: the model the run starts from, until copied */
     int np;
     kiln_tensor_t **params;
     kiln_optim_t *opt;
@@ -399,6 +400,9 @@ static int parse_options(train_run *r)
         {"config", OPT_STRING, &a->config, "JSON file of these options ({\"steps\": 500, ...}); flags win"},
         {"model", OPT_STRING, &a->model, "gpt2 (LayerNorm, learned positions, GELU) or llama (RMSNorm, RoPE, SwiGLU)"},
         {"tokenizer", OPT_STRING, &a->tokenizer, "byte, bpe:VOCAB (trained on the data), or a tokenizer.json"},
+        {"init", OPT_STRING, &a->init, "start from this model: a kiln run folder or model file, or a Hugging Face "
+                                       "folder (docs/hf.md); its weights, architecture and tokenizer replace --model, "
+                                       "--layers, --width, --heads, --kv-heads, --ffn and --tokenizer"},
         {"layers", OPT_INT, &a->layers, "transformer blocks"},
         {"heads", OPT_INT, &a->heads, "attention heads"},
         {"kv-heads", OPT_INT, &a->kv_heads, "key/value heads (grouped-query); 0 = model default"},
@@ -515,7 +519,19 @@ static int setup_data(train_run *r)
         struct stat st;
         if (stat(r->tok_path, &st) == 0) a->tokenizer = r->tok_path;
     }
-    if (get_tokenizer(a, text, len, &r->tok) != KILN_OK) return cli_fail("train", NULL);
+    if (a->init) { /* the model's own tokenizer */
+        if (strcmp(a->tokenizer, "byte") && strcmp(a->tokenizer, r->tok_path))
+            return cli_fail("train", "--init brings its own tokenizer; leave out --tokenizer");
+        if (kiln_model_load(a->init, &r->init, &r->tok, NULL) != KILN_OK) return cli_fail("train", NULL);
+        int T = kiln_gpt_get_config(r->init)->block_size;
+        if (a->context > T) {
+            fprintf(stderr, "kiln train: --context %lld is longer than the --init model's %d positions\n",
+                    (long long)a->context, T);
+            return 1;
+        }
+    } else if (get_tokenizer(a, text, len, &r->tok) != KILN_OK) {
+        return cli_fail("train", NULL);
+    }
     r->tok_kind = kiln_tokenizer_kind(r->tok);
     if (strcmp(r->tok_kind, "byte") && kiln_tokenizer_save(r->tok, r->tok_path) != KILN_OK) return cli_fail("train", NULL);
     int32_t *ids = malloc(sizeof *ids * (len + 1));
@@ -543,8 +559,23 @@ static int setup_data(train_run *r)
 static int build_model(train_run *r)
 {
     train_args *a = &r->a;
-    if (model_config(a, r->vocab, &r->cfg) != KILN_OK || kiln_gpt_new(&r->cfg, (uint64_t)a->seed, &r->m) != KILN_OK)
+    if (r->init) { /* its config (with this run's dropout) and a copy of its weights */
+        r->cfg = *kiln_gpt_get_config(r->init);
+        r->cfg.dropout = a->dropout;
+        if (kiln_gpt_new(&r->cfg, (uint64_t)a->seed, &r->m) != KILN_OK) return cli_fail("train", NULL);
+        bool prev = kiln_set_grad_enabled(false);
+        kiln_status s = KILN_OK;
+        for (int i = 0; s == KILN_OK && i < kiln_gpt_num_params(r->m); i++)
+            s = kiln_tensor_copy_(kiln_gpt_param(r->m, i, NULL), kiln_gpt_param(r->init, i, NULL));
+        kiln_set_grad_enabled(prev);
+        kiln_gpt_free(r->init);
+        r->init = NULL;
+        if (s != KILN_OK) return cli_fail("train", NULL);
+        if (!a->quiet && r->rank == 0) printf("starting from %s\n", a->init);
+    } else if (model_config(a, r->vocab, &r->cfg) != KILN_OK ||
+               kiln_gpt_new(&r->cfg, (uint64_t)a->seed, &r->m) != KILN_OK) {
         return cli_fail("train", NULL);
+    }
     if (kiln_gpt_set_precision(r->m, a->prec) != KILN_OK) return cli_fail("train", NULL);
     r->scaler = kiln_loss_scaler_default(); /* a resumed run's replaces it (load_checkpoint) */
     r->scaler.scale = a->loss_scale;
@@ -674,7 +705,7 @@ static int print_banner(train_run *r)
         printf("kiln train: %s model, %d layers, C=%d, %d heads (%d kv), T=%d, vocab %d (%s), %.2fM parameters\n"
                "            %zu train / %zu val tokens, %lld tokens per step, %d rank(s) x %d thread(s) on %s, "
                "%s, unigram baseline %.3f nats\n",
-               a->model, r->cfg.n_layer, r->cfg.n_embd, r->cfg.n_head, r->cfg.n_kv_head, r->cfg.block_size, r->vocab,
+               a->init ? (r->cfg.pos == KILN_POS_ROPE ? "llama-style" : "gpt2-style") : a->model, r->cfg.n_layer, r->cfg.n_embd, r->cfg.n_head, r->cfg.n_kv_head, r->cfg.block_size, r->vocab,
                r->tok_kind, (double)kiln_gpt_param_elements(r->m) / 1e6, kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN),
                kiln_dataset_len(r->ds, KILN_SPLIT_VAL), (long long)r->tokens_per_step, r->world, kiln_num_threads(),
                kiln_device(), a->prec == KILN_DTYPE_F32 ? "f32" : a->prec == KILN_DTYPE_BF16
