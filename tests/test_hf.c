@@ -158,6 +158,192 @@ static void a_saved_folder_loads_back_as_the_same_model(void **state)
     kiln_gpt_free(m);
 }
 
+/* ---- GGUF ---- */
+
+/* A reader for what kiln_gguf_save writes, written from the format's description (not
+ * from the writer): the header, the key/value pairs (scalars kept by key), the tensor
+ * infos, and where the data starts. */
+typedef struct {
+    const unsigned char *p;
+    size_t n, at;
+} rd;
+
+static uint64_t rd_u(rd *r, int bytes)
+{
+    assert_true(r->at + (size_t)bytes <= r->n);
+    uint64_t v = 0;
+    memcpy(&v, r->p + r->at, (size_t)bytes);
+    r->at += (size_t)bytes;
+    return v;
+}
+
+static void rd_str(rd *r, char *out, size_t cap)
+{
+    uint64_t len = rd_u(r, 8);
+    assert_true(r->at + len <= r->n && len < cap);
+    memcpy(out, r->p + r->at, len);
+    out[len] = 0;
+    r->at += len;
+}
+
+static void rd_skip_value(rd *r, uint32_t type)
+{
+    static const int size[] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
+    char tmp[4096];
+    if (type == 8) rd_str(r, tmp, sizeof tmp);
+    else if (type == 9) {
+        uint32_t et = (uint32_t)rd_u(r, 4);
+        uint64_t count = rd_u(r, 8);
+        for (uint64_t i = 0; i < count; i++) rd_skip_value(r, et);
+    } else {
+        assert_true(type <= 12);
+        r->at += (size_t)size[type];
+    }
+}
+
+typedef struct {
+    char name[64];
+    uint32_t nd, type;
+    uint64_t ne[4], off;
+} rd_tensor;
+
+/* The file's tensors (at most 64) and the start of its data; *keys gets the pairs whose
+ * value is a u32 (as "key=value;") or a string ("key='value';"). */
+static size_t read_gguf(const unsigned char *p, size_t n, rd_tensor *ts, uint64_t *nt, char *keys, size_t kcap)
+{
+    rd r = {p, n, 0};
+    assert_memory_equal(p, "GGUF", 4);
+    r.at = 4;
+    assert_int_equal(rd_u(&r, 4), 3);
+    *nt = rd_u(&r, 8);
+    uint64_t nkv = rd_u(&r, 8);
+    assert_true(*nt <= 64);
+    keys[0] = 0;
+    for (uint64_t i = 0; i < nkv; i++) {
+        char k[256], v[256];
+        rd_str(&r, k, sizeof k);
+        uint32_t type = (uint32_t)rd_u(&r, 4);
+        size_t len = strlen(keys);
+        if (type == 4) snprintf(keys + len, kcap - len, "%s=%u;", k, (unsigned)rd_u(&r, 4));
+        else if (type == 8) {
+            rd_str(&r, v, sizeof v);
+            snprintf(keys + len, kcap - len, "%s='%s';", k, v);
+        } else if (type == 9 && !strcmp(k, "tokenizer.ggml.tokens")) {
+            size_t at = r.at;
+            assert_int_equal(rd_u(&r, 4), 8);
+            snprintf(keys + len, kcap - len, "%s=[%llu];", k, (unsigned long long)rd_u(&r, 8));
+            r.at = at;
+            rd_skip_value(&r, type);
+        } else {
+            rd_skip_value(&r, type);
+        }
+    }
+    for (uint64_t i = 0; i < *nt; i++) {
+        rd_str(&r, ts[i].name, sizeof ts[i].name);
+        ts[i].nd = (uint32_t)rd_u(&r, 4);
+        assert_true(ts[i].nd >= 1 && ts[i].nd <= 4);
+        for (uint32_t d = 0; d < ts[i].nd; d++) ts[i].ne[d] = rd_u(&r, 8);
+        ts[i].type = (uint32_t)rd_u(&r, 4);
+        ts[i].off = rd_u(&r, 8);
+        assert_int_equal(ts[i].off % 32, 0); /* each tensor aligned */
+    }
+    return (r.at + 31) / 32 * 32; /* the data, at the next multiple of the alignment */
+}
+
+static const rd_tensor *find_t(const rd_tensor *ts, uint64_t nt, const char *name)
+{
+    for (uint64_t i = 0; i < nt; i++)
+        if (!strcmp(ts[i].name, name)) return &ts[i];
+    fail_msg("no tensor %s in the GGUF file", name);
+    return NULL;
+}
+
+/* kiln_gguf_save on the LLaMA golden model, read back by the reader above: the header
+ * and llama.cpp's keys with the model's values; blk.0.attn_q is kiln's query rows with
+ * each head's two halves interleaved (llama.cpp's rope pairs), bitwise in f32, and
+ * attn_v its value rows as they are; in q8_0 every matrix whose rows are a multiple of
+ * 32 long is blocks of an f16 scale d and 32 bytes, each value within 0.6 d of kiln's
+ * (half a step, and the scale's f16 rounding). A GPT-2 model is refused by name. */
+static void gguf_holds_the_model_as_llama_cpp_reads_it(void **state)
+{
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_hf_load(ref_dir("llama"), &m), KILN_OK);
+    kiln_tokenizer_t *tok = kiln_tokenizer_byte();
+    const kiln_gpt_config *c = kiln_gpt_get_config(m);
+    int64_t C = c->n_embd, hs = C / c->n_head;
+    float *qkv = malloc(sizeof(float) * (size_t)((c->n_head + 2 * c->n_kv_head) * hs * C));
+    assert_int_equal(kiln_tensor_to_host(kiln_gpt_find_param(m, "blocks.0.attn.qkv.weight"), qkv,
+                                         sizeof(float) * (size_t)((c->n_head + 2 * c->n_kv_head) * hs * C)),
+                     KILN_OK);
+    for (int q8 = 0; q8 < 2; q8++) {
+        char path[4200];
+        snprintf(path, sizeof path, "%s/model%d.gguf", tmp, q8);
+        if (kiln_gguf_save(m, tok, path, KILN_DTYPE_F32, q8) != KILN_OK) fail_msg("%s", kiln_last_error());
+        FILE *f = fopen(path, "rb");
+        assert_non_null(f);
+        static unsigned char file[1 << 20];
+        size_t n = fread(file, 1, sizeof file, f);
+        fclose(f);
+        rd_tensor ts[64];
+        uint64_t nt;
+        char keys[8192];
+        size_t data = read_gguf(file, n, ts, &nt, keys, sizeof keys);
+        assert_int_equal(nt, 2 * 9 + 3); /* 9 a block, the embedding, the final norm, the head */
+        const char *want[] = {"general.architecture='llama';", "llama.block_count=2;", "llama.context_length=64;",
+                              "llama.embedding_length=32;", "llama.feed_forward_length=80;",
+                              "llama.attention.head_count=4;", "llama.attention.head_count_kv=2;",
+                              "llama.rope.dimension_count=8;", "tokenizer.ggml.model='gpt2';",
+                              "tokenizer.ggml.tokens=[256];"};
+        for (size_t k = 0; k < sizeof want / sizeof want[0]; k++)
+            if (!strstr(keys, want[k])) fail_msg("the GGUF keys lack %s: %s", want[k], keys);
+        assert_non_null(strstr(keys, q8 ? "general.file_type=7;" : "general.file_type=0;"));
+        const rd_tensor *tq = find_t(ts, nt, "blk.0.attn_q.weight"), *tv = find_t(ts, nt, "blk.0.attn_v.weight");
+        assert_true(tq->nd == 2 && tq->ne[0] == (uint64_t)C && tq->ne[1] == (uint64_t)(c->n_head * hs));
+        assert_int_equal(tq->type, q8 ? 8 : 0);
+        assert_int_equal(find_t(ts, nt, "blk.0.ffn_down.weight")->type, 0); /* rows of 80: f32 */
+        int64_t vrow0 = (c->n_head + c->n_kv_head) * hs;
+        for (int64_t r = 0; r < c->n_head * hs + c->n_kv_head * hs; r++) {
+            bool isv = r >= c->n_head * hs;
+            const rd_tensor *t = isv ? tv : tq;
+            int64_t rr = isv ? r - c->n_head * hs : r, h = rr / hs, i = rr % hs;
+            /* the kiln row the file's row rr holds: q's halves interleaved, v's as is */
+            int64_t src = isv ? vrow0 + rr : h * hs + (i % 2) * (hs / 2) + i / 2;
+            for (int64_t col = 0; col < C; col++) {
+                float want_v = qkv[src * C + col], got;
+                if (t->type == 0) {
+                    memcpy(&got, file + data + t->off + (size_t)(rr * C + col) * 4, 4);
+                    if (got != want_v) fail_msg("%s row %lld col %lld: %g, kiln %g", t->name, (long long)rr,
+                                                (long long)col, got, want_v);
+                } else {
+                    const unsigned char *blk = file + data + t->off + (size_t)((rr * C + col) / 32) * 34;
+                    uint16_t dh;
+                    memcpy(&dh, blk, 2);
+                    kiln_scope_begin();
+                    kiln_tensor_t *dt = kiln_cast(kiln_from_data(&dh, (int64_t[]){1}, 1, KILN_DTYPE_F16), KILN_DTYPE_F32);
+                    float d;
+                    assert_int_equal(kiln_tensor_to_host(dt, &d, 4), KILN_OK);
+                    kiln_scope_end();
+                    got = d * (float)(int8_t)blk[2 + (rr * C + col) % 32];
+                    if (!(fabsf(got - want_v) <= 0.6f * d))
+                        fail_msg("%s q8_0 row %lld col %lld: %g, kiln %g, scale %g", t->name, (long long)rr,
+                                 (long long)col, got, want_v, d);
+                }
+            }
+        }
+    }
+    free(qkv);
+    kiln_gpt_free(m);
+    kiln_gpt_t *g;
+    assert_int_equal(kiln_hf_load(ref_dir("gpt2"), &g), KILN_OK);
+    char path[4200];
+    snprintf(path, sizeof path, "%s/gpt2.gguf", tmp);
+    assert_int_equal(kiln_gguf_save(g, tok, path, KILN_DTYPE_F32, false), KILN_ERR_UNSUPPORTED);
+    assert_non_null(strstr(kiln_last_error(), "only LLaMA-style models"));
+    kiln_clear_error();
+    kiln_gpt_free(g);
+    kiln_tokenizer_free(tok);
+}
+
 /* ---- bad folders ---- */
 
 static int make_tmp(void **state)
@@ -294,6 +480,7 @@ int main(void)
         cmocka_unit_test(gpt2_matches_transformers),
         cmocka_unit_test(model_load_takes_a_hf_folder),
         cmocka_unit_test(a_saved_folder_loads_back_as_the_same_model),
+        cmocka_unit_test(gguf_holds_the_model_as_llama_cpp_reads_it),
         cmocka_unit_test(config_fields_kiln_cannot_honour_are_refused_by_name),
         cmocka_unit_test(weights_that_do_not_fit_are_refused_by_name),
     };

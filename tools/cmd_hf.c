@@ -38,7 +38,8 @@ static int check_kind(const char *cmd, int np, const char **pos)
 {
     if (np != 3) return cli_fail(cmd, "give the format and two folders (see --help)");
     if (strcmp(pos[0], "hf")) {
-        fprintf(stderr, "kiln %s: format '%s' is not known: hf (a Hugging Face model folder) is\n", cmd, pos[0]);
+        fprintf(stderr, "kiln %s: format '%s' is not known: hf (a Hugging Face model folder)%s\n", cmd, pos[0],
+                strcmp(cmd, "export") ? " is" : " and gguf (llama.cpp) are");
         return 2;
     }
     return 0;
@@ -82,27 +83,31 @@ int cmd_import(int argc, char **argv)
 int cmd_export(int argc, char **argv)
 {
     const char *dtype = "f32";
-    const cli_opt opts[] = {{"dtype", OPT_STRING, &dtype, "f32, bf16 or f16: the type of the weights written"},
+    const cli_opt opts[] = {{"dtype", OPT_STRING, &dtype, "f32, bf16 or f16 (and q8_0 for gguf): the weights' type"},
                             {NULL, 0, NULL, NULL}};
     const char *pos[3];
     int np = 0;
     int r = cli_parse("export",
-                      "hf RUN_DIR HF_DIR [--dtype f32|bf16|f16]\n\n"
-                      "Writes a kiln model as a Hugging Face folder that transformers loads: config.json\n"
-                      "(LlamaForCausalLM, or GPT2LMHeadModel for GPT-2 style models), model.safetensors and\n"
-                      "tokenizer.json.",
+                      "hf RUN_DIR HF_DIR [--dtype f32|bf16|f16]\n"
+                      "       kiln export gguf RUN_DIR FILE.gguf [--dtype f32|bf16|f16|q8_0]\n\n"
+                      "hf: a Hugging Face folder that transformers loads: config.json (LlamaForCausalLM, or\n"
+                      "GPT2LMHeadModel for GPT-2 style models), model.safetensors and tokenizer.json.\n"
+                      "gguf: one file that llama.cpp loads (LLaMA-style models), with the tokenizer in it.",
                       opts, argc, argv, pos, 3, &np);
     if (r) return r == 1 ? 0 : 2;
-    if ((r = check_kind("export", np, pos))) return r;
-    kiln_dtype dt;
-    if (kiln_dtype_parse(dtype, &dt) != KILN_OK || (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_BF16 && dt != KILN_DTYPE_F16))
-        return cli_fail("export", "--dtype must be f32, bf16 or f16");
+    bool gguf = np == 3 && !strcmp(pos[0], "gguf");
+    if (!gguf && (r = check_kind("export", np, pos))) return r;
+    kiln_dtype dt = KILN_DTYPE_F32;
+    bool q8 = gguf && !strcmp(dtype, "q8_0");
+    if (!q8 && (kiln_dtype_parse(dtype, &dt) != KILN_OK ||
+                (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_BF16 && dt != KILN_DTYPE_F16)))
+        return cli_fail("export", gguf ? "--dtype must be f32, bf16, f16 or q8_0" : "--dtype must be f32, bf16 or f16");
     kiln_init(0);
     kiln_gpt_t *m;
     kiln_tokenizer_t *tok;
     if (kiln_model_load(pos[1], &m, &tok, NULL) != KILN_OK) return cli_fail("export", NULL);
-    kiln_status s = kiln_hf_save(m, tok, pos[2], dt);
-    if (s == KILN_OK) printf("exported %s to %s (%s weights)\n", pos[1], pos[2], kiln_dtype_name(dt));
+    kiln_status s = gguf ? kiln_gguf_save(m, tok, pos[2], dt, q8) : kiln_hf_save(m, tok, pos[2], dt);
+    if (s == KILN_OK) printf("exported %s to %s (%s weights)\n", pos[1], pos[2], q8 ? "q8_0" : kiln_dtype_name(dt));
     kiln_gpt_free(m);
     kiln_tokenizer_free(tok);
     return s == KILN_OK ? 0 : cli_fail("export", NULL);

@@ -17,7 +17,7 @@ static const struct {
     {"compile", cmd_compile, "capture a model's training step into a graph and write it out (--dump DIR)"},
     {"tokenizer", cmd_tokenizer, "train | encode | decode with a BPE tokenizer"},
     {"import", cmd_import, "a Hugging Face model folder into a kiln run folder (import hf HF_DIR RUN_DIR)"},
-    {"export", cmd_export, "a kiln model as a Hugging Face folder (export hf RUN_DIR HF_DIR)"},
+    {"export", cmd_export, "a kiln model as a Hugging Face folder or a GGUF file (export hf|gguf RUN_DIR OUT)"},
     {"info", cmd_info, "describe a checkpoint"},
     {"plot", cmd_plot, "redraw a run's loss chart from its metrics"},
     {"doctor", cmd_doctor, "show the build, threads, devices, switches and environment variables"},

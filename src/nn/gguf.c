@@ -1,0 +1,350 @@
+/* kiln models written as GGUF files that llama.cpp loads (its "llama" architecture:
+ * rmsnorm, rope, swiglu), with the weights in f32, f16, bf16 or q8_0 and the tokenizer
+ * as llama.cpp's byte-level BPE ("gpt2") vocabulary.
+ *
+ * The layout (GGUF version 3, little-endian): the header (magic "GGUF", version,
+ * tensor count, key/value count), the key/value pairs (a string key, a type, a value;
+ * arrays carry their element type and count), one info per tensor (name, dims with the
+ * innermost first, type, offset into the data), padding to the alignment (32), then
+ * the data, each tensor aligned. llama.cpp's rope rotates adjacent pairs where kiln's
+ * (as Hugging Face LLaMA's) rotates the two halves of a head, so q and k rows are
+ * reordered within each head, as llama.cpp's own converter does for HF checkpoints:
+ * row (half h, i) of a head goes to 2 i + h. q8_0 stores blocks of 32 values as an f16
+ * scale d = max|x| / 127 and 32 signed bytes round(x / d). */
+#include <errno.h>
+#include <jansson.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+#include "kiln/io.h"
+#include "kiln/nn.h"
+#include "kiln/ops.h"
+#include "kiln/tokenizer.h"
+
+enum { G_U32 = 4, G_I32 = 5, G_F32 = 6, G_BOOL = 7, G_STR = 8, G_ARR = 9 };  /* GGUF value types */
+enum { T_F32 = 0, T_F16 = 1, T_Q8_0 = 8, T_BF16 = 30 };                    /* ggml tensor types */
+#define ALIGN 32
+
+/* A growing byte buffer; `failed` once memory ran out. */
+typedef struct {
+    unsigned char *p;
+    size_t n, cap;
+    bool failed;
+} buf;
+
+static void put(buf *b, const void *src, size_t n)
+{
+    if (b->failed) return;
+    if (b->n + n > b->cap) {
+        size_t cap = b->cap ? b->cap : 4096;
+        while (cap < b->n + n) cap *= 2;
+        unsigned char *q = realloc(b->p, cap);
+        if (!q) {
+            b->failed = true;
+            return;
+        }
+        b->p = q;
+        b->cap = cap;
+    }
+    memcpy(b->p + b->n, src, n);
+    b->n += n;
+}
+
+static void u32(buf *b, uint32_t v) { put(b, &v, 4); }
+static void u64(buf *b, uint64_t v) { put(b, &v, 8); }
+static void str(buf *b, const char *s, size_t n)
+{
+    u64(b, n);
+    put(b, s, n);
+}
+static void key(buf *b, const char *k, uint32_t type)
+{
+    str(b, k, strlen(k));
+    u32(b, type);
+}
+static void kv_u32(buf *b, int *n, const char *k, uint32_t v) { key(b, k, G_U32), u32(b, v), (*n)++; }
+static void kv_f32(buf *b, int *n, const char *k, float v) { key(b, k, G_F32), put(b, &v, 4), (*n)++; }
+static void kv_str(buf *b, int *n, const char *k, const char *v) { key(b, k, G_STR), str(b, v, strlen(v)), (*n)++; }
+static void kv_bool(buf *b, int *n, const char *k, bool v)
+{
+    uint8_t x = v;
+    key(b, k, G_BOOL), put(b, &x, 1), (*n)++;
+}
+
+/* The tokenizer as llama.cpp's BPE vocabulary: its tokenizer.json (kiln_tokenizer_save,
+ * the public form of its vocabulary) read back for the token strings in id order and the
+ * merges. */
+static kiln_status put_tokenizer(buf *b, int *n, const kiln_tokenizer_t *tok)
+{
+    char path[64];
+    snprintf(path, sizeof path, "/tmp/kiln-gguf-tok-%d.json", (int)getpid());
+    kiln_status s = kiln_tokenizer_save(tok, path);
+    json_error_t err;
+    json_t *root = s == KILN_OK ? json_load_file(path, 0, &err) : NULL;
+    unlink(path);
+    if (s != KILN_OK) return s;
+    json_t *model = json_object_get(root, "model"), *vocab = json_object_get(model, "vocab");
+    json_t *merges = json_object_get(model, "merges"), *added = json_object_get(root, "added_tokens");
+    int V = kiln_tokenizer_vocab_size(tok);
+    const char **tokens = calloc((size_t)V, sizeof *tokens);
+    int32_t *types = calloc((size_t)V, sizeof *types);
+    if (!root || !json_is_object(vocab) || !tokens || !types) {
+        s = kiln_error(KILN_ERR_INTERNAL, "gguf: the tokenizer's vocabulary could not be read back");
+    } else {
+        const char *k;
+        json_t *v;
+        json_object_foreach(vocab, k, v)
+        {
+            json_int_t id = json_integer_value(v);
+            if (id >= 0 && id < V) tokens[id] = k, types[id] = 1; /* normal */
+        }
+        size_t i;
+        json_array_foreach(added, i, v)
+        {
+            json_int_t id = json_integer_value(json_object_get(v, "id"));
+            const char *c = json_string_value(json_object_get(v, "content"));
+            if (id >= 0 && id < V && c) tokens[id] = c, types[id] = json_is_true(json_object_get(v, "special")) ? 3 : 1;
+        }
+        for (int id = 0; id < V && s == KILN_OK; id++)
+            if (!tokens[id]) s = kiln_error(KILN_ERR_INTERNAL, "gguf: token %d has no string in the vocabulary", id);
+    }
+    if (s == KILN_OK) {
+        kv_str(b, n, "tokenizer.ggml.model", "gpt2");
+        kv_str(b, n, "tokenizer.ggml.pre", "gpt-2");
+        key(b, "tokenizer.ggml.tokens", G_ARR), u32(b, G_STR), u64(b, (uint64_t)V), (*n)++;
+        for (int id = 0; id < V; id++) str(b, tokens[id], strlen(tokens[id]));
+        key(b, "tokenizer.ggml.token_type", G_ARR), u32(b, G_I32), u64(b, (uint64_t)V), (*n)++;
+        put(b, types, sizeof(int32_t) * (size_t)V);
+        size_t nm = json_array_size(merges), i;
+        json_t *v;
+        key(b, "tokenizer.ggml.merges", G_ARR), u32(b, G_STR), u64(b, nm), (*n)++;
+        json_array_foreach(merges, i, v)
+        {
+            const char *m = json_string_value(v);
+            str(b, m ? m : "", m ? strlen(m) : 0);
+        }
+        int32_t eot = kiln_tokenizer_eot(tok);
+        if (eot >= 0) {
+            kv_u32(b, n, "tokenizer.ggml.bos_token_id", (uint32_t)eot);
+            kv_u32(b, n, "tokenizer.ggml.eos_token_id", (uint32_t)eot);
+        }
+        kv_bool(b, n, "tokenizer.ggml.add_bos_token", false);
+    }
+    free(tokens);
+    free(types);
+    json_decref(root);
+    return s;
+}
+
+/* One tensor: its GGUF name, its data in the file's type, and its dims (innermost first). */
+typedef struct {
+    char name[64];
+    uint32_t type;
+    int ndim;
+    uint64_t ne[2];
+    void *data;
+    size_t bytes;
+} gtensor;
+
+/* x (n floats, n a multiple of 32) as q8_0 blocks; the scales rounded to f16 in one
+ * cast. */
+static kiln_status q8_0(const float *x, int64_t n, unsigned char *out)
+{
+    int64_t nb = n / 32;
+    float *d = malloc(sizeof(float) * (size_t)nb);
+    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)nb);
+    kiln_status s = d && h ? KILN_OK : kiln_error(KILN_ERR_OOM, "gguf: out of memory");
+    for (int64_t b = 0; s == KILN_OK && b < nb; b++) {
+        float amax = 0;
+        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[b * 32 + i]));
+        d[b] = amax / 127.0f;
+    }
+    kiln_scope_begin();
+    kiln_tensor_t *t = s == KILN_OK ? kiln_cast(kiln_from_data(d, &nb, 1, KILN_DTYPE_F32), KILN_DTYPE_F16) : NULL;
+    if (s == KILN_OK) s = t ? kiln_tensor_to_host(t, h, sizeof(uint16_t) * (size_t)nb) : kiln_last_status();
+    kiln_scope_end();
+    for (int64_t b = 0; s == KILN_OK && b < nb; b++, out += 34) {
+        float id = d[b] > 0 ? 1.0f / d[b] : 0.0f;
+        memcpy(out, &h[b], 2);
+        for (int i = 0; i < 32; i++) out[2 + i] = (unsigned char)(int8_t)lrintf(x[b * 32 + i] * id);
+    }
+    free(d);
+    free(h);
+    return s;
+}
+
+/* A kiln parameter (rows x cols, or a vector) as a GGUF tensor of type `type` (vectors
+ * always f32, as llama.cpp's norms are); perm: the rows reordered for llama.cpp's rope,
+ * heads of hs rows. */
+static kiln_status make_tensor(gtensor *g, const char *name, kiln_tensor_t *p, uint32_t type, int heads)
+{
+    snprintf(g->name, sizeof g->name, "%s", name);
+    int nd = kiln_tensor_ndim(p);
+    const int64_t *sh = kiln_tensor_shape(p);
+    int64_t rows = nd == 2 ? sh[0] : 1, cols = sh[nd - 1], n = rows * cols;
+    if (nd == 1 || (type == T_Q8_0 && cols % 32)) type = T_F32;
+    g->type = type;
+    g->ndim = nd;
+    g->ne[0] = (uint64_t)cols;
+    g->ne[1] = (uint64_t)rows;
+    float *f = malloc(sizeof(float) * (size_t)n);
+    if (!f) return kiln_error(KILN_ERR_OOM, "gguf: out of memory");
+    kiln_status s = kiln_tensor_to_host(kiln_contiguous(p), f, sizeof(float) * (size_t)n);
+    if (s == KILN_OK && heads > 0) {
+        int64_t hs = rows / heads;
+        float *t = malloc(sizeof(float) * (size_t)n);
+        if (!t) s = kiln_error(KILN_ERR_OOM, "gguf: out of memory");
+        for (int64_t h = 0; t && h < heads; h++)
+            for (int64_t r = 0; r < hs; r++) {
+                int64_t to = h * hs + (r % (hs / 2)) * 2 + r / (hs / 2);
+                memcpy(t + to * cols, f + (h * hs + r) * cols, sizeof(float) * (size_t)cols);
+            }
+        if (t) {
+            free(f);
+            f = t;
+        }
+    }
+    if (s != KILN_OK) {
+        free(f);
+        return s;
+    }
+    if (type == T_F32) {
+        g->data = f;
+        g->bytes = sizeof(float) * (size_t)n;
+        return KILN_OK;
+    }
+    g->bytes = type == T_Q8_0 ? (size_t)(n / 32) * 34 : 2 * (size_t)n;
+    g->data = malloc(g->bytes);
+    if (!g->data) s = kiln_error(KILN_ERR_OOM, "gguf: out of memory");
+    else if (type == T_Q8_0) s = q8_0(f, n, g->data);
+    else {
+        kiln_scope_begin();
+        kiln_tensor_t *h = kiln_cast(kiln_from_data(f, (int64_t[]){n}, 1, KILN_DTYPE_F32),
+                                     type == T_F16 ? KILN_DTYPE_F16 : KILN_DTYPE_BF16);
+        s = h ? kiln_tensor_to_host(h, g->data, g->bytes) : kiln_last_status();
+        kiln_scope_end();
+    }
+    free(f);
+    return s;
+}
+
+/* kiln's parameter name as llama.cpp's, and whether its rows are reordered (q: the
+ * query heads, k: the key heads). */
+static const struct {
+    const char *kiln, *gguf;
+} gguf_names[] = {
+    {"tok_emb.weight", "token_embd.weight"},   {"norm_f.weight", "output_norm.weight"},
+    {"lm_head.weight", "output.weight"},       {"norm1.weight", "blk.%d.attn_norm.weight"},
+    {"norm2.weight", "blk.%d.ffn_norm.weight"}, {"attn.proj.weight", "blk.%d.attn_output.weight"},
+    {"mlp.gate.weight", "blk.%d.ffn_gate.weight"}, {"mlp.up.weight", "blk.%d.ffn_up.weight"},
+    {"mlp.down.weight", "blk.%d.ffn_down.weight"},
+};
+
+kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const char *path, kiln_dtype dt,
+                           bool q8_0_weights)
+{
+    if (!m || !tok || !path) return kiln_error(KILN_ERR_ARG, "gguf_save: model, tokenizer and path must not be NULL");
+    const kiln_gpt_config *c = kiln_gpt_get_config(m);
+    if (c->norm != KILN_NORM_RMSNORM || c->pos != KILN_POS_ROPE || c->mlp != KILN_MLP_SWIGLU || c->bias)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "gguf export: only LLaMA-style models (rmsnorm, rope, swiglu, no "
+                          "biases) are written so far, as llama.cpp's llama architecture");
+    uint32_t type = q8_0_weights ? T_Q8_0 : dt == KILN_DTYPE_F16 ? T_F16 : dt == KILN_DTYPE_BF16 ? T_BF16 : T_F32;
+    int np = kiln_gpt_num_params(m), cap = np + 2 * c->n_layer, nt = 0;
+    gtensor *ts = calloc((size_t)cap, sizeof *ts);
+    kiln_status s = ts ? KILN_OK : kiln_error(KILN_ERR_OOM, "gguf: out of memory");
+    kiln_scope_begin();
+    int64_t hs = c->n_embd / c->n_head;
+    for (int k = 0; s == KILN_OK && k < np; k++) {
+        const char *name;
+        kiln_tensor_t *p = kiln_gpt_param(m, k, &name);
+        int i = -1, off = 0;
+        const char *rest = name;
+        if (sscanf(name, "blocks.%d.%n", &i, &off) == 1 && off > 0) rest = name + off;
+        if (i >= 0 && !strcmp(rest, "attn.qkv.weight")) { /* q, k (both reordered) and v */
+            int64_t rows[3] = {c->n_head * hs, c->n_kv_head * hs, c->n_kv_head * hs}, at = 0;
+            const char *part[3] = {"attn_q", "attn_k", "attn_v"};
+            int heads[3] = {c->n_head, c->n_kv_head, 0};
+            for (int q = 0; q < 3 && s == KILN_OK; q++) {
+                char gn[64];
+                snprintf(gn, sizeof gn, "blk.%d.%s.weight", i, part[q]);
+                s = make_tensor(&ts[nt++], gn, kiln_narrow(p, 0, at, rows[q]), type, heads[q]);
+                at += rows[q];
+            }
+            continue;
+        }
+        size_t e = 0;
+        while (e < sizeof gguf_names / sizeof gguf_names[0] &&
+               !(!strcmp(rest, gguf_names[e].kiln) && (i >= 0) == (strchr(gguf_names[e].gguf, '%') != NULL)))
+            e++;
+        if (e == sizeof gguf_names / sizeof gguf_names[0]) {
+            s = kiln_error(KILN_ERR_INTERNAL, "gguf: no llama.cpp name for %s", name);
+            break;
+        }
+        char gn[64];
+        snprintf(gn, sizeof gn, gguf_names[e].gguf, i);
+        s = make_tensor(&ts[nt++], gn, p, type, 0);
+    }
+    kiln_scope_end();
+    buf b = {0};
+    int nkv = 0;
+    if (s == KILN_OK) {
+        buf kv = {0};
+        kv_str(&kv, &nkv, "general.architecture", "llama");
+        kv_str(&kv, &nkv, "general.name", "kiln");
+        kv_u32(&kv, &nkv, "general.alignment", ALIGN);
+        kv_u32(&kv, &nkv, "general.file_type", type == T_Q8_0 ? 7 : type == T_F16 ? 1 : type == T_BF16 ? 32 : 0);
+        kv_u32(&kv, &nkv, "llama.context_length", (uint32_t)c->block_size);
+        kv_u32(&kv, &nkv, "llama.embedding_length", (uint32_t)c->n_embd);
+        kv_u32(&kv, &nkv, "llama.block_count", (uint32_t)c->n_layer);
+        kv_u32(&kv, &nkv, "llama.feed_forward_length", (uint32_t)kiln_gpt_ffn_hidden(c));
+        kv_u32(&kv, &nkv, "llama.attention.head_count", (uint32_t)c->n_head);
+        kv_u32(&kv, &nkv, "llama.attention.head_count_kv", (uint32_t)c->n_kv_head);
+        kv_u32(&kv, &nkv, "llama.rope.dimension_count", (uint32_t)hs);
+        kv_u32(&kv, &nkv, "llama.vocab_size", (uint32_t)c->vocab_size);
+        kv_f32(&kv, &nkv, "llama.rope.freq_base", (float)c->rope_theta);
+        kv_f32(&kv, &nkv, "llama.attention.layer_norm_rms_epsilon", (float)c->norm_eps);
+        s = put_tokenizer(&kv, &nkv, tok);
+        put(&b, "GGUF", 4);
+        u32(&b, 3);
+        u64(&b, (uint64_t)nt);
+        u64(&b, (uint64_t)nkv);
+        put(&b, kv.p, kv.n);
+        if (kv.failed) b.failed = true;
+        free(kv.p);
+        uint64_t at = 0;
+        for (int k = 0; k < nt; k++) {
+            str(&b, ts[k].name, strlen(ts[k].name));
+            u32(&b, (uint32_t)ts[k].ndim);
+            for (int d = 0; d < ts[k].ndim; d++) u64(&b, ts[k].ne[d]);
+            u32(&b, ts[k].type);
+            u64(&b, at);
+            at += (ts[k].bytes + ALIGN - 1) / ALIGN * ALIGN;
+        }
+        static const unsigned char zeros[ALIGN];
+        put(&b, zeros, (ALIGN - b.n % ALIGN) % ALIGN);
+        for (int k = 0; k < nt; k++) {
+            put(&b, ts[k].data, ts[k].bytes);
+            put(&b, zeros, (ALIGN - ts[k].bytes % ALIGN) % ALIGN);
+        }
+        if (s == KILN_OK && b.failed) s = kiln_error(KILN_ERR_OOM, "gguf: out of memory");
+    }
+    /* written whole to a temporary name, then renamed: the file is the old one or the new */
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
+    FILE *f = s == KILN_OK ? fopen(tmp, "wb") : NULL;
+    if (s == KILN_OK && !f) s = kiln_error(KILN_ERR_IO, "gguf: cannot write %s: %s", tmp, strerror(errno));
+    if (f) {
+        bool ok = fwrite(b.p, 1, b.n, f) == b.n;
+        ok = fclose(f) == 0 && ok;
+        if (!ok || rename(tmp, path) != 0) {
+            s = kiln_error(KILN_ERR_IO, "gguf: cannot write %s: %s", path, strerror(errno));
+            unlink(tmp);
+        }
+    }
+    free(b.p);
+    for (int k = 0; ts && k < nt; k++) free(ts[k].data);
+    free(ts);
+    return s;
+}
