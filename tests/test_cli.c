@@ -340,6 +340,18 @@ static void hf_folders_import_sample_and_export(void **state)
     assert_int_equal(run(out, sizeof out, "%s train --init %s --data %s --out %s/x --context 65", tool(), hf, corpus,
                          dir), 1);
     assert_non_null(strstr(out, "longer than the --init model's 64 positions"));
+    rc = run(out, sizeof out, "%s export gguf %s/hfrun %s/m.gguf --dtype q8_0", tool(), dir, dir);
+    if (rc != 0 || !strstr(out, "q8_0 weights")) fail_msg("kiln export gguf failed: %s", out);
+    char gg[4200];
+    snprintf(gg, sizeof gg, "%s/m.gguf", dir);
+    FILE *gf = fopen(gg, "rb");
+    char magic[4] = {0};
+    assert_non_null(gf);
+    assert_int_equal(fread(magic, 1, 4, gf), 4);
+    fclose(gf);
+    assert_memory_equal(magic, "GGUF", 4);
+    assert_int_equal(run(out, sizeof out, "%s export gguf %s/hfrun %s/m.gguf --dtype q4_0", tool(), dir, dir), 1);
+    assert_non_null(strstr(out, "--dtype must be f32, bf16, f16 or q8_0"));
     assert_int_equal(run(out, sizeof out, "%s import gguf %s %s/x", tool(), hf, dir), 2);
     assert_non_null(strstr(out, "format 'gguf' is not known"));
     assert_int_equal(run(out, sizeof out, "%s import hf %s %s/x", tool(), dir, dir), 1);
