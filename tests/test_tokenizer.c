@@ -230,29 +230,45 @@ static void test_bpe_encodes_the_literal_eot_to_its_id(void **state)
     kiln_tokenizer_free(t);
 }
 
+/* The pieces the GPT-2 pattern cuts s[0..n) into are want[0..k). */
+static void pieces_are(const char *s, size_t n, const char *const *want, size_t k_want)
+{
+    kiln__pretok pt = kiln__pretok_begin(kiln__regex_gpt2());
+    assert_non_null(pt.md);
+    size_t i = 0, k = 0;
+    while (i < n) {
+        size_t j = kiln__pretok_next(&pt, (const uint8_t *)s, n, i);
+        if (k >= k_want || j - i != strlen(want[k]) || memcmp(s + i, want[k], j - i))
+            fail_msg("piece %zu is '%.*s', want '%s'", k, (int)(j - i), s + i, k < k_want ? want[k] : "(none)");
+        i = j;
+        k++;
+    }
+    assert_int_equal(k, k_want);
+    kiln__pretok_end(&pt);
+}
+
 static void test_pretokenizer_follows_the_gpt2_split(void **state)
 {
     (void)state;
     const char *s = "Hello world's  big\n\n 123 !? don't\tx   ";
     /* A space run gives its last space to the next word; "\n\n " gives " " to "123". */
     const char *want[] = {"Hello", " world", "'s", " ", " big", "\n\n", " 123", " !?", " don", "'t", "\t", "x", "   "};
-    size_t n = strlen(s), i = 0, k = 0;
-    while (i < n) {
-        size_t j = kiln__pretok_next((const uint8_t *)s, n, i);
-        assert_true(k < sizeof want / sizeof want[0]);
-        assert_int_equal(j - i, strlen(want[k]));
-        assert_memory_equal(s + i, want[k], j - i);
-        i = j;
-        k++;
-    }
-    assert_int_equal(k, sizeof want / sizeof want[0]);
+    pieces_are(s, strlen(s), want, sizeof want / sizeof want[0]);
 }
 
-static void test_pretokenizer_keeps_utf8_words_together(void **state)
+/* The GPT-2 pattern's classes are Unicode's (PCRE2 with UCP), as `tokenizers` matches
+ * them: accented and Arabic letters are \p{L}, CJK punctuation and emoji are not, an
+ * Arabic-Indic digit is \p{N}, a no-break space is \s. Bytes that are not UTF-8 are
+ * pieces of their own, and nothing is read past the text. */
+static void test_pretokenizer_uses_unicode_classes(void **state)
 {
     (void)state;
-    const char *s = " naïve";
-    assert_int_equal(kiln__pretok_next((const uint8_t *)s, strlen(s), 0), strlen(s));
+    const char *s = " naïve 日本語。 مرحبا ٣٤ 😀!\xc2\xa0x";
+    const char *want[] = {" naïve", " 日本語", "。", " مرحبا", " ٣٤", " 😀!", "\xc2\xa0", "x"};
+    pieces_are(s, strlen(s), want, sizeof want / sizeof want[0]);
+    const char bad[] = {'a', 'b', (char)0xff, 'c', ' ', (char)0xe6, (char)0x97};
+    const char *want_bad[] = {"ab", "\xff", "c", " ", "\xe6\x97"};
+    pieces_are(bad, sizeof bad, want_bad, sizeof want_bad / sizeof want_bad[0]);
 }
 
 static void encodings_match(const kiln_tokenizer_t *a, const kiln_tokenizer_t *b, const char *s)
@@ -401,7 +417,7 @@ int main(void)
         cmocka_unit_test(test_bpe_ties_go_to_the_smaller_pair),
         cmocka_unit_test(test_bpe_encodes_the_literal_eot_to_its_id),
         cmocka_unit_test(test_pretokenizer_follows_the_gpt2_split),
-        cmocka_unit_test(test_pretokenizer_keeps_utf8_words_together),
+        cmocka_unit_test(test_pretokenizer_uses_unicode_classes),
         cmocka_unit_test(test_save_then_load_gives_identical_encodings),
         cmocka_unit_test(test_save_then_load_keeps_the_byte_kind),
         cmocka_unit_test(test_load_rejects_bad_json),

@@ -72,24 +72,30 @@ static int tok_train(int argc, char **argv)
 
 static int tok_encode(int argc, char **argv)
 {
-    const char *path = "byte", *text = NULL;
+    const char *path = "byte", *text = NULL, *file = NULL;
     const cli_opt opts[] = {
         {"tokenizer", OPT_STRING, &path, "tokenizer.json, or byte"},
         {"text", OPT_STRING, &text, "text to encode"},
+        {"file", OPT_STRING, &file, "a file whose bytes to encode (in place of --text)"},
         {NULL, 0, NULL, NULL},
     };
-    int r = cli_parse("tokenizer encode", "--text TEXT [--tokenizer FILE]", opts, argc, argv, NULL, 0, NULL);
+    int r = cli_parse("tokenizer encode", "--text TEXT | --file FILE [--tokenizer FILE]", opts, argc, argv, NULL, 0,
+                      NULL);
     if (r) return r == 1 ? 0 : 2;
-    if (!text) return cli_fail("tokenizer encode", "--text is required");
+    if (!text == !file) return cli_fail("tokenizer encode", "give --text or --file");
+    char *read = NULL;
+    size_t n = text ? strlen(text) : 0, got = 0;
+    if (file && kiln_text_read(file, &read, &n) != KILN_OK) return cli_fail("tokenizer encode", NULL);
+    if (file) text = read;
     kiln_tokenizer_t *t;
     kiln_status s = strcmp(path, "byte") ? kiln_tokenizer_load(path, &t) : ((t = kiln_tokenizer_byte()) ? KILN_OK : kiln_last_status());
     if (s != KILN_OK) return cli_fail("tokenizer encode", NULL);
-    size_t n = strlen(text), got = 0;
     int32_t *ids = malloc(sizeof *ids * (n + 1));
     if (!ids || kiln_tokenizer_encode(t, text, n, ids, n + 1, &got) != KILN_OK) return cli_fail("tokenizer encode", NULL);
     for (size_t i = 0; i < got; i++) printf(i ? " %d" : "%d", ids[i]);
     printf("\n");
     free(ids);
+    free(read);
     kiln_tokenizer_free(t);
     return 0;
 }

@@ -18,17 +18,17 @@
  * ids 0..255 are the bytes, then one id per learned merge in rank order, then the
  * special token "<|endoftext|>" as the last id.
  *
- * Pre-tokenization is the GPT-2 split (HF ByteLevel, use_regex=true, add_prefix_space=false):
- * at each point the first of these that matches is taken:
- *     's 't 're 've 'm 'll 'd | ' '?letters | ' '?digits | ' '?others | spaces not followed
- *     by a non-space | spaces
- * where "spaces" are \t \n \v \f \r and ' '. kiln classifies ASCII exactly as that regex
- * does, and counts every byte >= 0x80 as a letter, so UTF-8 words stay together. Python's
- * `tokenizers` therefore gives the same ids for any ASCII text and for text whose non-ASCII
- * characters are letters; for other non-ASCII characters (for example "—" or U+00A0) the
- * splits, and so maybe the ids, can differ. Encoding then decoding is lossless for any
- * bytes, UTF-8 or not. A literal "<|endoftext|>" in the text encodes to the special id,
- * as in `tokenizers`.
+ * Pre-tokenization is a regular expression matched with Unicode's classes (PCRE2 with
+ * Unicode properties, as `tokenizers` matches): GPT-2's (HF ByteLevel, use_regex=true,
+ * add_prefix_space=false),
+ *     's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
+ * or, for a tokenizer.json whose pre_tokenizer is a Sequence of a Split on a Regex
+ * (behavior Isolated) and a ByteLevel without a regex (LLaMA-3's and Qwen2's shape),
+ * that Split's pattern. A pre-token is a match or the text between two. `tokenizers`
+ * gives the same ids for any UTF-8 text (tests/tokenizer/ checks GPT-2, LLaMA-3 and
+ * Qwen2 shapes on a multilingual text); bytes that are not UTF-8 are pre-tokens of
+ * their own. Encoding then decoding is lossless for any bytes. A literal
+ * "<|endoftext|>" in the text encodes to the special id, as in `tokenizers`.
  *
  * Errors. Functions return kiln_status; the message is read with kiln_last_error().
  * Ownership. Constructors and load return a new tokenizer that the caller frees with
@@ -62,8 +62,9 @@ kiln_status kiln_tokenizer_train_bpe(const char *text, size_t len, int vocab_siz
 kiln_status kiln_tokenizer_save(const kiln_tokenizer_t *t, const char *path);
 
 /* Reads a tokenizer.json: what kiln_tokenizer_save writes, and other byte-level BPE files
- * of the same shape (GPT-2's). A missing file is KILN_ERR_IO; a malformed one is
- * KILN_ERR_FORMAT, and one needing a feature kiln lacks (a normalizer, another
+ * (GPT-2's ByteLevel, or a Split on a regex then a ByteLevel, as LLaMA-3 and Qwen2 ship).
+ * A missing file is KILN_ERR_IO; a malformed one (a pattern that does not compile among
+ * them) is KILN_ERR_FORMAT, and one needing a feature kiln lacks (a normalizer, another
  * pre-tokenizer or model) is KILN_ERR_UNSUPPORTED, each with a message naming the file. */
 kiln_status kiln_tokenizer_load(const char *path, kiln_tokenizer_t **out);
 

@@ -73,56 +73,6 @@ void kiln__u64map_clear(kiln__u64map *m)
     memset(m, 0, sizeof *m);
 }
 
-/* ---- pre-tokenizer -------------------------------------------------------------------- */
-
-enum { CL_SPACE, CL_LETTER, CL_DIGIT, CL_OTHER };
-
-/* The classes of the GPT-2 regex (\s, \p{L}, \p{N}, the rest) for ASCII; bytes >= 0x80
- * count as letters so that UTF-8 words are not cut apart. */
-static int byte_class(uint8_t c)
-{
-    if (c == ' ' || (c >= '\t' && c <= '\r'))
-        return CL_SPACE;
-    if ((c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || c >= 0x80)
-        return CL_LETTER;
-    if (c >= '0' && c <= '9')
-        return CL_DIGIT;
-    return CL_OTHER;
-}
-
-static size_t run_end(const uint8_t *s, size_t n, size_t i, int cl)
-{
-    while (i < n && byte_class(s[i]) == cl)
-        i++;
-    return i;
-}
-
-size_t kiln__pretok_next(const uint8_t *s, size_t n, size_t i)
-{
-    uint8_t c = s[i];
-    /* The contractions come first in the regex, so they win wherever a match starts. */
-    if (c == '\'' && i + 1 < n) {
-        uint8_t d = s[i + 1];
-        if (d == 's' || d == 't' || d == 'm' || d == 'd')
-            return i + 2;
-        if (i + 2 < n && ((d == 'r' && s[i + 2] == 'e') || (d == 'v' && s[i + 2] == 'e') ||
-                          (d == 'l' && s[i + 2] == 'l')))
-            return i + 3;
-    }
-    int cl = byte_class(c);
-    if (cl != CL_SPACE)
-        return run_end(s, n, i + 1, cl);
-    /* " ?X+": one plain space joins the run after it. */
-    if (c == ' ' && i + 1 < n && byte_class(s[i + 1]) != CL_SPACE)
-        return run_end(s, n, i + 2, byte_class(s[i + 1]));
-    size_t j = run_end(s, n, i + 1, CL_SPACE);
-    /* "\s+(?!\S)" backs off one character so that the last space of a run can lead the
-     * next word; at the end of the text, or for a run of one, the whole run is taken. */
-    if (j < n && j - i >= 2)
-        return j - 1;
-    return j;
-}
-
 const uint8_t *kiln__find_bytes(const uint8_t *hay, size_t n, const uint8_t *needle, size_t m)
 {
     /* memchr for the first byte does the skipping; memmem is not in POSIX 2008. */
@@ -498,12 +448,14 @@ static kiln_status collect_words(trainer *tr, const uint8_t *text, size_t len)
     size_t cap_words = 0, n_sym = 0;
     kiln_status st = KILN_OK;
     const size_t eot_len = strlen(KILN__EOT_TEXT);
+    kiln__pretok pt = kiln__pretok_begin(kiln__regex_gpt2());
+    if (!pt.md) st = kiln_error(KILN_ERR_OOM, "kiln_tokenizer_train_bpe: out of memory for the pre-tokenizer");
     size_t seg = 0;
     while (seg < len && st == KILN_OK) {
         const uint8_t *hit = kiln__find_bytes(text + seg, len - seg, (const uint8_t *)KILN__EOT_TEXT, eot_len);
         size_t seg_end = hit ? (size_t)(hit - text) : len;
         for (size_t i = seg; i < seg_end;) {
-            size_t j = kiln__pretok_next(text + seg, seg_end - seg, i - seg) + seg;
+            size_t j = kiln__pretok_next(&pt, text + seg, seg_end - seg, i - seg) + seg;
             if ((size_t)tr->n_words == cap_words) {
                 size_t cap = cap_words ? cap_words * 2 : 1024;
                 void *tmp;
@@ -552,6 +504,7 @@ static kiln_status collect_words(trainer *tr, const uint8_t *text, size_t len)
             tr->sym[tr->off[w] + k] = wt.key[i][k];
     }
     word_table_free(&wt);
+    kiln__pretok_end(&pt);
     return st;
 }
 

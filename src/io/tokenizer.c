@@ -44,6 +44,7 @@ void kiln_tokenizer_free(kiln_tokenizer_t *t)
     if (!t)
         return;
     kiln__u64map_clear(&t->merge_rank);
+    kiln__regex_free(t->split);
     KILN__FREE(t->tok_bytes, t->tok_off, t->merge_a, t->merge_b, t->merge_id, t->special_id, t);
 }
 
@@ -100,11 +101,11 @@ static inline void sink_put(id_sink *s, int32_t id)
 }
 
 /* Pre-tokenizes seg[0..n) and appends the BPE ids of each pre-token. */
-static kiln_status encode_segment(const kiln_tokenizer_t *t, kiln__bpe_scratch *sc, const uint8_t *seg, size_t n,
-                                  id_sink *out)
+static kiln_status encode_segment(const kiln_tokenizer_t *t, kiln__bpe_scratch *sc, kiln__pretok *pt,
+                                  const uint8_t *seg, size_t n, id_sink *out)
 {
     for (size_t i = 0; i < n;) {
-        size_t j = kiln__pretok_next(seg, n, i);
+        size_t j = kiln__pretok_next(pt, seg, n, i);
         if (j - i == 1) {
             sink_put(out, t->byte_id[seg[i]]);
         } else {
@@ -144,6 +145,8 @@ kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, s
             hits[k] = h ? (size_t)(h - s) : SIZE_MAX;
         }
         kiln__bpe_scratch sc = {0};
+        kiln__pretok pt = kiln__pretok_begin(t->split ? t->split : kiln__regex_gpt2());
+        if (!pt.md) st = kiln_error(KILN_ERR_OOM, "kiln_tokenizer_encode: out of memory for the pre-tokenizer");
         size_t pos = 0;
         while (st == KILN_OK && pos < len) {
             size_t best = len, best_len = 0;
@@ -161,12 +164,13 @@ kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, s
                     best_id = id;
                 }
             }
-            st = encode_segment(t, &sc, s + pos, best - pos, &out);
+            st = encode_segment(t, &sc, &pt, s + pos, best - pos, &out);
             if (best_id >= 0)
                 sink_put(&out, best_id);
             pos = best + best_len;
         }
         kiln__bpe_scratch_free(&sc);
+        kiln__pretok_end(&pt);
         if (hits != next_hit)
             free(hits);
     }
@@ -284,6 +288,16 @@ static json_t *byte_level_object(bool add_prefix_space)
                      "trim_offsets", 1, "use_regex", 1);
 }
 
+/* ByteLevel with its GPT-2 pattern, or a Split on the tokenizer's own pattern before a
+ * ByteLevel without one. */
+static json_t *pre_tokenizer_object(const kiln_tokenizer_t *t)
+{
+    if (!t->split) return byte_level_object(false);
+    return json_pack("{s:s, s:[{s:s, s:{s:s}, s:s, s:b}, {s:s, s:b, s:b, s:b}]}", "type", "Sequence", "pretokenizers",
+                     "type", "Split", "pattern", "Regex", kiln__regex_pattern(t->split), "behavior", "Isolated",
+                     "invert", 0, "type", "ByteLevel", "add_prefix_space", 0, "trim_offsets", 1, "use_regex", 0);
+}
+
 /* Builds the tokenizer.json tree; NULL with the error set on failure. */
 static json_t *tokenizer_json(const kiln_tokenizer_t *t, const char *path)
 {
@@ -330,7 +344,7 @@ static json_t *tokenizer_json(const kiln_tokenizer_t *t, const char *path)
     if (st == KILN_OK &&
         !(root = json_pack("{s:s, s:n, s:n, s:O, s:n, s:o, s:n, s:o, "
                            "s:{s:s, s:n, s:n, s:n, s:n, s:b, s:b, s:b, s:O, s:O}}", "version", "1.0", "truncation", "padding", "added_tokens", added, "normalizer",
-                           "pre_tokenizer", byte_level_object(false), "post_processor", "decoder",
+                           "pre_tokenizer", pre_tokenizer_object(t), "post_processor", "decoder",
                            byte_level_object(true), "model", "type", "BPE", "dropout", "unk_token",
                            "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk", 0, "byte_fallback", 0,
                            "ignore_merges", 0, "vocab", vocab, "merges", merges)))
@@ -385,15 +399,47 @@ static int json_flag(const json_t *o, const char *key, bool dflt)
     return json_is_boolean(v) ? json_is_true(v) : -1;
 }
 
-/* Checks the parts around the model: kiln implements only the byte-level pipeline. */
-static kiln_status check_pipeline(const json_t *root, const char *path)
+/* A Sequence of a Split on a regex (behavior Isolated, not inverted) and a ByteLevel
+ * without its own regex, as LLaMA-3's and Qwen2's tokenizers have it: the Split's
+ * pattern in *split. */
+static kiln_status check_sequence(const json_t *pre, const char *path, const char **split)
 {
     kiln_status st = KILN_OK;
+    const json_t *list = json_object_get(pre, "pretokenizers");
+    const json_t *sp = json_array_get(list, 0), *bl = json_array_get(list, 1);
+    const char *sp_type = json_string_value(json_object_get(sp, "type"));
+    const char *bl_type = json_string_value(json_object_get(bl, "type"));
+    const char *behavior = json_string_value(json_object_get(sp, "behavior"));
+    const char *regex = json_string_value(json_object_get(json_object_get(sp, "pattern"), "Regex"));
+    if (!json_is_array(list) || json_array_size(list) != 2 || !sp_type || strcmp(sp_type, "Split") || !bl_type ||
+        strcmp(bl_type, "ByteLevel"))
+        LOAD_FAIL(KILN_ERR_UNSUPPORTED, "%s: a pre_tokenizer Sequence is supported as [Split, ByteLevel] only", path);
+    else if (!regex)
+        LOAD_FAIL(KILN_ERR_UNSUPPORTED, "%s: the Split pre-tokenizer's pattern must be a Regex", path);
+    else if (!behavior || strcmp(behavior, "Isolated") || json_flag(sp, "invert", false) != 0)
+        LOAD_FAIL(KILN_ERR_UNSUPPORTED, "%s: Split with behavior \"%s\"%s is not supported, only Isolated", path,
+                  behavior ? behavior : "?", json_flag(sp, "invert", false) != 0 ? " inverted" : "");
+    else if (json_flag(bl, "add_prefix_space", true) != 0 || json_flag(bl, "use_regex", true) != 0)
+        LOAD_FAIL(KILN_ERR_UNSUPPORTED, "%s: the ByteLevel after a Split must have add_prefix_space and use_regex "
+                  "false", path);
+    else
+        *split = regex;
+    return st;
+}
+
+/* Checks the parts around the model: kiln implements the byte-level pipeline, with
+ * ByteLevel's own GPT-2 pattern or a Split's (*split, else NULL). */
+static kiln_status check_pipeline(const json_t *root, const char *path, const char **split)
+{
+    kiln_status st = KILN_OK;
+    *split = NULL;
     const json_t *norm = json_object_get(root, "normalizer");
     const json_t *pre = json_object_get(root, "pre_tokenizer");
     const char *pre_type = json_string_value(json_object_get(pre, "type"));
     if (norm && !json_is_null(norm))
         LOAD_FAIL(KILN_ERR_UNSUPPORTED, "%s: a normalizer is not supported", path);
+    else if (pre_type && !strcmp(pre_type, "Sequence"))
+        st = check_sequence(pre, path, split);
     else if (!json_is_object(pre))
         LOAD_FAIL(KILN_ERR_UNSUPPORTED, "%s: \"pre_tokenizer\" must be ByteLevel", path);
     else if (!pre_type || strcmp(pre_type, "ByteLevel") != 0)
@@ -435,7 +481,8 @@ static kiln_status check_model(const json_t *model, const char *path)
 /* The tokenizer described by root; each id's bytes are gathered first, then packed. */
 static kiln_status build_from_json(const json_t *root, const char *path, kiln_tokenizer_t **out)
 {
-    kiln_status st = check_pipeline(root, path);
+    const char *split = NULL;
+    kiln_status st = check_pipeline(root, path, &split);
     const json_t *model = json_object_get(root, "model");
     if (st == KILN_OK && !json_is_object(model))
         LOAD_FAIL(KILN_ERR_FORMAT, "%s: missing \"model\" object", path);
@@ -609,6 +656,7 @@ static kiln_status build_from_json(const json_t *root, const char *path, kiln_to
             identity = t->byte_id[b] == b;
         t->is_byte = identity;
     }
+    if (st == KILN_OK && split) st = kiln__regex_new(split, path, &t->split);
     for (size_t i = 0; bytes && i < n_entries; i++)
         free(bytes[i]);
     KILN__FREE(bytes, blen, special, special_ids);

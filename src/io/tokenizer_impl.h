@@ -38,11 +38,31 @@ struct kiln_tokenizer {
     /* Special tokens, matched literally in the text before pre-tokenization. */
     int n_special;
     int32_t *special_id;
+    /* The pre-tokenizer's pattern (a Split before a ByteLevel without its own regex),
+     * or NULL for ByteLevel's GPT-2 pattern. */
+    struct kiln__regex *split;
 };
 
-/* The end of the pre-token that starts at s[i] (i < n): the GPT-2 split described in
- * kiln/tokenizer.h. */
-size_t kiln__pretok_next(const uint8_t *s, size_t n, size_t i);
+/* A compiled pre-tokenizer pattern (pretok.c, PCRE2 with Unicode properties). */
+typedef struct kiln__regex kiln__regex;
+extern const char *const kiln__gpt2_pattern;
+/* what names the pattern's owner in the message when it does not compile. */
+kiln_status kiln__regex_new(const char *pattern, const char *what, kiln__regex **out);
+void kiln__regex_free(kiln__regex *r);
+const char *kiln__regex_pattern(const kiln__regex *r);
+/* GPT-2's pattern, compiled once (NULL only when out of memory). */
+const kiln__regex *kiln__regex_gpt2(void);
+
+/* Pre-tokenizing one text: a pattern and its match state (one per thread at a time). */
+typedef struct {
+    const kiln__regex *re;
+    void *md; /* pcre2_match_data */
+} kiln__pretok;
+kiln__pretok kiln__pretok_begin(const kiln__regex *r);
+void kiln__pretok_end(kiln__pretok *p);
+/* The end of the pre-token that starts at s[i] (i < n): the pattern's match there, or
+ * the text up to its next match. */
+size_t kiln__pretok_next(kiln__pretok *p, const uint8_t *s, size_t n, size_t i);
 
 /* The first occurrence of needle[0..m) (m > 0) in hay[0..n), or NULL. */
 const uint8_t *kiln__find_bytes(const uint8_t *hay, size_t n, const uint8_t *needle, size_t m);
