@@ -21,9 +21,9 @@ static kiln_status write_run(const char *dir, kiln_gpt_t *m, kiln_tokenizer_t *t
     snprintf(path, sizeof path, "%s/%s", dir, RUN_TOKENIZER);
     if (!bytes) s = kiln_tokenizer_save(tok, path);
     int n = kiln_gpt_num_params(m);
-    const char *names[4096];
-    kiln_tensor_t *ts[4096];
-    if (s == KILN_OK && n > 4096) s = kiln_error(KILN_ERR_UNSUPPORTED, "import: %d parameters, at most 4096", n);
+    const char **names = malloc(sizeof *names * (size_t)n);
+    kiln_tensor_t **ts = malloc(sizeof *ts * (size_t)n);
+    if (s == KILN_OK && (!names || !ts)) s = kiln_error(KILN_ERR_OOM, "import: out of memory");
     for (int i = 0; s == KILN_OK && i < n; i++) ts[i] = kiln_gpt_param(m, i, &names[i]);
     char *cfg = kiln_gpt_config_to_json(kiln_gpt_get_config(m));
     const char *meta[] = {"format", "kiln-gpt-1", "config", cfg ? cfg : "{}", "tokenizer", bytes ? "byte" : "bpe",
@@ -31,6 +31,8 @@ static kiln_status write_run(const char *dir, kiln_gpt_t *m, kiln_tokenizer_t *t
     snprintf(path, sizeof path, "%s/%s", dir, RUN_MODEL);
     if (s == KILN_OK) s = cfg ? kiln_safetensors_save(path, names, ts, n, meta) : kiln_error(KILN_ERR_OOM, "out of memory");
     free(cfg);
+    free(names);
+    free(ts);
     return s;
 }
 
