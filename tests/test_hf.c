@@ -145,6 +145,34 @@ static void a_saved_folder_loads_back_as_the_same_model(void **state)
             kiln_gpt_free(m);
             kiln_gpt_free(back);
         }
+    /* Saved over a folder that holds a sharded model: its index, its shards and its
+     * tokenizer.json go, and the folder loads as the new model. */
+    {
+        char over[4200], cmd[17000];
+        snprintf(over, sizeof over, "%s/over", tmp);
+        snprintf(cmd, sizeof cmd, "cp -r %s %s && echo '{}' > %s/tokenizer.json", ref_dir("mistral_sharded_f16"), over, over);
+        assert_int_equal(system(cmd), 0);
+        kiln_gpt_t *src, *back;
+        assert_int_equal(kiln_hf_load(ref_dir("llama"), &src), KILN_OK);
+        assert_int_equal(kiln_hf_save(src, NULL, over, KILN_DTYPE_F32), KILN_OK);
+        if (kiln_hf_load(over, &back) != KILN_OK) fail_msg("%s", kiln_last_error());
+        int64_t n, n2;
+        float *a = logits_of(src, &n), *b = logits_of(back, &n2);
+        assert_int_equal(n, n2);
+        assert_memory_equal(a, b, sizeof(float) * (size_t)n);
+        char probe[4300];
+        struct stat st;
+        snprintf(probe, sizeof probe, "%s/model.safetensors.index.json", over);
+        assert_int_not_equal(stat(probe, &st), 0);
+        snprintf(probe, sizeof probe, "%s/model-00001-of-00002.safetensors", over);
+        assert_int_not_equal(stat(probe, &st), 0);
+        snprintf(probe, sizeof probe, "%s/tokenizer.json", over);
+        assert_int_not_equal(stat(probe, &st), 0);
+        free(a);
+        free(b);
+        kiln_gpt_free(src);
+        kiln_gpt_free(back);
+    }
     /* a model neither family describes */
     kiln_gpt_config c = kiln_gpt_config_gpt2();
     c.pos = KILN_POS_ROPE;
@@ -157,6 +185,8 @@ static void a_saved_folder_loads_back_as_the_same_model(void **state)
     kiln_clear_error();
     kiln_gpt_free(m);
 }
+
+static void write_text(const char *dir, const char *file, const char *text);
 
 /* ---- GGUF ---- */
 
@@ -344,6 +374,79 @@ static void gguf_holds_the_model_as_llama_cpp_reads_it(void **state)
     kiln_tokenizer_free(tok);
 }
 
+/* The tokenizer's pre-tokenizer is named as llama.cpp names it (LLaMA-3's Split pattern:
+ * llama-bpe); a pattern llama.cpp has no name for is refused, and so is a tokenizer of
+ * another size than the model's vocabulary. */
+static void gguf_names_the_pre_tokenizer_or_refuses_it(void **state)
+{
+    static const char *llama3 = "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\\\r\\\\n\\\\p{L}\\\\p{N}]?\\\\p{L}+|\\\\p{N}{1,3}| "
+                                "?[^\\\\s\\\\p{L}\\\\p{N}]+[\\\\r\\\\n]*|\\\\s*[\\\\r\\\\n]+|\\\\s+(?!\\\\S)|\\\\s+";
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_hf_load(ref_dir("llama"), &m), KILN_OK);
+    kiln_tokenizer_t *byte = kiln_tokenizer_byte();
+    char *text = kiln_tokenizer_to_json(byte);
+    assert_non_null(text);
+    for (int k = 0; k < 2; k++) {
+        /* the byte vocabulary with a Split on LLaMA-3's pattern, or on one of our own */
+        const char *at = strstr(text, "\"pre_tokenizer\"");
+        assert_non_null(at);
+        const char *end = strstr(at, "\"post_processor\"");
+        assert_non_null(end);
+        char *j = malloc(strlen(text) + 4096);
+        snprintf(j, strlen(text) + 4096,
+                 "%.*s\"pre_tokenizer\": {\"type\": \"Sequence\", \"pretokenizers\": [{\"type\": \"Split\", "
+                 "\"pattern\": {\"Regex\": \"%s\"}, \"behavior\": \"Isolated\", \"invert\": false}, {\"type\": "
+                 "\"ByteLevel\", \"add_prefix_space\": false, \"trim_offsets\": true, \"use_regex\": false}]}, %s",
+                 (int)(at - text), text, k ? "\\\\\\\\p{L}+|." : llama3, end);
+        char tp[4200], gp[4200];
+        snprintf(tp, sizeof tp, "%s/split%d.json", tmp, k);
+        FILE *f = fopen(tp, "w");
+        assert_non_null(f);
+        fputs(j, f);
+        fclose(f);
+        free(j);
+        kiln_tokenizer_t *t;
+        if (kiln_tokenizer_load(tp, &t) != KILN_OK) fail_msg("%s", kiln_last_error());
+        snprintf(gp, sizeof gp, "%s/split%d.gguf", tmp, k);
+        kiln_status s = kiln_gguf_save(m, t, gp, KILN_DTYPE_F32, false);
+        if (k == 0) {
+            if (s != KILN_OK) fail_msg("%s", kiln_last_error());
+            FILE *g = fopen(gp, "rb");
+            static char file[1 << 20];
+            size_t n = fread(file, 1, sizeof file, g);
+            fclose(g);
+            bool named = false;
+            for (size_t i = 0; i + 9 < n && !named; i++) named = !memcmp(file + i, "llama-bpe", 9);
+            assert_true(named);
+        } else {
+            assert_int_equal(s, KILN_ERR_UNSUPPORTED);
+            assert_non_null(strstr(kiln_last_error(), "none that llama.cpp names"));
+            kiln_clear_error();
+        }
+        kiln_tokenizer_free(t);
+    }
+    free(text);
+    /* a tokenizer of another size */
+    kiln_gpt_config c = *kiln_gpt_get_config(m);
+    c.vocab_size = 300;
+    kiln_gpt_t *big;
+    assert_int_equal(kiln_gpt_new(&c, 1, &big), KILN_OK);
+    char gp[4200];
+    snprintf(gp, sizeof gp, "%s/big.gguf", tmp);
+    assert_int_equal(kiln_gguf_save(big, byte, gp, KILN_DTYPE_F32, false), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "the model has 300 tokens but its tokenizer 256"));
+    kiln_clear_error();
+    kiln_gpt_free(big);
+    kiln_tokenizer_free(byte);
+    kiln_gpt_free(m);
+    /* a kiln run folder that keeps its options in a config.json is not a HF folder */
+    char opt[4200];
+    snprintf(opt, sizeof opt, "%s/optrun", tmp);
+    mkdir(opt, 0755);
+    write_text(opt, "config.json", "{\"steps\": 10}");
+    assert_false(kiln_hf_is_folder(opt));
+}
+
 /* ---- bad folders ---- */
 
 static int make_tmp(void **state)
@@ -481,6 +584,7 @@ int main(void)
         cmocka_unit_test(model_load_takes_a_hf_folder),
         cmocka_unit_test(a_saved_folder_loads_back_as_the_same_model),
         cmocka_unit_test(gguf_holds_the_model_as_llama_cpp_reads_it),
+        cmocka_unit_test(gguf_names_the_pre_tokenizer_or_refuses_it),
         cmocka_unit_test(config_fields_kiln_cannot_honour_are_refused_by_name),
         cmocka_unit_test(weights_that_do_not_fit_are_refused_by_name),
     };

@@ -258,8 +258,9 @@ static void test_pretokenizer_follows_the_gpt2_split(void **state)
 
 /* The GPT-2 pattern's classes are Unicode's (PCRE2 with UCP), as `tokenizers` matches
  * them: accented and Arabic letters are \p{L}, CJK punctuation and emoji are not, an
- * Arabic-Indic digit is \p{N}, a no-break space is \s. Bytes that are not UTF-8 are
- * pieces of their own, and nothing is read past the text. */
+ * Arabic-Indic digit is \p{N}, a no-break space is \s. Each byte of a sequence that is
+ * not UTF-8 is a piece of its own (a truncated one at the end too), and nothing is read
+ * past the text. */
 static void test_pretokenizer_uses_unicode_classes(void **state)
 {
     (void)state;
@@ -267,7 +268,7 @@ static void test_pretokenizer_uses_unicode_classes(void **state)
     const char *want[] = {" naïve", " 日本語", "。", " مرحبا", " ٣٤", " 😀!", "\xc2\xa0", "x"};
     pieces_are(s, strlen(s), want, sizeof want / sizeof want[0]);
     const char bad[] = {'a', 'b', (char)0xff, 'c', ' ', (char)0xe6, (char)0x97};
-    const char *want_bad[] = {"ab", "\xff", "c", " ", "\xe6\x97"};
+    const char *want_bad[] = {"ab", "\xff", "c", " ", "\xe6", "\x97"}; /* each invalid byte on its own */
     pieces_are(bad, sizeof bad, want_bad, sizeof want_bad / sizeof want_bad[0]);
 }
 

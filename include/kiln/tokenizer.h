@@ -60,6 +60,9 @@ kiln_status kiln_tokenizer_train_bpe(const char *text, size_t len, int vocab_siz
 /* Writes a HuggingFace tokenizer.json that Python `tokenizers` loads and that encodes to
  * the same ids. The byte kind is written as a BPE model with no merges. */
 kiln_status kiln_tokenizer_save(const kiln_tokenizer_t *t, const char *path);
+/* The same tokenizer.json as text (malloc'd; the caller frees), or NULL with the error
+ * set. */
+char *kiln_tokenizer_to_json(const kiln_tokenizer_t *t);
 
 /* Reads a tokenizer.json: what kiln_tokenizer_save writes, and other byte-level BPE files
  * (GPT-2's ByteLevel, or a Split on a regex then a ByteLevel, as LLaMA-3 and Qwen2 ship).

@@ -503,6 +503,11 @@ static kiln_status collect_words(trainer *tr, const uint8_t *text, size_t len)
         for (size_t k = 0; k < wt.klen[i]; k++)
             tr->sym[tr->off[w] + k] = wt.key[i][k];
     }
+    if (st == KILN_OK && pt.error) {
+        char why[128];
+        st = kiln_error(KILN_ERR_ARG, "kiln_tokenizer_train_bpe: the pre-tokenizer failed: %s",
+                        kiln__pretok_error(&pt, why, sizeof why));
+    }
     word_table_free(&wt);
     kiln__pretok_end(&pt);
     return st;

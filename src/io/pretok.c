@@ -1,9 +1,13 @@
 /* Pre-tokenizers' regular expressions, matched by PCRE2 (Debian's libpcre2) with Unicode
  * character properties, as the `tokenizers` library matches them: \p{L}, \p{N} and \s
  * are Unicode's classes, not ASCII's. A pre-token is a match, or the text between two
- * matches (the "Isolated" split of `tokenizers`, which keeps both). Text that is not
- * valid UTF-8 is matched all the same (PCRE2_MATCH_INVALID_UTF: an invalid byte matches
- * nothing, so it falls in a gap of its own), never read past its end. */
+ * matches (the "Isolated" split of `tokenizers`, which keeps both).
+ *
+ * Text need not be UTF-8. It is matched a valid run at a time: each run's end is found
+ * once (the scan moves forward with the pieces, so a text is scanned once in all), the
+ * pattern sees only the run (PCRE2_NO_UTF_CHECK, so PCRE2 does not check the rest of the
+ * text again on every call, which made the interpreter quadratic where JIT is not
+ * allowed), and each byte of an invalid sequence is a piece of its own. */
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 #include <pthread.h>
@@ -26,7 +30,7 @@ kiln_status kiln__regex_new(const char *pattern, const char *what, kiln__regex *
     int code;
     PCRE2_SIZE at;
     pcre2_code *re = pcre2_compile((PCRE2_SPTR)pattern, PCRE2_ZERO_TERMINATED,
-                                   PCRE2_UTF | PCRE2_UCP | PCRE2_MATCH_INVALID_UTF, &code, &at, NULL);
+                                   PCRE2_UTF | PCRE2_UCP, &code, &at, NULL);
     if (!re) {
         PCRE2_UCHAR msg[256];
         pcre2_get_error_message(code, msg, sizeof msg);
@@ -68,7 +72,7 @@ const kiln__regex *kiln__regex_gpt2(void)
 
 kiln__pretok kiln__pretok_begin(const kiln__regex *r)
 {
-    return (kiln__pretok){r, r ? (void *)pcre2_match_data_create_from_pattern(r->re, NULL) : NULL};
+    return (kiln__pretok){.re = r, .md = r ? (void *)pcre2_match_data_create_from_pattern(r->re, NULL) : NULL};
 }
 
 void kiln__pretok_end(kiln__pretok *p)
@@ -77,20 +81,47 @@ void kiln__pretok_end(kiln__pretok *p)
     p->md = NULL;
 }
 
-/* The length of the UTF-8 character at s[i] (1 for a byte that starts none). */
-static size_t char_len(const uint8_t *s, size_t n, size_t i)
+/* The length of the valid UTF-8 character at s[i] (as PCRE2 takes it: no overlong
+ * forms, no surrogates, nothing above U+10FFFF), or 0 when none starts there. */
+static size_t utf8_len(const uint8_t *s, size_t n, size_t i)
 {
-    size_t k = s[i] >= 0xf0 ? 4 : s[i] >= 0xe0 ? 3 : s[i] >= 0xc0 ? 2 : 1;
-    return i + k <= n ? k : 1;
+    uint8_t c = s[i];
+    if (c < 0x80) return 1;
+    size_t k = c >= 0xc2 && c <= 0xdf ? 2 : c >= 0xe0 && c <= 0xef ? 3 : c >= 0xf0 && c <= 0xf4 ? 4 : 0;
+    if (!k || i + k > n) return 0;
+    for (size_t j = 1; j < k; j++)
+        if ((s[i + j] & 0xc0) != 0x80) return 0;
+    uint8_t d = s[i + 1];
+    if ((c == 0xe0 && d < 0xa0) || (c == 0xed && d > 0x9f) || (c == 0xf0 && d < 0x90) || (c == 0xf4 && d > 0x8f))
+        return 0;
+    return k;
 }
 
 size_t kiln__pretok_next(kiln__pretok *p, const uint8_t *s, size_t n, size_t i)
 {
-    if (!p->md) return n; /* out of memory at begin: the rest as one piece */
-    int rc = pcre2_match(p->re->re, (PCRE2_SPTR)s, n, i, 0, (pcre2_match_data *)p->md, NULL);
-    if (rc < 0) return n; /* no match to the end: the rest is one gap */
+    if (!p->md || p->error) return n;
+    /* the valid run i lies in, [i, run_end) (found once as the pieces move on) */
+    if (p->text != s || p->n != n || i >= p->run_end || i < p->run_from) {
+        size_t k = utf8_len(s, n, i);
+        if (!k) return i + 1; /* a byte of an invalid sequence: a piece of its own */
+        size_t e = i;
+        while (e < n && (k = utf8_len(s, n, e))) e += k;
+        p->text = s, p->n = n, p->run_from = i, p->run_end = e;
+    }
+    int rc = pcre2_match(p->re->re, (PCRE2_SPTR)s, p->run_end, i, PCRE2_NO_UTF_CHECK, (pcre2_match_data *)p->md, NULL);
+    if (rc == PCRE2_ERROR_NOMATCH) return p->run_end; /* no match to the run's end: one gap */
+    if (rc < 0) { /* the match limit, memory: an error for the caller, never a silent split */
+        p->error = rc;
+        return n;
+    }
     PCRE2_SIZE *ov = pcre2_get_ovector_pointer((pcre2_match_data *)p->md);
     if (ov[0] > i) return ov[0]; /* the gap before the next match */
     if (ov[1] > i) return ov[1];
-    return i + char_len(s, n, i); /* an empty match: one character on its own */
+    return i + utf8_len(s, n, i); /* an empty match: one character on its own */
+}
+
+const char *kiln__pretok_error(const kiln__pretok *p, char *buf, size_t n)
+{
+    pcre2_get_error_message(p->error, (PCRE2_UCHAR *)buf, n);
+    return buf;
 }

@@ -169,6 +169,11 @@ kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, s
                 sink_put(&out, best_id);
             pos = best + best_len;
         }
+        if (st == KILN_OK && pt.error) {
+            char why[128];
+            st = kiln_error(KILN_ERR_ARG, "kiln_tokenizer_encode: the pre-tokenizer's pattern failed: %s",
+                            kiln__pretok_error(&pt, why, sizeof why));
+        }
         kiln__bpe_scratch_free(&sc);
         kiln__pretok_end(&pt);
         if (hits != next_hit)
@@ -354,6 +359,16 @@ static json_t *tokenizer_json(const kiln_tokenizer_t *t, const char *path)
     json_decref(merges);
     free(buf);
     return root;
+}
+
+char *kiln_tokenizer_to_json(const kiln_tokenizer_t *t)
+{
+    if (!t) return kiln_error(KILN_ERR_ARG, "kiln_tokenizer_to_json: NULL tokenizer"), NULL;
+    json_t *root = tokenizer_json(t, "tokenizer.json");
+    char *text = root ? json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER) : NULL;
+    if (root && !text) kiln_error(KILN_ERR_OOM, "kiln_tokenizer_to_json: out of memory");
+    json_decref(root);
+    return text;
 }
 
 kiln_status kiln_tokenizer_save(const kiln_tokenizer_t *t, const char *path)

@@ -56,13 +56,18 @@ const kiln__regex *kiln__regex_gpt2(void);
 /* Pre-tokenizing one text: a pattern and its match state (one per thread at a time). */
 typedef struct {
     const kiln__regex *re;
-    void *md; /* pcre2_match_data */
+    void *md;        /* pcre2_match_data */
+    int error;       /* a PCRE2 error that stopped it (the match limit, memory), or 0 */
+    const uint8_t *text;
+    size_t n, run_from, run_end; /* the valid UTF-8 run of text last matched in */
 } kiln__pretok;
 kiln__pretok kiln__pretok_begin(const kiln__regex *r);
 void kiln__pretok_end(kiln__pretok *p);
 /* The end of the pre-token that starts at s[i] (i < n): the pattern's match there, or
  * the text up to its next match. */
 size_t kiln__pretok_next(kiln__pretok *p, const uint8_t *s, size_t n, size_t i);
+/* After a p->error: PCRE2's message for it, in buf. */
+const char *kiln__pretok_error(const kiln__pretok *p, char *buf, size_t n);
 
 /* The first occurrence of needle[0..m) (m > 0) in hay[0..n), or NULL. */
 const uint8_t *kiln__find_bytes(const uint8_t *hay, size_t n, const uint8_t *needle, size_t m);

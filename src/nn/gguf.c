@@ -73,24 +73,50 @@ static void kv_bool(buf *b, int *n, const char *k, bool v)
     key(b, k, G_BOOL), put(b, &x, 1), (*n)++;
 }
 
-/* The tokenizer as llama.cpp's BPE vocabulary: its tokenizer.json (kiln_tokenizer_save,
- * the public form of its vocabulary) read back for the token strings in id order and the
- * merges. */
+/* llama.cpp's name for a tokenizer.json's pre-tokenizer (tokenizer.ggml.pre): GPT-2's
+ * ByteLevel regex, or the Split patterns of LLaMA-3 and Qwen2; NULL for another, which
+ * llama.cpp would split differently. */
+static const char *pre_name(json_t *root)
+{
+    static const struct {
+        const char *pattern, *name;
+    } known[] = {
+        {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+         "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+", "llama-bpe"},
+        {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
+         "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+", "qwen2"},
+    };
+    json_t *pre = json_object_get(root, "pre_tokenizer");
+    const char *type = json_string_value(json_object_get(pre, "type"));
+    if (type && !strcmp(type, "ByteLevel")) return "gpt-2";
+    json_t *split = json_array_get(json_object_get(pre, "pretokenizers"), 0);
+    const char *re = json_string_value(json_object_get(json_object_get(split, "pattern"), "Regex"));
+    for (size_t k = 0; re && k < sizeof known / sizeof known[0]; k++)
+        if (!strcmp(re, known[k].pattern)) return known[k].name;
+    return NULL;
+}
+
+/* The tokenizer as llama.cpp's BPE vocabulary: its tokenizer.json (the public form of
+ * its vocabulary) read for the token strings in id order, the merges and the
+ * pre-tokenizer. */
 static kiln_status put_tokenizer(buf *b, int *n, const kiln_tokenizer_t *tok)
 {
-    char path[64];
-    snprintf(path, sizeof path, "/tmp/kiln-gguf-tok-%d.json", (int)getpid());
-    kiln_status s = kiln_tokenizer_save(tok, path);
+    char *text = kiln_tokenizer_to_json(tok);
+    if (!text) return kiln_last_status();
     json_error_t err;
-    json_t *root = s == KILN_OK ? json_load_file(path, 0, &err) : NULL;
-    unlink(path);
-    if (s != KILN_OK) return s;
+    json_t *root = json_loads(text, 0, &err);
+    free(text);
+    kiln_status s = KILN_OK;
+    const char *pre = root ? pre_name(root) : NULL;
+    if (root && !pre) s = kiln_error(KILN_ERR_UNSUPPORTED, "gguf: the tokenizer's pre-tokenizer pattern is none that "
+                                     "llama.cpp names (GPT-2's, LLaMA-3's or Qwen2's)");
     json_t *model = json_object_get(root, "model"), *vocab = json_object_get(model, "vocab");
     json_t *merges = json_object_get(model, "merges"), *added = json_object_get(root, "added_tokens");
     int V = kiln_tokenizer_vocab_size(tok);
     const char **tokens = calloc((size_t)V, sizeof *tokens);
     int32_t *types = calloc((size_t)V, sizeof *types);
-    if (!root || !json_is_object(vocab) || !tokens || !types) {
+    if (s != KILN_OK) {
+    } else if (!root || !json_is_object(vocab) || !tokens || !types) {
         s = kiln_error(KILN_ERR_INTERNAL, "gguf: the tokenizer's vocabulary could not be read back");
     } else {
         const char *k;
@@ -112,7 +138,7 @@ static kiln_status put_tokenizer(buf *b, int *n, const kiln_tokenizer_t *tok)
     }
     if (s == KILN_OK) {
         kv_str(b, n, "tokenizer.ggml.model", "gpt2");
-        kv_str(b, n, "tokenizer.ggml.pre", "gpt-2");
+        kv_str(b, n, "tokenizer.ggml.pre", pre);
         key(b, "tokenizer.ggml.tokens", G_ARR), u32(b, G_STR), u64(b, (uint64_t)V), (*n)++;
         for (int id = 0; id < V; id++) str(b, tokens[id], strlen(tokens[id]));
         key(b, "tokenizer.ggml.token_type", G_ARR), u32(b, G_I32), u64(b, (uint64_t)V), (*n)++;
@@ -168,7 +194,7 @@ static kiln_status q8_0(const float *x, int64_t n, unsigned char *out)
     for (int64_t b = 0; s == KILN_OK && b < nb; b++, out += 34) {
         float id = d[b] > 0 ? 1.0f / d[b] : 0.0f;
         memcpy(out, &h[b], 2);
-        for (int i = 0; i < 32; i++) out[2 + i] = (unsigned char)(int8_t)lrintf(x[b * 32 + i] * id);
+        for (int i = 0; i < 32; i++) out[2 + i] = (unsigned char)(int8_t)roundf(x[b * 32 + i] * id); /* as ggml rounds */
     }
     free(d);
     free(h);
@@ -247,6 +273,12 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
 {
     if (!m || !tok || !path) return kiln_error(KILN_ERR_ARG, "gguf_save: model, tokenizer and path must not be NULL");
     const kiln_gpt_config *c = kiln_gpt_get_config(m);
+    if (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_BF16 && dt != KILN_DTYPE_F16)
+        return kiln_error(KILN_ERR_ARG, "gguf_save: weights are written as f32, bf16, f16 or q8_0, not %s",
+                          kiln_dtype_name(dt));
+    if (kiln_tokenizer_vocab_size(tok) != c->vocab_size)
+        return kiln_error(KILN_ERR_ARG, "gguf_save: the model has %d tokens but its tokenizer %d", c->vocab_size,
+                          kiln_tokenizer_vocab_size(tok));
     if (c->norm != KILN_NORM_RMSNORM || c->pos != KILN_POS_ROPE || c->mlp != KILN_MLP_SWIGLU || c->bias)
         return kiln_error(KILN_ERR_UNSUPPORTED, "gguf export: only LLaMA-style models (rmsnorm, rope, swiglu, no "
                           "biases) are written so far, as llama.cpp's llama architecture");

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include "kiln/io.h"
 #include "kiln/nn.h"
 #include "kiln/ops.h"
@@ -76,6 +77,8 @@ static kiln_status cfg_rope(const hf_config *c, double *theta)
     json_t *kind = json_is_object(p) ? json_object_get(p, "rope_type") : NULL;
     if (json_is_object(s)) kind = json_object_get(s, "rope_type") ? json_object_get(s, "rope_type") : json_object_get(s, "type");
     const char *k = json_string_value(kind);
+    if (st == KILN_OK && kind && !json_is_null(kind) && !k)
+        return kiln_error(KILN_ERR_FORMAT, "%s: the rope type must be a string", c->file);
     if (st == KILN_OK && k && strcmp(k, "default"))
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: rope scaling '%s' is not supported (kiln's RoPE has none)", c->file, k);
     if (st == KILN_OK && !(*theta > 0)) return kiln_error(KILN_ERR_FORMAT, "%s: rope_theta must be > 0", c->file);
@@ -101,7 +104,7 @@ static kiln_status config_llama(const hf_config *c, const char *type, kiln_gpt_c
     const char *act = cfg_str(c, "hidden_act");
     if (act && strcmp(act, "silu"))
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: hidden_act '%s' is not supported (kiln's SwiGLU uses silu)", c->file, act);
-    if (g->n_head > 0 && head_dim && head_dim * g->n_head != g->n_embd)
+    if (g->n_head > 0 && head_dim && (g->n_embd % g->n_head || head_dim != g->n_embd / g->n_head))
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: head_dim %d is not hidden_size / num_attention_heads = %d", c->file,
                           head_dim, g->n_embd / g->n_head);
     int tp = 1;
@@ -175,6 +178,7 @@ static kiln_status read_config(const char *dir, kiln_gpt_config *g, hf_family *f
 
 typedef struct {
     const char *dir;
+    const kiln_gpt_config *cfg;
     kiln_safetensors_t *f[MAX_FILES];
     bool *used[MAX_FILES];
     int n;
@@ -332,6 +336,19 @@ static kiln_tensor_t *source(hf_weights *w, hf_family fam, const char *prefix, c
             p[k] = weight(w, n3);
         }
         snprintf(need, nn, "model.layers.%d.self_attn.{q,k,v}_proj.%s", i, what);
+        /* each part its own shape: (heads x head size[, C]), so that a short q and a
+         * long k cannot pass as one qkv */
+        const kiln_gpt_config *c = w->cfg;
+        int64_t hs = c->n_embd / c->n_head, rows[3] = {c->n_head * hs, c->n_kv_head * hs, c->n_kv_head * hs};
+        bool bias = !strcmp(what, "bias");
+        for (int k = 0; k < 3 && p[0] && p[1] && p[2]; k++)
+            if (kiln_tensor_ndim(p[k]) != (bias ? 1 : 2) || kiln_tensor_shape(p[k])[0] != rows[k] ||
+                (!bias && kiln_tensor_shape(p[k])[1] != c->n_embd)) {
+                char d[96];
+                snprintf(need, nn, "model.layers.%d.self_attn.%c_proj.%s of %lld rows (it is %s)", i, qkv[k], what,
+                         (long long)rows[k], kiln_tensor_describe(p[k], d, sizeof d));
+                return NULL;
+            }
         if (p[0] && p[1] && p[2]) return kiln_cat(p, 3, 0);
         if (!p[0] && !p[1] && !p[2] && !strcmp(what, "bias"))
             return kiln_zeros(kiln_tensor_shape(param), kiln_tensor_ndim(param), KILN_DTYPE_F32);
@@ -354,6 +371,25 @@ static bool is_buffer(const char *name)
     return false;
 }
 
+/* Whether the file's tensor `name` holds exactly the model's token embedding. */
+static bool same_as_embedding(const kiln_gpt_t *m, const kiln_safetensors_t *f, const char *name)
+{
+    kiln_tensor_t *e = kiln_gpt_find_param(m, "tok_emb.weight");
+    kiln_scope_begin();
+    kiln_tensor_t *t = kiln_safetensors_get(f, name);
+    if (t && kiln_tensor_dtype(t) != KILN_DTYPE_F32) t = kiln_cast(t, KILN_DTYPE_F32);
+    bool same = t && e && kiln_tensor_numel(t) == kiln_tensor_numel(e);
+    if (same) {
+        kiln_tensor_t *d = kiln_sum(kiln_abs(kiln_sub(kiln_reshape(t, kiln_tensor_shape(e), kiln_tensor_ndim(e)), e)),
+                                    NULL, 0, false);
+        double v = 1;
+        same = d && kiln_tensor_item(d, &v) == KILN_OK && v == 0;
+    }
+    kiln_scope_end();
+    kiln_clear_error();
+    return same;
+}
+
 static kiln_status load_weights(kiln_gpt_t *m, hf_family fam, hf_weights *w)
 {
     kiln_status s = weights_open(w);
@@ -371,7 +407,9 @@ static kiln_status load_weights(kiln_gpt_t *m, hf_family fam, hf_weights *w)
         kiln_tensor_t *src = source(w, fam, pre, name, p, need, sizeof need);
         int nd = kiln_tensor_ndim(p);
         if (!src) {
-            s = kiln_error(KILN_ERR_FORMAT, "%s: no tensor %s for kiln's %s", w->dir, need, name);
+            s = strstr(need, " rows (it is ") ? kiln_error(KILN_ERR_FORMAT, "%s: %s", w->dir, need)
+                                               : kiln_error(KILN_ERR_FORMAT, "%s: no tensor %s for kiln's %s", w->dir,
+                                                            need, name);
         } else if (kiln_tensor_ndim(src) != nd ||
                    memcmp(kiln_tensor_shape(src), kiln_tensor_shape(p), sizeof(int64_t) * (size_t)nd)) {
             char a[96], b[96];
@@ -386,8 +424,10 @@ static kiln_status load_weights(kiln_gpt_t *m, hf_family fam, hf_weights *w)
     for (int i = 0; s == KILN_OK && i < w->n; i++)
         for (int j = 0; s == KILN_OK && j < kiln_safetensors_count(w->f[i]); j++) {
             const char *name = kiln_safetensors_name(w->f[i], j);
-            /* a tied model's files may hold the head as a copy of the embedding */
-            bool tied_head = kiln_gpt_get_config(m)->tied && !strcmp(name, "lm_head.weight");
+            /* a tied model's files may hold the head as a copy of the embedding: taken
+             * only when it is one */
+            bool tied_head = kiln_gpt_get_config(m)->tied && !strcmp(name, "lm_head.weight") &&
+                             same_as_embedding(m, w->f[i], name);
             if (!w->used[i][j] && !is_buffer(name) && !tied_head)
                 s = kiln_error(KILN_ERR_UNSUPPORTED, "%s: tensor '%s' has no place in kiln's model: not loaded, since "
                                "the model would not be the same without it", w->dir, name);
@@ -404,7 +444,7 @@ kiln_status kiln_hf_load(const char *dir, kiln_gpt_t **model)
     kiln_status s = read_config(dir, &cfg, &fam);
     kiln_gpt_t *m = NULL;
     if (s == KILN_OK) s = kiln_gpt_new(&cfg, 0, &m);
-    hf_weights w = {.dir = dir};
+    hf_weights w = {.dir = dir, .cfg = m ? kiln_gpt_get_config(m) : NULL};
     if (s == KILN_OK) s = load_weights(m, fam, &w);
     weights_free(&w);
     if (s != KILN_OK) {
@@ -455,6 +495,33 @@ static json_t *config_json(const kiln_gpt_config *c, hf_family fam, kiln_dtype d
                      c->bias, "mlp_bias", c->bias, "tie_word_embeddings", c->tied, "torch_dtype", dtype);
 }
 
+/* What an earlier model left in dir that kiln_hf_load would read instead of (or beside)
+ * the new files: a shard index and the shards it names, and a tokenizer.json when the
+ * new model comes without one. */
+static kiln_status remove_stale(const char *dir, bool new_tokenizer)
+{
+    char path[4200];
+    snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
+    json_t *root = json_load_file(path, 0, NULL);
+    const char *key;
+    json_t *v;
+    json_object_foreach(json_object_get(root, "weight_map"), key, v)
+    {
+        const char *file = json_string_value(v);
+        char shard[4200];
+        if (!file || strchr(file, '/') || !strcmp(file, "model.safetensors")) continue;
+        snprintf(shard, sizeof shard, "%s/%s", dir, file);
+        unlink(shard);
+    }
+    json_decref(root);
+    if (unlink(path) != 0 && errno != ENOENT)
+        return kiln_error(KILN_ERR_IO, "hf_save: cannot remove the old %s: %s", path, strerror(errno));
+    snprintf(path, sizeof path, "%s/tokenizer.json", dir);
+    if (!new_tokenizer && unlink(path) != 0 && errno != ENOENT)
+        return kiln_error(KILN_ERR_IO, "hf_save: cannot remove the old %s: %s", path, strerror(errno));
+    return KILN_OK;
+}
+
 kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const char *dir, kiln_dtype dt)
 {
     if (!m || !dir) return kiln_error(KILN_ERR_ARG, "hf_save: model and dir must not be NULL");
@@ -465,6 +532,7 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
     kiln_status s = family_of(c, &fam);
     if (s != KILN_OK) return s;
     if (mkdir(dir, 0755) != 0 && errno != EEXIST) return kiln_error(KILN_ERR_IO, "hf_save: cannot make %s: %s", dir, strerror(errno));
+    if ((s = remove_stale(dir, tok != NULL)) != KILN_OK) return s;
     int np = kiln_gpt_num_params(m), n = 0, cap = np + 4 * c->n_layer; /* qkv weight and bias: 3 each */
     const char **names = calloc((size_t)cap, sizeof *names);
     char **owned = calloc((size_t)cap, sizeof *owned);
@@ -540,5 +608,11 @@ bool kiln_hf_is_folder(const char *path)
     struct stat st;
     if (!path || stat(path, &st) != 0 || !S_ISDIR(st.st_mode)) return false;
     snprintf(file, sizeof file, "%s/config.json", path);
-    return stat(file, &st) == 0;
+    if (stat(file, &st) != 0) return false;
+    /* a config.json of Hugging Face's names a model_type (one of `kiln train`'s options
+     * does not) */
+    json_t *root = json_load_file(file, 0, NULL);
+    bool hf = json_is_string(json_object_get(root, "model_type"));
+    json_decref(root);
+    return hf;
 }
