@@ -24,7 +24,8 @@
  *     's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
  * or, for a tokenizer.json whose pre_tokenizer is a Sequence of a Split on a Regex
  * (behavior Isolated) and a ByteLevel without a regex (LLaMA-3's and Qwen2's shape),
- * that Split's pattern. A pre-token is a match or the text between two. `tokenizers`
+ * that Split's pattern, after the tokenizer.json's Unicode normalizer (NFC, NFD, NFKC,
+ * NFKD; utf8proc) where it declares one. A pre-token is a match or the text between two. `tokenizers`
  * gives the same ids for any UTF-8 text (tests/tokenizer/ checks GPT-2, LLaMA-3 and
  * Qwen2 shapes on a multilingual text); bytes that are not UTF-8 are pre-tokens of
  * their own. Encoding then decoding is lossless for any bytes. A literal
@@ -67,7 +68,7 @@ char *kiln_tokenizer_to_json(const kiln_tokenizer_t *t);
 /* Reads a tokenizer.json: what kiln_tokenizer_save writes, and other byte-level BPE files
  * (GPT-2's ByteLevel, or a Split on a regex then a ByteLevel, as LLaMA-3 and Qwen2 ship).
  * A missing file is KILN_ERR_IO; a malformed one (a pattern that does not compile among
- * them) is KILN_ERR_FORMAT, and one needing a feature kiln lacks (a normalizer, another
+ * them) is KILN_ERR_FORMAT, and one needing a feature kiln lacks (another normalizer,
  * pre-tokenizer or model) is KILN_ERR_UNSUPPORTED, each with a message naming the file. */
 kiln_status kiln_tokenizer_load(const char *path, kiln_tokenizer_t **out);
 

@@ -11,6 +11,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 #include <pthread.h>
+#include <utf8proc.h>
 #include <stdlib.h>
 #include <string.h>
 #include "io/tokenizer_impl.h"
@@ -83,7 +84,7 @@ void kiln__pretok_end(kiln__pretok *p)
 
 /* The length of the valid UTF-8 character at s[i] (as PCRE2 takes it: no overlong
  * forms, no surrogates, nothing above U+10FFFF), or 0 when none starts there. */
-static size_t utf8_len(const uint8_t *s, size_t n, size_t i)
+size_t kiln__utf8_len(const uint8_t *s, size_t n, size_t i)
 {
     uint8_t c = s[i];
     if (c < 0x80) return 1;
@@ -102,10 +103,10 @@ size_t kiln__pretok_next(kiln__pretok *p, const uint8_t *s, size_t n, size_t i)
     if (!p->md || p->error) return n;
     /* the valid run i lies in, [i, run_end) (found once as the pieces move on) */
     if (p->text != s || p->n != n || i >= p->run_end || i < p->run_from) {
-        size_t k = utf8_len(s, n, i);
+        size_t k = kiln__utf8_len(s, n, i);
         if (!k) return i + 1; /* a byte of an invalid sequence: a piece of its own */
         size_t e = i;
-        while (e < n && (k = utf8_len(s, n, e))) e += k;
+        while (e < n && (k = kiln__utf8_len(s, n, e))) e += k;
         p->text = s, p->n = n, p->run_from = i, p->run_end = e;
     }
     int rc = pcre2_match(p->re->re, (PCRE2_SPTR)s, p->run_end, i, PCRE2_NO_UTF_CHECK, (pcre2_match_data *)p->md, NULL);
@@ -117,11 +118,55 @@ size_t kiln__pretok_next(kiln__pretok *p, const uint8_t *s, size_t n, size_t i)
     PCRE2_SIZE *ov = pcre2_get_ovector_pointer((pcre2_match_data *)p->md);
     if (ov[0] > i) return ov[0]; /* the gap before the next match */
     if (ov[1] > i) return ov[1];
-    return i + utf8_len(s, n, i); /* an empty match: one character on its own */
+    return i + kiln__utf8_len(s, n, i); /* an empty match: one character on its own */
 }
 
 const char *kiln__pretok_error(const kiln__pretok *p, char *buf, size_t n)
 {
     pcre2_get_error_message(p->error, (PCRE2_UCHAR *)buf, n);
     return buf;
+}
+
+/* ---- normalizers ---- */
+
+const char *const kiln__norm_names[5] = {"", "NFC", "NFD", "NFKC", "NFKD"};
+
+kiln_status kiln__normalize(int form, const uint8_t *s, size_t n, uint8_t **out, size_t *out_n)
+{
+    static const utf8proc_option_t opts[5] = {
+        0, UTF8PROC_STABLE | UTF8PROC_COMPOSE, UTF8PROC_STABLE | UTF8PROC_DECOMPOSE,
+        UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT, UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT};
+    size_t cap = n + 16, len = 0;
+    uint8_t *d = malloc(cap);
+    if (!d) return kiln_error(KILN_ERR_OOM, "tokenizer: out of memory normalizing %zu bytes", n);
+    for (size_t i = 0; i < n;) {
+        size_t e = i, k;
+        while (e < n && (k = kiln__utf8_len(s, n, e))) e += k;
+        uint8_t *m = NULL;
+        utf8proc_ssize_t got = e > i ? utf8proc_map(s + i, (utf8proc_ssize_t)(e - i), &m, opts[form]) : 0;
+        if (got < 0) {
+            free(d);
+            return kiln_error(KILN_ERR_ARG, "tokenizer: %s normalization failed: %s", kiln__norm_names[form],
+                              utf8proc_errmsg(got));
+        }
+        size_t more = (size_t)got + (e < n ? 1 : 0);
+        if (len + more > cap) {
+            while (len + more > cap) cap *= 2;
+            uint8_t *t = realloc(d, cap);
+            if (!t) {
+                free(m);
+                free(d);
+                return kiln_error(KILN_ERR_OOM, "tokenizer: out of memory normalizing %zu bytes", n);
+            }
+            d = t;
+        }
+        if (got) memcpy(d + len, m, (size_t)got);
+        len += (size_t)got;
+        free(m);
+        if (e < n) d[len++] = s[e]; /* a byte of an invalid sequence, as it is */
+        i = e < n ? e + 1 : e;
+    }
+    *out = d;
+    *out_n = len;
+    return KILN_OK;
 }

@@ -104,22 +104,29 @@ static inline void sink_put(id_sink *s, int32_t id)
 static kiln_status encode_segment(const kiln_tokenizer_t *t, kiln__bpe_scratch *sc, kiln__pretok *pt,
                                   const uint8_t *seg, size_t n, id_sink *out)
 {
-    for (size_t i = 0; i < n;) {
+    uint8_t *norm = NULL; /* the segment normalized first, when the tokenizer says so */
+    if (t->normalizer && n) {
+        kiln_status st = kiln__normalize(t->normalizer, seg, n, &norm, &n);
+        if (st != KILN_OK) return st;
+        seg = norm;
+    }
+    kiln_status st = KILN_OK;
+    for (size_t i = 0; i < n && st == KILN_OK;) {
         size_t j = kiln__pretok_next(pt, seg, n, i);
         if (j - i == 1) {
             sink_put(out, t->byte_id[seg[i]]);
+        } else if (j - i > INT32_MAX) {
+            st = kiln_error(KILN_ERR_ARG, "kiln_tokenizer_encode: a pre-token of %zu bytes is too long", j - i);
         } else {
-            if (j - i > INT32_MAX)
-                return kiln_error(KILN_ERR_ARG, "kiln_tokenizer_encode: a pre-token of %zu bytes is too long", j - i);
             long k = kiln__bpe_word(t, sc, seg + i, j - i);
-            if (k < 0)
-                return kiln_error(KILN_ERR_OOM, "kiln_tokenizer_encode: out of memory for a %zu-byte word", j - i);
+            if (k < 0) st = kiln_error(KILN_ERR_OOM, "kiln_tokenizer_encode: out of memory for a %zu-byte word", j - i);
             for (long m = 0; m < k; m++)
                 sink_put(out, sc->sym[m]);
         }
         i = j;
     }
-    return KILN_OK;
+    free(norm);
+    return st;
 }
 
 kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, size_t len, int32_t *ids,
@@ -347,8 +354,9 @@ static json_t *tokenizer_json(const kiln_tokenizer_t *t, const char *path)
             st = kiln_error(KILN_ERR_OOM, "kiln_tokenizer_save: %s: out of memory", path);
     }
     if (st == KILN_OK &&
-        !(root = json_pack("{s:s, s:n, s:n, s:O, s:n, s:o, s:n, s:o, "
+        !(root = json_pack("{s:s, s:n, s:n, s:O, s:o, s:o, s:n, s:o, "
                            "s:{s:s, s:n, s:n, s:n, s:n, s:b, s:b, s:b, s:O, s:O}}", "version", "1.0", "truncation", "padding", "added_tokens", added, "normalizer",
+                           t->normalizer ? json_pack("{s:s}", "type", kiln__norm_names[t->normalizer]) : json_null(),
                            "pre_tokenizer", pre_tokenizer_object(t), "post_processor", "decoder",
                            byte_level_object(true), "model", "type", "BPE", "dropout", "unk_token",
                            "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk", 0, "byte_fallback", 0,
@@ -444,15 +452,20 @@ static kiln_status check_sequence(const json_t *pre, const char *path, const cha
 
 /* Checks the parts around the model: kiln implements the byte-level pipeline, with
  * ByteLevel's own GPT-2 pattern or a Split's (*split, else NULL). */
-static kiln_status check_pipeline(const json_t *root, const char *path, const char **split)
+static kiln_status check_pipeline(const json_t *root, const char *path, const char **split, int *normalizer)
 {
     kiln_status st = KILN_OK;
     *split = NULL;
     const json_t *norm = json_object_get(root, "normalizer");
     const json_t *pre = json_object_get(root, "pre_tokenizer");
     const char *pre_type = json_string_value(json_object_get(pre, "type"));
-    if (norm && !json_is_null(norm))
-        LOAD_FAIL(KILN_ERR_UNSUPPORTED, "%s: a normalizer is not supported", path);
+    const char *norm_type = json_string_value(json_object_get(norm, "type"));
+    int form = KILN__NORM_NONE;
+    for (int k = 1; norm_type && k < 5; k++)
+        if (!strcmp(norm_type, kiln__norm_names[k])) form = k;
+    if (norm && !json_is_null(norm) && !form)
+        LOAD_FAIL(KILN_ERR_UNSUPPORTED, "%s: normalizer \"%s\" is not supported (NFC, NFD, NFKC and NFKD are)", path,
+                  norm_type ? norm_type : "?");
     else if (pre_type && !strcmp(pre_type, "Sequence"))
         st = check_sequence(pre, path, split);
     else if (!json_is_object(pre))
@@ -466,6 +479,7 @@ static kiln_status check_pipeline(const json_t *root, const char *path, const ch
                   path);
     else if (json_flag(pre, "use_regex", true) != 1)
         LOAD_FAIL(KILN_ERR_UNSUPPORTED, "%s: ByteLevel with use_regex other than true is not supported", path);
+    *normalizer = form;
     return st;
 }
 
@@ -497,7 +511,8 @@ static kiln_status check_model(const json_t *model, const char *path)
 static kiln_status build_from_json(const json_t *root, const char *path, kiln_tokenizer_t **out)
 {
     const char *split = NULL;
-    kiln_status st = check_pipeline(root, path, &split);
+    int normalizer = KILN__NORM_NONE;
+    kiln_status st = check_pipeline(root, path, &split, &normalizer);
     const json_t *model = json_object_get(root, "model");
     if (st == KILN_OK && !json_is_object(model))
         LOAD_FAIL(KILN_ERR_FORMAT, "%s: missing \"model\" object", path);
@@ -672,6 +687,7 @@ static kiln_status build_from_json(const json_t *root, const char *path, kiln_to
         t->is_byte = identity;
     }
     if (st == KILN_OK && split) st = kiln__regex_new(split, path, &t->split);
+    if (st == KILN_OK) t->normalizer = normalizer;
     for (size_t i = 0; bytes && i < n_entries; i++)
         free(bytes[i]);
     KILN__FREE(bytes, blen, special, special_ids);

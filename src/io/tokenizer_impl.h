@@ -41,7 +41,18 @@ struct kiln_tokenizer {
     /* The pre-tokenizer's pattern (a Split before a ByteLevel without its own regex),
      * or NULL for ByteLevel's GPT-2 pattern. */
     struct kiln__regex *split;
+    /* Unicode normalization of the text before pre-tokenization (the tokenizer.json's
+     * normalizer): KILN__NORM_NONE, or one of the four forms. */
+    int normalizer;
 };
+
+enum { KILN__NORM_NONE, KILN__NORM_NFC, KILN__NORM_NFD, KILN__NORM_NFKC, KILN__NORM_NFKD };
+extern const char *const kiln__norm_names[5]; /* "", "NFC", "NFD", "NFKC", "NFKD" */
+/* s[0..n) in normal form `form` (utf8proc): a new buffer in *out (*out_n bytes; the
+ * caller frees). Runs that are not UTF-8 are kept as they are. */
+kiln_status kiln__normalize(int form, const uint8_t *s, size_t n, uint8_t **out, size_t *out_n);
+/* The length of the valid UTF-8 character at s[i], or 0 when none starts there. */
+size_t kiln__utf8_len(const uint8_t *s, size_t n, size_t i);
 
 /* A compiled pre-tokenizer pattern (pretok.c, PCRE2 with Unicode properties). */
 typedef struct kiln__regex kiln__regex;

@@ -8,11 +8,14 @@ the text. The shapes:
 - GPT-2: ByteLevel with its own regex;
 - LLaMA-3: a Split on LLaMA-3's pattern (case-insensitive contractions, letters with one
   leading non-letter, numbers in runs of up to three), then ByteLevel without a regex;
-- Qwen2: the same with single digits.
+- Qwen2: the same with single digits, after NFC normalization;
+- LLaMA-3's shape after NFKC normalization.
 
 The text holds Latin with accents, CJK, Arabic, Cyrillic, emoji, digits of several
-scripts, runs of spaces, tabs and newlines, and code. A tokenizer.json kiln cannot read
-(a normalizer, a Split that is not Isolated) is refused with a message naming it.
+scripts, runs of spaces, tabs and newlines, code, decomposed accents and Hangul jamo,
+and compatibility characters (full-width, ligatures, fractions). A tokenizer.json kiln
+cannot read (another normalizer, a Split that is not Isolated) is refused with a
+message naming it.
 Exits 77 (skip, never a pass) when `tokenizers` is not installed.
     python tests/tokenizer/test_hf_tokenizers.py --kiln build/kiln --workdir DIR
 """
@@ -23,7 +26,7 @@ import subprocess
 import sys
 
 try:
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 except ImportError:
     print("skip: the tokenizers package is not installed (run scripts/install-test-deps.sh)")
     sys.exit(77)
@@ -47,15 +50,20 @@ TEST = """The LORD spake unto Moses, saying: "Go forth!"  Don't STOP; it'S fine.
 السلام عليكم ٢٠٢٤ Москва 2024 год — 😀😀 🎉 👍🏽👍🏽
     if x >= 1000000:\r\n\treturn [a+b for a, b in zip(xs, ys)]   \n\n\n   trailing   
 1234567 12 1 ١٢٣٤ 3.14159e-10 <|endoftext|> after the special token
+Decomposed: cafe\u0301 A\u030angstro\u0308m \u1100\u1161 ; compatibility: ＡＢＣ１２３ ﬁne ½ ㌀
 """
 
 
 def build(kind, path):
     tok = Tokenizer(models.BPE())
+    if kind == "qwen2":
+        tok.normalizer = normalizers.NFC()
+    elif kind == "llama3-nfkc":
+        tok.normalizer = normalizers.NFKC()
     if kind == "gpt2":
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     else:
-        pattern = LLAMA3 if kind == "llama3" else QWEN2
+        pattern = QWEN2 if kind == "qwen2" else LLAMA3
         tok.pre_tokenizer = pre_tokenizers.Sequence([
             pre_tokenizers.Split(Regex(pattern), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
@@ -84,7 +92,7 @@ def main():
     with open(text_path, "w", encoding="utf-8", newline="") as f:
         f.write(TEST)
     passed = failed = 0
-    for kind in ("gpt2", "llama3", "qwen2"):
+    for kind in ("gpt2", "llama3", "qwen2", "llama3-nfkc"):
         path = os.path.join(a.workdir, f"{kind}.json")
         tok = build(kind, path)
         want = tok.encode(TEST).ids
@@ -98,14 +106,16 @@ def main():
             failed += 1
             continue
         d = kiln(a, "tokenizer", "decode", "--tokenizer", path, *map(str, want))
-        if d.returncode != 0 or d.stdout != TEST + "\n":
+        norm = tok.normalizer.normalize_str(TEST) if tok.normalizer else TEST
+        if d.returncode != 0 or d.stdout != norm + "\n":
             print(f"FAIL {kind}: kiln decodes the ids to {d.stdout[:80]!r}... {d.stderr}")
             failed += 1
             continue
-        print(f"ok   {kind}: {len(want)} ids, the same as tokenizers', and decoded back to the text")
+        print(f"ok   {kind}: {len(want)} ids, the same as tokenizers', and decoded back to the "
+              f"{'normalized ' if tok.normalizer else ''}text")
         passed += 1
     # Refused by name: a normalizer, a Split that is not Isolated.
-    for what, edit in (("a normalizer", lambda j: j.update(normalizer={"type": "NFC"})),
+    for what, edit in (("normalizer \"Lowercase\"", lambda j: j.update(normalizer={"type": "Lowercase"})),
                        ("behavior \"MergedWithPrevious\"",
                         lambda j: j["pre_tokenizer"]["pretokenizers"][0].update(behavior="MergedWithPrevious"))):
         with open(os.path.join(a.workdir, "llama3.json")) as f:
