@@ -10,6 +10,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "kiln/serve.h"
 #include "serve/openai.h"
 
@@ -155,6 +156,98 @@ static void chat_renders_with_the_default_template(void **state)
     assert_false(kiln__chat_template_parse("not json", &t, err, sizeof err));
 }
 
+/* The Hugging Face families render as the models' own templates lay a conversation out
+ * (oracle: the formats, written out by hand from the families' published templates):
+ * ChatML's <|im_start|>role ... <|im_end|> turns, LLaMA-3's header blocks after
+ * <|begin_of_text|>, Mistral's [INST] blocks with the assistant's turns closed by </s>;
+ * each stops on its end-of-turn token. */
+static void chat_renders_the_hf_families(void **state)
+{
+    kiln__chat_msg m[3] = {{"system", "be brief"}, {"user", "hi"}, {"assistant", "hello"}};
+    kiln__chat_msg u[1] = {{"user", "and now?"}};
+    const struct {
+        const char *name, *three, *stop;
+    } want[] = {
+        {"chatml", "<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+                   "hello<|im_end|>\n<|im_start|>assistant\n", "<|im_end|>"},
+        {"llama3", "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nbe brief<|eot_id|>"
+                   "<|start_header_id|>user<|end_header_id|>\n\nhi<|eot_id|><|start_header_id|>assistant"
+                   "<|end_header_id|>\n\nhello<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\n", "<|eot_id|>"},
+        {"mistral", "<s>[INST] be brief [/INST][INST] hi [/INST]hello</s>", "</s>"},
+    };
+    for (size_t k = 0; k < sizeof want / sizeof want[0]; k++) {
+        kiln__chat_template t;
+        char err[256];
+        const char *json = kiln_chat_template_named(want[k].name);
+        assert_non_null(json);
+        if (!kiln__chat_template_parse(json, &t, err, sizeof err)) fail_msg("%s: %s", want[k].name, err);
+        char *p = kiln__chat_render(&t, m, 3);
+        assert_string_equal(p, want[k].three);
+        free(p);
+        assert_int_equal(t.n_stop, 1);
+        assert_string_equal(t.stop[0], want[k].stop);
+        kiln__chat_template_free(&t);
+    }
+    (void)u;
+    assert_null(kiln_chat_template_named("alpaca"));
+}
+
+/* A Hugging Face folder's tokenizer_config.json: its Jinja template recognized by the
+ * family's markers (a plain string, or the "default" of a list of named ones); none is
+ * no template; one of no known family is an error that names --chat-template.
+ * --chat-template takes a family, a JSON template, or a file. */
+static void chat_template_of_a_hf_folder(void **state)
+{
+    char dir[] = "/tmp/kiln-chat-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    char path[256], *out = NULL;
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    const char *configs[] = {
+        "{\"chat_template\": \"{% for m in messages %}<|im_start|>{{ m.role }}\\n{{ m.content }}<|im_end|>{% endfor %}\"}",
+        "{\"chat_template\": [{\"name\": \"tool_use\", \"template\": \"x\"}, {\"name\": \"default\", "
+        "\"template\": \"{{ bos_token }}<|start_header_id|>\"}]}",
+        "{\"chat_template\": \"{% for m in messages %}### {{ m.role }}: {{ m.content }}{% endfor %}\"}",
+        "{\"model_max_length\": 512}",
+    };
+    const char *family[] = {"chatml", "llama3", NULL, NULL};
+    for (int k = 0; k < 4; k++) {
+        FILE *f = fopen(path, "w");
+        assert_non_null(f);
+        fputs(configs[k], f);
+        fclose(f);
+        kiln_status s = kiln_chat_template_from_hf(dir, &out);
+        if (k == 2) {
+            assert_int_equal(s, KILN_ERR_UNSUPPORTED);
+            assert_non_null(strstr(kiln_last_error(), "--chat-template"));
+            kiln_clear_error();
+            assert_null(out);
+        } else {
+            assert_int_equal(s, KILN_OK);
+            if (family[k]) assert_string_equal(out, kiln_chat_template_named(family[k]));
+            else assert_null(out);
+        }
+        free(out);
+        out = NULL;
+    }
+    assert_int_equal(kiln__chat_template_resolve("mistral", &out), KILN_OK);
+    assert_string_equal(out, kiln_chat_template_named("mistral"));
+    free(out);
+    assert_int_equal(kiln__chat_template_resolve("{\"message\": \"{content}\", \"generation\": \"\"}", &out), KILN_OK);
+    assert_string_equal(out, "{\"message\": \"{content}\", \"generation\": \"\"}");
+    free(out);
+    FILE *f = fopen(path, "w");
+    fputs("{\"message\": \"{role}> {content}\", \"generation\": \">\"}", f);
+    fclose(f);
+    assert_int_equal(kiln__chat_template_resolve(path, &out), KILN_OK);
+    assert_non_null(strstr(out, "{role}> {content}"));
+    free(out);
+    assert_int_equal(kiln__chat_template_resolve("/nonexistent/template.json", &out), KILN_ERR_IO);
+    assert_non_null(strstr(kiln_last_error(), "not a family"));
+    kiln_clear_error();
+    unlink(path);
+    rmdir(dir);
+}
+
 /* Pushes pieces one by one, collecting what the stream would send. */
 static void stream_pieces(const char *const *pieces, int n, const char *const *stops, int n_stops, char *sent,
                           bool *stopped)
@@ -252,6 +345,8 @@ int main(void)
         cmocka_unit_test(malformed_bodies),
         cmocka_unit_test(error_body_shape),
         cmocka_unit_test(chat_renders_with_the_default_template),
+        cmocka_unit_test(chat_renders_the_hf_families),
+        cmocka_unit_test(chat_template_of_a_hf_folder),
         cmocka_unit_test(stop_strings_cut_and_hold_back),
         cmocka_unit_test(utf8_is_held_back_and_repaired),
         cmocka_unit_test(split_does_not_change_the_text),

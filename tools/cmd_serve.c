@@ -14,7 +14,8 @@ static void on_signal(int sig) { stop_requested = sig; }
 int cmd_serve(int argc, char **argv)
 {
     kiln_server_opts o = kiln_server_opts_default();
-    const char *model = "runs/default", *kv_dtype = "f32", *weights = "f32", *host = o.host, *api_key = NULL, *name = NULL, *cors = o.cors_origin;
+    const char *model = "runs/default", *kv_dtype = "f32", *weights = "f32", *host = o.host, *api_key = NULL, *name = NULL, *cors = o.cors_origin,
+               *chat_template = NULL;
     int64_t port = o.port, max_batch = o.engine.max_batch, max_queue = o.engine.max_queue, threads = 0,
             http_threads = o.http_threads, max_body = (int64_t)o.max_body, kv_mb = o.engine.kv_memory_mb,
             block_len = o.engine.block_len, step_tokens = o.engine.max_step_tokens, max_tokens = o.max_tokens_default;
@@ -27,6 +28,8 @@ int cmd_serve(int argc, char **argv)
         {"port", OPT_INT, &port, "TCP port; 0 = any free port (printed when listening)"},
         {"api-key", OPT_STRING, &api_key, "require 'Authorization: Bearer KEY' on /v1 ($KILN_API_KEY)"},
         {"name", OPT_STRING, &name, "model id in /v1/models and responses (default: the run folder's name)"},
+        {"chat-template", OPT_STRING, &chat_template, "the chat template: chatml, llama3, mistral, a JSON template or "
+                                                      "a file with one (default: the model's own)"},
         {"max-batch", OPT_INT, &max_batch, "sequences decoded together in one step"},
         {"max-queue", OPT_INT, &max_queue, "waiting requests before new ones get 429"},
         {"max-step-tokens", OPT_INT, &step_tokens, "prompt tokens prefilled per step, all requests together"},
@@ -70,6 +73,7 @@ int cmd_serve(int argc, char **argv)
     o.port = (int)port;
     o.api_key = api_key && *api_key ? api_key : NULL;
     o.model_name = name;
+    o.chat_template = chat_template;
     o.cors_origin = cors;
     o.http_threads = (int)http_threads;
     o.max_body = (size_t)max_body;

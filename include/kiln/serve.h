@@ -136,10 +136,21 @@ void kiln_engine_last_error(kiln_engine_t *e, char *buf, size_t n);
 /* ---- chat templates ----
  * A chat template is a JSON object stored in a checkpoint's "chat_template" metadata:
  *     {"message": "{role}: {content}\n", "generation": "assistant:", "stop": ["\nuser:"]}
- * Each message renders as "message" with {role} and {content} replaced; "generation"
- * follows the last one and the model continues from there; "stop" lists strings that
- * end an answer (added to the request's own). kiln train writes this default one. */
+ * Each message renders as "message" with {role} and {content} replaced (or as
+ * "roles"[its role], where the template gives one); "prefix" (optional) comes first;
+ * "generation" follows the last message and the model continues from there; "stop"
+ * lists strings that end an answer (added to the request's own). kiln train writes
+ * this default one. */
 const char *kiln_chat_template_default(void);
+/* The families of Hugging Face chat templates (tokenizer_config.json's "chat_template",
+ * a Jinja program) in this format, recognized by their markers: "chatml" (<|im_start|>:
+ * Qwen and others), "llama3" (<|start_header_id|>) and "mistral" ([INST]). By name, or
+ * NULL. */
+const char *kiln_chat_template_named(const char *name);
+/* The template of a Hugging Face folder's tokenizer_config.json in this format (a new
+ * string in *out; NULL when the folder has none). A template of no known family is
+ * KILN_ERR_UNSUPPORTED with a message that names it and --chat-template. */
+kiln_status kiln_chat_template_from_hf(const char *dir, char **out);
 
 /* ---- the HTTP server ---- */
 
@@ -154,6 +165,8 @@ typedef struct {
     double request_timeout;  /* seconds a request may take in all (default 300) */
     int idle_timeout;        /* seconds a connection may send nothing before it is dropped (default 30) */
     int max_tokens_default;  /* when a request names none (default 16, as OpenAI's completions) */
+    const char *chat_template; /* in place of the model's: a template (JSON), a family name
+                                * (kiln_chat_template_named) or a file holding one; NULL: the model's */
     kiln_engine_opts engine;
 } kiln_server_opts;
 

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "core/util.h"
+#include "kiln/io.h"
 #include "kiln/serve.h"
 #include "serve/openai.h"
 
@@ -12,6 +13,81 @@ const char *kiln_chat_template_default(void)
 {
     return "{\"message\": \"{role}: {content}\\n\", \"generation\": \"assistant:\", "
            "\"stop\": [\"\\nuser:\", \"\\nsystem:\"]}";
+}
+
+/* The Hugging Face families, in kiln's format: ChatML (Qwen and many others), LLaMA-3
+ * and Mistral (its assistant turns close with </s>, its user and system turns are
+ * [INST] blocks). */
+static const struct {
+    const char *name, *marker, *json;
+} families[] = {
+    {"chatml", "<|im_start|>",
+     "{\"message\": \"<|im_start|>{role}\\n{content}<|im_end|>\\n\", \"generation\": \"<|im_start|>assistant\\n\", "
+     "\"stop\": [\"<|im_end|>\"]}"},
+    {"llama3", "<|start_header_id|>",
+     "{\"prefix\": \"<|begin_of_text|>\", \"message\": \"<|start_header_id|>{role}<|end_header_id|>\\n\\n{content}"
+     "<|eot_id|>\", \"generation\": \"<|start_header_id|>assistant<|end_header_id|>\\n\\n\", \"stop\": [\"<|eot_id|>\"]}"},
+    {"mistral", "[INST]",
+     "{\"prefix\": \"<s>\", \"message\": \"[INST] {content} [/INST]\", \"roles\": {\"assistant\": \"{content}</s>\"}, "
+     "\"generation\": \"\", \"stop\": [\"</s>\"]}"},
+};
+
+const char *kiln_chat_template_named(const char *name)
+{
+    for (size_t i = 0; name && i < sizeof families / sizeof families[0]; i++)
+        if (!strcmp(name, families[i].name)) return families[i].json;
+    return NULL;
+}
+
+kiln_status kiln__chat_template_resolve(const char *what, char **out)
+{
+    const char *named = kiln_chat_template_named(what);
+    if (named || what[0] == '{') {
+        *out = strdup(named ? named : what);
+        return *out ? KILN_OK : kiln_error(KILN_ERR_OOM, "chat template: out of memory");
+    }
+    FILE *f = fopen(what, "rb");
+    if (!f)
+        return kiln_error(KILN_ERR_IO, "--chat-template %s: not a family (chatml, llama3, mistral), a JSON template or "
+                          "a file that can be read", what);
+    char *text = malloc(1 << 16);
+    size_t n = text ? fread(text, 1, (1 << 16) - 1, f) : 0;
+    fclose(f);
+    if (!text) return kiln_error(KILN_ERR_OOM, "chat template: out of memory");
+    text[n] = '\0';
+    *out = text;
+    return KILN_OK;
+}
+
+kiln_status kiln_chat_template_from_hf(const char *dir, char **out)
+{
+    *out = NULL;
+    char path[4200];
+    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
+    json_t *root = json_load_file(path, 0, NULL), *t = json_object_get(root, "chat_template");
+    if (json_is_array(t)) { /* named templates: the "default" one, else the first */
+        json_t *pick = json_array_get(t, 0), *e;
+        size_t i;
+        json_array_foreach(t, i, e)
+        {
+            const char *nm = json_string_value(json_object_get(e, "name"));
+            if (nm && !strcmp(nm, "default")) pick = e;
+        }
+        t = json_object_get(pick, "template");
+    }
+    const char *jinja = json_string_value(t);
+    kiln_status s = KILN_OK;
+    if (jinja) {
+        size_t k = 0;
+        while (k < sizeof families / sizeof families[0] && !strstr(jinja, families[k].marker)) k++;
+        if (k == sizeof families / sizeof families[0])
+            s = kiln_error(KILN_ERR_UNSUPPORTED, "%s: its chat template is none of the families kiln renders (chatml, "
+                           "llama3, mistral); give kiln serve --chat-template NAME, FILE or a JSON template", path);
+        else if (!(*out = strdup(families[k].json)))
+            s = kiln_error(KILN_ERR_OOM, "chat template: out of memory");
+    }
+    json_decref(root);
+    return s;
 }
 
 bool kiln__chat_template_parse(const char *text, kiln__chat_template *t, char *err, size_t n_err)
@@ -27,6 +103,23 @@ bool kiln__chat_template_parse(const char *text, kiln__chat_template *t, char *e
         json_decref(o);
         return false;
     }
+    json_t *pre = json_object_get(o, "prefix"), *roles = json_object_get(o, "roles");
+    if ((pre && !json_is_string(pre)) || (roles && !json_is_object(roles))) {
+        snprintf(err, n_err, "chat template: \"prefix\" must be a string and \"roles\" an object of strings");
+        json_decref(o);
+        return false;
+    }
+    const char *rk;
+    json_t *rv;
+    json_object_foreach(roles, rk, rv)
+    {
+        if (!json_is_string(rv) || t->n_roles == KILN__MAX_ROLES) continue;
+        t->role[t->n_roles] = strdup(rk);
+        t->role_message[t->n_roles] = strdup(json_string_value(rv));
+        if (t->role[t->n_roles] && t->role_message[t->n_roles]) t->n_roles++;
+        else free(t->role[t->n_roles]), free(t->role_message[t->n_roles]);
+    }
+    t->prefix = strdup(pre ? json_string_value(pre) : "");
     t->message = strdup(json_string_value(m));
     t->generation = strdup(json_string_value(g));
     size_t i;
@@ -37,7 +130,7 @@ bool kiln__chat_template_parse(const char *text, kiln__chat_template *t, char *e
         if ((t->stop[t->n_stop] = strdup(json_string_value(s)))) t->n_stop++;
     }
     json_decref(o);
-    if (!t->message || !t->generation) {
+    if (!t->prefix || !t->message || !t->generation) {
         kiln__chat_template_free(t);
         snprintf(err, n_err, "chat template: out of memory");
         return false;
@@ -47,6 +140,8 @@ bool kiln__chat_template_parse(const char *text, kiln__chat_template *t, char *e
 
 void kiln__chat_template_free(kiln__chat_template *t)
 {
+    free(t->prefix);
+    for (int i = 0; i < t->n_roles; i++) free(t->role[i]), free(t->role_message[i]);
     free(t->message);
     free(t->generation);
     for (int i = 0; i < t->n_stop; i++) free(t->stop[i]);
@@ -67,9 +162,12 @@ char *kiln__chat_render(const kiln__chat_template *t, const kiln__chat_msg *msgs
 {
     char *out = NULL;
     size_t len = 0, cap = 0;
-    bool ok = put(&out, &len, &cap, "", 0);
+    bool ok = put(&out, &len, &cap, t->prefix ? t->prefix : "", t->prefix ? strlen(t->prefix) : 0);
     for (int i = 0; i < n && ok; i++) {
-        for (const char *p = t->message; *p && ok;) {
+        const char *form = t->message; /* the role's own message, where the template has one */
+        for (int r = 0; r < t->n_roles; r++)
+            if (!strcmp(t->role[r], msgs[i].role)) form = t->role_message[r];
+        for (const char *p = form; *p && ok;) {
             if (!strncmp(p, "{role}", 6)) {
                 ok = put(&out, &len, &cap, msgs[i].role, strlen(msgs[i].role));
                 p += 6;

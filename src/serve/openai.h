@@ -47,12 +47,18 @@ char *kiln__oai_error_json(const char *message, const char *type, const char *pa
 
 /* ---- chat templates (chat.c) ---- */
 
+#define KILN__MAX_ROLES 8
 typedef struct {
-    char *message, *generation;
+    char *prefix, *message, *generation;
+    char *role[KILN__MAX_ROLES], *role_message[KILN__MAX_ROLES]; /* per-role messages */
+    int n_roles;
     char *stop[KILN__MAX_STOPS];
     int n_stop;
 } kiln__chat_template;
 
+/* --chat-template's value as a template: a family's name (kiln_chat_template_named), the
+ * JSON itself (it starts with '{'), or a file that holds it; a new string in *out. */
+kiln_status kiln__chat_template_resolve(const char *what, char **out);
 /* Parses a template (kiln_chat_template_default's format); false with a reason in err. */
 bool kiln__chat_template_parse(const char *json, kiln__chat_template *t, char *err, size_t n_err);
 void kiln__chat_template_free(kiln__chat_template *t);

@@ -65,6 +65,8 @@ kiln_status kiln_server_start(const kiln_server_opts *o, kiln_server_t **out)
     s->api_key = dup_or_null(o->api_key && *o->api_key ? o->api_key : NULL);
     s->cors = strdup(o->cors_origin ? o->cors_origin : "*");
     s->name_opt = dup_or_null(o->model_name);
+    s->tmpl_opt = dup_or_null(o->chat_template);
+    s->o.chat_template = s->tmpl_opt;
     s->o.host = s->host;
     s->o.api_key = s->api_key;
     s->o.cors_origin = s->cors;
@@ -72,7 +74,8 @@ kiln_status kiln_server_start(const kiln_server_opts *o, kiln_server_t **out)
     s->eot = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
-    if (!s->host || !s->cors || (o->api_key && *o->api_key && !s->api_key) || (o->model_name && !s->name_opt)) {
+    if (!s->host || !s->cors || (o->api_key && *o->api_key && !s->api_key) || (o->model_name && !s->name_opt) ||
+        (o->chat_template && !s->tmpl_opt)) {
         kiln_server_free(s);
         return kiln_error(KILN_ERR_OOM, "server_start: out of memory");
     }
@@ -119,6 +122,14 @@ kiln_status kiln_server_load(kiln_server_t *s, const char *model_path)
     char *tmpl = NULL;
     kiln_status st = kiln_model_load(model_path, &s->model, &s->tok, &tmpl);
     if (st != KILN_OK) return st;
+    /* --chat-template first, else a Hugging Face folder's own (an error naming the
+     * option when kiln cannot render it), else the checkpoint's */
+    if (s->tmpl_opt || kiln_hf_is_folder(model_path)) {
+        free(tmpl);
+        tmpl = NULL;
+        st = s->tmpl_opt ? kiln__chat_template_resolve(s->tmpl_opt, &tmpl) : kiln_chat_template_from_hf(model_path, &tmpl);
+        if (st != KILN_OK) return st;
+    }
     char err[256];
     bool ok = kiln__chat_template_parse(tmpl ? tmpl : kiln_chat_template_default(), &s->tmpl, err, sizeof err);
     free(tmpl);
@@ -160,7 +171,7 @@ void kiln_server_free(kiln_server_t *s)
     kiln__chat_template_free(&s->tmpl);
     kiln_tokenizer_free(s->tok);
     kiln_gpt_free(s->model);
-    KILN__FREE(s->name, s->host, s->api_key, s->cors, s->name_opt);
+    KILN__FREE(s->name, s->host, s->api_key, s->cors, s->name_opt, s->tmpl_opt);
     pthread_mutex_destroy(&s->mu);
     pthread_cond_destroy(&s->cv);
     free(s);

@@ -41,7 +41,7 @@ typedef struct {
 
 struct kiln_server {
     kiln_server_opts o;
-    char *host, *api_key, *cors, *name_opt;
+    char *host, *api_key, *cors, *name_opt, *tmpl_opt; /* tmpl_opt: --chat-template */
     struct MHD_Daemon *d;
     int port;
     atomic_bool loaded;
