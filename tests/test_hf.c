@@ -293,7 +293,9 @@ static const rd_tensor *find_t(const rd_tensor *ts, uint64_t nt, const char *nam
  * each head's two halves interleaved (llama.cpp's rope pairs), bitwise in f32, and
  * attn_v its value rows as they are; in q8_0 every matrix whose rows are a multiple of
  * 32 long is blocks of an f16 scale d and 32 bytes, each value within 0.6 d of kiln's
- * (half a step, and the scale's f16 rounding). A GPT-2 model is refused by name. */
+ * (half a step, and the scale's f16 rounding). A GPT-2 model goes to llama.cpp's gpt2
+ * architecture with its qkv as it is; a model neither architecture describes is
+ * refused by name. */
 static void gguf_holds_the_model_as_llama_cpp_reads_it(void **state)
 {
     kiln_gpt_t *m;
@@ -363,12 +365,44 @@ static void gguf_holds_the_model_as_llama_cpp_reads_it(void **state)
     }
     free(qkv);
     kiln_gpt_free(m);
+    /* GPT-2: llama.cpp's gpt2 architecture, kiln's fused qkv as it is (bitwise), its
+     * biases and learned positions */
     kiln_gpt_t *g;
     assert_int_equal(kiln_hf_load(ref_dir("gpt2"), &g), KILN_OK);
     char path[4200];
     snprintf(path, sizeof path, "%s/gpt2.gguf", tmp);
+    if (kiln_gguf_save(g, tok, path, KILN_DTYPE_F32, false) != KILN_OK) fail_msg("%s", kiln_last_error());
+    {
+        FILE *f = fopen(path, "rb");
+        assert_non_null(f);
+        static unsigned char file[1 << 20];
+        size_t n = fread(file, 1, sizeof file, f);
+        fclose(f);
+        rd_tensor ts[64];
+        uint64_t nt;
+        char keys[8192];
+        size_t data = read_gguf(file, n, ts, &nt, keys, sizeof keys);
+        assert_int_equal(nt, 2 * 12 + 4); /* 12 a block; embeddings, positions, the final norm's two */
+        assert_non_null(strstr(keys, "general.architecture='gpt2';"));
+        assert_non_null(strstr(keys, "gpt2.block_count=2;"));
+        assert_non_null(strstr(keys, "gpt2.context_length=64;"));
+        const rd_tensor *t = find_t(ts, nt, "blk.1.attn_qkv.weight");
+        assert_true(t->nd == 2 && t->ne[0] == 32 && t->ne[1] == 96 && t->type == 0);
+        float want[96 * 32];
+        assert_int_equal(kiln_tensor_to_host(kiln_gpt_find_param(g, "blocks.1.attn.qkv.weight"), want, sizeof want),
+                         KILN_OK);
+        assert_memory_equal(file + data + t->off, want, sizeof want);
+        assert_int_equal(find_t(ts, nt, "position_embd.weight")->ne[1], 64);
+        assert_int_equal(find_t(ts, nt, "blk.0.ffn_down.bias")->type, 0);
+    }
+    kiln_gpt_free(g);
+    /* neither: layer norm with rope */
+    kiln_gpt_config mc = kiln_gpt_config_gpt2();
+    mc.pos = KILN_POS_ROPE;
+    mc.vocab_size = 256;
+    assert_int_equal(kiln_gpt_new(&mc, 1, &g), KILN_OK);
     assert_int_equal(kiln_gguf_save(g, tok, path, KILN_DTYPE_F32, false), KILN_ERR_UNSUPPORTED);
-    assert_non_null(strstr(kiln_last_error(), "only LLaMA-style models"));
+    assert_non_null(strstr(kiln_last_error(), "this model is neither"));
     kiln_clear_error();
     kiln_gpt_free(g);
     kiln_tokenizer_free(tok);

@@ -89,9 +89,10 @@ kiln_status kiln_hf_load(const char *dir, struct kiln_gpt **model);
  * tokenizer.json when tok is not NULL. dir is made if missing; files in it are
  * replaced. kiln_hf_load reads the folder back to the same model (bitwise in f32). */
 kiln_status kiln_hf_save(const struct kiln_gpt *m, const struct kiln_tokenizer *tok, const char *dir, kiln_dtype dt);
-/* A kiln model as a GGUF file that llama.cpp loads (its llama architecture: LLaMA-style
- * models, rmsnorm + rope + swiglu without biases, for now), with tok as its byte-level
- * BPE vocabulary. The matrices in dt (f32, f16 or bf16), or in q8_0 when q8_0 is set
+/* A kiln model as a GGUF file that llama.cpp loads (its llama architecture for
+ * LLaMA-style models, rmsnorm + rope + swiglu without biases; its gpt2 architecture for
+ * GPT-2 style ones, layernorm + learned positions + gelu with biases; another model is
+ * an error), with tok as its byte-level BPE vocabulary. The matrices in dt (f32, f16 or bf16), or in q8_0 when q8_0 is set
  * (blocks of 32 values: an f16 scale and 32 signed bytes); norms stay f32. Written to a
  * temporary name and renamed: path is the old file or the whole new one. */
 kiln_status kiln_gguf_save(const struct kiln_gpt *m, const struct kiln_tokenizer *tok, const char *path,

@@ -1,6 +1,7 @@
 /* kiln models written as GGUF files that llama.cpp loads (its "llama" architecture:
- * rmsnorm, rope, swiglu), with the weights in f32, f16, bf16 or q8_0 and the tokenizer
- * as llama.cpp's byte-level BPE ("gpt2") vocabulary.
+ * rmsnorm, rope, swiglu; its "gpt2" one: layernorm, learned positions, gelu, biases),
+ * with the weights in f32, f16, bf16 or q8_0 and the tokenizer as llama.cpp's
+ * byte-level BPE ("gpt2") vocabulary.
  *
  * The layout (GGUF version 3, little-endian): the header (magic "GGUF", version,
  * tensor count, key/value count), the key/value pairs (a string key, a type, a value;
@@ -256,11 +257,26 @@ static kiln_status make_tensor(gtensor *g, const char *name, kiln_tensor_t *p, u
     return s;
 }
 
-/* kiln's parameter name as llama.cpp's, and whether its rows are reordered (q: the
- * query heads, k: the key heads). */
-static const struct {
+/* kiln's parameter names as llama.cpp's, for its llama architecture (q, k and v are
+ * split out of kiln's qkv apart) and its gpt2 architecture (which has kiln's fused qkv,
+ * biases and learned positions). */
+typedef struct {
     const char *kiln, *gguf;
-} gguf_names[] = {
+} gname;
+
+static const gname gpt2_names[] = {
+    {"tok_emb.weight", "token_embd.weight"},     {"pos_emb.weight", "position_embd.weight"},
+    {"norm_f.weight", "output_norm.weight"},     {"norm_f.bias", "output_norm.bias"},
+    {"lm_head.weight", "output.weight"},         {"norm1.weight", "blk.%d.attn_norm.weight"},
+    {"norm1.bias", "blk.%d.attn_norm.bias"},     {"attn.qkv.weight", "blk.%d.attn_qkv.weight"},
+    {"attn.qkv.bias", "blk.%d.attn_qkv.bias"},   {"attn.proj.weight", "blk.%d.attn_output.weight"},
+    {"attn.proj.bias", "blk.%d.attn_output.bias"}, {"norm2.weight", "blk.%d.ffn_norm.weight"},
+    {"norm2.bias", "blk.%d.ffn_norm.bias"},      {"mlp.fc.weight", "blk.%d.ffn_up.weight"},
+    {"mlp.fc.bias", "blk.%d.ffn_up.bias"},       {"mlp.proj.weight", "blk.%d.ffn_down.weight"},
+    {"mlp.proj.bias", "blk.%d.ffn_down.bias"},
+};
+
+static const gname gguf_names[] = {
     {"tok_emb.weight", "token_embd.weight"},   {"norm_f.weight", "output_norm.weight"},
     {"lm_head.weight", "output.weight"},       {"norm1.weight", "blk.%d.attn_norm.weight"},
     {"norm2.weight", "blk.%d.ffn_norm.weight"}, {"attn.proj.weight", "blk.%d.attn_output.weight"},
@@ -279,9 +295,16 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
     if (kiln_tokenizer_vocab_size(tok) != c->vocab_size)
         return kiln_error(KILN_ERR_ARG, "gguf_save: the model has %d tokens but its tokenizer %d", c->vocab_size,
                           kiln_tokenizer_vocab_size(tok));
-    if (c->norm != KILN_NORM_RMSNORM || c->pos != KILN_POS_ROPE || c->mlp != KILN_MLP_SWIGLU || c->bias)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "gguf export: only LLaMA-style models (rmsnorm, rope, swiglu, no "
-                          "biases) are written so far, as llama.cpp's llama architecture");
+    bool llama = c->norm == KILN_NORM_RMSNORM && c->pos == KILN_POS_ROPE && c->mlp == KILN_MLP_SWIGLU && !c->bias;
+    bool gpt2 = c->norm == KILN_NORM_LAYERNORM && c->pos == KILN_POS_LEARNED && c->mlp == KILN_MLP_GELU && c->bias &&
+                c->n_kv_head == c->n_head;
+    if (!llama && !gpt2)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "gguf export: llama.cpp's llama architecture takes LLaMA-style models "
+                          "(rmsnorm, rope, swiglu, no biases) and its gpt2 architecture GPT-2 style ones (layernorm, "
+                          "learned positions, gelu, biases, as many key heads as query heads); this model is neither");
+    const gname *names = llama ? gguf_names : gpt2_names;
+    size_t n_names = llama ? sizeof gguf_names / sizeof gguf_names[0] : sizeof gpt2_names / sizeof gpt2_names[0];
+    const char *arch = llama ? "llama" : "gpt2";
     uint32_t type = q8_0_weights ? T_Q8_0 : dt == KILN_DTYPE_F16 ? T_F16 : dt == KILN_DTYPE_BF16 ? T_BF16 : T_F32;
     int np = kiln_gpt_num_params(m), cap = np + 2 * c->n_layer, nt = 0;
     gtensor *ts = calloc((size_t)cap, sizeof *ts);
@@ -294,7 +317,7 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
         int i = -1, off = 0;
         const char *rest = name;
         if (sscanf(name, "blocks.%d.%n", &i, &off) == 1 && off > 0) rest = name + off;
-        if (i >= 0 && !strcmp(rest, "attn.qkv.weight")) { /* q, k (both reordered) and v */
+        if (llama && i >= 0 && !strcmp(rest, "attn.qkv.weight")) { /* q, k (both reordered) and v */
             int64_t rows[3] = {c->n_head * hs, c->n_kv_head * hs, c->n_kv_head * hs}, at = 0;
             const char *part[3] = {"attn_q", "attn_k", "attn_v"};
             int heads[3] = {c->n_head, c->n_kv_head, 0};
@@ -307,15 +330,14 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
             continue;
         }
         size_t e = 0;
-        while (e < sizeof gguf_names / sizeof gguf_names[0] &&
-               !(!strcmp(rest, gguf_names[e].kiln) && (i >= 0) == (strchr(gguf_names[e].gguf, '%') != NULL)))
+        while (e < n_names && !(!strcmp(rest, names[e].kiln) && (i >= 0) == (strchr(names[e].gguf, '%') != NULL)))
             e++;
-        if (e == sizeof gguf_names / sizeof gguf_names[0]) {
+        if (e == n_names) {
             s = kiln_error(KILN_ERR_INTERNAL, "gguf: no llama.cpp name for %s", name);
             break;
         }
         char gn[64];
-        snprintf(gn, sizeof gn, gguf_names[e].gguf, i);
+        snprintf(gn, sizeof gn, names[e].gguf, i);
         s = make_tensor(&ts[nt++], gn, p, type, 0);
     }
     kiln_scope_end();
@@ -323,20 +345,27 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
     int nkv = 0;
     if (s == KILN_OK) {
         buf kv = {0};
-        kv_str(&kv, &nkv, "general.architecture", "llama");
+        char k[96];
+#define ARCH_KEY(suffix) (snprintf(k, sizeof k, "%s." suffix, arch), k)
+        kv_str(&kv, &nkv, "general.architecture", arch);
         kv_str(&kv, &nkv, "general.name", "kiln");
         kv_u32(&kv, &nkv, "general.alignment", ALIGN);
         kv_u32(&kv, &nkv, "general.file_type", type == T_Q8_0 ? 7 : type == T_F16 ? 1 : type == T_BF16 ? 32 : 0);
-        kv_u32(&kv, &nkv, "llama.context_length", (uint32_t)c->block_size);
-        kv_u32(&kv, &nkv, "llama.embedding_length", (uint32_t)c->n_embd);
-        kv_u32(&kv, &nkv, "llama.block_count", (uint32_t)c->n_layer);
-        kv_u32(&kv, &nkv, "llama.feed_forward_length", (uint32_t)kiln_gpt_ffn_hidden(c));
-        kv_u32(&kv, &nkv, "llama.attention.head_count", (uint32_t)c->n_head);
-        kv_u32(&kv, &nkv, "llama.attention.head_count_kv", (uint32_t)c->n_kv_head);
-        kv_u32(&kv, &nkv, "llama.rope.dimension_count", (uint32_t)hs);
-        kv_u32(&kv, &nkv, "llama.vocab_size", (uint32_t)c->vocab_size);
-        kv_f32(&kv, &nkv, "llama.rope.freq_base", (float)c->rope_theta);
-        kv_f32(&kv, &nkv, "llama.attention.layer_norm_rms_epsilon", (float)c->norm_eps);
+        kv_u32(&kv, &nkv, ARCH_KEY("context_length"), (uint32_t)c->block_size);
+        kv_u32(&kv, &nkv, ARCH_KEY("embedding_length"), (uint32_t)c->n_embd);
+        kv_u32(&kv, &nkv, ARCH_KEY("block_count"), (uint32_t)c->n_layer);
+        kv_u32(&kv, &nkv, ARCH_KEY("feed_forward_length"), (uint32_t)kiln_gpt_ffn_hidden(c));
+        kv_u32(&kv, &nkv, ARCH_KEY("attention.head_count"), (uint32_t)c->n_head);
+        if (llama) {
+            kv_u32(&kv, &nkv, "llama.attention.head_count_kv", (uint32_t)c->n_kv_head);
+            kv_u32(&kv, &nkv, "llama.rope.dimension_count", (uint32_t)hs);
+            kv_u32(&kv, &nkv, "llama.vocab_size", (uint32_t)c->vocab_size);
+            kv_f32(&kv, &nkv, "llama.rope.freq_base", (float)c->rope_theta);
+            kv_f32(&kv, &nkv, "llama.attention.layer_norm_rms_epsilon", (float)c->norm_eps);
+        } else {
+            kv_f32(&kv, &nkv, "gpt2.attention.layer_norm_epsilon", (float)c->norm_eps);
+        }
+#undef ARCH_KEY
         s = put_tokenizer(&kv, &nkv, tok);
         put(&b, "GGUF", 4);
         u32(&b, 3);
