@@ -1,4 +1,5 @@
-"""N concurrent streaming clients against a running kiln serve, each asking for the
+"""N concurrent streaming clients against a running kiln serve (or another
+OpenAI-compatible server: --peer names it, --extra adds fields to each request), each asking for the
 same prompt length and number of new tokens (seeds differ). Prints one JSON line:
 median time to first token, median per-stream decode tokens/s (after the first token)
 and total generated tokens/s over the wall time of the whole round.
@@ -29,6 +30,7 @@ class Stream:
                     b"Content-Length: %d\r\n\r\n" % len(data)) + data
         self.raw, self.body, self.headers_done = b"", b"", False
         self.start, self.first, self.end, self.tokens, self.done = time.perf_counter(), None, None, 0, False
+        self.usage, self.chunks = None, 0
 
     def on_read(self, now):
         try:
@@ -64,14 +66,17 @@ class Stream:
                 continue
             j = json.loads(d)
             if j.get("usage"):
-                self.tokens = j["usage"]["completion_tokens"]
-            elif self.first is None and j["choices"] and j["choices"][0]["text"]:
-                self.first = now
+                self.usage = j["usage"]["completion_tokens"]
+            elif j.get("choices") and j["choices"][0].get("text"):
+                self.chunks += 1  # a token a chunk, for a server that reports no usage
+                if self.first is None:
+                    self.first = now
         if last:
             self.finish(now)
 
     def finish(self, now):
         self.end, self.done = now, True
+        self.tokens = self.usage if self.usage is not None else self.chunks
 
 
 def main():
@@ -81,6 +86,8 @@ def main():
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--tokens", type=int, default=128)
     p.add_argument("--model", default=None)
+    p.add_argument("--peer", default="kiln", help="the name printed for the server")
+    p.add_argument("--extra", default="{}", help="JSON fields added to each request")
     a = p.parse_args()
     prompt = "".join(chr(97 + (i * 7) % 26) for i in range(a.prompt_len))  # byte tokenizer: one token each
     sel = selectors.DefaultSelector()
@@ -90,6 +97,7 @@ def main():
                 "stream_options": {"include_usage": True}}
         if a.model:
             body["model"] = a.model
+        body.update(json.loads(a.extra))
         s = Stream(a.port, body)
         streams.append(s)
         sel.register(s.sock, selectors.EVENT_WRITE, s)
@@ -110,7 +118,7 @@ def main():
                 live -= 1
     wall = max(s.end for s in streams) - min(s.start for s in streams)
     total = sum(s.tokens for s in streams)
-    print(json.dumps({"peer": "kiln", "clients": a.clients, "prompt_len": a.prompt_len, "tokens": a.tokens,
+    print(json.dumps({"peer": a.peer, "clients": a.clients, "prompt_len": a.prompt_len, "tokens": a.tokens,
                       "ttft_ms": 1e3 * statistics.median((s.first or s.end) - s.start for s in streams),
                       "decode_tok_s": statistics.median((s.tokens - 1) / max(s.end - (s.first or s.end), 1e-9)
                                                         for s in streams),
