@@ -9,7 +9,8 @@
 # time to first token, per-stream decode tokens/s and total tokens/s, the medians,
 # and kiln / llama.cpp for each.
 #   LLAMA_SERVER=path/to/llama-server sh bench/serve_llamacpp.sh [BUILD_DIR] [ROUNDS] [TOKENS] [LAYERS] [WIDTH] [HEADS] [GGUF_TYPE]
-# The defaults: 3 rounds, 64 tokens, 6 layers of width 384 (the demo's). llama-server is
+# The defaults: 3 rounds, 64 tokens, 6 layers of width 384 (the demo's); KILN_WEIGHTS=bf16
+# serves kiln's linear layers in bf16 (against GGUF_TYPE q8_0, say). llama-server is
 # llama.cpp's own server (its source ships in llama-cpp-python's sdist on PyPI:
 # `pip download --no-binary :all: --no-deps llama-cpp-python`, then in vendor/llama.cpp
 # `cmake -B build -DLLAMA_CURL=OFF && cmake --build build --target llama-server`).
@@ -33,7 +34,8 @@ srv_lcpp=
 trap 'kill $srv_kiln $srv_lcpp 2>/dev/null || true; rm -rf "$work"' EXIT
 sh bench/serve_model.sh "$build" "$work/run" "$layers" "$width" "$heads" 1 1
 "$build/kiln" export gguf "$work/run" "$work/model.gguf" --dtype "$gtype" >/dev/null
-"$build/kiln" serve "$work/run" --port 0 --threads "$threads" --kv-memory 256 2>"$work/kiln.log" &
+"$build/kiln" serve "$work/run" --port 0 --threads "$threads" --kv-memory 256 --weights "${KILN_WEIGHTS:-f32}" \
+    2>"$work/kiln.log" &
 srv_kiln=$!
 lport=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 "$server" -m "$work/model.gguf" --host 127.0.0.1 --port "$lport" -t "$threads" -tb "$threads" -np 16 \
@@ -54,7 +56,9 @@ done
 python3 - "$work/out.jsonl" "$layers" "$width" "$gtype" <<'PY'
 import json, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
-print(f"model: {sys.argv[2]} layers, width {sys.argv[3]}; llama.cpp's weights {sys.argv[4]}")
+import os
+print(f"model: {sys.argv[2]} layers, width {sys.argv[3]}; kiln's weights {os.environ.get('KILN_WEIGHTS', 'f32')}, "
+      f"llama.cpp's {sys.argv[4]}")
 for c in (1, 4, 16):
     med = {}
     for peer in ("kiln", "llama.cpp"):
