@@ -5,7 +5,6 @@
 #include <stdlib.h>
 #include <string.h>
 #include "core/util.h"
-#include "kiln/io.h"
 #include "kiln/serve.h"
 #include "serve/openai.h"
 
@@ -39,55 +38,11 @@ const char *kiln_chat_template_named(const char *name)
     return NULL;
 }
 
-kiln_status kiln__chat_template_resolve(const char *what, char **out)
+const char *kiln__chat_family_of(const char *jinja)
 {
-    const char *named = kiln_chat_template_named(what);
-    if (named || what[0] == '{') {
-        *out = strdup(named ? named : what);
-        return *out ? KILN_OK : kiln_error(KILN_ERR_OOM, "chat template: out of memory");
-    }
-    FILE *f = fopen(what, "rb");
-    if (!f)
-        return kiln_error(KILN_ERR_IO, "--chat-template %s: not a family (chatml, llama3, mistral), a JSON template or "
-                          "a file that can be read", what);
-    char *text = malloc(1 << 16);
-    size_t n = text ? fread(text, 1, (1 << 16) - 1, f) : 0;
-    fclose(f);
-    if (!text) return kiln_error(KILN_ERR_OOM, "chat template: out of memory");
-    text[n] = '\0';
-    *out = text;
-    return KILN_OK;
-}
-
-kiln_status kiln_chat_template_from_hf(const char *dir, char **out)
-{
-    *out = NULL;
-    char path[4200];
-    snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    json_t *root = json_load_file(path, 0, NULL), *t = json_object_get(root, "chat_template");
-    if (json_is_array(t)) { /* named templates: the "default" one, else the first */
-        json_t *pick = json_array_get(t, 0), *e;
-        size_t i;
-        json_array_foreach(t, i, e)
-        {
-            const char *nm = json_string_value(json_object_get(e, "name"));
-            if (nm && !strcmp(nm, "default")) pick = e;
-        }
-        t = json_object_get(pick, "template");
-    }
-    const char *jinja = json_string_value(t);
-    kiln_status s = KILN_OK;
-    if (jinja) {
-        size_t k = 0;
-        while (k < sizeof families / sizeof families[0] && !strstr(jinja, families[k].marker)) k++;
-        if (k == sizeof families / sizeof families[0])
-            s = kiln_error(KILN_ERR_UNSUPPORTED, "%s: its chat template is none of the families kiln renders (chatml, "
-                           "llama3, mistral); give kiln serve --chat-template NAME, FILE or a JSON template", path);
-        else if (!(*out = strdup(families[k].json)))
-            s = kiln_error(KILN_ERR_OOM, "chat template: out of memory");
-    }
-    json_decref(root);
-    return s;
+    for (size_t i = 0; jinja && i < sizeof families / sizeof families[0]; i++)
+        if (strstr(jinja, families[i].marker)) return families[i].json;
+    return NULL;
 }
 
 bool kiln__chat_template_parse(const char *text, kiln__chat_template *t, char *err, size_t n_err)

@@ -56,6 +56,9 @@ typedef struct {
     int n_stop;
 } kiln__chat_template;
 
+/* The kiln template of the family whose marker a Hugging Face (Jinja) template holds,
+ * or NULL. */
+const char *kiln__chat_family_of(const char *jinja);
 /* --chat-template's value as a template: a family's name (kiln_chat_template_named), the
  * JSON itself (it starts with '{'), or a file that holds it; a new string in *out. */
 kiln_status kiln__chat_template_resolve(const char *what, char **out);
