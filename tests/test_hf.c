@@ -280,6 +280,20 @@ static size_t read_gguf(const unsigned char *p, size_t n, rd_tensor *ts, uint64_
     return (r.at + 31) / 32 * 32; /* the data, at the next multiple of the alignment */
 }
 
+/* The GGUF file at path read whole (into a buffer kept until the next call) and its
+ * parts read as read_gguf does; *file gets the bytes, the return value the data's start. */
+static size_t load_gguf(const char *path, const unsigned char **file, rd_tensor *ts, uint64_t *nt, char *keys,
+                        size_t kcap)
+{
+    static unsigned char buf[1 << 20];
+    FILE *f = fopen(path, "rb");
+    assert_non_null(f);
+    size_t n = fread(buf, 1, sizeof buf, f);
+    fclose(f);
+    *file = buf;
+    return read_gguf(buf, n, ts, nt, keys, kcap);
+}
+
 static const rd_tensor *find_t(const rd_tensor *ts, uint64_t nt, const char *name)
 {
     for (uint64_t i = 0; i < nt; i++)
@@ -311,15 +325,11 @@ static void gguf_holds_the_model_as_llama_cpp_reads_it(void **state)
         char path[4200];
         snprintf(path, sizeof path, "%s/model%d.gguf", tmp, q8);
         if (kiln_gguf_save(m, tok, path, KILN_DTYPE_F32, q8) != KILN_OK) fail_msg("%s", kiln_last_error());
-        FILE *f = fopen(path, "rb");
-        assert_non_null(f);
-        static unsigned char file[1 << 20];
-        size_t n = fread(file, 1, sizeof file, f);
-        fclose(f);
+        const unsigned char *file;
         rd_tensor ts[64];
         uint64_t nt;
         char keys[8192];
-        size_t data = read_gguf(file, n, ts, &nt, keys, sizeof keys);
+        size_t data = load_gguf(path, &file, ts, &nt, keys, sizeof keys);
         assert_int_equal(nt, 2 * 9 + 3); /* 9 a block, the embedding, the final norm, the head */
         const char *want[] = {"general.architecture='llama';", "llama.block_count=2;", "llama.context_length=64;",
                               "llama.embedding_length=32;", "llama.feed_forward_length=80;",
@@ -373,15 +383,11 @@ static void gguf_holds_the_model_as_llama_cpp_reads_it(void **state)
     snprintf(path, sizeof path, "%s/gpt2.gguf", tmp);
     if (kiln_gguf_save(g, tok, path, KILN_DTYPE_F32, false) != KILN_OK) fail_msg("%s", kiln_last_error());
     {
-        FILE *f = fopen(path, "rb");
-        assert_non_null(f);
-        static unsigned char file[1 << 20];
-        size_t n = fread(file, 1, sizeof file, f);
-        fclose(f);
+        const unsigned char *file;
         rd_tensor ts[64];
         uint64_t nt;
         char keys[8192];
-        size_t data = read_gguf(file, n, ts, &nt, keys, sizeof keys);
+        size_t data = load_gguf(path, &file, ts, &nt, keys, sizeof keys);
         assert_int_equal(nt, 2 * 12 + 4); /* 12 a block; embeddings, positions, the final norm's two */
         assert_non_null(strstr(keys, "general.architecture='gpt2';"));
         assert_non_null(strstr(keys, "gpt2.block_count=2;"));

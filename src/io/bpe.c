@@ -454,6 +454,7 @@ static kiln_status collect_words(trainer *tr, const uint8_t *text, size_t len)
     while (seg < len && st == KILN_OK) {
         const uint8_t *hit = kiln__find_bytes(text + seg, len - seg, (const uint8_t *)KILN__EOT_TEXT, eot_len);
         size_t seg_end = hit ? (size_t)(hit - text) : len;
+        kiln__pretok_restart(&pt);
         for (size_t i = seg; i < seg_end;) {
             size_t j = kiln__pretok_next(&pt, text + seg, seg_end - seg, i - seg) + seg;
             if ((size_t)tr->n_words == cap_words) {

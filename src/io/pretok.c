@@ -76,6 +76,8 @@ kiln__pretok kiln__pretok_begin(const kiln__regex *r)
     return (kiln__pretok){.re = r, .md = r ? (void *)pcre2_match_data_create_from_pattern(r->re, NULL) : NULL};
 }
 
+void kiln__pretok_restart(kiln__pretok *p) { p->text = NULL, p->match_to = 0; }
+
 void kiln__pretok_end(kiln__pretok *p)
 {
     pcre2_match_data_free((pcre2_match_data *)p->md);
@@ -107,8 +109,10 @@ size_t kiln__pretok_next(kiln__pretok *p, const uint8_t *s, size_t n, size_t i)
         if (!k) return i + 1; /* a byte of an invalid sequence: a piece of its own */
         size_t e = i;
         while (e < n && (k = kiln__utf8_len(s, n, e))) e += k;
-        p->text = s, p->n = n, p->run_from = i, p->run_end = e;
+        p->text = s, p->n = n, p->run_from = i, p->run_end = e, p->match_to = 0;
     }
+    /* the match found past the gap that the last call ended at */
+    if (p->match_to > i && p->match_from == i) return p->match_to;
     int rc = pcre2_match(p->re->re, (PCRE2_SPTR)s, p->run_end, i, PCRE2_NO_UTF_CHECK, (pcre2_match_data *)p->md, NULL);
     if (rc == PCRE2_ERROR_NOMATCH) return p->run_end; /* no match to the run's end: one gap */
     if (rc < 0) { /* the match limit, memory: an error for the caller, never a silent split */
@@ -116,7 +120,10 @@ size_t kiln__pretok_next(kiln__pretok *p, const uint8_t *s, size_t n, size_t i)
         return n;
     }
     PCRE2_SIZE *ov = pcre2_get_ovector_pointer((pcre2_match_data *)p->md);
-    if (ov[0] > i) return ov[0]; /* the gap before the next match */
+    if (ov[0] > i) { /* the gap before the next match, which the next call takes */
+        p->match_from = ov[0], p->match_to = ov[1];
+        return ov[0];
+    }
     if (ov[1] > i) return ov[1];
     return i + kiln__utf8_len(s, n, i); /* an empty match: one character on its own */
 }

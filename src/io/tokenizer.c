@@ -110,6 +110,7 @@ static kiln_status encode_segment(const kiln_tokenizer_t *t, kiln__bpe_scratch *
         if (st != KILN_OK) return st;
         seg = norm;
     }
+    kiln__pretok_restart(pt);
     kiln_status st = KILN_OK;
     for (size_t i = 0; i < n && st == KILN_OK;) {
         size_t j = kiln__pretok_next(pt, seg, n, i);

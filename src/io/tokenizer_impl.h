@@ -71,9 +71,14 @@ typedef struct {
     int error;       /* a PCRE2 error that stopped it (the match limit, memory), or 0 */
     const uint8_t *text;
     size_t n, run_from, run_end; /* the valid UTF-8 run of text last matched in */
+    size_t match_from, match_to; /* the match after the last gap returned (match_to 0: none) */
 } kiln__pretok;
 kiln__pretok kiln__pretok_begin(const kiln__regex *r);
 void kiln__pretok_end(kiln__pretok *p);
+/* Before a new text: what was found in the last one (its runs, a match past a gap) is
+ * forgotten, even if the new text lies at the same address (a buffer freed and made
+ * again). */
+void kiln__pretok_restart(kiln__pretok *p);
 /* The end of the pre-token that starts at s[i] (i < n): the pattern's match there, or
  * the text up to its next match. */
 size_t kiln__pretok_next(kiln__pretok *p, const uint8_t *s, size_t n, size_t i);

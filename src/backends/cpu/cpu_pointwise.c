@@ -451,12 +451,13 @@ static double one_value(const kiln_tensor_t *t)
 
 kiln_status kiln__cpu_adamw_(KILN__KERNEL_ARGS)
 {
-    double lr = one_value(in[4]), t = one_value(in[5]), b1 = a->op.adamw.beta1, b2 = a->op.adamw.beta2;
-    if (!isfinite(one_value(in[6]))) return KILN_OK; /* a skipped step (ops.def) */
+    double lr = one_value(in[4]), t = one_value(in[5]), gs = one_value(in[6]), b1 = a->op.adamw.beta1,
+           b2 = a->op.adamw.beta2;
+    if (!isfinite(gs)) return KILN_OK; /* a skipped step (ops.def) */
     if (!(t >= 1)) return kiln__err(KILN_ERR_ARG, "adamw_: step %g must be >= 1", t);
     adam_ctx k = {kiln__data(in[0]), kiln__data(in[1]), kiln__data(in[2]), kiln__data(in[3]), (float)lr,
                   (float)a->op.adamw.weight_decay, (float)b1, (float)b2, (float)a->op.adamw.eps,
-                  (float)(1.0 - pow(b1, t)), (float)(1.0 - pow(b2, t)), (float)one_value(in[6])};
+                  (float)(1.0 - pow(b1, t)), (float)(1.0 - pow(b2, t)), (float)gs};
     kiln__parallel_for(kiln__numel(in[0]->ndim, in[0]->shape), CPU_GRAIN, adam_range, &k);
     return KILN_OK;
 }

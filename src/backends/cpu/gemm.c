@@ -568,8 +568,8 @@ typedef struct {
     int64_t M, N, K, kc_max;
     kiln__gemm_operand A, B;
     float *C;         /* f32 C, or NULL when the result is bf16 or f16 */
-    uint16_t *Cb;     /* bf16 or f16 C (ctype): an item sums into its own f32 block, then rounds it here */
-    kiln__gemm_type ctype;
+    uint16_t *Cb;     /* bf16 C when the products are bf16's, else f16 C: an item sums into its own f32
+                       * block, then rounds it here */
     int64_t ldc;
     bool accumulate;
     size_t es;         /* bytes per packed element */
@@ -741,16 +741,17 @@ static void items(void *ctx, int64_t begin, int64_t end)
             int64_t c0 = p0 * uk->nr, w = (p1 * uk->nr < j->nc ? p1 * uk->nr : j->nc) - c0;
             for (int64_t r = 0; r < m; r++) {
                 uint16_t *d = j->Cb + (r0 + r) * j->ldc + j->c0 + c0;
-                if (j->ctype == KILN__GEMM_F16) kiln__f32_to_f16_n(sums + r * sld, d, w);
+                if (uk->packed == KILN__GEMM_F32 && !uk->round_bf16) kiln__f32_to_f16_n(sums + r * sld, d, w);
                 else kiln__f32_to_bf16_n(sums + r * sld, d, w);
             }
         }
     }
 }
 
-/* The driver: C f32 (C) or 16-bit (Cb of type ctype, then not accumulating). */
+/* The driver: C f32 (C) or 16-bit (Cb, then not accumulating: bf16 for bf16 products,
+ * f16 for f32 ones, as kiln__gemm_bf16 and kiln__gemm_f16 ask). */
 static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
-                float *C, uint16_t *Cb, kiln__gemm_type ctype, int64_t ldc, bool accumulate, kiln__gemm_type compute)
+                float *C, uint16_t *Cb, int64_t ldc, bool accumulate, kiln__gemm_type compute)
 {
     /* (f16 operands are widened as packed, for the f32 kernels only) */
     assert(compute == KILN__GEMM_F32 || (A.type != KILN__GEMM_F16 && B.type != KILN__GEMM_F16));
@@ -763,8 +764,7 @@ static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_
             else memset(C + i * ldc, 0, sizeof(float) * (size_t)N);
         return true;
     }
-    job j = {.uk = uk, .M = M, .N = N, .K = K, .kc_max = KILN__GEMM_KC, .A = A, .B = B, .C = C, .Cb = Cb,
-             .ctype = ctype, .ldc = ldc,
+    job j = {.uk = uk, .M = M, .N = N, .K = K, .kc_max = KILN__GEMM_KC, .A = A, .B = B, .C = C, .Cb = Cb, .ldc = ldc,
              .accumulate = accumulate && !Cb, .es = uk->packed == KILN__GEMM_BF16 ? 2 : 4};
     int64_t nt = kiln__pool_size() > 0 ? kiln__pool_size() : 1;
     size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < NC ? N : NC) + uk->nr) * j.es;
@@ -801,19 +801,19 @@ static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_
 bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
                     float *C, int64_t ldc, bool accumulate, kiln__gemm_type compute)
 {
-    return run(isa, M, N, K, A, B, C, NULL, KILN__GEMM_F32, ldc, accumulate, compute);
+    return run(isa, M, N, K, A, B, C, NULL, ldc, accumulate, compute);
 }
 
 bool kiln__gemm(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, float *C, int64_t ldc,
                 bool accumulate, kiln__gemm_type compute)
 {
-    return run(KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, KILN__GEMM_F32, ldc, accumulate, compute);
+    return run(KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, ldc, accumulate, compute);
 }
 
 bool kiln__gemm_bf16_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
                           kiln__gemm_operand B, uint16_t *C, int64_t ldc)
 {
-    return run(isa, M, N, K, A, B, NULL, C, KILN__GEMM_BF16, ldc, false, KILN__GEMM_BF16);
+    return run(isa, M, N, K, A, B, NULL, C, ldc, false, KILN__GEMM_BF16);
 }
 
 bool kiln__gemm_bf16(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, uint16_t *C,
@@ -825,7 +825,7 @@ bool kiln__gemm_bf16(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln
 bool kiln__gemm_f16_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
                          kiln__gemm_operand B, uint16_t *C, int64_t ldc)
 {
-    return run(isa, M, N, K, A, B, NULL, C, KILN__GEMM_F16, ldc, false, KILN__GEMM_F32);
+    return run(isa, M, N, K, A, B, NULL, C, ldc, false, KILN__GEMM_F32);
 }
 
 bool kiln__gemm_f16(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, uint16_t *C,

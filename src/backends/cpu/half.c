@@ -8,6 +8,7 @@
  * rule does not), so those lanes are given the scalar rule's bits: every path converts
  * to the same bits (tests/test_tensor.c checks all 65,536 f16 values and the f32
  * rounding edges). KILN_OPT_F16C=0 keeps the scalar loop. */
+#include <pthread.h>
 #include <stdbool.h>
 #include <stdint.h>
 #include "backends/cpu/gemm.h"
@@ -97,25 +98,30 @@ typedef enum { HALF_C, HALF_AVX2, HALF_AVX512 } half_isa;
 static int limit = HALF_AVX512; /* kiln__half_limit */
 void kiln__half_limit(int level) { limit = level; }
 
-/* The processor's best, found once, unless KILN_OPT_F16C=0; tests lower it with
- * kiln__half_limit to check each width. */
-static half_isa isa(void)
+/* The processor's best with KILN_OPT_F16C (which is read once, as every such switch),
+ * found once; tests lower it with kiln__half_limit to check each width. A call costs a
+ * pthread_once and a compare: the GEMM's f16 packers call this for rows of 6 to 32. */
+static int found;
+static pthread_once_t found_once = PTHREAD_ONCE_INIT;
+static void find(void)
 {
 #if defined(__x86_64__)
-    static int found = -1; /* a benign race: every thread finds the same */
-    if (found < 0) {
-        __builtin_cpu_init();
-        found = !__builtin_cpu_supports("f16c") ? HALF_C
-                : __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                        __builtin_cpu_supports("avx512vl")
-                    ? HALF_AVX512
-                : __builtin_cpu_supports("avx2") ? HALF_AVX2
-                                                 : HALF_C;
-    }
-    return !kiln__opt(KILN__OPT_F16C) ? HALF_C : found < limit ? (half_isa)found : (half_isa)limit;
+    __builtin_cpu_init();
+    found = !kiln__opt(KILN__OPT_F16C) || !__builtin_cpu_supports("f16c") ? HALF_C
+            : __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl")
+                ? HALF_AVX512
+            : __builtin_cpu_supports("avx2") ? HALF_AVX2
+                                             : HALF_C;
 #else
-    return HALF_C;
+    found = HALF_C;
 #endif
+}
+
+static half_isa isa(void)
+{
+    pthread_once(&found_once, find);
+    return found < limit ? (half_isa)found : (half_isa)limit;
 }
 
 void kiln__f16_to_f32_n(const uint16_t *src, float *dst, int64_t n)

@@ -488,7 +488,9 @@ static kiln_status cu_matmul(KILN__KERNEL_ARGS)
     int lda, ldb;
     kiln_dtype dt = x->dtype;
     bool half = kiln__is_half(dt);
-    if ((dt != KILN_DTYPE_F32 && !half) || y->dtype != dt || o->dtype != dt || M > 1 << 30 || N > 1 << 30 ||
+    size_t es = kiln_dtype_size(dt);
+    cudaDataType ct = dt == KILN_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F; /* (half's) */
+    if (!kiln__f32_or_half(dt) || y->dtype != dt || o->dtype != dt || M > 1 << 30 || N > 1 << 30 ||
         K > 1 << 30 ||
         !blas_view(M, K, x->stride[x->ndim - 2], x->stride[x->ndim - 1], &opa, &lda) ||
         !blas_view(K, N, y->stride[y->ndim - 2], y->stride[y->ndim - 1], &opb, &ldb))
@@ -507,10 +509,8 @@ static kiln_status cu_matmul(KILN__KERNEL_ARGS)
             if (i >= 0 && x->shape[i] != 1) ox += idx * x->stride[i];
             if (j >= 0 && y->shape[j] != 1) oy += idx * y->stride[j];
         }
-        size_t es = kiln_dtype_size(dt);
         const char *A = (const char *)kiln__data(x) + ox * (int64_t)es, *B = (const char *)kiln__data(y) + oy * (int64_t)es;
         char *C = (char *)kiln__data(o) + bi * M * N * (int64_t)es;
-        cudaDataType ct = dt == KILN_DTYPE_BF16 ? CUDA_R_16BF : CUDA_R_16F;
         cublasStatus_t st =
             half ? p_cublasGemmEx(d->blas, opb, opa, (int)N, (int)M, (int)K, &one, B, ct, ldb, A, ct, lda, &zero, C, ct,
                                   (int)N, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT)

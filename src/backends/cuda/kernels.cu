@@ -24,9 +24,11 @@ extern "C" __global__ void kiln_adamw_(float *p, unsigned long long op, const fl
     double b1, double b2, float eps, long long n)
 {
     long long i = (long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n || !isfinite(one_value(gsp, f64s & 4))) return; /* a skipped step */
+    if (i >= n) return;
+    double gsd = one_value(gsp, f64s & 4);
+    if (!isfinite(gsd)) return; /* a skipped step */
     double t = one_value(tp, f64s & 2);
-    float lr = (float)one_value(lrp, f64s & 1), gs = (float)one_value(gsp, f64s & 4);
+    float lr = (float)one_value(lrp, f64s & 1), gs = (float)gsd;
     float c1 = (float)(1.0 - pow(b1, t)), c2 = (float)(1.0 - pow(b2, t)), fb1 = (float)b1, fb2 = (float)b2;
     float gi = g[i] * gs;
     float mi = fb1 * m[i] + (1.0f - fb1) * gi, vi = fb2 * v[i] + (1.0f - fb2) * gi * gi;

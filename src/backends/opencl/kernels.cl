@@ -404,9 +404,11 @@ __kernel void kiln_adamw_(BUF(p), BUF(g), BUF(m), BUF(v), BUF(lr), BUF(t), BUF(s
                           double b2, float eps, long n)
 {
     const long i = get_global_id(0);
-    if (i >= n || !isfinite(one_value(gs, os, f64s & 4))) return; /* a skipped step */
+    if (i >= n) return;
+    const double gsd = one_value(gs, os, f64s & 4);
+    if (!isfinite(gsd)) return; /* a skipped step */
     const double t = one_value(gt, ot, f64s & 2);
-    const float lr = (float)one_value(glr, olr, f64s & 1), gsc = (float)one_value(gs, os, f64s & 4);
+    const float lr = (float)one_value(glr, olr, f64s & 1), gsc = (float)gsd;
     const float c1 = (float)(1.0 - pow(b1, t)), c2 = (float)(1.0 - pow(b2, t)), fb1 = (float)b1, fb2 = (float)b2;
     __global float *p = AT(float, p), *m = AT(float, m), *v = AT(float, v);
     const float g = AT(const float, g)[i] * gsc;
