@@ -37,6 +37,12 @@ int cmd_compile(int argc, char **argv);
 int cmd_import(int argc, char **argv);
 int cmd_export(int argc, char **argv);
 
+/* A run folder's model file, as kiln train writes it: the parameters, and the config,
+ * tokenizer kind ("byte", or "bpe" for the folder's tokenizer.json), step and chat
+ * template in its metadata (tools/cmd_train.c). */
+struct kiln_gpt;
+kiln_status cli_save_model(const char *dir, struct kiln_gpt *m, const char *tok_kind, int64_t step);
+
 /* Checkpoint files inside a run folder. */
 #define RUN_MODEL "model.safetensors"
 #define RUN_STATE "train_state.safetensors"

@@ -11,29 +11,15 @@
 #include "kiln/tokenizer.h"
 
 /* A run folder as `kiln train` leaves one, for a model that has taken no step: the
- * model file with kiln's metadata, and the tokenizer.json unless it is bytes. */
+ * model file, and the tokenizer.json unless it is bytes. */
 static kiln_status write_run(const char *dir, kiln_gpt_t *m, kiln_tokenizer_t *tok)
 {
     if (mkdir(dir, 0755) != 0 && errno != EEXIST) return kiln_error(KILN_ERR_IO, "cannot make %s: %s", dir, strerror(errno));
     char path[4200];
-    kiln_status s = KILN_OK;
-    bool bytes = !strcmp(kiln_tokenizer_kind(tok), "byte");
+    const char *kind = kiln_tokenizer_kind(tok);
     snprintf(path, sizeof path, "%s/%s", dir, RUN_TOKENIZER);
-    if (!bytes) s = kiln_tokenizer_save(tok, path);
-    int n = kiln_gpt_num_params(m);
-    const char **names = malloc(sizeof *names * (size_t)n);
-    kiln_tensor_t **ts = malloc(sizeof *ts * (size_t)n);
-    if (s == KILN_OK && (!names || !ts)) s = kiln_error(KILN_ERR_OOM, "import: out of memory");
-    for (int i = 0; s == KILN_OK && i < n; i++) ts[i] = kiln_gpt_param(m, i, &names[i]);
-    char *cfg = kiln_gpt_config_to_json(kiln_gpt_get_config(m));
-    const char *meta[] = {"format", "kiln-gpt-1", "config", cfg ? cfg : "{}", "tokenizer", bytes ? "byte" : "bpe",
-                          "step", "0", "chat_template", kiln_chat_template_default(), NULL};
-    snprintf(path, sizeof path, "%s/%s", dir, RUN_MODEL);
-    if (s == KILN_OK) s = cfg ? kiln_safetensors_save(path, names, ts, n, meta) : kiln_error(KILN_ERR_OOM, "out of memory");
-    free(cfg);
-    free(names);
-    free(ts);
-    return s;
+    kiln_status s = strcmp(kind, "byte") ? kiln_tokenizer_save(tok, path) : KILN_OK;
+    return s == KILN_OK ? cli_save_model(dir, m, kind, 0) : s;
 }
 
 static int check_kind(const char *cmd, int np, const char **pos)

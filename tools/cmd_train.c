@@ -91,6 +91,25 @@ static kiln_status get_tokenizer(const train_args *a, const char *text, size_t l
     return kiln_tokenizer_load(k, tok);
 }
 
+kiln_status cli_save_model(const char *dir, kiln_gpt_t *m, const char *tok_kind, int64_t step)
+{
+    int n = kiln_gpt_num_params(m);
+    const char **names = malloc(sizeof *names * (size_t)n);
+    kiln_tensor_t **ts = malloc(sizeof *ts * (size_t)n);
+    char *cfg = kiln_gpt_config_to_json(kiln_gpt_get_config(m)), *path = join(dir, RUN_MODEL), stepbuf[32];
+    kiln_status s = names && ts && cfg && path ? KILN_OK : kiln_error(KILN_ERR_OOM, "checkpoint: out of memory");
+    snprintf(stepbuf, sizeof stepbuf, "%lld", (long long)step);
+    for (int i = 0; s == KILN_OK && i < n; i++) ts[i] = kiln_gpt_param(m, i, &names[i]);
+    const char *meta[] = {"format", "kiln-gpt-1", "config", cfg, "tokenizer", tok_kind, "step", stepbuf,
+                          "chat_template", kiln_chat_template_default(), NULL};
+    if (s == KILN_OK) s = kiln_safetensors_save(path, names, ts, n, meta);
+    free(names);
+    free(ts);
+    free(cfg);
+    free(path);
+    return s;
+}
+
 static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, int64_t step, const char *tok_kind,
                                    const train_args *a, const kiln_loss_scaler *scaler)
 {
@@ -99,7 +118,6 @@ static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t 
     kiln_tensor_t **ts = malloc(sizeof *ts * (size_t)(3 * n + 1));
     char **owned = calloc((size_t)(3 * n + 1), sizeof *owned);
     kiln_status s = names && ts && owned ? KILN_OK : kiln_error(KILN_ERR_OOM, "checkpoint: out of memory");
-    char *cfg = kiln_gpt_config_to_json(kiln_gpt_get_config(m));
     char stepbuf[32], seedbuf[32], offbuf[32], dseed[32];
     snprintf(stepbuf, sizeof stepbuf, "%lld", (long long)step);
     kiln_rng_state rng = kiln_rng_get_state();
@@ -116,11 +134,9 @@ static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t 
         snprintf(good, sizeof good, "%lld", (long long)scaler->good);
         snprintf(skipped, sizeof skipped, "%lld", (long long)scaler->skipped);
     }
-    char *model_path = join(dir, RUN_MODEL), *state_path = join(dir, RUN_STATE);
+    char *state_path = join(dir, RUN_STATE);
     if (s == KILN_OK) {
-        for (int i = 0; i < n; i++) ts[i] = kiln_gpt_param(m, i, &names[i]);
-        const char *meta[] = {"format", "kiln-gpt-1", "config", cfg ? cfg : "{}", "tokenizer", tok_kind, "step", stepbuf,
-                              "chat_template", kiln_chat_template_default(), NULL};
+        for (int i = 0; i < n; i++) kiln_gpt_param(m, i, &names[i]);
         /* The training state first: a model file newer than its state is detected on
          * resume by the step numbers, never silently mixed. */
         int k = 0;
@@ -146,15 +162,13 @@ static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t 
         if (prev_path && stat(state_path, &st) == 0 && rename(state_path, prev_path) != 0)
             s = kiln_error(KILN_ERR_IO, "cannot keep %s as %s: %s", state_path, prev_path, strerror(errno));
         if (s == KILN_OK) s = kiln_safetensors_save(state_path, names + n, ts + n, k, smeta);
-        if (s == KILN_OK) s = kiln_safetensors_save(model_path, names, ts, n, meta);
+        if (s == KILN_OK) s = cli_save_model(dir, m, tok_kind, step);
         free(prev_path);
     }
     for (int i = 0; owned && i < 3 * n + 1; i++) free(owned[i]);
     free(owned);
     free(names);
     free(ts);
-    free(cfg);
-    free(model_path);
     free(state_path);
     return s;
 }

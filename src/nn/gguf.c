@@ -218,7 +218,7 @@ static kiln_status make_tensor(gtensor *g, const char *name, kiln_tensor_t *p, u
     g->ne[1] = (uint64_t)rows;
     float *f = malloc(sizeof(float) * (size_t)n);
     if (!f) return kiln_error(KILN_ERR_OOM, "gguf: out of memory");
-    kiln_status s = kiln_tensor_to_host(kiln_contiguous(p), f, sizeof(float) * (size_t)n);
+    kiln_status s = kiln_tensor_to_host(p, f, sizeof(float) * (size_t)n);
     if (s == KILN_OK && heads > 0) {
         int64_t hs = rows / heads;
         float *t = malloc(sizeof(float) * (size_t)n);

@@ -323,7 +323,7 @@ static kiln_tensor_t *source(hf_weights *w, hf_family fam, const char *prefix, c
         /* a bias the model does not have: zero, the same model */
         if (!t && fam == HF_LLAMA && strstr(e->kiln, ".bias"))
             t = kiln_zeros(kiln_tensor_shape(param), kiln_tensor_ndim(param), KILN_DTYPE_F32);
-        return t && e->conv1d ? kiln_contiguous(kiln_transpose(t, 0, 1)) : t;
+        return t && e->conv1d ? kiln_transpose(t, 0, 1) : t;
     }
     const char *rest = strchr(name, '.') ? strchr(strchr(name, '.') + 1, '.') : NULL;
     if (fam == HF_LLAMA && i >= 0 && rest && (!strcmp(rest + 1, "attn.qkv.weight") || !strcmp(rest + 1, "attn.qkv.bias"))) {
@@ -564,7 +564,7 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
                 t = kiln_narrow(p, 0, at, rows[q]);
                 at += rows[q];
             }
-            t = kiln_contiguous(kiln_cast(t, dt));
+            t = kiln_cast(t, dt); /* (saved in any layout) */
             if (!t || !(owned[n] = strdup(hn))) {
                 s = t ? kiln_error(KILN_ERR_OOM, "hf_save: out of memory") : kiln_last_status();
                 break;

@@ -48,12 +48,13 @@ static kiln_status hf_model(const char *dir, kiln_gpt_t **model, kiln_tokenizer_
     snprintf(path, sizeof path, "%s/%s", dir, TOKENIZER_FILE);
     kiln_gpt_t *m = NULL;
     kiln_tokenizer_t *t = NULL;
-    kiln_status s = tokenizer_for(dir, stat(path, &st) == 0 ? "json" : "byte", &t);
+    bool has_json = stat(path, &st) == 0;
+    kiln_status s = tokenizer_for(dir, has_json ? "json" : "byte", &t);
     if (s == KILN_OK) s = kiln_hf_load(dir, &m);
     if (s == KILN_OK && kiln_tokenizer_vocab_size(t) != kiln_gpt_get_config(m)->vocab_size)
         s = kiln_error(KILN_ERR_FORMAT, "%s: the model has %d tokens but its tokenizer %d%s", dir,
                        kiln_gpt_get_config(m)->vocab_size, kiln_tokenizer_vocab_size(t),
-                       stat(path, &st) == 0 ? "" : " (no tokenizer.json: bytes)");
+                       has_json ? "" : " (no tokenizer.json: bytes)");
     if (s != KILN_OK) {
         kiln_gpt_free(m);
         kiln_tokenizer_free(t);

@@ -123,8 +123,9 @@ kiln_status kiln_server_load(kiln_server_t *s, const char *model_path)
     kiln_status st = kiln_model_load(model_path, &s->model, &s->tok, &tmpl);
     if (st != KILN_OK) return st;
     /* --chat-template first, else a Hugging Face folder's own (an error naming the
-     * option when kiln cannot render it), else the checkpoint's */
-    if (s->tmpl_opt || kiln_hf_is_folder(model_path)) {
+     * option when kiln cannot render it), else the checkpoint's (a HF folder brings none
+     * through kiln_model_load, so only a path without one is looked at again) */
+    if (s->tmpl_opt || (!tmpl && kiln_hf_is_folder(model_path))) {
         free(tmpl);
         tmpl = NULL;
         st = s->tmpl_opt ? kiln__chat_template_resolve(s->tmpl_opt, &tmpl) : kiln_chat_template_from_hf(model_path, &tmpl);
