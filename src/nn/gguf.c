@@ -23,6 +23,7 @@
 #include "kiln/nn.h"
 #include "kiln/ops.h"
 #include "kiln/tokenizer.h"
+#include "nn/names.h"
 
 enum { G_U32 = 4, G_I32 = 5, G_F32 = 6, G_BOOL = 7, G_STR = 8, G_ARR = 9 };  /* GGUF value types */
 enum { T_F32 = 0, T_F16 = 1, T_Q8_0 = 8, T_BF16 = 30 };                    /* ggml tensor types */
@@ -260,28 +261,24 @@ static kiln_status make_tensor(gtensor *g, const char *name, kiln_tensor_t *p, u
 /* kiln's parameter names as llama.cpp's, for its llama architecture (q, k and v are
  * split out of kiln's qkv apart) and its gpt2 architecture (which has kiln's fused qkv,
  * biases and learned positions). */
-typedef struct {
-    const char *kiln, *gguf;
-} gname;
-
-static const gname gpt2_names[] = {
-    {"tok_emb.weight", "token_embd.weight"},     {"pos_emb.weight", "position_embd.weight"},
-    {"norm_f.weight", "output_norm.weight"},     {"norm_f.bias", "output_norm.bias"},
-    {"lm_head.weight", "output.weight"},         {"norm1.weight", "blk.%d.attn_norm.weight"},
-    {"norm1.bias", "blk.%d.attn_norm.bias"},     {"attn.qkv.weight", "blk.%d.attn_qkv.weight"},
-    {"attn.qkv.bias", "blk.%d.attn_qkv.bias"},   {"attn.proj.weight", "blk.%d.attn_output.weight"},
-    {"attn.proj.bias", "blk.%d.attn_output.bias"}, {"norm2.weight", "blk.%d.ffn_norm.weight"},
-    {"norm2.bias", "blk.%d.ffn_norm.bias"},      {"mlp.fc.weight", "blk.%d.ffn_up.weight"},
-    {"mlp.fc.bias", "blk.%d.ffn_up.bias"},       {"mlp.proj.weight", "blk.%d.ffn_down.weight"},
-    {"mlp.proj.bias", "blk.%d.ffn_down.bias"},
+static const kiln__name_pair gpt2_names[] = {
+    {"tok_emb.weight", "token_embd.weight", false},     {"pos_emb.weight", "position_embd.weight", false},
+    {"norm_f.weight", "output_norm.weight", false},     {"norm_f.bias", "output_norm.bias", false},
+    {"lm_head.weight", "output.weight", false},         {"norm1.weight", "blk.%d.attn_norm.weight", false},
+    {"norm1.bias", "blk.%d.attn_norm.bias", false},     {"attn.qkv.weight", "blk.%d.attn_qkv.weight", false},
+    {"attn.qkv.bias", "blk.%d.attn_qkv.bias", false},   {"attn.proj.weight", "blk.%d.attn_output.weight", false},
+    {"attn.proj.bias", "blk.%d.attn_output.bias", false}, {"norm2.weight", "blk.%d.ffn_norm.weight", false},
+    {"norm2.bias", "blk.%d.ffn_norm.bias", false},      {"mlp.fc.weight", "blk.%d.ffn_up.weight", false},
+    {"mlp.fc.bias", "blk.%d.ffn_up.bias", false},       {"mlp.proj.weight", "blk.%d.ffn_down.weight", false},
+    {"mlp.proj.bias", "blk.%d.ffn_down.bias", false},
 };
 
-static const gname gguf_names[] = {
-    {"tok_emb.weight", "token_embd.weight"},   {"norm_f.weight", "output_norm.weight"},
-    {"lm_head.weight", "output.weight"},       {"norm1.weight", "blk.%d.attn_norm.weight"},
-    {"norm2.weight", "blk.%d.ffn_norm.weight"}, {"attn.proj.weight", "blk.%d.attn_output.weight"},
-    {"mlp.gate.weight", "blk.%d.ffn_gate.weight"}, {"mlp.up.weight", "blk.%d.ffn_up.weight"},
-    {"mlp.down.weight", "blk.%d.ffn_down.weight"},
+static const kiln__name_pair gguf_names[] = {
+    {"tok_emb.weight", "token_embd.weight", false},   {"norm_f.weight", "output_norm.weight", false},
+    {"lm_head.weight", "output.weight", false},       {"norm1.weight", "blk.%d.attn_norm.weight", false},
+    {"norm2.weight", "blk.%d.ffn_norm.weight", false}, {"attn.proj.weight", "blk.%d.attn_output.weight", false},
+    {"mlp.gate.weight", "blk.%d.ffn_gate.weight", false}, {"mlp.up.weight", "blk.%d.ffn_up.weight", false},
+    {"mlp.down.weight", "blk.%d.ffn_down.weight", false},
 };
 
 kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const char *path, kiln_dtype dt,
@@ -295,15 +292,14 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
     if (kiln_tokenizer_vocab_size(tok) != c->vocab_size)
         return kiln_error(KILN_ERR_ARG, "gguf_save: the model has %d tokens but its tokenizer %d", c->vocab_size,
                           kiln_tokenizer_vocab_size(tok));
-    bool llama = c->norm == KILN_NORM_RMSNORM && c->pos == KILN_POS_ROPE && c->mlp == KILN_MLP_SWIGLU && !c->bias;
-    bool gpt2 = c->norm == KILN_NORM_LAYERNORM && c->pos == KILN_POS_LEARNED && c->mlp == KILN_MLP_GELU && c->bias &&
-                c->n_kv_head == c->n_head;
+    kiln__family fam = kiln__family_of(c);
+    bool llama = fam == KILN__FAMILY_LLAMA && !c->bias, gpt2 = fam == KILN__FAMILY_GPT2;
     if (!llama && !gpt2)
         return kiln_error(KILN_ERR_UNSUPPORTED, "gguf export: llama.cpp's llama architecture takes LLaMA-style models "
                           "(rmsnorm, rope, swiglu, no biases) and its gpt2 architecture GPT-2 style ones (layernorm, "
                           "learned positions, gelu, biases, as many key heads as query heads); this model is neither");
-    const gname *names = llama ? gguf_names : gpt2_names;
-    size_t n_names = llama ? sizeof gguf_names / sizeof gguf_names[0] : sizeof gpt2_names / sizeof gpt2_names[0];
+    const kiln__name_pair *names = llama ? gguf_names : gpt2_names;
+    size_t n_names = llama ? KILN__N_OF(gguf_names) : KILN__N_OF(gpt2_names);
     const char *arch = llama ? "llama" : "gpt2";
     uint32_t type = q8_0_weights ? T_Q8_0 : dt == KILN_DTYPE_F16 ? T_F16 : dt == KILN_DTYPE_BF16 ? T_BF16 : T_F32;
     int np = kiln_gpt_num_params(m), cap = np + 2 * c->n_layer, nt = 0;
@@ -314,9 +310,9 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
     for (int k = 0; s == KILN_OK && k < np; k++) {
         const char *name;
         kiln_tensor_t *p = kiln_gpt_param(m, k, &name);
-        int i = -1, off = 0;
-        const char *rest = name;
-        if (sscanf(name, "blocks.%d.%n", &i, &off) == 1 && off > 0) rest = name + off;
+        int i;
+        const char *rest;
+        const kiln__name_pair *e = kiln__name_lookup(names, n_names, name, &i, &rest);
         if (llama && i >= 0 && !strcmp(rest, "attn.qkv.weight")) { /* q, k (both reordered) and v */
             int64_t rows[3] = {c->n_head * hs, c->n_kv_head * hs, c->n_kv_head * hs}, at = 0;
             const char *part[3] = {"attn_q", "attn_k", "attn_v"};
@@ -329,15 +325,12 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
             }
             continue;
         }
-        size_t e = 0;
-        while (e < n_names && !(!strcmp(rest, names[e].kiln) && (i >= 0) == (strchr(names[e].gguf, '%') != NULL)))
-            e++;
-        if (e == n_names) {
+        if (!e) {
             s = kiln_error(KILN_ERR_INTERNAL, "gguf: no llama.cpp name for %s", name);
             break;
         }
         char gn[64];
-        snprintf(gn, sizeof gn, names[e].gguf, i);
+        snprintf(gn, sizeof gn, e->other, i);
         s = make_tensor(&ts[nt++], gn, p, type, 0);
     }
     kiln_scope_end();

@@ -19,8 +19,8 @@
 #include "kiln/nn.h"
 #include "kiln/ops.h"
 #include "kiln/tokenizer.h"
+#include "nn/names.h"
 
-typedef enum { HF_LLAMA, HF_GPT2 } hf_family;
 
 /* ---- config.json ---- */
 
@@ -143,7 +143,7 @@ static kiln_status config_gpt2(const hf_config *c, kiln_gpt_config *g)
     return KILN_OK;
 }
 
-static kiln_status read_config(const char *dir, kiln_gpt_config *g, hf_family *fam)
+static kiln_status read_config(const char *dir, kiln_gpt_config *g, kiln__family *fam)
 {
     char file[4200];
     snprintf(file, sizeof file, "%s/config.json", dir);
@@ -158,8 +158,8 @@ static kiln_status read_config(const char *dir, kiln_gpt_config *g, hf_family *f
     kiln_status s;
     if (!type) s = kiln_error(KILN_ERR_FORMAT, "%s: 'model_type' is missing", file);
     else if (!strcmp(type, "llama") || !strcmp(type, "mistral") || !strcmp(type, "qwen2"))
-        s = config_llama(&c, type, g), *fam = HF_LLAMA;
-    else if (!strcmp(type, "gpt2")) s = config_gpt2(&c, g), *fam = HF_GPT2;
+        s = config_llama(&c, type, g), *fam = KILN__FAMILY_LLAMA;
+    else if (!strcmp(type, "gpt2")) s = config_gpt2(&c, g), *fam = KILN__FAMILY_GPT2;
     else
         s = kiln_error(KILN_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, mistral, qwen2 and gpt2 are)",
                        file, type);
@@ -253,15 +253,9 @@ static kiln_tensor_t *weight(hf_weights *w, const char *name)
     return NULL;
 }
 
-/* kiln's parameter names (docs/model.md) against the Hugging Face ones, a block's with
- * its index as %d; GPT-2's Conv1D weights are stored (in, out), transposed. LLaMA's
- * q/k/v (kiln's one qkv) are handled apart. */
-typedef struct {
-    const char *kiln, *hf;
-    bool conv1d;
-} name_pair;
-
-static const name_pair llama_names[] = {
+/* kiln's parameter names (docs/model.md) against the Hugging Face ones; LLaMA's q/k/v
+ * (kiln's one qkv) are handled apart. */
+static const kiln__name_pair llama_names[] = {
     {"tok_emb.weight", "model.embed_tokens.weight", false}, {"norm_f.weight", "model.norm.weight", false},
     {"lm_head.weight", "lm_head.weight", false}, {"norm1.weight", "model.layers.%d.input_layernorm.weight", false},
     {"norm2.weight", "model.layers.%d.post_attention_layernorm.weight", false},
@@ -273,7 +267,7 @@ static const name_pair llama_names[] = {
 };
 
 /* (without the "transformer." prefix of GPT2LMHeadModel's files, which lm_head lacks) */
-static const name_pair gpt2_names[] = {
+static const kiln__name_pair gpt2_names[] = {
     {"tok_emb.weight", "wte.weight", false}, {"pos_emb.weight", "wpe.weight", false},
     {"norm_f.weight", "ln_f.weight", false}, {"norm_f.bias", "ln_f.bias", false},
     {"norm1.weight", "h.%d.ln_1.weight", false}, {"norm1.bias", "h.%d.ln_1.bias", false},
@@ -285,48 +279,34 @@ static const name_pair gpt2_names[] = {
     {"lm_head.weight", "lm_head.weight", false},
 };
 
-/* The table entry for kiln's parameter `name`, its block index in *layer (-1 for none),
- * or NULL. */
-static const name_pair *pair_of(const name_pair *t, size_t n, const char *name, int *layer)
-{
-    int i = -1, off = 0;
-    const char *rest = name;
-    if (sscanf(name, "blocks.%d.%n", &i, &off) == 1 && off > 0) rest = name + off;
-    *layer = i;
-    for (size_t k = 0; k < n; k++)
-        if (!strcmp(rest, t[k].kiln) && (i >= 0) == (strchr(t[k].hf, '%') != NULL)) return &t[k];
-    return NULL;
-}
-
 /* The Hugging Face name of an entry: its layer filled in, GPT-2's prefix put before all
  * but lm_head. */
-static void hf_name(const name_pair *e, const char *prefix, int layer, char *out, size_t n)
+static void hf_name(const kiln__name_pair *e, const char *prefix, int layer, char *out, size_t n)
 {
     char fmt[160];
-    snprintf(fmt, sizeof fmt, "%s%s", strcmp(e->kiln, "lm_head.weight") ? prefix : "", e->hf);
+    snprintf(fmt, sizeof fmt, "%s%s", strcmp(e->kiln, "lm_head.weight") ? prefix : "", e->other);
     snprintf(out, n, fmt, layer);
 }
 
-#define N_OF(t) (sizeof t / sizeof t[0])
-
 /* What parameter `name` of the kiln model (shape like param) is made of; need gets the
  * name it looked for. */
-static kiln_tensor_t *source(hf_weights *w, hf_family fam, const char *prefix, const char *name,
+static kiln_tensor_t *source(hf_weights *w, kiln__family fam, const char *prefix, const char *name,
                              const kiln_tensor_t *param, char *need, size_t nn)
 {
     int i;
-    const name_pair *e = fam == HF_GPT2 ? pair_of(gpt2_names, N_OF(gpt2_names), name, &i)
-                                        : pair_of(llama_names, N_OF(llama_names), name, &i);
+    const char *rest;
+    const kiln__name_pair *e = fam == KILN__FAMILY_GPT2
+                                   ? kiln__name_lookup(gpt2_names, KILN__N_OF(gpt2_names), name, &i, &rest)
+                                   : kiln__name_lookup(llama_names, KILN__N_OF(llama_names), name, &i, &rest);
     if (e) {
         hf_name(e, prefix, i, need, nn);
         kiln_tensor_t *t = weight(w, need);
         /* a bias the model does not have: zero, the same model */
-        if (!t && fam == HF_LLAMA && strstr(e->kiln, ".bias"))
+        if (!t && fam == KILN__FAMILY_LLAMA && strstr(e->kiln, ".bias"))
             t = kiln_zeros(kiln_tensor_shape(param), kiln_tensor_ndim(param), KILN_DTYPE_F32);
-        return t && e->conv1d ? kiln_transpose(t, 0, 1) : t;
+        return t && e->transposed ? kiln_transpose(t, 0, 1) : t;
     }
-    const char *rest = strchr(name, '.') ? strchr(strchr(name, '.') + 1, '.') : NULL;
-    if (fam == HF_LLAMA && i >= 0 && rest && (!strcmp(rest + 1, "attn.qkv.weight") || !strcmp(rest + 1, "attn.qkv.bias"))) {
+    if (fam == KILN__FAMILY_LLAMA && i >= 0 && (!strcmp(rest, "attn.qkv.weight") || !strcmp(rest, "attn.qkv.bias"))) {
         const char *what = strstr(rest, "bias") ? "bias" : "weight";
         kiln_tensor_t *p[3];
         const char *qkv = "qkv";
@@ -390,13 +370,13 @@ static bool same_as_embedding(const kiln_gpt_t *m, const kiln_safetensors_t *f, 
     return same;
 }
 
-static kiln_status load_weights(kiln_gpt_t *m, hf_family fam, hf_weights *w)
+static kiln_status load_weights(kiln_gpt_t *m, kiln__family fam, hf_weights *w)
 {
     kiln_status s = weights_open(w);
     /* GPT-2 files saved from GPT2LMHeadModel prefix the body with "transformer." */
     const char *pre = "";
     bool prev = kiln_set_grad_enabled(false); /* the parameters are written in place */
-    for (int i = 0; s == KILN_OK && fam == HF_GPT2 && i < w->n; i++)
+    for (int i = 0; s == KILN_OK && fam == KILN__FAMILY_GPT2 && i < w->n; i++)
         for (int j = 0; j < kiln_safetensors_count(w->f[i]); j++)
             if (!strncmp(kiln_safetensors_name(w->f[i], j), "transformer.", 12)) pre = "transformer.";
     for (int k = 0; s == KILN_OK && k < kiln_gpt_num_params(m); k++) {
@@ -440,7 +420,7 @@ kiln_status kiln_hf_load(const char *dir, kiln_gpt_t **model)
     if (!dir || !model) return kiln_error(KILN_ERR_ARG, "hf_load: dir and model must not be NULL");
     *model = NULL;
     kiln_gpt_config cfg;
-    hf_family fam = HF_LLAMA;
+    kiln__family fam = KILN__FAMILY_LLAMA;
     kiln_status s = read_config(dir, &cfg, &fam);
     kiln_gpt_t *m = NULL;
     if (s == KILN_OK) s = kiln_gpt_new(&cfg, 0, &m);
@@ -458,17 +438,9 @@ kiln_status kiln_hf_load(const char *dir, kiln_gpt_t **model)
 /* ---- out ---- */
 
 /* The Hugging Face family a kiln config is, or an error naming what fits neither. */
-static kiln_status family_of(const kiln_gpt_config *c, hf_family *fam)
+static kiln_status family_of(const kiln_gpt_config *c, kiln__family *fam)
 {
-    if (c->norm == KILN_NORM_RMSNORM && c->pos == KILN_POS_ROPE && c->mlp == KILN_MLP_SWIGLU) {
-        *fam = HF_LLAMA;
-        return KILN_OK;
-    }
-    if (c->norm == KILN_NORM_LAYERNORM && c->pos == KILN_POS_LEARNED && c->mlp == KILN_MLP_GELU && c->bias &&
-        c->n_kv_head == c->n_head) {
-        *fam = HF_GPT2;
-        return KILN_OK;
-    }
+    if ((*fam = kiln__family_of(c)) != KILN__FAMILY_NONE) return KILN_OK;
     return kiln_error(KILN_ERR_UNSUPPORTED, "hf export: this model (%s, %s positions, %s MLP, bias %s, %d of %d heads "
                       "for keys) is neither a LLaMA (rmsnorm, rope, swiglu) nor a GPT-2 (layernorm, learned, gelu, "
                       "biases, as many key heads as query heads)",
@@ -476,10 +448,10 @@ static kiln_status family_of(const kiln_gpt_config *c, hf_family *fam)
                       c->mlp == KILN_MLP_SWIGLU ? "swiglu" : "gelu", c->bias ? "on" : "off", c->n_kv_head, c->n_head);
 }
 
-static json_t *config_json(const kiln_gpt_config *c, hf_family fam, kiln_dtype dt)
+static json_t *config_json(const kiln_gpt_config *c, kiln__family fam, kiln_dtype dt)
 {
     const char *dtype = dt == KILN_DTYPE_BF16 ? "bfloat16" : dt == KILN_DTYPE_F16 ? "float16" : "float32";
-    if (fam == HF_GPT2)
+    if (fam == KILN__FAMILY_GPT2)
         return json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:s, s:b, s:s, s:f, s:f, s:f}", "architectures",
                          "GPT2LMHeadModel", "model_type", "gpt2", "n_embd", c->n_embd, "n_layer", c->n_layer, "n_head",
                          c->n_head, "n_positions", c->block_size, "vocab_size", c->vocab_size, "n_inner",
@@ -528,7 +500,7 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
     if (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_BF16 && dt != KILN_DTYPE_F16)
         return kiln_error(KILN_ERR_ARG, "hf_save: weights are written as f32, bf16 or f16, not %s", kiln_dtype_name(dt));
     const kiln_gpt_config *c = kiln_gpt_get_config(m);
-    hf_family fam = HF_LLAMA;
+    kiln__family fam = KILN__FAMILY_LLAMA;
     kiln_status s = family_of(c, &fam);
     if (s != KILN_OK) return s;
     if (mkdir(dir, 0755) != 0 && errno != EEXIST) return kiln_error(KILN_ERR_IO, "hf_save: cannot make %s: %s", dir, strerror(errno));
@@ -539,16 +511,18 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
     kiln_tensor_t **ts = calloc((size_t)cap, sizeof *ts);
     if (!names || !owned || !ts) s = kiln_error(KILN_ERR_OOM, "hf_save: out of memory");
     kiln_scope_begin();
-    const char *prefix = fam == HF_GPT2 ? "transformer." : "";
+    const char *prefix = fam == KILN__FAMILY_GPT2 ? "transformer." : "";
     for (int k = 0; s == KILN_OK && k < np; k++) {
         const char *name;
         kiln_tensor_t *p = kiln_gpt_param(m, k, &name);
         int layer;
-        const name_pair *e = fam == HF_GPT2 ? pair_of(gpt2_names, N_OF(gpt2_names), name, &layer)
-                                            : pair_of(llama_names, N_OF(llama_names), name, &layer);
+        const char *rest;
+        const kiln__name_pair *e = fam == KILN__FAMILY_GPT2
+                                       ? kiln__name_lookup(gpt2_names, KILN__N_OF(gpt2_names), name, &layer, &rest)
+                                       : kiln__name_lookup(llama_names, KILN__N_OF(llama_names), name, &layer, &rest);
         int parts = e ? 1 : 3; /* LLaMA's qkv: q, k and v */
         int64_t hs = c->n_embd / c->n_head, rows[3] = {c->n_head * hs, c->n_kv_head * hs, c->n_kv_head * hs}, at = 0;
-        if (!e && (fam != HF_LLAMA || layer < 0 || !strstr(name, "attn.qkv."))) {
+        if (!e && (fam != KILN__FAMILY_LLAMA || layer < 0 || strncmp(rest, "attn.qkv.", 9))) {
             s = kiln_error(KILN_ERR_INTERNAL, "hf_save: no Hugging Face name for %s", name);
             break;
         }
@@ -557,7 +531,7 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
             kiln_tensor_t *t = p;
             if (e) {
                 hf_name(e, prefix, layer, hn, sizeof hn);
-                if (e->conv1d) t = kiln_transpose(p, 0, 1);
+                if (e->transposed) t = kiln_transpose(p, 0, 1);
             } else {
                 snprintf(hn, sizeof hn, "model.layers.%d.self_attn.%c_proj.%s", layer, "qkv"[q],
                          strstr(name, "bias") ? "bias" : "weight");

@@ -1,0 +1,45 @@
+/* kiln's GPT parameters against the names and families of other formats (Hugging Face
+ * folders, hf.c; GGUF files, gguf.c): one table entry a name, a block's with its index
+ * as %d, looked up the same way by both, and the family a config is. */
+#ifndef KILN_NN_NAMES_H
+#define KILN_NN_NAMES_H
+#include <stdbool.h>
+#include <stdio.h>
+#include <string.h>
+#include "kiln/nn.h"
+
+typedef struct {
+    const char *kiln, *other;
+    bool transposed; /* stored (in, out) there: GPT-2's Conv1D weights */
+} kiln__name_pair;
+
+/* The entry of t[0..n) for kiln's parameter `name`; its block index in *layer (-1 for
+ * none) and its name after "blocks.N." in *rest, found or not. */
+static inline const kiln__name_pair *kiln__name_lookup(const kiln__name_pair *t, size_t n, const char *name,
+                                                       int *layer, const char **rest)
+{
+    int i = -1, off = 0;
+    *rest = name;
+    if (sscanf(name, "blocks.%d.%n", &i, &off) == 1 && off > 0) *rest = name + off;
+    *layer = i;
+    for (size_t k = 0; k < n; k++)
+        if (!strcmp(*rest, t[k].kiln) && (i >= 0) == (strchr(t[k].other, '%') != NULL)) return &t[k];
+    return NULL;
+}
+
+typedef enum { KILN__FAMILY_NONE, KILN__FAMILY_LLAMA, KILN__FAMILY_GPT2 } kiln__family;
+
+/* LLaMA: rmsnorm, rope, swiglu (with or without biases); GPT-2: layernorm, learned
+ * positions, gelu, biases, as many key heads as query heads; else none. */
+static inline kiln__family kiln__family_of(const kiln_gpt_config *c)
+{
+    if (c->norm == KILN_NORM_RMSNORM && c->pos == KILN_POS_ROPE && c->mlp == KILN_MLP_SWIGLU) return KILN__FAMILY_LLAMA;
+    if (c->norm == KILN_NORM_LAYERNORM && c->pos == KILN_POS_LEARNED && c->mlp == KILN_MLP_GELU && c->bias &&
+        c->n_kv_head == c->n_head)
+        return KILN__FAMILY_GPT2;
+    return KILN__FAMILY_NONE;
+}
+
+#define KILN__N_OF(t) (sizeof t / sizeof t[0])
+
+#endif
