@@ -88,7 +88,7 @@ int cmd_export(int argc, char **argv)
     kiln_dtype dt = KILN_DTYPE_F32;
     bool q8 = gguf && !strcmp(dtype, "q8_0");
     if (!q8 && (kiln_dtype_parse(dtype, &dt) != KILN_OK ||
-                (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_BF16 && dt != KILN_DTYPE_F16)))
+                !kiln_dtype_is_f32_or_half(dt)))
         return cli_fail("export", gguf ? "--dtype must be f32, bf16, f16 or q8_0" : "--dtype must be f32, bf16 or f16");
     kiln_init(0);
     kiln_gpt_t *m;

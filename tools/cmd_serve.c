@@ -62,11 +62,11 @@ int cmd_serve(int argc, char **argv)
         return cli_fail("serve", "an option is out of range (see kiln serve --help)");
     kiln_dtype kvt;
     if (kiln_dtype_parse(kv_dtype, &kvt) != KILN_OK ||
-        (kvt != KILN_DTYPE_F32 && kvt != KILN_DTYPE_F16 && kvt != KILN_DTYPE_BF16))
+        !kiln_dtype_is_f32_or_half(kvt))
         return cli_fail("serve", "--kv-dtype must be f32, f16 or bf16");
     kiln_dtype wt;
     if (kiln_dtype_parse(weights, &wt) != KILN_OK ||
-        (wt != KILN_DTYPE_F32 && wt != KILN_DTYPE_BF16 && wt != KILN_DTYPE_F16))
+        !kiln_dtype_is_f32_or_half(wt))
         return cli_fail("serve", "--weights must be f32, bf16 or f16");
     if (!api_key) api_key = kiln_env("KILN_API_KEY");
     o.host = host;

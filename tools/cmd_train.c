@@ -484,7 +484,7 @@ static int parse_options(train_run *r)
     if (strcmp(a->optimizer, "adamw") && strcmp(a->optimizer, "sgd"))
         return cli_fail("train", "--optimizer must be adamw or sgd");
     if (kiln_dtype_parse(a->precision, &a->prec) != KILN_OK ||
-        (a->prec != KILN_DTYPE_F32 && a->prec != KILN_DTYPE_BF16 && a->prec != KILN_DTYPE_F16))
+        !kiln_dtype_is_f32_or_half(a->prec))
         return cli_fail("train", "--precision must be f32, bf16 or f16");
     if (!(a->loss_scale >= 1 && a->loss_scale <= 1e30))
         return cli_fail("train", "--loss-scale must be in 1..1e30");

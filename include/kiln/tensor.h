@@ -83,6 +83,8 @@ const char *kiln_status_name(kiln_status s);
 const char *kiln_dtype_name(kiln_dtype dt);
 size_t kiln_dtype_size(kiln_dtype dt);
 bool kiln_dtype_is_float(kiln_dtype dt);
+/* f32, bf16 or f16: the types of weights, mixed precision and KV caches. */
+bool kiln_dtype_is_f32_or_half(kiln_dtype dt);
 /* Parses "f32", "float32", "bf16", ...; returns KILN_ERR_DTYPE for an unknown name. */
 kiln_status kiln_dtype_parse(const char *name, kiln_dtype *out);
 

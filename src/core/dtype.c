@@ -1,4 +1,5 @@
 #include <string.h>
+#include "core/dtype.h"
 #include "core/tensor_impl.h"
 
 /* One row per dtype: name, aliases, size, float? */
@@ -32,6 +33,8 @@ bool kiln_dtype_is_float(kiln_dtype dt)
 {
     return (unsigned)dt < KILN_DTYPE_COUNT && dtypes[dt].is_float;
 }
+
+bool kiln_dtype_is_f32_or_half(kiln_dtype dt) { return kiln__f32_or_half(dt); }
 
 kiln_status kiln_dtype_parse(const char *name, kiln_dtype *out)
 {

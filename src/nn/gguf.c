@@ -286,7 +286,7 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
 {
     if (!m || !tok || !path) return kiln_error(KILN_ERR_ARG, "gguf_save: model, tokenizer and path must not be NULL");
     const kiln_gpt_config *c = kiln_gpt_get_config(m);
-    if (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_BF16 && dt != KILN_DTYPE_F16)
+    if (!kiln_dtype_is_f32_or_half(dt))
         return kiln_error(KILN_ERR_ARG, "gguf_save: weights are written as f32, bf16, f16 or q8_0, not %s",
                           kiln_dtype_name(dt));
     if (kiln_tokenizer_vocab_size(tok) != c->vocab_size)

@@ -5,7 +5,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include "core/dtype.h"
 #include "core/util.h"
 #include "kiln/dist.h"
 #include "kiln/io.h"
@@ -457,7 +456,7 @@ static kiln_status check_idx(const kiln_gpt_t *m, kiln_tensor_t *idx, int64_t po
 kiln_status kiln_gpt_set_precision(kiln_gpt_t *m, kiln_dtype dt)
 {
     if (!m) return kiln_error(KILN_ERR_ARG, "gpt_set_precision: model is NULL");
-    if (!kiln__f32_or_half(dt))
+    if (!kiln_dtype_is_f32_or_half(dt))
         return kiln_error(KILN_ERR_DTYPE, "gpt_set_precision: %s: the precision is f32, bf16 or f16", kiln_dtype_name(dt));
     m->precision = dt;
     return KILN_OK;
@@ -481,7 +480,7 @@ static kiln_status store_param(kiln_gpt_t *m, kiln_tensor_t **field, kiln_dtype 
 kiln_status kiln_gpt_store_linear(kiln_gpt_t *m, kiln_dtype dt)
 {
     if (!m) return kiln_error(KILN_ERR_ARG, "gpt_store_linear: model is NULL");
-    if (!kiln__f32_or_half(dt))
+    if (!kiln_dtype_is_f32_or_half(dt))
         return kiln_error(KILN_ERR_DTYPE, "gpt_store_linear: %s: the linear weights are stored as f32, bf16 or f16",
                           kiln_dtype_name(dt));
     kiln_status s = KILN_OK;
@@ -630,11 +629,11 @@ kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len,
 kiln_status kiln_kv_pool_new_typed(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_dtype dtype,
                                    kiln_dtype weights, kiln_kv_pool_t **out)
 {
-    if (!kiln__f32_or_half(weights))
+    if (!kiln_dtype_is_f32_or_half(weights))
         return kiln_error(KILN_ERR_DTYPE, "kv_pool_new: weights packed as %s; they are f32, bf16 or f16",
                           kiln_dtype_name(weights));
     if (!m || !out) return kiln_error(KILN_ERR_ARG, "kv_pool_new: model or out is NULL");
-    if (!kiln__f32_or_half(dtype))
+    if (!kiln_dtype_is_f32_or_half(dtype))
         return kiln_error(KILN_ERR_DTYPE, "kv_pool_new: a KV cache of %s; it must be f32, f16 or bf16",
                           kiln_dtype_name(dtype));
     if (num_blocks < 1 || block_len < 1 || (int64_t)num_blocks * block_len > INT32_MAX)

@@ -497,7 +497,7 @@ static kiln_status remove_stale(const char *dir, bool new_tokenizer)
 kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const char *dir, kiln_dtype dt)
 {
     if (!m || !dir) return kiln_error(KILN_ERR_ARG, "hf_save: model and dir must not be NULL");
-    if (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_BF16 && dt != KILN_DTYPE_F16)
+    if (!kiln_dtype_is_f32_or_half(dt))
         return kiln_error(KILN_ERR_ARG, "hf_save: weights are written as f32, bf16 or f16, not %s", kiln_dtype_name(dt));
     const kiln_gpt_config *c = kiln_gpt_get_config(m);
     kiln__family fam = KILN__FAMILY_LLAMA;

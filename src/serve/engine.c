@@ -27,7 +27,6 @@
 #include <string.h>
 #include <time.h>
 #include "kiln/serve.h"
-#include "core/dtype.h"
 #include "core/util.h"
 
 typedef struct seq {
@@ -474,10 +473,10 @@ static kiln_status check_opts(const kiln_engine_opts *o)
                           o->max_step_tokens, o->max_batch);
     if (o->num_blocks < 0 || (o->num_blocks == 0 && o->kv_memory_mb < 1))
         return kiln_error(KILN_ERR_ARG, "engine: give num_blocks >= 1 or kv_memory_mb >= 1");
-    if (!kiln__f32_or_half(o->kv_dtype))
+    if (!kiln_dtype_is_f32_or_half(o->kv_dtype))
         return kiln_error(KILN_ERR_ARG, "engine: kv_dtype %s; the KV cache is f32, f16 or bf16",
                           kiln_dtype_name(o->kv_dtype));
-    if (!kiln__f32_or_half(o->weight_dtype))
+    if (!kiln_dtype_is_f32_or_half(o->weight_dtype))
         return kiln_error(KILN_ERR_ARG, "engine: weight_dtype %s; decoding reads its weights as f32, bf16 or f16",
                           kiln_dtype_name(o->weight_dtype));
     return KILN_OK;
