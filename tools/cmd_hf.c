@@ -80,7 +80,7 @@ int cmd_export(int argc, char **argv)
                       "       kiln export gguf RUN_DIR FILE.gguf [--dtype f32|bf16|f16|q8_0]\n\n"
                       "hf: a Hugging Face folder that transformers loads: config.json (LlamaForCausalLM, or\n"
                       "GPT2LMHeadModel for GPT-2 style models), model.safetensors and tokenizer.json.\n"
-                      "gguf: one file that llama.cpp loads (LLaMA-style models), with the tokenizer in it.",
+                      "gguf: one file that llama.cpp loads (LLaMA- and GPT-2-style models), with the tokenizer in it.",
                       opts, argc, argv, pos, 3, &np);
     if (r) return r == 1 ? 0 : 2;
     bool gguf = np == 3 && !strcmp(pos[0], "gguf");
