@@ -75,6 +75,36 @@ static void llama_tied_bf16_matches_transformers(void **state) { matches_transfo
 static void mistral_sharded_f16_matches_transformers(void **state) { matches_transformers("mistral_sharded_f16", 32); }
 static void qwen2_matches_transformers(void **state) { matches_transformers("qwen2", 64); }
 static void gpt2_matches_transformers(void **state) { matches_transformers("gpt2", 64); }
+/* rope scaling: LLaMA 3.1's (a frequency in each of its three bands) and linear */
+static void llama31_scaled_matches_transformers(void **state) { matches_transformers("llama31_scaled", 64); }
+static void qwen2_linear_matches_transformers(void **state) { matches_transformers("qwen2_linear", 64); }
+
+/* kiln_hf_load takes the f32 tensors of the files as they are, over the mapped file
+ * (KILN_OPT_MMAP, on by default): of the LLaMA model's parameters only the stacked
+ * q/k/v are new memory in kiln's allocator. With the switch off, all of them are. */
+static void hf_load_maps_f32_weights_instead_of_copying(void **state)
+{
+    bool mapped = false;
+    for (int i = 0; i < kiln_opt_count(); i++)
+        if (!strcmp(kiln_opt_name(i), "MMAP")) mapped = kiln_opt_enabled(i);
+    size_t before = kiln_memory_allocated();
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_hf_load(ref_dir("llama"), &m), KILN_OK);
+    size_t got = kiln_memory_allocated() - before, all = 0, qkv = 0;
+    for (int i = 0; i < kiln_gpt_num_params(m); i++) {
+        const char *name;
+        size_t b = kiln_tensor_nbytes(kiln_gpt_param(m, i, &name));
+        all += b;
+        if (strstr(name, "attn.qkv")) qkv += b;
+    }
+    printf("# llama: %zu of %zu parameter bytes allocated (q/k/v stacked: %zu), mmap %s\n", got, all, qkv,
+           mapped ? "on" : "off");
+    assert_true(got >= qkv);
+    if (mapped) assert_true(got < all / 4);
+    else assert_true(got >= all);
+    kiln_gpt_free(m);
+    assert_int_equal(kiln_memory_allocated(), before);
+}
 
 /* kiln_model_load takes the folder as it is: the model, and bytes for a folder with no
  * tokenizer.json (these have 256 tokens). */
@@ -115,7 +145,7 @@ static char tmp[64];
  * 8 bits). The written config.json names the architecture transformers builds. */
 static void a_saved_folder_loads_back_as_the_same_model(void **state)
 {
-    const char *models[] = {"llama", "llama_tied_bf16", "qwen2", "gpt2"};
+    const char *models[] = {"llama", "llama_tied_bf16", "qwen2", "gpt2", "llama31_scaled", "qwen2_linear"};
     for (size_t k = 0; k < sizeof models / sizeof models[0]; k++)
         for (int bf = 0; bf < 2; bf++) {
             kiln_gpt_t *m, *back;
@@ -414,6 +444,57 @@ static void gguf_holds_the_model_as_llama_cpp_reads_it(void **state)
     kiln_tokenizer_free(tok);
 }
 
+/* Rope scaling in the GGUF file as llama.cpp reads it: LLaMA 3.1's as rope_freqs.weight,
+ * each unscaled frequency's divisor, against the rule transformers and llama.cpp's
+ * converter state (computed here in double: 1 where the wavelength is shorter than
+ * original_context / high_freq_factor, the factor where it is longer than
+ * original_context / low_freq_factor, else 1 / ((1 - s) / factor + s)), within 1e-5;
+ * linear scaling as llama.rope.scaling.type. (check_gguf.py runs llama.cpp on both.) */
+static char *variant(const char *name, const char *from, const char *to);
+
+static void gguf_holds_rope_scaling(void **state)
+{
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_hf_load(ref_dir("llama31_scaled"), &m), KILN_OK);
+    kiln_tokenizer_t *tok = kiln_tokenizer_byte();
+    char path[4200], keys[8192];
+    snprintf(path, sizeof path, "%s/scaled.gguf", tmp);
+    if (kiln_gguf_save(m, tok, path, KILN_DTYPE_F32, false) != KILN_OK) fail_msg("%s", kiln_last_error());
+    const unsigned char *file;
+    rd_tensor ts[64];
+    uint64_t nt;
+    size_t data = load_gguf(path, &file, ts, &nt, keys, sizeof keys);
+    const rd_tensor *t = find_t(ts, nt, "rope_freqs.weight");
+    assert_int_equal(t->nd, 1);
+    assert_int_equal(t->ne[0], 4);
+    assert_int_equal(t->type, 0);
+    const kiln_rope_scaling *r = &kiln_gpt_get_config(m)->rope_scaling;
+    assert_int_equal(r->kind, KILN_ROPE_SCALING_LLAMA3);
+    int bands[3] = {0};
+    for (int i = 0; i < 4; i++) {
+        double f = pow(kiln_gpt_get_config(m)->rope_theta, -2.0 * i / 8), wl = 2 * M_PI / f, want;
+        double lo = r->original_context / r->low_freq_factor, hi = r->original_context / r->high_freq_factor;
+        double sm = (r->original_context / wl - r->low_freq_factor) / (r->high_freq_factor - r->low_freq_factor);
+        want = wl < hi ? 1 : wl > lo ? r->factor : 1 / ((1 - sm) / r->factor + sm);
+        bands[wl < hi ? 0 : wl > lo ? 2 : 1]++;
+        float got;
+        memcpy(&got, file + data + t->off + 4 * (size_t)i, 4);
+        if (!(fabs(got - want) <= 1e-5 * want)) fail_msg("rope_freqs[%d] = %g, want %g", i, got, want);
+    }
+    assert_true(bands[0] && bands[1] && bands[2]); /* the model touches all three */
+    kiln_gpt_free(m);
+    /* linear, on the LLaMA model with its rope_type changed */
+    assert_int_equal(kiln_hf_load(variant("linear", "\"rope_type\": \"default\"", "\"rope_type\": \"linear\", \"factor\": 2.0"),
+                                  &m), KILN_OK);
+    assert_int_equal(kiln_gpt_get_config(m)->rope_scaling.kind, KILN_ROPE_SCALING_LINEAR);
+    assert_int_equal(kiln_gguf_save(m, tok, path, KILN_DTYPE_F32, false), KILN_OK);
+    load_gguf(path, &file, ts, &nt, keys, sizeof keys);
+    assert_non_null(strstr(keys, "llama.rope.scaling.type='linear';"));
+    for (uint64_t i = 0; i < nt; i++) assert_string_not_equal(ts[i].name, "rope_freqs.weight");
+    kiln_gpt_free(m);
+    kiln_tokenizer_free(tok);
+}
+
 /* The tokenizer's pre-tokenizer is named as llama.cpp names it (LLaMA-3's Split pattern:
  * llama-bpe); a pattern llama.cpp has no name for is refused, and so is a tokenizer of
  * another size than the model's vocabulary. */
@@ -552,8 +633,20 @@ static void refused(const char *dir, kiln_status want, const char *says)
 
 static void config_fields_kiln_cannot_honour_are_refused_by_name(void **state)
 {
-    refused(variant("rope", "\"rope_type\": \"default\"", "\"rope_type\": \"llama3\", \"factor\": 8.0"),
-            KILN_ERR_UNSUPPORTED, "rope scaling 'llama3'");
+    refused(variant("rope", "\"rope_type\": \"default\"", "\"rope_type\": \"yarn\", \"factor\": 8.0"),
+            KILN_ERR_UNSUPPORTED, "rope scaling 'yarn'");
+    refused(variant("ropedyn", "\"rope_type\": \"default\"", "\"rope_type\": \"dynamic\", \"factor\": 8.0"),
+            KILN_ERR_UNSUPPORTED, "rope scaling 'dynamic'");
+    refused(variant("rope3", "\"rope_type\": \"default\"", "\"rope_type\": \"llama3\", \"factor\": 8.0"),
+            KILN_ERR_FORMAT, "rope scaling needs 'low_freq_factor'");
+    refused(variant("ropebands", "\"rope_type\": \"default\"",
+                    "\"rope_type\": \"llama3\", \"factor\": 8.0, \"low_freq_factor\": 4, \"high_freq_factor\": 1, "
+                    "\"original_max_position_embeddings\": 64"),
+            KILN_ERR_FORMAT, "low_freq_factor (4) < high_freq_factor (1)");
+    refused(variant("ropelin", "\"rope_type\": \"default\"", "\"rope_type\": \"linear\", \"factor\": -2"),
+            KILN_ERR_FORMAT, "factor = -2 must be positive");
+    refused(variant("partial", "\"rope_type\": \"default\"", "\"rope_type\": \"default\", \"partial_rotary_factor\": 0.5"),
+            KILN_ERR_UNSUPPORTED, "partial_rotary_factor 0.5");
     refused(variant("act", "\"hidden_act\": \"silu\"", "\"hidden_act\": \"gelu\""), KILN_ERR_UNSUPPORTED,
             "hidden_act 'gelu'");
     refused(variant("headdim", "\"head_dim\": 8", "\"head_dim\": 16"), KILN_ERR_UNSUPPORTED, "head_dim 16");
@@ -619,12 +712,16 @@ int main(void)
         cmocka_unit_test(llama_matches_transformers),
         cmocka_unit_test(llama_tied_bf16_matches_transformers),
         cmocka_unit_test(mistral_sharded_f16_matches_transformers),
+        cmocka_unit_test(llama31_scaled_matches_transformers),
+        cmocka_unit_test(hf_load_maps_f32_weights_instead_of_copying),
+        cmocka_unit_test(qwen2_linear_matches_transformers),
         cmocka_unit_test(qwen2_matches_transformers),
         cmocka_unit_test(gpt2_matches_transformers),
         cmocka_unit_test(model_load_takes_a_hf_folder),
         cmocka_unit_test(a_saved_folder_loads_back_as_the_same_model),
         cmocka_unit_test(gguf_holds_the_model_as_llama_cpp_reads_it),
         cmocka_unit_test(gguf_names_the_pre_tokenizer_or_refuses_it),
+        cmocka_unit_test(gguf_holds_rope_scaling),
         cmocka_unit_test(config_fields_kiln_cannot_honour_are_refused_by_name),
         cmocka_unit_test(weights_that_do_not_fit_are_refused_by_name),
     };

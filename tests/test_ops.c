@@ -1125,6 +1125,60 @@ static void test_rope_rotates_pairs_half_a_head_apart(void **state)
     check("rope f64", kiln_rope(make(x, 4, sh, KILN_DTYPE_F64, CONTIG), pos0, theta), 4, sh, w, 1e-5);
 }
 
+/* Scaled frequencies against the rules written out here in double (kiln/ops.h: linear
+ * divides every frequency; llama3 keeps the short wavelengths, divides the long ones
+ * and blends between), with theta 100 and D 8 so that llama3's three bands each hold
+ * a frequency; the gradient is the inverse rotation, checked by rotating back. Bad
+ * scalings are refused by name. Tolerance 1e-5 as above. */
+static void test_rope_scaled_follows_the_scaling_rules(void **state)
+{
+    int64_t sh[4] = {1, 2, 5, 8};
+    const int64_t T = 5, D = 8, h = 4, pos0 = 3;
+    const double theta = 100;
+    const kiln_rope_scaling lin = {.kind = KILN_ROPE_SCALING_LINEAR, .factor = 3};
+    const kiln_rope_scaling l3 = {.kind = KILN_ROPE_SCALING_LLAMA3, .factor = 4, .low_freq_factor = 2,
+                                  .high_freq_factor = 8, .original_context = 64};
+    double x[80], w[80];
+    fill(x, 80, -1, 1);
+    for (int which = 0; which < 2; which++) {
+        int bands[3] = {0};
+        for (int64_t i = 0; i < h; i++) {
+            double f = pow(theta, -2.0 * (double)i / (double)D), wl = 2 * M_PI / f, g = f / lin.factor;
+            if (which == 1) {
+                double s = (64 / wl - 2) / (8 - 2);
+                int band = wl < 64.0 / 8 ? 0 : wl > 64.0 / 2 ? 2 : 1;
+                bands[band]++;
+                g = band == 0 ? f : band == 2 ? f / 4 : (1 - s) * f / 4 + s * f;
+            }
+            for (int64_t r = 0; r < 10; r++) {
+                double ang = (double)(pos0 + r % T) * g, x1 = x[r * D + i], x2 = x[r * D + i + h];
+                w[r * D + i] = x1 * cos(ang) - x2 * sin(ang);
+                w[r * D + i + h] = x1 * sin(ang) + x2 * cos(ang);
+            }
+        }
+        if (which == 1) assert_true(bands[0] == 1 && bands[1] == 1 && bands[2] == 2);
+        const kiln_rope_scaling *sc = which ? &l3 : &lin;
+        check(which ? "rope llama3" : "rope linear", kiln_rope_scaled(make(x, 4, sh, KILN_DTYPE_F32, CONTIG), pos0, theta, sc),
+              4, sh, w, 1e-5);
+        /* backward: the gradient of sum(rope(x) * g) is rope^-1(g); with g = rope(y) it is y */
+        kiln_tensor_t *X = make(x, 4, sh, KILN_DTYPE_F32, CONTIG);
+        kiln_tensor_set_requires_grad(X, true);
+        kiln_tensor_t *G = make(w, 4, sh, KILN_DTYPE_F32, CONTIG);
+        assert_int_equal(kiln_backward(kiln_sum(kiln_mul(kiln_rope_scaled(X, pos0, theta, sc), G), NULL, 0, false)),
+                         KILN_OK);
+        check("rope scaled grad", kiln_tensor_grad(X), 4, sh, x, 1e-5);
+    }
+    kiln_rope_scaling bad = l3;
+    bad.high_freq_factor = 1;
+    assert_null(kiln_rope_scaled(kiln_zeros(sh, 4, KILN_DTYPE_F32), 0, theta, &bad));
+    assert_non_null(strstr(kiln_last_error(), "low_freq_factor (2) < high_freq_factor (1)"));
+    bad = lin;
+    bad.factor = 0;
+    assert_null(kiln_rope_scaled(kiln_zeros(sh, 4, KILN_DTYPE_F32), 0, theta, &bad));
+    assert_non_null(strstr(kiln_last_error(), "factor = 0 must be positive"));
+    kiln_clear_error();
+}
+
 static void test_rope_refuses_an_odd_head_size(void **state)
 {
     int64_t sh[4] = {1, 1, 2, 3};
@@ -1578,6 +1632,7 @@ int main(void)
         T(test_split_gives_views_of_the_pieces),
         T(test_tril_and_triu_keep_their_triangle),
         T(test_rope_rotates_pairs_half_a_head_apart),
+        T(test_rope_scaled_follows_the_scaling_rules),
         T(test_rope_refuses_an_odd_head_size),
         T(test_attention_matches_naive_softmax_reference),
         T(test_attention_with_grouped_query_heads),

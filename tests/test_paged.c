@@ -35,28 +35,37 @@ static void assert_close(const float *a, const float *b, int64_t n, double tol, 
             fail_msg("%s: element %lld is %.9g, the oracle says %.9g (tolerance %g)", what, (long long)i, a[i], b[i], tol);
 }
 
-/* Oracle: kiln_rope on (1,H,T,D) at positions 0..T-1; rope_at gets the rows shuffled. */
+/* Oracle: kiln_rope on (1,H,T,D) at positions 0..T-1; rope_at gets the rows shuffled.
+ * Also with each rope scaling: kiln_rope_at_scaled against kiln_rope_scaled. */
 static void rope_at_matches_rope(void **state)
 {
-    int64_t H = 2, T = 7, D = 8, s4[4] = {1, H, T, D};
-    kiln_tensor_t *x = randn(s4, 4, 1);
-    float *want = to_host(kiln_rope(x, 0, 10000.0));
-    float *xh = to_host(x);
-    /* Row n of the (N,H,D) input is position perm[n]. */
-    int32_t perm[7] = {3, 0, 6, 1, 5, 2, 4};
-    float *xr = malloc(sizeof(float) * (size_t)(T * H * D));
-    for (int n = 0; n < T; n++)
-        for (int h = 0; h < H; h++) memcpy(xr + (n * H + h) * D, xh + (h * T + perm[n]) * D, sizeof(float) * (size_t)D);
-    int64_t s3[3] = {T, H, D};
-    kiln_tensor_t *pos = kiln_from_data(perm, &T, 1, KILN_DTYPE_I32);
-    float *got = to_host(kiln_rope_at(kiln_from_data(xr, s3, 3, KILN_DTYPE_F32), pos, 10000.0));
-    for (int n = 0; n < T; n++)
-        for (int h = 0; h < H; h++)
-            assert_close(got + (n * H + h) * D, want + (h * T + perm[n]) * D, D, 0, "rope_at (bitwise)");
-    free(want);
-    free(xh);
-    free(xr);
-    free(got);
+    const kiln_rope_scaling scalings[3] = {{0},
+                                           {.kind = KILN_ROPE_SCALING_LINEAR, .factor = 3},
+                                           {.kind = KILN_ROPE_SCALING_LLAMA3, .factor = 4, .low_freq_factor = 1,
+                                            .high_freq_factor = 4, .original_context = 16}};
+    for (int sc = 0; sc < 3; sc++) {
+        int64_t H = 2, T = 7, D = 8, s4[4] = {1, H, T, D};
+        kiln_tensor_t *x = randn(s4, 4, 1);
+        float *want = to_host(kiln_rope_scaled(x, 0, 10000.0, &scalings[sc]));
+        float *xh = to_host(x);
+        /* Row n of the (N,H,D) input is position perm[n]. */
+        int32_t perm[7] = {3, 0, 6, 1, 5, 2, 4};
+        float *xr = malloc(sizeof(float) * (size_t)(T * H * D));
+        for (int n = 0; n < T; n++)
+            for (int h = 0; h < H; h++)
+                memcpy(xr + (n * H + h) * D, xh + (h * T + perm[n]) * D, sizeof(float) * (size_t)D);
+        int64_t s3[3] = {T, H, D};
+        kiln_tensor_t *pos = kiln_from_data(perm, &T, 1, KILN_DTYPE_I32);
+        float *got =
+            to_host(kiln_rope_at_scaled(kiln_from_data(xr, s3, 3, KILN_DTYPE_F32), pos, 10000.0, &scalings[sc]));
+        for (int n = 0; n < T; n++)
+            for (int h = 0; h < H; h++)
+                assert_close(got + (n * H + h) * D, want + (h * T + perm[n]) * D, D, 0, "rope_at (bitwise)");
+        free(want);
+        free(xh);
+        free(xr);
+        free(got);
+    }
 }
 
 /* Oracle: kiln_matmul (the BLAS), within a tolerance that grows with K; row m alone

@@ -467,6 +467,46 @@ static void test_get_registers_the_tensor_with_the_open_scope(void **state)
     unlink(path);
 }
 
+/* kiln_safetensors_view: the bytes of every dtype as kiln_safetensors_get gives them,
+ * without a copy (kiln's allocator counts nothing for it; with KILN_OPT_MMAP=0, a copy), alive after the file handle
+ * is freed; a write into it changes this process's copy only: the file on disk, read
+ * again, is as it was. */
+static void test_view_maps_the_file_without_copying_it(void **state)
+{
+    const char *names[KILN_DTYPE_COUNT] = {"f32", "f64", "f16", "bf16", "i32", "i64", "u8", "bool"};
+    kiln_tensor_t *ts[KILN_DTYPE_COUNT];
+    unsigned char bytes[KILN_DTYPE_COUNT][6 * 8];
+    int64_t shape[2] = {2, 3};
+    for (int d = 0; d < KILN_DTYPE_COUNT; d++) {
+        fill_pattern(bytes[d], 6 * kiln_dtype_size((kiln_dtype)d), (kiln_dtype)d, (unsigned)d + 7);
+        ts[d] = kiln_from_data(bytes[d], shape, 2, (kiln_dtype)d);
+    }
+    char path[64];
+    temp_path(path);
+    assert_int_equal(kiln_safetensors_save(path, names, ts, KILN_DTYPE_COUNT, NULL), KILN_OK);
+    kiln_safetensors_t *f = load_ok(path);
+    size_t before = kiln_memory_allocated();
+    kiln_tensor_t *v[KILN_DTYPE_COUNT];
+    for (int d = 0; d < KILN_DTYPE_COUNT; d++) {
+        v[d] = kiln_keep(kiln_safetensors_view(f, names[d]));
+        assert_tensor_bytes(v[d], (kiln_dtype)d, 2, shape, bytes[d]);
+    }
+    bool mapped = false; /* KILN_OPT_MMAP, on unless the environment turns it off: then copies */
+    for (int i = 0; i < kiln_opt_count(); i++)
+        if (!strcmp(kiln_opt_name(i), "MMAP")) mapped = kiln_opt_enabled(i);
+    if (mapped) assert_int_equal(kiln_memory_allocated(), before); /* mapped, not allocated */
+    else assert_true(kiln_memory_allocated() > before);
+    kiln_safetensors_free(f);
+    float ones[6] = {1, 1, 1, 1, 1, 1};
+    assert_int_equal(kiln_tensor_from_host_(v[0], ones, sizeof ones), KILN_OK);
+    assert_tensor_bytes(v[0], KILN_DTYPE_F32, 2, shape, ones);
+    for (int d = 0; d < KILN_DTYPE_COUNT; d++) kiln_tensor_free(v[d]);
+    f = load_ok(path);
+    assert_tensor_bytes(kiln_safetensors_get(f, "f32"), KILN_DTYPE_F32, 2, shape, bytes[0]);
+    kiln_safetensors_free(f);
+    unlink(path);
+}
+
 /* ---- malformed files: one rule each ---- */
 
 static void test_missing_file_is_an_io_error_with_strerror(void **state)
@@ -742,6 +782,7 @@ int main(void)
         T(test_save_of_a_failed_op_keeps_its_error),
         T(test_get_of_unknown_name_is_an_arg_error),
         T(test_get_registers_the_tensor_with_the_open_scope),
+        T(test_view_maps_the_file_without_copying_it),
         T(test_missing_file_is_an_io_error_with_strerror),
         T(test_directory_is_an_io_error),
         T(test_file_shorter_than_8_bytes_is_rejected),

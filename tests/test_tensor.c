@@ -38,6 +38,38 @@ static void assert_shape(const kiln_tensor_t *t, int ndim, const int64_t *shape)
 
 /* ---- creation ---- */
 
+/* kiln_tensor_wrap: the caller's memory, read and written in place; release runs once,
+ * when the last reference goes (a view outlives the tensor), and never on an error (a
+ * misaligned pointer, a bad shape), where the memory stays the caller's. */
+static int wrap_released;
+static void wrap_release(void *ctx) { wrap_released += *(int *)ctx; }
+
+static void test_wrap_uses_the_callers_memory_and_releases_it_once(void **state)
+{
+    float mem[7] = {0, 1, 2, 3, 4, 5, 6};
+    int one = 1;
+    wrap_released = 0;
+    int64_t sh[2] = {2, 3};
+    kiln_tensor_t *t = kiln_keep(kiln_tensor_wrap(mem + 1, sh, 2, KILN_DTYPE_F32, wrap_release, &one));
+    assert_non_null(t);
+    kiln_tensor_t *row = kiln_keep(kiln_narrow(t, 0, 1, 1));
+    double v[3];
+    read_f64(row, v);
+    assert_true(v[0] == 4 && v[1] == 5 && v[2] == 6);
+    assert_int_equal(kiln_fill_(t, 9.0), KILN_OK);
+    assert_true(mem[0] == 0 && mem[1] == 9 && mem[6] == 9);
+    kiln_tensor_free(t);
+    assert_int_equal(wrap_released, 0);
+    kiln_tensor_free(row);
+    assert_int_equal(wrap_released, 1);
+    assert_null(kiln_tensor_wrap((char *)mem + 2, sh, 2, KILN_DTYPE_F32, wrap_release, &one));
+    assert_non_null(strstr(kiln_last_error(), "aligned"));
+    int64_t bad[1] = {-1};
+    assert_null(kiln_tensor_wrap(mem, bad, 1, KILN_DTYPE_F32, wrap_release, &one));
+    assert_int_equal(wrap_released, 1);
+    kiln_clear_error();
+}
+
 static void test_zeros_ones_full_fill_every_element(void **state)
 {
     int64_t shape[3] = {2, 3, 4};
@@ -1018,6 +1050,7 @@ int main(int argc, char **argv)
     if (argc > 1 && !strcmp(argv[1], "--rng-child")) return rng_child();
     if (argc > 1 && !strcmp(argv[1], "--matmul-child")) return matmul_child();
     const struct CMUnitTest tests[] = {
+        T(test_wrap_uses_the_callers_memory_and_releases_it_once),
         T(test_zeros_ones_full_fill_every_element),
         T(test_scalar_is_zero_dim_with_one_element),
         T(test_arange_counts_like_numpy),

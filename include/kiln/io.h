@@ -51,6 +51,14 @@ const char *kiln_safetensors_name(const kiln_safetensors_t *f, int i);
 /* A new tensor copied out of the file (ownership as in kiln/tensor.h: the open scope
  * holds it, else the caller does), or NULL with KILN_ERR_ARG when f has no such name. */
 kiln_tensor_t *kiln_safetensors_get(const kiln_safetensors_t *f, const char *name);
+/* The same tensor without a copy where it can be: over the file's mapped bytes (the
+ * file is mapped copy-on-write, KILN_OPT_MMAP, on by default), so that only the pages
+ * read are brought in; writes to it change this process's pages, never the file. It
+ * keeps the mapping alive after kiln_safetensors_free. A copy when the file was read
+ * instead (the switch off, a file system that cannot map) or the tensor's bytes are
+ * not aligned to its element size. As with any mapped file, the file must not be
+ * truncated while such a tensor is in use. */
+kiln_tensor_t *kiln_safetensors_view(const kiln_safetensors_t *f, const char *name);
 /* The __metadata__ value for key, borrowed from f, or NULL when there is none. */
 const char *kiln_safetensors_meta(const kiln_safetensors_t *f, const char *key);
 void kiln_safetensors_free(kiln_safetensors_t *f); /* NULL is fine */
@@ -77,7 +85,7 @@ kiln_status kiln_model_load(const char *path, struct kiln_gpt **model, struct ki
 /* A Hugging Face model folder as a kiln model with f32 weights: config.json, and
  * model.safetensors or the shards model.safetensors.index.json lists (f32, f16 or bf16).
  * LLaMA, Mistral and Qwen2 (model_type llama, mistral, qwen2) and GPT-2 (gpt2). A config
- * field kiln cannot honour (rope scaling, another activation, ...) is an error naming
+ * field kiln cannot honour (YaRN rope scaling, another activation, ...) is an error naming
  * it, and so is a tensor of the files that no parameter of kiln's model takes: the
  * model loaded is the one the folder describes, or none. kiln_model_load takes such a
  * folder too (its tokenizer.json, or bytes when it has none). */

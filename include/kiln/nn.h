@@ -39,6 +39,7 @@ typedef struct {
     kiln_mlp_kind mlp;
     bool bias, tied;
     double norm_eps, rope_theta;
+    kiln_rope_scaling rope_scaling; /* RoPE models; zeroed: none (kiln/ops.h) */
     double dropout; /* on attention output and MLP output in training; 0 = off */
 } kiln_gpt_config;
 
@@ -55,6 +56,14 @@ typedef struct kiln_gpt kiln_gpt_t;
 
 /* A new model initialised from seed (the global RNG is left as it was). */
 kiln_status kiln_gpt_new(const kiln_gpt_config *cfg, uint64_t seed, kiln_gpt_t **out);
+/* A model whose parameters are given rather than drawn: fill(name, shape, ndim, ctx) is
+ * called for each parameter in kiln_gpt_param's order and returns a contiguous f32
+ * tensor of that shape, which the model keeps (a reference: the open scope or the
+ * fill's caller keeps its own), or NULL with the error set, which stops the build and
+ * is returned. The tensor is taken as it is, not copied: a loader hands over tensors
+ * over a mapped file this way (kiln_hf_load). */
+typedef kiln_tensor_t *(*kiln_gpt_param_fn)(const char *name, const int64_t *shape, int ndim, void *ctx);
+kiln_status kiln_gpt_new_from(const kiln_gpt_config *cfg, kiln_gpt_param_fn fill, void *ctx, kiln_gpt_t **out);
 void kiln_gpt_free(kiln_gpt_t *m);
 const kiln_gpt_config *kiln_gpt_get_config(const kiln_gpt_t *m);
 /* Parameters in a fixed order; borrowed. */

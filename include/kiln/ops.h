@@ -127,6 +127,30 @@ kiln_tensor_t *kiln_triu(kiln_tensor_t *a, int64_t k);
 /* Rotary position embedding of x (B,H,T,D), D even, rotating pairs (i, i + D/2) by
  * (pos0 + t) * theta^(-2i/D), as in GPT-NeoX and LLaMA. */
 kiln_tensor_t *kiln_rope(kiln_tensor_t *x, int64_t pos0, double theta);
+
+/* RoPE scaling: frequencies changed so that a model reaches past the context it was
+ * first trained on, as Hugging Face's rope_scaling names them. LINEAR divides every
+ * frequency by factor (positions interpolated). LLAMA3 (LLaMA 3.1) divides the low
+ * frequencies, whose wavelength 2pi/f is longer than original_context /
+ * low_freq_factor, by factor, keeps the high ones, shorter than original_context /
+ * high_freq_factor, and blends between: f * ((1 - s) / factor + s) with s =
+ * (original_context / wavelength - low_freq_factor) / (high_freq_factor -
+ * low_freq_factor). A zeroed struct is NONE. */
+typedef enum { KILN_ROPE_SCALING_NONE, KILN_ROPE_SCALING_LINEAR, KILN_ROPE_SCALING_LLAMA3 } kiln_rope_scaling_kind;
+typedef struct {
+    kiln_rope_scaling_kind kind;
+    double factor;                            /* LINEAR, LLAMA3: > 0 */
+    double low_freq_factor, high_freq_factor; /* LLAMA3: 0 < low < high */
+    int original_context;                     /* LLAMA3: > 0 */
+} kiln_rope_scaling;
+/* Checks the fields the kind uses; the message names the first that is wrong. NULL is
+ * NONE. */
+kiln_status kiln_rope_scaling_check(const kiln_rope_scaling *s);
+/* The D/2 frequencies of pairs i = 0..D/2-1: theta^(-2i/D), then scaled. Computed in
+ * f32 as LLaMA's and transformers' references do. */
+kiln_status kiln_rope_frequencies(double theta, int64_t D, const kiln_rope_scaling *s, float *freq);
+/* kiln_rope with scaled frequencies (s NULL: none). Differentiable like kiln_rope. */
+kiln_tensor_t *kiln_rope_scaled(kiln_tensor_t *x, int64_t pos0, double theta, const kiln_rope_scaling *s);
 /* Scaled dot-product attention: q (B,H,Tq,D), k and v (B,Hkv,Tk,D) with H a multiple of
  * Hkv (grouped-query heads). causal: query i sees keys j <= i + (Tk - Tq). scale <= 0
  * means 1/sqrt(D). One op: the (B,H,Tq,Tk) scores are never held in memory at once. */
@@ -156,6 +180,7 @@ kiln_tensor_t *kiln_matmul_rows(kiln_tensor_t *a, kiln_tensor_t *w);
 kiln_tensor_t *kiln_matmul_rows_pack(kiln_tensor_t *w);
 kiln_tensor_t *kiln_matmul_rows_packed(kiln_tensor_t *a, kiln_tensor_t *w_packed, int64_t n);
 kiln_tensor_t *kiln_rope_at(kiln_tensor_t *x, kiln_tensor_t *pos, double theta);
+kiln_tensor_t *kiln_rope_at_scaled(kiln_tensor_t *x, kiln_tensor_t *pos, double theta, const kiln_rope_scaling *s);
 kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, kiln_tensor_t *v_pages,
                                     kiln_tensor_t *block_table, kiln_tensor_t *seq_pos, int64_t block_len,
                                     double scale);

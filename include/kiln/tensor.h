@@ -176,6 +176,14 @@ void kiln_tensor_free(kiln_tensor_t *t);             /* drops one reference; NUL
 /* Creation. shape has ndim entries (0 <= ndim <= KILN_MAX_DIMS); ndim 0 is a scalar. */
 kiln_tensor_t *kiln_empty(const int64_t *shape, int ndim, kiln_dtype dt);
 kiln_tensor_t *kiln_zeros(const int64_t *shape, int ndim, kiln_dtype dt);
+/* A cpu tensor over memory the caller provides, not copied: contiguous, of this shape
+ * and dtype, data aligned to the dtype's size and holding all its elements. Reads and
+ * writes go to that memory. release(ctx) is called once, when the last reference to it
+ * (the tensor's, its views') goes; release NULL: nothing is called. On an error (a bad
+ * shape, misaligned data, out of memory) the result is NULL and release is not called:
+ * the memory stays the caller's. (kiln_safetensors_view maps files with it.) */
+kiln_tensor_t *kiln_tensor_wrap(void *data, const int64_t *shape, int ndim, kiln_dtype dt, void (*release)(void *ctx),
+                                void *ctx);
 kiln_tensor_t *kiln_ones(const int64_t *shape, int ndim, kiln_dtype dt);
 kiln_tensor_t *kiln_full(const int64_t *shape, int ndim, double value, kiln_dtype dt);
 kiln_tensor_t *kiln_scalar(double value, kiln_dtype dt);

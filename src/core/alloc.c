@@ -130,7 +130,8 @@ static kiln__storage *storage_new(kiln__backend *be, size_t nbytes)
 void kiln__storage_release(kiln__storage *st)
 {
     if (!st || atomic_fetch_sub(&st->refcount, 1) != 1) return;
-    if (st->meta) { /* nothing was allocated for it */
+    if (st->meta || st->wrapped) { /* nothing was allocated for it */
+        if (st->wrapped && st->release) st->release(st->release_ctx);
         free(st);
         return;
     }

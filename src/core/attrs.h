@@ -7,7 +7,7 @@
 
 #include <stdbool.h>
 #include <stdint.h>
-#include "kiln/tensor.h"
+#include "kiln/ops.h"
 
 /* Typed attributes, one struct per op (or family of ops) that has them. */
 typedef struct {
@@ -23,6 +23,7 @@ typedef struct {
     double theta;   /* the frequencies' base */
     int64_t pos0;   /* ROPE: the position of the first row */
     bool inverse;   /* ROPE: rotate backwards (its backward) */
+    kiln_rope_scaling scaling;
 } kiln__rope_attrs; /* ROPE, ROPE_AT */
 
 typedef struct {

@@ -353,11 +353,20 @@ INFER(tri)
     return unary_any("tri", in, n, a, out);
 }
 
+/* theta and the scaling, checked where the op is called rather than in its kernels */
+static kiln_status rope_attrs_check(const char *op, const kiln__attrs *a)
+{
+    if (!(a->op.rope.theta > 0))
+        return kiln__err(KILN_ERR_ARG, "%s: theta = %g must be positive", op, a->op.rope.theta);
+    return kiln_rope_scaling_check(&a->op.rope.scaling);
+}
+
 INFER(rope)
 {
     if (in[0]->ndim < 2 || in[0]->shape[in[0]->ndim - 1] % 2)
         return kiln__err(KILN_ERR_SHAPE, "rope: input %s must be (..., T, D) with D even", SHP(in[0]));
-    return unary_float("rope", in, n, a, out);
+    kiln_status s = rope_attrs_check("rope", a);
+    return s != KILN_OK ? s : unary_float("rope", in, n, a, out);
 }
 
 INFER(attention)
@@ -401,6 +410,7 @@ INFER(rope_at)
         return kiln__err(KILN_ERR_SHAPE, "rope_at: x %s must be (N,H,D) with D even and pos %s must be (N)", SHP(x),
                          SHP(pos));
     kiln_status s = need_index("rope_at", pos);
+    if (s == KILN_OK) s = rope_attrs_check("rope_at", a);
     return s != KILN_OK ? s : unary_float("rope_at", in, n, a, out);
 }
 

@@ -23,6 +23,7 @@
     X(COLSUM_ROWS, 1, "f32 sums over the rows of a tall matrix (bias gradients) in fixed 256-row chunks of whole rows") \
     X(OWN_GEMM, 0, "f32 matmuls on kiln's own packed GEMM (src/backends/cpu/gemm.c) instead of the BLAS")   \
     X(ATT_BF16, 1, "bf16 attention's tiles on kiln's own GEMM (AMX), P and dS rounded to bf16 as PyTorch does (else widened to f32)") \
+    X(MMAP, 1, "safetensors files mapped (mmap, copy-on-write) and model weights taken from the mapping where their dtype and layout allow (else read into memory and copied)") \
     X(OWN_GEMM_F16, 0, "f16 matmuls on kiln's own GEMM, f16 widened as it is packed and the result rounded in cache (else widened copies through the f32 matmul, the BLAS's)")
 
 /* The compiler's stages (src/compile/compile.c), each a switch of its own, on by

@@ -280,6 +280,26 @@ kiln_tensor_t *kiln_from_data(const void *data, const int64_t *shape, int ndim, 
     return kiln__scoped(t);
 }
 
+kiln_tensor_t *kiln_tensor_wrap(void *data, const int64_t *shape, int ndim, kiln_dtype dt, void (*release)(void *ctx),
+                                void *ctx)
+{
+    kiln__ensure_init();
+    if (check_shape("tensor_wrap", shape, ndim, dt) != KILN_OK) return NULL;
+    if (!data || (uintptr_t)data % kiln_dtype_size(dt))
+        return kiln__err(KILN_ERR_ARG, "tensor_wrap: data %p must be non-NULL and aligned to %zu bytes", data,
+                         kiln_dtype_size(dt)), NULL;
+    kiln__storage *st = malloc(sizeof *st);
+    if (!st) return kiln__err(KILN_ERR_OOM, "tensor_wrap: out of memory"), NULL;
+    *st = (kiln__storage){.be = kiln__backend_find("cpu"), .data = data, .wrapped = true, .release = release,
+                          .release_ctx = ctx, .nbytes = (size_t)kiln__numel(ndim, shape) * kiln_dtype_size(dt)};
+    atomic_init(&st->refcount, 0);
+    int64_t stride[KILN_MAX_DIMS];
+    kiln__contiguous_strides(ndim, shape, stride);
+    kiln_tensor_t *t = kiln__tensor_alias(st, dt, ndim, shape, stride, 0); /* the storage's one reference */
+    if (!t) free(st); /* release not called: the caller keeps the memory */
+    return t ? kiln__scoped(t) : NULL;
+}
+
 /* What a copy between t and host memory at ptr checks first (write: into t). */
 static kiln_status host_copy_check(const kiln_tensor_t *t, const void *ptr, size_t nbytes, bool write)
 {

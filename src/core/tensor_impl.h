@@ -16,6 +16,11 @@ typedef struct {
     size_t nbytes;
     bool meta; /* a traced tensor (captured into a graph): shape and dtype, no data */
     struct kiln__pool *pool; /* allocated while a replay was being recorded (src/core/alloc.c) */
+    /* memory of someone else's (kiln_tensor_wrap): handed back by release(release_ctx)
+     * when the last reference goes, instead of to the cache */
+    void (*release)(void *ctx);
+    void *release_ctx;
+    bool wrapped;
 } kiln__storage;
 
 /* A replay's private memory (src/core/alloc.c). While this thread records a replay

@@ -1,5 +1,5 @@
-/* safetensors checkpoints: load (validate everything, then copy tensors out on demand)
- * and an atomic save.
+/* safetensors checkpoints: load (validate everything, then copy tensors out on demand,
+ * or hand out tensors over the file's mapped bytes) and an atomic save.
  *
  * JSON goes through jansson: it is packaged by Debian (libjansson), it is a strict
  * parser (rejects trailing garbage, bad UTF-8, NUL in strings, and with
@@ -12,7 +12,9 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <stdatomic.h>
 #include <stdint.h>
+#include <sys/mman.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -53,8 +55,34 @@ typedef struct {
     int header_index;    /* position in the header, to keep the sort stable */
 } entry;
 
+/* The file mapped whole, copy-on-write (a tensor over it may be written, as a model's
+ * parameters are in training, and the file stays as it is). The file handle and every
+ * view hold a reference; the last one unmaps it. */
+typedef struct {
+    atomic_int refs;
+    void *base;
+    size_t len;
+} file_map;
+
+static void map_release(void *ctx)
+{
+    file_map *m = ctx;
+    if (atomic_fetch_sub(&m->refs, 1) != 1) return;
+    munmap(m->base, m->len);
+    free(m);
+}
+
+/* Whether KILN_OPT_MMAP is on (the switch table is the core's; found by name). */
+static bool mmap_on(void)
+{
+    for (int i = 0; i < kiln_opt_count(); i++)
+        if (!strcmp(kiln_opt_name(i), "MMAP")) return kiln_opt_enabled(i);
+    return false;
+}
+
 struct kiln_safetensors {
     char *path;
+    file_map *map;      /* the mapping buf lies in, or NULL when buf was read into memory */
     json_t *header; /* owns the name and metadata strings */
     json_t *meta;   /* borrowed from header, or NULL */
     entry *entries; /* sorted by data offset: "file order" */
@@ -253,6 +281,20 @@ static kiln_status load_fd(kiln_safetensors_t *f, int fd)
     free(text);
     if (s != KILN_OK) return s;
 
+    if (f->buf_size > 0 && mmap_on()) {
+        void *base = mmap(NULL, (size_t)file_size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
+        file_map *m = base != MAP_FAILED ? malloc(sizeof *m) : NULL;
+        if (m) {
+            atomic_init(&m->refs, 1);
+            m->base = base;
+            m->len = (size_t)file_size;
+            f->map = m;
+            f->buf = (unsigned char *)base + 8 + hlen;
+            return KILN_OK;
+        }
+        if (base != MAP_FAILED) munmap(base, (size_t)file_size);
+        /* a file system that cannot map it: read it, as with the switch off */
+    }
     f->buf = malloc(f->buf_size ? f->buf_size : 1);
     if (!f->buf) return kiln_error(KILN_ERR_OOM, "safetensors: %s: out of memory for %zu bytes of tensor data",
                                   f->path, f->buf_size);
@@ -289,17 +331,29 @@ const char *kiln_safetensors_name(const kiln_safetensors_t *f, int i)
     return f && i >= 0 && i < f->n ? f->entries[i].name : NULL;
 }
 
-kiln_tensor_t *kiln_safetensors_get(const kiln_safetensors_t *f, const char *name)
+static kiln_tensor_t *get(const kiln_safetensors_t *f, const char *name, bool view)
 {
-    if (!f || !name) return kiln_error(KILN_ERR_ARG, "safetensors_get: %s is NULL", f ? "name" : "file"), NULL;
+    if (!f || !name)
+        return kiln_error(KILN_ERR_ARG, "safetensors_%s: %s is NULL", view ? "view" : "get", f ? "name" : "file"), NULL;
     for (int i = 0; i < f->n; i++) {
         const entry *e = &f->entries[i];
-        /* kiln_from_data copies and registers the result with the open scope. */
-        if (strcmp(e->name, name) == 0) return kiln_from_data(f->buf + e->begin, e->shape, e->ndim, e->dtype);
+        if (strcmp(e->name, name) != 0) continue;
+        unsigned char *at = f->buf + e->begin;
+        /* kiln_from_data copies and registers the result with the open scope;
+         * kiln_tensor_wrap does not copy (and registers it too) */
+        if (!view || !f->map || (uintptr_t)at % kiln_dtype_size(e->dtype))
+            return kiln_from_data(at, e->shape, e->ndim, e->dtype);
+        atomic_fetch_add(&f->map->refs, 1);
+        kiln_tensor_t *t = kiln_tensor_wrap(at, e->shape, e->ndim, e->dtype, map_release, f->map);
+        if (!t) map_release(f->map);
+        return t;
     }
     kiln_error(KILN_ERR_ARG, "safetensors: no tensor named '%.200s' in %s", name, f->path);
     return NULL;
 }
+
+kiln_tensor_t *kiln_safetensors_get(const kiln_safetensors_t *f, const char *name) { return get(f, name, false); }
+kiln_tensor_t *kiln_safetensors_view(const kiln_safetensors_t *f, const char *name) { return get(f, name, true); }
 
 const char *kiln_safetensors_meta(const kiln_safetensors_t *f, const char *key)
 {
@@ -311,7 +365,9 @@ void kiln_safetensors_free(kiln_safetensors_t *f)
 {
     if (!f) return;
     json_decref(f->header);
-    KILN__FREE(f->entries, f->buf, f->path, f);
+    if (f->map) map_release(f->map);
+    else free(f->buf);
+    KILN__FREE(f->entries, f->path, f);
 }
 
 /* ---- saving ----------------------------------------------------------------- */

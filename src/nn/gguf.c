@@ -281,6 +281,23 @@ static const kiln__name_pair gguf_names[] = {
     {"mlp.down.weight", "blk.%d.ffn_down.weight", false},
 };
 
+/* LLaMA 3.1's rope scaling as llama.cpp takes it: rope_freqs.weight (D/2) f32, the
+ * divisor of each unscaled frequency. */
+static kiln_status rope_freqs_tensor(gtensor *g, const kiln_gpt_config *c)
+{
+    int64_t D = c->n_embd / c->n_head, h = D / 2;
+    float *plain = malloc(sizeof(float) * (size_t)D);
+    kiln_status s = plain ? kiln_rope_frequencies(c->rope_theta, D, NULL, plain)
+                          : kiln_error(KILN_ERR_OOM, "gguf: out of memory");
+    if (s == KILN_OK) s = kiln_rope_frequencies(c->rope_theta, D, &c->rope_scaling, plain + h);
+    for (int64_t i = 0; s == KILN_OK && i < h; i++) plain[i] /= plain[h + i];
+    kiln_tensor_t *t = s == KILN_OK ? kiln_empty(&h, 1, KILN_DTYPE_F32) : NULL;
+    if (s == KILN_OK) s = t ? kiln_tensor_from_host_(t, plain, sizeof(float) * (size_t)h) : kiln_last_status();
+    if (s == KILN_OK) s = make_tensor(g, "rope_freqs.weight", t, T_F32, 0);
+    free(plain);
+    return s;
+}
+
 kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const char *path, kiln_dtype dt,
                            bool q8_0_weights)
 {
@@ -302,7 +319,7 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
     size_t n_names = llama ? KILN__N_OF(gguf_names) : KILN__N_OF(gpt2_names);
     const char *arch = llama ? "llama" : "gpt2";
     uint32_t type = q8_0_weights ? T_Q8_0 : dt == KILN_DTYPE_F16 ? T_F16 : dt == KILN_DTYPE_BF16 ? T_BF16 : T_F32;
-    int np = kiln_gpt_num_params(m), cap = np + 2 * c->n_layer, nt = 0;
+    int np = kiln_gpt_num_params(m), cap = np + 2 * c->n_layer + 1, nt = 0;
     gtensor *ts = calloc((size_t)cap, sizeof *ts);
     kiln_status s = ts ? KILN_OK : kiln_error(KILN_ERR_OOM, "gguf: out of memory");
     kiln_scope_begin();
@@ -333,6 +350,8 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
         snprintf(gn, sizeof gn, e->other, i);
         s = make_tensor(&ts[nt++], gn, p, type, 0);
     }
+    if (s == KILN_OK && llama && c->rope_scaling.kind == KILN_ROPE_SCALING_LLAMA3)
+        s = rope_freqs_tensor(&ts[nt++], c);
     kiln_scope_end();
     buf b = {0};
     int nkv = 0;
@@ -354,6 +373,10 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
             kv_u32(&kv, &nkv, "llama.rope.dimension_count", (uint32_t)hs);
             kv_u32(&kv, &nkv, "llama.vocab_size", (uint32_t)c->vocab_size);
             kv_f32(&kv, &nkv, "llama.rope.freq_base", (float)c->rope_theta);
+            if (c->rope_scaling.kind == KILN_ROPE_SCALING_LINEAR) {
+                kv_str(&kv, &nkv, "llama.rope.scaling.type", "linear");
+                kv_f32(&kv, &nkv, "llama.rope.scaling.factor", (float)c->rope_scaling.factor);
+            }
             kv_f32(&kv, &nkv, "llama.attention.layer_norm_rms_epsilon", (float)c->norm_eps);
         } else {
             kv_f32(&kv, &nkv, "gpt2.attention.layer_norm_epsilon", (float)c->norm_eps);

@@ -26,6 +26,8 @@ struct kiln_gpt {
     kiln_tensor_t *tok_emb, *pos_emb, *nfw, *nfb, *lm_head;
     layer *layers;
     kiln_dtype precision; /* kiln_gpt_forward's autocast type (f32: none) */
+    kiln_gpt_param_fn fill; /* while building: where the parameters come from (NULL: drawn) */
+    void *fill_ctx;
 };
 
 kiln_gpt_config kiln_gpt_config_gpt2(void)
@@ -75,6 +77,10 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
     NEED(c->ffn_hidden >= 0 && c->ffn_hidden <= 1 << 22, "ffn_hidden = %d must be in 0..2^22", c->ffn_hidden);
     NEED(c->norm_eps > 0, "norm_eps = %g must be positive", c->norm_eps);
     NEED(c->rope_theta > 0, "rope_theta = %g must be positive", c->rope_theta);
+    NEED(c->pos == KILN_POS_ROPE || c->rope_scaling.kind == KILN_ROPE_SCALING_NONE,
+         "rope_scaling needs pos = rope");
+    kiln_status rs = kiln_rope_scaling_check(&c->rope_scaling); /* its message names the field */
+    if (rs != KILN_OK) return rs;
     NEED(c->dropout >= 0 && c->dropout < 1, "dropout = %g must be in [0, 1)", c->dropout);
     NEED((unsigned)c->norm <= KILN_NORM_RMSNORM && (unsigned)c->pos <= KILN_POS_ROPE &&
          (unsigned)c->mlp <= KILN_MLP_SWIGLU, "unknown norm, pos or mlp kind");
@@ -84,22 +90,30 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
 
 /* The config's fields, one row each: the JSON writer and reader walk them. */
 enum { F_INT, F_NUM, F_BOOL, F_ENUM };
-#define FIELD(name, kind, ...) {#name, kind, offsetof(kiln_gpt_config, name), {__VA_ARGS__}}
+#define FIELD_AT(key, member, kind, ...) {key, kind, offsetof(kiln_gpt_config, member), {__VA_ARGS__}}
+#define FIELD(name, kind, ...) FIELD_AT(#name, name, kind, __VA_ARGS__)
 static const struct {
     const char *name;
     int kind;
     size_t offset;
-    const char *values[2]; /* F_ENUM: the names of its values, stored as an int */
+    const char *values[4]; /* F_ENUM: the names of its values (NULL after the last), stored as an int */
 } fields[] = {
     FIELD(n_layer, F_INT),    FIELD(n_head, F_INT),     FIELD(n_kv_head, F_INT),  FIELD(n_embd, F_INT),
     FIELD(block_size, F_INT), FIELD(vocab_size, F_INT), FIELD(ffn_hidden, F_INT), FIELD(bias, F_BOOL),
     FIELD(tied, F_BOOL),      FIELD(norm_eps, F_NUM),   FIELD(rope_theta, F_NUM), FIELD(dropout, F_NUM),
     FIELD(norm, F_ENUM, "layernorm", "rmsnorm"), FIELD(pos, F_ENUM, "learned", "rope"),
     FIELD(mlp, F_ENUM, "gelu", "swiglu"),
+    FIELD_AT("rope_scaling", rope_scaling.kind, F_ENUM, "none", "linear", "llama3"),
+    FIELD_AT("rope_factor", rope_scaling.factor, F_NUM),
+    FIELD_AT("rope_low_freq_factor", rope_scaling.low_freq_factor, F_NUM),
+    FIELD_AT("rope_high_freq_factor", rope_scaling.high_freq_factor, F_NUM),
+    FIELD_AT("rope_original_context", rope_scaling.original_context, F_INT),
 };
 #undef FIELD
+#undef FIELD_AT
 #define NFIELDS (sizeof fields / sizeof fields[0])
-_Static_assert(sizeof(kiln_norm_kind) == sizeof(int) && sizeof(kiln_mlp_kind) == sizeof(int), "enums as int");
+_Static_assert(sizeof(kiln_norm_kind) == sizeof(int) && sizeof(kiln_mlp_kind) == sizeof(int) &&
+               sizeof(kiln_rope_scaling_kind) == sizeof(int), "enums as int");
 
 char *kiln_gpt_config_to_json(const kiln_gpt_config *c)
 {
@@ -138,8 +152,8 @@ kiln_status kiln_gpt_config_from_json(const char *text, kiln_gpt_config *out)
         void *p = i < NFIELDS ? (char *)&c + fields[i].offset : NULL;
         int k = p ? fields[i].kind : -1, e = 0;
         if (k == F_ENUM && json_is_string(v)) {
-            while (e < 2 && strcmp(fields[i].values[e], json_string_value(v))) e++;
-            if (e == 2) {
+            while (e < 4 && fields[i].values[e] && strcmp(fields[i].values[e], json_string_value(v))) e++;
+            if (e == 4 || !fields[i].values[e]) {
                 s = kiln_error(KILN_ERR_FORMAT, "gpt config: unknown %s '%s'", key, json_string_value(v));
                 break;
             }
@@ -167,11 +181,24 @@ static kiln_tensor_t *add_param(kiln_gpt_t *m, const char *name, int64_t d0, int
 {
     int64_t shape[2] = {d0, d1};
     int nd = d1 > 0 ? 2 : 1;
-    kiln_tensor_t *t = std > 0 ? kiln_contiguous(kiln_mul_scalar(kiln_randn(shape, nd, KILN_DTYPE_F32), std))
-                               : kiln_full(shape, nd, std < 0 ? 1.0 : 0.0, KILN_DTYPE_F32);
-    if (!t) return NULL;
-    t = kiln_clone(t); /* a fresh tensor of its own, not a view into a temporary */
-    if (!t) return NULL;
+    kiln_tensor_t *t;
+    if (m->fill) {
+        if (!(t = m->fill(name, shape, nd, m->fill_ctx))) return NULL;
+        if (kiln_tensor_dtype(t) != KILN_DTYPE_F32 || !kiln_tensor_is_contiguous(t) || kiln_tensor_ndim(t) != nd ||
+            memcmp(kiln_tensor_shape(t), shape, sizeof(int64_t) * (size_t)nd)) {
+            char a[96], want[64];
+            snprintf(want, sizeof want, nd == 2 ? "(%lld, %lld)" : "(%lld)", (long long)d0, (long long)d1);
+            kiln_error(KILN_ERR_SHAPE, "gpt: parameter %s was given as %s; it is a contiguous f32 %s", name,
+                       kiln_tensor_describe(t, a, sizeof a), want);
+            return NULL;
+        }
+    } else {
+        t = std > 0 ? kiln_contiguous(kiln_mul_scalar(kiln_randn(shape, nd, KILN_DTYPE_F32), std))
+                    : kiln_full(shape, nd, std < 0 ? 1.0 : 0.0, KILN_DTYPE_F32);
+        if (!t) return NULL;
+        t = kiln_clone(t); /* a fresh tensor of its own, not a view into a temporary */
+        if (!t) return NULL;
+    }
     if (m->n == m->cap) {
         int cap = m->cap ? m->cap * 2 : 32;
         void *tmp;
@@ -232,7 +259,8 @@ static kiln_status build(kiln_gpt_t *m)
     return KILN_OK;
 }
 
-kiln_status kiln_gpt_new(const kiln_gpt_config *cfg, uint64_t seed, kiln_gpt_t **out)
+static kiln_status gpt_new(const kiln_gpt_config *cfg, uint64_t seed, kiln_gpt_param_fn fill, void *ctx,
+                           kiln_gpt_t **out)
 {
     kiln_status s = kiln_gpt_config_check(cfg);
     if (s != KILN_OK) return s;
@@ -242,6 +270,8 @@ kiln_status kiln_gpt_new(const kiln_gpt_config *cfg, uint64_t seed, kiln_gpt_t *
         return kiln_error(KILN_ERR_OOM, "gpt: out of memory");
     }
     m->cfg = *cfg;
+    m->fill = fill;
+    m->fill_ctx = ctx;
     kiln_rng_state saved = kiln_rng_get_state();
     kiln_manual_seed(seed);
     bool prev = kiln_set_grad_enabled(false);
@@ -250,9 +280,22 @@ kiln_status kiln_gpt_new(const kiln_gpt_config *cfg, uint64_t seed, kiln_gpt_t *
     kiln_scope_end();
     kiln_set_grad_enabled(prev);
     kiln_rng_set_state(saved);
+    m->fill = NULL;
+    m->fill_ctx = NULL;
     if (s == KILN_OK) *out = m;
     else kiln_gpt_free(m);
     return s;
+}
+
+kiln_status kiln_gpt_new(const kiln_gpt_config *cfg, uint64_t seed, kiln_gpt_t **out)
+{
+    return gpt_new(cfg, seed, NULL, NULL, out);
+}
+
+kiln_status kiln_gpt_new_from(const kiln_gpt_config *cfg, kiln_gpt_param_fn fill, void *ctx, kiln_gpt_t **out)
+{
+    if (!fill || !out) return kiln_error(KILN_ERR_ARG, "gpt_new_from: fill and out must not be NULL");
+    return gpt_new(cfg, 0, fill, ctx, out);
 }
 
 void kiln_gpt_free(kiln_gpt_t *m)
@@ -411,8 +454,8 @@ static kiln_tensor_t *attend_full(const pass *ps, int i, kiln_tensor_t *q, kiln_
     k = heads(k, B, T, Hk, hs);
     v = heads(v, B, T, Hk, hs);
     if (c->pos == KILN_POS_ROPE) {
-        q = kiln_rope(q, pos0, c->rope_theta);
-        k = kiln_rope(k, pos0, c->rope_theta);
+        q = kiln_rope_scaled(q, pos0, c->rope_theta, &c->rope_scaling);
+        k = kiln_rope_scaled(k, pos0, c->rope_theta, &c->rope_scaling);
     }
     if (cache) {
         kiln_tensor_t *kd = kiln_narrow(cache->k[i], 2, pos0, T), *vd = kiln_narrow(cache->v[i], 2, pos0, T);
@@ -748,8 +791,8 @@ static kiln_tensor_t *attend_paged(const pass *ps, int i, kiln_tensor_t *q, kiln
     k = kiln_reshape(k, ks, 3);
     v = kiln_reshape(v, ks, 3);
     if (c->pos == KILN_POS_ROPE) {
-        q = kiln_rope_at(q, ps->pos, c->rope_theta);
-        k = kiln_rope_at(k, ps->pos, c->rope_theta);
+        q = kiln_rope_at_scaled(q, ps->pos, c->rope_theta, &c->rope_scaling);
+        k = kiln_rope_at_scaled(k, ps->pos, c->rope_theta, &c->rope_scaling);
     }
     if (p->dtype != KILN_DTYPE_F32) {
         k = kiln_cast(k, p->dtype);

@@ -67,22 +67,60 @@ static const char *cfg_str(const hf_config *c, const char *key)
     return json_string_value(json_object_get(c->root, key));
 }
 
-/* RoPE: its base, and no scaling (transformers 5's rope_parameters, or the older
- * rope_theta and rope_scaling fields). */
-static kiln_status cfg_rope(const hf_config *c, double *theta)
+/* A number of the rope object r that the scaling needs. */
+static kiln_status rope_num(const hf_config *c, json_t *r, const char *key, double *out)
+{
+    if (!json_object_get(r, key) || json_is_null(json_object_get(r, key)))
+        return kiln_error(KILN_ERR_FORMAT, "%s: rope scaling needs '%s'", c->file, key);
+    return cfg_num(c, r, key, 0, out);
+}
+
+/* RoPE: its base and its scaling, from transformers 5's rope_parameters or the older
+ * rope_theta and rope_scaling fields. kiln has the scalings that change only the
+ * frequencies (linear, llama3); one that also depends on the sequence's length
+ * (dynamic) or scales attention (yarn, longrope) is refused by name. */
+static kiln_status cfg_rope(const hf_config *c, double *theta, kiln_rope_scaling *scaling)
 {
     json_t *p = json_object_get(c->root, "rope_parameters"), *s = json_object_get(c->root, "rope_scaling");
+    json_t *r = json_is_object(p) ? p : json_is_object(s) ? s : NULL;
+    *scaling = (kiln_rope_scaling){0};
     kiln_status st = cfg_num(c, c->root, "rope_theta", 10000.0, theta);
-    if (st == KILN_OK && json_is_object(p)) st = cfg_num(c, p, "rope_theta", *theta, theta);
-    json_t *kind = json_is_object(p) ? json_object_get(p, "rope_type") : NULL;
-    if (json_is_object(s)) kind = json_object_get(s, "rope_type") ? json_object_get(s, "rope_type") : json_object_get(s, "type");
-    const char *k = json_string_value(kind);
-    if (st == KILN_OK && kind && !json_is_null(kind) && !k)
-        return kiln_error(KILN_ERR_FORMAT, "%s: the rope type must be a string", c->file);
-    if (st == KILN_OK && k && strcmp(k, "default"))
-        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: rope scaling '%s' is not supported (kiln's RoPE has none)", c->file, k);
+    if (st == KILN_OK && r) st = cfg_num(c, r, "rope_theta", *theta, theta);
     if (st == KILN_OK && !(*theta > 0)) return kiln_error(KILN_ERR_FORMAT, "%s: rope_theta must be > 0", c->file);
-    return st;
+    double partial = 1;
+    if (st == KILN_OK) st = cfg_num(c, c->root, "partial_rotary_factor", 1, &partial);
+    if (st == KILN_OK && r) st = cfg_num(c, r, "partial_rotary_factor", partial, &partial);
+    if (st == KILN_OK && partial != 1)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: partial_rotary_factor %g is not supported (kiln rotates whole heads)",
+                          c->file, partial);
+    json_t *kind = r ? json_object_get(r, "rope_type") : NULL;
+    if (r && !kind) kind = json_object_get(r, "type");
+    const char *k = json_string_value(kind);
+    if (st != KILN_OK || !kind || json_is_null(kind)) return st;
+    if (!k) return kiln_error(KILN_ERR_FORMAT, "%s: the rope type must be a string", c->file);
+    if (!strcmp(k, "default")) return KILN_OK;
+    if (!strcmp(k, "linear") || !strcmp(k, "llama3")) {
+        scaling->kind = !strcmp(k, "linear") ? KILN_ROPE_SCALING_LINEAR : KILN_ROPE_SCALING_LLAMA3;
+        st = rope_num(c, r, "factor", &scaling->factor);
+        double ctx = 0;
+        if (st == KILN_OK && scaling->kind == KILN_ROPE_SCALING_LLAMA3) {
+            st = rope_num(c, r, "low_freq_factor", &scaling->low_freq_factor);
+            if (st == KILN_OK) st = rope_num(c, r, "high_freq_factor", &scaling->high_freq_factor);
+            if (st == KILN_OK) st = rope_num(c, r, "original_max_position_embeddings", &ctx);
+            if (st == KILN_OK && (ctx != (int)ctx || ctx < 1))
+                return kiln_error(KILN_ERR_FORMAT, "%s: original_max_position_embeddings must be a positive integer",
+                                  c->file);
+            scaling->original_context = (int)ctx;
+        }
+        if (st == KILN_OK && kiln_rope_scaling_check(scaling) != KILN_OK) {
+            char why[256]; /* the message, before the buffer that holds it is written again */
+            snprintf(why, sizeof why, "%s", kiln_last_error());
+            return kiln_error(KILN_ERR_FORMAT, "%s: %s", c->file, why);
+        }
+        return st;
+    }
+    return kiln_error(KILN_ERR_UNSUPPORTED, "%s: rope scaling '%s' is not supported (kiln has linear and llama3)",
+                      c->file, k);
 }
 
 static kiln_status config_llama(const hf_config *c, const char *type, kiln_gpt_config *g)
@@ -99,7 +137,7 @@ static kiln_status config_llama(const hf_config *c, const char *type, kiln_gpt_c
     if (s == KILN_OK) s = cfg_int(c, "head_dim", false, 0, &head_dim);
     if (s == KILN_OK) s = cfg_int(c, "sliding_window", false, 0, &window);
     if (s == KILN_OK) s = cfg_num(c, c->root, "rms_norm_eps", 1e-6, &g->norm_eps);
-    if (s == KILN_OK) s = cfg_rope(c, &g->rope_theta);
+    if (s == KILN_OK) s = cfg_rope(c, &g->rope_theta, &g->rope_scaling);
     if (s != KILN_OK) return s;
     const char *act = cfg_str(c, "hidden_act");
     if (act && strcmp(act, "silu"))
@@ -247,7 +285,7 @@ static kiln_tensor_t *weight(hf_weights *w, const char *name)
         for (int j = 0; j < kiln_safetensors_count(w->f[i]); j++)
             if (!strcmp(kiln_safetensors_name(w->f[i], j), name)) {
                 w->used[i][j] = true;
-                kiln_tensor_t *t = kiln_safetensors_get(w->f[i], name);
+                kiln_tensor_t *t = kiln_safetensors_view(w->f[i], name);
                 return t && kiln_tensor_dtype(t) != KILN_DTYPE_F32 ? kiln_cast(t, KILN_DTYPE_F32) : t;
             }
     return NULL;
@@ -288,10 +326,10 @@ static void hf_name(const kiln__name_pair *e, const char *prefix, int layer, cha
     snprintf(out, n, fmt, layer);
 }
 
-/* What parameter `name` of the kiln model (shape like param) is made of; need gets the
+/* What parameter `name` of the kiln model (of this shape) is made of; need gets the
  * name it looked for. */
 static kiln_tensor_t *source(hf_weights *w, kiln__family fam, const char *prefix, const char *name,
-                             const kiln_tensor_t *param, char *need, size_t nn)
+                             const int64_t *shape, int nd, char *need, size_t nn)
 {
     int i;
     const char *rest;
@@ -303,7 +341,7 @@ static kiln_tensor_t *source(hf_weights *w, kiln__family fam, const char *prefix
         kiln_tensor_t *t = weight(w, need);
         /* a bias the model does not have: zero, the same model */
         if (!t && fam == KILN__FAMILY_LLAMA && strstr(e->kiln, ".bias"))
-            t = kiln_zeros(kiln_tensor_shape(param), kiln_tensor_ndim(param), KILN_DTYPE_F32);
+            t = kiln_zeros(shape, nd, KILN_DTYPE_F32);
         return t && e->transposed ? kiln_transpose(t, 0, 1) : t;
     }
     if (fam == KILN__FAMILY_LLAMA && i >= 0 && (!strcmp(rest, "attn.qkv.weight") || !strcmp(rest, "attn.qkv.bias"))) {
@@ -331,7 +369,7 @@ static kiln_tensor_t *source(hf_weights *w, kiln__family fam, const char *prefix
             }
         if (p[0] && p[1] && p[2]) return kiln_cat(p, 3, 0);
         if (!p[0] && !p[1] && !p[2] && !strcmp(what, "bias"))
-            return kiln_zeros(kiln_tensor_shape(param), kiln_tensor_ndim(param), KILN_DTYPE_F32);
+            return kiln_zeros(shape, nd, KILN_DTYPE_F32);
         return NULL;
     }
     snprintf(need, nn, "(no Hugging Face name for %s)", name);
@@ -370,37 +408,41 @@ static bool same_as_embedding(const kiln_gpt_t *m, const kiln_safetensors_t *f, 
     return same;
 }
 
-static kiln_status load_weights(kiln_gpt_t *m, kiln__family fam, hf_weights *w)
+/* What kiln_gpt_new_from asks for: parameter `name` of this shape, from the files. A
+ * tensor the files hold as it is (f32, kiln's layout) is the file's mapped bytes
+ * (kiln_safetensors_view), so that loading copies nothing and serving brings in only
+ * the pages it reads; one that must change (a 16-bit file widened, GPT-2's transposed
+ * weights, LLaMA's q, k and v stacked) is a new tensor. */
+typedef struct {
+    hf_weights *w;
+    kiln__family fam;
+    const char *prefix; /* GPT-2 files saved from GPT2LMHeadModel prefix the body with "transformer." */
+} hf_source;
+
+static kiln_tensor_t *hf_param(const char *name, const int64_t *shape, int nd, void *ctx)
 {
-    kiln_status s = weights_open(w);
-    /* GPT-2 files saved from GPT2LMHeadModel prefix the body with "transformer." */
-    const char *pre = "";
-    bool prev = kiln_set_grad_enabled(false); /* the parameters are written in place */
-    for (int i = 0; s == KILN_OK && fam == KILN__FAMILY_GPT2 && i < w->n; i++)
-        for (int j = 0; j < kiln_safetensors_count(w->f[i]); j++)
-            if (!strncmp(kiln_safetensors_name(w->f[i], j), "transformer.", 12)) pre = "transformer.";
-    for (int k = 0; s == KILN_OK && k < kiln_gpt_num_params(m); k++) {
-        const char *name;
-        kiln_tensor_t *p = kiln_gpt_param(m, k, &name);
-        char need[256];
-        kiln_scope_begin();
-        kiln_tensor_t *src = source(w, fam, pre, name, p, need, sizeof need);
-        int nd = kiln_tensor_ndim(p);
-        if (!src) {
-            s = strstr(need, " rows (it is ") ? kiln_error(KILN_ERR_FORMAT, "%s: %s", w->dir, need)
-                                               : kiln_error(KILN_ERR_FORMAT, "%s: no tensor %s for kiln's %s", w->dir,
-                                                            need, name);
-        } else if (kiln_tensor_ndim(src) != nd ||
-                   memcmp(kiln_tensor_shape(src), kiln_tensor_shape(p), sizeof(int64_t) * (size_t)nd)) {
-            char a[96], b[96];
-            s = kiln_error(KILN_ERR_FORMAT, "%s: %s is %s, but the config makes kiln's %s %s", w->dir, need,
-                           kiln_tensor_describe(src, a, sizeof a), name, kiln_tensor_describe(p, b, sizeof b));
-        } else {
-            s = kiln_tensor_copy_(p, src);
-        }
-        kiln_scope_end();
+    hf_source *h = ctx;
+    char need[256];
+    kiln_tensor_t *src = source(h->w, h->fam, h->prefix, name, shape, nd, need, sizeof need);
+    if (!src) {
+        if (strstr(need, " rows (it is ")) kiln_error(KILN_ERR_FORMAT, "%s: %s", h->w->dir, need);
+        else kiln_error(KILN_ERR_FORMAT, "%s: no tensor %s for kiln's %s", h->w->dir, need, name);
+        return NULL;
     }
-    kiln_set_grad_enabled(prev);
+    if (kiln_tensor_ndim(src) != nd || memcmp(kiln_tensor_shape(src), shape, sizeof(int64_t) * (size_t)nd)) {
+        char a[96], b[96];
+        snprintf(b, sizeof b, nd == 2 ? "(%lld, %lld)" : "(%lld)", (long long)shape[0], (long long)shape[nd - 1]);
+        kiln_error(KILN_ERR_FORMAT, "%s: %s is %s, but the config makes kiln's %s f32 %s", h->w->dir, need,
+                   kiln_tensor_describe(src, a, sizeof a), name, b);
+        return NULL;
+    }
+    return kiln_tensor_is_contiguous(src) ? src : kiln_contiguous(src);
+}
+
+/* Every tensor of the files has found its place, or the model is refused. */
+static kiln_status check_all_used(const kiln_gpt_t *m, const hf_weights *w)
+{
+    kiln_status s = KILN_OK;
     for (int i = 0; s == KILN_OK && i < w->n; i++)
         for (int j = 0; s == KILN_OK && j < kiln_safetensors_count(w->f[i]); j++) {
             const char *name = kiln_safetensors_name(w->f[i], j);
@@ -423,9 +465,14 @@ kiln_status kiln_hf_load(const char *dir, kiln_gpt_t **model)
     kiln__family fam = KILN__FAMILY_LLAMA;
     kiln_status s = read_config(dir, &cfg, &fam);
     kiln_gpt_t *m = NULL;
-    if (s == KILN_OK) s = kiln_gpt_new(&cfg, 0, &m);
-    hf_weights w = {.dir = dir, .cfg = m ? kiln_gpt_get_config(m) : NULL};
-    if (s == KILN_OK) s = load_weights(m, fam, &w);
+    hf_weights w = {.dir = dir, .cfg = &cfg};
+    hf_source h = {&w, fam, ""};
+    if (s == KILN_OK) s = weights_open(&w);
+    for (int i = 0; s == KILN_OK && fam == KILN__FAMILY_GPT2 && i < w.n; i++)
+        for (int j = 0; j < kiln_safetensors_count(w.f[i]); j++)
+            if (!strncmp(kiln_safetensors_name(w.f[i], j), "transformer.", 12)) h.prefix = "transformer.";
+    if (s == KILN_OK) s = kiln_gpt_new_from(&cfg, hf_param, &h, &m);
+    if (s == KILN_OK) s = check_all_used(m, &w);
     weights_free(&w);
     if (s != KILN_OK) {
         kiln_gpt_free(m);
@@ -458,13 +505,26 @@ static json_t *config_json(const kiln_gpt_config *c, kiln__family fam, kiln_dtyp
                          kiln_gpt_ffn_hidden(c), "layer_norm_epsilon", c->norm_eps, "activation_function", "gelu_new",
                          "tie_word_embeddings", c->tied, "torch_dtype", dtype, "attn_pdrop", 0.0, "embd_pdrop", 0.0,
                          "resid_pdrop", 0.0);
-    return json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:s, s:b, s:b, s:b, s:s}",
+    json_t *o = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:s, s:b, s:b, s:b, s:s}",
                      "architectures", "LlamaForCausalLM", "model_type", "llama", "hidden_size", c->n_embd,
                      "intermediate_size", kiln_gpt_ffn_hidden(c), "num_hidden_layers", c->n_layer,
                      "num_attention_heads", c->n_head, "num_key_value_heads", c->n_kv_head, "head_dim",
                      c->n_embd / c->n_head, "max_position_embeddings", c->block_size, "vocab_size", c->vocab_size,
                      "rms_norm_eps", c->norm_eps, "rope_theta", c->rope_theta, "hidden_act", "silu", "attention_bias",
                      c->bias, "mlp_bias", c->bias, "tie_word_embeddings", c->tied, "torch_dtype", dtype);
+    /* the older rope_scaling field, which transformers 4 reads and 5 converts */
+    const kiln_rope_scaling *r = &c->rope_scaling;
+    json_t *rs = r->kind == KILN_ROPE_SCALING_LINEAR ? json_pack("{s:s, s:f}", "rope_type", "linear", "factor", r->factor)
+               : r->kind == KILN_ROPE_SCALING_LLAMA3
+                   ? json_pack("{s:s, s:f, s:f, s:f, s:i}", "rope_type", "llama3", "factor", r->factor, "low_freq_factor",
+                               r->low_freq_factor, "high_freq_factor", r->high_freq_factor,
+                               "original_max_position_embeddings", r->original_context)
+                   : NULL;
+    if (o && r->kind != KILN_ROPE_SCALING_NONE && json_object_set_new(o, "rope_scaling", rs) != 0) {
+        json_decref(o);
+        o = NULL;
+    }
+    return o;
 }
 
 /* What an earlier model left in dir that kiln_hf_load would read instead of (or beside)

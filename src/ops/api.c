@@ -300,9 +300,13 @@ static kiln_tensor_t *tri(kiln_tensor_t *a, int64_t k, bool upper)
 kiln_tensor_t *kiln_tril(kiln_tensor_t *a, int64_t k) { return tri(a, k, false); }
 kiln_tensor_t *kiln_triu(kiln_tensor_t *a, int64_t k) { return tri(a, k, true); }
 
-kiln_tensor_t *kiln_rope(kiln_tensor_t *x, int64_t pos0, double theta)
+kiln_tensor_t *kiln_rope(kiln_tensor_t *x, int64_t pos0, double theta) { return kiln_rope_scaled(x, pos0, theta, NULL); }
+
+kiln_tensor_t *kiln_rope_scaled(kiln_tensor_t *x, int64_t pos0, double theta, const kiln_rope_scaling *s)
 {
-    return kiln__call(KILN_OP_ROPE, &x, 1, &(kiln__attrs){.op.rope = {.theta = theta, .pos0 = pos0}});
+    kiln__attrs a = {.op.rope = {.theta = theta, .pos0 = pos0}};
+    if (s) a.op.rope.scaling = *s;
+    return kiln__call(KILN_OP_ROPE, &x, 1, &a);
 }
 
 kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, bool causal, double scale)
@@ -346,9 +350,16 @@ kiln_tensor_t *kiln_matmul_rows_packed(kiln_tensor_t *a, kiln_tensor_t *wp, int6
 
 kiln_tensor_t *kiln_rope_at(kiln_tensor_t *x, kiln_tensor_t *pos, double theta)
 {
+    return kiln_rope_at_scaled(x, pos, theta, NULL);
+}
+
+kiln_tensor_t *kiln_rope_at_scaled(kiln_tensor_t *x, kiln_tensor_t *pos, double theta, const kiln_rope_scaling *s)
+{
     if (!x || !pos) return null_arg("rope_at");
     kiln_tensor_t *in[2] = {x, pos};
-    return kiln__call(KILN_OP_ROPE_AT, in, 2, &(kiln__attrs){.op.rope.theta = theta});
+    kiln__attrs a = {.op.rope.theta = theta};
+    if (s) a.op.rope.scaling = *s;
+    return kiln__call(KILN_OP_ROPE_AT, in, 2, &a);
 }
 
 kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, kiln_tensor_t *v_pages,

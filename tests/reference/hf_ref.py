@@ -35,6 +35,18 @@ MODELS = {
     "llama_tied_bf16": (LlamaForCausalLM, LlamaConfig(**COMMON, num_key_value_heads=KV, rms_norm_eps=1e-6,
                                                       rope_theta=500000.0, tie_word_embeddings=True),
                         torch.bfloat16, None),
+    # LLaMA 3.1's rope scaling, with head size 8 and theta 100 so that its three bands
+    # (kept, blended, divided) each hold a frequency; and linear scaling
+    "llama31_scaled": (LlamaForCausalLM, LlamaConfig(**COMMON, num_key_value_heads=KV, rms_norm_eps=1e-5,
+                                                     rope_theta=100.0, tie_word_embeddings=False,
+                                                     rope_scaling={"rope_type": "llama3", "factor": 4.0,
+                                                                   "low_freq_factor": 2.0, "high_freq_factor": 8.0,
+                                                                   "original_max_position_embeddings": 64}),
+                       torch.float32, None),
+    "qwen2_linear": (Qwen2ForCausalLM, Qwen2Config(**COMMON, num_key_value_heads=KV, tie_word_embeddings=False,
+                                                   use_sliding_window=False, rope_theta=1000.0,
+                                                   rope_scaling={"rope_type": "linear", "factor": 3.0}),
+                     torch.float32, None),
     "mistral_sharded_f16": (MistralForCausalLM, MistralConfig(**COMMON, num_key_value_heads=KV, sliding_window=32,
                                                               tie_word_embeddings=False), torch.float16, "40KB"),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(**COMMON, num_key_value_heads=KV, tie_word_embeddings=False,
@@ -48,9 +60,12 @@ MODELS = {
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--only", nargs="*", help="make these models only (the others are left as they are)")
     a = ap.parse_args()
     torch.set_num_threads(1)
     for name, (cls, cfg, dtype, shard) in MODELS.items():
+        if a.only and name not in a.only:
+            continue
         torch.manual_seed(1234)
         cfg._attn_implementation = "eager"
         model = cls(cfg).eval()

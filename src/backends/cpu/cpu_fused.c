@@ -166,20 +166,26 @@ WIDENED(cross_entropy, ce_k(in, out, a, false))
 WIDENED(cross_entropy_backward, ce_k(in, out, a, true))
 
 /* Fills cs (T, D/2, 2) with the cos and sin of position pos(t): frequencies in f32 as
- * LLaMA's reference computes them, angles in double. */
-static void rope_angles(double *cs, int64_t T, int64_t D, double theta, int64_t pos0, const kiln_tensor_t *pos)
+ * LLaMA's reference computes them (kiln_rope_frequencies, with the op's scaling),
+ * angles in double. */
+static kiln_status rope_angles(double *cs, int64_t T, int64_t D, const kiln__rope_attrs *r, int64_t pos0,
+                               const kiln_tensor_t *pos)
 {
     int64_t h = D / 2;
     size_t isz = pos ? kiln_dtype_size(pos->dtype) : 0;
-    for (int64_t i = 0; i < h; i++) {
-        float inv = 1.0f / powf((float)theta, (float)(2 * i) / (float)D);
+    float *freq = malloc(sizeof(float) * (size_t)h);
+    if (!freq) return kiln__err(KILN_ERR_OOM, "rope: out of memory");
+    kiln_status s = kiln_rope_frequencies(r->theta, D, &r->scaling, freq);
+    for (int64_t i = 0; s == KILN_OK && i < h; i++) {
         for (int64_t t = 0; t < T; t++) {
             int64_t p = pos ? kiln__load_index((const char *)kiln__data(pos) + t * (int64_t)isz, pos->dtype) : pos0 + t;
-            float ang = (float)p * inv;
+            float ang = (float)p * freq[i];
             cs[(t * h + i) * 2] = cos((double)ang);
             cs[(t * h + i) * 2 + 1] = sin((double)ang);
         }
     }
+    free(freq);
+    return s;
 }
 
 /* rope: x (..., T, D), row r at position pos0 + r % T. rope_at: x (N, H, D), pos (N),
@@ -193,10 +199,9 @@ static kiln_status rope_k(const char *op, kiln_tensor_t *const *in, int n_in, ki
     int64_t D = x->shape[x->ndim - 1], T = at ? x->shape[0] : x->shape[x->ndim - 2];
     double *cs = malloc(sizeof(double) * (size_t)(T * D + 1));
     kiln_status s = cs ? KILN_OK : kiln__err(KILN_ERR_OOM, "%s: out of memory", op);
-    if (s == KILN_OK) {
-        rope_angles(cs, T, D, a->op.rope.theta, at ? 0 : a->op.rope.pos0, at ? c[1] : NULL);
+    if (s == KILN_OK) s = rope_angles(cs, T, D, &a->op.rope, at ? 0 : a->op.rope.pos0, at ? c[1] : NULL);
+    if (s == KILN_OK)
         s = BY_REAL(x->dtype, op, rope, x, out, cs, T, at ? x->shape[1] : 1, !at && a->op.rope.inverse ? -1.0 : 1.0);
-    }
     free(cs);
     cpu_free_n(tmp, n_in);
     return s;
