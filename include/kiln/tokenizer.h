@@ -1,4 +1,5 @@
-/* kiln/tokenizer.h — byte and byte-level BPE tokenizers, saved as HuggingFace tokenizer.json.
+/* kiln/tokenizer.h — byte, byte-level BPE and SentencePiece-style BPE tokenizers, read and
+ * saved as HuggingFace tokenizer.json.
  *
  * A worked example:
  *
@@ -14,22 +15,46 @@
  *     free(s);
  *     kiln_tokenizer_free(tok);
  *
- * Two kinds. "byte" has 256 ids, id = byte value. "bpe" is byte-level BPE as in GPT-2:
- * ids 0..255 are the bytes, then one id per learned merge in rank order, then the
- * special token "<|endoftext|>" as the last id.
+ * Two kinds. "byte" has 256 ids, id = byte value. "bpe" is BPE, in one of two forms:
  *
- * Pre-tokenization is a regular expression matched with Unicode's classes (PCRE2 with
- * Unicode properties, as `tokenizers` matches): GPT-2's (HF ByteLevel, use_regex=true,
- * add_prefix_space=false),
+ * Byte-level, as GPT-2: the tokens are byte strings. Trained by kiln: ids 0..255 are
+ * the bytes, then one id per learned merge in rank order, then the special token
+ * "<|endoftext|>" as the last id. Pre-tokenization is a regular expression matched with
+ * Unicode's classes (PCRE2 with Unicode properties, as `tokenizers` matches): GPT-2's
+ * (HF ByteLevel, use_regex=true, add_prefix_space=false),
  *     's|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+
  * or, for a tokenizer.json whose pre_tokenizer is a Sequence of a Split on a Regex
  * (behavior Isolated) and a ByteLevel without a regex (LLaMA-3's and Qwen2's shape),
- * that Split's pattern, after the tokenizer.json's Unicode normalizer (NFC, NFD, NFKC,
- * NFKD; utf8proc) where it declares one. A pre-token is a match or the text between two. `tokenizers`
- * gives the same ids for any UTF-8 text (tests/tokenizer/ checks GPT-2, LLaMA-3 and
- * Qwen2 shapes on a multilingual text); bytes that are not UTF-8 are pre-tokens of
- * their own. Encoding then decoding is lossless for any bytes. A literal
- * "<|endoftext|>" in the text encodes to the special id, as in `tokenizers`.
+ * that Split's pattern. A pre-token is a match or the text between two. Bytes that are
+ * not UTF-8 are pre-tokens of their own. Encoding then decoding is lossless for any
+ * bytes.
+ *
+ * SentencePiece-style (char-level), as LLaMA-2 and Mistral ship it: a BPE model with
+ * byte_fallback (the vocab holds "<0x00>".."<0xFF>"), unk_token and fuse_unk, and no
+ * ByteLevel. The text's spaces become "▁" and a "▁" is put in front, by the Metaspace
+ * pre-tokenizer (prepend_scheme "always": every text between special tokens; "first":
+ * only the text that starts the input, not one after a special token; "never"; split or
+ * not at each "▁") or by the older normalizers Prepend("▁") and Replace(" ", "▁") with no
+ * pre-tokenizer. A word's symbols are its characters looked up in the vocab; one the
+ * vocab lacks becomes its UTF-8 bytes' "<0xXX>" tokens, else "<unk>" (one for a run with
+ * fuse_unk), as `tokenizers` does; then the merges apply. Decoding follows the decoder
+ * Sequence[Replace("▁", " "), ByteFallback, Fuse, Strip(" ", 1, 0)] or Metaspace's, as
+ * `tokenizers` decodes with skip_special_tokens=False: the decoded text loses the one
+ * leading space the "▁" prefix stands for, so "Hello" comes back as "Hello" (and, as in
+ * `tokenizers`, " Hi" through Metaspace as "Hi", since Metaspace adds no "▁" before one
+ * there is). A run of byte tokens that is not UTF-8 comes back as its bytes
+ * (`tokenizers` writes U+FFFD for each); bytes of the input that are not UTF-8 fall back
+ * to their byte tokens, so encoding then decoding keeps them.
+ *
+ * Either form: the tokenizer.json's normalizer applies first to the text between
+ * special tokens: NFC, NFD, NFKC, NFKD (utf8proc), Prepend, Replace of a literal string,
+ * or a Sequence of them. Added tokens (special or not: "<|endoftext|>", "<s>", "</s>")
+ * are cut out of the text first, as `tokenizers` does: the first in the text, the
+ * longest of those there. The post_processor (a template that adds "<s>" or "<|begin_of_text|>") is not
+ * applied and not saved: encode gives the text's ids alone, as `tokenizers`' encode with
+ * add_special_tokens=False; a caller that wants BOS puts it in front. tests/tokenizer/
+ * checks against `tokenizers` on a multilingual text: GPT-2, LLaMA-3, Qwen2 and LLaMA-2
+ * shapes give the same ids and decode alike.
  *
  * Errors. Functions return kiln_status; the message is read with kiln_last_error().
  * Ownership. Constructors and load return a new tokenizer that the caller frees with
@@ -59,39 +84,52 @@ kiln_tokenizer_t *kiln_tokenizer_byte(void);
 kiln_status kiln_tokenizer_train_bpe(const char *text, size_t len, int vocab_size, kiln_tokenizer_t **out);
 
 /* Writes a HuggingFace tokenizer.json that Python `tokenizers` loads and that encodes to
- * the same ids. The byte kind is written as a BPE model with no merges. */
+ * the same ids (with add_special_tokens=False: no post_processor is written) and decodes
+ * alike. The byte kind is written as a BPE model with no merges. */
 kiln_status kiln_tokenizer_save(const kiln_tokenizer_t *t, const char *path);
 /* The same tokenizer.json as text (malloc'd; the caller frees), or NULL with the error
  * set. */
 char *kiln_tokenizer_to_json(const kiln_tokenizer_t *t);
 
-/* Reads a tokenizer.json: what kiln_tokenizer_save writes, and other byte-level BPE files
- * (GPT-2's ByteLevel, or a Split on a regex then a ByteLevel, as LLaMA-3 and Qwen2 ship).
- * A missing file is KILN_ERR_IO; a malformed one (a pattern that does not compile among
- * them) is KILN_ERR_FORMAT, and one needing a feature kiln lacks (another normalizer,
- * pre-tokenizer or model) is KILN_ERR_UNSUPPORTED, each with a message naming the file. */
+/* Reads a tokenizer.json: what kiln_tokenizer_save writes, byte-level BPE files (GPT-2's
+ * ByteLevel, or a Split on a regex then a ByteLevel, as LLaMA-3 and Qwen2 ship) and
+ * SentencePiece-style ones (Metaspace or Prepend/Replace, byte fallback, as LLaMA-2 and
+ * Mistral ship). A missing file is KILN_ERR_IO; a malformed one (a pattern that does not
+ * compile, an unk_token not in the vocab among them) is KILN_ERR_FORMAT, and one needing
+ * a feature kiln lacks (another normalizer, pre-tokenizer, decoder or model, BPE dropout,
+ * a Regex Replace) is KILN_ERR_UNSUPPORTED, each with a message naming the file and the
+ * field. */
 kiln_status kiln_tokenizer_load(const char *path, kiln_tokenizer_t **out);
 
 int kiln_tokenizer_vocab_size(const kiln_tokenizer_t *t);
 
 /* Encodes text[0..len) into ids[0..cap); *n_out = the number of ids. If cap is too small
- * it returns KILN_ERR_ARG with *n_out = the number needed (ids then holds the first cap). */
+ * it returns KILN_ERR_ARG with *n_out = the number needed (ids then holds the first cap).
+ * len + 1 ids are not always enough: a normalizer that lengthens the text (NFKC's
+ * "㌀" is four characters) or a "▁" put before each text between special tokens can
+ * make more ids than bytes. */
 kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, size_t len, int32_t *ids,
                                   size_t cap, size_t *n_out);
 
 /* Decodes ids[0..n) into a new malloc'd NUL-terminated string the caller frees; the bytes
- * may themselves hold NULs. An id outside [0, vocab size) is KILN_ERR_INDEX. */
+ * may themselves hold NULs. An id outside [0, vocab size) is KILN_ERR_INDEX. A
+ * SentencePiece-style decoder strips the text's leading space, as `tokenizers` does, so
+ * ids that continue a text are decoded by joining their kiln_tokenizer_token_bytes. */
 kiln_status kiln_tokenizer_decode(const kiln_tokenizer_t *t, const int32_t *ids, size_t n, char **out);
 
 /* The bytes of token id (borrowed from t, not NUL-terminated) and their count in *len;
  * NULL (and *len 0) for an id outside [0, vocab size). What streaming decoders need:
- * a token's bytes may be part of a UTF-8 character or a NUL. */
+ * a token's bytes may be part of a UTF-8 character or a NUL. They are what the token
+ * decodes to after other tokens: a SentencePiece-style "▁Hello" gives " Hello" (the
+ * space kiln_tokenizer_decode strips from the start of a text is kept), "<0xE6>" the
+ * byte 0xE6. */
 const char *kiln_tokenizer_token_bytes(const kiln_tokenizer_t *t, int32_t id, size_t *len);
 
 /* The id of the special token "<|endoftext|>", or -1 when the tokenizer has none. */
 int32_t kiln_tokenizer_eot(const kiln_tokenizer_t *t);
 
-/* "byte" or "bpe". */
+/* "byte" or "bpe" (byte-level or SentencePiece-style: both read from and saved as
+ * tokenizer.json). */
 const char *kiln_tokenizer_kind(const kiln_tokenizer_t *t);
 
 void kiln_tokenizer_free(kiln_tokenizer_t *t);

@@ -1,4 +1,5 @@
-/* Byte-level BPE: the GPT-2 pre-tokenizer, applying merges to a word, and training. */
+/* BPE: applying merges to a word (byte-level, or char-level with byte fallback), and
+ * training byte-level merges. */
 #include <stdlib.h>
 #include <string.h>
 #include "io/tokenizer_impl.h"
@@ -150,13 +151,55 @@ static void push_pair(const kiln_tokenizer_t *t, kiln__bpe_scratch *s, int32_t p
         minheap_push(s, (uint64_t)r << 32 | (uint32_t)pos);
 }
 
+/* A char-level word's symbols, as `tokenizers`' BPE makes them (merge_word in its
+ * models/bpe/model.rs): each character's id in the vocab; for one the vocab lacks, its
+ * bytes' "<0xXX>" ids when byte_fallback is on and all of them exist, else the unk id
+ * (a run of unknown characters makes one with fuse_unk), else nothing. A byte that
+ * starts no valid UTF-8 character is a character of its own, which no vocab string
+ * is. Returns the number of symbols in s->sym (at most n). */
+static int32_t char_symbols(const kiln_tokenizer_t *t, kiln__bpe_scratch *s, const uint8_t *w, size_t n)
+{
+    int32_t len = 0;
+    bool unk = false; /* an unk symbol not yet written, as `tokenizers` holds it */
+    for (size_t i = 0; i < n;) {
+        size_t k = kiln__utf8_len(w, n, i);
+        int32_t id = k ? kiln__u64map_get(&t->char_id, kiln__char_key(w + i, k)) : -1;
+        if (!k) k = 1;
+        if (id >= 0) {
+            if (unk) s->sym[len++] = t->unk_id, unk = false;
+            s->sym[len++] = id;
+        } else {
+            bool bytes = t->byte_fallback;
+            for (size_t j = 0; bytes && j < k; j++)
+                bytes = t->byte_id[w[i + j]] >= 0;
+            if (bytes) {
+                /* written before a pending unk, as `tokenizers` does */
+                for (size_t j = 0; j < k; j++)
+                    s->sym[len++] = t->byte_id[w[i + j]];
+            } else if (t->unk_id >= 0) {
+                if (unk && !t->fuse_unk) s->sym[len++] = t->unk_id;
+                unk = true;
+            }
+        }
+        i += k;
+    }
+    if (unk) s->sym[len++] = t->unk_id;
+    return len;
+}
+
 long kiln__bpe_word(const kiln_tokenizer_t *t, kiln__bpe_scratch *s, const uint8_t *w, size_t n)
 {
     if (!scratch_reserve(s, n))
         return -1;
-    int32_t len = (int32_t)n, end = len;
+    int32_t len = (int32_t)n;
+    if (t->char_level) {
+        len = char_symbols(t, s, w, n);
+    } else {
+        for (int32_t i = 0; i < len; i++)
+            s->sym[i] = t->byte_id[w[i]];
+    }
+    int32_t end = len;
     for (int32_t i = 0; i < len; i++) {
-        s->sym[i] = t->byte_id[w[i]];
         s->prev[i] = i - 1;
         s->next[i] = i + 1;
     }

@@ -1,4 +1,8 @@
-/* Pre-tokenizers' regular expressions, matched by PCRE2 (Debian's libpcre2) with Unicode
+/* Pre-tokenizers and normalizers: Metaspace, the normalizer steps (Unicode forms by
+ * utf8proc, Prepend, Replace of a string), and the regular expressions of byte-level
+ * pre-tokenizers.
+ *
+ * The regular expressions are matched by PCRE2 (Debian's libpcre2) with Unicode
  * character properties, as the `tokenizers` library matches them: \p{L}, \p{N} and \s
  * are Unicode's classes, not ASCII's. A pre-token is a match, or the text between two
  * matches (the "Isolated" split of `tokenizers`, which keeps both).
@@ -136,11 +140,11 @@ const char *kiln__pretok_error(const kiln__pretok *p, char *buf, size_t n)
 
 /* ---- normalizers ---- */
 
-const char *const kiln__norm_names[5] = {"", "NFC", "NFD", "NFKC", "NFKD"};
+const char *const kiln__norm_names[KILN__NORM_COUNT] = {"", "NFC", "NFD", "NFKC", "NFKD", "Prepend", "Replace"};
 
 kiln_status kiln__normalize(int form, const uint8_t *s, size_t n, uint8_t **out, size_t *out_n)
 {
-    static const utf8proc_option_t opts[5] = {
+    static const utf8proc_option_t opts[KILN__NORM_PREPEND] = {
         0, UTF8PROC_STABLE | UTF8PROC_COMPOSE, UTF8PROC_STABLE | UTF8PROC_DECOMPOSE,
         UTF8PROC_STABLE | UTF8PROC_COMPOSE | UTF8PROC_COMPAT, UTF8PROC_STABLE | UTF8PROC_DECOMPOSE | UTF8PROC_COMPAT};
     size_t cap = n + 16, len = 0;
@@ -175,5 +179,105 @@ kiln_status kiln__normalize(int form, const uint8_t *s, size_t n, uint8_t **out,
     }
     *out = d;
     *out_n = len;
+    return KILN_OK;
+}
+
+uint8_t *kiln__replace_all(const uint8_t *s, size_t n, const char *pat, size_t pn, const char *rep, size_t rn,
+                           size_t *out_n)
+{
+    size_t hits = 0;
+    for (const uint8_t *p = s, *h; (h = kiln__find_bytes(p, n - (size_t)(p - s), (const uint8_t *)pat, pn));
+         p = h + pn)
+        hits++;
+    size_t len = n - hits * pn + hits * rn, o = 0;
+    uint8_t *d = malloc(len ? len : 1);
+    if (!d) return NULL;
+    const uint8_t *p = s, *h;
+    while ((h = kiln__find_bytes(p, n - (size_t)(p - s), (const uint8_t *)pat, pn))) {
+        memcpy(d + o, p, (size_t)(h - p));
+        o += (size_t)(h - p);
+        memcpy(d + o, rep, rn);
+        o += rn;
+        p = h + pn;
+    }
+    memcpy(d + o, p, n - (size_t)(p - s));
+    *out_n = len;
+    return d;
+}
+
+kiln_status kiln__normalize_all(const kiln__norm *norm, int k, const uint8_t *s, size_t n, uint8_t **out,
+                                size_t *out_n)
+{
+    uint8_t *cur = NULL; /* the text so far, once a step has made a copy */
+    for (int i = 0; i < k; i++) {
+        const kiln__norm *z = &norm[i];
+        uint8_t *next = NULL;
+        size_t m = n;
+        if (z->kind < KILN__NORM_PREPEND) {
+            kiln_status st = kiln__normalize(z->kind, s, n, &next, &m);
+            if (st != KILN_OK) {
+                free(cur);
+                return st;
+            }
+        } else if (z->kind == KILN__NORM_PREPEND) {
+            if (!n) continue; /* `tokenizers` prepends to a text that is not empty only */
+            size_t c = strlen(z->content);
+            if ((next = malloc(n + c))) {
+                memcpy(next, z->content, c);
+                memcpy(next + c, s, n);
+                m = n + c;
+            }
+        } else {
+            next = kiln__replace_all(s, n, z->pattern, strlen(z->pattern), z->content, strlen(z->content), &m);
+        }
+        if (!next) {
+            free(cur);
+            return kiln_error(KILN_ERR_OOM, "tokenizer: out of memory normalizing %zu bytes", n);
+        }
+        free(cur);
+        cur = next;
+        s = cur;
+        n = m;
+    }
+    if (!cur && !(cur = malloc(n ? n : 1)))
+        return kiln_error(KILN_ERR_OOM, "tokenizer: out of memory normalizing %zu bytes", n);
+    if (s != cur) memcpy(cur, s, n);
+    *out = cur;
+    *out_n = n;
+    return KILN_OK;
+}
+
+void kiln__norm_free(kiln__norm *norm, int k)
+{
+    for (int i = 0; norm && i < k; i++) {
+        free(norm[i].pattern);
+        free(norm[i].content);
+    }
+    free(norm);
+}
+
+/* ---- Metaspace ---- */
+
+kiln_status kiln__metaspace_apply(const kiln__metaspace *ms, const uint8_t *s, size_t n, bool at_start,
+                                  uint8_t **out, size_t *out_n)
+{
+    size_t rn = strlen(ms->rep), m;
+    uint8_t *d = kiln__replace_all(s, n, " ", 1, ms->rep, rn, &m);
+    if (!d) return kiln_error(KILN_ERR_OOM, "tokenizer: out of memory for Metaspace on %zu bytes", n);
+    /* The check looks at the text after its spaces became rep, as `tokenizers` does. */
+    bool has = m >= rn && memcmp(d, ms->rep, rn) == 0;
+    if (!has && (ms->prepend == KILN__PREPEND_ALWAYS || (ms->prepend == KILN__PREPEND_FIRST && at_start))) {
+        uint8_t *e = realloc(d, m + rn);
+        if (!e) {
+            free(d);
+            return kiln_error(KILN_ERR_OOM, "tokenizer: out of memory for Metaspace on %zu bytes", n);
+        }
+        memmove(e + rn, e, m);
+        memcpy(e, ms->rep, rn);
+        d = e;
+        m += rn;
+    }
+    *out = d;
+    *out_n = m;
     return KILN_OK;
 }

@@ -9,24 +9,39 @@ the text. The shapes:
 - LLaMA-3: a Split on LLaMA-3's pattern (case-insensitive contractions, letters with one
   leading non-letter, numbers in runs of up to three), then ByteLevel without a regex;
 - Qwen2: the same with single digits, after NFC normalization;
-- LLaMA-3's shape after NFKC normalization.
+- LLaMA-3's shape after NFKC normalization;
+- LLaMA-2 / Mistral (SentencePiece-style, char-level BPE with byte fallback, unk_token
+  "<unk>", fuse_unk; the 256 "<0xXX>" tokens at ids 3..258 as LLaMA-2 has them; an
+  alphabet limited so that CJK and emoji fall back to bytes), in the shape transformers
+  writes today (Metaspace, prepend_scheme "first", no split; a BOS template the ids
+  leave out, as kiln leaves out every post_processor), in the older one (normalizer
+  Sequence[Prepend("▁"), Replace(" ", "▁")], no pre_tokenizer), both with the decoder
+  Sequence[Replace("▁", " "), ByteFallback, Fuse, Strip(" ", 1, 0)], and with a
+  splitting Metaspace (prepend "always") and the Metaspace decoder. For these the text
+  has "</s>" and "<s>" in it, and a few short texts (a leading space, a leading special
+  token) are checked too; decoding must give what `tokenizers` decodes (special tokens
+  kept), which for the text itself is the text (with ByteFallback in the decoder); and
+  the tokenizer.json kiln writes back (tokenizer_resave) must load in `tokenizers` and
+  give the same ids and text. Two more shapes have no byte tokens, so that what the
+  vocab lacks becomes "<unk>": one per run of such characters (fuse_unk) or one each.
 
 The text holds Latin with accents, CJK, Arabic, Cyrillic, emoji, digits of several
 scripts, runs of spaces, tabs and newlines, code, decomposed accents and Hangul jamo,
 and compatibility characters (full-width, ligatures, fractions). A tokenizer.json kiln
-cannot read (another normalizer, a Split that is not Isolated) is refused with a
-message naming it.
+cannot read (another normalizer, a Split that is not Isolated, a Regex Replace, BPE
+dropout, another decoder) is refused with a message naming it.
 Exits 77 (skip, never a pass) when `tokenizers` is not installed.
-    python tests/tokenizer/test_hf_tokenizers.py --kiln build/kiln --workdir DIR
+    python tests/tokenizer/test_hf_tokenizers.py --kiln build/kiln --resave build/tokenizer_resave --workdir DIR
 """
 import argparse
 import json
 import os
+import re
 import subprocess
 import sys
 
 try:
-    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
 except ImportError:
     print("skip: the tokenizers package is not installed (run scripts/install-test-deps.sh)")
     sys.exit(77)
@@ -75,6 +90,54 @@ def build(kind, path):
     return tok
 
 
+# The SentencePiece-style shapes see their own special tokens in the text.
+SP_TEST = TEST.replace("<|endoftext|>", "</s>") + "<s>after a special token, a literal ▁ and   spaces"
+SP_EXTRA = [" a leading space", "<s>a leading special token", "  two\n\n  spaces\t"]
+SP_SHAPES = ("llama2", "llama2-legacy", "metaspace-split", "unk-fused", "unk-unfused")
+_sp_trained = {}
+
+
+def build_sp(kind, path):
+    """A LLaMA-2-style tokenizer: merges trained by tokenizers, the vocab laid out as
+    LLaMA-2's (<unk>, <s>, </s>, the 256 byte tokens, the rest). The legacy shape's merges
+    are learned across "▁" too ("e▁t"), so that kiln cannot cut its text into words."""
+    across = kind == "llama2-legacy"
+    if across not in _sp_trained:
+        t = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+        t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=not across)
+        trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=90,
+                                      show_progress=False)
+        t.train_from_iterator([TRAIN], trainer=trainer)
+        m = json.loads(t.to_str())["model"]
+        _sp_trained[across] = (sorted(m["vocab"], key=m["vocab"].get), [tuple(x) for x in m["merges"]])
+        if across and not any(re.search("[^▁]▁", name) for name in _sp_trained[across][0]):
+            sys.exit("the merges learned across ▁ have no token with ▁ after another character")
+    names, merges = _sp_trained[across]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
+    unk = kind.startswith("unk")  # no byte tokens: what the vocab lacks is <unk>
+    for b in range(0 if unk else 256):
+        vocab[f"<0x{b:02X}>"] = len(vocab)
+    for name in names:
+        vocab.setdefault(name, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>",
+                               fuse_unk=kind != "unk-unfused"))
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    llama_decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                       decoders.Strip(content=" ", left=1, right=0)])
+    if kind in ("llama2", "unk-fused", "unk-unfused"):
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+        tok.decoder = llama_decoder
+        tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
+    elif kind == "llama2-legacy":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        tok.decoder = llama_decoder
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+        tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
+    tok.save(path)
+    return tok
+
+
 def kiln(args, *argv):
     # bytes, not text mode: the text's \r\n must come back as it is
     r = subprocess.run([args.kiln, *argv], capture_output=True, timeout=120)
@@ -82,11 +145,66 @@ def kiln(args, *argv):
     return r
 
 
+def first_difference(got, want):
+    at = next((i for i, (x, y) in enumerate(zip(got, want)) if x != y), min(len(got), len(want)))
+    return f"first difference at {at}: kiln {got[at:at + 5]}, tokenizers {want[at:at + 5]}"
+
+
+def check_sp(a, kind, text_path):
+    """One SentencePiece-style shape: ids, decoding, and kiln's saved file in tokenizers."""
+    path = os.path.join(a.workdir, f"{kind}.json")
+    tok = build_sp(kind, path)
+    resaved = os.path.join(a.workdir, f"{kind}.kiln.json")
+    r = subprocess.run([a.resave, path, resaved], capture_output=True, text=True, timeout=120)
+    if r.returncode != 0 or r.stdout.strip() != "bpe":
+        print(f"FAIL {kind}: kiln could not read and write it back: {r.stdout.strip()} {r.stderr.strip()}")
+        return False
+    back = Tokenizer.from_file(resaved)
+    texts = [TEST, SP_TEST] + SP_EXTRA
+    n_bytes = 0
+    for k, text in enumerate(texts):
+        with open(text_path, "w", encoding="utf-8", newline="") as f:
+            f.write(text)
+        want = tok.encode(text, add_special_tokens=False).ids
+        r = kiln(a, "tokenizer", "encode", "--tokenizer", path, "--file", text_path)
+        got = [int(x) for x in r.stdout.split()] if r.returncode == 0 else []
+        if r.returncode != 0 or got != want:
+            print(f"FAIL {kind}, text {k}: kiln gave {len(got)} ids, tokenizers {len(want)}; "
+                  f"{first_difference(got, want)} {r.stderr}")
+            return False
+        n_bytes += sum(i == 0 for i in want) if kind.startswith("unk") else sum(3 <= i < 259 for i in want)
+        d = kiln(a, "tokenizer", "decode", "--tokenizer", path, *map(str, want)) if want else None
+        decoded = tok.decode(want, skip_special_tokens=False)
+        # (the Metaspace decoder has no ByteFallback: it spells byte tokens as "<0xXX>")
+        text_back = k != 0 or kind != "llama2" and kind != "llama2-legacy" or decoded == TEST
+        if want and (d.returncode != 0 or d.stdout != decoded + "\n" or not text_back):
+            print(f"FAIL {kind}, text {k}: kiln decodes to {d.stdout[:60]!r}..., tokenizers to {decoded[:60]!r}... "
+                  f"{d.stderr}")
+            return False
+        if back.encode(text, add_special_tokens=False).ids != want or back.decode(want, skip_special_tokens=False) != decoded:
+            print(f"FAIL {kind}, text {k}: tokenizers reads kiln's tokenizer.json as a different tokenizer: "
+                  f"{first_difference(back.encode(text, add_special_tokens=False).ids, want)}")
+            return False
+    what = "<unk>" if kind.startswith("unk") else "byte-fallback"
+    if n_bytes < 20:
+        print(f"FAIL {kind}: only {n_bytes} {what} ids; the test means to exercise them")
+        return False
+    print(f"ok   {kind}: {len(texts)} texts, the same ids as tokenizers' ({n_bytes} {what} ids), decoded as "
+          f"tokenizers decodes{' (the text back)' if kind.startswith('llama2') else ''}, and kiln's saved file read "
+          f"by tokenizers as the same tokenizer")
+    return True
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--kiln", required=True)
+    ap.add_argument("--resave", required=True)
     ap.add_argument("--workdir", required=True)
     a = ap.parse_args()
+    for exe in (a.kiln, a.resave):
+        if not os.access(exe, os.X_OK):
+            print(f"FAIL {exe} is not built (make kiln_tool tokenizer_resave)")
+            return 1
     os.makedirs(a.workdir, exist_ok=True)
     text_path = os.path.join(a.workdir, "multilingual.txt")
     with open(text_path, "w", encoding="utf-8", newline="") as f:
@@ -114,11 +232,21 @@ def main():
         print(f"ok   {kind}: {len(want)} ids, the same as tokenizers', and decoded back to the "
               f"{'normalized ' if tok.normalizer else ''}text")
         passed += 1
-    # Refused by name: a normalizer, a Split that is not Isolated.
-    for what, edit in (("normalizer \"Lowercase\"", lambda j: j.update(normalizer={"type": "Lowercase"})),
-                       ("behavior \"MergedWithPrevious\"",
-                        lambda j: j["pre_tokenizer"]["pretokenizers"][0].update(behavior="MergedWithPrevious"))):
-        with open(os.path.join(a.workdir, "llama3.json")) as f:
+    for kind in SP_SHAPES:
+        ok = check_sp(a, kind, text_path)
+        passed += ok
+        failed += not ok
+    # Refused by name: a normalizer, a Split that is not Isolated; for the LLaMA-2 shape
+    # a Replace on a regex, BPE dropout, a decoder kiln does not have.
+    for base, what, edit in (
+            ("llama3", "normalizer \"Lowercase\"", lambda j: j.update(normalizer={"type": "Lowercase"})),
+            ("llama3", "behavior \"MergedWithPrevious\"",
+             lambda j: j["pre_tokenizer"]["pretokenizers"][0].update(behavior="MergedWithPrevious")),
+            ("llama2-legacy", "normalizer Replace with a Regex pattern",
+             lambda j: j["normalizer"]["normalizers"][1].update(pattern={"Regex": " "})),
+            ("llama2", "BPE dropout", lambda j: j["model"].update(dropout=0.1)),
+            ("llama2", "decoder \"BPEDecoder\"", lambda j: j.update(decoder={"type": "BPEDecoder", "suffix": "</w>"}))):
+        with open(os.path.join(a.workdir, f"{base}.json")) as f:
             j = json.load(f)
         edit(j)
         bad = os.path.join(a.workdir, "bad.json")
