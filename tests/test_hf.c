@@ -267,8 +267,13 @@ typedef struct {
     uint64_t ne[4], off;
 } rd_tensor;
 
+/* The vocabulary's token types and scores of the file read last (up to 4096 tokens). */
+static int32_t rd_types[4096];
+static float rd_scores[4096];
+
 /* The file's tensors (at most 64) and the start of its data; *keys gets the pairs whose
- * value is a u32 (as "key=value;") or a string ("key='value';"). */
+ * value is a u32 (as "key=value;") or a string ("key='value';"); rd_types and rd_scores
+ * the vocabulary's arrays. */
 static size_t read_gguf(const unsigned char *p, size_t n, rd_tensor *ts, uint64_t *nt, char *keys, size_t kcap)
 {
     rd r = {p, n, 0};
@@ -288,6 +293,12 @@ static size_t read_gguf(const unsigned char *p, size_t n, rd_tensor *ts, uint64_
         else if (type == 8) {
             rd_str(&r, v, sizeof v);
             snprintf(keys + len, kcap - len, "%s='%s';", k, v);
+        } else if (type == 9 && (!strcmp(k, "tokenizer.ggml.token_type") || !strcmp(k, "tokenizer.ggml.scores"))) {
+            uint32_t et = (uint32_t)rd_u(&r, 4);
+            uint64_t count = rd_u(&r, 8);
+            assert_true(et == (strstr(k, "scores") ? 6u : 5u) && count <= 4096 && r.at + 4 * count <= r.n);
+            memcpy(strstr(k, "scores") ? (void *)rd_scores : (void *)rd_types, r.p + r.at, 4 * count);
+            r.at += 4 * count;
         } else if (type == 9 && !strcmp(k, "tokenizer.ggml.tokens")) {
             size_t at = r.at;
             assert_int_equal(rd_u(&r, 4), 8);
@@ -450,6 +461,76 @@ static void gguf_holds_the_model_as_llama_cpp_reads_it(void **state)
  * original_context / high_freq_factor, the factor where it is longer than
  * original_context / low_freq_factor, else 1 / ((1 - s) / factor + s)), within 1e-5;
  * linear scaling as llama.rope.scaling.type. (check_gguf.py runs llama.cpp on both.) */
+/* A SentencePiece-style tokenizer (LLaMA-2's shape: <unk> <s> </s>, the 256 byte tokens,
+ * characters, and four merges making "▁h", "el", "lo", "▁hel") goes to llama.cpp's
+ * "llama" vocabulary: no pre-tokenizer name and no merges; token types 2 for <unk>, 3
+ * for <s> and </s>, 6 for the byte tokens, 1 for the rest; a merged token scores minus
+ * its merge's rank, every other token lower; the space prefix on (Metaspace "first");
+ * <s>, </s> and <unk> named. (llama-cpp-python on such a file gave tokenizers' ids for
+ * tests/tokenizer's multilingual text: docs/hf.md.) */
+static void gguf_writes_a_sentencepiece_vocabulary(void **state)
+{
+    static char json[1 << 15];
+    int o = snprintf(json, sizeof json,
+                     "{\"added_tokens\": [{\"id\": 0, \"content\": \"<unk>\", \"special\": true}, {\"id\": 1, "
+                     "\"content\": \"<s>\", \"special\": true}, {\"id\": 2, \"content\": \"</s>\", \"special\": true}], "
+                     "\"normalizer\": null, \"pre_tokenizer\": {\"type\": \"Metaspace\", \"replacement\": \"\u2581\", "
+                     "\"prepend_scheme\": \"first\", \"split\": false}, \"decoder\": {\"type\": \"Sequence\", "
+                     "\"decoders\": [{\"type\": \"Replace\", \"pattern\": {\"String\": \"\u2581\"}, \"content\": \" \"}, "
+                     "{\"type\": \"ByteFallback\"}, {\"type\": \"Fuse\"}, {\"type\": \"Strip\", \"content\": \" \", "
+                     "\"start\": 1, \"stop\": 0}]}, \"model\": {\"type\": \"BPE\", \"byte_fallback\": true, "
+                     "\"unk_token\": \"<unk>\", \"fuse_unk\": true, \"vocab\": {\"<unk>\": 0, \"<s>\": 1, \"</s>\": 2");
+    for (int b = 0; b < 256; b++) o += snprintf(json + o, sizeof json - (size_t)o, ", \"<0x%02X>\": %d", b, 3 + b);
+    const char *chars[] = {"\u2581", "a", "b", "c", "d", "e", "h", "l", "o", "\u2581h", "el", "lo", "\u2581hel"};
+    for (int k = 0; k < 13; k++) o += snprintf(json + o, sizeof json - (size_t)o, ", \"%s\": %d", chars[k], 259 + k);
+    snprintf(json + o, sizeof json - (size_t)o,
+             "}, \"merges\": [\"\u2581 h\", \"e l\", \"l o\", \"\u2581h el\"]}}");
+    char tp[4200], gp[4200], keys[8192];
+    snprintf(tp, sizeof tp, "%s/sp.json", tmp);
+    FILE *f = fopen(tp, "w");
+    assert_non_null(f);
+    fputs(json, f);
+    fclose(f);
+    kiln_tokenizer_t *t;
+    if (kiln_tokenizer_load(tp, &t) != KILN_OK) fail_msg("%s", kiln_last_error());
+    kiln_gpt_config c = kiln_gpt_config_llama();
+    c.n_layer = 1, c.n_embd = 32, c.n_head = 4, c.n_kv_head = 2, c.block_size = 16, c.bias = false;
+    c.vocab_size = kiln_tokenizer_vocab_size(t);
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 1, &m), KILN_OK);
+    snprintf(gp, sizeof gp, "%s/sp.gguf", tmp);
+    if (kiln_gguf_save(m, t, gp, KILN_DTYPE_F32, false) != KILN_OK) fail_msg("%s", kiln_last_error());
+    const unsigned char *file;
+    rd_tensor ts[64];
+    uint64_t nt;
+    size_t data = load_gguf(gp, &file, ts, &nt, keys, sizeof keys);
+    assert_non_null(strstr(keys, "tokenizer.ggml.model='llama';"));
+    assert_null(strstr(keys, "tokenizer.ggml.pre="));
+    assert_non_null(strstr(keys, "tokenizer.ggml.tokens=[272];"));
+    assert_non_null(strstr(keys, "tokenizer.ggml.unknown_token_id=0;"));
+    assert_non_null(strstr(keys, "tokenizer.ggml.bos_token_id=1;"));
+    assert_non_null(strstr(keys, "tokenizer.ggml.eos_token_id=2;"));
+    assert_int_equal(rd_types[0], 2);
+    assert_int_equal(rd_types[1], 3);
+    assert_int_equal(rd_types[2], 3);
+    for (int id = 3; id < 259; id++) assert_int_equal(rd_types[id], 6);
+    for (int id = 259; id < 272; id++) assert_int_equal(rd_types[id], 1);
+    for (int r = 0; r < 4; r++) assert_true(rd_scores[268 + r] == -(float)r);
+    for (int id = 0; id < 268; id++) assert_true(rd_scores[id] < -3);
+    /* the space prefix: a bool, read here from the bytes after its key */
+    const char *want = "tokenizer.ggml.add_space_prefix";
+    bool found = false;
+    for (size_t i = 0; i + strlen(want) + 5 < data && !found; i++) /* in the header, before the data */
+        if (!memcmp(file + i, want, strlen(want))) {
+            found = true;
+            assert_int_equal(file[i + strlen(want)], 7); /* bool */
+            assert_int_equal(file[i + strlen(want) + 4], 1);
+        }
+    assert_true(found);
+    kiln_gpt_free(m);
+    kiln_tokenizer_free(t);
+}
+
 static char *variant(const char *name, const char *from, const char *to);
 
 static void gguf_holds_rope_scaling(void **state)
@@ -722,6 +803,7 @@ int main(void)
         cmocka_unit_test(gguf_holds_the_model_as_llama_cpp_reads_it),
         cmocka_unit_test(gguf_names_the_pre_tokenizer_or_refuses_it),
         cmocka_unit_test(gguf_holds_rope_scaling),
+        cmocka_unit_test(gguf_writes_a_sentencepiece_vocabulary),
         cmocka_unit_test(config_fields_kiln_cannot_honour_are_refused_by_name),
         cmocka_unit_test(weights_that_do_not_fit_are_refused_by_name),
     };

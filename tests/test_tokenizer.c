@@ -102,6 +102,42 @@ static void test_bpe_has_the_vocab_size_asked(void **state)
     assert_string_equal(kiln_tokenizer_kind(t), "bpe");
     assert_int_equal(kiln_tokenizer_vocab_size(t), 400);
     assert_int_equal(kiln_tokenizer_eot(t), 399);
+    assert_int_equal(kiln_tokenizer_bos(t), 399); /* GPT-2 starts a text with its end-of-text */
+    kiln_tokenizer_free(t);
+}
+
+/* kiln_tokenizer_encode_new makes room for whatever a text makes: NFKC turns each
+ * 3-byte "㌀" into the 12 bytes of "アパート", so 30 of them (90 bytes) make more ids
+ * than a byte each (the first pass's room) and are encoded again at the size it found;
+ * the ids are kiln_tokenizer_encode's with room to spare, and extra more fit after. */
+static kiln_tokenizer_t *load_text(const char *name, const char *text);
+
+static void test_encode_new_makes_room_for_a_text_that_grows(void **state)
+{
+    (void)state;
+    kiln_tokenizer_t *t = train(300);
+    char *json = kiln_tokenizer_to_json(t);
+    assert_non_null(json);
+    char *at = strstr(json, "\"normalizer\": null");
+    assert_non_null(at);
+    char *edited = malloc(strlen(json) + 64);
+    sprintf(edited, "%.*s\"normalizer\": {\"type\": \"NFKC\"}%s", (int)(at - json), json, at + strlen("\"normalizer\": null"));
+    kiln_tokenizer_t *u = load_text("nfkc.json", edited);
+    char text[91] = "";
+    for (int i = 0; i < 30; i++) strcat(text, "\xe3\x8c\x80");
+    int32_t big[2048];
+    size_t want = 0, got = 0;
+    assert_int_equal(kiln_tokenizer_encode(u, text, 90, big, 2048, &want), KILN_OK);
+    assert_true(want > 90 + 16);
+    int32_t *ids = NULL;
+    assert_int_equal(kiln_tokenizer_encode_new(u, text, 90, 5, &ids, &got), KILN_OK);
+    assert_int_equal(got, want);
+    assert_memory_equal(ids, big, want * sizeof *ids);
+    for (int k = 0; k < 5; k++) ids[want + (size_t)k] = k; /* the extra room is there (ASan checks) */
+    free(ids);
+    free(edited);
+    free(json);
+    kiln_tokenizer_free(u);
     kiln_tokenizer_free(t);
 }
 
@@ -482,6 +518,8 @@ static void test_sp_metaspace_first_gives_tokenizers_ids(void **state)
     kiln_tokenizer_t *t = load_text("first.json", sp_json("null", sp_first, sp_decoder, "", ""));
     assert_string_equal(kiln_tokenizer_kind(t), "bpe");
     assert_int_equal(kiln_tokenizer_vocab_size(t), 272);
+    assert_int_equal(kiln_tokenizer_eot(t), 2); /* </s> ends a text, <s> starts one */
+    assert_int_equal(kiln_tokenizer_bos(t), 1);
     ENCODES_TO(t, "hello", "hello", 271, 270);
     ENCODES_TO(t, " hello", "hello", 271, 270);
     ENCODES_TO(t, "<s>hello", "<s>hello", 1, 265, 269, 270);
@@ -698,6 +736,7 @@ int main(void)
         cmocka_unit_test(test_byte_round_trips_all_256_bytes),
         cmocka_unit_test(test_byte_kind_has_256_ids),
         cmocka_unit_test(test_bpe_has_the_vocab_size_asked),
+        cmocka_unit_test(test_encode_new_makes_room_for_a_text_that_grows),
         cmocka_unit_test(test_bpe_stops_when_the_corpus_runs_out_of_pairs),
         cmocka_unit_test(test_bpe_rejects_a_vocab_below_257),
         cmocka_unit_test(test_bpe_round_trips_the_corpus_in_fewer_ids),

@@ -90,8 +90,12 @@ static int tok_encode(int argc, char **argv)
     kiln_tokenizer_t *t;
     kiln_status s = strcmp(path, "byte") ? kiln_tokenizer_load(path, &t) : ((t = kiln_tokenizer_byte()) ? KILN_OK : kiln_last_status());
     if (s != KILN_OK) return cli_fail("tokenizer encode", NULL);
-    int32_t *ids = malloc(sizeof *ids * (n + 1));
-    if (!ids || kiln_tokenizer_encode(t, text, n, ids, n + 1, &got) != KILN_OK) return cli_fail("tokenizer encode", NULL);
+    int32_t *ids = NULL;
+    if (kiln_tokenizer_encode_new(t, text, n, 0, &ids, &got) != KILN_OK) {
+        kiln_tokenizer_free(t);
+        free(read);
+        return cli_fail("tokenizer encode", NULL);
+    }
     for (size_t i = 0; i < got; i++) printf(i ? " %d" : "%d", ids[i]);
     printf("\n");
     free(ids);

@@ -9,10 +9,9 @@
 #include "kiln/tokenizer.h"
 #include "kiln/serve.h"
 
-/* Does s end in the middle of a UTF-8 sequence? */
-static bool utf8_incomplete(const char *s)
+/* Does s[0..n) end in the middle of a UTF-8 sequence? */
+static bool utf8_incomplete(const char *s, size_t n)
 {
-    size_t n = strlen(s);
     for (size_t back = 1; back <= 4 && back <= n; back++) {
         unsigned char c = (unsigned char)s[n - back];
         if ((c & 0xC0) == 0x80) continue; /* continuation byte: look further back */
@@ -20,6 +19,23 @@ static bool utf8_incomplete(const char *s)
         return need > back;
     }
     return false;
+}
+
+/* The text of ids[0..n) as it continues what came before: their tokens' bytes joined
+ * (kiln_tokenizer_decode would strip a leading space from each piece, as it does from a
+ * whole text). A new buffer in *out, *len bytes. */
+static kiln_status token_text(const kiln_tokenizer_t *tok, const int32_t *ids, size_t n, char **out, size_t *len)
+{
+    size_t total = 0, l;
+    for (size_t i = 0; i < n; i++) total += kiln_tokenizer_token_bytes(tok, ids[i], &l) ? l : 0;
+    char *p = *out = malloc(total + 1);
+    if (!p) return kiln_error(KILN_ERR_OOM, "sample: out of memory");
+    for (size_t i = 0; i < n; i++) {
+        const char *b = kiln_tokenizer_token_bytes(tok, ids[i], &l);
+        if (b) memcpy(p, b, l), p += l;
+    }
+    *len = total;
+    return KILN_OK;
 }
 
 int cmd_sample(int argc, char **argv)
@@ -52,11 +68,12 @@ int cmd_sample(int argc, char **argv)
     const kiln_gpt_config *cfg = kiln_gpt_get_config(m);
     size_t plen = strlen(prompt), n = 0;
     int64_t cap = cfg->block_size;
-    int32_t *ids = malloc(sizeof *ids * (plen + (size_t)tokens + 2));
+    int32_t *ids = NULL;
     void *c = malloc(kiln_sample_scratch_bytes(cfg->vocab_size));
     float *row = malloc(sizeof *row * (size_t)cfg->vocab_size);
-    if (!ids || !c || !row) return cli_fail("sample", "out of memory");
-    if (kiln_tokenizer_encode(tok, prompt, plen, ids, plen + 1, &n) != KILN_OK) return cli_fail("sample", NULL);
+    if (!c || !row) return cli_fail("sample", "out of memory");
+    if (kiln_tokenizer_encode_new(tok, prompt, plen, (size_t)tokens + 2, &ids, &n) != KILN_OK)
+        return cli_fail("sample", NULL);
     if (n == 0) return cli_fail("sample", "the prompt is empty after tokenizing; give --prompt some text");
     kiln_sampling sp = {temperature, (int)top_k, top_p, (uint64_t)seed};
     kiln_kv_cache_t *kv;
@@ -86,11 +103,12 @@ int cmd_sample(int argc, char **argv)
         fed = n;
         ids[n++] = kiln_sample_token(row, cfg->vocab_size, &sp, t, c);
         char *text;
-        if ((s = kiln_tokenizer_decode(tok, ids + printed, n - printed, &text)) == KILN_OK) {
+        size_t len;
+        if ((s = token_text(tok, ids + printed, n - printed, &text, &len)) == KILN_OK) {
             /* A token may end inside a UTF-8 character: hold it back until the
              * character is complete (or 4 tokens have passed). */
-            if (!utf8_incomplete(text) || n - printed >= 4) {
-                fputs(text, stdout);
+            if (!utf8_incomplete(text, len) || n - printed >= 4) {
+                fwrite(text, 1, len, stdout);
                 fflush(stdout);
                 printed = n;
             }
@@ -99,8 +117,9 @@ int cmd_sample(int argc, char **argv)
     }
     /* Whatever was held back for an unfinished character goes out as it is. */
     char *rest;
-    if (s == KILN_OK && printed < n && (s = kiln_tokenizer_decode(tok, ids + printed, n - printed, &rest)) == KILN_OK) {
-        fputs(rest, stdout);
+    size_t len;
+    if (s == KILN_OK && printed < n && (s = token_text(tok, ids + printed, n - printed, &rest, &len)) == KILN_OK) {
+        fwrite(rest, 1, len, stdout);
         free(rest);
     }
     printf("\n");

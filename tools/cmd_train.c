@@ -548,10 +548,9 @@ static int setup_data(train_run *r)
     }
     r->tok_kind = kiln_tokenizer_kind(r->tok);
     if (strcmp(r->tok_kind, "byte") && kiln_tokenizer_save(r->tok, r->tok_path) != KILN_OK) return cli_fail("train", NULL);
-    int32_t *ids = malloc(sizeof *ids * (len + 1));
+    int32_t *ids = NULL;
     size_t n_ids = 0;
-    if (!ids || kiln_tokenizer_encode(r->tok, text, len, ids, len + 1, &n_ids) != KILN_OK)
-        return cli_fail("train", ids ? NULL : "out of memory for the token ids");
+    if (kiln_tokenizer_encode_new(r->tok, text, len, 0, &ids, &n_ids) != KILN_OK) return cli_fail("train", NULL);
     free(text);
     if (kiln_dataset_new(ids, n_ids, a->val_fraction, &r->ds) != KILN_OK) return cli_fail("train", NULL);
     free(ids);

@@ -110,6 +110,10 @@ int kiln_tokenizer_vocab_size(const kiln_tokenizer_t *t);
  * make more ids than bytes. */
 kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, size_t len, int32_t *ids,
                                   size_t cap, size_t *n_out);
+/* The same into a new array (*ids, malloc'd; the caller frees it) with room for extra
+ * more ids after the *n_out it holds, however many ids the text makes. */
+kiln_status kiln_tokenizer_encode_new(const kiln_tokenizer_t *t, const char *text, size_t len, size_t extra,
+                                      int32_t **ids, size_t *n_out);
 
 /* Decodes ids[0..n) into a new malloc'd NUL-terminated string the caller frees; the bytes
  * may themselves hold NULs. An id outside [0, vocab size) is KILN_ERR_INDEX. A
@@ -125,8 +129,13 @@ kiln_status kiln_tokenizer_decode(const kiln_tokenizer_t *t, const int32_t *ids,
  * byte 0xE6. */
 const char *kiln_tokenizer_token_bytes(const kiln_tokenizer_t *t, int32_t id, size_t *len);
 
-/* The id of the special token "<|endoftext|>", or -1 when the tokenizer has none. */
+/* The special token that ends a text: "<|endoftext|>" (GPT-2's, kiln's own), else
+ * "</s>" (SentencePiece's: LLaMA-2, Mistral), else "<|end_of_text|>" (LLaMA-3's); -1
+ * when the tokenizer has none of them. Generation stops on it. */
 int32_t kiln_tokenizer_eot(const kiln_tokenizer_t *t);
+/* The special token that starts a text: "<s>", else "<|begin_of_text|>", else the
+ * end-of-text token (GPT-2 starts with it); -1 when none. */
+int32_t kiln_tokenizer_bos(const kiln_tokenizer_t *t);
 
 /* "byte" or "bpe" (byte-level or SentencePiece-style: both read from and saved as
  * tokenizer.json). */

@@ -93,12 +93,29 @@ static bool token_is(const kiln_tokenizer_t *t, int32_t id, const char *s)
     return l == n && memcmp(p, s, n) == 0;
 }
 
+/* The first of names[] (a NULL-ended list, in order of preference) that is one of t's
+ * special tokens: its id, or -1. */
+static int32_t special_named(const kiln_tokenizer_t *t, const char *const *names)
+{
+    for (int n = 0; t && names[n]; n++)
+        for (int k = 0; k < t->n_special; k++)
+            if (token_is(t, t->special_id[k], names[n])) return t->special_id[k];
+    return -1;
+}
+
+/* The names the tokenizers of the families kiln reads give their end and start of a
+ * text: GPT-2's (and kiln's own), SentencePiece's (LLaMA-2, Mistral), LLaMA-3's. */
 int32_t kiln_tokenizer_eot(const kiln_tokenizer_t *t)
 {
-    for (int k = 0; t && k < t->n_special; k++)
-        if (token_is(t, t->special_id[k], KILN__EOT_TEXT))
-            return t->special_id[k];
-    return -1;
+    static const char *const names[] = {KILN__EOT_TEXT, "</s>", "<|end_of_text|>", NULL};
+    return special_named(t, names);
+}
+
+int32_t kiln_tokenizer_bos(const kiln_tokenizer_t *t)
+{
+    static const char *const names[] = {"<s>", "<|begin_of_text|>", NULL};
+    int32_t id = special_named(t, names);
+    return id >= 0 ? id : kiln_tokenizer_eot(t);
 }
 
 /* ---- encode / decode ------------------------------------------------------------------ */
@@ -241,6 +258,32 @@ kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, s
     if (out.n > cap)
         return kiln_error(KILN_ERR_ARG, "kiln_tokenizer_encode: %zu ids do not fit in cap %zu", out.n, cap);
     return KILN_OK;
+}
+
+kiln_status kiln_tokenizer_encode_new(const kiln_tokenizer_t *t, const char *text, size_t len, size_t extra,
+                                      int32_t **ids, size_t *n_out)
+{
+    if (!ids || !n_out) return kiln_error(KILN_ERR_ARG, "kiln_tokenizer_encode_new: NULL ids or n_out");
+    *ids = NULL;
+    *n_out = 0;
+    /* an id a byte is almost always enough; the rare text that makes more is encoded
+     * again at the size the first pass found */
+    size_t cap = len + 16, n = 0;
+    for (int pass = 0; pass < 2; pass++) {
+        int32_t *buf = malloc(sizeof *buf * (cap + extra));
+        if (!buf) return kiln_error(KILN_ERR_OOM, "kiln_tokenizer_encode: out of memory for %zu ids", cap + extra);
+        kiln_status s = kiln_tokenizer_encode(t, text, len, buf, cap, &n);
+        if (s == KILN_OK) {
+            *ids = buf;
+            *n_out = n;
+            return KILN_OK;
+        }
+        free(buf);
+        if (s != KILN_ERR_ARG || n <= cap) return s;
+        kiln_clear_error();
+        cap = n;
+    }
+    return kiln_error(KILN_ERR_INTERNAL, "kiln_tokenizer_encode: the ids did not fit twice");
 }
 
 /* The first token as the Metaspace decoder writes it: its string in the file without

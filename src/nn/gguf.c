@@ -98,9 +98,60 @@ static const char *pre_name(json_t *root)
     return NULL;
 }
 
-/* The tokenizer as llama.cpp's BPE vocabulary: its tokenizer.json (the public form of
- * its vocabulary) read for the token strings in id order, the merges and the
- * pre-tokenizer. */
+/* Whether a tokenizer.json is SentencePiece-style (LLaMA-2, Mistral: Metaspace, or the
+ * older Prepend normalizer, over text; byte fallback): llama.cpp's "llama" vocabulary.
+ * *prefix: whether it puts a "▁" before a text (llama.cpp's add_space_prefix). */
+static bool sentencepiece_style(json_t *root, bool *prefix)
+{
+    json_t *pre = json_object_get(root, "pre_tokenizer"), *norm = json_object_get(root, "normalizer");
+    if (json_is_array(json_object_get(pre, "pretokenizers"))) pre = json_array_get(json_object_get(pre, "pretokenizers"), 0);
+    const char *type = json_string_value(json_object_get(pre, "type"));
+    if (type && !strcmp(type, "Metaspace")) {
+        const char *scheme = json_string_value(json_object_get(pre, "prepend_scheme"));
+        *prefix = !scheme || strcmp(scheme, "never");
+        return true;
+    }
+    json_t *steps = json_is_array(json_object_get(norm, "normalizers")) ? json_object_get(norm, "normalizers") : NULL;
+    size_t i;
+    json_t *v;
+    *prefix = false;
+    json_array_foreach(steps, i, v)
+        if (json_string_value(json_object_get(v, "type")) && !strcmp(json_string_value(json_object_get(v, "type")), "Prepend"))
+            *prefix = true;
+    return *prefix || json_is_true(json_object_get(json_object_get(root, "model"), "byte_fallback"));
+}
+
+/* A SentencePiece-style tokenizer's token scores as llama.cpp's "llama" vocabulary
+ * ranks merges: llama.cpp joins the adjacent pair whose joined token scores highest, so
+ * a token made by merge r scores -r (the earlier merge first, as BPE applies them), and
+ * a token no merge makes scores below every merge. (llama.cpp joins any pair whose
+ * text is a token, BPE only the pairs listed: they agree where every split of a merged
+ * token into two tokens is itself a merge, as in LLaMA-2's and Mistral's files.) */
+static float *merge_scores(json_t *vocab, json_t *merges, int V)
+{
+    float *sc = malloc(sizeof *sc * (size_t)(V > 0 ? V : 1));
+    size_t nm = json_array_size(merges), i;
+    for (int id = 0; sc && id < V; id++) sc[id] = -(float)(nm + (size_t)id) - 1;
+    json_t *m;
+    char joined[1024];
+    json_array_foreach(merges, i, m)
+    {
+        if (!sc) break;
+        const char *a = json_string_value(json_array_get(m, 0)), *c = json_string_value(json_array_get(m, 1));
+        const char *one = json_string_value(m), *sp = one ? strchr(one, ' ') : NULL;
+        if (one && sp) snprintf(joined, sizeof joined, "%.*s%s", (int)(sp - one), one, sp + 1);
+        else if (a && c) snprintf(joined, sizeof joined, "%s%s", a, c);
+        else continue;
+        json_int_t id = json_integer_value(json_object_get(vocab, joined));
+        if (json_object_get(vocab, joined) && id >= 0 && id < V && sc[id] < -(float)nm) sc[id] = -(float)i;
+    }
+    return sc;
+}
+
+/* The tokenizer as llama.cpp's vocabulary: its tokenizer.json (the public form of its
+ * vocabulary) read for the token strings in id order, and the merges and pre-tokenizer
+ * (byte-level BPE, llama.cpp's "gpt2") or the scores and space prefix
+ * (SentencePiece-style, its "llama"). */
 static kiln_status put_tokenizer(buf *b, int *n, const kiln_tokenizer_t *tok)
 {
     char *text = kiln_tokenizer_to_json(tok);
@@ -109,9 +160,11 @@ static kiln_status put_tokenizer(buf *b, int *n, const kiln_tokenizer_t *tok)
     json_t *root = json_loads(text, 0, &err);
     free(text);
     kiln_status s = KILN_OK;
-    const char *pre = root ? pre_name(root) : NULL;
-    if (root && !pre) s = kiln_error(KILN_ERR_UNSUPPORTED, "gguf: the tokenizer's pre-tokenizer pattern is none that "
-                                     "llama.cpp names (GPT-2's, LLaMA-3's or Qwen2's)");
+    bool prefix = false, spm = root && sentencepiece_style(root, &prefix);
+    const char *pre = root && !spm ? pre_name(root) : NULL;
+    if (root && !spm && !pre)
+        s = kiln_error(KILN_ERR_UNSUPPORTED, "gguf: the tokenizer's pre-tokenizer pattern is none that "
+                       "llama.cpp names (GPT-2's, LLaMA-3's or Qwen2's)");
     json_t *model = json_object_get(root, "model"), *vocab = json_object_get(model, "vocab");
     json_t *merges = json_object_get(model, "merges"), *added = json_object_get(root, "added_tokens");
     int V = kiln_tokenizer_vocab_size(tok);
@@ -123,43 +176,58 @@ static kiln_status put_tokenizer(buf *b, int *n, const kiln_tokenizer_t *tok)
     } else {
         const char *k;
         json_t *v;
+        /* types: 1 normal, 2 unknown, 3 control, 4 user-defined, 6 byte */
+        const char *unk = json_string_value(json_object_get(model, "unk_token"));
         json_object_foreach(vocab, k, v)
         {
             json_int_t id = json_integer_value(v);
-            if (id >= 0 && id < V) tokens[id] = k, types[id] = 1; /* normal */
+            unsigned x;
+            char end;
+            bool byte = spm && strlen(k) == 6 && sscanf(k, "<0x%2X%c", &x, &end) == 2 && end == '>';
+            if (id >= 0 && id < V) tokens[id] = k, types[id] = byte ? 6 : spm && unk && !strcmp(k, unk) ? 2 : 1;
         }
         size_t i;
         json_array_foreach(added, i, v)
         {
             json_int_t id = json_integer_value(json_object_get(v, "id"));
             const char *c = json_string_value(json_object_get(v, "content"));
-            if (id >= 0 && id < V && c) tokens[id] = c, types[id] = json_is_true(json_object_get(v, "special")) ? 3 : 1;
+            if (id >= 0 && id < V && c && types[id] != 2)
+                tokens[id] = c, types[id] = json_is_true(json_object_get(v, "special")) ? 3 : spm ? 4 : 1;
         }
         for (int id = 0; id < V && s == KILN_OK; id++)
             if (!tokens[id]) s = kiln_error(KILN_ERR_INTERNAL, "gguf: token %d has no string in the vocabulary", id);
     }
+    float *scores = s == KILN_OK && spm ? merge_scores(vocab, merges, V) : NULL;
+    if (s == KILN_OK && spm && !scores) s = kiln_error(KILN_ERR_OOM, "gguf: out of memory");
     if (s == KILN_OK) {
-        kv_str(b, n, "tokenizer.ggml.model", "gpt2");
-        kv_str(b, n, "tokenizer.ggml.pre", pre);
+        kv_str(b, n, "tokenizer.ggml.model", spm ? "llama" : "gpt2");
+        if (!spm) kv_str(b, n, "tokenizer.ggml.pre", pre);
         key(b, "tokenizer.ggml.tokens", G_ARR), u32(b, G_STR), u64(b, (uint64_t)V), (*n)++;
         for (int id = 0; id < V; id++) str(b, tokens[id], strlen(tokens[id]));
         key(b, "tokenizer.ggml.token_type", G_ARR), u32(b, G_I32), u64(b, (uint64_t)V), (*n)++;
         put(b, types, sizeof(int32_t) * (size_t)V);
-        size_t nm = json_array_size(merges), i;
-        json_t *v;
-        key(b, "tokenizer.ggml.merges", G_ARR), u32(b, G_STR), u64(b, nm), (*n)++;
-        json_array_foreach(merges, i, v)
-        {
-            const char *m = json_string_value(v);
-            str(b, m ? m : "", m ? strlen(m) : 0);
+        if (spm) {
+            key(b, "tokenizer.ggml.scores", G_ARR), u32(b, G_F32), u64(b, (uint64_t)V), (*n)++;
+            put(b, scores, sizeof(float) * (size_t)V);
+            kv_bool(b, n, "tokenizer.ggml.add_space_prefix", prefix);
+            for (int id = 0; id < V; id++)
+                if (types[id] == 2) kv_u32(b, n, "tokenizer.ggml.unknown_token_id", (uint32_t)id);
+        } else {
+            size_t nm = json_array_size(merges), i;
+            json_t *v;
+            key(b, "tokenizer.ggml.merges", G_ARR), u32(b, G_STR), u64(b, nm), (*n)++;
+            json_array_foreach(merges, i, v)
+            {
+                const char *m = json_string_value(v);
+                str(b, m ? m : "", m ? strlen(m) : 0);
+            }
         }
-        int32_t eot = kiln_tokenizer_eot(tok);
-        if (eot >= 0) {
-            kv_u32(b, n, "tokenizer.ggml.bos_token_id", (uint32_t)eot);
-            kv_u32(b, n, "tokenizer.ggml.eos_token_id", (uint32_t)eot);
-        }
+        int32_t eot = kiln_tokenizer_eot(tok), bos = kiln_tokenizer_bos(tok);
+        if (bos >= 0) kv_u32(b, n, "tokenizer.ggml.bos_token_id", (uint32_t)bos);
+        if (eot >= 0) kv_u32(b, n, "tokenizer.ggml.eos_token_id", (uint32_t)eot);
         kv_bool(b, n, "tokenizer.ggml.add_bos_token", false);
     }
+    free(scores);
     free(tokens);
     free(types);
     json_decref(root);

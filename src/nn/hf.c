@@ -613,15 +613,13 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
     if (s == KILN_OK) s = kiln_safetensors_save(path, names, ts, n, meta);
     kiln_scope_end();
     json_t *cj = s == KILN_OK ? config_json(c, fam, dt) : NULL;
-    /* the end-of-text token, where the tokenizer has one (GPT2Config's default, 50256,
-     * is outside most vocabularies) */
-    int32_t eot = tok ? kiln_tokenizer_eot(tok) : -1;
-    json_t *id = eot >= 0 ? json_integer(eot) : json_null();
+    /* the start and end of a text, where the tokenizer has them (GPT2Config's default,
+     * 50256, is outside most vocabularies) */
+    int32_t eot = tok ? kiln_tokenizer_eot(tok) : -1, bos = tok ? kiln_tokenizer_bos(tok) : -1;
     if (cj) {
-        json_object_set(cj, "bos_token_id", id);
-        json_object_set(cj, "eos_token_id", id);
+        json_object_set_new(cj, "bos_token_id", bos >= 0 ? json_integer(bos) : json_null());
+        json_object_set_new(cj, "eos_token_id", eot >= 0 ? json_integer(eot) : json_null());
     }
-    json_decref(id);
     snprintf(path, sizeof path, "%s/config.json", dir);
     if (s == KILN_OK && (!cj || json_dump_file(cj, path, JSON_INDENT(2) | JSON_SORT_KEYS) != 0))
         s = kiln_error(KILN_ERR_IO, "hf_save: cannot write %s", path);

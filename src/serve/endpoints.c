@@ -1,5 +1,6 @@
 /* The endpoints that answer from the model and its tokenizer alone, without the
  * engine: /v1/models, /tokenize and /detokenize. */
+#include <limits.h>
 #include <stdlib.h>
 #include <time.h>
 #include "kiln/tokenizer.h"
@@ -14,12 +15,12 @@ enum MHD_Result kiln__serve_models(kiln_server_t *s, struct MHD_Connection *conn
 
 bool kiln__serve_encode(kiln_server_t *s, const char *text, size_t len, int32_t **ids, int *n)
 {
-    size_t cap = len + 16, got = 0;
-    *ids = malloc(sizeof **ids * cap);
-    if (!*ids) return false;
-    if (kiln_tokenizer_encode(s->tok, text, len, *ids, cap, &got) != KILN_OK) {
+    size_t got = 0;
+    if (kiln_tokenizer_encode_new(s->tok, text, len, 0, ids, &got) != KILN_OK) return false;
+    if (got > INT_MAX) {
         free(*ids);
         *ids = NULL;
+        kiln_error(KILN_ERR_ARG, "the text makes %zu tokens", got);
         return false;
     }
     *n = (int)got;

@@ -72,10 +72,10 @@ static enum MHD_Result generate(kiln_server_t *s, struct MHD_Connection *conn, c
                 FAIL(400, "prompt", NULL, "prompt token %d is %d, outside the vocabulary of %d", i, ids[i], s->vocab);
     }
     if (n_ids == 0) { /* an empty prompt starts a document (in the buffer the tokenizer left, if any) */
-        int32_t *one = s->eot >= 0 ? realloc(ids, sizeof *ids) : NULL;
+        int32_t *one = s->bos >= 0 ? realloc(ids, sizeof *ids) : NULL;
         if (!one) FAIL(400, chat ? "messages" : "prompt", NULL, "the prompt is empty");
         ids = one;
-        ids[0] = s->eot;
+        ids[0] = s->bos;
         n_ids = 1;
     }
     int room = s->ctx - n_ids;

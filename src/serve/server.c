@@ -72,6 +72,7 @@ kiln_status kiln_server_start(const kiln_server_opts *o, kiln_server_t **out)
     s->o.cors_origin = s->cors;
     s->o.model_name = s->name_opt;
     s->eot = -1;
+    s->bos = -1;
     pthread_mutex_init(&s->mu, NULL);
     pthread_cond_init(&s->cv, NULL);
     if (!s->host || !s->cors || (o->api_key && *o->api_key && !s->api_key) || (o->model_name && !s->name_opt) ||
@@ -143,6 +144,7 @@ kiln_status kiln_server_load(kiln_server_t *s, const char *model_path)
         return kiln_error(KILN_ERR_FORMAT, "%s: the tokenizer has %d tokens, the model %d", model_path,
                           kiln_tokenizer_vocab_size(s->tok), s->vocab);
     s->eot = kiln_tokenizer_eot(s->tok);
+    s->bos = kiln_tokenizer_bos(s->tok);
     /* 16-bit weights for decoding: the model's own copy in that type as well, so that the
      * weights take half the memory of f32 serving (the packed copy and this one) */
     if (s->o.engine.weight_dtype != KILN_DTYPE_F32 &&

@@ -51,7 +51,7 @@ struct kiln_server {
     kiln__chat_template tmpl;
     char *name;
     int ctx, vocab;
-    int32_t eot;
+    int32_t eot, bos; /* the tokenizer's end and start of a text (-1: none) */
 
     pthread_mutex_t mu; /* metrics, the job list, counters */
     pthread_cond_t cv;
