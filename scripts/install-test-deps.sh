@@ -2,8 +2,9 @@
 # Installs what the tests use beyond the build: curl, Chromium and python3-websocket
 # (the server's end-to-end tests), Slurm's daemons and srun (tests/dist/test_dist_srun.py
 # starts a one-node cluster of its own) from Debian (only what is missing), and a venv at
-# BUILD/venv with the openai and tokenizers packages from PyPI (the server's client test,
-# and the oracle of tests/tokenizer/). Run as root on Debian 12.
+# BUILD/venv with the openai, tokenizers and gguf packages from PyPI (the server's client
+# test, the oracle of tests/tokenizer/, and llama.cpp's GGUF reader for tests/gguf/). Run
+# as root on Debian 12.
 #   sh scripts/install-test-deps.sh [BUILD_DIR]
 set -eu
 build=${1:-build}
@@ -22,10 +23,10 @@ if [ -n "$missing" ]; then
   apt-get update -qq
   apt-get install -y -qq --no-install-recommends $missing >/dev/null
 fi
-if [ ! -x "$build/venv/bin/python" ] || ! "$build/venv/bin/python" -c "import openai, tokenizers" 2>/dev/null; then
+if [ ! -x "$build/venv/bin/python" ] || ! "$build/venv/bin/python" -c "import openai, tokenizers, gguf" 2>/dev/null; then
   mkdir -p "$build"
   py=/usr/bin/python3
   [ -x "$py" ] || py=python3
   [ -x "$build/venv/bin/python" ] || "$py" -m venv --system-site-packages "$build/venv"
-  "$build/venv/bin/pip" install -q --disable-pip-version-check openai tokenizers
+  "$build/venv/bin/pip" install -q --disable-pip-version-check openai tokenizers gguf
 fi

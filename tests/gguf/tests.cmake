@@ -1,0 +1,10 @@
+# kiln's GGUF exports read by llama.cpp's own Python reader (the gguf package from PyPI,
+# in build/venv, which scripts/install-test-deps.sh makes): header keys, every tensor
+# dequantized against the Hugging Face weights it came from, rope scaling, and a
+# SentencePiece-style vocabulary. Exit code 77 is a skip (a package missing), never a pass.
+if(KILN_PYTHON3)
+  add_test(NAME gguf_reader COMMAND sh -c "py=${CMAKE_SOURCE_DIR}/build/venv/bin/python; [ -x \"$py\" ] || py=${KILN_PYTHON3}; exec \"$py\" \"$@\"" sh
+           ${CMAKE_SOURCE_DIR}/tests/gguf/test_gguf_reader.py --kiln $<TARGET_FILE:kiln_tool>
+           --src ${CMAKE_SOURCE_DIR} --workdir ${CMAKE_BINARY_DIR}/gguf-tests)
+  set_tests_properties(gguf_reader PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600)
+endif()
