@@ -531,6 +531,50 @@ static void test_sp_metaspace_first_gives_tokenizers_ids(void **state)
     kiln_tokenizer_free(t);
 }
 
+/* s with its first `from` replaced by `to` (a new string). */
+static char *replaced(const char *s, const char *from, const char *to)
+{
+    const char *at = strstr(s, from);
+    assert_non_null(at);
+    char *out = malloc(strlen(s) + strlen(to) + 1);
+    sprintf(out, "%.*s%s%s", (int)(at - s), s, to, at + strlen(from));
+    return out;
+}
+
+/* An added token that is not special (tokenizers' AddedToken(special=False)) is still
+ * cut out of the text as an added token, and saved back with "special": false. */
+static void test_a_plain_added_token_stays_plain_when_saved(void **state)
+{
+    (void)state;
+    const char *j = sp_json("null", sp_first, sp_decoder, "", "");
+    const char *from = "\"content\": \"</s>\", \"special\": true";
+    char *plain = replaced(j, from, "\"content\": \"</s>\", \"special\": false");
+    char *odd = replaced(j, from, "\"content\": \"</s>\", \"special\": 0"); /* not a boolean: the default, special */
+    kiln_tokenizer_t *t = load_text("plain.json", plain), *t0 = load_text("odd.json", odd);
+    ENCODES_TO(t, "a</s>b", "a</s>b", 259, 260, 2, 261);
+    char *out = kiln_tokenizer_to_json(t), *out0 = kiln_tokenizer_to_json(t0);
+    assert_non_null(out);
+    assert_non_null(out0);
+    json_t *a = json_loads(out, 0, NULL), *a0 = json_loads(out0, 0, NULL);
+    assert_non_null(a);
+    assert_non_null(a0);
+    for (int id = 0; id < 3; id++) {
+        json_t *e = json_array_get(json_object_get(a, "added_tokens"), (size_t)id);
+        json_t *e0 = json_array_get(json_object_get(a0, "added_tokens"), (size_t)id);
+        assert_int_equal(json_integer_value(json_object_get(e, "id")), id);
+        assert_int_equal(json_is_true(json_object_get(e, "special")), id != 2);
+        assert_true(json_is_true(json_object_get(e0, "special")));
+    }
+    json_decref(a);
+    json_decref(a0);
+    free(out);
+    free(out0);
+    free(plain);
+    free(odd);
+    kiln_tokenizer_free(t);
+    kiln_tokenizer_free(t0);
+}
+
 /* The older shape: Prepend and Replace normalizers, no pre-tokenizer. Prepend puts a
  * space before every text between special tokens, even one that starts with a space. */
 static void test_sp_prepend_replace_normalizer_gives_tokenizers_ids(void **state)
@@ -758,6 +802,7 @@ int main(void)
         cmocka_unit_test(test_encode_with_a_small_cap_reports_the_needed_count),
         cmocka_unit_test(test_decode_of_an_out_of_range_id_is_an_index_error),
         cmocka_unit_test(test_sp_metaspace_first_gives_tokenizers_ids),
+        cmocka_unit_test(test_a_plain_added_token_stays_plain_when_saved),
         cmocka_unit_test(test_sp_prepend_replace_normalizer_gives_tokenizers_ids),
         cmocka_unit_test(test_sp_metaspace_split_and_its_decoder),
         cmocka_unit_test(test_sp_merges_across_a_space_give_tokenizers_ids),

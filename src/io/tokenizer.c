@@ -24,10 +24,13 @@ kiln_tokenizer_t *kiln__tokenizer_alloc(int n_vocab, size_t nbytes, int n_merges
     t->merge_b = malloc(nm * sizeof *t->merge_b);
     t->merge_id = malloc(nm * sizeof *t->merge_id);
     t->special_id = malloc((n_special ? (size_t)n_special : 1) * sizeof *t->special_id);
-    if (!t->tok_bytes || !t->tok_off || !t->merge_a || !t->merge_b || !t->merge_id || !t->special_id) {
+    t->special_flag = malloc((n_special ? (size_t)n_special : 1) * sizeof *t->special_flag);
+    if (!t->tok_bytes || !t->tok_off || !t->merge_a || !t->merge_b || !t->merge_id || !t->special_id ||
+        !t->special_flag) {
         kiln_tokenizer_free(t);
         return NULL;
     }
+    for (int k = 0; k < n_special; k++) t->special_flag[k] = true;
     return t;
 }
 
@@ -48,7 +51,8 @@ void kiln_tokenizer_free(kiln_tokenizer_t *t)
     kiln__regex_free(t->split);
     kiln__norm_free(t->norm, t->n_norm);
     kiln__norm_free(t->dec.replace, t->dec.n_replace);
-    KILN__FREE(t->tok_bytes, t->tok_off, t->merge_a, t->merge_b, t->merge_id, t->special_id, t->tok_str, t->str_off,
+    KILN__FREE(t->tok_bytes, t->tok_off, t->merge_a, t->merge_b, t->merge_id, t->special_id, t->special_flag, t->tok_str,
+               t->str_off,
                t);
 }
 

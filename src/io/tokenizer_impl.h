@@ -83,6 +83,7 @@ struct kiln_tokenizer {
     /* Special tokens, matched literally in the text before pre-tokenization. */
     int n_special;
     int32_t *special_id;
+    bool *special_flag; /* per special_id: the file's "special" (false: a plain added token) */
     /* Byte-level: the pre-tokenizer's pattern (a Split before a ByteLevel without its
      * own regex), or NULL for ByteLevel's GPT-2 pattern. */
     struct kiln__regex *split;

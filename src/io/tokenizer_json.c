@@ -218,7 +218,8 @@ static json_t *tokenizer_json(const kiln_tokenizer_t *t, const char *path)
         memcpy(buf, text, n);
         buf[n] = '\0';
         json_t *o = json_pack("{s:I, s:s, s:b, s:b, s:b, s:b, s:b}", "id", (json_int_t)id, "content", buf,
-                              "single_word", 0, "lstrip", 0, "rstrip", 0, "normalized", 0, "special", 1);
+                              "single_word", 0, "lstrip", 0, "rstrip", 0, "normalized", 0, "special",
+                              t->special_flag[k]);
         if (!o || json_array_append_new(added, o))
             st = kiln_error(KILN_ERR_FORMAT, "kiln_tokenizer_save: %s: special token %d is not valid UTF-8", path, id);
     }
@@ -725,9 +726,10 @@ static kiln_status build_from_json(const json_t *root, const char *path, kiln_to
     size_t *blen = calloc(n_entries, sizeof *blen);
     bool *special = calloc(n_entries, sizeof *special);
     int32_t *special_ids = malloc((n_added ? n_added : 1) * sizeof *special_ids);
+    bool *special_flags = malloc((n_added ? n_added : 1) * sizeof *special_flags);
     kiln_tokenizer_t *t = NULL;
     int n_vocab = 0;
-    if (!bytes || !blen || !special || !special_ids || (p.char_level && !strs))
+    if (!bytes || !blen || !special || !special_ids || !special_flags || (p.char_level && !strs))
         LOAD_FAIL(KILN_ERR_OOM, "%s: out of memory", path);
     for (size_t k = 0; st == KILN_OK && k < n_added; k++) {
         const json_t *a = json_array_get(added, k);
@@ -752,6 +754,7 @@ static kiln_status build_from_json(const json_t *root, const char *path, kiln_to
         size_t i = (size_t)json_integer_value(id), l = strlen(content);
         special[i] = true;
         special_ids[k] = (int32_t)i;
+        special_flags[k] = json_flag(a, "special", true) != 0;
         /* decoded as the decoder makes it, as `tokenizers` decodes added tokens too */
         if (p.char_level) {
             strs[i] = strdup(content);
@@ -840,6 +843,7 @@ static kiln_status build_from_json(const json_t *root, const char *path, kiln_to
         t->tok_off[n_vocab] = o;
         if (p.char_level) t->str_off[n_vocab] = os;
         memcpy(t->special_id, special_ids, n_added * sizeof *special_ids);
+        memcpy(t->special_flag, special_flags, n_added * sizeof *special_flags);
         for (int b = 0; b < 256; b++)
             t->byte_id[b] = -1;
         if (!p.char_level) {
@@ -940,7 +944,7 @@ static kiln_status build_from_json(const json_t *root, const char *path, kiln_to
         free(bytes[i]);
     for (size_t i = 0; strs && i < n_entries; i++)
         free(strs[i]);
-    KILN__FREE(bytes, strs, blen, special, special_ids);
+    KILN__FREE(bytes, strs, blen, special, special_ids, special_flags);
     pipeline_free(&p);
     if (st != KILN_OK) {
         kiln_tokenizer_free(t);
