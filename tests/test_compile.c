@@ -791,6 +791,73 @@ static void dead_inputs_lend_their_buffers(void **state)
     if (strstr(text, "(over %")) fail_msg("a returned value was written over:\n%s", text);
 }
 
+/* A bf16 linear layer (x (M,K) and w (N,K) rounded to bf16, y = x w^T) and what reads y
+ * row by row: ctx 0, the bias add and GELU (a [M, N] kernel, the bias broadcast);
+ * ctx 1, a residual add (a kernel over M*N elements in one dim, split again by rows). */
+static kiln_status bf16_linear(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    kiln_tensor_t *y = kiln_matmul(kiln_cast(in[0], KILN_DTYPE_BF16), kiln_transpose(kiln_cast(in[1], KILN_DTYPE_BF16), 0, 1));
+    out[0] = ctx ? kiln_add(y, kiln_cast(in[3], KILN_DTYPE_BF16)) : kiln_gelu(kiln_add(y, kiln_cast(in[2], KILN_DTYPE_BF16)), true);
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+/* The compiled result of fn on in (the listing, with KILN_DEBUG_DIR, in text): its bits. */
+static uint16_t *compiled_bits(kiln_graph_fn fn, void *ctx, kiln_tensor_t **in, const char *dir, char *text, size_t cap,
+                               size_t *n)
+{
+    test_setenv("KILN_DEBUG_DIR", dir, 1);
+    kiln_compiled_t *c;
+    assert_int_equal(kiln_compiled_new(fn, ctx, "test", &c), KILN_OK);
+    kiln_tensor_t *got;
+    int no;
+    if (kiln_compiled_call(c, in, 4, &got, 1, &no) != KILN_OK) fail_msg("%s", kiln_last_error());
+    test_unsetenv("KILN_DEBUG_DIR");
+    assert_int_equal(kiln_tensor_dtype(got), KILN_DTYPE_BF16);
+    *n = (size_t)kiln_tensor_numel(got);
+    uint16_t *bits = malloc(2 * *n);
+    assert_int_equal(kiln_tensor_to_host(kiln_contiguous(got), bits, 2 * *n), KILN_OK);
+    kiln_compiled_free(c);
+    char path[256];
+    snprintf(path, sizeof path, "%s/test-0/loop_ir_after_fusion.txt", dir);
+    assert_true(test_read_text(path, text, cap));
+    return bits;
+}
+
+/* Matmul epilogues (src/compile/epilogue.c): the kernel after a bf16 matmul that reads
+ * its result row by row runs inside the GEMM, on each block of rows as soon as it is
+ * rounded (the listing marks the matmul) with KILN_OPT_COMPILE_EPILOGUE=1, and the
+ * results are the same bits as without (the default), for the bias + GELU kernel and a residual add, with
+ * a result narrow enough for the GEMM to take it (N 96) and one too wide (N 4100, more
+ * columns than one round: the kernel runs after the matmul instead). Oracle for the
+ * values: eager, 1e-2 relative (bf16). */
+static void bf16_matmul_epilogues_give_the_same_bits(void **state)
+{
+    const int64_t Ns[2] = {96, 4100};
+    for (int wide = 0; wide < 2; wide++)
+        for (intptr_t which = 0; which < 2; which++) {
+            int64_t M = 512 * (kiln_num_threads() > 0 ? kiln_num_threads() : 1), K = 48, N = Ns[wide]; /* rows for every thread */
+            kiln_tensor_t *in[4] = {randn((int64_t[]){M, K}, 2, 11), randn((int64_t[]){N, K}, 2, 12),
+                                    randn((int64_t[]){N}, 1, 13), randn((int64_t[]){M, N}, 2, 14)};
+            char dir[160], text[1 << 15];
+            size_t n_on, n_off;
+            snprintf(dir, sizeof dir, "%s/epi-on-%d-%d", cache_dir, wide, (int)which);
+            test_setenv("KILN_OPT_COMPILE_EPILOGUE", "1", 1);
+            uint16_t *on = compiled_bits(bf16_linear, (void *)which, in, dir, text, sizeof text, &n_on);
+            test_unsetenv("KILN_OPT_COMPILE_EPILOGUE");
+            if (!strstr(text, "an epilogue")) fail_msg("no epilogue in the listing:\n%s", text);
+            snprintf(dir, sizeof dir, "%s/epi-off-%d-%d", cache_dir, wide, (int)which);
+            uint16_t *off = compiled_bits(bf16_linear, (void *)which, in, dir, text, sizeof text, &n_off);
+            if (strstr(text, "an epilogue")) fail_msg("an epilogue with the stage off (its default):\n%s", text);
+            assert_int_equal(n_on, n_off);
+            assert_memory_equal(on, off, 2 * n_on);
+            int k, o;
+            check(bf16_linear, (void *)which, in, 4, 1e-2, &k, &o);
+            free(on);
+            free(off);
+        }
+}
+
 /* A compiled call inside a recorded replay (ctx: the compiled chain). */
 static kiln_status call_compiled(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
 {
@@ -1536,6 +1603,7 @@ int main(void)
         {cmocka_unit_test_setup_teardown(views_see_writes_into_their_base, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(compiled_calls_are_recorded, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(dead_inputs_lend_their_buffers, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(bf16_matmul_epilogues_give_the_same_bits, setup, teardown), true},
         {cmocka_unit_test_setup_teardown(exp_underflows_to_zero, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(composites_decompose_and_match_eager, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(composites_decompose_where_the_backend_lacks_them, setup, teardown), true},

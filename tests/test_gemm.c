@@ -257,6 +257,58 @@ static void half_results(kiln__gemm_type half)
 static void test_bf16_result_is_the_sums_rounded_once(void **state) { half_results(KILN__GEMM_BF16); }
 static void test_f16_result_is_the_widened_sums_rounded_once(void **state) { half_results(KILN__GEMM_F16); }
 
+/* The epilogue of kiln__gemm_bf16_epilogue: each call's rows are already rounded (the
+ * same bits as kiln__gemm_bf16's), and every row comes exactly once, when an item holds
+ * whole rows (N within one round, M with rows for every thread); with N above one
+ * round (4096 packed columns) it is not called and done stays false. */
+typedef struct {
+    const uint16_t *want;
+    int64_t N;
+    int *seen;
+    bool bad;
+} epi_probe;
+
+static void epi_check(const kiln__epilogue *e, int64_t r0, int64_t r1)
+{
+    epi_probe *p = e->ctx;
+    const uint16_t *C = e->out;
+    for (int64_t r = r0; r < r1; r++) {
+        __atomic_add_fetch(&p->seen[r], 1, __ATOMIC_RELAXED);
+        if (memcmp(C + r * p->N, p->want + r * p->N, 2 * (size_t)p->N)) p->bad = true; /* set only, never cleared */
+    }
+}
+
+static void test_bf16_epilogue_sees_each_rounded_row_once(void **state)
+{
+    int64_t nt = kiln_num_threads() > 0 ? kiln_num_threads() : 1;
+    const int64_t shapes[][3] = {{512 * nt, 96, 40}, {512 * nt, 1000, 70}, {64 * nt, 4100, 16}};
+    for (int z = 0; z < 3; z++) {
+        int64_t M = shapes[z][0], N = shapes[z][1], K = shapes[z][2];
+        mat A = mat_new(M, K, false, 3, KILN__GEMM_BF16), B = mat_new(K, N, true, 4, KILN__GEMM_BF16);
+        uint16_t *want = malloc(2 * (size_t)(M * N)), *got = malloc(2 * (size_t)(M * N));
+        int *seen = calloc((size_t)M, sizeof *seen);
+        assert_true(want && got && seen);
+        assert_true(kiln__gemm_bf16(M, N, K, operand(&A), operand(&B), want, N));
+        epi_probe p = {want, N, seen, false};
+        kiln__epilogue e = {.rows = M, .cols = N, .fn = epi_check, .ctx = &p, .out = got};
+        assert_true(kiln__gemm_bf16_epilogue(M, N, K, operand(&A), operand(&B), got, N, &e));
+        assert_memory_equal(got, want, 2 * (size_t)(M * N));
+        if (N > 4096) {
+            assert_false(e.done);
+            for (int64_t r = 0; r < M; r++) assert_int_equal(seen[r], 0);
+        } else {
+            assert_true(e.done);
+            for (int64_t r = 0; r < M; r++) assert_int_equal(seen[r], 1);
+            assert_false(p.bad);
+        }
+        free(A.data);
+        free(B.data);
+        free(want);
+        free(got);
+        free(seen);
+    }
+}
+
 int main(void)
 {
     kiln_init(0);
@@ -268,6 +320,7 @@ int main(void)
         cmocka_unit_test(test_rows_and_columns_do_not_depend_on_the_rest),
         cmocka_unit_test(test_bf16_result_is_the_sums_rounded_once),
         cmocka_unit_test(test_f16_result_is_the_widened_sums_rounded_once),
+        cmocka_unit_test(test_bf16_epilogue_sees_each_rounded_row_once),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -103,6 +103,7 @@ void kiln__compile_options(kc_options *o)
         .hoist = kiln__opt(KILN__OPT_COMPILE_HOIST),
         .overlap = kiln__opt(KILN__OPT_COMPILE_OVERLAP),
         .reuse = kiln__opt(KILN__OPT_COMPILE_REUSE),
+        .epilogue = kiln__opt(KILN__OPT_COMPILE_EPILOGUE),
         .max_fuse = (int)kiln__env_int(KILN__ENV_COMPILE_MAX_FUSE),
         .bucket_bytes = bucket > 0 ? bucket : 1,
         .target = kiln__backend_at(0),

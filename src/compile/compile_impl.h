@@ -96,6 +96,9 @@ typedef struct {
     int kind, index; /* graph node, or kernel */
     int until; /* an overlapped collective (src/compile/overlap.c): started here, finished
                 * before step `until` (n_steps: at the end); 0 for every other step */
+    int epi;   /* a matmul whose result the next step's kernel reads row by row
+                * (src/compile/epilogue.c): that kernel's buffer slot of the result, plus 1;
+                * 0 for every other step */
 } kc_step;
 
 /* What each pass may do: the stage switches of core/opts.h (KILN_OPT_COMPILE_<STAGE>=0,
@@ -104,6 +107,7 @@ typedef struct {
 typedef struct {
     bool decompose, fold, cse, dce, fusion, codegen, recompute, symbolic, slices, coalesce, views, hoist, overlap;
     bool reuse; /* an elementwise kernel's output takes the buffer of an input it reads last */
+    bool epilogue; /* a kernel reading a cpu bf16 matmul's result runs inside its GEMM (epilogue.c) */
     bool decompose_all; /* KILN_COMPILE_DECOMPOSE=all: every decomposition there is */
     int max_fuse;       /* ops per kernel */
     int64_t bucket_bytes; /* per coalesced allreduce (KILN_COMPILE_BUCKET_MB, default 4) */
@@ -126,6 +130,7 @@ struct kiln__program {
     int64_t planned_peak, eager_peak; /* bytes of intermediates, from the liveness */
     int n_overlapped;                 /* collectives marked to overlap, and moved up */
     int n_hoisted;
+    int n_epilogues; /* matmul steps whose next kernel runs inside their GEMM */
     /* KILN_LOGS=profile: seconds spent in each step over the runs after the first, and
      * the runs so far; printed when the program is freed (kiln__program_profile_print). */
     double *prof, prof_wait; /* prof_wait: finishing overlapped collectives */
@@ -137,6 +142,20 @@ void kiln__compile_options(kc_options *o);
 /* Runs the passes on g and compiles it; *out stays NULL when codegen is switched off
  * (the graph is then interpreted). dir: KILN_DEBUG_DIR's folder for this graph, or NULL. */
 kiln_status kiln__compile_graph(kiln_graph_t *g, const char *dir, const char *name, int index, kiln__program **out);
+/* Moves each cpu bf16 matmul whose result a later kernel reads row by row down to just
+ * before that kernel, across the kernels and views between them, and marks it (kc_step.epi), so
+ * that the program can hand the kernel to the GEMM as its epilogue (epilogue.c). Before
+ * the liveness, which it changes. */
+void kiln__program_epilogues(kiln__program *p);
+/* The step's matmul, with its epilogue kernel (the next step) offered to the GEMM; the
+ * kernel runs after the matmul when the GEMM did not take it. */
+kiln_status kiln__program_run_epilogue(kiln__program *p, int t, kiln__graph_frame *f);
+/* Kernel k's buffers: the inputs from rt, the outputs allocated (or an input's buffer
+ * reused); the slot of value `pending`, not made yet, is left NULL (program.c). */
+kiln_status kiln__program_bind(kiln__program *p, const kc_kernel *k, kiln_tensor_t **rt, char **b, int pending);
+kiln_status kiln__program_launch(const kiln__program *p, const kc_kernel *k, char *const *b);
+/* A launch as a replay being recorded keeps it (program.c). */
+void kiln__program_note_launch(const kiln__program *p, const kc_kernel *k, char *const *b);
 /* Groups the graph's ops into kernels and steps (src/compile/fuse.c). */
 kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__program **out);
 /* Generates C for every kernel into *src (malloc'd; src/compile/codegen_c.c). */

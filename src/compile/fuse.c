@@ -669,17 +669,21 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
     }
     for (int k = 0; s == KILN_OK && k < nn; k++) {
         if (grp[k] >= 0) {
-            if (gr[grp[k]].last == k) p->steps[p->n_steps++] = (kc_step){STEP_KERNEL, kernel_of[grp[k]], 0};
+            if (gr[grp[k]].last == k) p->steps[p->n_steps++] = (kc_step){STEP_KERNEL, kernel_of[grp[k]], 0, 0};
             continue;
         }
         /* A constant or index that only kernels read is computed inside them. */
         if (lk[k] == L_GEN && !outside[g->nd[k].out[0]]) continue;
-        p->steps[p->n_steps++] = (kc_step){STEP_OP, k, 0};
+        p->steps[p->n_steps++] = (kc_step){STEP_OP, k, 0, 0};
     }
     if (s == KILN_OK && o->overlap) {
         p->g = g;
         s = kiln__program_overlap(p, &p->n_hoisted);
         for (int t = 0; t < p->n_steps; t++) p->n_overlapped += p->steps[t].until > 0;
+    }
+    if (s == KILN_OK && o->epilogue) {
+        p->g = g;
+        kiln__program_epilogues(p);
     }
     /* Liveness: the last step that reads each value, and the planned peak of
      * intermediates (each stored value from its step to its last read) against eager's

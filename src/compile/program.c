@@ -41,7 +41,7 @@ kiln_status kiln__device_launch(const kiln__program *p, const kc_kernel *k, char
 }
 
 /* Kernel k on buffers b: on the device, or over the thread pool. */
-static kiln_status launch_kernel(const kiln__program *p, const kc_kernel *k, char *const *b)
+kiln_status kiln__program_launch(const kiln__program *p, const kc_kernel *k, char *const *b)
 {
     if (p->kern) return kiln__device_launch(p, k, b);
     launch_ctx l = {k->fn, b, k->sz};
@@ -61,10 +61,10 @@ typedef struct {
 static kiln_status run_saved(void *ctx)
 {
     const saved_launch *l = ctx;
-    return launch_kernel(l->p, l->k, l->b);
+    return kiln__program_launch(l->p, l->k, l->b);
 }
 
-static void note_launch(const kiln__program *p, const kc_kernel *k, char *const *b)
+void kiln__program_note_launch(const kiln__program *p, const kc_kernel *k, char *const *b)
 {
     saved_launch *l = malloc(sizeof *l + sizeof(char *) * (size_t)k->n_buf);
     if (!l) return kiln__replay_note_call(p->be, NULL, NULL, NULL); /* the recording fails: out of memory */
@@ -74,13 +74,15 @@ static void note_launch(const kiln__program *p, const kc_kernel *k, char *const 
     kiln__replay_note_call(p->be, run_saved, l, free);
 }
 
-static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_t **rt)
+kiln_status kiln__program_bind(kiln__program *p, const kc_kernel *k, kiln_tensor_t **rt, char **b, int pending)
 {
     kiln_graph_t *g = p->g;
-    char *bufs[64], **b = bufs;
-    if (k->n_buf > 64 && !(b = malloc(sizeof *b * (size_t)k->n_buf))) return kiln__err(KILN_ERR_OOM, "compile: out of memory");
     kiln_status s = KILN_OK;
     for (int i = 0; s == KILN_OK && i < k->n_buf; i++) {
+        if (k->buf[i].value == pending && !k->buf[i].output) {
+            b[i] = NULL;
+            continue;
+        }
         const kc_buf *kb = &k->buf[i];
         const kiln__meta *m = &g->v[kb->value].meta;
         if (kb->output && !kb->inplace) {
@@ -123,8 +125,16 @@ static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_
                               "(an argument that is also a captured tensor?); run it eagerly", k->name,
                               k->buf[i].value, k->buf[j].value);
     }
-    if (s == KILN_OK && k->tasks > 0) s = launch_kernel(p, k, b);
-    if (s == KILN_OK && k->tasks > 0 && kiln_replay_recording()) note_launch(p, k, b);
+    return s;
+}
+
+static kiln_status run_kernel(kiln__program *p, const kc_kernel *k, kiln_tensor_t **rt)
+{
+    char *bufs[64], **b = bufs;
+    if (k->n_buf > 64 && !(b = malloc(sizeof *b * (size_t)k->n_buf))) return kiln__err(KILN_ERR_OOM, "compile: out of memory");
+    kiln_status s = kiln__program_bind(p, k, rt, b, 0);
+    if (s == KILN_OK && k->tasks > 0) s = kiln__program_launch(p, k, b);
+    if (s == KILN_OK && k->tasks > 0 && kiln_replay_recording()) kiln__program_note_launch(p, k, b);
     if (b != bufs) free(b);
     return s;
 }
@@ -204,11 +214,13 @@ kiln_status kiln__program_run(kiln__program *p, kiln_tensor_t *const *in, int n_
         if (st->until) {
             s = start_collective(g, st, &f, fl, &n_fl);
             if (s == KILN_OK) kiln__graph_release(g, &f, g->nd[st->index].in[0], p->last, t + 1);
+        } else if (st->kind == STEP_OP && st->epi) {
+            s = kiln__program_run_epilogue(p, t, &f); /* and the next step's kernel */
         } else if (st->kind == STEP_OP) {
             s = kiln__graph_run_node(g, st->index, &f, p->last, t + 1);
         } else {
             const kc_kernel *k = &p->k[st->index];
-            s = run_kernel(p, k, f.rt);
+            if (t == 0 || !p->steps[t - 1].epi) s = run_kernel(p, k, f.rt); /* else it ran with the matmul */
             for (int i = 0; s == KILN_OK && i < k->n_buf; i++)
                 if (!k->buf[i].output || k->buf[i].inplace) /* a view written in place holds its root */
                     kiln__graph_release(g, &f, k->buf[i].value, p->last, t + 1);
@@ -234,6 +246,7 @@ void kiln__program_print(const kiln__program *p, FILE *f)
             p->n_steps, p->n_k, ops, (double)p->planned_peak / 1048576.0, (double)p->eager_peak / 1048576.0);
     if (p->n_overlapped)
         fprintf(f, "; %d collective(s) overlapped with the steps after them, %d moved up", p->n_overlapped, p->n_hoisted);
+    if (p->n_epilogues) fprintf(f, "; %d kernel(s) as matmul epilogues", p->n_epilogues);
     fprintf(f, "\n");
     for (int t = 0; t < p->n_steps; t++) {
         const kc_step *st = &p->steps[t];
@@ -241,6 +254,7 @@ void kiln__program_print(const kiln__program *p, FILE *f)
             const node *n = &g->nd[st->index];
             fprintf(f, "  op     %s ->", kiln__ops[n->op].name);
             for (int j = 0; j < n->n_out; j++) fprintf(f, " %%%d", n->out[j]);
+            if (st->epi) fprintf(f, " (the next kernel runs inside its GEMM, an epilogue)");
             if (st->until == p->n_steps) fprintf(f, " (started; finished at the end)");
             else if (st->until) fprintf(f, " (started; finished before step %d)", st->until);
             fprintf(f, "\n");

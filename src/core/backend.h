@@ -117,6 +117,25 @@ kiln__backend *kiln__backend_here(kiln__backend *be);
 int kiln__backend_count(void);
 kiln__backend *kiln__backend_at(int i);
 
+/* A matmul epilogue (src/compile/epilogue.c): work a compiled program hands to the next
+ * matmul this thread runs, to do on the rows of its result while they are still in
+ * cache. A backend whose matmul of a rows x cols result can (the cpu's bf16 GEMM, when
+ * one work item makes whole rows) takes it with kiln__epilogue_take, sets out to the
+ * result's data, calls fn(e, r0, r1) once for every block of rows [r0, r1) as soon as
+ * those rows are final (from any thread of the pool, blocks in any order, each row
+ * once), and sets done when it has covered all the rows. Anything else leaves done
+ * false, and the program runs the work after the matmul instead. */
+typedef struct kiln__epilogue {
+    int64_t rows, cols;
+    void (*fn)(const struct kiln__epilogue *e, int64_t r0, int64_t r1);
+    void *ctx, *out;
+    bool done;
+} kiln__epilogue;
+/* Offers e (NULL: withdraws the offer) to this thread's next matmul. */
+void kiln__epilogue_offer(kiln__epilogue *e);
+/* The offer, when it is for a result of rows x cols; it is withdrawn either way. */
+kiln__epilogue *kiln__epilogue_take(int64_t rows, int64_t cols);
+
 /* The contract as the rooms above call it: every call to a backend goes through these
  * (src/core/backend_calls.c), which supply the default where an optional entry is NULL,
  * so that no caller re-checks the table by hand. The wrappers that only call through

@@ -27,7 +27,7 @@
     X(OWN_GEMM_F16, 0, "f16 matmuls on kiln's own GEMM, f16 widened as it is packed and the result rounded in cache (else widened copies through the f32 matmul, the BLAS's)")
 
 /* The compiler's stages (src/compile/compile.c), each a switch of its own, on by
- * default: KILN_OPT_COMPILE_FUSION=0 compiles without fusion, to find the stage that
+ * default but for EPILOGUE: KILN_OPT_COMPILE_FUSION=0 compiles without fusion, to find the stage that
  * changes a result. Unlike the switches above, which are read once, these are read each
  * time a graph is compiled. KILN_COMPILE_DISABLE=fusion,reuse,... (a comma list of the
  * names after COMPILE_, in lower case) is an alias that turns the named ones off; a
@@ -46,7 +46,8 @@
     X(COMPILE_CODEGEN, 1, "compiler stage: generated kernels (off: the graph runs through the ordinary kernels)") \
     X(COMPILE_SYMBOLIC, 1, "compiler stage: sizes symbolic in generated code, one kernel for every size") \
     X(COMPILE_OVERLAP, 1, "compiler stage: collectives started early and waited for late, under compute") \
-    X(COMPILE_REUSE, 1, "compiler stage: an elementwise kernel's output takes the buffer of an input it reads last")
+    X(COMPILE_REUSE, 1, "compiler stage: an elementwise kernel's output takes the buffer of an input it reads last") \
+    X(COMPILE_EPILOGUE, 0, "compiler stage, off by default (no faster here, docs/perf-log.md): a kernel that reads a cpu bf16 matmul's result row by row runs inside its GEMM, on each block of rows while it is in cache")
 
 typedef enum {
 #define KILN__OPT_ENUM(name, dflt, help) KILN__OPT_##name,

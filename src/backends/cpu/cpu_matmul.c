@@ -89,11 +89,12 @@ static kiln__gemm_operand own_operand(const char *p, kiln__gemm_type t, mat_layo
  * f16 in cache, no widened copy of A, B or C (off by default: no faster than the
  * widened copies and the BLAS in a training step, docs/perf-log.md). */
 static kiln_status gemm_half(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K,
-                             const char *A, const char *B, char *C)
+                             const char *A, const char *B, char *C, kiln__epilogue *epi)
 {
     kiln__gemm_type t = dt == KILN_DTYPE_BF16 ? KILN__GEMM_BF16 : KILN__GEMM_F16;
     kiln__gemm_operand a = own_operand(A, t, la), b = own_operand(B, t, lb);
-    if (!(t == KILN__GEMM_BF16 ? kiln__gemm_bf16(M, N, K, a, b, (uint16_t *)C, N)
+    if (epi) epi->out = C;
+    if (!(t == KILN__GEMM_BF16 ? kiln__gemm_bf16_epilogue(M, N, K, a, b, (uint16_t *)C, N, epi)
                                : kiln__gemm_f16(M, N, K, a, b, (uint16_t *)C, N)))
         return kiln__err(KILN_ERR_OOM, "matmul: out of memory for a %lld x %lld %s product", (long long)M,
                          (long long)N, kiln_dtype_name(dt));
@@ -101,9 +102,9 @@ static kiln_status gemm_half(kiln_dtype dt, mat_layout la, mat_layout lb, int64_
 }
 
 static kiln_status gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t M, int64_t N, int64_t K, const char *A,
-                        const char *B, char *C)
+                        const char *B, char *C, kiln__epilogue *epi)
 {
-    if (kiln__is_half(dt)) return gemm_half(dt, la, lb, M, N, K, A, B, C);
+    if (kiln__is_half(dt)) return gemm_half(dt, la, lb, M, N, K, A, B, C, epi);
     /* kiln's GEMM threads itself over the pool; it fails only when out of memory for
      * its packing buffers, and the BLAS then does the product. */
     if (dt == KILN_DTYPE_F32 && kiln__opt(KILN__OPT_OWN_GEMM) &&
@@ -143,6 +144,9 @@ kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
     kiln_tensor_t *x = in[0], *y = in[1], *o = out[0], *tx = NULL, *ty = NULL;
     int nx = x->ndim, ny = y->ndim, no = o->ndim;
     int64_t M = o->shape[no - 2], N = o->shape[no - 1], K = x->shape[nx - 1];
+    /* a compiled program's epilogue, for a bf16 result made in one GEMM */
+    kiln__epilogue *epi = kiln__epilogue_take(kiln__numel(no, o->shape) / (N > 0 ? N : 1), N);
+    if (o->dtype != KILN_DTYPE_BF16 || !kiln__is_contiguous(o)) epi = NULL;
     size_t es = kiln_dtype_size(o->dtype);
     if (K == 0) {
         memset(kiln__data(o), 0, es * (size_t)kiln__numel(no, o->shape));
@@ -174,7 +178,7 @@ kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
     if (x->stride[nx - 2] != la.ld) x_stacks = false; /* with M = 1, ld is K whatever the stride */
     kiln_status s = KILN_OK;
     if (!y_batched && x_stacks && batches > 1) {
-        s = gemm(o->dtype, la, lb, M * batches, N, K, kiln__data(x), kiln__data(y), kiln__data(o));
+        s = gemm(o->dtype, la, lb, M * batches, N, K, kiln__data(x), kiln__data(y), kiln__data(o), epi);
     } else {
         for (int64_t bi = 0; bi < batches && s == KILN_OK; bi++) {
             int64_t rem = bi, ox = 0, oy = 0;
@@ -186,7 +190,8 @@ kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
                 if (jy >= 0 && y->shape[jy] != 1) oy += i * y->stride[jy];
             }
             s = gemm(o->dtype, la, lb, M, N, K, (const char *)kiln__data(x) + ox * (int64_t)es,
-                     (const char *)kiln__data(y) + oy * (int64_t)es, (char *)kiln__data(o) + bi * M * N * (int64_t)es);
+                     (const char *)kiln__data(y) + oy * (int64_t)es, (char *)kiln__data(o) + bi * M * N * (int64_t)es,
+                     batches == 1 ? epi : NULL);
         }
     }
     kiln_tensor_free(tx);

@@ -577,6 +577,7 @@ typedef struct {
     int64_t npanels;   /* NR panels in the round */
     char *bpack;       /* the round's packed B: K block by K block, each npanels panels */
     int64_t mc, mblocks, panels_per_group, ngroups;
+    kiln__epilogue *epi; /* run on each item's rows once they are rounded, or NULL */
     bool failed;
 } job;
 
@@ -744,6 +745,9 @@ static void items(void *ctx, int64_t begin, int64_t end)
                 if (uk->packed == KILN__GEMM_F32 && !uk->round_bf16) kiln__f32_to_f16_n(sums + r * sld, d, w);
                 else kiln__f32_to_bf16_n(sums + r * sld, d, w);
             }
+            /* the item's rows are whole (it holds every column): the epilogue reads them
+             * while they are in cache */
+            if (j->epi) j->epi->fn(j->epi, r0, r0 + m);
         }
     }
 }
@@ -751,13 +755,14 @@ static void items(void *ctx, int64_t begin, int64_t end)
 /* The driver: C f32 (C) or 16-bit (Cb, then not accumulating: bf16 for bf16 products,
  * f16 for f32 ones, as kiln__gemm_bf16 and kiln__gemm_f16 ask). */
 static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
-                float *C, uint16_t *Cb, int64_t ldc, bool accumulate, kiln__gemm_type compute)
+                float *C, uint16_t *Cb, int64_t ldc, bool accumulate, kiln__gemm_type compute, kiln__epilogue *epi)
 {
     /* (f16 operands are widened as packed, for the f32 kernels only) */
     assert(compute == KILN__GEMM_F32 || (A.type != KILN__GEMM_F16 && B.type != KILN__GEMM_F16));
     const ukernel *uk = pick(isa, compute);
     if (!uk) return false;
     if (M <= 0 || N <= 0) return true;
+    if (N > NC || K <= 0) epi = NULL; /* an item holds every column only in a single round */
     if (K <= 0) {
         for (int64_t i = 0; i < M && !accumulate; i++)
             if (Cb) memset(Cb + i * ldc, 0, sizeof(uint16_t) * (size_t)N);
@@ -793,27 +798,29 @@ static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_
         if (j.ngroups > j.npanels) j.ngroups = j.npanels;
         j.panels_per_group = (j.npanels + j.ngroups - 1) / j.ngroups;
         j.ngroups = (j.npanels + j.panels_per_group - 1) / j.panels_per_group;
+        j.epi = j.ngroups == 1 ? epi : NULL;
         kiln__parallel_for(j.mblocks * j.ngroups, 1, items, &j);
     }
+    if (j.epi && !j.failed) j.epi->done = true;
     return !j.failed;
 }
 
 bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
                     float *C, int64_t ldc, bool accumulate, kiln__gemm_type compute)
 {
-    return run(isa, M, N, K, A, B, C, NULL, ldc, accumulate, compute);
+    return run(isa, M, N, K, A, B, C, NULL, ldc, accumulate, compute, NULL);
 }
 
 bool kiln__gemm(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, float *C, int64_t ldc,
                 bool accumulate, kiln__gemm_type compute)
 {
-    return run(KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, ldc, accumulate, compute);
+    return run(KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, ldc, accumulate, compute, NULL);
 }
 
 bool kiln__gemm_bf16_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
                           kiln__gemm_operand B, uint16_t *C, int64_t ldc)
 {
-    return run(isa, M, N, K, A, B, NULL, C, ldc, false, KILN__GEMM_BF16);
+    return run(isa, M, N, K, A, B, NULL, C, ldc, false, KILN__GEMM_BF16, NULL);
 }
 
 bool kiln__gemm_bf16(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, uint16_t *C,
@@ -822,10 +829,16 @@ bool kiln__gemm_bf16(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln
     return kiln__gemm_bf16_with(KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, ldc);
 }
 
+bool kiln__gemm_bf16_epilogue(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
+                              uint16_t *C, int64_t ldc, kiln__epilogue *epi)
+{
+    return run(KILN__GEMM_ISA_AUTO, M, N, K, A, B, NULL, C, ldc, false, KILN__GEMM_BF16, epi);
+}
+
 bool kiln__gemm_f16_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
                          kiln__gemm_operand B, uint16_t *C, int64_t ldc)
 {
-    return run(isa, M, N, K, A, B, NULL, C, ldc, false, KILN__GEMM_F32);
+    return run(isa, M, N, K, A, B, NULL, C, ldc, false, KILN__GEMM_F32, NULL);
 }
 
 bool kiln__gemm_f16(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, uint16_t *C,

@@ -17,7 +17,8 @@
 #define KILN_CPU_GEMM_H
 #include <stdbool.h>
 #include <stdint.h>
-#include "core/dtype.h" /* kiln__f32_to_bf16, kiln__bf16_to_f32 */
+#include "core/backend.h" /* kiln__epilogue */
+#include "core/dtype.h"   /* kiln__f32_to_bf16, kiln__bf16_to_f32 */
 
 typedef enum { KILN__GEMM_F32, KILN__GEMM_BF16, KILN__GEMM_F16 } kiln__gemm_type;
 
@@ -63,6 +64,12 @@ bool kiln__gemm_bf16(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln
                      int64_t ldc);
 bool kiln__gemm_bf16_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
                           kiln__gemm_operand B, uint16_t *C, int64_t ldc);
+/* kiln__gemm_bf16 that runs epi (core/backend.h) on each work item's rows as soon as
+ * they are rounded, while they are in cache, and sets epi->done, when its items hold
+ * whole rows (N at most one round of packed columns, and rows enough for the threads);
+ * otherwise as kiln__gemm_bf16, epi->done left false. epi->out is not touched. */
+bool kiln__gemm_bf16_epilogue(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
+                              uint16_t *C, int64_t ldc, kiln__epilogue *epi);
 
 /* C (f16) = A B with exact f32 products (f16 or f32 operands) summed as kiln__gemm sums
  * them, each element rounded once to f16 (nearest even) while its block is in cache. */
