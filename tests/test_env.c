@@ -195,7 +195,13 @@ static void bad_value_is_said_once_and_the_default_used(void **state)
 static void stage_switch_and_alias_turn_off_the_same_stage(void **state)
 {
     bool dflt[KILN__OPT_COUNT]; /* each stage as nothing sets it (EPILOGUE is off) */
-    for (int s = KILN__OPT_FIRST_STAGE; s < KILN__OPT_COUNT; s++) dflt[s] = kiln__opt((kiln__opt_id)s);
+    test_unsetenv("KILN_COMPILE_DISABLE");
+    for (int s = KILN__OPT_FIRST_STAGE; s < KILN__OPT_COUNT; s++) {
+        char var[80];
+        snprintf(var, sizeof var, "KILN_OPT_%s", kiln_opt_name(s));
+        test_unsetenv(var); /* whatever the caller's environment set */
+        dflt[s] = kiln__opt((kiln__opt_id)s);
+    }
     assert_false(dflt[KILN__OPT_COMPILE_EPILOGUE]);
     assert_true(dflt[KILN__OPT_COMPILE_FUSION]);
     for (int s = KILN__OPT_FIRST_STAGE; s < KILN__OPT_COUNT; s++) {
