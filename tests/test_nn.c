@@ -65,7 +65,18 @@ static void config_json_round_trips(void **state)
     assert_int_equal(c.bias, d.bias);
     assert_int_equal(c.tied, d.tied);
     assert_true(c.norm_eps == d.norm_eps && c.rope_theta == d.rope_theta && c.dropout == d.dropout);
+    assert_null(strstr(j, "rope_scaling")); /* none: no keys, which older builds would refuse */
     free(j);
+    /* rope scaling round-trips; a bad one is refused by name */
+    c.rope_scaling = (kiln_rope_scaling){KILN_ROPE_SCALING_LLAMA3, 8, 1, 4, 8192};
+    j = kiln_gpt_config_to_json(&c);
+    assert_int_equal(kiln_gpt_config_from_json(j, &d), KILN_OK);
+    assert_memory_equal(&c.rope_scaling, &d.rope_scaling, sizeof c.rope_scaling);
+    free(j);
+    assert_int_equal(kiln_gpt_config_from_json("{\"pos\": \"rope\", \"rope_scaling\": \"yarn\"}", &d), KILN_ERR_FORMAT);
+    assert_non_null(strstr(kiln_last_error(), "unknown rope_scaling 'yarn'"));
+    assert_int_equal(kiln_gpt_config_from_json("{\"pos\": \"rope\", \"rope_scaling\": \"linear\"}", &d), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "factor = 0 must be positive"));
     assert_int_equal(kiln_gpt_config_from_json("{\"n_layer\": 2, \"colour\": 1}", &d), KILN_ERR_FORMAT);
     assert_non_null(strstr(kiln_last_error(), "colour"));
     assert_non_null(strstr(kiln_last_error(), "unknown key"));
@@ -76,6 +87,53 @@ static void config_json_round_trips(void **state)
         assert_int_equal(kiln_gpt_config_from_json(wrong[i], &d), KILN_ERR_FORMAT);
         assert_non_null(strstr(kiln_last_error(), "has the wrong type"));
     }
+}
+
+/* kiln_gpt_new_from keeps references of its own: the fill here hands out tensors its
+ * caller owns (outside any scope), the same one for two parameters of one shape, and
+ * the caller frees them after the model (ASan would see a double free). */
+static kiln_tensor_t *shared_fill(const char *name, const int64_t *shape, int nd, void *ctx)
+{
+    kiln_tensor_t **pool = ctx; /* [0]: (C) vectors, [1]..: made on first need, kept by the caller */
+    (void)name;
+    if (nd == 1 && pool[0] && kiln_tensor_shape(pool[0])[0] == shape[0]) return pool[0];
+    for (int i = 1; i < 16; i++) {
+        if (!pool[i]) {
+            kiln_scope_begin();
+            pool[i] = kiln_keep(kiln_full(shape, nd, 0.01 * i, KILN_DTYPE_F32));
+            kiln_scope_end();
+            if (nd == 1 && !pool[0]) pool[0] = pool[i];
+            return pool[i];
+        }
+        if (kiln_tensor_ndim(pool[i]) == nd && !memcmp(kiln_tensor_shape(pool[i]), shape, sizeof(int64_t) * (size_t)nd))
+            return pool[i];
+    }
+    return NULL;
+}
+
+static kiln_tensor_t *wrong_fill(const char *name, const int64_t *shape, int nd, void *ctx)
+{
+    (void)name, (void)shape, (void)nd, (void)ctx;
+    return kiln_zeros((int64_t[]){3}, 1, KILN_DTYPE_F32); /* in the build's scope */
+}
+
+static void new_from_takes_references_of_its_own(void **state)
+{
+    kiln_tensor_t *pool[16] = {0};
+    kiln_gpt_config c = tiny(true);
+    kiln_gpt_t *m;
+    if (kiln_gpt_new_from(&c, shared_fill, pool, &m) != KILN_OK) fail_msg("%s", kiln_last_error());
+    assert_ptr_equal(kiln_gpt_find_param(m, "blocks.0.norm1.weight"), kiln_gpt_find_param(m, "norm_f.weight"));
+    kiln_scope_begin();
+    kiln_tensor_t *logits = kiln_gpt_forward(m, ids(1, 8, c.vocab_size, 1), NULL, false, NULL);
+    assert_non_null(logits);
+    kiln_scope_end();
+    kiln_gpt_free(m);
+    for (int i = 1; i < 16; i++) kiln_tensor_free(pool[i]); /* pool[0] is one of them */
+    /* a given tensor of the wrong shape is refused by name */
+    assert_int_equal(kiln_gpt_new_from(&c, wrong_fill, NULL, &m), KILN_ERR_SHAPE);
+    assert_non_null(strstr(kiln_last_error(), "parameter tok_emb.weight was given as"));
+    kiln_clear_error();
 }
 
 static void bad_config_names_the_field(void **state)
@@ -346,6 +404,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(config_json_round_trips),
         cmocka_unit_test(bad_config_names_the_field),
+        cmocka_unit_test(new_from_takes_references_of_its_own),
         cmocka_unit_test(parameters_follow_the_model_doc),
         cmocka_unit_test(same_seed_same_weights),
         cmocka_unit_test(kv_cache_matches_full_forward),

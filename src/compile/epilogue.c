@@ -70,7 +70,7 @@ void kiln__program_epilogues(kiln__program *p)
     if (p->kern || strcmp(p->be->name, "cpu")) return;
     for (int t = 0; t < p->n_steps; t++) {
         kc_step *st = &p->steps[t];
-        if (st->kind != STEP_OP || st->until || g->nd[st->index].op != KILN_OP_MATMUL) continue;
+        if (st->epi || st->kind != STEP_OP || st->until || g->nd[st->index].op != KILN_OP_MATMUL) continue;
         int v = g->nd[st->index].out[0];
         const kiln__meta *m = &g->v[v].meta;
         if (m->dtype != KILN_DTYPE_BF16 || m->ndim < 2) continue;
@@ -98,6 +98,12 @@ void kiln__program_epilogues(kiln__program *p)
             if (reads) break;
         }
         if (u >= p->n_steps || p->steps[u].kind != STEP_KERNEL || p->steps[u].until) continue;
+        /* An overlapped collective finishes before a step index (src/compile/overlap.c):
+         * none may wait at a step the move shifts, or at the kernel, which runs inside
+         * the matmul, a step earlier. */
+        bool waits = false;
+        for (int q = 0; q < p->n_steps && !waits; q++) waits = p->steps[q].until > t && p->steps[q].until <= u;
+        if (waits) continue;
         kc_kernel *k = &p->k[p->steps[u].index];
         int slot;
         int64_t per = tasks_per_row(p, k, v, rows, cols, &slot);
@@ -108,6 +114,7 @@ void kiln__program_epilogues(kiln__program *p)
         mm.epi = slot + 1;
         p->steps[u - 1] = mm;
         p->n_epilogues++;
+        t--; /* the step now at t (the one after it before) is looked at too */
     }
 }
 

@@ -290,14 +290,20 @@ kiln_tensor_t *kiln_tensor_wrap(void *data, const int64_t *shape, int ndim, kiln
                          kiln_dtype_size(dt)), NULL;
     kiln__storage *st = malloc(sizeof *st);
     if (!st) return kiln__err(KILN_ERR_OOM, "tensor_wrap: out of memory"), NULL;
-    *st = (kiln__storage){.be = kiln__backend_find("cpu"), .data = data, .wrapped = true, .release = release,
-                          .release_ctx = ctx, .nbytes = (size_t)kiln__numel(ndim, shape) * kiln_dtype_size(dt)};
+    *st = (kiln__storage){.be = kiln__backend_find("cpu"), .data = data, .wrapped = true,
+                          .nbytes = (size_t)kiln__numel(ndim, shape) * kiln_dtype_size(dt)};
     atomic_init(&st->refcount, 0);
     int64_t stride[KILN_MAX_DIMS];
     kiln__contiguous_strides(ndim, shape, stride);
     kiln_tensor_t *t = kiln__tensor_alias(st, dt, ndim, shape, stride, 0); /* the storage's one reference */
-    if (!t) free(st); /* release not called: the caller keeps the memory */
-    return t ? kiln__scoped(t) : NULL;
+    if (!t) free(st);
+    /* the release only once the tensor stands (a failing scope frees it): on an error
+     * it is not called, and the memory stays the caller's */
+    if (t && (t = kiln__scoped(t))) {
+        st->release = release;
+        st->release_ctx = ctx;
+    }
+    return t;
 }
 
 /* What a copy between t and host memory at ptr checks first (write: into t). */

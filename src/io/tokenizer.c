@@ -273,6 +273,8 @@ kiln_status kiln_tokenizer_encode_new(const kiln_tokenizer_t *t, const char *tex
     /* an id a byte is almost always enough; the rare text that makes more is encoded
      * again at the size the first pass found */
     size_t cap = len + 16, n = 0;
+    if (len > SIZE_MAX / 2 / sizeof(int32_t) || extra > SIZE_MAX / 2 / sizeof(int32_t))
+        return kiln_error(KILN_ERR_ARG, "kiln_tokenizer_encode_new: %zu bytes and %zu more ids are too many", len, extra);
     for (int pass = 0; pass < 2; pass++) {
         int32_t *buf = malloc(sizeof *buf * (cap + extra));
         if (!buf) return kiln_error(KILN_ERR_OOM, "kiln_tokenizer_encode: out of memory for %zu ids", cap + extra);

@@ -235,7 +235,8 @@ static json_t *tokenizer_json(const kiln_tokenizer_t *t, const char *path)
     }
     if (st == KILN_OK && !(merges = merges_array(t, buf, buf2)))
         st = kiln_error(KILN_ERR_OOM, "kiln_tokenizer_save: %s: out of memory", path);
-    json_t *unk = t->char_level && t->unk_id >= 0 ? json_string(token_name(t, t->unk_id, buf)) : json_null();
+    json_t *unk = st == KILN_OK && t->char_level && t->unk_id >= 0 ? json_string(token_name(t, t->unk_id, buf))
+                                                                   : json_null();
     /* The post-processor is not written: kiln's ids are the text's alone (no BOS added). */
     if (st == KILN_OK &&
         !(root = json_pack("{s:s, s:n, s:n, s:O, s:o, s:o, s:n, s:o, "

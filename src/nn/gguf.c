@@ -114,7 +114,8 @@ static bool sentencepiece_style(json_t *root, bool *prefix)
     json_t *steps = json_is_array(json_object_get(norm, "normalizers")) ? json_object_get(norm, "normalizers") : NULL;
     size_t i;
     json_t *v;
-    *prefix = false;
+    const char *one = json_string_value(json_object_get(norm, "type"));
+    *prefix = one && !strcmp(one, "Prepend"); /* a lone step, or a Sequence holding one */
     json_array_foreach(steps, i, v)
         if (json_string_value(json_object_get(v, "type")) && !strcmp(json_string_value(json_object_get(v, "type")), "Prepend"))
             *prefix = true;
@@ -139,9 +140,10 @@ static float *merge_scores(json_t *vocab, json_t *merges, int V)
         if (!sc) break;
         const char *a = json_string_value(json_array_get(m, 0)), *c = json_string_value(json_array_get(m, 1));
         const char *one = json_string_value(m), *sp = one ? strchr(one, ' ') : NULL;
-        if (one && sp) snprintf(joined, sizeof joined, "%.*s%s", (int)(sp - one), one, sp + 1);
-        else if (a && c) snprintf(joined, sizeof joined, "%s%s", a, c);
-        else continue;
+        int w = one && sp ? snprintf(joined, sizeof joined, "%.*s%s", (int)(sp - one), one, sp + 1)
+              : a && c    ? snprintf(joined, sizeof joined, "%s%s", a, c)
+                          : -1;
+        if (w < 0 || (size_t)w >= sizeof joined) continue; /* no such pair, or a token longer than any llama.cpp reads */
         json_int_t id = json_integer_value(json_object_get(vocab, joined));
         if (json_object_get(vocab, joined) && id >= 0 && id < V && sc[id] < -(float)nm) sc[id] = -(float)i;
     }

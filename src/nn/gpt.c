@@ -120,6 +120,11 @@ char *kiln_gpt_config_to_json(const kiln_gpt_config *c)
     json_t *o = json_object();
     for (size_t i = 0; o && i < NFIELDS; i++) {
         const void *p = (const char *)c + fields[i].offset;
+        /* no rope scaling: none of its keys, so that a build from before them reads the file */
+        size_t rs = offsetof(kiln_gpt_config, rope_scaling);
+        if (c->rope_scaling.kind == KILN_ROPE_SCALING_NONE && fields[i].offset >= rs &&
+            fields[i].offset < rs + sizeof(kiln_rope_scaling))
+            continue;
         int k = fields[i].kind;
         json_t *v = k == F_INT ? json_integer(*(const int *)p) : k == F_NUM ? json_real(*(const double *)p)
                   : k == F_BOOL ? json_boolean(*(const bool *)p) : json_string(fields[i].values[*(const int *)p]);
@@ -212,7 +217,9 @@ static kiln_tensor_t *add_param(kiln_gpt_t *m, const char *name, int64_t d0, int
         kiln_error(KILN_ERR_OOM, "gpt: out of memory for a parameter name");
         return NULL;
     }
-    m->params[m->n++] = kiln_keep(t);
+    /* a drawn tensor leaves the build's scope for the model; a given one gets a
+     * reference of the model's own (its giver, or the scope, keeps theirs) */
+    m->params[m->n++] = m->fill ? kiln_tensor_retain(t) : kiln_keep(t);
     kiln_tensor_set_requires_grad(t, true);
     return t;
 }

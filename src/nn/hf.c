@@ -107,7 +107,7 @@ static kiln_status cfg_rope(const hf_config *c, double *theta, kiln_rope_scaling
             st = rope_num(c, r, "low_freq_factor", &scaling->low_freq_factor);
             if (st == KILN_OK) st = rope_num(c, r, "high_freq_factor", &scaling->high_freq_factor);
             if (st == KILN_OK) st = rope_num(c, r, "original_max_position_embeddings", &ctx);
-            if (st == KILN_OK && (ctx != (int)ctx || ctx < 1))
+            if (st == KILN_OK && !(ctx >= 1 && ctx <= (1 << 30) && ctx == (double)(int)ctx))
                 return kiln_error(KILN_ERR_FORMAT, "%s: original_max_position_embeddings must be a positive integer",
                                   c->file);
             scaling->original_context = (int)ctx;

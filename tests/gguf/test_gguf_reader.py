@@ -164,7 +164,12 @@ def llama_case(args, name, dtype):
 
 
 def sentencepiece_case(args):
-    text = open(os.path.join(args.src, "data/kjv.txt"), encoding="utf-8").read()[:200000]
+    # a made-up corpus (nothing downloaded): words, punctuation, accents and CJK
+    import random
+    r = random.Random(5)
+    words = ("in the beginning god created heaven and earth was without form void darkness upon face of deep "
+             "Ça très déjà über 日本語 東京 hello world 123 4567").split()
+    text = "\n".join(" ".join(r.choice(words) for _ in range(12)) + r.choice([".", ",", "!", "?"]) for _ in range(3000))
     t = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
     t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
     t.train_from_iterator([text], trainer=trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
