@@ -11,7 +11,7 @@ leaves it (config.json and model.safetensors, or shards with their index) and
 OUT/<name>/expected.safetensors: `idx` (2, 12) I64 token ids and `logits` (2, 12, 256)
 F32, the forward of the folder as saved, read back in float32 with eager attention (a
 model stored in bf16 or f16 runs on its rounded weights widened to f32, as kiln holds
-them).
+them). `--only NAME...` remakes those models and leaves the others as they are.
 """
 import argparse
 import json
