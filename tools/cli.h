@@ -28,6 +28,7 @@ int cli_fail(const char *cmd, const char *msg);
 
 int cmd_train(int argc, char **argv);
 int cmd_sample(int argc, char **argv);
+int cmd_ext(int argc, char **argv);
 int cmd_info(int argc, char **argv);
 int cmd_tokenizer(int argc, char **argv);
 int cmd_plot(int argc, char **argv);

@@ -20,6 +20,7 @@ static const struct {
     {"export", cmd_export, "a kiln model as a Hugging Face folder or a GGUF file (export hf|gguf RUN_DIR OUT)"},
     {"info", cmd_info, "describe a checkpoint"},
     {"plot", cmd_plot, "redraw a run's loss chart from its metrics"},
+    {"ext", cmd_ext, "custom ops' sources: the extension languages, and building sources with them"},
     {"doctor", cmd_doctor, "show the build, threads, devices, switches and environment variables"},
 };
 

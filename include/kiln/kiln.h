@@ -12,4 +12,5 @@
 #include "kiln/dist.h"
 #include "kiln/serve.h"
 #include "kiln/graph.h"
+#include "kiln/ext.h"
 #endif

@@ -1,0 +1,80 @@
+/* kiln/ext.h — extension languages: how a source file of a custom op becomes something
+ * kiln loads. The languages are data, a table kiln ships (.c, .cpp, .cl, .cu) that a
+ * user extends or overrides with a JSON file, without rebuilding kiln:
+ *
+ *     {"languages": [{"suffix": ".asc", "command": "bisheng -x asc {flags} -I{include}
+ *                      -c {src} -o {out}", "flags": "-O2", "object": ".o",
+ *                      "depfile": "-MD -MF {dep}", "load": "shared"}]}
+ *
+ * A worked example:
+ *
+ *     kiln_ext_langs_t *langs;
+ *     if (kiln_ext_langs_load(NULL, &langs) != KILN_OK)   // built-ins + the user's file
+ *         fprintf(stderr, "kiln: %s\n", kiln_last_error());
+ *     const kiln_ext_lang *l = kiln_ext_langs_find(langs, "rmsnorm.asc");
+ *     char *cmd;
+ *     kiln_ext_command(l, "rmsnorm.asc", "out/rmsnorm.o", "/usr/include", &cmd);
+ *     ...                                                 // run it, then free(cmd)
+ *     kiln_ext_langs_free(langs);
+ *
+ * A language's fields:
+ *   suffix   what a source's name ends with (".c"); the longest suffix that matches wins
+ *   command  the compiler's command line, a template: {src} the source, {out} the
+ *            object, {flags} the flags below and then the depfile flags, {include}
+ *            kiln's header folder, {dep} the dependency file ({out} with ".d" after
+ *            it); each path is quoted for the shell. Empty for a language
+ *            whose sources are handed to a backend at load time.
+ *   flags    default flags put at {flags}
+ *   object   the suffix of what the command makes (".o")
+ *   depfile  the flags that make the compiler write {dep}, the sources the object
+ *            depends on (for incremental builds); empty when it cannot
+ *   load     "shared": objects linked into a loadable module; "backend": the source
+ *            itself handed to the backend named by `backend` ("opencl") when loaded
+ * A file's entry with the suffix of an earlier one (a built-in, or the same file's)
+ * replaces it; kiln_ext_lang.origin says where each came from. A malformed entry (a
+ * missing field, an unknown placeholder, another load kind) is an error naming the
+ * file, the entry and the field.
+ *
+ * Ownership: the table owns every string it hands out; free it with kiln_ext_langs_free.
+ */
+#ifndef KILN_EXT_H
+#define KILN_EXT_H
+
+#include "kiln/tensor.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+typedef struct {
+    const char *suffix, *command, *flags, *object, *depfile;
+    const char *load;    /* "shared" or "backend" */
+    const char *backend; /* load "backend": the backend's name; else "" */
+    const char *origin;  /* "built-in", or the file that added or replaced it */
+} kiln_ext_lang;
+
+typedef struct kiln_ext_langs kiln_ext_langs_t;
+
+/* The built-in languages, then the entries of the JSON file at path; path NULL: the
+ * user's file, $XDG_CONFIG_HOME/kiln/languages.json (else ~/.config/kiln/...), when it
+ * exists. A path given that does not exist is an error. */
+kiln_status kiln_ext_langs_load(const char *path, kiln_ext_langs_t **out);
+void kiln_ext_langs_free(kiln_ext_langs_t *l);
+int kiln_ext_langs_count(const kiln_ext_langs_t *l);
+/* Language i in the table's order (built-ins first, then the file's new ones); NULL
+ * outside [0, count). Borrowed. */
+const kiln_ext_lang *kiln_ext_langs_at(const kiln_ext_langs_t *l, int i);
+/* The language of a source by its name's longest matching suffix, or NULL (with an
+ * error naming the source and the suffixes there are). Borrowed. */
+const kiln_ext_lang *kiln_ext_langs_find(const kiln_ext_langs_t *l, const char *source);
+/* The language's command for one source: its template with {src}, {out}, {include}
+ * and {dep} (out with ".d" after it) quoted for the shell and {flags} as they are. A
+ * new string in *cmd (the caller frees it); KILN_ERR_UNSUPPORTED for a language with
+ * no command (load "backend"). */
+kiln_status kiln_ext_command(const kiln_ext_lang *lang, const char *src, const char *out, const char *include,
+                             char **cmd);
+
+#ifdef __cplusplus
+}
+#endif
+#endif
