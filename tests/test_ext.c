@@ -170,6 +170,21 @@ static void build_routes_a_new_language_to_its_compiler(void **state)
              "{out}\"}]}",
              path_in("fakecc.sh"), path_in("failcc.sh"));
     write_file("l.json", json);
+    /* kiln doctor's check: the stand-in is there (a path), a made-up compiler is not */
+    kiln_ext_langs_t *t;
+    assert_int_equal(kiln_ext_langs_load(path_in("l.json"), &t), KILN_OK);
+    char found[512];
+    assert_true(kiln_ext_compiler_found(find(t, "a.asc"), found, sizeof found));
+    assert_string_equal(found, path_in("fakecc.sh"));
+    assert_false(kiln_ext_compiler_found(find(t, "k.cl"), found, sizeof found));
+    kiln_ext_lang missing = *find(t, "a.asc");
+    missing.command = "kiln-no-such-compiler-xyz {src} -o {out}";
+    assert_false(kiln_ext_compiler_found(&missing, found, sizeof found));
+    assert_string_equal(found, "kiln-no-such-compiler-xyz");
+    missing.command = "sh {src} -o {out}"; /* found on $PATH */
+    assert_true(kiln_ext_compiler_found(&missing, found, sizeof found));
+    assert_non_null(strstr(found, "/sh"));
+    kiln_ext_langs_free(t);
     write_file("op.asc", "kernel\n");
     write_file("k.cl", "__kernel void f(void) {}\n");
     write_file("x.bad", "x\n");

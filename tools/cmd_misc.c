@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "cli.h"
+#include "kiln/ext.h"
 #include "kiln/data.h"
 #include "kiln/dist.h"
 #include "kiln/io.h"
@@ -223,6 +224,28 @@ static int doctor_env(bool markdown)
     return 0;
 }
 
+/* The extension languages (kiln/ext.h) and whether each one's compiler is there. */
+static void doctor_languages(void)
+{
+    kiln_ext_langs_t *t;
+    if (kiln_ext_langs_load(NULL, &t) != KILN_OK) {
+        printf("extension languages: FAIL %s\n", kiln_last_error());
+        return;
+    }
+    printf("extension languages (kiln ext languages; docs/ext.md):\n");
+    for (int i = 0; i < kiln_ext_langs_count(t); i++) {
+        const kiln_ext_lang *l = kiln_ext_langs_at(t, i);
+        char found[1200];
+        if (!*l->command) printf("  %-8s %-10s handed to the %s backend when loaded\n", l->suffix, l->origin, l->backend);
+        else if (kiln_ext_compiler_found(l, found, sizeof found))
+            printf("  %-8s %-10s OK   %s\n", l->suffix, l->origin, found);
+        else
+            printf("  %-8s %-10s WARN %s not found: %s sources cannot be built here\n", l->suffix, l->origin, found,
+                   l->suffix);
+    }
+    kiln_ext_langs_free(t);
+}
+
 int cmd_doctor(int argc, char **argv)
 {
     const char *ops = NULL;
@@ -266,6 +289,7 @@ int cmd_doctor(int argc, char **argv)
         printf("distributed: %s (kiln train under mpirun; docs/dist.md)\n", mpi);
     else
         printf("distributed: built without MPI (one process only; apt-get install libopenmpi-dev openmpi-bin)\n");
+    doctor_languages();
     printf("optimization switches (KILN_OPT_<NAME>=0|1; the compiler's stages also KILN_COMPILE_DISABLE=<stage>,...):\n");
     int w = 0;
     for (int i = 0; i < kiln_opt_count(); i++) w = (int)strlen(kiln_opt_name(i)) > w ? (int)strlen(kiln_opt_name(i)) : w;

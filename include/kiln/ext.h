@@ -73,6 +73,10 @@ const kiln_ext_lang *kiln_ext_langs_find(const kiln_ext_langs_t *l, const char *
  * no command (load "backend"). */
 kiln_status kiln_ext_command(const kiln_ext_lang *lang, const char *src, const char *out, const char *include,
                              char **cmd);
+/* Whether the program the language's command runs (its first word) is there: a path
+ * that is executable, or a name found on $PATH; the file found in buf. False for a
+ * language with no command. (kiln doctor reports it for every row.) */
+bool kiln_ext_compiler_found(const kiln_ext_lang *lang, char *buf, size_t n);
 
 #ifdef __cplusplus
 }

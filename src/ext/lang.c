@@ -8,6 +8,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include "kiln/ext.h"
 
 /* The languages kiln ships. {include} is kiln's header folder, so that a source can
@@ -269,4 +270,26 @@ kiln_status kiln_ext_command(const kiln_ext_lang *lang, const char *src, const c
     free(depflags);
     free(flags);
     return *cmd ? KILN_OK : kiln_error(KILN_ERR_OOM, "ext: out of memory");
+}
+
+bool kiln_ext_compiler_found(const kiln_ext_lang *lang, char *buf, size_t n)
+{
+    if (!lang || !*lang->command || !buf || n == 0) return false;
+    size_t w = strcspn(lang->command, " \t");
+    char prog[1024];
+    snprintf(prog, sizeof prog, "%.*s", (int)w, lang->command);
+    if (strchr(prog, '/')) {
+        snprintf(buf, n, "%s", prog);
+        return access(prog, X_OK) == 0;
+    }
+    const char *path = getenv("PATH");
+    for (const char *p = path ? path : "/usr/bin:/bin"; *p;) {
+        size_t len = strcspn(p, ":");
+        snprintf(buf, n, "%.*s/%s", (int)len, len ? p : ".", prog);
+        struct stat st;
+        if (stat(buf, &st) == 0 && S_ISREG(st.st_mode) && access(buf, X_OK) == 0) return true;
+        p += len + (p[len] == ':');
+    }
+    snprintf(buf, n, "%s", prog);
+    return false;
 }
