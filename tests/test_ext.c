@@ -2,7 +2,10 @@
  * file adding and replacing rows, the default file under $XDG_CONFIG_HOME, malformed
  * entries refused by name, command expansion with quoting, and `kiln ext build`
  * routing a made-up suffix to a stand-in compiler with the flags its entry names. */
+#include <dlfcn.h>
+#include <fcntl.h>
 #include <setjmp.h>
+#include <time.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -158,8 +161,9 @@ static void build_routes_a_new_language_to_its_compiler(void **state)
 {
     const char *tool = getenv("KILN_TOOL");
     if (!tool) skip(); /* run by ctest, which sets it */
+    /* (it also makes a real, empty object, for the module's link) */
     write_file("fakecc.sh", "#!/bin/sh\nout=\"\"; prev=\"\"\nfor a in \"$@\"; do [ \"$prev\" = \"-o\" ] && out=$a; "
-                            "prev=$a; done\necho \"args: $*\" > \"$out\"\n");
+                            "prev=$a; done\necho \"args: $*\" > \"$out.args\"\ncc -x c -c /dev/null -o \"$out\"\n");
     write_file("failcc.sh", "#!/bin/sh\necho 'boom: no NPU here' >&2\nexit 3\n");
     chmod(path_in("fakecc.sh"), 0755);
     chmod(path_in("failcc.sh"), 0755);
@@ -193,7 +197,7 @@ static void build_routes_a_new_language_to_its_compiler(void **state)
              path_in("op.asc"), path_in("k.cl"), path_in("out"), path_in("l.json"));
     assert_int_equal(system(cmd), 0);
     char text[1024];
-    assert_true(test_read_text(path_in("out/op.obj"), text, sizeof text));
+    assert_true(test_read_text(path_in("out/op.obj.args"), text, sizeof text));
     assert_non_null(strstr(text, "-x asc -O3 --npu -c")); /* no depfile flags: the row names none */
     assert_non_null(strstr(text, "op.asc -o"));
     assert_true(test_read_text(path_in("out/k.cl"), text, sizeof text));
@@ -207,6 +211,50 @@ static void build_routes_a_new_language_to_its_compiler(void **state)
         fail_msg("stderr: %s", text);
 }
 
+/* kiln_ext_build: two C sources into a module that loads and runs (dlopen); built
+ * again, nothing is compiled; a header one of them includes made newer, only that one
+ * is; a source with an error is named with its command and the compiler's output. */
+static void build_is_incremental_and_links_a_module(void **state)
+{
+    test_setenv("XDG_CONFIG_HOME", path_in("none"), 1);
+    kiln_ext_langs_t *t;
+    assert_int_equal(kiln_ext_langs_load(NULL, &t), KILN_OK);
+    write_file("inc.h", "#define SEVEN 7\n");
+    write_file("a.c", "int answer(void) { return 42; }\n");
+    write_file("b.c", "#include \"inc.h\"\nint seven(void) { return SEVEN; }\n");
+    const char *src[2] = {path_in("a.c"), path_in("b.c")};
+    char *mod = NULL;
+    int rebuilt = -1;
+    if (kiln_ext_build(t, src, 2, path_in("mod"), "demo", ".", &mod, &rebuilt) != KILN_OK) fail_msg("%s", kiln_last_error());
+    assert_int_equal(rebuilt, 2);
+    assert_string_equal(mod, path_in("mod/libdemo.so"));
+    void *so = dlopen(mod, RTLD_NOW | RTLD_LOCAL);
+    if (!so) fail_msg("dlopen: %s", dlerror());
+    int (*answer)(void) = (int (*)(void))dlsym(so, "answer");
+    int (*seven)(void) = (int (*)(void))dlsym(so, "seven");
+    assert_true(answer && seven && answer() == 42 && seven() == 7);
+    dlclose(so);
+    free(mod);
+    assert_int_equal(kiln_ext_build(t, src, 2, path_in("mod"), "demo", ".", &mod, &rebuilt), KILN_OK);
+    assert_int_equal(rebuilt, 0);
+    free(mod);
+    struct timespec later[2] = {{.tv_sec = time(NULL) + 100}, {.tv_sec = time(NULL) + 100}};
+    assert_int_equal(utimensat(AT_FDCWD, path_in("inc.h"), later, 0), 0);
+    assert_int_equal(kiln_ext_build(t, src, 2, path_in("mod"), "demo", ".", &mod, &rebuilt), KILN_OK);
+    assert_int_equal(rebuilt, 1);
+    free(mod);
+    write_file("c.c", "int broken(void) { return }\n");
+    const char *bad[1] = {path_in("c.c")};
+    assert_int_equal(kiln_ext_build(t, bad, 1, path_in("mod"), "bad", ".", &mod, &rebuilt), KILN_ERR_IO);
+    assert_null(mod);
+    const char *e = kiln_last_error();
+    if (!strstr(e, "c.c: the .c compiler failed") || !strstr(e, "command: cc ") || !strstr(e, "error"))
+        fail_msg("%s", e);
+    kiln_ext_langs_free(t);
+    test_unsetenv("XDG_CONFIG_HOME");
+    kiln_clear_error();
+}
+
 int main(void)
 {
     assert_non_null(mkdtemp(dir));
@@ -216,6 +264,7 @@ int main(void)
         cmocka_unit_test(malformed_entries_are_refused_by_name),
         cmocka_unit_test(commands_quote_paths_and_put_the_flags),
         cmocka_unit_test(build_routes_a_new_language_to_its_compiler),
+        cmocka_unit_test(build_is_incremental_and_links_a_module),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     char rm[300];

@@ -73,6 +73,18 @@ const kiln_ext_lang *kiln_ext_langs_find(const kiln_ext_langs_t *l, const char *
  * no command (load "backend"). */
 kiln_status kiln_ext_command(const kiln_ext_lang *lang, const char *src, const char *out, const char *include,
                              char **cmd);
+/* Builds sources[0..n) into out_dir (made if missing): each source of a "shared"
+ * language compiled with its command into out_dir/<its name less the suffix><object>,
+ * unless that object is newer than the source and than every file its dependency file
+ * lists (an incremental build); the objects then linked into the module
+ * out_dir/lib<name>.so (`cc -shared`), which *module gets (malloc'd; the caller frees
+ * it); a "backend" language's source copied into out_dir as it is, for its backend to
+ * build when loaded. include: kiln's header folder, for {include}. *rebuilt (may be
+ * NULL) gets how many sources were compiled. A compiler that fails or is not there is
+ * KILN_ERR_IO with a message naming the source, the exact command and the compiler's
+ * output. (Loading the module into the op table is not built yet.) */
+kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sources, int n, const char *out_dir,
+                           const char *name, const char *include, char **module, int *rebuilt);
 /* Whether the program the language's command runs (its first word) is there: a path
  * that is executable, or a name found on $PATH; the file found in buf. False for a
  * language with no command. (kiln doctor reports it for every row.) */
