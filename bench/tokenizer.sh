@@ -22,26 +22,12 @@ bytelevel)
     "$build/kiln" tokenizer train --data "$text" --vocab "$vocab" --out "$tmp/tok.json" >/dev/null ;;
 llama2)
     "$py" - "$text" "$vocab" "$tmp/tok.json" <<'PY'
-import json, sys
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+import sys
+sys.path.insert(0, "tests/tokenizer")
+from test_hf_tokenizers import llama2_shape, sp_merges, sp_tokenizer  # the tests' LLaMA-2-style builder
 path, vocab_size, out = sys.argv[1], int(sys.argv[2]), sys.argv[3]
-t = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
-trainer = trainers.BpeTrainer(vocab_size=vocab_size - 256, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False)
-t.train_from_iterator([open(path, encoding="utf-8").read()], trainer=trainer)
-m = json.loads(t.to_str())["model"]
-vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-for b in range(256):
-    vocab[f"<0x{b:02X}>"] = len(vocab)
-for name in sorted(m["vocab"], key=m["vocab"].get):
-    vocab.setdefault(name, len(vocab))
-tok = Tokenizer(models.BPE(vocab=vocab, merges=[tuple(x) for x in m["merges"]], byte_fallback=True,
-                           unk_token="<unk>", fuse_unk=True))
-tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                 decoders.Strip(content=" ", left=1, right=0)])
-tok.save(out)
+tok, _ = sp_tokenizer(*sp_merges(open(path, encoding="utf-8").read(), vocab_size - 256))
+llama2_shape(tok).save(out)
 PY
     ;;
 *)

@@ -30,7 +30,9 @@ try:
     import numpy as np
     import gguf
     from gguf.quants import dequantize
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    import tokenizers  # noqa: F401 (before the import below, which would exit 77 without it)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tokenizer"))
+    from test_hf_tokenizers import llama2_shape, sp_merges, sp_tokenizer  # the LLaMA-2-style builder, shared
 except ImportError as e:
     print(f"skip: {e.name} is not installed (run scripts/install-test-deps.sh)")
     sys.exit(77)
@@ -170,22 +172,9 @@ def sentencepiece_case(args):
     words = ("in the beginning god created heaven and earth was without form void darkness upon face of deep "
              "Ça très déjà über 日本語 東京 hello world 123 4567").split()
     text = "\n".join(" ".join(r.choice(words) for _ in range(12)) + r.choice([".", ",", "!", "?"]) for _ in range(3000))
-    t = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="always", split=True)
-    t.train_from_iterator([text], trainer=trainers.BpeTrainer(vocab_size=300, special_tokens=["<unk>", "<s>", "</s>"],
-                                                              show_progress=False))
-    m = json.loads(t.to_str())["model"]
-    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    for b in range(256):
-        vocab[f"<0x{b:02X}>"] = len(vocab)
-    for name in sorted(m["vocab"], key=m["vocab"].get):
-        vocab.setdefault(name, len(vocab))
-    merges = [tuple(x) for x in m["merges"]]
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="\u2581", prepend_scheme="first", split=False)
-    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                     decoders.Strip(content=" ", left=1, right=0)])
+    names, merges = sp_merges(text, 300)
+    tok, vocab = sp_tokenizer(names, merges)
+    llama2_shape(tok)
     tp, corpus = os.path.join(args.workdir, "sp.json"), os.path.join(args.workdir, "sp.txt")
     tok.save(tp)
     open(corpus, "w", encoding="utf-8").write(text[:20000])

@@ -97,40 +97,64 @@ SP_SHAPES = ("llama2", "llama2-legacy", "metaspace-split", "unk-fused", "unk-unf
 _sp_trained = {}
 
 
-def build_sp(kind, path):
-    """A LLaMA-2-style tokenizer: merges trained by tokenizers, the vocab laid out as
-    LLaMA-2's (<unk>, <s>, </s>, the 256 byte tokens, the rest). The legacy shape's merges
-    are learned across "▁" too ("e▁t"), so that kiln cannot cut its text into words."""
-    across = kind == "llama2-legacy"
-    if across not in _sp_trained:
-        t = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
-        t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=not across)
-        trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=["<unk>", "<s>", "</s>"], limit_alphabet=90,
-                                      show_progress=False)
-        t.train_from_iterator([TRAIN], trainer=trainer)
-        m = json.loads(t.to_str())["model"]
-        _sp_trained[across] = (sorted(m["vocab"], key=m["vocab"].get), [tuple(x) for x in m["merges"]])
-        if across and not any(re.search("[^▁]▁", name) for name in _sp_trained[across][0]):
-            sys.exit("the merges learned across ▁ have no token with ▁ after another character")
-    names, merges = _sp_trained[across]
+def sp_merges(text, vocab_size, across=False, limit_alphabet=None):
+    """What tokenizers' BPE trainer learns from text in the SentencePiece style (byte
+    fallback, Metaspace "always"; split into words unless across, when merges cross "▁"
+    too): the token names in id order and the merges. Also used by tests/gguf/ and
+    bench/tokenizer.sh."""
+    t = Tokenizer(models.BPE(byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    t.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=not across)
+    kw = {"limit_alphabet": limit_alphabet} if limit_alphabet else {}
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=["<unk>", "<s>", "</s>"], show_progress=False,
+                                  **kw)
+    t.train_from_iterator([text], trainer=trainer)
+    m = json.loads(t.to_str())["model"]
+    return sorted(m["vocab"], key=m["vocab"].get), [tuple(x) for x in m["merges"]]
+
+
+def sp_tokenizer(names, merges, byte_tokens=True, fuse_unk=True):
+    """A LLaMA-2-style tokenizer of those merges, its vocab laid out as LLaMA-2's (<unk>,
+    <s>, </s>, the 256 "<0xXX>" byte tokens unless byte_tokens is false, then names), with
+    no pre-tokenizer or decoder yet; and its vocab."""
     vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-    unk = kind.startswith("unk")  # no byte tokens: what the vocab lacks is <unk>
-    for b in range(0 if unk else 256):
+    for b in range(256 if byte_tokens else 0):
         vocab[f"<0x{b:02X}>"] = len(vocab)
     for name in names:
         vocab.setdefault(name, len(vocab))
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>",
-                               fuse_unk=kind != "unk-unfused"))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, byte_fallback=True, unk_token="<unk>", fuse_unk=fuse_unk))
     tok.add_special_tokens(["<unk>", "<s>", "</s>"])
-    llama_decoder = decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
-                                       decoders.Strip(content=" ", left=1, right=0)])
+    return tok, vocab
+
+
+def llama2_decoder():
+    return decoders.Sequence([decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+                              decoders.Strip(content=" ", left=1, right=0)])
+
+
+def llama2_shape(tok):
+    """The pre-tokenizer and decoder transformers writes for LLaMA-2 and Mistral today."""
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
+    tok.decoder = llama2_decoder()
+    return tok
+
+
+def build_sp(kind, path):
+    """A LLaMA-2-style tokenizer of one of SP_SHAPES, trained on TRAIN. The legacy shape's
+    merges are learned across "▁" too ("e▁t"), so that kiln cannot cut its text into
+    words."""
+    across = kind == "llama2-legacy"
+    if across not in _sp_trained:
+        _sp_trained[across] = sp_merges(TRAIN, 500, across, limit_alphabet=90)
+        if across and not any(re.search("[^▁]▁", name) for name in _sp_trained[across][0]):
+            sys.exit("the merges learned across ▁ have no token with ▁ after another character")
+    # unk-*: no byte tokens, so what the vocab lacks is <unk>
+    tok, _ = sp_tokenizer(*_sp_trained[across], byte_tokens=not kind.startswith("unk"), fuse_unk=kind != "unk-unfused")
     if kind in ("llama2", "unk-fused", "unk-unfused"):
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="first", split=False)
-        tok.decoder = llama_decoder
+        llama2_shape(tok)
         tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     elif kind == "llama2-legacy":
         tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
-        tok.decoder = llama_decoder
+        tok.decoder = llama2_decoder()
     else:
         tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement="▁", prepend_scheme="always", split=True)
         tok.decoder = decoders.Metaspace(replacement="▁", prepend_scheme="always", split=True)
