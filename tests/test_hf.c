@@ -28,6 +28,8 @@
 #include "kiln/nn.h"
 #include "kiln/ops.h"
 #include "kiln/tokenizer.h"
+#include "test_sp_json.h"
+#include "test_util.h"
 
 static char *ref_dir(const char *name)
 {
@@ -85,9 +87,7 @@ static void qwen2_linear_matches_transformers(void **state) { matches_transforme
  * q/k/v are new memory in kiln's allocator. With the switch off, all of them are. */
 static void hf_load_maps_f32_weights_instead_of_copying(void **state)
 {
-    bool mapped = false;
-    for (int i = 0; i < kiln_opt_count(); i++)
-        if (!strcmp(kiln_opt_name(i), "MMAP")) mapped = kiln_opt_enabled(i);
+    bool mapped = test_opt_on("MMAP");
     size_t before = kiln_memory_allocated();
     kiln_gpt_t *m;
     assert_int_equal(kiln_hf_load(ref_dir("llama"), &m), KILN_OK);
@@ -471,21 +471,7 @@ static void gguf_holds_the_model_as_llama_cpp_reads_it(void **state)
  * tests/tokenizer's multilingual text: docs/hf.md.) */
 static void gguf_writes_a_sentencepiece_vocabulary(void **state)
 {
-    static char json[1 << 15];
-    int o = snprintf(json, sizeof json,
-                     "{\"added_tokens\": [{\"id\": 0, \"content\": \"<unk>\", \"special\": true}, {\"id\": 1, "
-                     "\"content\": \"<s>\", \"special\": true}, {\"id\": 2, \"content\": \"</s>\", \"special\": true}], "
-                     "\"normalizer\": null, \"pre_tokenizer\": {\"type\": \"Metaspace\", \"replacement\": \"\u2581\", "
-                     "\"prepend_scheme\": \"first\", \"split\": false}, \"decoder\": {\"type\": \"Sequence\", "
-                     "\"decoders\": [{\"type\": \"Replace\", \"pattern\": {\"String\": \"\u2581\"}, \"content\": \" \"}, "
-                     "{\"type\": \"ByteFallback\"}, {\"type\": \"Fuse\"}, {\"type\": \"Strip\", \"content\": \" \", "
-                     "\"start\": 1, \"stop\": 0}]}, \"model\": {\"type\": \"BPE\", \"byte_fallback\": true, "
-                     "\"unk_token\": \"<unk>\", \"fuse_unk\": true, \"vocab\": {\"<unk>\": 0, \"<s>\": 1, \"</s>\": 2");
-    for (int b = 0; b < 256; b++) o += snprintf(json + o, sizeof json - (size_t)o, ", \"<0x%02X>\": %d", b, 3 + b);
-    const char *chars[] = {"\u2581", "a", "b", "c", "d", "e", "h", "l", "o", "\u2581h", "el", "lo", "\u2581hel"};
-    for (int k = 0; k < 13; k++) o += snprintf(json + o, sizeof json - (size_t)o, ", \"%s\": %d", chars[k], 259 + k);
-    snprintf(json + o, sizeof json - (size_t)o,
-             "}, \"merges\": [\"\u2581 h\", \"e l\", \"l o\", \"\u2581h el\"]}}");
+    const char *json = sp_json("null", sp_first, sp_decoder, "", "");
     char tp[4200], gp[4200], keys[8192];
     snprintf(tp, sizeof tp, "%s/sp.json", tmp);
     FILE *f = fopen(tp, "w");

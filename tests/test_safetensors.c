@@ -491,9 +491,7 @@ static void test_view_maps_the_file_without_copying_it(void **state)
         v[d] = kiln_keep(kiln_safetensors_view(f, names[d]));
         assert_tensor_bytes(v[d], (kiln_dtype)d, 2, shape, bytes[d]);
     }
-    bool mapped = false; /* KILN_OPT_MMAP, on unless the environment turns it off: then copies */
-    for (int i = 0; i < kiln_opt_count(); i++)
-        if (!strcmp(kiln_opt_name(i), "MMAP")) mapped = kiln_opt_enabled(i);
+    bool mapped = test_opt_on("MMAP"); /* on unless the environment turns it off: then copies */
     if (mapped) assert_int_equal(kiln_memory_allocated(), before); /* mapped, not allocated */
     else assert_true(kiln_memory_allocated() > before);
     kiln_safetensors_free(f);

@@ -14,6 +14,7 @@
 #include "io/tokenizer_impl.h"
 #include "kiln/kiln.h"
 #include "kiln/tokenizer.h"
+#include "test_sp_json.h" /* SP, sp_first, sp_decoder, sp_json */
 
 static const char corpus[] =
     "In the beginning the engine had no tokens, only bytes. The bytes were many and the\n"
@@ -441,44 +442,11 @@ static void test_decode_of_an_out_of_range_id_is_an_index_error(void **state)
 
 /* ---- char-level (SentencePiece-style) BPE ------------------------------------------- */
 
-#define SP "\xe2\x96\x81" /* U+2581, SentencePiece's space */
-static const char *const sp_decoder = "{\"type\": \"Sequence\", \"decoders\": [{\"type\": \"Replace\", \"pattern\": "
-                                      "{\"String\": \"" SP "\"}, \"content\": \" \"}, {\"type\": \"ByteFallback\"}, "
-                                      "{\"type\": \"Fuse\"}, {\"type\": \"Strip\", \"content\": \" \", \"start\": 1, "
-                                      "\"stop\": 0}]}";
-static const char *const sp_first = "{\"type\": \"Metaspace\", \"replacement\": \"" SP "\", \"prepend_scheme\": "
-                                    "\"first\", \"split\": false}";
 static const char *const sp_always_split = "{\"type\": \"Metaspace\", \"replacement\": \"" SP "\", "
                                            "\"prepend_scheme\": \"always\", \"split\": true}";
 static const char *const sp_legacy = "{\"type\": \"Sequence\", \"normalizers\": [{\"type\": \"Prepend\", \"prepend\": "
                                      "\"" SP "\"}, {\"type\": \"Replace\", \"pattern\": {\"String\": \" \"}, "
                                      "\"content\": \"" SP "\"}]}";
-
-/* A small tokenizer.json of LLaMA-2's shape: ids 0..2 <unk> <s> </s> (also added tokens;
- * unk_extra adds fields to <unk>'s), 3..258 <0x00>..<0xFF>, then SP a b c d e h l o (259..)
- * and the merges' tokens SP h (268), el (269), lo (270), SP hel (271). model_extra's
- * fields override the model's (a later JSON key wins). The ids the tests expect of it
- * are what `tokenizers` 0.23.3 gives for the same file (the oracle), recorded here. */
-static const char *sp_json(const char *normalizer, const char *pre, const char *decoder, const char *model_extra,
-                           const char *unk_extra)
-{
-    static char buf[1 << 15];
-    int o = snprintf(buf, sizeof buf,
-                     "{\"added_tokens\": [{\"id\": 0, \"content\": \"<unk>\", \"special\": true%s}, {\"id\": 1, "
-                     "\"content\": \"<s>\", \"special\": true}, {\"id\": 2, \"content\": \"</s>\", \"special\": true}], "
-                     "\"normalizer\": %s, \"pre_tokenizer\": %s, \"decoder\": %s, \"model\": {\"type\": \"BPE\", "
-                     "\"byte_fallback\": true, \"unk_token\": \"<unk>\", \"fuse_unk\": true%s, \"vocab\": {\"<unk>\": "
-                     "0, \"<s>\": 1, \"</s>\": 2",
-                     unk_extra, normalizer, pre, decoder, model_extra);
-    for (int b = 0; b < 256; b++)
-        o += snprintf(buf + o, sizeof buf - (size_t)o, ", \"<0x%02X>\": %d", b, 3 + b);
-    const char *chars[] = {SP, "a", "b", "c", "d", "e", "h", "l", "o", SP "h", "el", "lo", SP "hel"};
-    for (int k = 0; k < 13; k++)
-        o += snprintf(buf + o, sizeof buf - (size_t)o, ", \"%s\": %d", chars[k], 259 + k);
-    snprintf(buf + o, sizeof buf - (size_t)o,
-             "}, \"merges\": [[\"" SP "\", \"h\"], [\"e\", \"l\"], [\"l\", \"o\"], [\"" SP "h\", \"el\"]]}}");
-    return buf;
-}
 
 static kiln_tokenizer_t *load_text(const char *name, const char *text)
 {

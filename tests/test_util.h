@@ -5,8 +5,17 @@
 #include <math.h>
 #include <stdlib.h>
 #include <stdio.h>
+#include <string.h>
 #include <unistd.h>
 #include "kiln/tensor.h"
+
+/* Whether the switch KILN_OPT_<name> is on in this process. */
+static inline bool test_opt_on(const char *name)
+{
+    for (int i = 0; i < kiln_opt_count(); i++)
+        if (!strcmp(kiln_opt_name(i), name)) return kiln_opt_enabled(i);
+    return false;
+}
 
 static inline int setup(void **state)
 {
