@@ -29,11 +29,12 @@ static int64_t tasks_per_row(const kiln__program *p, const kc_kernel *k, int v, 
 {
     *slot = -1;
     if (k->n_buf > 64) return 0; /* epi_rows copies the buffers on its stack */
+    int slots = 0; /* that hold v: one, or it is read in another way too */
     for (int i = 0; i < k->n_buf; i++) {
         if (k->buf[i].inplace) return 0;
-        if (k->buf[i].value == v && !k->buf[i].output) *slot = i;
+        if (k->buf[i].value == v) *slot = i, slots++;
     }
-    if (*slot < 0) return 0;
+    if (slots != 1 || k->buf[*slot].output) return 0;
     int nd = k->ndim;
     int64_t outer = 1, want[KILN_MAX_DIMS], step = 1;
     for (int d = 0; d + 1 < nd; d++) outer *= k->dom[d];
@@ -47,8 +48,6 @@ static int64_t tasks_per_row(const kiln__program *p, const kc_kernel *k, int v, 
         for (int d = 0; d < nd; d++)
             if (e->st[d] != want[d] && k->dom[d] != 1) return 0;
     }
-    for (int i = 0; i < k->n_buf; i++) /* the same value through a second slot */
-        if (i != *slot && k->buf[i].value == v) return 0;
     if (nd >= 2 && k->dom[nd - 1] == cols && outer == rows) return k->chunks;
     if (nd == 1 && k->dom[0] == rows * cols && !k->n_acc && p->symbolic) return 1;
     return 0;

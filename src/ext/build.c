@@ -8,6 +8,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include "ext/ext_impl.h"
 #include "kiln/ext.h"
 
 /* Runs cmd through the shell; its output (both streams) in *out (malloc'd, or NULL).
@@ -93,23 +94,6 @@ static kiln_status copy_file(const char *src, const char *dst)
     return ok ? KILN_OK : kiln_error(KILN_ERR_IO, "%s: cannot copy it to %s: %s", src, dst, strerror(errno));
 }
 
-/* Appends ' path' quoted for the shell to *b. */
-static bool append_quoted(char **b, size_t *len, const char *path)
-{
-    size_t need = *len + 4 * strlen(path) + 4;
-    char *p = realloc(*b, need);
-    if (!p) return false;
-    *b = p;
-    p += *len;
-    *p++ = ' ', *p++ = '\'';
-    for (const char *s = path; *s; s++)
-        if (*s == '\'') memcpy(p, "'\\''", 4), p += 4;
-        else *p++ = *s;
-    *p++ = '\'', *p = 0;
-    *len = (size_t)(p - *b);
-    return true;
-}
-
 kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sources, int n, const char *out_dir,
                            const char *name, const char *include, char **module, int *rebuilt)
 {
@@ -120,12 +104,13 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
     if (strchr(name, '/')) return kiln_error(KILN_ERR_ARG, "ext_build: the module's name '%s' has a '/'", name);
     if (mkdir(out_dir, 0755) != 0 && errno != EEXIST)
         return kiln_error(KILN_ERR_IO, "ext_build: cannot make %s: %s", out_dir, strerror(errno));
-    size_t mlen = strlen(out_dir) + strlen(name) + 16, link_len = 0;
-    char *mod = malloc(mlen), *link = strdup("cc -shared -o");
-    kiln_status s = mod && link ? KILN_OK : kiln_error(KILN_ERR_OOM, "ext_build: out of memory");
+    size_t mlen = strlen(out_dir) + strlen(name) + 16, link_len = 0, link_cap = 0;
+    char *mod = malloc(mlen), *link = NULL; /* the link command: cc -shared -o 'module' 'object'... */
+    kiln_status s = mod ? KILN_OK : kiln_error(KILN_ERR_OOM, "ext_build: out of memory");
     if (s == KILN_OK) snprintf(mod, mlen, "%s/lib%s.so", out_dir, name);
-    if (s == KILN_OK) link_len = strlen(link), s = append_quoted(&link, &link_len, mod) ? KILN_OK
-                                                   : kiln_error(KILN_ERR_OOM, "ext_build: out of memory");
+    if (s == KILN_OK && !(kiln__ext_append(&link, &link_len, &link_cap, "cc -shared -o ", false) &&
+                          kiln__ext_append(&link, &link_len, &link_cap, mod, true)))
+        s = kiln_error(KILN_ERR_OOM, "ext_build: out of memory");
     int objects = 0;
     bool any_new = false;
     double newest = 0; /* of the objects: a module older than one is linked again */
@@ -145,7 +130,8 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
         }
         snprintf(obj, sizeof obj, "%s/%.*s%s", out_dir, (int)stem, base, l->object);
         snprintf(dep, sizeof dep, "%s.d", obj);
-        if (!append_quoted(&link, &link_len, obj)) {
+        if (!kiln__ext_append(&link, &link_len, &link_cap, " ", false) ||
+            !kiln__ext_append(&link, &link_len, &link_cap, obj, true)) {
             s = kiln_error(KILN_ERR_OOM, "ext_build: out of memory");
             break;
         }

@@ -9,6 +9,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include "ext/ext_impl.h"
 #include "kiln/ext.h"
 
 /* The languages kiln ships. {include} is kiln's header folder, so that a source can
@@ -203,8 +204,7 @@ const kiln_ext_lang *kiln_ext_langs_find(const kiln_ext_langs_t *t, const char *
     return NULL;
 }
 
-/* Appends s to the growing buffer (b, n, cap); quoted for the shell when q. */
-static bool put(char **b, size_t *n, size_t *cap, const char *s, bool q)
+bool kiln__ext_append(char **b, size_t *n, size_t *cap, const char *s, bool q)
 {
     size_t need = *n + (q ? 4 * strlen(s) + 3 : strlen(s)) + 1;
     if (need > *cap) {
@@ -234,16 +234,16 @@ static char *expand(const char *t, const char *src, const char *out, const char 
     const char *with[] = {src, out, flags, include, dep};
     char *b = NULL;
     size_t n = 0, cap = 0;
-    if (!put(&b, &n, &cap, "", false)) return NULL;
+    if (!kiln__ext_append(&b, &n, &cap, "", false)) return NULL;
     for (const char *p = t; *p;) {
         size_t h = 0;
         while (h < 5 && strncmp(p, holes[h], strlen(holes[h]))) h++;
         if (h < 5) {
-            if (!put(&b, &n, &cap, with[h], h != 2)) break;
+            if (!kiln__ext_append(&b, &n, &cap, with[h], h != 2)) break;
             p += strlen(holes[h]);
         } else {
             char one[2] = {*p++, 0};
-            if (!put(&b, &n, &cap, one, false)) break;
+            if (!kiln__ext_append(&b, &n, &cap, one, false)) break;
         }
     }
     return b;

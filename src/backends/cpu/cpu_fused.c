@@ -173,7 +173,7 @@ static kiln_status rope_angles(double *cs, int64_t T, int64_t D, const kiln__rop
 {
     int64_t h = D / 2;
     size_t isz = pos ? kiln_dtype_size(pos->dtype) : 0;
-    float *freq = malloc(sizeof(float) * (size_t)h);
+    float stack[256], *freq = h <= 256 ? stack : malloc(sizeof(float) * (size_t)h); /* a head's worth, usually */
     if (!freq) return kiln__err(KILN_ERR_OOM, "rope: out of memory");
     kiln_status s = kiln_rope_frequencies(r->theta, D, &r->scaling, freq);
     for (int64_t i = 0; s == KILN_OK && i < h; i++) {
@@ -184,7 +184,7 @@ static kiln_status rope_angles(double *cs, int64_t T, int64_t D, const kiln__rop
             cs[(t * h + i) * 2 + 1] = sin((double)ang);
         }
     }
-    free(freq);
+    if (freq != stack) free(freq);
     return s;
 }
 
