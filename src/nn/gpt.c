@@ -10,6 +10,7 @@
 #include "kiln/io.h"
 #include "kiln/nn.h"
 #include "kiln/optim.h"
+#include "nn/gpt_impl.h"
 
 
 typedef struct {
@@ -339,6 +340,42 @@ int64_t kiln_gpt_param_elements(const kiln_gpt_t *m)
     return n;
 }
 
+/* The file's tensor `name` as an f32 parameter of this shape: over the mapped file where
+ * it is f32, else widened; NULL with an error naming it (and path) when it is missing or
+ * of another shape. */
+static kiln_tensor_t *file_tensor(const kiln_safetensors_t *f, const char *path, const char *name,
+                                  const int64_t *shape, int nd)
+{
+    kiln_tensor_t *t = kiln_safetensors_view(f, name);
+    if (!t) return NULL;
+    if (kiln_tensor_ndim(t) != nd || memcmp(kiln_tensor_shape(t), shape, sizeof(int64_t) * (size_t)nd)) {
+        char a[96], b[64];
+        snprintf(b, sizeof b, nd == 2 ? "(%lld, %lld)" : "(%lld)", (long long)shape[0], (long long)shape[nd - 1]);
+        kiln_error(KILN_ERR_SHAPE, "%s: tensor '%s' is %s, the model expects %s", path, name,
+                   kiln_tensor_describe(t, a, sizeof a), b);
+        return NULL;
+    }
+    return kiln_tensor_dtype(t) == KILN_DTYPE_F32 ? t : kiln_cast(t, KILN_DTYPE_F32);
+}
+
+typedef struct {
+    const kiln_safetensors_t *f;
+    const char *path;
+} file_source;
+
+static kiln_tensor_t *file_param(const char *name, const int64_t *shape, int nd, void *ctx)
+{
+    const file_source *src = ctx;
+    return file_tensor(src->f, src->path, name, shape, nd);
+}
+
+kiln_status kiln__gpt_new_from_file(const kiln_gpt_config *cfg, const kiln_safetensors_t *f, const char *path,
+                                    kiln_gpt_t **out)
+{
+    file_source src = {f, path};
+    return kiln_gpt_new_from(cfg, file_param, &src, out);
+}
+
 kiln_status kiln_gpt_load_weights(kiln_gpt_t *m, const char *path)
 {
     kiln_safetensors_t *f;
@@ -347,19 +384,10 @@ kiln_status kiln_gpt_load_weights(kiln_gpt_t *m, const char *path)
     bool prev = kiln_set_grad_enabled(false);
     kiln_scope_begin();
     for (int i = 0; s == KILN_OK && i < m->n; i++) {
-        kiln_tensor_t *t = kiln_safetensors_get(f, m->names[i]);
-        if (!t) {
-            s = kiln_last_status();
-            break;
-        }
-        char a[96], b[96];
-        const int64_t *sa = kiln_tensor_shape(t), *sb = kiln_tensor_shape(m->params[i]);
-        if (kiln_tensor_ndim(t) != kiln_tensor_ndim(m->params[i]) ||
-            memcmp(sa, sb, sizeof(int64_t) * (size_t)kiln_tensor_ndim(t)))
-            s = kiln_error(KILN_ERR_SHAPE, "%s: tensor '%s' is %s, the model expects %s", path, m->names[i],
-                          kiln_tensor_describe(t, a, sizeof a), kiln_tensor_describe(m->params[i], b, sizeof b));
-        else
-            s = kiln_tensor_copy_(m->params[i], t);
+        kiln_tensor_t *p = m->params[i];
+        kiln_tensor_t *t = file_tensor(f, path, m->names[i], kiln_tensor_shape(p), kiln_tensor_ndim(p));
+        if (t) t = kiln_tensor_to(t, kiln_tensor_device(p)); /* the file's is the cpu's */
+        s = t ? kiln_tensor_copy_(p, t) : kiln_last_status();
     }
     kiln_scope_end();
     kiln_set_grad_enabled(prev);

@@ -7,6 +7,7 @@
 #include "kiln/io.h"
 #include "kiln/nn.h"
 #include "kiln/tokenizer.h"
+#include "nn/gpt_impl.h"
 
 #define MODEL_FILE "model.safetensors"
 #define TOKENIZER_FILE "tokenizer.json"
@@ -65,29 +66,6 @@ static kiln_status hf_model(const char *dir, kiln_gpt_t **model, kiln_tokenizer_
     return KILN_OK;
 }
 
-/* kiln_gpt_new_from's source for a kiln model file: each parameter is the file's tensor
- * of its name, over the mapped file where it is f32 (kiln_safetensors_view: nothing
- * copied, only the pages read brought in), else widened. */
-typedef struct {
-    kiln_safetensors_t *f;
-    const char *path;
-} file_source;
-
-static kiln_tensor_t *file_param(const char *name, const int64_t *shape, int nd, void *ctx)
-{
-    file_source *src = ctx;
-    kiln_tensor_t *t = kiln_safetensors_view(src->f, name);
-    if (!t) return NULL;
-    if (kiln_tensor_ndim(t) != nd || memcmp(kiln_tensor_shape(t), shape, sizeof(int64_t) * (size_t)nd)) {
-        char a[96], b[64];
-        snprintf(b, sizeof b, nd == 2 ? "(%lld, %lld)" : "(%lld)", (long long)shape[0], (long long)shape[nd - 1]);
-        kiln_error(KILN_ERR_SHAPE, "%s: tensor '%s' is %s, the model expects %s", src->path, name,
-                   kiln_tensor_describe(t, a, sizeof a), b);
-        return NULL;
-    }
-    return kiln_tensor_dtype(t) == KILN_DTYPE_F32 ? t : kiln_cast(t, KILN_DTYPE_F32);
-}
-
 kiln_status kiln_model_load(const char *path, kiln_gpt_t **model, kiln_tokenizer_t **tok, char **chat_template)
 {
     if (!path || !model || !tok) return kiln_error(KILN_ERR_ARG, "model_load: path, model and tok must not be NULL");
@@ -113,8 +91,7 @@ kiln_status kiln_model_load(const char *path, kiln_gpt_t **model, kiln_tokenizer
                        kiln_tokenizer_vocab_size(t));
     const char *ct = kiln_safetensors_meta(f, "chat_template");
     if (s == KILN_OK && ct && chat_template && !(tmpl = strdup(ct))) s = kiln_error(KILN_ERR_OOM, "model_load: out of memory");
-    file_source src = {f, file};
-    if (s == KILN_OK) s = kiln_gpt_new_from(&cfg, file_param, &src, &m);
+    if (s == KILN_OK) s = kiln__gpt_new_from_file(&cfg, f, file, &m);
     kiln_safetensors_free(f);
     if (s != KILN_OK) {
         kiln_gpt_free(m);
