@@ -136,6 +136,32 @@ static void new_from_takes_references_of_its_own(void **state)
     kiln_clear_error();
 }
 
+/* A model saved and loaded back (kiln_hf_save, kiln_hf_load, whose f32 weights are the
+ * mapped file's) has its parameters on the device models are made on (kiln_device:
+ * the cpu, or OpenCL in test_nn_opencl), and the same logits, bitwise. */
+static void a_loaded_model_lives_on_the_current_device(void **state)
+{
+    kiln_gpt_config c = tiny(true);
+    kiln_gpt_t *m, *back;
+    assert_int_equal(kiln_gpt_new(&c, 3, &m), KILN_OK);
+    char dir[] = "/tmp/kiln-nn-load-XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    assert_int_equal(kiln_hf_save(m, NULL, dir, KILN_DTYPE_F32), KILN_OK);
+    if (kiln_hf_load(dir, &back) != KILN_OK) fail_msg("%s", kiln_last_error());
+    for (int i = 0; i < kiln_gpt_num_params(back); i++)
+        assert_string_equal(kiln_tensor_device(kiln_gpt_param(back, i, NULL)), kiln_device());
+    kiln_tensor_t *x = ids(2, 8, c.vocab_size, 4);
+    float *a = to_host(kiln_gpt_forward(m, x, NULL, false, NULL)), *b = to_host(kiln_gpt_forward(back, x, NULL, false, NULL));
+    assert_memory_equal(a, b, sizeof(float) * 2 * 8 * (size_t)c.vocab_size);
+    free(a);
+    free(b);
+    kiln_gpt_free(m);
+    kiln_gpt_free(back);
+    char rm[64];
+    snprintf(rm, sizeof rm, "rm -rf %s", dir);
+    assert_int_equal(system(rm), 0);
+}
+
 static void bad_config_names_the_field(void **state)
 {
     kiln_gpt_config c = tiny(false);
@@ -405,6 +431,7 @@ int main(void)
         cmocka_unit_test(config_json_round_trips),
         cmocka_unit_test(bad_config_names_the_field),
         cmocka_unit_test(new_from_takes_references_of_its_own),
+        cmocka_unit_test(a_loaded_model_lives_on_the_current_device),
         cmocka_unit_test(parameters_follow_the_model_doc),
         cmocka_unit_test(same_seed_same_weights),
         cmocka_unit_test(kv_cache_matches_full_forward),

@@ -60,8 +60,9 @@ kiln_status kiln_gpt_new(const kiln_gpt_config *cfg, uint64_t seed, kiln_gpt_t *
  * called for each parameter in kiln_gpt_param's order and returns a contiguous f32
  * tensor of that shape, which the model keeps (a reference: the open scope or the
  * fill's caller keeps its own), or NULL with the error set, which stops the build and
- * is returned. The tensor is taken as it is, not copied: a loader hands over tensors
- * over a mapped file this way (kiln_hf_load). */
+ * is returned. On the device the model is made on (kiln_device) the tensor is taken as
+ * it is, not copied: a loader hands over tensors over a mapped file this way
+ * (kiln_hf_load); one on another device is copied there. */
 typedef kiln_tensor_t *(*kiln_gpt_param_fn)(const char *name, const int64_t *shape, int ndim, void *ctx);
 kiln_status kiln_gpt_new_from(const kiln_gpt_config *cfg, kiln_gpt_param_fn fill, void *ctx, kiln_gpt_t **out);
 void kiln_gpt_free(kiln_gpt_t *m);

@@ -198,6 +198,9 @@ static kiln_tensor_t *add_param(kiln_gpt_t *m, const char *name, int64_t d0, int
                        kiln_tensor_describe(t, a, sizeof a), want);
             return NULL;
         }
+        /* on the device the model is made on, as a drawn parameter is (a mapped file's
+         * tensor is the cpu's; on the cpu it is taken as it is) */
+        if (!(t = kiln_tensor_to(t, kiln_device()))) return NULL;
     } else {
         t = std > 0 ? kiln_contiguous(kiln_mul_scalar(kiln_randn(shape, nd, KILN_DTYPE_F32), std))
                     : kiln_full(shape, nd, std < 0 ? 1.0 : 0.0, KILN_DTYPE_F32);
