@@ -150,8 +150,10 @@ static void a_loaded_model_lives_on_the_current_device(void **state)
     if (kiln_hf_load(dir, &back) != KILN_OK) fail_msg("%s", kiln_last_error());
     for (int i = 0; i < kiln_gpt_num_params(back); i++)
         assert_string_equal(kiln_tensor_device(kiln_gpt_param(back, i, NULL)), kiln_device());
+    kiln_scope_begin();
     kiln_tensor_t *x = ids(2, 8, c.vocab_size, 4);
     float *a = to_host(kiln_gpt_forward(m, x, NULL, false, NULL)), *b = to_host(kiln_gpt_forward(back, x, NULL, false, NULL));
+    kiln_scope_end();
     assert_memory_equal(a, b, sizeof(float) * 2 * 8 * (size_t)c.vocab_size);
     free(a);
     free(b);
