@@ -3,6 +3,7 @@
 #define KILN_H
 #include "kiln/tensor.h"
 #include "kiln/ops.h"
+#include "kiln/op.h"
 #include "kiln/nn.h"
 #include "kiln/optim.h"
 #include "kiln/io.h"

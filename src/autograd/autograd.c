@@ -292,7 +292,7 @@ static kiln_status run_node(kiln__node *cur, kiln__node **ready, int *tail)
         kiln_tensor_t *g0 = NULL;
         for (int j = 0; j < KILN__MAX_OUT && !g0; j++) g0 = cur->grad_out[j];
         kiln__backend *was = g0 && !g0->st->meta ? kiln__backend_here(g0->st->be) : NULL;
-        s = kiln__op_backward[cur->op](cur, cur->grad_out, gin);
+        s = kiln__backward_of(cur->op)(cur, cur->grad_out, gin);
         if (g0 && !g0->st->meta) kiln__backend_here(was);
     }
     for (int i = 0; s == KILN_OK && i < cur->n_in; i++) {
@@ -412,7 +412,7 @@ static kiln_status ag_before(void *ctx, const kiln__call_info *c)
 
 static kiln_status ag_after(void *ctx, const kiln__call_info *c)
 {
-    if (!kiln__op_backward[c->op] || !kiln_grad_enabled()) return KILN_OK;
+    if (!kiln__backward_of(c->op) || !kiln_grad_enabled()) return KILN_OK;
     bool any = false;
     for (int i = 0; i < c->n_in; i++) any |= kiln__tracks(c->in[i]);
     if (any && !record(c->op, c->in, c->n_in, c->a, c->out, c->n_out)) return kiln_last_status();

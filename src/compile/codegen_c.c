@@ -144,6 +144,13 @@ static void expr_val(sbuf *b, const gen *G, int i)
         else put(b, "km_%s%s(%s)", m->name, form, a[0]);
         return;
     }
+    if (kiln__op_is_custom(e->op)) { /* its expression, x<i> its operands, a<k> its attributes' values */
+        const char *names[3] = {a[0], a[1], a[2]};
+        char *text = kiln__custom_expr_text(e->op, names, e->n_arg, &e->attrs);
+        put(b, "(%s)", text ? text : "0 /* out of memory */");
+        free(text);
+        return;
+    }
     if (infix[e->op]) {
         put(b, infix[e->op], a[0], a[1], a[2]);
         return;

@@ -296,15 +296,15 @@ void kiln__program_profile_print(const kiln__program *p, FILE *f)
         fprintf(f, "kiln [profile]   waiting for %d overlapped collective(s) to finish %8.2f ms %5.1f%%\n",
                 p->n_overlapped, 1e3 * p->prof_wait / runs, 100 * p->prof_wait / total);
     /* Ops through dispatch, totalled by op. */
-    double by_op[KILN_OP_COUNT] = {0};
-    int n_by_op[KILN_OP_COUNT] = {0};
+    double by_op[KILN__OP_MAX] = {0};
+    int n_by_op[KILN__OP_MAX] = {0};
     for (int t = 0; t < p->n_steps; t++)
         if (p->steps[t].kind == STEP_OP) {
             int op = (int)p->g->nd[p->steps[t].index].op;
             by_op[op] += p->prof[t];
             n_by_op[op]++;
         }
-    for (int op = 0; op < KILN_OP_COUNT; op++)
+    for (int op = 0; op < kiln__op_total(); op++)
         if (n_by_op[op])
             fprintf(f, "kiln [profile]   op %-24s x%-4d %8.2f ms %5.1f%%\n", kiln__ops[op].name, n_by_op[op],
                     1e3 * by_op[op] / runs, 100 * by_op[op] / total);

@@ -8,6 +8,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include "kiln/ops.h"
+#include "kiln/op.h"
 
 /* Typed attributes, one struct per op (or family of ops) that has them. */
 typedef struct {
@@ -58,6 +59,12 @@ typedef struct {
 typedef struct {
     bool tanh; /* the tanh approximation, else the erf form */
 } kiln__gelu_attrs; /* GELU, GELU_BACKWARD */
+
+typedef struct {
+    int op;                /* the custom op's id (its row, src/ops/custom.c) */
+    int n;                 /* values given */
+    kiln_op_value v[8];    /* in its declared order */
+} kiln__custom_attrs; /* a custom op (kiln/op.h) */
 
 /* The source ops' shape is kiln__attrs.shape/ndim; RAND's random stream is u[0..1]. */
 typedef struct {
@@ -120,6 +127,7 @@ typedef struct {
         kiln__rows_packed_attrs rows_packed;
         kiln__paged_attention_attrs paged_attention;
         kiln__collective_attrs collective;
+        kiln__custom_attrs custom;
     } op;
 } kiln__attrs;
 

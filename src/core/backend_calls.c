@@ -3,6 +3,7 @@
  * SQLite's os.c stands between the core and a VFS. */
 #include "core/backend.h"
 #include "core/tensor_impl.h"
+#include "core/op_table.h"
 
 static kiln_status unsupported(const kiln__backend *be, const char *what)
 {
@@ -48,7 +49,7 @@ bool kiln__be_can_fuse(kiln__backend *be, int op, const kiln_dtype *in, int n_in
     return !be->can_fuse || be->can_fuse(be, op, in, n_in, out);
 }
 
-bool kiln__be_has_kernel(const kiln__backend *be, int op) { return be->kernels[op] != NULL; }
+bool kiln__be_has_kernel(const kiln__backend *be, int op) { return kiln__be_kernel(be, op) != NULL; }
 
 bool kiln__be_can_compile(const kiln__backend *be) { return be->language && be->compile_kernel && be->launch; }
 

@@ -59,10 +59,11 @@ static kiln_tensor_t *host_copy(kiln__backend *cpu, kiln_tensor_t *t, bool *whol
 kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                kiln_tensor_t *const *out, int n_out)
 {
-    static atomic_bool said[16][KILN_OP_COUNT];
+    static atomic_bool said[16][KILN__OP_MAX];
     kiln__backend *cpu = kiln__backend_at(0);
     const kiln__op_def *d = &kiln__ops[op];
-    if (!cpu->kernels[op]) return kiln__err(KILN_ERR_UNSUPPORTED, "op %s is not supported by backend %s", d->name, be->name);
+    kiln__kernel_fn k = kiln__be_kernel(cpu, op);
+    if (!k) return kiln__err(KILN_ERR_UNSUPPORTED, "op %s is not supported by backend %s", d->name, be->name);
     int bi = 0;
     while (bi < 16 && kiln__backend_at(bi) != be) bi++;
     if (bi < 16 && !atomic_exchange(&said[bi][op], true))
@@ -79,7 +80,7 @@ kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *
     }
     for (int j = 0; s == KILN_OK && j < n_out; j++)
         if (!(h[n_in + j] = kiln__tensor_alloc(cpu, out[j]->dtype, out[j]->shape, out[j]->ndim))) s = kiln_last_status();
-    if (s == KILN_OK) s = cpu->kernels[op](cpu, h, n_in, a, h + n_in, n_out);
+    if (s == KILN_OK) s = k(cpu, h, n_in, a, h + n_in, n_out);
     for (int j = 0; s == KILN_OK && j < n_out; j++)
         s = kiln__be_copy_h2d(be, kiln__data(out[j]), kiln__data(h[n_in + j]), kiln_tensor_nbytes(out[j]));
     unsigned mutated = kiln__written_inputs(op);
@@ -129,8 +130,8 @@ static kiln_status generic_copy_(KILN__KERNEL_ARGS)
 /* The kernel dispatch uses for op on be: its own, or the contract-made one, or NULL. */
 static kiln__kernel_fn kernel_for(const kiln__backend *be, int op)
 {
-    if (be->kernels[op]) return be->kernels[op];
-    if (!be->fill) return NULL;
+    kiln__kernel_fn own = kiln__be_kernel(be, op);
+    if (own || !be->fill) return own;
     return op == KILN_OP_FULL ? generic_full : op == KILN_OP_FILL_ ? generic_fill_ : op == KILN_OP_COPY_ ? generic_copy_
                                                                                                             : NULL;
 }
@@ -153,7 +154,7 @@ static kiln_status run_on_cpu(kiln__backend *be, int op, kiln_tensor_t *const *i
 }
 
 static bool has_kernel(const kiln__backend *be, int op) { return kernel_for(be, op) != NULL; }
-static bool cpu_has(const kiln__backend *be, int op) { return kiln__backend_at(0)->kernels[op] != NULL; }
+static bool cpu_has(const kiln__backend *be, int op) { return kiln__be_kernel(kiln__backend_at(0), op) != NULL; }
 
 static const kiln__provider kernel_provider = {
     .name = "kernel", .order = 0, .support = KILN_OP_NATIVE, .offers = has_kernel, .run = run_kernel};
@@ -260,14 +261,14 @@ kiln_tensor_t *kiln__call(kiln__op_id op, kiln_tensor_t *const *in, int n_in, co
     return kiln__scoped(out[0]);
 }
 
-int kiln_op_count(void) { return KILN_OP_COUNT; }
+int kiln_op_count(void) { return kiln__op_total(); }
 
-const char *kiln_op_name(int i) { return i >= 0 && i < KILN_OP_COUNT ? kiln__ops[i].name : NULL; }
+const char *kiln_op_name(int i) { return i >= 0 && i < kiln__op_total() ? kiln__ops[i].name : NULL; }
 
 kiln_op_support kiln_device_op_support(const char *device, int op)
 {
     kiln__backend *be = kiln__backend_find(device);
-    if (!be || op < 0 || op >= KILN_OP_COUNT) return KILN_OP_NONE;
+    if (!be || op < 0 || op >= kiln__op_total()) return KILN_OP_NONE;
     if (kiln__ops[op].is_view) return KILN_OP_NATIVE; /* views alias storage on every device */
     return kiln__provider_offering(be, op);
 }

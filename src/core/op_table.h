@@ -66,7 +66,23 @@ typedef struct {
     kiln__infer_fn infer;
 } kiln__op_def;
 
-extern const kiln__op_def kiln__ops[KILN_OP_COUNT];
+/* Ops defined at run time (kiln/op.h; src/ops/custom.c) take the ids from KILN_OP_COUNT
+ * up, their rows written once when they are defined and never changed after. */
+#define KILN__CUSTOM_MAX 64
+#define KILN__OP_MAX (KILN_OP_COUNT + KILN__CUSTOM_MAX)
+extern kiln__op_def kiln__ops[KILN__OP_MAX];
+/* The ops there are: the built-in ones and those defined so far. */
+int kiln__op_total(void);
+static inline bool kiln__op_is_custom(int op) { return op >= KILN_OP_COUNT; }
+/* Adds row as a new op, its name not taken by any other: its id in *id. kernel runs it
+ * on the backends named in devices[0..n_devices) (a backend's name up to its ':': every
+ * opencl device for "opencl"). Serialized; an op's row is complete before its id is
+ * handed out. */
+kiln_status kiln__op_add(const kiln__op_def *row, kiln__kernel_fn kernel, const char *const *devices, int n_devices,
+                         int *id);
+/* The kernel op has on be: the backend's own (a built-in op), the one given at
+ * kiln__op_add for a custom op that names be, or NULL. */
+kiln__kernel_fn kiln__be_kernel(const kiln__backend *be, int op);
 
 /* The math of a pointwise op defined by it (include/kiln/pointwise.def): name is the
  * kmath.h function family (km_<name>, km_<name>d and their _dx derivatives), NULL for
@@ -77,7 +93,7 @@ typedef struct {
     bool dx;
     kiln__pw_fast fast;
 } kiln__op_math_t;
-extern const kiln__op_math_t kiln__op_math[KILN_OP_COUNT];
+extern const kiln__op_math_t kiln__op_math[KILN__OP_MAX]; /* custom ops: none */
 
 /* The inputs an op writes, as a bit mask (ops.def's writes column). */
 static inline unsigned kiln__written_inputs(kiln__op_id op) { return kiln__ops[op].writes; }

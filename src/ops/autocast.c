@@ -20,11 +20,11 @@ static _Thread_local struct {
 
 /* Process-wide overrides of the op table's column, set before work starts:
  * 0 for none, else the policy + 1. */
-static unsigned char override[KILN_OP_COUNT];
+static unsigned char override[KILN__OP_MAX];
 
 kiln_amp_policy kiln_op_amp_policy(int op)
 {
-    if (op < 0 || op >= KILN_OP_COUNT) return KILN_AMP_ANY;
+    if (op < 0 || op >= kiln__op_total()) return KILN_AMP_ANY;
     return override[op] ? (kiln_amp_policy)(override[op] - 1) : kiln__ops[op].amp;
 }
 
@@ -46,7 +46,7 @@ kiln_status kiln_op_set_amp_policy(const char *op, kiln_amp_policy p)
 {
     if (p != KILN_AMP_ANY && p != KILN_AMP_LOW && p != KILN_AMP_F32)
         return kiln__err(KILN_ERR_ARG, "op_set_amp_policy: %d is not a policy (KILN_AMP_ANY, _LOW or _F32)", (int)p);
-    for (int i = 0; op && i < KILN_OP_COUNT; i++)
+    for (int i = 0; op && i < kiln__op_total(); i++)
         if (!strcmp(kiln__ops[i].name, op)) {
             if (p != KILN_AMP_ANY && !castable(i))
                 return kiln__err(KILN_ERR_ARG, "op_set_amp_policy: %s %s; autocast leaves it as it is", op,

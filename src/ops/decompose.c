@@ -300,6 +300,7 @@ static const kiln__decompose_fn widened_fns[KILN_OP_COUNT] = {
 kiln__decompose_fn kiln__decomposition(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                        bool all)
 {
+    if (kiln__op_is_custom(op)) return kiln__custom_decomposition(op, in, n_in, all);
     bool taken = decompositions[op].fn && (!decompositions[op].when || decompositions[op].when(in, n_in, a, all));
     if (!taken) return NULL;
     bool half = false;

@@ -39,6 +39,22 @@ typedef kiln_status (*kiln__decompose_fn)(kiln_tensor_t *const *in, int n_in, co
 /* Each op's backward formula (NULL for an op that is not differentiable), rendered
  * from ops.def's grad column (src/ops/registry.c). */
 extern const kiln__backward_fn kiln__op_backward[KILN_OP_COUNT];
+/* The custom ops' columns (src/ops/custom.c): the backward formula that calls the op's
+ * own (NULL when it has none) and its decomposition (NULL when it gave none). */
+kiln__backward_fn kiln__custom_backward(int op);
+kiln__decompose_fn kiln__custom_decomposition(int op, kiln_tensor_t *const *in, int n_in, bool all);
+/* The expression of a custom pointwise op (kiln/op.h's expr), NULL for any other op. */
+const char *kiln__custom_expr(int op);
+/* That expression as code: x<i> replaced by names[i], a<k> by the value of attribute k
+ * in a (a float constant, or an integer for an i64 one). A new string (the caller frees
+ * it); NULL when out of memory. */
+char *kiln__custom_expr_text(int op, const char *const *names, int n_names, const kiln__attrs *a);
+/* Op's backward formula, built-in or custom (NULL: not differentiable). */
+static inline kiln__backward_fn kiln__backward_of(int op)
+{
+    return kiln__op_is_custom(op) ? kiln__custom_backward(op) : kiln__op_backward[op];
+}
+
 /* The op's decomposition into primitives (src/ops/decompose.c), or NULL: for a
  * primitive, and for an op best left whole on these inputs (all: every op that has a
  * decomposition takes it, KILN_COMPILE_DECOMPOSE=all). */

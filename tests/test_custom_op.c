@@ -1,0 +1,352 @@
+/* Custom ops (kiln/op.h): an op defined at run time is an op like the built-in ones —
+ * eager on every device (its own kernel, or the cpu's with copies), autograd, graph
+ * capture, compiled (fused when it gave an expression, else a step of its own), replay,
+ * the op listing — and a bad declaration or call is a clear error. Oracles: the same
+ * computation written with kiln's built-in ops (themselves checked against PyTorch in
+ * test_alignment), to 1e-6 relative unless said. Also run on the OpenCL device
+ * (test_custom_op_opencl), where scale_by runs its OpenCL C kernel and relu2 the
+ * compiler's generated one. */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+#include "kiln/kiln.h"
+#include "test_util.h"
+
+static int scale_by = -1, relu2 = -1, pair = -1;
+
+static void like_input0(const kiln_op_args *a, kiln_op_meta *m)
+{
+    m->dtype = kiln_tensor_dtype(a->in[0]);
+    m->ndim = kiln_tensor_ndim(a->in[0]);
+    memcpy(m->shape, kiln_tensor_shape(a->in[0]), sizeof(int64_t) * (size_t)m->ndim);
+}
+
+static kiln_status scale_shape(const kiln_op_args *a, kiln_op_meta *out)
+{
+    if (kiln_tensor_dtype(a->in[0]) != KILN_DTYPE_F32) return kiln_error(KILN_ERR_DTYPE, "x must be f32");
+    if (a->attr[0].f == 13) return kiln_error(KILN_ERR_ARG, "13 is an unlucky scale");
+    like_input0(a, out);
+    return KILN_OK;
+}
+
+static kiln_status scale_cpu(const kiln_op_args *a)
+{
+    const float *x = kiln_op_data(a->in[0]);
+    float *y = kiln_op_data(a->out[0]);
+    for (int64_t i = 0; i < kiln_tensor_numel(a->in[0]); i++) y[i] = (float)(x[i] * (float)a->attr[0].f);
+    return KILN_OK;
+}
+
+static kiln_status scale_backward(const kiln_op_args *a, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+{
+    gin[0] = kiln_mul_scalar(gout[0], a->attr[0].f);
+    return gin[0] ? KILN_OK : kiln_last_status();
+}
+
+/* One work-item per element; each tensor a (buffer, byte offset) pair. */
+static const char scale_cl[] =
+    "__kernel void scale_by(__global const float *x, ulong xo, __global float *y, ulong yo, long n, long cols,\n"
+    "                       float s)\n"
+    "{\n"
+    "    long i = get_global_id(0);\n"
+    "    __global const float *xp = (__global const float *)((__global const char *)x + xo);\n"
+    "    __global float *yp = (__global float *)((__global char *)y + yo);\n"
+    "    if (i < n) yp[i] = xp[i] * s;\n"
+    "}\n";
+
+static kiln_status relu2_cpu(const kiln_op_args *a)
+{
+    const float *x = kiln_op_data(a->in[0]);
+    float *y = kiln_op_data(a->out[0]);
+    float s = (float)a->attr[0].f;
+    for (int64_t i = 0; i < kiln_tensor_numel(a->in[0]); i++) y[i] = x[i] > 0 ? s * x[i] * x[i] : 0;
+    return KILN_OK;
+}
+
+/* d/dx s x^2 [x > 0] = 2 s x [x > 0] */
+static kiln_status relu2_backward(const kiln_op_args *a, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+{
+    kiln_tensor_t *x = a->in[0];
+    gin[0] = kiln_mul(gout[0], kiln_mul_scalar(kiln_relu(x), 2 * a->attr[0].f));
+    return gin[0] ? KILN_OK : kiln_last_status();
+}
+
+/* Two outputs, the second hidden: y = x + 1 (visible), x * 2 kept. */
+static kiln_status pair_shape(const kiln_op_args *a, kiln_op_meta *out)
+{
+    like_input0(a, &out[0]);
+    like_input0(a, &out[1]);
+    return KILN_OK;
+}
+
+static kiln_status pair_cpu(const kiln_op_args *a)
+{
+    const float *x = kiln_op_data(a->in[0]);
+    float *y = kiln_op_data(a->out[0]), *h = kiln_op_data(a->out[1]);
+    for (int64_t i = 0; i < kiln_tensor_numel(a->in[0]); i++) y[i] = x[i] + 1, h[i] = x[i] * 2;
+    return KILN_OK;
+}
+
+static void define_ops(void)
+{
+    if (scale_by >= 0) return;
+    const kiln_op_kernel sk[] = {{.device = "cpu", .fn = scale_cpu},
+                                 {.device = "opencl", .source = scale_cl, .entry = "scale_by"}};
+    assert_int_equal(kiln_op_define(&(kiln_op_decl){.name = "scale_by", .n_in = 1, .n_out = 1, .attrs = "scale:f64",
+                                                    .shape = scale_shape, .kernels = sk, .n_kernels = 2,
+                                                    .backward = scale_backward},
+                                    &scale_by),
+                     KILN_OK);
+    const kiln_op_kernel rk[] = {{.device = "cpu", .fn = relu2_cpu}};
+    assert_int_equal(kiln_op_define(&(kiln_op_decl){.name = "relu2", .n_in = 1, .n_out = 1, .attrs = "s:f64",
+                                                    .kernels = rk, .n_kernels = 1, .backward = relu2_backward,
+                                                    .expr = "x0 > 0 ? a0 * x0 * x0 : 0.0f"},
+                                    &relu2),
+                     KILN_OK);
+    const kiln_op_kernel pk[] = {{.device = "cpu", .fn = pair_cpu}};
+    assert_int_equal(kiln_op_define(&(kiln_op_decl){.name = "pair_hidden", .n_in = 1, .n_out = 2, .n_visible = 1,
+                                                    .shape = pair_shape, .kernels = pk, .n_kernels = 1},
+                                    &pair),
+                     KILN_OK);
+}
+
+static kiln_tensor_t *randn(int64_t r, int64_t c, uint64_t seed)
+{
+    kiln_manual_seed(seed);
+    int64_t shape[2] = {r, c};
+    return kiln_randn(shape, 2, KILN_DTYPE_F32);
+}
+
+static void assert_close(kiln_tensor_t *a, kiln_tensor_t *b, double tol)
+{
+    assert_non_null(a);
+    assert_non_null(b);
+    int64_t n = kiln_tensor_numel(a);
+    assert_int_equal(n, kiln_tensor_numel(b));
+    float *x = malloc(sizeof(float) * (size_t)n), *y = malloc(sizeof(float) * (size_t)n);
+    assert_int_equal(kiln_tensor_to_host(a, x, sizeof(float) * (size_t)n), KILN_OK);
+    assert_int_equal(kiln_tensor_to_host(b, y, sizeof(float) * (size_t)n), KILN_OK);
+    for (int64_t i = 0; i < n; i++)
+        if (fabs(x[i] - y[i]) > tol * (1 + fabs(y[i]))) fail_msg("element %lld: %g vs %g", (long long)i, x[i], y[i]);
+    free(x);
+    free(y);
+}
+
+static kiln_tensor_t *call1(int op, kiln_tensor_t *x, double attr)
+{
+    return kiln_op_call(op, &x, 1, &(kiln_op_value){.f = attr}, op == pair ? 0 : 1);
+}
+
+static void eager_matches_the_builtin_ops(void **state)
+{
+    define_ops();
+    kiln_tensor_t *x = randn(37, 19, 1);
+    assert_close(call1(scale_by, x, 2.5), kiln_mul_scalar(x, 2.5), 1e-6);
+    assert_close(call1(relu2, x, 0.75), kiln_mul_scalar(kiln_mul(kiln_relu(x), kiln_relu(x)), 0.75), 1e-6);
+    assert_close(call1(pair, x, 0), kiln_add_scalar(x, 1), 1e-6);
+    /* an expression op broadcasts its inputs */
+    assert_string_equal(kiln_tensor_device(x), kiln_tensor_device(call1(scale_by, x, 1)));
+}
+
+static void autograd_runs_the_ops_backward(void **state)
+{
+    define_ops();
+    kiln_tensor_t *x = randn(8, 33, 2), *ref = kiln_detach(x);
+    kiln_tensor_set_requires_grad(x, true);
+    kiln_tensor_set_requires_grad(ref, true);
+    kiln_tensor_t *loss = kiln_sum(kiln_mul(call1(relu2, call1(scale_by, x, -1.5), 0.5), x), NULL, 0, false);
+    kiln_tensor_t *r = kiln_mul_scalar(ref, -1.5);
+    kiln_tensor_t *rl = kiln_sum(kiln_mul(kiln_mul_scalar(kiln_mul(kiln_relu(r), kiln_relu(r)), 0.5), ref), NULL, 0, false);
+    assert_int_equal(kiln_backward(loss), KILN_OK);
+    assert_int_equal(kiln_backward(rl), KILN_OK);
+    assert_close(loss, rl, 1e-6);
+    assert_close(kiln_tensor_grad(x), kiln_tensor_grad(ref), 1e-5);
+    /* pair_hidden has no backward: a loss through it is refused by name */
+    kiln_tensor_t *p = kiln_sum(call1(pair, x, 0), NULL, 0, false);
+    assert_non_null(p);
+    assert_int_not_equal(kiln_backward(p), KILN_OK);
+    kiln_clear_error();
+}
+
+typedef struct {
+    bool fused_only;
+} fn_ctx;
+
+static kiln_status fn(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    const fn_ctx *c = ctx;
+    kiln_tensor_t *s = kiln_add(in[0], in[1]);
+    out[0] = c->fused_only ? kiln_exp(call1(relu2, s, 0.25)) : kiln_add(call1(scale_by, s, 3), call1(pair, in[1], 0));
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+static void compiled_matches_eager_and_fuses_expressions(void **state)
+{
+    define_ops();
+    kiln_tensor_t *in[2] = {randn(16, 48, 3), randn(16, 48, 4)};
+    for (int fused = 0; fused < 2; fused++) {
+        fn_ctx c = {fused};
+        kiln_tensor_t *eager[1];
+        int n = 0;
+        assert_int_equal(fn(&c, in, 2, eager, &n), KILN_OK);
+        kiln_compiled_t *cf;
+        assert_int_equal(kiln_compiled_new(fn, &c, fused ? "fused" : "steps", &cf), KILN_OK);
+        kiln_tensor_t *out[1] = {0};
+        assert_int_equal(kiln_compiled_call(cf, in, 2, out, 1, &n), KILN_OK);
+        assert_close(out[0], eager[0], 1e-5);
+        int kernels = -1, ops = -1;
+        assert_int_equal(kiln_compiled_plan(cf, 0, &kernels, &ops, NULL, NULL), KILN_OK);
+        if (fused) { /* add, relu2 and exp: one generated kernel, nothing through dispatch */
+            assert_int_equal(kernels, 1);
+            assert_int_equal(ops, 0);
+        } else { /* scale_by and pair_hidden: steps of their own */
+            assert_true(ops >= 2);
+        }
+        kiln_compiled_free(cf);
+    }
+}
+
+static void graph_capture_and_replay_run_it(void **state)
+{
+    define_ops();
+    kiln_tensor_t *in[2] = {randn(5, 7, 5), randn(5, 7, 6)};
+    fn_ctx c = {false};
+    kiln_graph_t *g;
+    assert_int_equal(kiln_graph_capture(fn, &c, in, 2, &g), KILN_OK);
+    char text[8192] = "";
+    FILE *f = fmemopen(text, sizeof text - 1, "w");
+    assert_int_equal(kiln_graph_print(g, f), KILN_OK);
+    fclose(f);
+    if (!strstr(text, "scale_by") || !strstr(text, "pair_hidden")) fail_msg("%s", text);
+    kiln_tensor_t *eager[1], *out[1];
+    int n;
+    assert_int_equal(fn(&c, in, 2, eager, &n), KILN_OK);
+    assert_int_equal(kiln_graph_run(g, in, 2, out, 1, &n), KILN_OK);
+    assert_close(out[0], eager[0], 1e-6);
+    kiln_graph_free(g);
+    kiln_replay_t *r;
+    assert_int_equal(kiln_replay_record(fn, &c, in, 2, &r, out, 1, &n), KILN_OK);
+    kiln_tensor_t *in2[2] = {randn(5, 7, 7), randn(5, 7, 8)};
+    assert_int_equal(fn(&c, in2, 2, eager, &n), KILN_OK);
+    assert_int_equal(kiln_replay_run(r, in2, 2, out, 1, &n), KILN_OK);
+    assert_close(out[0], eager[0], 1e-6);
+    kiln_replay_free(r);
+}
+
+static void listed_with_the_builtin_ops(void **state)
+{
+    define_ops();
+    assert_int_equal(kiln_op_find("scale_by"), scale_by);
+    assert_int_equal(kiln_op_find("add") >= 0, true);
+    assert_int_equal(kiln_op_find("no_such_op"), -1);
+    assert_true(scale_by < kiln_op_count() && relu2 < kiln_op_count());
+    assert_string_equal(kiln_op_name(relu2), "relu2");
+    assert_int_equal(kiln_device_op_support("cpu", scale_by), KILN_OP_NATIVE);
+    if (kiln_device_count() > 1 && !strncmp(kiln_device_name(1), "opencl", 6)) {
+        assert_int_equal(kiln_device_op_support("opencl:0", scale_by), KILN_OP_NATIVE); /* its OpenCL C kernel */
+        assert_int_not_equal(kiln_device_op_support("opencl:0", pair), KILN_OP_NONE);    /* the cpu's, with copies */
+    }
+}
+
+static kiln_status define_error(const kiln_op_decl *d, const char *want)
+{
+    int id = -1;
+    int before = kiln_op_count();
+    kiln_status s = kiln_op_define(d, &id);
+    if (s == KILN_OK || !strstr(kiln_last_error(), want))
+        fail_msg("%s: %s (wanted an error naming '%s')", d->name ? d->name : "(null)", kiln_last_error(), want);
+    assert_int_equal(kiln_op_count(), before); /* nothing defined */
+    kiln_clear_error();
+    return s;
+}
+
+static void bad_declarations_are_refused_by_name(void **state)
+{
+    define_ops();
+    const kiln_op_kernel cpu[] = {{.device = "cpu", .fn = scale_cpu}};
+    kiln_op_decl d = {.name = "add", .n_in = 1, .n_out = 1, .shape = scale_shape, .kernels = cpu, .n_kernels = 1};
+    assert_int_equal(define_error(&d, "add: a built-in op has that name"), KILN_ERR_ARG);
+    d.name = "scale_by";
+    define_error(&d, "a custom op has that name");
+    d.name = "fine";
+    d.attrs = "eps:f32";
+    define_error(&d, "'eps:f32' is not name:f64 or name:i64");
+    d.attrs = NULL;
+    d.n_out = 5;
+    define_error(&d, "n_out 5");
+    d.n_out = 1;
+    d.n_kernels = 0;
+    define_error(&d, "no cpu kernel");
+    const kiln_op_kernel both[] = {{.device = "cpu", .fn = scale_cpu, .source = "x", .entry = "x"}};
+    d.kernels = both;
+    d.n_kernels = 1;
+    define_error(&d, "both fn and source");
+    d.kernels = cpu;
+    d.expr = "x0 + x1";
+    define_error(&d, "x1 names no input");
+    d.expr = "x0; system(0)";
+    define_error(&d, "';'");
+    d.expr = NULL;
+    d.name = "not a name";
+    define_error(&d, "not an identifier");
+    d.name = "fine";
+    d.shape = NULL;
+    define_error(&d, "no shape function");
+    if (kiln_device_count() > 1 && !strncmp(kiln_device_name(1), "opencl", 6)) {
+        char was[64];
+        snprintf(was, sizeof was, "%s", kiln_device());
+        kiln_set_device(kiln_device_name(1)); /* the device is open: its kernel is built when defined */
+        kiln_set_device(was);
+        const kiln_op_kernel broken[] = {{.device = "cpu", .fn = scale_cpu},
+                                         {.device = "opencl", .source = "__kernel void k( { }", .entry = "k"}};
+        d.shape = scale_shape;
+        d.kernels = broken;
+        d.n_kernels = 2;
+        define_error(&d, "fine: its opencl kernel k does not build");
+    }
+}
+
+static void bad_calls_are_clear_errors(void **state)
+{
+    define_ops();
+    kiln_tensor_t *x = randn(3, 4, 9);
+    assert_null(call1(scale_by, x, 13));
+    if (!strstr(kiln_last_error(), "scale_by: 13 is an unlucky scale")) fail_msg("%s", kiln_last_error());
+    kiln_clear_error();
+    kiln_tensor_t *xi = kiln_cast(x, KILN_DTYPE_I64);
+    assert_null(call1(scale_by, xi, 1));
+    if (!strstr(kiln_last_error(), "scale_by: x must be f32")) fail_msg("%s", kiln_last_error());
+    kiln_clear_error();
+    assert_null(kiln_op_call(scale_by, &x, 1, NULL, 0));
+    if (!strstr(kiln_last_error(), "scale_by: 0 attributes given, it takes 1")) fail_msg("%s", kiln_last_error());
+    kiln_clear_error();
+    kiln_tensor_t *two[2] = {x, x};
+    assert_null(kiln_op_call(scale_by, two, 2, &(kiln_op_value){.f = 1}, 1));
+    if (!strstr(kiln_last_error(), "2 inputs given, it takes 1")) fail_msg("%s", kiln_last_error());
+    kiln_clear_error();
+    assert_null(kiln_op_call(kiln_op_find("add"), two, 2, NULL, 0));
+    if (!strstr(kiln_last_error(), "add is a built-in op")) fail_msg("%s", kiln_last_error());
+    kiln_clear_error();
+    assert_null(kiln_op_call(9999, &x, 1, NULL, 0));
+    if (!strstr(kiln_last_error(), "9999 is not an op's id")) fail_msg("%s", kiln_last_error());
+    kiln_clear_error();
+    kiln_tensor_t *null_in = NULL;
+    assert_null(kiln_op_call(scale_by, &null_in, 1, &(kiln_op_value){.f = 1}, 1));
+    kiln_clear_error();
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(eager_matches_the_builtin_ops, setup, teardown),
+        cmocka_unit_test_setup_teardown(autograd_runs_the_ops_backward, setup, teardown),
+        cmocka_unit_test_setup_teardown(compiled_matches_eager_and_fuses_expressions, setup, teardown),
+        cmocka_unit_test_setup_teardown(graph_capture_and_replay_run_it, setup, teardown),
+        cmocka_unit_test_setup_teardown(listed_with_the_builtin_ops, setup, teardown),
+        cmocka_unit_test_setup_teardown(bad_declarations_are_refused_by_name, setup, teardown),
+        cmocka_unit_test_setup_teardown(bad_calls_are_clear_errors, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
