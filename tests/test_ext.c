@@ -143,7 +143,7 @@ static void commands_quote_paths_and_put_the_flags(void **state)
     assert_int_equal(kiln_ext_langs_load(NULL, &t), KILN_OK);
     char *cmd;
     assert_int_equal(kiln_ext_command(find(t, "a.c"), "my op's.c", "out/a.o", "/inc", &cmd), KILN_OK);
-    assert_string_equal(cmd, "cc -std=c11 -fPIC -O2 -MD -MF 'out/a.o.d' -I'/inc' -c 'my op'\\''s.c' -o 'out/a.o'");
+    assert_string_equal(cmd, "cc -std=c11 -fPIC -Werror=implicit-function-declaration -O2 -MD -MF 'out/a.o.d' -I'/inc' -c 'my op'\\''s.c' -o 'out/a.o'");
     free(cmd);
     assert_int_equal(kiln_ext_command(find(t, "k.cl"), "k.cl", "o", NULL, &cmd), KILN_ERR_UNSUPPORTED);
     assert_null(cmd);
@@ -255,6 +255,174 @@ static void build_is_incremental_and_links_a_module(void **state)
     kiln_clear_error();
 }
 
+/* The include folder and the example's folder in the source tree. */
+static const char *src_path(const char *rel)
+{
+    static char p[4][512];
+    static int i;
+    i = (i + 1) % 4;
+    const char *root = getenv("KILN_SOURCE_DIR");
+    snprintf(p[i], sizeof p[i], "%s/%s", root ? root : ".", rel);
+    return p[i];
+}
+
+/* Builds sources (in dir, or the example's when from_example) into dir/<name>/lib<name>.so. */
+static char *build_module(const char *name, const char *const *srcs, int n)
+{
+    kiln_ext_langs_t *t;
+    test_setenv("XDG_CONFIG_HOME", path_in("none"), 1);
+    assert_int_equal(kiln_ext_langs_load(NULL, &t), KILN_OK);
+    char *mod = NULL;
+    kiln_status s = kiln_ext_build(t, srcs, n, path_in(name), name, src_path("include"), &mod, NULL);
+    kiln_ext_langs_free(t);
+    test_unsetenv("XDG_CONFIG_HOME");
+    if (s != KILN_OK) fail_msg("%s", kiln_last_error());
+    return mod;
+}
+
+static kiln_tensor_t *randn(const int64_t *shape, int nd, uint64_t seed)
+{
+    kiln_manual_seed(seed);
+    return kiln_randn(shape, nd, KILN_DTYPE_F32);
+}
+
+static void assert_close(kiln_tensor_t *a, kiln_tensor_t *b, double tol, const char *what)
+{
+    if (!a || !b) fail_msg("%s: %s", what, kiln_last_error());
+    int64_t n = kiln_tensor_numel(a);
+    assert_int_equal(n, kiln_tensor_numel(b));
+    float *x = malloc(sizeof(float) * (size_t)n), *y = malloc(sizeof(float) * (size_t)n);
+    assert_int_equal(kiln_tensor_to_host(a, x, sizeof(float) * (size_t)n), KILN_OK);
+    assert_int_equal(kiln_tensor_to_host(b, y, sizeof(float) * (size_t)n), KILN_OK);
+    for (int64_t i = 0; i < n; i++)
+        if (fabs(x[i] - y[i]) > tol * (1 + fabs(y[i]))) fail_msg("%s: element %lld: %g vs %g", what, (long long)i, x[i], y[i]);
+    free(x);
+    free(y);
+}
+
+/* A two-block residual model: each block h, y = norm(h + d), d = y W. With the
+ * example's fused op (fused) or kiln's add and rms_norm. in: x, W0, W1, w0, w1. */
+typedef struct {
+    bool fused;
+    int op;
+} model;
+
+static kiln_tensor_t *block(const model *m, kiln_tensor_t *h, kiln_tensor_t *d, kiln_tensor_t *w, kiln_tensor_t **h_out)
+{
+    if (!m->fused) {
+        *h_out = kiln_add(h, d);
+        return kiln_rms_norm(*h_out, w, 1e-5);
+    }
+    kiln_tensor_t *in[3] = {h, d, w}, *out[2] = {0};
+    if (kiln_op_run(m->op, in, 3, &(kiln_op_value){.f = 1e-5}, 1, out) != KILN_OK) return NULL;
+    *h_out = out[1];
+    return out[0];
+}
+
+static kiln_status model_fn(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    const model *m = ctx;
+    kiln_tensor_t *h = in[0], *d = kiln_mul_scalar(in[0], 0.5), *y = NULL;
+    for (int l = 0; l < 2 && d; l++) {
+        y = block(m, h, d, in[3 + l], &h);
+        d = y ? kiln_matmul(y, in[1 + l]) : NULL;
+    }
+    out[0] = d && h ? kiln_sum(kiln_mul(kiln_add(d, h), in[0]), NULL, 0, false) : NULL;
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+/* The example module (examples/ext/rmsnorm_residual.c and .cl) built, loaded and used
+ * by a model, eager and compiled, against the same model on kiln's add and rms_norm
+ * (oracle; tolerance 1e-5 relative, f32 sums in another order): its loss and the
+ * gradients of every input. On OpenCL (test_ext_opencl) its .cl kernel runs. */
+static void the_example_module_trains_like_the_builtin_ops(void **state)
+{
+    const char *srcs[2] = {src_path("examples/ext/rmsnorm_residual.c"), src_path("examples/ext/rmsnorm_residual.cl")};
+    char *mod = build_module("rmsnorm", srcs, 2);
+    int n_ops = -1;
+    if (kiln_ext_load(mod, &n_ops) != KILN_OK) fail_msg("%s", kiln_last_error());
+    assert_int_equal(n_ops, 1);
+    assert_int_equal(kiln_ext_load(mod, &n_ops), KILN_OK); /* loaded already: nothing again */
+    assert_int_equal(n_ops, 0);
+    free(mod);
+    int op = kiln_op_find("rmsnorm_residual");
+    assert_true(op >= 0);
+    if (!strncmp(kiln_device(), "opencl", 6)) assert_int_equal(kiln_device_op_support(kiln_device(), op), KILN_OP_NATIVE);
+    int64_t xs[2] = {12, 32}, ws[2] = {32, 32}, vs[1] = {32};
+    kiln_tensor_t *in[5] = {randn(xs, 2, 1), kiln_mul_scalar(randn(ws, 2, 2), 0.2), kiln_mul_scalar(randn(ws, 2, 3), 0.2),
+                            kiln_add_scalar(randn(vs, 1, 4), 1), kiln_add_scalar(randn(vs, 1, 5), 1)};
+    kiln_tensor_t *grads[2][5], *losses[3];
+    for (int fused = 0; fused < 2; fused++) {
+        model m = {fused, op};
+        kiln_tensor_t *p[5];
+        for (int i = 0; i < 5; i++) {
+            p[i] = kiln_detach(in[i]);
+            kiln_tensor_set_requires_grad(p[i], true);
+        }
+        int n;
+        assert_int_equal(model_fn(&m, p, 5, &losses[fused], &n), KILN_OK);
+        assert_int_equal(kiln_backward(losses[fused]), KILN_OK);
+        for (int i = 0; i < 5; i++) grads[fused][i] = kiln_tensor_grad(p[i]);
+    }
+    assert_close(losses[1], losses[0], 1e-5, "loss");
+    static const char *names[5] = {"dx", "dW0", "dW1", "dw0", "dw1"};
+    for (int i = 0; i < 5; i++) assert_close(grads[1][i], grads[0][i], 1e-4, names[i]);
+    /* compiled: the op a step of its own between the generated kernels */
+    model m = {true, op};
+    kiln_compiled_t *c;
+    assert_int_equal(kiln_compiled_new(model_fn, &m, "fused_model", &c), KILN_OK);
+    int n;
+    assert_int_equal(kiln_compiled_call(c, in, 5, &losses[2], 1, &n), KILN_OK);
+    assert_close(losses[2], losses[0], 1e-5, "compiled loss");
+    kiln_compiled_free(c);
+}
+
+/* A module that is not one, or not a good one: each a clear error naming it. */
+static void bad_modules_are_clear_errors(void **state)
+{
+    assert_int_equal(kiln_ext_load(path_in("no/such/libx.so"), NULL), KILN_ERR_IO);
+    assert_non_null(strstr(kiln_last_error(), "no/such/libx.so"));
+    write_file("notso.so", "not an ELF file\n");
+    assert_int_equal(kiln_ext_load(path_in("notso.so"), NULL), KILN_ERR_FORMAT);
+    assert_non_null(strstr(kiln_last_error(), "is not a module this program can load"));
+    static const struct {
+        const char *name, *code, *want;
+    } cases[] = {
+        {"noabi", "int kiln_ext_init(void) { return 0; }\n", "has no kiln_ext_abi"},
+        {"oldabi", "const int kiln_ext_abi = 99;\nint kiln_ext_init(void) { return 0; }\n",
+         "built for kiln's module version 99"},
+        {"noinit", "#include \"kiln/ext.h\"\nKILN_EXT_MODULE;\n", "has no kiln_ext_init"},
+        {"undef", "#include \"kiln/ext.h\"\nKILN_EXT_MODULE;\nint kiln_not_there(void);\n"
+                  "kiln_status kiln_ext_init(const kiln_ext_module *m) { return kiln_not_there(); }\n",
+         "undefined symbol: kiln_not_there"},
+        {"fails", "#include \"kiln/ext.h\"\nKILN_EXT_MODULE;\n"
+                  "kiln_status kiln_ext_init(const kiln_ext_module *m)\n"
+                  "{ return m->source(m, \"missing.cl\") ? KILN_OK : kiln_last_status(); }\n",
+         "kiln_ext_init failed: "},
+        {"clash", "#include \"kiln/ext.h\"\nKILN_EXT_MODULE;\n"
+                  "static kiln_status k(const kiln_op_args *a) { return KILN_OK; }\n"
+                  "static kiln_status sh(const kiln_op_args *a, kiln_op_meta *o) { return KILN_OK; }\n"
+                  "kiln_status kiln_ext_init(const kiln_ext_module *m) {\n"
+                  "  kiln_op_kernel ks[1] = {{.device = \"cpu\", .fn = k}}; int id;\n"
+                  "  return kiln_op_define(&(kiln_op_decl){.name = \"matmul\", .n_in = 1, .n_out = 1, .shape = sh,\n"
+                  "                        .kernels = ks, .n_kernels = 1}, &id); }\n",
+         "matmul: a built-in op has that name"},
+    };
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        char file[64];
+        snprintf(file, sizeof file, "%s.c", cases[i].name);
+        write_file(file, cases[i].code);
+        const char *src[1] = {path_in(file)};
+        char *mod = build_module(cases[i].name, src, 1);
+        assert_int_not_equal(kiln_ext_load(mod, NULL), KILN_OK);
+        if (!strstr(kiln_last_error(), cases[i].want) || !strstr(kiln_last_error(), mod))
+            fail_msg("%s: %s (wanted '%s')", cases[i].name, kiln_last_error(), cases[i].want);
+        free(mod);
+        kiln_clear_error();
+    }
+}
+
 int main(void)
 {
     assert_non_null(mkdtemp(dir));
@@ -265,6 +433,8 @@ int main(void)
         cmocka_unit_test(commands_quote_paths_and_put_the_flags),
         cmocka_unit_test(build_routes_a_new_language_to_its_compiler),
         cmocka_unit_test(build_is_incremental_and_links_a_module),
+        cmocka_unit_test_setup_teardown(the_example_module_trains_like_the_builtin_ops, setup, teardown),
+        cmocka_unit_test_setup_teardown(bad_modules_are_clear_errors, setup, teardown),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     char rm[300];

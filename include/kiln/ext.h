@@ -41,6 +41,8 @@
 #define KILN_EXT_H
 
 #include "kiln/tensor.h"
+#include "kiln/ops.h" /* what a module writes its backward with */
+#include "kiln/op.h"
 
 #ifdef __cplusplus
 extern "C" {
@@ -82,9 +84,51 @@ kiln_status kiln_ext_command(const kiln_ext_lang *lang, const char *src, const c
  * build when loaded. include: kiln's header folder, for {include}. *rebuilt (may be
  * NULL) gets how many sources were compiled. A compiler that fails or is not there is
  * KILN_ERR_IO with a message naming the source, the exact command and the compiler's
- * output. (Loading the module into the op table is not built yet.) */
+ * output. */
 kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sources, int n, const char *out_dir,
                            const char *name, const char *include, char **module, int *rebuilt);
+/* Modules. A module is a shared object that defines custom ops (kiln/op.h) in its
+ * function kiln_ext_init, and says which kiln it was built for with KILN_EXT_MODULE:
+ *
+ *     #include "kiln/ext.h"
+ *     KILN_EXT_MODULE;
+ *     kiln_status kiln_ext_init(const kiln_ext_module *m)
+ *     {
+ *         const char *cl = m->source(m, "rmsnorm.cl");      // a .cl copied beside it
+ *         ...                                               // kiln_op_define(...)
+ *     }
+ *
+ * Its kiln symbols are those of the program that loads it: a program linked with the
+ * static libkiln must export them (-rdynamic; CMake's ENABLE_EXPORTS), as the kiln
+ * tool does; with the shared libkiln they are there already. A module is never
+ * unloaded (its ops live as long as the process). */
+#define KILN_EXT_ABI 1
+#ifdef __cplusplus
+#define KILN_EXT_MODULE extern "C" __attribute__((visibility("default"))) const int kiln_ext_abi = KILN_EXT_ABI
+#else
+#define KILN_EXT_MODULE __attribute__((visibility("default"))) const int kiln_ext_abi = KILN_EXT_ABI
+#endif
+
+typedef struct kiln_ext_module {
+    const char *path; /* the module's file */
+    const char *dir;  /* its folder, where the sources its backends build lie */
+    /* The text of the file `name` in dir (a .cl source the build copied there), kept
+     * until kiln_ext_init returns; NULL (with the error set) when it cannot be read. */
+    const char *(*source)(const struct kiln_ext_module *m, const char *name);
+    void *priv;
+} kiln_ext_module;
+
+/* Loads the module at path and runs its kiln_ext_init: *n_ops (may be NULL) gets how
+ * many ops it defined. A module already loaded (the same file) is not run again
+ * (*n_ops 0). Errors name the module: a file that is not there or not a shared object,
+ * a symbol kiln's program does not export, no kiln_ext_abi (or another version's), no
+ * kiln_ext_init, or the error kiln_ext_init returned (ops it defined before failing
+ * stay defined). */
+kiln_status kiln_ext_load(const char *path, int *n_ops);
+/* The function a module defines (not kiln): declared here so that a C++ module's has
+ * C linkage. */
+kiln_status kiln_ext_init(const kiln_ext_module *m);
+
 /* Whether the program the language's command runs (its first word) is there: a path
  * that is executable, or a name found on $PATH; the file found in buf. False for a
  * language with no command. (kiln doctor reports it for every row.) */

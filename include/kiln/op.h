@@ -144,6 +144,9 @@ kiln_status kiln_op_run(int id, kiln_tensor_t *const *in, int n_in, const kiln_o
 kiln_tensor_t *kiln_op_call(int id, kiln_tensor_t *const *in, int n_in, const kiln_op_value *attr, int n_attr);
 /* The memory of a kernel's tensor: its first element, on its device. */
 void *kiln_op_data(const kiln_tensor_t *t);
+/* The queue a kernel on t's device enqueues its work on, so that it runs in order with
+ * kiln's: a cudaStream_t on CUDA, a cl_command_queue on OpenCL; NULL on the cpu. */
+void *kiln_op_stream(const kiln_tensor_t *t);
 
 #ifdef __cplusplus
 }

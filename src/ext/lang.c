@@ -15,7 +15,7 @@
 /* The languages kiln ships. {include} is kiln's header folder, so that a source can
  * include kiln/kiln.h. */
 static const kiln_ext_lang builtins[] = {
-    {".c", "cc -std=c11 -fPIC {flags} -I{include} -c {src} -o {out}", "-O2", ".o", "-MD -MF {dep}", "shared", "",
+    {".c", "cc -std=c11 -fPIC -Werror=implicit-function-declaration {flags} -I{include} -c {src} -o {out}", "-O2", ".o", "-MD -MF {dep}", "shared", "",
      "built-in"},
     {".cpp", "c++ -fPIC {flags} -I{include} -c {src} -o {out}", "-O2", ".o", "-MD -MF {dep}", "shared", "",
      "built-in"},

@@ -510,3 +510,5 @@ kiln_tensor_t *kiln_op_call(int id, kiln_tensor_t *const *in, int n_in, const ki
 }
 
 void *kiln_op_data(const kiln_tensor_t *t) { return t ? kiln__data(t) : NULL; }
+
+void *kiln_op_stream(const kiln_tensor_t *t) { return t ? kiln__be_native_stream(t->st->be) : NULL; }

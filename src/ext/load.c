@@ -1,0 +1,113 @@
+/* kiln_ext_load (kiln/ext.h): a module opened with dlopen, checked for the kiln it was
+ * built for, and its kiln_ext_init run with a view of its folder (the .cl sources the
+ * build copied there). Modules stay loaded: their ops' kernels are their code. */
+#include <dlfcn.h>
+#include <errno.h>
+#include <limits.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "kiln/ext.h"
+#include "kiln/data.h"
+
+typedef kiln_status (*init_fn)(const kiln_ext_module *m);
+
+/* The texts read for one kiln_ext_init, freed when it returns. */
+typedef struct {
+    char *text[32];
+    int n;
+} texts;
+
+static const char *source(const kiln_ext_module *m, const char *name)
+{
+    texts *t = m->priv;
+    if (!name || !*name || strchr(name, '/')) {
+        kiln_error(KILN_ERR_ARG, "%s: source: '%s' is not a file name in the module's folder", m->path,
+                   name ? name : "(null)");
+        return NULL;
+    }
+    if (t->n == (int)(sizeof t->text / sizeof t->text[0])) {
+        kiln_error(KILN_ERR_ARG, "%s: source: more than 32 sources read", m->path);
+        return NULL;
+    }
+    char path[PATH_MAX];
+    snprintf(path, sizeof path, "%s/%s", m->dir, name);
+    char *text = NULL;
+    size_t len;
+    if (kiln_text_read(path, &text, &len) != KILN_OK) return NULL;
+    t->text[t->n++] = text;
+    return text;
+}
+
+/* The modules loaded, by their real path. */
+static char *loaded[256];
+static int n_loaded;
+static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+
+static kiln_status load(const char *path, int *n_ops)
+{
+    char real[PATH_MAX];
+    if (!realpath(path, real))
+        return kiln_error(KILN_ERR_IO, "ext_load: %s: %s", path, strerror(errno));
+    for (int i = 0; i < n_loaded; i++)
+        if (!strcmp(loaded[i], real)) return KILN_OK;
+    if (n_loaded == (int)(sizeof loaded / sizeof loaded[0]))
+        return kiln_error(KILN_ERR_ARG, "ext_load: %s: %d modules are loaded already", path, n_loaded);
+    dlerror();
+    void *h = dlopen(real, RTLD_NOW | RTLD_LOCAL);
+    if (!h) {
+        const char *why = dlerror();
+        bool undefined = why && strstr(why, "undefined symbol");
+        return kiln_error(KILN_ERR_FORMAT, "ext_load: %s is not a module this program can load: %s%s", path,
+                          why ? why : "(dlopen gave no reason)",
+                          undefined ? " (a program linked with the static libkiln exports its symbols for modules "
+                                      "with -rdynamic, CMake's ENABLE_EXPORTS; or link the shared libkiln)"
+                                    : "");
+    }
+    const int *abi = dlsym(h, "kiln_ext_abi");
+    init_fn init = (init_fn)dlsym(h, "kiln_ext_init");
+    kiln_status s = KILN_OK;
+    if (!abi)
+        s = kiln_error(KILN_ERR_FORMAT, "ext_load: %s has no kiln_ext_abi: not a kiln module, or one built before "
+                       "modules said their version (put KILN_EXT_MODULE; in one of its sources)", path);
+    else if (*abi != KILN_EXT_ABI)
+        s = kiln_error(KILN_ERR_FORMAT, "ext_load: %s was built for kiln's module version %d, this kiln loads %d: "
+                       "build it again against this kiln's headers", path, *abi, KILN_EXT_ABI);
+    else if (!init)
+        s = kiln_error(KILN_ERR_FORMAT, "ext_load: %s has no kiln_ext_init, the function a module defines its ops in",
+                       path);
+    if (s != KILN_OK) {
+        dlclose(h);
+        return s;
+    }
+    char dir[PATH_MAX];
+    snprintf(dir, sizeof dir, "%s", real);
+    *strrchr(dir, '/') = 0;
+    texts t = {.n = 0};
+    kiln_ext_module m = {.path = real, .dir = dir, .source = source, .priv = &t};
+    int before = kiln_op_count();
+    kiln_clear_error();
+    s = init(&m);
+    for (int i = 0; i < t.n; i++) free(t.text[i]);
+    if (n_ops) *n_ops = kiln_op_count() - before;
+    if (s != KILN_OK) {
+        char why[2048];
+        snprintf(why, sizeof why, "%s", kiln_last_status() ? kiln_last_error() : "(it gave no message)");
+        /* left loaded: the ops it defined before failing run its code */
+        return kiln_error(s, "ext_load: %s: kiln_ext_init failed: %s", path, why);
+    }
+    loaded[n_loaded] = strdup(real);
+    if (loaded[n_loaded]) n_loaded++;
+    return KILN_OK;
+}
+
+kiln_status kiln_ext_load(const char *path, int *n_ops)
+{
+    if (n_ops) *n_ops = 0;
+    if (!path) return kiln_error(KILN_ERR_ARG, "ext_load: NULL path");
+    pthread_mutex_lock(&lock);
+    kiln_status s = load(path, n_ops);
+    pthread_mutex_unlock(&lock);
+    return s;
+}
