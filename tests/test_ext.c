@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/wait.h>
 #include <unistd.h>
 #include <cmocka.h>
 
@@ -163,7 +164,7 @@ static void build_routes_a_new_language_to_its_compiler(void **state)
     if (!tool) skip(); /* run by ctest, which sets it */
     /* (it also makes a real, empty object, for the module's link) */
     write_file("fakecc.sh", "#!/bin/sh\nout=\"\"; prev=\"\"\nfor a in \"$@\"; do [ \"$prev\" = \"-o\" ] && out=$a; "
-                            "prev=$a; done\necho \"args: $*\" > \"$out.args\"\ncc -x c -c /dev/null -o \"$out\"\n");
+                            "prev=$a; done\necho \"args: $*\" > \"$(dirname \"$out\")/args.txt\"\ncc -x c -c /dev/null -o \"$out\"\n");
     write_file("failcc.sh", "#!/bin/sh\necho 'boom: no NPU here' >&2\nexit 3\n");
     chmod(path_in("fakecc.sh"), 0755);
     chmod(path_in("failcc.sh"), 0755);
@@ -197,7 +198,7 @@ static void build_routes_a_new_language_to_its_compiler(void **state)
              path_in("op.asc"), path_in("k.cl"), path_in("out"), path_in("l.json"));
     assert_int_equal(system(cmd), 0);
     char text[1024];
-    assert_true(test_read_text(path_in("out/op.obj.args"), text, sizeof text));
+    assert_true(test_read_text(path_in("out/args.txt"), text, sizeof text));
     assert_non_null(strstr(text, "-x asc -O3 --npu -c")); /* no depfile flags: the row names none */
     assert_non_null(strstr(text, "op.asc -o"));
     assert_true(test_read_text(path_in("out/k.cl"), text, sizeof text));
@@ -222,7 +223,10 @@ static void build_is_incremental_and_links_a_module(void **state)
     write_file("inc.h", "#define SEVEN 7\n");
     write_file("a.c", "int answer(void) { return 42; }\n");
     write_file("b.c", "#include \"inc.h\"\nint seven(void) { return SEVEN; }\n");
-    const char *src[2] = {path_in("a.c"), path_in("b.c")};
+    char a_c[256], b_c[256]; /* path_in's buffers are reused */
+    snprintf(a_c, sizeof a_c, "%s", path_in("a.c"));
+    snprintf(b_c, sizeof b_c, "%s", path_in("b.c"));
+    const char *src[2] = {a_c, b_c};
     char *mod = NULL;
     int rebuilt = -1;
     if (kiln_ext_build(t, src, 2, path_in("mod"), "demo", ".", &mod, &rebuilt) != KILN_OK) fail_msg("%s", kiln_last_error());
@@ -243,6 +247,27 @@ static void build_is_incremental_and_links_a_module(void **state)
     assert_int_equal(kiln_ext_build(t, src, 2, path_in("mod"), "demo", ".", &mod, &rebuilt), KILN_OK);
     assert_int_equal(rebuilt, 1);
     free(mod);
+    struct timespec earlier[2] = {{.tv_sec = time(NULL) - 100}, {.tv_sec = time(NULL) - 100}};
+    assert_int_equal(utimensat(AT_FDCWD, path_in("inc.h"), earlier, 0), 0); /* back in the past: stable again */
+    /* the stamp is the command's and the source's content: other flags, or a source
+     * rewritten with the same time, compile again */
+    kiln_ext_lang *c_lang = (kiln_ext_lang *)find(t, "a.c");
+    const char *flags = c_lang->flags;
+    c_lang->flags = "-O1";
+    assert_int_equal(kiln_ext_build(t, src, 2, path_in("mod"), "demo", ".", &mod, &rebuilt), KILN_OK);
+    assert_int_equal(rebuilt, 2);
+    free(mod);
+    c_lang->flags = flags;
+    struct stat before;
+    assert_int_equal(stat(path_in("a.c"), &before), 0);
+    if (kiln_ext_build(t, src, 2, path_in("mod"), "demo", ".", &mod, &rebuilt) != KILN_OK) fail_msg("%s", kiln_last_error());
+    free(mod);
+    write_file("a.c", "int answer(void) { return 43; }\n");
+    struct timespec same[2] = {before.st_atim, before.st_mtim};
+    assert_int_equal(utimensat(AT_FDCWD, path_in("a.c"), same, 0), 0);
+    assert_int_equal(kiln_ext_build(t, src, 2, path_in("mod"), "demo", ".", &mod, &rebuilt), KILN_OK);
+    assert_int_equal(rebuilt, 1);
+    free(mod);
     write_file("c.c", "int broken(void) { return }\n");
     const char *bad[1] = {path_in("c.c")};
     assert_int_equal(kiln_ext_build(t, bad, 1, path_in("mod"), "bad", ".", &mod, &rebuilt), KILN_ERR_IO);
@@ -252,6 +277,83 @@ static void build_is_incremental_and_links_a_module(void **state)
         fail_msg("%s", e);
     kiln_ext_langs_free(t);
     test_unsetenv("XDG_CONFIG_HOME");
+    kiln_clear_error();
+}
+
+/* The compiles of one build run at once: each stand-in compiler marks that it started
+ * and waits (up to 10 s) for the other's mark, so that one run alone (one after the
+ * other) says so. Two builds of one folder at once (two processes) both succeed and
+ * leave a module that loads. A language's link flags reach the link, {compiler_dir}
+ * filled in. */
+static void builds_run_compiles_at_once_and_share_a_folder_safely(void **state)
+{
+    write_file("paircc.sh", "#!/bin/sh\nout=''; prev=''\nfor a in \"$@\"; do [ \"$prev\" = '-o' ] && out=$a; "
+                            "prev=$a; [ \"${a%.par}\" != \"$a\" ] && src=$a; done\n"
+                            "me=$(basename \"$src\" .par); d=$(dirname \"$src\"); touch \"$d/started.$me\"\n"
+                            "other=a; [ \"$me\" = a ] && other=b\nseen=alone\n"
+                            "for i in $(seq 100); do [ -e \"$d/started.$other\" ] && { seen=together; break; }; "
+                            "sleep 0.1; done\necho $seen > \"$d/seen.$me\"\ncc -x c -c /dev/null -o \"$out\"\n");
+    chmod(path_in("paircc.sh"), 0755);
+    char json[1024];
+    snprintf(json, sizeof json,
+             "{\"languages\": [{\"suffix\": \".par\", \"command\": \"%s {src} -o {out}\"}, {\"suffix\": \".lnk\", "
+             "\"command\": \"%s {src} -o {out}\", \"link\": \"-L{compiler_dir}/nolib -lkiln_no_such_lib\"}]}",
+             path_in("paircc.sh"), path_in("paircc.sh"));
+    write_file("par.json", json);
+    write_file("a.par", "a\n");
+    write_file("b.par", "b\n");
+    kiln_ext_langs_t *t;
+    assert_int_equal(kiln_ext_langs_load(path_in("par.json"), &t), KILN_OK);
+    char a_par[256], b_par[256], two_c[256];
+    snprintf(a_par, sizeof a_par, "%s", path_in("a.par"));
+    snprintf(b_par, sizeof b_par, "%s", path_in("b.par"));
+    const char *src[2] = {a_par, b_par};
+    char *mod = NULL, text[64];
+    if (kiln_ext_build(t, src, 2, path_in("par"), "par", ".", &mod, NULL) != KILN_OK) fail_msg("%s", kiln_last_error());
+    free(mod);
+    for (int i = 0; i < 2; i++) {
+        assert_true(test_read_text(path_in(i ? "seen.b" : "seen.a"), text, sizeof text));
+        assert_string_equal(text, "together\n");
+    }
+    /* two processes building the same folder from nothing */
+    write_file("two.c", "int two(void) { return 2; }\n");
+    snprintf(two_c, sizeof two_c, "%s", path_in("two.c"));
+    const char *two[1] = {two_c};
+    kiln_ext_langs_t *builtin;
+    test_setenv("XDG_CONFIG_HOME", path_in("none"), 1);
+    assert_int_equal(kiln_ext_langs_load(NULL, &builtin), KILN_OK);
+    for (int round = 0; round < 3; round++) {
+        char rm[512];
+        snprintf(rm, sizeof rm, "rm -rf '%s'", path_in("shared"));
+        assert_int_equal(system(rm), 0);
+        pid_t child = fork();
+        if (child == 0) {
+            char *m = NULL;
+            _exit(kiln_ext_build(builtin, two, 1, path_in("shared"), "two", ".", &m, NULL) == KILN_OK ? 0 : 1);
+        }
+        kiln_status mine = kiln_ext_build(builtin, two, 1, path_in("shared"), "two", ".", &mod, NULL);
+        int st = -1;
+        assert_int_equal(waitpid(child, &st, 0), child);
+        if (mine != KILN_OK) fail_msg("%s", kiln_last_error());
+        assert_true(WIFEXITED(st) && WEXITSTATUS(st) == 0);
+        void *so = dlopen(mod, RTLD_NOW | RTLD_LOCAL);
+        if (!so) fail_msg("dlopen: %s", dlerror());
+        int (*f)(void) = (int (*)(void))dlsym(so, "two");
+        assert_true(f && f() == 2);
+        dlclose(so);
+        free(mod);
+    }
+    kiln_ext_langs_free(builtin);
+    test_unsetenv("XDG_CONFIG_HOME");
+    /* the link flags, with the compiler's folder */
+    write_file("a.lnk", "a\n");
+    const char *lnk[1] = {path_in("a.lnk")};
+    assert_int_equal(kiln_ext_build(t, lnk, 1, path_in("lnk"), "lnk", ".", &mod, NULL), KILN_ERR_IO);
+    char want[600];
+    snprintf(want, sizeof want, "-L'%s'/nolib -lkiln_no_such_lib", dir);
+    if (!strstr(kiln_last_error(), "the module's link failed") || !strstr(kiln_last_error(), want))
+        fail_msg("%s (wanted %s)", kiln_last_error(), want);
+    kiln_ext_langs_free(t);
     kiln_clear_error();
 }
 
@@ -378,6 +480,58 @@ static void the_example_module_trains_like_the_builtin_ops(void **state)
     kiln_compiled_free(c);
 }
 
+/* The CUDA kernel of the example builds into the module where nvcc is (it runs where a
+ * GPU is: bench/gpu.sh); skipped, not passed, where the toolkit is not. */
+static void the_cuda_example_builds_where_nvcc_is(void **state)
+{
+    kiln_ext_langs_t *t;
+    test_setenv("XDG_CONFIG_HOME", path_in("none"), 1);
+    assert_int_equal(kiln_ext_langs_load(NULL, &t), KILN_OK);
+    char found[1024];
+    bool nvcc = kiln_ext_compiler_found(find(t, "k.cu"), found, sizeof found);
+    kiln_ext_langs_free(t);
+    test_unsetenv("XDG_CONFIG_HOME");
+    if (!nvcc) {
+        print_message("skipped: no nvcc on this machine (%s)\n", found);
+        skip();
+    }
+    const char *srcs[2] = {src_path("examples/ext/rmsnorm_residual.c"), src_path("examples/ext/rmsnorm_residual.cu")};
+    char *mod = build_module("rmsnorm_cuda", srcs, 2);
+    void *so = dlopen(mod, RTLD_NOW | RTLD_LOCAL);
+    if (!so) fail_msg("dlopen: %s", dlerror());
+    assert_non_null(dlsym(so, "rmsnorm_residual_cuda"));
+    assert_non_null(dlsym(so, "kiln_ext_init"));
+    dlclose(so);
+    free(mod);
+}
+
+/* kiln ext load lists what a module defined and how each device runs it; KILN_EXT
+ * loads modules before any command (kiln doctor --ops lists their ops), and a module
+ * there that cannot be loaded stops the command with its error. */
+static void the_tool_loads_modules(void **state)
+{
+    const char *tool = getenv("KILN_TOOL");
+    if (!tool) skip(); /* run by ctest, which sets it */
+    const char *srcs[1] = {src_path("examples/ext/rmsnorm_residual.c")};
+    char *mod = build_module("tool", srcs, 1);
+    char cmd[2048], text[4096];
+    snprintf(cmd, sizeof cmd, "'%s' ext load '%s' > '%s' 2>&1", tool, mod, path_in("load.txt"));
+    assert_int_equal(system(cmd), 0);
+    assert_true(test_read_text(path_in("load.txt"), text, sizeof text));
+    if (!strstr(text, ": 1 op(s)") || !strstr(text, "rmsnorm_residual") || !strstr(text, "cpu: native"))
+        fail_msg("%s", text);
+    snprintf(cmd, sizeof cmd, "KILN_EXT='%s' '%s' doctor --ops cpu > '%s' 2>&1", mod, tool, path_in("ops.txt"));
+    assert_int_equal(system(cmd), 0);
+    assert_true(test_read_text(path_in("ops.txt"), text, sizeof text));
+    char *row = strstr(text, "rmsnorm_residual");
+    if (!row || strncmp(row + strcspn(row, " "), "           native", 17)) fail_msg("%s", row ? row : text);
+    snprintf(cmd, sizeof cmd, "KILN_EXT='%s/nope.so' '%s' doctor --ops cpu > '%s' 2>&1", dir, tool, path_in("bad.txt"));
+    assert_int_not_equal(system(cmd), 0);
+    assert_true(test_read_text(path_in("bad.txt"), text, sizeof text));
+    if (!strstr(text, "kiln: KILN_EXT: ext_load: ") || !strstr(text, "nope.so")) fail_msg("%s", text);
+    free(mod);
+}
+
 /* A module that is not one, or not a good one: each a clear error naming it. */
 static void bad_modules_are_clear_errors(void **state)
 {
@@ -433,8 +587,11 @@ int main(void)
         cmocka_unit_test(commands_quote_paths_and_put_the_flags),
         cmocka_unit_test(build_routes_a_new_language_to_its_compiler),
         cmocka_unit_test(build_is_incremental_and_links_a_module),
+        cmocka_unit_test(builds_run_compiles_at_once_and_share_a_folder_safely),
         cmocka_unit_test_setup_teardown(the_example_module_trains_like_the_builtin_ops, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_modules_are_clear_errors, setup, teardown),
+        cmocka_unit_test(the_cuda_example_builds_where_nvcc_is),
+        cmocka_unit_test(the_tool_loads_modules),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     char rm[300];

@@ -1,7 +1,8 @@
-/* kiln ext: custom ops' sources and the languages they are written in (kiln/ext.h).
+/* kiln ext: custom ops' sources, the languages they are written in, and their modules
+ * (kiln/ext.h, kiln/op.h).
  *   kiln ext languages [--languages FILE]      the table, and where each row came from
  *   kiln ext build SRC... --out DIR [...]      each source through its language
- * Loading what was built into the op table is not built yet (issue 28). */
+ *   kiln ext load MODULE...                    loads them: the ops each defined */
 #include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -67,14 +68,43 @@ static int build(int argc, char **argv)
     return 0;
 }
 
+static int load(int argc, char **argv)
+{
+    const cli_opt opts[] = {{NULL, 0, NULL, NULL}};
+    const char *pos[64];
+    int np = 0;
+    int r = cli_parse("ext load", "MODULE...\n\nLoads each module (kiln ext build makes one) and lists the ops it "
+                      "defined, with how\neach device runs them: its own kernel (native), a generated one, or the "
+                      "cpu's with\ncopies. KILN_EXT=MODULE[:MODULE...] loads modules before any kiln command.",
+                      opts, argc, argv, pos, 64, &np);
+    if (r) return r == 1 ? 0 : 2;
+    if (np == 0) return cli_fail("ext load", "give the modules to load");
+    static const char *how[4] = {"not supported", "cpu (copies)", "native", "generated"};
+    for (int m = 0; m < np; m++) {
+        int first = kiln_op_count(), n = 0;
+        if (kiln_ext_load(pos[m], &n) != KILN_OK) return cli_fail("ext load", NULL);
+        printf("%s: %d op(s)%s\n", pos[m], n, n ? "" : " (loaded already, or it defines none)");
+        for (int op = first; op < first + n; op++) {
+            printf("  %-24s", kiln_op_name(op));
+            for (int d = 0; d < kiln_device_count(); d++)
+                printf(" %s: %s%s", kiln_device_name(d), how[kiln_device_op_support(kiln_device_name(d), op)],
+                       d + 1 < kiln_device_count() ? "," : "");
+            printf("\n");
+        }
+    }
+    return 0;
+}
+
 int cmd_ext(int argc, char **argv)
 {
+    if (argc >= 2 && !strcmp(argv[1], "load")) return load(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "languages")) return languages(argc - 1, argv + 1);
     if (argc >= 2 && !strcmp(argv[1], "build")) return build(argc - 1, argv + 1);
     bool help = argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"));
     fprintf(help ? stdout : stderr,
             "usage: kiln ext languages [--languages FILE]\n"
-            "       kiln ext build SRC... --out DIR [--languages FILE] [--include DIR]\n\n"
+            "       kiln ext build SRC... --out DIR [--name NAME] [--languages FILE] [--include DIR]\n"
+            "       kiln ext load MODULE...\n\n"
             "Custom ops' sources and the languages they are written in. A language is a row of\n"
             "data (kiln/ext.h): kiln ships .c, .cpp, .cl and .cu; a languages.json under\n"
             "$XDG_CONFIG_HOME/kiln/ (or --languages) adds or replaces rows without rebuilding kiln.\n");

@@ -20,9 +20,28 @@ static const struct {
     {"export", cmd_export, "a kiln model as a Hugging Face folder or a GGUF file (export hf|gguf RUN_DIR OUT)"},
     {"info", cmd_info, "describe a checkpoint"},
     {"plot", cmd_plot, "redraw a run's loss chart from its metrics"},
-    {"ext", cmd_ext, "custom ops' sources: the extension languages, and building sources with them"},
+    {"ext", cmd_ext, "custom ops: the extension languages, building sources into a module, loading it"},
     {"doctor", cmd_doctor, "show the build, threads, devices, switches and environment variables"},
 };
+
+/* The modules KILN_EXT names (':'-separated), loaded before the command runs. */
+static int ext_load_env(void)
+{
+    const char *list = kiln_env("KILN_EXT");
+    char path[4096];
+    for (const char *p = list ? list : ""; *p;) {
+        size_t n = strcspn(p, ":");
+        if (n && n < sizeof path) {
+            snprintf(path, sizeof path, "%.*s", (int)n, p);
+            if (kiln_ext_load(path, NULL) != KILN_OK) {
+                fprintf(stderr, "kiln: KILN_EXT: %s\n", kiln_last_error());
+                return 1;
+            }
+        }
+        p += n + (p[n] == ':');
+    }
+    return 0;
+}
 
 static void usage(FILE *f)
 {
@@ -43,7 +62,10 @@ int main(int argc, char **argv)
         return 0;
     }
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
-        if (!strcmp(argv[1], commands[i].name)) return commands[i].run(argc - 1, argv + 1);
+        if (!strcmp(argv[1], commands[i].name)) {
+            if (ext_load_env() != 0) return 1;
+            return commands[i].run(argc - 1, argv + 1);
+        }
     fprintf(stderr, "kiln: unknown command '%s'\n\n", argv[1]);
     usage(stderr);
     return 2;

@@ -30,6 +30,9 @@
  *            depends on (for incremental builds); empty when it cannot
  *   load     "shared": objects linked into a loadable module; "backend": the source
  *            itself handed to the backend named by `backend` ("opencl") when loaded
+ *   link     flags for the module's link when one of its sources is in this language
+ *            (a runtime library: "-lcudart"); {compiler_dir} is the folder of the
+ *            compiler the command runs
  * A file's entry with the suffix of an earlier one (a built-in, or the same file's)
  * replaces it; kiln_ext_lang.origin says where each came from. A malformed entry (a
  * missing field, an unknown placeholder, another load kind) is an error naming the
@@ -52,6 +55,7 @@ typedef struct {
     const char *suffix, *command, *flags, *object, *depfile;
     const char *load;    /* "shared" or "backend" */
     const char *backend; /* load "backend": the backend's name; else "" */
+    const char *link;    /* flags the module's link gets when a source is in this language */
     const char *origin;  /* "built-in", or the file that added or replaced it */
 } kiln_ext_lang;
 
@@ -76,7 +80,7 @@ const kiln_ext_lang *kiln_ext_langs_find(const kiln_ext_langs_t *l, const char *
 kiln_status kiln_ext_command(const kiln_ext_lang *lang, const char *src, const char *out, const char *include,
                              char **cmd);
 /* Builds sources[0..n) into out_dir (made if missing): each source of a "shared"
- * language compiled with its command into out_dir/<its name less the suffix><object>,
+ * language compiled with its command into out_dir/<its file name><object> (a.c into a.c.o),
  * unless that object is newer than the source and than every file its dependency file
  * lists (an incremental build); the objects then linked into the module
  * out_dir/lib<name>.so (`cc -shared`), which *module gets (malloc'd; the caller frees

@@ -1,13 +1,20 @@
 /* kiln_ext_build (kiln/ext.h): sources through their languages' commands into objects,
- * incrementally (an object newer than its source and every file of its dependency
- * file is kept), then linked into one loadable module. The commands run through the
- * shell (popen), their output kept for the error message. */
+ * incrementally, then linked into one loadable module. An object is kept when the
+ * stamp beside it is the hash of its command and its source's bytes, and it is newer
+ * than every file its dependency file lists. The compiles that are due run in
+ * parallel, one a core, through the shell, each one's output kept for the error
+ * message. Two builds of one folder at once are safe, as the kernel cache's are
+ * (src/compile/jit.c): each writes files of its own and renames them into place. */
 #include <errno.h>
+#include <fcntl.h>
+#include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
+#include "core/cache.h"
 #include "ext/ext_impl.h"
 #include "kiln/ext.h"
 
@@ -81,17 +88,141 @@ static bool up_to_date(const char *obj, const char *src, const char *dep, bool h
     return ok && past_colon;
 }
 
-static kiln_status copy_file(const char *src, const char *dst)
+/* One source's compile: what it makes and whether it must be made. */
+typedef struct {
+    const kiln_ext_lang *lang;
+    const char *src;
+    char obj[4300], dep[4310], tmp[4330], log[4330];
+    char *cmd;
+    uint64_t hash; /* of the command and the source's bytes: the stamp beside obj */
+    pid_t pid;
+    int status;
+} job;
+
+/* FNV-1a of the command and of the source's bytes; 0 when the source cannot be read. */
+static uint64_t hash_of(const char *cmd, const char *src)
 {
-    FILE *in = fopen(src, "rb"), *o = in ? fopen(dst, "wb") : NULL;
-    char buf[1 << 14];
-    size_t n;
-    bool ok = in && o;
-    while (ok && (n = fread(buf, 1, sizeof buf, in)) > 0) ok = fwrite(buf, 1, n, o) == n;
-    ok = ok && !ferror(in);
-    if (o && fclose(o) != 0) ok = false;
-    if (in) fclose(in);
-    return ok ? KILN_OK : kiln_error(KILN_ERR_IO, "%s: cannot copy it to %s: %s", src, dst, strerror(errno));
+    uint64_t h = kiln__fnv(KILN__FNV_SEED, cmd, strlen(cmd) + 1);
+    FILE *f = fopen(src, "rb");
+    if (!f) return 0;
+    unsigned char buf[1 << 14];
+    for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) h = kiln__fnv(h, buf, n);
+    fclose(f);
+    return h ? h : 1;
+}
+
+/* Whether obj is there with the stamp of this command and source, and newer than every
+ * file its dependency file lists. */
+static bool current(const job *j)
+{
+    char stamp[4400], text[32] = "", want[32];
+    snprintf(stamp, sizeof stamp, "%s.stamp", j->obj);
+    snprintf(want, sizeof want, "%016llx", (unsigned long long)j->hash);
+    FILE *f = fopen(stamp, "r");
+    bool same = f && fgets(text, sizeof text, f) && !strncmp(text, want, 16);
+    if (f) fclose(f);
+    return same && up_to_date(j->obj, j->src, j->dep, *j->lang->depfile != 0);
+}
+
+/* Writes text to path through a file of this process renamed into place: a reader (or
+ * another build) sees the whole file or the one before. */
+static bool put_atomic(const char *path, const char *text)
+{
+    char tmp[4400];
+    snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
+    FILE *f = fopen(tmp, "w");
+    bool ok = f && fputs(text, f) >= 0;
+    if (f && fclose(f) != 0) ok = false;
+    if (!ok || rename(tmp, path) != 0) {
+        remove(tmp);
+        return false;
+    }
+    return true;
+}
+
+/* Starts cmd through the shell, its output into log; the child's pid, or -1. */
+static pid_t start(const char *cmd, const char *log)
+{
+    pid_t pid = fork();
+    if (pid == 0) {
+        int fd = open(log, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+        if (fd >= 0) {
+            dup2(fd, 1);
+            dup2(fd, 2);
+            close(fd);
+        }
+        execl("/bin/sh", "sh", "-c", cmd, (char *)NULL);
+        _exit(127);
+    }
+    return pid;
+}
+
+static char *read_log(const char *path)
+{
+    char *text = NULL;
+    FILE *f = fopen(path, "rb");
+    if (!f) return NULL;
+    size_t cap = 4096, n = 0;
+    text = malloc(cap);
+    for (size_t got; text && (got = fread(text + n, 1, cap - n - 1, f)) > 0;) {
+        n += got;
+        if (cap - n < 2) {
+            char *q = realloc(text, cap * 2);
+            if (!q) break;
+            text = q, cap *= 2;
+        }
+    }
+    if (text) text[n] = 0;
+    fclose(f);
+    return text;
+}
+
+/* The compiles that are due, at most `width` at once: each writes its object (and
+ * dependency file) under a name of this process, renamed into place when it succeeded,
+ * so that two builds of the same folder at once never see half an object. */
+static void run_jobs(job **due, int n, int width)
+{
+    int next = 0, running = 0;
+    while (next < n || running) {
+        while (next < n && running < width) {
+            job *j = due[next++];
+            j->pid = start(j->cmd, j->log);
+            if (j->pid < 0) j->status = -1;
+            else running++;
+        }
+        int st;
+        pid_t pid = wait(&st);
+        if (pid < 0) break;
+        for (int i = 0; i < next; i++)
+            if (due[i]->pid == pid) {
+                due[i]->status = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+                due[i]->pid = 0;
+                running--;
+            }
+    }
+}
+
+/* The language's link flags with {compiler_dir} filled in. */
+static bool add_link_flags(char **link, size_t *len, size_t *cap, const kiln_ext_lang *l)
+{
+    if (!*l->link) return true;
+    char found[1200] = "", dir[1200];
+    kiln_ext_compiler_found(l, found, sizeof found);
+    snprintf(dir, sizeof dir, "%s", found);
+    char *slash = strrchr(dir, '/');
+    if (slash) *slash = 0;
+    else snprintf(dir, sizeof dir, ".");
+    if (strstr(*link ? *link : "", l->link) && !strstr(l->link, "{compiler_dir}")) return true; /* said already */
+    bool ok = kiln__ext_append(link, len, cap, " ", false);
+    for (const char *p = l->link; ok && *p;) {
+        const char *h = strstr(p, "{compiler_dir}");
+        size_t n = h ? (size_t)(h - p) : strlen(p);
+        char piece[1300];
+        snprintf(piece, sizeof piece, "%.*s", (int)n, p);
+        ok = kiln__ext_append(link, len, cap, piece, false) && (!h || kiln__ext_append(link, len, cap, dir, true));
+        p += n + (h ? strlen("{compiler_dir}") : 0);
+    }
+    return ok;
 }
 
 kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sources, int n, const char *out_dir,
@@ -105,62 +236,120 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
     if (mkdir(out_dir, 0755) != 0 && errno != EEXIST)
         return kiln_error(KILN_ERR_IO, "ext_build: cannot make %s: %s", out_dir, strerror(errno));
     size_t mlen = strlen(out_dir) + strlen(name) + 16, link_len = 0, link_cap = 0;
-    char *mod = malloc(mlen), *link = NULL; /* the link command: cc -shared -o 'module' 'object'... */
-    kiln_status s = mod ? KILN_OK : kiln_error(KILN_ERR_OOM, "ext_build: out of memory");
-    if (s == KILN_OK) snprintf(mod, mlen, "%s/lib%s.so", out_dir, name);
+    char *mod = malloc(mlen), *link = NULL, tmp_mod[4400]; /* the link: cc -shared -o 'tmp' 'object'... */
+    job *jobs = calloc((size_t)(n ? n : 1), sizeof *jobs);
+    job **due = calloc((size_t)(n ? n : 1), sizeof *due);
+    kiln_status s = mod && jobs && due ? KILN_OK : kiln_error(KILN_ERR_OOM, "ext_build: out of memory");
+    if (s == KILN_OK) {
+        snprintf(mod, mlen, "%s/lib%s.so", out_dir, name);
+        snprintf(tmp_mod, sizeof tmp_mod, "%s.%d.tmp", mod, (int)getpid());
+    }
     if (s == KILN_OK && !(kiln__ext_append(&link, &link_len, &link_cap, "cc -shared -o ", false) &&
-                          kiln__ext_append(&link, &link_len, &link_cap, mod, true)))
+                          kiln__ext_append(&link, &link_len, &link_cap, tmp_mod, true)))
         s = kiln_error(KILN_ERR_OOM, "ext_build: out of memory");
-    int objects = 0;
-    bool any_new = false;
+    size_t link_tail = link_len; /* what follows the output's name: the objects and flags */
+    int objects = 0, n_due = 0;
     double newest = 0; /* of the objects: a module older than one is linked again */
     for (int i = 0; s == KILN_OK && i < n; i++) {
-        const kiln_ext_lang *l = kiln_ext_langs_find(langs, sources[i]);
-        if (!l) {
+        job *j = &jobs[i];
+        if (!(j->lang = kiln_ext_langs_find(langs, sources[i]))) {
             s = kiln_last_status();
             break;
         }
+        j->src = sources[i];
         const char *base = strrchr(sources[i], '/') ? strrchr(sources[i], '/') + 1 : sources[i];
-        size_t stem = strlen(base) - strlen(l->suffix);
-        char obj[4300], dep[4310];
-        if (!*l->command) { /* its backend builds it when it is loaded */
-            snprintf(obj, sizeof obj, "%s/%s", out_dir, base);
-            s = copy_file(sources[i], obj);
+        if (!*j->lang->command) { /* its backend builds it when it is loaded */
+            snprintf(j->obj, sizeof j->obj, "%s/%s", out_dir, base);
+            char *text = read_log(sources[i]);
+            s = text ? (put_atomic(j->obj, text) ? KILN_OK
+                                                 : kiln_error(KILN_ERR_IO, "%s: cannot write %s: %s", sources[i],
+                                                              j->obj, strerror(errno)))
+                     : kiln_error(KILN_ERR_IO, "%s: cannot read it: %s", sources[i], strerror(errno));
+            free(text);
             continue;
         }
-        snprintf(obj, sizeof obj, "%s/%.*s%s", out_dir, (int)stem, base, l->object);
-        snprintf(dep, sizeof dep, "%s.d", obj);
+        /* the whole name, suffix and all: a.c and a.cu make a.c.o and a.cu.o */
+        snprintf(j->obj, sizeof j->obj, "%s/%s%s", out_dir, base, j->lang->object);
+        for (int k = 0; k < i; k++)
+            if (!strcmp(jobs[k].obj, j->obj))
+                s = kiln_error(KILN_ERR_ARG, "ext_build: %s and %s would both be built into %s: rename one", jobs[k].src,
+                               sources[i], j->obj);
+        if (s != KILN_OK) break;
+        snprintf(j->dep, sizeof j->dep, "%s.d", j->obj);
+        snprintf(j->tmp, sizeof j->tmp, "%s.%d.tmp", j->obj, (int)getpid());
+        snprintf(j->log, sizeof j->log, "%s.%d.log", j->obj, (int)getpid());
         if (!kiln__ext_append(&link, &link_len, &link_cap, " ", false) ||
-            !kiln__ext_append(&link, &link_len, &link_cap, obj, true)) {
+            !kiln__ext_append(&link, &link_len, &link_cap, j->obj, true)) {
             s = kiln_error(KILN_ERR_OOM, "ext_build: out of memory");
             break;
         }
         objects++;
-        if (up_to_date(obj, sources[i], dep, *l->depfile != 0)) {
-            if (mtime(obj) > newest) newest = mtime(obj);
-            continue;
+        if ((s = kiln_ext_command(j->lang, sources[i], j->tmp, include, &j->cmd)) != KILN_OK) break;
+        /* the stamp hashes the command as it would name the object, not this process's
+         * temporary name */
+        char *named = NULL;
+        if ((s = kiln_ext_command(j->lang, sources[i], j->obj, include, &named)) != KILN_OK) break;
+        j->hash = hash_of(named, sources[i]);
+        free(named);
+        if (!j->hash) {
+            s = kiln_error(KILN_ERR_IO, "%s: cannot read it: %s", sources[i], strerror(errno));
+            break;
         }
-        char *cmd = NULL, *log = NULL;
-        s = kiln_ext_command(l, sources[i], obj, include, &cmd);
-        int st = s == KILN_OK ? run(cmd, &log) : 0;
-        if (s == KILN_OK && st != 0) {
-            char what[4400];
-            snprintf(what, sizeof what, "%s: the %s compiler", sources[i], l->suffix);
-            s = failed(what, cmd, st, log);
+        if (current(j)) {
+            if (mtime(j->obj) > newest) newest = mtime(j->obj);
+        } else {
+            due[n_due++] = j;
         }
-        if (s == KILN_OK) {
-            any_new = true;
-            if (rebuilt) (*rebuilt)++;
-        }
-        free(cmd);
-        free(log);
     }
-    if (s == KILN_OK && objects && (any_new || mtime(mod) < newest || mtime(mod) < 0)) {
+    for (int i = 0; s == KILN_OK && i < n; i++)
+        if (jobs[i].lang && *jobs[i].lang->command && !add_link_flags(&link, &link_len, &link_cap, jobs[i].lang))
+            s = kiln_error(KILN_ERR_OOM, "ext_build: out of memory");
+    if (s == KILN_OK && n_due) {
+        long cores = sysconf(_SC_NPROCESSORS_ONLN);
+        run_jobs(due, n_due, cores > 0 ? (int)cores : 1);
+    }
+    for (int i = 0; i < n_due; i++) { /* in the sources' order: the first failure is the one named */
+        job *j = due[i];
+        char tmp_dep[4400], stamp[4400], hex[32];
+        snprintf(tmp_dep, sizeof tmp_dep, "%s.d", j->tmp);
+        if (s == KILN_OK && j->status != 0) {
+            char what[4400], *log = read_log(j->log);
+            snprintf(what, sizeof what, "%s: the %s compiler", j->src, j->lang->suffix);
+            s = failed(what, j->cmd, j->status, log);
+            free(log);
+        }
+        if (s == KILN_OK && (rename(j->tmp, j->obj) != 0 || (*j->lang->depfile && rename(tmp_dep, j->dep) != 0)))
+            s = kiln_error(KILN_ERR_IO, "%s: cannot put its object in place at %s: %s", j->src, j->obj, strerror(errno));
+        snprintf(stamp, sizeof stamp, "%s.stamp", j->obj);
+        snprintf(hex, sizeof hex, "%016llx\n", (unsigned long long)j->hash);
+        if (s == KILN_OK) put_atomic(stamp, hex); /* without it the next build compiles again: no harm */
+        if (s == KILN_OK && rebuilt) (*rebuilt)++;
+        remove(j->tmp);
+        remove(tmp_dep);
+        remove(j->log);
+    }
+    /* the module's stamp: its objects and link flags (a language's link flags changed
+     * link it again) */
+    char mod_stamp[4400], link_hex[32], text[32] = "";
+    snprintf(mod_stamp, sizeof mod_stamp, "%s.stamp", mod ? mod : "");
+    snprintf(link_hex, sizeof link_hex, "%016llx\n",
+             (unsigned long long)(link ? kiln__fnv(KILN__FNV_SEED, link + link_tail, link_len - link_tail) : 0));
+    FILE *f = s == KILN_OK ? fopen(mod_stamp, "r") : NULL;
+    bool same_link = f && fgets(text, sizeof text, f) && !strcmp(text, link_hex);
+    if (f) fclose(f);
+    if (s == KILN_OK && objects && (n_due || !same_link || mtime(mod) < newest || mtime(mod) < 0)) {
         char *log = NULL;
         int st = run(link, &log);
         if (st != 0) s = failed("the module's link", link, st, log);
+        else if (rename(tmp_mod, mod) != 0)
+            s = kiln_error(KILN_ERR_IO, "ext_build: cannot put the module in place at %s: %s", mod, strerror(errno));
+        else put_atomic(mod_stamp, link_hex);
+        remove(tmp_mod);
         free(log);
     }
+    for (int i = 0; jobs && i < n; i++) free(jobs[i].cmd);
+    free(jobs);
+    free(due);
     free(link);
     if (s == KILN_OK && objects) *module = mod;
     else free(mod);

@@ -15,18 +15,22 @@
 /* The languages kiln ships. {include} is kiln's header folder, so that a source can
  * include kiln/kiln.h. */
 static const kiln_ext_lang builtins[] = {
-    {".c", "cc -std=c11 -fPIC -Werror=implicit-function-declaration {flags} -I{include} -c {src} -o {out}", "-O2", ".o", "-MD -MF {dep}", "shared", "",
+    {".c", "cc -std=c11 -fPIC -Werror=implicit-function-declaration {flags} -I{include} -c {src} -o {out}", "-O2",
+     ".o", "-MD -MF {dep}", "shared", "", "", "built-in"},
+    {".cpp", "c++ -fPIC {flags} -I{include} -c {src} -o {out}", "-O2", ".o", "-MD -MF {dep}", "shared", "", "-lstdc++",
      "built-in"},
-    {".cpp", "c++ -fPIC {flags} -I{include} -c {src} -o {out}", "-O2", ".o", "-MD -MF {dep}", "shared", "",
-     "built-in"},
-    {".cl", "", "", "", "", "backend", "opencl", "built-in"},
+    {".cl", "", "", "", "", "backend", "opencl", "", "built-in"},
+    /* the CUDA runtime from the toolkit nvcc belongs to (its lib64 beside bin) */
     {".cu", "nvcc -Xcompiler -fPIC {flags} -I{include} -c {src} -o {out}", "-O2", ".o", "-MD -MF {dep}", "shared", "",
-     "built-in"},
+     "-L{compiler_dir}/../lib64 -Wl,-rpath,{compiler_dir}/../lib64 -lcudart -lstdc++", "built-in"},
 };
 #define N_BUILTIN (int)(sizeof builtins / sizeof builtins[0])
 
 /* The placeholders a template may hold. */
 static const char *const holes[] = {"{src}", "{out}", "{flags}", "{include}", "{dep}"};
+/* ...and the one a link template may hold: the folder of the compiler that its command
+ * runs (found on $PATH). */
+static const char *const link_holes[] = {"{compiler_dir}"};
 
 struct kiln_ext_langs {
     kiln_ext_lang *l;
@@ -65,12 +69,15 @@ const kiln_ext_lang *kiln_ext_langs_at(const kiln_ext_langs_t *t, int i)
     return t && i >= 0 && i < t->n ? &t->l[i] : NULL;
 }
 
-/* Every "{...}" in s is one of the placeholders; else the first that is not, in bad. */
-static bool holes_known(const char *s, char *bad, size_t n)
+/* Every "{...}" in s is one of the placeholders (the link one's, for link); else the
+ * first that is not, in bad. */
+static bool holes_known(const char *s, bool link, char *bad, size_t n)
 {
+    const char *const *set = link ? link_holes : holes;
+    size_t n_set = link ? sizeof link_holes / sizeof link_holes[0] : sizeof holes / sizeof holes[0];
     for (const char *p = strchr(s, '{'); p; p = strchr(p + 1, '{')) {
         bool known = false;
-        for (size_t h = 0; h < sizeof holes / sizeof holes[0] && !known; h++) known = !strncmp(p, holes[h], strlen(holes[h]));
+        for (size_t h = 0; h < n_set && !known; h++) known = !strncmp(p, set[h], strlen(set[h]));
         if (!known) {
             const char *e = strchr(p, '}');
             snprintf(bad, n, "%.*s", e ? (int)(e - p + 1) : (int)strlen(p), p);
@@ -84,19 +91,19 @@ static bool holes_known(const char *s, char *bad, size_t n)
 static kiln_status parse_entry(kiln_ext_langs_t *t, const char *path, size_t k, json_t *e, kiln_ext_lang *out)
 {
     if (!json_is_object(e)) return kiln_error(KILN_ERR_FORMAT, "%s: languages[%zu] is not an object", path, k);
-    static const char *const keys[] = {"suffix", "command", "flags", "object", "depfile", "load", "backend"};
-    const char *v[7];
+    static const char *const keys[] = {"suffix", "command", "flags", "object", "depfile", "load", "backend", "link"};
+    const char *v[8];
     const char *key;
     json_t *x;
     json_object_foreach(e, key, x)
     {
         size_t i = 0;
-        while (i < 7 && strcmp(keys[i], key)) i++;
-        if (i == 7) return kiln_error(KILN_ERR_FORMAT, "%s: languages[%zu]: unknown field '%s'", path, k, key);
+        while (i < 8 && strcmp(keys[i], key)) i++;
+        if (i == 8) return kiln_error(KILN_ERR_FORMAT, "%s: languages[%zu]: unknown field '%s'", path, k, key);
         if (!json_is_string(x))
             return kiln_error(KILN_ERR_FORMAT, "%s: languages[%zu]: '%s' must be a string", path, k, key);
     }
-    for (int i = 0; i < 7; i++) v[i] = json_string_value(json_object_get(e, keys[i]));
+    for (int i = 0; i < 8; i++) v[i] = json_string_value(json_object_get(e, keys[i]));
     const char *suffix = v[0], *load = v[5] ? v[5] : "shared";
     if (!suffix || suffix[0] != '.' || !suffix[1] || strchr(suffix, '/'))
         return kiln_error(KILN_ERR_FORMAT, "%s: languages[%zu]: 'suffix' must be a file suffix such as \".asc\"", path,
@@ -113,14 +120,17 @@ static kiln_status parse_entry(kiln_ext_langs_t *t, const char *path, size_t k, 
                           k, suffix);
     char bad[64];
     for (int i = 1; i < 5; i++)
-        if (v[i] && !holes_known(v[i], bad, sizeof bad))
+        if (v[i] && !holes_known(v[i], false, bad, sizeof bad))
             return kiln_error(KILN_ERR_FORMAT, "%s: languages[%zu] (%s): '%s' has %s; the placeholders are {src}, "
                               "{out}, {flags}, {include} and {dep}", path, k, suffix, keys[i], bad);
-    const char *s[8] = {suffix, v[1] ? v[1] : "", v[2] ? v[2] : "", v[3] ? v[3] : (shared ? ".o" : ""),
-                        v[4] ? v[4] : "", load, v[6] ? v[6] : "", path};
-    const char **dst[8] = {&out->suffix, &out->command, &out->flags, &out->object, &out->depfile, &out->load,
-                           &out->backend, &out->origin};
-    for (int i = 0; i < 8; i++)
+    if (v[7] && !holes_known(v[7], true, bad, sizeof bad))
+        return kiln_error(KILN_ERR_FORMAT, "%s: languages[%zu] (%s): 'link' has %s; its placeholder is {compiler_dir}",
+                          path, k, suffix, bad);
+    const char *s[9] = {suffix, v[1] ? v[1] : "", v[2] ? v[2] : "", v[3] ? v[3] : (shared ? ".o" : ""),
+                        v[4] ? v[4] : "", load, v[6] ? v[6] : "", v[7] ? v[7] : "", path};
+    const char **dst[9] = {&out->suffix, &out->command, &out->flags, &out->object, &out->depfile, &out->load,
+                           &out->backend, &out->link, &out->origin};
+    for (int i = 0; i < 9; i++)
         if (!(*dst[i] = own(t, s[i]))) return kiln_error(KILN_ERR_OOM, "ext: out of memory");
     return KILN_OK;
 }

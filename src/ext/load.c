@@ -58,7 +58,8 @@ static kiln_status load(const char *path, int *n_ops)
     void *h = dlopen(real, RTLD_NOW | RTLD_LOCAL);
     if (!h) {
         const char *why = dlerror();
-        bool undefined = why && strstr(why, "undefined symbol");
+        const char *sym = why ? strstr(why, "undefined symbol: ") : NULL;
+        bool undefined = sym && !strncmp(sym + strlen("undefined symbol: "), "kiln", 4); /* one of kiln's */
         return kiln_error(KILN_ERR_FORMAT, "ext_load: %s is not a module this program can load: %s%s", path,
                           why ? why : "(dlopen gave no reason)",
                           undefined ? " (a program linked with the static libkiln exports its symbols for modules "
