@@ -13,7 +13,7 @@
 #include "kiln/kiln.h"
 #include "test_util.h"
 
-static int scale_by = -1, relu2 = -1, pair = -1;
+static int scale_by = -1, relu2 = -1, pair = -1, softsign = -1;
 
 static void like_input0(const kiln_op_args *a, kiln_op_meta *m)
 {
@@ -88,6 +88,27 @@ static kiln_status pair_cpu(const kiln_op_args *a)
     return KILN_OK;
 }
 
+/* softsign(x) = x / (1 + |x|): a cpu kernel and a decomposition into kiln ops. */
+static kiln_status softsign_shape(const kiln_op_args *a, kiln_op_meta *out)
+{
+    like_input0(a, out);
+    return KILN_OK;
+}
+
+static kiln_status softsign_cpu(const kiln_op_args *a)
+{
+    const float *x = kiln_op_data(a->in[0]);
+    float *y = kiln_op_data(a->out[0]);
+    for (int64_t i = 0; i < kiln_tensor_numel(a->in[0]); i++) y[i] = x[i] / (1 + fabsf(x[i]));
+    return KILN_OK;
+}
+
+static kiln_status softsign_dec(const kiln_op_args *a, kiln_tensor_t **out)
+{
+    out[0] = kiln_div(a->in[0], kiln_add_scalar(kiln_abs(a->in[0]), 1));
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
 static void define_ops(void)
 {
     if (scale_by >= 0) return;
@@ -103,6 +124,11 @@ static void define_ops(void)
                                                     .kernels = rk, .n_kernels = 1, .backward = relu2_backward,
                                                     .expr = "x0 > 0 ? a0 * x0 * x0 : 0.0f"},
                                     &relu2),
+                     KILN_OK);
+    const kiln_op_kernel ssk[] = {{.device = "cpu", .fn = softsign_cpu}};
+    assert_int_equal(kiln_op_define(&(kiln_op_decl){.name = "softsign", .n_in = 1, .n_out = 1, .shape = softsign_shape,
+                                                    .kernels = ssk, .n_kernels = 1, .decompose = softsign_dec},
+                                    &softsign),
                      KILN_OK);
     const kiln_op_kernel pk[] = {{.device = "cpu", .fn = pair_cpu}};
     assert_int_equal(kiln_op_define(&(kiln_op_decl){.name = "pair_hidden", .n_in = 1, .n_out = 2, .n_visible = 1,
@@ -135,7 +161,7 @@ static void assert_close(kiln_tensor_t *a, kiln_tensor_t *b, double tol)
 
 static kiln_tensor_t *call1(int op, kiln_tensor_t *x, double attr)
 {
-    return kiln_op_call(op, &x, 1, &(kiln_op_value){.f = attr}, op == pair ? 0 : 1);
+    return kiln_op_call(op, &x, 1, &(kiln_op_value){.f = attr}, op == scale_by || op == relu2 ? 1 : 0);
 }
 
 static void eager_matches_the_builtin_ops(void **state)
@@ -205,6 +231,45 @@ static void compiled_matches_eager_and_fuses_expressions(void **state)
             assert_true(ops >= 2);
         }
         kiln_compiled_free(cf);
+    }
+}
+
+static kiln_status softsign_fn(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    out[0] = kiln_mul_scalar(call1(softsign, kiln_add(in[0], in[1]), 0), 2);
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+/* A decomposition is what the compiler fuses where the op is not kept whole: on a
+ * device without a kernel of its own for it (OpenCL here), or with
+ * KILN_COMPILE_DECOMPOSE=all; on the cpu, by default, its own kernel is a step. */
+static void a_decomposition_is_fused_where_it_is_taken(void **state)
+{
+    define_ops();
+    kiln_tensor_t *in[2] = {randn(9, 40, 10), randn(9, 40, 11)};
+    bool device = strcmp(kiln_device(), "cpu") != 0;
+    for (int all = 0; all < 2; all++) {
+        if (all) test_setenv("KILN_COMPILE_DECOMPOSE", "all", 1);
+        kiln_tensor_t *eager[1], *out[1] = {0};
+        int n;
+        assert_int_equal(softsign_fn(NULL, in, 2, eager, &n), KILN_OK);
+        assert_close(eager[0], kiln_mul_scalar(kiln_div(kiln_add(in[0], in[1]),
+                                                        kiln_add_scalar(kiln_abs(kiln_add(in[0], in[1])), 1)), 2), 1e-6);
+        kiln_compiled_t *cf;
+        assert_int_equal(kiln_compiled_new(softsign_fn, NULL, all ? "softsign_all" : "softsign", &cf), KILN_OK);
+        assert_int_equal(kiln_compiled_call(cf, in, 2, out, 1, &n), KILN_OK);
+        assert_close(out[0], eager[0], 1e-6);
+        int kernels = -1, ops = -1;
+        assert_int_equal(kiln_compiled_plan(cf, 0, &kernels, &ops, NULL, NULL), KILN_OK);
+        if (all || device) { /* add, abs, add, div, mul: one kernel */
+            assert_int_equal(ops, 0);
+            assert_int_equal(kernels, 1);
+        } else {
+            assert_int_equal(ops, 1);
+        }
+        kiln_compiled_free(cf);
+        if (all) test_unsetenv("KILN_COMPILE_DECOMPOSE");
     }
 }
 
@@ -343,6 +408,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(eager_matches_the_builtin_ops, setup, teardown),
         cmocka_unit_test_setup_teardown(autograd_runs_the_ops_backward, setup, teardown),
         cmocka_unit_test_setup_teardown(compiled_matches_eager_and_fuses_expressions, setup, teardown),
+        cmocka_unit_test_setup_teardown(a_decomposition_is_fused_where_it_is_taken, setup, teardown),
         cmocka_unit_test_setup_teardown(graph_capture_and_replay_run_it, setup, teardown),
         cmocka_unit_test_setup_teardown(listed_with_the_builtin_ops, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_declarations_are_refused_by_name, setup, teardown),

@@ -345,6 +345,15 @@ static void builds_run_compiles_at_once_and_share_a_folder_safely(void **state)
     }
     kiln_ext_langs_free(builtin);
     test_unsetenv("XDG_CONFIG_HOME");
+    /* a compiler that is not there: named, with the command and the shell's word */
+    kiln_ext_lang *par = (kiln_ext_lang *)find(t, "a.par");
+    const char *was = par->command;
+    par->command = "kiln-no-such-compiler-xyz {src} -o {out}";
+    assert_int_equal(kiln_ext_build(t, src, 1, path_in("nocc"), "nocc", ".", &mod, NULL), KILN_ERR_IO);
+    if (!strstr(kiln_last_error(), "a.par: the .par compiler was not found (exit status 127)") ||
+        !strstr(kiln_last_error(), "command: kiln-no-such-compiler-xyz"))
+        fail_msg("%s", kiln_last_error());
+    par->command = was;
     /* the link flags, with the compiler's folder */
     write_file("a.lnk", "a\n");
     const char *lnk[1] = {path_in("a.lnk")};

@@ -40,21 +40,21 @@ static int languages(int argc, char **argv)
 static int build(int argc, char **argv)
 {
     const char *file = NULL, *out = NULL, *include = KILN_INCLUDE_DIR, *name = "ext";
-    const cli_opt opts[] = {{"out", OPT_STRING, &out, "the folder for what is built (made if missing)"},
+    const cli_opt opts[] = {{"out", OPT_STRING, &out, "the folder for what is built (made if missing; default: the kernel cache's ext/NAME)"},
                             {"name", OPT_STRING, &name, "the module's name: DIR/libNAME.so (default ext)"},
                             {"languages", OPT_STRING, &file, "a languages.json (default: $XDG_CONFIG_HOME/kiln/languages.json)"},
                             {"include", OPT_STRING, &include, "kiln's header folder, at {include}"},
                             {NULL, 0, NULL, NULL}};
     const char *pos[256];
     int np = 0;
-    int r = cli_parse("ext build", "SRC... --out DIR [--name NAME] [--languages FILE] [--include DIR]\n\n"
+    int r = cli_parse("ext build", "SRC... [--out DIR] [--name NAME] [--languages FILE] [--include DIR]\n\n"
                       "Compiles each source with its language's command (kiln ext languages), again only\n"
                       "where the source or a file it includes changed, and links the objects into\n"
                       "DIR/libNAME.so; a source a backend builds itself (.cl) is copied. A failure names\n"
                       "the source, the command and the compiler's output.",
                       opts, argc, argv, pos, 256, &np);
     if (r) return r == 1 ? 0 : 2;
-    if (!out || np == 0) return cli_fail("ext build", "give the sources and --out DIR");
+    if (np == 0) return cli_fail("ext build", "give the sources to build");
     kiln_ext_langs_t *t;
     if (kiln_ext_langs_load(file, &t) != KILN_OK) return cli_fail("ext build", NULL);
     char *module = NULL;
@@ -103,7 +103,7 @@ int cmd_ext(int argc, char **argv)
     bool help = argc >= 2 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h"));
     fprintf(help ? stdout : stderr,
             "usage: kiln ext languages [--languages FILE]\n"
-            "       kiln ext build SRC... --out DIR [--name NAME] [--languages FILE] [--include DIR]\n"
+            "       kiln ext build SRC... [--out DIR] [--name NAME] [--languages FILE] [--include DIR]\n"
             "       kiln ext load MODULE...\n\n"
             "Custom ops' sources and the languages they are written in. A language is a row of\n"
             "data (kiln/ext.h): kiln ships .c, .cpp, .cl and .cu; a languages.json under\n"

@@ -79,10 +79,13 @@ const kiln_ext_lang *kiln_ext_langs_find(const kiln_ext_langs_t *l, const char *
  * no command (load "backend"). */
 kiln_status kiln_ext_command(const kiln_ext_lang *lang, const char *src, const char *out, const char *include,
                              char **cmd);
-/* Builds sources[0..n) into out_dir (made if missing): each source of a "shared"
+/* Builds sources[0..n) into out_dir (made if missing; NULL: the kernel cache's folder
+ * ext/<name>, under $KILN_CACHE_DIR or its default): each source of a "shared"
  * language compiled with its command into out_dir/<its file name><object> (a.c into a.c.o),
- * unless that object is newer than the source and than every file its dependency file
- * lists (an incremental build); the objects then linked into the module
+ * unless the stamp beside the object is the hash of that command and the source's bytes
+ * and the object is newer than every file its dependency file lists (an incremental
+ * build; the compiles that are due run at once, one a core, and every file is written
+ * under this process's name and renamed into place, so two builds at once are safe); the objects then linked into the module
  * out_dir/lib<name>.so (`cc -shared`), which *module gets (malloc'd; the caller frees
  * it); a "backend" language's source copied into out_dir as it is, for its backend to
  * build when loaded. include: kiln's header folder, for {include}. *rebuilt (may be

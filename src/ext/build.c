@@ -228,11 +228,18 @@ static bool add_link_flags(char **link, size_t *len, size_t *cap, const kiln_ext
 kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sources, int n, const char *out_dir,
                            const char *name, const char *include, char **module, int *rebuilt)
 {
-    if (!langs || (!sources && n) || n < 0 || !out_dir || !name || !*name || !module)
-        return kiln_error(KILN_ERR_ARG, "ext_build: NULL table, sources, folder, name or module");
+    if (!langs || (!sources && n) || n < 0 || !name || !*name || !module)
+        return kiln_error(KILN_ERR_ARG, "ext_build: NULL table, sources, name or module");
     *module = NULL;
     if (rebuilt) *rebuilt = 0;
     if (strchr(name, '/')) return kiln_error(KILN_ERR_ARG, "ext_build: the module's name '%s' has a '/'", name);
+    char in_cache[1200], sub[300];
+    if (!out_dir) { /* the kernel cache's folder, ext/<name> */
+        snprintf(sub, sizeof sub, "ext/%s", name);
+        kiln_status c = kiln__cache_dir(sub, in_cache, sizeof in_cache);
+        if (c != KILN_OK) return c;
+        out_dir = in_cache;
+    }
     if (mkdir(out_dir, 0755) != 0 && errno != EEXIST)
         return kiln_error(KILN_ERR_IO, "ext_build: cannot make %s: %s", out_dir, strerror(errno));
     size_t mlen = strlen(out_dir) + strlen(name) + 16, link_len = 0, link_cap = 0;
