@@ -21,7 +21,7 @@ static const struct {
     {"info", cmd_info, "describe a checkpoint"},
     {"plot", cmd_plot, "redraw a run's loss chart from its metrics"},
     {"ext", cmd_ext, "custom ops' sources: the extension languages, and building sources with them"},
-    {"doctor", cmd_doctor, "show the build, threads, devices, switches and environment variables"},
+    {"doctor", cmd_doctor, "check every layer kiln stands on: OK, WARN or FAIL rows with fixes (--json; exit 1 on a FAIL)"},
 };
 
 static void usage(FILE *f)
