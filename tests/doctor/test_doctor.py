@@ -14,6 +14,7 @@
 - An MPI launcher of the other family (a stand-in mpirun that answers as MPICH's Hydra)
   against kiln's Open MPI: the mpi-launcher row FAILs under mpi-family.
 - An invalid KILN_* value (KILN_NUM_THREADS=lots) is a FAIL row named for it.
+- docs/doctor.md's rules table lists every rule `kiln doctor --rules` prints.
   python3 tests/doctor/test_doctor.py --kiln build/kiln --preload build/libslow_resolver.so --workdir /tmp/d
 """
 import argparse
@@ -62,6 +63,7 @@ def main():
     ap.add_argument("--kiln", required=True)
     ap.add_argument("--preload", required=True)
     ap.add_argument("--workdir", required=True)
+    ap.add_argument("--docs", help="docs/doctor.md, whose rules table must list every rule")
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)
     base = {k: v for k, v in os.environ.items() if not k.startswith("KILN_") or k in ("KILN_SOURCE_DIR",)}
@@ -70,6 +72,14 @@ def main():
 
     h = subprocess.run([a.kiln, "doctor", "--help"], capture_output=True, text=True)
     check(h.returncode == 0 and "Exit status: 1 when a row FAILs" in h.stdout, "--help states the exit status")
+
+    if a.docs:
+        ids = [l.split()[0] for l in subprocess.run([a.kiln, "doctor", "--rules"], capture_output=True,
+                                                     text=True).stdout.splitlines()[1:] if l[:1].strip()]
+        doc = open(a.docs).read()
+        missing = [i for i in ids if "| `%s` |" % i not in doc]
+        check(ids and not missing, "docs/doctor.md's rules table has every rule of kiln doctor --rules (missing: %s)"
+              % missing)
 
     # The stack as it is.
     rc, text, out, rows = doctor(a.kiln, base)

@@ -10,6 +10,6 @@ if(KILN_PYTHON3)
   target_link_libraries(slow_resolver PRIVATE ${CMAKE_DL_LIBS})
   add_test(NAME doctor COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/doctor/test_doctor.py
            --kiln $<TARGET_FILE:kiln_tool> --preload $<TARGET_FILE:slow_resolver>
-           --workdir ${CMAKE_BINARY_DIR}/doctor-tests)
+           --workdir ${CMAKE_BINARY_DIR}/doctor-tests --docs ${CMAKE_SOURCE_DIR}/docs/doctor.md)
   set_tests_properties(doctor PROPERTIES TIMEOUT 300)
 endif()
