@@ -1,13 +1,11 @@
-/* kiln info, tokenizer, plot, doctor. */
+/* kiln info, tokenizer, plot. */
 #include <jansson.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "cli.h"
-#include "kiln/ext.h"
 #include "kiln/data.h"
-#include "kiln/dist.h"
 #include "kiln/io.h"
 #include "kiln/metrics.h"
 #include "kiln/tokenizer.h"
@@ -170,136 +168,5 @@ int cmd_plot(int argc, char **argv)
         return cli_fail("plot", NULL);
     printf("wrote %s (%zu steps)\n", spath, n);
     free(rows);
-    return 0;
-}
-
-/* How many of kiln's environment variables are set here. */
-static int env_set_count(void)
-{
-    kiln_env_var v;
-    int n = 0;
-    for (int i = 0; kiln_env_var_at(i, &v); i++) n += v.value != NULL;
-    return n;
-}
-
-/* s for a Markdown table cell: < > and | escaped. */
-static void md_print(const char *s)
-{
-    for (; *s; s++) {
-        if (*s == '<') fputs("&lt;", stdout);
-        else if (*s == '>') fputs("&gt;", stdout);
-        else if (*s == '|') fputs("\\|", stdout);
-        else putchar(*s);
-    }
-}
-
-/* kiln doctor --env [--markdown]: every KILN_* variable kiln reads, from its one table
- * (src/core/env.def); the Markdown form is docs/env.md's table. */
-static int doctor_env(bool markdown)
-{
-    kiln_env_var v;
-    if (markdown) {
-        printf("| variable | type | default | read by | meaning |\n|---|---|---|---|---|\n");
-        for (int i = 0; kiln_env_var_at(i, &v); i++) {
-            printf("| `%s` | %s | ", v.name, v.type);
-            if (*v.dflt == '(') md_print(v.dflt);
-            else if (*v.dflt) printf("`%s`", v.dflt);
-            else printf("(none)");
-            printf(" | %s | ", v.who);
-            md_print(v.help);
-            printf(" |\n");
-        }
-        return 0;
-    }
-    int w = 8;
-    for (int i = 0; kiln_env_var_at(i, &v); i++) w = (int)strlen(v.name) > w ? (int)strlen(v.name) : w;
-    printf("%-*s  %-6s  %-12s  %s\n", w, "variable", "type", "value", "meaning (default; who reads it)");
-    int bad = 0;
-    for (int i = 0; kiln_env_var_at(i, &v); i++) {
-        printf("%-*s  %-6s  %-12s  %s (default %s; %s)\n", w, v.name, v.type, v.value ? v.value : "-", v.help,
-               *v.dflt ? v.dflt : "none", v.who);
-        if (v.value && kiln_env_check(v.name) != KILN_OK) printf("%-*s  ^ %s\n", w, "", kiln_last_error()), bad++;
-    }
-    printf("%d variables, %d set here%s\n", kiln_env_count(), env_set_count(), bad ? ", some not valid (^)" : "");
-    return 0;
-}
-
-/* The extension languages (kiln/ext.h) and whether each one's compiler is there. */
-static void doctor_languages(void)
-{
-    kiln_ext_langs_t *t;
-    if (kiln_ext_langs_load(NULL, &t) != KILN_OK) {
-        printf("extension languages: FAIL %s\n", kiln_last_error());
-        return;
-    }
-    printf("extension languages (kiln ext languages; docs/ext.md):\n");
-    for (int i = 0; i < kiln_ext_langs_count(t); i++) {
-        const kiln_ext_lang *l = kiln_ext_langs_at(t, i);
-        char found[1200];
-        if (!*l->command) printf("  %-8s %-10s handed to the %s backend when loaded\n", l->suffix, l->origin, l->backend);
-        else if (kiln_ext_compiler_found(l, found, sizeof found))
-            printf("  %-8s %-10s OK   %s\n", l->suffix, l->origin, found);
-        else
-            printf("  %-8s %-10s WARN %s not found: %s sources cannot be built here\n", l->suffix, l->origin, found,
-                   l->suffix);
-    }
-    kiln_ext_langs_free(t);
-}
-
-int cmd_doctor(int argc, char **argv)
-{
-    const char *ops = NULL;
-    bool env = false, markdown = false;
-    const cli_opt opts[] = {
-        {"ops", OPT_STRING, &ops, "print which ops DEVICE runs with its own kernels and which on the cpu"},
-        {"env", OPT_FLAG, &env, "print every KILN_* environment variable kiln reads: type, value here, meaning, default"},
-        {"markdown", OPT_FLAG, &markdown, "with --env: as a Markdown table (docs/env.md)"},
-        {NULL, 0, NULL, NULL},
-    };
-    int r = cli_parse("doctor", "[--ops DEVICE] [--env [--markdown]]", opts, argc, argv, NULL, 0, NULL);
-    if (r) return r == 1 ? 0 : 2;
-    if (markdown && !env) return cli_fail("doctor", "--markdown goes with --env");
-    if (env) return doctor_env(markdown);
-    if (ops) {
-        if (kiln_set_device(ops) != KILN_OK) return cli_fail("doctor", NULL);
-        kiln_set_device("cpu");
-        int count[4] = {0, 0, 0, 0};
-        static const char *how[4] = {"not supported", "on the cpu (copies)", "native", "generated kernel"};
-        printf("%-26s %s\n", "op", ops);
-        for (int i = 0; i < kiln_op_count(); i++) {
-            kiln_op_support k = kiln_device_op_support(ops, i);
-            count[k]++;
-            printf("%-26s %s\n", kiln_op_name(i), how[k]);
-        }
-        printf("%d ops: %d native, %d generated kernels, %d on the cpu with copies, %d not supported\n", kiln_op_count(),
-               count[2], count[3], count[1], count[0]);
-        return 0;
-    }
-    printf("kiln %s\nbuild: %s\nthreads: %d\ndevices:\n", kiln_version(), kiln_build_info(), kiln_num_threads());
-    for (int i = 0; i < kiln_device_count(); i++) {
-        char buf[512];
-        printf("  %s\n", kiln_device_describe(i, buf, sizeof buf) ? buf : kiln_device_name(i));
-    }
-    printf("cuda: %s\n", kiln_cuda_status());
-    char nccl[160];
-    kiln_dist_nccl_version(nccl, sizeof nccl);
-    printf("nccl: %s (collectives on cuda tensors)\n", nccl);
-    char mpi[256];
-    if (kiln_dist_mpi_version(mpi, sizeof mpi))
-        printf("distributed: %s (kiln train under mpirun; docs/dist.md)\n", mpi);
-    else
-        printf("distributed: built without MPI (one process only; apt-get install libopenmpi-dev openmpi-bin)\n");
-    doctor_languages();
-    printf("optimization switches (KILN_OPT_<NAME>=0|1; the compiler's stages also KILN_COMPILE_DISABLE=<stage>,...):\n");
-    int w = 0;
-    for (int i = 0; i < kiln_opt_count(); i++) w = (int)strlen(kiln_opt_name(i)) > w ? (int)strlen(kiln_opt_name(i)) : w;
-    for (int i = 0; i < kiln_opt_count(); i++)
-        printf("  %-*s %s  %s\n", w, kiln_opt_name(i), kiln_opt_enabled(i) ? "on " : "off", kiln_opt_help(i));
-    printf("environment: %d KILN_* variables read (kiln doctor --env lists them), %d set here", kiln_env_count(),
-           env_set_count());
-    kiln_env_var v;
-    for (int i = 0, k = 0; kiln_env_var_at(i, &v); i++)
-        if (v.value) printf("%s%s=%s", k++ ? ", " : ": ", v.name, v.value);
-    printf("\n");
     return 0;
 }

@@ -21,7 +21,7 @@ static const struct {
     {"info", cmd_info, "describe a checkpoint"},
     {"plot", cmd_plot, "redraw a run's loss chart from its metrics"},
     {"ext", cmd_ext, "custom ops: the extension languages, building sources into a module, loading it"},
-    {"doctor", cmd_doctor, "show the build, threads, devices, switches and environment variables"},
+    {"doctor", cmd_doctor, "check every layer kiln stands on: OK, WARN or FAIL rows with fixes (--json; exit 1 on a FAIL)"},
 };
 
 /* The modules KILN_EXT names (':'-separated), loaded before the command runs. */

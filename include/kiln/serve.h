@@ -182,6 +182,8 @@ int kiln_server_port(const kiln_server_t *s);
 kiln_status kiln_server_load(kiln_server_t *s, const char *model_path);
 /* Stops listening, cancels what is running, frees. */
 void kiln_server_free(kiln_server_t *s);
+/* The version of libmicrohttpd the server runs on ("0.9.75"), for kiln doctor. */
+const char *kiln_server_http_version(void);
 
 #ifdef __cplusplus
 }

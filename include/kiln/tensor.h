@@ -154,6 +154,42 @@ kiln_status kiln_device_synchronize(const char *device);
 /* Why there are no cuda devices, or how many there are ("libcuda.so.1 (the driver) not
  * found", "no GPU (...)", "1 GPU(s)"): for kiln doctor. */
 const char *kiln_cuda_status(void);
+/* The CUDA versions kiln would pair, for kiln doctor, as CUDA writes them (12040 is
+ * 12.4): the newest the driver supports (cuDriverGetVersion), the runtime's
+ * (cudaRuntimeGetVersion) and NVRTC's, which writes the PTX the driver must load; 0
+ * for a library that is not there (or a build without CUDA). */
+void kiln_cuda_versions(int *driver, int *runtime, int *nvrtc);
+/* The BLAS the cpu backend calls for f32 GEMMs, for kiln doctor. Strings are static. */
+typedef struct {
+    const char *name;   /* "OpenBLAS", "BLIS" or "none" */
+    const char *config; /* the library's own line ("OpenBLAS 0.3.21 DYNAMIC_ARCH ..."), or "" */
+    const char *core;   /* the kernels it picked for this processor ("Haswell"), or "" */
+    bool generic_core;  /* core is an old generic one: the library did not recognise the processor */
+} kiln_blas_info;
+void kiln_blas_info_get(kiln_blas_info *out);
+/* The processor's vector extensions that the cpu backend's kernels use, and the
+ * kernels it picks from them, for kiln doctor. Strings are static. */
+typedef struct {
+    bool avx2, fma, f16c, avx512f, avx512bw, avx512vl, avx512bf16, amx_bf16;
+    const char *clone;     /* the clone of the hot loops the loader picks: "x86-64-v4", "x86-64-v3",
+                              or "default" (plain C) */
+    const char *gemm_f32;  /* kiln's own GEMM's f32 micro-kernel: "avx512", "avx2" or "c" */
+    const char *gemm_bf16; /* what bf16 GEMMs and attention run on */
+} kiln_cpu_info;
+void kiln_cpu_info_get(kiln_cpu_info *out);
+/* An OpenCL platform the ICD loader found, for kiln doctor. */
+typedef struct {
+    char name[96];       /* CL_PLATFORM_NAME ("Portable Computing Language") */
+    char version[160];   /* CL_PLATFORM_VERSION ("OpenCL 3.0 PoCL 3.1+debian ...") */
+    int devices;         /* its devices that kiln opened */
+    int command_buffers; /* of those, the ones whose command buffers kiln uses for replays */
+} kiln_opencl_platform;
+/* Up to max platforms into out; returns how many there are (0 for none), or -1 for a
+ * build without OpenCL. Probes the devices as kiln_device_count does. */
+int kiln_opencl_platforms(kiln_opencl_platform *out, int max);
+/* The kernel cache's folder: $KILN_CACHE_DIR, else $XDG_CACHE_HOME/kiln, else
+ * ~/.cache/kiln (neither made nor checked here). */
+void kiln_cache_dir(char *buf, size_t n);
 /* Op coverage (kiln doctor --ops): op i's name for i < kiln_op_count(), and how a
  * device runs it: with its own kernel, through a kernel kiln generates for it (the
  * dtypes and layouts the generator does not take go to the cpu), on the cpu with

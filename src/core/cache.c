@@ -29,14 +29,20 @@ int kiln__make_dirs(const char *path)
     return mkdir(tmp, 0755) != 0 && errno != EEXIST ? -1 : 0;
 }
 
-kiln_status kiln__cache_dir(const char *sub, char *out, size_t n)
+void kiln_cache_dir(char *buf, size_t n)
 {
     const char *d = kiln__env_str(KILN__ENV_CACHE_DIR), *x = getenv("XDG_CACHE_HOME"), *h = getenv("HOME");
+    if (!buf || !n) return;
+    if (d) snprintf(buf, n, "%s", d);
+    else if (x && *x) snprintf(buf, n, "%s/kiln", x);
+    else if (h && *h) snprintf(buf, n, "%s/.cache/kiln", h);
+    else snprintf(buf, n, "/tmp/kiln-cache-%d", (int)getuid());
+}
+
+kiln_status kiln__cache_dir(const char *sub, char *out, size_t n)
+{
     char base[900];
-    if (d) snprintf(base, sizeof base, "%s", d);
-    else if (x && *x) snprintf(base, sizeof base, "%s/kiln", x);
-    else if (h && *h) snprintf(base, sizeof base, "%s/.cache/kiln", h);
-    else snprintf(base, sizeof base, "/tmp/kiln-cache-%d", (int)getuid());
+    kiln_cache_dir(base, sizeof base);
     if (sub && *sub) snprintf(out, n, "%s/%s", base, sub);
     else snprintf(out, n, "%s", base);
     if (kiln__make_dirs(out) != 0)

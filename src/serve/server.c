@@ -23,6 +23,8 @@
 #include "kiln/io.h"
 #include "serve/server_impl.h"
 
+const char *kiln_server_http_version(void) { return MHD_get_version(); }
+
 kiln_server_opts kiln_server_opts_default(void)
 {
     kiln_server_opts o = {

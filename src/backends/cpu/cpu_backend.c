@@ -5,19 +5,24 @@
 #include <strings.h>
 #include <unistd.h>
 #include "backends/cpu/cpu.h"
+#include "backends/cpu/gemm.h"
 #include "core/opts.h"
 
 #if defined(KILN_BLAS_BLIS)
 void bli_thread_set_num_threads(long n);
+char *bli_info_get_version_str(void);
 #define BLAS_SET_THREADS(n) bli_thread_set_num_threads(n)
 #define BLAS_NAME "BLIS"
 #define BLAS_CORE() NULL
+#define BLAS_CONFIG() bli_info_get_version_str()
 #elif defined(KILN_BLAS_OPENBLAS)
 void openblas_set_num_threads(int n);
 char *openblas_get_corename(void);
+char *openblas_get_config(void);
 #define BLAS_SET_THREADS(n) openblas_set_num_threads(n)
 #define BLAS_NAME "OpenBLAS"
 #define BLAS_CORE() openblas_get_corename()
+#define BLAS_CONFIG() openblas_get_config()
 #endif
 
 /* What kiln's own GEMM will run bf16 on, from the processor's flags alone: asking Linux
@@ -42,17 +47,50 @@ static const char *bf16_kernels(void)
  * faster (docs/perf-log.md); the description says so, since nothing else would. */
 static char description[384] = "host CPU (AVX2/FMA kernels where available, BLAS for GEMM)";
 
-static void describe(void)
+static bool generic_core(const char *core)
 {
-    const char *core = BLAS_CORE();
     static const char *const generic[] = {"Prescott", "Core2", "Katmai", "Coppermine", "Northwood", "Banias", "Atom"};
     bool old = false;
     for (size_t i = 0; core && i < sizeof generic / sizeof generic[0]; i++) old |= !strcasecmp(core, generic[i]);
+    return old;
+}
+
+static void describe(void)
+{
+    const char *core = BLAS_CORE();
+    bool old = generic_core(core);
     snprintf(description, sizeof description,
              "host CPU (AVX2/FMA kernels where available; f32 GEMM by %s%s%s%s%s; bf16 GEMM and attention on kiln's "
              "own, %s)",
              BLAS_NAME, core ? ", its " : "", core ? core : "", core ? " kernels" : "",
              old ? ": a generic core for this processor, set OPENBLAS_CORETYPE to its family" : "", bf16_kernels());
+}
+
+void kiln_blas_info_get(kiln_blas_info *out)
+{
+    const char *core = BLAS_CORE(), *config = BLAS_CONFIG();
+    *out = (kiln_blas_info){BLAS_NAME, config ? config : "", core ? core : "", generic_core(core)};
+}
+
+void kiln_cpu_info_get(kiln_cpu_info *out)
+{
+    *out = (kiln_cpu_info){.clone = "default", .gemm_f32 = kiln__gemm_kernel_name(KILN__GEMM_F32),
+                           .gemm_bf16 = bf16_kernels()};
+#if defined(__x86_64__) && defined(__GNUC__)
+    __builtin_cpu_init();
+    out->avx2 = __builtin_cpu_supports("avx2");
+    out->fma = __builtin_cpu_supports("fma");
+    out->f16c = __builtin_cpu_supports("f16c");
+    out->avx512f = __builtin_cpu_supports("avx512f");
+    out->avx512bw = __builtin_cpu_supports("avx512bw");
+    out->avx512vl = __builtin_cpu_supports("avx512vl");
+    out->avx512bf16 = __builtin_cpu_supports("avx512bf16");
+    out->amx_bf16 = __builtin_cpu_supports("amx-bf16");
+#if !defined(__SANITIZE_ADDRESS__) && !defined(KILN_NO_CLONES) /* KILN_SIMD's clones (cpu.h) */
+    out->clone = __builtin_cpu_supports("x86-64-v4") ? "x86-64-v4" : __builtin_cpu_supports("x86-64-v3") ? "x86-64-v3"
+                                                                                                       : "default";
+#endif
+#endif
 }
 
 static const kiln__kernel_fn cpu_kernels[KILN_OP_COUNT] = {

@@ -595,6 +595,30 @@ static const kiln__kernel_fn cuda_kernels[KILN_OP_COUNT] = {
 
 const char *kiln_cuda_status(void) { return why_none; }
 
+/* Looked up on their own, so that kiln doctor has the versions where a library of the
+ * set is missing or there is no GPU; none of these calls needs cuInit. */
+void kiln_cuda_versions(int *driver, int *runtime, int *nvrtc)
+{
+    static const char *const rt[] = {"libcudart.so.13", "libcudart.so.12", "libcudart.so",
+                                     "/usr/local/cuda/lib64/libcudart.so", NULL};
+    static const char *const drv[] = {"libcuda.so.1", "libcuda.so", NULL};
+    int d = 0, r = 0, major = 0, minor = 0;
+    void *h = open_first(drv);
+    CUresult (*get_driver)(int *) = h ? (CUresult(*)(int *))dlsym(h, "cuDriverGetVersion") : NULL;
+    if (get_driver && get_driver(&d) != CUDA_SUCCESS) d = 0;
+    h = open_first(rt);
+    cudaError_t (*get_runtime)(int *) = h ? (cudaError_t(*)(int *))dlsym(h, "cudaRuntimeGetVersion") : NULL;
+    if (get_runtime && get_runtime(&r) != cudaSuccess) r = 0;
+    static const char *const nv[] = {"libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so",
+                                     "/usr/local/cuda/lib64/libnvrtc.so", NULL};
+    h = open_first(nv); /* not load_nvrtc: that would set why_none, kiln_cuda_status's answer */
+    nvrtcResult (*get_nvrtc)(int *, int *) = h ? (nvrtcResult(*)(int *, int *))dlsym(h, "nvrtcVersion") : NULL;
+    if (get_nvrtc && get_nvrtc(&major, &minor) != NVRTC_SUCCESS) major = minor = 0;
+    if (driver) *driver = d;
+    if (runtime) *runtime = r;
+    if (nvrtc) *nvrtc = major * 1000 + minor * 10;
+}
+
 /* Registers every GPU found; none (no driver, no device, no toolkit) is not an error,
  * and kiln_cuda_status then says why. */
 static int cuda_register(int nthreads)
@@ -679,4 +703,10 @@ KILN__REGISTER(register_cuda) { kiln__backend_provider_register("cuda", cuda_reg
 #else
 #include "kiln/tensor.h"
 const char *kiln_cuda_status(void) { return "not built (the CUDA toolkit's headers were not found)"; }
+void kiln_cuda_versions(int *driver, int *runtime, int *nvrtc)
+{
+    if (driver) *driver = 0;
+    if (runtime) *runtime = 0;
+    if (nvrtc) *nvrtc = 0;
+}
 #endif

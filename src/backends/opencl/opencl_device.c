@@ -32,6 +32,7 @@ static kiln_status open_device(cl_dev *d, cl_platform_id plat, cl_device_id dev,
 {
     cl_int err;
     d->dev = dev;
+    d->plat = plat;
     d->index = index;
     snprintf(d->name, sizeof d->name, "opencl:%d", index);
     char pname[64] = "", dname[64] = "";
@@ -328,4 +329,28 @@ static int opencl_register(int nthreads)
     return n;
 }
 KILN__REGISTER(register_opencl) { kiln__backend_provider_register("opencl", opencl_register, false); }
+
+int kiln_opencl_platforms(kiln_opencl_platform *out, int max)
+{
+    kiln_device_count(); /* the devices are opened when first listed */
+    cl_platform_id plats[8];
+    cl_uint np = 0;
+    if (clGetPlatformIDs(8, plats, &np) != CL_SUCCESS) return 0;
+    for (int p = 0; p < (int)np && p < max; p++) {
+        kiln_opencl_platform *o = &out[p];
+        memset(o, 0, sizeof *o);
+        clGetPlatformInfo(plats[p], CL_PLATFORM_NAME, sizeof o->name - 1, o->name, NULL);
+        clGetPlatformInfo(plats[p], CL_PLATFORM_VERSION, sizeof o->version - 1, o->version, NULL);
+        for (int i = 0; i < n_open; i++)
+            if (devs[i].plat == plats[p]) o->devices++, o->command_buffers += devs[i].cb_create != NULL;
+    }
+    return (int)np;
+}
+#else
+#include "kiln/tensor.h"
+int kiln_opencl_platforms(kiln_opencl_platform *out, int max)
+{
+    (void)out, (void)max;
+    return -1;
+}
 #endif

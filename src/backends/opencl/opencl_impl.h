@@ -37,6 +37,7 @@ typedef struct {
     cl_context ctx;
     cl_command_queue q;
     cl_device_id dev;
+    cl_platform_id plat; /* whose device it is (kiln doctor counts by platform) */
     int index;           /* N of "opencl:N" */
     char name[24];       /* "opencl:N" */
     char description[160];
