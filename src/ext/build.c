@@ -13,6 +13,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <time.h>
 #include <unistd.h>
 #include "core/cache.h"
 #include "ext/ext_impl.h"
@@ -190,15 +191,20 @@ static void run_jobs(job **due, int n, int width)
             if (j->pid < 0) j->status = -1;
             else running++;
         }
-        int st;
-        pid_t pid = wait(&st);
-        if (pid < 0) break;
-        for (int i = 0; i < next; i++)
-            if (due[i]->pid == pid) {
-                due[i]->status = WIFEXITED(st) ? WEXITSTATUS(st) : 128;
-                due[i]->pid = 0;
-                running--;
-            }
+        /* only our own children, by pid: a plain wait() would reap the program's other
+         * children and lose their statuses */
+        bool any = false;
+        for (int i = 0; i < next; i++) {
+            int st = 0;
+            pid_t got = due[i]->pid > 0 ? waitpid(due[i]->pid, &st, WNOHANG) : 0;
+            if (got == 0 || (got < 0 && errno == EINTR)) continue;
+            /* gone without a status (SIGCHLD ignored): said as a command that failed */
+            due[i]->status = got < 0 ? -1 : WIFEXITED(st) ? WEXITSTATUS(st) : 128;
+            due[i]->pid = 0;
+            running--;
+            any = true;
+        }
+        if (!any && running) nanosleep(&(struct timespec){0, 1000000}, NULL);
     }
 }
 
