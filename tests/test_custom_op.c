@@ -397,6 +397,12 @@ static void bad_calls_are_clear_errors(void **state)
     assert_null(kiln_op_call(9999, &x, 1, NULL, 0));
     if (!strstr(kiln_last_error(), "9999 is not an op's id")) fail_msg("%s", kiln_last_error());
     kiln_clear_error();
+    /* an error from before a call that succeeds is kept, as every op keeps it */
+    kiln_error(KILN_ERR_SHAPE, "an earlier failure");
+    assert_non_null(call1(scale_by, x, 2));
+    assert_int_equal(kiln_last_status(), KILN_ERR_SHAPE);
+    assert_string_equal(kiln_last_error(), "an earlier failure");
+    kiln_clear_error();
     kiln_tensor_t *null_in = NULL;
     assert_null(kiln_op_call(scale_by, &null_in, 1, &(kiln_op_value){.f = 1}, 1));
     kiln_clear_error();

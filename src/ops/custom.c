@@ -48,6 +48,27 @@ static kiln_op_args args_of(const custom *c, int op, kiln_tensor_t *const *in, k
                           .attr = a->op.custom.v, .n_attr = c->n_attr, .user = c->d.user};
 }
 
+/* An error this thread had before a call into the op's own code, put aside so that the
+ * call's own error (or none) can be told apart, and put back when the call succeeded:
+ * a chain of ops checked once at its end keeps its first error. */
+typedef struct {
+    kiln_status s;
+    char msg[512];
+} held_error;
+
+static void hold_error(held_error *h)
+{
+    h->s = kiln_last_status();
+    if (h->s == KILN_OK) return; /* the common case: nothing to keep */
+    snprintf(h->msg, sizeof h->msg, "%s", kiln_last_error());
+    kiln_clear_error();
+}
+
+static void restore_error(const held_error *h)
+{
+    if (h->s != KILN_OK) kiln__err(h->s, "%s", h->msg);
+}
+
 /* The inference column: the declaration's shape function (or, for an expression with
  * none, the inputs broadcast in f32), its answer checked. */
 static kiln_status infer_custom(kiln_tensor_t *const *in, int n_in, const kiln__attrs *a, kiln__meta *out)
@@ -66,8 +87,10 @@ static kiln_status infer_custom(kiln_tensor_t *const *in, int n_in, const kiln__
     kiln_op_meta m[KILN__MAX_OUT];
     memset(m, 0, sizeof m);
     kiln_op_args x = args_of(c, op, in, NULL, a);
-    kiln_clear_error();
+    held_error held;
+    hold_error(&held);
     kiln_status s = c->d.shape(&x, m);
+    if (s == KILN_OK) restore_error(&held);
     if (s != KILN_OK) {
         if (kiln_last_status() == KILN_OK) return kiln__err(s, "%s: its shape function refused the call", c->name);
         char why[512];
@@ -175,8 +198,10 @@ static kiln_status custom_kernel(KILN__KERNEL_ARGS)
     }
     if (s == KILN_OK && k->fn) {
         kiln_op_args x = args_of(c, a->op.custom.op, dense, out, a);
-        kiln_clear_error();
+        held_error held;
+        hold_error(&held);
         s = k->fn(&x);
+        if (s == KILN_OK) restore_error(&held);
         if (s != KILN_OK) {
             char why[512];
             snprintf(why, sizeof why, "%s", kiln_last_status() ? kiln_last_error() : "(it gave no message)");
