@@ -165,12 +165,10 @@ static kiln_status launch(custom *c, kernel *k, kiln__backend *be, kiln_tensor_t
 }
 
 /* x as a view of o's shape (x's dims aligned at the right, stride 0 where it has one
- * element or none); x itself when it has that shape. Made here, not by kiln_expand,
+ * element or none). Made here, not by kiln_expand,
  * which would be an op call that the interceptors see from inside a kernel. */
 static kiln_tensor_t *broadcast(kiln_tensor_t *x, const kiln_tensor_t *o)
 {
-    if (x->ndim == o->ndim && !memcmp(x->shape, o->shape, sizeof(int64_t) * (size_t)x->ndim))
-        return kiln_tensor_retain(x);
     int64_t stride[KILN_MAX_DIMS];
     for (int d = 0; d < o->ndim; d++) {
         int k = d - (o->ndim - x->ndim);
@@ -188,11 +186,21 @@ static kiln_status custom_kernel(KILN__KERNEL_ARGS)
     for (int i = 0; c && !k && i < c->d.n_kernels; i++)
         if (serves(&c->kernels[i], be)) k = &c->kernels[i];
     if (!k) return kiln__err(KILN_ERR_INTERNAL, "custom op: no kernel for %s", be->name);
+    /* dense[i]: input i itself when it is contiguous and of the output's shape (or the op
+     * broadcasts nothing), else a dense copy of its view made here (owned[i]) */
     kiln_tensor_t *dense[8] = {0};
+    bool owned[8] = {false};
     kiln_status s = KILN_OK;
     for (int i = 0; s == KILN_OK && i < n_in; i++) {
-        kiln_tensor_t *x = c->expr ? broadcast(in[i], out[0]) : kiln_tensor_retain(in[i]);
+        bool same = !c->expr || (in[i]->ndim == out[0]->ndim &&
+                                 !memcmp(in[i]->shape, out[0]->shape, sizeof(int64_t) * (size_t)in[i]->ndim));
+        if (same && kiln__is_contiguous(in[i])) {
+            dense[i] = in[i];
+            continue;
+        }
+        kiln_tensor_t *x = same ? kiln_tensor_retain(in[i]) : broadcast(in[i], out[0]);
         dense[i] = x ? kiln__dense(x) : NULL;
+        owned[i] = dense[i] != NULL;
         kiln_tensor_free(x);
         if (!dense[i]) s = kiln_last_status();
     }
@@ -210,7 +218,8 @@ static kiln_status custom_kernel(KILN__KERNEL_ARGS)
     } else if (s == KILN_OK) {
         s = launch(c, k, be, dense, a, out);
     }
-    for (int i = 0; i < n_in; i++) kiln_tensor_free(dense[i]);
+    for (int i = 0; i < n_in; i++)
+        if (owned[i]) kiln_tensor_free(dense[i]);
     return s;
 }
 
