@@ -446,11 +446,15 @@ static kiln_status model_fn(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_
 /* The example module (examples/ext/rmsnorm_residual.c and .cl) built, loaded and used
  * by a model, eager and compiled, against the same model on kiln's add and rms_norm
  * (oracle; tolerance 1e-5 relative, f32 sums in another order): its loss and the
- * gradients of every input. On OpenCL (test_ext_opencl) its .cl kernel runs. */
+ * gradients of every input. On OpenCL (test_ext_opencl) its .cl kernel runs, on CUDA
+ * (test_ext_cuda) its .cu one. */
 static void the_example_module_trains_like_the_builtin_ops(void **state)
 {
-    const char *srcs[2] = {src_path("examples/ext/rmsnorm_residual.c"), src_path("examples/ext/rmsnorm_residual.cl")};
-    char *mod = build_module("rmsnorm", srcs, 2);
+    /* on a CUDA device (test_ext_cuda, bench/gpu.sh) its CUDA kernel too */
+    bool cuda = !strncmp(kiln_device(), "cuda", 4);
+    const char *srcs[3] = {src_path("examples/ext/rmsnorm_residual.c"), src_path("examples/ext/rmsnorm_residual.cl"),
+                           src_path("examples/ext/rmsnorm_residual.cu")};
+    char *mod = build_module("rmsnorm", srcs, cuda ? 3 : 2);
     int n_ops = -1;
     if (kiln_ext_load(mod, &n_ops) != KILN_OK) fail_msg("%s", kiln_last_error());
     assert_int_equal(n_ops, 1);
@@ -459,7 +463,8 @@ static void the_example_module_trains_like_the_builtin_ops(void **state)
     free(mod);
     int op = kiln_op_find("rmsnorm_residual");
     assert_true(op >= 0);
-    if (!strncmp(kiln_device(), "opencl", 6)) assert_int_equal(kiln_device_op_support(kiln_device(), op), KILN_OP_NATIVE);
+    if (cuda || !strncmp(kiln_device(), "opencl", 6))
+        assert_int_equal(kiln_device_op_support(kiln_device(), op), KILN_OP_NATIVE);
     int64_t xs[2] = {12, 32}, ws[2] = {32, 32}, vs[1] = {32};
     kiln_tensor_t *in[5] = {randn(xs, 2, 1), kiln_mul_scalar(randn(ws, 2, 2), 0.2), kiln_mul_scalar(randn(ws, 2, 3), 0.2),
                             kiln_add_scalar(randn(vs, 1, 4), 1), kiln_add_scalar(randn(vs, 1, 5), 1)};
