@@ -159,9 +159,17 @@ static void assert_close(kiln_tensor_t *a, kiln_tensor_t *b, double tol)
     free(y);
 }
 
+static kiln_status wrong_shape(const kiln_op_args *a, kiln_op_meta *out)
+{
+    out->dtype = KILN_DTYPE_F32;
+    out->ndim = 1;
+    out->shape[0] = kiln_tensor_numel(a->in[0]) * 2;
+    return KILN_OK;
+}
+
 static kiln_tensor_t *call1(int op, kiln_tensor_t *x, double attr)
 {
-    return kiln_op_call(op, &x, 1, &(kiln_op_value){.f = attr}, op == scale_by || op == relu2 ? 1 : 0);
+    return kiln_op_call(op, &x, 1, &(kiln_op_value){.f = attr}, op == pair || op == softsign ? 0 : 1);
 }
 
 static void eager_matches_the_builtin_ops(void **state)
@@ -352,7 +360,25 @@ static void bad_declarations_are_refused_by_name(void **state)
     d.expr = "x0 + x1";
     define_error(&d, "x1 names no input");
     d.expr = "x0; system(0)";
-    define_error(&d, "';'");
+    define_error(&d, "';' at 2 is not part of an expression");
+    d.expr = "x0 + system(0)";
+    define_error(&d, "'system' is not x<i>, a<k>, a number");
+    d.expr = "x0 // comment";
+    define_error(&d, "'//' at 3 is not part of an expression");
+    d.expr = "x0 + n";
+    define_error(&d, "'n' is not x<i>");
+    d.expr = "x0 + km_exp";
+    define_error(&d, "'km_exp' is not x<i>");
+    d.expr = "x0 + (x0";
+    define_error(&d, "unbalanced parentheses");
+    d.expr = NULL;
+    d.attrs = "a:f64,a:i64";
+    define_error(&d, "'a' is named twice");
+    d.attrs = "a:f64,";
+    define_error(&d, "a ',' ends");
+    d.attrs = "9a:f64";
+    define_error(&d, "'9a:f64' is not name:f64 or name:i64");
+    d.attrs = NULL;
     d.expr = NULL;
     d.name = "not a name";
     define_error(&d, "not an identifier");
@@ -371,6 +397,77 @@ static void bad_declarations_are_refused_by_name(void **state)
         d.n_kernels = 2;
         define_error(&d, "fine: its opencl kernel k does not build");
     }
+}
+
+/* The expressions' edges: an op of four inputs (more than a generated kernel's
+ * operands: its own step), an infinite attribute, a negative integer one (pasted in
+ * parentheses), each compiled against eager (its C kernel). */
+static kiln_status sum4_cpu(const kiln_op_args *a)
+{
+    const float *x[4];
+    for (int i = 0; i < 4; i++) x[i] = kiln_op_data(a->in[i]);
+    float *y = kiln_op_data(a->out[0]);
+    for (int64_t i = 0; i < kiln_tensor_numel(a->out[0]); i++) y[i] = x[0][i] + x[1][i] * x[2][i] - x[3][i];
+    return KILN_OK;
+}
+
+static kiln_status clamp_cpu(const kiln_op_args *a)
+{
+    const float *x = kiln_op_data(a->in[0]);
+    float *y = kiln_op_data(a->out[0]);
+    for (int64_t i = 0; i < kiln_tensor_numel(a->out[0]); i++)
+        y[i] = fminf(fmaxf(x[i] - (float)a->attr[2].i, (float)a->attr[0].f), (float)a->attr[1].f);
+    return KILN_OK;
+}
+
+static int sum4 = -1, clamp = -1;
+
+typedef struct {
+    kiln_op_value attr[3];
+} edge_ctx;
+
+static kiln_status edge_fn(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    const edge_ctx *e = ctx;
+    kiln_tensor_t *four[4] = {kiln_exp(in[0]), in[1], in[0], in[1]};
+    kiln_tensor_t *s4 = kiln_op_call(sum4, four, 4, NULL, 0);
+    kiln_tensor_t *c = kiln_neg(s4);
+    out[0] = kiln_mul_scalar(kiln_op_call(clamp, &c, 1, e->attr, 3), 3);
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+static void expression_edges_compile_as_they_run(void **state)
+{
+    if (sum4 < 0) {
+        const kiln_op_kernel k4[] = {{.device = "cpu", .fn = sum4_cpu}}, kc[] = {{.device = "cpu", .fn = clamp_cpu}};
+        assert_int_equal(kiln_op_define(&(kiln_op_decl){.name = "sum4", .n_in = 4, .n_out = 1, .kernels = k4,
+                                                        .n_kernels = 1, .expr = "x0 + x1 * x2 - x3"},
+                                        &sum4),
+                         KILN_OK);
+        assert_int_equal(kiln_op_define(&(kiln_op_decl){.name = "clamp3", .n_in = 1, .n_out = 1,
+                                                        .attrs = "lo:f64,hi:f64,shift:i64", .kernels = kc,
+                                                        .n_kernels = 1, .expr = "km_min(km_max(x0 - a2, a0), a1)"},
+                                        &clamp),
+                         KILN_OK);
+    }
+    kiln_tensor_t *in[2] = {randn(6, 20, 12), randn(6, 20, 13)};
+    edge_ctx e = {{{.f = -1.5}, {.f = INFINITY}, {.i = -2}}};
+    kiln_tensor_t *eager[1], *out[1] = {0};
+    int n;
+    assert_int_equal(edge_fn(&e, in, 2, eager, &n), KILN_OK);
+    kiln_compiled_t *cf;
+    assert_int_equal(kiln_compiled_new(edge_fn, &e, "edges", &cf), KILN_OK);
+    if (kiln_compiled_call(cf, in, 2, out, 1, &n) != KILN_OK) fail_msg("%s", kiln_last_error());
+    assert_close(out[0], eager[0], 1e-5);
+    kiln_compiled_free(cf);
+}
+
+/* A backward that gives a gradient of another dtype than its input's is refused. */
+static kiln_status bad_backward(const kiln_op_args *a, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+{
+    gin[0] = kiln_cast(gout[0], KILN_DTYPE_F64);
+    return gin[0] ? KILN_OK : kiln_last_status();
 }
 
 static void bad_calls_are_clear_errors(void **state)
@@ -403,6 +500,32 @@ static void bad_calls_are_clear_errors(void **state)
     assert_int_equal(kiln_last_status(), KILN_ERR_SHAPE);
     assert_string_equal(kiln_last_error(), "an earlier failure");
     kiln_clear_error();
+    /* an expression op whose shape function gives another shape than its inputs' */
+    static int wrong = -1;
+    const kiln_op_kernel wk[] = {{.device = "cpu", .fn = scale_cpu}};
+    if (wrong < 0)
+        assert_int_equal(kiln_op_define(&(kiln_op_decl){.name = "wrong_shape", .n_in = 1, .n_out = 1, .attrs = "s:f64",
+                                                        .shape = wrong_shape, .kernels = wk, .n_kernels = 1,
+                                                        .expr = "x0 * a0"},
+                                        &wrong),
+                         KILN_OK);
+    assert_null(call1(wrong, x, 1));
+    if (!strstr(kiln_last_error(), "wrong_shape: its shape function gave the output another shape"))
+        fail_msg("%s", kiln_last_error());
+    kiln_clear_error();
+    /* a backward's gradient of the wrong dtype */
+    static int badbw = -1;
+    if (badbw < 0)
+        assert_int_equal(kiln_op_define(&(kiln_op_decl){.name = "bad_backward", .n_in = 1, .n_out = 1, .attrs = "s:f64",
+                                                        .shape = scale_shape, .kernels = wk, .n_kernels = 1,
+                                                        .backward = bad_backward},
+                                        &badbw),
+                         KILN_OK);
+    kiln_tensor_t *xg = kiln_detach(x);
+    kiln_tensor_set_requires_grad(xg, true);
+    assert_int_equal(kiln_backward(kiln_sum(call1(badbw, xg, 2), NULL, 0, false)), KILN_ERR_AUTOGRAD);
+    if (!strstr(kiln_last_error(), "bad_backward: its backward gave input 0 a gradient f64")) fail_msg("%s", kiln_last_error());
+    kiln_clear_error();
     kiln_tensor_t *null_in = NULL;
     assert_null(kiln_op_call(scale_by, &null_in, 1, &(kiln_op_value){.f = 1}, 1));
     kiln_clear_error();
@@ -418,6 +541,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(graph_capture_and_replay_run_it, setup, teardown),
         cmocka_unit_test_setup_teardown(listed_with_the_builtin_ops, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_declarations_are_refused_by_name, setup, teardown),
+        cmocka_unit_test_setup_teardown(expression_edges_compile_as_they_run, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_calls_are_clear_errors, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -24,19 +24,24 @@ static const struct {
     {"doctor", cmd_doctor, "check every layer kiln stands on: OK, WARN or FAIL rows with fixes (--json; exit 1 on a FAIL)"},
 };
 
-/* The modules KILN_EXT names (':'-separated), loaded before the command runs. */
-static int ext_load_env(void)
+/* The modules KILN_EXT names (':'-separated), loaded before the command runs. One that
+ * does not load stops the command, except for the commands that diagnose or rebuild it
+ * (lenient: kiln ext, kiln doctor), which say so and go on. */
+static int ext_load_env(bool lenient)
 {
     const char *list = kiln_env("KILN_EXT");
     char path[4096];
     for (const char *p = list ? list : ""; *p;) {
         size_t n = strcspn(p, ":");
-        if (n && n < sizeof path) {
+        kiln_status s = KILN_OK;
+        if (n >= sizeof path) s = kiln_error(KILN_ERR_ARG, "a path of %zu characters: too long", n);
+        else if (n) {
             snprintf(path, sizeof path, "%.*s", (int)n, p);
-            if (kiln_ext_load(path, NULL) != KILN_OK) {
-                fprintf(stderr, "kiln: KILN_EXT: %s\n", kiln_last_error());
-                return 1;
-            }
+            s = kiln_ext_load(path, NULL);
+        }
+        if (s != KILN_OK) {
+            fprintf(stderr, "kiln: KILN_EXT: %s%s\n", kiln_last_error(), lenient ? " (going on without it)" : "");
+            if (!lenient) return 1;
         }
         p += n + (p[n] == ':');
     }
@@ -63,7 +68,7 @@ int main(int argc, char **argv)
     }
     for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++)
         if (!strcmp(argv[1], commands[i].name)) {
-            if (ext_load_env() != 0) return 1;
+            if (ext_load_env(!strcmp(argv[1], "ext") || !strcmp(argv[1], "doctor")) != 0) return 1;
             return commands[i].run(argc - 1, argv + 1);
         }
     fprintf(stderr, "kiln: unknown command '%s'\n\n", argv[1]);

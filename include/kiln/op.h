@@ -57,10 +57,16 @@
  *
  * expr (optional, for a pointwise op: one output, shaped as its inputs broadcast
  * together): the op as one C expression of x0, x1, ... (its inputs, as float) and a0,
- * a1, ... (its attributes), using C operators and kiln's kmath functions (km_exp,
- * km_tanh, km_max, ...): the compiler puts it inside the kernels it generates, fused
- * with its neighbours, on every device (C and OpenCL C). decompose (optional): the op
+ * a1, ... (its attributes), numbers, INFINITY, C's operators and kiln's kmath functions
+ * (km_exp, km_tanh, km_max, ...), nothing else: the compiler puts it inside the kernels
+ * it generates, fused with its neighbours, on every device (C and OpenCL C), for an op
+ * of at most 3 inputs (one of more runs as its own step). decompose (optional): the op
  * written with kiln ops, which the compiler may use instead.
+ *
+ * An op is a pure function of its inputs and attributes: the compiler may merge two
+ * calls with the same inputs and attributes, fold a call on constants, and compute a
+ * call again in the backward instead of keeping its result. An op that draws random
+ * numbers takes its seed as an attribute or an input.
  *
  * Names are unique: a name that a built-in or an earlier custom op has is refused,
  * naming it. A bad declaration (a count out of range, a malformed attribute list, no

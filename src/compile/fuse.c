@@ -44,8 +44,8 @@ static lower_kind lower_op(kiln__op_id op, const kiln_dtype *in, int n_in, kiln_
     bool same_float = (f32_in && o == KILN_DTYPE_F32) || (f64_in && o == KILN_DTYPE_F64);
     bool float_pw = same_float || (like_in && kiln__f32_or_half(o));
     if (kiln__op_math[op].name) return float_pw ? L_PW : L_NONE;
-    if (kiln__op_is_custom(op)) /* an expression of float values */
-        return kiln__custom_expr(op) && like_in && kiln__f32_or_half(o) ? L_PW : L_NONE;
+    if (kiln__op_is_custom(op)) /* an expression of float values, of at most 3 operands as every lowered op */
+        return kiln__custom_expr(op) && n_in <= 3 && like_in && kiln__f32_or_half(o) ? L_PW : L_NONE;
     switch (op) {
     case KILN_OP_ADD: case KILN_OP_SUB: case KILN_OP_MUL: case KILN_OP_DIV: case KILN_OP_POW:
     case KILN_OP_MAXIMUM: case KILN_OP_MINIMUM:

@@ -40,10 +40,13 @@ static const char *source(const kiln_ext_module *m, const char *name)
     return text;
 }
 
-/* The modules loaded, by their real path. */
+/* The modules loaded, by their real path; failed[i]: its kiln_ext_init failed (it stays
+ * open: the ops it defined before failing run its code). */
 static char *loaded[256];
+static bool failed[256];
 static int n_loaded;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
+static _Thread_local bool in_init; /* a module's kiln_ext_init is running on this thread */
 
 static kiln_status load(const char *path, int *n_ops)
 {
@@ -51,7 +54,10 @@ static kiln_status load(const char *path, int *n_ops)
     if (!realpath(path, real))
         return kiln_error(KILN_ERR_IO, "ext_load: %s: %s", path, strerror(errno));
     for (int i = 0; i < n_loaded; i++)
-        if (!strcmp(loaded[i], real)) return KILN_OK;
+        if (!strcmp(loaded[i], real))
+            return failed[i] ? kiln_error(KILN_ERR_ARG, "ext_load: %s was loaded before and its kiln_ext_init failed; "
+                                          "a process runs a module's init once (start a new one)", path)
+                             : KILN_OK;
     if (n_loaded == (int)(sizeof loaded / sizeof loaded[0]))
         return kiln_error(KILN_ERR_ARG, "ext_load: %s: %d modules are loaded already", path, n_loaded);
     dlerror();
@@ -89,17 +95,20 @@ static kiln_status load(const char *path, int *n_ops)
     kiln_ext_module m = {.path = real, .dir = dir, .source = source, .priv = &t};
     int before = kiln_op_count();
     kiln_clear_error();
+    in_init = true;
     s = init(&m);
+    in_init = false;
     for (int i = 0; i < t.n; i++) free(t.text[i]);
     if (n_ops) *n_ops = kiln_op_count() - before;
+    loaded[n_loaded] = strdup(real);
+    failed[n_loaded] = s != KILN_OK;
+    if (loaded[n_loaded]) n_loaded++;
     if (s != KILN_OK) {
         char why[2048];
         snprintf(why, sizeof why, "%s", kiln_last_status() ? kiln_last_error() : "(it gave no message)");
         /* left loaded: the ops it defined before failing run its code */
         return kiln_error(s, "ext_load: %s: kiln_ext_init failed: %s", path, why);
     }
-    loaded[n_loaded] = strdup(real);
-    if (loaded[n_loaded]) n_loaded++;
     return KILN_OK;
 }
 
@@ -107,6 +116,9 @@ kiln_status kiln_ext_load(const char *path, int *n_ops)
 {
     if (n_ops) *n_ops = 0;
     if (!path) return kiln_error(KILN_ERR_ARG, "ext_load: NULL path");
+    if (in_init) /* the lock is held by the load that runs this init */
+        return kiln_error(KILN_ERR_ARG, "ext_load: %s: called from a module's kiln_ext_init; load modules one after "
+                          "the other", path);
     pthread_mutex_lock(&lock);
     kiln_status s = load(path, n_ops);
     pthread_mutex_unlock(&lock);

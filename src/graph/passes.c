@@ -598,6 +598,10 @@ static kiln_status sink_rule(const kiln_graph_t *g, int k, kiln_tensor_t **ins, 
         return KILN_OK; /* nothing to fuse with, a scalar, or views that change no shape */
     kiln_tensor_t *res[KILN__MAX_OUT] = {0};
     kiln_status s = kiln__dispatch(n->op, src, n->n_in, &n->attrs, res);
+    if (s != KILN_OK && kiln__op_is_custom(n->op)) { /* its shape function may refuse the sources' shape */
+        kiln_clear_error();
+        return KILN_OK;
+    }
     if (s != KILN_OK) return s;
     kiln_tensor_t *out = kiln_reshape(res[0], om->shape, om->ndim);
     kiln_tensor_free(res[0]);

@@ -5,6 +5,7 @@
  * the decomposition through adapters that hand them kiln_op_args. The op's id rides in
  * its attributes (kiln__attrs.op.custom.op), so that the table's fixed signatures find
  * their op. */
+#include <math.h>
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
@@ -110,6 +111,14 @@ static kiln_status infer_custom(kiln_tensor_t *const *in, int n_in, const kiln__
             out[j].shape[d] = m[j].shape[d];
         }
     }
+    if (c->expr) { /* a pointwise op's output is its inputs broadcast: its kernels read them so */
+        kiln__meta b = {0};
+        if ((s = kiln__broadcast_shapes(c->name, n_in, in, &b)) != KILN_OK) return s;
+        if (!kiln__same_shape(b.ndim, b.shape, out[0].ndim, out[0].shape))
+            return kiln__err(KILN_ERR_INTERNAL, "%s: its shape function gave the output another shape than its inputs "
+                             "broadcast (%s first); an op with an expression is pointwise", c->name,
+                             kiln__shape_text(in[0]));
+    }
     return KILN_OK;
 }
 
@@ -170,8 +179,16 @@ static kiln_status launch(custom *c, kernel *k, kiln__backend *be, kiln_tensor_t
 static kiln_tensor_t *broadcast(kiln_tensor_t *x, const kiln_tensor_t *o)
 {
     int64_t stride[KILN_MAX_DIMS];
+    if (x->ndim > o->ndim) {
+        kiln__err(KILN_ERR_INTERNAL, "custom op: input %s has more dims than the output", kiln__shape_text(x));
+        return NULL;
+    }
     for (int d = 0; d < o->ndim; d++) {
         int k = d - (o->ndim - x->ndim);
+        if (k >= 0 && x->shape[k] != 1 && x->shape[k] != o->shape[d]) {
+            kiln__err(KILN_ERR_INTERNAL, "custom op: input %s does not broadcast to the output", kiln__shape_text(x));
+            return NULL;
+        }
         stride[d] = k < 0 || x->shape[k] == 1 ? 0 : x->stride[k];
     }
     return kiln__tensor_alias(x->st, x->dtype, o->ndim, o->shape, stride, x->offset);
@@ -230,10 +247,17 @@ static kiln_status custom_bw(kiln__node *n, kiln_tensor_t *const *gout, kiln_ten
     kiln_op_args x = args_of(c, n->op, n->saved_in, n->saved_out, &n->attrs);
     kiln_status s = c->d.backward(&x, gout, gin);
     if (s != KILN_OK) return kiln_last_status() ? s : kiln__err(s, "%s: its backward failed", c->name);
-    for (int i = 0; i < n->n_in; i++)
-        if (n->needs_grad[i] && !gin[i])
+    for (int i = 0; i < n->n_in; i++) {
+        if (!n->needs_grad[i]) continue;
+        if (!gin[i])
             return kiln__err(KILN_ERR_AUTOGRAD, "%s: its backward gave no gradient for input %d, which needs one",
                              c->name, i);
+        if (gin[i]->dtype != n->in_meta[i].dtype || (n->saved_in[i] && gin[i]->st->be != n->saved_in[i]->st->be))
+            return kiln__err(KILN_ERR_AUTOGRAD, "%s: its backward gave input %d a gradient %s on %s; the input is %s on "
+                             "%s", c->name, i, kiln__shape_text(gin[i]), gin[i]->st->be->name,
+                             kiln_dtype_name(n->in_meta[i].dtype),
+                             n->saved_in[i] ? n->saved_in[i]->st->be->name : "its device");
+    }
     return KILN_OK;
 }
 
@@ -311,9 +335,18 @@ static kiln_status check_expr(const custom *c)
         if ((k == 'x' && index >= c->d.n_in) || (k == 'a' && index >= c->n_attr))
             return kiln__err(KILN_ERR_ARG, "op %s: expr: %.*s names no %s (it has %d)", c->name, (int)len, p,
                              k == 'x' ? "input" : "attribute", k == 'x' ? c->d.n_in : c->n_attr);
-        if (k == 'o' && !strchr(" +-*/%<>=!&|^~?:(),.", *p))
-            return kiln__err(KILN_ERR_ARG, "op %s: expr: the character '%c' at %d is not part of an expression", c->name,
-                             *p, (int)(p - c->expr));
+        if (k == 'w') { /* a kmath function, called; or INFINITY */
+            const char *q = p + len;
+            while (*q == ' ') q++;
+            bool call = len > 3 && !strncmp(p, "km_", 3) && *q == '(';
+            if (!call && !(len == 8 && !strncmp(p, "INFINITY", 8)))
+                return kiln__err(KILN_ERR_ARG, "op %s: expr: '%.*s' is not x<i>, a<k>, a number, INFINITY or a kmath "
+                                 "function (km_exp, km_tanh, ...) called", c->name, (int)len, p);
+        }
+        bool comment = *p == '/' && (p[1] == '/' || p[1] == '*');
+        if (k == 'o' && (!strchr(" +-*/%<>=!&|^~?:(),.", *p) || comment))
+            return kiln__err(KILN_ERR_ARG, "op %s: expr: '%.*s' at %d is not part of an expression", c->name,
+                             comment ? 2 : 1, p, (int)(p - c->expr));
         depth += *p == '(' ? 1 : *p == ')' ? -1 : 0;
         if (depth < 0) break;
     }
@@ -334,8 +367,11 @@ char *kiln__custom_expr_text(int op, const char *const *names, int n_names, cons
         size_t m = len;
         if (k == 'x' && index < n_names) put = names[index], m = strlen(put);
         if (k == 'a') {
-            if (c->attr_int[index]) snprintf(num, sizeof num, "%lld", (long long)a->op.custom.v[index].i);
-            else snprintf(num, sizeof num, "((float)%.17g)", a->op.custom.v[index].f);
+            double f = a->op.custom.v[index].f;
+            if (c->attr_int[index]) snprintf(num, sizeof num, "(%lld)", (long long)a->op.custom.v[index].i);
+            else if (isinf(f)) snprintf(num, sizeof num, "((float)(%sINFINITY))", f < 0 ? "-" : "");
+            else if (isnan(f)) snprintf(num, sizeof num, "km_bits(0x7fc00000)");
+            else snprintf(num, sizeof num, "((float)%.17g)", f);
             put = num, m = strlen(num);
         }
         if (n + m + 1 > cap) {
@@ -357,15 +393,24 @@ static kiln_status parse_attrs(custom *c, const char *spec)
     for (const char *p = spec ? spec : ""; *p;) {
         const char *end = p + strcspn(p, ","), *colon = memchr(p, ':', (size_t)(end - p));
         size_t nl = colon ? (size_t)(colon - p) : 0, tl = colon ? (size_t)(end - colon - 1) : 0;
+        bool ident = nl > 0 && !(*p >= '0' && *p <= '9');
+        for (size_t i = 0; i < nl; i++)
+            ident &= p[i] == '_' || (p[i] >= 'a' && p[i] <= 'z') || (p[i] >= 'A' && p[i] <= 'Z') || (p[i] >= '0' && p[i] <= '9');
         if (c->n_attr == MAX_ATTRS)
             return kiln__err(KILN_ERR_ARG, "op %s: attrs: more than %d attributes", c->name, MAX_ATTRS);
-        if (!colon || !nl || nl >= sizeof c->attr_name[0] || (tl != 3) ||
+        if (!colon || !ident || nl >= sizeof c->attr_name[0] || tl != 3 ||
             (strncmp(colon + 1, "f64", 3) && strncmp(colon + 1, "i64", 3)))
             return kiln__err(KILN_ERR_ARG, "op %s: attrs: '%.*s' is not name:f64 or name:i64 (in \"%s\")", c->name,
                              (int)(end - p), p, spec);
+        for (int i = 0; i < c->n_attr; i++)
+            if (strlen(c->attr_name[i]) == nl && !strncmp(c->attr_name[i], p, nl))
+                return kiln__err(KILN_ERR_ARG, "op %s: attrs: '%.*s' is named twice (in \"%s\")", c->name, (int)nl, p,
+                                 spec);
         memcpy(c->attr_name[c->n_attr], p, nl);
         c->attr_name[c->n_attr][nl] = 0;
         c->attr_int[c->n_attr++] = colon[1] == 'i';
+        if (*end && !end[1])
+            return kiln__err(KILN_ERR_ARG, "op %s: attrs: a ',' ends \"%s\"", c->name, spec);
         p = *end ? end + 1 : end;
     }
     return KILN_OK;
