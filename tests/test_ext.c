@@ -574,6 +574,9 @@ static void bad_modules_are_clear_errors(void **state)
                   "kiln_status kiln_ext_init(const kiln_ext_module *m)\n"
                   "{ return m->source(m, \"missing.cl\") ? KILN_OK : kiln_last_status(); }\n",
          "kiln_ext_init failed: "},
+        {"nested", "#include \"kiln/ext.h\"\nKILN_EXT_MODULE;\n"
+                   "kiln_status kiln_ext_init(const kiln_ext_module *m) { return kiln_ext_load(m->path, 0); }\n",
+         "called from a module's kiln_ext_init"},
         {"clash", "#include \"kiln/ext.h\"\nKILN_EXT_MODULE;\n"
                   "static kiln_status k(const kiln_op_args *a) { return KILN_OK; }\n"
                   "static kiln_status sh(const kiln_op_args *a, kiln_op_meta *o) { return KILN_OK; }\n"
@@ -592,6 +595,10 @@ static void bad_modules_are_clear_errors(void **state)
         assert_int_not_equal(kiln_ext_load(mod, NULL), KILN_OK);
         if (!strstr(kiln_last_error(), cases[i].want) || !strstr(kiln_last_error(), mod))
             fail_msg("%s: %s (wanted '%s')", cases[i].name, kiln_last_error(), cases[i].want);
+        if (strstr(cases[i].want, "kiln_ext_init failed")) { /* its init is not run twice */
+            assert_int_not_equal(kiln_ext_load(mod, NULL), KILN_OK);
+            if (!strstr(kiln_last_error(), "was loaded before and its kiln_ext_init failed")) fail_msg("%s", kiln_last_error());
+        }
         free(mod);
         kiln_clear_error();
     }
