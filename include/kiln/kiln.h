@@ -4,6 +4,7 @@
 #include "kiln/tensor.h"
 #include "kiln/ops.h"
 #include "kiln/op.h"
+#include "kiln/flex.h"
 #include "kiln/nn.h"
 #include "kiln/optim.h"
 #include "kiln/io.h"

@@ -1,0 +1,758 @@
+/* Flex attention (kiln/flex.h): score and mask modifiers as small expressions, parsed
+ * once into a tree; presets and their joins written as such expressions; the block
+ * mask; and the attention itself, computed densely with kiln's ops (the reference that
+ * fused kernels are checked against, differentiable through autograd). The expression
+ * language is written here by hand: it is twenty lines of grammar, and no library
+ * parses C's expressions into a tree a code generator can walk as well. */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "core/op_table.h"
+#include "kiln/flex.h"
+#include "kiln/ops.h"
+
+#define MAX_CAPTURED 8
+#define MAX_NODES 512
+
+/* ---- the expression tree ---- */
+
+typedef enum { A_NUM, A_NAME, A_CAP, A_NEG, A_NOT, A_BIN, A_TERN, A_CALL } akind;
+typedef enum { V_SCORE, V_B, V_H, V_Q, V_KV, V_QLEN, V_KVLEN, N_VARS } var;
+static const char *const var_names[N_VARS] = {"score", "b", "h", "q_idx", "kv_idx", "q_len", "kv_len"};
+typedef enum { F_TANH, F_EXP, F_LOG, F_ABS, F_SQRT, F_MIN, F_MAX, N_FNS } fn;
+static const char *const fn_names[N_FNS] = {"tanh", "exp", "log", "abs", "sqrt", "min", "max"};
+static const int fn_args[N_FNS] = {1, 1, 1, 1, 1, 2, 2};
+/* binary operators, by their text */
+typedef enum { B_ADD, B_SUB, B_MUL, B_DIV, B_LT, B_LE, B_GT, B_GE, B_EQ, B_NE, B_AND, B_OR } binop;
+
+typedef struct {
+    akind kind;
+    int op;        /* A_NAME: var; A_CAP: captured index; A_BIN: binop; A_CALL: fn */
+    double num;
+    bool integer;  /* A_NUM written without '.' or exponent */
+    int n_arg, arg[4];
+} anode;
+
+typedef struct {
+    anode n[MAX_NODES];
+    int count, root;
+    const char *text, *p, *what; /* what: "score_mod" or "mask_mod" */
+    kiln_status err;
+} parser;
+
+static kiln_status fail(parser *ps, const char *fmt, const char *detail)
+{
+    if (ps->err == KILN_OK)
+        ps->err = kiln_error(KILN_ERR_ARG, "flex %s \"%s\", at %d: %s%s", ps->what, ps->text, (int)(ps->p - ps->text),
+                             fmt, detail ? detail : "");
+    return ps->err;
+}
+
+static void skip(parser *ps)
+{
+    while (*ps->p == ' ' || *ps->p == '\t' || *ps->p == '\n') ps->p++;
+}
+
+static bool eat(parser *ps, const char *tok)
+{
+    skip(ps);
+    size_t n = strlen(tok);
+    if (strncmp(ps->p, tok, n)) return false;
+    /* "<" is not "<=", "&" alone is not an operator */
+    if (n == 1 && (*tok == '<' || *tok == '>' || *tok == '!' || *tok == '=') && ps->p[1] == '=') return false;
+    ps->p += n;
+    return true;
+}
+
+static int node(parser *ps, anode a)
+{
+    if (ps->count == MAX_NODES) {
+        fail(ps, "the expression is too long", NULL);
+        return -1;
+    }
+    ps->n[ps->count] = a;
+    return ps->count++;
+}
+
+static int expr(parser *ps);
+
+static int primary(parser *ps)
+{
+    skip(ps);
+    const char *s = ps->p;
+    if ((*s >= '0' && *s <= '9') || (*s == '.' && s[1] >= '0' && s[1] <= '9')) {
+        char *end;
+        double v = strtod(s, &end);
+        bool integer = true;
+        for (const char *c = s; c < end; c++) integer &= *c >= '0' && *c <= '9';
+        ps->p = end;
+        if (*ps->p == 'f') ps->p++; /* 1.5f as C writes it */
+        return node(ps, (anode){.kind = A_NUM, .num = v, .integer = integer});
+    }
+    if (eat(ps, "(")) {
+        int e = expr(ps);
+        if (e >= 0 && !eat(ps, ")")) return fail(ps, "')' expected", NULL), -1;
+        return e;
+    }
+    if (!(*s == '_' || (*s >= 'a' && *s <= 'z') || (*s >= 'A' && *s <= 'Z')))
+        return fail(ps, *s ? "a value expected" : "the expression ends too soon", NULL), -1;
+    const char *e = s;
+    while (*e == '_' || (*e >= 'a' && *e <= 'z') || (*e >= 'A' && *e <= 'Z') || (*e >= '0' && *e <= '9')) e++;
+    size_t len = (size_t)(e - s);
+    char word[32];
+    snprintf(word, sizeof word, "%.*s", (int)(len < 31 ? len : 31), s);
+    ps->p = e;
+    for (int v = 0; v < N_VARS; v++)
+        if (!strcmp(word, var_names[v])) return node(ps, (anode){.kind = A_NAME, .op = v});
+    if (word[0] == 'c' && len == 2 && word[1] >= '0' && word[1] < '0' + MAX_CAPTURED) {
+        anode a = {.kind = A_CAP, .op = word[1] - '0'};
+        if (!eat(ps, "[")) return fail(ps, "a captured tensor is read at indices: ", "c0[h]"), -1;
+        do {
+            if (a.n_arg == 4) return fail(ps, "more than 4 indices", NULL), -1;
+            if ((a.arg[a.n_arg++] = expr(ps)) < 0) return -1;
+        } while (eat(ps, ","));
+        if (!eat(ps, "]")) return fail(ps, "']' expected", NULL), -1;
+        return node(ps, a);
+    }
+    for (int f = 0; f < N_FNS; f++)
+        if (!strcmp(word, fn_names[f])) {
+            anode a = {.kind = A_CALL, .op = f};
+            if (!eat(ps, "(")) return fail(ps, "'(' expected after ", fn_names[f]), -1;
+            do {
+                if (a.n_arg == fn_args[f]) return fail(ps, "too many arguments to ", fn_names[f]), -1;
+                if ((a.arg[a.n_arg++] = expr(ps)) < 0) return -1;
+            } while (eat(ps, ","));
+            if (a.n_arg != fn_args[f]) return fail(ps, "too few arguments to ", fn_names[f]), -1;
+            if (!eat(ps, ")")) return fail(ps, "')' expected", NULL), -1;
+            return node(ps, a);
+        }
+    ps->p = s;
+    return fail(ps, "unknown name ", word), -1;
+}
+
+static int unary(parser *ps)
+{
+    if (eat(ps, "-")) {
+        int a = unary(ps);
+        return a < 0 ? -1 : node(ps, (anode){.kind = A_NEG, .n_arg = 1, .arg = {a}});
+    }
+    if (eat(ps, "!")) {
+        int a = unary(ps);
+        return a < 0 ? -1 : node(ps, (anode){.kind = A_NOT, .n_arg = 1, .arg = {a}});
+    }
+    return primary(ps);
+}
+
+/* One level of left-associative binary operators: ops[i] is binop codes[i]. */
+static int level(parser *ps, int (*next)(parser *), const char *const *ops, const binop *codes, int n_ops)
+{
+    int l = next(ps);
+    while (l >= 0) {
+        int k = 0;
+        while (k < n_ops && !eat(ps, ops[k])) k++;
+        if (k == n_ops) break;
+        int r = next(ps);
+        if (r < 0) return -1;
+        l = node(ps, (anode){.kind = A_BIN, .op = codes[k], .n_arg = 2, .arg = {l, r}});
+    }
+    return l;
+}
+
+static int mul(parser *ps) { return level(ps, unary, (const char *const[]){"*", "/"}, (binop[]){B_MUL, B_DIV}, 2); }
+static int add(parser *ps) { return level(ps, mul, (const char *const[]){"+", "-"}, (binop[]){B_ADD, B_SUB}, 2); }
+static int cmp(parser *ps)
+{
+    return level(ps, add, (const char *const[]){"<=", ">=", "==", "!=", "<", ">"},
+                 (binop[]){B_LE, B_GE, B_EQ, B_NE, B_LT, B_GT}, 6);
+}
+static int and_(parser *ps) { return level(ps, cmp, (const char *const[]){"&&"}, (binop[]){B_AND}, 1); }
+static int or_(parser *ps) { return level(ps, and_, (const char *const[]){"||"}, (binop[]){B_OR}, 1); }
+
+static int expr(parser *ps)
+{
+    int c = or_(ps);
+    if (c < 0 || !eat(ps, "?")) return c;
+    int a = expr(ps);
+    if (a < 0) return -1;
+    if (!eat(ps, ":")) return fail(ps, "':' expected", NULL), -1;
+    int b = expr(ps);
+    return b < 0 ? -1 : node(ps, (anode){.kind = A_TERN, .n_arg = 3, .arg = {c, a, b}});
+}
+
+/* Which names and captured tensors a tree reads. */
+static void uses(const parser *ps, int i, bool *vars, bool *caps)
+{
+    const anode *a = &ps->n[i];
+    if (a->kind == A_NAME) vars[a->op] = true;
+    if (a->kind == A_CAP) caps[a->op] = true;
+    for (int j = 0; j < a->n_arg; j++) uses(ps, a->arg[j], vars, caps);
+}
+
+/* ---- the modifiers ---- */
+
+struct kiln_flex {
+    char *score, *mask; /* "" when absent */
+    parser *ps[2];      /* their trees (NULL when absent) */
+    kiln_tensor_t *cap[MAX_CAPTURED];
+    int n_cap;
+    bool vars[2][N_VARS], caps[2][MAX_CAPTURED];
+};
+
+void kiln_flex_free(kiln_flex_t *f)
+{
+    if (!f) return;
+    for (int i = 0; i < f->n_cap; i++) kiln_tensor_free(f->cap[i]);
+    free(f->ps[0]);
+    free(f->ps[1]);
+    free(f->score);
+    free(f->mask);
+    free(f);
+}
+
+static kiln_status parse(kiln_flex_t *f, int which, const char *text)
+{
+    if (!text || !*text) return KILN_OK;
+    parser *ps = calloc(1, sizeof *ps);
+    if (!ps) return kiln_error(KILN_ERR_OOM, "flex: out of memory");
+    f->ps[which] = ps;
+    ps->text = ps->p = text;
+    ps->what = which ? "mask_mod" : "score_mod";
+    ps->root = expr(ps);
+    skip(ps);
+    if (ps->err == KILN_OK && *ps->p) fail(ps, "unexpected text after the expression", NULL);
+    if (ps->err != KILN_OK) return ps->err;
+    uses(ps, ps->root, f->vars[which], f->caps[which]);
+    if (which == 1 && f->vars[1][V_SCORE])
+        return kiln_error(KILN_ERR_ARG, "flex mask_mod \"%s\": a mask reads no score (a score_mod changes scores)", text);
+    for (int c = 0; c < MAX_CAPTURED; c++)
+        if (f->caps[which][c] && c >= f->n_cap)
+            return kiln_error(KILN_ERR_ARG, "flex %s \"%s\": c%d is read but %d tensor(s) are captured", ps->what, text, c,
+                              f->n_cap);
+    return KILN_OK;
+}
+
+kiln_status kiln_flex_new(const char *score_mod, const char *mask_mod, kiln_tensor_t *const *captured, int n_captured,
+                          kiln_flex_t **out)
+{
+    if (!out) return kiln_error(KILN_ERR_ARG, "flex_new: NULL out");
+    *out = NULL;
+    if (n_captured < 0 || n_captured > MAX_CAPTURED || (n_captured && !captured))
+        return kiln_error(KILN_ERR_ARG, "flex_new: %d captured tensors (0 to %d)", n_captured, MAX_CAPTURED);
+    for (int i = 0; i < n_captured; i++)
+        if (!captured[i]) return kiln_error(KILN_ERR_ARG, "flex_new: captured tensor %d is NULL", i);
+    kiln_flex_t *f = calloc(1, sizeof *f);
+    if (!f) return kiln_error(KILN_ERR_OOM, "flex: out of memory");
+    f->score = strdup(score_mod ? score_mod : "");
+    f->mask = strdup(mask_mod ? mask_mod : "");
+    for (int i = 0; i < n_captured; i++) f->cap[f->n_cap++] = kiln_tensor_retain(captured[i]);
+    kiln_status s = f->score && f->mask ? KILN_OK : kiln_error(KILN_ERR_OOM, "flex: out of memory");
+    if (s == KILN_OK) s = parse(f, 0, f->score);
+    if (s == KILN_OK) s = parse(f, 1, f->mask);
+    if (s != KILN_OK) {
+        kiln_flex_free(f);
+        return s;
+    }
+    *out = f;
+    return KILN_OK;
+}
+
+const char *kiln_flex_score_text(const kiln_flex_t *f) { return f ? f->score : ""; }
+const char *kiln_flex_mask_text(const kiln_flex_t *f) { return f ? f->mask : ""; }
+
+/* text with every c<i> renumbered c<i + shift>, and (for a score) every `score` replaced
+ * by inner; appended to buf. */
+static void rewrite(char *buf, size_t cap, const char *text, int shift, const char *inner)
+{
+    size_t n = strlen(buf);
+    for (const char *p = text; *p && n + 64 < cap;) {
+        bool word_start = (*p == '_' || (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z')) &&
+                          (p == text || !(p[-1] == '_' || (p[-1] >= 'a' && p[-1] <= 'z') ||
+                                          (p[-1] >= 'A' && p[-1] <= 'Z') || (p[-1] >= '0' && p[-1] <= '9')));
+        const char *e = p;
+        if (word_start)
+            while (*e == '_' || (*e >= 'a' && *e <= 'z') || (*e >= 'A' && *e <= 'Z') || (*e >= '0' && *e <= '9')) e++;
+        size_t len = (size_t)(e - p);
+        if (word_start && len == 2 && p[0] == 'c' && p[1] >= '0' && p[1] <= '9') {
+            n += (size_t)snprintf(buf + n, cap - n, "c%d", p[1] - '0' + shift);
+            p = e;
+        } else if (word_start && inner && len == 5 && !strncmp(p, "score", 5)) {
+            n += (size_t)snprintf(buf + n, cap - n, "(%s)", inner);
+            p = e;
+        } else if (word_start) {
+            n += (size_t)snprintf(buf + n, cap - n, "%.*s", (int)len, p);
+            p = e;
+        } else {
+            buf[n++] = *p++;
+            buf[n] = 0;
+        }
+    }
+}
+
+static kiln_status join(const kiln_flex_t *a, const kiln_flex_t *b, const char *op, kiln_flex_t **out)
+{
+    if (!a || !b || !out) return kiln_error(KILN_ERR_ARG, "flex_%s: NULL argument", *op == '&' ? "and" : "or");
+    if (a->n_cap + b->n_cap > MAX_CAPTURED)
+        return kiln_error(KILN_ERR_ARG, "flex: %d captured tensors joined, at most %d", a->n_cap + b->n_cap, MAX_CAPTURED);
+    size_t cap = 4 * (strlen(a->score) + strlen(a->mask) + strlen(b->score) + strlen(b->mask)) + 256;
+    char *score = calloc(1, cap), *mask = calloc(1, cap);
+    kiln_status s = score && mask ? KILN_OK : kiln_error(KILN_ERR_OOM, "flex: out of memory");
+    if (s == KILN_OK) {
+        if (*b->score) rewrite(score, cap, b->score, a->n_cap, *a->score ? a->score : NULL);
+        else rewrite(score, cap, a->score, 0, NULL);
+        if (*a->mask && *b->mask) {
+            strcpy(mask, "(");
+            rewrite(mask, cap, a->mask, 0, NULL);
+            strcat(mask, ") ");
+            strcat(mask, op);
+            strcat(mask, " (");
+            rewrite(mask, cap, b->mask, a->n_cap, NULL);
+            strcat(mask, ")");
+        } else if (*op == '&') { /* no mask is "every key": and keeps the other */
+            rewrite(mask, cap, *a->mask ? a->mask : b->mask, *a->mask ? 0 : a->n_cap, NULL);
+        } /* or with "every key" is every key: no mask */
+        kiln_tensor_t *caps[MAX_CAPTURED];
+        for (int i = 0; i < a->n_cap; i++) caps[i] = a->cap[i];
+        for (int i = 0; i < b->n_cap; i++) caps[a->n_cap + i] = b->cap[i];
+        s = kiln_flex_new(score, mask, caps, a->n_cap + b->n_cap, out);
+    }
+    free(score);
+    free(mask);
+    return s;
+}
+
+kiln_status kiln_flex_and(const kiln_flex_t *a, const kiln_flex_t *b, kiln_flex_t **out) { return join(a, b, "&&", out); }
+kiln_status kiln_flex_or(const kiln_flex_t *a, const kiln_flex_t *b, kiln_flex_t **out) { return join(a, b, "||", out); }
+
+#define CAUSAL "q_idx + kv_len - q_len >= kv_idx"
+
+/* One preset, by name and argument. */
+static kiln_status preset(const char *name, const char *arg, const kiln_flex_inputs *in, kiln_flex_t **out)
+{
+    char text[256];
+    char *end = NULL;
+    double v = arg ? strtod(arg, &end) : 0;
+    bool number = arg && end && end != arg && !*end;
+    if (!strcmp(name, "causal") && !arg) return kiln_flex_new(NULL, CAUSAL, NULL, 0, out);
+    if (!strcmp(name, "window") && number && v >= 1 && v == floor(v)) {
+        snprintf(text, sizeof text, CAUSAL " && q_idx + kv_len - q_len - kv_idx < %lld", (long long)v);
+        return kiln_flex_new(NULL, text, NULL, 0, out);
+    }
+    if (!strcmp(name, "prefix") && number && v >= 0 && v == floor(v)) {
+        snprintf(text, sizeof text, "kv_idx < %lld || " CAUSAL, (long long)v);
+        return kiln_flex_new(NULL, text, NULL, 0, out);
+    }
+    if (!strcmp(name, "softcap") && number && v > 0) {
+        snprintf(text, sizeof text, "%.17g * tanh(score / %.17g)", v, v);
+        return kiln_flex_new(text, NULL, NULL, 0, out);
+    }
+    if (!strcmp(name, "doc") && !arg) {
+        if (!in || !in->doc_ids)
+            return kiln_error(KILN_ERR_ARG, "flex preset doc: give the (B, T) document ids (kiln_flex_inputs.doc_ids)");
+        return kiln_flex_new(NULL, "c0[b, q_idx + kv_len - q_len] == c0[b, kv_idx]", &in->doc_ids, 1, out);
+    }
+    if (!strcmp(name, "alibi") && !arg) {
+        kiln_tensor_t *slopes = in ? in->alibi_slopes : NULL;
+        bool made = false;
+        if (!slopes) {
+            int64_t H = in ? in->heads : 0;
+            if (H < 1 || H > 4096)
+                return kiln_error(KILN_ERR_ARG, "flex preset alibi: give the slopes or the number of heads "
+                                  "(kiln_flex_inputs.alibi_slopes or .heads)");
+            float *s = malloc(sizeof(float) * (size_t)H);
+            if (!s) return kiln_error(KILN_ERR_OOM, "flex: out of memory");
+            for (int64_t h = 0; h < H; h++) s[h] = (float)exp2(-8.0 * (double)(h + 1) / (double)H);
+            slopes = kiln_from_data(s, &H, 1, KILN_DTYPE_F32);
+            free(s);
+            if (!slopes) return kiln_last_status();
+            slopes = kiln_keep(slopes);
+            made = true;
+        }
+        kiln_status s = kiln_flex_new("score + c0[h] * (kv_idx - q_idx)", NULL, &slopes, 1, out);
+        if (made) kiln_tensor_free(slopes);
+        return s;
+    }
+    return kiln_error(KILN_ERR_ARG, "flex preset '%s%s%s': not one of causal, window:W, prefix:P, doc, alibi, "
+                      "softcap:C (W and P whole numbers >= 1 and >= 0, C > 0)", name, arg ? ":" : "", arg ? arg : "");
+}
+
+kiln_status kiln_flex_preset(const char *spec, const kiln_flex_inputs *in, kiln_flex_t **out)
+{
+    if (!spec || !out) return kiln_error(KILN_ERR_ARG, "flex_preset: NULL spec or out");
+    *out = NULL;
+    kiln_flex_t *acc = NULL;
+    kiln_status s = KILN_OK;
+    for (const char *p = spec; s == KILN_OK;) {
+        size_t n = strcspn(p, "+");
+        char part[128];
+        if (n == 0 || n >= sizeof part) {
+            s = kiln_error(KILN_ERR_ARG, "flex preset \"%s\": an empty or too long part", spec);
+            break;
+        }
+        snprintf(part, sizeof part, "%.*s", (int)n, p);
+        char *colon = strchr(part, ':');
+        if (colon) *colon = 0;
+        kiln_flex_t *one = NULL, *both = NULL;
+        s = preset(part, colon ? colon + 1 : NULL, in, &one);
+        if (s == KILN_OK && acc) {
+            s = kiln_flex_and(acc, one, &both);
+            kiln_flex_free(acc);
+            kiln_flex_free(one);
+            acc = both;
+        } else if (s == KILN_OK) {
+            acc = one;
+        }
+        if (!p[n]) break;
+        p += n + 1;
+    }
+    if (s != KILN_OK) {
+        kiln_flex_free(acc);
+        return s;
+    }
+    *out = acc;
+    return KILN_OK;
+}
+
+/* ---- evaluation with kiln's ops, over broadcast index tensors ---- */
+
+typedef enum { T_BOOL, T_INT, T_FLOAT } vtype;
+typedef struct {
+    kiln_tensor_t *t;
+    vtype type;
+} val;
+
+typedef struct {
+    const kiln_flex_t *f;
+    const parser *ps;
+    kiln_tensor_t *score, *idx[N_VARS]; /* idx[V_B..V_KVLEN] */
+    kiln_dtype F;                        /* the scores' float type */
+} env;
+
+static val as(val x, vtype t, kiln_dtype F)
+{
+    if (!x.t || x.type == t) return x;
+    return (val){kiln_cast(x.t, t == T_FLOAT ? F : t == T_INT ? KILN_DTYPE_I64 : KILN_DTYPE_BOOL), t};
+}
+
+static val truth(val x, kiln_dtype F) /* a value as a bool: != 0 */
+{
+    if (!x.t || x.type == T_BOOL) return x;
+    return (val){kiln_ne(x.t, kiln_scalar(0, kiln_tensor_dtype(x.t))), T_BOOL};
+}
+
+static val eval(const env *e, int i)
+{
+    const anode *a = &e->ps->n[i];
+    val x[4] = {{0}};
+    for (int j = 0; j < a->n_arg && a->kind != A_CAP; j++)
+        if (!(x[j] = eval(e, a->arg[j])).t) return (val){0};
+    switch (a->kind) {
+    case A_NUM:
+        return a->integer ? (val){kiln_scalar(a->num, KILN_DTYPE_I64), T_INT} : (val){kiln_scalar(a->num, e->F), T_FLOAT};
+    case A_NAME:
+        return a->op == V_SCORE ? (val){e->score, T_FLOAT} : (val){e->idx[a->op], T_INT};
+    case A_NEG:
+        if (x[0].type == T_BOOL) x[0] = as(x[0], T_INT, e->F);
+        return (val){kiln_neg(x[0].t), x[0].type};
+    case A_NOT:
+        return (val){kiln_eq(as(truth(x[0], e->F), T_INT, e->F).t, kiln_scalar(0, KILN_DTYPE_I64)), T_BOOL};
+    case A_TERN: {
+        vtype t = x[1].type > x[2].type ? x[1].type : x[2].type;
+        val c = truth(x[0], e->F), l = as(x[1], t, e->F), r = as(x[2], t, e->F);
+        return l.t && r.t ? (val){kiln_where(c.t, l.t, r.t), t} : (val){0};
+    }
+    case A_CALL: {
+        if (a->op == F_MIN || a->op == F_MAX) {
+            vtype t = x[0].type > x[1].type ? x[0].type : x[1].type;
+            if (t == T_BOOL) t = T_INT;
+            val l = as(x[0], t, e->F), r = as(x[1], t, e->F);
+            return (val){a->op == F_MIN ? kiln_minimum(l.t, r.t) : kiln_maximum(l.t, r.t), t};
+        }
+        if (a->op == F_ABS && x[0].type == T_INT) return (val){kiln_abs(x[0].t), T_INT};
+        kiln_tensor_t *y = as(x[0], T_FLOAT, e->F).t;
+        kiln_tensor_t *(*f1[])(kiln_tensor_t *) = {kiln_tanh, kiln_exp, kiln_log, kiln_abs, kiln_sqrt};
+        return (val){y ? f1[a->op](y) : NULL, T_FLOAT};
+    }
+    case A_CAP: { /* c[i0, i1, ...]: the flat tensor's element at the row-major index */
+        kiln_tensor_t *c = e->f->cap[a->op];
+        int nd = kiln_tensor_ndim(c);
+        if (nd != a->n_arg) {
+            kiln_error(KILN_ERR_SHAPE, "flex %s \"%s\": c%d has %d dims, read at %d indices", e->ps->what, e->ps->text,
+                       a->op, nd, a->n_arg);
+            return (val){0};
+        }
+        kiln_tensor_t *lin = NULL;
+        for (int d = 0; d < nd; d++) {
+            val ix = eval(e, a->arg[d]);
+            if (!ix.t) return (val){0};
+            if (ix.type == T_FLOAT) {
+                kiln_error(KILN_ERR_ARG, "flex %s \"%s\": an index of c%d is a float", e->ps->what, e->ps->text, a->op);
+                return (val){0};
+            }
+            ix = as(ix, T_INT, e->F);
+            lin = lin ? kiln_add(kiln_mul(lin, kiln_scalar((double)kiln_tensor_shape(c)[d], KILN_DTYPE_I64)), ix.t) : ix.t;
+        }
+        int64_t numel = kiln_tensor_numel(c);
+        kiln_tensor_t *flat = kiln_reshape(c, &numel, 1);
+        if (!lin || !flat) return (val){0};
+        const int64_t *ls = kiln_tensor_shape(lin);
+        int lnd = kiln_tensor_ndim(lin);
+        int64_t ln = kiln_tensor_numel(lin);
+        kiln_tensor_t *picked = kiln_index_select(flat, 0, kiln_reshape(kiln_contiguous(lin), &ln, 1));
+        kiln_tensor_t *y = picked ? kiln_reshape(picked, ls, lnd) : NULL;
+        kiln_dtype dt = kiln_tensor_dtype(c);
+        vtype t = dt == KILN_DTYPE_BOOL ? T_BOOL : dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_F64 ||
+                                                           dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16
+                                                       ? T_FLOAT
+                                                       : T_INT;
+        if (y && t == T_FLOAT && dt != e->F) y = kiln_cast(y, e->F);
+        if (y && t == T_INT && dt != KILN_DTYPE_I64) y = kiln_cast(y, KILN_DTYPE_I64);
+        return (val){y, t};
+    }
+    case A_BIN:
+        break;
+    }
+    binop op = (binop)a->op;
+    if (op == B_AND || op == B_OR) {
+        kiln_tensor_t *l = as(truth(x[0], e->F), T_INT, e->F).t, *r = as(truth(x[1], e->F), T_INT, e->F).t;
+        kiln_tensor_t *v = op == B_AND ? kiln_mul(l, r) : kiln_add(l, r);
+        return (val){kiln_gt(v, kiln_scalar(0, KILN_DTYPE_I64)), T_BOOL};
+    }
+    vtype t = x[0].type > x[1].type ? x[0].type : x[1].type;
+    if (t == T_BOOL || op == B_DIV) t = op == B_DIV ? T_FLOAT : T_INT;
+    kiln_tensor_t *l = as(x[0], t, e->F).t, *r = as(x[1], t, e->F).t;
+    if (!l || !r) return (val){0};
+    switch (op) {
+    case B_ADD: return (val){kiln_add(l, r), t};
+    case B_SUB: return (val){kiln_sub(l, r), t};
+    case B_MUL: return (val){kiln_mul(l, r), t};
+    case B_DIV: return (val){kiln_div(l, r), t};
+    case B_LT: return (val){kiln_lt(l, r), T_BOOL};
+    case B_LE: return (val){kiln_le(l, r), T_BOOL};
+    case B_GT: return (val){kiln_gt(l, r), T_BOOL};
+    case B_GE: return (val){kiln_ge(l, r), T_BOOL};
+    case B_EQ: return (val){kiln_eq(l, r), T_BOOL};
+    case B_NE: return (val){kiln_ne(l, r), T_BOOL};
+    default: return (val){0};
+    }
+}
+
+/* The index tensors for sizes B, H, Tq, Tk: b (B,1,1,1), h (1,H,1,1), q_idx (1,1,Tq,1),
+ * kv_idx (1,1,1,Tk), q_len and kv_len scalars. */
+static void indices(env *e, int64_t B, int64_t H, int64_t Tq, int64_t Tk)
+{
+    int64_t n[4] = {B, H, Tq, Tk};
+    for (int d = 0; d < 4; d++) {
+        int64_t shape[4] = {1, 1, 1, 1};
+        shape[d] = n[d];
+        kiln_tensor_t *r = kiln_arange(0, (double)n[d], 1, KILN_DTYPE_I64);
+        e->idx[V_B + d] = r ? kiln_reshape(r, shape, 4) : NULL;
+    }
+    e->idx[V_QLEN] = kiln_scalar((double)Tq, KILN_DTYPE_I64);
+    e->idx[V_KVLEN] = kiln_scalar((double)Tk, KILN_DTYPE_I64);
+}
+
+/* f's mask for these sizes, a bool tensor broadcastable to (B, H, Tq, Tk), or NULL with
+ * the error set (*none: f has no mask). */
+static kiln_tensor_t *mask_of(const kiln_flex_t *f, env *e, bool *none)
+{
+    *none = !f->ps[1];
+    if (*none) return NULL;
+    e->ps = f->ps[1];
+    val m = eval(e, f->ps[1]->root);
+    return m.t ? truth(m, e->F).t : NULL;
+}
+
+/* ---- the block mask ---- */
+
+struct kiln_block_mask {
+    int64_t B, H, Tq, Tk, block, nq, nk; /* B, H: 1 when the mask reads no b (h) */
+    int64_t full, partial, empty, seen;  /* counts, and the (query, key) pairs let through */
+    /* for each (b, h, qb): its full key blocks then its partial ones, at row[r]...;
+     * n_full[r], n_partial[r] */
+    int32_t *n_full, *n_partial;
+    int64_t *start, *kv;
+};
+
+void kiln_block_mask_free(kiln_block_mask_t *m)
+{
+    if (!m) return;
+    free(m->n_full);
+    free(m->n_partial);
+    free(m->start);
+    free(m->kv);
+    free(m);
+}
+
+kiln_status kiln_block_mask_new(const kiln_flex_t *f, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t block,
+                                kiln_block_mask_t **out)
+{
+    if (!f || !out) return kiln_error(KILN_ERR_ARG, "block_mask_new: NULL flex or out");
+    *out = NULL;
+    if (B < 1 || H < 1 || Tq < 1 || Tk < 1 || block < 1)
+        return kiln_error(KILN_ERR_ARG, "block_mask_new: sizes B %lld, H %lld, Tq %lld, Tk %lld, block %lld must be >= 1",
+                          (long long)B, (long long)H, (long long)Tq, (long long)Tk, (long long)block);
+    kiln_block_mask_t *m = calloc(1, sizeof *m);
+    if (!m) return kiln_error(KILN_ERR_OOM, "block_mask_new: out of memory");
+    m->B = f->vars[1][V_B] ? B : 1;
+    m->H = f->vars[1][V_H] ? H : 1;
+    m->Tq = Tq, m->Tk = Tk, m->block = block;
+    m->nq = (Tq + block - 1) / block, m->nk = (Tk + block - 1) / block;
+    int64_t rows = m->B * m->H * m->nq;
+    m->n_full = calloc((size_t)rows, sizeof *m->n_full);
+    m->n_partial = calloc((size_t)rows, sizeof *m->n_partial);
+    m->start = calloc((size_t)rows + 1, sizeof *m->start);
+    m->kv = malloc(sizeof *m->kv * (size_t)(rows * m->nk + 1));
+    uint8_t *dense = malloc((size_t)(m->B * m->H * Tq * Tk));
+    kiln_status s = m->n_full && m->n_partial && m->start && m->kv && dense
+                        ? KILN_OK
+                        : kiln_error(KILN_ERR_OOM, "block_mask_new: out of memory for %lld x %lld x %lld x %lld",
+                                     (long long)m->B, (long long)m->H, (long long)Tq, (long long)Tk);
+    if (s == KILN_OK) { /* the dense mask, on the host */
+        kiln_scope_begin();
+        bool was = kiln_set_grad_enabled(false);
+        env e = {.f = f, .F = KILN_DTYPE_F32};
+        indices(&e, m->B, m->H, Tq, Tk);
+        bool none;
+        kiln_tensor_t *mk = mask_of(f, &e, &none);
+        int64_t shape[4] = {m->B, m->H, Tq, Tk};
+        if (none) mk = kiln_full(shape, 4, 1, KILN_DTYPE_U8);
+        else if (mk) mk = kiln_contiguous(kiln_expand(kiln_cast(mk, KILN_DTYPE_U8), shape, 4));
+        s = mk ? kiln_tensor_to_host(mk, dense, (size_t)(m->B * m->H * Tq * Tk)) : kiln_last_status();
+        kiln_set_grad_enabled(was);
+        kiln_scope_end();
+    }
+    for (int64_t r = 0; s == KILN_OK && r < rows; r++) {
+        int64_t bh = r / m->nq, qb = r % m->nq, q0 = qb * block, q1 = q0 + block < Tq ? q0 + block : Tq;
+        const uint8_t *plane = dense + bh * Tq * Tk;
+        m->start[r] = r ? m->start[r - 1] + m->n_full[r - 1] + m->n_partial[r - 1] : 0;
+        int64_t *kv = m->kv + m->start[r], nf = 0, np = 0, partial[4096], *pp = NULL;
+        /* full ones first, then partial: partial ones kept aside, in a buffer when few */
+        if (m->nk > 4096 && !(pp = malloc(sizeof *pp * (size_t)m->nk))) {
+            s = kiln_error(KILN_ERR_OOM, "block_mask_new: out of memory");
+            break;
+        }
+        int64_t *part = pp ? pp : partial;
+        for (int64_t kb = 0; kb < m->nk; kb++) {
+            int64_t k0 = kb * block, k1 = k0 + block < Tk ? k0 + block : Tk, on = 0;
+            for (int64_t qi = q0; qi < q1; qi++)
+                for (int64_t ki = k0; ki < k1; ki++) on += plane[qi * Tk + ki] != 0;
+            m->seen += on;
+            if (on == 0) m->empty++;
+            else if (on == (q1 - q0) * (k1 - k0)) kv[nf++] = kb, m->full++;
+            else part[np++] = kb, m->partial++;
+        }
+        memcpy(kv + nf, part, sizeof *kv * (size_t)np);
+        free(pp);
+        m->n_full[r] = (int32_t)nf;
+        m->n_partial[r] = (int32_t)np;
+    }
+    free(dense);
+    if (s != KILN_OK) {
+        kiln_block_mask_free(m);
+        return s;
+    }
+    *out = m;
+    return KILN_OK;
+}
+
+void kiln_block_mask_stats(const kiln_block_mask_t *m, int64_t *full, int64_t *partial, int64_t *empty, double *density)
+{
+    if (full) *full = m ? m->full : 0;
+    if (partial) *partial = m ? m->partial : 0;
+    if (empty) *empty = m ? m->empty : 0;
+    if (density) *density = m ? (double)m->seen / (double)(m->B * m->H * m->Tq * m->Tk) : 0;
+}
+
+bool kiln_block_mask_row(const kiln_block_mask_t *m, int64_t b, int64_t h, int64_t qb, int64_t *kv, int64_t cap,
+                         int64_t *n_full, int64_t *n_partial)
+{
+    if (!m || b < 0 || h < 0 || qb < 0 || qb >= m->nq) return false;
+    int64_t r = ((m->B == 1 ? 0 : b) * m->H + (m->H == 1 ? 0 : h)) * m->nq + qb;
+    if ((m->B > 1 && b >= m->B) || (m->H > 1 && h >= m->H)) return false;
+    int64_t n = m->n_full[r] + m->n_partial[r];
+    if (n > cap) return false;
+    memcpy(kv, m->kv + m->start[r], sizeof *kv * (size_t)n);
+    *n_full = m->n_full[r];
+    *n_partial = m->n_partial[r];
+    return true;
+}
+
+/* ---- the attention, densely ---- */
+
+kiln_tensor_t *kiln_flex_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, const kiln_flex_t *f,
+                                   const kiln_block_mask_t *bm, double scale, kiln_tensor_t **lse)
+{
+    if (lse) *lse = NULL;
+    if (!q || !k || !v || !f) {
+        if (!kiln_last_status()) kiln_error(KILN_ERR_ARG, "flex_attention: NULL q, k, v or modifiers");
+        return NULL;
+    }
+    kiln_dtype F = kiln_tensor_dtype(q);
+    const int64_t *qs = kiln_tensor_shape(q), *ks = kiln_tensor_shape(k), *vs = kiln_tensor_shape(v);
+    if (kiln_tensor_ndim(q) != 4 || kiln_tensor_ndim(k) != 4 || kiln_tensor_ndim(v) != 4 || ks[0] != qs[0] ||
+        vs[0] != qs[0] || ks[1] != vs[1] || ks[2] != vs[2] || ks[3] != qs[3] || vs[3] != qs[3] || ks[1] < 1 ||
+        qs[1] % ks[1]) {
+        kiln_error(KILN_ERR_SHAPE, "flex_attention: q %s, k %s, v %s: want q (B, H, Tq, D), k and v (B, Hkv, Tk, D) "
+                   "with H a multiple of Hkv", kiln__shape_text(q), kiln__shape_text(k), kiln__shape_text(v));
+        return NULL;
+    }
+    if ((F != KILN_DTYPE_F32 && F != KILN_DTYPE_F64) || kiln_tensor_dtype(k) != F || kiln_tensor_dtype(v) != F) {
+        kiln_error(KILN_ERR_DTYPE, "flex_attention: q, k and v are %s, %s, %s; f32 or f64, all alike",
+                   kiln_dtype_name(F), kiln_dtype_name(kiln_tensor_dtype(k)), kiln_dtype_name(kiln_tensor_dtype(v)));
+        return NULL;
+    }
+    int64_t B = qs[0], H = qs[1], Tq = qs[2], D = qs[3], Hkv = ks[1], Tk = ks[2], G = H / Hkv;
+    if (bm && (bm->Tq != Tq || bm->Tk != Tk || (bm->B != 1 && bm->B != B) || (bm->H != 1 && bm->H != H))) {
+        kiln_error(KILN_ERR_SHAPE, "flex_attention: the block mask is for B %lld, H %lld, Tq %lld, Tk %lld; the call's "
+                   "are %lld, %lld, %lld, %lld", (long long)bm->B, (long long)bm->H, (long long)bm->Tq, (long long)bm->Tk,
+                   (long long)B, (long long)H, (long long)Tq, (long long)Tk);
+        return NULL;
+    }
+    if (scale <= 0) scale = 1.0 / sqrt((double)D);
+    /* keys and values of each query head's group: (B, Hkv, Tk, D) -> (B, H, Tk, D) */
+    kiln_tensor_t *kk = k, *vv = v;
+    if (G > 1) {
+        int64_t e5[5] = {B, Hkv, G, Tk, D}, s4[4] = {B, H, Tk, D};
+        kk = kiln_reshape(kiln_contiguous(kiln_expand(kiln_unsqueeze(k, 2), e5, 5)), s4, 4);
+        vv = kiln_reshape(kiln_contiguous(kiln_expand(kiln_unsqueeze(v, 2), e5, 5)), s4, 4);
+    }
+    kiln_tensor_t *s = kiln_mul_scalar(kiln_matmul(q, kiln_transpose(kk, 2, 3)), scale);
+    if (!s) return NULL;
+    env e = {.f = f, .F = F, .score = s};
+    indices(&e, B, H, Tq, Tk);
+    if (f->ps[0]) {
+        e.ps = f->ps[0];
+        val m = eval(&e, f->ps[0]->root);
+        if (!m.t) return NULL;
+        s = m.type == T_FLOAT ? m.t : kiln_cast(m.t, F);
+        /* a score_mod that reads no score (or not every index) has fewer dims: widened */
+        int64_t full[4] = {B, H, Tq, Tk}, padded[4] = {1, 1, 1, 1};
+        int nd = s ? kiln_tensor_ndim(s) : 0;
+        for (int d = 0; d < nd; d++) padded[4 - nd + d] = kiln_tensor_shape(s)[d];
+        if (s && (nd != 4 || memcmp(padded, full, sizeof full)))
+            s = kiln_contiguous(kiln_expand(kiln_reshape(s, padded, 4), full, 4));
+    }
+    bool none;
+    kiln_tensor_t *mask = mask_of(f, &e, &none);
+    if (!s || (!none && !mask)) return NULL;
+    int last = 3;
+    kiln_tensor_t *p, *l;
+    if (none) {
+        l = kiln_logsumexp(s, &last, 1, true);
+        p = kiln_softmax(s, 3);
+    } else {
+        /* a row that sees no key: its scores made 0 (no -inf - -inf), its weights 0 and
+         * its log-sum-exp -inf, as PyTorch's flex_attention gives */
+        kiln_tensor_t *ninf = kiln_scalar(-INFINITY, F), *zero = kiln_scalar(0, F);
+        kiln_tensor_t *sees = kiln_gt(kiln_max(kiln_cast(mask, KILN_DTYPE_I64), &last, 1, true),
+                                      kiln_scalar(0, KILN_DTYPE_I64));
+        kiln_tensor_t *masked = kiln_where(mask, s, ninf);
+        kiln_tensor_t *safe = kiln_where(sees, masked, zero);
+        p = kiln_mul(kiln_softmax(safe, 3), kiln_cast(sees, F));
+        l = kiln_where(sees, kiln_logsumexp(safe, &last, 1, true), ninf);
+    }
+    kiln_tensor_t *y = kiln_matmul(p, vv);
+    if (lse && y && l) *lse = kiln_reshape(l, (int64_t[]){B, H, Tq}, 3);
+    return y;
+}

@@ -1,0 +1,406 @@
+/* Flex attention (kiln/flex.h), its dense stage: every preset, their joins and two
+ * user-written modifiers against an oracle written here in plain C in double precision
+ * (the masks and score changes coded by hand, not through kiln's expressions: an
+ * independent reading of the same definitions), f64 to 1e-12 and f32 to 2e-5
+ * (relative to the largest output); gradients of q, k, v and of a captured tensor (ALiBi
+ * slopes) against central finite differences in f64 (step 1e-6, tolerance 1e-6);
+ * PyTorch's flex_attention on the same inputs (tests/reference/golden_flex.safetensors,
+ * written by tests/reference/flex_ref.py with PyTorch 2.x; forward and log-sum-exp,
+ * 5e-6; measured 7.2e-7); the block mask's classification; and bad modifiers, each a
+ * clear error. Also run on OpenCL (test_flex_opencl). */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <cmocka.h>
+#include "kiln/kiln.h"
+#include "test_util.h"
+
+typedef struct {
+    int64_t B, H, Hkv, Tq, Tk, D;
+} dims;
+
+/* The oracle's modifiers, one per case, by hand. */
+typedef struct {
+    const double *slopes;   /* alibi */
+    const int64_t *docs;    /* doc: (B, Tk) */
+    const int64_t *prefix;  /* per-row prefix: (B) */
+    double cap;             /* softcap C, 0: none */
+    int64_t window, pre;    /* window W, prefix P (-1: none) */
+    bool causal, alibi, doc, user_score, user_mask, rows, or_prefix_window, empty;
+} oracle;
+
+static bool ref_mask(const oracle *o, const dims *d, int64_t b, int64_t h, int64_t i, int64_t j)
+{
+    int64_t qpos = i + d->Tk - d->Tq;
+    bool m = true;
+    if (o->causal) m &= qpos >= j;
+    if (o->window > 0) m &= qpos >= j && qpos - j < o->window;
+    if (o->pre >= 0) m &= j < o->pre || qpos >= j;
+    if (o->doc) m &= o->docs[b * d->Tk + qpos] == o->docs[b * d->Tk + j];
+    if (o->user_mask) m &= i - j < 5 && j <= i + 2;
+    if (o->rows) m &= j < o->prefix[b] || j <= i;
+    if (o->or_prefix_window) m = (j < 3 || qpos >= j) || (qpos >= j && qpos - j < 2);
+    if (o->empty) m = j > i + 1000;
+    return m;
+}
+
+static double ref_score(const oracle *o, const dims *d, int64_t b, int64_t h, int64_t i, int64_t j, double s)
+{
+    if (o->alibi) s = s + o->slopes[h] * (double)(j - i);
+    if (o->cap > 0) s = o->cap * tanh(s / o->cap);
+    if (o->user_score) s = s * 0.5 + (double)(i - j) * 0.01;
+    return s;
+}
+
+/* y (B, H, Tq, D) and lse (B, H, Tq) by the definition, in double. */
+static void reference(const oracle *o, const dims *d, const double *q, const double *k, const double *v, double *y,
+                      double *lse)
+{
+    double scale = 1 / sqrt((double)d->D);
+    double *s = malloc(sizeof(double) * (size_t)d->Tk);
+    for (int64_t b = 0; b < d->B; b++)
+        for (int64_t h = 0; h < d->H; h++)
+            for (int64_t i = 0; i < d->Tq; i++) {
+                int64_t hk = h / (d->H / d->Hkv);
+                const double *qi = q + ((b * d->H + h) * d->Tq + i) * d->D;
+                double mx = -INFINITY;
+                for (int64_t j = 0; j < d->Tk; j++) {
+                    const double *kj = k + ((b * d->Hkv + hk) * d->Tk + j) * d->D;
+                    double dot = 0;
+                    for (int64_t c = 0; c < d->D; c++) dot += qi[c] * kj[c];
+                    s[j] = ref_mask(o, d, b, h, i, j) ? ref_score(o, d, b, h, i, j, dot * scale) : -INFINITY;
+                    if (s[j] > mx) mx = s[j];
+                }
+                double *yi = y + ((b * d->H + h) * d->Tq + i) * d->D, sum = 0;
+                for (int64_t c = 0; c < d->D; c++) yi[c] = 0;
+                for (int64_t j = 0; j < d->Tk && mx > -INFINITY; j++) sum += exp(s[j] - mx);
+                lse[(b * d->H + h) * d->Tq + i] = mx > -INFINITY ? mx + log(sum) : -INFINITY;
+                for (int64_t j = 0; j < d->Tk && mx > -INFINITY; j++) {
+                    double p = exp(s[j] - mx) / sum;
+                    const double *vj = v + ((b * d->Hkv + hk) * d->Tk + j) * d->D;
+                    for (int64_t c = 0; c < d->D; c++) yi[c] += p * vj[c];
+                }
+            }
+    free(s);
+}
+
+static double *randoms(int64_t n, uint64_t seed)
+{
+    double *x = malloc(sizeof(double) * (size_t)n);
+    uint64_t st = seed * 0x9E3779B97F4A7C15ULL + 1;
+    for (int64_t i = 0; i < n; i++) {
+        st ^= st << 13, st ^= st >> 7, st ^= st << 17;
+        x[i] = ((double)(st >> 11) / 9007199254740992.0) * 2 - 1;
+    }
+    return x;
+}
+
+static kiln_tensor_t *tensor(const double *x, const int64_t *shape, int nd, kiln_dtype dt)
+{
+    kiln_tensor_t *t = kiln_from_data(x, shape, nd, KILN_DTYPE_F64);
+    return dt == KILN_DTYPE_F64 ? t : kiln_cast(t, dt);
+}
+
+static double *host(kiln_tensor_t *t)
+{
+    if (!t) fail_msg("%s", kiln_last_error());
+    kiln_tensor_t *d = kiln_cast(t, KILN_DTYPE_F64);
+    double *x = malloc(sizeof(double) * (size_t)kiln_tensor_numel(t));
+    assert_int_equal(kiln_tensor_to_host(d, x, sizeof(double) * (size_t)kiln_tensor_numel(t)), KILN_OK);
+    return x;
+}
+
+typedef struct {
+    const char *name, *spec, *score, *mask; /* spec: a preset; else score and mask */
+    oracle o;
+} flex_case;
+
+static void run_case(const flex_case *c, const dims *d, kiln_dtype dt, double tol)
+{
+    int64_t qn = d->B * d->H * d->Tq * d->D, kn = d->B * d->Hkv * d->Tk * d->D;
+    double *q = randoms(qn, 1), *k = randoms(kn, 2), *v = randoms(kn, 3);
+    double *y = malloc(sizeof(double) * (size_t)qn), *lse = malloc(sizeof(double) * (size_t)(qn / d->D));
+    reference(&c->o, d, q, k, v, y, lse);
+    int64_t qs[4] = {d->B, d->H, d->Tq, d->D}, ks[4] = {d->B, d->Hkv, d->Tk, d->D};
+    kiln_tensor_t *qt = tensor(q, qs, 4, dt), *kt = tensor(k, ks, 4, dt), *vt = tensor(v, ks, 4, dt);
+    kiln_flex_t *f = NULL;
+    int64_t docs_shape[2] = {d->B, d->Tk}, H = d->H;
+    kiln_tensor_t *docs = c->o.docs ? kiln_from_data(c->o.docs, docs_shape, 2, KILN_DTYPE_I64) : NULL;
+    kiln_tensor_t *slopes = c->o.slopes ? tensor(c->o.slopes, &H, 1, dt) : NULL;
+    kiln_tensor_t *pre = c->o.prefix ? kiln_from_data(c->o.prefix, &d->B, 1, KILN_DTYPE_I64) : NULL;
+    kiln_status s;
+    if (c->spec) {
+        kiln_flex_inputs in = {.doc_ids = docs, .alibi_slopes = slopes, .heads = d->H};
+        s = kiln_flex_preset(c->spec, &in, &f);
+    } else {
+        s = kiln_flex_new(c->score, c->mask, &pre, pre ? 1 : 0, &f);
+    }
+    if (s != KILN_OK) fail_msg("%s: %s", c->name, kiln_last_error());
+    kiln_tensor_t *l = NULL, *out = kiln_flex_attention(qt, kt, vt, f, NULL, 0, &l);
+    if (!out) fail_msg("%s: %s", c->name, kiln_last_error());
+    double *got = host(out), *got_l = host(l), big = 0;
+    for (int64_t i = 0; i < qn; i++) big = fmax(big, fabs(y[i]));
+    for (int64_t i = 0; i < qn; i++)
+        if (fabs(got[i] - y[i]) > tol * (big > 0 ? big : 1))
+            fail_msg("%s (%s): y[%lld] %.17g, the oracle %.17g", c->name, kiln_dtype_name(dt), (long long)i, got[i], y[i]);
+    for (int64_t i = 0; i < qn / d->D; i++)
+        if (!(got_l[i] == lse[i] || fabs(got_l[i] - lse[i]) <= tol * (1 + fabs(lse[i]))))
+            fail_msg("%s (%s): lse[%lld] %.17g, the oracle %.17g", c->name, kiln_dtype_name(dt), (long long)i, got_l[i],
+                     lse[i]);
+    kiln_flex_free(f);
+    free(q), free(k), free(v), free(y), free(lse), free(got), free(got_l);
+}
+
+static const int64_t docs[2 * 12] = {0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 1, 1, 3, 3, 3, 3, 3};
+static const int64_t prefix_rows[2] = {3, 7};
+static const double slopes[4] = {0.5, 0.25, 0.125, 0.0625};
+
+static const flex_case cases[] = {
+    {"none", "", NULL, NULL, {.window = -1, .pre = -1}},
+    {"causal", "causal", NULL, NULL, {.causal = true, .window = -1, .pre = -1}},
+    {"window:4", "window:4", NULL, NULL, {.window = 4, .pre = -1}},
+    {"prefix:5", "prefix:5", NULL, NULL, {.window = -1, .pre = 5}},
+    {"doc+causal", "doc+causal", NULL, NULL, {.doc = true, .docs = docs, .causal = true, .window = -1, .pre = -1}},
+    {"alibi+causal", "alibi+causal", NULL, NULL, {.alibi = true, .slopes = slopes, .causal = true, .window = -1, .pre = -1}},
+    {"softcap:2", "softcap:2", NULL, NULL, {.cap = 2, .window = -1, .pre = -1}},
+    {"causal+alibi+softcap:1.5", "causal+alibi+softcap:1.5", NULL, NULL,
+     {.causal = true, .alibi = true, .slopes = slopes, .cap = 1.5, .window = -1, .pre = -1}},
+    {"user score and mask", NULL, "score * 0.5 + (q_idx - kv_idx) * 0.01", "q_idx - kv_idx < 5 && kv_idx <= q_idx + 2",
+     {.user_score = true, .user_mask = true, .window = -1, .pre = -1}},
+    {"a prefix per row (captured)", NULL, NULL, "kv_idx < c0[b] || kv_idx <= q_idx",
+     {.rows = true, .prefix = prefix_rows, .window = -1, .pre = -1}},
+    {"no key seen", NULL, NULL, "kv_idx > q_idx + 1000", {.empty = true, .window = -1, .pre = -1}},
+};
+
+static void presets_and_user_modifiers_match_the_definition(void **state)
+{
+    dims sq = {2, 4, 2, 12, 12, 8}, dec = {2, 4, 2, 5, 12, 8}; /* Tq = Tk, and 5 queries at the end of 12 keys */
+    for (size_t i = 0; i < sizeof cases / sizeof cases[0]; i++) {
+        flex_case c = cases[i];
+        if (!c.spec && !c.score && !c.mask) continue;
+        if (c.spec && !*c.spec) c.spec = NULL;
+        run_case(&c, &sq, KILN_DTYPE_F64, 1e-12);
+        run_case(&c, &sq, KILN_DTYPE_F32, 2e-5);
+        if (!c.o.user_mask && !c.o.rows && !c.o.doc) run_case(&c, &dec, KILN_DTYPE_F64, 1e-12);
+    }
+    /* no modifier at all: plain attention, as kiln_attention computes it */
+    kiln_flex_t *f;
+    assert_int_equal(kiln_flex_new(NULL, NULL, NULL, 0, &f), KILN_OK);
+    int64_t qs[4] = {2, 4, 7, 8}, ks[4] = {2, 2, 7, 8};
+    kiln_manual_seed(5);
+    kiln_tensor_t *q = kiln_randn(qs, 4, KILN_DTYPE_F64), *k = kiln_randn(ks, 4, KILN_DTYPE_F64),
+                  *v = kiln_randn(ks, 4, KILN_DTYPE_F64);
+    double *a = host(kiln_flex_attention(q, k, v, f, NULL, 0, NULL)), *b = host(kiln_attention(q, k, v, false, 0));
+    for (int i = 0; i < 2 * 4 * 7 * 8; i++) assert_true(fabs(a[i] - b[i]) < 1e-12);
+    free(a), free(b);
+    kiln_flex_free(f);
+}
+
+/* d loss / d x by central differences against autograd, f64: loss = sum(y * w) + sum of
+ * the finite lse. */
+static double loss_of(kiln_tensor_t *const *in, const kiln_flex_t *f, kiln_tensor_t *w)
+{
+    kiln_tensor_t *l = NULL, *y = kiln_flex_attention(in[0], in[1], in[2], f, NULL, 0, &l);
+    double v;
+    assert_int_equal(kiln_tensor_item(kiln_add(kiln_sum(kiln_mul(y, w), NULL, 0, false), kiln_sum(l, NULL, 0, false)),
+                                      &v),
+                     KILN_OK);
+    return v;
+}
+
+static void gradients_match_finite_differences(void **state)
+{
+    int64_t qs[4] = {1, 4, 6, 4}, ks[4] = {1, 2, 6, 4}, H = 4;
+    kiln_manual_seed(11);
+    kiln_tensor_t *in[4] = {kiln_randn(qs, 4, KILN_DTYPE_F64), kiln_randn(ks, 4, KILN_DTYPE_F64),
+                            kiln_randn(ks, 4, KILN_DTYPE_F64), kiln_from_data(slopes, &H, 1, KILN_DTYPE_F64)};
+    kiln_tensor_t *w = kiln_randn(qs, 4, KILN_DTYPE_F64);
+    for (int i = 0; i < 4; i++) kiln_tensor_set_requires_grad(in[i], true);
+    kiln_flex_t *alibi, *rest, *f;
+    kiln_flex_inputs fi = {.alibi_slopes = in[3]};
+    assert_int_equal(kiln_flex_preset("alibi", &fi, &alibi), KILN_OK);
+    assert_int_equal(kiln_flex_preset("window:4+softcap:3", NULL, &rest), KILN_OK);
+    assert_int_equal(kiln_flex_and(alibi, rest, &f), KILN_OK);
+    kiln_flex_free(alibi);
+    kiln_flex_free(rest);
+    kiln_tensor_t *l = NULL, *y = kiln_flex_attention(in[0], in[1], in[2], f, NULL, 0, &l);
+    assert_int_equal(kiln_backward(kiln_add(kiln_sum(kiln_mul(y, w), NULL, 0, false), kiln_sum(l, NULL, 0, false))),
+                     KILN_OK);
+    bool was = kiln_set_grad_enabled(false);
+    static const char *names[4] = {"q", "k", "v", "slopes"};
+    for (int t = 0; t < 4; t++) {
+        double *g = host(kiln_tensor_grad(in[t]));
+        int64_t n = kiln_tensor_numel(in[t]);
+        double *x = host(in[t]);
+        for (int64_t i = 0; i < n; i += (n > 24 ? 7 : 1)) {
+            double keep = x[i], fd[2];
+            for (int side = 0; side < 2; side++) {
+                x[i] = keep + (side ? -1e-6 : 1e-6);
+                assert_int_equal(kiln_tensor_from_host_(in[t], x, sizeof(double) * (size_t)n), KILN_OK);
+                fd[side] = loss_of(in, f, w);
+            }
+            x[i] = keep;
+            assert_int_equal(kiln_tensor_from_host_(in[t], x, sizeof(double) * (size_t)n), KILN_OK);
+            double num = (fd[0] - fd[1]) / 2e-6;
+            if (fabs(num - g[i]) > 1e-6 * (1 + fabs(num)))
+                fail_msg("d/d%s[%lld]: autograd %.12g, finite differences %.12g", names[t], (long long)i, g[i], num);
+        }
+        free(g), free(x);
+    }
+    kiln_set_grad_enabled(was);
+    kiln_flex_free(f);
+}
+
+/* PyTorch 2.x's flex_attention on the same inputs (the golden file), forward and lse. */
+static void matches_pytorch_flex_attention(void **state)
+{
+    char path[1024];
+    snprintf(path, sizeof path, "%s/tests/reference/golden_flex.safetensors",
+             getenv("KILN_SOURCE_DIR") ? getenv("KILN_SOURCE_DIR") : ".");
+    kiln_safetensors_t *g;
+    if (kiln_safetensors_load(path, &g) != KILN_OK) fail_msg("%s", kiln_last_error());
+    kiln_tensor_t *q = kiln_safetensors_get(g, "q"), *k = kiln_safetensors_get(g, "k"), *v = kiln_safetensors_get(g, "v");
+    kiln_flex_inputs in = {.doc_ids = kiln_safetensors_get(g, "doc_ids"), .alibi_slopes = kiln_safetensors_get(g, "slopes")};
+    kiln_tensor_t *pre = kiln_safetensors_get(g, "prefix_rows");
+    static const struct {
+        const char *key, *spec, *score, *mask;
+    } rows[] = {
+        {"causal", "causal", NULL, NULL}, {"window8", "window:8", NULL, NULL}, {"prefix5", "prefix:5", NULL, NULL},
+        {"doc_causal", "doc+causal", NULL, NULL}, {"alibi_causal", "alibi+causal", NULL, NULL},
+        {"softcap5_causal", "softcap:5+causal", NULL, NULL},
+        {"user", NULL, "score * 0.5 + (q_idx - kv_idx) * 0.01", "q_idx - kv_idx < 5 && kv_idx <= q_idx + 2"},
+        {"rows", NULL, NULL, "kv_idx < c0[b] || kv_idx <= q_idx"},
+    };
+    int checked = 0;
+    for (size_t i = 0; i < sizeof rows / sizeof rows[0]; i++) {
+        char yk[64], lk[64];
+        snprintf(yk, sizeof yk, "%s.out", rows[i].key);
+        snprintf(lk, sizeof lk, "%s.lse", rows[i].key);
+        kiln_tensor_t *want = kiln_safetensors_get(g, yk), *want_l = kiln_safetensors_get(g, lk);
+        if (!want || !want_l) fail_msg("%s: %s", yk, kiln_last_error());
+        kiln_flex_t *f;
+        kiln_status s = rows[i].spec ? kiln_flex_preset(rows[i].spec, &in, &f)
+                                     : kiln_flex_new(rows[i].score, rows[i].mask, &pre, 1, &f);
+        if (s != KILN_OK) fail_msg("%s: %s", rows[i].key, kiln_last_error());
+        kiln_tensor_t *l = NULL, *y = kiln_flex_attention(q, k, v, f, NULL, 0, &l);
+        double *a = host(y), *b = host(want), *la = host(l), *lb = host(want_l);
+        for (int64_t j = 0; j < kiln_tensor_numel(y); j++)
+            if (fabs(a[j] - b[j]) > 5e-6) fail_msg("%s: out[%lld] %.9g, PyTorch %.9g", rows[i].key, (long long)j, a[j], b[j]);
+        for (int64_t j = 0; j < kiln_tensor_numel(l); j++)
+            if (fabs(la[j] - lb[j]) > 5e-6 * (1 + fabs(lb[j])))
+                fail_msg("%s: lse[%lld] %.9g, PyTorch %.9g", rows[i].key, (long long)j, la[j], lb[j]);
+        free(a), free(b), free(la), free(lb);
+        kiln_flex_free(f);
+        checked++;
+    }
+    assert_int_equal(checked, 8);
+    kiln_safetensors_free(g);
+}
+
+static void block_masks_classify_blocks(void **state)
+{
+    kiln_flex_t *f;
+    assert_int_equal(kiln_flex_preset("causal", NULL, &f), KILN_OK);
+    kiln_block_mask_t *m;
+    assert_int_equal(kiln_block_mask_new(f, 2, 4, 10, 10, 4, &m), KILN_OK);
+    int64_t full, partial, empty, kv[8], nf, np;
+    double density;
+    kiln_block_mask_stats(m, &full, &partial, &empty, &density);
+    /* one (b, h) kept (causal reads neither): query blocks {0-3, 4-7, 8-9} */
+    assert_int_equal(full, 3);
+    assert_int_equal(partial, 3);
+    assert_int_equal(empty, 3);
+    assert_true(fabs(density - 55.0 / 100) < 1e-12);
+    assert_true(kiln_block_mask_row(m, 1, 3, 2, kv, 8, &nf, &np)); /* any b, h */
+    assert_int_equal(nf, 2);
+    assert_int_equal(np, 1);
+    assert_int_equal(kv[0], 0);
+    assert_int_equal(kv[1], 1);
+    assert_int_equal(kv[2], 2);
+    assert_false(kiln_block_mask_row(m, 0, 0, 3, kv, 8, &nf, &np));
+    kiln_block_mask_free(m);
+    kiln_flex_free(f);
+    /* a mask that reads b keeps each row: documents */
+    int64_t ds[2] = {2, 12};
+    kiln_tensor_t *d = kiln_from_data(docs, ds, 2, KILN_DTYPE_I64);
+    assert_int_equal(kiln_flex_preset("doc", &(kiln_flex_inputs){.doc_ids = d}, &f), KILN_OK);
+    assert_int_equal(kiln_block_mask_new(f, 2, 4, 12, 12, 3, &m), KILN_OK);
+    kiln_block_mask_stats(m, &full, &partial, &empty, &density);
+    assert_int_equal(full + partial + empty, 2 * 4 * 4); /* b kept, h not: 2 x 4 x 4 blocks */
+    /* row 0: documents [0 0 0][1 1 1][1 2 2][2 2 2]: query block 0 sees key block 0 whole */
+    assert_true(kiln_block_mask_row(m, 0, 0, 0, kv, 8, &nf, &np));
+    assert_int_equal(nf, 1);
+    assert_int_equal(np, 0);
+    kiln_block_mask_free(m);
+    kiln_flex_free(f);
+    /* a block mask for other sizes is refused by flex_attention */
+    assert_int_equal(kiln_flex_preset("causal", NULL, &f), KILN_OK);
+    assert_int_equal(kiln_block_mask_new(f, 1, 1, 8, 8, 4, &m), KILN_OK);
+    int64_t qs[4] = {1, 2, 6, 4};
+    kiln_tensor_t *q = kiln_randn(qs, 4, KILN_DTYPE_F32);
+    assert_null(kiln_flex_attention(q, q, q, f, m, 0, NULL));
+    assert_non_null(strstr(kiln_last_error(), "the block mask is for"));
+    kiln_clear_error();
+    kiln_block_mask_free(m);
+    kiln_flex_free(f);
+}
+
+static void expect_error(const char *score, const char *mask, int n_cap, const char *want)
+{
+    int64_t n = 4;
+    kiln_tensor_t *c = kiln_zeros(&n, 1, KILN_DTYPE_F32);
+    kiln_flex_t *f = NULL;
+    kiln_status s = kiln_flex_new(score, mask, &c, n_cap, &f);
+    if (s == KILN_OK && f) { /* an error of evaluation: at the call */
+        int64_t qs[4] = {1, 2, 4, 4};
+        kiln_tensor_t *q = kiln_zeros(qs, 4, KILN_DTYPE_F32);
+        kiln_tensor_t *y = kiln_flex_attention(q, q, q, f, NULL, 0, NULL);
+        kiln_flex_free(f);
+        if (y) fail_msg("%s / %s: no error (wanted '%s')", score, mask, want);
+    }
+    if (!strstr(kiln_last_error(), want)) fail_msg("%s / %s: %s (wanted '%s')", score, mask, kiln_last_error(), want);
+    kiln_clear_error();
+}
+
+static void bad_modifiers_are_clear_errors(void **state)
+{
+    expect_error("score + bogus", NULL, 0, "flex score_mod \"score + bogus\", at 8: unknown name bogus");
+    expect_error(NULL, "q_idx >= kv_idx &&", 0, "the expression ends too soon");
+    expect_error(NULL, "score > 0", 0, "a mask reads no score");
+    expect_error(NULL, "c1[h] > 0", 1, "c1 is read but 1 tensor(s) are captured");
+    expect_error("score * c0", NULL, 1, "a captured tensor is read at indices");
+    expect_error("score * c0[h, b]", NULL, 1, "c0 has 1 dims, read at 2 indices");
+    expect_error("score * c0[score]", NULL, 1, "an index of c0 is a float");
+    expect_error("tanh(score, 1)", NULL, 0, "too many arguments to tanh");
+    expect_error("(score", NULL, 0, "')' expected");
+    expect_error("score 2", NULL, 0, "unexpected text after the expression");
+    kiln_flex_t *f;
+    assert_int_not_equal(kiln_flex_preset("causal+wobble:3", NULL, &f), KILN_OK);
+    assert_non_null(strstr(kiln_last_error(), "flex preset 'wobble:3': not one of"));
+    assert_int_not_equal(kiln_flex_preset("window:0", NULL, &f), KILN_OK);
+    assert_int_not_equal(kiln_flex_preset("doc", NULL, &f), KILN_OK);
+    assert_non_null(strstr(kiln_last_error(), "give the (B, T) document ids"));
+    assert_int_not_equal(kiln_flex_preset("alibi", NULL, &f), KILN_OK);
+    assert_non_null(strstr(kiln_last_error(), "give the slopes or the number of heads"));
+    kiln_clear_error();
+    /* shapes and dtypes */
+    assert_int_equal(kiln_flex_preset("causal", NULL, &f), KILN_OK);
+    int64_t qs[4] = {1, 3, 4, 4}, ks[4] = {1, 2, 4, 4};
+    kiln_tensor_t *q = kiln_zeros(qs, 4, KILN_DTYPE_F32), *k = kiln_zeros(ks, 4, KILN_DTYPE_F32);
+    assert_null(kiln_flex_attention(q, k, k, f, NULL, 0, NULL));
+    assert_non_null(strstr(kiln_last_error(), "H a multiple of Hkv"));
+    kiln_clear_error();
+    kiln_flex_free(f);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test_setup_teardown(presets_and_user_modifiers_match_the_definition, setup, teardown),
+        cmocka_unit_test_setup_teardown(gradients_match_finite_differences, setup, teardown),
+        cmocka_unit_test_setup_teardown(matches_pytorch_flex_attention, setup, teardown),
+        cmocka_unit_test_setup_teardown(block_masks_classify_blocks, setup, teardown),
+        cmocka_unit_test_setup_teardown(bad_modifiers_are_clear_errors, setup, teardown),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
