@@ -7,7 +7,9 @@
  * PyTorch's flex_attention on the same inputs (tests/reference/golden_flex.safetensors,
  * written by tests/reference/flex_ref.py with PyTorch 2.x; forward and log-sum-exp,
  * 5e-6; measured 7.2e-7); the block mask's classification; and bad modifiers, each a
- * clear error. Also run on OpenCL (test_flex_opencl). */
+ * clear error. The presets run twice: without gradients (on the cpu, the fused
+ * kernel of src/flex/flex_gen.c) and with q tracked (the dense path). Also run on
+ * OpenCL (test_flex_opencl), where both are the dense path. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -136,19 +138,27 @@ static void run_case(const flex_case *c, const dims *d, kiln_dtype dt, double to
         s = kiln_flex_new(c->score, c->mask, &pre, pre ? 1 : 0, &f);
     }
     if (s != KILN_OK) fail_msg("%s: %s", c->name, kiln_last_error());
-    kiln_tensor_t *l = NULL, *out = kiln_flex_attention(qt, kt, vt, f, NULL, 0, &l);
-    if (!out) fail_msg("%s: %s", c->name, kiln_last_error());
-    double *got = host(out), *got_l = host(l), big = 0;
-    for (int64_t i = 0; i < qn; i++) big = fmax(big, fabs(y[i]));
-    for (int64_t i = 0; i < qn; i++)
-        if (fabs(got[i] - y[i]) > tol * (big > 0 ? big : 1))
-            fail_msg("%s (%s): y[%lld] %.17g, the oracle %.17g", c->name, kiln_dtype_name(dt), (long long)i, got[i], y[i]);
-    for (int64_t i = 0; i < qn / d->D; i++)
-        if (!(got_l[i] == lse[i] || fabs(got_l[i] - lse[i]) <= tol * (1 + fabs(lse[i]))))
-            fail_msg("%s (%s): lse[%lld] %.17g, the oracle %.17g", c->name, kiln_dtype_name(dt), (long long)i, got_l[i],
-                     lse[i]);
+    /* twice: without gradients (on the cpu, the fused kernel), and with q tracked by
+     * autograd (the dense path) */
+    for (int tracked = 0; tracked < 2; tracked++) {
+        kiln_tensor_set_requires_grad(qt, tracked);
+        kiln_tensor_t *l = NULL, *out = kiln_flex_attention(qt, kt, vt, f, NULL, 0, &l);
+        if (!out) fail_msg("%s: %s", c->name, kiln_last_error());
+        const char *path = tracked ? "dense" : "no gradients";
+        double *got = host(out), *got_l = host(l), big = 0;
+        for (int64_t i = 0; i < qn; i++) big = fmax(big, fabs(y[i]));
+        for (int64_t i = 0; i < qn; i++)
+            if (fabs(got[i] - y[i]) > tol * (big > 0 ? big : 1))
+                fail_msg("%s (%s, %s): y[%lld] %.17g, the oracle %.17g", c->name, kiln_dtype_name(dt), path,
+                         (long long)i, got[i], y[i]);
+        for (int64_t i = 0; i < qn / d->D; i++)
+            if (!(got_l[i] == lse[i] || fabs(got_l[i] - lse[i]) <= tol * (1 + fabs(lse[i]))))
+                fail_msg("%s (%s, %s): lse[%lld] %.17g, the oracle %.17g", c->name, kiln_dtype_name(dt), path,
+                         (long long)i, got_l[i], lse[i]);
+        free(got), free(got_l);
+    }
     kiln_flex_free(f);
-    free(q), free(k), free(v), free(y), free(lse), free(got), free(got_l);
+    free(q), free(k), free(v), free(y), free(lse);
 }
 
 static const int64_t docs[2 * 12] = {0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 2, 0, 0, 0, 0, 0, 1, 1, 3, 3, 3, 3, 3};
@@ -372,6 +382,7 @@ static void bad_modifiers_are_clear_errors(void **state)
     expect_error("score * c0[h, b]", NULL, 1, "c0 has 1 dims, read at 2 indices");
     expect_error("score * c0[score]", NULL, 1, "an index of c0 is a float");
     expect_error("tanh(score, 1)", NULL, 0, "too many arguments to tanh");
+    expect_error(NULL, "c0[q_idx * 3] > 0", 1, "outside"); /* c0 has 4 elements; q_idx * 3 reaches 9 */
     expect_error("(score", NULL, 0, "')' expected");
     expect_error("score 2", NULL, 0, "unexpected text after the expression");
     kiln_flex_t *f;

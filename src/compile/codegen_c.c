@@ -9,6 +9,7 @@
  * strides, selects instead of branches, a polynomial exp, and reductions kept in 16
  * partial accumulators that are combined in a fixed order at the end of the row. */
 #include <math.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -461,6 +462,20 @@ static kiln_status generate(const kiln__program *p, int dialect, char **src)
 }
 
 kiln_status kiln__codegen_c(const kiln__program *p, char **src) { return generate(p, D_C, src); }
+
+static char *prelude;
+static void make_prelude(void)
+{
+    size_t n = strlen(header_c) + strlen(kiln__kmath_source) + 2;
+    if ((prelude = malloc(n))) snprintf(prelude, n, "%s%s\n", header_c, kiln__kmath_source);
+}
+
+const char *kiln__codegen_prelude_c(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    pthread_once(&once, make_prelude);
+    return prelude; /* NULL only when out of memory */
+}
 kiln_status kiln__codegen_opencl(const kiln__program *p, char **src) { return generate(p, D_OPENCL, src); }
 kiln_status kiln__codegen_cuda(const kiln__program *p, char **src) { return generate(p, D_CUDA, src); }
 

@@ -173,6 +173,12 @@ kiln__codegen_fn kiln__codegen_for(const kiln__backend *be);
 kiln_status kiln__program_overlap(kiln__program *p, int *moved);
 /* Compiles src into a cached shared object and resolves each kernel (src/compile/jit.c). */
 kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir);
+/* C source compiled (or found in the kernel cache, by its hash with the compiler, flags,
+ * kiln's version and the processor) and loaded: its dlopen handle in *lib, kept for the
+ * process. The rooms above (flex attention) build their own kernels through it. */
+kiln_status kiln__jit_open(const char *src, const char *debug_dir, void **lib);
+/* What every generated C file starts with: the includes and kmath.h's helpers. */
+const char *kiln__codegen_prelude_c(void);
 /* Compiles each kernel of src (in p->be's language) into p->kern with
  * p->be->compile_kernel; on failure none is kept. */
 kiln_status kiln__device_load(kiln__program *p, const char *src, const char *debug_dir);

@@ -234,9 +234,8 @@ static kiln_status compile_into_cache(const char *src, const char *dir, uint64_t
     return s;
 }
 
-kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir)
+kiln_status kiln__jit_open(const char *src, const char *debug_dir, void **lib_out)
 {
-    if (p->n_k == 0) return KILN_OK;
     uint64_t h = cache_key(src);
     char dir[1024];
     kiln_status s = kiln__cache_dir(NULL, dir, sizeof dir);
@@ -256,11 +255,22 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
     if (!hit && (s = compile_into_cache(src, dir, h, so, c_path, debug_dir)) != KILN_OK) return s;
     void *lib = dlopen(so, RTLD_NOW | RTLD_LOCAL);
     if (!lib) return kiln__err(KILN_ERR_IO, "compile: cannot load %s: %s (remove it to recompile)", so, dlerror());
+    *lib_out = lib;
+    return KILN_OK;
+}
+
+kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_dir)
+{
+    if (p->n_k == 0) return KILN_OK;
+    void *lib;
+    kiln_status s = kiln__jit_open(src, debug_dir, &lib);
+    if (s != KILN_OK) return s;
     for (int i = 0; i < p->n_k; i++) {
         *(void **)&p->k[i].fn = dlsym(lib, p->k[i].name);
         if (!p->k[i].fn) {
             dlclose(lib);
-            return kiln__err(KILN_ERR_IO, "compile: %s has no kernel %s (a stale cache file? remove it)", so, p->k[i].name);
+            return kiln__err(KILN_ERR_IO, "compile: the kernel library has no kernel %s (a stale cache file? remove "
+                             "it)", p->k[i].name);
         }
     }
     p->so = lib;

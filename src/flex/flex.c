@@ -9,37 +9,16 @@
 #include <stdlib.h>
 #include <string.h>
 #include "core/op_table.h"
-#include "kiln/flex.h"
+#include "core/opts.h"
+#include "flex/flex_impl.h"
 #include "kiln/ops.h"
 
-#define MAX_CAPTURED 8
-#define MAX_NODES 512
 
-/* ---- the expression tree ---- */
-
-typedef enum { A_NUM, A_NAME, A_CAP, A_NEG, A_NOT, A_BIN, A_TERN, A_CALL } akind;
-typedef enum { V_SCORE, V_B, V_H, V_Q, V_KV, V_QLEN, V_KVLEN, N_VARS } var;
-static const char *const var_names[N_VARS] = {"score", "b", "h", "q_idx", "kv_idx", "q_len", "kv_len"};
-typedef enum { F_TANH, F_EXP, F_LOG, F_ABS, F_SQRT, F_MIN, F_MAX, N_FNS } fn;
-static const char *const fn_names[N_FNS] = {"tanh", "exp", "log", "abs", "sqrt", "min", "max"};
+const char *const kiln__flex_var_names[N_VARS] = {"score", "b", "h", "q_idx", "kv_idx", "q_len", "kv_len"};
+const char *const kiln__flex_fn_names[N_FNS] = {"tanh", "exp", "log", "abs", "sqrt", "min", "max"};
 static const int fn_args[N_FNS] = {1, 1, 1, 1, 1, 2, 2};
-/* binary operators, by their text */
-typedef enum { B_ADD, B_SUB, B_MUL, B_DIV, B_LT, B_LE, B_GT, B_GE, B_EQ, B_NE, B_AND, B_OR } binop;
-
-typedef struct {
-    akind kind;
-    int op;        /* A_NAME: var; A_CAP: captured index; A_BIN: binop; A_CALL: fn */
-    double num;
-    bool integer;  /* A_NUM written without '.' or exponent */
-    int n_arg, arg[4];
-} anode;
-
-typedef struct {
-    anode n[MAX_NODES];
-    int count, root;
-    const char *text, *p, *what; /* what: "score_mod" or "mask_mod" */
-    kiln_status err;
-} parser;
+#define var_names kiln__flex_var_names
+#define fn_names kiln__flex_fn_names
 
 static kiln_status fail(parser *ps, const char *fmt, const char *detail)
 {
@@ -191,14 +170,6 @@ static void uses(const parser *ps, int i, bool *vars, bool *caps)
 
 /* ---- the modifiers ---- */
 
-struct kiln_flex {
-    char *score, *mask; /* "" when absent */
-    parser *ps[2];      /* their trees (NULL when absent) */
-    kiln_tensor_t *cap[MAX_CAPTURED];
-    int n_cap;
-    bool vars[2][N_VARS], caps[2][MAX_CAPTURED];
-};
-
 void kiln_flex_free(kiln_flex_t *f)
 {
     if (!f) return;
@@ -208,6 +179,46 @@ void kiln_flex_free(kiln_flex_t *f)
     free(f->score);
     free(f->mask);
     free(f);
+}
+
+static bool is_float_dtype(kiln_dtype dt)
+{
+    return dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_F64 || dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16;
+}
+
+/* Node i's type by the language's rules (0 bool, 1 integer, 2 float); the reads of
+ * captured tensors checked against them on the way: as many indices as dims, none a
+ * float. */
+static int type_of(const kiln_flex_t *f, const parser *ps, int i, kiln_status *s)
+{
+    const anode *a = &ps->n[i];
+    int t[4] = {0};
+    for (int j = 0; j < a->n_arg; j++) t[j] = type_of(f, ps, a->arg[j], s);
+    switch (a->kind) {
+    case A_NUM: return a->integer ? 1 : 2;
+    case A_NAME: return a->op == V_SCORE ? 2 : 1;
+    case A_NEG: return t[0] ? t[0] : 1;
+    case A_NOT: return 0;
+    case A_TERN: return t[1] > t[2] ? t[1] : t[2];
+    case A_CALL:
+        if (a->op == F_MIN || a->op == F_MAX) return (t[0] > t[1] ? t[0] : t[1]) ? (t[0] > t[1] ? t[0] : t[1]) : 1;
+        return a->op == F_ABS && t[0] < 2 ? 1 : 2;
+    case A_CAP: {
+        kiln_tensor_t *c = f->cap[a->op];
+        if (*s == KILN_OK && kiln_tensor_ndim(c) != a->n_arg)
+            *s = kiln_error(KILN_ERR_SHAPE, "flex %s \"%s\": c%d has %d dims, read at %d indices", ps->what, ps->text,
+                            a->op, kiln_tensor_ndim(c), a->n_arg);
+        for (int j = 0; j < a->n_arg && *s == KILN_OK; j++)
+            if (t[j] == 2)
+                *s = kiln_error(KILN_ERR_ARG, "flex %s \"%s\": an index of c%d is a float", ps->what, ps->text, a->op);
+        kiln_dtype dt = kiln_tensor_dtype(c);
+        return dt == KILN_DTYPE_BOOL ? 0 : is_float_dtype(dt) ? 2 : 1;
+    }
+    case A_BIN:
+        if (a->op >= B_LT) return 0; /* comparisons, && and || */
+        return a->op == B_DIV ? 2 : (t[0] > t[1] ? t[0] : t[1]) ? (t[0] > t[1] ? t[0] : t[1]) : 1;
+    }
+    return 2;
 }
 
 static kiln_status parse(kiln_flex_t *f, int which, const char *text)
@@ -229,7 +240,9 @@ static kiln_status parse(kiln_flex_t *f, int which, const char *text)
         if (f->caps[which][c] && c >= f->n_cap)
             return kiln_error(KILN_ERR_ARG, "flex %s \"%s\": c%d is read but %d tensor(s) are captured", ps->what, text, c,
                               f->n_cap);
-    return KILN_OK;
+    kiln_status s = KILN_OK;
+    type_of(f, ps, ps->root, &s);
+    return s;
 }
 
 kiln_status kiln_flex_new(const char *score_mod, const char *mask_mod, kiln_tensor_t *const *captured, int n_captured,
@@ -565,15 +578,6 @@ static kiln_tensor_t *mask_of(const kiln_flex_t *f, env *e, bool *none)
 
 /* ---- the block mask ---- */
 
-struct kiln_block_mask {
-    int64_t B, H, Tq, Tk, block, nq, nk; /* B, H: 1 when the mask reads no b (h) */
-    int64_t full, partial, empty, seen;  /* counts, and the (query, key) pairs let through */
-    /* for each (b, h, qb): its full key blocks then its partial ones, at row[r]...;
-     * n_full[r], n_partial[r] */
-    int32_t *n_full, *n_partial;
-    int64_t *start, *kv;
-};
-
 void kiln_block_mask_free(kiln_block_mask_t *m)
 {
     if (!m) return;
@@ -710,6 +714,19 @@ kiln_tensor_t *kiln_flex_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tens
         return NULL;
     }
     if (scale <= 0) scale = 1.0 / sqrt((double)D);
+    /* no gradient wanted: the fused kernel, where it runs (flex_gen.c) */
+    bool grads = kiln_grad_enabled() && (kiln_tensor_requires_grad(q) || kiln_tensor_requires_grad(k) ||
+                                         kiln_tensor_requires_grad(v));
+    for (int i = 0; i < f->n_cap; i++) grads |= kiln_grad_enabled() && kiln_tensor_requires_grad(f->cap[i]);
+    if (!grads && kiln__opt(KILN__OPT_FLEX_FUSED)) {
+        kiln_tensor_t *y = NULL, *l = NULL;
+        bool ran;
+        if (kiln__flex_fused_forward(f, bm, q, k, v, scale, &y, &l, &ran) != KILN_OK) return NULL;
+        if (ran) {
+            if (lse) *lse = l;
+            return y;
+        }
+    }
     /* keys and values of each query head's group: (B, Hkv, Tk, D) -> (B, H, Tk, D) */
     kiln_tensor_t *kk = k, *vv = v;
     if (G > 1) {

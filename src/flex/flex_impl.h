@@ -1,0 +1,66 @@
+/* Private pieces of flex attention (kiln/flex.h) shared by flex.c (the expressions, the
+ * presets, the block mask, the dense computation) and flex_gen.c (the fused kernels
+ * generated from the expressions). */
+#ifndef KILN_FLEX_IMPL_H
+#define KILN_FLEX_IMPL_H
+
+#include <stdbool.h>
+#include <stdint.h>
+#include "core/op_table.h"
+#include "kiln/flex.h"
+
+#define MAX_CAPTURED 8
+#define MAX_NODES 512
+
+/* ---- the expression tree ---- */
+
+typedef enum { A_NUM, A_NAME, A_CAP, A_NEG, A_NOT, A_BIN, A_TERN, A_CALL } akind;
+typedef enum { V_SCORE, V_B, V_H, V_Q, V_KV, V_QLEN, V_KVLEN, N_VARS } var;
+extern const char *const kiln__flex_var_names[N_VARS];
+typedef enum { F_TANH, F_EXP, F_LOG, F_ABS, F_SQRT, F_MIN, F_MAX, N_FNS } fn;
+extern const char *const kiln__flex_fn_names[N_FNS];
+/* binary operators, by their text */
+typedef enum { B_ADD, B_SUB, B_MUL, B_DIV, B_LT, B_LE, B_GT, B_GE, B_EQ, B_NE, B_AND, B_OR } binop;
+
+typedef struct {
+    akind kind;
+    int op;        /* A_NAME: var; A_CAP: captured index; A_BIN: binop; A_CALL: fn */
+    double num;
+    bool integer;  /* A_NUM written without '.' or exponent */
+    int n_arg, arg[4];
+} anode;
+
+typedef struct {
+    anode n[MAX_NODES];
+    int count, root;
+    const char *text, *p, *what; /* what: "score_mod" or "mask_mod" */
+    kiln_status err;
+} parser;
+
+struct kiln_flex {
+    char *score, *mask; /* "" when absent */
+    parser *ps[2];      /* their trees (NULL when absent) */
+    kiln_tensor_t *cap[MAX_CAPTURED];
+    int n_cap;
+    bool vars[2][N_VARS], caps[2][MAX_CAPTURED];
+};
+
+struct kiln_block_mask {
+    int64_t B, H, Tq, Tk, block, nq, nk; /* B, H: 1 when the mask reads no b (h) */
+    int64_t full, partial, empty, seen;  /* counts, and the (query, key) pairs let through */
+    /* for each (b, h, qb): its full key blocks then its partial ones, at row[r]...;
+     * n_full[r], n_partial[r] */
+    int32_t *n_full, *n_partial;
+    int64_t *start, *kv;
+};
+
+
+/* The fused forward of f on the cpu for these tensors, when it can run (the cpu, f32 or
+ * f64, its kernels built): y and lse filled, *ran true. *ran false: not taken (the
+ * dense path runs); an error is a failure of the kernels' build or of a captured
+ * index. */
+kiln_status kiln__flex_fused_forward(const kiln_flex_t *f, const kiln_block_mask_t *bm, kiln_tensor_t *q,
+                                     kiln_tensor_t *k, kiln_tensor_t *v, double scale, kiln_tensor_t **y,
+                                     kiln_tensor_t **lse, bool *ran);
+
+#endif
