@@ -1,0 +1,92 @@
+/* bench/flex: flex attention's forward on the cpu (issue 27), without gradients, in one
+ * run: for each T, kiln's dense causal attention (kiln_attention, the peer), flex
+ * attention with the causal preset, and with a sliding window of T/8 (and of a fixed
+ * W, to show the time growing linearly in T); B x H heads of D, f32. Each a median over
+ * ROUNDS interleaved rounds. Prints one JSON line per T with the ms and the ratios
+ * dense causal / flex.
+ *   build/bench_flex [--T 512,1024,2048,4096] [--B 1] [--H 8] [--D 64] [--W 256] [--block 64] [--rounds 5] */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include "bench.h"
+#include "kiln/kiln.h"
+
+static double time_one(int which, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, kiln_flex_t *const *f,
+                       kiln_block_mask_t *const *bm)
+{
+    kiln_scope_begin();
+    double t0 = bench_now_s();
+    kiln_tensor_t *y = which == 0 ? kiln_attention(q, k, v, true, 0) : kiln_flex_attention(q, k, v, f[which - 1], bm[which - 1], 0, NULL);
+    double dt = bench_now_s() - t0;
+    if (!y) {
+        fprintf(stderr, "bench_flex: %s\n", kiln_last_error());
+        exit(1);
+    }
+    kiln_scope_end();
+    return dt * 1e3;
+}
+
+int main(int argc, char **argv)
+{
+    const char *Ts = "512,1024,2048,4096";
+    int64_t B = 1, H = 8, D = 64, W = 256, block = 64;
+    int rounds = 5;
+    for (int i = 1; i + 1 < argc; i += 2) {
+        if (!strcmp(argv[i], "--T")) Ts = argv[i + 1];
+        else if (!strcmp(argv[i], "--B")) B = atoll(argv[i + 1]);
+        else if (!strcmp(argv[i], "--H")) H = atoll(argv[i + 1]);
+        else if (!strcmp(argv[i], "--D")) D = atoll(argv[i + 1]);
+        else if (!strcmp(argv[i], "--W")) W = atoll(argv[i + 1]);
+        else if (!strcmp(argv[i], "--block")) block = atoll(argv[i + 1]);
+        else if (!strcmp(argv[i], "--rounds")) rounds = atoi(argv[i + 1]);
+        else {
+            fprintf(stderr, "usage: bench_flex [--T LIST] [--B N] [--H N] [--D N] [--W N] [--block N] [--rounds N]\n");
+            return 2;
+        }
+    }
+    if (rounds < 1 || rounds > 64) rounds = 5;
+    kiln_init(0);
+    kiln_set_grad_enabled(false);
+    for (const char *p = Ts; *p;) {
+        int64_t T = atoll(p);
+        p += strcspn(p, ",");
+        if (*p) p++;
+        if (T < 8) continue;
+        char win[64], fixed[64];
+        snprintf(win, sizeof win, "window:%lld", (long long)(T / 8));
+        snprintf(fixed, sizeof fixed, "window:%lld", (long long)W);
+        kiln_flex_t *f[3];
+        kiln_block_mask_t *bm[3];
+        const char *specs[3] = {"causal", win, fixed};
+        for (int i = 0; i < 3; i++)
+            if (kiln_flex_preset(specs[i], NULL, &f[i]) != KILN_OK || kiln_block_mask_new(f[i], 1, 1, T, T, block, &bm[i]) != KILN_OK) {
+                fprintf(stderr, "bench_flex: %s\n", kiln_last_error());
+                return 1;
+            }
+        int64_t shape[4] = {B, H, T, D};
+        kiln_manual_seed(1);
+        kiln_tensor_t *q = kiln_keep(kiln_randn(shape, 4, KILN_DTYPE_F32)), *k = kiln_keep(kiln_randn(shape, 4, KILN_DTYPE_F32)),
+                      *v = kiln_keep(kiln_randn(shape, 4, KILN_DTYPE_F32));
+        for (int w = 0; w < 4; w++) time_one(w, q, k, v, f, bm); /* warm-up: kernels built, caches */
+        double ms[4][64];
+        for (int r = 0; r < rounds; r++)
+            for (int w = 0; w < 4; w++) ms[w][r] = time_one(w, q, k, v, f, bm);
+        double med[4];
+        for (int w = 0; w < 4; w++) {
+            qsort(ms[w], (size_t)rounds, sizeof(double), bench_cmp_double);
+            med[w] = ms[w][rounds / 2];
+        }
+        printf("{\"bench\":\"flex\",\"block\":%lld,\"T\":%lld,\"B\":%lld,\"H\":%lld,\"D\":%lld,\"threads\":%d,\"dense_causal_ms\":%.3f,"
+               "\"flex_causal_ms\":%.3f,\"flex_window_T8_ms\":%.3f,\"flex_window_%lld_ms\":%.3f,"
+               "\"dense_over_flex_causal\":%.3f,\"dense_over_window_T8\":%.3f}\n",
+               (long long)block, (long long)T, (long long)B, (long long)H, (long long)D, kiln_num_threads(), med[0], med[1], med[2],
+               (long long)W, med[3], med[0] / med[1], med[0] / med[2]);
+        fflush(stdout);
+        for (int i = 0; i < 3; i++) {
+            kiln_block_mask_free(bm[i]);
+            kiln_flex_free(f[i]);
+        }
+        kiln_tensor_free(q), kiln_tensor_free(k), kiln_tensor_free(v);
+    }
+    return 0;
+}
