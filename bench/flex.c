@@ -4,7 +4,7 @@
  * W, to show the time growing linearly in T); B x H heads of D, f32. Each a median over
  * ROUNDS interleaved rounds. Prints one JSON line per T with the ms and the ratios
  * dense causal / flex.
- *   build/bench_flex [--T 512,1024,2048,4096] [--B 1] [--H 8] [--D 64] [--W 256] [--block 64] [--rounds 5] */
+ *   build/bench_flex [--T 512,1024,2048,4096] [--B 1] [--H 8] [--D 64] [--W 256] [--block 64] [--kv-block 64] [--rounds 5] */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -29,7 +29,7 @@ static double time_one(int which, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tenso
 int main(int argc, char **argv)
 {
     const char *Ts = "512,1024,2048,4096";
-    int64_t B = 1, H = 8, D = 64, W = 256, block = 64;
+    int64_t B = 1, H = 8, D = 64, W = 256, block = 64, kv_block = 64;
     int rounds = 5;
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--T")) Ts = argv[i + 1];
@@ -38,9 +38,10 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--D")) D = atoll(argv[i + 1]);
         else if (!strcmp(argv[i], "--W")) W = atoll(argv[i + 1]);
         else if (!strcmp(argv[i], "--block")) block = atoll(argv[i + 1]);
+        else if (!strcmp(argv[i], "--kv-block")) kv_block = atoll(argv[i + 1]);
         else if (!strcmp(argv[i], "--rounds")) rounds = atoi(argv[i + 1]);
         else {
-            fprintf(stderr, "usage: bench_flex [--T LIST] [--B N] [--H N] [--D N] [--W N] [--block N] [--rounds N]\n");
+            fprintf(stderr, "usage: bench_flex [--T LIST] [--B N] [--H N] [--D N] [--W N] [--block N] [--kv-block N] [--rounds N]\n");
             return 2;
         }
     }
@@ -59,7 +60,7 @@ int main(int argc, char **argv)
         kiln_block_mask_t *bm[3];
         const char *specs[3] = {"causal", win, fixed};
         for (int i = 0; i < 3; i++)
-            if (kiln_flex_preset(specs[i], NULL, &f[i]) != KILN_OK || kiln_block_mask_new(f[i], 1, 1, T, T, block, &bm[i]) != KILN_OK) {
+            if (kiln_flex_preset(specs[i], NULL, &f[i]) != KILN_OK || kiln_block_mask_new(f[i], 1, 1, T, T, block, kv_block, &bm[i]) != KILN_OK) {
                 fprintf(stderr, "bench_flex: %s\n", kiln_last_error());
                 return 1;
             }
@@ -76,10 +77,10 @@ int main(int argc, char **argv)
             qsort(ms[w], (size_t)rounds, sizeof(double), bench_cmp_double);
             med[w] = ms[w][rounds / 2];
         }
-        printf("{\"bench\":\"flex\",\"block\":%lld,\"T\":%lld,\"B\":%lld,\"H\":%lld,\"D\":%lld,\"threads\":%d,\"dense_causal_ms\":%.3f,"
+        printf("{\"bench\":\"flex\",\"block\":%lld,\"kv_block\":%lld,\"T\":%lld,\"B\":%lld,\"H\":%lld,\"D\":%lld,\"threads\":%d,\"dense_causal_ms\":%.3f,"
                "\"flex_causal_ms\":%.3f,\"flex_window_T8_ms\":%.3f,\"flex_window_%lld_ms\":%.3f,"
                "\"dense_over_flex_causal\":%.3f,\"dense_over_window_T8\":%.3f}\n",
-               (long long)block, (long long)T, (long long)B, (long long)H, (long long)D, kiln_num_threads(), med[0], med[1], med[2],
+               (long long)block, (long long)kv_block, (long long)T, (long long)B, (long long)H, (long long)D, kiln_num_threads(), med[0], med[1], med[2],
                (long long)W, med[3], med[0] / med[1], med[0] / med[2]);
         fflush(stdout);
         for (int i = 0; i < 3; i++) {

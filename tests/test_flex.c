@@ -312,7 +312,7 @@ static void block_masks_classify_blocks(void **state)
     kiln_flex_t *f;
     assert_int_equal(kiln_flex_preset("causal", NULL, &f), KILN_OK);
     kiln_block_mask_t *m;
-    assert_int_equal(kiln_block_mask_new(f, 2, 4, 10, 10, 4, &m), KILN_OK);
+    assert_int_equal(kiln_block_mask_new(f, 2, 4, 10, 10, 4, 0, &m), KILN_OK);
     int64_t full, partial, empty, kv[8], nf, np;
     double density;
     kiln_block_mask_stats(m, &full, &partial, &empty, &density);
@@ -334,7 +334,7 @@ static void block_masks_classify_blocks(void **state)
     int64_t ds[2] = {2, 12};
     kiln_tensor_t *d = kiln_from_data(docs, ds, 2, KILN_DTYPE_I64);
     assert_int_equal(kiln_flex_preset("doc", &(kiln_flex_inputs){.doc_ids = d}, &f), KILN_OK);
-    assert_int_equal(kiln_block_mask_new(f, 2, 4, 12, 12, 3, &m), KILN_OK);
+    assert_int_equal(kiln_block_mask_new(f, 2, 4, 12, 12, 3, 0, &m), KILN_OK);
     kiln_block_mask_stats(m, &full, &partial, &empty, &density);
     assert_int_equal(full + partial + empty, 2 * 4 * 4); /* b kept, h not: 2 x 4 x 4 blocks */
     /* row 0: documents [0 0 0][1 1 1][1 2 2][2 2 2]: query block 0 sees key block 0 whole */
@@ -345,7 +345,7 @@ static void block_masks_classify_blocks(void **state)
     kiln_flex_free(f);
     /* a block mask for other sizes is refused by flex_attention */
     assert_int_equal(kiln_flex_preset("causal", NULL, &f), KILN_OK);
-    assert_int_equal(kiln_block_mask_new(f, 1, 1, 8, 8, 4, &m), KILN_OK);
+    assert_int_equal(kiln_block_mask_new(f, 1, 1, 8, 8, 4, 0, &m), KILN_OK);
     int64_t qs[4] = {1, 2, 6, 4};
     kiln_tensor_t *q = kiln_randn(qs, 4, KILN_DTYPE_F32);
     assert_null(kiln_flex_attention(q, q, q, f, m, 0, NULL));

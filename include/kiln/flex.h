@@ -71,13 +71,15 @@ kiln_status kiln_flex_or(const kiln_flex_t *a, const kiln_flex_t *b, kiln_flex_t
 const char *kiln_flex_score_text(const kiln_flex_t *f);
 const char *kiln_flex_mask_text(const kiln_flex_t *f);
 
-/* The mask's blocks of block x block (query rows, key columns): each (b, h, query block)
- * has a list of its full blocks and of its partial ones (empty ones skipped); a mask
- * that reads no b (or h) is kept once for every b (or h). Built once and reused across
- * layers and steps. */
+/* The mask's blocks of block x kv_block (query rows, key columns; kv_block 0: block):
+ * each (b, h, query block) has a list of its full key blocks and of its partial ones
+ * (empty ones skipped); a mask that reads no b (or h) is kept once for every b (or h).
+ * Built once and reused across layers and steps. Narrow key blocks waste less at a
+ * mask's edges (a sliding window's); the fused kernel multiplies a query block's rows
+ * by adjacent key blocks in one GEMM, so they cost no extra calls. */
 typedef struct kiln_block_mask kiln_block_mask_t;
 kiln_status kiln_block_mask_new(const kiln_flex_t *f, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t block,
-                                kiln_block_mask_t **out);
+                                int64_t kv_block, kiln_block_mask_t **out);
 void kiln_block_mask_free(kiln_block_mask_t *m);
 /* Counts of full, partial and empty blocks (over every b, h kept), and the fraction of
  * (query, key) pairs the mask lets through. */

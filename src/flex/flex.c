@@ -589,19 +589,21 @@ void kiln_block_mask_free(kiln_block_mask_t *m)
 }
 
 kiln_status kiln_block_mask_new(const kiln_flex_t *f, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t block,
-                                kiln_block_mask_t **out)
+                                int64_t kv_block, kiln_block_mask_t **out)
 {
     if (!f || !out) return kiln_error(KILN_ERR_ARG, "block_mask_new: NULL flex or out");
     *out = NULL;
-    if (B < 1 || H < 1 || Tq < 1 || Tk < 1 || block < 1)
-        return kiln_error(KILN_ERR_ARG, "block_mask_new: sizes B %lld, H %lld, Tq %lld, Tk %lld, block %lld must be >= 1",
-                          (long long)B, (long long)H, (long long)Tq, (long long)Tk, (long long)block);
+    if (kv_block == 0) kv_block = block;
+    if (B < 1 || H < 1 || Tq < 1 || Tk < 1 || block < 1 || kv_block < 1)
+        return kiln_error(KILN_ERR_ARG, "block_mask_new: sizes B %lld, H %lld, Tq %lld, Tk %lld, block %lld, kv_block "
+                          "%lld must be >= 1", (long long)B, (long long)H, (long long)Tq, (long long)Tk, (long long)block,
+                          (long long)kv_block);
     kiln_block_mask_t *m = calloc(1, sizeof *m);
     if (!m) return kiln_error(KILN_ERR_OOM, "block_mask_new: out of memory");
     m->B = f->vars[1][V_B] ? B : 1;
     m->H = f->vars[1][V_H] ? H : 1;
-    m->Tq = Tq, m->Tk = Tk, m->block = block;
-    m->nq = (Tq + block - 1) / block, m->nk = (Tk + block - 1) / block;
+    m->Tq = Tq, m->Tk = Tk, m->block = block, m->kv_block = kv_block;
+    m->nq = (Tq + block - 1) / block, m->nk = (Tk + kv_block - 1) / kv_block;
     int64_t rows = m->B * m->H * m->nq;
     m->n_full = calloc((size_t)rows, sizeof *m->n_full);
     m->n_partial = calloc((size_t)rows, sizeof *m->n_partial);
@@ -638,7 +640,7 @@ kiln_status kiln_block_mask_new(const kiln_flex_t *f, int64_t B, int64_t H, int6
         }
         int64_t *part = pp ? pp : partial;
         for (int64_t kb = 0; kb < m->nk; kb++) {
-            int64_t k0 = kb * block, k1 = k0 + block < Tk ? k0 + block : Tk, on = 0;
+            int64_t k0 = kb * kv_block, k1 = k0 + kv_block < Tk ? k0 + kv_block : Tk, on = 0;
             for (int64_t qi = q0; qi < q1; qi++)
                 for (int64_t ki = k0; ki < k1; ki++) on += plane[qi * Tk + ki] != 0;
             m->seen += on;

@@ -30,7 +30,7 @@
         void *y, *lse;                                                                                 \
         const void *cap[8];                                                                            \
         int64_t cap_dim[8][4];                                                                         \
-        int64_t B, H, Hkv, Tq, Tk, D, mB, mH, nq, block;                                               \
+        int64_t B, H, Hkv, Tq, Tk, D, mB, mH, nq, block, kv_block;                                     \
         double scale;                                                                                  \
         const int32_t *n_full, *n_partial;                                                             \
         const int64_t *start, *kv;                                                                     \
@@ -234,7 +234,7 @@ static char *source(const kiln_flex_t *f, bool f64)
             "static inline int64_t flex_iabs(int64_t x) { return x < 0 ? -x : x; }\n\n");
     put(&b, "void flex_tile(const flex_args *a, %s *S, int64_t ld, int64_t b, int64_t h, int64_t q0, int64_t rows,\n"
             "               const int64_t *kvl, int64_t nf, int64_t nb, %s *L)\n{\n", T, T);
-    put(&b, "    typedef %s T;\n    const int64_t q_len = a->Tq, kv_len = a->Tk, blk = a->block;\n"
+    put(&b, "    typedef %s T;\n    const int64_t q_len = a->Tq, kv_len = a->Tk, blk = a->kv_block;\n"
             "    (void)q_len, (void)b, (void)h;\n", T);
     put(&b, "    for (int64_t i = 0; i < rows; i++) {\n        const int64_t q_idx = q0 + i;\n"
             "        T *row = S + i * ld;\n        int64_t off = 0;\n        (void)q_idx;\n"
@@ -351,14 +351,15 @@ typedef struct {
         run_ctx *rc = ctx;                                                                                  \
         const flex_args *a = rc->a;                                                                         \
         const int64_t H = a->H, G = a->H / a->Hkv, Tq = a->Tq, Tk = a->Tk, D = a->D, blk = a->block;       \
+        const int64_t kvb = a->kv_block;                                                                    \
         /* S: the tile; Kt: K of the (b, kv head) the tasks are at, transposed (D, Tk), so that    \
          * Q K^T is an NN GEMM (the BLAS runs it faster than NT: cpu_fused_impl.h) */               \
-        R *S = malloc(sizeof(R) * (size_t)(blk * (Tk + blk) + D * Tk));                                    \
+        R *S = malloc(sizeof(R) * (size_t)(blk * (Tk + kvb) + D * Tk));                                    \
         if (!S) {                                                                                           \
             atomic_store(&rc->oom, 1);                                                                      \
             return;                                                                                         \
         }                                                                                                   \
-        R *Kt = S + blk * (Tk + blk);                                                                       \
+        R *Kt = S + blk * (Tk + kvb);                                                                       \
         int64_t kt_of = -1;                                                                                 \
         for (int64_t t = t0; t < t1; t++) {                                                                 \
             const int64_t qb = t % a->nq, bh = t / a->nq, b = bh / H, h = bh % H, hk = h / G;              \
@@ -371,8 +372,7 @@ typedef struct {
             R *O = (R *)a->y + ((b * H + h) * Tq + q0) * D, *L = (R *)a->lse + (b * H + h) * Tq + q0;      \
             int64_t cols = 0;                                                                               \
             for (int64_t n = 0; n < nb; n++) {                                                              \
-                int64_t k0 = kvl[n] * blk, w = k0 + blk < Tk ? blk : Tk - k0;                               \
-                (void)w;                                                                                    \
+                int64_t k0 = kvl[n] * kvb, w = k0 + kvb < Tk ? kvb : Tk - k0;                               \
                 cols += w;                                                                                  \
             }                                                                                               \
             if (cols == 0) {                                                                                \
@@ -389,18 +389,18 @@ typedef struct {
             }                                                                                               \
             /* a run of listed blocks that follow each other in K: one GEMM */                         \
             for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                \
-                int64_t k0 = kvl[n] * blk, w = 0;                                                           \
+                int64_t k0 = kvl[n] * kvb, w = 0;                                                           \
                 for (e = n; e < nb && kvl[e] == kvl[n] + (e - n); e++)                                      \
-                    w += kvl[e] * blk + blk < Tk ? blk : Tk - kvl[e] * blk;                                 \
+                    w += kvl[e] * kvb + kvb < Tk ? kvb : Tk - kvl[e] * kvb;                                 \
                 GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)D, (R)a->scale, Q, (int)D, \
                      Kt + k0, (int)Tk, 0, S + off, (int)cols);                                              \
                 off += w;                                                                                   \
             }                                                                                               \
             rc->fn(a, S, cols, b, h, q0, rows, kvl, nf, nb, L); /* modifiers, softmax, L */          \
             for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                \
-                int64_t k0 = kvl[n] * blk, w = 0;                                                           \
+                int64_t k0 = kvl[n] * kvb, w = 0;                                                           \
                 for (e = n; e < nb && kvl[e] == kvl[n] + (e - n); e++)                                      \
-                    w += kvl[e] * blk + blk < Tk ? blk : Tk - kvl[e] * blk;                                 \
+                    w += kvl[e] * kvb + kvb < Tk ? kvb : Tk - kvl[e] * kvb;                                 \
                 GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, 1, S + off, (int)cols, \
                      V + k0 * D, (int)D, off ? 1 : 0, O, (int)D);                                            \
                 off += w;                                                                                   \
@@ -429,7 +429,7 @@ kiln_status kiln__flex_fused_forward(const kiln_flex_t *f, const kiln_block_mask
     kiln_block_mask_t *own = NULL;
     if (!bm) { /* one made for this call */
         int64_t block = 64;
-        if ((s = kiln_block_mask_new(f, B, H, Tq, Tk, block, &own)) != KILN_OK) return s;
+        if ((s = kiln_block_mask_new(f, B, H, Tq, Tk, block, 0, &own)) != KILN_OK) return s;
         bm = own;
     }
     kiln_tensor_t *qc = kiln_contiguous(q), *kc = kiln_contiguous(k), *vc = kiln_contiguous(v);
@@ -437,7 +437,7 @@ kiln_status kiln__flex_fused_forward(const kiln_flex_t *f, const kiln_block_mask
     kiln_tensor_t *yo = kiln_empty(q->shape, 4, F), *lo = kiln_empty(ls, 3, F);
     int32_t bad = 0;
     flex_args a = {.B = B, .H = H, .Hkv = k->shape[1], .Tq = Tq, .Tk = Tk, .D = D, .mB = bm->B, .mH = bm->H,
-                   .nq = bm->nq, .block = bm->block, .scale = scale, .n_full = bm->n_full, .n_partial = bm->n_partial,
+                   .nq = bm->nq, .block = bm->block, .kv_block = bm->kv_block, .scale = scale, .n_full = bm->n_full, .n_partial = bm->n_partial,
                    .start = bm->start, .kv = bm->kv, .bad = &bad};
     kiln_tensor_t *caps[MAX_CAPTURED] = {0};
     for (int i = 0; i < f->n_cap; i++) {
@@ -459,7 +459,7 @@ kiln_status kiln__flex_fused_forward(const kiln_flex_t *f, const kiln_block_mask
     kiln_block_mask_free(own);
     if (atomic_load(&r.oom))
         return kiln_error(KILN_ERR_OOM, "flex_attention: out of memory for a tile buffer (%lld x %lld)",
-                          (long long)bm->block, (long long)(Tk + bm->block));
+                          (long long)bm->block, (long long)(Tk + bm->kv_block));
     if (bad)
         return kiln_error(KILN_ERR_INDEX, "flex_attention: the modifiers read c%d outside its shape %s (%s / %s)",
                           bad - 1, kiln__shape_text(f->cap[bad - 1]), *f->score ? f->score : "-",

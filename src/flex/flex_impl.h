@@ -46,7 +46,7 @@ struct kiln_flex {
 };
 
 struct kiln_block_mask {
-    int64_t B, H, Tq, Tk, block, nq, nk; /* B, H: 1 when the mask reads no b (h) */
+    int64_t B, H, Tq, Tk, block, kv_block, nq, nk; /* B, H: 1 when the mask reads no b (h) */
     int64_t full, partial, empty, seen;  /* counts, and the (query, key) pairs let through */
     /* for each (b, h, qb): its full key blocks then its partial ones, at row[r]...;
      * n_full[r], n_partial[r] */
