@@ -7,9 +7,10 @@
  * PyTorch's flex_attention on the same inputs (tests/reference/golden_flex.safetensors,
  * written by tests/reference/flex_ref.py with PyTorch 2.x; forward and log-sum-exp,
  * 5e-6; measured 7.2e-7); the block mask's classification; and bad modifiers, each a
- * clear error. The presets run twice: without gradients (on the cpu, the fused
- * kernel of src/flex/flex_gen.c) and with q tracked (the dense path). Also run on
- * OpenCL (test_flex_opencl), where both are the dense path. */
+ * clear error. On the cpu the fused kernels run (src/flex/flex_gen.c, forward and
+ * backward), but for captured tensors that want a gradient (the dense path); the test
+ * runs again with KILN_OPT_FLEX_FUSED=0 (test_flex_dense: the dense path throughout)
+ * and on OpenCL (test_flex_opencl, dense). */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -138,13 +139,12 @@ static void run_case(const flex_case *c, const dims *d, kiln_dtype dt, double to
         s = kiln_flex_new(c->score, c->mask, &pre, pre ? 1 : 0, &f);
     }
     if (s != KILN_OK) fail_msg("%s: %s", c->name, kiln_last_error());
-    /* twice: without gradients (on the cpu, the fused kernel), and with q tracked by
-     * autograd (the dense path) */
+    /* twice: without gradients, and with q tracked by autograd (recorded for a backward) */
     for (int tracked = 0; tracked < 2; tracked++) {
         kiln_tensor_set_requires_grad(qt, tracked);
         kiln_tensor_t *l = NULL, *out = kiln_flex_attention(qt, kt, vt, f, NULL, 0, &l);
         if (!out) fail_msg("%s: %s", c->name, kiln_last_error());
-        const char *path = tracked ? "dense" : "no gradients";
+        const char *path = tracked ? "q tracked" : "untracked";
         double *got = host(out), *got_l = host(l), big = 0;
         for (int64_t i = 0; i < qn; i++) big = fmax(big, fabs(y[i]));
         for (int64_t i = 0; i < qn; i++)
@@ -218,47 +218,87 @@ static double loss_of(kiln_tensor_t *const *in, const kiln_flex_t *f, kiln_tenso
     return v;
 }
 
-static void gradients_match_finite_differences(void **state)
+/* Checks the gradients of in[0..n) against finite differences. */
+static void check_fd(kiln_tensor_t *const *in, int n, const kiln_flex_t *f, kiln_tensor_t *w, const char *what)
 {
-    int64_t qs[4] = {1, 4, 6, 4}, ks[4] = {1, 2, 6, 4}, H = 4;
-    kiln_manual_seed(11);
-    kiln_tensor_t *in[4] = {kiln_randn(qs, 4, KILN_DTYPE_F64), kiln_randn(ks, 4, KILN_DTYPE_F64),
-                            kiln_randn(ks, 4, KILN_DTYPE_F64), kiln_from_data(slopes, &H, 1, KILN_DTYPE_F64)};
-    kiln_tensor_t *w = kiln_randn(qs, 4, KILN_DTYPE_F64);
-    for (int i = 0; i < 4; i++) kiln_tensor_set_requires_grad(in[i], true);
-    kiln_flex_t *alibi, *rest, *f;
-    kiln_flex_inputs fi = {.alibi_slopes = in[3]};
-    assert_int_equal(kiln_flex_preset("alibi", &fi, &alibi), KILN_OK);
-    assert_int_equal(kiln_flex_preset("window:4+softcap:3", NULL, &rest), KILN_OK);
-    assert_int_equal(kiln_flex_and(alibi, rest, &f), KILN_OK);
-    kiln_flex_free(alibi);
-    kiln_flex_free(rest);
+    for (int t = 0; t < 3; t++) kiln_tensor_set_requires_grad(in[t], true);
     kiln_tensor_t *l = NULL, *y = kiln_flex_attention(in[0], in[1], in[2], f, NULL, 0, &l);
+    if (!y) fail_msg("%s: %s", what, kiln_last_error());
     assert_int_equal(kiln_backward(kiln_add(kiln_sum(kiln_mul(y, w), NULL, 0, false), kiln_sum(l, NULL, 0, false))),
                      KILN_OK);
     bool was = kiln_set_grad_enabled(false);
-    static const char *names[4] = {"q", "k", "v", "slopes"};
-    for (int t = 0; t < 4; t++) {
+    static const char *names[4] = {"q", "k", "v", "c0"};
+    for (int t = 0; t < n; t++) {
         double *g = host(kiln_tensor_grad(in[t]));
-        int64_t n = kiln_tensor_numel(in[t]);
+        int64_t nel = kiln_tensor_numel(in[t]);
         double *x = host(in[t]);
-        for (int64_t i = 0; i < n; i += (n > 24 ? 7 : 1)) {
+        for (int64_t i = 0; i < nel; i += (nel > 24 ? 7 : 1)) {
             double keep = x[i], fd[2];
             for (int side = 0; side < 2; side++) {
                 x[i] = keep + (side ? -1e-6 : 1e-6);
-                assert_int_equal(kiln_tensor_from_host_(in[t], x, sizeof(double) * (size_t)n), KILN_OK);
+                assert_int_equal(kiln_tensor_from_host_(in[t], x, sizeof(double) * (size_t)nel), KILN_OK);
                 fd[side] = loss_of(in, f, w);
             }
             x[i] = keep;
-            assert_int_equal(kiln_tensor_from_host_(in[t], x, sizeof(double) * (size_t)n), KILN_OK);
+            assert_int_equal(kiln_tensor_from_host_(in[t], x, sizeof(double) * (size_t)nel), KILN_OK);
             double num = (fd[0] - fd[1]) / 2e-6;
             if (fabs(num - g[i]) > 1e-6 * (1 + fabs(num)))
-                fail_msg("d/d%s[%lld]: autograd %.12g, finite differences %.12g", names[t], (long long)i, g[i], num);
+                fail_msg("%s: d/d%s[%lld]: autograd %.12g, finite differences %.12g", what, names[t], (long long)i, g[i],
+                         num);
         }
         free(g), free(x);
     }
     kiln_set_grad_enabled(was);
-    kiln_flex_free(f);
+}
+
+/* Gradients of q, k, v (and of captured ALiBi slopes, which the dense path gives)
+ * against finite differences, f64, with grouped-query heads: the fused backward on the
+ * cpu (its score modifiers' derivatives generated from their trees: tanh, division,
+ * abs, min, max, exp, log, sqrt, ?:) and the dense path when the slopes want a
+ * gradient. */
+static void gradients_match_finite_differences(void **state)
+{
+    int64_t qs[4] = {1, 4, 6, 4}, ks[4] = {1, 2, 6, 4}, H = 4, ds[2] = {1, 6};
+    static const int64_t doc6[6] = {0, 0, 1, 1, 1, 2};
+    kiln_manual_seed(11);
+    kiln_tensor_t *in[4] = {kiln_randn(qs, 4, KILN_DTYPE_F64), kiln_randn(ks, 4, KILN_DTYPE_F64),
+                            kiln_randn(ks, 4, KILN_DTYPE_F64), kiln_from_data(slopes, &H, 1, KILN_DTYPE_F64)};
+    kiln_tensor_t *w = kiln_randn(qs, 4, KILN_DTYPE_F64), *docs6 = kiln_from_data(doc6, ds, 2, KILN_DTYPE_I64);
+    kiln_flex_inputs fi = {.alibi_slopes = in[3], .doc_ids = docs6};
+    static const struct {
+        const char *spec, *score, *mask;
+        bool slopes_grad;
+    } cases[] = {
+        {"alibi+window:4+softcap:3", NULL, NULL, true},
+        {"alibi+window:4+softcap:3", NULL, NULL, false},
+        {"doc+causal", NULL, NULL, false},
+        {NULL, "score * 0.5 + (q_idx - kv_idx) * 0.01", "q_idx - kv_idx < 5 && kv_idx <= q_idx + 2", false},
+        {NULL, "score / (1 + abs(score)) + min(score, 0.5) - max(score * 0.1, -1.0)", NULL, false},
+        {NULL, "log(1 + exp(score)) + sqrt(score * score + 1) + (q_idx > kv_idx ? score * 2 : -score)", NULL, false},
+    };
+    for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+        kiln_flex_t *f;
+        kiln_status s = cases[c].spec ? kiln_flex_preset(cases[c].spec, &fi, &f)
+                                      : kiln_flex_new(cases[c].score, cases[c].mask, NULL, 0, &f);
+        if (s != KILN_OK) fail_msg("%s", kiln_last_error());
+        kiln_tensor_t *fresh[4];
+        for (int i = 0; i < 4; i++) fresh[i] = kiln_detach(in[i]); /* no gradient left from the last case */
+        if (cases[c].spec && strstr(cases[c].spec, "alibi")) {
+            fi.alibi_slopes = fresh[3];
+            kiln_flex_free(f);
+            if (cases[c].slopes_grad) kiln_tensor_set_requires_grad(fresh[3], true);
+            assert_int_equal(kiln_flex_preset(cases[c].spec, &fi, &f), KILN_OK);
+        }
+        char what[256];
+        snprintf(what, sizeof what, "%s%s", cases[c].spec ? cases[c].spec : cases[c].score,
+                 cases[c].slopes_grad ? " (slopes too: dense)" : "");
+        check_fd(fresh, cases[c].slopes_grad ? 4 : 3, f, w, what);
+        kiln_flex_free(f);
+    }
+    /* the fused backward ran where it should: its op is in the table */
+    bool fused = false;
+    for (int i = 0; i < kiln_op_count(); i++) fused |= !strncmp(kiln_op_name(i), "flex_attention_backward_", 24);
+    assert_int_equal(fused, !strcmp(kiln_device(), "cpu") && test_opt_on("FLEX_FUSED"));
 }
 
 /* PyTorch 2.x's flex_attention on the same inputs (the golden file), forward and lse. */

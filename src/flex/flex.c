@@ -716,14 +716,11 @@ kiln_tensor_t *kiln_flex_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tens
         return NULL;
     }
     if (scale <= 0) scale = 1.0 / sqrt((double)D);
-    /* no gradient wanted: the fused kernel, where it runs (flex_gen.c) */
-    bool grads = kiln_grad_enabled() && (kiln_tensor_requires_grad(q) || kiln_tensor_requires_grad(k) ||
-                                         kiln_tensor_requires_grad(v));
-    for (int i = 0; i < f->n_cap; i++) grads |= kiln_grad_enabled() && kiln_tensor_requires_grad(f->cap[i]);
-    if (!grads && kiln__opt(KILN__OPT_FLEX_FUSED)) {
+    /* the fused kernels, where they run (flex_gen.c) */
+    if (kiln__opt(KILN__OPT_FLEX_FUSED)) {
         kiln_tensor_t *y = NULL, *l = NULL;
         bool ran;
-        if (kiln__flex_fused_forward(f, bm, q, k, v, scale, &y, &l, &ran) != KILN_OK) return NULL;
+        if (kiln__flex_fused(f, bm, q, k, v, scale, &y, &l, &ran) != KILN_OK) return NULL;
         if (ran) {
             if (lse) *lse = l;
             return y;

@@ -17,9 +17,11 @@
 #include <stdlib.h>
 #include <string.h>
 #include "compile/compile_impl.h"
+#include "core/cache.h"
 #include "core/opts.h"
 #include "core/threadpool.h"
 #include "flex/flex_impl.h"
+#include "kiln/op.h"
 #include "kiln/ops.h"
 
 /* The kernel's arguments: the same text compiles into kiln and into the generated
@@ -214,6 +216,119 @@ static gtype emit(const gen *g, int i, sbuf *b)
     return op >= B_LT ? G_BOOL : t;
 }
 
+/* d(node i)/d(score) as a C expression of the float type: the chain rule over the tree
+ * (a comparison, a logical operator or an index has none: 0). */
+static void emit_d(const gen *g, int i, sbuf *b)
+{
+    const anode *a = &g->ps->n[i];
+    const char *T = ct(g, G_FLOAT);
+    switch (a->kind) {
+    case A_NUM: case A_CAP: case A_NOT:
+        put(b, "((%s)0)", T);
+        return;
+    case A_NAME:
+        put(b, "((%s)%d)", T, a->op == V_SCORE);
+        return;
+    case A_NEG:
+        put(b, "(-");
+        emit_d(g, a->arg[0], b);
+        put(b, ")");
+        return;
+    case A_TERN:
+        put(b, "((");
+        emit(g, a->arg[0], b);
+        put(b, ") ? ");
+        emit_d(g, a->arg[1], b);
+        put(b, " : ");
+        emit_d(g, a->arg[2], b);
+        put(b, ")");
+        return;
+    case A_CALL:
+        if (a->op == F_MIN || a->op == F_MAX) { /* the derivative of the one chosen */
+            put(b, "((");
+            emit_as(g, a->arg[0], G_FLOAT, b);
+            put(b, a->op == F_MIN ? " <= " : " >= ");
+            emit_as(g, a->arg[1], G_FLOAT, b);
+            put(b, ") ? ");
+            emit_d(g, a->arg[0], b);
+            put(b, " : ");
+            emit_d(g, a->arg[1], b);
+            put(b, ")");
+            return;
+        }
+        put(b, "(");
+        emit_d(g, a->arg[0], b);
+        put(b, " * ");
+        switch (a->op) {
+        case F_TANH:
+            put(b, "((%s)1 - %s(", T, libm(g, F_TANH));
+            emit_as(g, a->arg[0], G_FLOAT, b);
+            put(b, ") * %s(", libm(g, F_TANH));
+            emit_as(g, a->arg[0], G_FLOAT, b);
+            put(b, "))");
+            break;
+        case F_EXP:
+            put(b, "%s(", libm(g, F_EXP));
+            emit_as(g, a->arg[0], G_FLOAT, b);
+            put(b, ")");
+            break;
+        case F_LOG:
+            put(b, "((%s)1 / ", T);
+            emit_as(g, a->arg[0], G_FLOAT, b);
+            put(b, ")");
+            break;
+        case F_ABS:
+            put(b, "(");
+            emit_as(g, a->arg[0], G_FLOAT, b);
+            put(b, " < 0 ? (%s)-1 : (%s)1)", T, T);
+            break;
+        default: /* sqrt */
+            put(b, "((%s)0.5 / %s(", T, libm(g, F_SQRT));
+            emit_as(g, a->arg[0], G_FLOAT, b);
+            put(b, "))");
+            break;
+        }
+        put(b, ")");
+        return;
+    case A_BIN:
+        break;
+    }
+    binop op = (binop)a->op;
+    if (op >= B_LT) {
+        put(b, "((%s)0)", T);
+        return;
+    }
+    put(b, "(");
+    if (op == B_ADD || op == B_SUB) {
+        emit_d(g, a->arg[0], b);
+        put(b, op == B_ADD ? " + " : " - ");
+        emit_d(g, a->arg[1], b);
+    } else if (op == B_MUL) {
+        emit_d(g, a->arg[0], b);
+        put(b, " * ");
+        emit_as(g, a->arg[1], G_FLOAT, b);
+        put(b, " + ");
+        emit_as(g, a->arg[0], G_FLOAT, b);
+        put(b, " * ");
+        emit_d(g, a->arg[1], b);
+    } else { /* (da b - a db) / b^2 */
+        put(b, "(");
+        emit_d(g, a->arg[0], b);
+        put(b, " * ");
+        emit_as(g, a->arg[1], G_FLOAT, b);
+        put(b, " - ");
+        emit_as(g, a->arg[0], G_FLOAT, b);
+        put(b, " * ");
+        emit_d(g, a->arg[1], b);
+        put(b, ") / (");
+        emit_as(g, a->arg[1], G_FLOAT, b);
+        put(b, " * ");
+        emit_as(g, a->arg[1], G_FLOAT, b);
+        put(b, ")");
+    }
+    put(b, ")");
+}
+
 /* The kernel's source for f in f32 or f64: flex_tile applies the modifiers to a tile of
  * scores S (rows from query q0, ld apart), whose columns are the key blocks kvl[0..nb)
  * side by side: the score modifier on every score, the mask only in the partial blocks
@@ -284,7 +399,40 @@ static char *source(const kiln_flex_t *f, bool f64)
             "        const T inv = (T)(1 / sum);\n"
             "        for (j = 0; j < ld; j++) row[j] *= inv;\n"
             "        L[i] = (T)((double)m + log(sum));\n"
-            "    }\n}\n", f64 ? "exp" : "km_exp_fast");
+            "    }\n}\n\n", f64 ? "exp" : "km_exp_fast");
+    /* the backward's tile: P = exp(score' - L) in S (0 where masked or the row sees no
+     * key) and M = d score' / d score beside it */
+    put(&b, "void flex_tile_bwd(const flex_args *a, %s *S, %s *M, int64_t ld, int64_t b, int64_t h, int64_t q0,\n"
+            "                   int64_t rows, const int64_t *kvl, int64_t nf, int64_t nb, const %s *L)\n{\n", T, T, T);
+    put(&b, "    typedef %s T;\n    const int64_t q_len = a->Tq, kv_len = a->Tk, blk = a->kv_block;\n"
+            "    (void)q_len, (void)b, (void)h, (void)nf;\n"
+            "    for (int64_t i = 0; i < rows; i++) {\n        const int64_t q_idx = q0 + i;\n"
+            "        const T Li = L[i];\n        T *row = S + i * ld, *mrow = M + i * ld;\n"
+            "        int64_t off = 0;\n        (void)q_idx;\n"
+            "        for (int64_t n = 0; n < nb; n++) {\n"
+            "            const int64_t k0 = kvl[n] * blk, w = k0 + blk < kv_len ? blk : kv_len - k0;\n"
+            "            T *s = row + off, *md = mrow + off;\n            off += w;\n"
+            "            for (int64_t j = 0; j < w; j++) {\n                const int64_t kv_idx = k0 + j;\n"
+            "                const T score = s[j];\n                (void)kv_idx;\n", T);
+    if (f->ps[1]) {
+        g.ps = f->ps[1];
+        put(&b, "                if (n >= nf && !(");
+        emit(&g, f->ps[1]->root, &b);
+        put(&b, ")) {\n                    s[j] = 0;\n                    md[j] = 0;\n                    continue;\n"
+                "                }\n");
+    }
+    if (f->ps[0]) {
+        g.ps = f->ps[0];
+        put(&b, "                const T sp = (T)(");
+        emit(&g, f->ps[0]->root, &b);
+        put(&b, ");\n                md[j] = (T)(");
+        emit_d(&g, f->ps[0]->root, &b);
+        put(&b, ");\n");
+    } else {
+        put(&b, "                const T sp = score;\n                md[j] = 1;\n");
+    }
+    put(&b, "                s[j] = Li > (T)-INFINITY && sp > (T)-INFINITY ? (T)%s(sp - Li) : 0;\n"
+            "            }\n        }\n    }\n}\n", f64 ? "exp" : "expf");
     if (b.oom) {
         free(b.s);
         return NULL;
@@ -292,68 +440,65 @@ static char *source(const kiln_flex_t *f, bool f64)
     return b.s;
 }
 
-/* The built kernels of every flex (by the text of its modifiers and captured dtypes,
- * so that two flex objects with the same expressions share them). */
-typedef struct built {
+/* ---- the fused op ---- */
+
+/* The generated functions, for float or double scores. */
+typedef void (*flex_tile_bwd_fn)(const flex_args *a, void *S, void *M, int64_t ld, int64_t b, int64_t h, int64_t q0,
+                                 int64_t rows, const int64_t *kvl, int64_t nf, int64_t nb, const void *L);
+
+/* One per modifiers (their text and the captured tensors' dtypes and dims): a template
+ * flex over placeholder captured tensors of those dtypes and dims (what the code
+ * generator reads), its built functions per float type, and its two custom ops
+ * (kiln/op.h): the forward (q, k, v, captured... -> y, lse) and its backward (dO, q, k,
+ * v, lse, Dm, captured... -> dq, dk, dv), so that autograd, capture and replay see
+ * flex attention as they see any op. */
+typedef struct entry {
     char *key;
-    flex_tile_fn fn;
-    struct built *next;
-} built;
-static built *kernels;
+    kiln_flex_t *tmpl;
+    flex_tile_fn tile[2];
+    flex_tile_bwd_fn tile_bwd[2];
+    int op_fwd, op_bwd;
+    struct entry *next;
+} entry;
+static entry *entries;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 
-static kiln_status kernel_for(const kiln_flex_t *f, bool f64, flex_tile_fn *out)
+/* e's functions for float (f64 false) or double scores, built once. Under lock. */
+static kiln_status built(entry *e, bool f64)
 {
-    char caps[64] = "";
-    for (int i = 0; i < f->n_cap; i++) caps[i] = (char)('a' + kiln_tensor_dtype(f->cap[i]));
-    size_t kn = strlen(f->score) + strlen(f->mask) + 80;
-    char *key = malloc(kn);
-    if (!key) return kiln_error(KILN_ERR_OOM, "flex: out of memory");
-    snprintf(key, kn, "%d|%s|%s|%s", f64, caps, f->score, f->mask);
-    pthread_mutex_lock(&lock);
-    kiln_status s = KILN_OK;
-    built *k = kernels;
-    while (k && strcmp(k->key, key)) k = k->next;
-    if (!k) {
-        char *src = source(f, f64);
-        void *lib = NULL;
-        s = src ? kiln__jit_open(src, NULL, &lib) : kiln_error(KILN_ERR_OOM, "flex: out of memory for the kernel's source");
-        free(src);
-        flex_tile_fn fn = NULL;
-        if (s == KILN_OK && !(*(void **)&fn = dlsym(lib, "flex_tile")))
-            s = kiln_error(KILN_ERR_IO, "flex: the built kernel has no flex_tile (a stale kernel cache? remove it)");
-        if (s == KILN_OK && (k = malloc(sizeof *k))) {
-            *k = (built){key, fn, kernels};
-            kernels = k;
-            key = NULL;
-        } else if (s == KILN_OK) {
-            s = kiln_error(KILN_ERR_OOM, "flex: out of memory");
-        }
+    if (e->tile[f64]) return KILN_OK;
+    char *src = source(e->tmpl, f64);
+    void *lib = NULL;
+    kiln_status s = src ? kiln__jit_open(src, NULL, &lib) : kiln_error(KILN_ERR_OOM, "flex: out of memory for a kernel");
+    free(src);
+    if (s != KILN_OK) return s;
+    *(void **)&e->tile[f64] = dlsym(lib, "flex_tile");
+    *(void **)&e->tile_bwd[f64] = dlsym(lib, "flex_tile_bwd");
+    if (!e->tile[f64] || !e->tile_bwd[f64]) {
+        e->tile[f64] = NULL;
+        return kiln_error(KILN_ERR_IO, "flex: a built kernel lacks flex_tile (a stale kernel cache? remove it)");
     }
-    if (s == KILN_OK) *out = k->fn;
-    pthread_mutex_unlock(&lock);
-    free(key);
-    return s;
+    return KILN_OK;
 }
 
 typedef struct {
     flex_tile_fn fn;
+    flex_tile_bwd_fn bwd;
     const flex_args *a;
     atomic_int oom;
 } run_ctx;
 
-/* One task per (b, h, query block): the scores of its rows against the listed key
- * blocks, side by side in S (a GEMM each, A B^T on K's rows), the tile modifier, the
- * softmax of each row, and O = P V (a GEMM each, summed). R is float or double. */
-#define FLEX_FORWARD(SFX, R, GEMM)                                                                \
+/* The forward. One task per (b, h, query block): the scores of its rows against the
+ * listed key blocks, side by side in S (runs of adjacent blocks one NN GEMM each, on K
+ * transposed once per kv head), the modifiers, softmax and log-sum-exp in the generated
+ * function, and O = P V by GEMM. R is float or double. */
+#define FLEX_FORWARD(SFX, R, GEMM)                                                                          \
     static void fwd_##SFX(void *ctx, int64_t t0, int64_t t1)                                              \
     {                                                                                                       \
         run_ctx *rc = ctx;                                                                                  \
         const flex_args *a = rc->a;                                                                         \
         const int64_t H = a->H, G = a->H / a->Hkv, Tq = a->Tq, Tk = a->Tk, D = a->D, blk = a->block;       \
         const int64_t kvb = a->kv_block;                                                                    \
-        /* S: the tile; Kt: K of the (b, kv head) the tasks are at, transposed (D, Tk), so that    \
-         * Q K^T is an NN GEMM (the BLAS runs it faster than NT: cpu_fused_impl.h) */               \
         R *S = malloc(sizeof(R) * (size_t)(blk * (Tk + kvb) + D * Tk));                                    \
         if (!S) {                                                                                           \
             atomic_store(&rc->oom, 1);                                                                      \
@@ -371,36 +516,26 @@ typedef struct {
             const R *V = (const R *)a->v + (b * a->Hkv + hk) * Tk * D;                                      \
             R *O = (R *)a->y + ((b * H + h) * Tq + q0) * D, *L = (R *)a->lse + (b * H + h) * Tq + q0;      \
             int64_t cols = 0;                                                                               \
-            for (int64_t n = 0; n < nb; n++) {                                                              \
-                int64_t k0 = kvl[n] * kvb, w = k0 + kvb < Tk ? kvb : Tk - k0;                               \
-                cols += w;                                                                                  \
-            }                                                                                               \
+            for (int64_t n = 0; n < nb; n++) cols += kvl[n] * kvb + kvb < Tk ? kvb : Tk - kvl[n] * kvb;    \
             if (cols == 0) {                                                                                \
                 memset(O, 0, sizeof(R) * (size_t)(rows * D));                                              \
                 for (int64_t i = 0; i < rows; i++) L[i] = (R)-INFINITY;                                    \
                 continue;                                                                                   \
             }                                                                                               \
             if (kt_of != b * a->Hkv + hk) {                                                                 \
-                for (int64_t j0 = 0; j0 < Tk; j0 += 16)                                                     \
-                    for (int64_t d0 = 0; d0 < D; d0 += 16)                                                  \
-                        for (int64_t j = j0; j < j0 + 16 && j < Tk; j++)                                    \
-                            for (int64_t d = d0; d < d0 + 16 && d < D; d++) Kt[d * Tk + j] = K[j * D + d];  \
+                transpose_##SFX(Kt, K, Tk, D);                                                              \
                 kt_of = b * a->Hkv + hk;                                                                    \
             }                                                                                               \
             /* a run of listed blocks that follow each other in K: one GEMM */                         \
             for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                \
-                int64_t k0 = kvl[n] * kvb, w = 0;                                                           \
-                for (e = n; e < nb && kvl[e] == kvl[n] + (e - n); e++)                                      \
-                    w += kvl[e] * kvb + kvb < Tk ? kvb : Tk - kvl[e] * kvb;                                 \
+                int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                          \
                 GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)D, (R)a->scale, Q, (int)D, \
                      Kt + k0, (int)Tk, 0, S + off, (int)cols);                                              \
                 off += w;                                                                                   \
             }                                                                                               \
             rc->fn(a, S, cols, b, h, q0, rows, kvl, nf, nb, L); /* modifiers, softmax, L */          \
             for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                \
-                int64_t k0 = kvl[n] * kvb, w = 0;                                                           \
-                for (e = n; e < nb && kvl[e] == kvl[n] + (e - n); e++)                                      \
-                    w += kvl[e] * kvb + kvb < Tk ? kvb : Tk - kvl[e] * kvb;                                 \
+                int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                          \
                 GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, 1, S + off, (int)cols, \
                      V + k0 * D, (int)D, off ? 1 : 0, O, (int)D);                                            \
                 off += w;                                                                                   \
@@ -408,64 +543,324 @@ typedef struct {
         }                                                                                                   \
         free(S);                                                                                            \
     }
+
+/* The backward. One task per (b, kv head), so that its dK and dV have one writer: for
+ * every query head of the group and query block, the scores again, P = exp(score' - L)
+ * and M = d score'/d score from the generated function, dV += P^T dO, dP = dO V^T,
+ * dS = P (dP - Dm) M (Dm: the rows' sum of dO O, less the log-sum-exp's gradient),
+ * dQ = scale dS K, dK += scale dS^T Q; runs of adjacent key blocks one GEMM each.
+ * a->y is dO, a->lse L and a->v V; dq, dk, dv and Dm in the context. */
+typedef struct {
+    void *dq, *dk, *dv;
+    const void *dm, *dO;
+} grads;
+
+#define FLEX_BACKWARD(SFX, R, GEMM)                                                                         \
+    static void bwd_##SFX(void *ctx, int64_t t0, int64_t t1)                                              \
+    {                                                                                                       \
+        run_ctx *rc = ctx;                                                                                  \
+        const flex_args *a = rc->a;                                                                         \
+        const grads *gr = (const grads *)a->y;                                                              \
+        const int64_t H = a->H, G = a->H / a->Hkv, Tq = a->Tq, Tk = a->Tk, D = a->D, blk = a->block;       \
+        const int64_t kvb = a->kv_block, tile = blk * (Tk + kvb);                                           \
+        R *P = malloc(sizeof(R) * (size_t)(3 * tile + D * Tk));                                            \
+        if (!P) {                                                                                           \
+            atomic_store(&rc->oom, 1);                                                                      \
+            return;                                                                                         \
+        }                                                                                                   \
+        R *M = P + tile, *dP = M + tile, *Kt = dP + tile;                                                   \
+        for (int64_t t = t0; t < t1; t++) {                                                                 \
+            const int64_t b = t / a->Hkv, hk = t % a->Hkv;                                                  \
+            const R *K = (const R *)a->k + t * Tk * D, *V = (const R *)a->v + t * Tk * D;                   \
+            R *dK = (R *)gr->dk + t * Tk * D, *dV = (R *)gr->dv + t * Tk * D;                               \
+            memset(dK, 0, sizeof(R) * (size_t)(Tk * D));                                                    \
+            memset(dV, 0, sizeof(R) * (size_t)(Tk * D));                                                    \
+            transpose_##SFX(Kt, K, Tk, D);                                                                  \
+            for (int64_t h = hk * G; h < (hk + 1) * G; h++)                                                 \
+                for (int64_t qb = 0; qb < a->nq; qb++) {                                                    \
+                    const int64_t r = ((a->mB == 1 ? 0 : b) * a->mH + (a->mH == 1 ? 0 : h)) * a->nq + qb;  \
+                    const int64_t nf = a->n_full[r], nb = nf + a->n_partial[r], *kvl = a->kv + a->start[r]; \
+                    const int64_t q0 = qb * blk, rows = q0 + blk < Tq ? blk : Tq - q0;                     \
+                    const int64_t base = (b * H + h) * Tq + q0;                                             \
+                    const R *Q = (const R *)a->q + base * D, *dO = (const R *)gr->dO + base * D;            \
+                    const R *L = (const R *)a->lse + base, *Dm = (const R *)gr->dm + base;                  \
+                    R *dQ = (R *)gr->dq + base * D;                                                         \
+                    memset(dQ, 0, sizeof(R) * (size_t)(rows * D));                                          \
+                    int64_t cols = 0;                                                                       \
+                    for (int64_t n = 0; n < nb; n++) cols += kvl[n] * kvb + kvb < Tk ? kvb : Tk - kvl[n] * kvb; \
+                    if (cols == 0) continue;                                                                \
+                    for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                        \
+                        int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                  \
+                        GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)D, (R)a->scale, Q, \
+                             (int)D, Kt + k0, (int)Tk, 0, P + off, (int)cols);                              \
+                        off += w;                                                                           \
+                    }                                                                                       \
+                    rc->bwd(a, P, M, cols, b, h, q0, rows, kvl, nf, nb, L);                                 \
+                    for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                        \
+                        int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                  \
+                        /* dV += P^T dO; dP = dO V^T */                                                     \
+                        GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)w, (int)D, (int)rows, 1, P + off, (int)cols, \
+                             dO, (int)D, 1, dV + k0 * D, (int)D);                                           \
+                        GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)w, (int)D, 1, dO, (int)D, \
+                             V + k0 * D, (int)D, 0, dP + off, (int)cols);                                   \
+                        off += w;                                                                           \
+                    }                                                                                       \
+                    for (int64_t i = 0; i < rows; i++)                                                      \
+                        for (int64_t j = 0; j < cols; j++) {                                                \
+                            const int64_t x = i * cols + j;                                                 \
+                            dP[x] = P[x] * (dP[x] - Dm[i]) * M[x];                                          \
+                        }                                                                                   \
+                    for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                        \
+                        int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                  \
+                        /* dQ += scale dS K; dK += scale dS^T Q */                                          \
+                        GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, (R)a->scale, \
+                             dP + off, (int)cols, K + k0 * D, (int)D, 1, dQ, (int)D);                       \
+                        GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)w, (int)D, (int)rows, (R)a->scale, \
+                             dP + off, (int)cols, Q, (int)D, 1, dK + k0 * D, (int)D);                       \
+                        off += w;                                                                           \
+                    }                                                                                       \
+                }                                                                                           \
+        }                                                                                                   \
+        free(P);                                                                                            \
+    }
+
+/* The width of the run of adjacent key blocks from n (kvl[n], kvl[n] + 1, ...), its end
+ * in *end. */
+static inline int64_t run_width(const int64_t *kvl, int64_t nb, int64_t n, int64_t kvb, int64_t Tk, int64_t *end)
+{
+    int64_t w = 0, e = n;
+    for (; e < nb && kvl[e] == kvl[n] + (e - n); e++) w += kvl[e] * kvb + kvb < Tk ? kvb : Tk - kvl[e] * kvb;
+    *end = e;
+    return w;
+}
+
+#define TRANSPOSE(SFX, R)                                                                                   \
+    static void transpose_##SFX(R *dst, const R *src, int64_t T, int64_t D) /* dst (D, T) = src (T, D)^T */ \
+    {                                                                                                       \
+        for (int64_t j0 = 0; j0 < T; j0 += 16)                                                              \
+            for (int64_t d0 = 0; d0 < D; d0 += 16)                                                          \
+                for (int64_t j = j0; j < j0 + 16 && j < T; j++)                                             \
+                    for (int64_t d = d0; d < d0 + 16 && d < D; d++) dst[d * T + j] = src[j * D + d];        \
+    }
+TRANSPOSE(f32, float)
+TRANSPOSE(f64, double)
 FLEX_FORWARD(f32, float, cblas_sgemm)
 FLEX_FORWARD(f64, double, cblas_dgemm)
+FLEX_BACKWARD(f32, float, cblas_sgemm)
+FLEX_BACKWARD(f64, double, cblas_dgemm)
 
-kiln_status kiln__flex_fused_forward(const kiln_flex_t *f, const kiln_block_mask_t *bm, kiln_tensor_t *q,
-                                     kiln_tensor_t *k, kiln_tensor_t *v, double scale, kiln_tensor_t **y,
-                                     kiln_tensor_t **lse, bool *ran)
+/* The arguments of a call: sizes, the block mask (bm, or one made for the call in
+ * *own), the captured tensors' memory (caps: contiguous cpu tensors). */
+static kiln_status args_for(const kiln_flex_t *tmpl, const kiln_block_mask_t *bm, kiln_block_mask_t **own,
+                            kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *const *caps, int n_cap, double scale,
+                            int32_t *bad, flex_args *a)
+{
+    int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], Tk = k->shape[2];
+    *own = NULL;
+    if (!bm) { /* one made for this call, from the captured tensors of the call */
+        kiln_flex_t *f;
+        kiln_status s = kiln_flex_new(tmpl->score, tmpl->mask, caps, n_cap, &f);
+        if (s == KILN_OK) s = kiln_block_mask_new(f, B, H, Tq, Tk, 64, 0, own);
+        kiln_flex_free(f);
+        if (s != KILN_OK) return s;
+        bm = *own;
+    }
+    *a = (flex_args){.B = B, .H = H, .Hkv = k->shape[1], .Tq = Tq, .Tk = Tk, .D = q->shape[3], .mB = bm->B, .mH = bm->H,
+                     .nq = bm->nq, .block = bm->block, .kv_block = bm->kv_block, .scale = scale,
+                     .n_full = bm->n_full, .n_partial = bm->n_partial, .start = bm->start, .kv = bm->kv, .bad = bad};
+    for (int i = 0; i < n_cap; i++) {
+        a->cap[i] = kiln__data(caps[i]);
+        for (int d = 0; d < 4; d++) a->cap_dim[i][d] = d < caps[i]->ndim ? caps[i]->shape[d] : 1;
+    }
+    return KILN_OK;
+}
+
+static kiln_status finish(const entry *e, run_ctx *r, kiln_block_mask_t *own, int32_t bad, kiln_tensor_t *const *caps)
+{
+    kiln_block_mask_free(own);
+    if (atomic_load(&r->oom)) return kiln_error(KILN_ERR_OOM, "flex_attention: out of memory for a tile buffer");
+    if (bad)
+        return kiln_error(KILN_ERR_INDEX, "flex_attention: the modifiers read c%d outside its shape %s (%s / %s)", bad - 1,
+                          kiln__shape_text(caps[bad - 1]), *e->tmpl->score ? e->tmpl->score : "-",
+                          *e->tmpl->mask ? e->tmpl->mask : "-");
+    return KILN_OK;
+}
+
+static void run(void (*fn)(void *, int64_t, int64_t), run_ctx *r, int64_t tasks)
+{
+    if (kiln__opt(KILN__OPT_POOL_GEMM)) kiln__parallel_for(tasks, 1, fn, r); /* a single-threaded BLAS */
+    else fn(r, 0, tasks);
+}
+
+/* The forward op's cpu kernel: in q, k, v, captured...; out y, lse; attributes scale and
+ * the block mask's address (0: one made for the call). */
+static kiln_status fwd_kernel(const kiln_op_args *x)
+{
+    entry *e = x->user;
+    kiln_tensor_t *q = x->in[0];
+    bool f64 = q->dtype == KILN_DTYPE_F64;
+    pthread_mutex_lock(&lock);
+    kiln_status s = built(e, f64);
+    pthread_mutex_unlock(&lock);
+    if (s != KILN_OK) return s;
+    flex_args a;
+    kiln_block_mask_t *own;
+    int32_t bad = 0;
+    const kiln_block_mask_t *bm = (const kiln_block_mask_t *)(intptr_t)x->attr[1].i;
+    if ((s = args_for(e->tmpl, bm, &own, q, x->in[1], x->in + 3, x->n_in - 3, x->attr[0].f, &bad, &a)) != KILN_OK)
+        return s;
+    a.q = kiln__data(q), a.k = kiln__data(x->in[1]), a.v = kiln__data(x->in[2]);
+    a.y = kiln__data(x->out[0]), a.lse = kiln__data(x->out[1]);
+    run_ctx r = {.fn = e->tile[f64], .a = &a};
+    run(f64 ? fwd_f64 : fwd_f32, &r, a.B * a.H * a.nq);
+    return finish(e, &r, own, bad, x->in + 3);
+}
+
+/* The backward op's cpu kernel: in dO, q, k, v, lse, Dm, captured...; out dq, dk, dv. */
+static kiln_status bwd_kernel(const kiln_op_args *x)
+{
+    entry *e = x->user;
+    kiln_tensor_t *q = x->in[1];
+    bool f64 = q->dtype == KILN_DTYPE_F64;
+    pthread_mutex_lock(&lock);
+    kiln_status s = built(e, f64);
+    pthread_mutex_unlock(&lock);
+    if (s != KILN_OK) return s;
+    flex_args a;
+    kiln_block_mask_t *own;
+    int32_t bad = 0;
+    const kiln_block_mask_t *bm = (const kiln_block_mask_t *)(intptr_t)x->attr[1].i;
+    if ((s = args_for(e->tmpl, bm, &own, q, x->in[2], x->in + 6, x->n_in - 6, x->attr[0].f, &bad, &a)) != KILN_OK)
+        return s;
+    grads g = {kiln__data(x->out[0]), kiln__data(x->out[1]), kiln__data(x->out[2]), kiln__data(x->in[5]),
+               kiln__data(x->in[0])};
+    a.q = kiln__data(q), a.k = kiln__data(x->in[2]), a.v = kiln__data(x->in[3]), a.lse = kiln__data(x->in[4]);
+    a.y = &g;
+    run_ctx r = {.bwd = e->tile_bwd[f64], .a = &a};
+    run(f64 ? bwd_f64 : bwd_f32, &r, a.B * a.Hkv);
+    return finish(e, &r, own, bad, x->in + 6);
+}
+
+static void like(kiln_op_meta *m, const kiln_tensor_t *t)
+{
+    m->dtype = kiln_tensor_dtype(t);
+    m->ndim = kiln_tensor_ndim(t);
+    memcpy(m->shape, kiln_tensor_shape(t), sizeof(int64_t) * (size_t)m->ndim);
+}
+
+static kiln_status fwd_shape(const kiln_op_args *x, kiln_op_meta *out)
+{
+    like(&out[0], x->in[0]);
+    like(&out[1], x->in[0]);
+    out[1].ndim = 3; /* (B, H, Tq) */
+    return KILN_OK;
+}
+
+static kiln_status bwd_shape(const kiln_op_args *x, kiln_op_meta *out)
+{
+    for (int j = 0; j < 3; j++) like(&out[j], x->in[1 + j]);
+    return KILN_OK;
+}
+
+/* The forward's backward: Dm = rowsum(dO O) - dlse, then the backward op. The captured
+ * tensors get no gradient here (a call whose captured tensors want one takes the dense
+ * path). */
+static kiln_status fwd_backward(const kiln_op_args *x, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+{
+    entry *e = x->user;
+    kiln_tensor_t *y = x->out[0], *lse = x->out[1], *dO = gout[0];
+    if (!dO) dO = kiln_zeros(kiln_tensor_shape(y), 4, kiln_tensor_dtype(y));
+    int last = 3;
+    kiln_tensor_t *dm = kiln_sum(kiln_mul(dO, y), &last, 1, false);
+    if (dm && gout[1]) dm = kiln_sub(dm, gout[1]);
+    kiln_tensor_t *in[8] = {dO, x->in[0], x->in[1], x->in[2], lse, dm};
+    for (int i = 3; i < x->n_in; i++) in[3 + i] = x->in[i];
+    kiln_tensor_t *out[3] = {0};
+    if (!dm) return kiln_last_status();
+    kiln_status s = kiln_op_run(e->op_bwd, in, 3 + x->n_in, x->attr, 2, out);
+    for (int i = 0; s == KILN_OK && i < 3; i++) gin[i] = out[i];
+    return s;
+}
+
+/* The entry of f's modifiers, made (its template and ops) on first use. */
+static kiln_status entry_for(const kiln_flex_t *f, entry **out)
+{
+    char caps[64] = "";
+    for (int i = 0; i < f->n_cap; i++)
+        snprintf(caps + strlen(caps), sizeof caps - strlen(caps), "%d.%d,", (int)kiln_tensor_dtype(f->cap[i]),
+                 kiln_tensor_ndim(f->cap[i]));
+    size_t kn = strlen(f->score) + strlen(f->mask) + 80;
+    char *key = malloc(kn);
+    if (!key) return kiln_error(KILN_ERR_OOM, "flex: out of memory");
+    snprintf(key, kn, "%s|%s|%s", caps, f->score, f->mask);
+    pthread_mutex_lock(&lock);
+    kiln_status s = KILN_OK;
+    entry *e = entries;
+    while (e && strcmp(e->key, key)) e = e->next;
+    if (!e && !(e = calloc(1, sizeof *e))) s = kiln_error(KILN_ERR_OOM, "flex: out of memory");
+    if (s == KILN_OK && !e->key) {
+        /* placeholders of the captured tensors' dtypes and dims, for the generator */
+        kiln_tensor_t *ph[MAX_CAPTURED];
+        bool was = kiln_set_grad_enabled(false);
+        kiln_scope_begin();
+        for (int i = 0; i < f->n_cap; i++) {
+            int64_t ones[4] = {1, 1, 1, 1};
+            ph[i] = kiln_zeros(ones, kiln_tensor_ndim(f->cap[i]), kiln_tensor_dtype(f->cap[i]));
+        }
+        s = kiln_flex_new(f->score, f->mask, ph, f->n_cap, &e->tmpl);
+        kiln_scope_end();
+        kiln_set_grad_enabled(was);
+        char name[64];
+        uint64_t h = kiln__fnv(KILN__FNV_SEED, key, strlen(key));
+        const kiln_op_kernel kf[] = {{.device = "cpu", .fn = fwd_kernel}}, kb[] = {{.device = "cpu", .fn = bwd_kernel}};
+        snprintf(name, sizeof name, "flex_attention_%016llx", (unsigned long long)h);
+        if (s == KILN_OK)
+            s = kiln_op_define(&(kiln_op_decl){.name = name, .n_in = 3 + f->n_cap, .n_out = 2, .attrs = "scale:f64,mask:i64",
+                                               .shape = fwd_shape, .kernels = kf, .n_kernels = 1,
+                                               .backward = fwd_backward, .user = e},
+                               &e->op_fwd);
+        snprintf(name, sizeof name, "flex_attention_backward_%016llx", (unsigned long long)h);
+        if (s == KILN_OK)
+            s = kiln_op_define(&(kiln_op_decl){.name = name, .n_in = 6 + f->n_cap, .n_out = 3,
+                                               .attrs = "scale:f64,mask:i64", .shape = bwd_shape, .kernels = kb,
+                                               .n_kernels = 1, .user = e},
+                               &e->op_bwd);
+        if (s == KILN_OK) {
+            e->key = key;
+            key = NULL;
+            e->next = entries;
+            entries = e;
+        } else {
+            kiln_flex_free(e->tmpl);
+            free(e);
+            e = NULL;
+        }
+    }
+    pthread_mutex_unlock(&lock);
+    free(key);
+    if (s == KILN_OK) *out = e;
+    return s;
+}
+
+kiln_status kiln__flex_fused(const kiln_flex_t *f, const kiln_block_mask_t *bm, kiln_tensor_t *q, kiln_tensor_t *k,
+                             kiln_tensor_t *v, double scale, kiln_tensor_t **y, kiln_tensor_t **lse, bool *ran)
 {
     *ran = false;
     kiln__backend *cpu = kiln__backend_at(0);
-    kiln_dtype F = q->dtype;
-    if (q->st->be != cpu || k->st->be != cpu || v->st->be != cpu)
-        return KILN_OK; /* the dense path on another device */
+    if (q->st->be != cpu || k->st->be != cpu || v->st->be != cpu || f->n_cap > 2)
+        return KILN_OK; /* the dense path: another device, or more captured tensors than the op has inputs for */
     for (int i = 0; i < f->n_cap; i++)
-        if (f->cap[i]->st->be != cpu || kiln_tensor_ndim(f->cap[i]) > 4) return KILN_OK;
-    flex_tile_fn fn = NULL;
-    kiln_status s = kernel_for(f, F == KILN_DTYPE_F64, &fn);
+        if (f->cap[i]->st->be != cpu || (kiln_grad_enabled() && kiln_tensor_requires_grad(f->cap[i])))
+            return KILN_OK; /* gradients of captured tensors: the dense path's */
+    entry *e = NULL;
+    kiln_status s = entry_for(f, &e);
     if (s != KILN_OK) return s;
-    int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], D = q->shape[3], Tk = k->shape[2];
-    kiln_block_mask_t *own = NULL;
-    if (!bm) { /* one made for this call */
-        int64_t block = 64;
-        if ((s = kiln_block_mask_new(f, B, H, Tq, Tk, block, 0, &own)) != KILN_OK) return s;
-        bm = own;
-    }
-    kiln_tensor_t *qc = kiln_contiguous(q), *kc = kiln_contiguous(k), *vc = kiln_contiguous(v);
-    int64_t ls[3] = {B, H, Tq};
-    kiln_tensor_t *yo = kiln_empty(q->shape, 4, F), *lo = kiln_empty(ls, 3, F);
-    int32_t bad = 0;
-    flex_args a = {.B = B, .H = H, .Hkv = k->shape[1], .Tq = Tq, .Tk = Tk, .D = D, .mB = bm->B, .mH = bm->H,
-                   .nq = bm->nq, .block = bm->block, .kv_block = bm->kv_block, .scale = scale, .n_full = bm->n_full, .n_partial = bm->n_partial,
-                   .start = bm->start, .kv = bm->kv, .bad = &bad};
-    kiln_tensor_t *caps[MAX_CAPTURED] = {0};
-    for (int i = 0; i < f->n_cap; i++) {
-        caps[i] = kiln_contiguous(f->cap[i]);
-        if (!caps[i]) break;
-        a.cap[i] = kiln__data(caps[i]);
-        for (int d = 0; d < 4; d++) a.cap_dim[i][d] = d < caps[i]->ndim ? caps[i]->shape[d] : 1;
-    }
-    if (!qc || !kc || !vc || !yo || !lo || (f->n_cap && !caps[f->n_cap - 1])) {
-        kiln_block_mask_free(own);
-        return kiln_last_status();
-    }
-    a.q = kiln__data(qc), a.k = kiln__data(kc), a.v = kiln__data(vc), a.y = kiln__data(yo), a.lse = kiln__data(lo);
-    run_ctx r = {fn, &a, 0};
-    if (kiln__opt(KILN__OPT_POOL_GEMM)) /* a single-threaded BLAS: the tasks over the pool */
-        kiln__parallel_for(B * H * bm->nq, 1, F == KILN_DTYPE_F64 ? fwd_f64 : fwd_f32, &r);
-    else
-        (F == KILN_DTYPE_F64 ? fwd_f64 : fwd_f32)(&r, 0, B * H * bm->nq);
-    kiln_block_mask_free(own);
-    if (atomic_load(&r.oom))
-        return kiln_error(KILN_ERR_OOM, "flex_attention: out of memory for a tile buffer (%lld x %lld)",
-                          (long long)bm->block, (long long)(Tk + bm->kv_block));
-    if (bad)
-        return kiln_error(KILN_ERR_INDEX, "flex_attention: the modifiers read c%d outside its shape %s (%s / %s)",
-                          bad - 1, kiln__shape_text(f->cap[bad - 1]), *f->score ? f->score : "-",
-                          *f->mask ? f->mask : "-");
-    *y = yo;
-    *lse = lo;
+    kiln_tensor_t *in[8] = {q, k, v}, *out[2] = {0};
+    for (int i = 0; i < f->n_cap; i++) in[3 + i] = f->cap[i];
+    kiln_op_value attrs[2] = {{.f = scale}, {.i = (int64_t)(intptr_t)bm}};
+    if ((s = kiln_op_run(e->op_fwd, in, 3 + f->n_cap, attrs, 2, out)) != KILN_OK) return s;
+    *y = out[0];
+    *lse = out[1];
     *ran = true;
     return KILN_OK;
 }

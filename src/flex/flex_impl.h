@@ -55,12 +55,12 @@ struct kiln_block_mask {
 };
 
 
-/* The fused forward of f on the cpu for these tensors, when it can run (the cpu, f32 or
- * f64, its kernels built): y and lse filled, *ran true. *ran false: not taken (the
- * dense path runs); an error is a failure of the kernels' build or of a captured
- * index. */
-kiln_status kiln__flex_fused_forward(const kiln_flex_t *f, const kiln_block_mask_t *bm, kiln_tensor_t *q,
-                                     kiln_tensor_t *k, kiln_tensor_t *v, double scale, kiln_tensor_t **y,
-                                     kiln_tensor_t **lse, bool *ran);
+/* Flex attention of f fused (flex_gen.c), where it runs: on the cpu, with at most 2
+ * captured tensors, none wanting a gradient. Through two custom ops (the forward and
+ * its backward), so autograd records it; y and lse (scoped) filled and *ran true. *ran
+ * false: not taken (the dense path runs); an error is a failure of a kernel's build or
+ * of a captured index. */
+kiln_status kiln__flex_fused(const kiln_flex_t *f, const kiln_block_mask_t *bm, kiln_tensor_t *q, kiln_tensor_t *k,
+                             kiln_tensor_t *v, double scale, kiln_tensor_t **y, kiln_tensor_t **lse, bool *ran);
 
 #endif
