@@ -3,20 +3,31 @@
  * attention with the causal preset, and with a sliding window of T/8 (and of a fixed
  * W, to show the time growing linearly in T); B x H heads of D, f32. Each a median over
  * ROUNDS interleaved rounds. Prints one JSON line per T with the ms and the ratios
- * dense causal / flex.
- *   build/bench_flex [--T 512,1024,2048,4096] [--B 1] [--H 8] [--D 64] [--W 256] [--block 64] [--kv-block 64] [--rounds 5] */
+ * dense causal / flex, and the peak bytes kiln's allocator held during one call of the
+ * T/8 window (beyond what was held before it; per T, to show it grows as O(T)). With
+ * --backward 1, each call is the forward and the backward (gradients of q, k, v).
+ *   build/bench_flex [--T 512,1024,2048,4096] [--B 1] [--H 8] [--D 64] [--W 256] [--block 64] [--kv-block 64] [--rounds 5] [--backward 0|1] */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "bench.h"
 #include "kiln/kiln.h"
 
+static bool backward; /* --backward: forward and backward (gradients of q, k, v) */
+
 static double time_one(int which, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, kiln_flex_t *const *f,
                        kiln_block_mask_t *const *bm)
 {
     kiln_scope_begin();
+    kiln_tensor_t *in[3] = {q, k, v};
+    for (int i = 0; backward && i < 3; i++) {
+        in[i] = kiln_detach(in[i]);
+        kiln_tensor_set_requires_grad(in[i], true);
+    }
     double t0 = bench_now_s();
-    kiln_tensor_t *y = which == 0 ? kiln_attention(q, k, v, true, 0) : kiln_flex_attention(q, k, v, f[which - 1], bm[which - 1], 0, NULL);
+    kiln_tensor_t *y = which == 0 ? kiln_attention(in[0], in[1], in[2], true, 0)
+                                  : kiln_flex_attention(in[0], in[1], in[2], f[which - 1], bm[which - 1], 0, NULL);
+    if (y && backward && kiln_backward(kiln_sum(y, NULL, 0, false)) != KILN_OK) y = NULL;
     double dt = bench_now_s() - t0;
     if (!y) {
         fprintf(stderr, "bench_flex: %s\n", kiln_last_error());
@@ -40,14 +51,15 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--block")) block = atoll(argv[i + 1]);
         else if (!strcmp(argv[i], "--kv-block")) kv_block = atoll(argv[i + 1]);
         else if (!strcmp(argv[i], "--rounds")) rounds = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--backward")) backward = atoi(argv[i + 1]) != 0;
         else {
-            fprintf(stderr, "usage: bench_flex [--T LIST] [--B N] [--H N] [--D N] [--W N] [--block N] [--kv-block N] [--rounds N]\n");
+            fprintf(stderr, "usage: bench_flex [--T LIST] [--B N] [--H N] [--D N] [--W N] [--block N] [--kv-block N] [--rounds N] [--backward 0|1]\n");
             return 2;
         }
     }
     if (rounds < 1 || rounds > 64) rounds = 5;
     kiln_init(0);
-    kiln_set_grad_enabled(false);
+    kiln_set_grad_enabled(backward);
     for (const char *p = Ts; *p;) {
         int64_t T = atoll(p);
         p += strcspn(p, ",");
@@ -77,11 +89,21 @@ int main(int argc, char **argv)
             qsort(ms[w], (size_t)rounds, sizeof(double), bench_cmp_double);
             med[w] = ms[w][rounds / 2];
         }
+        /* the peak of kiln's allocator over one call of the T/8 window, less what was
+         * held before it (q, k, v) */
+        size_t held = kiln_memory_peak();
+        kiln_memory_reset_peak();
+        size_t before = kiln_memory_peak();
+        time_one(2, q, k, v, f, bm);
+        size_t peak = kiln_memory_peak() - before;
+        (void)held;
         printf("{\"bench\":\"flex\",\"block\":%lld,\"kv_block\":%lld,\"T\":%lld,\"B\":%lld,\"H\":%lld,\"D\":%lld,\"threads\":%d,\"dense_causal_ms\":%.3f,"
                "\"flex_causal_ms\":%.3f,\"flex_window_T8_ms\":%.3f,\"flex_window_%lld_ms\":%.3f,"
-               "\"dense_over_flex_causal\":%.3f,\"dense_over_window_T8\":%.3f}\n",
+               "\"dense_over_flex_causal\":%.3f,\"dense_over_window_T8\":%.3f,\"window_T8_peak_bytes\":%zu,"
+               "\"window_T8_peak_bytes_per_T\":%.0f,\"backward\":%s}\n",
                (long long)block, (long long)kv_block, (long long)T, (long long)B, (long long)H, (long long)D, kiln_num_threads(), med[0], med[1], med[2],
-               (long long)W, med[3], med[0] / med[1], med[0] / med[2]);
+               (long long)W, med[3], med[0] / med[1], med[0] / med[2], peak, (double)peak / (double)T,
+               backward ? "true" : "false");
         fflush(stdout);
         for (int i = 0; i < 3; i++) {
             kiln_block_mask_free(bm[i]);

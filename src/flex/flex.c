@@ -588,6 +588,41 @@ void kiln_block_mask_free(kiln_block_mask_t *m)
     free(m);
 }
 
+/* m's blocks' counts of pairs let through, from the dense mask evaluated with kiln's
+ * ops on the mask's device (a (B, H, Tq, Tk) byte mask on the host meanwhile). */
+static kiln_status dense_counts(const kiln_flex_t *f, const kiln_block_mask_t *m, int64_t *on)
+{
+    int64_t Tq = m->Tq, Tk = m->Tk;
+    uint8_t *dense = malloc((size_t)(m->B * m->H * Tq * Tk));
+    if (!dense)
+        return kiln_error(KILN_ERR_OOM, "block_mask_new: out of memory for the dense mask %lld x %lld x %lld x %lld",
+                          (long long)m->B, (long long)m->H, (long long)Tq, (long long)Tk);
+    kiln_scope_begin();
+    bool was = kiln_set_grad_enabled(false);
+    env e = {.f = f, .F = KILN_DTYPE_F32};
+    indices(&e, m->B, m->H, Tq, Tk);
+    bool none;
+    kiln_tensor_t *mk = mask_of(f, &e, &none);
+    int64_t shape[4] = {m->B, m->H, Tq, Tk};
+    if (none) mk = kiln_full(shape, 4, 1, KILN_DTYPE_U8);
+    else if (mk) mk = kiln_contiguous(kiln_expand(kiln_cast(mk, KILN_DTYPE_U8), shape, 4));
+    kiln_status s = mk ? kiln_tensor_to_host(mk, dense, (size_t)(m->B * m->H * Tq * Tk)) : kiln_last_status();
+    kiln_set_grad_enabled(was);
+    kiln_scope_end();
+    for (int64_t r = 0; s == KILN_OK && r < m->B * m->H * m->nq; r++) {
+        int64_t bh = r / m->nq, qb = r % m->nq, q0 = qb * m->block, q1 = q0 + m->block < Tq ? q0 + m->block : Tq;
+        const uint8_t *plane = dense + bh * Tq * Tk;
+        for (int64_t kb = 0; kb < m->nk; kb++) {
+            int64_t k0 = kb * m->kv_block, k1 = k0 + m->kv_block < Tk ? k0 + m->kv_block : Tk, n = 0;
+            for (int64_t qi = q0; qi < q1; qi++)
+                for (int64_t ki = k0; ki < k1; ki++) n += plane[qi * Tk + ki] != 0;
+            on[r * m->nk + kb] = n;
+        }
+    }
+    free(dense);
+    return s;
+}
+
 kiln_status kiln_block_mask_new(const kiln_flex_t *f, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t block,
                                 int64_t kv_block, kiln_block_mask_t **out)
 {
@@ -609,28 +644,18 @@ kiln_status kiln_block_mask_new(const kiln_flex_t *f, int64_t B, int64_t H, int6
     m->n_partial = calloc((size_t)rows, sizeof *m->n_partial);
     m->start = calloc((size_t)rows + 1, sizeof *m->start);
     m->kv = malloc(sizeof *m->kv * (size_t)(rows * m->nk + 1));
-    uint8_t *dense = malloc((size_t)(m->B * m->H * Tq * Tk));
-    kiln_status s = m->n_full && m->n_partial && m->start && m->kv && dense
+    /* each block's count of pairs let through: from the generated classifier (O(blocks)
+     * memory), else from the dense mask evaluated with kiln's ops */
+    int64_t *on = malloc(sizeof *on * (size_t)(rows * m->nk + 1));
+    kiln_status s = m->n_full && m->n_partial && m->start && m->kv && on
                         ? KILN_OK
-                        : kiln_error(KILN_ERR_OOM, "block_mask_new: out of memory for %lld x %lld x %lld x %lld",
-                                     (long long)m->B, (long long)m->H, (long long)Tq, (long long)Tk);
-    if (s == KILN_OK) { /* the dense mask, on the host */
-        kiln_scope_begin();
-        bool was = kiln_set_grad_enabled(false);
-        env e = {.f = f, .F = KILN_DTYPE_F32};
-        indices(&e, m->B, m->H, Tq, Tk);
-        bool none;
-        kiln_tensor_t *mk = mask_of(f, &e, &none);
-        int64_t shape[4] = {m->B, m->H, Tq, Tk};
-        if (none) mk = kiln_full(shape, 4, 1, KILN_DTYPE_U8);
-        else if (mk) mk = kiln_contiguous(kiln_expand(kiln_cast(mk, KILN_DTYPE_U8), shape, 4));
-        s = mk ? kiln_tensor_to_host(mk, dense, (size_t)(m->B * m->H * Tq * Tk)) : kiln_last_status();
-        kiln_set_grad_enabled(was);
-        kiln_scope_end();
-    }
+                        : kiln_error(KILN_ERR_OOM, "block_mask_new: out of memory for %lld x %lld x %lld blocks",
+                                     (long long)rows, (long long)m->nk, (long long)m->nk);
+    bool ran = false;
+    if (s == KILN_OK) s = kiln__flex_classify(f, m->B, m->H, Tq, Tk, block, kv_block, on, &ran);
+    if (s == KILN_OK && !ran) s = dense_counts(f, m, on);
     for (int64_t r = 0; s == KILN_OK && r < rows; r++) {
-        int64_t bh = r / m->nq, qb = r % m->nq, q0 = qb * block, q1 = q0 + block < Tq ? q0 + block : Tq;
-        const uint8_t *plane = dense + bh * Tq * Tk;
+        int64_t qb = r % m->nq, q0 = qb * block, q1 = q0 + block < Tq ? q0 + block : Tq;
         m->start[r] = r ? m->start[r - 1] + m->n_full[r - 1] + m->n_partial[r - 1] : 0;
         int64_t *kv = m->kv + m->start[r], nf = 0, np = 0, partial[4096], *pp = NULL;
         /* full ones first, then partial: partial ones kept aside, in a buffer when few */
@@ -640,12 +665,10 @@ kiln_status kiln_block_mask_new(const kiln_flex_t *f, int64_t B, int64_t H, int6
         }
         int64_t *part = pp ? pp : partial;
         for (int64_t kb = 0; kb < m->nk; kb++) {
-            int64_t k0 = kb * kv_block, k1 = k0 + kv_block < Tk ? k0 + kv_block : Tk, on = 0;
-            for (int64_t qi = q0; qi < q1; qi++)
-                for (int64_t ki = k0; ki < k1; ki++) on += plane[qi * Tk + ki] != 0;
-            m->seen += on;
-            if (on == 0) m->empty++;
-            else if (on == (q1 - q0) * (k1 - k0)) kv[nf++] = kb, m->full++;
+            int64_t k0 = kb * kv_block, k1 = k0 + kv_block < Tk ? k0 + kv_block : Tk, n = on[r * m->nk + kb];
+            m->seen += n;
+            if (n == 0) m->empty++;
+            else if (n == (q1 - q0) * (k1 - k0)) kv[nf++] = kb, m->full++;
             else part[np++] = kb, m->partial++;
         }
         memcpy(kv + nf, part, sizeof *kv * (size_t)np);
@@ -653,7 +676,7 @@ kiln_status kiln_block_mask_new(const kiln_flex_t *f, int64_t B, int64_t H, int6
         m->n_full[r] = (int32_t)nf;
         m->n_partial[r] = (int32_t)np;
     }
-    free(dense);
+    free(on);
     if (s != KILN_OK) {
         kiln_block_mask_free(m);
         return s;

@@ -432,7 +432,25 @@ static char *source(const kiln_flex_t *f, bool f64)
         put(&b, "                const T sp = score;\n                md[j] = 1;\n");
     }
     put(&b, "                s[j] = Li > (T)-INFINITY && sp > (T)-INFINITY ? (T)%s(sp - Li) : 0;\n"
-            "            }\n        }\n    }\n}\n", f64 ? "exp" : "expf");
+            "            }\n        }\n    }\n}\n\n", f64 ? "exp" : "expf");
+    /* the block mask's classifier: how many of block (qb, kb)'s pairs the mask lets
+     * through, for the key blocks kb0..kb1 of one (b, h, qb), into on[] */
+    put(&b, "void flex_blocks(const flex_args *a, int64_t b, int64_t h, int64_t qb, int64_t kb0, int64_t kb1, int64_t *on)\n"
+            "{\n    const int64_t q_len = a->Tq, kv_len = a->Tk, qblk = a->block, kvb = a->kv_block;\n"
+            "    (void)q_len, (void)b, (void)h;\n"
+            "    const int64_t q0 = qb * qblk, q1 = q0 + qblk < q_len ? q0 + qblk : q_len;\n"
+            "    for (int64_t kb = kb0; kb < kb1; kb++) {\n"
+            "        const int64_t k0 = kb * kvb, k1 = k0 + kvb < kv_len ? k0 + kvb : kv_len;\n"
+            "        int64_t n = 0;\n"
+            "        for (int64_t q_idx = q0; q_idx < q1; q_idx++)\n"
+            "            for (int64_t kv_idx = k0; kv_idx < k1; kv_idx++) n += (");
+    if (f->ps[1]) {
+        g.ps = f->ps[1];
+        emit(&g, f->ps[1]->root, &b);
+    } else {
+        put(&b, "1");
+    }
+    put(&b, ") != 0;\n        on[kb - kb0] = n;\n    }\n}\n");
     if (b.oom) {
         free(b.s);
         return NULL;
@@ -457,6 +475,7 @@ typedef struct entry {
     kiln_flex_t *tmpl;
     flex_tile_fn tile[2];
     flex_tile_bwd_fn tile_bwd[2];
+    void (*blocks)(const flex_args *a, int64_t b, int64_t h, int64_t qb, int64_t kb0, int64_t kb1, int64_t *on);
     int op_fwd, op_bwd;
     struct entry *next;
 } entry;
@@ -474,7 +493,8 @@ static kiln_status built(entry *e, bool f64)
     if (s != KILN_OK) return s;
     *(void **)&e->tile[f64] = dlsym(lib, "flex_tile");
     *(void **)&e->tile_bwd[f64] = dlsym(lib, "flex_tile_bwd");
-    if (!e->tile[f64] || !e->tile_bwd[f64]) {
+    if (!e->blocks) *(void **)&e->blocks = dlsym(lib, "flex_blocks");
+    if (!e->tile[f64] || !e->tile_bwd[f64] || !e->blocks) {
         e->tile[f64] = NULL;
         return kiln_error(KILN_ERR_IO, "flex: a built kernel lacks flex_tile (a stale kernel cache? remove it)");
     }
@@ -861,6 +881,57 @@ kiln_status kiln__flex_fused(const kiln_flex_t *f, const kiln_block_mask_t *bm, 
     if ((s = kiln_op_run(e->op_fwd, in, 3 + f->n_cap, attrs, 2, out)) != KILN_OK) return s;
     *y = out[0];
     *lse = out[1];
+    *ran = true;
+    return KILN_OK;
+}
+
+typedef struct {
+    const entry *e;
+    const flex_args *a;
+    int64_t nk, *on; /* on: nk counts per task */
+} classify_ctx;
+
+static void classify_range(void *ctx, int64_t t0, int64_t t1)
+{
+    const classify_ctx *c = ctx;
+    for (int64_t t = t0; t < t1; t++) {
+        int64_t qb = t % c->a->nq, bh = t / c->a->nq;
+        c->e->blocks(c->a, bh / c->a->mH, bh % c->a->mH, qb, 0, c->nk, c->on + t * c->nk);
+    }
+}
+
+kiln_status kiln__flex_classify(const kiln_flex_t *f, int64_t mB, int64_t mH, int64_t Tq, int64_t Tk, int64_t block,
+                                int64_t kv_block, int64_t *on, bool *ran)
+{
+    *ran = false;
+    kiln__backend *cpu = kiln__backend_at(0);
+    if (!kiln__opt(KILN__OPT_FLEX_FUSED) || f->n_cap > 2) return KILN_OK;
+    for (int i = 0; i < f->n_cap; i++)
+        if (f->cap[i]->st->be != cpu) return KILN_OK;
+    entry *e = NULL;
+    kiln_status s = entry_for(f, &e);
+    pthread_mutex_lock(&lock);
+    if (s == KILN_OK) s = built(e, false);
+    pthread_mutex_unlock(&lock);
+    if (s != KILN_OK) return s;
+    int32_t bad = 0;
+    flex_args a = {.B = mB, .H = mH, .Tq = Tq, .Tk = Tk, .mB = mB, .mH = mH, .nq = (Tq + block - 1) / block,
+                   .block = block, .kv_block = kv_block, .bad = &bad};
+    kiln_tensor_t *caps[MAX_CAPTURED] = {0};
+    for (int i = 0; i < f->n_cap && s == KILN_OK; i++) {
+        caps[i] = kiln_contiguous(f->cap[i]);
+        if (!caps[i]) s = kiln_last_status();
+        else {
+            a.cap[i] = kiln__data(caps[i]);
+            for (int d = 0; d < 4; d++) a.cap_dim[i][d] = d < caps[i]->ndim ? caps[i]->shape[d] : 1;
+        }
+    }
+    if (s != KILN_OK) return s;
+    classify_ctx c = {e, &a, (Tk + kv_block - 1) / kv_block, on};
+    kiln__parallel_for(mB * mH * a.nq, 1, classify_range, &c);
+    if (bad)
+        return kiln_error(KILN_ERR_INDEX, "block_mask_new: the mask reads c%d outside its shape %s (%s)", bad - 1,
+                          kiln__shape_text(f->cap[bad - 1]), f->mask);
     *ran = true;
     return KILN_OK;
 }

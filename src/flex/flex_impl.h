@@ -63,4 +63,11 @@ struct kiln_block_mask {
 kiln_status kiln__flex_fused(const kiln_flex_t *f, const kiln_block_mask_t *bm, kiln_tensor_t *q, kiln_tensor_t *k,
                              kiln_tensor_t *v, double scale, kiln_tensor_t **y, kiln_tensor_t **lse, bool *ran);
 
+/* The block mask's counts from a generated classifier (flex_gen.c), where it runs (the
+ * cpu, FLEX_FUSED, at most 2 captured tensors): on[((b * mH + h) * nq + qb) * nk + kb]
+ * the pairs of each block the mask lets through, in O(blocks) memory; *ran false: not
+ * taken. */
+kiln_status kiln__flex_classify(const kiln_flex_t *f, int64_t mB, int64_t mH, int64_t Tq, int64_t Tk, int64_t block,
+                                int64_t kv_block, int64_t *on, bool *ran);
+
 #endif
