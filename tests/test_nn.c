@@ -244,6 +244,121 @@ static void kv_cache_matches_full_forward(void **state)
     }
 }
 
+/* The attention variant (cfg.attention, kiln/flex.h): "causal" and a window as wide as
+ * the context, and a prefix of no keys, give the default model's logits (oracle: kiln_attention's model, 1e-5);
+ * a narrower window changes them; with a KV cache, a window model's step-by-step logits
+ * are its full forward's (1e-5). Oracle for the window: the same model's full forward. */
+static void attention_variants_match_causal_where_they_should(void **state)
+{
+    static const char *same[] = {"causal", "window:16", "prefix:0"};
+    for (int style = 0; style < 2; style++) {
+        kiln_gpt_config c = tiny(style == 1);
+        kiln_gpt_t *m;
+        assert_int_equal(kiln_gpt_new(&c, 5, &m), KILN_OK);
+        kiln_tensor_t *x = ids(2, 12, c.vocab_size, 3);
+        float *want = to_host(kiln_contiguous(kiln_gpt_forward(m, x, NULL, false, NULL)));
+        int64_t n = 2 * 12 * c.vocab_size;
+        for (size_t i = 0; i < sizeof same / sizeof same[0] + 1; i++) {
+            kiln_gpt_config v = c;
+            snprintf(v.attention, sizeof v.attention, "%s", i < 3 ? same[i] : "window:3");
+            kiln_gpt_t *mv;
+            assert_int_equal(kiln_gpt_new(&v, 5, &mv), KILN_OK); /* the same seed: the same weights */
+            float *got = to_host(kiln_contiguous(kiln_gpt_forward(mv, x, NULL, false, NULL)));
+            double diff = 0;
+            for (int64_t j = 0; j < n; j++) diff = fmax(diff, fabs(got[j] - want[j]));
+            if (i < 3 && diff > 1e-5) fail_msg("%s: logits differ by %g from causal attention's", same[i], diff);
+            if (i == 3 && diff < 1e-3) fail_msg("window:3: the logits did not change (%g)", diff);
+            free(got);
+            if (i == 3) { /* cached decoding of the window model */
+                kiln_kv_cache_t *kv;
+                kiln_tensor_t *x1 = kiln_narrow(x, 0, 0, 1);
+                float *full = to_host(kiln_contiguous(kiln_gpt_forward(mv, x1, NULL, false, NULL)));
+                assert_int_equal(kiln_kv_cache_new(mv, 1, &kv), KILN_OK);
+                assert_non_null(kiln_gpt_forward_cached(mv, kv, kiln_narrow(x1, 1, 0, 5)));
+                for (int t = 5; t < 12; t++) {
+                    float *st = to_host(kiln_contiguous(kiln_gpt_forward_cached(mv, kv, kiln_narrow(x1, 1, t, 1))));
+                    for (int u = 0; u < c.vocab_size; u++) assert_near(st[u], full[t * c.vocab_size + u], 1e-5);
+                    free(st);
+                }
+                kiln_kv_cache_free(kv);
+                free(full);
+            }
+            kiln_gpt_free(mv);
+        }
+        free(want);
+        kiln_gpt_free(m);
+    }
+}
+
+/* Document masking: the logits of a document's tokens do not depend on the documents
+ * beside it in its row. Rows [A EOT B EOT] and [B EOT A EOT] (RoPE: attention depends on
+ * relative positions only) give A's and B's tokens the same logits (1e-5); without the
+ * masking they differ. */
+static void document_masking_isolates_documents(void **state)
+{
+    kiln_gpt_config c = tiny(true);
+    const int64_t eot = 49, A[5] = {3, 17, 8, 8, 21}, Bd[4] = {30, 2, 11, 40};
+    int64_t r1[11], r2[11], shape[2] = {1, 11};
+    int n = 0;
+    for (int i = 0; i < 5; i++) r1[n++] = A[i];
+    r1[n++] = eot;
+    for (int i = 0; i < 4; i++) r1[n++] = Bd[i];
+    r1[n++] = eot;
+    n = 0;
+    for (int i = 0; i < 4; i++) r2[n++] = Bd[i];
+    r2[n++] = eot;
+    for (int i = 0; i < 5; i++) r2[n++] = A[i];
+    r2[n++] = eot;
+    for (int masked = 0; masked < 2; masked++) {
+        kiln_gpt_config v = c;
+        snprintf(v.attention, sizeof v.attention, masked ? "doc:%d" : "causal", (int)eot);
+        kiln_gpt_t *m;
+        assert_int_equal(kiln_gpt_new(&v, 9, &m), KILN_OK);
+        float *l1 = to_host(kiln_contiguous(kiln_gpt_forward(m, kiln_from_data(r1, shape, 2, KILN_DTYPE_I64), NULL, false, NULL)));
+        float *l2 = to_host(kiln_contiguous(kiln_gpt_forward(m, kiln_from_data(r2, shape, 2, KILN_DTYPE_I64), NULL, false, NULL)));
+        double d = 0; /* A at 0..4 in row 1 and 5..9 in row 2; B at 6..9 and 0..3 */
+        for (int t = 0; t < 5; t++)
+            for (int u = 0; u < c.vocab_size; u++) d = fmax(d, fabs(l1[t * c.vocab_size + u] - l2[(t + 5) * c.vocab_size + u]));
+        for (int t = 0; t < 4; t++)
+            for (int u = 0; u < c.vocab_size; u++) d = fmax(d, fabs(l1[(t + 6) * c.vocab_size + u] - l2[t * c.vocab_size + u]));
+        if (masked && d > 1e-5) fail_msg("doc masking: a document's logits moved by %g with its neighbours", d);
+        if (!masked && d < 1e-4) fail_msg("causal: the documents' logits should depend on each other (%g)", d);
+        free(l1);
+        free(l2);
+        kiln_gpt_free(m);
+    }
+    /* bad variants are refused by the config check, naming them */
+    static const struct {
+        const char *spec, *want;
+    } bad[] = {{"window:0", "window:0"}, {"doc", "doc takes the end-of-text token"}, {"doc:500", "doc:EOT"},
+               {"bogus", "bogus"}};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kiln_gpt_config v = c;
+        snprintf(v.attention, sizeof v.attention, "%s", bad[i].spec);
+        assert_int_not_equal(kiln_gpt_config_check(&v), KILN_OK);
+        if (!strstr(kiln_last_error(), bad[i].want) || !strstr(kiln_last_error(), "attention"))
+            fail_msg("%s: %s", bad[i].spec, kiln_last_error());
+        kiln_clear_error();
+    }
+    /* the variant round-trips through the config's JSON; the default writes no key */
+    kiln_gpt_config v = c, back;
+    snprintf(v.attention, sizeof v.attention, "window:8+softcap:30");
+    char *js = kiln_gpt_config_to_json(&v);
+    assert_int_equal(kiln_gpt_config_from_json(js, &back), KILN_OK);
+    assert_string_equal(back.attention, "window:8+softcap:30");
+    free(js);
+    js = kiln_gpt_config_to_json(&c);
+    assert_null(strstr(js, "attention"));
+    free(js);
+    /* exports would drop the variant: refused, naming it */
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&v, 1, &m), KILN_OK);
+    assert_int_equal(kiln_hf_save(m, NULL, "/tmp/kiln-test-never-written", KILN_DTYPE_F32), KILN_ERR_UNSUPPORTED);
+    assert_non_null(strstr(kiln_last_error(), "window:8+softcap:30"));
+    kiln_clear_error();
+    kiln_gpt_free(m);
+}
+
 static void forward_rejects_bad_input(void **state)
 {
     kiln_gpt_config c = tiny(false);
@@ -437,6 +552,8 @@ int main(void)
         cmocka_unit_test(parameters_follow_the_model_doc),
         cmocka_unit_test(same_seed_same_weights),
         cmocka_unit_test(kv_cache_matches_full_forward),
+        cmocka_unit_test_setup_teardown(attention_variants_match_causal_where_they_should, setup, teardown),
+        cmocka_unit_test_setup_teardown(document_masking_isolates_documents, setup, teardown),
         cmocka_unit_test(forward_rejects_bad_input),
         cmocka_unit_test(training_steps_lower_the_loss),
         cmocka_unit_test(sgd_momentum_follows_the_formula),

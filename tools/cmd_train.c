@@ -24,7 +24,7 @@
 #include "kiln/tokenizer.h"
 
 typedef struct {
-    const char *data, *out, *config, *model, *tokenizer, *optimizer, *device, *precision, *init;
+    const char *data, *out, *config, *model, *tokenizer, *optimizer, *device, *precision, *init, *attention;
     int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
     int64_t save_every, log_every, seed, threads;
     double lr, min_lr, wd, clip, dropout, val_fraction, momentum, loss_scale;
@@ -58,7 +58,7 @@ static kiln_status mkdir_p(const char *path)
     return KILN_OK;
 }
 
-static kiln_status model_config(const train_args *a, int vocab, kiln_gpt_config *c)
+static kiln_status model_config(const train_args *a, int vocab, int eot, kiln_gpt_config *c)
 {
     if (!strcmp(a->model, "gpt2")) *c = kiln_gpt_config_gpt2();
     else if (!strcmp(a->model, "llama")) *c = kiln_gpt_config_llama();
@@ -71,6 +71,18 @@ static kiln_status model_config(const train_args *a, int vocab, kiln_gpt_config 
     c->ffn_hidden = (int)a->ffn;
     c->vocab_size = vocab;
     c->dropout = a->dropout;
+    /* --attention: "doc" is document masking at the tokenizer's end-of-text token */
+    char *w = c->attention;
+    size_t cap = sizeof c->attention, n = 0;
+    for (const char *p = a->attention ? a->attention : ""; *p && n < cap;) {
+        size_t k = strcspn(p, "+");
+        bool doc = k == 3 && !strncmp(p, "doc", 3);
+        if (doc && eot < 0) return kiln_error(KILN_ERR_ARG, "--attention doc: the tokenizer has no end-of-text token");
+        n += (size_t)(doc ? snprintf(w + n, cap - n, "%sdoc:%d", n ? "+" : "", eot)
+                          : snprintf(w + n, cap - n, "%s%.*s", n ? "+" : "", (int)k, p));
+        p += k + (p[k] == '+');
+    }
+    if (n >= cap) return kiln_error(KILN_ERR_ARG, "--attention '%s': too long", a->attention);
     return kiln_gpt_config_check(c);
 }
 
@@ -424,6 +436,9 @@ static int parse_options(train_run *r)
         {"context", OPT_INT, &a->context, "context length T"},
         {"ffn", OPT_INT, &a->ffn, "MLP hidden width; 0 = model default"},
         {"dropout", OPT_DOUBLE, &a->dropout, "dropout probability in training"},
+        {"attention", OPT_STRING, &a->attention, "causal (the default), or flex variants joined with +: window:W, "
+                                                  "prefix:P, softcap:C, alibi, doc (document masking at the tokenizer's "
+                                                  "end-of-text token; docs/flex.md)"},
         {"batch", OPT_INT, &a->batch, "sequences per micro-batch B, all ranks together (each rank takes B / world)"},
         {"accum", OPT_INT, &a->accum, "micro-batches per step (gradient accumulation)"},
         {"steps", OPT_INT, &a->steps, "optimizer steps in total"},
@@ -585,7 +600,7 @@ static int build_model(train_run *r)
         r->init = NULL;
         if (s != KILN_OK) return cli_fail("train", NULL);
         if (!a->quiet && r->rank == 0) printf("starting from %s\n", a->init);
-    } else if (model_config(a, r->vocab, &r->cfg) != KILN_OK ||
+    } else if (model_config(a, r->vocab, kiln_tokenizer_eot(r->tok), &r->cfg) != KILN_OK ||
                kiln_gpt_new(&r->cfg, (uint64_t)a->seed, &r->m) != KILN_OK) {
         return cli_fail("train", NULL);
     }

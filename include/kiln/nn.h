@@ -41,6 +41,13 @@ typedef struct {
     double norm_eps, rope_theta;
     kiln_rope_scaling rope_scaling; /* RoPE models; zeroed: none (kiln/ops.h) */
     double dropout; /* on attention output and MLP output in training; 0 = off */
+    /* The attention's variant (kiln/flex.h, docs/flex.md): "" or "causal" is kiln's
+     * causal attention; else presets joined with '+': window:W, prefix:P, softcap:C,
+     * alibi (the standard slopes of n_head heads), doc:EOT (document masking of packed
+     * sequences, a document ending at each token EOT; in training, and with a KV cache
+     * only within what the call is given); causal is added unless window or prefix
+     * says otherwise. Not for the paged serving path (refused there). */
+    char attention[64];
 } kiln_gpt_config;
 
 kiln_gpt_config kiln_gpt_config_gpt2(void);  /* GPT-2 style defaults, 4 layers, C = 256 */

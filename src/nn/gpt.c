@@ -7,6 +7,7 @@
 #include <string.h>
 #include "core/util.h"
 #include "kiln/dist.h"
+#include "kiln/flex.h"
 #include "kiln/io.h"
 #include "kiln/nn.h"
 #include "kiln/optim.h"
@@ -60,6 +61,59 @@ int kiln_gpt_ffn_hidden(const kiln_gpt_config *c)
     return (f + 63) / 64 * 64;
 }
 
+/* The attention variant of config c as flex modifiers (kiln/flex.h): its presets, a
+ * doc:EOT part made the preset doc over the document ids of idx (B, T) (a document ends
+ * at each EOT token; idx NULL: a placeholder, to check the spec), causal added unless a
+ * window or prefix part says how the model is causal. */
+static kiln_status model_flex(const kiln_gpt_config *c, kiln_tensor_t *idx, kiln_flex_t **out)
+{
+    char spec[160] = "";
+    bool causal = false, doc = false;
+    long long eot = -1;
+    for (const char *p = c->attention; *p;) {
+        size_t n = strcspn(p, "+");
+        char part[64];
+        snprintf(part, sizeof part, "%.*s", (int)(n < 63 ? n : 63), p);
+        if (!strncmp(part, "doc", 3)) {
+            char *end = NULL;
+            eot = part[3] == ':' ? strtoll(part + 4, &end, 10) : -1;
+            if (!end || *end || eot < 0 || eot >= c->vocab_size)
+                return kiln_error(KILN_ERR_ARG, "gpt config: attention '%s': doc takes the end-of-text token, doc:EOT "
+                                  "with 0 <= EOT < vocab_size %d", c->attention, c->vocab_size);
+            doc = true;
+        } else {
+            causal |= !strcmp(part, "causal") || !strncmp(part, "window:", 7) || !strncmp(part, "prefix:", 7);
+            snprintf(spec + strlen(spec), sizeof spec - strlen(spec), "%s%s", *spec ? "+" : "", part);
+        }
+        p += n + (p[n] == '+');
+    }
+    if (!causal) snprintf(spec + strlen(spec), sizeof spec - strlen(spec), "%scausal", *spec ? "+" : "");
+    if (doc) strncat(spec, "+doc", sizeof spec - strlen(spec) - 1);
+    kiln_flex_inputs in = {.heads = c->n_head};
+    kiln_tensor_t *ids = NULL;
+    if (doc) { /* ids[b, t]: the EOT tokens before t in row b */
+        int64_t B = idx ? kiln_tensor_dim(idx, 0) : 1, T = idx ? kiln_tensor_dim(idx, 1) : 1, shape[2] = {B, T};
+        int64_t *tok = calloc((size_t)(B * T), sizeof *tok), *d = calloc((size_t)(B * T), sizeof *d);
+        kiln_tensor_t *i64 = idx ? kiln_cast(idx, KILN_DTYPE_I64) : NULL;
+        kiln_status s = tok && d ? KILN_OK : kiln_error(KILN_ERR_OOM, "gpt: out of memory for document ids");
+        if (s == KILN_OK && idx) s = i64 ? kiln_tensor_to_host(i64, tok, sizeof *tok * (size_t)(B * T)) : kiln_last_status();
+        for (int64_t b = 0; s == KILN_OK && b < B; b++)
+            for (int64_t t = 1; t < T; t++) d[b * T + t] = d[b * T + t - 1] + (tok[b * T + t - 1] == eot);
+        if (s == KILN_OK) ids = kiln_from_data(d, shape, 2, KILN_DTYPE_I64);
+        free(tok);
+        free(d);
+        if (!ids) return s != KILN_OK ? s : kiln_last_status();
+        in.doc_ids = ids;
+    }
+    kiln_status s = kiln_flex_preset(spec, &in, out);
+    if (s != KILN_OK) {
+        char why[400];
+        snprintf(why, sizeof why, "%s", kiln_last_error());
+        return kiln_error(s, "gpt config: attention '%s': %s", c->attention, why);
+    }
+    return KILN_OK;
+}
+
 kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
 {
     if (!c) return kiln_error(KILN_ERR_ARG, "gpt config is NULL");
@@ -83,6 +137,13 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
     kiln_status rs = kiln_rope_scaling_check(&c->rope_scaling); /* its message names the field */
     if (rs != KILN_OK) return rs;
     NEED(c->dropout >= 0 && c->dropout < 1, "dropout = %g must be in [0, 1)", c->dropout);
+    NEED(memchr(c->attention, 0, sizeof c->attention), "attention: not a string of under 64 characters");
+    if (c->attention[0]) { /* the spec builds */
+        kiln_flex_t *f = NULL;
+        kiln_status fs = model_flex(c, NULL, &f);
+        kiln_flex_free(f);
+        if (fs != KILN_OK) return fs;
+    }
     NEED((unsigned)c->norm <= KILN_NORM_RMSNORM && (unsigned)c->pos <= KILN_POS_ROPE &&
          (unsigned)c->mlp <= KILN_MLP_SWIGLU, "unknown norm, pos or mlp kind");
 #undef NEED
@@ -90,7 +151,7 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
 }
 
 /* The config's fields, one row each: the JSON writer and reader walk them. */
-enum { F_INT, F_NUM, F_BOOL, F_ENUM };
+enum { F_INT, F_NUM, F_BOOL, F_ENUM, F_STR };
 #define FIELD_AT(key, member, kind, ...) {key, kind, offsetof(kiln_gpt_config, member), {__VA_ARGS__}}
 #define FIELD(name, kind, ...) FIELD_AT(#name, name, kind, __VA_ARGS__)
 static const struct {
@@ -109,6 +170,7 @@ static const struct {
     FIELD_AT("rope_low_freq_factor", rope_scaling.low_freq_factor, F_NUM),
     FIELD_AT("rope_high_freq_factor", rope_scaling.high_freq_factor, F_NUM),
     FIELD_AT("rope_original_context", rope_scaling.original_context, F_INT),
+    FIELD(attention, F_STR),
 };
 #undef FIELD
 #undef FIELD_AT
@@ -127,8 +189,10 @@ char *kiln_gpt_config_to_json(const kiln_gpt_config *c)
             fields[i].offset < rs + sizeof(kiln_rope_scaling))
             continue;
         int k = fields[i].kind;
+        if (k == F_STR && !*(const char *)p) continue; /* the default: written only when set, as rope's keys */
         json_t *v = k == F_INT ? json_integer(*(const int *)p) : k == F_NUM ? json_real(*(const double *)p)
-                  : k == F_BOOL ? json_boolean(*(const bool *)p) : json_string(fields[i].values[*(const int *)p]);
+                  : k == F_BOOL ? json_boolean(*(const bool *)p) : k == F_STR ? json_string((const char *)p)
+                  : json_string(fields[i].values[*(const int *)p]);
         if (json_object_set_new(o, fields[i].name, v) != 0) {
             json_decref(o);
             o = NULL;
@@ -170,6 +234,8 @@ kiln_status kiln_gpt_config_from_json(const char *text, kiln_gpt_config *out)
             *(double *)p = json_number_value(v);
         } else if (k == F_BOOL && json_is_boolean(v)) {
             *(bool *)p = json_is_true(v);
+        } else if (k == F_STR && json_is_string(v) && strlen(json_string_value(v)) < sizeof c.attention) {
+            snprintf((char *)p, sizeof c.attention, "%s", json_string_value(v));
         } else {
             s = kiln_error(KILN_ERR_FORMAT, p ? "gpt config: key '%s' has the wrong type" : "gpt config: unknown key '%s'",
                            key);
@@ -433,8 +499,10 @@ struct pass {
     kiln_tensor_t *(*pk)[PK_N]; /* packed weights per layer (kiln_matmul_rows_packed), or NULL: kiln_linear */
     double p;                   /* dropout on the attention and MLP outputs, in training */
     bool train;
-    /* full causal attention: positions pos0.. of B sequences of T, and the cache if any */
+    /* full causal attention: positions pos0.. of B sequences of T, and the cache if any;
+     * the tokens (for document masking) */
     int64_t B, T, pos0;
+    kiln_tensor_t *idx;
     kiln_kv_cache_t *cache;
     /* paged attention: the pool, and the rows' positions, slots, (seq, pos) and block table */
     kiln_kv_pool_t *pool;
@@ -481,6 +549,19 @@ static kiln_tensor_t *block(const pass *ps, int i, kiln_tensor_t *x)
     return kiln_add(x, kiln_dropout(mo, ps->p, ps->train));
 }
 
+/* spec less its doc:EOT part. */
+static void model_spec_without_doc(char *spec, size_t n)
+{
+    char out[64] = "";
+    for (const char *p = spec; *p;) {
+        size_t k = strcspn(p, "+");
+        if (strncmp(p, "doc", 3))
+            snprintf(out + strlen(out), sizeof out - strlen(out), "%s%.*s", *out ? "+" : "", (int)k, p);
+        p += k + (p[k] == '+');
+    }
+    snprintf(spec, n, "%s", out);
+}
+
 /* Causal attention over B sequences of T new positions from pos0; with a cache, keys and
  * values are appended to it and attention sees all cached positions. */
 static kiln_tensor_t *attend_full(const pass *ps, int i, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v)
@@ -501,7 +582,18 @@ static kiln_tensor_t *attend_full(const pass *ps, int i, kiln_tensor_t *q, kiln_
         k = kiln_narrow(cache->k[i], 2, 0, pos0 + T);
         v = kiln_narrow(cache->v[i], 2, 0, pos0 + T);
     }
-    kiln_tensor_t *y = kiln_attention(q, k, v, true, 0.0);
+    kiln_tensor_t *y;
+    if (c->attention[0] && strcmp(c->attention, "causal")) { /* a flex variant (kiln/flex.h) */
+        kiln_gpt_config one = *c;
+        if (cache || pos0) /* document ids are known only for the tokens of this call */
+            model_spec_without_doc(one.attention, sizeof one.attention);
+        kiln_flex_t *f = NULL;
+        if (model_flex(&one, ps->idx, &f) != KILN_OK) return NULL;
+        y = kiln_flex_attention(q, k, v, f, NULL, 0, NULL);
+        kiln_flex_free(f);
+    } else {
+        y = kiln_attention(q, k, v, true, 0.0);
+    }
     int64_t bt[3] = {B, T, C};
     return kiln_reshape(kiln_transpose(y, 1, 2), bt, 3);
 }
@@ -512,7 +604,7 @@ static kiln_tensor_t *run(kiln_gpt_t *m, kiln_tensor_t *idx, int64_t pos0, kiln_
     const kiln_gpt_config *c = &m->cfg;
     int64_t T = kiln_tensor_dim(idx, 1);
     pass ps = {.attend = attend_full, .m = m, .p = train ? c->dropout : 0.0, .train = train,
-               .B = kiln_tensor_dim(idx, 0), .T = T, .pos0 = pos0, .cache = cache};
+               .B = kiln_tensor_dim(idx, 0), .T = T, .pos0 = pos0, .cache = cache, .idx = idx};
     kiln_tensor_t *x = kiln_embedding(m->tok_emb, idx);
     if (c->pos == KILN_POS_LEARNED) x = kiln_add(x, kiln_narrow(m->pos_emb, 0, pos0, T));
     for (int i = 0; i < c->n_layer; i++)
@@ -847,6 +939,11 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
 {
     const kiln_gpt_config *c = &m->cfg;
     int64_t N = b->n_tokens, bl = p->block_len;
+    if (c->attention[0] && strcmp(c->attention, "causal")) {
+        kiln_error(KILN_ERR_UNSUPPORTED, "gpt: the paged serving path runs causal attention only; this model's is '%s' "
+                   "(kiln sample runs it, with its KV cache)", c->attention);
+        return NULL;
+    }
     for (int64_t i = 0; i < N; i++) {
         slots[i] = b->block_table[b->seq[i] * b->max_blocks + b->pos[i] / bl] * (int32_t)bl + b->pos[i] % (int32_t)bl;
         seq_pos[2 * i] = b->seq[i];
