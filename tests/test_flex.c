@@ -395,6 +395,61 @@ static void block_masks_classify_blocks(void **state)
     kiln_flex_free(f);
 }
 
+/* Flex attention inside a compiled function and a recorded replay: the fused op is a
+ * step of the compiled program (its block mask made from the call's own captured
+ * tensors, so new document ids are read, not frozen), against eager (1e-6). */
+typedef struct {
+    const char *spec;
+} fn_ctx;
+
+static kiln_status flex_fn(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    const fn_ctx *c = ctx;
+    kiln_flex_t *f;
+    kiln_flex_inputs fi = {.doc_ids = in[3]};
+    kiln_status s = kiln_flex_preset(c->spec, &fi, &f);
+    if (s != KILN_OK) return s;
+    out[0] = kiln_mul_scalar(kiln_flex_attention(kiln_add_scalar(in[0], 0.5), in[1], in[2], f, NULL, 0, NULL), 2);
+    kiln_flex_free(f);
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+static void compiled_and_replayed_match_eager(void **state)
+{
+    int64_t qs[4] = {2, 4, 12, 8}, ks[4] = {2, 2, 12, 8}, ds[2] = {2, 12};
+    static const int64_t docs2[24] = {0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2};
+    kiln_manual_seed(21);
+    kiln_tensor_t *in[4] = {kiln_randn(qs, 4, KILN_DTYPE_F32), kiln_randn(ks, 4, KILN_DTYPE_F32),
+                            kiln_randn(ks, 4, KILN_DTYPE_F32), kiln_from_data(docs, ds, 2, KILN_DTYPE_I64)};
+    fn_ctx c = {"doc+causal+softcap:4"};
+    kiln_compiled_t *cf;
+    assert_int_equal(kiln_compiled_new(flex_fn, &c, "flex", &cf), KILN_OK);
+    kiln_replay_t *r = NULL;
+    kiln_tensor_t *out[1];
+    int n;
+    for (int call = 0; call < 2; call++) {
+        if (call) in[3] = kiln_from_data(docs2, ds, 2, KILN_DTYPE_I64); /* other documents, same shapes */
+        kiln_tensor_t *eager[1];
+        assert_int_equal(flex_fn(&c, in, 4, eager, &n), KILN_OK);
+        double *want = host(eager[0]);
+        if (kiln_compiled_call(cf, in, 4, out, 1, &n) != KILN_OK) fail_msg("%s", kiln_last_error());
+        double *got = host(out[0]);
+        for (int64_t i = 0; i < kiln_tensor_numel(eager[0]); i++)
+            if (fabs(got[i] - want[i]) > 1e-6) fail_msg("compiled, call %d: [%lld] %g vs eager %g", call, (long long)i, got[i], want[i]);
+        free(got);
+        if (!r) assert_int_equal(kiln_replay_record(flex_fn, &c, in, 4, &r, out, 1, &n), KILN_OK);
+        else assert_int_equal(kiln_replay_run(r, in, 4, out, 1, &n), KILN_OK);
+        got = host(out[0]);
+        for (int64_t i = 0; i < kiln_tensor_numel(eager[0]); i++)
+            if (fabs(got[i] - want[i]) > 1e-6) fail_msg("replay, call %d: [%lld] %g vs eager %g", call, (long long)i, got[i], want[i]);
+        free(got);
+        free(want);
+    }
+    kiln_replay_free(r);
+    kiln_compiled_free(cf);
+}
+
 static void expect_error(const char *score, const char *mask, int n_cap, const char *want)
 {
     int64_t n = 4;
@@ -451,6 +506,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(gradients_match_finite_differences, setup, teardown),
         cmocka_unit_test_setup_teardown(matches_pytorch_flex_attention, setup, teardown),
         cmocka_unit_test_setup_teardown(block_masks_classify_blocks, setup, teardown),
+        cmocka_unit_test_setup_teardown(compiled_and_replayed_match_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_modifiers_are_clear_errors, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
