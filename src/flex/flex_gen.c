@@ -18,6 +18,7 @@
 #include <string.h>
 #include "compile/compile_impl.h"
 #include "core/cache.h"
+#include "core/intercept.h"
 #include "core/opts.h"
 #include "core/threadpool.h"
 #include "flex/flex_impl.h"
@@ -821,6 +822,8 @@ static kiln_status entry_for(const kiln_flex_t *f, entry **out)
     if (s == KILN_OK && !e->key) {
         /* placeholders of the captured tensors' dtypes and dims, for the generator */
         kiln_tensor_t *ph[MAX_CAPTURED];
+        /* made outside any capture or recording on this thread: they are not the call's */
+        void *held = kiln__intercept_suspend();
         bool was = kiln_set_grad_enabled(false);
         kiln_scope_begin();
         for (int i = 0; i < f->n_cap; i++) {
@@ -830,6 +833,7 @@ static kiln_status entry_for(const kiln_flex_t *f, entry **out)
         s = kiln_flex_new(f->score, f->mask, ph, f->n_cap, &e->tmpl);
         kiln_scope_end();
         kiln_set_grad_enabled(was);
+        kiln__intercept_resume(held);
         char name[64];
         uint64_t h = kiln__fnv(KILN__FNV_SEED, key, strlen(key));
         const kiln_op_kernel kf[] = {{.device = "cpu", .fn = fwd_kernel}}, kb[] = {{.device = "cpu", .fn = bwd_kernel}};
