@@ -463,19 +463,25 @@ static kiln_status generate(const kiln__program *p, int dialect, char **src)
 
 kiln_status kiln__codegen_c(const kiln__program *p, char **src) { return generate(p, D_C, src); }
 
-static char *prelude;
+static char *prelude[2];
 static void make_prelude(void)
 {
-    size_t n = strlen(header_c) + strlen(kiln__kmath_source) + 2;
-    if ((prelude = malloc(n))) snprintf(prelude, n, "%s%s\n", header_c, kiln__kmath_source);
+    const char *head[2] = {header_c, header_cl};
+    for (int d = 0; d < 2; d++) {
+        size_t n = strlen(head[d]) + strlen(kiln__kmath_source) + 2;
+        if ((prelude[d] = malloc(n))) snprintf(prelude[d], n, "%s%s\n", head[d], kiln__kmath_source);
+    }
 }
 
-const char *kiln__codegen_prelude_c(void)
+static const char *prelude_of(int d)
 {
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     pthread_once(&once, make_prelude);
-    return prelude; /* NULL only when out of memory */
+    return prelude[d]; /* NULL only when out of memory */
 }
+
+const char *kiln__codegen_prelude_c(void) { return prelude_of(0); }
+const char *kiln__codegen_prelude_cl(void) { return prelude_of(1); }
 kiln_status kiln__codegen_opencl(const kiln__program *p, char **src) { return generate(p, D_OPENCL, src); }
 kiln_status kiln__codegen_cuda(const kiln__program *p, char **src) { return generate(p, D_CUDA, src); }
 
