@@ -1087,18 +1087,21 @@ kiln_status kiln__flex_classify(const kiln_flex_t *f, int64_t mB, int64_t mH, in
     int32_t bad = 0;
     flex_args a = {.B = mB, .H = mH, .Tq = Tq, .Tk = Tk, .mB = mB, .mH = mH, .nq = (Tq + block - 1) / block,
                    .block = block, .kv_block = kv_block, .bad = &bad};
+    /* dense copies made quietly (this may run inside a kernel, whose callers' scopes and
+     * recordings must not see them), released below */
     kiln_tensor_t *caps[MAX_CAPTURED] = {0};
     for (int i = 0; i < f->n_cap && s == KILN_OK; i++) {
-        caps[i] = kiln_contiguous(f->cap[i]);
+        caps[i] = kiln__dense(f->cap[i]);
         if (!caps[i]) s = kiln_last_status();
         else {
             a.cap[i] = kiln__data(caps[i]);
             for (int d = 0; d < 4; d++) a.cap_dim[i][d] = d < caps[i]->ndim ? caps[i]->shape[d] : 1;
         }
     }
-    if (s != KILN_OK) return s;
     classify_ctx c = {e, &a, (Tk + kv_block - 1) / kv_block, on};
-    kiln__parallel_for(mB * mH * a.nq, 1, classify_range, &c);
+    if (s == KILN_OK) kiln__parallel_for(mB * mH * a.nq, 1, classify_range, &c);
+    for (int i = 0; i < f->n_cap; i++) kiln_tensor_free(caps[i]);
+    if (s != KILN_OK) return s;
     if (bad)
         return kiln_error(KILN_ERR_INDEX, "block_mask_new: the mask reads c%d outside its shape %s (%s)", bad - 1,
                           kiln__shape_text(f->cap[bad - 1]), f->mask);
