@@ -17,6 +17,7 @@
 #include <cmocka.h>
 #include "kiln/kiln.h"
 #include "test_util.h"
+#include "flex/flex_impl.h"
 
 typedef struct {
     int64_t B, H, Hkv, Tq, Tk, D;
@@ -450,6 +451,41 @@ static void compiled_and_replayed_match_eager(void **state)
     kiln_compiled_free(cf);
 }
 
+/* The fused forward's CUDA C compiles with NVRTC, the compiler the CUDA backend builds it
+ * with (sm_90; no GPU needed; it runs where one is: test_flex_cuda in bench/gpu.sh), for
+ * presets with and without captured tensors and a user's modifiers; skipped, not passed,
+ * where NVRTC is not. The OpenCL C of the same generator runs in test_flex_opencl. */
+kiln_status kiln__cuda_nvrtc(const char *src, const char *name, int major, int minor, char **ptx);
+
+static void cuda_source_compiles_with_nvrtc(void **state)
+{
+    char *ptx = NULL;
+    if (kiln__cuda_nvrtc("extern \"C\" __global__ void probe() {}", "probe", 9, 0, &ptx) != KILN_OK) {
+        print_message("skipped: NVRTC is not available here (%s)\n", kiln_last_error());
+        kiln_clear_error();
+        skip();
+    }
+    free(ptx);
+    int64_t ds[2] = {2, 12}, H = 4;
+    kiln_flex_inputs in = {.doc_ids = kiln_from_data(docs, ds, 2, KILN_DTYPE_I64),
+                           .alibi_slopes = kiln_from_data(slopes, &H, 1, KILN_DTYPE_F64)};
+    static const char *specs[] = {"causal", "window:4+softcap:3", "doc+causal", "alibi+prefix:5"};
+    for (int i = 0; i < 5; i++) {
+        kiln_flex_t *f;
+        kiln_status st = i < 4 ? kiln_flex_preset(specs[i], &in, &f)
+                               : kiln_flex_new("score / (1 + abs(score)) - max(score, 0.5)", "kv_idx <= q_idx", NULL, 0, &f);
+        assert_int_equal(st, KILN_OK);
+        char *src = kiln__flex_device_source(f, true);
+        assert_non_null(src);
+        if (kiln__cuda_nvrtc(src, "flex_fwd_dev", 9, 0, &ptx) != KILN_OK)
+            fail_msg("%s: %s\n%s", i < 4 ? specs[i] : "user", kiln_last_error(), src);
+        assert_non_null(strstr(ptx, ".entry flex_fwd_dev"));
+        free(ptx);
+        free(src);
+        kiln_flex_free(f);
+    }
+}
+
 static void expect_error(const char *score, const char *mask, int n_cap, const char *want)
 {
     int64_t n = 4;
@@ -507,6 +543,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(matches_pytorch_flex_attention, setup, teardown),
         cmocka_unit_test_setup_teardown(block_masks_classify_blocks, setup, teardown),
         cmocka_unit_test_setup_teardown(compiled_and_replayed_match_eager, setup, teardown),
+        cmocka_unit_test_setup_teardown(cuda_source_compiles_with_nvrtc, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_modifiers_are_clear_errors, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -463,11 +463,11 @@ static kiln_status generate(const kiln__program *p, int dialect, char **src)
 
 kiln_status kiln__codegen_c(const kiln__program *p, char **src) { return generate(p, D_C, src); }
 
-static char *prelude[2];
+static char *prelude[3];
 static void make_prelude(void)
 {
-    const char *head[2] = {header_c, header_cl};
-    for (int d = 0; d < 2; d++) {
+    const char *head[3] = {header_c, header_cl, header_cuda};
+    for (int d = 0; d < 3; d++) {
         size_t n = strlen(head[d]) + strlen(kiln__kmath_source) + 2;
         if ((prelude[d] = malloc(n))) snprintf(prelude[d], n, "%s%s\n", head[d], kiln__kmath_source);
     }
@@ -482,6 +482,7 @@ static const char *prelude_of(int d)
 
 const char *kiln__codegen_prelude_c(void) { return prelude_of(0); }
 const char *kiln__codegen_prelude_cl(void) { return prelude_of(1); }
+const char *kiln__codegen_prelude_cuda(void) { return prelude_of(2); }
 kiln_status kiln__codegen_opencl(const kiln__program *p, char **src) { return generate(p, D_OPENCL, src); }
 kiln_status kiln__codegen_cuda(const kiln__program *p, char **src) { return generate(p, D_CUDA, src); }
 

@@ -179,7 +179,8 @@ kiln_status kiln__jit_load(kiln__program *p, const char *src, const char *debug_
 kiln_status kiln__jit_open(const char *src, const char *debug_dir, void **lib);
 /* What every generated C file starts with: the includes and kmath.h's helpers. */
 const char *kiln__codegen_prelude_c(void);
-const char *kiln__codegen_prelude_cl(void); /* the same for OpenCL C */
+const char *kiln__codegen_prelude_cl(void);   /* the same for OpenCL C */
+const char *kiln__codegen_prelude_cuda(void); /* and for CUDA C (NVRTC) */
 /* Compiles each kernel of src (in p->be's language) into p->kern with
  * p->be->compile_kernel; on failure none is kept. */
 kiln_status kiln__device_load(kiln__program *p, const char *src, const char *debug_dir);

@@ -70,4 +70,8 @@ kiln_status kiln__flex_fused(const kiln_flex_t *f, const kiln_block_mask_t *bm, 
 kiln_status kiln__flex_classify(const kiln_flex_t *f, int64_t mB, int64_t mH, int64_t Tq, int64_t Tk, int64_t block,
                                 int64_t kv_block, int64_t *on, bool *ran);
 
+/* The source of f's fused forward for a device (f32): OpenCL C, or CUDA C (cuda). A new
+ * string (the caller frees it); NULL when out of memory. */
+char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda);
+
 #endif

@@ -703,6 +703,15 @@ KILN__REGISTER(register_cuda) { kiln__backend_provider_register("cuda", cuda_reg
 #else
 #include "kiln/tensor.h"
 const char *kiln_cuda_status(void) { return "not built (the CUDA toolkit's headers were not found)"; }
+/* What the tests and the generators' checks call, without the toolkit: NVRTC is not here. */
+kiln_status kiln__cuda_nvrtc(const char *src, const char *name, int major, int minor, char **ptx)
+{
+    (void)src, (void)major, (void)minor;
+    *ptx = NULL;
+    return kiln_error(KILN_ERR_UNSUPPORTED, "cuda: %s: NVRTC is not built in (the CUDA toolkit's headers were not "
+                      "found)", name);
+}
+const char *kiln__cuda_builtin_source(void) { return ""; }
 void kiln_cuda_versions(int *driver, int *runtime, int *nvrtc)
 {
     if (driver) *driver = 0;
