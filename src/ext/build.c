@@ -21,6 +21,23 @@
 
 /* Runs cmd through the shell; its output (both streams) in *out (malloc'd, or NULL).
  * Returns the exit status, or -1 when it could not be run. */
+/* All of f's bytes, NUL-terminated (malloc'd; NULL when out of memory). */
+static char *read_all(FILE *f)
+{
+    size_t len = 0, cap = 4096;
+    char *b = malloc(cap);
+    for (size_t got; b && (got = fread(b + len, 1, cap - len - 1, f)) > 0;) {
+        len += got;
+        if (cap - len < 2) {
+            char *q = realloc(b, cap * 2);
+            if (!q) break;
+            b = q, cap *= 2;
+        }
+    }
+    if (b) b[len] = 0;
+    return b;
+}
+
 static int run(const char *cmd, char **out)
 {
     size_t n = strlen(cmd) + 8;
@@ -31,18 +48,7 @@ static int run(const char *cmd, char **out)
     FILE *p = popen(full, "r");
     free(full);
     if (!p) return -1;
-    size_t len = 0, cap = 4096;
-    char *b = malloc(cap);
-    for (size_t got; b && (got = fread(b + len, 1, cap - len - 1, p)) > 0;) {
-        len += got;
-        if (cap - len < 2) {
-            char *q = realloc(b, cap * 2);
-            if (!q) break;
-            b = q, cap *= 2;
-        }
-    }
-    if (b) b[len] = 0;
-    *out = b;
+    *out = read_all(p);
     int st = pclose(p);
     return st == -1 ? -1 : WIFEXITED(st) ? WEXITSTATUS(st) : 128;
 }
@@ -160,21 +166,9 @@ static pid_t start(const char *cmd, const char *log)
 
 static char *read_log(const char *path)
 {
-    char *text = NULL;
     FILE *f = fopen(path, "rb");
-    if (!f) return NULL;
-    size_t cap = 4096, n = 0;
-    text = malloc(cap);
-    for (size_t got; text && (got = fread(text + n, 1, cap - n - 1, f)) > 0;) {
-        n += got;
-        if (cap - n < 2) {
-            char *q = realloc(text, cap * 2);
-            if (!q) break;
-            text = q, cap *= 2;
-        }
-    }
-    if (text) text[n] = 0;
-    fclose(f);
+    char *text = f ? read_all(f) : NULL;
+    if (f) fclose(f);
     return text;
 }
 

@@ -599,6 +599,28 @@ typedef struct {
     atomic_int oom;
 } run_ctx;
 
+/* The listed key blocks' width in all (the tile's columns). */
+static int64_t cols_of(const int64_t *kvl, int64_t nb, int64_t kvb, int64_t Tk)
+{
+    int64_t cols = 0;
+    for (int64_t n = 0; n < nb; n++) cols += kvl[n] * kvb + kvb < Tk ? kvb : Tk - kvl[n] * kvb;
+    return cols;
+}
+
+/* S (rows, cols) = scale Q K^T over the listed key blocks side by side, Kt being K
+ * transposed (D, Tk): a run of adjacent blocks one NN GEMM. R is float or double. */
+#define FLEX_SCORES(SFX, R, GEMM)                                                                           \
+    static void scores_##SFX(const flex_args *a, const R *Q, const R *Kt, R *S, const int64_t *kvl, int64_t nb, \
+                             int64_t rows, int64_t cols)                                                    \
+    {                                                                                                       \
+        for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                    \
+            int64_t k0 = kvl[n] * a->kv_block, w = run_width(kvl, nb, n, a->kv_block, a->Tk, &e);           \
+            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)a->D, (R)a->scale, Q,     \
+                 (int)a->D, Kt + k0, (int)a->Tk, 0, S + off, (int)cols);                                     \
+            off += w;                                                                                       \
+        }                                                                                                   \
+    }
+
 /* The forward. One task per (b, h, query block): the scores of its rows against the
  * listed key blocks, side by side in S (runs of adjacent blocks one NN GEMM each, on K
  * transposed once per kv head), the modifiers, softmax and log-sum-exp in the generated
@@ -626,8 +648,7 @@ typedef struct {
             const R *K = (const R *)a->k + (b * a->Hkv + hk) * Tk * D;                                      \
             const R *V = (const R *)a->v + (b * a->Hkv + hk) * Tk * D;                                      \
             R *O = (R *)a->y + ((b * H + h) * Tq + q0) * D, *L = (R *)a->lse + (b * H + h) * Tq + q0;      \
-            int64_t cols = 0;                                                                               \
-            for (int64_t n = 0; n < nb; n++) cols += kvl[n] * kvb + kvb < Tk ? kvb : Tk - kvl[n] * kvb;    \
+            const int64_t cols = cols_of(kvl, nb, kvb, Tk);                                                 \
             if (cols == 0) {                                                                                \
                 memset(O, 0, sizeof(R) * (size_t)(rows * D));                                              \
                 for (int64_t i = 0; i < rows; i++) L[i] = (R)-INFINITY;                                    \
@@ -637,13 +658,7 @@ typedef struct {
                 transpose_##SFX(Kt, K, Tk, D);                                                              \
                 kt_of = b * a->Hkv + hk;                                                                    \
             }                                                                                               \
-            /* a run of listed blocks that follow each other in K: one GEMM */                         \
-            for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                \
-                int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                          \
-                GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)D, (R)a->scale, Q, (int)D, \
-                     Kt + k0, (int)Tk, 0, S + off, (int)cols);                                              \
-                off += w;                                                                                   \
-            }                                                                                               \
+            scores_##SFX(a, Q, Kt, S, kvl, nb, rows, cols);                                                 \
             rc->fn(a, S, cols, b, h, q0, rows, kvl, nf, nb, L); /* modifiers, softmax, L */          \
             for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                \
                 int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                          \
@@ -697,15 +712,9 @@ typedef struct {
                     const R *L = (const R *)a->lse + base, *Dm = (const R *)gr->dm + base;                  \
                     R *dQ = (R *)gr->dq + base * D;                                                         \
                     memset(dQ, 0, sizeof(R) * (size_t)(rows * D));                                          \
-                    int64_t cols = 0;                                                                       \
-                    for (int64_t n = 0; n < nb; n++) cols += kvl[n] * kvb + kvb < Tk ? kvb : Tk - kvl[n] * kvb; \
+                    const int64_t cols = cols_of(kvl, nb, kvb, Tk);                                         \
                     if (cols == 0) continue;                                                                \
-                    for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                        \
-                        int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                  \
-                        GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)D, (R)a->scale, Q, \
-                             (int)D, Kt + k0, (int)Tk, 0, P + off, (int)cols);                              \
-                        off += w;                                                                           \
-                    }                                                                                       \
+                    scores_##SFX(a, Q, Kt, P, kvl, nb, rows, cols);                                         \
                     rc->bwd(a, P, M, cols, b, h, q0, rows, kvl, nf, nb, L);                                 \
                     for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                        \
                         int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                  \
@@ -755,6 +764,8 @@ static inline int64_t run_width(const int64_t *kvl, int64_t nb, int64_t n, int64
     }
 TRANSPOSE(f32, float)
 TRANSPOSE(f64, double)
+FLEX_SCORES(f32, float, cblas_sgemm)
+FLEX_SCORES(f64, double, cblas_dgemm)
 FLEX_FORWARD(f32, float, cblas_sgemm)
 FLEX_FORWARD(f64, double, cblas_dgemm)
 FLEX_BACKWARD(f32, float, cblas_sgemm)
@@ -803,24 +814,35 @@ static void run(void (*fn)(void *, int64_t, int64_t), run_ctx *r, int64_t tasks)
     else fn(r, 0, tasks);
 }
 
+/* What both cpu kernels do first: e's functions built for q's type, and the call's
+ * arguments with q at in[qi], k after it, the captured tensors from in[ci]; the block mask
+ * the attribute names (0: one made for the call, in *own). */
+static kiln_status prepare(const kiln_op_args *x, int qi, int ci, bool *f64, flex_args *a, kiln_block_mask_t **own,
+                           int32_t *bad)
+{
+    entry *e = x->user;
+    kiln_tensor_t *q = x->in[qi];
+    *f64 = q->dtype == KILN_DTYPE_F64;
+    pthread_mutex_lock(&lock);
+    kiln_status s = built(e, *f64);
+    pthread_mutex_unlock(&lock);
+    if (s != KILN_OK) return s;
+    const kiln_block_mask_t *bm = (const kiln_block_mask_t *)(intptr_t)x->attr[1].i;
+    return args_for(e->tmpl, bm, own, q, x->in[qi + 1], x->in + ci, x->n_in - ci, x->attr[0].f, bad, a);
+}
+
 /* The forward op's cpu kernel: in q, k, v, captured...; out y, lse; attributes scale and
  * the block mask's address (0: one made for the call). */
 static kiln_status fwd_kernel(const kiln_op_args *x)
 {
     entry *e = x->user;
-    kiln_tensor_t *q = x->in[0];
-    bool f64 = q->dtype == KILN_DTYPE_F64;
-    pthread_mutex_lock(&lock);
-    kiln_status s = built(e, f64);
-    pthread_mutex_unlock(&lock);
-    if (s != KILN_OK) return s;
     flex_args a;
-    kiln_block_mask_t *own;
+    kiln_block_mask_t *own = NULL;
     int32_t bad = 0;
-    const kiln_block_mask_t *bm = (const kiln_block_mask_t *)(intptr_t)x->attr[1].i;
-    if ((s = args_for(e->tmpl, bm, &own, q, x->in[1], x->in + 3, x->n_in - 3, x->attr[0].f, &bad, &a)) != KILN_OK)
-        return s;
-    a.q = kiln__data(q), a.k = kiln__data(x->in[1]), a.v = kiln__data(x->in[2]);
+    bool f64;
+    kiln_status s = prepare(x, 0, 3, &f64, &a, &own, &bad);
+    if (s != KILN_OK) return s;
+    a.q = kiln__data(x->in[0]), a.k = kiln__data(x->in[1]), a.v = kiln__data(x->in[2]);
     a.y = kiln__data(x->out[0]), a.lse = kiln__data(x->out[1]);
     run_ctx r = {.fn = e->tile[f64], .a = &a};
     run(f64 ? fwd_f64 : fwd_f32, &r, a.B * a.H * a.nq);
@@ -831,18 +853,13 @@ static kiln_status fwd_kernel(const kiln_op_args *x)
 static kiln_status bwd_kernel(const kiln_op_args *x)
 {
     entry *e = x->user;
-    kiln_tensor_t *q = x->in[1];
-    bool f64 = q->dtype == KILN_DTYPE_F64;
-    pthread_mutex_lock(&lock);
-    kiln_status s = built(e, f64);
-    pthread_mutex_unlock(&lock);
-    if (s != KILN_OK) return s;
     flex_args a;
-    kiln_block_mask_t *own;
+    kiln_block_mask_t *own = NULL;
     int32_t bad = 0;
-    const kiln_block_mask_t *bm = (const kiln_block_mask_t *)(intptr_t)x->attr[1].i;
-    if ((s = args_for(e->tmpl, bm, &own, q, x->in[2], x->in + 6, x->n_in - 6, x->attr[0].f, &bad, &a)) != KILN_OK)
-        return s;
+    bool f64;
+    kiln_status s = prepare(x, 1, 6, &f64, &a, &own, &bad);
+    if (s != KILN_OK) return s;
+    kiln_tensor_t *q = x->in[1];
     grads g = {kiln__data(x->out[0]), kiln__data(x->out[1]), kiln__data(x->out[2]), kiln__data(x->in[5]),
                kiln__data(x->in[0])};
     a.q = kiln__data(q), a.k = kiln__data(x->in[2]), a.v = kiln__data(x->in[3]), a.lse = kiln__data(x->in[4]);
