@@ -11,6 +11,7 @@
 #include "kiln/data.h"
 #include "kiln/dist.h"
 #include "kiln/kiln.h"
+#include "kiln/graph.h"
 #include "kiln/nn.h"
 #include "kiln/optim.h"
 #include "test_util.h"
@@ -359,6 +360,53 @@ static void document_masking_isolates_documents(void **state)
     kiln_gpt_free(m);
 }
 
+/* A training step of a model with a flex variant (document masking, a window and
+ * soft-capping) compiled as one graph gives the eager step's losses and weights (1e-5):
+ * the fused op and its backward are steps of the program, the document ids made from
+ * each batch's tokens. */
+static void a_compiled_step_with_flex_attention_matches_eager(void **state)
+{
+    kiln_gpt_config c = tiny(true);
+    snprintf(c.attention, sizeof c.attention, "doc:7+window:6+softcap:10");
+    double loss[2][3];
+    float w[2][16];
+    for (int compiled = 0; compiled < 2; compiled++) {
+        kiln_gpt_t *m;
+        assert_int_equal(kiln_gpt_new(&c, 4, &m), KILN_OK);
+        int np = kiln_gpt_num_params(m);
+        kiln_tensor_t *ps[64];
+        assert_true(np <= 64);
+        for (int i = 0; i < np; i++) ps[i] = kiln_gpt_param(m, i, NULL);
+        kiln_optim_t *opt;
+        assert_int_equal(kiln_adamw_new(ps, np, NULL, 0.9, 0.95, 1e-8, 0.1, &opt), KILN_OK);
+        kiln_gpt_step st = {.model = m, .opt = opt, .params = ps, .n_params = np, .clip = 1.0};
+        kiln_compiled_t *cs = NULL;
+        if (compiled) assert_int_equal(kiln_compiled_new(kiln_gpt_train_step, &st, "flex_step", &cs), KILN_OK);
+        double lr = 1e-2;
+        for (int k = 0; k < 3; k++) {
+            kiln_scope_begin();
+            kiln_tensor_t *x = ids(2, 12, c.vocab_size, k), *y = ids(2, 12, c.vocab_size, k + 1);
+            kiln_tensor_t *in[3] = {x, y, kiln_from_data(&lr, (int64_t[]){1}, 1, KILN_DTYPE_F64)}, *out[2];
+            int n;
+            kiln_status s = compiled ? kiln_compiled_call(cs, in, 3, out, 2, &n) : kiln_gpt_train_step(&st, in, 3, out, &n);
+            if (s != KILN_OK) fail_msg("%s step %d: %s", compiled ? "compiled" : "eager", k, kiln_last_error());
+            assert_int_equal(kiln_tensor_item(out[0], &loss[compiled][k]), KILN_OK);
+            kiln_scope_end();
+        }
+        kiln_scope_begin();
+        assert_int_equal(kiln_tensor_to_host(kiln_contiguous(kiln_narrow(kiln_reshape(ps[1], (int64_t[]){-1}, 1), 0, 0, 16)),
+                                             w[compiled], sizeof w[0]),
+                         KILN_OK);
+        kiln_scope_end();
+        kiln_compiled_free(cs);
+        kiln_optim_free(opt);
+        kiln_gpt_free(m);
+    }
+    for (int k = 0; k < 3; k++) assert_near(loss[1][k], loss[0][k], 1e-5);
+    for (int i = 0; i < 16; i++) assert_near(w[1][i], w[0][i], 1e-5);
+    assert_true(loss[0][2] != loss[0][0]); /* the steps changed the weights */
+}
+
 static void forward_rejects_bad_input(void **state)
 {
     kiln_gpt_config c = tiny(false);
@@ -554,6 +602,7 @@ int main(void)
         cmocka_unit_test(kv_cache_matches_full_forward),
         cmocka_unit_test_setup_teardown(attention_variants_match_causal_where_they_should, setup, teardown),
         cmocka_unit_test_setup_teardown(document_masking_isolates_documents, setup, teardown),
+        cmocka_unit_test_setup_teardown(a_compiled_step_with_flex_attention_matches_eager, setup, teardown),
         cmocka_unit_test(forward_rejects_bad_input),
         cmocka_unit_test(training_steps_lower_the_loss),
         cmocka_unit_test(sgd_momentum_follows_the_formula),

@@ -91,18 +91,21 @@ static kiln_status model_flex(const kiln_gpt_config *c, kiln_tensor_t *idx, kiln
     if (doc) strncat(spec, "+doc", sizeof spec - strlen(spec) - 1);
     kiln_flex_inputs in = {.heads = c->n_head};
     kiln_tensor_t *ids = NULL;
-    if (doc) { /* ids[b, t]: the EOT tokens before t in row b */
-        int64_t B = idx ? kiln_tensor_dim(idx, 0) : 1, T = idx ? kiln_tensor_dim(idx, 1) : 1, shape[2] = {B, T};
-        int64_t *tok = calloc((size_t)(B * T), sizeof *tok), *d = calloc((size_t)(B * T), sizeof *d);
-        kiln_tensor_t *i64 = idx ? kiln_cast(idx, KILN_DTYPE_I64) : NULL;
-        kiln_status s = tok && d ? KILN_OK : kiln_error(KILN_ERR_OOM, "gpt: out of memory for document ids");
-        if (s == KILN_OK && idx) s = i64 ? kiln_tensor_to_host(i64, tok, sizeof *tok * (size_t)(B * T)) : kiln_last_status();
-        for (int64_t b = 0; s == KILN_OK && b < B; b++)
-            for (int64_t t = 1; t < T; t++) d[b * T + t] = d[b * T + t - 1] + (tok[b * T + t - 1] == eot);
-        if (s == KILN_OK) ids = kiln_from_data(d, shape, 2, KILN_DTYPE_I64);
-        free(tok);
-        free(d);
-        if (!ids) return s != KILN_OK ? s : kiln_last_status();
+    if (doc && idx) {
+        /* ids[b, t]: the EOT tokens before t in row b, with kiln's ops (so that a captured
+         * step computes them from each batch): the end marks shifted right by one, times
+         * the upper triangle of ones (a running count; exact in f32 below 2^24) */
+        int64_t B = kiln_tensor_dim(idx, 0), T = kiln_tensor_dim(idx, 1), col[2] = {B, 1}, tt[2] = {T, T};
+        kiln_tensor_t *ends = kiln_cast(kiln_eq(kiln_cast(idx, KILN_DTYPE_I64), kiln_scalar((double)eot, KILN_DTYPE_I64)),
+                                        KILN_DTYPE_F32);
+        kiln_tensor_t *parts[2] = {kiln_zeros(col, 2, KILN_DTYPE_F32), T > 1 && ends ? kiln_narrow(ends, 1, 0, T - 1) : NULL};
+        kiln_tensor_t *shifted = T > 1 ? kiln_cat(parts, 2, 1) : parts[0];
+        ids = kiln_cast(kiln_matmul(shifted, kiln_triu(kiln_ones(tt, 2, KILN_DTYPE_F32), 0)), KILN_DTYPE_I64);
+        if (!ids) return kiln_last_status();
+        in.doc_ids = ids;
+    } else if (doc) { /* a placeholder: the spec is being checked */
+        int64_t one[2] = {1, 1};
+        if (!(ids = kiln_zeros(one, 2, KILN_DTYPE_I64))) return kiln_last_status();
         in.doc_ids = ids;
     }
     kiln_status s = kiln_flex_preset(spec, &in, out);
