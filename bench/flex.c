@@ -5,8 +5,10 @@
  * ROUNDS interleaved rounds. Prints one JSON line per T with the ms and the ratios
  * dense causal / flex, and the peak bytes kiln's allocator held during one call of the
  * T/8 window (beyond what was held before it; per T, to show it grows as O(T)). With
- * --backward 1, each call is the forward and the backward (gradients of q, k, v).
- *   build/bench_flex [--T 512,1024,2048,4096] [--B 1] [--H 8] [--D 64] [--W 256] [--block 64] [--kv-block 64] [--rounds 5] [--backward 0|1] */
+ * --backward 1, each call is the forward and the backward (gradients of q, k, v). With
+ * --device opencl the tensors live there (the fused forward is OpenCL C; kiln's dense
+ * attention is the cpu's with copies there).
+ *   build/bench_flex [--T 512,1024,2048,4096] [--B 1] [--H 8] [--D 64] [--W 256] [--block 64] [--kv-block 64] [--rounds 5] [--backward 0|1] [--device cpu|opencl] */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -28,6 +30,7 @@ static double time_one(int which, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tenso
     kiln_tensor_t *y = which == 0 ? kiln_attention(in[0], in[1], in[2], true, 0)
                                   : kiln_flex_attention(in[0], in[1], in[2], f[which - 1], bm[which - 1], 0, NULL);
     if (y && backward && kiln_backward(kiln_sum(y, NULL, 0, false)) != KILN_OK) y = NULL;
+    if (y && kiln_device_synchronize(kiln_tensor_device(y)) != KILN_OK) y = NULL; /* a device's queue runs behind */
     double dt = bench_now_s() - t0;
     if (!y) {
         fprintf(stderr, "bench_flex: %s\n", kiln_last_error());
@@ -42,6 +45,7 @@ int main(int argc, char **argv)
     const char *Ts = "512,1024,2048,4096";
     int64_t B = 1, H = 8, D = 64, W = 256, block = 64, kv_block = 64;
     int rounds = 5;
+    const char *device = "cpu";
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--T")) Ts = argv[i + 1];
         else if (!strcmp(argv[i], "--B")) B = atoll(argv[i + 1]);
@@ -52,14 +56,19 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--kv-block")) kv_block = atoll(argv[i + 1]);
         else if (!strcmp(argv[i], "--rounds")) rounds = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--backward")) backward = atoi(argv[i + 1]) != 0;
+        else if (!strcmp(argv[i], "--device")) device = argv[i + 1];
         else {
-            fprintf(stderr, "usage: bench_flex [--T LIST] [--B N] [--H N] [--D N] [--W N] [--block N] [--kv-block N] [--rounds N] [--backward 0|1]\n");
+            fprintf(stderr, "usage: bench_flex [--T LIST] [--B N] [--H N] [--D N] [--W N] [--block N] [--kv-block N] [--rounds N] [--backward 0|1] [--device NAME]\n");
             return 2;
         }
     }
     if (rounds < 1 || rounds > 64) rounds = 5;
     kiln_init(0);
     kiln_set_grad_enabled(backward);
+    if (kiln_set_device(device) != KILN_OK) {
+        fprintf(stderr, "bench_flex: %s\n", kiln_last_error());
+        return 1;
+    }
     for (const char *p = Ts; *p;) {
         int64_t T = atoll(p);
         p += strcspn(p, ",");
@@ -97,11 +106,11 @@ int main(int argc, char **argv)
         time_one(2, q, k, v, f, bm);
         size_t peak = kiln_memory_peak() - before;
         (void)held;
-        printf("{\"bench\":\"flex\",\"block\":%lld,\"kv_block\":%lld,\"T\":%lld,\"B\":%lld,\"H\":%lld,\"D\":%lld,\"threads\":%d,\"dense_causal_ms\":%.3f,"
+        printf("{\"bench\":\"flex\",\"device\":\"%s\",\"block\":%lld,\"kv_block\":%lld,\"T\":%lld,\"B\":%lld,\"H\":%lld,\"D\":%lld,\"threads\":%d,\"dense_causal_ms\":%.3f,"
                "\"flex_causal_ms\":%.3f,\"flex_window_T8_ms\":%.3f,\"flex_window_%lld_ms\":%.3f,"
                "\"dense_over_flex_causal\":%.3f,\"dense_over_window_T8\":%.3f,\"window_T8_peak_bytes\":%zu,"
                "\"window_T8_peak_bytes_per_T\":%.0f,\"backward\":%s}\n",
-               (long long)block, (long long)kv_block, (long long)T, (long long)B, (long long)H, (long long)D, kiln_num_threads(), med[0], med[1], med[2],
+               device, (long long)block, (long long)kv_block, (long long)T, (long long)B, (long long)H, (long long)D, kiln_num_threads(), med[0], med[1], med[2],
                (long long)W, med[3], med[0] / med[1], med[0] / med[2], peak, (double)peak / (double)T,
                backward ? "true" : "false");
         fflush(stdout);
