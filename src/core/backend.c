@@ -95,6 +95,12 @@ kiln__backend *kiln__backend_find(const char *name)
     return be;
 }
 
+bool kiln__backend_is(const kiln__backend *be, const char *kind)
+{
+    size_t len = strcspn(be->name, ":");
+    return strlen(kind) == len && !strncmp(kind, be->name, len);
+}
+
 static _Atomic(kiln__backend *) default_be;
 
 static _Thread_local kiln__backend *here; /* kiln__backend_here: made next to a tensor */

@@ -110,6 +110,9 @@ kiln_status kiln__check_indices(const char *op, const void *idx, kiln_dtype dt, 
  * kiln_init, the devices on first need. */
 kiln_status kiln__backend_register(kiln__backend *be);
 kiln__backend *kiln__backend_find(const char *name);
+/* Whether be is a device of the backend kind ("opencl" for "opencl:1"): its name up to
+ * a ':'. */
+bool kiln__backend_is(const kiln__backend *be, const char *kind);
 kiln__backend *kiln__backend_default(void);
 /* Until called again with what it returns, this thread's new tensors (and ops without
  * inputs) go to be instead of the default device: scalars made next to a tensor. */

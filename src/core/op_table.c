@@ -50,17 +50,23 @@ static pthread_mutex_t add_lock = PTHREAD_MUTEX_INITIALIZER;
 
 int kiln__op_total(void) { return atomic_load_explicit(&n_total, memory_order_acquire); }
 
+int kiln__op_by_name(const char *name)
+{
+    for (int i = 0, n = kiln__op_total(); name && i < n; i++)
+        if (!strcmp(kiln__ops[i].name, name)) return i;
+    return -1;
+}
+
 kiln_status kiln__op_add(const kiln__op_def *row, kiln__kernel_fn kernel, const char *const *devices, int n_devices,
                          int *id)
 {
     if (n_devices > 8) return kiln__err(KILN_ERR_ARG, "op %s: kernels for %d backends, at most 8", row->name, n_devices);
     pthread_mutex_lock(&add_lock);
-    int n = atomic_load(&n_total);
+    int n = atomic_load(&n_total), taken = kiln__op_by_name(row->name);
     kiln_status s = KILN_OK;
-    for (int i = 0; s == KILN_OK && i < n; i++)
-        if (!strcmp(kiln__ops[i].name, row->name))
-            s = kiln__err(KILN_ERR_ARG, "op %s: %s op has that name already; choose another", row->name,
-                          i < KILN_OP_COUNT ? "a built-in" : "a custom");
+    if (taken >= 0)
+        s = kiln__err(KILN_ERR_ARG, "op %s: %s op has that name already; choose another", row->name,
+                      taken < KILN_OP_COUNT ? "a built-in" : "a custom");
     if (s == KILN_OK && n == KILN__OP_MAX)
         s = kiln__err(KILN_ERR_ARG, "op %s: %d custom ops are defined already, the most there can be", row->name,
                       KILN__CUSTOM_MAX);
@@ -85,8 +91,7 @@ kiln__kernel_fn kiln__be_kernel(const kiln__backend *be, int op)
     if (op < KILN_OP_COUNT) return op >= 0 ? be->kernels[op] : NULL;
     if (op >= kiln__op_total()) return NULL;
     const custom_kernels *c = &customs[op - KILN_OP_COUNT];
-    size_t len = strcspn(be->name, ":");
     for (int i = 0; i < c->n_devices; i++)
-        if (strlen(c->devices[i]) == len && !strncmp(c->devices[i], be->name, len)) return c->kernel;
+        if (kiln__backend_is(be, c->devices[i])) return c->kernel;
     return NULL;
 }

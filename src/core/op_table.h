@@ -74,6 +74,8 @@ extern kiln__op_def kiln__ops[KILN__OP_MAX];
 /* The ops there are: the built-in ones and those defined so far. */
 int kiln__op_total(void);
 static inline bool kiln__op_is_custom(int op) { return op >= KILN_OP_COUNT; }
+/* The id of the op named name, built-in or defined so far; -1 when there is none. */
+int kiln__op_by_name(const char *name);
 /* Adds row as a new op, its name not taken by any other: its id in *id. kernel runs it
  * on the backends named in devices[0..n_devices) (a backend's name up to its ':': every
  * opencl device for "opencl"). Serialized; an op's row is complete before its id is

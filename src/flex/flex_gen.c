@@ -898,7 +898,7 @@ static kiln_status fwd_kernel_dev(const kiln_op_args *x)
     while (slot < 4 && e->cl[slot].be && e->cl[slot].be != be) slot++;
     if (slot == 4) s = kiln_error(KILN_ERR_UNSUPPORTED, "flex_attention: built for 4 OpenCL devices already");
     else if (!e->cl[slot].be) {
-        char *src = kiln__flex_device_source(e->tmpl, !strncmp(be->name, "cuda", 4));
+        char *src = kiln__flex_device_source(e->tmpl, kiln__backend_is(be, "cuda"));
         void *kn = NULL;
         s = src ? kiln__be_compile_kernel(be, src, "flex_fwd_dev", &kn) : kiln_error(KILN_ERR_OOM, "flex: out of memory");
         free(src);
@@ -1064,7 +1064,7 @@ kiln_status kiln__flex_fused(const kiln_flex_t *f, const kiln_block_mask_t *bm, 
                                                                           kiln_tensor_requires_grad(k) ||
                                                                           kiln_tensor_requires_grad(v));
     /* OpenCL and CUDA: the forward without gradients, f32, rows of up to 256 */
-    bool cl = !cpu && (!strncmp(be->name, "opencl", 6) || !strncmp(be->name, "cuda", 4)) && !grads &&
+    bool cl = !cpu && (kiln__backend_is(be, "opencl") || kiln__backend_is(be, "cuda")) && !grads &&
               q->dtype == KILN_DTYPE_F32 && q->shape[3] <= 256;
     /* and with no captured tensor unless the block mask is given: counting a mask that
      * reads the device's tensors would read them back to the host */

@@ -46,14 +46,14 @@ kiln_status kiln_op_set_amp_policy(const char *op, kiln_amp_policy p)
 {
     if (p != KILN_AMP_ANY && p != KILN_AMP_LOW && p != KILN_AMP_F32)
         return kiln__err(KILN_ERR_ARG, "op_set_amp_policy: %d is not a policy (KILN_AMP_ANY, _LOW or _F32)", (int)p);
-    for (int i = 0; op && i < kiln__op_total(); i++)
-        if (!strcmp(kiln__ops[i].name, op)) {
-            if (p != KILN_AMP_ANY && !castable(i))
-                return kiln__err(KILN_ERR_ARG, "op_set_amp_policy: %s %s; autocast leaves it as it is", op,
-                                 i == KILN_OP_CAST ? "is the cast autocast makes" : "writes or aliases its inputs");
-            override[i] = (unsigned char)(p + 1);
-            return KILN_OK;
-        }
+    int i = kiln__op_by_name(op);
+    if (i >= 0) {
+        if (p != KILN_AMP_ANY && !castable(i))
+            return kiln__err(KILN_ERR_ARG, "op_set_amp_policy: %s %s; autocast leaves it as it is", op,
+                             i == KILN_OP_CAST ? "is the cast autocast makes" : "writes or aliases its inputs");
+        override[i] = (unsigned char)(p + 1);
+        return KILN_OK;
+    }
     return kiln__err(KILN_ERR_ARG, "op_set_amp_policy: no op is named '%s' (kiln doctor --ops lists them)",
                      op ? op : "(null)");
 }

@@ -122,13 +122,6 @@ static kiln_status infer_custom(kiln_tensor_t *const *in, int n_in, const kiln__
     return KILN_OK;
 }
 
-/* Whether backend be is of the kernel's device: its name up to a ':' ("opencl:1"). */
-static bool serves(const kernel *k, const kiln__backend *be)
-{
-    size_t len = strcspn(be->name, ":");
-    return strlen(k->device) == len && !strncmp(k->device, be->name, len);
-}
-
 /* k's source built on be, once (the built kernel kept for the process). */
 static kiln_status built_on(custom *c, kernel *k, kiln__backend *be, void **out)
 {
@@ -201,7 +194,7 @@ static kiln_status custom_kernel(KILN__KERNEL_ARGS)
     custom *c = of(a->op.custom.op);
     kernel *k = NULL;
     for (int i = 0; c && !k && i < c->d.n_kernels; i++)
-        if (serves(&c->kernels[i], be)) k = &c->kernels[i];
+        if (kiln__backend_is(be, c->kernels[i].device)) k = &c->kernels[i];
     if (!k) return kiln__err(KILN_ERR_INTERNAL, "custom op: no kernel for %s", be->name);
     /* dense[i]: input i itself when it is contiguous and of the output's shape (or the op
      * broadcasts nothing), else a dense copy of its view made here (owned[i]) */
@@ -479,7 +472,7 @@ static kiln_status build_now(custom *c)
         for (int b = 0; s == KILN_OK && c->kernels[i].source && b < kiln__backend_count(); b++) {
             kiln__backend *be = kiln__backend_at(b);
             void *kn;
-            if (be && serves(&c->kernels[i], be) && kiln__be_can_compile(be))
+            if (be && kiln__backend_is(be, c->kernels[i].device) && kiln__be_can_compile(be))
                 s = built_on(c, &c->kernels[i], be, &kn);
         }
     return s;
@@ -546,12 +539,7 @@ kiln_status kiln_op_define(const kiln_op_decl *d, int *id)
     return s;
 }
 
-int kiln_op_find(const char *name)
-{
-    for (int i = 0; name && i < kiln__op_total(); i++)
-        if (!strcmp(kiln__ops[i].name, name)) return i;
-    return -1;
-}
+int kiln_op_find(const char *name) { return kiln__op_by_name(name); }
 
 kiln_status kiln_op_run(int id, kiln_tensor_t *const *in, int n_in, const kiln_op_value *attr, int n_attr,
                         kiln_tensor_t **out)
