@@ -24,6 +24,7 @@
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
+#include "core/cache.h" /* kiln__make_dirs, the kernel cache's own mkdir -p */
 #include "cli.h"
 #include "kiln/dist.h"
 #include "kiln/ext.h"
@@ -462,20 +463,6 @@ static void check_cpu(report *rep)
     else held(w, "threads-cores");
 }
 
-/* mkdir -p; 0 or -1 with errno. */
-static int make_dirs(const char *path)
-{
-    char tmp[1024];
-    snprintf(tmp, sizeof tmp, "%s", path);
-    for (char *p = tmp + 1; *p; p++)
-        if (*p == '/') {
-            *p = 0;
-            if (mkdir(tmp, 0755) != 0 && errno != EEXIST) return -1;
-            *p = '/';
-        }
-    return mkdir(tmp, 0755) != 0 && errno != EEXIST ? -1 : 0;
-}
-
 static long long du_bytes, du_files; /* nftw's callback takes no context */
 static int du_one(const char *path, const struct stat *st, int type, struct FTW *ftw)
 {
@@ -492,7 +479,7 @@ static void check_cache(report *rep)
     bool existed = stat(dir, &st) == 0 && S_ISDIR(st.st_mode);
     const char *why = NULL;
     int err = 0;
-    if (!existed && make_dirs(dir) != 0) why = "cannot be made", err = errno;
+    if (!existed && kiln__make_dirs(dir) != 0) why = "cannot be made", err = errno;
     if (!why) {
         snprintf(probe, sizeof probe, "%s/.kiln-doctor-XXXXXX", dir);
         int fd = mkstemp(probe);
