@@ -12,6 +12,7 @@
 #include "kiln/nn.h"
 #include "kiln/optim.h"
 #include "nn/gpt_impl.h"
+#include "nn/names.h"
 
 
 typedef struct {
@@ -63,9 +64,10 @@ int kiln_gpt_ffn_hidden(const kiln_gpt_config *c)
 
 /* The attention variant of config c as flex modifiers (kiln/flex.h): its presets, a
  * doc:EOT part made the preset doc over the document ids of idx (B, T) (a document ends
- * at each EOT token; idx NULL: a placeholder, to check the spec), causal added unless a
- * window or prefix part says how the model is causal. */
-static kiln_status model_flex(const kiln_gpt_config *c, kiln_tensor_t *idx, kiln_flex_t **out)
+ * at each EOT token; idx NULL: a placeholder, to check the spec; keep_doc false: the
+ * part left out, checked only), causal added unless a window or prefix part says how the
+ * model is causal. */
+static kiln_status model_flex(const kiln_gpt_config *c, kiln_tensor_t *idx, bool keep_doc, kiln_flex_t **out)
 {
     char spec[160] = "";
     bool causal = false, doc = false;
@@ -88,6 +90,7 @@ static kiln_status model_flex(const kiln_gpt_config *c, kiln_tensor_t *idx, kiln
         p += n + (p[n] == '+');
     }
     if (!causal) snprintf(spec + strlen(spec), sizeof spec - strlen(spec), "%scausal", *spec ? "+" : "");
+    doc &= keep_doc;
     if (doc) strncat(spec, "+doc", sizeof spec - strlen(spec) - 1);
     kiln_flex_inputs in = {.heads = c->n_head};
     kiln_tensor_t *ids = NULL;
@@ -143,7 +146,7 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
     NEED(memchr(c->attention, 0, sizeof c->attention), "attention: not a string of under 64 characters");
     if (c->attention[0]) { /* the spec builds */
         kiln_flex_t *f = NULL;
-        kiln_status fs = model_flex(c, NULL, &f);
+        kiln_status fs = model_flex(c, NULL, true, &f);
         kiln_flex_free(f);
         if (fs != KILN_OK) return fs;
     }
@@ -502,10 +505,10 @@ struct pass {
     kiln_tensor_t *(*pk)[PK_N]; /* packed weights per layer (kiln_matmul_rows_packed), or NULL: kiln_linear */
     double p;                   /* dropout on the attention and MLP outputs, in training */
     bool train;
-    /* full causal attention: positions pos0.. of B sequences of T, and the cache if any;
-     * the tokens (for document masking) */
+    /* full causal attention: positions pos0.. of B sequences of T, the cache if any, and
+     * a flex variant's modifiers (NULL: kiln_attention) */
     int64_t B, T, pos0;
-    kiln_tensor_t *idx;
+    const kiln_flex_t *flex;
     kiln_kv_cache_t *cache;
     /* paged attention: the pool, and the rows' positions, slots, (seq, pos) and block table */
     kiln_kv_pool_t *pool;
@@ -552,19 +555,6 @@ static kiln_tensor_t *block(const pass *ps, int i, kiln_tensor_t *x)
     return kiln_add(x, kiln_dropout(mo, ps->p, ps->train));
 }
 
-/* spec less its doc:EOT part. */
-static void model_spec_without_doc(char *spec, size_t n)
-{
-    char out[64] = "";
-    for (const char *p = spec; *p;) {
-        size_t k = strcspn(p, "+");
-        if (strncmp(p, "doc", 3))
-            snprintf(out + strlen(out), sizeof out - strlen(out), "%s%.*s", *out ? "+" : "", (int)k, p);
-        p += k + (p[k] == '+');
-    }
-    snprintf(spec, n, "%s", out);
-}
-
 /* Causal attention over B sequences of T new positions from pos0; with a cache, keys and
  * values are appended to it and attention sees all cached positions. */
 static kiln_tensor_t *attend_full(const pass *ps, int i, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v)
@@ -585,18 +575,7 @@ static kiln_tensor_t *attend_full(const pass *ps, int i, kiln_tensor_t *q, kiln_
         k = kiln_narrow(cache->k[i], 2, 0, pos0 + T);
         v = kiln_narrow(cache->v[i], 2, 0, pos0 + T);
     }
-    kiln_tensor_t *y;
-    if (c->attention[0] && strcmp(c->attention, "causal")) { /* a flex variant (kiln/flex.h) */
-        kiln_gpt_config one = *c;
-        if (cache || pos0) /* document ids are known only for the tokens of this call */
-            model_spec_without_doc(one.attention, sizeof one.attention);
-        kiln_flex_t *f = NULL;
-        if (model_flex(&one, ps->idx, &f) != KILN_OK) return NULL;
-        y = kiln_flex_attention(q, k, v, f, NULL, 0, NULL);
-        kiln_flex_free(f);
-    } else {
-        y = kiln_attention(q, k, v, true, 0.0);
-    }
+    kiln_tensor_t *y = ps->flex ? kiln_flex_attention(q, k, v, ps->flex, NULL, 0, NULL) : kiln_attention(q, k, v, true, 0.0);
     int64_t bt[3] = {B, T, C};
     return kiln_reshape(kiln_transpose(y, 1, 2), bt, 3);
 }
@@ -607,11 +586,17 @@ static kiln_tensor_t *run(kiln_gpt_t *m, kiln_tensor_t *idx, int64_t pos0, kiln_
     const kiln_gpt_config *c = &m->cfg;
     int64_t T = kiln_tensor_dim(idx, 1);
     pass ps = {.attend = attend_full, .m = m, .p = train ? c->dropout : 0.0, .train = train,
-               .B = kiln_tensor_dim(idx, 0), .T = T, .pos0 = pos0, .cache = cache, .idx = idx};
+               .B = kiln_tensor_dim(idx, 0), .T = T, .pos0 = pos0, .cache = cache};
+    /* a flex variant's modifiers, once for every layer; document ids are known only for
+     * the tokens of this call, so with a cache the doc part is left out */
+    kiln_flex_t *flex = NULL;
+    if (kiln__gpt_has_variant(c) && model_flex(c, idx, !cache && !pos0, &flex) != KILN_OK) return NULL;
+    ps.flex = flex;
     kiln_tensor_t *x = kiln_embedding(m->tok_emb, idx);
     if (c->pos == KILN_POS_LEARNED) x = kiln_add(x, kiln_narrow(m->pos_emb, 0, pos0, T));
-    for (int i = 0; i < c->n_layer; i++)
-        if (!(x = block(&ps, i, x))) return NULL;
+    for (int i = 0; x && i < c->n_layer; i++) x = block(&ps, i, x);
+    kiln_flex_free(flex);
+    if (!x) return NULL;
     x = norm(m, x, m->nfw, m->nfb);
     return kiln_linear(x, c->tied ? m->tok_emb : m->lm_head, NULL);
 }
@@ -942,7 +927,7 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
 {
     const kiln_gpt_config *c = &m->cfg;
     int64_t N = b->n_tokens, bl = p->block_len;
-    if (c->attention[0] && strcmp(c->attention, "causal")) {
+    if (kiln__gpt_has_variant(c)) {
         kiln_error(KILN_ERR_UNSUPPORTED, "gpt: the paged serving path runs causal attention only; this model's is '%s' "
                    "(kiln sample runs it, with its KV cache)", c->attention);
         return NULL;

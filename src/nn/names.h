@@ -31,6 +31,13 @@ typedef enum { KILN__FAMILY_NONE, KILN__FAMILY_LLAMA, KILN__FAMILY_GPT2 } kiln__
 
 /* LLaMA: rmsnorm, rope, swiglu (with or without biases); GPT-2: layernorm, learned
  * positions, gelu, biases, as many key heads as query heads; else none. */
+/* Whether the config's attention is a flex variant (not "" or "causal"), which the
+ * paged serving path and the exports refuse. */
+static inline bool kiln__gpt_has_variant(const kiln_gpt_config *c)
+{
+    return c->attention[0] && strcmp(c->attention, "causal") != 0;
+}
+
 static inline kiln__family kiln__family_of(const kiln_gpt_config *c)
 {
     if (c->norm == KILN_NORM_RMSNORM && c->pos == KILN_POS_ROPE && c->mlp == KILN_MLP_SWIGLU) return KILN__FAMILY_LLAMA;
