@@ -181,11 +181,6 @@ void kiln_flex_free(kiln_flex_t *f)
     free(f);
 }
 
-static bool is_float_dtype(kiln_dtype dt)
-{
-    return dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_F64 || dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16;
-}
-
 /* Node i's type by the language's rules (0 bool, 1 integer, 2 float); the reads of
  * captured tensors checked against them on the way: as many indices as dims, none a
  * float. */
@@ -211,8 +206,7 @@ static int type_of(const kiln_flex_t *f, const parser *ps, int i, kiln_status *s
         for (int j = 0; j < a->n_arg && *s == KILN_OK; j++)
             if (t[j] == 2)
                 *s = kiln_error(KILN_ERR_ARG, "flex %s \"%s\": an index of c%d is a float", ps->what, ps->text, a->op);
-        kiln_dtype dt = kiln_tensor_dtype(c);
-        return dt == KILN_DTYPE_BOOL ? 0 : is_float_dtype(dt) ? 2 : 1;
+        return kiln__flex_elem_type(kiln_tensor_dtype(c));
     }
     case A_BIN:
         if (a->op >= B_LT) return 0; /* comparisons, && and || */
@@ -428,7 +422,7 @@ kiln_status kiln_flex_preset(const char *spec, const kiln_flex_inputs *in, kiln_
 
 /* ---- evaluation with kiln's ops, over broadcast index tensors ---- */
 
-typedef enum { T_BOOL, T_INT, T_FLOAT } vtype;
+typedef enum { T_BOOL, T_INT, T_FLOAT } vtype; /* as kiln__flex_elem_type numbers them */
 typedef struct {
     kiln_tensor_t *t;
     vtype type;
@@ -514,10 +508,7 @@ static val eval(const env *e, int i)
         kiln_tensor_t *picked = kiln_index_select(flat, 0, kiln_reshape(kiln_contiguous(lin), &ln, 1));
         kiln_tensor_t *y = picked ? kiln_reshape(picked, ls, lnd) : NULL;
         kiln_dtype dt = kiln_tensor_dtype(c);
-        vtype t = dt == KILN_DTYPE_BOOL ? T_BOOL : dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_F64 ||
-                                                           dt == KILN_DTYPE_BF16 || dt == KILN_DTYPE_F16
-                                                       ? T_FLOAT
-                                                       : T_INT;
+        vtype t = (vtype)kiln__flex_elem_type(dt);
         if (y && t == T_FLOAT && dt != e->F) y = kiln_cast(y, e->F);
         if (y && t == T_INT && dt != KILN_DTYPE_I64) y = kiln_cast(y, KILN_DTYPE_I64);
         return (val){y, t};

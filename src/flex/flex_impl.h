@@ -37,6 +37,12 @@ typedef struct {
     kiln_status err;
 } parser;
 
+/* The language's type of a captured tensor's elements: 0 bool, 1 integer, 2 float. */
+static inline int kiln__flex_elem_type(kiln_dtype dt)
+{
+    return dt == KILN_DTYPE_BOOL ? 0 : kiln_dtype_is_float(dt) ? 2 : 1;
+}
+
 struct kiln_flex {
     char *score, *mask; /* "" when absent */
     parser *ps[2];      /* their trees (NULL when absent) */
