@@ -486,6 +486,54 @@ static void cuda_source_compiles_with_nvrtc(void **state)
     }
 }
 
+/* Captured tensors of any dtype give what their values in f64 give: ALiBi slopes in
+ * bf16 and f16 (0.5 ... 0.0625, exact in both) and document ids in i32 against the same
+ * in f64 and i64 (1e-6); and a captured tensor of three dims reads where the dense path
+ * reads. */
+static void captured_dtypes_read_as_their_values(void **state)
+{
+    int64_t qs[4] = {2, 4, 12, 8}, ks[4] = {2, 2, 12, 8}, H = 4, ds[2] = {2, 12};
+    kiln_manual_seed(31);
+    kiln_tensor_t *q = kiln_randn(qs, 4, KILN_DTYPE_F32), *k = kiln_randn(ks, 4, KILN_DTYPE_F32),
+                  *v = kiln_randn(ks, 4, KILN_DTYPE_F32);
+    kiln_tensor_t *s64 = kiln_from_data(slopes, &H, 1, KILN_DTYPE_F64), *d64 = kiln_from_data(docs, ds, 2, KILN_DTYPE_I64);
+    kiln_flex_t *f;
+    assert_int_equal(kiln_flex_preset("alibi+doc+causal", &(kiln_flex_inputs){.alibi_slopes = s64, .doc_ids = d64}, &f),
+                     KILN_OK);
+    double *want = host(kiln_flex_attention(q, k, v, f, NULL, 0, NULL));
+    kiln_flex_free(f);
+    static const kiln_dtype sd[2] = {KILN_DTYPE_BF16, KILN_DTYPE_F16};
+    for (int i = 0; i < 2; i++) {
+        kiln_flex_inputs in = {.alibi_slopes = kiln_cast(s64, sd[i]), .doc_ids = kiln_cast(d64, KILN_DTYPE_I32)};
+        assert_int_equal(kiln_flex_preset("alibi+doc+causal", &in, &f), KILN_OK);
+        kiln_tensor_t *y = kiln_flex_attention(q, k, v, f, NULL, 0, NULL);
+        if (!y) fail_msg("%s slopes: %s", kiln_dtype_name(sd[i]), kiln_last_error());
+        double *got = host(y);
+        for (int64_t j = 0; j < kiln_tensor_numel(y); j++)
+            if (fabs(got[j] - want[j]) > 1e-6)
+                fail_msg("%s slopes, i32 ids: [%lld] %g vs %g", kiln_dtype_name(sd[i]), (long long)j, got[j], want[j]);
+        free(got);
+        kiln_flex_free(f);
+    }
+    free(want);
+    /* a captured tensor of three dims (a bias per row, head and key), read at three
+     * indices: the fused kernel against the dense path (the tensor tracked), 1e-6 */
+    int64_t bs[3] = {2, 4, 12};
+    kiln_tensor_t *bias = kiln_randn(bs, 3, KILN_DTYPE_F32), *tracked = kiln_detach(bias);
+    kiln_tensor_set_requires_grad(tracked, true);
+    double *y[2];
+    for (int dense = 0; dense < 2; dense++) {
+        assert_int_equal(kiln_flex_new("score + c0[b, h, kv_idx]", "kv_idx <= q_idx", dense ? &tracked : &bias, 1, &f),
+                         KILN_OK);
+        y[dense] = host(kiln_flex_attention(q, k, v, f, NULL, 0, NULL));
+        kiln_flex_free(f);
+    }
+    for (int64_t j = 0; j < 2 * 4 * 12 * 8; j++)
+        if (fabs(y[0][j] - y[1][j]) > 1e-6) fail_msg("3-D captured: [%lld] %g vs dense %g", (long long)j, y[0][j], y[1][j]);
+    free(y[0]);
+    free(y[1]);
+}
+
 static void expect_error(const char *score, const char *mask, int n_cap, const char *want)
 {
     int64_t n = 4;
@@ -544,6 +592,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(block_masks_classify_blocks, setup, teardown),
         cmocka_unit_test_setup_teardown(compiled_and_replayed_match_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(cuda_source_compiles_with_nvrtc, setup, teardown),
+        cmocka_unit_test_setup_teardown(captured_dtypes_read_as_their_values, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_modifiers_are_clear_errors, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

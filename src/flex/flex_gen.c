@@ -18,6 +18,7 @@
 #include <string.h>
 #include "compile/compile_impl.h"
 #include "core/cache.h"
+#include "core/dtype.h"
 #include "core/intercept.h"
 #include "core/opts.h"
 #include "core/threadpool.h"
@@ -182,17 +183,23 @@ static gtype emit(const gen *g, int i, sbuf *b)
     }
     case A_CAP: { /* the captured tensor's element at the row-major index, each index checked */
         kiln_dtype dt = kiln_tensor_dtype(g->f->cap[a->op]);
+        bool half = kiln__is_half(dt);
         const char *raw = dt == KILN_DTYPE_F32 ? "float" : dt == KILN_DTYPE_F64 ? "double" : dt == KILN_DTYPE_I64 ? "int64_t"
-                        : dt == KILN_DTYPE_I32 ? "int32_t" : "uint8_t";
-        gtype t = dt == KILN_DTYPE_F32 || dt == KILN_DTYPE_F64 ? G_FLOAT : dt == KILN_DTYPE_BOOL ? G_BOOL : G_INT;
-        put(b, "((%s)((%sconst %s *)a->cap[%d])[", ct(g, t), g->cl ? "GLOBAL " : "", raw, a->op);
+                        : dt == KILN_DTYPE_I32 ? "int32_t" : half ? "uint16_t" : "uint8_t";
+        gtype t = (gtype)kiln__flex_elem_type(dt);
+        /* a 16-bit float widened from its bits, as the generated kernels load them */
+        put(b, "((%s)%s((%sconst %s *)a->cap[%d])[", ct(g, t),
+            half ? (dt == KILN_DTYPE_BF16 ? "km_from_bf16(" : "km_from_f16(") : "", g->cl ? "GLOBAL " : "", raw, a->op);
+        /* ((i0 * d1 + i1) * d2 + i2) ... */
+        for (int d = 1; d < a->n_arg; d++) put(b, "(");
         for (int d = 0; d < a->n_arg; d++) {
             if (d) put(b, " * a->cap_dim[%d][%d] + ", a->op, d);
             put(b, "flex_at(");
             emit_as(g, a->arg[d], G_INT, b);
             put(b, ", a->cap_dim[%d][%d], a->bad, %d)", a->op, d, a->op + 1);
+            if (d) put(b, ")");
         }
-        put(b, "])");
+        put(b, half ? "]))" : "])");
         return t;
     }
     case A_BIN:
