@@ -131,22 +131,6 @@ static bool current(const job *j)
     return same && up_to_date(j->obj, j->src, j->dep, *j->lang->depfile != 0);
 }
 
-/* Writes text to path through a file of this process renamed into place: a reader (or
- * another build) sees the whole file or the one before. */
-static bool put_atomic(const char *path, const char *text)
-{
-    char tmp[4400];
-    snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
-    FILE *f = fopen(tmp, "w");
-    bool ok = f && fputs(text, f) >= 0;
-    if (f && fclose(f) != 0) ok = false;
-    if (!ok || rename(tmp, path) != 0) {
-        remove(tmp);
-        return false;
-    }
-    return true;
-}
-
 /* Starts cmd through the shell, its output into log; the child's pid, or -1. */
 static pid_t start(const char *cmd, const char *log)
 {
@@ -268,7 +252,7 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
         if (!*j->lang->command) { /* its backend builds it when it is loaded */
             snprintf(j->obj, sizeof j->obj, "%s/%s", out_dir, base);
             char *text = read_log(sources[i]);
-            s = text ? (put_atomic(j->obj, text) ? KILN_OK
+            s = text ? (kiln__write_whole(j->obj, text, strlen(text)) ? KILN_OK
                                                  : kiln_error(KILN_ERR_IO, "%s: cannot write %s: %s", sources[i],
                                                               j->obj, strerror(errno)))
                      : kiln_error(KILN_ERR_IO, "%s: cannot read it: %s", sources[i], strerror(errno));
@@ -329,7 +313,8 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
             s = kiln_error(KILN_ERR_IO, "%s: cannot put its object in place at %s: %s", j->src, j->obj, strerror(errno));
         snprintf(stamp, sizeof stamp, "%s.stamp", j->obj);
         snprintf(hex, sizeof hex, "%016llx\n", (unsigned long long)j->hash);
-        if (s == KILN_OK) put_atomic(stamp, hex); /* without it the next build compiles again: no harm */
+        /* without the stamp the next build compiles again: no harm */
+        if (s == KILN_OK) kiln__write_whole(stamp, hex, strlen(hex));
         if (s == KILN_OK && rebuilt) (*rebuilt)++;
         remove(j->tmp);
         remove(tmp_dep);
@@ -350,7 +335,7 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
         if (st != 0) s = failed("the module's link", link, st, log);
         else if (rename(tmp_mod, mod) != 0)
             s = kiln_error(KILN_ERR_IO, "ext_build: cannot put the module in place at %s: %s", mod, strerror(errno));
-        else put_atomic(mod_stamp, link_hex);
+        else kiln__write_whole(mod_stamp, link_hex, strlen(link_hex));
         remove(tmp_mod);
         free(log);
     }

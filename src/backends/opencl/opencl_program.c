@@ -28,18 +28,6 @@ static uint64_t source_hash(const cl_dev *d, const char *src)
     return kiln__fnv(h, KILN_VERSION, strlen(KILN_VERSION));
 }
 
-/* Writes n bytes to path through a temporary name, so a reader sees all or nothing. */
-static void write_whole(const char *path, const void *p, size_t n)
-{
-    char tmp[1100];
-    snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
-    FILE *f = fopen(tmp, "wb");
-    if (!f) return;
-    bool ok = fwrite(p, 1, n, f) == n;
-    ok &= fclose(f) == 0;
-    if (!ok || rename(tmp, path) != 0) remove(tmp);
-}
-
 /* The program built from src: from this process's table, the cache's binary, or built
  * now (its binary then saved). */
 static kiln_status get_program(cl_dev *d, const char *src, const char *entry, cl_program *out)
@@ -81,12 +69,12 @@ static kiln_status get_program(cl_dev *d, const char *src, const char *entry, cl
             char sp[1100], lp[1100];
             snprintf(sp, sizeof sp, "%s/%016llx.cl", dir, (unsigned long long)h);
             snprintf(lp, sizeof lp, "%s/%016llx.log", dir, (unsigned long long)h);
-            write_whole(sp, src, strlen(src));
+            (void)kiln__write_whole(sp, src, strlen(src));
             size_t ln = 0;
             clGetProgramBuildInfo(p, d->dev, CL_PROGRAM_BUILD_LOG, 0, NULL, &ln);
             char *log = malloc(ln + 1);
             if (log && clGetProgramBuildInfo(p, d->dev, CL_PROGRAM_BUILD_LOG, ln, log, NULL) == CL_SUCCESS)
-                write_whole(lp, log, strlen(log));
+                (void)kiln__write_whole(lp, log, strlen(log));
             free(log);
             clReleaseProgram(p);
             return kiln__err(KILN_ERR_COMPILE, "%s: the OpenCL compiler failed on kernel %s (error %d); source kept at "
@@ -96,7 +84,7 @@ static kiln_status get_program(cl_dev *d, const char *src, const char *entry, cl
         if (clGetProgramInfo(p, CL_PROGRAM_BINARY_SIZES, sizeof bn, &bn, NULL) == CL_SUCCESS && bn > 0) {
             unsigned char *bin = malloc(bn);
             if (bin && clGetProgramInfo(p, CL_PROGRAM_BINARIES, sizeof bin, &bin, NULL) == CL_SUCCESS)
-                write_whole(path, bin, bn);
+                (void)kiln__write_whole(path, bin, bn);
             free(bin);
         }
     }
