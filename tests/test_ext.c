@@ -399,16 +399,8 @@ static kiln_tensor_t *randn(const int64_t *shape, int nd, uint64_t seed)
 
 static void assert_close(kiln_tensor_t *a, kiln_tensor_t *b, double tol, const char *what)
 {
-    if (!a || !b) fail_msg("%s: %s", what, kiln_last_error());
-    int64_t n = kiln_tensor_numel(a);
-    assert_int_equal(n, kiln_tensor_numel(b));
-    float *x = malloc(sizeof(float) * (size_t)n), *y = malloc(sizeof(float) * (size_t)n);
-    assert_int_equal(kiln_tensor_to_host(a, x, sizeof(float) * (size_t)n), KILN_OK);
-    assert_int_equal(kiln_tensor_to_host(b, y, sizeof(float) * (size_t)n), KILN_OK);
-    for (int64_t i = 0; i < n; i++)
-        if (fabs(x[i] - y[i]) > tol * (1 + fabs(y[i]))) fail_msg("%s: element %lld: %g vs %g", what, (long long)i, x[i], y[i]);
-    free(x);
-    free(y);
+    char why[256];
+    if (!test_close(a, b, tol, why, sizeof why)) fail_msg("%s: %s", what, why);
 }
 
 /* A two-block residual model: each block h, y = norm(h + d), d = y W. With the

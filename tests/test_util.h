@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <string.h>
 #include <unistd.h>
+#include "kiln/ops.h"
 #include "kiln/tensor.h"
 
 /* Whether the switch KILN_OPT_<name> is on in this process. */
@@ -31,6 +32,36 @@ static inline int teardown(void **state)
     kiln_scope_end();
     return 0;
 }
+/* Whether tensors a and b (any float dtype, any device) hold as many elements, each
+ * within tol relative to b's (|x - y| <= tol (1 + |y|)), read as f64; else what differs
+ * in why (n bytes). */
+static inline bool test_close(kiln_tensor_t *a, kiln_tensor_t *b, double tol, char *why, size_t n)
+{
+    if (!a || !b) {
+        snprintf(why, n, "no tensor: %s", kiln_last_error());
+        return false;
+    }
+    int64_t na = kiln_tensor_numel(a), nb = kiln_tensor_numel(b);
+    if (na != nb) {
+        snprintf(why, n, "%lld elements vs %lld", (long long)na, (long long)nb);
+        return false;
+    }
+    double *x = malloc(sizeof(double) * (size_t)(na ? na : 1)), *y = malloc(sizeof(double) * (size_t)(na ? na : 1));
+    kiln_scope_begin(); /* the f64 copies */
+    bool ok = x && y && kiln_tensor_to_host(kiln_cast(a, KILN_DTYPE_F64), x, sizeof(double) * (size_t)na) == KILN_OK &&
+              kiln_tensor_to_host(kiln_cast(b, KILN_DTYPE_F64), y, sizeof(double) * (size_t)na) == KILN_OK;
+    kiln_scope_end();
+    if (!ok) snprintf(why, n, "cannot read them: %s", kiln_last_error());
+    for (int64_t i = 0; ok && i < na; i++)
+        if (fabs(x[i] - y[i]) > tol * (1 + fabs(y[i]))) {
+            snprintf(why, n, "element %lld: %g vs %g", (long long)i, x[i], y[i]);
+            ok = false;
+        }
+    free(x);
+    free(y);
+    return ok;
+}
+
 /* Reads up to n - 1 bytes of the file at path into buf, NUL-terminated; false if the
  * file cannot be opened. */
 static inline bool test_read_text(const char *path, char *buf, size_t n)
