@@ -120,18 +120,13 @@ static kiln_engine_t *engine(kiln_gpt_t *m, int max_batch, int num_blocks, bool 
     return engine_kv(m, max_batch, num_blocks, prefix, KILN_DTYPE_F32);
 }
 
-/* Greedy tokens equal the argmax of the KV-cache decoding loop. */
-static void greedy_matches_the_kv_cache_loop(void **state)
+/* want[0..G): the argmax tokens of the KV-cache decoding loop after prompt p. */
+static void greedy_oracle(kiln_gpt_t *m, const int32_t *p, int P, int G, int *want)
 {
-    kiln_gpt_t *m = model();
-    enum { P = 21, G = 30 };
-    int32_t p[P];
-    prompt_of(p, P, 1);
-    int want[G];
     kiln_kv_cache_t *c;
     assert_int_equal(kiln_kv_cache_new(m, 1, &c), KILN_OK);
     int64_t shape[2] = {1, P};
-    kiln_tensor_t *lg = kiln_gpt_forward_cached(m, c, kiln_from_data(p, shape, 2, KILN_DTYPE_I32));
+    kiln_tensor_t *lg = kiln_gpt_forward_cached(m, c, kiln_from_data((void *)p, shape, 2, KILN_DTYPE_I32));
     for (int g = 0; g < G; g++) {
         int64_t T = kiln_tensor_dim(lg, 1);
         kiln_tensor_t *last = kiln_narrow(lg, 1, T - 1, 1);
@@ -146,6 +141,17 @@ static void greedy_matches_the_kv_cache_loop(void **state)
         lg = kiln_gpt_forward_cached(m, c, kiln_from_data(&t, s1, 2, KILN_DTYPE_I32));
     }
     kiln_kv_cache_free(c);
+}
+
+/* Greedy tokens equal the argmax of the KV-cache decoding loop. */
+static void greedy_matches_the_kv_cache_loop(void **state)
+{
+    kiln_gpt_t *m = model();
+    enum { P = 21, G = 30 };
+    int32_t p[P];
+    prompt_of(p, P, 1);
+    int want[G];
+    greedy_oracle(m, p, P, G, want);
 
     kiln_engine_t *e = engine(m, 4, 64, true);
     result r;
@@ -160,6 +166,64 @@ static void greedy_matches_the_kv_cache_loop(void **state)
     kiln_engine_free(e);
     result_destroy(&r);
     kiln_gpt_free(m);
+}
+
+/* A sliding-window model (window 12, soft-capped scores) holds at most live_max = 8
+ * blocks of 8 positions per request (the window plus a step's 40 tokens), reusing the
+ * blocks its window has passed: a request of 81 positions (11 blocks) runs in a cache
+ * of 9 blocks, which would refuse it without a window, and three such requests share a
+ * cache of 17, two at a time, the third waiting for memory. Every request's greedy
+ * tokens equal the KV-cache decoding loop's (kiln sample's path, whose window
+ * test_nn checks against the full forward), and every block is free at the end. */
+static void windowed_model_decodes_in_bounded_blocks(void **state)
+{
+    kiln_gpt_t *plain = model();
+    kiln_gpt_config c = *kiln_gpt_get_config(plain);
+    snprintf(c.attention, sizeof c.attention, "window:12+softcap:5");
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 11, &m), KILN_OK);
+    enum { P = 21, G = 60, N = 3 };
+    int32_t p[N][P];
+    int want[N][G];
+    for (int i = 0; i < N; i++) {
+        prompt_of(p[i], P, 4 + i);
+        greedy_oracle(m, p[i], P, G, want[i]);
+    }
+    for (int round = 0; round < 2; round++) {
+        int n = round ? N : 1;
+        kiln_engine_t *e = engine(m, 4, round ? 17 : 9, false);
+        result r[N];
+        uint64_t id;
+        for (int i = 0; i < n; i++) {
+            result_init(&r[i]);
+            kiln_gen_request q = request(p[i], P, G, 0.0, 0, &r[i]);
+            assert_int_equal(kiln_engine_submit(e, &q, &id), KILN_OK);
+        }
+        for (int i = 0; i < n; i++) {
+            wait_done(&r[i]);
+            assert_int_equal(r[i].finish, KILN_FINISH_LENGTH);
+            assert_int_equal(r[i].n, G);
+            assert_memory_equal(r[i].tokens, want[i], sizeof want[i]);
+            result_destroy(&r[i]);
+        }
+        kiln_engine_stats st;
+        kiln_engine_get_stats(e, &st);
+        assert_int_equal(st.kv_blocks_free, st.kv_blocks_total);
+        kiln_engine_free(e);
+    }
+    /* the same request without the window needs all 11 blocks: refused by 9 */
+    kiln_engine_t *e = engine(plain, 4, 9, false);
+    result r;
+    result_init(&r);
+    kiln_gen_request q = request(p[0], P, G, 0.0, 0, &r);
+    uint64_t id;
+    assert_int_equal(kiln_engine_submit(e, &q, &id), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "11 KV blocks"));
+    kiln_clear_error();
+    kiln_engine_free(e);
+    result_destroy(&r);
+    kiln_gpt_free(m);
+    kiln_gpt_free(plain);
 }
 
 /* A seeded, sampled request gives bitwise the same tokens and logprobs alone and
@@ -387,6 +451,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(greedy_matches_the_kv_cache_loop, setup, teardown),
+        cmocka_unit_test_setup_teardown(windowed_model_decodes_in_bounded_blocks, setup, teardown),
         cmocka_unit_test_setup_teardown(same_seed_same_tokens_alone_or_batched, setup, teardown),
         cmocka_unit_test_setup_teardown(prefix_cache_hits_give_the_same_tokens, setup, teardown),
         cmocka_unit_test_setup_teardown(cancel_and_stop_free_the_blocks, setup, teardown),

@@ -1,6 +1,7 @@
 /* The serving ops and the paged forward: rope_at, index_copy_, paged_attention and
  * kiln_gpt_forward_paged, each against an oracle that kiln already checks against
- * PyTorch (kiln_rope, kiln_attention, kiln_gpt_forward), plus batch invariance. */
+ * PyTorch (kiln_rope, kiln_attention, kiln_gpt_forward), plus batch invariance, and
+ * models with attention variants (window, softcap, alibi) against their full forward. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -211,6 +212,22 @@ static void paged_attention_case(int64_t D)
         assert_memory_equal(g1, got + t * H * D, sizeof(float) * (size_t)(H * D));
         free(g1);
     }
+    /* The zero variant is kiln_paged_attention bit for bit; a bad one is an error. */
+    kiln_paged_variant none = {0}, neg = {.window = -1}, nan_cap = {.softcap = NAN};
+    float *g0 = to_host(kiln_paged_attention_variant(kiln_from_data(qr, q3, 3, KILN_DTYPE_F32),
+                                                     kiln_from_data(kp, ps, 3, KILN_DTYPE_F32),
+                                                     kiln_from_data(vp, ps, 3, KILN_DTYPE_F32), bt, spt, bl, 0.0, &none));
+    assert_memory_equal(g0, got, sizeof(float) * (size_t)(T * H * D));
+    free(g0);
+    for (int i = 0; i < 2; i++) {
+        assert_null(kiln_paged_attention_variant(kiln_from_data(qr, q3, 3, KILN_DTYPE_F32),
+                                                 kiln_from_data(kp, ps, 3, KILN_DTYPE_F32),
+                                                 kiln_from_data(vp, ps, 3, KILN_DTYPE_F32), bt, spt, bl, 0.0,
+                                                 i ? &nan_cap : &neg));
+        assert_int_equal(kiln_last_status(), KILN_ERR_ARG);
+        assert_non_null(strstr(kiln_last_error(), i ? "softcap" : "window"));
+        kiln_clear_error();
+    }
     /* f16 and bf16 pages. Oracle: attention over the keys and values rounded to that
      * type and widened back, so only the kernel's f32 arithmetic is compared (1e-5). */
     for (int d = 0; d < 2; d++) {
@@ -337,6 +354,78 @@ static void paged_forward_matches_full_forward_llama(void **state)
     paged_forward_matches_full_forward(true, KILN_DTYPE_BF16, KILN_DTYPE_F32, 4 * 0x1p-8);
     paged_forward_matches_full_forward(true, KILN_DTYPE_F32, KILN_DTYPE_BF16, 4 * 0x1p-8);
     paged_forward_matches_full_forward(true, KILN_DTYPE_F32, KILN_DTYPE_F16, 4 * 0x1p-11);
+}
+
+/* Models with an attention variant through the paged path. Oracle: the training
+ * forward over the whole sequence, whose flex attention test_flex checks against a
+ * hand-written reference and PyTorch's flex_attention. The prompt is prefilled in a
+ * chunk of 9, then one token per step; after each step the block table entries of the
+ * blocks wholly behind the window are set to -1, which paged attention refuses if it
+ * reads them (what the serving engine relies on to reuse them). */
+static void paged_variant_case(bool llama, const char *attention, int64_t window)
+{
+    kiln_gpt_config c = tiny(llama);
+    snprintf(c.attention, sizeof c.attention, "%s", attention);
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 9, &m), KILN_OK);
+    assert_int_equal(kiln_gpt_kv_window(m), window);
+    enum { T = 20, BL = 4, MB = 5 };
+    int32_t toks[T];
+    for (int i = 0; i < T; i++) toks[i] = (i * 7 + 3) % c.vocab_size;
+    int64_t ts[2] = {1, T};
+    float *want = to_host(kiln_gpt_forward(m, kiln_from_data(toks, ts, 2, KILN_DTYPE_I32), NULL, false, NULL));
+    kiln_kv_pool_t *p;
+    assert_int_equal(kiln_kv_pool_new(m, 8, BL, KILN_DTYPE_F32, &p), KILN_OK);
+    int32_t table[MB] = {6, 2, 7, 0, 4};
+    float *got = malloc(sizeof(float) * (size_t)(T * c.vocab_size));
+    for (int t = 0; t < T;) {
+        int n = t == 0 ? 9 : 1;
+        int32_t ps[9], lr[9], sq[9] = {0};
+        for (int i = 0; i < n; i++) ps[i] = t + i, lr[i] = i;
+        kiln_paged_batch b = {n, toks + t, sq, ps, 1, MB, table, n, lr};
+        kiln_scope_begin();
+        kiln_tensor_t *lg = kiln_gpt_forward_paged(m, p, &b);
+        assert_non_null(lg);
+        float *h = to_host(lg);
+        kiln_scope_end();
+        memcpy(got + (size_t)t * c.vocab_size, h, sizeof(float) * (size_t)(n * c.vocab_size));
+        free(h);
+        t += n;
+        for (int j = 0; window && (j + 1) * BL <= t - window + 1; j++) table[j] = -1;
+    }
+    char what[96];
+    snprintf(what, sizeof what, "paged forward, attention %s (%s)", attention, llama ? "llama" : "gpt2");
+    assert_close(got, want, (int64_t)T * c.vocab_size, 2e-5, what);
+    if (window) assert_int_equal(table[0], -1); /* the test did free blocks */
+    free(got);
+    free(want);
+    kiln_kv_pool_free(p);
+    kiln_gpt_free(m);
+}
+
+static void paged_forward_runs_attention_variants(void **state)
+{
+    paged_variant_case(false, "window:5", 5);
+    paged_variant_case(true, "window:6", 6);
+    paged_variant_case(true, "window:7+softcap:3", 7);
+    paged_variant_case(false, "alibi+window:6+softcap:2", 6);
+    paged_variant_case(false, "softcap:2+alibi", 0);
+    paged_variant_case(true, "doc:5+window:8+window:5", 5); /* doc is left out, as with any KV cache */
+    /* prefix-LM: refused, naming why */
+    kiln_gpt_config c = tiny(false);
+    snprintf(c.attention, sizeof c.attention, "prefix:3");
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 9, &m), KILN_OK);
+    kiln_kv_pool_t *p;
+    assert_int_equal(kiln_kv_pool_new(m, 4, 4, KILN_DTYPE_F32, &p), KILN_OK);
+    int32_t tok[1] = {1}, zero[1] = {0}, table[4] = {0, 1, 2, 3};
+    kiln_paged_batch b = {1, tok, zero, zero, 1, 4, table, 1, zero};
+    assert_null(kiln_gpt_forward_paged(m, p, &b));
+    assert_int_equal(kiln_last_status(), KILN_ERR_UNSUPPORTED);
+    assert_non_null(strstr(kiln_last_error(), "prefix"));
+    kiln_clear_error();
+    kiln_kv_pool_free(p);
+    kiln_gpt_free(m);
 }
 
 /* One decode step of sequence 0 alone, then the same step batched with 1..5 others at
@@ -516,6 +605,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(paged_attention_matches_attention, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_gpt2, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_llama, setup, teardown),
+        cmocka_unit_test_setup_teardown(paged_forward_runs_attention_variants, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_is_batch_invariant, setup, teardown),
         cmocka_unit_test_setup_teardown(stored_16bit_weights_decode_as_packed, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_rejects_bad_batches, setup, teardown),

@@ -46,7 +46,8 @@ typedef struct {
      * alibi (the standard slopes of n_head heads), doc:EOT (document masking of packed
      * sequences, a document ending at each token EOT; in training, and with a KV cache
      * only within what the call is given); causal is added unless window or prefix
-     * says otherwise. Not for the paged serving path (refused there). */
+     * says otherwise. The paged serving path runs causal, window, softcap and alibi
+     * (doc left out, as with any KV cache) and refuses prefix. */
     char attention[64];
 } kiln_gpt_config;
 
@@ -193,11 +194,16 @@ typedef struct {
 } kiln_paged_batch;
 
 /* Writes the keys and values of the new tokens into their slots, then attends each
- * token to positions 0..pos of its sequence (earlier steps' and this step's), and
+ * token to positions 0..pos of its sequence (earlier steps' and this step's; those of
+ * the window, for a model whose attention variant has one: kiln_gpt_kv_window), and
  * returns logits (n_logits, V) f32, in the caller's scope like an op's result (the
  * step's intermediates too: run it inside a scope). Runs without grad. A row's logits do not depend on
  * the other rows in the batch (bitwise). */
 kiln_tensor_t *kiln_gpt_forward_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_paged_batch *b);
+/* The positions a new token of m attends to in the paged path, the newest included:
+ * its attention variant's window (0: every position). Blocks wholly before a
+ * sequence's window are never read, so a server may free them. */
+int64_t kiln_gpt_kv_window(const kiln_gpt_t *m);
 
 #ifdef __cplusplus
 }

@@ -184,6 +184,21 @@ kiln_tensor_t *kiln_rope_at_scaled(kiln_tensor_t *x, kiln_tensor_t *pos, double 
 kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, kiln_tensor_t *v_pages,
                                     kiln_tensor_t *block_table, kiln_tensor_t *seq_pos, int64_t block_len,
                                     double scale);
+/* The same with a model's attention variant, as the flex presets of kiln/flex.h define
+ * them: a row at position p sees positions max(0, p - window + 1)..p (window 0: all);
+ * its scores s (after the scale) become softcap tanh(s / softcap) (softcap 0: none); with
+ * alibi, head h adds slope_h (j - p), slope_h = 2^(-8 (h + 1) / H), before the soft cap
+ * or after it (alibi_after_softcap). Only the window's positions are read: block table
+ * entries of the blocks wholly before it are not looked at (the serving engine frees
+ * them). A zero variant is kiln_paged_attention, bit for bit. */
+typedef struct {
+    int64_t window;
+    double softcap;
+    bool alibi, alibi_after_softcap;
+} kiln_paged_variant;
+kiln_tensor_t *kiln_paged_attention_variant(kiln_tensor_t *q, kiln_tensor_t *k_pages, kiln_tensor_t *v_pages,
+                                            kiln_tensor_t *block_table, kiln_tensor_t *seq_pos, int64_t block_len,
+                                            double scale, const kiln_paged_variant *variant);
 
 /* Views. reshape/view take -1 for one inferred dim; reshape copies when a view cannot
  * express the result, view fails instead. */

@@ -95,6 +95,7 @@ typedef struct {
 typedef struct {
     int64_t block_len;
     double scale;
+    kiln_paged_variant v; /* window, soft-capping, ALiBi (kiln_paged_attention_variant) */
 } kiln__paged_attention_attrs; /* PAGED_ATTENTION */
 
 typedef struct {

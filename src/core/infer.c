@@ -1,5 +1,6 @@
 /* Shape and dtype inference, one function per op in ops.def. Each names the op, the
  * shapes and the dtypes when it refuses. */
+#include <math.h>
 #include <string.h>
 #include "kiln/ops.h"
 #include "core/dtype.h"
@@ -433,6 +434,10 @@ INFER(paged_attention)
                          "f32, f16 or bf16", SHP(q), SHP(k), SHP(v));
     if (bt->dtype != KILN_DTYPE_I32 || sp->dtype != KILN_DTYPE_I32)
         return kiln__err(KILN_ERR_DTYPE, "paged_attention: block_table %s and seq_pos %s must be i32", SHP(bt), SHP(sp));
+    const kiln_paged_variant *var = &a->op.paged_attention.v;
+    if (var->window < 0 || !(var->softcap >= 0) || isinf(var->softcap))
+        return kiln__err(KILN_ERR_ARG, "paged_attention: window %lld must be >= 0 (0: every position) and softcap %g a "
+                         "finite number >= 0 (0: none)", (long long)var->window, var->softcap);
     return unary_any("paged_attention", in, n, a, out);
 }
 

@@ -120,6 +120,42 @@ static kiln_status model_flex(const kiln_gpt_config *c, kiln_tensor_t *idx, bool
     return KILN_OK;
 }
 
+/* The variant of config c as the paged serving path runs it (kiln_paged_variant):
+ * causal, window:W (the narrowest, when several), softcap:C (one), alibi; doc:EOT is left
+ * out, as with any KV cache (document ids are known only for the tokens of a call).
+ * prefix:P is refused: a prompt prefilled in chunks cannot see keys not yet written. */
+static kiln_status paged_variant(const kiln_gpt_config *c, kiln_paged_variant *v)
+{
+    *v = (kiln_paged_variant){0};
+    for (const char *p = c->attention; *p;) {
+        size_t n = strcspn(p, "+");
+        if (!strncmp(p, "window:", 7)) {
+            int64_t w = strtoll(p + 7, NULL, 10);
+            v->window = v->window && v->window < w ? v->window : w;
+        } else if (!strncmp(p, "softcap:", 8)) {
+            if (v->softcap > 0)
+                return kiln_error(KILN_ERR_UNSUPPORTED, "gpt: the paged serving path takes one softcap part; '%s' has "
+                                  "more (kiln sample runs it)", c->attention);
+            v->softcap = strtod(p + 8, NULL);
+        } else if (!strncmp(p, "alibi", 5)) {
+            v->alibi = true;
+            v->alibi_after_softcap = v->softcap > 0;
+        } else if (!strncmp(p, "prefix", 6)) {
+            return kiln_error(KILN_ERR_UNSUPPORTED, "gpt: the paged serving path cannot run '%s': a prefix-LM prompt "
+                              "is prefilled in chunks, and its bidirectional prefix would see keys not yet written "
+                              "(kiln sample runs it)", c->attention);
+        }
+        p += n + (p[n] == '+');
+    }
+    return KILN_OK;
+}
+
+int64_t kiln_gpt_kv_window(const kiln_gpt_t *m)
+{
+    kiln_paged_variant v;
+    return m && paged_variant(&m->cfg, &v) == KILN_OK ? v.window : 0;
+}
+
 kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
 {
     if (!c) return kiln_error(KILN_ERR_ARG, "gpt config is NULL");
@@ -513,6 +549,7 @@ struct pass {
     /* paged attention: the pool, and the rows' positions, slots, (seq, pos) and block table */
     kiln_kv_pool_t *pool;
     kiln_tensor_t *pos, *slot, *seq_pos, *block_table;
+    kiln_paged_variant variant;
 };
 
 /* x w^T + b through w's packed copy wp (n = w's rows): rows that do not depend on each
@@ -918,7 +955,8 @@ static kiln_tensor_t *attend_paged(const pass *ps, int i, kiln_tensor_t *q, kiln
     }
     if (kiln_index_copy_(p->k[i], ps->slot, k) != KILN_OK || kiln_index_copy_(p->v[i], ps->slot, v) != KILN_OK)
         return NULL;
-    kiln_tensor_t *y = kiln_paged_attention(q, p->k[i], p->v[i], ps->block_table, ps->seq_pos, p->block_len, 0.0);
+    kiln_tensor_t *y = kiln_paged_attention_variant(q, p->k[i], p->v[i], ps->block_table, ps->seq_pos, p->block_len,
+                                                    0.0, &ps->variant);
     return kiln_reshape(y, nc, 2);
 }
 
@@ -927,11 +965,8 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
 {
     const kiln_gpt_config *c = &m->cfg;
     int64_t N = b->n_tokens, bl = p->block_len;
-    if (kiln__gpt_has_variant(c)) {
-        kiln_error(KILN_ERR_UNSUPPORTED, "gpt: the paged serving path runs causal attention only; this model's is '%s' "
-                   "(kiln sample runs it, with its KV cache)", c->attention);
-        return NULL;
-    }
+    kiln_paged_variant variant;
+    if (paged_variant(c, &variant) != KILN_OK) return NULL;
     for (int64_t i = 0; i < N; i++) {
         slots[i] = b->block_table[b->seq[i] * b->max_blocks + b->pos[i] / bl] * (int32_t)bl + b->pos[i] % (int32_t)bl;
         seq_pos[2 * i] = b->seq[i];
@@ -939,7 +974,7 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
     }
     int64_t n2[2] = {N, 2}, bts[2] = {b->n_seqs, b->max_blocks}, nl = b->n_logits;
     kiln_tensor_t *idx = kiln_from_data(b->tokens, &N, 1, KILN_DTYPE_I32);
-    pass ps = {.attend = attend_paged, .m = m, .pk = p->pk, .pool = p};
+    pass ps = {.attend = attend_paged, .m = m, .pk = p->pk, .pool = p, .variant = variant};
     ps.pos = kiln_from_data(b->pos, &N, 1, KILN_DTYPE_I32);
     ps.slot = kiln_from_data(slots, &N, 1, KILN_DTYPE_I32);
     ps.seq_pos = kiln_from_data(seq_pos, n2, 2, KILN_DTYPE_I32);

@@ -366,8 +366,22 @@ kiln_tensor_t *kiln_paged_attention(kiln_tensor_t *q, kiln_tensor_t *k_pages, ki
                                     kiln_tensor_t *block_table, kiln_tensor_t *seq_pos, int64_t block_len,
                                     double scale)
 {
+    return kiln_paged_attention_variant(q, k_pages, v_pages, block_table, seq_pos, block_len, scale, NULL);
+}
+
+kiln_tensor_t *kiln_paged_attention_variant(kiln_tensor_t *q, kiln_tensor_t *k_pages, kiln_tensor_t *v_pages,
+                                            kiln_tensor_t *block_table, kiln_tensor_t *seq_pos, int64_t block_len,
+                                            double scale, const kiln_paged_variant *variant)
+{
     if (!q || !k_pages || !v_pages || !block_table || !seq_pos) return null_arg("paged_attention");
     kiln__attrs at = {.op.paged_attention = {.block_len = block_len}};
+    if (variant) { /* field by field: the attributes are compared as bytes, padding included */
+        kiln_paged_variant *v = &at.op.paged_attention.v;
+        v->window = variant->window;
+        v->softcap = variant->softcap;
+        v->alibi = variant->alibi;
+        v->alibi_after_softcap = variant->alibi_after_softcap;
+    }
     at.op.paged_attention.scale = scale > 0 ? scale : 1.0 / sqrt((double)(q->ndim == 3 ? q->shape[2] : 1));
     kiln_tensor_t *in[5] = {q, k_pages, v_pages, block_table, seq_pos};
     return kiln__call(KILN_OP_PAGED_ATTENTION, in, 5, &at);

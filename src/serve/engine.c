@@ -9,7 +9,12 @@
  *
  * KV blocks: a request reserves the blocks for its prompt and max_tokens when it is
  * admitted, so a running request never waits for memory and nothing has to be
- * preempted; a request that does not fit waits in the queue. A block that is full is
+ * preempted; a request that does not fit waits in the queue. A model with a sliding
+ * window (kiln_gpt_kv_window) needs only the blocks that one step's rows can read, its
+ * window plus a step's tokens: a request reserves at most that many (live_max), and a
+ * block that falls wholly behind the window is reused for the sequence's next
+ * positions, or freed once the sequence will not need it; such blocks are not shared
+ * (the prefix cache is off for these models), so reuse never touches another's keys. A block that is full is
  * registered in the prefix cache under the hash of every token up to its end (and its
  * own tokens, compared on a hit, so a hash collision cannot hand out wrong keys). A new
  * request starts from the longest run of cached blocks that its prompt begins with;
@@ -19,6 +24,7 @@
  * Determinism: the model's rows do not depend on the other rows of a batch, and the
  * sampler is a pure function of (logits, seed, index), so a request gives the same
  * tokens alone, batched, or after a prefix-cache hit. */
+#include <limits.h>
 #include <math.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -39,8 +45,11 @@ typedef struct seq {
     int logprobs;
     kiln_engine_cb cb;
     void *user;
-    int *blocks; /* position p is in blocks[p / block_len] */
-    int n_blocks;
+    int *blocks; /* position p is in blocks[p / block_len]; -1 once behind the window */
+    int n_blocks; /* blocks assigned, in position order; those before lo are released */
+    int lo;
+    int *spare, n_spare; /* a windowed sequence's blocks held for its next positions */
+    int take;            /* this step's new positions */
     uint64_t *hash; /* prefix hash of each block once it is full */
     int n_done;     /* positions whose keys and values are in the pool */
     int n_hashed;   /* leading blocks hashed (and registered when possible) */
@@ -59,6 +68,7 @@ struct kiln_engine {
     kiln_gpt_t *model;
     kiln_engine_opts o;
     int V, ctx, BS;
+    int window, live_max; /* the model's window (0: none) and a sequence's most blocks */
     kiln_kv_pool_t *pool;
 
     /* Block allocator: free[] holds blocks that are neither used nor cached. */
@@ -199,10 +209,18 @@ static void register_full_blocks(kiln_engine_t *e, seq *s)
 
 static void seq_free(seq *s)
 {
-    if (s) KILN__FREE(s->tok, s->blocks, s->hash, s);
+    if (s) KILN__FREE(s->tok, s->blocks, s->hash, s->spare, s);
 }
 
 static int blocks_for(const kiln_engine_t *e, int positions) { return (positions + e->BS - 1) / e->BS; }
+
+/* The blocks a request of this many positions holds at once: all of them, or for a
+ * windowed model at most live_max. */
+static int blocks_held(const kiln_engine_t *e, int positions)
+{
+    int n = blocks_for(e, positions);
+    return n < e->live_max ? n : e->live_max;
+}
 
 /* Gives s its blocks: the cached prefix, then fresh ones. false if they are not there.
  * A prompt that is whole cached blocks still needs its last token computed, for the
@@ -211,7 +229,7 @@ static int blocks_for(const kiln_engine_t *e, int positions) { return (positions
  * into the copy, bitwise as it was (rows do not depend on the batch). */
 static bool try_admit(kiln_engine_t *e, seq *s)
 {
-    int need = blocks_for(e, s->n_prompt + s->max_tokens);
+    int need = blocks_held(e, s->n_prompt + s->max_tokens);
     int matched = 0;
     int max_match = e->o.prefix_cache ? s->n_prompt / e->BS : 0;
     uint64_t parent = 0;
@@ -249,8 +267,9 @@ static bool try_admit(kiln_engine_t *e, seq *s)
 
 static void release_blocks(kiln_engine_t *e, seq *s)
 {
-    for (int j = 0; j < s->n_blocks; j++) block_release(e, s->blocks[j]);
-    s->n_blocks = 0;
+    for (int j = s->lo; j < s->n_blocks; j++) block_release(e, s->blocks[j]);
+    while (s->n_spare > 0) block_release(e, s->spare[--s->n_spare]);
+    s->n_blocks = s->lo = 0;
 }
 
 /* ---- the engine thread ---- */
@@ -324,6 +343,28 @@ static void finish_all(seq *done)
     }
 }
 
+/* A windowed sequence about to write positions up to end - 1, reading back to its
+ * first new position's window: the blocks wholly before that are released, kept as
+ * spares while the sequence has positions not yet given a block, and the blocks up to
+ * end - 1 assigned from the spares. live_max covers a step's reach, so the spares
+ * suffice; false (an internal fault, not input) if they do not. */
+static bool slide(kiln_engine_t *e, seq *s, int end)
+{
+    int first = s->n_done >= e->window ? s->n_done - e->window + 1 : 0;
+    int future = blocks_for(e, s->n_prompt + s->max_tokens) - s->n_blocks;
+    for (; s->lo < first / e->BS && s->lo < s->n_blocks; s->lo++) {
+        int b = s->blocks[s->lo];
+        s->blocks[s->lo] = -1;
+        if (s->n_spare < future) s->spare[s->n_spare++] = b;
+        else block_release(e, b);
+    }
+    while (s->n_blocks <= (end - 1) / e->BS) {
+        if (s->n_spare == 0) return false;
+        s->blocks[s->n_blocks++] = s->spare[--s->n_spare];
+    }
+    return true;
+}
+
 /* Lays out one step's batch; returns the number of tokens (0: nothing to run). */
 static int build_batch(kiln_engine_t *e, kiln_paged_batch *b)
 {
@@ -332,20 +373,31 @@ static int build_batch(kiln_engine_t *e, kiln_paged_batch *b)
     /* Decoding sequences first: one token each, always in the step. */
     for (seq *s = e->running; s; s = s->next)
         if (s->n_done >= s->n_prompt) budget--;
-    for (seq *s = e->running; s; s = s->next) max_blocks = s->n_blocks > max_blocks ? s->n_blocks : max_blocks;
-    for (seq *s = e->running; s; s = s->next, si++) {
+    for (seq *s = e->running; s; s = s->next) {
         int take = s->n_tok - s->n_done;
         if (s->n_done < s->n_prompt) { /* prefill: a chunk within the budget */
             take = take < budget ? take : budget;
             budget -= take;
         }
+        s->take = take;
+        if (e->window && take > 0 && !slide(e, s, s->n_done + take)) {
+            snprintf(e->last_error, sizeof e->last_error, "engine: a windowed sequence ran out of its reserved KV "
+                     "blocks (an internal fault)");
+            s->finish = KILN_FINISH_ERROR;
+            s->take = 0;
+        }
+        max_blocks = s->n_blocks > max_blocks ? s->n_blocks : max_blocks;
+    }
+    for (seq *s = e->running; s; s = s->next, si++) {
+        int take = s->take;
         for (int k = 0; k < take; k++) {
             e->b_tok[n] = s->tok[s->n_done + k];
             e->b_seq[n] = si;
             e->b_pos[n] = s->n_done + k;
             n++;
         }
-        for (int j = 0; j < max_blocks; j++) e->b_table[si * max_blocks + j] = j < s->n_blocks ? s->blocks[j] : 0;
+        for (int j = 0; j < max_blocks; j++) /* blocks behind the window are not read: any valid id */
+            e->b_table[si * max_blocks + j] = j < s->n_blocks && s->blocks[j] >= 0 ? s->blocks[j] : 0;
         if (take > 0 && s->n_done + take == s->n_tok) {
             e->b_rows[rows] = n - 1;
             e->b_row_seq[rows++] = s;
@@ -505,6 +557,10 @@ kiln_status kiln_engine_new(kiln_gpt_t *model, const kiln_engine_opts *opts, kil
     e->V = c->vocab_size;
     e->ctx = c->block_size;
     e->BS = o.block_len;
+    int64_t window = kiln_gpt_kv_window(model);
+    e->window = window < e->ctx ? (int)window : 0; /* a window as wide as the context is none */
+    e->live_max = e->window ? blocks_for(e, e->window - 1 + o.max_step_tokens) + 1 : INT_MAX;
+    if (e->window) e->o.prefix_cache = false; /* its blocks are reused, so not shared */
     int tokens = o.max_step_tokens, nb = o.num_blocks, maxb = blocks_for(e, e->ctx + 1);
     e->meta = calloc((size_t)nb, sizeof *e->meta);
     e->block_tokens = malloc(sizeof(int32_t) * (size_t)nb * (size_t)e->BS);
@@ -579,9 +635,9 @@ kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint
         if (r->prompt[i] < 0 || r->prompt[i] >= e->V)
             return kiln_error(KILN_ERR_INDEX, "engine_submit: prompt token %d is %d, outside the vocabulary of %d", i,
                               r->prompt[i], e->V);
-    int need = blocks_for(e, r->n_prompt + r->max_tokens);
-    if (need > e->o.num_blocks)
-        return kiln_error(KILN_ERR_ARG, "engine_submit: the request needs %d KV blocks, the cache has %d", need,
+    int need = blocks_for(e, r->n_prompt + r->max_tokens), held = blocks_held(e, r->n_prompt + r->max_tokens);
+    if (held > e->o.num_blocks)
+        return kiln_error(KILN_ERR_ARG, "engine_submit: the request needs %d KV blocks at once, the cache has %d", held,
                           e->o.num_blocks);
     seq *s = calloc(1, sizeof *s);
     int cap = r->n_prompt + r->max_tokens;
@@ -589,8 +645,9 @@ kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint
         s->tok = malloc(sizeof *s->tok * (size_t)cap);
         s->blocks = malloc(sizeof *s->blocks * (size_t)need);
         s->hash = malloc(sizeof *s->hash * (size_t)need);
+        s->spare = malloc(sizeof *s->spare * (size_t)held);
     }
-    if (!s || !s->tok || !s->blocks || !s->hash) {
+    if (!s || !s->tok || !s->blocks || !s->hash || !s->spare) {
         seq_free(s);
         return kiln_error(KILN_ERR_OOM, "engine_submit: out of memory");
     }

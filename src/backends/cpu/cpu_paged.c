@@ -30,7 +30,13 @@ typedef struct {
     int64_t hg, per_row; /* heads per task, tasks per row */
     float scale;
     atomic_int oom;
+    int64_t window; /* the variant (kiln_paged_variant): 0 every position */
+    float softcap;  /* 0 none */
+    int alibi;      /* 0 none, 1 before the soft cap, 2 after it */
 } paged_ctx;
+
+/* The first position a row at position p reads: the window's start. */
+static inline int64_t paged_first(int64_t p, int64_t window) { return window > 0 && p >= window ? p - window + 1 : 0; }
 
 /* The kernel for each KV cache type: f32, and f16 or bf16 widened to f32 on load. */
 #define PATTR __attribute__((target_clones("arch=x86-64-v3", "default")))
@@ -128,7 +134,7 @@ static kiln__range_fn paged_kernel(kiln_dtype kv)
 
 /* Every sequence index, position and block id is checked before any is used. */
 static kiln_status check_pages(const int32_t *bt, const int32_t *sp, int64_t N, int64_t n_seqs, int64_t max_blocks,
-                               int64_t bl, int64_t n_blocks)
+                               int64_t bl, int64_t n_blocks, int64_t window)
 {
     for (int64_t n = 0; n < N; n++) {
         int64_t seq = sp[n * 2], p = sp[n * 2 + 1];
@@ -136,7 +142,7 @@ static kiln_status check_pages(const int32_t *bt, const int32_t *sp, int64_t N, 
             return kiln__err(KILN_ERR_INDEX, "paged_attention: row %lld names sequence %lld position %lld; the block "
                              "table holds %lld sequences of %lld positions", (long long)n, (long long)seq, (long long)p,
                              (long long)n_seqs, (long long)(max_blocks * bl));
-        for (int64_t j = 0; j <= p / bl; j++) {
+        for (int64_t j = paged_first(p, window) / bl; j <= p / bl; j++) {
             int32_t blk = bt[seq * max_blocks + j];
             if (blk < 0 || blk >= n_blocks)
                 return kiln__err(KILN_ERR_INDEX, "paged_attention: block table row %lld entry %lld is %d, outside [0, %lld)",
@@ -152,11 +158,14 @@ kiln_status kiln__cpu_paged_attention(KILN__KERNEL_ARGS)
     kiln_status s = cpu_contig_n(in, 5, c, tmp, NULL) ? KILN_OK : kiln_last_status();
     int64_t N = s == KILN_OK ? c[0]->shape[0] : 0, bl = a->op.paged_attention.block_len;
     if (s == KILN_OK)
-        s = check_pages(kiln__data(c[3]), kiln__data(c[4]), N, c[3]->shape[0], c[3]->shape[1], bl, c[1]->shape[0] / bl);
+        s = check_pages(kiln__data(c[3]), kiln__data(c[4]), N, c[3]->shape[0], c[3]->shape[1], bl, c[1]->shape[0] / bl,
+                        a->op.paged_attention.v.window);
     if (s == KILN_OK && N > 0) {
         paged_ctx k = {kiln__data(c[0]), kiln__data(c[1]), kiln__data(c[2]), kiln__data(c[3]), kiln__data(c[4]),
                        kiln__data(out[0]), c[0]->shape[1], c[1]->shape[1], c[0]->shape[2], bl, c[3]->shape[1],
-                       c[3]->shape[1] * bl, 0, 0, (float)a->op.paged_attention.scale, 0};
+                       c[3]->shape[1] * bl, 0, 0, (float)a->op.paged_attention.scale, 0,
+                       a->op.paged_attention.v.window, (float)a->op.paged_attention.v.softcap,
+                       a->op.paged_attention.v.alibi ? 1 + a->op.paged_attention.v.alibi_after_softcap : 0};
         /* Whole rows when there are enough of them to share out; else rows split into
          * head groups, so that one decoding sequence still uses every thread. */
         int64_t want = 2 * kiln__pool_size(), split = N >= want ? 1 : (want + N - 1) / N;

@@ -49,7 +49,8 @@ PINL void PFN(dot4)(const float *q, const KT *y, int64_t stride, int64_t n,
     }
 }
 
-/* One task is one query row and a group of its heads. Positions are walked block by
+/* One task is one query row and a group of its heads. Positions (those of the window,
+ * when the variant has one) are walked block by
  * block (a position's heads sit side by side in a block, so the reads are contiguous
  * runs), four positions per pass for the scores and 32 output lanes per pass for the
  * values. For each (row, head) the arithmetic is a function of that row alone: scores
@@ -67,46 +68,58 @@ PATTR static void PFN(paged_range)(void *c, int64_t b, int64_t e)
     bool fast = kiln__opt(KILN__OPT_FAST_EXP);
     for (int64_t t = b; t < e; t++) {
         int64_t n = t / k->per_row, h0 = t % k->per_row * k->hg, h1 = h0 + k->hg < k->H ? h0 + k->hg : k->H;
-        int64_t seq = k->sp[n * 2], p = k->sp[n * 2 + 1], L = p + 1;
+        int64_t seq = k->sp[n * 2], p = k->sp[n * 2 + 1], L = p + 1, lo = paged_first(p, k->window);
         const int32_t *row = k->bt + seq * k->max_blocks;
         const float *q = k->q + n * k->H * D;
         float *o = k->out + n * k->H * D;
         for (int64_t h = h0; h < h1; h++) {
             const float *qh = q + h * D;
             float *wh = w + (h - h0) * (P + 8);
-            for (int64_t j0 = 0; j0 < L; j0 += bl) {
+            for (int64_t j0 = lo / bl * bl; j0 < L; j0 += bl) {
                 const KT *kb = (const KT *)k->k + (int64_t)row[j0 / bl] * bl * HD + h / group * D;
-                int64_t jn = L - j0 < bl ? L - j0 : bl, i = 0;
+                int64_t jn = L - j0 < bl ? L - j0 : bl, i = j0 < lo ? lo - j0 : 0;
                 for (; i + 4 <= jn; i += 4) PFN(dot4)(qh, kb + i * HD, HD, D, wh + j0 + i);
                 for (; i < jn; i++) wh[j0 + i] = PFN(dot)(qh, kb + i * HD, D);
             }
             float m = -INFINITY;
-            for (int64_t j = 0; j < L; j++) {
-                wh[j] *= k->scale;
-                m = wh[j] > m ? wh[j] : m;
+            if (k->softcap > 0 || k->alibi) { /* the variant's scores, as the flex presets compute them */
+                float slope = (float)exp2(-8.0 * (double)(h + 1) / (double)k->H), cap = k->softcap;
+                for (int64_t j = lo; j < L; j++) {
+                    float sc = wh[j] * k->scale;
+                    if (k->alibi == 1) sc = sc + slope * (float)(j - p);
+                    if (cap > 0) sc = cap * tanhf(sc / cap);
+                    if (k->alibi == 2) sc = sc + slope * (float)(j - p);
+                    wh[j] = sc;
+                    m = sc > m ? sc : m;
+                }
+            } else {
+                for (int64_t j = lo; j < L; j++) {
+                    wh[j] *= k->scale;
+                    m = wh[j] > m ? wh[j] : m;
+                }
             }
             if (fast)
-                for (int64_t j = 0; j < L; j++) wh[j] = kiln__fast_expf(wh[j] - m);
+                for (int64_t j = lo; j < L; j++) wh[j] = kiln__fast_expf(wh[j] - m);
             else
-                for (int64_t j = 0; j < L; j++) wh[j] = expf(wh[j] - m);
-            int64_t L8 = (L + 7) / 8 * 8;
+                for (int64_t j = lo; j < L; j++) wh[j] = expf(wh[j] - m);
+            int64_t L8 = lo + (L - lo + 7) / 8 * 8;
             for (int64_t j = L; j < L8; j++) wh[j] = 0;
             v8 acc = {0};
-            for (int64_t j = 0; j < L8; j += 8) {
+            for (int64_t j = lo; j < L8; j += 8) {
                 v8 x;
                 LOAD8(x, wh + j);
                 acc += x;
             }
             float inv = 1.0f / LANES_SUM(acc);
-            for (int64_t j = 0; j < L; j++) wh[j] *= inv;
+            for (int64_t j = lo; j < L; j++) wh[j] *= inv;
             float *oh = o + h * D;
             int64_t d0 = 0;
             for (; d0 + 32 <= D; d0 += 32) {
                 v8 o0 = {0}, o1 = {0}, o2 = {0}, o3 = {0};
-                for (int64_t j0 = 0; j0 < L; j0 += bl) {
+                for (int64_t j0 = lo / bl * bl; j0 < L; j0 += bl) {
                     const KT *vb = (const KT *)k->v + (int64_t)row[j0 / bl] * bl * HD + h / group * D + d0;
                     int64_t jn = L - j0 < bl ? L - j0 : bl;
-                    for (int64_t i = 0; i < jn; i++) {
+                    for (int64_t i = j0 < lo ? lo - j0 : 0; i < jn; i++) {
                         v8 x0, x1, x2, x3, wj = {0};
                         wj += wh[j0 + i];
                         KLOAD8(x0, vb + i * HD);
@@ -126,10 +139,10 @@ PATTR static void PFN(paged_range)(void *c, int64_t b, int64_t e)
             }
             for (; d0 < D; d0++) {
                 float sd = 0;
-                for (int64_t j0 = 0; j0 < L; j0 += bl) {
+                for (int64_t j0 = lo / bl * bl; j0 < L; j0 += bl) {
                     const KT *vb = (const KT *)k->v + (int64_t)row[j0 / bl] * bl * HD + h / group * D + d0;
                     int64_t jn = L - j0 < bl ? L - j0 : bl;
-                    for (int64_t i = 0; i < jn; i++) sd += wh[j0 + i] * KSCALAR(vb[i * HD]);
+                    for (int64_t i = j0 < lo ? lo - j0 : 0; i < jn; i++) sd += wh[j0 + i] * KSCALAR(vb[i * HD]);
                 }
                 oh[d0] = sd;
             }
