@@ -1113,8 +1113,11 @@ static kiln_status dev_launch(kiln__backend *be, void *kernel, kiln_tensor_t *co
     for (int c = 0; c < 2; c++)
         for (int d = 0; d < 4; d++)
             args[n++] = (kiln__karg){KILN__KARG_I64, NULL, c < n_cap && d < caps[c]->ndim ? caps[c]->shape[d] : 1, 0};
-    size_t grid = (size_t)items;
-    return items > 0 ? kiln__be_launch(be, kernel, args, n, &grid, NULL, 1) : KILN_OK;
+    /* work-groups of 64: left to PoCL, they were 4096 work-items, whose private rows
+     * (1 KiB each, 2 KiB in the dK and dV kernel) overflowed its thread's stack at T 1024;
+     * the kernels skip the items past the end */
+    size_t block = 64, grid = ((size_t)items + block - 1) / block * block;
+    return items > 0 ? kiln__be_launch(be, kernel, args, n, &grid, &block, 1) : KILN_OK;
 }
 
 /* After the launches: the bad flag read back (a captured index out of range names its
