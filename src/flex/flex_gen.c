@@ -1010,7 +1010,7 @@ static kiln_status dev_mask(const kiln_op_args *x, const entry *e, const kiln_te
     *own = NULL;
     *bm = (const kiln_block_mask_t *)(intptr_t)x->attr[1].i;
     if (*bm) return KILN_OK;
-    kiln_flex_t *f;
+    kiln_flex_t *f = NULL;
     kiln_status s = kiln_flex_new(e->tmpl->score, e->tmpl->mask, caps, n_cap, &f);
     if (s == KILN_OK) s = kiln_block_mask_new(f, q->shape[0], q->shape[1], q->shape[2], k->shape[2], 64, 0, own);
     kiln_flex_free(f);
