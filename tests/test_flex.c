@@ -1,22 +1,26 @@
-/* Flex attention (kiln/flex.h), its dense stage: every preset, their joins and two
- * user-written modifiers against an oracle written here in plain C in double precision
- * (the masks and score changes coded by hand, not through kiln's expressions: an
- * independent reading of the same definitions), f64 to 1e-12 and f32 to 2e-5
- * (relative to the largest output); gradients of q, k, v and of a captured tensor (ALiBi
- * slopes) against central finite differences in f64 (step 1e-6, tolerance 1e-6);
- * PyTorch's flex_attention on the same inputs (tests/reference/golden_flex.safetensors,
- * written by tests/reference/flex_ref.py with PyTorch 2.x; forward and log-sum-exp,
- * 5e-6; measured 7.2e-7); the block mask's classification; and bad modifiers, each a
- * clear error. On the cpu the fused kernels run (src/flex/flex_gen.c, forward and
- * backward), but for captured tensors that want a gradient (the dense path); the test
- * runs again with KILN_OPT_FLEX_FUSED=0 (test_flex_dense: the dense path throughout)
- * and on OpenCL (test_flex_opencl, dense). */
+/* Flex attention (kiln/flex.h): every preset, their joins and two user-written modifiers
+ * against an oracle written here in plain C in double precision (the masks and score
+ * changes coded by hand, not through kiln's expressions: an independent reading of the
+ * same definitions), f64 to 1e-12 and f32 to 2e-5 (relative to the largest output);
+ * gradients of q, k, v and of a captured tensor (ALiBi slopes) against central finite
+ * differences in f64 (step 1e-6, tolerance 1e-6); the fused backward in f32 against the
+ * oracle's gradients (1e-5 relative to each tensor's largest; measured 2.9e-7), and that
+ * it ran (the device's own kernel, no (T, T) matrix held); PyTorch's flex_attention on
+ * the same inputs (tests/reference/golden_flex.safetensors, written by
+ * tests/reference/flex_ref.py with PyTorch 2.x; forward and log-sum-exp, 5e-6; measured
+ * 7.2e-7); the block mask's classification; and bad modifiers, each a clear error. The
+ * fused kernels run (src/flex/flex_gen.c, forward and backward) on the cpu and, in f32,
+ * on OpenCL (test_flex_opencl: the generated OpenCL C) and CUDA, but for captured
+ * tensors that want a gradient (the dense path; f64 on a device too); the test runs
+ * again with KILN_OPT_FLEX_FUSED=0 (test_flex_dense: the dense path throughout). The
+ * CUDA C compiles with NVRTC here; it has not run on a GPU. */
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
 #include <cmocka.h>
 #include "kiln/kiln.h"
 #include "test_util.h"
+#include "core/backend.h"
 #include "flex/flex_impl.h"
 
 typedef struct {
@@ -86,6 +90,65 @@ static void reference(const oracle *o, const dims *d, const double *q, const dou
                 }
             }
     free(s);
+}
+
+/* d score' / d score of ref_score's changes, in turn (the chain rule by hand). */
+static double ref_dscore(const oracle *o, int64_t h, int64_t i, int64_t j, double s)
+{
+    double g = 1;
+    if (o->alibi) s = s + o->slopes[h] * (double)(j - i);
+    if (o->cap > 0) {
+        double t = tanh(s / o->cap);
+        g *= 1 - t * t;
+        s = o->cap * t;
+    }
+    if (o->user_score) g *= 0.5;
+    return g;
+}
+
+/* dq (B, H, Tq, D), dk and dv (B, Hkv, Tk, D) of loss = sum(y w) + sum(lse) by the
+ * definition, in double (every row seeing a key): with p the row's probabilities,
+ * dv += p w, ds = p (w . v - w . y + 1) d score'/d score, dq += scale ds k, dk += scale ds q. */
+static void reference_grads(const oracle *o, const dims *d, const double *q, const double *k, const double *v,
+                            const double *w, double *dq, double *dk, double *dv)
+{
+    double scale = 1 / sqrt((double)d->D);
+    int64_t qn = d->B * d->H * d->Tq * d->D, kn = d->B * d->Hkv * d->Tk * d->D;
+    memset(dq, 0, sizeof(double) * (size_t)qn);
+    memset(dk, 0, sizeof(double) * (size_t)kn);
+    memset(dv, 0, sizeof(double) * (size_t)kn);
+    double *s = malloc(sizeof(double) * (size_t)d->Tk), *m = malloc(sizeof(double) * (size_t)d->Tk);
+    double *dp = malloc(sizeof(double) * (size_t)d->Tk);
+    for (int64_t b = 0; b < d->B; b++)
+        for (int64_t h = 0; h < d->H; h++)
+            for (int64_t i = 0; i < d->Tq; i++) {
+                int64_t hk = h / (d->H / d->Hkv), row = (b * d->H + h) * d->Tq + i;
+                const double *qi = q + row * d->D, *wi = w + row * d->D;
+                const double *K = k + (b * d->Hkv + hk) * d->Tk * d->D, *V = v + (b * d->Hkv + hk) * d->Tk * d->D;
+                double mx = -INFINITY, sum = 0, wy = 0;
+                for (int64_t j = 0; j < d->Tk; j++) {
+                    double dot = 0;
+                    for (int64_t c = 0; c < d->D; c++) dot += qi[c] * K[j * d->D + c];
+                    bool on = ref_mask(o, d, b, h, i, j);
+                    s[j] = on ? ref_score(o, d, b, h, i, j, dot * scale) : -INFINITY;
+                    m[j] = on ? ref_dscore(o, h, i, j, dot * scale) : 0;
+                    mx = fmax(mx, s[j]);
+                    dp[j] = 0;
+                    for (int64_t c = 0; c < d->D; c++) dp[j] += wi[c] * V[j * d->D + c];
+                }
+                if (mx == -INFINITY) continue;
+                for (int64_t j = 0; j < d->Tk; j++) sum += exp(s[j] - mx);
+                for (int64_t j = 0; j < d->Tk; j++) wy += exp(s[j] - mx) / sum * dp[j];
+                for (int64_t j = 0; j < d->Tk; j++) {
+                    double p = exp(s[j] - mx) / sum, ds = p * (dp[j] - wy + 1) * m[j] * scale;
+                    for (int64_t c = 0; c < d->D; c++) {
+                        dq[row * d->D + c] += ds * K[j * d->D + c];
+                        dk[((b * d->Hkv + hk) * d->Tk + j) * d->D + c] += ds * qi[c];
+                        dv[((b * d->Hkv + hk) * d->Tk + j) * d->D + c] += p * wi[c];
+                    }
+                }
+            }
+    free(s), free(m), free(dp);
 }
 
 static double *randoms(int64_t n, uint64_t seed)
@@ -302,6 +365,134 @@ static void gradients_match_finite_differences(void **state)
     if (!strcmp(kiln_device(), "cpu")) assert_int_equal(fused, test_opt_on("FLEX_FUSED"));
 }
 
+/* Whether x (n values) is within tol of the oracle's want, relative to want's largest;
+ * else fails naming what and where. */
+static void near_oracle(const double *x, const double *want, int64_t n, double tol, const char *what, const char *name)
+{
+    double big = 0;
+    for (int64_t i = 0; i < n; i++) big = fmax(big, fabs(want[i]));
+    for (int64_t i = 0; i < n; i++)
+        if (!(fabs(x[i] - want[i]) <= tol * (big > 0 ? big : 1)))
+            fail_msg("%s: %s[%lld] %.9g, the oracle %.9g (largest %.3g)", what, name, (long long)i, x[i], want[i], big);
+}
+
+/* The fused backward in f32 on the test's device (on OpenCL and CUDA the generated
+ * flex_bwd_dq_dev and flex_bwd_dkv_dev, on the cpu its tiles): y, lse, dq, dk and dv of
+ * sum(y w) + sum(lse) against the oracle's, with block masks of 4 query rows and 4 or 3
+ * keys (full and partial blocks; the key blocks not the query blocks' size),
+ * grouped-query heads (4 over 2), score modifiers with a derivative (softcap, ALiBi, a
+ * user's), captured tensors on the device (slopes, document ids, given a block mask)
+ * and queries at the end of the keys. Tolerances relative to each tensor's largest: 2e-5
+ * for y and lse, 5e-5 for the gradients (f32 sums of 24 keys). Then that it was the fused
+ * path, where it is on: the backward op has this device's own kernel, and one causal
+ * forward and backward at T 1024 with 8 heads held less than one (B, H, T, T) f32 matrix
+ * beyond its inputs (32 MiB; measured 4.3 MB fused, 415 MB dense). Its 8192 key rows
+ * also crashed PoCL when work-groups were left to it (4096 work-items' private rows
+ * overflowed a thread's stack). */
+static void fused_gradients_match_the_oracle(void **state)
+{
+    dims sq = {2, 4, 2, 24, 24, 8}, dec = {2, 4, 2, 10, 24, 8};
+    int64_t docs24[2 * 24];
+    for (int j = 0; j < 24; j++) docs24[j] = j / 7, docs24[24 + j] = j < 3 ? 0 : j < 17 ? 1 : 2;
+    static const struct {
+        flex_case c;
+        bool dec;
+        int64_t kv_block;
+    } cases[] = {
+        {{"causal", "causal", NULL, NULL, {.causal = true, .window = -1, .pre = -1}}, false, 4},
+        {{"window:6+softcap:3", "window:6+softcap:3", NULL, NULL, {.window = 6, .cap = 3, .pre = -1}}, false, 3},
+        {{"causal+alibi+softcap:1.5", "causal+alibi+softcap:1.5", NULL, NULL,
+          {.causal = true, .alibi = true, .slopes = slopes, .cap = 1.5, .window = -1, .pre = -1}}, false, 4},
+        {{"doc+causal", "doc+causal", NULL, NULL, {.doc = true, .causal = true, .window = -1, .pre = -1}}, false, 4},
+        {{"user score and mask", NULL, "score * 0.5 + (q_idx - kv_idx) * 0.01", "q_idx - kv_idx < 5 && kv_idx <= q_idx + 2",
+          {.user_score = true, .user_mask = true, .window = -1, .pre = -1}}, false, 3},
+        {{"causal, 10 queries at the end of 24 keys", "causal", NULL, NULL, {.causal = true, .window = -1, .pre = -1}},
+         true, 4},
+        {{"window:6+softcap:3, 10 queries at the end", "window:6+softcap:3", NULL, NULL,
+          {.window = 6, .cap = 3, .pre = -1}}, true, 3},
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        flex_case c = cases[ci].c;
+        const dims *d = cases[ci].dec ? &dec : &sq;
+        if (c.o.doc) c.o.docs = docs24;
+        int64_t qn = d->B * d->H * d->Tq * d->D, kn = d->B * d->Hkv * d->Tk * d->D, H = d->H, ds[2] = {d->B, d->Tk};
+        double *q = randoms(qn, 41 + ci), *k = randoms(kn, 42), *v = randoms(kn, 43), *w = randoms(qn, 44);
+        double *y = malloc(sizeof(double) * (size_t)qn), *lse = malloc(sizeof(double) * (size_t)(qn / d->D));
+        double *dq = malloc(sizeof(double) * (size_t)qn), *dk = malloc(sizeof(double) * (size_t)kn),
+               *dv = malloc(sizeof(double) * (size_t)kn);
+        reference(&c.o, d, q, k, v, y, lse);
+        reference_grads(&c.o, d, q, k, v, w, dq, dk, dv);
+        int64_t qs[4] = {d->B, d->H, d->Tq, d->D}, ks[4] = {d->B, d->Hkv, d->Tk, d->D};
+        kiln_tensor_t *in[3] = {tensor(q, qs, 4, KILN_DTYPE_F32), tensor(k, ks, 4, KILN_DTYPE_F32),
+                                tensor(v, ks, 4, KILN_DTYPE_F32)};
+        kiln_tensor_t *wt = tensor(w, qs, 4, KILN_DTYPE_F32);
+        kiln_flex_inputs fi = {.doc_ids = kiln_from_data(docs24, ds, 2, KILN_DTYPE_I64),
+                               .alibi_slopes = tensor(slopes, &H, 1, KILN_DTYPE_F32)};
+        kiln_flex_t *f;
+        kiln_block_mask_t *bm;
+        kiln_status s = c.spec ? kiln_flex_preset(c.spec, &fi, &f) : kiln_flex_new(c.score, c.mask, NULL, 0, &f);
+        if (s == KILN_OK) s = kiln_block_mask_new(f, d->B, d->H, d->Tq, d->Tk, 4, cases[ci].kv_block, &bm);
+        if (s != KILN_OK) fail_msg("%s: %s", c.name, kiln_last_error());
+        int64_t full, partial, empty;
+        double density;
+        kiln_block_mask_stats(bm, &full, &partial, &empty, &density);
+        assert_true(partial > 0);
+        if (!c.o.user_mask) assert_true(full > 0); /* the user's mask has none at blocks of 4 */
+        for (int i = 0; i < 3; i++) kiln_tensor_set_requires_grad(in[i], true);
+        kiln_tensor_t *l = NULL, *out = kiln_flex_attention(in[0], in[1], in[2], f, bm, 0, &l);
+        if (!out) fail_msg("%s: %s", c.name, kiln_last_error());
+        if (kiln_backward(kiln_add(kiln_sum(kiln_mul(out, wt), NULL, 0, false), kiln_sum(l, NULL, 0, false))) != KILN_OK)
+            fail_msg("%s: backward: %s", c.name, kiln_last_error());
+        double *got[5] = {host(out), host(l), host(kiln_tensor_grad(in[0])), host(kiln_tensor_grad(in[1])),
+                          host(kiln_tensor_grad(in[2]))};
+        const double *want[5] = {y, lse, dq, dk, dv};
+        static const char *names[5] = {"y", "lse", "dq", "dk", "dv"};
+        const int64_t n[5] = {qn, qn / d->D, qn, kn, kn};
+        for (int i = 0; i < 5; i++) {
+            near_oracle(got[i], want[i], n[i], 1e-5, c.name, names[i]);
+            free(got[i]);
+        }
+        kiln_block_mask_free(bm);
+        kiln_flex_free(f);
+        free(q), free(k), free(v), free(w), free(y), free(lse), free(dq), free(dk), free(dv);
+    }
+    if (!test_opt_on("FLEX_FUSED")) return;
+    /* the fused path ran: the backward op's own kernel on this device ... */
+    int64_t qs[4] = {1, 8, 1024, 16}, ks[4] = {1, 8, 1024, 16};
+    kiln_manual_seed(45);
+    kiln_tensor_t *q = kiln_randn(qs, 4, KILN_DTYPE_F32), *k = kiln_randn(ks, 4, KILN_DTYPE_F32),
+                  *v = kiln_randn(ks, 4, KILN_DTYPE_F32);
+    kiln__backend *be = kiln__backend_find(kiln_tensor_device(q));
+    int ops = 0;
+    for (int i = 0; i < kiln_op_count(); i++)
+        if (!strncmp(kiln_op_name(i), "flex_attention_backward_", 24)) {
+            if (!kiln__be_has_kernel(be, i)) fail_msg("%s has no kernel of its own on %s", kiln_op_name(i), kiln_device());
+            ops++;
+        }
+    assert_true(ops > 0);
+    /* ... and no (T, T) matrix: the peak of one causal forward and backward (8 x 1024 key rows) */
+    kiln_flex_t *f;
+    kiln_block_mask_t *bm;
+    assert_int_equal(kiln_flex_preset("causal", NULL, &f), KILN_OK);
+    assert_int_equal(kiln_block_mask_new(f, 1, 8, 1024, 1024, 64, 0, &bm), KILN_OK);
+    kiln_memory_reset_peak();
+    size_t before = kiln_memory_peak();
+    kiln_scope_begin();
+    kiln_tensor_t *in[3];
+    for (int i = 0; i < 3; i++) {
+        in[i] = kiln_detach(i == 0 ? q : i == 1 ? k : v);
+        kiln_tensor_set_requires_grad(in[i], true);
+    }
+    kiln_tensor_t *y = kiln_flex_attention(in[0], in[1], in[2], f, bm, 0, NULL);
+    assert_int_equal(kiln_backward(kiln_sum(y, NULL, 0, false)), KILN_OK);
+    assert_non_null(kiln_tensor_grad(in[1]));
+    kiln_scope_end();
+    size_t peak = kiln_memory_peak() - before, matrix = 8 * 1024 * 1024 * sizeof(float);
+    if (peak >= matrix) fail_msg("one forward and backward held %zu bytes on %s: a (T, T) matrix is %zu", peak, kiln_device(), matrix);
+    kiln_block_mask_free(bm);
+    kiln_flex_free(f);
+}
+
 /* PyTorch 2.x's flex_attention on the same inputs (the golden file), forward and lse. */
 static void matches_pytorch_flex_attention(void **state)
 {
@@ -451,10 +642,11 @@ static void compiled_and_replayed_match_eager(void **state)
     kiln_compiled_free(cf);
 }
 
-/* The fused forward's CUDA C compiles with NVRTC, the compiler the CUDA backend builds it
- * with (sm_90; no GPU needed; it runs where one is: test_flex_cuda in bench/gpu.sh), for
- * presets with and without captured tensors and a user's modifiers; skipped, not passed,
- * where NVRTC is not. The OpenCL C of the same generator runs in test_flex_opencl. */
+/* The fused kernels' CUDA C (the forward, and the backward's dQ and dK/dV kernels)
+ * compiles with NVRTC, the compiler the CUDA backend builds it with (sm_90; no GPU
+ * needed; it runs where one is: test_flex_cuda in bench/gpu.sh), for presets with and
+ * without captured tensors and a user's modifiers; skipped, not passed, where NVRTC is
+ * not. The OpenCL C of the same generator runs in test_flex_opencl. */
 kiln_status kiln__cuda_nvrtc(const char *src, const char *name, int major, int minor, char **ptx);
 
 static void cuda_source_compiles_with_nvrtc(void **state)
@@ -475,13 +667,17 @@ static void cuda_source_compiles_with_nvrtc(void **state)
         kiln_status st = i < 4 ? kiln_flex_preset(specs[i], &in, &f)
                                : kiln_flex_new("score / (1 + abs(score)) - max(score, 0.5)", "kv_idx <= q_idx", NULL, 0, &f);
         assert_int_equal(st, KILN_OK);
-        char *src = kiln__flex_device_source(f, true);
-        assert_non_null(src);
-        if (kiln__cuda_nvrtc(src, "flex_fwd_dev", 9, 0, &ptx) != KILN_OK)
-            fail_msg("%s: %s\n%s", i < 4 ? specs[i] : "user", kiln_last_error(), src);
-        assert_non_null(strstr(ptx, ".entry flex_fwd_dev"));
-        free(ptx);
-        free(src);
+        for (int backward = 0; backward < 2; backward++) { /* the forward, then the backward's two kernels */
+            char *src = kiln__flex_device_source(f, true, backward);
+            assert_non_null(src);
+            if (kiln__cuda_nvrtc(src, backward ? "flex_bwd_dev" : "flex_fwd_dev", 9, 0, &ptx) != KILN_OK)
+                fail_msg("%s (%s): %s\n%s", i < 4 ? specs[i] : "user", backward ? "backward" : "forward",
+                         kiln_last_error(), src);
+            assert_non_null(strstr(ptx, backward ? ".entry flex_bwd_dq_dev" : ".entry flex_fwd_dev"));
+            if (backward) assert_non_null(strstr(ptx, ".entry flex_bwd_dkv_dev"));
+            free(ptx);
+            free(src);
+        }
         kiln_flex_free(f);
     }
 }
@@ -588,6 +784,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(presets_and_user_modifiers_match_the_definition, setup, teardown),
         cmocka_unit_test_setup_teardown(gradients_match_finite_differences, setup, teardown),
+        cmocka_unit_test_setup_teardown(fused_gradients_match_the_oracle, setup, teardown),
         cmocka_unit_test_setup_teardown(matches_pytorch_flex_attention, setup, teardown),
         cmocka_unit_test_setup_teardown(block_masks_classify_blocks, setup, teardown),
         cmocka_unit_test_setup_teardown(compiled_and_replayed_match_eager, setup, teardown),

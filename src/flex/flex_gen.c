@@ -1,12 +1,16 @@
-/* Flex attention's fused forward on the cpu. One task per (b, h, query block): the
- * scores of the block's rows against the key blocks the block mask lists (empty ones
+/* Flex attention's fused kernels, the kernels of two custom ops per modifiers (the
+ * forward and its backward). On the cpu, the forward: one task per (b, h, query block),
+ * the scores of the block's rows against the key blocks the block mask lists (empty ones
  * never), side by side in a tile buffer, each a GEMM on the BLAS; the modifiers applied
  * to the tile by a generated function (the expressions' trees written as C: the score
  * modifier on every score, the mask only in the partial blocks); the row softmax; and
  * O = P V, a GEMM per block. No (Tq, Tk) matrix is held: a tile is one query block's
- * rows. The generated function is built through the compiler's kernel cache
- * (src/compile/jit.c) once per modifiers, dtype and captured tensors' dtypes. A call
- * that needs gradients takes the dense path (flex.c). */
+ * rows. The generated functions are built through the compiler's kernel cache
+ * (src/compile/jit.c) once per modifiers, dtype and captured tensors' dtypes. The
+ * backward: one task per (b, kv head), the tiles again (FLEX_BACKWARD). On OpenCL and
+ * CUDA (f32): OpenCL C or CUDA C from one generator (kiln__flex_device_source), one
+ * work-item per query row for the forward and dQ, one per key row for dK and dV. A call
+ * whose captured tensors want a gradient takes the dense path (flex.c). */
 #include <cblas.h>
 #include <dlfcn.h>
 #include <stdatomic.h>
@@ -467,7 +471,7 @@ static char *source(const kiln_flex_t *f, bool f64)
     return b.s;
 }
 
-/* ---- OpenCL and CUDA: the forward, one work-item per query row ---- */
+/* ---- OpenCL and CUDA: one work-item per query row (the forward, dQ) or key row (dK, dV) ---- */
 
 /* The dialects' words, as macros at the top of the source. */
 static const char cl_words[] =
@@ -479,15 +483,70 @@ static const char cuda_words[] =
     "#define GID ((LONG)blockIdx.x * blockDim.x + threadIdx.x)\n#define KERNEL extern \"C\" __global__ void\n"
     "#define FN __device__ inline\n#define EXPF expf\n#define LOGF logf\n";
 
-/* The source of f's forward (f32) in OpenCL C (cuda false) or CUDA C: each work-item one
- * query row (b, h, q_idx), walking its block's listed key blocks with an online softmax
- * (rows of up to 256). Its arguments: each buffer a (pointer, byte offset) pair, as both
- * backends pass them. */
-char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda)
+/* A kernel's opening: its name and own buffers, then what every kernel takes (a block
+ * list: counts of full and partial blocks, starts and block indices; the captured
+ * tensors; the bad flag; the sizes, nblk being the list's blocks per (b, h); the scale;
+ * the captured tensors' dims), and the captured tensors set up for the expressions. */
+static void dev_open(sbuf *b, const char *name, const char *bufs)
+{
+    put(b, "KERNEL %s(%s,\n"
+           "    GLOBAL int *nfull, ULONG nfo, GLOBAL int *npart, ULONG npo, GLOBAL LONG *start, ULONG sto,\n"
+           "    GLOBAL LONG *list, ULONG lso, GLOBAL UCHAR *c0, ULONG c0o, GLOBAL UCHAR *c1, ULONG c1o, GLOBAL int *bad, ULONG bo,\n"
+           "    LONG B, LONG H, LONG Hkv, LONG q_len, LONG kv_len, LONG D, LONG mB, LONG mH, LONG nblk, LONG blk, LONG kvb,\n"
+           "    float scale, LONG c00, LONG c01, LONG c02, LONG c03, LONG c10, LONG c11, LONG c12, LONG c13)\n{\n"
+           "    flex_args A;\n    flex_args *a = &A;\n    (void)a;\n"
+           "    A.cap[0] = c0 + c0o;\n    A.cap[1] = c1 + c1o;\n"
+           "    A.cap_dim[0][0] = c00, A.cap_dim[0][1] = c01, A.cap_dim[0][2] = c02, A.cap_dim[0][3] = c03;\n"
+           "    A.cap_dim[1][0] = c10, A.cap_dim[1][1] = c11, A.cap_dim[1][2] = c12, A.cap_dim[1][3] = c13;\n"
+           "    A.bad = AT(int, bad, bo);\n", name, bufs);
+}
+
+/* `if (the block is partial and the mask says no) continue;` (nothing without a mask). */
+static void dev_mask_skip(sbuf *b, gen *g, const char *ind)
+{
+    if (!g->f->ps[1]) return;
+    g->ps = g->f->ps[1];
+    put(b, "%sif (n >= nf && !(", ind);
+    emit(g, g->f->ps[1]->root, b);
+    put(b, ")) continue;\n");
+}
+
+/* The backward's pair (qi, kj): the score, sp = score_mod(score), md = d sp / d score,
+ * p = exp(sp - L) (a masked score skipped), dp = dO . v, ds = p (dp - Dm) md scale. */
+static void dev_pair_bwd(sbuf *b, gen *g, const char *ind)
+{
+    put(b, "%sfloat score = 0;\n%sfor (LONG d = 0; d < D; d++) score += qi[d] * kj[d];\n%sscore *= scale;\n", ind, ind,
+        ind);
+    put(b, "%sconst float sp = (float)(", ind);
+    if (g->f->ps[0]) {
+        g->ps = g->f->ps[0];
+        emit(g, g->f->ps[0]->root, b);
+    } else {
+        put(b, "score");
+    }
+    put(b, ");\n%sconst float md = (float)(", ind);
+    if (g->f->ps[0]) emit_d(g, g->f->ps[0]->root, b);
+    else put(b, "1");
+    put(b, ");\n%sif (!(sp > -INFINITY)) continue;\n%sconst float p = EXPF(sp - L);\n", ind, ind);
+    put(b, "%sfloat dp = 0;\n%sfor (LONG d = 0; d < D; d++) dp += doi[d] * vj[d];\n"
+           "%sconst float ds = p * (dp - Dm) * md * scale;\n", ind, ind, ind);
+}
+
+/* The source of f's fused kernels (f32) in OpenCL C (cuda false) or CUDA C, rows of up to
+ * 256. The forward (backward false), flex_fwd_dev: each work-item one query row (b, h,
+ * q_idx), walking its block's listed key blocks with an online softmax. The backward
+ * (backward true), two kernels that each own what they write (no atomics):
+ * flex_bwd_dq_dev, one work-item per query row over the same key blocks, dQ = sum of
+ * ds K; flex_bwd_dkv_dev, one work-item per key row (b, kv head, kv_idx) over the query
+ * heads of its group and the query blocks that list its key block (the block mask
+ * transposed), dV = sum of p dO and dK = sum of ds Q. Each buffer argument is a
+ * (pointer, byte offset) pair, as both backends pass them. */
+char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda, bool backward)
 {
     sbuf b = {0};
-    put(&b, "/* Generated by kiln %s: flex attention's forward (%s, f32).\n   score_mod: %s\n   mask_mod: %s */\n",
-        KILN_VERSION, cuda ? "CUDA C" : "OpenCL C", *f->score ? f->score : "(none)", *f->mask ? f->mask : "(none)");
+    put(&b, "/* Generated by kiln %s: flex attention's %s (%s, f32).\n   score_mod: %s\n   mask_mod: %s */\n",
+        KILN_VERSION, backward ? "backward" : "forward", cuda ? "CUDA C" : "OpenCL C", *f->score ? f->score : "(none)",
+        *f->mask ? f->mask : "(none)");
     put(&b, "%s\n%s\n", cuda ? kiln__codegen_prelude_cuda() : kiln__codegen_prelude_cl(), cuda ? cuda_words : cl_words);
     put(&b, "typedef struct {\n    GLOBAL const void *cap[8];\n    LONG cap_dim[8][4];\n    GLOBAL int *bad;\n} flex_args;\n"
             "FN LONG flex_at(LONG i, LONG n, GLOBAL int *bad, int which)\n"
@@ -496,55 +555,87 @@ char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda)
             "FN LONG flex_imax(LONG x, LONG y) { return x > y ? x : y; }\n"
             "FN LONG flex_iabs(LONG x) { return x < 0 ? -x : x; }\n"
             "#define AT(T, p, o) ((GLOBAL T *)((GLOBAL UCHAR *)(p) + (o)))\n\n");
-    put(&b, "KERNEL flex_fwd_dev(GLOBAL float *q, ULONG qo, GLOBAL float *k, ULONG ko, GLOBAL float *v, ULONG vo,\n"
-            "    GLOBAL float *y, ULONG yo, GLOBAL float *lse, ULONG lo, GLOBAL int *nfull, ULONG nfo,\n"
-            "    GLOBAL int *npart, ULONG npo, GLOBAL LONG *start, ULONG sto, GLOBAL LONG *kvl, ULONG kvo,\n"
-            "    GLOBAL UCHAR *c0, ULONG c0o, GLOBAL UCHAR *c1, ULONG c1o, GLOBAL int *bad, ULONG bo,\n"
-            "    LONG B, LONG H, LONG Hkv, LONG q_len, LONG kv_len, LONG D, LONG mB, LONG mH, LONG nq, LONG blk, LONG kvb,\n"
-            "    float scale, LONG c00, LONG c01, LONG c02, LONG c03, LONG c10, LONG c11, LONG c12, LONG c13)\n{\n"
-            "    const LONG gid = GID;\n    if (gid >= B * H * q_len) return;\n"
-            "    flex_args A;\n    flex_args *a = &A;\n"
-            "    A.cap[0] = c0 + c0o;\n    A.cap[1] = c1 + c1o;\n"
-            "    A.cap_dim[0][0] = c00, A.cap_dim[0][1] = c01, A.cap_dim[0][2] = c02, A.cap_dim[0][3] = c03;\n"
-            "    A.cap_dim[1][0] = c10, A.cap_dim[1][1] = c11, A.cap_dim[1][2] = c12, A.cap_dim[1][3] = c13;\n"
-            "    A.bad = AT(int, bad, bo);\n"
-            "    const LONG q_idx = gid %% q_len, bh = gid / q_len, b = bh / H, h = bh %% H, hk = h / (H / Hkv);\n"
-            "    const LONG r = ((mB == 1 ? 0 : b) * mH + (mH == 1 ? 0 : h)) * nq + q_idx / blk;\n"
-            "    const LONG nf = AT(int, nfull, nfo)[r], nb = nf + AT(int, npart, npo)[r];\n"
-            "    GLOBAL const LONG *kl = AT(LONG, kvl, kvo) + AT(LONG, start, sto)[r];\n"
-            "    GLOBAL const float *qi = AT(float, q, qo) + gid * D;\n"
-            "    GLOBAL const float *K = AT(float, k, ko) + (b * Hkv + hk) * kv_len * D;\n"
-            "    GLOBAL const float *V = AT(float, v, vo) + (b * Hkv + hk) * kv_len * D;\n"
-            "    float m = -INFINITY, l = 0, acc[256];\n    (void)a;\n"
-            "    for (LONG d = 0; d < D; d++) acc[d] = 0;\n"
-            "    for (LONG n = 0; n < nb; n++) {\n"
-            "        const LONG k0 = kl[n] * kvb, k1 = k0 + kvb < kv_len ? k0 + kvb : kv_len;\n"
-            "        for (LONG kv_idx = k0; kv_idx < k1; kv_idx++) {\n");
     gen g = {.f = f, .f64 = false, .cl = true};
-    if (f->ps[1]) {
-        g.ps = f->ps[1];
-        put(&b, "            if (n >= nf && !(");
-        emit(&g, f->ps[1]->root, &b);
-        put(&b, ")) continue;\n");
+    /* a query row's listed key blocks: r its row of the block mask, kl[0..nb) its blocks */
+    static const char query_row[] =
+        "    const LONG q_idx = gid % q_len, bh = gid / q_len, b = bh / H, h = bh % H, hk = h / (H / Hkv);\n"
+        "    const LONG r = ((mB == 1 ? 0 : b) * mH + (mH == 1 ? 0 : h)) * nblk + q_idx / blk;\n"
+        "    const LONG nf = AT(int, nfull, nfo)[r], nb = nf + AT(int, npart, npo)[r];\n"
+        "    GLOBAL const LONG *kl = AT(LONG, list, lso) + AT(LONG, start, sto)[r];\n"
+        "    GLOBAL const float *qi = AT(float, q, qo) + gid * D;\n"
+        "    GLOBAL const float *K = AT(float, k, ko) + (b * Hkv + hk) * kv_len * D;\n"
+        "    GLOBAL const float *V = AT(float, v, vo) + (b * Hkv + hk) * kv_len * D;\n";
+    static const char key_blocks[] =
+        "        const LONG k0 = kl[n] * kvb, k1 = k0 + kvb < kv_len ? k0 + kvb : kv_len;\n"
+        "        for (LONG kv_idx = k0; kv_idx < k1; kv_idx++) {\n";
+    if (!backward) {
+        dev_open(&b, "flex_fwd_dev", "GLOBAL float *q, ULONG qo, GLOBAL float *k, ULONG ko, GLOBAL float *v, ULONG vo,\n"
+                                     "    GLOBAL float *y, ULONG yo, GLOBAL float *lse, ULONG lo");
+        put(&b, "    const LONG gid = GID;\n    if (gid >= B * H * q_len) return;\n%s"
+                "    float m = -INFINITY, l = 0, acc[256];\n"
+                "    for (LONG d = 0; d < D; d++) acc[d] = 0;\n"
+                "    for (LONG n = 0; n < nb; n++) {\n%s", query_row, key_blocks);
+        dev_mask_skip(&b, &g, "            ");
+        put(&b, "            float score = 0;\n"
+                "            for (LONG d = 0; d < D; d++) score += qi[d] * K[kv_idx * D + d];\n"
+                "            score *= scale;\n");
+        if (f->ps[0]) {
+            g.ps = f->ps[0];
+            put(&b, "            score = (float)(");
+            emit(&g, f->ps[0]->root, &b);
+            put(&b, ");\n");
+        }
+        put(&b, "            if (!(score > -INFINITY)) continue;\n"
+                "            if (score > m) {\n                const float c = EXPF(m - score);\n                l *= c;\n"
+                "                for (LONG d = 0; d < D; d++) acc[d] *= c;\n                m = score;\n            }\n"
+                "            const float p = EXPF(score - m);\n            l += p;\n"
+                "            for (LONG d = 0; d < D; d++) acc[d] += p * V[kv_idx * D + d];\n"
+                "        }\n    }\n"
+                "    GLOBAL float *yi = AT(float, y, yo) + gid * D;\n"
+                "    for (LONG d = 0; d < D; d++) yi[d] = l > 0 ? acc[d] / l : 0;\n"
+                "    AT(float, lse, lo)[gid] = l > 0 ? m + LOGF(l) : -INFINITY;\n}\n");
+    } else {
+        static const char bwd_bufs[] =
+            "GLOBAL float *dO, ULONG dOo, GLOBAL float *q, ULONG qo, GLOBAL float *k, ULONG ko,\n"
+            "    GLOBAL float *v, ULONG vo, GLOBAL float *lse, ULONG lo, GLOBAL float *dm, ULONG dmo";
+        char bufs[512];
+        snprintf(bufs, sizeof bufs, "%s,\n    GLOBAL float *dq, ULONG dqo", bwd_bufs);
+        dev_open(&b, "flex_bwd_dq_dev", bufs);
+        put(&b, "    const LONG gid = GID;\n    if (gid >= B * H * q_len) return;\n%s"
+                "    GLOBAL const float *doi = AT(float, dO, dOo) + gid * D;\n"
+                "    const float L = AT(float, lse, lo)[gid], Dm = AT(float, dm, dmo)[gid];\n"
+                "    float acc[256];\n    for (LONG d = 0; d < D; d++) acc[d] = 0;\n"
+                "    for (LONG n = 0; n < nb && L > -INFINITY; n++) {\n%s", query_row, key_blocks);
+        dev_mask_skip(&b, &g, "            ");
+        put(&b, "            GLOBAL const float *kj = K + kv_idx * D, *vj = V + kv_idx * D;\n");
+        dev_pair_bwd(&b, &g, "            ");
+        put(&b, "            for (LONG d = 0; d < D; d++) acc[d] += ds * kj[d];\n        }\n    }\n"
+                "    GLOBAL float *dqi = AT(float, dq, dqo) + gid * D;\n"
+                "    for (LONG d = 0; d < D; d++) dqi[d] = acc[d];\n}\n\n");
+        snprintf(bufs, sizeof bufs, "%s,\n    GLOBAL float *dk, ULONG dko, GLOBAL float *dv, ULONG dvo", bwd_bufs);
+        dev_open(&b, "flex_bwd_dkv_dev", bufs);
+        put(&b, "    const LONG gid = GID;\n    if (gid >= B * Hkv * kv_len) return;\n"
+                "    const LONG kv_idx = gid %% kv_len, bk = gid / kv_len, b = bk / Hkv, hk = bk %% Hkv, G = H / Hkv;\n"
+                "    GLOBAL const float *kj = AT(float, k, ko) + gid * D, *vj = AT(float, v, vo) + gid * D;\n"
+                "    float ak[256], av[256];\n    for (LONG d = 0; d < D; d++) ak[d] = av[d] = 0;\n"
+                "    for (LONG h = hk * G; h < hk * G + G; h++) {\n"
+                "        const LONG r = ((mB == 1 ? 0 : b) * mH + (mH == 1 ? 0 : h)) * nblk + kv_idx / kvb;\n"
+                "        const LONG nf = AT(int, nfull, nfo)[r], nb = nf + AT(int, npart, npo)[r];\n"
+                "        GLOBAL const LONG *ql = AT(LONG, list, lso) + AT(LONG, start, sto)[r];\n"
+                "        for (LONG n = 0; n < nb; n++) {\n"
+                "            const LONG q0 = ql[n] * blk, q1 = q0 + blk < q_len ? q0 + blk : q_len;\n"
+                "            for (LONG q_idx = q0; q_idx < q1; q_idx++) {\n");
+        dev_mask_skip(&b, &g, "                ");
+        put(&b, "                const LONG row = (b * H + h) * q_len + q_idx;\n"
+                "                const float L = AT(float, lse, lo)[row], Dm = AT(float, dm, dmo)[row];\n"
+                "                if (!(L > -INFINITY)) continue;\n"
+                "                GLOBAL const float *qi = AT(float, q, qo) + row * D, *doi = AT(float, dO, dOo) + row * D;\n");
+        dev_pair_bwd(&b, &g, "                ");
+        put(&b, "                for (LONG d = 0; d < D; d++) av[d] += p * doi[d], ak[d] += ds * qi[d];\n"
+                "            }\n        }\n    }\n"
+                "    GLOBAL float *dki = AT(float, dk, dko) + gid * D, *dvi = AT(float, dv, dvo) + gid * D;\n"
+                "    for (LONG d = 0; d < D; d++) dki[d] = ak[d], dvi[d] = av[d];\n}\n");
     }
-    put(&b, "            float score = 0;\n"
-            "            for (LONG d = 0; d < D; d++) score += qi[d] * K[kv_idx * D + d];\n"
-            "            score *= scale;\n");
-    if (f->ps[0]) {
-        g.ps = f->ps[0];
-        put(&b, "            score = (float)(");
-        emit(&g, f->ps[0]->root, &b);
-        put(&b, ");\n");
-    }
-    put(&b, "            if (!(score > -INFINITY)) continue;\n"
-            "            if (score > m) {\n                const float c = EXPF(m - score);\n                l *= c;\n"
-            "                for (LONG d = 0; d < D; d++) acc[d] *= c;\n                m = score;\n            }\n"
-            "            const float p = EXPF(score - m);\n            l += p;\n"
-            "            for (LONG d = 0; d < D; d++) acc[d] += p * V[kv_idx * D + d];\n"
-            "        }\n    }\n"
-            "    GLOBAL float *yi = AT(float, y, yo) + gid * D;\n"
-            "    for (LONG d = 0; d < D; d++) yi[d] = l > 0 ? acc[d] / l : 0;\n"
-            "    AT(float, lse, lo)[gid] = l > 0 ? m + LOGF(l) : -INFINITY;\n}\n");
     if (b.oom) {
         free(b.s);
         return NULL;
@@ -572,8 +663,8 @@ typedef struct entry {
     void (*blocks)(const flex_args *a, int64_t b, int64_t h, int64_t qb, int64_t kb0, int64_t kb1, int64_t *on);
     struct {
         kiln__backend *be;
-        void *kernel;
-    } cl[4]; /* the OpenCL or CUDA forward, built per device */
+        void *kernel[3]; /* flex_fwd_dev, flex_bwd_dq_dev, flex_bwd_dkv_dev, each built on first use */
+    } cl[4]; /* the OpenCL or CUDA kernels, per device */
     int op_fwd, op_bwd;
     struct entry *next;
 } entry;
@@ -876,6 +967,108 @@ static kiln_status bwd_kernel(const kiln_op_args *x)
     return finish(e, &r, own, bad, x->in + 6);
 }
 
+/* ---- the OpenCL and CUDA kernels of the two ops ---- */
+
+static const char *const dev_names[3] = {"flex_fwd_dev", "flex_bwd_dq_dev", "flex_bwd_dkv_dev"};
+
+/* e's device kernel `which` (0 the forward, 1 dQ, 2 dK and dV) on be, built on first use
+ * from kiln__flex_device_source. */
+static kiln_status dev_kernel(entry *e, kiln__backend *be, int which, void **out)
+{
+    pthread_mutex_lock(&lock);
+    kiln_status s = KILN_OK;
+    int slot = 0;
+    while (slot < 4 && e->cl[slot].be && e->cl[slot].be != be) slot++;
+    if (slot == 4) s = kiln_error(KILN_ERR_UNSUPPORTED, "flex_attention: built for 4 devices already");
+    else if (!e->cl[slot].kernel[which]) {
+        char *src = kiln__flex_device_source(e->tmpl, kiln__backend_is(be, "cuda"), which > 0);
+        void *kn = NULL;
+        s = src ? kiln__be_compile_kernel(be, src, dev_names[which], &kn) : kiln_error(KILN_ERR_OOM, "flex: out of memory");
+        free(src);
+        if (s == KILN_OK) e->cl[slot].be = be, e->cl[slot].kernel[which] = kn;
+    }
+    *out = s == KILN_OK ? e->cl[slot].kernel[which] : NULL;
+    pthread_mutex_unlock(&lock);
+    return s;
+}
+
+/* What both device kernels check first: f32 rows of up to 256 (kiln__flex_fused sends
+ * nothing else here). */
+static kiln_status dev_fits(const kiln_tensor_t *q)
+{
+    if (q->dtype == KILN_DTYPE_F32 && q->shape[3] <= 256) return KILN_OK;
+    return kiln_error(KILN_ERR_UNSUPPORTED, "flex_attention on %s: f32 rows of up to 256 (the dense path takes the rest)",
+                      q->st->be->name);
+}
+
+/* The block mask of a device call: the one its attribute names, or one made for the call
+ * from its captured tensors caps (in *own; kiln__flex_fused takes a device without one
+ * only when no tensor is captured, so none is read back). */
+static kiln_status dev_mask(const kiln_op_args *x, const entry *e, const kiln_tensor_t *q, const kiln_tensor_t *k,
+                            kiln_tensor_t *const *caps, int n_cap, const kiln_block_mask_t **bm, kiln_block_mask_t **own)
+{
+    *own = NULL;
+    *bm = (const kiln_block_mask_t *)(intptr_t)x->attr[1].i;
+    if (*bm) return KILN_OK;
+    kiln_flex_t *f = NULL;
+    kiln_status s = kiln_flex_new(e->tmpl->score, e->tmpl->mask, caps, n_cap, &f);
+    if (s == KILN_OK) s = kiln_block_mask_new(f, q->shape[0], q->shape[1], q->shape[2], k->shape[2], 64, 0, own);
+    kiln_flex_free(f);
+    *bm = *own;
+    return s;
+}
+
+/* A list of blocks per row, as the block mask keeps it: row r's n_full[r] full blocks
+ * then its n_partial[r] partial ones at list[start[r]...]. */
+typedef struct {
+    int64_t rows, n; /* n: the blocks listed in all */
+    int32_t *n_full, *n_partial;
+    int64_t *start, *list;
+} block_list;
+
+static block_list mask_list(const kiln_block_mask_t *bm)
+{
+    int64_t rows = bm->B * bm->H * bm->nq;
+    return (block_list){rows, bm->start[rows - 1] + bm->n_full[rows - 1] + bm->n_partial[rows - 1], bm->n_full,
+                        bm->n_partial, bm->start, bm->kv};
+}
+
+static void list_free(block_list *t)
+{
+    free(t->n_full), free(t->n_partial), free(t->start), free(t->list);
+}
+
+/* The block mask transposed, for the dK and dV kernel: for each (b, h, key block) of the
+ * mask, the query blocks that list it, full ones then partial ones, each in ascending
+ * order. A counting sort over the listed blocks: O(blocks). */
+static kiln_status transposed(const kiln_block_mask_t *bm, block_list *t)
+{
+    const block_list m = mask_list(bm);
+    const int64_t nq = bm->nq, nk = bm->nk;
+    *t = (block_list){.rows = bm->B * bm->H * nk, .n = m.n};
+    t->n_full = calloc((size_t)t->rows, sizeof *t->n_full);
+    t->n_partial = calloc((size_t)t->rows, sizeof *t->n_partial);
+    t->start = calloc((size_t)t->rows + 1, sizeof *t->start);
+    t->list = malloc(sizeof *t->list * (size_t)(m.n > 0 ? m.n : 1));
+    int64_t *fill = calloc((size_t)t->rows * 2, sizeof *fill); /* full, partial placed so far */
+    if (!t->n_full || !t->n_partial || !t->start || !t->list || !fill) {
+        list_free(t);
+        free(fill);
+        return kiln_error(KILN_ERR_OOM, "flex_attention: out of memory for the transposed block mask");
+    }
+    for (int64_t r = 0; r < m.rows; r++)
+        for (int64_t j = 0, nf = m.n_full[r]; j < nf + m.n_partial[r]; j++)
+            (j < nf ? t->n_full : t->n_partial)[r / nq * nk + m.list[m.start[r] + j]]++;
+    for (int64_t r = 0; r < t->rows; r++) t->start[r + 1] = t->start[r] + t->n_full[r] + t->n_partial[r];
+    for (int64_t r = 0; r < m.rows; r++)
+        for (int64_t j = 0, nf = m.n_full[r]; j < nf + m.n_partial[r]; j++) {
+            const int64_t c = r / nq * nk + m.list[m.start[r] + j];
+            t->list[t->start[c] + (j < nf ? fill[2 * c]++ : t->n_full[c] + fill[2 * c + 1]++)] = r % nq;
+        }
+    free(fill);
+    return KILN_OK;
+}
+
 /* A host array copied into a new tensor on be (no dispatch: this runs inside a kernel). */
 static kiln_tensor_t *on_device(kiln__backend *be, const void *host, kiln_dtype dt, int64_t n)
 {
@@ -888,72 +1081,127 @@ static kiln_tensor_t *on_device(kiln__backend *be, const void *host, kiln_dtype 
     return t;
 }
 
-/* The forward op's OpenCL and CUDA kernel (f32, rows of up to 256, at most 2 captured
- * tensors), built per device from kiln__flex_device_source. */
-static kiln_status fwd_kernel_dev(const kiln_op_args *x)
+/* A block list copied to be: d[0..4) its counts of full and partial blocks, starts and
+ * blocks (freed by the caller, NULL ones too). */
+static kiln_status list_to_device(kiln__backend *be, const block_list *l, kiln_tensor_t *d[4])
 {
-    entry *e = x->user;
-    kiln_tensor_t *q = x->in[0], *k = x->in[1], *v = x->in[2];
-    kiln__backend *be = q->st->be;
-    int n_cap = x->n_in - 3;
-    if (q->dtype != KILN_DTYPE_F32 || q->shape[3] > 256)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "flex_attention on %s: f32 rows of up to 256 (the dense path takes "
-                          "the rest)", be->name);
-    pthread_mutex_lock(&lock);
-    kiln_status s = KILN_OK;
-    int slot = 0;
-    while (slot < 4 && e->cl[slot].be && e->cl[slot].be != be) slot++;
-    if (slot == 4) s = kiln_error(KILN_ERR_UNSUPPORTED, "flex_attention: built for 4 OpenCL devices already");
-    else if (!e->cl[slot].be) {
-        char *src = kiln__flex_device_source(e->tmpl, kiln__backend_is(be, "cuda"));
-        void *kn = NULL;
-        s = src ? kiln__be_compile_kernel(be, src, "flex_fwd_dev", &kn) : kiln_error(KILN_ERR_OOM, "flex: out of memory");
-        free(src);
-        if (s == KILN_OK) e->cl[slot].be = be, e->cl[slot].kernel = kn;
-    }
-    void *kernel = s == KILN_OK ? e->cl[slot].kernel : NULL;
-    pthread_mutex_unlock(&lock);
-    if (s != KILN_OK) return s;
-    kiln_block_mask_t *own = NULL;
-    const kiln_block_mask_t *bm = (const kiln_block_mask_t *)(intptr_t)x->attr[1].i;
-    if (!bm) {
-        kiln_flex_t *f;
-        if ((s = kiln_flex_new(e->tmpl->score, e->tmpl->mask, x->in + 3, n_cap, &f)) == KILN_OK)
-            s = kiln_block_mask_new(f, q->shape[0], q->shape[1], q->shape[2], k->shape[2], 64, 0, &own);
-        kiln_flex_free(f);
-        if (s != KILN_OK) return s;
-        bm = own;
-    }
-    int64_t rows = bm->B * bm->H * bm->nq, zero = 0;
-    kiln_tensor_t *nf = on_device(be, bm->n_full, KILN_DTYPE_I32, rows), *np = on_device(be, bm->n_partial, KILN_DTYPE_I32, rows);
-    kiln_tensor_t *st = on_device(be, bm->start, KILN_DTYPE_I64, rows + 1);
-    kiln_tensor_t *kv = on_device(be, bm->kv, KILN_DTYPE_I64, bm->start[rows - 1] + bm->n_full[rows - 1] + bm->n_partial[rows - 1]);
-    kiln_tensor_t *bad = on_device(be, &zero, KILN_DTYPE_I32, 1);
-    if (!nf || !np || !st || !kv || !bad) s = kiln_last_status() ? kiln_last_status() : kiln_error(KILN_ERR_OOM, "flex: out of memory");
-    if (s == KILN_OK) {
-        kiln__karg args[48];
-        int n = 0;
-        kiln_tensor_t *bufs[12] = {q, k, v, x->out[0], x->out[1], nf, np, st, kv, n_cap > 0 ? x->in[3] : bad,
-                                   n_cap > 1 ? x->in[4] : bad, bad};
-        for (int i = 0; i < 12; i++) args[n++] = (kiln__karg){KILN__KARG_BUF, kiln__data(bufs[i]), 0, 0};
-        int64_t sizes[11] = {q->shape[0], q->shape[1], k->shape[1], q->shape[2], k->shape[2], q->shape[3],
-                             bm->B, bm->H, bm->nq, bm->block, bm->kv_block};
-        for (int i = 0; i < 11; i++) args[n++] = (kiln__karg){KILN__KARG_I64, NULL, sizes[i], 0};
-        args[n++] = (kiln__karg){KILN__KARG_F32, NULL, 0, x->attr[0].f};
-        for (int c = 0; c < 2; c++)
-            for (int d = 0; d < 4; d++)
-                args[n++] = (kiln__karg){KILN__KARG_I64, NULL, c < n_cap && d < x->in[3 + c]->ndim ? x->in[3 + c]->shape[d] : 1, 0};
-        size_t grid = (size_t)(q->shape[0] * q->shape[1] * q->shape[2]);
-        s = kiln__be_launch(be, kernel, args, n, &grid, NULL, 1);
-    }
+    d[0] = on_device(be, l->n_full, KILN_DTYPE_I32, l->rows);
+    d[1] = on_device(be, l->n_partial, KILN_DTYPE_I32, l->rows);
+    d[2] = on_device(be, l->start, KILN_DTYPE_I64, l->rows + 1);
+    d[3] = on_device(be, l->list, KILN_DTYPE_I64, l->n);
+    if (d[0] && d[1] && d[2] && d[3]) return KILN_OK;
+    return kiln_last_status() ? kiln_last_status() : kiln_error(KILN_ERR_OOM, "flex: out of memory");
+}
+
+/* Launches a generated kernel over `items` work-items, its arguments in the order
+ * dev_open declares them: its own buffers bufs[0..nb), the block list on the device, the
+ * captured tensors (the bad flag standing in for those absent), the bad flag, the sizes
+ * (B, H, Hkv, Tq, Tk, D, then the block mask's mB, mH, the list's blocks per (b, h),
+ * block, kv_block), the scale and the captured tensors' dims. */
+static kiln_status dev_launch(kiln__backend *be, void *kernel, kiln_tensor_t *const *bufs, int nb,
+                              kiln_tensor_t *const list[4], kiln_tensor_t *const *caps, int n_cap, kiln_tensor_t *bad,
+                              const int64_t sizes[11], double scale, int64_t items)
+{
+    kiln__karg args[48];
+    int n = 0;
+    for (int i = 0; i < nb; i++) args[n++] = (kiln__karg){KILN__KARG_BUF, kiln__data(bufs[i]), 0, 0};
+    for (int i = 0; i < 4; i++) args[n++] = (kiln__karg){KILN__KARG_BUF, kiln__data(list[i]), 0, 0};
+    for (int c = 0; c < 2; c++) args[n++] = (kiln__karg){KILN__KARG_BUF, kiln__data(c < n_cap ? caps[c] : bad), 0, 0};
+    args[n++] = (kiln__karg){KILN__KARG_BUF, kiln__data(bad), 0, 0};
+    for (int i = 0; i < 11; i++) args[n++] = (kiln__karg){KILN__KARG_I64, NULL, sizes[i], 0};
+    args[n++] = (kiln__karg){KILN__KARG_F32, NULL, 0, scale};
+    for (int c = 0; c < 2; c++)
+        for (int d = 0; d < 4; d++)
+            args[n++] = (kiln__karg){KILN__KARG_I64, NULL, c < n_cap && d < caps[c]->ndim ? caps[c]->shape[d] : 1, 0};
+    /* work-groups of 64: left to PoCL, they were 4096 work-items, whose private rows
+     * (1 KiB each, 2 KiB in the dK and dV kernel) overflowed its thread's stack at T 1024;
+     * the kernels skip the items past the end */
+    size_t block = 64, grid = ((size_t)items + block - 1) / block * block;
+    return items > 0 ? kiln__be_launch(be, kernel, args, n, &grid, &block, 1) : KILN_OK;
+}
+
+/* After the launches: the bad flag read back (a captured index out of range names its
+ * tensor), the call's device tensors freed. */
+static kiln_status dev_finish(kiln_status s, kiln__backend *be, kiln_tensor_t *bad, kiln_tensor_t *const *caps,
+                              kiln_tensor_t **tmp, int n_tmp, kiln_block_mask_t *own)
+{
     int32_t flag = 0;
     if (s == KILN_OK) s = kiln__be_copy_d2h(be, &flag, kiln__data(bad), sizeof flag);
     if (s == KILN_OK && flag)
         s = kiln_error(KILN_ERR_INDEX, "flex_attention: the modifiers read c%d outside its shape %s", flag - 1,
-                       kiln__shape_text(x->in[3 + flag - 1]));
-    kiln_tensor_free(nf), kiln_tensor_free(np), kiln_tensor_free(st), kiln_tensor_free(kv), kiln_tensor_free(bad);
+                       kiln__shape_text(caps[flag - 1]));
+    for (int i = 0; i < n_tmp; i++) kiln_tensor_free(tmp[i]);
+    kiln_tensor_free(bad);
     kiln_block_mask_free(own);
     return s;
+}
+
+/* The forward op's OpenCL and CUDA kernel (f32, rows of up to 256, at most 2 captured
+ * tensors): in q, k, v, captured...; out y, lse. One work-item per query row. */
+static kiln_status fwd_kernel_dev(const kiln_op_args *x)
+{
+    entry *e = x->user;
+    kiln_tensor_t *q = x->in[0], *k = x->in[1], *const *caps = x->in + 3;
+    kiln__backend *be = q->st->be;
+    int n_cap = x->n_in - 3;
+    void *kernel;
+    const kiln_block_mask_t *bm;
+    kiln_block_mask_t *own = NULL;
+    kiln_status s = dev_fits(q);
+    if (s == KILN_OK) s = dev_kernel(e, be, 0, &kernel);
+    if (s == KILN_OK) s = dev_mask(x, e, q, k, caps, n_cap, &bm, &own);
+    if (s != KILN_OK) return s;
+    int32_t zero = 0;
+    kiln_tensor_t *list[4] = {0}, *bad = on_device(be, &zero, KILN_DTYPE_I32, 1);
+    const block_list l = mask_list(bm);
+    s = bad ? list_to_device(be, &l, list) : kiln_last_status();
+    if (s == KILN_OK) {
+        kiln_tensor_t *bufs[5] = {q, k, x->in[2], x->out[0], x->out[1]};
+        int64_t sizes[11] = {q->shape[0], q->shape[1], k->shape[1], q->shape[2], k->shape[2], q->shape[3],
+                             bm->B, bm->H, bm->nq, bm->block, bm->kv_block};
+        s = dev_launch(be, kernel, bufs, 5, list, caps, n_cap, bad, sizes, x->attr[0].f,
+                       q->shape[0] * q->shape[1] * q->shape[2]);
+    }
+    return dev_finish(s, be, bad, caps, list, 4, own);
+}
+
+/* The backward op's OpenCL and CUDA kernel: in dO, q, k, v, lse, Dm, captured...; out dq,
+ * dk, dv. Two launches, each the only writer of what it writes: dQ per query row over the
+ * block mask, dK and dV per key row over the block mask transposed (made here, O(blocks),
+ * and copied with the mask as the forward copies it). */
+static kiln_status bwd_kernel_dev(const kiln_op_args *x)
+{
+    entry *e = x->user;
+    kiln_tensor_t *q = x->in[1], *k = x->in[2], *const *caps = x->in + 6;
+    kiln__backend *be = q->st->be;
+    int n_cap = x->n_in - 6;
+    void *kq, *kkv;
+    const kiln_block_mask_t *bm;
+    kiln_block_mask_t *own = NULL;
+    kiln_status s = dev_fits(q);
+    if (s == KILN_OK) s = dev_kernel(e, be, 1, &kq);
+    if (s == KILN_OK) s = dev_kernel(e, be, 2, &kkv);
+    if (s == KILN_OK) s = dev_mask(x, e, q, k, caps, n_cap, &bm, &own);
+    if (s != KILN_OK) return s;
+    block_list t;
+    if ((s = transposed(bm, &t)) != KILN_OK) {
+        kiln_block_mask_free(own);
+        return s;
+    }
+    int32_t zero = 0;
+    kiln_tensor_t *list[8] = {0}, *bad = on_device(be, &zero, KILN_DTYPE_I32, 1);
+    const block_list l = mask_list(bm);
+    s = bad ? list_to_device(be, &l, list) : kiln_last_status();
+    if (s == KILN_OK) s = list_to_device(be, &t, list + 4);
+    list_free(&t);
+    int64_t B = q->shape[0], H = q->shape[1], Hkv = k->shape[1], Tq = q->shape[2], Tk = k->shape[2];
+    int64_t sizes[11] = {B, H, Hkv, Tq, Tk, q->shape[3], bm->B, bm->H, bm->nq, bm->block, bm->kv_block};
+    kiln_tensor_t *bufs[8] = {x->in[0], q, k, x->in[3], x->in[4], x->in[5], x->out[0]};
+    if (s == KILN_OK) s = dev_launch(be, kq, bufs, 7, list, caps, n_cap, bad, sizes, x->attr[0].f, B * H * Tq);
+    bufs[6] = x->out[1], bufs[7] = x->out[2];
+    sizes[8] = bm->nk;
+    if (s == KILN_OK) s = dev_launch(be, kkv, bufs, 8, list + 4, caps, n_cap, bad, sizes, x->attr[0].f, B * Hkv * Tk);
+    return dev_finish(s, be, bad, caps, list, 8, own);
 }
 
 static void like(kiln_op_meta *m, const kiln_tensor_t *t)
@@ -1032,7 +1280,8 @@ static kiln_status entry_for(const kiln_flex_t *f, entry **out)
         uint64_t h = kiln__fnv(KILN__FNV_SEED, key, strlen(key));
         const kiln_op_kernel kf[] = {{.device = "cpu", .fn = fwd_kernel}, {.device = "opencl", .fn = fwd_kernel_dev},
                              {.device = "cuda", .fn = fwd_kernel_dev}},
-                             kb[] = {{.device = "cpu", .fn = bwd_kernel}};
+                             kb[] = {{.device = "cpu", .fn = bwd_kernel}, {.device = "opencl", .fn = bwd_kernel_dev},
+                                     {.device = "cuda", .fn = bwd_kernel_dev}};
         snprintf(name, sizeof name, "flex_attention_%016llx", (unsigned long long)h);
         if (s == KILN_OK)
             s = kiln_op_define(&(kiln_op_decl){.name = name, .n_in = 3 + f->n_cap, .n_out = 2, .attrs = "scale:f64,mask:i64",
@@ -1043,7 +1292,7 @@ static kiln_status entry_for(const kiln_flex_t *f, entry **out)
         if (s == KILN_OK)
             s = kiln_op_define(&(kiln_op_decl){.name = name, .n_in = 6 + f->n_cap, .n_out = 3,
                                                .attrs = "scale:f64,mask:i64", .shape = bwd_shape, .kernels = kb,
-                                               .n_kernels = 1, .user = e},
+                                               .n_kernels = 3, .user = e},
                                &e->op_bwd);
         if (s == KILN_OK) {
             e->key = key;
@@ -1067,12 +1316,10 @@ kiln_status kiln__flex_fused(const kiln_flex_t *f, const kiln_block_mask_t *bm, 
 {
     *ran = false;
     kiln__backend *be = q->st->be;
-    bool cpu = be == kiln__backend_at(0), grads = kiln_grad_enabled() && (kiln_tensor_requires_grad(q) ||
-                                                                          kiln_tensor_requires_grad(k) ||
-                                                                          kiln_tensor_requires_grad(v));
-    /* OpenCL and CUDA: the forward without gradients, f32, rows of up to 256 */
-    bool cl = !cpu && (kiln__backend_is(be, "opencl") || kiln__backend_is(be, "cuda")) && !grads &&
-              q->dtype == KILN_DTYPE_F32 && q->shape[3] <= 256;
+    bool cpu = be == kiln__backend_at(0);
+    /* OpenCL and CUDA: f32, rows of up to 256, the forward and (for autograd) the backward */
+    bool cl = !cpu && (kiln__backend_is(be, "opencl") || kiln__backend_is(be, "cuda")) && q->dtype == KILN_DTYPE_F32 &&
+              q->shape[3] <= 256;
     /* and with no captured tensor unless the block mask is given: counting a mask that
      * reads the device's tensors would read them back to the host */
     cl = cl && (f->n_cap == 0 || bm);

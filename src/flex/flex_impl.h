@@ -61,9 +61,10 @@ struct kiln_block_mask {
 };
 
 
-/* Flex attention of f fused (flex_gen.c), where it runs: on the cpu, with at most 2
- * captured tensors, none wanting a gradient. Through two custom ops (the forward and
- * its backward), so autograd records it; y and lse (scoped) filled and *ran true. *ran
+/* Flex attention of f fused (flex_gen.c), where it runs: on the cpu, OpenCL or CUDA (f32
+ * rows of up to 256 there), with at most 2 captured tensors, none wanting a gradient.
+ * Through two custom ops (the forward and its backward, each with a kernel for the three),
+ * so autograd records it; y and lse (scoped) filled and *ran true. *ran
  * false: not taken (the dense path runs); an error is a failure of a kernel's build or
  * of a captured index. */
 kiln_status kiln__flex_fused(const kiln_flex_t *f, const kiln_block_mask_t *bm, kiln_tensor_t *q, kiln_tensor_t *k,
@@ -76,8 +77,9 @@ kiln_status kiln__flex_fused(const kiln_flex_t *f, const kiln_block_mask_t *bm, 
 kiln_status kiln__flex_classify(const kiln_flex_t *f, int64_t mB, int64_t mH, int64_t Tq, int64_t Tk, int64_t block,
                                 int64_t kv_block, int64_t *on, bool *ran);
 
-/* The source of f's fused forward for a device (f32): OpenCL C, or CUDA C (cuda). A new
- * string (the caller frees it); NULL when out of memory. */
-char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda);
+/* The source of f's fused kernels for a device (f32): OpenCL C, or CUDA C (cuda); the
+ * forward's (flex_fwd_dev), or the backward's (backward: flex_bwd_dq_dev and
+ * flex_bwd_dkv_dev). A new string (the caller frees it); NULL when out of memory. */
+char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda, bool backward);
 
 #endif
