@@ -642,6 +642,107 @@ static void compiled_and_replayed_match_eager(void **state)
     kiln_compiled_free(cf);
 }
 
+/* The block mask as an input of a compiled function (kiln_flex_attention_masked): its
+ * blocks are data, read at every call, and its sizes are guarded as an input's shape.
+ * The function takes (q, k, v, mask) with a window of 8. Oracle: eager flex
+ * attention (its own mask), 1e-6. Calls: the window's mask with blocks of 4 x 4; the same
+ * mask with every full block listed as partial (other data, same shape: the same graph,
+ * the same result); a mask that lists no block (same shape: the same graph, and every
+ * row sees no key: zeros, where a graph that kept the first mask's blocks would give the
+ * window's output); a mask of 4 x 2 blocks (another shape: a second graph). Then a mask
+ * whose words are wrong is an error that names the mask. The dense path
+ * (test_flex_dense) reads no block mask: there every call gives the window's output. */
+static kiln_status masked_fn(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    out[0] = kiln_flex_attention_masked(in[0], in[1], in[2], ctx, in[3], 0, NULL);
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
+static void block_mask_tensor_is_a_guarded_graph_input(void **state)
+{
+    int64_t qs[4] = {2, 4, 16, 8}, ks[4] = {2, 2, 16, 8};
+    kiln_manual_seed(5);
+    kiln_tensor_t *in[4] = {kiln_randn(qs, 4, KILN_DTYPE_F32), kiln_randn(ks, 4, KILN_DTYPE_F32),
+                            kiln_randn(ks, 4, KILN_DTYPE_F32), NULL};
+    kiln_flex_t *f;
+    assert_int_equal(kiln_flex_preset("window:8", NULL, &f), KILN_OK);
+    kiln_tensor_t *eager = kiln_flex_attention(in[0], in[1], in[2], f, NULL, 0, NULL);
+    double *want = host(eager);
+    int64_t n = kiln_tensor_numel(eager);
+    kiln_block_mask_t *m44, *m42;
+    assert_int_equal(kiln_block_mask_new(f, 2, 4, 16, 16, 4, 4, &m44), KILN_OK);
+    assert_int_equal(kiln_block_mask_new(f, 2, 4, 16, 16, 4, 2, &m42), KILN_OK);
+    kiln_tensor_t *t44 = kiln_block_mask_tensor(m44), *t42 = kiln_block_mask_tensor(m42);
+    assert_non_null(t44);
+    assert_int_equal(kiln_tensor_ndim(t44), 4);
+    assert_int_equal(kiln_tensor_dim(t44, 3), 4 + 4); /* the counts, the sizes, 4 key blocks */
+    int64_t words = kiln_tensor_numel(t44), *w = malloc(sizeof *w * (size_t)words);
+    assert_int_equal(kiln_tensor_to_host(t44, w, sizeof *w * (size_t)words), KILN_OK);
+    int64_t *all_partial = malloc(sizeof *w * (size_t)words), *none = malloc(sizeof *w * (size_t)words);
+    memcpy(all_partial, w, sizeof *w * (size_t)words);
+    memcpy(none, w, sizeof *w * (size_t)words);
+    int64_t moved = 0;
+    for (int64_t r = 0; r < words / 8; r++) {
+        moved += all_partial[r * 8];
+        all_partial[r * 8 + 1] += all_partial[r * 8], all_partial[r * 8] = 0;
+        none[r * 8] = none[r * 8 + 1] = 0;
+    }
+    assert_true(moved > 0); /* the window has full blocks to move */
+    const char *dev = kiln_tensor_device(in[0]);
+    kiln_tensor_t *masks[4] = {kiln_tensor_to(t44, dev),
+                               kiln_tensor_to(kiln_from_data(all_partial, kiln_tensor_shape(t44), 4, KILN_DTYPE_I64), dev),
+                               kiln_tensor_to(kiln_from_data(none, kiln_tensor_shape(t44), 4, KILN_DTYPE_I64), dev),
+                               kiln_tensor_to(t42, dev)};
+    kiln_compiled_t *cf;
+    assert_int_equal(kiln_compiled_new(masked_fn, f, "flex_masked", &cf), KILN_OK);
+    const int graphs_after[4] = {1, 1, 1, 2};
+    /* the dense path (test_flex_dense) has no block mask: it evaluates f's mask */
+    const char *fused_env = getenv("KILN_OPT_FLEX_FUSED");
+    bool fused = !fused_env || strcmp(fused_env, "0");
+    for (int call = 0; call < 4; call++) {
+        in[3] = masks[call];
+        kiln_tensor_t *out[1];
+        int no;
+        if (kiln_compiled_call(cf, in, 4, out, 1, &no) != KILN_OK) fail_msg("call %d: %s", call, kiln_last_error());
+        double *got = host(out[0]);
+        for (int64_t i = 0; i < n; i++) {
+            double expect = call == 2 && fused ? 0 : want[i];
+            if (fabs(got[i] - expect) > 1e-6) fail_msg("call %d: [%lld] %g, want %g", call, (long long)i, got[i], expect);
+        }
+        free(got);
+        uint64_t calls, hits, recompiles;
+        int graphs;
+        kiln_compiled_stats(cf, &calls, &hits, &recompiles, &graphs);
+        if (graphs != graphs_after[call]) fail_msg("after call %d: %d graphs, want %d", call, graphs, graphs_after[call]);
+    }
+    kiln_compiled_free(cf);
+    /* a key block out of range, and a row whose block sizes differ: errors naming them */
+    for (int bad = 0; bad < 2; bad++) {
+        int64_t *x = malloc(sizeof *w * (size_t)words);
+        memcpy(x, w, sizeof *w * (size_t)words);
+        if (bad) x[8 + 2] = 3;
+        else x[4] = 9;
+        kiln_tensor_t *bt = kiln_tensor_to(kiln_from_data(x, kiln_tensor_shape(t44), 4, KILN_DTYPE_I64), dev);
+        kiln_tensor_t *y = kiln_flex_attention_masked(in[0], in[1], in[2], f, bt, 0, NULL);
+        if (fused) {
+            assert_null(y);
+            assert_non_null(strstr(kiln_last_error(), bad ? "row 1 holds" : "lists key block 9"));
+            kiln_clear_error();
+        }
+        free(x);
+    }
+    int64_t three[3] = {1, 4, 8};
+    assert_null(kiln_flex_attention_masked(in[0], in[1], in[2], f, kiln_zeros(three, 3, KILN_DTYPE_I64), 0, NULL));
+    assert_int_equal(kiln_last_status(), KILN_ERR_SHAPE);
+    assert_non_null(strstr(kiln_last_error(), "block mask tensor"));
+    kiln_clear_error();
+    free(w), free(all_partial), free(none), free(want);
+    kiln_block_mask_free(m44);
+    kiln_block_mask_free(m42);
+    kiln_flex_free(f);
+}
+
 /* The fused kernels' CUDA C (the forward, and the backward's dQ and dK/dV kernels)
  * compiles with NVRTC, the compiler the CUDA backend builds it with (sm_90; no GPU
  * needed; it runs where one is: test_flex_cuda in bench/gpu.sh), for presets with and
@@ -788,6 +889,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(matches_pytorch_flex_attention, setup, teardown),
         cmocka_unit_test_setup_teardown(block_masks_classify_blocks, setup, teardown),
         cmocka_unit_test_setup_teardown(compiled_and_replayed_match_eager, setup, teardown),
+        cmocka_unit_test_setup_teardown(block_mask_tensor_is_a_guarded_graph_input, setup, teardown),
         cmocka_unit_test_setup_teardown(cuda_source_compiles_with_nvrtc, setup, teardown),
         cmocka_unit_test_setup_teardown(captured_dtypes_read_as_their_values, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_modifiers_are_clear_errors, setup, teardown),

@@ -33,11 +33,14 @@
  * Errors name the expression and the position: an unknown name, a captured tensor that
  * is not given, indices that do not match its dims, `score` in a mask, a syntax error.
  *
- * The computation (this stage): dense, with kiln's ops — the (B, H, Tq, Tk) scores, the
- * modifiers evaluated over broadcast index tensors, the masked softmax — so it is the
- * reference the fused kernels are checked against, and differentiable in q, k, v and
- * every captured float tensor through autograd. A query that sees no key gives zeros
- * and a log-sum-exp of -inf, as PyTorch's flex_attention does. */
+ * The computation: fused kernels generated from the modifiers (tiles of an online
+ * softmax over the block mask's listed blocks, forward and backward; on the cpu, OpenCL
+ * and CUDA: docs/flex.md), or densely with kiln's ops — the (B, H, Tq, Tk) scores, the
+ * modifiers evaluated over broadcast index tensors, the masked softmax — which is the
+ * reference the fused kernels are checked against, and is taken where they do not run
+ * (more than 2 captured tensors, a captured tensor that wants a gradient,
+ * KILN_OPT_FLEX_FUSED=0). A query that sees no key gives zeros and a log-sum-exp of
+ * -inf, as PyTorch's flex_attention does. */
 #ifndef KILN_FLEX_H
 #define KILN_FLEX_H
 
@@ -93,9 +96,30 @@ bool kiln_block_mask_row(const kiln_block_mask_t *m, int64_t b, int64_t h, int64
 /* Attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D), H a multiple of Hkv, f32 or
  * f64, with f's modifiers; bm (may be NULL) must be f's mask for these sizes. scale <= 0
  * means 1/sqrt(D). *lse (may be NULL) gets the (B, H, Tq) log-sum-exp of the modified,
- * masked scores. */
+ * masked scores. Inside a captured function bm is a constant of the graph (its blocks
+ * as they were at the capture): give the mask as a tensor instead (below). */
 kiln_tensor_t *kiln_flex_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, const kiln_flex_t *f,
                                    const kiln_block_mask_t *bm, double scale, kiln_tensor_t **lse);
+
+/* The block mask as a tensor: i64 (mB, mH, nq, 4 + nk), mB and mH 1 where the mask reads
+ * no b or h; row (b, h, query block) holds its counts of full and partial key blocks,
+ * the block sizes, then its key blocks, full ones first. Its shape depends on the sizes
+ * only and its blocks are data, so inside a captured or compiled function a new mask of
+ * the same sizes runs the same graph (no capture again), and other sizes fail a shape
+ * guard and capture again. kiln_flex_block_mask makes f's for these sizes (kv_block 0:
+ * block): with captured tensors, by an op on them, so that a captured function computes
+ * it from each call's values (document ids from each batch); without, once per sizes and
+ * device, kept. It lives on the captured tensors' device (else the default device).
+ * Make it once per step and pass it to every layer. kiln_block_mask_tensor writes an
+ * existing mask as one (on the cpu). */
+kiln_tensor_t *kiln_flex_block_mask(const kiln_flex_t *f, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t block,
+                                    int64_t kv_block);
+kiln_tensor_t *kiln_block_mask_tensor(const kiln_block_mask_t *m);
+/* Flex attention with the block mask given as such a tensor (NULL: f's, blocks of 64);
+ * it is moved to q's device if it is elsewhere (not inside a captured function). A mask
+ * whose blocks do not fit the call's sizes is an error naming them. */
+kiln_tensor_t *kiln_flex_attention_masked(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, const kiln_flex_t *f,
+                                          kiln_tensor_t *mask, double scale, kiln_tensor_t **lse);
 
 #ifdef __cplusplus
 }

@@ -71,7 +71,7 @@
  * Names are unique: a name that a built-in or an earlier custom op has is refused,
  * naming it. A bad declaration (a count out of range, a malformed attribute list, no
  * cpu kernel) is KILN_ERR_ARG naming the op and the field; nothing is defined then.
- * Ops are defined for the life of the process (at most 64). */
+ * Ops are defined for the life of the process (at most 256). */
 #ifndef KILN_OP_H
 #define KILN_OP_H
 
@@ -123,9 +123,10 @@ typedef struct {
     kiln_op_grid grid;     /* and its work-items */
 } kiln_op_kernel;
 
+#define KILN_OP_MAX_IN 12
 typedef struct {
     const char *name;
-    int n_in;            /* 1 .. 8 */
+    int n_in;            /* 1 .. KILN_OP_MAX_IN */
     int n_out;           /* 1 .. 4 */
     int n_visible;       /* 1 .. n_out; 0: n_out */
     const char *attrs;   /* "name:f64,name:i64"; NULL or "": none */

@@ -113,8 +113,8 @@ static kiln_status run(const entry *e, kiln__backend *be, kiln_tensor_t *const *
         const kc_step *st = &p->steps[t];
         if (st->kind == STEP_OP) { /* a view */
             const node *n = &g->nd[st->index];
-            kiln_tensor_t *ins[8], *res[KILN__MAX_OUT] = {0};
-            for (int i = 0; i < n->n_in && i < 8; i++) ins[i] = rt[n->in[i]];
+            kiln_tensor_t *ins[KILN_OP_MAX_IN], *res[KILN__MAX_OUT] = {0};
+            for (int i = 0; i < n->n_in && i < KILN_OP_MAX_IN; i++) ins[i] = rt[n->in[i]];
             s = kiln__dispatch(n->op, ins, n->n_in, &n->attrs, res);
             for (int j = 0; s == KILN_OK && j < n->n_out; j++) {
                 rt[n->out[j]] = res[j];

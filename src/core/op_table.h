@@ -68,7 +68,7 @@ typedef struct {
 
 /* Ops defined at run time (kiln/op.h; src/ops/custom.c) take the ids from KILN_OP_COUNT
  * up, their rows written once when they are defined and never changed after. */
-#define KILN__CUSTOM_MAX 64
+#define KILN__CUSTOM_MAX 256
 #define KILN__OP_MAX (KILN_OP_COUNT + KILN__CUSTOM_MAX)
 extern kiln__op_def kiln__ops[KILN__OP_MAX];
 /* The ops there are: the built-in ones and those defined so far. */

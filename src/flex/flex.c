@@ -698,10 +698,110 @@ bool kiln_block_mask_row(const kiln_block_mask_t *m, int64_t b, int64_t h, int64
     return true;
 }
 
+/* ---- the block mask as a tensor ----
+ * i64 (mB, mH, nq, KILN__MASK_HEAD + nk): row ((b mH + h) nq + qb) holds its count of
+ * full key blocks, of partial ones, the block and kv_block sizes, then its key blocks
+ * (full ones first; the rest of the row unused). Its shape depends on the mask's sizes
+ * only, so masks of one size but other blocks are the same shape of data. */
+
+kiln_status kiln__block_mask_pack(const kiln_block_mask_t *m, int64_t *w)
+{
+    int64_t W = KILN__MASK_HEAD + m->nk, rows = m->B * m->H * m->nq;
+    for (int64_t r = 0; r < rows; r++) {
+        int64_t *row = w + r * W, n = m->n_full[r] + m->n_partial[r];
+        row[0] = m->n_full[r], row[1] = m->n_partial[r], row[2] = m->block, row[3] = m->kv_block;
+        memcpy(row + KILN__MASK_HEAD, m->kv + m->start[r], sizeof *row * (size_t)n);
+        for (int64_t j = KILN__MASK_HEAD + n; j < W; j++) row[j] = -1;
+    }
+    return KILN_OK;
+}
+
+kiln_status kiln__block_mask_unpack(const int64_t *w, const int64_t *shape, int64_t B, int64_t H, int64_t Tq,
+                                    int64_t Tk, kiln_block_mask_t **out)
+{
+    *out = NULL;
+    int64_t mB = shape[0], mH = shape[1], nq = shape[2], nk = shape[3] - KILN__MASK_HEAD, rows = mB * mH * nq;
+    int64_t block = rows ? w[2] : 0, kv_block = rows ? w[3] : 0;
+#define BAD(...) kiln_error(KILN_ERR_ARG, "flex_attention: the block mask tensor " __VA_ARGS__)
+    if ((mB != 1 && mB != B) || (mH != 1 && mH != H) || nk < 1 || block < 1 || kv_block < 1 ||
+        nq != (Tq + block - 1) / block || nk != (Tk + kv_block - 1) / kv_block)
+        return BAD("(%lld, %lld, %lld, %lld) with blocks of %lld x %lld is not a mask for B %lld, H %lld, Tq %lld, Tk "
+                   "%lld (make it with kiln_flex_block_mask or kiln_block_mask_tensor for these sizes)",
+                   (long long)mB, (long long)mH, (long long)nq, (long long)shape[3], (long long)block,
+                   (long long)kv_block, (long long)B, (long long)H, (long long)Tq, (long long)Tk);
+    kiln_block_mask_t *m = calloc(1, sizeof *m);
+    if (!m) return kiln_error(KILN_ERR_OOM, "flex_attention: out of memory");
+    *m = (kiln_block_mask_t){.B = mB, .H = mH, .Tq = Tq, .Tk = Tk, .block = block, .kv_block = kv_block, .nq = nq,
+                             .nk = nk};
+    m->n_full = malloc(sizeof *m->n_full * (size_t)rows);
+    m->n_partial = malloc(sizeof *m->n_partial * (size_t)rows);
+    m->start = malloc(sizeof *m->start * (size_t)(rows + 1));
+    m->kv = malloc(sizeof *m->kv * (size_t)(rows * nk + 1));
+    kiln_status s = m->n_full && m->n_partial && m->start && m->kv ? KILN_OK
+                                                                   : kiln_error(KILN_ERR_OOM, "flex_attention: out of memory");
+    int64_t at = 0;
+    for (int64_t r = 0; s == KILN_OK && r < rows; r++) {
+        const int64_t *row = w + r * (KILN__MASK_HEAD + nk);
+        if (row[0] < 0 || row[1] < 0 || row[0] + row[1] > nk || row[2] != block || row[3] != kv_block) {
+            s = BAD("row %lld holds %lld full and %lld partial blocks of %lld x %lld; want at most %lld in all, of "
+                    "%lld x %lld", (long long)r, (long long)row[0], (long long)row[1], (long long)row[2],
+                    (long long)row[3], (long long)nk, (long long)block, (long long)kv_block);
+            break;
+        }
+        m->n_full[r] = (int32_t)row[0], m->n_partial[r] = (int32_t)row[1], m->start[r] = at;
+        for (int64_t j = 0; s == KILN_OK && j < row[0] + row[1]; j++) {
+            int64_t kb = row[KILN__MASK_HEAD + j];
+            if (kb < 0 || kb >= nk) s = BAD("row %lld lists key block %lld of %lld", (long long)r, (long long)kb,
+                                            (long long)nk);
+            m->kv[at++] = kb;
+        }
+        m->full += row[0], m->partial += row[1];
+    }
+#undef BAD
+    m->start[rows] = at;
+    m->empty = rows * nk - m->full - m->partial;
+    if (s != KILN_OK) {
+        kiln_block_mask_free(m);
+        return s;
+    }
+    *out = m;
+    return KILN_OK;
+}
+
+kiln_tensor_t *kiln_block_mask_tensor(const kiln_block_mask_t *m)
+{
+    if (!m) return kiln_error(KILN_ERR_ARG, "block_mask_tensor: NULL mask"), NULL;
+    int64_t shape[4] = {m->B, m->H, m->nq, KILN__MASK_HEAD + m->nk}, n = shape[0] * shape[1] * shape[2] * shape[3];
+    int64_t *w = malloc(sizeof *w * (size_t)n);
+    if (!w) return kiln_error(KILN_ERR_OOM, "block_mask_tensor: out of memory"), NULL;
+    kiln__block_mask_pack(m, w);
+    kiln_tensor_t *t = kiln_from_data(w, shape, 4, KILN_DTYPE_I64);
+    free(w);
+    return t;
+}
+
 /* ---- the attention, densely ---- */
 
 kiln_tensor_t *kiln_flex_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, const kiln_flex_t *f,
                                    const kiln_block_mask_t *bm, double scale, kiln_tensor_t **lse)
+{
+    if (lse) *lse = NULL;
+    if (bm && q && k && kiln_tensor_ndim(q) == 4 && kiln_tensor_ndim(k) == 4) {
+        const int64_t *qs = kiln_tensor_shape(q), Tk = kiln_tensor_shape(k)[2];
+        if (bm->Tq != qs[2] || bm->Tk != Tk || (bm->B != 1 && bm->B != qs[0]) || (bm->H != 1 && bm->H != qs[1])) {
+            kiln_error(KILN_ERR_SHAPE, "flex_attention: the block mask is for B %lld, H %lld, Tq %lld, Tk %lld; the "
+                       "call's are %lld, %lld, %lld, %lld", (long long)bm->B, (long long)bm->H, (long long)bm->Tq,
+                       (long long)bm->Tk, (long long)qs[0], (long long)qs[1], (long long)qs[2], (long long)Tk);
+            return NULL;
+        }
+    }
+    kiln_tensor_t *mask = NULL;
+    if (bm && kiln__opt(KILN__OPT_FLEX_FUSED) && !(mask = kiln_block_mask_tensor(bm))) return NULL;
+    return kiln_flex_attention_masked(q, k, v, f, mask, scale, lse);
+}
+
+kiln_tensor_t *kiln_flex_attention_masked(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, const kiln_flex_t *f,
+                                          kiln_tensor_t *mask, double scale, kiln_tensor_t **lse)
 {
     if (lse) *lse = NULL;
     if (!q || !k || !v || !f) {
@@ -723,18 +823,22 @@ kiln_tensor_t *kiln_flex_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tens
         return NULL;
     }
     int64_t B = qs[0], H = qs[1], Tq = qs[2], D = qs[3], Hkv = ks[1], Tk = ks[2], G = H / Hkv;
-    if (bm && (bm->Tq != Tq || bm->Tk != Tk || (bm->B != 1 && bm->B != B) || (bm->H != 1 && bm->H != H))) {
-        kiln_error(KILN_ERR_SHAPE, "flex_attention: the block mask is for B %lld, H %lld, Tq %lld, Tk %lld; the call's "
-                   "are %lld, %lld, %lld, %lld", (long long)bm->B, (long long)bm->H, (long long)bm->Tq, (long long)bm->Tk,
-                   (long long)B, (long long)H, (long long)Tq, (long long)Tk);
-        return NULL;
+    if (mask) { /* its sizes; its blocks are data, checked where they are read */
+        const int64_t *ms = kiln_tensor_shape(mask);
+        if (kiln_tensor_dtype(mask) != KILN_DTYPE_I64 || kiln_tensor_ndim(mask) != 4 || (ms[0] != 1 && ms[0] != B) ||
+            (ms[1] != 1 && ms[1] != H) || ms[2] < 1 || ms[3] <= KILN__MASK_HEAD) {
+            kiln_error(KILN_ERR_SHAPE, "flex_attention: the block mask tensor %s for q %s: want i64 (1 or B, 1 or H, "
+                       "query blocks, %d + key blocks), from kiln_flex_block_mask or kiln_block_mask_tensor",
+                       kiln__shape_text(mask), kiln__shape_text(q), KILN__MASK_HEAD);
+            return NULL;
+        }
     }
     if (scale <= 0) scale = 1.0 / sqrt((double)D);
     /* the fused kernels, where they run (flex_gen.c) */
     if (kiln__opt(KILN__OPT_FLEX_FUSED)) {
         kiln_tensor_t *y = NULL, *l = NULL;
         bool ran;
-        if (kiln__flex_fused(f, bm, q, k, v, scale, &y, &l, &ran) != KILN_OK) return NULL;
+        if (kiln__flex_fused(f, mask, q, k, v, scale, &y, &l, &ran) != KILN_OK) return NULL;
         if (ran) {
             if (lse) *lse = l;
             return y;
@@ -764,8 +868,8 @@ kiln_tensor_t *kiln_flex_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tens
             s = kiln_contiguous(kiln_expand(kiln_reshape(s, padded, 4), full, 4));
     }
     bool none;
-    kiln_tensor_t *mask = mask_of(f, &e, &none);
-    if (!s || (!none && !mask)) return NULL;
+    kiln_tensor_t *dense_mask = mask_of(f, &e, &none);
+    if (!s || (!none && !dense_mask)) return NULL;
     int last = 3;
     kiln_tensor_t *p, *l;
     if (none) {
@@ -775,9 +879,9 @@ kiln_tensor_t *kiln_flex_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tens
         /* a row that sees no key: its scores made 0 (no -inf - -inf), its weights 0 and
          * its log-sum-exp -inf, as PyTorch's flex_attention gives */
         kiln_tensor_t *ninf = kiln_scalar(-INFINITY, F), *zero = kiln_scalar(0, F);
-        kiln_tensor_t *sees = kiln_gt(kiln_max(kiln_cast(mask, KILN_DTYPE_I64), &last, 1, true),
+        kiln_tensor_t *sees = kiln_gt(kiln_max(kiln_cast(dense_mask, KILN_DTYPE_I64), &last, 1, true),
                                       kiln_scalar(0, KILN_DTYPE_I64));
-        kiln_tensor_t *masked = kiln_where(mask, s, ninf);
+        kiln_tensor_t *masked = kiln_where(dense_mask, s, ninf);
         kiln_tensor_t *safe = kiln_where(sees, masked, zero);
         p = kiln_mul(kiln_softmax(safe, 3), kiln_cast(sees, F));
         l = kiln_where(sees, kiln_logsumexp(safe, &last, 1, true), ninf);

@@ -665,7 +665,14 @@ typedef struct entry {
         kiln__backend *be;
         void *kernel[3]; /* flex_fwd_dev, flex_bwd_dq_dev, flex_bwd_dkv_dev, each built on first use */
     } cl[4]; /* the OpenCL or CUDA kernels, per device */
-    int op_fwd, op_bwd;
+    int op_fwd, op_bwd, op_mask; /* op_mask: with captured tensors, their block mask */
+    /* without captured tensors, the block masks made (per device and sizes), kept */
+    struct {
+        kiln__backend *be;
+        int64_t Tq, Tk, block, kv_block;
+        kiln_tensor_t *t;
+    } masks[8];
+    int n_masks;
     struct entry *next;
 } entry;
 static entry *entries;
@@ -869,22 +876,12 @@ FLEX_FORWARD(f64, double, cblas_dgemm)
 FLEX_BACKWARD(f32, float, cblas_sgemm)
 FLEX_BACKWARD(f64, double, cblas_dgemm)
 
-/* The arguments of a call: sizes, the block mask (bm, or one made for the call in
- * *own), the captured tensors' memory (caps: contiguous cpu tensors). */
-static kiln_status args_for(const kiln_flex_t *tmpl, const kiln_block_mask_t *bm, kiln_block_mask_t **own,
-                            kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *const *caps, int n_cap, double scale,
-                            int32_t *bad, flex_args *a)
+/* The arguments of a call: sizes, the block mask bm, the captured tensors' memory
+ * (caps: contiguous cpu tensors). */
+static void args_for(const kiln_block_mask_t *bm, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *const *caps,
+                     int n_cap, double scale, int32_t *bad, flex_args *a)
 {
     int64_t B = q->shape[0], H = q->shape[1], Tq = q->shape[2], Tk = k->shape[2];
-    *own = NULL;
-    if (!bm) { /* one made for this call, from the captured tensors of the call */
-        kiln_flex_t *f;
-        kiln_status s = kiln_flex_new(tmpl->score, tmpl->mask, caps, n_cap, &f);
-        if (s == KILN_OK) s = kiln_block_mask_new(f, B, H, Tq, Tk, 64, 0, own);
-        kiln_flex_free(f);
-        if (s != KILN_OK) return s;
-        bm = *own;
-    }
     *a = (flex_args){.B = B, .H = H, .Hkv = k->shape[1], .Tq = Tq, .Tk = Tk, .D = q->shape[3], .mB = bm->B, .mH = bm->H,
                      .nq = bm->nq, .block = bm->block, .kv_block = bm->kv_block, .scale = scale,
                      .n_full = bm->n_full, .n_partial = bm->n_partial, .start = bm->start, .kv = bm->kv, .bad = bad};
@@ -892,7 +889,21 @@ static kiln_status args_for(const kiln_flex_t *tmpl, const kiln_block_mask_t *bm
         a->cap[i] = kiln__data(caps[i]);
         for (int d = 0; d < 4; d++) a->cap_dim[i][d] = d < caps[i]->ndim ? caps[i]->shape[d] : 1;
     }
-    return KILN_OK;
+}
+
+/* The block mask of a call, read from its mask tensor (mask: on the cpu, or copied back
+ * from a device), into *own (the caller frees it). */
+static kiln_status mask_of_call(const kiln_tensor_t *mask, const kiln_tensor_t *q, const kiln_tensor_t *k,
+                                kiln_block_mask_t **own)
+{
+    kiln__backend *be = mask->st->be;
+    size_t bytes = (size_t)kiln_tensor_nbytes(mask);
+    int64_t *w = be == kiln__backend_at(0) ? kiln__data((kiln_tensor_t *)mask) : malloc(bytes);
+    kiln_status s = w ? KILN_OK : kiln_error(KILN_ERR_OOM, "flex_attention: out of memory");
+    if (s == KILN_OK && be != kiln__backend_at(0)) s = kiln__be_copy_d2h(be, w, kiln__data((kiln_tensor_t *)mask), bytes);
+    if (s == KILN_OK) s = kiln__block_mask_unpack(w, mask->shape, q->shape[0], q->shape[1], q->shape[2], k->shape[2], own);
+    if (be != kiln__backend_at(0)) free(w);
+    return s;
 }
 
 static kiln_status finish(const entry *e, run_ctx *r, kiln_block_mask_t *own, int32_t bad, kiln_tensor_t *const *caps)
@@ -913,8 +924,8 @@ static void run(void (*fn)(void *, int64_t, int64_t), run_ctx *r, int64_t tasks)
 }
 
 /* What both cpu kernels do first: e's functions built for q's type, and the call's
- * arguments with q at in[qi], k after it, the captured tensors from in[ci]; the block mask
- * the attribute names (0: one made for the call, in *own). */
+ * arguments with q at in[qi], k after it, the block mask tensor at in[ci - 1] (read
+ * into *own) and the captured tensors from in[ci]. */
 static kiln_status prepare(const kiln_op_args *x, int qi, int ci, bool *f64, flex_args *a, kiln_block_mask_t **own,
                            int32_t *bad)
 {
@@ -924,13 +935,13 @@ static kiln_status prepare(const kiln_op_args *x, int qi, int ci, bool *f64, fle
     pthread_mutex_lock(&lock);
     kiln_status s = built(e, *f64);
     pthread_mutex_unlock(&lock);
-    if (s != KILN_OK) return s;
-    const kiln_block_mask_t *bm = (const kiln_block_mask_t *)(intptr_t)x->attr[1].i;
-    return args_for(e->tmpl, bm, own, q, x->in[qi + 1], x->in + ci, x->n_in - ci, x->attr[0].f, bad, a);
+    if (s == KILN_OK) s = mask_of_call(x->in[ci - 1], q, x->in[qi + 1], own);
+    if (s == KILN_OK) args_for(*own, q, x->in[qi + 1], x->in + ci, x->n_in - ci, x->attr[0].f, bad, a);
+    return s;
 }
 
-/* The forward op's cpu kernel: in q, k, v, captured...; out y, lse; attributes scale and
- * the block mask's address (0: one made for the call). */
+/* The forward op's cpu kernel: in q, k, v, the block mask tensor, captured...; out y,
+ * lse; attribute scale. */
 static kiln_status fwd_kernel(const kiln_op_args *x)
 {
     entry *e = x->user;
@@ -938,16 +949,20 @@ static kiln_status fwd_kernel(const kiln_op_args *x)
     kiln_block_mask_t *own = NULL;
     int32_t bad = 0;
     bool f64;
-    kiln_status s = prepare(x, 0, 3, &f64, &a, &own, &bad);
-    if (s != KILN_OK) return s;
+    kiln_status s = prepare(x, 0, 4, &f64, &a, &own, &bad);
+    if (s != KILN_OK) {
+        kiln_block_mask_free(own);
+        return s;
+    }
     a.q = kiln__data(x->in[0]), a.k = kiln__data(x->in[1]), a.v = kiln__data(x->in[2]);
     a.y = kiln__data(x->out[0]), a.lse = kiln__data(x->out[1]);
     run_ctx r = {.fn = e->tile[f64], .a = &a};
     run(f64 ? fwd_f64 : fwd_f32, &r, a.B * a.H * a.nq);
-    return finish(e, &r, own, bad, x->in + 3);
+    return finish(e, &r, own, bad, x->in + 4);
 }
 
-/* The backward op's cpu kernel: in dO, q, k, v, lse, Dm, captured...; out dq, dk, dv. */
+/* The backward op's cpu kernel: in dO, q, k, v, lse, Dm, the block mask tensor,
+ * captured...; out dq, dk, dv. */
 static kiln_status bwd_kernel(const kiln_op_args *x)
 {
     entry *e = x->user;
@@ -955,8 +970,11 @@ static kiln_status bwd_kernel(const kiln_op_args *x)
     kiln_block_mask_t *own = NULL;
     int32_t bad = 0;
     bool f64;
-    kiln_status s = prepare(x, 1, 6, &f64, &a, &own, &bad);
-    if (s != KILN_OK) return s;
+    kiln_status s = prepare(x, 1, 7, &f64, &a, &own, &bad);
+    if (s != KILN_OK) {
+        kiln_block_mask_free(own);
+        return s;
+    }
     kiln_tensor_t *q = x->in[1];
     grads g = {kiln__data(x->out[0]), kiln__data(x->out[1]), kiln__data(x->out[2]), kiln__data(x->in[5]),
                kiln__data(x->in[0])};
@@ -964,7 +982,7 @@ static kiln_status bwd_kernel(const kiln_op_args *x)
     a.y = &g;
     run_ctx r = {.bwd = e->tile_bwd[f64], .a = &a};
     run(f64 ? bwd_f64 : bwd_f32, &r, a.B * a.Hkv);
-    return finish(e, &r, own, bad, x->in + 6);
+    return finish(e, &r, own, bad, x->in + 7);
 }
 
 /* ---- the OpenCL and CUDA kernels of the two ops ---- */
@@ -1001,22 +1019,6 @@ static kiln_status dev_fits(const kiln_tensor_t *q)
                       q->st->be->name);
 }
 
-/* The block mask of a device call: the one its attribute names, or one made for the call
- * from its captured tensors caps (in *own; kiln__flex_fused takes a device without one
- * only when no tensor is captured, so none is read back). */
-static kiln_status dev_mask(const kiln_op_args *x, const entry *e, const kiln_tensor_t *q, const kiln_tensor_t *k,
-                            kiln_tensor_t *const *caps, int n_cap, const kiln_block_mask_t **bm, kiln_block_mask_t **own)
-{
-    *own = NULL;
-    *bm = (const kiln_block_mask_t *)(intptr_t)x->attr[1].i;
-    if (*bm) return KILN_OK;
-    kiln_flex_t *f = NULL;
-    kiln_status s = kiln_flex_new(e->tmpl->score, e->tmpl->mask, caps, n_cap, &f);
-    if (s == KILN_OK) s = kiln_block_mask_new(f, q->shape[0], q->shape[1], q->shape[2], k->shape[2], 64, 0, own);
-    kiln_flex_free(f);
-    *bm = *own;
-    return s;
-}
 
 /* A list of blocks per row, as the block mask keeps it: row r's n_full[r] full blocks
  * then its n_partial[r] partial ones at list[start[r]...]. */
@@ -1141,16 +1143,18 @@ static kiln_status dev_finish(kiln_status s, kiln__backend *be, kiln_tensor_t *b
 static kiln_status fwd_kernel_dev(const kiln_op_args *x)
 {
     entry *e = x->user;
-    kiln_tensor_t *q = x->in[0], *k = x->in[1], *const *caps = x->in + 3;
+    kiln_tensor_t *q = x->in[0], *k = x->in[1], *const *caps = x->in + 4;
     kiln__backend *be = q->st->be;
-    int n_cap = x->n_in - 3;
+    int n_cap = x->n_in - 4;
     void *kernel;
-    const kiln_block_mask_t *bm;
-    kiln_block_mask_t *own = NULL;
+    kiln_block_mask_t *bm = NULL;
     kiln_status s = dev_fits(q);
     if (s == KILN_OK) s = dev_kernel(e, be, 0, &kernel);
-    if (s == KILN_OK) s = dev_mask(x, e, q, k, caps, n_cap, &bm, &own);
-    if (s != KILN_OK) return s;
+    if (s == KILN_OK) s = mask_of_call(x->in[3], q, k, &bm);
+    if (s != KILN_OK) {
+        kiln_block_mask_free(bm);
+        return s;
+    }
     int32_t zero = 0;
     kiln_tensor_t *list[4] = {0}, *bad = on_device(be, &zero, KILN_DTYPE_I32, 1);
     const block_list l = mask_list(bm);
@@ -1162,7 +1166,7 @@ static kiln_status fwd_kernel_dev(const kiln_op_args *x)
         s = dev_launch(be, kernel, bufs, 5, list, caps, n_cap, bad, sizes, x->attr[0].f,
                        q->shape[0] * q->shape[1] * q->shape[2]);
     }
-    return dev_finish(s, be, bad, caps, list, 4, own);
+    return dev_finish(s, be, bad, caps, list, 4, bm);
 }
 
 /* The backward op's OpenCL and CUDA kernel: in dO, q, k, v, lse, Dm, captured...; out dq,
@@ -1172,20 +1176,18 @@ static kiln_status fwd_kernel_dev(const kiln_op_args *x)
 static kiln_status bwd_kernel_dev(const kiln_op_args *x)
 {
     entry *e = x->user;
-    kiln_tensor_t *q = x->in[1], *k = x->in[2], *const *caps = x->in + 6;
+    kiln_tensor_t *q = x->in[1], *k = x->in[2], *const *caps = x->in + 7;
     kiln__backend *be = q->st->be;
-    int n_cap = x->n_in - 6;
+    int n_cap = x->n_in - 7;
     void *kq, *kkv;
-    const kiln_block_mask_t *bm;
-    kiln_block_mask_t *own = NULL;
+    kiln_block_mask_t *bm = NULL;
     kiln_status s = dev_fits(q);
     if (s == KILN_OK) s = dev_kernel(e, be, 1, &kq);
     if (s == KILN_OK) s = dev_kernel(e, be, 2, &kkv);
-    if (s == KILN_OK) s = dev_mask(x, e, q, k, caps, n_cap, &bm, &own);
-    if (s != KILN_OK) return s;
+    if (s == KILN_OK) s = mask_of_call(x->in[6], q, k, &bm);
     block_list t;
-    if ((s = transposed(bm, &t)) != KILN_OK) {
-        kiln_block_mask_free(own);
+    if (s != KILN_OK || (s = transposed(bm, &t)) != KILN_OK) {
+        kiln_block_mask_free(bm);
         return s;
     }
     int32_t zero = 0;
@@ -1201,7 +1203,7 @@ static kiln_status bwd_kernel_dev(const kiln_op_args *x)
     bufs[6] = x->out[1], bufs[7] = x->out[2];
     sizes[8] = bm->nk;
     if (s == KILN_OK) s = dev_launch(be, kkv, bufs, 8, list + 4, caps, n_cap, bad, sizes, x->attr[0].f, B * Hkv * Tk);
-    return dev_finish(s, be, bad, caps, list, 8, own);
+    return dev_finish(s, be, bad, caps, list, 8, bm);
 }
 
 static void like(kiln_op_meta *m, const kiln_tensor_t *t)
@@ -1236,13 +1238,92 @@ static kiln_status fwd_backward(const kiln_op_args *x, kiln_tensor_t *const *gou
     int last = 3;
     kiln_tensor_t *dm = kiln_sum(kiln_mul(dO, y), &last, 1, false);
     if (dm && gout[1]) dm = kiln_sub(dm, gout[1]);
-    kiln_tensor_t *in[8] = {dO, x->in[0], x->in[1], x->in[2], lse, dm};
-    for (int i = 3; i < x->n_in; i++) in[3 + i] = x->in[i];
+    kiln_tensor_t *in[9] = {dO, x->in[0], x->in[1], x->in[2], lse, dm};
+    for (int i = 3; i < x->n_in; i++) in[3 + i] = x->in[i]; /* the block mask, the captured tensors */
     kiln_tensor_t *out[3] = {0};
     if (!dm) return kiln_last_status();
-    kiln_status s = kiln_op_run(e->op_bwd, in, 3 + x->n_in, x->attr, 2, out);
+    kiln_status s = kiln_op_run(e->op_bwd, in, 3 + x->n_in, x->attr, 1, out);
     for (int i = 0; s == KILN_OK && i < 3; i++) gin[i] = out[i];
     return s;
+}
+
+/* The mask op's output: (mB, mH, nq, KILN__MASK_HEAD + nk) i64, for attributes B, H, Tq,
+ * Tk, block, kv_block. */
+static kiln_status mask_shape(const kiln_op_args *x, kiln_op_meta *out)
+{
+    const entry *e = x->user;
+    int64_t B = x->attr[0].i, H = x->attr[1].i, Tq = x->attr[2].i, Tk = x->attr[3].i, bl = x->attr[4].i,
+            kb = x->attr[5].i;
+    out->dtype = KILN_DTYPE_I64;
+    out->ndim = 4;
+    out->shape[0] = e->tmpl->vars[1][V_B] ? B : 1;
+    out->shape[1] = e->tmpl->vars[1][V_H] ? H : 1;
+    out->shape[2] = (Tq + bl - 1) / bl;
+    out->shape[3] = KILN__MASK_HEAD + (Tk + kb - 1) / kb;
+    return KILN_OK;
+}
+
+/* The mask op's cpu kernel: the block mask of the modifiers over the captured tensors
+ * in[0..n_in), classified (kiln_block_mask_new) and written as its tensor. */
+static kiln_status mask_kernel(const kiln_op_args *x)
+{
+    const entry *e = x->user;
+    kiln_flex_t *f = NULL;
+    kiln_block_mask_t *m = NULL;
+    kiln_status s = kiln_flex_new(e->tmpl->score, e->tmpl->mask, x->in, x->n_in, &f);
+    if (s == KILN_OK)
+        s = kiln_block_mask_new(f, x->attr[0].i, x->attr[1].i, x->attr[2].i, x->attr[3].i, x->attr[4].i, x->attr[5].i, &m);
+    if (s == KILN_OK) s = kiln__block_mask_pack(m, kiln__data(x->out[0]));
+    kiln_block_mask_free(m);
+    kiln_flex_free(f);
+    return s;
+}
+
+/* The block mask tensor of e's modifiers f (whose captured tensors are the call's) for
+ * these sizes on be: with captured tensors, e's mask op on them (so that a captured
+ * function computes it from each call's values); without, a tensor made once per device
+ * and sizes and kept (8 at most; after that one is made for each call). */
+static kiln_tensor_t *mask_for(entry *e, const kiln_flex_t *f, kiln__backend *be, int64_t B, int64_t H, int64_t Tq,
+                               int64_t Tk, int64_t block, int64_t kv_block)
+{
+    if (f->n_cap > 0) {
+        kiln_op_value at[6] = {{.i = B}, {.i = H}, {.i = Tq}, {.i = Tk}, {.i = block}, {.i = kv_block}};
+        return kiln_op_call(e->op_mask, f->cap, f->n_cap, at, 6);
+    }
+    pthread_mutex_lock(&lock);
+    kiln_tensor_t *t = NULL;
+    for (int i = 0; i < e->n_masks && !t; i++)
+        if (e->masks[i].be == be && e->masks[i].Tq == Tq && e->masks[i].Tk == Tk && e->masks[i].block == block &&
+            e->masks[i].kv_block == kv_block)
+            t = e->masks[i].t;
+    pthread_mutex_unlock(&lock);
+    if (t) return kiln__scoped(kiln_tensor_retain(t));
+    /* made outside any capture or recording on this thread: a constant of the graph */
+    void *held = kiln__intercept_suspend();
+    bool was = kiln_set_grad_enabled(false);
+    kiln_block_mask_t *m = NULL;
+    kiln_scope_begin();
+    if (kiln_block_mask_new(f, B, H, Tq, Tk, block, kv_block, &m) == KILN_OK) {
+        t = kiln_block_mask_tensor(m);
+        if (t && be != kiln__backend_at(0)) t = kiln_tensor_to(t, be->name);
+        t = kiln_keep(t);
+    }
+    kiln_scope_end();
+    kiln_block_mask_free(m);
+    kiln_set_grad_enabled(was);
+    kiln__intercept_resume(held);
+    if (!t) return NULL;
+    pthread_mutex_lock(&lock);
+    bool kept = e->n_masks < 8;
+    if (kept) {
+        int i = e->n_masks++;
+        e->masks[i].be = be, e->masks[i].Tq = Tq, e->masks[i].Tk = Tk, e->masks[i].block = block;
+        e->masks[i].kv_block = kv_block, e->masks[i].t = t;
+    }
+    pthread_mutex_unlock(&lock);
+    kiln_tensor_t *out = kiln__scoped(kiln_tensor_retain(t));
+    if (!kept) kiln_tensor_free(t);
+    return out;
 }
 
 /* The entry of f's modifiers, made (its template and ops) on first use. */
@@ -1284,16 +1365,23 @@ static kiln_status entry_for(const kiln_flex_t *f, entry **out)
                                      {.device = "cuda", .fn = bwd_kernel_dev}};
         snprintf(name, sizeof name, "flex_attention_%016llx", (unsigned long long)h);
         if (s == KILN_OK)
-            s = kiln_op_define(&(kiln_op_decl){.name = name, .n_in = 3 + f->n_cap, .n_out = 2, .attrs = "scale:f64,mask:i64",
+            s = kiln_op_define(&(kiln_op_decl){.name = name, .n_in = 4 + f->n_cap, .n_out = 2, .attrs = "scale:f64",
                                                .shape = fwd_shape, .kernels = kf, .n_kernels = 3,
                                                .backward = fwd_backward, .user = e},
                                &e->op_fwd);
         snprintf(name, sizeof name, "flex_attention_backward_%016llx", (unsigned long long)h);
         if (s == KILN_OK)
-            s = kiln_op_define(&(kiln_op_decl){.name = name, .n_in = 6 + f->n_cap, .n_out = 3,
-                                               .attrs = "scale:f64,mask:i64", .shape = bwd_shape, .kernels = kb,
+            s = kiln_op_define(&(kiln_op_decl){.name = name, .n_in = 7 + f->n_cap, .n_out = 3,
+                                               .attrs = "scale:f64", .shape = bwd_shape, .kernels = kb,
                                                .n_kernels = 3, .user = e},
                                &e->op_bwd);
+        snprintf(name, sizeof name, "flex_block_mask_%016llx", (unsigned long long)h);
+        const kiln_op_kernel km[] = {{.device = "cpu", .fn = mask_kernel}};
+        if (s == KILN_OK && f->n_cap > 0)
+            s = kiln_op_define(&(kiln_op_decl){.name = name, .n_in = f->n_cap, .n_out = 1,
+                                               .attrs = "B:i64,H:i64,Tq:i64,Tk:i64,block:i64,kv_block:i64",
+                                               .shape = mask_shape, .kernels = km, .n_kernels = 1, .user = e},
+                               &e->op_mask);
         if (s == KILN_OK) {
             e->key = key;
             key = NULL;
@@ -1311,7 +1399,7 @@ static kiln_status entry_for(const kiln_flex_t *f, entry **out)
     return s;
 }
 
-kiln_status kiln__flex_fused(const kiln_flex_t *f, const kiln_block_mask_t *bm, kiln_tensor_t *q, kiln_tensor_t *k,
+kiln_status kiln__flex_fused(const kiln_flex_t *f, kiln_tensor_t *mask, kiln_tensor_t *q, kiln_tensor_t *k,
                              kiln_tensor_t *v, double scale, kiln_tensor_t **y, kiln_tensor_t **lse, bool *ran)
 {
     *ran = false;
@@ -1320,9 +1408,6 @@ kiln_status kiln__flex_fused(const kiln_flex_t *f, const kiln_block_mask_t *bm, 
     /* OpenCL and CUDA: f32, rows of up to 256, the forward and (for autograd) the backward */
     bool cl = !cpu && (kiln__backend_is(be, "opencl") || kiln__backend_is(be, "cuda")) && q->dtype == KILN_DTYPE_F32 &&
               q->shape[3] <= 256;
-    /* and with no captured tensor unless the block mask is given: counting a mask that
-     * reads the device's tensors would read them back to the host */
-    cl = cl && (f->n_cap == 0 || bm);
     if ((!cpu && !cl) || k->st->be != be || v->st->be != be || f->n_cap > 2)
         return KILN_OK; /* the dense path: another device, or more captured tensors than the op has inputs for */
     for (int i = 0; i < f->n_cap; i++)
@@ -1331,14 +1416,48 @@ kiln_status kiln__flex_fused(const kiln_flex_t *f, const kiln_block_mask_t *bm, 
     entry *e = NULL;
     kiln_status s = entry_for(f, &e);
     if (s != KILN_OK) return s;
-    kiln_tensor_t *in[8] = {q, k, v}, *out[2] = {0};
-    for (int i = 0; i < f->n_cap; i++) in[3 + i] = f->cap[i];
-    kiln_op_value attrs[2] = {{.f = scale}, {.i = (int64_t)(intptr_t)bm}};
-    if ((s = kiln_op_run(e->op_fwd, in, 3 + f->n_cap, attrs, 2, out)) != KILN_OK) return s;
+    /* the block mask: given, or made for the call's sizes (from the captured tensors, or
+     * kept), on q's device */
+    if (!mask && !(mask = mask_for(e, f, be, q->shape[0], q->shape[1], q->shape[2], k->shape[2], 64, 64)))
+        return kiln_last_status();
+    if (mask->st->be != be && !(mask = kiln_tensor_to(mask, be->name))) return kiln_last_status();
+    kiln_tensor_t *in[8] = {q, k, v, mask}, *out[2] = {0};
+    for (int i = 0; i < f->n_cap; i++) in[4 + i] = f->cap[i];
+    kiln_op_value attrs[1] = {{.f = scale}};
+    if ((s = kiln_op_run(e->op_fwd, in, 4 + f->n_cap, attrs, 1, out)) != KILN_OK) return s;
     *y = out[0];
     *lse = out[1];
     *ran = true;
     return KILN_OK;
+}
+
+kiln_tensor_t *kiln_flex_block_mask(const kiln_flex_t *f, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t block,
+                                    int64_t kv_block)
+{
+    if (!f) return kiln_error(KILN_ERR_ARG, "flex_block_mask: NULL modifiers"), NULL;
+    if (kv_block == 0) kv_block = block;
+    if (B < 1 || H < 1 || Tq < 1 || Tk < 1 || block < 1 || kv_block < 1)
+        return kiln_error(KILN_ERR_ARG, "flex_block_mask: sizes B %lld, H %lld, Tq %lld, Tk %lld, block %lld, kv_block "
+                          "%lld must be >= 1", (long long)B, (long long)H, (long long)Tq, (long long)Tk, (long long)block,
+                          (long long)kv_block), NULL;
+    kiln__backend *be = f->n_cap ? f->cap[0]->st->be : kiln__backend_default();
+    for (int i = 1; i < f->n_cap; i++)
+        if (f->cap[i]->st->be != be)
+            return kiln_error(KILN_ERR_DEVICE, "flex_block_mask: captured tensors on %s and %s", be->name,
+                              f->cap[i]->st->be->name), NULL;
+    if (f->n_cap > 2) { /* the mask op classifies with at most 2 (kiln__flex_classify): made here */
+        if (kiln_graph_capturing())
+            return kiln_error(KILN_ERR_UNSUPPORTED, "flex_block_mask: %d captured tensors inside a captured function; "
+                              "the mask is computed there from at most 2", f->n_cap), NULL;
+        kiln_block_mask_t *m;
+        if (kiln_block_mask_new(f, B, H, Tq, Tk, block, kv_block, &m) != KILN_OK) return NULL;
+        kiln_tensor_t *t = kiln_block_mask_tensor(m);
+        kiln_block_mask_free(m);
+        return t && be != kiln__backend_at(0) ? kiln_tensor_to(t, be->name) : t;
+    }
+    entry *e = NULL;
+    if (entry_for(f, &e) != KILN_OK) return NULL;
+    return mask_for(e, f, be, B, H, Tq, Tk, block, kv_block);
 }
 
 typedef struct {

@@ -67,8 +67,17 @@ struct kiln_block_mask {
  * so autograd records it; y and lse (scoped) filled and *ran true. *ran
  * false: not taken (the dense path runs); an error is a failure of a kernel's build or
  * of a captured index. */
-kiln_status kiln__flex_fused(const kiln_flex_t *f, const kiln_block_mask_t *bm, kiln_tensor_t *q, kiln_tensor_t *k,
+kiln_status kiln__flex_fused(const kiln_flex_t *f, kiln_tensor_t *mask, kiln_tensor_t *q, kiln_tensor_t *k,
                              kiln_tensor_t *v, double scale, kiln_tensor_t **y, kiln_tensor_t **lse, bool *ran);
+
+/* The block mask as a tensor (kiln_flex_block_mask): KILN__MASK_HEAD words at the head
+ * of each row (full and partial counts, block, kv_block), then its key blocks. pack
+ * writes m's rows into w; unpack reads rows of a tensor of this shape for a call's
+ * sizes into a new mask, checking every word (an error names the first bad one). */
+#define KILN__MASK_HEAD 4
+kiln_status kiln__block_mask_pack(const kiln_block_mask_t *m, int64_t *w);
+kiln_status kiln__block_mask_unpack(const int64_t *w, const int64_t *shape, int64_t B, int64_t H, int64_t Tq,
+                                    int64_t Tk, kiln_block_mask_t **out);
 
 /* The block mask's counts from a generated classifier (flex_gen.c), where it runs (the
  * cpu, FLEX_FUSED, at most 2 captured tensors): on[((b * mH + h) * nq + qb) * nk + kb]

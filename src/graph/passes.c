@@ -315,14 +315,15 @@ static bool rebuildable(const rc_ctx *c, int x, int late, int depth, int *budget
     return true;
 }
 
-/* A copy of node k (one output, n_in <= 8) on its inputs as of position late, inserted
+/* A copy of node k (one output, n_in <= KILN_OP_MAX_IN) on its inputs as of position late, inserted
  * at *at after what those need, *at moving past it; *out: the copy's value. Nodes before
  * late keep their places (insertions are at or after it). */
 static kiln_status rebuild(rc_ctx *c, int x, int late, int *at, int *out);
 
 static kiln_status clone_at(rc_ctx *c, int k, int late, int *at, int *out)
 {
-    int ins[8];
+    int ins[KILN_OP_MAX_IN];
+    if (c->g->nd[k].n_in > KILN_OP_MAX_IN) return kiln__err(KILN_ERR_INTERNAL, "graph_recompute: a node too wide");
     for (int i = 0; i < c->g->nd[k].n_in; i++) {
         kiln_status s = rebuild(c, c->g->nd[k].in[i], late, at, &ins[i]);
         if (s != KILN_OK) return s;
@@ -348,7 +349,7 @@ static kiln_status rebuild(rc_ctx *c, int x, int late, int *at, int *out)
         *out = x;
         return KILN_OK;
     }
-    if (g->nd[g->v[x].index].n_in > 8 || c->n_map == 64)
+    if (g->nd[g->v[x].index].n_in > KILN_OP_MAX_IN || c->n_map == 64)
         return kiln__err(KILN_ERR_INTERNAL, "graph_recompute: chain too wide");
     kiln_status s = clone_at(c, g->v[x].index, late, at, out);
     if (s != KILN_OK) return s;

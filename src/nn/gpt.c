@@ -12,6 +12,7 @@
 #include "kiln/nn.h"
 #include "kiln/optim.h"
 #include "nn/gpt_impl.h"
+#include "core/opts.h"
 #include "nn/names.h"
 
 
@@ -545,6 +546,7 @@ struct pass {
      * a flex variant's modifiers (NULL: kiln_attention) */
     int64_t B, T, pos0;
     const kiln_flex_t *flex;
+    kiln_tensor_t *mask; /* flex's block mask, made once for every layer (NULL: none) */
     kiln_kv_cache_t *cache;
     /* paged attention: the pool, and the rows' positions, slots, (seq, pos) and block table */
     kiln_kv_pool_t *pool;
@@ -612,7 +614,8 @@ static kiln_tensor_t *attend_full(const pass *ps, int i, kiln_tensor_t *q, kiln_
         k = kiln_narrow(cache->k[i], 2, 0, pos0 + T);
         v = kiln_narrow(cache->v[i], 2, 0, pos0 + T);
     }
-    kiln_tensor_t *y = ps->flex ? kiln_flex_attention(q, k, v, ps->flex, NULL, 0, NULL) : kiln_attention(q, k, v, true, 0.0);
+    kiln_tensor_t *y = ps->flex ? kiln_flex_attention_masked(q, k, v, ps->flex, ps->mask, 0, NULL)
+                                : kiln_attention(q, k, v, true, 0.0);
     int64_t bt[3] = {B, T, C};
     return kiln_reshape(kiln_transpose(y, 1, 2), bt, 3);
 }
@@ -629,6 +632,13 @@ static kiln_tensor_t *run(kiln_gpt_t *m, kiln_tensor_t *idx, int64_t pos0, kiln_
     kiln_flex_t *flex = NULL;
     if (kiln__gpt_has_variant(c) && model_flex(c, idx, !cache && !pos0, &flex) != KILN_OK) return NULL;
     ps.flex = flex;
+    /* its block mask once for every layer: from this batch's document ids (an op, so a
+     * compiled step computes it from each batch), or kept for these sizes */
+    if (flex && kiln__opt(KILN__OPT_FLEX_FUSED) &&
+        !(ps.mask = kiln_flex_block_mask(flex, ps.B, c->n_head, T, pos0 + T, 64, 64))) {
+        kiln_flex_free(flex);
+        return NULL;
+    }
     kiln_tensor_t *x = kiln_embedding(m->tok_emb, idx);
     if (c->pos == KILN_POS_LEARNED) x = kiln_add(x, kiln_narrow(m->pos_emb, 0, pos0, T));
     for (int i = 0; x && i < c->n_layer; i++) x = block(&ps, i, x);

@@ -198,8 +198,8 @@ static kiln_status custom_kernel(KILN__KERNEL_ARGS)
     if (!k) return kiln__err(KILN_ERR_INTERNAL, "custom op: no kernel for %s", be->name);
     /* dense[i]: input i itself when it is contiguous and of the output's shape (or the op
      * broadcasts nothing), else a dense copy of its view made here (owned[i]) */
-    kiln_tensor_t *dense[8] = {0};
-    bool owned[8] = {false};
+    kiln_tensor_t *dense[KILN_OP_MAX_IN] = {0};
+    bool owned[KILN_OP_MAX_IN] = {false};
     kiln_status s = KILN_OK;
     for (int i = 0; s == KILN_OK && i < n_in; i++) {
         bool same = !c->expr || (in[i]->ndim == out[0]->ndim &&
@@ -416,7 +416,8 @@ static kiln_status check_decl(const kiln_op_decl *d)
     for (const char *p = nm; *p; p++)
         if (!(*p == '_' || (*p >= 'a' && *p <= 'z') || (*p >= 'A' && *p <= 'Z') || (p > nm && *p >= '0' && *p <= '9')))
             return kiln__err(KILN_ERR_ARG, "op_define: the name '%s' is not an identifier (letters, digits, _)", nm);
-    if (d->n_in < 1 || d->n_in > 8) return kiln__err(KILN_ERR_ARG, "op %s: n_in %d (1 to 8)", nm, d->n_in);
+    if (d->n_in < 1 || d->n_in > KILN_OP_MAX_IN)
+        return kiln__err(KILN_ERR_ARG, "op %s: n_in %d (1 to %d)", nm, d->n_in, KILN_OP_MAX_IN);
     if (d->n_out < 1 || d->n_out > KILN__MAX_OUT)
         return kiln__err(KILN_ERR_ARG, "op %s: n_out %d (1 to %d)", nm, d->n_out, KILN__MAX_OUT);
     if (d->n_visible < 0 || d->n_visible > d->n_out)
