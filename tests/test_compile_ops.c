@@ -425,6 +425,44 @@ static kiln_status serving(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_t
     return finish(y, out, n_out);
 }
 
+/* Mixture-of-experts routing: topk of the arguments plus a leaf (values and indices);
+ * assignments sorted by expert and their rows (x plus a leaf) multiplied by a leaf's
+ * per-expert weights. Round 1's choices give other per-expert counts (one expert none),
+ * which the graph of round 0 runs: the counts are data. */
+static int make_moe(env *e, kiln_tensor_t **in)
+{
+    static const int64_t ind[2][5][2] = {{{0, 1}, {2, 3}, {1, 0}, {3, 3}, {2, 1}},
+                                         {{3, 3}, {0, 3}, {3, 0}, {1, 3}, {0, 0}}};
+    if (e->which == 0) {
+        in[0] = rnd(e, (int64_t[]){6, 8}, 2, 40);
+        leaf(e, rnd0(e, (int64_t[]){6, 8}, 2, 41));
+        return 1;
+    }
+    in[0] = ints(&ind[e->round][0][0], (int64_t[]){5, 2}, 2);
+    in[1] = rnd(e, (int64_t[]){10, 6}, 2, 42);
+    leaf(e, rnd0(e, (int64_t[]){10, 6}, 2, 43));
+    leaf(e, rnd0(e, (int64_t[]){4, 6, 3}, 3, 44));
+    return 2;
+}
+
+static kiln_status moe(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    env *e = ctx;
+    kiln_tensor_t *a, *b;
+    kiln_status s = e->which == 0 ? kiln_topk(kiln_add(in[0], e->leaf[0]), 3, &a, &b) : kiln_moe_sort(in[0], 4, &a, &b);
+    if (s != KILN_OK) return s;
+    if (e->which == 0) {
+        s = finish(a, out, n_out);
+        out[(*n_out)++] = b;
+        return s;
+    }
+    kiln_tensor_t *xs = kiln_index_select(kiln_add(in[1], e->leaf[0]), 0, a);
+    s = finish(kiln_grouped_matmul(xs, e->leaf[1], b), out, n_out);
+    out[(*n_out)++] = a;
+    out[(*n_out)++] = b;
+    return s;
+}
+
 /* In-place updates of the arguments (compared after the run): add_, scale_, fill_,
  * copy_ (into a slice), index_copy_. */
 static int make_inplace(env *e, kiln_tensor_t **in)
@@ -571,6 +609,9 @@ static const op_case cases[] = {
      .op = {KILN_OP_MATMUL_ROWS_PACKED, END}},
     {.name = "rope_at", .fn = serving, .make = make_serving, .which = 1, .op = {KILN_OP_ROPE_AT, END}},
     {.name = "paged_attention", .fn = serving, .make = make_serving, .which = 2, .op = {KILN_OP_PAGED_ATTENTION, END}},
+    {.name = "topk", .fn = moe, .make = make_moe, .which = 0, .f64 = true, .op = {KILN_OP_TOPK, END}},
+    {.name = "moe_sort_grouped_matmul", .fn = moe, .make = make_moe, .which = 1, .f64 = true,
+     .op = {KILN_OP_MOE_SORT, KILN_OP_GROUPED_MATMUL, KILN_OP_GROUPED_MATMUL_BACKWARD, END}},
     {.name = "add_", .fn = inplace, .make = make_inplace, .which = 0, .f64 = true, .op = {KILN_OP_ADD_, END}},
     {.name = "scale_", .fn = inplace, .make = make_inplace, .which = 1, .f64 = true, .op = {KILN_OP_SCALE_, END}},
     {.name = "fill_", .fn = inplace, .make = make_inplace, .which = 2, .f64 = true, .op = {KILN_OP_FILL_, END}},

@@ -377,6 +377,31 @@ static void case_embedding(void)
     GC("embedding", f_embedding, index_of(idx, 2, is), leaf(2, ws, -1, 1, false));
 }
 
+/* topk's values: the gradient lands on the chosen positions (inputs distinct by far more
+ * than eps, so the choice does not move). */
+static kiln_tensor_t *f_topk(kiln_tensor_t *const *x, const void *c)
+{
+    kiln_tensor_t *val, *idx;
+    return kiln_topk(x[0], 3, &val, &idx) == KILN_OK ? val : NULL;
+}
+static void case_topk(void)
+{
+    int64_t sh[2] = {4, 6};
+    GC("topk k 3", f_topk, NULL, leaf(2, sh, -1, 1, false));
+}
+
+/* grouped_matmul over 3 experts, the second without rows, rows 0 and 8 routed to none. */
+static kiln_tensor_t *f_grouped_matmul(kiln_tensor_t *const *x, const void *c)
+{
+    return kiln_grouped_matmul(x[0], x[1], (kiln_tensor_t *)c);
+}
+static void case_grouped_matmul(void)
+{
+    int64_t xs[2] = {9, 4}, ws[3] = {3, 4, 5}, os[1] = {4};
+    const int64_t off[4] = {1, 4, 4, 8};
+    GC("grouped_matmul", f_grouped_matmul, index_of(off, 1, os), leaf(2, xs, -1, 1, false), leaf(3, ws, -1, 1, false));
+}
+
 typedef struct {
     int dim;
     kiln_tensor_t *idx;
@@ -638,6 +663,8 @@ static const grad_case cases[] = {
     {KILN_OP_TRI, "gradcheck_tril_triu", case_tri},
     {KILN_OP_ROPE, "gradcheck_rope", case_rope},
     {KILN_OP_ATTENTION, "gradcheck_attention_plain_and_gqa_causal", case_attention},
+    {KILN_OP_TOPK, "gradcheck_topk_values", case_topk},
+    {KILN_OP_GROUPED_MATMUL, "gradcheck_grouped_matmul_empty_expert_and_unrouted_rows", case_grouped_matmul},
     {KILN_OP_VIEW, "gradcheck_view_reshape", case_view},
     {KILN_OP_PERMUTE, "gradcheck_permute_transpose", case_permute},
     {KILN_OP_SLICE, "gradcheck_slice_narrow", case_slice},

@@ -157,6 +157,42 @@ kiln_tensor_t *kiln_rope_scaled(kiln_tensor_t *x, int64_t pos0, double theta, co
 kiln_tensor_t *kiln_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, bool causal,
                               double scale);
 
+/* Mixture-of-experts routing: choose experts per token, group the tokens by expert, and
+ * multiply each group by its expert's weight in one op. A top-k MoE FFN reads:
+ *
+ *     kiln_topk(router_logits, k, &val, &idx);     // (N,E) -> (N,k), (N,k) i64
+ *     kiln_moe_sort(idx, E, &order, &offsets);     // (N*k) i64, (E+1) i64
+ *     xs = kiln_index_select(xk, 0, order);        // xk (N*k,C): row n*k+j is x[n]
+ *     h  = kiln_grouped_matmul(xs, w1, offsets);   // (N*k,C) x (E,C,F) -> (N*k,F)
+ *
+ * kiln_topk: the k largest elements along the last dim of a float tensor x (..., E)
+ * (1 <= k <= E), in descending order: values (..., k) of x's dtype, indices (..., k) i64.
+ * Ties are broken by the lower index first, on every backend and in every process: of
+ * equal values the one at the lower index comes first, and is chosen when only one of
+ * them fits. NaN counts as larger than every number (as PyTorch's); -0 equals +0.
+ * Differentiable in x: the gradient of values goes to the chosen positions, zero
+ * elsewhere. (torch.topk does not promise an order for ties: compare against a
+ * reference with this rule, not against it.)
+ *
+ * kiln_moe_sort: a stable grouping of the assignments in indices (N, k) (i32 or i64,
+ * read in row-major order: assignment a = n*k + j chose expert indices[n][j]) by expert:
+ * order (N*k) i64 lists the assignment numbers a expert by expert, expert 0 first, each
+ * expert's in ascending order of a; offsets (E+1) i64 holds the running counts
+ * (offsets[0] = 0, offsets[E] = N*k), so expert e's assignments are order[offsets[e] ..
+ * offsets[e+1]-1]. An index outside [0, E) is KILN_ERR_INDEX naming it. Not
+ * differentiable.
+ *
+ * kiln_grouped_matmul: x (M, K) and w (E, K, N) of one float type, offsets (E+1) i32 or
+ * i64: rows offsets[e] .. offsets[e+1]-1 of x times w[e], (M, N); rows before offsets[0]
+ * or from offsets[E] on (no expert's) are zero. One op for all the experts: offsets is
+ * read when the kernel runs, so the counts are data, not shapes, and a compiled graph
+ * runs again without recompiling when they change. Offsets that fall, or leave [0, M],
+ * are KILN_ERR_INDEX when it runs. Differentiable in x and w; under autocast it runs in
+ * the reduced type as matmul does. */
+kiln_status kiln_topk(kiln_tensor_t *x, int64_t k, kiln_tensor_t **values, kiln_tensor_t **indices);
+kiln_status kiln_moe_sort(kiln_tensor_t *indices, int64_t n_experts, kiln_tensor_t **order, kiln_tensor_t **offsets);
+kiln_tensor_t *kiln_grouped_matmul(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *offsets);
+
 /* Serving (inference only, not differentiable).
  * kiln_rope_at: rope of x (N,H,D) where row n sits at position pos[n] (pos (N) i32/i64),
  * the same rotation as kiln_rope.

@@ -99,6 +99,14 @@ typedef struct {
 } kiln__paged_attention_attrs; /* PAGED_ATTENTION */
 
 typedef struct {
+    int64_t k; /* how many of the largest, 1 .. the last dim */
+} kiln__topk_attrs; /* TOPK */
+
+typedef struct {
+    int64_t n_experts; /* E: indices lie in [0, E), offsets has E + 1 entries */
+} kiln__moe_sort_attrs; /* MOE_SORT */
+
+typedef struct {
     void *group;     /* the process group (the backends know nothing of groups) */
     const void *ops; /* ALLREDUCE_: its kiln__collective_ops; the others: a kiln__collective2_fn */
     int reduce;      /* the reduce op */
@@ -128,6 +136,8 @@ typedef struct {
         kiln__rows_packed_attrs rows_packed;
         kiln__paged_attention_attrs paged_attention;
         kiln__collective_attrs collective;
+        kiln__topk_attrs topk;
+        kiln__moe_sort_attrs moe_sort;
         kiln__custom_attrs custom;
     } op;
 } kiln__attrs;

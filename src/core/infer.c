@@ -441,6 +441,59 @@ INFER(paged_attention)
     return unary_any("paged_attention", in, n, a, out);
 }
 
+/* Mixture-of-experts routing. topk: x (..., E) float -> values (..., k) of x's dtype and
+ * indices (..., k) i64. */
+INFER(topk)
+{
+    const kiln_tensor_t *x = in[0];
+    kiln_status s = need_float("topk", x);
+    if (s != KILN_OK) return s;
+    if (x->ndim < 1) return kiln__err(KILN_ERR_SHAPE, "topk: x %s needs at least 1 dim (..., E)", SHP(x));
+    int64_t E = x->shape[x->ndim - 1], k = a->op.topk.k;
+    if (k < 1 || k > E)
+        return kiln__err(KILN_ERR_ARG, "topk: k %lld is outside 1..%lld, the last dim of x %s", (long long)k,
+                         (long long)E, SHP(x));
+    meta_like(x, x->dtype, &out[0]);
+    out[0].shape[x->ndim - 1] = k;
+    meta_like(x, KILN_DTYPE_I64, &out[1]);
+    out[1].shape[x->ndim - 1] = k;
+    return KILN_OK;
+}
+
+/* moe_sort: indices (N, k) (any shape, read in row-major order) i32/i64 -> order (N*k)
+ * and offsets (E + 1), both i64. */
+INFER(moe_sort)
+{
+    const kiln_tensor_t *idx = in[0];
+    kiln_status s = need_index("moe_sort", idx);
+    if (s != KILN_OK) return s;
+    int64_t E = a->op.moe_sort.n_experts;
+    if (E < 1) return kiln__err(KILN_ERR_ARG, "moe_sort: n_experts %lld must be at least 1", (long long)E);
+    int64_t count = kiln__numel(idx->ndim, idx->shape), e1 = E + 1;
+    meta_shape(&out[0], KILN_DTYPE_I64, 1, &count);
+    meta_shape(&out[1], KILN_DTYPE_I64, 1, &e1);
+    return KILN_OK;
+}
+
+/* grouped_matmul: x (M, K), w (E, K, N) of one float type, offsets (E + 1) i32/i64 ->
+ * (M, N). The offsets' values are the kernel's to check (they are data). */
+INFER(grouped_matmul)
+{
+    const kiln_tensor_t *x = in[0], *w = in[1], *off = in[2];
+    if (x->ndim != 2 || w->ndim != 3 || off->ndim != 1 || x->shape[1] != w->shape[1] ||
+        off->shape[0] != w->shape[0] + 1)
+        return kiln__err(KILN_ERR_SHAPE, "grouped_matmul: x %s, w %s, offsets %s must be (M,K), (E,K,N) and (E+1)",
+                         SHP(x), SHP(w), SHP(off));
+    if (x->dtype != w->dtype || !kiln_dtype_is_float(x->dtype))
+        return kiln__err(KILN_ERR_DTYPE, "grouped_matmul: x %s and w %s must be of one float type (f32, f64, f16 or "
+                         "bf16)", SHP(x), SHP(w));
+    kiln_status s = need_index("grouped_matmul", off);
+    if (s != KILN_OK) return s;
+    int64_t shape[2] = {x->shape[0], w->shape[2]};
+    meta_shape(&out[0], x->dtype, 2, shape);
+    return KILN_OK;
+}
+
 /* Views: strides and offset relative to the input's storage, starting from its own
  * (kiln__meta_of). */
 /* Strides for viewing t as `shape` without a copy, if they exist: each run of merged
@@ -633,4 +686,15 @@ static kiln_status like_inputs(kiln_tensor_t *const *in, int n_out, const int *f
 INFER(layer_norm_backward) { return like_inputs(in, 3, (const int[]){1, 2, 2}, out); } /* (g, x, w, ...): dx, dw, db */
 INFER(rms_norm_backward) { return like_inputs(in, 2, (const int[]){1, 2}, out); }       /* (g, x, w, ...): dx, dw */
 INFER(cross_entropy_backward) { return like_inputs(in, 1, (const int[]){1}, out); }     /* (g, logits, ...): dlogits */
+/* (g (M,N), x (M,K), w (E,K,N), offsets): dx, dw. */
+INFER(grouped_matmul_backward)
+{
+    const kiln_tensor_t *g = in[0], *x = in[1], *w = in[2];
+    if (g->ndim != 2 || x->ndim != 2 || w->ndim != 3 || g->shape[0] != x->shape[0] || g->shape[1] != w->shape[2] ||
+        g->dtype != x->dtype)
+        return kiln__err(KILN_ERR_SHAPE, "grouped_matmul_backward: g %s, x %s, w %s must be (M,N), (M,K), (E,K,N) of "
+                         "one type", SHP(g), SHP(x), SHP(w));
+    kiln_status s = kiln__infer_grouped_matmul(in + 1, 3, a, out);
+    return s != KILN_OK ? s : like_inputs(in, 2, (const int[]){1, 2}, out);
+}
 INFER(attention_backward) { return like_inputs(in, 3, (const int[]){1, 2, 3}, out); }   /* (g, q, k, v, ...): dq, dk, dv */

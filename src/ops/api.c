@@ -387,6 +387,38 @@ kiln_tensor_t *kiln_paged_attention_variant(kiln_tensor_t *q, kiln_tensor_t *k_p
     return kiln__call(KILN_OP_PAGED_ATTENTION, in, 5, &at);
 }
 
+/* Mixture-of-experts routing: two visible outputs, each handed to the scope. */
+static kiln_status call_pair(kiln__op_id op, kiln_tensor_t *in, const kiln__attrs *a, kiln_tensor_t **o0,
+                             kiln_tensor_t **o1)
+{
+    if (!o0 || !o1) return kiln__err(KILN_ERR_ARG, "%s: NULL output pointer", kiln__ops[op].name);
+    *o0 = *o1 = NULL;
+    if (!in) return kiln__null_arg(kiln__ops[op].name);
+    kiln_tensor_t *out[KILN__MAX_OUT] = {0};
+    kiln_status s = kiln__dispatch(op, &in, 1, a, out);
+    if (s != KILN_OK) return s;
+    *o0 = kiln__scoped(out[0]);
+    *o1 = kiln__scoped(out[1]);
+    return *o0 && *o1 ? KILN_OK : kiln_last_status();
+}
+
+kiln_status kiln_topk(kiln_tensor_t *x, int64_t k, kiln_tensor_t **values, kiln_tensor_t **indices)
+{
+    return call_pair(KILN_OP_TOPK, x, &(kiln__attrs){.op.topk.k = k}, values, indices);
+}
+
+kiln_status kiln_moe_sort(kiln_tensor_t *indices, int64_t n_experts, kiln_tensor_t **order, kiln_tensor_t **offsets)
+{
+    return call_pair(KILN_OP_MOE_SORT, indices, &(kiln__attrs){.op.moe_sort.n_experts = n_experts}, order, offsets);
+}
+
+kiln_tensor_t *kiln_grouped_matmul(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *offsets)
+{
+    if (!x || !w || !offsets) return null_arg("grouped_matmul");
+    kiln_tensor_t *in[3] = {x, w, offsets};
+    return kiln__call(KILN_OP_GROUPED_MATMUL, in, 3, &(kiln__attrs){0});
+}
+
 /* Views. */
 static bool resolve_shape(const char *op, kiln_tensor_t *a, const int64_t *shape, int ndim, kiln__attrs *at)
 {

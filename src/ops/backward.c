@@ -228,6 +228,23 @@ BW(attention)
     return by_fused(n, KILN_OP_ATTENTION_BACKWARD, in, gin);
 }
 
+/* topk: the values' gradient scattered back to the chosen positions of x (the indices,
+ * output 1), zero elsewhere; the indices have none. */
+BW(topk)
+{
+    kiln_tensor_t *z = kiln_zeros(META(0)->shape, META(0)->ndim, META(0)->dtype);
+    gin[0] = G ? kiln_scatter_add(z, META(0)->ndim - 1, Y(1), G) : z;
+    return done(gin, 1, n);
+}
+
+/* grouped_matmul: dx = grouped(g, w[e]^T), dw[e] = x_e^T g_e, both by one backward op;
+ * the offsets have no gradient. */
+BW(grouped_matmul)
+{
+    n->needs_grad[2] = false;
+    return by_fused(n, KILN_OP_GROUPED_MATMUL_BACKWARD, (kiln_tensor_t *[4]){kiln_contiguous(G), X(0), X(1), X(2)}, gin);
+}
+
 UNARY_BW(dropout, kiln_mul_scalar(kiln_mul(G, kiln_cast(Y(1), G->dtype)), 1.0 / (1.0 - n->attrs.op.dropout.p)))
 
 BW(cat)

@@ -198,3 +198,192 @@ kiln_status kiln__cpu_matmul(kiln__backend *be, kiln_tensor_t *const *in, int n_
     kiln_tensor_free(ty);
     return s;
 }
+
+/* ---- Grouped matmul (mixture of experts): one product per expert, in one kernel ---- */
+
+/* One expert's product: C (M, N) = op(A) (M, K) op(B) (K, N), at the call's layouts, N
+ * and element size. */
+typedef struct {
+    const char *A, *B;
+    char *C;
+    int64_t M, K;
+} group_gemm;
+
+typedef struct {
+    kiln_dtype dt;
+    mat_layout la, lb;
+    int64_t N, block;
+    size_t es;
+    const group_gemm *g;
+    const int64_t *task; /* (group, first row) pairs */
+} grouped_ctx;
+
+static void grouped_blocks(void *c, int64_t b, int64_t e)
+{
+    const grouped_ctx *k = c;
+    for (int64_t t = b; t < e; t++) {
+        const group_gemm *g = &k->g[k->task[2 * t]];
+        int64_t lo = k->task[2 * t + 1], n = g->M - lo < k->block ? g->M - lo : k->block;
+        const char *A = g->A + (k->la.trans == CblasNoTrans ? lo * k->la.ld : lo) * (int64_t)k->es;
+        gemm1(k->dt, k->la, k->lb, n, k->N, g->K, A, g->B, g->C + lo * k->N * (int64_t)k->es, k->N);
+    }
+}
+
+/* The products of groups g[0..n). f32 and f64 on the BLAS: with KILN_OPT_POOL_GEMM one
+ * job over blocks of rows of every group, so that the threads take an expert of few
+ * rows and a large one alike (blocks sized by matmul's rule, from the rows of all the
+ * groups together); without it, one BLAS call (threaded by the BLAS) per group. kiln's
+ * own GEMMs (bf16; f16 and f32 when switched on) thread themselves: one call per group. A
+ * group with nothing to sum over (K = 0: an expert with no rows, in dw) gets zeros. */
+static kiln_status grouped_gemm(kiln_dtype dt, mat_layout la, mat_layout lb, int64_t N, const group_gemm *g, int64_t n)
+{
+    size_t es = kiln_dtype_size(dt);
+    int64_t rows = 0, kmax = 0, n_task = 0;
+    for (int64_t i = 0; i < n; i++) {
+        if (g[i].K == 0 && g[i].M > 0) memset(g[i].C, 0, es * (size_t)(g[i].M * N));
+        if (g[i].K > 0) rows += g[i].M;
+        if (g[i].K > kmax) kmax = g[i].K;
+    }
+    if (rows == 0 || N == 0) return KILN_OK;
+    bool own = kiln__is_half(dt) || (dt == KILN_DTYPE_F32 && kiln__opt(KILN__OPT_OWN_GEMM));
+    if (own || !kiln__opt(KILN__OPT_POOL_GEMM)) {
+        kiln_status s = KILN_OK;
+        for (int64_t i = 0; i < n && s == KILN_OK; i++) {
+            if (g[i].M == 0 || g[i].K == 0) continue;
+            if (kiln__is_half(dt)) {
+                s = gemm_half(dt, la, lb, g[i].M, N, g[i].K, g[i].A, g[i].B, g[i].C, NULL);
+            } else if (!own || !kiln__gemm(g[i].M, N, g[i].K, own_operand(g[i].A, KILN__GEMM_F32, la),
+                                           own_operand(g[i].B, KILN__GEMM_F32, lb), (float *)g[i].C, N, false,
+                                           KILN__GEMM_F32)) {
+                gemm1(dt, la, lb, g[i].M, N, g[i].K, g[i].A, g[i].B, g[i].C, N);
+            }
+        }
+        return s;
+    }
+    int64_t block = 128;
+    if (kiln__opt(KILN__OPT_GEMM_THREAD_BLOCKS) && 128 * N * kmax > ((int64_t)1 << 22)) {
+        int64_t nt = kiln_num_threads(), per = (rows + nt - 1) / (nt > 0 ? nt : 1);
+        block = (per + 127) / 128 * 128;
+        if (block < 128) block = 128;
+    }
+    for (int64_t i = 0; i < n; i++)
+        if (g[i].K > 0) n_task += (g[i].M + block - 1) / block;
+    int64_t *task = malloc(sizeof *task * 2 * (size_t)n_task);
+    if (!task) return kiln__err(KILN_ERR_OOM, "grouped_matmul: out of memory for %lld blocks", (long long)n_task);
+    n_task = 0;
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t lo = 0; g[i].K > 0 && lo < g[i].M; lo += block) {
+            task[2 * n_task] = i;
+            task[2 * n_task++ + 1] = lo;
+        }
+    grouped_ctx k = {dt, la, lb, N, block, es, g, task};
+    kiln__parallel_for(n_task, 1, grouped_blocks, &k);
+    free(task);
+    return KILN_OK;
+}
+
+/* offsets (E + 1) read into off[] and checked: they rise from 0 or more to at most M. */
+static kiln_status read_offsets(const char *op, kiln_tensor_t *t, int64_t M, int64_t *off)
+{
+    kiln_tensor_t *tmp, *c = cpu_contig(t, &tmp);
+    if (!c) return kiln_last_status();
+    int64_t n = c->shape[0];
+    size_t isz = kiln_dtype_size(c->dtype);
+    for (int64_t i = 0; i < n; i++) off[i] = kiln__load_index((const char *)kiln__data(c) + i * (int64_t)isz, c->dtype);
+    kiln_tensor_free(tmp);
+    for (int64_t i = 0; i < n; i++) {
+        const char *hint = "offsets must rise from 0 or more to at most M, x's rows, as kiln_moe_sort makes them";
+        if (off[i] < 0) return kiln__err(KILN_ERR_INDEX, "%s: offsets[%lld] = %lld is negative (%s)", op,
+                                         (long long)i, (long long)off[i], hint);
+        if (i > 0 && off[i] < off[i - 1])
+            return kiln__err(KILN_ERR_INDEX, "%s: offsets[%lld] = %lld is below offsets[%lld] = %lld (%s)", op,
+                             (long long)i, (long long)off[i], (long long)(i - 1), (long long)off[i - 1], hint);
+        if (off[i] > M)
+            return kiln__err(KILN_ERR_INDEX, "%s: offsets[%lld] = %lld is beyond M = %lld (%s)", op, (long long)i,
+                             (long long)off[i], (long long)M, hint);
+    }
+    return KILN_OK;
+}
+
+/* Contiguous copies of in[0..n) (tmp[] to free) and the checked offsets in[n] (E + 1
+ * values in a new *off); rows rows of x. */
+static kiln_status grouped_inputs(const char *op, kiln_tensor_t *const *in, int n, int64_t rows, kiln_tensor_t **c,
+                                  kiln_tensor_t **tmp, int64_t **off)
+{
+    *off = NULL;
+    if (!cpu_contig_n(in, n, c, tmp, NULL)) return kiln_last_status();
+    int64_t E1 = in[n]->shape[0];
+    if (!(*off = malloc(sizeof **off * (size_t)E1)))
+        return kiln__err(KILN_ERR_OOM, "%s: out of memory for %lld offsets", op, (long long)E1);
+    return read_offsets(op, in[n], rows, *off);
+}
+
+/* Zeroes rows [0, off[0]) and [off[E], M) of the (M, cols) matrix o: no expert's. */
+static void zero_unrouted(kiln_tensor_t *o, const int64_t *off, int64_t E)
+{
+    size_t row = kiln_dtype_size(o->dtype) * (size_t)o->shape[1];
+    char *p = kiln__data(o);
+    memset(p, 0, row * (size_t)off[0]);
+    memset(p + row * (size_t)off[E], 0, row * (size_t)(o->shape[0] - off[E]));
+}
+
+/* x (M, K), w (E, K, N), offsets (E + 1) -> (M, N): rows off[e] .. off[e+1]-1 of x times
+ * w[e]. */
+kiln_status kiln__cpu_grouped_matmul(KILN__KERNEL_ARGS)
+{
+    if (in[0]->dtype == KILN_DTYPE_F16 && !kiln__opt(KILN__OPT_OWN_GEMM_F16))
+        return cpu_widened(kiln__cpu_grouped_matmul, be, in, n_in, a, out, n_out);
+    kiln_tensor_t *c[2], *tmp[2] = {0}, *o = out[0];
+    int64_t *off, M = in[0]->shape[0], K = in[0]->shape[1], E = in[1]->shape[0], N = in[1]->shape[2];
+    kiln_status s = grouped_inputs("grouped_matmul", in, 2, M, c, tmp, &off);
+    group_gemm *g = s == KILN_OK ? malloc(sizeof *g * (size_t)(E ? E : 1)) : NULL;
+    if (s == KILN_OK && !g) s = kiln__err(KILN_ERR_OOM, "grouped_matmul: out of memory for %lld experts", (long long)E);
+    if (s == KILN_OK) {
+        size_t es = kiln_dtype_size(o->dtype);
+        const char *x = kiln__data(c[0]), *w = kiln__data(c[1]);
+        char *y = kiln__data(o);
+        zero_unrouted(o, off, E);
+        for (int64_t e = 0; e < E; e++)
+            g[e] = (group_gemm){x + off[e] * K * (int64_t)es, w + e * K * N * (int64_t)es, y + off[e] * N * (int64_t)es,
+                                off[e + 1] - off[e], K};
+        s = grouped_gemm(o->dtype, (mat_layout){CblasNoTrans, K ? K : 1}, (mat_layout){CblasNoTrans, N ? N : 1}, N,
+                         g, E);
+    }
+    free(g);
+    free(off);
+    cpu_free_n(tmp, 2);
+    return s;
+}
+
+/* (g (M, N), x (M, K), w (E, K, N), offsets) -> dx (M, K) = grouped(g, w[e]^T) and
+ * dw (E, K, N), dw[e] = x_e^T g_e (zero for an expert without rows). */
+kiln_status kiln__cpu_grouped_matmul_backward(KILN__KERNEL_ARGS)
+{
+    if (in[0]->dtype == KILN_DTYPE_F16 && !kiln__opt(KILN__OPT_OWN_GEMM_F16))
+        return cpu_widened(kiln__cpu_grouped_matmul_backward, be, in, n_in, a, out, n_out);
+    kiln_tensor_t *c[3], *tmp[3] = {0}, *dx = out[0], *dw = out[1];
+    int64_t *off, M = in[1]->shape[0], K = in[1]->shape[1], E = in[2]->shape[0], N = in[2]->shape[2];
+    kiln_status s = grouped_inputs("grouped_matmul backward", in, 3, M, c, tmp, &off);
+    group_gemm *g = s == KILN_OK ? malloc(sizeof *g * (size_t)(E ? 2 * E : 1)) : NULL;
+    if (s == KILN_OK && !g) s = kiln__err(KILN_ERR_OOM, "grouped_matmul backward: out of memory for %lld experts",
+                                          (long long)E);
+    if (s == KILN_OK) {
+        int64_t es = (int64_t)kiln_dtype_size(dx->dtype);
+        const char *gy = kiln__data(c[0]), *x = kiln__data(c[1]), *w = kiln__data(c[2]);
+        char *gx = kiln__data(dx), *gw = kiln__data(dw);
+        zero_unrouted(dx, off, E);
+        for (int64_t e = 0; e < E; e++) {
+            int64_t rows = off[e + 1] - off[e];
+            g[e] = (group_gemm){gy + off[e] * N * es, w + e * K * N * es, gx + off[e] * K * es, rows, N};
+            g[E + e] = (group_gemm){x + off[e] * K * es, gy + off[e] * N * es, gw + e * K * N * es, K, rows};
+        }
+        mat_layout byrow_n = {CblasNoTrans, N ? N : 1}, trans_n = {CblasTrans, N ? N : 1},
+                   trans_k = {CblasTrans, K ? K : 1};
+        s = grouped_gemm(dx->dtype, byrow_n, trans_n, K, g, E);
+        if (s == KILN_OK) s = grouped_gemm(dw->dtype, trans_k, byrow_n, N, g + E, E);
+    }
+    free(g);
+    free(off);
+    cpu_free_n(tmp, 3);
+    return s;
+}
