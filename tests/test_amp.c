@@ -97,6 +97,7 @@ static void test_policy_table_and_override(void **state)
         {"log_softmax", KILN_AMP_F32}, {"layer_norm", KILN_AMP_F32}, {"rms_norm", KILN_AMP_F32},
         {"cross_entropy", KILN_AMP_F32}, {"sum", KILN_AMP_F32},      {"add", KILN_AMP_ANY},
         {"gelu", KILN_AMP_ANY},        {"cast", KILN_AMP_ANY},      {"embedding", KILN_AMP_ANY},
+        {"grouped_matmul", KILN_AMP_LOW}, {"topk", KILN_AMP_ANY},   {"moe_sort", KILN_AMP_ANY},
     };
     for (size_t i = 0; i < sizeof want / sizeof want[0]; i++)
         if (kiln_op_amp_policy(op_id(want[i].op)) != want[i].p)

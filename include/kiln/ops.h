@@ -49,8 +49,9 @@ kiln_tensor_t *kiln_cast(kiln_tensor_t *a, kiln_dtype dt);
 /* Mixed precision (autocast), as PyTorch's torch.autocast: between kiln_autocast_begin(dt)
  * and kiln_autocast_end() on this thread, each op runs in the type its precision policy
  * (a column of the op table) names, and its float inputs are cast to it first:
- *   KILN_AMP_LOW  in dt (bf16 or f16): matmul (and so kiln_linear) and attention; their
- *                 f32, f16 and bf16 inputs are cast to dt, products summed in f32;
+ *   KILN_AMP_LOW  in dt (bf16 or f16): matmul (and so kiln_linear), grouped_matmul and
+ *                 attention; their f32, f16 and bf16 inputs are cast to dt, products
+ *                 summed in f32;
  *   KILN_AMP_F32  in f32: softmax, log_softmax, layer_norm, rms_norm, cross_entropy and
  *                 sum (and so mean, var, logsumexp); f16 and bf16 inputs are cast up;
  *   KILN_AMP_ANY  in its inputs' types, promoted as always (everything else).
