@@ -48,7 +48,10 @@ static kiln_gpt_config golden_config(const kiln_safetensors_t *f)
     json_t *o = json_loads(meta, 0, NULL);
     assert_non_null(o);
     static const char *model_keys[] = {"n_layer", "n_head", "n_kv_head", "n_embd", "block_size", "vocab_size",
-                                       "ffn_hidden", "norm", "pos", "mlp", "bias", "tied", "norm_eps", "rope_theta", NULL};
+                                       "ffn_hidden", "norm", "pos", "mlp", "bias", "tied", "norm_eps", "rope_theta",
+                                       "n_routed_experts", "n_shared_experts", "moe_top_k", "moe_ffn", "moe_router",
+                                       "moe_norm_topk", "moe_scale", "n_dense_layers", "moe_bias_speed",
+                                       "moe_balance_loss", NULL};
     json_t *m = json_object();
     for (int i = 0; model_keys[i]; i++) {
         json_t *v = json_object_get(o, model_keys[i]);
@@ -158,6 +161,10 @@ static void check_golden(const char *file, bool compiled)
     for (int i = 0; i < kiln_gpt_num_params(m); i++) {
         const char *name;
         kiln_tensor_t *p = kiln_gpt_param(m, i, &name);
+        if (!kiln_tensor_requires_grad(p)) { /* an MoE block's balancing bias: moved by the rule, not by gradients */
+            assert_null(kiln_tensor_grad(p));
+            continue;
+        }
         char key[256];
         snprintf(key, sizeof key, "grad.%s", name);
         kiln_tensor_t *g = kiln_safetensors_get(f, key);
@@ -171,7 +178,14 @@ static void check_golden(const char *file, bool compiled)
     printf("%s (%s): worst gradient max|d|/max|ref| = %.3g\n", file, how, worst);
 
     /* 10 AdamW steps on the same batch: lr 1e-3, betas (0.9, 0.95), eps 1e-8, weight
-     * decay 0.1 on parameters of 2 or more dims, as the reference ran them. */
+     * decay 0.1 on parameters of 2 or more dims, as the reference ran them, on a model
+     * loaded again (the gradient check's training forward counted MoE loads). MoE: after
+     * each step the balancing biases move (kiln_gpt_moe_update; the compiled step does it
+     * itself), checked against the reference's after every step (1e-7). */
+    kiln_gpt_t *probe = m;
+    assert_int_equal(kiln_gpt_new(&cfg, 1, &m), KILN_OK);
+    if (kiln_gpt_load_weights(m, golden_path(file)) != KILN_OK) fail_msg("%s", kiln_last_error());
+    kiln_tensor_t *ref_bias = cfg.n_routed_experts ? kiln_safetensors_get(f, "out.router_bias") : NULL;
     int np = kiln_gpt_num_params(m);
     kiln_tensor_t **ps = malloc(sizeof *ps * (size_t)np);
     for (int i = 0; i < np; i++) ps[i] = kiln_gpt_param(m, i, NULL);
@@ -196,13 +210,26 @@ static void check_golden(const char *file, bool compiled)
             assert_int_equal(kiln_tensor_item(out[0], &v), KILN_OK);
         } else {
             kiln_tensor_t *lk;
-            assert_non_null(kiln_gpt_forward(m, idx, tgt, false, &lk));
+            assert_non_null(kiln_gpt_forward(m, idx, tgt, true, &lk)); /* no dropout: the same forward */
             assert_int_equal(kiln_tensor_item(lk, &v), KILN_OK);
             assert_int_equal(kiln_backward(lk), KILN_OK);
             assert_int_equal(kiln_optim_step(opt, 1e-3), KILN_OK);
+            assert_int_equal(kiln_gpt_moe_update(m, NULL), KILN_OK);
             kiln_optim_zero_grad(opt);
         }
         kiln_scope_end();
+        for (int i = 0, j = 0; ref_bias && i < cfg.n_layer; i++) {
+            float bias[64], want[64];
+            if (!kiln_gpt_moe_stats(m, i, NULL, bias)) continue;
+            kiln_scope_begin();
+            kiln_tensor_t *row = kiln_contiguous(kiln_narrow(kiln_narrow(ref_bias, 0, k, 1), 1, j++, 1));
+            assert_int_equal(kiln_tensor_to_host(row, want, sizeof(float) * (size_t)cfg.n_routed_experts), KILN_OK);
+            kiln_scope_end();
+            for (int e = 0; e < cfg.n_routed_experts; e++)
+                if (!(fabs(bias[e] - want[e]) <= 1e-7))
+                    fail_msg("%s (%s): step %d, block %d's bias of expert %d is %g, the reference's %g", file, how, k, i,
+                             e, bias[e], want[e]);
+        }
         double dl = fabs(v - ref_losses[k]);
         if (dl > worst_loss) worst_loss = dl;
         if (!(dl <= 1e-5)) fail_msg("%s (%s): AdamW step %d loss %.7f vs reference %.7f", file, how, k, v, ref_losses[k]);
@@ -232,6 +259,7 @@ static void check_golden(const char *file, bool compiled)
     free(ps);
     kiln_scope_end();
     kiln_gpt_free(m);
+    kiln_gpt_free(probe);
     kiln_safetensors_free(f);
 }
 
@@ -352,6 +380,13 @@ static void gpt2_style_matches_pytorch(void **state) { check_golden("golden_gpt2
 static void llama_style_matches_pytorch(void **state) { check_golden("golden_llama.safetensors", false); }
 static void gpt2_style_compiled_matches_pytorch(void **state) { check_golden("golden_gpt2.safetensors", true); }
 static void llama_style_compiled_matches_pytorch(void **state) { check_golden("golden_llama.safetensors", true); }
+/* Mixture of experts (tests/reference/moe_ref.py, PyTorch 2.15: a loop over experts):
+ * a softmax router with the balance loss, and a sigmoid router with top-3, a shared
+ * expert and a scale, each with a dense first block and the balancing bias moving. */
+static void moe_softmax_matches_pytorch(void **state) { check_golden("golden_moe_softmax.safetensors", false); }
+static void moe_sigmoid_matches_pytorch(void **state) { check_golden("golden_moe_sigmoid.safetensors", false); }
+static void moe_softmax_compiled_matches_pytorch(void **state) { check_golden("golden_moe_softmax.safetensors", true); }
+static void moe_sigmoid_compiled_matches_pytorch(void **state) { check_golden("golden_moe_sigmoid.safetensors", true); }
 
 int main(void)
 {
@@ -364,6 +399,10 @@ int main(void)
         cmocka_unit_test(llama_bf16_compiled_matches_pytorch_autocast),
         cmocka_unit_test(gpt2_f16_compiled_matches_pytorch_autocast_and_scaler),
         cmocka_unit_test(llama_f16_compiled_matches_pytorch_autocast_and_scaler),
+        cmocka_unit_test(moe_softmax_matches_pytorch),
+        cmocka_unit_test(moe_sigmoid_matches_pytorch),
+        cmocka_unit_test(moe_softmax_compiled_matches_pytorch),
+        cmocka_unit_test(moe_sigmoid_compiled_matches_pytorch),
         cmocka_unit_test(gpt2_style_matches_pytorch),
         cmocka_unit_test(llama_style_matches_pytorch),
         cmocka_unit_test(gpt2_style_compiled_matches_pytorch),

@@ -27,6 +27,9 @@ typedef struct {
     const char *data, *out, *config, *model, *tokenizer, *optimizer, *device, *precision, *init, *attention;
     int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
     int64_t save_every, log_every, seed, threads;
+    int64_t experts, shared_experts, top_k, expert_ffn, dense_layers; /* the mixture of experts */
+    const char *router;
+    double bias_speed, balance_loss;
     double lr, min_lr, wd, clip, dropout, val_fraction, momentum, loss_scale;
     kiln_dtype prec; /* --precision, parsed */
     bool resume, quiet, zero1, compile;
@@ -71,6 +74,16 @@ static kiln_status model_config(const train_args *a, int vocab, int eot, kiln_gp
     c->ffn_hidden = (int)a->ffn;
     c->vocab_size = vocab;
     c->dropout = a->dropout;
+    c->n_routed_experts = (int)a->experts;
+    c->n_shared_experts = (int)a->shared_experts;
+    c->moe_top_k = (int)a->top_k;
+    c->moe_ffn = (int)a->expert_ffn;
+    c->n_dense_layers = (int)a->dense_layers;
+    c->moe_bias_speed = a->bias_speed;
+    c->moe_balance_loss = a->balance_loss;
+    if (!strcmp(a->router, "softmax")) c->moe_router = KILN_ROUTER_SOFTMAX;
+    else if (!strcmp(a->router, "sigmoid")) c->moe_router = KILN_ROUTER_SIGMOID;
+    else return kiln_error(KILN_ERR_ARG, "--router must be softmax or sigmoid, not '%s'", a->router);
     /* --attention: "doc" is document masking at the tokenizer's end-of-text token */
     char *w = c->attention;
     size_t cap = sizeof c->attention, n = 0;
@@ -415,6 +428,7 @@ static int parse_options(train_run *r)
     *a = (train_args){
         .data = default_data(), .out = "runs/default", .config = NULL, .model = "gpt2", .tokenizer = "byte",
         .optimizer = "adamw", .layers = 4, .heads = 4, .kv_heads = 0, .width = 256, .context = 128, .ffn = 0,
+        .top_k = 2, .router = "softmax", .bias_speed = 0.001,
         .batch = 16, .steps = 1000, .warmup = 50, .accum = 1, .eval_every = 100, .eval_batches = 8,
         .save_every = 500, .log_every = 1, .seed = 1337, .threads = 0, .lr = 1e-3, .min_lr = 1e-4, .wd = 0.1,
         .clip = 1.0, .dropout = 0.0, .val_fraction = 0.1, .momentum = 0.9, .bucket_mb = 25, .precision = "f32",
@@ -439,6 +453,16 @@ static int parse_options(train_run *r)
         {"attention", OPT_STRING, &a->attention, "causal (the default), or flex variants joined with +: window:W, "
                                                   "prefix:P, softcap:C, alibi, doc (document masking at the tokenizer's "
                                                   "end-of-text token; docs/flex.md)"},
+        {"experts", OPT_INT, &a->experts, "routed experts of each mixture-of-experts block (--model llama); 0 = dense "
+                                          "(docs/model.md)"},
+        {"shared-experts", OPT_INT, &a->shared_experts, "experts every token goes through"},
+        {"top-k", OPT_INT, &a->top_k, "routed experts per token"},
+        {"expert-ffn", OPT_INT, &a->expert_ffn, "an expert's hidden width; 0 = a quarter of --ffn's"},
+        {"router", OPT_STRING, &a->router, "router scores: softmax or sigmoid"},
+        {"dense-layers", OPT_INT, &a->dense_layers, "leading blocks with the dense MLP"},
+        {"bias-speed", OPT_DOUBLE, &a->bias_speed, "the balancing bias's step after each optimizer step "
+                                                  "(auxiliary-loss-free balancing); 0 = frozen"},
+        {"balance-loss", OPT_DOUBLE, &a->balance_loss, "the sequence-wise balance loss's weight; 0 = none"},
         {"batch", OPT_INT, &a->batch, "sequences per micro-batch B, all ranks together (each rank takes B / world)"},
         {"accum", OPT_INT, &a->accum, "micro-batches per step (gradient accumulation)"},
         {"steps", OPT_INT, &a->steps, "optimizer steps in total"},
@@ -831,6 +855,7 @@ static kiln_status step_reduce_update(train_run *r, double lr, double *loss_sum,
     if (s == KILN_OK && r->zero && !r->whole) s = kiln_zero1_step(r->zero, lr, a->clip, gnorm);
     if (s == KILN_OK && !r->zero && !r->whole) s = kiln_clip_grad_norm(r->params, r->np, a->clip, gnorm);
     if (s == KILN_OK && !r->zero && !r->whole) s = kiln_optim_step(r->opt, lr);
+    if (s == KILN_OK && !r->whole) s = kiln_gpt_moe_update(r->m, r->world > 1 ? r->pg : NULL); /* MoE balancing */
     return s;
 }
 

@@ -30,6 +30,7 @@ kiln_tensor_t *kiln_linear(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *b)
 typedef enum { KILN_NORM_LAYERNORM, KILN_NORM_RMSNORM } kiln_norm_kind;
 typedef enum { KILN_POS_LEARNED, KILN_POS_ROPE } kiln_pos_kind;
 typedef enum { KILN_MLP_GELU, KILN_MLP_SWIGLU } kiln_mlp_kind;
+typedef enum { KILN_ROUTER_SOFTMAX, KILN_ROUTER_SIGMOID } kiln_router_kind;
 
 typedef struct {
     int n_layer, n_head, n_kv_head, n_embd, block_size, vocab_size;
@@ -49,6 +50,18 @@ typedef struct {
      * says otherwise. The paged serving path runs causal, window, softcap and alibi
      * (doc left out, as with any KV cache) and refuses prefix. */
     char attention[64];
+    /* Mixture of experts (docs/model.md, "Mixture of experts"): blocks from
+     * n_dense_layers on take n_routed_experts SwiGLU experts of width moe_ffn (0: F/4
+     * rounded up to 8), moe_top_k a token, chosen by router scores (softmax or sigmoid)
+     * plus a balancing bias, weights the scores (divided by their sum with
+     * moe_norm_topk) times moe_scale, and n_shared_experts' width of a shared SwiGLU.
+     * moe_bias_speed: the bias's step after each optimizer step (0: frozen);
+     * moe_balance_loss: the sequence-wise balance loss's weight (0: none).
+     * n_routed_experts 0: a dense model (the defaults; no keys written). */
+    int n_routed_experts, n_shared_experts, moe_top_k, moe_ffn, n_dense_layers;
+    kiln_router_kind moe_router;
+    bool moe_norm_topk;
+    double moe_scale, moe_bias_speed, moe_balance_loss;
 } kiln_gpt_config;
 
 kiln_gpt_config kiln_gpt_config_gpt2(void);  /* GPT-2 style defaults, 4 layers, C = 256 */
@@ -59,6 +72,7 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c);
 char *kiln_gpt_config_to_json(const kiln_gpt_config *c);
 kiln_status kiln_gpt_config_from_json(const char *json, kiln_gpt_config *out);
 int kiln_gpt_ffn_hidden(const kiln_gpt_config *c);
+int kiln_gpt_moe_ffn(const kiln_gpt_config *c); /* an expert's width, moe_ffn resolved */
 
 typedef struct kiln_gpt kiln_gpt_t;
 
@@ -145,6 +159,18 @@ typedef struct {
     bool scaled;
 } kiln_gpt_step;
 kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out);
+
+/* Mixture of experts. kiln_gpt_moe_update: after an optimizer step, each MoE block's
+ * balancing bias moves by moe_bias_speed * sign(mean load - load[e]), the loads being
+ * the rows routed to each expert by the training forwards since the last call (summed
+ * over pg's ranks when pg is given, so that every rank moves its bias alike), which are
+ * then cleared (kiln_gpt_train_step calls it after its update; call it after your own
+ * step otherwise). It is ops on the model's tensors, so a captured step holds it too;
+ * for a model without MoE blocks it does nothing. kiln_gpt_moe_stats: block `layer`'s
+ * loads as of the last update and its biases, n_routed_experts floats each (either may
+ * be NULL); false for a block without experts. */
+kiln_status kiln_gpt_moe_update(kiln_gpt_t *m, kiln_pg_t *pg);
+bool kiln_gpt_moe_stats(const kiln_gpt_t *m, int layer, float *load, float *bias);
 
 /* Incremental decoding with a key/value cache of up to block_size positions. */
 typedef struct kiln_kv_cache kiln_kv_cache_t;

@@ -13,6 +13,7 @@
 #include "kiln/optim.h"
 #include "nn/gpt_impl.h"
 #include "core/opts.h"
+#include "nn/moe.h"
 #include "nn/names.h"
 
 
@@ -20,6 +21,7 @@ typedef struct {
     kiln_tensor_t *n1w, *n1b, *qkv_w, *qkv_b, *proj_w, *proj_b, *n2w, *n2b;
     kiln_tensor_t *fc_w, *fc_b, *out_w, *out_b; /* gelu: fc, proj; swiglu: gate, down */
     kiln_tensor_t *up_w, *up_b;                 /* swiglu only */
+    kiln__moe *moe;                             /* an MoE block's (fc, out, up NULL), or NULL */
 } layer;
 
 struct kiln_gpt {
@@ -40,6 +42,8 @@ kiln_gpt_config kiln_gpt_config_gpt2(void)
         .n_layer = 4, .n_head = 4, .n_kv_head = 4, .n_embd = 256, .block_size = 128, .vocab_size = 256,
         .ffn_hidden = 0, .norm = KILN_NORM_LAYERNORM, .pos = KILN_POS_LEARNED, .mlp = KILN_MLP_GELU,
         .bias = true, .tied = true, .norm_eps = 1e-5, .rope_theta = 10000.0, .dropout = 0.0,
+        .moe_top_k = 2, .moe_router = KILN_ROUTER_SOFTMAX, .moe_norm_topk = true, .moe_scale = 1.0,
+        .moe_bias_speed = 0.001,
     };
 }
 
@@ -61,6 +65,11 @@ int kiln_gpt_ffn_hidden(const kiln_gpt_config *c)
     if (c->mlp == KILN_MLP_GELU) return 4 * c->n_embd;
     int f = (8 * c->n_embd + 2) / 3;
     return (f + 63) / 64 * 64;
+}
+
+int kiln_gpt_moe_ffn(const kiln_gpt_config *c)
+{
+    return c->moe_ffn > 0 ? c->moe_ffn : (kiln_gpt_ffn_hidden(c) / 4 + 7) / 8 * 8;
 }
 
 /* The attention variant of config c as flex modifiers (kiln/flex.h): its presets, a
@@ -189,6 +198,26 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
     }
     NEED((unsigned)c->norm <= KILN_NORM_RMSNORM && (unsigned)c->pos <= KILN_POS_ROPE &&
          (unsigned)c->mlp <= KILN_MLP_SWIGLU, "unknown norm, pos or mlp kind");
+    NEED(c->n_routed_experts >= 0 && c->n_routed_experts <= 4096, "n_routed_experts = %d must be in 0..4096",
+         c->n_routed_experts);
+    if (c->n_routed_experts > 0) {
+        NEED(c->mlp == KILN_MLP_SWIGLU, "n_routed_experts = %d needs mlp = swiglu (the experts are SwiGLU)",
+             c->n_routed_experts);
+        NEED(c->moe_top_k >= 1 && c->moe_top_k <= c->n_routed_experts, "moe_top_k = %d must be in 1..%d",
+             c->moe_top_k, c->n_routed_experts);
+        NEED(c->n_shared_experts >= 0 && c->n_shared_experts <= 64, "n_shared_experts = %d must be in 0..64",
+             c->n_shared_experts);
+        NEED(c->moe_ffn >= 0 && c->moe_ffn <= 1 << 20, "moe_ffn = %d must be in 0..2^20", c->moe_ffn);
+        NEED(c->n_dense_layers >= 0 && c->n_dense_layers < c->n_layer,
+             "n_dense_layers = %d must be in 0..n_layer - 1 = %d (else no block has experts)", c->n_dense_layers,
+             c->n_layer - 1);
+        NEED((unsigned)c->moe_router <= KILN_ROUTER_SIGMOID, "unknown moe_router");
+        NEED(c->moe_scale > 0 && isfinite(c->moe_scale), "moe_scale = %g must be positive", c->moe_scale);
+        NEED(c->moe_bias_speed >= 0 && isfinite(c->moe_bias_speed), "moe_bias_speed = %g must be >= 0",
+             c->moe_bias_speed);
+        NEED(c->moe_balance_loss >= 0 && isfinite(c->moe_balance_loss), "moe_balance_loss = %g must be >= 0",
+             c->moe_balance_loss);
+    }
 #undef NEED
     return KILN_OK;
 }
@@ -214,12 +243,18 @@ static const struct {
     FIELD_AT("rope_high_freq_factor", rope_scaling.high_freq_factor, F_NUM),
     FIELD_AT("rope_original_context", rope_scaling.original_context, F_INT),
     FIELD(attention, F_STR),
+    /* the mixture of experts: written only with n_routed_experts > 0, from here on */
+    FIELD(n_routed_experts, F_INT), FIELD(n_shared_experts, F_INT), FIELD(moe_top_k, F_INT),
+    FIELD(moe_ffn, F_INT), FIELD(n_dense_layers, F_INT), FIELD(moe_router, F_ENUM, "softmax", "sigmoid"),
+    FIELD(moe_norm_topk, F_BOOL), FIELD(moe_scale, F_NUM), FIELD(moe_bias_speed, F_NUM),
+    FIELD(moe_balance_loss, F_NUM),
 };
 #undef FIELD
 #undef FIELD_AT
 #define NFIELDS (sizeof fields / sizeof fields[0])
 _Static_assert(sizeof(kiln_norm_kind) == sizeof(int) && sizeof(kiln_mlp_kind) == sizeof(int) &&
-               sizeof(kiln_rope_scaling_kind) == sizeof(int), "enums as int");
+               sizeof(kiln_rope_scaling_kind) == sizeof(int) && sizeof(kiln_router_kind) == sizeof(int),
+               "enums as int");
 
 char *kiln_gpt_config_to_json(const kiln_gpt_config *c)
 {
@@ -233,6 +268,7 @@ char *kiln_gpt_config_to_json(const kiln_gpt_config *c)
             continue;
         int k = fields[i].kind;
         if (k == F_STR && !*(const char *)p) continue; /* the default: written only when set, as rope's keys */
+        if (!c->n_routed_experts && fields[i].offset >= offsetof(kiln_gpt_config, n_routed_experts)) continue;
         json_t *v = k == F_INT ? json_integer(*(const int *)p) : k == F_NUM ? json_real(*(const double *)p)
                   : k == F_BOOL ? json_boolean(*(const bool *)p) : k == F_STR ? json_string((const char *)p)
                   : json_string(fields[i].values[*(const int *)p]);
@@ -292,17 +328,17 @@ kiln_status kiln_gpt_config_from_json(const char *text, kiln_gpt_config *out)
 }
 
 /* std > 0: normal(0, std); std == 0: zeros; std < 0: ones. */
-static kiln_tensor_t *add_param(kiln_gpt_t *m, const char *name, int64_t d0, int64_t d1, double std)
+static kiln_tensor_t *add_param_nd(kiln_gpt_t *m, const char *name, const int64_t *shape, int nd, double std)
 {
-    int64_t shape[2] = {d0, d1};
-    int nd = d1 > 0 ? 2 : 1;
     kiln_tensor_t *t;
     if (m->fill) {
         if (!(t = m->fill(name, shape, nd, m->fill_ctx))) return NULL;
         if (kiln_tensor_dtype(t) != KILN_DTYPE_F32 || !kiln_tensor_is_contiguous(t) || kiln_tensor_ndim(t) != nd ||
             memcmp(kiln_tensor_shape(t), shape, sizeof(int64_t) * (size_t)nd)) {
-            char a[96], want[64];
-            snprintf(want, sizeof want, nd == 2 ? "(%lld, %lld)" : "(%lld)", (long long)d0, (long long)d1);
+            char a[96], want[64] = "(";
+            for (int d = 0; d < nd; d++)
+                snprintf(want + strlen(want), sizeof want - strlen(want), "%lld%s", (long long)shape[d],
+                         d + 1 < nd ? ", " : ")");
             kiln_error(KILN_ERR_SHAPE, "gpt: parameter %s was given as %s; it is a contiguous f32 %s", name,
                        kiln_tensor_describe(t, a, sizeof a), want);
             return NULL;
@@ -337,6 +373,40 @@ static kiln_tensor_t *add_param(kiln_gpt_t *m, const char *name, int64_t d0, int
     return t;
 }
 
+static kiln_tensor_t *add_param(kiln_gpt_t *m, const char *name, int64_t d0, int64_t d1, double std)
+{
+    int64_t shape[2] = {d0, d1};
+    return add_param_nd(m, name, shape, d1 > 0 ? 2 : 1, std);
+}
+
+/* Block i's MoE parameters (docs/model.md) and its load counters, into L->moe. */
+static kiln_status build_moe(kiln_gpt_t *m, int i, layer *L, double std, double rstd)
+{
+    const kiln_gpt_config *c = &m->cfg;
+    int64_t C = c->n_embd, E = c->n_routed_experts, Fe = kiln_gpt_moe_ffn(c), W = (int64_t)c->n_shared_experts * Fe;
+    kiln__moe *e = L->moe = calloc(1, sizeof *e);
+    if (!e) return kiln_error(KILN_ERR_OOM, "gpt: out of memory");
+    char nm[96];
+    int64_t in_out[3] = {E, C, Fe}, out_in[3] = {E, Fe, C};
+#define NAME(part) (snprintf(nm, sizeof nm, "blocks.%d.mlp.%s", i, part), nm)
+    if (!(e->router_w = add_param(m, NAME("router.weight"), E, C, std)) ||
+        !(e->router_b = add_param(m, NAME("router.bias"), E, 0, 0)) ||
+        !(e->gate = add_param_nd(m, NAME("experts.gate"), in_out, 3, std)) ||
+        !(e->up = add_param_nd(m, NAME("experts.up"), in_out, 3, std)) ||
+        !(e->down = add_param_nd(m, NAME("experts.down"), out_in, 3, rstd)))
+        return kiln_last_status();
+    if (W > 0 && (!(e->sg = add_param(m, NAME("shared.gate.weight"), W, C, std)) ||
+                  !(e->su = add_param(m, NAME("shared.up.weight"), W, C, std)) ||
+                  !(e->sd = add_param(m, NAME("shared.down.weight"), C, W, rstd))))
+        return kiln_last_status();
+#undef NAME
+    kiln_tensor_set_requires_grad(e->router_b, false); /* moved by the balancing rule, not by gradients */
+    if (!(e->load = kiln_keep(kiln_zeros(&E, 1, KILN_DTYPE_F32))) ||
+        !(e->last_load = kiln_keep(kiln_zeros(&E, 1, KILN_DTYPE_F32))))
+        return kiln_last_status();
+    return KILN_OK;
+}
+
 /* name.weight (d0, d1) drawn as add_param's std says and, with bias, name.bias (d0) of
  * zeros, into *w and *b. */
 static bool add_pair(kiln_gpt_t *m, const char *name, int64_t d0, int64_t d1, double std, bool bias,
@@ -368,6 +438,11 @@ static kiln_status build(kiln_gpt_t *m)
         P(BLK("attn.qkv"), qkv, C, std, bias, &L->qkv_w, &L->qkv_b);
         P(BLK("attn.proj"), C, C, rstd, bias, &L->proj_w, &L->proj_b);
         P(BLK("norm2"), C, 0, -1, ln, &L->n2w, &L->n2b);
+        if (c->n_routed_experts > 0 && i >= c->n_dense_layers) {
+            kiln_status s = build_moe(m, i, L, std, rstd);
+            if (s != KILN_OK) return s;
+            continue;
+        }
         P(BLK(gelu ? "mlp.fc" : "mlp.gate"), F, C, std, bias, &L->fc_w, &L->fc_b);
         if (!gelu) P(BLK("mlp.up"), F, C, std, bias, &L->up_w, &L->up_b);
         P(BLK(gelu ? "mlp.proj" : "mlp.down"), C, F, rstd, bias, &L->out_w, &L->out_b);
@@ -425,6 +500,12 @@ void kiln_gpt_free(kiln_gpt_t *m)
         kiln_tensor_free(m->params[i]);
         free(m->names[i]);
     }
+    for (int i = 0; m->layers && i < m->cfg.n_layer; i++)
+        if (m->layers[i].moe) {
+            kiln_tensor_free(m->layers[i].moe->load);
+            kiln_tensor_free(m->layers[i].moe->last_load);
+            free(m->layers[i].moe);
+        }
     KILN__FREE(m->params, m->names, m->layers, m);
 }
 
@@ -552,6 +633,7 @@ struct pass {
     kiln_kv_pool_t *pool;
     kiln_tensor_t *pos, *slot, *seq_pos, *block_table;
     kiln_paged_variant variant;
+    kiln_tensor_t **balance; /* MoE blocks add their balance losses here (NULL: none wanted) */
 };
 
 /* x w^T + b through w's packed copy wp (n = w's rows): rows that do not depend on each
@@ -584,7 +666,13 @@ static kiln_tensor_t *block(const pass *ps, int i, kiln_tensor_t *x)
     y = kiln_dropout(linear(ps, i, PK_PROJ, y, L->proj_w, L->proj_b), ps->p, ps->train);
     x = kiln_add(x, y);
     kiln_tensor_t *h = norm(m, x, L->n2w, L->n2b), *mo;
-    if (c->mlp == KILN_MLP_GELU)
+    if (L->moe) { /* over the rows: (B, T, C) flattened, or the paged pass's (N, C) */
+        bool flat = kiln_tensor_ndim(h) == 2;
+        int64_t rows[2] = {-1, c->n_embd};
+        mo = kiln__moe_forward(c, L->moe, flat ? h : kiln_reshape(h, rows, 2), flat ? 0 : ps->B, ps->train,
+                               ps->balance);
+        if (mo && !flat) mo = kiln_reshape(mo, kiln_tensor_shape(h), 3);
+    } else if (c->mlp == KILN_MLP_GELU)
         mo = linear(ps, i, PK_OUT, kiln_gelu(linear(ps, i, PK_FC, h, L->fc_w, L->fc_b), true), L->out_w, L->out_b);
     else
         mo = linear(ps, i, PK_OUT,
@@ -621,12 +709,13 @@ static kiln_tensor_t *attend_full(const pass *ps, int i, kiln_tensor_t *q, kiln_
 }
 
 /* Logits of T new positions of B sequences from pos0, through the cache if any. */
-static kiln_tensor_t *run(kiln_gpt_t *m, kiln_tensor_t *idx, int64_t pos0, kiln_kv_cache_t *cache, bool train)
+static kiln_tensor_t *run(kiln_gpt_t *m, kiln_tensor_t *idx, int64_t pos0, kiln_kv_cache_t *cache, bool train,
+                          kiln_tensor_t **balance)
 {
     const kiln_gpt_config *c = &m->cfg;
     int64_t T = kiln_tensor_dim(idx, 1);
     pass ps = {.attend = attend_full, .m = m, .p = train ? c->dropout : 0.0, .train = train,
-               .B = kiln_tensor_dim(idx, 0), .T = T, .pos0 = pos0, .cache = cache};
+               .B = kiln_tensor_dim(idx, 0), .T = T, .pos0 = pos0, .cache = cache, .balance = balance};
     /* a flex variant's modifiers, once for every layer; document ids are known only for
      * the tokens of this call, so with a cache the doc part is left out */
     kiln_flex_t *flex = NULL;
@@ -720,7 +809,8 @@ static void precision_end(const kiln_gpt_t *m)
 
 static kiln_tensor_t *forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t *targets, bool train, kiln_tensor_t **loss)
 {
-    kiln_tensor_t *logits = run(m, idx, 0, NULL, train);
+    kiln_tensor_t *balance = NULL; /* the MoE blocks' balance losses, summed */
+    kiln_tensor_t *logits = run(m, idx, 0, NULL, train, targets && loss ? &balance : NULL);
     if (logits && targets && loss) {
         int64_t n = kiln_tensor_numel(idx), nv[2] = {n, m->cfg.vocab_size};
         if (kiln_tensor_numel(targets) != n) {
@@ -730,6 +820,7 @@ static kiln_tensor_t *forward(kiln_gpt_t *m, kiln_tensor_t *idx, kiln_tensor_t *
             return NULL;
         }
         *loss = kiln_cross_entropy(kiln_reshape(logits, nv, 2), kiln_reshape(targets, &n, 1), -1);
+        if (*loss && balance) *loss = kiln_add(*loss, balance);
         if (!*loss) return NULL;
     }
     return logits;
@@ -801,7 +892,7 @@ kiln_tensor_t *kiln_gpt_forward_cached(kiln_gpt_t *m, kiln_kv_cache_t *c, kiln_t
                          (long long)kiln_tensor_dim(idx, 0), c->batch), NULL;
     bool prev = kiln_set_grad_enabled(false);
     bool open = precision_begin(m);
-    kiln_tensor_t *logits = open ? run(m, idx, c->len, c, false) : NULL;
+    kiln_tensor_t *logits = open ? run(m, idx, c->len, c, false, NULL) : NULL;
     if (open) precision_end(m);
     kiln_set_grad_enabled(prev);
     if (logits) c->len += (int)kiln_tensor_dim(idx, 1);
@@ -977,6 +1068,11 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
     int64_t N = b->n_tokens, bl = p->block_len;
     kiln_paged_variant variant;
     if (paged_variant(c, &variant) != KILN_OK) return NULL;
+    if (c->n_routed_experts > 0) { /* its rows would depend on the batch (the grouped GEMM's BLAS calls) */
+        kiln_error(KILN_ERR_UNSUPPORTED, "gpt: the paged serving path does not run mixture-of-experts models yet "
+                   "(kiln sample runs them)");
+        return NULL;
+    }
     for (int64_t i = 0; i < N; i++) {
         slots[i] = b->block_table[b->seq[i] * b->max_blocks + b->pos[i] / bl] * (int32_t)bl + b->pos[i] % (int32_t)bl;
         seq_pos[2 * i] = b->seq[i];
@@ -1018,6 +1114,28 @@ kiln_tensor_t *kiln_gpt_forward_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const ki
     kiln_set_grad_enabled(prev);
     free(slots);
     return logits;
+}
+
+kiln_status kiln_gpt_moe_update(kiln_gpt_t *m, kiln_pg_t *pg)
+{
+    if (!m) return kiln_error(KILN_ERR_ARG, "gpt_moe_update: model is NULL");
+    kiln_status s = KILN_OK;
+    for (int i = 0; s == KILN_OK && i < m->cfg.n_layer; i++) {
+        kiln__moe *e = m->layers[i].moe;
+        if (!e || m->cfg.moe_bias_speed <= 0) continue;
+        if (pg) s = kiln_pg_allreduce(pg, e->load, KILN_REDUCE_SUM); /* every rank's rows */
+        if (s == KILN_OK) s = kiln__moe_update(&m->cfg, e);
+    }
+    return s;
+}
+
+bool kiln_gpt_moe_stats(const kiln_gpt_t *m, int layer, float *load, float *bias)
+{
+    if (!m || layer < 0 || layer >= m->cfg.n_layer || !m->layers[layer].moe) return false;
+    const kiln__moe *e = m->layers[layer].moe;
+    size_t n = sizeof(float) * (size_t)m->cfg.n_routed_experts;
+    return (!load || kiln_tensor_to_host(e->last_load, load, n) == KILN_OK) &&
+           (!bias || kiln_tensor_to_host(e->router_b, bias, n) == KILN_OK);
 }
 
 kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
@@ -1082,6 +1200,7 @@ kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, 
         if (s == KILN_OK && (scale || st->clip > 0) && !coef) s = kiln_last_status();
         if (s == KILN_OK) s = kiln_optim_step_t(st->opt, in[2], coef);
     }
+    if (s == KILN_OK) s = kiln_gpt_moe_update(st->model, st->pg); /* the balancing biases, from every rank's loads */
     kiln_optim_zero_grad(st->opt);
     out[0] = loss;
     out[1] = norm;

@@ -1,0 +1,101 @@
+/* A mixture-of-experts block's feed-forward (moe.h; docs/model.md, "Mixture of
+ * experts"), written with kiln's ops so that autograd, capture and every backend see it
+ * as any other part of the model. The rows of all experts go through one grouped GEMM
+ * each for gate, up and down: the tokens sorted by expert (kiln_moe_sort), each
+ * expert's run of rows multiplied by its weights in one op whose per-expert counts are
+ * data, so a captured step does not capture again when they change. */
+#include <stdlib.h>
+#include "kiln/ops.h"
+#include "nn/moe.h"
+
+/* (N k): assignment a = n k + j belongs to token n = a / k; its token ids, made here. */
+static kiln_tensor_t *token_of_assignment(int64_t N, int64_t k)
+{
+    int64_t n = N * k, *t = malloc(sizeof *t * (size_t)(n ? n : 1));
+    if (!t) return kiln_error(KILN_ERR_OOM, "moe: out of memory"), NULL;
+    for (int64_t a = 0; a < n; a++) t[a] = a / k;
+    kiln_tensor_t *r = kiln_from_data(t, &n, 1, KILN_DTYPE_I64);
+    free(t);
+    return r;
+}
+
+/* x (N, C) through a SwiGLU of weights (out, in): down(silu(gate x) * up x). */
+static kiln_tensor_t *swiglu(kiln_tensor_t *x, kiln_tensor_t *g, kiln_tensor_t *u, kiln_tensor_t *d)
+{
+    return kiln_linear(kiln_mul(kiln_silu(kiln_linear(x, g, NULL)), kiln_linear(x, u, NULL)), d, NULL);
+}
+
+/* The sequence-wise balance loss of B sequences of T rows (docs/model.md): alpha times
+ * the mean over sequences of sum_e f_e P_e, f from the choices (no gradient), P from the
+ * scores normalised per row. */
+static kiln_tensor_t *balance_loss(const kiln_gpt_config *c, kiln_tensor_t *s, kiln_tensor_t *idx, int64_t B)
+{
+    int64_t N = kiln_tensor_dim(s, 0), E = kiln_tensor_dim(s, 1), k = kiln_tensor_dim(idx, 1), T = N / B;
+    int last = 1, seq = 1;
+    kiln_tensor_t *sp = kiln_div(s, kiln_sum(s, &last, 1, true));
+    kiln_tensor_t *P = kiln_mean(kiln_reshape(sp, (int64_t[]){B, T, E}, 3), &seq, 1, false); /* (B, E) */
+    int64_t ne[2] = {N, E}, nk[2] = {N, k};
+    kiln_tensor_t *chosen = kiln_scatter_add(kiln_zeros(ne, 2, KILN_DTYPE_F32), 1, idx, kiln_ones(nk, 2, KILN_DTYPE_F32));
+    kiln_tensor_t *f = kiln_mul_scalar(kiln_sum(kiln_reshape(chosen, (int64_t[]){B, T, E}, 3), &seq, 1, false),
+                                       (double)E / (double)(k * T));
+    kiln_tensor_t *per_seq = kiln_sum(kiln_mul(kiln_detach(f), P), &last, 1, false); /* (B) */
+    return kiln_mul_scalar(kiln_mean(per_seq, NULL, 0, false), c->moe_balance_loss);
+}
+
+kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, kiln_tensor_t *x, int64_t B, bool train,
+                                 kiln_tensor_t **balance)
+{
+    int64_t N = kiln_tensor_dim(x, 0), C = kiln_tensor_dim(x, 1), E = c->n_routed_experts, k = c->moe_top_k;
+    int last = 1;
+    /* the router: scores, the choice steered by the bias, the weights from the scores */
+    kiln_tensor_t *logits = kiln_linear(x, e->router_w, NULL);
+    kiln_tensor_t *s = c->moe_router == KILN_ROUTER_SOFTMAX ? kiln_softmax(logits, 1) : kiln_sigmoid(logits);
+    kiln_tensor_t *vals = NULL, *idx = NULL;
+    if (!s || kiln_topk(kiln_add(kiln_detach(s), e->router_b), k, &vals, &idx) != KILN_OK) return NULL;
+    kiln_tensor_t *w = kiln_gather(s, 1, idx); /* (N, k) */
+    if (c->moe_norm_topk) w = kiln_div(w, kiln_sum(w, &last, 1, true));
+    if (c->moe_scale != 1.0) w = kiln_mul_scalar(w, c->moe_scale);
+    /* the rows sorted by expert, through the experts in one grouped GEMM each */
+    kiln_tensor_t *order = NULL, *offsets = NULL;
+    if (kiln_moe_sort(idx, E, &order, &offsets) != KILN_OK) return NULL;
+    kiln_tensor_t *tok = kiln_index_select(token_of_assignment(N, k), 0, order); /* (N k) */
+    kiln_tensor_t *xs = kiln_index_select(x, 0, tok);
+    kiln_tensor_t *h = kiln_mul(kiln_silu(kiln_grouped_matmul(xs, e->gate, offsets)),
+                                kiln_grouped_matmul(xs, e->up, offsets));
+    kiln_tensor_t *ys = kiln_grouped_matmul(h, e->down, offsets); /* (N k, C) */
+    int64_t nk = N * k, nkc[2] = {N * k, C}, nc[2] = {N, C};
+    kiln_tensor_t *ws = kiln_index_select(kiln_reshape(w, &nk, 1), 0, order);
+    ys = kiln_mul(ys, kiln_unsqueeze(ws, 1));
+    kiln_tensor_t *rows = kiln_contiguous(kiln_expand(kiln_unsqueeze(tok, 1), nkc, 2));
+    kiln_tensor_t *y = kiln_scatter_add(kiln_zeros(nc, 2, kiln_tensor_dtype(ys ? ys : x)), 0, rows, ys);
+    if (e->sg) y = kiln_add(y, swiglu(x, e->sg, e->su, e->sd));
+    if (!y) return NULL;
+    if (balance && B > 0 && c->moe_balance_loss > 0) {
+        kiln_tensor_t *l = balance_loss(c, s, idx, B);
+        if (!l) return NULL;
+        *balance = *balance ? kiln_add(*balance, l) : l;
+    }
+    if (train && c->moe_bias_speed > 0) { /* the rows each expert got, for the next update */
+        bool grad = kiln_set_grad_enabled(false);
+        kiln_tensor_t *counts = kiln_sub(kiln_narrow(offsets, 0, 1, E), kiln_narrow(offsets, 0, 0, E));
+        kiln_status st = kiln_tensor_copy_(e->load, kiln_add(e->load, kiln_cast(counts, KILN_DTYPE_F32)));
+        kiln_set_grad_enabled(grad);
+        if (st != KILN_OK) return NULL;
+    }
+    return y;
+}
+
+kiln_status kiln__moe_update(const kiln_gpt_config *c, kiln__moe *e)
+{
+    if (c->moe_bias_speed <= 0) return KILN_OK;
+    bool grad = kiln_set_grad_enabled(false);
+    /* sign(mean - load) as (mean > load) - (mean < load) */
+    kiln_tensor_t *mean = kiln_mean(e->load, NULL, 0, true);
+    kiln_tensor_t *sign = kiln_sub(kiln_cast(kiln_gt(mean, e->load), KILN_DTYPE_F32),
+                                   kiln_cast(kiln_lt(mean, e->load), KILN_DTYPE_F32));
+    kiln_status s = kiln_tensor_copy_(e->router_b, kiln_add(e->router_b, kiln_mul_scalar(sign, c->moe_bias_speed)));
+    if (s == KILN_OK) s = kiln_tensor_copy_(e->last_load, e->load);
+    if (s == KILN_OK) s = kiln_tensor_copy_(e->load, kiln_zeros(kiln_tensor_shape(e->load), 1, KILN_DTYPE_F32));
+    kiln_set_grad_enabled(grad);
+    return s;
+}

@@ -1,0 +1,27 @@
+/* A mixture-of-experts block's feed-forward (docs/model.md, "Mixture of experts"): the
+ * router, the routed experts through the token-routing ops (kiln_topk, kiln_moe_sort,
+ * kiln_grouped_matmul), the shared experts, the balance loss and the balancing bias.
+ * The GPT model (gpt.c) keeps one per MoE block. */
+#ifndef KILN_NN_MOE_H
+#define KILN_NN_MOE_H
+#include "kiln/nn.h"
+
+typedef struct {
+    kiln_tensor_t *router_w, *router_b;     /* (E, C); (E) the balancing bias, no gradient */
+    kiln_tensor_t *gate, *up, *down;        /* (E, C, Fe), (E, C, Fe), (E, Fe, C) */
+    kiln_tensor_t *sg, *su, *sd;            /* the shared experts' SwiGLU, or NULL */
+    kiln_tensor_t *load, *last_load;        /* (E) f32: rows routed since the last update, and at it */
+} kiln__moe;
+
+/* The block's output for the rows x (N, C) of B sequences (N = B T; B 0: rows of no
+ * sequence, no balance loss). With balance non-NULL and moe_balance_loss > 0, the block's
+ * balance loss is added to *balance (NULL: it becomes it). In training with
+ * moe_bias_speed > 0 the rows each expert got are added into e->load. */
+kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, kiln_tensor_t *x, int64_t B, bool train,
+                                 kiln_tensor_t **balance);
+
+/* After an optimizer step: router_b += moe_bias_speed * sign(mean(load) - load), load
+ * kept as last_load and cleared. */
+kiln_status kiln__moe_update(const kiln_gpt_config *c, kiln__moe *e);
+
+#endif
