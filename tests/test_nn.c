@@ -91,6 +91,92 @@ static void config_json_round_trips(void **state)
     }
 }
 
+/* Mixture-of-experts configs: the fields round-trip through JSON and a dense config
+ * writes none of them; each bad value is an error naming its field; the model has the
+ * parameters docs/model.md lists for an MoE block (the balancing bias without a
+ * gradient), a dense block before it, and kiln_gpt_moe_stats answers only for MoE
+ * blocks. */
+static void moe_configs_and_parameters(void **state)
+{
+    kiln_gpt_config c = tiny(true), d;
+    char *j = kiln_gpt_config_to_json(&c);
+    assert_null(strstr(j, "experts"));
+    free(j);
+    c.n_routed_experts = 6, c.n_shared_experts = 1, c.moe_top_k = 3, c.moe_ffn = 24, c.n_dense_layers = 1;
+    c.moe_router = KILN_ROUTER_SIGMOID, c.moe_norm_topk = false, c.moe_scale = 2.5, c.moe_bias_speed = 0.01;
+    c.moe_balance_loss = 0.001;
+    j = kiln_gpt_config_to_json(&c);
+    assert_int_equal(kiln_gpt_config_from_json(j, &d), KILN_OK);
+    free(j);
+    assert_int_equal(d.n_routed_experts, 6);
+    assert_int_equal(d.n_shared_experts, 1);
+    assert_int_equal(d.moe_top_k, 3);
+    assert_int_equal(d.moe_ffn, 24);
+    assert_int_equal(d.n_dense_layers, 1);
+    assert_int_equal(d.moe_router, KILN_ROUTER_SIGMOID);
+    assert_false(d.moe_norm_topk);
+    assert_true(d.moe_scale == 2.5 && d.moe_bias_speed == 0.01 && d.moe_balance_loss == 0.001);
+    static const struct {
+        const char *json, *want;
+    } bad[] = {
+        {"{\"n_routed_experts\": 4, \"moe_top_k\": 5, \"mlp\": \"swiglu\"}", "moe_top_k = 5 must be in 1..4"},
+        {"{\"n_routed_experts\": 4}", "needs mlp = swiglu"},
+        {"{\"n_routed_experts\": -1}", "n_routed_experts = -1"},
+        {"{\"n_routed_experts\": 4, \"mlp\": \"swiglu\", \"n_layer\": 2, \"n_dense_layers\": 2}", "n_dense_layers = 2"},
+        {"{\"n_routed_experts\": 4, \"mlp\": \"swiglu\", \"moe_scale\": 0}", "moe_scale = 0"},
+        {"{\"n_routed_experts\": 4, \"mlp\": \"swiglu\", \"moe_bias_speed\": -1}", "moe_bias_speed = -1"},
+        {"{\"n_routed_experts\": 4, \"mlp\": \"swiglu\", \"moe_balance_loss\": -0.5}", "moe_balance_loss = -0.5"},
+        {"{\"n_routed_experts\": 4, \"mlp\": \"swiglu\", \"n_shared_experts\": -2}", "n_shared_experts = -2"},
+        {"{\"moe_router\": \"relu\"}", "unknown moe_router 'relu'"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        assert_int_not_equal(kiln_gpt_config_from_json(bad[i].json, &d), KILN_OK);
+        if (!strstr(kiln_last_error(), bad[i].want)) fail_msg("%s: '%s' lacks '%s'", bad[i].json, kiln_last_error(), bad[i].want);
+        kiln_clear_error();
+    }
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 3, &m), KILN_OK);
+    const struct {
+        const char *name;
+        int nd;
+        int64_t shape[3];
+    } want[] = {{"blocks.0.mlp.gate.weight", 2, {kiln_gpt_ffn_hidden(&c), 32}},
+                {"blocks.1.mlp.router.weight", 2, {6, 32}},
+                {"blocks.1.mlp.router.bias", 1, {6}},
+                {"blocks.1.mlp.experts.gate", 3, {6, 32, 24}},
+                {"blocks.1.mlp.experts.up", 3, {6, 32, 24}},
+                {"blocks.1.mlp.experts.down", 3, {6, 24, 32}},
+                {"blocks.1.mlp.shared.gate.weight", 2, {24, 32}},
+                {"blocks.1.mlp.shared.down.weight", 2, {32, 24}}};
+    for (size_t i = 0; i < sizeof want / sizeof want[0]; i++) {
+        kiln_tensor_t *p = kiln_gpt_find_param(m, want[i].name);
+        if (!p) fail_msg("no parameter %s", want[i].name);
+        assert_int_equal(kiln_tensor_ndim(p), want[i].nd);
+        assert_memory_equal(kiln_tensor_shape(p), want[i].shape, sizeof(int64_t) * (size_t)want[i].nd);
+    }
+    assert_null(kiln_gpt_find_param(m, "blocks.1.mlp.gate.weight"));
+    assert_false(kiln_tensor_requires_grad(kiln_gpt_find_param(m, "blocks.1.mlp.router.bias")));
+    float load[6], bias[6];
+    assert_false(kiln_gpt_moe_stats(m, 0, load, bias));
+    assert_true(kiln_gpt_moe_stats(m, 1, load, bias));
+    for (int e = 0; e < 6; e++) assert_true(load[e] == 0 && bias[e] == 0);
+    /* a training forward counts the rows, the update moves the bias against the load */
+    kiln_scope_begin();
+    kiln_tensor_t *loss;
+    assert_non_null(kiln_gpt_forward(m, ids(2, 8, c.vocab_size, 1), ids(2, 8, c.vocab_size, 2), true, &loss));
+    assert_int_equal(kiln_gpt_moe_update(m, NULL), KILN_OK);
+    kiln_scope_end();
+    assert_true(kiln_gpt_moe_stats(m, 1, load, bias));
+    double rows = 0;
+    for (int e = 0; e < 6; e++) {
+        rows += load[e];
+        double mean = 2 * 8 * 3 / 6.0, step = load[e] < mean ? 0.01 : load[e] > mean ? -0.01 : 0;
+        assert_true(fabs(bias[e] - step) < 1e-9);
+    }
+    assert_true(rows == 2 * 8 * 3); /* every token's 3 choices */
+    kiln_gpt_free(m);
+}
+
 /* kiln_gpt_new_from keeps references of its own: the fill here hands out tensors its
  * caller owns (outside any scope), the same one for two parameters of one shape, and
  * the caller frees them after the model (ASan would see a double free). */
@@ -765,6 +851,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(config_json_round_trips),
+        cmocka_unit_test_setup_teardown(moe_configs_and_parameters, setup, teardown),
         cmocka_unit_test(bad_config_names_the_field),
         cmocka_unit_test(new_from_takes_references_of_its_own),
         cmocka_unit_test(a_loaded_model_lives_on_the_current_device),
