@@ -859,6 +859,47 @@ static kiln_status step_reduce_update(train_run *r, double lr, double *loss_sum,
     return s;
 }
 
+/* A mixture-of-experts model's router statistics of the last step as the metrics line's
+ * members {"moe":{"layers":[..],"load":[[..]..],"bias":[[..]..],"max_over_mean":[..],
+ * "dropped":0}}: per MoE block the rows each expert got (all ranks), its balancing biases,
+ * and its busiest expert's load over the mean (1: balanced; E / k: one expert takes every
+ * token's choices); no expert drops rows. NULL for a dense model (or out of memory). */
+static char *moe_stats_json(const kiln_gpt_t *m)
+{
+    const kiln_gpt_config *c = kiln_gpt_get_config(m);
+    int E = c->n_routed_experts;
+    if (E <= 0) return NULL;
+    float *load = malloc(sizeof *load * (size_t)E * 2), *bias = load ? load + E : NULL;
+    json_t *o = json_object(), *layers = json_array(), *loads = json_array(), *biases = json_array(),
+           *ratio = json_array();
+    for (int i = 0; load && i < c->n_layer; i++) {
+        if (!kiln_gpt_moe_stats(m, i, load, bias)) continue;
+        json_t *l = json_array(), *b = json_array();
+        double sum = 0, max = 0;
+        for (int e = 0; e < E; e++) {
+            json_array_append_new(l, json_integer((json_int_t)load[e]));
+            json_array_append_new(b, json_real(bias[e]));
+            sum += load[e];
+            max = load[e] > max ? load[e] : max;
+        }
+        json_array_append_new(layers, json_integer(i));
+        json_array_append_new(loads, l);
+        json_array_append_new(biases, b);
+        json_array_append_new(ratio, json_real(sum > 0 ? max / (sum / E) : 0));
+    }
+    json_t *moe = json_object();
+    json_object_set_new(moe, "layers", layers);
+    json_object_set_new(moe, "load", loads);
+    json_object_set_new(moe, "bias", biases);
+    json_object_set_new(moe, "max_over_mean", ratio);
+    json_object_set_new(moe, "dropped", json_integer(0));
+    json_object_set_new(o, "moe", moe);
+    char *text = load ? json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(6)) : NULL;
+    json_decref(o);
+    free(load);
+    return text;
+}
+
 /* A checkpoint at step (the number of steps done): ZeRO-1's shards on every rank, the
  * model and train state on rank 0, then the marker that names the complete shards (in
  * place of those of step r->committed). */
@@ -914,8 +955,10 @@ static kiln_status step_report(train_run *r, int64_t step, double lr, double los
                (long long)r->scaler.skipped);
     r->skipped_seen = r->scaler.skipped;
     if (r->metrics) {
-        kiln_metrics_row row = {step + 1, loss, r->val, lr, tps, gnorm, ms};
+        char *moe = moe_stats_json(r->m);
+        kiln_metrics_row row = {step + 1, loss, r->val, lr, tps, gnorm, ms, moe};
         if (kiln_metrics_write(r->metrics, &row) != KILN_OK) s = kiln_last_status();
+        free(moe);
     }
     bool due = (a->save_every > 0 && (step + 1) % a->save_every == 0) || last;
     if (s == KILN_OK && due) s = save(r, step + 1);

@@ -50,6 +50,10 @@ typedef struct {
     double tokens_per_s; /* training throughput */
     double grad_norm;    /* global gradient norm before clipping */
     double ms_per_step;  /* wall time of the step */
+    /* Writing: a JSON object whose members are added to the line (NULL: none), e.g. a
+     * mixture-of-experts model's router statistics, {"moe":{...}} (kiln train; docs/model.md).
+     * Reading: NULL (the members stay in the file for other readers: kiln plot). */
+    const char *extra;
 } kiln_metrics_row;
 
 /* An open metrics.jsonl, written one line at a time. */

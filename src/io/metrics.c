@@ -92,6 +92,17 @@ kiln_status kiln_metrics_write(kiln_metrics_t *m, const kiln_metrics_row *row)
         if (!isfinite(v)) continue;
         if (json_object_set_new(obj, FIELDS[i].name, json_real(v)) != 0) goto oom;
     }
+    if (row->extra) {
+        json_error_t err;
+        json_t *x = json_loads(row->extra, 0, &err);
+        bool ok = x && json_is_object(x) && json_object_update(obj, x) == 0;
+        json_decref(x);
+        if (!ok) {
+            json_decref(obj);
+            return kiln_error(KILN_ERR_ARG, "metrics_write: the row's extra members are not a JSON object (%s)",
+                              x ? "not an object" : err.text);
+        }
+    }
     /* Ten significant digits keep a line short and readable and lose nothing a metric
      * needs; jansson's default of 17 writes 2.31 as 2.3100000000000001. */
     char *line = json_dumps(obj, JSON_COMPACT | JSON_REAL_PRECISION(10));
@@ -135,6 +146,7 @@ static bool row_from_json(json_t *obj, kiln_metrics_row *r, char *why, size_t wh
         return false;
     }
     r->step = (int64_t)json_integer_value(step);
+    r->extra = NULL;
     for (size_t i = 0; i < NFIELDS; i++) {
         json_t *v = json_object_get(obj, FIELDS[i].name);
         if (!v || json_is_null(v)) {

@@ -1122,7 +1122,7 @@ kiln_status kiln_gpt_moe_update(kiln_gpt_t *m, kiln_pg_t *pg)
     kiln_status s = KILN_OK;
     for (int i = 0; s == KILN_OK && i < m->cfg.n_layer; i++) {
         kiln__moe *e = m->layers[i].moe;
-        if (!e || m->cfg.moe_bias_speed <= 0) continue;
+        if (!e) continue;
         if (pg) s = kiln_pg_allreduce(pg, e->load, KILN_REDUCE_SUM); /* every rank's rows */
         if (s == KILN_OK) s = kiln__moe_update(&m->cfg, e);
     }

@@ -75,7 +75,7 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
         if (!l) return NULL;
         *balance = *balance ? kiln_add(*balance, l) : l;
     }
-    if (train && c->moe_bias_speed > 0) { /* the rows each expert got, for the next update */
+    if (train) { /* the rows each expert got, for the next update and the statistics */
         bool grad = kiln_set_grad_enabled(false);
         kiln_tensor_t *counts = kiln_sub(kiln_narrow(offsets, 0, 1, E), kiln_narrow(offsets, 0, 0, E));
         kiln_status st = kiln_tensor_copy_(e->load, kiln_add(e->load, kiln_cast(counts, KILN_DTYPE_F32)));
@@ -87,13 +87,14 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
 
 kiln_status kiln__moe_update(const kiln_gpt_config *c, kiln__moe *e)
 {
-    if (c->moe_bias_speed <= 0) return KILN_OK;
     bool grad = kiln_set_grad_enabled(false);
-    /* sign(mean - load) as (mean > load) - (mean < load) */
-    kiln_tensor_t *mean = kiln_mean(e->load, NULL, 0, true);
-    kiln_tensor_t *sign = kiln_sub(kiln_cast(kiln_gt(mean, e->load), KILN_DTYPE_F32),
-                                   kiln_cast(kiln_lt(mean, e->load), KILN_DTYPE_F32));
-    kiln_status s = kiln_tensor_copy_(e->router_b, kiln_add(e->router_b, kiln_mul_scalar(sign, c->moe_bias_speed)));
+    kiln_status s = KILN_OK;
+    if (c->moe_bias_speed > 0) { /* sign(mean - load) as (mean > load) - (mean < load) */
+        kiln_tensor_t *mean = kiln_mean(e->load, NULL, 0, true);
+        kiln_tensor_t *sign = kiln_sub(kiln_cast(kiln_gt(mean, e->load), KILN_DTYPE_F32),
+                                       kiln_cast(kiln_lt(mean, e->load), KILN_DTYPE_F32));
+        s = kiln_tensor_copy_(e->router_b, kiln_add(e->router_b, kiln_mul_scalar(sign, c->moe_bias_speed)));
+    }
     if (s == KILN_OK) s = kiln_tensor_copy_(e->last_load, e->load);
     if (s == KILN_OK) s = kiln_tensor_copy_(e->load, kiln_zeros(kiln_tensor_shape(e->load), 1, KILN_DTYPE_F32));
     kiln_set_grad_enabled(grad);
