@@ -19,7 +19,8 @@
 #define USAGE                                                                                           \
     "usage: bench_train_step [--threads N] [--steps N] [--warmup N] [--peak-gflops G]\n"                \
     "                        [--model gpt2|llama] [--compile] [--replay] [--device NAME] [--small]\n"        \
-    "                        [--precision f32|bf16|f16]\n"
+    "                        [--precision f32|bf16|f16]\n"                                            \
+    "                        [--experts E --top-k K --shared S --expert-ffn F]  (--model llama: MoE blocks)\n"
 
 /* The compiled step, as a function a replay records (ctx: the compiled step). */
 static kiln_status call_compiled(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
@@ -33,6 +34,7 @@ int main(int argc, char **argv)
     double peak_gflops = 0;
     const char *model = "gpt2", *device = "cpu", *precision = "f32";
     bool compile = false, replay = false, small = false;
+    int experts = 0, top_k = 2, shared = 0, expert_ffn = 0;
     for (int i = 1; i < argc; i += 2) {
         if (!strcmp(argv[i], "--compile")) {
             compile = true;
@@ -56,6 +58,10 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--peak-gflops")) peak_gflops = atof(argv[i + 1]);
         else if (!strcmp(argv[i], "--model")) model = argv[i + 1];
         else if (!strcmp(argv[i], "--precision")) precision = argv[i + 1];
+        else if (!strcmp(argv[i], "--experts")) experts = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--top-k")) top_k = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--shared")) shared = atoi(argv[i + 1]);
+        else if (!strcmp(argv[i], "--expert-ffn")) expert_ffn = atoi(argv[i + 1]);
         else {
             fprintf(stderr, "bench_train_step: unknown option %s\n%s", argv[i], USAGE);
             return 2;
@@ -73,6 +79,10 @@ int main(int argc, char **argv)
         c.n_embd = 64;
         c.block_size = 32;
     }
+    c.n_routed_experts = experts; /* every block an MoE block (docs/model.md) */
+    c.moe_top_k = top_k;
+    c.n_shared_experts = shared;
+    c.moe_ffn = expert_ffn;
     kiln_gpt_t *m;
     if (kiln_gpt_new(&c, 1234, &m) != KILN_OK) {
         fprintf(stderr, "bench_train_step: %s\n", kiln_last_error());
@@ -138,15 +148,21 @@ int main(int argc, char **argv)
     qsort(times, (size_t)steps, sizeof *times, bench_cmp_double);
     double med = times[steps / 2], tps = B * T / med;
     /* Model FLOPs per token: 6 N for the weights plus 6 L T C for attention
-     * (forward 2, backward 4; causal halves QK^T and PV, which 12 L T C / 2 gives). */
+     * (forward 2, backward 4; causal halves QK^T and PV, which 12 L T C / 2 gives); N
+     * counts the weights a token uses (an MoE block's k routed experts, not all E). */
     double n_params = (double)kiln_gpt_param_elements(m);
+    if (experts > 0) {
+        int64_t Fe = kiln_gpt_moe_ffn(&c), per_expert = 3 * (int64_t)c.n_embd * Fe;
+        n_params -= (double)c.n_layer * (double)(experts - top_k) * (double)per_expert;
+    }
     double flops_per_token = 6.0 * n_params + 6.0 * c.n_layer * T * c.n_embd;
     double gflops = flops_per_token * tps / 1e9;
     struct rusage ru;
     getrusage(RUSAGE_SELF, &ru);
-    printf("{\"engine\":\"%s\",\"precision\":\"%s\",\"device\":\"%s\",\"first_step_s\":%.3f,\"model\":\"%s\",\"threads\":%d,\"steps\":%d,\"median_step_ms\":%.1f,"
+    printf("{\"engine\":\"%s\",\"experts\":%d,\"top_k\":%d,\"shared\":%d,\"expert_ffn\":%d,\"precision\":\"%s\",\"device\":\"%s\",\"first_step_s\":%.3f,\"model\":\"%s\",\"threads\":%d,\"steps\":%d,\"median_step_ms\":%.1f,"
            "\"tokens_per_s\":%.1f,\"model_gflops\":%.2f,\"mfu\":%.4f,\"peak_rss_mb\":%.1f}\n",
-           step && replay ? "kiln-compile-replay" : step ? "kiln-compile" : replay ? "kiln-replay" : "kiln", precision, kiln_device(), first_call_s, model, kiln_num_threads(), steps, med * 1e3, tps, gflops, peak_gflops > 0 ? gflops / peak_gflops : 0.0,
+           step && replay ? "kiln-compile-replay" : step ? "kiln-compile" : replay ? "kiln-replay" : "kiln", experts,
+           top_k, shared, experts ? kiln_gpt_moe_ffn(&c) : 0, precision, kiln_device(), first_call_s, model, kiln_num_threads(), steps, med * 1e3, tps, gflops, peak_gflops > 0 ? gflops / peak_gflops : 0.0,
            (double)ru.ru_maxrss / 1024.0);
     kiln_compiled_free(step);
     kiln_replay_free(rp);

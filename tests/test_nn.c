@@ -487,7 +487,7 @@ static void doc_masking_training_run_on_kjv_books(void **state)
     if (kiln_text_read(path, &text, &len) != KILN_OK)
         fail_msg("%s (write it with scripts/get-corpus.sh, or set KILN_KJV)", kiln_last_error());
     /* the books, each cut to its first 1500 characters */
-    char *packed = malloc(len + 66 * 16), prev[64] = "";
+    char *packed = malloc(len + 66 * 16), prev[80] = "";
     size_t n = 0, book_start = 0;
     int books = 0;
     for (size_t i = 0; i < len;) {

@@ -3,7 +3,8 @@
  * as any other part of the model. The rows of all experts go through one grouped GEMM
  * each for gate, up and down: the tokens sorted by expert (kiln_moe_sort), each
  * expert's run of rows multiplied by its weights in one op whose per-expert counts are
- * data, so a captured step does not capture again when they change. */
+ * data, so a captured step does not capture again when they change; the rows are put
+ * back in token order and each token's k rows weighted and summed. */
 #include <stdlib.h>
 #include "kiln/ops.h"
 #include "nn/moe.h"
@@ -62,12 +63,15 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
     kiln_tensor_t *xs = kiln_index_select(x, 0, tok);
     kiln_tensor_t *h = kiln_mul(kiln_silu(kiln_grouped_matmul(xs, e->gate, offsets)),
                                 kiln_grouped_matmul(xs, e->up, offsets));
-    kiln_tensor_t *ys = kiln_grouped_matmul(h, e->down, offsets); /* (N k, C) */
-    int64_t nk = N * k, nkc[2] = {N * k, C}, nc[2] = {N, C};
-    kiln_tensor_t *ws = kiln_index_select(kiln_reshape(w, &nk, 1), 0, order);
-    ys = kiln_mul(ys, kiln_unsqueeze(ws, 1));
-    kiln_tensor_t *rows = kiln_contiguous(kiln_expand(kiln_unsqueeze(tok, 1), nkc, 2));
-    kiln_tensor_t *y = kiln_scatter_add(kiln_zeros(nc, 2, kiln_tensor_dtype(ys ? ys : x)), 0, rows, ys);
+    kiln_tensor_t *ys = kiln_grouped_matmul(h, e->down, offsets); /* (N k, C), sorted */
+    /* back in assignment order by the inverse permutation (inv[order[i]] = i: a scatter of
+     * N k integers, where a scatter of the rows would move N k C numbers), then each
+     * token's k rows weighted and summed */
+    int64_t nk = N * k, nkc[3] = {N, k, C}, nk1[2] = {N * k, 1};
+    kiln_tensor_t *inv = kiln_scatter_add(kiln_zeros(&nk, 1, KILN_DTYPE_I64), 0, order,
+                                          kiln_arange(0, (double)nk, 1, KILN_DTYPE_I64));
+    kiln_tensor_t *yu = kiln_mul(kiln_index_select(ys, 0, inv), kiln_reshape(w, nk1, 2));
+    kiln_tensor_t *y = kiln_sum(kiln_reshape(yu, nkc, 3), &last, 1, false);
     if (e->sg) y = kiln_add(y, swiglu(x, e->sg, e->su, e->sd));
     if (!y) return NULL;
     if (balance && B > 0 && c->moe_balance_loss > 0) {

@@ -194,7 +194,17 @@ static kiln_tensor_t *slice_index(kiln_tensor_t *idx, const kiln_tensor_t *g, in
 
 INDEXED_BW(embedding, kiln__call(KILN_OP_EMBEDDING_BACKWARD, (kiln_tensor_t *[2]){G, X(1)}, 2,
                                  &(kiln__attrs){.op.embedding_backward.vocab = META(0)->shape[0]}))
-INDEXED_BW(index_select, kiln_scatter_add(ZEROS, DIM, slice_index(X(1), G, DIM), G))
+/* Rows of a matrix (dim 0, a vector of indices: the MoE tokens' rows) are added back as
+ * whole rows, as an embedding's gradient (KILN_OPT_INDEX_ROWS_GRAD); else element by
+ * element through an index the shape of G. */
+static bool rows_of_matrix(const kiln__node *n, const kiln_tensor_t *g)
+{
+    return kiln__opt(KILN__OPT_INDEX_ROWS_GRAD) && n->attrs.op.dim.dim == 0 && META(0)->ndim == 2 && X(1)->ndim == 1 &&
+           g->ndim == 2 && kiln_dtype_is_float(g->dtype);
+}
+INDEXED_BW(index_select, rows_of_matrix(n, G) ? kiln__call(KILN_OP_EMBEDDING_BACKWARD, (kiln_tensor_t *[2]){G, X(1)}, 2,
+                                                        &(kiln__attrs){.op.embedding_backward.vocab = META(0)->shape[0]})
+                                           : kiln_scatter_add(ZEROS, DIM, slice_index(X(1), G, DIM), G))
 INDEXED_BW(gather, kiln_scatter_add(ZEROS, DIM, X(1), G))
 INDEXED_BW(cross_entropy, kiln__call(KILN_OP_CROSS_ENTROPY_BACKWARD, (kiln_tensor_t *[4]){G, X(0), X(1), Y(1)}, 4, &n->attrs))
 

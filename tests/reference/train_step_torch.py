@@ -39,14 +39,31 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--clip", type=float, default=1.0, help="max gradient norm; 0 = no clipping")
     ap.add_argument("--compile", action="store_true", help="torch.compile the step (PyTorch 2.x, inductor)")
+    ap.add_argument("--model", choices=["gpt2", "llama"], default="gpt2",
+                    help="config S GPT-2 style, or LLaMA style (RMSNorm, RoPE, SwiGLU)")
+    ap.add_argument("--experts", type=int, default=0, help="llama: every block a mixture of experts (moe_ref.py: a "
+                    "loop over the experts, the common PyTorch implementation)")
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--shared", type=int, default=0)
+    ap.add_argument("--expert-ffn", type=int, default=0)
     ap.add_argument("--precision", choices=["f32", "bf16", "f16"], default="f32",
                     help="bf16/f16: forward under torch.autocast('cpu'); f16 with torch.amp.GradScaler")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     torch.manual_seed(a.seed)
     cfg = config_s()
+    if a.model == "llama":
+        cfg = gpt_ref.llama_config(n_layer=4, n_head=4, n_kv_head=2, n_embd=256, block_size=128, vocab_size=256)
     B, T = a.batch, cfg["block_size"]
-    model = gpt_ref.GPT(cfg)
+    moe = None
+    if a.experts:
+        import moe_ref
+        cfg = moe_ref.moe_config(n_layer=4, n_embd=256, block_size=128, vocab_size=256, n_head=4, n_kv_head=2,
+                                 n_routed_experts=a.experts, moe_top_k=a.top_k, n_shared_experts=a.shared,
+                                 moe_ffn=a.expert_ffn, n_dense_layers=0, moe_bias_speed=0.001)
+        model = moe = moe_ref.MoEGPT(cfg)
+    else:
+        model = gpt_ref.GPT(cfg)
     opt = gpt_ref.make_optimizer(model, 3e-4, (0.9, 0.95), 1e-8, 0.1)
     g = torch.Generator().manual_seed(a.seed)
 
@@ -55,7 +72,7 @@ def main():
 
     def train_step(idx, tgt):
         with torch.autocast("cpu", dtype=amp or torch.bfloat16, enabled=amp is not None):
-            _, loss = model(idx, tgt)
+            loss = model(idx, tgt)[1]
         if scaler:  # unscale before clipping, as the GradScaler docs do it
             scaler.scale(loss).backward()
             scaler.unscale_(opt)
@@ -68,6 +85,9 @@ def main():
             scaler.update()
         else:
             opt.step()
+        if moe:
+            for mb in moe.moe_blocks():
+                mb.update_bias()
         opt.zero_grad(set_to_none=True)
         return loss
 
@@ -97,7 +117,7 @@ def main():
         "impl": "torch-compile" if a.compile else "torch-eager", "precision": a.precision,
         "first_step_s": round(first_s, 3),
         "clip": a.clip, "torch_version": torch.__version__, "threads": a.threads,
-        "config": "S", "batch": B, "T": T, "params": sum(p.numel() for p in model.parameters()),
+        "config": "S", "model": a.model, "experts": a.experts, "top_k": a.top_k, "shared": a.shared, "batch": B, "T": T, "params": sum(p.numel() for p in model.parameters()),
         "warmup": a.warmup, "steps": a.steps, "median_step_s": round(med, 6),
         "tokens_per_s": round(B * T / med, 1), "step_s": [round(t, 6) for t in times],
         "first_loss": round(losses[0], 5), "last_loss": round(losses[-1], 5),
