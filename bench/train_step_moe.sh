@@ -1,0 +1,47 @@
+#!/bin/sh
+# Config S-MoE against dense config S (LLaMA style: RMSNorm, RoPE, SwiGLU; T 128, C 256,
+# 4 layers, B 16; forward, backward, clipping, AdamW) and against PyTorch's eager MoE
+# that loops over its experts (tests/reference/moe_ref.py, the common implementation),
+# side by side in one run, each at 1 and 2 threads, interleaved over ROUNDS rounds.
+# S-MoE: every block 8 routed experts, top-2, plus 1 shared, each of width 232, so that
+# the 3 experts a token uses hold about the parameters of the dense SwiGLU (3 x 232 =
+# 696 against F = 704). Prints every figure and the ratios of the best medians.
+#   sh bench/train_step_moe.sh [BUILD_DIR] [ROUNDS] [STEPS]
+# TORCH2_PY: a python with PyTorch 2.x (default ~/torch2/bin/python); set
+# OPENBLAS_CORETYPE=SkylakeX where OpenBLAS does not know the processor (kiln doctor).
+set -eu
+build=${1:-build}
+rounds=${2:-3}
+steps=${3:-10}
+py=${TORCH2_PY:-$HOME/torch2/bin/python}
+moe="--experts 8 --top-k 2 --shared 1 --expert-ffn 232"
+out=$(mktemp)
+for r in $(seq "$rounds"); do
+    for t in 1 2; do
+        "$build/bench_train_step" --model llama --threads "$t" --steps "$steps" --warmup 2 | tee -a "$out"
+        # shellcheck disable=SC2086
+        "$build/bench_train_step" --model llama $moe --threads "$t" --steps "$steps" --warmup 2 | tee -a "$out"
+        # shellcheck disable=SC2086
+        "$py" tests/reference/train_step_torch.py --model llama $moe --threads "$t" --steps "$steps" --warmup 2 | tee -a "$out"
+    done
+done
+"$py" - "$out" <<'PY'
+import json, sys, statistics
+rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+def best(pred):
+    by = {}
+    for r in rows:
+        if pred(r):
+            by.setdefault(r["threads"], []).append(r["tokens_per_s"])
+    med = {t: statistics.median(v) for t, v in by.items()}
+    t = max(med, key=med.get)
+    return t, med[t], med
+dt, dv, dall = best(lambda r: r.get("engine") == "kiln" and r.get("experts") == 0)
+mt, mv, mall = best(lambda r: r.get("engine") == "kiln" and r.get("experts", 0) > 0)
+pt, pv, pall = best(lambda r: r.get("impl") == "torch-eager")
+print(f"kiln dense config S: median tokens/s by threads {dall}; best {dv:.0f} at {dt}")
+print(f"kiln S-MoE:          median tokens/s by threads {mall}; best {mv:.0f} at {mt}")
+print(f"torch eager S-MoE (a loop over experts): {pall}; best {pv:.0f} at {pt}")
+print(f"kiln S-MoE / kiln dense = {mv / dv:.2f}   kiln S-MoE / torch eager S-MoE = {mv / pv:.2f}")
+PY
+rm -f "$out"
