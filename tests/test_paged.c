@@ -403,6 +403,59 @@ static void paged_variant_case(bool llama, const char *attention, int64_t window
     kiln_gpt_free(m);
 }
 
+/* A mixture-of-experts model (every block 4 experts, top-2, a shared one) through the
+ * paged path: its logits against its full forward (the oracle test_alignment checks
+ * against PyTorch), and a decoding row's logits bitwise the same alone and batched with
+ * others (its experts' products row by row, kiln_matmul_rows). */
+static void paged_forward_runs_moe_models(void **state)
+{
+    kiln_gpt_config c = tiny(true);
+    c.n_routed_experts = 4, c.moe_top_k = 2, c.n_shared_experts = 1, c.moe_ffn = 16;
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 13, &m), KILN_OK);
+    enum { T = 12, BL = 4, MB = 3 };
+    int32_t toks[T];
+    for (int i = 0; i < T; i++) toks[i] = (i * 5 + 1) % c.vocab_size;
+    int64_t ts[2] = {1, T};
+    float *want = to_host(kiln_gpt_forward(m, kiln_from_data(toks, ts, 2, KILN_DTYPE_I32), NULL, false, NULL));
+    kiln_kv_pool_t *p;
+    assert_int_equal(kiln_kv_pool_new(m, 12, BL, KILN_DTYPE_F32, &p), KILN_OK);
+    int32_t table[4 * MB] = {5, 2, 7, 0, 1, 3, 4, 6, 8, 9, 10, 11};
+    int32_t sq[T] = {0}, ps[T], lr[T];
+    for (int i = 0; i < T; i++) ps[i] = i, lr[i] = i;
+    kiln_scope_begin();
+    kiln_paged_batch b = {T, toks, sq, ps, 1, MB, table, T, lr};
+    float *got = to_host(kiln_gpt_forward_paged(m, p, &b));
+    kiln_scope_end();
+    assert_close(got, want, (int64_t)T * c.vocab_size, 2e-5, "paged forward of an MoE model");
+    /* one more position of sequence 0 alone, then with sequences 1..3 prefilled beside it */
+    for (int s = 1; s < 4; s++) {
+        int32_t pt[T], psq[T];
+        for (int i = 0; i < T; i++) pt[i] = (i * 3 + s) % c.vocab_size, psq[i] = s;
+        kiln_scope_begin();
+        kiln_paged_batch pre = {8, pt, psq, ps, 4, MB, table, 0, NULL};
+        assert_non_null(kiln_gpt_forward_paged(m, p, &pre));
+        kiln_scope_end();
+    }
+    float *alone = NULL;
+    for (int n = 1; n <= 4; n++) {
+        int32_t dt[4], ds[4], dp[4], one[1] = {0};
+        for (int s = 0; s < n; s++) dt[s] = (s * 7 + 2) % c.vocab_size, ds[s] = s, dp[s] = s ? 8 : T - 1;
+        kiln_scope_begin();
+        kiln_paged_batch d = {n, dt, ds, dp, 4, MB, table, 1, one};
+        float *h = to_host(kiln_gpt_forward_paged(m, p, &d));
+        kiln_scope_end();
+        if (!alone) alone = h;
+        else {
+            assert_memory_equal(h, alone, sizeof(float) * (size_t)c.vocab_size);
+            free(h);
+        }
+    }
+    free(alone), free(got), free(want);
+    kiln_kv_pool_free(p);
+    kiln_gpt_free(m);
+}
+
 static void paged_forward_runs_attention_variants(void **state)
 {
     paged_variant_case(false, "window:5", 5);
@@ -606,6 +659,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_gpt2, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_llama, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_runs_attention_variants, setup, teardown),
+        cmocka_unit_test_setup_teardown(paged_forward_runs_moe_models, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_is_batch_invariant, setup, teardown),
         cmocka_unit_test_setup_teardown(stored_16bit_weights_decode_as_packed, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_rejects_bad_batches, setup, teardown),

@@ -57,7 +57,9 @@ typedef struct {
      * moe_norm_topk) times moe_scale, and n_shared_experts' width of a shared SwiGLU.
      * moe_bias_speed: the bias's step after each optimizer step (0: frozen);
      * moe_balance_loss: the sequence-wise balance loss's weight (0: none).
-     * n_routed_experts 0: a dense model (the defaults; no keys written). */
+     * n_routed_experts 0: a dense model (the defaults; no keys written). Trained,
+     * compiled and served (the paged path routes each token alone); the HF and GGUF
+     * exports refuse it. */
     int n_routed_experts, n_shared_experts, moe_top_k, moe_ffn, n_dense_layers;
     kiln_router_kind moe_router;
     bool moe_norm_topk;

@@ -670,7 +670,7 @@ static kiln_tensor_t *block(const pass *ps, int i, kiln_tensor_t *x)
         bool flat = kiln_tensor_ndim(h) == 2;
         int64_t rows[2] = {-1, c->n_embd};
         mo = kiln__moe_forward(c, L->moe, flat ? h : kiln_reshape(h, rows, 2), flat ? 0 : ps->B, ps->train,
-                               ps->balance);
+                               ps->pk != NULL, ps->balance);
         if (mo && !flat) mo = kiln_reshape(mo, kiln_tensor_shape(h), 3);
     } else if (c->mlp == KILN_MLP_GELU)
         mo = linear(ps, i, PK_OUT, kiln_gelu(linear(ps, i, PK_FC, h, L->fc_w, L->fc_b), true), L->out_w, L->out_b);
@@ -1068,11 +1068,6 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
     int64_t N = b->n_tokens, bl = p->block_len;
     kiln_paged_variant variant;
     if (paged_variant(c, &variant) != KILN_OK) return NULL;
-    if (c->n_routed_experts > 0) { /* its rows would depend on the batch (the grouped GEMM's BLAS calls) */
-        kiln_error(KILN_ERR_UNSUPPORTED, "gpt: the paged serving path does not run mixture-of-experts models yet "
-                   "(kiln sample runs them)");
-        return NULL;
-    }
     for (int64_t i = 0; i < N; i++) {
         slots[i] = b->block_table[b->seq[i] * b->max_blocks + b->pos[i] / bl] * (int32_t)bl + b->pos[i] % (int32_t)bl;
         seq_pos[2 * i] = b->seq[i];

@@ -20,10 +20,41 @@ static kiln_tensor_t *token_of_assignment(int64_t N, int64_t k)
     return r;
 }
 
-/* x (N, C) through a SwiGLU of weights (out, in): down(silu(gate x) * up x). */
-static kiln_tensor_t *swiglu(kiln_tensor_t *x, kiln_tensor_t *g, kiln_tensor_t *u, kiln_tensor_t *d)
+/* x w^T for w (out, in): a GEMM, or (rows) each row alone (kiln_matmul_rows). */
+static kiln_tensor_t *lin(kiln_tensor_t *x, kiln_tensor_t *w, bool rows)
 {
-    return kiln_linear(kiln_mul(kiln_silu(kiln_linear(x, g, NULL)), kiln_linear(x, u, NULL)), d, NULL);
+    return rows ? kiln_matmul_rows(x, w) : kiln_linear(x, w, NULL);
+}
+
+/* x (N, C) through a SwiGLU of weights (out, in): down(silu(gate x) * up x). */
+static kiln_tensor_t *swiglu(kiln_tensor_t *x, kiln_tensor_t *g, kiln_tensor_t *u, kiln_tensor_t *d, bool rows)
+{
+    return lin(kiln_mul(kiln_silu(lin(x, g, rows)), lin(x, u, rows)), d, rows);
+}
+
+/* The routed experts' rows in expert order (order, offsets of kiln_moe_sort) each
+ * alone: expert e's rows gathered and multiplied by its weights transposed to (out, in)
+ * through kiln_matmul_rows, the experts' results concatenated. For serving, where a
+ * row's result must not depend on the batch (a grouped GEMM's blocks would). */
+static kiln_tensor_t *experts_by_rows(const kiln__moe *e, kiln_tensor_t *xs, kiln_tensor_t *offsets, int64_t E)
+{
+    int64_t *off = malloc(sizeof *off * (size_t)(E + 1));
+    if (!off || kiln_tensor_to_host(offsets, off, sizeof *off * (size_t)(E + 1)) != KILN_OK) {
+        free(off);
+        return kiln_last_status() ? NULL : (kiln_error(KILN_ERR_OOM, "moe: out of memory"), NULL);
+    }
+    kiln_tensor_t *parts[4096];
+    int n = 0;
+    for (int64_t x = 0; x < E; x++) {
+        if (off[x + 1] == off[x]) continue;
+        kiln_tensor_t *r = kiln_narrow(xs, 0, off[x], off[x + 1] - off[x]);
+        kiln_tensor_t *g = kiln_contiguous(kiln_transpose(kiln_squeeze(kiln_narrow(e->gate, 0, x, 1), 0), 0, 1));
+        kiln_tensor_t *u = kiln_contiguous(kiln_transpose(kiln_squeeze(kiln_narrow(e->up, 0, x, 1), 0), 0, 1));
+        kiln_tensor_t *d = kiln_contiguous(kiln_transpose(kiln_squeeze(kiln_narrow(e->down, 0, x, 1), 0), 0, 1));
+        parts[n++] = swiglu(kiln_contiguous(r), g, u, d, true);
+    }
+    free(off);
+    return n == 1 ? parts[0] : kiln_cat(parts, n, 0);
 }
 
 /* The sequence-wise balance loss of B sequences of T rows (docs/model.md): alpha times
@@ -44,12 +75,12 @@ static kiln_tensor_t *balance_loss(const kiln_gpt_config *c, kiln_tensor_t *s, k
 }
 
 kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, kiln_tensor_t *x, int64_t B, bool train,
-                                 kiln_tensor_t **balance)
+                                 bool rows, kiln_tensor_t **balance)
 {
     int64_t N = kiln_tensor_dim(x, 0), C = kiln_tensor_dim(x, 1), E = c->n_routed_experts, k = c->moe_top_k;
     int last = 1;
     /* the router: scores, the choice steered by the bias, the weights from the scores */
-    kiln_tensor_t *logits = kiln_linear(x, e->router_w, NULL);
+    kiln_tensor_t *logits = lin(x, e->router_w, rows);
     kiln_tensor_t *s = c->moe_router == KILN_ROUTER_SOFTMAX ? kiln_softmax(logits, 1) : kiln_sigmoid(logits);
     kiln_tensor_t *vals = NULL, *idx = NULL;
     if (!s || kiln_topk(kiln_add(kiln_detach(s), e->router_b), k, &vals, &idx) != KILN_OK) return NULL;
@@ -61,9 +92,14 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
     if (kiln_moe_sort(idx, E, &order, &offsets) != KILN_OK) return NULL;
     kiln_tensor_t *tok = kiln_index_select(token_of_assignment(N, k), 0, order); /* (N k) */
     kiln_tensor_t *xs = kiln_index_select(x, 0, tok);
-    kiln_tensor_t *h = kiln_mul(kiln_silu(kiln_grouped_matmul(xs, e->gate, offsets)),
-                                kiln_grouped_matmul(xs, e->up, offsets));
-    kiln_tensor_t *ys = kiln_grouped_matmul(h, e->down, offsets); /* (N k, C), sorted */
+    kiln_tensor_t *ys; /* (N k, C), sorted */
+    if (rows) {
+        ys = experts_by_rows(e, xs, offsets, E);
+    } else {
+        kiln_tensor_t *h = kiln_mul(kiln_silu(kiln_grouped_matmul(xs, e->gate, offsets)),
+                                    kiln_grouped_matmul(xs, e->up, offsets));
+        ys = kiln_grouped_matmul(h, e->down, offsets);
+    }
     /* back in assignment order by the inverse permutation (inv[order[i]] = i: a scatter of
      * N k integers, where a scatter of the rows would move N k C numbers), then each
      * token's k rows weighted and summed */
@@ -72,7 +108,7 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
                                           kiln_arange(0, (double)nk, 1, KILN_DTYPE_I64));
     kiln_tensor_t *yu = kiln_mul(kiln_index_select(ys, 0, inv), kiln_reshape(w, nk1, 2));
     kiln_tensor_t *y = kiln_sum(kiln_reshape(yu, nkc, 3), &last, 1, false);
-    if (e->sg) y = kiln_add(y, swiglu(x, e->sg, e->su, e->sd));
+    if (e->sg) y = kiln_add(y, swiglu(x, e->sg, e->su, e->sd, rows));
     if (!y) return NULL;
     if (balance && B > 0 && c->moe_balance_loss > 0) {
         kiln_tensor_t *l = balance_loss(c, s, idx, B);

@@ -16,9 +16,11 @@ typedef struct {
 /* The block's output for the rows x (N, C) of B sequences (N = B T; B 0: rows of no
  * sequence, no balance loss). With balance non-NULL and moe_balance_loss > 0, the block's
  * balance loss is added to *balance (NULL: it becomes it). In training the rows each
- * expert got are added into e->load. */
+ * expert got are added into e->load. rows (the serving engine's paged pass, no
+ * gradients): every product through kiln_matmul_rows, so that a row's result does not
+ * depend on the other rows of the batch, bit for bit. */
 kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, kiln_tensor_t *x, int64_t B, bool train,
-                                 kiln_tensor_t **balance);
+                                 bool rows, kiln_tensor_t **balance);
 
 /* After an optimizer step: router_b += moe_bias_speed * sign(mean(load) - load) (with a
  * speed), and load kept as last_load and cleared. */
