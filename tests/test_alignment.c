@@ -51,7 +51,7 @@ static kiln_gpt_config golden_config(const kiln_safetensors_t *f)
                                        "ffn_hidden", "norm", "pos", "mlp", "bias", "tied", "norm_eps", "rope_theta",
                                        "n_routed_experts", "n_shared_experts", "moe_top_k", "moe_ffn", "moe_router",
                                        "moe_norm_topk", "moe_scale", "n_dense_layers", "moe_bias_speed",
-                                       "moe_balance_loss", NULL};
+                                       "moe_balance_loss", "moe_n_group", "moe_topk_group", NULL};
     json_t *m = json_object();
     for (int i = 0; model_keys[i]; i++) {
         json_t *v = json_object_get(o, model_keys[i]);
@@ -382,7 +382,8 @@ static void gpt2_style_compiled_matches_pytorch(void **state) { check_golden("go
 static void llama_style_compiled_matches_pytorch(void **state) { check_golden("golden_llama.safetensors", true); }
 /* Mixture of experts (tests/reference/moe_ref.py, PyTorch 2.15: a loop over experts):
  * a softmax router with the balance loss, and a sigmoid router with top-3, a shared
- * expert and a scale, each with a dense first block and the balancing bias moving. */
+ * expert, a scale and group-limited routing (4 groups of 2, the best 2 kept), each with
+ * a dense first block and the balancing bias moving. */
 static void moe_softmax_matches_pytorch(void **state) { check_golden("golden_moe_softmax.safetensors", false); }
 static void moe_sigmoid_matches_pytorch(void **state) { check_golden("golden_moe_sigmoid.safetensors", false); }
 static void moe_softmax_compiled_matches_pytorch(void **state) { check_golden("golden_moe_softmax.safetensors", true); }

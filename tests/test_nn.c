@@ -128,6 +128,9 @@ static void moe_configs_and_parameters(void **state)
         {"{\"n_routed_experts\": 4, \"mlp\": \"swiglu\", \"moe_balance_loss\": -0.5}", "moe_balance_loss = -0.5"},
         {"{\"n_routed_experts\": 4, \"mlp\": \"swiglu\", \"n_shared_experts\": -2}", "n_shared_experts = -2"},
         {"{\"moe_router\": \"relu\"}", "unknown moe_router 'relu'"},
+        {"{\"n_routed_experts\": 6, \"mlp\": \"swiglu\", \"moe_n_group\": 4}", "moe_n_group = 4 must divide"},
+        {"{\"n_routed_experts\": 6, \"mlp\": \"swiglu\", \"moe_n_group\": 3, \"moe_topk_group\": 1, \"moe_top_k\": 3}",
+         "moe_topk_group = 1 must be in 1..moe_n_group = 3, with moe_top_k = 3"},
     };
     for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
         assert_int_not_equal(kiln_gpt_config_from_json(bad[i].json, &d), KILN_OK);

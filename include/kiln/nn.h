@@ -56,11 +56,14 @@ typedef struct {
      * plus a balancing bias, weights the scores (divided by their sum with
      * moe_norm_topk) times moe_scale, and n_shared_experts' width of a shared SwiGLU.
      * moe_bias_speed: the bias's step after each optimizer step (0: frozen);
-     * moe_balance_loss: the sequence-wise balance loss's weight (0: none).
+     * moe_balance_loss: the sequence-wise balance loss's weight (0: none). moe_n_group >
+     * 1: group-limited routing (docs/model.md).
      * n_routed_experts 0: a dense model (the defaults; no keys written). Trained,
      * compiled and served (the paged path routes each token alone); the HF and GGUF
      * exports refuse it. */
     int n_routed_experts, n_shared_experts, moe_top_k, moe_ffn, n_dense_layers;
+    int moe_n_group, moe_topk_group; /* group-limited routing: the experts in n_group groups,
+                                        a token's choice within its topk_group best (1: none) */
     kiln_router_kind moe_router;
     bool moe_norm_topk;
     double moe_scale, moe_bias_speed, moe_balance_loss;

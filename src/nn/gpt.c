@@ -43,6 +43,7 @@ kiln_gpt_config kiln_gpt_config_gpt2(void)
         .ffn_hidden = 0, .norm = KILN_NORM_LAYERNORM, .pos = KILN_POS_LEARNED, .mlp = KILN_MLP_GELU,
         .bias = true, .tied = true, .norm_eps = 1e-5, .rope_theta = 10000.0, .dropout = 0.0,
         .moe_top_k = 2, .moe_router = KILN_ROUTER_SOFTMAX, .moe_norm_topk = true, .moe_scale = 1.0,
+        .moe_n_group = 1, .moe_topk_group = 1,
         .moe_bias_speed = 0.001,
     };
 }
@@ -212,6 +213,14 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
              "n_dense_layers = %d must be in 0..n_layer - 1 = %d (else no block has experts)", c->n_dense_layers,
              c->n_layer - 1);
         NEED((unsigned)c->moe_router <= KILN_ROUTER_SIGMOID, "unknown moe_router");
+        NEED(c->moe_n_group >= 1 && c->n_routed_experts % c->moe_n_group == 0 &&
+                 (c->moe_n_group == 1 || c->n_routed_experts / c->moe_n_group >= 2),
+             "moe_n_group = %d must divide n_routed_experts = %d into groups of at least 2 (1: no groups)",
+             c->moe_n_group, c->n_routed_experts);
+        NEED(c->moe_n_group == 1 || (c->moe_topk_group >= 1 && c->moe_topk_group <= c->moe_n_group &&
+                                     c->moe_top_k <= c->moe_topk_group * (c->n_routed_experts / c->moe_n_group)),
+             "moe_topk_group = %d must be in 1..moe_n_group = %d, with moe_top_k = %d experts in its groups",
+             c->moe_topk_group, c->moe_n_group, c->moe_top_k);
         NEED(c->moe_scale > 0 && isfinite(c->moe_scale), "moe_scale = %g must be positive", c->moe_scale);
         NEED(c->moe_bias_speed >= 0 && isfinite(c->moe_bias_speed), "moe_bias_speed = %g must be >= 0",
              c->moe_bias_speed);
@@ -247,7 +256,7 @@ static const struct {
     FIELD(n_routed_experts, F_INT), FIELD(n_shared_experts, F_INT), FIELD(moe_top_k, F_INT),
     FIELD(moe_ffn, F_INT), FIELD(n_dense_layers, F_INT), FIELD(moe_router, F_ENUM, "softmax", "sigmoid"),
     FIELD(moe_norm_topk, F_BOOL), FIELD(moe_scale, F_NUM), FIELD(moe_bias_speed, F_NUM),
-    FIELD(moe_balance_loss, F_NUM),
+    FIELD(moe_balance_loss, F_NUM), FIELD(moe_n_group, F_INT), FIELD(moe_topk_group, F_INT),
 };
 #undef FIELD
 #undef FIELD_AT

@@ -32,6 +32,22 @@ static kiln_tensor_t *swiglu(kiln_tensor_t *x, kiln_tensor_t *g, kiln_tensor_t *
     return lin(kiln_mul(kiln_silu(lin(x, g, rows)), lin(x, u, rows)), d, rows);
 }
 
+/* Group-limited routing (DeepSeek-V3): the E experts in G groups of E / G; a group's
+ * score the sum of its two best choice values; the choices outside each row's
+ * moe_topk_group best groups set to 0. */
+static kiln_tensor_t *limit_to_groups(const kiln_gpt_config *c, kiln_tensor_t *choice)
+{
+    int64_t N = kiln_tensor_dim(choice, 0), E = c->n_routed_experts, G = c->moe_n_group;
+    int64_t grouped[3] = {N, G, E / G}, ng[2] = {N, G}, ntg[2] = {N, c->moe_topk_group}, ne[2] = {N, E};
+    int last = 2;
+    kiln_tensor_t *top2 = NULL, *ti = NULL, *gi = NULL, *gv = NULL;
+    if (kiln_topk(kiln_reshape(choice, grouped, 3), 2, &top2, &ti) != KILN_OK) return NULL;
+    if (kiln_topk(kiln_sum(top2, &last, 1, false), c->moe_topk_group, &gv, &gi) != KILN_OK) return NULL;
+    kiln_tensor_t *keep = kiln_scatter_add(kiln_zeros(ng, 2, KILN_DTYPE_F32), 1, gi, kiln_ones(ntg, 2, KILN_DTYPE_F32));
+    keep = kiln_reshape(kiln_contiguous(kiln_expand(kiln_unsqueeze(keep, 2), grouped, 3)), ne, 2);
+    return kiln_where(kiln_gt(keep, kiln_scalar(0, KILN_DTYPE_F32)), choice, kiln_scalar(0, KILN_DTYPE_F32));
+}
+
 /* The routed experts' rows in expert order (order, offsets of kiln_moe_sort) each
  * alone: expert e's rows gathered and multiplied by its weights transposed to (out, in)
  * through kiln_matmul_rows, the experts' results concatenated. For serving, where a
@@ -82,8 +98,9 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
     /* the router: scores, the choice steered by the bias, the weights from the scores */
     kiln_tensor_t *logits = lin(x, e->router_w, rows);
     kiln_tensor_t *s = c->moe_router == KILN_ROUTER_SOFTMAX ? kiln_softmax(logits, 1) : kiln_sigmoid(logits);
-    kiln_tensor_t *vals = NULL, *idx = NULL;
-    if (!s || kiln_topk(kiln_add(kiln_detach(s), e->router_b), k, &vals, &idx) != KILN_OK) return NULL;
+    kiln_tensor_t *vals = NULL, *idx = NULL, *choice = s ? kiln_add(kiln_detach(s), e->router_b) : NULL;
+    if (choice && c->moe_n_group > 1) choice = limit_to_groups(c, choice);
+    if (!choice || kiln_topk(choice, k, &vals, &idx) != KILN_OK) return NULL;
     kiln_tensor_t *w = kiln_gather(s, 1, idx); /* (N, k) */
     if (c->moe_norm_topk) w = kiln_div(w, kiln_sum(w, &last, 1, true));
     if (c->moe_scale != 1.0) w = kiln_mul_scalar(w, c->moe_scale);

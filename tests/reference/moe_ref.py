@@ -81,7 +81,14 @@ class MoE(nn.Module):
         xf = x.reshape(B * T, C)
         logits = xf @ self.router.weight.t()
         s = torch.softmax(logits, dim=-1) if cfg["moe_router"] == "softmax" else torch.sigmoid(logits)
-        idx = topk_lower_index(s.detach() + self.router.bias, k)
+        choice = s.detach() + self.router.bias
+        G = cfg["moe_n_group"]
+        if G > 1:  # group-limited: a group's score is its two best choices; the rest of the groups zeroed
+            gscore = choice.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros(choice.shape[0], G).scatter_(1, topk_lower_index(gscore, cfg["moe_topk_group"]), 1.0)
+            keep = keep.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
+            choice = choice.masked_fill(keep == 0, 0.0)
+        idx = topk_lower_index(choice, k)
         w = s.gather(1, idx)
         if cfg["moe_norm_topk"]:
             w = w / w.sum(-1, keepdim=True)
@@ -177,7 +184,8 @@ class MoEGPT(nn.Module):
 def moe_config(**kw):
     c = gpt_ref.llama_config(n_layer=2, n_embd=32, block_size=16, vocab_size=64)
     c.update(n_routed_experts=8, n_shared_experts=0, moe_top_k=2, moe_ffn=16, moe_router="softmax",
-             moe_norm_topk=True, moe_scale=1.0, n_dense_layers=1, moe_bias_speed=0.01, moe_balance_loss=0.0)
+             moe_norm_topk=True, moe_scale=1.0, n_dense_layers=1, moe_bias_speed=0.01, moe_balance_loss=0.0,
+             moe_n_group=1, moe_topk_group=1)
     c.update(kw)
     return c
 
@@ -231,7 +239,7 @@ def golden(cfg, B=2, steps=10):
 JOBS = [
     ("golden_moe_softmax.safetensors", moe_config(moe_balance_loss=0.01)),
     ("golden_moe_sigmoid.safetensors", moe_config(moe_router="sigmoid", n_shared_experts=1, moe_scale=2.5,
-                                                  moe_bias_speed=0.05, moe_top_k=3)),
+                                                  moe_bias_speed=0.05, moe_top_k=3, moe_n_group=4, moe_topk_group=2)),
 ]
 
 
