@@ -131,50 +131,24 @@ static bool is_blank(const char *s, size_t n)
     return true;
 }
 
-/* Fills *r from one decoded line; on a problem writes it into why and returns false. */
-static bool row_from_json(json_t *obj, kiln_metrics_row *r, char *why, size_t why_n)
-{
-    if (!json_is_object(obj)) {
-        snprintf(why, why_n, "expected a JSON object");
-        return false;
-    }
-    json_t *step = json_object_get(obj, "step");
-    if (!json_is_integer(step)) {
-        snprintf(why, why_n, step ? "\"step\" must be an integer" : "no \"step\"");
-        return false;
-    }
-    r->step = (int64_t)json_integer_value(step);
-    r->extra = NULL;
-    for (size_t i = 0; i < NFIELDS; i++) {
-        json_t *v = json_object_get(obj, FIELDS[i].name);
-        if (!v || json_is_null(v)) {
-            *field_ptr(r, i) = NAN;
-        } else if (json_is_number(v)) {
-            *field_ptr(r, i) = json_number_value(v);
-        } else {
-            snprintf(why, why_n, "\"%s\" must be a number", FIELDS[i].name);
-            return false;
-        }
-    }
-    return true;
-}
+/* Called with each non-blank line of a metrics file, decoded (an object with an integer
+ * "step"); returns KILN_OK, KILN_ERR_FORMAT with the reason written into why, or
+ * KILN_ERR_OOM. */
+typedef kiln_status (*line_fn)(json_t *obj, int64_t step, void *ctx, char *why, size_t why_n);
 
-kiln_status kiln_metrics_read(const char *path, kiln_metrics_row **rows, size_t *n)
+/* Walks the lines of path; a malformed one gives KILN_ERR_FORMAT naming the file and the
+ * line number. who starts the other messages. */
+static kiln_status each_line(const char *path, const char *who, line_fn fn, void *ctx)
 {
-    if (!path || !rows || !n) return kiln_error(KILN_ERR_ARG, "metrics_read: path, rows and n must not be NULL");
-    *rows = NULL;
-    *n = 0;
     FILE *f = fopen(path, "r");
-    if (!f) return kiln_error(KILN_ERR_IO, "metrics_read: cannot open '%s': %s", path, strerror(errno));
-
-    kiln_metrics_row *out = NULL;
-    size_t count = 0, cap = 0, lineno = 0;
+    if (!f) return kiln_error(KILN_ERR_IO, "%s: cannot open '%s': %s", who, path, strerror(errno));
+    size_t lineno = 0;
     char *line = NULL;
     size_t line_cap = 0;
     ssize_t len;
     kiln_status st = KILN_OK;
     errno = 0;
-    while ((len = getline(&line, &line_cap, f)) >= 0) {
+    while (st == KILN_OK && (len = getline(&line, &line_cap, f)) >= 0) {
         lineno++;
         if (is_blank(line, (size_t)len)) continue;
         json_error_t jerr;
@@ -184,35 +158,70 @@ kiln_status kiln_metrics_read(const char *path, kiln_metrics_row **rows, size_t 
                             jerr.text);
             break;
         }
-        kiln_metrics_row *grown = kiln__grow(out, count, &cap, 256, sizeof *out);
-        if (!grown) {
-            json_decref(obj);
-            st = kiln_error(KILN_ERR_OOM, "metrics_read: out of memory at %s:%zu", path, lineno);
-            break;
-        }
-        out = grown;
-        char why[128];
-        bool ok = row_from_json(obj, &out[count], why, sizeof why);
+        char why[160];
+        json_t *step = json_object_get(obj, "step");
+        kiln_status got = KILN_ERR_FORMAT;
+        if (!json_is_object(obj))
+            snprintf(why, sizeof why, "expected a JSON object");
+        else if (!json_is_integer(step))
+            snprintf(why, sizeof why, step ? "\"step\" must be an integer" : "no \"step\"");
+        else
+            got = fn(obj, (int64_t)json_integer_value(step), ctx, why, sizeof why);
         json_decref(obj);
-        if (!ok) {
-            st = kiln_error(KILN_ERR_FORMAT, "%s:%zu: %s", path, lineno, why);
-            break;
-        }
-        count++;
+        if (got == KILN_ERR_OOM) st = kiln_error(KILN_ERR_OOM, "%s: out of memory at %s:%zu", who, path, lineno);
+        else if (got != KILN_OK) st = kiln_error(got, "%s:%zu: %s", path, lineno, why);
     }
     if (st == KILN_OK && ferror(f))
-        st = kiln_error(KILN_ERR_IO, "metrics_read: cannot read '%s': %s", path, strerror(errno ? errno : EIO));
+        st = kiln_error(KILN_ERR_IO, "%s: cannot read '%s': %s", who, path, strerror(errno ? errno : EIO));
     free(line);
     fclose(f);
-    if (st != KILN_OK) {
-        free(out);
-        return st;
+    return st;
+}
+
+typedef struct {
+    kiln_metrics_row *rows;
+    size_t n, cap;
+} row_list;
+
+/* A line as a row of the known fields. */
+static kiln_status row_from_json(json_t *obj, int64_t step, void *ctx, char *why, size_t why_n)
+{
+    row_list *l = ctx;
+    void *tmp;
+    if (!KILN__GROW(l->rows, l->n, &l->cap, 256, tmp)) return KILN_ERR_OOM;
+    kiln_metrics_row *r = &l->rows[l->n];
+    r->step = step;
+    r->extra = NULL;
+    for (size_t i = 0; i < NFIELDS; i++) {
+        json_t *v = json_object_get(obj, FIELDS[i].name);
+        if (!v || json_is_null(v)) {
+            *field_ptr(r, i) = NAN;
+        } else if (json_is_number(v)) {
+            *field_ptr(r, i) = json_number_value(v);
+        } else {
+            snprintf(why, why_n, "\"%s\" must be a number", FIELDS[i].name);
+            return KILN_ERR_FORMAT;
+        }
     }
-    *rows = out; /* NULL when there is no row: it grows with the first */
-    *n = count;
+    l->n++;
     return KILN_OK;
 }
 
+kiln_status kiln_metrics_read(const char *path, kiln_metrics_row **rows, size_t *n)
+{
+    if (!path || !rows || !n) return kiln_error(KILN_ERR_ARG, "metrics_read: path, rows and n must not be NULL");
+    *rows = NULL;
+    *n = 0;
+    row_list l = {0};
+    kiln_status st = each_line(path, "metrics_read", row_from_json, &l);
+    if (st != KILN_OK) {
+        free(l.rows);
+        return st;
+    }
+    *rows = l.rows; /* NULL when there is no row: it grows with the first */
+    *n = l.n;
+    return KILN_OK;
+}
 
 /* ---- the charts ---- */
 
@@ -244,5 +253,127 @@ kiln_status kiln_metrics_plot_svg(const kiln_metrics_row *rows, size_t n, const 
     };
     kiln_status st = kiln__chart_write_svg(&c, svg_path, "metrics_plot_svg");
     free(x);
+    return st;
+}
+
+/* The router chart's data as read: the steps of the lines with a "moe" member, and one
+ * point per MoE block named in each of those lines. */
+typedef struct {
+    size_t row;    /* into steps */
+    int64_t block; /* the block index, from "layers" */
+    double v;      /* its max_over_mean; NaN for null */
+} router_point;
+
+typedef struct {
+    double *steps;
+    size_t n, cap;
+    router_point *pts;
+    size_t npts, pcap;
+} router_data;
+
+/* A line's "moe" member, if it has one (kiln train's moe_stats_json writes it). */
+static kiln_status router_from_json(json_t *obj, int64_t step, void *ctx, char *why, size_t why_n)
+{
+    router_data *d = ctx;
+    json_t *moe = json_object_get(obj, "moe");
+    if (!moe || json_is_null(moe)) return KILN_OK; /* a line without router statistics */
+    json_t *layers = json_object_get(moe, "layers"), *ratio = json_object_get(moe, "max_over_mean");
+    if (!json_is_object(moe)) {
+        snprintf(why, why_n, "\"moe\" must be an object");
+        return KILN_ERR_FORMAT;
+    }
+    if (!json_is_array(layers) || !json_is_array(ratio) || json_array_size(layers) != json_array_size(ratio)) {
+        snprintf(why, why_n, "\"moe\" must have arrays \"layers\" and \"max_over_mean\" of the same length");
+        return KILN_ERR_FORMAT;
+    }
+    void *tmp;
+    if (!KILN__GROW(d->steps, d->n, &d->cap, 256, tmp)) return KILN_ERR_OOM;
+    for (size_t j = 0; j < json_array_size(layers); j++) {
+        json_t *l = json_array_get(layers, j), *v = json_array_get(ratio, j);
+        if (!json_is_integer(l) || json_integer_value(l) < 0) {
+            snprintf(why, why_n, "\"moe\".\"layers\"[%zu] must be a block index (an integer >= 0)", j);
+            return KILN_ERR_FORMAT;
+        }
+        if (!json_is_number(v) && !json_is_null(v)) {
+            snprintf(why, why_n, "\"moe\".\"max_over_mean\"[%zu] must be a number", j);
+            return KILN_ERR_FORMAT;
+        }
+        if (!KILN__GROW(d->pts, d->npts, &d->pcap, 1024, tmp)) return KILN_ERR_OOM;
+        d->pts[d->npts++] = (router_point){d->n, (int64_t)json_integer_value(l), v ? json_number_value(v) : NAN};
+    }
+    d->steps[d->n++] = (double)step;
+    return KILN_OK;
+}
+
+static int cmp_i64(const void *a, const void *b)
+{
+    int64_t x = *(const int64_t *)a, y = *(const int64_t *)b;
+    return (x > y) - (x < y);
+}
+
+/* One curve per block named anywhere in d, in block order, NaN where a line does not
+ * name it; drawn to svg_path. */
+static kiln_status draw_router(const router_data *d, const char *title, const char *svg_path, int *n_blocks)
+{
+    const char *who = "metrics_plot_router_svg";
+    int64_t *blocks = malloc(sizeof *blocks * (d->npts + 1));
+    if (!blocks) return kiln_error(KILN_ERR_OOM, "%s: out of memory", who);
+    for (size_t i = 0; i < d->npts; i++) blocks[i] = d->pts[i].block;
+    qsort(blocks, d->npts, sizeof *blocks, cmp_i64);
+    size_t nb = 0;
+    for (size_t i = 0; i < d->npts; i++)
+        if (nb == 0 || blocks[nb - 1] != blocks[i]) blocks[nb++] = blocks[i];
+
+    typedef char label[2][32]; /* the legend's name and the polyline's class */
+    double *y = malloc(sizeof *y * (nb * d->n + 1));
+    kiln__chart_series *series = malloc(sizeof *series * (nb + 1));
+    label *names = malloc(sizeof *names * (nb + 1));
+    kiln_status st = KILN_OK;
+    if (!y || !series || !names) {
+        st = kiln_error(KILN_ERR_OOM, "%s: out of memory", who);
+        goto done;
+    }
+    for (size_t i = 0; i < nb * d->n; i++) y[i] = NAN;
+    for (size_t i = 0; i < d->npts; i++) {
+        const int64_t *b = bsearch(&d->pts[i].block, blocks, nb, sizeof *blocks, cmp_i64);
+        y[(size_t)(b - blocks) * d->n + d->pts[i].row] = d->pts[i].v;
+    }
+    for (size_t b = 0; b < nb; b++) {
+        snprintf(names[b][0], sizeof names[b][0], "block %lld", (long long)blocks[b]);
+        snprintf(names[b][1], sizeof names[b][1], "block_%lld", (long long)blocks[b]);
+        series[b] = (kiln__chart_series){.name = names[b][0], .cls = names[b][1], .width = 1.8, .y = y + b * d->n};
+    }
+    kiln__chart c = {
+        .title = title ? title : "router balance",
+        .ylabel = "max load / mean",
+        .n = d->n,
+        .x = d->steps,
+        .series = series,
+        .ns = (int)nb,
+        .baseline = 1,
+        .baseline_label = "balanced",
+    };
+    st = kiln__chart_write_svg(&c, svg_path, who);
+    if (st == KILN_OK && n_blocks) *n_blocks = (int)nb;
+done:
+    KILN__FREE(blocks, y, series, names);
+    return st;
+}
+
+kiln_status kiln_metrics_plot_router_svg(const char *metrics_path, const char *title, const char *svg_path,
+                                         int *n_blocks)
+{
+    if (n_blocks) *n_blocks = 0;
+    if (!metrics_path || !svg_path)
+        return kiln_error(KILN_ERR_ARG, "metrics_plot_router_svg: metrics_path and svg_path must not be NULL");
+    router_data d = {0};
+    kiln_status st = each_line(metrics_path, "metrics_plot_router_svg", router_from_json, &d);
+    if (st == KILN_OK && d.npts == 0)
+        st = kiln_error(KILN_ERR_UNSUPPORTED,
+                        "metrics_plot_router_svg: '%s' has no \"moe\" members with blocks: not a mixture-of-experts "
+                        "run, so there are no router statistics to draw",
+                        metrics_path);
+    if (st == KILN_OK) st = draw_router(&d, title, svg_path, n_blocks);
+    KILN__FREE(d.steps, d.pts);
     return st;
 }
