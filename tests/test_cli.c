@@ -232,6 +232,35 @@ static void info_and_plot_work_on_the_run(void **state)
     assert_non_null(strstr(out, "loss.svg"));
 }
 
+/* A mixture-of-experts run: kiln train draws router.svg beside loss.svg (at each
+ * validation), and kiln plot redraws it with a curve for the one MoE block; kiln plot
+ * of a dense run (dir/a) writes no router chart and does not mention one. */
+static void plot_draws_the_router_chart_of_an_moe_run(void **state)
+{
+    char out[8192], svg[512];
+    int rc = run(out, sizeof out,
+                 "%s train --data %s --out %s/moe --model llama --experts 4 --top-k 2 --dense-layers 1 --steps 4 "
+                 "--eval-every 2 --quiet " TINY,
+                 tool(), corpus, dir);
+    if (rc != 0) fail_msg("MoE training failed: %s", out);
+    snprintf(svg, sizeof svg, "%s/moe/router.svg", dir);
+    assert_int_equal(access(svg, F_OK), 0);
+    assert_int_equal(unlink(svg), 0);
+    rc = run(out, sizeof out, "%s plot %s/moe", tool(), dir);
+    if (rc != 0) fail_msg("kiln plot of the MoE run failed: %s", out);
+    assert_non_null(strstr(out, "loss.svg"));
+    assert_non_null(strstr(out, "router.svg (1 MoE block)"));
+    static char text[65536];
+    assert_true(test_read_text(svg, text, sizeof text));
+    assert_non_null(strstr(text, "<polyline class=\"block_1\""));
+    assert_non_null(strstr(text, "<line class=\"baseline\""));
+    rc = run(out, sizeof out, "%s plot %s/a", tool(), dir);
+    if (rc != 0) fail_msg("kiln plot of the dense run failed: %s", out);
+    assert_null(strstr(out, "router"));
+    snprintf(svg, sizeof svg, "%s/a/router.svg", dir);
+    assert_int_equal(access(svg, F_OK), -1);
+}
+
 /* kiln compile --dump: the training step's graph written out, its loss equal to eager
  * (the command itself compares the two and fails if they differ). */
 /* Oracle: the eager run of the first test. The same run with every step compiled into
@@ -512,6 +541,7 @@ int main(void)
         cmocka_unit_test(resume_survives_a_save_cut_between_its_files),
         cmocka_unit_test(sample_continues_the_prompt),
         cmocka_unit_test(info_and_plot_work_on_the_run),
+        cmocka_unit_test(plot_draws_the_router_chart_of_an_moe_run),
         cmocka_unit_test(train_compile_matches_eager),
         cmocka_unit_test(compile_dumps_the_training_step),
         cmocka_unit_test(two_processes_compile_into_one_cache),

@@ -1,4 +1,4 @@
-/* Metrics files (JSON lines) and the SVG loss chart. */
+/* Metrics files (JSON lines), the SVG loss chart and the MoE router chart. */
 #include <dirent.h>
 #include <math.h>
 #include <setjmp.h>
@@ -460,6 +460,143 @@ static void test_svg_to_unwritable_path_is_io_error(void **state)
     assert_int_equal(kiln_metrics_plot_svg(&r, 1, "x", NAN, NULL, path_in("no/such/dir/x.svg")), KILN_ERR_IO);
 }
 
+/* ---- the router chart ---- */
+
+/* Six steps of a model with MoE blocks 1 and 2, E = 8 experts, top-2: block 1 collapses
+ * (its max_over_mean climbs to E / k = 4, one expert taking every choice) while block 2
+ * stays near balance, and their mean (at most 2.55) would hide it. One line (step 3) has
+ * no router statistics. */
+static const char *const COLLAPSE =
+    "{\"step\":1,\"loss\":5.5,\"moe\":{\"layers\":[1,2],\"load\":[[64,64,64,64,64,64,64,64],[64,64,64,64,64,64,64,64]],"
+    "\"bias\":[[0,0,0,0,0,0,0,0],[0,0,0,0,0,0,0,0]],\"max_over_mean\":[1,1],\"dropped\":0}}\n"
+    "{\"step\":2,\"loss\":5.1,\"moe\":{\"layers\":[1,2],\"max_over_mean\":[1.6,1.12],\"dropped\":0}}\n"
+    "{\"step\":3,\"loss\":4.9}\n"
+    "\n"
+    "{\"step\":4,\"loss\":4.7,\"moe\":{\"layers\":[1,2],\"max_over_mean\":[2.68,1.3],\"dropped\":0}}\n"
+    "{\"step\":5,\"loss\":4.6,\"moe\":{\"layers\":[1,2],\"max_over_mean\":[3.5,1.2],\"dropped\":0}}\n"
+    "{\"step\":6,\"loss\":4.6,\"moe\":{\"layers\":[1,2],\"max_over_mean\":[3.9,1.15],\"dropped\":0}}\n"
+    "{\"step\":7,\"loss\":4.5,\"moe\":{\"layers\":[1,2],\"load\":[[0,0,0,512,0,0,0,0],[70,60,64,64,58,66,60,70]],"
+    "\"max_over_mean\":[4,1.1],\"dropped\":0}}\n";
+
+/* Where the router chart of metrics file m goes: path_in's buffer holds one path at a
+ * time. */
+static const char *svg_for(const char *m)
+{
+    static char p[600];
+    snprintf(p, sizeof p, "%s.svg", m);
+    return p;
+}
+
+/* The y coordinate of the last point of the polyline with the given class. */
+static double last_point_y(const char *svg, const char *cls)
+{
+    char key[64];
+    snprintf(key, sizeof key, "<polyline class=\"%s\"", cls);
+    const char *p = strstr(svg, key);
+    assert_non_null(p);
+    const char *end = strstr(p, "\"/>");
+    assert_non_null(end);
+    const char *comma = end;
+    while (*comma != ',') comma--;
+    return strtod(comma + 1, NULL);
+}
+
+static void test_router_chart_has_a_curve_per_block_and_the_balanced_line(void **state)
+{
+    const char *m = path_in("moe.jsonl"), *svg_path = svg_for(m);
+    spit(m, COLLAPSE);
+    int blocks = -1;
+    assert_int_equal(kiln_metrics_plot_router_svg(m, "router", svg_path, &blocks), KILN_OK);
+    assert_int_equal(blocks, 2);
+    char *svg = slurp(svg_path);
+    assert_int_equal(strncmp(svg, "<svg", 4), 0);
+    assert_true(xml_balanced(svg));
+    assert_int_equal(count_of(svg, "<polyline"), 2);
+    assert_int_equal(polyline_points(svg, "block_1"), 6); /* the step without "moe" is skipped */
+    assert_int_equal(polyline_points(svg, "block_2"), 6);
+    const char *legend = strstr(svg, "<g class=\"legend\"");
+    assert_non_null(legend);
+    assert_non_null(strstr(legend, ">block 1<"));
+    assert_non_null(strstr(legend, ">block 2<"));
+    assert_non_null(strstr(legend, ">balanced<"));
+    const char *line = strstr(svg, "<line class=\"baseline\"");
+    assert_non_null(line);
+    assert_non_null(strstr(line, "stroke-dasharray"));
+    assert_non_null(strstr(svg, "balanced (1)"));
+    assert_non_null(strstr(svg, ">max load / mean</text>"));
+    assert_non_null(strstr(svg, ">4.0</text>")); /* the axis reaches E / k */
+    /* The collapsed block ends high on the chart (small y), the balanced one low. */
+    assert_true(last_point_y(svg, "block_1") + 200 < last_point_y(svg, "block_2"));
+    free(svg);
+}
+
+static void test_router_chart_reads_what_the_writer_wrote(void **state)
+{
+    kiln_metrics_row r[3] = {row(1, 5.0, NAN), row(2, 4.0, NAN), row(3, 3.5, 3.6)};
+    r[0].extra = "{\"moe\":{\"layers\":[2,5,9],\"max_over_mean\":[1.2,1.5,1.1],\"dropped\":0}}";
+    r[1].extra = "{\"moe\":{\"layers\":[2,5,9],\"max_over_mean\":[1.1,2.5,1.05],\"dropped\":0}}";
+    r[2].extra = "{\"moe\":{\"layers\":[2,5,9],\"max_over_mean\":[1.0,3.5,1.0],\"dropped\":0}}";
+    const char *m = path_in("w.jsonl"), *svg_path = svg_for(m);
+    write_rows(m, false, r, 3);
+    int blocks = -1;
+    assert_int_equal(kiln_metrics_plot_router_svg(m, NULL, svg_path, &blocks), KILN_OK);
+    assert_int_equal(blocks, 3);
+    char *svg = slurp(svg_path);
+    assert_int_equal(count_of(svg, "<polyline"), 3);
+    assert_int_equal(polyline_points(svg, "block_2"), 3);
+    assert_int_equal(polyline_points(svg, "block_5"), 3);
+    assert_int_equal(polyline_points(svg, "block_9"), 3);
+    assert_non_null(strstr(svg, ">block 9<"));
+    assert_non_null(strstr(svg, ">router balance</text>")); /* the title when none is given */
+    free(svg);
+}
+
+static void test_router_chart_of_a_dense_run_is_unsupported(void **state)
+{
+    const char *m = path_in("dense.jsonl"), *svg = svg_for(m);
+    kiln_metrics_row *r = fake_run(20);
+    write_rows(m, false, r, 20);
+    free(r);
+    int blocks = -1;
+    assert_int_equal(kiln_metrics_plot_router_svg(m, NULL, svg, &blocks), KILN_ERR_UNSUPPORTED);
+    assert_int_equal(blocks, 0);
+    assert_non_null(strstr(kiln_last_error(), "dense.jsonl"));
+    assert_non_null(strstr(kiln_last_error(), "no \"moe\" members"));
+    assert_int_equal(access(svg, F_OK), -1); /* nothing written */
+}
+
+static void test_router_chart_with_a_malformed_moe_member_names_the_line(void **state)
+{
+    static const char *const bad[][2] = {
+        {"{\"step\":2,\"moe\":[1,2]}", "\"moe\" must be an object"},
+        {"{\"step\":2,\"moe\":{\"layers\":[1,2],\"max_over_mean\":[1.5]}}", "of the same length"},
+        {"{\"step\":2,\"moe\":{\"max_over_mean\":[1.5]}}", "of the same length"},
+        {"{\"step\":2,\"moe\":{\"layers\":[1,\"2\"],\"max_over_mean\":[1.5,1]}}", "\"layers\"[1] must be a block"},
+        {"{\"step\":2,\"moe\":{\"layers\":[-1],\"max_over_mean\":[1.5]}}", "\"layers\"[0] must be a block"},
+        {"{\"step\":2,\"moe\":{\"layers\":[1,2],\"max_over_mean\":[1.5,\"x\"]}}",
+         "\"max_over_mean\"[1] must be a number"},
+        {"{\"moe\":{\"layers\":[1],\"max_over_mean\":[1.5]}}", "no \"step\""},
+    };
+    const char *p = path_in("badmoe.jsonl"), *svg = svg_for(p);
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        char text[512], want[600];
+        snprintf(text, sizeof text, "{\"step\":1,\"moe\":{\"layers\":[1,2],\"max_over_mean\":[1,1]}}\n%s\n", bad[i][0]);
+        spit(p, text);
+        assert_int_equal(kiln_metrics_plot_router_svg(p, NULL, svg, NULL), KILN_ERR_FORMAT);
+        snprintf(want, sizeof want, "%s:2: ", p);
+        if (!strstr(kiln_last_error(), want) || !strstr(kiln_last_error(), bad[i][1]))
+            fail_msg("case %zu: got \"%s\", want \"%s\" and \"%s\"", i, kiln_last_error(), want, bad[i][1]);
+    }
+    assert_int_equal(access(svg, F_OK), -1);
+}
+
+static void test_router_chart_of_a_missing_file_is_io_error(void **state)
+{
+    const char *m = path_in("none.jsonl");
+    assert_int_equal(kiln_metrics_plot_router_svg(m, NULL, svg_for(m), NULL), KILN_ERR_IO);
+    assert_non_null(strstr(kiln_last_error(), "none.jsonl"));
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -486,6 +623,11 @@ int main(void)
         cmocka_unit_test(test_svg_skips_nonfinite_losses),
         cmocka_unit_test(test_svg_write_leaves_no_temporary_file),
         cmocka_unit_test(test_svg_to_unwritable_path_is_io_error),
+        cmocka_unit_test(test_router_chart_has_a_curve_per_block_and_the_balanced_line),
+        cmocka_unit_test(test_router_chart_reads_what_the_writer_wrote),
+        cmocka_unit_test(test_router_chart_of_a_dense_run_is_unsupported),
+        cmocka_unit_test(test_router_chart_with_a_malformed_moe_member_names_the_line),
+        cmocka_unit_test(test_router_chart_of_a_missing_file_is_io_error),
     };
     return cmocka_run_group_tests(tests, make_dir, remove_dir);
 }

@@ -50,6 +50,7 @@ kiln_status cli_save_model(const char *dir, struct kiln_gpt *m, const char *tok_
 #define RUN_STATE_PREV "train_state.prev.safetensors"
 #define RUN_METRICS "metrics.jsonl"
 #define RUN_CHART "loss.svg"
+#define RUN_ROUTER_CHART "router.svg" /* a mixture-of-experts run's */
 #define RUN_TOKENIZER "tokenizer.json"
 #define RUN_INFO "run.json"
 

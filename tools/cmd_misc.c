@@ -149,13 +149,19 @@ int cmd_plot(int argc, char **argv)
     const cli_opt opts[] = {{NULL, 0, NULL, NULL}};
     const char *pos[1];
     int np = 0;
-    int r = cli_parse("plot", "RUN_DIR", opts, argc, argv, pos, 1, &np);
+    int r = cli_parse("plot",
+                      "RUN_DIR\n\nRedraws RUN_DIR/" RUN_CHART " (train and val loss against step) from RUN_DIR/"
+                      RUN_METRICS ", and, for a mixture-of-experts run (its lines carry \"moe\" members), RUN_DIR/"
+                      RUN_ROUTER_CHART ": per MoE block, the busiest expert's load over the mean load against step "
+                      "(1 is balanced; a block whose curve climbs towards experts / top-k is collapsing).",
+                      opts, argc, argv, pos, 1, &np);
     if (r) return r == 1 ? 0 : 2;
     if (np != 1) return cli_fail("plot", "give the run folder (see kiln plot --help)");
-    char mpath[4096], spath[4096], ipath[4096];
+    char mpath[4096], spath[4096], ipath[4096], rpath[4096];
     snprintf(mpath, sizeof mpath, "%s/%s", pos[0], RUN_METRICS);
     snprintf(spath, sizeof spath, "%s/%s", pos[0], RUN_CHART);
     snprintf(ipath, sizeof ipath, "%s/%s", pos[0], RUN_INFO);
+    snprintf(rpath, sizeof rpath, "%s/%s", pos[0], RUN_ROUTER_CHART);
     double baseline = NAN;
     json_t *info = json_load_file(ipath, 0, NULL);
     if (info && json_is_number(json_object_get(info, "unigram_entropy")))
@@ -168,5 +174,9 @@ int cmd_plot(int argc, char **argv)
         return cli_fail("plot", NULL);
     printf("wrote %s (%zu steps)\n", spath, n);
     free(rows);
+    int blocks;
+    kiln_status s = kiln_metrics_plot_router_svg(mpath, "kiln train: router balance", rpath, &blocks);
+    if (s == KILN_OK) printf("wrote %s (%d MoE block%s)\n", rpath, blocks, blocks == 1 ? "" : "s");
+    else if (s != KILN_ERR_UNSUPPORTED) return cli_fail("plot", NULL); /* UNSUPPORTED: a dense run, no router */
     return 0;
 }

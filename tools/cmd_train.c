@@ -391,7 +391,7 @@ typedef struct {
     kiln_pg_t *pg;
     int rank, world;
     int64_t rank_batch;                  /* sequences per micro-batch on this rank */
-    char *tok_path, *metrics_path, *chart_path;
+    char *tok_path, *metrics_path, *chart_path, *router_path; /* router_path: an MoE model's chart */
     kiln_tokenizer_t *tok;
     const char *tok_kind;
     int vocab;
@@ -662,6 +662,7 @@ static int load_checkpoint(train_run *r)
     if (r->rank == 0) write_run_info(a->out, r->unigram, r->tok_kind, &r->cfg, a);
     r->metrics_path = join(a->out, RUN_METRICS);
     r->chart_path = join(a->out, RUN_CHART);
+    r->router_path = join(a->out, RUN_ROUTER_CHART);
     if (r->rank == 0 && a->resume && keep_metrics_upto(r->metrics_path, r->start) != KILN_OK)
         return cli_fail("train", NULL);
     if (r->rank == 0 && kiln_metrics_open(r->metrics_path, a->resume, &r->metrics) != KILN_OK)
@@ -913,8 +914,11 @@ static kiln_status save(train_run *r, int64_t step)
     return s;
 }
 
-/* The loss chart redrawn from the metrics file (closed for the read, reopened unless
- * the run is over). */
+static bool is_moe(const train_run *r) { return kiln_gpt_get_config(r->m)->n_routed_experts > 0; }
+
+/* The loss chart, and an MoE model's router chart, redrawn from the metrics file
+ * (closed for the read, reopened unless the run is over). A chart that cannot be drawn
+ * does not stop the run. */
 static kiln_status redraw_chart(train_run *r, bool last)
 {
     kiln_metrics_close(r->metrics);
@@ -925,6 +929,7 @@ static kiln_status redraw_chart(train_run *r, bool last)
         kiln_metrics_plot_svg(rows, nrows, "kiln train: loss", r->unigram, "unigram baseline", r->chart_path);
         free(rows);
     }
+    if (is_moe(r)) kiln_metrics_plot_router_svg(r->metrics_path, "kiln train: router balance", r->router_path, NULL);
     return last ? KILN_OK : kiln_metrics_open(r->metrics_path, true, &r->metrics);
 }
 
@@ -1001,9 +1006,10 @@ static int report(train_run *r)
     train_args *a = &r->a;
     bool ran = !a->quiet && r->rank == 0 && r->start < a->steps;
     if (ran)
-        printf("done: %lld steps in %.1f s; final val loss %.4f vs unigram baseline %.4f; checkpoint %s/%s, chart %s\n",
+        printf("done: %lld steps in %.1f s; final val loss %.4f vs unigram baseline %.4f; checkpoint %s/%s, "
+               "chart %s%s%s\n",
                (long long)(a->steps - r->start), kiln__now_s() - r->t_begin, r->val, r->unigram, a->out, RUN_MODEL,
-               r->chart_path);
+               r->chart_path, is_moe(r) ? ", router chart " : "", is_moe(r) ? r->router_path : "");
     if (r->world > 1 && r->whole && ran)
         printf("gradient reduction: inside the compiled training step, in buckets of up to KILN_COMPILE_BUCKET_MB "
                "(default 4 MiB; KILN_COMPILE_DISABLE=coalesce: one tensor at a time), each overlapped with the rest of "
@@ -1025,6 +1031,7 @@ static int report(train_run *r)
     kiln_pg_free(r->pg);
     free(r->metrics_path);
     free(r->chart_path);
+    free(r->router_path);
     free(r->tok_path);
     return 0;
 }

@@ -19,7 +19,7 @@ static const struct {
     {"import", cmd_import, "a Hugging Face model folder into a kiln run folder (import hf HF_DIR RUN_DIR)"},
     {"export", cmd_export, "a kiln model as a Hugging Face folder or a GGUF file (export hf|gguf RUN_DIR OUT)"},
     {"info", cmd_info, "describe a checkpoint"},
-    {"plot", cmd_plot, "redraw a run's loss chart from its metrics"},
+    {"plot", cmd_plot, "redraw a run's loss chart (and an MoE run's router chart) from its metrics"},
     {"ext", cmd_ext, "custom ops: the extension languages, building sources into a module, loading it"},
     {"doctor", cmd_doctor, "check every layer kiln stands on: OK, WARN or FAIL rows with fixes (--json; exit 1 on a FAIL)"},
 };

@@ -1,4 +1,4 @@
-/* kiln/metrics.h — training metrics as JSON lines, and the loss chart.
+/* kiln/metrics.h — training metrics as JSON lines, and the loss and router charts.
  *
  * A worked example:
  *
@@ -19,6 +19,11 @@
  *                                           "unigram entropy", "run/loss.svg");
  *     free(rows);
  *     if (s != KILN_OK) return die();       // die() prints kiln_last_error()
+ *
+ *     // A mixture-of-experts run's lines also carry {"moe":{...}}: its router chart.
+ *     int blocks;
+ *     s = kiln_metrics_plot_router_svg("run/metrics.jsonl", NULL, "run/router.svg", &blocks);
+ *     if (s != KILN_OK && s != KILN_ERR_UNSUPPORTED) return die(); // UNSUPPORTED: a dense run
  *
  * Each line of a metrics file is one JSON object:
  *     {"step":10,"loss":2.31,"val_loss":2.4,"lr":0.0006,"tokens_per_s":5120.5,
@@ -84,6 +89,23 @@ kiln_status kiln_metrics_read(const char *path, kiln_metrics_row **rows, size_t 
  * svg_path, so a reader never sees half a chart. */
 kiln_status kiln_metrics_plot_svg(const kiln_metrics_row *rows, size_t n, const char *title, double baseline,
                                   const char *baseline_label, const char *svg_path);
+
+/* Reads the "moe" members of the metrics file at metrics_path (a mixture-of-experts
+ * run's router statistics, written by kiln train: docs/model.md) and draws the router
+ * chart: per MoE block, one curve of max_over_mean (the busiest expert's load over the
+ * mean load: 1 is balanced, E / k means one expert takes every choice) against step,
+ * named "block L" for block index L, with a dashed line at 1 ("balanced"), so a collapse
+ * in one block shows even where the average over blocks hides it. title may be NULL
+ * ("router balance"). Written like kiln_metrics_plot_svg (a temporary file renamed over
+ * svg_path). Lines without "moe" are skipped. On success *n_blocks (may be NULL) is the
+ * number of curves.
+ * Errors: KILN_ERR_UNSUPPORTED, naming the file, when no line has a "moe" member with
+ * blocks (a dense model's run: a caller drawing whatever a run has can test for it and
+ * skip the chart); KILN_ERR_FORMAT naming the file and line for a malformed line or a
+ * "moe" member without arrays "layers" (integers >= 0) and "max_over_mean" (numbers or
+ * null) of one length; KILN_ERR_IO when the file cannot be read or the chart written. */
+kiln_status kiln_metrics_plot_router_svg(const char *metrics_path, const char *title, const char *svg_path,
+                                         int *n_blocks);
 
 #ifdef __cplusplus
 }
