@@ -51,7 +51,7 @@ static kiln_gpt_config golden_config(const kiln_safetensors_t *f)
                                        "ffn_hidden", "norm", "pos", "mlp", "bias", "tied", "norm_eps", "rope_theta",
                                        "n_routed_experts", "n_shared_experts", "moe_top_k", "moe_ffn", "moe_router",
                                        "moe_norm_topk", "moe_scale", "n_dense_layers", "moe_bias_speed",
-                                       "moe_balance_loss", "moe_n_group", "moe_topk_group", NULL};
+                                       "moe_balance_loss", "moe_n_group", "moe_topk_group", "moe_capacity", NULL};
     json_t *m = json_object();
     for (int i = 0; model_keys[i]; i++) {
         json_t *v = json_object_get(o, model_keys[i]);
@@ -220,7 +220,7 @@ static void check_golden(const char *file, bool compiled)
         kiln_scope_end();
         for (int i = 0, j = 0; ref_bias && i < cfg.n_layer; i++) {
             float bias[64], want[64];
-            if (!kiln_gpt_moe_stats(m, i, NULL, bias)) continue;
+            if (!kiln_gpt_moe_stats(m, i, NULL, bias, NULL)) continue;
             kiln_scope_begin();
             kiln_tensor_t *row = kiln_contiguous(kiln_narrow(kiln_narrow(ref_bias, 0, k, 1), 1, j++, 1));
             assert_int_equal(kiln_tensor_to_host(row, want, sizeof(float) * (size_t)cfg.n_routed_experts), KILN_OK);
@@ -381,7 +381,8 @@ static void llama_style_matches_pytorch(void **state) { check_golden("golden_lla
 static void gpt2_style_compiled_matches_pytorch(void **state) { check_golden("golden_gpt2.safetensors", true); }
 static void llama_style_compiled_matches_pytorch(void **state) { check_golden("golden_llama.safetensors", true); }
 /* Mixture of experts (tests/reference/moe_ref.py, PyTorch 2.15: a loop over experts):
- * a softmax router with the balance loss, and a sigmoid router with top-3, a shared
+ * a softmax router with the balance loss and a capacity of 1 (experts past 8 of the 64
+ * rows drop the rest), and a sigmoid router with top-3, a shared
  * expert, a scale and group-limited routing (4 groups of 2, the best 2 kept), each with
  * a dense first block and the balancing bias moving. */
 static void moe_softmax_matches_pytorch(void **state) { check_golden("golden_moe_softmax.safetensors", false); }

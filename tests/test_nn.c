@@ -128,6 +128,7 @@ static void moe_configs_and_parameters(void **state)
         {"{\"n_routed_experts\": 4, \"mlp\": \"swiglu\", \"moe_balance_loss\": -0.5}", "moe_balance_loss = -0.5"},
         {"{\"n_routed_experts\": 4, \"mlp\": \"swiglu\", \"n_shared_experts\": -2}", "n_shared_experts = -2"},
         {"{\"moe_router\": \"relu\"}", "unknown moe_router 'relu'"},
+        {"{\"n_routed_experts\": 6, \"mlp\": \"swiglu\", \"moe_capacity\": -1}", "moe_capacity = -1"},
         {"{\"n_routed_experts\": 6, \"mlp\": \"swiglu\", \"moe_n_group\": 4}", "moe_n_group = 4 must divide"},
         {"{\"n_routed_experts\": 6, \"mlp\": \"swiglu\", \"moe_n_group\": 3, \"moe_topk_group\": 1, \"moe_top_k\": 3}",
          "moe_topk_group = 1 must be in 1..moe_n_group = 3, with moe_top_k = 3"},
@@ -160,8 +161,8 @@ static void moe_configs_and_parameters(void **state)
     assert_null(kiln_gpt_find_param(m, "blocks.1.mlp.gate.weight"));
     assert_false(kiln_tensor_requires_grad(kiln_gpt_find_param(m, "blocks.1.mlp.router.bias")));
     float load[6], bias[6];
-    assert_false(kiln_gpt_moe_stats(m, 0, load, bias));
-    assert_true(kiln_gpt_moe_stats(m, 1, load, bias));
+    assert_false(kiln_gpt_moe_stats(m, 0, load, bias, NULL));
+    assert_true(kiln_gpt_moe_stats(m, 1, load, bias, NULL));
     for (int e = 0; e < 6; e++) assert_true(load[e] == 0 && bias[e] == 0);
     /* a training forward counts the rows, the update moves the bias against the load */
     kiln_scope_begin();
@@ -169,7 +170,7 @@ static void moe_configs_and_parameters(void **state)
     assert_non_null(kiln_gpt_forward(m, ids(2, 8, c.vocab_size, 1), ids(2, 8, c.vocab_size, 2), true, &loss));
     assert_int_equal(kiln_gpt_moe_update(m, NULL), KILN_OK);
     kiln_scope_end();
-    assert_true(kiln_gpt_moe_stats(m, 1, load, bias));
+    assert_true(kiln_gpt_moe_stats(m, 1, load, bias, NULL));
     double rows = 0;
     for (int e = 0; e < 6; e++) {
         rows += load[e];
@@ -177,6 +178,21 @@ static void moe_configs_and_parameters(void **state)
         assert_true(fabs(bias[e] - step) < 1e-9);
     }
     assert_true(rows == 2 * 8 * 3); /* every token's 3 choices */
+    kiln_gpt_free(m);
+    /* a capacity of 0.5: an expert keeps ceil(0.5 * 48 / 6) = 4 rows; the rows dropped are
+     * those past 4 in each expert's load */
+    c.moe_capacity = 0.5, c.moe_bias_speed = 0;
+    assert_int_equal(kiln_gpt_new(&c, 3, &m), KILN_OK);
+    kiln_scope_begin();
+    assert_non_null(kiln_gpt_forward(m, ids(2, 8, c.vocab_size, 1), ids(2, 8, c.vocab_size, 2), true, &loss));
+    assert_int_equal(kiln_gpt_moe_update(m, NULL), KILN_OK);
+    kiln_scope_end();
+    double dropped = -1, want_dropped = 0;
+    assert_true(kiln_gpt_moe_stats(m, 1, load, bias, &dropped));
+    for (int e = 0; e < 6; e++) want_dropped += load[e] > 4 ? load[e] - 4 : 0;
+    assert_true(want_dropped > 0); /* the capacity bites here */
+    assert_true(dropped == want_dropped);
+    for (int e = 0; e < 6; e++) assert_true(bias[e] == 0); /* frozen */
     kiln_gpt_free(m);
 }
 

@@ -27,9 +27,9 @@ typedef struct {
     const char *data, *out, *config, *model, *tokenizer, *optimizer, *device, *precision, *init, *attention;
     int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
     int64_t save_every, log_every, seed, threads;
-    int64_t experts, shared_experts, top_k, expert_ffn, dense_layers; /* the mixture of experts */
+    int64_t experts, shared_experts, top_k, expert_ffn, dense_layers, groups, top_groups; /* mixture of experts */
     const char *router;
-    double bias_speed, balance_loss;
+    double bias_speed, balance_loss, capacity;
     double lr, min_lr, wd, clip, dropout, val_fraction, momentum, loss_scale;
     kiln_dtype prec; /* --precision, parsed */
     bool resume, quiet, zero1, compile;
@@ -81,6 +81,9 @@ static kiln_status model_config(const train_args *a, int vocab, int eot, kiln_gp
     c->n_dense_layers = (int)a->dense_layers;
     c->moe_bias_speed = a->bias_speed;
     c->moe_balance_loss = a->balance_loss;
+    c->moe_capacity = a->capacity;
+    c->moe_n_group = (int)a->groups;
+    c->moe_topk_group = (int)a->top_groups;
     if (!strcmp(a->router, "softmax")) c->moe_router = KILN_ROUTER_SOFTMAX;
     else if (!strcmp(a->router, "sigmoid")) c->moe_router = KILN_ROUTER_SIGMOID;
     else return kiln_error(KILN_ERR_ARG, "--router must be softmax or sigmoid, not '%s'", a->router);
@@ -428,7 +431,7 @@ static int parse_options(train_run *r)
     *a = (train_args){
         .data = default_data(), .out = "runs/default", .config = NULL, .model = "gpt2", .tokenizer = "byte",
         .optimizer = "adamw", .layers = 4, .heads = 4, .kv_heads = 0, .width = 256, .context = 128, .ffn = 0,
-        .top_k = 2, .router = "softmax", .bias_speed = 0.001,
+        .top_k = 2, .router = "softmax", .bias_speed = 0.001, .groups = 1, .top_groups = 1,
         .batch = 16, .steps = 1000, .warmup = 50, .accum = 1, .eval_every = 100, .eval_batches = 8,
         .save_every = 500, .log_every = 1, .seed = 1337, .threads = 0, .lr = 1e-3, .min_lr = 1e-4, .wd = 0.1,
         .clip = 1.0, .dropout = 0.0, .val_fraction = 0.1, .momentum = 0.9, .bucket_mb = 25, .precision = "f32",
@@ -463,6 +466,10 @@ static int parse_options(train_run *r)
         {"bias-speed", OPT_DOUBLE, &a->bias_speed, "the balancing bias's step after each optimizer step "
                                                   "(auxiliary-loss-free balancing); 0 = frozen"},
         {"balance-loss", OPT_DOUBLE, &a->balance_loss, "the sequence-wise balance loss's weight; 0 = none"},
+        {"capacity", OPT_DOUBLE, &a->capacity, "an expert keeps at most capacity * tokens * top-k / experts rows of a "
+                                               "forward and drops the rest; 0 = dropless"},
+        {"groups", OPT_INT, &a->groups, "group-limited routing: the experts in this many groups (1 = none)"},
+        {"top-groups", OPT_INT, &a->top_groups, "with --groups: a token's experts come from its this many best groups"},
         {"batch", OPT_INT, &a->batch, "sequences per micro-batch B, all ranks together (each rank takes B / world)"},
         {"accum", OPT_INT, &a->accum, "micro-batches per step (gradient accumulation)"},
         {"steps", OPT_INT, &a->steps, "optimizer steps in total"},
@@ -864,7 +871,8 @@ static kiln_status step_reduce_update(train_run *r, double lr, double *loss_sum,
  * members {"moe":{"layers":[..],"load":[[..]..],"bias":[[..]..],"max_over_mean":[..],
  * "dropped":0}}: per MoE block the rows each expert got (all ranks), its balancing biases,
  * and its busiest expert's load over the mean (1: balanced; E / k: one expert takes every
- * token's choices); no expert drops rows. NULL for a dense model (or out of memory). */
+ * token's choices); the rows the capacity dropped, all blocks together. NULL for a dense
+ * model (or out of memory). */
 static char *moe_stats_json(const kiln_gpt_t *m)
 {
     const kiln_gpt_config *c = kiln_gpt_get_config(m);
@@ -873,8 +881,11 @@ static char *moe_stats_json(const kiln_gpt_t *m)
     float *load = malloc(sizeof *load * (size_t)E * 2), *bias = load ? load + E : NULL;
     json_t *o = json_object(), *layers = json_array(), *loads = json_array(), *biases = json_array(),
            *ratio = json_array();
+    double all_dropped = 0;
     for (int i = 0; load && i < c->n_layer; i++) {
-        if (!kiln_gpt_moe_stats(m, i, load, bias)) continue;
+        double dropped = 0;
+        if (!kiln_gpt_moe_stats(m, i, load, bias, &dropped)) continue;
+        all_dropped += dropped;
         json_t *l = json_array(), *b = json_array();
         double sum = 0, max = 0;
         for (int e = 0; e < E; e++) {
@@ -893,7 +904,7 @@ static char *moe_stats_json(const kiln_gpt_t *m)
     json_object_set_new(moe, "load", loads);
     json_object_set_new(moe, "bias", biases);
     json_object_set_new(moe, "max_over_mean", ratio);
-    json_object_set_new(moe, "dropped", json_integer(0));
+    json_object_set_new(moe, "dropped", json_integer((json_int_t)all_dropped));
     json_object_set_new(o, "moe", moe);
     char *text = load ? json_dumps(o, JSON_COMPACT | JSON_REAL_PRECISION(6)) : NULL;
     json_decref(o);

@@ -67,6 +67,9 @@ typedef struct {
     kiln_router_kind moe_router;
     bool moe_norm_topk;
     double moe_scale, moe_bias_speed, moe_balance_loss;
+    double moe_capacity; /* > 0: an expert takes at most ceil(moe_capacity N k / E) of a
+                            forward's N k rows, the first in token order, and drops the
+                            rest (their weight 0); 0: dropless */
 } kiln_gpt_config;
 
 kiln_gpt_config kiln_gpt_config_gpt2(void);  /* GPT-2 style defaults, 4 layers, C = 256 */
@@ -172,10 +175,11 @@ kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, 
  * then cleared (kiln_gpt_train_step calls it after its update; call it after your own
  * step otherwise). It is ops on the model's tensors, so a captured step holds it too;
  * for a model without MoE blocks it does nothing. kiln_gpt_moe_stats: block `layer`'s
- * loads as of the last update and its biases, n_routed_experts floats each (either may
- * be NULL); false for a block without experts. */
+ * loads as of the last update and its biases, n_routed_experts floats each, and the rows
+ * its capacity dropped in those forwards (any may be NULL); false for a block without
+ * experts. */
 kiln_status kiln_gpt_moe_update(kiln_gpt_t *m, kiln_pg_t *pg);
-bool kiln_gpt_moe_stats(const kiln_gpt_t *m, int layer, float *load, float *bias);
+bool kiln_gpt_moe_stats(const kiln_gpt_t *m, int layer, float *load, float *bias, double *dropped);
 
 /* Incremental decoding with a key/value cache of up to block_size positions. */
 typedef struct kiln_kv_cache kiln_kv_cache_t;

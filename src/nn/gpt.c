@@ -226,6 +226,8 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
              c->moe_bias_speed);
         NEED(c->moe_balance_loss >= 0 && isfinite(c->moe_balance_loss), "moe_balance_loss = %g must be >= 0",
              c->moe_balance_loss);
+        NEED(c->moe_capacity >= 0 && isfinite(c->moe_capacity), "moe_capacity = %g must be >= 0 (0: dropless)",
+             c->moe_capacity);
     }
 #undef NEED
     return KILN_OK;
@@ -257,6 +259,7 @@ static const struct {
     FIELD(moe_ffn, F_INT), FIELD(n_dense_layers, F_INT), FIELD(moe_router, F_ENUM, "softmax", "sigmoid"),
     FIELD(moe_norm_topk, F_BOOL), FIELD(moe_scale, F_NUM), FIELD(moe_bias_speed, F_NUM),
     FIELD(moe_balance_loss, F_NUM), FIELD(moe_n_group, F_INT), FIELD(moe_topk_group, F_INT),
+    FIELD(moe_capacity, F_NUM),
 };
 #undef FIELD
 #undef FIELD_AT
@@ -410,8 +413,11 @@ static kiln_status build_moe(kiln_gpt_t *m, int i, layer *L, double std, double 
         return kiln_last_status();
 #undef NAME
     kiln_tensor_set_requires_grad(e->router_b, false); /* moved by the balancing rule, not by gradients */
+    int64_t one = 1;
     if (!(e->load = kiln_keep(kiln_zeros(&E, 1, KILN_DTYPE_F32))) ||
-        !(e->last_load = kiln_keep(kiln_zeros(&E, 1, KILN_DTYPE_F32))))
+        !(e->last_load = kiln_keep(kiln_zeros(&E, 1, KILN_DTYPE_F32))) ||
+        !(e->dropped = kiln_keep(kiln_zeros(&one, 1, KILN_DTYPE_F32))) ||
+        !(e->last_dropped = kiln_keep(kiln_zeros(&one, 1, KILN_DTYPE_F32))))
         return kiln_last_status();
     return KILN_OK;
 }
@@ -513,6 +519,8 @@ void kiln_gpt_free(kiln_gpt_t *m)
         if (m->layers[i].moe) {
             kiln_tensor_free(m->layers[i].moe->load);
             kiln_tensor_free(m->layers[i].moe->last_load);
+            kiln_tensor_free(m->layers[i].moe->dropped);
+            kiln_tensor_free(m->layers[i].moe->last_dropped);
             free(m->layers[i].moe);
         }
     KILN__FREE(m->params, m->names, m->layers, m);
@@ -1133,13 +1141,17 @@ kiln_status kiln_gpt_moe_update(kiln_gpt_t *m, kiln_pg_t *pg)
     return s;
 }
 
-bool kiln_gpt_moe_stats(const kiln_gpt_t *m, int layer, float *load, float *bias)
+bool kiln_gpt_moe_stats(const kiln_gpt_t *m, int layer, float *load, float *bias, double *dropped)
 {
     if (!m || layer < 0 || layer >= m->cfg.n_layer || !m->layers[layer].moe) return false;
     const kiln__moe *e = m->layers[layer].moe;
     size_t n = sizeof(float) * (size_t)m->cfg.n_routed_experts;
-    return (!load || kiln_tensor_to_host(e->last_load, load, n) == KILN_OK) &&
-           (!bias || kiln_tensor_to_host(e->router_b, bias, n) == KILN_OK);
+    float d = 0;
+    bool ok = (!load || kiln_tensor_to_host(e->last_load, load, n) == KILN_OK) &&
+              (!bias || kiln_tensor_to_host(e->router_b, bias, n) == KILN_OK) &&
+              (!dropped || kiln_tensor_to_host(e->last_dropped, &d, sizeof d) == KILN_OK);
+    if (dropped) *dropped = d;
+    return ok;
 }
 
 kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)

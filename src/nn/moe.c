@@ -5,6 +5,7 @@
  * expert's run of rows multiplied by its weights in one op whose per-expert counts are
  * data, so a captured step does not capture again when they change; the rows are put
  * back in token order and each token's k rows weighted and summed. */
+#include <math.h>
 #include <stdlib.h>
 #include "kiln/ops.h"
 #include "nn/moe.h"
@@ -121,9 +122,17 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
      * N k integers, where a scatter of the rows would move N k C numbers), then each
      * token's k rows weighted and summed */
     int64_t nk = N * k, nkc[3] = {N, k, C}, nk1[2] = {N * k, 1};
-    kiln_tensor_t *inv = kiln_scatter_add(kiln_zeros(&nk, 1, KILN_DTYPE_I64), 0, order,
-                                          kiln_arange(0, (double)nk, 1, KILN_DTYPE_I64));
-    kiln_tensor_t *yu = kiln_mul(kiln_index_select(ys, 0, inv), kiln_reshape(w, nk1, 2));
+    kiln_tensor_t *ar = kiln_arange(0, (double)nk, 1, KILN_DTYPE_I64);
+    kiln_tensor_t *inv = kiln_scatter_add(kiln_zeros(&nk, 1, KILN_DTYPE_I64), 0, order, ar);
+    kiln_tensor_t *wf = kiln_reshape(w, nk1, 2), *kept = NULL;
+    if (c->moe_capacity > 0) { /* each expert's rows past its capacity, in token order, weighted 0 */
+        double cap = ceil(c->moe_capacity * (double)nk / (double)E);
+        kiln_tensor_t *expert = kiln_index_select(kiln_reshape(idx, &nk, 1), 0, order); /* of each sorted row */
+        kiln_tensor_t *rank = kiln_sub(ar, kiln_index_select(offsets, 0, expert));     /* its place in its run */
+        kept = kiln_index_select(kiln_cast(kiln_lt(rank, kiln_scalar(cap, KILN_DTYPE_I64)), KILN_DTYPE_F32), 0, inv);
+        wf = kiln_mul(wf, kiln_reshape(kept, nk1, 2));
+    }
+    kiln_tensor_t *yu = kiln_mul(kiln_index_select(ys, 0, inv), wf);
     kiln_tensor_t *y = kiln_sum(kiln_reshape(yu, nkc, 3), &last, 1, false);
     if (e->sg) y = kiln_add(y, swiglu(x, e->sg, e->su, e->sd, rows));
     if (!y) return NULL;
@@ -136,6 +145,9 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
         bool grad = kiln_set_grad_enabled(false);
         kiln_tensor_t *counts = kiln_sub(kiln_narrow(offsets, 0, 1, E), kiln_narrow(offsets, 0, 0, E));
         kiln_status st = kiln_tensor_copy_(e->load, kiln_add(e->load, kiln_cast(counts, KILN_DTYPE_F32)));
+        if (st == KILN_OK && kept) /* the rows dropped: N k less those kept */
+            st = kiln_tensor_copy_(e->dropped, kiln_add(e->dropped, kiln_sub(kiln_scalar((double)nk, KILN_DTYPE_F32),
+                                                                              kiln_sum(kept, NULL, 0, true))));
         kiln_set_grad_enabled(grad);
         if (st != KILN_OK) return NULL;
     }
@@ -153,6 +165,8 @@ kiln_status kiln__moe_update(const kiln_gpt_config *c, kiln__moe *e)
         s = kiln_tensor_copy_(e->router_b, kiln_add(e->router_b, kiln_mul_scalar(sign, c->moe_bias_speed)));
     }
     if (s == KILN_OK) s = kiln_tensor_copy_(e->last_load, e->load);
+    if (s == KILN_OK) s = kiln_tensor_copy_(e->last_dropped, e->dropped);
+    if (s == KILN_OK) s = kiln_tensor_copy_(e->dropped, kiln_zeros(kiln_tensor_shape(e->dropped), 1, KILN_DTYPE_F32));
     if (s == KILN_OK) s = kiln_tensor_copy_(e->load, kiln_zeros(kiln_tensor_shape(e->load), 1, KILN_DTYPE_F32));
     kiln_set_grad_enabled(grad);
     return s;

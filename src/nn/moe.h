@@ -11,6 +11,7 @@ typedef struct {
     kiln_tensor_t *gate, *up, *down;        /* (E, C, Fe), (E, C, Fe), (E, Fe, C) */
     kiln_tensor_t *sg, *su, *sd;            /* the shared experts' SwiGLU, or NULL */
     kiln_tensor_t *load, *last_load;        /* (E) f32: rows routed since the last update, and at it */
+    kiln_tensor_t *dropped, *last_dropped;  /* (1) f32: rows the capacity dropped, the same way */
 } kiln__moe;
 
 /* The block's output for the rows x (N, C) of B sequences (N = B T; B 0: rows of no

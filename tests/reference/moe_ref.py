@@ -95,8 +95,12 @@ class MoE(nn.Module):
         w = w * cfg["moe_scale"]
         out = torch.zeros_like(xf)
         g, u, d = self.experts.gate, self.experts.up, self.experts.down
+        cap = math.ceil(cfg["moe_capacity"] * B * T * k / E) if cfg["moe_capacity"] > 0 else B * T * k
+        self.last_dropped = 0
         for e in range(E):  # the loop over experts
-            rows, slots = (idx == e).nonzero(as_tuple=True)
+            rows, slots = (idx == e).nonzero(as_tuple=True)  # in token order
+            self.last_dropped += max(0, rows.numel() - cap)
+            rows, slots = rows[:cap], slots[:cap]  # past its capacity an expert drops the rest
             if rows.numel() == 0:
                 continue
             xe = xf[rows]
@@ -185,7 +189,7 @@ def moe_config(**kw):
     c = gpt_ref.llama_config(n_layer=2, n_embd=32, block_size=16, vocab_size=64)
     c.update(n_routed_experts=8, n_shared_experts=0, moe_top_k=2, moe_ffn=16, moe_router="softmax",
              moe_norm_topk=True, moe_scale=1.0, n_dense_layers=1, moe_bias_speed=0.01, moe_balance_loss=0.0,
-             moe_n_group=1, moe_topk_group=1)
+             moe_n_group=1, moe_topk_group=1, moe_capacity=0.0)
     c.update(kw)
     return c
 
@@ -207,6 +211,7 @@ def golden(cfg, B=2, steps=10):
     out["out.logits"] = logits.detach().clone()
     out["out.loss"] = loss.detach().clone().reshape(())
     out["out.balance"] = balance.detach().clone().reshape(())
+    out["out.dropped"] = torch.tensor([mb.last_dropped for mb in model.moe_blocks()], dtype=torch.float32)
     for name, p in model.named_parameters():
         if p.requires_grad:
             out["grad." + name] = p.grad.detach().clone()
@@ -237,7 +242,7 @@ def golden(cfg, B=2, steps=10):
 
 
 JOBS = [
-    ("golden_moe_softmax.safetensors", moe_config(moe_balance_loss=0.01)),
+    ("golden_moe_softmax.safetensors", moe_config(moe_balance_loss=0.01, moe_capacity=1.0)),
     ("golden_moe_sigmoid.safetensors", moe_config(moe_router="sigmoid", n_shared_experts=1, moe_scale=2.5,
                                                   moe_bias_speed=0.05, moe_top_k=3, moe_n_group=4, moe_topk_group=2)),
 ]
@@ -252,8 +257,8 @@ def main():
     for fname, cfg in JOBS:
         tensors, meta = golden(cfg)
         gpt_ref.save_safetensors(os.path.join(a.out, fname), tensors, meta)
-        print("%s: loss %.6f balance %.6f losses %s bias[-1] %s" % (
-            fname, tensors["out.loss"].item(), tensors["out.balance"].item(),
+        print("%s: loss %.6f balance %.6f dropped %s losses %s bias[-1] %s" % (
+            fname, tensors["out.loss"].item(), tensors["out.balance"].item(), tensors["out.dropped"].tolist(),
             " ".join("%.4f" % v for v in tensors["out.losses"].tolist()), tensors["out.router_bias"][-1].tolist()))
     return 0
 
