@@ -51,7 +51,8 @@ static kiln_gpt_config golden_config(const kiln_safetensors_t *f)
                                        "ffn_hidden", "norm", "pos", "mlp", "bias", "tied", "norm_eps", "rope_theta",
                                        "n_routed_experts", "n_shared_experts", "moe_top_k", "moe_ffn", "moe_router",
                                        "moe_norm_topk", "moe_scale", "n_dense_layers", "moe_bias_speed",
-                                       "moe_balance_loss", "moe_n_group", "moe_topk_group", "moe_capacity", NULL};
+                                       "moe_balance_loss", "moe_n_group", "moe_topk_group", "moe_capacity",
+                                       "mla_kv_rank", "mla_q_rank", "mla_rope_dim", "mla_nope_dim", "mla_v_dim", NULL};
     json_t *m = json_object();
     for (int i = 0; model_keys[i]; i++) {
         json_t *v = json_object_get(o, model_keys[i]);
@@ -389,6 +390,11 @@ static void moe_softmax_matches_pytorch(void **state) { check_golden("golden_moe
 static void moe_sigmoid_matches_pytorch(void **state) { check_golden("golden_moe_sigmoid.safetensors", false); }
 static void moe_softmax_compiled_matches_pytorch(void **state) { check_golden("golden_moe_softmax.safetensors", true); }
 static void moe_sigmoid_compiled_matches_pytorch(void **state) { check_golden("golden_moe_sigmoid.safetensors", true); }
+/* Multi-head latent attention (moe_ref.py's MLA): queries through a latent of 12, keys
+ * and values through one of 16, heads of 8 + 8 rotary, values of 6 (padded to 16 for the
+ * attention), with the softmax MoE. */
+static void mla_matches_pytorch(void **state) { check_golden("golden_moe_mla.safetensors", false); }
+static void mla_compiled_matches_pytorch(void **state) { check_golden("golden_moe_mla.safetensors", true); }
 
 int main(void)
 {
@@ -401,6 +407,8 @@ int main(void)
         cmocka_unit_test(llama_bf16_compiled_matches_pytorch_autocast),
         cmocka_unit_test(gpt2_f16_compiled_matches_pytorch_autocast_and_scaler),
         cmocka_unit_test(llama_f16_compiled_matches_pytorch_autocast_and_scaler),
+        cmocka_unit_test(mla_matches_pytorch),
+        cmocka_unit_test(mla_compiled_matches_pytorch),
         cmocka_unit_test(moe_softmax_matches_pytorch),
         cmocka_unit_test(moe_sigmoid_matches_pytorch),
         cmocka_unit_test(moe_softmax_compiled_matches_pytorch),

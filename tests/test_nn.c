@@ -128,6 +128,10 @@ static void moe_configs_and_parameters(void **state)
         {"{\"n_routed_experts\": 4, \"mlp\": \"swiglu\", \"moe_balance_loss\": -0.5}", "moe_balance_loss = -0.5"},
         {"{\"n_routed_experts\": 4, \"mlp\": \"swiglu\", \"n_shared_experts\": -2}", "n_shared_experts = -2"},
         {"{\"moe_router\": \"relu\"}", "unknown moe_router 'relu'"},
+        {"{\"mla_kv_rank\": 8, \"mla_rope_dim\": 4}", "needs pos = rope and bias = false"},
+        {"{\"mla_kv_rank\": 8, \"mla_rope_dim\": 3, \"pos\": \"rope\", \"bias\": false}", "mla_rope_dim = 3 must be even"},
+        {"{\"mla_kv_rank\": 8, \"mla_rope_dim\": 4, \"mla_nope_dim\": 4, \"mla_v_dim\": 9, \"pos\": \"rope\", \"bias\": false}",
+         "mla_v_dim = 9 must be at most the query and key size 8"},
         {"{\"n_routed_experts\": 6, \"mlp\": \"swiglu\", \"moe_capacity\": -1}", "moe_capacity = -1"},
         {"{\"n_routed_experts\": 6, \"mlp\": \"swiglu\", \"moe_n_group\": 4}", "moe_n_group = 4 must divide"},
         {"{\"n_routed_experts\": 6, \"mlp\": \"swiglu\", \"moe_n_group\": 3, \"moe_topk_group\": 1, \"moe_top_k\": 3}",
@@ -319,11 +323,16 @@ static void same_seed_same_weights(void **state)
 }
 
 /* Oracle: the full forward pass. Logits from the KV cache, fed a prompt and then one
- * token at a time, must equal it to float32 rounding (1e-5). */
+ * token at a time, must equal it to float32 rounding (1e-5): GPT-2 style, LLaMA style,
+ * and LLaMA style with multi-head latent attention and MoE blocks (its cache holds every
+ * head's keys and padded values of the query size). */
 static void kv_cache_matches_full_forward(void **state)
 {
-    for (int style = 0; style < 2; style++) {
-        kiln_gpt_config c = tiny(style == 1);
+    for (int style = 0; style < 3; style++) {
+        kiln_gpt_config c = tiny(style >= 1);
+        if (style == 2)
+            c.mla_kv_rank = 12, c.mla_q_rank = 10, c.mla_rope_dim = 4, c.mla_nope_dim = 6, c.mla_v_dim = 5,
+            c.n_routed_experts = 4, c.moe_top_k = 2;
         kiln_gpt_t *m;
         assert_int_equal(kiln_gpt_new(&c, 3, &m), KILN_OK);
         kiln_scope_begin();

@@ -28,6 +28,7 @@ typedef struct {
     int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
     int64_t save_every, log_every, seed, threads;
     int64_t experts, shared_experts, top_k, expert_ffn, dense_layers, groups, top_groups; /* mixture of experts */
+    int64_t mla_kv_rank, mla_q_rank, mla_rope_dim, mla_nope_dim, mla_v_dim; /* multi-head latent attention */
     const char *router;
     double bias_speed, balance_loss, capacity;
     double lr, min_lr, wd, clip, dropout, val_fraction, momentum, loss_scale;
@@ -82,6 +83,11 @@ static kiln_status model_config(const train_args *a, int vocab, int eot, kiln_gp
     c->moe_bias_speed = a->bias_speed;
     c->moe_balance_loss = a->balance_loss;
     c->moe_capacity = a->capacity;
+    c->mla_kv_rank = (int)a->mla_kv_rank;
+    c->mla_q_rank = (int)a->mla_q_rank;
+    c->mla_rope_dim = (int)a->mla_rope_dim;
+    c->mla_nope_dim = (int)a->mla_nope_dim;
+    c->mla_v_dim = (int)a->mla_v_dim;
     c->moe_n_group = (int)a->groups;
     c->moe_topk_group = (int)a->top_groups;
     if (!strcmp(a->router, "softmax")) c->moe_router = KILN_ROUTER_SOFTMAX;
@@ -469,6 +475,12 @@ static int parse_options(train_run *r)
         {"capacity", OPT_DOUBLE, &a->capacity, "an expert keeps at most capacity * tokens * top-k / experts rows of a "
                                                "forward and drops the rest; 0 = dropless"},
         {"groups", OPT_INT, &a->groups, "group-limited routing: the experts in this many groups (1 = none)"},
+        {"mla-kv-rank", OPT_INT, &a->mla_kv_rank, "multi-head latent attention (--model llama): keys and values through a "
+                                                 "latent of this rank; 0 = standard attention (docs/model.md)"},
+        {"mla-q-rank", OPT_INT, &a->mla_q_rank, "MLA: queries through a latent of this rank; 0 = none"},
+        {"mla-rope-dim", OPT_INT, &a->mla_rope_dim, "MLA: the rotary part of each head's query and key"},
+        {"mla-nope-dim", OPT_INT, &a->mla_nope_dim, "MLA: the rest of each head's query and key; 0 = width / heads"},
+        {"mla-v-dim", OPT_INT, &a->mla_v_dim, "MLA: each head's value size; 0 = width / heads"},
         {"top-groups", OPT_INT, &a->top_groups, "with --groups: a token's experts come from its this many best groups"},
         {"batch", OPT_INT, &a->batch, "sequences per micro-batch B, all ranks together (each rank takes B / world)"},
         {"accum", OPT_INT, &a->accum, "micro-batches per step (gradient accumulation)"},

@@ -50,6 +50,14 @@ typedef struct {
      * says otherwise. The paged serving path runs causal, window, softcap and alibi
      * (doc left out, as with any KV cache) and refuses prefix. */
     char attention[64];
+    /* Multi-head latent attention (docs/model.md, "Multi-head latent attention"; DeepSeek
+     * V2/V3): mla_kv_rank > 0 replaces attn.qkv by keys and values through a latent of
+     * that rank (and queries through one of mla_q_rank, 0: none), each head's query and
+     * key of mla_nope_dim (0: C / n_head) plus a rotary part of mla_rope_dim shared by
+     * the heads' keys, values of mla_v_dim (0: C / n_head). 0: standard attention (the
+     * default; no keys written). Needs pos = rope and no biases; not for the paged
+     * serving path yet. */
+    int mla_kv_rank, mla_q_rank, mla_rope_dim, mla_nope_dim, mla_v_dim;
     /* Mixture of experts (docs/model.md, "Mixture of experts"): blocks from
      * n_dense_layers on take n_routed_experts SwiGLU experts of width moe_ffn (0: F/4
      * rounded up to 8), moe_top_k a token, chosen by router scores (softmax or sigmoid)

@@ -22,6 +22,9 @@ typedef struct {
     kiln_tensor_t *fc_w, *fc_b, *out_w, *out_b; /* gelu: fc, proj; swiglu: gate, down */
     kiln_tensor_t *up_w, *up_b;                 /* swiglu only */
     kiln__moe *moe;                             /* an MoE block's (fc, out, up NULL), or NULL */
+    /* multi-head latent attention (qkv NULL): q (no q latent) or q_a, q_norm, q_b; kv_a,
+     * kv_norm, kv_b */
+    kiln_tensor_t *q_a, *q_norm, *q_b, *kv_a, *kv_norm, *kv_b;
 } layer;
 
 struct kiln_gpt {
@@ -199,6 +202,19 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
     }
     NEED((unsigned)c->norm <= KILN_NORM_RMSNORM && (unsigned)c->pos <= KILN_POS_ROPE &&
          (unsigned)c->mlp <= KILN_MLP_SWIGLU, "unknown norm, pos or mlp kind");
+    NEED(c->mla_kv_rank >= 0 && c->mla_q_rank >= 0 && c->mla_rope_dim >= 0 && c->mla_nope_dim >= 0 &&
+             c->mla_v_dim >= 0,
+         "the mla_ sizes must be >= 0");
+    if (c->mla_kv_rank > 0) {
+        int hs = c->n_embd / c->n_head, dn = c->mla_nope_dim ? c->mla_nope_dim : hs,
+            dv = c->mla_v_dim ? c->mla_v_dim : hs;
+        NEED(c->pos == KILN_POS_ROPE && !c->bias, "mla_kv_rank = %d needs pos = rope and bias = false",
+             c->mla_kv_rank);
+        NEED(c->mla_rope_dim > 0 && c->mla_rope_dim % 2 == 0, "mla_rope_dim = %d must be even and > 0",
+             c->mla_rope_dim);
+        NEED(dv <= dn + c->mla_rope_dim, "mla_v_dim = %d must be at most the query and key size %d", dv,
+             dn + c->mla_rope_dim);
+    }
     NEED(c->n_routed_experts >= 0 && c->n_routed_experts <= 4096, "n_routed_experts = %d must be in 0..4096",
          c->n_routed_experts);
     if (c->n_routed_experts > 0) {
@@ -254,6 +270,9 @@ static const struct {
     FIELD_AT("rope_high_freq_factor", rope_scaling.high_freq_factor, F_NUM),
     FIELD_AT("rope_original_context", rope_scaling.original_context, F_INT),
     FIELD(attention, F_STR),
+    /* multi-head latent attention: written only with mla_kv_rank > 0 */
+    FIELD(mla_kv_rank, F_INT), FIELD(mla_q_rank, F_INT), FIELD(mla_rope_dim, F_INT), FIELD(mla_nope_dim, F_INT),
+    FIELD(mla_v_dim, F_INT),
     /* the mixture of experts: written only with n_routed_experts > 0, from here on */
     FIELD(n_routed_experts, F_INT), FIELD(n_shared_experts, F_INT), FIELD(moe_top_k, F_INT),
     FIELD(moe_ffn, F_INT), FIELD(n_dense_layers, F_INT), FIELD(moe_router, F_ENUM, "softmax", "sigmoid"),
@@ -281,6 +300,7 @@ char *kiln_gpt_config_to_json(const kiln_gpt_config *c)
         int k = fields[i].kind;
         if (k == F_STR && !*(const char *)p) continue; /* the default: written only when set, as rope's keys */
         if (!c->n_routed_experts && fields[i].offset >= offsetof(kiln_gpt_config, n_routed_experts)) continue;
+        if (!c->mla_kv_rank && !strncmp(fields[i].name, "mla_", 4)) continue;
         json_t *v = k == F_INT ? json_integer(*(const int *)p) : k == F_NUM ? json_real(*(const double *)p)
                   : k == F_BOOL ? json_boolean(*(const bool *)p) : k == F_STR ? json_string((const char *)p)
                   : json_string(fields[i].values[*(const int *)p]);
@@ -450,8 +470,24 @@ static kiln_status build(kiln_gpt_t *m)
         layer *L = &m->layers[i];
 #define BLK(part) (snprintf(nm, sizeof nm, "blocks.%d.%s", i, part), nm)
         P(BLK("norm1"), C, 0, -1, ln, &L->n1w, &L->n1b);
-        P(BLK("attn.qkv"), qkv, C, std, bias, &L->qkv_w, &L->qkv_b);
-        P(BLK("attn.proj"), C, C, rstd, bias, &L->proj_w, &L->proj_b);
+        if (c->mla_kv_rank > 0) { /* multi-head latent attention (docs/model.md) */
+            int64_t H = c->n_head, dn = c->mla_nope_dim ? c->mla_nope_dim : hs, dv = c->mla_v_dim ? c->mla_v_dim : hs;
+            int64_t D = dn + c->mla_rope_dim, rq = c->mla_q_rank, rkv = c->mla_kv_rank;
+            if (rq > 0) {
+                P(BLK("attn.q_a"), rq, C, std, false, &L->q_a, NULL);
+                P(BLK("attn.q_norm"), rq, 0, -1, false, &L->q_norm, NULL);
+                P(BLK("attn.q_b"), H * D, rq, std, false, &L->q_b, NULL);
+            } else {
+                P(BLK("attn.q"), H * D, C, std, false, &L->q_b, NULL);
+            }
+            P(BLK("attn.kv_a"), rkv + c->mla_rope_dim, C, std, false, &L->kv_a, NULL);
+            P(BLK("attn.kv_norm"), rkv, 0, -1, false, &L->kv_norm, NULL);
+            P(BLK("attn.kv_b"), H * (dn + dv), rkv, std, false, &L->kv_b, NULL);
+            P(BLK("attn.proj"), C, H * dv, rstd, false, &L->proj_w, NULL);
+        } else {
+            P(BLK("attn.qkv"), qkv, C, std, bias, &L->qkv_w, &L->qkv_b);
+            P(BLK("attn.proj"), C, C, rstd, bias, &L->proj_w, &L->proj_b);
+        }
         P(BLK("norm2"), C, 0, -1, ln, &L->n2w, &L->n2b);
         if (c->n_routed_experts > 0 && i >= c->n_dense_layers) {
             kiln_status s = build_moe(m, i, L, std, rstd);
@@ -667,6 +703,8 @@ static kiln_tensor_t *linear(const pass *ps, int i, int which, kiln_tensor_t *x,
     return ps->pk ? linear_rows(x, w, ps->pk[i][which], b) : kiln_linear(x, w, b);
 }
 
+static kiln_tensor_t *attend_mla(const pass *ps, int i, kiln_tensor_t *h);
+
 /* Transformer block i on x (B,T,C) or (N,C): x + attention(norm1(x)), then
  * x + mlp(norm2(x)). */
 static kiln_tensor_t *block(const pass *ps, int i, kiln_tensor_t *x)
@@ -675,11 +713,16 @@ static kiln_tensor_t *block(const pass *ps, int i, kiln_tensor_t *x)
     const kiln_gpt_config *c = &m->cfg;
     const layer *L = &m->layers[i];
     int64_t H = c->n_head, Hk = c->n_kv_head, hs = c->n_embd / H;
-    kiln_tensor_t *qkv = linear(ps, i, PK_QKV, norm(m, x, L->n1w, L->n1b), L->qkv_w, L->qkv_b);
-    kiln_tensor_t *part[3];
-    int64_t sizes[3] = {H * hs, Hk * hs, Hk * hs};
-    if (!qkv || kiln_split(qkv, sizes, 3, -1, part) != KILN_OK) return NULL;
-    kiln_tensor_t *y = ps->attend(ps, i, part[0], part[1], part[2]);
+    kiln_tensor_t *h1 = norm(m, x, L->n1w, L->n1b), *y;
+    if (L->kv_a) {
+        y = attend_mla(ps, i, h1);
+    } else {
+        kiln_tensor_t *qkv = linear(ps, i, PK_QKV, h1, L->qkv_w, L->qkv_b);
+        kiln_tensor_t *part[3];
+        int64_t sizes[3] = {H * hs, Hk * hs, Hk * hs};
+        if (!qkv || kiln_split(qkv, sizes, 3, -1, part) != KILN_OK) return NULL;
+        y = ps->attend(ps, i, part[0], part[1], part[2]);
+    }
     y = kiln_dropout(linear(ps, i, PK_PROJ, y, L->proj_w, L->proj_b), ps->p, ps->train);
     x = kiln_add(x, y);
     kiln_tensor_t *h = norm(m, x, L->n2w, L->n2b), *mo;
@@ -701,11 +744,25 @@ static kiln_tensor_t *block(const pass *ps, int i, kiln_tensor_t *x)
 
 /* Causal attention over B sequences of T new positions from pos0; with a cache, keys and
  * values are appended to it and attention sees all cached positions. */
+/* Attention of q (B,H,T,D) over k, v (B,Hk,T,D) of T new positions from pos0, through
+ * the cache (appended to it) if any: (B,H,T,D). */
+static kiln_tensor_t *attend_heads(const pass *ps, int i, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v)
+{
+    int64_t T = ps->T, pos0 = ps->pos0;
+    kiln_kv_cache_t *cache = ps->cache;
+    if (cache) {
+        kiln_tensor_t *kd = kiln_narrow(cache->k[i], 2, pos0, T), *vd = kiln_narrow(cache->v[i], 2, pos0, T);
+        if (kiln_tensor_copy_(kd, k) != KILN_OK || kiln_tensor_copy_(vd, v) != KILN_OK) return NULL;
+        k = kiln_narrow(cache->k[i], 2, 0, pos0 + T);
+        v = kiln_narrow(cache->v[i], 2, 0, pos0 + T);
+    }
+    return ps->flex ? kiln_flex_attention_masked(q, k, v, ps->flex, ps->mask, 0, NULL) : kiln_attention(q, k, v, true, 0.0);
+}
+
 static kiln_tensor_t *attend_full(const pass *ps, int i, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v)
 {
     const kiln_gpt_config *c = &ps->m->cfg;
     int64_t B = ps->B, T = ps->T, pos0 = ps->pos0, C = c->n_embd, H = c->n_head, Hk = c->n_kv_head, hs = C / H;
-    kiln_kv_cache_t *cache = ps->cache;
     q = heads(q, B, T, H, hs);
     k = heads(k, B, T, Hk, hs);
     v = heads(v, B, T, Hk, hs);
@@ -713,16 +770,38 @@ static kiln_tensor_t *attend_full(const pass *ps, int i, kiln_tensor_t *q, kiln_
         q = kiln_rope_scaled(q, pos0, c->rope_theta, &c->rope_scaling);
         k = kiln_rope_scaled(k, pos0, c->rope_theta, &c->rope_scaling);
     }
-    if (cache) {
-        kiln_tensor_t *kd = kiln_narrow(cache->k[i], 2, pos0, T), *vd = kiln_narrow(cache->v[i], 2, pos0, T);
-        if (kiln_tensor_copy_(kd, k) != KILN_OK || kiln_tensor_copy_(vd, v) != KILN_OK) return NULL;
-        k = kiln_narrow(cache->k[i], 2, 0, pos0 + T);
-        v = kiln_narrow(cache->v[i], 2, 0, pos0 + T);
-    }
-    kiln_tensor_t *y = ps->flex ? kiln_flex_attention_masked(q, k, v, ps->flex, ps->mask, 0, NULL)
-                                : kiln_attention(q, k, v, true, 0.0);
     int64_t bt[3] = {B, T, C};
-    return kiln_reshape(kiln_transpose(y, 1, 2), bt, 3);
+    return kiln_reshape(kiln_transpose(attend_heads(ps, i, q, k, v), 1, 2), bt, 3);
+}
+
+/* Multi-head latent attention of layer i on h (B,T,C) (docs/model.md): queries through
+ * their latent (or directly), keys and values through theirs, each head's query and key
+ * a part of its own and a rotary part (the keys' one shared by the heads), values padded
+ * with zeros to the query size for the attention and cut back after it: (B,T,H dv). */
+static kiln_tensor_t *attend_mla(const pass *ps, int i, kiln_tensor_t *h)
+{
+    const kiln_gpt_config *c = &ps->m->cfg;
+    const layer *L = &ps->m->layers[i];
+    int64_t B = ps->B, T = ps->T, H = c->n_head, hs = c->n_embd / H, dr = c->mla_rope_dim;
+    int64_t dn = c->mla_nope_dim ? c->mla_nope_dim : hs, dv = c->mla_v_dim ? c->mla_v_dim : hs, D = dn + dr;
+    int64_t rkv = c->mla_kv_rank;
+    double eps = c->norm_eps;
+    kiln_tensor_t *q = L->q_a ? kiln_linear(kiln_rms_norm(kiln_linear(h, L->q_a, NULL), L->q_norm, eps), L->q_b, NULL)
+                              : kiln_linear(h, L->q_b, NULL);
+    q = heads(q, B, T, H, D);
+    kiln_tensor_t *ckv = kiln_linear(h, L->kv_a, NULL); /* (B, T, rkv + dr) */
+    kiln_tensor_t *kv = kiln_linear(kiln_rms_norm(kiln_narrow(ckv, 2, 0, rkv), L->kv_norm, eps), L->kv_b, NULL);
+    kv = heads(kv, B, T, H, dn + dv);
+    kiln_tensor_t *qp = kiln_rope_scaled(kiln_contiguous(kiln_narrow(q, 3, dn, dr)), ps->pos0, c->rope_theta,
+                                         &c->rope_scaling);
+    kiln_tensor_t *kp = kiln_rope_scaled(kiln_contiguous(heads(kiln_narrow(ckv, 2, rkv, dr), B, T, 1, dr)), ps->pos0,
+                                         c->rope_theta, &c->rope_scaling);
+    int64_t bhtr[4] = {B, H, T, dr}, pad[4] = {B, H, T, D - dv}, out[3] = {B, T, H * dv};
+    kiln_tensor_t *qs[2] = {kiln_narrow(q, 3, 0, dn), qp}, *ks[2] = {kiln_narrow(kv, 3, 0, dn), kiln_expand(kp, bhtr, 4)};
+    kiln_tensor_t *v = kiln_narrow(kv, 3, dn, dv);
+    if (dv < D) v = kiln_cat((kiln_tensor_t *[2]){v, kiln_zeros(pad, 4, kiln_tensor_dtype(kv ? kv : h))}, 2, 3);
+    kiln_tensor_t *y = attend_heads(ps, i, kiln_cat(qs, 2, 3), kiln_cat(ks, 2, 3), v);
+    return kiln_reshape(kiln_transpose(kiln_narrow(y, 3, 0, dv), 1, 2), out, 3);
 }
 
 /* Logits of T new positions of B sequences from pos0, through the cache if any. */
@@ -878,7 +957,10 @@ kiln_status kiln_kv_cache_new(const kiln_gpt_t *m, int batch, kiln_kv_cache_t **
     c->v = c->k + L;
     c->batch = batch;
     c->n_layer = L;
-    int64_t shape[4] = {batch, m->cfg.n_kv_head, m->cfg.block_size, m->cfg.n_embd / m->cfg.n_head};
+    const kiln_gpt_config *cf = &m->cfg;
+    int64_t hs = cf->n_embd / cf->n_head, shape[4] = {batch, cf->n_kv_head, cf->block_size, hs};
+    if (cf->mla_kv_rank > 0) /* every head's keys and values (padded) of the query size */
+        shape[1] = cf->n_head, shape[3] = (cf->mla_nope_dim ? cf->mla_nope_dim : hs) + cf->mla_rope_dim;
     if (!zeros_n(c->k, 2 * L, shape, 4, KILN_DTYPE_F32)) {
         kiln_kv_cache_free(c);
         return kiln_error(KILN_ERR_OOM, "kv_cache_new: out of memory for %d layers", L);
@@ -1085,6 +1167,11 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
     int64_t N = b->n_tokens, bl = p->block_len;
     kiln_paged_variant variant;
     if (paged_variant(c, &variant) != KILN_OK) return NULL;
+    if (c->mla_kv_rank > 0) {
+        kiln_error(KILN_ERR_UNSUPPORTED, "gpt: the paged serving path does not run multi-head latent attention yet "
+                   "(its latent KV cache is not built; kiln sample runs it)");
+        return NULL;
+    }
     for (int64_t i = 0; i < N; i++) {
         slots[i] = b->block_table[b->seq[i] * b->max_blocks + b->pos[i] / bl] * (int32_t)bl + b->pos[i] % (int32_t)bl;
         seq_pos[2 * i] = b->seq[i];

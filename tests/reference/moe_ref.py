@@ -126,12 +126,57 @@ class MoE(nn.Module):
             self.router.bias += g * torch.sign(mean - self.last_load)
 
 
+class MLA(nn.Module):
+    """Multi-head latent attention (docs/model.md): queries through a latent of rank
+    mla_q_rank (or directly), keys and values through one of mla_kv_rank; each head's query
+    and key a part of mla_nope_dim and a rotary part of mla_rope_dim (the keys' one computed
+    once and shared by the heads), values of mla_v_dim; scores scaled by 1/sqrt(nope + rope)."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        C, H = cfg["n_embd"], cfg["n_head"]
+        hs = C // H
+        self.H, self.eps, self.theta = H, cfg["norm_eps"], cfg["rope_theta"]
+        self.dn = cfg["mla_nope_dim"] or hs
+        self.dv = cfg["mla_v_dim"] or hs
+        self.dr, self.rq, self.rkv = cfg["mla_rope_dim"], cfg["mla_q_rank"], cfg["mla_kv_rank"]
+        D = self.dn + self.dr
+        if self.rq > 0:  # registration order = docs/model.md's parameter order
+            self.q_a = nn.Linear(C, self.rq, bias=False)
+            self.q_norm = gpt_ref.Norm(self.rq, "rmsnorm", self.eps)
+            self.q_b = nn.Linear(self.rq, H * D, bias=False)
+        else:
+            self.q = nn.Linear(C, H * D, bias=False)
+        self.kv_a = nn.Linear(C, self.rkv + self.dr, bias=False)
+        self.kv_norm = gpt_ref.Norm(self.rkv, "rmsnorm", self.eps)
+        self.kv_b = nn.Linear(self.rkv, H * (self.dn + self.dv), bias=False)
+        self.proj = nn.Linear(H * self.dv, C, bias=False)
+
+    def forward(self, x):
+        B, T, C = x.shape
+        H, dn, dr, dv = self.H, self.dn, self.dr, self.dv
+        q = self.q_b(self.q_norm(self.q_a(x))) if self.rq > 0 else self.q(x)
+        q = q.view(B, T, H, dn + dr).transpose(1, 2)
+        ckv = self.kv_a(x)
+        kv = self.kv_b(self.kv_norm(ckv[..., :self.rkv])).view(B, T, H, dn + dv).transpose(1, 2)
+        cos, sin = gpt_ref.rope_tables(T, dr, self.theta)
+        q_pe = gpt_ref.apply_rope(q[..., dn:], cos, sin)
+        k_pe = gpt_ref.apply_rope(ckv[..., self.rkv:].unsqueeze(1), cos, sin).expand(B, H, T, dr)
+        qq = torch.cat([q[..., :dn], q_pe], dim=-1)
+        kk = torch.cat([kv[..., :dn], k_pe], dim=-1)
+        v = kv[..., dn:]
+        att = (qq @ kk.transpose(-2, -1)) * (1.0 / math.sqrt(dn + dr))
+        att = att.masked_fill(~torch.ones(T, T, dtype=torch.bool).tril(), float("-inf"))
+        y = (torch.softmax(att, dim=-1) @ v).transpose(1, 2).reshape(B, T, H * dv)
+        return self.proj(y)
+
+
 class Block(nn.Module):
     def __init__(self, cfg, moe):
         super().__init__()
         C = cfg["n_embd"]
         self.norm1 = gpt_ref.Norm(C, cfg["norm"], cfg["norm_eps"])
-        self.attn = gpt_ref.Attention(cfg)
+        self.attn = MLA(cfg) if cfg["mla_kv_rank"] > 0 else gpt_ref.Attention(cfg)
         self.norm2 = gpt_ref.Norm(C, cfg["norm"], cfg["norm_eps"])
         self.mlp = MoE(cfg) if moe else gpt_ref.MLP(cfg)
 
@@ -189,7 +234,8 @@ def moe_config(**kw):
     c = gpt_ref.llama_config(n_layer=2, n_embd=32, block_size=16, vocab_size=64)
     c.update(n_routed_experts=8, n_shared_experts=0, moe_top_k=2, moe_ffn=16, moe_router="softmax",
              moe_norm_topk=True, moe_scale=1.0, n_dense_layers=1, moe_bias_speed=0.01, moe_balance_loss=0.0,
-             moe_n_group=1, moe_topk_group=1, moe_capacity=0.0)
+             moe_n_group=1, moe_topk_group=1, moe_capacity=0.0,
+             mla_kv_rank=0, mla_q_rank=0, mla_rope_dim=0, mla_nope_dim=0, mla_v_dim=0)
     c.update(kw)
     return c
 
@@ -245,6 +291,8 @@ JOBS = [
     ("golden_moe_softmax.safetensors", moe_config(moe_balance_loss=0.01, moe_capacity=1.0)),
     ("golden_moe_sigmoid.safetensors", moe_config(moe_router="sigmoid", n_shared_experts=1, moe_scale=2.5,
                                                   moe_bias_speed=0.05, moe_top_k=3, moe_n_group=4, moe_topk_group=2)),
+    ("golden_moe_mla.safetensors", moe_config(mla_kv_rank=16, mla_q_rank=12, mla_rope_dim=8, mla_nope_dim=8,
+                                              mla_v_dim=6, moe_balance_loss=0.01)),
 ]
 
 
