@@ -403,14 +403,29 @@ static void paged_variant_case(bool llama, const char *attention, int64_t window
     kiln_gpt_free(m);
 }
 
-/* A mixture-of-experts model (every block 4 experts, top-2, a shared one) through the
- * paged path: its logits against its full forward (the oracle test_alignment checks
- * against PyTorch), and a decoding row's logits bitwise the same alone and batched with
- * others (its experts' products row by row, kiln_matmul_rows). */
-static void paged_forward_runs_moe_models(void **state)
+/* A mixture-of-experts model (every block 4 experts, top-2, a shared one), and one with
+ * multi-head latent attention too, through the paged path: its logits against its full
+ * forward (the oracle test_alignment checks against PyTorch; 2e-5, and 1e-4 for the
+ * latent attention, whose queries are absorbed into the latent, another rounding of the
+ * same sums), and a decoding row's logits bitwise the same alone and batched with others
+ * (every product row by row, kiln_matmul_rows). The latent cache holds r_kv + dr = 14
+ * numbers a position a layer, against 2 Hkv hs = 32 for the same model without it. */
+static void paged_moe_case(bool mla)
 {
     kiln_gpt_config c = tiny(true);
     c.n_routed_experts = 4, c.moe_top_k = 2, c.n_shared_experts = 1, c.moe_ffn = 16;
+    if (mla) {
+        c.mla_kv_rank = 10, c.mla_q_rank = 12, c.mla_rope_dim = 4, c.mla_nope_dim = 6, c.mla_v_dim = 8;
+        kiln_gpt_config plain = c;
+        plain.mla_kv_rank = 0;
+        kiln_gpt_t *a, *b;
+        assert_int_equal(kiln_gpt_new(&c, 1, &a), KILN_OK);
+        assert_int_equal(kiln_gpt_new(&plain, 1, &b), KILN_OK);
+        assert_int_equal(kiln_kv_pool_block_bytes(a, 16, KILN_DTYPE_F32), 2 * 16 * 14 * 4);
+        assert_int_equal(kiln_kv_pool_block_bytes(b, 16, KILN_DTYPE_F32), 2 * 16 * 2 * 2 * 8 * 4);
+        kiln_gpt_free(a);
+        kiln_gpt_free(b);
+    }
     kiln_gpt_t *m;
     assert_int_equal(kiln_gpt_new(&c, 13, &m), KILN_OK);
     enum { T = 12, BL = 4, MB = 3 };
@@ -427,7 +442,8 @@ static void paged_forward_runs_moe_models(void **state)
     kiln_paged_batch b = {T, toks, sq, ps, 1, MB, table, T, lr};
     float *got = to_host(kiln_gpt_forward_paged(m, p, &b));
     kiln_scope_end();
-    assert_close(got, want, (int64_t)T * c.vocab_size, 2e-5, "paged forward of an MoE model");
+    assert_close(got, want, (int64_t)T * c.vocab_size, mla ? 1e-4 : 2e-5,
+                 mla ? "paged forward of an MLA + MoE model" : "paged forward of an MoE model");
     /* one more position of sequence 0 alone, then with sequences 1..3 prefilled beside it */
     for (int s = 1; s < 4; s++) {
         int32_t pt[T], psq[T];
@@ -454,6 +470,12 @@ static void paged_forward_runs_moe_models(void **state)
     free(alone), free(got), free(want);
     kiln_kv_pool_free(p);
     kiln_gpt_free(m);
+}
+
+static void paged_forward_runs_moe_models(void **state)
+{
+    paged_moe_case(false);
+    paged_moe_case(true);
 }
 
 static void paged_forward_runs_attention_variants(void **state)

@@ -55,8 +55,8 @@ typedef struct {
      * that rank (and queries through one of mla_q_rank, 0: none), each head's query and
      * key of mla_nope_dim (0: C / n_head) plus a rotary part of mla_rope_dim shared by
      * the heads' keys, values of mla_v_dim (0: C / n_head). 0: standard attention (the
-     * default; no keys written). Needs pos = rope and no biases; not for the paged
-     * serving path yet. */
+     * default; no keys written). Needs pos = rope and no biases; the paged serving path
+     * keeps the latent (r_kv + rope numbers a position a layer). */
     int mla_kv_rank, mla_q_rank, mla_rope_dim, mla_nope_dim, mla_v_dim;
     /* Mixture of experts (docs/model.md, "Mixture of experts"): blocks from
      * n_dense_layers on take n_routed_experts SwiGLU experts of width moe_ffn (0: F/4

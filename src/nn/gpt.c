@@ -704,6 +704,7 @@ static kiln_tensor_t *linear(const pass *ps, int i, int which, kiln_tensor_t *x,
 }
 
 static kiln_tensor_t *attend_mla(const pass *ps, int i, kiln_tensor_t *h);
+static kiln_tensor_t *attend_paged_mla(const pass *ps, int i, kiln_tensor_t *h);
 
 /* Transformer block i on x (B,T,C) or (N,C): x + attention(norm1(x)), then
  * x + mlp(norm2(x)). */
@@ -715,7 +716,7 @@ static kiln_tensor_t *block(const pass *ps, int i, kiln_tensor_t *x)
     int64_t H = c->n_head, Hk = c->n_kv_head, hs = c->n_embd / H;
     kiln_tensor_t *h1 = norm(m, x, L->n1w, L->n1b), *y;
     if (L->kv_a) {
-        y = attend_mla(ps, i, h1);
+        y = ps->pk ? attend_paged_mla(ps, i, h1) : attend_mla(ps, i, h1);
     } else {
         kiln_tensor_t *qkv = linear(ps, i, PK_QKV, h1, L->qkv_w, L->qkv_b);
         kiln_tensor_t *part[3];
@@ -1014,6 +1015,8 @@ int64_t kiln_kv_pool_block_bytes(const kiln_gpt_t *m, int block_len, kiln_dtype 
 {
     if (!m) return 0;
     const kiln_gpt_config *c = &m->cfg;
+    if (c->mla_kv_rank > 0) /* the latent and the rotary key part, once */
+        return (int64_t)c->n_layer * block_len * (c->mla_kv_rank + c->mla_rope_dim) * (int64_t)kiln_dtype_size(dtype);
     return (int64_t)2 * c->n_layer * block_len * c->n_kv_head * (c->n_embd / c->n_head) *
            (int64_t)kiln_dtype_size(dtype);
 }
@@ -1053,11 +1056,14 @@ kiln_status kiln_kv_pool_new_typed(const kiln_gpt_t *m, int num_blocks, int bloc
     p->n_layer = L;
     p->dtype = dtype;
     int64_t shape[3] = {(int64_t)num_blocks * block_len, m->cfg.n_kv_head, m->cfg.n_embd / m->cfg.n_head};
-    if (!zeros_n(p->k, 2 * L, shape, 3, dtype)) {
+    bool mla = m->cfg.mla_kv_rank > 0; /* one latent "head" a position, keys and values the same pages */
+    if (mla) shape[1] = 1, shape[2] = m->cfg.mla_kv_rank + m->cfg.mla_rope_dim;
+    if (!zeros_n(p->k, mla ? L : 2 * L, shape, 3, dtype)) {
         kiln_kv_pool_free(p);
         return kiln_error(KILN_ERR_OOM, "kv_pool_new: out of memory for %d blocks of %lld bytes", num_blocks,
                           (long long)kiln_kv_pool_block_bytes(m, block_len, dtype));
     }
+    for (int i = 0; mla && i < L; i++) p->v[i] = kiln_tensor_retain(p->k[i]);
     kiln_scope_begin();
     bool packed = true, grad = kiln_set_grad_enabled(false);
     for (int i = 0; i < L; i++) {
@@ -1160,6 +1166,52 @@ static kiln_tensor_t *attend_paged(const pass *ps, int i, kiln_tensor_t *q, kiln
     return kiln_reshape(y, nc, 2);
 }
 
+/* Multi-head latent attention of N rows through the paged latent cache (docs/model.md):
+ * each row's normalised latent and rotary key part, r_kv + dr numbers a layer, written
+ * into its slot (one "head" of keys, the values the same pages); each head's query
+ * absorbed into the latent (q_nope kv_b's key part, then the rotary part), paged
+ * attention of the heads over the one latent head, each head's weighted latent times
+ * kv_b's value part. Every product row by row (kiln_matmul_rows), so a row does not
+ * depend on the batch: (N, H dv). */
+static kiln_tensor_t *attend_paged_mla(const pass *ps, int i, kiln_tensor_t *h)
+{
+    const kiln_gpt_config *c = &ps->m->cfg;
+    const layer *L = &ps->m->layers[i];
+    kiln_kv_pool_t *p = ps->pool;
+    int64_t N = kiln_tensor_dim(h, 0), H = c->n_head, hs = c->n_embd / H, dr = c->mla_rope_dim;
+    int64_t dn = c->mla_nope_dim ? c->mla_nope_dim : hs, dv = c->mla_v_dim ? c->mla_v_dim : hs, D = dn + dr;
+    int64_t rkv = c->mla_kv_rank;
+    double eps = c->norm_eps;
+    kiln_tensor_t *q = L->q_a ? kiln_matmul_rows(kiln_rms_norm(kiln_matmul_rows(h, L->q_a), L->q_norm, eps), L->q_b)
+                              : kiln_matmul_rows(h, L->q_b);
+    q = kiln_reshape(q, (int64_t[]){N, H, D}, 3);
+    kiln_tensor_t *qp = kiln_rope_at_scaled(kiln_contiguous(kiln_narrow(q, 2, dn, dr)), ps->pos, c->rope_theta,
+                                            &c->rope_scaling);
+    kiln_tensor_t *ckv = kiln_matmul_rows(h, L->kv_a); /* (N, rkv + dr) */
+    kiln_tensor_t *lat = kiln_rms_norm(kiln_contiguous(kiln_narrow(ckv, 1, 0, rkv)), L->kv_norm, eps);
+    kiln_tensor_t *kp = kiln_rope_at_scaled(kiln_reshape(kiln_contiguous(kiln_narrow(ckv, 1, rkv, dr)), (int64_t[]){N, 1, dr}, 3),
+                                            ps->pos, c->rope_theta, &c->rope_scaling);
+    kiln_tensor_t *entry = kiln_cat((kiln_tensor_t *[2]){kiln_reshape(lat, (int64_t[]){N, 1, rkv}, 3), kp}, 2, 2);
+    if (entry && p->dtype != KILN_DTYPE_F32) entry = kiln_cast(entry, p->dtype);
+    if (!entry || kiln_index_copy_(p->k[i], ps->slot, entry) != KILN_OK) return NULL; /* v is the same pages */
+    kiln_tensor_t *kvb = kiln_reshape(L->kv_b, (int64_t[]){H, dn + dv, rkv}, 3), *qa[256], *ys[256];
+    if (H > 256) return kiln_error(KILN_ERR_UNSUPPORTED, "gpt: paged latent attention of %lld heads (256 at most)",
+                                   (long long)H), NULL;
+    for (int64_t x = 0; x < H; x++) { /* q_nope of head x absorbed: q_nope W_k[x], W_k (dn, rkv) */
+        kiln_tensor_t *wk = kiln_contiguous(kiln_transpose(kiln_narrow(kiln_squeeze(kiln_narrow(kvb, 0, x, 1), 0), 0, 0, dn), 0, 1));
+        kiln_tensor_t *qn = kiln_contiguous(kiln_narrow(kiln_squeeze(kiln_narrow(q, 1, x, 1), 1), 1, 0, dn));
+        qa[x] = kiln_unsqueeze(kiln_matmul_rows(qn, wk), 1);
+    }
+    kiln_tensor_t *qfull = kiln_cat((kiln_tensor_t *[2]){kiln_cat(qa, (int)H, 1), qp}, 2, 2); /* (N, H, rkv + dr) */
+    kiln_tensor_t *o = kiln_paged_attention_variant(qfull, p->k[i], p->v[i], ps->block_table, ps->seq_pos, p->block_len,
+                                                    1.0 / sqrt((double)D), &ps->variant);
+    for (int64_t x = 0; x < H; x++) { /* head x's weighted latent times W_v[x] (dv, rkv) */
+        kiln_tensor_t *wv = kiln_contiguous(kiln_narrow(kiln_squeeze(kiln_narrow(kvb, 0, x, 1), 0), 0, dn, dv));
+        ys[x] = kiln_matmul_rows(kiln_contiguous(kiln_narrow(kiln_squeeze(kiln_narrow(o, 1, x, 1), 1), 1, 0, rkv)), wv);
+    }
+    return kiln_cat(ys, (int)H, 1);
+}
+
 static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_paged_batch *b, int32_t *slots,
                                 int32_t *seq_pos)
 {
@@ -1167,11 +1219,7 @@ static kiln_tensor_t *run_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const kiln_pag
     int64_t N = b->n_tokens, bl = p->block_len;
     kiln_paged_variant variant;
     if (paged_variant(c, &variant) != KILN_OK) return NULL;
-    if (c->mla_kv_rank > 0) {
-        kiln_error(KILN_ERR_UNSUPPORTED, "gpt: the paged serving path does not run multi-head latent attention yet "
-                   "(its latent KV cache is not built; kiln sample runs it)");
-        return NULL;
-    }
+
     for (int64_t i = 0; i < N; i++) {
         slots[i] = b->block_table[b->seq[i] * b->max_blocks + b->pos[i] / bl] * (int32_t)bl + b->pos[i] % (int32_t)bl;
         seq_pos[2 * i] = b->seq[i];
