@@ -54,7 +54,8 @@ static bool ref_mask(const oracle *o, const dims *d, int64_t b, int64_t h, int64
 
 static double ref_score(const oracle *o, const dims *d, int64_t b, int64_t h, int64_t i, int64_t j, double s)
 {
-    if (o->alibi) s = s + o->slopes[h] * (double)(j - i);
+    /* ALiBi's distance from the query's position among the keys (i + Tk - Tq) */
+    if (o->alibi) s = s + o->slopes[h] * (double)(j - (i + d->Tk - d->Tq));
     if (o->cap > 0) s = o->cap * tanh(s / o->cap);
     if (o->user_score) s = s * 0.5 + (double)(i - j) * 0.01;
     return s;
@@ -93,10 +94,10 @@ static void reference(const oracle *o, const dims *d, const double *q, const dou
 }
 
 /* d score' / d score of ref_score's changes, in turn (the chain rule by hand). */
-static double ref_dscore(const oracle *o, int64_t h, int64_t i, int64_t j, double s)
+static double ref_dscore(const oracle *o, const dims *d, int64_t h, int64_t i, int64_t j, double s)
 {
     double g = 1;
-    if (o->alibi) s = s + o->slopes[h] * (double)(j - i);
+    if (o->alibi) s = s + o->slopes[h] * (double)(j - (i + d->Tk - d->Tq));
     if (o->cap > 0) {
         double t = tanh(s / o->cap);
         g *= 1 - t * t;
@@ -131,7 +132,7 @@ static void reference_grads(const oracle *o, const dims *d, const double *q, con
                     for (int64_t c = 0; c < d->D; c++) dot += qi[c] * K[j * d->D + c];
                     bool on = ref_mask(o, d, b, h, i, j);
                     s[j] = on ? ref_score(o, d, b, h, i, j, dot * scale) : -INFINITY;
-                    m[j] = on ? ref_dscore(o, h, i, j, dot * scale) : 0;
+                    m[j] = on ? ref_dscore(o, d, h, i, j, dot * scale) : 0;
                     mx = fmax(mx, s[j]);
                     dp[j] = 0;
                     for (int64_t c = 0; c < d->D; c++) dp[j] += wi[c] * V[j * d->D + c];
@@ -659,6 +660,29 @@ static kiln_status masked_fn(void *ctx, kiln_tensor_t *const *in, int n_in, kiln
     return out[0] ? KILN_OK : kiln_last_status();
 }
 
+/* A mask that reads h made for the call (no captured tensors: kept per sizes): a call
+ * with 1 head, then with 4, then with 1 again; the 4-head call against the same call
+ * given the mask kiln_block_mask_new makes for 4 heads (1e-6). A kept mask made for one
+ * head must not serve four (head 0's blocks for every head). */
+static void kept_masks_follow_the_heads(void **state)
+{
+    kiln_flex_t *f;
+    assert_int_equal(kiln_flex_new(NULL, "kv_idx <= q_idx && (h == 0 || q_idx - kv_idx < 4)", NULL, 0, &f), KILN_OK);
+    int64_t s1[4] = {1, 1, 128, 16}, s4[4] = {1, 4, 128, 16};
+    kiln_manual_seed(8);
+    kiln_tensor_t *q1 = kiln_randn(s1, 4, KILN_DTYPE_F32), *q4 = kiln_randn(s4, 4, KILN_DTYPE_F32);
+    assert_non_null(kiln_flex_attention(q1, q1, q1, f, NULL, 0, NULL));
+    kiln_block_mask_t *bm;
+    assert_int_equal(kiln_block_mask_new(f, 1, 4, 128, 128, 64, 64, &bm), KILN_OK);
+    double *want = host(kiln_flex_attention(q4, q4, q4, f, bm, 0, NULL)), *got = host(kiln_flex_attention(q4, q4, q4, f, NULL, 0, NULL));
+    for (int64_t i = 0; i < 4 * 128 * 16; i++)
+        if (fabs(got[i] - want[i]) > 1e-6) fail_msg("4 heads after 1: [%lld] %g, want %g", (long long)i, got[i], want[i]);
+    assert_non_null(kiln_flex_attention(q1, q1, q1, f, NULL, 0, NULL));
+    free(want), free(got);
+    kiln_block_mask_free(bm);
+    kiln_flex_free(f);
+}
+
 static void block_mask_tensor_is_a_guarded_graph_input(void **state)
 {
     int64_t qs[4] = {2, 4, 16, 8}, ks[4] = {2, 2, 16, 8};
@@ -730,6 +754,18 @@ static void block_mask_tensor_is_a_guarded_graph_input(void **state)
             assert_non_null(strstr(kiln_last_error(), bad ? "row 1 holds" : "lists key block 9"));
             kiln_clear_error();
         }
+        free(x);
+    }
+    if (fused) { /* a key block listed twice in a row */
+        int64_t *x = malloc(sizeof *w * (size_t)words);
+        memcpy(x, w, sizeof *w * (size_t)words);
+        int64_t r = 3; /* a row with two blocks or more */
+        while (x[r * 8] + x[r * 8 + 1] < 2) r++;
+        x[r * 8 + 5] = x[r * 8 + 4];
+        kiln_tensor_t *bt = kiln_tensor_to(kiln_from_data(x, kiln_tensor_shape(t44), 4, KILN_DTYPE_I64), dev);
+        assert_null(kiln_flex_attention_masked(in[0], in[1], in[2], f, bt, 0, NULL));
+        assert_non_null(strstr(kiln_last_error(), "twice"));
+        kiln_clear_error();
         free(x);
     }
     int64_t three[3] = {1, 4, 8};
@@ -890,6 +926,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(block_masks_classify_blocks, setup, teardown),
         cmocka_unit_test_setup_teardown(compiled_and_replayed_match_eager, setup, teardown),
         cmocka_unit_test_setup_teardown(block_mask_tensor_is_a_guarded_graph_input, setup, teardown),
+        cmocka_unit_test_setup_teardown(kept_masks_follow_the_heads, setup, teardown),
         cmocka_unit_test_setup_teardown(cuda_source_compiles_with_nvrtc, setup, teardown),
         cmocka_unit_test_setup_teardown(captured_dtypes_read_as_their_values, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_modifiers_are_clear_errors, setup, teardown),

@@ -198,6 +198,33 @@ static void moe_configs_and_parameters(void **state)
     assert_true(dropped == want_dropped);
     for (int e = 0; e < 6; e++) assert_true(bias[e] == 0); /* frozen */
     kiln_gpt_free(m);
+    /* group-limited routing with a bias below 0: 4 experts in 2 groups, the best group
+     * kept, top-2; router weights 0 (every score 1/4), biases 0.5, -0.3, 0, 0: group 0
+     * scores 0.7 against 0.5, so every token takes experts 0 and 1, though expert 1's
+     * choice (-0.05) is below the 0 of the other group's */
+    kiln_gpt_config g = tiny(true);
+    g.n_routed_experts = 4, g.moe_top_k = 2, g.moe_n_group = 2, g.moe_topk_group = 1, g.moe_bias_speed = 0;
+    assert_int_equal(kiln_gpt_new(&g, 3, &m), KILN_OK);
+    const float b4[4] = {0.5f, -0.3f, 0, 0};
+    bool grad = kiln_set_grad_enabled(false);
+    kiln_scope_begin();
+    for (int l = 0; l < g.n_layer; l++) {
+        char nm[64];
+        snprintf(nm, sizeof nm, "blocks.%d.mlp.router.weight", l);
+        kiln_tensor_t *w = kiln_gpt_find_param(m, nm);
+        assert_int_equal(kiln_tensor_copy_(w, kiln_zeros(kiln_tensor_shape(w), 2, KILN_DTYPE_F32)), KILN_OK);
+        snprintf(nm, sizeof nm, "blocks.%d.mlp.router.bias", l);
+        assert_int_equal(kiln_tensor_copy_(kiln_gpt_find_param(m, nm), kiln_from_data(b4, (int64_t[]){4}, 1, KILN_DTYPE_F32)),
+                         KILN_OK);
+    }
+    kiln_set_grad_enabled(grad);
+    assert_non_null(kiln_gpt_forward(m, ids(1, 8, g.vocab_size, 1), ids(1, 8, g.vocab_size, 2), true, &loss));
+    assert_int_equal(kiln_gpt_moe_update(m, NULL), KILN_OK);
+    kiln_scope_end();
+    assert_true(kiln_gpt_moe_stats(m, 0, load, NULL, NULL));
+    if (!(load[0] == 8 && load[1] == 8 && load[2] == 0 && load[3] == 0))
+        fail_msg("group-limited routing: loads %g %g %g %g, want 8 8 0 0", load[0], load[1], load[2], load[3]);
+    kiln_gpt_free(m);
 }
 
 /* kiln_gpt_new_from keeps references of its own: the fill here hands out tensors its
@@ -362,8 +389,10 @@ static void kv_cache_matches_full_forward(void **state)
 
 /* The attention variant (cfg.attention, kiln/flex.h): "causal" and a window as wide as
  * the context, and a prefix of no keys, give the default model's logits (oracle: kiln_attention's model, 1e-5);
- * a narrower window changes them; with a KV cache, a window model's step-by-step logits
- * are its full forward's (1e-5). Oracle for the window: the same model's full forward. */
+ * a narrower window changes them; with a KV cache, a model of a window, ALiBi and a soft
+ * cap after it (ALiBi's distance taken from the query's position among the keys, not
+ * within the call) gives step by step its full forward's logits (1e-5). Oracle for the
+ * window: the same model's full forward. */
 static void attention_variants_match_causal_where_they_should(void **state)
 {
     static const char *same[] = {"causal", "window:16", "prefix:0"};
@@ -376,14 +405,14 @@ static void attention_variants_match_causal_where_they_should(void **state)
         int64_t n = 2 * 12 * c.vocab_size;
         for (size_t i = 0; i < sizeof same / sizeof same[0] + 1; i++) {
             kiln_gpt_config v = c;
-            snprintf(v.attention, sizeof v.attention, "%s", i < 3 ? same[i] : "window:3");
+            snprintf(v.attention, sizeof v.attention, "%s", i < 3 ? same[i] : "window:3+alibi+softcap:0.5");
             kiln_gpt_t *mv;
             assert_int_equal(kiln_gpt_new(&v, 5, &mv), KILN_OK); /* the same seed: the same weights */
             float *got = to_host(kiln_contiguous(kiln_gpt_forward(mv, x, NULL, false, NULL)));
             double diff = 0;
             for (int64_t j = 0; j < n; j++) diff = fmax(diff, fabs(got[j] - want[j]));
             if (i < 3 && diff > 1e-5) fail_msg("%s: logits differ by %g from causal attention's", same[i], diff);
-            if (i == 3 && diff < 1e-3) fail_msg("window:3: the logits did not change (%g)", diff);
+            if (i == 3 && diff < 1e-3) fail_msg("window:3+alibi+softcap: the logits did not change (%g)", diff);
             free(got);
             if (i == 3) { /* cached decoding of the window model */
                 kiln_kv_cache_t *kv;

@@ -24,7 +24,8 @@
  *   prefix:P     prefix-LM: the first P keys seen by every query, causal after them
  *   doc          document masking for packed sequences: a query sees the keys of its own
  *                document; in->doc_ids (B, T) integers (with causal: "doc+causal")
- *   alibi        ALiBi: score + slope[h] * (kv_idx - q_idx); in->alibi_slopes (H), else
+ *   alibi        ALiBi: score + slope[h] * (kv_idx - (q_idx + kv_len - q_len)), the distance from the
+ *                query's position among the keys; in->alibi_slopes (H), else
  *                the standard slopes 2^(-8 (h + 1) / H) for in->heads heads
  *   softcap:C    tanh soft-capping (Gemma 2): C * tanh(score / C)
  * kiln_flex_and / kiln_flex_or join two modifiers (score modifiers in turn; masks

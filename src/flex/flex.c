@@ -375,7 +375,7 @@ static kiln_status preset(const char *name, const char *arg, const kiln_flex_inp
             slopes = kiln_keep(slopes);
             made = true;
         }
-        kiln_status s = kiln_flex_new("score + c0[h] * (kv_idx - q_idx)", NULL, &slopes, 1, out);
+        kiln_status s = kiln_flex_new("score + c0[h] * (kv_idx - (q_idx + kv_len - q_len))", NULL, &slopes, 1, out);
         if (made) kiln_tensor_free(slopes);
         return s;
     }
@@ -737,8 +737,10 @@ kiln_status kiln__block_mask_unpack(const int64_t *w, const int64_t *shape, int6
     m->n_partial = malloc(sizeof *m->n_partial * (size_t)rows);
     m->start = malloc(sizeof *m->start * (size_t)(rows + 1));
     m->kv = malloc(sizeof *m->kv * (size_t)(rows * nk + 1));
-    kiln_status s = m->n_full && m->n_partial && m->start && m->kv ? KILN_OK
-                                                                   : kiln_error(KILN_ERR_OOM, "flex_attention: out of memory");
+    uint8_t *seen = calloc((size_t)nk, 1); /* a row's key blocks, each at most once */
+    kiln_status s = m->n_full && m->n_partial && m->start && m->kv && seen
+                        ? KILN_OK
+                        : kiln_error(KILN_ERR_OOM, "flex_attention: out of memory");
     int64_t at = 0;
     for (int64_t r = 0; s == KILN_OK && r < rows; r++) {
         const int64_t *row = w + r * (KILN__MASK_HEAD + nk);
@@ -753,12 +755,18 @@ kiln_status kiln__block_mask_unpack(const int64_t *w, const int64_t *shape, int6
             int64_t kb = row[KILN__MASK_HEAD + j];
             if (kb < 0 || kb >= nk) s = BAD("row %lld lists key block %lld of %lld", (long long)r, (long long)kb,
                                             (long long)nk);
+            else if (seen[kb]++) s = BAD("row %lld lists key block %lld twice", (long long)r, (long long)kb);
             m->kv[at++] = kb;
+        }
+        for (int64_t j = 0; j < row[0] + row[1] && j < nk; j++) { /* cleared for the next row */
+            int64_t kb = row[KILN__MASK_HEAD + j];
+            if (kb >= 0 && kb < nk) seen[kb] = 0;
         }
         m->full += row[0], m->partial += row[1];
     }
 #undef BAD
-    m->start[rows] = at;
+    free(seen);
+    if (m->start) m->start[rows] = at;
     m->empty = rows * nk - m->full - m->partial;
     if (s != KILN_OK) {
         kiln_block_mask_free(m);

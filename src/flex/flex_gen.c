@@ -669,7 +669,7 @@ typedef struct entry {
     /* without captured tensors, the block masks made (per device and sizes), kept */
     struct {
         kiln__backend *be;
-        int64_t Tq, Tk, block, kv_block;
+        int64_t mB, mH, Tq, Tk, block, kv_block; /* mB, mH: B and H where the mask reads b and h, else 1 */
         kiln_tensor_t *t;
     } masks[8];
     int n_masks;
@@ -1290,11 +1290,12 @@ static kiln_tensor_t *mask_for(entry *e, const kiln_flex_t *f, kiln__backend *be
         kiln_op_value at[6] = {{.i = B}, {.i = H}, {.i = Tq}, {.i = Tk}, {.i = block}, {.i = kv_block}};
         return kiln_op_call(e->op_mask, f->cap, f->n_cap, at, 6);
     }
+    int64_t mB = f->vars[1][V_B] ? B : 1, mH = f->vars[1][V_H] ? H : 1; /* the mask's own sizes */
     pthread_mutex_lock(&lock);
     kiln_tensor_t *t = NULL;
     for (int i = 0; i < e->n_masks && !t; i++)
-        if (e->masks[i].be == be && e->masks[i].Tq == Tq && e->masks[i].Tk == Tk && e->masks[i].block == block &&
-            e->masks[i].kv_block == kv_block)
+        if (e->masks[i].be == be && e->masks[i].mB == mB && e->masks[i].mH == mH && e->masks[i].Tq == Tq &&
+            e->masks[i].Tk == Tk && e->masks[i].block == block && e->masks[i].kv_block == kv_block)
             t = e->masks[i].t;
     pthread_mutex_unlock(&lock);
     if (t) return kiln__scoped(kiln_tensor_retain(t));
@@ -1317,7 +1318,8 @@ static kiln_tensor_t *mask_for(entry *e, const kiln_flex_t *f, kiln__backend *be
     bool kept = e->n_masks < 8;
     if (kept) {
         int i = e->n_masks++;
-        e->masks[i].be = be, e->masks[i].Tq = Tq, e->masks[i].Tk = Tk, e->masks[i].block = block;
+        e->masks[i].be = be, e->masks[i].mB = mB, e->masks[i].mH = mH, e->masks[i].Tq = Tq, e->masks[i].Tk = Tk;
+        e->masks[i].block = block;
         e->masks[i].kv_block = kv_block, e->masks[i].t = t;
     }
     pthread_mutex_unlock(&lock);

@@ -1271,6 +1271,7 @@ kiln_status kiln_gpt_moe_update(kiln_gpt_t *m, kiln_pg_t *pg)
         kiln__moe *e = m->layers[i].moe;
         if (!e) continue;
         if (pg) s = kiln_pg_allreduce(pg, e->load, KILN_REDUCE_SUM); /* every rank's rows */
+        if (pg && s == KILN_OK) s = kiln_pg_allreduce(pg, e->dropped, KILN_REDUCE_SUM);
         if (s == KILN_OK) s = kiln__moe_update(&m->cfg, e);
     }
     return s;

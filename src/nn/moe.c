@@ -35,7 +35,8 @@ static kiln_tensor_t *swiglu(kiln_tensor_t *x, kiln_tensor_t *g, kiln_tensor_t *
 
 /* Group-limited routing (DeepSeek-V3): the E experts in G groups of E / G; a group's
  * score the sum of its two best choice values; the choices outside each row's
- * moe_topk_group best groups set to 0. */
+ * moe_topk_group best groups set to -inf (not 0: a choice is a score plus a bias that
+ * goes below 0 for an overloaded expert, which a 0 outside the groups would beat). */
 static kiln_tensor_t *limit_to_groups(const kiln_gpt_config *c, kiln_tensor_t *choice)
 {
     int64_t N = kiln_tensor_dim(choice, 0), E = c->n_routed_experts, G = c->moe_n_group;
@@ -46,7 +47,7 @@ static kiln_tensor_t *limit_to_groups(const kiln_gpt_config *c, kiln_tensor_t *c
     if (kiln_topk(kiln_sum(top2, &last, 1, false), c->moe_topk_group, &gv, &gi) != KILN_OK) return NULL;
     kiln_tensor_t *keep = kiln_scatter_add(kiln_zeros(ng, 2, KILN_DTYPE_F32), 1, gi, kiln_ones(ntg, 2, KILN_DTYPE_F32));
     keep = kiln_reshape(kiln_contiguous(kiln_expand(kiln_unsqueeze(keep, 2), grouped, 3)), ne, 2);
-    return kiln_where(kiln_gt(keep, kiln_scalar(0, KILN_DTYPE_F32)), choice, kiln_scalar(0, KILN_DTYPE_F32));
+    return kiln_where(kiln_gt(keep, kiln_scalar(0, KILN_DTYPE_F32)), choice, kiln_scalar(-INFINITY, KILN_DTYPE_F32));
 }
 
 /* The routed experts' rows in expert order (order, offsets of kiln_moe_sort) each

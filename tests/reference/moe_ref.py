@@ -83,11 +83,11 @@ class MoE(nn.Module):
         s = torch.softmax(logits, dim=-1) if cfg["moe_router"] == "softmax" else torch.sigmoid(logits)
         choice = s.detach() + self.router.bias
         G = cfg["moe_n_group"]
-        if G > 1:  # group-limited: a group's score is its two best choices; the rest of the groups zeroed
+        if G > 1:  # group-limited: a group's score is its two best choices; the rest of the groups out (-inf)
             gscore = choice.view(-1, G, E // G).topk(2, dim=-1).values.sum(-1)
             keep = torch.zeros(choice.shape[0], G).scatter_(1, topk_lower_index(gscore, cfg["moe_topk_group"]), 1.0)
             keep = keep.unsqueeze(-1).expand(-1, G, E // G).reshape(-1, E)
-            choice = choice.masked_fill(keep == 0, 0.0)
+            choice = choice.masked_fill(keep == 0, float("-inf"))
         idx = topk_lower_index(choice, k)
         w = s.gather(1, idx)
         if cfg["moe_norm_topk"]:
