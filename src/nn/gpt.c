@@ -705,6 +705,7 @@ static kiln_tensor_t *linear(const pass *ps, int i, int which, kiln_tensor_t *x,
 
 static kiln_tensor_t *attend_mla(const pass *ps, int i, kiln_tensor_t *h);
 static kiln_tensor_t *attend_paged_mla(const pass *ps, int i, kiln_tensor_t *h);
+static const kiln__moe_packed *pool_moe(const kiln_kv_pool_t *p, int i);
 
 /* Transformer block i on x (B,T,C) or (N,C): x + attention(norm1(x)), then
  * x + mlp(norm2(x)). */
@@ -731,7 +732,7 @@ static kiln_tensor_t *block(const pass *ps, int i, kiln_tensor_t *x)
         bool flat = kiln_tensor_ndim(h) == 2;
         int64_t rows[2] = {-1, c->n_embd};
         mo = kiln__moe_forward(c, L->moe, flat ? h : kiln_reshape(h, rows, 2), flat ? 0 : ps->B, ps->train,
-                               ps->pk != NULL, ps->balance);
+                               ps->pool ? pool_moe(ps->pool, i) : NULL, ps->balance);
         if (mo && !flat) mo = kiln_reshape(mo, kiln_tensor_shape(h), 3);
     } else if (c->mlp == KILN_MLP_GELU)
         mo = linear(ps, i, PK_OUT, kiln_gelu(linear(ps, i, PK_FC, h, L->fc_w, L->fc_b), true), L->out_w, L->out_b);
@@ -1009,7 +1010,34 @@ struct kiln_kv_pool {
      * where the model has no such weight), and the head's. */
     kiln_tensor_t *(*pk)[PK_N];
     kiln_tensor_t *pk_head;
+    kiln__moe_packed *moe_pk; /* per layer: an MoE block's weights packed (E 0 for the others) */
+    /* per layer with latent attention: q_a (or NULL), q_b (or q), kv_a, then each head's
+     * key part of kv_b transposed (r_kv, dn) and value part (dv, r_kv), packed */
+    kiln_tensor_t **mla_pk;
 };
+
+static const kiln__moe_packed *pool_moe(const kiln_kv_pool_t *p, int i) { return &p->moe_pk[i]; }
+static kiln_tensor_t *const *pool_mla(const kiln_kv_pool_t *p, int i) { return p->mla_pk + (size_t)i * (3 + 2 * 256); }
+
+/* Layer ly's latent attention weights packed into pk (3 + 2 H slots) as weights. */
+static bool pack_mla(const kiln_gpt_config *c, const layer *ly, kiln_dtype weights, kiln_tensor_t **pk)
+{
+    int64_t H = c->n_head, hs = c->n_embd / H, dn = c->mla_nope_dim ? c->mla_nope_dim : hs;
+    int64_t dv = c->mla_v_dim ? c->mla_v_dim : hs, rkv = c->mla_kv_rank;
+    kiln_tensor_t *w[3] = {ly->q_a, ly->q_b, ly->kv_a};
+    for (int j = 0; j < 3; j++)
+        if (w[j] && !(pk[j] = kiln_keep(kiln_matmul_rows_pack(kiln_cast(w[j], weights))))) return false;
+    kiln_tensor_t *kvb = kiln_reshape(ly->kv_b, (int64_t[]){H, dn + dv, rkv}, 3);
+    for (int64_t x = 0; x < H; x++) {
+        kiln_tensor_t *head = kiln_squeeze(kiln_narrow(kvb, 0, x, 1), 0);
+        kiln_tensor_t *wk = kiln_contiguous(kiln_transpose(kiln_narrow(head, 0, 0, dn), 0, 1));
+        kiln_tensor_t *wv = kiln_contiguous(kiln_narrow(head, 0, dn, dv));
+        if (!(pk[3 + x] = kiln_keep(kiln_matmul_rows_pack(kiln_cast(wk, weights)))) ||
+            !(pk[3 + H + x] = kiln_keep(kiln_matmul_rows_pack(kiln_cast(wv, weights)))))
+            return false;
+    }
+    return true;
+}
 
 int64_t kiln_kv_pool_block_bytes(const kiln_gpt_t *m, int block_len, kiln_dtype dtype)
 {
@@ -1045,9 +1073,11 @@ kiln_status kiln_kv_pool_new_typed(const kiln_gpt_t *m, int num_blocks, int bloc
     if (p) {
         p->k = calloc(2 * (size_t)L, sizeof *p->k); /* the keys, then the values */
         p->pk = calloc((size_t)L, sizeof *p->pk);
+        p->moe_pk = calloc((size_t)L, sizeof *p->moe_pk);
+        if (m->cfg.mla_kv_rank > 0) p->mla_pk = calloc((size_t)L * (3 + 2 * 256), sizeof *p->mla_pk);
     }
-    if (!p || !p->k || !p->pk) {
-        if (p) KILN__FREE(p->k, p->pk, p);
+    if (!p || !p->k || !p->pk || !p->moe_pk || (m->cfg.mla_kv_rank > 0 && !p->mla_pk)) {
+        if (p) KILN__FREE(p->k, p->pk, p->moe_pk, p->mla_pk, p);
         return kiln_error(KILN_ERR_OOM, "kv_pool_new: out of memory");
     }
     p->v = p->k + L;
@@ -1071,6 +1101,9 @@ kiln_status kiln_kv_pool_new_typed(const kiln_gpt_t *m, int num_blocks, int bloc
         kiln_tensor_t *w[PK_N] = {ly->qkv_w, ly->proj_w, ly->fc_w, ly->up_w, ly->out_w};
         for (int j = 0; j < PK_N; j++)
             if (w[j] && !(p->pk[i][j] = kiln_keep(kiln_matmul_rows_pack(kiln_cast(w[j], weights))))) packed = false;
+        if (ly->moe && kiln__moe_pack(&m->cfg, ly->moe, weights, &p->moe_pk[i]) != KILN_OK) packed = false;
+        if (ly->kv_a && (m->cfg.n_head > 256 || !pack_mla(&m->cfg, ly, weights, p->mla_pk + (size_t)i * (3 + 2 * 256))))
+            packed = false;
     }
     kiln_tensor_t *head = m->cfg.tied ? m->tok_emb : m->lm_head;
     if (!(p->pk_head = kiln_keep(kiln_matmul_rows_pack(kiln_cast(head, weights))))) packed = false;
@@ -1088,10 +1121,13 @@ void kiln_kv_pool_free(kiln_kv_pool_t *p)
 {
     if (!p) return;
     for (int i = 0; i < 2 * p->n_layer; i++) kiln_tensor_free(p->k[i]);
-    for (int i = 0; i < p->n_layer; i++)
+    for (int i = 0; i < p->n_layer; i++) {
         for (int j = 0; j < PK_N; j++) kiln_tensor_free(p->pk[i][j]);
+        if (p->moe_pk) kiln__moe_packed_free(&p->moe_pk[i]);
+    }
+    for (size_t j = 0; p->mla_pk && j < (size_t)p->n_layer * (3 + 2 * 256); j++) kiln_tensor_free(p->mla_pk[j]);
     kiln_tensor_free(p->pk_head);
-    KILN__FREE(p->k, p->pk, p);
+    KILN__FREE(p->k, p->pk, p->moe_pk, p->mla_pk, p);
 }
 
 int kiln_kv_pool_num_blocks(const kiln_kv_pool_t *p) { return p ? p->num_blocks : 0; }
@@ -1182,33 +1218,34 @@ static kiln_tensor_t *attend_paged_mla(const pass *ps, int i, kiln_tensor_t *h)
     int64_t dn = c->mla_nope_dim ? c->mla_nope_dim : hs, dv = c->mla_v_dim ? c->mla_v_dim : hs, D = dn + dr;
     int64_t rkv = c->mla_kv_rank;
     double eps = c->norm_eps;
-    kiln_tensor_t *q = L->q_a ? kiln_matmul_rows(kiln_rms_norm(kiln_matmul_rows(h, L->q_a), L->q_norm, eps), L->q_b)
-                              : kiln_matmul_rows(h, L->q_b);
+    kiln_tensor_t *const *pk = pool_mla(p, i); /* q_a, q_b, kv_a, then the heads' W_k^T and W_v */
+    if (H > 256) return kiln_error(KILN_ERR_UNSUPPORTED, "gpt: paged latent attention of %lld heads (256 at most)",
+                                   (long long)H), NULL;
+    kiln_tensor_t *q = L->q_a ? kiln_matmul_rows_packed(kiln_rms_norm(kiln_matmul_rows_packed(h, pk[0], c->mla_q_rank),
+                                                                      L->q_norm, eps),
+                                                        pk[1], H * D)
+                              : kiln_matmul_rows_packed(h, pk[1], H * D);
     q = kiln_reshape(q, (int64_t[]){N, H, D}, 3);
     kiln_tensor_t *qp = kiln_rope_at_scaled(kiln_contiguous(kiln_narrow(q, 2, dn, dr)), ps->pos, c->rope_theta,
                                             &c->rope_scaling);
-    kiln_tensor_t *ckv = kiln_matmul_rows(h, L->kv_a); /* (N, rkv + dr) */
+    kiln_tensor_t *ckv = kiln_matmul_rows_packed(h, pk[2], rkv + dr); /* (N, rkv + dr) */
     kiln_tensor_t *lat = kiln_rms_norm(kiln_contiguous(kiln_narrow(ckv, 1, 0, rkv)), L->kv_norm, eps);
     kiln_tensor_t *kp = kiln_rope_at_scaled(kiln_reshape(kiln_contiguous(kiln_narrow(ckv, 1, rkv, dr)), (int64_t[]){N, 1, dr}, 3),
                                             ps->pos, c->rope_theta, &c->rope_scaling);
     kiln_tensor_t *entry = kiln_cat((kiln_tensor_t *[2]){kiln_reshape(lat, (int64_t[]){N, 1, rkv}, 3), kp}, 2, 2);
     if (entry && p->dtype != KILN_DTYPE_F32) entry = kiln_cast(entry, p->dtype);
     if (!entry || kiln_index_copy_(p->k[i], ps->slot, entry) != KILN_OK) return NULL; /* v is the same pages */
-    kiln_tensor_t *kvb = kiln_reshape(L->kv_b, (int64_t[]){H, dn + dv, rkv}, 3), *qa[256], *ys[256];
-    if (H > 256) return kiln_error(KILN_ERR_UNSUPPORTED, "gpt: paged latent attention of %lld heads (256 at most)",
-                                   (long long)H), NULL;
+    kiln_tensor_t *qa[256], *ys[256];
     for (int64_t x = 0; x < H; x++) { /* q_nope of head x absorbed: q_nope W_k[x], W_k (dn, rkv) */
-        kiln_tensor_t *wk = kiln_contiguous(kiln_transpose(kiln_narrow(kiln_squeeze(kiln_narrow(kvb, 0, x, 1), 0), 0, 0, dn), 0, 1));
         kiln_tensor_t *qn = kiln_contiguous(kiln_narrow(kiln_squeeze(kiln_narrow(q, 1, x, 1), 1), 1, 0, dn));
-        qa[x] = kiln_unsqueeze(kiln_matmul_rows(qn, wk), 1);
+        qa[x] = kiln_unsqueeze(kiln_matmul_rows_packed(qn, pk[3 + x], rkv), 1);
     }
     kiln_tensor_t *qfull = kiln_cat((kiln_tensor_t *[2]){kiln_cat(qa, (int)H, 1), qp}, 2, 2); /* (N, H, rkv + dr) */
     kiln_tensor_t *o = kiln_paged_attention_variant(qfull, p->k[i], p->v[i], ps->block_table, ps->seq_pos, p->block_len,
                                                     1.0 / sqrt((double)D), &ps->variant);
-    for (int64_t x = 0; x < H; x++) { /* head x's weighted latent times W_v[x] (dv, rkv) */
-        kiln_tensor_t *wv = kiln_contiguous(kiln_narrow(kiln_squeeze(kiln_narrow(kvb, 0, x, 1), 0), 0, dn, dv));
-        ys[x] = kiln_matmul_rows(kiln_contiguous(kiln_narrow(kiln_squeeze(kiln_narrow(o, 1, x, 1), 1), 1, 0, rkv)), wv);
-    }
+    for (int64_t x = 0; x < H; x++) /* head x's weighted latent times W_v[x] (dv, rkv) */
+        ys[x] = kiln_matmul_rows_packed(kiln_contiguous(kiln_narrow(kiln_squeeze(kiln_narrow(o, 1, x, 1), 1), 1, 0, rkv)),
+                                        pk[3 + H + x], dv);
     return kiln_cat(ys, (int)H, 1);
 }
 

@@ -21,16 +21,53 @@ static kiln_tensor_t *token_of_assignment(int64_t N, int64_t k)
     return r;
 }
 
-/* x w^T for w (out, in): a GEMM, or (rows) each row alone (kiln_matmul_rows). */
-static kiln_tensor_t *lin(kiln_tensor_t *x, kiln_tensor_t *w, bool rows)
+/* x w^T for w (out, in) (n rows): a GEMM, or each row alone on w packed (wp: the
+ * serving pool's kiln_matmul_rows_pack). */
+static kiln_tensor_t *lin(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *wp, int64_t n)
 {
-    return rows ? kiln_matmul_rows(x, w) : kiln_linear(x, w, NULL);
+    return wp ? kiln_matmul_rows_packed(x, wp, n) : kiln_linear(x, w, NULL);
 }
 
-/* x (N, C) through a SwiGLU of weights (out, in): down(silu(gate x) * up x). */
-static kiln_tensor_t *swiglu(kiln_tensor_t *x, kiln_tensor_t *g, kiln_tensor_t *u, kiln_tensor_t *d, bool rows)
+/* x (N, C) through a SwiGLU of weights (out, in) of width W: down(silu(gate x) * up x);
+ * on their packed copies where given. */
+static kiln_tensor_t *swiglu(kiln_tensor_t *x, kiln_tensor_t *const w[3], kiln_tensor_t *const wp[3], int64_t W,
+                             int64_t C)
 {
-    return lin(kiln_mul(kiln_silu(lin(x, g, rows)), lin(x, u, rows)), d, rows);
+    return lin(kiln_mul(kiln_silu(lin(x, w[0], wp[0], W)), lin(x, w[1], wp[1], W)), w[2], wp[2], C);
+}
+
+/* (out, in) = w^T packed in dt. */
+static kiln_tensor_t *pack_t(kiln_tensor_t *w, kiln_dtype dt)
+{
+    return kiln_keep(kiln_matmul_rows_pack(kiln_cast(kiln_contiguous(kiln_transpose(w, 0, 1)), dt)));
+}
+
+kiln_status kiln__moe_pack(const kiln_gpt_config *c, const kiln__moe *e, kiln_dtype weights, kiln__moe_packed *out)
+{
+    int E = c->n_routed_experts;
+    *out = (kiln__moe_packed){.E = E};
+    out->gate = calloc((size_t)E * 3, sizeof *out->gate);
+    if (!out->gate) return kiln_error(KILN_ERR_OOM, "moe: out of memory");
+    out->up = out->gate + E, out->down = out->up + E;
+    bool ok = (out->router = kiln_keep(kiln_matmul_rows_pack(kiln_cast(e->router_w, weights)))) != NULL;
+    for (int x = 0; ok && x < E; x++) {
+        kiln_tensor_t *w[3] = {e->gate, e->up, e->down}, **to[3] = {&out->gate[x], &out->up[x], &out->down[x]};
+        for (int j = 0; ok && j < 3; j++) ok = (*to[j] = pack_t(kiln_squeeze(kiln_narrow(w[j], 0, x, 1), 0), weights)) != NULL;
+    }
+    if (ok && e->sg)
+        ok = (out->sg = kiln_keep(kiln_matmul_rows_pack(kiln_cast(e->sg, weights)))) &&
+             (out->su = kiln_keep(kiln_matmul_rows_pack(kiln_cast(e->su, weights)))) &&
+             (out->sd = kiln_keep(kiln_matmul_rows_pack(kiln_cast(e->sd, weights))));
+    return ok ? KILN_OK : kiln_last_status();
+}
+
+void kiln__moe_packed_free(kiln__moe_packed *p)
+{
+    if (!p) return;
+    for (int x = 0; p->gate && x < 3 * p->E; x++) kiln_tensor_free(p->gate[x]);
+    kiln_tensor_free(p->router), kiln_tensor_free(p->sg), kiln_tensor_free(p->su), kiln_tensor_free(p->sd);
+    free(p->gate);
+    *p = (kiln__moe_packed){0};
 }
 
 /* Group-limited routing (DeepSeek-V3): the E experts in G groups of E / G; a group's
@@ -51,10 +88,11 @@ static kiln_tensor_t *limit_to_groups(const kiln_gpt_config *c, kiln_tensor_t *c
 }
 
 /* The routed experts' rows in expert order (order, offsets of kiln_moe_sort) each
- * alone: expert e's rows gathered and multiplied by its weights transposed to (out, in)
- * through kiln_matmul_rows, the experts' results concatenated. For serving, where a
+ * alone: expert e's rows gathered and multiplied by its packed weights through
+ * kiln_matmul_rows_packed, the experts' results concatenated. For serving, where a
  * row's result must not depend on the batch (a grouped GEMM's blocks would). */
-static kiln_tensor_t *experts_by_rows(const kiln__moe *e, kiln_tensor_t *xs, kiln_tensor_t *offsets, int64_t E)
+static kiln_tensor_t *experts_by_rows(const kiln_gpt_config *c, const kiln__moe_packed *pk, kiln_tensor_t *xs,
+                                      kiln_tensor_t *offsets, int64_t E)
 {
     int64_t *off = malloc(sizeof *off * (size_t)(E + 1));
     if (!off || kiln_tensor_to_host(offsets, off, sizeof *off * (size_t)(E + 1)) != KILN_OK) {
@@ -63,13 +101,12 @@ static kiln_tensor_t *experts_by_rows(const kiln__moe *e, kiln_tensor_t *xs, kil
     }
     kiln_tensor_t *parts[4096];
     int n = 0;
+    int64_t Fe = kiln_gpt_moe_ffn(c), C = kiln_tensor_dim(xs, 1);
     for (int64_t x = 0; x < E; x++) {
         if (off[x + 1] == off[x]) continue;
         kiln_tensor_t *r = kiln_narrow(xs, 0, off[x], off[x + 1] - off[x]);
-        kiln_tensor_t *g = kiln_contiguous(kiln_transpose(kiln_squeeze(kiln_narrow(e->gate, 0, x, 1), 0), 0, 1));
-        kiln_tensor_t *u = kiln_contiguous(kiln_transpose(kiln_squeeze(kiln_narrow(e->up, 0, x, 1), 0), 0, 1));
-        kiln_tensor_t *d = kiln_contiguous(kiln_transpose(kiln_squeeze(kiln_narrow(e->down, 0, x, 1), 0), 0, 1));
-        parts[n++] = swiglu(kiln_contiguous(r), g, u, d, true);
+        kiln_tensor_t *const w[3] = {NULL, NULL, NULL}, *const wp[3] = {pk->gate[x], pk->up[x], pk->down[x]};
+        parts[n++] = swiglu(kiln_contiguous(r), w, wp, Fe, C);
     }
     free(off);
     return n == 1 ? parts[0] : kiln_cat(parts, n, 0);
@@ -93,12 +130,12 @@ static kiln_tensor_t *balance_loss(const kiln_gpt_config *c, kiln_tensor_t *s, k
 }
 
 kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, kiln_tensor_t *x, int64_t B, bool train,
-                                 bool rows, kiln_tensor_t **balance)
+                                 const kiln__moe_packed *pk, kiln_tensor_t **balance)
 {
     int64_t N = kiln_tensor_dim(x, 0), C = kiln_tensor_dim(x, 1), E = c->n_routed_experts, k = c->moe_top_k;
     int last = 1;
     /* the router: scores, the choice steered by the bias, the weights from the scores */
-    kiln_tensor_t *logits = lin(x, e->router_w, rows);
+    kiln_tensor_t *logits = lin(x, e->router_w, pk ? pk->router : NULL, E);
     kiln_tensor_t *s = c->moe_router == KILN_ROUTER_SOFTMAX ? kiln_softmax(logits, 1) : kiln_sigmoid(logits);
     kiln_tensor_t *vals = NULL, *idx = NULL, *choice = s ? kiln_add(kiln_detach(s), e->router_b) : NULL;
     if (choice && c->moe_n_group > 1) choice = limit_to_groups(c, choice);
@@ -112,8 +149,8 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
     kiln_tensor_t *tok = kiln_index_select(token_of_assignment(N, k), 0, order); /* (N k) */
     kiln_tensor_t *xs = kiln_index_select(x, 0, tok);
     kiln_tensor_t *ys; /* (N k, C), sorted */
-    if (rows) {
-        ys = experts_by_rows(e, xs, offsets, E);
+    if (pk) {
+        ys = experts_by_rows(c, pk, xs, offsets, E);
     } else {
         kiln_tensor_t *h = kiln_mul(kiln_silu(kiln_grouped_matmul(xs, e->gate, offsets)),
                                     kiln_grouped_matmul(xs, e->up, offsets));
@@ -135,7 +172,11 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
     }
     kiln_tensor_t *yu = kiln_mul(kiln_index_select(ys, 0, inv), wf);
     kiln_tensor_t *y = kiln_sum(kiln_reshape(yu, nkc, 3), &last, 1, false);
-    if (e->sg) y = kiln_add(y, swiglu(x, e->sg, e->su, e->sd, rows));
+    if (e->sg) {
+        kiln_tensor_t *const w[3] = {e->sg, e->su, e->sd}, *const wp[3] = {pk ? pk->sg : NULL, pk ? pk->su : NULL,
+                                                                           pk ? pk->sd : NULL};
+        y = kiln_add(y, swiglu(x, w, wp, kiln_tensor_dim(e->sg, 0), C));
+    }
     if (!y) return NULL;
     if (balance && B > 0 && c->moe_balance_loss > 0) {
         kiln_tensor_t *l = balance_loss(c, s, idx, B);

@@ -14,14 +14,25 @@ typedef struct {
     kiln_tensor_t *dropped, *last_dropped;  /* (1) f32: rows the capacity dropped, the same way */
 } kiln__moe;
 
+/* An MoE block's weights packed for kiln_matmul_rows_packed (the serving pool's, made
+ * once): the router, each expert's gate, up and down as (out, in), the shared experts'.
+ * In the weights' dtype (f32, bf16 or f16). */
+typedef struct {
+    kiln_tensor_t *router, *sg, *su, *sd;
+    kiln_tensor_t **gate, **up, **down; /* E each */
+    int E;
+} kiln__moe_packed;
+kiln_status kiln__moe_pack(const kiln_gpt_config *c, const kiln__moe *e, kiln_dtype weights, kiln__moe_packed *out);
+void kiln__moe_packed_free(kiln__moe_packed *p); /* its tensors; p itself is the caller's */
+
 /* The block's output for the rows x (N, C) of B sequences (N = B T; B 0: rows of no
  * sequence, no balance loss). With balance non-NULL and moe_balance_loss > 0, the block's
  * balance loss is added to *balance (NULL: it becomes it). In training the rows each
  * expert got are added into e->load. rows (the serving engine's paged pass, no
- * gradients): every product through kiln_matmul_rows, so that a row's result does not
- * depend on the other rows of the batch, bit for bit. */
+ * gradients): every product through kiln_matmul_rows, on the weights packed in pk, so
+ * that a row's result does not depend on the other rows of the batch, bit for bit. */
 kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, kiln_tensor_t *x, int64_t B, bool train,
-                                 bool rows, kiln_tensor_t **balance);
+                                 const kiln__moe_packed *pk, kiln_tensor_t **balance);
 
 /* After an optimizer step: router_b += moe_bias_speed * sign(mean(load) - load) (with a
  * speed), and load kept as last_load and cleared. */
