@@ -373,12 +373,8 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
 {
     if (!m || !tok || !path) return kiln_error(KILN_ERR_ARG, "gguf_save: model, tokenizer and path must not be NULL");
     const kiln_gpt_config *c = kiln_gpt_get_config(m);
-    if (c->n_routed_experts > 0 || c->mla_kv_rank > 0)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: the model has %s, which this export does not write yet", "gguf_save",
-                          c->n_routed_experts > 0 ? "mixture-of-experts blocks" : "multi-head latent attention");
-    if (kiln__gpt_has_variant(c))
-        return kiln_error(KILN_ERR_UNSUPPORTED, "gguf_save: the model's attention is '%s'; llama.cpp would run causal "
-                          "attention, so the exported model would compute something else", c->attention);
+    kiln_status exportable = kiln__gpt_exportable(c, "gguf_save", "llama.cpp would");
+    if (exportable != KILN_OK) return exportable;
     if (!kiln_dtype_is_f32_or_half(dt))
         return kiln_error(KILN_ERR_ARG, "gguf_save: weights are written as f32, bf16, f16 or q8_0, not %s",
                           kiln_dtype_name(dt));

@@ -560,14 +560,9 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
     if (!kiln_dtype_is_f32_or_half(dt))
         return kiln_error(KILN_ERR_ARG, "hf_save: weights are written as f32, bf16 or f16, not %s", kiln_dtype_name(dt));
     const kiln_gpt_config *c = kiln_gpt_get_config(m);
-    if (c->n_routed_experts > 0 || c->mla_kv_rank > 0)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: the model has %s, which this export does not write yet", "hf_save",
-                          c->n_routed_experts > 0 ? "mixture-of-experts blocks" : "multi-head latent attention");
-    if (kiln__gpt_has_variant(c))
-        return kiln_error(KILN_ERR_UNSUPPORTED, "hf_save: the model's attention is '%s'; transformers' LLaMA and GPT-2 "
-                          "run causal attention, so the exported model would compute something else", c->attention);
     kiln__family fam = KILN__FAMILY_LLAMA;
-    kiln_status s = family_of(c, &fam);
+    kiln_status s = kiln__gpt_exportable(c, "hf_save", "transformers' LLaMA and GPT-2");
+    if (s == KILN_OK) s = family_of(c, &fam);
     if (s != KILN_OK) return s;
     if (mkdir(dir, 0755) != 0 && errno != EEXIST) return kiln_error(KILN_ERR_IO, "hf_save: cannot make %s: %s", dir, strerror(errno));
     if ((s = remove_stale(dir, tok != NULL)) != KILN_OK) return s;

@@ -29,8 +29,6 @@ static inline const kiln__name_pair *kiln__name_lookup(const kiln__name_pair *t,
 
 typedef enum { KILN__FAMILY_NONE, KILN__FAMILY_LLAMA, KILN__FAMILY_GPT2 } kiln__family;
 
-/* LLaMA: rmsnorm, rope, swiglu (with or without biases); GPT-2: layernorm, learned
- * positions, gelu, biases, as many key heads as query heads; else none. */
 /* Whether the config's attention is a flex variant (not "" or "causal"), which the
  * paged serving path and the exports refuse. */
 static inline bool kiln__gpt_has_variant(const kiln_gpt_config *c)
@@ -38,6 +36,22 @@ static inline bool kiln__gpt_has_variant(const kiln_gpt_config *c)
     return c->attention[0] && strcmp(c->attention, "causal") != 0;
 }
 
+/* Whether a format whose runtime (peer: "llama.cpp would", "transformers' LLaMA and
+ * GPT-2") runs causal attention over dense MLPs can hold the model: an error of who's
+ * naming what it cannot write, or KILN_OK. */
+static inline kiln_status kiln__gpt_exportable(const kiln_gpt_config *c, const char *who, const char *peer)
+{
+    if (c->n_routed_experts > 0 || c->mla_kv_rank > 0)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: the model has %s, which this export does not write yet", who,
+                          c->n_routed_experts > 0 ? "mixture-of-experts blocks" : "multi-head latent attention");
+    if (kiln__gpt_has_variant(c))
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: the model's attention is '%s'; %s run causal attention, so the "
+                          "exported model would compute something else", who, c->attention, peer);
+    return KILN_OK;
+}
+
+/* LLaMA: rmsnorm, rope, swiglu (with or without biases); GPT-2: layernorm, learned
+ * positions, gelu, biases, as many key heads as query heads; else none. */
 static inline kiln__family kiln__family_of(const kiln_gpt_config *c)
 {
     if (c->norm == KILN_NORM_RMSNORM && c->pos == KILN_POS_ROPE && c->mlp == KILN_MLP_SWIGLU) return KILN__FAMILY_LLAMA;
