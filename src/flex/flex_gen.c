@@ -925,7 +925,8 @@ static void run(void (*fn)(void *, int64_t, int64_t), run_ctx *r, int64_t tasks)
 
 /* What both cpu kernels do first: e's functions built for q's type, and the call's
  * arguments with q at in[qi], k after it, the block mask tensor at in[ci - 1] (read
- * into *own) and the captured tensors from in[ci]. */
+ * into *own, which the caller frees; NULL on an error) and the captured tensors from
+ * in[ci]. */
 static kiln_status prepare(const kiln_op_args *x, int qi, int ci, bool *f64, flex_args *a, kiln_block_mask_t **own,
                            int32_t *bad)
 {
@@ -950,10 +951,7 @@ static kiln_status fwd_kernel(const kiln_op_args *x)
     int32_t bad = 0;
     bool f64;
     kiln_status s = prepare(x, 0, 4, &f64, &a, &own, &bad);
-    if (s != KILN_OK) {
-        kiln_block_mask_free(own);
-        return s;
-    }
+    if (s != KILN_OK) return s;
     a.q = kiln__data(x->in[0]), a.k = kiln__data(x->in[1]), a.v = kiln__data(x->in[2]);
     a.y = kiln__data(x->out[0]), a.lse = kiln__data(x->out[1]);
     run_ctx r = {.fn = e->tile[f64], .a = &a};
@@ -971,10 +969,7 @@ static kiln_status bwd_kernel(const kiln_op_args *x)
     int32_t bad = 0;
     bool f64;
     kiln_status s = prepare(x, 1, 7, &f64, &a, &own, &bad);
-    if (s != KILN_OK) {
-        kiln_block_mask_free(own);
-        return s;
-    }
+    if (s != KILN_OK) return s;
     kiln_tensor_t *q = x->in[1];
     grads g = {kiln__data(x->out[0]), kiln__data(x->out[1]), kiln__data(x->out[2]), kiln__data(x->in[5]),
                kiln__data(x->in[0])};
@@ -1150,11 +1145,8 @@ static kiln_status fwd_kernel_dev(const kiln_op_args *x)
     kiln_block_mask_t *bm = NULL;
     kiln_status s = dev_fits(q);
     if (s == KILN_OK) s = dev_kernel(e, be, 0, &kernel);
-    if (s == KILN_OK) s = mask_of_call(x->in[3], q, k, &bm);
-    if (s != KILN_OK) {
-        kiln_block_mask_free(bm);
-        return s;
-    }
+    if (s == KILN_OK) s = mask_of_call(x->in[3], q, k, &bm); /* bm stays NULL on an error */
+    if (s != KILN_OK) return s;
     int32_t zero = 0;
     kiln_tensor_t *list[4] = {0}, *bad = on_device(be, &zero, KILN_DTYPE_I32, 1);
     const block_list l = mask_list(bm);
