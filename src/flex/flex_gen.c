@@ -655,6 +655,14 @@ typedef void (*flex_tile_bwd_fn)(const flex_args *a, void *S, void *M, int64_t l
  * (kiln/op.h): the forward (q, k, v, captured... -> y, lse) and its backward (dO, q, k,
  * v, lse, Dm, captured... -> dq, dk, dv), so that autograd, capture and replay see
  * flex attention as they see any op. */
+/* A block mask made and kept for one device and sizes (mB, mH: B and H where the mask
+ * reads b and h, else 1). */
+typedef struct {
+    kiln__backend *be;
+    int64_t mB, mH, Tq, Tk, block, kv_block;
+    kiln_tensor_t *t;
+} kept_mask;
+
 typedef struct entry {
     char *key;
     kiln_flex_t *tmpl;
@@ -666,12 +674,7 @@ typedef struct entry {
         void *kernel[3]; /* flex_fwd_dev, flex_bwd_dq_dev, flex_bwd_dkv_dev, each built on first use */
     } cl[4]; /* the OpenCL or CUDA kernels, per device */
     int op_fwd, op_bwd, op_mask; /* op_mask: with captured tensors, their block mask */
-    /* without captured tensors, the block masks made (per device and sizes), kept */
-    struct {
-        kiln__backend *be;
-        int64_t mB, mH, Tq, Tk, block, kv_block; /* mB, mH: B and H where the mask reads b and h, else 1 */
-        kiln_tensor_t *t;
-    } masks[8];
+    kept_mask masks[8]; /* without captured tensors, the block masks made (per device and sizes) */
     int n_masks;
     struct entry *next;
 } entry;
@@ -1271,6 +1274,18 @@ static kiln_status mask_kernel(const kiln_op_args *x)
     return s;
 }
 
+/* f's block mask classified on the host (kiln_block_mask_new) as a tensor on be, in the
+ * open scope; NULL on an error. */
+static kiln_tensor_t *mask_made(const kiln_flex_t *f, kiln__backend *be, int64_t B, int64_t H, int64_t Tq, int64_t Tk,
+                                int64_t block, int64_t kv_block)
+{
+    kiln_block_mask_t *m;
+    if (kiln_block_mask_new(f, B, H, Tq, Tk, block, kv_block, &m) != KILN_OK) return NULL;
+    kiln_tensor_t *t = kiln_block_mask_tensor(m);
+    kiln_block_mask_free(m);
+    return t && be != kiln__backend_at(0) ? kiln_tensor_to(t, be->name) : t;
+}
+
 /* The block mask tensor of e's modifiers f (whose captured tensors are the call's) for
  * these sizes on be: with captured tensors, e's mask op on them (so that a captured
  * function computes it from each call's values); without, a tensor made once per device
@@ -1294,30 +1309,17 @@ static kiln_tensor_t *mask_for(entry *e, const kiln_flex_t *f, kiln__backend *be
     /* made outside any capture or recording on this thread: a constant of the graph */
     void *held = kiln__intercept_suspend();
     bool was = kiln_set_grad_enabled(false);
-    kiln_block_mask_t *m = NULL;
     kiln_scope_begin();
-    if (kiln_block_mask_new(f, B, H, Tq, Tk, block, kv_block, &m) == KILN_OK) {
-        t = kiln_block_mask_tensor(m);
-        if (t && be != kiln__backend_at(0)) t = kiln_tensor_to(t, be->name);
-        t = kiln_keep(t);
-    }
+    t = kiln_keep(mask_made(f, be, B, H, Tq, Tk, block, kv_block));
     kiln_scope_end();
-    kiln_block_mask_free(m);
     kiln_set_grad_enabled(was);
     kiln__intercept_resume(held);
     if (!t) return NULL;
     pthread_mutex_lock(&lock);
     bool kept = e->n_masks < 8;
-    if (kept) {
-        int i = e->n_masks++;
-        e->masks[i].be = be, e->masks[i].mB = mB, e->masks[i].mH = mH, e->masks[i].Tq = Tq, e->masks[i].Tk = Tk;
-        e->masks[i].block = block;
-        e->masks[i].kv_block = kv_block, e->masks[i].t = t;
-    }
+    if (kept) e->masks[e->n_masks++] = (kept_mask){be, mB, mH, Tq, Tk, block, kv_block, t};
     pthread_mutex_unlock(&lock);
-    kiln_tensor_t *out = kiln__scoped(kiln_tensor_retain(t));
-    if (!kept) kiln_tensor_free(t);
-    return out;
+    return kiln__scoped(kept ? kiln_tensor_retain(t) : t);
 }
 
 /* The entry of f's modifiers, made (its template and ops) on first use. */
@@ -1443,11 +1445,7 @@ kiln_tensor_t *kiln_flex_block_mask(const kiln_flex_t *f, int64_t B, int64_t H, 
         if (kiln_graph_capturing())
             return kiln_error(KILN_ERR_UNSUPPORTED, "flex_block_mask: %d captured tensors inside a captured function; "
                               "the mask is computed there from at most 2", f->n_cap), NULL;
-        kiln_block_mask_t *m;
-        if (kiln_block_mask_new(f, B, H, Tq, Tk, block, kv_block, &m) != KILN_OK) return NULL;
-        kiln_tensor_t *t = kiln_block_mask_tensor(m);
-        kiln_block_mask_free(m);
-        return t && be != kiln__backend_at(0) ? kiln_tensor_to(t, be->name) : t;
+        return mask_made(f, be, B, H, Tq, Tk, block, kv_block);
     }
     entry *e = NULL;
     if (entry_for(f, &e) != KILN_OK) return NULL;
