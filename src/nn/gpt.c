@@ -433,11 +433,9 @@ static kiln_status build_moe(kiln_gpt_t *m, int i, layer *L, double std, double 
         return kiln_last_status();
 #undef NAME
     kiln_tensor_set_requires_grad(e->router_b, false); /* moved by the balancing rule, not by gradients */
-    int64_t one = 1;
-    if (!(e->load = kiln_keep(kiln_zeros(&E, 1, KILN_DTYPE_F32))) ||
-        !(e->last_load = kiln_keep(kiln_zeros(&E, 1, KILN_DTYPE_F32))) ||
-        !(e->dropped = kiln_keep(kiln_zeros(&one, 1, KILN_DTYPE_F32))) ||
-        !(e->last_dropped = kiln_keep(kiln_zeros(&one, 1, KILN_DTYPE_F32))))
+    int64_t counters = E + 1; /* the experts' rows, then the dropped ones */
+    if (!(e->load = kiln_keep(kiln_zeros(&counters, 1, KILN_DTYPE_F32))) ||
+        !(e->last_load = kiln_keep(kiln_zeros(&counters, 1, KILN_DTYPE_F32))))
         return kiln_last_status();
     return KILN_OK;
 }
@@ -555,8 +553,6 @@ void kiln_gpt_free(kiln_gpt_t *m)
         if (m->layers[i].moe) {
             kiln_tensor_free(m->layers[i].moe->load);
             kiln_tensor_free(m->layers[i].moe->last_load);
-            kiln_tensor_free(m->layers[i].moe->dropped);
-            kiln_tensor_free(m->layers[i].moe->last_dropped);
             free(m->layers[i].moe);
         }
     KILN__FREE(m->params, m->names, m->layers, m);
@@ -1307,8 +1303,7 @@ kiln_status kiln_gpt_moe_update(kiln_gpt_t *m, kiln_pg_t *pg)
     for (int i = 0; s == KILN_OK && i < m->cfg.n_layer; i++) {
         kiln__moe *e = m->layers[i].moe;
         if (!e) continue;
-        if (pg) s = kiln_pg_allreduce(pg, e->load, KILN_REDUCE_SUM); /* every rank's rows */
-        if (pg && s == KILN_OK) s = kiln_pg_allreduce(pg, e->dropped, KILN_REDUCE_SUM);
+        if (pg) s = kiln_pg_allreduce(pg, e->load, KILN_REDUCE_SUM); /* every rank's rows, and dropped ones */
         if (s == KILN_OK) s = kiln__moe_update(&m->cfg, e);
     }
     return s;
@@ -1318,12 +1313,13 @@ bool kiln_gpt_moe_stats(const kiln_gpt_t *m, int layer, float *load, float *bias
 {
     if (!m || layer < 0 || layer >= m->cfg.n_layer || !m->layers[layer].moe) return false;
     const kiln__moe *e = m->layers[layer].moe;
-    size_t n = sizeof(float) * (size_t)m->cfg.n_routed_experts;
-    float d = 0;
-    bool ok = (!load || kiln_tensor_to_host(e->last_load, load, n) == KILN_OK) &&
-              (!bias || kiln_tensor_to_host(e->router_b, bias, n) == KILN_OK) &&
-              (!dropped || kiln_tensor_to_host(e->last_dropped, &d, sizeof d) == KILN_OK);
-    if (dropped) *dropped = d;
+    int E = m->cfg.n_routed_experts;
+    float *counters = malloc(sizeof *counters * (size_t)(E + 1)); /* the experts' rows, then the dropped ones */
+    bool ok = counters && kiln_tensor_to_host(e->last_load, counters, sizeof *counters * (size_t)(E + 1)) == KILN_OK &&
+              (!bias || kiln_tensor_to_host(e->router_b, bias, sizeof *bias * (size_t)E) == KILN_OK);
+    if (ok && load) memcpy(load, counters, sizeof *load * (size_t)E);
+    if (ok && dropped) *dropped = counters[E];
+    free(counters);
     return ok;
 }
 

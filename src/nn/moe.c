@@ -186,10 +186,11 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
     if (train) { /* the rows each expert got, for the next update and the statistics */
         bool grad = kiln_set_grad_enabled(false);
         kiln_tensor_t *counts = kiln_sub(kiln_narrow(offsets, 0, 1, E), kiln_narrow(offsets, 0, 0, E));
-        kiln_status st = kiln_tensor_copy_(e->load, kiln_add(e->load, kiln_cast(counts, KILN_DTYPE_F32)));
-        if (st == KILN_OK && kept) /* the rows dropped: N k less those kept */
-            st = kiln_tensor_copy_(e->dropped, kiln_add(e->dropped, kiln_sub(kiln_scalar((double)nk, KILN_DTYPE_F32),
-                                                                              kiln_sum(kept, NULL, 0, true))));
+        int64_t one = 1; /* the rows dropped: N k less those kept */
+        kiln_tensor_t *dropped = kept ? kiln_sub(kiln_scalar((double)nk, KILN_DTYPE_F32), kiln_sum(kept, NULL, 0, true))
+                                      : kiln_zeros(&one, 1, KILN_DTYPE_F32);
+        kiln_tensor_t *parts[2] = {kiln_cast(counts, KILN_DTYPE_F32), dropped};
+        kiln_status st = kiln_tensor_copy_(e->load, kiln_add(e->load, kiln_cat(parts, 2, 0)));
         kiln_set_grad_enabled(grad);
         if (st != KILN_OK) return NULL;
     }
@@ -201,14 +202,12 @@ kiln_status kiln__moe_update(const kiln_gpt_config *c, kiln__moe *e)
     bool grad = kiln_set_grad_enabled(false);
     kiln_status s = KILN_OK;
     if (c->moe_bias_speed > 0) { /* sign(mean - load) as (mean > load) - (mean < load) */
-        kiln_tensor_t *mean = kiln_mean(e->load, NULL, 0, true);
-        kiln_tensor_t *sign = kiln_sub(kiln_cast(kiln_gt(mean, e->load), KILN_DTYPE_F32),
-                                       kiln_cast(kiln_lt(mean, e->load), KILN_DTYPE_F32));
+        kiln_tensor_t *load = kiln_narrow(e->load, 0, 0, c->n_routed_experts), *mean = kiln_mean(load, NULL, 0, true);
+        kiln_tensor_t *sign = kiln_sub(kiln_cast(kiln_gt(mean, load), KILN_DTYPE_F32),
+                                       kiln_cast(kiln_lt(mean, load), KILN_DTYPE_F32));
         s = kiln_tensor_copy_(e->router_b, kiln_add(e->router_b, kiln_mul_scalar(sign, c->moe_bias_speed)));
     }
     if (s == KILN_OK) s = kiln_tensor_copy_(e->last_load, e->load);
-    if (s == KILN_OK) s = kiln_tensor_copy_(e->last_dropped, e->dropped);
-    if (s == KILN_OK) s = kiln_tensor_copy_(e->dropped, kiln_zeros(kiln_tensor_shape(e->dropped), 1, KILN_DTYPE_F32));
     if (s == KILN_OK) s = kiln_tensor_copy_(e->load, kiln_zeros(kiln_tensor_shape(e->load), 1, KILN_DTYPE_F32));
     kiln_set_grad_enabled(grad);
     return s;

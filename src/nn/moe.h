@@ -10,8 +10,10 @@ typedef struct {
     kiln_tensor_t *router_w, *router_b;     /* (E, C); (E) the balancing bias, no gradient */
     kiln_tensor_t *gate, *up, *down;        /* (E, C, Fe), (E, C, Fe), (E, Fe, C) */
     kiln_tensor_t *sg, *su, *sd;            /* the shared experts' SwiGLU, or NULL */
-    kiln_tensor_t *load, *last_load;        /* (E) f32: rows routed since the last update, and at it */
-    kiln_tensor_t *dropped, *last_dropped;  /* (1) f32: rows the capacity dropped, the same way */
+    /* (E + 1) f32: the rows routed to each expert since the last update, then the rows
+     * the capacity dropped (one tensor, so that ranks sum them in one allreduce); and the
+     * same at the last update */
+    kiln_tensor_t *load, *last_load;
 } kiln__moe;
 
 /* An MoE block's weights packed for kiln_matmul_rows_packed (the serving pool's, made
