@@ -1007,15 +1007,17 @@ struct kiln_kv_pool {
     kiln_tensor_t *(*pk)[PK_N];
     kiln_tensor_t *pk_head;
     kiln__moe_packed *moe_pk; /* per layer: an MoE block's weights packed (E 0 for the others) */
-    /* per layer with latent attention: q_a (or NULL), q_b (or q), kv_a, then each head's
-     * key part of kv_b transposed (r_kv, dn) and value part (dv, r_kv), packed */
+    /* per layer with latent attention, mla_stride = 3 + 2 H of them: q_a (or NULL), q_b (or
+     * q), kv_a, then each head's key part of kv_b transposed (r_kv, dn) and value part
+     * (dv, r_kv), packed */
     kiln_tensor_t **mla_pk;
+    int64_t mla_stride;
 };
 
 static const kiln__moe_packed *pool_moe(const kiln_kv_pool_t *p, int i) { return &p->moe_pk[i]; }
-static kiln_tensor_t *const *pool_mla(const kiln_kv_pool_t *p, int i) { return p->mla_pk + (size_t)i * (3 + 2 * 256); }
+static kiln_tensor_t *const *pool_mla(const kiln_kv_pool_t *p, int i) { return p->mla_pk + i * p->mla_stride; }
 
-/* Layer ly's latent attention weights packed into pk (3 + 2 H slots) as weights. */
+/* Layer ly's latent attention weights packed into pk (mla_stride slots) as weights. */
 static bool pack_mla(const kiln_gpt_config *c, const layer *ly, kiln_dtype weights, kiln_tensor_t **pk)
 {
     int64_t H = c->n_head, hs = c->n_embd / H, dn = c->mla_nope_dim ? c->mla_nope_dim : hs;
@@ -1070,9 +1072,10 @@ kiln_status kiln_kv_pool_new_typed(const kiln_gpt_t *m, int num_blocks, int bloc
         p->k = calloc(2 * (size_t)L, sizeof *p->k); /* the keys, then the values */
         p->pk = calloc((size_t)L, sizeof *p->pk);
         p->moe_pk = calloc((size_t)L, sizeof *p->moe_pk);
-        if (m->cfg.mla_kv_rank > 0) p->mla_pk = calloc((size_t)L * (3 + 2 * 256), sizeof *p->mla_pk);
+        p->mla_stride = m->cfg.mla_kv_rank > 0 ? 3 + 2 * (int64_t)m->cfg.n_head : 0;
+        if (p->mla_stride) p->mla_pk = calloc((size_t)(L * p->mla_stride), sizeof *p->mla_pk);
     }
-    if (!p || !p->k || !p->pk || !p->moe_pk || (m->cfg.mla_kv_rank > 0 && !p->mla_pk)) {
+    if (!p || !p->k || !p->pk || !p->moe_pk || (p->mla_stride && !p->mla_pk)) {
         if (p) KILN__FREE(p->k, p->pk, p->moe_pk, p->mla_pk, p);
         return kiln_error(KILN_ERR_OOM, "kv_pool_new: out of memory");
     }
@@ -1098,8 +1101,7 @@ kiln_status kiln_kv_pool_new_typed(const kiln_gpt_t *m, int num_blocks, int bloc
         for (int j = 0; j < PK_N; j++)
             if (w[j] && !(p->pk[i][j] = kiln_keep(kiln_matmul_rows_pack(kiln_cast(w[j], weights))))) packed = false;
         if (ly->moe && kiln__moe_pack(&m->cfg, ly->moe, weights, &p->moe_pk[i]) != KILN_OK) packed = false;
-        if (ly->kv_a && (m->cfg.n_head > 256 || !pack_mla(&m->cfg, ly, weights, p->mla_pk + (size_t)i * (3 + 2 * 256))))
-            packed = false;
+        if (ly->kv_a && !pack_mla(&m->cfg, ly, weights, p->mla_pk + i * p->mla_stride)) packed = false;
     }
     kiln_tensor_t *head = m->cfg.tied ? m->tok_emb : m->lm_head;
     if (!(p->pk_head = kiln_keep(kiln_matmul_rows_pack(kiln_cast(head, weights))))) packed = false;
@@ -1121,7 +1123,7 @@ void kiln_kv_pool_free(kiln_kv_pool_t *p)
         for (int j = 0; j < PK_N; j++) kiln_tensor_free(p->pk[i][j]);
         if (p->moe_pk) kiln__moe_packed_free(&p->moe_pk[i]);
     }
-    for (size_t j = 0; p->mla_pk && j < (size_t)p->n_layer * (3 + 2 * 256); j++) kiln_tensor_free(p->mla_pk[j]);
+    for (int64_t j = 0; j < p->n_layer * p->mla_stride; j++) kiln_tensor_free(p->mla_pk[j]);
     kiln_tensor_free(p->pk_head);
     KILN__FREE(p->k, p->pk, p->moe_pk, p->mla_pk, p);
 }
