@@ -722,8 +722,7 @@ static void block_mask_tensor_is_a_guarded_graph_input(void **state)
     assert_int_equal(kiln_compiled_new(masked_fn, f, "flex_masked", &cf), KILN_OK);
     const int graphs_after[4] = {1, 1, 1, 2};
     /* the dense path (test_flex_dense) has no block mask: it evaluates f's mask */
-    const char *fused_env = getenv("KILN_OPT_FLEX_FUSED");
-    bool fused = !fused_env || strcmp(fused_env, "0");
+    bool fused = test_opt_on("FLEX_FUSED");
     for (int call = 0; call < 4; call++) {
         in[3] = masks[call];
         kiln_tensor_t *out[1];
@@ -784,17 +783,10 @@ static void block_mask_tensor_is_a_guarded_graph_input(void **state)
  * needed; it runs where one is: test_flex_cuda in bench/gpu.sh), for presets with and
  * without captured tensors and a user's modifiers; skipped, not passed, where NVRTC is
  * not. The OpenCL C of the same generator runs in test_flex_opencl. */
-kiln_status kiln__cuda_nvrtc(const char *src, const char *name, int major, int minor, char **ptx);
-
 static void cuda_source_compiles_with_nvrtc(void **state)
 {
+    skip_without_nvrtc();
     char *ptx = NULL;
-    if (kiln__cuda_nvrtc("extern \"C\" __global__ void probe() {}", "probe", 9, 0, &ptx) != KILN_OK) {
-        print_message("skipped: NVRTC is not available here (%s)\n", kiln_last_error());
-        kiln_clear_error();
-        skip();
-    }
-    free(ptx);
     int64_t ds[2] = {2, 12}, H = 4;
     kiln_flex_inputs in = {.doc_ids = kiln_from_data(docs, ds, 2, KILN_DTYPE_I64),
                            .alibi_slopes = kiln_from_data(slopes, &H, 1, KILN_DTYPE_F64)};

@@ -10,6 +10,22 @@
 #include "kiln/ops.h"
 #include "kiln/tensor.h"
 
+/* The CUDA backend's compiler (src/backends/cuda): src's kernel `name` to PTX for sm_major.minor. */
+kiln_status kiln__cuda_nvrtc(const char *src, const char *name, int major, int minor, char **ptx);
+
+/* Skips the calling cmocka test (skipped, not passed) where NVRTC is not available, saying
+ * so; a macro, since cmocka's skip() returns from the test. */
+#define skip_without_nvrtc()                                                                              \
+    do {                                                                                                  \
+        char *probe_ = NULL;                                                                              \
+        if (kiln__cuda_nvrtc("extern \"C\" __global__ void probe() {}", "probe", 9, 0, &probe_) != KILN_OK) { \
+            print_message("skipped: NVRTC is not available here (%s)\n", kiln_last_error());             \
+            kiln_clear_error();                                                                           \
+            skip();                                                                                       \
+        }                                                                                                 \
+        free(probe_);                                                                                     \
+    } while (0)
+
 /* Whether the switch KILN_OPT_<name> is on in this process. */
 static inline bool test_opt_on(const char *name)
 {
