@@ -52,6 +52,17 @@ static kiln_tensor_t *from_i64(const int64_t *v, int nd, const int64_t *sh)
     return t;
 }
 
+/* The f64 leaf x's elements set to h, outside autograd. */
+static void set_values(kiln_tensor_t *x, const double *h)
+{
+    kiln_scope_begin();
+    bool prev = kiln_set_grad_enabled(false);
+    assert_int_equal(kiln_tensor_copy_(x, from_f64(h, kiln_tensor_ndim(x), kiln_tensor_shape(x), KILN_DTYPE_F64)),
+                     KILN_OK);
+    kiln_set_grad_enabled(prev);
+    kiln_scope_end();
+}
+
 /* t's elements as doubles (n of them), in a new buffer. */
 static double *read_f64(kiln_tensor_t *t)
 {
@@ -419,12 +430,7 @@ static void gradcheck(const char *what, fwd_fn f, const void *ctx, int n, kiln_t
             double keep = h[j], l[2];
             for (int side = 0; side < 2; side++) {
                 h[j] = keep + (side ? -eps : eps);
-                kiln_scope_begin();
-                bool prev = kiln_set_grad_enabled(false);
-                assert_int_equal(kiln_tensor_copy_(x[i], from_f64(h, kiln_tensor_ndim(x[i]), kiln_tensor_shape(x[i]),
-                                                                 KILN_DTYPE_F64)), KILN_OK);
-                kiln_set_grad_enabled(prev);
-                kiln_scope_end();
+                set_values(x[i], h);
                 l[side] = loss(f, ctx, x, R);
             }
             h[j] = keep;
@@ -433,12 +439,7 @@ static void gradcheck(const char *what, fwd_fn f, const void *ctx, int n, kiln_t
                 fail_msg("%s: d/d input %d [%lld]: backward %.12g, finite difference %.12g", what, i, (long long)j,
                          ga[j], fd);
         }
-        kiln_scope_begin();
-        bool prev = kiln_set_grad_enabled(false);
-        assert_int_equal(kiln_tensor_copy_(x[i], from_f64(h, kiln_tensor_ndim(x[i]), kiln_tensor_shape(x[i]),
-                                                         KILN_DTYPE_F64)), KILN_OK);
-        kiln_set_grad_enabled(prev);
-        kiln_scope_end();
+        set_values(x[i], h);
         free(h);
         free(ga);
     }
