@@ -18,18 +18,12 @@ for r in $(seq "$rounds"); do
     done
 done
 "$py" - "$out" <<'PY'
-import json, sys, statistics
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-def best(pred):
-    by = {}
-    for r in rows:
-        if pred(r):
-            by.setdefault(r["threads"], []).append(r["tokens_per_s"])
-    med = {t: statistics.median(v) for t, v in by.items()}
-    t = max(med, key=med.get)
-    return t, med[t], med
-kt, kv, kall = best(lambda r: r.get("engine") == "kiln")
-pt, pv, pall = best(lambda r: r.get("impl") == "torch-eager")
+import sys
+sys.path.insert(0, "bench")
+from medians import rows_of, best
+rows = rows_of(sys.argv[1])
+kt, kv, kall = best(rows, lambda r: r.get("engine") == "kiln")
+pt, pv, pall = best(rows, lambda r: r.get("impl") == "torch-eager")
 krss = max(r["peak_rss_mb"] for r in rows if r.get("engine") == "kiln")
 prss = max(r["peak_rss_mib"] for r in rows if r.get("impl") == "torch-eager")
 print(f"kiln median tokens/s by threads: {kall}; best {kv:.0f} at {kt} thread(s), peak RSS {krss:.0f} MiB")

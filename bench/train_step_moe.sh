@@ -26,19 +26,13 @@ for r in $(seq "$rounds"); do
     done
 done
 "$py" - "$out" <<'PY'
-import json, sys, statistics
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
-def best(pred):
-    by = {}
-    for r in rows:
-        if pred(r):
-            by.setdefault(r["threads"], []).append(r["tokens_per_s"])
-    med = {t: statistics.median(v) for t, v in by.items()}
-    t = max(med, key=med.get)
-    return t, med[t], med
-dt, dv, dall = best(lambda r: r.get("engine") == "kiln" and r.get("experts") == 0)
-mt, mv, mall = best(lambda r: r.get("engine") == "kiln" and r.get("experts", 0) > 0)
-pt, pv, pall = best(lambda r: r.get("impl") == "torch-eager")
+import sys
+sys.path.insert(0, "bench")
+from medians import rows_of, best
+rows = rows_of(sys.argv[1])
+dt, dv, dall = best(rows, lambda r: r.get("engine") == "kiln" and r.get("experts") == 0)
+mt, mv, mall = best(rows, lambda r: r.get("engine") == "kiln" and r.get("experts", 0) > 0)
+pt, pv, pall = best(rows, lambda r: r.get("impl") == "torch-eager")
 print(f"kiln dense config S: median tokens/s by threads {dall}; best {dv:.0f} at {dt}")
 print(f"kiln S-MoE:          median tokens/s by threads {mall}; best {mv:.0f} at {mt}")
 print(f"torch eager S-MoE (a loop over experts): {pall}; best {pv:.0f} at {pt}")
