@@ -529,8 +529,13 @@ static kiln_status collectives(void *ctx, kiln_tensor_t *const *in, int n_in, ki
         y = x;
     } else if (e->which == 1) {
         s = kiln_pg_reduce_scatter(pg, x, y, KILN_REDUCE_SUM);
-    } else {
+    } else if (e->which == 2) {
         s = kiln_pg_allgather(pg, x, y);
+    } else { /* 3 of the 4 rows to this rank, into 5 rows (the last 2 zeros); the counts 3 */
+        int64_t one = 1, three = 3;
+        kiln_tensor_t *rc;
+        s = kiln_pg_all_to_all(pg, x, kiln_from_data(&three, &one, 1, KILN_DTYPE_I64), 5, &y, &rc);
+        if (s == KILN_OK) y = kiln_mul(y, kiln_cast(kiln_sum(rc, NULL, 0, false), e->dt));
     }
     if (s != KILN_OK) return s;
     return finish(kiln_add_scalar(y, 1), out, n_out);
@@ -628,6 +633,8 @@ static const op_case cases[] = {
      .op = {KILN_OP_REDUCE_SCATTER_, END}},
     {.name = "allgather_", .fn = collectives, .make = make_coll, .which = 2, .f64 = true,
      .op = {KILN_OP_ALLGATHER_, END}},
+    {.name = "all_to_all", .fn = collectives, .make = make_coll, .which = 3, .f64 = true,
+     .op = {KILN_OP_ALL_TO_ALL, END}},
 };
 #define N_CASES (sizeof cases / sizeof cases[0])
 

@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kiln/dist.h"
 #include "kiln/ops.h"
 #include "ops/registry.h"
 
@@ -402,6 +403,26 @@ static void case_grouped_matmul(void)
     GC("grouped_matmul", f_grouped_matmul, index_of(off, 1, os), leaf(2, xs, -1, 1, false), leaf(3, ws, -1, 1, false));
 }
 
+/* all_to_all on a group of one: the first 4 of x's 5 rows sent (to this rank), into 7
+ * rows (3 of zeros); the gradient comes back by the reverse exchange, the unsent row's
+ * zero. (The exchange between ranks: tests/dist/dist_probe.c.) */
+static kiln_tensor_t *f_all_to_all(kiln_tensor_t *const *x, const void *c)
+{
+    static kiln_pg_t *pg; /* the op keeps the group's pointer for its backward: kept for the process */
+    kiln_tensor_t *y = NULL, *rc;
+    int64_t one = 1;
+    const int64_t four = 4;
+    if (pg || kiln_pg_new_from_env(&pg) == KILN_OK)
+        kiln_pg_all_to_all(pg, x[0], kiln_from_data(&four, &one, 1, KILN_DTYPE_I64), 7, &y, &rc);
+    (void)c;
+    return y;
+}
+static void case_all_to_all(void)
+{
+    int64_t sh[2] = {5, 3};
+    GC("all_to_all one rank", f_all_to_all, NULL, leaf(2, sh, -1, 1, false));
+}
+
 typedef struct {
     int dim;
     kiln_tensor_t *idx;
@@ -664,6 +685,7 @@ static const grad_case cases[] = {
     {KILN_OP_ROPE, "gradcheck_rope", case_rope},
     {KILN_OP_ATTENTION, "gradcheck_attention_plain_and_gqa_causal", case_attention},
     {KILN_OP_TOPK, "gradcheck_topk_values", case_topk},
+    {KILN_OP_ALL_TO_ALL, "gradcheck_all_to_all_one_rank", case_all_to_all},
     {KILN_OP_GROUPED_MATMUL, "gradcheck_grouped_matmul_empty_expert_and_unrouted_rows", case_grouped_matmul},
     {KILN_OP_VIEW, "gradcheck_view_reshape", case_view},
     {KILN_OP_PERMUTE, "gradcheck_permute_transpose", case_permute},

@@ -227,6 +227,80 @@ static void moe_configs_and_parameters(void **state)
     kiln_gpt_free(m);
 }
 
+/* Expert parallelism on a group of one (kiln_gpt_shard_experts; the exchange between
+ * ranks is tests/dist/test_dist_train.py's): the sharded model runs the same path,
+ * exchanges and the regrouping by local expert. Oracle: the same model without the
+ * exchanges (a group of one sends every row to itself in its order): the loss equal bit
+ * for bit, every gradient within 1e-6 of its largest element (the graph is longer, so
+ * autograd may add a tensor's gradient contributions in another order). The experts are marked as
+ * shards, gathering gives them back whole, and the misuses are errors. */
+static void sharded_experts_on_one_rank_match_the_whole_model(void **state)
+{
+    (void)state;
+    kiln_gpt_config c = tiny(true);
+    c.n_routed_experts = 4, c.moe_top_k = 2, c.n_shared_experts = 1, c.moe_ffn = 16;
+    kiln_gpt_t *m[2];
+    kiln_pg_t *pg;
+    assert_int_equal(kiln_pg_new_from_env(&pg), KILN_OK);
+    for (int k = 0; k < 2; k++) assert_int_equal(kiln_gpt_new(&c, 5, &m[k]), KILN_OK);
+    assert_int_equal(kiln_gpt_shard_experts(m[1], pg), KILN_OK);
+    assert_int_equal(kiln_gpt_shard_experts(m[1], pg), KILN_ERR_ARG); /* twice */
+    assert_non_null(strstr(kiln_last_error(), "sharded already"));
+    float sum[2] = {0};
+    for (int k = 0; k < 2; k++) {
+        kiln_tensor_t *loss;
+        assert_non_null(kiln_gpt_forward(m[k], ids(2, 8, c.vocab_size, 1), ids(2, 8, c.vocab_size, 2), true, &loss));
+        assert_int_equal(kiln_backward(loss), KILN_OK);
+        assert_int_equal(kiln_tensor_to_host(loss, &sum[k], sizeof(float)), KILN_OK);
+    }
+    assert_true(sum[0] == sum[1]);
+    int n = kiln_gpt_num_params(m[0]), shards = 0;
+    for (int i = 0; i < n; i++) {
+        const char *name;
+        kiln_tensor_t *p = kiln_gpt_param(m[0], i, &name), *q = kiln_gpt_param(m[1], i, NULL);
+        bool sharded = kiln_gpt_param_sharded(m[1], i);
+        shards += sharded;
+        assert_true(sharded == (strstr(name, ".experts.") != NULL));
+        assert_false(kiln_gpt_param_sharded(m[0], i));
+        if (!kiln_tensor_grad(p)) continue;
+        kiln_tensor_t *gp = kiln_tensor_grad(p), *gq = kiln_gpt_gather_param(m[1], i, kiln_tensor_grad(q));
+        int64_t e = kiln_tensor_numel(gp);
+        assert_int_equal(kiln_tensor_numel(gq), e);
+        float *a = malloc(sizeof(float) * (size_t)e), *b = malloc(sizeof(float) * (size_t)e);
+        kiln_tensor_to_host(gp, a, sizeof(float) * (size_t)e);
+        kiln_tensor_to_host(gq, b, sizeof(float) * (size_t)e);
+        double worst = 0, scale = 0;
+        for (int64_t j = 0; j < e; j++) {
+            worst = fmax(worst, fabs((double)a[j] - b[j]));
+            scale = fmax(scale, fabs((double)a[j]));
+        }
+        if (worst > 1e-6 * scale) fail_msg("%s: the sharded model's gradient is off by %g (of %g)", name, worst, scale);
+        free(a);
+        free(b);
+    }
+    assert_int_equal(shards, 3 * c.n_layer); /* gate, up, down of each block */
+    /* a shard's part of a whole tensor must be one of every expert's */
+    int gate = -1;
+    for (int i = 0; i < n && gate < 0; i++) gate = kiln_gpt_param_sharded(m[1], i) ? i : -1;
+    assert_null(kiln_gpt_shard_param(m[1], gate, kiln_zeros((int64_t[]){3, 32, 16}, 3, KILN_DTYPE_F32)));
+    assert_non_null(strstr(kiln_last_error(), "must hold all 4 experts"));
+    assert_null(kiln_gpt_gather_param(m[1], gate, kiln_zeros((int64_t[]){4, 16}, 2, KILN_DTYPE_F32)));
+    assert_non_null(strstr(kiln_last_error(), "is not shaped like parameter"));
+    kiln_kv_pool_t *pool;
+    assert_int_equal(kiln_kv_pool_new(m[1], 4, 4, KILN_DTYPE_F32, &pool), KILN_ERR_UNSUPPORTED);
+    assert_non_null(strstr(kiln_last_error(), "sharded"));
+    kiln_clear_error();
+    for (int k = 0; k < 2; k++) kiln_gpt_free(m[k]);
+    /* a model with no MoE block has nothing to shard */
+    kiln_gpt_config d = tiny(true);
+    kiln_gpt_t *dense;
+    assert_int_equal(kiln_gpt_new(&d, 5, &dense), KILN_OK);
+    assert_int_equal(kiln_gpt_shard_experts(dense, pg), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "no mixture-of-experts block"));
+    kiln_gpt_free(dense);
+    kiln_pg_free(pg);
+}
+
 /* kiln_gpt_new_from keeps references of its own: the fill here hands out tensors its
  * caller owns (outside any scope), the same one for two parameters of one shape, and
  * the caller frees them after the model (ASan would see a double free). */
@@ -909,6 +983,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(config_json_round_trips),
         cmocka_unit_test_setup_teardown(moe_configs_and_parameters, setup, teardown),
+        cmocka_unit_test_setup_teardown(sharded_experts_on_one_rank_match_the_whole_model, setup, teardown),
         cmocka_unit_test(bad_config_names_the_field),
         cmocka_unit_test(new_from_takes_references_of_its_own),
         cmocka_unit_test(a_loaded_model_lives_on_the_current_device),

@@ -33,7 +33,7 @@ typedef struct {
     double bias_speed, balance_loss, capacity;
     double lr, min_lr, wd, clip, dropout, val_fraction, momentum, loss_scale;
     kiln_dtype prec; /* --precision, parsed */
-    bool resume, quiet, zero1, compile;
+    bool resume, quiet, zero1, compile, expert_parallel;
     double bucket_mb;
 } train_args;
 
@@ -125,27 +125,51 @@ static kiln_status get_tokenizer(const train_args *a, const char *text, size_t l
     return kiln_tokenizer_load(k, tok);
 }
 
-kiln_status cli_save_model(const char *dir, kiln_gpt_t *m, const char *tok_kind, int64_t step)
+/* ts[i] = parameter i whole: an expert shard gathered from every rank (a collective
+ * that every rank of the model's group runs; the others are the parameters themselves),
+ * names[i] its name. Call inside a scope. */
+static kiln_status whole_params(kiln_gpt_t *m, const char **names, kiln_tensor_t **ts)
 {
-    int n = kiln_gpt_num_params(m);
-    const char **names = malloc(sizeof *names * (size_t)n);
-    kiln_tensor_t **ts = malloc(sizeof *ts * (size_t)n);
+    for (int i = 0; i < kiln_gpt_num_params(m); i++)
+        if (!(ts[i] = kiln_gpt_gather_param(m, i, kiln_gpt_param(m, i, &names[i])))) return kiln_last_status();
+    return KILN_OK;
+}
+
+/* The model file from its whole parameters ts (whole_params). */
+static kiln_status save_model_file(const char *dir, kiln_gpt_t *m, const char **names, kiln_tensor_t **ts,
+                                   const char *tok_kind, int64_t step)
+{
     char *cfg = kiln_gpt_config_to_json(kiln_gpt_get_config(m)), *path = join(dir, RUN_MODEL), stepbuf[32];
-    kiln_status s = names && ts && cfg && path ? KILN_OK : kiln_error(KILN_ERR_OOM, "checkpoint: out of memory");
+    kiln_status s = cfg && path ? KILN_OK : kiln_error(KILN_ERR_OOM, "checkpoint: out of memory");
     snprintf(stepbuf, sizeof stepbuf, "%lld", (long long)step);
-    for (int i = 0; s == KILN_OK && i < n; i++) ts[i] = kiln_gpt_param(m, i, &names[i]);
     const char *meta[] = {"format", "kiln-gpt-1", "config", cfg, "tokenizer", tok_kind, "step", stepbuf,
                           "chat_template", kiln_chat_template_default(), NULL};
-    if (s == KILN_OK) s = kiln_safetensors_save(path, names, ts, n, meta);
-    free(names);
-    free(ts);
+    if (s == KILN_OK) s = kiln_safetensors_save(path, names, ts, kiln_gpt_num_params(m), meta);
     free(cfg);
     free(path);
     return s;
 }
 
+kiln_status cli_save_model(const char *dir, kiln_gpt_t *m, const char *tok_kind, int64_t step)
+{
+    int n = kiln_gpt_num_params(m);
+    const char **names = malloc(sizeof *names * (size_t)n);
+    kiln_tensor_t **ts = malloc(sizeof *ts * (size_t)n);
+    kiln_status s = names && ts ? KILN_OK : kiln_error(KILN_ERR_OOM, "checkpoint: out of memory");
+    kiln_scope_begin();
+    if (s == KILN_OK) s = whole_params(m, names, ts);
+    if (s == KILN_OK) s = save_model_file(dir, m, names, ts, tok_kind, step);
+    kiln_scope_end();
+    free(names);
+    free(ts);
+    return s;
+}
+
+/* The model file and the training state. A model whose experts are sharded is
+ * gathered first on every rank of its group, of which only the one with write set
+ * writes the files. */
 static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, int64_t step, const char *tok_kind,
-                                   const train_args *a, const kiln_loss_scaler *scaler)
+                                   const train_args *a, const kiln_loss_scaler *scaler, bool write)
 {
     int n = kiln_gpt_num_params(m);
     const char **names = malloc(sizeof *names * (size_t)(3 * n + 1));
@@ -169,15 +193,20 @@ static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t 
         snprintf(skipped, sizeof skipped, "%lld", (long long)scaler->skipped);
     }
     char *state_path = join(dir, RUN_STATE);
+    kiln_scope_begin();
+    if (s == KILN_OK) s = whole_params(m, names, ts);
     if (s == KILN_OK) {
-        for (int i = 0; i < n; i++) kiln_gpt_param(m, i, &names[i]);
         /* The training state first: a model file newer than its state is detected on
          * resume by the step numbers, never silently mixed. */
         int k = 0;
-        for (int i = 0; i < n; i++)
-            for (int slot = 0; slot < kiln_optim_num_slots(opt); slot++) {
+        for (int i = 0; s == KILN_OK && i < n; i++)
+            for (int slot = 0; s == KILN_OK && slot < kiln_optim_num_slots(opt); slot++) {
                 kiln_tensor_t *t = kiln_optim_state(opt, i, slot);
                 if (!t) continue;
+                if (!(t = kiln_gpt_gather_param(m, i, t))) {
+                    s = kiln_last_status();
+                    break;
+                }
                 size_t len = strlen(names[i]) + 16;
                 owned[k] = malloc(len);
                 snprintf(owned[k], len, "opt.%d.%s", slot, names[i]);
@@ -193,12 +222,13 @@ static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t 
          * crash between the two files leaves a state that matches the model file. */
         char *prev_path = join(dir, RUN_STATE_PREV);
         struct stat st;
-        if (prev_path && stat(state_path, &st) == 0 && rename(state_path, prev_path) != 0)
+        if (s == KILN_OK && write && prev_path && stat(state_path, &st) == 0 && rename(state_path, prev_path) != 0)
             s = kiln_error(KILN_ERR_IO, "cannot keep %s as %s: %s", state_path, prev_path, strerror(errno));
-        if (s == KILN_OK) s = kiln_safetensors_save(state_path, names + n, ts + n, k, smeta);
-        if (s == KILN_OK) s = cli_save_model(dir, m, tok_kind, step);
+        if (s == KILN_OK && write) s = kiln_safetensors_save(state_path, names + n, ts + n, k, smeta);
+        if (s == KILN_OK && write) s = save_model_file(dir, m, names, ts, tok_kind, step);
         free(prev_path);
     }
+    kiln_scope_end();
     for (int i = 0; owned && i < 3 * n + 1; i++) free(owned[i]);
     free(owned);
     free(names);
@@ -288,6 +318,7 @@ static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt,
                     for (int j = 0; j < kiln_safetensors_count(f) && !present; j++)
                         present = !strcmp(kiln_safetensors_name(f, j), key);
                     kiln_tensor_t *t = present ? kiln_safetensors_get(f, key) : NULL;
+                    if (t) t = kiln_gpt_shard_param(m, i, t); /* a sharded expert's: this rank's part */
                     if (present && !t) s = kiln_last_status();
                     else s = kiln_optim_set_state(opt, osteps, i, slot, t);
                 }
@@ -504,6 +535,9 @@ static int parse_options(train_run *r)
         {"resume", OPT_FLAG, &a->resume, "continue from the checkpoint in --out"},
         {"quiet", OPT_FLAG, &a->quiet, "only errors and the final summary"},
         {"zero1", OPT_FLAG, &a->zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
+        {"expert-parallel", OPT_FLAG, &a->expert_parallel, "shard each MoE block's routed experts across the ranks "
+                                                           "(--experts a multiple of them): rows go to their experts' "
+                                                           "rank and back by all-to-all"},
         {"compile", OPT_FLAG, &a->compile, "run each step (forward, backward of every --accum micro-batch, clipping, update) as one graph of "
                                           "generated kernels (kiln compile)"},
         {"precision", OPT_STRING, &a->precision, "f32, or bf16 / f16 mixed precision: matmuls and attention in that "
@@ -546,6 +580,9 @@ static int parse_options(train_run *r)
         return cli_fail("train", "--precision must be f32, bf16 or f16");
     if (!(a->loss_scale >= 1 && a->loss_scale <= 1e30))
         return cli_fail("train", "--loss-scale must be in 1..1e30");
+    if (a->expert_parallel && a->zero1)
+        return cli_fail("train", "--expert-parallel and --zero1 do not go together (ZeRO-1's shards assume every rank "
+                                 "holds every parameter)");
     return GO_ON;
 }
 
@@ -648,6 +685,7 @@ static int build_model(train_run *r)
         return cli_fail("train", NULL);
     }
     if (kiln_gpt_set_precision(r->m, a->prec) != KILN_OK) return cli_fail("train", NULL);
+    if (a->expert_parallel && kiln_gpt_shard_experts(r->m, r->pg) != KILN_OK) return cli_fail("train", NULL);
     r->scaler = kiln_loss_scaler_default(); /* a resumed run's replaces it (load_checkpoint) */
     r->scaler.scale = a->loss_scale;
     r->np = kiln_gpt_num_params(r->m);
@@ -701,7 +739,8 @@ static int setup_step(train_run *r)
     kiln_tensor_t **params = r->params;
     r->tokens_per_step = a->batch * a->context * a->accum;
     bool scaled = a->prec == KILN_DTYPE_F16; /* the step function does the scaling, with any accum and world */
-    r->whole = a->compile || scaled || (world == 1 && !a->zero1 && a->accum == 1);
+    /* sharded experts: the step function divides their gradients where it averages the others' */
+    r->whole = a->compile || scaled || a->expert_parallel || (world == 1 && !a->zero1 && a->accum == 1);
     r->step_fn = (kiln_gpt_step){r->m, r->opt, params, np, a->clip, (int)a->accum, world > 1 ? r->pg : NULL, NULL,
                                  scaled};
     /* The clipping norm and the micro-batch count are numbers the graph is built with. */
@@ -716,7 +755,8 @@ static int setup_step(train_run *r)
     /* Every rank starts from rank 0's parameters (the same seed gives them anyway; this
      * makes it so whatever was loaded). */
     kiln_status s = KILN_OK;
-    for (int i = 0; s == KILN_OK && world > 1 && i < np; i++) s = kiln_pg_broadcast(r->pg, params[i], 0);
+    for (int i = 0; s == KILN_OK && world > 1 && i < np; i++)
+        if (!kiln_gpt_param_sharded(r->m, i)) s = kiln_pg_broadcast(r->pg, params[i], 0); /* not a rank's own experts */
     if (s != KILN_OK) return cli_fail("train", NULL);
     return GO_ON;
 }
@@ -931,8 +971,10 @@ static kiln_status save(train_run *r, int64_t step)
 {
     kiln_status s = KILN_OK;
     if (r->zero) s = kiln_zero1_save(r->zero, r->a.out, step); /* every rank, then a barrier */
-    if (s == KILN_OK && r->rank == 0)
-        s = save_checkpoint(r->a.out, r->m, r->opt, step, r->tok_kind, &r->a, r->step_fn.scaled ? &r->scaler : NULL);
+    /* sharded experts are gathered on every rank, for rank 0 to write */
+    if (s == KILN_OK && (r->rank == 0 || r->a.expert_parallel))
+        s = save_checkpoint(r->a.out, r->m, r->opt, step, r->tok_kind, &r->a, r->step_fn.scaled ? &r->scaler : NULL,
+                            r->rank == 0);
     if (s == KILN_OK && r->rank == 0 && r->zero) s = kiln_zero1_commit(r->a.out, step, r->world, r->committed);
     return s;
 }

@@ -53,6 +53,19 @@ kiln_status kiln_pg_barrier(kiln_pg_t *pg);
 kiln_status kiln_pg_allgather(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out);
 /* out (in's elements / world) = rank r's block of the reduction of every rank's in. */
 kiln_status kiln_pg_reduce_scatter(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor_t *out, kiln_reduce_op op);
+/* All-to-all of rows, the exchange of expert parallelism. x (R, ...) holds, in rank
+ * order, send_counts[d] rows for each rank d (send_counts: (world) i32/i64, each >= 0,
+ * adding up to at most R; the rows after them are not sent). *y (out_rows, ...) gets
+ * from every rank s, in rank order, the rows s sent here, then zeros; *recv_counts
+ * (world) i64 says how many came from each. out_rows must bound what any rank receives
+ * (world x R does), and every rank passes the same out_rows and row shape. Any dtype.
+ * Both results are new tensors handed to the scope, as an op's are. Differentiable in
+ * x: the gradient goes back by the same exchange the other way. While capturing it is
+ * recorded in the graph with the counts as data, so a graph runs with any counts. The
+ * ranks first share their counts, so a rank's bad counts fail every rank, naming it.
+ * Over MPI or one process; not in a group formed over the TCP rendezvous. */
+kiln_status kiln_pg_all_to_all(kiln_pg_t *pg, kiln_tensor_t *x, kiln_tensor_t *send_counts, int64_t out_rows,
+                               kiln_tensor_t **y, kiln_tensor_t **recv_counts);
 /* The same collectives started now and finished by kiln_pg_work_wait (which frees
  * work; an average is scaled there); kiln_pg_work_test says whether one has finished,
  * without waiting. Their tensors must not be touched until then. Each is numbered when

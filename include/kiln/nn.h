@@ -189,6 +189,28 @@ kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, 
 kiln_status kiln_gpt_moe_update(kiln_gpt_t *m, kiln_pg_t *pg);
 bool kiln_gpt_moe_stats(const kiln_gpt_t *m, int layer, float *load, float *bias, double *dropped);
 
+/* Expert parallelism. kiln_gpt_shard_experts: rank r of pg keeps, of every MoE block,
+ * routed experts r E / W .. (r + 1) E / W - 1 (E a multiple of the world size W; the
+ * others are freed), and the blocks send each row to the rank that holds its expert and
+ * back (kiln_pg_all_to_all), so every forward, training or not, runs on all of pg's
+ * ranks together. The experts' parameters (blocks.i.mlp.experts.*) become those
+ * shards: (E / W, ...) tensors of the same names, in the same places of the parameter
+ * list, and an optimizer must be made after this call. A shard's gradient holds the
+ * sum over every rank's rows, so kiln_gpt_train_step (whose pg must then be this
+ * group) divides it by W where it averages the other gradients over the ranks, and
+ * takes the norm over every rank's shards. With W = 1 nothing is split and the
+ * exchanges copy rows: the same path, one process. Serving a sharded model is refused:
+ * gather it into a checkpoint (below) and serve that. kiln_gpt_param_sharded: whether
+ * parameter i is such a shard. kiln_gpt_gather_param: for a shard, t (shaped like it:
+ * the parameter, its gradient, an optimizer's moment of it) gathered from every rank
+ * into a new (E, ...) tensor handed to the scope, a collective every rank calls alike;
+ * for another parameter t itself. kiln_gpt_shard_param: for a shard, this rank's part
+ * of full (E, ...), a view; for another parameter full itself. */
+kiln_status kiln_gpt_shard_experts(kiln_gpt_t *m, kiln_pg_t *pg);
+bool kiln_gpt_param_sharded(const kiln_gpt_t *m, int i);
+kiln_tensor_t *kiln_gpt_gather_param(kiln_gpt_t *m, int i, kiln_tensor_t *t);
+kiln_tensor_t *kiln_gpt_shard_param(const kiln_gpt_t *m, int i, kiln_tensor_t *full);
+
 /* Incremental decoding with a key/value cache of up to block_size positions. */
 typedef struct kiln_kv_cache kiln_kv_cache_t;
 kiln_status kiln_kv_cache_new(const kiln_gpt_t *m, int batch, kiln_kv_cache_t **out);

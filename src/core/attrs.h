@@ -110,7 +110,9 @@ typedef struct {
     void *group;     /* the process group (the backends know nothing of groups) */
     const void *ops; /* ALLREDUCE_: its kiln__collective_ops; the others: a kiln__collective2_fn */
     int reduce;      /* the reduce op */
-} kiln__collective_attrs; /* ALLREDUCE_, REDUCE_SCATTER_, ALLGATHER_ */
+    int world;       /* ALL_TO_ALL: the group's size, the length of its counts */
+    int64_t rows;    /* ALL_TO_ALL: the rows of its output */
+} kiln__collective_attrs; /* ALLREDUCE_, REDUCE_SCATTER_, ALLGATHER_, ALL_TO_ALL */
 
 typedef struct {
     int64_t shape[KILN_MAX_DIMS]; /* a shape, or a list of dims */
@@ -160,6 +162,11 @@ typedef struct {
 /* REDUCE_SCATTER_'s and ALLGATHER_'s op.collective.ops: runs the collective on group
  * from src into dst. */
 typedef kiln_status (*kiln__collective2_fn)(void *group, kiln_tensor_t *dst, kiln_tensor_t *src, int op);
+
+/* ALL_TO_ALL's op.collective.ops: the exchange on group, x (R, ...) and send_counts
+ * (world) i64 contiguous into y (rows, ...) and recv_counts (world) i64. */
+typedef kiln_status (*kiln__all_to_all_fn)(void *group, kiln_tensor_t *x, kiln_tensor_t *send_counts, kiln_tensor_t *y,
+                                           kiln_tensor_t *recv_counts);
 
 /* What a CHECK_MIN checks (its op.check.what), naming it in the error. */
 enum { KILN__CHECK_VALUE, KILN__CHECK_ADAMW_STEP, KILN__CHECK_CE_TARGET /* op.check.classes = V */ };

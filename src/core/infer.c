@@ -668,6 +668,29 @@ INFER_BY(allreduce_, collective)
 INFER_BY(reduce_scatter_, collective)
 INFER_BY(allgather_, collective)
 
+/* all_to_all: x (R, ...) of any dtype and send_counts (world) i32/i64 -> y (rows, ...)
+ * of x's dtype and recv_counts (world) i64. The counts' values are the group's to check
+ * when it runs (data, as a graph's). */
+INFER(all_to_all)
+{
+    (void)n;
+    const kiln_tensor_t *x = in[0], *sc = in[1];
+    const kiln__collective_attrs *c = &a->op.collective;
+    if (!c->group || !c->ops) return kiln__err(KILN_ERR_ARG, "all_to_all: no process group");
+    if (x->ndim < 1) return kiln__err(KILN_ERR_SHAPE, "all_to_all: x %s needs a dim of rows", SHP(x));
+    kiln_status s = need_index("all_to_all", sc);
+    if (s != KILN_OK) return s;
+    if (sc->ndim != 1 || sc->shape[0] != c->world)
+        return kiln__err(KILN_ERR_SHAPE, "all_to_all: send_counts %s must hold one count per rank (%d)", SHP(sc),
+                         c->world);
+    if (c->rows < 0) return kiln__err(KILN_ERR_ARG, "all_to_all: out_rows %lld is negative", (long long)c->rows);
+    meta_like(x, x->dtype, &out[0]);
+    out[0].shape[0] = c->rows;
+    int64_t w = c->world;
+    meta_shape(&out[1], KILN_DTYPE_I64, 1, &w);
+    return KILN_OK;
+}
+
 /* Backward ops. */
 INFER(embedding_backward)
 {

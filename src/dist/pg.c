@@ -18,7 +18,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/dtype.h"
 #include "core/env.h"
+#include "core/util.h"
 #include "kiln/graph.h"
 #include "ops/registry.h"
 #include "kiln/ops.h"
@@ -430,4 +432,137 @@ kiln_status kiln_pg_work_wait(kiln_pg_work_t *w)
     pthread_mutex_unlock(&pg->mu);
     free(w);
     return st;
+}
+
+/* ---- all-to-all: the rows of expert parallelism ---- */
+
+/* The counts matrix every rank holds after the first phase: all[s W + d] rows from rank
+ * s to rank d, or -1 in each of a rank's entries when its own counts were bad (so that
+ * every rank fails together, naming it, instead of the others waiting out a deadline in
+ * a second phase it never joins). */
+static kiln_status check_matrix(const kiln_pg_t *pg, const int64_t *all, int64_t rows)
+{
+    int W = pg->world;
+    for (int s = 0; s < W; s++)
+        if (all[(int64_t)s * W] < 0)
+            return kiln_error(KILN_ERR_ARG, "all_to_all: rank %d's send counts are negative or add up to more than its "
+                              "rows of x (its own error says which)", s);
+    for (int d = 0; d < W; d++) {
+        int64_t in = 0;
+        for (int s = 0; s < W; s++) in += all[(int64_t)s * W + d];
+        if (in > rows)
+            return kiln_error(KILN_ERR_SHAPE, "all_to_all: rank %d would receive %lld rows, more than out_rows %lld; "
+                              "out_rows must bound what any rank receives (world x the rows each sends, at most)",
+                              d, (long long)in, (long long)rows);
+    }
+    return KILN_OK;
+}
+
+/* Elements as MPI's int counts and displacements, or an error naming the limit. */
+static kiln_status mpi_counts(const int64_t *rowsof, int W, int64_t width, int *count, int *displ)
+{
+    int64_t at = 0;
+    for (int r = 0; r < W; r++) {
+        int64_t c = rowsof[r] * width;
+        if (c > 2147483647 || at > 2147483647)
+            return kiln_error(KILN_ERR_ARG, "all_to_all: %lld elements is over MPI's int count", (long long)(at + c));
+        count[r] = (int)c;
+        displ[r] = (int)at;
+        at += c;
+    }
+    return KILN_OK;
+}
+
+/* Runs the exchange (kiln__all_to_all_fn), under the group's lock: the counts first (an
+ * allgather of every rank's, outside the numbering, so that every rank checks the whole
+ * matrix), then the rows (MPI_Ialltoallv against the deadline); the rows after the
+ * received ones zeroed. One process copies its own rows. */
+static kiln_status all_to_all_run(void *group, kiln_tensor_t *x, kiln_tensor_t *sc, kiln_tensor_t *y, kiln_tensor_t *rc)
+{
+    kiln_pg_t *pg = group;
+    int W = pg->world;
+    int64_t R = x->shape[0], rows = y->shape[0], xn = kiln_tensor_numel(x), yn = kiln_tensor_numel(y);
+    int64_t width = R ? xn / R : rows ? yn / rows : 0;
+    size_t es = kiln_dtype_size(x->dtype), isz = kiln_dtype_size(sc->dtype);
+    if (pg->broken)
+        return kiln_error(KILN_ERR_DIST, "process group: an earlier collective failed on rank %d; the group cannot be used",
+                          pg->rank);
+    if (pg->tcp)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "all_to_all: this group was formed over the TCP rendezvous, whose "
+                          "collectives run through NCCL, and kiln has no NCCL all-to-all yet; launch with mpirun");
+    if (x->st->be != kiln__backend_at(0) || sc->st->be != kiln__backend_at(0))
+        return kiln_error(KILN_ERR_INTERNAL, "all_to_all: the kernel was handed device memory");
+    int64_t *all = malloc(sizeof *all * ((size_t)W * (size_t)W + 2 * (size_t)W)), *send = all + (int64_t)W * W;
+    int *cnt = malloc(sizeof *cnt * 4 * (size_t)W);
+    if (!all || !cnt) {
+        KILN__FREE(all, cnt);
+        return kiln_error(KILN_ERR_OOM, "all_to_all: out of memory for %d ranks' counts", W);
+    }
+    int64_t *recv = send + W, total = 0;
+    kiln_status st = KILN_OK, mine = KILN_OK; /* mine: this rank's counts, which the others learn of */
+    for (int d = 0; d < W; d++) send[d] = kiln__load_index((const char *)kiln__data(sc) + (size_t)d * isz, sc->dtype);
+    for (int d = 0; d < W && mine == KILN_OK; d++) {
+        if (send[d] < 0)
+            mine = kiln_error(KILN_ERR_ARG, "all_to_all: send_counts[%d] = %lld is negative", d, (long long)send[d]);
+        total += send[d];
+    }
+    if (mine == KILN_OK && total > R)
+        mine = kiln_error(KILN_ERR_ARG, "all_to_all: send_counts add up to %lld rows, x has %lld", (long long)total,
+                          (long long)R);
+    char why[256] = "";
+    if (mine != KILN_OK) snprintf(why, sizeof why, "%s", kiln_last_error());
+    pthread_mutex_lock(&pg->mu);
+    sig s = {0, (uint64_t)(rows * width), OP_ALL_TO_ALL, (uint32_t)x->dtype, (uint32_t)rows, 0};
+    kiln__pg_record(pg, &s);
+    if (!pg->mpi) {
+        memcpy(all, send, sizeof *all * (size_t)W);
+        if (mine != KILN_OK) all[0] = -1;
+    }
+#ifdef KILN_HAVE_MPI
+    else {
+        uint64_t *u = malloc(sizeof *u * (size_t)W);
+        if (!u) st = kiln_error(KILN_ERR_OOM, "all_to_all: out of memory");
+        for (int d = 0; u && d < W; d++) u[d] = mine == KILN_OK ? (uint64_t)send[d] : (uint64_t)-1;
+        if (pg->debug && st == KILN_OK) st = kiln__pg_check_sig(pg, &s);
+        if (st == KILN_OK) st = kiln__pg_mpi_allgather_u64(pg, u, W, (uint64_t *)all, &s);
+        free(u);
+    }
+#endif
+    if (st == KILN_OK && mine != KILN_OK) st = kiln_error(mine, "%s", why);
+    else if (st == KILN_OK) st = check_matrix(pg, all, rows);
+    int64_t got = 0;
+    for (int r = 0; r < W; r++) got += recv[r] = all[(int64_t)r * W + pg->rank];
+    if (st == KILN_OK && !pg->mpi) memcpy(kiln__data(y), kiln__data(x), (size_t)(send[0] * width) * es);
+#ifdef KILN_HAVE_MPI
+    if (st == KILN_OK && pg->mpi && (st = mpi_counts(send, W, width, cnt, cnt + W)) == KILN_OK &&
+        (st = mpi_counts(recv, W, width, cnt + 2 * W, cnt + 3 * W)) == KILN_OK)
+        st = kiln__pg_mpi_alltoallv(pg, &s, kiln__data(x), cnt, cnt + W, kiln__data(y), cnt + 2 * W, cnt + 3 * W,
+                                    x->dtype);
+#endif
+    pthread_mutex_unlock(&pg->mu);
+    if (st == KILN_OK) {
+        memset((char *)kiln__data(y) + (size_t)(got * width) * es, 0, (size_t)((rows - got) * width) * es);
+        memcpy(kiln__data(rc), recv, sizeof *recv * (size_t)W);
+    }
+    KILN__FREE(all, cnt);
+    return st;
+}
+
+kiln_status kiln_pg_all_to_all(kiln_pg_t *pg, kiln_tensor_t *x, kiln_tensor_t *send_counts, int64_t out_rows,
+                               kiln_tensor_t **y, kiln_tensor_t **recv_counts)
+{
+    if (!y || !recv_counts) return kiln_error(KILN_ERR_ARG, "all_to_all: NULL output pointer");
+    *y = *recv_counts = NULL;
+    if (!pg || !x || !send_counts) return kiln_error(KILN_ERR_ARG, "all_to_all: NULL group or tensor");
+    if (out_rows < 0 || out_rows > UINT32_MAX)
+        return kiln_error(KILN_ERR_ARG, "all_to_all: out_rows %lld is outside 0..2^32-1", (long long)out_rows);
+    kiln__attrs a = {0};
+    a.op.collective = (kiln__collective_attrs){.group = pg, .ops = (const void *)(uintptr_t)all_to_all_run,
+                                              .world = pg->world, .rows = out_rows};
+    kiln_tensor_t *in[2] = {x, send_counts}, *out[KILN__MAX_OUT] = {0};
+    kiln_status s = kiln__dispatch(KILN_OP_ALL_TO_ALL, in, 2, &a, out);
+    if (s != KILN_OK) return s;
+    *y = kiln__scoped(out[0]);
+    *recv_counts = kiln__scoped(out[1]);
+    return *y && *recv_counts ? KILN_OK : kiln_last_status();
 }

@@ -11,7 +11,8 @@
 #include "core/env.h"
 #include "dist/pg_impl.h"
 
-const char *const kiln__pg_op_names[OP_COUNT] = {"?", "allreduce", "broadcast", "barrier", "allgather", "reduce_scatter"};
+const char *const kiln__pg_op_names[OP_COUNT] = {"?", "allreduce", "broadcast", "barrier", "allgather", "reduce_scatter",
+                                                     "all_to_all"};
 
 static uint64_t sig_hash(const sig *s)
 {
@@ -26,6 +27,10 @@ void kiln__pg_sig_str(const sig *s, char *buf, size_t n)
     else if (s->op == OP_BROADCAST)
         snprintf(buf, n, "#%llu broadcast %s x %llu from rank %u", (unsigned long long)s->seq,
                  kiln_dtype_name((kiln_dtype)s->dtype), (unsigned long long)s->count, s->reduce);
+    else if (s->op == OP_ALL_TO_ALL) /* the count every rank agrees on: out_rows x row width */
+        snprintf(buf, n, "#%llu all_to_all %s into %u rows x %llu", (unsigned long long)s->seq,
+                 kiln_dtype_name((kiln_dtype)s->dtype), s->reduce,
+                 (unsigned long long)(s->reduce ? s->count / s->reduce : s->count));
     else
         snprintf(buf, n, "#%llu %s %s x %llu %s%s", (unsigned long long)s->seq, op, kiln_dtype_name((kiln_dtype)s->dtype),
                  (unsigned long long)s->count, s->op == OP_ALLGATHER ? "" : s->reduce == KILN_REDUCE_AVG ? "avg" : "sum",

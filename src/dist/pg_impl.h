@@ -23,13 +23,13 @@
 #include <mpi.h>
 #endif
 
-enum { OP_ALLREDUCE = 1, OP_BROADCAST, OP_BARRIER, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_COUNT };
+enum { OP_ALLREDUCE = 1, OP_BROADCAST, OP_BARRIER, OP_ALLGATHER, OP_REDUCE_SCATTER, OP_ALL_TO_ALL, OP_COUNT };
 extern const char *const kiln__pg_op_names[OP_COUNT];
 
 /* What a collective is, as every rank must agree on it. */
 typedef struct {
     uint64_t seq, count;
-    uint32_t op, dtype, reduce, tag; /* reduce: kiln_reduce_op, or the root of a broadcast */
+    uint32_t op, dtype, reduce, tag; /* reduce: kiln_reduce_op, the root of a broadcast, an all_to_all's out rows */
 } sig;
 
 #define RING 64
@@ -95,6 +95,9 @@ void kiln__pg_mpi_stop(kiln_pg_t *pg);
 /* Posts s's nonblocking MPI collective on host buffers din/dout into *req. */
 kiln_status kiln__pg_mpi_post(kiln_pg_t *pg, const sig *s, void *din, void *dout, int64_t nin, int64_t nout,
                               kiln_dtype dt, MPI_Request *req);
+/* s's all-to-all: counts and displacements (elements) per rank, posted and waited for. */
+kiln_status kiln__pg_mpi_alltoallv(kiln_pg_t *pg, const sig *s, const void *din, const int *scount, const int *sdispl,
+                                   void *dout, const int *rcount, const int *rdispl, kiln_dtype dt);
 /* Polls req until it completes or the deadline passes. */
 kiln_status kiln__pg_mpi_wait(kiln_pg_t *pg, MPI_Request *req, const sig *s);
 /* Whether w's request completed, without waiting; takes pg->mu itself. */

@@ -190,6 +190,27 @@ kiln_status kiln__pg_mpi_post(kiln_pg_t *pg, const sig *s, void *din, void *dout
     return rc != MPI_SUCCESS ? mpi_fail(pg, s, rc) : KILN_OK;
 }
 
+/* Any dtype's elements, moved as they are: 16-bit floats as 16-bit words. */
+static MPI_Datatype mpi_any_type(kiln_dtype dt)
+{
+    switch (dt) {
+    case KILN_DTYPE_F64: return MPI_DOUBLE;
+    case KILN_DTYPE_I64: return MPI_INT64_T;
+    case KILN_DTYPE_I32: return MPI_INT32_T;
+    case KILN_DTYPE_F32: return MPI_FLOAT;
+    default: return kiln_dtype_size(dt) == 2 ? MPI_UINT16_T : MPI_BYTE;
+    }
+}
+
+kiln_status kiln__pg_mpi_alltoallv(kiln_pg_t *pg, const sig *s, const void *din, const int *scount, const int *sdispl,
+                                   void *dout, const int *rcount, const int *rdispl, kiln_dtype dt)
+{
+    MPI_Request req;
+    MPI_Datatype ty = mpi_any_type(dt);
+    int rc = MPI_Ialltoallv(din, scount, sdispl, ty, dout, rcount, rdispl, ty, pg->comm, &req);
+    return rc == MPI_SUCCESS ? kiln__pg_mpi_wait(pg, &req, s) : mpi_fail(pg, s, rc);
+}
+
 kiln_status kiln__pg_mpi_test(struct kiln_pg_work *w, bool *done)
 {
     int flag = 0;

@@ -16,28 +16,7 @@
 #include "nn/moe.h"
 #include "nn/names.h"
 
-
-typedef struct {
-    kiln_tensor_t *n1w, *n1b, *qkv_w, *qkv_b, *proj_w, *proj_b, *n2w, *n2b;
-    kiln_tensor_t *fc_w, *fc_b, *out_w, *out_b; /* gelu: fc, proj; swiglu: gate, down */
-    kiln_tensor_t *up_w, *up_b;                 /* swiglu only */
-    kiln__moe *moe;                             /* an MoE block's (fc, out, up NULL), or NULL */
-    /* multi-head latent attention (qkv NULL): q (no q latent) or q_a, q_norm, q_b; kv_a,
-     * kv_norm, kv_b */
-    kiln_tensor_t *q_a, *q_norm, *q_b, *kv_a, *kv_norm, *kv_b;
-} layer;
-
-struct kiln_gpt {
-    kiln_gpt_config cfg;
-    int n, cap;
-    kiln_tensor_t **params;
-    char **names;
-    kiln_tensor_t *tok_emb, *pos_emb, *nfw, *nfb, *lm_head;
-    layer *layers;
-    kiln_dtype precision; /* kiln_gpt_forward's autocast type (f32: none) */
-    kiln_gpt_param_fn fill; /* while building: where the parameters come from (NULL: drawn) */
-    void *fill_ctx;
-};
+typedef kiln__gpt_layer layer;
 
 kiln_gpt_config kiln_gpt_config_gpt2(void)
 {
@@ -591,8 +570,11 @@ static kiln_tensor_t *file_tensor(const kiln_safetensors_t *f, const char *path,
     kiln_tensor_t *t = kiln_safetensors_view(f, name);
     if (!t) return NULL;
     if (kiln_tensor_ndim(t) != nd || memcmp(kiln_tensor_shape(t), shape, sizeof(int64_t) * (size_t)nd)) {
-        char a[96], b[64];
-        snprintf(b, sizeof b, nd == 2 ? "(%lld, %lld)" : "(%lld)", (long long)shape[0], (long long)shape[nd - 1]);
+        char a[96], b[96];
+        size_t at = 0;
+        for (int d = 0; d < nd && at < sizeof b; d++)
+            at += (size_t)snprintf(b + at, sizeof b - at, "%s%lld", d ? ", " : "(", (long long)shape[d]);
+        if (at < sizeof b) snprintf(b + at, sizeof b - at, ")");
         kiln_error(KILN_ERR_SHAPE, "%s: tensor '%s' is %s, the model expects %s", path, name,
                    kiln_tensor_describe(t, a, sizeof a), b);
         return NULL;
@@ -627,7 +609,11 @@ kiln_status kiln_gpt_load_weights(kiln_gpt_t *m, const char *path)
     kiln_scope_begin();
     for (int i = 0; s == KILN_OK && i < m->n; i++) {
         kiln_tensor_t *p = m->params[i];
-        kiln_tensor_t *t = file_tensor(f, path, m->names[i], kiln_tensor_shape(p), kiln_tensor_ndim(p));
+        int64_t shape[KILN_MAX_DIMS]; /* an expert shard's file tensor holds every rank's */
+        memcpy(shape, kiln_tensor_shape(p), sizeof(int64_t) * (size_t)kiln_tensor_ndim(p));
+        if (kiln_gpt_param_sharded(m, i)) shape[0] *= kiln_pg_world_size(m->ep);
+        kiln_tensor_t *t = file_tensor(f, path, m->names[i], shape, kiln_tensor_ndim(p));
+        if (t) t = kiln_gpt_shard_param(m, i, t);
         if (t) t = kiln_tensor_to(t, kiln_tensor_device(p)); /* the file's is the cpu's */
         s = t ? kiln_tensor_copy_(p, t) : kiln_last_status();
     }
@@ -1060,6 +1046,9 @@ kiln_status kiln_kv_pool_new_typed(const kiln_gpt_t *m, int num_blocks, int bloc
         return kiln_error(KILN_ERR_DTYPE, "kv_pool_new: weights packed as %s; they are f32, bf16 or f16",
                           kiln_dtype_name(weights));
     if (!m || !out) return kiln_error(KILN_ERR_ARG, "kv_pool_new: model or out is NULL");
+    if (m->ep)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "kv_pool_new: the model's experts are sharded over ranks "
+                          "(kiln_gpt_shard_experts); serve a checkpoint with all of them (kiln_gpt_gather_param)");
     if (!kiln_dtype_is_f32_or_half(dtype))
         return kiln_error(KILN_ERR_DTYPE, "kv_pool_new: a KV cache of %s; it must be f32, f16 or bf16",
                           kiln_dtype_name(dtype));
@@ -1298,33 +1287,6 @@ kiln_tensor_t *kiln_gpt_forward_paged(kiln_gpt_t *m, kiln_kv_pool_t *p, const ki
     return logits;
 }
 
-kiln_status kiln_gpt_moe_update(kiln_gpt_t *m, kiln_pg_t *pg)
-{
-    if (!m) return kiln_error(KILN_ERR_ARG, "gpt_moe_update: model is NULL");
-    kiln_status s = KILN_OK;
-    for (int i = 0; s == KILN_OK && i < m->cfg.n_layer; i++) {
-        kiln__moe *e = m->layers[i].moe;
-        if (!e) continue;
-        if (pg) s = kiln_pg_allreduce(pg, e->load, KILN_REDUCE_SUM); /* every rank's rows, and dropped ones */
-        if (s == KILN_OK) s = kiln__moe_update(&m->cfg, e);
-    }
-    return s;
-}
-
-bool kiln_gpt_moe_stats(const kiln_gpt_t *m, int layer, float *load, float *bias, double *dropped)
-{
-    if (!m || layer < 0 || layer >= m->cfg.n_layer || !m->layers[layer].moe) return false;
-    const kiln__moe *e = m->layers[layer].moe;
-    int E = m->cfg.n_routed_experts;
-    float *counters = malloc(sizeof *counters * (size_t)(E + 1)); /* the experts' rows, then the dropped ones */
-    bool ok = counters && kiln_tensor_to_host(e->last_load, counters, sizeof *counters * (size_t)(E + 1)) == KILN_OK &&
-              (!bias || kiln_tensor_to_host(e->router_b, bias, sizeof *bias * (size_t)E) == KILN_OK);
-    if (ok && load) memcpy(load, counters, sizeof *load * (size_t)E);
-    if (ok && dropped) *dropped = counters[E];
-    free(counters);
-    return ok;
-}
-
 kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
 {
     if (!model || !in || n_in != 2 || !out || !n_out)
@@ -1334,6 +1296,26 @@ kiln_status kiln_gpt_loss_backward(void *model, kiln_tensor_t *const *in, int n_
     kiln_status s = kiln_backward(loss);
     out[0] = loss;
     *n_out = 1;
+    return s;
+}
+
+/* The gradient norm of a model whose experts are sharded: the replicated parameters'
+ * squares, the same on every rank, plus the experts' squares summed over the ranks. */
+static kiln_status sharded_norm(const kiln_gpt_step *st, kiln_tensor_t **norm)
+{
+    kiln_tensor_t **ps = malloc(sizeof *ps * (size_t)(st->n_params ? st->n_params : 1)), *nr, *ne;
+    if (!ps) return kiln_error(KILN_ERR_OOM, "gpt_train_step: out of memory");
+    int n = 0, k = st->n_params;
+    for (int i = 0; i < st->n_params; i++) /* replicated from the front, shards from the back */
+        if (kiln__gpt_expert_shard(st->model, st->params[i])) ps[--k] = st->params[i];
+        else ps[n++] = st->params[i];
+    kiln_status s = kiln_grad_norm(ps, n, &nr);
+    if (s == KILN_OK) s = kiln_grad_norm(ps + k, st->n_params - k, &ne);
+    free(ps);
+    kiln_tensor_t *ne2 = s == KILN_OK ? kiln_mul(ne, ne) : NULL;
+    if (s == KILN_OK && !ne2) s = kiln_last_status();
+    if (s == KILN_OK && st->pg) s = kiln_pg_allreduce(st->pg, ne2, KILN_REDUCE_SUM);
+    if (s == KILN_OK && !(*norm = kiln_sqrt(kiln_add(kiln_mul(nr, nr), ne2)))) s = kiln_last_status();
     return s;
 }
 
@@ -1350,6 +1332,13 @@ kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, 
                           kiln_tensor_describe(scale, b, sizeof b));
     }
     kiln_status s = KILN_OK;
+    kiln_pg_t *ep = st->model->ep;
+    if (ep && kiln_pg_world_size(ep) > 1 && st->pg != ep)
+        return kiln_error(KILN_ERR_ARG, "gpt_train_step: the model's experts are sharded over %d ranks, so it trains "
+                          "data-parallel over that group: pass it as the step's pg", kiln_pg_world_size(ep));
+    if (ep && st->zero)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "gpt_train_step: ZeRO-1 with sharded experts is not supported (its "
+                          "shards assume every rank holds every parameter)");
     int A = st->accum > 1 ? st->accum : 1;
     /* Backward runs on loss * scale / A, the scale read when the step runs. */
     kiln_tensor_t *factor = scale ? kiln_mul_scalar(kiln_cast(kiln_view(scale, NULL, 0), KILN_DTYPE_F32), 1.0 / A) : NULL;
@@ -1376,9 +1365,14 @@ kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, 
     } else {
         for (int i = 0; s == KILN_OK && st->pg && i < st->n_params; i++) {
             kiln_tensor_t *g = kiln_tensor_grad(st->params[i]);
-            if (g) s = kiln_pg_allreduce(st->pg, g, KILN_REDUCE_AVG);
+            if (!g) continue;
+            /* an expert shard's gradient is the sum over every rank's rows already */
+            if (kiln__gpt_expert_shard(st->model, st->params[i]))
+                s = kiln_mul_scalar_(g, 1.0 / kiln_pg_world_size(st->pg));
+            else
+                s = kiln_pg_allreduce(st->pg, g, KILN_REDUCE_AVG);
         }
-        if (s == KILN_OK) s = kiln_grad_norm(st->params, st->n_params, &norm);
+        if (s == KILN_OK) s = st->model->ep ? sharded_norm(st, &norm) : kiln_grad_norm(st->params, st->n_params, &norm);
         /* (the gscale of a loss-scaled step unscales, and skips the update when the
          * gradients overflowed) */
         kiln_tensor_t *coef = s != KILN_OK ? NULL

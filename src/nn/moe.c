@@ -21,6 +21,13 @@ static kiln_tensor_t *token_of_assignment(int64_t N, int64_t k)
     return r;
 }
 
+/* The inverse of the permutation order (n): inv[order[i]] = i, a scatter of n integers. */
+static kiln_tensor_t *inverse(kiln_tensor_t *order)
+{
+    int64_t n = kiln_tensor_numel(order);
+    return kiln_scatter_add(kiln_zeros(&n, 1, KILN_DTYPE_I64), 0, order, kiln_arange(0, (double)n, 1, KILN_DTYPE_I64));
+}
+
 /* x w^T for w (out, in) (n rows): a GEMM, or each row alone on w packed (wp: the
  * serving pool's kiln_matmul_rows_pack). */
 static kiln_tensor_t *lin(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *wp, int64_t n)
@@ -112,6 +119,56 @@ static kiln_tensor_t *experts_by_rows(const kiln_gpt_config *c, const kiln__moe_
     return n == 1 ? parts[0] : kiln_cat(parts, n, 0);
 }
 
+/* The rows xs (M, C) in expert order through the experts gate, up, down (rows
+ * offsets[e] .. offsets[e + 1] - 1 by expert e): one grouped GEMM each; rows after the
+ * last expert's come out zero. */
+static kiln_tensor_t *experts_grouped(const kiln__moe *e, kiln_tensor_t *xs, kiln_tensor_t *offsets)
+{
+    kiln_tensor_t *h = kiln_mul(kiln_silu(kiln_grouped_matmul(xs, e->gate, offsets)),
+                                kiln_grouped_matmul(xs, e->up, offsets));
+    return kiln_grouped_matmul(h, e->down, offsets);
+}
+
+/* (E) i64: expert x's index among its rank's El = E / W, x mod El. */
+static kiln_tensor_t *local_index(int64_t E, int64_t El)
+{
+    int64_t *t = malloc(sizeof *t * (size_t)E);
+    if (!t) return kiln_error(KILN_ERR_OOM, "moe: out of memory"), NULL;
+    for (int64_t x = 0; x < E; x++) t[x] = x % El;
+    kiln_tensor_t *r = kiln_from_data(t, &E, 1, KILN_DTYPE_I64);
+    free(t);
+    return r;
+}
+
+/* Expert parallelism (docs/model.md): the rows xs (R, C) in expert order (offsets, and
+ * each row's expert) sent to the ranks that hold their experts, rank d's run being
+ * experts d El .. (d + 1) El - 1; each rank's received rows (in rank order, each rank's
+ * in expert order) sorted again by local expert, stably, through its experts, put back
+ * and sent home, where they arrive in xs's order. The buffers are sized for the worst
+ * case, every rank's rows to one rank (W R rows), and the counts are data, so a
+ * captured step runs whatever the routing. Each row goes through the same products as
+ * on one rank. */
+static kiln_tensor_t *experts_parallel(const kiln_gpt_config *c, const kiln__moe *e, kiln_tensor_t *xs,
+                                       kiln_tensor_t *offsets, kiln_tensor_t *expert)
+{
+    int64_t W = kiln_pg_world_size(e->ep), E = c->n_routed_experts, El = E / W, R = kiln_tensor_dim(xs, 0), M = W * R;
+    kiln_tensor_t *bounds = kiln_index_select(offsets, 0, kiln_arange(0, (double)E + 1, (double)El, KILN_DTYPE_I64));
+    kiln_tensor_t *send = kiln_sub(kiln_narrow(bounds, 0, 1, W), kiln_narrow(bounds, 0, 0, W)); /* (W) rows per rank */
+    kiln_tensor_t *lr, *xr, *rc, *ys, *back;
+    if (kiln_pg_all_to_all(e->ep, kiln_index_select(local_index(E, El), 0, expert), send, M, &lr, &rc) != KILN_OK ||
+        kiln_pg_all_to_all(e->ep, xs, send, M, &xr, &rc) != KILN_OK)
+        return NULL;
+    /* the rows after the received ones are no expert's: El, sorted last, outside the offsets */
+    kiln_tensor_t *got = kiln_sum(kiln_cast(rc, KILN_DTYPE_F64), NULL, 0, false);
+    kiln_tensor_t *valid = kiln_lt(kiln_arange(0, (double)M, 1, KILN_DTYPE_F64), got);
+    kiln_tensor_t *order = NULL, *off = NULL;
+    if (kiln_moe_sort(kiln_where(valid, lr, kiln_scalar((double)El, KILN_DTYPE_I64)), El + 1, &order, &off) != KILN_OK)
+        return NULL;
+    kiln_tensor_t *yg = experts_grouped(e, kiln_index_select(xr, 0, order), kiln_narrow(off, 0, 0, El + 1));
+    if (kiln_pg_all_to_all(e->ep, kiln_index_select(yg, 0, inverse(order)), rc, R, &ys, &back) != KILN_OK) return NULL;
+    return ys;
+}
+
 /* The sequence-wise balance loss of B sequences of T rows (docs/model.md): alpha times
  * the mean over sequences of sum_e f_e P_e, f from the choices (no gradient), P from the
  * scores normalised per row. */
@@ -146,27 +203,23 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
     /* the rows sorted by expert, through the experts in one grouped GEMM each */
     kiln_tensor_t *order = NULL, *offsets = NULL;
     if (kiln_moe_sort(idx, E, &order, &offsets) != KILN_OK) return NULL;
+    int64_t nk = N * k, nkc[3] = {N, k, C}, nk1[2] = {N * k, 1};
     kiln_tensor_t *tok = kiln_index_select(token_of_assignment(N, k), 0, order); /* (N k) */
     kiln_tensor_t *xs = kiln_index_select(x, 0, tok);
+    kiln_tensor_t *expert = kiln_index_select(kiln_reshape(idx, &nk, 1), 0, order); /* of each sorted row */
     kiln_tensor_t *ys; /* (N k, C), sorted */
-    if (pk) {
-        ys = experts_by_rows(c, pk, xs, offsets, E);
-    } else {
-        kiln_tensor_t *h = kiln_mul(kiln_silu(kiln_grouped_matmul(xs, e->gate, offsets)),
-                                    kiln_grouped_matmul(xs, e->up, offsets));
-        ys = kiln_grouped_matmul(h, e->down, offsets);
-    }
-    /* back in assignment order by the inverse permutation (inv[order[i]] = i: a scatter of
-     * N k integers, where a scatter of the rows would move N k C numbers), then each
-     * token's k rows weighted and summed */
-    int64_t nk = N * k, nkc[3] = {N, k, C}, nk1[2] = {N * k, 1};
-    kiln_tensor_t *ar = kiln_arange(0, (double)nk, 1, KILN_DTYPE_I64);
-    kiln_tensor_t *inv = kiln_scatter_add(kiln_zeros(&nk, 1, KILN_DTYPE_I64), 0, order, ar);
+    if (pk) ys = experts_by_rows(c, pk, xs, offsets, E);
+    else if (e->ep) ys = experts_parallel(c, e, xs, offsets, expert);
+    else ys = experts_grouped(e, xs, offsets);
+    /* back in assignment order by the inverse permutation (a scatter of N k integers,
+     * where a scatter of the rows would move N k C numbers), then each token's k rows
+     * weighted and summed */
+    kiln_tensor_t *inv = inverse(order);
     kiln_tensor_t *wf = kiln_reshape(w, nk1, 2), *kept = NULL;
     if (c->moe_capacity > 0) { /* each expert's rows past its capacity, in token order, weighted 0 */
         double cap = ceil(c->moe_capacity * (double)nk / (double)E);
-        kiln_tensor_t *expert = kiln_index_select(kiln_reshape(idx, &nk, 1), 0, order); /* of each sorted row */
-        kiln_tensor_t *rank = kiln_sub(ar, kiln_index_select(offsets, 0, expert));     /* its place in its run */
+        kiln_tensor_t *ar = kiln_arange(0, (double)nk, 1, KILN_DTYPE_I64);
+        kiln_tensor_t *rank = kiln_sub(ar, kiln_index_select(offsets, 0, expert)); /* its place in its run */
         kept = kiln_index_select(kiln_cast(kiln_lt(rank, kiln_scalar(cap, KILN_DTYPE_I64)), KILN_DTYPE_F32), 0, inv);
         wf = kiln_mul(wf, kiln_reshape(kept, nk1, 2));
     }

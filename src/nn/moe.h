@@ -4,6 +4,7 @@
  * The GPT model (gpt.c) keeps one per MoE block. */
 #ifndef KILN_NN_MOE_H
 #define KILN_NN_MOE_H
+#include "kiln/dist.h"
 #include "kiln/nn.h"
 
 typedef struct {
@@ -14,6 +15,9 @@ typedef struct {
      * the capacity dropped (one tensor, so that ranks sum them in one allreduce); and the
      * same at the last update */
     kiln_tensor_t *load, *last_load;
+    /* expert parallelism (kiln_gpt_shard_experts): the group whose rank r holds experts
+     * [r E / W, (r + 1) E / W), gate, up and down being those only; NULL: all here */
+    kiln_pg_t *ep;
 } kiln__moe;
 
 /* An MoE block's weights packed for kiln_matmul_rows_packed (the serving pool's, made

@@ -255,6 +255,24 @@ BW(grouped_matmul)
     return by_fused(n, KILN_OP_GROUPED_MATMUL_BACKWARD, (kiln_tensor_t *[4]){kiln_contiguous(G), X(0), X(1), X(2)}, gin);
 }
 
+/* all_to_all: each row's gradient goes back to the rank it came from by the same
+ * exchange the other way: the rows received from each rank (recv_counts, output 1) sent
+ * back to it, into x's rows, where they land in the order they were sent. Rows of x
+ * that were sent nowhere get zeros. */
+BW(all_to_all)
+{
+    n->needs_grad[1] = false;
+    kiln__attrs a = n->attrs;
+    a.op.collective.rows = META(0)->shape[0];
+    kiln_tensor_t *g = G ? kiln_contiguous(G) : kiln_zeros(n->out_meta[0].shape, n->out_meta[0].ndim, META(0)->dtype);
+    kiln_tensor_t *in[2] = {g, Y(1)}, *out[KILN__MAX_OUT] = {0};
+    kiln_status s = g ? kiln__dispatch(KILN_OP_ALL_TO_ALL, in, 2, &a, out) : kiln_last_status();
+    if (s != KILN_OK) return s;
+    kiln_tensor_free(out[1]);
+    gin[0] = kiln__scoped(out[0]);
+    return done(gin, 1, n);
+}
+
 UNARY_BW(dropout, kiln_mul_scalar(kiln_mul(G, kiln_cast(Y(1), G->dtype)), 1.0 / (1.0 - n->attrs.op.dropout.p)))
 
 BW(cat)

@@ -13,6 +13,13 @@
  *            finished late (src/compile/overlap.c), on rank-dependent values, with reads
  *            of the value before the allreduce that must see it unreduced; three runs,
  *            each checked against the closed-form result; prints "graph ok"
+ *   alltoall kiln_pg_all_to_all of rows whose values say where they come from and go,
+ *            checked against that closed form: the rows received, the zeros after
+ *            them, the counts, the gradient that comes back (each row's gradient its
+ *            place on the rank it went to); the same in a compiled function with two
+ *            count patterns on one graph; bad counts on rank 1 and a too small out_rows
+ *            failing on every rank, after which the group still works; prints
+ *            "alltoall ok"
  * Exit status: 0 when the scenario's expected outcome happened on this rank, else 1. */
 #include <math.h>
 #include <pthread.h>
@@ -208,10 +215,142 @@ static int graph(void)
     return bad;
 }
 
+/* Rows rank r sends rank d in count pattern p (some of them none). */
+static int64_t sent(int p, int r, int d) { return (r + 2 * d + p) % 3; }
+
+/* Rank r's x for pattern p: its rows for each rank d in turn, row j of them all
+ * 100 r + 10 d + j (+ 0.001 k in column k), then rows it sends nowhere, up to 2 W + 1
+ * rows whatever the pattern (one shape, so one graph); and the counts. */
+static void a2a_inputs(int p, kiln_tensor_t **x, kiln_tensor_t **counts, int64_t *R)
+{
+    int64_t c[16], rows = 0;
+    float v[64 * 3];
+    for (int d = 0; d < world; d++) {
+        c[d] = sent(p, rank, d);
+        for (int64_t j = 0; j < c[d]; j++, rows++)
+            for (int k = 0; k < 3; k++) v[rows * 3 + k] = (float)(100 * rank + 10 * d + j) + 0.001f * (float)k;
+    }
+    for (; rows < 2 * (int64_t)world + 1; rows++)
+        for (int k = 0; k < 3; k++) v[rows * 3 + k] = -1; /* unsent */
+    *R = rows;
+    int64_t shape[2] = {rows, 3}, w = world;
+    *x = kiln_from_data(v, shape, 2, KILN_DTYPE_F32);
+    *counts = kiln_from_data(c, &w, 1, KILN_DTYPE_I64);
+}
+
+/* y (out_rows, 3) and recv (world) as rank `rank` must have them for pattern p. */
+static int a2a_check(int p, kiln_tensor_t *y, kiln_tensor_t *recv, int64_t out_rows, const char *what)
+{
+    float h[64 * 3];
+    int64_t rc[16];
+    kiln_tensor_to_host(y, h, sizeof(float) * (size_t)(out_rows * 3));
+    kiln_tensor_to_host(recv, rc, sizeof(int64_t) * (size_t)world);
+    int64_t at = 0;
+    for (int s = 0; s < world; s++) {
+        if (rc[s] != sent(p, s, rank)) {
+            fprintf(stderr, "rank %d: %s: %lld rows from rank %d, want %lld\n", rank, what, (long long)rc[s], s,
+                    (long long)sent(p, s, rank));
+            return 1;
+        }
+        for (int64_t j = 0; j < rc[s]; j++, at++)
+            for (int k = 0; k < 3; k++)
+                if (fabsf(h[at * 3 + k] - ((float)(100 * s + 10 * rank + j) + 0.001f * (float)k)) > 1e-4f) {
+                    fprintf(stderr, "rank %d: %s: row %lld is %g, want rank %d's row %lld\n", rank, what,
+                            (long long)at, h[at * 3 + k], s, (long long)j);
+                    return 1;
+                }
+    }
+    for (; at < out_rows; at++)
+        if (h[at * 3] != 0 || h[at * 3 + 2] != 0) {
+            fprintf(stderr, "rank %d: %s: row %lld after the received ones is %g, not 0\n", rank, what, (long long)at,
+                    h[at * 3]);
+            return 1;
+        }
+    return 0;
+}
+
+/* The compiled function: y and the counts received for (x, counts). */
+static kiln_status exchanged(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    (void)n_in;
+    kiln_status s = kiln_pg_all_to_all(ctx, in[0], in[1], (int64_t)world * 3, &out[0], &out[1]);
+    *n_out = 2;
+    return s;
+}
+
+static int alltoall(void)
+{
+    int bad = 0;
+    int64_t R, out_rows = (int64_t)world * 3; /* at most 2 rows from each rank */
+    kiln_tensor_t *x, *counts, *y, *recv;
+    /* values and the gradient: loss = sum_i (i + 1) y_i, so a row's gradient is 1 + its
+     * place in the receiving rank's y */
+    a2a_inputs(0, &x, &counts, &R);
+    kiln_tensor_set_requires_grad(x, true);
+    bad |= kiln_pg_all_to_all(pg, x, counts, out_rows, &y, &recv) != KILN_OK;
+    if (!bad) bad |= a2a_check(0, y, recv, out_rows, "eager");
+    if (!bad) {
+        int64_t col[2] = {out_rows, 1};
+        kiln_tensor_t *place = kiln_reshape(kiln_arange(1, (double)out_rows + 1, 1, KILN_DTYPE_F32), col, 2);
+        bad |= kiln_backward(kiln_sum(kiln_mul(y, place), NULL, 0, false)) != KILN_OK;
+        float g[64 * 3];
+        if (!bad) kiln_tensor_to_host(kiln_tensor_grad(x), g, sizeof(float) * (size_t)(R * 3));
+        int64_t row = 0;
+        for (int d = 0; !bad && d < world; d++) {
+            int64_t before = 0; /* rows rank d got from ranks below this one */
+            for (int s = 0; s < rank; s++) before += sent(0, s, d);
+            for (int64_t j = 0; j < sent(0, rank, d) && !bad; j++, row++)
+                if (g[row * 3 + 1] != (float)(before + j + 1)) {
+                    fprintf(stderr, "rank %d: gradient of row %lld is %g, want %lld (its place on rank %d)\n", rank,
+                            (long long)row, g[row * 3 + 1], (long long)(before + j + 1), d);
+                    bad = 1;
+                }
+        }
+        for (; !bad && row < R; row++)
+            if (g[row * 3] != 0) {
+                fprintf(stderr, "rank %d: unsent row %lld's gradient is %g, not 0\n", rank, (long long)row, g[row * 3]);
+                bad = 1;
+            }
+    }
+    /* compiled: two count patterns, one graph */
+    kiln_compiled_t *c = NULL;
+    bad |= kiln_compiled_new(exchanged, pg, "alltoall", &c) != KILN_OK;
+    for (int p = 0; p < 3 && !bad; p++) {
+        kiln_tensor_t *in[2], *out[2];
+        int n = 0;
+        a2a_inputs(p % 2, &in[0], &in[1], &R);
+        bad |= kiln_compiled_call(c, in, 2, out, 2, &n) != KILN_OK || n != 2;
+        if (!bad) bad |= a2a_check(p % 2, out[0], out[1], out_rows, "compiled");
+    }
+    int graphs = 0;
+    if (c) kiln_compiled_stats(c, NULL, NULL, NULL, &graphs);
+    kiln_compiled_free(c);
+    /* bad counts on rank 1 (negative) and then an out_rows too small: every rank fails,
+     * naming it, and the group goes on */
+    if (!bad) {
+        a2a_inputs(0, &x, &counts, &R);
+        int64_t neg[16] = {0}, w = world;
+        neg[0] = -2;
+        kiln_status s = kiln_pg_all_to_all(pg, x, rank == 1 ? kiln_from_data(neg, &w, 1, KILN_DTYPE_I64) : counts,
+                                           out_rows, &y, &recv);
+        printf("rank %d: bad counts: %s\n", rank, s == KILN_OK ? "no error" : kiln_last_error());
+        bad |= s == KILN_OK;
+        s = kiln_pg_all_to_all(pg, x, counts, 1, &y, &recv);
+        printf("rank %d: small out_rows: %s\n", rank, s == KILN_OK ? "no error" : kiln_last_error());
+        bad |= s == KILN_OK;
+        bad |= kiln_pg_all_to_all(pg, x, counts, out_rows, &y, &recv) != KILN_OK ||
+               a2a_check(0, y, recv, out_rows, "after the errors");
+    }
+    bad |= kiln_pg_check_step(pg) != KILN_OK;
+    if (bad) fprintf(stderr, "rank %d: %s\n", rank, kiln_last_error());
+    else printf("rank %d: alltoall ok, %d graph(s)\n", rank, graphs);
+    return bad;
+}
+
 int main(int argc, char **argv)
 {
     if (argc != 2) {
-        fprintf(stderr, "usage: mpirun -np N dist_probe values|order|step|lag|graph\n");
+        fprintf(stderr, "usage: mpirun -np N dist_probe values|order|step|lag|graph|alltoall\n");
         return 2;
     }
     kiln_init(1);
@@ -224,7 +363,7 @@ int main(int argc, char **argv)
     kiln_scope_begin();
     int rc = !strcmp(argv[1], "values") ? values() : !strcmp(argv[1], "order") ? order()
              : !strcmp(argv[1], "step") ? step() : !strcmp(argv[1], "lag") ? lag()
-             : !strcmp(argv[1], "graph") ? graph() : 2;
+             : !strcmp(argv[1], "graph") ? graph() : !strcmp(argv[1], "alltoall") ? alltoall() : 2;
     kiln_scope_end();
     fflush(stdout);
     kiln_pg_free(pg); /* finalizes MPI unless a collective was left posted (a timeout) */

@@ -13,6 +13,12 @@ tests/dist/dist_probe.c (one scenario per run).
   starts early and finishes late (src/compile/overlap.c), with reads of the value before
   its allreduce, against closed-form results (tolerance as for values); and with
   KILN_COMPILE_DISABLE=overlap.
+- alltoall (2 and 4 ranks; 2 with KILN_DIST_DEBUG=1): kiln_pg_all_to_all's rows, the
+  zeros after them, the counts and the gradient sent back, against the closed form the
+  probe builds them by (exact: the values are moved, not computed), eager and in a
+  compiled function that runs two count patterns on one graph; rank 1's negative count
+  fails every rank (rank 1 naming its count, the others naming rank 1), as does an
+  out_rows too small for what a rank receives, and the group then still works.
 - lag: rank 1 sleeps 30 s before its collectives; with KILN_DIST_TIMEOUT=3, rank 0 must
   fail within 12 s naming rank 1, and write its ring buffer with the waiting collective;
   a second collective it has in flight must then fail at once (under 1 s), not after a
@@ -74,6 +80,15 @@ def main():
         check(r is not None and r.returncode == 0 and r.stdout.count("graph ok") == n,
               f"{n} ranks{' ' + str(env) if env else ''}: allreduces in a compiled function give the closed-form result"
               + ("" if r is None or r.returncode == 0 else f" ({r.stderr.strip()[-300:]})"))
+    for n, env in ((2, {}), (4, {}), (2, {"KILN_DIST_DEBUG": "1"})):
+        r, _ = mpirun(a.probe, n, "alltoall", env)
+        out = r.stdout if r else ""
+        check(r is not None and r.returncode == 0 and out.count("alltoall ok, 1 graph(s)") == n,
+              f"{n} ranks{' ' + str(env) if env else ''}: all-to-all rows, counts and gradients, eager and compiled on "
+              "one graph" + ("" if r is None or r.returncode == 0 else f" ({r.stderr.strip()[-300:]})"))
+        named = out.count("rank 1's send counts are negative") == n - 1 and "send_counts[0] = -2 is negative" in out
+        check(named and out.count("would receive") == n,
+              f"{n} ranks: bad counts on rank 1 and a small out_rows fail every rank, naming the cause")
     r, dt = mpirun(a.probe, 2, "order", {"KILN_DIST_DEBUG": "1", "KILN_DIST_TIMEOUT": "10"})
     out = r.stdout if r else ""
     want = "rank 0: #1 allreduce f32 x 10 sum; rank 1: #1 allreduce f32 x 20 sum"

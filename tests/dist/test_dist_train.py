@@ -7,7 +7,10 @@ of N equal shares against the mean over all rows, and gradients summed in anothe
 order. Tolerance 1e-5 relative on every logged loss over 8 AdamW steps (measured
 differences are about 1e-7), also for `--compile` on 2 ranks (the step one graph with
 the gradients' allreduce in it; generated kernels round differently from eager ones). Two runs at the same N must give bitwise the same
-losses. A world size above 1 without an MPI launcher must fail with an error that
+losses. A mixture-of-experts model with its experts sharded over the ranks
+(--expert-parallel, rows exchanged by all-to-all) on 2 and 4 ranks, eager and compiled
+and saved on 2 and resumed on 4, must match the same model on one process, with the
+same tolerance; the saved model holds every expert. A world size above 1 without an MPI launcher must fail with an error that
 says to use mpirun, and a batch that does not split evenly must be refused.
 
 Exits 77 (skip) when mpirun is missing or the kiln build has no MPI.
@@ -171,6 +174,42 @@ def main():
     r = train(a.kiln, data, zr, 2, extra=("--zero1", "--steps", "10", "--resume"))
     check(r.returncode != 0 and "it is not loaded" in r.stderr,
           f"a marker that does not name the checkpoint's step: not loaded ({r.stderr.strip()[-160:]})")
+    # Expert parallelism: 4 experts (top 2) sharded over 2 and 4 ranks against the same
+    # model on one process, whose experts are all there.
+    moe = ("--model", "llama", "--experts", "4", "--top-k", "2")
+    ref_out = os.path.join(a.workdir, "moe-w1")
+    r = train(a.kiln, data, ref_out, 1, extra=moe)
+    ref = losses(ref_out) if r.returncode == 0 else []
+    check(len(ref) == 8, f"an MoE model trains on one process ({r.stderr.strip()[-200:]})")
+    for n, extra in ((2, ()), (4, ()), (2, ("--compile",))):
+        out = os.path.join(a.workdir, f"ep{n}" + "".join(extra))
+        r = train(a.kiln, data, out, n, extra=(*moe, "--expert-parallel", *extra), env=dict(os.environ, KILN_LOGS="graph"))
+        ok = r.returncode == 0 and len(losses(out)) == 8 and len(ref) == 8
+        worst = max(abs(x - y) / abs(y) for x, y in zip(losses(out), ref)) if ok else float("inf")
+        check(ok and worst <= 1e-5, f"--expert-parallel {' '.join(extra)} on {n} ranks matches one process: worst "
+              f"{worst:.2e} ({r.stderr.strip()[-300:] if r.returncode else ''})")
+        if extra:
+            check("all_to_all(" in r.stderr, "--expert-parallel --compile: the graph holds the all-to-alls")
+    epr = os.path.join(a.workdir, "ep-resume")
+    r1 = train(a.kiln, data, epr, 2, extra=(*moe, "--expert-parallel", "--steps", "4"))
+    shapes = {}
+    try:
+        with open(os.path.join(epr, "model.safetensors"), "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            shapes = {k: v["shape"] for k, v in json.loads(f.read(n)).items() if k != "__metadata__"}
+    except OSError:
+        pass
+    check(shapes.get("blocks.0.mlp.experts.gate", [0])[0] == 4 and shapes.get("blocks.1.mlp.experts.down", [0])[0] == 4,
+          f"the model saved on 2 ranks holds all 4 experts: {shapes.get('blocks.0.mlp.experts.gate')}")
+    r2 = train(a.kiln, data, epr, 4, extra=(*moe, "--expert-parallel", "--resume"))
+    ok = r1.returncode == 0 and r2.returncode == 0 and len(losses(epr)) == 8 and len(ref) == 8
+    worst = max(abs(x - y) / abs(y) for x, y in zip(losses(epr), ref)) if ok else float("inf")
+    check(ok and worst <= 1e-5, f"--expert-parallel saved on 2 ranks, resumed on 4: worst {worst:.2e} "
+          f"({(r1.stderr + r2.stderr).strip()[-200:]})")
+    r = train(a.kiln, data, os.path.join(a.workdir, "ep-odd"), 2,
+              extra=("--model", "llama", "--experts", "3", "--top-k", "2", "--expert-parallel"))
+    check(r.returncode != 0 and "do not split evenly over 2 ranks" in r.stderr,
+          f"3 experts over 2 ranks is refused ({r.stderr.strip()[-160:]})")
     r = train(a.kiln, data, os.path.join(a.workdir, "odd"), 2, extra=("--batch", "7"))
     check(r.returncode != 0 and "multiple of the world size" in r.stderr, "a batch of 7 on 2 ranks is refused")
     print(f"{'FAILED' if failed else 'passed'}: {failed} check(s) failed")

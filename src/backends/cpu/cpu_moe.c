@@ -84,3 +84,15 @@ kiln_status kiln__cpu_moe_sort(KILN__KERNEL_ARGS)
     kiln_tensor_free(ti);
     return s;
 }
+
+/* all_to_all: the exchange is the process group's, which the op carries (the backends
+ * know nothing of groups, src/dist/pg.c); here its inputs are made contiguous. */
+kiln_status kiln__cpu_all_to_all(KILN__KERNEL_ARGS)
+{
+    kiln_tensor_t *c[2], *tmp[2];
+    if (!cpu_contig_n(in, 2, c, tmp, NULL)) return kiln_last_status();
+    kiln__all_to_all_fn run = (kiln__all_to_all_fn)(uintptr_t)a->op.collective.ops;
+    kiln_status s = run(a->op.collective.group, c[0], c[1], out[0], out[1]);
+    cpu_free_n(tmp, 2);
+    return s;
+}
