@@ -254,6 +254,11 @@ static void sharded_experts_on_one_rank_match_the_whole_model(void **state)
         assert_int_equal(kiln_tensor_to_host(loss, &sum[k], sizeof(float)), KILN_OK);
     }
     assert_true(sum[0] == sum[1]);
+    /* each MoE block: 3 exchanges forward (expert ids, rows, results back), 2 backward */
+    uint64_t calls = 0;
+    assert_int_equal(kiln_pg_time_in(pg, "all_to_all", &calls, NULL), KILN_OK);
+    assert_int_equal(calls, 5 * c.n_layer);
+    assert_int_equal(kiln_pg_time_in(pg, "alltoall", &calls, NULL), KILN_ERR_ARG);
     int n = kiln_gpt_num_params(m[0]), shards = 0;
     for (int i = 0; i < n; i++) {
         const char *name;

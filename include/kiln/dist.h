@@ -66,6 +66,11 @@ kiln_status kiln_pg_reduce_scatter(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor
  * Over MPI or one process; not in a group formed over the TCP rendezvous. */
 kiln_status kiln_pg_all_to_all(kiln_pg_t *pg, kiln_tensor_t *x, kiln_tensor_t *send_counts, int64_t out_rows,
                                kiln_tensor_t **y, kiln_tensor_t **recv_counts);
+/* The time this process spent inside the group's blocking calls of collective op
+ * ("allreduce", "broadcast", "barrier", "allgather", "reduce_scatter", "all_to_all";
+ * graphs' allreduces included when not overlapped, the _async forms not), waiting for
+ * the other ranks included, and how many there were, since the group was made. */
+kiln_status kiln_pg_time_in(kiln_pg_t *pg, const char *op, uint64_t *calls, double *seconds);
 /* The same collectives started now and finished by kiln_pg_work_wait (which frees
  * work; an average is scaled there); kiln_pg_work_test says whether one has finished,
  * without waiting. Their tensors must not be touched until then. Each is numbered when

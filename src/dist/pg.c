@@ -217,8 +217,11 @@ static kiln_status run(kiln_pg_t *pg, sig s, kiln_tensor_t *in, kiln_tensor_t *o
 {
     struct kiln_pg_work w;
     pthread_mutex_lock(&pg->mu);
+    double t0 = kiln__now_s();
     kiln_status st = start(pg, &s, in, out, &w);
     if (st == KILN_OK) st = finish(&w);
+    pg->secs[s.op] += kiln__now_s() - t0;
+    pg->calls[s.op]++;
     pthread_mutex_unlock(&pg->mu);
     return st;
 }
@@ -512,6 +515,7 @@ static kiln_status all_to_all_run(void *group, kiln_tensor_t *x, kiln_tensor_t *
     char why[256] = "";
     if (mine != KILN_OK) snprintf(why, sizeof why, "%s", kiln_last_error());
     pthread_mutex_lock(&pg->mu);
+    double t0 = kiln__now_s();
     sig s = {0, (uint64_t)(rows * width), OP_ALL_TO_ALL, (uint32_t)x->dtype, (uint32_t)rows, 0};
     kiln__pg_record(pg, &s);
     if (!pg->mpi) {
@@ -539,6 +543,8 @@ static kiln_status all_to_all_run(void *group, kiln_tensor_t *x, kiln_tensor_t *
         st = kiln__pg_mpi_alltoallv(pg, &s, kiln__data(x), cnt, cnt + W, kiln__data(y), cnt + 2 * W, cnt + 3 * W,
                                     x->dtype);
 #endif
+    pg->secs[OP_ALL_TO_ALL] += kiln__now_s() - t0;
+    pg->calls[OP_ALL_TO_ALL]++;
     pthread_mutex_unlock(&pg->mu);
     if (st == KILN_OK) {
         memset((char *)kiln__data(y) + (size_t)(got * width) * es, 0, (size_t)((rows - got) * width) * es);
@@ -565,4 +571,19 @@ kiln_status kiln_pg_all_to_all(kiln_pg_t *pg, kiln_tensor_t *x, kiln_tensor_t *s
     *y = kiln__scoped(out[0]);
     *recv_counts = kiln__scoped(out[1]);
     return *y && *recv_counts ? KILN_OK : kiln_last_status();
+}
+
+kiln_status kiln_pg_time_in(kiln_pg_t *pg, const char *op, uint64_t *calls, double *seconds)
+{
+    if (!pg || !op) return kiln_error(KILN_ERR_ARG, "pg_time_in: NULL group or op");
+    for (int k = 1; k < OP_COUNT; k++)
+        if (!strcmp(op, kiln__pg_op_names[k])) {
+            pthread_mutex_lock(&pg->mu);
+            if (calls) *calls = pg->calls[k];
+            if (seconds) *seconds = pg->secs[k];
+            pthread_mutex_unlock(&pg->mu);
+            return KILN_OK;
+        }
+    return kiln_error(KILN_ERR_ARG, "pg_time_in: unknown collective '%s' (allreduce, broadcast, barrier, allgather, "
+                      "reduce_scatter, all_to_all)", op);
 }

@@ -50,6 +50,8 @@ struct kiln_pg {
     void *nccl;             /* the NCCL communicator, made on the first collective on a cuda tensor */
     kiln__backend *nccl_be; /* its device */
     bool tcp;               /* formed by the TCP rendezvous: every collective goes through NCCL */
+    double secs[OP_COUNT];  /* time inside the blocking collectives of each kind (kiln_pg_time_in) */
+    uint64_t calls[OP_COUNT];
     unsigned char nccl_id[KILN__NCCL_ID_BYTES]; /* rank 0's, as the rendezvous carried it */
 };
 

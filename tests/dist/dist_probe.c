@@ -18,8 +18,8 @@
  *            them, the counts, the gradient that comes back (each row's gradient its
  *            place on the rank it went to); the same in a compiled function with two
  *            count patterns on one graph; bad counts on rank 1 and a too small out_rows
- *            failing on every rank, after which the group still works; prints
- *            "alltoall ok"
+ *            failing on every rank, after which the group still works; the
+ *            exchanges counted by kiln_pg_time_in; prints "alltoall ok"
  * Exit status: 0 when the scenario's expected outcome happened on this rank, else 1. */
 #include <math.h>
 #include <pthread.h>
@@ -340,6 +340,14 @@ static int alltoall(void)
         bad |= s == KILN_OK;
         bad |= kiln_pg_all_to_all(pg, x, counts, out_rows, &y, &recv) != KILN_OK ||
                a2a_check(0, y, recv, out_rows, "after the errors");
+    }
+    /* 8 exchanges: forward and backward, 3 compiled calls, the 2 that failed, the last */
+    uint64_t calls = 0;
+    double secs = 0;
+    if (!bad && (kiln_pg_time_in(pg, "all_to_all", &calls, &secs) != KILN_OK || calls != 8 || !(secs > 0))) {
+        fprintf(stderr, "rank %d: kiln_pg_time_in counts %llu all-to-alls in %g s, want 8 in some time\n", rank,
+                (unsigned long long)calls, secs);
+        bad = 1;
     }
     bad |= kiln_pg_check_step(pg) != KILN_OK;
     if (bad) fprintf(stderr, "rank %d: %s\n", rank, kiln_last_error());
