@@ -570,7 +570,10 @@ bool moe_offsets_ok(__global const char *gf, ulong of, long sf, long f64, long M
  * ERR_OFFSETS for bad offsets.
  *
  * kiln_grouped_dw: C[x] (K, N) = A_x^T (K, rows) times B_x (rows, N) over expert x's rows
- * (zero for none), a work-group layer per expert: dw from x and g. */
+ * (zero for none): dw from x and g. The experts are the fastest-varying part of the
+ * work-group's first index (then the column tile), so that a run of consecutive
+ * work-groups, as PoCL hands them to a thread, holds every expert's share alike however
+ * skewed the counts. */
 #define GROUPED_KERNELS(SFX, T, ACC, LD, ST)                                                            \
     __kernel __attribute__((reqd_work_group_size(16, 16, 1))) void kiln_grouped##SFX(                   \
         BUF(a), BUF(b), BUF(c), BUF(f), long M, long N, long K, long E, long sam, long sak, long sbe,   \
@@ -599,11 +602,11 @@ bool moe_offsets_ok(__global const char *gf, ulong of, long sf, long f64, long M
     }                                                                                                   \
                                                                                                         \
     __kernel __attribute__((reqd_work_group_size(16, 16, 1))) void kiln_grouped_dw##SFX(                \
-        BUF(a), BUF(b), BUF(c), BUF(f), long M, long N, long K, long sam, long sak, long sbm, long sbn, \
-        long sf, long f64)                                                                              \
+        BUF(a), BUF(b), BUF(c), BUF(f), long M, long N, long K, long E, long sam, long sak, long sbm,   \
+        long sbn, long sf, long f64)                                                                    \
     {                                                                                                   \
         const int lr = get_local_id(1), lc = get_local_id(0), tid = lr * 16 + lc;                       \
-        const long row0 = get_group_id(1) * TM, col0 = get_group_id(0) * TM, x = get_group_id(2);       \
+        const long x = get_group_id(0) % E, row0 = get_group_id(1) * TM, col0 = get_group_id(0) / E * TM; \
         __local ACC As[TK][TM], Bs[TK][TM];                                                             \
         const long lo = min(max(moe_offset(gf, of, x, sf, f64), 0L), M);                                \
         const long hi = min(max(moe_offset(gf, of, x + 1, sf, f64), lo), M);                            \

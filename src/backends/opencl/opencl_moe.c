@@ -128,8 +128,8 @@ kiln_status kiln__opencl_grouped_matmul(KILN__KERNEL_ARGS)
 }
 
 /* (g (M, N), x (M, K), w (E, K, N), offsets) -> dx (M, K) = g_e w[e]^T (kiln_grouped on w
- * read transposed), dw (E, K, N), dw[e] = x_e^T g_e (kiln_grouped_dw, a layer of
- * work-groups per expert; zero for an expert without rows). */
+ * read transposed), dw (E, K, N), dw[e] = x_e^T g_e (kiln_grouped_dw, a work-group per
+ * expert and 64x64 tile; zero for an expert without rows). */
 kiln_status kiln__opencl_grouped_matmul_backward(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *g = in[0], *x = in[1], *w = in[2], *off = in[3];
@@ -146,9 +146,10 @@ kiln_status kiln__opencl_grouped_matmul_backward(KILN__KERNEL_ARGS)
                          w->stride[1], err);
     if (s != KILN_OK || !E || !K || !N) return s;
     kiln__karg args[] = {buf_arg(x), buf_arg(g), buf_arg(out[1]), buf_arg(off), i64_arg(M), i64_arg(N), i64_arg(K),
-                         i64_arg(x->stride[0]), i64_arg(x->stride[1]), i64_arg(g->stride[0]), i64_arg(g->stride[1]),
-                         i64_arg(off->stride[0]), i64_arg(off->dtype == KILN_DTYPE_I64)};
-    size_t grid[3] = {(size_t)((N + 63) / 64 * 16), (size_t)((K + 63) / 64 * 16), (size_t)E}, block[3] = {16, 16, 1};
-    return kiln__opencl_launch(be, kw, args, (int)(sizeof args / sizeof args[0]), grid, block, 3);
+                         i64_arg(E), i64_arg(x->stride[0]), i64_arg(x->stride[1]), i64_arg(g->stride[0]),
+                         i64_arg(g->stride[1]), i64_arg(off->stride[0]), i64_arg(off->dtype == KILN_DTYPE_I64)};
+    /* work-group (expert + E column tile, row tile) */
+    size_t grid[2] = {(size_t)((N + 63) / 64 * 16 * E), (size_t)((K + 63) / 64 * 16)}, block[2] = {16, 16};
+    return kiln__opencl_launch(be, kw, args, (int)(sizeof args / sizeof args[0]), grid, block, 2);
 }
 #endif
