@@ -15,7 +15,10 @@
  * Repetitions alternate which side runs first; each side's median; the ratio is GEMM
  * time / grouped time (1.00: grouping costs nothing, above 1: grouped is faster).
  *
- *   bench_grouped_gemm [--threads N] [--reps N]
+ * --device NAME makes every tensor there (opencl: the grouped ops' own kernels against
+ * the backend's tiled matmul); each run is timed to kiln_device_synchronize.
+ *
+ *   bench_grouped_gemm [--threads N] [--reps N] [--device NAME]
  */
 #include <math.h>
 #include <stdio.h>
@@ -55,6 +58,7 @@ static double run(const operands *o, bool grouped, bool backward)
     } else {
         ok = kiln_matmul(o->dy, kiln_transpose(o->w0, 0, 1)) && kiln_matmul(kiln_transpose(o->x, 0, 1), o->dy);
     }
+    ok = ok && kiln_device_synchronize(kiln_device()) == KILN_OK;
     double t = bench_now_s() - t0;
     kiln_scope_end();
     return ok ? t : -1;
@@ -85,16 +89,18 @@ static int measure(const operands *o, bool backward, int reps, double *grouped_s
 int main(int argc, char **argv)
 {
     int threads = 0, reps = 31;
+    const char *dev = "cpu";
     for (int i = 1; i < argc; i += 2) {
         if (i + 1 < argc && !strcmp(argv[i], "--threads")) threads = atoi(argv[i + 1]);
         else if (i + 1 < argc && !strcmp(argv[i], "--reps")) reps = atoi(argv[i + 1]);
+        else if (i + 1 < argc && !strcmp(argv[i], "--device")) dev = argv[i + 1];
         else {
-            fprintf(stderr, "usage: bench_grouped_gemm [--threads N] [--reps N]\n");
+            fprintf(stderr, "usage: bench_grouped_gemm [--threads N] [--reps N] [--device NAME]\n");
             return 2;
         }
     }
     if (reps < 1) reps = 1;
-    if (kiln_init(threads) != KILN_OK) {
+    if (kiln_init(threads) != KILN_OK || kiln_set_device(dev) != KILN_OK) {
         fprintf(stderr, "bench_grouped_gemm: %s\n", kiln_last_error());
         return 1;
     }
@@ -107,8 +113,8 @@ int main(int argc, char **argv)
         counts[1][e] = e ? (int64_t)(M / hsum / (e + 1)) : left;
         left -= counts[1][e];
     }
-    printf("# bench_grouped_gemm: %s\n# kiln_num_threads() = %d, reps = %d (medians), f32, M %d K %d E %d\n",
-           kiln_build_info(), kiln_num_threads(), reps, M, K, E);
+    printf("# bench_grouped_gemm: %s\n# device %s, kiln_num_threads() = %d, reps = %d (medians), f32, M %d K %d E %d\n",
+           kiln_build_info(), kiln_device(), kiln_num_threads(), reps, M, K, E);
     printf("%-9s %-7s %5s %28s %11s %11s %8s %8s %7s\n", "pass", "counts", "N", "rows per expert", "grouped ms",
            "GEMM ms", "grp GF/s", "GEMM GF/s", "ratio");
     int rc = 0;

@@ -15,7 +15,10 @@
  *               distinct by far more than eps, so the choice does not move.
  * Bad inputs are errors with a message that names the op, never a crash. A compiled
  * function (sort + grouped matmul) runs one graph for calls whose per-expert counts
- * differ. On a device (KILN_DEVICE, tests/on_device.sh) every tensor is made there. */
+ * differ. On a device (KILN_DEVICE, tests/on_device.sh) every tensor is made there; on
+ * OpenCL the four ops must run on the device's own kernels (never the cpu with copies),
+ * and bad experts and offsets in a step captured as a command buffer are errors of the
+ * run that met them. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -28,6 +31,7 @@
 #include "kiln/kiln.h"
 #include "kiln/graph.h"
 #include "test_util.h"
+#include "core/backend.h"
 
 static uint64_t rng = 0x2545F4914F6CDD1DULL;
 static double urand(void)
@@ -550,6 +554,125 @@ static void compiled_sort_and_grouped_matmul_do_not_recompile_when_counts_change
     free(xv);
 }
 
+/* ---- on an OpenCL device: the device's own kernels ---- */
+
+static const char *const routing_ops[4] = {"topk", "moe_sort", "grouped_matmul", "grouped_matmul_backward"};
+
+static int op_id(const char *name)
+{
+    for (int i = 0; i < kiln_op_count(); i++)
+        if (!strcmp(kiln_op_name(i), name)) return i;
+    fail_msg("no op %s", name);
+    return -1;
+}
+
+/* The current device when it is an OpenCL one; else the test is skipped. */
+#define opencl_or_skip()                                                                                  \
+    do {                                                                                                  \
+        if (strncmp(kiln_device(), "opencl", 6)) {                                                        \
+            print_message("skipped: the device is %s; this checks OpenCL's kernels\n", kiln_device());     \
+            skip();                                                                                       \
+        }                                                                                                 \
+    } while (0)
+
+/* Oracle: dispatch's count of runs on the cpu with copies stays where it was. Every
+ * float dtype, both index dtypes, forward and backward, a strided x. */
+static void routing_ops_run_on_the_opencl_kernels_not_the_cpu(void **state)
+{
+    opencl_or_skip();
+    kiln__backend *be = kiln__backend_find(kiln_device());
+    assert_non_null(be);
+    uint64_t before[4];
+    for (int i = 0; i < 4; i++) {
+        if (!kiln__be_has_kernel(be, op_id(routing_ops[i])))
+            fail_msg("%s has no kernel of its own on %s", routing_ops[i], kiln_device());
+        before[i] = kiln__cpu_fallbacks(be, op_id(routing_ops[i]));
+    }
+    const kiln_dtype dts[4] = {KILN_DTYPE_F32, KILN_DTYPE_F64, KILN_DTYPE_BF16, KILN_DTYPE_F16};
+    const int64_t ind[8] = {2, 0, 1, 2, 0, 0, 3, 1};
+    double *v = randv(6 * 4 * 5);
+    for (int d = 0; d < 4; d++) {
+        kiln_scope_begin();
+        kiln_tensor_t *x = from_f64(v, 2, (int64_t[]){6, 4}, dts[d]), *w = from_f64(v, 3, (int64_t[]){4, 4, 5}, dts[d]);
+        kiln_tensor_t *val, *idx, *order, *offsets;
+        assert_int_equal(kiln_topk(kiln_transpose(w, 1, 2), 2, &val, &idx), KILN_OK);
+        kiln_tensor_t *sel = kiln_cast(from_i64(ind, 2, (int64_t[]){4, 2}), d % 2 ? KILN_DTYPE_I32 : KILN_DTYPE_I64);
+        assert_int_equal(kiln_moe_sort(sel, 4, &order, &offsets), KILN_OK);
+        kiln_tensor_set_requires_grad(x, true);
+        kiln_tensor_set_requires_grad(w, true);
+        kiln_tensor_t *y = kiln_grouped_matmul(x, w, kiln_cast(from_i64((const int64_t[]){1, 2, 2, 4, 6}, 1,
+                                                                        (int64_t[]){5}), KILN_DTYPE_I32));
+        if (!y) fail_msg("grouped_matmul: %s", kiln_last_error());
+        assert_int_equal(kiln_backward(kiln_sum(y, NULL, 0, false)), KILN_OK);
+        kiln_scope_end();
+    }
+    free(v);
+    for (int i = 0; i < 4; i++)
+        if (kiln__cpu_fallbacks(be, op_id(routing_ops[i])) != before[i])
+            fail_msg("%s ran on the cpu with copies on %s", routing_ops[i], kiln_device());
+}
+
+/* A step of sort and grouped matmul: in: x (8, 6) rows per assignment, indices (4, 2),
+ * offsets (CE + 1) given apart (so that bad ones can be); out: order and y. */
+static kiln_status sorts_and_groups(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    kiln_tensor_t *order, *offsets;
+    kiln_status s = kiln_moe_sort(in[1], CE, &order, &offsets);
+    if (s != KILN_OK) return s;
+    out[0] = order;
+    out[1] = kiln_grouped_matmul(in[0], ctx, in[2]);
+    *n_out = 2;
+    return out[1] ? KILN_OK : kiln_last_status();
+}
+
+/* Recorded as a command buffer (no host between its commands), the kernels check the
+ * experts and the offsets into the device's error word: a bad one in a later run is
+ * KILN_ERR_INDEX from that run naming the op, never a read outside a buffer; eagerly
+ * the host names the value; a good run after it gives eager's results again. */
+static void bad_experts_and_offsets_in_a_captured_step_are_errors(void **state)
+{
+    opencl_or_skip();
+    double *wv = randv(CE * 6 * 5), *xv = randv(8 * 6);
+    kiln_tensor_t *w = from_f64(wv, 3, (int64_t[]){CE, 6, 5}, KILN_DTYPE_F32);
+    const int64_t good_i[8] = {0, 1, 2, 3, 3, 2, 1, 0}, bad_i[8] = {0, 1, 2, 7, 3, 2, 1, 0};
+    const int64_t good_o[CE + 1] = {0, 2, 4, 6, 8}, bad_o[CE + 1] = {0, 5, 4, 6, 8};
+    kiln_tensor_t *x = from_f64(xv, 2, (int64_t[]){8, 6}, KILN_DTYPE_F32);
+    kiln_tensor_t *in[3] = {x, from_i64(good_i, 2, (int64_t[]){4, 2}), from_i64(good_o, 1, (int64_t[]){CE + 1})};
+    kiln_tensor_t *out[2], *want[2];
+    kiln_replay_t *r = NULL;
+    int n;
+    if (kiln_replay_record(sorts_and_groups, w, in, 3, &r, out, 2, &n) != KILN_OK)
+        fail_msg("record: %s", kiln_last_error());
+    char why[256];
+    if (!kiln_replay_native(r, why, sizeof why)) fail_msg("not captured: %s", why);
+    const struct {
+        const int64_t *ind, *off;
+        const char *replayed, *eager;
+    } cases[2] = {{bad_i, good_o, "moe_sort", "moe_sort: index 7 at position 3 is outside [0, 4)"},
+                  {good_i, bad_o, "grouped_matmul", "grouped_matmul: offsets[2] = 4 is below offsets[1] = 5"}};
+    for (int c = 0; c < 2; c++) {
+        kiln_scope_begin();
+        kiln_tensor_t *bad[3] = {x, from_i64(cases[c].ind, 2, (int64_t[]){4, 2}),
+                                 from_i64(cases[c].off, 1, (int64_t[]){CE + 1})};
+        assert_error(kiln_replay_run(r, bad, 3, out, 2, &n), KILN_ERR_INDEX, "replayed step");
+        assert_int_equal(kiln_replay_run(r, bad, 3, out, 2, &n), KILN_ERR_INDEX);
+        assert_non_null(strstr(kiln_last_error(), cases[c].replayed));
+        kiln_clear_error();
+        assert_error(sorts_and_groups(w, bad, 3, want, &n), KILN_ERR_INDEX, cases[c].eager);
+        kiln_scope_end();
+    }
+    /* (the runs above copied the bad values into the recorded inputs: good ones anew) */
+    kiln_tensor_t *again[3] = {x, from_i64(good_i, 2, (int64_t[]){4, 2}), from_i64(good_o, 1, (int64_t[]){CE + 1})};
+    assert_int_equal(kiln_replay_run(r, again, 3, out, 2, &n), KILN_OK);
+    assert_int_equal(sorts_and_groups(w, again, 3, want, &n), KILN_OK);
+    char diff[128];
+    for (int j = 0; j < 2; j++)
+        if (!test_close(out[j], want[j], 0, diff, sizeof diff)) fail_msg("result %d differs from eager: %s", j, diff);
+    kiln_replay_free(r);
+    free(wv);
+    free(xv);
+}
+
 #define T(f) cmocka_unit_test_setup_teardown(f, setup, teardown)
 
 int main(void)
@@ -565,6 +688,8 @@ int main(void)
         T(grouped_matmul_bad_offsets_and_shapes_are_errors),
         T(topk_and_grouped_matmul_gradients_match_finite_differences),
         T(compiled_sort_and_grouped_matmul_do_not_recompile_when_counts_change),
+        T(routing_ops_run_on_the_opencl_kernels_not_the_cpu),
+        T(bad_experts_and_offsets_in_a_captured_step_are_errors),
     };
     if (getenv("KILN_TEST_FILTER")) cmocka_set_test_filter(getenv("KILN_TEST_FILTER"));
     return cmocka_run_group_tests(tests, NULL, NULL);

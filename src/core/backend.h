@@ -98,12 +98,18 @@ struct kiln__backend {
  * a backend kernel calls it for the layouts it does not take. */
 kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                kiln_tensor_t *const *out, int n_out);
+/* How many times op has run on the cpu with copies for be in this process: a test's way
+ * to see that a device ran an op with its own kernel. */
+uint64_t kiln__cpu_fallbacks(const kiln__backend *be, int op);
 /* Checks the n indices of dtype dt at idx (host memory) before any is used: each in
  * [0, limit), or for cross-entropy targets (ignore given) the ignore index; an index
  * outside is an error that names it (op, or the target's row). *count, when given,
  * gets how many are not ignored (src/core/tensor.c). */
 kiln_status kiln__check_indices(const char *op, const void *idx, kiln_dtype dt, int64_t n, int64_t limit,
                                 const int64_t *ignore, int64_t *count);
+/* Checks a grouped matmul's n offsets (host memory, as int64): they rise from 0 or more
+ * to at most M; else an error that names the first that does not (src/core/tensor.c). */
+kiln_status kiln__check_offsets(const char *op, const int64_t *off, int64_t n, int64_t M);
 
 /* Registration and look-up by name. Backends are made by the backend providers
  * registered with kiln__backend_provider_register (src/core/intercept.h): the cpu at

@@ -53,20 +53,29 @@ static kiln_tensor_t *host_copy(kiln__backend *cpu, kiln_tensor_t *t, bool *whol
     return h;
 }
 
+/* How often each backend (by its place, the first 16) ran each op on the cpu with copies. */
+static atomic_uint_fast64_t fallbacks[16][KILN__OP_MAX];
+
+uint64_t kiln__cpu_fallbacks(const kiln__backend *be, int op)
+{
+    for (int bi = 0; bi < 16 && op >= 0 && op < KILN__OP_MAX; bi++)
+        if (kiln__backend_at(bi) == be) return atomic_load(&fallbacks[bi][op]);
+    return 0;
+}
+
 /* An op the backend has no kernel for runs on the cpu: inputs copied to the host, the
  * cpu kernel, outputs (and an in-place destination) copied back. Said once per backend
  * and op, so that a new backend can grow op by op and show what it still lacks. */
 kiln_status kiln__cpu_fallback(kiln__backend *be, int op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,
                                kiln_tensor_t *const *out, int n_out)
 {
-    static atomic_bool said[16][KILN__OP_MAX];
     kiln__backend *cpu = kiln__backend_at(0);
     const kiln__op_def *d = &kiln__ops[op];
     kiln__kernel_fn k = kiln__be_kernel(cpu, op);
     if (!k) return kiln__err(KILN_ERR_UNSUPPORTED, "op %s is not supported by backend %s", d->name, be->name);
     int bi = 0;
     while (bi < 16 && kiln__backend_at(bi) != be) bi++;
-    if (bi < 16 && !atomic_exchange(&said[bi][op], true))
+    if (bi < 16 && atomic_fetch_add(&fallbacks[bi][op], 1) == 0)
         fprintf(stderr, "kiln: %s runs %s on the cpu with copies: no kernel of its own for it, or for these dtypes and "
                 "layouts (said once per op; `kiln doctor --ops %s` lists its kernels)\n", be->name, d->name, be->name);
     kiln_tensor_t *stack[16], **h = n_in + n_out > 16 ? calloc((size_t)(n_in + n_out), sizeof *h) : stack;

@@ -151,6 +151,23 @@ kiln_status kiln__check_indices(const char *op, const void *idx, kiln_dtype dt, 
     return KILN_OK;
 }
 
+kiln_status kiln__check_offsets(const char *op, const int64_t *off, int64_t n, int64_t M)
+{
+    const char *hint = "offsets must rise from 0 or more to at most M, x's rows, as kiln_moe_sort makes them";
+    for (int64_t i = 0; i < n; i++) {
+        if (off[i] < 0)
+            return kiln__err(KILN_ERR_INDEX, "%s: offsets[%lld] = %lld is negative (%s)", op, (long long)i,
+                             (long long)off[i], hint);
+        if (i > 0 && off[i] < off[i - 1])
+            return kiln__err(KILN_ERR_INDEX, "%s: offsets[%lld] = %lld is below offsets[%lld] = %lld (%s)", op,
+                             (long long)i, (long long)off[i], (long long)(i - 1), (long long)off[i - 1], hint);
+        if (off[i] > M)
+            return kiln__err(KILN_ERR_INDEX, "%s: offsets[%lld] = %lld is beyond M = %lld (%s)", op, (long long)i,
+                             (long long)off[i], (long long)M, hint);
+    }
+    return KILN_OK;
+}
+
 /* Properties. */
 int kiln_tensor_ndim(const kiln_tensor_t *t) { return t ? t->ndim : 0; }
 const int64_t *kiln_tensor_shape(const kiln_tensor_t *t) { return t ? t->shape : NULL; }

@@ -291,18 +291,7 @@ static kiln_status read_offsets(const char *op, kiln_tensor_t *t, int64_t M, int
     size_t isz = kiln_dtype_size(c->dtype);
     for (int64_t i = 0; i < n; i++) off[i] = kiln__load_index((const char *)kiln__data(c) + i * (int64_t)isz, c->dtype);
     kiln_tensor_free(tmp);
-    for (int64_t i = 0; i < n; i++) {
-        const char *hint = "offsets must rise from 0 or more to at most M, x's rows, as kiln_moe_sort makes them";
-        if (off[i] < 0) return kiln__err(KILN_ERR_INDEX, "%s: offsets[%lld] = %lld is negative (%s)", op,
-                                         (long long)i, (long long)off[i], hint);
-        if (i > 0 && off[i] < off[i - 1])
-            return kiln__err(KILN_ERR_INDEX, "%s: offsets[%lld] = %lld is below offsets[%lld] = %lld (%s)", op,
-                             (long long)i, (long long)off[i], (long long)(i - 1), (long long)off[i - 1], hint);
-        if (off[i] > M)
-            return kiln__err(KILN_ERR_INDEX, "%s: offsets[%lld] = %lld is beyond M = %lld (%s)", op, (long long)i,
-                             (long long)off[i], (long long)M, hint);
-    }
-    return KILN_OK;
+    return kiln__check_offsets(op, off, n, M);
 }
 
 /* Contiguous copies of in[0..n) (tmp[] to free) and the checked offsets in[n] (E + 1

@@ -1,10 +1,12 @@
 /* The OpenCL backend's own kernels: what the compiler's lowering does not cover.
  * Embedded into kiln at build time (cmake/embed.cmake) as kiln__opencl_kernel_source,
- * built once per device on first use (opencl_ops.c, builtin()).
+ * built once per device on first use (opencl_ops.c, kiln__opencl_builtin()).
  *
  * Written by hand because no OpenCL library on Debian does batched strided GEMM with
  * kiln's layouts (clBLAS is unmaintained): a tiled matmul over up to 4 broadcast batch
  * dims (f32, and bf16 stored as 16-bit values), and the in-place updates (add_, scale_, adamw_) the lowering leaves out.
+ * The mixture-of-experts routing ops (topk, moe_sort, the grouped matmul, whose host
+ * side is opencl_moe.c) are at the end.
  *
  * Every buffer argument is a (__global char *, ulong byte offset) pair: the host passes
  * an OpenCL buffer and the offset inside it of the tensor's first element. BUF(x) is
@@ -12,6 +14,11 @@
 #pragma OPENCL EXTENSION cl_khr_fp64 : enable
 #define BUF(x) __global char *g##x, ulong o##x
 #define AT(T, x) ((__global T *)(g##x + o##x))
+/* The bits a kernel raises in the device's error word (opencl_impl.h's KILN__CL_ERR_*):
+ * an index or target, an expert index, a grouped matmul's offsets. */
+#define ERR_INDEX 1
+#define ERR_EXPERT 2
+#define ERR_OFFSETS 4
 
 /* Batch bt's element offsets into A (.x) and B (.y): its index split over the batch
  * dims (sizes d1..d3 inside, the rest outermost), each with its stride in A and in B
@@ -129,7 +136,7 @@ __kernel __attribute__((reqd_work_group_size(16, 16, 1))) void kiln_matmul_simpl
 long kiln_index(__global const char *gi, ulong oi, long i, long idx64, long V, __global int *err)
 {
     const long v = idx64 ? ((__global const long *)(gi + oi))[i] : (long)((__global const int *)(gi + oi))[i];
-    if (v < 0 || v >= V) { *err = 1; return 0; }
+    if (v < 0 || v >= V) { atomic_or(err, ERR_INDEX); return 0; }
     return v;
 }
 __kernel void kiln_embedding(BUF(w), BUF(i), BUF(o), long C, long n, long V, long idx64, BUF(e))
@@ -156,7 +163,7 @@ __kernel void kiln_embedding_backward(BUF(g), BUF(i), BUF(d), long C, long N, lo
 long kiln_target(__global const char *gt, ulong ot, long n, long t64, long V, long ignore, __global int *err)
 {
     const long t = t64 ? ((__global const long *)(gt + ot))[n] : (long)((__global const int *)(gt + ot))[n];
-    if (t != ignore && (t < 0 || t >= V)) { *err = 1; return ignore; }
+    if (t != ignore && (t < 0 || t >= V)) { atomic_or(err, ERR_INDEX); return ignore; }
     return t;
 }
 __kernel void kiln_ce_rows(BUF(x), BUF(t), BUF(l), BUF(rl), long N, long V, long ignore, long t64, BUF(e))
@@ -418,3 +425,204 @@ __kernel void kiln_adamw_(BUF(p), BUF(g), BUF(m), BUF(v), BUF(lr), BUF(t), BUF(s
     const float pi = p[i] * (1.0f - lr * wd);
     p[i] = pi - lr * (mi / c1) / (sqrt(vi / c2) + eps);
 }
+
+/* ---- Mixture-of-experts routing: topk, moe_sort, the grouped matmul ---- */
+
+/* Element i of p, of float type dt (0 f32, 1 f64, 2 bf16, 3 f16, as opencl_moe.c numbers
+ * them), as the double it equals. */
+double moe_load(__global const char *p, long i, long dt)
+{
+    switch (dt) {
+    case 0: return ((__global const float *)p)[i];
+    case 1: return ((__global const double *)p)[i];
+    case 2: return bf16_ld(((__global const ushort *)p)[i]);
+    default: return vload_half(i, (__global const half *)p);
+    }
+}
+/* Does a rank before b? Larger first, NaN above every number (the cpu's rule). */
+bool moe_ranks_before(double a, double b) { return (isnan(a) && !isnan(b)) || a > b; }
+
+/* topk: a work-item per row of x (rows, E) of es-byte elements, the cpu's insertion into
+ * the row's k best kept in rank order in its indices (so the same indices, ties to the
+ * lower index); the values copied as they are. */
+__kernel void kiln_topk(BUF(x), BUF(v), BUF(i), long rows, long E, long k, long dt, long es)
+{
+    const long r = get_global_id(0);
+    if (r >= rows) return;
+    __global const char *row = AT(const char, x) + r * E * es;
+    __global long *at = AT(long, i) + r * k;
+    long n = 0;
+    for (long c = 0; c < E; c++) {
+        const double val = moe_load(row, c, dt);
+        if (n == k && !moe_ranks_before(val, moe_load(row, at[n - 1], dt))) continue;
+        long p = n < k ? n++ : n - 1; /* the slot it may take: a new one, or the last */
+        for (; p > 0 && moe_ranks_before(val, moe_load(row, at[p - 1], dt)); p--) at[p] = at[p - 1];
+        at[p] = c;
+    }
+    __global char *vals = AT(char, v) + r * k * es;
+    for (long j = 0; j < k; j++)
+        for (long b = 0; b < es; b++) vals[j * es + b] = row[at[j] * es + b];
+}
+
+long moe_index(__global const char *g, ulong o, long i, long i64)
+{
+    return i64 ? ((__global const long *)(g + o))[i] : (long)((__global const int *)(g + o))[i];
+}
+
+/* moe_sort: a work-item per expert x and one more (x = E). Each counts the assignments
+ * to the experts below it, its offset, and puts its own assignments from there in
+ * ascending order: a stable counting sort, each expert's list written by one work-item.
+ * An index outside [0, E) (the host checks them before an eager launch) goes to no
+ * expert: work-item E puts those after the last expert's, so that order stays a
+ * permutation of 0..n-1 for what reads it, and raises ERR_EXPERT. */
+__kernel void kiln_moe_sort(BUF(i), BUF(o), BUF(f), long n, long E, long i64, BUF(e))
+{
+    const long x = get_global_id(0);
+    if (x > E) return;
+    long at = 0;
+    for (long a = 0; a < n; a++) {
+        const long v = moe_index(gi, oi, a, i64);
+        at += v >= 0 && v < x;
+    }
+    AT(long, f)[x] = at;
+    __global long *order = AT(long, o);
+    const long first = at;
+    for (long a = 0; a < n; a++) {
+        const long v = moe_index(gi, oi, a, i64);
+        if (x < E ? v == x : (v < 0 || v >= E)) order[at++] = a;
+    }
+    if (x == E && at != first) atomic_or(AT(int, e), ERR_EXPERT);
+}
+
+/* offsets[j] of the grouped matmul (i32 or i64, element stride sf). */
+long moe_offset(__global const char *g, ulong o, long j, long sf, long f64)
+{
+    return f64 ? ((__global const long *)(g + o))[j * sf] : (long)((__global const int *)(g + o))[j * sf];
+}
+
+/* The grouped matmul's row tile `tile` (one of at most ceil(M / 64) + E + 2): the rows
+ * are cut into segments, those before offsets[0] (no expert's), each expert's, those
+ * from offsets[E] on (no expert's), and each segment into tiles of at most 64 rows. The
+ * offsets are clamped to rise within [0, M], so that bad ones (the host's to report, or
+ * the error word's) read no row outside x. Sets the tile's rows [lo, hi) and expert x
+ * (-1: none, the rows are zero); false for a spare tile. */
+bool moe_tile(long tile, __global const char *gf, ulong of, long sf, long f64, long M, long E, long *lo, long *hi,
+              long *x)
+{
+    long prev = 0;
+    for (long s = 0; s <= E + 1; s++) {
+        const long end = s <= E ? min(max(moe_offset(gf, of, s, sf, f64), prev), M) : M;
+        const long tiles = (end - prev + TM - 1) / TM;
+        if (tile < tiles) {
+            *lo = prev + tile * TM;
+            *hi = min(end, *lo + TM);
+            *x = s >= 1 && s <= E ? s - 1 : -1;
+            return true;
+        }
+        tile -= tiles;
+        prev = end;
+    }
+    return false;
+}
+
+/* Whether offsets[0..E] rise from 0 or more to at most M. */
+bool moe_offsets_ok(__global const char *gf, ulong of, long sf, long f64, long M, long E)
+{
+    long prev = 0;
+    for (long j = 0; j <= E; j++) {
+        const long v = moe_offset(gf, of, j, sf, f64);
+        if (v < prev || v > M) return false;
+        prev = v;
+    }
+    return true;
+}
+
+/* acc (WPT x WPT of ACC) += A B for the 64x64 tile at (row0, col0), as the tiled matmul
+ * sums it: A (R, D) with element (r, d) at A[r sar + d sad], B (D, NC) with (d, c) at
+ * B[d sbd + c sbc], staged in the local tiles As and Bs; what is outside reads as 0. */
+#define TILE_PRODUCT(ACC, LD, A, sar, sad, R, B, sbd, sbc, NC, D)                                      \
+    for (long t0 = 0; t0 < (D); t0 += TK) {                                                             \
+        for (int q = tid; q < TK * TM; q += 256) {                                                      \
+            const int kk = q / TM, mm = q % TM;                                                         \
+            const long gm = row0 + mm, gk = t0 + kk, gn = col0 + mm;                                    \
+            As[kk][mm] = gm < (R) && gk < (D) ? (ACC)LD(A, gm * (sar) + gk * (sad)) : (ACC)0;           \
+            Bs[kk][mm] = gk < (D) && gn < (NC) ? (ACC)LD(B, gk * (sbd) + gn * (sbc)) : (ACC)0;          \
+        }                                                                                               \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                   \
+        for (int kk = 0; kk < TK; kk++) {                                                               \
+            ACC av[WPT], bv[WPT];                                                                       \
+            for (int i = 0; i < WPT; i++) av[i] = As[kk][lr + 16 * i];                                  \
+            for (int j = 0; j < WPT; j++) bv[j] = Bs[kk][lc + 16 * j];                                  \
+            for (int i = 0; i < WPT; i++)                                                               \
+                for (int j = 0; j < WPT; j++) acc[i][j] = fma(av[i], bv[j], acc[i][j]);                 \
+        }                                                                                               \
+        barrier(CLK_LOCAL_MEM_FENCE);                                                                   \
+    }
+
+/* The grouped matmul in one launch for every expert, written once for element type T
+ * (summed in ACC, loaded by LD, stored by ST: f32, f64, and bf16 and f16 summed in f32
+ * and rounded once, as the matmul's).
+ *
+ * kiln_grouped: C (M, N) = A (M, K) times B[x] (K, N) for the rows of expert x, zero for
+ * the rows of none: 64x64 output tiles per 16x16 work-group, the row tiles found from
+ * the offsets on the device (moe_tile), so that the counts stay data. The forward (A =
+ * x, B = w) and dx (A = g, B = w transposed, by its strides). Work-group (0, 0) raises
+ * ERR_OFFSETS for bad offsets.
+ *
+ * kiln_grouped_dw: C[x] (K, N) = A_x^T (K, rows) times B_x (rows, N) over expert x's rows
+ * (zero for none): dw from x and g. The experts are the fastest-varying part of the
+ * work-group's first index (then the column tile), so that a run of consecutive
+ * work-groups, as PoCL hands them to a thread, holds every expert's share alike however
+ * skewed the counts. */
+#define GROUPED_KERNELS(SFX, T, ACC, LD, ST)                                                            \
+    __kernel __attribute__((reqd_work_group_size(16, 16, 1))) void kiln_grouped##SFX(                   \
+        BUF(a), BUF(b), BUF(c), BUF(f), long M, long N, long K, long E, long sam, long sak, long sbe,   \
+        long sbk, long sbn, long sf, long f64, BUF(e))                                                  \
+    {                                                                                                   \
+        const int lr = get_local_id(1), lc = get_local_id(0), tid = lr * 16 + lc;                       \
+        const long row0 = 0, col0 = get_group_id(0) * TM;                                               \
+        __local ACC As[TK][TM], Bs[TK][TM];                                                             \
+        if (get_group_id(0) == 0 && get_group_id(1) == 0 && tid == 0 &&                                 \
+            !moe_offsets_ok(gf, of, sf, f64, M, E))                                                     \
+            atomic_or(AT(int, e), ERR_OFFSETS);                                                         \
+        long lo, hi, x;                                                                                 \
+        if (!moe_tile(get_group_id(1), gf, of, sf, f64, M, E, &lo, &hi, &x)) return;                    \
+        __global const T *A = AT(const T, a) + lo * sam, *B = AT(const T, b) + (x < 0 ? 0 : x) * sbe;   \
+        const long R = hi - lo, D = x < 0 ? 0 : K;                                                      \
+        ACC acc[WPT][WPT];                                                                              \
+        for (int i = 0; i < WPT; i++)                                                                   \
+            for (int j = 0; j < WPT; j++) acc[i][j] = 0;                                                \
+        TILE_PRODUCT(ACC, LD, A, sam, sak, R, B, sbk, sbn, N, D)                                        \
+        __global T *C = AT(T, c) + lo * N;                                                              \
+        for (int i = 0; i < WPT; i++)                                                                   \
+            for (int j = 0; j < WPT; j++) {                                                             \
+                const long gm = lr + 16 * i, gn = col0 + lc + 16 * j;                                   \
+                if (gm < R && gn < N) ST(C, gm * N + gn, acc[i][j]);                                    \
+            }                                                                                           \
+    }                                                                                                   \
+                                                                                                        \
+    __kernel __attribute__((reqd_work_group_size(16, 16, 1))) void kiln_grouped_dw##SFX(                \
+        BUF(a), BUF(b), BUF(c), BUF(f), long M, long N, long K, long E, long sam, long sak, long sbm,   \
+        long sbn, long sf, long f64)                                                                    \
+    {                                                                                                   \
+        const int lr = get_local_id(1), lc = get_local_id(0), tid = lr * 16 + lc;                       \
+        const long x = get_group_id(0) % E, row0 = get_group_id(1) * TM, col0 = get_group_id(0) / E * TM; \
+        __local ACC As[TK][TM], Bs[TK][TM];                                                             \
+        const long lo = min(max(moe_offset(gf, of, x, sf, f64), 0L), M);                                \
+        const long hi = min(max(moe_offset(gf, of, x + 1, sf, f64), lo), M);                            \
+        __global const T *A = AT(const T, a) + lo * sam, *B = AT(const T, b) + lo * sbm;                \
+        ACC acc[WPT][WPT];                                                                              \
+        for (int i = 0; i < WPT; i++)                                                                   \
+            for (int j = 0; j < WPT; j++) acc[i][j] = 0;                                                \
+        TILE_PRODUCT(ACC, LD, A, sak, sam, K, B, sbm, sbn, N, hi - lo)                                  \
+        __global T *C = AT(T, c) + x * K * N;                                                           \
+        for (int i = 0; i < WPT; i++)                                                                   \
+            for (int j = 0; j < WPT; j++) {                                                             \
+                const long gm = row0 + lr + 16 * i, gn = col0 + lc + 16 * j;                            \
+                if (gm < K && gn < N) ST(C, gm * N + gn, acc[i][j]);                                    \
+            }                                                                                           \
+    }
+GROUPED_KERNELS(, float, float, F32_LD, F32_ST)
+GROUPED_KERNELS(_f64, double, double, F32_LD, F32_ST)
+GROUPED_KERNELS(_bf16, ushort, float, BF16_LD, BF16_ST)
+GROUPED_KERNELS(_f16, half, float, F16_LD, F16_ST)

@@ -5,6 +5,7 @@
  * cannot be recorded and fails the capture. opencl_device.c and opencl_program.c send
  * their work here while d->cap is set. */
 #ifdef KILN_HAVE_OPENCL
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "backends/opencl/opencl_impl.h"
@@ -228,13 +229,20 @@ kiln_status kiln__opencl_replay(kiln__backend *be, void *graph)
     if (!d->err) return KILN_OK;
     /* What the host checks before an eager launch the kernels checked: a bad index or
      * target makes this run's results meaningless, and is said. */
-    int word = 0;
+    int word = 0, zero = 0;
     kiln_status s = kiln__be_copy_d2h(be, &word, d->err, sizeof word);
     if (s != KILN_OK || !word) return s;
-    word = 0;
-    if ((s = kiln__be_copy_h2d(be, d->err, &word, sizeof word)) != KILN_OK) return s;
-    return kiln__err(KILN_ERR_INDEX, "%s: an index or target outside its range (embedding or cross_entropy) in a "
-                     "replayed step: its results are not valid (run the step eagerly to see which)", d->name);
+    if ((s = kiln__be_copy_h2d(be, d->err, &zero, sizeof zero)) != KILN_OK) return s;
+    /* the word's bits (KILN__CL_ERR_*), each what the kernels that raise it read */
+    static const char *const what[3] = {"an index or target outside its range (embedding or cross_entropy)",
+                                        "an expert index outside [0, n_experts) (moe_sort)",
+                                        "offsets that do not rise from 0 to at most M (grouped_matmul)"};
+    char said[320] = "";
+    for (int b = 0; b < 3; b++)
+        if (word >> b & 1)
+            snprintf(said + strlen(said), sizeof said - strlen(said), "%s%s", *said ? "; " : "", what[b]);
+    return kiln__err(KILN_ERR_INDEX, "%s: %s in a replayed step: its results are not valid (run the step eagerly to "
+                     "see which)", d->name, said);
 }
 
 kiln_status kiln__opencl_capture_reset(kiln__backend *be, void *graph)

@@ -10,7 +10,8 @@
  *                     table, memory (address ranges), copies, fills, events
  *   opencl_program.c  programs from source, the program cache, kernel launches
  *   opencl_capture.c  graph capture into cl_khr_command_buffer
- *   opencl_ops.c      the op kernels' host side (their device side is kernels.cl) */
+ *   opencl_ops.c      the op kernels' host side (their device side is kernels.cl)
+ *   opencl_moe.c      the same for the mixture-of-experts routing ops */
 #ifndef KILN_BACKENDS_OPENCL_IMPL_H
 #define KILN_BACKENDS_OPENCL_IMPL_H
 
@@ -112,5 +113,48 @@ kiln_status kiln__opencl_capture_reset(kiln__backend *be, void *graph);
 
 /* The op kernels, by op id; NULL where the op is left to the compiler or the cpu. */
 extern const kiln__kernel_fn kiln__opencl_kernels[KILN_OP_COUNT];
+
+/* The kernels of kernels.cl that the ops launch: BK_<name>, entry point kiln_<name>;
+ * built per device. */
+#define BUILTINS(X)                                                                                     \
+    X(matmul) X(matmul_bf16) X(matmul_f16) X(matmul_simple) X(add_) X(add_f64_) X(scale_) X(adamw_) X(embedding) X(embedding_backward) \
+    X(ce_rows) X(ce_count) X(ce_backward) X(attention) X(attention_dq) X(attention_dkv) X(attention_bf16)         \
+    X(attention_dq_bf16) X(attention_dkv_bf16) X(attention_f16) X(attention_dq_f16) X(attention_dkv_f16)       \
+    X(norm_dx) X(norm_dwb) \
+    X(copy_nd) \
+    X(topk) X(moe_sort) X(grouped) X(grouped_f64) X(grouped_bf16) X(grouped_f16) X(grouped_dw) X(grouped_dw_f64) \
+    X(grouped_dw_bf16) X(grouped_dw_f16)
+#define BK_ENUM(name) BK_##name,
+enum { BUILTINS(BK_ENUM) N_BK };
+
+/* What a kernel raises in the device's error word, one bit each (kernels.cl's ERR_*), so
+ * that the replay which reads the word can say what was wrong. */
+enum { KILN__CL_ERR_INDEX = 1, KILN__CL_ERR_EXPERT = 2, KILN__CL_ERR_OFFSETS = 4 };
+
+/* Builtin kernel `which` (BK_*) of the device, built on first use; NULL (with a message
+ * said once) if the device cannot build it, and the op then runs on the cpu. */
+cl_kernel kiln__opencl_builtin(kiln__backend *be, int which);
+/* The device's error word (one int, 0 until a kernel raises it), made on first use:
+ * eager code always runs before a capture, so it exists by the time one is recorded.
+ * NULL, with the error set, when it cannot be made. */
+void *kiln__opencl_err_word(kiln__backend *be);
+/* The indices idx (contiguous) on the host, checked as the cpu checks them (an index
+ * outside [0, limit) is an error that names it), before an eager launch; cross-entropy
+ * targets (ignore given) may also be the ignore index. While a capture is recorded there
+ * is no host in between: the kernels check them into the error word instead. */
+kiln_status kiln__opencl_check_indices(kiln__backend *be, const char *op, const kiln_tensor_t *idx, int64_t limit,
+                                      const int64_t *ignore);
+
+/* Kernel arguments: a buffer (by its address), an integer, a float of the given kind. */
+static inline kiln__karg kiln__opencl_ptr_arg(const void *p) { return (kiln__karg){KILN__KARG_BUF, p, 0, 0}; }
+static inline kiln__karg kiln__opencl_i64_arg(int64_t v) { return (kiln__karg){KILN__KARG_I64, NULL, v, 0}; }
+static inline kiln__karg kiln__opencl_f_arg(kiln__karg_kind k, double v) { return (kiln__karg){k, NULL, 0, v}; }
+
+/* ---- opencl_moe.c ---- */
+
+kiln_status kiln__opencl_topk(KILN__KERNEL_ARGS);
+kiln_status kiln__opencl_moe_sort(KILN__KERNEL_ARGS);
+kiln_status kiln__opencl_grouped_matmul(KILN__KERNEL_ARGS);
+kiln_status kiln__opencl_grouped_matmul_backward(KILN__KERNEL_ARGS);
 
 #endif

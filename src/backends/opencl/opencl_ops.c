@@ -13,23 +13,11 @@
 #include "kiln/ops.h"
 #include "core/intercept.h"
 
-/* The kernels of kernels.cl that the ops launch: BK_<name>, entry point kiln_<name>;
- * built per device. */
-#define BUILTINS(X)                                                                                     \
-    X(matmul) X(matmul_bf16) X(matmul_f16) X(matmul_simple) X(add_) X(add_f64_) X(scale_) X(adamw_) X(embedding) X(embedding_backward) \
-    X(ce_rows) X(ce_count) X(ce_backward) X(attention) X(attention_dq) X(attention_dkv) X(attention_bf16)         \
-    X(attention_dq_bf16) X(attention_dkv_bf16) X(attention_f16) X(attention_dq_f16) X(attention_dkv_f16)       \
-    X(norm_dx) X(norm_dwb) \
-    X(copy_nd)
-#define BK_ENUM(name) BK_##name,
 #define BK_ENTRY(name) "kiln_" #name,
-enum { BUILTINS(BK_ENUM) N_BK };
 static const char *const bk_names[N_BK] = {BUILTINS(BK_ENTRY)};
 static cl_kernel bk[MAX_CL_DEVICES][N_BK];
 
-/* Builtin kernel `which` of the device, built on first use; NULL (with a message said
- * once) if the device cannot build it, and the op then runs on the cpu. */
-static cl_kernel builtin(kiln__backend *be, int which)
+cl_kernel kiln__opencl_builtin(kiln__backend *be, int which)
 {
     static pthread_mutex_t bk_lock = PTHREAD_MUTEX_INITIALIZER;
     static bool said;
@@ -52,10 +40,11 @@ static cl_kernel builtin(kiln__backend *be, int which)
     return k;
 }
 
-static kiln__karg ptr_arg(const void *p) { return (kiln__karg){KILN__KARG_BUF, p, 0, 0}; }
+static cl_kernel builtin(kiln__backend *be, int which) { return kiln__opencl_builtin(be, which); }
+static kiln__karg ptr_arg(const void *p) { return kiln__opencl_ptr_arg(p); }
 static kiln__karg buf_arg(const kiln_tensor_t *t) { return ptr_arg(kiln__data(t)); }
-static kiln__karg i64_arg(int64_t v) { return (kiln__karg){KILN__KARG_I64, NULL, v, 0}; }
-static kiln__karg f_arg(kiln__karg_kind k, double v) { return (kiln__karg){k, NULL, 0, v}; }
+static kiln__karg i64_arg(int64_t v) { return kiln__opencl_i64_arg(v); }
+static kiln__karg f_arg(kiln__karg_kind k, double v) { return kiln__opencl_f_arg(k, v); }
 
 static kiln_status ocl_matmul(KILN__KERNEL_ARGS)
 {
@@ -173,9 +162,7 @@ static bool index_layout(const kiln_tensor_t *idx)
     return kiln__is_contiguous(idx) && (idx->dtype == KILN_DTYPE_I64 || idx->dtype == KILN_DTYPE_I32);
 }
 
-/* The device's error word (one int, 0 until a kernel raises it), made on first use:
- * eager code always runs before a capture, so it exists by the time one is recorded. */
-static void *err_word(kiln__backend *be)
+void *kiln__opencl_err_word(kiln__backend *be)
 {
     cl_dev *d = be->ctx;
     if (d->err) return d->err;
@@ -196,12 +183,8 @@ static void *err_word(kiln__backend *be)
     return d->err = p;
 }
 
-/* The indices on the host, checked as the cpu checks them (an index outside [0, limit)
- * is an error that names it), before an eager launch; cross-entropy targets (ignore
- * given) may also be the ignore index. While a capture is recorded there is no host in
- * between: the kernels check them into the error word instead. */
-static kiln_status check_indices(kiln__backend *be, const char *op, const kiln_tensor_t *idx, int64_t limit,
-                                 const int64_t *ignore)
+kiln_status kiln__opencl_check_indices(kiln__backend *be, const char *op, const kiln_tensor_t *idx, int64_t limit,
+                                      const int64_t *ignore)
 {
     if (((cl_dev *)be->ctx)->cap) return KILN_OK;
     size_t nb = kiln_tensor_nbytes(idx);
@@ -222,9 +205,9 @@ static kiln_status embedding(KILN__KERNEL_ARGS, bool bwd)
     bool ok = contiguous_f32(in[0]) && w->dtype == KILN_DTYPE_F32 && index_layout(idx);
     cl_kernel k = ok ? builtin(be, bwd ? BK_embedding_backward : BK_embedding) : NULL;
     if (!k) return kiln__cpu_fallback(be, bwd ? KILN_OP_EMBEDDING_BACKWARD : KILN_OP_EMBEDDING, in, n_in, a, out, n_out);
-    kiln_status s = check_indices(be, bwd ? "embedding backward" : "embedding", idx, V, NULL);
+    kiln_status s = kiln__opencl_check_indices(be, bwd ? "embedding backward" : "embedding", idx, V, NULL);
     if (s != KILN_OK || !C || !(bwd ? V : n)) return s;
-    void *err = err_word(be);
+    void *err = kiln__opencl_err_word(be);
     if (!err) return kiln_last_status();
     kiln__karg args[] = {buf_arg(in[0]), buf_arg(idx), buf_arg(out[0]), i64_arg(C), i64_arg(n), i64_arg(V),
                          i64_arg(idx->dtype == KILN_DTYPE_I64), ptr_arg(err)};
@@ -248,14 +231,14 @@ static kiln_status cross_entropy(KILN__KERNEL_ARGS, bool bwd)
     cl_kernel k = ok ? builtin(be, bwd ? BK_ce_backward : BK_ce_rows) : NULL, kc = k ? builtin(be, BK_ce_count) : NULL;
     if (!kc) return kiln__cpu_fallback(be, bwd ? KILN_OP_CROSS_ENTROPY_BACKWARD : KILN_OP_CROSS_ENTROPY, in, n_in, a, out, n_out);
     int64_t N = x->shape[0], V = x->shape[1], t64 = t->dtype == KILN_DTYPE_I64, ig = a->op.cross_entropy.ignore_index;
-    kiln_status s = check_indices(be, "cross_entropy", t, V, &ig);
+    kiln_status s = kiln__opencl_check_indices(be, "cross_entropy", t, V, &ig);
     if (s != KILN_OK || (bwd && (!N || !V))) return s;
     if (!N) { /* no rows: the mean of nothing */
         float nan = NAN;
         return kiln__be_fill(be, kiln__data(out[0]), &nan, sizeof nan, sizeof nan);
     }
     size_t nb = sizeof(double) * (size_t)(bwd ? 1 : N);
-    void *err = err_word(be), *tmp = err ? kiln__be_alloc(be, nb) : NULL;
+    void *err = kiln__opencl_err_word(be), *tmp = err ? kiln__be_alloc(be, nb) : NULL;
     if (!err) return kiln_last_status();
     if (!tmp) return kiln__err(KILN_ERR_OOM, bwd ? "cross_entropy backward: out of device memory"
                                                   : "cross_entropy: out of device memory");
@@ -379,5 +362,11 @@ static kiln_status ocl_norm_backward(KILN__KERNEL_ARGS)
     X(CROSS_ENTROPY_BACKWARD, cross_entropy_backward) X(ATTENTION, attention) X(ATTENTION_BACKWARD, attention) \
     X(LAYER_NORM_BACKWARD, norm_backward) X(RMS_NORM_BACKWARD, norm_backward)
 #define OP_ROW(op, name) [KILN_OP_##op] = ocl_##name,
-const kiln__kernel_fn kiln__opencl_kernels[KILN_OP_COUNT] = {OPS(OP_ROW)};
+/* The mixture-of-experts routing ops, whose host side is opencl_moe.c: X(op, the function
+ * kiln__opencl_<name> that runs it). */
+#define MOE_OPS(X)                                                                                      \
+    X(TOPK, topk) X(MOE_SORT, moe_sort) X(GROUPED_MATMUL, grouped_matmul)                                 \
+    X(GROUPED_MATMUL_BACKWARD, grouped_matmul_backward)
+#define MOE_ROW(op, name) [KILN_OP_##op] = kiln__opencl_##name,
+const kiln__kernel_fn kiln__opencl_kernels[KILN_OP_COUNT] = {OPS(OP_ROW) MOE_OPS(MOE_ROW)};
 #endif
