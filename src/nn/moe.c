@@ -10,15 +10,13 @@
 #include "kiln/ops.h"
 #include "nn/moe.h"
 
-/* (N k): assignment a = n k + j belongs to token n = a / k; its token ids, made here. */
-static kiln_tensor_t *token_of_assignment(int64_t N, int64_t k)
+/* (n k) i64: i = 0 .. n - 1 each k times in a row, made with ops (no host data, so that a
+ * step records as a device's command buffer): the token of each of N k assignments. */
+static kiln_tensor_t *repeat_each(int64_t n, int64_t k)
 {
-    int64_t n = N * k, *t = malloc(sizeof *t * (size_t)(n ? n : 1));
-    if (!t) return kiln_error(KILN_ERR_OOM, "moe: out of memory"), NULL;
-    for (int64_t a = 0; a < n; a++) t[a] = a / k;
-    kiln_tensor_t *r = kiln_from_data(t, &n, 1, KILN_DTYPE_I64);
-    free(t);
-    return r;
+    int64_t nk = n * k, shape[2] = {n, k};
+    kiln_tensor_t *col = kiln_unsqueeze(kiln_arange(0, (double)n, 1, KILN_DTYPE_I64), 1);
+    return kiln_reshape(kiln_contiguous(kiln_expand(col, shape, 2)), &nk, 1);
 }
 
 /* The inverse of the permutation order (n): inv[order[i]] = i, a scatter of n integers. */
@@ -129,15 +127,13 @@ static kiln_tensor_t *experts_grouped(const kiln__moe *e, kiln_tensor_t *xs, kil
     return kiln_grouped_matmul(h, e->down, offsets);
 }
 
-/* (E) i64: expert x's index among its rank's El = E / W, x mod El. */
-static kiln_tensor_t *local_index(int64_t E, int64_t El)
+/* (W El) i64: expert x's index among its rank's El, x mod El: 0 .. El - 1, W times over
+ * (made with ops, as repeat_each). */
+static kiln_tensor_t *local_index(int64_t W, int64_t El)
 {
-    int64_t *t = malloc(sizeof *t * (size_t)E);
-    if (!t) return kiln_error(KILN_ERR_OOM, "moe: out of memory"), NULL;
-    for (int64_t x = 0; x < E; x++) t[x] = x % El;
-    kiln_tensor_t *r = kiln_from_data(t, &E, 1, KILN_DTYPE_I64);
-    free(t);
-    return r;
+    int64_t E = W * El, shape[2] = {W, El};
+    kiln_tensor_t *row = kiln_unsqueeze(kiln_arange(0, (double)El, 1, KILN_DTYPE_I64), 0);
+    return kiln_reshape(kiln_contiguous(kiln_expand(row, shape, 2)), &E, 1);
 }
 
 /* Expert parallelism (docs/model.md): the rows xs (R, C) in expert order (offsets, and
@@ -155,7 +151,7 @@ static kiln_tensor_t *experts_parallel(const kiln_gpt_config *c, const kiln__moe
     kiln_tensor_t *bounds = kiln_index_select(offsets, 0, kiln_arange(0, (double)E + 1, (double)El, KILN_DTYPE_I64));
     kiln_tensor_t *send = kiln_sub(kiln_narrow(bounds, 0, 1, W), kiln_narrow(bounds, 0, 0, W)); /* (W) rows per rank */
     kiln_tensor_t *lr, *xr, *rc, *ys, *back;
-    if (kiln_pg_all_to_all(e->ep, kiln_index_select(local_index(E, El), 0, expert), send, M, &lr, &rc) != KILN_OK ||
+    if (kiln_pg_all_to_all(e->ep, kiln_index_select(local_index(W, El), 0, expert), send, M, &lr, &rc) != KILN_OK ||
         kiln_pg_all_to_all(e->ep, xs, send, M, &xr, &rc) != KILN_OK)
         return NULL;
     /* the rows after the received ones are no expert's: El, sorted last, outside the offsets */
@@ -204,7 +200,7 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
     kiln_tensor_t *order = NULL, *offsets = NULL;
     if (kiln_moe_sort(idx, E, &order, &offsets) != KILN_OK) return NULL;
     int64_t nk = N * k, nkc[3] = {N, k, C}, nk1[2] = {N * k, 1};
-    kiln_tensor_t *tok = kiln_index_select(token_of_assignment(N, k), 0, order); /* (N k) */
+    kiln_tensor_t *tok = kiln_index_select(repeat_each(N, k), 0, order); /* (N k) */
     kiln_tensor_t *xs = kiln_index_select(x, 0, tok);
     kiln_tensor_t *expert = kiln_index_select(kiln_reshape(idx, &nk, 1), 0, order); /* of each sorted row */
     kiln_tensor_t *ys; /* (N k, C), sorted */
