@@ -504,15 +504,18 @@ static void test_sum_matches_reference(void **state)
 
 /* Sums over the rows of tall f32 matrices (bias gradients), which the cpu backend
  * splits into fixed chunks of rows: more rows than one chunk, a ragged last chunk, few
- * columns, and two leading dims reduced together (oracle: the double reference). */
+ * columns, and two leading dims reduced together; and over a middle dim with rows wider
+ * than the cpu's 256-column blocks (an MoE block's top-k combine, KILN_OPT_SUM_MIDDLE)
+ * (oracle: the double reference). */
 static void test_column_sums_of_tall_matrices_match_reference(void **state)
 {
     (void)state;
     struct {
         int64_t sh[3];
         int nd, dims[2], nred;
-    } cases[] = {{{1300, 70, 1}, 2, {0}, 1}, {{700, 3, 1}, 2, {0}, 1}, {{3, 300, 33}, 3, {0, 1}, 2}};
-    for (int c = 0; c < 3; c++) {
+    } cases[] = {{{1300, 70, 1}, 2, {0}, 1}, {{700, 3, 1}, 2, {0}, 1}, {{3, 300, 33}, 3, {0, 1}, 2},
+                 {{5, 3, 300}, 3, {1}, 1}};
+    for (int c = 0; c < 4; c++) {
         int nd = cases[c].nd;
         int64_t n = numel(nd, cases[c].sh), no;
         double *x = malloc(sizeof(double) * (size_t)n), *want = malloc(sizeof(double) * (size_t)n);

@@ -26,7 +26,8 @@
     X(MMAP, 1, "safetensors files mapped (mmap, copy-on-write) and model weights taken from the mapping where their dtype and layout allow (else read into memory and copied)") \
     X(OWN_GEMM_F16, 0, "f16 matmuls on kiln's own GEMM, f16 widened as it is packed and the result rounded in cache (else widened copies through the f32 matmul, the BLAS's)") \
     X(FLEX_FUSED, 1, "flex attention on the cpu without gradients in one generated kernel over the block mask's blocks (else the dense reference: scores, modifiers and softmax as kiln ops)") \
-    X(INDEX_ROWS_GRAD, 1, "the gradient of index_select over the rows of a matrix as whole rows added (embedding_backward; else an element scatter_add)")
+    X(INDEX_ROWS_GRAD, 1, "the gradient of index_select over the rows of a matrix as whole rows added (embedding_backward; else an element scatter_add)") \
+    X(SUM_MIDDLE, 1, "f32 sums over one middle dim of a contiguous tensor (an MoE block's top-k rows combined) as whole rows added, in double (else one output element at a time)")
 
 /* The compiler's stages (src/compile/compile.c), each a switch of its own, on by
  * default but for EPILOGUE: KILN_OPT_COMPILE_FUSION=0 compiles without fusion, to find the stage that

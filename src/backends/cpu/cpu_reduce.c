@@ -209,6 +209,43 @@ static bool leading_dims(const kiln_tensor_t *x, const int64_t *dims, int ndims,
     return *cols > 1;
 }
 
+/* Are the reduced dims a run in the middle of a contiguous tensor, (outer, R, inner)
+ * with outer > 1 and inner > 1 (a leading run is leading_dims')? */
+static bool middle_dims(const kiln_tensor_t *x, const int64_t *dims, int ndims, int64_t *outer, int64_t *R, int64_t *inner)
+{
+    if (ndims == 0 || !kiln__is_contiguous(x)) return false;
+    for (int k = 1; k < ndims; k++)
+        if (dims[k] != dims[0] + k) return false;
+    int d0 = (int)dims[0], d1 = d0 + ndims;
+    *outer = kiln__numel(d0, x->shape);
+    *R = kiln__numel(ndims, x->shape + d0);
+    *inner = kiln__numel(x->ndim - d1, x->shape + d1);
+    return d0 > 0 && d1 < x->ndim && *outer > 1 && *inner > 1;
+}
+
+/* The sums of (outer, R, inner) over R: a task per (outer row, block of 256 of inner),
+ * adding the R rows in order in double, so each output gets red_range's sum of one
+ * reduced dim: 0 + x0 + x1 + ... in double, rounded once. */
+typedef struct {
+    const float *x;
+    float *o;
+    int64_t R, inner, blocks;
+} midsum_ctx;
+
+KILN_SIMD static void midsum_range(void *c, int64_t b, int64_t e)
+{
+    const midsum_ctx *k = c;
+    double acc[256];
+    for (int64_t t = b; t < e; t++) {
+        int64_t o = t / k->blocks, c0 = t % k->blocks * 256, n = k->inner - c0 < 256 ? k->inner - c0 : 256;
+        const float *x = k->x + o * k->R * k->inner + c0;
+        for (int64_t j = 0; j < n; j++) acc[j] = 0;
+        for (int64_t r = 0; r < k->R; r++)
+            for (int64_t j = 0; j < n; j++) acc[j] += x[r * k->inner + j];
+        for (int64_t j = 0; j < n; j++) k->o[o * k->inner + c0 + j] = (float)acc[j];
+    }
+}
+
 static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dims, int ndims, int kind)
 {
     int64_t rows, cols, n = kiln__numel(x->ndim, x->shape);
@@ -231,6 +268,13 @@ static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dim
             return colsum_by_rows(kiln__data(x), kiln__data(o), bf16, rows, cols);
         colsum_ctx k = {kiln__data(x), kiln__data(o), rows, cols, bf16};
         kiln__parallel_for((cols + 255) / 256, 1, colsum_range, &k);
+        return KILN_OK;
+    }
+    int64_t outer, R, inner;
+    if (kind == 0 && x->dtype == KILN_DTYPE_F32 && o->dtype == KILN_DTYPE_F32 && ndims == 1 &&
+        middle_dims(x, dims, ndims, &outer, &R, &inner) && kiln__opt(KILN__OPT_SUM_MIDDLE)) {
+        midsum_ctx k = {kiln__data(x), kiln__data(o), R, inner, (inner + 255) / 256};
+        kiln__parallel_for(outer * k.blocks, R * inner >= CPU_GRAIN ? 1 : CPU_GRAIN / (R * inner) + 1, midsum_range, &k);
         return KILN_OK;
     }
     red_ctx r;
