@@ -29,6 +29,7 @@ for r in $(seq "$rounds"); do
     done
 done
 "$py" - "$out" <<'PY'
+import statistics
 import sys
 sys.path.insert(0, "bench")
 from medians import rows_of, best
@@ -43,5 +44,12 @@ print(f"kiln S-MoE compiled: median tokens/s by threads {call}; best {cv:.0f} at
 print(f"torch eager S-MoE (a loop over experts): {pall}; best {pv:.0f} at {pt}")
 print(f"kiln S-MoE / kiln dense = {mv / dv:.2f}   kiln S-MoE / torch eager S-MoE = {mv / pv:.2f}   "
       f"kiln S-MoE at its best (eager or compiled) / torch eager S-MoE = {max(mv, cv) / pv:.2f}")
+# Each round's S-MoE run against the dense run just before it, at the best thread count:
+# the machine's drift moves both, so the paired ratios scatter less than the medians'.
+dense = [r["tokens_per_s"] for r in rows if r.get("engine") == "kiln" and r.get("experts") == 0 and r["threads"] == mt]
+moe = [r["tokens_per_s"] for r in rows if r.get("engine") == "kiln" and r.get("experts", 0) > 0 and r["threads"] == mt]
+pairs = sorted(m / d for d, m in zip(dense, moe))
+print(f"kiln S-MoE / kiln dense, round by round at {mt} threads: {' '.join(f'{x:.2f}' for x in pairs)}; "
+      f"median {statistics.median(pairs):.2f}")
 PY
 rm -f "$out"
