@@ -57,12 +57,14 @@ kiln_status kiln_pg_reduce_scatter(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor
  * order, send_counts[d] rows for each rank d (send_counts: (world) i32/i64, each >= 0,
  * adding up to at most R; the rows after them are not sent). *y (out_rows, ...) gets
  * from every rank s, in rank order, the rows s sent here, then zeros; *recv_counts
- * (world) i64 says how many came from each. out_rows must bound what any rank receives
- * (world x R does), and every rank passes the same out_rows and row shape. Any dtype.
+ * (world) i64 says how many came from each. out_rows must bound what this rank
+ * receives (world x R always does; ranks may pass different ones), and every rank passes
+ * the same row shape and dtype. Any dtype.
  * Both results are new tensors handed to the scope, as an op's are. Differentiable in
  * x: the gradient goes back by the same exchange the other way. While capturing it is
  * recorded in the graph with the counts as data, so a graph runs with any counts. The
- * ranks first share their counts, so a rank's bad counts fail every rank, naming it.
+ * ranks first share their counts and out_rows, so a rank's bad counts or too small an
+ * out_rows fail every rank, naming it.
  * Over MPI or one process; not in a group formed over the TCP rendezvous. */
 kiln_status kiln_pg_all_to_all(kiln_pg_t *pg, kiln_tensor_t *x, kiln_tensor_t *send_counts, int64_t out_rows,
                                kiln_tensor_t **y, kiln_tensor_t **recv_counts);

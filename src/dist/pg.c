@@ -439,23 +439,23 @@ kiln_status kiln_pg_work_wait(kiln_pg_work_t *w)
 
 /* ---- all-to-all: the rows of expert parallelism ---- */
 
-/* The counts matrix every rank holds after the first phase: all[s W + d] rows from rank
- * s to rank d, or -1 in each of a rank's entries when its own counts were bad (so that
- * every rank fails together, naming it, instead of the others waiting out a deadline in
- * a second phase it never joins). */
-static kiln_status check_matrix(const kiln_pg_t *pg, const int64_t *all, int64_t rows)
+/* What every rank holds after the first phase: rank s's row all[s (W + 1) ..] is the
+ * rows it sends each rank d, then its out_rows; or -1 in each entry when its own counts
+ * were bad (so that every rank fails together, naming it, instead of the others waiting
+ * out a deadline in a second phase it never joins). */
+static kiln_status check_matrix(const kiln_pg_t *pg, const int64_t *all)
 {
     int W = pg->world;
     for (int s = 0; s < W; s++)
-        if (all[(int64_t)s * W] < 0)
+        if (all[(int64_t)s * (W + 1)] < 0)
             return kiln_error(KILN_ERR_ARG, "all_to_all: rank %d's send counts are negative or add up to more than its "
                               "rows of x (its own error says which)", s);
     for (int d = 0; d < W; d++) {
-        int64_t in = 0;
-        for (int s = 0; s < W; s++) in += all[(int64_t)s * W + d];
+        int64_t in = 0, rows = all[(int64_t)d * (W + 1) + W];
+        for (int s = 0; s < W; s++) in += all[(int64_t)s * (W + 1) + d];
         if (in > rows)
-            return kiln_error(KILN_ERR_SHAPE, "all_to_all: rank %d would receive %lld rows, more than out_rows %lld; "
-                              "out_rows must bound what any rank receives (world x the rows each sends, at most)",
+            return kiln_error(KILN_ERR_SHAPE, "all_to_all: rank %d would receive %lld rows, more than its out_rows %lld; "
+                              "out_rows must bound what the rank receives (world x the rows each sends, at most)",
                               d, (long long)in, (long long)rows);
     }
     return KILN_OK;
@@ -495,7 +495,7 @@ static kiln_status all_to_all_run(void *group, kiln_tensor_t *x, kiln_tensor_t *
                           "collectives run through NCCL, and kiln has no NCCL all-to-all yet; launch with mpirun");
     if (x->st->be != kiln__backend_at(0) || sc->st->be != kiln__backend_at(0))
         return kiln_error(KILN_ERR_INTERNAL, "all_to_all: the kernel was handed device memory");
-    int64_t *all = malloc(sizeof *all * ((size_t)W * (size_t)W + 2 * (size_t)W)), *send = all + (int64_t)W * W;
+    int64_t *all = malloc(sizeof *all * ((size_t)W * (size_t)(W + 1) + 2 * (size_t)W)), *send = all + (int64_t)W * (W + 1);
     int *cnt = malloc(sizeof *cnt * 4 * (size_t)W);
     if (!all || !cnt) {
         KILN__FREE(all, cnt);
@@ -516,26 +516,29 @@ static kiln_status all_to_all_run(void *group, kiln_tensor_t *x, kiln_tensor_t *
     if (mine != KILN_OK) snprintf(why, sizeof why, "%s", kiln_last_error());
     pthread_mutex_lock(&pg->mu);
     double t0 = kiln__now_s();
-    sig s = {0, (uint64_t)(rows * width), OP_ALL_TO_ALL, (uint32_t)x->dtype, (uint32_t)rows, 0};
+    /* signed by the row: the out_rows of the ranks may differ, each its own receipt's */
+    sig s = {0, (uint64_t)width, OP_ALL_TO_ALL, (uint32_t)x->dtype, 0, 0};
     kiln__pg_record(pg, &s);
     if (!pg->mpi) {
         memcpy(all, send, sizeof *all * (size_t)W);
+        all[W] = rows;
         if (mine != KILN_OK) all[0] = -1;
     }
 #ifdef KILN_HAVE_MPI
     else {
-        uint64_t *u = malloc(sizeof *u * (size_t)W);
+        uint64_t *u = malloc(sizeof *u * (size_t)(W + 1));
         if (!u) st = kiln_error(KILN_ERR_OOM, "all_to_all: out of memory");
         for (int d = 0; u && d < W; d++) u[d] = mine == KILN_OK ? (uint64_t)send[d] : (uint64_t)-1;
+        if (u) u[W] = (uint64_t)rows;
         if (pg->debug && st == KILN_OK) st = kiln__pg_check_sig(pg, &s);
-        if (st == KILN_OK) st = kiln__pg_mpi_allgather_u64(pg, u, W, (uint64_t *)all, &s);
+        if (st == KILN_OK) st = kiln__pg_mpi_allgather_u64(pg, u, W + 1, (uint64_t *)all, &s);
         free(u);
     }
 #endif
     if (st == KILN_OK && mine != KILN_OK) st = kiln_error(mine, "%s", why);
-    else if (st == KILN_OK) st = check_matrix(pg, all, rows);
+    else if (st == KILN_OK) st = check_matrix(pg, all);
     int64_t got = 0;
-    for (int r = 0; r < W; r++) got += recv[r] = all[(int64_t)r * W + pg->rank];
+    for (int r = 0; r < W; r++) got += recv[r] = all[(int64_t)r * (W + 1) + pg->rank];
     if (st == KILN_OK && !pg->mpi) memcpy(kiln__data(y), kiln__data(x), (size_t)(send[0] * width) * es);
 #ifdef KILN_HAVE_MPI
     if (st == KILN_OK && pg->mpi && (st = mpi_counts(send, W, width, cnt, cnt + W)) == KILN_OK &&

@@ -27,10 +27,9 @@ void kiln__pg_sig_str(const sig *s, char *buf, size_t n)
     else if (s->op == OP_BROADCAST)
         snprintf(buf, n, "#%llu broadcast %s x %llu from rank %u", (unsigned long long)s->seq,
                  kiln_dtype_name((kiln_dtype)s->dtype), (unsigned long long)s->count, s->reduce);
-    else if (s->op == OP_ALL_TO_ALL) /* the count every rank agrees on: out_rows x row width */
-        snprintf(buf, n, "#%llu all_to_all %s into %u rows x %llu", (unsigned long long)s->seq,
-                 kiln_dtype_name((kiln_dtype)s->dtype), s->reduce,
-                 (unsigned long long)(s->reduce ? s->count / s->reduce : s->count));
+    else if (s->op == OP_ALL_TO_ALL) /* the count every rank agrees on: a row's elements */
+        snprintf(buf, n, "#%llu all_to_all %s rows of %llu", (unsigned long long)s->seq,
+                 kiln_dtype_name((kiln_dtype)s->dtype), (unsigned long long)s->count);
     else
         snprintf(buf, n, "#%llu %s %s x %llu %s%s", (unsigned long long)s->seq, op, kiln_dtype_name((kiln_dtype)s->dtype),
                  (unsigned long long)s->count, s->op == OP_ALLGATHER ? "" : s->reduce == KILN_REDUCE_AVG ? "avg" : "sum",

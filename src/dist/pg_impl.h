@@ -29,7 +29,7 @@ extern const char *const kiln__pg_op_names[OP_COUNT];
 /* What a collective is, as every rank must agree on it. */
 typedef struct {
     uint64_t seq, count;
-    uint32_t op, dtype, reduce, tag; /* reduce: kiln_reduce_op, the root of a broadcast, an all_to_all's out rows */
+    uint32_t op, dtype, reduce, tag; /* reduce: kiln_reduce_op, or the root of a broadcast */
 } sig;
 
 #define RING 64

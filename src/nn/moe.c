@@ -140,16 +140,18 @@ static kiln_tensor_t *local_index(int64_t W, int64_t El)
  * each row's expert) sent to the ranks that hold their experts, rank d's run being
  * experts d El .. (d + 1) El - 1; each rank's received rows (in rank order, each rank's
  * in expert order) sorted again by local expert, stably, through its experts, put back
- * and sent home, where they arrive in xs's order. The buffers are sized for the worst
- * case, every rank's rows to one rank (W R rows), and the counts are data, so a
- * captured step runs whatever the routing. Each row goes through the same products as
- * on one rank. */
+ * and sent home, where they arrive in xs's order. The receiving buffers are sized for
+ * the worst case, every rank's rows to one rank (W R rows), and the counts are data, so
+ * a captured step runs whatever the routing. (Sized eagerly by the rows that come, the
+ * peak memory rose: docs/perf-log.md.) Each row goes through the same products as on
+ * one rank. */
 static kiln_tensor_t *experts_parallel(const kiln_gpt_config *c, const kiln__moe *e, kiln_tensor_t *xs,
                                        kiln_tensor_t *offsets, kiln_tensor_t *expert)
 {
-    int64_t W = kiln_pg_world_size(e->ep), E = c->n_routed_experts, El = E / W, R = kiln_tensor_dim(xs, 0), M = W * R;
+    int64_t W = kiln_pg_world_size(e->ep), E = c->n_routed_experts, El = E / W, R = kiln_tensor_dim(xs, 0);
     kiln_tensor_t *bounds = kiln_index_select(offsets, 0, kiln_arange(0, (double)E + 1, (double)El, KILN_DTYPE_I64));
     kiln_tensor_t *send = kiln_sub(kiln_narrow(bounds, 0, 1, W), kiln_narrow(bounds, 0, 0, W)); /* (W) rows per rank */
+    int64_t M = W * R; /* the worst case: every rank's rows here */
     kiln_tensor_t *lr, *xr, *rc, *ys, *back;
     if (kiln_pg_all_to_all(e->ep, kiln_index_select(local_index(W, El), 0, expert), send, M, &lr, &rc) != KILN_OK ||
         kiln_pg_all_to_all(e->ep, xs, send, M, &xr, &rc) != KILN_OK)

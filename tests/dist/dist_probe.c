@@ -18,7 +18,8 @@
  *            them, the counts, the gradient that comes back (each row's gradient its
  *            place on the rank it went to); the same in a compiled function with two
  *            count patterns on one graph; bad counts on rank 1 and a too small out_rows
- *            failing on every rank, after which the group still works; the
+ *            failing on every rank, after which the group still works, also with
+ *            each rank's out_rows just what it receives (different ones); the
  *            exchanges counted by kiln_pg_time_in; prints "alltoall ok"
  * Exit status: 0 when the scenario's expected outcome happened on this rank, else 1. */
 #include <math.h>
@@ -340,12 +341,17 @@ static int alltoall(void)
         bad |= s == KILN_OK;
         bad |= kiln_pg_all_to_all(pg, x, counts, out_rows, &y, &recv) != KILN_OK ||
                a2a_check(0, y, recv, out_rows, "after the errors");
+        /* each rank's out_rows just what it receives: they differ between the ranks */
+        int64_t exact = 0;
+        for (int r = 0; r < world; r++) exact += sent(0, r, rank);
+        bad |= kiln_pg_all_to_all(pg, x, counts, exact, &y, &recv) != KILN_OK ||
+               a2a_check(0, y, recv, exact, "out_rows of each rank's own");
     }
-    /* 8 exchanges: forward and backward, 3 compiled calls, the 2 that failed, the last */
+    /* 9 exchanges: forward and backward, 3 compiled calls, the 2 that failed, the last 2 */
     uint64_t calls = 0;
     double secs = 0;
-    if (!bad && (kiln_pg_time_in(pg, "all_to_all", &calls, &secs) != KILN_OK || calls != 8 || !(secs > 0))) {
-        fprintf(stderr, "rank %d: kiln_pg_time_in counts %llu all-to-alls in %g s, want 8 in some time\n", rank,
+    if (!bad && (kiln_pg_time_in(pg, "all_to_all", &calls, &secs) != KILN_OK || calls != 9 || !(secs > 0))) {
+        fprintf(stderr, "rank %d: kiln_pg_time_in counts %llu all-to-alls in %g s, want 9 in some time\n", rank,
                 (unsigned long long)calls, secs);
         bad = 1;
     }
