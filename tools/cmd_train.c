@@ -360,16 +360,22 @@ static void fmt_eta(double s, char *buf, size_t n)
     else snprintf(buf, n, "%ds", (int)s);
 }
 
-static kiln_status eval_loss(kiln_gpt_t *m, kiln_dataset_t *ds, const train_args *a, double *out)
+/* The validation loss: every rank the whole batches, or with sharded experts (whose
+ * exchange buffers grow with the rows a rank routes) each rank its share of them, the
+ * loss averaged over pg. */
+static kiln_status eval_loss(kiln_gpt_t *m, kiln_dataset_t *ds, const train_args *a, kiln_pg_t *pg, double *out)
 {
     double sum = 0;
-    bool prev = kiln_set_grad_enabled(false);
+    bool prev = kiln_set_grad_enabled(false), share = a->expert_parallel && kiln_pg_world_size(pg) > 1;
+    int rank = share ? kiln_pg_rank(pg) : 0, world = share ? kiln_pg_world_size(pg) : 1;
     kiln_status s = KILN_OK;
     for (int64_t k = 0; s == KILN_OK && k < a->eval_batches; k++) {
         kiln_scope_begin();
         kiln_tensor_t *x, *y, *loss;
-        s = kiln_dataset_batch(ds, KILN_SPLIT_VAL, (int)a->batch, (int)a->context, (uint64_t)a->seed, k, 0, 1, &x, &y);
+        s = kiln_dataset_batch(ds, KILN_SPLIT_VAL, (int)a->batch, (int)a->context, (uint64_t)a->seed, k, rank, world, &x,
+                               &y);
         if (s == KILN_OK && !kiln_gpt_forward(m, x, y, false, &loss)) s = kiln_last_status();
+        if (s == KILN_OK && share) s = kiln_pg_allreduce(pg, loss = kiln_contiguous(loss), KILN_REDUCE_AVG);
         double v = 0;
         if (s == KILN_OK) s = kiln_tensor_item(loss, &v);
         sum += v;
@@ -1007,7 +1013,7 @@ static kiln_status step_report(train_run *r, int64_t step, double lr, double los
     r->timed++;
     bool last = step + 1 == a->steps;
     r->val = NAN;
-    if ((a->eval_every > 0 && (step + 1) % a->eval_every == 0) || last) s = eval_loss(r->m, r->ds, a, &r->val);
+    if ((a->eval_every > 0 && (step + 1) % a->eval_every == 0) || last) s = eval_loss(r->m, r->ds, a, r->pg, &r->val);
     double elapsed = kiln__now_s() - r->t_begin, tps = (double)r->tokens_per_step / (ms / 1e3);
     char eta[32];
     fmt_eta(elapsed / (double)r->timed * (double)(a->steps - step - 1), eta, sizeof eta);
@@ -1075,10 +1081,15 @@ static int report(train_run *r)
                "chart %s%s%s\n",
                (long long)(a->steps - r->start), kiln__now_s() - r->t_begin, r->val, r->unigram, a->out, RUN_MODEL,
                r->chart_path, is_moe(r) ? ", router chart " : "", is_moe(r) ? r->router_path : "");
-    if (r->world > 1 && r->whole && ran)
+    if (r->world > 1 && r->compiled && ran)
         printf("gradient reduction: inside the compiled training step, in buckets of up to KILN_COMPILE_BUCKET_MB "
                "(default 4 MiB; KILN_COMPILE_DISABLE=coalesce: one tensor at a time), each overlapped with the rest of "
-               "backward (KILN_COMPILE_DISABLE=overlap: run where the step calls it)\n");
+               "backward (KILN_COMPILE_DISABLE=overlap: run where the step calls it)%s\n",
+               a->expert_parallel ? "; the sharded experts' gradients are not reduced" : "");
+    else if (r->world > 1 && r->whole && ran)
+        printf("gradient reduction: one tensor at a time after backward, inside the step function (add --compile for "
+               "buckets overlapped with backward)%s\n",
+               a->expert_parallel ? "; the sharded experts' gradients are not reduced" : "");
     if (r->world > 1 && !r->zero && !r->whole && ran) {
         char how[64] = "one tensor at a time after backward";
         if (r->ddp) snprintf(how, sizeof how, "%d bucket(s) during backward", kiln_ddp_num_buckets(r->ddp));

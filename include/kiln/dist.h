@@ -58,8 +58,9 @@ kiln_status kiln_pg_reduce_scatter(kiln_pg_t *pg, kiln_tensor_t *in, kiln_tensor
  * adding up to at most R; the rows after them are not sent). *y (out_rows, ...) gets
  * from every rank s, in rank order, the rows s sent here, then zeros; *recv_counts
  * (world) i64 says how many came from each. out_rows must bound what this rank
- * receives (world x R always does; ranks may pass different ones), and every rank passes
- * the same row shape and dtype. Any dtype.
+ * receives (world x the most rows a rank sends always does; ranks may pass different
+ * ones), and every rank passes the same row shape and dtype. Any dtype. pg is borrowed:
+ * autograd's record and a captured graph keep it, so it must outlive them.
  * Both results are new tensors handed to the scope, as an op's are. Differentiable in
  * x: the gradient goes back by the same exchange the other way. While capturing it is
  * recorded in the graph with the counts as data, so a graph runs with any counts. The

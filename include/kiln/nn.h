@@ -199,8 +199,11 @@ bool kiln_gpt_moe_stats(const kiln_gpt_t *m, int layer, float *load, float *bias
  * sum over every rank's rows, so kiln_gpt_train_step (whose pg must then be this
  * group) divides it by W where it averages the other gradients over the ranks, and
  * takes the norm over every rank's shards. With W = 1 nothing is split and the
- * exchanges copy rows: the same path, one process. Serving a sharded model is refused:
- * gather it into a checkpoint (below) and serve that. kiln_gpt_param_sharded: whether
+ * exchanges copy rows: the same path, one process. Every forward of a sharded model
+ * (evaluation's, kiln_gpt_forward_cached's) runs the exchanges, so all of pg's ranks
+ * make it together; kiln_kv_pool_new (the serving engine's) refuses one: gather it into
+ * a checkpoint (below) and serve that. pg is borrowed: it must outlive the model, and
+ * the gradients and graphs made from it. kiln_gpt_param_sharded: whether
  * parameter i is such a shard. kiln_gpt_gather_param: for a shard, t (shaped like it:
  * the parameter, its gradient, an optimizer's moment of it) gathered from every rank
  * into a new (E, ...) tensor handed to the scope, a collective every rank calls alike;

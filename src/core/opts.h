@@ -14,6 +14,7 @@
     X(F16C, 1, "f16 converted with F16C (vcvtph2ps, vcvtps2ph) where the CPU has it: KV cache pages, packed f16 weights, and the widening and rounding of f16 tensors for the cpu's f32 kernels")                         \
     X(DEVICE_CODEGEN, 1, "eager ops a device lacks compiled from generated code (else run on the cpu with copies)") \
     X(CL_MATMUL_TILES, 1, "OpenCL matmul in 64x64 tiles with 4x4 outputs per work-item (else 16x16, one each)") \
+    X(CL_MOE, 1, "the mixture-of-experts routing ops (topk, moe_sort, grouped matmul) in OpenCL kernels of their own (else on the cpu with copies, faster on PoCL's cpu device: docs/perf-log.md)") \
     X(DEVICE_GRAPHS, 1, "a recorded replay captured as the device's own graph (OpenCL command buffer, CUDA graph)") \
     X(GEMM_THREAD_BLOCKS, 1, "pool GEMMs split into one block per thread (multiples of 128) instead of 128-row blocks") \
     X(FULLSUM_CHUNKS, 1, "a sum of a whole f32 tensor split into fixed 64K-element chunks over the pool (else one task)") \

@@ -443,20 +443,25 @@ kiln_status kiln_pg_work_wait(kiln_pg_work_t *w)
  * rows it sends each rank d, then its out_rows; or -1 in each entry when its own counts
  * were bad (so that every rank fails together, naming it, instead of the others waiting
  * out a deadline in a second phase it never joins). */
-static kiln_status check_matrix(const kiln_pg_t *pg, const int64_t *all)
+static kiln_status check_matrix(const kiln_pg_t *pg, const int64_t *all, int64_t width)
 {
     int W = pg->world;
     for (int s = 0; s < W; s++)
         if (all[(int64_t)s * (W + 1)] < 0)
             return kiln_error(KILN_ERR_ARG, "all_to_all: rank %d's send counts are negative or add up to more than its "
                               "rows of x (its own error says which)", s);
+    /* each count is at most its rank's rows of x (checked there), so these sums do not
+     * overflow; MPI counts elements in an int, which every rank checks for every rank */
     for (int d = 0; d < W; d++) {
-        int64_t in = 0, rows = all[(int64_t)d * (W + 1) + W];
-        for (int s = 0; s < W; s++) in += all[(int64_t)s * (W + 1) + d];
+        int64_t in = 0, out = 0, rows = all[(int64_t)d * (W + 1) + W];
+        for (int s = 0; s < W; s++) in += all[(int64_t)s * (W + 1) + d], out += all[(int64_t)d * (W + 1) + s];
         if (in > rows)
             return kiln_error(KILN_ERR_SHAPE, "all_to_all: rank %d would receive %lld rows, more than its out_rows %lld; "
-                              "out_rows must bound what the rank receives (world x the rows each sends, at most)",
+                              "out_rows must bound what the rank receives (world x the most rows a rank sends, at most)",
                               d, (long long)in, (long long)rows);
+        if ((in > out ? in : out) > 2147483647 / (width ? width : 1))
+            return kiln_error(KILN_ERR_ARG, "all_to_all: rank %d moves %lld rows of %lld elements, over MPI's int count",
+                              d, (long long)(in > out ? in : out), (long long)width);
     }
     return KILN_OK;
 }
@@ -505,8 +510,9 @@ static kiln_status all_to_all_run(void *group, kiln_tensor_t *x, kiln_tensor_t *
     kiln_status st = KILN_OK, mine = KILN_OK; /* mine: this rank's counts, which the others learn of */
     for (int d = 0; d < W; d++) send[d] = kiln__load_index((const char *)kiln__data(sc) + (size_t)d * isz, sc->dtype);
     for (int d = 0; d < W && mine == KILN_OK; d++) {
-        if (send[d] < 0)
-            mine = kiln_error(KILN_ERR_ARG, "all_to_all: send_counts[%d] = %lld is negative", d, (long long)send[d]);
+        if (send[d] < 0 || send[d] > R) /* (each at most R: the sum cannot overflow) */
+            mine = kiln_error(KILN_ERR_ARG, "all_to_all: send_counts[%d] = %lld is negative or more than x's %lld rows",
+                              d, (long long)send[d], (long long)R);
         total += send[d];
     }
     if (mine == KILN_OK && total > R)
@@ -532,11 +538,11 @@ static kiln_status all_to_all_run(void *group, kiln_tensor_t *x, kiln_tensor_t *
         if (u) u[W] = (uint64_t)rows;
         if (pg->debug && st == KILN_OK) st = kiln__pg_check_sig(pg, &s);
         if (st == KILN_OK) st = kiln__pg_mpi_allgather_u64(pg, u, W + 1, (uint64_t *)all, &s);
-        free(u);
+        if (!pg->left) free(u); /* (else still posted: MPI may yet read it) */
     }
 #endif
     if (st == KILN_OK && mine != KILN_OK) st = kiln_error(mine, "%s", why);
-    else if (st == KILN_OK) st = check_matrix(pg, all);
+    else if (st == KILN_OK) st = check_matrix(pg, all, width);
     int64_t got = 0;
     for (int r = 0; r < W; r++) got += recv[r] = all[(int64_t)r * (W + 1) + pg->rank];
     if (st == KILN_OK && !pg->mpi) memcpy(kiln__data(y), kiln__data(x), (size_t)(send[0] * width) * es);
@@ -548,10 +554,16 @@ static kiln_status all_to_all_run(void *group, kiln_tensor_t *x, kiln_tensor_t *
 #endif
     pg->secs[OP_ALL_TO_ALL] += kiln__now_s() - t0;
     pg->calls[OP_ALL_TO_ALL]++;
+    bool left = pg->left;
     pthread_mutex_unlock(&pg->mu);
     if (st == KILN_OK) {
         memset((char *)kiln__data(y) + (size_t)(got * width) * es, 0, (size_t)((rows - got) * width) * es);
         memcpy(kiln__data(rc), recv, sizeof *recv * (size_t)W);
+    }
+    if (left) { /* a request left posted (a timeout): MPI may still read and write these, so they stay */
+        kiln_tensor_retain(x);
+        kiln_tensor_retain(y);
+        return st;
     }
     KILN__FREE(all, cnt);
     return st;

@@ -56,28 +56,38 @@ kiln_status kiln_gpt_shard_experts(kiln_gpt_t *m, kiln_pg_t *pg)
         return kiln_error(KILN_ERR_ARG, "gpt_shard_experts: %d routed experts do not split evenly over %d ranks; pick a "
                           "multiple of the world size", E, W);
     int64_t El = E / W;
+    int L = m->cfg.n_layer;
+    kiln_tensor_t **mine = calloc((size_t)L * 3, sizeof *mine); /* every shard made before any is put in */
+    if (!mine) return kiln_error(KILN_ERR_OOM, "gpt_shard_experts: out of memory");
     bool grad = kiln_set_grad_enabled(false);
     kiln_status s = KILN_OK;
     kiln_scope_begin();
-    for (int i = 0; s == KILN_OK && i < m->cfg.n_layer; i++) {
+    for (int i = 0; s == KILN_OK && i < L; i++) {
         kiln__moe *e = m->layers[i].moe;
-        kiln_tensor_t **part[3] = {e ? &e->gate : NULL, e ? &e->up : NULL, e ? &e->down : NULL};
-        for (int j = 0; e && s == KILN_OK && j < 3; j++) {
-            kiln_tensor_t *old = *part[j], *mine = kiln_keep(kiln_clone(kiln_narrow(old, 0, r * El, El)));
-            if (!mine) {
-                s = kiln_last_status();
-                break;
-            }
-            kiln_tensor_set_requires_grad(mine, true);
-            for (int k = 0; k < m->n; k++)
-                if (m->params[k] == old) m->params[k] = mine;
-            kiln_tensor_free(old); /* the model's reference */
-            *part[j] = mine;
-        }
-        if (e) e->ep = pg;
+        kiln_tensor_t *whole[3] = {e ? e->gate : NULL, e ? e->up : NULL, e ? e->down : NULL};
+        for (int j = 0; e && s == KILN_OK && j < 3; j++)
+            if (!(mine[3 * i + j] = kiln_keep(kiln_clone(kiln_narrow(whole[j], 0, r * El, El))))) s = kiln_last_status();
     }
     kiln_scope_end();
     kiln_set_grad_enabled(grad);
+    for (int i = 0; i < L; i++) {
+        kiln__moe *e = m->layers[i].moe;
+        kiln_tensor_t **part[3] = {e ? &e->gate : NULL, e ? &e->up : NULL, e ? &e->down : NULL};
+        for (int j = 0; e && j < 3; j++) {
+            kiln_tensor_t *t = mine[3 * i + j];
+            if (s != KILN_OK) { /* the model stays whole */
+                kiln_tensor_free(t);
+                continue;
+            }
+            kiln_tensor_set_requires_grad(t, true);
+            for (int k = 0; k < m->n; k++)
+                if (m->params[k] == *part[j]) m->params[k] = t;
+            kiln_tensor_free(*part[j]); /* the model's reference */
+            *part[j] = t;
+        }
+        if (e && s == KILN_OK) e->ep = pg;
+    }
+    free(mine);
     if (s == KILN_OK) m->ep = pg;
     return s;
 }

@@ -12,6 +12,7 @@
 #include <stdlib.h>
 #include "backends/opencl/opencl_impl.h"
 #include "core/dtype.h"
+#include "core/opts.h"
 #include "core/tensor_impl.h"
 
 static kiln__karg buf_arg(const kiln_tensor_t *t) { return kiln__opencl_ptr_arg(kiln__data(t)); }
@@ -37,7 +38,7 @@ kiln_status kiln__opencl_topk(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *x = in[0];
     int dt = float_code(x->dtype);
-    cl_kernel k = dt >= 0 ? kiln__opencl_builtin(be, BK_topk) : NULL;
+    cl_kernel k = dt >= 0 && kiln__opt(KILN__OPT_CL_MOE) ? kiln__opencl_builtin(be, BK_topk) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_TOPK, in, n_in, a, out, n_out);
     int64_t E = x->shape[x->ndim - 1], rows = E ? kiln_tensor_numel(x) / E : 0;
     if (!rows) return KILN_OK;
@@ -55,7 +56,7 @@ kiln_status kiln__opencl_topk(KILN__KERNEL_ARGS)
  * work-item per expert and one for the offsets' last, on the indices made dense. */
 kiln_status kiln__opencl_moe_sort(KILN__KERNEL_ARGS)
 {
-    cl_kernel k = kiln__opencl_builtin(be, BK_moe_sort);
+    cl_kernel k = kiln__opt(KILN__OPT_CL_MOE) ? kiln__opencl_builtin(be, BK_moe_sort) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_MOE_SORT, in, n_in, a, out, n_out);
     int64_t E = a->op.moe_sort.n_experts;
     kiln_tensor_t *c = kiln__dense(in[0]);
@@ -117,7 +118,7 @@ kiln_status kiln__opencl_grouped_matmul(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *x = in[0], *w = in[1], *off = in[2], *o = out[0];
     int dt = float_code(x->dtype);
-    cl_kernel k = dt >= 0 ? kiln__opencl_builtin(be, grouped_k[dt]) : NULL;
+    cl_kernel k = dt >= 0 && kiln__opt(KILN__OPT_CL_MOE) ? kiln__opencl_builtin(be, grouped_k[dt]) : NULL;
     if (!k) return kiln__cpu_fallback(be, KILN_OP_GROUPED_MATMUL, in, n_in, a, out, n_out);
     int64_t M = x->shape[0], K = x->shape[1], E = w->shape[0];
     kiln_status s = check_offsets(be, "grouped_matmul", off, M);
@@ -134,7 +135,7 @@ kiln_status kiln__opencl_grouped_matmul_backward(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *g = in[0], *x = in[1], *w = in[2], *off = in[3];
     int dt = float_code(x->dtype);
-    cl_kernel kx = dt >= 0 ? kiln__opencl_builtin(be, grouped_k[dt]) : NULL;
+    cl_kernel kx = dt >= 0 && kiln__opt(KILN__OPT_CL_MOE) ? kiln__opencl_builtin(be, grouped_k[dt]) : NULL;
     cl_kernel kw = kx ? kiln__opencl_builtin(be, grouped_dw_k[dt]) : NULL;
     if (!kw) return kiln__cpu_fallback(be, KILN_OP_GROUPED_MATMUL_BACKWARD, in, n_in, a, out, n_out);
     int64_t M = x->shape[0], K = x->shape[1], E = w->shape[0], N = w->shape[2];
