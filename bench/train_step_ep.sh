@@ -27,8 +27,10 @@ for r in $(seq "$rounds"); do
     $mpi "$build/bench_train_step" $moe --threads 1 --expert-parallel | tee -a "$out"
 done
 python3 - "$out" <<'PY'
-import json, statistics, sys
-rows = [json.loads(l) for l in open(sys.argv[1]) if l.startswith("{")]
+import statistics, sys
+sys.path.insert(0, "bench")
+from medians import rows_of
+rows = rows_of(sys.argv[1])
 def pick(world, ep):
     return [r for r in rows if r["world"] == world and r["expert_parallel"] == ep]
 one, dp, ep = pick(1, False), pick(2, False), pick(2, True)

@@ -375,7 +375,7 @@ static kiln_status eval_loss(kiln_gpt_t *m, kiln_dataset_t *ds, const train_args
         s = kiln_dataset_batch(ds, KILN_SPLIT_VAL, (int)a->batch, (int)a->context, (uint64_t)a->seed, k, rank, world, &x,
                                &y);
         if (s == KILN_OK && !kiln_gpt_forward(m, x, y, false, &loss)) s = kiln_last_status();
-        if (s == KILN_OK && share) s = kiln_pg_allreduce(pg, loss = kiln_contiguous(loss), KILN_REDUCE_AVG);
+        if (s == KILN_OK && share) s = kiln_pg_allreduce(pg, loss, KILN_REDUCE_AVG);
         double v = 0;
         if (s == KILN_OK) s = kiln_tensor_item(loss, &v);
         sum += v;

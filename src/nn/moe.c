@@ -10,13 +10,15 @@
 #include "kiln/ops.h"
 #include "nn/moe.h"
 
-/* (n k) i64: i = 0 .. n - 1 each k times in a row, made with ops (no host data, so that a
- * step records as a device's command buffer): the token of each of N k assignments. */
-static kiln_tensor_t *repeat_each(int64_t n, int64_t k)
+/* (rows cols) i64, the (rows, cols) grid flattened, each element its row index (dim 0)
+ * or its column index (dim 1), made with ops (no host data, so that a step records as a
+ * device's command buffer). Dim 0 of (N, k): the token of each of N k assignments; dim 1
+ * of (W, El): expert x's index among its rank's El, x mod El. */
+static kiln_tensor_t *grid_index(int64_t rows, int64_t cols, int dim)
 {
-    int64_t nk = n * k, shape[2] = {n, k};
-    kiln_tensor_t *col = kiln_unsqueeze(kiln_arange(0, (double)n, 1, KILN_DTYPE_I64), 1);
-    return kiln_reshape(kiln_contiguous(kiln_expand(col, shape, 2)), &nk, 1);
+    int64_t n = rows * cols, shape[2] = {rows, cols};
+    kiln_tensor_t *line = kiln_unsqueeze(kiln_arange(0, (double)shape[dim], 1, KILN_DTYPE_I64), 1 - dim);
+    return kiln_reshape(kiln_contiguous(kiln_expand(line, shape, 2)), &n, 1);
 }
 
 /* The inverse of the permutation order (n): inv[order[i]] = i, a scatter of n integers. */
@@ -127,15 +129,6 @@ static kiln_tensor_t *experts_grouped(const kiln__moe *e, kiln_tensor_t *xs, kil
     return kiln_grouped_matmul(h, e->down, offsets);
 }
 
-/* (W El) i64: expert x's index among its rank's El, x mod El: 0 .. El - 1, W times over
- * (made with ops, as repeat_each). */
-static kiln_tensor_t *local_index(int64_t W, int64_t El)
-{
-    int64_t E = W * El, shape[2] = {W, El};
-    kiln_tensor_t *row = kiln_unsqueeze(kiln_arange(0, (double)El, 1, KILN_DTYPE_I64), 0);
-    return kiln_reshape(kiln_contiguous(kiln_expand(row, shape, 2)), &E, 1);
-}
-
 /* Expert parallelism (docs/model.md): the rows xs (R, C) in expert order (offsets, and
  * each row's expert) sent to the ranks that hold their experts, rank d's run being
  * experts d El .. (d + 1) El - 1; each rank's received rows (in rank order, each rank's
@@ -153,7 +146,7 @@ static kiln_tensor_t *experts_parallel(const kiln_gpt_config *c, const kiln__moe
     kiln_tensor_t *send = kiln_sub(kiln_narrow(bounds, 0, 1, W), kiln_narrow(bounds, 0, 0, W)); /* (W) rows per rank */
     int64_t M = W * R; /* the worst case: every rank's rows here */
     kiln_tensor_t *lr, *xr, *rc, *ys, *back;
-    if (kiln_pg_all_to_all(e->ep, kiln_index_select(local_index(W, El), 0, expert), send, M, &lr, &rc) != KILN_OK ||
+    if (kiln_pg_all_to_all(e->ep, kiln_index_select(grid_index(W, El, 1), 0, expert), send, M, &lr, &rc) != KILN_OK ||
         kiln_pg_all_to_all(e->ep, xs, send, M, &xr, &rc) != KILN_OK)
         return NULL;
     /* the rows after the received ones are no expert's: El, sorted last, outside the offsets */
@@ -202,9 +195,10 @@ kiln_tensor_t *kiln__moe_forward(const kiln_gpt_config *c, const kiln__moe *e, k
     kiln_tensor_t *order = NULL, *offsets = NULL;
     if (kiln_moe_sort(idx, E, &order, &offsets) != KILN_OK) return NULL;
     int64_t nk = N * k, nkc[3] = {N, k, C}, nk1[2] = {N * k, 1};
-    kiln_tensor_t *tok = kiln_index_select(repeat_each(N, k), 0, order); /* (N k) */
+    kiln_tensor_t *tok = kiln_index_select(grid_index(N, k, 0), 0, order); /* (N k) */
     kiln_tensor_t *xs = kiln_index_select(x, 0, tok);
-    kiln_tensor_t *expert = kiln_index_select(kiln_reshape(idx, &nk, 1), 0, order); /* of each sorted row */
+    /* the expert of each sorted row, where the exchange or the capacity needs it */
+    kiln_tensor_t *expert = e->ep || c->moe_capacity > 0 ? kiln_index_select(kiln_reshape(idx, &nk, 1), 0, order) : NULL;
     kiln_tensor_t *ys; /* (N k, C), sorted */
     if (pk) ys = experts_by_rows(c, pk, xs, offsets, E);
     else if (e->ep) ys = experts_parallel(c, e, xs, offsets, expert);

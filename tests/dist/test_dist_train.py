@@ -195,7 +195,7 @@ def main():
     for n, extra in ((2, ()), (4, ()), (2, ("--compile",))):
         out = os.path.join(a.workdir, f"ep{n}" + "".join(extra))
         r = train(a.kiln, data, out, n, extra=(*moe, "--expert-parallel", *extra), env=dict(os.environ, KILN_LOGS="graph"))
-        ok = r.returncode == 0 and len(losses(out)) == 8 and len(ref) == 8
+        ok = r.returncode == 0 and len(losses(out)) == 8
         worst = worst_of(losses(out), ref) if ok else float("inf")
         worst_norm = worst_of(losses(out, "grad_norm"), ref_norm) if ok else float("inf")
         check(ok and worst <= 1e-5 and worst_norm <= 1e-5,
@@ -215,8 +215,8 @@ def main():
     check(shapes.get("blocks.0.mlp.experts.gate", [0])[0] == 4 and shapes.get("blocks.1.mlp.experts.down", [0])[0] == 4,
           f"the model saved on 2 ranks holds all 4 experts: {shapes.get('blocks.0.mlp.experts.gate')}")
     r2 = train(a.kiln, data, epr, 4, extra=(*moe, "--expert-parallel", "--resume"))
-    ok = r1.returncode == 0 and r2.returncode == 0 and len(losses(epr)) == 8 and len(ref) == 8
-    worst = max(abs(x - y) / abs(y) for x, y in zip(losses(epr), ref)) if ok else float("inf")
+    ok = r1.returncode == 0 and r2.returncode == 0 and len(losses(epr)) == 8
+    worst = worst_of(losses(epr), ref) if ok else float("inf")
     check(ok and worst <= 1e-5, f"--expert-parallel saved on 2 ranks, resumed on 4: worst {worst:.2e} "
           f"({(r1.stderr + r2.stderr).strip()[-200:]})")
     r = train(a.kiln, data, os.path.join(a.workdir, "ep-odd"), 2,
