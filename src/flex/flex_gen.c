@@ -20,6 +20,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "backends/cpu/cpu.h"
 #include "compile/compile_impl.h"
 #include "core/cache.h"
 #include "core/dtype.h"
@@ -414,38 +415,60 @@ static char *source(const kiln_flex_t *f, bool f64)
             "        L[i] = (T)((double)m + log(sum));\n"
             "    }\n}\n\n", f64 ? "exp" : "km_exp_fast");
     /* the backward's tile: P = exp(score' - L) in S (0 where masked or the row sees no
-     * key) and M = d score' / d score beside it */
+     * key) and, with a score modifier, M = d score' / d score beside it. The mask and
+     * the modifier in one pass over the tile, the exponentials in a second over each
+     * whole row, so that both vectorize (a masked score is -inf, whose exp is 0). */
     put(&b, "void flex_tile_bwd(const flex_args *a, %s *S, %s *M, int64_t ld, int64_t b, int64_t h, int64_t q0,\n"
             "                   int64_t rows, const int64_t *kvl, int64_t nf, int64_t nb, const %s *L)\n{\n", T, T, T);
     put(&b, "    typedef %s T;\n    const int64_t q_len = a->Tq, kv_len = a->Tk, blk = a->kv_block;\n"
-            "    (void)q_len, (void)b, (void)h, (void)nf;\n"
+            "    (void)q_len, (void)b, (void)h, (void)nf, (void)M;\n"
             "    for (int64_t i = 0; i < rows; i++) {\n        const int64_t q_idx = q0 + i;\n"
             "        const T Li = L[i];\n        T *row = S + i * ld, *mrow = M + i * ld;\n"
-            "        int64_t off = 0;\n        (void)q_idx;\n"
+            "        (void)q_idx, (void)mrow;\n"
+            "        if (!(Li > (T)-INFINITY)) { /* the row sees no key */\n"
+            "            for (int64_t j = 0; j < ld; j++) row[j] = 0;\n            continue;\n        }\n"
+            "        int64_t off = 0;\n"
             "        for (int64_t n = 0; n < nb; n++) {\n"
             "            const int64_t k0 = kvl[n] * blk, w = k0 + blk < kv_len ? blk : kv_len - k0;\n"
-            "            T *s = row + off, *md = mrow + off;\n            off += w;\n"
-            "            for (int64_t j = 0; j < w; j++) {\n                const int64_t kv_idx = k0 + j;\n"
-            "                const T score = s[j];\n                (void)kv_idx;\n", T);
-    if (f->ps[1]) {
+            "            T *s = row + off, *md = mrow + off;\n            off += w;\n            (void)md;\n", T);
+    if (f->ps[1]) { /* a partial block: the mask, and the modifier where it lets through */
+        put(&b, "            if (n >= nf) {\n                for (int64_t j = 0; j < w; j++) {\n"
+                "                    const int64_t kv_idx = k0 + j;\n                    const T score = s[j];\n"
+                "                    const int ok = (");
         g.ps = f->ps[1];
-        put(&b, "                if (n >= nf && !(");
         emit(&g, f->ps[1]->root, &b);
-        put(&b, ")) {\n                    s[j] = 0;\n                    md[j] = 0;\n                    continue;\n"
-                "                }\n");
+        put(&b, ") != 0;\n");
+        if (f->ps[0]) {
+            g.ps = f->ps[0];
+            /* the modifier only where the mask lets through: it may index a captured
+             * tensor by positions that only the mask keeps in range */
+            put(&b, "                    md[j] = ok ? (T)(");
+            emit_d(&g, f->ps[0]->root, &b);
+            put(&b, ") : 0;\n                    s[j] = ok ? (T)(");
+            emit(&g, f->ps[0]->root, &b);
+            put(&b, ") : (T)-INFINITY;\n");
+        } else {
+            put(&b, "                    s[j] = ok ? score : (T)-INFINITY;\n");
+        }
+        put(&b, "                }\n                continue;\n            }\n");
     }
     if (f->ps[0]) {
         g.ps = f->ps[0];
-        put(&b, "                const T sp = (T)(");
+        put(&b, "            for (int64_t j = 0; j < w; j++) {\n                const int64_t kv_idx = k0 + j;\n"
+                "                const T score = s[j];\n                (void)kv_idx;\n                const T sp = (T)(");
         emit(&g, f->ps[0]->root, &b);
         put(&b, ");\n                md[j] = (T)(");
         emit_d(&g, f->ps[0]->root, &b);
-        put(&b, ");\n");
-    } else {
-        put(&b, "                const T sp = score;\n                md[j] = 1;\n");
+        put(&b, ");\n                s[j] = sp;\n            }\n");
     }
-    put(&b, "                s[j] = Li > (T)-INFINITY && sp > (T)-INFINITY ? (T)%s(sp - Li) : 0;\n"
-            "            }\n        }\n    }\n}\n\n", f64 ? "exp" : "expf");
+    put(&b, "        }\n        for (int64_t j = 0; j < ld; j++) row[j] = %s(row[j] - Li);\n    }\n}\n\n",
+        f64 ? "exp" : "km_exp_fast");
+    /* dS = P (dP - Dm) M in place in dP (without a score modifier M is 1 and not read) */
+    put(&b, "void flex_tile_ds(const %s *P, %s *dP, const %s *M, int64_t ld, int64_t rows, const %s *Dm)\n{\n"
+            "    (void)M;\n    for (int64_t i = 0; i < rows; i++) {\n"
+            "        const %s *p = P + i * ld, *m = M + i * ld, d = Dm[i];\n        %s *g = dP + i * ld;\n"
+            "        (void)m;\n        for (int64_t j = 0; j < ld; j++) g[j] = p[j] * (g[j] - d)%s;\n    }\n}\n\n",
+        T, T, T, T, T, T, f->ps[0] ? " * m[j]" : "");
     /* the block mask's classifier: how many of block (qb, kb)'s pairs the mask lets
      * through, for the key blocks kb0..kb1 of one (b, h, qb), into on[] */
     put(&b, "void flex_blocks(const flex_args *a, int64_t b, int64_t h, int64_t qb, int64_t kb0, int64_t kb1, int64_t *on)\n"
@@ -648,6 +671,7 @@ char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda, bool backward)
 /* The generated functions, for float or double scores. */
 typedef void (*flex_tile_bwd_fn)(const flex_args *a, void *S, void *M, int64_t ld, int64_t b, int64_t h, int64_t q0,
                                  int64_t rows, const int64_t *kvl, int64_t nf, int64_t nb, const void *L);
+typedef void (*flex_tile_ds_fn)(const void *P, void *dP, const void *M, int64_t ld, int64_t rows, const void *Dm);
 
 /* One per modifiers (their text and the captured tensors' dtypes and dims): a template
  * flex over placeholder captured tensors of those dtypes and dims (what the code
@@ -668,6 +692,7 @@ typedef struct entry {
     kiln_flex_t *tmpl;
     flex_tile_fn tile[2];
     flex_tile_bwd_fn tile_bwd[2];
+    flex_tile_ds_fn tile_ds[2];
     void (*blocks)(const flex_args *a, int64_t b, int64_t h, int64_t qb, int64_t kb0, int64_t kb1, int64_t *on);
     struct {
         kiln__backend *be;
@@ -692,8 +717,9 @@ static kiln_status built(entry *e, bool f64)
     if (s != KILN_OK) return s;
     *(void **)&e->tile[f64] = dlsym(lib, "flex_tile");
     *(void **)&e->tile_bwd[f64] = dlsym(lib, "flex_tile_bwd");
+    *(void **)&e->tile_ds[f64] = dlsym(lib, "flex_tile_ds");
     if (!e->blocks) *(void **)&e->blocks = dlsym(lib, "flex_blocks");
-    if (!e->tile[f64] || !e->tile_bwd[f64] || !e->blocks) {
+    if (!e->tile[f64] || !e->tile_bwd[f64] || !e->tile_ds[f64] || !e->blocks) {
         e->tile[f64] = NULL;
         return kiln_error(KILN_ERR_IO, "flex: a built kernel lacks flex_tile (a stale kernel cache? remove it)");
     }
@@ -703,6 +729,7 @@ static kiln_status built(entry *e, bool f64)
 typedef struct {
     flex_tile_fn fn;
     flex_tile_bwd_fn bwd;
+    flex_tile_ds_fn ds;
     const flex_args *a;
     atomic_int oom;
 } run_ctx;
@@ -781,9 +808,11 @@ static int64_t cols_of(const int64_t *kvl, int64_t nb, int64_t kvb, int64_t Tk)
 /* The backward. One task per (b, kv head), so that its dK and dV have one writer: for
  * every query head of the group and query block, the scores again, P = exp(score' - L)
  * and M = d score'/d score from the generated function, dV += P^T dO, dP = dO V^T,
- * dS = P (dP - Dm) M (Dm: the rows' sum of dO O, less the log-sum-exp's gradient),
- * dQ = scale dS K, dK += scale dS^T Q; runs of adjacent key blocks one GEMM each.
- * a->y is dO, a->lse L and a->v V; dq, dk, dv and Dm in the context. */
+ * dS = P (dP - Dm) M (Dm: the rows' sum of dO O, less the log-sum-exp's gradient; the
+ * generated function again), dQ = scale dS K, dK += scale dS^T Q; runs of adjacent key
+ * blocks one GEMM each, the products with K^T and V^T on copies transposed once per kv
+ * head (NN GEMMs, as the dense attention's backward). a->y is dO, a->lse L and a->v V;
+ * dq, dk, dv and Dm in the context. */
 typedef struct {
     void *dq, *dk, *dv;
     const void *dm, *dO;
@@ -797,12 +826,12 @@ typedef struct {
         const grads *gr = (const grads *)a->y;                                                              \
         const int64_t H = a->H, G = a->H / a->Hkv, Tq = a->Tq, Tk = a->Tk, D = a->D, blk = a->block;       \
         const int64_t kvb = a->kv_block, tile = blk * (Tk + kvb);                                           \
-        R *P = malloc(sizeof(R) * (size_t)(3 * tile + D * Tk));                                            \
+        R *P = malloc(sizeof(R) * (size_t)(3 * tile + 2 * D * Tk));                                        \
         if (!P) {                                                                                           \
             atomic_store(&rc->oom, 1);                                                                      \
             return;                                                                                         \
         }                                                                                                   \
-        R *M = P + tile, *dP = M + tile, *Kt = dP + tile;                                                   \
+        R *M = P + tile, *dP = M + tile, *Kt = dP + tile, *Vt = Kt + D * Tk;                                \
         for (int64_t t = t0; t < t1; t++) {                                                                 \
             const int64_t b = t / a->Hkv, hk = t % a->Hkv;                                                  \
             const R *K = (const R *)a->k + t * Tk * D, *V = (const R *)a->v + t * Tk * D;                   \
@@ -810,6 +839,7 @@ typedef struct {
             memset(dK, 0, sizeof(R) * (size_t)(Tk * D));                                                    \
             memset(dV, 0, sizeof(R) * (size_t)(Tk * D));                                                    \
             transpose_##SFX(Kt, K, Tk, D);                                                                  \
+            transpose_##SFX(Vt, V, Tk, D);                                                                  \
             for (int64_t h = hk * G; h < (hk + 1) * G; h++)                                                 \
                 for (int64_t qb = 0; qb < a->nq; qb++) {                                                    \
                     const int64_t r = ((a->mB == 1 ? 0 : b) * a->mH + (a->mH == 1 ? 0 : h)) * a->nq + qb;  \
@@ -819,9 +849,11 @@ typedef struct {
                     const R *Q = (const R *)a->q + base * D, *dO = (const R *)gr->dO + base * D;            \
                     const R *L = (const R *)a->lse + base, *Dm = (const R *)gr->dm + base;                  \
                     R *dQ = (R *)gr->dq + base * D;                                                         \
-                    memset(dQ, 0, sizeof(R) * (size_t)(rows * D));                                          \
                     const int64_t cols = cols_of(kvl, nb, kvb, Tk);                                         \
-                    if (cols == 0) continue;                                                                \
+                    if (cols == 0) {                                                                        \
+                        memset(dQ, 0, sizeof(R) * (size_t)(rows * D));                                      \
+                        continue;                                                                           \
+                    }                                                                                       \
                     scores_##SFX(a, Q, Kt, P, kvl, nb, rows, cols);                                         \
                     rc->bwd(a, P, M, cols, b, h, q0, rows, kvl, nf, nb, L);                                 \
                     for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                        \
@@ -829,20 +861,16 @@ typedef struct {
                         /* dV += P^T dO; dP = dO V^T */                                                     \
                         GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)w, (int)D, (int)rows, 1, P + off, (int)cols, \
                              dO, (int)D, 1, dV + k0 * D, (int)D);                                           \
-                        GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)w, (int)D, 1, dO, (int)D, \
-                             V + k0 * D, (int)D, 0, dP + off, (int)cols);                                   \
+                        GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)D, 1, dO, (int)D, \
+                             Vt + k0, (int)Tk, 0, dP + off, (int)cols);                                     \
                         off += w;                                                                           \
                     }                                                                                       \
-                    for (int64_t i = 0; i < rows; i++)                                                      \
-                        for (int64_t j = 0; j < cols; j++) {                                                \
-                            const int64_t x = i * cols + j;                                                 \
-                            dP[x] = P[x] * (dP[x] - Dm[i]) * M[x];                                          \
-                        }                                                                                   \
+                    rc->ds(P, dP, M, cols, rows, Dm);                                                       \
                     for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                        \
                         int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                  \
-                        /* dQ += scale dS K; dK += scale dS^T Q */                                          \
+                        /* dQ (+)= scale dS K; dK += scale dS^T Q */                                        \
                         GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, (R)a->scale, \
-                             dP + off, (int)cols, K + k0 * D, (int)D, 1, dQ, (int)D);                       \
+                             dP + off, (int)cols, K + k0 * D, (int)D, off ? 1 : 0, dQ, (int)D);             \
                         GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)w, (int)D, (int)rows, (R)a->scale, \
                              dP + off, (int)cols, Q, (int)D, 1, dK + k0 * D, (int)D);                       \
                         off += w;                                                                           \
@@ -870,8 +898,8 @@ static inline int64_t run_width(const int64_t *kvl, int64_t nb, int64_t n, int64
                 for (int64_t j = j0; j < j0 + 16 && j < T; j++)                                             \
                     for (int64_t d = d0; d < d0 + 16 && d < D; d++) dst[d * T + j] = src[j * D + d];        \
     }
-TRANSPOSE(f32, float)
 TRANSPOSE(f64, double)
+static void transpose_f32(float *dst, const float *src, int64_t T, int64_t D) { kiln__cpu_transpose_f32(dst, src, T, D, D); }
 FLEX_SCORES(f32, float, cblas_sgemm)
 FLEX_SCORES(f64, double, cblas_dgemm)
 FLEX_FORWARD(f32, float, cblas_sgemm)
@@ -978,7 +1006,7 @@ static kiln_status bwd_kernel(const kiln_op_args *x)
                kiln__data(x->in[0])};
     a.q = kiln__data(q), a.k = kiln__data(x->in[2]), a.v = kiln__data(x->in[3]), a.lse = kiln__data(x->in[4]);
     a.y = &g;
-    run_ctx r = {.bwd = e->tile_bwd[f64], .a = &a};
+    run_ctx r = {.bwd = e->tile_bwd[f64], .ds = e->tile_ds[f64], .a = &a};
     run(f64 ? bwd_f64 : bwd_f32, &r, a.B * a.Hkv);
     return finish(e, &r, own, bad, x->in + 7);
 }

@@ -87,6 +87,11 @@ static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->n
 #undef SFX
 #undef GEMM
 
+void kiln__cpu_transpose_f32(float *dst, const float *src, int64_t T, int64_t D, int64_t ld)
+{
+    att_transpose_f32(dst, src, T, D, ld);
+}
+
 static kiln_status unsupported(const char *op, kiln_dtype dt)
 {
     return kiln__err(KILN_ERR_UNSUPPORTED, "%s: dtype %s is not supported by the cpu backend (cast to f32)", op,
