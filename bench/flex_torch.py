@@ -1,7 +1,7 @@
 """PyTorch 2.x's compiled flex_attention on the CPU, forward, for bench/flex.sh: for each
 T, causal and a sliding window of T/8, B 1, 8 heads of 64, f32, at the given thread
-count; median ms over ROUNDS calls after warm-up (compilation). Prints one JSON line
-per T.
+count; median ms over ROUNDS calls after warm-up (compilation, then 200 ms of calls, as
+bench_flex). Prints one JSON line per T.
     python bench/flex_torch.py --T 512,1024,2048,4096 --threads 2 --rounds 5"""
 import argparse
 import json
@@ -22,9 +22,14 @@ torch.set_num_threads(args.threads)
 compiled = torch.compile(flex_attention)
 
 
-def median_ms(fn, rounds):
-    for _ in range(2):
+def median_ms(fn, rounds, warm_s=0.2):
+    """Median ms of ROUNDS calls after at least two calls and warm_s seconds of warm-up
+    (the same as bench_flex's --warm-ms: an idle vCPU comes back slowly)."""
+    end = time.perf_counter() + warm_s
+    n = 0
+    while n < 2 or time.perf_counter() < end:
         fn()
+        n += 1
     times = []
     for _ in range(rounds):
         t0 = time.perf_counter()
