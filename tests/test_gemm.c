@@ -25,8 +25,8 @@
 #include "backends/cpu/gemm.h"
 
 static const kiln__gemm_isa ISAS[] = {KILN__GEMM_ISA_C, KILN__GEMM_ISA_AVX2, KILN__GEMM_ISA_AVX512,
-                                      KILN__GEMM_ISA_AMX, KILN__GEMM_ISA_AUTO};
-static const char *const ISA_NAMES[] = {"c", "avx2", "avx512", "amx", "auto"};
+                                      KILN__GEMM_ISA_AVX512BF16, KILN__GEMM_ISA_AMX, KILN__GEMM_ISA_AUTO};
+static const char *const ISA_NAMES[] = {"c", "avx2", "avx512", "avx512-bf16", "amx", "auto"};
 
 static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
 static float uniform(void)

@@ -25,6 +25,7 @@
     X(OWN_GEMM, 0, "f32 matmuls on kiln's own packed GEMM (src/backends/cpu/gemm.c) instead of the BLAS")   \
     X(ATT_BF16, 1, "bf16 attention's tiles on kiln's own GEMM (AMX), P and dS rounded to bf16 as PyTorch does (else widened to f32)") \
     X(MMAP, 1, "safetensors files mapped (mmap, copy-on-write) and model weights taken from the mapping where their dtype and layout allow (else read into memory and copied)") \
+    X(GEMM_DPBF16, 1, "bf16 GEMMs on AVX512-BF16's vdpbf16ps where the processor has it but not AMX, if it measures at least 1.25x the f32 FMA kernel on bf16 values at first use (else, and off, that f32 kernel)") \
     X(OWN_GEMM_F16, 0, "f16 matmuls on kiln's own GEMM, f16 widened as it is packed and the result rounded in cache (else widened copies through the f32 matmul, the BLAS's)") \
     X(FLEX_FUSED, 1, "flex attention on the cpu without gradients in one generated kernel over the block mask's blocks (else the dense reference: scores, modifiers and softmax as kiln ops)") \
     X(INDEX_ROWS_GRAD, 1, "the gradient of index_select over the rows of a matrix as whole rows added (embedding_backward; else an element scatter_add)") \

@@ -11,7 +11,9 @@
 #include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/opts.h"
 #include "core/threadpool.h"
+#include "core/util.h"
 #if defined(__x86_64__)
 #include <immintrin.h>
 #include <sys/syscall.h>
@@ -218,7 +220,7 @@ static void amx_ask(void)
 static const ukernel kernels[] = {
 #if defined(__x86_64__)
     {.name = "amx-bf16", .isa = KILN__GEMM_ISA_AMX, .packed = KILN__GEMM_BF16, .mr = 32, .nr = 32, .kstep = 32, .run = k_amx, .amx = true},
-    {.name = "avx512-bf16", .isa = KILN__GEMM_ISA_AVX512, .packed = KILN__GEMM_BF16, .mr = 12, .nr = 32, .kstep = 2, .run = k_avx512bf16},
+    {.name = "avx512-bf16", .isa = KILN__GEMM_ISA_AVX512BF16, .packed = KILN__GEMM_BF16, .mr = 12, .nr = 32, .kstep = 2, .run = k_avx512bf16},
     {.name = "avx512", .isa = KILN__GEMM_ISA_AVX512, .packed = KILN__GEMM_F32, .mr = 12, .nr = 32, .kstep = 1, .run = k_avx512},
     {.name = "avx512 (bf16 values)", .isa = KILN__GEMM_ISA_AVX512, .packed = KILN__GEMM_F32, .mr = 12, .nr = 32, .kstep = 1, .run = k_avx512, .round_bf16 = true},
     {.name = "avx2", .isa = KILN__GEMM_ISA_AVX2, .packed = KILN__GEMM_F32, .mr = 6, .nr = 16, .kstep = 1, .run = k_avx2},
@@ -233,7 +235,8 @@ static bool runs_here(const ukernel *k)
 #if defined(__x86_64__)
     static pthread_once_t once = PTHREAD_ONCE_INIT;
     if (k->isa == KILN__GEMM_ISA_AMX) return pthread_once(&once, amx_ask) == 0 && amx_permitted;
-    if (k->isa == KILN__GEMM_ISA_AVX512 && !__builtin_cpu_supports("avx512f")) return false;
+    if ((k->isa == KILN__GEMM_ISA_AVX512 || k->isa == KILN__GEMM_ISA_AVX512BF16) && !__builtin_cpu_supports("avx512f"))
+        return false;
     if (k->packed == KILN__GEMM_BF16 && !__builtin_cpu_supports("avx512bf16")) return false;
     if (k->isa == KILN__GEMM_ISA_AVX2 && !(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")))
         return false;
@@ -241,13 +244,73 @@ static bool runs_here(const ukernel *k)
     return true;
 }
 
-/* The first kernel for `compute` that runs here (and is of `isa` unless AUTO). */
+static const ukernel *pick(kiln__gemm_isa isa, kiln__gemm_type compute);
+
+/* Whether vdpbf16ps pays here. It does two multiply-adds per lane where an FMA does one,
+ * but not every processor runs it at the FMA's rate: on Sapphire Rapids without AMX (a
+ * virtual machine that hides it) it ran at 0.44 of the f32 FMAs' flops
+ * (bench_fma_peak, docs/perf-log.md). So at first use both kernels run on panels in L1,
+ * in turn, the best of several tries each, and vdpbf16ps is taken only when it gives at
+ * least 1.25 times the f32 kernel's multiply-adds a second: a margin that keeps the
+ * choice (and so the bits of every bf16 GEMM, which differ between the two in the
+ * rounding of their sums) the same from run to run on one machine, unless the two are
+ * close, where either is as good. KILN_OPT_GEMM_DPBF16=0 never takes it. */
+static double kernel_rate(const ukernel *k, const void *a, const void *b, float *c)
+{
+    enum { STEPS = 128, REPS = 64 };
+    double best = 0;
+    for (int t = 0; t < 5; t++) {
+        double t0 = kiln__now_s();
+        for (int r = 0; r < REPS; r++) k->run(STEPS / k->kstep, a, 1, k->mr, b, c, k->nr, r > 0);
+        double dt = kiln__now_s() - t0, rate = dt > 0 ? (double)STEPS * REPS * k->mr * k->nr / dt : 0;
+        if (rate > best) best = rate;
+    }
+    return best;
+}
+
+static bool dpbf16_wins;
+static void dpbf16_measure(void)
+{
+    const ukernel *dp = pick(KILN__GEMM_ISA_AVX512BF16, KILN__GEMM_BF16), *fma = pick(KILN__GEMM_ISA_AVX512, KILN__GEMM_BF16);
+    if (!dp || !fma) {
+        dpbf16_wins = dp != NULL;
+        return;
+    }
+    /* zero panels (128 k of 32 rows or columns: 16 KiB in f32) and a tile of C */
+    void *a = aligned_alloc(64, 128 * 32 * 4), *b = aligned_alloc(64, 128 * 32 * 4);
+    float *c = aligned_alloc(64, MR_MAX * NR_MAX * 4);
+    if (a && b && c) {
+        memset(a, 0, 128 * 32 * 4);
+        memset(b, 0, 128 * 32 * 4);
+        double rd = 0, rf = 0;
+        for (int round = 0; round < 3; round++) { /* in turn, so that a drift moves both */
+            double x = kernel_rate(dp, a, b, c), y = kernel_rate(fma, a, b, c);
+            rd = x > rd ? x : rd;
+            rf = y > rf ? y : rf;
+        }
+        dpbf16_wins = rd >= 1.25 * rf;
+    }
+    free(a), free(b), free(c);
+}
+
+static bool dpbf16_pays(void)
+{
+    static pthread_once_t once = PTHREAD_ONCE_INIT;
+    if (!kiln__opt(KILN__OPT_GEMM_DPBF16)) return false;
+    pthread_once(&once, dpbf16_measure);
+    return dpbf16_wins;
+}
+
+/* The first kernel for `compute` that runs here (and is of `isa` unless AUTO; AUTO
+ * passes over vdpbf16ps where it does not pay). */
 static const ukernel *pick(kiln__gemm_isa isa, kiln__gemm_type compute)
 {
     for (size_t i = 0; i < sizeof kernels / sizeof kernels[0]; i++) {
         const ukernel *k = &kernels[i];
         bool computes_bf16 = k->packed == KILN__GEMM_BF16 || k->round_bf16;
         if ((compute == KILN__GEMM_BF16) != computes_bf16) continue;
+        if (isa == KILN__GEMM_ISA_AUTO && k->isa == KILN__GEMM_ISA_AVX512BF16 && runs_here(k) && !dpbf16_pays())
+            continue;
         if ((isa == KILN__GEMM_ISA_AUTO || k->isa == isa) && runs_here(k)) return k;
     }
     return NULL;
@@ -414,6 +477,53 @@ AVX512_PACK static bool pack_amx(const kiln__gemm_operand *x, bool is_b, int64_t
     return true;
 }
 
+/* One `tile`-wide panel (tile <= 32) for the kernels on 16-bit products without AMX,
+ * from a bf16 or f32 operand (f32 rounded to bf16 as lanes16 rounds), whose tile dim
+ * (ts == 1) or K (ks == 1) is contiguous; false for other layouts. `pairs`: vdpbf16ps's
+ * panel, for each k-pair the tile's 32-bit words (k even in the low half); else an f32
+ * panel of bf16 values, for each k the tile's floats. Where K is contiguous, 16 x 16
+ * blocks of words are transposed in registers. (The generic packer went an element at
+ * a time: 30% of a bf16 training step on a processor without AMX.) */
+AVX512_PACK static bool pack_16bit(const kiln__gemm_operand *x, bool pairs, int64_t first, int64_t ts, int64_t ks,
+                                   int64_t w, int64_t kc, int tile, void *out)
+{
+    uint32_t *ow = out;
+    int kstep = pairs ? 2 : 1;
+    int64_t steps = (kc + kstep - 1) / kstep; /* k-steps of the panel */
+    __m512i r[16];
+    if (x->type == KILN__GEMM_F16 || (ts != 1 && ks != 1)) return false;
+    for (int64_t h = 0; h < tile; h += 16) {
+        __mmask16 m = first_n(w - h), keep = first_n(tile - h); /* elements present; lanes of the panel */
+        if (ts == 1) { /* k-rows of the tile: one or two 16-lane loads a k-step */
+            for (int64_t s = 0; s < steps; s++) {
+                __m512i v;
+                if (pairs) {
+                    int64_t k = 2 * s;
+                    __m512i k0 = lanes16(x, first + k * ks + h, m);
+                    __m512i k1 = lanes16(x, first + (k + 1) * ks + h, k + 1 < kc ? m : 0);
+                    v = _mm512_or_si512(k0, _mm512_slli_epi32(k1, 16));
+                } else {
+                    v = _mm512_slli_epi32(lanes16(x, first + s * ks + h, m), 16);
+                }
+                _mm512_mask_storeu_epi32(ow + s * tile + h, keep, v);
+            }
+            continue;
+        }
+        /* K contiguous: 16 k-steps of 16 tile elements, transposed */
+        for (int64_t s0 = 0; s0 < steps; s0 += 16) {
+            for (int c = 0; c < 16; c++) {
+                int64_t t = h + c, at = first + t * ts + s0 * kstep, left = kc - s0 * kstep;
+                if (t >= w) r[c] = _mm512_setzero_si512();
+                else if (pairs) r[c] = row_pairs(x, at, left);
+                else r[c] = _mm512_slli_epi32(lanes16(x, at, first_n(left)), 16);
+            }
+            transpose16(r);
+            for (int64_t s = s0; s < s0 + 16 && s < steps; s++) _mm512_mask_storeu_epi32(ow + s * tile + h, keep, r[s - s0]);
+        }
+    }
+    return true;
+}
+
 AVX512_PACK static void to_bf16_avx512(const float *src, uint16_t *dst, int64_t n)
 {
     kiln__gemm_operand x = {src, KILN__GEMM_F32, 0, 1};
@@ -480,6 +590,16 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, bool is_b, int6
         int64_t w = nt - t0 < tile ? nt - t0 : tile;
 #if defined(__x86_64__)
         if (uk->amx && pack_amx(x, is_b, first + t0 * ts, ts, ks, w, kc, oh)) {
+            of += kpad * tile;
+            oh += kpad * tile;
+            continue;
+        }
+#endif
+#if defined(__x86_64__)
+        if (!uk->amx && (uk->round_bf16 || uk->packed == KILN__GEMM_BF16) && uk->isa != KILN__GEMM_ISA_AVX2 &&
+            uk->isa != KILN__GEMM_ISA_C && avx512_rows() &&
+            pack_16bit(x, uk->packed == KILN__GEMM_BF16, first + t0 * ts, ts, ks, w, kc, tile,
+                       uk->packed == KILN__GEMM_BF16 ? (void *)oh : (void *)of)) {
             of += kpad * tile;
             oh += kpad * tile;
             continue;

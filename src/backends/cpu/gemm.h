@@ -37,6 +37,7 @@ typedef enum {
     KILN__GEMM_ISA_C,
     KILN__GEMM_ISA_AVX2,
     KILN__GEMM_ISA_AVX512,
+    KILN__GEMM_ISA_AVX512BF16, /* vdpbf16ps (bf16 compute only) */
     KILN__GEMM_ISA_AMX,
 } kiln__gemm_isa;
 
