@@ -314,6 +314,13 @@ int main(void)
     kiln_init(0);
     printf("gemm kernels here: f32 %s, bf16 %s\n", kiln__gemm_kernel_name(KILN__GEMM_F32),
            kiln__gemm_kernel_name(KILN__GEMM_BF16));
+    /* KILN_OPT_GEMM_DPBF16=0 (ctest's test_gemm_no_dpbf16): the bf16 GEMM never takes
+     * vdpbf16ps of itself (it still runs when asked for by name, below) */
+    const char *dp = getenv("KILN_OPT_GEMM_DPBF16");
+    if (dp && !strcmp(dp, "0") && !strcmp(kiln__gemm_kernel_name(KILN__GEMM_BF16), "avx512-bf16")) {
+        fprintf(stderr, "test_gemm: KILN_OPT_GEMM_DPBF16=0, yet the bf16 GEMM picked avx512-bf16\n");
+        return 1;
+    }
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_every_kernel_matches_double_reference),
         cmocka_unit_test(test_zero_k_and_empty),
