@@ -505,6 +505,68 @@ static void test_view_maps_the_file_without_copying_it(void **state)
     unlink(path);
 }
 
+/* This process's resident bytes (/proc/self/statm), or 0 where it cannot be read. */
+static size_t resident_bytes(void)
+{
+    FILE *fp = fopen("/proc/self/statm", "r");
+    long size = 0, rss = 0;
+    if (!fp) return 0;
+    int n = fscanf(fp, "%ld %ld", &size, &rss);
+    fclose(fp);
+    return n == 2 ? (size_t)rss * (size_t)sysconf(_SC_PAGESIZE) : 0;
+}
+
+/* With the file mapped: when a tensor's last view is freed while other views keep the
+ * mapping, the pages it read stop counting against the process (a model serving 16-bit
+ * copies of its f32 weights held them all), and the other views keep their values,
+ * written ones included; viewed again, the freed tensor reads as the file has it. */
+static void test_freed_view_gives_its_pages_back(void **state)
+{
+    (void)state;
+    if (!test_opt_on("MMAP")) skip(); /* copies: nothing mapped to give back */
+    enum { N = 4 << 20, S = 1024 }; /* floats: 16 MiB, and 4 KiB */
+    const char *names[2] = {"big", "small"};
+    int64_t shape[1] = {N}, small_shape[1] = {S};
+    float *data = malloc(sizeof(float) * N), *copy = malloc(sizeof(float) * N);
+    assert_non_null(data);
+    assert_non_null(copy);
+    for (int64_t i = 0; i < N; i++) data[i] = (float)(i % 977), copy[i] = 0;
+    kiln_tensor_t *ts[2] = {kiln_from_data(data, shape, 1, KILN_DTYPE_F32),
+                            kiln_from_data(data, small_shape, 1, KILN_DTYPE_F32)};
+    char path[64];
+    temp_path(path);
+    assert_int_equal(kiln_safetensors_save(path, names, ts, 2, NULL), KILN_OK);
+    kiln_safetensors_t *f = load_ok(path);
+    /* kept out of the test's scope, so that freeing big drops its last reference */
+    kiln_tensor_t *big = kiln_keep(kiln_safetensors_view(f, "big")), *small = kiln_keep(kiln_safetensors_view(f, "small"));
+    kiln_safetensors_free(f); /* the views keep the mapping */
+    float written[S];
+    for (int i = 0; i < S; i++) written[i] = data[i] + 1;
+    assert_int_equal(kiln_tensor_from_host_(small, written, sizeof written), KILN_OK); /* copy-on-write pages */
+    assert_int_equal(kiln_tensor_to_host(big, copy, sizeof(float) * N), KILN_OK); /* every page read */
+    assert_memory_equal(copy, data, sizeof(float) * N);
+    size_t touched = resident_bytes();
+    kiln_tensor_free(big);
+    size_t after = resident_bytes();
+    if (!touched) skip(); /* no /proc here */
+    if (!(touched > after && touched - after >= (size_t)N * sizeof(float) * 9 / 10))
+        fail_msg("freeing the view gave back %zu of its %zu bytes", touched > after ? touched - after : 0,
+                 (size_t)N * sizeof(float));
+    float got[S];
+    assert_int_equal(kiln_tensor_to_host(small, got, sizeof got), KILN_OK);
+    assert_memory_equal(got, written, sizeof got);
+    f = load_ok(path);
+    kiln_tensor_t *again = kiln_safetensors_view(f, "big");
+    memset(copy, 0, sizeof(float) * N);
+    assert_int_equal(kiln_tensor_to_host(again, copy, sizeof(float) * N), KILN_OK);
+    assert_memory_equal(copy, data, sizeof(float) * N);
+    kiln_safetensors_free(f);
+    kiln_tensor_free(small);
+    free(data);
+    free(copy);
+    unlink(path);
+}
+
 /* ---- malformed files: one rule each ---- */
 
 static void test_missing_file_is_an_io_error_with_strerror(void **state)
@@ -781,6 +843,7 @@ int main(void)
         T(test_get_of_unknown_name_is_an_arg_error),
         T(test_get_registers_the_tensor_with_the_open_scope),
         T(test_view_maps_the_file_without_copying_it),
+        T(test_freed_view_gives_its_pages_back),
         T(test_missing_file_is_an_io_error_with_strerror),
         T(test_directory_is_an_io_error),
         T(test_file_shorter_than_8_bytes_is_rejected),

@@ -62,6 +62,7 @@ typedef struct {
     atomic_int refs;
     void *base;
     size_t len;
+    atomic_int *views; /* per entry, its views alive */
 } file_map;
 
 static void map_release(void *ctx)
@@ -69,7 +70,33 @@ static void map_release(void *ctx)
     file_map *m = ctx;
     if (atomic_fetch_sub(&m->refs, 1) != 1) return;
     munmap(m->base, m->len);
+    free(m->views);
     free(m);
+}
+
+/* A view's hold on the mapping: its entry and bytes. */
+typedef struct {
+    file_map *m;
+    int entry;
+    unsigned char *lo, *hi;
+} view_ref;
+
+/* When an entry's last view goes while the mapping stays (other tensors still view
+ * it), the whole pages inside the entry's bytes are given back (MADV_DONTNEED): a model
+ * whose f32 weights were replaced by 16-bit copies (kiln serve --weights bf16) would
+ * otherwise keep every page it read resident, 852 MB where reading the file gave 529
+ * (docs/perf-log.md). Entries never overlap, so no other tensor sees those pages; one
+ * read again later comes from the file. */
+static void view_release(void *ctx)
+{
+    view_ref *v = ctx;
+    if (atomic_fetch_sub(&v->m->views[v->entry], 1) == 1 && atomic_load(&v->m->refs) > 1) {
+        uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
+        uintptr_t lo = ((uintptr_t)v->lo + page - 1) / page * page, hi = (uintptr_t)v->hi / page * page;
+        if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+    }
+    map_release(v->m);
+    free(v);
 }
 
 /* Whether KILN_OPT_MMAP is on (the switch table is the core's; found by name). */
@@ -284,6 +311,10 @@ static kiln_status load_fd(kiln_safetensors_t *f, int fd)
     if (f->buf_size > 0 && mmap_on()) {
         void *base = mmap(NULL, (size_t)file_size, PROT_READ | PROT_WRITE, MAP_PRIVATE, fd, 0);
         file_map *m = base != MAP_FAILED ? malloc(sizeof *m) : NULL;
+        if (m && !(m->views = calloc((size_t)(f->n > 0 ? f->n : 1), sizeof *m->views))) {
+            free(m);
+            m = NULL;
+        }
         if (m) {
             atomic_init(&m->refs, 1);
             m->base = base;
@@ -343,9 +374,13 @@ static kiln_tensor_t *get(const kiln_safetensors_t *f, const char *name, bool vi
          * kiln_tensor_wrap does not copy (and registers it too) */
         if (!view || !f->map || (uintptr_t)at % kiln_dtype_size(e->dtype))
             return kiln_from_data(at, e->shape, e->ndim, e->dtype);
+        view_ref *v = malloc(sizeof *v);
+        if (!v) return kiln_error(KILN_ERR_OOM, "safetensors_view: out of memory"), NULL;
+        *v = (view_ref){f->map, i, at, f->buf + e->end};
         atomic_fetch_add(&f->map->refs, 1);
-        kiln_tensor_t *t = kiln_tensor_wrap(at, e->shape, e->ndim, e->dtype, map_release, f->map);
-        if (!t) map_release(f->map);
+        atomic_fetch_add(&f->map->views[i], 1);
+        kiln_tensor_t *t = kiln_tensor_wrap(at, e->shape, e->ndim, e->dtype, view_release, v);
+        if (!t) view_release(v);
         return t;
     }
     kiln_error(KILN_ERR_ARG, "safetensors: no tensor named '%.200s' in %s", name, f->path);
