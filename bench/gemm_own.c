@@ -180,7 +180,7 @@ int main(int argc, char **argv)
     peak_isa bf16_isa = !strcmp(bk, "amx-bf16") ? PEAK_AMX_BF16 : !strcmp(bk, "avx512-bf16") ? PEAK_AVX512_BF16 : f32_isa;
     double f32_peak = peak_run(f32_isa, threads, 20000000L), bf16_peak = peak_run(bf16_isa, threads, 20000000L);
     if (bf16_peak <= 0) bf16_peak = f32_peak; /* bf16 then runs on the f32 kernels */
-    if (bf16_isa == f32_isa) /* the instruction it passed over, for the record */
+    if (bf16_isa == f32_isa && peak_supported(PEAK_AVX512_BF16)) /* the instruction it passed over */
         printf("# vdpbf16ps (bench/peak.h avx512-bf16): %.1f GFLOP/s\n", peak_run(PEAK_AVX512_BF16, threads, 20000000L));
     printf("# threads %d; kernels: f32 %s, bf16 %s; peaks: f32 (%s) %.1f GFLOP/s, bf16 (%s) %.1f GFLOP/s\n", threads,
            kiln__gemm_kernel_name(KILN__GEMM_F32), kiln__gemm_kernel_name(KILN__GEMM_BF16), peak_names[f32_isa],

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "core/opts.h"
 #include "kiln/kiln.h"
 #include "backends/cpu/gemm.h"
 
@@ -316,8 +317,7 @@ int main(void)
            kiln__gemm_kernel_name(KILN__GEMM_BF16));
     /* KILN_OPT_GEMM_DPBF16=0 (ctest's test_gemm_no_dpbf16): the bf16 GEMM never takes
      * vdpbf16ps of itself (it still runs when asked for by name, below) */
-    const char *dp = getenv("KILN_OPT_GEMM_DPBF16");
-    if (dp && !strcmp(dp, "0") && !strcmp(kiln__gemm_kernel_name(KILN__GEMM_BF16), "avx512-bf16")) {
+    if (!kiln__opt(KILN__OPT_GEMM_DPBF16) && !strcmp(kiln__gemm_kernel_name(KILN__GEMM_BF16), "avx512-bf16")) {
         fprintf(stderr, "test_gemm: KILN_OPT_GEMM_DPBF16=0, yet the bf16 GEMM picked avx512-bf16\n");
         return 1;
     }

@@ -54,7 +54,11 @@ kiln_tensor_t *kiln_safetensors_get(const kiln_safetensors_t *f, const char *nam
 /* The same tensor without a copy where it can be: over the file's mapped bytes (the
  * file is mapped copy-on-write, KILN_OPT_MMAP, on by default), so that only the pages
  * read are brought in; writes to it change this process's pages, never the file. It
- * keeps the mapping alive after kiln_safetensors_free. A copy when the file was read
+ * keeps the mapping alive after kiln_safetensors_free. When the last tensor viewing an
+ * entry is freed while the mapping stays, the whole pages inside the entry are given
+ * back, so what was written through those views may be gone: a later get or view of
+ * the entry reads the file's bytes there (and the written ones in the pages it shares
+ * with its neighbours); while any view of it is alive, they read the written ones. A copy when the file was read
  * instead (the switch off, a file system that cannot map) or the tensor's bytes are
  * not aligned to its element size. As with any mapped file, the file must not be
  * truncated while such a tensor is in use. */

@@ -425,12 +425,13 @@ static char *source(const kiln_flex_t *f, bool f64)
             "    for (int64_t i = 0; i < rows; i++) {\n        const int64_t q_idx = q0 + i;\n"
             "        const T Li = L[i];\n        T *row = S + i * ld, *mrow = M + i * ld;\n"
             "        (void)q_idx, (void)mrow;\n"
-            "        if (!(Li > (T)-INFINITY)) { /* the row sees no key */\n"
-            "            for (int64_t j = 0; j < ld; j++) row[j] = 0;\n            continue;\n        }\n"
+            "        if (!(Li > (T)-INFINITY)) { /* the row sees no key: P 0, and M too (dS reads it) */\n"
+            "            for (int64_t j = 0; j < ld; j++) row[j] = 0;\n%s            continue;\n        }\n"
             "        int64_t off = 0;\n"
             "        for (int64_t n = 0; n < nb; n++) {\n"
             "            const int64_t k0 = kvl[n] * blk, w = k0 + blk < kv_len ? blk : kv_len - k0;\n"
-            "            T *s = row + off, *md = mrow + off;\n            off += w;\n            (void)md;\n", T);
+            "            T *s = row + off, *md = mrow + off;\n            off += w;\n            (void)md;\n", T,
+        f->ps[0] ? "            for (int64_t j = 0; j < ld; j++) mrow[j] = 0;\n" : "");
     if (f->ps[1]) { /* a partial block: the mask, and the modifier where it lets through */
         put(&b, "            if (n >= nf) {\n                for (int64_t j = 0; j < w; j++) {\n"
                 "                    const int64_t kv_idx = k0 + j;\n                    const T score = s[j];\n"
@@ -721,7 +722,8 @@ static kiln_status built(entry *e, bool f64)
     if (!e->blocks) *(void **)&e->blocks = dlsym(lib, "flex_blocks");
     if (!e->tile[f64] || !e->tile_bwd[f64] || !e->tile_ds[f64] || !e->blocks) {
         e->tile[f64] = NULL;
-        return kiln_error(KILN_ERR_IO, "flex: a built kernel lacks flex_tile (a stale kernel cache? remove it)");
+        return kiln_error(KILN_ERR_IO, "flex: a built kernel lacks flex_tile, flex_tile_bwd, flex_tile_ds or flex_blocks "
+                                       "(a stale kernel cache? remove it)");
     }
     return KILN_OK;
 }

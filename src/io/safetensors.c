@@ -12,6 +12,7 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <jansson.h>
+#include <pthread.h>
 #include <stdatomic.h>
 #include <stdint.h>
 #include <sys/mman.h>
@@ -62,7 +63,8 @@ typedef struct {
     atomic_int refs;
     void *base;
     size_t len;
-    atomic_int *views; /* per entry, its views alive */
+    int *views;          /* per entry, its views alive */
+    pthread_mutex_t mu;  /* over views and the giving back of pages */
 } file_map;
 
 static void map_release(void *ctx)
@@ -70,6 +72,7 @@ static void map_release(void *ctx)
     file_map *m = ctx;
     if (atomic_fetch_sub(&m->refs, 1) != 1) return;
     munmap(m->base, m->len);
+    pthread_mutex_destroy(&m->mu);
     free(m->views);
     free(m);
 }
@@ -85,16 +88,20 @@ typedef struct {
  * it), the whole pages inside the entry's bytes are given back (MADV_DONTNEED): a model
  * whose f32 weights were replaced by 16-bit copies (kiln serve --weights bf16) would
  * otherwise keep every page it read resident, 852 MB where reading the file gave 529
- * (docs/perf-log.md). Entries never overlap, so no other tensor sees those pages; one
- * read again later comes from the file. */
+ * (docs/perf-log.md). Entries never overlap, so no other tensor sees those pages; what
+ * was written through the views is dropped with them, and the entry read again later
+ * comes from the file. Under the map's lock, so that a view of the entry taken
+ * meanwhile (get) is counted before the pages go, or taken after. */
 static void view_release(void *ctx)
 {
     view_ref *v = ctx;
-    if (atomic_fetch_sub(&v->m->views[v->entry], 1) == 1 && atomic_load(&v->m->refs) > 1) {
+    pthread_mutex_lock(&v->m->mu);
+    if (--v->m->views[v->entry] == 0 && atomic_load(&v->m->refs) > 1) {
         uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE);
         uintptr_t lo = ((uintptr_t)v->lo + page - 1) / page * page, hi = (uintptr_t)v->hi / page * page;
         if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
     }
+    pthread_mutex_unlock(&v->m->mu);
     map_release(v->m);
     free(v);
 }
@@ -316,6 +323,7 @@ static kiln_status load_fd(kiln_safetensors_t *f, int fd)
             m = NULL;
         }
         if (m) {
+            pthread_mutex_init(&m->mu, NULL);
             atomic_init(&m->refs, 1);
             m->base = base;
             m->len = (size_t)file_size;
@@ -372,13 +380,21 @@ static kiln_tensor_t *get(const kiln_safetensors_t *f, const char *name, bool vi
         unsigned char *at = f->buf + e->begin;
         /* kiln_from_data copies and registers the result with the open scope;
          * kiln_tensor_wrap does not copy (and registers it too) */
-        if (!view || !f->map || (uintptr_t)at % kiln_dtype_size(e->dtype))
-            return kiln_from_data(at, e->shape, e->ndim, e->dtype);
+        if (!view || !f->map || (uintptr_t)at % kiln_dtype_size(e->dtype)) {
+            if (!f->map) return kiln_from_data(at, e->shape, e->ndim, e->dtype);
+            /* not while the entry's last view gives its pages back (view_release) */
+            pthread_mutex_lock(&f->map->mu);
+            kiln_tensor_t *t = kiln_from_data(at, e->shape, e->ndim, e->dtype);
+            pthread_mutex_unlock(&f->map->mu);
+            return t;
+        }
         view_ref *v = malloc(sizeof *v);
         if (!v) return kiln_error(KILN_ERR_OOM, "safetensors_view: out of memory"), NULL;
         *v = (view_ref){f->map, i, at, f->buf + e->end};
         atomic_fetch_add(&f->map->refs, 1);
-        atomic_fetch_add(&f->map->views[i], 1);
+        pthread_mutex_lock(&f->map->mu);
+        f->map->views[i]++;
+        pthread_mutex_unlock(&f->map->mu);
         kiln_tensor_t *t = kiln_tensor_wrap(at, e->shape, e->ndim, e->dtype, view_release, v);
         if (!t) view_release(v);
         return t;

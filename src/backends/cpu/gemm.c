@@ -246,15 +246,8 @@ static bool runs_here(const ukernel *k)
 
 static const ukernel *pick(kiln__gemm_isa isa, kiln__gemm_type compute);
 
-/* Whether vdpbf16ps pays here. It does two multiply-adds per lane where an FMA does one,
- * but not every processor runs it at the FMA's rate: on Sapphire Rapids without AMX (a
- * virtual machine that hides it) it ran at 0.44 of the f32 FMAs' flops
- * (bench_fma_peak, docs/perf-log.md). So at first use both kernels run on panels in L1,
- * in turn, the best of several tries each, and vdpbf16ps is taken only when it gives at
- * least 1.25 times the f32 kernel's multiply-adds a second: a margin that keeps the
- * choice (and so the bits of every bf16 GEMM, which differ between the two in the
- * rounding of their sums) the same from run to run on one machine, unless the two are
- * close, where either is as good. KILN_OPT_GEMM_DPBF16=0 never takes it. */
+/* Multiply-adds a second of kernel k over panels a and b in L1, into tile c: the best of
+ * five timings. */
 static double kernel_rate(const ukernel *k, const void *a, const void *b, float *c)
 {
     enum { STEPS = 128, REPS = 64 };
@@ -268,6 +261,15 @@ static double kernel_rate(const ukernel *k, const void *a, const void *b, float 
     return best;
 }
 
+/* Whether vdpbf16ps pays here. It does two multiply-adds per lane where an FMA does one,
+ * but not every processor runs it at the FMA's rate: on Sapphire Rapids without AMX (a
+ * virtual machine that hides it) it ran at 0.44 of the f32 FMAs' flops
+ * (bench_fma_peak, docs/perf-log.md). So at first use both kernels run on panels in L1,
+ * in turn, the best of several tries each, and vdpbf16ps is taken only when it gives at
+ * least 1.25 times the f32 kernel's multiply-adds a second: a margin that keeps the
+ * choice (and so the bits of every bf16 GEMM, which differ between the two in the
+ * rounding of their sums) the same from run to run on one machine, unless the two are
+ * close, where either is as good. KILN_OPT_GEMM_DPBF16=0 never takes it. */
 static bool dpbf16_wins;
 static void dpbf16_measure(void)
 {
@@ -596,8 +598,8 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, bool is_b, int6
         }
 #endif
 #if defined(__x86_64__)
-        if (!uk->amx && (uk->round_bf16 || uk->packed == KILN__GEMM_BF16) && uk->isa != KILN__GEMM_ISA_AVX2 &&
-            uk->isa != KILN__GEMM_ISA_C && avx512_rows() &&
+        if ((uk->isa == KILN__GEMM_ISA_AVX512 || uk->isa == KILN__GEMM_ISA_AVX512BF16) &&
+            (uk->round_bf16 || uk->packed == KILN__GEMM_BF16) && avx512_rows() &&
             pack_16bit(x, uk->packed == KILN__GEMM_BF16, first + t0 * ts, ts, ks, w, kc, tile,
                        uk->packed == KILN__GEMM_BF16 ? (void *)oh : (void *)of)) {
             of += kpad * tile;
