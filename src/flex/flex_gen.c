@@ -892,16 +892,9 @@ static inline int64_t run_width(const int64_t *kvl, int64_t nb, int64_t n, int64
     return w;
 }
 
-#define TRANSPOSE(SFX, R)                                                                                   \
-    static void transpose_##SFX(R *dst, const R *src, int64_t T, int64_t D) /* dst (D, T) = src (T, D)^T */ \
-    {                                                                                                       \
-        for (int64_t j0 = 0; j0 < T; j0 += 16)                                                              \
-            for (int64_t d0 = 0; d0 < D; d0 += 16)                                                          \
-                for (int64_t j = j0; j < j0 + 16 && j < T; j++)                                             \
-                    for (int64_t d = d0; d < d0 + 16 && d < D; d++) dst[d * T + j] = src[j * D + d];        \
-    }
-TRANSPOSE(f64, double)
+/* dst (D, T) = src (T, D)^T: the cpu backend's, attention's own */
 static void transpose_f32(float *dst, const float *src, int64_t T, int64_t D) { kiln__cpu_transpose_f32(dst, src, T, D, D); }
+static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) { kiln__cpu_transpose_f64(dst, src, T, D, D); }
 FLEX_SCORES(f32, float, cblas_sgemm)
 FLEX_SCORES(f64, double, cblas_dgemm)
 FLEX_FORWARD(f32, float, cblas_sgemm)

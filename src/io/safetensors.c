@@ -380,9 +380,9 @@ static kiln_tensor_t *get(const kiln_safetensors_t *f, const char *name, bool vi
         unsigned char *at = f->buf + e->begin;
         /* kiln_from_data copies and registers the result with the open scope;
          * kiln_tensor_wrap does not copy (and registers it too) */
-        if (!view || !f->map || (uintptr_t)at % kiln_dtype_size(e->dtype)) {
-            if (!f->map) return kiln_from_data(at, e->shape, e->ndim, e->dtype);
-            /* not while the entry's last view gives its pages back (view_release) */
+        if (!f->map) return kiln_from_data(at, e->shape, e->ndim, e->dtype);
+        if (!view || (uintptr_t)at % kiln_dtype_size(e->dtype)) {
+            /* a copy, not while the entry's last view gives its pages back (view_release) */
             pthread_mutex_lock(&f->map->mu);
             kiln_tensor_t *t = kiln_from_data(at, e->shape, e->ndim, e->dtype);
             pthread_mutex_unlock(&f->map->mu);

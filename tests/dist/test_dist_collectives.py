@@ -35,6 +35,8 @@ import subprocess
 import sys
 import time
 
+from mpi_session import own_session_dir
+
 SKIP = 77
 
 
@@ -58,13 +60,7 @@ def main():
         print("skip: mpirun not found (apt-get install openmpi-bin libopenmpi-dev)")
         return SKIP
     os.makedirs(a.workdir, exist_ok=True)
-    # Open MPI's session directory under this test's own folder: mpiruns of two tests
-    # at once under one user raced on the shared one in /tmp ("orte_session_dir
-    # failed", seen once in CI on 2026-12-06)
-    session = os.path.join(a.workdir, "ompi-session-%d" % os.getpid())
-    os.makedirs(session, exist_ok=True)
-    os.environ["OMPI_MCA_orte_tmpdir_base"] = session
-    os.environ["PRTE_MCA_prte_tmpdir_base"] = session
+    own_session_dir(a.workdir)
     failed = 0
 
     def check(ok, what):

@@ -63,6 +63,7 @@ static inline kiln_status cpu_check_indices(const char *op, const kiln_tensor_t 
 /* dst (D, T) = src (T, D) with row stride ld, in AVX register blocks where the sizes
  * allow: attention's K^T and V^T, and flex attention's (the room above). */
 void kiln__cpu_transpose_f32(float *dst, const float *src, int64_t T, int64_t D, int64_t ld);
+void kiln__cpu_transpose_f64(double *dst, const double *src, int64_t T, int64_t D, int64_t ld);
 /* A stack header viewing `t` with another shape/stride/offset (no references). */
 void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t *shape, const int64_t *stride,
               int64_t offset);

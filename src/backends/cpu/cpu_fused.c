@@ -92,6 +92,11 @@ void kiln__cpu_transpose_f32(float *dst, const float *src, int64_t T, int64_t D,
     att_transpose_f32(dst, src, T, D, ld);
 }
 
+void kiln__cpu_transpose_f64(double *dst, const double *src, int64_t T, int64_t D, int64_t ld)
+{
+    att_transpose_f64(dst, src, T, D, ld);
+}
+
 static kiln_status unsupported(const char *op, kiln_dtype dt)
 {
     return kiln__err(KILN_ERR_UNSUPPORTED, "%s: dtype %s is not supported by the cpu backend (cast to f32)", op,

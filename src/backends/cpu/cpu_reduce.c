@@ -209,18 +209,15 @@ static bool leading_dims(const kiln_tensor_t *x, const int64_t *dims, int ndims,
     return *cols > 1;
 }
 
-/* Are the reduced dims a run in the middle of a contiguous tensor, (outer, R, inner)
- * with outer > 1 and inner > 1 (a leading run is leading_dims')? */
-static bool middle_dims(const kiln_tensor_t *x, const int64_t *dims, int ndims, int64_t *outer, int64_t *R, int64_t *inner)
+/* Is the one reduced dim d in the middle of a contiguous tensor, (outer, R, inner) with
+ * outer > 1 and inner > 1 (a leading dim is leading_dims')? */
+static bool middle_dim(const kiln_tensor_t *x, int d, int64_t *outer, int64_t *R, int64_t *inner)
 {
-    if (ndims == 0 || !kiln__is_contiguous(x)) return false;
-    for (int k = 1; k < ndims; k++)
-        if (dims[k] != dims[0] + k) return false;
-    int d0 = (int)dims[0], d1 = d0 + ndims;
-    *outer = kiln__numel(d0, x->shape);
-    *R = kiln__numel(ndims, x->shape + d0);
-    *inner = kiln__numel(x->ndim - d1, x->shape + d1);
-    return d0 > 0 && d1 < x->ndim && *outer > 1 && *inner > 1;
+    if (d <= 0 || d >= x->ndim - 1 || !kiln__is_contiguous(x)) return false;
+    *outer = kiln__numel(d, x->shape);
+    *R = x->shape[d];
+    *inner = kiln__numel(x->ndim - d - 1, x->shape + d + 1);
+    return *outer > 1 && *inner > 1;
 }
 
 /* The sums of (outer, R, inner) over R: a task per (outer row, block of 256 of inner),
@@ -272,7 +269,7 @@ static kiln_status reduce(kiln_tensor_t *x, kiln_tensor_t *o, const int64_t *dim
     }
     int64_t outer, R, inner;
     if (kind == 0 && x->dtype == KILN_DTYPE_F32 && o->dtype == KILN_DTYPE_F32 && ndims == 1 &&
-        middle_dims(x, dims, ndims, &outer, &R, &inner) && kiln__opt(KILN__OPT_SUM_MIDDLE)) {
+        middle_dim(x, (int)dims[0], &outer, &R, &inner) && kiln__opt(KILN__OPT_SUM_MIDDLE)) {
         midsum_ctx k = {kiln__data(x), kiln__data(o), R, inner, (inner + 255) / 256};
         kiln__parallel_for(outer * k.blocks, R * inner >= CPU_GRAIN ? 1 : CPU_GRAIN / (R * inner) + 1, midsum_range, &k);
         return KILN_OK;

@@ -311,9 +311,9 @@ static const ukernel *pick(kiln__gemm_isa isa, kiln__gemm_type compute)
         const ukernel *k = &kernels[i];
         bool computes_bf16 = k->packed == KILN__GEMM_BF16 || k->round_bf16;
         if ((compute == KILN__GEMM_BF16) != computes_bf16) continue;
-        if (isa == KILN__GEMM_ISA_AUTO && k->isa == KILN__GEMM_ISA_AVX512BF16 && runs_here(k) && !dpbf16_pays())
-            continue;
-        if ((isa == KILN__GEMM_ISA_AUTO || k->isa == isa) && runs_here(k)) return k;
+        if (!(isa == KILN__GEMM_ISA_AUTO || k->isa == isa) || !runs_here(k)) continue;
+        if (isa == KILN__GEMM_ISA_AUTO && k->isa == KILN__GEMM_ISA_AVX512BF16 && !dpbf16_pays()) continue;
+        return k;
     }
     return NULL;
 }
@@ -591,17 +591,12 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, bool is_b, int6
     for (int64_t t0 = 0; t0 < nt; t0 += tile) {
         int64_t w = nt - t0 < tile ? nt - t0 : tile;
 #if defined(__x86_64__)
-        if (uk->amx && pack_amx(x, is_b, first + t0 * ts, ts, ks, w, kc, oh)) {
-            of += kpad * tile;
-            oh += kpad * tile;
-            continue;
-        }
-#endif
-#if defined(__x86_64__)
-        if ((uk->isa == KILN__GEMM_ISA_AVX512 || uk->isa == KILN__GEMM_ISA_AVX512BF16) &&
-            (uk->round_bf16 || uk->packed == KILN__GEMM_BF16) && avx512_rows() &&
-            pack_16bit(x, uk->packed == KILN__GEMM_BF16, first + t0 * ts, ts, ks, w, kc, tile,
-                       uk->packed == KILN__GEMM_BF16 ? (void *)oh : (void *)of)) {
+        /* in registers: AMX's panels, and the 16-bit products' panels of the AVX-512 kernels */
+        bool bf16 = uk->packed == KILN__GEMM_BF16;
+        if (uk->amx ? pack_amx(x, is_b, first + t0 * ts, ts, ks, w, kc, oh)
+                    : (uk->isa == KILN__GEMM_ISA_AVX512 || uk->isa == KILN__GEMM_ISA_AVX512BF16) &&
+                          (uk->round_bf16 || bf16) && avx512_rows() &&
+                          pack_16bit(x, bf16, first + t0 * ts, ts, ks, w, kc, tile, bf16 ? (void *)oh : (void *)of)) {
             of += kpad * tile;
             oh += kpad * tile;
             continue;
