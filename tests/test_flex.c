@@ -507,6 +507,80 @@ static void fused_gradients_match_the_oracle(void **state)
     kiln_flex_free(f);
 }
 
+/* bf16 and f16 q, k, v (what the linear layers give under mixed precision): computed in
+ * f32 and each output rounded once to the inputs' type. The oracle is the f64 reference
+ * on the 16-bit values themselves (q, k, v and the upstream gradient w as the tensors hold
+ * them), so the only differences allowed are the final rounding, half a unit in the last
+ * place of the value (2^-8 of it for bf16, 2^-11 for f16), and the f32 sums' error (1e-5
+ * of the tensor's largest); rounding any intermediate (the scores, P) to 16 bits would
+ * miss it on the small values. y, dq, dk, dv are in the inputs' type and the log-sum-exp
+ * f32 (2e-5). Block masks of 4: full, partial and empty blocks; grouped-query heads. */
+static void sixteen_bit_inputs_match_the_oracle(void **state)
+{
+    dims d = {2, 4, 2, 24, 24, 8};
+    static const flex_case cases[] = {
+        {"causal", "causal", NULL, NULL, {.causal = true, .window = -1, .pre = -1}},
+        {"window:6+softcap:3", "window:6+softcap:3", NULL, NULL, {.window = 6, .cap = 3, .pre = -1}},
+        {"causal+alibi", "causal+alibi", NULL, NULL, {.causal = true, .alibi = true, .slopes = slopes, .window = -1, .pre = -1}},
+    };
+    static const kiln_dtype types[2] = {KILN_DTYPE_BF16, KILN_DTYPE_F16};
+    int64_t qn = d.B * d.H * d.Tq * d.D, kn = d.B * d.Hkv * d.Tk * d.D, H = d.H;
+    int64_t qs[4] = {d.B, d.H, d.Tq, d.D}, ks[4] = {d.B, d.Hkv, d.Tk, d.D};
+    for (int ti = 0; ti < 2; ti++)
+        for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+            kiln_dtype dt = types[ti];
+            const flex_case *c = &cases[ci];
+            double *x[4] = {randoms(qn, 61 + ci), randoms(kn, 62), randoms(kn, 63), randoms(qn, 64)};
+            kiln_tensor_t *in[4] = {tensor(x[0], qs, 4, dt), tensor(x[1], ks, 4, dt), tensor(x[2], ks, 4, dt),
+                                    tensor(x[3], qs, 4, dt)};
+            double *r[4]; /* the values the 16-bit tensors hold */
+            for (int i = 0; i < 4; i++) r[i] = host(in[i]);
+            double *y = malloc(sizeof(double) * (size_t)qn), *lse = malloc(sizeof(double) * (size_t)(qn / d.D));
+            double *dq = malloc(sizeof(double) * (size_t)qn), *dk = malloc(sizeof(double) * (size_t)kn),
+                   *dv = malloc(sizeof(double) * (size_t)kn);
+            reference(&c->o, &d, r[0], r[1], r[2], y, lse);
+            reference_grads(&c->o, &d, r[0], r[1], r[2], r[3], dq, dk, dv);
+            kiln_flex_inputs fi = {.alibi_slopes = tensor(slopes, &H, 1, KILN_DTYPE_F32)};
+            kiln_flex_t *f;
+            kiln_block_mask_t *bm;
+            kiln_status s = kiln_flex_preset(c->spec, &fi, &f);
+            if (s == KILN_OK) s = kiln_block_mask_new(f, d.B, d.H, d.Tq, d.Tk, 4, 4, &bm);
+            if (s != KILN_OK) fail_msg("%s: %s", c->name, kiln_last_error());
+            for (int i = 0; i < 3; i++) kiln_tensor_set_requires_grad(in[i], true);
+            kiln_tensor_t *l = NULL, *out = kiln_flex_attention(in[0], in[1], in[2], f, bm, 0, &l);
+            if (!out) fail_msg("%s (%s): %s", c->name, kiln_dtype_name(dt), kiln_last_error());
+            assert_int_equal(kiln_tensor_dtype(out), dt);
+            assert_int_equal(kiln_tensor_dtype(l), KILN_DTYPE_F32);
+            /* sum(y w) + sum(lse), y's gradient w as the 16-bit tensor holds it */
+            kiln_tensor_t *loss = kiln_add(kiln_sum(kiln_mul(kiln_cast(out, KILN_DTYPE_F32), kiln_cast(in[3], KILN_DTYPE_F32)),
+                                                    NULL, 0, false),
+                                           kiln_sum(l, NULL, 0, false));
+            if (kiln_backward(loss) != KILN_OK) fail_msg("%s: backward: %s", c->name, kiln_last_error());
+            kiln_tensor_t *got_t[5] = {out, l, kiln_tensor_grad(in[0]), kiln_tensor_grad(in[1]), kiln_tensor_grad(in[2])};
+            const double *want[5] = {y, lse, dq, dk, dv};
+            static const char *names[5] = {"y", "lse", "dq", "dk", "dv"};
+            const int64_t n[5] = {qn, qn / d.D, qn, kn, kn};
+            double half_ulp = dt == KILN_DTYPE_BF16 ? 0x1p-8 : 0x1p-11;
+            for (int i = 0; i < 5; i++) {
+                if (i != 1) assert_int_equal(kiln_tensor_dtype(got_t[i]), dt);
+                double *got = host(got_t[i]), big = 0;
+                for (int64_t e = 0; e < n[i]; e++)
+                    if (isfinite(want[i][e])) big = fmax(big, fabs(want[i][e]));
+                for (int64_t e = 0; e < n[i]; e++) {
+                    double tol = i == 1 ? 2e-5 * (1 + fabs(want[i][e])) : 1.01 * half_ulp * fabs(want[i][e]) + 1e-5 * big;
+                    if (!(got[e] == want[i][e] || fabs(got[e] - want[i][e]) <= tol))
+                        fail_msg("%s (%s on %s): %s[%lld] %.9g, the oracle %.9g (allowed %.3g)", c->name,
+                                 kiln_dtype_name(dt), kiln_device(), names[i], (long long)e, got[e], want[i][e], tol);
+                }
+                free(got);
+            }
+            kiln_block_mask_free(bm);
+            kiln_flex_free(f);
+            for (int i = 0; i < 4; i++) free(x[i]), free(r[i]);
+            free(y), free(lse), free(dq), free(dk), free(dv);
+        }
+}
+
 /* PyTorch 2.x's flex_attention on the same inputs (the golden file), forward and lse. */
 static void matches_pytorch_flex_attention(void **state)
 {
@@ -927,6 +1001,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(presets_and_user_modifiers_match_the_definition, setup, teardown),
         cmocka_unit_test_setup_teardown(gradients_match_finite_differences, setup, teardown),
         cmocka_unit_test_setup_teardown(fused_gradients_match_the_oracle, setup, teardown),
+        cmocka_unit_test_setup_teardown(sixteen_bit_inputs_match_the_oracle, setup, teardown),
         cmocka_unit_test_setup_teardown(matches_pytorch_flex_attention, setup, teardown),
         cmocka_unit_test_setup_teardown(block_masks_classify_blocks, setup, teardown),
         cmocka_unit_test_setup_teardown(compiled_and_replayed_match_eager, setup, teardown),

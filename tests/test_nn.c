@@ -756,16 +756,17 @@ static void doc_masking_training_run_on_kjv_books(void **state)
 /* A training step of a model with a flex variant (document masking, a window and
  * soft-capping) compiled as one graph gives the eager step's losses and weights (1e-5):
  * the fused op and its backward are steps of the program, the document ids made from
- * each batch's tokens. */
-static void a_compiled_step_with_flex_attention_matches_eager(void **state)
+ * each batch's tokens. The same in bf16 mixed precision (flex attention on the linear
+ * layers' bf16 outputs): compiled against eager 1e-5, and the losses within 2e-2 of the
+ * f32 model's on the same weights and batches (the oracle; bf16 keeps 8 bits). */
+static void flex_step(kiln_dtype precision, double loss[2][3], float w[2][16])
 {
     kiln_gpt_config c = tiny(true);
     snprintf(c.attention, sizeof c.attention, "doc:7+window:6+softcap:10");
-    double loss[2][3];
-    float w[2][16];
     for (int compiled = 0; compiled < 2; compiled++) {
         kiln_gpt_t *m;
         assert_int_equal(kiln_gpt_new(&c, 4, &m), KILN_OK);
+        assert_int_equal(kiln_gpt_set_precision(m, precision), KILN_OK);
         int np = kiln_gpt_num_params(m);
         kiln_tensor_t *ps[64];
         assert_true(np <= 64);
@@ -795,9 +796,24 @@ static void a_compiled_step_with_flex_attention_matches_eager(void **state)
         kiln_optim_free(opt);
         kiln_gpt_free(m);
     }
+}
+
+static void a_compiled_step_with_flex_attention_matches_eager(void **state)
+{
+    double loss[2][3], lb[2][3];
+    float w[2][16], wb[2][16];
+    flex_step(KILN_DTYPE_F32, loss, w);
     for (int k = 0; k < 3; k++) assert_near(loss[1][k], loss[0][k], 1e-5);
     for (int i = 0; i < 16; i++) assert_near(w[1][i], w[0][i], 1e-5);
     assert_true(loss[0][2] != loss[0][0]); /* the steps changed the weights */
+    flex_step(KILN_DTYPE_BF16, lb, wb);
+    for (int k = 0; k < 3; k++) {
+        assert_near(lb[1][k], lb[0][k], 1e-5);
+        if (fabs(lb[0][k] - loss[0][k]) > 2e-2 * fabs(loss[0][k]))
+            fail_msg("bf16 step %d: loss %.6f, the f32 model's %.6f", k, lb[0][k], loss[0][k]);
+    }
+    for (int i = 0; i < 16; i++) assert_near(wb[1][i], wb[0][i], 1e-5);
+    assert_true(lb[0][0] != loss[0][0]); /* it ran in bf16 */
 }
 
 static void forward_rejects_bad_input(void **state)

@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/dtype.h"
 #include "core/op_table.h"
 #include "core/opts.h"
 #include "flex/flex_impl.h"
@@ -825,10 +826,21 @@ kiln_tensor_t *kiln_flex_attention_masked(kiln_tensor_t *q, kiln_tensor_t *k, ki
                    "with H a multiple of Hkv", kiln__shape_text(q), kiln__shape_text(k), kiln__shape_text(v));
         return NULL;
     }
-    if ((F != KILN_DTYPE_F32 && F != KILN_DTYPE_F64) || kiln_tensor_dtype(k) != F || kiln_tensor_dtype(v) != F) {
-        kiln_error(KILN_ERR_DTYPE, "flex_attention: q, k and v are %s, %s, %s; f32 or f64, all alike",
+    if ((F != KILN_DTYPE_F32 && F != KILN_DTYPE_F64 && !kiln__is_half(F)) || kiln_tensor_dtype(k) != F ||
+        kiln_tensor_dtype(v) != F) {
+        kiln_error(KILN_ERR_DTYPE, "flex_attention: q, k and v are %s, %s, %s; f32, f64, bf16 or f16, all alike",
                    kiln_dtype_name(F), kiln_dtype_name(kiln_tensor_dtype(k)), kiln_dtype_name(kiln_tensor_dtype(v)));
         return NULL;
+    }
+    if (kiln__is_half(F)) {
+        /* bf16 or f16 (mixed precision: the linear layers' outputs): the f32 kernels on
+         * widened copies, softmax and sums in f32, the output rounded once to F and the
+         * log-sum-exp left f32. The casts are ops, so autograd brings the gradients back
+         * in F and a captured function records them; the backward keeps the widened
+         * copies (twice the 16-bit bytes, O(T) as before). */
+        kiln_tensor_t *y = kiln_flex_attention_masked(kiln_cast(q, KILN_DTYPE_F32), kiln_cast(k, KILN_DTYPE_F32),
+                                                      kiln_cast(v, KILN_DTYPE_F32), f, mask, scale, lse);
+        return y ? kiln_cast(y, F) : NULL;
     }
     int64_t B = qs[0], H = qs[1], Tq = qs[2], D = qs[3], Hkv = ks[1], Tk = ks[2], G = H / Hkv;
     if (mask) { /* its sizes; its blocks are data, checked where they are read */
