@@ -110,6 +110,10 @@ __attribute__((target("avx512f"))) static void k_avx512(int64_t steps, const voi
     const float *b = pb;
     __m512 acc[MR][2];
     C_TILE_512_LOAD(acc, MR);
+    /* four k-steps a trip: a quarter of the loop's pointer and counter updates, which
+     * compete with the FMAs for ports (2048^3 at one thread 0.76-0.79 -> 0.83-0.84 of
+     * OpenBLAS; docs/perf-log.md) */
+#pragma GCC unroll 4
     for (int64_t k = 0; k < steps; k++, p0 += step, p3 += step, p6 += step, p9 += step, b += 32) {
         __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
         const char *base[4] = {p0, p3, p6, p9};
