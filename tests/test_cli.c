@@ -227,6 +227,11 @@ static void info_and_plot_work_on_the_run(void **state)
     if (rc != 0) fail_msg("kiln info failed: %s", out);
     assert_non_null(strstr(out, "blocks.1.attn.qkv.weight"));
     assert_non_null(strstr(out, "kiln-gpt-1"));
+    /* the run folder itself, as sample and serve take it: the same description */
+    char folder[16384];
+    rc = run(folder, sizeof folder, "%s info %s/a", tool(), dir);
+    if (rc != 0) fail_msg("kiln info RUN_DIR failed: %s", folder);
+    assert_string_equal(folder, out);
     rc = run(out, sizeof out, "%s plot %s/a", tool(), dir);
     if (rc != 0) fail_msg("kiln plot failed: %s", out);
     assert_non_null(strstr(out, "loss.svg"));

@@ -4,6 +4,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include "cli.h"
 #include "kiln/data.h"
 #include "kiln/io.h"
@@ -15,12 +16,21 @@ int cmd_info(int argc, char **argv)
     const cli_opt opts[] = {{NULL, 0, NULL, NULL}};
     const char *pos[1];
     int np = 0;
-    int r = cli_parse("info", "CHECKPOINT.safetensors", opts, argc, argv, pos, 1, &np);
+    int r = cli_parse("info", "RUN_DIR|CHECKPOINT.safetensors", opts, argc, argv, pos, 1, &np);
     if (r) return r == 1 ? 0 : 2;
-    if (np != 1) return cli_fail("info", "give one checkpoint file (see kiln info --help)");
+    if (np != 1) return cli_fail("info", "give one run folder or checkpoint file (see kiln info --help)");
+    /* a run folder, as sample and serve take it: its model file */
+    char path[4096];
+    struct stat st;
+    if (stat(pos[0], &st) == 0 && S_ISDIR(st.st_mode)) {
+        if (snprintf(path, sizeof path, "%s/%s", pos[0], RUN_MODEL) >= (int)sizeof path)
+            return cli_fail("info", "the run folder's path is too long");
+    } else {
+        snprintf(path, sizeof path, "%s", pos[0]);
+    }
     kiln_safetensors_t *f;
-    if (kiln_safetensors_load(pos[0], &f) != KILN_OK) return cli_fail("info", NULL);
-    printf("%s: %d tensors\n", pos[0], kiln_safetensors_count(f));
+    if (kiln_safetensors_load(path, &f) != KILN_OK) return cli_fail("info", NULL);
+    printf("%s: %d tensors\n", path, kiln_safetensors_count(f));
     static const char *keys[] = {"format", "step", "tokenizer", "config", "optimizer", NULL};
     for (int k = 0; keys[k]; k++) {
         const char *v = kiln_safetensors_meta(f, keys[k]);
