@@ -507,8 +507,9 @@ static void fused_gradients_match_the_oracle(void **state)
     kiln_flex_free(f);
 }
 
-/* bf16 and f16 q, k, v (what the linear layers give under mixed precision): computed in
- * f32 and each output rounded once to the inputs' type. The oracle is the f64 reference
+/* bf16 and f16 q, k, v (what the linear layers give under mixed precision), inside an
+ * autocast region of their type as a model runs them, and a bf16 q over f32 k and v (a
+ * cache): computed in f32 and each output rounded once to its type. The oracle is the f64 reference
  * on the 16-bit values themselves (q, k, v and the upstream gradient w as the tensors hold
  * them), so the only differences allowed are the final rounding, half a unit in the last
  * place of the value (2^-8 of it for bf16, 2^-11 for f16), and the f32 sums' error (1e-5
@@ -526,12 +527,12 @@ static void sixteen_bit_inputs_match_the_oracle(void **state)
     static const kiln_dtype types[2] = {KILN_DTYPE_BF16, KILN_DTYPE_F16};
     int64_t qn = d.B * d.H * d.Tq * d.D, kn = d.B * d.Hkv * d.Tk * d.D, H = d.H;
     int64_t qs[4] = {d.B, d.H, d.Tq, d.D}, ks[4] = {d.B, d.Hkv, d.Tk, d.D};
-    for (int ti = 0; ti < 2; ti++)
+    for (int ti = 0; ti < 3; ti++) /* bf16, f16, then a bf16 q over f32 k and v */
         for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
-            kiln_dtype dt = types[ti];
+            kiln_dtype dt = types[ti % 2], kvt = ti < 2 ? dt : KILN_DTYPE_F32;
             const flex_case *c = &cases[ci];
             double *x[4] = {randoms(qn, 61 + ci), randoms(kn, 62), randoms(kn, 63), randoms(qn, 64)};
-            kiln_tensor_t *in[4] = {tensor(x[0], qs, 4, dt), tensor(x[1], ks, 4, dt), tensor(x[2], ks, 4, dt),
+            kiln_tensor_t *in[4] = {tensor(x[0], qs, 4, dt), tensor(x[1], ks, 4, kvt), tensor(x[2], ks, 4, kvt),
                                     tensor(x[3], qs, 4, dt)};
             double *r[4]; /* the values the 16-bit tensors hold */
             for (int i = 0; i < 4; i++) r[i] = host(in[i]);
@@ -547,7 +548,9 @@ static void sixteen_bit_inputs_match_the_oracle(void **state)
             if (s == KILN_OK) s = kiln_block_mask_new(f, d.B, d.H, d.Tq, d.Tk, 4, 4, &bm);
             if (s != KILN_OK) fail_msg("%s: %s", c->name, kiln_last_error());
             for (int i = 0; i < 3; i++) kiln_tensor_set_requires_grad(in[i], true);
+            assert_int_equal(kiln_autocast_begin(dt), KILN_OK);
             kiln_tensor_t *l = NULL, *out = kiln_flex_attention(in[0], in[1], in[2], f, bm, 0, &l);
+            assert_int_equal(kiln_autocast_end(), KILN_OK);
             if (!out) fail_msg("%s (%s): %s", c->name, kiln_dtype_name(dt), kiln_last_error());
             assert_int_equal(kiln_tensor_dtype(out), dt);
             assert_int_equal(kiln_tensor_dtype(l), KILN_DTYPE_F32);
@@ -562,12 +565,14 @@ static void sixteen_bit_inputs_match_the_oracle(void **state)
             const int64_t n[5] = {qn, qn / d.D, qn, kn, kn};
             double half_ulp = dt == KILN_DTYPE_BF16 ? 0x1p-8 : 0x1p-11;
             for (int i = 0; i < 5; i++) {
-                if (i != 1) assert_int_equal(kiln_tensor_dtype(got_t[i]), dt);
+                kiln_dtype want_t = i == 1 ? KILN_DTYPE_F32 : i >= 3 ? kvt : dt;
+                assert_int_equal(kiln_tensor_dtype(got_t[i]), want_t);
                 double *got = host(got_t[i]), big = 0;
                 for (int64_t e = 0; e < n[i]; e++)
                     if (isfinite(want[i][e])) big = fmax(big, fabs(want[i][e]));
                 for (int64_t e = 0; e < n[i]; e++) {
-                    double tol = i == 1 ? 2e-5 * (1 + fabs(want[i][e])) : 1.01 * half_ulp * fabs(want[i][e]) + 1e-5 * big;
+                    double tol = want_t == KILN_DTYPE_F32 ? 2e-5 * (i == 1 ? 1 + fabs(want[i][e]) : big)
+                                                          : 1.01 * half_ulp * fabs(want[i][e]) + 1e-5 * big;
                     if (!(got[e] == want[i][e] || fabs(got[e] - want[i][e]) <= tol))
                         fail_msg("%s (%s on %s): %s[%lld] %.9g, the oracle %.9g (allowed %.3g)", c->name,
                                  kiln_dtype_name(dt), kiln_device(), names[i], (long long)e, got[e], want[i][e], tol);

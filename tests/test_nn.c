@@ -757,8 +757,9 @@ static void doc_masking_training_run_on_kjv_books(void **state)
  * soft-capping) compiled as one graph gives the eager step's losses and weights (1e-5):
  * the fused op and its backward are steps of the program, the document ids made from
  * each batch's tokens. The same in bf16 mixed precision (flex attention on the linear
- * layers' bf16 outputs): compiled against eager 1e-5, and the losses within 2e-2 of the
- * f32 model's on the same weights and batches (the oracle; bf16 keeps 8 bits). */
+ * layers' bf16 outputs): compiled against eager 1e-5, and the losses within 2e-3 of the
+ * f32 model's on the same weights and batches (the oracle; measured 1.7e-5, 7e-5 and
+ * 3e-4 over the three steps on the cpu, the loss falling 3.90 -> 3.59). */
 static void flex_step(kiln_dtype precision, double loss[2][3], float w[2][16])
 {
     kiln_gpt_config c = tiny(true);
@@ -809,7 +810,7 @@ static void a_compiled_step_with_flex_attention_matches_eager(void **state)
     flex_step(KILN_DTYPE_BF16, lb, wb);
     for (int k = 0; k < 3; k++) {
         assert_near(lb[1][k], lb[0][k], 1e-5);
-        if (fabs(lb[0][k] - loss[0][k]) > 2e-2 * fabs(loss[0][k]))
+        if (fabs(lb[0][k] - loss[0][k]) > 2e-3 * fabs(loss[0][k]))
             fail_msg("bf16 step %d: loss %.6f, the f32 model's %.6f", k, lb[0][k], loss[0][k]);
     }
     for (int i = 0; i < 16; i++) assert_near(wb[1][i], wb[0][i], 1e-5);

@@ -20,13 +20,13 @@ int cmd_info(int argc, char **argv)
     if (r) return r == 1 ? 0 : 2;
     if (np != 1) return cli_fail("info", "give one run folder or checkpoint file (see kiln info --help)");
     /* a run folder, as sample and serve take it: its model file */
-    char path[4096];
+    char folder[4096];
+    const char *path = pos[0];
     struct stat st;
     if (stat(pos[0], &st) == 0 && S_ISDIR(st.st_mode)) {
-        if (snprintf(path, sizeof path, "%s/%s", pos[0], RUN_MODEL) >= (int)sizeof path)
+        if (snprintf(folder, sizeof folder, "%s/%s", pos[0], RUN_MODEL) >= (int)sizeof folder)
             return cli_fail("info", "the run folder's path is too long");
-    } else {
-        snprintf(path, sizeof path, "%s", pos[0]);
+        path = folder;
     }
     kiln_safetensors_t *f;
     if (kiln_safetensors_load(path, &f) != KILN_OK) return cli_fail("info", NULL);

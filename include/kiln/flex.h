@@ -95,8 +95,8 @@ bool kiln_block_mask_row(const kiln_block_mask_t *m, int64_t b, int64_t h, int64
                          int64_t *n_full, int64_t *n_partial);
 
 /* Attention of q (B, H, Tq, D) over k, v (B, Hkv, Tk, D), H a multiple of Hkv, f32 or
- * f64 (or bf16 or f16: computed in f32, the output rounded once to the inputs' type, the
- * log-sum-exp f32; gradients in the inputs' type), with f's modifiers; bm (may be NULL) must be f's mask for these sizes. scale <= 0
+ * f64 (or bf16, f16 and f32: computed in f32, autocast or not, the output rounded once
+ * to q's type, the log-sum-exp f32, gradients in each input's type), with f's modifiers; bm (may be NULL) must be f's mask for these sizes. scale <= 0
  * means 1/sqrt(D). *lse (may be NULL) gets the (B, H, Tq) log-sum-exp of the modified,
  * masked scores. Inside a captured function bm is a constant of the graph (its blocks
  * as they were at the capture): give the mask as a tensor instead (below). */

@@ -13,6 +13,7 @@
 #include "core/opts.h"
 #include "flex/flex_impl.h"
 #include "kiln/ops.h"
+#include "ops/autocast.h"
 
 
 const char *const kiln__flex_var_names[N_VARS] = {"score", "b", "h", "q_idx", "kv_idx", "q_len", "kv_len"};
@@ -826,21 +827,29 @@ kiln_tensor_t *kiln_flex_attention_masked(kiln_tensor_t *q, kiln_tensor_t *k, ki
                    "with H a multiple of Hkv", kiln__shape_text(q), kiln__shape_text(k), kiln__shape_text(v));
         return NULL;
     }
-    if ((F != KILN_DTYPE_F32 && F != KILN_DTYPE_F64 && !kiln__is_half(F)) || kiln_tensor_dtype(k) != F ||
-        kiln_tensor_dtype(v) != F) {
-        kiln_error(KILN_ERR_DTYPE, "flex_attention: q, k and v are %s, %s, %s; f32, f64, bf16 or f16, all alike",
-                   kiln_dtype_name(F), kiln_dtype_name(kiln_tensor_dtype(k)), kiln_dtype_name(kiln_tensor_dtype(v)));
+    kiln_dtype Fk = kiln_tensor_dtype(k), Fv = kiln_tensor_dtype(v);
+    bool half = kiln__is_half(F) || kiln__is_half(Fk) || kiln__is_half(Fv);
+    if (half ? !kiln_dtype_is_f32_or_half(F) || !kiln_dtype_is_f32_or_half(Fk) || !kiln_dtype_is_f32_or_half(Fv)
+             : (F != KILN_DTYPE_F32 && F != KILN_DTYPE_F64) || Fk != F || Fv != F) {
+        kiln_error(KILN_ERR_DTYPE, "flex_attention: q, k and v are %s, %s, %s; f32 or f64 all alike, or bf16, f16 "
+                   "and f32", kiln_dtype_name(F), kiln_dtype_name(Fk), kiln_dtype_name(Fv));
         return NULL;
     }
-    if (kiln__is_half(F)) {
-        /* bf16 or f16 (mixed precision: the linear layers' outputs): the f32 kernels on
-         * widened copies, softmax and sums in f32, the output rounded once to F and the
-         * log-sum-exp left f32. The casts are ops, so autograd brings the gradients back
-         * in F and a captured function records them; the backward keeps the widened
-         * copies (twice the 16-bit bytes, O(T) as before). */
+    if (half) {
+        /* bf16 or f16 (mixed precision: the linear layers' outputs, a 16-bit q over an
+         * f32 cache): the f32 kernels on widened copies, softmax and sums in f32, the
+         * output rounded once to q's type and the log-sum-exp left f32. The casts are
+         * ops, so autograd brings the gradients back in each input's type and a captured
+         * function records them; the backward keeps the widened copies (twice the 16-bit
+         * bytes, O(T) as before). Autocast is paused meanwhile: the dense path's matmuls
+         * would cast the copies back to 16 bits. */
+        bool was = kiln__autocast_pause();
         kiln_tensor_t *y = kiln_flex_attention_masked(kiln_cast(q, KILN_DTYPE_F32), kiln_cast(k, KILN_DTYPE_F32),
                                                       kiln_cast(v, KILN_DTYPE_F32), f, mask, scale, lse);
-        return y ? kiln_cast(y, F) : NULL;
+        kiln__autocast_resume(was);
+        if (y && F != KILN_DTYPE_F32) y = kiln_cast(y, F);
+        if (!y && lse) *lse = NULL;
+        return y;
     }
     int64_t B = qs[0], H = qs[1], Tq = qs[2], D = qs[3], Hkv = ks[1], Tk = ks[2], G = H / Hkv;
     if (mask) { /* its sizes; its blocks are data, checked where they are read */
