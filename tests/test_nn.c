@@ -760,7 +760,7 @@ static void doc_masking_training_run_on_kjv_books(void **state)
  * layers' bf16 outputs): compiled against eager 2e-4 (the losses), and within 2e-3 of the
  * f32 model's on the same weights and batches (the oracle; measured 1.7e-5, 7e-5 and
  * 3e-4 over the three steps on the cpu, the loss falling 3.90 -> 3.59). */
-static void flex_step(kiln_dtype precision, double loss[2][3], float w[2][16])
+static void flex_step(kiln_dtype precision, double loss[2][3], float (*w)[16] /* or NULL */)
 {
     kiln_gpt_config c = tiny(true);
     snprintf(c.attention, sizeof c.attention, "doc:7+window:6+softcap:10");
@@ -788,11 +788,13 @@ static void flex_step(kiln_dtype precision, double loss[2][3], float w[2][16])
             assert_int_equal(kiln_tensor_item(out[0], &loss[compiled][k]), KILN_OK);
             kiln_scope_end();
         }
-        kiln_scope_begin();
-        assert_int_equal(kiln_tensor_to_host(kiln_contiguous(kiln_narrow(kiln_reshape(ps[1], (int64_t[]){-1}, 1), 0, 0, 16)),
-                                             w[compiled], sizeof w[0]),
-                         KILN_OK);
-        kiln_scope_end();
+        if (w) {
+            kiln_scope_begin();
+            assert_int_equal(kiln_tensor_to_host(kiln_contiguous(kiln_narrow(kiln_reshape(ps[1], (int64_t[]){-1}, 1), 0, 0, 16)),
+                                                 w[compiled], sizeof w[0]),
+                             KILN_OK);
+            kiln_scope_end();
+        }
         kiln_compiled_free(cs);
         kiln_optim_free(opt);
         kiln_gpt_free(m);
@@ -802,12 +804,12 @@ static void flex_step(kiln_dtype precision, double loss[2][3], float w[2][16])
 static void a_compiled_step_with_flex_attention_matches_eager(void **state)
 {
     double loss[2][3], lb[2][3];
-    float w[2][16], wb[2][16];
+    float w[2][16];
     flex_step(KILN_DTYPE_F32, loss, w);
     for (int k = 0; k < 3; k++) assert_near(loss[1][k], loss[0][k], 1e-5);
     for (int i = 0; i < 16; i++) assert_near(w[1][i], w[0][i], 1e-5);
     assert_true(loss[0][2] != loss[0][0]); /* the steps changed the weights */
-    flex_step(KILN_DTYPE_BF16, lb, wb);
+    flex_step(KILN_DTYPE_BF16, lb, NULL);
     for (int k = 0; k < 3; k++) {
         assert_near(lb[1][k], lb[0][k], 2e-4); /* 2e-5 apart in the ASan build (other fusion of the casts) */
         if (fabs(lb[0][k] - loss[0][k]) > 2e-3 * fabs(loss[0][k]))

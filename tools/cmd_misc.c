@@ -4,7 +4,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/stat.h>
 #include "cli.h"
 #include "kiln/data.h"
 #include "kiln/io.h"
@@ -20,16 +19,10 @@ int cmd_info(int argc, char **argv)
     if (r) return r == 1 ? 0 : 2;
     if (np != 1) return cli_fail("info", "give one run folder or checkpoint file (see kiln info --help)");
     /* a run folder, as sample and serve take it: its model file */
-    char folder[4096];
-    const char *path = pos[0];
-    struct stat st;
-    if (stat(pos[0], &st) == 0 && S_ISDIR(st.st_mode)) {
-        if (snprintf(folder, sizeof folder, "%s/%s", pos[0], RUN_MODEL) >= (int)sizeof folder)
-            return cli_fail("info", "the run folder's path is too long");
-        path = folder;
-    }
+    char path[4200];
     kiln_safetensors_t *f;
-    if (kiln_safetensors_load(path, &f) != KILN_OK) return cli_fail("info", NULL);
+    if (kiln_model_file(pos[0], path, sizeof path) != KILN_OK || kiln_safetensors_load(path, &f) != KILN_OK)
+        return cli_fail("info", NULL);
     printf("%s: %d tensors\n", path, kiln_safetensors_count(f));
     static const char *keys[] = {"format", "step", "tokenizer", "config", "optimizer", NULL};
     for (int k = 0; keys[k]; k++) {

@@ -85,6 +85,9 @@ struct kiln_gpt;
 struct kiln_tokenizer;
 kiln_status kiln_model_load(const char *path, struct kiln_gpt **model, struct kiln_tokenizer **tok,
                             char **chat_template);
+/* The model file kiln_model_load reads for path: a run folder's model.safetensors, else
+ * path itself, into out (n bytes); an error when it does not fit. */
+kiln_status kiln_model_file(const char *path, char *out, size_t n);
 
 /* A Hugging Face model folder as a kiln model with f32 weights: config.json, and
  * model.safetensors or the shards model.safetensors.index.json lists (f32, f16 or bf16).

@@ -1,5 +1,6 @@
 /* Loading a trained model as `kiln train` leaves it: a run folder (or the model file in
  * one) whose safetensors metadata names the config, the tokenizer and the chat template. */
+#include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -12,20 +13,24 @@
 #define MODEL_FILE "model.safetensors"
 #define TOKENIZER_FILE "tokenizer.json"
 
-/* The run folder and model file of a path that is either. */
+kiln_status kiln_model_file(const char *path, char *out, size_t n)
+{
+    if (!path || !out) return kiln_error(KILN_ERR_ARG, "model_file: path and out must not be NULL");
+    struct stat st;
+    bool dir = stat(path, &st) == 0 && S_ISDIR(st.st_mode);
+    int w = dir ? snprintf(out, n, "%s/%s", path, MODEL_FILE) : snprintf(out, n, "%s", path);
+    if (w < 0 || (size_t)w >= n) return kiln_error(KILN_ERR_ARG, "path too long: %s", path);
+    return KILN_OK;
+}
+
+/* The run folder and model file of a path that is either: the file's folder. */
 static kiln_status split_path(const char *arg, char *dir, size_t dn, char *file, size_t fn)
 {
-    struct stat st;
-    int w1, w2;
-    if (stat(arg, &st) == 0 && S_ISDIR(st.st_mode)) {
-        w1 = snprintf(dir, dn, "%s", arg);
-        w2 = snprintf(file, fn, "%s/%s", arg, MODEL_FILE);
-    } else {
-        const char *slash = strrchr(arg, '/');
-        w1 = slash ? snprintf(dir, dn, "%.*s", (int)(slash - arg), arg) : snprintf(dir, dn, ".");
-        w2 = snprintf(file, fn, "%s", arg);
-    }
-    if (w1 < 0 || w2 < 0 || (size_t)w1 >= dn || (size_t)w2 >= fn) return kiln_error(KILN_ERR_ARG, "path too long: %s", arg);
+    kiln_status s = kiln_model_file(arg, file, fn);
+    if (s != KILN_OK) return s;
+    const char *slash = strrchr(file, '/');
+    int w = slash ? snprintf(dir, dn, "%.*s", (int)(slash - file), file) : snprintf(dir, dn, ".");
+    if (w < 0 || (size_t)w >= dn) return kiln_error(KILN_ERR_ARG, "path too long: %s", arg);
     return KILN_OK;
 }
 
