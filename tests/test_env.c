@@ -57,7 +57,9 @@ static void every_row_is_named_once_and_its_default_parses(void **state)
         if (r->type == KILN__ENVT_INT || r->type == KILN__ENVT_NUM)
             if (!(r->lo < r->hi)) fail_msg("%s: empty range [%g, %g]", r->name, r->lo, r->hi);
         if (!*r->dflt || *r->dflt == '(') {
-            if (*r->dflt == '(' && (r->type != KILN__ENVT_PATH && r->type != KILN__ENVT_STRING))
+            /* described defaults: paths, strings, and the switches decided at run time */
+            bool auto_opt = !strncmp(r->name, "KILN_OPT_", 9) && !strcmp(r->dflt, "(auto)");
+            if (*r->dflt == '(' && (r->type != KILN__ENVT_PATH && r->type != KILN__ENVT_STRING) && !auto_opt)
                 fail_msg("%s: a described default on a %s", r->name, kiln__env_type_name(r->type));
             continue;
         }
@@ -294,6 +296,53 @@ static void typo_guard_names_the_closest_variable(void **state)
     if (strstr(out, "no such variable")) fail_msg("a known variable was taken for a typo: %s", out);
 }
 
+/* Whether kiln doctor, run with env before it, lists switch OWN_GEMM on; its stdout and
+ * stderr together in out. */
+static bool own_gemm_on(const char *env, char *out, size_t n)
+{
+    char cmd[1024];
+    snprintf(cmd, sizeof cmd, "env -u KILN_OPT_OWN_GEMM KILN_DEVICE=cpu %s %s doctor 2>&1", env, tool());
+    int rc = run(out, n, cmd); /* 1 where a variable's value is bad: doctor fails that row */
+    if (rc != 0 && rc != 1) fail_msg("%s: exit %d: %s", cmd, rc, out);
+    const char *row = strstr(out, "\n  OWN_GEMM ");
+    if (!row) fail_msg("kiln doctor lists no OWN_GEMM switch: %s", out);
+    row += strlen("\n  OWN_GEMM ");
+    while (*row == ' ') row++;
+    if (strncmp(row, "on ", 3) && strncmp(row, "off", 3)) fail_msg("OWN_GEMM's row: %.80s", row);
+    return !strncmp(row, "on ", 3);
+}
+
+/* KILN_OPT_OWN_GEMM is an auto switch: unset, f32 matmuls and attention run on kiln's own
+ * GEMM exactly where the BLAS runs a generic core (OpenBLAS's Prescott kernels, forced
+ * here with OPENBLAS_CORETYPE) and kiln's GEMM has vector kernels for the processor; set,
+ * it is as set; set to no bool, that is said and it stays auto. The oracle is the
+ * library's own report of the BLAS's core and kiln's f32 kernel. */
+static void own_gemm_is_auto_where_the_blas_runs_a_generic_core(void **state)
+{
+    (void)state;
+    assert_true(kiln__opt_is_auto(KILN__OPT_OWN_GEMM));
+    assert_false(kiln__opt_is_auto(KILN__OPT_FAST_EXP));
+    assert_string_equal(kiln__env_row_at(KILN__ENV_OPT(KILN__OPT_OWN_GEMM))->dflt, "(auto)");
+    kiln_blas_info b;
+    kiln_cpu_info c;
+    kiln_blas_info_get(&b);
+    kiln_cpu_info_get(&c);
+    bool vector = strcmp(c.gemm_f32, "c") != 0;
+    static char err[1 << 16];
+    /* as this process's environment leaves the BLAS */
+    assert_int_equal(own_gemm_on("", err, sizeof err), b.generic_core && vector);
+    assert_true(own_gemm_on("KILN_OPT_OWN_GEMM=1", err, sizeof err));
+    assert_false(own_gemm_on("KILN_OPT_OWN_GEMM=0", err, sizeof err));
+    if (strcmp(b.name, "OpenBLAS")) {
+        print_message("the BLAS is %s, not OpenBLAS: the generic-core cases are not run\n", b.name);
+        return;
+    }
+    assert_int_equal(own_gemm_on("OPENBLAS_CORETYPE=Prescott", err, sizeof err), vector);
+    assert_false(own_gemm_on("OPENBLAS_CORETYPE=Prescott KILN_OPT_OWN_GEMM=0", err, sizeof err));
+    assert_int_equal(own_gemm_on("OPENBLAS_CORETYPE=Prescott KILN_OPT_OWN_GEMM=maybe", err, sizeof err), vector);
+    if (!strstr(err, "KILN_OPT_OWN_GEMM='maybe' is not 0 or 1")) fail_msg("stderr: %s", err);
+}
+
 /* docs/env.md's table is kiln doctor --env --markdown, so that the list is written once. */
 static void docs_env_md_is_the_doctor_listing(void **state)
 {
@@ -346,6 +395,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(stage_switch_and_alias_turn_off_the_same_stage, setup, teardown),
         cmocka_unit_test_setup_teardown(doctor_prints_every_variable, setup, teardown),
         cmocka_unit_test_setup_teardown(typo_guard_names_the_closest_variable, setup, teardown),
+        cmocka_unit_test_setup_teardown(own_gemm_is_auto_where_the_blas_runs_a_generic_core, setup, teardown),
         cmocka_unit_test_setup_teardown(docs_env_md_is_the_doctor_listing, setup, teardown),
         cmocka_unit_test_setup_teardown(no_kiln_getenv_outside_the_env_module, setup, teardown),
     };

@@ -257,6 +257,13 @@ static void check_kiln(report *rep)
     }
 }
 
+static bool switch_on(const char *name)
+{
+    for (int i = 0; i < kiln_opt_count(); i++)
+        if (!strcmp(kiln_opt_name(i), name)) return kiln_opt_enabled(i);
+    return false;
+}
+
 static void check_blas(report *rep)
 {
     kiln_blas_info b;
@@ -271,7 +278,9 @@ static void check_blas(report *rep)
         kiln_cpu_info c;
         kiln_cpu_info_get(&c);
         broke(w, "openblas-core", "set OPENBLAS_CORETYPE=%s: OpenBLAS did not recognise this processor and runs its "
-              "generic %s kernels", c.avx512f ? "SkylakeX" : c.avx2 ? "Haswell" : "Nehalem", b.core);
+              "generic %s kernels%s", c.avx512f ? "SkylakeX" : c.avx2 ? "Haswell" : "Nehalem", b.core,
+              switch_on("OWN_GEMM") ? "; meanwhile kiln's f32 matmuls and attention run on kiln's own GEMM "
+                                      "(KILN_OPT_OWN_GEMM unset is auto)" : "");
     } else held(w, "openblas-core");
 }
 
@@ -349,12 +358,6 @@ static int icd_files(char *buf, size_t n, const char **where)
     return count;
 }
 
-static bool switch_on(const char *name)
-{
-    for (int i = 0; i < kiln_opt_count(); i++)
-        if (!strcmp(kiln_opt_name(i), name)) return kiln_opt_enabled(i);
-    return false;
-}
 
 static void check_opencl(report *rep)
 {

@@ -15,7 +15,8 @@ static const kiln__env_row rows[] = {
 #define KILN__ENV(id, type, who, dflt, lo, hi, help) {"KILN_" #id, KILN__ENVT_##type, KILN__ENVW_##who, dflt, lo, hi, help},
 #include "core/env.def"
 #undef KILN__ENV
-#define OPT_ROW(name, dflt, help) {"KILN_OPT_" #name, KILN__ENVT_BOOL, KILN__ENVW_LIB, (dflt) ? "1" : "0", 0, 0, help},
+#define OPT_ROW(name, dflt, help)                                                                  \
+    {"KILN_OPT_" #name, KILN__ENVT_BOOL, KILN__ENVW_LIB, (dflt) < 0 ? "(auto)" : (dflt) ? "1" : "0", 0, 0, help},
     KILN__OPTS(OPT_ROW) KILN__COMPILE_STAGES(OPT_ROW)
 #undef OPT_ROW
 };
@@ -182,6 +183,14 @@ bool kiln__env_list_has(kiln__env_id id, const char *item)
     while ((it = kiln__env_list_next(&p, &n)))
         if (n == want && !strncmp(it, item, n)) return true;
     return false;
+}
+
+bool kiln__env_valid(kiln__env_id id)
+{
+    const char *v = kiln__env_str(id);
+    double x;
+    char expect[96];
+    return v && parse(&rows[id], v, &x, expect, sizeof expect);
 }
 
 kiln_status kiln__env_check(kiln__env_id id)

@@ -54,6 +54,8 @@ const char *kiln__env_text(kiln__env_id id);
 int64_t kiln__env_int(kiln__env_id id);
 double kiln__env_num(kiln__env_id id);
 bool kiln__env_bool(kiln__env_id id);
+/* Whether the variable is set to a value of its row's type (nothing said either way). */
+bool kiln__env_valid(kiln__env_id id);
 /* Whether the comma list of variable id names item. */
 bool kiln__env_list_has(kiln__env_id id, const char *item);
 /* The next item of comma list *p (advanced past it): its start, its length in *n; NULL

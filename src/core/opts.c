@@ -17,9 +17,26 @@ static bool value[KILN__OPT_COUNT];
 static pthread_once_t once = PTHREAD_ONCE_INIT;
 static atomic_bool warned_disable; /* an unknown name in KILN_COMPILE_DISABLE is said once */
 
+static bool (*auto_fn[KILN__OPT_COUNT])(void); /* what decides an auto switch left unset */
+
+#define KILN__OPT_AUTO(name, dflt, help) [KILN__OPT_##name] = (dflt) < 0,
+static const bool is_auto[KILN__OPT_COUNT] = {KILN__OPTS(KILN__OPT_AUTO) KILN__COMPILE_STAGES(KILN__OPT_AUTO)};
+#undef KILN__OPT_AUTO
+
+bool kiln__opt_is_auto(kiln__opt_id id) { return (int)id >= 0 && id < KILN__OPT_COUNT && is_auto[id]; }
+
+void kiln__opt_auto(kiln__opt_id id, bool (*fn)(void))
+{
+    if (kiln__opt_is_auto(id)) auto_fn[id] = fn;
+}
+
 static void read_env(void)
 {
-    for (int i = 0; i < KILN__OPT_FIRST_STAGE; i++) value[i] = kiln__env_bool(KILN__ENV_OPT(i));
+    for (int i = 0; i < KILN__OPT_FIRST_STAGE; i++) {
+        /* an auto switch set to no bool is said ("ignored") and stays auto */
+        bool as_set = kiln__env_bool(KILN__ENV_OPT(i));
+        value[i] = is_auto[i] && !kiln__env_valid(KILN__ENV_OPT(i)) ? auto_fn[i] && auto_fn[i]() : as_set;
+    }
 }
 
 #define STAGE_PREFIX "COMPILE_"

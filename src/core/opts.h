@@ -1,7 +1,8 @@
 /* Optimization switches: each fast path sits behind one, KILN_OPT_<NAME>=0|1 in the
  * environment, so its effect can be measured alone (DESIGN.md, "Performance
  * discipline"). Each is a row of the environment table (env.h), read through it;
- * kiln doctor lists them. */
+ * kiln doctor lists them. A default of -1 is "auto": unset, the switch takes what the
+ * function a room registered for it says (kiln__opt_auto), off where none did. */
 #ifndef KILN_CORE_OPTS_H
 #define KILN_CORE_OPTS_H
 #include <stdbool.h>
@@ -22,7 +23,7 @@
     X(ATT_KT, 1, "attention's Q K^T and dO V^T as A B GEMMs on per-head transposed copies of K and V (not A B^T)") \
     X(COPY_INTO_VIEWS, 1, "a generated kernel stores a copy_ into a view of an intermediate itself (not a copy step after)") \
     X(COLSUM_ROWS, 1, "f32 sums over the rows of a tall matrix (bias gradients) in fixed 256-row chunks of whole rows") \
-    X(OWN_GEMM, 0, "f32 matmuls on kiln's own packed GEMM (src/backends/cpu/gemm.c) instead of the BLAS")   \
+    X(OWN_GEMM, -1, "f32 matmuls and attention's f32 products on kiln's own packed GEMM (src/backends/cpu/gemm.c) instead of the BLAS; unset, on only where the BLAS runs a generic core for this processor (OpenBLAS's SSE3 kernels on a CPU it does not know: 3x slower training, docs/perf-log.md)")   \
     X(ATT_BF16, 1, "bf16 attention's tiles on kiln's own GEMM (AMX), P and dS rounded to bf16 as PyTorch does (else widened to f32)") \
     X(MMAP, 1, "safetensors files mapped (mmap, copy-on-write) and model weights taken from the mapping where their dtype and layout allow (else read into memory and copied)") \
     X(GEMM_DPBF16, 1, "bf16 GEMMs on AVX512-BF16's vdpbf16ps where the processor has it but not AMX, if it measures at least 1.25x the f32 FMA kernel on bf16 values at first use (else, and off, that f32 kernel)") \
@@ -68,6 +69,12 @@ enum { KILN__OPT_FIRST_STAGE = 0 KILN__OPTS(KILN__OPT_PLUS_ONE) };
 #undef KILN__OPT_PLUS_ONE
 
 bool kiln__opt(kiln__opt_id id);
+/* fn decides auto switch id's value when its variable is unset; called once, at the first
+ * read of any switch. Registered by a room's constructor (KILN__REGISTER), before any
+ * switch is read. */
+void kiln__opt_auto(kiln__opt_id id, bool (*fn)(void));
+/* Whether switch id's default is auto (-1 in the table). */
+bool kiln__opt_is_auto(kiln__opt_id id);
 /* Whether KILN_LOGS names stage (graph, fusion, code, perf, dist, ...). */
 bool kiln__log_on(const char *stage);
 #endif

@@ -110,6 +110,7 @@ void kiln__pool_start(int nthreads)
 }
 
 int kiln__pool_size(void) { return n_threads; }
+bool kiln__pool_inline(void) { return n_threads == 1 || in_pool_task; }
 
 void kiln__parallel_for(int64_t n, int64_t grain, kiln__range_fn fn, void *ctx)
 {

@@ -4,6 +4,7 @@
  * its threads and the pool's never compute at once. */
 #ifndef KILN_CORE_THREADPOOL_H
 #define KILN_CORE_THREADPOOL_H
+#include <stdbool.h>
 #include <stdint.h>
 
 typedef void (*kiln__range_fn)(void *ctx, int64_t begin, int64_t end);
@@ -11,5 +12,8 @@ typedef void (*kiln__range_fn)(void *ctx, int64_t begin, int64_t end);
 /* Runs fn over [0, n) in chunks of at least `grain` items, on all pool threads. */
 void kiln__parallel_for(int64_t n, int64_t grain, kiln__range_fn fn, void *ctx);
 int kiln__pool_size(void);
+/* Whether a kiln__parallel_for called here runs on the calling thread alone (inside a
+ * pool task, or a pool of one thread). */
+bool kiln__pool_inline(void);
 void kiln__pool_start(int nthreads);
 #endif

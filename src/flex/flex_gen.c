@@ -895,11 +895,11 @@ static inline int64_t run_width(const int64_t *kvl, int64_t nb, int64_t n, int64
 /* dst (D, T) = src (T, D)^T: the cpu backend's, attention's own */
 static void transpose_f32(float *dst, const float *src, int64_t T, int64_t D) { kiln__cpu_transpose_f32(dst, src, T, D, D); }
 static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) { kiln__cpu_transpose_f64(dst, src, T, D, D); }
-FLEX_SCORES(f32, float, cblas_sgemm)
+FLEX_SCORES(f32, float, kiln__cpu_sgemm)
 FLEX_SCORES(f64, double, cblas_dgemm)
-FLEX_FORWARD(f32, float, cblas_sgemm)
+FLEX_FORWARD(f32, float, kiln__cpu_sgemm)
 FLEX_FORWARD(f64, double, cblas_dgemm)
-FLEX_BACKWARD(f32, float, cblas_sgemm)
+FLEX_BACKWARD(f32, float, kiln__cpu_sgemm)
 FLEX_BACKWARD(f64, double, cblas_dgemm)
 
 /* The arguments of a call: sizes, the block mask bm, the captured tensors' memory

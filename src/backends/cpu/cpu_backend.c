@@ -61,11 +61,28 @@ static void describe(void)
 {
     const char *core = BLAS_CORE();
     bool old = generic_core(core);
-    snprintf(description, sizeof description,
-             "host CPU (AVX2/FMA kernels where available; f32 GEMM by %s%s%s%s%s; bf16 GEMM and attention on kiln's "
-             "own, %s)",
-             BLAS_NAME, core ? ", its " : "", core ? core : "", core ? " kernels" : "",
-             old ? ": a generic core for this processor, set OPENBLAS_CORETYPE to its family" : "", bf16_kernels());
+    if (kiln__opt(KILN__OPT_OWN_GEMM))
+        snprintf(description, sizeof description,
+                 "host CPU (AVX2/FMA kernels where available; f32 GEMM and attention on kiln's own, %s%s; bf16 on "
+                 "kiln's own, %s)",
+                 kiln__gemm_kernel_name(KILN__GEMM_F32),
+                 old ? ", as the BLAS runs a generic core here (set OPENBLAS_CORETYPE to the processor's family)" : "",
+                 bf16_kernels());
+    else
+        snprintf(description, sizeof description,
+                 "host CPU (AVX2/FMA kernels where available; f32 GEMM by %s%s%s%s%s; bf16 GEMM and attention on "
+                 "kiln's own, %s)",
+                 BLAS_NAME, core ? ", its " : "", core ? core : "", core ? " kernels" : "",
+                 old ? ": a generic core for this processor, set OPENBLAS_CORETYPE to its family" : "", bf16_kernels());
+}
+
+/* KILN_OPT_OWN_GEMM left unset: kiln's own f32 GEMM where the BLAS runs a generic core
+ * and kiln's has vector kernels for this processor. Measured on a Sapphire Rapids VM
+ * where OpenBLAS runs its Prescott kernels: a config S step 756-815 ms on them, 259-263
+ * ms on kiln's GEMM, 221 ms on OpenBLAS's SkylakeX kernels (docs/perf-log.md). */
+static bool own_gemm_auto(void)
+{
+    return generic_core(BLAS_CORE()) && strcmp(kiln__gemm_kernel_name(KILN__GEMM_F32), "c") != 0;
 }
 
 void kiln_blas_info_get(kiln_blas_info *out)
@@ -159,7 +176,11 @@ static int make_cpu(int nthreads)
     return kiln__backend_register(&cpu_backend) == KILN_OK;
 }
 
-KILN__REGISTER(register_cpu) { kiln__backend_provider_register("cpu", make_cpu, true); }
+KILN__REGISTER(register_cpu)
+{
+    kiln__opt_auto(KILN__OPT_OWN_GEMM, own_gemm_auto);
+    kiln__backend_provider_register("cpu", make_cpu, true);
+}
 
 /* View ops alias their input's storage and the core never launches a kernel for them;
  * the table still has a slot per op so that a missing kernel elsewhere fails to link. */

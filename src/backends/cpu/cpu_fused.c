@@ -74,7 +74,7 @@ static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->n
 
 #define R float
 #define SFX f32
-#define GEMM cblas_sgemm
+#define GEMM kiln__cpu_sgemm
 #include "backends/cpu/cpu_fused_impl.h"
 #undef R
 #undef SFX
