@@ -23,7 +23,9 @@
 
 #include "core/opts.h"
 #include "kiln/kiln.h"
+#include "backends/cpu/cpu.h"
 #include "backends/cpu/gemm.h"
+#include "core/threadpool.h"
 
 static const kiln__gemm_isa ISAS[] = {KILN__GEMM_ISA_C, KILN__GEMM_ISA_AVX2, KILN__GEMM_ISA_AVX512,
                                       KILN__GEMM_ISA_AVX512BF16, KILN__GEMM_ISA_AMX, KILN__GEMM_ISA_AUTO};
@@ -310,6 +312,92 @@ static void test_bf16_epilogue_sees_each_rounded_row_once(void **state)
     }
 }
 
+/* kiln__cpu_sgemm, the f32 product of attention's tiles, is cblas_sgemm's C = alpha op(A)
+ * op(B) + beta C (row-major, beta 0 or 1, padded leading dims), against the double
+ * reference with the bound above (over |alpha| sum |a b| + |beta c|); bitwise the same
+ * whether called from a pool task or outside one (its sums do not depend on the pool);
+ * and bitwise the product of the GEMM the switch names: kiln__gemm_f32_serial where
+ * KILN_OPT_OWN_GEMM is on, cblas_sgemm where it is off. */
+typedef struct {
+    enum CBLAS_TRANSPOSE ta, tb;
+    int M, N, K, lda, ldb, ldc;
+    float alpha, beta;
+    const float *A, *B;
+    float *C;
+} sgemm_call;
+
+static void sgemm_in_task(void *ctx, int64_t b, int64_t e)
+{
+    const sgemm_call *c = ctx;
+    for (int64_t i = b; i < e; i++)
+        if (i == 0)
+            kiln__cpu_sgemm(CblasRowMajor, c->ta, c->tb, c->M, c->N, c->K, c->alpha, c->A, c->lda, c->B, c->ldb,
+                            c->beta, c->C, c->ldc);
+}
+
+static void test_cpu_sgemm_is_cblas_alike(void **state)
+{
+    (void)state;
+    static const int shapes[][3] = {{1, 1, 1}, {7, 65, 300}, {64, 37, 64}, {13, 130, 5}, {40, 64, 576}};
+    bool own = kiln__opt(KILN__OPT_OWN_GEMM);
+    for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; sh++)
+        for (int v = 0; v < 16; v++) {
+            int M = shapes[sh][0], N = shapes[sh][1], K = shapes[sh][2];
+            bool at_ = v & 1, bt = v & 2;
+            float alpha = v & 4 ? 0.3f : 1.0f, beta = v & 8 ? 1.0f : 0.0f;
+            mat A = mat_new(M, K, at_, 3, KILN__GEMM_F32), B = mat_new(K, N, bt, 5, KILN__GEMM_F32);
+            int lda = (int)(at_ ? A.cs : A.rs), ldb = (int)(bt ? B.cs : B.rs), ldc = N + 2;
+            size_t nc = (size_t)M * (size_t)ldc;
+            float *C0 = malloc(sizeof(float) * nc), *C1 = malloc(sizeof(float) * nc), *C2 = malloc(sizeof(float) * nc),
+                  *C3 = malloc(sizeof(float) * nc);
+            assert_true(C0 && C1 && C2 && C3);
+            for (size_t i = 0; i < nc; i++) C0[i] = uniform();
+            memcpy(C1, C0, sizeof(float) * nc);
+            memcpy(C2, C0, sizeof(float) * nc);
+            memcpy(C3, C0, sizeof(float) * nc);
+            enum CBLAS_TRANSPOSE ta = at_ ? CblasTrans : CblasNoTrans, tb = bt ? CblasTrans : CblasNoTrans;
+            kiln__cpu_sgemm(CblasRowMajor, ta, tb, M, N, K, alpha, A.data, lda, B.data, ldb, beta, C1, ldc);
+            sgemm_call call = {ta, tb, M, N, K, lda, ldb, ldc, alpha, beta, A.data, B.data, C2};
+            kiln__parallel_for(4, 1, sgemm_in_task, &call);
+            if (own)
+                assert_true(kiln__gemm_f32_serial(M, N, K, operand(&A), operand(&B), alpha, beta, C3, ldc));
+            else
+                cblas_sgemm(CblasRowMajor, ta, tb, M, N, K, alpha, A.data, lda, B.data, ldb, beta, C3, ldc);
+            for (int i = 0; i < M; i++)
+                for (int j = 0; j < ldc; j++) {
+                    float got = C1[(size_t)i * ldc + j];
+                    if (memcmp(&got, &C2[(size_t)i * ldc + j], sizeof got) ||
+                        memcmp(&got, &C3[(size_t)i * ldc + j], sizeof got))
+                        fail_msg("M=%d N=%d K=%d A%s B%s alpha %g beta %g: C[%d,%d] %.9g outside a task, %.9g in one, "
+                                 "%.9g from %s", M, N, K, at_ ? "^T" : "", bt ? "^T" : "", alpha, beta, i, j, got,
+                                 C2[(size_t)i * ldc + j], C3[(size_t)i * ldc + j],
+                                 own ? "kiln__gemm_f32_serial" : "cblas_sgemm");
+                    if (j >= N) { /* the padding between rows is not written */
+                        assert_true(got == C0[(size_t)i * ldc + j]);
+                        continue;
+                    }
+                    double ref = beta * (double)C0[(size_t)i * ldc + j], mag = fabs(ref), sum = 0, smag = 0;
+                    for (int k = 0; k < K; k++) {
+                        double p = at(&A, i, k, false) * at(&B, k, j, false);
+                        sum += p;
+                        smag += fabs(p);
+                    }
+                    ref += alpha * sum;
+                    mag += alpha * smag;
+                    double tol = 2.0 * (double)(K + 2) * 0x1p-24 * mag + 1e-30;
+                    if (!(fabs(got - ref) <= tol))
+                        fail_msg("M=%d N=%d K=%d A%s B%s alpha %g beta %g: C[%d,%d] = %.9g, reference %.9g, tolerance "
+                                 "%.3g", M, N, K, at_ ? "^T" : "", bt ? "^T" : "", alpha, beta, i, j, got, ref, tol);
+                }
+            free(A.data);
+            free(B.data);
+            free(C0);
+            free(C1);
+            free(C2);
+            free(C3);
+        }
+}
+
 int main(void)
 {
     kiln_init(0);
@@ -328,6 +416,7 @@ int main(void)
         cmocka_unit_test(test_bf16_result_is_the_sums_rounded_once),
         cmocka_unit_test(test_f16_result_is_the_widened_sums_rounded_once),
         cmocka_unit_test(test_bf16_epilogue_sees_each_rounded_row_once),
+        cmocka_unit_test(test_cpu_sgemm_is_cblas_alike),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -1,3 +1,4 @@
+#include <assert.h>
 #include <ctype.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -23,15 +24,24 @@ static bool (*auto_fn[KILN__OPT_COUNT])(void); /* what decides an auto switch le
 static const bool is_auto[KILN__OPT_COUNT] = {KILN__OPTS(KILN__OPT_AUTO) KILN__COMPILE_STAGES(KILN__OPT_AUTO)};
 #undef KILN__OPT_AUTO
 
+/* The compiler's stages are read each time and never auto. */
+#define KILN__OPT_NOT_AUTO(name, dflt, help) _Static_assert((dflt) >= 0, "stage " #name " cannot be auto");
+KILN__COMPILE_STAGES(KILN__OPT_NOT_AUTO)
+#undef KILN__OPT_NOT_AUTO
+
 bool kiln__opt_is_auto(kiln__opt_id id) { return (int)id >= 0 && id < KILN__OPT_COUNT && is_auto[id]; }
+
+static atomic_bool was_read; /* the switches have been read: a later kiln__opt_auto is too late */
 
 void kiln__opt_auto(kiln__opt_id id, bool (*fn)(void))
 {
+    assert(kiln__opt_is_auto(id) && (int)id < KILN__OPT_FIRST_STAGE && !atomic_load(&was_read));
     if (kiln__opt_is_auto(id)) auto_fn[id] = fn;
 }
 
 static void read_env(void)
 {
+    atomic_store(&was_read, true);
     for (int i = 0; i < KILN__OPT_FIRST_STAGE; i++) {
         /* an auto switch set to no bool is said ("ignored") and stays auto */
         bool as_set = kiln__env_bool(KILN__ENV_OPT(i));

@@ -27,7 +27,8 @@
     X(ATT_BF16, 1, "bf16 attention's tiles on kiln's own GEMM (AMX), P and dS rounded to bf16 as PyTorch does (else widened to f32)") \
     X(MMAP, 1, "safetensors files mapped (mmap, copy-on-write) and model weights taken from the mapping where their dtype and layout allow (else read into memory and copied)") \
     X(GEMM_DPBF16, 1, "bf16 GEMMs on AVX512-BF16's vdpbf16ps where the processor has it but not AMX, if it measures at least 1.25x the f32 FMA kernel on bf16 values at first use (else, and off, that f32 kernel)") \
-    X(OWN_GEMM_F16, 0, "f16 matmuls on kiln's own GEMM, f16 widened as it is packed and the result rounded in cache (else widened copies through the f32 matmul, the BLAS's)") \
+    X(GEMM_EVEN_BLOCKS, 1, "kiln's own GEMM's row blocks as many as a multiple of the threads, of equal tiles (the larger first), taken one at a time (else blocks of up to 20 tiles, the last one short, in the pool's chunks)") \
+    X(OWN_GEMM_F16, 0, "f16 matmuls on kiln's own GEMM, f16 widened as it is packed and the result rounded in cache (else widened copies through the f32 matmul)") \
     X(FLEX_FUSED, 1, "flex attention on the cpu without gradients in one generated kernel over the block mask's blocks (else the dense reference: scores, modifiers and softmax as kiln ops)") \
     X(INDEX_ROWS_GRAD, 1, "the gradient of index_select over the rows of a matrix as whole rows added (embedding_backward; else an element scatter_add)") \
     X(SUM_MIDDLE, 1, "f32 sums over one middle dim of a contiguous tensor (an MoE block's top-k rows combined) as whole rows added, in double (else one output element at a time)")
@@ -70,8 +71,8 @@ enum { KILN__OPT_FIRST_STAGE = 0 KILN__OPTS(KILN__OPT_PLUS_ONE) };
 
 bool kiln__opt(kiln__opt_id id);
 /* fn decides auto switch id's value when its variable is unset; called once, at the first
- * read of any switch. Registered by a room's constructor (KILN__REGISTER), before any
- * switch is read. */
+ * read of any switch, inside that read: it must not read a switch itself. Registered by
+ * a room's constructor (KILN__REGISTER), before any switch is read. */
 void kiln__opt_auto(kiln__opt_id id, bool (*fn)(void));
 /* Whether switch id's default is auto (-1 in the table). */
 bool kiln__opt_is_auto(kiln__opt_id id);

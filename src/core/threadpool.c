@@ -112,18 +112,16 @@ void kiln__pool_start(int nthreads)
 int kiln__pool_size(void) { return n_threads; }
 bool kiln__pool_inline(void) { return n_threads == 1 || in_pool_task; }
 
-void kiln__parallel_for(int64_t n, int64_t grain, kiln__range_fn fn, void *ctx)
+/* Runs fn over [0, n) in chunks of `chunk` items, taken in order by whichever thread is
+ * free; inline where nested, on a pool of one, or when one chunk holds everything. */
+static void run_job(int64_t n, int64_t chunk, kiln__range_fn fn, void *ctx)
 {
     if (n <= 0) return;
-    if (grain < 1) grain = 1;
-    /* Nested calls and small jobs run inline. */
-    if (n_threads == 1 || in_pool_task || n <= grain) {
+    if (n_threads == 1 || in_pool_task || n <= chunk) {
         fn(ctx, 0, n);
         return;
     }
     pthread_mutex_lock(&submit_mu);
-    int64_t chunk = (n + n_threads * 4 - 1) / (n_threads * 4);
-    if (chunk < grain) chunk = grain;
     job.fn = fn;
     job.ctx = ctx;
     job.n = n;
@@ -146,3 +144,12 @@ void kiln__parallel_for(int64_t n, int64_t grain, kiln__range_fn fn, void *ctx)
     }
     pthread_mutex_unlock(&submit_mu);
 }
+
+void kiln__parallel_for(int64_t n, int64_t grain, kiln__range_fn fn, void *ctx)
+{
+    if (grain < 1) grain = 1;
+    int64_t chunk = (n + n_threads * 4 - 1) / (n_threads * 4);
+    run_job(n, chunk < grain ? grain : chunk, fn, ctx);
+}
+
+void kiln__parallel_items(int64_t n, kiln__range_fn fn, void *ctx) { run_job(n, 1, fn, ctx); }

@@ -11,6 +11,10 @@ typedef void (*kiln__range_fn)(void *ctx, int64_t begin, int64_t end);
 
 /* Runs fn over [0, n) in chunks of at least `grain` items, on all pool threads. */
 void kiln__parallel_for(int64_t n, int64_t grain, kiln__range_fn fn, void *ctx);
+/* The same one item at a time: a free thread takes the next item, so items of equal
+ * cost, as many as a multiple of the threads, end level (kiln__parallel_for takes them
+ * in chunks of up to n / (4 threads), which can leave one thread a chunk more). */
+void kiln__parallel_items(int64_t n, kiln__range_fn fn, void *ctx);
 int kiln__pool_size(void);
 /* Whether a kiln__parallel_for called here runs on the calling thread alone (inside a
  * pool task, or a pool of one thread). */

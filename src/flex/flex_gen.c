@@ -1,7 +1,8 @@
 /* Flex attention's fused kernels, the kernels of two custom ops per modifiers (the
  * forward and its backward). On the cpu, the forward: one task per (b, h, query block),
  * the scores of the block's rows against the key blocks the block mask lists (empty ones
- * never), side by side in a tile buffer, each a GEMM on the BLAS; the modifiers applied
+ * never), side by side in a tile buffer, each a GEMM (kiln__cpu_sgemm: the BLAS or kiln's
+ * own); the modifiers applied
  * to the tile by a generated function (the expressions' trees written as C: the score
  * modifier on every score, the mask only in the partial blocks); the row softmax; and
  * O = P V, a GEMM per block. No (Tq, Tk) matrix is held: a tile is one query block's

@@ -45,8 +45,9 @@ static const char *bf16_kernels(void)
  * OpenBLAS, which of its kernels it picked for
  * this processor. A processor it does not recognise (a new one, or one a hypervisor
  * shows under an odd family) gets an old generic kernel: on a Sapphire Rapids VM it
- * chose "Prescott" (SSE3), and OPENBLAS_CORETYPE=SkylakeX made a config S step 1.22x
- * faster (docs/perf-log.md); the description says so, since nothing else would. */
+ * chose "Prescott" (SSE3), and OPENBLAS_CORETYPE=SkylakeX made a config S step 3.4x
+ * faster (docs/perf-log.md); the description says so, and that kiln's own GEMM then
+ * takes the f32 matmuls. */
 static char description[384] = "host CPU (AVX2/FMA kernels where available, BLAS for GEMM)";
 
 static bool generic_core(const char *core)
@@ -78,8 +79,8 @@ static void describe(void)
 
 /* KILN_OPT_OWN_GEMM left unset: kiln's own f32 GEMM where the BLAS runs a generic core
  * and kiln's has vector kernels for this processor. Measured on a Sapphire Rapids VM
- * where OpenBLAS runs its Prescott kernels: a config S step 756-815 ms on them, 259-263
- * ms on kiln's GEMM, 221 ms on OpenBLAS's SkylakeX kernels (docs/perf-log.md). */
+ * where OpenBLAS runs its Prescott kernels: a config S step 763-1012 ms on them, 233-272
+ * ms on kiln's GEMM, 213-219 ms on OpenBLAS's SkylakeX kernels (docs/perf-log.md). */
 static bool own_gemm_auto(void)
 {
     return generic_core(BLAS_CORE()) && strcmp(kiln__gemm_kernel_name(KILN__GEMM_F32), "c") != 0;

@@ -382,7 +382,8 @@ static inline int64_t FN(att_keys)(const FN(att_ctx) *a, int64_t i)
     return n < a->Tk ? n : a->Tk;
 }
 
-/* Attention by tiles of QB query rows on the BLAS, one task per (batch, head) in the
+/* Attention by tiles of QB query rows on the BLAS (f32: kiln__cpu_sgemm, the BLAS or
+ * kiln's own GEMM), one task per (batch, head) in the
  * forward and per (batch, kv head) in the backward: a tile's scores (QB, Tk) live in a
  * per-task buffer, so the (B,H,Tq,Tk) matrix never exists; a backward task owns dK and
  * dV of its kv head, so no two tasks write one gradient and sums keep a fixed order. */

@@ -81,37 +81,14 @@ static kiln__gemm_operand own_operand(const char *p, kiln__gemm_type t, mat_layo
     return l.trans == CblasNoTrans ? (kiln__gemm_operand){p, t, l.ld, 1} : (kiln__gemm_operand){p, t, 1, l.ld};
 }
 
-/* C = alpha op(A) op(B) + beta C on kiln's own GEMM (beta 0 or 1); false, with C as it
- * was, when its packing buffers could not be had. kiln__gemm writes C as it goes and
- * fails only before its first write when it runs on this thread alone, so an
- * accumulation is done in place only then, else through a product of its own. */
-static bool own_sgemm(enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int M, int N, int K, float alpha,
-                      const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc)
-{
-    kiln__gemm_operand a = own_operand((const char *)A, KILN__GEMM_F32, (mat_layout){ta, lda});
-    kiln__gemm_operand b = own_operand((const char *)B, KILN__GEMM_F32, (mat_layout){tb, ldb});
-    if (beta == 0 || (alpha == 1 && kiln__pool_inline())) {
-        if (!kiln__gemm(M, N, K, a, b, C, ldc, beta != 0, KILN__GEMM_F32)) return false;
-        for (int i = 0; i < M && alpha != 1; i++)
-            for (int j = 0; j < N; j++) C[(int64_t)i * ldc + j] *= alpha;
-        return true;
-    }
-    float *t = malloc(sizeof(float) * (size_t)M * (size_t)N);
-    if (!t || !kiln__gemm(M, N, K, a, b, t, N, false, KILN__GEMM_F32)) {
-        free(t);
-        return false;
-    }
-    for (int i = 0; i < M; i++)
-        for (int j = 0; j < N; j++) C[(int64_t)i * ldc + j] += alpha * t[(int64_t)i * N + j];
-    free(t);
-    return true;
-}
-
 void kiln__cpu_sgemm(enum CBLAS_ORDER o, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int M, int N, int K,
                      float alpha, const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc)
 {
-    if (o == CblasRowMajor && (beta == 0 || beta == 1) && M > 0 && N > 0 && kiln__opt(KILN__OPT_OWN_GEMM) &&
-        own_sgemm(ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc))
+    /* alpha 0 stays with the BLAS, which then reads neither A nor B (an inf in them
+     * would make NaNs of the product) */
+    if (o == CblasRowMajor && (beta == 0 || beta == 1) && alpha != 0 && kiln__opt(KILN__OPT_OWN_GEMM) &&
+        kiln__gemm_f32_serial(M, N, K, own_operand((const char *)A, KILN__GEMM_F32, (mat_layout){ta, lda}),
+                              own_operand((const char *)B, KILN__GEMM_F32, (mat_layout){tb, ldb}), alpha, beta, C, ldc))
         return;
     cblas_sgemm(o, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }

@@ -649,18 +649,19 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, bool is_b, int6
 /* ---- the driver ---- */
 
 /* Each thread keeps its packing buffers between calls (slot 0: the caller's packed B,
- * slot 1: an item's packed A, slot 2: an item's f32 sums when C is bf16): fresh memory
- * would cost page faults on every GEMM. A thread's buffers are freed when it exits. */
+ * slot 1: an item's packed A, slot 2: an item's f32 sums when C is bf16, slot 3: the
+ * product kiln__gemm_f32_serial adds in): fresh memory would cost page faults on every
+ * GEMM. A thread's buffers are freed when it exits. */
 typedef struct {
-    void *p[3];
-    size_t n[3];
+    void *p[4];
+    size_t n[4];
 } buffers;
 static pthread_key_t buffers_key;
 static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
 static void buffers_free(void *v)
 {
     buffers *b = v;
-    for (int i = 0; i < 3; i++) free(b->p[i]);
+    for (int i = 0; i < 4; i++) free(b->p[i]);
     free(b);
 }
 static void buffers_init(void) { pthread_key_create(&buffers_key, buffers_free); }
@@ -698,6 +699,7 @@ typedef struct {
     int64_t npanels;   /* NR panels in the round */
     char *bpack;       /* the round's packed B: K block by K block, each npanels panels */
     int64_t mc, mblocks, panels_per_group, ngroups;
+    int64_t tq, tr; /* row block b has tq + (b < tr) tiles: the first tr one more */
     kiln__epilogue *epi; /* run on each item's rows once they are rounded, or NULL */
     bool failed;
 } job;
@@ -819,7 +821,9 @@ static void items(void *ctx, int64_t begin, int64_t end)
     }
     for (int64_t it = begin; it < end; it++) {
         int64_t mb = it % j->mblocks, g = it / j->mblocks;
-        int64_t r0 = mb * j->mc, m = j->M - r0 < j->mc ? j->M - r0 : j->mc;
+        int64_t r0 = (mb * j->tq + (mb < j->tr ? mb : j->tr)) * uk->mr;
+        int64_t m = (j->tq + (mb < j->tr)) * uk->mr;
+        if (m > j->M - r0) m = j->M - r0;
         int64_t p0 = g * j->panels_per_group, p1 = p0 + j->panels_per_group;
         if (p1 > j->npanels) p1 = j->npanels;
         /* where tile (i, p) of the item goes: C itself, or the item's sums (whose
@@ -874,9 +878,11 @@ static void items(void *ctx, int64_t begin, int64_t end)
 }
 
 /* The driver: C f32 (C) or 16-bit (Cb, then not accumulating: bf16 for bf16 products,
- * f16 for f32 ones, as kiln__gemm_bf16 and kiln__gemm_f16 ask). */
-static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
-                float *C, uint16_t *Cb, int64_t ldc, bool accumulate, kiln__gemm_type compute, kiln__epilogue *epi)
+ * f16 for f32 ones, as kiln__gemm_bf16 and kiln__gemm_f16 ask); over the pool, or on the
+ * calling thread alone with `serial`. */
+static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
+                   kiln__gemm_operand B, float *C, uint16_t *Cb, int64_t ldc, bool accumulate, kiln__gemm_type compute,
+                   kiln__epilogue *epi)
 {
     /* (f16 operands are widened as packed, for the f32 kernels only) */
     assert(compute == KILN__GEMM_F32 || (A.type != KILN__GEMM_F16 && B.type != KILN__GEMM_F16));
@@ -892,14 +898,15 @@ static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_
     }
     job j = {.uk = uk, .M = M, .N = N, .K = K, .kc_max = KILN__GEMM_KC, .A = A, .B = B, .C = C, .Cb = Cb, .ldc = ldc,
              .accumulate = accumulate && !Cb, .es = uk->packed == KILN__GEMM_BF16 ? 2 : 4};
-    int64_t nt = kiln__pool_size() > 0 ? kiln__pool_size() : 1;
+    int64_t nt = !serial && kiln__pool_size() > 0 ? kiln__pool_size() : 1;
     size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < NC ? N : NC) + uk->nr) * j.es;
     j.bpack = buffer(0, bbytes);
     if (!j.bpack) return false;
     for (j.c0 = 0; j.c0 < N && !j.failed; j.c0 += NC) {
         j.nc = N - j.c0 < NC ? N - j.c0 : NC;
         j.npanels = (j.nc + uk->nr - 1) / uk->nr;
-        kiln__parallel_for(j.npanels, 4, pack_b_range, &j);
+        if (serial) pack_b_range(&j, 0, j.npanels);
+        else kiln__parallel_for(j.npanels, 4, pack_b_range, &j);
         /* Rows in blocks of at most 20 tiles, at least two blocks a thread where M
          * allows; when M is short the columns are split among the threads instead. */
         int64_t tiles = (M + uk->mr - 1) / uk->mr, per = (tiles + 2 * nt - 1) / (2 * nt);
@@ -913,17 +920,55 @@ static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_
             if (per > cap) per = cap;
         }
         if (per < 1) per = 1;
-        j.mc = per * uk->mr;
-        j.mblocks = (M + j.mc - 1) / j.mc;
+        /* As many blocks as a multiple of the threads, of tiles / blocks tiles each (the
+         * larger first), taken one at a time: they end level. Blocks of per tiles, the
+         * last one short, in chunks of the pool's size left one thread up to 11% more
+         * work on the config S step's shapes at two threads (docs/perf-log.md). */
+        bool even = kiln__opt(KILN__OPT_GEMM_EVEN_BLOCKS);
+        j.mblocks = (tiles + per - 1) / per;
+        if (even && j.mblocks >= nt) j.mblocks = (j.mblocks + nt - 1) / nt * nt;
+        if (j.mblocks > tiles) j.mblocks = tiles;
+        j.tq = even ? tiles / j.mblocks : per;
+        j.tr = even ? tiles % j.mblocks : 0;
+        j.mc = (j.tq + (j.tr > 0)) * uk->mr;
         j.ngroups = j.mblocks >= 2 * nt ? 1 : (2 * nt + j.mblocks - 1) / j.mblocks;
         if (j.ngroups > j.npanels) j.ngroups = j.npanels;
         j.panels_per_group = (j.npanels + j.ngroups - 1) / j.ngroups;
         j.ngroups = (j.npanels + j.panels_per_group - 1) / j.panels_per_group;
         j.epi = j.ngroups == 1 ? epi : NULL;
-        kiln__parallel_for(j.mblocks * j.ngroups, 1, items, &j);
+        if (serial) items(&j, 0, j.mblocks * j.ngroups);
+        else if (even) kiln__parallel_items(j.mblocks * j.ngroups, items, &j);
+        else kiln__parallel_for(j.mblocks * j.ngroups, 1, items, &j);
     }
     if (j.epi && !j.failed) j.epi->done = true;
     return !j.failed;
+}
+
+static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
+                float *C, uint16_t *Cb, int64_t ldc, bool accumulate, kiln__gemm_type compute, kiln__epilogue *epi)
+{
+    return run_on(false, isa, M, N, K, A, B, C, Cb, ldc, accumulate, compute, epi);
+}
+
+bool kiln__gemm_f32_serial(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, float alpha,
+                           float beta, float *C, int64_t ldc)
+{
+    assert(beta == 0 || beta == 1);
+    /* One thread runs every item in order, so the buffers are had before C is first
+     * written: a failure leaves C as it was. */
+    if (alpha == 1 || beta == 0) {
+        if (!run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, ldc, beta != 0, KILN__GEMM_F32, NULL))
+            return false;
+        for (int64_t i = 0; i < M && alpha != 1; i++)
+            for (int64_t c = 0; c < N; c++) C[i * ldc + c] *= alpha;
+        return true;
+    }
+    float *t = M > 0 && N > 0 ? buffer(3, sizeof(float) * (size_t)M * (size_t)N) : NULL;
+    if (M > 0 && N > 0 && (!t || !run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, t, NULL, N, false, KILN__GEMM_F32, NULL)))
+        return false;
+    for (int64_t i = 0; i < M; i++)
+        for (int64_t c = 0; c < N; c++) C[i * ldc + c] += alpha * t[i * N + c];
+    return true;
 }
 
 bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,

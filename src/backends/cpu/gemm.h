@@ -52,6 +52,14 @@ typedef enum {
 bool kiln__gemm(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, float *C, int64_t ldc,
                 bool accumulate, kiln__gemm_type compute);
 
+/* C = alpha A B + beta C (beta 0 or 1) in f32 on the calling thread alone, as a
+ * single-threaded BLAS runs inside a pool task: its sums do not depend on the pool or on
+ * the thread that calls (attention's tiles, through kiln__cpu_sgemm). With alpha 1 the
+ * sums start from C; otherwise the product is formed first, then scaled or added.
+ * Returns false, with C as it was, only when memory ran out. */
+bool kiln__gemm_f32_serial(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, float alpha,
+                           float beta, float *C, int64_t ldc);
+
 /* The same with the micro-kernel chosen (tests and bench/gemm compare them); false
  * also when this processor cannot run that one. */
 bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
