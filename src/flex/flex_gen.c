@@ -465,12 +465,13 @@ static char *source(const kiln_flex_t *f, bool f64)
     }
     put(&b, "        }\n        for (int64_t j = 0; j < ld; j++) row[j] = %s(row[j] - Li);\n    }\n}\n\n",
         f64 ? "exp" : "km_exp_fast");
-    /* dS = P (dP - Dm) M in place in dP (without a score modifier M is 1 and not read) */
-    put(&b, "void flex_tile_ds(const %s *P, %s *dP, const %s *M, int64_t ld, int64_t rows, const %s *Dm)\n{\n"
-            "    (void)M;\n    for (int64_t i = 0; i < rows; i++) {\n"
+    /* scale dS = scale P (dP - Dm) M in place in dP (without a score modifier M is 1 and
+     * not read): scaled here, so that the accumulating products of dQ and dK have alpha 1 */
+    put(&b, "void flex_tile_ds(const %s *P, %s *dP, const %s *M, int64_t ld, int64_t rows, const %s *Dm, double scale)\n{\n"
+            "    (void)M;\n    const %s sc = (%s)scale;\n    for (int64_t i = 0; i < rows; i++) {\n"
             "        const %s *p = P + i * ld, *m = M + i * ld, d = Dm[i];\n        %s *g = dP + i * ld;\n"
-            "        (void)m;\n        for (int64_t j = 0; j < ld; j++) g[j] = p[j] * (g[j] - d)%s;\n    }\n}\n\n",
-        T, T, T, T, T, T, f->ps[0] ? " * m[j]" : "");
+            "        (void)m;\n        for (int64_t j = 0; j < ld; j++) g[j] = p[j] * (g[j] - d)%s * sc;\n    }\n}\n\n",
+        T, T, T, T, T, T, T, T, f->ps[0] ? " * m[j]" : "");
     /* the block mask's classifier: how many of block (qb, kb)'s pairs the mask lets
      * through, for the key blocks kb0..kb1 of one (b, h, qb), into on[] */
     put(&b, "void flex_blocks(const flex_args *a, int64_t b, int64_t h, int64_t qb, int64_t kb0, int64_t kb1, int64_t *on)\n"
@@ -673,7 +674,8 @@ char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda, bool backward)
 /* The generated functions, for float or double scores. */
 typedef void (*flex_tile_bwd_fn)(const flex_args *a, void *S, void *M, int64_t ld, int64_t b, int64_t h, int64_t q0,
                                  int64_t rows, const int64_t *kvl, int64_t nf, int64_t nb, const void *L);
-typedef void (*flex_tile_ds_fn)(const void *P, void *dP, const void *M, int64_t ld, int64_t rows, const void *Dm);
+typedef void (*flex_tile_ds_fn)(const void *P, void *dP, const void *M, int64_t ld, int64_t rows, const void *Dm,
+                                double scale);
 
 /* One per modifiers (their text and the captured tensors' dtypes and dims): a template
  * flex over placeholder captured tensors of those dtypes and dims (what the code
@@ -868,14 +870,14 @@ typedef struct {
                              Vt + k0, (int)Tk, 0, dP + off, (int)cols);                                     \
                         off += w;                                                                           \
                     }                                                                                       \
-                    rc->ds(P, dP, M, cols, rows, Dm);                                                       \
+                    rc->ds(P, dP, M, cols, rows, Dm, a->scale); /* scale dS */                              \
                     for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                        \
                         int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                  \
-                        /* dQ (+)= scale dS K; dK += scale dS^T Q */                                        \
-                        GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, (R)a->scale, \
-                             dP + off, (int)cols, K + k0 * D, (int)D, off ? 1 : 0, dQ, (int)D);             \
-                        GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)w, (int)D, (int)rows, (R)a->scale, \
-                             dP + off, (int)cols, Q, (int)D, 1, dK + k0 * D, (int)D);                       \
+                        /* dQ (+)= (scale dS) K; dK += (scale dS)^T Q */                                    \
+                        GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, 1, dP + off, \
+                             (int)cols, K + k0 * D, (int)D, off ? 1 : 0, dQ, (int)D);                       \
+                        GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)w, (int)D, (int)rows, 1, dP + off,   \
+                             (int)cols, Q, (int)D, 1, dK + k0 * D, (int)D);                                 \
                         off += w;                                                                           \
                     }                                                                                       \
                 }                                                                                           \

@@ -511,17 +511,19 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
                 GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nblk, (int)D, (int)rows, 1, P, (int)nblk, G,
                      (int)ldg, 1, dV, (int)D);
                 FN(att_abt)(rows, nblk, D, 1, G, ldg, V, ldv, Vt, Tk, dP);
-                /* dS = P * (dP - rowsum(dO * O)), in place in dP */
+                /* scale dS = scale P * (dP - rowsum(dO * O)), in place in dP: scaled here, so
+                 * that dK's accumulating product has alpha 1 (kiln's GEMM adds it in place) */
+                const R sc = (R)a->scale;
                 for (int64_t r = 0; r < rows; r++) {
                     R Di = (R)FN(dot)(G + r * ldg, O + r * a->os[2], D);
                     R *pr = P + r * nblk, *dr = dP + r * nblk;
-                    for (int64_t j = 0; j < nblk; j++) dr[j] = pr[j] * (dr[j] - Di);
+                    for (int64_t j = 0; j < nblk; j++) dr[j] = pr[j] * (dr[j] - Di) * sc;
                 }
-                /* dQ = scale dS K; dK += scale dS^T Q */
-                GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, (R)a->scale, dP, (int)nblk,
-                     K, (int)ldk, 0, dQ, (int)D);
-                GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nblk, (int)D, (int)rows, (R)a->scale, dP, (int)nblk,
-                     Q, (int)ldq, 1, dK, (int)D);
+                /* dQ = (scale dS) K; dK += (scale dS)^T Q */
+                GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, 1, dP, (int)nblk, K,
+                     (int)ldk, 0, dQ, (int)D);
+                GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nblk, (int)D, (int)rows, 1, dP, (int)nblk, Q, (int)ldq,
+                     1, dK, (int)D);
             }
         }
     }

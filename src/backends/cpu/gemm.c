@@ -700,6 +700,7 @@ typedef struct {
     char *bpack;       /* the round's packed B: K block by K block, each npanels panels */
     int64_t mc, mblocks, panels_per_group, ngroups;
     int64_t tq, tr; /* row block b has tq + (b < tr) tiles: the first tr one more */
+    float alpha;    /* f32 C, not accumulating: each tile scaled by it once whole, in L1 */
     kiln__epilogue *epi; /* run on each item's rows once they are rounded, or NULL */
     bool failed;
 } job;
@@ -861,6 +862,9 @@ static void items(void *ctx, int64_t begin, int64_t end)
                     tile(j, kc, av.p + i / uk->mr * av.tile, av.rs, av.cs, b, c, cld, rows, n, add);
                 else
                     tile(j, kc, edge.p, edge.rs, edge.cs, b, c, cld, rows, n, add);
+                if (j->alpha != 1 && k0 + kc == j->K)
+                    for (int64_t r = 0; r < rows; r++)
+                        for (int64_t x = 0; x < n; x++) c[r * cld + x] *= j->alpha;
             }
         }
         if (j->Cb) { /* the item's sums are whole: round them once, while they are in cache */
@@ -882,22 +886,23 @@ static void items(void *ctx, int64_t begin, int64_t end)
  * calling thread alone with `serial`. */
 static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
                    kiln__gemm_operand B, float *C, uint16_t *Cb, int64_t ldc, bool accumulate, kiln__gemm_type compute,
-                   kiln__epilogue *epi)
+                   kiln__epilogue *epi, float alpha)
 {
+    assert(alpha == 1 || (C && !accumulate));
     /* (f16 operands are widened as packed, for the f32 kernels only) */
     assert(compute == KILN__GEMM_F32 || (A.type != KILN__GEMM_F16 && B.type != KILN__GEMM_F16));
     const ukernel *uk = pick(isa, compute);
     if (!uk) return false;
     if (M <= 0 || N <= 0) return true;
     if (N > NC || K <= 0) epi = NULL; /* an item holds every column only in a single round */
-    if (K <= 0) {
+    if (K <= 0) { /* (0 times alpha is 0) */
         for (int64_t i = 0; i < M && !accumulate; i++)
             if (Cb) memset(Cb + i * ldc, 0, sizeof(uint16_t) * (size_t)N);
             else memset(C + i * ldc, 0, sizeof(float) * (size_t)N);
         return true;
     }
     job j = {.uk = uk, .M = M, .N = N, .K = K, .kc_max = KILN__GEMM_KC, .A = A, .B = B, .C = C, .Cb = Cb, .ldc = ldc,
-             .accumulate = accumulate && !Cb, .es = uk->packed == KILN__GEMM_BF16 ? 2 : 4};
+             .accumulate = accumulate && !Cb, .es = uk->packed == KILN__GEMM_BF16 ? 2 : 4, .alpha = alpha};
     int64_t nt = !serial && kiln__pool_size() > 0 ? kiln__pool_size() : 1;
     size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < NC ? N : NC) + uk->nr) * j.es;
     j.bpack = buffer(0, bbytes);
@@ -947,7 +952,7 @@ static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_
 static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
                 float *C, uint16_t *Cb, int64_t ldc, bool accumulate, kiln__gemm_type compute, kiln__epilogue *epi)
 {
-    return run_on(false, isa, M, N, K, A, B, C, Cb, ldc, accumulate, compute, epi);
+    return run_on(false, isa, M, N, K, A, B, C, Cb, ldc, accumulate, compute, epi, 1);
 }
 
 bool kiln__gemm_f32_serial(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, float alpha,
@@ -956,15 +961,11 @@ bool kiln__gemm_f32_serial(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A
     assert(beta == 0 || beta == 1);
     /* One thread runs every item in order, so the buffers are had before C is first
      * written: a failure leaves C as it was. */
-    if (alpha == 1 || beta == 0) {
-        if (!run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, ldc, beta != 0, KILN__GEMM_F32, NULL))
-            return false;
-        for (int64_t i = 0; i < M && alpha != 1; i++)
-            for (int64_t c = 0; c < N; c++) C[i * ldc + c] *= alpha;
-        return true;
-    }
+    if (alpha == 1 || beta == 0) /* alpha is applied to each tile of C once its sums are whole */
+        return run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, ldc, beta != 0, KILN__GEMM_F32, NULL, alpha);
     float *t = M > 0 && N > 0 ? buffer(3, sizeof(float) * (size_t)M * (size_t)N) : NULL;
-    if (M > 0 && N > 0 && (!t || !run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, t, NULL, N, false, KILN__GEMM_F32, NULL)))
+    if (M > 0 && N > 0 &&
+        (!t || !run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, t, NULL, N, false, KILN__GEMM_F32, NULL, 1)))
         return false;
     for (int64_t i = 0; i < M; i++)
         for (int64_t c = 0; c < N; c++) C[i * ldc + c] += alpha * t[i * N + c];
