@@ -13,7 +13,10 @@
  *
  * Between two engines' runs the process rests (--rest-ms, default 20), so that one
  * library's idle threads, still spinning after its call, do not run against the next
- * engine's. Run it through bench/gemm.sh, which makes OpenBLAS use its best kernels on
+ * engine's. One more engine, "OB/pool", is OpenBLAS as kiln's f32 matmul runs it with
+ * KILN_OPT_POOL_GEMM: one thread inside each task of kiln's pool, the product split into
+ * a block of rows (or columns) a thread (src/backends/cpu/cpu_matmul.c's gemm), so no
+ * library's threads spin against another's: the comparison the training step makes. Run it through bench/gemm.sh, which makes OpenBLAS use its best kernels on
  * processors its detection misreads (OPENBLAS_CORETYPE) and BLIS's OpenMP threads
  * sleep when idle. */
 #include <dlfcn.h>
@@ -24,6 +27,7 @@
 #include "peak.h"
 #include "kiln/kiln.h"
 #include "backends/cpu/gemm.h"
+#include "core/threadpool.h"
 
 enum { ROW_MAJOR = 101, NO_TRANS = 111, TRANS = 112 }; /* the CBLAS enum values */
 typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int, const float *, int, float,
@@ -31,6 +35,9 @@ typedef void (*sgemm_fn)(int, int, int, int, int, int, float, const float *, int
 typedef struct {
     const char *name;
     sgemm_fn sgemm;
+    void (*set_threads)(int);
+    int threads;
+    bool pooled; /* one thread in each task of kiln's pool, as KILN_OPT_POOL_GEMM runs it */
 } blas;
 
 /* Opens a BLAS in a scope of its own and sets its thread count; false if absent. */
@@ -41,6 +48,9 @@ static bool blas_open(blas *b, const char *name, const char *soname, const char 
     b->sgemm = h ? (sgemm_fn)dlsym(h, "cblas_sgemm") : NULL;
     void (*st)(int) = h ? (void (*)(int))dlsym(h, set_threads) : NULL;
     if (st) st(threads);
+    b->set_threads = st;
+    b->threads = threads;
+    b->pooled = false;
     const char *(*core)(void) = h ? (const char *(*)(void))dlsym(h, "openblas_get_corename") : NULL;
     printf("# %s: %s%s%s\n", name, b->sgemm ? soname : "not found", core ? ", core " : "", core ? core() : "");
     return b->sgemm != NULL;
@@ -84,16 +94,67 @@ static kiln__gemm_operand op_b(const gemm_case *g, const void *p, kiln__gemm_typ
     return (kiln__gemm_operand){p, t, g->tb ? 1 : g->N, g->tb ? g->K : 1};
 }
 
+/* A product split over kiln's pool as cpu_matmul.c's gemm splits it (with its default
+ * switches): by rows when M >= N, else by columns, one block a thread in multiples of
+ * 128 once a 128-wide block's product passes 2^22 multiply-adds, else 128 wide. */
+typedef struct {
+    const blas *b;
+    const gemm_case *g;
+    const operands *o;
+    int64_t block;
+    bool by_rows;
+} pooled_job;
+
+static void pooled_blocks(void *ctx, int64_t b0, int64_t b1)
+{
+    const pooled_job *p = ctx;
+    const gemm_case *g = p->g;
+    for (int64_t blk = b0; blk < b1; blk++) {
+        int64_t s = blk * p->block, dim = p->by_rows ? g->M : g->N, w = dim - s < p->block ? dim - s : p->block;
+        int lda = (int)(g->ta ? g->M : g->K), ldb = (int)(g->tb ? g->K : g->N);
+        const float *A = p->o->a, *B = p->o->b;
+        float *C = p->o->c;
+        if (p->by_rows) {
+            A += g->ta ? s : s * g->K;
+            C += s * g->N;
+        } else {
+            B += g->tb ? s * g->K : s;
+            C += s;
+        }
+        p->b->sgemm(ROW_MAJOR, g->ta ? TRANS : NO_TRANS, g->tb ? TRANS : NO_TRANS, (int)(p->by_rows ? w : g->M),
+                    (int)(p->by_rows ? g->N : w), (int)g->K, 1.0f, A, lda, B, ldb, 0.0f, C, (int)g->N);
+    }
+}
+
+static void run_pooled(const blas *b, const gemm_case *g, const operands *o)
+{
+    pooled_job p = {b, g, o, 128, g->M >= g->N};
+    int64_t dim = p.by_rows ? g->M : g->N, other = p.by_rows ? g->N : g->M, nt = kiln_num_threads();
+    if (128 * other * g->K > ((int64_t)1 << 22)) {
+        int64_t per = (dim + nt - 1) / (nt > 0 ? nt : 1);
+        p.block = (per + 127) / 128 * 128;
+    }
+    int64_t nblk = (dim + p.block - 1) / p.block;
+    if (nblk < 2 || g->M * g->N * g->K < (int64_t)1 << 18) {
+        p.block = dim;
+        nblk = 1;
+    }
+    kiln__parallel_for(nblk, 1, pooled_blocks, &p);
+}
+
 /* Engine e's seconds for one GEMM: 0 kiln f32, 1 kiln bf16 (bf16 operands and result, as
  * a bf16 matmul runs it), 2.. a BLAS. */
 static double run(int e, const gemm_case *g, operands *o, const blas *bl)
 {
+    if (e >= 2 && bl[e - 2].set_threads) bl[e - 2].set_threads(bl[e - 2].pooled ? 1 : bl[e - 2].threads);
     double t0 = bench_now_s();
     if (e == 0) kiln__gemm(g->M, g->N, g->K, op_a(g, o->a, KILN__GEMM_F32), op_b(g, o->b, KILN__GEMM_F32), o->c, g->N,
                            false, KILN__GEMM_F32);
     else if (e == 1)
         kiln__gemm_bf16(g->M, g->N, g->K, op_a(g, o->a16, KILN__GEMM_BF16), op_b(g, o->b16, KILN__GEMM_BF16), o->c16,
                         g->N);
+    else if (bl[e - 2].pooled)
+        run_pooled(&bl[e - 2], g, o);
     else
         bl[e - 2].sgemm(ROW_MAJOR, g->ta ? TRANS : NO_TRANS, g->tb ? TRANS : NO_TRANS, (int)g->M, (int)g->N,
                         (int)g->K, 1.0f, o->a, (int)(g->ta ? g->M : g->K), o->b, (int)(g->tb ? g->K : g->N), 0.0f,
@@ -101,7 +162,7 @@ static double run(int e, const gemm_case *g, operands *o, const blas *bl)
     return bench_now_s() - t0;
 }
 
-#define MAX_ENGINES 4
+#define MAX_ENGINES 5
 static double gflops(const gemm_case *g, double s) { return 2.0 * (double)g->M * (double)g->N * (double)g->K / s * 1e-9; }
 
 /* Median GFLOP/s of each engine over reps interleaved repetitions; also the largest
@@ -169,10 +230,16 @@ int main(int argc, char **argv)
     if (reps > 64) reps = 64;
     if (kiln_init(threads) != KILN_OK) return 1;
     threads = kiln_num_threads();
-    blas bl[2];
+    blas bl[3];
     int nblas = 0;
-    nblas += blas_open(&bl[nblas], "OpenBLAS", "libopenblas.so.0", "openblas_set_num_threads", threads);
+    bool openblas = blas_open(&bl[nblas], "OpenBLAS", "libopenblas.so.0", "openblas_set_num_threads", threads);
+    nblas += openblas;
     nblas += blas_open(&bl[nblas], "BLIS", "libblis.so.4", "bli_thread_set_num_threads", threads);
+    if (openblas) {
+        bl[nblas] = bl[0];
+        bl[nblas].name = "OB/pool";
+        bl[nblas++].pooled = true;
+    }
     peak_isa f32_isa = peak_supported(PEAK_AVX512) ? PEAK_AVX512 : PEAK_AVX2;
     /* bf16 against the peak of the instruction kiln's bf16 kernel runs on: AMX's,
      * vdpbf16ps's, or (the f32 kernels on bf16 values) the f32 FMA's */
@@ -208,25 +275,32 @@ int main(int argc, char **argv)
     if (!only || !strcmp(only, "square"))
         for (int64_t s = 256; s <= max_square && n < 64; s *= 2) cases[n++] = (gemm_case){"square", s, s, s, false, false, 0};
 
-    printf("%-10s %5s %5s %5s %3s | %9s %5s %9s %5s | %9s %9s | %7s %7s | %8s\n", "gemm", "M", "N", "K", "op",
-           "kiln f32", "peak", "kiln bf16", "peak", nblas > 0 ? bl[0].name : "-", nblas > 1 ? bl[1].name : "-",
-           "kiln/1", "kiln/2", "rel.err");
+    printf("%-10s %5s %5s %5s %3s | %9s %5s %9s %5s |", "gemm", "M", "N", "K", "op", "kiln f32", "peak", "kiln bf16",
+           "peak");
+    for (int b = 0; b < nblas; b++) printf(" %9s", bl[b].name);
+    printf(" |");
+    for (int b = 0; b < nblas; b++) printf(" kiln/%-3d", b + 1);
+    printf(" | %8s\n", "rel.err");
     double step[MAX_ENGINES] = {0};
     for (int c = 0; c < n; c++) {
         const gemm_case *g = &cases[c];
         double gf[MAX_ENGINES] = {0}, rel;
         bench_case(g, reps, rest_ms, bl, nblas, gf, &rel);
-        printf("%-10s %5lld %5lld %5lld %3s | %9.1f %5.2f %9.1f %5.2f | %9.1f %9.1f | %7.2f %7.2f | %8.1e\n", g->name,
-               (long long)g->M, (long long)g->N, (long long)g->K, layout(g), gf[0], gf[0] / f32_peak, gf[1],
-               gf[1] / bf16_peak, gf[2], gf[3], gf[2] > 0 ? gf[0] / gf[2] : NAN, gf[3] > 0 ? gf[0] / gf[3] : NAN,
-               rel);
+        printf("%-10s %5lld %5lld %5lld %3s | %9.1f %5.2f %9.1f %5.2f |", g->name, (long long)g->M, (long long)g->N,
+               (long long)g->K, layout(g), gf[0], gf[0] / f32_peak, gf[1], gf[1] / bf16_peak);
+        for (int b = 0; b < nblas; b++) printf(" %9.1f", gf[2 + b]);
+        printf(" |");
+        for (int b = 0; b < nblas; b++) printf(" %8.2f", gf[2 + b] > 0 ? gf[0] / gf[2 + b] : NAN);
+        printf(" | %8.1e\n", rel);
         for (int e = 0; e < 2 + nblas; e++)
             if (gf[e] > 0) step[e] += g->per_step * 2.0 * (double)g->M * (double)g->N * (double)g->K / gf[e] * 1e-6;
     }
-    if (step[0] > 0 && cases[0].per_step)
-        printf("config S step's GEMMs, ms: kiln f32 %.2f, kiln bf16 %.2f, %s %.2f, %s %.2f; kiln f32 / %s %.2f, / %s "
-               "%.2f (time ratio, >1 = kiln faster)\n",
-               step[0], step[1], nblas > 0 ? bl[0].name : "-", step[2], nblas > 1 ? bl[1].name : "-", step[3],
-               nblas > 0 ? bl[0].name : "-", step[2] / step[0], nblas > 1 ? bl[1].name : "-", step[3] / step[0]);
+    if (step[0] > 0 && cases[0].per_step) {
+        printf("config S step's GEMMs, ms: kiln f32 %.2f, kiln bf16 %.2f", step[0], step[1]);
+        for (int b = 0; b < nblas; b++) printf(", %s %.2f", bl[b].name, step[2 + b]);
+        printf("; kiln f32");
+        for (int b = 0; b < nblas; b++) printf("%s / %s %.2f", b ? "," : "", bl[b].name, step[2 + b] / step[0]);
+        printf(" (time ratio, >1 = kiln faster)\n");
+    }
     return 0;
 }
