@@ -166,7 +166,8 @@ static double run(int e, const gemm_case *g, operands *o, const blas *bl)
 static double gflops(const gemm_case *g, double s) { return 2.0 * (double)g->M * (double)g->N * (double)g->K / s * 1e-9; }
 
 /* Median GFLOP/s of each engine over reps interleaved repetitions; also the largest
- * difference of kiln f32 from the first BLAS, relative to the largest |value|. */
+ * difference of kiln f32 and of the other BLAS engines (OB/pool's blocks included) from
+ * the first BLAS, relative to the largest |value|. */
 static void bench_case(const gemm_case *g, int reps, int rest_ms, const blas *bl, int nblas, double *gf, double *rel)
 {
     uint64_t seed = 42;
@@ -181,11 +182,14 @@ static void bench_case(const gemm_case *g, int reps, int rest_ms, const blas *bl
         float *ref = malloc(sizeof(float) * (size_t)(g->M * g->N));
         run(2, g, &o, bl);
         memcpy(ref, o.c, sizeof(float) * (size_t)(g->M * g->N));
-        run(0, g, &o, bl);
         double err = 0, mag = 0;
-        for (int64_t i = 0; i < g->M * g->N; i++) {
-            err = fmax(err, fabs((double)o.c[i] - ref[i]));
-            mag = fmax(mag, fabs((double)ref[i]));
+        for (int e = 0; e < ne; e++) { /* kiln f32 and every BLAS engine but the reference */
+            if (e == 1 || e == 2) continue;
+            run(e, g, &o, bl);
+            for (int64_t i = 0; i < g->M * g->N; i++) {
+                err = fmax(err, fabs((double)o.c[i] - ref[i]));
+                mag = fmax(mag, fabs((double)ref[i]));
+            }
         }
         *rel = err / mag;
         free(ref);

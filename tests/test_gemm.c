@@ -316,8 +316,8 @@ static void test_bf16_epilogue_sees_each_rounded_row_once(void **state)
  * op(B) + beta C (row-major, beta 0 or 1, padded leading dims), against the double
  * reference with the bound above (over |alpha| sum |a b| + |beta c|); bitwise the same
  * whether called from a pool task or outside one (its sums do not depend on the pool);
- * and bitwise the product of the GEMM the switch names: kiln__gemm_f32_serial where
- * KILN_OPT_OWN_GEMM is on, cblas_sgemm where it is off. */
+ * and bitwise the product of the GEMM the switches name: kiln__gemm_f32_serial where
+ * KILN_OPT_OWN_GEMM and KILN_OPT_POOL_GEMM are on, cblas_sgemm otherwise. */
 typedef struct {
     enum CBLAS_TRANSPOSE ta, tb;
     int M, N, K, lda, ldb, ldc;
@@ -339,7 +339,7 @@ static void test_cpu_sgemm_is_cblas_alike(void **state)
 {
     (void)state;
     static const int shapes[][3] = {{1, 1, 1}, {7, 65, 300}, {64, 37, 64}, {13, 130, 5}, {40, 64, 576}};
-    bool own = kiln__opt(KILN__OPT_OWN_GEMM);
+    bool own = kiln__opt(KILN__OPT_OWN_GEMM) && kiln__opt(KILN__OPT_POOL_GEMM);
     for (size_t sh = 0; sh < sizeof shapes / sizeof shapes[0]; sh++)
         for (int v = 0; v < 16; v++) {
             int M = shapes[sh][0], N = shapes[sh][1], K = shapes[sh][2];

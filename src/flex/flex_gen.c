@@ -813,8 +813,8 @@ static int64_t cols_of(const int64_t *kvl, int64_t nb, int64_t kvb, int64_t Tk)
 /* The backward. One task per (b, kv head), so that its dK and dV have one writer: for
  * every query head of the group and query block, the scores again, P = exp(score' - L)
  * and M = d score'/d score from the generated function, dV += P^T dO, dP = dO V^T,
- * dS = P (dP - Dm) M (Dm: the rows' sum of dO O, less the log-sum-exp's gradient; the
- * generated function again), dQ = scale dS K, dK += scale dS^T Q; runs of adjacent key
+ * dS = scale P (dP - Dm) M (Dm: the rows' sum of dO O, less the log-sum-exp's gradient;
+ * the generated function again), dQ = dS K, dK += dS^T Q; runs of adjacent key
  * blocks one GEMM each, the products with K^T and V^T on copies transposed once per kv
  * head (NN GEMMs, as the dense attention's backward). a->y is dO, a->lse L and a->v V;
  * dq, dk, dv and Dm in the context. */

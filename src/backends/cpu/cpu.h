@@ -66,9 +66,9 @@ static inline kiln_status cpu_check_indices(const char *op, const kiln_tensor_t 
  * allow: attention's K^T and V^T, and flex attention's (the room above). */
 void kiln__cpu_transpose_f32(float *dst, const float *src, int64_t T, int64_t D, int64_t ld);
 /* cblas_sgemm's product, on kiln's own GEMM where KILN_OPT_OWN_GEMM is on (row-major, beta
- * 0 or 1, alpha not 0), else the BLAS: attention's and flex attention's f32 tiles. Either
- * runs on the calling thread alone, as the single-threaded BLAS does inside a pool task,
- * so the results do not depend on the thread count. */
+ * 0 or 1, alpha not 0, and KILN_OPT_POOL_GEMM on), else the BLAS: attention's and flex
+ * attention's f32 tiles. kiln's GEMM runs on the calling thread alone, as the BLAS does
+ * inside a pool task with POOL_GEMM, so the results do not depend on the thread count. */
 void kiln__cpu_sgemm(enum CBLAS_ORDER o, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int M, int N, int K,
                      float alpha, const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
 void kiln__cpu_transpose_f64(double *dst, const double *src, int64_t T, int64_t D, int64_t ld);

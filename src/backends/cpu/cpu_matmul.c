@@ -85,8 +85,10 @@ void kiln__cpu_sgemm(enum CBLAS_ORDER o, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRA
                      float alpha, const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc)
 {
     /* alpha 0 stays with the BLAS, which then reads neither A nor B (an inf in them
-     * would make NaNs of the product) */
+     * would make NaNs of the product); so does everything with KILN_OPT_POOL_GEMM off,
+     * where attention's tasks run one after another and the BLAS threads each tile */
     if (o == CblasRowMajor && (beta == 0 || beta == 1) && alpha != 0 && kiln__opt(KILN__OPT_OWN_GEMM) &&
+        kiln__opt(KILN__OPT_POOL_GEMM) &&
         kiln__gemm_f32_serial(M, N, K, own_operand((const char *)A, KILN__GEMM_F32, (mat_layout){ta, lda}),
                               own_operand((const char *)B, KILN__GEMM_F32, (mat_layout){tb, ldb}), alpha, beta, C, ldc))
         return;

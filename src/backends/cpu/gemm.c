@@ -862,9 +862,11 @@ static void items(void *ctx, int64_t begin, int64_t end)
                     tile(j, kc, av.p + i / uk->mr * av.tile, av.rs, av.cs, b, c, cld, rows, n, add);
                 else
                     tile(j, kc, edge.p, edge.rs, edge.cs, b, c, cld, rows, n, add);
-                if (j->alpha != 1 && k0 + kc == j->K)
+                if (j->alpha != 1 && k0 + kc == j->K) {
+                    const float alpha = j->alpha;
                     for (int64_t r = 0; r < rows; r++)
-                        for (int64_t x = 0; x < n; x++) c[r * cld + x] *= j->alpha;
+                        for (int64_t x = 0; x < n; x++) c[r * cld + x] *= alpha;
+                }
             }
         }
         if (j->Cb) { /* the item's sums are whole: round them once, while they are in cache */
@@ -903,7 +905,9 @@ static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_
     }
     job j = {.uk = uk, .M = M, .N = N, .K = K, .kc_max = KILN__GEMM_KC, .A = A, .B = B, .C = C, .Cb = Cb, .ldc = ldc,
              .accumulate = accumulate && !Cb, .es = uk->packed == KILN__GEMM_BF16 ? 2 : 4, .alpha = alpha};
-    int64_t nt = !serial && kiln__pool_size() > 0 ? kiln__pool_size() : 1;
+    /* the threads that will run the items: one on this thread alone (serial, or called
+     * inside a pool task, where kiln__parallel_for runs inline) */
+    int64_t nt = !serial && !kiln__pool_inline() && kiln__pool_size() > 0 ? kiln__pool_size() : 1;
     size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < NC ? N : NC) + uk->nr) * j.es;
     j.bpack = buffer(0, bbytes);
     if (!j.bpack) return false;
@@ -936,7 +940,7 @@ static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_
         j.tq = even ? tiles / j.mblocks : per;
         j.tr = even ? tiles % j.mblocks : 0;
         j.mc = (j.tq + (j.tr > 0)) * uk->mr;
-        j.ngroups = j.mblocks >= 2 * nt ? 1 : (2 * nt + j.mblocks - 1) / j.mblocks;
+        j.ngroups = j.mblocks >= 2 * nt || nt == 1 ? 1 : (2 * nt + j.mblocks - 1) / j.mblocks;
         if (j.ngroups > j.npanels) j.ngroups = j.npanels;
         j.panels_per_group = (j.npanels + j.ngroups - 1) / j.ngroups;
         j.ngroups = (j.npanels + j.panels_per_group - 1) / j.panels_per_group;
@@ -963,6 +967,7 @@ bool kiln__gemm_f32_serial(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A
      * written: a failure leaves C as it was. */
     if (alpha == 1 || beta == 0) /* alpha is applied to each tile of C once its sums are whole */
         return run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, ldc, beta != 0, KILN__GEMM_F32, NULL, alpha);
+    if (K <= 0 || M <= 0 || N <= 0) return true; /* C + alpha 0: C as it was, as cblas leaves it */
     float *t = M > 0 && N > 0 ? buffer(3, sizeof(float) * (size_t)M * (size_t)N) : NULL;
     if (M > 0 && N > 0 &&
         (!t || !run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, t, NULL, N, false, KILN__GEMM_F32, NULL, 1)))
