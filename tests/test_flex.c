@@ -507,6 +507,63 @@ static void fused_gradients_match_the_oracle(void **state)
     kiln_flex_free(f);
 }
 
+/* Long rows of keys at the fused kernels' own block size (64): T 1100, so that a query
+ * block's row of scores spans up to 17 key blocks, runs of adjacent blocks are one GEMM
+ * and the last block is short. Causal; a window of 700 with soft-capping (partial blocks
+ * at both ends of a row); documents 0-299, 300-899, 900- with causal (rows of the block
+ * across 900 see no key in most of its listed blocks). Against the f64 reference: y and
+ * lse to 1e-5 of the largest, the gradients to 1e-5 (the other oracle tests run T 24). */
+static void long_rows_of_keys_match_the_oracle(void **state)
+{
+    (void)state;
+    dims d = {1, 2, 1, 1100, 1100, 8};
+    static int64_t docs[1100];
+    for (int j = 0; j < 1100; j++) docs[j] = j < 300 ? 0 : j < 900 ? 1 : 2;
+    static const flex_case cases[] = {
+        {"causal", "causal", NULL, NULL, {.causal = true, .window = -1, .pre = -1}},
+        {"window:700+softcap:3", "window:700+softcap:3", NULL, NULL, {.window = 700, .cap = 3, .pre = -1}},
+        {"doc+causal", "doc+causal", NULL, NULL, {.doc = true, .causal = true, .window = -1, .pre = -1}},
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        flex_case c = cases[ci];
+        if (c.o.doc) c.o.docs = docs;
+        int64_t qn = d.B * d.H * d.Tq * d.D, kn = d.B * d.Hkv * d.Tk * d.D, ds[2] = {d.B, d.Tk};
+        double *q = randoms(qn, 61 + ci), *k = randoms(kn, 62), *v = randoms(kn, 63), *w = randoms(qn, 64);
+        double *y = malloc(sizeof(double) * (size_t)qn), *lse = malloc(sizeof(double) * (size_t)(qn / d.D));
+        double *dq = malloc(sizeof(double) * (size_t)qn), *dk = malloc(sizeof(double) * (size_t)kn),
+               *dv = malloc(sizeof(double) * (size_t)kn);
+        reference(&c.o, &d, q, k, v, y, lse);
+        reference_grads(&c.o, &d, q, k, v, w, dq, dk, dv);
+        int64_t qs[4] = {d.B, d.H, d.Tq, d.D}, ks[4] = {d.B, d.Hkv, d.Tk, d.D};
+        kiln_tensor_t *in[3] = {tensor(q, qs, 4, KILN_DTYPE_F32), tensor(k, ks, 4, KILN_DTYPE_F32),
+                                tensor(v, ks, 4, KILN_DTYPE_F32)};
+        kiln_tensor_t *wt = tensor(w, qs, 4, KILN_DTYPE_F32);
+        kiln_flex_inputs fi = {.doc_ids = kiln_from_data(docs, ds, 2, KILN_DTYPE_I64)};
+        kiln_flex_t *f;
+        kiln_block_mask_t *bm;
+        kiln_status s = kiln_flex_preset(c.spec, &fi, &f);
+        if (s == KILN_OK) s = kiln_block_mask_new(f, d.B, d.H, d.Tq, d.Tk, 64, 64, &bm);
+        if (s != KILN_OK) fail_msg("%s: %s", c.name, kiln_last_error());
+        for (int i = 0; i < 3; i++) kiln_tensor_set_requires_grad(in[i], true);
+        kiln_tensor_t *l = NULL, *out = kiln_flex_attention(in[0], in[1], in[2], f, bm, 0, &l);
+        if (!out) fail_msg("%s: %s", c.name, kiln_last_error());
+        if (kiln_backward(kiln_add(kiln_sum(kiln_mul(out, wt), NULL, 0, false), kiln_sum(l, NULL, 0, false))) != KILN_OK)
+            fail_msg("%s: backward: %s", c.name, kiln_last_error());
+        double *got[5] = {host(out), host(l), host(kiln_tensor_grad(in[0])), host(kiln_tensor_grad(in[1])),
+                          host(kiln_tensor_grad(in[2]))};
+        const double *want[5] = {y, lse, dq, dk, dv};
+        static const char *names[5] = {"y", "lse", "dq", "dk", "dv"};
+        const int64_t n[5] = {qn, qn / d.D, qn, kn, kn};
+        for (int i = 0; i < 5; i++) {
+            near_oracle(got[i], want[i], n[i], 1e-5, c.name, names[i]);
+            free(got[i]);
+        }
+        kiln_block_mask_free(bm);
+        kiln_flex_free(f);
+        free(q), free(k), free(v), free(w), free(y), free(lse), free(dq), free(dk), free(dv);
+    }
+}
+
 /* bf16 and f16 q, k, v (what the linear layers give under mixed precision), inside an
  * autocast region of their type as a model runs them, and a bf16 q over f32 k and v (a
  * cache): computed in f32 and each output rounded once to its type. The oracle is the f64 reference
@@ -1006,6 +1063,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(presets_and_user_modifiers_match_the_definition, setup, teardown),
         cmocka_unit_test_setup_teardown(gradients_match_finite_differences, setup, teardown),
         cmocka_unit_test_setup_teardown(fused_gradients_match_the_oracle, setup, teardown),
+        cmocka_unit_test_setup_teardown(long_rows_of_keys_match_the_oracle, setup, teardown),
         cmocka_unit_test_setup_teardown(sixteen_bit_inputs_match_the_oracle, setup, teardown),
         cmocka_unit_test_setup_teardown(matches_pytorch_flex_attention, setup, teardown),
         cmocka_unit_test_setup_teardown(block_masks_classify_blocks, setup, teardown),
