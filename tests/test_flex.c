@@ -380,6 +380,70 @@ static void near_oracle(const double *x, const double *want, int64_t n, double t
             fail_msg("%s: %s[%lld] %.9g, the oracle %.9g (largest %.3g)", what, name, (long long)i, x[i], want[i], big);
 }
 
+/* One case of the fused kernels against the f64 reference: q random from qseed, k, v and
+ * the upstream gradient w from kseed, kseed + 1, kseed + 2; the block mask at
+ * block x kv_block, the captured document ids docs (B, Tk) and ALiBi slopes (H; NULL:
+ * none given); y, lse and the gradients of q, k, v to 1e-5 of each tensor's largest.
+ * With `classify`, the mask must have partial blocks (and full ones, but for the user's
+ * mask), and the call runs over heap memory full of NaNs. */
+static void fused_case(const flex_case *cs, const dims *d, const int64_t *docs, const double *slopes_or_null,
+                       int64_t block, int64_t kv_block, uint64_t qseed, uint64_t kseed, bool classify)
+{
+    flex_case c = *cs;
+    if (c.o.doc) c.o.docs = docs;
+    int64_t qn = d->B * d->H * d->Tq * d->D, kn = d->B * d->Hkv * d->Tk * d->D, H = d->H, ds[2] = {d->B, d->Tk};
+    double *q = randoms(qn, qseed), *k = randoms(kn, kseed), *v = randoms(kn, kseed + 1), *w = randoms(qn, kseed + 2);
+    double *y = malloc(sizeof(double) * (size_t)qn), *lse = malloc(sizeof(double) * (size_t)(qn / d->D));
+    double *dq = malloc(sizeof(double) * (size_t)qn), *dk = malloc(sizeof(double) * (size_t)kn),
+           *dv = malloc(sizeof(double) * (size_t)kn);
+    reference(&c.o, d, q, k, v, y, lse);
+    reference_grads(&c.o, d, q, k, v, w, dq, dk, dv);
+    int64_t qs[4] = {d->B, d->H, d->Tq, d->D}, ks[4] = {d->B, d->Hkv, d->Tk, d->D};
+    kiln_tensor_t *in[3] = {tensor(q, qs, 4, KILN_DTYPE_F32), tensor(k, ks, 4, KILN_DTYPE_F32),
+                            tensor(v, ks, 4, KILN_DTYPE_F32)};
+    kiln_tensor_t *wt = tensor(w, qs, 4, KILN_DTYPE_F32);
+    kiln_flex_inputs fi = {.doc_ids = kiln_from_data(docs, ds, 2, KILN_DTYPE_I64),
+                           .alibi_slopes = slopes_or_null ? tensor(slopes_or_null, &H, 1, KILN_DTYPE_F32) : NULL};
+    kiln_flex_t *f;
+    kiln_block_mask_t *bm;
+    kiln_status st = c.spec ? kiln_flex_preset(c.spec, &fi, &f) : kiln_flex_new(c.score, c.mask, NULL, 0, &f);
+    if (st == KILN_OK) st = kiln_block_mask_new(f, d->B, d->H, d->Tq, d->Tk, block, kv_block, &bm);
+    if (st != KILN_OK) fail_msg("%s: %s", c.name, kiln_last_error());
+    if (classify) {
+        int64_t full, partial, empty;
+        double density;
+        kiln_block_mask_stats(bm, &full, &partial, &empty, &density);
+        assert_true(partial > 0);
+        if (!c.o.user_mask) assert_true(full > 0); /* the user's mask has none at blocks of 4 */
+    }
+    for (int i = 0; i < 3; i++) kiln_tensor_set_requires_grad(in[i], true);
+    if (classify) {
+        /* freed heap memory full of NaNs, as a long-running process has: a kernel that
+         * reads a tile buffer it never wrote (the derivative of a row that sees no key)
+         * gives NaN gradients, where fresh pages would have hidden it */
+        void *poison[64];
+        for (int i = 0; i < 64; i++)
+            if ((poison[i] = malloc((size_t)(1024 + 96 * i)))) memset(poison[i], 0xff, (size_t)(1024 + 96 * i));
+        for (int i = 0; i < 64; i++) free(poison[i]);
+    }
+    kiln_tensor_t *l = NULL, *out = kiln_flex_attention(in[0], in[1], in[2], f, bm, 0, &l);
+    if (!out) fail_msg("%s: %s", c.name, kiln_last_error());
+    if (kiln_backward(kiln_add(kiln_sum(kiln_mul(out, wt), NULL, 0, false), kiln_sum(l, NULL, 0, false))) != KILN_OK)
+        fail_msg("%s: backward: %s", c.name, kiln_last_error());
+    double *got[5] = {host(out), host(l), host(kiln_tensor_grad(in[0])), host(kiln_tensor_grad(in[1])),
+                      host(kiln_tensor_grad(in[2]))};
+    const double *want[5] = {y, lse, dq, dk, dv};
+    static const char *names[5] = {"y", "lse", "dq", "dk", "dv"};
+    const int64_t n[5] = {qn, qn / d->D, qn, kn, kn};
+    for (int i = 0; i < 5; i++) {
+        near_oracle(got[i], want[i], n[i], 1e-5, c.name, names[i]);
+        free(got[i]);
+    }
+    kiln_block_mask_free(bm);
+    kiln_flex_free(f);
+    free(q), free(k), free(v), free(w), free(y), free(lse), free(dq), free(dk), free(dv);
+}
+
 /* The fused backward in f32 on the test's device (on OpenCL and CUDA the generated
  * flex_bwd_dq_dev and flex_bwd_dkv_dev, on the cpu its tiles): y, lse, dq, dk and dv of
  * sum(y w) + sum(lse) against the oracle's, with block masks of 4 query rows and 4 or 3
@@ -418,58 +482,9 @@ static void fused_gradients_match_the_oracle(void **state)
         {{"window:6+softcap:3, 10 queries at the end", "window:6+softcap:3", NULL, NULL,
           {.window = 6, .cap = 3, .pre = -1}}, true, 3},
     };
-    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
-        flex_case c = cases[ci].c;
-        const dims *d = cases[ci].dec ? &dec : &sq;
-        if (c.o.doc) c.o.docs = docs24;
-        int64_t qn = d->B * d->H * d->Tq * d->D, kn = d->B * d->Hkv * d->Tk * d->D, H = d->H, ds[2] = {d->B, d->Tk};
-        double *q = randoms(qn, 41 + ci), *k = randoms(kn, 42), *v = randoms(kn, 43), *w = randoms(qn, 44);
-        double *y = malloc(sizeof(double) * (size_t)qn), *lse = malloc(sizeof(double) * (size_t)(qn / d->D));
-        double *dq = malloc(sizeof(double) * (size_t)qn), *dk = malloc(sizeof(double) * (size_t)kn),
-               *dv = malloc(sizeof(double) * (size_t)kn);
-        reference(&c.o, d, q, k, v, y, lse);
-        reference_grads(&c.o, d, q, k, v, w, dq, dk, dv);
-        int64_t qs[4] = {d->B, d->H, d->Tq, d->D}, ks[4] = {d->B, d->Hkv, d->Tk, d->D};
-        kiln_tensor_t *in[3] = {tensor(q, qs, 4, KILN_DTYPE_F32), tensor(k, ks, 4, KILN_DTYPE_F32),
-                                tensor(v, ks, 4, KILN_DTYPE_F32)};
-        kiln_tensor_t *wt = tensor(w, qs, 4, KILN_DTYPE_F32);
-        kiln_flex_inputs fi = {.doc_ids = kiln_from_data(docs24, ds, 2, KILN_DTYPE_I64),
-                               .alibi_slopes = tensor(slopes, &H, 1, KILN_DTYPE_F32)};
-        kiln_flex_t *f;
-        kiln_block_mask_t *bm;
-        kiln_status s = c.spec ? kiln_flex_preset(c.spec, &fi, &f) : kiln_flex_new(c.score, c.mask, NULL, 0, &f);
-        if (s == KILN_OK) s = kiln_block_mask_new(f, d->B, d->H, d->Tq, d->Tk, 4, cases[ci].kv_block, &bm);
-        if (s != KILN_OK) fail_msg("%s: %s", c.name, kiln_last_error());
-        int64_t full, partial, empty;
-        double density;
-        kiln_block_mask_stats(bm, &full, &partial, &empty, &density);
-        assert_true(partial > 0);
-        if (!c.o.user_mask) assert_true(full > 0); /* the user's mask has none at blocks of 4 */
-        for (int i = 0; i < 3; i++) kiln_tensor_set_requires_grad(in[i], true);
-        /* freed heap memory full of NaNs, as a long-running process has: a kernel that
-         * reads a tile buffer it never wrote (the derivative of a row that sees no key)
-         * gives NaN gradients, where fresh pages would have hidden it */
-        void *poison[64];
-        for (int i = 0; i < 64; i++)
-            if ((poison[i] = malloc((size_t)(1024 + 96 * i)))) memset(poison[i], 0xff, (size_t)(1024 + 96 * i));
-        for (int i = 0; i < 64; i++) free(poison[i]);
-        kiln_tensor_t *l = NULL, *out = kiln_flex_attention(in[0], in[1], in[2], f, bm, 0, &l);
-        if (!out) fail_msg("%s: %s", c.name, kiln_last_error());
-        if (kiln_backward(kiln_add(kiln_sum(kiln_mul(out, wt), NULL, 0, false), kiln_sum(l, NULL, 0, false))) != KILN_OK)
-            fail_msg("%s: backward: %s", c.name, kiln_last_error());
-        double *got[5] = {host(out), host(l), host(kiln_tensor_grad(in[0])), host(kiln_tensor_grad(in[1])),
-                          host(kiln_tensor_grad(in[2]))};
-        const double *want[5] = {y, lse, dq, dk, dv};
-        static const char *names[5] = {"y", "lse", "dq", "dk", "dv"};
-        const int64_t n[5] = {qn, qn / d->D, qn, kn, kn};
-        for (int i = 0; i < 5; i++) {
-            near_oracle(got[i], want[i], n[i], 1e-5, c.name, names[i]);
-            free(got[i]);
-        }
-        kiln_block_mask_free(bm);
-        kiln_flex_free(f);
-        free(q), free(k), free(v), free(w), free(y), free(lse), free(dq), free(dk), free(dv);
-    }
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++)
+        fused_case(&cases[ci].c, cases[ci].dec ? &dec : &sq, docs24, slopes, 4, cases[ci].kv_block, 41 + ci, 42,
+                   true);
     if (!test_opt_on("FLEX_FUSED")) return;
     /* the fused path ran: the backward op's own kernel on this device ... */
     int64_t qs[4] = {1, 8, 1024, 16}, ks[4] = {1, 8, 1024, 16};
@@ -524,44 +539,8 @@ static void long_rows_of_keys_match_the_oracle(void **state)
         {"window:700+softcap:3", "window:700+softcap:3", NULL, NULL, {.window = 700, .cap = 3, .pre = -1}},
         {"doc+causal", "doc+causal", NULL, NULL, {.doc = true, .causal = true, .window = -1, .pre = -1}},
     };
-    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
-        flex_case c = cases[ci];
-        if (c.o.doc) c.o.docs = docs;
-        int64_t qn = d.B * d.H * d.Tq * d.D, kn = d.B * d.Hkv * d.Tk * d.D, ds[2] = {d.B, d.Tk};
-        double *q = randoms(qn, 61 + ci), *k = randoms(kn, 62), *v = randoms(kn, 63), *w = randoms(qn, 64);
-        double *y = malloc(sizeof(double) * (size_t)qn), *lse = malloc(sizeof(double) * (size_t)(qn / d.D));
-        double *dq = malloc(sizeof(double) * (size_t)qn), *dk = malloc(sizeof(double) * (size_t)kn),
-               *dv = malloc(sizeof(double) * (size_t)kn);
-        reference(&c.o, &d, q, k, v, y, lse);
-        reference_grads(&c.o, &d, q, k, v, w, dq, dk, dv);
-        int64_t qs[4] = {d.B, d.H, d.Tq, d.D}, ks[4] = {d.B, d.Hkv, d.Tk, d.D};
-        kiln_tensor_t *in[3] = {tensor(q, qs, 4, KILN_DTYPE_F32), tensor(k, ks, 4, KILN_DTYPE_F32),
-                                tensor(v, ks, 4, KILN_DTYPE_F32)};
-        kiln_tensor_t *wt = tensor(w, qs, 4, KILN_DTYPE_F32);
-        kiln_flex_inputs fi = {.doc_ids = kiln_from_data(docs, ds, 2, KILN_DTYPE_I64)};
-        kiln_flex_t *f;
-        kiln_block_mask_t *bm;
-        kiln_status s = kiln_flex_preset(c.spec, &fi, &f);
-        if (s == KILN_OK) s = kiln_block_mask_new(f, d.B, d.H, d.Tq, d.Tk, 64, 64, &bm);
-        if (s != KILN_OK) fail_msg("%s: %s", c.name, kiln_last_error());
-        for (int i = 0; i < 3; i++) kiln_tensor_set_requires_grad(in[i], true);
-        kiln_tensor_t *l = NULL, *out = kiln_flex_attention(in[0], in[1], in[2], f, bm, 0, &l);
-        if (!out) fail_msg("%s: %s", c.name, kiln_last_error());
-        if (kiln_backward(kiln_add(kiln_sum(kiln_mul(out, wt), NULL, 0, false), kiln_sum(l, NULL, 0, false))) != KILN_OK)
-            fail_msg("%s: backward: %s", c.name, kiln_last_error());
-        double *got[5] = {host(out), host(l), host(kiln_tensor_grad(in[0])), host(kiln_tensor_grad(in[1])),
-                          host(kiln_tensor_grad(in[2]))};
-        const double *want[5] = {y, lse, dq, dk, dv};
-        static const char *names[5] = {"y", "lse", "dq", "dk", "dv"};
-        const int64_t n[5] = {qn, qn / d.D, qn, kn, kn};
-        for (int i = 0; i < 5; i++) {
-            near_oracle(got[i], want[i], n[i], 1e-5, c.name, names[i]);
-            free(got[i]);
-        }
-        kiln_block_mask_free(bm);
-        kiln_flex_free(f);
-        free(q), free(k), free(v), free(w), free(y), free(lse), free(dq), free(dk), free(dv);
-    }
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++)
+        fused_case(&cases[ci], &d, docs, NULL, 64, 64, 61 + ci, 62, false);
 }
 
 /* bf16 and f16 q, k, v (what the linear layers give under mixed precision), inside an

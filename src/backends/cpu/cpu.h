@@ -65,13 +65,13 @@ static inline kiln_status cpu_check_indices(const char *op, const kiln_tensor_t 
 /* dst (D, T) = src (T, D) with row stride ld, in AVX register blocks where the sizes
  * allow: attention's K^T and V^T, and flex attention's (the room above). */
 void kiln__cpu_transpose_f32(float *dst, const float *src, int64_t T, int64_t D, int64_t ld);
+void kiln__cpu_transpose_f64(double *dst, const double *src, int64_t T, int64_t D, int64_t ld);
 /* cblas_sgemm's product, on kiln's own GEMM where KILN_OPT_OWN_GEMM is on (row-major, beta
  * 0 or 1, alpha not 0, and KILN_OPT_POOL_GEMM on), else the BLAS: attention's and flex
  * attention's f32 tiles. kiln's GEMM runs on the calling thread alone, as the BLAS does
  * inside a pool task with POOL_GEMM, so the results do not depend on the thread count. */
 void kiln__cpu_sgemm(enum CBLAS_ORDER o, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRANSPOSE tb, int M, int N, int K,
                      float alpha, const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
-void kiln__cpu_transpose_f64(double *dst, const double *src, int64_t T, int64_t D, int64_t ld);
 /* A stack header viewing `t` with another shape/stride/offset (no references). */
 void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t *shape, const int64_t *stride,
               int64_t offset);

@@ -48,7 +48,7 @@ static const char *bf16_kernels(void)
  * chose "Prescott" (SSE3), and OPENBLAS_CORETYPE=SkylakeX made a config S step 3.4x
  * faster (docs/perf-log.md); the description says so, and that kiln's own GEMM then
  * takes the f32 matmuls. */
-static char description[384] = "host CPU (AVX2/FMA kernels where available, BLAS for GEMM)";
+static char description[512] = "host CPU (AVX2/FMA kernels where available, BLAS for GEMM)";
 
 static bool generic_core(const char *core)
 {
@@ -62,19 +62,16 @@ static void describe(void)
 {
     const char *core = BLAS_CORE();
     bool old = generic_core(core);
-    if (kiln__opt(KILN__OPT_OWN_GEMM))
-        snprintf(description, sizeof description,
-                 "host CPU (AVX2/FMA kernels where available; f32 GEMM and attention on kiln's own, %s%s; bf16 on "
-                 "kiln's own, %s)",
-                 kiln__gemm_kernel_name(KILN__GEMM_F32),
-                 old ? ", as the BLAS runs a generic core here (set OPENBLAS_CORETYPE to the processor's family)" : "",
-                 bf16_kernels());
+    bool own = kiln__opt(KILN__OPT_OWN_GEMM);
+    char f32[256];
+    if (own)
+        snprintf(f32, sizeof f32, "f32 GEMM and attention on kiln's own, %s%s", kiln__gemm_kernel_name(KILN__GEMM_F32),
+                 old ? ", as the BLAS runs a generic core here (set OPENBLAS_CORETYPE to the processor's family)" : "");
     else
-        snprintf(description, sizeof description,
-                 "host CPU (AVX2/FMA kernels where available; f32 GEMM by %s%s%s%s%s; bf16 GEMM and attention on "
-                 "kiln's own, %s)",
-                 BLAS_NAME, core ? ", its " : "", core ? core : "", core ? " kernels" : "",
-                 old ? ": a generic core for this processor, set OPENBLAS_CORETYPE to its family" : "", bf16_kernels());
+        snprintf(f32, sizeof f32, "f32 GEMM by %s%s%s%s%s", BLAS_NAME, core ? ", its " : "", core ? core : "",
+                 core ? " kernels" : "", old ? ": a generic core for this processor, set OPENBLAS_CORETYPE to its family" : "");
+    snprintf(description, sizeof description, "host CPU (AVX2/FMA kernels where available; %s; bf16%s on kiln's own, %s)",
+             f32, own ? "" : " GEMM and attention", bf16_kernels());
 }
 
 /* KILN_OPT_OWN_GEMM left unset: kiln's own f32 GEMM where the BLAS runs a generic core

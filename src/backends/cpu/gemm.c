@@ -968,9 +968,8 @@ bool kiln__gemm_f32_serial(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A
     if (alpha == 1 || beta == 0) /* alpha is applied to each tile of C once its sums are whole */
         return run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, ldc, beta != 0, KILN__GEMM_F32, NULL, alpha);
     if (K <= 0 || M <= 0 || N <= 0) return true; /* C + alpha 0: C as it was, as cblas leaves it */
-    float *t = M > 0 && N > 0 ? buffer(3, sizeof(float) * (size_t)M * (size_t)N) : NULL;
-    if (M > 0 && N > 0 &&
-        (!t || !run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, t, NULL, N, false, KILN__GEMM_F32, NULL, 1)))
+    float *t = buffer(3, sizeof(float) * (size_t)M * (size_t)N);
+    if (!t || !run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, t, NULL, N, false, KILN__GEMM_F32, NULL, 1))
         return false;
     for (int64_t i = 0; i < M; i++)
         for (int64_t c = 0; c < N; c++) C[i * ldc + c] += alpha * t[i * N + c];
