@@ -543,6 +543,28 @@ static void long_rows_of_keys_match_the_oracle(void **state)
         fused_case(&cases[ci], &d, docs, NULL, 64, 64, 61 + ci, 62, false);
 }
 
+/* Key blocks of 32, whole panels of kiln's GEMM: with KILN_OPT_ATT_PANELS the products
+ * read K^T, V, V^T and K packed once per kv head (kiln__cpu_att_panels), here with a
+ * head size of 40 (a last panel 8 wide), 100 keys (the last block short), grouped
+ * heads, fewer queries than keys, and heap memory full of NaNs; forward and gradients
+ * against the f64 reference at 1e-5 of the largest, as above. */
+static void panel_sized_blocks_match_the_oracle(void **state)
+{
+    (void)state;
+    dims d = {2, 4, 2, 100, 100, 40}, dec = {2, 4, 2, 30, 100, 40};
+    static int64_t docs[2 * 100];
+    for (int j = 0; j < 100; j++) docs[j] = j < 70 ? 0 : 1, docs[100 + j] = j < 10 ? 0 : j < 80 ? 1 : 2;
+    static const flex_case cases[] = {
+        {"causal", "causal", NULL, NULL, {.causal = true, .window = -1, .pre = -1}},
+        {"window:70+softcap:3", "window:70+softcap:3", NULL, NULL, {.window = 70, .cap = 3, .pre = -1}},
+        {"doc+causal", "doc+causal", NULL, NULL, {.doc = true, .causal = true, .window = -1, .pre = -1}},
+    };
+    for (size_t ci = 0; ci < sizeof cases / sizeof cases[0]; ci++) {
+        fused_case(&cases[ci], &d, docs, NULL, 32, 32, 71 + ci, 72, true);
+        if (!cases[ci].o.doc) fused_case(&cases[ci], &dec, docs, NULL, 32, 32, 81 + ci, 82, false);
+    }
+}
+
 /* bf16 and f16 q, k, v (what the linear layers give under mixed precision), inside an
  * autocast region of their type as a model runs them, and a bf16 q over f32 k and v (a
  * cache): computed in f32 and each output rounded once to its type. The oracle is the f64 reference
@@ -1043,6 +1065,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(gradients_match_finite_differences, setup, teardown),
         cmocka_unit_test_setup_teardown(fused_gradients_match_the_oracle, setup, teardown),
         cmocka_unit_test_setup_teardown(long_rows_of_keys_match_the_oracle, setup, teardown),
+        cmocka_unit_test_setup_teardown(panel_sized_blocks_match_the_oracle, setup, teardown),
         cmocka_unit_test_setup_teardown(sixteen_bit_inputs_match_the_oracle, setup, teardown),
         cmocka_unit_test_setup_teardown(matches_pytorch_flex_attention, setup, teardown),
         cmocka_unit_test_setup_teardown(block_masks_classify_blocks, setup, teardown),

@@ -398,6 +398,65 @@ static void test_cpu_sgemm_is_cblas_alike(void **state)
         }
 }
 
+/* B packed once into panels (kiln__gemm_panels: attention's K^T and V, packed once per
+ * head) gives bitwise the sums of kiln__gemm_f32_serial on the same part of the unpacked
+ * B, which the tests above check against the double reference: B row-major and
+ * transposed, partial last panels (N 37, 70), K over two KC blocks, parts that start
+ * inside (k0, and c0 a multiple of the width), alpha 1 and 0.3, beta 0 and 1, padded
+ * C whose padding is not written. A part outside the panels, or alpha not 1 with beta
+ * 1, is refused with C as it was. */
+static void test_panels_are_the_serial_gemm_bitwise(void **state)
+{
+    (void)state;
+    int64_t nr = kiln__gemm_panel_width();
+    assert_true(nr > 0);
+    static const int64_t sizes[][2] = {{64, 37}, {300, 70}, {1, 1}, {520, 2 * 32}};
+    kiln__gemm_panels P = {0};
+    for (size_t sz = 0; sz < sizeof sizes / sizeof sizes[0]; sz++)
+        for (int bt = 0; bt < 2; bt++) {
+            int64_t KB = sizes[sz][0], NB = sizes[sz][1];
+            mat B = mat_new(KB, NB, bt, 3, KILN__GEMM_F32);
+            assert_true(kiln__gemm_panels_init(&P, KB, NB));
+            kiln__gemm_panels_pack(&P, operand(&B));
+            /* parts: (k0, K, c0, N) */
+            const int64_t parts[][4] = {{0, KB, 0, NB}, {KB / 3, KB - KB / 3, 0, NB},
+                                        {0, KB / 2 + 1, NB > nr ? nr : 0, NB > nr ? NB - nr : NB}};
+            for (int pt = 0; pt < 3; pt++)
+                for (int v = 0; v < 4; v++) {
+                    int64_t k0 = parts[pt][0], K = parts[pt][1], c0 = parts[pt][2], N = parts[pt][3];
+                    int64_t M = v & 1 ? 13 : 64, ldc = N + 2;
+                    float alpha = v & 2 ? 0.3f : 1.0f, beta = v & 1 ? 1.0f : 0.0f;
+                    if (alpha != 1 && beta != 0) beta = 0;
+                    mat A = mat_new(M, K, false, 1, KILN__GEMM_F32);
+                    size_t nc = (size_t)(M * ldc);
+                    float *C1 = malloc(sizeof(float) * nc), *C2 = malloc(sizeof(float) * nc);
+                    assert_true(C1 && C2);
+                    for (size_t i = 0; i < nc; i++) C1[i] = C2[i] = uniform();
+                    kiln__gemm_operand sub = {(float *)B.data + k0 * B.rs + c0 * B.cs, KILN__GEMM_F32, B.rs, B.cs};
+                    assert_true(kiln__gemm_f32_serial(M, N, K, operand(&A), sub, alpha, beta, C1, ldc));
+                    assert_true(kiln__gemm_f32_serial_panels(M, N, K, operand(&A), &P, k0, c0, alpha, beta, C2, ldc));
+                    if (memcmp(C1, C2, sizeof(float) * nc))
+                        fail_msg("B %lldx%lld%s, part k0 %lld K %lld c0 %lld N %lld, M %lld alpha %g beta %g: the "
+                                 "panels' product differs from kiln__gemm_f32_serial's", (long long)KB, (long long)NB,
+                                 bt ? "^T" : "", (long long)k0, (long long)K, (long long)c0, (long long)N, (long long)M,
+                                 alpha, beta);
+                    /* refused: past the panels' rows or columns, a column not at a panel's start, alpha with beta 1 */
+                    assert_false(kiln__gemm_f32_serial_panels(M, N, K + 1, operand(&A), &P, k0 + KB, c0, 1, 0, C2, ldc));
+                    assert_false(kiln__gemm_f32_serial_panels(M, N, K, operand(&A), &P, k0, c0 + nr, 1, 0, C2, ldc));
+                    if (N > 1)
+                        assert_false(kiln__gemm_f32_serial_panels(M, N - 1, K, operand(&A), &P, k0, c0 + 1, 1, 0, C2, ldc));
+                    assert_false(kiln__gemm_f32_serial_panels(M, N, K, operand(&A), &P, k0, c0, 0.5f, 1, C2, ldc));
+                    assert_memory_equal(C1, C2, sizeof(float) * nc);
+                    free(A.data);
+                    free(C1);
+                    free(C2);
+                }
+            free(B.data);
+        }
+    kiln__gemm_panels_free(&P);
+    assert_null(P.p);
+}
+
 int main(void)
 {
     kiln_init(0);
@@ -417,6 +476,7 @@ int main(void)
         cmocka_unit_test(test_f16_result_is_the_widened_sums_rounded_once),
         cmocka_unit_test(test_bf16_epilogue_sees_each_rounded_row_once),
         cmocka_unit_test(test_cpu_sgemm_is_cblas_alike),
+        cmocka_unit_test(test_panels_are_the_serial_gemm_bitwise),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

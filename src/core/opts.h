@@ -28,6 +28,8 @@
     X(MMAP, 1, "safetensors files mapped (mmap, copy-on-write) and model weights taken from the mapping where their dtype and layout allow (else read into memory and copied)") \
     X(GEMM_DPBF16, 1, "bf16 GEMMs on AVX512-BF16's vdpbf16ps where the processor has it but not AMX, if it measures at least 1.25x the f32 FMA kernel on bf16 values at first use (else, and off, that f32 kernel)") \
     X(GEMM_EVEN_BLOCKS, 1, "kiln's own GEMM's row blocks as many as a multiple of the threads, of equal tiles (the larger first), taken one at a time (else blocks of up to 20 tiles, the last one short, in the pool's chunks)") \
+    X(ATT_PANELS, 1, "attention's and flex attention's f32 products on kiln's own GEMM with K, K^T, V and V^T packed into its panels once per kv head and read in place by every tile of query rows, where kiln's f32 kernel is a vector one (else kiln__cpu_sgemm: the BLAS, or kiln's GEMM packing B on every tile, as KILN_OPT_OWN_GEMM says)") \
+    X(GEMM_EDGE_ROWS, 1, "kiln's own GEMM runs a last tile of at most 4 or 8 rows of A on a kernel for that many rows (else the whole 12-row kernel on a scratch tile)") \
     X(OWN_GEMM_F16, 0, "f16 matmuls on kiln's own GEMM, f16 widened as it is packed and the result rounded in cache (else widened copies through the f32 matmul)") \
     X(FLEX_FUSED, 1, "flex attention on the cpu without gradients in one generated kernel over the block mask's blocks (else the dense reference: scores, modifiers and softmax as kiln ops)") \
     X(INDEX_ROWS_GRAD, 1, "the gradient of index_select over the rows of a matrix as whole rows added (embedding_backward; else an element scatter_add)") \

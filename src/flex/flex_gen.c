@@ -747,16 +747,46 @@ static int64_t cols_of(const int64_t *kvl, int64_t nb, int64_t kvb, int64_t Tk)
     return cols;
 }
 
+/* dst (D, T) = src (T, D)^T: the cpu backend's, attention's own */
+static void transpose_f32(float *dst, const float *src, int64_t T, int64_t D) { kiln__cpu_transpose_f32(dst, src, T, D, D); }
+static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) { kiln__cpu_transpose_f64(dst, src, T, D, D); }
+
+/* The forward's and the backward's f32 products on kiln's GEMM with B packed once per kv
+ * head (kiln__cpu_att_panels; double has none): the forward's K^T (through Kt, the
+ * transpose's buffer) and V, the backward's K^T, V^T (from their transposes) and K;
+ * false when there is no memory for them (the BLAS path then runs). */
+static bool pan_wanted_f32(const flex_args *a) { return kiln__cpu_att_panels(a->kv_block); }
+static bool pan_wanted_f64(const flex_args *a)
+{
+    (void)a;
+    return false;
+}
+#define FLEX_PANELS(SFX, R)                                                                                  \
+    static bool pan_fwd_##SFX(kiln__att_panels *kp, const R *K, const R *V, R *Kt, int64_t Tk, int64_t D)    \
+    {                                                                                                        \
+        transpose_##SFX(Kt, K, Tk, D);                                                                       \
+        return kiln__att_pack_##SFX(&kp->kt, Kt, D, Tk, Tk) && kiln__att_pack_##SFX(&kp->v, V, Tk, D, D);    \
+    }                                                                                                        \
+    static bool pan_bwd_##SFX(kiln__att_panels *kp, const R *K, const R *Kt, const R *Vt, int64_t Tk, int64_t D) \
+    {                                                                                                        \
+        return kiln__att_pack_##SFX(&kp->kt, Kt, D, Tk, Tk) && kiln__att_pack_##SFX(&kp->vt, Vt, D, Tk, Tk) &&  \
+               kiln__att_pack_##SFX(&kp->k, K, Tk, D, D);                                                    \
+    }
+FLEX_PANELS(f32, float)
+FLEX_PANELS(f64, double)
+
 /* S (rows, cols) = scale Q K^T over the listed key blocks side by side, Kt being K
- * transposed (D, Tk): a run of adjacent blocks one NN GEMM. R is float or double. */
+ * transposed (D, Tk) or its panels (kt): a run of adjacent blocks one NN GEMM. R is
+ * float or double. */
 #define FLEX_SCORES(SFX, R, GEMM)                                                                           \
-    static void scores_##SFX(const flex_args *a, const R *Q, const R *Kt, R *S, const int64_t *kvl, int64_t nb, \
-                             int64_t rows, int64_t cols)                                                    \
+    static void scores_##SFX(const flex_args *a, const R *Q, const R *Kt, const kiln__gemm_panels *kt, R *S, \
+                             const int64_t *kvl, int64_t nb, int64_t rows, int64_t cols)                    \
     {                                                                                                       \
         for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                    \
             int64_t k0 = kvl[n] * a->kv_block, w = run_width(kvl, nb, n, a->kv_block, a->Tk, &e);           \
-            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)a->D, (R)a->scale, Q,     \
-                 (int)a->D, Kt + k0, (int)a->Tk, 0, S + off, (int)cols);                                     \
+            if (!kiln__att_gemm_##SFX(rows, w, a->D, Q, a->D, kt, 0, k0, (R)a->scale, 0, S + off, cols))          \
+                GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)a->D, (R)a->scale, Q, \
+                     (int)a->D, Kt + k0, (int)a->Tk, 0, S + off, (int)cols);                                 \
             off += w;                                                                                       \
         }                                                                                                   \
     }
@@ -779,6 +809,9 @@ static int64_t cols_of(const int64_t *kvl, int64_t nb, int64_t kvb, int64_t Tk)
         }                                                                                                   \
         R *Kt = S + blk * (Tk + kvb);                                                                       \
         int64_t kt_of = -1;                                                                                 \
+        kiln__att_panels kp = {0};                                                                                 \
+        const bool want = pan_wanted_##SFX(a);                                                              \
+        bool pan = false;                                                                                   \
         for (int64_t t = t0; t < t1; t++) {                                                                 \
             const int64_t qb = t % a->nq, bh = t / a->nq, b = bh / H, h = bh % H, hk = h / G;              \
             const int64_t r = ((a->mB == 1 ? 0 : b) * a->mH + (a->mH == 1 ? 0 : h)) * a->nq + qb;          \
@@ -795,18 +828,21 @@ static int64_t cols_of(const int64_t *kvl, int64_t nb, int64_t kvb, int64_t Tk)
                 continue;                                                                                   \
             }                                                                                               \
             if (kt_of != b * a->Hkv + hk) {                                                                 \
-                transpose_##SFX(Kt, K, Tk, D);                                                              \
+                pan = want && pan_fwd_##SFX(&kp, K, V, Kt, Tk, D);                                          \
+                if (!pan) transpose_##SFX(Kt, K, Tk, D);                                                    \
                 kt_of = b * a->Hkv + hk;                                                                    \
             }                                                                                               \
-            scores_##SFX(a, Q, Kt, S, kvl, nb, rows, cols);                                                 \
+            scores_##SFX(a, Q, Kt, pan ? &kp.kt : NULL, S, kvl, nb, rows, cols);                            \
             rc->fn(a, S, cols, b, h, q0, rows, kvl, nf, nb, L); /* modifiers, softmax, L */          \
             for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                \
                 int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                          \
-                GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, 1, S + off, (int)cols, \
-                     V + k0 * D, (int)D, off ? 1 : 0, O, (int)D);                                            \
+                if (!kiln__att_gemm_##SFX(rows, D, w, S + off, cols, pan ? &kp.v : NULL, k0, 0, 1, off ? 1 : 0, O, D)) \
+                    GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, 1, S + off,   \
+                         (int)cols, V + k0 * D, (int)D, off ? 1 : 0, O, (int)D);                              \
                 off += w;                                                                                   \
             }                                                                                               \
         }                                                                                                   \
+        kiln__att_panels_free(&kp);                                                                         \
         free(S);                                                                                            \
     }
 
@@ -837,6 +873,8 @@ typedef struct {
             return;                                                                                         \
         }                                                                                                   \
         R *M = P + tile, *dP = M + tile, *Kt = dP + tile, *Vt = Kt + D * Tk;                                \
+        kiln__att_panels kp = {0};                                                                                 \
+        const bool want = pan_wanted_##SFX(a);                                                              \
         for (int64_t t = t0; t < t1; t++) {                                                                 \
             const int64_t b = t / a->Hkv, hk = t % a->Hkv;                                                  \
             const R *K = (const R *)a->k + t * Tk * D, *V = (const R *)a->v + t * Tk * D;                   \
@@ -845,6 +883,7 @@ typedef struct {
             memset(dV, 0, sizeof(R) * (size_t)(Tk * D));                                                    \
             transpose_##SFX(Kt, K, Tk, D);                                                                  \
             transpose_##SFX(Vt, V, Tk, D);                                                                  \
+            const bool pan = want && pan_bwd_##SFX(&kp, K, Kt, Vt, Tk, D);                                  \
             for (int64_t h = hk * G; h < (hk + 1) * G; h++)                                                 \
                 for (int64_t qb = 0; qb < a->nq; qb++) {                                                    \
                     const int64_t r = ((a->mB == 1 ? 0 : b) * a->mH + (a->mH == 1 ? 0 : h)) * a->nq + qb;  \
@@ -859,29 +898,33 @@ typedef struct {
                         memset(dQ, 0, sizeof(R) * (size_t)(rows * D));                                      \
                         continue;                                                                           \
                     }                                                                                       \
-                    scores_##SFX(a, Q, Kt, P, kvl, nb, rows, cols);                                         \
+                    scores_##SFX(a, Q, Kt, pan ? &kp.kt : NULL, P, kvl, nb, rows, cols);                    \
                     rc->bwd(a, P, M, cols, b, h, q0, rows, kvl, nf, nb, L);                                 \
                     for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                        \
                         int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                  \
                         /* dV += P^T dO; dP = dO V^T */                                                     \
                         GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)w, (int)D, (int)rows, 1, P + off, (int)cols, \
                              dO, (int)D, 1, dV + k0 * D, (int)D);                                           \
-                        GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)D, 1, dO, (int)D, \
-                             Vt + k0, (int)Tk, 0, dP + off, (int)cols);                                     \
+                        if (!kiln__att_gemm_##SFX(rows, w, D, dO, D, pan ? &kp.vt : NULL, 0, k0, 1, 0, dP + off, cols)) \
+                            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)D, 1, dO,     \
+                                 (int)D, Vt + k0, (int)Tk, 0, dP + off, (int)cols);                         \
                         off += w;                                                                           \
                     }                                                                                       \
                     rc->ds(P, dP, M, cols, rows, Dm, a->scale); /* scale dS */                              \
                     for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                        \
                         int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                  \
                         /* dQ (+)= (scale dS) K; dK += (scale dS)^T Q */                                    \
-                        GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, 1, dP + off, \
-                             (int)cols, K + k0 * D, (int)D, off ? 1 : 0, dQ, (int)D);                       \
+                        if (!kiln__att_gemm_##SFX(rows, D, w, dP + off, cols, pan ? &kp.k : NULL, k0, 0, 1, off ? 1 : 0, \
+                                            dQ, D))                                                         \
+                            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, 1,         \
+                                 dP + off, (int)cols, K + k0 * D, (int)D, off ? 1 : 0, dQ, (int)D);         \
                         GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)w, (int)D, (int)rows, 1, dP + off,   \
                              (int)cols, Q, (int)D, 1, dK + k0 * D, (int)D);                                 \
                         off += w;                                                                           \
                     }                                                                                       \
                 }                                                                                           \
         }                                                                                                   \
+        kiln__att_panels_free(&kp);                                                                         \
         free(P);                                                                                            \
     }
 
@@ -895,9 +938,6 @@ static inline int64_t run_width(const int64_t *kvl, int64_t nb, int64_t n, int64
     return w;
 }
 
-/* dst (D, T) = src (T, D)^T: the cpu backend's, attention's own */
-static void transpose_f32(float *dst, const float *src, int64_t T, int64_t D) { kiln__cpu_transpose_f32(dst, src, T, D, D); }
-static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) { kiln__cpu_transpose_f64(dst, src, T, D, D); }
 FLEX_SCORES(f32, float, kiln__cpu_sgemm)
 FLEX_SCORES(f64, double, cblas_dgemm)
 FLEX_FORWARD(f32, float, kiln__cpu_sgemm)

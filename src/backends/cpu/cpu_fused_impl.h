@@ -362,11 +362,13 @@ static void FN(att_transpose)(R *dst, const R *src, int64_t T, int64_t D, int64_
         }
 }
 
-/* S (rows, nblk) = scale A B^T, with B (nblk, D) given as itself (ld ldb) or, when Bt is
- * set, as its transpose Bt (D, Tk). */
+/* S (rows, nblk) = scale A B^T, with B (nblk, D) given as itself (ld ldb), as the
+ * panels of its transpose (pan: kiln__cpu_att_panels) or, when Bt is set, as its
+ * transpose Bt (D, Tk). */
 static inline void FN(att_abt)(int64_t rows, int64_t nblk, int64_t D, R scale, const R *A, int64_t lda, const R *B,
-                               int64_t ldb, const R *Bt, int64_t Tk, R *S)
+                               int64_t ldb, const kiln__gemm_panels *pan, const R *Bt, int64_t Tk, R *S)
 {
+    if (CAT(kiln__att_gemm, SFX)(rows, nblk, D, A, lda, pan, 0, 0, scale, 0, S, nblk)) return;
     if (Bt)
         GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)nblk, (int)D, scale, A, (int)lda, Bt, (int)Tk, 0,
              S, (int)nblk);
@@ -436,12 +438,16 @@ KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
 {
     FN(att_ctx) *a = c;
     int64_t D = a->D, grp = a->H / a->Hkv, Tk = a->Tk;
-    R *S = malloc(sizeof(R) * (size_t)((ATT_QB + (a->kt ? D : 0)) * (Tk ? Tk : 1)));
+    /* K and V packed into kiln's GEMM's panels once per kv head (K^T through Kt) */
+    const bool want = FN(att_pan_wanted)(), kt = a->kt || want;
+    kiln__att_panels kp = {0};
+    bool pan = false;
+    R *S = malloc(sizeof(R) * (size_t)((ATT_QB + (kt ? D : 0)) * (Tk ? Tk : 1)));
     if (!S) {
         atomic_store(&a->oom, 1);
         return;
     }
-    R *Kt = a->kt ? S + ATT_QB * Tk : NULL;
+    R *Kt = kt ? S + ATT_QB * Tk : NULL;
     int64_t kt_of = -1; /* the kv head Kt holds: query heads of one group run in a row */
     bool fast = a->fast;
     for (int64_t t = b; t < e; t++) {
@@ -450,6 +456,8 @@ KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
         if (Kt && kt_of != bb * a->Hkv + hk) {
             FN(att_transpose)(Kt, K, Tk, D, a->ks[2]);
             kt_of = bb * a->Hkv + hk;
+            pan = want && CAT(kiln__att_pack, SFX)(&kp.kt, Kt, D, Tk, Tk) &&
+                  CAT(kiln__att_pack, SFX)(&kp.v, V, Tk, D, a->vs[2]);
         }
         for (int64_t i0 = 0; i0 < a->Tq; i0 += ATT_QB) {
             int64_t rows = a->Tq - i0 < ATT_QB ? a->Tq - i0 : ATT_QB;
@@ -461,12 +469,15 @@ KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
                 for (int64_t r = 0; r < rows; r++) a->lse[t * a->Tq + i0 + r] = (R)-INFINITY;
                 continue;
             }
-            FN(att_abt)(rows, nblk, D, (R)a->scale, Q, a->qs[2], K, a->ks[2], Kt, Tk, S);
+            FN(att_abt)(rows, nblk, D, (R)a->scale, Q, a->qs[2], K, a->ks[2], pan ? &kp.kt : NULL,
+                        a->kt ? Kt : NULL, Tk, S);
             FN(att_softmax_rows)(a, i0, rows, nblk, S, NULL, a->lse + t * a->Tq + i0, fast);
-            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, 1, S, (int)nblk, V,
-                 (int)a->vs[2], 0, O, (int)D);
+            if (!CAT(kiln__att_gemm, SFX)(rows, D, nblk, S, nblk, pan ? &kp.v : NULL, 0, 0, 1, 0, O, D))
+                GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, 1, S, (int)nblk, V,
+                     (int)a->vs[2], 0, O, (int)D);
         }
     }
+    kiln__att_panels_free(&kp);
     free(S);
 }
 
@@ -474,12 +485,15 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
 {
     FN(att_ctx) *a = c;
     int64_t D = a->D, grp = a->H / a->Hkv, Tk = a->Tk;
-    R *P = malloc(sizeof(R) * (size_t)((2 * ATT_QB + (a->kt ? 2 * D : 0)) * (Tk ? Tk : 1)));
+    /* K^T, V^T and K packed into kiln's GEMM's panels once per kv head */
+    const bool want = FN(att_pan_wanted)(), kt = a->kt || want;
+    kiln__att_panels kp = {0};
+    R *P = malloc(sizeof(R) * (size_t)((2 * ATT_QB + (kt ? 2 * D : 0)) * (Tk ? Tk : 1)));
     if (!P) {
         atomic_store(&a->oom, 1);
         return;
     }
-    R *dP = P + ATT_QB * Tk, *Kt = a->kt ? dP + ATT_QB * Tk : NULL, *Vt = Kt ? Kt + D * Tk : NULL;
+    R *dP = P + ATT_QB * Tk, *Kt = kt ? dP + ATT_QB * Tk : NULL, *Vt = Kt ? Kt + D * Tk : NULL;
     bool fast = a->fast;
     for (int64_t t = b; t < e; t++) {
         int64_t bb = t / a->Hkv, hk = t % a->Hkv;
@@ -489,6 +503,10 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
             FN(att_transpose)(Kt, K, Tk, D, a->ks[2]);
             FN(att_transpose)(Vt, V, Tk, D, a->vs[2]);
         }
+        const bool pan = want && CAT(kiln__att_pack, SFX)(&kp.kt, Kt, D, Tk, Tk) &&
+                         CAT(kiln__att_pack, SFX)(&kp.vt, Vt, D, Tk, Tk) &&
+                         CAT(kiln__att_pack, SFX)(&kp.k, K, Tk, D, a->ks[2]);
+        const R *Kt_b = a->kt ? Kt : NULL, *Vt_b = a->kt ? Vt : NULL; /* for the BLAS */
         memset(dK, 0, sizeof(R) * (size_t)(Tk * D));
         memset(dV, 0, sizeof(R) * (size_t)(Tk * D));
         for (int64_t h = hk * grp; h < (hk + 1) * grp; h++) {
@@ -505,12 +523,12 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
                     memset(dQ, 0, sizeof(R) * (size_t)(rows * D));
                     continue;
                 }
-                FN(att_abt)(rows, nblk, D, (R)a->scale, Q, ldq, K, ldk, Kt, Tk, P);
+                FN(att_abt)(rows, nblk, D, (R)a->scale, Q, ldq, K, ldk, pan ? &kp.kt : NULL, Kt_b, Tk, P);
                 FN(att_softmax_rows)(a, i0, rows, nblk, P, a->lse_in + qh * a->Tq + i0, NULL, fast);
                 /* dV += P^T dO; dP = dO V^T */
                 GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nblk, (int)D, (int)rows, 1, P, (int)nblk, G,
                      (int)ldg, 1, dV, (int)D);
-                FN(att_abt)(rows, nblk, D, 1, G, ldg, V, ldv, Vt, Tk, dP);
+                FN(att_abt)(rows, nblk, D, 1, G, ldg, V, ldv, pan ? &kp.vt : NULL, Vt_b, Tk, dP);
                 /* scale dS = scale P * (dP - rowsum(dO * O)), in place in dP: scaled here, so
                  * that dK's accumulating product has alpha 1 (kiln's GEMM adds it in place) */
                 const R sc = (R)a->scale;
@@ -520,13 +538,15 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
                     for (int64_t j = 0; j < nblk; j++) dr[j] = pr[j] * (dr[j] - Di) * sc;
                 }
                 /* dQ = (scale dS) K; dK += (scale dS)^T Q */
-                GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, 1, dP, (int)nblk, K,
-                     (int)ldk, 0, dQ, (int)D);
+                if (!CAT(kiln__att_gemm, SFX)(rows, D, nblk, dP, nblk, pan ? &kp.k : NULL, 0, 0, 1, 0, dQ, D))
+                    GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, 1, dP, (int)nblk, K,
+                         (int)ldk, 0, dQ, (int)D);
                 GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nblk, (int)D, (int)rows, 1, dP, (int)nblk, Q, (int)ldq,
                      1, dK, (int)D);
             }
         }
     }
+    kiln__att_panels_free(&kp);
     free(P);
 }
 

@@ -95,6 +95,35 @@ void kiln__cpu_sgemm(enum CBLAS_ORDER o, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRA
     cblas_sgemm(o, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
+bool kiln__cpu_att_panels(int64_t kv_block)
+{
+    int64_t nr = kiln__gemm_panel_width();
+    return kiln__opt(KILN__OPT_ATT_PANELS) && kiln__opt(KILN__OPT_POOL_GEMM) && nr > 0 && kv_block % nr == 0 &&
+           strcmp(kiln__gemm_kernel_name(KILN__GEMM_F32), "c") != 0;
+}
+
+void kiln__att_panels_free(kiln__att_panels *kp)
+{
+    kiln__gemm_panels_free(&kp->kt);
+    kiln__gemm_panels_free(&kp->v);
+    kiln__gemm_panels_free(&kp->vt);
+    kiln__gemm_panels_free(&kp->k);
+}
+
+bool kiln__att_pack_f32(kiln__gemm_panels *P, const float *B, int64_t K, int64_t N, int64_t ld)
+{
+    if (!kiln__gemm_panels_init(P, K, N)) return false;
+    kiln__gemm_panels_pack(P, (kiln__gemm_operand){B, KILN__GEMM_F32, ld, 1});
+    return true;
+}
+
+bool kiln__att_gemm_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const kiln__gemm_panels *B,
+                        int64_t k0, int64_t c0, float alpha, float beta, float *C, int64_t ldc)
+{
+    return B && kiln__gemm_f32_serial_panels(M, N, K, (kiln__gemm_operand){A, KILN__GEMM_F32, lda, 1}, B, k0, c0, alpha,
+                                             beta, C, ldc);
+}
+
 /* bf16 operands: kiln's own GEMM, products of bf16 values summed in f32 (AMX or
  * AVX512-BF16 where the processor has them), each result rounded once to bf16, as
  * PyTorch's bf16 matmul does; the BLAS has no bf16 GEMM to fall back to. f16 operands

@@ -40,6 +40,7 @@ typedef struct {
     bool round_bf16;        /* f32 panels holding values rounded to bf16 */
     int mr, nr, kstep;
     ukernel_fn run;
+    ukernel_fn rows4, rows8; /* the same kernel for a tile of at most 4 or 8 rows of A, or NULL */
     bool amx; /* B panels in AMX's pair-interleaved 16-column halves */
 } ukernel;
 
@@ -99,33 +100,41 @@ __attribute__((target("avx2,fma"))) static void k_avx2(int64_t steps, const void
         _mm512_storeu_ps(c + i * ldc + 16, (acc)[i][1]);                                      \
     }
 
-__attribute__((target("avx512f"))) static void k_avx512(int64_t steps, const void *pa, int64_t ars, int64_t acs,
-                                                         const void *pb, float *c, int64_t ldc, bool add)
-{
-    enum { MR = 12 };
-    /* Rows 3q..3q+2 of A from base p[q] with the row stride r in the address (x86
-     * addressing takes one scaled index), so the loop moves four pointers. */
-    const char *p0 = pa, *p3 = p0 + 12 * ars, *p6 = p0 + 24 * ars, *p9 = p0 + 36 * ars;
-    const int64_t r = 4 * ars, step = 4 * acs;
-    const float *b = pb;
-    __m512 acc[MR][2];
-    C_TILE_512_LOAD(acc, MR);
-    /* four k-steps a trip: a quarter of the loop's pointer and counter updates, which
-     * compete with the FMAs for ports (2048^3 at one thread 0.76-0.79 -> 0.83-0.84 of
-     * OpenBLAS; docs/perf-log.md) */
-#pragma GCC unroll 4
-    for (int64_t k = 0; k < steps; k++, p0 += step, p3 += step, p6 += step, p9 += step, b += 32) {
-        __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);
-        const char *base[4] = {p0, p3, p6, p9};
-#pragma GCC unroll 12
-        for (int i = 0; i < MR; i++) {
-            __m512 ai = _mm512_set1_ps(*(const float *)(base[i / 3] + i % 3 * r));
-            acc[i][0] = _mm512_fmadd_ps(ai, b0, acc[i][0]);
-            acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);
-        }
+/* The f32 AVX-512 kernel for MR rows of A: 12 (the tiles), and 8 and 4 for a last tile
+ * of fewer rows (the same arithmetic for each element: an edge tile of 4 rows costs a
+ * third of a whole one, not all of it). */
+#define K_AVX512(NAME, MR_)                                                                                   \
+    __attribute__((target("avx512f"))) static void NAME(int64_t steps, const void *pa, int64_t ars, int64_t acs, \
+                                                        const void *pb, float *c, int64_t ldc, bool add)       \
+    {                                                                                                         \
+        enum { MR = MR_ };                                                                                    \
+        /* Rows 3q..3q+2 of A from base p[q] with the row stride r in the address (x86                       \
+         * addressing takes one scaled index), so the loop moves four pointers. */                            \
+        const char *p0 = pa, *p3 = p0 + 12 * ars, *p6 = p0 + 24 * ars, *p9 = p0 + 36 * ars;                   \
+        const int64_t r = 4 * ars, step = 4 * acs;                                                            \
+        const float *b = pb;                                                                                  \
+        __m512 acc[MR][2];                                                                                    \
+        C_TILE_512_LOAD(acc, MR);                                                                             \
+        /* four k-steps a trip: a quarter of the loop's pointer and counter updates, which                   \
+         * compete with the FMAs for ports (2048^3 at one thread 0.76-0.79 -> 0.83-0.84 of                    \
+         * OpenBLAS; docs/perf-log.md) */                                                                     \
+        _Pragma("GCC unroll 4") for (int64_t k = 0; k < steps;                                                \
+                                     k++, p0 += step, p3 += step, p6 += step, p9 += step, b += 32)            \
+        {                                                                                                     \
+            __m512 b0 = _mm512_load_ps(b), b1 = _mm512_load_ps(b + 16);                                       \
+            const char *base[4] = {p0, p3, p6, p9};                                                           \
+            _Pragma("GCC unroll 12") for (int i = 0; i < MR; i++)                                             \
+            {                                                                                                 \
+                __m512 ai = _mm512_set1_ps(*(const float *)(base[i / 3] + i % 3 * r));                        \
+                acc[i][0] = _mm512_fmadd_ps(ai, b0, acc[i][0]);                                               \
+                acc[i][1] = _mm512_fmadd_ps(ai, b1, acc[i][1]);                                               \
+            }                                                                                                 \
+        }                                                                                                     \
+        C_TILE_512_STORE(acc, MR);                                                                            \
     }
-    C_TILE_512_STORE(acc, MR);
-}
+K_AVX512(k_avx512, 12)
+K_AVX512(k_avx512_8, 8)
+K_AVX512(k_avx512_4, 4)
 
 /* vdpbf16ps: each f32 lane adds the products of one pair of bf16 along K, so a k-step
  * is a pair: A's pair for row i is one 32-bit word broadcast, B's pairs for 16 columns
@@ -225,8 +234,8 @@ static const ukernel kernels[] = {
 #if defined(__x86_64__)
     {.name = "amx-bf16", .isa = KILN__GEMM_ISA_AMX, .packed = KILN__GEMM_BF16, .mr = 32, .nr = 32, .kstep = 32, .run = k_amx, .amx = true},
     {.name = "avx512-bf16", .isa = KILN__GEMM_ISA_AVX512BF16, .packed = KILN__GEMM_BF16, .mr = 12, .nr = 32, .kstep = 2, .run = k_avx512bf16},
-    {.name = "avx512", .isa = KILN__GEMM_ISA_AVX512, .packed = KILN__GEMM_F32, .mr = 12, .nr = 32, .kstep = 1, .run = k_avx512},
-    {.name = "avx512 (bf16 values)", .isa = KILN__GEMM_ISA_AVX512, .packed = KILN__GEMM_F32, .mr = 12, .nr = 32, .kstep = 1, .run = k_avx512, .round_bf16 = true},
+    {.name = "avx512", .isa = KILN__GEMM_ISA_AVX512, .packed = KILN__GEMM_F32, .mr = 12, .nr = 32, .kstep = 1, .run = k_avx512, .rows4 = k_avx512_4, .rows8 = k_avx512_8},
+    {.name = "avx512 (bf16 values)", .isa = KILN__GEMM_ISA_AVX512, .packed = KILN__GEMM_F32, .mr = 12, .nr = 32, .kstep = 1, .run = k_avx512, .rows4 = k_avx512_4, .rows8 = k_avx512_8, .round_bf16 = true},
     {.name = "avx2", .isa = KILN__GEMM_ISA_AVX2, .packed = KILN__GEMM_F32, .mr = 6, .nr = 16, .kstep = 1, .run = k_avx2},
     {.name = "avx2 (bf16 values)", .isa = KILN__GEMM_ISA_AVX2, .packed = KILN__GEMM_F32, .mr = 6, .nr = 16, .kstep = 1, .run = k_avx2, .round_bf16 = true},
 #endif
@@ -702,6 +711,9 @@ typedef struct {
     int64_t tq, tr; /* row block b has tq + (b < tr) tiles: the first tr one more */
     float alpha;    /* f32 C, not accumulating: each tile scaled by it once whole, in L1 */
     kiln__epilogue *epi; /* run on each item's rows once they are rounded, or NULL */
+    bool edge_rows;               /* KILN_OPT_GEMM_EDGE_ROWS */
+    const kiln__gemm_panels *pre; /* B packed by the caller (kiln__gemm_f32_serial_panels), or NULL */
+    int64_t pre_k0, pre_p0;       /* where this product's B starts in it: row, panel */
     bool failed;
 } job;
 
@@ -710,6 +722,8 @@ static int64_t kpad_of(const job *j, int64_t kc) { return (kc + j->uk->kstep - 1
 /* Where K block starting at k0 (length kc) of panel p lies in the packed B. */
 static char *bpanel(const job *j, int64_t k0, int64_t kc, int64_t p)
 {
+    if (j->pre) /* panels of all K rows in order: any K block of any panel is in place */
+        return (char *)(j->pre->p + ((j->pre_p0 + j->c0 / j->uk->nr + p) * j->pre->K + j->pre_k0 + k0) * j->uk->nr);
     return j->bpack + ((k0 * j->npanels + p * kpad_of(j, kc)) * j->uk->nr) * (int64_t)j->es;
 }
 
@@ -726,18 +740,24 @@ static void pack_b_range(void *ctx, int64_t begin, int64_t end)
 }
 
 /* One MR x NR tile of C (row stride ldc); an edge tile runs the same kernel on a
- * full-size scratch tile. */
+ * full-size scratch tile (the kernel for at most 4 or 8 rows where there is one, with
+ * KILN_OPT_GEMM_EDGE_ROWS), so that every element gets the same arithmetic wherever it
+ * lies. */
 static void tile(const job *j, int64_t steps, const void *a, int64_t ars, int64_t acs, const void *b, float *c,
                  int64_t ldc, int64_t m, int64_t n, bool add)
 {
     const ukernel *uk = j->uk;
-    if (m == uk->mr && n == uk->nr) {
-        uk->run(steps, a, ars, acs, b, c, ldc, add);
+    ukernel_fn run = uk->run;
+    int64_t rows = uk->mr;
+    if (m < uk->mr && j->edge_rows && m <= 4 && uk->rows4) run = uk->rows4, rows = 4;
+    else if (m < uk->mr && j->edge_rows && m <= 8 && uk->rows8) run = uk->rows8, rows = 8;
+    if (m == rows && n == uk->nr) {
+        run(steps, a, ars, acs, b, c, ldc, add);
         return;
     }
     float t[MR_MAX * NR_MAX] = {0};
     for (int64_t i = 0; i < m && add; i++) memcpy(t + i * uk->nr, c + i * ldc, sizeof(float) * (size_t)n);
-    uk->run(steps, a, ars, acs, b, t, uk->nr, add);
+    run(steps, a, ars, acs, b, t, uk->nr, add);
     for (int64_t i = 0; i < m; i++) memcpy(c + i * ldc, t + i * uk->nr, sizeof(float) * (size_t)n);
 }
 
@@ -888,7 +908,7 @@ static void items(void *ctx, int64_t begin, int64_t end)
  * calling thread alone with `serial`. */
 static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A,
                    kiln__gemm_operand B, float *C, uint16_t *Cb, int64_t ldc, bool accumulate, kiln__gemm_type compute,
-                   kiln__epilogue *epi, float alpha)
+                   kiln__epilogue *epi, float alpha, const kiln__gemm_panels *pre, int64_t pre_k0, int64_t pre_c0)
 {
     assert(alpha == 1 || (C && !accumulate));
     /* (f16 operands are widened as packed, for the f32 kernels only) */
@@ -904,17 +924,20 @@ static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_
         return true;
     }
     job j = {.uk = uk, .M = M, .N = N, .K = K, .kc_max = KILN__GEMM_KC, .A = A, .B = B, .C = C, .Cb = Cb, .ldc = ldc,
-             .accumulate = accumulate && !Cb, .es = uk->packed == KILN__GEMM_BF16 ? 2 : 4, .alpha = alpha};
+             .accumulate = accumulate && !Cb, .es = uk->packed == KILN__GEMM_BF16 ? 2 : 4, .alpha = alpha,
+             .edge_rows = kiln__opt(KILN__OPT_GEMM_EDGE_ROWS), .pre = pre, .pre_k0 = pre_k0, .pre_p0 = pre ? pre_c0 / uk->nr : 0};
+    assert(!pre || (uk->nr == pre->nr && pre_c0 % uk->nr == 0 && pre_k0 + K <= pre->K));
     /* the threads that will run the items: one on this thread alone (serial, or called
      * inside a pool task, where kiln__parallel_for runs inline) */
     int64_t nt = !serial && !kiln__pool_inline() && kiln__pool_size() > 0 ? kiln__pool_size() : 1;
     size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < NC ? N : NC) + uk->nr) * j.es;
-    j.bpack = buffer(0, bbytes);
-    if (!j.bpack) return false;
+    j.bpack = pre ? NULL : buffer(0, bbytes);
+    if (!pre && !j.bpack) return false;
     for (j.c0 = 0; j.c0 < N && !j.failed; j.c0 += NC) {
         j.nc = N - j.c0 < NC ? N - j.c0 : NC;
         j.npanels = (j.nc + uk->nr - 1) / uk->nr;
-        if (serial) pack_b_range(&j, 0, j.npanels);
+        if (pre) { /* packed already */
+        } else if (serial) pack_b_range(&j, 0, j.npanels);
         else kiln__parallel_for(j.npanels, 4, pack_b_range, &j);
         /* Rows in blocks of at most 20 tiles, at least two blocks a thread where M
          * allows; when M is short the columns are split among the threads instead. */
@@ -956,7 +979,7 @@ static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_
 static bool run(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
                 float *C, uint16_t *Cb, int64_t ldc, bool accumulate, kiln__gemm_type compute, kiln__epilogue *epi)
 {
-    return run_on(false, isa, M, N, K, A, B, C, Cb, ldc, accumulate, compute, epi, 1);
+    return run_on(false, isa, M, N, K, A, B, C, Cb, ldc, accumulate, compute, epi, 1, NULL, 0, 0);
 }
 
 bool kiln__gemm_f32_serial(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, float alpha,
@@ -966,14 +989,64 @@ bool kiln__gemm_f32_serial(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A
     /* One thread runs every item in order, so the buffers are had before C is first
      * written: a failure leaves C as it was. */
     if (alpha == 1 || beta == 0) /* alpha is applied to each tile of C once its sums are whole */
-        return run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, ldc, beta != 0, KILN__GEMM_F32, NULL, alpha);
+        return run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, C, NULL, ldc, beta != 0, KILN__GEMM_F32, NULL, alpha,
+                      NULL, 0, 0);
     if (K <= 0 || M <= 0 || N <= 0) return true; /* C + alpha 0: C as it was, as cblas leaves it */
     float *t = buffer(3, sizeof(float) * (size_t)M * (size_t)N);
-    if (!t || !run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, t, NULL, N, false, KILN__GEMM_F32, NULL, 1))
+    if (!t || !run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, B, t, NULL, N, false, KILN__GEMM_F32, NULL, 1, NULL, 0, 0))
         return false;
     for (int64_t i = 0; i < M; i++)
         for (int64_t c = 0; c < N; c++) C[i * ldc + c] += alpha * t[i * N + c];
     return true;
+}
+
+int64_t kiln__gemm_panel_width(void)
+{
+    const ukernel *uk = pick(KILN__GEMM_ISA_AUTO, KILN__GEMM_F32);
+    return uk ? uk->nr : 0;
+}
+
+bool kiln__gemm_panels_init(kiln__gemm_panels *P, int64_t K, int64_t N)
+{
+    const ukernel *uk = pick(KILN__GEMM_ISA_AUTO, KILN__GEMM_F32);
+    if (!uk || K < 1 || N < 1) return false;
+    int64_t np = (N + uk->nr - 1) / uk->nr;
+    size_t bytes = sizeof(float) * (size_t)(np * uk->nr) * (size_t)K;
+    if (P->cap < bytes) {
+        float *p = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        if (!p) return false;
+        free(P->p);
+        P->p = p, P->cap = bytes;
+    }
+    P->K = K, P->N = N, P->nr = uk->nr;
+    return true;
+}
+
+void kiln__gemm_panels_pack(kiln__gemm_panels *P, kiln__gemm_operand B)
+{
+    const ukernel *uk = pick(KILN__GEMM_ISA_AUTO, KILN__GEMM_F32);
+    assert(uk && uk->nr == P->nr && B.type == KILN__GEMM_F32);
+    /* each panel's K rows as one block: kstep is 1, so its layout is the K blocks' in turn */
+    for (int64_t c = 0; c < P->N; c += P->nr)
+        pack(uk, &B, true, c * B.cs, B.cs, B.rs, P->N - c < P->nr ? P->N - c : P->nr, P->K, (int)P->nr,
+             P->p + c * P->K);
+}
+
+void kiln__gemm_panels_free(kiln__gemm_panels *P)
+{
+    free(P->p);
+    *P = (kiln__gemm_panels){0};
+}
+
+bool kiln__gemm_f32_serial_panels(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, const kiln__gemm_panels *B,
+                                  int64_t k0, int64_t c0, float alpha, float beta, float *C, int64_t ldc)
+{
+    assert(beta == 0 || beta == 1);
+    if (alpha != 1 && beta != 0) return false;
+    if (pick(KILN__GEMM_ISA_AUTO, KILN__GEMM_F32)->nr != B->nr || c0 % B->nr || k0 + K > B->K || c0 + N > B->N)
+        return false;
+    return run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, (kiln__gemm_operand){0}, C, NULL, ldc, beta != 0,
+                  KILN__GEMM_F32, NULL, alpha, B, k0, c0);
 }
 
 bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,

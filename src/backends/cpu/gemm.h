@@ -60,6 +60,29 @@ bool kiln__gemm(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gem
 bool kiln__gemm_f32_serial(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B, float alpha,
                            float beta, float *C, int64_t ldc);
 
+/* B packed once for many products with it on the calling thread (attention's K^T and V,
+ * packed once per head and read by every tile of query rows): the f32 micro-kernel's
+ * panels of `nr` columns, each holding B's K rows in order, so that a product may read
+ * any run of B's rows and any run of whole panels in place. Start from {0}; init
+ * (re)sizes the memory for K x N (false when out of it), pack fills it, free frees it. */
+typedef struct {
+    float *p;
+    size_t cap;
+    int64_t K, N, nr;
+} kiln__gemm_panels;
+bool kiln__gemm_panels_init(kiln__gemm_panels *P, int64_t K, int64_t N);
+void kiln__gemm_panels_pack(kiln__gemm_panels *P, kiln__gemm_operand B); /* B: f32, K x N */
+void kiln__gemm_panels_free(kiln__gemm_panels *P);
+/* The panels' width: the f32 micro-kernel's NR (0 where there is none). */
+int64_t kiln__gemm_panel_width(void);
+
+/* kiln__gemm_f32_serial with B rows [k0, k0 + K) and columns [c0, c0 + N) of packed
+ * panels (c0 a multiple of the width): the same sums, bitwise, as that call on the same
+ * part of the unpacked B. false, with C as it was, when alpha is not 1 and beta is (the
+ * caller then does it another way), or the part lies outside the panels. */
+bool kiln__gemm_f32_serial_panels(int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, const kiln__gemm_panels *B,
+                                  int64_t k0, int64_t c0, float alpha, float beta, float *C, int64_t ldc);
+
 /* The same with the micro-kernel chosen (tests and bench/gemm compare them); false
  * also when this processor cannot run that one. */
 bool kiln__gemm_with(kiln__gemm_isa isa, int64_t M, int64_t N, int64_t K, kiln__gemm_operand A, kiln__gemm_operand B,
