@@ -23,7 +23,7 @@
     X(ATT_KT, 1, "attention's Q K^T and dO V^T as A B GEMMs on per-head transposed copies of K and V (not A B^T)") \
     X(COPY_INTO_VIEWS, 1, "a generated kernel stores a copy_ into a view of an intermediate itself (not a copy step after)") \
     X(COLSUM_ROWS, 1, "f32 sums over the rows of a tall matrix (bias gradients) in fixed 256-row chunks of whole rows") \
-    X(OWN_GEMM, -1, "f32 matmuls and attention's f32 products on kiln's own packed GEMM (src/backends/cpu/gemm.c) instead of the BLAS; unset, on only where the BLAS runs a generic core for this processor (OpenBLAS's SSE3 kernels on a CPU it does not know: 3x slower training, docs/perf-log.md)")   \
+    X(OWN_GEMM, -1, "f32 matmuls and the attention f32 products KILN_OPT_ATT_PANELS does not take on kiln's own packed GEMM (src/backends/cpu/gemm.c) instead of the BLAS; unset, on only where the BLAS runs a generic core for this processor (OpenBLAS's SSE3 kernels on a CPU it does not know: 3x slower training, docs/perf-log.md)")   \
     X(ATT_BF16, 1, "bf16 attention's tiles on kiln's own GEMM (AMX), P and dS rounded to bf16 as PyTorch does (else widened to f32)") \
     X(MMAP, 1, "safetensors files mapped (mmap, copy-on-write) and model weights taken from the mapping where their dtype and layout allow (else read into memory and copied)") \
     X(GEMM_DPBF16, 1, "bf16 GEMMs on AVX512-BF16's vdpbf16ps where the processor has it but not AMX, if it measures at least 1.25x the f32 FMA kernel on bf16 values at first use (else, and off, that f32 kernel)") \
