@@ -410,7 +410,8 @@ static void test_panels_are_the_serial_gemm_bitwise(void **state)
     (void)state;
     int64_t nr = kiln__gemm_panel_width();
     assert_true(nr > 0);
-    static const int64_t sizes[][2] = {{64, 37}, {300, 70}, {1, 1}, {520, 2 * 32}};
+    /* (4200 columns: two rounds of the GEMM's 4096 columns) */
+    static const int64_t sizes[][2] = {{64, 37}, {300, 70}, {1, 1}, {520, 2 * 32}, {8, 4200}};
     kiln__gemm_panels P = {0};
     for (size_t sz = 0; sz < sizeof sizes / sizeof sizes[0]; sz++)
         for (int bt = 0; bt < 2; bt++) {
@@ -429,9 +430,10 @@ static void test_panels_are_the_serial_gemm_bitwise(void **state)
                     if (alpha != 1 && beta != 0) beta = 0;
                     mat A = mat_new(M, K, false, 1, KILN__GEMM_F32);
                     size_t nc = (size_t)(M * ldc);
-                    float *C1 = malloc(sizeof(float) * nc), *C2 = malloc(sizeof(float) * nc);
-                    assert_true(C1 && C2);
-                    for (size_t i = 0; i < nc; i++) C1[i] = C2[i] = uniform();
+                    float *C1 = malloc(sizeof(float) * nc), *C2 = malloc(sizeof(float) * nc),
+                          *C0 = malloc(sizeof(float) * nc);
+                    assert_true(C0 && C1 && C2);
+                    for (size_t i = 0; i < nc; i++) C0[i] = C1[i] = C2[i] = uniform();
                     kiln__gemm_operand sub = {(float *)B.data + k0 * B.rs + c0 * B.cs, KILN__GEMM_F32, B.rs, B.cs};
                     assert_true(kiln__gemm_f32_serial(M, N, K, operand(&A), sub, alpha, beta, C1, ldc));
                     assert_true(kiln__gemm_f32_serial_panels(M, N, K, operand(&A), &P, k0, c0, alpha, beta, C2, ldc));
@@ -440,6 +442,8 @@ static void test_panels_are_the_serial_gemm_bitwise(void **state)
                                  "panels' product differs from kiln__gemm_f32_serial's", (long long)KB, (long long)NB,
                                  bt ? "^T" : "", (long long)k0, (long long)K, (long long)c0, (long long)N, (long long)M,
                                  alpha, beta);
+                    for (int64_t i = 0; i < M; i++) /* the padding between rows is not written */
+                        assert_memory_equal(C2 + i * ldc + N, C0 + i * ldc + N, sizeof(float) * 2);
                     /* refused: past the panels' rows or columns, a column not at a panel's start, alpha with beta 1 */
                     assert_false(kiln__gemm_f32_serial_panels(M, N, K + 1, operand(&A), &P, k0 + KB, c0, 1, 0, C2, ldc));
                     assert_false(kiln__gemm_f32_serial_panels(M, N, K, operand(&A), &P, k0, c0 + nr, 1, 0, C2, ldc));
@@ -448,6 +452,7 @@ static void test_panels_are_the_serial_gemm_bitwise(void **state)
                     assert_false(kiln__gemm_f32_serial_panels(M, N, K, operand(&A), &P, k0, c0, 0.5f, 1, C2, ldc));
                     assert_memory_equal(C1, C2, sizeof(float) * nc);
                     free(A.data);
+                    free(C0);
                     free(C1);
                     free(C2);
                 }

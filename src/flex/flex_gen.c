@@ -34,17 +34,17 @@
 
 /* The kernel's arguments: the same text compiles into kiln and into the generated
  * source, so the two agree on the layout. */
-#define FLEX_ARGS                                                                                      \
-    typedef struct {                                                                                   \
-        const void *q, *k, *v;                                                                         \
-        void *y, *lse;                                                                                 \
-        const void *cap[8];                                                                            \
-        int64_t cap_dim[8][4];                                                                         \
-        int64_t B, H, Hkv, Tq, Tk, D, mB, mH, nq, block, kv_block;                                     \
-        double scale;                                                                                  \
-        const int32_t *n_full, *n_partial;                                                             \
-        const int64_t *start, *kv;                                                                     \
-        int32_t *bad;                                                                                  \
+#define FLEX_ARGS                                                                                           \
+    typedef struct {                                                                                        \
+        const void *q, *k, *v;                                                                              \
+        void *y, *lse;                                                                                      \
+        const void *cap[8];                                                                                 \
+        int64_t cap_dim[8][4];                                                                              \
+        int64_t B, H, Hkv, Tq, Tk, D, mB, mH, nq, block, kv_block;                                          \
+        double scale;                                                                                       \
+        const int32_t *n_full, *n_partial;                                                                  \
+        const int64_t *start, *kv;                                                                          \
+        int32_t *bad;                                                                                       \
     } flex_args;
 FLEX_ARGS
 #define STR_(...) #__VA_ARGS__
@@ -752,25 +752,25 @@ static void transpose_f32(float *dst, const float *src, int64_t T, int64_t D) { 
 static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) { kiln__cpu_transpose_f64(dst, src, T, D, D); }
 
 /* The forward's and the backward's f32 products on kiln's GEMM with B packed once per kv
- * head (kiln__cpu_att_panels; double has none): the forward's K^T (through Kt, the
+ * head (kiln__cpu_att_panels_wanted; double has none): the forward's K^T (through Kt, the
  * transpose's buffer) and V, the backward's K^T, V^T (from their transposes) and K;
  * false when there is no memory for them (the BLAS path then runs). */
-static bool pan_wanted_f32(const flex_args *a) { return kiln__cpu_att_panels(a->kv_block); }
+static bool pan_wanted_f32(const flex_args *a) { return kiln__cpu_att_panels_wanted(a->kv_block); }
 static bool pan_wanted_f64(const flex_args *a)
 {
     (void)a;
     return false;
 }
-#define FLEX_PANELS(SFX, R)                                                                                  \
-    static bool pan_fwd_##SFX(kiln__att_panels *kp, const R *K, const R *V, R *Kt, int64_t Tk, int64_t D)    \
-    {                                                                                                        \
-        transpose_##SFX(Kt, K, Tk, D);                                                                       \
-        return kiln__att_pack_##SFX(&kp->kt, Kt, D, Tk, Tk) && kiln__att_pack_##SFX(&kp->v, V, Tk, D, D);    \
-    }                                                                                                        \
-    static bool pan_bwd_##SFX(kiln__att_panels *kp, const R *K, const R *Kt, const R *Vt, int64_t Tk, int64_t D) \
-    {                                                                                                        \
-        return kiln__att_pack_##SFX(&kp->kt, Kt, D, Tk, Tk) && kiln__att_pack_##SFX(&kp->vt, Vt, D, Tk, Tk) &&  \
-               kiln__att_pack_##SFX(&kp->k, K, Tk, D, D);                                                    \
+#define FLEX_PANELS(SFX, R)                                                                                 \
+    static bool pan_fwd_##SFX(kiln__cpu_att_panels *kp, const R *K, const R *V, R *Kt, int64_t Tk, int64_t D) \
+    {                                                                                                       \
+        transpose_##SFX(Kt, K, Tk, D);                                                                      \
+        return kiln__cpu_att_pack_##SFX(&kp->kt, Kt, D, Tk, Tk) && kiln__cpu_att_pack_##SFX(&kp->v, V, Tk, D, D); \
+    }                                                                                                       \
+    static bool pan_bwd_##SFX(kiln__cpu_att_panels *kp, const R *K, const R *Kt, const R *Vt, int64_t Tk, int64_t D) \
+    {                                                                                                       \
+        return kiln__cpu_att_pack_##SFX(&kp->kt, Kt, D, Tk, Tk) && kiln__cpu_att_pack_##SFX(&kp->vt, Vt, D, Tk, Tk) && \
+               kiln__cpu_att_pack_##SFX(&kp->k, K, Tk, D, D);                                               \
     }
 FLEX_PANELS(f32, float)
 FLEX_PANELS(f64, double)
@@ -784,9 +784,9 @@ FLEX_PANELS(f64, double)
     {                                                                                                       \
         for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                    \
             int64_t k0 = kvl[n] * a->kv_block, w = run_width(kvl, nb, n, a->kv_block, a->Tk, &e);           \
-            if (!kiln__att_gemm_##SFX(rows, w, a->D, Q, a->D, kt, 0, k0, (R)a->scale, 0, S + off, cols))          \
+            if (!kiln__cpu_att_gemm_##SFX(rows, w, a->D, Q, a->D, kt, 0, k0, (R)a->scale, 0, S + off, cols)) \
                 GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)a->D, (R)a->scale, Q, \
-                     (int)a->D, Kt + k0, (int)a->Tk, 0, S + off, (int)cols);                                 \
+                     (int)a->D, Kt + k0, (int)a->Tk, 0, S + off, (int)cols);                                \
             off += w;                                                                                       \
         }                                                                                                   \
     }
@@ -796,53 +796,53 @@ FLEX_PANELS(f64, double)
  * transposed once per kv head), the modifiers, softmax and log-sum-exp in the generated
  * function, and O = P V by GEMM. R is float or double. */
 #define FLEX_FORWARD(SFX, R, GEMM)                                                                          \
-    static void fwd_##SFX(void *ctx, int64_t t0, int64_t t1)                                              \
+    static void fwd_##SFX(void *ctx, int64_t t0, int64_t t1)                                                \
     {                                                                                                       \
         run_ctx *rc = ctx;                                                                                  \
         const flex_args *a = rc->a;                                                                         \
-        const int64_t H = a->H, G = a->H / a->Hkv, Tq = a->Tq, Tk = a->Tk, D = a->D, blk = a->block;       \
+        const int64_t H = a->H, G = a->H / a->Hkv, Tq = a->Tq, Tk = a->Tk, D = a->D, blk = a->block;        \
         const int64_t kvb = a->kv_block;                                                                    \
-        R *S = malloc(sizeof(R) * (size_t)(blk * (Tk + kvb) + D * Tk));                                    \
+        R *S = malloc(sizeof(R) * (size_t)(blk * (Tk + kvb) + D * Tk));                                     \
         if (!S) {                                                                                           \
             atomic_store(&rc->oom, 1);                                                                      \
             return;                                                                                         \
         }                                                                                                   \
         R *Kt = S + blk * (Tk + kvb);                                                                       \
         int64_t kt_of = -1;                                                                                 \
-        kiln__att_panels kp = {0};                                                                                 \
+        kiln__cpu_att_panels kp = {0};                                                                      \
         const bool want = pan_wanted_##SFX(a);                                                              \
         bool pan = false;                                                                                   \
         for (int64_t t = t0; t < t1; t++) {                                                                 \
-            const int64_t qb = t % a->nq, bh = t / a->nq, b = bh / H, h = bh % H, hk = h / G;              \
-            const int64_t r = ((a->mB == 1 ? 0 : b) * a->mH + (a->mH == 1 ? 0 : h)) * a->nq + qb;          \
-            const int64_t nf = a->n_full[r], nb = nf + a->n_partial[r], *kvl = a->kv + a->start[r];        \
-            const int64_t q0 = qb * blk, rows = q0 + blk < Tq ? blk : Tq - q0;                             \
+            const int64_t qb = t % a->nq, bh = t / a->nq, b = bh / H, h = bh % H, hk = h / G;               \
+            const int64_t r = ((a->mB == 1 ? 0 : b) * a->mH + (a->mH == 1 ? 0 : h)) * a->nq + qb;           \
+            const int64_t nf = a->n_full[r], nb = nf + a->n_partial[r], *kvl = a->kv + a->start[r];         \
+            const int64_t q0 = qb * blk, rows = q0 + blk < Tq ? blk : Tq - q0;                              \
             const R *Q = (const R *)a->q + ((b * H + h) * Tq + q0) * D;                                     \
             const R *K = (const R *)a->k + (b * a->Hkv + hk) * Tk * D;                                      \
             const R *V = (const R *)a->v + (b * a->Hkv + hk) * Tk * D;                                      \
-            R *O = (R *)a->y + ((b * H + h) * Tq + q0) * D, *L = (R *)a->lse + (b * H + h) * Tq + q0;      \
+            R *O = (R *)a->y + ((b * H + h) * Tq + q0) * D, *L = (R *)a->lse + (b * H + h) * Tq + q0;       \
             const int64_t cols = cols_of(kvl, nb, kvb, Tk);                                                 \
             if (cols == 0) {                                                                                \
-                memset(O, 0, sizeof(R) * (size_t)(rows * D));                                              \
-                for (int64_t i = 0; i < rows; i++) L[i] = (R)-INFINITY;                                    \
+                memset(O, 0, sizeof(R) * (size_t)(rows * D));                                               \
+                for (int64_t i = 0; i < rows; i++) L[i] = (R)-INFINITY;                                     \
                 continue;                                                                                   \
             }                                                                                               \
             if (kt_of != b * a->Hkv + hk) {                                                                 \
-                pan = want && pan_fwd_##SFX(&kp, K, V, Kt, Tk, D);                                          \
-                if (!pan) transpose_##SFX(Kt, K, Tk, D);                                                    \
+                pan = want && pan_fwd_##SFX(&kp, K, V, Kt, Tk, D); /* (Kt transposed either way) */         \
+                if (!want) transpose_##SFX(Kt, K, Tk, D);                                                   \
                 kt_of = b * a->Hkv + hk;                                                                    \
             }                                                                                               \
             scores_##SFX(a, Q, Kt, pan ? &kp.kt : NULL, S, kvl, nb, rows, cols);                            \
-            rc->fn(a, S, cols, b, h, q0, rows, kvl, nf, nb, L); /* modifiers, softmax, L */          \
+            rc->fn(a, S, cols, b, h, q0, rows, kvl, nf, nb, L); /* modifiers, softmax, L */                 \
             for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                \
                 int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                          \
-                if (!kiln__att_gemm_##SFX(rows, D, w, S + off, cols, pan ? &kp.v : NULL, k0, 0, 1, off ? 1 : 0, O, D)) \
-                    GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, 1, S + off,   \
-                         (int)cols, V + k0 * D, (int)D, off ? 1 : 0, O, (int)D);                              \
+                if (!kiln__cpu_att_gemm_##SFX(rows, D, w, S + off, cols, pan ? &kp.v : NULL, k0, 0, 1, off ? 1 : 0, O, D)) \
+                    GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, 1, S + off,  \
+                         (int)cols, V + k0 * D, (int)D, off ? 1 : 0, O, (int)D);                            \
                 off += w;                                                                                   \
             }                                                                                               \
         }                                                                                                   \
-        kiln__att_panels_free(&kp);                                                                         \
+        kiln__cpu_att_panels_free(&kp);                                                                     \
         free(S);                                                                                            \
     }
 
@@ -860,20 +860,20 @@ typedef struct {
 } grads;
 
 #define FLEX_BACKWARD(SFX, R, GEMM)                                                                         \
-    static void bwd_##SFX(void *ctx, int64_t t0, int64_t t1)                                              \
+    static void bwd_##SFX(void *ctx, int64_t t0, int64_t t1)                                                \
     {                                                                                                       \
         run_ctx *rc = ctx;                                                                                  \
         const flex_args *a = rc->a;                                                                         \
         const grads *gr = (const grads *)a->y;                                                              \
-        const int64_t H = a->H, G = a->H / a->Hkv, Tq = a->Tq, Tk = a->Tk, D = a->D, blk = a->block;       \
+        const int64_t H = a->H, G = a->H / a->Hkv, Tq = a->Tq, Tk = a->Tk, D = a->D, blk = a->block;        \
         const int64_t kvb = a->kv_block, tile = blk * (Tk + kvb);                                           \
-        R *P = malloc(sizeof(R) * (size_t)(3 * tile + 2 * D * Tk));                                        \
+        R *P = malloc(sizeof(R) * (size_t)(3 * tile + 2 * D * Tk));                                         \
         if (!P) {                                                                                           \
             atomic_store(&rc->oom, 1);                                                                      \
             return;                                                                                         \
         }                                                                                                   \
         R *M = P + tile, *dP = M + tile, *Kt = dP + tile, *Vt = Kt + D * Tk;                                \
-        kiln__att_panels kp = {0};                                                                                 \
+        kiln__cpu_att_panels kp = {0};                                                                      \
         const bool want = pan_wanted_##SFX(a);                                                              \
         for (int64_t t = t0; t < t1; t++) {                                                                 \
             const int64_t b = t / a->Hkv, hk = t % a->Hkv;                                                  \
@@ -886,9 +886,9 @@ typedef struct {
             const bool pan = want && pan_bwd_##SFX(&kp, K, Kt, Vt, Tk, D);                                  \
             for (int64_t h = hk * G; h < (hk + 1) * G; h++)                                                 \
                 for (int64_t qb = 0; qb < a->nq; qb++) {                                                    \
-                    const int64_t r = ((a->mB == 1 ? 0 : b) * a->mH + (a->mH == 1 ? 0 : h)) * a->nq + qb;  \
+                    const int64_t r = ((a->mB == 1 ? 0 : b) * a->mH + (a->mH == 1 ? 0 : h)) * a->nq + qb;   \
                     const int64_t nf = a->n_full[r], nb = nf + a->n_partial[r], *kvl = a->kv + a->start[r]; \
-                    const int64_t q0 = qb * blk, rows = q0 + blk < Tq ? blk : Tq - q0;                     \
+                    const int64_t q0 = qb * blk, rows = q0 + blk < Tq ? blk : Tq - q0;                      \
                     const int64_t base = (b * H + h) * Tq + q0;                                             \
                     const R *Q = (const R *)a->q + base * D, *dO = (const R *)gr->dO + base * D;            \
                     const R *L = (const R *)a->lse + base, *Dm = (const R *)gr->dm + base;                  \
@@ -905,8 +905,8 @@ typedef struct {
                         /* dV += P^T dO; dP = dO V^T */                                                     \
                         GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)w, (int)D, (int)rows, 1, P + off, (int)cols, \
                              dO, (int)D, 1, dV + k0 * D, (int)D);                                           \
-                        if (!kiln__att_gemm_##SFX(rows, w, D, dO, D, pan ? &kp.vt : NULL, 0, k0, 1, 0, dP + off, cols)) \
-                            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)D, 1, dO,     \
+                        if (!kiln__cpu_att_gemm_##SFX(rows, w, D, dO, D, pan ? &kp.vt : NULL, 0, k0, 1, 0, dP + off, cols)) \
+                            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)D, 1, dO, \
                                  (int)D, Vt + k0, (int)Tk, 0, dP + off, (int)cols);                         \
                         off += w;                                                                           \
                     }                                                                                       \
@@ -914,17 +914,17 @@ typedef struct {
                     for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                        \
                         int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                  \
                         /* dQ (+)= (scale dS) K; dK += (scale dS)^T Q */                                    \
-                        if (!kiln__att_gemm_##SFX(rows, D, w, dP + off, cols, pan ? &kp.k : NULL, k0, 0, 1, off ? 1 : 0, \
+                        if (!kiln__cpu_att_gemm_##SFX(rows, D, w, dP + off, cols, pan ? &kp.k : NULL, k0, 0, 1, off ? 1 : 0, \
                                             dQ, D))                                                         \
-                            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, 1,         \
+                            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)w, 1,   \
                                  dP + off, (int)cols, K + k0 * D, (int)D, off ? 1 : 0, dQ, (int)D);         \
-                        GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)w, (int)D, (int)rows, 1, dP + off,   \
+                        GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)w, (int)D, (int)rows, 1, dP + off, \
                              (int)cols, Q, (int)D, 1, dK + k0 * D, (int)D);                                 \
                         off += w;                                                                           \
                     }                                                                                       \
                 }                                                                                           \
         }                                                                                                   \
-        kiln__att_panels_free(&kp);                                                                         \
+        kiln__cpu_att_panels_free(&kp);                                                                     \
         free(P);                                                                                            \
     }
 

@@ -75,29 +75,32 @@ void kiln__cpu_sgemm(enum CBLAS_ORDER o, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRA
                      float alpha, const float *A, int lda, const float *B, int ldb, float beta, float *C, int ldc);
 /* Attention's f32 products on kiln's GEMM with B packed once per kv head (gemm.h's
  * kiln__gemm_panels: K^T for the scores, V for P V, V^T for dO V^T, K for dS K), read
- * in place by every tile of query rows. kiln__cpu_att_panels: whether they are taken,
- * KILN_OPT_ATT_PANELS and KILN_OPT_POOL_GEMM on, kiln's f32 kernel a vector one, and
- * the key blocks (kv_block; 0 for whole rows of keys) whole panels. */
+ * in place by every tile of query rows (dV += P^T dO and dK += dS^T Q, whose B changes
+ * with the query block, stay on kiln__cpu_sgemm). kiln__cpu_att_panels_wanted: whether
+ * they are taken: KILN_OPT_ATT_PANELS and KILN_OPT_POOL_GEMM on, kiln's f32 kernel the
+ * AVX-512 one (the only one measured against the BLAS here), and the key blocks
+ * (kv_block; 0 for whole rows of keys) whole panels. */
 typedef struct {
     kiln__gemm_panels kt, v, vt, k;
-} kiln__att_panels;
-bool kiln__cpu_att_panels(int64_t kv_block);
-void kiln__att_panels_free(kiln__att_panels *kp);
+} kiln__cpu_att_panels;
+bool kiln__cpu_att_panels_wanted(int64_t kv_block);
+void kiln__cpu_att_panels_free(kiln__cpu_att_panels *kp);
 /* Packs B (K x N, row stride ld) into P; false (P then not to be used) when out of
  * memory. The f64 versions have no panels: false, and the caller takes the BLAS. */
-bool kiln__att_pack_f32(kiln__gemm_panels *P, const float *B, int64_t K, int64_t N, int64_t ld);
+bool kiln__cpu_att_pack_f32(kiln__gemm_panels *P, const float *B, int64_t K, int64_t N, int64_t ld);
 /* C (M x N) = alpha A B[k0.., c0..] + beta C from the panels B (A row-major, row stride
  * lda); false, nothing done, when B is NULL (or the product cannot take the panels). */
-bool kiln__att_gemm_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const kiln__gemm_panels *B,
-                        int64_t k0, int64_t c0, float alpha, float beta, float *C, int64_t ldc);
-static inline bool kiln__att_pack_f64(kiln__gemm_panels *P, const double *B, int64_t K, int64_t N, int64_t ld)
+bool kiln__cpu_att_gemm_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                            const kiln__gemm_panels *B, int64_t k0, int64_t c0, float alpha, float beta, float *C,
+                            int64_t ldc);
+static inline bool kiln__cpu_att_pack_f64(kiln__gemm_panels *P, const double *B, int64_t K, int64_t N, int64_t ld)
 {
     (void)P, (void)B, (void)K, (void)N, (void)ld;
     return false;
 }
-static inline bool kiln__att_gemm_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
-                                      const kiln__gemm_panels *B, int64_t k0, int64_t c0, double alpha, double beta,
-                                      double *C, int64_t ldc)
+static inline bool kiln__cpu_att_gemm_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
+                                          const kiln__gemm_panels *B, int64_t k0, int64_t c0, double alpha,
+                                          double beta, double *C, int64_t ldc)
 {
     (void)M, (void)N, (void)K, (void)A, (void)lda, (void)B, (void)k0, (void)c0, (void)alpha, (void)beta, (void)C, (void)ldc;
     return false;

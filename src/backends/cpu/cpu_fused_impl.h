@@ -363,12 +363,12 @@ static void FN(att_transpose)(R *dst, const R *src, int64_t T, int64_t D, int64_
 }
 
 /* S (rows, nblk) = scale A B^T, with B (nblk, D) given as itself (ld ldb), as the
- * panels of its transpose (pan: kiln__cpu_att_panels) or, when Bt is set, as its
+ * panels of its transpose (pan: kiln__cpu_att_panels_wanted) or, when Bt is set, as its
  * transpose Bt (D, Tk). */
 static inline void FN(att_abt)(int64_t rows, int64_t nblk, int64_t D, R scale, const R *A, int64_t lda, const R *B,
                                int64_t ldb, const kiln__gemm_panels *pan, const R *Bt, int64_t Tk, R *S)
 {
-    if (CAT(kiln__att_gemm, SFX)(rows, nblk, D, A, lda, pan, 0, 0, scale, 0, S, nblk)) return;
+    if (CAT(kiln__cpu_att_gemm, SFX)(rows, nblk, D, A, lda, pan, 0, 0, scale, 0, S, nblk)) return;
     if (Bt)
         GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)nblk, (int)D, scale, A, (int)lda, Bt, (int)Tk, 0,
              S, (int)nblk);
@@ -440,7 +440,7 @@ KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
     int64_t D = a->D, grp = a->H / a->Hkv, Tk = a->Tk;
     /* K and V packed into kiln's GEMM's panels once per kv head (K^T through Kt) */
     const bool want = FN(att_pan_wanted)(), kt = a->kt || want;
-    kiln__att_panels kp = {0};
+    kiln__cpu_att_panels kp = {0};
     bool pan = false;
     R *S = malloc(sizeof(R) * (size_t)((ATT_QB + (kt ? D : 0)) * (Tk ? Tk : 1)));
     if (!S) {
@@ -456,8 +456,8 @@ KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
         if (Kt && kt_of != bb * a->Hkv + hk) {
             FN(att_transpose)(Kt, K, Tk, D, a->ks[2]);
             kt_of = bb * a->Hkv + hk;
-            pan = want && CAT(kiln__att_pack, SFX)(&kp.kt, Kt, D, Tk, Tk) &&
-                  CAT(kiln__att_pack, SFX)(&kp.v, V, Tk, D, a->vs[2]);
+            pan = want && CAT(kiln__cpu_att_pack, SFX)(&kp.kt, Kt, D, Tk, Tk) &&
+                  CAT(kiln__cpu_att_pack, SFX)(&kp.v, V, Tk, D, a->vs[2]);
         }
         for (int64_t i0 = 0; i0 < a->Tq; i0 += ATT_QB) {
             int64_t rows = a->Tq - i0 < ATT_QB ? a->Tq - i0 : ATT_QB;
@@ -472,12 +472,12 @@ KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
             FN(att_abt)(rows, nblk, D, (R)a->scale, Q, a->qs[2], K, a->ks[2], pan ? &kp.kt : NULL,
                         a->kt ? Kt : NULL, Tk, S);
             FN(att_softmax_rows)(a, i0, rows, nblk, S, NULL, a->lse + t * a->Tq + i0, fast);
-            if (!CAT(kiln__att_gemm, SFX)(rows, D, nblk, S, nblk, pan ? &kp.v : NULL, 0, 0, 1, 0, O, D))
+            if (!CAT(kiln__cpu_att_gemm, SFX)(rows, D, nblk, S, nblk, pan ? &kp.v : NULL, 0, 0, 1, 0, O, D))
                 GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, 1, S, (int)nblk, V,
                      (int)a->vs[2], 0, O, (int)D);
         }
     }
-    kiln__att_panels_free(&kp);
+    kiln__cpu_att_panels_free(&kp);
     free(S);
 }
 
@@ -487,7 +487,7 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
     int64_t D = a->D, grp = a->H / a->Hkv, Tk = a->Tk;
     /* K^T, V^T and K packed into kiln's GEMM's panels once per kv head */
     const bool want = FN(att_pan_wanted)(), kt = a->kt || want;
-    kiln__att_panels kp = {0};
+    kiln__cpu_att_panels kp = {0};
     R *P = malloc(sizeof(R) * (size_t)((2 * ATT_QB + (kt ? 2 * D : 0)) * (Tk ? Tk : 1)));
     if (!P) {
         atomic_store(&a->oom, 1);
@@ -503,9 +503,9 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
             FN(att_transpose)(Kt, K, Tk, D, a->ks[2]);
             FN(att_transpose)(Vt, V, Tk, D, a->vs[2]);
         }
-        const bool pan = want && CAT(kiln__att_pack, SFX)(&kp.kt, Kt, D, Tk, Tk) &&
-                         CAT(kiln__att_pack, SFX)(&kp.vt, Vt, D, Tk, Tk) &&
-                         CAT(kiln__att_pack, SFX)(&kp.k, K, Tk, D, a->ks[2]);
+        const bool pan = want && CAT(kiln__cpu_att_pack, SFX)(&kp.kt, Kt, D, Tk, Tk) &&
+                         CAT(kiln__cpu_att_pack, SFX)(&kp.vt, Vt, D, Tk, Tk) &&
+                         CAT(kiln__cpu_att_pack, SFX)(&kp.k, K, Tk, D, a->ks[2]);
         const R *Kt_b = a->kt ? Kt : NULL, *Vt_b = a->kt ? Vt : NULL; /* for the BLAS */
         memset(dK, 0, sizeof(R) * (size_t)(Tk * D));
         memset(dV, 0, sizeof(R) * (size_t)(Tk * D));
@@ -538,7 +538,7 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
                     for (int64_t j = 0; j < nblk; j++) dr[j] = pr[j] * (dr[j] - Di) * sc;
                 }
                 /* dQ = (scale dS) K; dK += (scale dS)^T Q */
-                if (!CAT(kiln__att_gemm, SFX)(rows, D, nblk, dP, nblk, pan ? &kp.k : NULL, 0, 0, 1, 0, dQ, D))
+                if (!CAT(kiln__cpu_att_gemm, SFX)(rows, D, nblk, dP, nblk, pan ? &kp.k : NULL, 0, 0, 1, 0, dQ, D))
                     GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, 1, dP, (int)nblk, K,
                          (int)ldk, 0, dQ, (int)D);
                 GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nblk, (int)D, (int)rows, 1, dP, (int)nblk, Q, (int)ldq,
@@ -546,7 +546,7 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
             }
         }
     }
-    kiln__att_panels_free(&kp);
+    kiln__cpu_att_panels_free(&kp);
     free(P);
 }
 

@@ -95,14 +95,14 @@ void kiln__cpu_sgemm(enum CBLAS_ORDER o, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRA
     cblas_sgemm(o, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
-bool kiln__cpu_att_panels(int64_t kv_block)
+bool kiln__cpu_att_panels_wanted(int64_t kv_block)
 {
     int64_t nr = kiln__gemm_panel_width();
     return kiln__opt(KILN__OPT_ATT_PANELS) && kiln__opt(KILN__OPT_POOL_GEMM) && nr > 0 && kv_block % nr == 0 &&
-           strcmp(kiln__gemm_kernel_name(KILN__GEMM_F32), "c") != 0;
+           kiln__gemm_kernel_isa(KILN__GEMM_F32) == KILN__GEMM_ISA_AVX512;
 }
 
-void kiln__att_panels_free(kiln__att_panels *kp)
+void kiln__cpu_att_panels_free(kiln__cpu_att_panels *kp)
 {
     kiln__gemm_panels_free(&kp->kt);
     kiln__gemm_panels_free(&kp->v);
@@ -110,15 +110,16 @@ void kiln__att_panels_free(kiln__att_panels *kp)
     kiln__gemm_panels_free(&kp->k);
 }
 
-bool kiln__att_pack_f32(kiln__gemm_panels *P, const float *B, int64_t K, int64_t N, int64_t ld)
+bool kiln__cpu_att_pack_f32(kiln__gemm_panels *P, const float *B, int64_t K, int64_t N, int64_t ld)
 {
     if (!kiln__gemm_panels_init(P, K, N)) return false;
     kiln__gemm_panels_pack(P, (kiln__gemm_operand){B, KILN__GEMM_F32, ld, 1});
     return true;
 }
 
-bool kiln__att_gemm_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda, const kiln__gemm_panels *B,
-                        int64_t k0, int64_t c0, float alpha, float beta, float *C, int64_t ldc)
+bool kiln__cpu_att_gemm_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
+                            const kiln__gemm_panels *B, int64_t k0, int64_t c0, float alpha, float beta, float *C,
+                            int64_t ldc)
 {
     return B && kiln__gemm_f32_serial_panels(M, N, K, (kiln__gemm_operand){A, KILN__GEMM_F32, lda, 1}, B, k0, c0, alpha,
                                              beta, C, ldc);

@@ -337,6 +337,12 @@ const char *kiln__gemm_kernel_name(kiln__gemm_type compute)
     return k ? k->name : "none";
 }
 
+kiln__gemm_isa kiln__gemm_kernel_isa(kiln__gemm_type compute)
+{
+    const ukernel *k = pick(KILN__GEMM_ISA_AUTO, compute);
+    return k ? k->isa : KILN__GEMM_ISA_AUTO;
+}
+
 /* ---- packing ---- */
 
 /* Copies `rows` rows of n floats (source rows ss apart, destination rows ds apart) and

@@ -124,5 +124,7 @@ void kiln__half_limit(int level);
 
 /* The name of the micro-kernel kiln__gemm would use for `compute` ("avx512", ...). */
 const char *kiln__gemm_kernel_name(kiln__gemm_type compute);
+/* Its instruction set (KILN__GEMM_ISA_AUTO where there is none). */
+kiln__gemm_isa kiln__gemm_kernel_isa(kiln__gemm_type compute);
 
 #endif
