@@ -9,7 +9,7 @@
  * --device opencl the tensors live there (the fused forward is OpenCL C; kiln's dense
  * attention is the cpu's with copies there). Before the timed rounds of each T, every
  * variant runs for at least --warm-ms (200) ms.
- *   build/bench_flex [--T 512,1024,2048,4096] [--B 1] [--H 8] [--D 64] [--W 256] [--block 64] [--kv-block 64] [--rounds 5] [--backward 0|1] [--device cpu|opencl] [--warm-ms 200] */
+ *   build/bench_flex [--T 512,1024,2048,4096] [--B 1] [--H 8] [--D 64] [--W 256] [--block 32] [--kv-block 32] [--rounds 5] [--backward 0|1] [--device cpu|opencl] [--warm-ms 200] */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -44,7 +44,7 @@ static double time_one(int which, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tenso
 int main(int argc, char **argv)
 {
     const char *Ts = "512,1024,2048,4096";
-    int64_t B = 1, H = 8, D = 64, W = 256, block = 64, kv_block = 64;
+    int64_t B = 1, H = 8, D = 64, W = 256, block = KILN_FLEX_BLOCK, kv_block = KILN_FLEX_BLOCK;
     int rounds = 5;
     double warm_ms = 200;
     const char *device = "cpu";

@@ -82,6 +82,11 @@ const char *kiln_flex_mask_text(const kiln_flex_t *f);
  * mask's edges (a sliding window's); the fused kernel multiplies a query block's rows
  * by adjacent key blocks in one GEMM, so they cost no extra calls. */
 typedef struct kiln_block_mask kiln_block_mask_t;
+/* The block size kiln takes where none is given (a flex call without a block mask, the
+ * GPT model's variants): 32 query rows by 32 keys, a whole panel of the cpu's GEMM. On the
+ * cpu it wastes fewer keys at a mask's edges than 64 and costs no more elsewhere (a T/8
+ * window 4-26% faster, causal the same or faster at T 128-4096: docs/perf-log.md). */
+#define KILN_FLEX_BLOCK 32
 kiln_status kiln_block_mask_new(const kiln_flex_t *f, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t block,
                                 int64_t kv_block, kiln_block_mask_t **out);
 void kiln_block_mask_free(kiln_block_mask_t *m);

@@ -1480,7 +1480,8 @@ kiln_status kiln__flex_fused(const kiln_flex_t *f, kiln_tensor_t *mask, kiln_ten
     if (s != KILN_OK) return s;
     /* the block mask: given, or made for the call's sizes (from the captured tensors, or
      * kept), on q's device */
-    if (!mask && !(mask = mask_for(e, f, be, q->shape[0], q->shape[1], q->shape[2], k->shape[2], 64, 64)))
+    if (!mask && !(mask = mask_for(e, f, be, q->shape[0], q->shape[1], q->shape[2], k->shape[2], KILN_FLEX_BLOCK,
+                                      KILN_FLEX_BLOCK)))
         return kiln_last_status();
     if (mask->st->be != be && !(mask = kiln_tensor_to(mask, be->name))) return kiln_last_status();
     kiln_tensor_t *in[8] = {q, k, v, mask}, *out[2] = {0};

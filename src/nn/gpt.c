@@ -804,7 +804,7 @@ static kiln_tensor_t *run(kiln_gpt_t *m, kiln_tensor_t *idx, int64_t pos0, kiln_
     /* its block mask once for every layer: from this batch's document ids (an op, so a
      * compiled step computes it from each batch), or kept for these sizes */
     if (flex && kiln__opt(KILN__OPT_FLEX_FUSED) &&
-        !(ps.mask = kiln_flex_block_mask(flex, ps.B, c->n_head, T, pos0 + T, 64, 64))) {
+        !(ps.mask = kiln_flex_block_mask(flex, ps.B, c->n_head, T, pos0 + T, KILN_FLEX_BLOCK, KILN_FLEX_BLOCK))) {
         kiln_flex_free(flex);
         return NULL;
     }
