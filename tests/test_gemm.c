@@ -121,7 +121,10 @@ static void test_every_kernel_matches_double_reference(void **state)
 {
     (void)state;
     static const int64_t sizes[][3] = {{1, 1, 1},   {7, 7, 7},    {1, 65, 63},  {63, 65, 7},   {65, 63, 64},
-                                       {13, 33, 1}, {24, 64, 256}, {37, 100, 600}, {130, 70, 65}, {5, 300, 257}};
+                                       {13, 33, 1}, {24, 64, 256}, {37, 100, 600}, {130, 70, 65}, {5, 300, 257},
+                                       /* K-outer items (KILN_OPT_GEMM_K_OUTER) at up to 2 threads: 5 K
+                                        * blocks, a last short one, partial panels, edge rows */
+                                       {150, 70, 1100}};
     for (size_t s = 0; s < sizeof ISAS / sizeof ISAS[0]; s++) {
         int ran = 0, cases = 0;
         for (size_t z = 0; z < sizeof sizes / sizeof sizes[0]; z++)
@@ -191,6 +194,46 @@ static void test_rows_and_columns_do_not_depend_on_the_rest(void **state)
             free(C);
             free(R);
         }
+}
+
+/* The K-outer items (few rows, many K blocks: each packs its K block of B itself) sum as
+ * the row blocks over B packed whole do, bit for bit: rows of a product with M above
+ * K/2 (the usual path) against the same rows alone, 100 of them on the calling thread
+ * (kiln__gemm_f32_serial: K-outer at any pool size) and 300 over the pool (K-outer at up
+ * to 4 threads), on every f32 kernel, A as itself and transposed; 800 columns are two
+ * groups of panels. */
+static void test_k_outer_sums_as_the_row_blocks(void **state)
+{
+    (void)state;
+    const int64_t M = 600, N = 800, K = 1100;
+    float *R = calloc((size_t)(300 * N), sizeof(float));
+    assert_non_null(R);
+    for (size_t s = 0; s < sizeof ISAS / sizeof ISAS[0]; s++)
+        for (int at_ = 0; at_ < 2; at_++) {
+            mat A = mat_new(M, K, at_, 2, KILN__GEMM_F32), B = mat_new(K, N, false, 3, KILN__GEMM_F32);
+            float *C = calloc((size_t)(M * N), sizeof(float));
+            assert_non_null(C);
+            if (kiln__gemm_with(ISAS[s], M, N, K, operand(&A), operand(&B), C, N, false, KILN__GEMM_F32)) {
+                static const int64_t parts[][2] = {{0, 300}, {300, 100}, {500, 100}};
+                for (int f = 0; f < 3; f++) {
+                    int64_t first = parts[f][0], rows = parts[f][1];
+                    kiln__gemm_operand part = {(float *)A.data + first * A.rs, KILN__GEMM_F32, A.rs, A.cs};
+                    if (rows == 100 && ISAS[s] != KILN__GEMM_ISA_AUTO) continue; /* serial: the chosen kernel */
+                    if (rows == 100)
+                        assert_true(kiln__gemm_f32_serial(rows, N, K, part, operand(&B), 1, 0, R, N));
+                    else
+                        assert_true(kiln__gemm_with(ISAS[s], rows, N, K, part, operand(&B), R, N, false, KILN__GEMM_F32));
+                    if (memcmp(R, C + first * N, sizeof(float) * (size_t)(rows * N)))
+                        fail_msg("%s A%s: rows %lld.. (%lld of them, K-outer) differ from the same rows of the "
+                                 "%lld-row product", ISA_NAMES[s], at_ ? "^T" : "", (long long)first, (long long)rows,
+                                 (long long)M);
+                }
+            }
+            free(A.data);
+            free(B.data);
+            free(C);
+        }
+    free(R);
 }
 
 /* The oracle's f32 copy of an f16 matrix (kiln__f16_to_f32 of each element). */
@@ -477,6 +520,7 @@ int main(void)
         cmocka_unit_test(test_every_kernel_matches_double_reference),
         cmocka_unit_test(test_zero_k_and_empty),
         cmocka_unit_test(test_rows_and_columns_do_not_depend_on_the_rest),
+        cmocka_unit_test(test_k_outer_sums_as_the_row_blocks),
         cmocka_unit_test(test_bf16_result_is_the_sums_rounded_once),
         cmocka_unit_test(test_f16_result_is_the_widened_sums_rounded_once),
         cmocka_unit_test(test_bf16_epilogue_sees_each_rounded_row_once),

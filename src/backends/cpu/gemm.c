@@ -665,18 +665,18 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, bool is_b, int6
 
 /* Each thread keeps its packing buffers between calls (slot 0: the caller's packed B,
  * slot 1: an item's packed A, slot 2: an item's f32 sums when C is bf16, slot 3: the
- * product kiln__gemm_f32_serial adds in): fresh memory would cost page faults on every
+ * product kiln__gemm_f32_serial adds in, slot 4: a K-outer item's own K block of B): fresh memory would cost page faults on every
  * GEMM. A thread's buffers are freed when it exits. */
 typedef struct {
-    void *p[4];
-    size_t n[4];
+    void *p[5];
+    size_t n[5];
 } buffers;
 static pthread_key_t buffers_key;
 static pthread_once_t buffers_once = PTHREAD_ONCE_INIT;
 static void buffers_free(void *v)
 {
     buffers *b = v;
-    for (int i = 0; i < 4; i++) free(b->p[i]);
+    for (int i = 0; i < 5; i++) free(b->p[i]);
     free(b);
 }
 static void buffers_init(void) { pthread_key_create(&buffers_key, buffers_free); }
@@ -909,6 +909,67 @@ static void items(void *ctx, int64_t begin, int64_t end)
     }
 }
 
+/* K-outer items (KILN_OPT_GEMM_K_OUTER): products with many K blocks and few rows, the
+ * weight gradients X^T dY (M 256-1024, K 2048). Packing all of B first (6 MB for 2048 x
+ * 768) sends each K block of it back to memory for the first row tile of every row
+ * block, at the rate the kernel reads it (0.79-0.93 of OpenBLAS at one thread on these
+ * shapes). Here an item is a block of rows and a group of B's panels: for each K block
+ * it packs its panels' part of B and its rows' block of A itself, just before it sums
+ * them, so both stay in L2 and no thread waits for another (the items share nothing;
+ * each thread packs B for itself). The sums are kiln__gemm's: K blocks in order, each
+ * through the same kernel. f32 C and kernels. */
+static void kouter_items(void *ctx, int64_t begin, int64_t end)
+{
+    job *j = ctx;
+    const ukernel *uk = j->uk;
+    int nr = uk->nr, mr = uk->mr;
+    int64_t kpad = j->kc_max + 32;
+    float *apack = buffer(1, sizeof(float) * (size_t)((j->mc + 2 * mr + 32) * kpad));
+    float *bp = buffer(4, sizeof(float) * (size_t)(j->panels_per_group * nr * j->kc_max));
+    if (!apack || !bp) {
+        j->failed = true; /* a benign race: every writer stores true */
+        return;
+    }
+    for (int64_t it = begin; it < end; it++) {
+        int64_t mb = it % j->mblocks, g = it / j->mblocks;
+        int64_t r0 = (mb * j->tq + (mb < j->tr ? mb : j->tr)) * mr, m = (j->tq + (mb < j->tr)) * mr;
+        if (m > j->M - r0) m = j->M - r0;
+        int64_t whole = m / mr * mr;
+        int64_t p0 = g * j->panels_per_group, p1 = p0 + j->panels_per_group;
+        if (p1 > j->npanels) p1 = j->npanels;
+        int64_t col0 = j->c0 + p0 * nr, w = (j->c0 + p1 * nr < j->c0 + j->nc ? j->c0 + p1 * nr : j->c0 + j->nc) - col0;
+        for (int64_t k0 = 0; k0 < j->K; k0 += j->kc_max) {
+            int64_t kc = j->K - k0 < j->kc_max ? j->K - k0 : j->kc_max;
+            pack(uk, &j->B, true, k0 * j->B.rs + col0 * j->B.cs, j->B.cs, j->B.rs, w, kc, nr, bp);
+            a_view av = a_rows(j, r0, whole, k0, kc, apack), edge = {0};
+            if (whole < m) edge = a_rows(j, r0 + whole, m - whole, k0, kc, apack + (j->mc + mr + 16) * kpad);
+            bool add = k0 > 0 || j->accumulate;
+            for (int64_t i = 0; i < m; i += mr)
+                for (int64_t p = p0; p < p1; p++) {
+                    int64_t col = p * nr, n = j->nc - col < nr ? j->nc - col : nr, rows = m - i < mr ? m - i : mr;
+                    const float *b = bp + (p - p0) * kc * nr;
+                    float *c = j->C + (r0 + i) * j->ldc + j->c0 + col;
+                    if (i < whole) tile(j, kc, av.p + i / mr * av.tile, av.rs, av.cs, b, c, j->ldc, rows, n, add);
+                    else tile(j, kc, edge.p, edge.rs, edge.cs, b, c, j->ldc, rows, n, add);
+                    if (j->alpha != 1 && k0 + kc == j->K)
+                        for (int64_t r = 0; r < rows; r++)
+                            for (int64_t x = 0; x < n; x++) c[r * j->ldc + x] *= j->alpha;
+                }
+        }
+    }
+}
+
+/* Whether kouter_items takes the product (see there) at nt threads: at least 4 K
+ * blocks, M at most half of K and 1024 but at least 6 row tiles a thread (each thread
+ * packs B's K blocks for itself), f32 throughout, no packed B given. */
+static bool kouter_takes(const job *j, int64_t nt, const float *C, const kiln__gemm_panels *pre,
+                         const kiln__epilogue *epi)
+{
+    return kiln__opt(KILN__OPT_GEMM_K_OUTER) && C && !pre && !epi && j->uk->packed == KILN__GEMM_F32 &&
+           !j->uk->round_bf16 && j->A.type == KILN__GEMM_F32 && j->B.type == KILN__GEMM_F32 &&
+           j->K >= 4 * j->kc_max && j->M <= j->K / 2 && j->M <= 1024 && j->M >= 6 * nt * j->uk->mr;
+}
+
 /* The driver: C f32 (C) or 16-bit (Cb, then not accumulating: bf16 for bf16 products,
  * f16 for f32 ones, as kiln__gemm_bf16 and kiln__gemm_f16 ask); over the pool, or on the
  * calling thread alone with `serial`. */
@@ -937,6 +998,26 @@ static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_
      * inside a pool task, where kiln__parallel_for runs inline) */
     int64_t nt = !serial && !kiln__pool_inline() && kiln__pool_size() > 0 ? kiln__pool_size() : 1;
     size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < NC ? N : NC) + uk->nr) * j.es;
+    if (kouter_takes(&j, nt, C, pre, epi)) {
+        /* a block of rows a thread (equal tiles, the larger first), each with groups of
+         * whole panels, at most 24 (a K block of them 768 KiB, in L2 beside A's): each
+         * thread packs B's K block for itself. Splitting the panels among the threads
+         * instead (each packing all of A) was 1.5-2% slower in the two-thread step,
+         * docs/perf-log.md. */
+        for (j.c0 = 0; j.c0 < N && !j.failed; j.c0 += NC) {
+            j.nc = N - j.c0 < NC ? N - j.c0 : NC;
+            j.npanels = (j.nc + uk->nr - 1) / uk->nr;
+            int64_t tiles = (M + uk->mr - 1) / uk->mr;
+            j.mblocks = nt; /* (kouter_takes: at least 6 tiles each) */
+            j.tq = tiles / j.mblocks, j.tr = tiles % j.mblocks, j.mc = (j.tq + (j.tr > 0)) * uk->mr;
+            j.ngroups = (j.npanels + 23) / 24;
+            j.panels_per_group = (j.npanels + j.ngroups - 1) / j.ngroups;
+            j.ngroups = (j.npanels + j.panels_per_group - 1) / j.panels_per_group;
+            if (serial || nt == 1) kouter_items(&j, 0, j.mblocks * j.ngroups);
+            else kiln__parallel_items(j.mblocks * j.ngroups, kouter_items, &j);
+        }
+        return !j.failed;
+    }
     j.bpack = pre ? NULL : buffer(0, bbytes);
     if (!pre && !j.bpack) return false;
     for (j.c0 = 0; j.c0 < N && !j.failed; j.c0 += NC) {
