@@ -522,7 +522,7 @@ static void fused_gradients_match_the_oracle(void **state)
     kiln_flex_free(f);
 }
 
-/* Long rows of keys at the fused kernels' own block size (64): T 1100, so that a query
+/* Long rows of keys in blocks of 64: T 1100, so that a query
  * block's row of scores spans up to 17 key blocks, runs of adjacent blocks are one GEMM
  * and the last block is short. Causal; a window of 700 with soft-capping (partial blocks
  * at both ends of a row); documents 0-299, 300-899, 900- with causal (rows of the block
@@ -823,7 +823,7 @@ static void kept_masks_follow_the_heads(void **state)
     kiln_tensor_t *q1 = kiln_randn(s1, 4, KILN_DTYPE_F32), *q4 = kiln_randn(s4, 4, KILN_DTYPE_F32);
     assert_non_null(kiln_flex_attention(q1, q1, q1, f, NULL, 0, NULL));
     kiln_block_mask_t *bm;
-    assert_int_equal(kiln_block_mask_new(f, 1, 4, 128, 128, 64, 64, &bm), KILN_OK);
+    assert_int_equal(kiln_block_mask_new(f, 1, 4, 128, 128, KILN_FLEX_BLOCK, KILN_FLEX_BLOCK, &bm), KILN_OK);
     double *want = host(kiln_flex_attention(q4, q4, q4, f, bm, 0, NULL)), *got = host(kiln_flex_attention(q4, q4, q4, f, NULL, 0, NULL));
     for (int64_t i = 0; i < 4 * 128 * 16; i++)
         if (fabs(got[i] - want[i]) > 1e-6) fail_msg("4 heads after 1: [%lld] %g, want %g", (long long)i, got[i], want[i]);

@@ -198,42 +198,50 @@ static void test_rows_and_columns_do_not_depend_on_the_rest(void **state)
 
 /* The K-outer items (few rows, many K blocks: each packs its K block of B itself) sum as
  * the row blocks over B packed whole do, bit for bit: rows of a product with M above
- * K/2 (the usual path) against the same rows alone, 100 of them on the calling thread
- * (kiln__gemm_f32_serial: K-outer at any pool size) and 300 over the pool (K-outer at up
- * to 4 threads), on every f32 kernel, A as itself and transposed; 800 columns are two
- * groups of panels. */
+ * K/2 (the usual path) against the same rows alone: 100 of them on the calling thread
+ * (kiln__gemm_f32_serial, K-outer at any pool size, alpha 1 and 0.5) and 72 a pool
+ * thread over the pool (K-outer with kernels of up to 12 rows), on every f32 kernel, A
+ * as itself, transposed, and with rows 6 KiB apart (copied row by row); N 4200 is two
+ * rounds of columns, and groups of panels. The result buffer starts as NaNs. */
+static void k_outer_case(size_t s, int at_, int64_t N, int64_t pad, float alpha)
+{
+    const int64_t M = 600, K = 1100, pooled = 72 * (kiln__pool_size() > 0 ? kiln__pool_size() : 1);
+    mat A = mat_new(M, K, at_, pad, KILN__GEMM_F32), B = mat_new(K, N, false, 3, KILN__GEMM_F32);
+    float *C = calloc((size_t)(M * N), sizeof(float)), *R = malloc(sizeof(float) * (size_t)(M * N));
+    assert_true(C && R);
+    bool serial = ISAS[s] == KILN__GEMM_ISA_AUTO; /* kiln__gemm_f32_serial runs the chosen kernel */
+    bool ran = serial ? kiln__gemm_f32_serial(M, N, K, operand(&A), operand(&B), alpha, 0, C, N)
+                      : alpha == 1 && kiln__gemm_with(ISAS[s], M, N, K, operand(&A), operand(&B), C, N, false,
+                                                      KILN__GEMM_F32);
+    const int64_t parts[][2] = {{0, pooled}, {300, 100}, {500, 100}};
+    for (int f = 0; ran && f < 3; f++) {
+        int64_t first = parts[f][0], rows = parts[f][1];
+        if (rows == pooled && (pooled > K / 2 || alpha != 1)) continue; /* a pool too large to take K-outer */
+        if (rows != pooled && !serial) continue;
+        for (int64_t x = 0; x < rows * N; x++) R[x] = NAN;
+        kiln__gemm_operand part = {(float *)A.data + first * A.rs, KILN__GEMM_F32, A.rs, A.cs};
+        if (rows == pooled) assert_true(kiln__gemm_with(ISAS[s], rows, N, K, part, operand(&B), R, N, false, KILN__GEMM_F32));
+        else assert_true(kiln__gemm_f32_serial(rows, N, K, part, operand(&B), alpha, 0, R, N));
+        if (memcmp(R, C + first * N, sizeof(float) * (size_t)(rows * N)))
+            fail_msg("%s A%s (row stride %lld) N %lld alpha %g: rows %lld.. (%lld of them, K-outer) differ from the "
+                     "same rows of the %lld-row product", ISA_NAMES[s], at_ ? "^T" : "", (long long)(at_ ? A.cs : A.rs),
+                     (long long)N, alpha, (long long)first, (long long)rows, (long long)M);
+    }
+    free(A.data);
+    free(B.data);
+    free(C);
+    free(R);
+}
+
 static void test_k_outer_sums_as_the_row_blocks(void **state)
 {
     (void)state;
-    const int64_t M = 600, N = 800, K = 1100;
-    float *R = calloc((size_t)(300 * N), sizeof(float));
-    assert_non_null(R);
     for (size_t s = 0; s < sizeof ISAS / sizeof ISAS[0]; s++)
-        for (int at_ = 0; at_ < 2; at_++) {
-            mat A = mat_new(M, K, at_, 2, KILN__GEMM_F32), B = mat_new(K, N, false, 3, KILN__GEMM_F32);
-            float *C = calloc((size_t)(M * N), sizeof(float));
-            assert_non_null(C);
-            if (kiln__gemm_with(ISAS[s], M, N, K, operand(&A), operand(&B), C, N, false, KILN__GEMM_F32)) {
-                static const int64_t parts[][2] = {{0, 300}, {300, 100}, {500, 100}};
-                for (int f = 0; f < 3; f++) {
-                    int64_t first = parts[f][0], rows = parts[f][1];
-                    kiln__gemm_operand part = {(float *)A.data + first * A.rs, KILN__GEMM_F32, A.rs, A.cs};
-                    if (rows == 100 && ISAS[s] != KILN__GEMM_ISA_AUTO) continue; /* serial: the chosen kernel */
-                    if (rows == 100)
-                        assert_true(kiln__gemm_f32_serial(rows, N, K, part, operand(&B), 1, 0, R, N));
-                    else
-                        assert_true(kiln__gemm_with(ISAS[s], rows, N, K, part, operand(&B), R, N, false, KILN__GEMM_F32));
-                    if (memcmp(R, C + first * N, sizeof(float) * (size_t)(rows * N)))
-                        fail_msg("%s A%s: rows %lld.. (%lld of them, K-outer) differ from the same rows of the "
-                                 "%lld-row product", ISA_NAMES[s], at_ ? "^T" : "", (long long)first, (long long)rows,
-                                 (long long)M);
-                }
-            }
-            free(A.data);
-            free(B.data);
-            free(C);
-        }
-    free(R);
+        for (int at_ = 0; at_ < 2; at_++) k_outer_case(s, at_, 100, 2, 1.0f);
+    size_t auto_ = sizeof ISAS / sizeof ISAS[0] - 1;
+    k_outer_case(auto_, 0, 4200, 2, 1.0f);
+    k_outer_case(auto_, 0, 800, 1536 - 1100, 1.0f); /* rows 6 KiB apart */
+    k_outer_case(auto_, 1, 800, 2, 0.5f);
 }
 
 /* The oracle's f32 copy of an f16 matrix (kiln__f16_to_f32 of each element). */

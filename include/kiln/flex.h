@@ -83,8 +83,8 @@ const char *kiln_flex_mask_text(const kiln_flex_t *f);
  * by adjacent key blocks in one GEMM, so they cost no extra calls. */
 typedef struct kiln_block_mask kiln_block_mask_t;
 /* The block size kiln takes where none is given (a flex call without a block mask, the
- * GPT model's variants): 32 query rows by 32 keys, a whole panel of the cpu's GEMM. On the
- * cpu it wastes fewer keys at a mask's edges than 64 and costs no more elsewhere (a T/8
+ * GPT model's variants): 32 query rows by 32 keys, a whole panel of the cpu's GEMM on
+ * AVX-512 (two on AVX2). On the cpu it wastes fewer keys at a mask's edges than 64 and costs no more elsewhere (a T/8
  * window 4-26% faster, causal the same or faster at T 128-4096: docs/perf-log.md). */
 #define KILN_FLEX_BLOCK 32
 kiln_status kiln_block_mask_new(const kiln_flex_t *f, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t block,
@@ -122,7 +122,8 @@ kiln_tensor_t *kiln_flex_attention(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tens
 kiln_tensor_t *kiln_flex_block_mask(const kiln_flex_t *f, int64_t B, int64_t H, int64_t Tq, int64_t Tk, int64_t block,
                                     int64_t kv_block);
 kiln_tensor_t *kiln_block_mask_tensor(const kiln_block_mask_t *m);
-/* Flex attention with the block mask given as such a tensor (NULL: f's, blocks of 64);
+/* Flex attention with the block mask given as such a tensor (NULL: f's, blocks of
+ * KILN_FLEX_BLOCK);
  * it is moved to q's device if it is elsewhere (not inside a captured function). A mask
  * whose blocks do not fit the call's sizes is an error naming them. */
 kiln_tensor_t *kiln_flex_attention_masked(kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, const kiln_flex_t *f,

@@ -665,8 +665,9 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, bool is_b, int6
 
 /* Each thread keeps its packing buffers between calls (slot 0: the caller's packed B,
  * slot 1: an item's packed A, slot 2: an item's f32 sums when C is bf16, slot 3: the
- * product kiln__gemm_f32_serial adds in, slot 4: a K-outer item's own K block of B): fresh memory would cost page faults on every
- * GEMM. A thread's buffers are freed when it exits. */
+ * product kiln__gemm_f32_serial adds in, slot 4: a K-outer item's own K block of B):
+ * fresh memory would cost page faults on every GEMM. A thread's buffers are freed when
+ * it exits. */
 typedef struct {
     void *p[5];
     size_t n[5];
@@ -831,13 +832,33 @@ static a_view a_rows(const job *j, int64_t r, int64_t m, int64_t k0, int64_t kc,
     return (a_view){buf, ld, 1, mr * ld};
 }
 
+/* Row block mb's rows: [*r0, *r0 + *m) (tq + 1 tiles for the first tr blocks, tq after). */
+static void block_rows(const job *j, int64_t mb, int64_t *r0, int64_t *m)
+{
+    *r0 = (mb * j->tq + (mb < j->tr ? mb : j->tr)) * j->uk->mr;
+    *m = (j->tq + (mb < j->tr)) * j->uk->mr;
+    if (*m > j->M - *r0) *m = j->M - *r0;
+}
+
+/* An f32 item's buffer for A (slot 1), in floats, and where the f32 kernels read rows
+ * [r0, r0 + m) of A in K block k0: the whole tiles (*av), then the last partial one
+ * (*edge, copied on its own after the room a_rows may take for the whole ones, so that
+ * the whole ones can still be read in place). */
+static int64_t a_floats(const job *j) { return (j->mc + j->uk->mr + 32) * (j->kc_max + 32); }
+static void a_block(const job *j, int64_t r0, int64_t m, int64_t k0, int64_t kc, float *apack, a_view *av,
+                    a_view *edge)
+{
+    int64_t whole = m / j->uk->mr * j->uk->mr;
+    *av = a_rows(j, r0, whole, k0, kc, apack);
+    *edge = whole < m ? a_rows(j, r0 + whole, m - whole, k0, kc, apack + (j->mc + 16) * (j->kc_max + 32)) : (a_view){0};
+}
+
 static void items(void *ctx, int64_t begin, int64_t end)
 {
     job *j = ctx;
     const ukernel *uk = j->uk;
     bool f32 = uk->packed == KILN__GEMM_F32 && !uk->round_bf16 && j->A.type != KILN__GEMM_BF16;
-    size_t abytes = f32 ? sizeof(float) * (size_t)((j->mc + uk->mr + 32) * (j->kc_max + 32))
-                        : (size_t)(j->mc * kpad_of(j, j->kc_max)) * j->es;
+    size_t abytes = f32 ? sizeof(float) * (size_t)a_floats(j) : (size_t)(j->mc * kpad_of(j, j->kc_max)) * j->es;
     void *apack = buffer(1, abytes);
     /* bf16 C: the item's m x (its panels' columns) f32 sums, rounded once at its end */
     int64_t sld = j->panels_per_group * uk->nr;
@@ -847,10 +868,8 @@ static void items(void *ctx, int64_t begin, int64_t end)
         return;
     }
     for (int64_t it = begin; it < end; it++) {
-        int64_t mb = it % j->mblocks, g = it / j->mblocks;
-        int64_t r0 = (mb * j->tq + (mb < j->tr ? mb : j->tr)) * uk->mr;
-        int64_t m = (j->tq + (mb < j->tr)) * uk->mr;
-        if (m > j->M - r0) m = j->M - r0;
+        int64_t mb = it % j->mblocks, g = it / j->mblocks, r0, m;
+        block_rows(j, mb, &r0, &m);
         int64_t p0 = g * j->panels_per_group, p1 = p0 + j->panels_per_group;
         if (p1 > j->npanels) p1 = j->npanels;
         /* where tile (i, p) of the item goes: C itself, or the item's sums (whose
@@ -859,14 +878,10 @@ static void items(void *ctx, int64_t begin, int64_t end)
         int64_t cld = j->Cb ? sld : j->ldc, ccol0 = j->Cb ? p0 * uk->nr : 0;
         for (int64_t k0 = 0; k0 < j->K; k0 += j->kc_max) {
             int64_t kc = j->K - k0 < j->kc_max ? j->K - k0 : j->kc_max, kpad = kpad_of(j, kc);
-            /* f32: the whole tiles, then the last partial one (copied on its own, so the
-             * whole ones can still be read in place). */
             int64_t whole = m / uk->mr * uk->mr;
             a_view av = {0}, edge = {0};
             if (f32) {
-                av = a_rows(j, r0, whole, k0, kc, apack);
-                if (whole < m) /* after the room a_rows may take for the whole tiles */
-                    edge = a_rows(j, r0 + whole, m - whole, k0, kc, (float *)apack + (j->mc + 16) * (j->kc_max + 32));
+                a_block(j, r0, m, k0, kc, apack, &av, &edge);
             } else {
                 pack(uk, &j->A, false, r0 * j->A.rs + k0 * j->A.cs, j->A.rs, j->A.cs, m, kc, uk->mr, apack);
             }
@@ -909,6 +924,10 @@ static void items(void *ctx, int64_t begin, int64_t end)
     }
 }
 
+/* The most panels of B a K-outer item packs (a K block of them 768 KiB on AVX-512, in
+ * L2 beside its rows of A). */
+#define KOUTER_PANELS 24
+
 /* K-outer items (KILN_OPT_GEMM_K_OUTER): products with many K blocks and few rows, the
  * weight gradients X^T dY (M 256-1024, K 2048). Packing all of B first (6 MB for 2048 x
  * 768) sends each K block of it back to memory for the first row tile of every row
@@ -923,26 +942,23 @@ static void kouter_items(void *ctx, int64_t begin, int64_t end)
     job *j = ctx;
     const ukernel *uk = j->uk;
     int nr = uk->nr, mr = uk->mr;
-    int64_t kpad = j->kc_max + 32;
-    float *apack = buffer(1, sizeof(float) * (size_t)((j->mc + 2 * mr + 32) * kpad));
-    float *bp = buffer(4, sizeof(float) * (size_t)(j->panels_per_group * nr * j->kc_max));
+    float *apack = buffer(1, sizeof(float) * (size_t)a_floats(j));
+    float *bp = buffer(4, sizeof(float) * (size_t)(KOUTER_PANELS * nr * j->kc_max));
     if (!apack || !bp) {
         j->failed = true; /* a benign race: every writer stores true */
         return;
     }
     for (int64_t it = begin; it < end; it++) {
-        int64_t mb = it % j->mblocks, g = it / j->mblocks;
-        int64_t r0 = (mb * j->tq + (mb < j->tr ? mb : j->tr)) * mr, m = (j->tq + (mb < j->tr)) * mr;
-        if (m > j->M - r0) m = j->M - r0;
-        int64_t whole = m / mr * mr;
-        int64_t p0 = g * j->panels_per_group, p1 = p0 + j->panels_per_group;
+        int64_t mb = it % j->mblocks, g = it / j->mblocks, r0, m;
+        block_rows(j, mb, &r0, &m);
+        int64_t whole = m / mr * mr, p0 = g * j->panels_per_group, p1 = p0 + j->panels_per_group;
         if (p1 > j->npanels) p1 = j->npanels;
-        int64_t col0 = j->c0 + p0 * nr, w = (j->c0 + p1 * nr < j->c0 + j->nc ? j->c0 + p1 * nr : j->c0 + j->nc) - col0;
+        int64_t w = (p1 * nr < j->nc ? p1 * nr : j->nc) - p0 * nr; /* the group's columns */
         for (int64_t k0 = 0; k0 < j->K; k0 += j->kc_max) {
             int64_t kc = j->K - k0 < j->kc_max ? j->K - k0 : j->kc_max;
-            pack(uk, &j->B, true, k0 * j->B.rs + col0 * j->B.cs, j->B.cs, j->B.rs, w, kc, nr, bp);
-            a_view av = a_rows(j, r0, whole, k0, kc, apack), edge = {0};
-            if (whole < m) edge = a_rows(j, r0 + whole, m - whole, k0, kc, apack + (j->mc + mr + 16) * kpad);
+            pack(uk, &j->B, true, k0 * j->B.rs + (j->c0 + p0 * nr) * j->B.cs, j->B.cs, j->B.rs, w, kc, nr, bp);
+            a_view av, edge;
+            a_block(j, r0, m, k0, kc, apack, &av, &edge);
             bool add = k0 > 0 || j->accumulate;
             for (int64_t i = 0; i < m; i += mr)
                 for (int64_t p = p0; p < p1; p++) {
@@ -968,6 +984,28 @@ static bool kouter_takes(const job *j, int64_t nt, const float *C, const kiln__g
     return kiln__opt(KILN__OPT_GEMM_K_OUTER) && C && !pre && !epi && j->uk->packed == KILN__GEMM_F32 &&
            !j->uk->round_bf16 && j->A.type == KILN__GEMM_F32 && j->B.type == KILN__GEMM_F32 &&
            j->K >= 4 * j->kc_max && j->M <= j->K / 2 && j->M <= 1024 && j->M >= 6 * nt * j->uk->mr;
+}
+
+/* Runs the K-outer items over nt threads (kouter_takes said yes): a block of rows a
+ * thread (equal tiles, the larger first), each with groups of whole panels, at most
+ * KOUTER_PANELS: each thread packs B's K blocks for itself. Splitting the panels among
+ * the threads instead (each packing all of A) was 1.5-2% slower in the two-thread step,
+ * docs/perf-log.md. */
+static bool run_k_outer(job *j, int64_t nt)
+{
+    int64_t tiles = (j->M + j->uk->mr - 1) / j->uk->mr;
+    j->mblocks = nt; /* (kouter_takes: at least 6 tiles each) */
+    j->tq = tiles / nt, j->tr = tiles % nt, j->mc = (j->tq + (j->tr > 0)) * j->uk->mr;
+    for (j->c0 = 0; j->c0 < j->N && !j->failed; j->c0 += NC) {
+        j->nc = j->N - j->c0 < NC ? j->N - j->c0 : NC;
+        j->npanels = (j->nc + j->uk->nr - 1) / j->uk->nr;
+        j->ngroups = (j->npanels + KOUTER_PANELS - 1) / KOUTER_PANELS;
+        j->panels_per_group = (j->npanels + j->ngroups - 1) / j->ngroups;
+        j->ngroups = (j->npanels + j->panels_per_group - 1) / j->panels_per_group;
+        if (nt == 1) kouter_items(j, 0, j->ngroups);
+        else kiln__parallel_items(nt * j->ngroups, kouter_items, j);
+    }
+    return !j->failed;
 }
 
 /* The driver: C f32 (C) or 16-bit (Cb, then not accumulating: bf16 for bf16 products,
@@ -997,27 +1035,8 @@ static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_
     /* the threads that will run the items: one on this thread alone (serial, or called
      * inside a pool task, where kiln__parallel_for runs inline) */
     int64_t nt = !serial && !kiln__pool_inline() && kiln__pool_size() > 0 ? kiln__pool_size() : 1;
+    if (kouter_takes(&j, nt, C, pre, epi)) return run_k_outer(&j, nt);
     size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < NC ? N : NC) + uk->nr) * j.es;
-    if (kouter_takes(&j, nt, C, pre, epi)) {
-        /* a block of rows a thread (equal tiles, the larger first), each with groups of
-         * whole panels, at most 24 (a K block of them 768 KiB, in L2 beside A's): each
-         * thread packs B's K block for itself. Splitting the panels among the threads
-         * instead (each packing all of A) was 1.5-2% slower in the two-thread step,
-         * docs/perf-log.md. */
-        for (j.c0 = 0; j.c0 < N && !j.failed; j.c0 += NC) {
-            j.nc = N - j.c0 < NC ? N - j.c0 : NC;
-            j.npanels = (j.nc + uk->nr - 1) / uk->nr;
-            int64_t tiles = (M + uk->mr - 1) / uk->mr;
-            j.mblocks = nt; /* (kouter_takes: at least 6 tiles each) */
-            j.tq = tiles / j.mblocks, j.tr = tiles % j.mblocks, j.mc = (j.tq + (j.tr > 0)) * uk->mr;
-            j.ngroups = (j.npanels + 23) / 24;
-            j.panels_per_group = (j.npanels + j.ngroups - 1) / j.ngroups;
-            j.ngroups = (j.npanels + j.panels_per_group - 1) / j.panels_per_group;
-            if (serial || nt == 1) kouter_items(&j, 0, j.mblocks * j.ngroups);
-            else kiln__parallel_items(j.mblocks * j.ngroups, kouter_items, &j);
-        }
-        return !j.failed;
-    }
     j.bpack = pre ? NULL : buffer(0, bbytes);
     if (!pre && !j.bpack) return false;
     for (j.c0 = 0; j.c0 < N && !j.failed; j.c0 += NC) {
