@@ -832,6 +832,34 @@ static a_view a_rows(const job *j, int64_t r, int64_t m, int64_t k0, int64_t kc,
     return (a_view){buf, ld, 1, mr * ld};
 }
 
+/* c (rows x n, n at most NR, row stride ldc) *= j->alpha, once its sums are whole (in
+ * L1): in AVX-512 registers where the kernel is AVX-512's (a tile of attention's
+ * scores: the scalar loop cost about as much as a third of the kernel's K = 64 sums),
+ * the same products either way. */
+#if defined(__x86_64__)
+__attribute__((target("avx512f"))) static void scale_tile_avx512(float *c, int64_t ldc, int64_t rows, int64_t n,
+                                                                  float alpha)
+{
+    __m512 a = _mm512_set1_ps(alpha);
+    __mmask16 lo = first_n(n), hi = first_n(n - 16);
+    for (int64_t r = 0; r < rows; r++, c += ldc) {
+        _mm512_mask_storeu_ps(c, lo, _mm512_mul_ps(_mm512_maskz_loadu_ps(lo, c), a));
+        if (hi) _mm512_mask_storeu_ps(c + 16, hi, _mm512_mul_ps(_mm512_maskz_loadu_ps(hi, c + 16), a));
+    }
+}
+#endif
+static void scale_tile(const job *j, float *c, int64_t ldc, int64_t rows, int64_t n)
+{
+#if defined(__x86_64__)
+    if (j->uk->isa == KILN__GEMM_ISA_AVX512 && n <= 32) {
+        scale_tile_avx512(c, ldc, rows, n, j->alpha);
+        return;
+    }
+#endif
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t x = 0; x < n; x++) c[r * ldc + x] *= j->alpha;
+}
+
 /* Row block mb's rows: [*r0, *r0 + *m) (tq + 1 tiles for the first tr blocks, tq after). */
 static void block_rows(const job *j, int64_t mb, int64_t *r0, int64_t *m)
 {
@@ -903,11 +931,7 @@ static void items(void *ctx, int64_t begin, int64_t end)
                     tile(j, kc, av.p + i / uk->mr * av.tile, av.rs, av.cs, b, c, cld, rows, n, add);
                 else
                     tile(j, kc, edge.p, edge.rs, edge.cs, b, c, cld, rows, n, add);
-                if (j->alpha != 1 && k0 + kc == j->K) {
-                    const float alpha = j->alpha;
-                    for (int64_t r = 0; r < rows; r++)
-                        for (int64_t x = 0; x < n; x++) c[r * cld + x] *= alpha;
-                }
+                if (j->alpha != 1 && k0 + kc == j->K) scale_tile(j, c, cld, rows, n);
             }
         }
         if (j->Cb) { /* the item's sums are whole: round them once, while they are in cache */
@@ -967,9 +991,7 @@ static void kouter_items(void *ctx, int64_t begin, int64_t end)
                     float *c = j->C + (r0 + i) * j->ldc + j->c0 + col;
                     if (i < whole) tile(j, kc, av.p + i / mr * av.tile, av.rs, av.cs, b, c, j->ldc, rows, n, add);
                     else tile(j, kc, edge.p, edge.rs, edge.cs, b, c, j->ldc, rows, n, add);
-                    if (j->alpha != 1 && k0 + kc == j->K)
-                        for (int64_t r = 0; r < rows; r++)
-                            for (int64_t x = 0; x < n; x++) c[r * j->ldc + x] *= j->alpha;
+                    if (j->alpha != 1 && k0 + kc == j->K) scale_tile(j, c, j->ldc, rows, n);
                 }
         }
     }
