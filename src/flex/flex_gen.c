@@ -751,30 +751,6 @@ static int64_t cols_of(const int64_t *kvl, int64_t nb, int64_t kvb, int64_t Tk)
 static void transpose_f32(float *dst, const float *src, int64_t T, int64_t D) { kiln__cpu_transpose_f32(dst, src, T, D, D); }
 static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) { kiln__cpu_transpose_f64(dst, src, T, D, D); }
 
-/* The forward's and the backward's f32 products on kiln's GEMM with B packed once per kv
- * head (kiln__cpu_att_panels_wanted; double has none): the forward's K^T (through Kt, the
- * transpose's buffer) and V, the backward's K^T, V^T (from their transposes) and K;
- * false when there is no memory for them (the BLAS path then runs). */
-static bool pan_wanted_f32(const flex_args *a) { return kiln__cpu_att_panels_wanted(a->kv_block); }
-static bool pan_wanted_f64(const flex_args *a)
-{
-    (void)a;
-    return false;
-}
-#define FLEX_PANELS(SFX, R)                                                                                 \
-    static bool pan_fwd_##SFX(kiln__cpu_att_panels *kp, const R *K, const R *V, R *Kt, int64_t Tk, int64_t D) \
-    {                                                                                                       \
-        transpose_##SFX(Kt, K, Tk, D);                                                                      \
-        return kiln__cpu_att_pack_##SFX(&kp->kt, Kt, D, Tk, Tk) && kiln__cpu_att_pack_##SFX(&kp->v, V, Tk, D, D); \
-    }                                                                                                       \
-    static bool pan_bwd_##SFX(kiln__cpu_att_panels *kp, const R *K, const R *Kt, const R *Vt, int64_t Tk, int64_t D) \
-    {                                                                                                       \
-        return kiln__cpu_att_pack_##SFX(&kp->kt, Kt, D, Tk, Tk) && kiln__cpu_att_pack_##SFX(&kp->vt, Vt, D, Tk, Tk) && \
-               kiln__cpu_att_pack_##SFX(&kp->k, K, Tk, D, D);                                               \
-    }
-FLEX_PANELS(f32, float)
-FLEX_PANELS(f64, double)
-
 /* S (rows, cols) = scale Q K^T over the listed key blocks side by side, Kt being K
  * transposed (D, Tk) or its panels (kt): a run of adjacent blocks one NN GEMM. R is
  * float or double. */
@@ -809,8 +785,9 @@ FLEX_PANELS(f64, double)
         }                                                                                                   \
         R *Kt = S + blk * (Tk + kvb);                                                                       \
         int64_t kt_of = -1;                                                                                 \
+        /* the f32 products on K^T and V packed into kiln's GEMM's panels once per kv head */              \
         kiln__cpu_att_panels kp = {0};                                                                      \
-        const bool want = pan_wanted_##SFX(a);                                                              \
+        const bool want = kiln__cpu_att_panels_wanted_##SFX(kvb);                                           \
         bool pan = false;                                                                                   \
         for (int64_t t = t0; t < t1; t++) {                                                                 \
             const int64_t qb = t % a->nq, bh = t / a->nq, b = bh / H, h = bh % H, hk = h / G;               \
@@ -828,8 +805,8 @@ FLEX_PANELS(f64, double)
                 continue;                                                                                   \
             }                                                                                               \
             if (kt_of != b * a->Hkv + hk) {                                                                 \
-                pan = want && pan_fwd_##SFX(&kp, K, V, Kt, Tk, D); /* (Kt transposed either way) */         \
-                if (!want) transpose_##SFX(Kt, K, Tk, D);                                                   \
+                transpose_##SFX(Kt, K, Tk, D);                                                              \
+                pan = want && kiln__cpu_att_pack_fwd_##SFX(&kp, Kt, V, Tk, D, D);                           \
                 kt_of = b * a->Hkv + hk;                                                                    \
             }                                                                                               \
             scores_##SFX(a, Q, Kt, pan ? &kp.kt : NULL, S, kvl, nb, rows, cols);                            \
@@ -873,8 +850,9 @@ typedef struct {
             return;                                                                                         \
         }                                                                                                   \
         R *M = P + tile, *dP = M + tile, *Kt = dP + tile, *Vt = Kt + D * Tk;                                \
+        /* the f32 products on K^T, V^T and K packed into kiln's GEMM's panels once per kv head */         \
         kiln__cpu_att_panels kp = {0};                                                                      \
-        const bool want = pan_wanted_##SFX(a);                                                              \
+        const bool want = kiln__cpu_att_panels_wanted_##SFX(kvb);                                           \
         for (int64_t t = t0; t < t1; t++) {                                                                 \
             const int64_t b = t / a->Hkv, hk = t % a->Hkv;                                                  \
             const R *K = (const R *)a->k + t * Tk * D, *V = (const R *)a->v + t * Tk * D;                   \
@@ -883,7 +861,7 @@ typedef struct {
             memset(dV, 0, sizeof(R) * (size_t)(Tk * D));                                                    \
             transpose_##SFX(Kt, K, Tk, D);                                                                  \
             transpose_##SFX(Vt, V, Tk, D);                                                                  \
-            const bool pan = want && pan_bwd_##SFX(&kp, K, Kt, Vt, Tk, D);                                  \
+            const bool pan = want && kiln__cpu_att_pack_bwd_##SFX(&kp, Kt, Vt, K, Tk, D, D);                \
             for (int64_t h = hk * G; h < (hk + 1) * G; h++)                                                 \
                 for (int64_t qb = 0; qb < a->nq; qb++) {                                                    \
                     const int64_t r = ((a->mB == 1 ? 0 : b) * a->mH + (a->mH == 1 ? 0 : h)) * a->nq + qb;   \

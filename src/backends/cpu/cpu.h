@@ -76,28 +76,45 @@ void kiln__cpu_sgemm(enum CBLAS_ORDER o, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRA
 /* Attention's f32 products on kiln's GEMM with B packed once per kv head (gemm.h's
  * kiln__gemm_panels: K^T for the scores, V for P V, V^T for dO V^T, K for dS K), read
  * in place by every tile of query rows (dV += P^T dO and dK += dS^T Q, whose B changes
- * with the query block, stay on kiln__cpu_sgemm). kiln__cpu_att_panels_wanted: whether
+ * with the query block, stay on kiln__cpu_sgemm). kiln__cpu_att_panels_wanted_f32: whether
  * they are taken: KILN_OPT_ATT_PANELS and KILN_OPT_POOL_GEMM on, kiln's f32 kernel the
  * AVX-512 one (the only one measured against the BLAS here), and the key blocks
- * (kv_block; 0 for whole rows of keys) whole panels. */
+ * (kv_block; 0 for whole rows of keys) whole panels. The f64 versions have no panels
+ * (false: the caller takes the BLAS). */
 typedef struct {
     kiln__gemm_panels kt, v, vt, k;
 } kiln__cpu_att_panels;
-bool kiln__cpu_att_panels_wanted(int64_t kv_block);
+bool kiln__cpu_att_panels_wanted_f32(int64_t kv_block);
+static inline bool kiln__cpu_att_panels_wanted_f64(int64_t kv_block)
+{
+    (void)kv_block;
+    return false;
+}
 void kiln__cpu_att_panels_free(kiln__cpu_att_panels *kp);
-/* Packs B (K x N, row stride ld) into P; false (P then not to be used) when out of
- * memory. The f64 versions have no panels: false, and the caller takes the BLAS. */
-bool kiln__cpu_att_pack_f32(kiln__gemm_panels *P, const float *B, int64_t K, int64_t N, int64_t ld);
+/* A kv head's panels, from K^T and V^T as Kt, Vt (D x Tk, row stride Tk), V and K (Tk x
+ * D, row strides ldv, ldk): the forward's K^T and V, the backward's K^T, V^T and K.
+ * false (the panels then not to be used) when out of memory. */
+bool kiln__cpu_att_pack_fwd_f32(kiln__cpu_att_panels *kp, const float *Kt, const float *V, int64_t Tk, int64_t D,
+                                int64_t ldv);
+bool kiln__cpu_att_pack_bwd_f32(kiln__cpu_att_panels *kp, const float *Kt, const float *Vt, const float *K, int64_t Tk,
+                                int64_t D, int64_t ldk);
+static inline bool kiln__cpu_att_pack_fwd_f64(kiln__cpu_att_panels *kp, const double *Kt, const double *V, int64_t Tk,
+                                              int64_t D, int64_t ldv)
+{
+    (void)kp, (void)Kt, (void)V, (void)Tk, (void)D, (void)ldv;
+    return false;
+}
+static inline bool kiln__cpu_att_pack_bwd_f64(kiln__cpu_att_panels *kp, const double *Kt, const double *Vt,
+                                              const double *K, int64_t Tk, int64_t D, int64_t ldk)
+{
+    (void)kp, (void)Kt, (void)Vt, (void)K, (void)Tk, (void)D, (void)ldk;
+    return false;
+}
 /* C (M x N) = alpha A B[k0.., c0..] + beta C from the panels B (A row-major, row stride
  * lda); false, nothing done, when B is NULL (or the product cannot take the panels). */
 bool kiln__cpu_att_gemm_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
                             const kiln__gemm_panels *B, int64_t k0, int64_t c0, float alpha, float beta, float *C,
                             int64_t ldc);
-static inline bool kiln__cpu_att_pack_f64(kiln__gemm_panels *P, const double *B, int64_t K, int64_t N, int64_t ld)
-{
-    (void)P, (void)B, (void)K, (void)N, (void)ld;
-    return false;
-}
 static inline bool kiln__cpu_att_gemm_f64(int64_t M, int64_t N, int64_t K, const double *A, int64_t lda,
                                           const kiln__gemm_panels *B, int64_t k0, int64_t c0, double alpha,
                                           double beta, double *C, int64_t ldc)

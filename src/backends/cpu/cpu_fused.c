@@ -72,11 +72,6 @@ static void att_run(int64_t tasks, kiln__range_fn fn, void *ctx)
 static int64_t rows_of(const kiln_tensor_t *x) { return x->ndim ? kiln__numel(x->ndim - 1, x->shape) : 1; }
 static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->ndim - 1] : 1; }
 
-/* Whether attention's products take kiln's GEMM on panels packed once per kv head: f32
- * only (kiln__cpu_att_panels_wanted). */
-static bool att_pan_wanted_f32(void) { return kiln__cpu_att_panels_wanted(0); }
-static bool att_pan_wanted_f64(void) { return false; }
-
 #define R float
 #define SFX f32
 #define GEMM kiln__cpu_sgemm

@@ -363,7 +363,7 @@ static void FN(att_transpose)(R *dst, const R *src, int64_t T, int64_t D, int64_
 }
 
 /* S (rows, nblk) = scale A B^T, with B (nblk, D) given as itself (ld ldb), as the
- * panels of its transpose (pan: kiln__cpu_att_panels_wanted) or, when Bt is set, as its
+ * panels of its transpose (pan: kiln__cpu_att_panels_wanted_f32) or, when Bt is set, as its
  * transpose Bt (D, Tk). */
 static inline void FN(att_abt)(int64_t rows, int64_t nblk, int64_t D, R scale, const R *A, int64_t lda, const R *B,
                                int64_t ldb, const kiln__gemm_panels *pan, const R *Bt, int64_t Tk, R *S)
@@ -439,7 +439,7 @@ KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
     FN(att_ctx) *a = c;
     int64_t D = a->D, grp = a->H / a->Hkv, Tk = a->Tk;
     /* K and V packed into kiln's GEMM's panels once per kv head (K^T through Kt) */
-    const bool want = FN(att_pan_wanted)(), kt = a->kt || want;
+    const bool want = CAT(kiln__cpu_att_panels_wanted, SFX)(0), kt = a->kt || want;
     kiln__cpu_att_panels kp = {0};
     bool pan = false;
     R *S = malloc(sizeof(R) * (size_t)((ATT_QB + (kt ? D : 0)) * (Tk ? Tk : 1)));
@@ -456,8 +456,7 @@ KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
         if (Kt && kt_of != bb * a->Hkv + hk) {
             FN(att_transpose)(Kt, K, Tk, D, a->ks[2]);
             kt_of = bb * a->Hkv + hk;
-            pan = want && CAT(kiln__cpu_att_pack, SFX)(&kp.kt, Kt, D, Tk, Tk) &&
-                  CAT(kiln__cpu_att_pack, SFX)(&kp.v, V, Tk, D, a->vs[2]);
+            pan = want && CAT(kiln__cpu_att_pack_fwd, SFX)(&kp, Kt, V, Tk, D, a->vs[2]);
         }
         for (int64_t i0 = 0; i0 < a->Tq; i0 += ATT_QB) {
             int64_t rows = a->Tq - i0 < ATT_QB ? a->Tq - i0 : ATT_QB;
@@ -486,7 +485,7 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
     FN(att_ctx) *a = c;
     int64_t D = a->D, grp = a->H / a->Hkv, Tk = a->Tk;
     /* K^T, V^T and K packed into kiln's GEMM's panels once per kv head */
-    const bool want = FN(att_pan_wanted)(), kt = a->kt || want;
+    const bool want = CAT(kiln__cpu_att_panels_wanted, SFX)(0), kt = a->kt || want;
     kiln__cpu_att_panels kp = {0};
     R *P = malloc(sizeof(R) * (size_t)((2 * ATT_QB + (kt ? 2 * D : 0)) * (Tk ? Tk : 1)));
     if (!P) {
@@ -503,9 +502,7 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
             FN(att_transpose)(Kt, K, Tk, D, a->ks[2]);
             FN(att_transpose)(Vt, V, Tk, D, a->vs[2]);
         }
-        const bool pan = want && CAT(kiln__cpu_att_pack, SFX)(&kp.kt, Kt, D, Tk, Tk) &&
-                         CAT(kiln__cpu_att_pack, SFX)(&kp.vt, Vt, D, Tk, Tk) &&
-                         CAT(kiln__cpu_att_pack, SFX)(&kp.k, K, Tk, D, a->ks[2]);
+        const bool pan = want && CAT(kiln__cpu_att_pack_bwd, SFX)(&kp, Kt, Vt, K, Tk, D, a->ks[2]);
         const R *Kt_b = a->kt ? Kt : NULL, *Vt_b = a->kt ? Vt : NULL; /* for the BLAS */
         memset(dK, 0, sizeof(R) * (size_t)(Tk * D));
         memset(dV, 0, sizeof(R) * (size_t)(Tk * D));

@@ -95,7 +95,7 @@ void kiln__cpu_sgemm(enum CBLAS_ORDER o, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRA
     cblas_sgemm(o, ta, tb, M, N, K, alpha, A, lda, B, ldb, beta, C, ldc);
 }
 
-bool kiln__cpu_att_panels_wanted(int64_t kv_block)
+bool kiln__cpu_att_panels_wanted_f32(int64_t kv_block)
 {
     int64_t nr = kiln__gemm_panel_width();
     return kiln__opt(KILN__OPT_ATT_PANELS) && kiln__opt(KILN__OPT_POOL_GEMM) && nr > 0 && kv_block % nr == 0 &&
@@ -110,11 +110,24 @@ void kiln__cpu_att_panels_free(kiln__cpu_att_panels *kp)
     kiln__gemm_panels_free(&kp->k);
 }
 
-bool kiln__cpu_att_pack_f32(kiln__gemm_panels *P, const float *B, int64_t K, int64_t N, int64_t ld)
+/* Packs B (K x N, row stride ld) into P; false when out of memory. */
+static bool att_pack(kiln__gemm_panels *P, const float *B, int64_t K, int64_t N, int64_t ld)
 {
     if (!kiln__gemm_panels_init(P, K, N)) return false;
     kiln__gemm_panels_pack(P, (kiln__gemm_operand){B, KILN__GEMM_F32, ld, 1});
     return true;
+}
+
+bool kiln__cpu_att_pack_fwd_f32(kiln__cpu_att_panels *kp, const float *Kt, const float *V, int64_t Tk, int64_t D,
+                                int64_t ldv)
+{
+    return att_pack(&kp->kt, Kt, D, Tk, Tk) && att_pack(&kp->v, V, Tk, D, ldv);
+}
+
+bool kiln__cpu_att_pack_bwd_f32(kiln__cpu_att_panels *kp, const float *Kt, const float *Vt, const float *K, int64_t Tk,
+                                int64_t D, int64_t ldk)
+{
+    return att_pack(&kp->kt, Kt, D, Tk, Tk) && att_pack(&kp->vt, Vt, D, Tk, Tk) && att_pack(&kp->k, K, Tk, D, ldk);
 }
 
 bool kiln__cpu_att_gemm_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,

@@ -756,8 +756,10 @@ static void tile(const job *j, int64_t steps, const void *a, int64_t ars, int64_
     const ukernel *uk = j->uk;
     ukernel_fn run = uk->run;
     int64_t rows = uk->mr;
-    if (m < uk->mr && j->edge_rows && m <= 4 && uk->rows4) run = uk->rows4, rows = 4;
-    else if (m < uk->mr && j->edge_rows && m <= 8 && uk->rows8) run = uk->rows8, rows = 8;
+    if (m < uk->mr && j->edge_rows) {
+        if (m <= 4 && uk->rows4) run = uk->rows4, rows = 4;
+        else if (m <= 8 && uk->rows8) run = uk->rows8, rows = 8;
+    }
     if (m == rows && n == uk->nr) {
         run(steps, a, ars, acs, b, c, ldc, add);
         return;
@@ -881,6 +883,16 @@ static void a_block(const job *j, int64_t r0, int64_t m, int64_t k0, int64_t kc,
     *edge = whole < m ? a_rows(j, r0 + whole, m - whole, k0, kc, apack + (j->mc + 16) * (j->kc_max + 32)) : (a_view){0};
 }
 
+/* Tile i (its first row in the item) of an f32 item in K block [k0, k0 + kc): A from
+ * the whole tiles' view or the edge's, then scaled by alpha once its sums are whole. */
+static void f32_tile(const job *j, int64_t k0, int64_t kc, const a_view *av, const a_view *edge, int64_t whole,
+                     int64_t i, const void *b, float *c, int64_t ldc, int64_t rows, int64_t n, bool add)
+{
+    if (i < whole) tile(j, kc, av->p + i / j->uk->mr * av->tile, av->rs, av->cs, b, c, ldc, rows, n, add);
+    else tile(j, kc, edge->p, edge->rs, edge->cs, b, c, ldc, rows, n, add);
+    if (j->alpha != 1 && k0 + kc == j->K) scale_tile(j, c, ldc, rows, n);
+}
+
 static void items(void *ctx, int64_t begin, int64_t end)
 {
     job *j = ctx;
@@ -924,14 +936,10 @@ static void items(void *ctx, int64_t begin, int64_t end)
                 const char *b = bpanel(j, k0, kc, p);
                 float *c = cbase + i * cld + col - ccol0;
                 int64_t rows = m - i < uk->mr ? m - i : uk->mr;
-                if (!f32)
+                if (f32) f32_tile(j, k0, kc, &av, &edge, whole, i, b, c, cld, rows, n, add);
+                else /* (alpha is 1: kiln__gemm_f32_serial's operands are f32) */
                     tile(j, kpad / uk->kstep, (const char *)apack + i * kpad * (int64_t)j->es, 1, uk->mr, b, c, cld,
                          rows, n, add);
-                else if (i < whole)
-                    tile(j, kc, av.p + i / uk->mr * av.tile, av.rs, av.cs, b, c, cld, rows, n, add);
-                else
-                    tile(j, kc, edge.p, edge.rs, edge.cs, b, c, cld, rows, n, add);
-                if (j->alpha != 1 && k0 + kc == j->K) scale_tile(j, c, cld, rows, n);
             }
         }
         if (j->Cb) { /* the item's sums are whole: round them once, while they are in cache */
@@ -988,10 +996,8 @@ static void kouter_items(void *ctx, int64_t begin, int64_t end)
                 for (int64_t p = p0; p < p1; p++) {
                     int64_t col = p * nr, n = j->nc - col < nr ? j->nc - col : nr, rows = m - i < mr ? m - i : mr;
                     const float *b = bp + (p - p0) * kc * nr;
-                    float *c = j->C + (r0 + i) * j->ldc + j->c0 + col;
-                    if (i < whole) tile(j, kc, av.p + i / mr * av.tile, av.rs, av.cs, b, c, j->ldc, rows, n, add);
-                    else tile(j, kc, edge.p, edge.rs, edge.cs, b, c, j->ldc, rows, n, add);
-                    if (j->alpha != 1 && k0 + kc == j->K) scale_tile(j, c, j->ldc, rows, n);
+                    f32_tile(j, k0, kc, &av, &edge, whole, i, b, j->C + (r0 + i) * j->ldc + j->c0 + col, j->ldc, rows,
+                             n, add);
                 }
         }
     }
@@ -1037,7 +1043,7 @@ static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_
                    kiln__gemm_operand B, float *C, uint16_t *Cb, int64_t ldc, bool accumulate, kiln__gemm_type compute,
                    kiln__epilogue *epi, float alpha, const kiln__gemm_panels *pre, int64_t pre_k0, int64_t pre_c0)
 {
-    assert(alpha == 1 || (C && !accumulate));
+    assert(alpha == 1 || (C && !accumulate && compute == KILN__GEMM_F32 && A.type == KILN__GEMM_F32));
     /* (f16 operands are widened as packed, for the f32 kernels only) */
     assert(compute == KILN__GEMM_F32 || (A.type != KILN__GEMM_F16 && B.type != KILN__GEMM_F16));
     const ukernel *uk = pick(isa, compute);
@@ -1171,8 +1177,8 @@ bool kiln__gemm_f32_serial_panels(int64_t M, int64_t N, int64_t K, kiln__gemm_op
 {
     assert(beta == 0 || beta == 1);
     if (alpha != 1 && beta != 0) return false;
-    if (pick(KILN__GEMM_ISA_AUTO, KILN__GEMM_F32)->nr != B->nr || c0 % B->nr || k0 + K > B->K || c0 + N > B->N)
-        return false;
+    /* (B->nr is the kernel's: kiln__gemm_panels_init took it, and run_on asserts it) */
+    if (c0 % B->nr || k0 + K > B->K || c0 + N > B->N) return false;
     return run_on(true, KILN__GEMM_ISA_AUTO, M, N, K, A, (kiln__gemm_operand){0}, C, NULL, ldc, beta != 0,
                   KILN__GEMM_F32, NULL, alpha, B, k0, c0);
 }
