@@ -513,6 +513,82 @@ static void test_panels_are_the_serial_gemm_bitwise(void **state)
     assert_null(P.p);
 }
 
+/* Attention's row exponentials (kiln__cpu_att_row_exp, flex attention's forward): oracle
+ * exp in double of each entry less the row's largest, relative tolerance 2e-6 in f32
+ * (the fast exp's 2 ulp, and the rounding of x - m at |x - m| <= 30), 1e-15 in f64;
+ * the sum against the returned entries summed in double (1e-12); -inf entries and
+ * entries more than 87 below the largest exactly 0, a NaN entry NaN (and the sum), a
+ * row of -inf zeros with the sum 0. Row lengths around the 16 and 32 lanes; f32 in
+ * AVX-512 registers (where the processor has them) and in plain loops. */
+static void att_row_exp(bool vec)
+{
+    const int64_t lens[] = {1, 5, 15, 16, 17, 31, 32, 33, 100, 544};
+    uint64_t seed = 7;
+    for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+        int64_t n = lens[li];
+        float *x = malloc(sizeof(float) * (size_t)n), *y = malloc(sizeof(float) * (size_t)n);
+        double *xd = malloc(sizeof(double) * (size_t)n), *yd = malloc(sizeof(double) * (size_t)n);
+        for (int poison = 0; poison < 2; poison++) {
+            for (int64_t j = 0; j < n; j++) {
+                seed = seed * 6364136223846793005ULL + 1442695040888963407ULL;
+                double u = (double)(seed >> 11) / 9007199254740992.0; /* [0, 1) */
+                x[j] = (float)(-25.0 + 30.0 * u);
+                if (j % 7 == 3) x[j] = -INFINITY; /* masked */
+                if (j % 11 == 5) x[j] = -200.0f;  /* far below: exactly 0 */
+                xd[j] = x[j];
+            }
+            if (poison) x[n / 2] = NAN, xd[n / 2] = NAN;
+            double m = -INFINITY;
+            for (int64_t j = 0; j < n; j++) m = xd[j] > m ? xd[j] : m;
+            memcpy(y, x, sizeof(float) * (size_t)n);
+            memcpy(yd, xd, sizeof(double) * (size_t)n);
+            float mf;
+            double md, s = kiln__cpu_att_row_exp_f32(y, n, &mf, vec), sd = kiln__cpu_att_row_exp_f64(yd, n, &md, vec);
+            if (!(m > -INFINITY)) { /* every entry masked (n 1 with x[0] -inf, or the NaN alone) */
+                assert_true(mf == -INFINITY && md == -INFINITY);
+                continue;
+            }
+            assert_true(mf == (float)m && md == m);
+            double sum = 0, sumd = 0;
+            for (int64_t j = 0; j < n; j++) {
+                sum += y[j], sumd += yd[j];
+                if (x[j] != x[j]) {
+                    assert_true(y[j] != y[j] && yd[j] != yd[j]);
+                    continue;
+                }
+                double want = exp(xd[j] - m);
+                if (xd[j] - m < -87) {
+                    assert_true(y[j] == 0.0f);
+                    assert_true(fabs(yd[j] - want) <= 1e-15 * want);
+                    continue;
+                }
+                assert_true(fabs(y[j] - want) <= 2e-6 * want);
+                assert_true(fabs(yd[j] - want) <= 1e-15 * want);
+            }
+            if (poison) {
+                assert_true(s != s && sd != sd);
+            } else {
+                assert_true(fabs(s - sum) <= 1e-12 * sum);
+                assert_true(fabs(sd - sumd) <= 1e-12 * sumd);
+            }
+        }
+        /* a row of -inf: zeros, the sum 0 */
+        for (int64_t j = 0; j < n; j++) y[j] = -INFINITY, yd[j] = -INFINITY;
+        float mf;
+        double md;
+        assert_true(kiln__cpu_att_row_exp_f32(y, n, &mf, vec) == 0 && mf == -INFINITY);
+        assert_true(kiln__cpu_att_row_exp_f64(yd, n, &md, vec) == 0 && md == -INFINITY);
+        for (int64_t j = 0; j < n; j++) assert_true(y[j] == 0.0f && yd[j] == 0.0);
+        free(x), free(y), free(xd), free(yd);
+    }
+}
+static void test_att_row_exp_matches_double_reference(void **state)
+{
+    (void)state;
+    att_row_exp(true);
+    att_row_exp(false);
+}
+
 int main(void)
 {
     kiln_init(0);
@@ -534,6 +610,7 @@ int main(void)
         cmocka_unit_test(test_bf16_epilogue_sees_each_rounded_row_once),
         cmocka_unit_test(test_cpu_sgemm_is_cblas_alike),
         cmocka_unit_test(test_panels_are_the_serial_gemm_bitwise),
+        cmocka_unit_test(test_att_row_exp_matches_double_reference),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -51,9 +51,10 @@ FLEX_ARGS
 #define STR(...) STR_(__VA_ARGS__)
 
 
-/* The generated tile modifier (float or double scores). */
+/* The generated tile modifier (float or double scores): the mask on the partial blocks
+ * and the score modifier, in place. */
 typedef void (*flex_tile_fn)(const flex_args *a, void *S, int64_t ld, int64_t b, int64_t h, int64_t q0, int64_t rows,
-                             const int64_t *kvl, int64_t nf, int64_t nb, void *L);
+                             const int64_t *kvl, int64_t nf, int64_t nb);
 
 /* ---- the expressions as C ---- */
 
@@ -363,7 +364,7 @@ static char *source(const kiln_flex_t *f, bool f64)
             "static inline int64_t flex_imax(int64_t x, int64_t y) { return x > y ? x : y; }\n"
             "static inline int64_t flex_iabs(int64_t x) { return x < 0 ? -x : x; }\n\n");
     put(&b, "void flex_tile(const flex_args *a, %s *S, int64_t ld, int64_t b, int64_t h, int64_t q0, int64_t rows,\n"
-            "               const int64_t *kvl, int64_t nf, int64_t nb, %s *L)\n{\n", T, T);
+            "               const int64_t *kvl, int64_t nf, int64_t nb)\n{\n", T);
     put(&b, "    typedef %s T;\n    const int64_t q_len = a->Tq, kv_len = a->Tk, blk = a->kv_block;\n"
             "    (void)q_len, (void)b, (void)h;\n", T);
     put(&b, "    for (int64_t i = 0; i < rows; i++) {\n        const int64_t q_idx = q0 + i;\n"
@@ -394,27 +395,8 @@ static char *source(const kiln_flex_t *f, bool f64)
         emit(&g, f->ps[0]->root, &b);
         put(&b, ");\n            }\n");
     }
-    /* the row's softmax, in lanes the vectorizer takes (max and sum in 16 and 8
-     * independent lanes; the sum in double) */
-    put(&b, "        }\n"
-            "        T mx[16];\n        for (int l = 0; l < 16; l++) mx[l] = (T)-INFINITY;\n"
-            "        int64_t j = 0;\n"
-            "        for (; j + 16 <= ld; j += 16)\n"
-            "            for (int l = 0; l < 16; l++) mx[l] = row[j + l] > mx[l] ? row[j + l] : mx[l];\n"
-            "        T m = (T)-INFINITY;\n        for (int l = 0; l < 16; l++) m = mx[l] > m ? mx[l] : m;\n"
-            "        for (; j < ld; j++) m = row[j] > m ? row[j] : m;\n"
-            "        if (!(m > (T)-INFINITY)) { /* no key seen */\n"
-            "            for (j = 0; j < ld; j++) row[j] = 0;\n            L[i] = (T)-INFINITY;\n            continue;\n"
-            "        }\n"
-            "        for (j = 0; j < ld; j++) row[j] = %s(row[j] - m);\n"
-            "        double acc[8] = {0}, sum = 0;\n"
-            "        for (j = 0; j + 8 <= ld; j += 8)\n            for (int l = 0; l < 8; l++) acc[l] += row[j + l];\n"
-            "        for (; j < ld; j++) sum += row[j];\n"
-            "        for (int l = 0; l < 8; l++) sum += acc[l];\n"
-            "        const T inv = (T)(1 / sum);\n"
-            "        for (j = 0; j < ld; j++) row[j] *= inv;\n"
-            "        L[i] = (T)((double)m + log(sum));\n"
-            "    }\n}\n\n", f64 ? "exp" : "km_exp_fast");
+    /* the softmax is the caller's (kiln__cpu_att_row_exp, vectorized by hand) */
+    put(&b, "        }\n    }\n}\n\n");
     /* the backward's tile: P = exp(score' - L) in S (0 where masked or the row sees no
      * key) and, with a score modifier, M = d score' / d score beside it. The mask and
      * the modifier in one pass over the tile, the exponentials in a second over each
@@ -769,8 +751,9 @@ static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) 
 
 /* The forward. One task per (b, h, query block): the scores of its rows against the
  * listed key blocks, side by side in S (runs of adjacent blocks one NN GEMM each, on K
- * transposed once per kv head), the modifiers, softmax and log-sum-exp in the generated
- * function, and O = P V by GEMM. R is float or double. */
+ * transposed once per kv head), the modifiers in the generated function, each row's
+ * exponentials and log-sum-exp (kiln__cpu_att_row_exp), and O = E V by GEMM with E's rows
+ * normalized afterwards in O (D values a row, not the row's keys). R is float or double. */
 #define FLEX_FORWARD(SFX, R, GEMM)                                                                          \
     static void fwd_##SFX(void *ctx, int64_t t0, int64_t t1)                                                \
     {                                                                                                       \
@@ -778,16 +761,16 @@ static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) 
         const flex_args *a = rc->a;                                                                         \
         const int64_t H = a->H, G = a->H / a->Hkv, Tq = a->Tq, Tk = a->Tk, D = a->D, blk = a->block;        \
         const int64_t kvb = a->kv_block;                                                                    \
-        R *S = malloc(sizeof(R) * (size_t)(blk * (Tk + kvb) + D * Tk));                                     \
+        R *S = malloc(sizeof(R) * (size_t)(blk * (Tk + kvb) + D * Tk + blk));                               \
         if (!S) {                                                                                           \
             atomic_store(&rc->oom, 1);                                                                      \
             return;                                                                                         \
         }                                                                                                   \
-        R *Kt = S + blk * (Tk + kvb);                                                                       \
+        R *Kt = S + blk * (Tk + kvb), *inv = Kt + D * Tk;                                                   \
         int64_t kt_of = -1;                                                                                 \
         /* the f32 products on K^T and V packed into kiln's GEMM's panels once per kv head */              \
         kiln__cpu_att_panels kp = {0};                                                                      \
-        const bool want = kiln__cpu_att_panels_wanted_##SFX(kvb);                                           \
+        const bool want = kiln__cpu_att_panels_wanted_##SFX(kvb), vec = kiln__opt(KILN__OPT_ATT_ROW_EXP);   \
         bool pan = false;                                                                                   \
         for (int64_t t = t0; t < t1; t++) {                                                                 \
             const int64_t qb = t % a->nq, bh = t / a->nq, b = bh / H, h = bh % H, hk = h / G;               \
@@ -810,7 +793,19 @@ static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) 
                 kt_of = b * a->Hkv + hk;                                                                    \
             }                                                                                               \
             scores_##SFX(a, Q, Kt, pan ? &kp.kt : NULL, S, kvl, nb, rows, cols);                            \
-            rc->fn(a, S, cols, b, h, q0, rows, kvl, nf, nb, L); /* modifiers, softmax, L */                 \
+            rc->fn(a, S, cols, b, h, q0, rows, kvl, nf, nb); /* the modifiers */                            \
+            /* the weights, normalized in O below (rows x D, not rows x cols) with                           \
+             * KILN_OPT_ATT_ROW_EXP, else here; NaN stays NaN */                                              \
+            for (int64_t i = 0; i < rows; i++) {                                                            \
+                R m, *row = S + i * cols;                                                                   \
+                double sum = kiln__cpu_att_row_exp_##SFX(row, cols, &m, vec);                               \
+                L[i] = sum == 0 ? (R)-INFINITY : (R)((double)m + log(sum));                                 \
+                inv[i] = sum == 0 ? 0 : (R)(1 / sum);                                                       \
+                if (!vec) {                                                                                 \
+                    for (int64_t j = 0; j < cols; j++) row[j] *= inv[i];                                    \
+                    inv[i] = 1;                                                                             \
+                }                                                                                           \
+            }                                                                                               \
             for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                \
                 int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                          \
                 if (!kiln__cpu_att_gemm_##SFX(rows, D, w, S + off, cols, pan ? &kp.v : NULL, k0, 0, 1, off ? 1 : 0, O, D)) \
@@ -818,6 +813,8 @@ static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) 
                          (int)cols, V + k0 * D, (int)D, off ? 1 : 0, O, (int)D);                            \
                 off += w;                                                                                   \
             }                                                                                               \
+            for (int64_t i = 0; vec && i < rows; i++)                                                       \
+                for (int64_t d = 0; d < D; d++) O[i * D + d] *= inv[i];                                     \
         }                                                                                                   \
         kiln__cpu_att_panels_free(&kp);                                                                     \
         free(S);                                                                                            \

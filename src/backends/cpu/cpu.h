@@ -122,6 +122,14 @@ static inline bool kiln__cpu_att_gemm_f64(int64_t M, int64_t N, int64_t K, const
     (void)M, (void)N, (void)K, (void)A, (void)lda, (void)B, (void)k0, (void)c0, (void)alpha, (void)beta, (void)C, (void)ldc;
     return false;
 }
+/* A row of attention's scores to its weights before they are normalized: row[j] =
+ * exp(row[j] - m) for j < n, m the row's largest entry (*max; NaN entries are passed
+ * over, and come out NaN); returns the new row's sum, in double. A row with no entry
+ * above -inf becomes zeros, with *max -inf and the sum 0. f32: the fast exp
+ * (kiln__fast_expf), with `vec` 16 lanes at a time in AVX-512 registers where the
+ * processor has them (KILN_OPT_ATT_ROW_EXP), else plain loops. */
+double kiln__cpu_att_row_exp_f32(float *row, int64_t n, float *max, bool vec);
+double kiln__cpu_att_row_exp_f64(double *row, int64_t n, double *max, bool vec); /* vec ignored */
 /* A stack header viewing `t` with another shape/stride/offset (no references). */
 void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t *shape, const int64_t *stride,
               int64_t offset);

@@ -54,6 +54,110 @@ static bool transpose_fast_f32(float *dst, const float *src, int64_t T, int64_t 
 #endif
 static bool transpose_fast_f64(double *dst, const double *src, int64_t T, int64_t D, int64_t ld) { return false; }
 
+/* ---- a row of attention's scores to its unnormalized weights (flex attention's forward) ---- */
+
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(KILN_NO_CLONES)
+#define ROW_EXP_AVX512 __attribute__((target("avx512f")))
+/* km_exp_fast (src/core/kmath.h) on 16 lanes: its clamps, rounding and polynomial, with
+ * 2^n applied by vscalefps; 0 below -87, NaN kept. */
+ROW_EXP_AVX512 static inline __m512 exp16(__m512 x0)
+{
+    __m512 x = _mm512_min_ps(_mm512_max_ps(x0, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)); /* NaN: -87 */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
+    p = _mm512_scalef_ps(p, n);
+    p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ), p);
+    return _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q), x0);
+}
+
+static inline __mmask16 lanes_left(int64_t left) { return left >= 16 ? 0xffff : (__mmask16)((1u << left) - 1); }
+
+ROW_EXP_AVX512 static double row_exp_avx512(float *row, int64_t n, float *max)
+{
+    const __m512 ninf = _mm512_set1_ps(-INFINITY);
+    __m512 m0 = ninf, m1 = ninf; /* vmaxps passes over a NaN entry (its second operand is kept) */
+    int64_t j = 0;
+    for (; j + 32 <= n; j += 32) {
+        m0 = _mm512_max_ps(_mm512_loadu_ps(row + j), m0);
+        m1 = _mm512_max_ps(_mm512_loadu_ps(row + j + 16), m1);
+    }
+    for (; j < n; j += 16) m0 = _mm512_max_ps(_mm512_mask_loadu_ps(ninf, lanes_left(n - j), row + j), m0);
+    float m = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
+    *max = m;
+    if (!(m > -INFINITY)) {
+        memset(row, 0, sizeof(float) * (size_t)n);
+        return 0;
+    }
+    const __m512 vm = _mm512_set1_ps(m);
+    __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
+    for (j = 0; j < n; j += 16) {
+        __mmask16 k = lanes_left(n - j);
+        __m512 e = _mm512_maskz_mov_ps(k, exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(k, row + j), vm)));
+        _mm512_mask_storeu_ps(row + j, k, e);
+        s0 = _mm512_add_pd(s0, _mm512_cvtps_pd(_mm512_castps512_ps256(e)));
+        s1 = _mm512_add_pd(s1, _mm512_cvtps_pd(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(e), 1))));
+    }
+    return _mm512_reduce_add_pd(_mm512_add_pd(s0, s1));
+}
+#endif
+
+/* The plain loops: the maximum in 16 independent lanes (which the compiler leaves
+ * scalar), then the exponentials, then their sum in 8 double lanes, as the generated
+ * kernels ran them until 2026-12-07, compiled for the processor's vector unit as the
+ * other hot loops are. */
+KILN_SIMD static double row_exp_plain_f32(float *row, int64_t n, float *max)
+{
+    float mx[16], m = -INFINITY;
+    for (int l = 0; l < 16; l++) mx[l] = -INFINITY;
+    int64_t i = 0;
+    for (; i + 16 <= n; i += 16)
+        for (int l = 0; l < 16; l++) mx[l] = row[i + l] > mx[l] ? row[i + l] : mx[l];
+    for (int l = 0; l < 16; l++) m = mx[l] > m ? mx[l] : m;
+    for (; i < n; i++) m = row[i] > m ? row[i] : m;
+    *max = m;
+    if (!(m > -INFINITY)) {
+        memset(row, 0, sizeof(float) * (size_t)n);
+        return 0;
+    }
+    for (int64_t j = 0; j < n; j++) row[j] = kiln__fast_expf(row[j] - m);
+    double acc[8] = {0}, s = 0;
+    int64_t j = 0;
+    for (; j + 8 <= n; j += 8)
+        for (int l = 0; l < 8; l++) acc[l] += row[j + l];
+    for (; j < n; j++) s += row[j];
+    for (int l = 0; l < 8; l++) s += acc[l];
+    return s;
+}
+
+double kiln__cpu_att_row_exp_f32(float *row, int64_t n, float *max, bool vec)
+{
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(KILN_NO_CLONES)
+    if (vec && __builtin_cpu_supports("avx512f")) return row_exp_avx512(row, n, max);
+#else
+    (void)vec;
+#endif
+    return row_exp_plain_f32(row, n, max);
+}
+
+double kiln__cpu_att_row_exp_f64(double *row, int64_t n, double *max, bool vec)
+{
+    (void)vec;
+    double m = -INFINITY, s = 0;
+    for (int64_t j = 0; j < n; j++) m = row[j] > m ? row[j] : m;
+    *max = m;
+    for (int64_t j = 0; j < n; j++) s += row[j] = m > -INFINITY ? exp(row[j] - m) : 0;
+    return s;
+}
+
 /* A dim of one element may carry any stride; the BLAS wants a row stride of at least D. */
 static void strides3(const kiln_tensor_t *t, int64_t *s)
 {
