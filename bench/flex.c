@@ -5,7 +5,10 @@
  * ROUNDS interleaved rounds. Prints one JSON line per T with the ms and the ratios
  * dense causal / flex, and the peak bytes kiln's allocator held during one call of the
  * T/8 window (beyond what was held before it; per T, to show it grows as O(T)). With
- * --backward 1, each call is the forward and the backward (gradients of q, k, v). With
+ * --backward 1, each call is the forward and the backward (gradients of q, k, v), the
+ * backward seeded with a dense random gradient of the output, as the layer above
+ * attention hands it one (until 2026-12-07 it was the gradient of the output's sum, a
+ * broadcast of ones that attention's backward first copied into a dense tensor). With
  * --device opencl the tensors live there (the fused forward is OpenCL C; kiln's dense
  * attention is the cpu's with copies there). Before the timed rounds of each T, every
  * variant runs for at least --warm-ms (200) ms.
@@ -17,6 +20,7 @@
 #include "kiln/kiln.h"
 
 static bool backward; /* --backward: forward and backward (gradients of q, k, v) */
+static kiln_tensor_t *dy; /* the output's gradient, with --backward */
 
 static double time_one(int which, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, kiln_flex_t *const *f,
                        kiln_block_mask_t *const *bm)
@@ -30,7 +34,7 @@ static double time_one(int which, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tenso
     double t0 = bench_now_s();
     kiln_tensor_t *y = which == 0 ? kiln_attention(in[0], in[1], in[2], true, 0)
                                   : kiln_flex_attention(in[0], in[1], in[2], f[which - 1], bm[which - 1], 0, NULL);
-    if (y && backward && kiln_backward(kiln_sum(y, NULL, 0, false)) != KILN_OK) y = NULL;
+    if (y && backward && kiln_backward_with(y, dy) != KILN_OK) y = NULL;
     if (y && kiln_device_synchronize(kiln_tensor_device(y)) != KILN_OK) y = NULL; /* a device's queue runs behind */
     double dt = bench_now_s() - t0;
     if (!y) {
@@ -92,6 +96,7 @@ int main(int argc, char **argv)
         kiln_manual_seed(1);
         kiln_tensor_t *q = kiln_keep(kiln_randn(shape, 4, KILN_DTYPE_F32)), *k = kiln_keep(kiln_randn(shape, 4, KILN_DTYPE_F32)),
                       *v = kiln_keep(kiln_randn(shape, 4, KILN_DTYPE_F32));
+        dy = backward ? kiln_keep(kiln_randn(shape, 4, KILN_DTYPE_F32)) : NULL;
         /* warm-up: kernels built, caches, and both vCPUs busy for warm_ms (an idle vCPU of
          * a virtual machine comes back slowly: short runs at 2 threads read up to 2x slow) */
         double warm_end = bench_now_s() + warm_ms / 1e3;
@@ -126,7 +131,7 @@ int main(int argc, char **argv)
             kiln_block_mask_free(bm[i]);
             kiln_flex_free(f[i]);
         }
-        kiln_tensor_free(q), kiln_tensor_free(k), kiln_tensor_free(v);
+        kiln_tensor_free(q), kiln_tensor_free(k), kiln_tensor_free(v), kiln_tensor_free(dy);
     }
     return 0;
 }

@@ -1490,6 +1490,58 @@ static void test_inplace_on_a_tracked_tensor_is_refused_while_grad_is_on(void **
     check("mul_scalar_ with grad off", w, 1, &n, w2, 0);
 }
 
+/* A leaf's first gradient is the formula's own tensor where nothing else holds it
+ * (KILN_OPT_STEAL_GRAD): two leaves whose gradients are made fresh by mul's backward
+ * raise the peak by those two gradients alone, not by copies of them too (the copies
+ * would add 2 x 4 MiB); and where add's backward hands one tensor to both leaves, or
+ * the seed itself comes back, each leaf still gets its own: doubling one leaves the
+ * other and the seed as they were. Oracle: the values by hand (exact in f32). */
+static void test_leaf_gradients_are_taken_not_copied_and_never_shared(void **state)
+{
+    int64_t n = 1 << 20;
+    size_t bytes = sizeof(float) * (size_t)n;
+    kiln_scope_begin();
+    kiln_tensor_t *x = kiln_full(&n, 1, 3, KILN_DTYPE_F32), *w = kiln_full(&n, 1, 5, KILN_DTYPE_F32);
+    kiln_tensor_set_requires_grad(x, true);
+    kiln_tensor_set_requires_grad(w, true);
+    kiln_tensor_t *y = kiln_mul(x, w), *seed = kiln_full(&n, 1, 2, KILN_DTYPE_F32);
+    assert_non_null(y);
+    size_t before = kiln_memory_allocated();
+    kiln_memory_reset_peak();
+    assert_int_equal(kiln_backward_with(y, seed), KILN_OK);
+    size_t rise = kiln_memory_peak() - before;
+    assert_true(rise >= 2 * bytes && rise < 3 * bytes);
+    double v;
+    assert_int_equal(kiln_tensor_item(kiln_sum(kiln_tensor_grad(x), NULL, 0, false), &v), KILN_OK);
+    assert_true(v == 10.0 * (double)n); /* 2 x 5 */
+    assert_int_equal(kiln_tensor_item(kiln_sum(kiln_tensor_grad(w), NULL, 0, false), &v), KILN_OK);
+    assert_true(v == 6.0 * (double)n); /* 2 x 3 */
+
+    /* one gradient tensor for two leaves, and the seed handed straight back */
+    int64_t m = 5;
+    kiln_tensor_t *a = kiln_full(&m, 1, 1, KILN_DTYPE_F32), *b = kiln_full(&m, 1, 1, KILN_DTYPE_F32);
+    kiln_tensor_set_requires_grad(a, true);
+    kiln_tensor_set_requires_grad(b, true);
+    kiln_tensor_t *s2 = kiln_full(&m, 1, 7, KILN_DTYPE_F32);
+    assert_int_equal(kiln_backward_with(kiln_add(a, b), s2), KILN_OK);
+    assert_int_equal(kiln_add_(kiln_tensor_grad(a), kiln_tensor_grad(a), 1), KILN_OK);
+    const double g14[5] = {14, 14, 14, 14, 14}, g7[5] = {7, 7, 7, 7, 7};
+    check("a's gradient, doubled", kiln_tensor_grad(a), 1, &m, g14, 0);
+    check("b's gradient", kiln_tensor_grad(b), 1, &m, g7, 0);
+    check("the seed", s2, 1, &m, g7, 0);
+
+    /* add's gradient handed to a leaf and to a node that hands it on to two more, whose
+     * gradients grow the leaf's in place: y = (x + (2x + 3x)) 7, dy/dx = 42 */
+    kiln_tensor_t *x2 = kiln_full(&m, 1, 1, KILN_DTYPE_F32);
+    kiln_tensor_set_requires_grad(x2, true);
+    kiln_tensor_t *inner = kiln_add(kiln_mul_scalar(x2, 2), kiln_mul_scalar(x2, 3));
+    kiln_tensor_t *y2 = kiln_mul_scalar(kiln_add(x2, inner), 7);
+    assert_int_equal(kiln_backward(kiln_sum(y2, NULL, 0, false)), KILN_OK);
+    const double g42[5] = {42, 42, 42, 42, 42};
+    check("a gradient handed on twice", kiln_tensor_grad(x2), 1, &m, g42, 0);
+    kiln_scope_end();
+}
+
 /* ---- sizes that reach the parallel paths ---- */
 
 /* Rows longer than the cpu grain (16384) are split across threads; one length divides
@@ -1648,6 +1700,7 @@ int main(void)
         T(test_adamw_step_matches_reference),
         T(test_adamw_refuses_step_zero_and_f64),
         T(test_inplace_on_a_tracked_tensor_is_refused_while_grad_is_on),
+        T(test_leaf_gradients_are_taken_not_copied_and_never_shared),
         T(test_long_rows_split_across_threads_match_reference),
         T(test_many_rows_reduce_and_softmax_in_parallel),
         T(test_half_precision_add_rounds_the_exact_result),

@@ -4,6 +4,7 @@
 #include "kiln/ops.h"
 #include "autograd/autograd.h"
 #include "core/intercept.h"
+#include "core/opts.h"
 #include "core/tensor_impl.h"
 #include "core/util.h"
 #include "ops/autocast.h"
@@ -192,14 +193,25 @@ void kiln_set_grad_ready_hook(kiln_grad_ready_fn fn, void *ctx)
     ready_ctx = ctx;
 }
 
-static kiln_status accumulate_leaf(kiln_tensor_t *leaf, kiln_tensor_t *g)
+/* g, a gradient for a leaf, is one of the node's gradients `alone` when no other input
+ * of the node gets the same tensor (which another node would then hold, and read after
+ * the leaf's gradient had grown in place). */
+static kiln_status accumulate_leaf(kiln_tensor_t *leaf, kiln_tensor_t *g, bool alone)
 {
     /* Backward inside a capture: the gradient of a real leaf is a value of the graph,
      * added to the leaf's gradient on each run, not now. */
     if (sink && !leaf->st->meta) return sink->accumulate(sink->ctx, leaf, g);
     kiln_tensor_t *held = kiln__autograd_grad(leaf);
     if (held) return kiln_add_(held, g, 1.0);
-    /* A fresh copy: g may be shared with another gradient or be a broadcast view. */
+    /* g itself where nothing else can see it (as PyTorch steals a gradient it alone
+     * holds): dense memory of kiln's own that no other tensor shares, every reference
+     * to it in this node's scope (so not another node's gradient, nor a formula's input
+     * handed back), and no other input of the node given it */
+    if (alone && kiln__opt(KILN__OPT_STEAL_GRAD) && atomic_load(&g->st->refcount) == 1 && !g->st->meta &&
+        !g->st->release && !g->st->wrapped && g->offset == 0 && kiln__is_contiguous(g) &&
+        kiln_tensor_nbytes(g) == g->st->nbytes && kiln__scope_take_all(g))
+        return kiln__autograd_set_grad(leaf, g);
+    /* Else a fresh copy: g may be shared with another gradient or be a broadcast view. */
     kiln_tensor_t *c = kiln_clone(g);
     return c ? kiln__autograd_set_grad(leaf, kiln_keep(c)) : kiln_last_status();
 }
@@ -299,7 +311,9 @@ static kiln_status run_node(kiln__node *cur, kiln__node **ready, int *tail)
         if (!gin[i] || !cur->needs_grad[i]) continue;
         s = check_grad(cur, i, gin[i]);
         if (s == KILN_OK && cur->leaf[i]) {
-            s = accumulate_leaf(cur->leaf[i], gin[i]);
+            bool alone = true;
+            for (int j = 0; j < cur->n_in; j++) alone &= j == i || gin[j] != gin[i];
+            s = accumulate_leaf(cur->leaf[i], gin[i], alone);
             if (s == KILN_OK && ready_fn && --ag(cur->leaf[i])->grad_pending == 0) s = ready_fn(ready_ctx, cur->leaf[i]);
         } else if (s == KILN_OK && cur->next[i]) {
             s = accumulate(&cur->next[i]->grad_out[cur->next_out[i]], gin[i]);
@@ -364,7 +378,7 @@ static kiln_status backward_with(kiln_tensor_t *root, kiln_tensor_t *grad)
                              kiln__shape_str(root, a, sizeof a));
         bool prev = kiln_set_grad_enabled(false);
         kiln_scope_begin();
-        kiln_status s = accumulate_leaf(root, grad);
+        kiln_status s = accumulate_leaf(root, grad, false); /* the caller's tensor: copied */
         kiln_scope_end();
         kiln_set_grad_enabled(prev);
         return s;

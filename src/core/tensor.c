@@ -114,6 +114,18 @@ kiln_tensor_t *kiln__scoped(kiln_tensor_t *t)
     return t;
 }
 
+bool kiln__scope_take_all(kiln_tensor_t *t)
+{
+    scope *s = n_scopes ? &scopes[n_scopes - 1] : NULL;
+    int held = 0;
+    for (int i = 0; s && i < s->n; i++) held += s->items[i] == t;
+    if (held == 0 || held != atomic_load(&t->refcount)) return false;
+    for (int i = s->n; i-- > 0;)
+        if (s->items[i] == t) s->items[i] = s->items[--s->n];
+    atomic_fetch_sub(&t->refcount, held - 1);
+    return true;
+}
+
 kiln_tensor_t *kiln_keep(kiln_tensor_t *t)
 {
     if (!t) return NULL;

@@ -72,6 +72,9 @@ kiln_tensor_t *kiln__tensor_alias(kiln__storage *st, kiln_dtype dt, int ndim, co
                                   const int64_t *stride, int64_t offset);
 /* Registers a new reference with the innermost scope, if any; returns t. */
 kiln_tensor_t *kiln__scoped(kiln_tensor_t *t);
+/* Where every reference to t is the innermost scope's, takes them all out of it and
+ * leaves t with one, the caller's; else false, nothing changed. */
+bool kiln__scope_take_all(kiln_tensor_t *t);
 int64_t kiln__numel(int ndim, const int64_t *shape);
 void kiln__contiguous_strides(int ndim, const int64_t *shape, int64_t *stride);
 bool kiln__is_contiguous(const kiln_tensor_t *t);

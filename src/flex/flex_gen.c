@@ -787,9 +787,9 @@ static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) 
                 for (int64_t i = 0; i < rows; i++) L[i] = (R)-INFINITY;                                     \
                 continue;                                                                                   \
             }                                                                                               \
-            if (kt_of != b * a->Hkv + hk) {                                                                 \
-                transpose_##SFX(Kt, K, Tk, D);                                                              \
-                pan = want && kiln__cpu_att_pack_fwd_##SFX(&kp, Kt, V, Tk, D, D);                           \
+            if (kt_of != b * a->Hkv + hk) { /* K^T and V in panels, else K^T in Kt */                       \
+                pan = want && kiln__cpu_att_pack_fwd_##SFX(&kp, K, D, V, D, Tk, D);                         \
+                if (!pan) transpose_##SFX(Kt, K, Tk, D);                                                    \
                 kt_of = b * a->Hkv + hk;                                                                    \
             }                                                                                               \
             scores_##SFX(a, Q, Kt, pan ? &kp.kt : NULL, S, kvl, nb, rows, cols);                            \
@@ -856,9 +856,11 @@ typedef struct {
             R *dK = (R *)gr->dk + t * Tk * D, *dV = (R *)gr->dv + t * Tk * D;                               \
             memset(dK, 0, sizeof(R) * (size_t)(Tk * D));                                                    \
             memset(dV, 0, sizeof(R) * (size_t)(Tk * D));                                                    \
-            transpose_##SFX(Kt, K, Tk, D);                                                                  \
-            transpose_##SFX(Vt, V, Tk, D);                                                                  \
-            const bool pan = want && kiln__cpu_att_pack_bwd_##SFX(&kp, Kt, Vt, K, Tk, D, D);                \
+            const bool pan = want && kiln__cpu_att_pack_bwd_##SFX(&kp, K, D, V, D, Tk, D);                  \
+            if (!pan) { /* K^T and V^T for the BLAS */                                                      \
+                transpose_##SFX(Kt, K, Tk, D);                                                              \
+                transpose_##SFX(Vt, V, Tk, D);                                                              \
+            }                                                                                               \
             for (int64_t h = hk * G; h < (hk + 1) * G; h++)                                                 \
                 for (int64_t qb = 0; qb < a->nq; qb++) {                                                    \
                     const int64_t r = ((a->mB == 1 ? 0 : b) * a->mH + (a->mH == 1 ? 0 : h)) * a->nq + qb;   \

@@ -91,23 +91,24 @@ static inline bool kiln__cpu_att_panels_wanted_f64(int64_t kv_block)
     return false;
 }
 void kiln__cpu_att_panels_free(kiln__cpu_att_panels *kp);
-/* A kv head's panels, from K^T and V^T as Kt, Vt (D x Tk, row stride Tk), V and K (Tk x
- * D, row strides ldv, ldk): the forward's K^T and V, the backward's K^T, V^T and K.
- * false (the panels then not to be used) when out of memory. */
-bool kiln__cpu_att_pack_fwd_f32(kiln__cpu_att_panels *kp, const float *Kt, const float *V, int64_t Tk, int64_t D,
-                                int64_t ldv);
-bool kiln__cpu_att_pack_bwd_f32(kiln__cpu_att_panels *kp, const float *Kt, const float *Vt, const float *K, int64_t Tk,
-                                int64_t D, int64_t ldk);
-static inline bool kiln__cpu_att_pack_fwd_f64(kiln__cpu_att_panels *kp, const double *Kt, const double *V, int64_t Tk,
-                                              int64_t D, int64_t ldv)
+/* A kv head's panels from K and V (Tk x D, row strides ldk, ldv): the forward's K^T
+ * and V, the backward's K^T, V^T and K (the transposes packed straight from K and V,
+ * in register blocks with KILN_OPT_PACK_TRANSPOSED). false (the panels then not to be
+ * used) when out of memory. */
+bool kiln__cpu_att_pack_fwd_f32(kiln__cpu_att_panels *kp, const float *K, int64_t ldk, const float *V, int64_t ldv,
+                                int64_t Tk, int64_t D);
+bool kiln__cpu_att_pack_bwd_f32(kiln__cpu_att_panels *kp, const float *K, int64_t ldk, const float *V, int64_t ldv,
+                                int64_t Tk, int64_t D);
+static inline bool kiln__cpu_att_pack_fwd_f64(kiln__cpu_att_panels *kp, const double *K, int64_t ldk, const double *V,
+                                              int64_t ldv, int64_t Tk, int64_t D)
 {
-    (void)kp, (void)Kt, (void)V, (void)Tk, (void)D, (void)ldv;
+    (void)kp, (void)K, (void)ldk, (void)V, (void)ldv, (void)Tk, (void)D;
     return false;
 }
-static inline bool kiln__cpu_att_pack_bwd_f64(kiln__cpu_att_panels *kp, const double *Kt, const double *Vt,
-                                              const double *K, int64_t Tk, int64_t D, int64_t ldk)
+static inline bool kiln__cpu_att_pack_bwd_f64(kiln__cpu_att_panels *kp, const double *K, int64_t ldk, const double *V,
+                                              int64_t ldv, int64_t Tk, int64_t D)
 {
-    (void)kp, (void)Kt, (void)Vt, (void)K, (void)Tk, (void)D, (void)ldk;
+    (void)kp, (void)K, (void)ldk, (void)V, (void)ldv, (void)Tk, (void)D;
     return false;
 }
 /* C (M x N) = alpha A B[k0.., c0..] + beta C from the panels B (A row-major, row stride

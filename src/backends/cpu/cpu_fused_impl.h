@@ -438,25 +438,26 @@ KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
 {
     FN(att_ctx) *a = c;
     int64_t D = a->D, grp = a->H / a->Hkv, Tk = a->Tk;
-    /* K and V packed into kiln's GEMM's panels once per kv head (K^T through Kt) */
-    const bool want = CAT(kiln__cpu_att_panels_wanted, SFX)(0), kt = a->kt || want;
+    /* K^T and V packed into kiln's GEMM's panels once per kv head, straight from K and V;
+     * else, with KILN_OPT_ATT_KT, K transposed into Kt for the BLAS */
+    const bool want = CAT(kiln__cpu_att_panels_wanted, SFX)(0);
     kiln__cpu_att_panels kp = {0};
     bool pan = false;
-    R *S = malloc(sizeof(R) * (size_t)((ATT_QB + (kt ? D : 0)) * (Tk ? Tk : 1)));
+    R *S = malloc(sizeof(R) * (size_t)((ATT_QB + (a->kt ? D : 0)) * (Tk ? Tk : 1)));
     if (!S) {
         atomic_store(&a->oom, 1);
         return;
     }
-    R *Kt = kt ? S + ATT_QB * Tk : NULL;
-    int64_t kt_of = -1; /* the kv head Kt holds: query heads of one group run in a row */
+    R *Kt = a->kt ? S + ATT_QB * Tk : NULL;
+    int64_t kt_of = -1; /* the kv head the panels or Kt hold: query heads of one group run in a row */
     bool fast = a->fast;
     for (int64_t t = b; t < e; t++) {
         int64_t bb = t / a->H, h = t % a->H, hk = h / grp;
         const R *K = a->k + bb * a->ks[0] + hk * a->ks[1], *V = a->v + bb * a->vs[0] + hk * a->vs[1];
-        if (Kt && kt_of != bb * a->Hkv + hk) {
-            FN(att_transpose)(Kt, K, Tk, D, a->ks[2]);
+        if ((want || Kt) && kt_of != bb * a->Hkv + hk) {
             kt_of = bb * a->Hkv + hk;
-            pan = want && CAT(kiln__cpu_att_pack_fwd, SFX)(&kp, Kt, V, Tk, D, a->vs[2]);
+            pan = want && CAT(kiln__cpu_att_pack_fwd, SFX)(&kp, K, a->ks[2], V, a->vs[2], Tk, D);
+            if (Kt && !pan) FN(att_transpose)(Kt, K, Tk, D, a->ks[2]);
         }
         for (int64_t i0 = 0; i0 < a->Tq; i0 += ATT_QB) {
             int64_t rows = a->Tq - i0 < ATT_QB ? a->Tq - i0 : ATT_QB;
@@ -468,8 +469,7 @@ KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
                 for (int64_t r = 0; r < rows; r++) a->lse[t * a->Tq + i0 + r] = (R)-INFINITY;
                 continue;
             }
-            FN(att_abt)(rows, nblk, D, (R)a->scale, Q, a->qs[2], K, a->ks[2], pan ? &kp.kt : NULL,
-                        a->kt ? Kt : NULL, Tk, S);
+            FN(att_abt)(rows, nblk, D, (R)a->scale, Q, a->qs[2], K, a->ks[2], pan ? &kp.kt : NULL, Kt, Tk, S);
             FN(att_softmax_rows)(a, i0, rows, nblk, S, NULL, a->lse + t * a->Tq + i0, fast);
             if (!CAT(kiln__cpu_att_gemm, SFX)(rows, D, nblk, S, nblk, pan ? &kp.v : NULL, 0, 0, 1, 0, O, D))
                 GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, 1, S, (int)nblk, V,
@@ -484,26 +484,26 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
 {
     FN(att_ctx) *a = c;
     int64_t D = a->D, grp = a->H / a->Hkv, Tk = a->Tk;
-    /* K^T, V^T and K packed into kiln's GEMM's panels once per kv head */
-    const bool want = CAT(kiln__cpu_att_panels_wanted, SFX)(0), kt = a->kt || want;
+    /* K^T, V^T and K packed into kiln's GEMM's panels once per kv head, straight from K
+     * and V; else, with KILN_OPT_ATT_KT, K and V transposed into Kt and Vt for the BLAS */
+    const bool want = CAT(kiln__cpu_att_panels_wanted, SFX)(0);
     kiln__cpu_att_panels kp = {0};
-    R *P = malloc(sizeof(R) * (size_t)((2 * ATT_QB + (kt ? 2 * D : 0)) * (Tk ? Tk : 1)));
+    R *P = malloc(sizeof(R) * (size_t)((2 * ATT_QB + (a->kt ? 2 * D : 0)) * (Tk ? Tk : 1)));
     if (!P) {
         atomic_store(&a->oom, 1);
         return;
     }
-    R *dP = P + ATT_QB * Tk, *Kt = kt ? dP + ATT_QB * Tk : NULL, *Vt = Kt ? Kt + D * Tk : NULL;
+    R *dP = P + ATT_QB * Tk, *Kt = a->kt ? dP + ATT_QB * Tk : NULL, *Vt = Kt ? Kt + D * Tk : NULL;
     bool fast = a->fast;
     for (int64_t t = b; t < e; t++) {
         int64_t bb = t / a->Hkv, hk = t % a->Hkv;
         const R *K = a->k + bb * a->ks[0] + hk * a->ks[1], *V = a->v + bb * a->vs[0] + hk * a->vs[1];
         R *dK = a->dk + t * Tk * D, *dV = a->dv + t * Tk * D;
-        if (Kt) {
+        const bool pan = want && CAT(kiln__cpu_att_pack_bwd, SFX)(&kp, K, a->ks[2], V, a->vs[2], Tk, D);
+        if (Kt && !pan) {
             FN(att_transpose)(Kt, K, Tk, D, a->ks[2]);
             FN(att_transpose)(Vt, V, Tk, D, a->vs[2]);
         }
-        const bool pan = want && CAT(kiln__cpu_att_pack_bwd, SFX)(&kp, Kt, Vt, K, Tk, D, a->ks[2]);
-        const R *Kt_b = a->kt ? Kt : NULL, *Vt_b = a->kt ? Vt : NULL; /* for the BLAS */
         memset(dK, 0, sizeof(R) * (size_t)(Tk * D));
         memset(dV, 0, sizeof(R) * (size_t)(Tk * D));
         for (int64_t h = hk * grp; h < (hk + 1) * grp; h++) {
@@ -520,12 +520,12 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
                     memset(dQ, 0, sizeof(R) * (size_t)(rows * D));
                     continue;
                 }
-                FN(att_abt)(rows, nblk, D, (R)a->scale, Q, ldq, K, ldk, pan ? &kp.kt : NULL, Kt_b, Tk, P);
+                FN(att_abt)(rows, nblk, D, (R)a->scale, Q, ldq, K, ldk, pan ? &kp.kt : NULL, Kt, Tk, P);
                 FN(att_softmax_rows)(a, i0, rows, nblk, P, a->lse_in + qh * a->Tq + i0, NULL, fast);
                 /* dV += P^T dO; dP = dO V^T */
                 GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nblk, (int)D, (int)rows, 1, P, (int)nblk, G,
                      (int)ldg, 1, dV, (int)D);
-                FN(att_abt)(rows, nblk, D, 1, G, ldg, V, ldv, pan ? &kp.vt : NULL, Vt_b, Tk, dP);
+                FN(att_abt)(rows, nblk, D, 1, G, ldg, V, ldv, pan ? &kp.vt : NULL, Vt, Tk, dP);
                 /* scale dS = scale P * (dP - rowsum(dO * O)), in place in dP: scaled here, so
                  * that dK's accumulating product has alpha 1 (kiln's GEMM adds it in place) */
                 const R sc = (R)a->scale;

@@ -110,24 +110,24 @@ void kiln__cpu_att_panels_free(kiln__cpu_att_panels *kp)
     kiln__gemm_panels_free(&kp->k);
 }
 
-/* Packs B (K x N, row stride ld) into P; false when out of memory. */
-static bool att_pack(kiln__gemm_panels *P, const float *B, int64_t K, int64_t N, int64_t ld)
+/* Packs B (K x N: element (k, n) at B[k rs + n cs]) into P; false when out of memory. */
+static bool att_pack(kiln__gemm_panels *P, const float *B, int64_t K, int64_t N, int64_t rs, int64_t cs)
 {
     if (!kiln__gemm_panels_init(P, K, N)) return false;
-    kiln__gemm_panels_pack(P, (kiln__gemm_operand){B, KILN__GEMM_F32, ld, 1});
+    kiln__gemm_panels_pack(P, (kiln__gemm_operand){B, KILN__GEMM_F32, rs, cs});
     return true;
 }
 
-bool kiln__cpu_att_pack_fwd_f32(kiln__cpu_att_panels *kp, const float *Kt, const float *V, int64_t Tk, int64_t D,
-                                int64_t ldv)
+bool kiln__cpu_att_pack_fwd_f32(kiln__cpu_att_panels *kp, const float *K, int64_t ldk, const float *V, int64_t ldv,
+                                int64_t Tk, int64_t D)
 {
-    return att_pack(&kp->kt, Kt, D, Tk, Tk) && att_pack(&kp->v, V, Tk, D, ldv);
+    return att_pack(&kp->kt, K, D, Tk, 1, ldk) && att_pack(&kp->v, V, Tk, D, ldv, 1);
 }
 
-bool kiln__cpu_att_pack_bwd_f32(kiln__cpu_att_panels *kp, const float *Kt, const float *Vt, const float *K, int64_t Tk,
-                                int64_t D, int64_t ldk)
+bool kiln__cpu_att_pack_bwd_f32(kiln__cpu_att_panels *kp, const float *K, int64_t ldk, const float *V, int64_t ldv,
+                                int64_t Tk, int64_t D)
 {
-    return att_pack(&kp->kt, Kt, D, Tk, Tk) && att_pack(&kp->vt, Vt, D, Tk, Tk) && att_pack(&kp->k, K, Tk, D, ldk);
+    return att_pack(&kp->kt, K, D, Tk, 1, ldk) && att_pack(&kp->vt, V, D, Tk, 1, ldv) && att_pack(&kp->k, K, Tk, D, ldk, 1);
 }
 
 bool kiln__cpu_att_gemm_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,

@@ -435,6 +435,24 @@ AVX512_PACK static inline void transpose16(__m512i r[16])
     }
 }
 
+/* One f32 panel `tile` wide (a multiple of 16) of an operand whose K is contiguous
+ * (ks == 1: a transposed B, as attention's K^T read from K), w of its tile elements
+ * present: 16 x 16 blocks transposed in registers, where the plain loop went an element
+ * at a time, writing a float every `tile` floats. */
+AVX512_PACK static void pack_f32_k_contiguous(const float *src, int64_t ts, int64_t w, int64_t kc, int tile, float *out)
+{
+    __m512i r[16];
+    for (int64_t h = 0; h < tile; h += 16)
+        for (int64_t k0 = 0; k0 < kc; k0 += 16) {
+            __mmask16 m = first_n(kc - k0);
+            for (int c = 0; c < 16; c++)
+                r[c] = h + c < w ? _mm512_castps_si512(_mm512_maskz_loadu_ps(m, src + (h + c) * ts + k0))
+                                 : _mm512_setzero_si512();
+            transpose16(r);
+            for (int64_t k = k0; k < k0 + 16 && k < kc; k++) _mm512_storeu_si512(out + k * tile + h, r[k - k0]);
+        }
+}
+
 /* The 16 k-pairs of k = k0 .. k0 + 31 of a row (A) or column (B) whose k are
  * contiguous from `at`, zero past kc. */
 AVX512_PACK static inline __m512i row_pairs(const kiln__gemm_operand *x, int64_t at, int64_t left)
@@ -616,6 +634,14 @@ static void pack(const ukernel *uk, const kiln__gemm_operand *x, bool is_b, int6
                     : (uk->isa == KILN__GEMM_ISA_AVX512 || uk->isa == KILN__GEMM_ISA_AVX512BF16) &&
                           (uk->round_bf16 || bf16) && avx512_rows() &&
                           pack_16bit(x, bf16, first + t0 * ts, ts, ks, w, kc, tile, bf16 ? (void *)oh : (void *)of)) {
+            of += kpad * tile;
+            oh += kpad * tile;
+            continue;
+        }
+        if (uk->isa == KILN__GEMM_ISA_AVX512 && uk->packed == KILN__GEMM_F32 && !uk->round_bf16 &&
+            x->type == KILN__GEMM_F32 && ks == 1 && ts != 1 && tile % 16 == 0 && kiln__opt(KILN__OPT_PACK_TRANSPOSED) &&
+            avx512_rows()) {
+            pack_f32_k_contiguous((const float *)x->p + first + t0 * ts, ts, w, kc, tile, of);
             of += kpad * tile;
             oh += kpad * tile;
             continue;
