@@ -3,13 +3,20 @@
 # 1 and 2 threads, interleaved over ROUNDS rounds; prints every figure and the ratio of
 # the best kiln tokens/s to the best PyTorch tokens/s, and of their peak RSS.
 #   sh bench/train_step.sh [BUILD_DIR] [ROUNDS] [STEPS]
-# Needs PyTorch for /usr/bin/python3 (apt-get install python3-torch). OMP_NUM_THREADS is
-# left unset: setting it to 1 made PyTorch 1.13 slower here (2,070 -> 1,650 tokens/s).
+# Needs PyTorch for the Python in TORCH2_PY (default python3): Debian's python3-torch, or
+# PyTorch 2.x from PyPI in a virtual environment (see bench/train_step_compile.sh):
+#   TORCH2_PY=~/torch2/bin/python sh bench/train_step.sh
+# OMP_NUM_THREADS is left unset: setting it to 1 made PyTorch 1.13 slower here (2,070 ->
+# 1,650 tokens/s).
 set -eu
 build=${1:-build}
 rounds=${2:-3}
 steps=${3:-10}
-py=/usr/bin/python3
+py=${TORCH2_PY:-python3}
+if ! "$py" -c "import torch" 2>/dev/null; then
+    echo "train_step.sh: $py has no PyTorch; set TORCH2_PY (see the comment at the top)" >&2
+    exit 1
+fi
 out=$(mktemp)
 for r in $(seq "$rounds"); do
     for t in 1 2; do
