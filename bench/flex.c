@@ -7,12 +7,13 @@
  * T/8 window (beyond what was held before it; per T, to show it grows as O(T)). With
  * --backward 1, each call is the forward and the backward (gradients of q, k, v), the
  * backward seeded with a dense random gradient of the output, as the layer above
- * attention hands it one (until 2026-12-07 it was the gradient of the output's sum, a
- * broadcast of ones that attention's backward first copied into a dense tensor). With
+ * attention hands it one (--seed sum: the gradient of the output's sum, a broadcast of
+ * ones that attention's backward first copies into a dense tensor, as this benchmark
+ * ran until 2026-12-07). With
  * --device opencl the tensors live there (the fused forward is OpenCL C; kiln's dense
  * attention is the cpu's with copies there). Before the timed rounds of each T, every
  * variant runs for at least --warm-ms (200) ms.
- *   build/bench_flex [--T 512,1024,2048,4096] [--B 1] [--H 8] [--D 64] [--W 256] [--block 32] [--kv-block 32] [--rounds 5] [--backward 0|1] [--device cpu|opencl] [--warm-ms 200] */
+ *   build/bench_flex [--T 512,1024,2048,4096] [--B 1] [--H 8] [--D 64] [--W 256] [--block 32] [--kv-block 32] [--rounds 5] [--backward 0|1] [--seed dense|sum] [--device cpu|opencl] [--warm-ms 200] */
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,7 +21,7 @@
 #include "kiln/kiln.h"
 
 static bool backward; /* --backward: forward and backward (gradients of q, k, v) */
-static kiln_tensor_t *dy; /* the output's gradient, with --backward */
+static kiln_tensor_t *dy; /* the output's gradient, with --backward (NULL: --seed sum) */
 
 static double time_one(int which, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tensor_t *v, kiln_flex_t *const *f,
                        kiln_block_mask_t *const *bm)
@@ -34,7 +35,8 @@ static double time_one(int which, kiln_tensor_t *q, kiln_tensor_t *k, kiln_tenso
     double t0 = bench_now_s();
     kiln_tensor_t *y = which == 0 ? kiln_attention(in[0], in[1], in[2], true, 0)
                                   : kiln_flex_attention(in[0], in[1], in[2], f[which - 1], bm[which - 1], 0, NULL);
-    if (y && backward && kiln_backward_with(y, dy) != KILN_OK) y = NULL;
+    if (y && backward && (dy ? kiln_backward_with(y, dy) : kiln_backward(kiln_sum(y, NULL, 0, false))) != KILN_OK)
+        y = NULL;
     if (y && kiln_device_synchronize(kiln_tensor_device(y)) != KILN_OK) y = NULL; /* a device's queue runs behind */
     double dt = bench_now_s() - t0;
     if (!y) {
@@ -51,7 +53,7 @@ int main(int argc, char **argv)
     int64_t B = 1, H = 8, D = 64, W = 256, block = KILN_FLEX_BLOCK, kv_block = KILN_FLEX_BLOCK;
     int rounds = 5;
     double warm_ms = 200;
-    const char *device = "cpu";
+    const char *device = "cpu", *seed = "dense";
     for (int i = 1; i + 1 < argc; i += 2) {
         if (!strcmp(argv[i], "--T")) Ts = argv[i + 1];
         else if (!strcmp(argv[i], "--B")) B = atoll(argv[i + 1]);
@@ -63,9 +65,10 @@ int main(int argc, char **argv)
         else if (!strcmp(argv[i], "--rounds")) rounds = atoi(argv[i + 1]);
         else if (!strcmp(argv[i], "--backward")) backward = atoi(argv[i + 1]) != 0;
         else if (!strcmp(argv[i], "--device")) device = argv[i + 1];
+        else if (!strcmp(argv[i], "--seed") && (!strcmp(argv[i + 1], "dense") || !strcmp(argv[i + 1], "sum"))) seed = argv[i + 1];
         else if (!strcmp(argv[i], "--warm-ms")) warm_ms = atof(argv[i + 1]);
         else {
-            fprintf(stderr, "usage: bench_flex [--T LIST] [--B N] [--H N] [--D N] [--W N] [--block N] [--kv-block N] [--rounds N] [--backward 0|1] [--device NAME] [--warm-ms MS]\n");
+            fprintf(stderr, "usage: bench_flex [--T LIST] [--B N] [--H N] [--D N] [--W N] [--block N] [--kv-block N] [--rounds N] [--backward 0|1] [--seed dense|sum] [--device NAME] [--warm-ms MS]\n");
             return 2;
         }
     }
@@ -96,7 +99,7 @@ int main(int argc, char **argv)
         kiln_manual_seed(1);
         kiln_tensor_t *q = kiln_keep(kiln_randn(shape, 4, KILN_DTYPE_F32)), *k = kiln_keep(kiln_randn(shape, 4, KILN_DTYPE_F32)),
                       *v = kiln_keep(kiln_randn(shape, 4, KILN_DTYPE_F32));
-        dy = backward ? kiln_keep(kiln_randn(shape, 4, KILN_DTYPE_F32)) : NULL;
+        dy = backward && !strcmp(seed, "dense") ? kiln_keep(kiln_randn(shape, 4, KILN_DTYPE_F32)) : NULL;
         /* warm-up: kernels built, caches, and both vCPUs busy for warm_ms (an idle vCPU of
          * a virtual machine comes back slowly: short runs at 2 threads read up to 2x slow) */
         double warm_end = bench_now_s() + warm_ms / 1e3;
