@@ -22,6 +22,7 @@
 #include "test_util.h"
 #include "core/backend.h"
 #include "flex/flex_impl.h"
+#include "backends/cpu/gemm.h"
 
 typedef struct {
     int64_t B, H, Hkv, Tq, Tk, D;
@@ -565,6 +566,44 @@ static void panel_sized_blocks_match_the_oracle(void **state)
     }
 }
 
+/* Where K and V were packed into kiln's GEMM's panels but a product on them then runs
+ * out of memory (kiln__gemm_refuse_buffers: every per-thread buffer refused), the
+ * product falls back to the BLAS on K and V themselves, the transposed copies never
+ * having been made: flex's forward and backward on blocks of 32 still match the f64
+ * oracle (1e-5 of each tensor's largest), and kiln's dense attention gives what it gives
+ * with its panels' products (1e-5; test_ops checks those against PyTorch). */
+static void panel_products_out_of_memory_fall_back(void **state)
+{
+    (void)state;
+    dims d = {2, 4, 2, 100, 100, 40};
+    static int64_t docs[2 * 100];
+    static const flex_case cs = {"causal", "causal", NULL, NULL, {.causal = true, .window = -1, .pre = -1}};
+    kiln__gemm_refuse_buffers(true);
+    fused_case(&cs, &d, docs, NULL, 32, 32, 91, 92, true);
+    kiln__gemm_refuse_buffers(false);
+    int64_t qn = d.B * d.H * d.Tq * d.D, kn = d.B * d.Hkv * d.Tk * d.D;
+    int64_t qs[4] = {d.B, d.H, d.Tq, d.D}, ks[4] = {d.B, d.Hkv, d.Tk, d.D};
+    double *x[4] = {randoms(qn, 93), randoms(kn, 94), randoms(kn, 95), randoms(qn, 96)}, *got[2][4];
+    for (int refuse = 1; refuse >= 0; refuse--) {
+        kiln_tensor_t *in[3] = {tensor(x[0], qs, 4, KILN_DTYPE_F32), tensor(x[1], ks, 4, KILN_DTYPE_F32),
+                                tensor(x[2], ks, 4, KILN_DTYPE_F32)};
+        for (int i = 0; i < 3; i++) kiln_tensor_set_requires_grad(in[i], true);
+        kiln__gemm_refuse_buffers(refuse);
+        kiln_tensor_t *y = kiln_attention(in[0], in[1], in[2], true, 0);
+        assert_non_null(y);
+        assert_int_equal(kiln_backward_with(y, tensor(x[3], qs, 4, KILN_DTYPE_F32)), KILN_OK);
+        kiln__gemm_refuse_buffers(false);
+        got[refuse][0] = host(y);
+        for (int i = 0; i < 3; i++) got[refuse][i + 1] = host(kiln_tensor_grad(in[i]));
+    }
+    static const char *names[4] = {"y", "dq", "dk", "dv"};
+    const int64_t n[4] = {qn, qn, kn, kn};
+    for (int i = 0; i < 4; i++) {
+        near_oracle(got[1][i], got[0][i], n[i], 1e-5, "kiln_attention, products refused", names[i]);
+        free(got[0][i]), free(got[1][i]), free(x[i]);
+    }
+}
+
 /* bf16 and f16 q, k, v (what the linear layers give under mixed precision), inside an
  * autocast region of their type as a model runs them, and a bf16 q over f32 k and v (a
  * cache): computed in f32 and each output rounded once to its type. The oracle is the f64 reference
@@ -1066,6 +1105,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(fused_gradients_match_the_oracle, setup, teardown),
         cmocka_unit_test_setup_teardown(long_rows_of_keys_match_the_oracle, setup, teardown),
         cmocka_unit_test_setup_teardown(panel_sized_blocks_match_the_oracle, setup, teardown),
+        cmocka_unit_test_setup_teardown(panel_products_out_of_memory_fall_back, setup, teardown),
         cmocka_unit_test_setup_teardown(sixteen_bit_inputs_match_the_oracle, setup, teardown),
         cmocka_unit_test_setup_teardown(matches_pytorch_flex_attention, setup, teardown),
         cmocka_unit_test_setup_teardown(block_masks_classify_blocks, setup, teardown),

@@ -1492,8 +1492,8 @@ static void test_inplace_on_a_tracked_tensor_is_refused_while_grad_is_on(void **
 
 /* A leaf's first gradient is the formula's own tensor where nothing else holds it
  * (KILN_OPT_STEAL_GRAD): two leaves whose gradients are made fresh by mul's backward
- * raise the peak by those two gradients alone, not by copies of them too (the copies
- * would add 2 x 4 MiB); and where add's backward hands one tensor to both leaves, or
+ * raise the peak by those two gradients alone, not by copies of them too (with the
+ * switch off, as ctest's *_blas run sets it, the copies add 2 x 4 MiB); and where add's backward hands one tensor to both leaves, or
  * the seed itself comes back, each leaf still gets its own: doubling one leaves the
  * other and the seed as they were. Oracle: the values by hand (exact in f32). */
 static void test_leaf_gradients_are_taken_not_copied_and_never_shared(void **state)
@@ -1510,7 +1510,10 @@ static void test_leaf_gradients_are_taken_not_copied_and_never_shared(void **sta
     kiln_memory_reset_peak();
     assert_int_equal(kiln_backward_with(y, seed), KILN_OK);
     size_t rise = kiln_memory_peak() - before;
-    assert_true(rise >= 2 * bytes && rise < 3 * bytes);
+    if (test_opt_on("STEAL_GRAD"))
+        assert_true(rise >= 2 * bytes && rise < 3 * bytes);
+    else /* ctest's *_blas run: each gradient beside its copy */
+        assert_true(rise >= 4 * bytes);
     double v;
     assert_int_equal(kiln_tensor_item(kiln_sum(kiln_tensor_grad(x), NULL, 0, false), &v), KILN_OK);
     assert_true(v == 10.0 * (double)n); /* 2 x 5 */

@@ -33,7 +33,7 @@
     X(GEMM_EDGE_ROWS, 1, "kiln's own GEMM runs a last tile of at most 4 or 8 rows of A on a kernel for that many rows (else the whole 12-row kernel on a scratch tile)") \
     X(STEAL_GRAD, 1, "a leaf's first gradient of a backward is the tensor its formula made, where nothing else holds it or its memory (else a copy of it)") \
     X(PACK_TRANSPOSED, 1, "kiln's own GEMM packs an f32 operand whose K is contiguous (a transposed B: linear layers' W^T, attention's K^T and V^T, now packed from K and V, not from transposed copies) in 16 x 16 blocks transposed in AVX-512 registers (else an element at a time)") \
-    X(ATT_ROW_EXP, 1, "flex attention's forward takes each row's maximum, exponentials and sum in AVX-512 registers in one call and normalizes O's D values a row instead of the row's weights (else plain loops, and the weights normalized before P V)") \
+    X(ATT_ROW_EXP, 1, "flex attention's forward takes each f32 row's maximum, exponentials and sum in AVX-512 registers in one call (where the processor has them; else plain loops) and normalizes O's D values a row instead of the row's weights (off: plain loops, and the weights normalized before P V)") \
     X(OWN_GEMM_F16, 0, "f16 matmuls on kiln's own GEMM, f16 widened as it is packed and the result rounded in cache (else widened copies through the f32 matmul)") \
     X(FLEX_FUSED, 1, "flex attention on the cpu without gradients in one generated kernel over the block mask's blocks (else the dense reference: scores, modifiers and softmax as kiln ops)") \
     X(INDEX_ROWS_GRAD, 1, "the gradient of index_select over the rows of a matrix as whole rows added (embedding_backward; else an element scatter_add)") \

@@ -733,16 +733,22 @@ static int64_t cols_of(const int64_t *kvl, int64_t nb, int64_t kvb, int64_t Tk)
 static void transpose_f32(float *dst, const float *src, int64_t T, int64_t D) { kiln__cpu_transpose_f32(dst, src, T, D, D); }
 static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) { kiln__cpu_transpose_f64(dst, src, T, D, D); }
 
-/* S (rows, cols) = scale Q K^T over the listed key blocks side by side, Kt being K
- * transposed (D, Tk) or its panels (kt): a run of adjacent blocks one NN GEMM. R is
- * float or double. */
+/* S (rows, cols) = scale Q K^T over the listed key blocks side by side, on K^T's panels
+ * (kt), else on Kt, K transposed (D, Tk): a run of adjacent blocks one GEMM. Where the
+ * panels were taken but a product on them fails (out of memory), Kt was never filled:
+ * that product reads K (Tk, D) transposed. R is float or double. */
 #define FLEX_SCORES(SFX, R, GEMM)                                                                           \
-    static void scores_##SFX(const flex_args *a, const R *Q, const R *Kt, const kiln__gemm_panels *kt, R *S, \
-                             const int64_t *kvl, int64_t nb, int64_t rows, int64_t cols)                    \
+    static void scores_##SFX(const flex_args *a, const R *Q, const R *K, const R *Kt, const kiln__gemm_panels *kt, \
+                             R *S, const int64_t *kvl, int64_t nb, int64_t rows, int64_t cols)              \
     {                                                                                                       \
         for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                    \
             int64_t k0 = kvl[n] * a->kv_block, w = run_width(kvl, nb, n, a->kv_block, a->Tk, &e);           \
-            if (!kiln__cpu_att_gemm_##SFX(rows, w, a->D, Q, a->D, kt, 0, k0, (R)a->scale, 0, S + off, cols)) \
+            if (kiln__cpu_att_gemm_##SFX(rows, w, a->D, Q, a->D, kt, 0, k0, (R)a->scale, 0, S + off, cols)) \
+                ;                                                                                           \
+            else if (kt)                                                                                    \
+                GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)w, (int)a->D, (R)a->scale, Q, \
+                     (int)a->D, K + k0 * a->D, (int)a->D, 0, S + off, (int)cols);                           \
+            else                                                                                            \
                 GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)a->D, (R)a->scale, Q, \
                      (int)a->D, Kt + k0, (int)a->Tk, 0, S + off, (int)cols);                                \
             off += w;                                                                                       \
@@ -750,8 +756,9 @@ static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) 
     }
 
 /* The forward. One task per (b, h, query block): the scores of its rows against the
- * listed key blocks, side by side in S (runs of adjacent blocks one NN GEMM each, on K
- * transposed once per kv head), the modifiers in the generated function, each row's
+ * listed key blocks, side by side in S (runs of adjacent blocks one GEMM each, on K^T
+ * packed into kiln's GEMM's panels once per kv head, else on K transposed once per kv
+ * head for the BLAS), the modifiers in the generated function, each row's
  * exponentials and log-sum-exp (kiln__cpu_att_row_exp), and O = E V by GEMM with E's rows
  * normalized afterwards in O (D values a row, not the row's keys). R is float or double. */
 #define FLEX_FORWARD(SFX, R, GEMM)                                                                          \
@@ -792,10 +799,10 @@ static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) 
                 if (!pan) transpose_##SFX(Kt, K, Tk, D);                                                    \
                 kt_of = b * a->Hkv + hk;                                                                    \
             }                                                                                               \
-            scores_##SFX(a, Q, Kt, pan ? &kp.kt : NULL, S, kvl, nb, rows, cols);                            \
+            scores_##SFX(a, Q, K, Kt, pan ? &kp.kt : NULL, S, kvl, nb, rows, cols);                         \
             rc->fn(a, S, cols, b, h, q0, rows, kvl, nf, nb); /* the modifiers */                            \
             /* the weights, normalized in O below (rows x D, not rows x cols) with                           \
-             * KILN_OPT_ATT_ROW_EXP, else here; NaN stays NaN */                                              \
+             * KILN_OPT_ATT_ROW_EXP, else here; a NaN among seen keys makes the row NaN */                    \
             for (int64_t i = 0; i < rows; i++) {                                                            \
                 R m, *row = S + i * cols;                                                                   \
                 double sum = kiln__cpu_att_row_exp_##SFX(row, cols, &m, vec);                               \
@@ -825,8 +832,9 @@ static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) 
  * and M = d score'/d score from the generated function, dV += P^T dO, dP = dO V^T,
  * dS = scale P (dP - Dm) M (Dm: the rows' sum of dO O, less the log-sum-exp's gradient;
  * the generated function again), dQ = dS K, dK += dS^T Q; runs of adjacent key
- * blocks one GEMM each, the products with K^T and V^T on copies transposed once per kv
- * head (NN GEMMs, as the dense attention's backward). a->y is dO, a->lse L and a->v V;
+ * blocks one GEMM each, the products with K^T, V^T and K on their panels packed once per
+ * kv head (else K^T and V^T on copies transposed once per kv head, NN GEMMs, as the
+ * dense attention's backward). a->y is dO, a->lse L and a->v V;
  * dq, dk, dv and Dm in the context. */
 typedef struct {
     void *dq, *dk, *dv;
@@ -875,14 +883,19 @@ typedef struct {
                         memset(dQ, 0, sizeof(R) * (size_t)(rows * D));                                      \
                         continue;                                                                           \
                     }                                                                                       \
-                    scores_##SFX(a, Q, Kt, pan ? &kp.kt : NULL, P, kvl, nb, rows, cols);                    \
+                    scores_##SFX(a, Q, K, Kt, pan ? &kp.kt : NULL, P, kvl, nb, rows, cols);                 \
                     rc->bwd(a, P, M, cols, b, h, q0, rows, kvl, nf, nb, L);                                 \
                     for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                        \
                         int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                  \
                         /* dV += P^T dO; dP = dO V^T */                                                     \
                         GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)w, (int)D, (int)rows, 1, P + off, (int)cols, \
                              dO, (int)D, 1, dV + k0 * D, (int)D);                                           \
-                        if (!kiln__cpu_att_gemm_##SFX(rows, w, D, dO, D, pan ? &kp.vt : NULL, 0, k0, 1, 0, dP + off, cols)) \
+                        if (kiln__cpu_att_gemm_##SFX(rows, w, D, dO, D, pan ? &kp.vt : NULL, 0, k0, 1, 0, dP + off, cols)) \
+                            ;                                                                               \
+                        else if (pan) /* the panels' product out of memory: Vt was not made */              \
+                            GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)w, (int)D, 1, dO, \
+                                 (int)D, V + k0 * D, (int)D, 0, dP + off, (int)cols);                       \
+                        else                                                                                \
                             GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)D, 1, dO, \
                                  (int)D, Vt + k0, (int)Tk, 0, dP + off, (int)cols);                         \
                         off += w;                                                                           \

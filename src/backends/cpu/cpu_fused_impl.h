@@ -469,7 +469,9 @@ KILN_SIMD static void FN(att_fwd_range)(void *c, int64_t b, int64_t e)
                 for (int64_t r = 0; r < rows; r++) a->lse[t * a->Tq + i0 + r] = (R)-INFINITY;
                 continue;
             }
-            FN(att_abt)(rows, nblk, D, (R)a->scale, Q, a->qs[2], K, a->ks[2], pan ? &kp.kt : NULL, Kt, Tk, S);
+            /* (with the panels, Kt is not made: a product on them that fails reads K) */
+            FN(att_abt)(rows, nblk, D, (R)a->scale, Q, a->qs[2], K, a->ks[2], pan ? &kp.kt : NULL, pan ? NULL : Kt,
+                        Tk, S);
             FN(att_softmax_rows)(a, i0, rows, nblk, S, NULL, a->lse + t * a->Tq + i0, fast);
             if (!CAT(kiln__cpu_att_gemm, SFX)(rows, D, nblk, S, nblk, pan ? &kp.v : NULL, 0, 0, 1, 0, O, D))
                 GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)D, (int)nblk, 1, S, (int)nblk, V,
@@ -520,12 +522,12 @@ KILN_SIMD static void FN(att_bwd_range)(void *c, int64_t b, int64_t e)
                     memset(dQ, 0, sizeof(R) * (size_t)(rows * D));
                     continue;
                 }
-                FN(att_abt)(rows, nblk, D, (R)a->scale, Q, ldq, K, ldk, pan ? &kp.kt : NULL, Kt, Tk, P);
+                FN(att_abt)(rows, nblk, D, (R)a->scale, Q, ldq, K, ldk, pan ? &kp.kt : NULL, pan ? NULL : Kt, Tk, P);
                 FN(att_softmax_rows)(a, i0, rows, nblk, P, a->lse_in + qh * a->Tq + i0, NULL, fast);
                 /* dV += P^T dO; dP = dO V^T */
                 GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)nblk, (int)D, (int)rows, 1, P, (int)nblk, G,
                      (int)ldg, 1, dV, (int)D);
-                FN(att_abt)(rows, nblk, D, 1, G, ldg, V, ldv, pan ? &kp.vt : NULL, Vt, Tk, dP);
+                FN(att_abt)(rows, nblk, D, 1, G, ldg, V, ldv, pan ? &kp.vt : NULL, pan ? NULL : Vt, Tk, dP);
                 /* scale dS = scale P * (dP - rowsum(dO * O)), in place in dP: scaled here, so
                  * that dK's accumulating product has alpha 1 (kiln's GEMM adds it in place) */
                 const R sc = (R)a->scale;

@@ -9,6 +9,7 @@
 #include "backends/cpu/gemm.h"
 #include <assert.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 #include "core/opts.h"
@@ -708,8 +709,12 @@ static void buffers_free(void *v)
 }
 static void buffers_init(void) { pthread_key_create(&buffers_key, buffers_free); }
 
+static atomic_bool refuse_buffers; /* kiln__gemm_refuse_buffers */
+void kiln__gemm_refuse_buffers(bool refuse) { atomic_store(&refuse_buffers, refuse); }
+
 static void *buffer(int slot, size_t bytes)
 {
+    if (atomic_load_explicit(&refuse_buffers, memory_order_relaxed)) return NULL;
     pthread_once(&buffers_once, buffers_init);
     buffers *b = pthread_getspecific(buffers_key);
     if (!b && (!(b = calloc(1, sizeof *b)) || pthread_setspecific(buffers_key, b))) {

@@ -122,6 +122,11 @@ void kiln__f32_to_f16_n(const float *src, uint16_t *dst, int64_t n);
  * 2 (AVX-512). */
 void kiln__half_limit(int level);
 
+/* Tests: while set, every call's per-thread packing buffers are refused, as when memory
+ * runs out (the products then return false, and their callers take their other path;
+ * kiln__gemm_panels_init still allocates). */
+void kiln__gemm_refuse_buffers(bool refuse);
+
 /* The name of the micro-kernel kiln__gemm would use for `compute` ("avx512", ...). */
 const char *kiln__gemm_kernel_name(kiln__gemm_type compute);
 /* Its instruction set (KILN__GEMM_ISA_AUTO where there is none). */
