@@ -194,6 +194,59 @@ static void autograd_runs_the_ops_backward(void **state)
     kiln_clear_error();
 }
 
+/* twin: y = a + b, whose backward (wrongly, but a custom backward may) hands one fresh
+ * tensor, twice the output's gradient, to both inputs. */
+static kiln_status twin_cpu(const kiln_op_args *a)
+{
+    const float *x0 = kiln_op_data(a->in[0]), *x1 = kiln_op_data(a->in[1]);
+    float *y = kiln_op_data(a->out[0]);
+    for (int64_t i = 0; i < kiln_tensor_numel(a->in[0]); i++) y[i] = x0[i] + x1[i];
+    return KILN_OK;
+}
+
+static kiln_status twin_shape(const kiln_op_args *a, kiln_op_meta *out)
+{
+    like_input0(a, out);
+    return KILN_OK;
+}
+
+static kiln_status twin_backward(const kiln_op_args *a, kiln_tensor_t *const *gout, kiln_tensor_t **gin)
+{
+    (void)a;
+    gin[0] = gin[1] = kiln_mul_scalar(gout[0], 2.0);
+    return gin[0] ? KILN_OK : kiln_last_status();
+}
+
+/* A leaf's gradient is never the tensor another node will read later: twin hands its
+ * fresh gradient g to the leaf a and to t = 3a's node, and u = 5a's node adds into a's
+ * gradient before t's node reads g (the backward runs twin's node, then u's, then t's).
+ * Had a's gradient been g itself (KILN_OPT_STEAL_GRAD without its check that no other
+ * input of the node gets the tensor), t's node would read 2 + 5 where g was 2, and a's
+ * gradient come out 7 + 21 = 28. Oracle: the backward's own arithmetic, 2 + 2 x 3 + 5 =
+ * 13, exact. */
+static void a_gradient_handed_to_two_inputs_is_not_taken(void **state)
+{
+    (void)state;
+    static int twin = -1;
+    const kiln_op_kernel tk[] = {{.device = "cpu", .fn = twin_cpu}};
+    if (twin < 0)
+        assert_int_equal(kiln_op_define(&(kiln_op_decl){.name = "twin", .n_in = 2, .n_out = 1, .shape = twin_shape, .kernels = tk,
+                                                        .n_kernels = 1, .backward = twin_backward},
+                                        &twin),
+                         KILN_OK);
+    int64_t n = 1 << 14; /* a size the allocator holds exactly (a rounded one is never taken) */
+    kiln_tensor_t *a = kiln_full(&n, 1, 1, KILN_DTYPE_F32);
+    kiln_tensor_set_requires_grad(a, true);
+    kiln_tensor_t *in[2] = {a, kiln_mul_scalar(a, 3)};
+    kiln_tensor_t *y = kiln_op_call(twin, in, 2, NULL, 0);
+    assert_non_null(y);
+    kiln_tensor_t *loss = kiln_add(kiln_sum(y, NULL, 0, false), kiln_sum(kiln_mul_scalar(a, 5), NULL, 0, false));
+    assert_int_equal(kiln_backward(loss), KILN_OK);
+    static float g[1 << 14];
+    assert_int_equal(kiln_tensor_to_host(kiln_tensor_grad(a), g, sizeof g), KILN_OK);
+    for (int i = 0; i < n; i++) assert_true(g[i] == 13.0f);
+}
+
 typedef struct {
     bool fused_only;
 } fn_ctx;
@@ -527,6 +580,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test_setup_teardown(eager_matches_the_builtin_ops, setup, teardown),
         cmocka_unit_test_setup_teardown(autograd_runs_the_ops_backward, setup, teardown),
+        cmocka_unit_test_setup_teardown(a_gradient_handed_to_two_inputs_is_not_taken, setup, teardown),
         cmocka_unit_test_setup_teardown(compiled_matches_eager_and_fuses_expressions, setup, teardown),
         cmocka_unit_test_setup_teardown(a_decomposition_is_fused_where_it_is_taken, setup, teardown),
         cmocka_unit_test_setup_teardown(graph_capture_and_replay_run_it, setup, teardown),
