@@ -52,9 +52,12 @@ FLEX_ARGS
 
 
 /* The generated tile modifier (float or double scores): the mask on the partial blocks
- * and the score modifier, in place. */
+ * and the score modifier, in place; and the same followed by each row's softmax and
+ * log-sum-exp (KILN_OPT_ATT_ROW_EXP off). */
 typedef void (*flex_tile_fn)(const flex_args *a, void *S, int64_t ld, int64_t b, int64_t h, int64_t q0, int64_t rows,
                              const int64_t *kvl, int64_t nf, int64_t nb);
+typedef void (*flex_tile_softmax_fn)(const flex_args *a, void *S, int64_t ld, int64_t b, int64_t h, int64_t q0,
+                                     int64_t rows, const int64_t *kvl, int64_t nf, int64_t nb, void *L);
 
 /* ---- the expressions as C ---- */
 
@@ -351,6 +354,44 @@ static void emit_d(const gen *g, int i, sbuf *b)
  * (n >= nf), a masked score made -inf; then each row's softmax in place and its
  * log-sum-exp in L[i] (a row that sees no key: zeros and -inf). Compiled with the
  * kernel cache's flags (-O3 -march=native), its loops vectorize. */
+/* The forward tile functions' opening and row loop: in each row of S (ld apart, the
+ * listed key blocks side by side), the mask in the partial blocks (-inf where it says
+ * no) and the score modifier, in place; leaves the row loop open, `row` the row. */
+static void tile_modifiers(sbuf *b, const kiln_flex_t *f, bool f64)
+{
+    put(b, "    typedef %s T;\n    const int64_t q_len = a->Tq, kv_len = a->Tk, blk = a->kv_block;\n"
+           "    (void)q_len, (void)b, (void)h;\n", f64 ? "double" : "float");
+    put(b, "    for (int64_t i = 0; i < rows; i++) {\n        const int64_t q_idx = q0 + i;\n"
+           "        T *row = S + i * ld;\n        int64_t off = 0;\n        (void)q_idx;\n"
+           "        for (int64_t n = 0; n < nb; n++) {\n"
+           "            const int64_t k0 = kvl[n] * blk, w = k0 + blk < kv_len ? blk : kv_len - k0;\n"
+           "            T *s = row + off;\n            off += w;\n");
+    gen g = {.f = f, .f64 = f64};
+    if (f->ps[1]) {
+        g.ps = f->ps[1];
+        put(b, "            if (n >= nf) {\n                for (int64_t j = 0; j < w; j++) {\n"
+               "                    const int64_t kv_idx = k0 + j;\n                    const T score = s[j];\n"
+               "                    s[j] = (");
+        emit(&g, f->ps[1]->root, b);
+        put(b, ") ? (T)(");
+        if (f->ps[0]) {
+            g.ps = f->ps[0];
+            emit(&g, f->ps[0]->root, b);
+        } else {
+            put(b, "score");
+        }
+        put(b, ") : (T)-INFINITY;\n                }\n                continue;\n            }\n");
+    }
+    if (f->ps[0]) {
+        g.ps = f->ps[0];
+        put(b, "            for (int64_t j = 0; j < w; j++) {\n                const int64_t kv_idx = k0 + j;\n"
+               "                const T score = s[j];\n                s[j] = (T)(");
+        emit(&g, f->ps[0]->root, b);
+        put(b, ");\n            }\n");
+    }
+    put(b, "        }\n");
+}
+
 static char *source(const kiln_flex_t *f, bool f64)
 {
     sbuf b = {0};
@@ -363,40 +404,36 @@ static char *source(const kiln_flex_t *f, bool f64)
             "static inline int64_t flex_imin(int64_t x, int64_t y) { return x < y ? x : y; }\n"
             "static inline int64_t flex_imax(int64_t x, int64_t y) { return x > y ? x : y; }\n"
             "static inline int64_t flex_iabs(int64_t x) { return x < 0 ? -x : x; }\n\n");
+    /* the forward's tile: the modifiers alone (the softmax is the caller's,
+     * kiln__cpu_att_row_exp), and with KILN_OPT_ATT_ROW_EXP off the modifiers and the
+     * row's softmax in lanes the vectorizer takes (max and sum in 16 and 8 independent
+     * lanes, the sum in double), as the forward ran until 2026-12-07 */
     put(&b, "void flex_tile(const flex_args *a, %s *S, int64_t ld, int64_t b, int64_t h, int64_t q0, int64_t rows,\n"
             "               const int64_t *kvl, int64_t nf, int64_t nb)\n{\n", T);
-    put(&b, "    typedef %s T;\n    const int64_t q_len = a->Tq, kv_len = a->Tk, blk = a->kv_block;\n"
-            "    (void)q_len, (void)b, (void)h;\n", T);
-    put(&b, "    for (int64_t i = 0; i < rows; i++) {\n        const int64_t q_idx = q0 + i;\n"
-            "        T *row = S + i * ld;\n        int64_t off = 0;\n        (void)q_idx;\n"
-            "        for (int64_t n = 0; n < nb; n++) {\n"
-            "            const int64_t k0 = kvl[n] * blk, w = k0 + blk < kv_len ? blk : kv_len - k0;\n"
-            "            T *s = row + off;\n            off += w;\n");
+    tile_modifiers(&b, f, f64);
+    put(&b, "    }\n}\n\n");
+    put(&b, "void flex_tile_softmax(const flex_args *a, %s *S, int64_t ld, int64_t b, int64_t h, int64_t q0,\n"
+            "                       int64_t rows, const int64_t *kvl, int64_t nf, int64_t nb, %s *L)\n{\n", T, T);
+    tile_modifiers(&b, f, f64);
+    put(&b, "        T mx[16];\n        for (int l = 0; l < 16; l++) mx[l] = (T)-INFINITY;\n"
+            "        int64_t j = 0;\n"
+            "        for (; j + 16 <= ld; j += 16)\n"
+            "            for (int l = 0; l < 16; l++) mx[l] = row[j + l] > mx[l] ? row[j + l] : mx[l];\n"
+            "        T m = (T)-INFINITY;\n        for (int l = 0; l < 16; l++) m = mx[l] > m ? mx[l] : m;\n"
+            "        for (; j < ld; j++) m = row[j] > m ? row[j] : m;\n"
+            "        if (!(m > (T)-INFINITY)) { /* no key seen */\n"
+            "            for (j = 0; j < ld; j++) row[j] = 0;\n            L[i] = (T)-INFINITY;\n            continue;\n"
+            "        }\n"
+            "        for (j = 0; j < ld; j++) row[j] = %s(row[j] - m);\n"
+            "        double acc[8] = {0}, sum = 0;\n"
+            "        for (j = 0; j + 8 <= ld; j += 8)\n            for (int l = 0; l < 8; l++) acc[l] += row[j + l];\n"
+            "        for (; j < ld; j++) sum += row[j];\n"
+            "        for (int l = 0; l < 8; l++) sum += acc[l];\n"
+            "        const T inv = (T)(1 / sum);\n"
+            "        for (j = 0; j < ld; j++) row[j] *= inv;\n"
+            "        L[i] = (T)((double)m + log(sum));\n"
+            "    }\n}\n\n", f64 ? "exp" : "km_exp_fast");
     gen g = {.f = f, .f64 = f64};
-    if (f->ps[1]) {
-        g.ps = f->ps[1];
-        put(&b, "            if (n >= nf) {\n                for (int64_t j = 0; j < w; j++) {\n"
-                "                    const int64_t kv_idx = k0 + j;\n                    const T score = s[j];\n"
-                "                    s[j] = (");
-        emit(&g, f->ps[1]->root, &b);
-        put(&b, ") ? (T)(");
-        if (f->ps[0]) {
-            g.ps = f->ps[0];
-            emit(&g, f->ps[0]->root, &b);
-        } else {
-            put(&b, "score");
-        }
-        put(&b, ") : (T)-INFINITY;\n                }\n                continue;\n            }\n");
-    }
-    if (f->ps[0]) {
-        g.ps = f->ps[0];
-        put(&b, "            for (int64_t j = 0; j < w; j++) {\n                const int64_t kv_idx = k0 + j;\n"
-                "                const T score = s[j];\n                s[j] = (T)(");
-        emit(&g, f->ps[0]->root, &b);
-        put(&b, ");\n            }\n");
-    }
-    /* the softmax is the caller's (kiln__cpu_att_row_exp, vectorized by hand) */
-    put(&b, "        }\n    }\n}\n\n");
     /* the backward's tile: P = exp(score' - L) in S (0 where masked or the row sees no
      * key) and, with a score modifier, M = d score' / d score beside it. The mask and
      * the modifier in one pass over the tile, the exponentials in a second over each
@@ -677,6 +714,7 @@ typedef struct entry {
     char *key;
     kiln_flex_t *tmpl;
     flex_tile_fn tile[2];
+    flex_tile_softmax_fn tile_softmax[2];
     flex_tile_bwd_fn tile_bwd[2];
     flex_tile_ds_fn tile_ds[2];
     void (*blocks)(const flex_args *a, int64_t b, int64_t h, int64_t qb, int64_t kb0, int64_t kb1, int64_t *on);
@@ -702,10 +740,11 @@ static kiln_status built(entry *e, bool f64)
     free(src);
     if (s != KILN_OK) return s;
     *(void **)&e->tile[f64] = dlsym(lib, "flex_tile");
+    *(void **)&e->tile_softmax[f64] = dlsym(lib, "flex_tile_softmax");
     *(void **)&e->tile_bwd[f64] = dlsym(lib, "flex_tile_bwd");
     *(void **)&e->tile_ds[f64] = dlsym(lib, "flex_tile_ds");
     if (!e->blocks) *(void **)&e->blocks = dlsym(lib, "flex_blocks");
-    if (!e->tile[f64] || !e->tile_bwd[f64] || !e->tile_ds[f64] || !e->blocks) {
+    if (!e->tile[f64] || !e->tile_softmax[f64] || !e->tile_bwd[f64] || !e->tile_ds[f64] || !e->blocks) {
         e->tile[f64] = NULL;
         return kiln_error(KILN_ERR_IO, "flex: a built kernel lacks flex_tile, flex_tile_bwd, flex_tile_ds or flex_blocks "
                                        "(a stale kernel cache? remove it)");
@@ -715,6 +754,7 @@ static kiln_status built(entry *e, bool f64)
 
 typedef struct {
     flex_tile_fn fn;
+    flex_tile_softmax_fn softmax;
     flex_tile_bwd_fn bwd;
     flex_tile_ds_fn ds;
     const flex_args *a;
@@ -800,18 +840,16 @@ static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) 
                 kt_of = b * a->Hkv + hk;                                                                    \
             }                                                                                               \
             scores_##SFX(a, Q, K, Kt, pan ? &kp.kt : NULL, S, kvl, nb, rows, cols);                         \
-            rc->fn(a, S, cols, b, h, q0, rows, kvl, nf, nb); /* the modifiers */                            \
-            /* the weights, normalized in O below (rows x D, not rows x cols) with                           \
-             * KILN_OPT_ATT_ROW_EXP, else here; a NaN among seen keys makes the row NaN */                    \
-            for (int64_t i = 0; i < rows; i++) {                                                            \
-                R m, *row = S + i * cols;                                                                   \
-                double sum = kiln__cpu_att_row_exp_##SFX(row, cols, &m, vec);                               \
-                L[i] = sum == 0 ? (R)-INFINITY : (R)((double)m + log(sum));                                 \
-                inv[i] = sum == 0 ? 0 : (R)(1 / sum);                                                       \
-                if (!vec) {                                                                                 \
-                    for (int64_t j = 0; j < cols; j++) row[j] *= inv[i];                                    \
-                    inv[i] = 1;                                                                             \
+            if (vec) { /* the modifiers, then each row's exponentials, normalized in O below */              \
+                rc->fn(a, S, cols, b, h, q0, rows, kvl, nf, nb);                                            \
+                for (int64_t i = 0; i < rows; i++) {                                                        \
+                    R m;                                                                                    \
+                    double sum = kiln__cpu_att_row_exp_##SFX(S + i * cols, cols, &m, true);                 \
+                    L[i] = sum == 0 ? (R)-INFINITY : (R)((double)m + log(sum)); /* NaN stays */             \
+                    inv[i] = sum == 0 ? 0 : (R)(1 / sum);                                                   \
                 }                                                                                           \
+            } else { /* the modifiers and the softmax in the generated function */                         \
+                rc->softmax(a, S, cols, b, h, q0, rows, kvl, nf, nb, L);                                    \
             }                                                                                               \
             for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                \
                 int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                          \
@@ -1013,7 +1051,7 @@ static kiln_status fwd_kernel(const kiln_op_args *x)
     if (s != KILN_OK) return s;
     a.q = kiln__data(x->in[0]), a.k = kiln__data(x->in[1]), a.v = kiln__data(x->in[2]);
     a.y = kiln__data(x->out[0]), a.lse = kiln__data(x->out[1]);
-    run_ctx r = {.fn = e->tile[f64], .a = &a};
+    run_ctx r = {.fn = e->tile[f64], .softmax = e->tile_softmax[f64], .a = &a};
     run(f64 ? fwd_f64 : fwd_f32, &r, a.B * a.H * a.nq);
     return finish(e, &r, own, bad, x->in + 4);
 }

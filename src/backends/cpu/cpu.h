@@ -83,6 +83,8 @@ void kiln__cpu_sgemm(enum CBLAS_ORDER o, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRA
  * (false: the caller takes the BLAS). */
 typedef struct {
     kiln__gemm_panels kt, v, vt, k;
+    float *t; /* a transposed copy, with KILN_OPT_PACK_TRANSPOSED off */
+    size_t tcap;
 } kiln__cpu_att_panels;
 bool kiln__cpu_att_panels_wanted_f32(int64_t kv_block);
 static inline bool kiln__cpu_att_panels_wanted_f64(int64_t kv_block)
@@ -92,8 +94,8 @@ static inline bool kiln__cpu_att_panels_wanted_f64(int64_t kv_block)
 }
 void kiln__cpu_att_panels_free(kiln__cpu_att_panels *kp);
 /* A kv head's panels from K and V (Tk x D, row strides ldk, ldv): the forward's K^T
- * and V, the backward's K^T, V^T and K (the transposes packed straight from K and V,
- * in register blocks with KILN_OPT_PACK_TRANSPOSED). false (the panels then not to be
+ * and V, the backward's K^T, V^T and K (the transposes packed straight from K and V
+ * in register blocks with KILN_OPT_PACK_TRANSPOSED, else from transposed copies). false (the panels then not to be
  * used) when out of memory. */
 bool kiln__cpu_att_pack_fwd_f32(kiln__cpu_att_panels *kp, const float *K, int64_t ldk, const float *V, int64_t ldv,
                                 int64_t Tk, int64_t D);
@@ -129,7 +131,7 @@ static inline bool kiln__cpu_att_gemm_f64(int64_t M, int64_t N, int64_t K, const
  * double. A row with no entry above -inf (all -inf or NaN) becomes zeros, with *max
  * -inf and the sum 0. f32: the fast exp
  * (kiln__fast_expf), with `vec` 16 lanes at a time in AVX-512 registers where the
- * processor has them (KILN_OPT_ATT_ROW_EXP), else plain loops. */
+ * processor has them, else plain loops (test_gemm checks both). */
 double kiln__cpu_att_row_exp_f32(float *row, int64_t n, float *max, bool vec);
 double kiln__cpu_att_row_exp_f64(double *row, int64_t n, double *max, bool vec); /* vec ignored */
 /* A stack header viewing `t` with another shape/stride/offset (no references). */

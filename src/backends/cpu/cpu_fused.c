@@ -110,10 +110,9 @@ ROW_EXP_AVX512 static double row_exp_avx512(float *row, int64_t n, float *max)
 }
 #endif
 
-/* The plain loops: the maximum in 16 independent lanes (which the compiler leaves
- * scalar), then the exponentials, then their sum in 8 double lanes, as the generated
- * kernels ran them until 2026-12-07, compiled for the processor's vector unit as the
- * other hot loops are. */
+/* The plain loops, where the processor has no AVX-512: the maximum in 16 independent
+ * lanes (which the compiler leaves scalar), then the exponentials, then their sum in 8
+ * double lanes, compiled for the processor's vector unit as the other hot loops are. */
 KILN_SIMD static double row_exp_plain_f32(float *row, int64_t n, float *max)
 {
     float mx[16], m = -INFINITY;

@@ -108,6 +108,8 @@ void kiln__cpu_att_panels_free(kiln__cpu_att_panels *kp)
     kiln__gemm_panels_free(&kp->v);
     kiln__gemm_panels_free(&kp->vt);
     kiln__gemm_panels_free(&kp->k);
+    free(kp->t);
+    kp->t = NULL, kp->tcap = 0;
 }
 
 /* Packs B (K x N: element (k, n) at B[k rs + n cs]) into P; false when out of memory. */
@@ -118,16 +120,35 @@ static bool att_pack(kiln__gemm_panels *P, const float *B, int64_t K, int64_t N,
     return true;
 }
 
+/* P = the panels of X^T (D x Tk) for X (Tk x D, row stride ldx): packed from X itself
+ * with KILN_OPT_PACK_TRANSPOSED, else from a transposed copy in kp's scratch, as until
+ * 2026-12-07. */
+static bool att_pack_t(kiln__cpu_att_panels *kp, kiln__gemm_panels *P, const float *X, int64_t ldx, int64_t Tk,
+                       int64_t D)
+{
+    if (kiln__opt(KILN__OPT_PACK_TRANSPOSED)) return att_pack(P, X, D, Tk, 1, ldx);
+    size_t bytes = sizeof(float) * (size_t)(D * Tk);
+    if (kp->tcap < bytes) {
+        float *t = malloc(bytes);
+        if (!t) return false;
+        free(kp->t);
+        kp->t = t, kp->tcap = bytes;
+    }
+    kiln__cpu_transpose_f32(kp->t, X, Tk, D, ldx);
+    return att_pack(P, kp->t, D, Tk, Tk, 1);
+}
+
 bool kiln__cpu_att_pack_fwd_f32(kiln__cpu_att_panels *kp, const float *K, int64_t ldk, const float *V, int64_t ldv,
                                 int64_t Tk, int64_t D)
 {
-    return att_pack(&kp->kt, K, D, Tk, 1, ldk) && att_pack(&kp->v, V, Tk, D, ldv, 1);
+    return att_pack_t(kp, &kp->kt, K, ldk, Tk, D) && att_pack(&kp->v, V, Tk, D, ldv, 1);
 }
 
 bool kiln__cpu_att_pack_bwd_f32(kiln__cpu_att_panels *kp, const float *K, int64_t ldk, const float *V, int64_t ldv,
                                 int64_t Tk, int64_t D)
 {
-    return att_pack(&kp->kt, K, D, Tk, 1, ldk) && att_pack(&kp->vt, V, D, Tk, 1, ldv) && att_pack(&kp->k, K, Tk, D, ldk, 1);
+    return att_pack_t(kp, &kp->kt, K, ldk, Tk, D) && att_pack_t(kp, &kp->vt, V, ldv, Tk, D) &&
+           att_pack(&kp->k, K, Tk, D, ldk, 1);
 }
 
 bool kiln__cpu_att_gemm_f32(int64_t M, int64_t N, int64_t K, const float *A, int64_t lda,
