@@ -71,20 +71,33 @@ KM_FN int32_t km_to_f16(float rounded)
  * is under FLT_MIN: 0, as exp(-inf) must be, and never a denormal, which would slow
  * every multiply that reads it (a masked softmax's weights in a GEMM ran 25x slower).
  * NaN stays NaN. */
+/* Its constants, which the cpu backend's AVX-512 form (cpu_fused.c's exp16) shares: the
+ * clamps, log2(e), ln 2 in two parts, and the polynomial's coefficients, highest first. */
+#define KM_EXP_LO -87.0f
+#define KM_EXP_HI 88.0f
+#define KM_EXP_LOG2E 1.44269504088896341f
+#define KM_EXP_LN2_HI 0.693359375f
+#define KM_EXP_LN2_LO 2.12194440e-4f
+#define KM_EXP_P0 1.9875691500e-4f
+#define KM_EXP_P1 1.3981999507e-3f
+#define KM_EXP_P2 8.3334519073e-3f
+#define KM_EXP_P3 4.1665795894e-2f
+#define KM_EXP_P4 1.6666665459e-1f
+#define KM_EXP_P5 5.0000001201e-1f
 KM_FN float km_exp_fast(float x0)
 {
-    float x = x0 > -87.0f ? x0 : -87.0f; /* a NaN too, so the conversion below stays in range */
-    x = x < 88.0f ? x : 88.0f;
-    float n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f; /* round to nearest */
-    float r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    float p = 1.9875691500e-4f;
-    p = p * r + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
+    float x = x0 > KM_EXP_LO ? x0 : KM_EXP_LO; /* a NaN too, so the conversion below stays in range */
+    x = x < KM_EXP_HI ? x : KM_EXP_HI;
+    float n = (x * KM_EXP_LOG2E + 12582912.0f) - 12582912.0f; /* round to nearest */
+    float r = x - n * KM_EXP_LN2_HI + n * KM_EXP_LN2_LO;
+    float p = KM_EXP_P0;
+    p = p * r + KM_EXP_P1;
+    p = p * r + KM_EXP_P2;
+    p = p * r + KM_EXP_P3;
+    p = p * r + KM_EXP_P4;
+    p = p * r + KM_EXP_P5;
     p = p * r * r + r + 1.0f;
-    return x0 == x0 ? (x0 < -87.0f ? 0.0f : p * km_bits(((int32_t)n + 127) << 23)) : x0;
+    return x0 == x0 ? (x0 < KM_EXP_LO ? 0.0f : p * km_bits(((int32_t)n + 127) << 23)) : x0;
 }
 
 /* The pointwise ops of include/kiln/pointwise.def, each row's functions (and the

@@ -773,24 +773,26 @@ static int64_t cols_of(const int64_t *kvl, int64_t nb, int64_t kvb, int64_t Tk)
 static void transpose_f32(float *dst, const float *src, int64_t T, int64_t D) { kiln__cpu_transpose_f32(dst, src, T, D, D); }
 static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) { kiln__cpu_transpose_f64(dst, src, T, D, D); }
 
-/* S (rows, cols) = scale Q K^T over the listed key blocks side by side, on K^T's panels
- * (kt), else on Kt, K transposed (D, Tk): a run of adjacent blocks one GEMM. Where the
- * panels were taken but a product on them fails (out of memory), Kt was never filled:
- * that product reads K (Tk, D) transposed. R is float or double. */
-#define FLEX_SCORES(SFX, R, GEMM)                                                                           \
-    static void scores_##SFX(const flex_args *a, const R *Q, const R *K, const R *Kt, const kiln__gemm_panels *kt, \
-                             R *S, const int64_t *kvl, int64_t nb, int64_t rows, int64_t cols)              \
+/* S (rows, cols) = alpha A X^T over the listed key blocks side by side, X being K or V
+ * (Tk, D) and A the query block's Q or dO (rows, D): on X^T's panels (xt) where they
+ * were taken, else on Xt, X transposed (D, Tk), for the BLAS; a run of adjacent blocks
+ * one GEMM. Where the panels were taken but a product on them fails (out of memory), Xt
+ * is NULL, never made: that product reads X transposed. R is float or double. */
+#define FLEX_ABT(SFX, R, GEMM)                                                                              \
+    static void abt_##SFX(const flex_args *a, const R *A, const R *X, const R *Xt, const kiln__gemm_panels *xt, \
+                          R alpha, R *S, const int64_t *kvl, int64_t nb, int64_t rows, int64_t cols)        \
     {                                                                                                       \
+        const int D = (int)a->D;                                                                            \
         for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                                    \
             int64_t k0 = kvl[n] * a->kv_block, w = run_width(kvl, nb, n, a->kv_block, a->Tk, &e);           \
-            if (kiln__cpu_att_gemm_##SFX(rows, w, a->D, Q, a->D, kt, 0, k0, (R)a->scale, 0, S + off, cols)) \
-                ;                                                                                           \
-            else if (kt)                                                                                    \
-                GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)w, (int)a->D, (R)a->scale, Q, \
-                     (int)a->D, K + k0 * a->D, (int)a->D, 0, S + off, (int)cols);                           \
-            else                                                                                            \
-                GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)a->D, (R)a->scale, Q, \
-                     (int)a->D, Kt + k0, (int)a->Tk, 0, S + off, (int)cols);                                \
+            if (!kiln__cpu_att_gemm_##SFX(rows, w, D, A, D, xt, 0, k0, alpha, 0, S + off, cols)) {          \
+                if (Xt)                                                                                     \
+                    GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, D, alpha, A, D, Xt + k0, \
+                         (int)a->Tk, 0, S + off, (int)cols);                                                \
+                else                                                                                        \
+                    GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)w, D, alpha, A, D, X + k0 * D, \
+                         D, 0, S + off, (int)cols);                                                         \
+            }                                                                                               \
             off += w;                                                                                       \
         }                                                                                                   \
     }
@@ -839,7 +841,7 @@ static void transpose_f64(double *dst, const double *src, int64_t T, int64_t D) 
                 if (!pan) transpose_##SFX(Kt, K, Tk, D);                                                    \
                 kt_of = b * a->Hkv + hk;                                                                    \
             }                                                                                               \
-            scores_##SFX(a, Q, K, Kt, pan ? &kp.kt : NULL, S, kvl, nb, rows, cols);                         \
+            abt_##SFX(a, Q, K, pan ? NULL : Kt, pan ? &kp.kt : NULL, (R)a->scale, S, kvl, nb, rows, cols); \
             if (vec) { /* the modifiers, then each row's exponentials, normalized in O below */              \
                 rc->fn(a, S, cols, b, h, q0, rows, kvl, nf, nb);                                            \
                 for (int64_t i = 0; i < rows; i++) {                                                        \
@@ -921,21 +923,13 @@ typedef struct {
                         memset(dQ, 0, sizeof(R) * (size_t)(rows * D));                                      \
                         continue;                                                                           \
                     }                                                                                       \
-                    scores_##SFX(a, Q, K, Kt, pan ? &kp.kt : NULL, P, kvl, nb, rows, cols);                 \
+                    abt_##SFX(a, Q, K, pan ? NULL : Kt, pan ? &kp.kt : NULL, (R)a->scale, P, kvl, nb, rows, cols); \
                     rc->bwd(a, P, M, cols, b, h, q0, rows, kvl, nf, nb, L);                                 \
-                    for (int64_t n = 0, off = 0, e; n < nb; n = e) {                                        \
+                    abt_##SFX(a, dO, V, pan ? NULL : Vt, pan ? &kp.vt : NULL, 1, dP, kvl, nb, rows, cols); /* dP = dO V^T */ \
+                    for (int64_t n = 0, off = 0, e; n < nb; n = e) { /* dV += P^T dO */                    \
                         int64_t k0 = kvl[n] * kvb, w = run_width(kvl, nb, n, kvb, Tk, &e);                  \
-                        /* dV += P^T dO; dP = dO V^T */                                                     \
                         GEMM(CblasRowMajor, CblasTrans, CblasNoTrans, (int)w, (int)D, (int)rows, 1, P + off, (int)cols, \
                              dO, (int)D, 1, dV + k0 * D, (int)D);                                           \
-                        if (kiln__cpu_att_gemm_##SFX(rows, w, D, dO, D, pan ? &kp.vt : NULL, 0, k0, 1, 0, dP + off, cols)) \
-                            ;                                                                               \
-                        else if (pan) /* the panels' product out of memory: Vt was not made */              \
-                            GEMM(CblasRowMajor, CblasNoTrans, CblasTrans, (int)rows, (int)w, (int)D, 1, dO, \
-                                 (int)D, V + k0 * D, (int)D, 0, dP + off, (int)cols);                       \
-                        else                                                                                \
-                            GEMM(CblasRowMajor, CblasNoTrans, CblasNoTrans, (int)rows, (int)w, (int)D, 1, dO, \
-                                 (int)D, Vt + k0, (int)Tk, 0, dP + off, (int)cols);                         \
                         off += w;                                                                           \
                     }                                                                                       \
                     rc->ds(P, dP, M, cols, rows, Dm, a->scale); /* scale dS */                              \
@@ -966,8 +960,8 @@ static inline int64_t run_width(const int64_t *kvl, int64_t nb, int64_t n, int64
     return w;
 }
 
-FLEX_SCORES(f32, float, kiln__cpu_sgemm)
-FLEX_SCORES(f64, double, cblas_dgemm)
+FLEX_ABT(f32, float, kiln__cpu_sgemm)
+FLEX_ABT(f64, double, cblas_dgemm)
 FLEX_FORWARD(f32, float, kiln__cpu_sgemm)
 FLEX_FORWARD(f64, double, cblas_dgemm)
 FLEX_BACKWARD(f32, float, kiln__cpu_sgemm)

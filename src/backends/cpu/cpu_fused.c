@@ -12,12 +12,18 @@
 static inline float expr_f32(float x) { return kiln__fast_expf(x); }
 static inline double expr_f64(double x) { return exp(x); }
 
+/* The loops written in AVX and AVX-512 registers below, where the build keeps more than
+ * one version of the hot loops (not the sanitizer build: KILN_SIMD's condition). */
+#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(KILN_NO_CLONES)
+#define CPU_FUSED_INTRINSICS 1
+#include <immintrin.h>
+#endif
+
 /* transpose_fast_T(dst, src, T, D, ld): dst (D, T) = src (T, D) (row stride ld) in 8x8
  * AVX register blocks when the processor has AVX and both sizes are multiples of 8;
  * false leaves it to the plain loop. (The compiler turns neither loop order of a
  * transpose into vector code by itself.) */
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(KILN_NO_CLONES)
-#include <immintrin.h>
+#ifdef CPU_FUSED_INTRINSICS
 __attribute__((target("avx"))) static void transpose_avx_f32(float *dst, const float *src, int64_t T, int64_t D,
                                                              int64_t ld)
 {
@@ -54,28 +60,61 @@ static bool transpose_fast_f32(float *dst, const float *src, int64_t T, int64_t 
 #endif
 static bool transpose_fast_f64(double *dst, const double *src, int64_t T, int64_t D, int64_t ld) { return false; }
 
+/* A dim of one element may carry any stride; the BLAS wants a row stride of at least D. */
+static void strides3(const kiln_tensor_t *t, int64_t *s)
+{
+    for (int d = 0; d < 3; d++) s[d] = t->stride[d];
+    if (t->shape[2] == 1 || s[2] < t->shape[3]) s[2] = t->shape[3] > 1 ? t->shape[3] : 1;
+}
+
+/* Attention's tasks call the BLAS: in parallel when the BLAS is single-threaded
+ * (POOL_GEMM), else one after another with the BLAS threading each tile. */
+static void att_run(int64_t tasks, kiln__range_fn fn, void *ctx)
+{
+    if (kiln__opt(KILN__OPT_POOL_GEMM)) kiln__parallel_for(tasks, 1, fn, ctx);
+    else fn(ctx, 0, tasks);
+}
+
+static int64_t rows_of(const kiln_tensor_t *x) { return x->ndim ? kiln__numel(x->ndim - 1, x->shape) : 1; }
+static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->ndim - 1] : 1; }
+
+#define R float
+#define SFX f32
+#define GEMM kiln__cpu_sgemm
+#include "backends/cpu/cpu_fused_impl.h"
+#undef R
+#undef SFX
+#undef GEMM
+#define R double
+#define SFX f64
+#define GEMM cblas_dgemm
+#include "backends/cpu/cpu_fused_impl.h"
+#undef R
+#undef SFX
+#undef GEMM
+
 /* ---- a row of attention's scores to its unnormalized weights (flex attention's forward) ---- */
 
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(KILN_NO_CLONES)
+#ifdef CPU_FUSED_INTRINSICS
 #define ROW_EXP_AVX512 __attribute__((target("avx512f")))
-/* km_exp_fast (src/core/kmath.h) on 16 lanes: its clamps, rounding and polynomial, with
- * 2^n applied by vscalefps; 0 below -87, NaN kept. */
+/* km_exp_fast (src/core/kmath.h, its constants) on 16 lanes: its clamps, rounding and
+ * polynomial, with 2^n applied by vscalefps; 0 below KM_EXP_LO, NaN kept. */
 ROW_EXP_AVX512 static inline __m512 exp16(__m512 x0)
 {
-    __m512 x = _mm512_min_ps(_mm512_max_ps(x0, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f)); /* NaN: -87 */
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+    __m512 x = _mm512_min_ps(_mm512_max_ps(x0, _mm512_set1_ps(KM_EXP_LO)), _mm512_set1_ps(KM_EXP_HI)); /* NaN: LO */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(KM_EXP_LOG2E)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fmadd_ps(n, _mm512_set1_ps(2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(KM_EXP_LN2_HI), x);
+    r = _mm512_fmadd_ps(n, _mm512_set1_ps(KM_EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(KM_EXP_P0);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_EXP_P1));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_EXP_P2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_EXP_P3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_EXP_P4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(KM_EXP_P5));
     p = _mm512_add_ps(_mm512_fmadd_ps(_mm512_mul_ps(p, r), r, r), _mm512_set1_ps(1.0f));
     p = _mm512_scalef_ps(p, n);
-    p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(-87.0f), _CMP_NLT_UQ), p);
+    p = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(x0, _mm512_set1_ps(KM_EXP_LO), _CMP_NLT_UQ), p);
     return _mm512_mask_mov_ps(p, _mm512_cmp_ps_mask(x0, x0, _CMP_UNORD_Q), x0);
 }
 
@@ -110,36 +149,25 @@ ROW_EXP_AVX512 static double row_exp_avx512(float *row, int64_t n, float *max)
 }
 #endif
 
-/* The plain loops, where the processor has no AVX-512: the maximum in 16 independent
- * lanes (which the compiler leaves scalar), then the exponentials, then their sum in 8
- * double lanes, compiled for the processor's vector unit as the other hot loops are. */
-KILN_SIMD static double row_exp_plain_f32(float *row, int64_t n, float *max)
-{
-    float mx[16], m = -INFINITY;
-    for (int l = 0; l < 16; l++) mx[l] = -INFINITY;
-    int64_t i = 0;
-    for (; i + 16 <= n; i += 16)
-        for (int l = 0; l < 16; l++) mx[l] = row[i + l] > mx[l] ? row[i + l] : mx[l];
-    for (int l = 0; l < 16; l++) m = mx[l] > m ? mx[l] : m;
-    for (; i < n; i++) m = row[i] > m ? row[i] : m;
-    *max = m;
-    if (!(m > -INFINITY)) {
-        memset(row, 0, sizeof(float) * (size_t)n);
-        return 0;
+/* The plain loops (where the processor has no AVX-512, and f64): dense attention's
+ * row_max and att_row_exp over the whole row, compiled for the processor's vector unit
+ * as the other hot loops are; a row with nothing above -inf is zeros. */
+#define ROW_EXP_PLAIN(SFX, R, FAST)                                                   \
+    KILN_SIMD static double row_exp_plain_##SFX(R *row, int64_t n, R *max)            \
+    {                                                                                 \
+        R m = *max = row_max_##SFX(row, n, n);                                        \
+        if (!(m > -INFINITY)) {                                                       \
+            memset(row, 0, sizeof(R) * (size_t)n);                                    \
+            return 0;                                                                 \
+        }                                                                             \
+        return att_row_exp_##SFX(row, n, n, m, FAST);                                 \
     }
-    for (int64_t j = 0; j < n; j++) row[j] = kiln__fast_expf(row[j] - m);
-    double acc[8] = {0}, s = 0;
-    int64_t j = 0;
-    for (; j + 8 <= n; j += 8)
-        for (int l = 0; l < 8; l++) acc[l] += row[j + l];
-    for (; j < n; j++) s += row[j];
-    for (int l = 0; l < 8; l++) s += acc[l];
-    return s;
-}
+ROW_EXP_PLAIN(f32, float, true)
+ROW_EXP_PLAIN(f64, double, false)
 
 double kiln__cpu_att_row_exp_f32(float *row, int64_t n, float *max, bool vec)
 {
-#if defined(__x86_64__) && !defined(__SANITIZE_ADDRESS__) && !defined(KILN_NO_CLONES)
+#ifdef CPU_FUSED_INTRINSICS
     if (vec && __builtin_cpu_supports("avx512f")) return row_exp_avx512(row, n, max);
 #else
     (void)vec;
@@ -150,45 +178,8 @@ double kiln__cpu_att_row_exp_f32(float *row, int64_t n, float *max, bool vec)
 double kiln__cpu_att_row_exp_f64(double *row, int64_t n, double *max, bool vec)
 {
     (void)vec;
-    double m = -INFINITY, s = 0;
-    for (int64_t j = 0; j < n; j++) m = row[j] > m ? row[j] : m;
-    *max = m;
-    for (int64_t j = 0; j < n; j++) s += row[j] = m > -INFINITY ? exp(row[j] - m) : 0;
-    return s;
+    return row_exp_plain_f64(row, n, max);
 }
-
-/* A dim of one element may carry any stride; the BLAS wants a row stride of at least D. */
-static void strides3(const kiln_tensor_t *t, int64_t *s)
-{
-    for (int d = 0; d < 3; d++) s[d] = t->stride[d];
-    if (t->shape[2] == 1 || s[2] < t->shape[3]) s[2] = t->shape[3] > 1 ? t->shape[3] : 1;
-}
-
-/* Attention's tasks call the BLAS: in parallel when the BLAS is single-threaded
- * (POOL_GEMM), else one after another with the BLAS threading each tile. */
-static void att_run(int64_t tasks, kiln__range_fn fn, void *ctx)
-{
-    if (kiln__opt(KILN__OPT_POOL_GEMM)) kiln__parallel_for(tasks, 1, fn, ctx);
-    else fn(ctx, 0, tasks);
-}
-
-static int64_t rows_of(const kiln_tensor_t *x) { return x->ndim ? kiln__numel(x->ndim - 1, x->shape) : 1; }
-static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->ndim - 1] : 1; }
-
-#define R float
-#define SFX f32
-#define GEMM kiln__cpu_sgemm
-#include "backends/cpu/cpu_fused_impl.h"
-#undef R
-#undef SFX
-#undef GEMM
-#define R double
-#define SFX f64
-#define GEMM cblas_dgemm
-#include "backends/cpu/cpu_fused_impl.h"
-#undef R
-#undef SFX
-#undef GEMM
 
 void kiln__cpu_transpose_f32(float *dst, const float *src, int64_t T, int64_t D, int64_t ld)
 {
