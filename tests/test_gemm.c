@@ -124,7 +124,10 @@ static void test_every_kernel_matches_double_reference(void **state)
                                        {13, 33, 1}, {24, 64, 256}, {37, 100, 600}, {130, 70, 65}, {5, 300, 257},
                                        /* K-outer items (KILN_OPT_GEMM_K_OUTER) at up to 2 threads: 5 K
                                         * blocks, a last short one, partial panels, edge rows */
-                                       {150, 70, 1100}};
+                                       {150, 70, 1100},
+                                       /* B wider than a round (KILN_OPT_GEMM_NARROW_ROUNDS: 1024 f32
+                                        * or 2048 bf16 packed columns), a short last round */
+                                       {9, 2200, 70}};
     for (size_t s = 0; s < sizeof ISAS / sizeof ISAS[0]; s++) {
         int ran = 0, cases = 0;
         for (size_t z = 0; z < sizeof sizes / sizeof sizes[0]; z++)
@@ -194,6 +197,44 @@ static void test_rows_and_columns_do_not_depend_on_the_rest(void **state)
             free(C);
             free(R);
         }
+}
+
+/* A product wider than one round of packed columns (KILN_OPT_GEMM_NARROW_ROUNDS: a K
+ * block of a round's B at most 1 MiB, 1024 f32 or 2048 bf16 columns; else 4096) sums
+ * each element as a narrow product does, bit for bit: blocks of columns that straddle
+ * the rounds' edges (1024, 2048, 4096), computed alone in one round, against the same
+ * columns of the 4400-column product, on every kernel, f32 and bf16, B as itself and
+ * transposed, K over two blocks. */
+static void test_wide_products_sum_as_their_column_blocks(void **state)
+{
+    (void)state;
+    const int64_t M = 20, N = 4400, K = 300;
+    const int64_t blocks[][2] = {{1000, 50}, {2030, 40}, {4090, 300}};
+    for (size_t s = 0; s < sizeof ISAS / sizeof ISAS[0]; s++)
+        for (int ty = 0; ty < 2; ty++)
+            for (int bt = 0; bt < 2; bt++) {
+                kiln__gemm_type compute = ty ? KILN__GEMM_BF16 : KILN__GEMM_F32;
+                mat A = mat_new(M, K, false, 0, KILN__GEMM_F32), B = mat_new(K, N, bt, 0, KILN__GEMM_F32);
+                float *C = malloc(sizeof(float) * (size_t)(M * N));
+                assert_non_null(C);
+                if (kiln__gemm_with(ISAS[s], M, N, K, operand(&A), operand(&B), C, N, false, compute))
+                    for (int b = 0; b < 3; b++) {
+                        int64_t j0 = blocks[b][0], w = blocks[b][1];
+                        float *P = malloc(sizeof(float) * (size_t)(M * w));
+                        assert_non_null(P);
+                        kiln__gemm_operand cols = {(float *)B.data + j0 * B.cs, KILN__GEMM_F32, B.rs, B.cs};
+                        assert_true(kiln__gemm_with(ISAS[s], M, w, K, operand(&A), cols, P, w, false, compute));
+                        for (int64_t i = 0; i < M; i++)
+                            if (memcmp(P + i * w, C + i * N + j0, sizeof(float) * (size_t)w))
+                                fail_msg("%s %s B%s: columns %lld..%lld alone differ from the %lld-column product",
+                                         ISA_NAMES[s], ty ? "bf16" : "f32", bt ? "^T" : "", (long long)j0,
+                                         (long long)(j0 + w), (long long)N);
+                        free(P);
+                    }
+                free(A.data);
+                free(B.data);
+                free(C);
+            }
 }
 
 /* The K-outer items (few rows, many K blocks: each packs its K block of B itself) sum as
@@ -605,6 +646,7 @@ int main(void)
         cmocka_unit_test(test_zero_k_and_empty),
         cmocka_unit_test(test_rows_and_columns_do_not_depend_on_the_rest),
         cmocka_unit_test(test_k_outer_sums_as_the_row_blocks),
+        cmocka_unit_test(test_wide_products_sum_as_their_column_blocks),
         cmocka_unit_test(test_bf16_result_is_the_sums_rounded_once),
         cmocka_unit_test(test_f16_result_is_the_widened_sums_rounded_once),
         cmocka_unit_test(test_bf16_epilogue_sees_each_rounded_row_once),

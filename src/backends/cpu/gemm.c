@@ -1,7 +1,7 @@
 /* kiln's own GEMM (gemm.h): the blocking, packing and threading, and the micro-kernels.
  *
- * Loops, outermost first: column chunks of B (at most NC columns, packed once over the
- * pool), then work items of (MC rows) x (a group of NR-column panels) over the pool;
+ * Loops, outermost first: column chunks of B (rounds of at most NC columns, fewer with
+ * ROUND_BYTES; packed once over the pool), then work items of (MC rows) x (a group of NR-column panels) over the pool;
  * inside an item, K blocks of KC in order, each packing its rows of A once and running
  * the micro-kernel over every MR x NR tile of the item. A tile at an edge of C runs the
  * same micro-kernel on a full-size scratch tile, so that every element gets the same
@@ -23,7 +23,13 @@
 
 #define MR_MAX 32
 #define NR_MAX 32
-#define NC 4096 /* columns of B packed at once (a multiple of every NR) */
+#define NC 4096 /* the most columns of B packed at once (a multiple of every NR) */
+/* With KILN_OPT_GEMM_NARROW_ROUNDS, a round's K block of packed B is at most this many
+ * bytes (1024 f32 columns), so that it stays in L2 while every row tile of C streams
+ * past it (256 KiB to 1.5 MiB measured the same at one thread on a 2 MiB L2; the
+ * largest keeps products of up to 1024 columns in one round, as before,
+ * docs/perf-log.md). */
+#define ROUND_BYTES ((int64_t)1 << 20)
 
 /* Runs `steps` k-steps (a k-step is one k for f32, a pair of k for bf16, 32 k for AMX)
  * of the micro-panels a (MR rows) and b (NR columns, packed) into the MR x NR tile c
@@ -747,6 +753,7 @@ typedef struct {
     char *bpack;       /* the round's packed B: K block by K block, each npanels panels */
     int64_t mc, mblocks, panels_per_group, ngroups;
     int64_t tq, tr; /* row block b has tq + (b < tr) tiles: the first tr one more */
+    int64_t ncmax;  /* the most columns in a round (not K-outer items': NC) */
     float alpha;    /* f32 C, not accumulating: each tile scaled by it once whole, in L1 */
     kiln__epilogue *epi; /* run on each item's rows once they are rounded, or NULL */
     bool edge_rows;               /* KILN_OPT_GEMM_EDGE_ROWS */
@@ -1080,7 +1087,7 @@ static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_
     const ukernel *uk = pick(isa, compute);
     if (!uk) return false;
     if (M <= 0 || N <= 0) return true;
-    if (N > NC || K <= 0) epi = NULL; /* an item holds every column only in a single round */
+    if (N > NC || K <= 0) epi = NULL; /* an item holds every column only in a single round (below) */
     if (K <= 0) { /* (0 times alpha is 0) */
         for (int64_t i = 0; i < M && !accumulate; i++)
             if (Cb) memset(Cb + i * ldc, 0, sizeof(uint16_t) * (size_t)N);
@@ -1095,11 +1102,21 @@ static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_
      * inside a pool task, where kiln__parallel_for runs inline) */
     int64_t nt = !serial && !kiln__pool_inline() && kiln__pool_size() > 0 ? kiln__pool_size() : 1;
     if (kouter_takes(&j, nt, C, pre, epi)) return run_k_outer(&j, nt);
-    size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < NC ? N : NC) + uk->nr) * j.es;
+    /* Columns a round: NC, or (KILN_OPT_GEMM_NARROW_ROUNDS) as many as keep a K block of
+     * packed B within ROUND_BYTES, a multiple of NR: with the K block of 4096 f32 columns
+     * (4 MiB) streamed from L3 by every row tile, kiln's kernel ran 2048^3 6% and 4096^3
+     * 18-24% slower at one thread (docs/perf-log.md). An
+     * epilogue needs an item to hold whole rows: one round where N allows. */
+    j.ncmax = NC;
+    if (kiln__opt(KILN__OPT_GEMM_NARROW_ROUNDS) && !(epi && N <= NC)) {
+        int64_t w = ROUND_BYTES / ((int64_t)j.kc_max * (int64_t)j.es) / uk->nr * uk->nr;
+        if (w < j.ncmax) j.ncmax = w < uk->nr ? uk->nr : w;
+    }
+    size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < j.ncmax ? N : j.ncmax) + uk->nr) * j.es;
     j.bpack = pre ? NULL : buffer(0, bbytes);
     if (!pre && !j.bpack) return false;
-    for (j.c0 = 0; j.c0 < N && !j.failed; j.c0 += NC) {
-        j.nc = N - j.c0 < NC ? N - j.c0 : NC;
+    for (j.c0 = 0; j.c0 < N && !j.failed; j.c0 += j.ncmax) {
+        j.nc = N - j.c0 < j.ncmax ? N - j.c0 : j.ncmax;
         j.npanels = (j.nc + uk->nr - 1) / uk->nr;
         if (pre) { /* packed already */
         } else if (serial) pack_b_range(&j, 0, j.npanels);
