@@ -19,6 +19,6 @@ export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}
 export OPENBLAS_THREAD_TIMEOUT=${OPENBLAS_THREAD_TIMEOUT:-4}
 for t in $threads; do
     echo "## $t thread(s)"
-    "$build/bench_gemm_own" --threads "$t" --rest-ms 100
+    "$build/bench_gemm_own" --threads "$t" --rest-ms 100 --max-square 4096
 done
 "$build/bench_fma_peak" --threads "$(echo "$threads" | tr ' ' '\n' | sort -n | tail -1)" --rounds 5
