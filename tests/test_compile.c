@@ -1553,9 +1553,17 @@ static void collectives_start_early_and_finish_late(void **state)
     kiln_pg_free(pg);
 }
 
+/* A^T B with A given as its transpose's storage (200 x 96 read down its columns). */
+static kiln_status at_b(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    out[0] = kiln_matmul(kiln_transpose(in[0], 0, 1), in[1]);
+    *n_out = 1;
+    return out[0] ? KILN_OK : kiln_last_status();
+}
+
 /* KILN_LOGS=profile: when the compiled function is freed, a table of where its runs
- * spent their time (the first run left out): the matmul through dispatch, the fused
- * bias + GELU kernel by its name. */
+ * spent their time (the first run left out): the matmul through dispatch, also by its
+ * shape and layout, the fused bias + GELU kernel by its name. */
 static void profile_log_names_the_steps(void **state)
 {
     kiln_tensor_t *lin[3] = {randn((int64_t[]){96, 200}, 2, 6), randn((int64_t[]){200, 300}, 2, 7),
@@ -1575,8 +1583,23 @@ static void profile_log_names_the_steps(void **state)
     test_stderr_end(&cap, buf, sizeof buf);
     test_unsetenv("KILN_LOGS");
     if (!strstr(buf, "kiln [profile] ") || !strstr(buf, "2 runs after the first") || !strstr(buf, "op matmul") ||
-        !strstr(buf, "_add_gelu") || !strstr(buf, "slowest generated kernels"))
+        !strstr(buf, "matmul 1x96x300x200 A B f32") || !strstr(buf, "_add_gelu") ||
+        !strstr(buf, "slowest generated kernels"))
         fail_msg("profile log:\n%s", buf);
+    /* the same product with A read down its columns */
+    kiln_tensor_t *at[2] = {randn((int64_t[]){200, 96}, 2, 9), lin[1]};
+    test_setenv("KILN_LOGS", "profile", 1);
+    assert_int_equal(kiln_compiled_new(at_b, NULL, "profiled_at", &fnc), KILN_OK);
+    assert_true(test_stderr_begin(&cap));
+    for (int i = 0; i < 3; i++) {
+        kiln_tensor_t *got;
+        int n;
+        assert_int_equal(kiln_compiled_call(fnc, at, 2, &got, 1, &n), KILN_OK);
+    }
+    kiln_compiled_free(fnc);
+    test_stderr_end(&cap, buf, sizeof buf);
+    test_unsetenv("KILN_LOGS");
+    if (!strstr(buf, "matmul 1x96x300x200 A^T B f32")) fail_msg("profile log of A^T B:\n%s", buf);
 }
 
 int main(void)

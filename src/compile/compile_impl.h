@@ -156,6 +156,10 @@ kiln_status kiln__program_bind(kiln__program *p, const kc_kernel *k, kiln_tensor
 kiln_status kiln__program_launch(const kiln__program *p, const kc_kernel *k, char *const *b);
 /* A launch as a replay being recorded keeps it (program.c). */
 void kiln__program_note_launch(const kiln__program *p, const kc_kernel *k, char *const *b);
+/* The element strides of value v as the graph left it: views keep the strides their
+ * inference gave, arguments those they were captured with, everything else is
+ * contiguous (src/compile/fuse.c). */
+void kiln__compile_value_strides(const kiln_graph_t *g, int v, int64_t *st);
 /* Groups the graph's ops into kernels and steps (src/compile/fuse.c). */
 kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__program **out);
 /* Generates C for every kernel into *src (malloc'd; src/compile/codegen_c.c). */

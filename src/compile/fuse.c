@@ -144,7 +144,7 @@ static int join_form(const kiln_graph_t *g, const group *gr, int G, const node *
  * inference gave, arguments those they were captured with (contiguous, by guard, for
  * kiln_compiled; the eager ops' one-op graphs keep their inputs'), everything else is
  * contiguous. */
-static void value_strides(const kiln_graph_t *g, int v, int64_t *st)
+void kiln__compile_value_strides(const kiln_graph_t *g, int v, int64_t *st)
 {
     const value *x = &g->v[v];
     if (x->kind != V_OP || kiln__ops[g->nd[x->index].op].is_view)
@@ -234,7 +234,7 @@ static int operand(lower_ctx *c, int u, int f)
         e.kind = prod->op == KILN_OP_FULL ? E_CONST : E_INDEX;
         e.attrs.op.source = prod->attrs.op.source;
     } else {
-        value_strides(c->g, u, vs);
+        kiln__compile_value_strides(c->g, u, vs);
         if ((e.buf = buf_slot(k, u, false, x->meta.dtype, vs)) < 0) return -1;
     }
     if (e.kind != E_CONST) embed(c->gr, &x->meta, vs, f, e.st);
@@ -282,7 +282,7 @@ static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, i
         const node *nd = &g->nd[members[m]];
         if (nd->op != KILN_OP_COPY_) continue;
         int64_t cs[KILN_MAX_DIMS];
-        value_strides(g, nd->in[0], cs);
+        kiln__compile_value_strides(g, nd->in[0], cs);
         int b = buf_slot(kr, nd->in[0], true, g->v[nd->in[0]].meta.dtype, cs);
         if (b < 0) return oom();
         kr->buf[b].inplace = true;
@@ -292,7 +292,7 @@ static kiln_status lower_group(kiln_graph_t *g, group *gr, const int *members, i
         name_append(kr, kiln__ops[nd->op].name);
         if (nd->op == KILN_OP_COPY_) { /* the source's value stored into the destination */
             int64_t cs[KILN_MAX_DIMS];
-            value_strides(g, nd->in[0], cs);
+            kiln__compile_value_strides(g, nd->in[0], cs);
             kiln_status s = add_store(&c, memo[nd->in[1]], nd->in[0], cs, F_FULL);
             if (s != KILN_OK) return s;
             continue;

@@ -280,6 +280,67 @@ static const char *step_name(const kiln__program *p, int t)
     return st->kind == STEP_OP ? kiln__ops[p->g->nd[st->index].op].name : p->k[st->index].name;
 }
 
+/* Matmul steps of one shape: batch x M x N x K, whether each operand is read down its
+ * columns (A^T, B^T: its last dim not the contiguous one), and the type. */
+typedef struct {
+    int64_t b, m, n, k;
+    bool at, bt;
+    kiln_dtype dt;
+    double s;
+    int count;
+} mm_shape;
+
+static bool read_transposed(const kiln_graph_t *g, int v)
+{
+    int64_t st[KILN_MAX_DIMS];
+    kiln__compile_value_strides(g, v, st);
+    int d = g->v[v].meta.ndim;
+    return d >= 2 && st[d - 1] != 1 && st[d - 2] == 1;
+}
+
+/* The matmul steps totalled by shape, the slowest first (at most 15): where a step's
+ * GEMM time goes, to compare one GEMM with another in the step itself
+ * (bench/step_gemms.sh). */
+static void profile_matmuls(const kiln__program *p, double runs, double total, FILE *f)
+{
+    mm_shape *sh = malloc(sizeof *sh * (size_t)(p->n_steps > 0 ? p->n_steps : 1));
+    int n = 0;
+    if (!sh) return;
+    for (int t = 0; t < p->n_steps; t++) {
+        if (p->steps[t].kind != STEP_OP) continue;
+        const node *nd = &p->g->nd[p->steps[t].index];
+        if (nd->op != KILN_OP_MATMUL || nd->n_in < 2) continue;
+        const kiln__meta *a = &p->g->v[nd->in[0]].meta, *b = &p->g->v[nd->in[1]].meta;
+        if (a->ndim < 2 || b->ndim < 2) continue;
+        mm_shape x = {1, a->shape[a->ndim - 2], b->shape[b->ndim - 1], a->shape[a->ndim - 1],
+                      read_transposed(p->g, nd->in[0]), read_transposed(p->g, nd->in[1]), a->dtype, p->prof[t], 1};
+        for (int i = 0; i < a->ndim - 2; i++) x.b *= a->shape[i];
+        int i = 0;
+        while (i < n && !(sh[i].b == x.b && sh[i].m == x.m && sh[i].n == x.n && sh[i].k == x.k && sh[i].at == x.at &&
+                          sh[i].bt == x.bt && sh[i].dt == x.dt))
+            i++;
+        if (i == n) sh[n++] = x;
+        else sh[i].s += x.s, sh[i].count++;
+    }
+    int top = n < 15 ? n : 15;
+    if (top) fprintf(f, "kiln [profile]   matmuls by shape (batch x M x N x K), the %d slowest:\n", top);
+    for (int i = 0; i < top; i++) {
+        for (int j = i + 1; j < n; j++)
+            if (sh[j].s > sh[i].s) {
+                mm_shape y = sh[i];
+                sh[i] = sh[j];
+                sh[j] = y;
+            }
+        char dims[96];
+        snprintf(dims, sizeof dims, "%lldx%lldx%lldx%lld %s %s %s", (long long)sh[i].b, (long long)sh[i].m,
+                 (long long)sh[i].n, (long long)sh[i].k, sh[i].at ? "A^T" : "A", sh[i].bt ? "B^T" : "B",
+                 kiln_dtype_name(sh[i].dt));
+        fprintf(f, "kiln [profile]   matmul %-36s x%-4d %8.2f ms %5.1f%%\n", dims, sh[i].count, 1e3 * sh[i].s / runs,
+                100 * sh[i].s / total);
+    }
+    free(sh);
+}
+
 void kiln__program_profile_print(const kiln__program *p, FILE *f)
 {
     double total = 0, kern = 0, runs = (double)(p->prof_runs - 1); /* the first is not timed */
@@ -308,6 +369,7 @@ void kiln__program_profile_print(const kiln__program *p, FILE *f)
         if (n_by_op[op])
             fprintf(f, "kiln [profile]   op %-24s x%-4d %8.2f ms %5.1f%%\n", kiln__ops[op].name, n_by_op[op],
                     1e3 * by_op[op] / runs, 100 * by_op[op] / total);
+    profile_matmuls(p, runs, total, f);
     int *ord = malloc(sizeof *ord * (size_t)p->n_steps);
     if (!ord) return;
     /* Twice: the slowest steps of any kind, then the slowest generated kernels. */

@@ -1055,21 +1055,27 @@ static bool kouter_takes(const job *j, int64_t nt, const float *C, const kiln__g
 /* Runs the K-outer items over nt threads (kouter_takes said yes): a block of rows a
  * thread (equal tiles, the larger first), each with groups of whole panels, at most
  * KOUTER_PANELS: each thread packs B's K blocks for itself. Splitting the panels among
- * the threads instead (each packing all of A) was 1.5-2% slower in the two-thread step,
- * docs/perf-log.md. */
+ * the threads instead (each packing all of A) was 1.5-2% slower in the two-thread step
+ * over all the weight gradients, docs/perf-log.md; with KILN_OPT_GEMM_K_OUTER_PANELS it
+ * is taken where B is wider than A is tall (N > M), where it packs less: each thread
+ * then packs A (K x M) and its share of B, not its share of A and all of B (K x N). */
 static bool run_k_outer(job *j, int64_t nt)
 {
     int64_t tiles = (j->M + j->uk->mr - 1) / j->uk->mr;
-    j->mblocks = nt; /* (kouter_takes: at least 6 tiles each) */
-    j->tq = tiles / nt, j->tr = tiles % nt, j->mc = (j->tq + (j->tr > 0)) * j->uk->mr;
+    bool by_panels = nt > 1 && j->N > j->M && kiln__opt(KILN__OPT_GEMM_K_OUTER_PANELS);
+    j->mblocks = by_panels ? 1 : nt; /* (kouter_takes: at least 6 tiles each) */
+    j->tq = tiles / j->mblocks, j->tr = tiles % j->mblocks, j->mc = (j->tq + (j->tr > 0)) * j->uk->mr;
     for (j->c0 = 0; j->c0 < j->N && !j->failed; j->c0 += NC) {
         j->nc = j->N - j->c0 < NC ? j->N - j->c0 : NC;
         j->npanels = (j->nc + j->uk->nr - 1) / j->uk->nr;
         j->ngroups = (j->npanels + KOUTER_PANELS - 1) / KOUTER_PANELS;
+        if (by_panels) /* a multiple of the threads, as the panels allow */
+            j->ngroups = (j->ngroups + nt - 1) / nt * nt;
+        if (j->ngroups > j->npanels) j->ngroups = j->npanels;
         j->panels_per_group = (j->npanels + j->ngroups - 1) / j->ngroups;
         j->ngroups = (j->npanels + j->panels_per_group - 1) / j->panels_per_group;
         if (nt == 1) kouter_items(j, 0, j->ngroups);
-        else kiln__parallel_items(nt * j->ngroups, kouter_items, j);
+        else kiln__parallel_items(j->mblocks * j->ngroups, kouter_items, j);
     }
     return !j->failed;
 }
