@@ -26,7 +26,7 @@ for b in "$build" "$blis"; do
         exit 2
     fi
 done
-if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx512f /proc/cpuinfo; then
+if [ -z "${OPENBLAS_CORETYPE:-}" ] && grep -qw avx512f /proc/cpuinfo 2>/dev/null; then
     export OPENBLAS_CORETYPE=SkylakeX
 fi
 export OMP_WAIT_POLICY=${OMP_WAIT_POLICY:-passive}

@@ -127,7 +127,10 @@ static void test_every_kernel_matches_double_reference(void **state)
                                        {150, 70, 1100},
                                        /* B wider than a round (KILN_OPT_GEMM_NARROW_ROUNDS: 1024 f32
                                         * or 2048 bf16 packed columns), a short last round */
-                                       {9, 2200, 70}};
+                                       {9, 2200, 70},
+                                       /* K-outer with B wider than A is tall: at 2-3 threads its
+                                        * panels split between them (KILN_OPT_GEMM_K_OUTER_PANELS) */
+                                       {150, 300, 1100}};
     for (size_t s = 0; s < sizeof ISAS / sizeof ISAS[0]; s++) {
         int ran = 0, cases = 0;
         for (size_t z = 0; z < sizeof sizes / sizeof sizes[0]; z++)
@@ -354,8 +357,9 @@ static void test_f16_result_is_the_widened_sums_rounded_once(void **state) { hal
 
 /* The epilogue of kiln__gemm_bf16_epilogue: each call's rows are already rounded (the
  * same bits as kiln__gemm_bf16's), and every row comes exactly once, when an item holds
- * whole rows (N within one round, M with rows for every thread); with N above one
- * round (4096 packed columns) it is not called and done stays false. */
+ * whole rows (N within one round, M with rows for every thread; a product with an
+ * epilogue keeps one round up to 4096 columns, where one without takes rounds of 1024);
+ * with N above 4096 it is not called and done stays false. */
 typedef struct {
     const uint16_t *want;
     int64_t N;
@@ -376,8 +380,10 @@ static void epi_check(const kiln__epilogue *e, int64_t r0, int64_t r1)
 static void test_bf16_epilogue_sees_each_rounded_row_once(void **state)
 {
     int64_t nt = kiln_num_threads() > 0 ? kiln_num_threads() : 1;
-    const int64_t shapes[][3] = {{512 * nt, 96, 40}, {512 * nt, 1000, 70}, {64 * nt, 4100, 16}};
-    for (int z = 0; z < 3; z++) {
+    /* (3000 columns, K 300: one round, as an epilogue needs, where a product without one
+     * takes three of 1024) */
+    const int64_t shapes[][3] = {{512 * nt, 96, 40}, {512 * nt, 1000, 70}, {64 * nt, 3000, 300}, {64 * nt, 4100, 16}};
+    for (int z = 0; z < 4; z++) {
         int64_t M = shapes[z][0], N = shapes[z][1], K = shapes[z][2];
         mat A = mat_new(M, K, false, 3, KILN__GEMM_BF16), B = mat_new(K, N, true, 4, KILN__GEMM_BF16);
         uint16_t *want = malloc(2 * (size_t)(M * N)), *got = malloc(2 * (size_t)(M * N));
@@ -502,7 +508,8 @@ static void test_panels_are_the_serial_gemm_bitwise(void **state)
     (void)state;
     int64_t nr = kiln__gemm_panel_width();
     assert_true(nr > 0);
-    /* (4200 columns: two rounds of the GEMM's 4096 columns) */
+    /* (4200 columns: five rounds of 1024 columns, or two of 4096 with
+     * KILN_OPT_GEMM_NARROW_ROUNDS=0) */
     static const int64_t sizes[][2] = {{64, 37}, {300, 70}, {1, 1}, {520, 2 * 32}, {8, 4200}};
     kiln__gemm_panels P = {0};
     for (size_t sz = 0; sz < sizeof sizes / sizeof sizes[0]; sz++)

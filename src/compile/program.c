@@ -310,11 +310,12 @@ static void profile_matmuls(const kiln__program *p, double runs, double total, F
         if (p->steps[t].kind != STEP_OP) continue;
         const node *nd = &p->g->nd[p->steps[t].index];
         if (nd->op != KILN_OP_MATMUL || nd->n_in < 2) continue;
-        const kiln__meta *a = &p->g->v[nd->in[0]].meta, *b = &p->g->v[nd->in[1]].meta;
-        if (a->ndim < 2 || b->ndim < 2) continue;
-        mm_shape x = {1, a->shape[a->ndim - 2], b->shape[b->ndim - 1], a->shape[a->ndim - 1],
+        const kiln__meta *a = &p->g->v[nd->in[0]].meta, *b = &p->g->v[nd->in[1]].meta,
+                         *c = &p->g->v[nd->out[0]].meta;
+        if (a->ndim < 2 || b->ndim < 2 || c->ndim < 2) continue;
+        mm_shape x = {1, c->shape[c->ndim - 2], c->shape[c->ndim - 1], a->shape[a->ndim - 1],
                       read_transposed(p->g, nd->in[0]), read_transposed(p->g, nd->in[1]), a->dtype, p->prof[t], 1};
-        for (int i = 0; i < a->ndim - 2; i++) x.b *= a->shape[i];
+        for (int i = 0; i < c->ndim - 2; i++) x.b *= c->shape[i]; /* the broadcast batch */
         int i = 0;
         while (i < n && !(sh[i].b == x.b && sh[i].m == x.m && sh[i].n == x.n && sh[i].k == x.k && sh[i].at == x.at &&
                           sh[i].bt == x.bt && sh[i].dt == x.dt))

@@ -1,9 +1,10 @@
 /* kiln's own GEMM (gemm.h): the blocking, packing and threading, and the micro-kernels.
  *
  * Loops, outermost first: column chunks of B (rounds of at most NC columns, fewer with
- * ROUND_BYTES; packed once over the pool), then work items of (MC rows) x (a group of NR-column panels) over the pool;
- * inside an item, K blocks of KC in order, each packing its rows of A once and running
- * the micro-kernel over every MR x NR tile of the item. A tile at an edge of C runs the
+ * ROUND_BYTES; each packed once over the pool), then work items of (MC rows) x (a
+ * group of NR-column panels) over the pool; inside an item, K blocks of KC in order,
+ * each packing its rows of A once and running the micro-kernel over every MR x NR tile
+ * of the item. A tile at an edge of C runs the
  * same micro-kernel on a full-size scratch tile, so that every element gets the same
  * arithmetic wherever it lies. */
 #include "backends/cpu/gemm.h"
@@ -1063,7 +1064,7 @@ static bool run_k_outer(job *j, int64_t nt)
 {
     int64_t tiles = (j->M + j->uk->mr - 1) / j->uk->mr;
     bool by_panels = nt > 1 && j->N > j->M && kiln__opt(KILN__OPT_GEMM_K_OUTER_PANELS);
-    j->mblocks = by_panels ? 1 : nt; /* (kouter_takes: at least 6 tiles each) */
+    j->mblocks = by_panels ? 1 : nt; /* (a row split: kouter_takes gave each thread at least 6 tiles) */
     j->tq = tiles / j->mblocks, j->tr = tiles % j->mblocks, j->mc = (j->tq + (j->tr > 0)) * j->uk->mr;
     for (j->c0 = 0; j->c0 < j->N && !j->failed; j->c0 += NC) {
         j->nc = j->N - j->c0 < NC ? j->N - j->c0 : NC;
@@ -1109,16 +1110,18 @@ static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_
     int64_t nt = !serial && !kiln__pool_inline() && kiln__pool_size() > 0 ? kiln__pool_size() : 1;
     if (kouter_takes(&j, nt, C, pre, epi)) return run_k_outer(&j, nt);
     /* Columns a round: NC, or (KILN_OPT_GEMM_NARROW_ROUNDS) as many as keep a K block of
-     * packed B within ROUND_BYTES, a multiple of NR: with the K block of 4096 f32 columns
-     * (4 MiB) streamed from L3 by every row tile, kiln's kernel ran 2048^3 6% and 4096^3
-     * 18-24% slower at one thread (docs/perf-log.md). An
-     * epilogue needs an item to hold whole rows: one round where N allows. */
+     * packed B (KC rows, or all of a shorter K) within ROUND_BYTES, a multiple of NR:
+     * with a K block of 4096 f32 columns (4 MiB) streamed from L3 by every row tile,
+     * kiln's kernel ran 2048^3 6% and 4096^3 18-24% slower at one thread
+     * (docs/perf-log.md). An epilogue needs an item to hold whole rows, so a product
+     * with one (N within NC: see above) keeps a single round. */
     j.ncmax = NC;
-    if (kiln__opt(KILN__OPT_GEMM_NARROW_ROUNDS) && !(epi && N <= NC)) {
-        int64_t w = ROUND_BYTES / ((int64_t)j.kc_max * (int64_t)j.es) / uk->nr * uk->nr;
+    if (kiln__opt(KILN__OPT_GEMM_NARROW_ROUNDS) && !epi) {
+        int64_t w = ROUND_BYTES / (kpad_of(&j, K < j.kc_max ? K : j.kc_max) * (int64_t)j.es) / uk->nr * uk->nr;
         if (w < j.ncmax) j.ncmax = w < uk->nr ? uk->nr : w;
     }
-    size_t bbytes = (size_t)(K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max)) * (size_t)((N < j.ncmax ? N : j.ncmax) + uk->nr) * j.es;
+    int64_t kpacked = K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max);
+    size_t bbytes = (size_t)kpacked * (size_t)((N < j.ncmax ? N : j.ncmax) + uk->nr) * j.es;
     j.bpack = pre ? NULL : buffer(0, bbytes);
     if (!pre && !j.bpack) return false;
     for (j.c0 = 0; j.c0 < N && !j.failed; j.c0 += j.ncmax) {
