@@ -348,12 +348,6 @@ static void emit_d(const gen *g, int i, sbuf *b)
     put(b, ")");
 }
 
-/* The kernel's source for f in f32 or f64: flex_tile applies the modifiers to a tile of
- * scores S (rows from query q0, ld apart), whose columns are the key blocks kvl[0..nb)
- * side by side: the score modifier on every score, the mask only in the partial blocks
- * (n >= nf), a masked score made -inf; then each row's softmax in place and its
- * log-sum-exp in L[i] (a row that sees no key: zeros and -inf). Compiled with the
- * kernel cache's flags (-O3 -march=native), its loops vectorize. */
 /* The forward tile functions' opening and row loop: in each row of S (ld apart, the
  * listed key blocks side by side), the mask in the partial blocks (-inf where it says
  * no) and the score modifier, in place; leaves the row loop open, `row` the row. */
@@ -392,6 +386,13 @@ static void tile_modifiers(sbuf *b, const kiln_flex_t *f, bool f64)
     put(b, "        }\n");
 }
 
+/* The kernel's source for f in f32 or f64: flex_tile applies the modifiers to a tile of
+ * scores S (rows from query q0, ld apart), whose columns are the key blocks kvl[0..nb)
+ * side by side: the score modifier on every score, the mask only in the partial blocks
+ * (n >= nf), a masked score made -inf; flex_tile_softmax does the same, then each row's
+ * softmax in place and its log-sum-exp in L[i] (a row that sees no key: zeros and
+ * -inf); then the backward's tiles. Compiled with the kernel cache's flags (-O3
+ * -march=native), its loops vectorize. */
 static char *source(const kiln_flex_t *f, bool f64)
 {
     sbuf b = {0};
@@ -746,8 +747,8 @@ static kiln_status built(entry *e, bool f64)
     if (!e->blocks) *(void **)&e->blocks = dlsym(lib, "flex_blocks");
     if (!e->tile[f64] || !e->tile_softmax[f64] || !e->tile_bwd[f64] || !e->tile_ds[f64] || !e->blocks) {
         e->tile[f64] = NULL;
-        return kiln_error(KILN_ERR_IO, "flex: a built kernel lacks flex_tile, flex_tile_bwd, flex_tile_ds or flex_blocks "
-                                       "(a stale kernel cache? remove it)");
+        return kiln_error(KILN_ERR_IO, "flex: a built kernel lacks flex_tile, flex_tile_softmax, flex_tile_bwd, "
+                                       "flex_tile_ds or flex_blocks (a stale kernel cache? remove it)");
     }
     return KILN_OK;
 }

@@ -83,7 +83,7 @@ void kiln__cpu_sgemm(enum CBLAS_ORDER o, enum CBLAS_TRANSPOSE ta, enum CBLAS_TRA
  * (false: the caller takes the BLAS). */
 typedef struct {
     kiln__gemm_panels kt, v, vt, k;
-    float *t; /* a transposed copy, with KILN_OPT_PACK_TRANSPOSED off */
+    char *t; /* a transposed copy's floats, with KILN_OPT_PACK_TRANSPOSED off */
     size_t tcap;
 } kiln__cpu_att_panels;
 bool kiln__cpu_att_panels_wanted_f32(int64_t kv_block);

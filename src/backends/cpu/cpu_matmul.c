@@ -10,6 +10,7 @@
 #include "backends/cpu/cpu.h"
 #include "backends/cpu/gemm.h"
 #include "core/opts.h"
+#include "core/util.h"
 
 typedef struct {
     enum CBLAS_TRANSPOSE trans;
@@ -128,14 +129,9 @@ static bool att_pack_t(kiln__cpu_att_panels *kp, kiln__gemm_panels *P, const flo
 {
     if (kiln__opt(KILN__OPT_PACK_TRANSPOSED)) return att_pack(P, X, D, Tk, 1, ldx);
     size_t bytes = sizeof(float) * (size_t)(D * Tk);
-    if (kp->tcap < bytes) {
-        float *t = malloc(bytes);
-        if (!t) return false;
-        free(kp->t);
-        kp->t = t, kp->tcap = bytes;
-    }
-    kiln__cpu_transpose_f32(kp->t, X, Tk, D, ldx);
-    return att_pack(P, kp->t, D, Tk, Tk, 1);
+    if (!kiln__reserve(&kp->t, &kp->tcap, bytes, bytes)) return false;
+    kiln__cpu_transpose_f32((float *)kp->t, X, Tk, D, ldx);
+    return att_pack(P, (const float *)kp->t, D, Tk, Tk, 1);
 }
 
 bool kiln__cpu_att_pack_fwd_f32(kiln__cpu_att_panels *kp, const float *K, int64_t ldk, const float *V, int64_t ldv,

@@ -4,9 +4,8 @@
  * ROUND_BYTES; each packed once over the pool), then work items of (MC rows) x (a
  * group of NR-column panels) over the pool; inside an item, K blocks of KC in order,
  * each packing its rows of A once and running the micro-kernel over every MR x NR tile
- * of the item. A tile at an edge of C runs the
- * same micro-kernel on a full-size scratch tile, so that every element gets the same
- * arithmetic wherever it lies. */
+ * of the item. A tile at an edge of C runs the same micro-kernel on a full-size scratch
+ * tile, so that every element gets the same arithmetic wherever it lies. */
 #include "backends/cpu/gemm.h"
 #include <assert.h>
 #include <pthread.h>
@@ -754,7 +753,6 @@ typedef struct {
     char *bpack;       /* the round's packed B: K block by K block, each npanels panels */
     int64_t mc, mblocks, panels_per_group, ngroups;
     int64_t tq, tr; /* row block b has tq + (b < tr) tiles: the first tr one more */
-    int64_t ncmax;  /* the most columns in a round (not K-outer items': NC) */
     float alpha;    /* f32 C, not accumulating: each tile scaled by it once whole, in L1 */
     kiln__epilogue *epi; /* run on each item's rows once they are rounded, or NULL */
     bool edge_rows;               /* KILN_OPT_GEMM_EDGE_ROWS */
@@ -1115,17 +1113,17 @@ static bool run_on(bool serial, kiln__gemm_isa isa, int64_t M, int64_t N, int64_
      * kiln's kernel ran 2048^3 6% and 4096^3 18-24% slower at one thread
      * (docs/perf-log.md). An epilogue needs an item to hold whole rows, so a product
      * with one (N within NC: see above) keeps a single round. */
-    j.ncmax = NC;
+    int64_t ncmax = NC;
     if (kiln__opt(KILN__OPT_GEMM_NARROW_ROUNDS) && !epi) {
         int64_t w = ROUND_BYTES / (kpad_of(&j, K < j.kc_max ? K : j.kc_max) * (int64_t)j.es) / uk->nr * uk->nr;
-        if (w < j.ncmax) j.ncmax = w < uk->nr ? uk->nr : w;
+        if (w < ncmax) ncmax = w < uk->nr ? uk->nr : w;
     }
     int64_t kpacked = K / j.kc_max * j.kc_max + kpad_of(&j, K % j.kc_max);
-    size_t bbytes = (size_t)kpacked * (size_t)((N < j.ncmax ? N : j.ncmax) + uk->nr) * j.es;
+    size_t bbytes = (size_t)kpacked * (size_t)((N < ncmax ? N : ncmax) + uk->nr) * j.es;
     j.bpack = pre ? NULL : buffer(0, bbytes);
     if (!pre && !j.bpack) return false;
-    for (j.c0 = 0; j.c0 < N && !j.failed; j.c0 += j.ncmax) {
-        j.nc = N - j.c0 < j.ncmax ? N - j.c0 : j.ncmax;
+    for (j.c0 = 0; j.c0 < N && !j.failed; j.c0 += ncmax) {
+        j.nc = N - j.c0 < ncmax ? N - j.c0 : ncmax;
         j.npanels = (j.nc + uk->nr - 1) / uk->nr;
         if (pre) { /* packed already */
         } else if (serial) pack_b_range(&j, 0, j.npanels);
