@@ -1,0 +1,17 @@
+# The hostile CLI suite (tests/hostile/): the kiln program fed what a careless or hostile
+# user gives it, one file a class of defect (issue 51). Each case checks the exit
+# status, the message and that nothing outside the command's output was touched
+# (hostile.py). One ctest a file, so a failure names its class.
+if(NOT KILN_PYTHON3)
+  find_program(KILN_PYTHON3 python3)
+endif()
+if(KILN_PYTHON3)
+  file(GLOB KILN_HOSTILE_TESTS ${CMAKE_SOURCE_DIR}/tests/hostile/test_*.py)
+  foreach(t ${KILN_HOSTILE_TESTS})
+    get_filename_component(n ${t} NAME_WE)
+    string(REPLACE "test_" "hostile_" n ${n})
+    add_test(NAME ${n} COMMAND ${KILN_PYTHON3} ${t} --kiln $<TARGET_FILE:kiln_tool>
+             --workdir ${CMAKE_BINARY_DIR}/hostile-tests/${n})
+    set_tests_properties(${n} PROPERTIES TIMEOUT 600 LABELS hostile ENVIRONMENT "${KILN_LSAN_ENV}")
+  endforeach()
+endif()
