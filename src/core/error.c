@@ -1,16 +1,32 @@
 #include <stdarg.h>
 #include <stdio.h>
+#include <string.h>
 #include "core/tensor_impl.h"
 
 static _Thread_local char last_msg[1024] = "no error";
 static _Thread_local kiln_status last_status = KILN_OK;
 
+/* A message longer than the buffer keeps its head and its tail with " ... " between:
+ * messages name what they are about first and say what is wrong last, so a long path or
+ * quoted input must not push the reason out. */
+#define HEAD 320
+
 kiln_status kiln_error(kiln_status s, const char *fmt, ...)
 {
+    static _Thread_local char full[16384];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(last_msg, sizeof last_msg, fmt, ap);
+    int n = vsnprintf(full, sizeof full, fmt, ap);
     va_end(ap);
+    if (n < 0) snprintf(last_msg, sizeof last_msg, "(an error whose message could not be formatted)");
+    else if ((size_t)n < sizeof last_msg) memcpy(last_msg, full, (size_t)n + 1);
+    else {
+        size_t len = (size_t)n < sizeof full ? (size_t)n : sizeof full - 1, tail = sizeof last_msg - HEAD - 6;
+        memcpy(last_msg, full, HEAD);
+        memcpy(last_msg + HEAD, " ... ", 5);
+        memcpy(last_msg + HEAD + 5, full + len - tail, tail);
+        last_msg[sizeof last_msg - 1] = '\0';
+    }
     last_status = s;
     return s;
 }

@@ -19,6 +19,7 @@
 #include "kiln/nn.h"
 #include "kiln/ops.h"
 #include "kiln/tokenizer.h"
+#include "io/json_file.h"
 #include "nn/names.h"
 
 
@@ -30,7 +31,18 @@ typedef struct {
 } hf_config;
 
 /* An integer field; def when absent or null (required: an error instead). */
-static kiln_status cfg_int(const hf_config *c, const char *key, bool required, int def, int *out)
+/* A JSON value as a short quote for an error message (a long one cut with "..."). */
+static const char *quote(json_t *v, char *buf, size_t n)
+{
+    char *d = json_dumps(v, JSON_ENCODE_ANY | JSON_COMPACT);
+    if (!d) return snprintf(buf, n, "(a value)"), buf;
+    if (strlen(d) + 1 > n && n > 4) snprintf(buf, n, "%.*s...", (int)n - 4, d);
+    else snprintf(buf, n, "%s", d);
+    free(d);
+    return buf;
+}
+
+static kiln_status cfg_int(const hf_config *c, const char *key, bool required, int def, int lo, int *out)
 {
     json_t *v = json_object_get(c->root, key);
     if (!v || json_is_null(v)) {
@@ -38,8 +50,10 @@ static kiln_status cfg_int(const hf_config *c, const char *key, bool required, i
         *out = def;
         return KILN_OK;
     }
-    if (!json_is_integer(v) || json_integer_value(v) < 0 || json_integer_value(v) > (1 << 30))
-        return kiln_error(KILN_ERR_FORMAT, "%s: '%s' must be a non-negative integer", c->file, key);
+    char q[48];
+    if (!json_is_integer(v) || json_integer_value(v) < lo || json_integer_value(v) > (1 << 30))
+        return kiln_error(KILN_ERR_FORMAT, "%s: '%s' must be an integer from %d to %d, not %s", c->file, key, lo,
+                          1 << 30, quote(v, q, sizeof q));
     *out = (int)json_integer_value(v);
     return KILN_OK;
 }
@@ -51,15 +65,23 @@ static kiln_status cfg_num(const hf_config *c, json_t *obj, const char *key, dou
         *out = def;
         return KILN_OK;
     }
-    if (!json_is_number(v)) return kiln_error(KILN_ERR_FORMAT, "%s: '%s' must be a number", c->file, key);
+    char q[48];
+    if (!json_is_number(v))
+        return kiln_error(KILN_ERR_FORMAT, "%s: '%s' must be a number, not %s", c->file, key, quote(v, q, sizeof q));
     *out = json_number_value(v);
     return KILN_OK;
 }
 
-static bool cfg_bool(const hf_config *c, const char *key, bool def)
+/* A boolean field: true or false (def when absent or null); "yes", 1 or any other
+ * value is an error naming the key, not a guess. */
+static kiln_status cfg_bool(const hf_config *c, const char *key, bool def, bool *out)
 {
     json_t *v = json_object_get(c->root, key);
-    return json_is_boolean(v) ? json_is_true(v) : def;
+    char q[48];
+    if (v && !json_is_null(v) && !json_is_boolean(v))
+        return kiln_error(KILN_ERR_FORMAT, "%s: '%s' must be true or false, not %s", c->file, key, quote(v, q, sizeof q));
+    *out = json_is_boolean(v) ? json_is_true(v) : def;
+    return KILN_OK;
 }
 
 static const char *cfg_str(const hf_config *c, const char *key)
@@ -84,6 +106,13 @@ static kiln_status cfg_rope(const hf_config *c, double *theta, kiln_rope_scaling
     json_t *p = json_object_get(c->root, "rope_parameters"), *s = json_object_get(c->root, "rope_scaling");
     json_t *r = json_is_object(p) ? p : json_is_object(s) ? s : NULL;
     *scaling = (kiln_rope_scaling){0};
+    char q[48];
+    if (p && !json_is_null(p) && !json_is_object(p))
+        return kiln_error(KILN_ERR_FORMAT, "%s: 'rope_parameters' must be an object or null, not %s", c->file,
+                          quote(p, q, sizeof q));
+    if (s && !json_is_null(s) && !json_is_object(s))
+        return kiln_error(KILN_ERR_FORMAT, "%s: 'rope_scaling' must be an object or null, not %s", c->file,
+                          quote(s, q, sizeof q));
     kiln_status st = cfg_num(c, c->root, "rope_theta", 10000.0, theta);
     if (st == KILN_OK && r) st = cfg_num(c, r, "rope_theta", *theta, theta);
     if (st == KILN_OK && !(*theta > 0)) return kiln_error(KILN_ERR_FORMAT, "%s: rope_theta must be > 0", c->file);
@@ -127,15 +156,15 @@ static kiln_status config_llama(const hf_config *c, const char *type, kiln_gpt_c
 {
     *g = kiln_gpt_config_llama();
     int head_dim = 0, window = 0;
-    kiln_status s = cfg_int(c, "hidden_size", true, 0, &g->n_embd);
-    if (s == KILN_OK) s = cfg_int(c, "num_hidden_layers", true, 0, &g->n_layer);
-    if (s == KILN_OK) s = cfg_int(c, "num_attention_heads", true, 0, &g->n_head);
-    if (s == KILN_OK) s = cfg_int(c, "num_key_value_heads", false, g->n_head, &g->n_kv_head);
-    if (s == KILN_OK) s = cfg_int(c, "intermediate_size", true, 0, &g->ffn_hidden);
-    if (s == KILN_OK) s = cfg_int(c, "vocab_size", true, 0, &g->vocab_size);
-    if (s == KILN_OK) s = cfg_int(c, "max_position_embeddings", true, 0, &g->block_size);
-    if (s == KILN_OK) s = cfg_int(c, "head_dim", false, 0, &head_dim);
-    if (s == KILN_OK) s = cfg_int(c, "sliding_window", false, 0, &window);
+    kiln_status s = cfg_int(c, "hidden_size", true, 0, 1, &g->n_embd);
+    if (s == KILN_OK) s = cfg_int(c, "num_hidden_layers", true, 0, 1, &g->n_layer);
+    if (s == KILN_OK) s = cfg_int(c, "num_attention_heads", true, 0, 1, &g->n_head);
+    if (s == KILN_OK) s = cfg_int(c, "num_key_value_heads", false, g->n_head, 1, &g->n_kv_head);
+    if (s == KILN_OK) s = cfg_int(c, "intermediate_size", true, 0, 1, &g->ffn_hidden);
+    if (s == KILN_OK) s = cfg_int(c, "vocab_size", true, 0, 1, &g->vocab_size);
+    if (s == KILN_OK) s = cfg_int(c, "max_position_embeddings", true, 0, 1, &g->block_size);
+    if (s == KILN_OK) s = cfg_int(c, "head_dim", false, 0, 1, &head_dim);
+    if (s == KILN_OK) s = cfg_int(c, "sliding_window", false, 0, 0, &window);
     if (s == KILN_OK) s = cfg_num(c, c->root, "rms_norm_eps", 1e-6, &g->norm_eps);
     if (s == KILN_OK) s = cfg_rope(c, &g->rope_theta, &g->rope_scaling);
     if (s != KILN_OK) return s;
@@ -146,13 +175,19 @@ static kiln_status config_llama(const hf_config *c, const char *type, kiln_gpt_c
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: head_dim %d is not hidden_size / num_attention_heads = %d", c->file,
                           head_dim, g->n_embd / g->n_head);
     int tp = 1;
-    if (cfg_int(c, "pretraining_tp", false, 1, &tp) == KILN_OK && tp != 1)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: pretraining_tp %d is not supported", c->file, tp);
-    g->tied = cfg_bool(c, "tie_word_embeddings", false);
-    g->bias = !strcmp(type, "qwen2") || cfg_bool(c, "attention_bias", false) || cfg_bool(c, "mlp_bias", false);
+    s = cfg_int(c, "pretraining_tp", false, 1, 1, &tp);
+    if (s != KILN_OK) return s;
+    if (tp != 1) return kiln_error(KILN_ERR_UNSUPPORTED, "%s: pretraining_tp %d is not supported", c->file, tp);
+    bool att_bias = false, mlp_bias = false, use_window = false;
+    s = cfg_bool(c, "tie_word_embeddings", false, &g->tied);
+    if (s == KILN_OK) s = cfg_bool(c, "attention_bias", false, &att_bias);
+    if (s == KILN_OK) s = cfg_bool(c, "mlp_bias", false, &mlp_bias);
+    if (s == KILN_OK) s = cfg_bool(c, "use_sliding_window", false, &use_window);
+    if (s != KILN_OK) return s;
+    g->bias = !strcmp(type, "qwen2") || att_bias || mlp_bias;
     /* A sliding window as long as the context or longer is full attention; a shorter
      * one would change the model past it, so the context stops there (exact below). */
-    bool sliding = !strcmp(type, "qwen2") ? cfg_bool(c, "use_sliding_window", false) : window > 0;
+    bool sliding = !strcmp(type, "qwen2") ? use_window : window > 0;
     if (sliding && window > 0 && window < g->block_size) g->block_size = window;
     return KILN_OK;
 }
@@ -160,12 +195,12 @@ static kiln_status config_llama(const hf_config *c, const char *type, kiln_gpt_c
 static kiln_status config_gpt2(const hf_config *c, kiln_gpt_config *g)
 {
     *g = kiln_gpt_config_gpt2();
-    kiln_status s = cfg_int(c, "n_embd", true, 0, &g->n_embd);
-    if (s == KILN_OK) s = cfg_int(c, "n_layer", true, 0, &g->n_layer);
-    if (s == KILN_OK) s = cfg_int(c, "n_head", true, 0, &g->n_head);
-    if (s == KILN_OK) s = cfg_int(c, "n_positions", true, 0, &g->block_size);
-    if (s == KILN_OK) s = cfg_int(c, "vocab_size", true, 0, &g->vocab_size);
-    if (s == KILN_OK) s = cfg_int(c, "n_inner", false, 0, &g->ffn_hidden);
+    kiln_status s = cfg_int(c, "n_embd", true, 0, 1, &g->n_embd);
+    if (s == KILN_OK) s = cfg_int(c, "n_layer", true, 0, 1, &g->n_layer);
+    if (s == KILN_OK) s = cfg_int(c, "n_head", true, 0, 1, &g->n_head);
+    if (s == KILN_OK) s = cfg_int(c, "n_positions", true, 0, 1, &g->block_size);
+    if (s == KILN_OK) s = cfg_int(c, "vocab_size", true, 0, 1, &g->vocab_size);
+    if (s == KILN_OK) s = cfg_int(c, "n_inner", false, 0, 1, &g->ffn_hidden);
     if (s == KILN_OK) s = cfg_num(c, c->root, "layer_norm_epsilon", 1e-5, &g->norm_eps);
     if (s != KILN_OK) return s;
     g->n_kv_head = g->n_head;
@@ -173,11 +208,14 @@ static kiln_status config_gpt2(const hf_config *c, kiln_gpt_config *g)
     if (act && strcmp(act, "gelu_new") && strcmp(act, "gelu_pytorch_tanh"))
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: activation_function '%s' is not supported (kiln's GELU is the tanh "
                           "form, gelu_new)", c->file, act);
-    if (cfg_bool(c, "scale_attn_by_inverse_layer_idx", false))
+    bool by_layer = false, scaled = true;
+    s = cfg_bool(c, "scale_attn_by_inverse_layer_idx", false, &by_layer);
+    if (s == KILN_OK) s = cfg_bool(c, "scale_attn_weights", true, &scaled);
+    if (s == KILN_OK) s = cfg_bool(c, "tie_word_embeddings", true, &g->tied);
+    if (s != KILN_OK) return s;
+    if (by_layer)
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: scale_attn_by_inverse_layer_idx is not supported", c->file);
-    if (!cfg_bool(c, "scale_attn_weights", true))
-        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: scale_attn_weights false is not supported", c->file);
-    g->tied = cfg_bool(c, "tie_word_embeddings", true);
+    if (!scaled) return kiln_error(KILN_ERR_UNSUPPORTED, "%s: scale_attn_weights false is not supported", c->file);
     return KILN_OK;
 }
 
@@ -185,16 +223,18 @@ static kiln_status read_config(const char *dir, kiln_gpt_config *g, kiln__family
 {
     char file[4200];
     snprintf(file, sizeof file, "%s/config.json", dir);
-    json_error_t err;
-    hf_config c = {file, json_load_file(file, 0, &err)};
-    if (!c.root) {
-        struct stat st;
-        return stat(file, &st) != 0 ? kiln_error(KILN_ERR_IO, "%s: cannot read it: not a Hugging Face model folder", file)
-                                    : kiln_error(KILN_ERR_FORMAT, "%s: line %d: %s", file, err.line, err.text);
-    }
+    hf_config c = {file, NULL};
+    if (!kiln__path_exists(file))
+        return kiln_error(KILN_ERR_IO, "%s: no such file: not a Hugging Face model folder", file);
+    kiln_status s = kiln__json_load(file, JSON_REJECT_DUPLICATES, &c.root);
+    if (s != KILN_OK) return s;
+    char q[48];
     const char *type = cfg_str(&c, "model_type");
-    kiln_status s;
-    if (!type) s = kiln_error(KILN_ERR_FORMAT, "%s: 'model_type' is missing", file);
+    if (!json_is_object(c.root)) s = kiln_error(KILN_ERR_FORMAT, "%s: not a JSON object", file);
+    else if (!json_object_get(c.root, "model_type")) s = kiln_error(KILN_ERR_FORMAT, "%s: 'model_type' is missing", file);
+    else if (!type)
+        s = kiln_error(KILN_ERR_FORMAT, "%s: 'model_type' must be a string, not %s", file,
+                       quote(json_object_get(c.root, "model_type"), q, sizeof q));
     else if (!strcmp(type, "llama") || !strcmp(type, "mistral") || !strcmp(type, "qwen2"))
         s = config_llama(&c, type, g), *fam = KILN__FAMILY_LLAMA;
     else if (!strcmp(type, "gpt2")) s = config_gpt2(&c, g), *fam = KILN__FAMILY_GPT2;
@@ -220,6 +260,7 @@ typedef struct {
     kiln_safetensors_t *f[MAX_FILES];
     bool *used[MAX_FILES];
     int n;
+    char refused[320]; /* why weight() refused a tensor it found (its type), else empty */
 } hf_weights;
 
 static void weights_free(hf_weights *w)
@@ -243,6 +284,8 @@ static kiln_status weights_add(hf_weights *w, const char *name)
     return w->used[w->n - 1] ? KILN_OK : kiln_error(KILN_ERR_OOM, "hf: out of memory");
 }
 
+static kiln_status check_no_duplicates(const hf_weights *w);
+
 /* model.safetensors, or every shard the index names (each once). */
 static kiln_status weights_open(hf_weights *w)
 {
@@ -250,10 +293,11 @@ static kiln_status weights_open(hf_weights *w)
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", w->dir);
     struct stat st;
     if (stat(path, &st) != 0) return weights_add(w, "model.safetensors");
-    json_error_t err;
-    json_t *root = json_load_file(path, 0, &err), *map = json_object_get(root, "weight_map");
-    if (!root) return kiln_error(KILN_ERR_FORMAT, "%s: line %d: %s", path, err.line, err.text);
-    kiln_status s = json_is_object(map) ? KILN_OK : kiln_error(KILN_ERR_FORMAT, "%s: no 'weight_map' object", path);
+    json_t *root = NULL;
+    kiln_status s = kiln__json_load(path, JSON_REJECT_DUPLICATES, &root);
+    if (s != KILN_OK) return s;
+    json_t *map = json_object_get(root, "weight_map");
+    s = json_is_object(map) ? KILN_OK : kiln_error(KILN_ERR_FORMAT, "%s: no 'weight_map' object", path);
     const char *key;
     json_t *v;
     /* the distinct shard names, in the order first met */
@@ -274,11 +318,13 @@ static kiln_status weights_open(hf_weights *w)
     }
     for (int i = 0; s == KILN_OK && i < nn; i++) s = weights_add(w, names[i]);
     json_decref(root);
-    return s;
+    return s == KILN_OK ? check_no_duplicates(w) : s;
 }
 
-/* The tensor called name (widened to f32; in the open scope), marked as used; NULL
- * when no file has it (no error set: the caller says what it needed). */
+/* The tensor called name as the file holds it (in the open scope), marked as used;
+ * NULL when no file has it (no error set: the caller says what it needed), or when it
+ * is not of a floating-point type (w->refused says so: an integer weight converted by
+ * value would be a different model). */
 static kiln_tensor_t *weight(hf_weights *w, const char *name)
 {
     for (int i = 0; i < w->n; i++)
@@ -286,9 +332,37 @@ static kiln_tensor_t *weight(hf_weights *w, const char *name)
             if (!strcmp(kiln_safetensors_name(w->f[i], j), name)) {
                 w->used[i][j] = true;
                 kiln_tensor_t *t = kiln_safetensors_view(w->f[i], name);
-                return t && kiln_tensor_dtype(t) != KILN_DTYPE_F32 ? kiln_cast(t, KILN_DTYPE_F32) : t;
+                kiln_dtype dt = t ? kiln_tensor_dtype(t) : KILN_DTYPE_F32;
+                if (dt != KILN_DTYPE_F32 && dt != KILN_DTYPE_BF16 && dt != KILN_DTYPE_F16 && dt != KILN_DTYPE_F64) {
+                    snprintf(w->refused, sizeof w->refused, "tensor '%s' is %s: a weight must be f32, bf16, f16 or f64",
+                             name, kiln_dtype_name(dt));
+                    return NULL;
+                }
+                return t;
             }
     return NULL;
+}
+
+static int by_name(const void *a, const void *b) { return strcmp(*(const char *const *)a, *(const char *const *)b); }
+
+/* No tensor is stored twice (in two shards): which copy is the model's is not ours to
+ * guess. */
+static kiln_status check_no_duplicates(const hf_weights *w)
+{
+    size_t total = 0, k = 0;
+    for (int i = 0; i < w->n; i++) total += (size_t)kiln_safetensors_count(w->f[i]);
+    const char **names = malloc((total + 1) * sizeof *names);
+    if (!names) return kiln_error(KILN_ERR_OOM, "hf: out of memory");
+    for (int i = 0; i < w->n; i++)
+        for (int j = 0; j < kiln_safetensors_count(w->f[i]); j++) names[k++] = kiln_safetensors_name(w->f[i], j);
+    qsort(names, total, sizeof *names, by_name);
+    kiln_status s = KILN_OK;
+    for (size_t i = 1; s == KILN_OK && i < total; i++)
+        if (!strcmp(names[i - 1], names[i]))
+            s = kiln_error(KILN_ERR_FORMAT, "%s: tensor '%s' is stored twice (in two of the model's files)", w->dir,
+                           names[i]);
+    free(names);
+    return s;
 }
 
 /* kiln's parameter names (docs/model.md) against the Hugging Face ones; LLaMA's q/k/v
@@ -424,6 +498,10 @@ static kiln_tensor_t *hf_param(const char *name, const int64_t *shape, int nd, v
     hf_source *h = ctx;
     char need[256];
     kiln_tensor_t *src = source(h->w, h->fam, h->prefix, name, shape, nd, need, sizeof need);
+    if (!src && *h->w->refused) {
+        kiln_error(KILN_ERR_FORMAT, "%s: %s", h->w->dir, h->w->refused);
+        return NULL;
+    }
     if (!src) {
         if (strstr(need, " rows (it is ")) kiln_error(KILN_ERR_FORMAT, "%s: %s", h->w->dir, need);
         else kiln_error(KILN_ERR_FORMAT, "%s: no tensor %s for kiln's %s", h->w->dir, need, name);
@@ -436,7 +514,10 @@ static kiln_tensor_t *hf_param(const char *name, const int64_t *shape, int nd, v
                    kiln_tensor_describe(src, a, sizeof a), name, b);
         return NULL;
     }
-    return kiln_tensor_is_contiguous(src) ? src : kiln_contiguous(src);
+    /* 16-bit and f64 weights widened or narrowed to kiln's f32 here, after the shape
+     * check, so that its message names the type the file holds */
+    if (kiln_tensor_dtype(src) != KILN_DTYPE_F32) src = kiln_cast(src, KILN_DTYPE_F32);
+    return !src || kiln_tensor_is_contiguous(src) ? src : kiln_contiguous(src);
 }
 
 /* Every tensor of the files has found its place, or the model is refused. */
@@ -534,7 +615,8 @@ static kiln_status remove_stale(const char *dir, bool new_tokenizer)
 {
     char path[4200];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-    json_t *root = json_load_file(path, 0, NULL);
+    json_t *root = NULL;
+    if (kiln__json_load(path, 0, &root) != KILN_OK) kiln_clear_error(); /* (none, or not ours to read: kept) */
     const char *key;
     json_t *v;
     json_object_foreach(json_object_get(root, "weight_map"), key, v)
@@ -641,11 +723,16 @@ bool kiln_hf_is_folder(const char *path)
     struct stat st;
     if (!path || stat(path, &st) != 0 || !S_ISDIR(st.st_mode)) return false;
     snprintf(file, sizeof file, "%s/config.json", path);
-    if (stat(file, &st) != 0) return false;
-    /* a config.json of Hugging Face's names a model_type (one of `kiln train`'s options
-     * does not) */
-    json_t *root = json_load_file(file, 0, NULL);
-    bool hf = json_is_string(json_object_get(root, "model_type"));
+    if (!kiln__path_exists(file)) return false;
+    /* A config.json of Hugging Face's names a model_type (one of `kiln train`'s option
+     * files does not). One that cannot be read or parsed is taken as Hugging Face's too,
+     * so that loading it reports what is wrong with it rather than a missing checkpoint
+     * (an option file beside a kiln checkpoint is never a broken one that matters). */
+    json_t *root = NULL;
+    kiln_status s = kiln__json_load(file, 0, &root);
+    bool hf = s != KILN_OK || !json_is_object(root) || json_object_get(root, "model_type") ||
+              json_object_get(root, "architectures");
     json_decref(root);
+    kiln_clear_error();
     return hf;
 }

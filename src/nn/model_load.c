@@ -1,10 +1,13 @@
 /* Loading a trained model as `kiln train` leaves it: a run folder (or the model file in
  * one) whose safetensors metadata names the config, the tokenizer and the chat template. */
+#include <errno.h>
 #include <stdbool.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 #include "kiln/io.h"
 #include "kiln/nn.h"
 #include "kiln/tokenizer.h"
@@ -71,6 +74,19 @@ static kiln_status hf_model(const char *dir, kiln_gpt_t **model, kiln_tokenizer_
     return KILN_OK;
 }
 
+/* Whether the file begins with GGUF's magic: such a file gets an error that says what
+ * it is, not one from the safetensors reader about an absurd header. */
+static bool is_gguf(const char *file)
+{
+    char magic[4] = {0};
+    int fd = open(file, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    struct stat st;
+    bool yes = fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && read(fd, magic, 4) == 4 &&
+               !memcmp(magic, "GGUF", 4);
+    if (fd >= 0) close(fd);
+    return yes;
+}
+
 kiln_status kiln_model_load(const char *path, kiln_gpt_t **model, kiln_tokenizer_t **tok, char **chat_template)
 {
     if (!path || !model || !tok) return kiln_error(KILN_ERR_ARG, "model_load: path, model and tok must not be NULL");
@@ -79,8 +95,18 @@ kiln_status kiln_model_load(const char *path, kiln_gpt_t **model, kiln_tokenizer
     if (chat_template) *chat_template = NULL;
     if (kiln_hf_is_folder(path)) return hf_model(path, model, tok);
     char dir[4096], file[4200];
+    struct stat st;
+    if (stat(path, &st) != 0)
+        return kiln_error(KILN_ERR_IO, "%s: %s (give a kiln run folder, its model file or a Hugging Face folder)", path,
+                          strerror(errno));
     kiln_status s = split_path(path, dir, sizeof dir, file, sizeof file);
+    if (s == KILN_OK && S_ISDIR(st.st_mode) && stat(file, &st) != 0)
+        return kiln_error(KILN_ERR_IO, "%s: neither a kiln run folder (no %s) nor a Hugging Face folder (no config.json)",
+                          path, MODEL_FILE);
     kiln_safetensors_t *f = NULL;
+    if (s == KILN_OK && is_gguf(file))
+        s = kiln_error(KILN_ERR_UNSUPPORTED, "%s is a GGUF file: kiln writes GGUF (kiln export gguf) but does not load "
+                       "it yet; give a kiln run folder or a Hugging Face folder", file);
     if (s == KILN_OK) s = kiln_safetensors_load(file, &f);
     if (s != KILN_OK) return s;
     const char *cfg_json = kiln_safetensors_meta(f, "config");

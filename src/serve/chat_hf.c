@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "kiln/serve.h"
+#include "io/json_file.h"
 #include "serve/openai.h"
 
 kiln_status kiln__chat_template_resolve(const char *what, char **out)
@@ -34,7 +35,13 @@ kiln_status kiln_chat_template_from_hf(const char *dir, char **out)
     *out = NULL;
     char path[4200];
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    json_t *root = json_load_file(path, 0, NULL), *t = json_object_get(root, "chat_template");
+    json_t *root = NULL;
+    /* no tokenizer_config.json: no template; one that is there but broken is an error
+     * naming what is wrong with it, not a silent fallback */
+    if (!kiln__path_exists(path)) return KILN_OK;
+    kiln_status ls = kiln__json_load(path, 0, &root);
+    if (ls != KILN_OK) return ls;
+    json_t *t = json_object_get(root, "chat_template");
     if (json_is_array(t)) { /* named templates: the "default" one, else the first */
         json_t *pick = json_array_get(t, 0), *e;
         size_t i;
