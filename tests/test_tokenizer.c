@@ -269,6 +269,49 @@ static void test_bpe_encodes_the_literal_eot_to_its_id(void **state)
     kiln_tokenizer_free(t);
 }
 
+/* Inside a plain span the special token's text is text: its bytes' ids, never its own
+ * id; outside the span (and in a span that only touches it) it is still the token. The
+ * oracle is the byte tokenizer's view of the same bytes: the ids decode back to them. */
+static void test_plain_spans_keep_special_text_as_text(void **state)
+{
+    (void)state;
+    kiln_tokenizer_t *t = train(300);
+    const char *s = "a<|endoftext|>b<|endoftext|>c";
+    int32_t eot = kiln_tokenizer_eot(t), *ids = NULL;
+    size_t n = 0, hits = 0;
+    /* the first token's text lies wholly in the span [1, 14); the second is outside */
+    kiln_text_span sp[1] = {{1, 14}};
+    assert_int_equal(kiln_tokenizer_encode_plain_new(t, s, strlen(s), sp, 1, 0, &ids, &n), KILN_OK);
+    for (size_t i = 0; i < n; i++) hits += ids[i] == eot;
+    assert_int_equal(hits, 1);
+    assert_true(n > 4); /* the first one's 13 bytes made text ids */
+    char *back = NULL;
+    assert_int_equal(kiln_tokenizer_decode(t, ids, n, &back), KILN_OK);
+    assert_string_equal(back, s);
+    free(back);
+    free(ids);
+    /* a span that only overlaps the token's last byte still keeps it from being taken */
+    kiln_text_span tail[1] = {{13, 15}};
+    assert_int_equal(kiln_tokenizer_encode_plain_new(t, s, strlen(s), tail, 1, 0, &ids, &n), KILN_OK);
+    hits = 0;
+    for (size_t i = 0; i < n; i++) hits += ids[i] == eot;
+    assert_int_equal(hits, 1);
+    free(ids);
+    /* a span that ends where the token begins does not */
+    kiln_text_span before[1] = {{0, 1}};
+    assert_int_equal(kiln_tokenizer_encode_plain_new(t, s, strlen(s), before, 1, 0, &ids, &n), KILN_OK);
+    hits = 0;
+    for (size_t i = 0; i < n; i++) hits += ids[i] == eot;
+    assert_int_equal(hits, 2);
+    free(ids);
+    /* spans out of order or past the text are refused */
+    kiln_text_span bad[2] = {{5, 9}, {2, 3}};
+    assert_int_equal(kiln_tokenizer_encode_plain_new(t, s, strlen(s), bad, 2, 0, &ids, &n), KILN_ERR_ARG);
+    kiln_text_span past[1] = {{5, 99}};
+    assert_int_equal(kiln_tokenizer_encode_plain_new(t, s, strlen(s), past, 1, 0, &ids, &n), KILN_ERR_ARG);
+    kiln_tokenizer_free(t);
+}
+
 /* The pieces the GPT-2 pattern cuts s[0..n) into are want[0..k). */
 static void pieces_are(const char *s, size_t n, const char *const *want, size_t k_want)
 {
@@ -759,6 +802,7 @@ int main(void)
         cmocka_unit_test(test_bpe_first_merge_is_the_most_frequent_pair),
         cmocka_unit_test(test_bpe_ties_go_to_the_smaller_pair),
         cmocka_unit_test(test_bpe_encodes_the_literal_eot_to_its_id),
+        cmocka_unit_test(test_plain_spans_keep_special_text_as_text),
         cmocka_unit_test(test_pretokenizer_follows_the_gpt2_split),
         cmocka_unit_test(test_pretokenizer_uses_unicode_classes),
         cmocka_unit_test(test_save_then_load_gives_identical_encodings),

@@ -115,6 +115,20 @@ kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, s
 kiln_status kiln_tokenizer_encode_new(const kiln_tokenizer_t *t, const char *text, size_t len, size_t extra,
                                       int32_t **ids, size_t *n_out);
 
+/* A byte range [begin, end) of a text. */
+typedef struct {
+    size_t begin, end;
+} kiln_text_span;
+
+/* kiln_tokenizer_encode_new where special tokens are not recognised inside the spans
+ * plain[0..n_plain) (sorted by begin, not overlapping, within the text): the text
+ * there is tokenized as text even where it spells a special token, so that a chat
+ * message holding "<|im_end|>" cannot close its turn and forge another. A special
+ * token that would start or end inside a span is not taken either. */
+kiln_status kiln_tokenizer_encode_plain_new(const kiln_tokenizer_t *t, const char *text, size_t len,
+                                            const kiln_text_span *plain, int n_plain, size_t extra, int32_t **ids,
+                                            size_t *n_out);
+
 /* Decodes ids[0..n) into a new malloc'd NUL-terminated string the caller frees; the bytes
  * may themselves hold NULs. An id outside [0, vocab size) is KILN_ERR_INDEX. A
  * SentencePiece-style decoder strips the text's leading space, as `tokenizers` does, so

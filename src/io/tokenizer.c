@@ -194,10 +194,36 @@ static kiln_status encode_segment(const kiln_tokenizer_t *t, kiln__bpe_scratch *
     return st;
 }
 
+/* The first place at or after from where the special token tp[0..tl) occurs in s[0..len)
+ * and overlaps none of the plain spans; SIZE_MAX when there is none. */
+static size_t special_at(const uint8_t *s, size_t len, size_t from, const uint8_t *tp, size_t tl,
+                         const kiln_text_span *plain, int n_plain)
+{
+    while (tl && from < len) {
+        const uint8_t *h = kiln__find_bytes(s + from, len - from, tp, tl);
+        if (!h) return SIZE_MAX;
+        size_t at = (size_t)(h - s);
+        int k = 0;
+        while (k < n_plain && plain[k].end <= at) k++;
+        if (k == n_plain || plain[k].begin >= at + tl) return at; /* (spans sorted: the first that may overlap) */
+        from = at + 1;
+    }
+    return SIZE_MAX;
+}
+
+static kiln_status encode(const kiln_tokenizer_t *t, const char *text, size_t len, const kiln_text_span *plain,
+                          int n_plain, int32_t *ids, size_t cap, size_t *n_out);
+
 kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, size_t len, int32_t *ids,
                                   size_t cap, size_t *n_out)
 {
-    if (!t || !n_out || (!text && len) || (!ids && cap))
+    return encode(t, text, len, NULL, 0, ids, cap, n_out);
+}
+
+static kiln_status encode(const kiln_tokenizer_t *t, const char *text, size_t len, const kiln_text_span *plain,
+                          int n_plain, int32_t *ids, size_t cap, size_t *n_out)
+{
+    if (!t || !n_out || (!text && len) || (!ids && cap) || (!plain && n_plain))
         return kiln_error(KILN_ERR_ARG, "kiln_tokenizer_encode: NULL tokenizer, text, ids or n_out");
     const uint8_t *s = (const uint8_t *)text;
     id_sink out = {ids, cap, 0};
@@ -214,8 +240,7 @@ kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, s
         for (int k = 0; k < t->n_special; k++) {
             size_t tl;
             const uint8_t *tp = kiln__token_text(t, t->special_id[k], &tl);
-            const uint8_t *h = tl ? kiln__find_bytes(s, len, tp, tl) : NULL;
-            hits[k] = h ? (size_t)(h - s) : SIZE_MAX;
+            hits[k] = special_at(s, len, 0, tp, tl, plain, n_plain);
         }
         kiln__bpe_scratch sc = {0};
         kiln__pretok pt = {0}; /* char-level tokenizers match no pattern */
@@ -231,10 +256,7 @@ kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, s
                 int32_t id = t->special_id[k];
                 size_t tl;
                 const uint8_t *tp = kiln__token_text(t, id, &tl);
-                if (hits[k] != SIZE_MAX && hits[k] < pos) {
-                    const uint8_t *h = kiln__find_bytes(s + pos, len - pos, tp, tl);
-                    hits[k] = h ? (size_t)(h - s) : SIZE_MAX;
-                }
+                if (hits[k] != SIZE_MAX && hits[k] < pos) hits[k] = special_at(s, len, pos, tp, tl, plain, n_plain);
                 if (hits[k] != SIZE_MAX && (hits[k] < best || (hits[k] == best && tl > best_len))) {
                     best = hits[k];
                     best_len = tl;
@@ -267,7 +289,18 @@ kiln_status kiln_tokenizer_encode(const kiln_tokenizer_t *t, const char *text, s
 kiln_status kiln_tokenizer_encode_new(const kiln_tokenizer_t *t, const char *text, size_t len, size_t extra,
                                       int32_t **ids, size_t *n_out)
 {
+    return kiln_tokenizer_encode_plain_new(t, text, len, NULL, 0, extra, ids, n_out);
+}
+
+kiln_status kiln_tokenizer_encode_plain_new(const kiln_tokenizer_t *t, const char *text, size_t len,
+                                            const kiln_text_span *plain, int n_plain, size_t extra, int32_t **ids,
+                                            size_t *n_out)
+{
     if (!ids || !n_out) return kiln_error(KILN_ERR_ARG, "kiln_tokenizer_encode_new: NULL ids or n_out");
+    for (int k = 0; k < n_plain; k++)
+        if (plain[k].begin > plain[k].end || plain[k].end > len || (k && plain[k].begin < plain[k - 1].end))
+            return kiln_error(KILN_ERR_ARG, "kiln_tokenizer_encode_plain_new: span %d [%zu, %zu) is not sorted, "
+                              "apart from the others and within the %zu-byte text", k, plain[k].begin, plain[k].end, len);
     *ids = NULL;
     *n_out = 0;
     /* an id a byte is almost always enough; the rare text that makes more is encoded
@@ -278,7 +311,7 @@ kiln_status kiln_tokenizer_encode_new(const kiln_tokenizer_t *t, const char *tex
     for (int pass = 0; pass < 2; pass++) {
         int32_t *buf = malloc(sizeof *buf * (cap + extra));
         if (!buf) return kiln_error(KILN_ERR_OOM, "kiln_tokenizer_encode: out of memory for %zu ids", cap + extra);
-        kiln_status s = kiln_tokenizer_encode(t, text, len, buf, cap, &n);
+        kiln_status s = encode(t, text, len, plain, n_plain, buf, cap, &n);
         if (s == KILN_OK) {
             *ids = buf;
             *n_out = n;

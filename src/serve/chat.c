@@ -113,12 +113,26 @@ static bool put(char **out, size_t *len, size_t *cap, const char *s, size_t n)
     return true;
 }
 
+bool kiln__chat_role_known(const char *role)
+{
+    static const char *const known[] = {"system", "developer", "user", "assistant", "tool", "function"};
+    for (size_t i = 0; role && i < sizeof known / sizeof known[0]; i++)
+        if (!strcmp(role, known[i])) return true;
+    return false;
+}
+
 char *kiln__chat_render(const kiln__chat_template *t, const kiln__chat_msg *msgs, int n)
+{
+    return kiln__chat_render_spans(t, msgs, n, NULL);
+}
+
+char *kiln__chat_render_spans(const kiln__chat_template *t, const kiln__chat_msg *msgs, int n, kiln_text_span *spans)
 {
     char *out = NULL;
     size_t len = 0, cap = 0;
     bool ok = put(&out, &len, &cap, t->prefix ? t->prefix : "", t->prefix ? strlen(t->prefix) : 0);
     for (int i = 0; i < n && ok; i++) {
+        if (spans) spans[i].begin = spans[i].end = len; /* (a form without {content}: an empty span) */
         const char *form = t->message; /* the role's own message, where the template has one */
         for (int r = 0; r < t->n_roles; r++)
             if (!strcmp(t->role[r], msgs[i].role)) form = t->role_message[r];
@@ -127,7 +141,10 @@ char *kiln__chat_render(const kiln__chat_template *t, const kiln__chat_msg *msgs
                 ok = put(&out, &len, &cap, msgs[i].role, strlen(msgs[i].role));
                 p += 6;
             } else if (!strncmp(p, "{content}", 9)) {
+                /* (a form with {content} twice: the span is its last place) */
+                if (spans) spans[i].begin = len;
                 ok = put(&out, &len, &cap, msgs[i].content, strlen(msgs[i].content));
+                if (spans) spans[i].end = len;
                 p += 9;
             } else {
                 ok = put(&out, &len, &cap, p, 1);

@@ -15,8 +15,14 @@ enum MHD_Result kiln__serve_models(kiln_server_t *s, struct MHD_Connection *conn
 
 bool kiln__serve_encode(kiln_server_t *s, const char *text, size_t len, int32_t **ids, int *n)
 {
+    return kiln__serve_encode_plain(s, text, len, NULL, 0, ids, n);
+}
+
+bool kiln__serve_encode_plain(kiln_server_t *s, const char *text, size_t len, const kiln_text_span *plain, int n_plain,
+                              int32_t **ids, int *n)
+{
     size_t got = 0;
-    if (kiln_tokenizer_encode_new(s->tok, text, len, 0, ids, &got) != KILN_OK) return false;
+    if (kiln_tokenizer_encode_plain_new(s->tok, text, len, plain, n_plain, 0, ids, &got) != KILN_OK) return false;
     if (got > INT_MAX) {
         free(*ids);
         *ids = NULL;

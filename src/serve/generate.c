@@ -56,9 +56,12 @@ static enum MHD_Result generate(kiln_server_t *s, struct MHD_Connection *conn, c
     if (q->model && strcmp(q->model, s->name))
         FAIL(404, "model", "model_not_found", "The model '%s' does not exist; this server has '%s'", q->model, s->name);
     if (chat) {
-        char *p = kiln__chat_render(&s->tmpl, q->msgs, q->n_msgs);
-        bool ok = p && kiln__serve_encode(s, p, strlen(p), &ids, &n_ids);
+        kiln_text_span *spans = malloc(sizeof *spans * (size_t)q->n_msgs);
+        char *p = spans ? kiln__chat_render_spans(&s->tmpl, q->msgs, q->n_msgs, spans) : NULL;
+        bool ok = p && kiln__serve_encode_plain(s, p, strlen(p), q->parse_special ? NULL : spans,
+                                                q->parse_special ? 0 : q->n_msgs, &ids, &n_ids);
         free(p);
+        free(spans);
         if (!ok) FAIL(500, NULL, NULL, "could not render or tokenize the messages: %s", kiln_last_error());
     } else if (q->prompt) {
         if (!kiln__serve_encode(s, q->prompt, q->prompt_len, &ids, &n_ids))

@@ -129,6 +129,9 @@ static int parse_messages(ctx *c, json_t *v, kiln__oai_req *r)
         if (!json_is_object(m)) return bad(c, "messages", "messages[%zu] must be an object", i);
         if (!json_is_string(role) || json_string_length(role) == 0 || json_string_length(role) > 64)
             return bad(c, "messages", "messages[%zu].role must be a non-empty string", i);
+        if (!kiln__chat_role_known(json_string_value(role)))
+            return bad(c, "messages", "messages[%zu].role '%.64s' is not one of system, developer, user, assistant, "
+                       "tool and function", i, json_string_value(role));
         r->n_msgs = (int)i + 1;
         if (!(r->msgs[i].role = dup_n(json_string_value(role), json_string_length(role)))) return bad(c, NULL, "out of memory");
         int s = parse_content(c, json_object_get(m, "content"), i, &r->msgs[i].content);
@@ -185,6 +188,7 @@ static int parse_object(ctx *c, json_t *o, bool chat, kiln__oai_req *r)
             return bad(c, "stream_options", "'stream_options.include_usage' must be true or false");
         r->include_usage = json_is_true(iu);
     }
+    if (chat && (s = get(c, o, "parse_special", T_BOOL, 0, 0, &r->parse_special))) return s;
     if (chat) {
         bool lp = false;
         int top = 0;

@@ -7,6 +7,7 @@
 #include <stdbool.h>
 #include <stddef.h>
 #include <stdint.h>
+#include "kiln/tokenizer.h" /* kiln_text_span */
 
 #define KILN__MAX_STOPS 8 /* 4 from the request, the rest from the chat template */
 #define KILN__MAX_N 16
@@ -34,6 +35,8 @@ typedef struct {
     uint64_t seed;
     bool stream, include_usage;
     int logprobs;                 /* -1: none, else how many alternatives (0..20) */
+    bool parse_special;           /* chat: special-token text in contents taken as the tokens (kiln's
+                                     "parse_special": true); by default it is plain text */
 } kiln__oai_req;
 
 /* Parses body[0..len). 0 on success; else the HTTP status (400), with a message in
@@ -65,8 +68,15 @@ kiln_status kiln__chat_template_resolve(const char *what, char **out);
 /* Parses a template (kiln_chat_template_default's format); false with a reason in err. */
 bool kiln__chat_template_parse(const char *json, kiln__chat_template *t, char *err, size_t n_err);
 void kiln__chat_template_free(kiln__chat_template *t);
-/* The prompt for msgs: a new string, or NULL when out of memory. */
+/* The prompt for msgs: a new string, or NULL when out of memory. With spans (room for n)
+ * non-NULL, spans[i] is where message i's content lies in it, for the tokenizer to
+ * read as plain text (kiln_tokenizer_encode_plain_new). */
 char *kiln__chat_render(const kiln__chat_template *t, const kiln__chat_msg *msgs, int n);
+char *kiln__chat_render_spans(const kiln__chat_template *t, const kiln__chat_msg *msgs, int n, kiln_text_span *spans);
+
+/* Whether role is one a chat message may have (system, developer, user, assistant, tool,
+ * function): any other is refused, so that a role cannot carry template text. */
+bool kiln__chat_role_known(const char *role);
 
 /* ---- the text of one generated sequence ----
  * Tokens arrive as bytes; the client must see valid UTF-8 (invalid bytes become

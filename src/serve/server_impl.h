@@ -148,6 +148,9 @@ enum MHD_Result kiln__serve_tokenize(kiln_server_t *s, struct MHD_Connection *co
 enum MHD_Result kiln__serve_detokenize(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs);
 /* Tokenizes text; *ids is malloc'd. */
 bool kiln__serve_encode(kiln_server_t *s, const char *text, size_t len, int32_t **ids, int *n);
+/* The same with special tokens not recognised inside plain[0..n_plain) (chat contents). */
+bool kiln__serve_encode_plain(kiln_server_t *s, const char *text, size_t len, const kiln_text_span *plain, int n_plain,
+                              int32_t **ids, int *n);
 
 /* ---- jobs.c ---- */
 
