@@ -456,6 +456,11 @@ static void doctor_lists_mpi_and_switches(void **state)
     char out[16384];
     int rc = run(out, sizeof out, "%s doctor", tool());
     if (rc != 0) fail_msg("kiln doctor failed (a FAIL row?): %s", out);
+    /* the summary comes first; the switches only under --switches */
+    assert_true(strstr(out, " rows: ") && strstr(out, " rows: ") < strstr(out, "OK  "));
+    assert_null(strstr(out, "POOL_SPIN"));
+    rc = run(out, sizeof out, "%s doctor --switches", tool());
+    if (rc != 0) fail_msg("kiln doctor --switches failed (a FAIL row?): %s", out);
     assert_non_null(strstr(out, "mpi  "));
     assert_non_null(strstr(out, "Open MPI"));
     assert_non_null(strstr(out, "POOL_SPIN"));

@@ -96,6 +96,9 @@ static const compat_rule compat_rules[] = {
      "language's command at it in languages.json (docs/ext.md)", "kiln_ext_compiler_found (src/ext/lang.c)"},
     {"env-valid", "every KILN_* variable set holds a value of its type and range", V_FAIL, {0},
      "set the value the message asks for, or unset it", "src/core/env.def (kiln doctor --env)"},
+    {"env-honoured", "kiln does what a KILN_* variable set asks (KILN_DEVICE names a device that is here)", V_WARN,
+     {0}, "name a device kiln doctor lists under devices:, or unset it",
+     "src/core/backend.c: a KILN_DEVICE that is not here leaves the cpu"},
     {"rendezvous-complete", "KILN_MASTER_ADDR comes with KILN_MASTER_PORT", V_WARN, {0}, "set KILN_MASTER_PORT too",
      "src/dist/rendezvous.c needs both"},
     {"rendezvous-resolves", "KILN_MASTER_ADDR resolves", V_FAIL, {0}, "use rank 0's IP address, or a name this "
@@ -131,6 +134,35 @@ typedef struct {
     int n, cap;
 } report;
 
+/* s rewritten in place so that it can be shown and put in JSON: a byte that is not part
+ * of valid UTF-8, and a control character, become \xNN (cut where the buffer of n
+ * bytes ends, never inside an escape). */
+static void shown(char *s, size_t n)
+{
+    char out[1024];
+    size_t o = 0, cap = sizeof out < n ? sizeof out : n;
+    const unsigned char *p = (const unsigned char *)s;
+    while (*p && o + 5 < cap) {
+        int len = *p < 0x80 ? 1 : (*p & 0xE0) == 0xC0 && *p >= 0xC2 ? 2 : (*p & 0xF0) == 0xE0 ? 3
+                  : (*p & 0xF8) == 0xF0 && *p <= 0xF4 ? 4 : 0;
+        for (int k = 1; k < len; k++)
+            if ((p[k] & 0xC0) != 0x80) len = 0;
+        /* overlong three-byte forms and surrogates are not UTF-8 either */
+        if (len == 3 && ((*p == 0xE0 && p[1] < 0xA0) || (*p == 0xED && p[1] >= 0xA0))) len = 0;
+        if (len == 4 && ((*p == 0xF0 && p[1] < 0x90) || (*p == 0xF4 && p[1] >= 0x90))) len = 0;
+        if (len == 1 && (*p < 0x20 || *p == 0x7F)) len = 0;
+        if (len == 0) {
+            o += (size_t)snprintf(out + o, cap - o, "\\x%02X", *p++);
+            continue;
+        }
+        if (o + (size_t)len >= cap) break;
+        memcpy(out + o, p, (size_t)len);
+        o += (size_t)len, p += len;
+    }
+    out[o] = '\0';
+    memcpy(s, out, o + 1);
+}
+
 static row *add(report *rep, const char *name, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static row *add(report *rep, const char *name, const char *fmt, ...)
 {
@@ -150,6 +182,7 @@ static row *add(report *rep, const char *name, const char *fmt, ...)
     va_start(ap, fmt);
     vsnprintf(w->value, sizeof w->value, fmt, ap);
     va_end(ap);
+    shown(w->value, sizeof w->value);
     return w;
 }
 
@@ -178,6 +211,7 @@ static void broke(row *w, const char *id, const char *fix_fmt, ...)
     va_start(ap, fix_fmt);
     vsnprintf(w->fix, sizeof w->fix, fix_fmt, ap);
     va_end(ap);
+    shown(w->fix, sizeof w->fix);
 }
 
 /* ---- small helpers ---- */
@@ -538,6 +572,16 @@ static void check_env(report *rep)
         row *w = add(rep, v.name, "=%s: %s", v.value, v.help);
         if (kiln_env_check(v.name) == KILN_OK) held(w, "env-valid");
         else broke(w, "env-valid", "%s", kiln_last_error());
+        if (!strcmp(v.name, "KILN_DEVICE")) {
+            /* the device kiln took from it: "opencl" is opencl:0 */
+            const char *cur = kiln_device();
+            size_t n = strlen(v.value);
+            bool same = !strcmp(cur, v.value) || (!strchr(v.value, ':') && !strncmp(cur, v.value, n) &&
+                                                  !strcmp(cur + n, ":0"));
+            if (same) held(w, "env-honoured");
+            else broke(w, "env-honoured", "KILN_DEVICE=%s is not a device here, so kiln uses %s: name one kiln doctor "
+                       "lists under devices:, or unset it", v.value, cur);
+        }
     }
     if (!set) add(rep, "environment", "no KILN_* variable set (kiln doctor --env lists the %d kiln reads)", kiln_env_count());
 }
@@ -611,30 +655,34 @@ static void check_rendezvous(report *rep)
 
 /* ---- output ---- */
 
-static void print_text(const report *rep)
+static void print_text(const report *rep, bool switches)
 {
     int w = 8, count[3] = {0, 0, 0};
     for (int i = 0; i < rep->n; i++) w = (int)strlen(rep->r[i].name) > w ? (int)strlen(rep->r[i].name) : w;
-    for (int i = 0; i < rep->n; i++) {
-        const row *r = &rep->r[i];
-        count[r->v]++;
-        printf("%-4s  %-*s  %s", verdict_names[r->v], w, r->name, r->value);
-        if (*r->rules) printf("  [%s]", r->rules);
-        printf("\n");
-        if (r->v != V_OK) printf("%-4s  %-*s  fix: %s\n", "", w, "", r->fix);
-    }
+    for (int i = 0; i < rep->n; i++) count[rep->r[i].v]++;
+    printf("%d rows: %d OK, %d WARN, %d FAIL (docs/doctor.md; kiln doctor --rules lists the rules, --env the "
+           "variables, --switches the optimization switches)\n", rep->n, count[V_OK], count[V_WARN], count[V_FAIL]);
+    /* what needs doing first: the FAIL and WARN rows, then the rest */
+    for (int pass = 0; pass < 2; pass++)
+        for (int i = 0; i < rep->n; i++) {
+            const row *r = &rep->r[i];
+            if ((r->v == V_OK) != (pass == 1)) continue;
+            printf("%-4s  %-*s  %s", verdict_names[r->v], w, r->name, r->value);
+            if (*r->rules) printf("  [%s]", r->rules);
+            printf("\n");
+            if (r->v != V_OK) printf("%-4s  %-*s  fix: %s\n", "", w, "", r->fix);
+        }
     printf("devices:\n");
     for (int i = 0; i < kiln_device_count(); i++) {
         char buf[512];
         printf("  %s\n", kiln_device_describe(i, buf, sizeof buf) ? buf : kiln_device_name(i));
     }
+    if (!switches) return;
     printf("optimization switches (KILN_OPT_<NAME>=0|1; the compiler's stages also KILN_COMPILE_DISABLE=<stage>,...):\n");
     int sw = 0;
     for (int i = 0; i < kiln_opt_count(); i++) sw = (int)strlen(kiln_opt_name(i)) > sw ? (int)strlen(kiln_opt_name(i)) : sw;
     for (int i = 0; i < kiln_opt_count(); i++)
         printf("  %-*s %s  %s\n", sw, kiln_opt_name(i), kiln_opt_enabled(i) ? "on " : "off", kiln_opt_help(i));
-    printf("%d rows: %d OK, %d WARN, %d FAIL (docs/doctor.md; kiln doctor --rules lists the rules, kiln doctor "
-           "--env the variables)\n", rep->n, count[V_OK], count[V_WARN], count[V_FAIL]);
 }
 
 static int print_json(const report *rep)
@@ -736,7 +784,7 @@ static int doctor_ops(const char *ops)
 int cmd_doctor(int argc, char **argv)
 {
     const char *ops = NULL, *languages = NULL;
-    bool env = false, markdown = false, json = false, rules = false;
+    bool env = false, markdown = false, json = false, rules = false, switches = false;
     const cli_opt opts[] = {
         {"json", OPT_FLAG, &json, "the rows as a JSON array of {name, verdict, value, fix, rules}, for scripts"},
         {"languages", OPT_STRING, &languages, "a languages.json (default: $XDG_CONFIG_HOME/kiln/languages.json)"},
@@ -744,10 +792,11 @@ int cmd_doctor(int argc, char **argv)
         {"ops", OPT_STRING, &ops, "print which ops DEVICE runs with its own kernels and which on the cpu"},
         {"env", OPT_FLAG, &env, "print every KILN_* environment variable kiln reads: type, value here, meaning, default"},
         {"markdown", OPT_FLAG, &markdown, "with --env: as a Markdown table (docs/env.md)"},
+        {"switches", OPT_FLAG, &switches, "also list the optimization switches (KILN_OPT_*) and whether each is on"},
         {NULL, 0, NULL, NULL},
     };
     int r = cli_parse("doctor",
-                      "[--json] [--languages FILE] | --rules | --ops DEVICE | --env [--markdown]\n\n"
+                      "[--json] [--switches] [--languages FILE] | --rules | --ops DEVICE | --env [--markdown]\n\n"
                       "Checks every layer kiln stands on (build, compilers, BLAS, MPI, libmicrohttpd, OpenCL, CUDA\n"
                       "and NCCL, the processor, threads, the kernel cache, extension languages, KILN_* variables,\n"
                       "the rendezvous address): one row each, OK, WARN or FAIL, with how to fix a WARN or FAIL.\n"
@@ -773,7 +822,7 @@ int cmd_doctor(int argc, char **argv)
     check_languages(&rep, languages);
     check_env(&rep);
     check_rendezvous(&rep);
-    int rc = json ? print_json(&rep) : (print_text(&rep), 0);
+    int rc = json ? print_json(&rep) : (print_text(&rep, switches), 0);
     for (int i = 0; i < rep.n && !rc; i++) rc = rep.r[i].v == V_FAIL;
     free(rep.r);
     return rc;

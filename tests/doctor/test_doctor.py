@@ -88,7 +88,29 @@ def main():
     check(rows.get("rendezvous", {}).get("verdict") == "OK", "no KILN_MASTER_ADDR: the rendezvous row is OK")
     for name in ("kiln", "compiler", "jit-compiler", "blas", "mpi", "libmicrohttpd", "cuda", "nccl", "cpu", "threads"):
         check(name in rows, "a %s row" % name)
-    check("devices:\n  cpu: " in out and "DEVICE_GRAPHS" in out, "the devices and switches follow the rows")
+    check("devices:\n  cpu: " in out and "DEVICE_GRAPHS" not in out, "the devices follow the rows, not the switches")
+    check(re.match(r"\d+ rows: \d+ OK, \d+ WARN, \d+ FAIL", out) is not None, "the summary comes first: " + out[:80])
+    sw = subprocess.run([a.kiln, "doctor", "--switches"], env=base, capture_output=True, text=True, timeout=120)
+    check("DEVICE_GRAPHS" in sw.stdout, "--switches lists the optimization switches")
+
+    # A variable kiln will not honour is a WARN; one whose value is not UTF-8 is escaped.
+    rc, text, out, rows = doctor(a.kiln, dict(base, KILN_DEVICE="garbage"))
+    dev = rows.get("KILN_DEVICE", {})
+    check(dev.get("verdict") == "WARN" and "env-honoured" in dev.get("rules", []) and "uses cpu" in dev.get("fix", ""),
+          "KILN_DEVICE=garbage is a WARN under env-honoured: %s" % dev)
+    check(text.get("KILN_DEVICE") == "WARN", "and so in the text form")
+    rc, text, out, rows = doctor(a.kiln, dict(base, KILN_DEVICE="cpu"))
+    check(rows.get("KILN_DEVICE", {}).get("verdict") == "OK", "KILN_DEVICE=cpu is OK")
+    envb = {k.encode(): v.encode() for k, v in base.items()}
+    envb[b"KILN_CACHE_DIR"] = os.path.join(a.workdir, "cache").encode() + b"\xff\x01"
+    j = subprocess.run([a.kiln, "doctor", "--json"], env=envb, capture_output=True, timeout=120)
+    try:
+        jrows = {r["name"]: r for r in json.loads(j.stdout)}
+    except ValueError:
+        jrows = {}
+    cd = jrows.get("KILN_CACHE_DIR", {})
+    check("\\xFF\\x01" in cd.get("value", "") and "fix" in cd,
+          "a value that is not UTF-8 keeps its value and fix in --json, escaped: %s" % cd)
 
     # A compiler that is not there, cc missing from PATH, an unwritable cache.
     empty = os.path.join(a.workdir, "empty-bin")
