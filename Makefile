@@ -37,7 +37,7 @@ asan: deps test-deps
 	@cmake --build build-asan -j $(JOBS)
 	@ctest --test-dir build-asan --output-on-failure -j $(JOBS)
 
-# A bounded libFuzzer run over the server's request parser (FUZZ_SECONDS, default 120).
+# Bounded libFuzzer runs over the parsers of outside input (FUZZ_SECONDS each, default 120).
 fuzz:
 	@sh scripts/fuzz.sh
 

@@ -1,11 +1,20 @@
 #!/bin/sh
-# A bounded libFuzzer run over the server's request parser, chat templates and text
-# stream (tests/fuzz/fuzz_openai.c): FUZZ_SECONDS (default 120) of fuzzing from a small
-# seed corpus. Exits non-zero on a crash, a sanitizer report or a broken invariant.
+# Bounded libFuzzer runs, one per target (tests/fuzz/fuzz.cmake), FUZZ_SECONDS each
+# (default 120), from seed corpora: the server's request parser, chat templates and text
+# stream (fuzz_openai, seeds below); flex attention's expressions and preset specs
+# (fuzz_flex) and the model files: Hugging Face config.json, tokenizer.json and
+# safetensors (fuzz_model_files), seeds in tests/fuzz/corpus/, depth and size seeds
+# among them (nesting 20,000 deep, 60,000 unary operators, 40 KB arrays). The whole
+# library is built with clang, the fuzzer's coverage and ASan+UBSan. Exits non-zero on a
+# crash, a sanitizer report, a stack overflow or a broken invariant; the input that did
+# it is left as crash-* (or timeout-*, leak-*) in the current folder.
 #   sh scripts/fuzz.sh [BUILD_DIR]
+#   FUZZ_TARGETS="fuzz_flex" FUZZ_SECONDS=600 sh scripts/fuzz.sh    one target, longer
 set -eu
 build=${1:-build-fuzz}
 seconds=${FUZZ_SECONDS:-120}
+targets=${FUZZ_TARGETS:-fuzz_openai fuzz_flex fuzz_model_files}
+src=$(pwd)
 if ! command -v clang >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
     export DEBIAN_FRONTEND=noninteractive
@@ -16,14 +25,28 @@ if ! command -v clang >/dev/null 2>&1; then
   fi
 fi
 CC=clang cmake -S . -B "$build" -DCMAKE_BUILD_TYPE=Debug -DKILN_FUZZ=ON >/dev/null
-cmake --build "$build" --target fuzz_openai -j "$(nproc)" >/dev/null
-corpus=$(mktemp -d)
-trap 'rm -rf "$corpus"' EXIT
-# Seeds: the first byte picks the mode (0 completions, 1 chat, 2 template, 3 stream).
-printf '\000{"prompt":"hi","max_tokens":5,"stop":["a"],"n":2,"seed":1,"logprobs":2}' >"$corpus/c1"
-printf '\000{"prompt":[1,2,3],"stream":true,"stream_options":{"include_usage":true}}' >"$corpus/c2"
-printf '\001{"messages":[{"role":"user","content":[{"type":"text","text":"x"}]}],"top_logprobs":1,"logprobs":true}' >"$corpus/c3"
-printf '\002{"message":"{role}: {content}\\n","generation":"assistant:","stop":["\\nuser:"]}' >"$corpus/c4"
-printf '\003|caf\303|\251 \342\202|\254 \nus|er: x' >"$corpus/c5"
-echo "fuzz: $seconds s over the request parser, chat templates and text stream"
-"$build/fuzz_openai" -max_total_time="$seconds" -max_len=4096 -timeout=10 -print_final_stats=1 "$corpus" 2>&1 | tail -15
+# shellcheck disable=SC2086
+cmake --build "$build" --target $targets -j "$(nproc)" >/dev/null
+work=$(mktemp -d)
+trap 'rm -rf "$work"' EXIT
+# fuzz_openai's seeds: the first byte picks the mode (0 completions, 1 chat, 2 template, 3 stream).
+mkdir -p "$work/fuzz_openai"
+c="$work/fuzz_openai"
+printf '\000{"prompt":"hi","max_tokens":5,"stop":["a"],"n":2,"seed":1,"logprobs":2}' >"$c/c1"
+printf '\000{"prompt":[1,2,3],"stream":true,"stream_options":{"include_usage":true}}' >"$c/c2"
+printf '\001{"messages":[{"role":"user","content":[{"type":"text","text":"x"}]}],"top_logprobs":1,"logprobs":true}' >"$c/c3"
+printf '\002{"message":"{role}: {content}\\n","generation":"assistant:","stop":["\\nuser:"]}' >"$c/c4"
+printf '\003|caf\303|\251 \342\202|\254 \nus|er: x' >"$c/c5"
+cp -r "$src/tests/fuzz/corpus/flex" "$work/fuzz_flex"
+cp -r "$src/tests/fuzz/corpus/model_files" "$work/fuzz_model_files"
+for t in $targets; do
+  echo "fuzz: $t for $seconds s"
+  # -rss_limit_mb: a parser that allocates without bound is a finding, not a slow run
+  "$build/$t" -max_total_time="$seconds" -max_len=131072 -timeout=20 -rss_limit_mb=2048 -print_final_stats=1 \
+    "$work/$t" >"$work/$t.log" 2>&1 || {
+    tail -40 "$work/$t.log"
+    echo "fuzz: $t found a failure (its input is the crash-*, timeout-* or oom-* file here)" >&2
+    exit 1
+  }
+  grep -E "^(Done|stat::number_of_executed_units)" "$work/$t.log" | head -2
+done
