@@ -55,26 +55,21 @@ static void node_clear(kiln__node *n)
 /* Iterative, so that freeing a deep graph cannot overflow the stack. */
 static void node_release(kiln__node *root)
 {
-    kiln__node **stack = NULL;
-    int n = 0;
-    size_t cap = 0;
-    void *tmp;
-    kiln__node *cur = root;
-    while (cur) {
-        if (atomic_fetch_sub(&cur->refcount, 1) == 1) {
-            for (int i = 0; i < cur->n_in; i++) {
-                if (cur->next[i]) {
-                    if (!KILN__GROW(stack, n, &cap, 64, tmp)) abort(); /* cannot free without memory to walk with */
-                    stack[n++] = cur->next[i];
-                }
-                kiln_tensor_free(cur->leaf[i]);
-            }
-            node_clear(cur);
-            free(cur); /* and its per-input arrays, in the same block */
+    /* Nodes whose last reference went are linked through their own release_next, so that
+     * freeing a graph needs no memory of its own (it runs when memory has run out too). */
+    kiln__node *list = NULL;
+    if (root && atomic_fetch_sub(&root->refcount, 1) == 1) root->release_next = NULL, list = root;
+    while (list) {
+        kiln__node *cur = list;
+        list = cur->release_next;
+        for (int i = 0; i < cur->n_in; i++) {
+            kiln__node *in = cur->next[i];
+            if (in && atomic_fetch_sub(&in->refcount, 1) == 1) in->release_next = list, list = in;
+            kiln_tensor_free(cur->leaf[i]);
         }
-        cur = n ? stack[--n] : NULL;
+        node_clear(cur);
+        free(cur); /* and its per-input arrays, in the same block */
     }
-    free(stack);
 }
 
 static kiln__node *record(kiln__op_id op, kiln_tensor_t *const *in, int n_in, const kiln__attrs *a,

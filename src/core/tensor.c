@@ -77,25 +77,46 @@ typedef struct {
     size_t cap;
 } scope;
 
-static _Thread_local scope *scopes;
-static _Thread_local int n_scopes;
+/* The first FIXED_SCOPES levels live in the thread's own array, so that opening a scope
+ * never fails there; deeper ones in a heap array. A scope that cannot be opened for want
+ * of memory is counted in lost_scopes (and said as an error): what it would have held
+ * goes to the scope around it, and its end is a no-op. */
+#define FIXED_SCOPES 16
+static _Thread_local scope fixed_scopes[FIXED_SCOPES];
+static _Thread_local scope *scopes = NULL; /* fixed_scopes or a heap array; NULL at depth 0 */
+static _Thread_local int n_scopes, lost_scopes;
 static _Thread_local size_t cap_scopes;
 
 void kiln_scope_begin(void)
 {
-    void *tmp;
-    if (!KILN__GROW(scopes, n_scopes, &cap_scopes, 8, tmp)) abort(); /* a few bytes: nothing sane remains */
+    if (!scopes) scopes = fixed_scopes, cap_scopes = FIXED_SCOPES;
+    if ((size_t)n_scopes == cap_scopes) {
+        size_t cap = cap_scopes * 2;
+        scope *grown = scopes == fixed_scopes ? malloc(cap * sizeof *grown) : realloc(scopes, cap * sizeof *grown);
+        if (!grown) {
+            lost_scopes++;
+            kiln__err(KILN_ERR_OOM, "out of memory opening a scope %d deep: its tensors go to the one around it",
+                      n_scopes + 1);
+            return;
+        }
+        if (scopes == fixed_scopes) memcpy(grown, fixed_scopes, sizeof fixed_scopes);
+        scopes = grown, cap_scopes = cap;
+    }
     scopes[n_scopes++] = (scope){0};
 }
 
 void kiln_scope_end(void)
 {
+    if (lost_scopes > 0) {
+        lost_scopes--;
+        return;
+    }
     if (n_scopes == 0) return;
     scope *s = &scopes[--n_scopes];
     for (int i = s->n; i-- > 0;) kiln_tensor_free(s->items[i]);
     free(s->items);
     if (n_scopes == 0) { /* the outermost scope: a thread that ends now leaves nothing behind */
-        free(scopes);
+        if (scopes != fixed_scopes) free(scopes);
         scopes = NULL;
         cap_scopes = 0;
     }

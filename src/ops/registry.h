@@ -26,6 +26,7 @@ struct kiln__node {
     int pending;
     bool visited;
     bool spent; /* backward ran and freed what it saved */
+    kiln__node *release_next; /* the list of nodes being released (autograd.c), which needs no memory */
 };
 
 /* Computes gin[i] for each input with needs_grad[i] (others left NULL), from gout[j]

@@ -1,0 +1,9 @@
+# Allocation fault injection (tests/fault/): fault_sweep runs kiln's API with each of a
+# scenario's allocations failing in turn (every allocation function wrapped at link
+# time), in the normal build and under ASan (where a leak fails the run too).
+add_executable(fault_sweep tests/fault/fault_sweep.c tests/fault/fault_alloc.c)
+target_link_libraries(fault_sweep PRIVATE kiln ${JANSSON_LIB})
+target_link_options(fault_sweep PRIVATE -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc,--wrap=strdup,--wrap=strndup
+                    -Wl,--wrap=aligned_alloc,--wrap=posix_memalign)
+add_test(NAME fault_alloc COMMAND fault_sweep)
+set_tests_properties(fault_alloc PROPERTIES TIMEOUT 1200 ENVIRONMENT "${KILN_LSAN_ENV}")
