@@ -238,8 +238,8 @@ def test_chat_two_turns_match_the_server(port, page):
                                {"role": "user", "content": turns[1]}], a2["seed"], max_tokens=24)
     assert (a1["content"], a2["content"]) == (want1, want2), ((a1["content"], a2["content"]), (want1, want2))
     shown = page.js("[...document.querySelectorAll('#messages .msg')].map(d => [d.className, "
-                    "d.querySelector('.body').textContent])")
-    norm = lambda s: " ".join(s.split())  # noqa: E731 (markdown joins a paragraph's lines)
+                    "d.querySelector('.body').innerText])")
+    norm = lambda s: " ".join(s.split())  # noqa: E731 (markdown sets a paragraph's lines apart with <br>)
     assert [(k, norm(t)) for k, t in shown] == [("msg " + r, norm(t)) for r, t in msgs], (shown, msgs)
     assert page.text("chats").startswith(turns[0]), page.text("chats")
     page.js("document.getElementById('template-panel').open = true; true")
