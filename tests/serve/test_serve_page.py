@@ -15,7 +15,8 @@ protocol, against a real `kiln serve`. Each feature is exercised the way a user 
                makes only http(s) links
   template     the panel shows GET /v1/kiln/props's template and rendered example
   api key      against a server with --api-key: the key field appears after a 401,
-               and with the key typed the page works (and remembers it)
+               a message that failed is handed back; a wrong key is refused, and
+               with the right one typed the page works (and remembers it)
 
 Screenshots of both modes are saved in the workdir and checked to be real, non-blank
 PNGs. Exits 77 (skip) when chromium or python3-websocket is missing."""
@@ -381,6 +382,15 @@ def test_api_key_flow(page, log):
             assert st == 401 and h.get("www-authenticate") == "Bearer", (path, st)
         page.load(s.port, ready="document.getElementById('key-row').classList.contains('on')")
         assert page.text("model") != NAME
+        # A message sent without the key fails, and is handed back to be sent again.
+        page.click("tab-chat")
+        page.click("new-chat")
+        page.set(max_tokens="8", seed="")
+        page.type("chat-input", "Hello")
+        page.click("send")
+        assert page.finish().startswith("error"), page.text("status")
+        assert page.js("document.getElementById('chat-input').value") == "Hello"
+        assert page.chats()[0]["messages"] == [] and not page.js("document.querySelector('#messages .msg')")
         page.type("api-key", "wrong")
         page.click("key-save")
         page.wait("document.getElementById('key-msg').textContent.includes('refused')", "a wrong key to be refused")
@@ -388,12 +398,9 @@ def test_api_key_flow(page, log):
         page.click("key-save")
         page.wait(f"document.getElementById('model').textContent === {json.dumps(NAME)}", "the model after the key")
         assert not page.js("document.getElementById('key-row').classList.contains('on')")
-        page.click("tab-chat")
-        page.click("new-chat")
-        page.set(max_tokens="8", seed="")
-        page.type("chat-input", "Hello")
         page.click("send")
         assert page.finish().startswith("done"), page.text("status")
+        assert [m["role"] for m in page.chats()[0]["messages"]] == ["user", "assistant"]
         assert page.js("document.getElementById('template-json').textContent.startsWith('{')")
         page.load(s.port)  # the key is remembered
         assert not page.js("document.getElementById('key-row').classList.contains('on')")
