@@ -4,7 +4,8 @@
 #   kiln_embed(kiln kiln__opencl_kernel_source src/backends/opencl/kernels.cl)
 #
 # gives the target a generated C file defining `const char kiln__opencl_kernel_source[]`
-# (declare it `extern const char kiln__opencl_kernel_source[];` where it is used). The
+# and its length in bytes without the NUL, `const unsigned long kiln__opencl_kernel_source_len`
+# (declare them `extern` where they are used). The
 # file is regenerated when the embedded one changes. The conversion is this same file
 # run as a CMake script (cmake -P), so the build needs nothing beyond CMake: no xxd,
 # and no #embed (not in GCC 12).
@@ -14,6 +15,8 @@ if(CMAKE_SCRIPT_MODE_FILE)
   # hex escapes in string literals, sixteen a line: a string literal ends in the NUL,
   # and escapes need no cast for bytes above 0x7f where char is signed.
   file(READ "${IN}" hex HEX)
+  string(LENGTH "${hex}" n)
+  math(EXPR n "${n} / 2")
   string(REPEAT "[0-9a-f]" 32 line)
   string(REGEX REPLACE "(${line})" "\\1\n" hex "${hex}")
   string(REGEX REPLACE "([0-9a-f][0-9a-f])" "\\\\x\\1" hex "${hex}")
@@ -21,7 +24,8 @@ if(CMAKE_SCRIPT_MODE_FILE)
   get_filename_component(name "${IN}" NAME)
   file(WRITE "${OUT}"
        "/* Generated from ${name} by cmake/embed.cmake: edit ${name}, not this file. */\n"
-       "const char ${SYMBOL}[] =\n    \"${literal}\";\n")
+       "const char ${SYMBOL}[] =\n    \"${literal}\";\n"
+       "const unsigned long ${SYMBOL}_len = ${n};\n")
   return()
 endif()
 

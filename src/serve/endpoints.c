@@ -1,5 +1,5 @@
 /* The endpoints that answer from the model and its tokenizer alone, without the
- * engine: /v1/models, /tokenize and /detokenize. */
+ * engine: /v1/models, /v1/kiln/props, /tokenize and /detokenize. */
 #include <limits.h>
 #include <stdlib.h>
 #include <time.h>
@@ -11,6 +11,45 @@ enum MHD_Result kiln__serve_models(kiln_server_t *s, struct MHD_Connection *conn
     json_t *m = json_pack("{s:s,s:s,s:I,s:s,s:i}", "id", s->name, "object", "model", "created", (json_int_t)time(NULL),
                           "owned_by", "kiln", "max_model_len", s->ctx);
     return kiln__serve_send_json(s, conn, cs->endpoint, 200, json_pack("{s:s,s:[o]}", "object", "list", "data", m));
+}
+
+/* The chat template as its JSON object (kiln's format, docs/serve.md), rebuilt from the
+ * parsed one so that it shows what the server renders with, whatever its source. */
+static json_t *template_json(const kiln__chat_template *t)
+{
+    json_t *o = json_pack("{s:s,s:s,s:s}", "prefix", t->prefix ? t->prefix : "", "message", t->message ? t->message : "",
+                          "generation", t->generation ? t->generation : "");
+    json_t *roles = json_object(), *stop = json_array();
+    for (int i = 0; i < t->n_roles; i++) json_object_set_new(roles, t->role[i], json_string(t->role_message[i]));
+    for (int i = 0; i < t->n_stop; i++) json_array_append_new(stop, json_string(t->stop[i]));
+    if (o && t->n_roles) json_object_set(o, "roles", roles);
+    if (o) json_object_set(o, "stop", stop);
+    json_decref(roles);
+    json_decref(stop);
+    return o;
+}
+
+/* kiln's own read-only facts for the page (and any client): the model, its context,
+ * the default max_tokens, and the chat template with a short conversation rendered by
+ * it, exactly as /v1/chat/completions would prompt the model. */
+enum MHD_Result kiln__serve_props(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs)
+{
+    static const kiln__chat_msg example[] = {
+        {.role = "system", .content = "You are terse."},
+        {.role = "user", .content = "Hello?"},
+        {.role = "assistant", .content = "Hi."},
+        {.role = "user", .content = "What is a kiln?"},
+    };
+    char *shown = kiln__chat_render(&s->tmpl, example, (int)(sizeof example / sizeof example[0]));
+    json_t *msgs = json_array();
+    for (size_t i = 0; i < sizeof example / sizeof example[0]; i++)
+        json_array_append_new(msgs, json_pack("{s:s,s:s}", "role", example[i].role, "content", example[i].content));
+    json_t *o = shown ? json_pack("{s:s,s:i,s:i,s:o,s:{s:o,s:s}}", "model", s->name, "max_model_len", s->ctx,
+                                  "max_tokens_default", s->o.max_tokens_default, "chat_template", template_json(&s->tmpl),
+                                  "chat_template_example", "messages", msgs, "prompt", shown)
+                      : (json_decref(msgs), NULL);
+    free(shown);
+    return kiln__serve_send_json(s, conn, cs->endpoint, 200, o);
 }
 
 bool kiln__serve_encode(kiln_server_t *s, const char *text, size_t len, int32_t **ids, int *n)

@@ -122,6 +122,7 @@ static const route routes[] = {
     [EP_DETOKENIZE] = {.path = "/detokenize", .needs = NEEDS_POST | NEEDS_KEY | NEEDS_MODEL | NEEDS_JSON,
                        .handler = kiln__serve_detokenize},
     [EP_PAGE] = {.path = "/", .alias = "/index.html", .needs = 0, .handler = page},
+    [EP_PROPS] = {.path = "/v1/kiln/props", .needs = NEEDS_KEY | NEEDS_MODEL, .handler = kiln__serve_props},
 };
 _Static_assert(sizeof routes / sizeof routes[0] == EP_OTHER, "one route per endpoint");
 

@@ -3,7 +3,7 @@
  *   server.c     the public side: options, start, load, free
  *   http.c       responses, the route table and the request callbacks MHD calls
  *   generate.c   /v1/completions and /v1/chat/completions: a request becomes engine requests
- *   endpoints.c  /v1/models, /tokenize, /detokenize
+ *   endpoints.c  /v1/models, /v1/kiln/props, /tokenize, /detokenize
  *   jobs.c       a generation's job: its references, the engine's callback, the watchdog
  *   sse.c        the streamed response (server-sent events)
  *   json.c       the JSON shapes of an answer: choices, logprobs, usage
@@ -26,7 +26,7 @@
 
 /* The endpoints: a row each in http.c's route table, and the label of the request
  * counters in /metrics (EP_OTHER: a path that no route has). */
-enum { EP_COMPLETIONS, EP_CHAT, EP_MODELS, EP_HEALTH, EP_METRICS, EP_TOKENIZE, EP_DETOKENIZE, EP_PAGE, EP_OTHER, EP_COUNT };
+enum { EP_COMPLETIONS, EP_CHAT, EP_MODELS, EP_HEALTH, EP_METRICS, EP_TOKENIZE, EP_DETOKENIZE, EP_PAGE, EP_PROPS, EP_OTHER, EP_COUNT };
 
 /* Sizes of metrics.c's tables: the status codes counted one by one, and the buckets of
  * the time-to-first-token histogram. */
@@ -144,6 +144,8 @@ enum MHD_Result kiln__serve_finish_plain(kiln_server_t *s, struct MHD_Connection
 /* ---- endpoints.c ---- */
 
 enum MHD_Result kiln__serve_models(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs);
+/* kiln's facts for the page: the model, its context and the chat template. */
+enum MHD_Result kiln__serve_props(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs);
 enum MHD_Result kiln__serve_tokenize(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs);
 enum MHD_Result kiln__serve_detokenize(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs);
 /* Tokenizes text; *ids is malloc'd. */

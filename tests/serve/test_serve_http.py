@@ -45,7 +45,7 @@ def test_health_models_page_metrics():
     assert s == 200 and m["object"] == "list" and m["data"][0]["id"] == NAME and m["data"][0]["object"] == "model"
     s, h, b = H.request(srv.port, "GET", "/")
     assert s == 200 and h["content-type"].startswith("text/html")
-    for ident in (b'id="prompt"', b'id="generate"', b'id="output"', b'id="status"'):
+    for ident in (b'id="prompt"', b'id="generate"', b'id="output"', b'id="status"', b'id="messages"', b'id="send"'):
         assert ident in b, ident
     s, h, b = H.request(srv.port, "GET", "/metrics")
     text = b.decode()
@@ -283,6 +283,29 @@ def test_api_key():
         assert H.request(k.port, "GET", "/health")[0] == 200
 
 
+def test_props_show_the_template_chat_renders_with():
+    """GET /v1/kiln/props: the template as its JSON (a --chat-template with roles and a
+    prefix), and an example prompt that is what chat prompts the model with: as many
+    tokens as the chat request for the same messages counts."""
+    mistral = {"prefix": "<s>", "message": "[INST] {content} [/INST]", "roles": {"assistant": "{content}</s>"},
+               "generation": "", "stop": ["</s>"]}
+    with H.Server(A.kiln, RUN, "--chat-template", "mistral", "--api-key", "sesame") as k:
+        assert H.request(k.port, "GET", "/v1/kiln/props")[0] == 401
+        auth = {"Authorization": "Bearer sesame"}
+        s, h, b = H.request(k.port, "GET", "/v1/kiln/props", headers=auth)
+        p = json.loads(b)
+        assert s == 200 and p["model"] == NAME and p["max_model_len"] == 128 and p["max_tokens_default"] == 16, p
+        assert p["chat_template"] == mistral, p["chat_template"]
+        ex = p["chat_template_example"]
+        want = "<s>" + "".join((mistral["roles"].get(m["role"], mistral["message"])).replace("{content}", m["content"])
+                               for m in ex["messages"])
+        assert ex["prompt"] == want, ex
+        s, t = H.post(k.port, "/tokenize", {"prompt": ex["prompt"]}, headers=auth)
+        s, r = H.post(k.port, "/v1/chat/completions", {"messages": ex["messages"], "max_tokens": 1}, headers=auth)
+        assert s == 200 and r["usage"]["prompt_tokens"] == t["count"], (r, t)
+        assert H.metric(k.port, 'kiln_requests_total{endpoint="/v1/kiln/props",code="200"}') == 1
+
+
 def test_queue_full_gives_429():
     with H.Server(A.kiln, RUN, "--max-queue", "1", "--max-batch", "1") as q:
         res = []
@@ -315,7 +338,7 @@ def main():
             test_chat_stream_equals_plain, test_same_seed_alone_or_batched, test_n_choices_and_seed_offsets,
             test_stop_sequence_cuts, test_logprobs_shape, test_32_concurrent_clients, test_bad_input,
             test_slow_headers_are_dropped_and_others_served, test_disconnect_mid_stream_frees_the_slot, test_curl,
-            test_api_key, test_queue_full_gives_429])
+            test_api_key, test_props_show_the_template_chat_renders_with, test_queue_full_gives_429])
         code = s.stop()
         if code != 0:
             print(f"kiln serve exited with {code} on SIGTERM")
