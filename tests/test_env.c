@@ -248,7 +248,7 @@ static void stage_switch_and_alias_turn_off_the_same_stage(void **state)
 }
 
 /* kiln doctor --env prints every row, with the value set here and a note under a value
- * that is not valid; kiln doctor lists every switch, the stages among them. */
+ * that is not valid; kiln doctor --switches lists every switch, the stages among them. */
 static void doctor_prints_every_variable(void **state)
 {
     static char out[1 << 16];
@@ -266,7 +266,7 @@ static void doctor_prints_every_variable(void **state)
     *strchr(line, '\n') = 0;
     if (!strstr(line, " int ") || !strstr(line, " 5 ") || !strstr(line, "(default 8;")) fail_msg("the line: %s", line);
     assert_non_null(strstr(out, "^ KILN_COMPILE_MAX_FUSE='zero' is not a whole number"));
-    snprintf(cmd, sizeof cmd, "%s doctor 2>&1", tool());
+    snprintf(cmd, sizeof cmd, "%s doctor --switches 2>&1", tool());
     assert_int_equal(run(out, sizeof out, cmd), 0);
     for (int o = 0; o < kiln_opt_count(); o++) {
         char line[128];
@@ -301,7 +301,7 @@ static void typo_guard_names_the_closest_variable(void **state)
 static bool own_gemm_on(const char *env, char *out, size_t n)
 {
     char cmd[1024];
-    snprintf(cmd, sizeof cmd, "env -u KILN_OPT_OWN_GEMM KILN_DEVICE=cpu %s %s doctor 2>&1", env, tool());
+    snprintf(cmd, sizeof cmd, "env -u KILN_OPT_OWN_GEMM KILN_DEVICE=cpu %s %s doctor --switches 2>&1", env, tool());
     int rc = run(out, n, cmd); /* 1 where a variable's value is bad: doctor fails that row */
     if (rc != 0 && rc != 1) fail_msg("%s: exit %d: %s", cmd, rc, out);
     const char *row = strstr(out, "\n  OWN_GEMM ");

@@ -660,8 +660,9 @@ static void print_text(const report *rep, bool switches)
     int w = 8, count[3] = {0, 0, 0};
     for (int i = 0; i < rep->n; i++) w = (int)strlen(rep->r[i].name) > w ? (int)strlen(rep->r[i].name) : w;
     for (int i = 0; i < rep->n; i++) count[rep->r[i].v]++;
-    printf("%d rows: %d OK, %d WARN, %d FAIL (docs/doctor.md; kiln doctor --rules lists the rules, --env the "
-           "variables, --switches the optimization switches)\n", rep->n, count[V_OK], count[V_WARN], count[V_FAIL]);
+    printf("%d rows: %d OK, %d WARN, %d FAIL (docs/doctor.md; kiln doctor --rules lists the rules, kiln doctor --env "
+           "the variables, kiln doctor --switches the optimization switches)\n", rep->n, count[V_OK], count[V_WARN],
+           count[V_FAIL]);
     /* what needs doing first: the FAIL and WARN rows, then the rest */
     for (int pass = 0; pass < 2; pass++)
         for (int i = 0; i < rep->n; i++) {

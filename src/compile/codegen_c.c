@@ -10,6 +10,7 @@
  * partial accumulators that are combined in a fixed order at the end of the row. */
 #include <math.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -463,21 +464,26 @@ static kiln_status generate(const kiln__program *p, int dialect, char **src)
 
 kiln_status kiln__codegen_c(const kiln__program *p, char **src) { return generate(p, D_C, src); }
 
-static char *prelude[3];
-static void make_prelude(void)
-{
-    const char *head[3] = {header_c, header_cl, header_cuda};
-    for (int d = 0; d < 3; d++) {
-        size_t n = strlen(head[d]) + strlen(kiln__kmath_source) + 2;
-        if ((prelude[d] = malloc(n))) snprintf(prelude[d], n, "%s%s\n", head[d], kiln__kmath_source);
-    }
-}
+/* Each dialect's prelude, made on first use and kept; one that could not be made (out of
+ * memory) is tried again at the next use, not remembered as missing. */
+static _Atomic(char *) prelude[3];
+static pthread_mutex_t prelude_lock = PTHREAD_MUTEX_INITIALIZER;
 
 static const char *prelude_of(int d)
 {
-    static pthread_once_t once = PTHREAD_ONCE_INIT;
-    pthread_once(&once, make_prelude);
-    return prelude[d]; /* NULL only when out of memory */
+    char *p = atomic_load(&prelude[d]);
+    if (p) return p;
+    const char *head[3] = {header_c, header_cl, header_cuda};
+    pthread_mutex_lock(&prelude_lock);
+    if (!(p = atomic_load(&prelude[d]))) {
+        size_t n = strlen(head[d]) + strlen(kiln__kmath_source) + 2;
+        if ((p = malloc(n))) {
+            snprintf(p, n, "%s%s\n", head[d], kiln__kmath_source);
+            atomic_store(&prelude[d], p);
+        }
+    }
+    pthread_mutex_unlock(&prelude_lock);
+    return p; /* NULL only when out of memory */
 }
 
 const char *kiln__codegen_prelude_c(void) { return prelude_of(0); }

@@ -723,7 +723,8 @@ typedef struct entry {
         kiln__backend *be;
         void *kernel[3]; /* flex_fwd_dev, flex_bwd_dq_dev, flex_bwd_dkv_dev, each built on first use */
     } cl[4]; /* the OpenCL or CUDA kernels, per device */
-    int op_fwd, op_bwd, op_mask; /* op_mask: with captured tensors, their block mask */
+    int op_fwd, op_bwd, op_mask; /* op_mask: with captured tensors, their block mask; -1: not defined yet */
+    bool ready;                  /* tmpl and the ops are all there (entry_for) */
     kept_mask masks[8]; /* without captured tensors, the block masks made (per device and sizes) */
     int n_masks;
     struct entry *next;
@@ -1426,57 +1427,58 @@ static kiln_status entry_for(const kiln_flex_t *f, entry **out)
     kiln_status s = KILN_OK;
     entry *e = entries;
     while (e && strcmp(e->key, key)) e = e->next;
-    if (!e && !(e = calloc(1, sizeof *e))) s = kiln_error(KILN_ERR_OOM, "flex: out of memory");
-    if (s == KILN_OK && !e->key) {
+    /* An entry is listed at once and never freed: the ops defined for it hold it as their
+     * user pointer, and the op table cannot take a row back. What a failure (out of
+     * memory) left undone is done at the next call: e->ready says all is there. */
+    if (!e && (e = calloc(1, sizeof *e))) {
+        e->key = key, key = NULL;
+        e->op_fwd = e->op_bwd = e->op_mask = -1;
+        e->next = entries;
+        entries = e;
+    } else if (!e) s = kiln_error(KILN_ERR_OOM, "flex: out of memory");
+    if (s == KILN_OK && !e->ready) {
         /* placeholders of the captured tensors' dtypes and dims, for the generator */
         kiln_tensor_t *ph[MAX_CAPTURED];
-        /* made outside any capture or recording on this thread: they are not the call's */
-        void *held = kiln__intercept_suspend();
-        bool was = kiln_set_grad_enabled(false);
-        kiln_scope_begin();
-        for (int i = 0; i < f->n_cap; i++) {
-            int64_t ones[4] = {1, 1, 1, 1};
-            ph[i] = kiln_zeros(ones, kiln_tensor_ndim(f->cap[i]), kiln_tensor_dtype(f->cap[i]));
+        if (!e->tmpl) {
+            /* made outside any capture or recording on this thread: they are not the call's */
+            void *held = kiln__intercept_suspend();
+            bool was = kiln_set_grad_enabled(false);
+            kiln_scope_begin();
+            for (int i = 0; i < f->n_cap; i++) {
+                int64_t ones[4] = {1, 1, 1, 1};
+                ph[i] = kiln_zeros(ones, kiln_tensor_ndim(f->cap[i]), kiln_tensor_dtype(f->cap[i]));
+            }
+            s = kiln_flex_new(f->score, f->mask, ph, f->n_cap, &e->tmpl);
+            kiln_scope_end();
+            kiln_set_grad_enabled(was);
+            kiln__intercept_resume(held);
         }
-        s = kiln_flex_new(f->score, f->mask, ph, f->n_cap, &e->tmpl);
-        kiln_scope_end();
-        kiln_set_grad_enabled(was);
-        kiln__intercept_resume(held);
         char name[64];
-        uint64_t h = kiln__fnv(KILN__FNV_SEED, key, strlen(key));
+        uint64_t h = kiln__fnv(KILN__FNV_SEED, e->key, strlen(e->key));
         const kiln_op_kernel kf[] = {{.device = "cpu", .fn = fwd_kernel}, {.device = "opencl", .fn = fwd_kernel_dev},
                              {.device = "cuda", .fn = fwd_kernel_dev}},
                              kb[] = {{.device = "cpu", .fn = bwd_kernel}, {.device = "opencl", .fn = bwd_kernel_dev},
                                      {.device = "cuda", .fn = bwd_kernel_dev}};
         snprintf(name, sizeof name, "flex_attention_%016llx", (unsigned long long)h);
-        if (s == KILN_OK)
+        if (s == KILN_OK && e->op_fwd < 0)
             s = kiln_op_define(&(kiln_op_decl){.name = name, .n_in = 4 + f->n_cap, .n_out = 2, .attrs = "scale:f64",
                                                .shape = fwd_shape, .kernels = kf, .n_kernels = 3,
                                                .backward = fwd_backward, .user = e},
                                &e->op_fwd);
         snprintf(name, sizeof name, "flex_attention_backward_%016llx", (unsigned long long)h);
-        if (s == KILN_OK)
+        if (s == KILN_OK && e->op_bwd < 0)
             s = kiln_op_define(&(kiln_op_decl){.name = name, .n_in = 7 + f->n_cap, .n_out = 3,
                                                .attrs = "scale:f64", .shape = bwd_shape, .kernels = kb,
                                                .n_kernels = 3, .user = e},
                                &e->op_bwd);
         snprintf(name, sizeof name, "flex_block_mask_%016llx", (unsigned long long)h);
         const kiln_op_kernel km[] = {{.device = "cpu", .fn = mask_kernel}};
-        if (s == KILN_OK && f->n_cap > 0)
+        if (s == KILN_OK && f->n_cap > 0 && e->op_mask < 0)
             s = kiln_op_define(&(kiln_op_decl){.name = name, .n_in = f->n_cap, .n_out = 1,
                                                .attrs = "B:i64,H:i64,Tq:i64,Tk:i64,block:i64,kv_block:i64",
                                                .shape = mask_shape, .kernels = km, .n_kernels = 1, .user = e},
                                &e->op_mask);
-        if (s == KILN_OK) {
-            e->key = key;
-            key = NULL;
-            e->next = entries;
-            entries = e;
-        } else {
-            kiln_flex_free(e->tmpl);
-            free(e);
-            e = NULL;
-        }
+        e->ready = s == KILN_OK;
     }
     pthread_mutex_unlock(&lock);
     free(key);

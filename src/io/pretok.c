@@ -15,6 +15,7 @@
 #define PCRE2_CODE_UNIT_WIDTH 8
 #include <pcre2.h>
 #include <pthread.h>
+#include <stdatomic.h>
 #include <utf8proc.h>
 #include <stdlib.h>
 #include <string.h>
@@ -65,14 +66,20 @@ void kiln__regex_free(kiln__regex *r)
 
 const char *kiln__regex_pattern(const kiln__regex *r) { return r->pattern; }
 
-static kiln__regex *gpt2;
-static pthread_once_t gpt2_once = PTHREAD_ONCE_INIT;
-static void gpt2_init(void) { kiln__regex_new(kiln__gpt2_pattern, "GPT-2 pre-tokenizer", &gpt2); }
+/* Compiled on first use and kept; a compile that fails (out of memory) is tried again
+ * at the next use rather than remembered, as pthread_once would. */
+static _Atomic(kiln__regex *) gpt2;
+static pthread_mutex_t gpt2_lock = PTHREAD_MUTEX_INITIALIZER;
 
 const kiln__regex *kiln__regex_gpt2(void)
 {
-    pthread_once(&gpt2_once, gpt2_init);
-    return gpt2;
+    kiln__regex *r = atomic_load(&gpt2);
+    if (r) return r;
+    pthread_mutex_lock(&gpt2_lock);
+    if (!(r = atomic_load(&gpt2)) && kiln__regex_new(kiln__gpt2_pattern, "GPT-2 pre-tokenizer", &r) == KILN_OK)
+        atomic_store(&gpt2, r);
+    pthread_mutex_unlock(&gpt2_lock);
+    return atomic_load(&gpt2);
 }
 
 kiln__pretok kiln__pretok_begin(const kiln__regex *r)

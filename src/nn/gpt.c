@@ -381,6 +381,10 @@ static kiln_tensor_t *add_param_nd(kiln_gpt_t *m, const char *name, const int64_
      * reference of the model's own (its giver, or the scope, keeps theirs) */
     m->params[m->n++] = m->fill ? kiln_tensor_retain(t) : kiln_keep(t);
     kiln_tensor_set_requires_grad(t, true);
+    if (!kiln_tensor_requires_grad(t)) { /* (its autograd state could not be made) */
+        kiln_error(KILN_ERR_OOM, "gpt: out of memory marking %s for gradients", name);
+        return NULL;
+    }
     return t;
 }
 

@@ -80,6 +80,11 @@ kiln_status kiln_gpt_shard_experts(kiln_gpt_t *m, kiln_pg_t *pg)
                 continue;
             }
             kiln_tensor_set_requires_grad(t, true);
+            if (!kiln_tensor_requires_grad(t)) {
+                s = kiln_error(KILN_ERR_OOM, "gpt: out of memory marking an expert's weight for gradients");
+                kiln_tensor_free(t);
+                continue;
+            }
             for (int k = 0; k < m->n; k++)
                 if (m->params[k] == *part[j]) m->params[k] = t;
             kiln_tensor_free(*part[j]); /* the model's reference */

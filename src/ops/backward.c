@@ -42,7 +42,10 @@ static kiln_tensor_t *to_input(kiln__node *n, int i, kiln_tensor_t *g)
 static kiln_status done(kiln_tensor_t **gin, int nin, kiln__node *n)
 {
     for (int i = 0; i < nin; i++)
-        if (n->needs_grad[i] && !gin[i]) return kiln_last_status() ? kiln_last_status() : KILN_ERR_INTERNAL;
+        if (n->needs_grad[i] && !gin[i])
+            return kiln_last_status() ? kiln_last_status()
+                                      : kiln_error(KILN_ERR_INTERNAL, "backward of %s: input %d's gradient was not made",
+                                                   kiln__ops[n->op].name, i);
     return KILN_OK;
 }
 
@@ -222,9 +225,10 @@ static kiln_status by_fused(kiln__node *n, kiln__op_id op, kiln_tensor_t *const 
 {
     kiln_tensor_t *out[KILN__MAX_OUT] = {0};
     kiln_status s = kiln__dispatch(op, in, kiln__ops[op].n_in, &n->attrs, out);
-    for (int j = 0; s == KILN_OK && j < kiln__ops[op].n_out; j++) {
-        if (NEED(j)) gin[j] = kiln__scoped(out[j]);
-        else kiln_tensor_free(out[j]);
+    for (int j = 0; j < kiln__ops[op].n_out; j++) {
+        if (s != KILN_OK || !NEED(j)) kiln_tensor_free(out[j]);
+        /* (a scope that cannot grow frees the tensor and says so: an error, not a zero gradient) */
+        else if (!(gin[j] = kiln__scoped(out[j]))) s = kiln_last_status();
     }
     return s;
 }

@@ -4,6 +4,7 @@
  * fault_tick(). Armed with fault_arm(n), the nth allocation from then on fails (returns
  * NULL) and the others succeed; fault_count() says how many there were. Written by hand:
  * no Debian library injects failures into a static library's own calls. */
+#include <execinfo.h>
 #include <stdatomic.h>
 #include <stdbool.h>
 #include <stddef.h>
@@ -38,6 +39,10 @@ static bool tick(void)
     long n = atomic_fetch_add(&counted, 1) + 1, at = atomic_load(&fail_at);
     if (at > 0 && n == at) {
         atomic_store(&failed, true);
+        if (getenv("FAULT_TRACE")) { /* where the failing allocation was asked for */
+            void *frames[24];
+            backtrace_symbols_fd(frames, backtrace(frames, 24), 2);
+        }
         return true;
     }
     return false;

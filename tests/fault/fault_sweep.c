@@ -217,6 +217,7 @@ static int child(int sc, long n, const report *ref, int report_fd)
     kiln_clear_error();
     double digest = 0;
     fault_arm(n);
+    kiln_manual_seed(1234); /* every run draws the same numbers */
     kiln_status s = scenarios[sc].run(&digest);
     report r = {fault_count(), digest, (long long)(kiln_memory_allocated() - before)};
     fault_arm(0);
@@ -231,6 +232,7 @@ static int child(int sc, long n, const report *ref, int report_fd)
                 ref->digest);
         return WRONG;
     }
+    kiln_manual_seed(1234);
     kiln_status s2 = scenarios[sc].run(&digest);
     long long left = (long long)(kiln_memory_allocated() - before);
     if (s2 != KILN_OK || (ref && digest != ref->digest)) {
@@ -301,7 +303,7 @@ int main(int argc, char **argv)
     setenv("OPENBLAS_NUM_THREADS", "1", 1);
     json_set_alloc_funcs(fault_json_malloc, free);
     if (setup()) return 1;
-    const char *one = getenv("KILN_FAULT_ALLOC");
+    const char *one = getenv("KILN_FAULT_ALLOC"); /* (src/core/env.def lists it) */
     if (one && only && getenv("FAULT_INLINE")) /* one run in this process, for a debugger */
         for (size_t sc = 0; sc < sizeof scenarios / sizeof scenarios[0]; sc++)
             if (!strcmp(only, scenarios[sc].name)) return child((int)sc, atol(one), NULL, -1);
