@@ -6,6 +6,8 @@
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
+#include <signal.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -33,7 +35,7 @@ typedef struct {
     double bias_speed, balance_loss, capacity;
     double lr, min_lr, wd, clip, dropout, val_fraction, momentum, loss_scale;
     kiln_dtype prec; /* --precision, parsed */
-    bool resume, quiet, zero1, compile, expert_parallel;
+    bool resume, overwrite, quiet, zero1, compile, expert_parallel;
     double bucket_mb;
 } train_args;
 
@@ -108,11 +110,11 @@ static kiln_status model_config(const train_args *a, int vocab, int eot, kiln_gp
     return kiln_gpt_config_check(c);
 }
 
-/* Reads the tokenizer named by --tokenizer: "byte", "bpe:N" (train one of vocab N on
- * the corpus and save it into the run), or a tokenizer.json path. */
-static kiln_status get_tokenizer(const train_args *a, const char *text, size_t len, kiln_tokenizer_t **tok)
+/* Reads the tokenizer k names (--tokenizer, or on resume the run's own): "byte", "bpe:N"
+ * (train one of vocab N on the corpus and save it into the run), or a tokenizer.json path. */
+static kiln_status get_tokenizer(const train_args *a, const char *k, const char *text, size_t len,
+                                 kiln_tokenizer_t **tok)
 {
-    const char *k = a->tokenizer;
     if (!strcmp(k, "byte")) {
         *tok = kiln_tokenizer_byte();
         return *tok ? KILN_OK : kiln_last_status();
@@ -332,8 +334,9 @@ static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt,
     return s;
 }
 
-/* A resumed run repeats the steps after its checkpoint: drop their old rows first. */
-static kiln_status keep_metrics_upto(const char *path, int64_t step)
+/* A resumed run repeats the steps after its checkpoint: drop their old rows first.
+ * dropped: how many rows went, the steps first..last. */
+static kiln_status keep_metrics_upto(const char *path, int64_t step, size_t *dropped, int64_t *first, int64_t *last)
 {
     kiln_metrics_row *rows = NULL;
     size_t n = 0, keep = 0;
@@ -342,7 +345,10 @@ static kiln_status keep_metrics_upto(const char *path, int64_t step)
     kiln_status s = kiln_metrics_read(path, &rows, &n);
     if (s != KILN_OK) return s;
     while (keep < n && rows[keep].step <= step) keep++;
+    *dropped = n - keep;
     if (keep < n) {
+        *first = rows[keep].step;
+        *last = rows[n - 1].step;
         kiln_metrics_t *m;
         s = kiln_metrics_open(path, false, &m);
         for (size_t i = 0; s == KILN_OK && i < keep; i++) s = kiln_metrics_write(m, &rows[i]);
@@ -386,18 +392,6 @@ static kiln_status eval_loss(kiln_gpt_t *m, kiln_dataset_t *ds, const train_args
     return s;
 }
 
-static void write_run_info(const char *dir, double unigram, const char *tok, const kiln_gpt_config *c, const train_args *a)
-{
-    char *path = join(dir, RUN_INFO), *cfg = kiln_gpt_config_to_json(c);
-    json_t *cj = cfg ? json_loads(cfg, 0, NULL) : NULL;
-    json_t *o = json_pack("{s:f,s:s,s:o?,s:s,s:I,s:I,s:f}", "unigram_entropy", unigram, "tokenizer", tok, "config", cj,
-                          "data", a->data, "steps", (json_int_t)a->steps, "batch", (json_int_t)a->batch, "lr", a->lr);
-    if (o && path) json_dump_file(o, path, JSON_INDENT(2) | JSON_SORT_KEYS);
-    json_decref(o);
-    free(cfg);
-    free(path);
-}
-
 /* The micro-batches step * accum + k (k < accum) of one process as (accum, B, T) idx and
  * targets, for the whole step with --compile: the same data the eager micro-batch loop
  * reads. */
@@ -429,6 +423,39 @@ static kiln_status stacked_batches(kiln_dataset_t *ds, int B, int T, uint64_t se
  * process's end, as it did when cmd_train was one function. */
 
 enum { GO_ON = -1 };
+
+/* ---- stopping on a signal ----
+ * SIGINT or SIGTERM sets stop_signal, and nothing else (it is all a handler may safely
+ * do); the loop finishes its step, writes a checkpoint, says how to resume and exits
+ * with 128 + the signal. A second signal while it does so kills the process at once
+ * (the default action; a save cut short leaves the previous checkpoint, which
+ * resumes). With several ranks the flag travels with the loss's allreduce
+ * (step_reduce_update), so every rank stops after the same step and saves the same
+ * checkpoint, even when only one of them was signalled. */
+static volatile sig_atomic_t stop_signal;
+
+static void on_stop_signal(int sig)
+{
+    if (stop_signal) {
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    stop_signal = sig;
+}
+
+static const int stop_signals[2] = {SIGINT, SIGTERM};
+
+/* Catches the stop signals (old: the actions they had), or with old_in restores them. */
+static void catch_stop_signals(struct sigaction old[2], const struct sigaction *old_in)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sa.sa_flags = SA_RESTART; /* a file write or collective under way goes on */
+    sigemptyset(&sa.sa_mask);
+    for (int i = 0; i < 2; i++) sigaction(stop_signals[i], old_in ? &old_in[i] : &sa, old_in ? NULL : &old[i]);
+}
 
 typedef struct {
     int argc;
@@ -463,15 +490,130 @@ typedef struct {
     int64_t tokens_per_step;
     double t_begin, val, comm_after;     /* comm_after: gradient reduction left after backward */
     int64_t timed;                       /* steps run, for the ETA */
+    json_t *run_info;                    /* --out's run.json as found, or NULL */
+    bool replacing;                      /* --out holds a model file: resumed, or replaced with --overwrite */
+    char changed[1024];                  /* --resume: the recorded options the flags change, as text */
+    int64_t saved;                       /* the step of the last checkpoint this process wrote, or -1 */
+    bool stop;                           /* a signal asked every rank to stop after this step */
+    int exit_code;                       /* 0, or 128 + the signal after a stop */
 } train_run;
 
-/* The options: defaults, then a --config file, then the flags; checked. */
-static int parse_options(train_run *r)
+/* ---- the options, and what a run remembers of them ----
+ * One table: each option's name, type, field of train_args, what a run keeps of it,
+ * and its help. run.json records every kept option ("options"); --resume starts from
+ * those values, so that a run continues with the flags it began with, and then takes
+ * the flags given: a KEEP_FREE one changes, a KEEP_FIXED one (the checkpoint's tensors,
+ * tokens or batches depend on it) must equal the recorded value or the resume is
+ * refused. */
+typedef enum {
+    KEEP_NOT,   /* this invocation's alone: where the run is, how loud, this machine's threads and device */
+    KEEP_FREE,  /* remembered; a flag on --resume changes it (schedule, cadences, data, precision, run modes) */
+    KEEP_FIXED, /* remembered; may not change on --resume (architecture, tokenizer, seed, optimizer) */
+} keep_kind;
+
+typedef struct {
+    const char *name;
+    opt_type type;
+    size_t field; /* offset in train_args */
+    keep_kind keep;
+    const char *help;
+} train_opt;
+
+#define ARG(f) offsetof(train_args, f)
+static const train_opt train_opts[] = {
+    {"data", OPT_STRING, ARG(data), KEEP_FREE, "text file or folder to train on ($KILN_DATA)"},
+    {"out", OPT_STRING, ARG(out), KEEP_NOT, "run folder: checkpoints, metrics.jsonl, loss.svg, run.json (the settings "
+                                            "--resume takes)"},
+    {"config", OPT_STRING, ARG(config), KEEP_NOT, "JSON file of these options ({\"steps\": 500, ...}); flags win"},
+    {"model", OPT_STRING, ARG(model), KEEP_FIXED, "gpt2 (LayerNorm, learned positions, GELU) or llama (RMSNorm, RoPE, "
+                                                  "SwiGLU)"},
+    {"tokenizer", OPT_STRING, ARG(tokenizer), KEEP_FIXED, "byte, bpe:VOCAB (trained on the data), or a tokenizer.json"},
+    {"init", OPT_STRING, ARG(init), KEEP_FIXED, "start from this model: a kiln run folder or model file, or a Hugging "
+                                                "Face folder (docs/hf.md); its weights, architecture and tokenizer "
+                                                "replace --model, --layers, --width, --heads, --kv-heads, --ffn and "
+                                                "--tokenizer"},
+    {"layers", OPT_INT, ARG(layers), KEEP_FIXED, "transformer blocks"},
+    {"heads", OPT_INT, ARG(heads), KEEP_FIXED, "attention heads"},
+    {"kv-heads", OPT_INT, ARG(kv_heads), KEEP_FIXED, "key/value heads (grouped-query); 0 = model default"},
+    {"width", OPT_INT, ARG(width), KEEP_FIXED, "embedding width C"},
+    {"context", OPT_INT, ARG(context), KEEP_FIXED, "context length T"},
+    {"ffn", OPT_INT, ARG(ffn), KEEP_FIXED, "MLP hidden width; 0 = model default"},
+    {"dropout", OPT_DOUBLE, ARG(dropout), KEEP_FREE, "dropout probability in training"},
+    {"attention", OPT_STRING, ARG(attention), KEEP_FIXED, "causal (the default), or flex variants joined with +: "
+                                                          "window:W, prefix:P, softcap:C, alibi, doc (document masking "
+                                                          "at the tokenizer's end-of-text token; docs/flex.md)"},
+    {"experts", OPT_INT, ARG(experts), KEEP_FIXED, "routed experts of each mixture-of-experts block (--model llama); "
+                                                   "0 = dense (docs/model.md)"},
+    {"shared-experts", OPT_INT, ARG(shared_experts), KEEP_FIXED, "experts every token goes through"},
+    {"top-k", OPT_INT, ARG(top_k), KEEP_FIXED, "routed experts per token"},
+    {"expert-ffn", OPT_INT, ARG(expert_ffn), KEEP_FIXED, "an expert's hidden width; 0 = a quarter of --ffn's"},
+    {"router", OPT_STRING, ARG(router), KEEP_FIXED, "router scores: softmax or sigmoid"},
+    {"dense-layers", OPT_INT, ARG(dense_layers), KEEP_FIXED, "leading blocks with the dense MLP"},
+    {"bias-speed", OPT_DOUBLE, ARG(bias_speed), KEEP_FREE, "the balancing bias's step after each optimizer step "
+                                                           "(auxiliary-loss-free balancing); 0 = frozen"},
+    {"balance-loss", OPT_DOUBLE, ARG(balance_loss), KEEP_FREE, "the sequence-wise balance loss's weight; 0 = none"},
+    {"capacity", OPT_DOUBLE, ARG(capacity), KEEP_FREE, "an expert keeps at most capacity * tokens * top-k / experts "
+                                                       "rows of a forward and drops the rest; 0 = dropless"},
+    {"groups", OPT_INT, ARG(groups), KEEP_FIXED, "group-limited routing: the experts in this many groups (1 = none)"},
+    {"mla-kv-rank", OPT_INT, ARG(mla_kv_rank), KEEP_FIXED, "multi-head latent attention (--model llama): keys and "
+                                                           "values through a latent of this rank; 0 = standard "
+                                                           "attention (docs/model.md)"},
+    {"mla-q-rank", OPT_INT, ARG(mla_q_rank), KEEP_FIXED, "MLA: queries through a latent of this rank; 0 = none"},
+    {"mla-rope-dim", OPT_INT, ARG(mla_rope_dim), KEEP_FIXED, "MLA: the rotary part of each head's query and key"},
+    {"mla-nope-dim", OPT_INT, ARG(mla_nope_dim), KEEP_FIXED, "MLA: the rest of each head's query and key; 0 = width / "
+                                                             "heads"},
+    {"mla-v-dim", OPT_INT, ARG(mla_v_dim), KEEP_FIXED, "MLA: each head's value size; 0 = width / heads"},
+    {"top-groups", OPT_INT, ARG(top_groups), KEEP_FIXED, "with --groups: a token's experts come from its this many "
+                                                         "best groups"},
+    {"batch", OPT_INT, ARG(batch), KEEP_FREE, "sequences per micro-batch B, all ranks together (each rank takes B / "
+                                              "world)"},
+    {"accum", OPT_INT, ARG(accum), KEEP_FREE, "micro-batches per step (gradient accumulation)"},
+    {"steps", OPT_INT, ARG(steps), KEEP_FREE, "optimizer steps in total"},
+    {"optimizer", OPT_STRING, ARG(optimizer), KEEP_FIXED, "adamw or sgd"},
+    {"lr", OPT_DOUBLE, ARG(lr), KEEP_FREE, "peak learning rate"},
+    {"min-lr", OPT_DOUBLE, ARG(min_lr), KEEP_FREE, "final learning rate of the cosine schedule"},
+    {"warmup", OPT_INT, ARG(warmup), KEEP_FREE, "linear warmup steps"},
+    {"wd", OPT_DOUBLE, ARG(wd), KEEP_FREE, "weight decay (matrices and embeddings only)"},
+    {"momentum", OPT_DOUBLE, ARG(momentum), KEEP_FREE, "SGD momentum"},
+    {"clip", OPT_DOUBLE, ARG(clip), KEEP_FREE, "global gradient-norm clip; 0 = off"},
+    {"eval-every", OPT_INT, ARG(eval_every), KEEP_FREE, "steps between validation losses; 0 = only at the end"},
+    {"eval-batches", OPT_INT, ARG(eval_batches), KEEP_FREE, "validation batches per evaluation"},
+    {"save-every", OPT_INT, ARG(save_every), KEEP_FREE, "steps between checkpoints (and one at the end, and one on "
+                                                        "SIGINT or SIGTERM)"},
+    {"log-every", OPT_INT, ARG(log_every), KEEP_FREE, "steps between progress lines"},
+    {"val-fraction", OPT_DOUBLE, ARG(val_fraction), KEEP_FREE, "tail of the corpus kept for validation"},
+    {"seed", OPT_INT, ARG(seed), KEEP_FIXED, "seed for weights, batches and dropout"},
+    {"threads", OPT_INT, ARG(threads), KEEP_NOT, "threads per rank; 0 = the cores over the ranks on this machine "
+                                                 "($KILN_NUM_THREADS)"},
+    {"device", OPT_STRING, ARG(device), KEEP_NOT, "where the model and batches live: cpu, opencl[:N] (`kiln doctor` "
+                                                  "lists them; default $KILN_DEVICE, else cpu)"},
+    {"resume", OPT_FLAG, ARG(resume), KEEP_NOT, "continue the run in --out from its checkpoint, with the settings in "
+                                                "its run.json (flags change the schedule and cadences, not the "
+                                                "architecture, tokenizer, seed or optimizer)"},
+    {"overwrite", OPT_FLAG, ARG(overwrite), KEEP_NOT, "train a new run in --out even though it holds one (its "
+                                                      "checkpoint is deleted)"},
+    {"quiet", OPT_FLAG, ARG(quiet), KEEP_NOT, "only errors and the final summary"},
+    {"zero1", OPT_FLAG, ARG(zero1), KEEP_FREE, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
+    {"expert-parallel", OPT_FLAG, ARG(expert_parallel), KEEP_FREE, "shard each MoE block's routed experts across the "
+                                                                   "ranks (--experts a multiple of them): rows go to "
+                                                                   "their experts' rank and back by all-to-all"},
+    {"compile", OPT_FLAG, ARG(compile), KEEP_FREE, "run each step (forward, backward of every --accum micro-batch, "
+                                                   "clipping, update) as one graph of generated kernels (kiln compile)"},
+    {"precision", OPT_STRING, ARG(precision), KEEP_FREE, "f32, or bf16 / f16 mixed precision: matmuls and attention "
+                                                         "in that type, weights, optimizer state, norms and loss in "
+                                                         "f32 (f16 with dynamic loss scaling)"},
+    {"loss-scale", OPT_DOUBLE, ARG(loss_scale), KEEP_FREE, "--precision f16: the loss scale to start from (halved on "
+                                                           "an inf or NaN gradient, doubled after 2000 good steps; "
+                                                           "kept in checkpoints)"},
+    {"bucket-mb", OPT_DOUBLE, ARG(bucket_mb), KEEP_FREE, "with several ranks: gradient buckets of this many MiB "
+                                                         "reduced during backward (0: one tensor at a time after it)"},
+};
+#undef ARG
+enum { N_TRAIN_OPTS = sizeof train_opts / sizeof train_opts[0] };
+
+static train_args train_defaults(void)
 {
-    train_args *a = &r->a;
-    int argc = r->argc;
-    char **argv = r->argv;
-    *a = (train_args){
+    return (train_args){
         .data = default_data(), .out = "runs/default", .config = NULL, .model = "gpt2", .tokenizer = "byte",
         .optimizer = "adamw", .layers = 4, .heads = 4, .kv_heads = 0, .width = 256, .context = 128, .ffn = 0,
         .top_k = 2, .router = "softmax", .bias_speed = 0.001, .groups = 1, .top_groups = 1,
@@ -480,90 +622,228 @@ static int parse_options(train_run *r)
         .clip = 1.0, .dropout = 0.0, .val_fraction = 0.1, .momentum = 0.9, .bucket_mb = 25, .precision = "f32",
         .loss_scale = 65536,
     };
-    const cli_opt opts[] = {
-        {"data", OPT_STRING, &a->data, "text file or folder to train on ($KILN_DATA)"},
-        {"out", OPT_STRING, &a->out, "run folder: checkpoints, metrics.jsonl, loss.svg"},
-        {"config", OPT_STRING, &a->config, "JSON file of these options ({\"steps\": 500, ...}); flags win"},
-        {"model", OPT_STRING, &a->model, "gpt2 (LayerNorm, learned positions, GELU) or llama (RMSNorm, RoPE, SwiGLU)"},
-        {"tokenizer", OPT_STRING, &a->tokenizer, "byte, bpe:VOCAB (trained on the data), or a tokenizer.json"},
-        {"init", OPT_STRING, &a->init, "start from this model: a kiln run folder or model file, or a Hugging Face "
-                                       "folder (docs/hf.md); its weights, architecture and tokenizer replace --model, "
-                                       "--layers, --width, --heads, --kv-heads, --ffn and --tokenizer"},
-        {"layers", OPT_INT, &a->layers, "transformer blocks"},
-        {"heads", OPT_INT, &a->heads, "attention heads"},
-        {"kv-heads", OPT_INT, &a->kv_heads, "key/value heads (grouped-query); 0 = model default"},
-        {"width", OPT_INT, &a->width, "embedding width C"},
-        {"context", OPT_INT, &a->context, "context length T"},
-        {"ffn", OPT_INT, &a->ffn, "MLP hidden width; 0 = model default"},
-        {"dropout", OPT_DOUBLE, &a->dropout, "dropout probability in training"},
-        {"attention", OPT_STRING, &a->attention, "causal (the default), or flex variants joined with +: window:W, "
-                                                  "prefix:P, softcap:C, alibi, doc (document masking at the tokenizer's "
-                                                  "end-of-text token; docs/flex.md)"},
-        {"experts", OPT_INT, &a->experts, "routed experts of each mixture-of-experts block (--model llama); 0 = dense "
-                                          "(docs/model.md)"},
-        {"shared-experts", OPT_INT, &a->shared_experts, "experts every token goes through"},
-        {"top-k", OPT_INT, &a->top_k, "routed experts per token"},
-        {"expert-ffn", OPT_INT, &a->expert_ffn, "an expert's hidden width; 0 = a quarter of --ffn's"},
-        {"router", OPT_STRING, &a->router, "router scores: softmax or sigmoid"},
-        {"dense-layers", OPT_INT, &a->dense_layers, "leading blocks with the dense MLP"},
-        {"bias-speed", OPT_DOUBLE, &a->bias_speed, "the balancing bias's step after each optimizer step "
-                                                  "(auxiliary-loss-free balancing); 0 = frozen"},
-        {"balance-loss", OPT_DOUBLE, &a->balance_loss, "the sequence-wise balance loss's weight; 0 = none"},
-        {"capacity", OPT_DOUBLE, &a->capacity, "an expert keeps at most capacity * tokens * top-k / experts rows of a "
-                                               "forward and drops the rest; 0 = dropless"},
-        {"groups", OPT_INT, &a->groups, "group-limited routing: the experts in this many groups (1 = none)"},
-        {"mla-kv-rank", OPT_INT, &a->mla_kv_rank, "multi-head latent attention (--model llama): keys and values through a "
-                                                 "latent of this rank; 0 = standard attention (docs/model.md)"},
-        {"mla-q-rank", OPT_INT, &a->mla_q_rank, "MLA: queries through a latent of this rank; 0 = none"},
-        {"mla-rope-dim", OPT_INT, &a->mla_rope_dim, "MLA: the rotary part of each head's query and key"},
-        {"mla-nope-dim", OPT_INT, &a->mla_nope_dim, "MLA: the rest of each head's query and key; 0 = width / heads"},
-        {"mla-v-dim", OPT_INT, &a->mla_v_dim, "MLA: each head's value size; 0 = width / heads"},
-        {"top-groups", OPT_INT, &a->top_groups, "with --groups: a token's experts come from its this many best groups"},
-        {"batch", OPT_INT, &a->batch, "sequences per micro-batch B, all ranks together (each rank takes B / world)"},
-        {"accum", OPT_INT, &a->accum, "micro-batches per step (gradient accumulation)"},
-        {"steps", OPT_INT, &a->steps, "optimizer steps in total"},
-        {"optimizer", OPT_STRING, &a->optimizer, "adamw or sgd"},
-        {"lr", OPT_DOUBLE, &a->lr, "peak learning rate"},
-        {"min-lr", OPT_DOUBLE, &a->min_lr, "final learning rate of the cosine schedule"},
-        {"warmup", OPT_INT, &a->warmup, "linear warmup steps"},
-        {"wd", OPT_DOUBLE, &a->wd, "weight decay (matrices and embeddings only)"},
-        {"momentum", OPT_DOUBLE, &a->momentum, "SGD momentum"},
-        {"clip", OPT_DOUBLE, &a->clip, "global gradient-norm clip; 0 = off"},
-        {"eval-every", OPT_INT, &a->eval_every, "steps between validation losses; 0 = only at the end"},
-        {"eval-batches", OPT_INT, &a->eval_batches, "validation batches per evaluation"},
-        {"save-every", OPT_INT, &a->save_every, "steps between checkpoints (and one at the end)"},
-        {"log-every", OPT_INT, &a->log_every, "steps between progress lines"},
-        {"val-fraction", OPT_DOUBLE, &a->val_fraction, "tail of the corpus kept for validation"},
-        {"seed", OPT_INT, &a->seed, "seed for weights, batches and dropout"},
-        {"threads", OPT_INT, &a->threads, "threads per rank; 0 = the cores over the ranks on this machine ($KILN_NUM_THREADS)"},
-        {"device", OPT_STRING, &a->device, "where the model and batches live: cpu, opencl[:N] (`kiln doctor` lists them; "
-                                         "default $KILN_DEVICE, else cpu)"},
-        {"resume", OPT_FLAG, &a->resume, "continue from the checkpoint in --out"},
-        {"quiet", OPT_FLAG, &a->quiet, "only errors and the final summary"},
-        {"zero1", OPT_FLAG, &a->zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
-        {"expert-parallel", OPT_FLAG, &a->expert_parallel, "shard each MoE block's routed experts across the ranks "
-                                                           "(--experts a multiple of them): rows go to their experts' "
-                                                           "rank and back by all-to-all"},
-        {"compile", OPT_FLAG, &a->compile, "run each step (forward, backward of every --accum micro-batch, clipping, update) as one graph of "
-                                          "generated kernels (kiln compile)"},
-        {"precision", OPT_STRING, &a->precision, "f32, or bf16 / f16 mixed precision: matmuls and attention in that "
-                                                 "type, weights, optimizer state, norms and loss in f32 (f16 with "
-                                                 "dynamic loss scaling)"},
-        {"loss-scale", OPT_DOUBLE, &a->loss_scale, "--precision f16: the loss scale to start from (halved on an inf or "
-                                                   "NaN gradient, doubled after 2000 good steps; kept in checkpoints)"},
-        {"bucket-mb", OPT_DOUBLE, &a->bucket_mb, "with several ranks: gradient buckets of this many MiB reduced during "
-                                             "backward (0: one tensor at a time after it)"},
-        {NULL, 0, NULL, NULL},
-    };
+}
+
+static void *opt_field(train_args *a, const train_opt *o) { return (char *)a + o->field; }
+static const void *opt_cfield(const train_args *a, const train_opt *o) { return (const char *)a + o->field; }
+
+/* An option's value as run.json records it. */
+static json_t *opt_to_json(const train_args *a, const train_opt *o)
+{
+    const void *p = opt_cfield(a, o);
+    switch (o->type) {
+    case OPT_INT: return json_integer((json_int_t) * (const int64_t *)p);
+    case OPT_DOUBLE: return json_real(*(const double *)p);
+    case OPT_STRING: return *(const char *const *)p ? json_string(*(const char *const *)p) : json_null();
+    case OPT_FLAG: return json_boolean(*(const bool *)p);
+    }
+    return NULL;
+}
+
+/* Sets an option from run.json's value; false if the value has another type. Strings
+ * point into v, which must outlive a. */
+static bool opt_from_json(train_args *a, const train_opt *o, const json_t *v)
+{
+    void *p = opt_field(a, o);
+    switch (o->type) {
+    case OPT_INT:
+        if (!json_is_integer(v)) return false;
+        *(int64_t *)p = (int64_t)json_integer_value(v);
+        return true;
+    case OPT_DOUBLE:
+        if (!json_is_number(v)) return false;
+        *(double *)p = json_number_value(v);
+        return true;
+    case OPT_STRING:
+        if (!json_is_string(v) && !json_is_null(v)) return false;
+        *(const char **)p = json_string_value(v); /* NULL for null */
+        return true;
+    case OPT_FLAG:
+        if (!json_is_boolean(v)) return false;
+        *(bool *)p = json_is_true(v);
+        return true;
+    }
+    return false;
+}
+
+static bool opt_equal(const train_args *x, const train_args *y, const train_opt *o)
+{
+    const void *p = opt_cfield(x, o), *q = opt_cfield(y, o);
+    switch (o->type) {
+    case OPT_INT: return *(const int64_t *)p == *(const int64_t *)q;
+    case OPT_DOUBLE: return *(const double *)p == *(const double *)q;
+    case OPT_FLAG: return *(const bool *)p == *(const bool *)q;
+    case OPT_STRING: {
+        const char *s = *(const char *const *)p, *t = *(const char *const *)q;
+        return s == t || (s && t && !strcmp(s, t));
+    }
+    }
+    return false;
+}
+
+/* An option's value as a flag would give it. */
+static void opt_text(const train_args *a, const train_opt *o, char *buf, size_t n)
+{
+    const void *p = opt_cfield(a, o);
+    switch (o->type) {
+    case OPT_INT: snprintf(buf, n, "%lld", (long long)*(const int64_t *)p); break;
+    case OPT_DOUBLE: snprintf(buf, n, "%g", *(const double *)p); break;
+    case OPT_FLAG: snprintf(buf, n, "%s", *(const bool *)p ? "true" : "false"); break;
+    case OPT_STRING: snprintf(buf, n, "%s", *(const char *const *)p ? *(const char *const *)p : "(none)"); break;
+    }
+}
+
+/* Sets the options a run recorded (run.json's "options") over a; 1 after an error. */
+static int apply_kept(train_args *a, const char *out, const json_t *kept)
+{
+    for (size_t i = 0; kept && i < N_TRAIN_OPTS; i++) {
+        const train_opt *o = &train_opts[i];
+        const json_t *v = o->keep != KEEP_NOT ? json_object_get(kept, o->name) : NULL;
+        if (v && !opt_from_json(a, o, v)) {
+            fprintf(stderr, "kiln train: %s/%s: option \"%s\" has the wrong type\n", out, RUN_INFO, o->name);
+            return 1;
+        }
+    }
+    return 0;
+}
+
+/* The defaults, then the options a run recorded (kept, or NULL), then a --config file,
+ * then the flags. */
+static int parse_flags(train_run *r, const json_t *kept)
+{
+    train_args *a = &r->a;
+    const char *out = a->out;
+    *a = train_defaults();
+    if (apply_kept(a, out, kept)) return 1;
+    cli_opt opts[N_TRAIN_OPTS + 1];
+    for (size_t i = 0; i < N_TRAIN_OPTS; i++)
+        opts[i] = (cli_opt){train_opts[i].name, train_opts[i].type, opt_field(a, &train_opts[i]), train_opts[i].help};
+    opts[N_TRAIN_OPTS] = (cli_opt){NULL, 0, NULL, NULL};
     /* A config file first, so that flags given with it override it. */
-    for (int i = 1; i < argc; i++) {
-        const char *cfg = !strcmp(argv[i], "--config") && i + 1 < argc ? argv[i + 1]
-                        : !strncmp(argv[i], "--config=", 9)             ? argv[i] + 9
-                                                                         : NULL;
+    for (int i = 1; i < r->argc; i++) {
+        const char *cfg = !strcmp(r->argv[i], "--config") && i + 1 < r->argc ? r->argv[i + 1]
+                        : !strncmp(r->argv[i], "--config=", 9)                ? r->argv[i] + 9
+                                                                               : NULL;
         if (cfg && cli_load_config("train", opts, cfg)) return 2;
     }
-    int rc = cli_parse("train", "[options]", opts, argc, argv, NULL, 0, NULL);
+    int rc = cli_parse("train", "[options]", opts, r->argc, r->argv, NULL, 0, NULL);
     if (rc) return rc == 1 ? 0 : 2;
+    return GO_ON;
+}
+
+/* The step recorded in a model file; -1 if it has none or cannot be read. */
+static int64_t checkpoint_step(const char *model_path)
+{
+    kiln_safetensors_t *f = NULL;
+    int64_t step = -1;
+    if (kiln_safetensors_load(model_path, &f) == KILN_OK && kiln_safetensors_meta(f, "step"))
+        step = strtoll(kiln_safetensors_meta(f, "step"), NULL, 10);
+    kiln_safetensors_free(f);
+    kiln_clear_error();
+    return step;
+}
+
+/* A run already in --out (it has a model file). Without --resume or --overwrite it is
+ * refused, finished or stopped, so that no run is replaced by accident. With --resume
+ * the flags are parsed again over the options its run.json recorded; a KEEP_FIXED one
+ * that differs is refused naming both values, and r->changed lists the KEEP_FREE ones
+ * that differ. (A run.json from before "options" gives none: the flags alone.) */
+static int adopt_run(train_run *r)
+{
+    train_args *a = &r->a;
+    if (a->resume && a->overwrite) {
+        fprintf(stderr, "kiln train: --resume continues the run in %s and --overwrite replaces it: give one\n", a->out);
+        return 2;
+    }
+    char *info_path = join(a->out, RUN_INFO), *model_path = join(a->out, RUN_MODEL);
+    if (!info_path || !model_path) return cli_fail("train", "out of memory");
+    struct stat st;
+    r->replacing = stat(model_path, &st) == 0;
+    r->run_info = json_load_file(info_path, 0, NULL); /* kept to the end: the options' strings point into it */
+    const json_t *kept = json_object_get(r->run_info, "options");
+    int rc = GO_ON;
+    if (!a->resume && !a->overwrite && r->replacing) {
+        int64_t step = checkpoint_step(model_path);
+        const json_t *target = json_object_get(kept, "steps");
+        int64_t steps = json_is_integer(target) ? (int64_t)json_integer_value(target) : -1;
+        if (step >= 0 && steps >= 0 && step >= steps)
+            fprintf(stderr, "kiln train: %s holds a finished run (step %lld of %lld); --resume --steps N (N > %lld) "
+                            "trains it on, --overwrite trains a new run in its place\n",
+                    a->out, (long long)step, (long long)steps, (long long)step);
+        else if (step >= 0 && steps >= 0)
+            fprintf(stderr, "kiln train: %s holds a run stopped at step %lld of %lld; --resume continues it, "
+                            "--overwrite trains a new run in its place\n",
+                    a->out, (long long)step, (long long)steps);
+        else
+            fprintf(stderr, "kiln train: %s holds a run (%s); --resume continues it, --overwrite trains a new run in "
+                            "its place\n", a->out, RUN_MODEL);
+        rc = 1;
+    } else if (a->resume && !r->replacing) {
+        fprintf(stderr, "kiln train: --resume: %s holds no checkpoint (%s) to continue from\n", a->out, RUN_MODEL);
+        rc = 1;
+    } else if (a->resume && json_is_object(kept)) {
+        train_args was = train_defaults(); /* the run as recorded */
+        rc = apply_kept(&was, a->out, kept) ? 1 : parse_flags(r, kept);
+        size_t used = 0;
+        for (size_t i = 0; rc == GO_ON && i < N_TRAIN_OPTS; i++) {
+            const train_opt *o = &train_opts[i];
+            if (o->keep == KEEP_NOT || opt_equal(a, &was, o)) continue;
+            char now[256], then[256];
+            opt_text(a, o, now, sizeof now);
+            opt_text(&was, o, then, sizeof then);
+            if (o->keep == KEEP_FIXED) {
+                fprintf(stderr, "kiln train: --%s %s does not match the run: it was trained with --%s %s (%s); a run's "
+                                "architecture, tokenizer, seed and optimizer cannot change on --resume (leave out "
+                                "--%s, or train a new run: another --out, or --overwrite)\n",
+                        o->name, now, o->name, then, info_path, o->name);
+                rc = 1;
+            } else if (used < sizeof r->changed) {
+                used += (size_t)snprintf(r->changed + used, sizeof r->changed - used, "%s--%s %s (was %s)",
+                                         used ? ", " : "", o->name, now, then);
+            }
+        }
+    }
+    free(info_path);
+    free(model_path);
+    return rc;
+}
+
+/* --overwrite: the replaced run's checkpoint and charts deleted before the new run
+ * writes its own, so that no stale training state or ZeRO-1 marker pairs with them. */
+static kiln_status delete_replaced_run(const char *dir)
+{
+    const char *files[] = {RUN_MODEL, RUN_STATE, RUN_STATE_PREV, RUN_CHART, RUN_ROUTER_CHART, "zero1.complete"};
+    kiln_status s = KILN_OK;
+    for (size_t i = 0; s == KILN_OK && i < sizeof files / sizeof files[0]; i++) {
+        char *p = join(dir, files[i]);
+        if (!p) s = kiln_error(KILN_ERR_OOM, "out of memory");
+        else if (unlink(p) != 0 && errno != ENOENT) s = kiln_error(KILN_ERR_IO, "--overwrite: cannot delete %s: %s", p, strerror(errno));
+        free(p);
+    }
+    return s;
+}
+
+/* run.json: the unigram baseline (kiln plot reads it), the tokenizer, the model config,
+ * and every option the run keeps ("options"), which --resume starts from. */
+static void write_run_info(const char *dir, double unigram, const char *tok, const kiln_gpt_config *c, const train_args *a)
+{
+    char *path = join(dir, RUN_INFO), *cfg = kiln_gpt_config_to_json(c);
+    json_t *cj = cfg ? json_loads(cfg, 0, NULL) : NULL, *opts = json_object();
+    for (size_t i = 0; opts && i < N_TRAIN_OPTS; i++)
+        if (train_opts[i].keep != KEEP_NOT) json_object_set_new(opts, train_opts[i].name, opt_to_json(a, &train_opts[i]));
+    json_t *o = json_pack("{s:f,s:s,s:o?,s:s?,s:I,s:I,s:f,s:o?}", "unigram_entropy", unigram, "tokenizer", tok, "config",
+                          cj, "data", a->data, "steps", (json_int_t)a->steps, "batch", (json_int_t)a->batch, "lr", a->lr,
+                          "options", opts);
+    if (o && path) json_dump_file(o, path, JSON_INDENT(2) | JSON_SORT_KEYS);
+    json_decref(o);
+    free(cfg);
+    free(path);
+}
+
+/* The options' values checked, each and together. */
+static int check_options(train_run *r)
+{
+    train_args *a = &r->a;
     const struct {
         const char *name;
         int64_t v, lo;
@@ -590,6 +870,19 @@ static int parse_options(train_run *r)
         return cli_fail("train", "--expert-parallel and --zero1 do not go together (ZeRO-1's shards assume every rank "
                                  "holds every parameter)");
     return GO_ON;
+}
+
+/* The options: defaults, then (on --resume) the run's recorded ones, then a --config
+ * file, then the flags; checked. The first parse finds --out and --resume, and a bad
+ * value is named before any run folder is looked at; adopt_run parses again over the
+ * run's recorded options when it resumes one. */
+static int parse_options(train_run *r)
+{
+    int rc = parse_flags(r, NULL);
+    if (rc == GO_ON) rc = check_options(r);
+    if (rc == GO_ON) rc = adopt_run(r);
+    if (rc == GO_ON) rc = check_options(r);
+    return rc;
 }
 
 /* Threads, the device, the process group, and the run folder. */
@@ -628,14 +921,16 @@ static int setup_data(train_run *r)
                 kiln_last_error());
         return 1;
     }
-    /* On resume the run's own tokenizer is used. */
+    /* On resume the run's own tokenizer is used (a->tokenizer stays as given: run.json
+     * records it). */
     r->tok_path = join(a->out, RUN_TOKENIZER);
+    const char *tok_spec = a->tokenizer;
     if (a->resume && strcmp(a->tokenizer, "byte")) {
         struct stat st;
-        if (stat(r->tok_path, &st) == 0) a->tokenizer = r->tok_path;
+        if (stat(r->tok_path, &st) == 0) tok_spec = r->tok_path;
     }
     if (a->init) { /* the model's own tokenizer */
-        if (strcmp(a->tokenizer, "byte") && strcmp(a->tokenizer, r->tok_path))
+        if (strcmp(tok_spec, "byte") && strcmp(tok_spec, r->tok_path))
             return cli_fail("train", "--init brings its own tokenizer; leave out --tokenizer");
         if (kiln_model_load(a->init, &r->init, &r->tok, NULL) != KILN_OK) return cli_fail("train", NULL);
         int T = kiln_gpt_get_config(r->init)->block_size;
@@ -644,7 +939,7 @@ static int setup_data(train_run *r)
                     (long long)a->context, T);
             return 1;
         }
-    } else if (get_tokenizer(a, text, len, &r->tok) != KILN_OK) {
+    } else if (get_tokenizer(a, tok_spec, text, len, &r->tok) != KILN_OK) {
         return cli_fail("train", NULL);
     }
     r->tok_kind = kiln_tokenizer_kind(r->tok);
@@ -710,6 +1005,7 @@ static int load_checkpoint(train_run *r)
 {
     train_args *a = &r->a;
     r->start = 0;
+    r->saved = -1;
     kiln_manual_seed((uint64_t)a->seed);
     if (a->resume) {
         if (load_state(a->out, r->m, r->opt, a, &r->start, a->prec == KILN_DTYPE_F16 ? &r->scaler : NULL) != KILN_OK)
@@ -720,14 +1016,28 @@ static int load_checkpoint(train_run *r)
                     (long long)r->start);
             return 1;
         }
-        if (!a->quiet && r->rank == 0) printf("resumed %s at step %lld\n", a->out, (long long)r->start);
+        r->saved = r->start;
+    } else if (r->replacing && delete_replaced_run(a->out) != KILN_OK) { /* --overwrite */
+        return cli_fail("train", NULL);
     }
     if (r->rank == 0) write_run_info(a->out, r->unigram, r->tok_kind, &r->cfg, a);
     r->metrics_path = join(a->out, RUN_METRICS);
     r->chart_path = join(a->out, RUN_CHART);
     r->router_path = join(a->out, RUN_ROUTER_CHART);
-    if (r->rank == 0 && a->resume && keep_metrics_upto(r->metrics_path, r->start) != KILN_OK)
+    size_t dropped = 0;
+    int64_t first = 0, last = 0;
+    if (r->rank == 0 && a->resume && keep_metrics_upto(r->metrics_path, r->start, &dropped, &first, &last) != KILN_OK)
         return cli_fail("train", NULL);
+    /* Steps logged past the checkpoint (a run killed between saves) are news even with
+     * --quiet: they are gone from the chart and trained again. */
+    if (r->rank == 0 && a->resume && (!a->quiet || dropped)) {
+        printf("resumed %s at step %lld", a->out, (long long)r->start);
+        if (dropped)
+            printf("; dropped %zu logged step%s (%lld-%lld) past the checkpoint from %s: they are trained again",
+                   dropped, dropped == 1 ? "" : "s", (long long)first, (long long)last, RUN_METRICS);
+        printf("\n");
+    }
+    if (r->rank == 0 && a->resume && !a->quiet && r->changed[0]) printf("changed from %s: %s\n", RUN_INFO, r->changed);
     if (r->rank == 0 && kiln_metrics_open(r->metrics_path, a->resume, &r->metrics) != KILN_OK)
         return cli_fail("train", NULL);
     return GO_ON;
@@ -910,12 +1220,18 @@ static kiln_status step_reduce_update(train_run *r, double lr, double *loss_sum,
             s = kiln_pg_allreduce(r->pg, kiln_tensor_grad(r->params[i]), KILN_REDUCE_AVG);
     r->comm_after += kiln__now_s() - t_comm;
     if (s == KILN_OK) s = kiln_pg_check_step(r->pg); /* every rank ran the same collectives this step */
-    if (s == KILN_OK && r->world > 1) { /* the loss of the whole batch: the mean of the ranks' equal shares */
+    if (s == KILN_OK && r->world > 1) {
+        /* The loss of the whole batch: the mean of the ranks' equal shares; and with it
+         * whether any rank was signalled to stop (a mean above 0), so that every rank
+         * stops after the same step. */
         kiln_scope_begin();
-        int64_t one = 1;
-        kiln_tensor_t *l = kiln_from_data(loss_sum, &one, 1, KILN_DTYPE_F64);
+        double v[2] = {*loss_sum, stop_signal ? 1.0 : 0.0};
+        int64_t two = 2;
+        kiln_tensor_t *l = kiln_from_data(v, &two, 1, KILN_DTYPE_F64);
         s = l ? kiln_pg_allreduce(r->pg, l, KILN_REDUCE_AVG) : kiln_last_status();
-        if (s == KILN_OK) s = kiln_tensor_to_host(l, loss_sum, sizeof *loss_sum);
+        if (s == KILN_OK) s = kiln_tensor_to_host(l, v, sizeof v);
+        *loss_sum = v[0];
+        r->stop = v[1] > 0;
         kiln_scope_end();
     }
     if (s == KILN_OK && r->zero && !r->whole) s = kiln_zero1_step(r->zero, lr, a->clip, gnorm);
@@ -1038,12 +1354,30 @@ static kiln_status step_report(train_run *r, int64_t step, double lr, double los
     }
     bool due = (a->save_every > 0 && (step + 1) % a->save_every == 0) || last;
     if (s == KILN_OK && due) s = save(r, step + 1);
+    if (s == KILN_OK && due) r->saved = step + 1;
     if (due && r->zero) r->committed = step + 1;
     if (s == KILN_OK && r->rank == 0 && !isnan(r->val) && r->metrics) s = redraw_chart(r, last);
     return s;
 }
 
-/* The steps from r->start to --steps. */
+/* A stop asked for by a signal, after step done: the checkpoint of that step (unless
+ * the step wrote it), the chart, and how to resume. */
+static kiln_status stop_after(train_run *r, int64_t done)
+{
+    kiln_status s = r->saved == done ? KILN_OK : save(r, done);
+    if (s == KILN_OK) r->saved = done;
+    if (r->rank == 0 && r->metrics) redraw_chart(r, true);
+    int sig = stop_signal ? stop_signal : SIGTERM; /* a rank that was not signalled stops with the others */
+    r->exit_code = 128 + sig;
+    fflush(stdout);
+    if (s == KILN_OK && r->rank == 0)
+        fprintf(stderr, "kiln train: %s at step %lld; saved %s (step %lld). Resume with: kiln train --out %s --resume\n",
+                sig == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", (long long)done, r->a.out,
+                (long long)done, r->a.out);
+    return s;
+}
+
+/* The steps from r->start to --steps, or to a stop asked for by SIGINT or SIGTERM. */
 static int train_loop(train_run *r)
 {
     train_args *a = &r->a;
@@ -1052,6 +1386,8 @@ static int train_loop(train_run *r)
     r->val = NAN;
     r->comm_after = 0;
     r->timed = 0;
+    struct sigaction old[2];
+    catch_stop_signals(old, NULL);
     for (int64_t step = r->start; step < a->steps && s == KILN_OK; step++) {
         double t0 = kiln__now_s(), lr = kiln_lr_cosine(step, a->warmup, a->steps, a->lr, a->min_lr), loss_sum = 0;
         double gnorm = 0;
@@ -1065,17 +1401,25 @@ static int train_loop(train_run *r)
             break;
         }
         s = step_report(r, step, lr, loss, gnorm, ms);
+        if (r->world == 1) r->stop = stop_signal != 0; /* (several ranks: agreed in step_reduce_update) */
+        if (s == KILN_OK && r->stop && step + 1 < a->steps) { /* at the last step the run is done anyway */
+            s = stop_after(r, step + 1);
+            break;
+        }
     }
     kiln_metrics_close(r->metrics);
+    r->metrics = NULL;
+    catch_stop_signals(NULL, old);
     if (s != KILN_OK) return cli_fail("train", NULL);
     return GO_ON;
 }
 
-/* The summary lines, and everything freed. */
+/* The summary lines (unless a signal stopped the run), and everything freed; the exit
+ * status. */
 static int report(train_run *r)
 {
     train_args *a = &r->a;
-    bool ran = !a->quiet && r->rank == 0 && r->start < a->steps;
+    bool ran = !a->quiet && r->rank == 0 && r->start < a->steps && !r->exit_code; /* not after a stop */
     if (ran)
         printf("done: %lld steps in %.1f s; final val loss %.4f vs unigram baseline %.4f; checkpoint %s/%s, "
                "chart %s%s%s\n",
@@ -1109,7 +1453,8 @@ static int report(train_run *r)
     free(r->chart_path);
     free(r->router_path);
     free(r->tok_path);
-    return 0;
+    json_decref(r->run_info);
+    return r->exit_code;
 }
 
 int cmd_train(int argc, char **argv)
