@@ -1367,13 +1367,14 @@ static kiln_status stop_after(train_run *r, int64_t done)
     kiln_status s = r->saved == done ? KILN_OK : save(r, done);
     if (s == KILN_OK) r->saved = done;
     if (r->rank == 0 && r->metrics) redraw_chart(r, true);
-    int sig = stop_signal ? stop_signal : SIGTERM; /* a rank that was not signalled stops with the others */
-    r->exit_code = 128 + sig;
+    int sig = stop_signal; /* 0: this rank stops because another was signalled */
+    r->exit_code = 128 + (sig ? sig : SIGTERM);
     fflush(stdout);
     if (s == KILN_OK && r->rank == 0)
         fprintf(stderr, "kiln train: %s at step %lld; saved %s (step %lld). Resume with: kiln train --out %s --resume\n",
-                sig == SIGINT ? "interrupted (SIGINT)" : "terminated (SIGTERM)", (long long)done, r->a.out,
-                (long long)done, r->a.out);
+                sig == SIGINT ? "interrupted (SIGINT)" : sig == SIGTERM ? "terminated (SIGTERM)"
+                                                       : "stopped (another rank was signalled)",
+                (long long)done, r->a.out, (long long)done, r->a.out);
     return s;
 }
 
