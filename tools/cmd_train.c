@@ -490,7 +490,6 @@ typedef struct {
     int64_t tokens_per_step;
     double t_begin, val, comm_after;     /* comm_after: gradient reduction left after backward */
     int64_t timed;                       /* steps run, for the ETA */
-    json_t *run_info;                    /* --out's run.json as found, or NULL */
     bool replacing;                      /* --out holds a model file: resumed, or replaced with --overwrite */
     char changed[1024];                  /* --resume: the recorded options the flags change, as text */
     int64_t saved;                       /* the step of the last checkpoint this process wrote, or -1 */
@@ -743,6 +742,10 @@ static int64_t checkpoint_step(const char *model_path)
     return step;
 }
 
+/* --out's run.json as found (NULL if none): the options' strings point into it, so it
+ * lives as long as the program (a global, so leak checkers see it as reachable). */
+static json_t *recorded_run;
+
 /* A run already in --out (it has a model file). Without --resume or --overwrite it is
  * refused, finished or stopped, so that no run is replaced by accident. With --resume
  * the flags are parsed again over the options its run.json recorded; a KEEP_FIXED one
@@ -759,8 +762,8 @@ static int adopt_run(train_run *r)
     if (!info_path || !model_path) return cli_fail("train", "out of memory");
     struct stat st;
     r->replacing = stat(model_path, &st) == 0;
-    r->run_info = json_load_file(info_path, 0, NULL); /* kept to the end: the options' strings point into it */
-    const json_t *kept = json_object_get(r->run_info, "options");
+    recorded_run = json_load_file(info_path, 0, NULL);
+    const json_t *kept = json_object_get(recorded_run, "options");
     int rc = GO_ON;
     if (!a->resume && !a->overwrite && r->replacing) {
         int64_t step = checkpoint_step(model_path);
@@ -1454,7 +1457,6 @@ static int report(train_run *r)
     free(r->chart_path);
     free(r->router_path);
     free(r->tok_path);
-    json_decref(r->run_info);
     return r->exit_code;
 }
 
