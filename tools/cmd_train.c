@@ -1002,6 +1002,41 @@ static int build_model(train_run *r)
     return GO_ON;
 }
 
+/* After a failed resume of a run whose run.json records no options (it predates them,
+ * so the flags had to give the architecture again): the model config's fields in which
+ * the checkpoint differs from what the flags built. */
+static void hint_unrecorded_config(const char *dir, const kiln_gpt_config *cfg)
+{
+    char *path = join(dir, RUN_MODEL), *mine = kiln_gpt_config_to_json(cfg), list[1024];
+    kiln_safetensors_t *f = NULL;
+    json_t *built = mine ? json_loads(mine, 0, NULL) : NULL, *saved = NULL;
+    if (path && kiln_safetensors_load(path, &f) == KILN_OK && kiln_safetensors_meta(f, "config"))
+        saved = json_loads(kiln_safetensors_meta(f, "config"), 0, NULL);
+    size_t n = 0;
+    const char *key;
+    json_t *v;
+    json_object_foreach(saved, key, v)
+    {
+        json_t *b = json_object_get(built, key);
+        if (b && json_equal(v, b)) continue;
+        char *was = json_dumps(v, JSON_ENCODE_ANY), *now = b ? json_dumps(b, JSON_ENCODE_ANY) : NULL;
+        n += (size_t)snprintf(list + n, sizeof list - n, "%s%s %s (these flags: %s)", n ? ", " : "", key,
+                              was ? was : "?", now ? now : "none");
+        free(was);
+        free(now);
+        if (n >= sizeof list) break; /* (cut short) */
+    }
+    if (n)
+        fprintf(stderr, "kiln train: the checkpoint's model differs from the one these flags build: %s; its %s "
+                        "records no settings (older than that), so give the flags it was trained with\n", list, RUN_INFO);
+    json_decref(built);
+    json_decref(saved);
+    kiln_safetensors_free(f);
+    kiln_clear_error();
+    free(mine);
+    free(path);
+}
+
 /* With --resume, the checkpoint's weights, optimizer state and step; then the run's
  * description and its metrics file (cut back to the checkpoint's step). */
 static int load_checkpoint(train_run *r)
@@ -1011,8 +1046,11 @@ static int load_checkpoint(train_run *r)
     r->saved = -1;
     kiln_manual_seed((uint64_t)a->seed);
     if (a->resume) {
-        if (load_state(a->out, r->m, r->opt, a, &r->start, a->prec == KILN_DTYPE_F16 ? &r->scaler : NULL) != KILN_OK)
-            return cli_fail("train", NULL);
+        if (load_state(a->out, r->m, r->opt, a, &r->start, a->prec == KILN_DTYPE_F16 ? &r->scaler : NULL) != KILN_OK) {
+            int rc = cli_fail("train", NULL);
+            if (!json_object_get(recorded_run, "options")) hint_unrecorded_config(a->out, &r->cfg);
+            return rc;
+        }
         r->skipped_seen = r->scaler.skipped; /* the loaded run's skips are not news */
         if (r->start >= a->steps) {
             fprintf(stderr, "kiln train: %s is already at step %lld; give --steps above it to train on\n", a->out,

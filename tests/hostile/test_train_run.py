@@ -190,6 +190,27 @@ s.case("resume with no flags but --steps takes the architecture and data from ru
        ["train", "--out", run, "--resume", "--steps", "7", "--lr", "1e-3", "--threads", "1"], rc=0,
        msg=r"changed from run.json: --steps 7 \(was 5\), --lr 0.001 \(was 0.003\)\n(.*\n)*.*1 layers, C=64, 2 heads")
 s.check(logged_steps(run) == list(range(1, 8)) and model_step(run) == 7, "the resumed run reached step 7")
+# A run.json from before "options": the flags alone, as then; a shape that does not fit
+# is named by field, both values, after the load's own error.
+old = os.path.join(d, "old")
+s.case("a run to make old-style", ["train", "--data", corpus, "--out", old, "--steps", "2", "--threads", "1",
+                                   "--layers", "1", "--width", "64", "--heads", "2", "--context", "16", "--batch", "2"],
+       rc=0)
+with open(os.path.join(old, "run.json")) as f:
+    info = json.load(f)
+del info["options"]
+with open(os.path.join(old, "run.json"), "w") as f:
+    json.dump(info, f)
+s.case("resuming a run whose run.json records no settings, without its --width, names the field and both values",
+       ["train", "--data", corpus, "--out", old, "--resume", "--steps", "3", "--threads", "1", "--layers", "1",
+        "--heads", "2", "--context", "16", "--batch", "2"], rc=1,
+       msg=r"differs from the one these flags build: n_embd 64 \(these flags: 256\); its run.json records no settings",
+       untouched=[old])
+s.case("... and with it, resumes (and records its settings from then on)",
+       ["train", "--data", corpus, "--out", old, "--resume", "--steps", "3", "--threads", "1", "--layers", "1",
+        "--width", "64", "--heads", "2", "--context", "16", "--batch", "2"], rc=0, msg=r"resumed .* at step 2")
+s.case("... so that the next resume needs no flags", ["train", "--out", old, "--resume", "--steps", "4",
+                                                      "--threads", "1"], rc=0, msg=r"C=64")
 s.case("--resume and --overwrite together are a usage error", ["train", "--out", run, "--resume", "--overwrite"], rc=2,
        msg=r"give one", untouched=[run])
 s.case("--resume where there is no run is refused by name",
