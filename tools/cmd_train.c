@@ -406,7 +406,6 @@ static kiln_status stacked_batches(kiln_dataset_t *ds, int B, int T, uint64_t se
  * to return with (after printing why). An early exit leaves what was made to the
  * process's end, as it did when cmd_train was one function. */
 
-
 /* ---- stopping on a signal ----
  * SIGINT or SIGTERM sets stop_signal, and nothing else (it is all a handler may safely
  * do); the loop finishes its step, writes a checkpoint, says how to resume and exits

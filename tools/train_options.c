@@ -292,7 +292,7 @@ static int adopt_run(int argc, char **argv, train_args *a, train_folder *f)
     int rc = GO_ON;
     if (!a->resume && !a->overwrite && f->replacing) {
         int64_t step = checkpoint_step(model_path);
-        const json_t *target = json_object_get(kept, "steps");
+        const json_t *target = json_object_get(recorded_run, "steps"); /* (older run.json files have it too) */
         int64_t steps = json_is_integer(target) ? (int64_t)json_integer_value(target) : -1;
         if (step >= 0 && steps >= 0 && step >= steps)
             fprintf(stderr, "kiln train: %s holds a finished run (step %lld of %lld); --resume --steps N (N > %lld) "
