@@ -307,10 +307,10 @@ static void train_compile_matches_eager(void **state)
     rc = run(out, sizeof out, "%s train --data %s --out %s/g --steps 4 --eval-every 4 --dropout 0.1 " TINY, tool(), corpus,
              dir);
     if (rc != 0) fail_msg("kiln train --dropout 0.1 failed (%d): %s", rc, out);
-    rc = run(out, sizeof out, "%s train --data %s --out %s/f --steps 4 --eval-every 4 --dropout 0.1 --compile " TINY, tool(),
-             corpus, dir);
+    rc = run(out, sizeof out, "%s train --data %s --out %s/gc --steps 4 --eval-every 4 --dropout 0.1 --compile " TINY,
+             tool(), corpus, dir);
     if (rc != 0) fail_msg("kiln train --dropout 0.1 --compile failed (%d): %s", rc, out);
-    same_losses("g", "f", 4, "--dropout 0.1 ");
+    same_losses("g", "gc", 4, "--dropout 0.1 ");
     char a[8][64], g[8][64], pa[512], pg[512];
     snprintf(pa, sizeof pa, "%s/a/metrics.jsonl", dir);
     snprintf(pg, sizeof pg, "%s/g/metrics.jsonl", dir);
@@ -480,7 +480,7 @@ static void doctor_lists_mpi_and_switches(void **state)
 static void bad_inputs_fail_with_a_reason(void **state)
 {
     char out[8192];
-    assert_int_equal(run(out, sizeof out, "%s train --data %s/nope.txt --out %s/c --steps 1", tool(), dir, dir), 1);
+    assert_int_equal(run(out, sizeof out, "%s train --data %s/nope.txt --out %s/nodata --steps 1", tool(), dir, dir), 1);
     assert_non_null(strstr(out, "nope.txt"));
     assert_int_equal(run(out, sizeof out, "%s train --steps many", tool()), 2);
     assert_non_null(strstr(out, "--steps"));
@@ -488,7 +488,7 @@ static void bad_inputs_fail_with_a_reason(void **state)
     assert_non_null(strstr(out, "unknown option"));
     assert_int_equal(run(out, sizeof out, "%s frobnicate", tool()), 2);
     /* Too little validation text is refused before any training. */
-    assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/d --steps 3 --val-fraction 0 " TINY, tool(),
+    assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/noval --steps 3 --val-fraction 0 " TINY, tool(),
                          corpus, dir), 1);
     assert_non_null(strstr(out, "validation"));
     /* A width that does not fit is refused, not truncated. */
@@ -501,7 +501,7 @@ static void bad_inputs_fail_with_a_reason(void **state)
     assert_non_null(fc);
     fprintf(fc, "{\"steps\": 2, \"layers\": 1, \"width\": 16, \"heads\": 2, \"context\": 16, \"batch\": 2, \"threads\": 1}\n");
     fclose(fc);
-    assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/e --config=%s", tool(), corpus, dir, cfg), 0);
+    assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/cfg --config=%s", tool(), corpus, dir, cfg), 0);
     assert_non_null(strstr(out, "1 layers, C=16"));
     assert_non_null(strstr(out, "step     2/2"));
     /* A truncated checkpoint is refused with a message, not a crash. */

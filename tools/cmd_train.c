@@ -6,6 +6,7 @@
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -22,22 +23,7 @@
 #include "kiln/nn.h"
 #include "kiln/optim.h"
 #include "kiln/tokenizer.h"
-
-typedef struct {
-    const char *data, *out, *config, *model, *tokenizer, *optimizer, *device, *precision, *init, *attention;
-    int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
-    int64_t save_every, log_every, seed, threads;
-    int64_t experts, shared_experts, top_k, expert_ffn, dense_layers, groups, top_groups; /* mixture of experts */
-    int64_t mla_kv_rank, mla_q_rank, mla_rope_dim, mla_nope_dim, mla_v_dim; /* multi-head latent attention */
-    const char *router;
-    double bias_speed, balance_loss, capacity;
-    double lr, min_lr, wd, clip, dropout, val_fraction, momentum, loss_scale;
-    kiln_dtype prec; /* --precision, parsed */
-    bool resume, quiet, zero1, compile, expert_parallel;
-    double bucket_mb;
-} train_args;
-
-static const char *default_data(void) { return kiln_env_or_default("KILN_DATA"); }
+#include "train.h"
 
 static char *join(const char *dir, const char *file)
 {
@@ -108,11 +94,11 @@ static kiln_status model_config(const train_args *a, int vocab, int eot, kiln_gp
     return kiln_gpt_config_check(c);
 }
 
-/* Reads the tokenizer named by --tokenizer: "byte", "bpe:N" (train one of vocab N on
- * the corpus and save it into the run), or a tokenizer.json path. */
-static kiln_status get_tokenizer(const train_args *a, const char *text, size_t len, kiln_tokenizer_t **tok)
+/* Reads the tokenizer k names (--tokenizer, or on resume the run's own): "byte", "bpe:N"
+ * (train one of vocab N on the corpus and save it into the run), or a tokenizer.json path. */
+static kiln_status get_tokenizer(const train_args *a, const char *k, const char *text, size_t len,
+                                 kiln_tokenizer_t **tok)
 {
-    const char *k = a->tokenizer;
     if (!strcmp(k, "byte")) {
         *tok = kiln_tokenizer_byte();
         return *tok ? KILN_OK : kiln_last_status();
@@ -332,8 +318,9 @@ static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt,
     return s;
 }
 
-/* A resumed run repeats the steps after its checkpoint: drop their old rows first. */
-static kiln_status keep_metrics_upto(const char *path, int64_t step)
+/* A resumed run repeats the steps after its checkpoint: drop their old rows first.
+ * dropped: how many rows went, the steps first..last. */
+static kiln_status keep_metrics_upto(const char *path, int64_t step, size_t *dropped, int64_t *first, int64_t *last)
 {
     kiln_metrics_row *rows = NULL;
     size_t n = 0, keep = 0;
@@ -342,7 +329,10 @@ static kiln_status keep_metrics_upto(const char *path, int64_t step)
     kiln_status s = kiln_metrics_read(path, &rows, &n);
     if (s != KILN_OK) return s;
     while (keep < n && rows[keep].step <= step) keep++;
+    *dropped = n - keep;
     if (keep < n) {
+        *first = rows[keep].step;
+        *last = rows[n - 1].step;
         kiln_metrics_t *m;
         s = kiln_metrics_open(path, false, &m);
         for (size_t i = 0; s == KILN_OK && i < keep; i++) s = kiln_metrics_write(m, &rows[i]);
@@ -386,18 +376,6 @@ static kiln_status eval_loss(kiln_gpt_t *m, kiln_dataset_t *ds, const train_args
     return s;
 }
 
-static void write_run_info(const char *dir, double unigram, const char *tok, const kiln_gpt_config *c, const train_args *a)
-{
-    char *path = join(dir, RUN_INFO), *cfg = kiln_gpt_config_to_json(c);
-    json_t *cj = cfg ? json_loads(cfg, 0, NULL) : NULL;
-    json_t *o = json_pack("{s:f,s:s,s:o?,s:s,s:I,s:I,s:f}", "unigram_entropy", unigram, "tokenizer", tok, "config", cj,
-                          "data", a->data, "steps", (json_int_t)a->steps, "batch", (json_int_t)a->batch, "lr", a->lr);
-    if (o && path) json_dump_file(o, path, JSON_INDENT(2) | JSON_SORT_KEYS);
-    json_decref(o);
-    free(cfg);
-    free(path);
-}
-
 /* The micro-batches step * accum + k (k < accum) of one process as (accum, B, T) idx and
  * targets, for the whole step with --compile: the same data the eager micro-batch loop
  * reads. */
@@ -428,7 +406,38 @@ static kiln_status stacked_batches(kiln_dataset_t *ds, int B, int T, uint64_t se
  * to return with (after printing why). An early exit leaves what was made to the
  * process's end, as it did when cmd_train was one function. */
 
-enum { GO_ON = -1 };
+/* ---- stopping on a signal ----
+ * SIGINT or SIGTERM sets stop_signal, and nothing else (it is all a handler may safely
+ * do); the loop finishes its step, writes a checkpoint, says how to resume and exits
+ * with 128 + the signal. A second signal while it does so kills the process at once
+ * (the default action; a save cut short leaves the previous checkpoint, which
+ * resumes). With several ranks the flag travels with the loss's allreduce
+ * (step_reduce_update), so every rank stops after the same step and saves the same
+ * checkpoint, even when only one of them was signalled. */
+static volatile sig_atomic_t stop_signal;
+
+static void on_stop_signal(int sig)
+{
+    if (stop_signal) {
+        signal(sig, SIG_DFL);
+        raise(sig);
+        return;
+    }
+    stop_signal = sig;
+}
+
+static const int stop_signals[2] = {SIGINT, SIGTERM};
+
+/* Catches the stop signals (old: the actions they had), or with old_in restores them. */
+static void catch_stop_signals(struct sigaction old[2], const struct sigaction *old_in)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = on_stop_signal;
+    sa.sa_flags = SA_RESTART; /* a file write or collective under way goes on */
+    sigemptyset(&sa.sa_mask);
+    for (int i = 0; i < 2; i++) sigaction(stop_signals[i], old_in ? &old_in[i] : &sa, old_in ? NULL : &old[i]);
+}
 
 typedef struct {
     int argc;
@@ -463,134 +472,14 @@ typedef struct {
     int64_t tokens_per_step;
     double t_begin, val, comm_after;     /* comm_after: gradient reduction left after backward */
     int64_t timed;                       /* steps run, for the ETA */
+    train_folder folder;                 /* what the options found in --out */
+    int64_t saved;                       /* the step of the last checkpoint this process wrote, or -1 */
+    bool stop;                           /* a signal asked every rank to stop after this step */
+    int exit_code;                       /* 0, or 128 + the signal after a stop */
 } train_run;
 
-/* The options: defaults, then a --config file, then the flags; checked. */
-static int parse_options(train_run *r)
-{
-    train_args *a = &r->a;
-    int argc = r->argc;
-    char **argv = r->argv;
-    *a = (train_args){
-        .data = default_data(), .out = "runs/default", .config = NULL, .model = "gpt2", .tokenizer = "byte",
-        .optimizer = "adamw", .layers = 4, .heads = 4, .kv_heads = 0, .width = 256, .context = 128, .ffn = 0,
-        .top_k = 2, .router = "softmax", .bias_speed = 0.001, .groups = 1, .top_groups = 1,
-        .batch = 16, .steps = 1000, .warmup = 50, .accum = 1, .eval_every = 100, .eval_batches = 8,
-        .save_every = 500, .log_every = 1, .seed = 1337, .threads = 0, .lr = 1e-3, .min_lr = 1e-4, .wd = 0.1,
-        .clip = 1.0, .dropout = 0.0, .val_fraction = 0.1, .momentum = 0.9, .bucket_mb = 25, .precision = "f32",
-        .loss_scale = 65536,
-    };
-    const cli_opt opts[] = {
-        {"data", OPT_STRING, &a->data, "text file or folder to train on ($KILN_DATA)"},
-        {"out", OPT_STRING, &a->out, "run folder: checkpoints, metrics.jsonl, loss.svg"},
-        {"config", OPT_STRING, &a->config, "JSON file of these options ({\"steps\": 500, ...}); flags win"},
-        {"model", OPT_STRING, &a->model, "gpt2 (LayerNorm, learned positions, GELU) or llama (RMSNorm, RoPE, SwiGLU)"},
-        {"tokenizer", OPT_STRING, &a->tokenizer, "byte, bpe:VOCAB (trained on the data), or a tokenizer.json"},
-        {"init", OPT_STRING, &a->init, "start from this model: a kiln run folder or model file, or a Hugging Face "
-                                       "folder (docs/hf.md); its weights, architecture and tokenizer replace --model, "
-                                       "--layers, --width, --heads, --kv-heads, --ffn and --tokenizer"},
-        {"layers", OPT_INT, &a->layers, "transformer blocks"},
-        {"heads", OPT_INT, &a->heads, "attention heads"},
-        {"kv-heads", OPT_INT, &a->kv_heads, "key/value heads (grouped-query); 0 = model default"},
-        {"width", OPT_INT, &a->width, "embedding width C"},
-        {"context", OPT_INT, &a->context, "context length T"},
-        {"ffn", OPT_INT, &a->ffn, "MLP hidden width; 0 = model default"},
-        {"dropout", OPT_DOUBLE, &a->dropout, "dropout probability in training"},
-        {"attention", OPT_STRING, &a->attention, "causal (the default), or flex variants joined with +: window:W, "
-                                                  "prefix:P, softcap:C, alibi, doc (document masking at the tokenizer's "
-                                                  "end-of-text token; docs/flex.md)"},
-        {"experts", OPT_INT, &a->experts, "routed experts of each mixture-of-experts block (--model llama); 0 = dense "
-                                          "(docs/model.md)"},
-        {"shared-experts", OPT_INT, &a->shared_experts, "experts every token goes through"},
-        {"top-k", OPT_INT, &a->top_k, "routed experts per token"},
-        {"expert-ffn", OPT_INT, &a->expert_ffn, "an expert's hidden width; 0 = a quarter of --ffn's"},
-        {"router", OPT_STRING, &a->router, "router scores: softmax or sigmoid"},
-        {"dense-layers", OPT_INT, &a->dense_layers, "leading blocks with the dense MLP"},
-        {"bias-speed", OPT_DOUBLE, &a->bias_speed, "the balancing bias's step after each optimizer step "
-                                                  "(auxiliary-loss-free balancing); 0 = frozen"},
-        {"balance-loss", OPT_DOUBLE, &a->balance_loss, "the sequence-wise balance loss's weight; 0 = none"},
-        {"capacity", OPT_DOUBLE, &a->capacity, "an expert keeps at most capacity * tokens * top-k / experts rows of a "
-                                               "forward and drops the rest; 0 = dropless"},
-        {"groups", OPT_INT, &a->groups, "group-limited routing: the experts in this many groups (1 = none)"},
-        {"mla-kv-rank", OPT_INT, &a->mla_kv_rank, "multi-head latent attention (--model llama): keys and values through a "
-                                                 "latent of this rank; 0 = standard attention (docs/model.md)"},
-        {"mla-q-rank", OPT_INT, &a->mla_q_rank, "MLA: queries through a latent of this rank; 0 = none"},
-        {"mla-rope-dim", OPT_INT, &a->mla_rope_dim, "MLA: the rotary part of each head's query and key"},
-        {"mla-nope-dim", OPT_INT, &a->mla_nope_dim, "MLA: the rest of each head's query and key; 0 = width / heads"},
-        {"mla-v-dim", OPT_INT, &a->mla_v_dim, "MLA: each head's value size; 0 = width / heads"},
-        {"top-groups", OPT_INT, &a->top_groups, "with --groups: a token's experts come from its this many best groups"},
-        {"batch", OPT_INT, &a->batch, "sequences per micro-batch B, all ranks together (each rank takes B / world)"},
-        {"accum", OPT_INT, &a->accum, "micro-batches per step (gradient accumulation)"},
-        {"steps", OPT_INT, &a->steps, "optimizer steps in total"},
-        {"optimizer", OPT_STRING, &a->optimizer, "adamw or sgd"},
-        {"lr", OPT_DOUBLE, &a->lr, "peak learning rate"},
-        {"min-lr", OPT_DOUBLE, &a->min_lr, "final learning rate of the cosine schedule"},
-        {"warmup", OPT_INT, &a->warmup, "linear warmup steps"},
-        {"wd", OPT_DOUBLE, &a->wd, "weight decay (matrices and embeddings only)"},
-        {"momentum", OPT_DOUBLE, &a->momentum, "SGD momentum"},
-        {"clip", OPT_DOUBLE, &a->clip, "global gradient-norm clip; 0 = off"},
-        {"eval-every", OPT_INT, &a->eval_every, "steps between validation losses; 0 = only at the end"},
-        {"eval-batches", OPT_INT, &a->eval_batches, "validation batches per evaluation"},
-        {"save-every", OPT_INT, &a->save_every, "steps between checkpoints (and one at the end)"},
-        {"log-every", OPT_INT, &a->log_every, "steps between progress lines"},
-        {"val-fraction", OPT_DOUBLE, &a->val_fraction, "tail of the corpus kept for validation"},
-        {"seed", OPT_INT, &a->seed, "seed for weights, batches and dropout"},
-        {"threads", OPT_INT, &a->threads, "threads per rank; 0 = the cores over the ranks on this machine ($KILN_NUM_THREADS)"},
-        {"device", OPT_STRING, &a->device, "where the model and batches live: cpu, opencl[:N] (`kiln doctor` lists them; "
-                                         "default $KILN_DEVICE, else cpu)"},
-        {"resume", OPT_FLAG, &a->resume, "continue from the checkpoint in --out"},
-        {"quiet", OPT_FLAG, &a->quiet, "only errors and the final summary"},
-        {"zero1", OPT_FLAG, &a->zero1, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
-        {"expert-parallel", OPT_FLAG, &a->expert_parallel, "shard each MoE block's routed experts across the ranks "
-                                                           "(--experts a multiple of them): rows go to their experts' "
-                                                           "rank and back by all-to-all"},
-        {"compile", OPT_FLAG, &a->compile, "run each step (forward, backward of every --accum micro-batch, clipping, update) as one graph of "
-                                          "generated kernels (kiln compile)"},
-        {"precision", OPT_STRING, &a->precision, "f32, or bf16 / f16 mixed precision: matmuls and attention in that "
-                                                 "type, weights, optimizer state, norms and loss in f32 (f16 with "
-                                                 "dynamic loss scaling)"},
-        {"loss-scale", OPT_DOUBLE, &a->loss_scale, "--precision f16: the loss scale to start from (halved on an inf or "
-                                                   "NaN gradient, doubled after 2000 good steps; kept in checkpoints)"},
-        {"bucket-mb", OPT_DOUBLE, &a->bucket_mb, "with several ranks: gradient buckets of this many MiB reduced during "
-                                             "backward (0: one tensor at a time after it)"},
-        {NULL, 0, NULL, NULL},
-    };
-    /* A config file first, so that flags given with it override it. */
-    for (int i = 1; i < argc; i++) {
-        const char *cfg = !strcmp(argv[i], "--config") && i + 1 < argc ? argv[i + 1]
-                        : !strncmp(argv[i], "--config=", 9)             ? argv[i] + 9
-                                                                         : NULL;
-        if (cfg && cli_load_config("train", opts, cfg)) return 2;
-    }
-    int rc = cli_parse("train", "[options]", opts, argc, argv, NULL, 0, NULL);
-    if (rc) return rc == 1 ? 0 : 2;
-    const struct {
-        const char *name;
-        int64_t v, lo;
-    } ints[] = {{"layers", a->layers, 1}, {"heads", a->heads, 1}, {"kv-heads", a->kv_heads, 0}, {"width", a->width, 1},
-                {"context", a->context, 1}, {"ffn", a->ffn, 0}, {"batch", a->batch, 1}, {"threads", a->threads, 0}};
-    for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
-        if (ints[i].v < ints[i].lo || ints[i].v > (1 << 24)) {
-            fprintf(stderr, "kiln train: --%s = %lld is outside %lld..%d\n", ints[i].name, (long long)ints[i].v,
-                    (long long)ints[i].lo, 1 << 24);
-            return 2;
-        }
-    if (a->batch < 1 || a->steps < 0 || a->accum < 1 || a->context < 1 || a->eval_batches < 1 || a->log_every < 1 ||
-        !(a->lr > 0) || a->min_lr < 0)
-        return cli_fail("train", "--batch, --accum, --context, --eval-batches, --log-every must be >= 1, --steps >= 0, "
-                                 "--lr > 0, --min-lr >= 0");
-    if (strcmp(a->optimizer, "adamw") && strcmp(a->optimizer, "sgd"))
-        return cli_fail("train", "--optimizer must be adamw or sgd");
-    if (kiln_dtype_parse(a->precision, &a->prec) != KILN_OK ||
-        !kiln_dtype_is_f32_or_half(a->prec))
-        return cli_fail("train", "--precision must be f32, bf16 or f16");
-    if (!(a->loss_scale >= 1 && a->loss_scale <= 1e30))
-        return cli_fail("train", "--loss-scale must be in 1..1e30");
-    if (a->expert_parallel && a->zero1)
-        return cli_fail("train", "--expert-parallel and --zero1 do not go together (ZeRO-1's shards assume every rank "
-                                 "holds every parameter)");
-    return GO_ON;
-}
+/* The options (tools/train_options.c). */
+static int parse_options(train_run *r) { return train_options_parse(r->argc, r->argv, &r->a, &r->folder); }
 
 /* Threads, the device, the process group, and the run folder. */
 static int setup_devices(train_run *r)
@@ -628,14 +517,16 @@ static int setup_data(train_run *r)
                 kiln_last_error());
         return 1;
     }
-    /* On resume the run's own tokenizer is used. */
+    /* On resume the run's own tokenizer is used (a->tokenizer stays as given: run.json
+     * records it). */
     r->tok_path = join(a->out, RUN_TOKENIZER);
+    const char *tok_spec = a->tokenizer;
     if (a->resume && strcmp(a->tokenizer, "byte")) {
         struct stat st;
-        if (stat(r->tok_path, &st) == 0) a->tokenizer = r->tok_path;
+        if (stat(r->tok_path, &st) == 0) tok_spec = r->tok_path;
     }
     if (a->init) { /* the model's own tokenizer */
-        if (strcmp(a->tokenizer, "byte") && strcmp(a->tokenizer, r->tok_path))
+        if (strcmp(tok_spec, "byte") && strcmp(tok_spec, r->tok_path))
             return cli_fail("train", "--init brings its own tokenizer; leave out --tokenizer");
         if (kiln_model_load(a->init, &r->init, &r->tok, NULL) != KILN_OK) return cli_fail("train", NULL);
         int T = kiln_gpt_get_config(r->init)->block_size;
@@ -644,7 +535,7 @@ static int setup_data(train_run *r)
                     (long long)a->context, T);
             return 1;
         }
-    } else if (get_tokenizer(a, text, len, &r->tok) != KILN_OK) {
+    } else if (get_tokenizer(a, tok_spec, text, len, &r->tok) != KILN_OK) {
         return cli_fail("train", NULL);
     }
     r->tok_kind = kiln_tokenizer_kind(r->tok);
@@ -710,24 +601,43 @@ static int load_checkpoint(train_run *r)
 {
     train_args *a = &r->a;
     r->start = 0;
+    r->saved = -1;
     kiln_manual_seed((uint64_t)a->seed);
     if (a->resume) {
-        if (load_state(a->out, r->m, r->opt, a, &r->start, a->prec == KILN_DTYPE_F16 ? &r->scaler : NULL) != KILN_OK)
-            return cli_fail("train", NULL);
+        if (load_state(a->out, r->m, r->opt, a, &r->start, a->prec == KILN_DTYPE_F16 ? &r->scaler : NULL) != KILN_OK) {
+            int rc = cli_fail("train", NULL);
+            if (!r->folder.recorded) train_hint_unrecorded_config(a->out, &r->cfg);
+            return rc;
+        }
         r->skipped_seen = r->scaler.skipped; /* the loaded run's skips are not news */
         if (r->start >= a->steps) {
             fprintf(stderr, "kiln train: %s is already at step %lld; give --steps above it to train on\n", a->out,
                     (long long)r->start);
             return 1;
         }
-        if (!a->quiet && r->rank == 0) printf("resumed %s at step %lld\n", a->out, (long long)r->start);
+        r->saved = r->start;
+    } else if (r->folder.replacing && train_delete_replaced_run(a->out) != KILN_OK) { /* --overwrite */
+        return cli_fail("train", NULL);
     }
-    if (r->rank == 0) write_run_info(a->out, r->unigram, r->tok_kind, &r->cfg, a);
+    if (r->rank == 0) train_write_run_info(a->out, r->unigram, r->tok_kind, &r->cfg, a);
     r->metrics_path = join(a->out, RUN_METRICS);
     r->chart_path = join(a->out, RUN_CHART);
     r->router_path = join(a->out, RUN_ROUTER_CHART);
-    if (r->rank == 0 && a->resume && keep_metrics_upto(r->metrics_path, r->start) != KILN_OK)
+    size_t dropped = 0;
+    int64_t first = 0, last = 0;
+    if (r->rank == 0 && a->resume && keep_metrics_upto(r->metrics_path, r->start, &dropped, &first, &last) != KILN_OK)
         return cli_fail("train", NULL);
+    /* Steps logged past the checkpoint (a run killed between saves) are news even with
+     * --quiet: they are gone from the chart and trained again. */
+    if (r->rank == 0 && a->resume && (!a->quiet || dropped)) {
+        printf("resumed %s at step %lld", a->out, (long long)r->start);
+        if (dropped)
+            printf("; dropped %zu logged step%s (%lld-%lld) past the checkpoint from %s: they are trained again",
+                   dropped, dropped == 1 ? "" : "s", (long long)first, (long long)last, RUN_METRICS);
+        printf("\n");
+    }
+    if (r->rank == 0 && a->resume && !a->quiet && r->folder.changed[0])
+        printf("changed from %s: %s\n", RUN_INFO, r->folder.changed);
     if (r->rank == 0 && kiln_metrics_open(r->metrics_path, a->resume, &r->metrics) != KILN_OK)
         return cli_fail("train", NULL);
     return GO_ON;
@@ -910,12 +820,18 @@ static kiln_status step_reduce_update(train_run *r, double lr, double *loss_sum,
             s = kiln_pg_allreduce(r->pg, kiln_tensor_grad(r->params[i]), KILN_REDUCE_AVG);
     r->comm_after += kiln__now_s() - t_comm;
     if (s == KILN_OK) s = kiln_pg_check_step(r->pg); /* every rank ran the same collectives this step */
-    if (s == KILN_OK && r->world > 1) { /* the loss of the whole batch: the mean of the ranks' equal shares */
+    if (s == KILN_OK && r->world > 1) {
+        /* The loss of the whole batch: the mean of the ranks' equal shares; and with it
+         * whether any rank was signalled to stop (a mean above 0), so that every rank
+         * stops after the same step. */
         kiln_scope_begin();
-        int64_t one = 1;
-        kiln_tensor_t *l = kiln_from_data(loss_sum, &one, 1, KILN_DTYPE_F64);
+        double v[2] = {*loss_sum, stop_signal ? 1.0 : 0.0};
+        int64_t two = 2;
+        kiln_tensor_t *l = kiln_from_data(v, &two, 1, KILN_DTYPE_F64);
         s = l ? kiln_pg_allreduce(r->pg, l, KILN_REDUCE_AVG) : kiln_last_status();
-        if (s == KILN_OK) s = kiln_tensor_to_host(l, loss_sum, sizeof *loss_sum);
+        if (s == KILN_OK) s = kiln_tensor_to_host(l, v, sizeof v);
+        *loss_sum = v[0];
+        r->stop = v[1] > 0;
         kiln_scope_end();
     }
     if (s == KILN_OK && r->zero && !r->whole) s = kiln_zero1_step(r->zero, lr, a->clip, gnorm);
@@ -1038,12 +954,31 @@ static kiln_status step_report(train_run *r, int64_t step, double lr, double los
     }
     bool due = (a->save_every > 0 && (step + 1) % a->save_every == 0) || last;
     if (s == KILN_OK && due) s = save(r, step + 1);
+    if (s == KILN_OK && due) r->saved = step + 1;
     if (due && r->zero) r->committed = step + 1;
     if (s == KILN_OK && r->rank == 0 && !isnan(r->val) && r->metrics) s = redraw_chart(r, last);
     return s;
 }
 
-/* The steps from r->start to --steps. */
+/* A stop asked for by a signal, after step done: the checkpoint of that step (unless
+ * the step wrote it), the chart, and how to resume. */
+static kiln_status stop_after(train_run *r, int64_t done)
+{
+    kiln_status s = r->saved == done ? KILN_OK : save(r, done);
+    if (s == KILN_OK) r->saved = done;
+    if (r->rank == 0 && r->metrics) redraw_chart(r, true);
+    int sig = stop_signal; /* 0: this rank stops because another was signalled */
+    r->exit_code = 128 + (sig ? sig : SIGTERM);
+    fflush(stdout);
+    if (s == KILN_OK && r->rank == 0)
+        fprintf(stderr, "kiln train: %s at step %lld; saved %s (step %lld). Resume with: kiln train --out %s --resume\n",
+                sig == SIGINT ? "interrupted (SIGINT)" : sig == SIGTERM ? "terminated (SIGTERM)"
+                                                       : "stopped (another rank was signalled)",
+                (long long)done, r->a.out, (long long)done, r->a.out);
+    return s;
+}
+
+/* The steps from r->start to --steps, or to a stop asked for by SIGINT or SIGTERM. */
 static int train_loop(train_run *r)
 {
     train_args *a = &r->a;
@@ -1052,6 +987,8 @@ static int train_loop(train_run *r)
     r->val = NAN;
     r->comm_after = 0;
     r->timed = 0;
+    struct sigaction old[2];
+    catch_stop_signals(old, NULL);
     for (int64_t step = r->start; step < a->steps && s == KILN_OK; step++) {
         double t0 = kiln__now_s(), lr = kiln_lr_cosine(step, a->warmup, a->steps, a->lr, a->min_lr), loss_sum = 0;
         double gnorm = 0;
@@ -1065,17 +1002,25 @@ static int train_loop(train_run *r)
             break;
         }
         s = step_report(r, step, lr, loss, gnorm, ms);
+        if (r->world == 1) r->stop = stop_signal != 0; /* (several ranks: agreed in step_reduce_update) */
+        if (s == KILN_OK && r->stop && step + 1 < a->steps) { /* at the last step the run is done anyway */
+            s = stop_after(r, step + 1);
+            break;
+        }
     }
     kiln_metrics_close(r->metrics);
+    r->metrics = NULL;
+    catch_stop_signals(NULL, old);
     if (s != KILN_OK) return cli_fail("train", NULL);
     return GO_ON;
 }
 
-/* The summary lines, and everything freed. */
+/* The summary lines (unless a signal stopped the run), and everything freed; the exit
+ * status. */
 static int report(train_run *r)
 {
     train_args *a = &r->a;
-    bool ran = !a->quiet && r->rank == 0 && r->start < a->steps;
+    bool ran = !a->quiet && r->rank == 0 && r->start < a->steps && !r->exit_code; /* not after a stop */
     if (ran)
         printf("done: %lld steps in %.1f s; final val loss %.4f vs unigram baseline %.4f; checkpoint %s/%s, "
                "chart %s%s%s\n",
@@ -1109,7 +1054,7 @@ static int report(train_run *r)
     free(r->chart_path);
     free(r->router_path);
     free(r->tok_path);
-    return 0;
+    return r->exit_code;
 }
 
 int cmd_train(int argc, char **argv)

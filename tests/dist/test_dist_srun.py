@@ -117,6 +117,7 @@ def main():
 
     try:
         out = os.path.join(a.workdir, "srun-w2")
+        shutil.rmtree(out, ignore_errors=True)  # kiln train refuses to replace a run an earlier session left
         cmd = [a.kiln, "train", "--data", data, "--out", out]
         for k, v in __import__("test_dist_train").DEFAULTS.items():
             cmd += [k, v]
@@ -137,6 +138,7 @@ def main():
             worst = max(abs(x - y) / abs(y) for x, y in zip(got, want))
             check(worst <= 1e-5, f"srun -n 2 matches one process: worst relative difference {worst:.2e} (tolerance 1e-5)")
         out = os.path.join(a.workdir, "srun-nompi")
+        shutil.rmtree(out, ignore_errors=True)
         cmd[cmd.index("--out") + 1] = out
         r = subprocess.run(["srun", "--mpi=none", "-n", "2", "--oversubscribe", "-t", "5", *cmd], env=clean,
                            capture_output=True, text=True, timeout=120)

@@ -57,6 +57,8 @@ def train(kiln, data, out, ranks, extra=(), env=None):
             opts[f] = extra.pop(0)
         else:
             flags.append(f)
+    if "--resume" not in flags:  # a new run: kiln train refuses to replace one left by an earlier session
+        shutil.rmtree(out, ignore_errors=True)
     cmd = [kiln, "train", "--data", data, "--out", out, "--quiet", *flags]
     for k, v in opts.items():
         cmd += [k, v]
@@ -177,7 +179,8 @@ def main():
     marker = open(os.path.join(zr, "zero1.complete")).read().strip() if os.path.exists(os.path.join(zr, "zero1.complete")) else ""
     check(files == want_files and marker == '{"step": 8, "world": 4}',
           f"per-rank shards of step 8 and the marker, the step-4 shards gone: {files} {marker}")
-    r = train(a.kiln, data, zr, 1, extra=("--steps", "10", "--resume"))
+    # (--zero1=false: a resume takes --zero1 from the run's run.json otherwise)
+    r = train(a.kiln, data, zr, 1, extra=("--steps", "10", "--resume", "--zero1=false"))
     check(r.returncode != 0 and "sharded (ZeRO-1)" in r.stderr, "sharded state resumed without --zero1 is refused")
     with open(os.path.join(zr, "zero1.complete"), "w") as f:  # as if the step-8 save had not finished
         f.write('{"step": 4, "world": 2}\n')

@@ -25,4 +25,7 @@ if(KILN_PYTHON3)
            --kiln $<TARGET_FILE:kiln_tool> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
   set_tests_properties(dist_train PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600
                        ENVIRONMENT "${KILN_MPI_TEST_ENV}")
+  add_test(NAME dist_stop COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_stop.py
+           --kiln $<TARGET_FILE:kiln_tool> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
+  set_tests_properties(dist_stop PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600 ENVIRONMENT "${KILN_MPI_TEST_ENV}")
 endif()
