@@ -502,7 +502,7 @@ static void bad_inputs_fail_with_a_reason(void **state)
     fprintf(fc, "{\"steps\": 2, \"layers\": 1, \"width\": 16, \"heads\": 2, \"context\": 16, \"batch\": 2, \"threads\": 1}\n");
     fclose(fc);
     assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/cfg --config=%s", tool(), corpus, dir, cfg), 0);
-    assert_non_null(strstr(out, "1 layers, C=16"));
+    assert_non_null(strstr(out, "1 layer, C=16"));
     assert_non_null(strstr(out, "step     2/2"));
     /* A truncated checkpoint is refused with a message, not a crash. */
     char p[512], q[512];

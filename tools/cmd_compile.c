@@ -85,10 +85,10 @@ int cmd_compile(int argc, char **argv)
     if (s == KILN_OK) s = kiln_gpt_train_step(&st[1], in, 3, want, &nout);
     if (s == KILN_OK) s = kiln_tensor_item(want[0], &want_v);
     if (s == KILN_OK)
-        printf("kiln compile: %s, %d layers, C=%d, T=%d, B=%d: the training step's graph is in %s/train_step-0/\n"
+        printf("kiln compile: %s, %d layer%s, C=%d, T=%d, B=%d: the training step's graph is in %s/train_step-0/\n"
                "              (captured.txt, after_passes.txt, guards.txt, loop_ir_before_fusion.txt,\n"
                "              loop_ir_after_fusion.txt, kernels.c, compile.log); its loss %.6f, eager %.6f\n",
-               model, cfg.n_layer, cfg.n_embd, cfg.block_size, (int)batch, dump, got_v, want_v);
+               model, cfg.n_layer, cfg.n_layer == 1 ? "" : "s", cfg.n_embd, cfg.block_size, (int)batch, dump, got_v, want_v);
     kiln_compiled_free(fn);
     kiln_scope_end();
     for (int k = 0; k < 2; k++) {

@@ -730,10 +730,11 @@ static int print_banner(train_run *r)
 {
     train_args *a = &r->a;
     if (!a->quiet && r->rank == 0)
-        printf("kiln train: %s model, %d layers, C=%d, %d heads (%d kv), T=%d, vocab %d (%s), %.2fM parameters\n"
+        printf("kiln train: %s model, %d layer%s, C=%d, %d heads (%d kv), T=%d, vocab %d (%s), %.2fM parameters\n"
                "            %zu train / %zu val tokens, %lld tokens per step, %d rank(s) x %d thread(s) on %s, "
                "%s, unigram baseline %.3f nats\n",
-               a->init ? (r->cfg.pos == KILN_POS_ROPE ? "llama-style" : "gpt2-style") : a->model, r->cfg.n_layer, r->cfg.n_embd, r->cfg.n_head, r->cfg.n_kv_head, r->cfg.block_size, r->vocab,
+               a->init ? (r->cfg.pos == KILN_POS_ROPE ? "llama-style" : "gpt2-style") : a->model, r->cfg.n_layer,
+               r->cfg.n_layer == 1 ? "" : "s", r->cfg.n_embd, r->cfg.n_head, r->cfg.n_kv_head, r->cfg.block_size, r->vocab,
                r->tok_kind, (double)kiln_gpt_param_elements(r->m) / 1e6, kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN),
                kiln_dataset_len(r->ds, KILN_SPLIT_VAL), (long long)r->tokens_per_step, r->world, kiln_num_threads(),
                kiln_device(), a->prec == KILN_DTYPE_F32 ? "f32" : a->prec == KILN_DTYPE_BF16
@@ -997,8 +998,19 @@ static int train_loop(train_run *r)
         kiln_optim_zero_grad(r->opt);
         if (s != KILN_OK) break;
         double ms = (kiln__now_s() - t0) * 1e3, loss = loss_sum / (double)a->accum;
+        /* A step whose loss or gradient norm is not finite has spoiled the weights: the run
+         * stops there, before anything is saved, and says so (an f16 run's loss scaler
+         * skips such steps by its own rule instead, and says that). */
         if (!isfinite(loss)) {
-            s = kiln_error(KILN_ERR_ARG, "the loss became %g at step %lld; lower --lr or raise --warmup", loss, (long long)step);
+            s = kiln_error(KILN_ERR_ARG, "the loss became %s at step %lld; nothing of it was saved (the last checkpoint "
+                           "is kept); lower --lr or raise --warmup", isnan(loss) ? "NaN" : loss > 0 ? "inf" : "-inf",
+                           (long long)step + 1);
+            break;
+        }
+        if (!isfinite(gnorm) && !r->step_fn.scaled) {
+            s = kiln_error(KILN_ERR_ARG, "the gradient norm became %s at step %lld (loss %.4f); nothing of it was saved "
+                           "(the last checkpoint is kept); check --attention's numbers, or lower --lr",
+                           isnan(gnorm) ? "NaN" : "inf", (long long)step + 1, loss);
             break;
         }
         s = step_report(r, step, lr, loss, gnorm, ms);

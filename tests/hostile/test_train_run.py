@@ -170,7 +170,7 @@ run = os.path.join(d, "wide")
 s.case("a run with a width, depth and context of its own trains",
        ["train", "--data", corpus, "--out", run, "--steps", "4", "--save-every", "2", "--threads", "1", "--layers", "1",
         "--width", "64", "--heads", "2", "--context", "16", "--batch", "4", "--eval-batches", "1", "--lr", "3e-3"],
-       rc=0, msg=r"1 layers, C=64, 2 heads")
+       rc=0, msg=r"1 layer, C=64, 2 heads")
 s.case("a finished run is not replaced without --overwrite; every file untouched",
        ["train", "--data", corpus, "--out", run, "--steps", "4", "--threads", "1"], rc=1,
        msg=r"holds a finished run \(step 4 of 4\); --resume --steps N \(N > 4\) trains it on, --overwrite", untouched=[run])
@@ -185,10 +185,10 @@ for flag, value, was in (("--width", "128", "64"), ("--tokenizer", "bpe:300", "b
            untouched=[run])
 s.case("resume with the same architecture flags again is fine (nothing to refuse)",
        ["train", "--out", run, "--resume", "--steps", "5", "--threads", "1", "--width", "64", "--layers", "1"], rc=0,
-       msg=r"resumed %s at step 4\n.*\n?.*1 layers, C=64, 2 heads \(2 kv\), T=16" % re.escape(run))
+       msg=r"resumed %s at step 4\n.*\n?.*1 layer, C=64, 2 heads \(2 kv\), T=16" % re.escape(run))
 s.case("resume with no flags but --steps takes the architecture and data from run.json; --steps and --lr change",
        ["train", "--out", run, "--resume", "--steps", "7", "--lr", "1e-3", "--threads", "1"], rc=0,
-       msg=r"changed from run.json: --steps 7 \(was 5\), --lr 0.001 \(was 0.003\)\n(.*\n)*.*1 layers, C=64, 2 heads")
+       msg=r"changed from run.json: --steps 7 \(was 5\), --lr 0.001 \(was 0.003\)\n(.*\n)*.*1 layer, C=64, 2 heads")
 s.check(logged_steps(run) == list(range(1, 8)) and model_step(run) == 7, "the resumed run reached step 7")
 # A run.json from before "options": the flags alone, as then; a shape that does not fit
 # is named by field, both values, after the load's own error.
