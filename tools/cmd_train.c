@@ -106,7 +106,10 @@ static kiln_status model_config(const train_args *a, int vocab, int eot, kiln_gp
                           : snprintf(w + n, cap - n, "%s%.*s", n ? "+" : "", (int)k, p));
         p += k + (p[k] == '+');
     }
-    if (n >= cap) return kiln_error(KILN_ERR_ARG, "--attention '%s': too long", a->attention);
+    char q[96];
+    if (n >= cap)
+        return kiln_error(KILN_ERR_ARG, "--attention is too long: at most %zu characters as the model's config holds it, "
+                          "in '%s'", cap - 1, kiln__excerpt(a->attention, 0, 60, q, sizeof q));
     return kiln_gpt_config_check(c);
 }
 
