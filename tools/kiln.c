@@ -133,7 +133,7 @@ static const struct {
 #undef I
 #undef R
 
-/* Option o's row for command cmd (its own "cmd/name" row first), NULL when none. */
+/* The index of option o's row for command cmd (its own "cmd/name" row first), -1 for none. */
 static int range_of(const char *cmd, const cli_opt *o)
 {
     int any = -1;

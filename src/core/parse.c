@@ -132,7 +132,7 @@ void kiln__describe_f64(double lo, double hi, unsigned flags, char *out, size_t 
     bool above = flags & KILN__PARSE_ABOVE_LO, below = flags & KILN__PARSE_BELOW_HI;
     char l[48] = "", h[48] = "";
     if (lo > -DBL_MAX) snprintf(l, sizeof l, "%s %g", above ? "above" : ">=", lo);
-    if (hi < DBL_MAX) snprintf(h, sizeof h, "%s %g", below ? "below" : lo > -DBL_MAX && !above ? "to" : "at most", hi);
+    if (hi < DBL_MAX) snprintf(h, sizeof h, "%s %g", below ? "below" : "at most", hi);
     if (!*l && !*h) snprintf(out, n, "a finite number");
     else if (!above && !below && *l && *h) snprintf(out, n, "a number from %g to %g", lo, hi);
     else snprintf(out, n, "a number %s%s%s", l, *l && *h ? " and " : "", h);

@@ -576,7 +576,7 @@ static void dev_pair_bwd(sbuf *b, gen *g, const char *ind)
     put(b, ");\n%sconst float md = (float)(", ind);
     if (g->f->ps[0]) emit_d(g, g->f->ps[0]->root, b);
     else put(b, "1");
-    put(b, ");\n%sif (!(sp > -INFINITY)) continue;\n%sconst float p = EXPF(sp - L);\n", ind, ind);
+    put(b, ");\n%sif (sp == -INFINITY) continue;\n%sconst float p = EXPF(sp - L);\n", ind, ind);
     put(b, "%sfloat dp = 0;\n%sfor (LONG d = 0; d < D; d++) dp += doi[d] * vj[d];\n"
            "%sconst float ds = p * (dp - Dm) * md * scale;\n", ind, ind, ind);
 }
@@ -621,7 +621,8 @@ char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda, bool backward)
         dev_open(&b, "flex_fwd_dev", "GLOBAL float *q, ULONG qo, GLOBAL float *k, ULONG ko, GLOBAL float *v, ULONG vo,\n"
                                      "    GLOBAL float *y, ULONG yo, GLOBAL float *lse, ULONG lo");
         put(&b, "    const LONG gid = GID;\n    if (gid >= B * H * q_len) return;\n%s"
-                "    float m = -INFINITY, l = 0, acc[256];\n"
+                "    float m = -INFINITY, l = 0, acc[256], nan = 0;\n"
+                "    int seen_nan = 0;\n"
                 "    for (LONG d = 0; d < D; d++) acc[d] = 0;\n"
                 "    for (LONG n = 0; n < nb; n++) {\n%s", query_row, key_blocks);
         dev_mask_skip(&b, &g, "            ");
@@ -634,15 +635,20 @@ char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda, bool backward)
             emit(&g, f->ps[0]->root, &b);
             put(&b, ");\n");
         }
-        put(&b, "            if (!(score > -INFINITY)) continue;\n"
+        /* a NaN score makes the row NaN, as the dense path and the cpu's kernels (the
+         * online maximum would pass over it) */
+        put(&b, "            if (score != score) {\n                seen_nan = 1, nan = score;\n                continue;\n"
+                "            }\n"
+                "            if (!(score > -INFINITY)) continue;\n"
                 "            if (score > m) {\n                const float c = EXPF(m - score);\n                l *= c;\n"
                 "                for (LONG d = 0; d < D; d++) acc[d] *= c;\n                m = score;\n            }\n"
                 "            const float p = EXPF(score - m);\n            l += p;\n"
                 "            for (LONG d = 0; d < D; d++) acc[d] += p * V[kv_idx * D + d];\n"
                 "        }\n    }\n"
                 "    GLOBAL float *yi = AT(float, y, yo) + gid * D;\n"
-                "    for (LONG d = 0; d < D; d++) yi[d] = l > 0 ? acc[d] / l : 0;\n"
-                "    AT(float, lse, lo)[gid] = l > 0 ? m + LOGF(l) : -INFINITY;\n}\n");
+                "    if (l != l) seen_nan = 1, nan = l; /* +inf scores: inf - inf, as the dense path */\n"
+                "    for (LONG d = 0; d < D; d++) yi[d] = seen_nan ? nan : l > 0 ? acc[d] / l : 0;\n"
+                "    AT(float, lse, lo)[gid] = seen_nan ? nan : l > 0 ? m + LOGF(l) : -INFINITY;\n}\n");
     } else {
         static const char bwd_bufs[] =
             "GLOBAL float *dO, ULONG dOo, GLOBAL float *q, ULONG qo, GLOBAL float *k, ULONG ko,\n"
@@ -654,7 +660,8 @@ char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda, bool backward)
                 "    GLOBAL const float *doi = AT(float, dO, dOo) + gid * D;\n"
                 "    const float L = AT(float, lse, lo)[gid], Dm = AT(float, dm, dmo)[gid];\n"
                 "    float acc[256];\n    for (LONG d = 0; d < D; d++) acc[d] = 0;\n"
-                "    for (LONG n = 0; n < nb && L > -INFINITY; n++) {\n%s", query_row, key_blocks);
+                "    for (LONG n = 0; n < nb && L != -INFINITY; n++) { /* a NaN L goes on, NaN */\n%s", query_row,
+                key_blocks);
         dev_mask_skip(&b, &g, "            ");
         put(&b, "            GLOBAL const float *kj = K + kv_idx * D, *vj = V + kv_idx * D;\n");
         dev_pair_bwd(&b, &g, "            ");
@@ -677,7 +684,7 @@ char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda, bool backward)
         dev_mask_skip(&b, &g, "                ");
         put(&b, "                const LONG row = (b * H + h) * q_len + q_idx;\n"
                 "                const float L = AT(float, lse, lo)[row], Dm = AT(float, dm, dmo)[row];\n"
-                "                if (!(L > -INFINITY)) continue;\n"
+                "                if (L == -INFINITY) continue;\n"
                 "                GLOBAL const float *qi = AT(float, q, qo) + row * D, *doi = AT(float, dO, dOo) + row * D;\n");
         dev_pair_bwd(&b, &g, "                ");
         put(&b, "                for (LONG d = 0; d < D; d++) av[d] += p * doi[d], ak[d] += ds * qi[d];\n"
