@@ -190,6 +190,42 @@ static void bad_value_is_said_once_and_the_default_used(void **state)
     kiln_clear_error();
 }
 
+/* Numbers in the environment are read by core/parse.h's strict reader: the whole value,
+ * decimal, in int64 (an int) or finite (a number); hex, an exponent for an int, a space
+ * or '+' around it, inf and nan are not values: said, and the default used. A thread
+ * count past the row's range (KILN_NUM_THREADS=1000000) is one of them. */
+static void numbers_are_read_strictly(void **state)
+{
+    char err[2048];
+    test_stderr cap;
+    const char *bad[] = {"0x10", "1e1", " 5", "5 ", "+5", "5.0", "99999999999999999999", "inf"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        test_setenv("KILN_RECOMPILE_LIMIT", bad[i], 1);
+        assert_false(kiln__env_valid(KILN__ENV_RECOMPILE_LIMIT));
+        assert_int_equal(kiln__env_check(KILN__ENV_RECOMPILE_LIMIT), KILN_ERR_ARG);
+        if (!strstr(kiln_last_error(), "is not a whole number")) fail_msg("'%s': %s", bad[i], kiln_last_error());
+    }
+    test_setenv("KILN_RECOMPILE_LIMIT", "5", 1);
+    assert_int_equal(kiln__env_int(KILN__ENV_RECOMPILE_LIMIT), 5);
+    test_unsetenv("KILN_RECOMPILE_LIMIT");
+    const char *badnum[] = {"nan", "inf", "-inf", "1e400", "0x10", " 1", "1,5"};
+    for (size_t i = 0; i < sizeof badnum / sizeof badnum[0]; i++) {
+        test_setenv("KILN_DIST_TIMEOUT", badnum[i], 1);
+        if (kiln__env_valid(KILN__ENV_DIST_TIMEOUT)) fail_msg("KILN_DIST_TIMEOUT='%s' taken", badnum[i]);
+    }
+    test_setenv("KILN_DIST_TIMEOUT", "2.5e1", 1);
+    assert_true(kiln__env_num(KILN__ENV_DIST_TIMEOUT) == 25);
+    test_unsetenv("KILN_DIST_TIMEOUT");
+    test_setenv("KILN_NUM_THREADS", "1000000", 1);
+    assert_true(test_stderr_begin(&cap));
+    int64_t n = kiln__env_int(KILN__ENV_NUM_THREADS);
+    test_stderr_end(&cap, err, sizeof err);
+    test_unsetenv("KILN_NUM_THREADS");
+    assert_int_equal(n, 0); /* the default: one per core */
+    if (!strstr(err, "KILN_NUM_THREADS='1000000' is not a whole number from 0 to 1024")) fail_msg("stderr: %s", err);
+    kiln_clear_error();
+}
+
 /* KILN_OPT_COMPILE_<STAGE>=0 and KILN_COMPILE_DISABLE=<stage> turn the same switch off,
  * for every stage, read again at each ask (tests/test_compile.c checks what a compile
  * then does); a stage runs when neither turns it off; a name that is no stage is said
@@ -394,6 +430,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(every_row_is_named_once_and_its_default_parses, setup, teardown),
         cmocka_unit_test_setup_teardown(accessors_parse_types_and_defaults, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_value_is_said_once_and_the_default_used, setup, teardown),
+        cmocka_unit_test_setup_teardown(numbers_are_read_strictly, setup, teardown),
         cmocka_unit_test_setup_teardown(stage_switch_and_alias_turn_off_the_same_stage, setup, teardown),
         cmocka_unit_test_setup_teardown(doctor_prints_every_variable, setup, teardown),
         cmocka_unit_test_setup_teardown(typo_guard_names_the_closest_variable, setup, teardown),

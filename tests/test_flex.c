@@ -1067,7 +1067,7 @@ static void expect_error(const char *score, const char *mask, int n_cap, const c
 
 static void bad_modifiers_are_clear_errors(void **state)
 {
-    expect_error("score + bogus", NULL, 0, "flex score_mod \"score + bogus\", at 8: unknown name bogus");
+    expect_error("score + bogus", NULL, 0, "flex score_mod: unknown name bogus, at column 9 of \"score + bogus\"");
     expect_error(NULL, "q_idx >= kv_idx &&", 0, "the expression ends too soon");
     expect_error(NULL, "score > 0", 0, "a mask reads no score");
     expect_error(NULL, "c1[h] > 0", 1, "c1 is read but 1 tensor(s) are captured");
@@ -1097,6 +1097,220 @@ static void bad_modifiers_are_clear_errors(void **state)
     kiln_flex_free(f);
 }
 
+/* An expression nests at most KILN_FLEX_MAX_DEPTH levels (parentheses, calls, indices,
+ * ?: branches, unary operators): deeper is an error naming the limit and the column,
+ * not a stack overflow (10,000 parentheses or calls, 50,000 '-' overflowed it); at the
+ * limit it parses. The message puts the reason first and quotes the long text short. */
+static void deep_nesting_is_a_clear_error(void **state)
+{
+    (void)state;
+    size_t n = 50000;
+    char *t = malloc(6 * n + 64);
+    assert_non_null(t);
+    const struct {
+        const char *open, *close;
+        size_t count;
+    } deep[] = {{"(", ")", 10000}, {"-", "", 50000}, {"!", "", 50000}, {"tanh(", ")", 10000}, {"abs(", ")", 10000},
+                {"c0[", "]", 10000}, {"1 ? ", " : 0", 10000}};
+    for (size_t c = 0; c < sizeof deep / sizeof deep[0]; c++) {
+        t[0] = 0;
+        char *p = t;
+        for (size_t i = 0; i < deep[c].count; i++) p += sprintf(p, "%s", deep[c].open);
+        p += sprintf(p, "score");
+        for (size_t i = 0; i < deep[c].count; i++) p += sprintf(p, "%s", deep[c].close);
+        int64_t one = 1;
+        kiln_tensor_t *cap = kiln_zeros(&one, 1, KILN_DTYPE_I64);
+        kiln_flex_t *f = NULL;
+        kiln_clear_error();
+        assert_int_not_equal(kiln_flex_new(t, NULL, &cap, 1, &f), KILN_OK);
+        assert_null(f);
+        const char *e = kiln_last_error();
+        const char *want = "flex score_mod: nested more than KILN_FLEX_MAX_DEPTH (256) levels deep, at column ";
+        if (strncmp(e, want, strlen(want))) fail_msg("%s...: %s", deep[c].open, e);
+        assert_non_null(strstr(e, "…")); /* the text quoted short */
+        assert_true(strlen(e) < 300);
+    }
+    /* at the limit: the root is one level, so 255 parentheses (and 255 '-') parse */
+    for (int c = 0; c < 2; c++) {
+        char *p = t;
+        for (int i = 0; i < KILN_FLEX_MAX_DEPTH - 1; i++) *p++ = c ? '-' : '(';
+        p += sprintf(p, "score");
+        for (int i = 0; c == 0 && i < KILN_FLEX_MAX_DEPTH - 1; i++) *p++ = ')';
+        *p = 0;
+        kiln_flex_t *f = NULL;
+        if (kiln_flex_new(t, NULL, NULL, 0, &f) != KILN_OK) fail_msg("%s", kiln_last_error());
+        kiln_flex_free(f);
+        p = t; /* one more is refused */
+        for (int i = 0; i < KILN_FLEX_MAX_DEPTH; i++) *p++ = c ? '-' : '(';
+        p += sprintf(p, "score");
+        for (int i = 0; c == 0 && i < KILN_FLEX_MAX_DEPTH; i++) *p++ = ')';
+        *p = 0;
+        assert_int_not_equal(kiln_flex_new(t, NULL, NULL, 0, &f), KILN_OK);
+    }
+    free(t);
+    kiln_clear_error();
+}
+
+/* A literal is a finite float: 1e400 (no C literal) and 1e39 (inf in the f32 kernels)
+ * are parse errors naming the literal and its column, not "the C compiler failed"; a
+ * whole number of 2^63 or more is a float, so the fused and dense paths (the oracle)
+ * compute it the same. Preset numbers are read by core's strict parser: window:1e1,
+ * 0x10, inf and 1e300 are refused (and the paged serving path refuses them the same
+ * way, src/nn/gpt.c), as is a softcap that is not a normal positive float. */
+static void literals_and_preset_numbers_are_strict(void **state)
+{
+    (void)state;
+    expect_error("score * 1e400", NULL, 0,
+                 "flex score_mod: a literal that is not a finite float (at most 3.4e38): 1e400, at column 9 of \"score * 1e400\"");
+    expect_error("score + 1e39", NULL, 0, "a literal that is not a finite float (at most 3.4e38): 1e39, at column 9");
+    expect_error(NULL, "kv_idx < 1e400", 0, "flex mask_mod: a literal that is not a finite float");
+    expect_error("score + 0x10", NULL, 0, "unexpected text after the expression, at column 10");
+    kiln_flex_t *f;
+    const char *bad[] = {"window:inf", "window:1e300", "window:99999999999999999999", "window:0x10", "window:1e1",
+                         "window:0", "window:-3", "window: 4", "window:", "prefix:inf", "prefix:1e1", "prefix:-1",
+                         "softcap:1e-320", "softcap:0", "softcap:nan", "softcap:inf", "softcap:1e400", "softcap:0x1p3",
+                         "causal+window:1e1"};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        kiln_clear_error();
+        if (kiln_flex_preset(bad[i], NULL, &f) == KILN_OK) fail_msg("%s was taken", bad[i]);
+        if (strncmp(kiln_last_error(), "flex preset", 11)) fail_msg("%s: %s", bad[i], kiln_last_error());
+    }
+    assert_int_not_equal(kiln_flex_preset("window:1e1", NULL, &f), KILN_OK);
+    assert_string_equal(kiln_last_error(),
+                        "flex preset: W of window:W must be a whole number from 1 to 2147483647, got '1e1'");
+    assert_int_not_equal(kiln_flex_preset("softcap:1e-320", NULL, &f), KILN_OK);
+    assert_non_null(strstr(kiln_last_error(), "C of softcap:C (a normal positive float) must be a number from"));
+    const char *good[] = {"window:16", "prefix:0", "softcap:30", "softcap:1.5e-38", "softcap:3e38"};
+    for (size_t i = 0; i < sizeof good / sizeof good[0]; i++) {
+        if (kiln_flex_preset(good[i], NULL, &f) != KILN_OK) fail_msg("%s: %s", good[i], kiln_last_error());
+        kiln_flex_free(f);
+    }
+    /* 2^63 as a literal: a float on both paths; the fused kernel (c0 plain) against the
+     * dense path (c0 wanting a gradient), 1e-6 */
+    int64_t qs[4] = {1, 2, 6, 4}, one = 1;
+    kiln_manual_seed(5);
+    kiln_tensor_t *q = kiln_randn(qs, 4, KILN_DTYPE_F32), *k = kiln_randn(qs, 4, KILN_DTYPE_F32),
+                  *v = kiln_randn(qs, 4, KILN_DTYPE_F32), *c = kiln_zeros(&one, 1, KILN_DTYPE_F32), *tracked = kiln_detach(c);
+    kiln_tensor_set_requires_grad(tracked, true);
+    const char *score = "score + c0[0] + (9223372036854775808 > kv_idx ? 0 : 100) + 9223372036854775808 * 0",
+               *mask = "kv_idx < 9223372036854775808 && kv_idx <= q_idx";
+    double *y[2];
+    for (int dense = 0; dense < 2; dense++) {
+        assert_int_equal(kiln_flex_new(score, mask, dense ? &tracked : &c, 1, &f), KILN_OK);
+        y[dense] = host(kiln_flex_attention(q, k, v, f, NULL, 0, NULL));
+        kiln_flex_free(f);
+    }
+    kiln_flex_t *causal;
+    assert_int_equal(kiln_flex_preset("causal", NULL, &causal), KILN_OK);
+    double *want = host(kiln_flex_attention(q, k, v, causal, NULL, 0, NULL));
+    kiln_flex_free(causal);
+    for (int64_t j = 0; j < 2 * 6 * 4; j++)
+        if (!(fabs(y[0][j] - y[1][j]) <= 1e-6 && fabs(y[1][j] - want[j]) <= 1e-6))
+            fail_msg("2^63: [%lld] fused %g, dense %g, causal %g", (long long)j, y[0][j], y[1][j], want[j]);
+    free(y[0]);
+    free(y[1]);
+    free(want);
+    kiln_clear_error();
+}
+
+/* x and want (n values) agree: both NaN, equal, or within tol relative to want; else
+ * fails naming what. */
+static void same_or_both_nan(const double *x, const double *want, int64_t n, double tol, const char *what)
+{
+    for (int64_t i = 0; i < n; i++)
+        if (!((isnan(x[i]) && isnan(want[i])) || x[i] == want[i] || fabs(x[i] - want[i]) <= tol * (1 + fabs(want[i]))))
+            fail_msg("%s: [%lld] fused %g, dense %g", what, (long long)i, x[i], want[i]);
+}
+
+/* Edge scores, the fused kernels (c0 plain) against the dense path (c0 wanting a
+ * gradient) as the oracle, f32 and f64, T 70 (three blocks of keys): a NaN score (at a
+ * row's first key, at a later block's key, in place of a whole row, behind the mask) and
+ * a NaN in q make the row's output and log-sum-exp NaN on both, and leave the other rows
+ * equal (1e-5), as does a +inf score (inf - inf); a row whose every score is -inf from
+ * the score modifier sees no key on both (zeros, log-sum-exp -inf, as a masked row, as
+ * PyTorch's flex_attention), its gradients too. (On OpenCL, test_flex_opencl, the
+ * device's kernels against the same oracle.) (Gradients under a NaN score are NaN on both paths but not at the same
+ * positions: the dense path's where and softmax spread it to masked keys.) */
+static void nan_and_infinite_scores_agree(void **state)
+{
+    (void)state;
+    const struct {
+        const char *score, *mask;
+        bool nan_q, grads;
+    } cases[] = {
+        {"q_idx == 2 && kv_idx == 1 ? sqrt(-1.0) : score", NULL, false, false},
+        {"kv_idx == 0 ? sqrt(-1.0) : score", "kv_idx <= q_idx", false, false},
+        {"kv_idx == 40 ? sqrt(-1.0) : score", "kv_idx <= q_idx", false, false},
+        {"q_idx == 3 ? sqrt(-1.0) : score", NULL, false, false},
+        {"kv_idx > q_idx ? sqrt(-1.0) : score", "kv_idx <= q_idx", false, true},
+        {"kv_idx == 5 ? 3e38 * 10 : score", NULL, false, false}, /* +inf (f32; f64: 3e39) */
+        {"q_idx == 3 ? -3e38 * 10 : score", NULL, false, true}, /* -inf (f32) */
+        {"q_idx == 3 ? -3e38 * 10 : score", "kv_idx <= q_idx", false, true},
+        {"score", "kv_idx <= q_idx", true, false},
+    };
+    const int64_t T = 70, D = 8, qs[4] = {1, 2, T, D}, one = 1, n = 2 * T * D;
+    for (int d = 0; d < 2; d++) {
+        kiln_dtype dt = d ? KILN_DTYPE_F64 : KILN_DTYPE_F32;
+        for (size_t c = 0; c < sizeof cases / sizeof cases[0]; c++) {
+            /* -3e39 is no -inf in f64, and the fused backward's P = exp(s - L) loses a
+             * row's log(Tk) against |L| that large: only f32's -inf is this case */
+            if (dt == KILN_DTYPE_F64 && strstr(cases[c].score, "-3e38")) continue;
+            kiln_manual_seed(5);
+            kiln_tensor_t *q = kiln_randn(qs, 4, KILN_DTYPE_F64), *k = kiln_randn(qs, 4, KILN_DTYPE_F64),
+                          *v = kiln_randn(qs, 4, KILN_DTYPE_F64);
+            if (cases[c].nan_q) { /* q[0, 0, 3, 2] NaN: row 3's scores */
+                double *x = host(q);
+                x[3 * D + 2] = NAN;
+                q = kiln_from_data(x, qs, 4, KILN_DTYPE_F64);
+                free(x);
+            }
+            q = kiln_cast(q, dt), k = kiln_cast(k, dt), v = kiln_cast(v, dt);
+            kiln_tensor_t *cap = kiln_zeros(&one, 1, dt), *tracked = kiln_detach(cap);
+            kiln_tensor_set_requires_grad(tracked, true);
+            char score[256], what[320];
+            snprintf(score, sizeof score, "(%s) + c0[0]", cases[c].score);
+            double *y[2], *l[2], *g[2][3];
+            for (int dense = 0; dense < 2; dense++) {
+                kiln_flex_t *f;
+                if (kiln_flex_new(score, cases[c].mask, dense ? &tracked : &cap, 1, &f) != KILN_OK)
+                    fail_msg("%s", kiln_last_error());
+                kiln_tensor_t *in[3] = {kiln_detach(q), kiln_detach(k), kiln_detach(v)}, *lse;
+                for (int i = 0; i < 3; i++) kiln_tensor_set_requires_grad(in[i], true);
+                kiln_tensor_t *out = kiln_flex_attention(in[0], in[1], in[2], f, NULL, 0, &lse);
+                y[dense] = host(out);
+                l[dense] = host(lse);
+                kiln_tensor_t *loss = kiln_add(kiln_sum(out, NULL, 0, false), kiln_sum(lse, NULL, 0, false));
+                if (cases[c].grads && kiln_backward(loss) != KILN_OK) fail_msg("%s", kiln_last_error());
+                for (int i = 0; i < 3; i++) g[dense][i] = cases[c].grads ? host(kiln_tensor_grad(in[i])) : NULL;
+                kiln_flex_free(f);
+            }
+            snprintf(what, sizeof what, "%s | %s (%s)%s", cases[c].score, cases[c].mask ? cases[c].mask : "no mask",
+                     kiln_dtype_name(dt), cases[c].nan_q ? ", a NaN in q" : "");
+            char part[400];
+            snprintf(part, sizeof part, "%s: y", what);
+            same_or_both_nan(y[0], y[1], n, 1e-5, part);
+            snprintf(part, sizeof part, "%s: lse", what);
+            same_or_both_nan(l[0], l[1], 2 * T, 1e-5, part);
+            bool any_nan = false;
+            for (int64_t i = 0; i < 2 * T; i++) any_nan |= isnan(l[1][i]);
+            if (strstr(cases[c].score, "sqrt(-1.0)") && !strstr(cases[c].score, "kv_idx > q_idx")) assert_true(any_nan);
+            for (int i = 0; i < 3; i++) {
+                snprintf(part, sizeof part, "%s: d%s", what, i == 0 ? "q" : i == 1 ? "k" : "v");
+                if (g[0][i]) same_or_both_nan(g[0][i], g[1][i], n, 1e-5, part);
+                free(g[0][i]);
+                free(g[1][i]);
+            }
+            if (strstr(cases[c].score, "-3e38")) /* row 3 sees no key */
+                for (int h = 0; h < 2; h++) {
+                    assert_true(l[1][h * T + 3] == -INFINITY);
+                    for (int64_t j = 0; j < D; j++) assert_true(y[1][(h * T + 3) * D + j] == 0);
+                }
+            for (int dense = 0; dense < 2; dense++) free(y[dense]), free(l[dense]);
+        }
+    }
+    kiln_clear_error();
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1115,6 +1329,9 @@ int main(void)
         cmocka_unit_test_setup_teardown(cuda_source_compiles_with_nvrtc, setup, teardown),
         cmocka_unit_test_setup_teardown(captured_dtypes_read_as_their_values, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_modifiers_are_clear_errors, setup, teardown),
+        cmocka_unit_test_setup_teardown(deep_nesting_is_a_clear_error, setup, teardown),
+        cmocka_unit_test_setup_teardown(literals_and_preset_numbers_are_strict, setup, teardown),
+        cmocka_unit_test_setup_teardown(nan_and_infinite_scores_agree, setup, teardown),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "cli.h"
+#include "core/parse.h"
 #include "kiln/data.h"
 #include "kiln/io.h"
 #include "kiln/metrics.h"
@@ -119,9 +120,8 @@ static int tok_decode(int argc, char **argv)
     if (s != KILN_OK) return cli_fail("tokenizer decode", NULL);
     int32_t *ids = malloc(sizeof *ids * (size_t)(np + 1));
     for (int i = 0; ids && i < np; i++) {
-        char *end;
-        long v = strtol(pos[i], &end, 10);
-        if (*end || end == pos[i]) return cli_fail("tokenizer decode", "token ids must be integers");
+        int64_t v;
+        if (kiln__parse_i64(pos[i], 0, INT32_MAX, "a token id", &v) != KILN_OK) return cli_fail("tokenizer decode", NULL);
         ids[i] = (int32_t)v;
     }
     char *text;

@@ -4,6 +4,7 @@
  * and batches are a function of (seed, step), so a resumed run repeats the losses of
  * an uninterrupted one bit for bit. */
 #include <errno.h>
+#include <float.h>
 #include <jansson.h>
 #include <math.h>
 #include <signal.h>
@@ -14,6 +15,7 @@
 #include <sys/stat.h>
 #include <time.h>
 #include "cli.h"
+#include "core/parse.h"
 #include "core/util.h"
 #include "kiln/data.h"
 #include "kiln/graph.h"
@@ -90,7 +92,10 @@ static kiln_status model_config(const train_args *a, int vocab, int eot, kiln_gp
                           : snprintf(w + n, cap - n, "%s%.*s", n ? "+" : "", (int)k, p));
         p += k + (p[k] == '+');
     }
-    if (n >= cap) return kiln_error(KILN_ERR_ARG, "--attention '%s': too long", a->attention);
+    char q[96];
+    if (n >= cap)
+        return kiln_error(KILN_ERR_ARG, "--attention is too long: at most %zu characters as the model's config holds it, "
+                          "in '%s'", cap - 1, kiln__excerpt(a->attention, 0, 60, q, sizeof q));
     return kiln_gpt_config_check(c);
 }
 
@@ -104,9 +109,11 @@ static kiln_status get_tokenizer(const train_args *a, const char *k, const char 
         return *tok ? KILN_OK : kiln_last_status();
     }
     if (!strncmp(k, "bpe:", 4)) {
-        int vocab = atoi(k + 4);
-        if (!a->quiet) printf("training a BPE tokenizer of %d tokens on %zu bytes...\n", vocab, len);
-        return kiln_tokenizer_train_bpe(text, len, vocab, tok);
+        int64_t vocab;
+        if (kiln__parse_i64(k + 4, 256, 1 << 24, "VOCAB of --tokenizer bpe:VOCAB", &vocab) != KILN_OK)
+            return kiln_last_status();
+        if (!a->quiet) printf("training a BPE tokenizer of %d tokens on %zu bytes...\n", (int)vocab, len);
+        return kiln_tokenizer_train_bpe(text, len, (int)vocab, tok);
     }
     return kiln_tokenizer_load(k, tok);
 }
@@ -236,6 +243,17 @@ static bool state_matches_model(const char *state_path, const char *model_path)
     return ok;
 }
 
+/* A number of a checkpoint's metadata as core/parse.h read it (s): a malformed one is
+ * an error naming the file and the key. True when it is one. */
+static bool meta_number(const char *path, const char *key, kiln_status s)
+{
+    if (s == KILN_OK) return false;
+    char why[512];
+    snprintf(why, sizeof why, "%s", kiln_last_error());
+    kiln_error(KILN_ERR_FORMAT, "%s: the metadata key %s is malformed: %s", path, key, why);
+    return true;
+}
+
 static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, const train_args *a, int64_t *step,
                               kiln_loss_scaler *scaler)
 {
@@ -278,21 +296,32 @@ static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt,
         const char *ls = kiln_safetensors_meta(f, "loss_scale"), *lg = kiln_safetensors_meta(f, "loss_scale_good"),
                    *lk = kiln_safetensors_meta(f, "loss_scale_skipped");
         if (s == KILN_OK && scaler && ls) {
-            double v = strtod(ls, NULL);
-            if (!(v > 0) || !isfinite(v) || !lg || !lk)
-                s = kiln_error(KILN_ERR_FORMAT, "%s: loss_scale '%s' is not a positive number, or its counts are missing",
-                               state_path, ls);
-            else {
-                scaler->scale = v;
-                scaler->good = strtoll(lg, NULL, 10);
-                scaler->skipped = strtoll(lk, NULL, 10);
-            }
+            double v = 0;
+            int64_t good = 0, skipped = 0;
+            if (!lg || !lk)
+                s = kiln_error(KILN_ERR_FORMAT, "%s: loss_scale's counts are missing", state_path);
+            else if (meta_number(state_path, "loss_scale",
+                                 kiln__parse_f64(ls, 0, DBL_MAX, KILN__PARSE_ABOVE_LO, "loss_scale", &v)) ||
+                     meta_number(state_path, "loss_scale_good",
+                                 kiln__parse_i64(lg, 0, INT64_MAX, "loss_scale_good", &good)) ||
+                     meta_number(state_path, "loss_scale_skipped",
+                                 kiln__parse_i64(lk, 0, INT64_MAX, "loss_scale_skipped", &skipped)))
+                s = KILN_ERR_FORMAT;
+            else
+                scaler->scale = v, scaler->good = good, scaler->skipped = skipped;
         }
         const char *os = kiln_safetensors_meta(f, "optim_steps");
-        if (s == KILN_OK) {
-            *step = strtoll(st, NULL, 10);
-            int64_t osteps = os ? strtoll(os, NULL, 10) : *step; /* states before it: every step was taken */
-            kiln_rng_set_state((kiln_rng_state){strtoull(rs, NULL, 10), strtoull(ro, NULL, 10)});
+        int64_t osteps = 0;
+        uint64_t rseed = 0, roff = 0;
+        if (s == KILN_OK &&
+            (meta_number(state_path, "step", kiln__parse_i64(st, 0, INT64_MAX, "step", step)) ||
+             meta_number(state_path, "optim_steps",
+                         kiln__parse_i64(os ? os : st, 0, INT64_MAX, "optim_steps", &osteps)) ||
+             meta_number(state_path, "rng_seed", kiln__parse_u64(rs, "rng_seed", &rseed)) ||
+             meta_number(state_path, "rng_offset", kiln__parse_u64(ro, "rng_offset", &roff))))
+            s = KILN_ERR_FORMAT;
+        if (s == KILN_OK) { /* optim_steps: a state from before it took every step */
+            kiln_rng_set_state((kiln_rng_state){rseed, roff});
             kiln_scope_begin();
             for (int i = 0; s == KILN_OK && i < kiln_gpt_num_params(m); i++) {
                 const char *name;

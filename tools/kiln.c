@@ -1,10 +1,12 @@
 /* kiln: train, sample and inspect models. Each subcommand is a row of one table. */
-#include <errno.h>
+#include <float.h>
 #include <jansson.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include "cli.h"
+#include "core/parse.h"      /* the one strict number parser */
+#include "core/threadpool.h" /* KILN__MAX_THREADS */
 
 static const struct {
     const char *name;
@@ -89,44 +91,112 @@ static const cli_opt *find_opt(const cli_opt *opts, const char *name, size_t len
     return NULL;
 }
 
-static int set_opt(const char *cmd, const cli_opt *o, const char *val)
+/* What each number option may hold: one row per option name, for every command that
+ * has one, or "COMMAND/name" where a command's option of that name means another thing
+ * (train's --top-k counts experts, sample's tokens). Every value goes through core's
+ * strict parser (core/parse.h): the whole text, decimal, finite, in range, so that
+ * --threads -5, --temperature nan, --lr -1 and 0x10 are refused with the option named
+ * first. A command with a number option that no row covers refuses to run (cli_parse):
+ * an option added without its range fails every test that runs the command. */
+#define I(name, lo, hi) {name, false, lo, hi, 0, 0, 0}
+#define R(name, lo, hi, flags) {name, true, 0, 0, lo, hi, flags}
+#define BIG ((int64_t)1 << 24)
+#define HUGE_COUNT ((int64_t)1000000000000) /* a trillion steps */
+static const struct {
+    const char *name;
+    bool real;
+    int64_t lo, hi;   /* a whole number's */
+    double rlo, rhi;  /* a real's */
+    unsigned flags;   /* KILN__PARSE_ABOVE_LO, _BELOW_HI */
+} ranges[] = {
+    I("threads", 0, KILN__MAX_THREADS), I("seed", INT64_MIN, INT64_MAX),
+    /* the model */
+    I("layers", 1, 65536), I("heads", 1, 65536), I("kv-heads", 0, 65536), I("width", 1, BIG), I("context", 1, BIG),
+    I("ffn", 0, BIG), I("vocab", 1, BIG), I("tokenizer train/vocab", 256, BIG), I("experts", 0, 65536),
+    I("shared-experts", 0, 65536), I("train/top-k", 1, 65536), I("dense-layers", 0, 65536), I("groups", 1, 65536),
+    I("top-groups", 1, 65536), I("mla-kv-rank", 0, BIG), I("mla-q-rank", 0, BIG), I("mla-rope-dim", 0, BIG),
+    I("mla-nope-dim", 0, BIG), I("mla-v-dim", 0, BIG), I("expert-ffn", 0, BIG), R("dropout", 0, 1, KILN__PARSE_BELOW_HI),
+    R("bias-speed", 0, DBL_MAX, 0), R("balance-loss", 0, DBL_MAX, 0), R("capacity", 0, DBL_MAX, 0),
+    /* training */
+    I("batch", 1, BIG), I("accum", 1, BIG), I("steps", 0, HUGE_COUNT), I("warmup", 0, HUGE_COUNT),
+    I("eval-every", 0, HUGE_COUNT), I("eval-batches", 1, BIG), I("save-every", 0, HUGE_COUNT),
+    I("log-every", 1, HUGE_COUNT), R("lr", 0, DBL_MAX, KILN__PARSE_ABOVE_LO), R("min-lr", 0, DBL_MAX, 0),
+    R("wd", 0, DBL_MAX, 0), R("momentum", 0, 1, KILN__PARSE_BELOW_HI), R("clip", 0, DBL_MAX, 0),
+    R("val-fraction", 0, 1, KILN__PARSE_BELOW_HI), R("loss-scale", 1, 1e30, 0), R("bucket-mb", 0, 1 << 20, 0),
+    /* sampling and serving */
+    I("tokens", 0, BIG), I("sample/top-k", 0, BIG), R("temperature", 0, DBL_MAX, 0),
+    R("top-p", 0, 1, KILN__PARSE_ABOVE_LO), I("port", 0, 65535), I("max-batch", 1, 4096), I("max-queue", 0, 1 << 20),
+    I("max-step-tokens", 2, 1 << 20), I("kv-memory", 1, BIG), I("block-len", 1, 1024),
+    I("max-body", 1, (int64_t)1 << 32), R("timeout", 0, DBL_MAX, KILN__PARSE_ABOVE_LO), I("idle-timeout", 1, 86400),
+    I("max-tokens", 1, BIG), I("http-threads", 1, 1024),
+};
+#undef I
+#undef R
+
+/* The index of option o's row for command cmd (its own "cmd/name" row first), -1 for none. */
+static int range_of(const char *cmd, const cli_opt *o)
 {
-    char *end;
-    errno = 0;
+    int any = -1;
+    size_t n = strlen(cmd);
+    for (size_t i = 0; i < sizeof ranges / sizeof ranges[0]; i++) {
+        const char *r = ranges[i].name, *slash = strrchr(r, '/');
+        if (slash && (size_t)(slash - r) == n && !strncmp(r, cmd, n) && !strcmp(slash + 1, o->name)) return (int)i;
+        if (!slash && !strcmp(r, o->name)) any = (int)i;
+    }
+    return any;
+}
+
+/* what: "--steps" from the command line, "config 'x.json': steps" from a config file. */
+static int set_opt(const char *cmd, const cli_opt *o, const char *val, const char *what)
+{
+    int r = o->type == OPT_INT || o->type == OPT_DOUBLE ? range_of(cmd, o) : -1;
     switch (o->type) {
-    case OPT_INT: {
-        long long v = strtoll(val, &end, 10);
-        if (errno || *end || end == val) break;
-        *(int64_t *)o->dst = v;
-        return 0;
-    }
-    case OPT_DOUBLE: {
-        double v = strtod(val, &end);
-        if (errno || *end || end == val) break;
-        *(double *)o->dst = v;
-        return 0;
-    }
+    case OPT_INT:
+        if (r >= 0 && kiln__parse_i64(val, ranges[r].lo, ranges[r].hi, what, (int64_t *)o->dst) == KILN_OK) return 0;
+        break;
+    case OPT_DOUBLE:
+        if (r >= 0 && kiln__parse_f64(val, ranges[r].rlo, ranges[r].rhi, ranges[r].flags, what, (double *)o->dst) ==
+                          KILN_OK)
+            return 0;
+        break;
     case OPT_STRING:
         *(const char **)o->dst = val;
         return 0;
     case OPT_FLAG:
         if (!strcmp(val, "true") || !strcmp(val, "1")) *(bool *)o->dst = true;
         else if (!strcmp(val, "false") || !strcmp(val, "0")) *(bool *)o->dst = false;
-        else break;
+        else {
+            kiln_error(KILN_ERR_ARG, "%s must be true or false, got '%s'", what, val);
+            break;
+        }
         return 0;
     }
-    fprintf(stderr, "kiln %s: --%s expects %s, got '%s'\n", cmd, o->name,
-            o->type == OPT_INT ? "an integer" : o->type == OPT_DOUBLE ? "a number" : "true or false", val);
+    fprintf(stderr, "kiln %s: %s\n", cmd, kiln_last_error());
     return 2;
+}
+
+/* Refuses a table with a number option that has no range row (above). */
+static bool ranges_cover(const char *cmd, const cli_opt *opts)
+{
+    for (const cli_opt *o = opts; o->name; o++)
+        if ((o->type == OPT_INT || o->type == OPT_DOUBLE) && range_of(cmd, o) < 0) {
+            fprintf(stderr, "kiln %s: internal: the option --%s has no range in tools/kiln.c's table\n", cmd, o->name);
+            return false;
+        }
+    return true;
 }
 
 static void print_help(const char *cmd, const char *usage_line, const cli_opt *opts)
 {
     printf("usage: kiln %s %s\n\noptions:\n", cmd, usage_line);
     for (const cli_opt *o = opts; o->name; o++) {
-        char def[64] = "";
-        if (o->type == OPT_INT) snprintf(def, sizeof def, " (default %lld)", (long long)*(int64_t *)o->dst);
-        else if (o->type == OPT_DOUBLE) snprintf(def, sizeof def, " (default %g)", *(double *)o->dst);
+        char def[128] = "";
+        int r = o->type == OPT_INT || o->type == OPT_DOUBLE ? range_of(cmd, o) : -1;
+        char range[96] = "";
+        if (r >= 0 && ranges[r].real) kiln__describe_f64(ranges[r].rlo, ranges[r].rhi, ranges[r].flags, range, sizeof range);
+        else if (r >= 0) kiln__describe_i64(ranges[r].lo, ranges[r].hi, range, sizeof range);
+        if (o->type == OPT_INT) snprintf(def, sizeof def, " (default %lld; %s)", (long long)*(int64_t *)o->dst, range);
+        else if (o->type == OPT_DOUBLE) snprintf(def, sizeof def, " (default %g; %s)", *(double *)o->dst, range);
         else if (o->type == OPT_STRING && *(const char **)o->dst)
             snprintf(def, sizeof def, " (default %.40s)", *(const char **)o->dst);
         printf("  --%-16s %s%s\n", o->name, o->help, def);
@@ -138,6 +208,7 @@ int cli_parse(const char *cmd, const char *usage_line, const cli_opt *opts, int 
               int max_pos, int *n_pos)
 {
     int np = 0;
+    if (!ranges_cover(cmd, opts)) return 2;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -170,7 +241,9 @@ int cli_parse(const char *cmd, const char *usage_line, const cli_opt *opts, int 
             }
             val = argv[++i];
         }
-        int r = set_opt(cmd, o, val);
+        char what[64];
+        snprintf(what, sizeof what, "--%s", o->name);
+        int r = set_opt(cmd, o, val, what);
         if (r) return r;
     }
     if (n_pos) *n_pos = np;
@@ -183,6 +256,7 @@ static json_t *config_roots[4];
 
 int cli_load_config(const char *cmd, const cli_opt *opts, const char *path)
 {
+    if (!ranges_cover(cmd, opts)) return 2;
     json_error_t err;
     json_t *root = json_load_file(path, 0, &err);
     for (size_t i = 0; root && i < sizeof config_roots / sizeof config_roots[0]; i++)
@@ -214,7 +288,9 @@ int cli_load_config(const char *cmd, const cli_opt *opts, const char *path)
             fprintf(stderr, "kiln %s: config '%s': key '%s' has an unsupported type\n", cmd, path, key);
             return 2;
         }
-        int r = set_opt(cmd, o, val);
+        char what[512];
+        snprintf(what, sizeof what, "config '%s': %s", path, key);
+        int r = set_opt(cmd, o, val, what);
         if (r) return r;
     }
     return 0;

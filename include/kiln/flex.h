@@ -54,7 +54,10 @@ extern "C" {
 typedef struct kiln_flex kiln_flex_t;
 
 /* score_mod and mask_mod (NULL: none) over captured[0..n_captured) (referenced, kept
- * until kiln_flex_free; at most 8). */
+ * until kiln_flex_free; at most 8). An expression nests at most KILN_FLEX_MAX_DEPTH
+ * parentheses, calls, indices, ?: branches and unary operators deep (its tree is then
+ * walked without fear for the stack), and its literals are finite floats. */
+#define KILN_FLEX_MAX_DEPTH 256
 kiln_status kiln_flex_new(const char *score_mod, const char *mask_mod, kiln_tensor_t *const *captured,
                           int n_captured, kiln_flex_t **out);
 void kiln_flex_free(kiln_flex_t *f); /* NULL is fine */

@@ -183,9 +183,9 @@ kiln__backend *kiln__backend_at(int i) { return i >= 0 && i < n_backends ? backe
 static void do_init(void)
 {
     int n = requested_threads;
-    if (n <= 0) n = (int)kiln__env_int(KILN__ENV_NUM_THREADS);
-    if (n <= 0) n = (int)sysconf(_SC_NPROCESSORS_ONLN);
-    if (n <= 0) n = 1;
+    const char *from = "kiln_init";
+    if (n <= 0) n = (int)kiln__env_int(KILN__ENV_NUM_THREADS), from = "KILN_NUM_THREADS";
+    n = kiln__pool_threads(n, from);
     kiln__pool_start(n);
     run_providers(true, n);
     if (!n_backends) { /* a build without the cpu room: nothing can run */

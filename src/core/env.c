@@ -1,7 +1,7 @@
 /* The environment table (env.def and the switch table) and its accessors: the one
  * place that calls getenv for a KILN_* variable (tests/test_env.c checks). */
 #include "core/env.h"
-#include <math.h>
+#include "core/parse.h"
 #include <pthread.h>
 #include <stdatomic.h>
 #include <stdio.h>
@@ -115,7 +115,6 @@ const char *kiln__env_text(kiln__env_id id)
  * what it should be in expect. Strings, lists and paths are always values. */
 static bool parse(const kiln__env_row *r, const char *s, double *num, char *expect, size_t n)
 {
-    char *end;
     switch (r->type) {
     case KILN__ENVT_BOOL:
         snprintf(expect, n, "0 or 1 (true/false, on/off, yes/no)");
@@ -125,16 +124,18 @@ static bool parse(const kiln__env_row *r, const char *s, double *num, char *expe
                 if (!strcasecmp(s, words[i][j])) return *num = i, true;
         }
         return false;
-    case KILN__ENVT_INT: {
+    case KILN__ENVT_INT: { /* core/parse.h's syntax: the whole text, decimal, in int64 */
         snprintf(expect, n, "a whole number from %.0f to %.0f", r->lo, r->hi);
-        long long v = strtoll(s, &end, 10);
+        int64_t v = 0;
+        bool ok = kiln__scan_i64(s, &v);
         *num = (double)v;
-        return end != s && !*end && *num >= r->lo && *num <= r->hi;
+        return ok && *num >= r->lo && *num <= r->hi;
     }
-    case KILN__ENVT_NUM:
+    case KILN__ENVT_NUM: {
         snprintf(expect, n, "a number above %g, at most %g", r->lo, r->hi);
-        *num = strtod(s, &end);
-        return end != s && !*end && isfinite(*num) && *num > r->lo && *num <= r->hi;
+        bool ok = kiln__scan_f64(s, num);
+        return ok && *num > r->lo && *num <= r->hi;
+    }
     default:
         *num = 0;
         return true;

@@ -1,6 +1,8 @@
 #include <pthread.h>
 #include <stdatomic.h>
+#include <stdio.h>
 #include <stdlib.h>
+#include <unistd.h>
 #include "core/opts.h"
 #include "core/threadpool.h"
 #include "core/util.h"
@@ -107,6 +109,21 @@ void kiln__pool_start(int nthreads)
             started++;
         }
     n_threads = started + 1;
+}
+
+int kiln__pool_threads(int n, const char *from)
+{
+    long online = sysconf(_SC_NPROCESSORS_ONLN);
+    if (online < 1) online = 1;
+    if (n <= 0) return (int)(online < KILN__MAX_THREADS ? online : KILN__MAX_THREADS);
+    long cap = online * KILN__MAX_THREADS_PER_CORE;
+    if (cap > KILN__MAX_THREADS) cap = KILN__MAX_THREADS;
+    if (n > cap) {
+        fprintf(stderr, "kiln: %d threads asked for (%s); using %ld, at most %d per online core (%ld online) and %d "
+                "in all\n", n, from, cap, KILN__MAX_THREADS_PER_CORE, online, KILN__MAX_THREADS);
+        n = (int)cap;
+    }
+    return n;
 }
 
 int kiln__pool_size(void) { return n_threads; }

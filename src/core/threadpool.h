@@ -20,4 +20,13 @@ int kiln__pool_size(void);
  * pool task, or a pool of one thread). */
 bool kiln__pool_inline(void);
 void kiln__pool_start(int nthreads);
+
+/* The most threads a pool may have whatever the cores (KILN_NUM_THREADS's range, the
+ * tools' --threads), and the most per online core: a count past either is capped with a
+ * warning at start-up (kiln__pool_threads), not thousands of threads started. */
+#define KILN__MAX_THREADS 1024
+#define KILN__MAX_THREADS_PER_CORE 8
+/* The pool size for a request of n threads (n <= 0: one per online core), capped as
+ * above; a cap is said on stderr, naming where the count came from (from). */
+int kiln__pool_threads(int n, const char *from);
 #endif

@@ -20,6 +20,7 @@
 #include <string.h>
 #include "core/dtype.h"
 #include "core/env.h"
+#include "core/parse.h"
 #include "core/util.h"
 #include "kiln/graph.h"
 #include "ops/registry.h"
@@ -33,7 +34,14 @@ static int env_int(int id, const char *const *names, int dflt)
     if (id >= 0 && kiln__env_str((kiln__env_id)id)) return (int)kiln__env_int((kiln__env_id)id);
     for (int i = 0; names[i]; i++) {
         const char *v = getenv(names[i]);
-        if (v && *v) return atoi(v);
+        if (!v || !*v) continue;
+        /* Slurm writes counts per node as "4(x2)" (4 tasks on each of 2 nodes) or "4,2":
+         * the first count is this machine's; the rest must be a whole number in range */
+        char head[32];
+        int64_t n;
+        snprintf(head, sizeof head, "%.*s", (int)strcspn(v, "(,"), v);
+        if (kiln__scan_i64(head, &n) && n >= 0 && n <= 1 << 20) return (int)n;
+        fprintf(stderr, "kiln: %s='%s' is not a whole number from 0 to %d; ignored\n", names[i], v, 1 << 20);
     }
     return dflt;
 }

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include "core/parse.h"
 #include "core/tensor_impl.h"
 #include "core/util.h"
 #include "dist/flat.h"
@@ -356,7 +357,10 @@ kiln_status kiln_zero1_load(kiln_zero1_t *z, const char *dir, int64_t step)
                 snprintf(name, sizeof name, "g%d.%c", gi, "pmv"[j]);
                 const char *fw = f ? kiln_safetensors_meta(f, "world") : NULL, *fs = f ? kiln_safetensors_meta(f, "step") : NULL;
                 kiln_tensor_t *t = f ? kiln_safetensors_get(f, name) : NULL;
-                if (s == KILN_OK && (!fw || atoi(fw) != old_world || !fs || strtoll(fs, NULL, 10) != step))
+                int64_t fwn = -1, fsn = -1; /* as written: strict (core/parse.h), else not this shard */
+                if (fw && !kiln__scan_i64(fw, &fwn)) fwn = -1;
+                if (fs && !kiln__scan_i64(fs, &fsn)) fsn = -1;
+                if (s == KILN_OK && (fwn != old_world || fsn != step))
                     s = kiln_error(KILN_ERR_FORMAT, "%s: not the shard of step %lld of %d ranks", path, (long long)step,
                                    old_world);
                 else if (s == KILN_OK && (!t || kiln_tensor_numel(t) != old_shard))

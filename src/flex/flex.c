@@ -4,6 +4,7 @@
  * fused kernels are checked against, differentiable through autograd). The expression
  * language is written here by hand: it is twenty lines of grammar, and no library
  * parses C's expressions into a tree a code generator can walk as well. */
+#include <float.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -11,6 +12,7 @@
 #include "core/dtype.h"
 #include "core/op_table.h"
 #include "core/opts.h"
+#include "core/parse.h"
 #include "flex/flex_impl.h"
 #include "kiln/ops.h"
 #include "ops/autocast.h"
@@ -22,13 +24,20 @@ static const int fn_args[N_FNS] = {1, 1, 1, 1, 1, 2, 2};
 #define var_names kiln__flex_var_names
 #define fn_names kiln__flex_fn_names
 
+/* The reason first, then where: "flex score_mod: unknown name bogus, at column 9 of
+ * \"score + bogus\"" (a long expression quoted around the column). */
 static kiln_status fail(parser *ps, const char *fmt, const char *detail)
 {
+    char q[160];
+    size_t at = (size_t)(ps->p - ps->text);
     if (ps->err == KILN_OK)
-        ps->err = kiln_error(KILN_ERR_ARG, "flex %s \"%s\", at %d: %s%s", ps->what, ps->text, (int)(ps->p - ps->text),
-                             fmt, detail ? detail : "");
+        ps->err = kiln_error(KILN_ERR_ARG, "flex %s: %s%s, at column %zu of \"%s\"", ps->what, fmt, detail ? detail : "",
+                             at + 1, kiln__excerpt(ps->text, at, 60, q, sizeof q));
     return ps->err;
 }
+
+/* The expression, quoted short, for a message that puts its reason first. */
+#define QUOTED(ps, buf) kiln__excerpt((ps)->text, 0, 60, buf, sizeof buf)
 
 static void skip(parser *ps)
 {
@@ -62,12 +71,21 @@ static int primary(parser *ps)
 {
     skip(ps);
     const char *s = ps->p;
-    if ((*s >= '0' && *s <= '9') || (*s == '.' && s[1] >= '0' && s[1] <= '9')) {
-        char *end;
-        double v = strtod(s, &end);
-        bool integer = true;
-        for (const char *c = s; c < end; c++) integer &= *c >= '0' && *c <= '9';
-        ps->p = end;
+    bool integer;
+    size_t len = kiln__number_len(s, &integer);
+    if (len) {
+        /* A literal is a finite float whatever the path computes in (the f32 kernels
+         * would make 1e39 inf, and 1e400 is no C literal), and a whole number that int64
+         * cannot hold (2^63 and up) is a float: the dense and fused paths then compute
+         * it the same. */
+        char lit[64], q[48];
+        double v = 0;
+        snprintf(lit, sizeof lit, "%.*s", (int)(len < sizeof lit - 1 ? len : sizeof lit - 1), s);
+        if (len >= sizeof lit || !kiln__scan_f64(lit, &v) || fabs(v) > FLT_MAX)
+            return fail(ps, "a literal that is not a finite float (at most 3.4e38): ",
+                        kiln__excerpt(lit, 0, 40, q, sizeof q)), -1;
+        if (integer && v >= 0x1p63) integer = false;
+        ps->p = s + len;
         if (*ps->p == 'f') ps->p++; /* 1.5f as C writes it */
         return node(ps, (anode){.kind = A_NUM, .num = v, .integer = integer});
     }
@@ -80,7 +98,7 @@ static int primary(parser *ps)
         return fail(ps, *s ? "a value expected" : "the expression ends too soon", NULL), -1;
     const char *e = s;
     while (*e == '_' || (*e >= 'a' && *e <= 'z') || (*e >= 'A' && *e <= 'Z') || (*e >= '0' && *e <= '9')) e++;
-    size_t len = (size_t)(e - s);
+    len = (size_t)(e - s);
     char word[32];
     snprintf(word, sizeof word, "%.*s", (int)(len < 31 ? len : 31), s);
     ps->p = e;
@@ -112,17 +130,27 @@ static int primary(parser *ps)
     return fail(ps, "unknown name ", word), -1;
 }
 
+/* One level deeper (an expression inside parentheses, a call, an index or a ?: branch;
+ * a unary operator's operand); false past KILN_FLEX_MAX_DEPTH, with the error. The
+ * grammar recurses once per level, so this bounds the stack (10,000 parentheses or
+ * 50,000 '-' would overflow it); the tree's walks after it are bounded by MAX_NODES. */
+static bool deeper(parser *ps)
+{
+    if (++ps->depth <= KILN_FLEX_MAX_DEPTH) return true;
+    char why[96];
+    snprintf(why, sizeof why, "nested more than KILN_FLEX_MAX_DEPTH (%d) levels deep", KILN_FLEX_MAX_DEPTH);
+    fail(ps, why, NULL);
+    return false;
+}
+
 static int unary(parser *ps)
 {
-    if (eat(ps, "-")) {
-        int a = unary(ps);
-        return a < 0 ? -1 : node(ps, (anode){.kind = A_NEG, .n_arg = 1, .arg = {a}});
-    }
-    if (eat(ps, "!")) {
-        int a = unary(ps);
-        return a < 0 ? -1 : node(ps, (anode){.kind = A_NOT, .n_arg = 1, .arg = {a}});
-    }
-    return primary(ps);
+    akind k = eat(ps, "-") ? A_NEG : eat(ps, "!") ? A_NOT : A_NUM;
+    if (k == A_NUM) return primary(ps);
+    if (!deeper(ps)) return -1;
+    int a = unary(ps);
+    ps->depth--;
+    return a < 0 ? -1 : node(ps, (anode){.kind = k, .n_arg = 1, .arg = {a}});
 }
 
 /* One level of left-associative binary operators: ops[i] is binop codes[i]. */
@@ -152,13 +180,16 @@ static int or_(parser *ps) { return level(ps, and_, (const char *const[]){"||"},
 
 static int expr(parser *ps)
 {
-    int c = or_(ps);
-    if (c < 0 || !eat(ps, "?")) return c;
-    int a = expr(ps);
-    if (a < 0) return -1;
-    if (!eat(ps, ":")) return fail(ps, "':' expected", NULL), -1;
-    int b = expr(ps);
-    return b < 0 ? -1 : node(ps, (anode){.kind = A_TERN, .n_arg = 3, .arg = {c, a, b}});
+    if (!deeper(ps)) return -1;
+    int c = or_(ps), r = c;
+    if (c >= 0 && eat(ps, "?")) {
+        int a = expr(ps), b = -1;
+        if (a >= 0 && !eat(ps, ":")) fail(ps, "':' expected", NULL);
+        else if (a >= 0) b = expr(ps);
+        r = b < 0 ? -1 : node(ps, (anode){.kind = A_TERN, .n_arg = 3, .arg = {c, a, b}});
+    }
+    ps->depth--;
+    return r;
 }
 
 /* Which names and captured tensors a tree reads. */
@@ -202,12 +233,14 @@ static int type_of(const kiln_flex_t *f, const parser *ps, int i, kiln_status *s
         return a->op == F_ABS && t[0] < 2 ? 1 : 2;
     case A_CAP: {
         kiln_tensor_t *c = f->cap[a->op];
+        char q[96];
         if (*s == KILN_OK && kiln_tensor_ndim(c) != a->n_arg)
-            *s = kiln_error(KILN_ERR_SHAPE, "flex %s \"%s\": c%d has %d dims, read at %d indices", ps->what, ps->text,
-                            a->op, kiln_tensor_ndim(c), a->n_arg);
+            *s = kiln_error(KILN_ERR_SHAPE, "flex %s: c%d has %d dims, read at %d indices, in \"%s\"", ps->what, a->op,
+                            kiln_tensor_ndim(c), a->n_arg, QUOTED(ps, q));
         for (int j = 0; j < a->n_arg && *s == KILN_OK; j++)
             if (t[j] == 2)
-                *s = kiln_error(KILN_ERR_ARG, "flex %s \"%s\": an index of c%d is a float", ps->what, ps->text, a->op);
+                *s = kiln_error(KILN_ERR_ARG, "flex %s: an index of c%d is a float, in \"%s\"", ps->what, a->op,
+                                QUOTED(ps, q));
         return kiln__flex_elem_type(kiln_tensor_dtype(c));
     }
     case A_BIN:
@@ -230,12 +263,14 @@ static kiln_status parse(kiln_flex_t *f, int which, const char *text)
     if (ps->err == KILN_OK && *ps->p) fail(ps, "unexpected text after the expression", NULL);
     if (ps->err != KILN_OK) return ps->err;
     uses(ps, ps->root, f->vars[which], f->caps[which]);
+    char q[96];
     if (which == 1 && f->vars[1][V_SCORE])
-        return kiln_error(KILN_ERR_ARG, "flex mask_mod \"%s\": a mask reads no score (a score_mod changes scores)", text);
+        return kiln_error(KILN_ERR_ARG, "flex mask_mod: a mask reads no score (a score_mod changes scores), in \"%s\"",
+                          QUOTED(ps, q));
     for (int c = 0; c < MAX_CAPTURED; c++)
         if (f->caps[which][c] && c >= f->n_cap)
-            return kiln_error(KILN_ERR_ARG, "flex %s \"%s\": c%d is read but %d tensor(s) are captured", ps->what, text, c,
-                              f->n_cap);
+            return kiln_error(KILN_ERR_ARG, "flex %s: c%d is read but %d tensor(s) are captured, in \"%s\"", ps->what, c,
+                              f->n_cap, QUOTED(ps, q));
     kiln_status s = KILN_OK;
     type_of(f, ps, ps->root, &s);
     return s;
@@ -335,25 +370,37 @@ kiln_status kiln_flex_or(const kiln_flex_t *a, const kiln_flex_t *b, kiln_flex_t
 
 #define CAUSAL "q_idx + kv_len - q_len >= kv_idx"
 
-/* One preset, by name and argument. */
+/* The largest window and prefix: a position of kiln's int rows. */
+#define MAX_SPAN INT32_MAX
+
+/* One preset, by name and argument. Its numbers are read by core/parse.h's parser, as the
+ * paged serving path (src/nn/gpt.c) reads the same spec: window:1e1, window:0x10 and
+ * window:inf are refused by both, not read two ways. A softcap is a normal positive
+ * float: C * tanh(score / C) of a subnormal C divides by a float 0. */
 static kiln_status preset(const char *name, const char *arg, const kiln_flex_inputs *in, kiln_flex_t **out)
 {
     char text[256];
-    char *end = NULL;
-    double v = arg ? strtod(arg, &end) : 0;
-    bool number = arg && end && end != arg && !*end;
+    int64_t n = 0;
+    double v = 0;
+    kiln_status s = KILN_OK;
     if (!strcmp(name, "causal") && !arg) return kiln_flex_new(NULL, CAUSAL, NULL, 0, out);
-    if (!strcmp(name, "window") && number && v >= 1 && v == floor(v)) {
-        snprintf(text, sizeof text, CAUSAL " && q_idx + kv_len - q_len - kv_idx < %lld", (long long)v);
+    if (!strcmp(name, "window") && arg && (s = kiln__parse_i64(arg, 1, MAX_SPAN, "W of window:W", &n)) == KILN_OK) {
+        snprintf(text, sizeof text, CAUSAL " && q_idx + kv_len - q_len - kv_idx < %lld", (long long)n);
         return kiln_flex_new(NULL, text, NULL, 0, out);
     }
-    if (!strcmp(name, "prefix") && number && v >= 0 && v == floor(v)) {
-        snprintf(text, sizeof text, "kv_idx < %lld || " CAUSAL, (long long)v);
+    if (!strcmp(name, "prefix") && arg && (s = kiln__parse_i64(arg, 0, MAX_SPAN, "P of prefix:P", &n)) == KILN_OK) {
+        snprintf(text, sizeof text, "kv_idx < %lld || " CAUSAL, (long long)n);
         return kiln_flex_new(NULL, text, NULL, 0, out);
     }
-    if (!strcmp(name, "softcap") && number && v > 0) {
+    if (!strcmp(name, "softcap") && arg &&
+        (s = kiln__parse_f64(arg, FLT_MIN, FLT_MAX, 0, "C of softcap:C (a normal positive float)", &v)) == KILN_OK) {
         snprintf(text, sizeof text, "%.17g * tanh(score / %.17g)", v, v);
         return kiln_flex_new(text, NULL, NULL, 0, out);
+    }
+    if (s != KILN_OK) {
+        char why[512];
+        snprintf(why, sizeof why, "%s", kiln_last_error());
+        return kiln_error(s, "flex preset: %s", why);
     }
     if (!strcmp(name, "doc") && !arg) {
         if (!in || !in->doc_ids)
@@ -484,10 +531,11 @@ static val eval(const env *e, int i)
     }
     case A_CAP: { /* c[i0, i1, ...]: the flat tensor's element at the row-major index */
         kiln_tensor_t *c = e->f->cap[a->op];
+        char q[96];
         int nd = kiln_tensor_ndim(c);
         if (nd != a->n_arg) {
-            kiln_error(KILN_ERR_SHAPE, "flex %s \"%s\": c%d has %d dims, read at %d indices", e->ps->what, e->ps->text,
-                       a->op, nd, a->n_arg);
+            kiln_error(KILN_ERR_SHAPE, "flex %s: c%d has %d dims, read at %d indices, in \"%s\"", e->ps->what,
+                       a->op, nd, a->n_arg, QUOTED(e->ps, q));
             return (val){0};
         }
         kiln_tensor_t *lin = NULL;
@@ -495,7 +543,8 @@ static val eval(const env *e, int i)
             val ix = eval(e, a->arg[d]);
             if (!ix.t) return (val){0};
             if (ix.type == T_FLOAT) {
-                kiln_error(KILN_ERR_ARG, "flex %s \"%s\": an index of c%d is a float", e->ps->what, e->ps->text, a->op);
+                kiln_error(KILN_ERR_ARG, "flex %s: an index of c%d is a float, in \"%s\"", e->ps->what, a->op,
+                           QUOTED(e->ps, q));
                 return (val){0};
             }
             ix = as(ix, T_INT, e->F);
@@ -900,21 +949,17 @@ kiln_tensor_t *kiln_flex_attention_masked(kiln_tensor_t *q, kiln_tensor_t *k, ki
     kiln_tensor_t *dense_mask = mask_of(f, &e, &none);
     if (!s || (!none && !dense_mask)) return NULL;
     int last = 3;
-    kiln_tensor_t *p, *l;
-    if (none) {
-        l = kiln_logsumexp(s, &last, 1, true);
-        p = kiln_softmax(s, 3);
-    } else {
-        /* a row that sees no key: its scores made 0 (no -inf - -inf), its weights 0 and
-         * its log-sum-exp -inf, as PyTorch's flex_attention gives */
-        kiln_tensor_t *ninf = kiln_scalar(-INFINITY, F), *zero = kiln_scalar(0, F);
-        kiln_tensor_t *sees = kiln_gt(kiln_max(kiln_cast(dense_mask, KILN_DTYPE_I64), &last, 1, true),
-                                      kiln_scalar(0, KILN_DTYPE_I64));
-        kiln_tensor_t *masked = kiln_where(dense_mask, s, ninf);
-        kiln_tensor_t *safe = kiln_where(sees, masked, zero);
-        p = kiln_mul(kiln_softmax(safe, 3), kiln_cast(sees, F));
-        l = kiln_where(sees, kiln_logsumexp(safe, &last, 1, true), ninf);
-    }
+    /* A row that sees no key (masked, or every score -inf from the score modifier): its
+     * scores made 0 (no -inf - -inf), its weights 0 and its log-sum-exp -inf, as
+     * PyTorch's flex_attention gives and the fused kernels do. A NaN score is seen (it is
+     * not -inf): its row comes out NaN, as a softmax of it does. */
+    kiln_tensor_t *ninf = kiln_scalar(-INFINITY, F), *zero = kiln_scalar(0, F);
+    kiln_tensor_t *masked = none ? s : kiln_where(dense_mask, s, ninf);
+    kiln_tensor_t *sees = kiln_gt(kiln_max(kiln_cast(kiln_ne(masked, ninf), KILN_DTYPE_I64), &last, 1, true),
+                                  kiln_scalar(0, KILN_DTYPE_I64));
+    kiln_tensor_t *safe = kiln_where(sees, masked, zero);
+    kiln_tensor_t *p = kiln_mul(kiln_softmax(safe, 3), kiln_cast(sees, F));
+    kiln_tensor_t *l = kiln_where(sees, kiln_logsumexp(safe, &last, 1, true), ninf);
     kiln_tensor_t *y = kiln_matmul(p, vv);
     if (lse && y && l) *lse = kiln_reshape(l, (int64_t[]){B, H, Tq}, 3);
     return y;

@@ -422,8 +422,10 @@ static char *source(const kiln_flex_t *f, bool f64)
             "            for (int l = 0; l < 16; l++) mx[l] = row[j + l] > mx[l] ? row[j + l] : mx[l];\n"
             "        T m = (T)-INFINITY;\n        for (int l = 0; l < 16; l++) m = mx[l] > m ? mx[l] : m;\n"
             "        for (; j < ld; j++) m = row[j] > m ? row[j] : m;\n"
-            "        if (!(m > (T)-INFINITY)) { /* no key seen */\n"
-            "            for (j = 0; j < ld; j++) row[j] = 0;\n            L[i] = (T)-INFINITY;\n            continue;\n"
+            "        if (!(m > (T)-INFINITY)) { /* no key seen, or only NaN: zeros, or NaN as the dense path */\n"
+            "            int nan = 0;\n            for (j = 0; j < ld; j++) nan |= row[j] != row[j];\n"
+            "            for (j = 0; j < ld; j++) row[j] = nan ? (T)NAN : 0;\n"
+            "            L[i] = nan ? (T)NAN : (T)-INFINITY;\n            continue;\n"
             "        }\n"
             "        for (j = 0; j < ld; j++) row[j] = %s(row[j] - m);\n"
             "        double acc[8] = {0}, sum = 0;\n"
@@ -446,7 +448,8 @@ static char *source(const kiln_flex_t *f, bool f64)
             "    for (int64_t i = 0; i < rows; i++) {\n        const int64_t q_idx = q0 + i;\n"
             "        const T Li = L[i];\n        T *row = S + i * ld, *mrow = M + i * ld;\n"
             "        (void)q_idx, (void)mrow;\n"
-            "        if (!(Li > (T)-INFINITY)) { /* the row sees no key: P 0, and M too (dS reads it) */\n"
+            "        if (Li == (T)-INFINITY) { /* the row sees no key: P 0, and M too (dS reads it); a NaN L\n"
+            "                                   * (a NaN score) goes on, NaN, as the dense path's gradients */\n"
             "            for (int64_t j = 0; j < ld; j++) row[j] = 0;\n%s            continue;\n        }\n"
             "        int64_t off = 0;\n"
             "        for (int64_t n = 0; n < nb; n++) {\n"
@@ -573,7 +576,7 @@ static void dev_pair_bwd(sbuf *b, gen *g, const char *ind)
     put(b, ");\n%sconst float md = (float)(", ind);
     if (g->f->ps[0]) emit_d(g, g->f->ps[0]->root, b);
     else put(b, "1");
-    put(b, ");\n%sif (!(sp > -INFINITY)) continue;\n%sconst float p = EXPF(sp - L);\n", ind, ind);
+    put(b, ");\n%sif (sp == -INFINITY) continue;\n%sconst float p = EXPF(sp - L);\n", ind, ind);
     put(b, "%sfloat dp = 0;\n%sfor (LONG d = 0; d < D; d++) dp += doi[d] * vj[d];\n"
            "%sconst float ds = p * (dp - Dm) * md * scale;\n", ind, ind, ind);
 }
@@ -618,7 +621,8 @@ char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda, bool backward)
         dev_open(&b, "flex_fwd_dev", "GLOBAL float *q, ULONG qo, GLOBAL float *k, ULONG ko, GLOBAL float *v, ULONG vo,\n"
                                      "    GLOBAL float *y, ULONG yo, GLOBAL float *lse, ULONG lo");
         put(&b, "    const LONG gid = GID;\n    if (gid >= B * H * q_len) return;\n%s"
-                "    float m = -INFINITY, l = 0, acc[256];\n"
+                "    float m = -INFINITY, l = 0, acc[256], nan = 0;\n"
+                "    int seen_nan = 0;\n"
                 "    for (LONG d = 0; d < D; d++) acc[d] = 0;\n"
                 "    for (LONG n = 0; n < nb; n++) {\n%s", query_row, key_blocks);
         dev_mask_skip(&b, &g, "            ");
@@ -631,15 +635,20 @@ char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda, bool backward)
             emit(&g, f->ps[0]->root, &b);
             put(&b, ");\n");
         }
-        put(&b, "            if (!(score > -INFINITY)) continue;\n"
+        /* a NaN score makes the row NaN, as the dense path and the cpu's kernels (the
+         * online maximum would pass over it) */
+        put(&b, "            if (score != score) {\n                seen_nan = 1, nan = score;\n                continue;\n"
+                "            }\n"
+                "            if (!(score > -INFINITY)) continue;\n"
                 "            if (score > m) {\n                const float c = EXPF(m - score);\n                l *= c;\n"
                 "                for (LONG d = 0; d < D; d++) acc[d] *= c;\n                m = score;\n            }\n"
                 "            const float p = EXPF(score - m);\n            l += p;\n"
                 "            for (LONG d = 0; d < D; d++) acc[d] += p * V[kv_idx * D + d];\n"
                 "        }\n    }\n"
                 "    GLOBAL float *yi = AT(float, y, yo) + gid * D;\n"
-                "    for (LONG d = 0; d < D; d++) yi[d] = l > 0 ? acc[d] / l : 0;\n"
-                "    AT(float, lse, lo)[gid] = l > 0 ? m + LOGF(l) : -INFINITY;\n}\n");
+                "    if (l != l) seen_nan = 1, nan = l; /* +inf scores: inf - inf, as the dense path */\n"
+                "    for (LONG d = 0; d < D; d++) yi[d] = seen_nan ? nan : l > 0 ? acc[d] / l : 0;\n"
+                "    AT(float, lse, lo)[gid] = seen_nan ? nan : l > 0 ? m + LOGF(l) : -INFINITY;\n}\n");
     } else {
         static const char bwd_bufs[] =
             "GLOBAL float *dO, ULONG dOo, GLOBAL float *q, ULONG qo, GLOBAL float *k, ULONG ko,\n"
@@ -651,7 +660,8 @@ char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda, bool backward)
                 "    GLOBAL const float *doi = AT(float, dO, dOo) + gid * D;\n"
                 "    const float L = AT(float, lse, lo)[gid], Dm = AT(float, dm, dmo)[gid];\n"
                 "    float acc[256];\n    for (LONG d = 0; d < D; d++) acc[d] = 0;\n"
-                "    for (LONG n = 0; n < nb && L > -INFINITY; n++) {\n%s", query_row, key_blocks);
+                "    for (LONG n = 0; n < nb && L != -INFINITY; n++) { /* a NaN L goes on, NaN */\n%s", query_row,
+                key_blocks);
         dev_mask_skip(&b, &g, "            ");
         put(&b, "            GLOBAL const float *kj = K + kv_idx * D, *vj = V + kv_idx * D;\n");
         dev_pair_bwd(&b, &g, "            ");
@@ -674,7 +684,7 @@ char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda, bool backward)
         dev_mask_skip(&b, &g, "                ");
         put(&b, "                const LONG row = (b * H + h) * q_len + q_idx;\n"
                 "                const float L = AT(float, lse, lo)[row], Dm = AT(float, dm, dmo)[row];\n"
-                "                if (!(L > -INFINITY)) continue;\n"
+                "                if (L == -INFINITY) continue;\n"
                 "                GLOBAL const float *qi = AT(float, q, qo) + row * D, *doi = AT(float, dO, dOo) + row * D;\n");
         dev_pair_bwd(&b, &g, "                ");
         put(&b, "                for (LONG d = 0; d < D; d++) av[d] += p * doi[d], ak[d] += ds * qi[d];\n"

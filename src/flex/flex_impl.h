@@ -34,6 +34,7 @@ typedef struct {
     anode n[MAX_NODES];
     int count, root;
     const char *text, *p, *what; /* what: "score_mod" or "mask_mod" */
+    int depth;                   /* the parser's nesting, at most KILN_FLEX_MAX_DEPTH */
     kiln_status err;
 } parser;
 

@@ -12,6 +12,7 @@
  * reordered within each head, as llama.cpp's own converter does for HF checkpoints:
  * row (half h, i) of a head goes to 2 i + h. q8_0 stores blocks of 32 values as an f16
  * scale d = max|x| / 127 and 32 signed bytes round(x / d). */
+#include <ctype.h>
 #include <errno.h>
 #include <jansson.h>
 #include <math.h>
@@ -183,9 +184,10 @@ static kiln_status put_tokenizer(buf *b, int *n, const kiln_tokenizer_t *tok)
         json_object_foreach(vocab, k, v)
         {
             json_int_t id = json_integer_value(v);
-            unsigned x;
-            char end;
-            bool byte = spm && strlen(k) == 6 && sscanf(k, "<0x%2X%c", &x, &end) == 2 && end == '>';
+            /* a byte token is exactly <0xHH>, two hex digits (sscanf's %2X also took a
+             * space or a sign) */
+            bool byte = spm && strlen(k) == 6 && !strncmp(k, "<0x", 3) && isxdigit((unsigned char)k[3]) &&
+                        isxdigit((unsigned char)k[4]) && k[5] == '>';
             if (id >= 0 && id < V) tokens[id] = k, types[id] = byte ? 6 : spm && unk && !strcmp(k, unk) ? 2 : 1;
         }
         size_t i;

@@ -1,10 +1,12 @@
 /* The GPT model of docs/model.md: GPT-2 style and LLaMA style from one config. */
+#include <float.h>
 #include <jansson.h>
 #include <math.h>
 #include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/parse.h"
 #include "core/util.h"
 #include "kiln/dist.h"
 #include "kiln/flex.h"
@@ -68,13 +70,16 @@ static kiln_status model_flex(const kiln_gpt_config *c, kiln_tensor_t *idx, bool
     for (const char *p = c->attention; *p;) {
         size_t n = strcspn(p, "+");
         char part[64];
-        snprintf(part, sizeof part, "%.*s", (int)(n < 63 ? n : 63), p);
+        if (n >= sizeof part)
+            return kiln_error(KILN_ERR_ARG, "gpt config: attention '%s': a part of %zu characters, at most 63",
+                              c->attention, n);
+        snprintf(part, sizeof part, "%.*s", (int)n, p);
         if (!strncmp(part, "doc", 3)) {
-            char *end = NULL;
-            eot = part[3] == ':' ? strtoll(part + 4, &end, 10) : -1;
-            if (!end || *end || eot < 0 || eot >= c->vocab_size)
+            int64_t v = -1;
+            if (part[3] != ':' || kiln__parse_i64(part + 4, 0, (int64_t)c->vocab_size - 1, "EOT", &v) != KILN_OK)
                 return kiln_error(KILN_ERR_ARG, "gpt config: attention '%s': doc takes the end-of-text token, doc:EOT "
                                   "with 0 <= EOT < vocab_size %d", c->attention, c->vocab_size);
+            eot = v;
             doc = true;
         } else {
             causal |= !strcmp(part, "causal") || !strncmp(part, "window:", 7) || !strncmp(part, "prefix:", 7);
@@ -117,19 +122,38 @@ static kiln_status model_flex(const kiln_gpt_config *c, kiln_tensor_t *idx, bool
  * causal, window:W (the narrowest, when several), softcap:C (one), alibi; doc:EOT is left
  * out, as with any KV cache (document ids are known only for the tokens of a call).
  * prefix:P is refused: a prompt prefilled in chunks cannot see keys not yet written. */
+/* A number of c's attention spec refused: the reason (the last error) after the spec. */
+static kiln_status spec_error(const kiln_gpt_config *c)
+{
+    char why[512];
+    snprintf(why, sizeof why, "%s", kiln_last_error());
+    return kiln_error(KILN_ERR_ARG, "gpt: attention '%s': %s", c->attention, why);
+}
+
 static kiln_status paged_variant(const kiln_gpt_config *c, kiln_paged_variant *v)
 {
     *v = (kiln_paged_variant){0};
     for (const char *p = c->attention; *p;) {
         size_t n = strcspn(p, "+");
-        if (!strncmp(p, "window:", 7)) {
-            int64_t w = strtoll(p + 7, NULL, 10);
+        char part[64];
+        if (n >= sizeof part)
+            return kiln_error(KILN_ERR_ARG, "gpt: attention '%s': a part of %zu characters, at most 63", c->attention, n);
+        snprintf(part, sizeof part, "%.*s", (int)n, p);
+        /* The numbers as the flex presets read them (src/flex/flex.c preset(): the same
+         * parser and ranges), so that serving takes what training took, with its value. */
+        if (!strncmp(part, "window:", 7)) {
+            int64_t w;
+            if (kiln__parse_i64(part + 7, 1, INT32_MAX, "W of window:W", &w) != KILN_OK) return spec_error(c);
             v->window = v->window && v->window < w ? v->window : w;
-        } else if (!strncmp(p, "softcap:", 8)) {
+        } else if (!strncmp(part, "softcap:", 8)) {
             if (v->softcap > 0)
                 return kiln_error(KILN_ERR_UNSUPPORTED, "gpt: the paged serving path takes one softcap part; '%s' has "
                                   "more (kiln sample runs it)", c->attention);
-            v->softcap = strtod(p + 8, NULL);
+            double cap;
+            if (kiln__parse_f64(part + 8, FLT_MIN, FLT_MAX, 0, "C of softcap:C (a normal positive float)", &cap) !=
+                KILN_OK)
+                return spec_error(c);
+            v->softcap = cap;
         } else if (!strncmp(p, "alibi", 5)) {
             v->alibi = true;
             v->alibi_after_softcap = v->softcap > 0;

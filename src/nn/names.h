@@ -18,9 +18,19 @@ typedef struct {
 static inline const kiln__name_pair *kiln__name_lookup(const kiln__name_pair *t, size_t n, const char *name,
                                                        int *layer, const char **rest)
 {
-    int i = -1, off = 0;
+    int i = -1;
     *rest = name;
-    if (sscanf(name, "blocks.%d.%n", &i, &off) == 1 && off > 0) *rest = name + off;
+    /* "blocks.N." with N of 1 to 9 digits (sscanf's %d would take a sign, space and an
+     * overflowing count) */
+    if (!strncmp(name, "blocks.", 7)) {
+        const char *d = name + 7, *e = d;
+        while (*e >= '0' && *e <= '9' && e - d < 10) e++;
+        if (e > d && e - d <= 9 && *e == '.') {
+            i = 0;
+            for (; d < e; d++) i = i * 10 + (*d - '0');
+            *rest = e + 1;
+        }
+    }
     *layer = i;
     for (size_t k = 0; k < n; k++)
         if (!strcmp(*rest, t[k].kiln) && (i >= 0) == (strchr(t[k].other, '%') != NULL)) return &t[k];

@@ -309,7 +309,8 @@ static int token(const char *p, size_t *len, int *index)
         bool digits = *len > 1 && *len < 4;
         for (size_t i = 1; i < *len; i++) digits &= p[i] >= '0' && p[i] <= '9';
         if (digits && (*p == 'x' || *p == 'a')) {
-            *index = atoi(p + 1);
+            *index = 0; /* one or two digits: no overflow */
+            for (size_t i = 1; i < *len; i++) *index = *index * 10 + (p[i] - '0');
             return *p;
         }
         return 'w';

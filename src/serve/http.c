@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include "core/parse.h"
 #include "serve/page.h"
 #include "serve/server_impl.h"
 
@@ -193,7 +194,15 @@ enum MHD_Result kiln__serve_on_request(void *cls, struct MHD_Connection *conn, c
         cs->endpoint = endpoint_of(url);
         *con_cls = cs;
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Content-Length");
-        if (cl && strtoull(cl, NULL, 10) > s->o.max_body) { /* refuse before reading the body */
+        int64_t n = 0;
+        /* core/parse.h's strict reading: "12abc", "-1", " 5", "0x10" or a count past int64 is a 400 */
+        if (cl && kiln__parse_i64(cl, 0, INT64_MAX, "Content-Length", &n) != KILN_OK) {
+            char why[256];
+            snprintf(why, sizeof why, "%s", kiln_last_error());
+            cs->answered = true;
+            return kiln__serve_send_error(s, conn, cs->endpoint, 400, NULL, NULL, "%s", why);
+        }
+        if (cl && (uint64_t)n > s->o.max_body) { /* refuse before reading the body */
             cs->answered = true;
             return kiln__serve_send_error(s, conn, cs->endpoint, 413, NULL, "body_too_large",
                                           "the request body of %s bytes is over the limit of %zu", cl, s->o.max_body);

@@ -11,7 +11,7 @@ s.case("an unknown option is named", ["sample", "--bogus", "1"], rc=2, msg=r"unk
 s.case("an option without its value is named", ["sample", "--temperature"], rc=2,
        msg=r"--temperature needs a value", untouched=[d])
 s.case("an integer option given text is named", ["train", "--steps", "many", "--out", os.path.join(d, "r")],
-       rc=2, msg=r"--steps expects an integer", untouched=[d])
+       rc=2, msg=r"--steps must be a whole number", untouched=[d])
 s.case("a model folder that does not exist is named", ["sample", os.path.join(d, "nope")], rc=1,
        msg=r"nope", untouched=[d])
 s.done()

@@ -128,8 +128,9 @@ static inline bool kiln__cpu_att_gemm_f64(int64_t M, int64_t N, int64_t K, const
 /* A row of attention's scores to its weights before they are normalized: row[j] =
  * exp(row[j] - m) for j < n, m the row's largest entry (*max; the maximum passes over
  * NaN entries, which come out NaN, and so does the sum); returns the new row's sum, in
- * double. A row with no entry above -inf (all -inf or NaN) becomes zeros, with *max
- * -inf and the sum 0. f32: the fast exp
+ * double. A row with no entry above -inf becomes zeros, with *max -inf and the sum 0,
+ * unless it holds a NaN: then the row, *max and the sum are NaN (as a softmax of it is,
+ * and flex attention's dense path gives). f32: the fast exp
  * (kiln__fast_expf), with `vec` 16 lanes at a time in AVX-512 registers where the
  * processor has them, else plain loops (test_gemm checks both). */
 double kiln__cpu_att_row_exp_f32(float *row, int64_t n, float *max, bool vec);

@@ -95,6 +95,21 @@ static int64_t last_dim(const kiln_tensor_t *x) { return x->ndim ? x->shape[x->n
 
 /* ---- a row of attention's scores to its unnormalized weights (flex attention's forward) ---- */
 
+/* A row whose maximum is not above -inf (the max skips NaN): with a NaN in it, the row
+ * is NaN (its weights, max and sum), as the dense path computes it and as NaN
+ * propagates through a softmax; else it sees no key: zeros, and a sum of 0. */
+#define ROW_UNSEEN(SFX, R)                                                             \
+    static double row_unseen_##SFX(R *row, int64_t n, R *max)                          \
+    {                                                                                  \
+        bool nan = false;                                                              \
+        for (int64_t j = 0; j < n; j++) nan |= row[j] != row[j];                       \
+        for (int64_t j = 0; j < n; j++) row[j] = nan ? (R)NAN : 0;                     \
+        if (nan) *max = (R)NAN;                                                        \
+        return nan ? NAN : 0;                                                          \
+    }
+ROW_UNSEEN(f32, float)
+ROW_UNSEEN(f64, double)
+
 #ifdef CPU_FUSED_INTRINSICS
 #define ROW_EXP_AVX512 __attribute__((target("avx512f")))
 /* km_exp_fast (src/core/kmath.h, its constants) on 16 lanes: its clamps, rounding and
@@ -132,10 +147,7 @@ ROW_EXP_AVX512 static double row_exp_avx512(float *row, int64_t n, float *max)
     for (; j < n; j += 16) m0 = _mm512_max_ps(_mm512_mask_loadu_ps(ninf, lanes_left(n - j), row + j), m0);
     float m = _mm512_reduce_max_ps(_mm512_max_ps(m0, m1));
     *max = m;
-    if (!(m > -INFINITY)) {
-        memset(row, 0, sizeof(float) * (size_t)n);
-        return 0;
-    }
+    if (!(m > -INFINITY)) return row_unseen_f32(row, n, max);
     const __m512 vm = _mm512_set1_ps(m);
     __m512d s0 = _mm512_setzero_pd(), s1 = _mm512_setzero_pd();
     for (j = 0; j < n; j += 16) {
@@ -156,10 +168,7 @@ ROW_EXP_AVX512 static double row_exp_avx512(float *row, int64_t n, float *max)
     KILN_SIMD static double row_exp_plain_##SFX(R *row, int64_t n, R *max)            \
     {                                                                                 \
         R m = *max = row_max_##SFX(row, n, n);                                        \
-        if (!(m > -INFINITY)) {                                                       \
-            memset(row, 0, sizeof(R) * (size_t)n);                                    \
-            return 0;                                                                 \
-        }                                                                             \
+        if (!(m > -INFINITY)) return row_unseen_##SFX(row, n, max);                   \
         return att_row_exp_##SFX(row, n, n, m, FAST);                                 \
     }
 ROW_EXP_PLAIN(f32, float, true)
