@@ -10,6 +10,7 @@
 #include <unistd.h>
 #include <sys/stat.h>
 #include "cli.h"
+#include "core/parse.h" /* the one strict number parser */
 #include "kiln/io.h"
 #include "train.h"
 
@@ -260,8 +261,9 @@ static int64_t checkpoint_step(const char *model_path)
 {
     kiln_safetensors_t *f = NULL;
     int64_t step = -1;
-    if (kiln_safetensors_load(model_path, &f) == KILN_OK && kiln_safetensors_meta(f, "step"))
-        step = strtoll(kiln_safetensors_meta(f, "step"), NULL, 10);
+    if (kiln_safetensors_load(model_path, &f) == KILN_OK && kiln_safetensors_meta(f, "step") &&
+        kiln__parse_i64(kiln_safetensors_meta(f, "step"), 0, INT64_MAX, "the model's step", &step) != KILN_OK)
+        step = -1;
     kiln_safetensors_free(f);
     kiln_clear_error();
     return step;
