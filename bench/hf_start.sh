@@ -23,7 +23,7 @@ if [ -n "${HF:-}" ]; then
 else
     printf 'in the beginning god created the heaven and the earth\n%.0s' $(seq 400) >"$work/corpus.txt"
     echo "making the model (one training step of 499M parameters)..." >&2
-    "$build/kiln" train --data "$work/corpus.txt" --out "$work/run" --model llama --layers 29 --width 1280 \
+    "$build/kiln" train --data "$work/corpus.txt" --out "$work/run" --arch llama --layers 29 --width 1280 \
         --heads 20 --kv-heads 4 --ffn 3456 --context 32 --batch 1 --steps 1 --eval-every 1000 --eval-batches 1 \
         --quiet >/dev/null
     "$build/kiln" export hf "$work/run" "$work/f32" >/dev/null

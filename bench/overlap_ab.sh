@@ -21,7 +21,7 @@ for r in $(seq "$R"); do
         off=""; [ "$mode" = off ] && off=overlap
         rm -rf "$OUT/run"
         KILN_COMPILE_DISABLE=$off mpirun --allow-run-as-root --oversubscribe -np 2 "$BUILD/kiln" train \
-            --data "$DATA" --out "$OUT/run" --quiet --compile --model gpt2 --layers 4 --width 256 --heads 4 \
+            --data "$DATA" --out "$OUT/run" --quiet --compile --arch gpt2 --layers 4 --width 256 --heads 4 \
             --context 128 --batch "$B" --steps 30 --log-every 1 --eval-every 1000 --save-every 1000 \
             --threads 1 >/dev/null 2>&1
         echo "batch $B, overlap $mode: $(med "$OUT/run/metrics.jsonl") ms a step"

@@ -13,5 +13,5 @@ import random
 r = random.Random(3)
 w = 'in the beginning god created heaven and earth was without form void darkness upon face of deep'.split()
 print('\n'.join(' '.join(r.choice(w) for _ in range(12)) for _ in range(4000)))" >"$corpus"
-"$build/kiln" train --data "$corpus" --out "$out" --model gpt2 --layers "$3" --width "$4" --heads "$5" \
+"$build/kiln" train --data "$corpus" --out "$out" --arch gpt2 --layers "$3" --width "$4" --heads "$5" \
     --context 256 --batch "${7:-4}" --steps "${6:-5}" --log-every "${6:-5}" --eval-every 1000 >/dev/null

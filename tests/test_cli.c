@@ -211,12 +211,12 @@ static void resume_survives_a_save_cut_between_its_files(void **state)
 static void sample_continues_the_prompt(void **state)
 {
     char out[8192];
-    int rc = run(out, sizeof out, "%s sample %s/a --prompt 'the light' --tokens 40 --seed 3 --threads 1", tool(), dir);
+    int rc = run(out, sizeof out, "%s sample %s/a --prompt 'the light' --max-tokens 40 --seed 3 --threads 1", tool(), dir);
     if (rc != 0) fail_msg("kiln sample failed: %s", out);
     assert_true(strncmp(out, "the light", 9) == 0);
     assert_true(strlen(out) >= 9 + 40);
     char again[8192];
-    run(again, sizeof again, "%s sample %s/a --prompt 'the light' --tokens 40 --seed 3 --threads 1", tool(), dir);
+    run(again, sizeof again, "%s sample %s/a --prompt 'the light' --max-tokens 40 --seed 3 --threads 1", tool(), dir);
     assert_string_equal(out, again); /* same seed, same text */
 }
 
@@ -244,7 +244,7 @@ static void plot_draws_the_router_chart_of_an_moe_run(void **state)
 {
     char out[8192], svg[512];
     int rc = run(out, sizeof out,
-                 "%s train --data %s --out %s/moe --model llama --experts 4 --top-k 2 --dense-layers 1 --steps 4 "
+                 "%s train --data %s --out %s/moe --arch llama --experts 4 --experts-per-token 2 --dense-layers 1 --steps 4 "
                  "--eval-every 2 --quiet " TINY,
                  tool(), corpus, dir);
     if (rc != 0) fail_msg("MoE training failed: %s", out);
@@ -347,7 +347,7 @@ static void hf_folders_import_sample_and_export(void **state)
     char out[8192], a[8192], hf[4096];
     const char *src = getenv("KILN_SOURCE_DIR");
     snprintf(hf, sizeof hf, "%s/tests/reference/hf/llama", src ? src : ".");
-    const char *greedy = "--tokens 12 --temperature 0 --prompt 'in the'";
+    const char *greedy = "--max-tokens 12 --temperature 0 --prompt 'in the'";
     int rc = run(a, sizeof a, "%s sample %s %s", tool(), hf, greedy);
     if (rc != 0) fail_msg("kiln sample on a Hugging Face folder failed: %s", a);
     rc = run(out, sizeof out, "%s import hf %s %s/hfrun", tool(), hf, dir);
@@ -509,7 +509,7 @@ static void bad_inputs_fail_with_a_reason(void **state)
     snprintf(p, sizeof p, "%s/a/model.safetensors", dir);
     snprintf(q, sizeof q, "%s/cut.safetensors", dir);
     assert_int_equal(run(NULL, 0, "head -c 1000 %s > %s", p, q), 0);
-    int rc = run(out, sizeof out, "%s sample %s --tokens 5", tool(), q);
+    int rc = run(out, sizeof out, "%s sample %s --max-tokens 5", tool(), q);
     assert_int_equal(rc, 1);
     assert_non_null(strstr(out, "cut.safetensors"));
     assert_int_equal(run(out, sizeof out, "%s train --help", tool()), 0);

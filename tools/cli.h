@@ -6,15 +6,20 @@
 #include <stdint.h>
 #include "kiln/kiln.h"
 
-typedef enum { OPT_INT, OPT_DOUBLE, OPT_STRING, OPT_FLAG } opt_type;
+typedef enum { OPT_INT, OPT_DOUBLE, OPT_STRING, OPT_FLAG, OPT_GROUP, OPT_ALIAS } opt_type;
 
-/* One option of a command: --name VALUE (or --name=VALUE); flags take no value. */
+/* One option of a command: --name VALUE (or --name=VALUE); flags take no value. Two
+ * kinds of row are not options: CLI_GROUP starts a heading of --help for the rows after
+ * it, and CLI_ALIAS keeps an old name working as another option (with a note that it is
+ * deprecated; --help lists it beside the new one). */
 typedef struct {
     const char *name;
     opt_type type;
-    void *dst; /* int64_t*, double*, const char**, bool* */
-    const char *help;
+    void *dst;        /* int64_t*, double*, const char**, bool* */
+    const char *help; /* CLI_GROUP: the heading; CLI_ALIAS: the option's name now */
 } cli_opt;
+#define CLI_GROUP(heading) {"", OPT_GROUP, NULL, heading}
+#define CLI_ALIAS(old, now) {old, OPT_ALIAS, NULL, now}
 
 /* Parses argv against opts (NULL-name terminated). Positional arguments go to pos[]
  * (up to max_pos). Returns 0 on success, 1 after printing --help, 2 on a bad option
@@ -23,6 +28,9 @@ int cli_parse(const char *cmd, const char *usage, const cli_opt *opts, int argc,
               int max_pos, int *n_pos);
 /* Applies a JSON object of option values ({"steps": 100, ...}) from a file. */
 int cli_load_config(const char *cmd, const cli_opt *opts, const char *path);
+/* The name among names[0..n) closest to a typo of one (a few edits away, or the only one
+ * it starts), else NULL: what "did you mean" offers. */
+const char *cli_closest(const char *typo, const char *const *names, int n);
 /* Prints "kiln CMD: MESSAGE" for the last kiln error (or msg) and returns 1. */
 int cli_fail(const char *cmd, const char *msg);
 

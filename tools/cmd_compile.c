@@ -16,13 +16,14 @@ int cmd_compile(int argc, char **argv)
     int64_t layers = 4, width = 256, heads = 4, context = 128, vocab = 256, batch = 16;
     const cli_opt opts[] = {
         {"dump", OPT_STRING, &dump, "folder to write each captured graph into (required)"},
-        {"model", OPT_STRING, &model, "gpt2 or llama"},
+        {"arch", OPT_STRING, &model, "gpt2 or llama"},
         {"layers", OPT_INT, &layers, "transformer blocks"},
         {"width", OPT_INT, &width, "embedding width C"},
         {"heads", OPT_INT, &heads, "attention heads"},
         {"context", OPT_INT, &context, "sequence length T"},
         {"vocab", OPT_INT, &vocab, "vocabulary size"},
         {"batch", OPT_INT, &batch, "sequences per step B"},
+        CLI_ALIAS("model", "arch"),
         {NULL, 0, NULL, NULL},
     };
     const char *pos[1];
@@ -30,7 +31,7 @@ int cmd_compile(int argc, char **argv)
     int r = cli_parse("compile", "--dump DIR [options]   (defaults: config S)", opts, argc, argv, pos, 0, &np);
     if (r) return r == 1 ? 0 : 2;
     if (!dump) return cli_fail("compile", "--dump DIR is required (where the graphs are written)");
-    if (strcmp(model, "gpt2") && strcmp(model, "llama")) return cli_fail("compile", "--model must be gpt2 or llama");
+    if (strcmp(model, "gpt2") && strcmp(model, "llama")) return cli_fail("compile", "--arch must be gpt2 or llama");
     if (layers < 1 || width < 1 || heads < 1 || width % heads || context < 2 || vocab < 2 || batch < 1 ||
         layers > 1024 || width > 1 << 16 || context > 1 << 16 || vocab > 1 << 22 || batch > 1 << 16)
         return cli_fail("compile", "an option is out of range (width must be a multiple of heads)");

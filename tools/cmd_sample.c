@@ -46,12 +46,13 @@ int cmd_sample(int argc, char **argv)
     const cli_opt opts[] = {
         {"model", OPT_STRING, &model, "run folder or model.safetensors"},
         {"prompt", OPT_STRING, &prompt, "text to continue"},
-        {"tokens", OPT_INT, &tokens, "tokens to generate"},
+        {"max-tokens", OPT_INT, &tokens, "tokens to generate at most"},
         {"temperature", OPT_DOUBLE, &temperature, "softmax temperature; 0 = greedy"},
         {"top-k", OPT_INT, &top_k, "sample among the k likeliest tokens; 0 = all"},
         {"top-p", OPT_DOUBLE, &top_p, "sample among the likeliest tokens holding this much probability"},
         {"seed", OPT_INT, &seed, "seed of the sampler"},
         {"threads", OPT_INT, &threads, "threads; 0 = all cores"},
+        CLI_ALIAS("tokens", "max-tokens"),
         {NULL, 0, NULL, NULL},
     };
     const char *pos[1];
@@ -60,7 +61,7 @@ int cmd_sample(int argc, char **argv)
     if (r) return r == 1 ? 0 : 2;
     if (np == 1) model = pos[0];
     if (tokens < 0 || tokens > 1 << 24 || !(top_p > 0 && top_p <= 1) || top_k < 0 || top_k > 1 << 24 || temperature < 0)
-        return cli_fail("sample", "--tokens and --top-k in 0..2^24, 0 < --top-p <= 1 and --temperature >= 0, please");
+        return cli_fail("sample", "--max-tokens and --top-k in 0..2^24, 0 < --top-p <= 1 and --temperature >= 0, please");
     kiln_init((int)threads);
     kiln_gpt_t *m;
     kiln_tokenizer_t *tok;

@@ -54,7 +54,7 @@ static kiln_status model_config(const train_args *a, int vocab, int eot, kiln_gp
 {
     if (!strcmp(a->model, "gpt2")) *c = kiln_gpt_config_gpt2();
     else if (!strcmp(a->model, "llama")) *c = kiln_gpt_config_llama();
-    else return kiln_error(KILN_ERR_ARG, "--model must be gpt2 or llama, not '%s'", a->model);
+    else return kiln_error(KILN_ERR_ARG, "--arch must be gpt2 or llama, not '%s'", a->model);
     c->n_layer = (int)a->layers;
     c->n_head = (int)a->heads;
     c->n_kv_head = a->kv_heads > 0 ? (int)a->kv_heads : (!strcmp(a->model, "gpt2") ? (int)a->heads : c->n_kv_head);

@@ -5,6 +5,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "cli.h"
+#include "core/env.h"        /* kiln__edit_distance */
 #include "core/parse.h"      /* the one strict number parser */
 #include "core/threadpool.h" /* KILN__MAX_THREADS */
 
@@ -73,7 +74,11 @@ int main(int argc, char **argv)
             if (ext_load_env(!strcmp(argv[1], "ext") || !strcmp(argv[1], "doctor")) != 0) return 1;
             return commands[i].run(argc - 1, argv + 1);
         }
-    fprintf(stderr, "kiln: unknown command '%s'\n\n", argv[1]);
+    const char *names[sizeof commands / sizeof commands[0]];
+    for (size_t i = 0; i < sizeof commands / sizeof commands[0]; i++) names[i] = commands[i].name;
+    const char *near = cli_closest(argv[1], names, (int)(sizeof commands / sizeof commands[0]));
+    if (near) fprintf(stderr, "kiln: unknown command '%s'; did you mean '%s'?\n\n", argv[1], near);
+    else fprintf(stderr, "kiln: unknown command '%s'\n\n", argv[1]);
     usage(stderr);
     return 2;
 }
@@ -84,16 +89,84 @@ int cli_fail(const char *cmd, const char *msg)
     return 1;
 }
 
-static const cli_opt *find_opt(const cli_opt *opts, const char *name, size_t len)
+const char *cli_closest(const char *typo, const char *const *names, int n)
 {
-    for (const cli_opt *o = opts; o->name; o++)
-        if (strlen(o->name) == len && !strncmp(o->name, name, len)) return o;
+    const char *best = NULL, *prefixed = NULL;
+    int d = 99, starts = 0;
+    size_t tl = strlen(typo);
+    for (int i = 0; i < n; i++) {
+        if (!*names[i]) continue;
+        int di = kiln__edit_distance(typo, names[i]);
+        if (di < d) d = di, best = names[i];
+        if (tl >= 2 && !strncmp(names[i], typo, tl)) starts++, prefixed = names[i];
+    }
+    /* one edit, or a few that are fewer than half the name's letters (so "x" is not
+     * taken for "lr") */
+    if (best && (d == 1 || (d <= 3 && (size_t)d * 2 < strlen(best)))) return best;
+    return starts == 1 ? prefixed : NULL;
+}
+
+/* The option called name[0..len) (an alias resolved to its option, with a note on
+ * stderr once); NULL for none. Headings are not options. */
+static const cli_opt *find_opt(const char *cmd, const cli_opt *opts, const char *name, size_t len)
+{
+    for (const cli_opt *o = opts; o->name; o++) {
+        if (o->type == OPT_GROUP || strlen(o->name) != len || strncmp(o->name, name, len)) continue;
+        if (o->type != OPT_ALIAS) return o;
+        static const char *noted[8]; /* (by name: a command may parse its table more than once) */
+        bool said = false;
+        for (int i = 0; i < 8 && noted[i]; i++) said |= !strcmp(noted[i], o->name);
+        for (int i = 0; i < 8 && !said; i++)
+            if (!noted[i]) {
+                noted[i] = o->name;
+                break;
+            }
+        if (!said) fprintf(stderr, "kiln %s: --%s is now --%s (the old name still works, for now)\n", cmd, o->name, o->help);
+        return find_opt(cmd, opts, o->help, strlen(o->help));
+    }
     return NULL;
 }
 
+/* "unknown option" with the closest option's name when there is one. */
+static void unknown_option(const char *cmd, const cli_opt *opts, const char *arg, const char *what)
+{
+    const char *names[256] = {0}, *now[256] = {0}; /* (an old name is offered as its new one) */
+    int n = 0;
+    for (const cli_opt *o = opts; o->name && n < 256; o++)
+        if (o->type != OPT_GROUP) now[n] = o->type == OPT_ALIAS ? o->help : o->name, names[n++] = o->name;
+    char typo[128];
+    const char *bare = arg + strspn(arg, "-");
+    snprintf(typo, sizeof typo, "%.*s", (int)strcspn(bare, "="), bare);
+    const char *near = cli_closest(typo, names, n);
+    for (int i = 0; near && i < n; i++)
+        if (names[i] == near) near = now[i];
+    if (near) fprintf(stderr, "kiln %s: unknown %s '%s'; did you mean '%s%s'? (see kiln %s --help)\n", cmd, what, arg,
+                      strcmp(what, "option") ? "" : "--", near, cmd);
+    else fprintf(stderr, "kiln %s: unknown %s '%s' (see kiln %s --help)\n", cmd, what, arg, cmd);
+}
+
+/* Two or three command lines for each verb's --help: one table, by verb. */
+static const struct {
+    const char *cmd, *text;
+} examples[] = {
+    {"train", "  kiln train --data my.txt --out runs/mine --steps 2000          train on your own text\n"
+              "  kiln train --out runs/mine --resume --steps 4000               continue it, to 4000 steps\n"
+              "  kiln train --arch llama --tokenizer bpe:4096 --data my.txt --precision bf16\n"},
+    {"sample", "  kiln sample runs/mine --prompt \"Once upon a time\" --max-tokens 100\n"
+               "  kiln sample ./my-hf-model --prompt \"The capital of France is\" --temperature 0\n"},
+    {"serve", "  kiln serve runs/mine                        http://127.0.0.1:8080/ (the chat page) and /v1/...\n"
+              "  kiln serve ./my-hf-model --port 0 --api-key secret\n"},
+    {"import", "  kiln import hf ./my-hf-model runs/imported\n"},
+    {"export", "  kiln export hf runs/mine ./mine-hf --dtype bf16\n"
+               "  kiln export gguf runs/mine mine.gguf --dtype q8_0\n"},
+    {"tokenizer", "  kiln tokenizer train --data my.txt --vocab 4096 --out tokenizer.json\n"},
+    {"doctor", "  kiln doctor                 the rows, WARN and FAIL first\n"
+               "  kiln doctor --json          for scripts\n"},
+};
+
 /* What each number option may hold: one row per option name, for every command that
  * has one, or "COMMAND/name" where a command's option of that name means another thing
- * (train's --top-k counts experts, sample's tokens). Every value goes through core's
+ * (sample's --max-tokens may be 0, serve's may not). Every value goes through core's
  * strict parser (core/parse.h): the whole text, decimal, finite, in range, so that
  * --threads -5, --temperature nan, --lr -1 and 0x10 are refused with the option named
  * first. A command with a number option that no row covers refuses to run (cli_parse):
@@ -113,7 +186,7 @@ static const struct {
     /* the model */
     I("layers", 1, 65536), I("heads", 1, 65536), I("kv-heads", 0, 65536), I("width", 1, BIG), I("context", 1, BIG),
     I("ffn", 0, BIG), I("vocab", 1, BIG), I("tokenizer train/vocab", 256, BIG), I("experts", 0, 65536),
-    I("shared-experts", 0, 65536), I("train/top-k", 1, 65536), I("dense-layers", 0, 65536), I("groups", 1, 65536),
+    I("shared-experts", 0, 65536), I("experts-per-token", 1, 65536), I("dense-layers", 0, 65536), I("groups", 1, 65536),
     I("top-groups", 1, 65536), I("mla-kv-rank", 0, BIG), I("mla-q-rank", 0, BIG), I("mla-rope-dim", 0, BIG),
     I("mla-nope-dim", 0, BIG), I("mla-v-dim", 0, BIG), I("expert-ffn", 0, BIG), R("dropout", 0, 1, KILN__PARSE_BELOW_HI),
     R("bias-speed", 0, DBL_MAX, 0), R("balance-loss", 0, DBL_MAX, 0), R("capacity", 0, DBL_MAX, 0),
@@ -124,7 +197,7 @@ static const struct {
     R("wd", 0, DBL_MAX, 0), R("momentum", 0, 1, KILN__PARSE_BELOW_HI), R("clip", 0, DBL_MAX, 0),
     R("val-fraction", 0, 1, KILN__PARSE_BELOW_HI), R("loss-scale", 1, 1e30, 0), R("bucket-mb", 0, 1 << 20, 0),
     /* sampling and serving */
-    I("tokens", 0, BIG), I("sample/top-k", 0, BIG), R("temperature", 0, DBL_MAX, 0),
+    I("sample/max-tokens", 0, BIG), I("top-k", 0, BIG), R("temperature", 0, DBL_MAX, 0),
     R("top-p", 0, 1, KILN__PARSE_ABOVE_LO), I("port", 0, 65535), I("max-batch", 1, 4096), I("max-queue", 0, 1 << 20),
     I("max-step-tokens", 2, 1 << 20), I("kv-memory", 1, BIG), I("block-len", 1, 1024),
     I("max-body", 1, (int64_t)1 << 32), R("timeout", 0, DBL_MAX, KILN__PARSE_ABOVE_LO), I("idle-timeout", 1, 86400),
@@ -170,6 +243,8 @@ static int set_opt(const char *cmd, const cli_opt *o, const char *val, const cha
             break;
         }
         return 0;
+    case OPT_GROUP: /* (find_opt returns neither) */
+    case OPT_ALIAS: kiln_error(KILN_ERR_INTERNAL, "%s is not an option", what); break;
     }
     fprintf(stderr, "kiln %s: %s\n", cmd, kiln_last_error());
     return 2;
@@ -188,8 +263,13 @@ static bool ranges_cover(const char *cmd, const cli_opt *opts)
 
 static void print_help(const char *cmd, const char *usage_line, const cli_opt *opts)
 {
-    printf("usage: kiln %s %s\n\noptions:\n", cmd, usage_line);
+    printf("usage: kiln %s %s\n\n%s", cmd, usage_line, opts[0].name && opts[0].type == OPT_GROUP ? "" : "options:\n");
     for (const cli_opt *o = opts; o->name; o++) {
+        if (o->type == OPT_GROUP) {
+            printf("%s%s:\n", o == opts ? "" : "\n", o->help);
+            continue;
+        }
+        if (o->type == OPT_ALIAS) continue; /* (listed beside the option it names) */
         char def[128] = "";
         int r = o->type == OPT_INT || o->type == OPT_DOUBLE ? range_of(cmd, o) : -1;
         char range[96] = "";
@@ -197,11 +277,24 @@ static void print_help(const char *cmd, const char *usage_line, const cli_opt *o
         else if (r >= 0) kiln__describe_i64(ranges[r].lo, ranges[r].hi, range, sizeof range);
         if (o->type == OPT_INT) snprintf(def, sizeof def, " (default %lld; %s)", (long long)*(int64_t *)o->dst, range);
         else if (o->type == OPT_DOUBLE) snprintf(def, sizeof def, " (default %g; %s)", *(double *)o->dst, range);
-        else if (o->type == OPT_STRING && *(const char **)o->dst)
-            snprintf(def, sizeof def, " (default %.40s)", *(const char **)o->dst);
-        printf("  --%-16s %s%s\n", o->name, o->help, def);
+        else if (o->type == OPT_STRING && *(const char **)o->dst) {
+            char shown[48];
+            size_t k = 0;
+            for (const char *c = *(const char **)o->dst; *c && k + 3 < 41; c++) /* "\n" for a newline */
+                if (*c == '\n') shown[k++] = '\\', shown[k++] = 'n';
+                else if ((unsigned char)*c < 0x20) shown[k++] = '?';
+                else shown[k++] = *c;
+            shown[k] = '\0';
+            snprintf(def, sizeof def, " (default %s)", shown);
+        }
+        char was[80] = "";
+        for (const cli_opt *a = opts; a->name; a++)
+            if (a->type == OPT_ALIAS && !strcmp(a->help, o->name)) snprintf(was, sizeof was, " (was --%s)", a->name);
+        printf("  --%-18s %s%s%s\n", o->name, o->help, def, was);
     }
-    printf("  --%-16s %s\n", "help", "show this help");
+    printf("  --%-18s %s\n", "help", "show this help");
+    for (size_t i = 0; i < sizeof examples / sizeof examples[0]; i++)
+        if (!strcmp(examples[i].cmd, cmd)) printf("\nexamples:\n%s", examples[i].text);
 }
 
 int cli_parse(const char *cmd, const char *usage_line, const cli_opt *opts, int argc, char **argv, const char **pos,
@@ -224,9 +317,9 @@ int cli_parse(const char *cmd, const char *usage_line, const cli_opt *opts, int 
             continue;
         }
         const char *name = a + 2, *eq = strchr(name, '=');
-        const cli_opt *o = find_opt(opts, name, eq ? (size_t)(eq - name) : strlen(name));
+        const cli_opt *o = find_opt(cmd, opts, name, eq ? (size_t)(eq - name) : strlen(name));
         if (!o) {
-            fprintf(stderr, "kiln %s: unknown option '%s' (see kiln %s --help)\n", cmd, a, cmd);
+            unknown_option(cmd, opts, a, "option");
             return 2;
         }
         const char *val = eq ? eq + 1 : NULL;
@@ -273,7 +366,7 @@ int cli_load_config(const char *cmd, const cli_opt *opts, const char *path)
     json_t *v;
     json_object_foreach(root, key, v)
     {
-        const cli_opt *o = find_opt(opts, key, strlen(key));
+        const cli_opt *o = find_opt(cmd, opts, key, strlen(key));
         if (!o || !strcmp(key, "config")) {
             fprintf(stderr, "kiln %s: config '%s': unknown key '%s'\n", cmd, path, key);
             return 2;

@@ -42,21 +42,21 @@ typedef struct {
     opt_type type;
     size_t field; /* offset in train_args */
     keep_kind keep;
-    const char *help;
+    const char *help; /* OPT_GROUP: the heading of --help; OPT_ALIAS: the option's name now */
 } train_opt;
 
 #define ARG(f) offsetof(train_args, f)
 static const train_opt train_opts[] = {
+    {"", OPT_GROUP, 0, KEEP_NOT, "data"},
     {"data", OPT_STRING, ARG(data), KEEP_FREE, "text file or folder to train on ($KILN_DATA)"},
-    {"out", OPT_STRING, ARG(out), KEEP_NOT, "run folder: checkpoints, metrics.jsonl, loss.svg, run.json (the settings "
-                                            "--resume takes)"},
-    {"config", OPT_STRING, ARG(config), KEEP_NOT, "JSON file of these options ({\"steps\": 500, ...}); flags win"},
-    {"model", OPT_STRING, ARG(model), KEEP_FIXED, "gpt2 (LayerNorm, learned positions, GELU) or llama (RMSNorm, RoPE, "
-                                                  "SwiGLU)"},
     {"tokenizer", OPT_STRING, ARG(tokenizer), KEEP_FIXED, "byte, bpe:VOCAB (trained on the data), or a tokenizer.json"},
+    {"val-fraction", OPT_DOUBLE, ARG(val_fraction), KEEP_FREE, "tail of the corpus kept for validation"},
+    {"", OPT_GROUP, 0, KEEP_NOT, "model"},
+    {"arch", OPT_STRING, ARG(model), KEEP_FIXED, "the architecture: gpt2 (LayerNorm, learned positions, GELU) or llama (RMSNorm, RoPE, "
+                                                  "SwiGLU)"},
     {"init", OPT_STRING, ARG(init), KEEP_FIXED, "start from this model: a kiln run folder or model file, or a Hugging "
                                                 "Face folder (docs/hf.md); its weights, architecture and tokenizer "
-                                                "replace --model, --layers, --width, --heads, --kv-heads, --ffn and "
+                                                "replace --arch, --layers, --width, --heads, --kv-heads, --ffn and "
                                                 "--tokenizer"},
     {"layers", OPT_INT, ARG(layers), KEEP_FIXED, "transformer blocks"},
     {"heads", OPT_INT, ARG(heads), KEEP_FIXED, "attention heads"},
@@ -68,20 +68,7 @@ static const train_opt train_opts[] = {
     {"attention", OPT_STRING, ARG(attention), KEEP_FIXED, "causal (the default), or flex variants joined with +: "
                                                           "window:W, prefix:P, softcap:C, alibi, doc (document masking "
                                                           "at the tokenizer's end-of-text token; docs/flex.md)"},
-    {"experts", OPT_INT, ARG(experts), KEEP_FIXED, "routed experts of each mixture-of-experts block (--model llama); "
-                                                   "0 = dense (docs/model.md)"},
-    {"shared-experts", OPT_INT, ARG(shared_experts), KEEP_FIXED, "experts every token goes through"},
-    {"top-k", OPT_INT, ARG(top_k), KEEP_FIXED, "routed experts per token"},
-    {"expert-ffn", OPT_INT, ARG(expert_ffn), KEEP_FIXED, "an expert's hidden width; 0 = a quarter of --ffn's"},
-    {"router", OPT_STRING, ARG(router), KEEP_FIXED, "router scores: softmax or sigmoid"},
-    {"dense-layers", OPT_INT, ARG(dense_layers), KEEP_FIXED, "leading blocks with the dense MLP"},
-    {"bias-speed", OPT_DOUBLE, ARG(bias_speed), KEEP_FREE, "the balancing bias's step after each optimizer step "
-                                                           "(auxiliary-loss-free balancing); 0 = frozen"},
-    {"balance-loss", OPT_DOUBLE, ARG(balance_loss), KEEP_FREE, "the sequence-wise balance loss's weight; 0 = none"},
-    {"capacity", OPT_DOUBLE, ARG(capacity), KEEP_FREE, "an expert keeps at most capacity * tokens * top-k / experts "
-                                                       "rows of a forward and drops the rest; 0 = dropless"},
-    {"groups", OPT_INT, ARG(groups), KEEP_FIXED, "group-limited routing: the experts in this many groups (1 = none)"},
-    {"mla-kv-rank", OPT_INT, ARG(mla_kv_rank), KEEP_FIXED, "multi-head latent attention (--model llama): keys and "
+    {"mla-kv-rank", OPT_INT, ARG(mla_kv_rank), KEEP_FIXED, "multi-head latent attention (--arch llama): keys and "
                                                            "values through a latent of this rank; 0 = standard "
                                                            "attention (docs/model.md)"},
     {"mla-q-rank", OPT_INT, ARG(mla_q_rank), KEEP_FIXED, "MLA: queries through a latent of this rank; 0 = none"},
@@ -89,12 +76,27 @@ static const train_opt train_opts[] = {
     {"mla-nope-dim", OPT_INT, ARG(mla_nope_dim), KEEP_FIXED, "MLA: the rest of each head's query and key; 0 = width / "
                                                              "heads"},
     {"mla-v-dim", OPT_INT, ARG(mla_v_dim), KEEP_FIXED, "MLA: each head's value size; 0 = width / heads"},
+    {"", OPT_GROUP, 0, KEEP_NOT, "mixture of experts (--arch llama)"},
+    {"experts", OPT_INT, ARG(experts), KEEP_FIXED, "routed experts of each mixture-of-experts block (--arch llama); "
+                                                   "0 = dense (docs/model.md)"},
+    {"shared-experts", OPT_INT, ARG(shared_experts), KEEP_FIXED, "experts every token goes through"},
+    {"experts-per-token", OPT_INT, ARG(top_k), KEEP_FIXED, "routed experts each token goes to (top-k)"},
+    {"expert-ffn", OPT_INT, ARG(expert_ffn), KEEP_FIXED, "an expert's hidden width; 0 = a quarter of --ffn's"},
+    {"router", OPT_STRING, ARG(router), KEEP_FIXED, "router scores: softmax or sigmoid"},
+    {"dense-layers", OPT_INT, ARG(dense_layers), KEEP_FIXED, "leading blocks with the dense MLP"},
+    {"bias-speed", OPT_DOUBLE, ARG(bias_speed), KEEP_FREE, "the balancing bias's step after each optimizer step "
+                                                           "(auxiliary-loss-free balancing); 0 = frozen"},
+    {"balance-loss", OPT_DOUBLE, ARG(balance_loss), KEEP_FREE, "the sequence-wise balance loss's weight; 0 = none"},
+    {"capacity", OPT_DOUBLE, ARG(capacity), KEEP_FREE, "an expert keeps at most capacity * tokens * experts-per-token / experts "
+                                                       "rows of a forward and drops the rest; 0 = dropless"},
+    {"groups", OPT_INT, ARG(groups), KEEP_FIXED, "group-limited routing: the experts in this many groups (1 = none)"},
     {"top-groups", OPT_INT, ARG(top_groups), KEEP_FIXED, "with --groups: a token's experts come from its this many "
                                                          "best groups"},
+    {"", OPT_GROUP, 0, KEEP_NOT, "optimization"},
+    {"steps", OPT_INT, ARG(steps), KEEP_FREE, "optimizer steps in total"},
     {"batch", OPT_INT, ARG(batch), KEEP_FREE, "sequences per micro-batch B, all ranks together (each rank takes B / "
                                               "world)"},
     {"accum", OPT_INT, ARG(accum), KEEP_FREE, "micro-batches per step (gradient accumulation)"},
-    {"steps", OPT_INT, ARG(steps), KEEP_FREE, "optimizer steps in total"},
     {"optimizer", OPT_STRING, ARG(optimizer), KEEP_FIXED, "adamw or sgd"},
     {"lr", OPT_DOUBLE, ARG(lr), KEEP_FREE, "peak learning rate"},
     {"min-lr", OPT_DOUBLE, ARG(min_lr), KEEP_FREE, "final learning rate of the cosine schedule"},
@@ -102,37 +104,45 @@ static const train_opt train_opts[] = {
     {"wd", OPT_DOUBLE, ARG(wd), KEEP_FREE, "weight decay (matrices and embeddings only)"},
     {"momentum", OPT_DOUBLE, ARG(momentum), KEEP_FREE, "SGD momentum"},
     {"clip", OPT_DOUBLE, ARG(clip), KEEP_FREE, "global gradient-norm clip; 0 = off"},
-    {"eval-every", OPT_INT, ARG(eval_every), KEEP_FREE, "steps between validation losses; 0 = only at the end"},
-    {"eval-batches", OPT_INT, ARG(eval_batches), KEEP_FREE, "validation batches per evaluation"},
-    {"save-every", OPT_INT, ARG(save_every), KEEP_FREE, "steps between checkpoints (and one at the end, and one on "
-                                                        "SIGINT or SIGTERM)"},
-    {"log-every", OPT_INT, ARG(log_every), KEEP_FREE, "steps between progress lines"},
-    {"val-fraction", OPT_DOUBLE, ARG(val_fraction), KEEP_FREE, "tail of the corpus kept for validation"},
     {"seed", OPT_INT, ARG(seed), KEEP_FIXED, "seed for weights, batches and dropout"},
-    {"threads", OPT_INT, ARG(threads), KEEP_NOT, "threads per rank; 0 = the cores over the ranks on this machine "
-                                                 "($KILN_NUM_THREADS)"},
-    {"device", OPT_STRING, ARG(device), KEEP_NOT, "where the model and batches live: cpu, opencl[:N] (`kiln doctor` "
-                                                  "lists them; default $KILN_DEVICE, else cpu)"},
-    {"resume", OPT_FLAG, ARG(resume), KEEP_NOT, "continue the run in --out from its checkpoint, with the settings in "
-                                                "its run.json (flags change the schedule and cadences, not the "
-                                                "architecture, tokenizer, seed or optimizer)"},
-    {"overwrite", OPT_FLAG, ARG(overwrite), KEEP_NOT, "train a new run in --out even though it holds one (its "
-                                                      "checkpoint is deleted)"},
-    {"quiet", OPT_FLAG, ARG(quiet), KEEP_NOT, "only errors and the final summary"},
-    {"zero1", OPT_FLAG, ARG(zero1), KEEP_FREE, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
-    {"expert-parallel", OPT_FLAG, ARG(expert_parallel), KEEP_FREE, "shard each MoE block's routed experts across the "
-                                                                   "ranks (--experts a multiple of them): rows go to "
-                                                                   "their experts' rank and back by all-to-all"},
-    {"compile", OPT_FLAG, ARG(compile), KEEP_FREE, "run each step (forward, backward of every --accum micro-batch, "
-                                                   "clipping, update) as one graph of generated kernels (kiln compile)"},
+    {"", OPT_GROUP, 0, KEEP_NOT, "precision and speed"},
     {"precision", OPT_STRING, ARG(precision), KEEP_FREE, "f32, or bf16 / f16 mixed precision: matmuls and attention "
                                                          "in that type, weights, optimizer state, norms and loss in "
                                                          "f32 (f16 with dynamic loss scaling)"},
     {"loss-scale", OPT_DOUBLE, ARG(loss_scale), KEEP_FREE, "--precision f16: the loss scale to start from (halved on "
                                                            "an inf or NaN gradient, doubled after 2000 good steps; "
                                                            "kept in checkpoints)"},
+    {"compile", OPT_FLAG, ARG(compile), KEEP_FREE, "run each step (forward, backward of every --accum micro-batch, "
+                                                   "clipping, update) as one graph of generated kernels (kiln compile)"},
+    {"threads", OPT_INT, ARG(threads), KEEP_NOT, "threads per rank; 0 = the cores over the ranks on this machine "
+                                                 "($KILN_NUM_THREADS)"},
+    {"device", OPT_STRING, ARG(device), KEEP_NOT, "where the model and batches live: cpu, opencl[:N] (`kiln doctor` "
+                                                  "lists them; default $KILN_DEVICE, else cpu)"},
+    {"", OPT_GROUP, 0, KEEP_NOT, "parallelism (several processes)"},
+    {"zero1", OPT_FLAG, ARG(zero1), KEEP_FREE, "shard AdamW's moments across the ranks (ZeRO stage 1)"},
+    {"expert-parallel", OPT_FLAG, ARG(expert_parallel), KEEP_FREE, "shard each MoE block's routed experts across the "
+                                                                   "ranks (--experts a multiple of them): rows go to "
+                                                                   "their experts' rank and back by all-to-all"},
     {"bucket-mb", OPT_DOUBLE, ARG(bucket_mb), KEEP_FREE, "with several ranks: gradient buckets of this many MiB "
                                                          "reduced during backward (0: one tensor at a time after it)"},
+    {"", OPT_GROUP, 0, KEEP_NOT, "output and the run folder"},
+    {"out", OPT_STRING, ARG(out), KEEP_NOT, "run folder: checkpoints, metrics.jsonl, loss.svg, run.json (the settings "
+                                            "--resume takes)"},
+    {"resume", OPT_FLAG, ARG(resume), KEEP_NOT, "continue the run in --out from its checkpoint, with the settings in "
+                                                "its run.json (flags change the schedule and cadences, not the "
+                                                "architecture, tokenizer, seed or optimizer)"},
+    {"overwrite", OPT_FLAG, ARG(overwrite), KEEP_NOT, "train a new run in --out even though it holds one (its "
+                                                      "checkpoint is deleted)"},
+    {"config", OPT_STRING, ARG(config), KEEP_NOT, "JSON file of these options ({\"steps\": 500, ...}); flags win"},
+    {"eval-every", OPT_INT, ARG(eval_every), KEEP_FREE, "steps between validation losses; 0 = only at the end"},
+    {"eval-batches", OPT_INT, ARG(eval_batches), KEEP_FREE, "validation batches per evaluation"},
+    {"save-every", OPT_INT, ARG(save_every), KEEP_FREE, "steps between checkpoints (and one at the end, and one on "
+                                                        "SIGINT or SIGTERM)"},
+    {"log-every", OPT_INT, ARG(log_every), KEEP_FREE, "steps between progress lines"},
+    {"quiet", OPT_FLAG, ARG(quiet), KEEP_NOT, "only errors and the final summary"},
+    /* old names, still taken (with a note) */
+    {"model", OPT_ALIAS, 0, KEEP_NOT, "arch"},
+    {"top-k", OPT_ALIAS, 0, KEEP_NOT, "experts-per-token"},
 };
 #undef ARG
 enum { N_TRAIN_OPTS = sizeof train_opts / sizeof train_opts[0] };
@@ -162,6 +172,8 @@ static json_t *opt_to_json(const train_args *a, const train_opt *o)
     case OPT_DOUBLE: return json_real(*(const double *)p);
     case OPT_STRING: return *(const char *const *)p ? json_string(*(const char *const *)p) : json_null();
     case OPT_FLAG: return json_boolean(*(const bool *)p);
+    case OPT_GROUP:
+    case OPT_ALIAS: break; /* (not options: KEEP_NOT) */
     }
     return NULL;
 }
@@ -188,6 +200,8 @@ static bool opt_from_json(train_args *a, const train_opt *o, const json_t *v)
         if (!json_is_boolean(v)) return false;
         *(bool *)p = json_is_true(v);
         return true;
+    case OPT_GROUP:
+    case OPT_ALIAS: break;
     }
     return false;
 }
@@ -203,6 +217,8 @@ static bool opt_equal(const train_args *x, const train_args *y, const train_opt 
         const char *s = *(const char *const *)p, *t = *(const char *const *)q;
         return s == t || (s && t && !strcmp(s, t));
     }
+    case OPT_GROUP:
+    case OPT_ALIAS: return true;
     }
     return false;
 }
@@ -216,6 +232,8 @@ static void opt_text(const train_args *a, const train_opt *o, char *buf, size_t 
     case OPT_DOUBLE: snprintf(buf, n, "%.10g", *(const double *)p); break;
     case OPT_FLAG: snprintf(buf, n, "%s", *(const bool *)p ? "true" : "false"); break;
     case OPT_STRING: snprintf(buf, n, "%s", *(const char *const *)p ? *(const char *const *)p : "(none)"); break;
+    case OPT_GROUP:
+    case OPT_ALIAS: *buf = '\0'; break;
     }
 }
 
@@ -225,6 +243,9 @@ static int apply_kept(train_args *a, const char *out, const json_t *kept)
     for (size_t i = 0; kept && i < N_TRAIN_OPTS; i++) {
         const train_opt *o = &train_opts[i];
         const json_t *v = o->keep != KEEP_NOT ? json_object_get(kept, o->name) : NULL;
+        for (size_t k = 0; !v && o->keep != KEEP_NOT && k < N_TRAIN_OPTS; k++) /* recorded under an old name */
+            if (train_opts[k].type == OPT_ALIAS && !strcmp(train_opts[k].help, o->name))
+                v = json_object_get(kept, train_opts[k].name);
         if (v && !opt_from_json(a, o, v)) {
             fprintf(stderr, "kiln train: %s/%s: option \"%s\" has the wrong type\n", out, RUN_INFO, o->name);
             return 1;
@@ -242,7 +263,8 @@ static int parse_flags(int argc, char **argv, train_args *a, const json_t *kept)
     if (apply_kept(a, out, kept)) return 1;
     cli_opt opts[N_TRAIN_OPTS + 1];
     for (size_t i = 0; i < N_TRAIN_OPTS; i++)
-        opts[i] = (cli_opt){train_opts[i].name, train_opts[i].type, opt_field(a, &train_opts[i]), train_opts[i].help};
+        opts[i] = (cli_opt){train_opts[i].name, train_opts[i].type,
+                            train_opts[i].type >= OPT_GROUP ? NULL : opt_field(a, &train_opts[i]), train_opts[i].help};
     opts[N_TRAIN_OPTS] = (cli_opt){NULL, 0, NULL, NULL};
     /* A config file first, so that flags given with it override it. */
     for (int i = 1; i < argc; i++) {

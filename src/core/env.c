@@ -46,8 +46,7 @@ static const char *who_name(kiln__env_who w)
     return w >= 0 && w <= KILN__ENVW_TEST ? names[w] : "?";
 }
 
-/* Edit distance between a and b (a typo's distance from a name), capped at 99. */
-static int distance(const char *a, const char *b)
+int kiln__edit_distance(const char *a, const char *b)
 {
     size_t n = strlen(b);
     if (n > 98) return 99;
@@ -83,7 +82,7 @@ static void scan_environment(void)
         if (kiln__env_find(name) >= 0) continue;
         int best = -1, d = 99;
         for (int i = 0; i < KILN__ENV_COUNT; i++) {
-            int di = distance(name, rows[i].name);
+            int di = kiln__edit_distance(name, rows[i].name);
             if (di < d) d = di, best = i;
         }
         if (best >= 0 && d <= 3)

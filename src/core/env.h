@@ -43,6 +43,9 @@ typedef struct {
 const kiln__env_row *kiln__env_row_at(int id);
 /* The id of the variable called name, or -1 when the table has none. */
 int kiln__env_find(const char *name);
+/* Edit distance between a and b (a typo's distance from a name), capped at 99: the
+ * typo guards of the KILN_* variables and of the kiln program's verbs and flags. */
+int kiln__edit_distance(const char *a, const char *b);
 
 /* The value as set, NULL when unset or empty (any type). */
 const char *kiln__env_str(kiln__env_id id);

@@ -25,7 +25,10 @@ from mpi_session import own_session_dir
 from test_dist_train import SKIP, args, corpus
 
 DEADLINE = 120
-MPI = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2"]
+# (mpirun's SIGKILL follows its SIGTERM after odls_base_sigkill_timeout seconds, 1 by
+# default, and its SIGTERM itself comes that long after a Ctrl-C: too short for a step
+# and a save on a loaded machine, so the test gives 10)
+MPI = ["mpirun", "--allow-run-as-root", "--oversubscribe", "--mca", "odls_base_sigkill_timeout", "10", "-np", "2"]
 TINY = ["--layers", "2", "--width", "32", "--heads", "4", "--context", "32", "--batch", "4", "--threads", "1",
         "--eval-every", "0"]
 
@@ -82,8 +85,12 @@ def main():
         out = os.path.join(a.workdir, "stop-" + how.split()[0].lower())
         shutil.rmtree(out, ignore_errors=True)
         log = out + ".log"
+        # --quiet: once mpirun has its SIGINT it stops passing the ranks' output on, and a
+        # rank that fills the pipe with a progress line a step blocks in write() before it
+        # can stop (docs/dist.md); the metrics file, which the test waits on, has every step
         p = subprocess.Popen([*MPI, a.kiln, "train", "--data", data, "--out", out, "--steps", "100000",
-                              "--save-every", "1000", *TINY], stdout=open(log, "w"), stderr=subprocess.STDOUT)
+                              "--save-every", "1000", "--quiet", *TINY], stdout=open(log, "w"),
+                             stderr=subprocess.STDOUT)
         t = time.time() + DEADLINE
         while time.time() < t and p.poll() is None and len(logged_steps(out)) < 3:
             time.sleep(0.05)

@@ -44,7 +44,7 @@ def corpus(path):
         f.write("\n".join(" ".join(r.choice(words) for _ in range(12)) for _ in range(3000)))
 
 
-DEFAULTS = {"--model": "gpt2", "--layers": "2", "--width": "64", "--heads": "4", "--context": "32", "--batch": "8",
+DEFAULTS = {"--arch": "gpt2", "--layers": "2", "--width": "64", "--heads": "4", "--context": "32", "--batch": "8",
             "--steps": "8", "--log-every": "1", "--eval-every": "1000", "--seed": "3"}
 
 
@@ -189,7 +189,7 @@ def main():
           f"a marker that does not name the checkpoint's step: not loaded ({r.stderr.strip()[-160:]})")
     # Expert parallelism: 4 experts (top 2) sharded over 2 and 4 ranks against the same
     # model on one process, whose experts are all there.
-    moe = ("--model", "llama", "--experts", "4", "--top-k", "2")
+    moe = ("--arch", "llama", "--experts", "4", "--experts-per-token", "2")
     ref_out = os.path.join(a.workdir, "moe-w1")
     r = train(a.kiln, data, ref_out, 1, extra=moe)
     ref = losses(ref_out) if r.returncode == 0 else []
@@ -226,7 +226,7 @@ def main():
     check(ok and worst <= 1e-5, f"--expert-parallel saved on 2 ranks, resumed on 4: worst {worst:.2e} "
           f"({(r1.stderr + r2.stderr).strip()[-200:]})")
     r = train(a.kiln, data, os.path.join(a.workdir, "ep-odd"), 2,
-              extra=("--model", "llama", "--experts", "3", "--top-k", "2", "--expert-parallel"))
+              extra=("--arch", "llama", "--experts", "3", "--experts-per-token", "2", "--expert-parallel"))
     check(r.returncode != 0 and "do not split evenly over 2 ranks" in r.stderr,
           f"3 experts over 2 ranks is refused ({r.stderr.strip()[-160:]})")
     r = train(a.kiln, data, os.path.join(a.workdir, "odd"), 2, extra=("--batch", "7"))

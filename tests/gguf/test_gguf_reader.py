@@ -179,7 +179,7 @@ def sentencepiece_case(args):
     tok.save(tp)
     open(corpus, "w", encoding="utf-8").write(text[:20000])
     run_dir, path = os.path.join(args.workdir, "sp-run"), os.path.join(args.workdir, "sp.gguf")
-    run(args.kiln, "train", "--data", corpus, "--tokenizer", tp, "--out", run_dir, "--model", "llama", "--layers", "1",
+    run(args.kiln, "train", "--data", corpus, "--tokenizer", tp, "--out", run_dir, "--arch", "llama", "--layers", "1",
         "--width", "32", "--heads", "2", "--context", "16", "--batch", "2", "--steps", "1", "--quiet")
     run(args.kiln, "export", "gguf", run_dir, path)
     r = gguf.GGUFReader(path)

@@ -18,7 +18,7 @@ with open(corpus, "w") as f:
     words = "the light was good and darkness upon face of deep waters".split()
     f.write(" ".join(words[(i * 7 + i // 3) % len(words)] for i in range(6000)))
 run = os.path.join(d, "run")
-p, out = s.run(["train", "--data", corpus, "--out", run, "--model", "llama", "--layers", "1", "--width", "64",
+p, out = s.run(["train", "--data", corpus, "--out", run, "--arch", "llama", "--layers", "1", "--width", "64",
                 "--heads", "4", "--kv-heads", "2", "--steps", "2", "--batch", "2", "--context", "32", "--quiet",
                 "--eval-every", "0", "--threads", "1"], timeout=300)
 base = os.path.join(d, "hf")

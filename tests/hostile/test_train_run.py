@@ -6,7 +6,7 @@
   it and says so. A second signal while it stops kills it at once (death by signal, no
   resume line). Steps logged past the checkpoint are dropped on resume, and said so.
 - The run's settings: a resume with no flags takes the architecture and the data from
-  run.json; a changed --width, --tokenizer or --model is refused naming the flag and
+  run.json; a changed --width, --tokenizer or --arch is refused naming the flag and
   both values, the run untouched; --steps and --lr may change, and are listed.
 - A run folder is never replaced by accident: kiln train into a finished or a stopped
   run without --resume or --overwrite is refused, naming both, every file untouched;
@@ -177,7 +177,7 @@ s.case("a finished run is not replaced without --overwrite; every file untouched
 s.case("a finished run is not replaced by the same flags either",
        ["train", "--data", corpus, "--out", run, "--steps", "4", "--threads", "1", "--layers", "1", "--width", "64",
         "--heads", "2", "--context", "16", "--batch", "4"], rc=1, msg=r"holds a finished run", untouched=[run])
-for flag, value, was in (("--width", "128", "64"), ("--tokenizer", "bpe:300", "byte"), ("--model", "llama", "gpt2"),
+for flag, value, was in (("--width", "128", "64"), ("--tokenizer", "bpe:300", "byte"), ("--arch", "llama", "gpt2"),
                          ("--seed", "7", "1337")):
     s.case("resume with a different %s is refused naming it and both values" % flag,
            ["train", "--out", run, "--resume", "--steps", "6", "--threads", "1", flag, value], rc=1,

@@ -41,7 +41,7 @@ def model(kiln, workdir):
     with open(corpus, "w") as f:
         for _ in range(3000):
             f.write(" ".join(rng.choice(words) for _ in range(rng.randint(6, 14))).capitalize() + ".\n")
-    subprocess.run([kiln, "train", "--data", corpus, "--out", run, "--model", "gpt2", "--layers", "2",
+    subprocess.run([kiln, "train", "--data", corpus, "--out", run, "--arch", "gpt2", "--layers", "2",
                     "--width", "64", "--heads", "2", "--context", "128", "--batch", "8", "--steps", "150",
                     "--log-every", "50", "--eval-every", "1000", "--seed", "1"],
                    check=True, stdout=subprocess.DEVNULL, timeout=300)
