@@ -33,6 +33,7 @@ mutants() {
   cat <<'EOF'
 core @@ src/core/kmath.h @@ KM_C0 * (1.0f + 3.0f * KM_C1 * x * x); @@ KM_C0 * (1.0f + 2.0f * KM_C1 * x * x); @@ ^test_gradcheck$
 core @@ src/core/dtype.h @@ x += 0x7fff + ((x >> 16) & 1); @@ x += 0x7fff; @@ ^test_tensor$|^test_amp$
+core @@ src/core/threadpool.c @@ int64_t e = b + job.chunk < job.n ? b + job.chunk : job.n; @@ int64_t e = b + job.chunk < job.n ? b + job.chunk - 1 : job.n; @@ ^test_ops$|^test_tensor$
 core @@ src/core/infer.c @@ if (v == s || v == 1) continue; @@ if (v == s || v == 1 || s != 1) continue; @@ ^test_tensor$|^test_ops$
 backends/cpu @@ src/backends/cpu/cpu_reduce.c @@ double acc = r->kind == 0 ? 0.0 : -INFINITY; @@ double acc = r->kind == 0 ? 0.0 : 0.0; @@ ^test_ops$
 backends/cpu @@ src/backends/cpu/cpu_reduce.c @@ } else if (!nan && v > acc) { @@ } else if (!nan && v >= acc) { @@ ^test_ops$
@@ -51,6 +52,7 @@ optim @@ src/optim/optim.c @@ return lr_max * (double)(step + 1) / (double)warmu
 optim @@ src/optim/optim.c @@ if (s == KILN_OK && max_norm > 0 && nrm > max_norm) { @@ if (s == KILN_OK && max_norm > 0 && nrm < max_norm) { @@ ^test_nn$
 optim @@ src/optim/optim.c @@ s = kiln_mul_scalar_(o->slot[0][i], o->momentum); @@ s = kiln_mul_scalar_(o->slot[0][i], 1.0 - o->momentum); @@ ^test_nn$
 io @@ src/io/safetensors.c @@ if (hlen > file_size - 8) @@ if (hlen > file_size) @@ ^test_safetensors$
+io @@ src/io/data.c @@ uint64_t range = len - (size_t)T; @@ uint64_t range = len - (size_t)T + 1; @@ ^test_nn$
 io @@ src/io/bpe.c @@ return p->a < q->a; @@ return p->a > q->a; @@ ^test_tokenizer$
 nn @@ src/nn/gguf.c @@ int heads[3] = {c->n_head, c->n_kv_head, 0}; @@ int heads[3] = {c->n_head, c->n_head, 0}; @@ ^test_hf$
 nn @@ src/nn/hf.c @@ cfg_int(c, "num_key_value_heads", false, g->n_head, &g->n_kv_head) @@ cfg_int(c, "num_kv_heads", false, g->n_head, &g->n_kv_head) @@ ^test_hf$
@@ -59,6 +61,7 @@ serve @@ src/serve/sample.c @@ if (cum >= s->top_p) { @@ if (cum > s->top_p) { @
 serve @@ src/serve/sample.c @@ if (s->top_k > 0 && s->top_k < V) keep = s->top_k; @@ if (s->top_k > 0 && s->top_k < V) keep = s->top_k + 1; @@ ^test_sample$
 serve @@ src/serve/openai.c @@ get(c, o, "temperature", T_NUM, 0, 2, &r->temperature) @@ get(c, o, "temperature", T_NUM, 0, 5, &r->temperature) @@ ^test_openai$
 serve @@ src/serve/openai.c @@ if (len < 0 || c == 0xC0 || c == 0xC1 || c > 0xF4) return -1; @@ if (len < 0 || c == 0xC1 || c > 0xF4) return -1; @@ ^test_openai$
+serve @@ src/serve/openai.c @@ if (n > 4) return bad(c, "stop", @@ if (n > 5) return bad(c, "stop", @@ ^test_openai$
 tools @@ tools/kiln.c @@ if (!strcmp(a, "--help") || !strcmp(a, "-h")) { @@ if (!strcmp(a, "-h")) { @@ ^test_cli$
 tools @@ tools/cmd_train.c @@ if (ints[i].v < ints[i].lo || ints[i].v > (1 << 24)) { @@ if (ints[i].v < ints[i].lo) { @@ ^test_cli$
 EOF
