@@ -23,7 +23,8 @@
 # for the Python tests. KILN_MUTATE_JOBS sets the build's parallelism (default nproc),
 # KILN_MUTATE_TIMEOUT the seconds one mutant's tests may take (default 900).
 # Exit status: 0 when every mutant run was caught, 1 when one was missed or could not
-# be applied or built, 2 on a usage error.
+# be applied or built, 2 on a usage error. A file deleted from this tree stays in the
+# copy until KILN_MUTATE_DIR is removed.
 #
 # Each record: room @@ file @@ the line's text (a substring that occurs exactly once in
 # the file) @@ what it becomes @@ the CTest regex of the tests expected to catch it.
@@ -67,6 +68,9 @@ tools @@ tools/cmd_train.c @@ if (ints[i].v < ints[i].lo || ints[i].v > (1 << 24
 EOF
 }
 
+# The rest is one function, read whole before it runs, so that editing this file while
+# it runs (the list, say) does not change the run.
+main() {
 here=$(cd "$(dirname "$0")/.." && pwd)
 scratch=${KILN_MUTATE_DIR:-/tmp/kiln-mutate-${USER:-$(id -u)}}
 cmake_flags=${KILN_MUTATE_CMAKE:--DCMAKE_BUILD_TYPE=Release -DKILN_BLAS=OPENBLAS}
@@ -87,7 +91,7 @@ for a in "$@"; do
     --full) full=1 ;;
     --list) list=1 ;;
     --show) show=1 ;;
-    -h | --help) sed -n '2,29p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+    -h | --help) sed -n '2,30p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
     *[!0-9]* | '') echo "mutate: unknown argument '$a' (--list, --show N, --full, or mutant numbers 1..$count)" >&2; exit 2 ;;
     *)
       if [ "$a" -lt 1 ] || [ "$a" -gt "$count" ]; then echo "mutate: no mutant $a (1..$count)" >&2; exit 2; fi
@@ -184,3 +188,7 @@ echo
 printf '%s' "$table"
 echo "mutate: $caught caught, $missed missed, $broken not run, of $total"
 [ "$missed" = 0 ] && [ "$broken" = 0 ]
+}
+
+main "$@"
+exit $?
