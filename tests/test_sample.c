@@ -96,7 +96,7 @@ static void top_k_and_top_p_cut_the_tail(void **state)
  *     reaches 0.5, so token 0 is drawn every time and token 1 never. A sampler that
  *     cuts only past the threshold keeps both, and then draws token 1 half the time:
  *     the chance that it never shows in 2000 draws is 2^-2000.
- *   - logits {0, -ln 2, -ln 2}: probabilities 1/2, 1/4, 1/4 (expf(-ln 2) rounds to 0.5f
+ *   - logits {0, -ln 2, -ln 2}: probabilities 1/2, 1/4, 1/4 (exp(-ln 2) rounds to 0.5f
  *     exactly), top_p = 0.75: tokens 0 and 1 reach 0.75 exactly, so token 2 is never
  *     drawn and 0 and 1 come 2/3 and 1/3 of the time (within 5 standard deviations of
  *     the binomial over DRAWS draws, as above). Cutting past the threshold keeps token 2
