@@ -178,7 +178,7 @@ for i in $picked; do
     fi
     cp "$scratch/original" "$src" && touch "$src"
   fi
-  line=$(printf '%3d  %-8s %-30s %s' "$i" "$room" "$file" "$result")
+  line=$(printf '%3d  %-12s %-32s %s' "$i" "$room" "$file" "$result")
   echo "$line"
   table="$table$line
 "
