@@ -175,6 +175,91 @@ static void f64_ops_match_eager(void **state)
     label[0] = 0;
 }
 
+/* ---- generated reductions against a plain loop ----
+ *
+ * The tests above compare generated kernels with eager, and eager ops on a device that
+ * compiles run through the same generator: a wrong accumulator start would agree with
+ * itself there. Here the oracle is a loop over the host values in this file. Rows are
+ * all negative ([-5, -1]: a max started at 0 instead of -inf shows), hold -inf among
+ * negatives, are all -inf (the max is -inf), hold a NaN (max is NaN, as in PyTorch), or
+ * are positive; row lengths 5 (only the kernel's scalar tail), 16, 37 (a block of 16 and
+ * a tail) and 300. Checked: max over the last dim, max of a fused x * 2 - 3 over the
+ * last dim, and sum over the last dim, f32 and f64, each compiled into generated
+ * kernels. Tolerance: max exactly (it picks a value; x * 2 - 3 is exact in binary for
+ * these inputs' magnitudes), sum 1e-5 (1 + |want|) in f32 (another summation order),
+ * 1e-12 (1 + |want|) in f64. */
+static kiln_status red_fns(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
+{
+    kiln_tensor_t *x = in[0];
+    kiln_dtype dt = kiln_tensor_dtype(x);
+    int last = -1;
+    out[0] = kiln_max(x, &last, 1, false);
+    out[1] = kiln_max(kiln_sub(kiln_mul(x, kiln_scalar(2, dt)), kiln_scalar(3, dt)), &last, 1, false);
+    out[2] = kiln_sum(x, &last, 1, false);
+    *n_out = 3;
+    return out[0] && out[1] && out[2] ? KILN_OK : kiln_last_status();
+}
+
+static void generated_reductions_match_a_plain_loop(void **state)
+{
+    enum { ROWS = 6 };
+    static const int64_t lens[] = {5, 16, 37, 300};
+    for (int f64 = 0; f64 < 2; f64++)
+        for (size_t li = 0; li < sizeof lens / sizeof lens[0]; li++) {
+            int64_t L = lens[li], sh[2] = {ROWS, L};
+            double *x = malloc(sizeof(double) * ROWS * (size_t)L);
+            uint64_t st = 0x2545F4914F6CDD1DULL + li;
+            for (int r = 0; r < ROWS; r++)
+                for (int64_t j = 0; j < L; j++) {
+                    st ^= st << 13, st ^= st >> 7, st ^= st << 17;
+                    double u = (double)(st >> 40) * 0x1p-24; /* [0, 1) in 24 bits: exact in f32 */
+                    double v = -1 - 4 * u;                   /* row 0, 1, 2, 4: all negative */
+                    if (r == 1 && j % 3 == 1) v = -INFINITY; /* -inf among negatives */
+                    if (r == 2 && j == L - 1) v = -INFINITY; /* -inf last (in the tail) */
+                    if (r == 3) v = -INFINITY;               /* all -inf */
+                    if (r == 4 && j == L / 2) v = NAN;       /* a NaN */
+                    if (r == 5) v = 4 * u - 0.5;             /* mostly positive */
+                    x[r * L + j] = v;
+                }
+            kiln_dtype dt = f64 ? KILN_DTYPE_F64 : KILN_DTYPE_F32;
+            kiln_tensor_t *in = kiln_cast(kiln_from_data(x, sh, 2, KILN_DTYPE_F64), dt);
+            kiln_compiled_t *c;
+            assert_int_equal(kiln_compiled_new(red_fns, NULL, "reductions", &c), KILN_OK);
+            kiln_tensor_t *got[3];
+            int ng = 0, kernels = 0;
+            if (kiln_compiled_call(c, &in, 1, got, 3, &ng) != KILN_OK) fail_msg("compiled: %s", kiln_last_error());
+            assert_int_equal(ng, 3);
+            assert_int_equal(kiln_compiled_plan(c, 0, &kernels, NULL, NULL, NULL), KILN_OK);
+            if (kernels < 1) fail_msg("%s, rows of %lld: no generated kernel", f64 ? "f64" : "f32", (long long)L);
+            double *gv[3];
+            for (int o = 0; o < 3; o++) gv[o] = to_host(got[o]);
+            for (int r = 0; r < ROWS; r++) {
+                double mx = -INFINITY, mx2 = -INFINITY, sum = 0;
+                for (int64_t j = 0; j < L; j++) {
+                    double v = x[r * L + j], w = v * 2 - 3;
+                    if (v != v || mx != mx) mx = NAN;
+                    else if (v > mx) mx = v;
+                    if (w != w || mx2 != mx2) mx2 = NAN;
+                    else if (w > mx2) mx2 = w;
+                    sum += v;
+                }
+                const double want[3] = {mx, mx2, sum};
+                for (int o = 0; o < 3; o++) {
+                    double g = gv[o][r], w = want[o];
+                    bool ok = isnan(w) ? isnan(g)
+                              : isinf(w) || o < 2 ? g == w
+                                                  : fabs(g - w) <= (f64 ? 1e-12 : 1e-5) * (1 + fabs(w));
+                    if (!ok)
+                        fail_msg("%s %s, row %d of %lld: compiled %.9g, plain loop %.9g", f64 ? "f64" : "f32",
+                                 o == 0 ? "max" : o == 1 ? "max(x * 2 - 3)" : "sum", r, (long long)L, g, w);
+                }
+            }
+            for (int o = 0; o < 3; o++) free(gv[o]);
+            free(x);
+            kiln_compiled_free(c);
+        }
+}
+
 /* ---- kernel counts on small graphs ---- */
 
 static kiln_status chain(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
@@ -1615,6 +1700,7 @@ int main(void)
     } all[] = {
         {cmocka_unit_test_setup_teardown(f64_ops_match_eager, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(every_lowered_op_matches_eager, setup, teardown), false},
+        {cmocka_unit_test_setup_teardown(generated_reductions_match_a_plain_loop, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(kernel_counts, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(buffers_written_through_views_are_released, setup, teardown), false},
         {cmocka_unit_test_setup_teardown(can_fuse_hook_splits_kernels, setup, hook_teardown), true},

@@ -22,6 +22,7 @@
 
 #include "kiln/dist.h"
 #include "kiln/ops.h"
+#include "core/kmath_c.h"
 #include "ops/registry.h"
 
 #define EPS 1e-6
@@ -695,6 +696,131 @@ static const grad_case cases[] = {
 };
 #define N_CASES (sizeof cases / sizeof cases[0])
 
+/* ---- f32 derivatives against closed forms ----
+ *
+ * The cases above run in f64, and the f32 backward kernels are another code path
+ * (kmath.h's f-suffixed functions, the fast-exp forms). Here every pointwise row of
+ * include/kiln/pointwise.def, and both GELUs, runs on f32 leaves: L = sum(op(x) * R),
+ * and dL/dx from kiln_backward is compared with R * f'(x), f' written out in closed form
+ * in double below from the f32 value of x. Tolerance |got - want| <= 2e-5 (1 + |want|):
+ * the f32 rounding of a few operations (~1e-7 relative) and the polynomial exp and tanh
+ * of the fast-exp forms (~1e-7 absolute). kmath.h's two forms of each derivative that
+ * has them (exact and fast) are checked against the same closed forms directly, so that
+ * the form the KILN_OPT_FAST_EXP switch does not pick is checked too. */
+#define F32_TOL 2e-5
+#define SQ2PI 0.7978845608028654 /* sqrt(2 / pi) */
+static double sigm(double x) { return 1 / (1 + exp(-x)); }
+static double d_neg(double x) { (void)x; return -1; }
+static double d_abs(double x) { return x > 0 ? 1 : -1; }
+static double d_exp(double x) { return exp(x); }
+static double d_log(double x) { return 1 / x; }
+static double d_sqrt(double x) { return 0.5 / sqrt(x); }
+static double d_rsqrt(double x) { return -0.5 * pow(x, -1.5); }
+static double d_tanh(double x) { return 1 - tanh(x) * tanh(x); }
+static double d_sigmoid(double x) { return sigm(x) * (1 - sigm(x)); }
+static double d_relu(double x) { return x > 0; }
+static double d_silu(double x) { return sigm(x) + x * sigm(x) * (1 - sigm(x)); }
+static double d_softplus(double x) { return sigm(x); }
+/* 0.5 x (1 + tanh u), u = sqrt(2/pi) (x + 0.044715 x^3) */
+static double d_gelu_tanh(double x)
+{
+    double u = SQ2PI * (x + 0.044715 * x * x * x), t = tanh(u);
+    return 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * SQ2PI * (1 + 3 * 0.044715 * x * x);
+}
+/* x Phi(x): Phi(x) + x phi(x), phi(x) = exp(-x^2 / 2) / sqrt(2 pi) */
+static double d_gelu_erf(double x) { return 0.5 * (1 + erf(x / sqrt(2.0))) + x * exp(-0.5 * x * x) * 0.3989422804014327; }
+
+typedef struct {
+    const char *name;
+    double (*d)(double);
+    double lo, hi; /* x in [lo, hi] */
+    bool away0;    /* magnitudes in [lo, hi], random signs (abs, relu: off the kink) */
+} f32_deriv;
+
+static const f32_deriv f32_derivs[] = {
+    {"neg", d_neg, -3, 3, false},          {"abs", d_abs, 0.2, 3, true},
+    {"exp", d_exp, -3, 3, false},          {"log", d_log, 0.3, 3, false},
+    {"sqrt", d_sqrt, 0.3, 3, false},       {"rsqrt", d_rsqrt, 0.3, 3, false},
+    {"tanh", d_tanh, -3, 3, false},        {"sigmoid", d_sigmoid, -5, 5, false},
+    {"relu", d_relu, 0.2, 3, true},        {"silu", d_silu, -5, 5, false},
+    {"softplus", d_softplus, -5, 25, false}, /* past 20, its linear branch */
+    {"gelu_tanh", d_gelu_tanh, -4, 4, false}, {"gelu_erf", d_gelu_erf, -4, 4, false},
+};
+
+static const f32_deriv *f32_deriv_of(const char *name)
+{
+    for (size_t k = 0; k < sizeof f32_derivs / sizeof f32_derivs[0]; k++)
+        if (!strcmp(f32_derivs[k].name, name)) return &f32_derivs[k];
+    return NULL;
+}
+
+static void check_f32_derivative(const char *name, kiln_tensor_t *(*op)(kiln_tensor_t *))
+{
+    const f32_deriv *d = f32_deriv_of(name);
+    if (!d) fail_msg("pointwise op %s has no closed-form derivative in tests/test_gradcheck.c's f32_derivs", name);
+    enum { N = 203 }; /* odd: the kernels' vector tails */
+    double xv[N], rv[N], got[N];
+    for (int j = 0; j < N; j++) {
+        xv[j] = d->lo + (d->hi - d->lo) * urand();
+        if (d->away0 && urand() < 0.5) xv[j] = -xv[j];
+        xv[j] = (float)xv[j];
+        rv[j] = (float)(2 * urand() - 1);
+    }
+    int64_t n = N;
+    kiln_scope_begin();
+    kiln_tensor_t *x = leaf_of(xv, 1, &n, KILN_DTYPE_F32);
+    kiln_tensor_t *r = kiln_cast(kiln_from_data(rv, &n, 1, KILN_DTYPE_F64), KILN_DTYPE_F32);
+    kiln_tensor_t *y = op(x);
+    if (!y) fail_msg("%s: %s", name, kiln_last_error());
+    assert_int_equal(kiln_tensor_dtype(y), KILN_DTYPE_F32);
+    if (kiln_backward(kiln_sum(kiln_mul(y, r), NULL, 0, false)) != KILN_OK) fail_msg("%s: backward: %s", name, kiln_last_error());
+    kiln_tensor_t *g = kiln_tensor_grad(x);
+    assert_non_null(g);
+    assert_int_equal(kiln_tensor_dtype(g), KILN_DTYPE_F32);
+    read_f64(g, got);
+    for (int j = 0; j < N; j++) {
+        double want = rv[j] * d->d(xv[j]);
+        if (!(fabs(got[j] - want) <= F32_TOL * (1 + fabs(want))))
+            fail_msg("%s f32: d/dx at x = %.9g (weight %.6g): backward %.9g, closed form %.9g", name, xv[j], rv[j], got[j],
+                     want);
+    }
+    kiln_scope_end();
+}
+
+/* kmath.h's function f against the closed form d on [lo, hi]. */
+static void check_kmath_derivative(const char *what, float (*f)(float), const char *name, double lo, double hi)
+{
+    const f32_deriv *d = f32_deriv_of(name);
+    assert_non_null(d);
+    for (int j = 0; j <= 400; j++) {
+        float x = (float)(lo + (hi - lo) * j / 400);
+        double got = f(x), want = d->d(x);
+        if (!(fabs(got - want) <= F32_TOL * (1 + fabs(want))))
+            fail_msg("%s(%.9g) = %.9g, closed form %.9g", what, (double)x, got, want);
+    }
+}
+static float kmf_gelu_grad_tanh(float x) { return km_gelu_grad_tanh(x); }
+static float kmf_gelu_grad_fast(float x) { return km_gelu_grad_fast(x); }
+static float kmf_gelu_grad_erf(float x) { return km_gelu_grad_erf(x); }
+static float kmf_silu_dx(float x) { return km_silu_dx(x); }
+static float kmf_silu_dx_fast(float x) { return km_silu_dx_fast(x); }
+static float kmf_softplus_dx(float x) { return km_softplus_dx(x); }
+
+static void test_f32_derivatives_of_every_pointwise_op_match_closed_forms(void **state)
+{
+#define KILN_PW(ID, name, dtypes, grad, fast) check_f32_derivative(#name, kiln_##name);
+#include "kiln/pointwise.def"
+#undef KILN_PW
+    check_f32_derivative("gelu_tanh", gelu_tanh);
+    check_f32_derivative("gelu_erf", gelu_erf);
+    check_kmath_derivative("km_gelu_grad_tanh", kmf_gelu_grad_tanh, "gelu_tanh", -6, 6);
+    check_kmath_derivative("km_gelu_grad_fast", kmf_gelu_grad_fast, "gelu_tanh", -6, 6);
+    check_kmath_derivative("km_gelu_grad_erf", kmf_gelu_grad_erf, "gelu_erf", -6, 6);
+    check_kmath_derivative("km_silu_dx", kmf_silu_dx, "silu", -8, 8);
+    check_kmath_derivative("km_silu_dx_fast", kmf_silu_dx_fast, "silu", -8, 8);
+    check_kmath_derivative("km_softplus_dx", kmf_softplus_dx, "softplus", -8, 25);
+}
+
 static void test_every_differentiable_op_has_a_gradcheck_case(void **state)
 {
     int missing = 0;
@@ -865,6 +991,7 @@ int main(void)
     ADD(test_every_differentiable_op_has_a_gradcheck_case);
     for (size_t i = 0; i < N_CASES; i++)
         tests[k++] = (struct CMUnitTest){cases[i].name, run_case, setup, teardown, (void *)&cases[i]};
+    ADD(test_f32_derivatives_of_every_pointwise_op_match_closed_forms);
     ADD(test_gradients_accumulate_across_backward_calls);
     ADD(test_zero_grad_drops_the_gradient);
     ADD(test_grad_mode_off_records_nothing);

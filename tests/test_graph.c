@@ -245,14 +245,16 @@ static void bad_uses_are_clear_errors(void **state)
 
 static int count_op(kiln_graph_t *g, const char *op);
 
-/* Three dropouts of the same input (one never read) and a rand: four draws. */
+/* Three dropouts of the same input (one never read) and a rand (scaled: an op whose
+ * only input is the rand, which folding would compute once if it took the rand for a
+ * constant): four draws. */
 static kiln_status three_draws(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out)
 {
     (void)ctx, (void)n_in;
     out[0] = kiln_dropout(in[0], 0.5, true);
     out[1] = kiln_dropout(in[0], 0.5, true);
     if (!kiln_dropout(in[0], 0.5, true)) return kiln_last_status(); /* drawn, never read */
-    out[2] = kiln_rand(kiln_tensor_shape(in[0]), kiln_tensor_ndim(in[0]), KILN_DTYPE_F32);
+    out[2] = kiln_mul_scalar(kiln_rand(kiln_tensor_shape(in[0]), kiln_tensor_ndim(in[0]), KILN_DTYPE_F32), 2.0);
     *n_out = 3;
     return out[0] && out[1] && out[2] ? KILN_OK : kiln_last_status();
 }
@@ -269,8 +271,9 @@ static bool same_values(kiln_tensor_t *a, kiln_tensor_t *b)
 /* Random ops in a graph draw when it runs. Oracle: the function called eagerly from the
  * same generator state (kiln_manual_seed), bitwise: capture draws nothing, each run
  * draws what the eager call would, a second run draws new numbers (the eager second
- * call's), CSE keeps the dropouts of one input apart, and DCE keeps the one nothing
- * reads (its draw comes before the rand's). */
+ * call's), folding leaves the rand alone (no inputs, yet no constant), CSE keeps the
+ * dropouts of one input apart, and DCE keeps the one nothing reads (its draw comes
+ * before the rand's). */
 static void random_ops_draw_when_the_graph_runs(void **state)
 {
     kiln_tensor_t *x = randn(4, 16, 4), *want[2][3], *got[2][3];
@@ -280,7 +283,9 @@ static void random_ops_draw_when_the_graph_runs(void **state)
     kiln_graph_t *g;
     kiln_manual_seed(7);
     assert_int_equal(kiln_graph_capture(three_draws, NULL, &x, 1, &g), KILN_OK);
-    int removed = -1;
+    int removed = -1, folded = -1;
+    assert_int_equal(kiln_graph_fold(g, &folded), KILN_OK);
+    assert_int_equal(folded, 0); /* rand has no inputs, but it is no constant: 2 rand stays */
     assert_int_equal(kiln_graph_cse(g, &removed), KILN_OK);
     assert_int_equal(kiln_graph_dce(g, &removed), KILN_OK);
     assert_int_equal(count_op(g, " dropout("), 3);
@@ -333,6 +338,43 @@ static void repeated_ops_are_merged_but_not_across_updates(void **state)
         assert_same(got, want);
         kiln_graph_free(g);
     }
+}
+
+/* The same op on the same input with other attributes: GELU's two forms, softmax over
+ * either dim of a square, the sum over either dim (the same shape), and the input as
+ * 512 rows of 8, 512 slices (ops that differ only in their start) added up. CSE finds
+ * candidates through a hash of op, attributes and inputs: the pairs differ in the hash,
+ * and the 512 slices fill enough of the table that lookups meet slices of other starts
+ * on their way (about 30 times), where only the attributes tell them apart. */
+static kiln_status same_inputs_other_attributes(void *ctx, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out,
+                                                int *n_out)
+{
+    (void)ctx, (void)n_in;
+    int d0 = 0, d1 = 1;
+    out[0] = kiln_sub(kiln_gelu(in[0], true), kiln_gelu(in[0], false));
+    out[1] = kiln_sub(kiln_softmax(in[0], 0), kiln_softmax(in[0], 1));
+    out[2] = kiln_sub(kiln_sum(in[0], &d0, 1, false), kiln_sum(in[0], &d1, 1, false));
+    kiln_tensor_t *rows = kiln_reshape(in[0], (int64_t[]){512, 8}, 2);
+    out[3] = kiln_narrow(rows, 0, 0, 1);
+    for (int64_t r = 1; r < 512; r++) out[3] = kiln_add(out[3], kiln_narrow(rows, 0, r, 1));
+    *n_out = 4;
+    return out[0] && out[1] && out[2] && out[3] ? KILN_OK : kiln_last_status();
+}
+
+/* CSE merges an op only with one of the same attributes. Oracle: the function run
+ * eagerly, bitwise; nothing to merge (each pair differs in an attribute). */
+static void ops_with_other_attributes_are_not_merged(void **state)
+{
+    kiln_tensor_t *x = randn(64, 64, 5), *got[4], *want[4];
+    kiln_graph_t *g;
+    assert_int_equal(kiln_graph_capture(same_inputs_other_attributes, NULL, &x, 1, &g), KILN_OK);
+    int merged = -1, n;
+    assert_int_equal(kiln_graph_cse(g, &merged), KILN_OK);
+    assert_int_equal(merged, 0);
+    assert_int_equal(kiln_graph_run(g, &x, 1, got, 4, &n), KILN_OK);
+    assert_int_equal(same_inputs_other_attributes(NULL, &x, 1, want, &n), KILN_OK);
+    for (int i = 0; i < 4; i++) assert_same(got[i], want[i]);
+    kiln_graph_free(g);
 }
 
 /* The passes treat arguments and captured tensors as separate memory around in-place
@@ -1032,6 +1074,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(dead_code_is_removed, setup, teardown),
         cmocka_unit_test_setup_teardown(constants_fold_and_updated_values_do_not, setup, teardown),
         cmocka_unit_test_setup_teardown(folds_in_a_row_keep_their_sources, setup, teardown),
+        cmocka_unit_test_setup_teardown(ops_with_other_attributes_are_not_merged, setup, teardown),
         cmocka_unit_test_setup_teardown(bad_uses_are_clear_errors, setup, teardown),
         cmocka_unit_test_setup_teardown(merges_look_at_what_updates_write, setup, teardown),
         cmocka_unit_test_setup_teardown(an_input_over_an_updated_capture_is_refused, setup, teardown),

@@ -345,9 +345,10 @@ static const rd_tensor *find_t(const rd_tensor *ts, uint64_t nt, const char *nam
 }
 
 /* kiln_gguf_save on the LLaMA golden model, read back by the reader above: the header
- * and llama.cpp's keys with the model's values; blk.0.attn_q is kiln's query rows with
- * each head's two halves interleaved (llama.cpp's rope pairs), bitwise in f32, and
- * attn_v its value rows as they are; in q8_0 every matrix whose rows are a multiple of
+ * and llama.cpp's keys with the model's values; blk.0.attn_q and attn_k are kiln's query
+ * and key rows with each head's two halves interleaved (llama.cpp's rope pairs; k over
+ * the 2 key heads of grouped-query attention, not the 4 query heads), bitwise in f32,
+ * and attn_v its value rows as they are; in q8_0 every matrix whose rows are a multiple of
  * 32 long is blocks of an f16 scale d and 32 bytes, each value within 0.6 d of kiln's
  * (half a step, and the scale's f16 rounding). A GPT-2 model goes to llama.cpp's gpt2
  * architecture with its qkv as it is; a model neither architecture describes is
@@ -381,19 +382,34 @@ static void gguf_holds_the_model_as_llama_cpp_reads_it(void **state)
         for (size_t k = 0; k < sizeof want / sizeof want[0]; k++)
             if (!strstr(keys, want[k])) fail_msg("the GGUF keys lack %s: %s", want[k], keys);
         assert_non_null(strstr(keys, q8 ? "general.file_type=7;" : "general.file_type=0;"));
-        const rd_tensor *tq = find_t(ts, nt, "blk.0.attn_q.weight"), *tv = find_t(ts, nt, "blk.0.attn_v.weight");
+        const rd_tensor *tq = find_t(ts, nt, "blk.0.attn_q.weight"), *tk = find_t(ts, nt, "blk.0.attn_k.weight"),
+                        *tv = find_t(ts, nt, "blk.0.attn_v.weight");
         assert_true(tq->nd == 2 && tq->ne[0] == (uint64_t)C && tq->ne[1] == (uint64_t)(c->n_head * hs));
+        assert_true(tk->nd == 2 && tk->ne[0] == (uint64_t)C && tk->ne[1] == (uint64_t)(c->n_kv_head * hs));
+        assert_true(tv->nd == 2 && tv->ne[0] == (uint64_t)C && tv->ne[1] == (uint64_t)(c->n_kv_head * hs));
         assert_int_equal(tq->type, q8 ? 8 : 0);
         assert_int_equal(find_t(ts, nt, "blk.0.ffn_down.weight")->type, 0); /* rows of 80: f32 */
-        int64_t vrow0 = (c->n_head + c->n_kv_head) * hs;
-        for (int64_t r = 0; r < c->n_head * hs + c->n_kv_head * hs; r++) {
-            bool isv = r >= c->n_head * hs;
-            const rd_tensor *t = isv ? tv : tq;
-            int64_t rr = isv ? r - c->n_head * hs : r, h = rr / hs, i = rr % hs;
-            /* the kiln row the file's row rr holds: q's halves interleaved, v's as is */
-            int64_t src = isv ? vrow0 + rr : h * hs + (i % 2) * (hs / 2) + i / 2;
+        /* Which kiln row each file row holds, as llama.cpp's convert_hf_to_gguf.py permutes
+         * q and k: w.reshape(heads, 2, hs / 2, C).swapaxes(1, 2).reshape(rows, C), with
+         * heads = n_kv_head for k (grouped-query attention: 2 key heads, 4 query heads
+         * here). The file's row h hs + 2 j + half is kiln's row h hs + half hs / 2 + j; v
+         * is not permuted. */
+        int64_t nq = c->n_head * hs, nk = c->n_kv_head * hs, *src = malloc(sizeof(int64_t) * (size_t)(nq + 2 * nk));
+        const int64_t base[3] = {0, nq, nq + nk}, heads[3] = {c->n_head, c->n_kv_head, 0}, nrows[3] = {nq, nk, nk};
+        for (int part = 0; part < 3; part++) {
+            if (!heads[part])
+                for (int64_t rr = 0; rr < nrows[part]; rr++) src[base[part] + rr] = base[part] + rr;
+            for (int64_t h = 0; h < heads[part]; h++)
+                for (int64_t half = 0; half < 2; half++)
+                    for (int64_t j = 0; j < hs / 2; j++)
+                        src[base[part] + h * hs + 2 * j + half] = base[part] + h * hs + half * (hs / 2) + j;
+        }
+        for (int64_t r = 0; r < nq + 2 * nk; r++) {
+            int part = r < nq ? 0 : r < nq + nk ? 1 : 2;
+            const rd_tensor *t = part == 0 ? tq : part == 1 ? tk : tv;
+            int64_t rr = r - base[part];
             for (int64_t col = 0; col < C; col++) {
-                float want_v = qkv[src * C + col], got;
+                float want_v = qkv[src[r] * C + col], got;
                 if (t->type == 0) {
                     memcpy(&got, file + data + t->off + (size_t)(rr * C + col) * 4, 4);
                     if (got != want_v) fail_msg("%s row %lld col %lld: %g, kiln %g", t->name, (long long)rr,
@@ -414,6 +430,7 @@ static void gguf_holds_the_model_as_llama_cpp_reads_it(void **state)
                 }
             }
         }
+        free(src);
     }
     free(qkv);
     kiln_gpt_free(m);

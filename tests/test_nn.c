@@ -968,6 +968,36 @@ static void batches_depend_only_on_seed_and_step(void **state)
     kiln_dataset_free(d);
 }
 
+/* Every window of T + 1 tokens lies inside its split: 20 tokens numbered 0..19, half of
+ * them validation, T = 9, so that each split holds exactly one window (its first ten
+ * tokens); over 64 steps of batches of 4, train x is 0..8 and y 1..9, validation x
+ * 10..18 and y 11..19. A window one token longer would take the next split's first
+ * token (or read past the end). */
+static void windows_stay_inside_their_split(void **state)
+{
+    int32_t tok[20];
+    for (int i = 0; i < 20; i++) tok[i] = i;
+    kiln_dataset_t *d;
+    assert_int_equal(kiln_dataset_new(tok, 20, 0.5, &d), KILN_OK);
+    for (int split = 0; split < 2; split++)
+        for (int64_t step = 0; step < 64; step++) {
+            kiln_scope_begin();
+            kiln_tensor_t *x, *y;
+            kiln_data_split sp = split ? KILN_SPLIT_VAL : KILN_SPLIT_TRAIN;
+            assert_int_equal(kiln_dataset_batch(d, sp, 4, 9, 3, step, 0, 1, &x, &y), KILN_OK);
+            int64_t xs[36], ys[36];
+            assert_int_equal(kiln_tensor_to_host(x, xs, sizeof xs), KILN_OK);
+            assert_int_equal(kiln_tensor_to_host(y, ys, sizeof ys), KILN_OK);
+            for (int i = 0; i < 36; i++)
+                if (xs[i] != 10 * split + i % 9 || ys[i] != xs[i] + 1)
+                    fail_msg("%s step %lld, row %d, position %d: x %lld y %lld, want %d and %d",
+                             split ? "validation" : "train", (long long)step, i / 9, i % 9, (long long)xs[i],
+                             (long long)ys[i], 10 * split + i % 9, 10 * split + i % 9 + 1);
+            kiln_scope_end();
+        }
+    kiln_dataset_free(d);
+}
+
 static void unigram_entropy_of_a_uniform_corpus(void **state)
 {
     int32_t tok[400];
@@ -1022,6 +1052,7 @@ int main(void)
         cmocka_unit_test(sgd_momentum_follows_the_formula),
         cmocka_unit_test(clipping_scales_to_the_max_norm),
         cmocka_unit_test(cosine_schedule_warms_up_and_decays),
+        cmocka_unit_test(windows_stay_inside_their_split),
         cmocka_unit_test(batches_depend_only_on_seed_and_step),
         cmocka_unit_test(unigram_entropy_of_a_uniform_corpus),
         cmocka_unit_test(process_group_of_one),

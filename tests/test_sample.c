@@ -89,6 +89,39 @@ static void top_k_and_top_p_cut_the_tail(void **state)
     assert_distribution(f, q);
 }
 
+/* top-p keeps the fewest likeliest tokens whose mass reaches top_p: a prefix whose mass
+ * equals top_p exactly is enough. Oracles computed by hand here, on logits whose f32
+ * probabilities are exact binary fractions (so the sums compare exactly):
+ *   - two equal logits, top_p = 0.5: the first token (ties go by id) holds 0.5, which
+ *     reaches 0.5, so token 0 is drawn every time and token 1 never. A sampler that
+ *     cuts only past the threshold keeps both, and then draws token 1 half the time:
+ *     the chance that it never shows in 2000 draws is 2^-2000.
+ *   - logits {0, -ln 2, -ln 2}: probabilities 1/2, 1/4, 1/4 (exp(-ln 2) rounds to 0.5f
+ *     exactly), top_p = 0.75: tokens 0 and 1 reach 0.75 exactly, so token 2 is never
+ *     drawn and 0 and 1 come 2/3 and 1/3 of the time (within 5 standard deviations of
+ *     the binomial over DRAWS draws, as above). Cutting past the threshold keeps token 2
+ *     too, drawn a quarter of the time. */
+static void top_p_keeps_a_prefix_that_lands_exactly_on_the_threshold(void **state)
+{
+    char scratch[256];
+    const float two[2] = {0.7f, 0.7f};
+    kiln_sampling s = {.temperature = 1.0, .top_p = 0.5, .seed = 9};
+    for (int i = 0; i < 2000; i++)
+        if (kiln_sample_token(two, 2, &s, i, scratch) != 0)
+            fail_msg("draw %d: token 1 drawn, but token 0 alone already holds top_p = 0.5 of the mass", i);
+    const float three[3] = {0.0f, -0.69314718f, -0.69314718f};
+    const double want[3] = {2.0 / 3.0, 1.0 / 3.0, 0};
+    double f[3] = {0};
+    s = (kiln_sampling){.temperature = 1.0, .top_p = 0.75, .seed = 17};
+    for (int i = 0; i < DRAWS; i++) f[kiln_sample_token(three, 3, &s, i, scratch)] += 1.0 / DRAWS;
+    if (f[2] != 0) fail_msg("token 2 drawn with frequency %.4f: tokens 0 and 1 already reach top_p = 0.75", f[2]);
+    for (int v = 0; v < 2; v++) {
+        double sd = sqrt(want[v] * (1 - want[v]) / DRAWS);
+        if (fabs(f[v] - want[v]) > 5 * sd)
+            fail_msg("token %d drawn with frequency %.4f, want %.4f (5 sd = %.4f)", v, f[v], want[v], 5 * sd);
+    }
+}
+
 /* The draw depends on (seed, index) only: the same pair gives the same token in any
  * order of calls, and another seed gives another sequence. */
 static void draws_are_a_function_of_seed_and_index(void **state)
@@ -127,6 +160,7 @@ int main(void)
         cmocka_unit_test(greedy_is_argmax),
         cmocka_unit_test(temperature_draws_follow_softmax),
         cmocka_unit_test(top_k_and_top_p_cut_the_tail),
+        cmocka_unit_test(top_p_keeps_a_prefix_that_lands_exactly_on_the_threshold),
         cmocka_unit_test(draws_are_a_function_of_seed_and_index),
         cmocka_unit_test(logprobs_are_log_softmax),
     };
