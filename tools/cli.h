@@ -23,6 +23,11 @@ int cli_parse(const char *cmd, const char *usage, const cli_opt *opts, int argc,
               int max_pos, int *n_pos);
 /* Applies a JSON object of option values ({"steps": 100, ...}) from a file. */
 int cli_load_config(const char *cmd, const cli_opt *opts, const char *path);
+/* 1 (after saying why on stderr) when writing out would replace what the command reads
+ * from in: the same file or folder, the folder a model file is read with, or an existing
+ * file of in's folder that a model is read from (every file there, folder_is_input: a
+ * corpus folder); else 0 (tools/cli_paths.c). */
+int cli_refuse_own_input(const char *cmd, const char *in, const char *out, bool folder_is_input);
 /* Prints "kiln CMD: MESSAGE" for the last kiln error (or msg) and returns 1. */
 int cli_fail(const char *cmd, const char *msg);
 

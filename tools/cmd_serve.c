@@ -1,5 +1,6 @@
 /* kiln serve: an OpenAI-compatible HTTP server for a trained checkpoint. */
 #include <pthread.h>
+#include <stdint.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -8,8 +9,26 @@
 #include "cli.h"
 #include "kiln/serve.h"
 
-static volatile sig_atomic_t stop_requested;
-static void on_signal(int sig) { stop_requested = sig; }
+#include <stdatomic.h>
+
+/* SIGINT and SIGTERM are taken by one thread, in sigwait, from the start: a start-up
+ * that is slow (a large model) or stuck (a file that never answers) still ends on
+ * them, promptly, with a message; once the model is ready, they stop the server. */
+static sigset_t stop_signals;
+static atomic_bool ready;
+
+static void *signal_thread(void *arg)
+{
+    (void)arg;
+    int sig = 0;
+    while (sigwait(&stop_signals, &sig) != 0) {
+    }
+    if (!atomic_load(&ready)) {
+        fprintf(stderr, "kiln serve: stopped by signal %d during start-up\n", sig);
+        _exit(128 + sig); /* the loading thread may be anywhere: nothing to unwind safely */
+    }
+    return (void *)(intptr_t)sig;
+}
 
 int cmd_serve(int argc, char **argv)
 {
@@ -89,19 +108,15 @@ int cmd_serve(int argc, char **argv)
     o.engine.kv_dtype = kvt;
     o.engine.weight_dtype = wt;
 
-    /* SIGINT and SIGTERM are blocked in every thread, and let through only inside the
-     * main thread's sigsuspend below, so a signal that arrives early is not lost. */
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = on_signal;
-    sigaction(SIGINT, &sa, NULL);
-    sigaction(SIGTERM, &sa, NULL);
+    /* SIGINT and SIGTERM are blocked in every thread before any starts (they inherit
+     * it), and taken by signal_thread alone. */
     signal(SIGPIPE, SIG_IGN); /* a client that goes away must not end the server */
-    sigset_t block, old;
-    sigemptyset(&block);
-    sigaddset(&block, SIGINT);
-    sigaddset(&block, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &block, &old); /* before any thread starts: they inherit it */
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    pthread_sigmask(SIG_BLOCK, &stop_signals, NULL);
+    pthread_t sig_thread;
+    if (pthread_create(&sig_thread, NULL, signal_thread, NULL) != 0) return cli_fail("serve", "cannot start a thread");
     if (kiln_init((int)threads) != KILN_OK) return cli_fail("serve", NULL);
 
     kiln_server_t *srv;
@@ -112,9 +127,11 @@ int cmd_serve(int argc, char **argv)
         kiln_server_free(srv);
         return rc;
     }
+    atomic_store(&ready, true);
     fprintf(stderr, "kiln serve: model %s ready\n", model);
-    while (!stop_requested) sigsuspend(&old);
-    fprintf(stderr, "kiln serve: stopping (signal %d)\n", (int)stop_requested);
+    void *sig = NULL;
+    pthread_join(sig_thread, &sig);
+    fprintf(stderr, "kiln serve: stopping (signal %d)\n", (int)(intptr_t)sig);
     kiln_server_free(srv);
     return 0;
 }

@@ -19,6 +19,8 @@
 #include "kiln/nn.h"
 #include "kiln/ops.h"
 #include "kiln/tokenizer.h"
+#include "core/file.h"
+#include "io/json_file.h"
 #include "nn/names.h"
 
 
@@ -186,11 +188,11 @@ static kiln_status read_config(const char *dir, kiln_gpt_config *g, kiln__family
     char file[4200];
     snprintf(file, sizeof file, "%s/config.json", dir);
     json_error_t err;
-    hf_config c = {file, json_load_file(file, 0, &err)};
+    hf_config c = {file, kiln__json_load(file, 0, &err, "hf")};
     if (!c.root) {
         struct stat st;
         return stat(file, &st) != 0 ? kiln_error(KILN_ERR_IO, "%s: cannot read it: not a Hugging Face model folder", file)
-                                    : kiln_error(KILN_ERR_FORMAT, "%s: line %d: %s", file, err.line, err.text);
+                                    : kiln_last_status(); /* not a regular file, or bad JSON: named */
     }
     const char *type = cfg_str(&c, "model_type");
     kiln_status s;
@@ -251,8 +253,8 @@ static kiln_status weights_open(hf_weights *w)
     struct stat st;
     if (stat(path, &st) != 0) return weights_add(w, "model.safetensors");
     json_error_t err;
-    json_t *root = json_load_file(path, 0, &err), *map = json_object_get(root, "weight_map");
-    if (!root) return kiln_error(KILN_ERR_FORMAT, "%s: line %d: %s", path, err.line, err.text);
+    json_t *root = kiln__json_load(path, 0, &err, "hf"), *map = json_object_get(root, "weight_map");
+    if (!root) return kiln_last_status();
     kiln_status s = json_is_object(map) ? KILN_OK : kiln_error(KILN_ERR_FORMAT, "%s: no 'weight_map' object", path);
     const char *key;
     json_t *v;
@@ -534,7 +536,7 @@ static kiln_status remove_stale(const char *dir, bool new_tokenizer)
 {
     char path[4200];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-    json_t *root = json_load_file(path, 0, NULL);
+    json_t *root = kiln__json_load(path, 0, NULL, "hf_save"); /* none, or not one: nothing to follow */
     const char *key;
     json_t *v;
     json_object_foreach(json_object_get(root, "weight_map"), key, v)
@@ -622,8 +624,10 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
         json_object_set_new(cj, "eos_token_id", eot >= 0 ? json_integer(eot) : json_null());
     }
     snprintf(path, sizeof path, "%s/config.json", dir);
-    if (s == KILN_OK && (!cj || json_dump_file(cj, path, JSON_INDENT(2) | JSON_SORT_KEYS) != 0))
-        s = kiln_error(KILN_ERR_IO, "hf_save: cannot write %s", path);
+    char *text = s == KILN_OK && cj ? json_dumps(cj, JSON_INDENT(2) | JSON_SORT_KEYS) : NULL;
+    if (s == KILN_OK && !text) s = kiln_error(KILN_ERR_OOM, "hf_save: out of memory for %s", path);
+    if (s == KILN_OK) s = kiln__file_write_atomic(path, text, strlen(text), "hf_save");
+    free(text);
     json_decref(cj);
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
     if (s == KILN_OK && tok) s = kiln_tokenizer_save(tok, path);
@@ -642,9 +646,10 @@ bool kiln_hf_is_folder(const char *path)
     if (!path || stat(path, &st) != 0 || !S_ISDIR(st.st_mode)) return false;
     snprintf(file, sizeof file, "%s/config.json", path);
     if (stat(file, &st) != 0) return false;
+    if (!S_ISREG(st.st_mode)) return true; /* the loader names what it is */
     /* a config.json of Hugging Face's names a model_type (one of `kiln train`'s options
      * does not) */
-    json_t *root = json_load_file(file, 0, NULL);
+    json_t *root = kiln__json_load(file, 0, NULL, "hf");
     bool hf = json_is_string(json_object_get(root, "model_type"));
     json_decref(root);
     return hf;

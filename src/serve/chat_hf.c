@@ -6,6 +6,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
+#include "core/file.h"
+#include "io/json_file.h"
 #include "kiln/serve.h"
 #include "serve/openai.h"
 
@@ -16,7 +19,9 @@ kiln_status kiln__chat_template_resolve(const char *what, char **out)
         *out = strdup(named ? named : what);
         return *out ? KILN_OK : kiln_error(KILN_ERR_OOM, "chat template: out of memory");
     }
-    FILE *f = fopen(what, "rb");
+    struct stat st;
+    FILE *f = kiln__file_fopen_read(what, "--chat-template"); /* a regular file only: never a FIFO's wait */
+    if (!f && stat(what, &st) == 0) return kiln_last_status();
     if (!f)
         return kiln_error(KILN_ERR_IO, "--chat-template %s: not a family (chatml, llama3, mistral), a JSON template or "
                           "a file that can be read", what);
@@ -34,7 +39,7 @@ kiln_status kiln_chat_template_from_hf(const char *dir, char **out)
     *out = NULL;
     char path[4200];
     snprintf(path, sizeof path, "%s/tokenizer_config.json", dir);
-    json_t *root = json_load_file(path, 0, NULL), *t = json_object_get(root, "chat_template");
+    json_t *root = kiln__json_load(path, 0, NULL, "chat template"), *t = json_object_get(root, "chat_template");
     if (json_is_array(t)) { /* named templates: the "default" one, else the first */
         json_t *pick = json_array_get(t, 0), *e;
         size_t i;
