@@ -57,6 +57,7 @@ class Suite:
         ap = argparse.ArgumentParser(description=doc)
         ap.add_argument("--kiln", required=True)
         ap.add_argument("--workdir", required=True)
+        ap.add_argument("--shim", help="the LD_PRELOAD module of a full disk and a slow file (shim.c)")
         self.args = ap.parse_args()
         self.kiln = os.path.abspath(self.args.kiln)
         self.work = os.path.abspath(self.args.workdir)
