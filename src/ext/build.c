@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 #include "core/cache.h"
+#include "core/file.h"
 #include "ext/ext_impl.h"
 #include "kiln/ext.h"
 
@@ -309,8 +310,9 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
             s = failed(what, j->cmd, j->status, log);
             free(log);
         }
-        if (s == KILN_OK && (rename(j->tmp, j->obj) != 0 || (*j->lang->depfile && rename(tmp_dep, j->dep) != 0)))
-            s = kiln_error(KILN_ERR_IO, "%s: cannot put its object in place at %s: %s", j->src, j->obj, strerror(errno));
+        /* (core/file.h: never over what is not a regular file) */
+        if (s == KILN_OK && (s = kiln__file_place(j->tmp, j->obj, "ext_build")) == KILN_OK && *j->lang->depfile)
+            s = kiln__file_place(tmp_dep, j->dep, "ext_build");
         snprintf(stamp, sizeof stamp, "%s.stamp", j->obj);
         snprintf(hex, sizeof hex, "%016llx\n", (unsigned long long)j->hash);
         /* without the stamp the next build compiles again: no harm */
@@ -333,9 +335,8 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
         char *log = NULL;
         int st = run(link, &log);
         if (st != 0) s = failed("the module's link", link, st, log);
-        else if (rename(tmp_mod, mod) != 0)
-            s = kiln_error(KILN_ERR_IO, "ext_build: cannot put the module in place at %s: %s", mod, strerror(errno));
-        else kiln__write_whole(mod_stamp, link_hex, strlen(link_hex));
+        else if ((s = kiln__file_place(tmp_mod, mod, "ext_build")) == KILN_OK)
+            kiln__write_whole(mod_stamp, link_hex, strlen(link_hex));
         remove(tmp_mod);
         free(log);
     }
