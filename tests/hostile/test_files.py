@@ -219,6 +219,9 @@ if shim:
     with open(alien, "wb") as f:
         f.write(bytes(b))
     s.case("a .so of another machine is refused", ["ext", "load", alien], rc=1, msg=r"built for ELF machine")
+s.case("a FIFO as a source to ext build is refused at once",
+       ["ext", "build", fifo(path("src_fifo.c")), "--out", path("extout")], rc=1, msg=r"src_fifo\.c is a FIFO",
+       timeout=60)
 s.case("a FIFO to ext load is refused at once", ["ext", "load", fifo(path("ext_fifo.so"))], rc=1, msg=r"FIFO",
        timeout=60)
 
