@@ -198,6 +198,20 @@ s.case("sample of a FIFO model file is refused at once", ["sample", m], rc=1, ms
 s.case("a FIFO as --config is refused at once", ["train", "--config", fifo(path("cfg.json")), "--data", corpus,
                                                  "--out", path("cfgrun")], rc=2, msg=r"FIFO", timeout=60)
 
+r5 = path("run_fifo_reads")
+shutil.copytree(run, r5)
+os.remove(os.path.join(r5, "run.json"))
+fifo(os.path.join(r5, "run.json"))
+s.case("plot with a FIFO as run.json draws without its baseline, without blocking", ["plot", r5], rc=0,
+       msg=r"wrote", timeout=60)
+os.remove(os.path.join(r5, "metrics.jsonl"))
+fifo(os.path.join(r5, "metrics.jsonl"))
+s.case("plot with a FIFO as metrics.jsonl is refused at once", ["plot", r5], rc=1, msg=r"metrics\.jsonl is a FIFO",
+       timeout=60)
+s.case("serve with a FIFO as --chat-template is refused at once",
+       ["serve", run, "--port", "0", "--chat-template", fifo(path("tmpl_fifo"))], rc=1, msg=r"tmpl_fifo is a FIFO",
+       timeout=60)
+
 # ---- extensions cut short ----
 if shim:
     so = open(shim, "rb").read()
