@@ -614,6 +614,7 @@ static int setup_devices(train_run *r)
     if (a->batch % r->world)
         return cli_fail("train", "--batch is the batch of all ranks together and must be a multiple of the world size");
     r->rank_batch = a->batch / r->world;
+    if (a->init && !a->resume && cli_refuse_own_input("train", a->init, a->out, false)) return 1; /* checkpoints */
     if (mkdir_p(a->out) != KILN_OK) return cli_fail("train", NULL);
     return GO_ON;
 }

@@ -129,6 +129,8 @@ s.case("export gguf over the model file, spelt another way, is refused",
 os.symlink(run, path("run_link"))
 s.case("export hf through a link to the run folder is refused", ["export", "hf", run, path("run_link")], rc=1,
        msg=r"is the input", untouched=[run])
+s.case("train --init X --out X is refused and X is untouched",
+       ["train", "--data", corpus, "--init", hf, "--out", hf] + TINY, rc=1, msg=r"is the input", untouched=[hf])
 s.case("tokenizer train over its own corpus is refused and the corpus kept",
        ["tokenizer", "train", "--data", corpus, "--vocab", "260", "--out", corpus], rc=1, msg=r"is the input",
        untouched=[corpus])
