@@ -214,6 +214,13 @@ s.case("serve with a FIFO as --chat-template is refused at once",
        ["serve", run, "--port", "0", "--chat-template", fifo(path("tmpl_fifo"))], rc=1, msg=r"tmpl_fifo is a FIFO",
        timeout=60)
 
+dump = path("dump", "train_step-0")
+os.makedirs(dump)
+fifo(os.path.join(dump, "guards.txt"))
+s.case("compile --dump into a folder with a FIFO where a dump goes warns and goes on, never blocks",
+       ["compile", "--dump", path("dump"), "--layers", "1", "--width", "32", "--heads", "2", "--context", "16",
+        "--batch", "2"], rc=0, msg=r"guards\.txt: it is a FIFO", timeout=300)
+
 # ---- extensions cut short ----
 if shim:
     so = open(shim, "rb").read()
