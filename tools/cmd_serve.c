@@ -2,14 +2,13 @@
 #include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
 #include "cli.h"
 #include "kiln/serve.h"
-
-#include <stdatomic.h>
 
 /* SIGINT and SIGTERM end kiln serve from its first moment: a start-up that is slow (a
  * large model) or stuck still ends on them, promptly, with a message; once the model is
@@ -155,7 +154,7 @@ int cmd_serve(int argc, char **argv)
         kiln_server_free(srv);
         return rc;
     }
-    atomic_store(&ready, true);
+    atomic_store(&ready, 1);
     fprintf(stderr, "kiln serve: model %s ready\n", model);
     char c;
     while (read(wake[0], &c, 1) < 0 && errno == EINTR) {
