@@ -159,6 +159,10 @@ else:
     s.case("tokenizer train on a full disk fails, the old tokenizer.json intact",
            ["tokenizer", "train", "--data", corpus, "--vocab", "270", "--out", tok], rc=1, msg=r"No space left",
            untouched=[g], env=dict(pre, FULL_DISK_MATCH="full/tok.json", FULL_DISK_BYTES="100"))
+    r6 = os.path.join(g, "plot")
+    shutil.copytree(run, r6)
+    s.case("plot on a full disk fails, the old loss.svg intact", ["plot", r6], rc=1, msg=r"No space left",
+           untouched=[g], env=dict(pre, FULL_DISK_MATCH="full/plot/loss.svg", FULL_DISK_BYTES="200"))
     r4 = os.path.join(g, "run")
     shutil.copytree(run, r4)
     model = os.path.join(r4, "model.safetensors")
