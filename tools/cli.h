@@ -31,6 +31,11 @@ int cli_load_config(const char *cmd, const cli_opt *opts, const char *path);
 /* The name among names[0..n) closest to a typo of one (a few edits away, or the only one
  * it starts), else NULL: what "did you mean" offers. */
 const char *cli_closest(const char *typo, const char *const *names, int n);
+/* 1 (after saying why on stderr) when writing out would replace what the command reads
+ * from in: the same file or folder, the folder a model file is read with, or an existing
+ * file of in's folder that a model is read from (every file there, folder_is_input: a
+ * corpus folder); else 0 (tools/cli_paths.c). */
+int cli_refuse_own_input(const char *cmd, const char *in, const char *out, bool folder_is_input);
 /* Prints "kiln CMD: MESSAGE" for the last kiln error (or msg) and returns 1. */
 int cli_fail(const char *cmd, const char *msg);
 

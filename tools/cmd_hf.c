@@ -48,6 +48,7 @@ int cmd_import(int argc, char **argv)
                       opts, argc, argv, pos, 3, &np);
     if (r) return r == 1 ? 0 : 2;
     if ((r = check_kind("import", np, pos))) return r;
+    if (cli_refuse_own_input("import", pos[1], pos[2], false)) return 1;
     kiln_init((int)threads);
     kiln_gpt_t *m;
     kiln_tokenizer_t *tok;
@@ -90,6 +91,7 @@ int cmd_export(int argc, char **argv)
     if (!q8 && (kiln_dtype_parse(dtype, &dt) != KILN_OK ||
                 !kiln_dtype_is_f32_or_half(dt)))
         return cli_fail("export", gguf ? "--dtype must be f32, bf16, f16 or q8_0" : "--dtype must be f32, bf16 or f16");
+    if (cli_refuse_own_input("export", pos[1], pos[2], false)) return 1;
     kiln_init(0);
     kiln_gpt_t *m;
     kiln_tokenizer_t *tok;

@@ -6,6 +6,7 @@
 #include <string.h>
 #include "cli.h"
 #include "core/parse.h"
+#include "io/json_file.h"
 #include "kiln/data.h"
 #include "kiln/io.h"
 #include "kiln/metrics.h"
@@ -61,6 +62,7 @@ static int tok_train(int argc, char **argv)
     };
     int r = cli_parse("tokenizer train", "[options]", opts, argc, argv, NULL, 0, NULL);
     if (r) return r == 1 ? 0 : 2;
+    if (cli_refuse_own_input("tokenizer train", data, out, true)) return 1;
     char *text;
     size_t len;
     kiln_tokenizer_t *t;
@@ -166,7 +168,7 @@ int cmd_plot(int argc, char **argv)
     snprintf(ipath, sizeof ipath, "%s/%s", pos[0], RUN_INFO);
     snprintf(rpath, sizeof rpath, "%s/%s", pos[0], RUN_ROUTER_CHART);
     double baseline = NAN;
-    json_t *info = json_load_file(ipath, 0, NULL);
+    json_t *info = kiln__json_load(ipath, 0, NULL, "plot"); /* (none: no baseline) */
     if (info && json_is_number(json_object_get(info, "unigram_entropy")))
         baseline = json_number_value(json_object_get(info, "unigram_entropy"));
     json_decref(info);

@@ -1,6 +1,8 @@
 /* kiln serve: an OpenAI-compatible HTTP server for a trained checkpoint. */
+#include <errno.h>
 #include <pthread.h>
 #include <signal.h>
+#include <stdatomic.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -8,8 +10,43 @@
 #include "cli.h"
 #include "kiln/serve.h"
 
-static volatile sig_atomic_t stop_requested;
-static void on_signal(int sig) { stop_requested = sig; }
+/* SIGINT and SIGTERM end kiln serve from its first moment: a start-up that is slow (a
+ * large model) or stuck still ends on them, promptly, with a message; once the model is
+ * ready they stop the server. Threads kiln starts have them blocked, and one thread takes
+ * them in sigwait; threads that libraries started before ours (OpenBLAS's) may take one
+ * through the handler instead. Either way stop() runs, which is async-signal-safe. */
+static sigset_t stop_signals;
+static atomic_int ready, stop_requested;
+static int wake[2] = {-1, -1}; /* the main thread waits on wake[0] once the model is ready */
+
+static void stop(int sig)
+{
+    if (!atomic_load(&ready)) {
+        static const char term[] = "kiln serve: stopped by SIGTERM during start-up\n",
+                          intr[] = "kiln serve: stopped by SIGINT during start-up\n";
+        if (sig == SIGINT) (void)!write(2, intr, sizeof intr - 1);
+        else (void)!write(2, term, sizeof term - 1);
+        _exit(128 + sig); /* the loading thread may be anywhere: nothing to unwind safely */
+    }
+    atomic_store(&stop_requested, sig);
+    char c = 1;
+    (void)!write(wake[1], &c, 1);
+}
+
+static void on_signal(int sig)
+{
+    int e = errno;
+    stop(sig);
+    errno = e;
+}
+
+static void *signal_thread(void *arg)
+{
+    (void)arg;
+    for (int sig; ;)
+        if (sigwait(&stop_signals, &sig) == 0) stop(sig);
+    return NULL;
+}
 
 int cmd_serve(int argc, char **argv)
 {
@@ -89,19 +126,24 @@ int cmd_serve(int argc, char **argv)
     o.engine.kv_dtype = kvt;
     o.engine.weight_dtype = wt;
 
-    /* SIGINT and SIGTERM are blocked in every thread, and let through only inside the
-     * main thread's sigsuspend below, so a signal that arrives early is not lost. */
+    /* SIGINT and SIGTERM: blocked here before kiln starts a thread (they inherit it) and
+     * taken by signal_thread; the handler for threads that do not block them. */
+    signal(SIGPIPE, SIG_IGN); /* a client that goes away must not end the server */
+    if (pipe(wake) != 0) return cli_fail("serve", "cannot make a pipe");
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&stop_signals);
+    sigaddset(&stop_signals, SIGINT);
+    sigaddset(&stop_signals, SIGTERM);
+    sa.sa_mask = stop_signals;
     sigaction(SIGINT, &sa, NULL);
     sigaction(SIGTERM, &sa, NULL);
-    signal(SIGPIPE, SIG_IGN); /* a client that goes away must not end the server */
-    sigset_t block, old;
-    sigemptyset(&block);
-    sigaddset(&block, SIGINT);
-    sigaddset(&block, SIGTERM);
-    pthread_sigmask(SIG_BLOCK, &block, &old); /* before any thread starts: they inherit it */
+    pthread_sigmask(SIG_BLOCK, &stop_signals, NULL);
+    pthread_t sig_thread;
+    if (pthread_create(&sig_thread, NULL, signal_thread, NULL) != 0) return cli_fail("serve", "cannot start a thread");
+    pthread_detach(sig_thread);
     if (kiln_init((int)threads) != KILN_OK) return cli_fail("serve", NULL);
 
     kiln_server_t *srv;
@@ -112,9 +154,12 @@ int cmd_serve(int argc, char **argv)
         kiln_server_free(srv);
         return rc;
     }
+    atomic_store(&ready, 1);
     fprintf(stderr, "kiln serve: model %s ready\n", model);
-    while (!stop_requested) sigsuspend(&old);
-    fprintf(stderr, "kiln serve: stopping (signal %d)\n", (int)stop_requested);
+    char c;
+    while (read(wake[0], &c, 1) < 0 && errno == EINTR) {
+    }
+    fprintf(stderr, "kiln serve: stopping (signal %d)\n", atomic_load(&stop_requested));
     kiln_server_free(srv);
     return 0;
 }

@@ -8,6 +8,7 @@
 #include "core/env.h"        /* kiln__edit_distance */
 #include "core/parse.h"      /* the one strict number parser */
 #include "core/threadpool.h" /* KILN__MAX_THREADS */
+#include "io/json_file.h" /* a regular file only: a FIFO as --config must not hang */
 
 static const struct {
     const char *name;
@@ -351,15 +352,16 @@ int cli_load_config(const char *cmd, const cli_opt *opts, const char *path)
 {
     if (!ranges_cover(cmd, opts)) return 2;
     json_error_t err;
-    json_t *root = json_load_file(path, 0, &err);
+    json_t *root = kiln__json_load(path, 0, &err, "config");
     for (size_t i = 0; root && i < sizeof config_roots / sizeof config_roots[0]; i++)
         if (!config_roots[i]) {
             config_roots[i] = root;
             break;
         }
     if (!root || !json_is_object(root)) {
-        fprintf(stderr, "kiln %s: config '%s': %s (line %d)\n", cmd, path, root ? "not a JSON object" : err.text,
-                err.line);
+        if (!root && err.line < 0) fprintf(stderr, "kiln %s: %s\n", cmd, err.text);
+        else fprintf(stderr, "kiln %s: config '%s': %s (line %d)\n", cmd, path, root ? "not a JSON object" : err.text,
+                     err.line);
         return 2;
     }
     const char *key;

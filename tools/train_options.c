@@ -11,6 +11,7 @@
 #include <sys/stat.h>
 #include "cli.h"
 #include "core/parse.h" /* the one strict number parser */
+#include "io/json_file.h" /* a regular file only: a FIFO run.json must not hang */
 #include "kiln/io.h"
 #include "train.h"
 
@@ -310,7 +311,8 @@ static int adopt_run(int argc, char **argv, train_args *a, train_folder *f)
     if (!info_path || !model_path) return cli_fail("train", "out of memory");
     struct stat st;
     f->replacing = stat(model_path, &st) == 0;
-    recorded_run = json_load_file(info_path, 0, NULL);
+    recorded_run = kiln__json_load(info_path, 0, NULL, "train"); /* (none, or not a file: no settings recorded) */
+    if (!recorded_run) kiln_clear_error();
     const json_t *kept = json_object_get(recorded_run, "options");
     f->recorded = json_is_object(kept);
     int rc = GO_ON;
@@ -428,6 +430,9 @@ int train_options_parse(int argc, char **argv, train_args *a, train_folder *f)
     *a = (train_args){0};
     int rc = parse_flags(argc, argv, a, NULL);
     if (rc == GO_ON) rc = check_options(a);
+    /* --init X --out X: said as such before the run in X is (a start that would replace
+     * the model it starts from) */
+    if (rc == GO_ON && a->init && !a->resume && cli_refuse_own_input("train", a->init, a->out, false)) rc = 1;
     if (rc == GO_ON) rc = adopt_run(argc, argv, a, f);
     if (rc == GO_ON) rc = check_options(a);
     return rc;

@@ -112,8 +112,9 @@ kiln_status kiln_hf_save(const struct kiln_gpt *m, const struct kiln_tokenizer *
  * temporary name and renamed: path is the old file or the whole new one. */
 kiln_status kiln_gguf_save(const struct kiln_gpt *m, const struct kiln_tokenizer *tok, const char *path,
                            kiln_dtype dt, bool q8_0);
-/* Whether path is a Hugging Face model folder: a folder with a config.json (kiln's run
- * folders have none). */
+/* Whether path is a Hugging Face model folder: a folder with a config.json that names a
+ * model_type (kiln's run folders have none), or with a config.json that is not a regular
+ * file (a FIFO, a folder), which the loader then refuses by name. */
 bool kiln_hf_is_folder(const char *path);
 
 #ifdef __cplusplus

@@ -7,6 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "compile/compile_impl.h"
+#include "core/file.h"
 #include "core/env.h"
 #include "core/util.h"
 
@@ -62,6 +63,11 @@ FILE *kiln__debug_open(const char *dir, const char *file)
     if (!dir || !*dir) return NULL;
     char path[1200];
     snprintf(path, sizeof path, "%s/%s", dir, file);
+    /* (a FIFO there would block the compile; a link or a device is not ours to write) */
+    if (kiln__file_check_target(path, "KILN_DEBUG_DIR") != KILN_OK) {
+        fprintf(stderr, "kiln: %s\n", kiln_last_error());
+        return NULL;
+    }
     FILE *f = fopen(path, "w");
     if (!f) fprintf(stderr, "kiln: KILN_DEBUG_DIR: cannot write %s: %s\n", path, strerror(errno));
     return f;

@@ -19,6 +19,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 #include "compile/compile_impl.h"
+#include "core/file.h"
 #include "core/env.h"
 #include "core/cache.h"
 
@@ -226,8 +227,9 @@ static kiln_status compile_into_cache(const char *src, const char *dir, uint64_t
     }
     if (s != KILN_OK) return s; /* the source and the log stay, named in the error */
     unlink(log);
-    if (rename(tmp_c, c_path) != 0 || rename(tmp_so, so) != 0) {
-        s = kiln__err(KILN_ERR_IO, "compile: cannot move the compiled kernels into %s: %s", dir, strerror(errno));
+    /* (core/file.h: never over what is not a regular file) */
+    if ((s = kiln__file_place(tmp_c, c_path, "compile")) != KILN_OK ||
+        (s = kiln__file_place(tmp_so, so, "compile")) != KILN_OK) {
         unlink(tmp_c);
         unlink(tmp_so);
     }

@@ -8,6 +8,7 @@
 #include <unistd.h>
 #include "core/cache.h"
 #include "core/env.h"
+#include "core/file.h"
 
 uint64_t kiln__fnv(uint64_t h, const void *p, size_t n)
 {
@@ -18,17 +19,7 @@ uint64_t kiln__fnv(uint64_t h, const void *p, size_t n)
 
 bool kiln__write_whole(const char *path, const void *p, size_t n)
 {
-    char tmp[4400];
-    snprintf(tmp, sizeof tmp, "%s.%d.tmp", path, (int)getpid());
-    FILE *f = fopen(tmp, "wb");
-    if (!f) return false;
-    bool ok = fwrite(p, 1, n, f) == n;
-    ok &= fclose(f) == 0;
-    if (!ok || rename(tmp, path) != 0) {
-        remove(tmp);
-        return false;
-    }
-    return true;
+    return kiln__file_write_atomic(path, p, n, "cache") == KILN_OK;
 }
 
 int kiln__make_dirs(const char *path)

@@ -10,9 +10,10 @@
 #define KILN__FNV_SEED 1469598103934665603ULL
 /* FNV-1a over n bytes, continuing from h (start from KILN__FNV_SEED). */
 uint64_t kiln__fnv(uint64_t h, const void *p, size_t n);
-/* Writes n bytes to path through a temporary name of this process, renamed into place:
- * a reader (or another process writing the same file) sees a whole file or the one
- * before. False when it could not (nothing is left behind then). */
+/* Writes n bytes to path through a temporary name of this process, renamed into place
+ * (kiln__file_write_atomic, core/file.h): a reader (or another process writing the same
+ * file) sees a whole file or the one before. False when it could not (nothing is left
+ * behind then, and the error is set). */
 bool kiln__write_whole(const char *path, const void *p, size_t n);
 /* mkdir -p; 0 or -1 with errno. */
 int kiln__make_dirs(const char *path);

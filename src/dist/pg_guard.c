@@ -7,6 +7,7 @@
  * a deadline. */
 #include <stdio.h>
 #include <stdlib.h>
+#include "core/file.h"
 #include "core/util.h"
 #include "core/env.h"
 #include "dist/pg_impl.h"
@@ -51,7 +52,8 @@ void kiln__pg_dump_ring(kiln_pg_t *pg, uint64_t waiting, char *path, size_t n)
 {
     const char *dir = kiln__env_text(KILN__ENV_DIST_DUMP_DIR);
     snprintf(path, n, "%s/kiln-dist-rank%d.txt", dir, pg->rank);
-    FILE *f = fopen(path, "w");
+    /* a regular file only: a FIFO there would block the rank that reports the hang */
+    FILE *f = kiln__file_check_target(path, "dist") == KILN_OK ? fopen(path, "w") : NULL;
     if (!f) {
         snprintf(path, n, "(not written: %s)", dir);
         return;

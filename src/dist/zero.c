@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <unistd.h>
+#include "core/file.h"
 #include "core/parse.h"
 #include "core/tensor_impl.h"
 #include "core/util.h"
@@ -249,11 +250,15 @@ kiln_status kiln_zero1_read_marker(const char *dir, int64_t *step, int *world)
 {
     char *path = marker_path(dir);
     if (!path) return kiln_error(KILN_ERR_OOM, "zero1: out of memory");
-    FILE *f = fopen(path, "r");
+    FILE *f = kiln__file_fopen_read(path, "zero1");
     long long s = -1;
     int w = 0;
     kiln_status st = KILN_OK;
-    if (!f) st = kiln_error(KILN_ERR_IO, "%s: no ZeRO-1 completion marker (%s)", path, strerror(errno));
+    if (!f) {
+        char why[512]; /* (the message is rewritten from a copy: kiln_error writes the buffer it would read) */
+        snprintf(why, sizeof why, "%s", kiln_last_error());
+        st = kiln_error(KILN_ERR_IO, "no ZeRO-1 completion marker (%s)", why);
+    }
     else if (fscanf(f, "{\"step\": %lld, \"world\": %d}", &s, &w) != 2 || s < 0 || w < 1)
         st = kiln_error(KILN_ERR_FORMAT, "%s: not a ZeRO-1 completion marker", path);
     if (f) fclose(f);
@@ -299,21 +304,11 @@ kiln_status kiln_zero1_save(kiln_zero1_t *z, const char *dir, int64_t step)
 
 kiln_status kiln_zero1_commit(const char *dir, int64_t step, int world, int64_t prev_step)
 {
-    char *path = marker_path(dir), *tmp = path ? malloc(strlen(path) + 8) : NULL;
-    if (!tmp) {
-        free(path);
-        return kiln_error(KILN_ERR_OOM, "zero1: out of memory");
-    }
-    sprintf(tmp, "%s.tmp", path);
-    FILE *f = fopen(tmp, "w");
-    kiln_status s = KILN_OK;
-    if (!f || fprintf(f, "{\"step\": %lld, \"world\": %d}\n", (long long)step, world) < 0 || fflush(f) != 0 ||
-        fsync(fileno(f)) != 0)
-        s = kiln_error(KILN_ERR_IO, "%s: cannot write the ZeRO-1 completion marker: %s", tmp, strerror(errno));
-    if (f) fclose(f);
-    if (s == KILN_OK && rename(tmp, path) != 0)
-        s = kiln_error(KILN_ERR_IO, "%s: cannot put the completion marker in place: %s", path, strerror(errno));
-    free(tmp);
+    char *path = marker_path(dir), text[96];
+    if (!path) return kiln_error(KILN_ERR_OOM, "zero1: out of memory");
+    int n = snprintf(text, sizeof text, "{\"step\": %lld, \"world\": %d}\n", (long long)step, world);
+    /* whole or not at all (core/file.h): a marker names a complete set of shards */
+    kiln_status s = kiln__file_write_atomic(path, text, (size_t)n, "zero1: the completion marker");
     free(path);
     /* The previous step's shards are now unreferenced. */
     for (int r = 0; s == KILN_OK && prev_step >= 0 && prev_step != step; r++) {

@@ -16,6 +16,7 @@
 #include <time.h>
 #include <unistd.h>
 #include "core/cache.h"
+#include "core/file.h"
 #include "ext/ext_impl.h"
 #include "kiln/ext.h"
 
@@ -77,7 +78,7 @@ static bool up_to_date(const char *obj, const char *src, const char *dep, bool h
     double t = mtime(obj);
     if (t < 0 || mtime(src) < 0 || mtime(src) > t) return false;
     if (!has_dep) return true;
-    FILE *f = fopen(dep, "r");
+    FILE *f = kiln__file_fopen_read(dep, "ext_build");
     if (!f) return false;
     char word[4096];
     bool ok = true, past_colon = false;
@@ -106,11 +107,12 @@ typedef struct {
     int status;
 } job;
 
-/* FNV-1a of the command and of the source's bytes; 0 when the source cannot be read. */
+/* FNV-1a of the command and of the source's bytes; 0 when the source cannot be read
+ * (a regular file only: a FIFO would block the build), with the error set. */
 static uint64_t hash_of(const char *cmd, const char *src)
 {
     uint64_t h = kiln__fnv(KILN__FNV_SEED, cmd, strlen(cmd) + 1);
-    FILE *f = fopen(src, "rb");
+    FILE *f = kiln__file_fopen_read(src, "ext_build");
     if (!f) return 0;
     unsigned char buf[1 << 14];
     for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) h = kiln__fnv(h, buf, n);
@@ -125,7 +127,7 @@ static bool current(const job *j)
     char stamp[4400], text[32] = "", want[32];
     snprintf(stamp, sizeof stamp, "%s.stamp", j->obj);
     snprintf(want, sizeof want, "%016llx", (unsigned long long)j->hash);
-    FILE *f = fopen(stamp, "r");
+    FILE *f = kiln__file_fopen_read(stamp, "ext_build");
     bool same = f && fgets(text, sizeof text, f) && !strncmp(text, want, 16);
     if (f) fclose(f);
     return same && up_to_date(j->obj, j->src, j->dep, *j->lang->depfile != 0);
@@ -283,7 +285,7 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
         j->hash = hash_of(named, sources[i]);
         free(named);
         if (!j->hash) {
-            s = kiln_error(KILN_ERR_IO, "%s: cannot read it: %s", sources[i], strerror(errno));
+            s = kiln_last_status(); /* (hash_of named the source and why) */
             break;
         }
         if (current(j)) {
@@ -309,8 +311,9 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
             s = failed(what, j->cmd, j->status, log);
             free(log);
         }
-        if (s == KILN_OK && (rename(j->tmp, j->obj) != 0 || (*j->lang->depfile && rename(tmp_dep, j->dep) != 0)))
-            s = kiln_error(KILN_ERR_IO, "%s: cannot put its object in place at %s: %s", j->src, j->obj, strerror(errno));
+        /* (core/file.h: never over what is not a regular file) */
+        if (s == KILN_OK && (s = kiln__file_place(j->tmp, j->obj, "ext_build")) == KILN_OK && *j->lang->depfile)
+            s = kiln__file_place(tmp_dep, j->dep, "ext_build");
         snprintf(stamp, sizeof stamp, "%s.stamp", j->obj);
         snprintf(hex, sizeof hex, "%016llx\n", (unsigned long long)j->hash);
         /* without the stamp the next build compiles again: no harm */
@@ -333,9 +336,8 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
         char *log = NULL;
         int st = run(link, &log);
         if (st != 0) s = failed("the module's link", link, st, log);
-        else if (rename(tmp_mod, mod) != 0)
-            s = kiln_error(KILN_ERR_IO, "ext_build: cannot put the module in place at %s: %s", mod, strerror(errno));
-        else kiln__write_whole(mod_stamp, link_hex, strlen(link_hex));
+        else if ((s = kiln__file_place(tmp_mod, mod, "ext_build")) == KILN_OK)
+            kiln__write_whole(mod_stamp, link_hex, strlen(link_hex));
         remove(tmp_mod);
         free(log);
     }

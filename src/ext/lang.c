@@ -10,6 +10,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include "ext/ext_impl.h"
+#include "io/json_file.h"
 #include "kiln/ext.h"
 
 /* The languages kiln ships. {include} is kiln's header folder, so that a source can
@@ -138,11 +139,11 @@ static kiln_status parse_entry(kiln_ext_langs_t *t, const char *path, size_t k, 
 static kiln_status load_file(kiln_ext_langs_t *t, const char *path)
 {
     json_error_t err;
-    json_t *root = json_load_file(path, JSON_REJECT_DUPLICATES, &err);
+    json_t *root = kiln__json_load(path, JSON_REJECT_DUPLICATES, &err, "languages");
     if (!root) {
         struct stat st;
         return stat(path, &st) ? kiln_error(KILN_ERR_IO, "%s: cannot read it: %s", path, strerror(errno))
-                               : kiln_error(KILN_ERR_FORMAT, "%s: line %d: %s", path, err.line, err.text);
+                               : kiln_last_status(); /* not a regular file, or its line and what is wrong */
     }
     json_t *list = json_object_get(root, "languages");
     kiln_status s = json_is_array(list) ? KILN_OK

@@ -2,12 +2,16 @@
  * built for, and its kiln_ext_init run with a view of its folder (the .cl sources the
  * build copied there). Modules stay loaded: their ops' kernels are their code. */
 #include <dlfcn.h>
+#include <elf.h>
+#include <link.h>
 #include <errno.h>
 #include <limits.h>
 #include <pthread.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
+#include "core/file.h"
 #include "kiln/ext.h"
 #include "kiln/data.h"
 
@@ -48,6 +52,86 @@ static int n_loaded;
 static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static _Thread_local bool in_init; /* a module's kiln_ext_init is running on this thread */
 
+/* The ELF machine this program runs on (0: not checked). */
+#if defined(__x86_64__)
+#define HOST_MACHINE EM_X86_64
+#elif defined(__aarch64__)
+#define HOST_MACHINE EM_AARCH64
+#elif defined(__i386__)
+#define HOST_MACHINE EM_386
+#elif defined(__powerpc64__)
+#define HOST_MACHINE EM_PPC64
+#elif defined(__riscv)
+#define HOST_MACHINE EM_RISCV
+#else
+#define HOST_MACHINE 0
+#endif
+
+static bool within(uint64_t off, uint64_t count, uint64_t size, uint64_t file)
+{
+    return off <= file && (size == 0 || count <= (file - off) / size);
+}
+
+/* Why the ELF header eh is not of a shared object this program can load, or NULL. */
+static const char *not_ours(const ElfW(Ehdr) *eh, char *buf, size_t n)
+{
+    if (eh->e_ident[EI_CLASS] != (sizeof(void *) == 8 ? ELFCLASS64 : ELFCLASS32))
+        return "an ELF file of the other word size";
+    if (eh->e_type != ET_DYN) return "an ELF file that is not a shared object";
+    if (HOST_MACHINE && eh->e_machine != HOST_MACHINE) {
+        snprintf(buf, n, "built for ELF machine %u, this one is %u", (unsigned)eh->e_machine, (unsigned)HOST_MACHINE);
+        return buf;
+    }
+    return NULL;
+}
+
+/* Why the file (fd, file bytes) is cut short of what its header eh describes, or NULL. */
+static const char *cut_short(int fd, const ElfW(Ehdr) *eh, uint64_t file, char *buf, size_t n)
+{
+    ElfW(Phdr) ph;
+    if (eh->e_phentsize != sizeof ph || eh->e_phnum == 0 || !within(eh->e_phoff, eh->e_phnum, eh->e_phentsize, file))
+        return "its program headers lie past the end of the file";
+    if (eh->e_shoff &&
+        (eh->e_shentsize != sizeof(ElfW(Shdr)) || !within(eh->e_shoff, eh->e_shnum, eh->e_shentsize, file)))
+        return "its section headers lie past the end of the file";
+    for (unsigned i = 0; i < eh->e_phnum; i++) {
+        if (pread(fd, &ph, sizeof ph, (off_t)(eh->e_phoff + (uint64_t)i * sizeof ph)) != (ssize_t)sizeof ph)
+            return "its program headers cannot be read";
+        if (ph.p_type != PT_NULL && !within(ph.p_offset, ph.p_filesz, 1, file)) {
+            snprintf(buf, n, "segment %u, bytes %llu to %llu, lies past the end", i, (unsigned long long)ph.p_offset,
+                     (unsigned long long)(ph.p_offset + ph.p_filesz));
+            return buf;
+        }
+    }
+    return NULL;
+}
+
+/* dlopen maps a module and reads its headers where they say they are: a file cut short
+ * (a copy that stopped, a build that died while linking) faults inside the loader
+ * (SIGBUS), which no error can report. So the headers are checked against the file's
+ * size first: an ELF shared object of this machine's class and machine, whose program
+ * and section header tables and every segment's bytes lie within the file. */
+static kiln_status check_elf(const char *real, const char *path)
+{
+    int64_t size = 0;
+    int fd = kiln__file_open_read(real, "ext_load", &size);
+    if (fd < 0) return kiln_last_status();
+    ElfW(Ehdr) eh;
+    char buf[160];
+    const char *other = NULL, *cut = NULL;
+    ssize_t got = pread(fd, &eh, sizeof eh, 0);
+    if (got >= SELFMAG && memcmp(eh.e_ident, ELFMAG, SELFMAG)) other = "not an ELF file";
+    else if (got != (ssize_t)sizeof eh) cut = "shorter than an ELF header";
+    else if (!(other = not_ours(&eh, buf, sizeof buf))) cut = cut_short(fd, &eh, (uint64_t)size, buf, sizeof buf);
+    close(fd);
+    if (other)
+        return kiln_error(KILN_ERR_FORMAT, "ext_load: %s is not a module this program can load: %s", path, other);
+    if (cut)
+        return kiln_error(KILN_ERR_FORMAT, "ext_load: %s is not a module this program can load: not a complete shared "
+                          "object (%lld bytes: %s)", path, (long long)size, cut);
+    return KILN_OK;
+}
+
 static kiln_status load(const char *path, int *n_ops)
 {
     char real[PATH_MAX];
@@ -60,6 +144,8 @@ static kiln_status load(const char *path, int *n_ops)
                              : KILN_OK;
     if (n_loaded == (int)(sizeof loaded / sizeof loaded[0]))
         return kiln_error(KILN_ERR_ARG, "ext_load: %s: %d modules are loaded already", path, n_loaded);
+    kiln_status c = check_elf(real, path);
+    if (c != KILN_OK) return c;
     dlerror();
     void *h = dlopen(real, RTLD_NOW | RTLD_LOCAL);
     if (!h) {

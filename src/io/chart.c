@@ -11,6 +11,7 @@
 #include <string.h>
 #include <unistd.h>
 
+#include "core/file.h"
 #include "core/util.h"
 #include "io/chart_impl.h"
 
@@ -402,40 +403,6 @@ static void build_svg(strbuf *b, const kiln__chart *c)
     KILN__FREE(count, e);
 }
 
-/* Writes data to a fresh temporary file beside path and renames it over path. */
-static kiln_status write_atomically(const char *path, const char *data, size_t len, const char *who)
-{
-    static atomic_uint counter;
-    size_t plen = strlen(path) + 48;
-    char *tmp = malloc(plen);
-    if (!tmp) return kiln_error(KILN_ERR_OOM, "%s: out of memory", who);
-    snprintf(tmp, plen, "%s.tmp.%ld.%u", path, (long)getpid(), atomic_fetch_add(&counter, 1));
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_EXCL, 0666);
-    if (fd < 0) {
-        kiln_status st = kiln_error(KILN_ERR_IO, "%s: cannot create '%s': %s", who, tmp, strerror(errno));
-        free(tmp);
-        return st;
-    }
-    size_t done = 0;
-    while (done < len) {
-        ssize_t k = write(fd, data + done, len - done);
-        if (k < 0 && errno == EINTR) continue;
-        if (k <= 0) break;
-        done += (size_t)k;
-    }
-    int err = done == len ? 0 : errno ? errno : EIO;
-    if (!err && fsync(fd) != 0) err = errno;
-    if (close(fd) != 0 && !err) err = errno;
-    if (!err && rename(tmp, path) != 0) err = errno;
-    if (err) {
-        unlink(tmp);
-        free(tmp);
-        return kiln_error(KILN_ERR_IO, "%s: cannot write '%s': %s", who, path, strerror(err));
-    }
-    free(tmp);
-    return KILN_OK;
-}
-
 kiln_status kiln__chart_write_svg(const kiln__chart *c, const char *svg_path, const char *who)
 {
     /* SVG numbers need a '.' decimal point whatever locale the program has set. */
@@ -451,7 +418,7 @@ kiln_status kiln__chart_write_svg(const kiln__chart *c, const char *svg_path, co
         free(b.s);
         return kiln_error(KILN_ERR_OOM, "%s: out of memory building the chart", who);
     }
-    kiln_status st = write_atomically(svg_path, b.s, b.n, who);
+    kiln_status st = kiln__file_write_atomic(svg_path, b.s, b.n, who);
     free(b.s);
     return st;
 }

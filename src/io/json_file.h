@@ -1,7 +1,9 @@
-/* JSON files read the same way everywhere (config.json, tokenizer_config.json, run.json,
- * languages.json, option files): only a regular file is opened (a FIFO, a device or a
- * directory is refused without blocking on it), its size is bounded, and a parse error
- * keeps its line and column, with a UTF-8 byte-order mark named as such. */
+/* JSON files read the same way everywhere (config.json, tokenizer_config.json, shard
+ * indexes, run.json, languages.json, option files): through core's regular-file check
+ * (core/file.h: a FIFO, a device or a directory is refused without blocking on it),
+ * read whole, and parsed by jansson; a parse error keeps its line and column, and an
+ * empty file or a UTF-8 byte-order mark is named as such. jansson's json_load_file would
+ * block on a FIFO and read a device. */
 #ifndef KILN_IO_JSON_FILE_H
 #define KILN_IO_JSON_FILE_H
 
@@ -14,11 +16,11 @@
  * few MiB (added tokens), configs to a few KiB. */
 #define KILN__JSON_FILE_MAX ((size_t)256 << 20)
 
-/* Parses the file at path into *out (a new reference; the caller decrefs). flags are
- * jansson's decoding flags. Errors: KILN_ERR_IO when it cannot be opened or read, or is
- * not a regular file (the message says what it is); KILN_ERR_FORMAT for bad JSON, with
- * the file, line and column and the parser's reason. *out is NULL on failure. */
-kiln_status kiln__json_load(const char *path, size_t flags, json_t **out);
+/* json_load_file(path, flags, err) for a regular file only. NULL on failure, with
+ * kiln's error set ("WHO: PATH is a FIFO, not a regular file"; "PATH: line L, column C:
+ * the parser's reason"), and err (may be NULL) filled as jansson fills it (line -1 when
+ * the file could not be opened or read: then err->text is the reason). */
+json_t *kiln__json_load(const char *path, size_t flags, json_error_t *err, const char *who);
 
 /* Whether path exists in any form (a dangling or looping link included). */
 bool kiln__path_exists(const char *path);

@@ -16,6 +16,7 @@
 
 #include <jansson.h>
 
+#include "core/file.h"
 #include "core/util.h"
 #include "io/chart_impl.h"
 #include "kiln/metrics.h"
@@ -54,9 +55,16 @@ kiln_status kiln_metrics_open(const char *path, bool append, kiln_metrics_t **ou
 {
     if (!path || !out) return kiln_error(KILN_ERR_ARG, "metrics_open: path and out must not be NULL");
     *out = NULL;
-    /* "a+" so that we can look at the last byte; writes still always go to the end. */
-    FILE *f = fopen(path, append ? "a+" : "w");
-    if (!f) return kiln_error(KILN_ERR_IO, "metrics_open: cannot open '%s': %s", path, strerror(errno));
+    /* A regular file only (core/file.h: a FIFO would block, a device swallow the rows);
+     * "a+" so that we can look at the last byte; writes still always go to the end. */
+    int fd = kiln__file_open_append(path, "metrics_open");
+    if (fd < 0) return kiln_last_status();
+    FILE *f = !append && ftruncate(fd, 0) != 0 ? NULL : fdopen(fd, "a+");
+    if (!f) {
+        kiln_status s = kiln_error(KILN_ERR_IO, "metrics_open: cannot open '%s': %s", path, strerror(errno));
+        close(fd);
+        return s;
+    }
     if (append && fseek(f, -1, SEEK_END) == 0) {
         int last = fgetc(f);
         /* A run that died mid-write leaves a partial line; start ours on a fresh one so
@@ -140,8 +148,8 @@ typedef kiln_status (*line_fn)(json_t *obj, int64_t step, void *ctx, char *why, 
  * line number. who starts the other messages. */
 static kiln_status each_line(const char *path, const char *who, line_fn fn, void *ctx)
 {
-    FILE *f = fopen(path, "r");
-    if (!f) return kiln_error(KILN_ERR_IO, "%s: cannot open '%s': %s", who, path, strerror(errno));
+    FILE *f = kiln__file_fopen_read(path, who);
+    if (!f) return kiln_last_status();
     size_t lineno = 0;
     char *line = NULL;
     size_t line_cap = 0;

@@ -21,6 +21,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include "core/file.h"
 #include "core/util.h"
 #include "kiln/io.h"
 
@@ -350,9 +351,10 @@ kiln_status kiln_safetensors_load(const char *path, kiln_safetensors_t **out)
         free(f);
         return kiln_error(KILN_ERR_OOM, "safetensors_load: out of memory");
     }
-    int fd = open(path, O_RDONLY | O_CLOEXEC);
+    /* a regular file only: a FIFO would block the open, a device the mapping */
+    int fd = kiln__file_open_read(path, "safetensors", NULL);
     if (fd < 0) {
-        kiln_status s = kiln_error(KILN_ERR_IO, "safetensors: cannot open %s: %s", path, strerror(errno));
+        kiln_status s = kiln_last_status();
         kiln_safetensors_free(f);
         return s;
     }
@@ -522,30 +524,6 @@ static kiln_status check_save_args(const char *path, const char *const *names, k
     return KILN_OK;
 }
 
-/* fsync of the directory makes the rename itself durable. */
-static kiln_status sync_dir(const char *path)
-{
-    const char *slash = strrchr(path, '/');
-    char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
-    if (!dir) return kiln_error(KILN_ERR_OOM, "safetensors_save: out of memory");
-    kiln_status s = KILN_OK;
-    int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-    /* Some file systems cannot fsync a directory (EINVAL); the file itself is safe. */
-    if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL))
-        s = kiln_error(KILN_ERR_IO, "safetensors: %s was written, but syncing directory %s failed: %s", path, dir,
-                      strerror(errno));
-    if (fd >= 0) close(fd);
-    free(dir);
-    return s;
-}
-
-static kiln_status write_all(FILE *fp, const char *tmp, const void *p, size_t n)
-{
-    if (n && fwrite(p, 1, n, fp) != n)
-        return kiln_error(KILN_ERR_IO, "safetensors: cannot write %s: %s", tmp, strerror(errno));
-    return KILN_OK;
-}
-
 kiln_status kiln_safetensors_save(const char *path, const char *const *names, kiln_tensor_t *const *tensors, int n,
                                   const char *const *meta)
 {
@@ -562,34 +540,23 @@ kiln_status kiln_safetensors_save(const char *path, const char *const *names, ki
     qsort(order, (size_t)n, sizeof *order, order_cmp);
     size_t hlen = 0;
     char *header = build_header(names, tensors, order, n, meta, &hlen);
-    char *tmp = NULL;
     void *scratch = NULL;
-    FILE *fp = NULL;
+    kiln__afile af;
     if (!header) {
         s = kiln_last_status();
         goto done;
     }
-    size_t tmp_len = strlen(path) + 32;
-    if (!(tmp = malloc(tmp_len)) || !(scratch = malloc(max_bytes ? max_bytes : 1))) {
+    if (!(scratch = malloc(max_bytes ? max_bytes : 1))) {
         s = kiln_error(KILN_ERR_OOM, "safetensors_save: out of memory for %zu bytes", max_bytes);
         goto done;
     }
-    snprintf(tmp, tmp_len, "%s.tmp.%ld", path, (long)getpid());
-    int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0666);
-    if (fd < 0) {
-        s = kiln_error(KILN_ERR_IO, "safetensors: cannot create %s: %s", tmp, strerror(errno));
-        goto done;
-    }
-    if (!(fp = fdopen(fd, "wb"))) {
-        s = kiln_error(KILN_ERR_IO, "safetensors: cannot open %s: %s", tmp, strerror(errno));
-        close(fd);
-        unlink(tmp);
-        goto done;
-    }
+    /* a temporary beside path, renamed over it when whole (core/file.h): the old file,
+     * if any, is never touched before then */
+    if ((s = kiln__afile_begin(&af, path, "safetensors")) != KILN_OK) goto done;
     unsigned char lenbuf[8];
     for (int i = 0; i < 8; i++) lenbuf[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
-    s = write_all(fp, tmp, lenbuf, 8);
-    if (s == KILN_OK) s = write_all(fp, tmp, header, hlen);
+    s = kiln__afile_write(&af, lenbuf, 8);
+    if (s == KILN_OK) s = kiln__afile_write(&af, header, hlen);
     /* Tensors on a device come through the scratch buffer: pinned, where that device's
      * backend can pin host memory, for faster copies; as it is where it cannot. */
     const char *dev = NULL;
@@ -601,23 +568,12 @@ kiln_status kiln_safetensors_save(const char *path, const char *const *names, ki
         const kiln_tensor_t *t = tensors[order[k].index];
         size_t nb = kiln_tensor_nbytes(t);
         s = kiln_tensor_to_host(t, scratch, nb);
-        if (s == KILN_OK) s = write_all(fp, tmp, scratch, nb);
+        if (s == KILN_OK) s = kiln__afile_write(&af, scratch, nb);
     }
     if (pinned) kiln_host_unpin(dev, scratch);
-    if (s == KILN_OK && fflush(fp) != 0)
-        s = kiln_error(KILN_ERR_IO, "safetensors: cannot write %s: %s", tmp, strerror(errno));
-    if (s == KILN_OK && fsync(fileno(fp)) != 0)
-        s = kiln_error(KILN_ERR_IO, "safetensors: cannot sync %s: %s", tmp, strerror(errno));
-    if (fclose(fp) != 0 && s == KILN_OK)
-        s = kiln_error(KILN_ERR_IO, "safetensors: cannot close %s: %s", tmp, strerror(errno));
-    if (s == KILN_OK && rename(tmp, path) != 0)
-        s = kiln_error(KILN_ERR_IO, "safetensors: cannot rename %s to %s: %s", tmp, path, strerror(errno));
-    if (s != KILN_OK) {
-        unlink(tmp); /* the old file, if any, was never touched */
-        goto done;
-    }
-    s = sync_dir(path);
+    if (s == KILN_OK) s = kiln__afile_commit(&af);
+    else kiln__afile_abort(&af);
 done:
-    KILN__FREE(scratch, tmp, header, order);
+    KILN__FREE(scratch, header, order);
     return s;
 }

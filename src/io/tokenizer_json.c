@@ -7,6 +7,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include "core/file.h"
 #include "core/util.h"
 #include "io/tokenizer_impl.h"
 
@@ -273,25 +274,12 @@ kiln_status kiln_tokenizer_save(const kiln_tokenizer_t *t, const char *path)
     json_t *root = tokenizer_json(t, path);
     if (!root)
         return kiln_last_status();
-    /* Write a sibling file and rename it, so a reader never sees half a tokenizer. */
-    size_t n = strlen(path) + 8;
-    char *tmp = malloc(n);
-    if (!tmp) {
-        json_decref(root);
-        return kiln_error(KILN_ERR_OOM, "kiln_tokenizer_save: out of memory");
-    }
-    snprintf(tmp, n, "%s.tmp", path);
-    kiln_status st = KILN_OK;
-    errno = 0;
-    if (json_dump_file(root, tmp, JSON_INDENT(2) | JSON_PRESERVE_ORDER) != 0) {
-        st = kiln_error(KILN_ERR_IO, "kiln_tokenizer_save: cannot write %s: %s", tmp,
-                       errno ? strerror(errno) : "write failed");
-        remove(tmp);
-    } else if (rename(tmp, path) != 0) {
-        st = kiln_error(KILN_ERR_IO, "kiln_tokenizer_save: cannot rename %s to %s: %s", tmp, path, strerror(errno));
-        remove(tmp);
-    }
-    free(tmp);
+    /* Written whole beside the target and renamed, so a reader never sees half a
+     * tokenizer (core/file.h). */
+    char *text = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
+    kiln_status st = text ? kiln__file_write_atomic(path, text, strlen(text), "kiln_tokenizer_save")
+                          : kiln_error(KILN_ERR_OOM, "kiln_tokenizer_save: out of memory");
+    free(text);
     json_decref(root);
     return st;
 }
@@ -963,9 +951,9 @@ kiln_status kiln_tokenizer_load(const char *path, kiln_tokenizer_t **out)
     if (!path)
         return kiln_error(KILN_ERR_ARG, "kiln_tokenizer_load: path is NULL");
     kiln_status st = KILN_OK;
-    FILE *f = fopen(path, "rb");
+    FILE *f = kiln__file_fopen_read(path, "kiln_tokenizer_load"); /* a regular file only */
     if (!f)
-        return LOAD_FAIL(KILN_ERR_IO, "cannot open %s: %s", path, strerror(errno));
+        return kiln_last_status();
     json_error_t je;
     json_t *root = json_loadf(f, 0, &je);
     fclose(f);

@@ -24,6 +24,7 @@
 #include "kiln/nn.h"
 #include "kiln/ops.h"
 #include "kiln/tokenizer.h"
+#include "core/file.h"
 #include "nn/names.h"
 
 enum { G_U32 = 4, G_I32 = 5, G_F32 = 6, G_BOOL = 7, G_STR = 8, G_ARR = 9 };  /* GGUF value types */
@@ -482,18 +483,7 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
         if (s == KILN_OK && b.failed) s = kiln_error(KILN_ERR_OOM, "gguf: out of memory");
     }
     /* written whole to a temporary name, then renamed: the file is the old one or the new */
-    char tmp[4200];
-    snprintf(tmp, sizeof tmp, "%s.tmp.%d", path, (int)getpid());
-    FILE *f = s == KILN_OK ? fopen(tmp, "wb") : NULL;
-    if (s == KILN_OK && !f) s = kiln_error(KILN_ERR_IO, "gguf: cannot write %s: %s", tmp, strerror(errno));
-    if (f) {
-        bool ok = fwrite(b.p, 1, b.n, f) == b.n;
-        ok = fclose(f) == 0 && ok;
-        if (!ok || rename(tmp, path) != 0) {
-            s = kiln_error(KILN_ERR_IO, "gguf: cannot write %s: %s", path, strerror(errno));
-            unlink(tmp);
-        }
-    }
+    if (s == KILN_OK) s = kiln__file_write_atomic(path, b.p, b.n, "gguf");
     free(b.p);
     for (int k = 0; ts && k < nt; k++) free(ts[k].data);
     free(ts);

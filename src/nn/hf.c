@@ -19,6 +19,7 @@
 #include "kiln/nn.h"
 #include "kiln/ops.h"
 #include "kiln/tokenizer.h"
+#include "core/file.h"
 #include "io/json_file.h"
 #include "nn/names.h"
 
@@ -226,8 +227,8 @@ static kiln_status read_config(const char *dir, kiln_gpt_config *g, kiln__family
     hf_config c = {file, NULL};
     if (!kiln__path_exists(file))
         return kiln_error(KILN_ERR_IO, "%s: no such file: not a Hugging Face model folder", file);
-    kiln_status s = kiln__json_load(file, JSON_REJECT_DUPLICATES, &c.root);
-    if (s != KILN_OK) return s;
+    if (!(c.root = kiln__json_load(file, JSON_REJECT_DUPLICATES, NULL, "hf"))) return kiln_last_status();
+    kiln_status s = KILN_OK;
     char q[48];
     const char *type = cfg_str(&c, "model_type");
     if (!json_is_object(c.root)) s = kiln_error(KILN_ERR_FORMAT, "%s: not a JSON object", file);
@@ -293,11 +294,10 @@ static kiln_status weights_open(hf_weights *w)
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", w->dir);
     struct stat st;
     if (stat(path, &st) != 0) return weights_add(w, "model.safetensors");
-    json_t *root = NULL;
-    kiln_status s = kiln__json_load(path, JSON_REJECT_DUPLICATES, &root);
-    if (s != KILN_OK) return s;
+    json_t *root = kiln__json_load(path, JSON_REJECT_DUPLICATES, NULL, "hf");
+    if (!root) return kiln_last_status();
     json_t *map = json_object_get(root, "weight_map");
-    s = json_is_object(map) ? KILN_OK : kiln_error(KILN_ERR_FORMAT, "%s: no 'weight_map' object", path);
+    kiln_status s = json_is_object(map) ? KILN_OK : kiln_error(KILN_ERR_FORMAT, "%s: no 'weight_map' object", path);
     const char *key;
     json_t *v;
     /* the distinct shard names, in the order first met */
@@ -615,8 +615,8 @@ static kiln_status remove_stale(const char *dir, bool new_tokenizer)
 {
     char path[4200];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-    json_t *root = NULL;
-    if (kiln__json_load(path, 0, &root) != KILN_OK) kiln_clear_error(); /* (none, or not ours to read: kept) */
+    json_t *root = kiln__json_load(path, 0, NULL, "hf_save"); /* none, or not one: nothing to follow */
+    if (!root) kiln_clear_error();
     const char *key;
     json_t *v;
     json_object_foreach(json_object_get(root, "weight_map"), key, v)
@@ -704,8 +704,10 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
         json_object_set_new(cj, "eos_token_id", eot >= 0 ? json_integer(eot) : json_null());
     }
     snprintf(path, sizeof path, "%s/config.json", dir);
-    if (s == KILN_OK && (!cj || json_dump_file(cj, path, JSON_INDENT(2) | JSON_SORT_KEYS) != 0))
-        s = kiln_error(KILN_ERR_IO, "hf_save: cannot write %s", path);
+    char *text = s == KILN_OK && cj ? json_dumps(cj, JSON_INDENT(2) | JSON_SORT_KEYS) : NULL;
+    if (s == KILN_OK && !text) s = kiln_error(KILN_ERR_OOM, "hf_save: out of memory for %s", path);
+    if (s == KILN_OK) s = kiln__file_write_atomic(path, text, strlen(text), "hf_save");
+    free(text);
     json_decref(cj);
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
     if (s == KILN_OK && tok) s = kiln_tokenizer_save(tok, path);
@@ -728,9 +730,8 @@ bool kiln_hf_is_folder(const char *path)
      * files does not). One that cannot be read or parsed is taken as Hugging Face's too,
      * so that loading it reports what is wrong with it rather than a missing checkpoint
      * (an option file beside a kiln checkpoint is never a broken one that matters). */
-    json_t *root = NULL;
-    kiln_status s = kiln__json_load(file, 0, &root);
-    bool hf = s != KILN_OK || !json_is_object(root) || json_object_get(root, "model_type") ||
+    json_t *root = kiln__json_load(file, 0, NULL, "hf");
+    bool hf = !root || !json_is_object(root) || json_object_get(root, "model_type") ||
               json_object_get(root, "architectures");
     json_decref(root);
     kiln_clear_error();

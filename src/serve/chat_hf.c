@@ -6,8 +6,10 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include "kiln/serve.h"
+#include <sys/stat.h>
+#include "core/file.h"
 #include "io/json_file.h"
+#include "kiln/serve.h"
 #include "serve/openai.h"
 
 kiln_status kiln__chat_template_resolve(const char *what, char **out)
@@ -17,7 +19,9 @@ kiln_status kiln__chat_template_resolve(const char *what, char **out)
         *out = strdup(named ? named : what);
         return *out ? KILN_OK : kiln_error(KILN_ERR_OOM, "chat template: out of memory");
     }
-    FILE *f = fopen(what, "rb");
+    struct stat st;
+    FILE *f = kiln__file_fopen_read(what, "--chat-template"); /* a regular file only: never a FIFO's wait */
+    if (!f && stat(what, &st) == 0) return kiln_last_status();
     if (!f)
         return kiln_error(KILN_ERR_IO, "--chat-template %s: not a family (chatml, llama3, mistral), a JSON template or "
                           "a file that can be read", what);
@@ -39,8 +43,7 @@ kiln_status kiln_chat_template_from_hf(const char *dir, char **out)
     /* no tokenizer_config.json: no template; one that is there but broken is an error
      * naming what is wrong with it, not a silent fallback */
     if (!kiln__path_exists(path)) return KILN_OK;
-    kiln_status ls = kiln__json_load(path, 0, &root);
-    if (ls != KILN_OK) return ls;
+    if (!(root = kiln__json_load(path, 0, NULL, "chat template"))) return kiln_last_status();
     json_t *t = json_object_get(root, "chat_template");
     if (json_is_array(t)) { /* named templates: the "default" one, else the first */
         json_t *pick = json_array_get(t, 0), *e;

@@ -14,6 +14,9 @@ checks the exit status (an int, or a collection of allowed ones; a signal death 
 always a failure), that the combined output matches msg (a regex, searched), and that
 every path listed in `untouched` has the same content, type and mode after as before
 (files and folders, recursively). It returns the CompletedProcess for further checks.
+
+s.args.shim is the LD_PRELOAD module of tests/hostile/shim.c (a disk that fills up, an
+fsync that fails, a file slow to open), or None where the suite was run without it.
 """
 import argparse
 import hashlib
@@ -57,6 +60,7 @@ class Suite:
         ap = argparse.ArgumentParser(description=doc)
         ap.add_argument("--kiln", required=True)
         ap.add_argument("--workdir", required=True)
+        ap.add_argument("--shim", help="the LD_PRELOAD module of a full disk and a slow file (shim.c)")
         self.args = ap.parse_args()
         self.kiln = os.path.abspath(self.args.kiln)
         self.work = os.path.abspath(self.args.workdir)

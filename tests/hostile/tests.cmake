@@ -6,12 +6,17 @@ if(NOT KILN_PYTHON3)
   find_program(KILN_PYTHON3 python3)
 endif()
 if(KILN_PYTHON3)
+  # A disk that fills up, for the save cases, and a file slow to open, for the signal
+  # cases (shim.c: an LD_PRELOAD module, so it runs wherever the suite does, without
+  # the right to mount a small tmpfs).
+  add_library(hostile_shim MODULE tests/hostile/shim.c)
+  target_link_libraries(hostile_shim PRIVATE ${CMAKE_DL_LIBS})
   file(GLOB KILN_HOSTILE_TESTS ${CMAKE_SOURCE_DIR}/tests/hostile/test_*.py)
   foreach(t ${KILN_HOSTILE_TESTS})
     get_filename_component(n ${t} NAME_WE)
     string(REPLACE "test_" "hostile_" n ${n})
     add_test(NAME ${n} COMMAND ${KILN_PYTHON3} ${t} --kiln $<TARGET_FILE:kiln_tool>
-             --workdir ${CMAKE_BINARY_DIR}/hostile-tests/${n})
+             --workdir ${CMAKE_BINARY_DIR}/hostile-tests/${n} --shim $<TARGET_FILE:hostile_shim>)
     set_tests_properties(${n} PROPERTIES TIMEOUT 600 LABELS hostile ENVIRONMENT "${KILN_LSAN_ENV}")
   endforeach()
 endif()
