@@ -146,16 +146,19 @@ int cmd_serve(int argc, char **argv)
     pthread_detach(sig_thread);
     if (kiln_init((int)threads) != KILN_OK) return cli_fail("serve", NULL);
 
+    /* The model is loaded and checked first, then the port is bound, and only then is
+     * "listening" said: a model that does not load never gets a URL printed, and a
+     * port in use is said in one line. */
     kiln_server_t *srv;
-    if (kiln_server_start(&o, &srv) != KILN_OK) return cli_fail("serve", NULL);
-    fprintf(stderr, "kiln serve: listening on http://%s:%d\n", host, kiln_server_port(srv));
-    if (kiln_server_load(srv, model) != KILN_OK) {
+    if (kiln_server_new(&o, &srv) != KILN_OK) return cli_fail("serve", NULL);
+    fprintf(stderr, "kiln serve: loading %s\n", model);
+    if (kiln_server_load(srv, model) != KILN_OK || kiln_server_listen(srv) != KILN_OK) {
         int rc = cli_fail("serve", NULL);
         kiln_server_free(srv);
         return rc;
     }
     atomic_store(&ready, 1);
-    fprintf(stderr, "kiln serve: model %s ready\n", model);
+    fprintf(stderr, "kiln serve: model %s ready; listening on http://%s:%d\n", model, host, kiln_server_port(srv));
     char c;
     while (read(wake[0], &c, 1) < 0 && errno == EINTR) {
     }

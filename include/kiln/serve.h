@@ -174,7 +174,14 @@ kiln_server_opts kiln_server_opts_default(void);
 
 typedef struct kiln_server kiln_server_t;
 
-/* Listens on host:port at once; /health answers 503 until a model is loaded. */
+/* A server with these options, not yet listening: kiln_server_load then
+ * kiln_server_listen, so that nothing answers before the model is known to load (what
+ * `kiln serve` does). Errors: an option out of range (KILN_ERR_ARG). */
+kiln_status kiln_server_new(const kiln_server_opts *o, kiln_server_t **out);
+/* Binds host:port and starts answering. A port in use is KILN_ERR_IO saying so. */
+kiln_status kiln_server_listen(kiln_server_t *s);
+/* kiln_server_new and kiln_server_listen at once: /health answers 503 until a model is
+ * loaded. */
 kiln_status kiln_server_start(const kiln_server_opts *o, kiln_server_t **out);
 int kiln_server_port(const kiln_server_t *s);
 /* Loads a checkpoint (a run folder or model.safetensors, as `kiln sample` takes), its

@@ -13,6 +13,9 @@
  * tokenized, and one engine request submitted per choice into a job (generate.c,
  * jobs.c), whose tokens are streamed (sse.c) or answered at the end. */
 #include <arpa/inet.h>
+#include <errno.h>
+#include <sys/socket.h>
+#include <unistd.h>
 #include <netinet/in.h>
 #include <stdlib.h>
 #ifdef __GLIBC__
@@ -45,9 +48,9 @@ kiln_server_opts kiln_server_opts_default(void)
 
 static char *dup_or_null(const char *s) { return s ? strdup(s) : NULL; }
 
-kiln_status kiln_server_start(const kiln_server_opts *o, kiln_server_t **out)
+kiln_status kiln_server_new(const kiln_server_opts *o, kiln_server_t **out)
 {
-    if (!o || !out) return kiln_error(KILN_ERR_ARG, "server_start: opts and out must not be NULL");
+    if (!o || !out) return kiln_error(KILN_ERR_ARG, "server_new: opts and out must not be NULL");
     *out = NULL;
     if (o->port < 0 || o->port > 65535) return kiln_error(KILN_ERR_ARG, "server: port %d is not in 0..65535", o->port);
     if (o->http_threads < 1 || o->http_threads > 1024)
@@ -82,20 +85,54 @@ kiln_status kiln_server_start(const kiln_server_opts *o, kiln_server_t **out)
         kiln_server_free(s);
         return kiln_error(KILN_ERR_OOM, "server_start: out of memory");
     }
+    *out = s;
+    return KILN_OK;
+}
+
+kiln_status kiln_server_listen(kiln_server_t *s)
+{
+    if (!s) return kiln_error(KILN_ERR_ARG, "server_listen: server must not be NULL");
+    if (s->d) return kiln_error(KILN_ERR_ARG, "server_listen: it listens already");
+    const kiln_server_opts *o = &s->o;
+    struct sockaddr_in addr = {.sin_family = AF_INET, .sin_port = htons((uint16_t)o->port)};
+    inet_pton(AF_INET, !strcmp(s->host, "localhost") ? "127.0.0.1" : s->host, &addr.sin_addr); /* (checked by new) */
+    /* The socket bound here rather than by libmicrohttpd, so that a port in use is one
+     * clear error (libmicrohttpd would log its own line as well) */
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0), one = 1;
+    if (fd < 0) return kiln_error(KILN_ERR_IO, "server: cannot make a socket: %s", strerror(errno));
+    setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+    if (bind(fd, (struct sockaddr *)&addr, sizeof addr) != 0 || listen(fd, 128) != 0) {
+        int e = errno;
+        close(fd);
+        if (e == EADDRINUSE)
+            return kiln_error(KILN_ERR_IO, "port %d on %s is in use (another kiln serve?); --port 0 picks a free one",
+                              o->port, s->host);
+        return kiln_error(KILN_ERR_IO, "cannot listen on %s:%d: %s", s->host, o->port, strerror(e));
+    }
     unsigned flags = MHD_USE_INTERNAL_POLLING_THREAD | MHD_USE_EPOLL | MHD_ALLOW_SUSPEND_RESUME | MHD_USE_ERROR_LOG;
-    s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, kiln__serve_on_request, s, MHD_OPTION_SOCK_ADDR, &addr,
+    s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, kiln__serve_on_request, s, MHD_OPTION_LISTEN_SOCKET, fd,
                             MHD_OPTION_THREAD_POOL_SIZE, (unsigned)o->http_threads, MHD_OPTION_CONNECTION_TIMEOUT,
                             (unsigned)o->idle_timeout, MHD_OPTION_CONNECTION_LIMIT, (unsigned)1024, MHD_OPTION_NOTIFY_COMPLETED,
                             kiln__serve_on_completed, s, MHD_OPTION_END);
     if (!s->d) {
-        kiln_server_free(s);
-        return kiln_error(KILN_ERR_IO, "server: cannot listen on %s:%d (in use, or not allowed)", host, o->port);
+        close(fd);
+        return kiln_error(KILN_ERR_IO, "server: cannot serve on %s:%d (libmicrohttpd refused)", s->host, o->port);
     }
     const union MHD_DaemonInfo *di = MHD_get_daemon_info(s->d, MHD_DAEMON_INFO_BIND_PORT);
     s->port = di ? di->port : o->port;
     if (pthread_create(&s->watchdog, NULL, kiln__serve_watchdog_main, s) == 0) s->watchdog_started = true;
-    *out = s;
     return KILN_OK;
+}
+
+kiln_status kiln_server_start(const kiln_server_opts *o, kiln_server_t **out)
+{
+    kiln_status st = kiln_server_new(o, out);
+    if (st != KILN_OK) return st;
+    if ((st = kiln_server_listen(*out)) != KILN_OK) {
+        kiln_server_free(*out);
+        *out = NULL;
+    }
+    return st;
 }
 
 int kiln_server_port(const kiln_server_t *s) { return s ? s->port : 0; }

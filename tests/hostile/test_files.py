@@ -286,9 +286,9 @@ def serve_signal(what, sig, env, wait_for, rc, msg):
 if shim:
     slow = {"LD_PRELOAD": shim, "SLOW_OPEN_MATCH": "model.safetensors", "SLOW_OPEN_MS": "60000",
             "ASAN_OPTIONS": os.environ.get("ASAN_OPTIONS", "") + ":verify_asan_link_order=0"}
-    serve_signal("serve stuck opening its model ends promptly on SIGTERM", signal.SIGTERM, slow, "listening",
+    serve_signal("serve stuck opening its model ends promptly on SIGTERM", signal.SIGTERM, slow, "loading",
                  128 + signal.SIGTERM, "stopped by SIGTERM during start-up")
-    serve_signal("serve stuck opening its model ends promptly on SIGINT", signal.SIGINT, slow, "listening",
+    serve_signal("serve stuck opening its model ends promptly on SIGINT", signal.SIGINT, slow, "loading",
                  128 + signal.SIGINT, "stopped by SIGINT during start-up")
 serve_signal("serve, once ready, stops on SIGTERM", signal.SIGTERM, {}, "ready", 0, "stopping (signal 15)")
 serve_signal("serve, once ready, stops on SIGINT", signal.SIGINT, {}, "ready", 0, "stopping (signal 2)")
