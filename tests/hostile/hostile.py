@@ -23,9 +23,11 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import stat
 import subprocess
 import sys
+import time
 
 
 def snapshot(path):
@@ -74,6 +76,42 @@ class Suite:
         shutil.rmtree(d, ignore_errors=True)
         os.makedirs(d)
         return d
+
+    def corpus(self, d, words=6000):
+        """A small made-up text in d/corpus.txt (enough tokens for tiny batches); its path."""
+        path = os.path.join(d, "corpus.txt")
+        vocab = "the light was good and darkness upon face of deep waters".split()
+        with open(path, "w") as f:
+            f.write(" ".join(vocab[(i * 7 + i // 3) % len(vocab)] for i in range(words)))
+        return path
+
+    def serve(self, args, env=None, deadline=120):
+        """Starts `kiln serve ARGS` and reads its stderr until it says where it listens:
+        (the process, the port or None, what it said)."""
+        e = dict(os.environ)
+        e.update(env or {})
+        p = subprocess.Popen([self.kiln, "serve", *args], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                             text=True, env=e)
+        port, seen, end = None, "", time.time() + deadline
+        while port is None and time.time() < end:
+            line = p.stderr.readline()
+            if not line:
+                break
+            seen += line
+            m = re.search(r"listening on http://[\d.]+:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        return p, port, seen
+
+    @staticmethod
+    def stop(p):
+        """SIGTERM, then SIGKILL after 30 s; the exit status."""
+        p.send_signal(signal.SIGTERM)
+        try:
+            p.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
+        return p.returncode
 
     def check(self, cond, what):
         print(("ok    " if cond else "FAIL  ") + what, flush=True)

@@ -8,40 +8,21 @@ parse_special, and /tokenize of the token's text as a raw prompt (one id): the 1
 of the token's text read as text make several ids, the token one."""
 import json
 import os
-import re
-import signal
-import subprocess
-import time
 import urllib.error
 import urllib.request
 from hostile import Suite
 
 s = Suite(__doc__)
 d = s.dir("forging")
-corpus = os.path.join(d, "corpus.txt")
-with open(corpus, "w") as f:
-    words = "the light was good and darkness upon face of deep waters".split()
-    f.write(" ".join(words[(i * 7 + i // 3) % len(words)] for i in range(6000)))
+corpus = s.corpus(d)
 run = os.path.join(d, "run")
 p, out = s.run(["train", "--data", corpus, "--out", run, "--tokenizer", "bpe:300", "--layers", "1", "--width", "32",
                 "--heads", "2", "--steps", "2", "--batch", "2", "--context", "256", "--quiet", "--eval-every", "0",
                 "--threads", "1"], timeout=300)
 s.check(p is not None and p.returncode == 0, "a tiny BPE model trains (set-up): " + out[-300:])
 
-srv = subprocess.Popen([s.kiln, "serve", run, "--port", "0", "--chat-template", "chatml"], stdout=subprocess.DEVNULL,
-                       stderr=subprocess.PIPE, text=True)
-port, lines, deadline = None, [], time.time() + 120
-while time.time() < deadline:
-    line = srv.stderr.readline()
-    if not line:
-        break
-    lines.append(line)
-    m = re.search(r"listening on http://[\d.]+:(\d+)", line)
-    if m:
-        port = int(m.group(1))
-    if "ready" in line:
-        break
-s.check(port is not None, "kiln serve comes up (set-up): " + "".join(lines)[-300:])
+srv, port, seen = s.serve([run, "--port", "0", "--chat-template", "chatml"])
+s.check(port is not None, "kiln serve comes up (set-up): " + seen[-300:])
 
 
 def post(path, body):
@@ -82,11 +63,6 @@ try:
     st, r = chat([{"role": "user", "content": "hi"}], parse_special="yes")
     s.check(st == 400 and r["error"]["param"] == "parse_special", "parse_special must be a boolean: %d" % st)
 finally:
-    srv.send_signal(signal.SIGTERM)
-    try:
-        srv.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        srv.kill()
-        srv.wait()
-s.check(srv.returncode == 0, "kiln serve stops cleanly on SIGTERM (exit %s)" % srv.returncode)
+    rc = s.stop(srv)
+s.check(rc == 0, "kiln serve stops cleanly on SIGTERM (exit %s)" % rc)
 s.done()

@@ -13,10 +13,7 @@ from hostile import Suite
 
 s = Suite(__doc__)
 d = s.dir("models")
-corpus = os.path.join(d, "corpus.txt")
-with open(corpus, "w") as f:
-    words = "the light was good and darkness upon face of deep waters".split()
-    f.write(" ".join(words[(i * 7 + i // 3) % len(words)] for i in range(6000)))
+corpus = s.corpus(d)
 run = os.path.join(d, "run")
 p, out = s.run(["train", "--data", corpus, "--out", run, "--arch", "llama", "--layers", "1", "--width", "64",
                 "--heads", "4", "--kv-heads", "2", "--steps", "2", "--batch", "2", "--context", "32", "--quiet",

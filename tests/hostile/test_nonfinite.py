@@ -8,10 +8,7 @@ from hostile import Suite
 
 s = Suite(__doc__)
 d = s.dir("nonfinite")
-corpus = os.path.join(d, "corpus.txt")
-with open(corpus, "w") as f:
-    words = "the light was good and darkness upon face of deep waters".split()
-    f.write(" ".join(words[(i * 7 + i // 3) % len(words)] for i in range(6000)))
+corpus = s.corpus(d)
 base = ["train", "--data", corpus, "--layers", "1", "--width", "32", "--heads", "2", "--batch", "2", "--context", "32",
         "--eval-every", "0", "--threads", "1", "--warmup", "0"]
 run = os.path.join(d, "run")

@@ -3,19 +3,12 @@ checked before the port is bound, so a model that does not load gets its error a
 URL; a port in use is one line that names it and suggests --port 0; "listening" is said
 once the server can answer, and then /health says ok."""
 import os
-import re
-import signal
-import subprocess
-import time
 import urllib.request
 from hostile import Suite
 
 s = Suite(__doc__)
 d = s.dir("serve_start")
-corpus = os.path.join(d, "corpus.txt")
-with open(corpus, "w") as f:
-    words = "the light was good and darkness upon face of deep waters".split()
-    f.write(" ".join(words[(i * 7 + i // 3) % len(words)] for i in range(6000)))
+corpus = s.corpus(d)
 run = os.path.join(d, "run")
 p, out = s.run(["train", "--data", corpus, "--out", run, "--layers", "1", "--width", "32", "--heads", "2", "--steps",
                 "2", "--batch", "2", "--context", "32", "--quiet", "--eval-every", "0", "--threads", "1"], timeout=300)
@@ -26,18 +19,10 @@ s.case("a model folder that is not there: its error, and no URL", ["serve", os.p
 s.case("a folder of neither kind: its error, and no URL", ["serve", s.dir("empty"), "--port", "0"], rc=1,
        msg=r"neither a kiln run folder", nomsg=r"listening|http://")
 
-first = subprocess.Popen([s.kiln, "serve", run, "--port", "0", "--threads", "1"], stdout=subprocess.DEVNULL,
-                         stderr=subprocess.PIPE, text=True)
-port, seen, deadline = None, "", time.time() + 120
-while port is None and time.time() < deadline:
-    line = first.stderr.readline()
-    if not line:
-        break
-    seen += line
-    m = re.search(r"ready; listening on http://[\d.]+:(\d+)", line)
-    port = int(m.group(1)) if m else None
+first, port, seen = s.serve([run, "--port", "0", "--threads", "1"])
 try:
-    if s.check(port is not None, "the server says 'ready; listening' with its port (%s)" % seen[-200:]):
+    if s.check(port is not None and "ready; listening" in seen,
+               "the server says 'ready; listening' with its port (%s)" % seen[-200:]):
         s.check("loading" in seen and seen.index("loading") < seen.index("listening"),
                 "it says it is loading before it says it is listening")
         with urllib.request.urlopen("http://127.0.0.1:%d/health" % port, timeout=60) as r:
@@ -49,11 +34,6 @@ try:
             lines = [l for l in (p.stdout + p.stderr).decode().splitlines() if l.strip()]
             s.check(len(lines) == 2 and "loading" in lines[0], "... after the loading line, nothing else: %s" % lines)
 finally:
-    first.send_signal(signal.SIGTERM)
-    try:
-        first.wait(timeout=30)
-    except subprocess.TimeoutExpired:
-        first.kill()
-        first.wait()
-s.check(first.returncode == 0, "the first server stops cleanly on SIGTERM")
+    rc = s.stop(first)
+s.check(rc == 0, "the first server stops cleanly on SIGTERM")
 s.done()
