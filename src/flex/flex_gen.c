@@ -95,8 +95,18 @@ static void put(sbuf *b, const char *fmt, ...)
 
 typedef enum { G_BOOL, G_INT, G_FLOAT } gtype;
 
+/* Each node's type, found once: emitting a binary node asks its operands' types, and
+ * asking by emitting them again would take time exponential in the tree's depth (a
+ * sum of 250 terms never finished). t[i] is the type + 1, 0 while unknown; for ps's
+ * nodes only. */
+typedef struct {
+    const void *ps;
+    unsigned char t[MAX_NODES];
+} gmemo;
+
 typedef struct {
     const kiln_flex_t *f;
+    gmemo *memo; /* NULL: types found by emitting again */
     const parser *ps;
     bool f64;
     int which; /* 0: score_mod, 1: mask_mod */
@@ -110,9 +120,13 @@ static gtype emit(const gen *g, int i, sbuf *b);
 
 static gtype typed(const gen *g, int i)
 {
+    gmemo *m = g->memo;
+    if (m && m->ps != (const void *)g->ps) memset(m->t, 0, sizeof m->t), m->ps = g->ps;
+    if (m && i >= 0 && i < MAX_NODES && m->t[i]) return (gtype)(m->t[i] - 1);
     sbuf scratch = {0};
     gtype t = emit(g, i, &scratch);
     free(scratch.s);
+    if (m && i >= 0 && i < MAX_NODES) m->t[i] = (unsigned char)(t + 1);
     return t;
 }
 
@@ -360,7 +374,8 @@ static void tile_modifiers(sbuf *b, const kiln_flex_t *f, bool f64)
            "        for (int64_t n = 0; n < nb; n++) {\n"
            "            const int64_t k0 = kvl[n] * blk, w = k0 + blk < kv_len ? blk : kv_len - k0;\n"
            "            T *s = row + off;\n            off += w;\n");
-    gen g = {.f = f, .f64 = f64};
+    gmemo memo = {0};
+    gen g = {.f = f, .memo = &memo, .f64 = f64};
     if (f->ps[1]) {
         g.ps = f->ps[1];
         put(b, "            if (n >= nf) {\n                for (int64_t j = 0; j < w; j++) {\n"
@@ -436,7 +451,8 @@ static char *source(const kiln_flex_t *f, bool f64)
             "        for (j = 0; j < ld; j++) row[j] *= inv;\n"
             "        L[i] = (T)((double)m + log(sum));\n"
             "    }\n}\n\n", f64 ? "exp" : "km_exp_fast");
-    gen g = {.f = f, .f64 = f64};
+    gmemo memo = {0};
+    gen g = {.f = f, .memo = &memo, .f64 = f64};
     /* the backward's tile: P = exp(score' - L) in S (0 where masked or the row sees no
      * key) and, with a score modifier, M = d score' / d score beside it. The mask and
      * the modifier in one pass over the tile, the exponentials in a second over each
@@ -604,7 +620,8 @@ char *kiln__flex_device_source(const kiln_flex_t *f, bool cuda, bool backward)
             "FN LONG flex_imax(LONG x, LONG y) { return x > y ? x : y; }\n"
             "FN LONG flex_iabs(LONG x) { return x < 0 ? -x : x; }\n"
             "#define AT(T, p, o) ((GLOBAL T *)((GLOBAL UCHAR *)(p) + (o)))\n\n");
-    gen g = {.f = f, .f64 = false, .cl = true};
+    gmemo memo = {0};
+    gen g = {.f = f, .memo = &memo, .f64 = false, .cl = true};
     /* a query row's listed key blocks: r its row of the block mask, kl[0..nb) its blocks */
     static const char query_row[] =
         "    const LONG q_idx = gid % q_len, bh = gid / q_len, b = bh / H, h = bh % H, hk = h / (H / Hkv);\n"
