@@ -9,10 +9,14 @@
 # crash, a sanitizer report, a stack overflow or a broken invariant; the input that did
 # it is left as crash-* (or timeout-*, leak-*) in the current folder.
 #   sh scripts/fuzz.sh [BUILD_DIR]
-#   FUZZ_TARGETS="fuzz_flex" FUZZ_SECONDS=600 sh scripts/fuzz.sh    one target, longer
+#   FUZZ_TARGETS="fuzz_flex" FUZZ_SECONDS=600 FUZZ_SEED=0 sh scripts/fuzz.sh    one target, longer, new mutations
 set -eu
 build=${1:-build-fuzz}
 seconds=${FUZZ_SECONDS:-120}
+# A fixed seed (FUZZ_SEED, default 1): the same mutations every run, so that CI's
+# verdict on a tree is the one a developer gets from the same command; FUZZ_SEED=0
+# lets libFuzzer pick one (for the long runs that look for new findings).
+seed=${FUZZ_SEED:-1}
 targets=${FUZZ_TARGETS:-fuzz_openai fuzz_flex fuzz_model_files}
 src=$(pwd)
 if ! command -v clang >/dev/null 2>&1; then
@@ -42,7 +46,7 @@ cp -r "$src/tests/fuzz/corpus/model_files" "$work/fuzz_model_files"
 for t in $targets; do
   echo "fuzz: $t for $seconds s"
   # -rss_limit_mb: a parser that allocates without bound is a finding, not a slow run
-  "$build/$t" -max_total_time="$seconds" -max_len=131072 -timeout=20 -rss_limit_mb=2048 -print_final_stats=1 \
+  "$build/$t" -seed="$seed" -max_total_time="$seconds" -max_len=131072 -timeout=20 -rss_limit_mb=2048 -print_final_stats=1 \
     "$work/$t" >"$work/$t.log" 2>&1 || {
     tail -40 "$work/$t.log"
     echo "fuzz: $t found a failure (its input is the crash-*, timeout-* or oom-* file here)" >&2
