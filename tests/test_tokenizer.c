@@ -269,6 +269,14 @@ static void test_bpe_encodes_the_literal_eot_to_its_id(void **state)
     kiln_tokenizer_free(t);
 }
 
+/* How many of ids[0..n) are id. */
+static size_t count_id(const int32_t *ids, size_t n, int32_t id)
+{
+    size_t k = 0;
+    for (size_t i = 0; i < n; i++) k += ids[i] == id;
+    return k;
+}
+
 /* Inside a plain span the special token's text is text: its bytes' ids, never its own
  * id; outside the span (and in a span that only touches it) it is still the token. The
  * oracle is the byte tokenizer's view of the same bytes: the ids decode back to them. */
@@ -278,12 +286,11 @@ static void test_plain_spans_keep_special_text_as_text(void **state)
     kiln_tokenizer_t *t = train(300);
     const char *s = "a<|endoftext|>b<|endoftext|>c";
     int32_t eot = kiln_tokenizer_eot(t), *ids = NULL;
-    size_t n = 0, hits = 0;
+    size_t n = 0;
     /* the first token's text lies wholly in the span [1, 14); the second is outside */
     kiln_text_span sp[1] = {{1, 14}};
     assert_int_equal(kiln_tokenizer_encode_plain_new(t, s, strlen(s), sp, 1, 0, &ids, &n), KILN_OK);
-    for (size_t i = 0; i < n; i++) hits += ids[i] == eot;
-    assert_int_equal(hits, 1);
+    assert_int_equal(count_id(ids, n, eot), 1);
     assert_true(n > 4); /* the first one's 13 bytes made text ids */
     char *back = NULL;
     assert_int_equal(kiln_tokenizer_decode(t, ids, n, &back), KILN_OK);
@@ -293,16 +300,12 @@ static void test_plain_spans_keep_special_text_as_text(void **state)
     /* a span that only overlaps the token's last byte still keeps it from being taken */
     kiln_text_span tail[1] = {{13, 15}};
     assert_int_equal(kiln_tokenizer_encode_plain_new(t, s, strlen(s), tail, 1, 0, &ids, &n), KILN_OK);
-    hits = 0;
-    for (size_t i = 0; i < n; i++) hits += ids[i] == eot;
-    assert_int_equal(hits, 1);
+    assert_int_equal(count_id(ids, n, eot), 1);
     free(ids);
     /* a span that ends where the token begins does not */
     kiln_text_span before[1] = {{0, 1}};
     assert_int_equal(kiln_tokenizer_encode_plain_new(t, s, strlen(s), before, 1, 0, &ids, &n), KILN_OK);
-    hits = 0;
-    for (size_t i = 0; i < n; i++) hits += ids[i] == eot;
-    assert_int_equal(hits, 2);
+    assert_int_equal(count_id(ids, n, eot), 2);
     free(ids);
     /* spans out of order or past the text are refused */
     kiln_text_span bad[2] = {{5, 9}, {2, 3}};

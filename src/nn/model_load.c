@@ -5,9 +5,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
+#include "core/file.h"
 #include "kiln/io.h"
 #include "kiln/nn.h"
 #include "kiln/tokenizer.h"
@@ -79,11 +79,13 @@ static kiln_status hf_model(const char *dir, kiln_gpt_t **model, kiln_tokenizer_
 static bool is_gguf(const char *file)
 {
     char magic[4] = {0};
-    int fd = open(file, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    struct stat st;
-    bool yes = fd >= 0 && fstat(fd, &st) == 0 && S_ISREG(st.st_mode) && read(fd, magic, 4) == 4 &&
-               !memcmp(magic, "GGUF", 4);
-    if (fd >= 0) close(fd);
+    int fd = kiln__file_open_read(file, "model_load", NULL); /* (regular files only, never blocking) */
+    if (fd < 0) {
+        kiln_clear_error(); /* not one to read: the safetensors reader says why */
+        return false;
+    }
+    bool yes = read(fd, magic, 4) == 4 && !memcmp(magic, "GGUF", 4);
+    close(fd);
     return yes;
 }
 
