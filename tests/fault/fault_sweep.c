@@ -18,6 +18,7 @@
 #include <string.h>
 #include <sys/wait.h>
 #include <unistd.h>
+#include "core/parse.h" /* the one strict number parser */
 #include "fault_alloc.h"
 #include "kiln/flex.h"
 #include "kiln/io.h"
@@ -294,19 +295,23 @@ static int setup(void)
 int main(int argc, char **argv)
 {
     const char *only = NULL;
-    long max_runs = 400;
+    int64_t max_runs = 400, at = 0;
     for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--max-runs") && i + 1 < argc) max_runs = atol(argv[++i]);
-        else only = argv[i];
+        if (strcmp(argv[i], "--max-runs") || i + 1 == argc) only = argv[i];
+        else if (kiln__parse_i64(argv[++i], 1, INT64_MAX, "--max-runs", &max_runs) != KILN_OK)
+            return fprintf(stderr, "fault_sweep: %s\n", kiln_last_error()), 2;
     }
     setenv("KILN_NUM_THREADS", "1", 1); /* one thread: the nth allocation is the same one every run */
     setenv("OPENBLAS_NUM_THREADS", "1", 1);
     json_set_alloc_funcs(fault_json_malloc, free);
     if (setup()) return 1;
     const char *one = getenv("KILN_FAULT_ALLOC"); /* (src/core/env.def lists it) */
+    if (one && kiln__parse_i64(one, 0, 1 << 30, "KILN_FAULT_ALLOC", &at) != KILN_OK)
+        return fprintf(stderr, "fault_sweep: %s\n", kiln_last_error()), 2;
+    if (at == 0) one = NULL; /* (0: sweep them all, as env.def says) */
     if (one && only && getenv("FAULT_INLINE")) /* one run in this process, for a debugger */
         for (size_t sc = 0; sc < sizeof scenarios / sizeof scenarios[0]; sc++)
-            if (!strcmp(only, scenarios[sc].name)) return child((int)sc, atol(one), NULL, -1);
+            if (!strcmp(only, scenarios[sc].name)) return child((int)sc, (long)at, NULL, -1);
     int passed = 0, failed = 0;
     for (size_t sc = 0; sc < sizeof scenarios / sizeof scenarios[0]; sc++) {
         if (only && strcmp(only, scenarios[sc].name)) continue;
@@ -319,7 +324,7 @@ int main(int argc, char **argv)
             continue;
         }
         long step = k > max_runs ? (k + max_runs - 1) / max_runs : 1, first = 1;
-        if (one) first = atol(one), k = first, step = 1;
+        if (one) first = (long)at, k = first, step = 1;
         int errors = 0, succeeded = 0, bad = 0;
         for (long n = first; n <= k; n += step) {
             st = spawn((int)sc, n, &ref, NULL);
