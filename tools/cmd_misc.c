@@ -168,7 +168,7 @@ int cmd_plot(int argc, char **argv)
     snprintf(ipath, sizeof ipath, "%s/%s", pos[0], RUN_INFO);
     snprintf(rpath, sizeof rpath, "%s/%s", pos[0], RUN_ROUTER_CHART);
     double baseline = NAN;
-    json_t *info = kiln__json_load(ipath, 0, NULL, "plot"); /* (none: no baseline) */
+    json_t *info = kiln__json_load(ipath, 0, NULL, NULL); /* (none: no baseline) */
     if (info && json_is_number(json_object_get(info, "unigram_entropy")))
         baseline = json_number_value(json_object_get(info, "unigram_entropy"));
     json_decref(info);

@@ -217,7 +217,7 @@ static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t 
         char *prev_path = join(dir, RUN_STATE_PREV);
         struct stat st;
         if (s == KILN_OK && write && prev_path && stat(state_path, &st) == 0 &&
-            (s = kiln__file_check_target(prev_path, "checkpoint")) == KILN_OK && rename(state_path, prev_path) != 0)
+            (s = kiln__file_check_target(prev_path, NULL)) == KILN_OK && rename(state_path, prev_path) != 0)
             s = kiln_error(KILN_ERR_IO, "cannot keep %s as %s: %s", state_path, prev_path, strerror(errno));
         if (s == KILN_OK && write) s = kiln_safetensors_save(state_path, names + n, ts + n, k, smeta);
         if (s == KILN_OK && write) s = save_model_file(dir, m, names, ts, tok_kind, step);

@@ -271,14 +271,15 @@ static void print_help(const char *cmd, const char *usage_line, const cli_opt *o
             continue;
         }
         if (o->type == OPT_ALIAS) continue; /* (listed beside the option it names) */
-        char def[128] = "";
+        char def[128] = ""; /* (none where the help says its own default) */
+        bool said = strstr(o->help, "(default") != NULL;
         int r = o->type == OPT_INT || o->type == OPT_DOUBLE ? range_of(cmd, o) : -1;
         char range[96] = "";
         if (r >= 0 && ranges[r].real) kiln__describe_f64(ranges[r].rlo, ranges[r].rhi, ranges[r].flags, range, sizeof range);
         else if (r >= 0) kiln__describe_i64(ranges[r].lo, ranges[r].hi, range, sizeof range);
         if (o->type == OPT_INT) snprintf(def, sizeof def, " (default %lld; %s)", (long long)*(int64_t *)o->dst, range);
         else if (o->type == OPT_DOUBLE) snprintf(def, sizeof def, " (default %g; %s)", *(double *)o->dst, range);
-        else if (o->type == OPT_STRING && *(const char **)o->dst) {
+        else if (o->type == OPT_STRING && *(const char **)o->dst && !said) {
             char shown[48];
             size_t k = 0;
             for (const char *c = *(const char **)o->dst; *c && k + 3 < 41; c++) /* "\n" for a newline */

@@ -311,7 +311,7 @@ static int adopt_run(int argc, char **argv, train_args *a, train_folder *f)
     if (!info_path || !model_path) return cli_fail("train", "out of memory");
     struct stat st;
     f->replacing = stat(model_path, &st) == 0;
-    recorded_run = kiln__json_load(info_path, 0, NULL, "train"); /* (none, or not a file: no settings recorded) */
+    recorded_run = kiln__json_load(info_path, 0, NULL, NULL); /* (none, or not a file: no settings recorded) */
     if (!recorded_run) kiln_clear_error();
     const json_t *kept = json_object_get(recorded_run, "options");
     f->recorded = json_is_object(kept);

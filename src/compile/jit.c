@@ -228,8 +228,8 @@ static kiln_status compile_into_cache(const char *src, const char *dir, uint64_t
     if (s != KILN_OK) return s; /* the source and the log stay, named in the error */
     unlink(log);
     /* (core/file.h: never over what is not a regular file) */
-    if ((s = kiln__file_place(tmp_c, c_path, "compile")) != KILN_OK ||
-        (s = kiln__file_place(tmp_so, so, "compile")) != KILN_OK) {
+    if ((s = kiln__file_place(tmp_c, c_path, "the kernel cache")) != KILN_OK ||
+        (s = kiln__file_place(tmp_so, so, "the kernel cache")) != KILN_OK) {
         unlink(tmp_c);
         unlink(tmp_so);
     }

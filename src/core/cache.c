@@ -19,7 +19,7 @@ uint64_t kiln__fnv(uint64_t h, const void *p, size_t n)
 
 bool kiln__write_whole(const char *path, const void *p, size_t n)
 {
-    return kiln__file_write_atomic(path, p, n, "cache") == KILN_OK;
+    return kiln__file_write_atomic(path, p, n, "the kernel cache") == KILN_OK;
 }
 
 int kiln__make_dirs(const char *path)

@@ -10,6 +10,10 @@
 #include <unistd.h>
 #include "core/file.h"
 
+/* Messages start with who and a colon when the caller names what the user knows (a flag, a
+ * variable, a kind of file); NULL when the path says enough. */
+#define WHO(w) (w) ? (w) : "", (w) ? ": " : ""
+
 /* What a path that is not a regular file is, for a message. */
 static const char *kind_of(mode_t m)
 {
@@ -24,24 +28,24 @@ static const char *kind_of(mode_t m)
 
 int kiln__file_open_read(const char *path, const char *who, int64_t *size)
 {
-    if (!path) return kiln_error(KILN_ERR_ARG, "%s: the path is NULL", who), -1;
+    if (!path) return kiln_error(KILN_ERR_ARG, "%s%sthe path is NULL", WHO(who)), -1;
     /* O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting. */
     int fd = open(path, O_RDONLY | O_NONBLOCK | O_CLOEXEC);
-    if (fd < 0) return kiln_error(KILN_ERR_IO, "%s: cannot open %s: %s", who, path, strerror(errno)), -1;
+    if (fd < 0) return kiln_error(KILN_ERR_IO, "%s%scannot open %s: %s", WHO(who), path, strerror(errno)), -1;
     struct stat st;
     if (fstat(fd, &st) != 0) {
-        kiln_error(KILN_ERR_IO, "%s: cannot stat %s: %s", who, path, strerror(errno));
+        kiln_error(KILN_ERR_IO, "%s%scannot stat %s: %s", WHO(who), path, strerror(errno));
         close(fd);
         return -1;
     }
     if (!S_ISREG(st.st_mode)) {
-        kiln_error(KILN_ERR_IO, "%s: %s is %s, not a regular file", who, path, kind_of(st.st_mode));
+        kiln_error(KILN_ERR_IO, "%s%s%s is %s, not a regular file", WHO(who), path, kind_of(st.st_mode));
         close(fd);
         return -1;
     }
     int fl = fcntl(fd, F_GETFL);
     if (fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
-        kiln_error(KILN_ERR_IO, "%s: %s: %s", who, path, strerror(errno));
+        kiln_error(KILN_ERR_IO, "%s%s%s: %s", WHO(who), path, strerror(errno));
         close(fd);
         return -1;
     }
@@ -55,7 +59,7 @@ FILE *kiln__file_fopen_read(const char *path, const char *who)
     if (fd < 0) return NULL;
     FILE *f = fdopen(fd, "rb");
     if (!f) {
-        kiln_error(KILN_ERR_IO, "%s: cannot read %s: %s", who, path, strerror(errno));
+        kiln_error(KILN_ERR_IO, "%s%scannot read %s: %s", WHO(who), path, strerror(errno));
         close(fd);
     }
     return f;
@@ -65,22 +69,22 @@ kiln_status kiln__file_check_regular(const char *path, const char *who)
 {
     struct stat st;
     if (!path || stat(path, &st) != 0 || S_ISREG(st.st_mode)) return KILN_OK;
-    return kiln_error(KILN_ERR_IO, "%s: %s is %s, not a regular file", who, path, kind_of(st.st_mode));
+    return kiln_error(KILN_ERR_IO, "%s%s%s is %s, not a regular file", WHO(who), path, kind_of(st.st_mode));
 }
 
 kiln_status kiln__file_check_target(const char *path, const char *who)
 {
     struct stat st;
-    if (!path) return kiln_error(KILN_ERR_ARG, "%s: the path is NULL", who);
+    if (!path) return kiln_error(KILN_ERR_ARG, "%s%sthe path is NULL", WHO(who));
     if (lstat(path, &st) != 0) {
         if (errno == ENOENT) return KILN_OK;
-        return kiln_error(KILN_ERR_IO, "%s: cannot write %s: %s", who, path, strerror(errno));
+        return kiln_error(KILN_ERR_IO, "%s%scannot write %s: %s", WHO(who), path, strerror(errno));
     }
     if (S_ISREG(st.st_mode)) return KILN_OK;
     if (S_ISLNK(st.st_mode))
-        return kiln_error(KILN_ERR_IO, "%s: refusing to write %s: it is a symbolic link (kiln replaces only regular "
-                          "files; name the file it points to)", who, path);
-    return kiln_error(KILN_ERR_IO, "%s: refusing to write %s: it is %s, not a regular file", who, path,
+        return kiln_error(KILN_ERR_IO, "%s%srefusing to write %s: it is a symbolic link (kiln replaces only regular "
+                          "files; name the file it points to)", WHO(who), path);
+    return kiln_error(KILN_ERR_IO, "%s%srefusing to write %s: it is %s, not a regular file", WHO(who), path,
                       kind_of(st.st_mode));
 }
 
@@ -89,12 +93,12 @@ static kiln_status sync_dir(const char *path, const char *who)
 {
     const char *slash = strrchr(path, '/');
     char *dir = slash ? strndup(path, slash == path ? 1 : (size_t)(slash - path)) : strdup(".");
-    if (!dir) return kiln_error(KILN_ERR_OOM, "%s: out of memory", who);
+    if (!dir) return kiln_error(KILN_ERR_OOM, "%s%sout of memory", WHO(who));
     kiln_status s = KILN_OK;
     int fd = open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
     /* Some file systems cannot fsync a folder (EINVAL); the file itself is safe. */
     if (fd < 0 || (fsync(fd) != 0 && errno != EINVAL))
-        s = kiln_error(KILN_ERR_IO, "%s: %s was written, but syncing its folder %s failed: %s", who, path, dir,
+        s = kiln_error(KILN_ERR_IO, "%s%s%s was written, but syncing its folder %s failed: %s", WHO(who), path, dir,
                        strerror(errno));
     if (fd >= 0) close(fd);
     free(dir);
@@ -112,13 +116,13 @@ static void afile_free(kiln__afile *a)
 kiln_status kiln__afile_begin(kiln__afile *a, const char *path, const char *who)
 {
     static atomic_uint calls;
-    *a = (kiln__afile){.fd = -1, .who = who ? who : "write"};
+    *a = (kiln__afile){.fd = -1, .who = who};
     kiln_status s = kiln__file_check_target(path, a->who);
     if (s != KILN_OK) return s;
     size_t n = strlen(path) + 48;
     if (!(a->path = strdup(path)) || !(a->tmp = malloc(n))) {
         afile_free(a);
-        return kiln_error(KILN_ERR_OOM, "%s: out of memory", a->who);
+        return kiln_error(KILN_ERR_OOM, "%s%sout of memory", WHO(a->who));
     }
     /* a name of this process and call, created exclusively (never through a link) */
     for (int tries = 0; a->fd < 0 && tries < 16; tries++) {
@@ -127,7 +131,7 @@ kiln_status kiln__afile_begin(kiln__afile *a, const char *path, const char *who)
         if (a->fd < 0 && errno != EEXIST) break;
     }
     if (a->fd < 0) {
-        s = kiln_error(KILN_ERR_IO, "%s: cannot write %s: cannot create %s: %s", a->who, path, a->tmp, strerror(errno));
+        s = kiln_error(KILN_ERR_IO, "%s%scannot write %s: cannot create %s: %s", WHO(a->who), path, a->tmp, strerror(errno));
         afile_free(a);
     }
     return s;
@@ -136,13 +140,13 @@ kiln_status kiln__afile_begin(kiln__afile *a, const char *path, const char *who)
 kiln_status kiln__afile_write(kiln__afile *a, const void *p, size_t n)
 {
     const char *c = p;
-    if (a->fd < 0) return kiln_error(KILN_ERR_IO, "%s: cannot write %s: the file is not open", a->who, a->path);
+    if (a->fd < 0) return kiln_error(KILN_ERR_IO, "%s%scannot write %s: the file is not open", WHO(a->who), a->path);
     while (n) {
         ssize_t k = write(a->fd, c, n);
         if (k < 0 && errno == EINTR) continue;
         if (k <= 0) {
             a->err = k < 0 ? errno : ENOSPC; /* a write of nothing is a full device */
-            kiln_status s = kiln_error(KILN_ERR_IO, "%s: cannot write %s: %s", a->who, a->path, strerror(a->err));
+            kiln_status s = kiln_error(KILN_ERR_IO, "%s%scannot write %s: %s", WHO(a->who), a->path, strerror(a->err));
             close(a->fd);
             a->fd = -1; /* commit fails, abort cleans up */
             return s;
@@ -157,16 +161,16 @@ kiln_status kiln__afile_commit(kiln__afile *a)
 {
     kiln_status s = KILN_OK;
     if (a->fd < 0)
-        s = kiln_error(KILN_ERR_IO, "%s: cannot write %s: %s", a->who, a->path, strerror(a->err ? a->err : EBADF));
+        s = kiln_error(KILN_ERR_IO, "%s%scannot write %s: %s", WHO(a->who), a->path, strerror(a->err ? a->err : EBADF));
     else if (fsync(a->fd) != 0)
-        s = kiln_error(KILN_ERR_IO, "%s: cannot write %s: fsync failed: %s", a->who, a->path, strerror(errno));
+        s = kiln_error(KILN_ERR_IO, "%s%scannot write %s: fsync failed: %s", WHO(a->who), a->path, strerror(errno));
     if (a->fd >= 0 && close(a->fd) != 0 && s == KILN_OK)
-        s = kiln_error(KILN_ERR_IO, "%s: cannot write %s: close failed: %s", a->who, a->path, strerror(errno));
+        s = kiln_error(KILN_ERR_IO, "%s%scannot write %s: close failed: %s", WHO(a->who), a->path, strerror(errno));
     a->fd = -1;
     /* the target again: it may have become something else while we wrote */
     if (s == KILN_OK) s = kiln__file_check_target(a->path, a->who);
     if (s == KILN_OK && rename(a->tmp, a->path) != 0)
-        s = kiln_error(KILN_ERR_IO, "%s: cannot put %s in place: %s", a->who, a->path, strerror(errno));
+        s = kiln_error(KILN_ERR_IO, "%s%scannot put %s in place: %s", WHO(a->who), a->path, strerror(errno));
     if (s != KILN_OK) unlink(a->tmp);
     else s = sync_dir(a->path, a->who);
     afile_free(a);
@@ -197,7 +201,7 @@ kiln_status kiln__file_place(const char *tmp, const char *path, const char *who)
 {
     kiln_status s = kiln__file_check_target(path, who);
     if (s == KILN_OK && rename(tmp, path) != 0)
-        s = kiln_error(KILN_ERR_IO, "%s: cannot put %s in place: %s", who, path, strerror(errno));
+        s = kiln_error(KILN_ERR_IO, "%s%scannot put %s in place: %s", WHO(who), path, strerror(errno));
     if (s != KILN_OK) unlink(tmp);
     return s;
 }
@@ -206,11 +210,11 @@ int kiln__file_open_append(const char *path, const char *who)
 {
     if (kiln__file_check_target(path, who) != KILN_OK) return -1;
     int fd = open(path, O_RDWR | O_APPEND | O_CREAT | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0666);
-    if (fd < 0) return kiln_error(KILN_ERR_IO, "%s: cannot open %s: %s", who, path, strerror(errno)), -1;
+    if (fd < 0) return kiln_error(KILN_ERR_IO, "%s%scannot open %s: %s", WHO(who), path, strerror(errno)), -1;
     struct stat st;
     int fl = fcntl(fd, F_GETFL);
     if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode) || fl < 0 || fcntl(fd, F_SETFL, fl & ~O_NONBLOCK) != 0) {
-        kiln_error(KILN_ERR_IO, "%s: refusing to write %s: it is not a regular file", who, path);
+        kiln_error(KILN_ERR_IO, "%s%srefusing to write %s: it is not a regular file", WHO(who), path);
         close(fd);
         return -1;
     }

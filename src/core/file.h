@@ -33,6 +33,10 @@
 #include <stdio.h>
 #include "kiln/tensor.h"
 
+/* who, in every function here, begins the error messages ("--chat-template: cannot open
+ * ..."): a flag, a variable or a kind of file the user knows; NULL when the path is enough.
+ * Never an internal function's name. */
+
 /* ---- reading ---- */
 
 /* Opens path for reading if it is a regular file; the descriptor (close-on-exec,

@@ -53,7 +53,7 @@ void kiln__pg_dump_ring(kiln_pg_t *pg, uint64_t waiting, char *path, size_t n)
     const char *dir = kiln__env_text(KILN__ENV_DIST_DUMP_DIR);
     snprintf(path, n, "%s/kiln-dist-rank%d.txt", dir, pg->rank);
     /* a regular file only: a FIFO there would block the rank that reports the hang */
-    FILE *f = kiln__file_check_target(path, "dist") == KILN_OK ? fopen(path, "w") : NULL;
+    FILE *f = kiln__file_check_target(path, "KILN_DIST_DUMP_DIR") == KILN_OK ? fopen(path, "w") : NULL;
     if (!f) {
         snprintf(path, n, "(not written: %s)", dir);
         return;

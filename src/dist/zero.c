@@ -250,7 +250,7 @@ kiln_status kiln_zero1_read_marker(const char *dir, int64_t *step, int *world)
 {
     char *path = marker_path(dir);
     if (!path) return kiln_error(KILN_ERR_OOM, "zero1: out of memory");
-    FILE *f = kiln__file_fopen_read(path, "zero1");
+    FILE *f = kiln__file_fopen_read(path, NULL);
     long long s = -1;
     int w = 0;
     kiln_status st = KILN_OK;
@@ -308,7 +308,7 @@ kiln_status kiln_zero1_commit(const char *dir, int64_t step, int world, int64_t 
     if (!path) return kiln_error(KILN_ERR_OOM, "zero1: out of memory");
     int n = snprintf(text, sizeof text, "{\"step\": %lld, \"world\": %d}\n", (long long)step, world);
     /* whole or not at all (core/file.h): a marker names a complete set of shards */
-    kiln_status s = kiln__file_write_atomic(path, text, (size_t)n, "zero1: the completion marker");
+    kiln_status s = kiln__file_write_atomic(path, text, (size_t)n, "the ZeRO-1 completion marker");
     free(path);
     /* The previous step's shards are now unreferenced. */
     for (int r = 0; s == KILN_OK && prev_step >= 0 && prev_step != step; r++) {

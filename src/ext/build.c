@@ -78,7 +78,7 @@ static bool up_to_date(const char *obj, const char *src, const char *dep, bool h
     double t = mtime(obj);
     if (t < 0 || mtime(src) < 0 || mtime(src) > t) return false;
     if (!has_dep) return true;
-    FILE *f = kiln__file_fopen_read(dep, "ext_build");
+    FILE *f = kiln__file_fopen_read(dep, NULL);
     if (!f) return false;
     char word[4096];
     bool ok = true, past_colon = false;
@@ -112,7 +112,7 @@ typedef struct {
 static uint64_t hash_of(const char *cmd, const char *src)
 {
     uint64_t h = kiln__fnv(KILN__FNV_SEED, cmd, strlen(cmd) + 1);
-    FILE *f = kiln__file_fopen_read(src, "ext_build");
+    FILE *f = kiln__file_fopen_read(src, NULL);
     if (!f) return 0;
     unsigned char buf[1 << 14];
     for (size_t n; (n = fread(buf, 1, sizeof buf, f)) > 0;) h = kiln__fnv(h, buf, n);
@@ -127,7 +127,7 @@ static bool current(const job *j)
     char stamp[4400], text[32] = "", want[32];
     snprintf(stamp, sizeof stamp, "%s.stamp", j->obj);
     snprintf(want, sizeof want, "%016llx", (unsigned long long)j->hash);
-    FILE *f = kiln__file_fopen_read(stamp, "ext_build");
+    FILE *f = kiln__file_fopen_read(stamp, NULL);
     bool same = f && fgets(text, sizeof text, f) && !strncmp(text, want, 16);
     if (f) fclose(f);
     return same && up_to_date(j->obj, j->src, j->dep, *j->lang->depfile != 0);
@@ -218,7 +218,7 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
         return kiln_error(KILN_ERR_ARG, "ext_build: NULL table, sources, name or module");
     *module = NULL;
     if (rebuilt) *rebuilt = 0;
-    if (strchr(name, '/')) return kiln_error(KILN_ERR_ARG, "ext_build: the module's name '%s' has a '/'", name);
+    if (strchr(name, '/')) return kiln_error(KILN_ERR_ARG, "the module's name '%s' has a '/'", name);
     char in_cache[1200], sub[300];
     if (!out_dir) { /* the kernel cache's folder, ext/<name> */
         snprintf(sub, sizeof sub, "ext/%s", name);
@@ -227,7 +227,7 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
         out_dir = in_cache;
     }
     if (mkdir(out_dir, 0755) != 0 && errno != EEXIST)
-        return kiln_error(KILN_ERR_IO, "ext_build: cannot make %s: %s", out_dir, strerror(errno));
+        return kiln_error(KILN_ERR_IO, "cannot make the folder %s: %s", out_dir, strerror(errno));
     size_t mlen = strlen(out_dir) + strlen(name) + 16, link_len = 0, link_cap = 0;
     char *mod = malloc(mlen), *link = NULL, tmp_mod[4400]; /* the link: cc -shared -o 'tmp' 'object'... */
     job *jobs = calloc((size_t)(n ? n : 1), sizeof *jobs);
@@ -265,7 +265,7 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
         snprintf(j->obj, sizeof j->obj, "%s/%s%s", out_dir, base, j->lang->object);
         for (int k = 0; k < i; k++)
             if (!strcmp(jobs[k].obj, j->obj))
-                s = kiln_error(KILN_ERR_ARG, "ext_build: %s and %s would both be built into %s: rename one", jobs[k].src,
+                s = kiln_error(KILN_ERR_ARG, "%s and %s would both be built into %s: rename one", jobs[k].src,
                                sources[i], j->obj);
         if (s != KILN_OK) break;
         snprintf(j->dep, sizeof j->dep, "%s.d", j->obj);
@@ -312,8 +312,8 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
             free(log);
         }
         /* (core/file.h: never over what is not a regular file) */
-        if (s == KILN_OK && (s = kiln__file_place(j->tmp, j->obj, "ext_build")) == KILN_OK && *j->lang->depfile)
-            s = kiln__file_place(tmp_dep, j->dep, "ext_build");
+        if (s == KILN_OK && (s = kiln__file_place(j->tmp, j->obj, NULL)) == KILN_OK && *j->lang->depfile)
+            s = kiln__file_place(tmp_dep, j->dep, NULL);
         snprintf(stamp, sizeof stamp, "%s.stamp", j->obj);
         snprintf(hex, sizeof hex, "%016llx\n", (unsigned long long)j->hash);
         /* without the stamp the next build compiles again: no harm */
@@ -336,7 +336,7 @@ kiln_status kiln_ext_build(const kiln_ext_langs_t *langs, const char *const *sou
         char *log = NULL;
         int st = run(link, &log);
         if (st != 0) s = failed("the module's link", link, st, log);
-        else if ((s = kiln__file_place(tmp_mod, mod, "ext_build")) == KILN_OK)
+        else if ((s = kiln__file_place(tmp_mod, mod, NULL)) == KILN_OK)
             kiln__write_whole(mod_stamp, link_hex, strlen(link_hex));
         remove(tmp_mod);
         free(log);

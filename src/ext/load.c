@@ -114,7 +114,7 @@ static const char *cut_short(int fd, const ElfW(Ehdr) *eh, uint64_t file, char *
 static kiln_status check_elf(const char *real, const char *path)
 {
     int64_t size = 0;
-    int fd = kiln__file_open_read(real, "ext_load", &size);
+    int fd = kiln__file_open_read(real, NULL, &size);
     if (fd < 0) return kiln_last_status();
     ElfW(Ehdr) eh;
     char buf[160];
@@ -125,9 +125,9 @@ static kiln_status check_elf(const char *real, const char *path)
     else if (!(other = not_ours(&eh, buf, sizeof buf))) cut = cut_short(fd, &eh, (uint64_t)size, buf, sizeof buf);
     close(fd);
     if (other)
-        return kiln_error(KILN_ERR_FORMAT, "ext_load: %s is not a module this program can load: %s", path, other);
+        return kiln_error(KILN_ERR_FORMAT, "%s is not a module this program can load: %s", path, other);
     if (cut)
-        return kiln_error(KILN_ERR_FORMAT, "ext_load: %s is not a module this program can load: not a complete shared "
+        return kiln_error(KILN_ERR_FORMAT, "%s is not a module this program can load: not a complete shared "
                           "object (%lld bytes: %s)", path, (long long)size, cut);
     return KILN_OK;
 }
@@ -136,14 +136,14 @@ static kiln_status load(const char *path, int *n_ops)
 {
     char real[PATH_MAX];
     if (!realpath(path, real))
-        return kiln_error(KILN_ERR_IO, "ext_load: %s: %s", path, strerror(errno));
+        return kiln_error(KILN_ERR_IO, "%s: %s", path, strerror(errno));
     for (int i = 0; i < n_loaded; i++)
         if (!strcmp(loaded[i], real))
-            return failed[i] ? kiln_error(KILN_ERR_ARG, "ext_load: %s was loaded before and its kiln_ext_init failed; "
+            return failed[i] ? kiln_error(KILN_ERR_ARG, "%s was loaded before and its kiln_ext_init failed; "
                                           "a process runs a module's init once (start a new one)", path)
                              : KILN_OK;
     if (n_loaded == (int)(sizeof loaded / sizeof loaded[0]))
-        return kiln_error(KILN_ERR_ARG, "ext_load: %s: %d modules are loaded already", path, n_loaded);
+        return kiln_error(KILN_ERR_ARG, "%s: %d modules are loaded already", path, n_loaded);
     kiln_status c = check_elf(real, path);
     if (c != KILN_OK) return c;
     dlerror();
@@ -152,7 +152,7 @@ static kiln_status load(const char *path, int *n_ops)
         const char *why = dlerror();
         const char *sym = why ? strstr(why, "undefined symbol: ") : NULL;
         bool undefined = sym && !strncmp(sym + strlen("undefined symbol: "), "kiln", 4); /* one of kiln's */
-        return kiln_error(KILN_ERR_FORMAT, "ext_load: %s is not a module this program can load: %s%s", path,
+        return kiln_error(KILN_ERR_FORMAT, "%s is not a module this program can load: %s%s", path,
                           why ? why : "(dlopen gave no reason)",
                           undefined ? " (a program linked with the static libkiln exports its symbols for modules "
                                       "with -rdynamic, CMake's ENABLE_EXPORTS; or link the shared libkiln)"
@@ -162,13 +162,13 @@ static kiln_status load(const char *path, int *n_ops)
     init_fn init = (init_fn)dlsym(h, "kiln_ext_init");
     kiln_status s = KILN_OK;
     if (!abi)
-        s = kiln_error(KILN_ERR_FORMAT, "ext_load: %s has no kiln_ext_abi: not a kiln module, or one built before "
+        s = kiln_error(KILN_ERR_FORMAT, "%s has no kiln_ext_abi: not a kiln module, or one built before "
                        "modules said their version (put KILN_EXT_MODULE; in one of its sources)", path);
     else if (*abi != KILN_EXT_ABI)
-        s = kiln_error(KILN_ERR_FORMAT, "ext_load: %s was built for kiln's module version %d, this kiln loads %d: "
+        s = kiln_error(KILN_ERR_FORMAT, "%s was built for kiln's module version %d, this kiln loads %d: "
                        "build it again against this kiln's headers", path, *abi, KILN_EXT_ABI);
     else if (!init)
-        s = kiln_error(KILN_ERR_FORMAT, "ext_load: %s has no kiln_ext_init, the function a module defines its ops in",
+        s = kiln_error(KILN_ERR_FORMAT, "%s has no kiln_ext_init, the function a module defines its ops in",
                        path);
     if (s != KILN_OK) {
         dlclose(h);
@@ -193,7 +193,7 @@ static kiln_status load(const char *path, int *n_ops)
         char why[2048];
         snprintf(why, sizeof why, "%s", kiln_last_status() ? kiln_last_error() : "(it gave no message)");
         /* left loaded: the ops it defined before failing run its code */
-        return kiln_error(s, "ext_load: %s: kiln_ext_init failed: %s", path, why);
+        return kiln_error(s, "%s: kiln_ext_init failed: %s", path, why);
     }
     return KILN_OK;
 }
@@ -201,9 +201,9 @@ static kiln_status load(const char *path, int *n_ops)
 kiln_status kiln_ext_load(const char *path, int *n_ops)
 {
     if (n_ops) *n_ops = 0;
-    if (!path) return kiln_error(KILN_ERR_ARG, "ext_load: NULL path");
+    if (!path) return kiln_error(KILN_ERR_ARG, "kiln_ext_load: the path is NULL");
     if (in_init) /* the lock is held by the load that runs this init */
-        return kiln_error(KILN_ERR_ARG, "ext_load: %s: called from a module's kiln_ext_init; load modules one after "
+        return kiln_error(KILN_ERR_ARG, "%s: called from a module's kiln_ext_init; load modules one after "
                           "the other", path);
     pthread_mutex_lock(&lock);
     kiln_status s = load(path, n_ops);

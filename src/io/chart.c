@@ -403,11 +403,11 @@ static void build_svg(strbuf *b, const kiln__chart *c)
     KILN__FREE(count, e);
 }
 
-kiln_status kiln__chart_write_svg(const kiln__chart *c, const char *svg_path, const char *who)
+kiln_status kiln__chart_write_svg(const kiln__chart *c, const char *svg_path)
 {
     /* SVG numbers need a '.' decimal point whatever locale the program has set. */
     locale_t c_locale = newlocale(LC_NUMERIC_MASK, "C", (locale_t)0);
-    if (c_locale == (locale_t)0) return kiln_error(KILN_ERR_OOM, "%s: cannot make the C locale", who);
+    if (c_locale == (locale_t)0) return kiln_error(KILN_ERR_OOM, "cannot make the C locale to write %s", svg_path);
     locale_t old = uselocale(c_locale);
     strbuf b = {0};
     build_svg(&b, c);
@@ -416,9 +416,9 @@ kiln_status kiln__chart_write_svg(const kiln__chart *c, const char *svg_path, co
 
     if (b.failed) {
         free(b.s);
-        return kiln_error(KILN_ERR_OOM, "%s: out of memory building the chart", who);
+        return kiln_error(KILN_ERR_OOM, "out of memory building the chart %s", svg_path);
     }
-    kiln_status st = kiln__file_write_atomic(svg_path, b.s, b.n, who);
+    kiln_status st = kiln__file_write_atomic(svg_path, b.s, b.n, NULL);
     free(b.s);
     return st;
 }

@@ -26,8 +26,7 @@ typedef struct {
     const char *baseline_label; /* its label, followed by its value */
 } kiln__chart;
 
-/* Draws c and writes it to a temporary file beside svg_path, renamed over it. who
- * starts the error messages (e.g. "metrics_plot_svg"). */
-kiln_status kiln__chart_write_svg(const kiln__chart *c, const char *svg_path, const char *who);
+/* Draws c and writes it to a temporary file beside svg_path, renamed over it. */
+kiln_status kiln__chart_write_svg(const kiln__chart *c, const char *svg_path);
 
 #endif

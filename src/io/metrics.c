@@ -57,11 +57,11 @@ kiln_status kiln_metrics_open(const char *path, bool append, kiln_metrics_t **ou
     *out = NULL;
     /* A regular file only (core/file.h: a FIFO would block, a device swallow the rows);
      * "a+" so that we can look at the last byte; writes still always go to the end. */
-    int fd = kiln__file_open_append(path, "metrics_open");
+    int fd = kiln__file_open_append(path, NULL);
     if (fd < 0) return kiln_last_status();
     FILE *f = !append && ftruncate(fd, 0) != 0 ? NULL : fdopen(fd, "a+");
     if (!f) {
-        kiln_status s = kiln_error(KILN_ERR_IO, "metrics_open: cannot open '%s': %s", path, strerror(errno));
+        kiln_status s = kiln_error(KILN_ERR_IO, "cannot open %s: %s", path, strerror(errno));
         close(fd);
         return s;
     }
@@ -71,7 +71,7 @@ kiln_status kiln_metrics_open(const char *path, bool append, kiln_metrics_t **ou
          * that only the broken line is malformed, not the first new one too. */
         if (last != EOF && last != '\n' && fputc('\n', f) == EOF) {
             fclose(f);
-            return kiln_error(KILN_ERR_IO, "metrics_open: cannot write '%s': %s", path, strerror(errno));
+            return kiln_error(KILN_ERR_IO, "cannot write %s: %s", path, strerror(errno));
         }
     }
     kiln_metrics_t *m = calloc(1, sizeof *m);
@@ -116,7 +116,7 @@ kiln_status kiln_metrics_write(kiln_metrics_t *m, const kiln_metrics_row *row)
     if (!line) return kiln_error(KILN_ERR_OOM, "metrics_write: out of memory");
     int bad = fputs(line, m->f) == EOF || fputc('\n', m->f) == EOF || fflush(m->f) != 0;
     free(line);
-    if (bad) return kiln_error(KILN_ERR_IO, "metrics_write: cannot write '%s': %s", m->path, strerror(errno));
+    if (bad) return kiln_error(KILN_ERR_IO, "cannot write %s: %s", m->path, strerror(errno));
     return KILN_OK;
 oom:
     json_decref(obj);
@@ -145,10 +145,10 @@ static bool is_blank(const char *s, size_t n)
 typedef kiln_status (*line_fn)(json_t *obj, int64_t step, void *ctx, char *why, size_t why_n);
 
 /* Walks the lines of path; a malformed one gives KILN_ERR_FORMAT naming the file and the
- * line number. who starts the other messages. */
-static kiln_status each_line(const char *path, const char *who, line_fn fn, void *ctx)
+ * line number. */
+static kiln_status each_line(const char *path, line_fn fn, void *ctx)
 {
-    FILE *f = kiln__file_fopen_read(path, who);
+    FILE *f = kiln__file_fopen_read(path, NULL);
     if (!f) return kiln_last_status();
     size_t lineno = 0;
     char *line = NULL;
@@ -176,11 +176,11 @@ static kiln_status each_line(const char *path, const char *who, line_fn fn, void
         else
             got = fn(obj, (int64_t)json_integer_value(step), ctx, why, sizeof why);
         json_decref(obj);
-        if (got == KILN_ERR_OOM) st = kiln_error(KILN_ERR_OOM, "%s: out of memory at %s:%zu", who, path, lineno);
+        if (got == KILN_ERR_OOM) st = kiln_error(KILN_ERR_OOM, "out of memory at %s:%zu", path, lineno);
         else if (got != KILN_OK) st = kiln_error(got, "%s:%zu: %s", path, lineno, why);
     }
     if (st == KILN_OK && ferror(f))
-        st = kiln_error(KILN_ERR_IO, "%s: cannot read '%s': %s", who, path, strerror(errno ? errno : EIO));
+        st = kiln_error(KILN_ERR_IO, "cannot read %s: %s", path, strerror(errno ? errno : EIO));
     free(line);
     fclose(f);
     return st;
@@ -221,7 +221,7 @@ kiln_status kiln_metrics_read(const char *path, kiln_metrics_row **rows, size_t 
     *rows = NULL;
     *n = 0;
     row_list l = {0};
-    kiln_status st = each_line(path, "metrics_read", row_from_json, &l);
+    kiln_status st = each_line(path, row_from_json, &l);
     if (st != KILN_OK) {
         free(l.rows);
         return st;
@@ -259,7 +259,7 @@ kiln_status kiln_metrics_plot_svg(const kiln_metrics_row *rows, size_t n, const 
         .baseline = baseline,
         .baseline_label = baseline_label ? baseline_label : "baseline",
     };
-    kiln_status st = kiln__chart_write_svg(&c, svg_path, "metrics_plot_svg");
+    kiln_status st = kiln__chart_write_svg(&c, svg_path);
     free(x);
     return st;
 }
@@ -323,9 +323,8 @@ static int cmp_i64(const void *a, const void *b)
  * name it; drawn to svg_path. */
 static kiln_status draw_router(const router_data *d, const char *title, const char *svg_path, int *n_blocks)
 {
-    const char *who = "metrics_plot_router_svg";
     int64_t *blocks = malloc(sizeof *blocks * (d->npts + 1));
-    if (!blocks) return kiln_error(KILN_ERR_OOM, "%s: out of memory", who);
+    if (!blocks) return kiln_error(KILN_ERR_OOM, "out of memory drawing %s", svg_path);
     for (size_t i = 0; i < d->npts; i++) blocks[i] = d->pts[i].block;
     qsort(blocks, d->npts, sizeof *blocks, cmp_i64);
     size_t nb = 0;
@@ -338,7 +337,7 @@ static kiln_status draw_router(const router_data *d, const char *title, const ch
     label *names = malloc(sizeof *names * (nb + 1));
     kiln_status st = KILN_OK;
     if (!y || !series || !names) {
-        st = kiln_error(KILN_ERR_OOM, "%s: out of memory", who);
+        st = kiln_error(KILN_ERR_OOM, "out of memory drawing %s", svg_path);
         goto done;
     }
     for (size_t i = 0; i < nb * d->n; i++) y[i] = NAN;
@@ -361,7 +360,7 @@ static kiln_status draw_router(const router_data *d, const char *title, const ch
         .baseline = 1,
         .baseline_label = "balanced",
     };
-    st = kiln__chart_write_svg(&c, svg_path, who);
+    st = kiln__chart_write_svg(&c, svg_path);
     if (st == KILN_OK && n_blocks) *n_blocks = (int)nb;
 done:
     KILN__FREE(blocks, y, series, names);
@@ -375,7 +374,7 @@ kiln_status kiln_metrics_plot_router_svg(const char *metrics_path, const char *t
     if (!metrics_path || !svg_path)
         return kiln_error(KILN_ERR_ARG, "metrics_plot_router_svg: metrics_path and svg_path must not be NULL");
     router_data d = {0};
-    kiln_status st = each_line(metrics_path, "metrics_plot_router_svg", router_from_json, &d);
+    kiln_status st = each_line(metrics_path, router_from_json, &d);
     if (st == KILN_OK && d.npts == 0)
         st = kiln_error(KILN_ERR_UNSUPPORTED,
                         "metrics_plot_router_svg: '%s' has no \"moe\" members with blocks: not a mixture-of-experts "

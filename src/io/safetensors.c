@@ -134,7 +134,7 @@ static kiln_status read_at(int fd, const char *path, void *dst, size_t n, off_t 
     while (n > 0) {
         ssize_t got = pread(fd, p, n, off);
         if (got < 0 && errno == EINTR) continue;
-        if (got < 0) return kiln_error(KILN_ERR_IO, "safetensors: cannot read %s: %s", path, strerror(errno));
+        if (got < 0) return kiln_error(KILN_ERR_IO, "cannot read %s: %s", path, strerror(errno));
         if (got == 0) return kiln_error(KILN_ERR_IO, "safetensors: %s shrank while it was being read", path);
         p += got;
         n -= (size_t)got;
@@ -286,7 +286,7 @@ static kiln_status parse_header(kiln_safetensors_t *f, const char *text, size_t 
 static kiln_status load_fd(kiln_safetensors_t *f, int fd)
 {
     struct stat st;
-    if (fstat(fd, &st) != 0) return kiln_error(KILN_ERR_IO, "safetensors: cannot stat %s: %s", f->path, strerror(errno));
+    if (fstat(fd, &st) != 0) return kiln_error(KILN_ERR_IO, "cannot stat %s: %s", f->path, strerror(errno));
     if (!S_ISREG(st.st_mode)) return kiln_error(KILN_ERR_IO, "safetensors: %s is not a regular file", f->path);
     uint64_t file_size = (uint64_t)st.st_size;
     if (file_size < 8)
@@ -352,7 +352,7 @@ kiln_status kiln_safetensors_load(const char *path, kiln_safetensors_t **out)
         return kiln_error(KILN_ERR_OOM, "safetensors_load: out of memory");
     }
     /* a regular file only: a FIFO would block the open, a device the mapping */
-    int fd = kiln__file_open_read(path, "safetensors", NULL);
+    int fd = kiln__file_open_read(path, NULL, NULL);
     if (fd < 0) {
         kiln_status s = kiln_last_status();
         kiln_safetensors_free(f);
@@ -552,7 +552,7 @@ kiln_status kiln_safetensors_save(const char *path, const char *const *names, ki
     }
     /* a temporary beside path, renamed over it when whole (core/file.h): the old file,
      * if any, is never touched before then */
-    if ((s = kiln__afile_begin(&af, path, "safetensors")) != KILN_OK) goto done;
+    if ((s = kiln__afile_begin(&af, path, NULL)) != KILN_OK) goto done;
     unsigned char lenbuf[8];
     for (int i = 0; i < 8; i++) lenbuf[i] = (unsigned char)((uint64_t)hlen >> (8 * i));
     s = kiln__afile_write(&af, lenbuf, 8);

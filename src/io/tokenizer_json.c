@@ -277,7 +277,7 @@ kiln_status kiln_tokenizer_save(const kiln_tokenizer_t *t, const char *path)
     /* Written whole beside the target and renamed, so a reader never sees half a
      * tokenizer (core/file.h). */
     char *text = json_dumps(root, JSON_INDENT(2) | JSON_PRESERVE_ORDER);
-    kiln_status st = text ? kiln__file_write_atomic(path, text, strlen(text), "kiln_tokenizer_save")
+    kiln_status st = text ? kiln__file_write_atomic(path, text, strlen(text), NULL)
                           : kiln_error(KILN_ERR_OOM, "kiln_tokenizer_save: out of memory");
     free(text);
     json_decref(root);
@@ -951,7 +951,7 @@ kiln_status kiln_tokenizer_load(const char *path, kiln_tokenizer_t **out)
     if (!path)
         return kiln_error(KILN_ERR_ARG, "kiln_tokenizer_load: path is NULL");
     kiln_status st = KILN_OK;
-    FILE *f = kiln__file_fopen_read(path, "kiln_tokenizer_load"); /* a regular file only */
+    FILE *f = kiln__file_fopen_read(path, NULL); /* a regular file only */
     if (!f)
         return kiln_last_status();
     json_error_t je;

@@ -483,7 +483,7 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
         if (s == KILN_OK && b.failed) s = kiln_error(KILN_ERR_OOM, "gguf: out of memory");
     }
     /* written whole to a temporary name, then renamed: the file is the old one or the new */
-    if (s == KILN_OK) s = kiln__file_write_atomic(path, b.p, b.n, "gguf");
+    if (s == KILN_OK) s = kiln__file_write_atomic(path, b.p, b.n, NULL);
     free(b.p);
     for (int k = 0; ts && k < nt; k++) free(ts[k].data);
     free(ts);

@@ -227,7 +227,7 @@ static kiln_status read_config(const char *dir, kiln_gpt_config *g, kiln__family
     hf_config c = {file, NULL};
     if (!kiln__path_exists(file))
         return kiln_error(KILN_ERR_IO, "%s: no such file: not a Hugging Face model folder", file);
-    if (!(c.root = kiln__json_load(file, JSON_REJECT_DUPLICATES, NULL, "hf"))) return kiln_last_status();
+    if (!(c.root = kiln__json_load(file, JSON_REJECT_DUPLICATES, NULL, NULL))) return kiln_last_status();
     kiln_status s = KILN_OK;
     char q[48];
     const char *type = cfg_str(&c, "model_type");
@@ -294,7 +294,7 @@ static kiln_status weights_open(hf_weights *w)
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", w->dir);
     struct stat st;
     if (stat(path, &st) != 0) return weights_add(w, "model.safetensors");
-    json_t *root = kiln__json_load(path, JSON_REJECT_DUPLICATES, NULL, "hf");
+    json_t *root = kiln__json_load(path, JSON_REJECT_DUPLICATES, NULL, NULL);
     if (!root) return kiln_last_status();
     json_t *map = json_object_get(root, "weight_map");
     kiln_status s = json_is_object(map) ? KILN_OK : kiln_error(KILN_ERR_FORMAT, "%s: no 'weight_map' object", path);
@@ -615,7 +615,7 @@ static kiln_status remove_stale(const char *dir, bool new_tokenizer)
 {
     char path[4200];
     snprintf(path, sizeof path, "%s/model.safetensors.index.json", dir);
-    json_t *root = kiln__json_load(path, 0, NULL, "hf_save"); /* none, or not one: nothing to follow */
+    json_t *root = kiln__json_load(path, 0, NULL, NULL); /* none, or not one: nothing to follow */
     if (!root) kiln_clear_error();
     const char *key;
     json_t *v;
@@ -629,10 +629,10 @@ static kiln_status remove_stale(const char *dir, bool new_tokenizer)
     }
     json_decref(root);
     if (unlink(path) != 0 && errno != ENOENT)
-        return kiln_error(KILN_ERR_IO, "hf_save: cannot remove the old %s: %s", path, strerror(errno));
+        return kiln_error(KILN_ERR_IO, "cannot remove the old %s: %s", path, strerror(errno));
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
     if (!new_tokenizer && unlink(path) != 0 && errno != ENOENT)
-        return kiln_error(KILN_ERR_IO, "hf_save: cannot remove the old %s: %s", path, strerror(errno));
+        return kiln_error(KILN_ERR_IO, "cannot remove the old %s: %s", path, strerror(errno));
     return KILN_OK;
 }
 
@@ -646,7 +646,7 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
     kiln_status s = kiln__gpt_exportable(c, "hf_save", "transformers' LLaMA and GPT-2");
     if (s == KILN_OK) s = family_of(c, &fam);
     if (s != KILN_OK) return s;
-    if (mkdir(dir, 0755) != 0 && errno != EEXIST) return kiln_error(KILN_ERR_IO, "hf_save: cannot make %s: %s", dir, strerror(errno));
+    if (mkdir(dir, 0755) != 0 && errno != EEXIST) return kiln_error(KILN_ERR_IO, "cannot make the folder %s: %s", dir, strerror(errno));
     if ((s = remove_stale(dir, tok != NULL)) != KILN_OK) return s;
     int np = kiln_gpt_num_params(m), n = 0, cap = np + 4 * c->n_layer; /* qkv weight and bias: 3 each */
     const char **names = calloc((size_t)cap, sizeof *names);
@@ -706,7 +706,7 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
     snprintf(path, sizeof path, "%s/config.json", dir);
     char *text = s == KILN_OK && cj ? json_dumps(cj, JSON_INDENT(2) | JSON_SORT_KEYS) : NULL;
     if (s == KILN_OK && !text) s = kiln_error(KILN_ERR_OOM, "hf_save: out of memory for %s", path);
-    if (s == KILN_OK) s = kiln__file_write_atomic(path, text, strlen(text), "hf_save");
+    if (s == KILN_OK) s = kiln__file_write_atomic(path, text, strlen(text), NULL);
     free(text);
     json_decref(cj);
     snprintf(path, sizeof path, "%s/tokenizer.json", dir);
@@ -730,7 +730,7 @@ bool kiln_hf_is_folder(const char *path)
      * files does not). One that cannot be read or parsed is taken as Hugging Face's too,
      * so that loading it reports what is wrong with it rather than a missing checkpoint
      * (an option file beside a kiln checkpoint is never a broken one that matters). */
-    json_t *root = kiln__json_load(file, 0, NULL, "hf");
+    json_t *root = kiln__json_load(file, 0, NULL, NULL);
     bool hf = !root || !json_is_object(root) || json_object_get(root, "model_type") ||
               json_object_get(root, "architectures");
     json_decref(root);

@@ -8,6 +8,7 @@
 #include <sys/stat.h>
 #include <unistd.h>
 #include "core/file.h"
+#include "io/json_file.h" /* kiln__path_exists */
 #include "kiln/io.h"
 #include "kiln/nn.h"
 #include "kiln/tokenizer.h"
@@ -49,21 +50,28 @@ static kiln_status tokenizer_for(const char *dir, const char *kind, kiln_tokeniz
     return kiln_tokenizer_load(path, out);
 }
 
-/* A Hugging Face folder: the model, and its tokenizer.json (bytes when it has none). */
+/* A Hugging Face folder: the model and its tokenizer.json. A folder without one is refused,
+ * never read as bytes: a model's text through the wrong tokenizer is junk, not an error. */
 static kiln_status hf_model(const char *dir, kiln_gpt_t **model, kiln_tokenizer_t **tok)
 {
     char path[4200];
-    struct stat st;
-    snprintf(path, sizeof path, "%s/%s", dir, TOKENIZER_FILE);
+    if (snprintf(path, sizeof path, "%s/%s", dir, TOKENIZER_FILE) >= (int)sizeof path)
+        return kiln_error(KILN_ERR_ARG, "path too long: %s", dir);
+    if (!kiln__path_exists(path)) {
+        char spm[4200];
+        snprintf(spm, sizeof spm, "%s/tokenizer.model", dir);
+        return kiln_error(KILN_ERR_FORMAT, "%s has no tokenizer.json, the file kiln reads a model's tokenizer from%s", dir,
+                          kiln__path_exists(spm) ? " (not its tokenizer.model, SentencePiece's: transformers' "
+                                                   "AutoTokenizer save_pretrained writes a tokenizer.json)"
+                                                 : "; copy the model's tokenizer.json into the folder");
+    }
     kiln_gpt_t *m = NULL;
     kiln_tokenizer_t *t = NULL;
-    bool has_json = stat(path, &st) == 0;
-    kiln_status s = tokenizer_for(dir, has_json ? "json" : "byte", &t);
+    kiln_status s = tokenizer_for(dir, "json", &t);
     if (s == KILN_OK) s = kiln_hf_load(dir, &m);
     if (s == KILN_OK && kiln_tokenizer_vocab_size(t) != kiln_gpt_get_config(m)->vocab_size)
-        s = kiln_error(KILN_ERR_FORMAT, "%s: the model has %d tokens but its tokenizer %d%s", dir,
-                       kiln_gpt_get_config(m)->vocab_size, kiln_tokenizer_vocab_size(t),
-                       has_json ? "" : " (no tokenizer.json: bytes)");
+        s = kiln_error(KILN_ERR_FORMAT, "%s: the model has %d tokens but its tokenizer.json %d", dir,
+                       kiln_gpt_get_config(m)->vocab_size, kiln_tokenizer_vocab_size(t));
     if (s != KILN_OK) {
         kiln_gpt_free(m);
         kiln_tokenizer_free(t);
@@ -79,7 +87,7 @@ static kiln_status hf_model(const char *dir, kiln_gpt_t **model, kiln_tokenizer_
 static bool is_gguf(const char *file)
 {
     char magic[4] = {0};
-    int fd = kiln__file_open_read(file, "model_load", NULL); /* (regular files only, never blocking) */
+    int fd = kiln__file_open_read(file, NULL, NULL); /* (regular files only, never blocking) */
     if (fd < 0) {
         kiln_clear_error(); /* not one to read: the safetensors reader says why */
         return false;

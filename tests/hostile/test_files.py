@@ -198,6 +198,21 @@ if os.path.exists(os.path.join(h5, "tokenizer.json")):
 fifo(os.path.join(h5, "tokenizer.json"))
 s.case("a FIFO as tokenizer.json is refused at once", ["sample", h5, "--tokens", "2"], rc=1,
        msg=r"tokenizer\.json is a FIFO", timeout=60)
+h6 = path("hf_no_tokenizer")
+shutil.copytree(hf, h6)
+if os.path.exists(os.path.join(h6, "tokenizer.json")):
+    os.remove(os.path.join(h6, "tokenizer.json"))
+s.case("a Hugging Face folder without tokenizer.json is refused, never read as bytes",
+       ["sample", h6, "--tokens", "2"], rc=1, msg=r"has no tokenizer\.json")
+open(os.path.join(h6, "tokenizer.model"), "wb").close()
+s.case("a folder with only SentencePiece's tokenizer.model says which file kiln wants",
+       ["serve", h6, "--port", "0"], rc=1, msg=r"no tokenizer\.json.*tokenizer\.model")
+# errors name the file, never kiln's internal functions
+INTERNAL = r"(metrics_read|metrics_open|model_load|ext_load|ext_build|hf_save|kiln_tokenizer_\w+|safetensors): cannot"
+s.case("a missing model file is named without internal names", ["info", path("nope.safetensors")], rc=1,
+       msg=r"cannot open .*nope\.safetensors", nomsg=INTERNAL)
+s.case("plot of a folder without metrics names the file", ["plot", s.dir("empty_run")], rc=1,
+       msg=r"cannot open .*metrics\.jsonl", nomsg=INTERNAL)
 m = fifo(path("model_fifo.safetensors"))
 s.case("info of a FIFO model file is refused at once", ["info", m], rc=1, msg=r"FIFO", timeout=60)
 s.case("sample of a FIFO model file is refused at once", ["sample", m], rc=1, msg=r"FIFO", timeout=60)

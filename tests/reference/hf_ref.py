@@ -7,7 +7,8 @@ the oracle of kiln's HF import (tests/test_hf.c).
 needs torch and transformers from PyPI (nothing is downloaded: each model is built from
 a config with random weights, torch.manual_seed(1234), initializer_range 0.1 so that the
 logits differ clearly). For each architecture it writes OUT/<name>/ as save_pretrained
-leaves it (config.json and model.safetensors, or shards with their index) and
+leaves it (config.json and model.safetensors, or shards with their index), a byte-level
+tokenizer.json (byte_tokenizer.py) and
 OUT/<name>/expected.safetensors: `idx` (2, 12) I64 token ids and `logits` (2, 12, 256)
 F32, the forward of the folder as saved, read back in float32 with eager attention (a
 model stored in bf16 or f16 runs on its rounded weights widened to f32, as kiln holds
@@ -19,6 +20,8 @@ import os
 import shutil
 
 import torch
+
+import byte_tokenizer
 from safetensors.torch import save_file
 
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
@@ -78,6 +81,7 @@ def main():
         shutil.rmtree(d, ignore_errors=True)
         kw = {"max_shard_size": shard} if shard else {}
         model.save_pretrained(d, safe_serialization=True, **kw)
+        byte_tokenizer.write(d)
         for extra in ("generation_config.json",):
             if os.path.exists(os.path.join(d, extra)):
                 os.remove(os.path.join(d, extra))
