@@ -15,7 +15,7 @@ if(KILN_PYTHON3)
   target_link_libraries(dist_probe PRIVATE kiln)
   add_test(NAME dist_collectives COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_collectives.py
            --probe $<TARGET_FILE:dist_probe> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
-  set_tests_properties(dist_collectives PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600
+  set_tests_properties(dist_collectives PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600 RESOURCE_LOCK mpi
                        ENVIRONMENT "${KILN_MPI_TEST_ENV}")
   add_test(NAME dist_srun COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_srun.py
            --kiln $<TARGET_FILE:kiln_tool> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
@@ -23,9 +23,9 @@ if(KILN_PYTHON3)
                        ENVIRONMENT "${KILN_MPI_TEST_ENV}")
   add_test(NAME dist_train COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_train.py
            --kiln $<TARGET_FILE:kiln_tool> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
-  set_tests_properties(dist_train PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600
+  set_tests_properties(dist_train PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600 RESOURCE_LOCK mpi
                        ENVIRONMENT "${KILN_MPI_TEST_ENV}")
   add_test(NAME dist_stop COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/dist/test_dist_stop.py
            --kiln $<TARGET_FILE:kiln_tool> --workdir ${CMAKE_BINARY_DIR}/dist-tests)
-  set_tests_properties(dist_stop PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600 ENVIRONMENT "${KILN_MPI_TEST_ENV}")
+  set_tests_properties(dist_stop PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600 RESOURCE_LOCK mpi ENVIRONMENT "${KILN_MPI_TEST_ENV}")
 endif()
