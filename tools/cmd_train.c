@@ -761,14 +761,14 @@ static int print_banner(train_run *r)
 {
     train_args *a = &r->a;
     if (!a->quiet && r->rank == 0)
-        printf("kiln train: %s model, %d layer%s, C=%d, %d heads (%d kv), T=%d, vocab %d (%s), %.2fM parameters\n"
-               "            %zu train / %zu val tokens, %lld tokens per step, %d rank(s) x %d thread(s) on %s, "
+        printf("kiln train: %s model, %d layer%s, C=%d, %d head%s (%d kv), T=%d, vocab %d (%s), %.2fM parameters\n"
+               "            %zu train / %zu val tokens, %lld tokens per step, %d rank%s x %d thread%s on %s, "
                "%s, unigram baseline %.3f nats\n",
                a->init ? (r->cfg.pos == KILN_POS_ROPE ? "llama-style" : "gpt2-style") : a->model, r->cfg.n_layer,
-               r->cfg.n_layer == 1 ? "" : "s", r->cfg.n_embd, r->cfg.n_head, r->cfg.n_kv_head, r->cfg.block_size, r->vocab,
+               r->cfg.n_layer == 1 ? "" : "s", r->cfg.n_embd, r->cfg.n_head, r->cfg.n_head == 1 ? "" : "s", r->cfg.n_kv_head, r->cfg.block_size, r->vocab,
                r->tok_kind, (double)kiln_gpt_param_elements(r->m) / 1e6, kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN),
-               kiln_dataset_len(r->ds, KILN_SPLIT_VAL), (long long)r->tokens_per_step, r->world, kiln_num_threads(),
-               kiln_device(), a->prec == KILN_DTYPE_F32 ? "f32" : a->prec == KILN_DTYPE_BF16
+               kiln_dataset_len(r->ds, KILN_SPLIT_VAL), (long long)r->tokens_per_step, r->world, r->world == 1 ? "" : "s", kiln_num_threads(),
+               kiln_num_threads() == 1 ? "" : "s", kiln_device(), a->prec == KILN_DTYPE_F32 ? "f32" : a->prec == KILN_DTYPE_BF16
                    ? "mixed precision bf16" : "mixed precision f16 with loss scaling", r->unigram);
     return GO_ON;
 }
