@@ -187,17 +187,36 @@ static int32_t char_symbols(const kiln_tokenizer_t *t, kiln__bpe_scratch *s, con
     return len;
 }
 
+/* A byte-level word's symbols: each byte's single-byte token. A vocab may lack some
+ * bytes (StarCoder's and its descendants' leave out those UTF-8 text never holds, 0xC0,
+ * 0xC1, 0xF5-0xFF, and some control bytes); `tokenizers` then writes the unk token for
+ * such a byte (one for a run of them with fuse_unk) or, with none, nothing, and the
+ * bytes either side become neighbours that may merge. So here. */
+static int32_t byte_symbols(const kiln_tokenizer_t *t, kiln__bpe_scratch *s, const uint8_t *w, size_t n)
+{
+    int32_t len = 0;
+    bool unk = false;
+    for (size_t i = 0; i < n; i++) {
+        int32_t id = t->byte_id[w[i]];
+        if (id >= 0) {
+            if (unk) s->sym[len++] = t->unk_id, unk = false;
+            s->sym[len++] = id;
+        } else if (t->unk_id >= 0) {
+            if (unk && !t->fuse_unk) s->sym[len++] = t->unk_id;
+            unk = true;
+        }
+    }
+    if (unk) s->sym[len++] = t->unk_id;
+    return len;
+}
+
 long kiln__bpe_word(const kiln_tokenizer_t *t, kiln__bpe_scratch *s, const uint8_t *w, size_t n)
 {
     if (!scratch_reserve(s, n))
         return -1;
     int32_t len = (int32_t)n;
-    if (t->char_level) {
-        len = char_symbols(t, s, w, n);
-    } else {
-        for (int32_t i = 0; i < len; i++)
-            s->sym[i] = t->byte_id[w[i]];
-    }
+    if (t->char_level) len = char_symbols(t, s, w, n);
+    else len = byte_symbols(t, s, w, n);
     int32_t end = len;
     for (int32_t i = 0; i < len; i++) {
         s->prev[i] = i - 1;

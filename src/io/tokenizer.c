@@ -178,7 +178,7 @@ static kiln_status encode_segment(const kiln_tokenizer_t *t, kiln__bpe_scratch *
     if (!t->char_level) kiln__pretok_restart(pt);
     for (size_t i = 0; i < n && st == KILN_OK;) {
         size_t j = next_word(t, pt, seg, n, i);
-        if (j - i == 1 && !t->char_level) {
+        if (j - i == 1 && !t->char_level && t->byte_id[seg[i]] >= 0) {
             sink_put(out, t->byte_id[seg[i]]);
         } else if (j - i > INT32_MAX) {
             st = kiln_error(KILN_ERR_ARG, "kiln_tokenizer_encode: a pre-token of %zu bytes is too long", j - i);

@@ -73,8 +73,9 @@ struct kiln_tokenizer {
     /* Token id -> the bytes it decodes to: tok_bytes[tok_off[i] .. tok_off[i+1]). */
     uint8_t *tok_bytes;
     size_t *tok_off;
-    /* Byte-level: the single-byte token for each byte. Char-level: the byte-fallback
-     * token "<0xXX>" of each byte, -1 where the vocab has none. */
+    /* Byte-level: the single-byte token for each byte, -1 where the vocab has none (such
+     * a byte becomes unk_id or nothing: bpe.c). Char-level: the byte-fallback token
+     * "<0xXX>" of each byte, -1 where the vocab has none. */
     int32_t byte_id[256];
     /* Merges in rank order; merge r joins merge_a[r], merge_b[r] into merge_id[r]. */
     int n_merges;

@@ -236,7 +236,7 @@ static json_t *tokenizer_json(const kiln_tokenizer_t *t, const char *path)
     }
     if (st == KILN_OK && !(merges = merges_array(t, buf, buf2)))
         st = kiln_error(KILN_ERR_OOM, "kiln_tokenizer_save: %s: out of memory", path);
-    json_t *unk = st == KILN_OK && t->char_level && t->unk_id >= 0 ? json_string(token_name(t, t->unk_id, buf))
+    json_t *unk = st == KILN_OK && t->unk_id >= 0 ? json_string(token_name(t, t->unk_id, buf))
                                                                    : json_null();
     /* The post-processor is not written: kiln's ids are the text's alone (no BOS added). */
     if (st == KILN_OK &&
@@ -246,7 +246,7 @@ static json_t *tokenizer_json(const kiln_tokenizer_t *t, const char *path)
                            normalizer_object(t), "pre_tokenizer", pre_tokenizer_object(t), "post_processor",
                            "decoder", decoder_object(t), "model", "type", "BPE", "dropout", "unk_token", unk,
                            "continuing_subword_prefix", "end_of_word_suffix", "fuse_unk",
-                           t->char_level && t->fuse_unk, "byte_fallback", t->char_level && t->byte_fallback,
+                           t->fuse_unk, "byte_fallback", t->char_level && t->byte_fallback,
                            "ignore_merges", 0, "vocab", vocab, "merges", merges)))
         st = kiln_error(KILN_ERR_OOM, "kiln_tokenizer_save: %s: out of memory", path);
     json_decref(unk);
@@ -286,7 +286,7 @@ kiln_status kiln_tokenizer_save(const kiln_tokenizer_t *t, const char *path)
 
 /* ---- load ----------------------------------------------------------------------------- */
 
-#define LOAD_ERR(status, ...) kiln_error(status, "kiln_tokenizer_load: " __VA_ARGS__)
+#define LOAD_ERR(status, ...) kiln_error(status, __VA_ARGS__)
 #define LOAD_FAIL(status, ...) (st = LOAD_ERR(status, __VA_ARGS__))
 
 /* A JSON boolean field, or dflt when absent or null; -1 when it is something else. */
@@ -566,8 +566,8 @@ static kiln_status check_pipeline(const json_t *root, const char *path, pipeline
     return st;
 }
 
-/* The char-level model's fields (byte-level files' unk_token, fuse_unk and byte_fallback
- * change nothing: every byte is in their vocab). */
+/* The model's fields. unk_token and fuse_unk count in both kinds (a byte-level vocab may
+ * lack some bytes); byte_fallback only in char-level ones, where "<0xXX>" tokens exist. */
 static kiln_status check_model(const json_t *model, const char *path, bool char_level)
 {
     kiln_status st = KILN_OK;
@@ -590,11 +590,11 @@ static kiln_status check_model(const json_t *model, const char *path, bool char_
         LOAD_FAIL(KILN_ERR_FORMAT, "%s: model has no \"vocab\" object", path);
     else if (json_object_get(model, "merges") && !json_is_array(json_object_get(model, "merges")))
         LOAD_FAIL(KILN_ERR_FORMAT, "%s: model \"merges\" is not an array", path);
-    else if (char_level && (json_flag(model, "fuse_unk", false) < 0 || json_flag(model, "byte_fallback", false) < 0))
+    else if (json_flag(model, "fuse_unk", false) < 0 || (char_level && json_flag(model, "byte_fallback", false) < 0))
         LOAD_FAIL(KILN_ERR_FORMAT, "%s: model fuse_unk and byte_fallback must be booleans", path);
-    else if (char_level && unk && !json_is_null(unk) && !json_is_string(unk))
+    else if (unk && !json_is_null(unk) && !json_is_string(unk))
         LOAD_FAIL(KILN_ERR_FORMAT, "%s: model unk_token must be a string or null", path);
-    else if (char_level && json_is_string(unk) && !json_object_get(json_object_get(model, "vocab"), json_string_value(unk)))
+    else if (json_is_string(unk) && !json_object_get(json_object_get(model, "vocab"), json_string_value(unk)))
         LOAD_FAIL(KILN_ERR_FORMAT, "%s: model unk_token \"%s\" is not in the vocab", path, json_string_value(unk));
     return st;
 }
@@ -839,9 +839,10 @@ static kiln_status build_from_json(const json_t *root, const char *path, kiln_to
             for (int i = n_vocab - 1; i >= 0; i--) /* downwards, so the lowest id wins */
                 if (!special[i] && blen[i] == 1)
                     t->byte_id[bytes[i][0]] = i;
-            for (int b = 0; st == KILN_OK && b < 256; b++)
-                if (t->byte_id[b] < 0)
-                    LOAD_FAIL(KILN_ERR_FORMAT, "%s: vocab has no token for byte 0x%02x", path, b);
+            /* (a byte without a token is encoded as the unk token or not at all: bpe.c) */
+            const char *unk = json_string_value(json_object_get(model, "unk_token"));
+            t->unk_id = unk ? (int32_t)json_integer_value(json_object_get(vocab, unk)) : -1;
+            t->fuse_unk = json_flag(model, "fuse_unk", false) == 1;
         }
     }
     if (st == KILN_OK && p.char_level) {

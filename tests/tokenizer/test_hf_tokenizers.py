@@ -24,6 +24,9 @@ the text. The shapes:
   the tokenizer.json kiln writes back (tokenizer_resave) must load in `tokenizers` and
   give the same ids and text. Two more shapes have no byte tokens, so that what the
   vocab lacks becomes "<unk>": one per run of such characters (fuse_unk) or one each.
+- GPT-2's shape without the tokens of some bytes (StarCoder's family leaves out the
+  bytes UTF-8 never holds and some control bytes), on a text holding control bytes:
+  without an unk token they are dropped, with one each is it (or a run, fused).
 
 The text holds Latin with accents, CJK, Arabic, Cyrillic, emoji, digits of several
 scripts, runs of spaces, tabs and newlines, code, decomposed accents and Hangul jamo,
@@ -88,6 +91,74 @@ def build(kind, path):
     tok.train_from_iterator([TRAIN], trainer=trainer)
     tok.save(path)
     return tok
+
+
+# Byte-level vocabularies without some bytes, as StarCoder's family ships them (issue 47):
+# the bytes UTF-8 text never holds (0xC0, 0xC1, 0xF5-0xFF) and some control bytes are left
+# out and the ids closed up. `tokenizers` writes the unk token for such a byte (one for a
+# run with fuse_unk), or with none drops it, so that its neighbours may merge.
+GAP_BYTES = [0x00, 0x01, 0x04, 0x07, 0x1B, 0x7F, 0xC0, 0xC1] + list(range(0xF5, 0x100))
+GAP_TEST = TEST + "control bytes: a\x04b \x01\x01\x01 x\x00y \x1b[0m ok\x7f and \x07\x04 the end\n"
+GAP_SHAPES = ("gap-none", "gap-unk", "gap-unk-fused")
+
+
+def build_gap(kind, path):
+    """The gpt2 shape, trained by tokenizers, its vocab without GAP_BYTES' tokens."""
+    tok = build("gpt2", path)
+    j = json.loads(tok.to_str())
+    table = {b: c for b, c in zip(range(256), bytes_to_chars())}
+    gone = {table[b] for b in GAP_BYTES}
+    old = sorted(j["model"]["vocab"].items(), key=lambda kv: kv[1])
+    kept = [k for k, _ in old if k not in gone]
+    j["model"]["vocab"] = {k: i for i, k in enumerate(kept)}
+    j["model"]["merges"] = [m for m in j["model"]["merges"]
+                            if not any(part in gone for part in (m.split(" ") if isinstance(m, str) else m))]
+    for t in j["added_tokens"]:
+        t["id"] = j["model"]["vocab"][t["content"]]
+    if kind != "gap-none":
+        j["model"]["unk_token"] = "<|endoftext|>"
+        j["model"]["fuse_unk"] = kind == "gap-unk-fused"
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(j, f, ensure_ascii=False)
+    return Tokenizer.from_file(path)
+
+
+def bytes_to_chars():
+    """GPT-2's byte-to-character table, in byte order."""
+    keep = set(range(ord("!"), ord("~") + 1)) | set(range(0xA1, 0xAD)) | set(range(0xAE, 0x100))
+    out, extra = [], 0
+    for b in range(256):
+        if b in keep:
+            out.append(chr(b))
+        else:
+            out.append(chr(256 + extra))
+            extra += 1
+    return out
+
+
+def check_gap(a, kind):
+    path = os.path.join(a.workdir, f"{kind}.json")
+    text_path = os.path.join(a.workdir, "gap.txt")
+    with open(text_path, "w", encoding="utf-8", newline="") as f:
+        f.write(GAP_TEST)
+    tok = build_gap(kind, path)
+    want = tok.encode(GAP_TEST).ids
+    r = kiln(a, "tokenizer", "encode", "--tokenizer", path, "--file", text_path)
+    got = [int(x) for x in r.stdout.split()] if r.returncode == 0 else None
+    if got != want:
+        at = next((i for i, (x, y) in enumerate(zip(got or [], want)) if x != y), min(len(got or []), len(want)))
+        print(f"FAIL {kind}: kiln gave {len(got or [])} ids, tokenizers {len(want)}; first difference at {at}: "
+              f"kiln {(got or [])[at:at + 5]}, tokenizers {want[at:at + 5]} {r.stderr.strip()}")
+        return False
+    d = kiln(a, "tokenizer", "decode", "--tokenizer", path, *map(str, want))
+    if d.returncode != 0 or d.stdout != tok.decode(want, skip_special_tokens=False) + "\n":
+        print(f"FAIL {kind}: kiln decodes the ids to {d.stdout[-80:]!r}, tokenizers to "
+              f"{tok.decode(want, skip_special_tokens=False)[-80:]!r} {d.stderr}")
+        return False
+    unk = sum(1 for i in want if i == tok.token_to_id("<|endoftext|>"))
+    print(f"ok   {kind}: {len(tok.get_vocab())} tokens, none for {len(GAP_BYTES)} bytes; {len(want)} ids "
+          f"({unk} unk), the same as tokenizers', and decoded as it decodes them")
+    return True
 
 
 # The SentencePiece-style shapes see their own special tokens in the text.
@@ -256,6 +327,10 @@ def main():
         print(f"ok   {kind}: {len(want)} ids, the same as tokenizers', and decoded back to the "
               f"{'normalized ' if tok.normalizer else ''}text")
         passed += 1
+    for kind in GAP_SHAPES:
+        ok = check_gap(a, kind)
+        passed += ok
+        failed += not ok
     for kind in SP_SHAPES:
         ok = check_sp(a, kind, text_path)
         passed += ok
