@@ -1,0 +1,254 @@
+/* ggml's tensor types and their block formats, back to f32 (quant.h). The block layouts
+ * are ggml's (ggml-common.h); each function computes its values in f32 with the
+ * operations, and in the order, of llama.cpp's `gguf` Python package, which is the oracle
+ * (tests/gguf/test_gguf_read.py), so the two agree bit for bit. This file is compiled
+ * with -ffp-contract=off (CMakeLists.txt): a fused multiply-add would round d * q - m
+ * once where the oracle rounds twice. */
+#include <string.h>
+#include "core/dtype.h"
+#include "core/quant.h"
+
+#define QK_K 256 /* the K-quants' and IQ4_XS's super-block */
+
+static float f16_at(const uint8_t *p) { return kiln__f16_to_f32((uint16_t)(p[0] | p[1] << 8)); }
+
+/* ---- the 32-element formats ---- */
+
+static void deq_q4_0(const uint8_t *b, float *y)
+{
+    float d = f16_at(b);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)((b[2 + j] & 0x0F) - 8);
+        y[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+    }
+}
+
+static void deq_q4_1(const uint8_t *b, float *y)
+{
+    float d = f16_at(b), m = f16_at(b + 2);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)(b[4 + j] & 0x0F) + m;
+        y[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+    }
+}
+
+/* Q5_0 and Q5_1: the fifth bit of value j is bit j of the 32-bit qh. */
+static uint32_t qh_at(const uint8_t *p) { return (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24; }
+
+static void deq_q5_0(const uint8_t *b, float *y)
+{
+    float d = f16_at(b);
+    uint32_t qh = qh_at(b + 2);
+    const uint8_t *qs = b + 6;
+    for (int j = 0; j < 16; j++) {
+        int lo = (qs[j] & 0x0F) | (int)((qh >> j) & 1) << 4, hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+        y[j] = d * (float)(lo - 16);
+        y[j + 16] = d * (float)(hi - 16);
+    }
+}
+
+static void deq_q5_1(const uint8_t *b, float *y)
+{
+    float d = f16_at(b), m = f16_at(b + 2);
+    uint32_t qh = qh_at(b + 4);
+    const uint8_t *qs = b + 8;
+    for (int j = 0; j < 16; j++) {
+        int lo = (qs[j] & 0x0F) | (int)((qh >> j) & 1) << 4, hi = (qs[j] >> 4) | (int)((qh >> (j + 16)) & 1) << 4;
+        y[j] = d * (float)lo + m;
+        y[j + 16] = d * (float)hi + m;
+    }
+}
+
+static void deq_q8_0(const uint8_t *b, float *y)
+{
+    float d = f16_at(b);
+    for (int j = 0; j < 32; j++)
+        y[j] = (float)(int8_t)b[2 + j] * d;
+}
+
+/* The 16 values IQ4_NL's and IQ4_XS's 4-bit indices stand for. */
+static const int8_t iq4_values[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static void deq_iq4_nl(const uint8_t *b, float *y)
+{
+    float d = f16_at(b);
+    for (int j = 0; j < 16; j++) {
+        y[j] = d * (float)iq4_values[b[2 + j] & 0x0F];
+        y[j + 16] = d * (float)iq4_values[b[2 + j] >> 4];
+    }
+}
+
+/* ---- the 256-element super-blocks ---- */
+
+/* Q2_K: scales[16] (a 4-bit scale and a 4-bit min each), qs[64] (2 bits a value), d,
+ * dmin. Each 128 values take 32 bytes of qs, four shifts of them, 32 values a shift. */
+static void deq_q2_k(const uint8_t *b, float *y)
+{
+    const uint8_t *sc = b, *qs = b + 16;
+    float d = f16_at(b + 80), dmin = f16_at(b + 82);
+    for (int v = 0; v < QK_K; v++) {
+        int half = v / 128, shift = (v % 128) / 32 * 2, l = v % 32, s = sc[v / 16];
+        float dl = d * (float)(s & 0x0F), ml = dmin * (float)(s >> 4);
+        y[v] = dl * (float)((qs[half * 32 + l] >> shift) & 3) - ml;
+    }
+}
+
+/* Q3_K: hmask[32] (the third bit, inverted: a clear bit subtracts 4), qs[64], scales[12]
+ * (sixteen 6-bit scales: the low nibbles in bytes 0-7, the top two bits in 8-11), d. */
+static void deq_q3_k(const uint8_t *b, float *y)
+{
+    const uint8_t *hm = b, *qs = b + 32, *sc = b + 96;
+    float d = f16_at(b + 108);
+    for (int v = 0; v < QK_K; v++) {
+        int i = v / 16, group = v / 32, half = v / 128, shift = (v % 128) / 32 * 2, l = v % 32;
+        int low = i < 8 ? sc[i] & 0x0F : sc[i - 8] >> 4, high = (sc[8 + i % 4] >> (2 * (i / 4))) & 3;
+        float dl = d * (float)((int8_t)(low | high << 4) - 32);
+        int q = ((qs[half * 32 + l] >> shift) & 3) - (((hm[l] >> group) & 1) ^ 1) * 4;
+        y[v] = dl * (float)q;
+    }
+}
+
+/* Q4_K's and Q5_K's eight 6-bit scales and mins, packed in 12 bytes. */
+static void scale_min_k4(const uint8_t *s, int j, int *sc, int *m)
+{
+    if (j < 4) {
+        *sc = s[j] & 0x3F;
+        *m = s[j + 4] & 0x3F;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 2) & 0x30);
+        *m = (s[j + 4] >> 4) | ((s[j] >> 2) & 0x30);
+    }
+}
+
+/* Q4_K: d, dmin, scales[12], qs[128]: each 64 values take 32 bytes, the low nibbles
+ * then the high ones, 32 values to a scale. */
+static void deq_q4_k(const uint8_t *b, float *y)
+{
+    float d = f16_at(b), dmin = f16_at(b + 2);
+    const uint8_t *qs = b + 16;
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        scale_min_k4(b + 4, j, &sc, &m);
+        float dl = d * (float)sc, ml = dmin * (float)m;
+        for (int l = 0; l < 32; l++)
+            y[j * 32 + l] = dl * (float)((qs[j / 2 * 32 + l] >> (4 * (j % 2))) & 0x0F) - ml;
+    }
+}
+
+/* Q5_K: Q4_K's layout with qh[32] before qs: the fifth bit of value j*32+l is bit j of qh[l]. */
+static void deq_q5_k(const uint8_t *b, float *y)
+{
+    float d = f16_at(b), dmin = f16_at(b + 2);
+    const uint8_t *qh = b + 16, *qs = b + 48;
+    for (int j = 0; j < 8; j++) {
+        int sc, m;
+        scale_min_k4(b + 4, j, &sc, &m);
+        float dl = d * (float)sc, ml = dmin * (float)m;
+        for (int l = 0; l < 32; l++) {
+            int q = ((qs[j / 2 * 32 + l] >> (4 * (j % 2))) & 0x0F) | ((qh[l] >> j) & 1) << 4;
+            y[j * 32 + l] = dl * (float)q - ml;
+        }
+    }
+}
+
+/* Q6_K: ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] (int8), d. Each 128
+ * values take 64 bytes of ql and 32 of qh, in four groups of 32. */
+static void deq_q6_k(const uint8_t *b, float *y)
+{
+    const uint8_t *ql = b, *qh = b + 128;
+    const int8_t *sc = (const int8_t *)(b + 192);
+    float d = f16_at(b + 208);
+    for (int v = 0; v < QK_K; v++) {
+        int half = v / 128, g = (v % 128) / 32, l = v % 32;
+        int lo = (ql[half * 64 + (g % 2) * 32 + l] >> (4 * (g / 2))) & 0x0F;
+        int hi = (qh[half * 32 + l] >> (2 * g)) & 3;
+        y[v] = d * (float)sc[v / 16] * (float)((int8_t)(lo | hi << 4) - 32);
+    }
+}
+
+/* IQ4_XS: d, scales_h (16 bits: 2 a sub-block), scales_l[4] (4 bits a sub-block),
+ * qs[128]: eight sub-blocks of 32 values, 16 bytes each, low nibbles then high. */
+static void deq_iq4_xs(const uint8_t *b, float *y)
+{
+    float d = f16_at(b);
+    unsigned sh = (unsigned)b[2] | (unsigned)b[3] << 8;
+    const uint8_t *sl = b + 4, *qs = b + 8;
+    for (int ib = 0; ib < 8; ib++) {
+        int ls = ((sl[ib / 2] >> (4 * (ib % 2))) & 0x0F) | (int)((sh >> (2 * ib)) & 3) << 4;
+        float dl = d * (float)((int8_t)ls - 32);
+        for (int j = 0; j < 16; j++) {
+            y[ib * 32 + j] = dl * (float)iq4_values[qs[ib * 16 + j] & 0x0F];
+            y[ib * 32 + j + 16] = dl * (float)iq4_values[qs[ib * 16 + j] >> 4];
+        }
+    }
+}
+
+/* ---- the plain types ---- */
+
+static void deq_f32(const uint8_t *b, float *y) { memcpy(y, b, 4); }
+static void deq_f16(const uint8_t *b, float *y) { *y = f16_at(b); }
+static void deq_bf16(const uint8_t *b, float *y) { *y = kiln__bf16_to_f32((uint16_t)(b[0] | b[1] << 8)); }
+
+typedef struct {
+    const char *name;
+    int elems, bytes;                        /* a block's */
+    void (*dequant)(const uint8_t *, float *); /* one block; NULL: kiln does not read the type */
+} type_row;
+
+static const type_row types[KILN__GGML_COUNT] = {
+    [KILN__GGML_F32] = {"F32", 1, 4, deq_f32},
+    [KILN__GGML_F16] = {"F16", 1, 2, deq_f16},
+    [KILN__GGML_Q4_0] = {"Q4_0", 32, 18, deq_q4_0},
+    [KILN__GGML_Q4_1] = {"Q4_1", 32, 20, deq_q4_1},
+    [KILN__GGML_Q5_0] = {"Q5_0", 32, 22, deq_q5_0},
+    [KILN__GGML_Q5_1] = {"Q5_1", 32, 24, deq_q5_1},
+    [KILN__GGML_Q8_0] = {"Q8_0", 32, 34, deq_q8_0},
+    [KILN__GGML_Q8_1] = {"Q8_1", 32, 36, NULL},
+    [KILN__GGML_Q2_K] = {"Q2_K", QK_K, 84, deq_q2_k},
+    [KILN__GGML_Q3_K] = {"Q3_K", QK_K, 110, deq_q3_k},
+    [KILN__GGML_Q4_K] = {"Q4_K", QK_K, 144, deq_q4_k},
+    [KILN__GGML_Q5_K] = {"Q5_K", QK_K, 176, deq_q5_k},
+    [KILN__GGML_Q6_K] = {"Q6_K", QK_K, 210, deq_q6_k},
+    [KILN__GGML_Q8_K] = {"Q8_K", QK_K, 292, NULL},
+    [KILN__GGML_IQ2_XXS] = {"IQ2_XXS", QK_K, 66, NULL},
+    [KILN__GGML_IQ2_XS] = {"IQ2_XS", QK_K, 74, NULL},
+    [KILN__GGML_IQ3_XXS] = {"IQ3_XXS", QK_K, 98, NULL},
+    [KILN__GGML_IQ1_S] = {"IQ1_S", QK_K, 50, NULL},
+    [KILN__GGML_IQ4_NL] = {"IQ4_NL", 32, 18, deq_iq4_nl},
+    [KILN__GGML_IQ3_S] = {"IQ3_S", QK_K, 110, NULL},
+    [KILN__GGML_IQ2_S] = {"IQ2_S", QK_K, 82, NULL},
+    [KILN__GGML_IQ4_XS] = {"IQ4_XS", QK_K, 136, deq_iq4_xs},
+    [KILN__GGML_I8] = {"I8", 1, 1, NULL},
+    [KILN__GGML_I16] = {"I16", 1, 2, NULL},
+    [KILN__GGML_I32] = {"I32", 1, 4, NULL},
+    [KILN__GGML_I64] = {"I64", 1, 8, NULL},
+    [KILN__GGML_F64] = {"F64", 1, 8, NULL},
+    [KILN__GGML_IQ1_M] = {"IQ1_M", QK_K, 56, NULL},
+    [KILN__GGML_BF16] = {"BF16", 1, 2, deq_bf16},
+    [KILN__GGML_TQ1_0] = {"TQ1_0", QK_K, 54, NULL},
+    [KILN__GGML_TQ2_0] = {"TQ2_0", QK_K, 66, NULL},
+    [KILN__GGML_MXFP4] = {"MXFP4", 32, 17, NULL},
+};
+
+static const type_row *row_of(int t) { return t >= 0 && t < KILN__GGML_COUNT && types[t].name ? &types[t] : NULL; }
+
+const char *kiln__quant_name(int t) { return row_of(t) ? row_of(t)->name : NULL; }
+
+bool kiln__quant_block(int t, int64_t *elems, int64_t *bytes)
+{
+    const type_row *r = row_of(t);
+    if (!r) return false;
+    *elems = r->elems;
+    *bytes = r->bytes;
+    return true;
+}
+
+bool kiln__quant_readable(int t) { return row_of(t) && row_of(t)->dequant; }
+
+void kiln__quant_dequant(int t, const void *src, float *dst, int64_t n)
+{
+    const type_row *r = row_of(t);
+    const uint8_t *b = src;
+    for (int64_t i = 0; i < n / r->elems; i++)
+        r->dequant(b + i * r->bytes, dst + i * r->elems);
+}
