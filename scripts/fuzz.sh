@@ -3,7 +3,7 @@
 # (default 120), from seed corpora: the server's request parser, chat templates and text
 # stream (fuzz_openai, seeds below); flex attention's expressions and preset specs
 # (fuzz_flex) and the model files: Hugging Face config.json, tokenizer.json and
-# safetensors (fuzz_model_files), seeds in tests/fuzz/corpus/, depth and size seeds
+# safetensors (fuzz_model_files); GGUF files (fuzz_gguf); seeds in tests/fuzz/corpus/, depth and size seeds
 # among them (nesting 20,000 deep, 60,000 unary operators, 40 KB arrays). The whole
 # library is built with clang, the fuzzer's coverage and ASan+UBSan. Exits non-zero on a
 # crash, a sanitizer report, a stack overflow or a broken invariant; the input that did
@@ -17,7 +17,7 @@ seconds=${FUZZ_SECONDS:-120}
 # verdict on a tree is the one a developer gets from the same command; FUZZ_SEED=0
 # lets libFuzzer pick one (for the long runs that look for new findings).
 seed=${FUZZ_SEED:-1}
-targets=${FUZZ_TARGETS:-fuzz_openai fuzz_flex fuzz_model_files}
+targets=${FUZZ_TARGETS:-fuzz_openai fuzz_flex fuzz_model_files fuzz_gguf}
 src=$(pwd)
 if ! command -v clang >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ]; then
@@ -43,6 +43,7 @@ printf '\002{"message":"{role}: {content}\\n","generation":"assistant:","stop":[
 printf '\003|caf\303|\251 \342\202|\254 \nus|er: x' >"$c/c5"
 cp -r "$src/tests/fuzz/corpus/flex" "$work/fuzz_flex"
 cp -r "$src/tests/fuzz/corpus/model_files" "$work/fuzz_model_files"
+cp -r "$src/tests/fuzz/corpus/gguf" "$work/fuzz_gguf"
 for t in $targets; do
   echo "fuzz: $t for $seconds s"
   # -rss_limit_mb: a parser that allocates without bound is a finding, not a slow run
