@@ -55,6 +55,7 @@ const char *kiln_gguf_type_name(kiln_gguf_type t); /* "u32", "string", ...; "?" 
 kiln_status kiln_gguf_open(const char *path, kiln_gguf_t **out);
 void kiln_gguf_free(kiln_gguf_t *g); /* NULL is fine */
 uint32_t kiln_gguf_version(const kiln_gguf_t *g);
+const char *kiln_gguf_path(const kiln_gguf_t *g); /* as given to kiln_gguf_open */
 
 /* ---- metadata ---- */
 
@@ -105,6 +106,17 @@ const char *kiln_gguf_tensor_type_name(int type);
 kiln_status kiln_gguf_read_f32(const kiln_gguf_t *g, int64_t i, float *out, int64_t n);
 /* The same as a new f32 cpu tensor of its shape (kiln's order), or NULL with the error set. */
 kiln_tensor_t *kiln_gguf_tensor_f32(const kiln_gguf_t *g, int64_t i);
+
+/* ---- the tokenizer ---- */
+
+/* The tokenizer the file's metadata describes: tokenizer.ggml.model "gpt2" (byte-level
+ * BPE: tokens, merges, the pre-tokenizer named by tokenizer.ggml.pre: gpt-2, llama-bpe
+ * or qwen2) or "llama" (SentencePiece's BPE: tokens and scores, byte fallback,
+ * add_space_prefix); control, unknown and user-defined tokens as special tokens; the end
+ * and start of a text from the eos and bos ids. Another model or pre-tokenizer is refused
+ * by name. It encodes as `tokenizers` encodes the tokenizer.json the same model ships. */
+struct kiln_tokenizer;
+kiln_status kiln_gguf_tokenizer(const kiln_gguf_t *g, struct kiln_tokenizer **out);
 
 #ifdef __cplusplus
 }

@@ -363,6 +363,7 @@ void kiln_gguf_free(kiln_gguf_t *g)
 }
 
 uint32_t kiln_gguf_version(const kiln_gguf_t *g) { return g ? g->version : 0; }
+const char *kiln_gguf_path(const kiln_gguf_t *g) { return g ? g->path : NULL; }
 int64_t kiln_gguf_n_keys(const kiln_gguf_t *g) { return g ? g->n_kv : 0; }
 const char *kiln_gguf_key(const kiln_gguf_t *g, int64_t i) { return g && i >= 0 && i < g->n_kv ? g->kv[i].key : NULL; }
 

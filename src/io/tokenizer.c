@@ -14,6 +14,7 @@ kiln_tokenizer_t *kiln__tokenizer_alloc(int n_vocab, size_t nbytes, int n_merges
         return NULL;
     t->n_vocab = n_vocab;
     t->unk_id = -1;
+    t->eot_id = t->bos_id = -1;
     t->dec.strip = -1;
     t->n_merges = n_merges;
     t->n_special = n_special;
@@ -112,13 +113,13 @@ static int32_t special_named(const kiln_tokenizer_t *t, const char *const *names
 int32_t kiln_tokenizer_eot(const kiln_tokenizer_t *t)
 {
     static const char *const names[] = {KILN__EOT_TEXT, "</s>", "<|end_of_text|>", NULL};
-    return special_named(t, names);
+    return t && t->eot_id >= 0 ? t->eot_id : special_named(t, names);
 }
 
 int32_t kiln_tokenizer_bos(const kiln_tokenizer_t *t)
 {
     static const char *const names[] = {"<s>", "<|begin_of_text|>", NULL};
-    int32_t id = special_named(t, names);
+    int32_t id = t && t->bos_id >= 0 ? t->bos_id : special_named(t, names);
     return id >= 0 ? id : kiln_tokenizer_eot(t);
 }
 

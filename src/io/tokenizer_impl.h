@@ -113,7 +113,16 @@ struct kiln_tokenizer {
      * one word of its own length. */
     char cut[5];
     kiln__decoder dec;
+    /* The end and start of a text as the file names them (a GGUF file's eos and bos
+     * token ids); -1: found by their names among the special tokens (tokenizer.c). */
+    int32_t eot_id, bos_id;
 };
+
+/* The tokenizer a tokenizer.json's document describes (root, a json_t; what names it in
+ * messages): the loader behind kiln_tokenizer_load, and the GGUF reader's, which builds
+ * such a document from a file's metadata (gguf_tokenizer.c). */
+struct json_t;
+kiln_status kiln__tokenizer_from_json(const struct json_t *root, const char *what, kiln_tokenizer_t **out);
 
 /* A character of k bytes (1 to 4) as a u64map key. */
 static inline uint64_t kiln__char_key(const uint8_t *s, size_t k)

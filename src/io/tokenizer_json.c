@@ -10,6 +10,7 @@
 #include "core/file.h"
 #include "core/util.h"
 #include "io/tokenizer_impl.h"
+#include "kiln/gguf.h"
 
 static const uint8_t *tok_ptr(const kiln_tokenizer_t *t, int32_t id) { return t->tok_bytes + t->tok_off[id]; }
 static size_t tok_len(const kiln_tokenizer_t *t, int32_t id) { return t->tok_off[id + 1] - t->tok_off[id]; }
@@ -686,7 +687,7 @@ static void set_cut(kiln_tokenizer_t *t, const char *c)
 
 /* The tokenizer described by root; each id's bytes (and, char-level, its string) are
  * gathered first, then packed. */
-static kiln_status build_from_json(const json_t *root, const char *path, kiln_tokenizer_t **out)
+kiln_status kiln__tokenizer_from_json(const json_t *root, const char *path, kiln_tokenizer_t **out)
 {
     pipeline p = {0};
     kiln_status st = check_pipeline(root, path, &p);
@@ -955,6 +956,15 @@ kiln_status kiln_tokenizer_load(const char *path, kiln_tokenizer_t **out)
     FILE *f = kiln__file_fopen_read(path, NULL); /* a regular file only */
     if (!f)
         return kiln_last_status();
+    char magic[4];
+    if (fread(magic, 1, 4, f) == 4 && !memcmp(magic, "GGUF", 4)) { /* a GGUF file's own tokenizer */
+        fclose(f);
+        kiln_gguf_t *g = NULL;
+        if ((st = kiln_gguf_open(path, &g)) == KILN_OK) st = kiln_gguf_tokenizer(g, out);
+        kiln_gguf_free(g);
+        return st;
+    }
+    rewind(f);
     json_error_t je;
     json_t *root = json_loadf(f, 0, &je);
     fclose(f);
@@ -963,7 +973,7 @@ kiln_status kiln_tokenizer_load(const char *path, kiln_tokenizer_t **out)
     if (!json_is_object(root))
         LOAD_FAIL(KILN_ERR_FORMAT, "%s: the top level is not a JSON object", path);
     else
-        st = build_from_json(root, path, out);
+        st = kiln__tokenizer_from_json(root, path, out);
     json_decref(root);
     return st;
 }

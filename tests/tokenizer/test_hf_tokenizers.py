@@ -161,6 +161,87 @@ def check_gap(a, kind):
     return True
 
 
+# A GGUF file's tokenizer (kiln_gguf_tokenizer), written here as llama.cpp's converter
+# writes it: the tokens in id order, their types (an added special token CONTROL, the
+# rest NORMAL), the merges as "a b", and tokenizer.ggml.pre naming the pattern; for the
+# SentencePiece shape, scores in place of merges (a merged token scores minus its merge's
+# rank, the others below every merge) and the "<0xXX>" tokens typed BYTE. GGUF has no
+# normalizer, so the oracle is tokenizers on the same document without one.
+GGUF_SHAPES = {"gpt2": "gpt-2", "llama3": "llama-bpe", "qwen2": "qwen2", "llama2": None}
+
+
+def write_gguf_tokenizer(doc, pre, path):
+    import gguf
+    V = len(doc["model"]["vocab"]) + sum(1 for t in doc["added_tokens"] if t["content"] not in doc["model"]["vocab"])
+    tokens, types = [""] * V, [1] * V
+    for k, i in doc["model"]["vocab"].items():
+        tokens[i] = k
+    for t in doc["added_tokens"]:
+        tokens[t["id"]] = t["content"]
+        types[t["id"]] = 3 if t.get("special", True) else 4
+    merges = [m if isinstance(m, str) else " ".join(m) for m in doc["model"]["merges"]]
+    w = gguf.GGUFWriter(path, "llama")
+    w.add_tokenizer_model("gpt2" if pre else "llama")
+    if pre:
+        w.add_tokenizer_pre(pre)
+        w.add_token_merges(merges)
+    else:
+        rank = {m.replace(" ", ""): r for r, m in reversed(list(enumerate(merges)))}
+        scores = [-float(rank[t]) if t in rank else -float(len(merges) + i) - 1 for i, t in enumerate(tokens)]
+        for i, t in enumerate(tokens):
+            if re.fullmatch(r"<0x[0-9A-F]{2}>", t):
+                types[i] = 6
+            elif t == doc["model"].get("unk_token"):
+                types[i] = 2
+        w.add_token_scores(scores)
+        w.add_add_space_prefix(True)
+        if doc["model"].get("unk_token"):
+            w.add_unk_token_id(doc["model"]["vocab"][doc["model"]["unk_token"]])
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def check_gguf(a, kind, text, json_path):
+    try:
+        import gguf  # noqa: F401
+    except ImportError:
+        print(f"FAIL {kind}.gguf: the gguf package is not installed (scripts/install-test-deps.sh installs it)")
+        return False
+    with open(json_path, encoding="utf-8") as f:
+        doc = json.load(f)
+    doc["normalizer"] = None
+    doc["post_processor"] = None  # (kiln's ids are the text's alone, no BOS added: as for every shape)
+    plain = os.path.join(a.workdir, f"{kind}-plain.json")
+    with open(plain, "w", encoding="utf-8") as f:
+        json.dump(doc, f, ensure_ascii=False)
+    tok = Tokenizer.from_file(plain)
+    path = os.path.join(a.workdir, f"{kind}.gguf")
+    write_gguf_tokenizer(doc, GGUF_SHAPES[kind], path)
+    text_path = os.path.join(a.workdir, f"{kind}-gguf.txt")
+    with open(text_path, "w", encoding="utf-8", newline="") as f:
+        f.write(text)
+    want = tok.encode(text).ids
+    r = kiln(a, "tokenizer", "encode", "--tokenizer", path, "--file", text_path)
+    got = [int(x) for x in r.stdout.split()] if r.returncode == 0 else None
+    if got != want:
+        at = next((i for i, (x, y) in enumerate(zip(got or [], want)) if x != y), min(len(got or []), len(want)))
+        print(f"FAIL {kind}.gguf: kiln gave {len(got or [])} ids, tokenizers {len(want)}; first difference at {at}: "
+              f"kiln {(got or [])[at:at + 5]}, tokenizers {want[at:at + 5]} {r.stderr.strip()}")
+        return False
+    d = kiln(a, "tokenizer", "decode", "--tokenizer", path, *map(str, want))
+    if d.returncode != 0 or d.stdout != tok.decode(want, skip_special_tokens=False) + "\n":
+        print(f"FAIL {kind}.gguf: kiln decodes the ids to {d.stdout[-80:]!r}, tokenizers to "
+              f"{tok.decode(want, skip_special_tokens=False)[-80:]!r} {d.stderr}")
+        return False
+    print(f"ok   {kind}.gguf: {len(want)} ids from the GGUF file's tokenizer, the same as tokenizers' on "
+          f"its tokenizer.json, and decoded as it decodes them")
+    return True
+
+
 # The SentencePiece-style shapes see their own special tokens in the text.
 SP_TEST = TEST.replace("<|endoftext|>", "</s>") + "<s>after a special token, a literal ▁ and   spaces"
 SP_EXTRA = [" a leading space", "<s>a leading special token", "  two\n\n  spaces\t"]
@@ -333,6 +414,10 @@ def main():
         failed += not ok
     for kind in SP_SHAPES:
         ok = check_sp(a, kind, text_path)
+        passed += ok
+        failed += not ok
+    for kind in GGUF_SHAPES:
+        ok = check_gguf(a, kind, SP_TEST if kind == "llama2" else TEST, os.path.join(a.workdir, f"{kind}.json"))
         passed += ok
         failed += not ok
     # Refused by name: a normalizer, a Split that is not Isolated; for the LLaMA-2 shape
