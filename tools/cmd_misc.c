@@ -6,20 +6,101 @@
 #include <string.h>
 #include "cli.h"
 #include "core/parse.h"
+#include "core/file.h"
 #include "io/json_file.h"
 #include "kiln/data.h"
+#include "kiln/gguf.h"
 #include "kiln/io.h"
 #include "kiln/metrics.h"
 #include "kiln/tokenizer.h"
+
+/* A value shown on one line: strings cut to 60 bytes with control bytes escaped, arrays
+ * as their length and type. */
+static void gguf_value(const kiln_gguf_t *g, int64_t i)
+{
+    const char *k = kiln_gguf_key(g, i);
+    kiln_gguf_type t = kiln_gguf_key_type(g, i);
+    if (t == KILN_GGUF_ARRAY) {
+        printf("[%llu %s]", (unsigned long long)kiln_gguf_array_len(g, i), kiln_gguf_type_name(kiln_gguf_array_type(g, i)));
+    } else if (t == KILN_GGUF_STRING) {
+        const char *v = "";
+        kiln_gguf_get_str(g, k, &v);
+        size_t n = strlen(v);
+        for (size_t j = 0; j < n && j < 60; j++)
+            if ((unsigned char)v[j] < 0x20 || v[j] == 0x7f) printf("\\x%02x", (unsigned char)v[j]);
+            else putchar(v[j]);
+        if (n > 60) printf("... (%zu bytes)", n);
+    } else if (t == KILN_GGUF_F32 || t == KILN_GGUF_F64) {
+        double v = 0;
+        kiln_gguf_get_real(g, k, &v);
+        printf("%g", v);
+    } else if (t == KILN_GGUF_BOOL) {
+        bool v = false;
+        kiln_gguf_get_bool(g, k, &v);
+        printf("%s", v ? "true" : "false");
+    } else {
+        int64_t v = 0;
+        if (kiln_gguf_get_int(g, k, &v) == KILN_OK) printf("%lld", (long long)v);
+        else printf("(above 2^63)");
+    }
+    kiln_clear_error();
+}
+
+/* kiln info FILE.gguf: the metadata, every tensor, and the weights by type. */
+static int info_gguf(const char *path)
+{
+    kiln_gguf_t *g;
+    if (kiln_gguf_open(path, &g) != KILN_OK) return cli_fail("info", NULL);
+    printf("%s: GGUF version %u, %lld keys, %lld tensors\n", path, kiln_gguf_version(g), (long long)kiln_gguf_n_keys(g),
+           (long long)kiln_gguf_n_tensors(g));
+    for (int64_t i = 0; i < kiln_gguf_n_keys(g); i++) {
+        printf("  %-40s ", kiln_gguf_key(g, i));
+        gguf_value(g, i);
+        printf("\n");
+    }
+    int64_t count[64] = {0}, elems[64] = {0}, total = 0;
+    uint64_t bytes[64] = {0}, all = 0;
+    for (int64_t i = 0; i < kiln_gguf_n_tensors(g); i++) {
+        kiln_gguf_tensor t;
+        kiln_gguf_tensor_at(g, i, &t);
+        char shape[96] = "";
+        for (int d = 0, o = 0; d < t.ndim; d++) o += snprintf(shape + o, sizeof shape - (size_t)o, d ? "x%lld" : "%lld", (long long)t.shape[d]);
+        printf("  %-40s %-7s %-20s %.2f MiB\n", t.name, kiln_gguf_tensor_type_name(t.type), shape, (double)t.bytes / 1048576.0);
+        if (t.type >= 0 && t.type < 64) count[t.type]++, elems[t.type] += t.elements, bytes[t.type] += t.bytes;
+        total += t.elements;
+        all += t.bytes;
+    }
+    printf("  weights:");
+    for (int k = 0; k < 64; k++)
+        if (count[k])
+            printf(" %s %lld tensor%s (%.2fM),", kiln_gguf_tensor_type_name(k), (long long)count[k], count[k] == 1 ? "" : "s",
+                   (double)elems[k] / 1e6);
+    printf(" %.2fM in all, %.2f MiB, %.2f bits a weight\n", (double)total / 1e6, (double)all / 1048576.0,
+           total ? 8.0 * (double)all / (double)total : 0.0);
+    kiln_gguf_free(g);
+    return 0;
+}
+
+/* Whether path is a file that starts with GGUF's magic. */
+static bool is_gguf_file(const char *path)
+{
+    FILE *f = kiln__file_fopen_read(path, NULL);
+    char magic[4] = {0};
+    bool yes = f && fread(magic, 1, 4, f) == 4 && !memcmp(magic, "GGUF", 4);
+    if (f) fclose(f);
+    kiln_clear_error();
+    return yes;
+}
 
 int cmd_info(int argc, char **argv)
 {
     const cli_opt opts[] = {{NULL, 0, NULL, NULL}};
     const char *pos[1];
     int np = 0;
-    int r = cli_parse("info", "RUN_DIR|CHECKPOINT.safetensors", opts, argc, argv, pos, 1, &np);
+    int r = cli_parse("info", "RUN_DIR|CHECKPOINT.safetensors|MODEL.gguf", opts, argc, argv, pos, 1, &np);
     if (r) return r == 1 ? 0 : 2;
-    if (np != 1) return cli_fail("info", "give one run folder or checkpoint file (see kiln info --help)");
+    if (np != 1) return cli_fail("info", "give one run folder, checkpoint file or GGUF file (see kiln info --help)");
+    if (is_gguf_file(pos[0])) return info_gguf(pos[0]);
     /* a run folder, as sample and serve take it: its model file */
     char path[4200];
     kiln_safetensors_t *f;

@@ -95,6 +95,14 @@ def check_types(a, rng):
     rc, out, err = probe(a, path)
     if not check(rc == 0, f"a file of {len(tensors)} tensors of the {len(TYPES)} types opens ({err})"):
         return
+    info = subprocess.run([a.kiln, "info", path], capture_output=True, text=True, timeout=120)
+    rows = {l.split()[0]: l.split()[1:3] for l in info.stdout.splitlines()[2:] if l.startswith("  ") and "." in l}
+    want_rows = {n: [qt.name, "x".join(str(d) for d in arr.shape[:-1] + (arr.shape[-1] // gguf.GGML_QUANT_SIZES[qt][1]
+                                                                           * gguf.GGML_QUANT_SIZES[qt][0],))]
+                 for n, arr, qt in tensors if arr.dtype == np.uint8}
+    check(info.returncode == 0 and all(rows.get(n) == r for n, r in want_rows.items()) and
+          f"{len(tensors)} tensors" in info.stdout,
+          f"kiln info lists every tensor with its type and shape ({info.stderr.strip()})")
     lines = {l.split()[1]: l.split() for l in out.splitlines() if l.startswith("tensor ")}
     reader = gguf.GGUFReader(path)
     for i, t in enumerate(reader.tensors):
@@ -215,6 +223,11 @@ def check_malformed(a):
         check(rc == 1 and re.search(msg, err) and "bad.gguf" in err,
               f"{what} is refused naming it: exit {rc}, {err!r}")
     # a type ggml has and kiln does not read: the file opens, the tensor is refused by name
+    bad = subprocess.run([a.kiln, "info", write(a, "bad.gguf", build(tensors=[("w.past", [32, 4], 0, 0)],
+                                                                    data=b"\0" * 100))],
+                         capture_output=True, text=True, timeout=120)
+    check(bad.returncode == 1 and "kiln info:" in bad.stderr and "w.past" in bad.stderr,
+          f"kiln info on a malformed GGUF file names the tensor: {bad.stderr.strip()!r}")
     rc, out, err = probe(a, write(a, "iq2.gguf", build(tensors=[("w.iq2", [256], 16, 0)], data=b"\0" * 96)))
     check(rc == 1 and "w.iq2" in err and "IQ2_XXS" in err and "does not read" in err,
           f"an IQ2_XXS tensor is refused by name when read: {err!r}")
@@ -230,6 +243,7 @@ def write(a, name, blob):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--probe", required=True)
+    ap.add_argument("--kiln", required=True)
     ap.add_argument("--workdir", required=True)
     a = ap.parse_args()
     os.makedirs(a.workdir, exist_ok=True)

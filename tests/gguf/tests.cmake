@@ -16,7 +16,7 @@ add_executable(gguf_probe ${CMAKE_CURRENT_LIST_DIR}/gguf_probe.c)
 target_link_libraries(gguf_probe PRIVATE kiln)
 if(KILN_PYTHON3)
   add_test(NAME gguf_read COMMAND sh -c "py=${CMAKE_SOURCE_DIR}/build/venv/bin/python; [ -x \"$py\" ] || py=${KILN_PYTHON3}; exec \"$py\" \"$@\"" sh
-           ${CMAKE_SOURCE_DIR}/tests/gguf/test_gguf_read.py --probe $<TARGET_FILE:gguf_probe>
+           ${CMAKE_SOURCE_DIR}/tests/gguf/test_gguf_read.py --probe $<TARGET_FILE:gguf_probe> --kiln $<TARGET_FILE:kiln_tool>
            --workdir ${CMAKE_BINARY_DIR}/gguf-read-tests)
   set_tests_properties(gguf_read PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600)
 endif()
