@@ -7,6 +7,7 @@
  * requests are cancelled then. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include "kiln/tokenizer.h"
 #include "serve/server_impl.h"
@@ -93,6 +94,38 @@ int kiln__serve_job_failure(job *j, char *msg, size_t n)
     kiln_engine_last_error(j->srv->engine, e, sizeof e);
     snprintf(msg, n, "generation stopped: %s", *e ? e : "the server is shutting down");
     return *e ? 500 : 503;
+}
+
+/* How choice c ended, for the request log; NULL for one that never ran. */
+static const char *choice_end(job *j, const choice *c)
+{
+    if (!c->submitted) return NULL;
+    if (!c->finished) return "cancelled"; /* still running when its connection ended: the client left */
+    if (c->finish == KILN_FINISH_ERROR) return "error";
+    if (choice_failed(c)) return atomic_load(&j->timed_out) ? "timeout" : "cancelled";
+    return kiln__serve_finish_reason(c);
+}
+
+void kiln__serve_job_outcome(job *j, char *buf, size_t n, int *prompt, int *completion)
+{
+    bool ran = false;
+    int gen = 0;
+    size_t k = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < j->n; i++) {
+        ran |= j->ch[i].submitted;
+        gen += j->ch[i].n_tok;
+        const char *e = choice_end(j, &j->ch[i]);
+        bool have = false; /* each reason once, in the order of the choices */
+        for (int p = 0; p < i && e && !have; p++) {
+            const char *q = choice_end(j, &j->ch[p]);
+            have = q && !strcmp(q, e);
+        }
+        if (e && !have && k + strlen(e) + 2 <= n) k += (size_t)snprintf(buf + k, n - k, "%s%s", k ? "," : "", e);
+    }
+    if (!k) snprintf(buf, n, "-");
+    *prompt = ran ? j->n_prompt : 0;
+    *completion = gen;
 }
 
 static bool grow_tokens(job *j, choice *c)
