@@ -141,6 +141,13 @@ static void error_body_shape(void **state)
     assert_string_equal(t, "{\"error\":{\"message\":\"bad \\\"x\\\"\",\"type\":\"invalid_request_error\","
                            "\"param\":\"max_tokens\",\"code\":null}}");
     free(t);
+    /* a message that quotes bytes that are not UTF-8 (a percent-decoded path) is still
+     * an answer, those bytes as '?' */
+    t = kiln__oai_error_json("no endpoint GET /a\xff\xc3" "b", "not_found_error", NULL, "not_found");
+    assert_non_null(t);
+    assert_string_equal(t, "{\"error\":{\"message\":\"no endpoint GET /a??b\",\"type\":\"not_found_error\","
+                           "\"param\":null,\"code\":\"not_found\"}}");
+    free(t);
 }
 
 static void chat_renders_with_the_default_template(void **state)
