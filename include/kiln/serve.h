@@ -169,10 +169,10 @@ typedef struct {
     int prompt_tokens;      /* a generation's prompt (0 for other requests, or one refused before it ran) */
     int completion_tokens;  /* tokens generated, all choices together (as its usage says) */
     double ms;              /* from the request line's arrival to the end */
-    /* How a generation ended: "stop" or "length" (each choice's finish_reason, joined
-     * with ',' where choices differ), "cancelled" (the client left first, or the server
-     * stopped), "timeout" (past request_timeout), "error" (the model failed); "-" for
-     * other requests. */
+    /* How a generation ended: "cancelled" (the client left first, or the server
+     * stopped), "timeout" (past request_timeout), "error" (the model failed), the worst
+     * where choices differ; else "stop" or "length" (each choice's finish_reason, joined
+     * with ',' where choices differ); "-" for other requests. */
     const char *end;
 } kiln_request_log;
 

@@ -108,22 +108,29 @@ static const char *choice_end(job *j, const choice *c)
 
 void kiln__serve_job_outcome(job *j, char *buf, size_t n, int *prompt, int *completion)
 {
+    /* A request that failed is its failure, the worst of its choices' (an error, then a
+     * timeout, then a cancellation); else its choices' finish reasons, each once, in the
+     * order of the choices. */
+    static const char *const failures[] = {"error", "timeout", "cancelled"};
     bool ran = false;
-    int gen = 0;
+    int gen = 0, worst = 3;
     size_t k = 0;
     buf[0] = '\0';
     for (int i = 0; i < j->n; i++) {
         ran |= j->ch[i].submitted;
         gen += j->ch[i].n_tok;
         const char *e = choice_end(j, &j->ch[i]);
-        bool have = false; /* each reason once, in the order of the choices */
+        for (int f = 0; e && f < worst; f++)
+            if (!strcmp(e, failures[f])) worst = f;
+        bool have = false;
         for (int p = 0; p < i && e && !have; p++) {
             const char *q = choice_end(j, &j->ch[p]);
             have = q && !strcmp(q, e);
         }
         if (e && !have && k + strlen(e) + 2 <= n) k += (size_t)snprintf(buf + k, n - k, "%s%s", k ? "," : "", e);
     }
-    if (!k) snprintf(buf, n, "-");
+    if (worst < 3) snprintf(buf, n, "%s", failures[worst]);
+    else if (!k) snprintf(buf, n, "-");
     *prompt = ran ? j->n_prompt : 0;
     *completion = gen;
 }

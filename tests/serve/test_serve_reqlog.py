@@ -278,6 +278,24 @@ def quiet_server(*flags):
     return len(lines)
 
 
+def test_timeout():
+    """A request past --timeout: a plain one is a 504 and a stream a 200 whose last event
+    is the timeout's error; either way the line says end=timeout. (With one sequence a
+    step, 16 choices of 100 tokens take longer than the watchdog's first look, 0.1 s.)"""
+    path = os.path.join(A.workdir, "reqlog-timeout.err")
+    body = {"prompt": "Long", "max_tokens": 100, "n": 16, "seed": 1}
+    with H.Server(A.kiln, RUN, "--log-requests", "--timeout", "0.001", "--max-batch", "1",
+                  stderr_path=path) as k:
+        s, b, me = call("POST", "/v1/completions", body, port=k.port)
+        assert s == 504 and json.loads(b)["error"]["code"] == "timeout", (s, b)
+        [line] = new_lines(0, 1, server=k)
+        check(line, me, "POST", "/v1/completions", 504, 4, line["completion"], "timeout")
+        ev = H.sse(k.port, "/v1/completions", dict(body, stream=True))
+        assert ev[-1] == "[DONE]" and ev[-2]["error"]["code"] == "timeout", ev[-2:]
+        [line] = new_lines(1, 1, server=k)
+        assert (line["status"], line["prompt"], line["end"]) == (200, 4, "timeout"), line
+
+
 def test_off_where_stderr_is_not_a_terminal():
     assert quiet_server() == 0
     assert quiet_server("--log-requests", "--no-log-requests") == 0
@@ -377,7 +395,7 @@ def main():
         if code != 0:
             print(f"kiln serve exited with {code} on SIGTERM")
             rc = 1
-    rc |= H.run_tests([test_off_where_stderr_is_not_a_terminal, test_on_where_stderr_is_a_terminal,
+    rc |= H.run_tests([test_timeout, test_off_where_stderr_is_not_a_terminal, test_on_where_stderr_is_a_terminal,
                        test_a_stderr_that_fails_does_not_hurt])
     sys.exit(rc)
 
