@@ -199,6 +199,7 @@ bool kiln__serve_on_token(void *user, const kiln_token_event *ev, kiln_finish fi
         if (++j->n_done == j->n) {
             j->done = true;
             if (j->stream) kiln__serve_sse_end(j);
+            atomic_store(&j->settled, true);
         }
     }
     wake(j);
@@ -237,6 +238,14 @@ void *kiln__serve_watchdog_main(void *arg)
     return NULL;
 }
 
+/* Whether every job has had all its engine callbacks. Under s->mu. */
+static bool jobs_settled(kiln_server_t *s)
+{
+    for (job *j = s->jobs; j; j = j->next)
+        if (!atomic_load(&j->settled)) return false;
+    return true;
+}
+
 void kiln__serve_jobs_stop(kiln_server_t *s)
 {
     pthread_mutex_lock(&s->mu);
@@ -247,12 +256,15 @@ void kiln__serve_jobs_stop(kiln_server_t *s)
     s->watchdog_started = false;
     /* Cancel what runs: each final callback ends its stream and resumes its connection.
      * MHD must not be stopped with a connection suspended, so wait (bounded) for them;
-     * the engine stays alive until MHD is stopped, since closing a stream cancels. */
+     * the engine stays alive until MHD is stopped, since closing a stream cancels. No
+     * connection suspended is not enough: a stream's connection, resumed by one choice's
+     * callback, suspends again while the job has more to come, so the wait is also for
+     * every job to have had all its callbacks (a job done suspends no more). */
     pthread_mutex_lock(&s->mu);
     for (job *j = s->jobs; j && s->engine; j = j->next)
         for (int i = 0; i < j->n; i++)
             if (j->ch[i].submitted) kiln_engine_cancel(s->engine, j->ch[i].engine_id);
-    for (int i = 0; i < 100 && s->n_suspended > 0; i++) {
+    for (int i = 0; i < 100 && (s->n_suspended > 0 || !jobs_settled(s)); i++) {
         struct timespec t = deadline_in_ms(50);
         pthread_cond_timedwait(&s->cv, &s->mu, &t);
     }

@@ -94,6 +94,7 @@ typedef struct job {
     int n_prompt, n, n_done, n_top;
     choice ch[KILN__MAX_N];
     bool stream, done, ended, sent_role, first_token;
+    atomic_bool settled; /* done, readable without j->mu (shutdown waits for it) */
     atomic_bool timed_out;
     char *out; /* streamed bytes not yet sent */
     size_t out_len, out_cap, out_pos;
