@@ -164,7 +164,8 @@ typedef struct {
     double time;            /* when the request ended, seconds since the epoch */
     const char *client;     /* "127.0.0.1:53412" */
     const char *method;     /* "POST"; "-" where libmicrohttpd refused the request before kiln saw it */
-    const char *target;     /* the path and query as sent (percent-encoding kept), cut at 1,000 bytes with "..." */
+    const char *target;     /* the path and query as sent (percent-encoding kept), escaped, cut at 1,000
+                             * characters with "..." */
     int status;             /* the HTTP status sent; 0 when none was (the client left, or timed out, first) */
     int prompt_tokens;      /* a generation's prompt (0 for other requests, or one refused before it ran) */
     int completion_tokens;  /* tokens generated, all choices together (as its usage says) */

@@ -237,6 +237,41 @@ def test_disconnect_mid_stream():
     new_lines(n + 1, 2)  # the /tokenize and /health above, one line each
 
 
+def test_concurrent_clients_a_line_each():
+    """32 clients at once, half of them streaming: 32 lines, each whole, each client's
+    once, with its own status and usage."""
+    import threading
+    n = count()
+    res, errs = [None] * 32, []
+
+    def client(i):
+        try:
+            body = {"prompt": f"Line {i}:", "max_tokens": 8 + i, "seed": 1000 + i, "stream": bool(i % 2),
+                    "stream_options": {"include_usage": True}}
+            s, b, me = call("POST", "/v1/completions", body, AUTH)
+            if i % 2:
+                events = [e[6:] for e in b.decode().split("\n\n") if e.startswith("data: ")]
+                usage = json.loads(events[-2])["usage"]
+            else:
+                usage = json.loads(b)["usage"]
+            res[i] = (me, s, usage)
+        except Exception as e:  # noqa: BLE001
+            errs.append((i, repr(e)))
+
+    ts = [threading.Thread(target=client, args=(i,)) for i in range(32)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(120)
+    assert not errs, errs
+    got = {line["client"]: line for line in new_lines(n, 32)}
+    assert len(got) == 32
+    for me, s, u in res:
+        line = got[me]
+        assert (line["status"], line["prompt"], line["completion"]) == (s, u["prompt_tokens"], u["completion_tokens"]), \
+            (line, s, u)
+
+
 def test_forged_lines():
     """A path with %0a, raw control bytes, a terminal escape, a space-like byte or a
     backslash: one line for each request, with those bytes escaped."""
@@ -245,11 +280,13 @@ def test_forged_lines():
                              "ms=0.1 end=-".replace(" ", "%20"), headers=AUTH)
     s2, me2 = raw_exchange(b"GET /a\x01b\x1b[31mred\x7f\x80\xff\\q\tz HTTP/1.1\r\nHost: x\r\n\r\n")
     s3, me3 = raw_exchange(b"GE\x1bT /a\rb HTTP/1.1\r\nHost: x\r\n\r\n")
-    got = new_lines(n, 3)
+    s4, b, me4 = call("GET", "/" + "%0a" * 1000, headers=AUTH)
+    got = new_lines(n, 4)
+    check(got[3], me4, "GET", "/" + "%0a" * 333 + "...", s4)  # cut at 1,000 characters
     # the raw target, percent-encoding as sent: %0a is three characters, not a newline
     check(got[0], me1, "GET", "/v1/x%0a2026-01-01T00:00:00.000Z%201.2.3.4:5%20GET%20/admin%20200%20prompt=0%20"
                               "completion=0%20ms=0.1%20end=-", s1)
-    for line in got[1:]:
+    for line in got[1:3]:
         assert not re.search(r"[\x00-\x1f\x7f-\xff]", line["line"]), line
     assert got[1]["client"] == me2 and got[1]["status"] == s2 and s2 in (400, 404), (got[1], s2)
     if s2 == 404:  # where libmicrohttpd takes the request line, its bytes are all there, escaped
@@ -294,6 +331,36 @@ def test_timeout():
         assert ev[-1] == "[DONE]" and ev[-2]["error"]["code"] == "timeout", ev[-2:]
         [line] = new_lines(1, 1, server=k)
         assert (line["status"], line["prompt"], line["end"]) == (200, 4, "timeout"), line
+
+
+def test_stopping_logs_what_runs():
+    """SIGTERM while a stream runs: the stream ends (cancelled), and its line is written
+    before the server exits."""
+    import threading
+    path = os.path.join(A.workdir, "reqlog-stop.err")
+    k = H.Server(A.kiln, RUN, "--log-requests", "--max-batch", "1", stderr_path=path)
+    out = {}
+
+    def stream():
+        try:
+            out["events"] = H.sse(k.port, "/v1/completions", {"prompt": "Long", "max_tokens": 100, "n": 16,
+                                                              "stream": True})
+        except Exception as e:  # noqa: BLE001
+            out["error"] = repr(e)
+
+    t = threading.Thread(target=stream)
+    try:
+        t.start()
+        deadline = time.time() + 10
+        while time.time() < deadline and H.metric(k.port, "kiln_running_requests") != 1:
+            time.sleep(0.01)
+        assert H.metric(k.port, "kiln_running_requests") == 1
+    finally:
+        rc = k.stop()
+        t.join(30)
+    assert rc == 0, rc
+    lines = [l for l in log_lines(k.stderr_text()) if l["target"] == "/v1/completions"]
+    assert len(lines) == 1 and lines[0]["end"] == "cancelled" and lines[0]["status"] == 200, (lines, out)
 
 
 def test_off_where_stderr_is_not_a_terminal():
@@ -389,13 +456,14 @@ def main():
         srv = s
         rc = H.run_tests([
             test_completion, test_n_choices_count_together, test_streamed_chat, test_refusals,
-            test_keep_alive_each_request_its_own_status, test_disconnect_mid_stream, test_forged_lines,
+            test_keep_alive_each_request_its_own_status, test_disconnect_mid_stream,
+            test_concurrent_clients_a_line_each, test_forged_lines,
             test_format_is_greppable])
         code = s.stop()
         if code != 0:
             print(f"kiln serve exited with {code} on SIGTERM")
             rc = 1
-    rc |= H.run_tests([test_timeout, test_off_where_stderr_is_not_a_terminal, test_on_where_stderr_is_a_terminal,
+    rc |= H.run_tests([test_timeout, test_stopping_logs_what_runs, test_off_where_stderr_is_not_a_terminal, test_on_where_stderr_is_a_terminal,
                        test_a_stderr_that_fails_does_not_hurt])
     sys.exit(rc)
 
