@@ -333,6 +333,37 @@ def test_timeout():
         assert (line["status"], line["prompt"], line["end"]) == (200, 4, "timeout"), line
 
 
+def test_queue_full_429():
+    """A full queue: the 429s and the 200s each logged with the status that client got,
+    and a 429 with no tokens (it never ran)."""
+    import threading
+    path = os.path.join(A.workdir, "reqlog-429.err")
+    with H.Server(A.kiln, RUN, "--log-requests", "--max-queue", "1", "--max-batch", "1", stderr_path=path) as k:
+        res = []
+
+        def client():
+            try:
+                s, b, me = call("POST", "/v1/completions", {"prompt": "x", "max_tokens": 100}, port=k.port)
+                res.append((me, s, json.loads(b)))
+            except Exception as e:  # noqa: BLE001
+                res.append((None, repr(e), None))
+
+        ts = [threading.Thread(target=client) for _ in range(8)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(120)
+        codes = sorted(s for _, s, _ in res)
+        assert 200 in codes and 429 in codes and set(codes) <= {200, 429}, codes
+        got = {line["client"]: line for line in new_lines(0, 8, server=k)}
+        for me, s, b in res:
+            if s == 200:
+                check(got[me], me, "POST", "/v1/completions", 200, b["usage"]["prompt_tokens"],
+                      b["usage"]["completion_tokens"], b["choices"][0]["finish_reason"])
+            else:
+                check(got[me], me, "POST", "/v1/completions", 429)
+
+
 def test_stopping_logs_what_runs():
     """SIGTERM while a stream runs: the stream ends (cancelled), and its line is written
     before the server exits."""
@@ -463,7 +494,7 @@ def main():
         if code != 0:
             print(f"kiln serve exited with {code} on SIGTERM")
             rc = 1
-    rc |= H.run_tests([test_timeout, test_stopping_logs_what_runs, test_off_where_stderr_is_not_a_terminal, test_on_where_stderr_is_a_terminal,
+    rc |= H.run_tests([test_timeout, test_queue_full_429, test_stopping_logs_what_runs, test_off_where_stderr_is_not_a_terminal, test_on_where_stderr_is_a_terminal,
                        test_a_stderr_that_fails_does_not_hurt])
     sys.exit(rc)
 
