@@ -155,8 +155,9 @@ static const struct {
               "  kiln train --arch llama --tokenizer bpe:4096 --data my.txt --precision bf16\n"},
     {"sample", "  kiln sample runs/mine --prompt \"Once upon a time\" --max-tokens 100\n"
                "  kiln sample ./my-hf-model --prompt \"The capital of France is\" --temperature 0\n"},
-    {"serve", "  kiln serve runs/mine                        http://127.0.0.1:8080/ (the chat page) and /v1/...\n"
-              "  kiln serve ./my-hf-model --port 0 --api-key secret\n"},
+    {"serve", "  kiln serve runs/mine                        http://127.0.0.1:8000/ (the chat page) and /v1/...\n"
+              "  kiln serve ./my-hf-model --port 0 --api-key secret\n"
+              "  kiln serve runs/mine --log-requests 2>>serve.log   a line a request (docs/serve.md)\n"},
     {"import", "  kiln import hf ./my-hf-model runs/imported\n"},
     {"export", "  kiln export hf runs/mine ./mine-hf --dtype bf16\n"
                "  kiln export gguf runs/mine mine.gguf --dtype q8_0\n"},
