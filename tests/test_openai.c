@@ -1,12 +1,15 @@
-/* The OpenAI request parser, error bodies, chat rendering and the client-side text of
- * a generation (UTF-8 repair, stop strings, what a stream may send yet). Expected
- * values are written out by hand from the OpenAI API reference and UTF-8's rules. */
+/* The OpenAI request parser, error bodies, chat rendering, the client-side text of a
+ * generation (UTF-8 repair, stop strings, what a stream may send yet) and the request
+ * log's stderr sink. Expected values are written out by hand from the OpenAI API
+ * reference and UTF-8's rules. */
 #include <stdarg.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <setjmp.h>
 #include <cmocka.h>
+#include <errno.h>
 #include <jansson.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -140,6 +143,13 @@ static void error_body_shape(void **state)
     char *t = kiln__oai_error_json("bad \"x\"", "invalid_request_error", "max_tokens", NULL);
     assert_string_equal(t, "{\"error\":{\"message\":\"bad \\\"x\\\"\",\"type\":\"invalid_request_error\","
                            "\"param\":\"max_tokens\",\"code\":null}}");
+    free(t);
+    /* a message that quotes bytes that are not UTF-8 (a percent-decoded path) is still
+     * an answer, those bytes as '?' */
+    t = kiln__oai_error_json("no endpoint GET /a\xff\xc3" "b", "not_found_error", NULL, "not_found");
+    assert_non_null(t);
+    assert_string_equal(t, "{\"error\":{\"message\":\"no endpoint GET /a??b\",\"type\":\"not_found_error\","
+                           "\"param\":null,\"code\":\"not_found\"}}");
     free(t);
 }
 
@@ -348,6 +358,40 @@ static void split_does_not_change_the_text(void **state)
     assert_string_equal(want, "ab\xC3\xA9\xF0\x9F\x94\xA5 x\xEF\xBF\xBDy");
 }
 
+/* kiln_request_log_stderr, the request log's sink: a line and its newline arrive whole on
+ * stderr; a stderr that is a pipe nobody reads any more (EPIPE) drops the line and does
+ * not raise SIGPIPE, even where it is not ignored (its default ends the process). */
+static void request_log_stderr_writes_a_line_or_drops_it(void **state)
+{
+    (void)state;
+    int saved = dup(2), p[2];
+    assert_true(saved >= 0 && pipe(p) == 0);
+    kiln_request_log r = {.line = "2026-01-01T00:00:00.000Z 127.0.0.1:1 GET /health 200 prompt=0 completion=0 ms=0.1 end=-"};
+    dup2(p[1], 2);
+    kiln_request_log_stderr(NULL, &r);
+    dup2(saved, 2);
+    close(p[1]);
+    char got[256] = {0};
+    ssize_t n = read(p[0], got, sizeof got - 1);
+    assert_int_equal(n, (ssize_t)strlen(r.line) + 1);
+    assert_memory_equal(got, r.line, strlen(r.line));
+    assert_int_equal(got[n - 1], '\n');
+    close(p[0]);
+
+    void (*was)(int) = signal(SIGPIPE, SIG_DFL);
+    assert_true(pipe(p) == 0);
+    close(p[0]);
+    dup2(p[1], 2);
+    errno = 0;
+    kiln_request_log_stderr(NULL, &r); /* (SIGPIPE would end the test here) */
+    int e = errno;
+    dup2(saved, 2);
+    close(p[1]);
+    close(saved);
+    signal(SIGPIPE, was);
+    assert_int_equal(e, 0); /* errno as it was */
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -363,6 +407,7 @@ int main(void)
         cmocka_unit_test(stop_strings_cut_and_hold_back),
         cmocka_unit_test(utf8_is_held_back_and_repaired),
         cmocka_unit_test(split_does_not_change_the_text),
+        cmocka_unit_test(request_log_stderr_writes_a_line_or_drops_it),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

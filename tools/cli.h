@@ -8,7 +8,9 @@
 
 typedef enum { OPT_INT, OPT_DOUBLE, OPT_STRING, OPT_FLAG, OPT_GROUP, OPT_ALIAS } opt_type;
 
-/* One option of a command: --name VALUE (or --name=VALUE); flags take no value. Two
+/* One option of a command: --name VALUE (or --name=VALUE); flags take no value (or
+ * =true, =false). A flag named no-X with the destination of a flag X is its negation:
+ * it sets the bool false, so of the two the last on the command line wins. Two
  * kinds of row are not options: CLI_GROUP starts a heading of --help for the rows after
  * it, and CLI_ALIAS keeps an old name working as another option (with a note that it is
  * deprecated; --help lists it beside the new one). */

@@ -59,6 +59,7 @@ int cmd_serve(int argc, char **argv)
     double timeout = o.request_timeout;
     int64_t idle = o.idle_timeout;
     bool no_prefix_cache = false;
+    bool log_requests = isatty(2); /* on in a terminal, as a server's log is when someone watches it */
     const cli_opt opts[] = {
         {"model", OPT_STRING, &model, "run folder or model.safetensors"},
         {"host", OPT_STRING, &host, "address to listen on (127.0.0.1; 0.0.0.0 for every interface)"},
@@ -77,6 +78,10 @@ int cmd_serve(int argc, char **argv)
                                          "rounded once: half the bytes of the packed copy, and of what each token "
                                          "streams)"},
         {"no-prefix-cache", OPT_FLAG, &no_prefix_cache, "do not share the KV blocks of common prompt prefixes"},
+        {"log-requests", OPT_FLAG, &log_requests, "a line on stderr per finished request: time, client, method, path, "
+                                                  "status, tokens, milliseconds, how it ended (default: on when "
+                                                  "stderr is a terminal)"},
+        {"no-log-requests", OPT_FLAG, &log_requests, "no request log"},
         {"max-body", OPT_INT, &max_body, "request body limit in bytes"},
         {"timeout", OPT_DOUBLE, &timeout, "seconds a request may take in all"},
         {"idle-timeout", OPT_INT, &idle, "seconds a connection may stay silent before it is dropped"},
@@ -125,6 +130,7 @@ int cmd_serve(int argc, char **argv)
     o.engine.prefix_cache = !no_prefix_cache;
     o.engine.kv_dtype = kvt;
     o.engine.weight_dtype = wt;
+    if (log_requests) o.log_request = kiln_request_log_stderr;
 
     /* SIGINT and SIGTERM: blocked here before kiln starts a thread (they inherit it) and
      * taken by signal_thread; the handler for threads that do not block them. */

@@ -155,8 +155,9 @@ static const struct {
               "  kiln train --arch llama --tokenizer bpe:4096 --data my.txt --precision bf16\n"},
     {"sample", "  kiln sample runs/mine --prompt \"Once upon a time\" --max-tokens 100\n"
                "  kiln sample ./my-hf-model --prompt \"The capital of France is\" --temperature 0\n"},
-    {"serve", "  kiln serve runs/mine                        http://127.0.0.1:8080/ (the chat page) and /v1/...\n"
-              "  kiln serve ./my-hf-model --port 0 --api-key secret\n"},
+    {"serve", "  kiln serve runs/mine                        http://127.0.0.1:8000/ (the chat page) and /v1/...\n"
+              "  kiln serve ./my-hf-model --port 0 --api-key secret\n"
+              "  kiln serve runs/mine --log-requests 2>>serve.log   a line a request (docs/serve.md)\n"},
     {"import", "  kiln import hf ./my-hf-model runs/imported\n"},
     {"export", "  kiln export hf runs/mine ./mine-hf --dtype bf16\n"
                "  kiln export gguf runs/mine mine.gguf --dtype q8_0\n"},
@@ -220,8 +221,17 @@ static int range_of(const char *cmd, const cli_opt *o)
     return any;
 }
 
+/* Whether flag o is a negation: named no-X, with the destination of a flag X. */
+static bool negates(const cli_opt *opts, const cli_opt *o)
+{
+    if (o->type != OPT_FLAG || strncmp(o->name, "no-", 3)) return false;
+    for (const cli_opt *a = opts; a->name; a++)
+        if (a->type == OPT_FLAG && a->dst == o->dst && !strcmp(a->name, o->name + 3)) return true;
+    return false;
+}
+
 /* what: "--steps" from the command line, "config 'x.json': steps" from a config file. */
-static int set_opt(const char *cmd, const cli_opt *o, const char *val, const char *what)
+static int set_opt(const char *cmd, const cli_opt *opts, const cli_opt *o, const char *val, const char *what)
 {
     int r = o->type == OPT_INT || o->type == OPT_DOUBLE ? range_of(cmd, o) : -1;
     switch (o->type) {
@@ -237,8 +247,8 @@ static int set_opt(const char *cmd, const cli_opt *o, const char *val, const cha
         *(const char **)o->dst = val;
         return 0;
     case OPT_FLAG:
-        if (!strcmp(val, "true") || !strcmp(val, "1")) *(bool *)o->dst = true;
-        else if (!strcmp(val, "false") || !strcmp(val, "0")) *(bool *)o->dst = false;
+        if (!strcmp(val, "true") || !strcmp(val, "1")) *(bool *)o->dst = !negates(opts, o);
+        else if (!strcmp(val, "false") || !strcmp(val, "0")) *(bool *)o->dst = negates(opts, o);
         else {
             kiln_error(KILN_ERR_ARG, "%s must be true or false, got '%s'", what, val);
             break;
@@ -326,7 +336,7 @@ int cli_parse(const char *cmd, const char *usage_line, const cli_opt *opts, int 
         }
         const char *val = eq ? eq + 1 : NULL;
         if (!val && o->type == OPT_FLAG) {
-            *(bool *)o->dst = true;
+            *(bool *)o->dst = !negates(opts, o);
             continue;
         }
         if (!val) {
@@ -338,7 +348,7 @@ int cli_parse(const char *cmd, const char *usage_line, const cli_opt *opts, int 
         }
         char what[64];
         snprintf(what, sizeof what, "--%s", o->name);
-        int r = set_opt(cmd, o, val, what);
+        int r = set_opt(cmd, opts, o, val, what);
         if (r) return r;
     }
     if (n_pos) *n_pos = np;
@@ -386,7 +396,7 @@ int cli_load_config(const char *cmd, const cli_opt *opts, const char *path)
         }
         char what[512];
         snprintf(what, sizeof what, "config '%s': %s", path, key);
-        int r = set_opt(cmd, o, val, what);
+        int r = set_opt(cmd, opts, o, val, what);
         if (r) return r;
     }
     return 0;

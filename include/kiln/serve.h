@@ -154,6 +154,39 @@ kiln_status kiln_chat_template_from_hf(const char *dir, char **out);
 
 /* ---- the HTTP server ---- */
 
+/* One finished request, as kiln_server_opts.log_request receives it: once per request
+ * whose request line arrived, after its response was sent in full (a stream too) or its
+ * connection ended. The strings are borrowed for the call. Whatever the client sent
+ * (method, target) is escaped: a byte outside printable ASCII, a space or a backslash
+ * is written \xHH (\\ for a backslash), so a request cannot add a line or a field. */
+typedef struct {
+    const char *line;       /* all of it, in kiln's format (docs/serve.md), without a newline */
+    double time;            /* when the request ended, seconds since the epoch */
+    const char *client;     /* "127.0.0.1:53412" */
+    const char *method;     /* "POST"; "-" where libmicrohttpd refused the request before kiln saw it */
+    const char *target;     /* the path and query as sent (percent-encoding kept), escaped, cut at 1,000
+                             * characters with "..." */
+    int status;             /* the HTTP status sent; 0 when none was (the client left, or timed out, first) */
+    int prompt_tokens;      /* a generation's prompt (0 for other requests, or one refused before it ran) */
+    int completion_tokens;  /* tokens generated, all choices together (as its usage says) */
+    double ms;              /* from the request line's arrival to the end */
+    /* How a generation ended: "cancelled" (the client left first, or the server
+     * stopped), "timeout" (past request_timeout), "error" (the model failed), the worst
+     * where choices differ; else "stop" or "length" (each choice's finish_reason, joined
+     * with ',' where choices differ); "-" for other requests. */
+    const char *end;
+} kiln_request_log;
+
+/* Called on one of the server's HTTP threads, several at once: it must be quick and
+ * thread-safe (a line that blocks holds that thread). */
+typedef void (*kiln_request_log_fn)(void *user, const kiln_request_log *r);
+
+/* A kiln_request_log_fn that writes r->line and a newline to stderr in one write(2), so
+ * lines of concurrent requests never interleave; a write that fails (a closed pipe, a
+ * full disk) drops the line and raises no SIGPIPE. user is unused. What `kiln serve
+ * --log-requests` uses. */
+void kiln_request_log_stderr(void *user, const kiln_request_log *r);
+
 typedef struct {
     const char *host;        /* default "127.0.0.1" */
     int port;                /* default 8000; 0 = any free port (see kiln_server_port) */
@@ -168,6 +201,8 @@ typedef struct {
     const char *chat_template; /* in place of the model's: a template (JSON), a family name
                                 * (kiln_chat_template_named) or a file holding one; NULL: the model's */
     kiln_engine_opts engine;
+    kiln_request_log_fn log_request; /* one call per finished request; NULL (default): none */
+    void *log_user;                  /* log_request's user */
 } kiln_server_opts;
 
 kiln_server_opts kiln_server_opts_default(void);

@@ -134,7 +134,10 @@ static enum MHD_Result generate(kiln_server_t *s, struct MHD_Connection *conn, c
         kiln__serve_job_cancel(j);
         /* The choices that never ran count as finished; the others end as cancelled. */
         j->n_done += j->n - submitted;
-        if (submitted == 0) j->done = true;
+        if (submitted == 0) {
+            j->done = true;
+            atomic_store(&j->settled, true);
+        }
         pthread_mutex_unlock(&j->mu);
         if (sub == KILN_ERR_BUSY)
             return kiln__serve_send_error(s, conn, ep, 429, NULL, "queue_full", "the server is busy (%s); retry shortly",

@@ -189,10 +189,19 @@ enum MHD_Result kiln__serve_on_request(void *cls, struct MHD_Connection *conn, c
 {
     kiln_server_t *s = cls;
     conn_state *cs = *con_cls;
-    if (!cs) {
-        if (!(cs = calloc(1, sizeof *cs))) return MHD_NO;
-        cs->endpoint = endpoint_of(url);
+    if (!cs || !cs->seen) {
+        if (!cs) { /* (kiln__serve_on_uri makes it, memory allowing) */
+            if (!(cs = calloc(1, sizeof *cs))) return MHD_NO;
+            cs->t_start = kiln__now_s();
+        }
         *con_cls = cs;
+        cs->seen = true;
+        cs->endpoint = endpoint_of(url);
+        if (s->o.log_request) {
+            size_t n = strlen(method);
+            cs->method_cut = n > sizeof cs->method - 1;
+            memcpy(cs->method, method, cs->method_cut ? sizeof cs->method - 1 : n);
+        }
         const char *cl = MHD_lookup_connection_value(conn, MHD_HEADER_KIND, "Content-Length");
         int64_t n = 0;
         /* core/parse.h's strict reading: "12abc", "-1", " 5", "0x10" or a count past int64 is a 400 */
@@ -245,6 +254,7 @@ void kiln__serve_on_completed(void *cls, struct MHD_Connection *conn, void **con
 {
     conn_state *cs = *con_cls;
     if (!cs) return;
+    kiln__serve_log_request(cls, conn, cs);
     if (cs->j) {
         job *j = cs->j;
         pthread_mutex_lock(&j->mu);
@@ -254,6 +264,7 @@ void kiln__serve_on_completed(void *cls, struct MHD_Connection *conn, void **con
         kiln__serve_job_unref(j);
     }
     free(cs->body);
+    free(cs->target);
     free(cs);
     *con_cls = NULL;
 }

@@ -7,6 +7,7 @@
  * requests are cancelled then. */
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 #include "kiln/tokenizer.h"
 #include "serve/server_impl.h"
@@ -95,6 +96,45 @@ int kiln__serve_job_failure(job *j, char *msg, size_t n)
     return *e ? 500 : 503;
 }
 
+/* How choice c ended, for the request log; NULL for one that never ran. */
+static const char *choice_end(job *j, const choice *c)
+{
+    if (!c->submitted) return NULL;
+    if (!c->finished) return "cancelled"; /* still running when its connection ended: the client left */
+    if (c->finish == KILN_FINISH_ERROR) return "error";
+    if (choice_failed(c)) return atomic_load(&j->timed_out) ? "timeout" : "cancelled";
+    return kiln__serve_finish_reason(c);
+}
+
+void kiln__serve_job_outcome(job *j, char *buf, size_t n, int *prompt, int *completion)
+{
+    /* A request that failed is its failure, the worst of its choices' (an error, then a
+     * timeout, then a cancellation); else its choices' finish reasons, each once, in the
+     * order of the choices. */
+    static const char *const failures[] = {"error", "timeout", "cancelled"};
+    bool ran = false;
+    int gen = 0, worst = 3;
+    size_t k = 0;
+    buf[0] = '\0';
+    for (int i = 0; i < j->n; i++) {
+        ran |= j->ch[i].submitted;
+        gen += j->ch[i].n_tok;
+        const char *e = choice_end(j, &j->ch[i]);
+        for (int f = 0; e && f < worst; f++)
+            if (!strcmp(e, failures[f])) worst = f;
+        bool have = false;
+        for (int p = 0; p < i && e && !have; p++) {
+            const char *q = choice_end(j, &j->ch[p]);
+            have = q && !strcmp(q, e);
+        }
+        if (e && !have && k + strlen(e) + 2 <= n) k += (size_t)snprintf(buf + k, n - k, "%s%s", k ? "," : "", e);
+    }
+    if (worst < 3) snprintf(buf, n, "%s", failures[worst]);
+    else if (!k) snprintf(buf, n, "-");
+    *prompt = ran ? j->n_prompt : 0;
+    *completion = gen;
+}
+
 static bool grow_tokens(job *j, choice *c)
 {
     if (c->n_tok < c->cap_tok) return true;
@@ -159,6 +199,7 @@ bool kiln__serve_on_token(void *user, const kiln_token_event *ev, kiln_finish fi
         if (++j->n_done == j->n) {
             j->done = true;
             if (j->stream) kiln__serve_sse_end(j);
+            atomic_store(&j->settled, true);
         }
     }
     wake(j);
@@ -197,6 +238,14 @@ void *kiln__serve_watchdog_main(void *arg)
     return NULL;
 }
 
+/* Whether every job has had all its engine callbacks. Under s->mu. */
+static bool jobs_settled(kiln_server_t *s)
+{
+    for (job *j = s->jobs; j; j = j->next)
+        if (!atomic_load(&j->settled)) return false;
+    return true;
+}
+
 void kiln__serve_jobs_stop(kiln_server_t *s)
 {
     pthread_mutex_lock(&s->mu);
@@ -207,12 +256,15 @@ void kiln__serve_jobs_stop(kiln_server_t *s)
     s->watchdog_started = false;
     /* Cancel what runs: each final callback ends its stream and resumes its connection.
      * MHD must not be stopped with a connection suspended, so wait (bounded) for them;
-     * the engine stays alive until MHD is stopped, since closing a stream cancels. */
+     * the engine stays alive until MHD is stopped, since closing a stream cancels. No
+     * connection suspended is not enough: a stream's connection, resumed by one choice's
+     * callback, suspends again while the job has more to come, so the wait is also for
+     * every job to have had all its callbacks (a job done suspends no more). */
     pthread_mutex_lock(&s->mu);
     for (job *j = s->jobs; j && s->engine; j = j->next)
         for (int i = 0; i < j->n; i++)
             if (j->ch[i].submitted) kiln_engine_cancel(s->engine, j->ch[i].engine_id);
-    for (int i = 0; i < 100 && s->n_suspended > 0; i++) {
+    for (int i = 0; i < 100 && (s->n_suspended > 0 || !jobs_settled(s)); i++) {
         struct timespec t = deadline_in_ms(50);
         pthread_cond_timedwait(&s->cv, &s->mu, &t);
     }

@@ -236,8 +236,21 @@ void kiln__oai_free(kiln__oai_req *r)
 
 char *kiln__oai_error_json(const char *message, const char *type, const char *param, const char *code)
 {
-    json_t *o = json_pack("{s:{s:s,s:s,s:s?,s:s?}}", "error", "message", message ? message : "", "type",
-                          type ? type : "invalid_request_error", "param", param, "code", code);
+    message = message ? message : "";
+    /* A message may quote the client (a path, percent-decoded to any bytes), and JSON
+     * strings are UTF-8: where it is not, its bytes past ASCII become '?' rather than
+     * the whole answer failing */
+    char *ascii = NULL;
+    json_t *m = json_string(message);
+    if (!m && (ascii = strdup(message))) {
+        for (char *c = ascii; *c; c++)
+            if ((unsigned char)*c >= 0x80) *c = '?';
+        m = json_string(ascii);
+    }
+    free(ascii);
+    json_t *o = m ? json_pack("{s:{s:o,s:s,s:s?,s:s?}}", "error", "message", m, "type",
+                              type ? type : "invalid_request_error", "param", param, "code", code)
+                  : NULL;
     char *s = o ? json_dumps(o, JSON_COMPACT) : NULL;
     json_decref(o);
     return s;

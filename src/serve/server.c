@@ -113,7 +113,8 @@ kiln_status kiln_server_listen(kiln_server_t *s)
     s->d = MHD_start_daemon(flags, (uint16_t)o->port, NULL, NULL, kiln__serve_on_request, s, MHD_OPTION_LISTEN_SOCKET, fd,
                             MHD_OPTION_THREAD_POOL_SIZE, (unsigned)o->http_threads, MHD_OPTION_CONNECTION_TIMEOUT,
                             (unsigned)o->idle_timeout, MHD_OPTION_CONNECTION_LIMIT, (unsigned)1024, MHD_OPTION_NOTIFY_COMPLETED,
-                            kiln__serve_on_completed, s, MHD_OPTION_END);
+                            kiln__serve_on_completed, s, MHD_OPTION_URI_LOG_CALLBACK, kiln__serve_on_uri, s,
+                            MHD_OPTION_END);
     if (!s->d) {
         close(fd);
         return kiln_error(KILN_ERR_IO, "server: cannot serve on %s:%d (libmicrohttpd refused)", s->host, o->port);

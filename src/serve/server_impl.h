@@ -8,6 +8,7 @@
  *   sse.c        the streamed response (server-sent events)
  *   json.c       the JSON shapes of an answer: choices, logprobs, usage
  *   metrics.c    the counters and the /metrics page
+ *   reqlog.c     the request log: one line per finished request (kiln_server_opts.log_request)
  *
  * Locks: s->mu guards the metrics, the job list and the counters; j->mu guards a job.
  * Where both are held, j->mu is taken first. */
@@ -93,6 +94,7 @@ typedef struct job {
     int n_prompt, n, n_done, n_top;
     choice ch[KILN__MAX_N];
     bool stream, done, ended, sent_role, first_token;
+    atomic_bool settled; /* done, readable without j->mu (shutdown waits for it) */
     atomic_bool timed_out;
     char *out; /* streamed bytes not yet sent */
     size_t out_len, out_cap, out_pos;
@@ -102,13 +104,21 @@ typedef struct job {
     struct job *next; /* in srv->jobs */
 } job;
 
-/* What one connection has collected. */
+/* What one connection has collected for its current request. reqlog.c makes it when
+ * the request line arrives, so that every request is logged once, those libmicrohttpd
+ * refuses itself included; on_completed frees it. */
 typedef struct {
     char *body;
     size_t len, cap;
+    bool seen;     /* the access handler has been called for this request */
     bool too_big, answered;
     int endpoint;
     job *j;
+    double t_start;      /* the request line's arrival (kiln__now_s) */
+    char *target;        /* for the log: the request target as sent (at most KILN__LOG_TARGET bytes); else NULL */
+    bool target_cut;     /* it was longer */
+    char method[33];     /* for the log: the method as sent, cut at 32 bytes ("" before the handler saw it) */
+    bool method_cut;
 } conn_state;
 
 /* An endpoint's handler: answers the request on conn (whose body is in cs). */
@@ -133,6 +143,16 @@ enum MHD_Result kiln__serve_send_json(kiln_server_t *s, struct MHD_Connection *c
 enum MHD_Result kiln__serve_send_error(kiln_server_t *s, struct MHD_Connection *c, int ep, int code, const char *param,
                                        const char *err_code, const char *fmt, ...)
     __attribute__((format(printf, 7, 8)));
+
+/* ---- reqlog.c ---- */
+
+/* The most bytes of a request target the log keeps. */
+#define KILN__LOG_TARGET 1000
+/* MHD's URI log callback: makes the request's conn_state (its *con_cls) as its request
+ * line arrives. */
+void *kiln__serve_on_uri(void *cls, const char *uri, struct MHD_Connection *conn);
+/* Logs the request of cs, which has ended, through the server's log_request (on_completed). */
+void kiln__serve_log_request(kiln_server_t *s, struct MHD_Connection *conn, conn_state *cs);
 
 /* ---- generate.c ---- */
 
@@ -169,6 +189,9 @@ void kiln__serve_job_cancel(job *j);
 void kiln__serve_job_suspend(job *j);
 /* The engine's callback (kiln_engine_cb); user is a choice. */
 bool kiln__serve_on_token(void *user, const kiln_token_event *ev, kiln_finish fin);
+/* How j ended, for the request log (kiln_request_log.end), into buf; its prompt and
+ * generated tokens into *prompt and *completion. Under j->mu. */
+void kiln__serve_job_outcome(job *j, char *buf, size_t n, int *prompt, int *completion);
 /* The watchdog thread: cancels jobs that run past the request timeout. */
 void *kiln__serve_watchdog_main(void *arg);
 /* Stops the watchdog, cancels every job, and waits (bounded) until no connection is

@@ -49,28 +49,46 @@ def model(kiln, workdir):
 
 
 class Server:
-    """`kiln serve` on a free port; stopped (SIGTERM, then SIGKILL) on exit."""
+    """`kiln serve` on a free port; stopped (SIGTERM, then SIGKILL) on exit. Its stderr is
+    a pipe read until it says "ready", or with stderr_path a file (all of it kept, for
+    tests that read what the server writes there while it runs)."""
 
-    def __init__(self, kiln, run, *extra, log=None):
+    def __init__(self, kiln, run, *extra, log=None, stderr_path=None):
         self.log = open(log or os.devnull, "w")
-        self.p = subprocess.Popen([kiln, "serve", run, "--port", "0", *extra], stdout=self.log,
-                                  stderr=subprocess.PIPE, text=True)
+        self.stderr_path = stderr_path
+        err = open(stderr_path, "w") if stderr_path else subprocess.PIPE
+        self.p = subprocess.Popen([kiln, "serve", run, "--port", "0", *extra], stdout=self.log, stderr=err, text=True)
+        if stderr_path:
+            err.close()
         self.port = None
         deadline = time.time() + 60
         lines = []
         while time.time() < deadline:
+            if stderr_path:
+                with open(stderr_path, errors="replace") as f:
+                    lines = f.readlines()
+                if "ready" in "".join(lines) or self.p.poll() is not None:
+                    break
+                time.sleep(0.05)
+                continue
             line = self.p.stderr.readline()
             if not line:
                 break
             lines.append(line)
+            if "ready" in line:
+                break
+        for line in lines:
             m = re.search(r"listening on http://[\d.]+:(\d+)", line)
             if m:
                 self.port = int(m.group(1))
-            if "ready" in line:
-                break
         if not self.port or "ready" not in "".join(lines):
             self.stop()
             raise RuntimeError("kiln serve did not come up: " + "".join(lines))
+
+    def stderr_text(self):
+        """What the server has written to its stderr file so far."""
+        with open(self.stderr_path, errors="replace") as f:
+            return f.read()
 
     def stop(self):
         if self.p.poll() is None:
@@ -81,6 +99,8 @@ class Server:
                 self.p.kill()
                 self.p.wait()
         self.log.close()
+        if self.p.stderr:
+            self.p.stderr.close()
         return self.p.returncode
 
     def __enter__(self):

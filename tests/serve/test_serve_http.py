@@ -205,6 +205,10 @@ def test_bad_input():
     error_of(s, json.loads(b), 413)
     s, h, b = H.request(p, "GET", "/v1/nothing")
     error_of(s, json.loads(b), 404)
+    # a path that decodes to bytes that are not UTF-8 is a 404 too (its message quotes it as '?')
+    s, h, b = H.request(p, "GET", "/v1/%ff%c3b")
+    error_of(s, json.loads(b), 404)
+    assert "/v1/??b" in json.loads(b)["error"]["message"], b
     s, h, b = H.request(p, "GET", "/v1/completions")
     error_of(s, json.loads(b), 405)
     s, h, b = H.request(p, "POST", "/detokenize", {"tokens": [1, 99999]})

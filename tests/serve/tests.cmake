@@ -13,7 +13,8 @@ if(KILN_PYTHON3)
   add_test(NAME serve_http COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/serve/test_serve_http.py ${KILN_SERVE_TEST_ARGS})
   add_test(NAME serve_openai COMMAND sh -c "py=${KILN_VENV_PYTHON}; [ -x \"$py\" ] || py=${KILN_PYTHON3}; exec \"$py\" \"$@\"" sh
            ${CMAKE_SOURCE_DIR}/tests/serve/test_serve_openai.py ${KILN_SERVE_TEST_ARGS})
+  add_test(NAME serve_reqlog COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/serve/test_serve_reqlog.py ${KILN_SERVE_TEST_ARGS})
   add_test(NAME serve_page COMMAND ${KILN_PYTHON3} ${CMAKE_SOURCE_DIR}/tests/serve/test_serve_page.py ${KILN_SERVE_TEST_ARGS})
-  set_tests_properties(serve_http serve_openai serve_page PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600
+  set_tests_properties(serve_http serve_openai serve_reqlog serve_page PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600
                        RESOURCE_LOCK kiln_serve)
 endif()
