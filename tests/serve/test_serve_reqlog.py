@@ -82,7 +82,7 @@ def raw_exchange(data, port=None, leave=False):
     me = "%s:%d" % sk.getsockname()
     sk.sendall(data)
     if leave:
-        time.sleep(0.1)
+        time.sleep(0.3)
         sk.close()
         return 0, me
     got = b""
@@ -307,12 +307,17 @@ def test_format_is_greppable():
         assert LINE.match(l) or l.startswith("kiln serve:") or not re.match(r"^\d{4}-", l), l
 
 
-def quiet_server(*flags):
-    """A server with these flags and stderr a file: whether it logged one line for one request."""
+def quiet_server(*flags, expect=0):
+    """A server with these flags and stderr a file: how many lines it logged for two
+    requests (waiting up to 15 s for `expect` of them: a line is written after the
+    response, and a loaded machine may be slow to get there; then a moment more)."""
     path = os.path.join(A.workdir, "reqlog-flags.err")
     with H.Server(A.kiln, RUN, *flags, stderr_path=path) as k:
         assert H.request(k.port, "GET", "/health")[0] == 200
         assert H.post(k.port, "/v1/completions", {"prompt": "x", "max_tokens": 2})[0] == 200
+        deadline = time.time() + 15
+        while expect and time.time() < deadline and len(log_lines(k.stderr_text())) < expect:
+            time.sleep(0.05)
         time.sleep(0.5)
         lines = log_lines(k.stderr_text())
     return len(lines)
@@ -401,7 +406,7 @@ def test_off_where_stderr_is_not_a_terminal():
     assert quiet_server() == 0
     assert quiet_server("--log-requests", "--no-log-requests") == 0
     assert quiet_server("--log-requests=false") == 0
-    assert quiet_server("--no-log-requests", "--log-requests") == 2
+    assert quiet_server("--no-log-requests", "--log-requests", expect=2) == 2
 
 
 def on_a_terminal(*flags):
