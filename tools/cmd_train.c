@@ -51,41 +51,55 @@ static kiln_status mkdir_p(const char *path)
     return KILN_OK;
 }
 
+static bool has_flag(const char *flag) { return flag != NULL; }
+
+/* Option --flag's text as enum value *out, one of names (NULL after the last). */
+static kiln_status enum_option(const char *flag, const char *text, const char *const *names, size_t n, int *out)
+{
+    char list[128] = "";
+    for (size_t i = 0; i < n && names[i]; i++) {
+        if (text && !strcmp(text, names[i])) return *out = (int)i, KILN_OK;
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? " or " : "", names[i]);
+    }
+    return kiln_error(KILN_ERR_ARG, "--%s must be %s, not '%s'", flag, list, text ? text : "");
+}
+
+/* The model config of --arch with the model options (kiln/gpt_config.def's rows with a
+ * flag) over it: a number as it is, an enum by its name; --kv-heads 0 keeps the
+ * family's count (--heads for gpt2); --attention's doc becomes doc:EOT. */
+#define COPY_INT(member, names, flag) c->member = (int)a->m.member;
+#define COPY_NUM(member, names, flag) c->member = a->m.member;
+#define COPY_BOOL(member, names, flag) c->member = a->m.member;
+#define COPY_ENUM(member, names, flag) \
+    { \
+        static const char *const v[] = {UNPAREN names}; \
+        int e = 0; \
+        if (enum_option(flag, a->m.member, v, sizeof v / sizeof v[0], &e) != KILN_OK) return kiln_last_status(); \
+        c->member = e; \
+    }
+#define COPY_STR(member, names, flag) /* (--attention: below) */
+#define KILN_GPT_NAMES(...) (__VA_ARGS__) /* (parenthesised: one argument of the macros below) */
+#define UNPAREN(...) __VA_ARGS__
 static kiln_status model_config(const train_args *a, int vocab, int eot, kiln_gpt_config *c)
 {
     if (!strcmp(a->model, "gpt2")) *c = kiln_gpt_config_gpt2();
     else if (!strcmp(a->model, "llama")) *c = kiln_gpt_config_llama();
     else return kiln_error(KILN_ERR_ARG, "--arch must be gpt2 or llama, not '%s'", a->model);
-    c->n_layer = (int)a->layers;
-    c->n_head = (int)a->heads;
-    c->n_kv_head = a->kv_heads > 0 ? (int)a->kv_heads : (!strcmp(a->model, "gpt2") ? (int)a->heads : c->n_kv_head);
-    c->n_embd = (int)a->width;
-    c->block_size = (int)a->context;
-    c->ffn_hidden = (int)a->ffn;
+    int family_kv = c->n_kv_head;
+#define KILN_GPT_FIELD(member, ctype, kind, def, lo, hi, flags, names, when, flag, ...) \
+    if (has_flag(flag)) COPY_##kind(member, names, flag)
+#define KILN_GPT_MEMBER(...)
+#define KILN_GPT_PART(...)
+#include "kiln/gpt_config.def"
+#undef KILN_GPT_FIELD
+#undef KILN_GPT_MEMBER
+#undef KILN_GPT_PART
+    if (a->m.n_kv_head <= 0) c->n_kv_head = !strcmp(a->model, "gpt2") ? c->n_head : family_kv;
     c->vocab_size = vocab;
-    c->dropout = a->dropout;
-    c->n_routed_experts = (int)a->experts;
-    c->n_shared_experts = (int)a->shared_experts;
-    c->moe_top_k = (int)a->top_k;
-    c->moe_ffn = (int)a->expert_ffn;
-    c->n_dense_layers = (int)a->dense_layers;
-    c->moe_bias_speed = a->bias_speed;
-    c->moe_balance_loss = a->balance_loss;
-    c->moe_capacity = a->capacity;
-    c->mla_kv_rank = (int)a->mla_kv_rank;
-    c->mla_q_rank = (int)a->mla_q_rank;
-    c->mla_rope_dim = (int)a->mla_rope_dim;
-    c->mla_nope_dim = (int)a->mla_nope_dim;
-    c->mla_v_dim = (int)a->mla_v_dim;
-    c->moe_n_group = (int)a->groups;
-    c->moe_topk_group = (int)a->top_groups;
-    if (!strcmp(a->router, "softmax")) c->moe_router = KILN_ROUTER_SOFTMAX;
-    else if (!strcmp(a->router, "sigmoid")) c->moe_router = KILN_ROUTER_SIGMOID;
-    else return kiln_error(KILN_ERR_ARG, "--router must be softmax or sigmoid, not '%s'", a->router);
     /* --attention: "doc" is document masking at the tokenizer's end-of-text token */
     char *w = c->attention;
     size_t cap = sizeof c->attention, n = 0;
-    for (const char *p = a->attention ? a->attention : ""; *p && n < cap;) {
+    for (const char *p = a->m.attention ? a->m.attention : ""; *p && n < cap;) {
         size_t k = strcspn(p, "+");
         bool doc = k == 3 && !strncmp(p, "doc", 3);
         if (doc && eot < 0) return kiln_error(KILN_ERR_ARG, "--attention doc: the tokenizer has no end-of-text token");
@@ -96,9 +110,11 @@ static kiln_status model_config(const train_args *a, int vocab, int eot, kiln_gp
     char q[96];
     if (n >= cap)
         return kiln_error(KILN_ERR_ARG, "--attention is too long: at most %zu characters as the model's config holds it, "
-                          "in '%s'", cap - 1, kiln__excerpt(a->attention, 0, 60, q, sizeof q));
+                          "in '%s'", cap - 1, kiln__excerpt(a->m.attention, 0, 60, q, sizeof q));
     return kiln_gpt_config_check(c);
 }
+#undef KILN_GPT_NAMES
+#undef UNPAREN
 
 /* Reads the tokenizer k names (--tokenizer, or on resume the run's own): "byte", "bpe:N"
  * (train one of vocab N on the corpus and save it into the run), or a tokenizer.json path. */
@@ -393,7 +409,7 @@ static kiln_status eval_loss(kiln_gpt_t *m, kiln_dataset_t *ds, const train_args
     for (int64_t k = 0; s == KILN_OK && k < a->eval_batches; k++) {
         kiln_scope_begin();
         kiln_tensor_t *x, *y, *loss;
-        s = kiln_dataset_batch(ds, KILN_SPLIT_VAL, (int)a->batch, (int)a->context, (uint64_t)a->seed, k, rank, world, &x,
+        s = kiln_dataset_batch(ds, KILN_SPLIT_VAL, (int)a->batch, (int)a->m.block_size, (uint64_t)a->seed, k, rank, world, &x,
                                &y);
         if (s == KILN_OK && !kiln_gpt_forward(m, x, y, false, &loss)) s = kiln_last_status();
         if (s == KILN_OK && share) s = kiln_pg_allreduce(pg, loss, KILN_REDUCE_AVG);
@@ -561,9 +577,9 @@ static int setup_data(train_run *r)
             return cli_fail("train", "--init brings its own tokenizer; leave out --tokenizer");
         if (kiln_model_load(a->init, &r->init, &r->tok, NULL) != KILN_OK) return cli_fail("train", NULL);
         int T = kiln_gpt_get_config(r->init)->block_size;
-        if (a->context > T) {
+        if (a->m.block_size > T) {
             fprintf(stderr, "kiln train: --context %lld is longer than the --init model's %d positions\n",
-                    (long long)a->context, T);
+                    (long long)a->m.block_size, T);
             return 1;
         }
     } else if (get_tokenizer(a, tok_spec, text, len, &r->tok) != KILN_OK) {
@@ -578,12 +594,12 @@ static int setup_data(train_run *r)
     if (kiln_dataset_new(ids, n_ids, a->val_fraction, &r->ds) != KILN_OK) return cli_fail("train", NULL);
     free(ids);
     /* Both splits must hold a window, or the run would fail at its first evaluation. */
-    if (kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN) < (size_t)a->context + 1 ||
-        kiln_dataset_len(r->ds, KILN_SPLIT_VAL) < (size_t)a->context + 1) {
+    if (kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN) < (size_t)a->m.block_size + 1 ||
+        kiln_dataset_len(r->ds, KILN_SPLIT_VAL) < (size_t)a->m.block_size + 1) {
         fprintf(stderr, "kiln train: %s gives %zu training and %zu validation tokens; each split needs at least "
                         "--context + 1 = %lld (raise --val-fraction, lower --context, or give more text)\n",
                 a->data, kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN), kiln_dataset_len(r->ds, KILN_SPLIT_VAL),
-                (long long)a->context + 1);
+                (long long)a->m.block_size + 1);
         return 1;
     }
     r->vocab = kiln_tokenizer_vocab_size(r->tok);
@@ -597,7 +613,7 @@ static int build_model(train_run *r)
     train_args *a = &r->a;
     if (r->init) { /* its config (with this run's dropout) and a copy of its weights */
         r->cfg = *kiln_gpt_get_config(r->init);
-        r->cfg.dropout = a->dropout;
+        r->cfg.dropout = a->m.dropout;
         if (kiln_gpt_new(&r->cfg, (uint64_t)a->seed, &r->m) != KILN_OK) return cli_fail("train", NULL);
         bool prev = kiln_set_grad_enabled(false);
         kiln_status s = KILN_OK;
@@ -684,7 +700,7 @@ static int setup_step(train_run *r)
     train_args *a = &r->a;
     int np = r->np, world = r->world;
     kiln_tensor_t **params = r->params;
-    r->tokens_per_step = a->batch * a->context * a->accum;
+    r->tokens_per_step = a->batch * a->m.block_size * a->accum;
     bool scaled = a->prec == KILN_DTYPE_F16; /* the step function does the scaling, with any accum and world */
     /* sharded experts: the step function divides their gradients where it averages the others' */
     r->whole = a->compile || scaled || a->expert_parallel || (world == 1 && !a->zero1 && a->accum == 1);
@@ -787,10 +803,10 @@ static kiln_status step_whole(train_run *r, int64_t step, double lr, double *los
     int64_t one = 1;
     kiln_status s;
     if (a->accum == 1)
-        s = kiln_dataset_batch(r->ds, KILN_SPLIT_TRAIN, (int)r->rank_batch, (int)a->context, (uint64_t)a->seed, step,
+        s = kiln_dataset_batch(r->ds, KILN_SPLIT_TRAIN, (int)r->rank_batch, (int)a->m.block_size, (uint64_t)a->seed, step,
                                (int)r->rank, (int)r->world, &in[0], &in[1]);
     else
-        s = stacked_batches(r->ds, (int)r->rank_batch, (int)a->context, (uint64_t)a->seed, step, (int)a->accum,
+        s = stacked_batches(r->ds, (int)r->rank_batch, (int)a->m.block_size, (uint64_t)a->seed, step, (int)a->accum,
                             (int)r->rank, (int)r->world, in);
     if (s == KILN_OK && !(in[2] = kiln_from_data(&lr, &one, 1, KILN_DTYPE_F64))) s = kiln_last_status();
     if (s == KILN_OK && r->step_fn.scaled && !(in[3] = kiln_from_data(&r->scaler.scale, &one, 1, KILN_DTYPE_F64)))
@@ -825,7 +841,7 @@ static kiln_status step_micro_batches(train_run *r, int64_t step, double *loss_s
     for (int64_t micro = 0; micro < a->accum && s == KILN_OK; micro++) {
         kiln_scope_begin();
         kiln_tensor_t *x, *y, *loss;
-        s = kiln_dataset_batch(r->ds, KILN_SPLIT_TRAIN, (int)r->rank_batch, (int)a->context, (uint64_t)a->seed,
+        s = kiln_dataset_batch(r->ds, KILN_SPLIT_TRAIN, (int)r->rank_batch, (int)a->m.block_size, (uint64_t)a->seed,
                                step * a->accum + micro, r->rank, r->world, &x, &y);
         if (s == KILN_OK && !kiln_gpt_forward(r->m, x, y, true, &loss)) s = kiln_last_status();
         double v = 0;

@@ -24,12 +24,13 @@ typedef kiln__gpt_layer layer;
 kiln_gpt_config kiln_gpt_config_gpt2(void)
 {
     return (kiln_gpt_config){
-        .n_layer = 4, .n_head = 4, .n_kv_head = 4, .n_embd = 256, .block_size = 128, .vocab_size = 256,
-        .ffn_hidden = 0, .norm = KILN_NORM_LAYERNORM, .pos = KILN_POS_LEARNED, .mlp = KILN_MLP_GELU,
-        .bias = true, .tied = true, .norm_eps = 1e-5, .rope_theta = 10000.0, .dropout = 0.0,
-        .moe_top_k = 2, .moe_router = KILN_ROUTER_SOFTMAX, .moe_norm_topk = true, .moe_scale = 1.0,
-        .moe_n_group = 1, .moe_topk_group = 1,
-        .moe_bias_speed = 0.001,
+#define KILN_GPT_FIELD(member, ctype, kind, def, ...) .member = def,
+#define KILN_GPT_MEMBER(ctype, member, def) .member = def,
+#define KILN_GPT_PART(...)
+#include "kiln/gpt_config.def"
+#undef KILN_GPT_FIELD
+#undef KILN_GPT_MEMBER
+#undef KILN_GPT_PART
     };
 }
 
@@ -174,41 +175,127 @@ int64_t kiln_gpt_kv_window(const kiln_gpt_t *m)
     return m && kiln__gpt_paged_variant(&m->cfg, &v) == KILN_OK ? v.window : 0;
 }
 
+/* The config's fields, one row each (kiln/gpt_config.def): the checks and the JSON writer
+ * and reader walk them. */
+enum { F_INT, F_NUM, F_BOOL, F_ENUM, F_STR };
+enum { W_ALWAYS, W_SET, W_ROPE, W_MLA, W_MOE }; /* which configs write the key (the .def's `when`) */
+#define ABOVE_LO KILN__PARSE_ABOVE_LO
+#define BELOW_HI KILN__PARSE_BELOW_HI
+#define KILN_GPT_NAMES(...) {__VA_ARGS__}
+static const struct {
+    const char *name;
+    int kind, when;
+    size_t offset, size;
+    double lo, hi; /* a number's range (F_INT, F_NUM); a PART's is checked by its member's check */
+    unsigned flags; /* KILN__PARSE_ABOVE_LO, _BELOW_HI */
+    bool checked;
+    const char *values[4]; /* F_ENUM: the names of its values (NULL after the last), stored as an int */
+} fields[] = {
+#define KILN_GPT_FIELD(member, ctype, kind, def, lo, hi, flags, names, when, ...) \
+    {#member, F_##kind, W_##when, offsetof(kiln_gpt_config, member), sizeof(ctype), lo, hi, flags, true, names},
+#define KILN_GPT_MEMBER(...)
+#define KILN_GPT_PART(key, path, kind, names, when) \
+    {key, F_##kind, W_##when, offsetof(kiln_gpt_config, path), 0, 0, 0, 0, false, names},
+#include "kiln/gpt_config.def"
+#undef KILN_GPT_FIELD
+#undef KILN_GPT_MEMBER
+#undef KILN_GPT_PART
+};
+#undef KILN_GPT_NAMES
+#undef ABOVE_LO
+#undef BELOW_HI
+#define NFIELDS (sizeof fields / sizeof fields[0])
+_Static_assert(sizeof(kiln_norm_kind) == sizeof(int) && sizeof(kiln_mlp_kind) == sizeof(int) &&
+               sizeof(kiln_pos_kind) == sizeof(int) && sizeof(kiln_rope_scaling_kind) == sizeof(int) &&
+               sizeof(kiln_router_kind) == sizeof(int), "enums as int");
+
+/* Field i's value in c is 0, false or "" (the default of a SET field). */
+static bool field_unset(const kiln_gpt_config *c, size_t i)
+{
+    const char *p = (const char *)c + fields[i].offset;
+    switch (fields[i].kind) {
+    case F_INT:
+    case F_ENUM: return *(const int *)p == 0;
+    case F_NUM: return *(const double *)p == 0;
+    case F_BOOL: return !*(const bool *)p;
+    default: return !*p;
+    }
+}
+
+/* Whether c's JSON has field i (its `when`). */
+static bool field_written(const kiln_gpt_config *c, size_t i)
+{
+    switch (fields[i].when) {
+    case W_SET: return !field_unset(c, i);
+    case W_ROPE: return c->rope_scaling.kind != KILN_ROPE_SCALING_NONE;
+    case W_MLA: return c->mla_kv_rank > 0;
+    case W_MOE: return c->n_routed_experts > 0;
+    default: return true;
+    }
+}
+
+/* Field i within its range, or an error naming it and the range. */
+static kiln_status field_check(const kiln_gpt_config *c, size_t i)
+{
+    const char *p = (const char *)c + fields[i].offset, *name = fields[i].name;
+    char range[96];
+    switch (fields[i].kind) {
+    case F_INT: {
+        int v = *(const int *)p;
+        if (v < fields[i].lo || v > fields[i].hi)
+            return kiln_error(KILN_ERR_ARG, "gpt config: %s = %d must be in %.0f..%.0f", name, v, fields[i].lo,
+                              fields[i].hi);
+        return KILN_OK;
+    }
+    case F_NUM: {
+        double v = *(const double *)p;
+        if (!(v >= fields[i].lo && v <= fields[i].hi) || ((fields[i].flags & KILN__PARSE_ABOVE_LO) && v == fields[i].lo) ||
+            ((fields[i].flags & KILN__PARSE_BELOW_HI) && v == fields[i].hi)) {
+            kiln__describe_f64(fields[i].lo, fields[i].hi, fields[i].flags, range, sizeof range);
+            return kiln_error(KILN_ERR_ARG, "gpt config: %s = %g must be %s", name, v, range);
+        }
+        return KILN_OK;
+    }
+    case F_ENUM: {
+        int v = *(const int *)p, n = 0;
+        while (n < 4 && fields[i].values[n]) n++;
+        if (v < 0 || v >= n) return kiln_error(KILN_ERR_ARG, "gpt config: unknown %s kind %d", name, v);
+        return KILN_OK;
+    }
+    case F_STR:
+        if (!memchr(p, 0, fields[i].size))
+            return kiln_error(KILN_ERR_ARG, "gpt config: %s: not a string of under %zu characters", name, fields[i].size);
+        return KILN_OK;
+    default: return KILN_OK;
+    }
+}
+
 kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
 {
     if (!c) return kiln_error(KILN_ERR_ARG, "gpt config is NULL");
+    /* each field on its own (the MoE fields only for a model with experts), then the
+     * rules that join fields */
+    for (size_t i = 0; i < NFIELDS; i++) {
+        if (!fields[i].checked || (fields[i].when == W_MOE && !c->n_routed_experts)) continue;
+        kiln_status s = field_check(c, i);
+        if (s != KILN_OK) return s;
+    }
 #define NEED(cond, ...) \
     if (!(cond)) return kiln_error(KILN_ERR_ARG, "gpt config: " __VA_ARGS__)
-    NEED(c->n_layer >= 1 && c->n_layer <= 1024, "n_layer = %d must be in 1..1024", c->n_layer);
-    NEED(c->n_head >= 1 && c->n_head <= 1 << 16, "n_head = %d must be in 1..65536", c->n_head);
-    NEED(c->n_embd >= 1 && c->n_embd <= 1 << 20 && c->n_embd % c->n_head == 0,
-         "n_embd = %d must be a multiple of n_head = %d, at most 2^20", c->n_embd, c->n_head);
-    NEED(c->n_kv_head >= 1 && c->n_head % c->n_kv_head == 0, "n_kv_head = %d must divide n_head = %d", c->n_kv_head,
-         c->n_head);
+    NEED(c->n_embd % c->n_head == 0, "n_embd = %d must be a multiple of n_head = %d", c->n_embd, c->n_head);
+    NEED(c->n_head % c->n_kv_head == 0, "n_kv_head = %d must divide n_head = %d", c->n_kv_head, c->n_head);
     NEED(c->pos != KILN_POS_ROPE || (c->n_embd / c->n_head) % 2 == 0, "rope needs an even head size, got %d",
          c->n_embd / c->n_head);
-    NEED(c->block_size >= 1 && c->block_size <= 1 << 20, "block_size = %d must be in 1..2^20", c->block_size);
-    NEED(c->vocab_size >= 1 && c->vocab_size <= 1 << 24, "vocab_size = %d must be in 1..2^24", c->vocab_size);
-    NEED(c->ffn_hidden >= 0 && c->ffn_hidden <= 1 << 22, "ffn_hidden = %d must be in 0..2^22", c->ffn_hidden);
-    NEED(c->norm_eps > 0, "norm_eps = %g must be positive", c->norm_eps);
-    NEED(c->rope_theta > 0, "rope_theta = %g must be positive", c->rope_theta);
     NEED(c->pos == KILN_POS_ROPE || c->rope_scaling.kind == KILN_ROPE_SCALING_NONE,
          "rope_scaling needs pos = rope");
     kiln_status rs = kiln_rope_scaling_check(&c->rope_scaling); /* its message names the field */
     if (rs != KILN_OK) return rs;
-    NEED(c->dropout >= 0 && c->dropout < 1, "dropout = %g must be in [0, 1)", c->dropout);
-    NEED(memchr(c->attention, 0, sizeof c->attention), "attention: not a string of under 64 characters");
     if (c->attention[0]) { /* the spec builds */
         kiln_flex_t *f = NULL;
         kiln_status fs = kiln__gpt_flex(c, NULL, true, &f);
         kiln_flex_free(f);
         if (fs != KILN_OK) return fs;
     }
-    NEED((unsigned)c->norm <= KILN_NORM_RMSNORM && (unsigned)c->pos <= KILN_POS_ROPE &&
-         (unsigned)c->mlp <= KILN_MLP_SWIGLU, "unknown norm, pos or mlp kind");
-    NEED(c->mla_kv_rank >= 0 && c->mla_q_rank >= 0 && c->mla_rope_dim >= 0 && c->mla_nope_dim >= 0 &&
-             c->mla_v_dim >= 0,
-         "the mla_ sizes must be >= 0");
     if (c->mla_kv_rank > 0) {
         int hs = c->n_embd / c->n_head, dn = c->mla_nope_dim ? c->mla_nope_dim : hs,
             dv = c->mla_v_dim ? c->mla_v_dim : hs;
@@ -219,92 +306,34 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
         NEED(dv <= dn + c->mla_rope_dim, "mla_v_dim = %d must be at most the query and key size %d", dv,
              dn + c->mla_rope_dim);
     }
-    NEED(c->n_routed_experts >= 0 && c->n_routed_experts <= 4096, "n_routed_experts = %d must be in 0..4096",
-         c->n_routed_experts);
     if (c->n_routed_experts > 0) {
         NEED(c->mlp == KILN_MLP_SWIGLU, "n_routed_experts = %d needs mlp = swiglu (the experts are SwiGLU)",
              c->n_routed_experts);
-        NEED(c->moe_top_k >= 1 && c->moe_top_k <= c->n_routed_experts, "moe_top_k = %d must be in 1..%d",
-             c->moe_top_k, c->n_routed_experts);
-        NEED(c->n_shared_experts >= 0 && c->n_shared_experts <= 64, "n_shared_experts = %d must be in 0..64",
-             c->n_shared_experts);
-        NEED(c->moe_ffn >= 0 && c->moe_ffn <= 1 << 20, "moe_ffn = %d must be in 0..2^20", c->moe_ffn);
-        NEED(c->n_dense_layers >= 0 && c->n_dense_layers < c->n_layer,
+        NEED(c->moe_top_k <= c->n_routed_experts, "moe_top_k = %d must be in 1..%d", c->moe_top_k,
+             c->n_routed_experts);
+        NEED(c->n_dense_layers < c->n_layer,
              "n_dense_layers = %d must be in 0..n_layer - 1 = %d (else no block has experts)", c->n_dense_layers,
              c->n_layer - 1);
-        NEED((unsigned)c->moe_router <= KILN_ROUTER_SIGMOID, "unknown moe_router");
-        NEED(c->moe_n_group >= 1 && c->n_routed_experts % c->moe_n_group == 0 &&
+        NEED(c->n_routed_experts % c->moe_n_group == 0 &&
                  (c->moe_n_group == 1 || c->n_routed_experts / c->moe_n_group >= 2),
              "moe_n_group = %d must divide n_routed_experts = %d into groups of at least 2 (1: no groups)",
              c->moe_n_group, c->n_routed_experts);
-        NEED(c->moe_n_group == 1 || (c->moe_topk_group >= 1 && c->moe_topk_group <= c->moe_n_group &&
+        NEED(c->moe_n_group == 1 || (c->moe_topk_group <= c->moe_n_group &&
                                      c->moe_top_k <= c->moe_topk_group * (c->n_routed_experts / c->moe_n_group)),
              "moe_topk_group = %d must be in 1..moe_n_group = %d, with moe_top_k = %d experts in its groups",
              c->moe_topk_group, c->moe_n_group, c->moe_top_k);
-        NEED(c->moe_scale > 0 && isfinite(c->moe_scale), "moe_scale = %g must be positive", c->moe_scale);
-        NEED(c->moe_bias_speed >= 0 && isfinite(c->moe_bias_speed), "moe_bias_speed = %g must be >= 0",
-             c->moe_bias_speed);
-        NEED(c->moe_balance_loss >= 0 && isfinite(c->moe_balance_loss), "moe_balance_loss = %g must be >= 0",
-             c->moe_balance_loss);
-        NEED(c->moe_capacity >= 0 && isfinite(c->moe_capacity), "moe_capacity = %g must be >= 0 (0: dropless)",
-             c->moe_capacity);
     }
 #undef NEED
     return KILN_OK;
 }
 
-/* The config's fields, one row each: the JSON writer and reader walk them. */
-enum { F_INT, F_NUM, F_BOOL, F_ENUM, F_STR };
-#define FIELD_AT(key, member, kind, ...) {key, kind, offsetof(kiln_gpt_config, member), {__VA_ARGS__}}
-#define FIELD(name, kind, ...) FIELD_AT(#name, name, kind, __VA_ARGS__)
-static const struct {
-    const char *name;
-    int kind;
-    size_t offset;
-    const char *values[4]; /* F_ENUM: the names of its values (NULL after the last), stored as an int */
-} fields[] = {
-    FIELD(n_layer, F_INT),    FIELD(n_head, F_INT),     FIELD(n_kv_head, F_INT),  FIELD(n_embd, F_INT),
-    FIELD(block_size, F_INT), FIELD(vocab_size, F_INT), FIELD(ffn_hidden, F_INT), FIELD(bias, F_BOOL),
-    FIELD(tied, F_BOOL),      FIELD(norm_eps, F_NUM),   FIELD(rope_theta, F_NUM), FIELD(dropout, F_NUM),
-    FIELD(norm, F_ENUM, "layernorm", "rmsnorm"), FIELD(pos, F_ENUM, "learned", "rope"),
-    FIELD(mlp, F_ENUM, "gelu", "swiglu"),
-    FIELD_AT("rope_scaling", rope_scaling.kind, F_ENUM, "none", "linear", "llama3"),
-    FIELD_AT("rope_factor", rope_scaling.factor, F_NUM),
-    FIELD_AT("rope_low_freq_factor", rope_scaling.low_freq_factor, F_NUM),
-    FIELD_AT("rope_high_freq_factor", rope_scaling.high_freq_factor, F_NUM),
-    FIELD_AT("rope_original_context", rope_scaling.original_context, F_INT),
-    FIELD(attention, F_STR),
-    /* multi-head latent attention: written only with mla_kv_rank > 0 */
-    FIELD(mla_kv_rank, F_INT), FIELD(mla_q_rank, F_INT), FIELD(mla_rope_dim, F_INT), FIELD(mla_nope_dim, F_INT),
-    FIELD(mla_v_dim, F_INT),
-    /* the mixture of experts: written only with n_routed_experts > 0, from here on */
-    FIELD(n_routed_experts, F_INT), FIELD(n_shared_experts, F_INT), FIELD(moe_top_k, F_INT),
-    FIELD(moe_ffn, F_INT), FIELD(n_dense_layers, F_INT), FIELD(moe_router, F_ENUM, "softmax", "sigmoid"),
-    FIELD(moe_norm_topk, F_BOOL), FIELD(moe_scale, F_NUM), FIELD(moe_bias_speed, F_NUM),
-    FIELD(moe_balance_loss, F_NUM), FIELD(moe_n_group, F_INT), FIELD(moe_topk_group, F_INT),
-    FIELD(moe_capacity, F_NUM),
-};
-#undef FIELD
-#undef FIELD_AT
-#define NFIELDS (sizeof fields / sizeof fields[0])
-_Static_assert(sizeof(kiln_norm_kind) == sizeof(int) && sizeof(kiln_mlp_kind) == sizeof(int) &&
-               sizeof(kiln_rope_scaling_kind) == sizeof(int) && sizeof(kiln_router_kind) == sizeof(int),
-               "enums as int");
-
 char *kiln_gpt_config_to_json(const kiln_gpt_config *c)
 {
     json_t *o = json_object();
     for (size_t i = 0; o && i < NFIELDS; i++) {
+        if (!field_written(c, i)) continue;
         const void *p = (const char *)c + fields[i].offset;
-        /* no rope scaling: none of its keys, so that a build from before them reads the file */
-        size_t rs = offsetof(kiln_gpt_config, rope_scaling);
-        if (c->rope_scaling.kind == KILN_ROPE_SCALING_NONE && fields[i].offset >= rs &&
-            fields[i].offset < rs + sizeof(kiln_rope_scaling))
-            continue;
         int k = fields[i].kind;
-        if (k == F_STR && !*(const char *)p) continue; /* the default: written only when set, as rope's keys */
-        if (!c->n_routed_experts && fields[i].offset >= offsetof(kiln_gpt_config, n_routed_experts)) continue;
-        if (!c->mla_kv_rank && !strncmp(fields[i].name, "mla_", 4)) continue;
         json_t *v = k == F_INT ? json_integer(*(const int *)p) : k == F_NUM ? json_real(*(const double *)p)
                   : k == F_BOOL ? json_boolean(*(const bool *)p) : k == F_STR ? json_string((const char *)p)
                   : json_string(fields[i].values[*(const int *)p]);
@@ -349,8 +378,8 @@ kiln_status kiln_gpt_config_from_json(const char *text, kiln_gpt_config *out)
             *(double *)p = json_number_value(v);
         } else if (k == F_BOOL && json_is_boolean(v)) {
             *(bool *)p = json_is_true(v);
-        } else if (k == F_STR && json_is_string(v) && strlen(json_string_value(v)) < sizeof c.attention) {
-            snprintf((char *)p, sizeof c.attention, "%s", json_string_value(v));
+        } else if (k == F_STR && json_is_string(v) && strlen(json_string_value(v)) < fields[i].size) {
+            snprintf((char *)p, fields[i].size, "%s", json_string_value(v));
         } else {
             s = kiln_error(KILN_ERR_FORMAT, p ? "gpt config: key '%s' has the wrong type" : "gpt config: unknown key '%s'",
                            key);
