@@ -68,7 +68,24 @@ static void config_json_round_trips(void **state)
     assert_int_equal(c.tied, d.tied);
     assert_true(c.norm_eps == d.norm_eps && c.rope_theta == d.rope_theta && c.dropout == d.dropout);
     assert_null(strstr(j, "rope_scaling")); /* none: no keys, which older builds would refuse */
+    assert_null(strstr(j, "qk_norm"));      /* (likewise written only when set) */
     free(j);
+    /* qk_norm (Qwen3) round-trips, gives each block the heads' norms, and refuses MLA */
+    c.qk_norm = true;
+    j = kiln_gpt_config_to_json(&c);
+    assert_int_equal(kiln_gpt_config_from_json(j, &d), KILN_OK);
+    assert_true(d.qk_norm);
+    free(j);
+    kiln_gpt_t *qm;
+    assert_int_equal(kiln_gpt_new(&c, 1, &qm), KILN_OK);
+    kiln_tensor_t *qn = kiln_gpt_find_param(qm, "blocks.1.attn.q_head_norm.weight");
+    assert_true(qn && kiln_tensor_ndim(qn) == 1 && kiln_tensor_dim(qn, 0) == c.n_embd / c.n_head);
+    assert_non_null(kiln_gpt_find_param(qm, "blocks.0.attn.k_head_norm.weight"));
+    kiln_gpt_free(qm);
+    c.mla_kv_rank = 8, c.mla_rope_dim = 4;
+    assert_int_equal(kiln_gpt_config_check(&c), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "qk_norm"));
+    c.mla_kv_rank = 0, c.mla_rope_dim = 0, c.qk_norm = false;
     /* rope scaling round-trips; a bad one is refused by name */
     c.rope_scaling = (kiln_rope_scaling){KILN_ROPE_SCALING_LLAMA3, 8, 1, 4, 8192};
     j = kiln_gpt_config_to_json(&c);
@@ -434,8 +451,9 @@ static void same_seed_same_weights(void **state)
  * head's keys and padded values of the query size). */
 static void kv_cache_matches_full_forward(void **state)
 {
-    for (int style = 0; style < 3; style++) {
+    for (int style = 0; style < 4; style++) { /* gpt2, llama, MLA with experts, qk_norm (Qwen3) */
         kiln_gpt_config c = tiny(style >= 1);
+        c.qk_norm = style == 3;
         if (style == 2)
             c.mla_kv_rank = 12, c.mla_q_rank = 10, c.mla_rope_dim = 4, c.mla_nope_dim = 6, c.mla_v_dim = 5,
             c.n_routed_experts = 4, c.moe_top_k = 2;
@@ -475,8 +493,9 @@ static void kv_cache_matches_full_forward(void **state)
 static void attention_variants_match_causal_where_they_should(void **state)
 {
     static const char *same[] = {"causal", "window:16", "prefix:0"};
-    for (int style = 0; style < 2; style++) {
-        kiln_gpt_config c = tiny(style == 1);
+    for (int style = 0; style < 3; style++) { /* gpt2, llama, llama with q/k norms (Qwen3) */
+        kiln_gpt_config c = tiny(style >= 1);
+        c.qk_norm = style == 2;
         kiln_gpt_t *m;
         assert_int_equal(kiln_gpt_new(&c, 5, &m), KILN_OK);
         kiln_tensor_t *x = ids(2, 12, c.vocab_size, 3);
@@ -837,8 +856,9 @@ static void forward_rejects_bad_input(void **state)
 /* A few AdamW steps on one batch must lower the loss: the whole training path works. */
 static void training_steps_lower_the_loss(void **state)
 {
-    for (int style = 0; style < 2; style++) {
-        kiln_gpt_config c = tiny(style == 1);
+    for (int style = 0; style < 3; style++) { /* gpt2, llama, llama with q/k norms (Qwen3) */
+        kiln_gpt_config c = tiny(style >= 1);
+        c.qk_norm = style == 2;
         kiln_gpt_t *m;
         assert_int_equal(kiln_gpt_new(&c, 5, &m), KILN_OK);
         int n = kiln_gpt_num_params(m);

@@ -6,7 +6,7 @@
 
 /* ---- tensor names: kiln's parameters (docs/model.md) against the other formats' ---- */
 
-/* Hugging Face LLaMA, Mistral and Qwen2; their q/k/v (kiln's one qkv) are the
+/* Hugging Face LLaMA, Mistral, Qwen2 and Qwen3; their q/k/v (kiln's one qkv) are the
  * row's hf_qkv. */
 static const kiln__name_pair hf_llama[] = {
     {"tok_emb.weight", "model.embed_tokens.weight", false}, {"norm_f.weight", "model.norm.weight", false},
@@ -17,6 +17,12 @@ static const kiln__name_pair hf_llama[] = {
     {"mlp.gate.weight", "model.layers.%d.mlp.gate_proj.weight", false}, {"mlp.gate.bias", "model.layers.%d.mlp.gate_proj.bias", false},
     {"mlp.up.weight", "model.layers.%d.mlp.up_proj.weight", false}, {"mlp.up.bias", "model.layers.%d.mlp.up_proj.bias", false},
     {"mlp.down.weight", "model.layers.%d.mlp.down_proj.weight", false}, {"mlp.down.bias", "model.layers.%d.mlp.down_proj.bias", false},
+};
+
+/* Qwen3's per-head norms of q and k */
+static const kiln__name_pair hf_qk_norm[] = {
+    {"attn.q_head_norm.weight", "model.layers.%d.self_attn.q_norm.weight", false},
+    {"attn.k_head_norm.weight", "model.layers.%d.self_attn.k_norm.weight", false},
 };
 
 /* GPT-2 (without the "transformer." prefix of GPT2LMHeadModel's files, which lm_head
@@ -42,6 +48,11 @@ static const kiln__name_pair gguf_llama[] = {
     {"mlp.down.weight", "blk.%d.ffn_down.weight", false},
 };
 
+static const kiln__name_pair gguf_qk_norm[] = {
+    {"attn.q_head_norm.weight", "blk.%d.attn_q_norm.weight", false},
+    {"attn.k_head_norm.weight", "blk.%d.attn_k_norm.weight", false},
+};
+
 /* llama.cpp's gpt2 architecture, which has kiln's fused qkv, biases and learned positions */
 static const kiln__name_pair gguf_gpt2[] = {
     {"tok_emb.weight", "token_embd.weight", false},     {"pos_emb.weight", "position_embd.weight", false},
@@ -57,7 +68,7 @@ static const kiln__name_pair gguf_gpt2[] = {
 
 /* ---- the families ---- */
 
-/* What LLaMA, Mistral and Qwen2 share: RMSNorm, RoPE, SwiGLU, the same config keys
+/* What LLaMA, Mistral, Qwen2 and Qwen3 share: RMSNorm, RoPE, SwiGLU, the same config keys
  * (the sliding window turned on by switch_key, or NULL: by its size) and tensor names. */
 #define LLAMA_LIKE(switch_key)                                                                                       \
     .norm = KILN_NORM_RMSNORM, .pos = KILN_POS_ROPE, .mlp = KILN_MLP_SWIGLU,                                         \
@@ -77,6 +88,9 @@ static const kiln__arch families[] = {
     {.name = "mistral", .title = "Mistral", LLAMA_LIKE(NULL), .hf_names = {KILN__NAME_TABLE(hf_llama)}},
     {.name = "qwen2", .title = "Qwen2", LLAMA_LIKE("use_sliding_window"), .bias = true,
      .hf_names = {KILN__NAME_TABLE(hf_llama)}},
+    {.name = "qwen3", .title = "Qwen3", LLAMA_LIKE("use_sliding_window"), .qk_norm = true, .exports = true,
+     .hf_class = "Qwen3ForCausalLM", .hf_names = {KILN__NAME_TABLE(hf_llama), KILN__NAME_TABLE(hf_qk_norm)},
+     .gguf_arch = "qwen3", .gguf_names = {KILN__NAME_TABLE(gguf_llama), KILN__NAME_TABLE(gguf_qk_norm)}},
     {.name = "gpt2", .title = "GPT-2", .norm = KILN_NORM_LAYERNORM, .pos = KILN_POS_LEARNED, .mlp = KILN_MLP_GELU,
      .bias = true, .tied = true, .kv_equal = true, .exports = true, .hf_class = "GPT2LMHeadModel",
      .hf = {.n_embd = "n_embd", .n_layer = "n_layer", .n_head = "n_head", .ffn = "n_inner", .vocab = "vocab_size",
@@ -106,7 +120,7 @@ const kiln__arch *kiln__arch_of(const kiln_gpt_config *c)
 {
     for (size_t i = 0; i < sizeof families / sizeof families[0]; i++) {
         const kiln__arch *a = &families[i];
-        if (a->exports && c->norm == a->norm && c->pos == a->pos && c->mlp == a->mlp &&
+        if (a->exports && c->norm == a->norm && c->pos == a->pos && c->mlp == a->mlp && c->qk_norm == a->qk_norm &&
             (!a->kv_equal || (c->n_kv_head == c->n_head && c->bias)))
             return a;
     }
@@ -116,7 +130,7 @@ const kiln__arch *kiln__arch_of(const kiln_gpt_config *c)
 void kiln__arch_config(const kiln__arch *a, kiln_gpt_config *c)
 {
     *c = kiln_gpt_config_gpt2();
-    c->norm = a->norm, c->pos = a->pos, c->mlp = a->mlp;
+    c->norm = a->norm, c->pos = a->pos, c->mlp = a->mlp, c->qk_norm = a->qk_norm;
     c->bias = a->bias, c->tied = a->tied;
 }
 

@@ -33,6 +33,7 @@ typedef struct {
     kiln_mlp_kind mlp;
     bool bias;     /* biases on every linear layer (Qwen2's q/k/v have them: kiln's bias is one switch, the
                       others loaded as zeros); else only where the config's bias keys say */
+    bool qk_norm;  /* per-head RMSNorm of q and k before RoPE (Qwen3) */
     bool tied;     /* tie_word_embeddings' default */
     bool kv_equal; /* as many key heads as query heads (GPT-2) */
     bool exports;  /* a kiln model of these blocks is exported as this family (one row per set of blocks) */

@@ -1,6 +1,7 @@
 /* kiln models written as GGUF files that llama.cpp loads (the architecture, keys and
  * tensor names of the model's family, a row of src/nn/arch.c: "llama" for rmsnorm, rope,
- * swiglu; "gpt2" for layernorm, learned positions, gelu, biases),
+ * swiglu; "qwen3" for those with q/k norms; "gpt2" for layernorm, learned positions, gelu,
+ * biases),
  * with the weights in f32, f16, bf16 or q8_0 and the tokenizer as llama.cpp's
  * byte-level BPE ("gpt2") vocabulary.
  *
@@ -11,7 +12,8 @@
  * the data, each tensor aligned. llama.cpp's llama rope rotates adjacent pairs where
  * kiln's (as Hugging Face LLaMA's) rotates the two halves of a head, so for it q and k
  * rows are reordered within each head, as llama.cpp's own converter does for HF
- * checkpoints: row (half h, i) of a head goes to 2 i + h (a row's gguf_rope_pairs). q8_0 stores blocks of 32 values as an f16
+ * checkpoints: row (half h, i) of a head goes to 2 i + h (a row's gguf_rope_pairs; its
+ * qwen3 rotates halves, as kiln does). q8_0 stores blocks of 32 values as an f16
  * scale d = max|x| / 127 and 32 signed bytes round(x / d). */
 #include <ctype.h>
 #include <errno.h>
@@ -366,7 +368,8 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
     const kiln__arch *fam = kiln__arch_of(c);
     if (!fam || !fam->gguf_arch || (c->bias && !fam->gguf_bias))
         return kiln_error(KILN_ERR_UNSUPPORTED, "gguf export: llama.cpp's llama architecture takes LLaMA-style models "
-                          "(rmsnorm, rope, swiglu, no biases) and its gpt2 architecture GPT-2 style ones (layernorm, learned positions, gelu, biases, as many key heads "
+                          "(rmsnorm, rope, swiglu, no biases), its qwen3 architecture those with q/k norms, and its gpt2 "
+                          "architecture GPT-2 style ones (layernorm, learned positions, gelu, biases, as many key heads "
                           "as query heads); this model is neither");
     if (c->rope_scaling.kind == KILN_ROPE_SCALING_LLAMA3 && !fam->gguf_rope_freqs)
         return kiln_error(KILN_ERR_UNSUPPORTED, "gguf export: llama.cpp's %s architecture takes no llama3 rope scaling",

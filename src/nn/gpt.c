@@ -150,6 +150,10 @@ static kiln_status build(kiln_gpt_t *m)
             P(BLK("attn.proj"), C, H * dv, rstd, false, &L->proj_w, NULL);
         } else {
             P(BLK("attn.qkv"), qkv, C, std, bias, &L->qkv_w, &L->qkv_b);
+            if (c->qk_norm) {
+                P(BLK("attn.q_head_norm"), hs, 0, -1, false, &L->q_hn, NULL);
+                P(BLK("attn.k_head_norm"), hs, 0, -1, false, &L->k_hn, NULL);
+            }
             P(BLK("attn.proj"), C, C, rstd, bias, &L->proj_w, &L->proj_b);
         }
         P(BLK("norm2"), C, 0, -1, ln, &L->n2w, &L->n2b);

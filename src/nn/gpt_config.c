@@ -296,6 +296,7 @@ kiln_status kiln_gpt_config_check(const kiln_gpt_config *c)
         kiln_flex_free(f);
         if (fs != KILN_OK) return fs;
     }
+    NEED(!c->qk_norm || c->mla_kv_rank == 0, "qk_norm needs standard attention (mla_kv_rank = 0)");
     if (c->mla_kv_rank > 0) {
         int hs = c->n_embd / c->n_head, dn = c->mla_nope_dim ? c->mla_nope_dim : hs,
             dv = c->mla_v_dim ? c->mla_v_dim : hs;

@@ -37,6 +37,19 @@ static kiln_tensor_t *heads(kiln_tensor_t *x, int64_t B, int64_t T, int64_t n, i
     return kiln_transpose(kiln_reshape(x, shape, 4), 1, 2);
 }
 
+kiln_tensor_t *kiln__gpt_heads(const kiln_gpt_t *m, kiln_tensor_t *x, int64_t B, int64_t T, int64_t n, int64_t hs,
+                               kiln_tensor_t *w)
+{
+    if (T == 0) { /* the paged pass's rows */
+        int64_t rows[3] = {B, n, hs};
+        x = kiln_reshape(x, rows, 3);
+        return w ? kiln_rms_norm(x, w, m->cfg.norm_eps) : x;
+    }
+    if (!w) return heads(x, B, T, n, hs);
+    int64_t shape[4] = {B, T, n, hs};
+    return kiln_transpose(kiln_rms_norm(kiln_reshape(x, shape, 4), w, m->cfg.norm_eps), 1, 2);
+}
+
 /* x w^T + b through w's packed copy wp (n = w's rows): rows that do not depend on each
  * other (kiln_matmul_rows). */
 kiln_tensor_t *kiln__gpt_linear_rows(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *wp, kiln_tensor_t *b)
@@ -110,8 +123,9 @@ static kiln_tensor_t *attend_full(const pass *ps, int i, kiln_tensor_t *q, kiln_
 {
     const kiln_gpt_config *c = &ps->m->cfg;
     int64_t B = ps->B, T = ps->T, pos0 = ps->pos0, C = c->n_embd, H = c->n_head, Hk = c->n_kv_head, hs = C / H;
-    q = heads(q, B, T, H, hs);
-    k = heads(k, B, T, Hk, hs);
+    const layer *L = &ps->m->layers[i];
+    q = kiln__gpt_heads(ps->m, q, B, T, H, hs, L->q_hn); /* (qk_norm: each head normed before RoPE) */
+    k = kiln__gpt_heads(ps->m, k, B, T, Hk, hs, L->k_hn);
     v = heads(v, B, T, Hk, hs);
     if (c->pos == KILN_POS_ROPE) {
         q = kiln_rope_scaled(q, pos0, c->rope_theta, &c->rope_scaling);

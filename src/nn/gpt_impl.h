@@ -9,6 +9,7 @@
 
 typedef struct {
     kiln_tensor_t *n1w, *n1b, *qkv_w, *qkv_b, *proj_w, *proj_b, *n2w, *n2b;
+    kiln_tensor_t *q_hn, *k_hn; /* qk_norm: each head's RMSNorm weights (hs) of q and k, or NULL */
     kiln_tensor_t *fc_w, *fc_b, *out_w, *out_b; /* gelu: fc, proj; swiglu: gate, down */
     kiln_tensor_t *up_w, *up_b;                 /* swiglu only */
     kiln__moe *moe;                             /* an MoE block's (fc, out, up NULL), or NULL */
@@ -85,6 +86,11 @@ struct kiln__gpt_pass {
 kiln_status kiln__gpt_flex(const kiln_gpt_config *c, kiln_tensor_t *idx, bool keep_doc, kiln_flex_t **out);
 /* The variant as the paged serving path runs it, or an error naming what it cannot run. */
 kiln_status kiln__gpt_paged_variant(const kiln_gpt_config *c, kiln_paged_variant *v);
+/* x (..., n * hs) as (B, n, T, hs) heads, each through an RMSNorm of weight w (hs) first
+ * when w is given (qk_norm; w NULL: none): (B,T,n*hs) -> (B,n,T,hs), or (N,n*hs) ->
+ * (N,n,hs) with T = 0. */
+kiln_tensor_t *kiln__gpt_heads(const kiln_gpt_t *m, kiln_tensor_t *x, int64_t B, int64_t T, int64_t n, int64_t hs,
+                               kiln_tensor_t *w);
 /* The model's norm (layer or RMS, by its config) of x with weight w and bias b. */
 kiln_tensor_t *kiln__gpt_norm(const kiln_gpt_t *m, kiln_tensor_t *x, kiln_tensor_t *w, kiln_tensor_t *b);
 /* x w^T + b through w's packed copy wp: rows that do not depend on each other. */

@@ -270,9 +270,10 @@ static kiln_tensor_t *attend_paged(const pass *ps, int i, kiln_tensor_t *q, kiln
     const kiln_gpt_config *c = &ps->m->cfg;
     kiln_kv_pool_t *p = ps->pool;
     int64_t N = kiln_tensor_dim(q, 0), C = c->n_embd, H = c->n_head, Hk = c->n_kv_head, hs = C / H;
-    int64_t qs[3] = {N, H, hs}, ks[3] = {N, Hk, hs}, nc[2] = {N, C};
-    q = kiln_reshape(q, qs, 3);
-    k = kiln_reshape(k, ks, 3);
+    int64_t ks[3] = {N, Hk, hs}, nc[2] = {N, C};
+    const layer *L = &ps->m->layers[i];
+    q = kiln__gpt_heads(ps->m, q, N, 0, H, hs, L->q_hn); /* (qk_norm: each head normed before RoPE) */
+    k = kiln__gpt_heads(ps->m, k, N, 0, Hk, hs, L->k_hn);
     v = kiln_reshape(v, ks, 3);
     if (c->pos == KILN_POS_ROPE) {
         q = kiln_rope_at_scaled(q, ps->pos, c->rope_theta, &c->rope_scaling);

@@ -3,7 +3,7 @@
  * onto kiln's parameters (docs/model.md) and widened to f32; and kiln models written as
  * such folders.
  *
- * The families are rows of src/nn/arch.c (LLaMA, Mistral, Qwen2, GPT-2): each gives
+ * The families are rows of src/nn/arch.c (LLaMA, Mistral, Qwen2, Qwen3, GPT-2): each gives
  * its model_type, its config keys and its tensor names, and the code below walks the row.
  * kiln's `bias` is one switch for every linear layer, so a model with biases on some
  * layers only (Qwen2's q/k/v) loads with zero biases on the others: the same model.
@@ -541,10 +541,11 @@ static kiln_status family_of(const kiln_gpt_config *c, const kiln__arch **fam)
 {
     if ((*fam = kiln__arch_of(c))) return KILN_OK;
     return kiln_error(KILN_ERR_UNSUPPORTED, "hf export: this model (%s, %s positions, %s MLP, bias %s, %d of %d heads "
-                      "for keys) is neither a LLaMA (rmsnorm, rope, swiglu) nor a GPT-2 (layernorm, learned, gelu, "
-                      "biases, as many key heads as query heads)",
+                      "for keys%s) is neither a LLaMA (rmsnorm, rope, swiglu), a Qwen3 (a LLaMA with q/k norms) nor a "
+                      "GPT-2 (layernorm, learned, gelu, biases, as many key heads as query heads)",
                       c->norm == KILN_NORM_RMSNORM ? "rmsnorm" : "layernorm", c->pos == KILN_POS_ROPE ? "rope" : "learned",
-                      c->mlp == KILN_MLP_SWIGLU ? "swiglu" : "gelu", c->bias ? "on" : "off", c->n_kv_head, c->n_head);
+                      c->mlp == KILN_MLP_SWIGLU ? "swiglu" : "gelu", c->bias ? "on" : "off", c->n_kv_head, c->n_head,
+                      c->qk_norm ? ", q/k norms" : "");
 }
 
 /* config.json of a kiln config as family a writes it (the row's keys). */
@@ -615,7 +616,7 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
         return kiln_error(KILN_ERR_ARG, "hf_save: weights are written as f32, bf16 or f16, not %s", kiln_dtype_name(dt));
     const kiln_gpt_config *c = kiln_gpt_get_config(m);
     const kiln__arch *fam = NULL;
-    kiln_status s = kiln__gpt_exportable(c, "hf_save", "transformers' LLaMA and GPT-2");
+    kiln_status s = kiln__gpt_exportable(c, "hf_save", "transformers' LLaMA, Qwen3 and GPT-2");
     if (s == KILN_OK) s = family_of(c, &fam);
     if (s != KILN_OK) return s;
     if (mkdir(dir, 0755) != 0 && errno != EEXIST) return kiln_error(KILN_ERR_IO, "hf_save: cannot make %s: %s", dir, strerror(errno));
