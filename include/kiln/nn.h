@@ -143,6 +143,48 @@ typedef struct {
 } kiln_gpt_step;
 kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out);
 
+/* Training checkpoints: the files of a kiln run folder (`kiln train --out DIR`), from which
+ * a resumed run repeats the losses of an uninterrupted one bit for bit.
+ *   DIR/model.safetensors: every parameter whole (sharded experts gathered), metadata
+ *     format "kiln-gpt-1", config (kiln_gpt_config_to_json), tokenizer (its kind: "byte",
+ *     or "bpe" for DIR/tokenizer.json), step, and chat_template when given;
+ *   DIR/train_state.safetensors: the optimizer's state, tensor "opt.SLOT.NAME" for slot
+ *     SLOT of parameter NAME, metadata format "kiln-train-state-1", step, rng_seed and
+ *     rng_offset (the global RNG), optimizer, data_seed, optim_steps (the optimizer's own
+ *     count, below step by the skipped f16 steps), precision, and with a loss scaler
+ *     loss_scale, loss_scale_good, loss_scale_skipped;
+ *   DIR/train_state.prev.safetensors: the state before, kept until the new pair is
+ *     written, so that a save cut off between the two files leaves a state that matches
+ *     the model file (the one kiln_checkpoint_load takes then). */
+#define KILN_CHECKPOINT_MODEL "model.safetensors"
+#define KILN_CHECKPOINT_STATE "train_state.safetensors"
+#define KILN_CHECKPOINT_STATE_PREV "train_state.prev.safetensors"
+typedef struct kiln_loss_scaler kiln_loss_scaler;
+typedef struct {
+    int64_t step;              /* optimizer steps done (load: read) */
+    const char *tokenizer;     /* the model file's tokenizer kind (NULL: "byte") */
+    const char *chat_template; /* the model file's chat template, or NULL: none written */
+    const char *optimizer;     /* the optimizer's name ("adamw", "sgd"): recorded; load refuses a state of another */
+    int64_t data_seed;         /* the batches' seed: recorded; load refuses a state of another */
+    kiln_dtype precision;      /* recorded (the training's compute type) */
+    kiln_loss_scaler *scaler;  /* f16's loss scaler: saved; loaded where the state has one; NULL: none */
+} kiln_checkpoint_info;
+/* The model file alone (info's step, tokenizer and chat template), into dir (which must
+ * exist); written atomically. A model whose experts are sharded is gathered first: every
+ * rank of its group calls it (see kiln_gpt_gather_param). */
+kiln_status kiln_checkpoint_save_model(const char *dir, kiln_gpt_t *m, const kiln_checkpoint_info *info);
+/* The training state, then the model file, of model m and optimizer opt at info->step,
+ * with the global RNG's state. With sharded experts every rank calls it (the shards are
+ * gathered) and only the one with write set writes. */
+kiln_status kiln_checkpoint_save(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, const kiln_checkpoint_info *info,
+                                 bool write);
+/* A checkpoint of dir back into m (its weights) and opt (its state; opt made for m's
+ * parameters as they were saved), the global RNG set as saved; info->step is set and,
+ * where the state holds one and info->scaler is given, the scaler. info->optimizer and
+ * info->data_seed must be the saved ones (an error naming both otherwise), and so must
+ * the two files' steps. */
+kiln_status kiln_checkpoint_load(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, kiln_checkpoint_info *info);
+
 /* Mixture of experts. kiln_gpt_moe_update: after an optimizer step, each MoE block's
  * balancing bias moves by moe_bias_speed * sign(mean load - load[e]), the loads being
  * the rows routed to each expert by the training forwards since the last call (summed
