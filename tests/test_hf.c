@@ -4,7 +4,8 @@
  * it made with random weights (tests/reference/hf_ref.py: LLaMA untied in f32, LLaMA
  * tied in bf16 with rope_theta 5e5, LLaMA with LLaMA 3.1's rope scaling, Mistral in f16
  * over two shards with a sliding window shorter than its context, Qwen2 with q/k/v
- * biases, Qwen2 with linear rope scaling, GPT-2 with Conv1D weights),
+ * biases, Qwen2 with linear rope scaling, GPT-2 with Conv1D weights; Qwen3 with q/k norms
+ * from a numpy reference of transformers' Qwen3, tests/reference/qwen3_ref.py),
  * each with its logits for two rows of 12 tokens, computed in float32 on the stored
  * weights, read back in float32. kiln's logits must be within 1e-5 of them everywhere
  * (|logits| up to about 2.2; measured 6e-7 to 1e-6 on 2026-12-06, float32
