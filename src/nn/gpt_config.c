@@ -120,10 +120,6 @@ kiln_status kiln__gpt_flex(const kiln_gpt_config *c, kiln_tensor_t *idx, bool ke
     return KILN_OK;
 }
 
-/* The variant of config c as the paged serving path runs it (kiln_paged_variant):
- * causal, window:W (the narrowest, when several), softcap:C (one), alibi; doc:EOT is left
- * out, as with any KV cache (document ids are known only for the tokens of a call).
- * prefix:P is refused: a prompt prefilled in chunks cannot see keys not yet written. */
 /* A number of c's attention spec refused: the reason (the last error) after the spec. */
 static kiln_status spec_error(const kiln_gpt_config *c)
 {
@@ -132,6 +128,10 @@ static kiln_status spec_error(const kiln_gpt_config *c)
     return kiln_error(KILN_ERR_ARG, "gpt: attention '%s': %s", c->attention, why);
 }
 
+/* The variant of config c as the paged serving path runs it (kiln_paged_variant):
+ * causal, window:W (the narrowest, when several), softcap:C (one), alibi; doc:EOT is left
+ * out, as with any KV cache (document ids are known only for the tokens of a call).
+ * prefix:P is refused: a prompt prefilled in chunks cannot see keys not yet written. */
 kiln_status kiln__gpt_paged_variant(const kiln_gpt_config *c, kiln_paged_variant *v)
 {
     *v = (kiln_paged_variant){0};

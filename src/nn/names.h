@@ -1,6 +1,7 @@
-/* kiln's GPT parameters against the names and families of other formats (Hugging Face
- * folders, hf.c; GGUF files, gguf.c): one table entry a name, a block's with its index
- * as %d, looked up the same way by both, and the family a config is. */
+/* kiln's GPT parameters against the names of other formats (Hugging Face folders, hf.c;
+ * GGUF files, gguf.c): one pair a name, a block's with its index as %d, looked up the
+ * same way by both (the families' lists of pairs are src/nn/arch.c's), and what every
+ * export refuses. */
 #ifndef KILN_NN_NAMES_H
 #define KILN_NN_NAMES_H
 #include <stdbool.h>
@@ -57,7 +58,5 @@ static inline kiln_status kiln__gpt_exportable(const kiln_gpt_config *c, const c
                           "exported model would compute something else", who, c->attention, peer);
     return KILN_OK;
 }
-
-#define KILN__N_OF(t) (sizeof t / sizeof t[0])
 
 #endif
