@@ -1156,7 +1156,7 @@ static void deep_nesting_is_a_clear_error(void **state)
  * whole number of 2^63 or more is a float, so the fused and dense paths (the oracle)
  * compute it the same. Preset numbers are read by core's strict parser: window:1e1,
  * 0x10, inf and 1e300 are refused (and the paged serving path refuses them the same
- * way, src/nn/gpt.c), as is a softcap that is not a normal positive float. */
+ * way, src/nn/gpt_config.c), as is a softcap that is not a normal positive float. */
 static void literals_and_preset_numbers_are_strict(void **state)
 {
     (void)state;

@@ -4,7 +4,8 @@
  * it made with random weights (tests/reference/hf_ref.py: LLaMA untied in f32, LLaMA
  * tied in bf16 with rope_theta 5e5, LLaMA with LLaMA 3.1's rope scaling, Mistral in f16
  * over two shards with a sliding window shorter than its context, Qwen2 with q/k/v
- * biases, Qwen2 with linear rope scaling, GPT-2 with Conv1D weights),
+ * biases, Qwen2 with linear rope scaling, GPT-2 with Conv1D weights; Qwen3 with q/k norms
+ * from a numpy reference of transformers' Qwen3, tests/reference/qwen3_ref.py),
  * each with its logits for two rows of 12 tokens, computed in float32 on the stored
  * weights, read back in float32. kiln's logits must be within 1e-5 of them everywhere
  * (|logits| up to about 2.2; measured 6e-7 to 1e-6 on 2026-12-06, float32
@@ -81,6 +82,12 @@ static void gpt2_matches_transformers(void **state) { matches_transformers("gpt2
 /* rope scaling: LLaMA 3.1's (a frequency in each of its three bands) and linear */
 static void llama31_scaled_matches_transformers(void **state) { matches_transformers("llama31_scaled", 64); }
 static void qwen2_linear_matches_transformers(void **state) { matches_transformers("qwen2_linear", 64); }
+/* Qwen3 (q/k norms: each head's query and key RMS-normed before RoPE; tied embeddings).
+ * Its expected logits are tests/reference/qwen3_ref.py's: transformers' Qwen3 forward
+ * written in numpy, in float64 on the stored f32 weights, with the norms' weights random
+ * (torch is not in the test venv; hf_ref.py makes the same folder with transformers where
+ * it is). Same tolerance, 1e-5. */
+static void qwen3_matches_reference(void **state) { matches_transformers("qwen3", 64); }
 
 /* kiln_hf_load takes the f32 tensors of the files as they are, over the mapped file
  * (KILN_OPT_MMAP, on by default): of the LLaMA model's parameters only the stacked
@@ -141,12 +148,12 @@ static float *logits_of(kiln_gpt_t *m, int64_t *n)
 static char tmp[64];
 
 /* kiln_hf_save, then kiln_hf_load: the same model, bitwise the same logits in f32 (the
- * LLaMA and GPT-2 layouts, tied and untied, with and without biases); in bf16 each
+ * LLaMA, Qwen3 and GPT-2 layouts, tied and untied, with and without biases); in bf16 each
  * weight rounded once, the logits within 0.05 of f32's (|logits| ~2, weights ~0.1 with
  * 8 bits). The written config.json names the architecture transformers builds. */
 static void a_saved_folder_loads_back_as_the_same_model(void **state)
 {
-    const char *models[] = {"llama", "llama_tied_bf16", "qwen2", "gpt2", "llama31_scaled", "qwen2_linear"};
+    const char *models[] = {"llama", "llama_tied_bf16", "qwen2", "gpt2", "llama31_scaled", "qwen2_linear", "qwen3"};
     for (size_t k = 0; k < sizeof models / sizeof models[0]; k++)
         for (int bf = 0; bf < 2; bf++) {
             kiln_gpt_t *m, *back;
@@ -170,7 +177,9 @@ static void a_saved_folder_loads_back_as_the_same_model(void **state)
             assert_non_null(f);
             assert_true(fread(text, 1, sizeof text - 1, f) > 0);
             fclose(f);
-            assert_non_null(strstr(text, strcmp(models[k], "gpt2") ? "LlamaForCausalLM" : "GPT2LMHeadModel"));
+            assert_non_null(strstr(text, !strcmp(models[k], "gpt2")    ? "GPT2LMHeadModel"
+                                         : !strcmp(models[k], "qwen3") ? "Qwen3ForCausalLM"
+                                                                       : "LlamaForCausalLM"));
             free(a);
             free(b);
             kiln_gpt_free(m);
@@ -459,6 +468,37 @@ static void gguf_holds_the_model_as_llama_cpp_reads_it(void **state)
         assert_memory_equal(file + data + t->off, want, sizeof want);
         assert_int_equal(find_t(ts, nt, "position_embd.weight")->ne[1], 64);
         assert_int_equal(find_t(ts, nt, "blk.0.ffn_down.bias")->type, 0);
+    }
+    kiln_gpt_free(g);
+    /* Qwen3: llama.cpp's qwen3 architecture, which rotates halves as kiln does: q, k and v
+     * split out of kiln's qkv as they are (bitwise, no reordering), and the heads' q and
+     * k norms as blk.N.attn_q_norm / attn_k_norm */
+    assert_int_equal(kiln_hf_load(ref_dir("qwen3"), &g), KILN_OK);
+    snprintf(path, sizeof path, "%s/qwen3.gguf", tmp);
+    if (kiln_gguf_save(g, tok, path, KILN_DTYPE_F32, false) != KILN_OK) fail_msg("%s", kiln_last_error());
+    {
+        const unsigned char *file;
+        rd_tensor ts[64];
+        uint64_t nt;
+        char keys[8192];
+        size_t data = load_gguf(path, &file, ts, &nt, keys, sizeof keys);
+        assert_int_equal(nt, 2 * 11 + 2); /* 11 a block, the embedding (tied: no head), the final norm */
+        const char *want_keys[] = {"general.architecture='qwen3';", "qwen3.block_count=2;",
+                                   "qwen3.attention.head_count_kv=2;", "qwen3.rope.dimension_count=8;"};
+        for (size_t k = 0; k < sizeof want_keys / sizeof want_keys[0]; k++)
+            if (!strstr(keys, want_keys[k])) fail_msg("the GGUF keys lack %s: %s", want_keys[k], keys);
+        float qkv3[64 * 32], qn[8];
+        assert_int_equal(kiln_tensor_to_host(kiln_gpt_find_param(g, "blocks.1.attn.qkv.weight"), qkv3, sizeof qkv3),
+                         KILN_OK);
+        const rd_tensor *tq = find_t(ts, nt, "blk.1.attn_q.weight"), *tk = find_t(ts, nt, "blk.1.attn_k.weight");
+        assert_true(tq->ne[1] == 32 && tk->ne[1] == 16);
+        assert_memory_equal(file + data + tq->off, qkv3, sizeof(float) * 32 * 32);
+        assert_memory_equal(file + data + tk->off, qkv3 + 32 * 32, sizeof(float) * 16 * 32);
+        assert_int_equal(kiln_tensor_to_host(kiln_gpt_find_param(g, "blocks.1.attn.k_head_norm.weight"), qn, sizeof qn),
+                         KILN_OK);
+        const rd_tensor *tn = find_t(ts, nt, "blk.1.attn_k_norm.weight");
+        assert_true(tn->nd == 1 && tn->ne[0] == 8 && tn->type == 0);
+        assert_memory_equal(file + data + tn->off, qn, sizeof qn);
     }
     kiln_gpt_free(g);
     /* neither: layer norm with rope */
@@ -801,6 +841,7 @@ int main(void)
         cmocka_unit_test(hf_load_maps_f32_weights_instead_of_copying),
         cmocka_unit_test(qwen2_linear_matches_transformers),
         cmocka_unit_test(qwen2_matches_transformers),
+        cmocka_unit_test(qwen3_matches_reference),
         cmocka_unit_test(gpt2_matches_transformers),
         cmocka_unit_test(model_load_takes_a_hf_folder),
         cmocka_unit_test(a_saved_folder_loads_back_as_the_same_model),

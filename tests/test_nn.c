@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "kiln/data.h"
 #include "kiln/dist.h"
 #include "kiln/kiln.h"
@@ -68,7 +69,24 @@ static void config_json_round_trips(void **state)
     assert_int_equal(c.tied, d.tied);
     assert_true(c.norm_eps == d.norm_eps && c.rope_theta == d.rope_theta && c.dropout == d.dropout);
     assert_null(strstr(j, "rope_scaling")); /* none: no keys, which older builds would refuse */
+    assert_null(strstr(j, "qk_norm"));      /* (likewise written only when set) */
     free(j);
+    /* qk_norm (Qwen3) round-trips, gives each block the heads' norms, and refuses MLA */
+    c.qk_norm = true;
+    j = kiln_gpt_config_to_json(&c);
+    assert_int_equal(kiln_gpt_config_from_json(j, &d), KILN_OK);
+    assert_true(d.qk_norm);
+    free(j);
+    kiln_gpt_t *qm;
+    assert_int_equal(kiln_gpt_new(&c, 1, &qm), KILN_OK);
+    kiln_tensor_t *qn = kiln_gpt_find_param(qm, "blocks.1.attn.q_head_norm.weight");
+    assert_true(qn && kiln_tensor_ndim(qn) == 1 && kiln_tensor_dim(qn, 0) == c.n_embd / c.n_head);
+    assert_non_null(kiln_gpt_find_param(qm, "blocks.0.attn.k_head_norm.weight"));
+    kiln_gpt_free(qm);
+    c.mla_kv_rank = 8, c.mla_rope_dim = 4;
+    assert_int_equal(kiln_gpt_config_check(&c), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "qk_norm"));
+    c.mla_kv_rank = 0, c.mla_rope_dim = 0, c.qk_norm = false;
     /* rope scaling round-trips; a bad one is refused by name */
     c.rope_scaling = (kiln_rope_scaling){KILN_ROPE_SCALING_LLAMA3, 8, 1, 4, 8192};
     j = kiln_gpt_config_to_json(&c);
@@ -434,8 +452,9 @@ static void same_seed_same_weights(void **state)
  * head's keys and padded values of the query size). */
 static void kv_cache_matches_full_forward(void **state)
 {
-    for (int style = 0; style < 3; style++) {
+    for (int style = 0; style < 4; style++) { /* gpt2, llama, MLA with experts, qk_norm (Qwen3) */
         kiln_gpt_config c = tiny(style >= 1);
+        c.qk_norm = style == 3;
         if (style == 2)
             c.mla_kv_rank = 12, c.mla_q_rank = 10, c.mla_rope_dim = 4, c.mla_nope_dim = 6, c.mla_v_dim = 5,
             c.n_routed_experts = 4, c.moe_top_k = 2;
@@ -475,8 +494,9 @@ static void kv_cache_matches_full_forward(void **state)
 static void attention_variants_match_causal_where_they_should(void **state)
 {
     static const char *same[] = {"causal", "window:16", "prefix:0"};
-    for (int style = 0; style < 2; style++) {
-        kiln_gpt_config c = tiny(style == 1);
+    for (int style = 0; style < 3; style++) { /* gpt2, llama, llama with q/k norms (Qwen3) */
+        kiln_gpt_config c = tiny(style >= 1);
+        c.qk_norm = style == 2;
         kiln_gpt_t *m;
         assert_int_equal(kiln_gpt_new(&c, 5, &m), KILN_OK);
         kiln_tensor_t *x = ids(2, 12, c.vocab_size, 3);
@@ -837,8 +857,9 @@ static void forward_rejects_bad_input(void **state)
 /* A few AdamW steps on one batch must lower the loss: the whole training path works. */
 static void training_steps_lower_the_loss(void **state)
 {
-    for (int style = 0; style < 2; style++) {
-        kiln_gpt_config c = tiny(style == 1);
+    for (int style = 0; style < 3; style++) { /* gpt2, llama, llama with q/k norms (Qwen3) */
+        kiln_gpt_config c = tiny(style >= 1);
+        c.qk_norm = style == 2;
         kiln_gpt_t *m;
         assert_int_equal(kiln_gpt_new(&c, 5, &m), KILN_OK);
         int n = kiln_gpt_num_params(m);
@@ -865,6 +886,79 @@ static void training_steps_lower_the_loss(void **state)
         assert_int_equal(kiln_optim_steps(o), 20);
         kiln_optim_free(o);
         kiln_gpt_free(m);
+    }
+}
+
+/* kiln_checkpoint_save, then kiln_checkpoint_load into a model and optimizer drawn
+ * otherwise: the step and the RNG come back, and the next training step gives bitwise
+ * the loss and weights of the run that went on without stopping (oracle: that run). A
+ * state of another optimizer or data seed is refused naming both; the file names are
+ * the header's. */
+static double adamw_step(kiln_gpt_t *m, kiln_optim_t *o, kiln_tensor_t *x, kiln_tensor_t *y)
+{
+    double v = 0;
+    kiln_scope_begin();
+    kiln_tensor_t *loss;
+    assert_non_null(kiln_gpt_forward(m, x, y, true, &loss));
+    assert_int_equal(kiln_tensor_item(loss, &v), KILN_OK);
+    assert_int_equal(kiln_backward(loss), KILN_OK);
+    assert_int_equal(kiln_optim_step(o, 3e-3), KILN_OK);
+    kiln_optim_zero_grad(o);
+    kiln_scope_end();
+    return v;
+}
+
+static void checkpoint_resumes_bitwise(void **state)
+{
+    char dir[] = "/tmp/kiln_ckpt_XXXXXX";
+    assert_non_null(mkdtemp(dir));
+    kiln_gpt_config c = tiny(true);
+    kiln_gpt_t *m[2];
+    kiln_optim_t *o[2];
+    kiln_tensor_t *ps[64];
+    for (int k = 0; k < 2; k++) {
+        assert_int_equal(kiln_gpt_new(&c, 5 + (uint64_t)k, &m[k]), KILN_OK);
+        for (int i = 0; i < kiln_gpt_num_params(m[k]); i++) ps[i] = kiln_gpt_param(m[k], i, NULL);
+        assert_int_equal(kiln_adamw_new(ps, kiln_gpt_num_params(m[k]), NULL, 0.9, 0.95, 1e-8, 0.1, &o[k]), KILN_OK);
+    }
+    kiln_scope_begin();
+    kiln_tensor_t *x = ids(2, 16, c.vocab_size, 1), *y = ids(2, 16, c.vocab_size, 2);
+    kiln_manual_seed(11);
+    for (int s = 0; s < 2; s++) adamw_step(m[0], o[0], x, y);
+    kiln_checkpoint_info info = {.step = 2, .tokenizer = "byte", .optimizer = "adamw", .data_seed = 5};
+    assert_int_equal(kiln_checkpoint_save(dir, m[0], o[0], &info, true), KILN_OK);
+    kiln_rng_state rng = kiln_rng_get_state();
+    double want = adamw_step(m[0], o[0], x, y);
+    kiln_manual_seed(99);
+    kiln_checkpoint_info back = {.optimizer = "adamw", .data_seed = 5};
+    if (kiln_checkpoint_load(dir, m[1], o[1], &back) != KILN_OK) fail_msg("%s", kiln_last_error());
+    assert_int_equal(back.step, 2);
+    kiln_rng_state got = kiln_rng_get_state();
+    assert_true(got.seed == rng.seed && got.offset == rng.offset);
+    assert_true(adamw_step(m[1], o[1], x, y) == want);
+    for (int i = 0; i < kiln_gpt_num_params(m[0]); i++) {
+        float *a = to_host(kiln_gpt_param(m[0], i, NULL)), *b = to_host(kiln_gpt_param(m[1], i, NULL));
+        assert_memory_equal(a, b, sizeof(float) * (size_t)kiln_tensor_numel(kiln_gpt_param(m[0], i, NULL)));
+        free(a);
+        free(b);
+    }
+    back = (kiln_checkpoint_info){.optimizer = "sgd", .data_seed = 5};
+    assert_int_equal(kiln_checkpoint_load(dir, m[1], o[1], &back), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "--optimizer adamw"));
+    back = (kiln_checkpoint_info){.optimizer = "adamw", .data_seed = 6};
+    assert_int_equal(kiln_checkpoint_load(dir, m[1], o[1], &back), KILN_ERR_ARG);
+    assert_non_null(strstr(kiln_last_error(), "--seed 5"));
+    kiln_scope_end();
+    char path[128];
+    const char *files[] = {KILN_CHECKPOINT_MODEL, KILN_CHECKPOINT_STATE};
+    for (int k = 0; k < 2; k++) {
+        snprintf(path, sizeof path, "%s/%s", dir, files[k]);
+        assert_int_equal(unlink(path), 0);
+    }
+    rmdir(dir);
+    for (int k = 0; k < 2; k++) {
+        kiln_optim_free(o[k]);
+        kiln_gpt_free(m[k]);
     }
 }
 
@@ -1049,6 +1143,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(a_compiled_step_with_flex_attention_matches_eager, setup, teardown),
         cmocka_unit_test(forward_rejects_bad_input),
         cmocka_unit_test(training_steps_lower_the_loss),
+        cmocka_unit_test(checkpoint_resumes_bitwise),
         cmocka_unit_test(sgd_momentum_follows_the_formula),
         cmocka_unit_test(clipping_scales_to_the_max_norm),
         cmocka_unit_test(cosine_schedule_warms_up_and_decays),

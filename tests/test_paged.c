@@ -271,9 +271,12 @@ static void paged_attention_matches_attention(void **state)
     paged_attention_case(40);
 }
 
+static bool tiny_qk_norm; /* tiny(true) with Qwen3's q/k norms */
+
 static kiln_gpt_config tiny(bool llama)
 {
     kiln_gpt_config c = llama ? kiln_gpt_config_llama() : kiln_gpt_config_gpt2();
+    c.qk_norm = llama && tiny_qk_norm;
     c.n_layer = 2;
     c.n_head = 4;
     c.n_kv_head = llama ? 2 : 4;
@@ -354,6 +357,16 @@ static void paged_forward_matches_full_forward_llama(void **state)
     paged_forward_matches_full_forward(true, KILN_DTYPE_BF16, KILN_DTYPE_F32, 4 * 0x1p-8);
     paged_forward_matches_full_forward(true, KILN_DTYPE_F32, KILN_DTYPE_BF16, 4 * 0x1p-8);
     paged_forward_matches_full_forward(true, KILN_DTYPE_F32, KILN_DTYPE_F16, 4 * 0x1p-11);
+}
+
+/* Qwen3's q/k norms: each head's query and key normed before RoPE, in the paged pass as
+ * in the full forward */
+static void paged_forward_matches_full_forward_qk_norm(void **state)
+{
+    tiny_qk_norm = true;
+    paged_forward_matches_full_forward(true, KILN_DTYPE_F32, KILN_DTYPE_F32, 2e-5);
+    paged_forward_matches_full_forward(true, KILN_DTYPE_BF16, KILN_DTYPE_F32, 4 * 0x1p-8);
+    tiny_qk_norm = false;
 }
 
 /* Models with an attention variant through the paged path. Oracle: the training
@@ -680,6 +693,7 @@ int main(void)
         cmocka_unit_test_setup_teardown(paged_attention_matches_attention, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_gpt2, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_llama, setup, teardown),
+        cmocka_unit_test_setup_teardown(paged_forward_matches_full_forward_qk_norm, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_runs_attention_variants, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_runs_moe_models, setup, teardown),
         cmocka_unit_test_setup_teardown(paged_forward_is_batch_invariant, setup, teardown),

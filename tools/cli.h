@@ -5,6 +5,7 @@
 #include <stdbool.h>
 #include <stdint.h>
 #include "kiln/kiln.h"
+#include "kiln/nn.h"
 
 typedef enum { OPT_INT, OPT_DOUBLE, OPT_STRING, OPT_FLAG, OPT_GROUP, OPT_ALIAS } opt_type;
 
@@ -53,16 +54,15 @@ int cmd_compile(int argc, char **argv);
 int cmd_import(int argc, char **argv);
 int cmd_export(int argc, char **argv);
 
-/* A run folder's model file, as kiln train writes it: the parameters, and the config,
- * tokenizer kind ("byte", or "bpe" for the folder's tokenizer.json), step and chat
- * template in its metadata (tools/cmd_train.c). */
+/* A run folder's model file, as kiln train writes it (kiln_checkpoint_save_model, with
+ * serving's default chat template; tools/cmd_train.c). */
 struct kiln_gpt;
 kiln_status cli_save_model(const char *dir, struct kiln_gpt *m, const char *tok_kind, int64_t step);
 
 /* Checkpoint files inside a run folder. */
-#define RUN_MODEL "model.safetensors"
-#define RUN_STATE "train_state.safetensors"
-#define RUN_STATE_PREV "train_state.prev.safetensors"
+#define RUN_MODEL KILN_CHECKPOINT_MODEL /* (the checkpoint's files: kiln/nn.h) */
+#define RUN_STATE KILN_CHECKPOINT_STATE
+#define RUN_STATE_PREV KILN_CHECKPOINT_STATE_PREV
 #define RUN_METRICS "metrics.jsonl"
 #define RUN_CHART "loss.svg"
 #define RUN_ROUTER_CHART "router.svg" /* a mixture-of-experts run's */

@@ -79,9 +79,11 @@ int cmd_export(int argc, char **argv)
     int r = cli_parse("export",
                       "hf RUN_DIR HF_DIR [--dtype f32|bf16|f16]\n"
                       "       kiln export gguf RUN_DIR FILE.gguf [--dtype f32|bf16|f16|q8_0]\n\n"
-                      "hf: a Hugging Face folder that transformers loads: config.json (LlamaForCausalLM, or\n"
-                      "GPT2LMHeadModel for GPT-2 style models), model.safetensors and tokenizer.json.\n"
-                      "gguf: one file that llama.cpp loads (LLaMA- and GPT-2-style models), with the tokenizer in it.",
+                      "hf: a Hugging Face folder that transformers loads: config.json (LlamaForCausalLM,\n"
+                      "Qwen3ForCausalLM for models with q/k norms, or GPT2LMHeadModel for GPT-2 style models),\n"
+                      "model.safetensors and tokenizer.json.\n"
+                      "gguf: one file that llama.cpp loads (LLaMA-, Qwen3- and GPT-2-style models), with the tokenizer\n"
+                      "in it.",
                       opts, argc, argv, pos, 3, &np);
     if (r) return r == 1 ? 0 : 2;
     bool gguf = np == 3 && !strcmp(pos[0], "gguf");

@@ -51,41 +51,55 @@ static kiln_status mkdir_p(const char *path)
     return KILN_OK;
 }
 
+static bool has_flag(const char *flag) { return flag != NULL; }
+
+/* Option --flag's text as enum value *out, one of names (NULL after the last). */
+static kiln_status enum_option(const char *flag, const char *text, const char *const *names, size_t n, int *out)
+{
+    char list[128] = "";
+    for (size_t i = 0; i < n && names[i]; i++) {
+        if (text && !strcmp(text, names[i])) return *out = (int)i, KILN_OK;
+        snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? " or " : "", names[i]);
+    }
+    return kiln_error(KILN_ERR_ARG, "--%s must be %s, not '%s'", flag, list, text ? text : "");
+}
+
+/* The model config of --arch with the model options (kiln/gpt_config.def's rows with a
+ * flag) over it: a number as it is, an enum by its name; --kv-heads 0 keeps the
+ * family's count (--heads for gpt2); --attention's doc becomes doc:EOT. */
+#define COPY_INT(member, names, flag) c->member = (int)a->m.member;
+#define COPY_NUM(member, names, flag) c->member = a->m.member;
+#define COPY_BOOL(member, names, flag) c->member = a->m.member;
+#define COPY_ENUM(member, names, flag) \
+    { \
+        static const char *const v[] = {UNPAREN names}; \
+        int e = 0; \
+        if (enum_option(flag, a->m.member, v, sizeof v / sizeof v[0], &e) != KILN_OK) return kiln_last_status(); \
+        c->member = e; \
+    }
+#define COPY_STR(member, names, flag) /* (--attention: below) */
+#define KILN_GPT_NAMES(...) (__VA_ARGS__) /* (parenthesised: one argument of the macros below) */
+#define UNPAREN(...) __VA_ARGS__
 static kiln_status model_config(const train_args *a, int vocab, int eot, kiln_gpt_config *c)
 {
     if (!strcmp(a->model, "gpt2")) *c = kiln_gpt_config_gpt2();
     else if (!strcmp(a->model, "llama")) *c = kiln_gpt_config_llama();
     else return kiln_error(KILN_ERR_ARG, "--arch must be gpt2 or llama, not '%s'", a->model);
-    c->n_layer = (int)a->layers;
-    c->n_head = (int)a->heads;
-    c->n_kv_head = a->kv_heads > 0 ? (int)a->kv_heads : (!strcmp(a->model, "gpt2") ? (int)a->heads : c->n_kv_head);
-    c->n_embd = (int)a->width;
-    c->block_size = (int)a->context;
-    c->ffn_hidden = (int)a->ffn;
+    int family_kv = c->n_kv_head;
+#define KILN_GPT_FIELD(member, ctype, kind, def, lo, hi, flags, names, when, flag, ...) \
+    if (has_flag(flag)) COPY_##kind(member, names, flag)
+#define KILN_GPT_MEMBER(...)
+#define KILN_GPT_PART(...)
+#include "kiln/gpt_config.def"
+#undef KILN_GPT_FIELD
+#undef KILN_GPT_MEMBER
+#undef KILN_GPT_PART
+    if (a->m.n_kv_head <= 0) c->n_kv_head = !strcmp(a->model, "gpt2") ? c->n_head : family_kv;
     c->vocab_size = vocab;
-    c->dropout = a->dropout;
-    c->n_routed_experts = (int)a->experts;
-    c->n_shared_experts = (int)a->shared_experts;
-    c->moe_top_k = (int)a->top_k;
-    c->moe_ffn = (int)a->expert_ffn;
-    c->n_dense_layers = (int)a->dense_layers;
-    c->moe_bias_speed = a->bias_speed;
-    c->moe_balance_loss = a->balance_loss;
-    c->moe_capacity = a->capacity;
-    c->mla_kv_rank = (int)a->mla_kv_rank;
-    c->mla_q_rank = (int)a->mla_q_rank;
-    c->mla_rope_dim = (int)a->mla_rope_dim;
-    c->mla_nope_dim = (int)a->mla_nope_dim;
-    c->mla_v_dim = (int)a->mla_v_dim;
-    c->moe_n_group = (int)a->groups;
-    c->moe_topk_group = (int)a->top_groups;
-    if (!strcmp(a->router, "softmax")) c->moe_router = KILN_ROUTER_SOFTMAX;
-    else if (!strcmp(a->router, "sigmoid")) c->moe_router = KILN_ROUTER_SIGMOID;
-    else return kiln_error(KILN_ERR_ARG, "--router must be softmax or sigmoid, not '%s'", a->router);
     /* --attention: "doc" is document masking at the tokenizer's end-of-text token */
     char *w = c->attention;
     size_t cap = sizeof c->attention, n = 0;
-    for (const char *p = a->attention ? a->attention : ""; *p && n < cap;) {
+    for (const char *p = a->m.attention ? a->m.attention : ""; *p && n < cap;) {
         size_t k = strcspn(p, "+");
         bool doc = k == 3 && !strncmp(p, "doc", 3);
         if (doc && eot < 0) return kiln_error(KILN_ERR_ARG, "--attention doc: the tokenizer has no end-of-text token");
@@ -96,9 +110,11 @@ static kiln_status model_config(const train_args *a, int vocab, int eot, kiln_gp
     char q[96];
     if (n >= cap)
         return kiln_error(KILN_ERR_ARG, "--attention is too long: at most %zu characters as the model's config holds it, "
-                          "in '%s'", cap - 1, kiln__excerpt(a->attention, 0, 60, q, sizeof q));
+                          "in '%s'", cap - 1, kiln__excerpt(a->m.attention, 0, 60, q, sizeof q));
     return kiln_gpt_config_check(c);
 }
+#undef KILN_GPT_NAMES
+#undef UNPAREN
 
 /* Reads the tokenizer k names (--tokenizer, or on resume the run's own): "byte", "bpe:N"
  * (train one of vocab N on the corpus and save it into the run), or a tokenizer.json path. */
@@ -119,234 +135,10 @@ static kiln_status get_tokenizer(const train_args *a, const char *k, const char 
     return kiln_tokenizer_load(k, tok);
 }
 
-/* ts[i] = parameter i whole: an expert shard gathered from every rank (a collective
- * that every rank of the model's group runs; the others are the parameters themselves),
- * names[i] its name. Call inside a scope. */
-static kiln_status whole_params(kiln_gpt_t *m, const char **names, kiln_tensor_t **ts)
-{
-    for (int i = 0; i < kiln_gpt_num_params(m); i++)
-        if (!(ts[i] = kiln_gpt_gather_param(m, i, kiln_gpt_param(m, i, &names[i])))) return kiln_last_status();
-    return KILN_OK;
-}
-
-/* The model file from its whole parameters ts (whole_params). */
-static kiln_status save_model_file(const char *dir, kiln_gpt_t *m, const char **names, kiln_tensor_t **ts,
-                                   const char *tok_kind, int64_t step)
-{
-    char *cfg = kiln_gpt_config_to_json(kiln_gpt_get_config(m)), *path = join(dir, RUN_MODEL), stepbuf[32];
-    kiln_status s = cfg && path ? KILN_OK : kiln_error(KILN_ERR_OOM, "checkpoint: out of memory");
-    snprintf(stepbuf, sizeof stepbuf, "%lld", (long long)step);
-    const char *meta[] = {"format", "kiln-gpt-1", "config", cfg, "tokenizer", tok_kind, "step", stepbuf,
-                          "chat_template", kiln_chat_template_default(), NULL};
-    if (s == KILN_OK) s = kiln_safetensors_save(path, names, ts, kiln_gpt_num_params(m), meta);
-    free(cfg);
-    free(path);
-    return s;
-}
-
 kiln_status cli_save_model(const char *dir, kiln_gpt_t *m, const char *tok_kind, int64_t step)
 {
-    int n = kiln_gpt_num_params(m);
-    const char **names = malloc(sizeof *names * (size_t)n);
-    kiln_tensor_t **ts = malloc(sizeof *ts * (size_t)n);
-    kiln_status s = names && ts ? KILN_OK : kiln_error(KILN_ERR_OOM, "checkpoint: out of memory");
-    kiln_scope_begin();
-    if (s == KILN_OK) s = whole_params(m, names, ts);
-    if (s == KILN_OK) s = save_model_file(dir, m, names, ts, tok_kind, step);
-    kiln_scope_end();
-    free(names);
-    free(ts);
-    return s;
-}
-
-/* The model file and the training state. A model whose experts are sharded is
- * gathered first on every rank of its group, of which only the one with write set
- * writes the files. */
-static kiln_status save_checkpoint(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, int64_t step, const char *tok_kind,
-                                   const train_args *a, const kiln_loss_scaler *scaler, bool write)
-{
-    int n = kiln_gpt_num_params(m);
-    const char **names = malloc(sizeof *names * (size_t)(3 * n + 1));
-    kiln_tensor_t **ts = malloc(sizeof *ts * (size_t)(3 * n + 1));
-    char **owned = calloc((size_t)(3 * n + 1), sizeof *owned);
-    kiln_status s = names && ts && owned ? KILN_OK : kiln_error(KILN_ERR_OOM, "checkpoint: out of memory");
-    char stepbuf[32], seedbuf[32], offbuf[32], dseed[32];
-    snprintf(stepbuf, sizeof stepbuf, "%lld", (long long)step);
-    kiln_rng_state rng = kiln_rng_get_state();
-    snprintf(seedbuf, sizeof seedbuf, "%llu", (unsigned long long)rng.seed);
-    snprintf(offbuf, sizeof offbuf, "%llu", (unsigned long long)rng.offset);
-    snprintf(dseed, sizeof dseed, "%lld", (long long)a->seed);
-    /* f16's loss scaler: its scale and counts, so that a resumed run skips and grows
-     * where the uninterrupted one would */
-    char scale[32] = "", good[32] = "", skipped[32] = "", osteps[32];
-    /* the optimizer's own step count: below the run's step by the skipped ones */
-    snprintf(osteps, sizeof osteps, "%lld", (long long)kiln_optim_steps(opt));
-    if (scaler) {
-        snprintf(scale, sizeof scale, "%.17g", scaler->scale);
-        snprintf(good, sizeof good, "%lld", (long long)scaler->good);
-        snprintf(skipped, sizeof skipped, "%lld", (long long)scaler->skipped);
-    }
-    char *state_path = join(dir, RUN_STATE);
-    kiln_scope_begin();
-    if (s == KILN_OK) s = whole_params(m, names, ts);
-    if (s == KILN_OK) {
-        /* The training state first: a model file newer than its state is detected on
-         * resume by the step numbers, never silently mixed. */
-        int k = 0;
-        for (int i = 0; s == KILN_OK && i < n; i++)
-            for (int slot = 0; s == KILN_OK && slot < kiln_optim_num_slots(opt); slot++) {
-                kiln_tensor_t *t = kiln_optim_state(opt, i, slot);
-                if (!t) continue;
-                if (!(t = kiln_gpt_gather_param(m, i, t))) {
-                    s = kiln_last_status();
-                    break;
-                }
-                size_t len = strlen(names[i]) + 16;
-                owned[k] = malloc(len);
-                snprintf(owned[k], len, "opt.%d.%s", slot, names[i]);
-                names[n + k] = owned[k];
-                ts[n + k] = t;
-                k++;
-            }
-        const char *smeta[] = {"format", "kiln-train-state-1", "step", stepbuf, "rng_seed", seedbuf, "rng_offset", offbuf,
-                               "optimizer", a->optimizer, "data_seed", dseed, "optim_steps", osteps, "precision", kiln_dtype_name(a->prec),
-                               scaler ? "loss_scale" : NULL, scale, "loss_scale_good", good,
-                               "loss_scale_skipped", skipped, NULL};
-        /* The previous state stays as RUN_STATE_PREV until the new pair is written, so a
-         * crash between the two files leaves a state that matches the model file. */
-        char *prev_path = join(dir, RUN_STATE_PREV);
-        struct stat st;
-        if (s == KILN_OK && write && prev_path && stat(state_path, &st) == 0 &&
-            (s = kiln__file_check_target(prev_path, NULL)) == KILN_OK && rename(state_path, prev_path) != 0)
-            s = kiln_error(KILN_ERR_IO, "cannot keep %s as %s: %s", state_path, prev_path, strerror(errno));
-        if (s == KILN_OK && write) s = kiln_safetensors_save(state_path, names + n, ts + n, k, smeta);
-        if (s == KILN_OK && write) s = save_model_file(dir, m, names, ts, tok_kind, step);
-        free(prev_path);
-    }
-    kiln_scope_end();
-    for (int i = 0; owned && i < 3 * n + 1; i++) free(owned[i]);
-    free(owned);
-    free(names);
-    free(ts);
-    free(state_path);
-    return s;
-}
-
-/* Do the two files record the same step? */
-static bool state_matches_model(const char *state_path, const char *model_path)
-{
-    kiln_safetensors_t *a = NULL, *b = NULL;
-    bool ok = kiln_safetensors_load(state_path, &a) == KILN_OK && kiln_safetensors_load(model_path, &b) == KILN_OK &&
-              kiln_safetensors_meta(a, "step") && kiln_safetensors_meta(b, "step") &&
-              !strcmp(kiln_safetensors_meta(a, "step"), kiln_safetensors_meta(b, "step"));
-    kiln_safetensors_free(a);
-    kiln_safetensors_free(b);
-    kiln_clear_error();
-    return ok;
-}
-
-/* A number of a checkpoint's metadata as core/parse.h read it (s): a malformed one is
- * an error naming the file and the key. True when it is one. */
-static bool meta_number(const char *path, const char *key, kiln_status s)
-{
-    if (s == KILN_OK) return false;
-    char why[512];
-    snprintf(why, sizeof why, "%s", kiln_last_error());
-    kiln_error(KILN_ERR_FORMAT, "%s: the metadata key %s is malformed: %s", path, key, why);
-    return true;
-}
-
-static kiln_status load_state(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, const train_args *a, int64_t *step,
-                              kiln_loss_scaler *scaler)
-{
-    char *model_path = join(dir, RUN_MODEL), *state_path = join(dir, RUN_STATE);
-    kiln_safetensors_t *f = NULL;
-    kiln_status s = kiln_gpt_load_weights(m, model_path);
-    if (s == KILN_OK && !state_matches_model(state_path, model_path)) {
-        /* A save interrupted between its two files: the kept previous state matches. */
-        char *prev = join(dir, RUN_STATE_PREV);
-        if (prev && state_matches_model(prev, model_path)) {
-            free(state_path);
-            state_path = prev;
-        } else {
-            free(prev);
-        }
-    }
-    if (s == KILN_OK) s = kiln_safetensors_load(state_path, &f);
-    if (s == KILN_OK) {
-        const char *st = kiln_safetensors_meta(f, "step"), *rs = kiln_safetensors_meta(f, "rng_seed"),
-                   *ro = kiln_safetensors_meta(f, "rng_offset");
-        kiln_safetensors_t *mf = NULL;
-        const char *mst = NULL;
-        if (kiln_safetensors_load(model_path, &mf) == KILN_OK) mst = kiln_safetensors_meta(mf, "step");
-        const char *opt_name = kiln_safetensors_meta(f, "optimizer"), *dseed = kiln_safetensors_meta(f, "data_seed");
-        char seedbuf[32];
-        snprintf(seedbuf, sizeof seedbuf, "%lld", (long long)a->seed);
-        if (!st || !rs || !ro) s = kiln_error(KILN_ERR_FORMAT, "%s: missing step or RNG state", state_path);
-        else if (!opt_name || strcmp(opt_name, a->optimizer))
-            s = kiln_error(KILN_ERR_ARG, "%s was trained with --optimizer %s; resume with the same optimizer",
-                           state_path, opt_name ? opt_name : "?");
-        else if (!dseed || strcmp(dseed, seedbuf))
-            s = kiln_error(KILN_ERR_ARG, "%s was trained with --seed %s; resume with the same seed (it fixes the batches)",
-                           state_path, dseed ? dseed : "?");
-        else if (!mst || strcmp(mst, st))
-            s = kiln_error(KILN_ERR_FORMAT, "%s is at step %s but %s at step %s: the checkpoint is incomplete", model_path,
-                           mst ? mst : "?", state_path, st);
-        kiln_safetensors_free(mf);
-        /* f16: the scaler as it was (a state saved without one, from a bf16 or f32 run,
-         * starts from the default) */
-        const char *ls = kiln_safetensors_meta(f, "loss_scale"), *lg = kiln_safetensors_meta(f, "loss_scale_good"),
-                   *lk = kiln_safetensors_meta(f, "loss_scale_skipped");
-        if (s == KILN_OK && scaler && ls) {
-            double v = 0;
-            int64_t good = 0, skipped = 0;
-            if (!lg || !lk)
-                s = kiln_error(KILN_ERR_FORMAT, "%s: loss_scale's counts are missing", state_path);
-            else if (meta_number(state_path, "loss_scale",
-                                 kiln__parse_f64(ls, 0, DBL_MAX, KILN__PARSE_ABOVE_LO, "loss_scale", &v)) ||
-                     meta_number(state_path, "loss_scale_good",
-                                 kiln__parse_i64(lg, 0, INT64_MAX, "loss_scale_good", &good)) ||
-                     meta_number(state_path, "loss_scale_skipped",
-                                 kiln__parse_i64(lk, 0, INT64_MAX, "loss_scale_skipped", &skipped)))
-                s = KILN_ERR_FORMAT;
-            else
-                scaler->scale = v, scaler->good = good, scaler->skipped = skipped;
-        }
-        const char *os = kiln_safetensors_meta(f, "optim_steps");
-        int64_t osteps = 0;
-        uint64_t rseed = 0, roff = 0;
-        if (s == KILN_OK &&
-            (meta_number(state_path, "step", kiln__parse_i64(st, 0, INT64_MAX, "step", step)) ||
-             meta_number(state_path, "optim_steps",
-                         kiln__parse_i64(os ? os : st, 0, INT64_MAX, "optim_steps", &osteps)) ||
-             meta_number(state_path, "rng_seed", kiln__parse_u64(rs, "rng_seed", &rseed)) ||
-             meta_number(state_path, "rng_offset", kiln__parse_u64(ro, "rng_offset", &roff))))
-            s = KILN_ERR_FORMAT;
-        if (s == KILN_OK) { /* optim_steps: a state from before it took every step */
-            kiln_rng_set_state((kiln_rng_state){rseed, roff});
-            kiln_scope_begin();
-            for (int i = 0; s == KILN_OK && i < kiln_gpt_num_params(m); i++) {
-                const char *name;
-                kiln_gpt_param(m, i, &name);
-                for (int slot = 0; s == KILN_OK && slot < kiln_optim_num_slots(opt); slot++) {
-                    char key[512];
-                    snprintf(key, sizeof key, "opt.%d.%s", slot, name);
-                    bool present = false;
-                    for (int j = 0; j < kiln_safetensors_count(f) && !present; j++)
-                        present = !strcmp(kiln_safetensors_name(f, j), key);
-                    kiln_tensor_t *t = present ? kiln_safetensors_get(f, key) : NULL;
-                    if (t) t = kiln_gpt_shard_param(m, i, t); /* a sharded expert's: this rank's part */
-                    if (present && !t) s = kiln_last_status();
-                    else s = kiln_optim_set_state(opt, osteps, i, slot, t);
-                }
-            }
-            kiln_scope_end();
-        }
-    }
-    kiln_safetensors_free(f);
-    free(model_path);
-    free(state_path);
-    return s;
+    kiln_checkpoint_info info = {.step = step, .tokenizer = tok_kind, .chat_template = kiln_chat_template_default()};
+    return kiln_checkpoint_save_model(dir, m, &info);
 }
 
 /* A resumed run repeats the steps after its checkpoint: drop their old rows first.
@@ -393,7 +185,7 @@ static kiln_status eval_loss(kiln_gpt_t *m, kiln_dataset_t *ds, const train_args
     for (int64_t k = 0; s == KILN_OK && k < a->eval_batches; k++) {
         kiln_scope_begin();
         kiln_tensor_t *x, *y, *loss;
-        s = kiln_dataset_batch(ds, KILN_SPLIT_VAL, (int)a->batch, (int)a->context, (uint64_t)a->seed, k, rank, world, &x,
+        s = kiln_dataset_batch(ds, KILN_SPLIT_VAL, (int)a->batch, (int)a->m.block_size, (uint64_t)a->seed, k, rank, world, &x,
                                &y);
         if (s == KILN_OK && !kiln_gpt_forward(m, x, y, false, &loss)) s = kiln_last_status();
         if (s == KILN_OK && share) s = kiln_pg_allreduce(pg, loss, KILN_REDUCE_AVG);
@@ -561,9 +353,9 @@ static int setup_data(train_run *r)
             return cli_fail("train", "--init brings its own tokenizer; leave out --tokenizer");
         if (kiln_model_load(a->init, &r->init, &r->tok, NULL) != KILN_OK) return cli_fail("train", NULL);
         int T = kiln_gpt_get_config(r->init)->block_size;
-        if (a->context > T) {
+        if (a->m.block_size > T) {
             fprintf(stderr, "kiln train: --context %lld is longer than the --init model's %d positions\n",
-                    (long long)a->context, T);
+                    (long long)a->m.block_size, T);
             return 1;
         }
     } else if (get_tokenizer(a, tok_spec, text, len, &r->tok) != KILN_OK) {
@@ -578,12 +370,12 @@ static int setup_data(train_run *r)
     if (kiln_dataset_new(ids, n_ids, a->val_fraction, &r->ds) != KILN_OK) return cli_fail("train", NULL);
     free(ids);
     /* Both splits must hold a window, or the run would fail at its first evaluation. */
-    if (kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN) < (size_t)a->context + 1 ||
-        kiln_dataset_len(r->ds, KILN_SPLIT_VAL) < (size_t)a->context + 1) {
+    if (kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN) < (size_t)a->m.block_size + 1 ||
+        kiln_dataset_len(r->ds, KILN_SPLIT_VAL) < (size_t)a->m.block_size + 1) {
         fprintf(stderr, "kiln train: %s gives %zu training and %zu validation tokens; each split needs at least "
                         "--context + 1 = %lld (raise --val-fraction, lower --context, or give more text)\n",
                 a->data, kiln_dataset_len(r->ds, KILN_SPLIT_TRAIN), kiln_dataset_len(r->ds, KILN_SPLIT_VAL),
-                (long long)a->context + 1);
+                (long long)a->m.block_size + 1);
         return 1;
     }
     r->vocab = kiln_tokenizer_vocab_size(r->tok);
@@ -597,7 +389,7 @@ static int build_model(train_run *r)
     train_args *a = &r->a;
     if (r->init) { /* its config (with this run's dropout) and a copy of its weights */
         r->cfg = *kiln_gpt_get_config(r->init);
-        r->cfg.dropout = a->dropout;
+        r->cfg.dropout = a->m.dropout;
         if (kiln_gpt_new(&r->cfg, (uint64_t)a->seed, &r->m) != KILN_OK) return cli_fail("train", NULL);
         bool prev = kiln_set_grad_enabled(false);
         kiln_status s = KILN_OK;
@@ -635,11 +427,14 @@ static int load_checkpoint(train_run *r)
     r->saved = -1;
     kiln_manual_seed((uint64_t)a->seed);
     if (a->resume) {
-        if (load_state(a->out, r->m, r->opt, a, &r->start, a->prec == KILN_DTYPE_F16 ? &r->scaler : NULL) != KILN_OK) {
+        kiln_checkpoint_info ck = {.optimizer = a->optimizer, .data_seed = a->seed,
+                                   .scaler = a->prec == KILN_DTYPE_F16 ? &r->scaler : NULL};
+        if (kiln_checkpoint_load(a->out, r->m, r->opt, &ck) != KILN_OK) {
             int rc = cli_fail("train", NULL);
             if (!r->folder.recorded) train_hint_unrecorded_config(a->out, &r->cfg);
             return rc;
         }
+        r->start = ck.step;
         r->skipped_seen = r->scaler.skipped; /* the loaded run's skips are not news */
         if (r->start >= a->steps) {
             fprintf(stderr, "kiln train: %s is already at step %lld; give --steps above it to train on\n", a->out,
@@ -684,7 +479,7 @@ static int setup_step(train_run *r)
     train_args *a = &r->a;
     int np = r->np, world = r->world;
     kiln_tensor_t **params = r->params;
-    r->tokens_per_step = a->batch * a->context * a->accum;
+    r->tokens_per_step = a->batch * a->m.block_size * a->accum;
     bool scaled = a->prec == KILN_DTYPE_F16; /* the step function does the scaling, with any accum and world */
     /* sharded experts: the step function divides their gradients where it averages the others' */
     r->whole = a->compile || scaled || a->expert_parallel || (world == 1 && !a->zero1 && a->accum == 1);
@@ -787,10 +582,10 @@ static kiln_status step_whole(train_run *r, int64_t step, double lr, double *los
     int64_t one = 1;
     kiln_status s;
     if (a->accum == 1)
-        s = kiln_dataset_batch(r->ds, KILN_SPLIT_TRAIN, (int)r->rank_batch, (int)a->context, (uint64_t)a->seed, step,
+        s = kiln_dataset_batch(r->ds, KILN_SPLIT_TRAIN, (int)r->rank_batch, (int)a->m.block_size, (uint64_t)a->seed, step,
                                (int)r->rank, (int)r->world, &in[0], &in[1]);
     else
-        s = stacked_batches(r->ds, (int)r->rank_batch, (int)a->context, (uint64_t)a->seed, step, (int)a->accum,
+        s = stacked_batches(r->ds, (int)r->rank_batch, (int)a->m.block_size, (uint64_t)a->seed, step, (int)a->accum,
                             (int)r->rank, (int)r->world, in);
     if (s == KILN_OK && !(in[2] = kiln_from_data(&lr, &one, 1, KILN_DTYPE_F64))) s = kiln_last_status();
     if (s == KILN_OK && r->step_fn.scaled && !(in[3] = kiln_from_data(&r->scaler.scale, &one, 1, KILN_DTYPE_F64)))
@@ -825,7 +620,7 @@ static kiln_status step_micro_batches(train_run *r, int64_t step, double *loss_s
     for (int64_t micro = 0; micro < a->accum && s == KILN_OK; micro++) {
         kiln_scope_begin();
         kiln_tensor_t *x, *y, *loss;
-        s = kiln_dataset_batch(r->ds, KILN_SPLIT_TRAIN, (int)r->rank_batch, (int)a->context, (uint64_t)a->seed,
+        s = kiln_dataset_batch(r->ds, KILN_SPLIT_TRAIN, (int)r->rank_batch, (int)a->m.block_size, (uint64_t)a->seed,
                                step * a->accum + micro, r->rank, r->world, &x, &y);
         if (s == KILN_OK && !kiln_gpt_forward(r->m, x, y, true, &loss)) s = kiln_last_status();
         double v = 0;
@@ -926,9 +721,11 @@ static kiln_status save(train_run *r, int64_t step)
     kiln_status s = KILN_OK;
     if (r->zero) s = kiln_zero1_save(r->zero, r->a.out, step); /* every rank, then a barrier */
     /* sharded experts are gathered on every rank, for rank 0 to write */
+    kiln_checkpoint_info ck = {.step = step, .tokenizer = r->tok_kind, .chat_template = kiln_chat_template_default(),
+                               .optimizer = r->a.optimizer, .data_seed = r->a.seed, .precision = r->a.prec,
+                               .scaler = r->step_fn.scaled ? &r->scaler : NULL};
     if (s == KILN_OK && (r->rank == 0 || r->a.expert_parallel))
-        s = save_checkpoint(r->a.out, r->m, r->opt, step, r->tok_kind, &r->a, r->step_fn.scaled ? &r->scaler : NULL,
-                            r->rank == 0);
+        s = kiln_checkpoint_save(r->a.out, r->m, r->opt, &ck, r->rank == 0);
     if (s == KILN_OK && r->rank == 0 && r->zero) s = kiln_zero1_commit(r->a.out, step, r->world, r->committed);
     return s;
 }

@@ -11,16 +11,31 @@
 /* A step of kiln train returns GO_ON to go on, or the exit status (after printing why). */
 enum { GO_ON = -1 };
 
+/* The model config's options: a member for each row of kiln/gpt_config.def (those with a
+ * flag are options; the others stay unused), a number as int64_t or double, an enum or a
+ * string as its text. */
+#define TRAIN_ARG_INT int64_t
+#define TRAIN_ARG_NUM double
+#define TRAIN_ARG_BOOL bool
+#define TRAIN_ARG_ENUM const char *
+#define TRAIN_ARG_STR const char *
+typedef struct {
+#define KILN_GPT_FIELD(member, ctype, kind, ...) TRAIN_ARG_##kind member;
+#define KILN_GPT_MEMBER(...)
+#define KILN_GPT_PART(...)
+#include "kiln/gpt_config.def"
+#undef KILN_GPT_FIELD
+#undef KILN_GPT_MEMBER
+#undef KILN_GPT_PART
+} train_model_args;
+
 /* Every option's value, as parsed (--help lists them). */
 typedef struct {
-    const char *data, *out, *config, *model, *tokenizer, *optimizer, *device, *precision, *init, *attention;
-    int64_t layers, heads, kv_heads, width, context, ffn, batch, steps, warmup, accum, eval_every, eval_batches;
+    const char *data, *out, *config, *model, *tokenizer, *optimizer, *device, *precision, *init;
+    train_model_args m; /* --layers, --heads, ...: the model config's (kiln/gpt_config.def) */
+    int64_t batch, steps, warmup, accum, eval_every, eval_batches;
     int64_t save_every, log_every, seed, threads;
-    int64_t experts, shared_experts, top_k, expert_ffn, dense_layers, groups, top_groups; /* mixture of experts */
-    int64_t mla_kv_rank, mla_q_rank, mla_rope_dim, mla_nope_dim, mla_v_dim; /* multi-head latent attention */
-    const char *router;
-    double bias_speed, balance_loss, capacity;
-    double lr, min_lr, wd, clip, dropout, val_fraction, momentum, loss_scale;
+    double lr, min_lr, wd, clip, val_fraction, momentum, loss_scale;
     kiln_dtype prec; /* --precision, parsed */
     bool resume, overwrite, quiet, zero1, compile, expert_parallel;
     double bucket_mb;

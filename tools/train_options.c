@@ -47,7 +47,7 @@ typedef struct {
 } train_opt;
 
 #define ARG(f) offsetof(train_args, f)
-static const train_opt train_opts[] = {
+static const train_opt head_opts[] = {
     {"", OPT_GROUP, 0, KEEP_NOT, "data"},
     {"data", OPT_STRING, ARG(data), KEEP_FREE, "text file or folder to train on ($KILN_DATA)"},
     {"tokenizer", OPT_STRING, ARG(tokenizer), KEEP_FIXED, "byte, bpe:VOCAB (trained on the data), or a tokenizer.json"},
@@ -59,40 +59,36 @@ static const train_opt train_opts[] = {
                                                 "Face folder (docs/hf.md); its weights, architecture and tokenizer "
                                                 "replace --arch, --layers, --width, --heads, --kv-heads, --ffn and "
                                                 "--tokenizer"},
-    {"layers", OPT_INT, ARG(layers), KEEP_FIXED, "transformer blocks"},
-    {"heads", OPT_INT, ARG(heads), KEEP_FIXED, "attention heads"},
-    {"kv-heads", OPT_INT, ARG(kv_heads), KEEP_FIXED, "key/value heads (grouped-query); 0 = model default"},
-    {"width", OPT_INT, ARG(width), KEEP_FIXED, "embedding width C"},
-    {"context", OPT_INT, ARG(context), KEEP_FIXED, "context length T"},
-    {"ffn", OPT_INT, ARG(ffn), KEEP_FIXED, "MLP hidden width; 0 = model default"},
-    {"dropout", OPT_DOUBLE, ARG(dropout), KEEP_FREE, "dropout probability in training"},
-    {"attention", OPT_STRING, ARG(attention), KEEP_FIXED, "causal (the default), or flex variants joined with +: "
-                                                          "window:W, prefix:P, softcap:C, alibi, doc (document masking "
-                                                          "at the tokenizer's end-of-text token; docs/flex.md)"},
-    {"mla-kv-rank", OPT_INT, ARG(mla_kv_rank), KEEP_FIXED, "multi-head latent attention (--arch llama): keys and "
-                                                           "values through a latent of this rank; 0 = standard "
-                                                           "attention (docs/model.md)"},
-    {"mla-q-rank", OPT_INT, ARG(mla_q_rank), KEEP_FIXED, "MLA: queries through a latent of this rank; 0 = none"},
-    {"mla-rope-dim", OPT_INT, ARG(mla_rope_dim), KEEP_FIXED, "MLA: the rotary part of each head's query and key"},
-    {"mla-nope-dim", OPT_INT, ARG(mla_nope_dim), KEEP_FIXED, "MLA: the rest of each head's query and key; 0 = width / "
-                                                             "heads"},
-    {"mla-v-dim", OPT_INT, ARG(mla_v_dim), KEEP_FIXED, "MLA: each head's value size; 0 = width / heads"},
-    {"", OPT_GROUP, 0, KEEP_NOT, "mixture of experts (--arch llama)"},
-    {"experts", OPT_INT, ARG(experts), KEEP_FIXED, "routed experts of each mixture-of-experts block (--arch llama); "
-                                                   "0 = dense (docs/model.md)"},
-    {"shared-experts", OPT_INT, ARG(shared_experts), KEEP_FIXED, "experts every token goes through"},
-    {"experts-per-token", OPT_INT, ARG(top_k), KEEP_FIXED, "routed experts each token goes to (top-k)"},
-    {"expert-ffn", OPT_INT, ARG(expert_ffn), KEEP_FIXED, "an expert's hidden width; 0 = a quarter of --ffn's"},
-    {"router", OPT_STRING, ARG(router), KEEP_FIXED, "router scores: softmax or sigmoid"},
-    {"dense-layers", OPT_INT, ARG(dense_layers), KEEP_FIXED, "leading blocks with the dense MLP"},
-    {"bias-speed", OPT_DOUBLE, ARG(bias_speed), KEEP_FREE, "the balancing bias's step after each optimizer step "
-                                                           "(auxiliary-loss-free balancing); 0 = frozen"},
-    {"balance-loss", OPT_DOUBLE, ARG(balance_loss), KEEP_FREE, "the sequence-wise balance loss's weight; 0 = none"},
-    {"capacity", OPT_DOUBLE, ARG(capacity), KEEP_FREE, "an expert keeps at most capacity * tokens * experts-per-token / experts "
-                                                       "rows of a forward and drops the rest; 0 = dropless"},
-    {"groups", OPT_INT, ARG(groups), KEEP_FIXED, "group-limited routing: the experts in this many groups (1 = none)"},
-    {"top-groups", OPT_INT, ARG(top_groups), KEEP_FIXED, "with --groups: a token's experts come from its this many "
-                                                         "best groups"},
+    };
+
+/* The model config's options: kiln/gpt_config.def's rows (those without a flag left out
+ * when the table is put together), under "model" or, for the mixture of experts' fields,
+ * under their own heading. */
+#define OPT_TYPE_INT OPT_INT
+#define OPT_TYPE_NUM OPT_DOUBLE
+#define OPT_TYPE_BOOL OPT_FLAG
+#define OPT_TYPE_ENUM OPT_STRING
+#define OPT_TYPE_STR OPT_STRING
+#define WHEN_ALWAYS false
+#define WHEN_SET false
+#define WHEN_ROPE false
+#define WHEN_MLA false
+#define WHEN_MOE true
+static const struct {
+    train_opt o;
+    bool moe;
+} model_opts[] = {
+#define KILN_GPT_FIELD(member, ctype, kind, def, lo, hi, flags, names, when, flag, keep, help) \
+    {{flag, OPT_TYPE_##kind, ARG(m.member), KEEP_##keep, help}, WHEN_##when},
+#define KILN_GPT_MEMBER(...)
+#define KILN_GPT_PART(...)
+#include "kiln/gpt_config.def"
+#undef KILN_GPT_FIELD
+#undef KILN_GPT_MEMBER
+#undef KILN_GPT_PART
+};
+
+static const train_opt tail_opts[] = {
     {"", OPT_GROUP, 0, KEEP_NOT, "optimization"},
     {"steps", OPT_INT, ARG(steps), KEEP_FREE, "optimizer steps in total"},
     {"batch", OPT_INT, ARG(batch), KEEP_FREE, "sequences per micro-batch B, all ranks together (each rank takes B / "
@@ -146,20 +142,59 @@ static const train_opt train_opts[] = {
     {"top-k", OPT_ALIAS, 0, KEEP_NOT, "experts-per-token"},
 };
 #undef ARG
-enum { N_TRAIN_OPTS = sizeof train_opts / sizeof train_opts[0] };
 
+/* One table of every option: head_opts, the model's, the heading of the mixture of
+ * experts and its options, tail_opts. */
+enum { MAX_TRAIN_OPTS = 128 };
+static train_opt train_opts[MAX_TRAIN_OPTS];
+static size_t N_TRAIN_OPTS;
+
+static void train_opts_init(void)
+{
+    if (N_TRAIN_OPTS) return;
+    size_t n = 0;
+    for (size_t i = 0; i < sizeof head_opts / sizeof head_opts[0]; i++) train_opts[n++] = head_opts[i];
+    for (int moe = 0; moe < 2; moe++) {
+        if (moe) train_opts[n++] = (train_opt){"", OPT_GROUP, 0, KEEP_NOT, "mixture of experts (--arch llama)"};
+        for (size_t i = 0; i < sizeof model_opts / sizeof model_opts[0]; i++)
+            if (model_opts[i].o.name && model_opts[i].moe == moe) train_opts[n++] = model_opts[i].o;
+    }
+    for (size_t i = 0; i < sizeof tail_opts / sizeof tail_opts[0]; i++) train_opts[n++] = tail_opts[i];
+    N_TRAIN_OPTS = n;
+}
+_Static_assert(sizeof head_opts / sizeof head_opts[0] + sizeof model_opts / sizeof model_opts[0] + 1 +
+                   sizeof tail_opts / sizeof tail_opts[0] <= MAX_TRAIN_OPTS, "MAX_TRAIN_OPTS");
+
+/* The defaults: the model's from kiln/gpt_config.def (an enum as its name, an empty
+ * string as none), the others here. */
+#define TRAIN_DEF_INT(member, def, names) .m.member = def,
+#define TRAIN_DEF_NUM(member, def, names) .m.member = def,
+#define TRAIN_DEF_BOOL(member, def, names) .m.member = def,
+#define TRAIN_DEF_ENUM(member, def, names) .m.member = ((const char *const[]){UNPAREN names})[def],
+#define TRAIN_DEF_STR(member, def, names) .m.member = *def ? def : NULL,
+#define KILN_GPT_NAMES(...) (__VA_ARGS__) /* (parenthesised: one argument of the macros below) */
+#define UNPAREN(...) __VA_ARGS__
 static train_args train_defaults(void)
 {
-    return (train_args){
+    train_args a = {
+#define KILN_GPT_FIELD(member, ctype, kind, def, lo, hi, flags, names, ...) TRAIN_DEF_##kind(member, def, names)
+#define KILN_GPT_MEMBER(...)
+#define KILN_GPT_PART(...)
+#include "kiln/gpt_config.def"
+#undef KILN_GPT_FIELD
+#undef KILN_GPT_MEMBER
+#undef KILN_GPT_PART
         .data = default_data(), .out = "runs/default", .config = NULL, .model = "gpt2", .tokenizer = "byte",
-        .optimizer = "adamw", .layers = 4, .heads = 4, .kv_heads = 0, .width = 256, .context = 128, .ffn = 0,
-        .top_k = 2, .router = "softmax", .bias_speed = 0.001, .groups = 1, .top_groups = 1,
-        .batch = 16, .steps = 1000, .warmup = 50, .accum = 1, .eval_every = 100, .eval_batches = 8,
-        .save_every = 500, .log_every = 1, .seed = 1337, .threads = 0, .lr = 1e-3, .min_lr = 1e-4, .wd = 0.1,
-        .clip = 1.0, .dropout = 0.0, .val_fraction = 0.1, .momentum = 0.9, .bucket_mb = 25, .precision = "f32",
+        .optimizer = "adamw", .batch = 16, .steps = 1000, .warmup = 50, .accum = 1, .eval_every = 100,
+        .eval_batches = 8, .save_every = 500, .log_every = 1, .seed = 1337, .threads = 0, .lr = 1e-3, .min_lr = 1e-4,
+        .wd = 0.1, .clip = 1.0, .val_fraction = 0.1, .momentum = 0.9, .bucket_mb = 25, .precision = "f32",
         .loss_scale = 65536,
     };
+    a.m.n_kv_head = 0; /* --kv-heads 0: the model's default (as many as --heads for gpt2) */
+    return a;
 }
+#undef KILN_GPT_NAMES
+#undef UNPAREN
 
 static void *opt_field(train_args *a, const train_opt *o) { return (char *)a + o->field; }
 static const void *opt_cfield(const train_args *a, const train_opt *o) { return (const char *)a + o->field; }
@@ -262,7 +297,7 @@ static int parse_flags(int argc, char **argv, train_args *a, const json_t *kept)
     const char *out = a->out;
     *a = train_defaults();
     if (apply_kept(a, out, kept)) return 1;
-    cli_opt opts[N_TRAIN_OPTS + 1];
+    cli_opt opts[MAX_TRAIN_OPTS + 1];
     for (size_t i = 0; i < N_TRAIN_OPTS; i++)
         opts[i] = (cli_opt){train_opts[i].name, train_opts[i].type,
                             train_opts[i].type >= OPT_GROUP ? NULL : opt_field(a, &train_opts[i]), train_opts[i].help};
@@ -377,6 +412,7 @@ kiln_status train_delete_replaced_run(const char *dir)
 
 void train_write_run_info(const char *dir, double unigram, const char *tok, const kiln_gpt_config *c, const train_args *a)
 {
+    train_opts_init();
     char *path = run_file(dir, RUN_INFO), *cfg = kiln_gpt_config_to_json(c);
     json_t *cj = cfg ? json_loads(cfg, 0, NULL) : NULL, *opts = json_object();
     for (size_t i = 0; opts && i < N_TRAIN_OPTS; i++)
@@ -396,15 +432,16 @@ static int check_options(train_args *a)
     const struct {
         const char *name;
         int64_t v, lo;
-    } ints[] = {{"layers", a->layers, 1}, {"heads", a->heads, 1}, {"kv-heads", a->kv_heads, 0}, {"width", a->width, 1},
-                {"context", a->context, 1}, {"ffn", a->ffn, 0}, {"batch", a->batch, 1}, {"threads", a->threads, 0}};
+    } ints[] = {{"layers", a->m.n_layer, 1}, {"heads", a->m.n_head, 1}, {"kv-heads", a->m.n_kv_head, 0},
+                {"width", a->m.n_embd, 1}, {"context", a->m.block_size, 1}, {"ffn", a->m.ffn_hidden, 0},
+                {"batch", a->batch, 1}, {"threads", a->threads, 0}};
     for (size_t i = 0; i < sizeof ints / sizeof ints[0]; i++)
         if (ints[i].v < ints[i].lo || ints[i].v > (1 << 24)) {
             fprintf(stderr, "kiln train: --%s = %lld is outside %lld..%d\n", ints[i].name, (long long)ints[i].v,
                     (long long)ints[i].lo, 1 << 24);
             return 2;
         }
-    if (a->batch < 1 || a->steps < 0 || a->accum < 1 || a->context < 1 || a->eval_batches < 1 || a->log_every < 1 ||
+    if (a->batch < 1 || a->steps < 0 || a->accum < 1 || a->m.block_size < 1 || a->eval_batches < 1 || a->log_every < 1 ||
         !(a->lr > 0) || a->min_lr < 0)
         return cli_fail("train", "--batch, --accum, --context, --eval-batches, --log-every must be >= 1, --steps >= 0, "
                                  "--lr > 0, --min-lr >= 0");
@@ -426,6 +463,7 @@ int train_options_parse(int argc, char **argv, train_args *a, train_folder *f)
     /* The first parse finds --out and --resume, and a bad value is named before any run
      * folder is looked at; adopt_run parses again over the run's recorded options when
      * it resumes one. */
+    train_opts_init();
     *f = (train_folder){0};
     *a = (train_args){0};
     int rc = parse_flags(argc, argv, a, NULL);

@@ -32,52 +32,19 @@ typedef enum { KILN_POS_LEARNED, KILN_POS_ROPE } kiln_pos_kind;
 typedef enum { KILN_MLP_GELU, KILN_MLP_SWIGLU } kiln_mlp_kind;
 typedef enum { KILN_ROUTER_SOFTMAX, KILN_ROUTER_SIGMOID } kiln_router_kind;
 
+/* A string field of the config (its attention variant): under 64 characters. */
+typedef char kiln_gpt_spec[64];
+
+/* The model's configuration: one member per row of kiln/gpt_config.def, which says what
+ * each means, its default and range, and its JSON key and `kiln train` option. */
 typedef struct {
-    int n_layer, n_head, n_kv_head, n_embd, block_size, vocab_size;
-    int ffn_hidden; /* 0: 4C for gelu, 64*ceil(8C/3/64) for swiglu */
-    kiln_norm_kind norm;
-    kiln_pos_kind pos;
-    kiln_mlp_kind mlp;
-    bool bias, tied;
-    double norm_eps, rope_theta;
-    kiln_rope_scaling rope_scaling; /* RoPE models; zeroed: none (kiln/ops.h) */
-    double dropout; /* on attention output and MLP output in training; 0 = off */
-    /* The attention's variant (kiln/flex.h, docs/flex.md): "" or "causal" is kiln's
-     * causal attention; else presets joined with '+': window:W, prefix:P, softcap:C,
-     * alibi (the standard slopes of n_head heads), doc:EOT (document masking of packed
-     * sequences, a document ending at each token EOT; in training, and with a KV cache
-     * only within what the call is given); causal is added unless window or prefix
-     * says otherwise. The paged serving path runs causal, window, softcap and alibi
-     * (doc left out, as with any KV cache) and refuses prefix. */
-    char attention[64];
-    /* Multi-head latent attention (docs/model.md, "Multi-head latent attention"; DeepSeek
-     * V2/V3): mla_kv_rank > 0 replaces attn.qkv by keys and values through a latent of
-     * that rank (and queries through one of mla_q_rank, 0: none), each head's query and
-     * key of mla_nope_dim (0: C / n_head) plus a rotary part of mla_rope_dim shared by
-     * the heads' keys, values of mla_v_dim (0: C / n_head). 0: standard attention (the
-     * default; no keys written). Needs pos = rope and no biases; the paged serving path
-     * keeps the latent (r_kv + rope numbers a position a layer). */
-    int mla_kv_rank, mla_q_rank, mla_rope_dim, mla_nope_dim, mla_v_dim;
-    /* Mixture of experts (docs/model.md, "Mixture of experts"): blocks from
-     * n_dense_layers on take n_routed_experts SwiGLU experts of width moe_ffn (0: F/4
-     * rounded up to 8), moe_top_k a token, chosen by router scores (softmax or sigmoid)
-     * plus a balancing bias, weights the scores (divided by their sum with
-     * moe_norm_topk) times moe_scale, and n_shared_experts' width of a shared SwiGLU.
-     * moe_bias_speed: the bias's step after each optimizer step (0: frozen);
-     * moe_balance_loss: the sequence-wise balance loss's weight (0: none). moe_n_group >
-     * 1: group-limited routing (docs/model.md).
-     * n_routed_experts 0: a dense model (the defaults; no keys written). Trained,
-     * compiled and served (the paged path routes each token alone); the HF and GGUF
-     * exports refuse it. */
-    int n_routed_experts, n_shared_experts, moe_top_k, moe_ffn, n_dense_layers;
-    int moe_n_group, moe_topk_group; /* group-limited routing: the experts in n_group groups,
-                                        a token's choice within its topk_group best (1: none) */
-    kiln_router_kind moe_router;
-    bool moe_norm_topk;
-    double moe_scale, moe_bias_speed, moe_balance_loss;
-    double moe_capacity; /* > 0: an expert takes at most ceil(moe_capacity N k / E) of a
-                            forward's N k rows, the first in token order, and drops the
-                            rest (their weight 0); 0: dropless */
+#define KILN_GPT_FIELD(member, ctype, ...) ctype member;
+#define KILN_GPT_MEMBER(ctype, member, ...) ctype member;
+#define KILN_GPT_PART(...)
+#include "kiln/gpt_config.def"
+#undef KILN_GPT_FIELD
+#undef KILN_GPT_MEMBER
+#undef KILN_GPT_PART
 } kiln_gpt_config;
 
 kiln_gpt_config kiln_gpt_config_gpt2(void);  /* GPT-2 style defaults, 4 layers, C = 256 */
@@ -175,6 +142,48 @@ typedef struct {
     bool scaled;
 } kiln_gpt_step;
 kiln_status kiln_gpt_train_step(void *step, kiln_tensor_t *const *in, int n_in, kiln_tensor_t **out, int *n_out);
+
+/* Training checkpoints: the files of a kiln run folder (`kiln train --out DIR`), from which
+ * a resumed run repeats the losses of an uninterrupted one bit for bit.
+ *   DIR/model.safetensors: every parameter whole (sharded experts gathered), metadata
+ *     format "kiln-gpt-1", config (kiln_gpt_config_to_json), tokenizer (its kind: "byte",
+ *     or "bpe" for DIR/tokenizer.json), step, and chat_template when given;
+ *   DIR/train_state.safetensors: the optimizer's state, tensor "opt.SLOT.NAME" for slot
+ *     SLOT of parameter NAME, metadata format "kiln-train-state-1", step, rng_seed and
+ *     rng_offset (the global RNG), optimizer, data_seed, optim_steps (the optimizer's own
+ *     count, below step by the skipped f16 steps), precision, and with a loss scaler
+ *     loss_scale, loss_scale_good, loss_scale_skipped;
+ *   DIR/train_state.prev.safetensors: the state before, kept until the new pair is
+ *     written, so that a save cut off between the two files leaves a state that matches
+ *     the model file (the one kiln_checkpoint_load takes then). */
+#define KILN_CHECKPOINT_MODEL "model.safetensors"
+#define KILN_CHECKPOINT_STATE "train_state.safetensors"
+#define KILN_CHECKPOINT_STATE_PREV "train_state.prev.safetensors"
+typedef struct kiln_loss_scaler kiln_loss_scaler;
+typedef struct {
+    int64_t step;              /* optimizer steps done (load: read) */
+    const char *tokenizer;     /* the model file's tokenizer kind (NULL: "byte") */
+    const char *chat_template; /* the model file's chat template, or NULL: none written */
+    const char *optimizer;     /* the optimizer's name ("adamw", "sgd"): recorded; load refuses a state of another */
+    int64_t data_seed;         /* the batches' seed: recorded; load refuses a state of another */
+    kiln_dtype precision;      /* recorded (the training's compute type) */
+    kiln_loss_scaler *scaler;  /* f16's loss scaler: saved; loaded where the state has one; NULL: none */
+} kiln_checkpoint_info;
+/* The model file alone (info's step, tokenizer and chat template), into dir (which must
+ * exist); written atomically. A model whose experts are sharded is gathered first: every
+ * rank of its group calls it (see kiln_gpt_gather_param). */
+kiln_status kiln_checkpoint_save_model(const char *dir, kiln_gpt_t *m, const kiln_checkpoint_info *info);
+/* The training state, then the model file, of model m and optimizer opt at info->step,
+ * with the global RNG's state. With sharded experts every rank calls it (the shards are
+ * gathered) and only the one with write set writes. */
+kiln_status kiln_checkpoint_save(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, const kiln_checkpoint_info *info,
+                                 bool write);
+/* A checkpoint of dir back into m (its weights) and opt (its state; opt made for m's
+ * parameters as they were saved), the global RNG set as saved; info->step is set and,
+ * where the state holds one and info->scaler is given, the scaler. info->optimizer and
+ * info->data_seed must be the saved ones (an error naming both otherwise), and so must
+ * the two files' steps. */
+kiln_status kiln_checkpoint_load(const char *dir, kiln_gpt_t *m, kiln_optim_t *opt, kiln_checkpoint_info *info);
 
 /* Mixture of experts. kiln_gpt_moe_update: after an optimizer step, each MoE block's
  * balancing bias moves by moe_bias_speed * sign(mean load - load[e]), the loads being

@@ -374,7 +374,7 @@ kiln_status kiln_flex_or(const kiln_flex_t *a, const kiln_flex_t *b, kiln_flex_t
 #define MAX_SPAN INT32_MAX
 
 /* One preset, by name and argument. Its numbers are read by core/parse.h's parser, as the
- * paged serving path (src/nn/gpt.c) reads the same spec: window:1e1, window:0x10 and
+ * paged serving path (src/nn/gpt_config.c) reads the same spec: window:1e1, window:0x10 and
  * window:inf are refused by both, not read two ways. A softcap is a normal positive
  * float: C * tanh(score / C) of a subnormal C divides by a float 0. */
 static kiln_status preset(const char *name, const char *arg, const kiln_flex_inputs *in, kiln_flex_t **out)

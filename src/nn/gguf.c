@@ -1,5 +1,7 @@
-/* kiln models written as GGUF files that llama.cpp loads (its "llama" architecture:
- * rmsnorm, rope, swiglu; its "gpt2" one: layernorm, learned positions, gelu, biases),
+/* kiln models written as GGUF files that llama.cpp loads (the architecture, keys and
+ * tensor names of the model's family, a row of src/nn/arch.c: "llama" for rmsnorm, rope,
+ * swiglu; "qwen3" for those with q/k norms; "gpt2" for layernorm, learned positions, gelu,
+ * biases),
  * with the weights in f32, f16, bf16 or q8_0 and the tokenizer as llama.cpp's
  * byte-level BPE ("gpt2") vocabulary.
  *
@@ -7,10 +9,11 @@
  * tensor count, key/value count), the key/value pairs (a string key, a type, a value;
  * arrays carry their element type and count), one info per tensor (name, dims with the
  * innermost first, type, offset into the data), padding to the alignment (32), then
- * the data, each tensor aligned. llama.cpp's rope rotates adjacent pairs where kiln's
- * (as Hugging Face LLaMA's) rotates the two halves of a head, so q and k rows are
- * reordered within each head, as llama.cpp's own converter does for HF checkpoints:
- * row (half h, i) of a head goes to 2 i + h. q8_0 stores blocks of 32 values as an f16
+ * the data, each tensor aligned. llama.cpp's llama rope rotates adjacent pairs where
+ * kiln's (as Hugging Face LLaMA's) rotates the two halves of a head, so for it q and k
+ * rows are reordered within each head, as llama.cpp's own converter does for HF
+ * checkpoints: row (half h, i) of a head goes to 2 i + h (a row's gguf_rope_pairs; its
+ * qwen3 rotates halves, as kiln does). q8_0 stores blocks of 32 values as an f16
  * scale d = max|x| / 127 and 32 signed bytes round(x / d). */
 #include <ctype.h>
 #include <errno.h>
@@ -25,6 +28,7 @@
 #include "kiln/ops.h"
 #include "kiln/tokenizer.h"
 #include "core/file.h"
+#include "nn/arch.h"
 #include "nn/names.h"
 
 enum { G_U32 = 4, G_I32 = 5, G_F32 = 6, G_BOOL = 7, G_STR = 8, G_ARR = 9 };  /* GGUF value types */
@@ -331,29 +335,6 @@ static kiln_status make_tensor(gtensor *g, const char *name, kiln_tensor_t *p, u
     return s;
 }
 
-/* kiln's parameter names as llama.cpp's, for its llama architecture (q, k and v are
- * split out of kiln's qkv apart) and its gpt2 architecture (which has kiln's fused qkv,
- * biases and learned positions). */
-static const kiln__name_pair gpt2_names[] = {
-    {"tok_emb.weight", "token_embd.weight", false},     {"pos_emb.weight", "position_embd.weight", false},
-    {"norm_f.weight", "output_norm.weight", false},     {"norm_f.bias", "output_norm.bias", false},
-    {"lm_head.weight", "output.weight", false},         {"norm1.weight", "blk.%d.attn_norm.weight", false},
-    {"norm1.bias", "blk.%d.attn_norm.bias", false},     {"attn.qkv.weight", "blk.%d.attn_qkv.weight", false},
-    {"attn.qkv.bias", "blk.%d.attn_qkv.bias", false},   {"attn.proj.weight", "blk.%d.attn_output.weight", false},
-    {"attn.proj.bias", "blk.%d.attn_output.bias", false}, {"norm2.weight", "blk.%d.ffn_norm.weight", false},
-    {"norm2.bias", "blk.%d.ffn_norm.bias", false},      {"mlp.fc.weight", "blk.%d.ffn_up.weight", false},
-    {"mlp.fc.bias", "blk.%d.ffn_up.bias", false},       {"mlp.proj.weight", "blk.%d.ffn_down.weight", false},
-    {"mlp.proj.bias", "blk.%d.ffn_down.bias", false},
-};
-
-static const kiln__name_pair gguf_names[] = {
-    {"tok_emb.weight", "token_embd.weight", false},   {"norm_f.weight", "output_norm.weight", false},
-    {"lm_head.weight", "output.weight", false},       {"norm1.weight", "blk.%d.attn_norm.weight", false},
-    {"norm2.weight", "blk.%d.ffn_norm.weight", false}, {"attn.proj.weight", "blk.%d.attn_output.weight", false},
-    {"mlp.gate.weight", "blk.%d.ffn_gate.weight", false}, {"mlp.up.weight", "blk.%d.ffn_up.weight", false},
-    {"mlp.down.weight", "blk.%d.ffn_down.weight", false},
-};
-
 /* LLaMA 3.1's rope scaling as llama.cpp takes it: rope_freqs.weight (D/2) f32, the
  * divisor of each unscaled frequency. */
 static kiln_status rope_freqs_tensor(gtensor *g, const kiln_gpt_config *c)
@@ -384,15 +365,17 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
     if (kiln_tokenizer_vocab_size(tok) != c->vocab_size)
         return kiln_error(KILN_ERR_ARG, "gguf_save: the model has %d tokens but its tokenizer %d", c->vocab_size,
                           kiln_tokenizer_vocab_size(tok));
-    kiln__family fam = kiln__family_of(c);
-    bool llama = fam == KILN__FAMILY_LLAMA && !c->bias, gpt2 = fam == KILN__FAMILY_GPT2;
-    if (!llama && !gpt2)
+    const kiln__arch *fam = kiln__arch_of(c);
+    if (!fam || !fam->gguf_arch || (c->bias && !fam->gguf_bias))
         return kiln_error(KILN_ERR_UNSUPPORTED, "gguf export: llama.cpp's llama architecture takes LLaMA-style models "
-                          "(rmsnorm, rope, swiglu, no biases) and its gpt2 architecture GPT-2 style ones (layernorm, "
-                          "learned positions, gelu, biases, as many key heads as query heads); this model is neither");
-    const kiln__name_pair *names = llama ? gguf_names : gpt2_names;
-    size_t n_names = llama ? KILN__N_OF(gguf_names) : KILN__N_OF(gpt2_names);
-    const char *arch = llama ? "llama" : "gpt2";
+                          "(rmsnorm, rope, swiglu, no biases), its qwen3 architecture those with q/k norms, and its gpt2 "
+                          "architecture GPT-2 style ones (layernorm, learned positions, gelu, biases, as many key heads "
+                          "as query heads); this model is neither");
+    if (c->rope_scaling.kind == KILN_ROPE_SCALING_LLAMA3 && !fam->gguf_rope_freqs)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "gguf export: llama.cpp's %s architecture takes no llama3 rope scaling",
+                          fam->gguf_arch);
+    const char *arch = fam->gguf_arch;
+    bool rope = c->pos == KILN_POS_ROPE;
     uint32_t type = q8_0_weights ? T_Q8_0 : dt == KILN_DTYPE_F16 ? T_F16 : dt == KILN_DTYPE_BF16 ? T_BF16 : T_F32;
     int np = kiln_gpt_num_params(m), cap = np + 2 * c->n_layer + 1, nt = 0;
     gtensor *ts = calloc((size_t)cap, sizeof *ts);
@@ -404,14 +387,13 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
         kiln_tensor_t *p = kiln_gpt_param(m, k, &name);
         int i;
         const char *rest;
-        const kiln__name_pair *e = kiln__name_lookup(names, n_names, name, &i, &rest);
-        if (llama && i >= 0 && !strcmp(rest, "attn.qkv.weight")) { /* q, k (both reordered) and v */
+        const kiln__name_pair *e = kiln__arch_lookup(fam->gguf_names, name, &i, &rest);
+        if (fam->gguf_qkv && i >= 0 && !strcmp(rest, "attn.qkv.weight")) { /* q, k (reordered for pair rope) and v */
             int64_t rows[3] = {c->n_head * hs, c->n_kv_head * hs, c->n_kv_head * hs}, at = 0;
-            const char *part[3] = {"attn_q", "attn_k", "attn_v"};
-            int heads[3] = {c->n_head, c->n_kv_head, 0};
+            int heads[3] = {fam->gguf_rope_pairs ? c->n_head : 0, fam->gguf_rope_pairs ? c->n_kv_head : 0, 0};
             for (int q = 0; q < 3 && s == KILN_OK; q++) {
                 char gn[64];
-                snprintf(gn, sizeof gn, "blk.%d.%s.weight", i, part[q]);
+                snprintf(gn, sizeof gn, fam->gguf_qkv, i, "qkv"[q]);
                 s = make_tensor(&ts[nt++], gn, kiln_narrow(p, 0, at, rows[q]), type, heads[q]);
                 at += rows[q];
             }
@@ -425,7 +407,7 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
         snprintf(gn, sizeof gn, e->other, i);
         s = make_tensor(&ts[nt++], gn, p, type, 0);
     }
-    if (s == KILN_OK && llama && c->rope_scaling.kind == KILN_ROPE_SCALING_LLAMA3)
+    if (s == KILN_OK && fam->gguf_rope_freqs && c->rope_scaling.kind == KILN_ROPE_SCALING_LLAMA3)
         s = rope_freqs_tensor(&ts[nt++], c);
     kiln_scope_end();
     buf b = {0};
@@ -443,19 +425,18 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
         kv_u32(&kv, &nkv, ARCH_KEY("block_count"), (uint32_t)c->n_layer);
         kv_u32(&kv, &nkv, ARCH_KEY("feed_forward_length"), (uint32_t)kiln_gpt_ffn_hidden(c));
         kv_u32(&kv, &nkv, ARCH_KEY("attention.head_count"), (uint32_t)c->n_head);
-        if (llama) {
-            kv_u32(&kv, &nkv, "llama.attention.head_count_kv", (uint32_t)c->n_kv_head);
-            kv_u32(&kv, &nkv, "llama.rope.dimension_count", (uint32_t)hs);
-            kv_u32(&kv, &nkv, "llama.vocab_size", (uint32_t)c->vocab_size);
-            kv_f32(&kv, &nkv, "llama.rope.freq_base", (float)c->rope_theta);
+        if (rope) {
+            kv_u32(&kv, &nkv, ARCH_KEY("attention.head_count_kv"), (uint32_t)c->n_kv_head);
+            kv_u32(&kv, &nkv, ARCH_KEY("rope.dimension_count"), (uint32_t)hs);
+            kv_u32(&kv, &nkv, ARCH_KEY("vocab_size"), (uint32_t)c->vocab_size);
+            kv_f32(&kv, &nkv, ARCH_KEY("rope.freq_base"), (float)c->rope_theta);
             if (c->rope_scaling.kind == KILN_ROPE_SCALING_LINEAR) {
-                kv_str(&kv, &nkv, "llama.rope.scaling.type", "linear");
-                kv_f32(&kv, &nkv, "llama.rope.scaling.factor", (float)c->rope_scaling.factor);
+                kv_str(&kv, &nkv, ARCH_KEY("rope.scaling.type"), "linear");
+                kv_f32(&kv, &nkv, ARCH_KEY("rope.scaling.factor"), (float)c->rope_scaling.factor);
             }
-            kv_f32(&kv, &nkv, "llama.attention.layer_norm_rms_epsilon", (float)c->norm_eps);
-        } else {
-            kv_f32(&kv, &nkv, "gpt2.attention.layer_norm_epsilon", (float)c->norm_eps);
         }
+        snprintf(k, sizeof k, "%s.%s", arch, fam->gguf_eps);
+        kv_f32(&kv, &nkv, k, (float)c->norm_eps);
 #undef ARCH_KEY
         s = put_tokenizer(&kv, &nkv, tok);
         put(&b, "GGUF", 4);

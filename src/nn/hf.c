@@ -1,13 +1,14 @@
 /* Hugging Face model folders as kiln models: config.json read into a kiln_gpt_config,
  * the weights (model.safetensors, or the shards model.safetensors.index.json lists) mapped
- * onto kiln's parameters (docs/model.md) and widened to f32.
+ * onto kiln's parameters (docs/model.md) and widened to f32; and kiln models written as
+ * such folders.
  *
- * Families: LLaMA, Mistral and Qwen2 (one layout: q/k/v/o, gate/up/down, RMSNorm, RoPE in
- * rotate-half form, as kiln's), and GPT-2 (Conv1D weights stored (in, out), transposed
- * here). kiln's `bias` is one switch for every linear layer, so a model with biases on
- * some layers only (Qwen2's q/k/v) loads with zero biases on the others: the same
- * model. Nothing is guessed: a config field kiln cannot honour is an error naming it,
- * and so is a tensor of the files that no parameter takes. */
+ * The families are rows of src/nn/arch.c (LLaMA, Mistral, Qwen2, Qwen3, GPT-2): each gives
+ * its model_type, its config keys and its tensor names, and the code below walks the row.
+ * kiln's `bias` is one switch for every linear layer, so a model with biases on some
+ * layers only (Qwen2's q/k/v) loads with zero biases on the others: the same model.
+ * Nothing is guessed: a config field kiln cannot honour is an error naming it, and so is a
+ * tensor of the files that no parameter takes. */
 #include <errno.h>
 #include <jansson.h>
 #include <stdio.h>
@@ -21,6 +22,7 @@
 #include "kiln/tokenizer.h"
 #include "core/file.h"
 #include "io/json_file.h"
+#include "nn/arch.h"
 #include "nn/names.h"
 
 
@@ -153,74 +155,60 @@ static kiln_status cfg_rope(const hf_config *c, double *theta, kiln_rope_scaling
                       c->file, k);
 }
 
-static kiln_status config_llama(const hf_config *c, const char *type, kiln_gpt_config *g)
+/* config.json as a model of family a (its row's keys, defaults and refusals). */
+static kiln_status config_family(const hf_config *c, const kiln__arch *a, kiln_gpt_config *g)
 {
-    *g = kiln_gpt_config_llama();
+    kiln__arch_config(a, g);
     int head_dim = 0, window = 0;
-    kiln_status s = cfg_int(c, "hidden_size", true, 0, 1, &g->n_embd);
-    if (s == KILN_OK) s = cfg_int(c, "num_hidden_layers", true, 0, 1, &g->n_layer);
-    if (s == KILN_OK) s = cfg_int(c, "num_attention_heads", true, 0, 1, &g->n_head);
-    if (s == KILN_OK) s = cfg_int(c, "num_key_value_heads", false, g->n_head, 1, &g->n_kv_head);
-    if (s == KILN_OK) s = cfg_int(c, "intermediate_size", true, 0, 1, &g->ffn_hidden);
-    if (s == KILN_OK) s = cfg_int(c, "vocab_size", true, 0, 1, &g->vocab_size);
-    if (s == KILN_OK) s = cfg_int(c, "max_position_embeddings", true, 0, 1, &g->block_size);
-    if (s == KILN_OK) s = cfg_int(c, "head_dim", false, 0, 1, &head_dim);
-    if (s == KILN_OK) s = cfg_int(c, "sliding_window", false, 0, 0, &window);
-    if (s == KILN_OK) s = cfg_num(c, c->root, "rms_norm_eps", 1e-6, &g->norm_eps);
-    if (s == KILN_OK) s = cfg_rope(c, &g->rope_theta, &g->rope_scaling);
+    kiln_status s = cfg_int(c, a->hf.n_embd, true, 0, 1, &g->n_embd);
+    if (s == KILN_OK) s = cfg_int(c, a->hf.n_layer, true, 0, 1, &g->n_layer);
+    if (s == KILN_OK) s = cfg_int(c, a->hf.n_head, true, 0, 1, &g->n_head);
+    g->n_kv_head = g->n_head; /* (a family without the key: as many as the query heads) */
+    if (s == KILN_OK && a->hf.n_kv_head) s = cfg_int(c, a->hf.n_kv_head, false, g->n_head, 1, &g->n_kv_head);
+    if (s == KILN_OK) s = cfg_int(c, a->hf.ffn, a->ffn_required, 0, 1, &g->ffn_hidden);
+    if (s == KILN_OK) s = cfg_int(c, a->hf.vocab, true, 0, 1, &g->vocab_size);
+    if (s == KILN_OK) s = cfg_int(c, a->hf.context, true, 0, 1, &g->block_size);
+    if (s == KILN_OK && a->hf.head_dim) s = cfg_int(c, a->hf.head_dim, false, 0, 1, &head_dim);
+    if (s == KILN_OK && a->hf.window) s = cfg_int(c, a->hf.window, false, 0, 0, &window);
+    if (s == KILN_OK) s = cfg_num(c, c->root, a->hf.eps, a->eps_default, &g->norm_eps);
+    if (s == KILN_OK && a->pos == KILN_POS_ROPE) s = cfg_rope(c, &g->rope_theta, &g->rope_scaling);
     if (s != KILN_OK) return s;
-    const char *act = cfg_str(c, "hidden_act");
-    if (act && strcmp(act, "silu"))
-        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: hidden_act '%s' is not supported (kiln's SwiGLU uses silu)", c->file, act);
+    const char *act = cfg_str(c, a->hf.act);
+    bool act_ok = !act;
+    for (int k = 0; k < 3 && a->act_ok[k] && !act_ok; k++) act_ok = !strcmp(act, a->act_ok[k]);
+    if (!act_ok)
+        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: %s '%s' is not supported (%s)", c->file, a->hf.act, act, a->act_why);
     if (g->n_head > 0 && head_dim && (g->n_embd % g->n_head || head_dim != g->n_embd / g->n_head))
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: head_dim %d is not hidden_size / num_attention_heads = %d", c->file,
                           head_dim, g->n_embd / g->n_head);
-    int tp = 1;
-    s = cfg_int(c, "pretraining_tp", false, 1, 1, &tp);
+    for (int k = 0; k < 2 && a->must[k].key; k++) { /* a key kiln honours with one value only */
+        const kiln__hf_must *m = &a->must[k];
+        int v = m->want;
+        bool b = m->want;
+        s = m->is_bool ? cfg_bool(c, m->key, b, &b) : cfg_int(c, m->key, false, m->want, 1, &v);
+        if (s != KILN_OK) return s;
+        if (m->is_bool ? b != (bool)m->want : v != m->want)
+            return m->is_bool ? kiln_error(KILN_ERR_UNSUPPORTED, "%s: %s %s is not supported", c->file, m->key,
+                                           b ? "true" : "false")
+                              : kiln_error(KILN_ERR_UNSUPPORTED, "%s: %s %d is not supported", c->file, m->key, v);
+    }
+    s = cfg_bool(c, "tie_word_embeddings", a->tied, &g->tied);
+    for (int k = 0; s == KILN_OK && k < 2 && a->bias_keys[k]; k++) {
+        bool on = false;
+        s = cfg_bool(c, a->bias_keys[k], false, &on);
+        g->bias |= on;
+    }
+    bool use_window = false;
+    if (s == KILN_OK && a->hf.window_switch) s = cfg_bool(c, a->hf.window_switch, false, &use_window);
     if (s != KILN_OK) return s;
-    if (tp != 1) return kiln_error(KILN_ERR_UNSUPPORTED, "%s: pretraining_tp %d is not supported", c->file, tp);
-    bool att_bias = false, mlp_bias = false, use_window = false;
-    s = cfg_bool(c, "tie_word_embeddings", false, &g->tied);
-    if (s == KILN_OK) s = cfg_bool(c, "attention_bias", false, &att_bias);
-    if (s == KILN_OK) s = cfg_bool(c, "mlp_bias", false, &mlp_bias);
-    if (s == KILN_OK) s = cfg_bool(c, "use_sliding_window", false, &use_window);
-    if (s != KILN_OK) return s;
-    g->bias = !strcmp(type, "qwen2") || att_bias || mlp_bias;
     /* A sliding window as long as the context or longer is full attention; a shorter
      * one would change the model past it, so the context stops there (exact below). */
-    bool sliding = !strcmp(type, "qwen2") ? use_window : window > 0;
+    bool sliding = a->hf.window_switch ? use_window : window > 0;
     if (sliding && window > 0 && window < g->block_size) g->block_size = window;
     return KILN_OK;
 }
 
-static kiln_status config_gpt2(const hf_config *c, kiln_gpt_config *g)
-{
-    *g = kiln_gpt_config_gpt2();
-    kiln_status s = cfg_int(c, "n_embd", true, 0, 1, &g->n_embd);
-    if (s == KILN_OK) s = cfg_int(c, "n_layer", true, 0, 1, &g->n_layer);
-    if (s == KILN_OK) s = cfg_int(c, "n_head", true, 0, 1, &g->n_head);
-    if (s == KILN_OK) s = cfg_int(c, "n_positions", true, 0, 1, &g->block_size);
-    if (s == KILN_OK) s = cfg_int(c, "vocab_size", true, 0, 1, &g->vocab_size);
-    if (s == KILN_OK) s = cfg_int(c, "n_inner", false, 0, 1, &g->ffn_hidden);
-    if (s == KILN_OK) s = cfg_num(c, c->root, "layer_norm_epsilon", 1e-5, &g->norm_eps);
-    if (s != KILN_OK) return s;
-    g->n_kv_head = g->n_head;
-    const char *act = cfg_str(c, "activation_function");
-    if (act && strcmp(act, "gelu_new") && strcmp(act, "gelu_pytorch_tanh"))
-        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: activation_function '%s' is not supported (kiln's GELU is the tanh "
-                          "form, gelu_new)", c->file, act);
-    bool by_layer = false, scaled = true;
-    s = cfg_bool(c, "scale_attn_by_inverse_layer_idx", false, &by_layer);
-    if (s == KILN_OK) s = cfg_bool(c, "scale_attn_weights", true, &scaled);
-    if (s == KILN_OK) s = cfg_bool(c, "tie_word_embeddings", true, &g->tied);
-    if (s != KILN_OK) return s;
-    if (by_layer)
-        return kiln_error(KILN_ERR_UNSUPPORTED, "%s: scale_attn_by_inverse_layer_idx is not supported", c->file);
-    if (!scaled) return kiln_error(KILN_ERR_UNSUPPORTED, "%s: scale_attn_weights false is not supported", c->file);
-    return KILN_OK;
-}
-
-static kiln_status read_config(const char *dir, kiln_gpt_config *g, kiln__family *fam)
+static kiln_status read_config(const char *dir, kiln_gpt_config *g, const kiln__arch **fam)
 {
     char file[4200];
     snprintf(file, sizeof file, "%s/config.json", dir);
@@ -236,12 +224,17 @@ static kiln_status read_config(const char *dir, kiln_gpt_config *g, kiln__family
     else if (!type)
         s = kiln_error(KILN_ERR_FORMAT, "%s: 'model_type' must be a string, not %s", file,
                        quote(json_object_get(c.root, "model_type"), q, sizeof q));
-    else if (!strcmp(type, "llama") || !strcmp(type, "mistral") || !strcmp(type, "qwen2"))
-        s = config_llama(&c, type, g), *fam = KILN__FAMILY_LLAMA;
-    else if (!strcmp(type, "gpt2")) s = config_gpt2(&c, g), *fam = KILN__FAMILY_GPT2;
-    else
-        s = kiln_error(KILN_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (llama, mistral, qwen2 and gpt2 are)",
-                       file, type);
+    else if ((*fam = kiln__arch_by_type(type)))
+        s = config_family(&c, *fam, g);
+    else {
+        char list[256] = "";
+        size_t n;
+        const kiln__arch *all = kiln__arch_all(&n);
+        for (size_t i = 0; i < n; i++)
+            snprintf(list + strlen(list), sizeof list - strlen(list), "%s%s", i ? (i + 1 < n ? ", " : " and ") : "",
+                     all[i].name);
+        s = kiln_error(KILN_ERR_UNSUPPORTED, "%s: model_type '%s' is not supported (%s are)", file, type, list);
+    }
     if (s == KILN_OK && kiln_gpt_config_check(g) != KILN_OK) {
         char why[512]; /* (the message is formatted into the buffer it is read from) */
         snprintf(why, sizeof why, "%s", kiln_last_error());
@@ -365,32 +358,6 @@ static kiln_status check_no_duplicates(const hf_weights *w)
     return s;
 }
 
-/* kiln's parameter names (docs/model.md) against the Hugging Face ones; LLaMA's q/k/v
- * (kiln's one qkv) are handled apart. */
-static const kiln__name_pair llama_names[] = {
-    {"tok_emb.weight", "model.embed_tokens.weight", false}, {"norm_f.weight", "model.norm.weight", false},
-    {"lm_head.weight", "lm_head.weight", false}, {"norm1.weight", "model.layers.%d.input_layernorm.weight", false},
-    {"norm2.weight", "model.layers.%d.post_attention_layernorm.weight", false},
-    {"attn.proj.weight", "model.layers.%d.self_attn.o_proj.weight", false},
-    {"attn.proj.bias", "model.layers.%d.self_attn.o_proj.bias", false},
-    {"mlp.gate.weight", "model.layers.%d.mlp.gate_proj.weight", false}, {"mlp.gate.bias", "model.layers.%d.mlp.gate_proj.bias", false},
-    {"mlp.up.weight", "model.layers.%d.mlp.up_proj.weight", false}, {"mlp.up.bias", "model.layers.%d.mlp.up_proj.bias", false},
-    {"mlp.down.weight", "model.layers.%d.mlp.down_proj.weight", false}, {"mlp.down.bias", "model.layers.%d.mlp.down_proj.bias", false},
-};
-
-/* (without the "transformer." prefix of GPT2LMHeadModel's files, which lm_head lacks) */
-static const kiln__name_pair gpt2_names[] = {
-    {"tok_emb.weight", "wte.weight", false}, {"pos_emb.weight", "wpe.weight", false},
-    {"norm_f.weight", "ln_f.weight", false}, {"norm_f.bias", "ln_f.bias", false},
-    {"norm1.weight", "h.%d.ln_1.weight", false}, {"norm1.bias", "h.%d.ln_1.bias", false},
-    {"norm2.weight", "h.%d.ln_2.weight", false}, {"norm2.bias", "h.%d.ln_2.bias", false},
-    {"attn.qkv.weight", "h.%d.attn.c_attn.weight", true}, {"attn.qkv.bias", "h.%d.attn.c_attn.bias", false},
-    {"attn.proj.weight", "h.%d.attn.c_proj.weight", true}, {"attn.proj.bias", "h.%d.attn.c_proj.bias", false},
-    {"mlp.fc.weight", "h.%d.mlp.c_fc.weight", true}, {"mlp.fc.bias", "h.%d.mlp.c_fc.bias", false},
-    {"mlp.proj.weight", "h.%d.mlp.c_proj.weight", true}, {"mlp.proj.bias", "h.%d.mlp.c_proj.bias", false},
-    {"lm_head.weight", "lm_head.weight", false},
-};
-
 /* The Hugging Face name of an entry: its layer filled in, GPT-2's prefix put before all
  * but lm_head. */
 static void hf_name(const kiln__name_pair *e, const char *prefix, int layer, char *out, size_t n)
@@ -402,32 +369,34 @@ static void hf_name(const kiln__name_pair *e, const char *prefix, int layer, cha
 
 /* What parameter `name` of the kiln model (of this shape) is made of; need gets the
  * name it looked for. */
-static kiln_tensor_t *source(hf_weights *w, kiln__family fam, const char *prefix, const char *name,
+static kiln_tensor_t *source(hf_weights *w, const kiln__arch *fam, const char *prefix, const char *name,
                              const int64_t *shape, int nd, char *need, size_t nn)
 {
     int i;
     const char *rest;
-    const kiln__name_pair *e = fam == KILN__FAMILY_GPT2
-                                   ? kiln__name_lookup(gpt2_names, KILN__N_OF(gpt2_names), name, &i, &rest)
-                                   : kiln__name_lookup(llama_names, KILN__N_OF(llama_names), name, &i, &rest);
+    const kiln__name_pair *e = kiln__arch_lookup(fam->hf_names, name, &i, &rest);
     if (e) {
         hf_name(e, prefix, i, need, nn);
         kiln_tensor_t *t = weight(w, need);
         /* a bias the model does not have: zero, the same model */
-        if (!t && fam == KILN__FAMILY_LLAMA && strstr(e->kiln, ".bias"))
+        if (!t && fam->hf_missing_bias_zero && strstr(e->kiln, ".bias"))
             t = kiln_zeros(shape, nd, KILN_DTYPE_F32);
         return t && e->transposed ? kiln_transpose(t, 0, 1) : t;
     }
-    if (fam == KILN__FAMILY_LLAMA && i >= 0 && (!strcmp(rest, "attn.qkv.weight") || !strcmp(rest, "attn.qkv.bias"))) {
+    if (fam->hf_qkv && i >= 0 && (!strcmp(rest, "attn.qkv.weight") || !strcmp(rest, "attn.qkv.bias"))) {
         const char *what = strstr(rest, "bias") ? "bias" : "weight";
         kiln_tensor_t *p[3];
         const char *qkv = "qkv";
         for (int k = 0; k < 3; k++) {
             char n3[128];
-            snprintf(n3, sizeof n3, "model.layers.%d.self_attn.%c_proj.%s", i, qkv[k], what);
+            snprintf(n3, sizeof n3, fam->hf_qkv, i, qkv[k], what);
             p[k] = weight(w, n3);
         }
-        snprintf(need, nn, "model.layers.%d.self_attn.{q,k,v}_proj.%s", i, what);
+        char all[128];
+        snprintf(all, sizeof all, fam->hf_qkv, i, '*', what);
+        char *star = strchr(all, '*');
+        if (star) snprintf(need, nn, "%.*s{q,k,v}%s", (int)(star - all), all, star + 1);
+        else snprintf(need, nn, "%s", all);
         /* each part its own shape: (heads x head size[, C]), so that a short q and a
          * long k cannot pass as one qkv */
         const kiln_gpt_config *c = w->cfg;
@@ -436,9 +405,10 @@ static kiln_tensor_t *source(hf_weights *w, kiln__family fam, const char *prefix
         for (int k = 0; k < 3 && p[0] && p[1] && p[2]; k++)
             if (kiln_tensor_ndim(p[k]) != (bias ? 1 : 2) || kiln_tensor_shape(p[k])[0] != rows[k] ||
                 (!bias && kiln_tensor_shape(p[k])[1] != c->n_embd)) {
-                char d[96];
-                snprintf(need, nn, "model.layers.%d.self_attn.%c_proj.%s of %lld rows (it is %s)", i, qkv[k], what,
-                         (long long)rows[k], kiln_tensor_describe(p[k], d, sizeof d));
+                char d[96], n3[128];
+                snprintf(n3, sizeof n3, fam->hf_qkv, i, qkv[k], what);
+                snprintf(need, nn, "%s of %lld rows (it is %s)", n3, (long long)rows[k],
+                         kiln_tensor_describe(p[k], d, sizeof d));
                 return NULL;
             }
         if (p[0] && p[1] && p[2]) return kiln_cat(p, 3, 0);
@@ -489,7 +459,7 @@ static bool same_as_embedding(const kiln_gpt_t *m, const kiln_safetensors_t *f, 
  * weights, LLaMA's q, k and v stacked) is a new tensor. */
 typedef struct {
     hf_weights *w;
-    kiln__family fam;
+    const kiln__arch *fam;
     const char *prefix; /* GPT-2 files saved from GPT2LMHeadModel prefix the body with "transformer." */
 } hf_source;
 
@@ -543,15 +513,16 @@ kiln_status kiln_hf_load(const char *dir, kiln_gpt_t **model)
     if (!dir || !model) return kiln_error(KILN_ERR_ARG, "hf_load: dir and model must not be NULL");
     *model = NULL;
     kiln_gpt_config cfg;
-    kiln__family fam = KILN__FAMILY_LLAMA;
+    const kiln__arch *fam = NULL;
     kiln_status s = read_config(dir, &cfg, &fam);
     kiln_gpt_t *m = NULL;
     hf_weights w = {.dir = dir, .cfg = &cfg};
     hf_source h = {&w, fam, ""};
     if (s == KILN_OK) s = weights_open(&w);
-    for (int i = 0; s == KILN_OK && fam == KILN__FAMILY_GPT2 && i < w.n; i++)
+    for (int i = 0; s == KILN_OK && fam->hf_body_prefix && i < w.n; i++)
         for (int j = 0; j < kiln_safetensors_count(w.f[i]); j++)
-            if (!strncmp(kiln_safetensors_name(w.f[i], j), "transformer.", 12)) h.prefix = "transformer.";
+            if (!strncmp(kiln_safetensors_name(w.f[i], j), fam->hf_body_prefix, strlen(fam->hf_body_prefix)))
+                h.prefix = fam->hf_body_prefix;
     if (s == KILN_OK) s = kiln_gpt_new_from(&cfg, hf_param, &h, &m);
     if (s == KILN_OK) s = check_all_used(m, &w);
     weights_free(&w);
@@ -565,43 +536,45 @@ kiln_status kiln_hf_load(const char *dir, kiln_gpt_t **model)
 
 /* ---- out ---- */
 
-/* The Hugging Face family a kiln config is, or an error naming what fits neither. */
-static kiln_status family_of(const kiln_gpt_config *c, kiln__family *fam)
+/* The Hugging Face family a kiln config is exported as, or an error naming what fits none. */
+static kiln_status family_of(const kiln_gpt_config *c, const kiln__arch **fam)
 {
-    if ((*fam = kiln__family_of(c)) != KILN__FAMILY_NONE) return KILN_OK;
+    if ((*fam = kiln__arch_of(c))) return KILN_OK;
     return kiln_error(KILN_ERR_UNSUPPORTED, "hf export: this model (%s, %s positions, %s MLP, bias %s, %d of %d heads "
-                      "for keys) is neither a LLaMA (rmsnorm, rope, swiglu) nor a GPT-2 (layernorm, learned, gelu, "
-                      "biases, as many key heads as query heads)",
+                      "for keys%s) is neither a LLaMA (rmsnorm, rope, swiglu), a Qwen3 (a LLaMA with q/k norms) nor a "
+                      "GPT-2 (layernorm, learned, gelu, biases, as many key heads as query heads)",
                       c->norm == KILN_NORM_RMSNORM ? "rmsnorm" : "layernorm", c->pos == KILN_POS_ROPE ? "rope" : "learned",
-                      c->mlp == KILN_MLP_SWIGLU ? "swiglu" : "gelu", c->bias ? "on" : "off", c->n_kv_head, c->n_head);
+                      c->mlp == KILN_MLP_SWIGLU ? "swiglu" : "gelu", c->bias ? "on" : "off", c->n_kv_head, c->n_head,
+                      c->qk_norm ? ", q/k norms" : "");
 }
 
-static json_t *config_json(const kiln_gpt_config *c, kiln__family fam, kiln_dtype dt)
+/* config.json of a kiln config as family a writes it (the row's keys). */
+static json_t *config_json(const kiln_gpt_config *c, const kiln__arch *a, kiln_dtype dt)
 {
     const char *dtype = dt == KILN_DTYPE_BF16 ? "bfloat16" : dt == KILN_DTYPE_F16 ? "float16" : "float32";
-    if (fam == KILN__FAMILY_GPT2)
-        return json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:s, s:b, s:s, s:f, s:f, s:f}", "architectures",
-                         "GPT2LMHeadModel", "model_type", "gpt2", "n_embd", c->n_embd, "n_layer", c->n_layer, "n_head",
-                         c->n_head, "n_positions", c->block_size, "vocab_size", c->vocab_size, "n_inner",
-                         kiln_gpt_ffn_hidden(c), "layer_norm_epsilon", c->norm_eps, "activation_function", "gelu_new",
-                         "tie_word_embeddings", c->tied, "torch_dtype", dtype, "attn_pdrop", 0.0, "embd_pdrop", 0.0,
-                         "resid_pdrop", 0.0);
-    json_t *o = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:f, s:s, s:b, s:b, s:b, s:s}",
-                     "architectures", "LlamaForCausalLM", "model_type", "llama", "hidden_size", c->n_embd,
-                     "intermediate_size", kiln_gpt_ffn_hidden(c), "num_hidden_layers", c->n_layer,
-                     "num_attention_heads", c->n_head, "num_key_value_heads", c->n_kv_head, "head_dim",
-                     c->n_embd / c->n_head, "max_position_embeddings", c->block_size, "vocab_size", c->vocab_size,
-                     "rms_norm_eps", c->norm_eps, "rope_theta", c->rope_theta, "hidden_act", "silu", "attention_bias",
-                     c->bias, "mlp_bias", c->bias, "tie_word_embeddings", c->tied, "torch_dtype", dtype);
-    /* the older rope_scaling field, which transformers 4 reads and 5 converts */
-    const kiln_rope_scaling *r = &c->rope_scaling;
-    json_t *rs = r->kind == KILN_ROPE_SCALING_LINEAR ? json_pack("{s:s, s:f}", "rope_type", "linear", "factor", r->factor)
-               : r->kind == KILN_ROPE_SCALING_LLAMA3
-                   ? json_pack("{s:s, s:f, s:f, s:f, s:i}", "rope_type", "llama3", "factor", r->factor, "low_freq_factor",
-                               r->low_freq_factor, "high_freq_factor", r->high_freq_factor,
-                               "original_max_position_embeddings", r->original_context)
-                   : NULL;
-    if (o && r->kind != KILN_ROPE_SCALING_NONE && json_object_set_new(o, "rope_scaling", rs) != 0) {
+    json_t *o = json_pack("{s:[s], s:s, s:i, s:i, s:i, s:i, s:i, s:i, s:f, s:s, s:b, s:s}", "architectures",
+                          a->hf_class, "model_type", a->name, a->hf.n_embd, c->n_embd, a->hf.ffn, kiln_gpt_ffn_hidden(c),
+                          a->hf.n_layer, c->n_layer, a->hf.n_head, c->n_head, a->hf.context, c->block_size, a->hf.vocab,
+                          c->vocab_size, a->hf.eps, c->norm_eps, a->hf.act, a->act_ok[0], "tie_word_embeddings",
+                          c->tied, "torch_dtype", dtype);
+    bool ok = o != NULL;
+    if (ok && a->hf.n_kv_head) ok = !json_object_set_new(o, a->hf.n_kv_head, json_integer(c->n_kv_head));
+    if (ok && a->hf.head_dim) ok = !json_object_set_new(o, a->hf.head_dim, json_integer(c->n_embd / c->n_head));
+    for (int k = 0; ok && k < 2 && a->bias_keys[k]; k++) ok = !json_object_set_new(o, a->bias_keys[k], json_boolean(c->bias));
+    for (int k = 0; ok && k < 3 && a->hf_zero_keys[k]; k++) ok = !json_object_set_new(o, a->hf_zero_keys[k], json_real(0));
+    if (ok && a->pos == KILN_POS_ROPE) {
+        ok = !json_object_set_new(o, "rope_theta", json_real(c->rope_theta));
+        /* the older rope_scaling field, which transformers 4 reads and 5 converts */
+        const kiln_rope_scaling *r = &c->rope_scaling;
+        json_t *rs = r->kind == KILN_ROPE_SCALING_LINEAR ? json_pack("{s:s, s:f}", "rope_type", "linear", "factor", r->factor)
+                   : r->kind == KILN_ROPE_SCALING_LLAMA3
+                       ? json_pack("{s:s, s:f, s:f, s:f, s:i}", "rope_type", "llama3", "factor", r->factor,
+                                   "low_freq_factor", r->low_freq_factor, "high_freq_factor", r->high_freq_factor,
+                                   "original_max_position_embeddings", r->original_context)
+                       : NULL;
+        if (ok && r->kind != KILN_ROPE_SCALING_NONE) ok = json_object_set_new(o, "rope_scaling", rs) == 0;
+    }
+    if (!ok) {
         json_decref(o);
         o = NULL;
     }
@@ -642,8 +615,8 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
     if (!kiln_dtype_is_f32_or_half(dt))
         return kiln_error(KILN_ERR_ARG, "hf_save: weights are written as f32, bf16 or f16, not %s", kiln_dtype_name(dt));
     const kiln_gpt_config *c = kiln_gpt_get_config(m);
-    kiln__family fam = KILN__FAMILY_LLAMA;
-    kiln_status s = kiln__gpt_exportable(c, "hf_save", "transformers' LLaMA and GPT-2");
+    const kiln__arch *fam = NULL;
+    kiln_status s = kiln__gpt_exportable(c, "hf_save", "transformers' LLaMA, Qwen3 and GPT-2");
     if (s == KILN_OK) s = family_of(c, &fam);
     if (s != KILN_OK) return s;
     if (mkdir(dir, 0755) != 0 && errno != EEXIST) return kiln_error(KILN_ERR_IO, "cannot make the folder %s: %s", dir, strerror(errno));
@@ -654,18 +627,16 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
     kiln_tensor_t **ts = calloc((size_t)cap, sizeof *ts);
     if (!names || !owned || !ts) s = kiln_error(KILN_ERR_OOM, "hf_save: out of memory");
     kiln_scope_begin();
-    const char *prefix = fam == KILN__FAMILY_GPT2 ? "transformer." : "";
+    const char *prefix = fam->hf_body_prefix ? fam->hf_body_prefix : "";
     for (int k = 0; s == KILN_OK && k < np; k++) {
         const char *name;
         kiln_tensor_t *p = kiln_gpt_param(m, k, &name);
         int layer;
         const char *rest;
-        const kiln__name_pair *e = fam == KILN__FAMILY_GPT2
-                                       ? kiln__name_lookup(gpt2_names, KILN__N_OF(gpt2_names), name, &layer, &rest)
-                                       : kiln__name_lookup(llama_names, KILN__N_OF(llama_names), name, &layer, &rest);
-        int parts = e ? 1 : 3; /* LLaMA's qkv: q, k and v */
+        const kiln__name_pair *e = kiln__arch_lookup(fam->hf_names, name, &layer, &rest);
+        int parts = e ? 1 : 3; /* the family's q, k and v apart */
         int64_t hs = c->n_embd / c->n_head, rows[3] = {c->n_head * hs, c->n_kv_head * hs, c->n_kv_head * hs}, at = 0;
-        if (!e && (fam != KILN__FAMILY_LLAMA || layer < 0 || strncmp(rest, "attn.qkv.", 9))) {
+        if (!e && (!fam->hf_qkv || layer < 0 || strncmp(rest, "attn.qkv.", 9))) {
             s = kiln_error(KILN_ERR_INTERNAL, "hf_save: no Hugging Face name for %s", name);
             break;
         }
@@ -676,8 +647,7 @@ kiln_status kiln_hf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const
                 hf_name(e, prefix, layer, hn, sizeof hn);
                 if (e->transposed) t = kiln_transpose(p, 0, 1);
             } else {
-                snprintf(hn, sizeof hn, "model.layers.%d.self_attn.%c_proj.%s", layer, "qkv"[q],
-                         strstr(name, "bias") ? "bias" : "weight");
+                snprintf(hn, sizeof hn, fam->hf_qkv, layer, "qkv"[q], strstr(name, "bias") ? "bias" : "weight");
                 t = kiln_narrow(p, 0, at, rows[q]);
                 at += rows[q];
             }

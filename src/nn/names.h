@@ -1,6 +1,7 @@
-/* kiln's GPT parameters against the names and families of other formats (Hugging Face
- * folders, hf.c; GGUF files, gguf.c): one table entry a name, a block's with its index
- * as %d, looked up the same way by both, and the family a config is. */
+/* kiln's GPT parameters against the names of other formats (Hugging Face folders, hf.c;
+ * GGUF files, gguf.c): one pair a name, a block's with its index as %d, looked up the
+ * same way by both (the families' lists of pairs are src/nn/arch.c's), and what every
+ * export refuses. */
 #ifndef KILN_NN_NAMES_H
 #define KILN_NN_NAMES_H
 #include <stdbool.h>
@@ -37,8 +38,6 @@ static inline const kiln__name_pair *kiln__name_lookup(const kiln__name_pair *t,
     return NULL;
 }
 
-typedef enum { KILN__FAMILY_NONE, KILN__FAMILY_LLAMA, KILN__FAMILY_GPT2 } kiln__family;
-
 /* Whether the config's attention is a flex variant (not "" or "causal"), which the
  * paged serving path and the exports refuse. */
 static inline bool kiln__gpt_has_variant(const kiln_gpt_config *c)
@@ -59,18 +58,5 @@ static inline kiln_status kiln__gpt_exportable(const kiln_gpt_config *c, const c
                           "exported model would compute something else", who, c->attention, peer);
     return KILN_OK;
 }
-
-/* LLaMA: rmsnorm, rope, swiglu (with or without biases); GPT-2: layernorm, learned
- * positions, gelu, biases, as many key heads as query heads; else none. */
-static inline kiln__family kiln__family_of(const kiln_gpt_config *c)
-{
-    if (c->norm == KILN_NORM_RMSNORM && c->pos == KILN_POS_ROPE && c->mlp == KILN_MLP_SWIGLU) return KILN__FAMILY_LLAMA;
-    if (c->norm == KILN_NORM_LAYERNORM && c->pos == KILN_POS_LEARNED && c->mlp == KILN_MLP_GELU && c->bias &&
-        c->n_kv_head == c->n_head)
-        return KILN__FAMILY_GPT2;
-    return KILN__FAMILY_NONE;
-}
-
-#define KILN__N_OF(t) (sizeof t / sizeof t[0])
 
 #endif

@@ -25,7 +25,7 @@ import byte_tokenizer
 from safetensors.torch import save_file
 
 from transformers import (GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig,
-                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM)
+                          MistralForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM)
 
 V, C, L, H, KV, F, T = 256, 32, 2, 4, 2, 80, 64
 COMMON = dict(vocab_size=V, hidden_size=C, num_hidden_layers=L, num_attention_heads=H, intermediate_size=F,
@@ -54,6 +54,12 @@ MODELS = {
                                                               tie_word_embeddings=False), torch.float16, "40KB"),
     "qwen2": (Qwen2ForCausalLM, Qwen2Config(**COMMON, num_key_value_heads=KV, tie_word_embeddings=False,
                                             use_sliding_window=False), torch.float32, None),
+    # q/k norms (each head's query and key RMS-normed before RoPE), tied embeddings;
+    # tests/reference/qwen3_ref.py makes this folder with a numpy oracle where torch is
+    # not installed
+    "qwen3": (Qwen3ForCausalLM, Qwen3Config(**COMMON, num_key_value_heads=KV, head_dim=C // H, rms_norm_eps=1e-6,
+                                            rope_theta=1000000.0, tie_word_embeddings=True,
+                                            use_sliding_window=False), torch.float32, None),
     "gpt2": (GPT2LMHeadModel, GPT2Config(vocab_size=V, n_embd=C, n_layer=L, n_head=H, n_positions=T, n_inner=F,
                                          activation_function="gelu_new", initializer_range=0.1, bos_token_id=0,
                                          eos_token_id=0), torch.float32, None),
@@ -72,10 +78,12 @@ def main():
         torch.manual_seed(1234)
         cfg._attn_implementation = "eager"
         model = cls(cfg).eval()
-        with torch.no_grad():  # biases are zero at init: make them count
+        with torch.no_grad():  # biases are zero and q/k norms one at init: make them count
             for n, p in model.named_parameters():
                 if n.endswith(".bias"):
                     p.normal_(0, 0.1)
+                if n.endswith("q_norm.weight") or n.endswith("k_norm.weight"):
+                    p.normal_(1, 0.1)
         model = model.to(dtype)
         d = os.path.join(a.out, name)
         shutil.rmtree(d, ignore_errors=True)
