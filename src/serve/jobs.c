@@ -157,6 +157,11 @@ bool kiln__serve_on_token(void *user, const kiln_token_event *ev, kiln_finish fi
     pthread_mutex_lock(&j->mu);
     bool go = true;
     if (ev) {
+        /* past --timeout: cancelled here, at the token, as the watchdog would at its next look (every
+         * 0.1 s), so that a short timeout is kept however fast the tokens come */
+        if (!atomic_load(&j->timed_out) && kiln__now_s() - j->t_start > s->o.request_timeout &&
+            !atomic_exchange(&j->timed_out, true))
+            kiln__serve_job_cancel(j);
         if (!j->first_token) {
             j->first_token = true;
             kiln__serve_count_ttft(s, kiln__now_s() - j->t_start);
