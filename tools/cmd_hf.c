@@ -9,25 +9,28 @@
 #include "kiln/io.h"
 #include "kiln/nn.h"
 #include "kiln/tokenizer.h"
+#include "kiln/serve.h" /* kiln_chat_template_default */
 
 /* A run folder as `kiln train` leaves one, for a model that has taken no step: the
  * model file, and the tokenizer.json unless it is bytes. */
-static kiln_status write_run(const char *dir, kiln_gpt_t *m, kiln_tokenizer_t *tok)
+static kiln_status write_run(const char *dir, kiln_gpt_t *m, kiln_tokenizer_t *tok, const char *chat_template)
 {
     if (mkdir(dir, 0755) != 0 && errno != EEXIST) return kiln_error(KILN_ERR_IO, "cannot make %s: %s", dir, strerror(errno));
     char path[4200];
     const char *kind = kiln_tokenizer_kind(tok);
     snprintf(path, sizeof path, "%s/%s", dir, RUN_TOKENIZER);
     kiln_status s = strcmp(kind, "byte") ? kiln_tokenizer_save(tok, path) : KILN_OK;
-    return s == KILN_OK ? cli_save_model(dir, m, kind, 0) : s;
+    kiln_checkpoint_info info = {.step = 0, .tokenizer = kind,
+                                 .chat_template = chat_template ? chat_template : kiln_chat_template_default()};
+    return s == KILN_OK ? kiln_checkpoint_save_model(dir, m, &info) : s;
 }
 
 static int check_kind(const char *cmd, int np, const char **pos)
 {
-    if (np != 3) return cli_fail(cmd, "give the format and two folders (see --help)");
-    if (strcmp(pos[0], "hf")) {
-        fprintf(stderr, "kiln %s: format '%s' is not known: hf (a Hugging Face model folder)%s\n", cmd, pos[0],
-                strcmp(cmd, "export") ? " is" : " and gguf (llama.cpp) are");
+    if (np != 3) return cli_fail(cmd, "give the format and two paths (see --help)");
+    if (strcmp(pos[0], "hf") && strcmp(pos[0], "gguf")) {
+        fprintf(stderr, "kiln %s: format '%s' is not known: hf (a Hugging Face model folder) and gguf (llama.cpp's "
+                "file) are\n", cmd, pos[0]);
         return 2;
     }
     return 0;
@@ -40,11 +43,13 @@ int cmd_import(int argc, char **argv)
     const char *pos[3];
     int np = 0;
     int r = cli_parse("import",
-                      "hf HF_DIR RUN_DIR\n\n"
+                      "hf HF_DIR RUN_DIR | gguf MODEL.gguf RUN_DIR\n\n"
                       "Reads a Hugging Face model folder (config.json, model.safetensors or its shards,\n"
-                      "tokenizer.json) and writes a kiln run folder that kiln sample, serve and train\n"
-                      "--resume read. LLaMA, Mistral, Qwen2 and GPT-2; a config field kiln cannot honour is\n"
-                      "an error naming it. kiln sample and serve also take the folder as it is.",
+                      "tokenizer.json) or a GGUF file (llama.cpp's: the weights of any type kiln reads,\n"
+                      "turned into f32, its tokenizer and chat template) and writes a kiln run folder that\n"
+                      "kiln sample, serve and train read. LLaMA, Mistral, Qwen2, Qwen3 and GPT-2; a config\n"
+                      "field or tensor kiln cannot honour is an error naming it. kiln sample and serve also\n"
+                      "take the folder or the file as it is (docs/hf.md, docs/gguf.md).",
                       opts, argc, argv, pos, 3, &np);
     if (r) return r == 1 ? 0 : 2;
     if ((r = check_kind("import", np, pos))) return r;
@@ -52,12 +57,16 @@ int cmd_import(int argc, char **argv)
     kiln_init((int)threads);
     kiln_gpt_t *m;
     kiln_tokenizer_t *tok;
-    if (!kiln_hf_is_folder(pos[1])) {
+    char *tmpl = NULL;
+    bool gguf = !strcmp(pos[0], "gguf");
+    if (!gguf && !kiln_hf_is_folder(pos[1])) {
         fprintf(stderr, "kiln import: %s is not a Hugging Face model folder (no config.json)\n", pos[1]);
         return 1;
     }
-    if (kiln_model_load(pos[1], &m, &tok, NULL) != KILN_OK) return cli_fail("import", NULL);
-    kiln_status s = write_run(pos[2], m, tok);
+    if ((gguf ? kiln_gguf_load(pos[1], &m, &tok, &tmpl) : kiln_model_load(pos[1], &m, &tok, NULL)) != KILN_OK)
+        return cli_fail("import", NULL);
+    kiln_status s = write_run(pos[2], m, tok, tmpl);
+    free(tmpl);
     if (s == KILN_OK) {
         const kiln_gpt_config *c = kiln_gpt_get_config(m);
         printf("imported %s into %s: %d layers, width %d, %d heads (%d for keys), %d tokens, context %d, %.2fM "

@@ -20,7 +20,7 @@ static const struct {
     {"serve", cmd_serve, "serve a checkpoint over an OpenAI-compatible HTTP API"},
     {"compile", cmd_compile, "capture a model's training step into a graph and write it out (--dump DIR)"},
     {"tokenizer", cmd_tokenizer, "train | encode | decode with a BPE tokenizer"},
-    {"import", cmd_import, "a Hugging Face model folder into a kiln run folder (import hf HF_DIR RUN_DIR)"},
+    {"import", cmd_import, "a Hugging Face folder or a GGUF file into a kiln run folder (import hf|gguf SRC RUN_DIR)"},
     {"export", cmd_export, "a kiln model as a Hugging Face folder or a GGUF file (export hf|gguf RUN_DIR OUT)"},
     {"info", cmd_info, "describe a checkpoint"},
     {"plot", cmd_plot, "redraw a run's loss chart (and an MoE run's router chart) from its metrics"},
@@ -158,7 +158,7 @@ static const struct {
     {"serve", "  kiln serve runs/mine                        http://127.0.0.1:8000/ (the chat page) and /v1/...\n"
               "  kiln serve ./my-hf-model --port 0 --api-key secret\n"
               "  kiln serve runs/mine --log-requests 2>>serve.log   a line a request (docs/serve.md)\n"},
-    {"import", "  kiln import hf ./my-hf-model runs/imported\n"},
+    {"import", "  kiln import hf ./my-hf-model runs/imported\n  kiln import gguf model-Q8_0.gguf runs/imported\n"},
     {"export", "  kiln export hf runs/mine ./mine-hf --dtype bf16\n"
                "  kiln export gguf runs/mine mine.gguf --dtype q8_0\n"},
     {"tokenizer", "  kiln tokenizer train --data my.txt --vocab 4096 --out tokenizer.json\n"},

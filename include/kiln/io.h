@@ -95,7 +95,7 @@ kiln_status kiln_model_file(const char *path, char *out, size_t n);
  * field kiln cannot honour (YaRN rope scaling, another activation, ...) is an error naming
  * it, and so is a tensor of the files that no parameter of kiln's model takes: the
  * model loaded is the one the folder describes, or none. kiln_model_load takes such a
- * folder too (its tokenizer.json, or bytes when it has none). */
+ * folder too (with its tokenizer.json, which it needs). */
 kiln_status kiln_hf_load(const char *dir, struct kiln_gpt **model);
 /* A kiln model written as a Hugging Face folder that transformers loads: config.json
  * (LlamaForCausalLM for rmsnorm + rope + swiglu models, GPT2LMHeadModel for layernorm +
@@ -112,6 +112,17 @@ kiln_status kiln_hf_save(const struct kiln_gpt *m, const struct kiln_tokenizer *
  * temporary name and renamed: path is the old file or the whole new one. */
 kiln_status kiln_gguf_save(const struct kiln_gpt *m, const struct kiln_tokenizer *tok, const char *path,
                            kiln_dtype dt, bool q8_0);
+/* A GGUF file (llama.cpp's; kiln/gguf.h reads any) as a kiln model with f32 weights:
+ * general.architecture llama (LLaMA 1-3.x, Mistral, SmolLM, TinyLlama), qwen2, qwen3 or
+ * gpt2, the hyperparameters from the architecture's keys, every tensor of a type kiln
+ * reads turned into f32 (q and k rows of llama's pair-rotating rope put back in halves
+ * order), the tokenizer (kiln_gguf_tokenizer; tok may be NULL to skip it) and the chat
+ * template (tokenizer.chat_template; *chat_template malloc'd or NULL; NULL to skip). A
+ * key or tensor kiln's model would not compute the same (another rope scaling, a head
+ * size of its own, experts, a tensor with no place) is an error naming it.
+ * kiln_model_load takes such a file too. */
+kiln_status kiln_gguf_load(const char *path, struct kiln_gpt **model, struct kiln_tokenizer **tok,
+                           char **chat_template);
 /* Whether path is a Hugging Face model folder: a folder with a config.json that names a
  * model_type (kiln's run folders have none), or with a config.json that is not a regular
  * file (a FIFO, a folder), which the loader then refuses by name. */

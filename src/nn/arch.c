@@ -87,7 +87,7 @@ static const kiln__arch families[] = {
      .gguf_rope_pairs = true, .gguf_rope_freqs = true},
     {.name = "mistral", .title = "Mistral", LLAMA_LIKE(NULL), .hf_names = {KILN__NAME_TABLE(hf_llama)}},
     {.name = "qwen2", .title = "Qwen2", LLAMA_LIKE("use_sliding_window"), .bias = true,
-     .hf_names = {KILN__NAME_TABLE(hf_llama)}},
+     .hf_names = {KILN__NAME_TABLE(hf_llama)}, .gguf_arch = "qwen2", .gguf_names = {KILN__NAME_TABLE(gguf_llama)}},
     {.name = "qwen3", .title = "Qwen3", LLAMA_LIKE("use_sliding_window"), .qk_norm = true, .exports = true,
      .hf_class = "Qwen3ForCausalLM", .hf_names = {KILN__NAME_TABLE(hf_llama), KILN__NAME_TABLE(hf_qk_norm)},
      .gguf_arch = "qwen3", .gguf_names = {KILN__NAME_TABLE(gguf_llama), KILN__NAME_TABLE(gguf_qk_norm)}},

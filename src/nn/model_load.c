@@ -114,9 +114,7 @@ kiln_status kiln_model_load(const char *path, kiln_gpt_t **model, kiln_tokenizer
         return kiln_error(KILN_ERR_IO, "%s: neither a kiln run folder (no %s) nor a Hugging Face folder (no config.json)",
                           path, MODEL_FILE);
     kiln_safetensors_t *f = NULL;
-    if (s == KILN_OK && is_gguf(file))
-        s = kiln_error(KILN_ERR_UNSUPPORTED, "%s is a GGUF file: kiln writes GGUF (kiln export gguf) but does not load "
-                       "it yet; give a kiln run folder or a Hugging Face folder", file);
+    if (s == KILN_OK && is_gguf(file)) return kiln_gguf_load(file, model, tok, chat_template);
     if (s == KILN_OK) s = kiln_safetensors_load(file, &f);
     if (s != KILN_OK) return s;
     const char *cfg_json = kiln_safetensors_meta(f, "config");

@@ -145,6 +145,7 @@ static char *name_from_path(const char *path)
     if (!p) return NULL;
     while (e > p + 1 && e[-1] == '/') *--e = '\0';
     size_t n = strlen(p);
+    if (n > 5 && !strcmp(p + n - 5, ".gguf")) p[n - 5] = '\0'; /* model-Q8_0.gguf: model-Q8_0 */
     if (n > 12 && !strcmp(p + n - 12, ".safetensors")) {
         p[n - 12] = '\0';
         char *slash = strrchr(p, '/');
@@ -154,6 +155,16 @@ static char *name_from_path(const char *path)
     char *name = strdup(slash && slash[1] ? slash + 1 : p);
     free(p);
     return name;
+}
+
+/* Whether a template is kiln's JSON form ({"message": ...}) rather than a Jinja program
+ * ("{% for ...", "{{ bos_token }}", text). */
+static bool json_template(const char *t)
+{
+    t += strspn(t, " \n\t\r");
+    if (*t++ != '{') return false;
+    t += strspn(t, " \n\t\r");
+    return *t == '"';
 }
 
 kiln_status kiln_server_load(kiln_server_t *s, const char *model_path)
@@ -171,6 +182,18 @@ kiln_status kiln_server_load(kiln_server_t *s, const char *model_path)
         tmpl = NULL;
         st = s->tmpl_opt ? kiln__chat_template_resolve(s->tmpl_opt, &tmpl) : kiln_chat_template_from_hf(model_path, &tmpl);
         if (st != KILN_OK) return st;
+    }
+    /* a GGUF file's template is a Jinja program, as a Hugging Face folder's: taken by its
+     * family until kiln runs Jinja itself */
+    if (tmpl && !json_template(tmpl)) {
+        const char *family = kiln__chat_family_of(tmpl);
+        free(tmpl);
+        tmpl = NULL;
+        if (!family)
+            return kiln_error(KILN_ERR_UNSUPPORTED, "%s: its chat template is none of the families kiln renders (chatml, "
+                              "llama3, mistral); give kiln serve --chat-template NAME, FILE or a JSON template",
+                              model_path);
+        if (!(tmpl = strdup(family))) return kiln_error(KILN_ERR_OOM, "server_load: out of memory");
     }
     char err[256];
     bool ok = kiln__chat_template_parse(tmpl ? tmpl : kiln_chat_template_default(), &s->tmpl, err, sizeof err);

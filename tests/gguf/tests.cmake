@@ -20,3 +20,15 @@ if(KILN_PYTHON3)
            --workdir ${CMAKE_BINARY_DIR}/gguf-read-tests)
   set_tests_properties(gguf_read PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600)
 endif()
+
+# GGUF files as models: written here from the Hugging Face reference folders as
+# llama.cpp's converter writes them (the gguf package, every quantized type), loaded by
+# kiln_model_load (gguf_logits), their logits against transformers' (tests/gguf/test_gguf_load.py).
+add_executable(gguf_logits ${CMAKE_CURRENT_LIST_DIR}/gguf_logits.c)
+target_link_libraries(gguf_logits PRIVATE kiln)
+if(KILN_PYTHON3)
+  add_test(NAME gguf_load COMMAND sh -c "py=${CMAKE_SOURCE_DIR}/build/venv/bin/python; [ -x \"$py\" ] || py=${KILN_PYTHON3}; exec \"$py\" \"$@\"" sh
+           ${CMAKE_SOURCE_DIR}/tests/gguf/test_gguf_load.py --logits $<TARGET_FILE:gguf_logits>
+           --kiln $<TARGET_FILE:kiln_tool> --src ${CMAKE_SOURCE_DIR} --workdir ${CMAKE_BINARY_DIR}/gguf-load-tests)
+  set_tests_properties(gguf_load PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600)
+endif()

@@ -10,6 +10,8 @@ block is saved under the name its first comment gives. What the README assumes a
 has is put in place first, never downloaded:
 
 - `notes.txt`, "any UTF-8 text": the project's own docs/*.md;
+- `qwen2.5-0.5b-instruct-q8_0.gguf`, "a GGUF file": tests/reference/hf/qwen3 written
+  by `kiln export gguf --dtype q8_0` (a Qwen3, not a Qwen2.5, and tiny: a stand-in);
 - `smollm`, "a folder transformers saves": tests/reference/hf/llama (random weights,
   a byte-level tokenizer.json), its max_position_embeddings raised to 2048 as a real
   model's is (the tiny folder says 64, shorter than `kiln train`'s default context);
@@ -49,7 +51,10 @@ def recipes(readme):
     return out
 
 
-def setup(src, work):
+GGUF_FILE = "qwen2.5-0.5b-instruct-q8_0.gguf"
+
+
+def setup(src, build, work):
     shutil.rmtree(work, ignore_errors=True)
     os.makedirs(work)
     with open(os.path.join(work, "notes.txt"), "w", encoding="utf-8") as f:
@@ -62,6 +67,11 @@ def setup(src, work):
     cfg = json.load(open(cfg_path))
     cfg["max_position_embeddings"] = 2048
     json.dump(cfg, open(cfg_path, "w"), indent=2)
+    # the GGUF file "downloaded": the tiny Qwen3 reference folder, written by kiln in q8_0
+    r = subprocess.run([os.path.join(build, "kiln"), "export", "gguf", os.path.join(src, "tests", "reference", "hf",
+                        "qwen3"), os.path.join(work, GGUF_FILE), "--dtype", "q8_0"], capture_output=True, text=True)
+    if r.returncode:
+        sys.exit("FAIL: could not make the stand-in GGUF file: " + r.stderr)
 
 
 def main():
@@ -71,7 +81,7 @@ def main():
     ap.add_argument("--workdir", required=True)
     a = ap.parse_args()
     src, build, work = (os.path.abspath(p) for p in (a.src, a.build, a.workdir))
-    setup(src, work)
+    setup(src, build, work)
     os.symlink(build, os.path.join(work, "build"))
     env = dict(os.environ)
     prefix = os.path.join(work, "prefix")
@@ -111,7 +121,7 @@ def main():
             print("## %s\n%s" % (title, script), flush=True)
             try:
                 r = subprocess.run(["bash", "-e", "-o", "pipefail", "-c", script], cwd=work, env=env,
-                                   capture_output=True, text=True, timeout=900)
+                                   capture_output=True, text=True, errors="replace", timeout=900)
                 rc, text = r.returncode, r.stdout + "\n" + r.stderr
             except subprocess.TimeoutExpired as e:
                 rc, text = "timeout", str(e.stdout or "") + str(e.stderr or "")
@@ -130,7 +140,7 @@ def main():
         return os.path.exists(os.path.join(work, p))
 
     titles = list(out)
-    need(len(titles) == 4, "the README has %d recipes, the test knows 4: %s" % (len(titles), titles))
+    need(len(titles) == 5, "the README has %d recipes, the test knows 5: %s" % (len(titles), titles))
     t = next((x for x in titles if x.startswith("Train on your own text")), None)
     need(t and exists("runs/notes/model.safetensors") and exists("runs/notes/tokenizer.json"),
          "train recipe: runs/notes holds no model.safetensors and tokenizer.json")
@@ -141,18 +151,20 @@ def main():
     need(answer and json.loads(answer.group(0))["choices"][0]["text"] != "" and
          json.loads(answer.group(0))["usage"]["completion_tokens"] >= 1,
          "serve recipe: no completion with text in curl's answer")
+    t = next((x for x in titles if x.startswith("Run a GGUF file")), None)
+    need(t and re.search(r"^The capital of France is", out[t], re.M) and re.search(r"bits a weight", out[t]),
+         "GGUF recipe: info's summary line and sample's continuation")
     t = next((x for x in titles if x.startswith("Several processes")), None)
     need(t and re.search(r"^done: 50 steps", out[t], re.M) and exists("runs/notes-mpi/model.safetensors"),
          "MPI recipe: the run did not finish 50 steps")
     t = next((x for x in titles if x.startswith("The C API")), None)
     if t:
         mine = subprocess.run([os.path.join(work, "greedy"), "runs/notes", "The "], cwd=work, env=env,
-                              capture_output=True, text=True)
+                              capture_output=True)
         theirs = subprocess.run([os.path.join(build, "kiln"), "sample", "runs/notes", "--prompt", "The ",
-                                 "--max-tokens", "40", "--temperature", "0"], cwd=work, capture_output=True,
-                                text=True)
+                                 "--max-tokens", "40", "--temperature", "0"], cwd=work, capture_output=True)
         need(mine.returncode == 0 and mine.stdout and mine.stdout == theirs.stdout,
-             "greedy.c printed %r, kiln sample --temperature 0 %r" % (mine.stdout[-200:], theirs.stdout[-200:]))
+             "greedy.c printed %r, kiln sample --temperature 0 %r" % (mine.stdout[-200:], theirs.stdout[-200:]))  # bytes
     else:
         failed.append("no C API recipe")
     for f in failed:
