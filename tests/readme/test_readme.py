@@ -164,7 +164,7 @@ def main():
         theirs = subprocess.run([os.path.join(build, "kiln"), "sample", "runs/notes", "--prompt", "The ",
                                  "--max-tokens", "40", "--temperature", "0"], cwd=work, capture_output=True)
         need(mine.returncode == 0 and mine.stdout and mine.stdout == theirs.stdout,
-             "greedy.c printed %r, kiln sample --temperature 0 %r" % (mine.stdout[-200:], theirs.stdout[-200:]))  # bytes
+             "greedy.c printed %r, kiln sample --temperature 0 %r" % (mine.stdout[-200:], theirs.stdout[-200:]))
     else:
         failed.append("no C API recipe")
     for f in failed:
