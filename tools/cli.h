@@ -53,6 +53,7 @@ int cmd_serve(int argc, char **argv);
 int cmd_compile(int argc, char **argv);
 int cmd_import(int argc, char **argv);
 int cmd_export(int argc, char **argv);
+int cmd_quantize(int argc, char **argv);
 
 /* A run folder's model file, as kiln train writes it (kiln_checkpoint_save_model, with
  * serving's default chat template; tools/cmd_train.c). */

@@ -78,6 +78,52 @@ int cmd_import(int argc, char **argv)
     return s == KILN_OK ? 0 : cli_fail("import", NULL);
 }
 
+/* The types kiln_gguf_write takes. */
+static bool gguf_type_known(const char *t)
+{
+    static const char *const known[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"};
+    for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
+        if (!strcmp(t, known[i])) return true;
+    return false;
+}
+
+int cmd_quantize(int argc, char **argv)
+{
+    const char *type = "q8_0";
+    int64_t threads = 0;
+    const cli_opt opts[] = {{"type", OPT_STRING, &type, "q8_0, q4_0, q4_1, q5_0, q5_1, or f16, bf16, f32"},
+                            {"threads", OPT_INT, &threads, "threads; 0 = all cores"},
+                            {NULL, 0, NULL, NULL}};
+    const char *pos[2];
+    int np = 0;
+    int r = cli_parse("quantize",
+                      "MODEL OUT.gguf [--type q8_0|q4_0|q4_1|q5_0|q5_1|f16|bf16|f32]\n\n"
+                      "Writes a model (a kiln run folder or model file, a Hugging Face folder, or a GGUF file)\n"
+                      "as a GGUF file that llama.cpp and kiln load, its matrices in --type: blocks of 32\n"
+                      "values with their scale, as ggml's reference quantizers make them (norms, and\n"
+                      "matrices whose rows the blocks do not divide, stay f32). The K-quants (q4_K, q5_K,\n"
+                      "q6_K) and the _M mixes are still to come (docs/gguf.md).",
+                      opts, argc, argv, pos, 2, &np);
+    if (r) return r == 1 ? 0 : 2;
+    if (np != 2) return cli_fail("quantize", "give the model and the GGUF file to write (see kiln quantize --help)");
+    if (!gguf_type_known(type)) {
+        fprintf(stderr, "kiln quantize: --type %s is not one kiln writes: q8_0, q4_0, q4_1, q5_0, q5_1, f16, bf16, f32%s\n",
+                type, strstr(type, "_K") || strstr(type, "_k") ? " (the K-quants are still to come)" : "");
+        return 2;
+    }
+    if (cli_refuse_own_input("quantize", pos[0], pos[1], false)) return 1;
+    kiln_init((int)threads);
+    kiln_gpt_t *m;
+    kiln_tokenizer_t *tok;
+    if (kiln_model_load(pos[0], &m, &tok, NULL) != KILN_OK) return cli_fail("quantize", NULL);
+    kiln_status s = kiln_gguf_write(m, tok, pos[1], type);
+    if (s == KILN_OK)
+        printf("wrote %s: %s in %s (%.2fM parameters)\n", pos[1], pos[0], type, (double)kiln_gpt_param_elements(m) / 1e6);
+    kiln_gpt_free(m);
+    kiln_tokenizer_free(tok);
+    return s == KILN_OK ? 0 : cli_fail("quantize", NULL);
+}
+
 int cmd_export(int argc, char **argv)
 {
     const char *dtype = "f32";
@@ -87,7 +133,7 @@ int cmd_export(int argc, char **argv)
     int np = 0;
     int r = cli_parse("export",
                       "hf RUN_DIR HF_DIR [--dtype f32|bf16|f16]\n"
-                      "       kiln export gguf RUN_DIR FILE.gguf [--dtype f32|bf16|f16|q8_0]\n\n"
+                      "       kiln export gguf RUN_DIR FILE.gguf [--dtype f32|bf16|f16|q8_0|q4_0|q4_1|q5_0|q5_1]\n\n"
                       "hf: a Hugging Face folder that transformers loads: config.json (LlamaForCausalLM,\n"
                       "Qwen3ForCausalLM for models with q/k norms, or GPT2LMHeadModel for GPT-2 style models),\n"
                       "model.safetensors and tokenizer.json.\n"
@@ -98,17 +144,17 @@ int cmd_export(int argc, char **argv)
     bool gguf = np == 3 && !strcmp(pos[0], "gguf");
     if (!gguf && (r = check_kind("export", np, pos))) return r;
     kiln_dtype dt = KILN_DTYPE_F32;
-    bool q8 = gguf && !strcmp(dtype, "q8_0");
-    if (!q8 && (kiln_dtype_parse(dtype, &dt) != KILN_OK ||
-                !kiln_dtype_is_f32_or_half(dt)))
-        return cli_fail("export", gguf ? "--dtype must be f32, bf16, f16 or q8_0" : "--dtype must be f32, bf16 or f16");
+    if (gguf && !gguf_type_known(dtype))
+        return cli_fail("export", "--dtype must be f32, bf16, f16, q8_0, q4_0, q4_1, q5_0 or q5_1 for gguf");
+    if (!gguf && (kiln_dtype_parse(dtype, &dt) != KILN_OK || !kiln_dtype_is_f32_or_half(dt)))
+        return cli_fail("export", "--dtype must be f32, bf16 or f16");
     if (cli_refuse_own_input("export", pos[1], pos[2], false)) return 1;
     kiln_init(0);
     kiln_gpt_t *m;
     kiln_tokenizer_t *tok;
     if (kiln_model_load(pos[1], &m, &tok, NULL) != KILN_OK) return cli_fail("export", NULL);
-    kiln_status s = gguf ? kiln_gguf_save(m, tok, pos[2], dt, q8) : kiln_hf_save(m, tok, pos[2], dt);
-    if (s == KILN_OK) printf("exported %s to %s (%s weights)\n", pos[1], pos[2], q8 ? "q8_0" : kiln_dtype_name(dt));
+    kiln_status s = gguf ? kiln_gguf_write(m, tok, pos[2], dtype) : kiln_hf_save(m, tok, pos[2], dt);
+    if (s == KILN_OK) printf("exported %s to %s (%s weights)\n", pos[1], pos[2], gguf ? dtype : kiln_dtype_name(dt));
     kiln_gpt_free(m);
     kiln_tokenizer_free(tok);
     return s == KILN_OK ? 0 : cli_fail("export", NULL);

@@ -22,6 +22,7 @@ static const struct {
     {"tokenizer", cmd_tokenizer, "train | encode | decode with a BPE tokenizer"},
     {"import", cmd_import, "a Hugging Face folder or a GGUF file into a kiln run folder (import hf|gguf SRC RUN_DIR)"},
     {"export", cmd_export, "a kiln model as a Hugging Face folder or a GGUF file (export hf|gguf RUN_DIR OUT)"},
+    {"quantize", cmd_quantize, "a model as a quantized GGUF file (quantize MODEL OUT.gguf --type q8_0|q4_0|...)"},
     {"info", cmd_info, "describe a checkpoint"},
     {"plot", cmd_plot, "redraw a run's loss chart (and an MoE run's router chart) from its metrics"},
     {"ext", cmd_ext, "custom ops: the extension languages, building sources into a module, loading it"},
@@ -159,6 +160,7 @@ static const struct {
               "  kiln serve ./my-hf-model --port 0 --api-key secret\n"
               "  kiln serve runs/mine --log-requests 2>>serve.log   a line a request (docs/serve.md)\n"},
     {"import", "  kiln import hf ./my-hf-model runs/imported\n  kiln import gguf model-Q8_0.gguf runs/imported\n"},
+    {"quantize", "  kiln quantize runs/mine mine-q8_0.gguf\n  kiln quantize ./my-hf-model model-q4_0.gguf --type q4_0\n"},
     {"export", "  kiln export hf runs/mine ./mine-hf --dtype bf16\n"
                "  kiln export gguf runs/mine mine.gguf --dtype q8_0\n"},
     {"tokenizer", "  kiln tokenizer train --data my.txt --vocab 4096 --out tokenizer.json\n"},

@@ -112,6 +112,12 @@ kiln_status kiln_hf_save(const struct kiln_gpt *m, const struct kiln_tokenizer *
  * temporary name and renamed: path is the old file or the whole new one. */
 kiln_status kiln_gguf_save(const struct kiln_gpt *m, const struct kiln_tokenizer *tok, const char *path,
                            kiln_dtype dt, bool q8_0);
+/* The same with the matrices in any type kiln writes, by its name: "f32", "f16", "bf16",
+ * "q8_0", "q4_0", "q4_1", "q5_0" or "q5_1" (blocks of 32 values as ggml's reference
+ * quantizers make them, bit for bit; a matrix whose rows the blocks do not divide, and
+ * every vector, stays f32). Another name is an error listing these. */
+kiln_status kiln_gguf_write(const struct kiln_gpt *m, const struct kiln_tokenizer *tok, const char *path,
+                            const char *type);
 /* A GGUF file (llama.cpp's; kiln/gguf.h reads any) as a kiln model with f32 weights:
  * general.architecture llama (LLaMA 1-3.x, Mistral, SmolLM, TinyLlama), qwen2, qwen3 or
  * gpt2, the hyperparameters from the architecture's keys, every tensor of a type kiln

@@ -4,6 +4,7 @@
  * (tests/gguf/test_gguf_read.py), so the two agree bit for bit. This file is compiled
  * with -ffp-contract=off (CMakeLists.txt): a fused multiply-add would round d * q - m
  * once where the oracle rounds twice. */
+#include <math.h>
 #include <string.h>
 #include "core/dtype.h"
 #include "core/quant.h"
@@ -183,6 +184,105 @@ static void deq_iq4_xs(const uint8_t *b, float *y)
     }
 }
 
+/* ---- quantizing: ggml's reference quantizers ---- */
+
+static void f16_put(uint8_t *p, float v)
+{
+    uint16_t h = kiln__f32_to_f16(v);
+    p[0] = (uint8_t)h, p[1] = (uint8_t)(h >> 8);
+}
+
+static float inverse(float d) { return d != 0.0f ? 1.0f / d : 0.0f; }
+
+/* The value of largest magnitude (the first of equals), with its sign. */
+static float signed_max(const float *x, int n)
+{
+    float amax = 0.0f, max = 0.0f;
+    for (int j = 0; j < n; j++)
+        if (fabsf(x[j]) > amax) amax = fabsf(x[j]), max = x[j];
+    return max;
+}
+
+/* roundf: halves away from zero, as ggml's and numpy's np_roundf */
+static void q_q8_0(const float *x, uint8_t *b)
+{
+    float amax = 0.0f;
+    for (int j = 0; j < 32; j++) amax = fmaxf(amax, fabsf(x[j]));
+    float d = amax / 127.0f, id = inverse(d);
+    f16_put(b, d);
+    for (int j = 0; j < 32; j++) b[2 + j] = (uint8_t)(int8_t)roundf(x[j] * id);
+}
+
+/* truncf(v) of a value in [0, 255.5) as a byte, clipped to hi */
+static uint8_t trunc_clip(float v, int hi)
+{
+    int q = v > 0.0f ? (int)v : 0;
+    return (uint8_t)(q > hi ? hi : q);
+}
+
+static void q_q4_0(const float *x, uint8_t *b)
+{
+    float d = signed_max(x, 32) / -8.0f, id = inverse(d);
+    f16_put(b, d);
+    for (int j = 0; j < 16; j++)
+        b[2 + j] = (uint8_t)(trunc_clip(x[j] * id + 8.5f, 15) | trunc_clip(x[j + 16] * id + 8.5f, 15) << 4);
+}
+
+static void min_max(const float *x, int n, float *lo, float *hi)
+{
+    *lo = *hi = x[0];
+    for (int j = 1; j < n; j++) *lo = fminf(*lo, x[j]), *hi = fmaxf(*hi, x[j]);
+}
+
+static void q_q4_1(const float *x, uint8_t *b)
+{
+    float lo, hi;
+    min_max(x, 32, &lo, &hi);
+    float d = (hi - lo) / 15.0f, id = inverse(d);
+    f16_put(b, d);
+    f16_put(b + 2, lo);
+    for (int j = 0; j < 16; j++)
+        b[4 + j] = (uint8_t)(trunc_clip((x[j] - lo) * id + 0.5f, 15) | trunc_clip((x[j + 16] - lo) * id + 0.5f, 15) << 4);
+}
+
+/* Q5_0 and Q5_1: the low nibbles in qs, the fifth bits in the 32-bit qh, value j's at bit j. */
+static void put5(const uint8_t *q, uint8_t *qh, uint8_t *qs)
+{
+    uint32_t h = 0;
+    for (int j = 0; j < 32; j++) h |= (uint32_t)(q[j] >> 4) << j;
+    for (int i = 0; i < 4; i++) qh[i] = (uint8_t)(h >> (8 * i));
+    for (int j = 0; j < 16; j++) qs[j] = (uint8_t)((q[j] & 0x0F) | (q[j + 16] & 0x0F) << 4);
+}
+
+static void q_q5_0(const float *x, uint8_t *b)
+{
+    float d = signed_max(x, 32) / -16.0f, id = inverse(d);
+    uint8_t q[32];
+    for (int j = 0; j < 32; j++) q[j] = trunc_clip(x[j] * id + 16.5f, 31);
+    f16_put(b, d);
+    put5(q, b + 2, b + 6);
+}
+
+static void q_q5_1(const float *x, uint8_t *b)
+{
+    float lo, hi;
+    min_max(x, 32, &lo, &hi);
+    float d = (hi - lo) / 31.0f, id = inverse(d);
+    uint8_t q[32];
+    for (int j = 0; j < 32; j++) q[j] = trunc_clip((x[j] - lo) * id + 0.5f, 31);
+    f16_put(b, d);
+    f16_put(b + 2, lo);
+    put5(q, b + 4, b + 8);
+}
+
+static void q_f32(const float *x, uint8_t *b) { memcpy(b, x, 4); }
+static void q_f16(const float *x, uint8_t *b) { f16_put(b, *x); }
+static void q_bf16(const float *x, uint8_t *b)
+{
+    uint16_t h = kiln__f32_to_bf16(*x);
+    b[0] = (uint8_t)h, b[1] = (uint8_t)(h >> 8);
+}
+
 /* ---- the plain types ---- */
 
 static void deq_f32(const uint8_t *b, float *y) { memcpy(y, b, 4); }
@@ -193,16 +293,17 @@ typedef struct {
     const char *name;
     int elems, bytes;                        /* a block's */
     void (*dequant)(const uint8_t *, float *); /* one block; NULL: kiln does not read the type */
+    void (*quant)(const float *, uint8_t *);   /* one block; NULL: kiln does not write the type */
 } type_row;
 
 static const type_row types[KILN__GGML_COUNT] = {
-    [KILN__GGML_F32] = {"F32", 1, 4, deq_f32},
-    [KILN__GGML_F16] = {"F16", 1, 2, deq_f16},
-    [KILN__GGML_Q4_0] = {"Q4_0", 32, 18, deq_q4_0},
-    [KILN__GGML_Q4_1] = {"Q4_1", 32, 20, deq_q4_1},
-    [KILN__GGML_Q5_0] = {"Q5_0", 32, 22, deq_q5_0},
-    [KILN__GGML_Q5_1] = {"Q5_1", 32, 24, deq_q5_1},
-    [KILN__GGML_Q8_0] = {"Q8_0", 32, 34, deq_q8_0},
+    [KILN__GGML_F32] = {"F32", 1, 4, deq_f32, q_f32},
+    [KILN__GGML_F16] = {"F16", 1, 2, deq_f16, q_f16},
+    [KILN__GGML_Q4_0] = {"Q4_0", 32, 18, deq_q4_0, q_q4_0},
+    [KILN__GGML_Q4_1] = {"Q4_1", 32, 20, deq_q4_1, q_q4_1},
+    [KILN__GGML_Q5_0] = {"Q5_0", 32, 22, deq_q5_0, q_q5_0},
+    [KILN__GGML_Q5_1] = {"Q5_1", 32, 24, deq_q5_1, q_q5_1},
+    [KILN__GGML_Q8_0] = {"Q8_0", 32, 34, deq_q8_0, q_q8_0},
     [KILN__GGML_Q8_1] = {"Q8_1", 32, 36, NULL},
     [KILN__GGML_Q2_K] = {"Q2_K", QK_K, 84, deq_q2_k},
     [KILN__GGML_Q3_K] = {"Q3_K", QK_K, 110, deq_q3_k},
@@ -224,7 +325,7 @@ static const type_row types[KILN__GGML_COUNT] = {
     [KILN__GGML_I64] = {"I64", 1, 8, NULL},
     [KILN__GGML_F64] = {"F64", 1, 8, NULL},
     [KILN__GGML_IQ1_M] = {"IQ1_M", QK_K, 56, NULL},
-    [KILN__GGML_BF16] = {"BF16", 1, 2, deq_bf16},
+    [KILN__GGML_BF16] = {"BF16", 1, 2, deq_bf16, q_bf16},
     [KILN__GGML_TQ1_0] = {"TQ1_0", QK_K, 54, NULL},
     [KILN__GGML_TQ2_0] = {"TQ2_0", QK_K, 66, NULL},
     [KILN__GGML_MXFP4] = {"MXFP4", 32, 17, NULL},
@@ -244,6 +345,15 @@ bool kiln__quant_block(int t, int64_t *elems, int64_t *bytes)
 }
 
 bool kiln__quant_readable(int t) { return row_of(t) && row_of(t)->dequant; }
+bool kiln__quant_writable(int t) { return row_of(t) && row_of(t)->quant; }
+
+void kiln__quant_quant(int t, const float *src, void *dst, int64_t n)
+{
+    const type_row *r = row_of(t);
+    uint8_t *b = dst;
+    for (int64_t i = 0; i < n / r->elems; i++)
+        r->quant(src + i * r->elems, b + i * r->bytes);
+}
 
 void kiln__quant_dequant(int t, const void *src, float *dst, int64_t n)
 {

@@ -65,5 +65,13 @@ bool kiln__quant_readable(int t);
 /* The n values (a whole number of blocks) stored in src as type t, into dst as f32. t
  * must be readable. src need not be aligned. */
 void kiln__quant_dequant(int t, const void *src, float *dst, int64_t n);
+/* Whether kiln writes type t (kiln__quant_quant): F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0,
+ * Q5_1. */
+bool kiln__quant_writable(int t);
+/* The n values of src (a whole number of blocks; finite) as type t into dst, as ggml's
+ * reference quantizers (and the gguf package) make them, bit for bit: a block's scale
+ * from its largest magnitude (and, for _1, its smallest value), values multiplied by the
+ * scale's inverse and rounded. t must be writable. */
+void kiln__quant_quant(int t, const float *src, void *dst, int64_t n);
 
 #endif

@@ -28,11 +28,12 @@
 #include "kiln/ops.h"
 #include "kiln/tokenizer.h"
 #include "core/file.h"
+#include "core/quant.h"
 #include "nn/arch.h"
 #include "nn/names.h"
 
 enum { G_U32 = 4, G_I32 = 5, G_F32 = 6, G_BOOL = 7, G_STR = 8, G_ARR = 9 };  /* GGUF value types */
-enum { T_F32 = 0, T_F16 = 1, T_Q8_0 = 8, T_BF16 = 30 };                    /* ggml tensor types */
+enum { T_F32 = KILN__GGML_F32 }; /* ggml tensor types: core/quant.h */
 #define ALIGN 32
 
 /* A growing byte buffer; `failed` once memory ran out. */
@@ -253,33 +254,6 @@ typedef struct {
     size_t bytes;
 } gtensor;
 
-/* x (n floats, n a multiple of 32) as q8_0 blocks; the scales rounded to f16 in one
- * cast. */
-static kiln_status q8_0(const float *x, int64_t n, unsigned char *out)
-{
-    int64_t nb = n / 32;
-    float *d = malloc(sizeof(float) * (size_t)nb);
-    uint16_t *h = malloc(sizeof(uint16_t) * (size_t)nb);
-    kiln_status s = d && h ? KILN_OK : kiln_error(KILN_ERR_OOM, "gguf: out of memory");
-    for (int64_t b = 0; s == KILN_OK && b < nb; b++) {
-        float amax = 0;
-        for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[b * 32 + i]));
-        d[b] = amax / 127.0f;
-    }
-    kiln_scope_begin();
-    kiln_tensor_t *t = s == KILN_OK ? kiln_cast(kiln_from_data(d, &nb, 1, KILN_DTYPE_F32), KILN_DTYPE_F16) : NULL;
-    if (s == KILN_OK) s = t ? kiln_tensor_to_host(t, h, sizeof(uint16_t) * (size_t)nb) : kiln_last_status();
-    kiln_scope_end();
-    for (int64_t b = 0; s == KILN_OK && b < nb; b++, out += 34) {
-        float id = d[b] > 0 ? 1.0f / d[b] : 0.0f;
-        memcpy(out, &h[b], 2);
-        for (int i = 0; i < 32; i++) out[2 + i] = (unsigned char)(int8_t)roundf(x[b * 32 + i] * id); /* as ggml rounds */
-    }
-    free(d);
-    free(h);
-    return s;
-}
-
 /* A kiln parameter (rows x cols, or a vector) as a GGUF tensor of type `type` (vectors
  * always f32, as llama.cpp's norms are); perm: the rows reordered for llama.cpp's rope,
  * heads of hs rows. */
@@ -289,7 +263,9 @@ static kiln_status make_tensor(gtensor *g, const char *name, kiln_tensor_t *p, u
     int nd = kiln_tensor_ndim(p);
     const int64_t *sh = kiln_tensor_shape(p);
     int64_t rows = nd == 2 ? sh[0] : 1, cols = sh[nd - 1], n = rows * cols;
-    if (nd == 1 || (type == T_Q8_0 && cols % 32)) type = T_F32;
+    int64_t be, bb;
+    kiln__quant_block((int)type, &be, &bb);
+    if (nd == 1 || cols % be) type = T_F32; /* (as llama.cpp keeps the norms, and rows blocks do not divide) */
     g->type = type;
     g->ndim = nd;
     g->ne[0] = (uint64_t)cols;
@@ -320,17 +296,11 @@ static kiln_status make_tensor(gtensor *g, const char *name, kiln_tensor_t *p, u
         g->bytes = sizeof(float) * (size_t)n;
         return KILN_OK;
     }
-    g->bytes = type == T_Q8_0 ? (size_t)(n / 32) * 34 : 2 * (size_t)n;
+    kiln__quant_block((int)type, &be, &bb);
+    g->bytes = (size_t)(n / be * bb);
     g->data = malloc(g->bytes);
     if (!g->data) s = kiln_error(KILN_ERR_OOM, "gguf: out of memory");
-    else if (type == T_Q8_0) s = q8_0(f, n, g->data);
-    else {
-        kiln_scope_begin();
-        kiln_tensor_t *h = kiln_cast(kiln_from_data(f, (int64_t[]){n}, 1, KILN_DTYPE_F32),
-                                     type == T_F16 ? KILN_DTYPE_F16 : KILN_DTYPE_BF16);
-        s = h ? kiln_tensor_to_host(h, g->data, g->bytes) : kiln_last_status();
-        kiln_scope_end();
-    }
+    else kiln__quant_quant((int)type, f, g->data, n); /* (ggml's reference quantizers: core/quant.c) */
     free(f);
     return s;
 }
@@ -352,16 +322,38 @@ static kiln_status rope_freqs_tensor(gtensor *g, const kiln_gpt_config *c)
     return s;
 }
 
+/* The types kiln writes a model's matrices in, by name, and llama.cpp's general.file_type
+ * for a file of each. */
+static const struct {
+    const char *name;
+    uint32_t type, file_type;
+} write_types[] = {
+    {"f32", KILN__GGML_F32, 0},   {"f16", KILN__GGML_F16, 1},   {"bf16", KILN__GGML_BF16, 32},
+    {"q8_0", KILN__GGML_Q8_0, 7}, {"q4_0", KILN__GGML_Q4_0, 2}, {"q4_1", KILN__GGML_Q4_1, 3},
+    {"q5_0", KILN__GGML_Q5_0, 8}, {"q5_1", KILN__GGML_Q5_1, 9},
+};
+
 kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const char *path, kiln_dtype dt,
                            bool q8_0_weights)
 {
-    if (!m || !tok || !path) return kiln_error(KILN_ERR_ARG, "gguf_save: model, tokenizer and path must not be NULL");
-    const kiln_gpt_config *c = kiln_gpt_get_config(m);
-    kiln_status exportable = kiln__gpt_exportable(c, "gguf_save", "llama.cpp would");
-    if (exportable != KILN_OK) return exportable;
     if (!kiln_dtype_is_f32_or_half(dt))
         return kiln_error(KILN_ERR_ARG, "gguf_save: weights are written as f32, bf16, f16 or q8_0, not %s",
                           kiln_dtype_name(dt));
+    return kiln_gguf_write(m, tok, path, q8_0_weights ? "q8_0" : kiln_dtype_name(dt));
+}
+
+kiln_status kiln_gguf_write(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const char *path, const char *type_name)
+{
+    if (!m || !tok || !path || !type_name)
+        return kiln_error(KILN_ERR_ARG, "gguf_write: model, tokenizer, path and type must not be NULL");
+    size_t wt = 0;
+    while (wt < sizeof write_types / sizeof write_types[0] && strcmp(write_types[wt].name, type_name)) wt++;
+    if (wt == sizeof write_types / sizeof write_types[0])
+        return kiln_error(KILN_ERR_UNSUPPORTED, "gguf: type '%s' is not one kiln writes (f32, f16, bf16, q8_0, q4_0, "
+                          "q4_1, q5_0, q5_1; the K-quants and their _M mixes are still to come)", type_name);
+    const kiln_gpt_config *c = kiln_gpt_get_config(m);
+    kiln_status exportable = kiln__gpt_exportable(c, "gguf_save", "llama.cpp would");
+    if (exportable != KILN_OK) return exportable;
     if (kiln_tokenizer_vocab_size(tok) != c->vocab_size)
         return kiln_error(KILN_ERR_ARG, "gguf_save: the model has %d tokens but its tokenizer %d", c->vocab_size,
                           kiln_tokenizer_vocab_size(tok));
@@ -376,7 +368,7 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
                           fam->gguf_arch);
     const char *arch = fam->gguf_arch;
     bool rope = c->pos == KILN_POS_ROPE;
-    uint32_t type = q8_0_weights ? T_Q8_0 : dt == KILN_DTYPE_F16 ? T_F16 : dt == KILN_DTYPE_BF16 ? T_BF16 : T_F32;
+    uint32_t type = write_types[wt].type;
     int np = kiln_gpt_num_params(m), cap = np + 2 * c->n_layer + 1, nt = 0;
     gtensor *ts = calloc((size_t)cap, sizeof *ts);
     kiln_status s = ts ? KILN_OK : kiln_error(KILN_ERR_OOM, "gguf: out of memory");
@@ -419,7 +411,7 @@ kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, con
         kv_str(&kv, &nkv, "general.architecture", arch);
         kv_str(&kv, &nkv, "general.name", "kiln");
         kv_u32(&kv, &nkv, "general.alignment", ALIGN);
-        kv_u32(&kv, &nkv, "general.file_type", type == T_Q8_0 ? 7 : type == T_F16 ? 1 : type == T_BF16 ? 32 : 0);
+        kv_u32(&kv, &nkv, "general.file_type", write_types[wt].file_type);
         kv_u32(&kv, &nkv, ARCH_KEY("context_length"), (uint32_t)c->block_size);
         kv_u32(&kv, &nkv, ARCH_KEY("embedding_length"), (uint32_t)c->n_embd);
         kv_u32(&kv, &nkv, ARCH_KEY("block_count"), (uint32_t)c->n_layer);

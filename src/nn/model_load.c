@@ -107,7 +107,7 @@ kiln_status kiln_model_load(const char *path, kiln_gpt_t **model, kiln_tokenizer
     char dir[4096], file[4200];
     struct stat st;
     if (stat(path, &st) != 0)
-        return kiln_error(KILN_ERR_IO, "%s: %s (give a kiln run folder, its model file or a Hugging Face folder)", path,
+        return kiln_error(KILN_ERR_IO, "%s: %s (give a kiln run folder, its model file, a Hugging Face folder or a GGUF file)", path,
                           strerror(errno));
     kiln_status s = split_path(path, dir, sizeof dir, file, sizeof file);
     if (s == KILN_OK && S_ISDIR(st.st_mode) && stat(file, &st) != 0)
