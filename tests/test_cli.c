@@ -384,10 +384,12 @@ static void hf_folders_import_sample_and_export(void **state)
     assert_int_equal(fread(magic, 1, 4, gf), 4);
     fclose(gf);
     assert_memory_equal(magic, "GGUF", 4);
-    assert_int_equal(run(out, sizeof out, "%s export gguf %s/hfrun %s/m.gguf --dtype q4_0", tool(), dir, dir), 1);
-    assert_non_null(strstr(out, "--dtype must be f32, bf16, f16 or q8_0"));
-    assert_int_equal(run(out, sizeof out, "%s import gguf %s %s/x", tool(), hf, dir), 2);
-    assert_non_null(strstr(out, "format 'gguf' is not known"));
+    assert_int_equal(run(out, sizeof out, "%s export gguf %s/hfrun %s/m.gguf --dtype q4_K", tool(), dir, dir), 1);
+    assert_non_null(strstr(out, "--dtype must be f32, bf16, f16, q8_0, q4_0, q4_1, q5_0 or q5_1 for gguf"));
+    assert_int_equal(run(out, sizeof out, "%s import gguf %s %s/x", tool(), hf, dir), 1);
+    assert_non_null(strstr(out, "is a directory, not a regular file"));
+    assert_int_equal(run(out, sizeof out, "%s import safetensors %s %s/x", tool(), hf, dir), 2);
+    assert_non_null(strstr(out, "format 'safetensors' is not known"));
     assert_int_equal(run(out, sizeof out, "%s import hf %s %s/x", tool(), dir, dir), 1);
     assert_non_null(strstr(out, "not a Hugging Face model folder"));
     assert_int_equal(run(out, sizeof out, "%s export hf %s/hfrun %s/x --dtype i8", tool(), dir, dir), 1);

@@ -60,6 +60,8 @@ static int key_line(const kiln_gguf_t *g, int64_t i)
     return 0;
 }
 
+static int run(const kiln_gguf_t *g, const char *out_dir);
+
 int main(int argc, char **argv)
 {
     if (argc != 3) {
@@ -68,6 +70,13 @@ int main(int argc, char **argv)
     }
     kiln_gguf_t *g;
     if (kiln_gguf_open(argv[1], &g) != KILN_OK) return die();
+    int rc = run(g, argv[2]);
+    kiln_gguf_free(g); /* (on an error too: a leak checker sees the probe's own exits) */
+    return rc;
+}
+
+static int run(const kiln_gguf_t *g, const char *out_dir)
+{
     printf("version %u\n", kiln_gguf_version(g));
     for (int64_t i = 0; i < kiln_gguf_n_keys(g); i++)
         if (key_line(g, i)) return 1;
@@ -79,9 +88,10 @@ int main(int argc, char **argv)
         printf(" %" PRIu64 "\n", t.offset);
         kiln_tensor_t *f = kiln_gguf_tensor_f32(g, i);
         if (!f) return die();
+        /* (f, buf and o leak on a failed write: the probe then exits at once) */
         float *buf = malloc((size_t)t.elements * sizeof *buf);
         char path[4096];
-        snprintf(path, sizeof path, "%s/%" PRId64 ".f32", argv[2], i);
+        snprintf(path, sizeof path, "%s/%" PRId64 ".f32", out_dir, i);
         FILE *o = fopen(path, "wb");
         if (!buf || !o || kiln_tensor_to_host(f, buf, (size_t)t.elements * sizeof *buf) != KILN_OK ||
             fwrite(buf, sizeof *buf, (size_t)t.elements, o) != (size_t)t.elements || fclose(o) != 0) {
@@ -91,6 +101,5 @@ int main(int argc, char **argv)
         free(buf);
         kiln_tensor_free(f);
     }
-    kiln_gguf_free(g);
     return 0;
 }

@@ -165,8 +165,13 @@ sample(v, "a truncated shard index", r"model.safetensors.index.json: line 1, col
 gguf = os.path.join(d, "m.gguf")
 p, out = s.run(["export", "gguf", run, gguf], timeout=120)
 s.check(p is not None and p.returncode == 0, "it exports to GGUF (set-up): " + out[-300:])
-s.case("a GGUF file is named as one, not as a broken safetensors", ["sample", gguf], rc=1,
-       msg=r"is a GGUF file", nomsg=r"safetensors", untouched=[d])
+s.case("a GGUF file samples as the model it holds", ["sample", gguf, "--tokens", "2"], rc=0, untouched=[d])
+cut = os.path.join(d, "cut.gguf")
+with open(gguf, "rb") as f, open(cut, "wb") as g:
+    g.write(f.read()[:300])
+s.case("a truncated GGUF file is named as a GGUF problem, not as a broken safetensors", ["sample", cut], rc=1,
+       msg=r"cut\.gguf: .*truncated", nomsg=r"safetensors", untouched=[d])
+s.case("kiln info of a truncated GGUF file names the problem", ["info", cut], rc=1, msg=r"truncated")
 # a long path keeps the reason at the end of the message
 longp = os.path.join(d, *(["x" * 200] * 12), "model")
 s.case("a long path does not push the reason out of the message", ["sample", longp], rc=1,
