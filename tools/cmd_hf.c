@@ -81,7 +81,8 @@ int cmd_import(int argc, char **argv)
 /* The types kiln_gguf_write takes. */
 static bool gguf_type_known(const char *t)
 {
-    static const char *const known[] = {"f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1"};
+    static const char *const known[] = {"f32",  "f16",  "bf16", "q8_0", "q4_0",   "q4_1",  "q5_0",
+                                        "q5_1", "q4_K", "q5_K", "q6_K", "q4_K_M", "q5_K_M"};
     for (size_t i = 0; i < sizeof known / sizeof known[0]; i++)
         if (!strcmp(t, known[i])) return true;
     return false;
@@ -91,24 +92,27 @@ int cmd_quantize(int argc, char **argv)
 {
     const char *type = "q8_0";
     int64_t threads = 0;
-    const cli_opt opts[] = {{"type", OPT_STRING, &type, "q8_0, q4_0, q4_1, q5_0, q5_1, or f16, bf16, f32"},
+    const cli_opt opts[] = {{"type", OPT_STRING, &type,
+                             "q4_K_M, q5_K_M (llama.cpp's mixes), q4_K, q5_K, q6_K, q8_0, q4_0, q4_1, q5_0, q5_1, f16, bf16 or f32"},
                             {"threads", OPT_INT, &threads, "threads; 0 = all cores"},
                             {NULL, 0, NULL, NULL}};
     const char *pos[2];
     int np = 0;
     int r = cli_parse("quantize",
-                      "MODEL OUT.gguf [--type q8_0|q4_0|q4_1|q5_0|q5_1|f16|bf16|f32]\n\n"
+                      "MODEL OUT.gguf [--type q4_K_M|q5_K_M|q4_K|q5_K|q6_K|q8_0|q4_0|q4_1|q5_0|q5_1|f16|bf16|f32]\n\n"
                       "Writes a model (a kiln run folder or model file, a Hugging Face folder, or a GGUF file)\n"
-                      "as a GGUF file that llama.cpp and kiln load, its matrices in --type: blocks of 32\n"
-                      "values with their scale, as ggml's reference quantizers make them (norms, and\n"
-                      "matrices whose rows the blocks do not divide, stay f32). The K-quants (q4_K, q5_K,\n"
-                      "q6_K) and the _M mixes are still to come (docs/gguf.md).",
+                      "as a GGUF file that llama.cpp and kiln load, its matrices in --type's blocks, byte for\n"
+                      "byte as llama.cpp's quantizer makes them: q4_K_M and q5_K_M are its mixes (the output\n"
+                      "and some layers' value and down projections in q6_K); the K types put the output in\n"
+                      "q6_K and fall back as llama.cpp does where 256 does not divide a row; the others are\n"
+                      "written as asked everywhere. Norms stay f32 (docs/gguf.md).",
                       opts, argc, argv, pos, 2, &np);
     if (r) return r == 1 ? 0 : 2;
     if (np != 2) return cli_fail("quantize", "give the model and the GGUF file to write (see kiln quantize --help)");
     if (!gguf_type_known(type)) {
-        fprintf(stderr, "kiln quantize: --type %s is not one kiln writes: q8_0, q4_0, q4_1, q5_0, q5_1, f16, bf16, f32%s\n",
-                type, strstr(type, "_K") || strstr(type, "_k") ? " (the K-quants are still to come)" : "");
+        fprintf(stderr, "kiln quantize: --type %s is not one kiln writes: q4_K_M, q5_K_M, q4_K, q5_K, q6_K, q8_0, q4_0, "
+                "q4_1, q5_0, q5_1, f16, bf16, f32%s\n", type,
+                !strcmp(type, "Q4_K_M") || !strcmp(type, "q4_k_m") ? " (llama.cpp's spelling is q4_K_M)" : "");
         return 2;
     }
     if (cli_refuse_own_input("quantize", pos[0], pos[1], false)) return 1;
@@ -133,7 +137,7 @@ int cmd_export(int argc, char **argv)
     int np = 0;
     int r = cli_parse("export",
                       "hf RUN_DIR HF_DIR [--dtype f32|bf16|f16]\n"
-                      "       kiln export gguf RUN_DIR FILE.gguf [--dtype f32|bf16|f16|q8_0|q4_0|q4_1|q5_0|q5_1]\n\n"
+                      "       kiln export gguf RUN_DIR FILE.gguf [--dtype f32|bf16|f16|q8_0|q4_K_M|... (kiln quantize --help)]\n\n"
                       "hf: a Hugging Face folder that transformers loads: config.json (LlamaForCausalLM,\n"
                       "Qwen3ForCausalLM for models with q/k norms, or GPT2LMHeadModel for GPT-2 style models),\n"
                       "model.safetensors and tokenizer.json.\n"
@@ -145,7 +149,8 @@ int cmd_export(int argc, char **argv)
     if (!gguf && (r = check_kind("export", np, pos))) return r;
     kiln_dtype dt = KILN_DTYPE_F32;
     if (gguf && !gguf_type_known(dtype))
-        return cli_fail("export", "--dtype must be f32, bf16, f16, q8_0, q4_0, q4_1, q5_0 or q5_1 for gguf");
+        return cli_fail("export", "--dtype must be f32, bf16, f16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K, "
+                        "q4_K_M or q5_K_M for gguf");
     if (!gguf && (kiln_dtype_parse(dtype, &dt) != KILN_OK || !kiln_dtype_is_f32_or_half(dt)))
         return cli_fail("export", "--dtype must be f32, bf16 or f16");
     if (cli_refuse_own_input("export", pos[1], pos[2], false)) return 1;

@@ -275,6 +275,198 @@ static void q_q5_1(const float *x, uint8_t *b)
     put5(q, b + 4, b + 8);
 }
 
+/* ---- the K-quants: ggml's reference quantizers, from their published description ---- */
+
+/* Round to nearest, halves to even (as ggml's nearest_int, valid for |v| < 2^22). */
+static int nearest(float v) { return (int)lrintf(v); }
+
+static int clampi(int v, int lo, int hi) { return v < lo ? lo : v > hi ? hi : v; }
+
+/* A block's scale and minimum for n values in 0..nmax with per-value weights w: the
+ * plain fit of (min, max), then nstep trials of a slightly stretched scale, each
+ * refined by the weighted least-squares scale and offset of its integers, the one of
+ * least weighted squared error kept. L gets the integers; *mn the minimum's magnitude. */
+static float fit_scale_min(int n, int nmax, const float *x, const float *w, uint8_t *L, float *mn, float rmin,
+                           float rdelta, int nstep)
+{
+    float lo = x[0], hi = x[0], sum_w = w[0], sum_x = w[0] * x[0];
+    for (int i = 1; i < n; i++) {
+        lo = fminf(lo, x[i]), hi = fmaxf(hi, x[i]);
+        sum_w += w[i], sum_x += w[i] * x[i];
+    }
+    if (lo > 0) lo = 0;
+    if (hi == lo) {
+        memset(L, 0, (size_t)n);
+        *mn = -lo;
+        return 0.0f;
+    }
+    float iscale = (float)nmax / (hi - lo), scale = 1.0f / iscale, best = 0.0f;
+    for (int i = 0; i < n; i++) {
+        L[i] = (uint8_t)clampi(nearest(iscale * (x[i] - lo)), 0, nmax);
+        float diff = scale * L[i] + lo - x[i];
+        diff = diff * diff;
+        best += w[i] * diff;
+    }
+    uint8_t aux[32];
+    for (int is = 0; is <= nstep; is++) {
+        iscale = (rmin + rdelta * (float)is + (float)nmax) / (hi - lo);
+        float sum_l = 0, sum_l2 = 0, sum_xl = 0;
+        for (int i = 0; i < n; i++) {
+            int l = clampi(nearest(iscale * (x[i] - lo)), 0, nmax);
+            aux[i] = (uint8_t)l;
+            sum_l += w[i] * (float)l, sum_l2 += w[i] * (float)l * (float)l, sum_xl += w[i] * (float)l * x[i];
+        }
+        float D = sum_w * sum_l2 - sum_l * sum_l;
+        if (D > 0) {
+            float this_scale = (sum_w * sum_xl - sum_x * sum_l) / D, this_min = (sum_l2 * sum_x - sum_l * sum_xl) / D;
+            if (this_min > 0) this_min = 0, this_scale = sum_xl / sum_l2;
+            float err = 0;
+            for (int i = 0; i < n; i++) {
+                float diff = this_scale * aux[i] + this_min - x[i];
+                diff = diff * diff;
+                err += w[i] * diff;
+            }
+            if (err < best) memcpy(L, aux, (size_t)n), best = err, scale = this_scale, lo = this_min;
+        }
+    }
+    *mn = -lo;
+    return scale;
+}
+
+/* Q4_K's and Q5_K's scales and mins (6 bits each) into their 12 bytes. */
+static void put_scale_min_k4(uint8_t *s, int j, int ls, int lm)
+{
+    if (j < 4) {
+        s[j] = (uint8_t)ls, s[j + 4] = (uint8_t)lm;
+    } else {
+        s[j + 4] = (uint8_t)((ls & 0x0F) | (lm & 0x0F) << 4);
+        s[j - 4] |= (uint8_t)((ls >> 4) << 6);
+        s[j] |= (uint8_t)((lm >> 4) << 6);
+    }
+}
+
+/* Q4_K (nmax 15) and Q5_K (nmax 31): eight sub-blocks of 32, each fitted with weights
+ * mean-magnitude + |x|, the scales and mins then quantized to 6 bits against the
+ * largest, and the values again against those. L gets the final integers. */
+static void k_scales(const float *x, int nmax, float rmin, int nstep, uint8_t *b, uint8_t *L)
+{
+    float scales[8], mins[8], w[32], max_scale = 0, max_min = 0;
+    for (int j = 0; j < 8; j++) {
+        float sum_x2 = 0;
+        for (int l = 0; l < 32; l++) sum_x2 += x[32 * j + l] * x[32 * j + l];
+        float av = sqrtf(sum_x2 / 32);
+        for (int l = 0; l < 32; l++) w[l] = av + fabsf(x[32 * j + l]);
+        scales[j] = fit_scale_min(32, nmax, x + 32 * j, w, L + 32 * j, &mins[j], rmin, 0.1f, nstep);
+        max_scale = fmaxf(max_scale, scales[j]), max_min = fmaxf(max_min, mins[j]);
+    }
+    float inv_scale = max_scale > 0 ? 63.0f / max_scale : 0.0f, inv_min = max_min > 0 ? 63.0f / max_min : 0.0f;
+    uint8_t *sc = b + 4;
+    memset(sc, 0, 12);
+    for (int j = 0; j < 8; j++)
+        put_scale_min_k4(sc, j, clampi(nearest(inv_scale * scales[j]), 0, 63), clampi(nearest(inv_min * mins[j]), 0, 63));
+    f16_put(b, max_scale / 63.0f);
+    f16_put(b + 2, max_min / 63.0f);
+    float d = f16_at(b), dmin = f16_at(b + 2);
+    for (int j = 0; j < 8; j++) {
+        int s, m;
+        scale_min_k4(sc, j, &s, &m);
+        float dl = d * (float)s, ml = dmin * (float)m;
+        if (dl == 0.0f) continue;
+        for (int l = 0; l < 32; l++) L[32 * j + l] = (uint8_t)clampi(nearest((x[32 * j + l] + ml) / dl), 0, nmax);
+    }
+}
+
+static void q_q4_k(const float *x, uint8_t *b)
+{
+    uint8_t L[QK_K] = {0};
+    k_scales(x, 15, -1.0f, 20, b, L);
+    uint8_t *qs = b + 16;
+    for (int j = 0; j < QK_K; j += 64)
+        for (int l = 0; l < 32; l++) qs[j / 2 + l] = (uint8_t)(L[j + l] | L[j + l + 32] << 4);
+}
+
+static void q_q5_k(const float *x, uint8_t *b)
+{
+    uint8_t L[QK_K] = {0};
+    k_scales(x, 31, -0.5f, 15, b, L);
+    uint8_t *qh = b + 16, *qs = b + 48;
+    memset(qh, 0, 32);
+    for (int c = 0; c < 4; c++)
+        for (int l = 0; l < 32; l++) {
+            int lo = L[64 * c + l], hi = L[64 * c + l + 32];
+            qh[l] |= (uint8_t)((lo >> 4) << (2 * c) | (hi >> 4) << (2 * c + 1));
+            qs[32 * c + l] = (uint8_t)((lo & 0x0F) | (hi & 0x0F) << 4);
+        }
+}
+
+/* Q6_K's sub-block scale for 16 values in -32..31: from the value of largest magnitude,
+ * then the weighted (x^2) least-squares scale, tried at 18 stretches, the best kept. */
+static float fit_scale_sym(const float *x, int8_t *L)
+{
+    const int n = 16, nmax = 32;
+    float amax = 0, max = 0;
+    for (int i = 0; i < n; i++)
+        if (fabsf(x[i]) > amax) amax = fabsf(x[i]), max = x[i];
+    if (amax < 1e-15f) {
+        memset(L, 0, (size_t)n);
+        return 0.0f;
+    }
+    float iscale = -(float)nmax / max, sumlx = 0, suml2 = 0;
+    for (int i = 0; i < n; i++) {
+        int l = clampi(nearest(iscale * x[i]), -nmax, nmax - 1);
+        L[i] = (int8_t)l;
+        float w = x[i] * x[i];
+        sumlx += w * x[i] * (float)l, suml2 += w * (float)l * (float)l;
+    }
+    float scale = suml2 ? sumlx / suml2 : 0.0f, best = scale * sumlx;
+    for (int is = -9; is <= 9; is++) {
+        if (is == 0) continue;
+        iscale = -((float)nmax + 0.1f * (float)is) / max;
+        sumlx = suml2 = 0;
+        for (int i = 0; i < n; i++) {
+            int l = clampi(nearest(iscale * x[i]), -nmax, nmax - 1);
+            float w = x[i] * x[i];
+            sumlx += w * x[i] * (float)l, suml2 += w * (float)l * (float)l;
+        }
+        if (suml2 > 0 && sumlx * sumlx > best * suml2) {
+            for (int i = 0; i < n; i++) L[i] = (int8_t)clampi(nearest(iscale * x[i]), -nmax, nmax - 1);
+            scale = sumlx / suml2, best = scale * sumlx;
+        }
+    }
+    return scale;
+}
+
+static void q_q6_k(const float *x, uint8_t *b)
+{
+    float scales[16], max_scale = 0, max_abs = 0;
+    int8_t Ls[QK_K];
+    uint8_t L[QK_K];
+    for (int ib = 0; ib < 16; ib++) {
+        scales[ib] = fit_scale_sym(x + 16 * ib, Ls + 16 * ib);
+        if (fabsf(scales[ib]) > max_abs) max_abs = fabsf(scales[ib]), max_scale = scales[ib];
+    }
+    uint8_t *ql = b, *qh = b + 128;
+    int8_t *sc = (int8_t *)(b + 192);
+    memset(b, 0, 210);
+    if (max_abs < 1e-15f) return; /* all zero: zero scales and values */
+    float iscale = -128.0f / max_scale;
+    f16_put(b + 208, 1.0f / iscale);
+    for (int ib = 0; ib < 16; ib++) sc[ib] = (int8_t)(nearest(iscale * scales[ib]) > 127 ? 127 : nearest(iscale * scales[ib]));
+    float d = f16_at(b + 208);
+    for (int j = 0; j < 16; j++) {
+        float dl = d * (float)sc[j];
+        for (int i = 0; i < 16; i++)
+            L[16 * j + i] = (uint8_t)((dl == 0.0f ? Ls[16 * j + i] : clampi(nearest(x[16 * j + i] / dl), -32, 31)) + 32);
+    }
+    for (int h = 0; h < 2; h++)
+        for (int l = 0; l < 32; l++) {
+            const uint8_t *q = L + 128 * h;
+            ql[64 * h + l] = (uint8_t)((q[l] & 0x0F) | (q[l + 64] & 0x0F) << 4);
+            ql[64 * h + l + 32] = (uint8_t)((q[l + 32] & 0x0F) | (q[l + 96] & 0x0F) << 4);
+            qh[32 * h + l] = (uint8_t)((q[l] >> 4) | (q[l + 32] >> 4) << 2 | (q[l + 64] >> 4) << 4 | (q[l + 96] >> 4) << 6);
+        }
+}
+
 static void q_f32(const float *x, uint8_t *b) { memcpy(b, x, 4); }
 static void q_f16(const float *x, uint8_t *b) { f16_put(b, *x); }
 static void q_bf16(const float *x, uint8_t *b)
@@ -307,9 +499,9 @@ static const type_row types[KILN__GGML_COUNT] = {
     [KILN__GGML_Q8_1] = {"Q8_1", 32, 36, NULL},
     [KILN__GGML_Q2_K] = {"Q2_K", QK_K, 84, deq_q2_k},
     [KILN__GGML_Q3_K] = {"Q3_K", QK_K, 110, deq_q3_k},
-    [KILN__GGML_Q4_K] = {"Q4_K", QK_K, 144, deq_q4_k},
-    [KILN__GGML_Q5_K] = {"Q5_K", QK_K, 176, deq_q5_k},
-    [KILN__GGML_Q6_K] = {"Q6_K", QK_K, 210, deq_q6_k},
+    [KILN__GGML_Q4_K] = {"Q4_K", QK_K, 144, deq_q4_k, q_q4_k},
+    [KILN__GGML_Q5_K] = {"Q5_K", QK_K, 176, deq_q5_k, q_q5_k},
+    [KILN__GGML_Q6_K] = {"Q6_K", QK_K, 210, deq_q6_k, q_q6_k},
     [KILN__GGML_Q8_K] = {"Q8_K", QK_K, 292, NULL},
     [KILN__GGML_IQ2_XXS] = {"IQ2_XXS", QK_K, 66, NULL},
     [KILN__GGML_IQ2_XS] = {"IQ2_XS", QK_K, 74, NULL},

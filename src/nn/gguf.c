@@ -324,14 +324,41 @@ static kiln_status rope_freqs_tensor(gtensor *g, const kiln_gpt_config *c)
 
 /* The types kiln writes a model's matrices in, by name, and llama.cpp's general.file_type
  * for a file of each. */
-static const struct {
+typedef struct {
     const char *name;
     uint32_t type, file_type;
-} write_types[] = {
-    {"f32", KILN__GGML_F32, 0},   {"f16", KILN__GGML_F16, 1},   {"bf16", KILN__GGML_BF16, 32},
-    {"q8_0", KILN__GGML_Q8_0, 7}, {"q4_0", KILN__GGML_Q4_0, 2}, {"q4_1", KILN__GGML_Q4_1, 3},
-    {"q5_0", KILN__GGML_Q5_0, 8}, {"q5_1", KILN__GGML_Q5_1, 9},
+    int mix; /* llama.cpp's _M mixes: 4 (Q4_K_M) or 5 (Q5_K_M); 0 none */
+} write_type;
+
+static const write_type write_types[] = {
+    {"f32", KILN__GGML_F32, 0, 0},    {"f16", KILN__GGML_F16, 1, 0},    {"bf16", KILN__GGML_BF16, 32, 0},
+    {"q8_0", KILN__GGML_Q8_0, 7, 0},  {"q4_0", KILN__GGML_Q4_0, 2, 0},  {"q4_1", KILN__GGML_Q4_1, 3, 0},
+    {"q5_0", KILN__GGML_Q5_0, 8, 0},  {"q5_1", KILN__GGML_Q5_1, 9, 0},  {"q4_K", KILN__GGML_Q4_K, 14, 0},
+    {"q5_K", KILN__GGML_Q5_K, 16, 0}, {"q6_K", KILN__GGML_Q6_K, 18, 0}, {"q4_K_M", KILN__GGML_Q4_K, 15, 4},
+    {"q5_K_M", KILN__GGML_Q5_K, 17, 5},
 };
+
+/* llama.cpp's rule for the layers that get more bits in the _M mixes: the first and the
+ * last eighth, and every third between. */
+static bool more_bits(int i, int n) { return i < n / 8 || i >= 7 * n / 8 || (i - n / 8) % 3 == 2; }
+
+/* The type of one matrix (GGUF name gn, of layer `layer` of n_layer, rows of `cols`
+ * values) as llama.cpp's quantizer picks it for the file type: the K files' output (or
+ * tied embedding) in Q6_K, the mixes' value projections and down projections of the
+ * more_bits layers in Q6_K and a fused qkv one step up; a K type whose 256-value blocks
+ * do not divide the rows falls back as llama.cpp's does (Q4_K to Q5_0, Q5_K to Q5_1,
+ * Q6_K to Q8_0). The plain types are written as asked everywhere. */
+static uint32_t matrix_type(const write_type *w, const char *gn, int layer, int n_layer, bool tied, int64_t cols)
+{
+    uint32_t t = w->type;
+    bool k = t == KILN__GGML_Q4_K || t == KILN__GGML_Q5_K || t == KILN__GGML_Q6_K;
+    if (k && (!strcmp(gn, "output.weight") || (tied && !strcmp(gn, "token_embd.weight")))) t = KILN__GGML_Q6_K;
+    else if (w->mix && (strstr(gn, ".attn_v.weight") || strstr(gn, ".ffn_down.weight")) && more_bits(layer, n_layer))
+        t = KILN__GGML_Q6_K;
+    else if (w->mix && strstr(gn, ".attn_qkv.weight")) t = w->mix == 4 ? KILN__GGML_Q5_K : KILN__GGML_Q6_K;
+    if (cols % 256 == 0) return t;
+    return t == KILN__GGML_Q4_K ? KILN__GGML_Q5_0 : t == KILN__GGML_Q5_K ? KILN__GGML_Q5_1 : t == KILN__GGML_Q6_K ? KILN__GGML_Q8_0 : t;
+}
 
 kiln_status kiln_gguf_save(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, const char *path, kiln_dtype dt,
                            bool q8_0_weights)
@@ -350,7 +377,8 @@ kiln_status kiln_gguf_write(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, co
     while (wt < sizeof write_types / sizeof write_types[0] && strcmp(write_types[wt].name, type_name)) wt++;
     if (wt == sizeof write_types / sizeof write_types[0])
         return kiln_error(KILN_ERR_UNSUPPORTED, "gguf: type '%s' is not one kiln writes (f32, f16, bf16, q8_0, q4_0, "
-                          "q4_1, q5_0, q5_1; the K-quants and their _M mixes are still to come)", type_name);
+                          "q4_1, q5_0, q5_1, q4_K, q5_K, q6_K, q4_K_M, q5_K_M)", type_name);
+    const write_type *wtype = &write_types[wt];
     const kiln_gpt_config *c = kiln_gpt_get_config(m);
     kiln_status exportable = kiln__gpt_exportable(c, "gguf_save", "llama.cpp would");
     if (exportable != KILN_OK) return exportable;
@@ -368,7 +396,6 @@ kiln_status kiln_gguf_write(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, co
                           fam->gguf_arch);
     const char *arch = fam->gguf_arch;
     bool rope = c->pos == KILN_POS_ROPE;
-    uint32_t type = write_types[wt].type;
     int np = kiln_gpt_num_params(m), cap = np + 2 * c->n_layer + 1, nt = 0;
     gtensor *ts = calloc((size_t)cap, sizeof *ts);
     kiln_status s = ts ? KILN_OK : kiln_error(KILN_ERR_OOM, "gguf: out of memory");
@@ -386,7 +413,8 @@ kiln_status kiln_gguf_write(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, co
             for (int q = 0; q < 3 && s == KILN_OK; q++) {
                 char gn[64];
                 snprintf(gn, sizeof gn, fam->gguf_qkv, i, "qkv"[q]);
-                s = make_tensor(&ts[nt++], gn, kiln_narrow(p, 0, at, rows[q]), type, heads[q]);
+                s = make_tensor(&ts[nt++], gn, kiln_narrow(p, 0, at, rows[q]),
+                                matrix_type(wtype, gn, i, c->n_layer, c->tied, kiln_tensor_shape(p)[1]), heads[q]);
                 at += rows[q];
             }
             continue;
@@ -397,7 +425,8 @@ kiln_status kiln_gguf_write(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, co
         }
         char gn[64];
         snprintf(gn, sizeof gn, e->other, i);
-        s = make_tensor(&ts[nt++], gn, p, type, 0);
+        s = make_tensor(&ts[nt++], gn, p,
+                        matrix_type(wtype, gn, i, c->n_layer, c->tied, kiln_tensor_shape(p)[kiln_tensor_ndim(p) - 1]), 0);
     }
     if (s == KILN_OK && fam->gguf_rope_freqs && c->rope_scaling.kind == KILN_ROPE_SCALING_LLAMA3)
         s = rope_freqs_tensor(&ts[nt++], c);

@@ -376,9 +376,12 @@ def check_quantize(a):
         same = ours is not None and theirs is not None and (ours.view(np.uint32) == theirs.view(np.uint32)).all()
         check(not bad and same, f"{qt.name}: every tensor byte for byte the gguf package's quantization in the "
                                 f"converter's layout, logits those of the package's file{' (differ: ' + str(bad[:3]) + ')' if bad else ''}")
-    r = kiln(a, "quantize", folder, os.path.join(a.workdir, "k.gguf"), "--type", "q4_K_M")
-    check(r.returncode == 2 and "K-quants are still to come" in r.stderr,
-          f"--type q4_K_M is refused, saying the K-quants are still to come ({r.stderr.strip()})")
+    r = kiln(a, "quantize", folder, os.path.join(a.workdir, "k.gguf"), "--type", "Q4_K_M")
+    check(r.returncode == 2 and "llama.cpp's spelling is q4_K_M" in r.stderr,
+          f"--type Q4_K_M is refused, naming the spelling ({r.stderr.strip()})")
+    r = kiln(a, "quantize", folder, os.path.join(a.workdir, "k.gguf"), "--type", "q2_K")
+    check(r.returncode == 2 and "not one kiln writes" in r.stderr and not os.path.exists(os.path.join(a.workdir, "k.gguf")),
+          f"--type q2_K is refused, listing the types, nothing written ({r.stderr.strip()})")
 
 
 def check_llama_cpp_quantized(a):
@@ -414,6 +417,79 @@ def check_llama_cpp_quantized(a):
             del llm
         check(worst <= 0.1 and same, f"llama.cpp runs kiln's {t} file: logits within 0.1 of kiln's (max {worst:.3g}), "
                                      f"greedy tokens {'the same' if same else 'DIFFERENT'} where kiln's lead is over 0.2")
+
+
+def k_model(a):
+    """An F32 llama file wide enough for the K-quants' 256-value blocks (random weights,
+    8 layers for the _M mixes' layer rules), and its tensors."""
+    rng = np.random.default_rng(256)
+    C, F, L, H, KV = 256, 512, 8, 4, 2
+    V = gguf.GGUFValueType
+    keys = [("context_length", 64, V.UINT32), ("embedding_length", C, V.UINT32), ("feed_forward_length", F, V.UINT32),
+            ("block_count", L, V.UINT32), ("attention.head_count", H, V.UINT32),
+            ("attention.head_count_kv", KV, V.UINT32), ("rope.freq_base", 10000.0, V.FLOAT32),
+            ("attention.layer_norm_rms_epsilon", 1e-5, V.FLOAT32)]
+    hs = C // H
+    T = {"token_embd.weight": rng.standard_normal((256, C)), "output_norm.weight": 1 + 0.1 * rng.standard_normal(C),
+         "output.weight": rng.standard_normal((256, C)) * 0.05}
+    for i in range(L):
+        for n, shape in (("attn_q", (C, C)), ("attn_k", (KV * hs, C)), ("attn_v", (KV * hs, C)), ("attn_output", (C, C)),
+                         ("ffn_gate", (F, C)), ("ffn_up", (F, C)), ("ffn_down", (C, F))):
+            # heavy-tailed, as trained weights are, so that the scales and mins are exercised
+            T[f"blk.{i}.{n}.weight"] = rng.standard_t(4, shape) * 0.05
+        T[f"blk.{i}.attn_norm.weight"] = 1 + 0.1 * rng.standard_normal(C)
+        T[f"blk.{i}.ffn_norm.weight"] = 1 + 0.1 * rng.standard_normal(C)
+    T = {k: v.astype(np.float32) for k, v in T.items()}
+    path = os.path.join(a.workdir, "k-f32.gguf")
+    write(path, "llama", keys, T, spm=True)
+    return path, T
+
+
+def check_kquants(a):
+    """kiln's K-quant quantizers (Q4_K, Q5_K, Q6_K) against llama.cpp's own, which
+    llama_model_quantize runs (no importance matrix: ggml's reference quantizers): every
+    K-quant tensor of llama.cpp's Q4_K_M, Q5_K_M and Q6_K files, quantized again from
+    the same f32 values by kiln, is the same bytes."""
+    try:
+        import llama_cpp
+    except ImportError:
+        print("not run: kiln's K-quants against llama.cpp's (llama-cpp-python is not installed; not counted)")
+        return
+    src, T = k_model(a)
+    for ftype, name in ((15, "Q4_K_M"), (17, "Q5_K_M"), (18, "Q6_K")):
+        out = os.path.join(a.workdir, f"llama-cpp-{name}.gguf")
+        params = llama_cpp.llama_model_quantize_default_params()
+        params.ftype = ftype
+        params.nthread = 2
+        rc = llama_cpp.llama_model_quantize(src.encode(), out.encode(), params)
+        if not check(rc == 0, f"llama.cpp quantizes the K test model to {name}"):
+            continue
+        compared, bad = 0, []
+        for t in gguf.GGUFReader(out).tensors:
+            if t.tensor_type not in (Q.Q4_K, Q.Q5_K, Q.Q6_K):
+                continue
+            raw_in = os.path.join(a.workdir, "k-in.f32")
+            T[t.name].astype(np.float32).tofile(raw_in)
+            got = os.path.join(a.workdir, "k-out.bin")
+            r = subprocess.run([a.quant, str(int(t.tensor_type)), raw_in, got], capture_output=True, text=True)
+            compared += 1
+            if r.returncode != 0 or open(got, "rb").read() != np.asarray(t.data).tobytes():
+                bad.append(f"{t.name} ({t.tensor_type.name})")
+        check(compared > 0 and not bad, f"{name}: {compared} K-quant tensors of llama.cpp's file, kiln's quantization "
+                                        f"of each byte for byte the same{' (differ: ' + ', '.join(bad[:4]) + ')' if bad else ''}")
+        # the whole file through kiln quantize: the same type for every tensor (the mix's rules) and the same bytes
+        mine = os.path.join(a.workdir, f"kiln-{name}.gguf")
+        r = kiln(a, "quantize", src, mine, "--type", {"Q4_K_M": "q4_K_M", "Q5_K_M": "q5_K_M", "Q6_K": "q6_K"}[name])
+        theirs = {t.name: t for t in gguf.GGUFReader(out).tensors}
+        diff = []
+        if r.returncode == 0:
+            for t in gguf.GGUFReader(mine).tensors:
+                o = theirs.get(t.name)
+                if o is None or o.tensor_type != t.tensor_type or np.asarray(o.data).tobytes() != np.asarray(t.data).tobytes():
+                    diff.append(f"{t.name} kiln {t.tensor_type.name}, llama.cpp {o.tensor_type.name if o else None}")
+        check(r.returncode == 0 and not diff and len(theirs) == len(gguf.GGUFReader(mine).tensors),
+              f"kiln quantize --type {name}: every tensor of the type llama.cpp's quantizer picks, byte for byte "
+              f"its file's{' (differ: ' + '; '.join(diff[:3]) + ')' if diff else ''} {r.stderr.strip()}")
 
 
 def check_refusals(a):
@@ -452,6 +528,7 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--logits", required=True)
     ap.add_argument("--kiln", required=True)
+    ap.add_argument("--quant", required=True)
     ap.add_argument("--src", required=True)
     ap.add_argument("--workdir", required=True)
     a = ap.parse_args()
@@ -462,6 +539,7 @@ def main():
     check_cli(a)
     check_quantize(a)
     check_llama_cpp_quantized(a)
+    check_kquants(a)
     check_refusals(a)
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0

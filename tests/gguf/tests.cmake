@@ -26,9 +26,13 @@ endif()
 # kiln_model_load (gguf_logits), their logits against transformers' (tests/gguf/test_gguf_load.py).
 add_executable(gguf_logits ${CMAKE_CURRENT_LIST_DIR}/gguf_logits.c)
 target_link_libraries(gguf_logits PRIVATE kiln)
+add_executable(quant_probe ${CMAKE_CURRENT_LIST_DIR}/quant_probe.c)
+target_include_directories(quant_probe PRIVATE ${CMAKE_SOURCE_DIR}/src)
+target_link_libraries(quant_probe PRIVATE kiln)
 if(KILN_PYTHON3)
   add_test(NAME gguf_load COMMAND sh -c "py=${CMAKE_SOURCE_DIR}/build/venv/bin/python; [ -x \"$py\" ] || py=${KILN_PYTHON3}; exec \"$py\" \"$@\"" sh
            ${CMAKE_SOURCE_DIR}/tests/gguf/test_gguf_load.py --logits $<TARGET_FILE:gguf_logits>
-           --kiln $<TARGET_FILE:kiln_tool> --src ${CMAKE_SOURCE_DIR} --workdir ${CMAKE_BINARY_DIR}/gguf-load-tests)
+           --kiln $<TARGET_FILE:kiln_tool> --quant $<TARGET_FILE:quant_probe> --src ${CMAKE_SOURCE_DIR}
+           --workdir ${CMAKE_BINARY_DIR}/gguf-load-tests)
   set_tests_properties(gguf_load PROPERTIES SKIP_RETURN_CODE 77 TIMEOUT 600)
 endif()
