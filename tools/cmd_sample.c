@@ -42,7 +42,7 @@ int cmd_sample(int argc, char **argv)
 {
     const char *model = "runs/default", *prompt = "\n";
     int64_t tokens = 200, top_k = 0, seed = 0, threads = 0;
-    double temperature = 0.8, top_p = 1.0;
+    double temperature = 0.8, top_p = 1.0, min_p = 0, presence = 0, frequency = 0, repetition = 1;
     const cli_opt opts[] = {
         {"model", OPT_STRING, &model, "run folder or model.safetensors"},
         {"prompt", OPT_STRING, &prompt, "text to continue"},
@@ -50,6 +50,11 @@ int cmd_sample(int argc, char **argv)
         {"temperature", OPT_DOUBLE, &temperature, "softmax temperature; 0 = greedy"},
         {"top-k", OPT_INT, &top_k, "sample among the k likeliest tokens; 0 = all"},
         {"top-p", OPT_DOUBLE, &top_p, "sample among the likeliest tokens holding this much probability"},
+        {"min-p", OPT_DOUBLE, &min_p, "keep the tokens at least this many times as likely as the likeliest; 0 = all"},
+        {"repetition-penalty", OPT_DOUBLE, &repetition,
+         "a logit of a token in the prompt or the output divided by it (multiplied when negative); 1 = off"},
+        {"presence-penalty", OPT_DOUBLE, &presence, "subtracted from the logit of each token generated so far"},
+        {"frequency-penalty", OPT_DOUBLE, &frequency, "subtracted once per time a token was generated"},
         {"seed", OPT_INT, &seed, "seed of the sampler"},
         {"threads", OPT_INT, &threads, "threads; 0 = all cores"},
         CLI_ALIAS("tokens", "max-tokens"),
@@ -76,7 +81,12 @@ int cmd_sample(int argc, char **argv)
     if (kiln_tokenizer_encode_new(tok, prompt, plen, (size_t)tokens + 2, &ids, &n) != KILN_OK)
         return cli_fail("sample", NULL);
     if (n == 0) return cli_fail("sample", "the prompt is empty after tokenizing; give --prompt some text");
-    kiln_sampling sp = {temperature, (int)top_k, top_p, (uint64_t)seed};
+    kiln_sampling sp = {.temperature = temperature, .top_k = (int)top_k, .top_p = top_p, .seed = (uint64_t)seed,
+                        .min_p = min_p, .presence_penalty = presence, .frequency_penalty = frequency,
+                        .repetition_penalty = repetition};
+    int32_t *counts = kiln_sampling_adjusts(&sp) ? calloc((size_t)cfg->vocab_size, sizeof *counts) : NULL;
+    if (kiln_sampling_adjusts(&sp) && !counts) return cli_fail("sample", "out of memory");
+    size_t n_prompt = n;
     kiln_kv_cache_t *kv;
     if (kiln_kv_cache_new(m, 1, &kv) != KILN_OK) return cli_fail("sample", NULL);
     fwrite(prompt, 1, plen, stdout);
@@ -102,6 +112,7 @@ int cmd_sample(int argc, char **argv)
         kiln_scope_end();
         if (s != KILN_OK) break;
         fed = n;
+        if (counts) kiln_sample_adjust(row, cfg->vocab_size, &sp, ids, (int)n_prompt, (int)n, counts);
         ids[n++] = kiln_sample_token(row, cfg->vocab_size, &sp, t, c);
         char *text;
         size_t len;
@@ -130,5 +141,6 @@ int cmd_sample(int argc, char **argv)
     free(ids);
     free(c);
     free(row);
+    free(counts);
     return s == KILN_OK ? 0 : cli_fail("sample", NULL);
 }

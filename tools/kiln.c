@@ -202,7 +202,8 @@ static const struct {
     R("val-fraction", 0, 1, KILN__PARSE_BELOW_HI), R("loss-scale", 1, 1e30, 0), R("bucket-mb", 0, 1 << 20, 0),
     /* sampling and serving */
     I("sample/max-tokens", 0, BIG), I("top-k", 0, BIG), R("temperature", 0, DBL_MAX, 0),
-    R("top-p", 0, 1, KILN__PARSE_ABOVE_LO), I("port", 0, 65535), I("max-batch", 1, 4096), I("max-queue", 0, 1 << 20),
+    R("top-p", 0, 1, KILN__PARSE_ABOVE_LO), R("min-p", 0, 1, 0), R("presence-penalty", -2, 2, 0),
+    R("frequency-penalty", -2, 2, 0), R("repetition-penalty", 0, 100, KILN__PARSE_ABOVE_LO), I("port", 0, 65535), I("max-batch", 1, 4096), I("max-queue", 0, 1 << 20),
     I("max-step-tokens", 2, 1 << 20), I("kv-memory", 1, BIG), I("block-len", 1, 1024),
     I("max-body", 1, (int64_t)1 << 32), R("timeout", 0, DBL_MAX, KILN__PARSE_ABOVE_LO), I("idle-timeout", 1, 86400),
     I("max-tokens", 1, BIG), I("http-threads", 1, 1024),

@@ -43,10 +43,28 @@ typedef struct {
     int top_k;          /* 0 = all tokens */
     double top_p;       /* in (0, 1]; 1 = all tokens */
     uint64_t seed;
+    /* Zero for each of these is off (a zeroed struct samples as before them). */
+    double min_p;              /* keep the tokens at least min_p times as likely as the likeliest (0..1) */
+    double presence_penalty;   /* subtracted once from the logit of each token generated so far (-2..2) */
+    double frequency_penalty;  /* subtracted from it once per time it was generated (-2..2) */
+    double repetition_penalty; /* > 0: a logit of a token in the prompt or the output is divided by it
+                                  when positive, multiplied when negative (1 or 0: off) */
+    const int32_t *bias_ids;   /* logit_bias: bias_vals[i] added to token bias_ids[i]'s logit */
+    const float *bias_vals;
+    int n_bias;
 } kiln_sampling;
 
 /* Bytes of scratch kiln_sample_token needs for a vocabulary of V tokens. */
 size_t kiln_sample_scratch_bytes(int V);
+/* Whether s changes the logits before sampling (a logit bias or a penalty is set). */
+bool kiln_sampling_adjusts(const kiln_sampling *s);
+/* The logits as s adjusts them, in order: logit_bias added; then repetition_penalty
+ * over the distinct tokens of tok[0..n_tok) (prompt and output, as transformers'
+ * RepetitionPenaltyLogitsProcessor); then presence and frequency penalties over the
+ * output tok[n_prompt..n_tok) (as OpenAI and vLLM define them). logits (V) are changed
+ * in place; counts is scratch of V ints, zero on entry and left zero. */
+void kiln_sample_adjust(float *logits, int V, const kiln_sampling *s, const int32_t *tok, int n_prompt, int n_tok,
+                        int32_t *counts);
 /* Picks token number `index` of a sequence from logits (V). The choice is a pure
  * function of (logits, params, seed, index), so it does not depend on batching.
  * scratch holds kiln_sample_scratch_bytes(V) bytes. */

@@ -33,6 +33,7 @@
 #include <string.h>
 #include <time.h>
 #include "kiln/serve.h"
+#include "core/threadpool.h"
 #include "core/util.h"
 
 typedef struct seq {
@@ -42,6 +43,8 @@ typedef struct seq {
     int n_prompt, n_tok; /* n_tok: prompt + generated so far */
     int max_tokens, generated;
     kiln_sampling sp;
+    int32_t *bias_ids; /* the request's logit_bias, copied (sp points at them) */
+    float *bias_vals;
     int logprobs;
     kiln_engine_cb cb;
     void *user;
@@ -95,7 +98,11 @@ struct kiln_engine {
     int32_t *b_tok, *b_seq, *b_pos, *b_rows, *b_table;
     seq **b_row_seq;
     float *logits;
-    void *scratch;
+    void *scratch;       /* per row of a step: kiln_sample_token's candidates */
+    size_t scratch_row;  /* bytes of each row's scratch */
+    float *adjusted;     /* per row: the logits a penalty or a bias changed */
+    int32_t *counts;     /* per row: kiln_sample_adjust's counts (zero between uses) */
+    int32_t *picked;     /* per row: the token sampled */
     int top_ids[KILN_MAX_LOGPROBS];
     float top_lp[KILN_MAX_LOGPROBS];
 
@@ -209,7 +216,7 @@ static void register_full_blocks(kiln_engine_t *e, seq *s)
 
 static void seq_free(seq *s)
 {
-    if (s) KILN__FREE(s->tok, s->blocks, s->hash, s->spare, s);
+    if (s) KILN__FREE(s->tok, s->blocks, s->hash, s->spare, s->bias_ids, s->bias_vals, s);
 }
 
 static int blocks_for(const kiln_engine_t *e, int positions) { return (positions + e->BS - 1) / e->BS; }
@@ -423,14 +430,36 @@ static void advance(kiln_engine_t *e, const kiln_paged_batch *b)
     }
 }
 
-/* Samples each row's next token and tells its callback. Runs without mu. */
+/* Rows [b, end) of a step: each row's logits adjusted (penalties, bias) and its token
+ * drawn, with the row's own scratch, so that rows run on the pool in any split and a
+ * row's token is what it would be alone. */
+static void sample_range(void *ctx, int64_t b, int64_t end)
+{
+    kiln_engine_t *e = ctx;
+    for (int64_t r = b; r < end; r++) {
+        seq *s = e->b_row_seq[r];
+        if (s->cancelled) continue;
+        const float *lg = e->logits + (size_t)r * e->V;
+        if (kiln_sampling_adjusts(&s->sp)) {
+            float *adj = e->adjusted + (size_t)r * e->V;
+            memcpy(adj, lg, sizeof(float) * (size_t)e->V);
+            kiln_sample_adjust(adj, e->V, &s->sp, s->tok, s->n_prompt, s->n_tok, e->counts + (size_t)r * e->V);
+            lg = adj;
+        }
+        e->picked[r] = kiln_sample_token(lg, e->V, &s->sp, s->generated, (char *)e->scratch + (size_t)r * e->scratch_row);
+    }
+}
+
+/* Samples each row's next token (the rows in parallel) and tells the callbacks, in row
+ * order. Runs without mu. Log-probabilities are the model's, before any adjustment. */
 static void sample_rows(kiln_engine_t *e, int rows)
 {
+    kiln__parallel_for(rows, 1, sample_range, e);
     for (int r = 0; r < rows; r++) {
         seq *s = e->b_row_seq[r];
         if (s->cancelled) continue;
         const float *lg = e->logits + (size_t)r * e->V;
-        int t = kiln_sample_token(lg, e->V, &s->sp, s->generated, e->scratch);
+        int t = e->picked[r];
         kiln_token_event ev = {.token = t, .index = s->generated, .logprob = 0, .n_top = 0};
         if (s->logprobs >= 0) {
             ev.logprob = kiln_token_logprobs(lg, e->V, t, s->logprobs, e->top_ids, e->top_lp);
@@ -574,8 +603,13 @@ kiln_status kiln_engine_new(kiln_gpt_t *model, const kiln_engine_opts *opts, kil
     }
     e->b_row_seq = malloc(sizeof(seq *) * (size_t)o.max_batch);
     e->logits = malloc(sizeof(float) * (size_t)o.max_batch * (size_t)e->V);
-    e->scratch = malloc(kiln_sample_scratch_bytes(e->V));
-    if (!e->meta || !e->block_tokens || !e->free_stack || !e->b_tok || !e->b_row_seq || !e->logits || !e->scratch) {
+    e->scratch_row = (kiln_sample_scratch_bytes(e->V) + 63) / 64 * 64;
+    e->scratch = malloc(e->scratch_row * (size_t)o.max_batch);
+    e->adjusted = malloc(sizeof(float) * (size_t)o.max_batch * (size_t)e->V);
+    e->counts = calloc((size_t)o.max_batch * (size_t)e->V, sizeof *e->counts);
+    e->picked = malloc(sizeof *e->picked * (size_t)o.max_batch);
+    if (!e->meta || !e->block_tokens || !e->free_stack || !e->b_tok || !e->b_row_seq || !e->logits || !e->scratch ||
+        !e->adjusted || !e->counts || !e->picked) {
         kiln_engine_free(e);
         return kiln_error(KILN_ERR_OOM, "engine_new: out of memory for %d KV blocks", nb);
     }
@@ -613,7 +647,8 @@ void kiln_engine_free(kiln_engine_t *e)
         pthread_cond_destroy(&e->cv);
     }
     kiln_kv_pool_free(e->pool);
-    KILN__FREE(e->meta, e->block_tokens, e->free_stack, e->b_tok, e->b_row_seq, e->logits, e->scratch, e->cancels, e);
+    KILN__FREE(e->meta, e->block_tokens, e->free_stack, e->b_tok, e->b_row_seq, e->logits, e->scratch, e->adjusted,
+               e->counts, e->picked, e->cancels, e);
 }
 
 kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint64_t *id)
@@ -631,6 +666,16 @@ kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint
     if (!(sp->temperature >= 0) || !(sp->top_p > 0 && sp->top_p <= 1) || sp->top_k < 0)
         return kiln_error(KILN_ERR_ARG, "engine_submit: temperature %g, top_p %g, top_k %d: want >= 0, (0, 1], >= 0",
                           sp->temperature, sp->top_p, sp->top_k);
+    if (!(sp->min_p >= 0 && sp->min_p <= 1) || !(fabs(sp->presence_penalty) <= 2) || !(fabs(sp->frequency_penalty) <= 2) ||
+        !(sp->repetition_penalty >= 0 && isfinite(sp->repetition_penalty)) || sp->n_bias < 0 ||
+        (sp->n_bias > 0 && (!sp->bias_ids || !sp->bias_vals)))
+        return kiln_error(KILN_ERR_ARG, "engine_submit: min_p %g, presence_penalty %g, frequency_penalty %g, "
+                          "repetition_penalty %g, %d biases: want 0..1, -2..2, -2..2, >= 0 and the biases given",
+                          sp->min_p, sp->presence_penalty, sp->frequency_penalty, sp->repetition_penalty, sp->n_bias);
+    for (int i = 0; i < sp->n_bias; i++)
+        if (sp->bias_ids[i] < 0 || sp->bias_ids[i] >= e->V || !isfinite(sp->bias_vals[i]))
+            return kiln_error(KILN_ERR_INDEX, "engine_submit: logit_bias %d: token %d (bias %g), outside the vocabulary of "
+                              "%d or not finite", i, sp->bias_ids[i], sp->bias_vals[i], e->V);
     for (int i = 0; i < r->n_prompt; i++)
         if (r->prompt[i] < 0 || r->prompt[i] >= e->V)
             return kiln_error(KILN_ERR_INDEX, "engine_submit: prompt token %d is %d, outside the vocabulary of %d", i,
@@ -655,6 +700,18 @@ kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint
     s->n_prompt = s->n_tok = r->n_prompt;
     s->max_tokens = r->max_tokens;
     s->sp = r->sampling;
+    if (sp->n_bias > 0) { /* the request's arrays are the caller's: copied, as the prompt is */
+        s->bias_ids = malloc(sizeof *s->bias_ids * (size_t)sp->n_bias);
+        s->bias_vals = malloc(sizeof *s->bias_vals * (size_t)sp->n_bias);
+        if (!s->bias_ids || !s->bias_vals) {
+            seq_free(s);
+            return kiln_error(KILN_ERR_OOM, "engine_submit: out of memory");
+        }
+        memcpy(s->bias_ids, sp->bias_ids, sizeof *s->bias_ids * (size_t)sp->n_bias);
+        memcpy(s->bias_vals, sp->bias_vals, sizeof *s->bias_vals * (size_t)sp->n_bias);
+    }
+    s->sp.bias_ids = s->bias_ids;
+    s->sp.bias_vals = s->bias_vals;
     s->logprobs = r->logprobs;
     s->cb = r->cb;
     s->user = r->user;

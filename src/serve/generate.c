@@ -114,7 +114,11 @@ static enum MHD_Result generate(kiln_server_t *s, struct MHD_Connection *conn, c
     for (int i = 0; i < j->n && sub == KILN_OK; i++) {
         kiln_gen_request r = {.prompt = ids, .n_prompt = n_ids, .max_tokens = max_tokens,
                               .sampling = {.temperature = q->temperature, .top_k = q->top_k, .top_p = q->top_p,
-                                           .seed = seed + (uint64_t)i},
+                                           .seed = seed + (uint64_t)i, .min_p = q->min_p,
+                                           .presence_penalty = q->presence_penalty,
+                                           .frequency_penalty = q->frequency_penalty,
+                                           .repetition_penalty = q->repetition_penalty, .bias_ids = q->bias_ids,
+                                           .bias_vals = q->bias_vals, .n_bias = q->n_bias},
                               .logprobs = q->logprobs, .cb = kiln__serve_on_token, .user = &j->ch[i]};
         j->refs++;
         sub = kiln_engine_submit(s->engine, &r, &j->ch[i].engine_id);

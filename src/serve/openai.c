@@ -1,6 +1,7 @@
 /* The OpenAI request format, checked field by field, and the client-side text of a
  * generation (UTF-8 repair, stop strings, what may be streamed yet). */
 #include <jansson.h>
+#include <stdint.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -156,6 +157,34 @@ static int parse_stop(ctx *c, json_t *v, kiln__oai_req *r)
     return 0;
 }
 
+/* logit_bias: {"token id": bias, ...}, ids as decimal strings (OpenAI's form), biases in
+ * -100..100; at most 1024 of them. Whether each id is in the vocabulary is the engine's
+ * check (it knows the vocabulary). */
+static int parse_logit_bias(ctx *c, json_t *v, kiln__oai_req *r)
+{
+    if (!v || json_is_null(v)) return 0;
+    if (!json_is_object(v)) return bad(c, "logit_bias", "'logit_bias' must be an object of token ids to biases");
+    size_t n = json_object_size(v);
+    if (n > 1024) return bad(c, "logit_bias", "'logit_bias' holds more than 1024 tokens");
+    r->bias_ids = malloc(sizeof *r->bias_ids * (n ? n : 1));
+    r->bias_vals = malloc(sizeof *r->bias_vals * (n ? n : 1));
+    if (!r->bias_ids || !r->bias_vals) return bad(c, NULL, "out of memory");
+    const char *k;
+    json_t *b;
+    json_object_foreach(v, k, b)
+    {
+        char *end = NULL;
+        long id = strtol(k, &end, 10);
+        if (!*k || *end || id < 0 || id > INT32_MAX || (k[0] == '0' && k[1]))
+            return bad(c, "logit_bias", "'logit_bias' keys must be token ids (decimal integers)");
+        if (!json_is_number(b) || !(json_number_value(b) >= -100 && json_number_value(b) <= 100))
+            return bad(c, "logit_bias", "'logit_bias' values must be numbers from -100 to 100");
+        r->bias_ids[r->n_bias] = (int32_t)id;
+        r->bias_vals[r->n_bias++] = (float)json_number_value(b);
+    }
+    return 0;
+}
+
 static int parse_object(ctx *c, json_t *o, bool chat, kiln__oai_req *r)
 {
     json_t *v = json_object_get(o, "model");
@@ -171,6 +200,11 @@ static int parse_object(ctx *c, json_t *o, bool chat, kiln__oai_req *r)
     if ((s = get(c, o, "temperature", T_NUM, 0, 2, &r->temperature))) return s;
     if ((s = get(c, o, "top_p", T_NUM_OPEN, 0, 1, &r->top_p))) return s;
     if ((s = get(c, o, "top_k", T_INT, 0, 1 << 24, &r->top_k))) return s;
+    if ((s = get(c, o, "min_p", T_NUM, 0, 1, &r->min_p))) return s;
+    if ((s = get(c, o, "presence_penalty", T_NUM, -2, 2, &r->presence_penalty))) return s;
+    if ((s = get(c, o, "frequency_penalty", T_NUM, -2, 2, &r->frequency_penalty))) return s;
+    if ((s = get(c, o, "repetition_penalty", T_NUM, 0, 100, &r->repetition_penalty))) return s;
+    if ((s = parse_logit_bias(c, json_object_get(o, "logit_bias"), r))) return s;
     if ((s = get(c, o, "n", T_INT, 1, KILN__MAX_N, &r->n))) return s;
     if ((s = parse_stop(c, json_object_get(o, "stop"), r))) return s;
     v = json_object_get(o, "seed");
@@ -224,7 +258,7 @@ int kiln__oai_parse(const char *body, size_t len, bool chat, kiln__oai_req *r, c
 void kiln__oai_free(kiln__oai_req *r)
 {
     if (!r) return;
-    KILN__FREE(r->model, r->prompt, r->prompt_ids);
+    KILN__FREE(r->model, r->prompt, r->prompt_ids, r->bias_ids, r->bias_vals);
     for (int i = 0; i < r->n_msgs; i++) {
         free(r->msgs[i].role);
         free(r->msgs[i].content);

@@ -29,6 +29,10 @@ typedef struct {
     int max_tokens;               /* -1: the server's default */
     double temperature, top_p;
     int top_k, n;
+    double min_p, presence_penalty, frequency_penalty, repetition_penalty; /* 0: off */
+    int32_t *bias_ids;            /* logit_bias: token id -> bias, n_bias of them */
+    float *bias_vals;
+    int n_bias;
     char *stop[KILN__MAX_STOPS];
     int n_stop;
     bool has_seed;
