@@ -280,6 +280,50 @@ static size_t count_id(const int32_t *ids, size_t n, int32_t id)
 /* Inside a plain span the special token's text is text: its bytes' ids, never its own
  * id; outside the span (and in a span that only touches it) it is still the token. The
  * oracle is the byte tokenizer's view of the same bytes: the ids decode back to them. */
+/* A post_processor's template that puts a special token before the text marks the
+ * tokenizer as one whose prompts start with it (LLaMA's TemplateProcessing, alone and in
+ * a Sequence as LLaMA 3 has it); none, or one that starts with the text, does not.
+ * Oracle: the documents written out here. */
+static void test_a_template_before_the_text_means_prompts_start_with_it(void **state)
+{
+    (void)state;
+    static const char *head = "{\"version\":\"1.0\",\"added_tokens\":[{\"id\":256,\"content\":\"<s>\",\"special\":true}],"
+                              "\"pre_tokenizer\":{\"type\":\"ByteLevel\",\"add_prefix_space\":false},"
+                              "\"decoder\":{\"type\":\"ByteLevel\"},\"model\":{\"type\":\"BPE\",\"vocab\":{";
+    const char *pps[] = {
+        "{\"type\":\"TemplateProcessing\",\"single\":[{\"SpecialToken\":{\"id\":\"<s>\",\"type_id\":0}},"
+        "{\"Sequence\":{\"id\":\"A\",\"type_id\":0}}],\"special_tokens\":{\"<s>\":{\"id\":\"<s>\",\"ids\":[256],"
+        "\"tokens\":[\"<s>\"]}}}",
+        "{\"type\":\"Sequence\",\"processors\":[{\"type\":\"ByteLevel\"},{\"type\":\"TemplateProcessing\","
+        "\"single\":[{\"SpecialToken\":{\"id\":\"<s>\",\"type_id\":0}},{\"Sequence\":{\"id\":\"A\",\"type_id\":0}}],"
+        "\"special_tokens\":{\"<s>\":{\"id\":\"<s>\",\"ids\":[256],\"tokens\":[\"<s>\"]}}}]}",
+        "{\"type\":\"TemplateProcessing\",\"single\":[{\"Sequence\":{\"id\":\"A\",\"type_id\":0}}],\"special_tokens\":{}}",
+        "null",
+    };
+    const bool want[] = {true, true, false, false};
+    char *doc = malloc(1 << 16);
+    assert_non_null(doc);
+    for (size_t k = 0; k < sizeof pps / sizeof pps[0]; k++) {
+        size_t o = (size_t)snprintf(doc, 1 << 16, "%s", head);
+        /* the vocabulary: GPT-2's 256 byte characters (printable Latin-1 as itself, the rest
+         * from U+0100 up in byte order), each written as a \\u escape */
+        for (int b = 0, extra = 0; b < 256; b++) {
+            bool keep = (b >= '!' && b <= '~') || (b >= 0xA1 && b <= 0xAC) || (b >= 0xAE && b <= 0xFF);
+            int cp = keep ? b : 256 + extra++;
+            o += (size_t)snprintf(doc + o, (1 << 16) - o, "%s\"\\u%04x\":%d", b ? "," : "", cp, b);
+        }
+        o += (size_t)snprintf(doc + o, (1 << 16) - o, "},\"merges\":[]},\"post_processor\":%s}", pps[k]);
+        write_file(tmp_path("bos.json"), doc);
+        kiln_tokenizer_t *t = NULL;
+        if (kiln_tokenizer_load(tmp_path("bos.json"), &t) != KILN_OK) fail_msg("case %zu: %s", k, kiln_last_error());
+        assert_int_equal(kiln_tokenizer_adds_bos(t), want[k]);
+        if (want[k]) assert_int_equal(kiln_tokenizer_bos(t), 256);
+        kiln_tokenizer_free(t);
+    }
+    free(doc);
+    remove(tmp_path("bos.json"));
+}
+
 static void test_plain_spans_keep_special_text_as_text(void **state)
 {
     (void)state;
@@ -806,6 +850,7 @@ int main(void)
         cmocka_unit_test(test_bpe_ties_go_to_the_smaller_pair),
         cmocka_unit_test(test_bpe_encodes_the_literal_eot_to_its_id),
         cmocka_unit_test(test_plain_spans_keep_special_text_as_text),
+        cmocka_unit_test(test_a_template_before_the_text_means_prompts_start_with_it),
         cmocka_unit_test(test_pretokenizer_follows_the_gpt2_split),
         cmocka_unit_test(test_pretokenizer_uses_unicode_classes),
         cmocka_unit_test(test_save_then_load_gives_identical_encodings),

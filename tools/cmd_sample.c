@@ -81,6 +81,12 @@ int cmd_sample(int argc, char **argv)
     if (kiln_tokenizer_encode_new(tok, prompt, plen, (size_t)tokens + 2, &ids, &n) != KILN_OK)
         return cli_fail("sample", NULL);
     if (n == 0) return cli_fail("sample", "the prompt is empty after tokenizing; give --prompt some text");
+    if (kiln_tokenizer_adds_bos(tok) && ids[0] != kiln_tokenizer_bos(tok)) { /* as the model was trained: the
+                                                                                 tokenizer's start of text first */
+        memmove(ids + 1, ids, sizeof *ids * n);
+        ids[0] = kiln_tokenizer_bos(tok);
+        n++;
+    }
     kiln_sampling sp = {.temperature = temperature, .top_k = (int)top_k, .top_p = top_p, .seed = (uint64_t)seed,
                         .min_p = min_p, .presence_penalty = presence, .frequency_penalty = frequency,
                         .repetition_penalty = repetition};

@@ -150,6 +150,13 @@ int32_t kiln_tokenizer_eot(const kiln_tokenizer_t *t);
 /* The special token that starts a text: "<s>", else "<|begin_of_text|>", else the
  * end-of-text token (GPT-2 starts with it); -1 when none. */
 int32_t kiln_tokenizer_bos(const kiln_tokenizer_t *t);
+/* Whether a prompt for generation starts with the start-of-text token, as the model was
+ * trained: a tokenizer.json whose post_processor (TemplateProcessing, alone or in a
+ * Sequence) puts a special token before the text (LLaMA 2 and 3, Mistral), or a GGUF
+ * file's tokenizer.ggml.add_bos_token (llama.cpp's default: on for SentencePiece
+ * vocabularies). kiln_tokenizer_encode never adds it; kiln sample and kiln serve put
+ * kiln_tokenizer_bos before a prompt's text where this says so. */
+bool kiln_tokenizer_adds_bos(const kiln_tokenizer_t *t);
 
 /* "byte" or "bpe" (byte-level or SentencePiece-style: both read from and saved as
  * tokenizer.json). */

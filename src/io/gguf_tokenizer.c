@@ -288,6 +288,13 @@ kiln_status kiln_gguf_tokenizer(const kiln_gguf_t *g, kiln_tokenizer_t **out)
         (st = token_id(g, "tokenizer.ggml.bos_token_id", t->n_vocab, path, &bos)) == KILN_OK) {
         t->eot_id = eos;
         t->bos_id = bos;
+        /* a prompt starts with bos where the file says so; without the key, as llama.cpp
+         * defaults: SentencePiece vocabularies yes, byte-level BPE no */
+        const char *model = "";
+        kiln_gguf_get_str(g, "tokenizer.ggml.model", &model);
+        t->add_bos = !strcmp(model, "llama");
+        if (kiln_gguf_find_key(g, "tokenizer.ggml.add_bos_token") >= 0)
+            st = kiln_gguf_get_bool(g, "tokenizer.ggml.add_bos_token", &t->add_bos);
     }
     if (st != KILN_OK) {
         kiln_tokenizer_free(t);

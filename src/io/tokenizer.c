@@ -116,6 +116,8 @@ int32_t kiln_tokenizer_eot(const kiln_tokenizer_t *t)
     return t && t->eot_id >= 0 ? t->eot_id : special_named(t, names);
 }
 
+bool kiln_tokenizer_adds_bos(const kiln_tokenizer_t *t) { return t && t->add_bos && t->bos_id >= 0; }
+
 int32_t kiln_tokenizer_bos(const kiln_tokenizer_t *t)
 {
     static const char *const names[] = {"<s>", "<|begin_of_text|>", NULL};

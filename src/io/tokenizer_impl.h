@@ -116,6 +116,7 @@ struct kiln_tokenizer {
     /* The end and start of a text as the file names them (a GGUF file's eos and bos
      * token ids); -1: found by their names among the special tokens (tokenizer.c). */
     int32_t eot_id, bos_id;
+    bool add_bos; /* kiln_tokenizer_adds_bos */
 };
 
 /* The tokenizer a tokenizer.json's document describes (root, a json_t; what names it in

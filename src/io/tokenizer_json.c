@@ -687,6 +687,30 @@ static void set_cut(kiln_tokenizer_t *t, const char *c)
 
 /* The tokenizer described by root; each id's bytes (and, char-level, its string) are
  * gathered first, then packed. */
+/* The start-of-text token a post_processor puts before a text (kiln_tokenizer_adds_bos):
+ * a TemplateProcessing, alone or in a Sequence, whose "single" template starts with a
+ * SpecialToken; its id from "special_tokens". kiln's ids are the text's alone, so this
+ * is only noted, for prompts (the rest of the template is not applied). */
+static void start_token(const json_t *pp, kiln_tokenizer_t *t)
+{
+    const char *type = json_string_value(json_object_get(pp, "type"));
+    if (type && !strcmp(type, "Sequence")) {
+        size_t i;
+        const json_t *e;
+        json_array_foreach(json_object_get(pp, "processors"), i, e) start_token(e, t);
+        return;
+    }
+    if (!type || strcmp(type, "TemplateProcessing")) return;
+    const json_t *first = json_array_get(json_object_get(pp, "single"), 0);
+    const char *name = json_string_value(json_object_get(json_object_get(first, "SpecialToken"), "id"));
+    const json_t *ids = json_object_get(json_object_get(json_object_get(pp, "special_tokens"), name ? name : ""), "ids");
+    json_int_t id = json_integer_value(json_array_get(ids, 0));
+    if (name && json_is_integer(json_array_get(ids, 0)) && id >= 0 && id < t->n_vocab) {
+        t->add_bos = true;
+        t->bos_id = (int32_t)id;
+    }
+}
+
 kiln_status kiln__tokenizer_from_json(const json_t *root, const char *path, kiln_tokenizer_t **out)
 {
     pipeline p = {0};
@@ -924,6 +948,7 @@ kiln_status kiln__tokenizer_from_json(const json_t *root, const char *path, kiln
         t->is_byte = identity;
     }
     if (st == KILN_OK && p.char_level) set_cut(t, p.metaspace ? p.ms.rep : "\xe2\x96\x81");
+    if (st == KILN_OK) start_token(json_object_get(root, "post_processor"), t);
     if (st == KILN_OK && p.split) st = kiln__regex_new(p.split, path, &t->split);
     if (st == KILN_OK) { /* the pipeline's steps move into t */
         t->norm = p.norm, t->n_norm = p.n_norm, t->norm_seq = p.norm_seq;

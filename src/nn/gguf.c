@@ -235,7 +235,7 @@ static kiln_status put_tokenizer(buf *b, int *n, const kiln_tokenizer_t *tok)
         int32_t eot = kiln_tokenizer_eot(tok), bos = kiln_tokenizer_bos(tok);
         if (bos >= 0) kv_u32(b, n, "tokenizer.ggml.bos_token_id", (uint32_t)bos);
         if (eot >= 0) kv_u32(b, n, "tokenizer.ggml.eos_token_id", (uint32_t)eot);
-        kv_bool(b, n, "tokenizer.ggml.add_bos_token", false);
+        kv_bool(b, n, "tokenizer.ggml.add_bos_token", kiln_tokenizer_adds_bos(tok));
     }
     free(scores);
     free(tokens);

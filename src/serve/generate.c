@@ -74,6 +74,17 @@ static enum MHD_Result generate(kiln_server_t *s, struct MHD_Connection *conn, c
             if (ids[i] >= s->vocab)
                 FAIL(400, "prompt", NULL, "prompt token %d is %d, outside the vocabulary of %d", i, ids[i], s->vocab);
     }
+    /* a prompt of text starts with the start-of-text token where the model's tokenizer
+     * says so (kiln_tokenizer_adds_bos), as transformers and llama.cpp tokenize it; ids
+     * given as ids are taken as they are */
+    if ((chat || q->prompt) && n_ids > 0 && kiln_tokenizer_adds_bos(s->tok) && ids[0] != kiln_tokenizer_bos(s->tok)) {
+        int32_t *more = realloc(ids, sizeof *ids * (size_t)(n_ids + 1));
+        if (!more) FAIL(500, NULL, NULL, "out of memory");
+        ids = more;
+        memmove(ids + 1, ids, sizeof *ids * (size_t)n_ids);
+        ids[0] = kiln_tokenizer_bos(s->tok);
+        n_ids++;
+    }
     if (n_ids == 0) { /* an empty prompt starts a document (in the buffer the tokenizer left, if any) */
         int32_t *one = s->bos >= 0 ? realloc(ids, sizeof *ids) : NULL;
         if (!one) FAIL(400, chat ? "messages" : "prompt", NULL, "the prompt is empty");

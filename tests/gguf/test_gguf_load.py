@@ -492,6 +492,46 @@ def check_kquants(a):
               f"its file's{' (differ: ' + '; '.join(diff[:3]) + ')' if diff else ''} {r.stderr.strip()}")
 
 
+def prompt_tokens(a, path):
+    """usage.prompt_tokens of a completion of "Hello" served from the file."""
+    p = subprocess.Popen([a.kiln, "serve", path, "--port", "0", "--no-log-requests"], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    try:
+        port, deadline = None, time.time() + 120
+        while time.time() < deadline and port is None:
+            line = p.stderr.readline()
+            if not line:
+                break
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else None
+        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
+                                     data=json.dumps({"prompt": "Hello", "max_tokens": 1}).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=60).read())["usage"]["prompt_tokens"]
+    except Exception as e:  # noqa: BLE001
+        return repr(e)
+    finally:
+        p.terminate()
+        p.wait(30)
+
+
+def check_bos(a):
+    """A prompt starts with the start-of-text token where the file says so
+    (tokenizer.ggml.add_bos_token), and by llama.cpp's default without the key: on for a
+    SentencePiece vocabulary, off for a byte-level one."""
+    folder = os.path.join(a.src, "tests/reference/hf/llama")
+    keys, T = convert(folder, "llama")
+    V = gguf.GGUFValueType
+    cases = [("spm-default", True, [], 6), ("spm-off", True, [("tokenizer.ggml.add_bos_token", False, V.BOOL)], 5),
+             ("bpe-default", False, [], 5), ("bpe-on", False, [("tokenizer.ggml.add_bos_token", True, V.BOOL)], 6)]
+    for name, spm, extra, want in cases:
+        path = os.path.join(a.workdir, f"bos-{name}.gguf")
+        write(path, "llama", keys, T, spm=spm, extra_keys=extra + [("tokenizer.ggml.bos_token_id", 1, V.UINT32)])
+        got = prompt_tokens(a, path)
+        check(got == want, f"{name}: 'Hello' is {want} prompt tokens ({'with' if want == 6 else 'without'} the start "
+                           f"of text; got {got})")
+
+
 def check_refusals(a):
     folder = os.path.join(a.src, "tests/reference/hf/llama")
     keys, T = convert(folder, "llama")
@@ -540,6 +580,7 @@ def main():
     check_quantize(a)
     check_llama_cpp_quantized(a)
     check_kquants(a)
+    check_bos(a)
     check_refusals(a)
     print(f"{passed} passed, {failed} failed")
     return 1 if failed else 0
