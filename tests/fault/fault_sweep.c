@@ -645,7 +645,10 @@ static const struct {
 
 /* ---- the runs ---- */
 
-enum { OK_ERROR = 0, OK_SUCCEEDED = 1, NO_MESSAGE = 3, LEAKED = 4, WRONG = 5, BROKEN = 6, LSAN_LEAK = 7 };
+/* A child's verdict, its exit status: none is 1 or 23, the sanitizers' own (an ASan or
+ * UBSan report ends a process with 1, LeakSanitizer's at exit with 23), so that a
+ * sanitizer's report is never taken for a verdict. */
+enum { OK_ERROR = 40, OK_SUCCEEDED, NO_MESSAGE, LEAKED, WRONG, BROKEN, LSAN_LEAK };
 
 /* LeakSanitizer's check, in the ASan build (NULL in the others). A child ends with
  * _exit, which skips the check LeakSanitizer makes at exit, so it asks for one itself. */
@@ -780,7 +783,10 @@ int main(int argc, char **argv)
     if (at == 0) one = NULL; /* (0: sweep them all, as env.def says) */
     if (one && only && getenv("FAULT_INLINE")) /* one run in this process, for a debugger */
         for (size_t sc = 0; sc < n_sc; sc++)
-            if (!strcmp(only, scenarios[sc].name)) return child((int)sc, (long)at, NULL, -1);
+            if (!strcmp(only, scenarios[sc].name)) {
+                int st = child((int)sc, (long)at, NULL, -1);
+                return st == OK_ERROR || st == OK_SUCCEEDED ? 0 : st;
+            }
     int passed = 0, failed = 0;
     for (size_t sc = 0; sc < n_sc; sc++) {
         if (only && strcmp(only, scenarios[sc].name)) continue;
@@ -806,7 +812,7 @@ int main(int argc, char **argv)
                        st > 128 ? "crashed or hung" : st == LEAKED ? "leaked tensor memory" :
                        st == NO_MESSAGE ? "an error without a message" : st == WRONG ? "a wrong result" :
                        st == BROKEN ? "the library broken after it" : st == LSAN_LEAK ? "a leak (LeakSanitizer)" :
-                       "an ASan report or another failure", st);
+                       "a sanitizer's report or another failure", st);
             }
         }
         printf("%s  %s: %ld allocations, %d runs each failing one (every %ld): %d errors said, %d recovered, %d bad "
