@@ -600,6 +600,33 @@ static kiln_status sc_train_step(double *digest)
     return s;
 }
 
+/* Export: the tiny LLaMA written as a Hugging Face folder (bf16) and as a GGUF file
+ * (q8_0), then the folder read back. */
+static kiln_status sc_export(double *digest)
+{
+    kiln_gpt_config c = tiny();
+    kiln_gpt_t *m = NULL, *back = NULL;
+    kiln_tokenizer_t *t = kiln_tokenizer_byte();
+    char hf[400], gguf[400];
+    snprintf(hf, sizeof hf, "%s/export-%d", dir, (int)getpid());
+    snprintf(gguf, sizeof gguf, "%s/export-%d.gguf", dir, (int)getpid());
+    kiln_status s = t ? kiln_gpt_new(&c, 7, &m) : kiln_last_status();
+    if (s == KILN_OK) s = kiln_hf_save(m, t, hf, KILN_DTYPE_BF16);
+    if (s == KILN_OK) s = kiln_gguf_save(m, t, gguf, KILN_DTYPE_F16, true);
+    if (s == KILN_OK) s = kiln_hf_load(hf, &back);
+    struct stat st;
+    if (s == KILN_OK && stat(gguf, &st) != 0) s = kiln_error(KILN_ERR_IO, "fault_sweep: no %s", gguf);
+    double v = 0;
+    if (s == KILN_OK) s = params_sum((kiln_tensor_t *[]){kiln_gpt_param(back, 0, NULL)}, 1, &v);
+    if (s == KILN_OK) *digest = v + (double)st.st_size;
+    remove_tree(hf);
+    remove(gguf);
+    kiln_gpt_free(back);
+    kiln_gpt_free(m);
+    kiln_tokenizer_free(t);
+    return s;
+}
+
 /* Flex attention forward and backward on the fused cpu kernels (generated once, then
  * found in the kernel cache), with a block mask, and the mask as a tensor. */
 static kiln_status sc_flex_attention(double *digest)
@@ -640,7 +667,7 @@ static const struct {
     {"gpt", sc_gpt},           {"hf_load", sc_hf_load},         {"flex", sc_flex},
     {"graph", sc_graph},       {"compiled", sc_compiled},       {"serve", sc_serve},
     {"optim", sc_optim},       {"dist", sc_dist},               {"flex_attention", sc_flex_attention},
-    {"train_step", sc_train_step},
+    {"train_step", sc_train_step}, {"export", sc_export},
 };
 
 /* ---- the runs ---- */
