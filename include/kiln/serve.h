@@ -136,7 +136,8 @@ void kiln_engine_free(kiln_engine_t *e);
 kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint64_t *id);
 /* Asks the engine to drop a request (queued or running) and free its KV blocks before
  * its next step; its callback gets a final KILN_FINISH_CANCELLED call. Unknown or
- * finished ids are ignored. Safe from any thread, including inside a callback. */
+ * finished ids are ignored. Safe from any thread, including inside a callback; it needs
+ * no memory, so it never fails. */
 void kiln_engine_cancel(kiln_engine_t *e, uint64_t id);
 
 typedef struct {

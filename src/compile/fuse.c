@@ -655,7 +655,10 @@ kiln_status kiln__program_build(kiln_graph_t *g, const kc_options *o, kiln__prog
         for (int v = 0; v < nv; v++) memo[v] = -1;
         kc_kernel *kr = &p->k[p->n_k];
         s = lower_group(g, &gr[G], members, n, stored, form, memo, mutated, kr);
-        if (s != KILN_OK) break;
+        if (s != KILN_OK) { /* not yet counted in n_k, so kiln__program_free would miss its arrays */
+            KILN__FREE(kr->e, kr->acc, kr->st, kr->buf, kr->sz);
+            break;
+        }
         collapse(kr);
         split(kr);
         /* Named after its ops: k<n>_ then each op once, in order, while they fit. */

@@ -259,6 +259,7 @@ typedef struct {
  * heads of hs rows. */
 static kiln_status make_tensor(gtensor *g, const char *name, kiln_tensor_t *p, uint32_t type, int heads)
 {
+    if (!p) return kiln_last_status(); /* the view of qkv it was given could not be made */
     snprintf(g->name, sizeof g->name, "%s", name);
     int nd = kiln_tensor_ndim(p);
     const int64_t *sh = kiln_tensor_shape(p);
@@ -464,8 +465,8 @@ kiln_status kiln_gguf_write(const kiln_gpt_t *m, const kiln_tokenizer_t *tok, co
         u32(&b, 3);
         u64(&b, (uint64_t)nt);
         u64(&b, (uint64_t)nkv);
+        if (kv.failed) b.failed = true; /* (then kv.p may be NULL: put takes nothing from it) */
         put(&b, kv.p, kv.n);
-        if (kv.failed) b.failed = true;
         free(kv.p);
         uint64_t at = 0;
         for (int k = 0; k < nt; k++) {

@@ -56,6 +56,7 @@ typedef struct seq {
     uint64_t *hash; /* prefix hash of each block once it is full */
     int n_done;     /* positions whose keys and values are in the pool */
     int n_hashed;   /* leading blocks hashed (and registered when possible) */
+    bool cancel_asked; /* by kiln_engine_cancel, under mu */
     bool cancelled;
     kiln_finish finish;
 } seq;
@@ -86,12 +87,11 @@ struct kiln_engine {
     bool started, stop;
     seq *wait_head, *wait_tail; /* under mu */
     int n_waiting;
-    uint64_t *cancels; /* ids to cancel, under mu */
-    int n_cancels;
-    size_t cap_cancels;
+    bool any_cancel; /* some sequence has cancel_asked, under mu */
     uint64_t next_id;
 
-    seq *running; /* engine thread only */
+    /* Changed by the engine thread under mu (kiln_engine_cancel reads it under mu). */
+    seq *running;
     int n_running;
 
     /* Step buffers, engine thread only. */
@@ -300,27 +300,29 @@ static void collect_finished(kiln_engine_t *e, seq **done)
     }
 }
 
-/* Marks the ids in the cancel list; waiting ones go to *done at once. Under mu. */
+/* Marks the sequences kiln_engine_cancel asked for; waiting ones go to *done at once.
+ * Under mu. */
 static void apply_cancels(kiln_engine_t *e, seq **done)
 {
-    for (int i = 0; i < e->n_cancels; i++) {
-        uint64_t id = e->cancels[i];
-        for (seq *s = e->running; s; s = s->next)
-            if (s->id == id) s->cancelled = true;
-        for (seq **p = &e->wait_head, *prev = NULL; *p; prev = *p, p = &(*p)->next) {
-            seq *s = *p;
-            if (s->id != id) continue;
-            *p = s->next;
-            if (e->wait_tail == s) e->wait_tail = prev;
-            e->n_waiting--;
-            s->finish = KILN_FINISH_CANCELLED;
-            s->next = *done;
-            *done = s;
-            e->st.requests_done++;
-            break;
+    if (!e->any_cancel) return;
+    for (seq *s = e->running; s; s = s->next)
+        if (s->cancel_asked) s->cancelled = true;
+    for (seq **p = &e->wait_head, *prev = NULL; *p;) {
+        seq *s = *p;
+        if (!s->cancel_asked) {
+            prev = s;
+            p = &s->next;
+            continue;
         }
+        *p = s->next;
+        if (e->wait_tail == s) e->wait_tail = prev;
+        e->n_waiting--;
+        s->finish = KILN_FINISH_CANCELLED;
+        s->next = *done;
+        *done = s;
+        e->st.requests_done++;
     }
-    e->n_cancels = 0;
+    e->any_cancel = false;
 }
 
 static void admit(kiln_engine_t *e)
@@ -648,7 +650,7 @@ void kiln_engine_free(kiln_engine_t *e)
     }
     kiln_kv_pool_free(e->pool);
     KILN__FREE(e->meta, e->block_tokens, e->free_stack, e->b_tok, e->b_row_seq, e->logits, e->scratch, e->adjusted,
-               e->counts, e->picked, e->cancels, e);
+               e->counts, e->picked, e);
 }
 
 kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint64_t *id)
@@ -737,13 +739,14 @@ kiln_status kiln_engine_submit(kiln_engine_t *e, const kiln_gen_request *r, uint
 void kiln_engine_cancel(kiln_engine_t *e, uint64_t id)
 {
     if (!e || !id) return;
+    /* Marked on the request itself, so that a cancel needs no memory and cannot fail. */
     pthread_mutex_lock(&e->mu);
-    uint64_t *p = kiln__grow(e->cancels, (size_t)e->n_cancels, &e->cap_cancels, 16, sizeof *p);
-    if (p) { /* else it cannot be recorded: the request runs to its end instead */
-        e->cancels = p;
-        e->cancels[e->n_cancels++] = id;
-        pthread_cond_signal(&e->cv);
-    }
+    for (int list = 0; list < 2; list++)
+        for (seq *s = list ? e->wait_head : e->running; s; s = s->next)
+            if (s->id == id) {
+                s->cancel_asked = e->any_cancel = true;
+                pthread_cond_signal(&e->cv);
+            }
     pthread_mutex_unlock(&e->mu);
 }
 
