@@ -66,13 +66,14 @@ bool kiln__chat_template_parse(const char *text, kiln__chat_template *t, char *e
     }
     const char *rk;
     json_t *rv;
+    bool oom = false; /* a role or stop string that could not be copied: an error, not a template without it */
     json_object_foreach(roles, rk, rv)
     {
         if (!json_is_string(rv) || t->n_roles == KILN__MAX_ROLES) continue;
         t->role[t->n_roles] = strdup(rk);
         t->role_message[t->n_roles] = strdup(json_string_value(rv));
-        if (t->role[t->n_roles] && t->role_message[t->n_roles]) t->n_roles++;
-        else free(t->role[t->n_roles]), free(t->role_message[t->n_roles]);
+        t->n_roles++; /* (a NULL of the two fails the check below: a role is never dropped) */
+        if (!t->role[t->n_roles - 1] || !t->role_message[t->n_roles - 1]) oom = true;
     }
     t->prefix = strdup(pre ? json_string_value(pre) : "");
     t->message = strdup(json_string_value(m));
@@ -82,10 +83,10 @@ bool kiln__chat_template_parse(const char *text, kiln__chat_template *t, char *e
     json_array_foreach(st, i, s)
     {
         if (!json_is_string(s) || !json_string_length(s) || t->n_stop == KILN__MAX_STOPS - 4) continue;
-        if ((t->stop[t->n_stop] = strdup(json_string_value(s)))) t->n_stop++;
+        if (!(t->stop[t->n_stop++] = strdup(json_string_value(s)))) oom = true;
     }
     json_decref(o);
-    if (!t->prefix || !t->message || !t->generation) {
+    if (oom || !t->prefix || !t->message || !t->generation) {
         kiln__chat_template_free(t);
         snprintf(err, n_err, "chat template: out of memory");
         return false;

@@ -57,5 +57,7 @@ char *__wrap_strndup(const char *s, size_t n) { return tick() ? NULL : __real_st
 void *__wrap_aligned_alloc(size_t align, size_t n) { return tick() ? NULL : __real_aligned_alloc(align, n); }
 int __wrap_posix_memalign(void **p, size_t align, size_t n) { return tick() ? 12 /* ENOMEM */ : __real_posix_memalign(p, align, n); }
 
-/* For jansson (a shared library, which --wrap does not reach). */
-void *fault_json_malloc(size_t n) { return __wrap_malloc(n); }
+/* For jansson (a shared library, which --wrap does not reach), unless fault_json(false). */
+static atomic_bool json_faults = true;
+void fault_json(bool on) { atomic_store(&json_faults, on); }
+void *fault_json_malloc(size_t n) { return atomic_load(&json_faults) ? __wrap_malloc(n) : __real_malloc(n); }

@@ -9,4 +9,6 @@ long fault_count(void);
 /* Whether the armed one has failed. */
 bool fault_fired(void);
 void *fault_json_malloc(size_t n);
+/* Whether jansson's allocations are counted and failed too (true at first). */
+void fault_json(bool on);
 #endif

@@ -10,7 +10,7 @@ target_link_options(fault_sweep PRIVATE -Wl,--wrap=malloc,--wrap=calloc,--wrap=r
 # longer one), about 10 seconds a case under ASan. `build/fault_sweep` alone fails every
 # allocation of every scenario in turn (docs/reliability.md: the counts and the times).
 set(KILN_FAULT_SCENARIOS autograd safetensors tokenizer gpt hf_load flex graph compiled serve optim dist
-    flex_attention train_step export)
+    flex_attention train_step export openai)
 foreach(sc ${KILN_FAULT_SCENARIOS})
   add_test(NAME fault_alloc_${sc} COMMAND fault_sweep ${sc} --max-runs 300)
   set_tests_properties(fault_alloc_${sc} PROPERTIES TIMEOUT 600 LABELS fault ENVIRONMENT "${KILN_LSAN_ENV}")
