@@ -522,7 +522,7 @@ static void bad_inputs_fail_with_a_reason(void **state)
     assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/f --precision f8", tool(), corpus, dir), 1);
     assert_non_null(strstr(out, "--precision must be f32, bf16 or f16"));
     assert_int_equal(run(out, sizeof out, "%s serve %s/a --weights i8", tool(), dir), 1);
-    assert_non_null(strstr(out, "--weights must be f32, bf16 or f16"));
+    assert_non_null(strstr(out, "--weights must be f32, bf16, f16 or q8_0"));
 }
 
 /* kiln train --precision bf16 and f16 train (the loss falls) and log what they run;
