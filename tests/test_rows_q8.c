@@ -4,7 +4,8 @@
  * C reference written here (a quantized per row to q8_0, an int32 dot per block, blocks
  * summed in order as acc = fmaf(dot, d_w * d_a, acc)) whatever M, the rows it is called
  * with, the thread count (ctest runs it at 1 and 2 threads) and the kernel (ctest runs it
- * with KILN_OPT_ROWS_Q8_SIMD=0: the plain C kernel; else AVX2 where the CPU has it); and
+ * with KILN_OPT_ROWS_Q8_SIMD=0: the plain C kernel; else AVX2 where the CPU has it); a
+ * Q8_0 GGUF file's matrices re-pack to the file's own blocks; and
  * within a stated tolerance of the f32 product of the dequantized weights. */
 #include <stdarg.h>
 #include <stddef.h>
@@ -15,7 +16,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <unistd.h>
 #include "kiln/kiln.h"
+#include "kiln/gguf.h"
 #include "core/dtype.h"
 #include "test_util.h"
 
@@ -157,6 +160,57 @@ static void q8_0_weights_round_trip(void **state)
     free(w);
 }
 
+/* A Q8_0 GGUF file (kiln_gguf_write, llama.cpp's quantizer bit for bit): each of its
+ * q8_0 matrices, read as f32 as kiln_gguf_load reads it, packs to the file's own blocks. */
+static void q8_0_gguf_matrices_repack_to_their_blocks(void **state)
+{
+    (void)state;
+    kiln_gpt_config c = kiln_gpt_config_llama();
+    c.n_layer = 2, c.n_head = 4, c.n_kv_head = 2, c.n_embd = 128, c.block_size = 32, c.vocab_size = 256;
+    kiln_gpt_t *m;
+    assert_int_equal(kiln_gpt_new(&c, 5, &m), KILN_OK);
+    kiln_tokenizer_t *tok = kiln_tokenizer_byte();
+    char dir[] = "/tmp/kiln_rows_q8_XXXXXX", path[64];
+    assert_non_null(mkdtemp(dir));
+    snprintf(path, sizeof path, "%s/m.gguf", dir);
+    if (kiln_gguf_write(m, tok, path, "q8_0") != KILN_OK) fail_msg("%s", kiln_last_error());
+    kiln_gguf_t *g;
+    assert_int_equal(kiln_gguf_open(path, &g), KILN_OK);
+    int checked = 0;
+    for (int64_t i = 0; i < kiln_gguf_n_tensors(g); i++) {
+        kiln_gguf_tensor t;
+        assert_int_equal(kiln_gguf_tensor_at(g, i, &t), KILN_OK);
+        if (t.type != 8 || t.ndim != 2) continue; /* ggml's Q8_0 matrices */
+        int64_t N = t.shape[0], K = t.shape[1], KB = K / QK;
+        kiln_scope_begin();
+        kiln_tensor_t *wp = kiln_matmul_rows_pack_q8_0(kiln_gguf_tensor_f32(g, i));
+        assert_non_null(wp);
+        size_t nb = (size_t)kiln_tensor_numel(wp);
+        uint8_t *got = malloc(nb);
+        assert_int_equal(kiln_tensor_to_host(wp, got, nb), KILN_OK);
+        const uint8_t *file = t.data;
+        for (int64_t n = 0; n < N; n++)
+            for (int64_t b = 0; b < KB; b++) {
+                const uint8_t *blk = got + ((n / 16) * KB + b) * KILN_ROWS_Q8_BYTES, *src = file + (n * KB + b) * BLK;
+                if (memcmp(blk + 2 * (n % 16), src, 2))
+                    fail_msg("%s row %lld block %lld: the scale differs from the file's", t.name, (long long)n, (long long)b);
+                for (int q = 0; q < 8; q++)
+                    if (memcmp(blk + 32 + 64 * q + 4 * (n % 16), src + 2 + 4 * q, 4))
+                        fail_msg("%s row %lld block %lld: values differ from the file's", t.name, (long long)n,
+                                 (long long)b);
+            }
+        free(got);
+        kiln_scope_end();
+        checked++;
+    }
+    assert_true(checked >= 2 * 7); /* every layer's q, k, v, o, gate, up and down at least */
+    kiln_gguf_free(g);
+    unlink(path);
+    rmdir(dir);
+    kiln_tokenizer_free(tok);
+    kiln_gpt_free(m);
+}
+
 /* The product, bit for bit the reference for every M 1..17 (all rows at once and each
  * row alone), on shapes with N not a multiple of 16 and K up to 4096; and within the
  * activation rounding of the f32 product of the dequantized weights: each block of a
@@ -247,6 +301,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(pack_q8_0_lays_out_ggml_blocks),
         cmocka_unit_test(q8_0_weights_round_trip),
+        cmocka_unit_test(q8_0_gguf_matrices_repack_to_their_blocks),
         cmocka_unit_test(rows_q8_matches_reference_for_every_m),
         cmocka_unit_test(rows_q8_refuses_bad_shapes),
     };
