@@ -384,8 +384,9 @@ static void hf_folders_import_sample_and_export(void **state)
     assert_int_equal(fread(magic, 1, 4, gf), 4);
     fclose(gf);
     assert_memory_equal(magic, "GGUF", 4);
-    assert_int_equal(run(out, sizeof out, "%s export gguf %s/hfrun %s/m.gguf --dtype q3_K", tool(), dir, dir), 1);
-    assert_non_null(strstr(out, "--dtype must be f32, bf16, f16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K"));
+    assert_int_equal(run(out, sizeof out, "%s export gguf %s/hfrun %s/m.gguf --dtype q2_K", tool(), dir, dir), 1);
+    assert_non_null(strstr(out, "--dtype must be f32, bf16, f16, q8_0, q4_0, q4_1, q5_0, q5_1, q4_K, q5_K, q6_K, "
+                                "q4_K_M or q5_K_M for gguf"));
     assert_int_equal(run(out, sizeof out, "%s import gguf %s %s/x", tool(), hf, dir), 1);
     assert_non_null(strstr(out, "is a directory, not a regular file"));
     assert_int_equal(run(out, sizeof out, "%s import safetensors %s %s/x", tool(), hf, dir), 2);
@@ -521,7 +522,7 @@ static void bad_inputs_fail_with_a_reason(void **state)
     assert_int_equal(run(out, sizeof out, "%s train --data %s --out %s/f --precision f8", tool(), corpus, dir), 1);
     assert_non_null(strstr(out, "--precision must be f32, bf16 or f16"));
     assert_int_equal(run(out, sizeof out, "%s serve %s/a --weights i8", tool(), dir), 1);
-    assert_non_null(strstr(out, "--weights must be f32, bf16 or f16"));
+    assert_non_null(strstr(out, "--weights must be f32, bf16, f16 or q8_0"));
 }
 
 /* kiln train --precision bf16 and f16 train (the loss falls) and log what they run;

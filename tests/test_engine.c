@@ -101,10 +101,14 @@ static kiln_gen_request request(const int32_t *p, int n, int max_tokens, double 
     return q;
 }
 
+/* The linear weights' packing of the engines made next (kiln_engine_opts.weight_quant). */
+static kiln_weight_quant weight_quant = KILN_WEIGHT_QUANT_NONE;
+
 static kiln_engine_t *engine_kv(kiln_gpt_t *m, int max_batch, int num_blocks, bool prefix, kiln_dtype kv)
 {
     kiln_engine_opts o = kiln_engine_opts_default();
     o.kv_dtype = kv;
+    o.weight_quant = weight_quant;
     o.max_batch = max_batch;
     o.num_blocks = num_blocks;
     o.block_len = 8;
@@ -228,7 +232,8 @@ static void windowed_model_decodes_in_bounded_blocks(void **state)
 
 /* A seeded, sampled request gives bitwise the same tokens and logprobs alone and
  * batched with seven others (whose prompts differ in length, so prefill chunks and
- * decode rows mix in the same steps); with an f32 and with an f16 KV cache. */
+ * decode rows mix in the same steps); with an f32 and with an f16 KV cache, and with the
+ * linear weights in q8_0 blocks (activations quantized per row). */
 static void same_seed_alone_or_batched(kiln_dtype kv)
 {
     kiln_gpt_t *m = model();
@@ -269,6 +274,9 @@ static void same_seed_same_tokens_alone_or_batched(void **state)
 {
     same_seed_alone_or_batched(KILN_DTYPE_F32);
     same_seed_alone_or_batched(KILN_DTYPE_F16);
+    weight_quant = KILN_WEIGHT_QUANT_Q8_0;
+    same_seed_alone_or_batched(KILN_DTYPE_F32);
+    weight_quant = KILN_WEIGHT_QUANT_NONE;
 }
 
 /* The second request with the same 40-token prompt reuses its KV blocks and still

@@ -518,7 +518,7 @@ static void paged_forward_runs_attention_variants(void **state)
 
 /* One decode step of sequence 0 alone, then the same step batched with 1..5 others at
  * other positions: its logits must be bitwise the same, with f32 and with bf16 weights. */
-static void batch_invariant_case(kiln_dtype weights)
+static void batch_invariant_case(kiln_dtype weights, kiln_weight_quant quant)
 {
     kiln_gpt_config c = tiny(true);
     /* Wide enough that the BLAS's one-row (GEMV) path would round differently. */
@@ -529,7 +529,7 @@ static void batch_invariant_case(kiln_dtype weights)
     assert_int_equal(kiln_gpt_new(&c, 3, &m), KILN_OK);
     kiln_kv_pool_t *p;
     enum { S = 6, BL = 4, MB = 6 };
-    assert_int_equal(kiln_kv_pool_new_typed(m, S * MB, BL, KILN_DTYPE_F32, weights, &p), KILN_OK);
+    assert_int_equal(kiln_kv_pool_new_quant(m, S * MB, BL, KILN_DTYPE_F32, weights, quant, &p), KILN_OK);
     int32_t table[S * MB];
     for (int i = 0; i < S * MB; i++) table[i] = (i * 5) % (S * MB);
     /* Prefill 10 positions of every sequence. */
@@ -567,9 +567,10 @@ static void batch_invariant_case(kiln_dtype weights)
 
 static void paged_forward_is_batch_invariant(void **state)
 {
-    batch_invariant_case(KILN_DTYPE_F32);
-    batch_invariant_case(KILN_DTYPE_BF16);
-    batch_invariant_case(KILN_DTYPE_F16);
+    batch_invariant_case(KILN_DTYPE_F32, KILN_WEIGHT_QUANT_NONE);
+    batch_invariant_case(KILN_DTYPE_BF16, KILN_WEIGHT_QUANT_NONE);
+    batch_invariant_case(KILN_DTYPE_F16, KILN_WEIGHT_QUANT_NONE);
+    batch_invariant_case(KILN_DTYPE_F32, KILN_WEIGHT_QUANT_Q8_0);
 }
 
 /* A model whose linear weights are stored in bf16 or f16 (kiln_gpt_store_linear, what

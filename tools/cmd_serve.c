@@ -76,7 +76,8 @@ int cmd_serve(int argc, char **argv)
         {"kv-dtype", OPT_STRING, &kv_dtype, "KV cache storage: f32, or f16 / bf16 (half the memory, keys and values rounded)"},
         {"weights", OPT_STRING, &weights, "the linear layers' weights as decoding reads them: f32, or bf16 / f16 (each "
                                          "rounded once: half the bytes of the packed copy, and of what each token "
-                                         "streams)"},
+                                         "streams), or q8_0 (ggml's 8-bit blocks, 1.0625 bytes a weight, activations quantized to 8 bits "
+                                         "per product as llama.cpp's Q8_0 does)"},
         {"no-prefix-cache", OPT_FLAG, &no_prefix_cache, "do not share the KV blocks of common prompt prefixes"},
         {"log-requests", OPT_FLAG, &log_requests, "a line on stderr per finished request: time, client, method, path, "
                                                   "status, tokens, milliseconds, how it ended (default: on when "
@@ -106,10 +107,10 @@ int cmd_serve(int argc, char **argv)
     if (kiln_dtype_parse(kv_dtype, &kvt) != KILN_OK ||
         !kiln_dtype_is_f32_or_half(kvt))
         return cli_fail("serve", "--kv-dtype must be f32, f16 or bf16");
-    kiln_dtype wt;
-    if (kiln_dtype_parse(weights, &wt) != KILN_OK ||
-        !kiln_dtype_is_f32_or_half(wt))
-        return cli_fail("serve", "--weights must be f32, bf16 or f16");
+    kiln_dtype wt = KILN_DTYPE_F32;
+    bool q8 = strcmp(weights, "q8_0") == 0;
+    if (!q8 && (kiln_dtype_parse(weights, &wt) != KILN_OK || !kiln_dtype_is_f32_or_half(wt)))
+        return cli_fail("serve", "--weights must be f32, bf16, f16 or q8_0");
     if (!api_key) api_key = kiln_env("KILN_API_KEY");
     o.host = host;
     o.port = (int)port;
@@ -130,6 +131,7 @@ int cmd_serve(int argc, char **argv)
     o.engine.prefix_cache = !no_prefix_cache;
     o.engine.kv_dtype = kvt;
     o.engine.weight_dtype = wt;
+    o.engine.weight_quant = q8 ? KILN_WEIGHT_QUANT_Q8_0 : KILN_WEIGHT_QUANT_NONE;
     if (log_requests) o.log_request = kiln_request_log_stderr;
 
     /* SIGINT and SIGTERM: blocked here before kiln starts a thread (they inherit it) and

@@ -249,6 +249,20 @@ kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len,
  * depend on the batch). kiln_kv_pool_new packs them as f32. */
 kiln_status kiln_kv_pool_new_typed(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_dtype dtype,
                                    kiln_dtype weights, kiln_kv_pool_t **out);
+/* Linear weights kept in quantized blocks for decoding. q8_0 is not a kiln_dtype: it is
+ * blocks of 32 values with an f16 scale, not an element type that tensor ops could take,
+ * so it is a choice of its own beside the float type. KILN_WEIGHT_QUANT_Q8_0 packs every
+ * linear weight whose input width is a multiple of 32 (the head included) in ggml's
+ * q8_0 blocks (kiln_matmul_rows_pack_q8_0: 1.0625 bytes a weight, quantized as
+ * llama.cpp's Q8_0 files are, so a Q8_0 GGUF model's weights come back as its own
+ * blocks); the others, and a mixture of experts' weights, stay f32. Products then
+ * quantize their activations to q8_0 too; a row's result still does not depend on the
+ * batch. kiln_kv_pool_new_quant with KILN_WEIGHT_QUANT_NONE is kiln_kv_pool_new_typed;
+ * with Q8_0, weights must be KILN_DTYPE_F32 (the blocks are made from the model's own
+ * weights). */
+typedef enum { KILN_WEIGHT_QUANT_NONE = 0, KILN_WEIGHT_QUANT_Q8_0 } kiln_weight_quant;
+kiln_status kiln_kv_pool_new_quant(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_dtype dtype,
+                                   kiln_dtype weights, kiln_weight_quant quant, kiln_kv_pool_t **out);
 void kiln_kv_pool_free(kiln_kv_pool_t *p); /* NULL is fine */
 int kiln_kv_pool_num_blocks(const kiln_kv_pool_t *p);
 int kiln_kv_pool_block_len(const kiln_kv_pool_t *p);

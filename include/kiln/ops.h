@@ -215,6 +215,19 @@ kiln_tensor_t *kiln_grouped_matmul(kiln_tensor_t *x, kiln_tensor_t *w, kiln_tens
 kiln_tensor_t *kiln_matmul_rows(kiln_tensor_t *a, kiln_tensor_t *w);
 #define KILN_ROWS_PANEL 16
 kiln_tensor_t *kiln_matmul_rows_pack(kiln_tensor_t *w);
+/* w (N,K) kept in ggml's q8_0 blocks (K a multiple of 32): each row quantized exactly as
+ * llama.cpp's quantizer does (per 32 values d = amax/127 stored as f16, q = round(x/d)),
+ * so weights that came from a Q8_0 GGUF file re-pack to the file's own blocks. Layout, a
+ * u8 tensor (ceil(N/16), K/32, KILN_ROWS_Q8_BYTES): per panel of 16 rows and k-block of
+ * 32, the 16 rows' f16 scales (32 bytes), then for each group g of 4 k (8 of them) the
+ * 16 rows' 4 int8 values (64 bytes): row j's values k = 4g..4g+3 at 32 + 64 g + 4 j.
+ * 1.0625 bytes a weight. kiln_matmul_rows_packed on it quantizes each row of a once to
+ * q8_0 blocks (d = amax/127, roundf) and sums per block an exact int32 dot product,
+ * then over the blocks in order in f32, acc = fmaf((float)dot, d_w * d_a, acc): the same
+ * bits whatever M, the thread split or the kernel (plain C, AVX2). */
+#define KILN_ROWS_Q8_BLOCK 32
+#define KILN_ROWS_Q8_BYTES (KILN_ROWS_PANEL * (2 + KILN_ROWS_Q8_BLOCK))
+kiln_tensor_t *kiln_matmul_rows_pack_q8_0(kiln_tensor_t *w);
 kiln_tensor_t *kiln_matmul_rows_packed(kiln_tensor_t *a, kiln_tensor_t *w_packed, int64_t n);
 kiln_tensor_t *kiln_rope_at(kiln_tensor_t *x, kiln_tensor_t *pos, double theta);
 kiln_tensor_t *kiln_rope_at_scaled(kiln_tensor_t *x, kiln_tensor_t *pos, double theta, const kiln_rope_scaling *s);

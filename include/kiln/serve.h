@@ -87,6 +87,9 @@ typedef struct {
     /* The linear layers' packed weights as decoding reads them: f32 (default), or bf16
      * (rounded once: half the bytes held and streamed per token; sums stay f32) */
     kiln_dtype weight_dtype;
+    /* KILN_WEIGHT_QUANT_Q8_0 (kiln/nn.h): the linear weights held and streamed in ggml's
+     * q8_0 blocks instead (weight_dtype then f32); default KILN_WEIGHT_QUANT_NONE */
+    kiln_weight_quant weight_quant;
 } kiln_engine_opts;
 
 kiln_engine_opts kiln_engine_opts_default(void);

@@ -392,12 +392,25 @@ INFER(matmul_rows_packed)
 {
     const kiln_tensor_t *x = in[0], *w = in[1];
     int64_t cols = a->op.rows_packed.cols;
+    if (w->dtype == KILN_DTYPE_U8) { /* q8_0 blocks: (ceil(n/16), K/32, KILN_ROWS_Q8_BYTES) */
+        if (x->ndim != 2 || w->ndim != 3 || x->shape[1] != w->shape[1] * KILN_ROWS_Q8_BLOCK ||
+            w->shape[2] != KILN_ROWS_Q8_BYTES || cols < 1 || cols > w->shape[0] * KILN_ROWS_PANEL ||
+            cols <= (w->shape[0] - 1) * KILN_ROWS_PANEL)
+            return kiln__err(KILN_ERR_SHAPE, "matmul_rows_packed: a %s and q8_0 packed w %s for %lld columns must be "
+                             "(M,K) and (ceil(n/%d),K/%d,%d)", SHP(x), SHP(w), (long long)cols, KILN_ROWS_PANEL,
+                             KILN_ROWS_Q8_BLOCK, KILN_ROWS_Q8_BYTES);
+        if (x->dtype != KILN_DTYPE_F32)
+            return kiln__err(KILN_ERR_DTYPE, "matmul_rows_packed: a %s must be f32", SHP(x));
+        int64_t shape[2] = {x->shape[0], cols};
+        meta_shape(&out[0], KILN_DTYPE_F32, 2, shape);
+        return KILN_OK;
+    }
     if (x->ndim != 2 || w->ndim != 3 || x->shape[1] != w->shape[1] || w->shape[2] != KILN_ROWS_PANEL || cols < 1 ||
         cols > w->shape[0] * KILN_ROWS_PANEL || cols <= (w->shape[0] - 1) * KILN_ROWS_PANEL)
         return kiln__err(KILN_ERR_SHAPE, "matmul_rows_packed: a %s and packed w %s for %lld columns must be (M,K) and "
                          "(ceil(n/%d),K,%d)", SHP(x), SHP(w), (long long)cols, KILN_ROWS_PANEL, KILN_ROWS_PANEL);
     if (x->dtype != KILN_DTYPE_F32 || !kiln__f32_or_half(w->dtype))
-        return kiln__err(KILN_ERR_DTYPE, "matmul_rows_packed: a %s must be f32 and w %s f32, bf16 or f16", SHP(x),
+        return kiln__err(KILN_ERR_DTYPE, "matmul_rows_packed: a %s must be f32 and w %s f32, bf16, f16 or u8 (q8_0)", SHP(x),
                          SHP(w));
     int64_t shape[2] = {x->shape[0], cols};
     meta_shape(&out[0], KILN_DTYPE_F32, 2, shape);

@@ -12,6 +12,7 @@
     X(POOL_GEMM, 1, "single-threaded BLAS, GEMMs split into row/column blocks over kiln's thread pool")         \
     X(POOL_SPIN, 1, "pool threads poll for 200 us before sleeping, so back-to-back jobs skip the wake-up")     \
     X(ROWS_AVX512, 1, "matmul_rows (the serving engine's linear layers) in AVX-512 tiles where the CPU has them")  \
+    X(ROWS_Q8_SIMD, 1, "matmul_rows on q8_0 weights with integer dot products in AVX2 (maddubs) where the CPU has them (else the plain C kernel; the same bits either way)")  \
     X(F16C, 1, "f16 converted with F16C (vcvtph2ps, vcvtps2ph) where the CPU has it: KV cache pages, packed f16 weights, and the widening and rounding of f16 tensors for the cpu's f32 kernels")                         \
     X(DEVICE_CODEGEN, 1, "eager ops a device lacks compiled from generated code (else run on the cpu with copies)") \
     X(CL_MATMUL_TILES, 1, "OpenCL matmul in 64x64 tiles with 4x4 outputs per work-item (else 16x16, one each)") \

@@ -103,21 +103,31 @@ struct kiln_kv_pool {
 
 static kiln_tensor_t *const *pool_mla(const kiln_kv_pool_t *p, int i) { return p->mla_pk + i * p->mla_stride; }
 
+/* w packed for kiln_matmul_rows_packed: in q8_0 blocks where quant says so and its
+ * input width allows, else as weights. */
+static kiln_tensor_t *pack_w(kiln_tensor_t *w, kiln_dtype weights, kiln_weight_quant quant)
+{
+    if (quant == KILN_WEIGHT_QUANT_Q8_0 && kiln_tensor_dim(w, 1) % KILN_ROWS_Q8_BLOCK == 0)
+        return kiln_matmul_rows_pack_q8_0(w);
+    return kiln_matmul_rows_pack(kiln_cast(w, weights));
+}
+
 /* Layer ly's latent attention weights packed into pk (mla_stride slots) as weights. */
-static bool pack_mla(const kiln_gpt_config *c, const layer *ly, kiln_dtype weights, kiln_tensor_t **pk)
+static bool pack_mla(const kiln_gpt_config *c, const layer *ly, kiln_dtype weights, kiln_weight_quant quant,
+                     kiln_tensor_t **pk)
 {
     int64_t H = c->n_head, hs = c->n_embd / H, dn = c->mla_nope_dim ? c->mla_nope_dim : hs;
     int64_t dv = c->mla_v_dim ? c->mla_v_dim : hs, rkv = c->mla_kv_rank;
     kiln_tensor_t *w[3] = {ly->q_a, ly->q_b, ly->kv_a};
     for (int j = 0; j < 3; j++)
-        if (w[j] && !(pk[j] = kiln_keep(kiln_matmul_rows_pack(kiln_cast(w[j], weights))))) return false;
+        if (w[j] && !(pk[j] = kiln_keep(pack_w(w[j], weights, quant)))) return false;
     kiln_tensor_t *kvb = kiln_reshape(ly->kv_b, (int64_t[]){H, dn + dv, rkv}, 3);
     for (int64_t x = 0; x < H; x++) {
         kiln_tensor_t *head = kiln_squeeze(kiln_narrow(kvb, 0, x, 1), 0);
         kiln_tensor_t *wk = kiln_contiguous(kiln_transpose(kiln_narrow(head, 0, 0, dn), 0, 1));
         kiln_tensor_t *wv = kiln_contiguous(kiln_narrow(head, 0, dn, dv));
-        if (!(pk[3 + x] = kiln_keep(kiln_matmul_rows_pack(kiln_cast(wk, weights)))) ||
-            !(pk[3 + H + x] = kiln_keep(kiln_matmul_rows_pack(kiln_cast(wv, weights)))))
+        if (!(pk[3 + x] = kiln_keep(pack_w(wk, weights, quant))) ||
+            !(pk[3 + H + x] = kiln_keep(pack_w(wv, weights, quant))))
             return false;
     }
     return true;
@@ -142,9 +152,18 @@ kiln_status kiln_kv_pool_new(const kiln_gpt_t *m, int num_blocks, int block_len,
 kiln_status kiln_kv_pool_new_typed(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_dtype dtype,
                                    kiln_dtype weights, kiln_kv_pool_t **out)
 {
+    return kiln_kv_pool_new_quant(m, num_blocks, block_len, dtype, weights, KILN_WEIGHT_QUANT_NONE, out);
+}
+
+kiln_status kiln_kv_pool_new_quant(const kiln_gpt_t *m, int num_blocks, int block_len, kiln_dtype dtype,
+                                   kiln_dtype weights, kiln_weight_quant quant, kiln_kv_pool_t **out)
+{
     if (!kiln_dtype_is_f32_or_half(weights))
         return kiln_error(KILN_ERR_DTYPE, "kv_pool_new: weights packed as %s; they are f32, bf16 or f16",
                           kiln_dtype_name(weights));
+    if (quant != KILN_WEIGHT_QUANT_NONE && (quant != KILN_WEIGHT_QUANT_Q8_0 || weights != KILN_DTYPE_F32))
+        return kiln_error(KILN_ERR_ARG, "kv_pool_new: weight quantization %d with weights %s; q8_0 (%d) is made "
+                          "from f32", (int)quant, kiln_dtype_name(weights), (int)KILN_WEIGHT_QUANT_Q8_0);
     if (!m || !out) return kiln_error(KILN_ERR_ARG, "kv_pool_new: model or out is NULL");
     if (m->ep)
         return kiln_error(KILN_ERR_UNSUPPORTED, "kv_pool_new: the model's experts are sharded over ranks "
@@ -188,12 +207,12 @@ kiln_status kiln_kv_pool_new_typed(const kiln_gpt_t *m, int num_blocks, int bloc
         const layer *ly = &m->layers[i];
         kiln_tensor_t *w[PK_N] = {ly->qkv_w, ly->proj_w, ly->fc_w, ly->up_w, ly->out_w};
         for (int j = 0; j < PK_N; j++)
-            if (w[j] && !(p->pk[i][j] = kiln_keep(kiln_matmul_rows_pack(kiln_cast(w[j], weights))))) packed = false;
+            if (w[j] && !(p->pk[i][j] = kiln_keep(pack_w(w[j], weights, quant)))) packed = false;
         if (ly->moe && kiln__moe_pack(&m->cfg, ly->moe, weights, &p->moe_pk[i]) != KILN_OK) packed = false;
-        if (ly->kv_a && !pack_mla(&m->cfg, ly, weights, p->mla_pk + i * p->mla_stride)) packed = false;
+        if (ly->kv_a && !pack_mla(&m->cfg, ly, weights, quant, p->mla_pk + i * p->mla_stride)) packed = false;
     }
     kiln_tensor_t *head = m->cfg.tied ? m->tok_emb : m->lm_head;
-    if (!(p->pk_head = kiln_keep(kiln_matmul_rows_pack(kiln_cast(head, weights))))) packed = false;
+    if (!(p->pk_head = kiln_keep(pack_w(head, weights, quant)))) packed = false;
     kiln_set_grad_enabled(grad);
     kiln_scope_end();
     if (!packed) {

@@ -1,9 +1,11 @@
 /* The public op functions: each fills the attributes and dispatches. */
 #include <math.h>
+#include <stdlib.h>
 #include <string.h>
 #include "kiln/ops.h"
 #include "core/dtype.h"
 #include "core/intercept.h"
+#include "core/quant.h"
 #include "core/rng.h"
 #include "ops/registry.h"
 
@@ -339,6 +341,52 @@ kiln_tensor_t *kiln_matmul_rows_pack(kiln_tensor_t *w)
     kiln_tensor_t *full = w;
     if (pad[0]) full = kiln_cat((kiln_tensor_t *[2]){w, kiln_zeros(pad, 2, w->dtype)}, 2, 0);
     return kiln_contiguous(kiln_transpose(kiln_reshape(full, s3, 3), 1, 2));
+}
+
+kiln_tensor_t *kiln_matmul_rows_pack_q8_0(kiln_tensor_t *w)
+{
+    if (!w) return null_arg("matmul_rows_pack_q8_0");
+    if (w->ndim != 2 || w->shape[0] < 1 || w->shape[1] < 1 || w->shape[1] % KILN_ROWS_Q8_BLOCK ||
+        !kiln__f32_or_half(w->dtype))
+        return kiln__err(KILN_ERR_SHAPE, "matmul_rows_pack_q8_0: w %s must be a non-empty (N,K) f32, bf16 or f16 "
+                         "matrix with K a multiple of %d", kiln__shape_text(w), KILN_ROWS_Q8_BLOCK), NULL;
+    int64_t N = w->shape[0], K = w->shape[1], P = (N + KILN_ROWS_PANEL - 1) / KILN_ROWS_PANEL;
+    int64_t KB = K / KILN_ROWS_Q8_BLOCK, shape[3] = {P, KB, KILN_ROWS_Q8_BYTES};
+    size_t es = kiln_dtype_size(w->dtype), pbytes = (size_t)(P * KB * KILN_ROWS_Q8_BYTES);
+    void *host = malloc(es * (size_t)(N * K));
+    float *row = malloc(sizeof(float) * (size_t)K);
+    uint8_t *q = malloc((size_t)(KB * 34)), *pk = calloc(pbytes, 1);
+    kiln_tensor_t *out = NULL;
+    if (!host || !row || !q || !pk) {
+        kiln__err(KILN_ERR_OOM, "matmul_rows_pack_q8_0: out of memory for w %s", kiln__shape_text(w));
+    } else if (kiln_tensor_to_host(w, host, es * (size_t)(N * K)) == KILN_OK) {
+        /* Each row quantized as ggml's q8_0 (kiln__quant_quant), then its blocks' scales
+         * and values scattered into the panel layout of kiln/ops.h; rows past N stay 0. */
+        for (int64_t n = 0; n < N; n++) {
+            for (int64_t k = 0; k < K; k++) {
+                size_t i = (size_t)(n * K + k);
+                row[k] = w->dtype == KILN_DTYPE_F32    ? ((const float *)host)[i]
+                         : w->dtype == KILN_DTYPE_BF16 ? kiln__bf16_to_f32(((const uint16_t *)host)[i])
+                                                       : kiln__f16_to_f32(((const uint16_t *)host)[i]);
+            }
+            kiln__quant_quant(KILN__GGML_Q8_0, row, q, K);
+            uint8_t *panel = pk + (size_t)((n / KILN_ROWS_PANEL) * KB * KILN_ROWS_Q8_BYTES);
+            int j = (int)(n % KILN_ROWS_PANEL);
+            for (int64_t b = 0; b < KB; b++) {
+                uint8_t *blk = panel + b * KILN_ROWS_Q8_BYTES;
+                const uint8_t *src = q + b * 34;
+                memcpy(blk + 2 * j, src, 2);
+                for (int g = 0; g < KILN_ROWS_Q8_BLOCK / 4; g++)
+                    memcpy(blk + 2 * KILN_ROWS_PANEL + g * 4 * KILN_ROWS_PANEL + 4 * j, src + 2 + 4 * g, 4);
+            }
+        }
+        out = kiln_from_data(pk, shape, 3, KILN_DTYPE_U8);
+    }
+    free(host);
+    free(row);
+    free(q);
+    free(pk);
+    return out;
 }
 
 kiln_tensor_t *kiln_matmul_rows_packed(kiln_tensor_t *a, kiln_tensor_t *wp, int64_t n)

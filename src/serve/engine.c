@@ -122,6 +122,7 @@ kiln_engine_opts kiln_engine_opts_default(void)
         .prefix_cache = true,
         .kv_dtype = KILN_DTYPE_F32,
         .weight_dtype = KILN_DTYPE_F32,
+        .weight_quant = KILN_WEIGHT_QUANT_NONE,
     };
 }
 
@@ -562,6 +563,10 @@ static kiln_status check_opts(const kiln_engine_opts *o)
     if (!kiln_dtype_is_f32_or_half(o->weight_dtype))
         return kiln_error(KILN_ERR_ARG, "engine: weight_dtype %s; decoding reads its weights as f32, bf16 or f16",
                           kiln_dtype_name(o->weight_dtype));
+    if (o->weight_quant != KILN_WEIGHT_QUANT_NONE &&
+        (o->weight_quant != KILN_WEIGHT_QUANT_Q8_0 || o->weight_dtype != KILN_DTYPE_F32))
+        return kiln_error(KILN_ERR_ARG, "engine: weight_quant %d with weight_dtype %s; q8_0 weights are made from f32",
+                          (int)o->weight_quant, kiln_dtype_name(o->weight_dtype));
     return KILN_OK;
 }
 
@@ -616,7 +621,7 @@ kiln_status kiln_engine_new(kiln_gpt_t *model, const kiln_engine_opts *opts, kil
         return kiln_error(KILN_ERR_OOM, "engine_new: out of memory for %d KV blocks", nb);
     }
     for (int i = nb - 1; i >= 0; i--) e->free_stack[e->n_free++] = i; /* block 0 on top */
-    if ((s = kiln_kv_pool_new_typed(model, nb, e->BS, o.kv_dtype, o.weight_dtype, &e->pool)) != KILN_OK) {
+    if ((s = kiln_kv_pool_new_quant(model, nb, e->BS, o.kv_dtype, o.weight_dtype, o.weight_quant, &e->pool)) != KILN_OK) {
         kiln_engine_free(e);
         return s;
     }

@@ -160,4 +160,8 @@ void cpu_view(kiln_tensor_t *v, const kiln_tensor_t *t, int ndim, const int64_t 
 #include "core/ops.def"
 #undef KILN_OP
 
+/* matmul_rows_packed on q8_0 weights (cpu_rows_q8.c): a (M,K) f32 and w contiguous, out
+ * (M,N) allocated. */
+kiln_status kiln__cpu_matmul_rows_q8(kiln_tensor_t *a, kiln_tensor_t *w, kiln_tensor_t *out);
+
 #endif

@@ -295,7 +295,9 @@ kiln_status kiln__cpu_matmul_rows_packed(KILN__KERNEL_ARGS)
 {
     kiln_tensor_t *ta, *tw, *ca = cpu_contig(in[0], &ta), *cw = cpu_contig(in[1], &tw);
     kiln_status s = ca && cw ? KILN_OK : kiln_last_status();
-    if (s == KILN_OK && ca->shape[0] > 0) {
+    if (s == KILN_OK && cw->dtype == KILN_DTYPE_U8) {
+        s = kiln__cpu_matmul_rows_q8(ca, cw, out[0]);
+    } else if (s == KILN_OK && ca->shape[0] > 0) {
         pthread_once(&rows_once, rows_pick);
         packed_ctx k = {kiln__data(ca), kiln__data(cw), kiln__data(out[0]), ca->shape[0], out[0]->shape[1],
                         ca->shape[1], cw->shape[0]};
