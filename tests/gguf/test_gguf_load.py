@@ -288,6 +288,34 @@ def kiln(a, *args, timeout=300):
     return subprocess.run([a.kiln, *args], capture_output=True, text=True, errors="replace", timeout=timeout)
 
 
+class Served:
+    """kiln serve on a free port for `with`: .port (None if it never said it listens),
+    .post(path, body) the decoded JSON answer."""
+
+    def __init__(self, a, path):
+        self.p = subprocess.Popen([a.kiln, "serve", path, "--port", "0", "--no-log-requests"],
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        self.port, deadline = None, time.time() + 120
+        while time.time() < deadline and self.port is None:
+            line = self.p.stderr.readline()
+            if not line:
+                break
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            self.port = int(m.group(1)) if m else None
+
+    def post(self, path, body):
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        return json.loads(urllib.request.urlopen(req, timeout=60).read())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.p.terminate()
+        self.p.wait(30)
+
+
 def check_cli(a):
     folder = os.path.join(a.src, "tests/reference/hf/llama")
     path = os.path.join(a.workdir, "llama.gguf")
@@ -310,30 +338,11 @@ def check_cli(a):
              "--out", tr, "--quiet")
     check(r.returncode == 0 and os.path.exists(os.path.join(tr, "model.safetensors")),
           f"kiln train --init FILE.gguf trains from it ({r.stderr.strip()[-300:]})")
-    p = subprocess.Popen([a.kiln, "serve", path, "--port", "0", "--no-log-requests"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
-    port, answer, chat = None, None, None
-    try:
-        deadline = time.time() + 120
-        while time.time() < deadline and port is None:
-            line = p.stderr.readline()
-            if not line:
-                break
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
-        if port:
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                         data=json.dumps({"prompt": "Hello", "max_tokens": 5}).encode(),
-                                         headers={"Content-Type": "application/json"})
-            answer = json.loads(urllib.request.urlopen(req, timeout=60).read())
-            req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/chat/completions",
-                                         data=json.dumps({"messages": [{"role": "user", "content": "Hi"}],
-                                                          "max_tokens": 5}).encode(),
-                                         headers={"Content-Type": "application/json"})
-            chat = json.loads(urllib.request.urlopen(req, timeout=60).read())
-    finally:
-        p.terminate()
-        p.wait(30)
+    answer, chat = None, None
+    with Served(a, path) as srv:
+        if srv.port:
+            answer = srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 5})
+            chat = srv.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 5})
     check(answer is not None and answer["usage"]["completion_tokens"] >= 1 and answer["model"] == "llama",
           f"kiln serve FILE.gguf answers a completion, as model 'llama' ({answer})")
     # ChatML's prompt of one user turn: <|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n, in bytes
@@ -494,25 +503,11 @@ def check_kquants(a):
 
 def prompt_tokens(a, path):
     """usage.prompt_tokens of a completion of "Hello" served from the file."""
-    p = subprocess.Popen([a.kiln, "serve", path, "--port", "0", "--no-log-requests"], stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True)
     try:
-        port, deadline = None, time.time() + 120
-        while time.time() < deadline and port is None:
-            line = p.stderr.readline()
-            if not line:
-                break
-            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-            port = int(m.group(1)) if m else None
-        req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions",
-                                     data=json.dumps({"prompt": "Hello", "max_tokens": 1}).encode(),
-                                     headers={"Content-Type": "application/json"})
-        return json.loads(urllib.request.urlopen(req, timeout=60).read())["usage"]["prompt_tokens"]
+        with Served(a, path) as srv:
+            return srv.post("/v1/completions", {"prompt": "Hello", "max_tokens": 1})["usage"]["prompt_tokens"]
     except Exception as e:  # noqa: BLE001
         return repr(e)
-    finally:
-        p.terminate()
-        p.wait(30)
 
 
 def check_bos(a):
