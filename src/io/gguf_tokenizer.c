@@ -18,26 +18,34 @@
 #include <jansson.h>
 #include <stdlib.h>
 #include <string.h>
+#include "io/gguf_pre.h"
 #include "io/tokenizer_impl.h"
 #include "kiln/gguf.h"
 
 /* llama.cpp's token types (tokenizer.ggml.token_type). */
 enum { T_NORMAL = 1, T_UNKNOWN = 2, T_CONTROL = 3, T_USER = 4, T_UNUSED = 5, T_BYTE = 6 };
 
-/* The pre-tokenizers kiln has, by llama.cpp's names for them. */
+/* The pre-tokenizers kiln has, by llama.cpp's names for them (the first name of a
+ * pattern is the one kiln's GGUF export writes: kiln__gguf_pre_name). */
+#define LLAMA3_SPLIT                                                                                                   \
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"          \
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
+#define QWEN2_SPLIT                                                                                                    \
+    "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"              \
+    "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"
 static const struct {
     const char *name;
     const char *split; /* a Split pattern before a ByteLevel without its own regex; NULL: GPT-2's ByteLevel */
 } pres[] = {
-    {"gpt-2", NULL},
-    {"gpt2", NULL},
-    {"llama-bpe", "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-                  "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
-    {"llama3", "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-               "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
-    {"qwen2", "(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-              "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+"},
+    {"gpt-2", NULL}, {"gpt2", NULL}, {"llama-bpe", LLAMA3_SPLIT}, {"llama3", LLAMA3_SPLIT}, {"qwen2", QWEN2_SPLIT},
 };
+
+const char *kiln__gguf_pre_name(const char *split)
+{
+    for (size_t k = 0; k < sizeof pres / sizeof pres[0]; k++)
+        if (split ? pres[k].split && !strcmp(split, pres[k].split) : !pres[k].split) return pres[k].name;
+    return NULL;
+}
 
 static json_t *byte_level(bool regex)
 {

@@ -29,6 +29,7 @@
 #include "kiln/tokenizer.h"
 #include "core/file.h"
 #include "core/quant.h"
+#include "io/gguf_pre.h"
 #include "nn/arch.h"
 #include "nn/names.h"
 
@@ -83,26 +84,16 @@ static void kv_bool(buf *b, int *n, const char *k, bool v)
 }
 
 /* llama.cpp's name for a tokenizer.json's pre-tokenizer (tokenizer.ggml.pre): GPT-2's
- * ByteLevel regex, or the Split patterns of LLaMA-3 and Qwen2; NULL for another, which
- * llama.cpp would split differently. */
+ * ByteLevel regex, or a Split pattern the GGUF reader knows (io/gguf_pre.h); NULL for
+ * another, which llama.cpp would split differently. */
 static const char *pre_name(json_t *root)
 {
-    static const struct {
-        const char *pattern, *name;
-    } known[] = {
-        {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}{1,3}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-         "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+", "llama-bpe"},
-        {"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\\r\\n\\p{L}\\p{N}]?\\p{L}+|\\p{N}| ?[^\\s\\p{L}\\p{N}]+[\\r\\n]*|"
-         "\\s*[\\r\\n]+|\\s+(?!\\S)|\\s+", "qwen2"},
-    };
     json_t *pre = json_object_get(root, "pre_tokenizer");
     const char *type = json_string_value(json_object_get(pre, "type"));
-    if (type && !strcmp(type, "ByteLevel")) return "gpt-2";
+    if (type && !strcmp(type, "ByteLevel")) return kiln__gguf_pre_name(NULL);
     json_t *split = json_array_get(json_object_get(pre, "pretokenizers"), 0);
     const char *re = json_string_value(json_object_get(json_object_get(split, "pattern"), "Regex"));
-    for (size_t k = 0; re && k < sizeof known / sizeof known[0]; k++)
-        if (!strcmp(re, known[k].pattern)) return known[k].name;
-    return NULL;
+    return re ? kiln__gguf_pre_name(re) : NULL;
 }
 
 /* Whether a tokenizer.json is SentencePiece-style (LLaMA-2, Mistral: Metaspace, or the

@@ -188,8 +188,7 @@ static kiln_status read_config(const kiln_gguf_t *g, const kiln__arch *fam, kiln
         return kiln_error(KILN_ERR_UNSUPPORTED, "%s: %s.rope.dimension_count is %lld: rope over part of a head (of %lld) "
                           "is not read yet", kiln_gguf_path(g), arch, (long long)rope_dim, (long long)hs);
     char k[128];
-    snprintf(k, sizeof k, "%s", fam->gguf_eps);
-    if ((s = arch_real(g, arch, k, true, &c->norm_eps)) != KILN_OK) return s;
+    if ((s = arch_real(g, arch, fam->gguf_eps, true, &c->norm_eps)) != KILN_OK) return s;
     if (c->pos == KILN_POS_ROPE) {
         c->rope_theta = 10000.0;
         if ((s = arch_real(g, arch, "rope.freq_base", false, &c->rope_theta)) != KILN_OK) return s;
@@ -277,14 +276,12 @@ static kiln_tensor_t *gguf_param(const char *name, const int64_t *shape, int nd,
 {
     source *src = ctx;
     const kiln_gpt_config *c = src->cfg;
-    kiln_tensor_t *out = kiln_zeros(shape, nd, KILN_DTYPE_F32); /* (a bias the file lacks stays zero) */
-    if (!out) return NULL;
-    float *p = malloc(sizeof(float) * (size_t)kiln_tensor_numel(out));
+    int64_t rows = shape[0], cols = nd == 2 ? shape[1] : 0;
+    float *p = calloc((size_t)(rows * (cols ? cols : 1)), sizeof(float)); /* (a bias the file lacks stays zero) */
     if (!p) {
         kiln_error(KILN_ERR_OOM, "%s: out of memory for %s", src->path, name);
         return NULL;
     }
-    int64_t rows = shape[0], cols = nd == 2 ? shape[1] : 0;
     char gname[128];
     kiln_status s = KILN_OK;
     int layer;
@@ -292,7 +289,6 @@ static kiln_tensor_t *gguf_param(const char *name, const int64_t *shape, int nd,
     kiln__arch_lookup(src->fam->gguf_names, name, &layer, &rest);
     bool qkv = src->fam->gguf_qkv && layer >= 0 && (!strcmp(rest, "attn.qkv.weight") || !strcmp(rest, "attn.qkv.bias"));
     bool bias = strstr(rest, ".bias") != NULL;
-    memset(p, 0, sizeof(float) * (size_t)kiln_tensor_numel(out));
     if (qkv) {
         int64_t hs = c->n_embd / c->n_head, part_rows[3] = {c->n_head * hs, c->n_kv_head * hs, c->n_kv_head * hs}, at = 0;
         int heads[3] = {src->fam->gguf_rope_pairs ? c->n_head : 0, src->fam->gguf_rope_pairs ? c->n_kv_head : 0, 0};
@@ -307,9 +303,9 @@ static kiln_tensor_t *gguf_param(const char *name, const int64_t *shape, int nd,
         if (i >= 0) s = fill_rows(src, i, gname, p, rows, cols, 0);
         else if (!bias) s = kiln_error(KILN_ERR_FORMAT, "%s: no tensor %s for kiln's %s", src->path, gname, name);
     }
-    if (s == KILN_OK) s = kiln_tensor_from_host_(out, p, sizeof(float) * (size_t)kiln_tensor_numel(out));
-    free(p);
-    if (s != KILN_OK) return NULL;
+    /* the filled buffer becomes the tensor, not a copy of it (freed with its last reference) */
+    kiln_tensor_t *out = s == KILN_OK ? kiln_tensor_wrap(p, shape, nd, KILN_DTYPE_F32, free, p) : NULL;
+    if (!out) free(p);
     return out;
 }
 
