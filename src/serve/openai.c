@@ -173,9 +173,9 @@ static int parse_logit_bias(ctx *c, json_t *v, kiln__oai_req *r)
     json_t *b;
     json_object_foreach(v, k, b)
     {
-        char *end = NULL;
-        long id = strtol(k, &end, 10);
-        if (!*k || *end || id < 0 || id > INT32_MAX || (k[0] == '0' && k[1]))
+        char *end = NULL; /* (digits only: strtol alone would take " 5" and "+5") */
+        long id = k[0] >= '0' && k[0] <= '9' ? strtol(k, &end, 10) : -1;
+        if (id < 0 || *end || id > INT32_MAX || (k[0] == '0' && k[1]))
             return bad(c, "logit_bias", "'logit_bias' keys must be token ids (decimal integers)");
         if (!json_is_number(b) || !(json_number_value(b) >= -100 && json_number_value(b) <= 100))
             return bad(c, "logit_bias", "'logit_bias' values must be numbers from -100 to 100");

@@ -78,7 +78,8 @@ def test_sampling_knobs():
     assert pen.usage.completion_tokens >= 1
     if len(set(plain.choices[0].text)) < len(plain.choices[0].text):  # greedy repeated a token: penalties change it
         assert pen.choices[0].text != plain.choices[0].text, (pen.choices[0].text, plain.choices[0].text)
-    for kw, field in ((dict(presence_penalty=3), "presence_penalty"), (dict(logit_bias={"x": 1}), "logit_bias"),
+    for kw, field in ((dict(presence_penalty=3), "presence_penalty"), (dict(logit_bias={"x": 1}), "logit_bias"), (dict(logit_bias={" 5": 1}), "logit_bias"),
+                      (dict(logit_bias={"+5": 1}), "logit_bias"),
                       (dict(logit_bias={"1": 101}), "logit_bias"), (dict(extra_body={"min_p": 1.5}), "min_p"),
                       (dict(logit_bias={"99999": 1}), "logit_bias")):
         try:
